@@ -1,0 +1,3 @@
+//! # zrt-kernels
+//!
+//! Fused per-element math of a ZeRO step on flat `f32` slices.

@@ -1,0 +1,252 @@
+//! zrt's task runner: `cargo xtask <setup|test|demo|bench|ci-check>`.
+//!
+//! It has no libtorch dependency, so it builds and runs on a fresh machine and
+//! is what installs libtorch there: every command first runs `setup`, which is
+//! idempotent and cheap once done.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+
+/// The PyTorch release tch 0.26 is built against.
+const TORCH_VERSION: &str = "2.13.0";
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [args...]
+
+commands:
+  setup          install libtorch (torch==2.13.0 from PyPI) once per machine and link it as .libtorch
+  test [ARGS]    setup, then run every test of the workspace (ARGS go to `cargo test`)
+  demo [ARGS]    setup, then run the main job: multi-rank ZeRO-3 training on CPU
+  bench [ARGS]   setup, then `zrt bench ARGS` in release mode
+  python         print the path of the libtorch venv's Python (for peer benchmarks)
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<ExitCode> {
+    let Some((cmd, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        return Ok(ExitCode::from(2));
+    };
+    let root = repo_root();
+    match cmd.as_str() {
+        "setup" => {
+            let torch = setup(&root)?;
+            println!("libtorch {TORCH_VERSION} ready at {}", torch.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        "test" => {
+            setup(&root)?;
+            cargo(
+                &root,
+                &[&["test", "--workspace"], &str_refs(rest)[..]].concat(),
+            )
+        }
+        "demo" => {
+            setup(&root)?;
+            demo(&root, rest)
+        }
+        "bench" => {
+            setup(&root)?;
+            let mut a = vec!["run", "--release", "--quiet", "--bin", "zrt", "--", "bench"];
+            a.extend(str_refs(rest));
+            cargo(&root, &a)
+        }
+        "python" => {
+            setup(&root)?;
+            println!("{}", venv_python(&cache_dir()?).display());
+            Ok(ExitCode::SUCCESS)
+        }
+        "-h" | "--help" | "help" => {
+            print!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        other => {
+            eprint!("unknown command `{other}`\n\n{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+fn str_refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn repo_root() -> PathBuf {
+    // xtask/ sits directly under the workspace root.
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Where libtorch is installed once per machine, shared by every clone:
+/// `$ZRT_CACHE`, else `$XDG_CACHE_HOME/zrt`, else `~/.cache/zrt`.
+fn cache_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("ZRT_CACHE") {
+        return Ok(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(d).join("zrt"));
+    }
+    let home = std::env::var_os("HOME").context("neither ZRT_CACHE nor HOME is set")?;
+    Ok(PathBuf::from(home).join(".cache").join("zrt"))
+}
+
+fn venv_dir(cache: &Path) -> PathBuf {
+    cache.join(format!("torch-{TORCH_VERSION}"))
+}
+
+fn venv_python(cache: &Path) -> PathBuf {
+    venv_dir(cache).join("bin").join("python")
+}
+
+/// Asks the venv's Python for torch's version and package dir; `None` when
+/// the venv or torch is missing or broken.
+fn probe_torch(python: &Path) -> Option<(String, PathBuf)> {
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import os, torch; print(torch.__version__); print(os.path.dirname(torch.__file__))",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8(out.stdout).ok()?;
+    let mut lines = text.lines();
+    let version = lines.next()?.trim().to_string();
+    let dir = PathBuf::from(lines.next()?.trim());
+    Some((version, dir))
+}
+
+/// Installs torch==TORCH_VERSION into a venv in the cache (once per machine)
+/// and points `<repo>/.libtorch` at it. Returns the torch package dir.
+fn setup(root: &Path) -> Result<PathBuf> {
+    let cache = cache_dir()?;
+    let python = venv_python(&cache);
+    let torch_dir = match probe_torch(&python) {
+        Some((v, dir)) if v.split('+').next() == Some(TORCH_VERSION) => dir,
+        found => {
+            if let Some((v, _)) = found {
+                eprintln!(
+                    "xtask: the cached venv has torch {v}, reinstalling torch=={TORCH_VERSION}"
+                );
+            }
+            install_torch(&cache)?;
+            match probe_torch(&python) {
+                Some((v, dir)) if v.split('+').next() == Some(TORCH_VERSION) => dir,
+                Some((v, _)) => bail!("pip installed torch {v}, expected {TORCH_VERSION}"),
+                None => bail!(
+                    "torch was installed into {} but `import torch` fails there; delete that folder and run `cargo xtask setup` again",
+                    venv_dir(&cache).display()
+                ),
+            }
+        }
+    };
+    if !torch_dir.join("lib").join("libtorch_cpu.so").exists() {
+        bail!(
+            "{} has no lib/libtorch_cpu.so: not a usable libtorch",
+            torch_dir.display()
+        );
+    }
+    link_libtorch(root, &torch_dir)?;
+    Ok(torch_dir)
+}
+
+fn install_torch(cache: &Path) -> Result<()> {
+    let venv = venv_dir(cache);
+    std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
+    let python3 = which("python3").context(
+        "python3 is not on PATH: install Python 3 with venv and pip (Debian: apt-get install python3 python3-venv python3-pip)",
+    )?;
+    if !venv_python(cache).exists() {
+        eprintln!("xtask: creating a venv for libtorch at {}", venv.display());
+        let st = Command::new(&python3)
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .context("running python3 -m venv")?;
+        if !st.success() {
+            bail!("`python3 -m venv {}` failed: install the venv module (Debian: apt-get install python3-venv)", venv.display());
+        }
+    }
+    eprintln!("xtask: installing torch=={TORCH_VERSION} from PyPI (about a minute, about 5 GB; once per machine)");
+    let st = Command::new(venv_python(cache))
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .arg(format!("torch=={TORCH_VERSION}"))
+        .status()
+        .context("running pip")?;
+    if !st.success() {
+        bail!("`pip install torch=={TORCH_VERSION}` failed (see pip's output above); pip must reach PyPI");
+    }
+    Ok(())
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+/// Points `<repo>/.libtorch` (the `LIBTORCH` of `.cargo/config.toml`) at `torch_dir`.
+fn link_libtorch(root: &Path, torch_dir: &Path) -> Result<()> {
+    let link = root.join(".libtorch");
+    if std::fs::read_link(&link).ok().as_deref() == Some(torch_dir) {
+        return Ok(());
+    }
+    if link.symlink_metadata().is_ok() {
+        std::fs::remove_file(&link)
+            .with_context(|| format!("removing stale {}", link.display()))?;
+    }
+    std::os::unix::fs::symlink(torch_dir, &link)
+        .with_context(|| format!("linking {} -> {}", link.display(), torch_dir.display()))?;
+    Ok(())
+}
+
+fn cargo(root: &Path, args: &[&str]) -> Result<ExitCode> {
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let st = Command::new(cargo)
+        .args(args)
+        .current_dir(root)
+        .status()
+        .context("running cargo")?;
+    Ok(exit_code(st))
+}
+
+fn exit_code(st: std::process::ExitStatus) -> ExitCode {
+    match st.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    }
+}
+
+/// The main job. Until the engine lands this is the smallest real multi-part
+/// thing that exists; it grows into `zrt launch` of examples/train_gpt.
+fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
+    let mut a = vec!["run", "--release", "--quiet", "--example", "demo", "--"];
+    a.extend(str_refs(rest));
+    cargo(root, &a)
+}

@@ -1,0 +1,90 @@
+// libtorch glue that tch 0.26 does not expose (see DESIGN.md, "libtorch glue").
+//
+// Every entry point takes tch's tensor handle (a `torch::Tensor*`), catches
+// every C++ exception and returns it as a heap string the Rust side frees with
+// `zrt_free_error`; a null return means success. Nothing here may throw across
+// the FFI boundary.
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+char *to_error(const std::string &msg) { return strdup(msg.c_str()); }
+
+}  // namespace
+
+extern "C" {
+
+void zrt_free_error(char *err) { std::free(err); }
+
+// Bytes currently held by the tensor's storage (0 once freed).
+char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out) {
+  try {
+    *out = t->storage().nbytes();
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Releases the memory behind a tensor's storage, keeping the storage object
+// (and with it every view and every autograd node that saved one) alive.
+// This is FSDP's `untyped_storage().resize_(0)`: a freed storage has no data
+// and zero bytes until `zrt_storage_realloc` gives it fresh memory.
+char *zrt_storage_free(torch::Tensor *t) {
+  try {
+    c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
+    if (!s->resizable()) {
+      return to_error("storage is not resizable (it wraps memory torch does not own)");
+    }
+    s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+    s->set_nbytes(0);
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Gives a (freed) storage `nbytes` of fresh, uninitialised memory from its own
+// allocator, on its own device. Views keep their offsets and strides, so they
+// see the new memory once the caller refills it.
+char *zrt_storage_realloc(torch::Tensor *t, size_t nbytes) {
+  try {
+    c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
+    if (!s->resizable()) {
+      return to_error("storage is not resizable (it wraps memory torch does not own)");
+    }
+    c10::Allocator *alloc = s->allocator();
+    if (alloc == nullptr) {
+      return to_error("storage has no allocator");
+    }
+    s->set_data_ptr_noswap(alloc->allocate(nbytes));
+    s->set_nbytes(nbytes);
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// A new tensor over the same storage, offset, sizes and strides as `t`, but
+// with its own autograd version counter and no autograd history. Writing
+// through it (the refill after `zrt_storage_realloc`, or a collective writing
+// the gathered buffer) does not bump the version of the views autograd saved,
+// so backward accepts them — the role `_unsafe_preserve_version_counter`
+// plays in FSDP2. The caller owns `*out` (tch frees it).
+char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
+  try {
+    torch::NoGradGuard no_grad;
+    at::Tensor alias = at::empty({0}, t->options());
+    alias.set_(t->storage(), t->storage_offset(), t->sizes(), t->strides());
+    *out = new torch::Tensor(std::move(alias));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+}  // extern "C"

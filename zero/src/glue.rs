@@ -1,0 +1,105 @@
+//! Safe wrappers over `csrc/glue.cpp`: what FSDP needs from libtorch that tch
+//! 0.26 does not expose.
+//!
+//! Today: freeing and re-allocating a tensor's storage *in place*. Stage 3
+//! frees a unit's gathered parameters after its forward, but autograd has
+//! saved views of them for backward; replacing the tensors would leave those
+//! views pinning the memory. Freeing the storage itself releases the bytes
+//! while every view (and every saved view) stays valid, and re-allocating +
+//! refilling it before backward makes them see the right values again.
+
+use std::ffi::{c_char, CStr};
+
+use tch::Tensor;
+
+/// An error raised by libtorch inside the glue.
+#[derive(Debug, thiserror::Error)]
+pub enum GlueError {
+    /// libtorch threw; the message is its own.
+    #[error("libtorch glue `{op}` failed: {msg}")]
+    Torch {
+        /// The glue function that failed.
+        op: &'static str,
+        /// libtorch's message.
+        msg: String,
+    },
+}
+
+mod ffi {
+    use std::ffi::c_char;
+    use torch_sys::C_tensor;
+
+    extern "C" {
+        pub fn zrt_free_error(err: *mut c_char);
+        pub fn zrt_storage_nbytes(t: *const C_tensor, out: *mut usize) -> *mut c_char;
+        pub fn zrt_storage_free(t: *mut C_tensor) -> *mut c_char;
+        pub fn zrt_storage_realloc(t: *mut C_tensor, nbytes: usize) -> *mut c_char;
+        pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+    }
+}
+
+/// Turns the glue's error convention (null = ok, else an owned C string) into a `Result`.
+fn check(op: &'static str, err: *mut c_char) -> Result<(), GlueError> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string from strdup, which
+    // we own and free exactly once here.
+    let msg = unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { ffi::zrt_free_error(err) };
+    Err(GlueError::Torch { op, msg })
+}
+
+/// Bytes currently held by the storage behind `t` (0 after [`free_storage`]).
+pub fn storage_nbytes(t: &Tensor) -> Result<usize, GlueError> {
+    let mut out = 0usize;
+    // SAFETY: `t.as_ptr()` is a live `torch::Tensor*` for the borrow's duration.
+    check("storage_nbytes", unsafe {
+        ffi::zrt_storage_nbytes(t.as_ptr(), &mut out)
+    })?;
+    Ok(out)
+}
+
+/// Releases the memory behind `t`'s storage, in place.
+///
+/// Every tensor sharing the storage (views, and views autograd saved for
+/// backward) stays alive but must not be read until [`realloc_storage`] gives
+/// the storage memory again and the caller refills it.
+pub fn free_storage(t: &Tensor) -> Result<(), GlueError> {
+    // SAFETY: as above; the glue only touches the storage, which the tensor
+    // keeps alive, and tch's handle is not mutated.
+    check("storage_free", unsafe {
+        ffi::zrt_storage_free(t.as_ptr() as *mut _)
+    })
+}
+
+/// Gives `t`'s storage `nbytes` of fresh, uninitialised memory from its own
+/// allocator and device. Refill it (e.g. `copy_`) before anything reads it.
+pub fn realloc_storage(t: &Tensor, nbytes: usize) -> Result<(), GlueError> {
+    // SAFETY: as in `free_storage`.
+    check("storage_realloc", unsafe {
+        ffi::zrt_storage_realloc(t.as_ptr() as *mut _, nbytes)
+    })
+}
+
+/// A tensor over the same memory as `t` (same storage, offset, sizes and
+/// strides) with its own autograd version counter and no history.
+///
+/// Write through it to refill a storage after [`realloc_storage`]: writing
+/// through `t` or any of its views would bump the version counter autograd
+/// checks on saved views, and backward would refuse them ("modified by an
+/// inplace operation"). This is what FSDP2 does with
+/// `_unsafe_preserve_version_counter`; it is only sound because the refill
+/// restores exactly the values the saved views held.
+pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `t.as_ptr()` is live for the call; on success `out` is a fresh
+    // heap `torch::Tensor*` that the returned `Tensor` owns and frees.
+    check("untracked_alias", unsafe {
+        ffi::zrt_untracked_alias(t.as_ptr(), &mut out)
+    })?;
+    // SAFETY: non-null on success, ownership transferred to tch.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}

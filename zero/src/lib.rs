@@ -1,0 +1,13 @@
+//! # zrt-zero
+//!
+//! The ZeRO engine of zrt: flat parameter/gradient/optimizer buffers sharded
+//! across ranks (stages 1-3), `ShardedModule`, the DeepSpeed-compatible config,
+//! checkpoints, and the libtorch glue that tch does not expose.
+//!
+//! This crate sits on top of the dependency graph (see DESIGN.md, "Layout"):
+//! it imports `zrt-collectives`, `zrt-kernels` and `zrt-offload`; none of them
+//! imports it.
+
+pub mod glue;
+
+pub use glue::GlueError;

@@ -1,0 +1,114 @@
+//! Proves the libtorch glue's storage trick that stage 3 depends on: a tensor's
+//! storage can be freed while autograd holds a view of it, the bytes really go
+//! back to the OS, and after re-allocating and refilling it backward computes
+//! the right gradient from the refilled values.
+
+use tch::{Device, Kind, Tensor};
+use zrt_zero::glue;
+
+/// Resident set size of this process, from /proc/self/statm.
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("statm resident field");
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    pages * page
+}
+
+#[test]
+fn freed_storage_is_released_and_backward_sees_refilled_values() {
+    const N: i64 = 64 << 20; // 64 Mi floats = 256 MiB
+    const OFF: i64 = 16;
+    let pattern = || Tensor::arange(N, (Kind::Float, Device::Cpu)).remainder(7.0);
+
+    // The "gathered flat buffer" and a parameter view into it, as stage 3 has.
+    let flat = pattern();
+    let w = flat.narrow(0, OFF, N - OFF);
+    let x = Tensor::ones([N - OFF], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    // MulBackward saves `w` to compute d(sum(x*w))/dx = w.
+    let y = (&x * &w).sum(Kind::Float);
+
+    let nbytes = glue::storage_nbytes(&flat).unwrap();
+    assert_eq!(nbytes, (N as usize) * 4);
+
+    let before = rss_bytes();
+    glue::free_storage(&flat).unwrap();
+    let after = rss_bytes();
+    assert_eq!(glue::storage_nbytes(&flat).unwrap(), 0);
+    assert_eq!(
+        glue::storage_nbytes(&w).unwrap(),
+        0,
+        "views share the storage"
+    );
+    let released = before.saturating_sub(after);
+    assert!(
+        released >= 200 << 20,
+        "freeing 256 MiB released only {} MiB of RSS (before {} MiB, after {} MiB)",
+        released >> 20,
+        before >> 20,
+        after >> 20
+    );
+
+    // Re-allocate and refill, as the pre-backward re-gather does.
+    glue::realloc_storage(&flat, nbytes).unwrap();
+    let mut writer = glue::untracked_alias(&flat).unwrap();
+    writer.copy_(&pattern());
+
+    y.backward();
+    let grad = x.grad();
+    let expected = pattern().narrow(0, OFF, N - OFF);
+    assert!(
+        grad.equal(&expected),
+        "gradient does not equal the refilled values"
+    );
+    // And the forward value was computed before the free: sum over the view
+    // (an f32 reduction of 64 Mi terms, so compare relatively).
+    let want: f64 = expected.sum(Kind::Double).double_value(&[]);
+    let got = y.double_value(&[]);
+    assert!(
+        (got - want).abs() <= 1e-6 * want,
+        "forward sum {got} != {want}"
+    );
+}
+
+#[test]
+fn storage_not_owned_by_torch_is_refused_with_a_reason() {
+    let mut data = vec![1.0f32; 64];
+    // SAFETY: `data` outlives `t`, and has 64 f32s as described.
+    let t = unsafe {
+        Tensor::from_blob(
+            data.as_mut_ptr() as *const u8,
+            &[64],
+            &[1],
+            Kind::Float,
+            Device::Cpu,
+        )
+    };
+    let err = glue::free_storage(&t).unwrap_err().to_string();
+    assert!(err.contains("not resizable"), "unexpected error: {err}");
+    // Untouched on refusal.
+    assert_eq!(glue::storage_nbytes(&t).unwrap(), 64 * 4);
+    drop(t);
+    assert_eq!(data[0], 1.0);
+}
+
+#[test]
+fn refilling_through_the_tensor_itself_is_caught_by_autograd() {
+    // Why `untracked_alias` exists: a write through a saved view's own tensor
+    // bumps its version and backward refuses it. If this ever stops failing,
+    // libtorch changed and the alias is no longer needed.
+    let flat = Tensor::ones([1024], (Kind::Float, Device::Cpu));
+    let w = flat.narrow(0, 0, 512);
+    let x = Tensor::ones([512], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = (&x * &w).sum(Kind::Float);
+    tch::no_grad(|| {
+        let mut f = flat.shallow_clone();
+        let _ = f.fill_(2.0);
+    });
+    let err = y.f_backward().unwrap_err().to_string();
+    assert!(err.contains("modified by an inplace operation"), "{err}");
+}

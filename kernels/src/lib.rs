@@ -1,3 +1,43 @@
 //! # zrt-kernels
 //!
-//! Fused per-element math of a ZeRO step on flat `f32` slices.
+//! The per-element math of a ZeRO step, on flat slices, with no libtorch in
+//! the library: fused Adam/AdamW ([`adam`]), the helpers around it ([`reduce`]:
+//! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
+//! in place) and f32 <-> bf16/f16 casts bit-identical to libtorch's
+//! ([`cast`]).
+//!
+//! ## How it is fast
+//!
+//! - **Vectorized by the compiler, dispatched at run time.** Each hot loop is
+//!   plain Rust over equal-length slices that LLVM vectorizes; [`simd`]
+//!   compiles it three times (baseline x86-64, AVX2+FMA+F16C, AVX-512) and
+//!   picks the widest the CPU has, once. We chose this over a SIMD crate
+//!   because the loops are element-wise maps with no shuffles or horizontal
+//!   work except the sum of squares, which LLVM handles with independent
+//!   accumulators; portable code keeps one source of truth, and since Rust
+//!   never contracts `a * b + c` into an FMA on its own, every dispatch level
+//!   gives **bit-identical** results. That matters: NVMe offload and
+//!   in-memory training must agree to the bit on different machines.
+//! - **Threads over contiguous ranges.** A [`Threads`] pool (rayon, sized by
+//!   the caller, default: available cores) splits a shard into one range per
+//!   thread, aligned to 64 elements. Nothing is allocated per call.
+//! - **One pass over memory.** Adam walks the shard in L1-sized blocks; the
+//!   optional compute-dtype copy of the updated parameters is written from
+//!   the block while it is still in cache, so p, g, m, v are read once and
+//!   p, m, v (and the copy) written once.
+//!
+//! The CUDA version of Adam (NVRTC through cudarc, behind the `cuda` feature)
+//! is compiled in CI and has **never run on a GPU**.
+
+pub mod adam;
+pub mod cast;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod error;
+pub mod reduce;
+pub mod simd;
+mod threads;
+
+pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
+pub use error::KernelError;
+pub use threads::Threads;

@@ -1,0 +1,56 @@
+//! The one error type of this crate.
+
+/// Why a kernel refused its arguments. Kernels never fail on values (NaN and
+/// inf propagate as IEEE says); they fail only on shapes and settings.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    /// Slices that must have one length do not.
+    #[error("slice `{name}` has {got} elements but `{reference}` has {want}: every slice of one shard must have the same length")]
+    LengthMismatch {
+        /// The slice that disagrees.
+        name: &'static str,
+        /// Its length.
+        got: usize,
+        /// The slice it is compared with.
+        reference: &'static str,
+        /// That slice's length.
+        want: usize,
+    },
+    /// A hyper-parameter outside its domain.
+    #[error("invalid Adam setting `{name}` = {value}: {why}")]
+    BadSetting {
+        /// The setting, named as in the DeepSpeed config.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// What it must be.
+        why: &'static str,
+    },
+    /// The thread pool could not be built.
+    #[error("could not start {threads} kernel threads: {msg}")]
+    Threads {
+        /// Threads asked for.
+        threads: usize,
+        /// The OS's reason.
+        msg: String,
+    },
+}
+
+/// Checks that `got` has the reference length.
+pub(crate) fn same_len(
+    name: &'static str,
+    got: usize,
+    reference: &'static str,
+    want: usize,
+) -> Result<(), KernelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch {
+            name,
+            got,
+            reference,
+            want,
+        })
+    }
+}

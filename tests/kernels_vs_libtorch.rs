@@ -8,10 +8,14 @@ use zrt::kernels::{adam_step, cast, AdamConfig, AdamShard, ComputeCopy, Threads}
 
 fn init(n: usize, seed: u64) -> Vec<f32> {
     // A small LCG: deterministic, no dependency.
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -22,13 +26,25 @@ fn torch_adam(cfg: &AdamConfig, p0: &[f32], grads: &[Vec<f32>]) -> Vec<f32> {
     let vs = nn::VarStore::new(Device::Cpu);
     let p = vs.root().var_copy("p", &Tensor::from_slice(p0));
     let mut opt = if cfg.adam_w_mode {
-        nn::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, wd: cfg.weight_decay, eps: cfg.eps, amsgrad: false }
-            .build(&vs, cfg.lr)
-            .unwrap()
+        nn::AdamW {
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            wd: cfg.weight_decay,
+            eps: cfg.eps,
+            amsgrad: false,
+        }
+        .build(&vs, cfg.lr)
+        .unwrap()
     } else {
-        nn::Adam { beta1: cfg.beta1, beta2: cfg.beta2, wd: cfg.weight_decay, eps: cfg.eps, amsgrad: false }
-            .build(&vs, cfg.lr)
-            .unwrap()
+        nn::Adam {
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            wd: cfg.weight_decay,
+            eps: cfg.eps,
+            amsgrad: false,
+        }
+        .build(&vs, cfg.lr)
+        .unwrap()
     };
     for g in grads {
         opt.zero_grad();
@@ -44,7 +60,12 @@ fn zrt_adam(threads: usize, cfg: &AdamConfig, p0: &[f32], grads: &[Vec<f32>]) ->
     let n = p0.len();
     let (mut p, mut m, mut v) = (p0.to_vec(), vec![0.0; n], vec![0.0; n]);
     for (t, g) in grads.iter().enumerate() {
-        let shard = AdamShard { p: &mut p, g, m: &mut m, v: &mut v };
+        let shard = AdamShard {
+            p: &mut p,
+            g,
+            m: &mut m,
+            v: &mut v,
+        };
         adam_step(&pool, cfg, t as u64 + 1, 1.0, shard, ComputeCopy::None).unwrap();
     }
     p
@@ -57,7 +78,12 @@ fn adam_and_adamw_match_libtorch_over_ten_steps() {
     for &n in &[1usize, 17, 1_000, 100_003] {
         for adam_w_mode in [true, false] {
             for weight_decay in [0.0, 0.1] {
-                let cfg = AdamConfig { lr: 1e-2, weight_decay, adam_w_mode, ..Default::default() };
+                let cfg = AdamConfig {
+                    lr: 1e-2,
+                    weight_decay,
+                    adam_w_mode,
+                    ..Default::default()
+                };
                 let p0 = init(n, 1);
                 let grads: Vec<Vec<f32>> = (0..10).map(|t| init(n, 100 + t)).collect();
                 let want = torch_adam(&cfg, &p0, &grads);
@@ -65,12 +91,19 @@ fn adam_and_adamw_match_libtorch_over_ten_steps() {
                 // cancelled to near zero; there, where one ulp of an
                 // intermediate is a large fraction of the value, 1e-6 of the
                 // parameters' scale (their largest magnitude, before or after).
-                let scale = want.iter().chain(&p0).fold(0f64, |s, &b| s.max(b.abs() as f64));
+                let scale = want
+                    .iter()
+                    .chain(&p0)
+                    .fold(0f64, |s, &b| s.max(b.abs() as f64));
                 for threads in [1, 2] {
                     let got = zrt_adam(threads, &cfg, &p0, &grads);
                     for i in 0..n {
                         let (a, b) = (got[i] as f64, want[i] as f64);
-                        let tol = if b.abs() >= 1e-2 { 1e-6 * b.abs() } else { 1e-6 * scale };
+                        let tol = if b.abs() >= 1e-2 {
+                            1e-6 * b.abs()
+                        } else {
+                            1e-6 * scale
+                        };
                         assert!(
                             (a - b).abs() <= tol,
                             "n={n} adamw={adam_w_mode} wd={weight_decay} threads={threads} i={i}: zrt {a} torch {b}"
@@ -87,14 +120,41 @@ fn adam_and_adamw_match_libtorch_over_ten_steps() {
 /// that round to the max finite or overflow, and the smallest f16 subnormal.
 fn edge_cases() -> Vec<u32> {
     let mut v = vec![
-        0x7FC0_0000, 0xFFC0_0000, 0x7F80_0001, 0x7FA0_0000, 0xFF81_2345, 0x7FFF_FFFF, // NaN
-        0x7F80_0000, 0xFF80_0000, 0x0000_0000, 0x8000_0000, // inf, zero
-        0x0000_0001, 0x8000_0001, 0x007F_FFFF, 0x0040_0000, // f32 subnormals
-        0x3F80_8000, 0x3F81_8000, 0x3F80_C000, 0x3F80_7FFF, // bf16 ties and near-ties
-        0x3F80_1000, 0x3F80_3000, 0x3F80_1001, // f16 ties and near-ties
-        0x7F7F_FFFF, 0xFF7F_FFFF, 0x7F7F_8000, 0x7F7F_7FFF, // bf16 max finite / overflow
-        0x477F_E000, 0x477F_F000, 0x477F_EFFF, 0xC77F_F000, // f16 max finite / overflow
-        0x3880_0000, 0x387F_E000, 0x3380_0000, 0x3300_0000, 0x3300_0001, 0x3280_0000, // f16 subnormals, ties to 0
+        0x7FC0_0000,
+        0xFFC0_0000,
+        0x7F80_0001,
+        0x7FA0_0000,
+        0xFF81_2345,
+        0x7FFF_FFFF, // NaN
+        0x7F80_0000,
+        0xFF80_0000,
+        0x0000_0000,
+        0x8000_0000, // inf, zero
+        0x0000_0001,
+        0x8000_0001,
+        0x007F_FFFF,
+        0x0040_0000, // f32 subnormals
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_C000,
+        0x3F80_7FFF, // bf16 ties and near-ties
+        0x3F80_1000,
+        0x3F80_3000,
+        0x3F80_1001, // f16 ties and near-ties
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x7F7F_8000,
+        0x7F7F_7FFF, // bf16 max finite / overflow
+        0x477F_E000,
+        0x477F_F000,
+        0x477F_EFFF,
+        0xC77F_F000, // f16 max finite / overflow
+        0x3880_0000,
+        0x387F_E000,
+        0x3380_0000,
+        0x3300_0000,
+        0x3300_0001,
+        0x3280_0000, // f16 subnormals, ties to 0
     ];
     // Plus a deterministic spray of random patterns.
     let mut s = 0x9E37_79B9_7F4A_7C15u64;

@@ -117,26 +117,26 @@ pub enum ComputeCopy<'a> {
     F16(&'a mut [f16]),
 }
 
-/// Per-call scalars, rounded to f32 once.
+/// Per-call scalars, rounded to f32 once (shared with the CUDA kernel).
 #[derive(Debug, Clone, Copy)]
-struct Coef {
-    scale: f32,
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    eps: f32,
+pub(crate) struct Coef {
+    pub(crate) scale: f32,
+    pub(crate) beta1: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) eps: f32,
     /// L2 decay added to the gradient (0 in AdamW mode).
-    l2: f32,
+    pub(crate) l2: f32,
     /// Decoupled decay factor `1 - lr * wd` (1 in Adam mode).
-    decay: f32,
+    pub(crate) decay: f32,
     /// `-lr / bc1`, as libtorch passes it to `addcdiv_`.
-    neg_step_size: f32,
-    bc2_sqrt: f32,
+    pub(crate) neg_step_size: f32,
+    pub(crate) bc2_sqrt: f32,
 }
 
 impl Coef {
-    fn new(cfg: &AdamConfig, step: u64, grad_scale: f32) -> Self {
+    pub(crate) fn new(cfg: &AdamConfig, step: u64, grad_scale: f32) -> Self {
         let t = step as f64;
         let (bc1, bc2) = if cfg.bias_correction {
             (1.0 - cfg.beta1.powf(t), 1.0 - cfg.beta2.powf(t))
@@ -198,13 +198,25 @@ enum CopyBits<'a> {
 
 /// One thread's contiguous range, walked in cache blocks.
 #[inline(always)]
-fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], copy: CopyBits<'_>) {
+fn range_body(
+    c: &Coef,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    copy: CopyBits<'_>,
+) {
     let n = p.len();
     let mut copy = copy;
     let mut start = 0;
     while start < n {
         let end = (start + BLOCK).min(n);
-        let (pb, gb, mb, vb) = (&mut p[start..end], &g[start..end], &mut m[start..end], &mut v[start..end]);
+        let (pb, gb, mb, vb) = (
+            &mut p[start..end],
+            &g[start..end],
+            &mut m[start..end],
+            &mut v[start..end],
+        );
         if c.l2 != 0.0 {
             update::<true>(c, pb, gb, mb, vb);
         } else {
@@ -282,7 +294,9 @@ pub fn adam_step(
             .zip(m.par_chunks_mut(cs))
             .zip(v.par_chunks_mut(cs));
         match copy {
-            CopyBits::None => chunks.for_each(|(((p, g), m), v)| adam_range(&c, p, g, m, v, CopyBits::None)),
+            CopyBits::None => {
+                chunks.for_each(|(((p, g), m), v)| adam_range(&c, p, g, m, v, CopyBits::None))
+            }
             CopyBits::Bf16(d) => chunks
                 .zip(d.par_chunks_mut(cs))
                 .for_each(|((((p, g), m), v), d)| adam_range(&c, p, g, m, v, CopyBits::Bf16(d))),
@@ -299,7 +313,14 @@ mod tests {
     use super::*;
 
     /// A plain f64 transcription of the formula in the module docs.
-    fn reference(cfg: &AdamConfig, steps: u64, p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64]) {
+    fn reference(
+        cfg: &AdamConfig,
+        steps: u64,
+        p: &mut [f64],
+        g: &[f64],
+        m: &mut [f64],
+        v: &mut [f64],
+    ) {
         for t in 1..=steps {
             let bc1 = 1.0 - cfg.beta1.powi(t as i32);
             let bc2 = 1.0 - cfg.beta2.powi(t as i32);
@@ -319,12 +340,29 @@ mod tests {
 
     fn run(threads: usize, cfg: &AdamConfig, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let pool = Threads::new(threads).unwrap();
-        let mut p: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0).collect();
-        let g: Vec<f32> = (0..n).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
+        let mut p: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0)
+            .collect();
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0)
+            .collect();
         let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
         for t in 1..=10u64 {
-            let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-            adam_step(&pool, cfg, t, 1.0 + 0.1 * t as f32, shard, ComputeCopy::None).unwrap();
+            let shard = AdamShard {
+                p: &mut p,
+                g: &g,
+                m: &mut m,
+                v: &mut v,
+            };
+            adam_step(
+                &pool,
+                cfg,
+                t,
+                1.0 + 0.1 * t as f32,
+                shard,
+                ComputeCopy::None,
+            )
+            .unwrap();
         }
         (p, m, v)
     }
@@ -332,36 +370,70 @@ mod tests {
     #[test]
     fn matches_f64_reference_in_both_modes() {
         for adam_w_mode in [true, false] {
-            let cfg = AdamConfig { lr: 1e-2, weight_decay: 0.05, adam_w_mode, ..Default::default() };
+            let cfg = AdamConfig {
+                lr: 1e-2,
+                weight_decay: 0.05,
+                adam_w_mode,
+                ..Default::default()
+            };
             let n = 1000;
             let (p, _, _) = run(1, &cfg, n);
-            let mut rp: Vec<f64> = (0..n).map(|i| ((i * 37 % 101) as f64 - 50.0) / 30.0).collect();
-            let rg: Vec<f64> = (0..n).map(|i| ((i * 53 % 97) as f64 - 48.0) / 40.0).collect();
+            let mut rp: Vec<f64> = (0..n)
+                .map(|i| ((i * 37 % 101) as f64 - 50.0) / 30.0)
+                .collect();
+            let rg: Vec<f64> = (0..n)
+                .map(|i| ((i * 53 % 97) as f64 - 48.0) / 40.0)
+                .collect();
             let (mut rm, mut rv) = (vec![0.0; n], vec![0.0; n]);
             reference(&cfg, 10, &mut rp, &rg, &mut rm, &mut rv);
             for i in 0..n {
                 let err = (p[i] as f64 - rp[i]).abs();
-                assert!(err <= 1e-5 * rp[i].abs().max(1e-2), "mode w={adam_w_mode} i={i}: {} vs {}", p[i], rp[i]);
+                assert!(
+                    err <= 1e-5 * rp[i].abs().max(1e-2),
+                    "mode w={adam_w_mode} i={i}: {} vs {}",
+                    p[i],
+                    rp[i]
+                );
             }
         }
     }
 
     #[test]
     fn thread_count_does_not_change_a_bit() {
-        let cfg = AdamConfig { lr: 3e-3, weight_decay: 0.01, ..Default::default() };
+        let cfg = AdamConfig {
+            lr: 3e-3,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
         // Not a multiple of the vector width, the block or the thread count.
         let n = 100_003;
         let one = run(1, &cfg, n);
         let three = run(3, &cfg, n);
-        assert!(one.0.iter().zip(&three.0).all(|(a, b)| a.to_bits() == b.to_bits()));
-        assert!(one.2.iter().zip(&three.2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(one
+            .0
+            .iter()
+            .zip(&three.0)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(one
+            .2
+            .iter()
+            .zip(&three.2)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]
     fn baseline_and_dispatched_simd_agree_to_the_bit() {
         // `range_body` called directly is compiled for baseline x86-64;
         // `adam_range` runs the widest level this CPU has.
-        let c = Coef::new(&AdamConfig { weight_decay: 0.1, adam_w_mode: false, ..Default::default() }, 3, 0.7);
+        let c = Coef::new(
+            &AdamConfig {
+                weight_decay: 0.1,
+                adam_w_mode: false,
+                ..Default::default()
+            },
+            3,
+            0.7,
+        );
         let n = 4099;
         let p0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -385,14 +457,40 @@ mod tests {
         let g: Vec<f32> = (0..n).map(|i| (i as f32).cos()).collect();
         let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
         let mut b = vec![bf16::ZERO; n];
-        let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-        adam_step(&pool, &AdamConfig::default(), 1, 1.0, shard, ComputeCopy::Bf16(&mut b)).unwrap();
+        let shard = AdamShard {
+            p: &mut p,
+            g: &g,
+            m: &mut m,
+            v: &mut v,
+        };
+        adam_step(
+            &pool,
+            &AdamConfig::default(),
+            1,
+            1.0,
+            shard,
+            ComputeCopy::Bf16(&mut b),
+        )
+        .unwrap();
         for i in 0..n {
             assert_eq!(b[i].to_bits(), crate::cast::f32_to_bf16_bits(p[i]));
         }
         let mut h = vec![f16::ZERO; n];
-        let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-        adam_step(&pool, &AdamConfig::default(), 2, 1.0, shard, ComputeCopy::F16(&mut h)).unwrap();
+        let shard = AdamShard {
+            p: &mut p,
+            g: &g,
+            m: &mut m,
+            v: &mut v,
+        };
+        adam_step(
+            &pool,
+            &AdamConfig::default(),
+            2,
+            1.0,
+            shard,
+            ComputeCopy::F16(&mut h),
+        )
+        .unwrap();
         for i in 0..n {
             assert_eq!(h[i].to_bits(), crate::cast::f32_to_f16_bits(p[i]));
         }
@@ -402,16 +500,57 @@ mod tests {
     fn bad_arguments_are_named() {
         let pool = Threads::new(1).unwrap();
         let (mut p, g, mut m, mut v) = (vec![0.0; 4], vec![0.0; 3], vec![0.0; 4], vec![0.0; 4]);
-        let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-        let e = adam_step(&pool, &AdamConfig::default(), 1, 1.0, shard, ComputeCopy::None).unwrap_err();
-        assert!(e.to_string().starts_with("slice `g` has 3 elements but `p` has 4"), "{e}");
+        let shard = AdamShard {
+            p: &mut p,
+            g: &g,
+            m: &mut m,
+            v: &mut v,
+        };
+        let e = adam_step(
+            &pool,
+            &AdamConfig::default(),
+            1,
+            1.0,
+            shard,
+            ComputeCopy::None,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("slice `g` has 3 elements but `p` has 4"),
+            "{e}"
+        );
         let g = vec![0.0; 4];
-        let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-        let cfg = AdamConfig { beta2: 1.0, ..Default::default() };
+        let shard = AdamShard {
+            p: &mut p,
+            g: &g,
+            m: &mut m,
+            v: &mut v,
+        };
+        let cfg = AdamConfig {
+            beta2: 1.0,
+            ..Default::default()
+        };
         let e = adam_step(&pool, &cfg, 1, 1.0, shard, ComputeCopy::None).unwrap_err();
-        assert_eq!(e.to_string(), "invalid Adam setting `betas[1]` = 1: must be in [0, 1)");
-        let shard = AdamShard { p: &mut p, g: &g, m: &mut m, v: &mut v };
-        let e = adam_step(&pool, &AdamConfig::default(), 0, 1.0, shard, ComputeCopy::None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid Adam setting `betas[1]` = 1: must be in [0, 1)"
+        );
+        let shard = AdamShard {
+            p: &mut p,
+            g: &g,
+            m: &mut m,
+            v: &mut v,
+        };
+        let e = adam_step(
+            &pool,
+            &AdamConfig::default(),
+            0,
+            1.0,
+            shard,
+            ComputeCopy::None,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("1-based"), "{e}");
     }
 }

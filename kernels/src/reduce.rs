@@ -118,7 +118,9 @@ mod tests {
     use super::*;
 
     fn data(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3).collect()
+        (0..n)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+            .collect()
     }
 
     #[test]
@@ -141,7 +143,11 @@ mod tests {
         let n = 200_001;
         let mut x = data(n);
         assert!(!has_inf_or_nan(&pool, &x));
-        for (pos, bad) in [(0, f32::INFINITY), (n / 2, f32::NAN), (n - 1, f32::NEG_INFINITY)] {
+        for (pos, bad) in [
+            (0, f32::INFINITY),
+            (n / 2, f32::NAN),
+            (n - 1, f32::NEG_INFINITY),
+        ] {
             let keep = x[pos];
             x[pos] = bad;
             assert!(has_inf_or_nan(&pool, &x), "missed {bad} at {pos}");

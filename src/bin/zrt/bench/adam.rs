@@ -1,0 +1,191 @@
+//! `zrt bench adam`: the fused AdamW step on one shard, against PyTorch's
+//! fused AdamW and DeepSpeed's CPUAdam (the optimizer behind ZeRO-Offload),
+//! and against memory-copy bandwidth measured in the same run (the limit).
+
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use super::peer::Peer;
+use super::{copy_bandwidth, median, time_each};
+use zrt::kernels::{adam_step, AdamConfig, AdamShard, ComputeCopy, Threads};
+
+/// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v.
+const BYTES_PER_PARAM: f64 = 28.0;
+
+/// Options of `zrt bench adam`.
+#[derive(Args, Debug)]
+pub struct AdamArgs {
+    /// Parameters in the shard.
+    #[arg(long, default_value_t = 50_000_000)]
+    params: usize,
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Interleaved rounds (zrt, peers, limit, zrt, ...).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Timed steps per implementation per round.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Also run the peers (PyTorch fused AdamW, DeepSpeed CPUAdam) in the libtorch venv.
+    #[arg(long)]
+    peer: bool,
+    /// One JSON object per row on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Default)]
+struct Samples {
+    zrt: Vec<f64>,
+    torch: Vec<f64>,
+    deepspeed: Vec<f64>,
+    copy_gbs: Vec<f64>,
+}
+
+fn peer_times(peer: &mut Peer, imp: &str, threads: usize, steps: usize) -> Result<Vec<f64>> {
+    let reply = peer.call(&json!({"impl": imp, "threads": threads, "steps": steps}))?;
+    let times = reply["times"]
+        .as_array()
+        .with_context(|| format!("peer reply without times: {reply}"))?;
+    Ok(times.iter().filter_map(Value::as_f64).collect())
+}
+
+/// Runs the benchmark and prints its rows.
+pub fn run(args: &AdamArgs) -> Result<()> {
+    let n = args.params;
+    let mut peer = if args.peer {
+        Some(Peer::start(
+            include_str!("../../../../bench/peers/adam_peer.py"),
+            &[n.to_string()],
+        )?)
+    } else {
+        None
+    };
+    let deepspeed = peer
+        .as_ref()
+        .is_some_and(|p| p.hello["deepspeed"].as_bool() == Some(true));
+    if let Some(p) = &peer {
+        if !deepspeed {
+            eprintln!(
+                "zrt bench adam: DeepSpeed CPUAdam unavailable ({}); `pip install deepspeed ninja` into the venv to add it",
+                p.hello["deepspeed_error"].as_str().unwrap_or("?")
+            );
+        }
+    }
+
+    let cfg = AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::default()
+    };
+    let mut p: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
+    let g: Vec<f32> = (0..n).map(|i| (i % 777) as f32 * 1e-6).collect();
+    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    let pools: Vec<Threads> = args
+        .threads
+        .iter()
+        .map(|&t| Threads::new(t))
+        .collect::<Result<_, _>>()?;
+    let mut samples: Vec<Samples> = args.threads.iter().map(|_| Samples::default()).collect();
+    let mut step = 0u64;
+
+    for round in 0..args.rounds {
+        for (k, pool) in pools.iter().enumerate() {
+            let t = pool.count();
+            let s = &mut samples[k];
+            let mut zrt_step = || {
+                step += 1;
+                let shard = AdamShard {
+                    p: &mut p,
+                    g: &g,
+                    m: &mut m,
+                    v: &mut v,
+                };
+                adam_step(pool, &cfg, step, 1.0, shard, ComputeCopy::None)
+                    .expect("valid Adam arguments");
+            };
+            zrt_step(); // warm-up: page faults, pool wake-up
+            s.zrt.extend(time_each(args.steps, zrt_step));
+            if let Some(peer) = peer.as_mut() {
+                s.torch
+                    .extend(peer_times(peer, "torch_fused", t, args.steps)?);
+                if deepspeed {
+                    s.deepspeed
+                        .extend(peer_times(peer, "deepspeed", t, args.steps)?);
+                }
+            }
+            // The limit, interleaved too: the same bytes an Adam step moves.
+            s.copy_gbs
+                .push(copy_bandwidth(t, (n * 4 * 7 / 2).min(1 << 30), 3));
+        }
+        eprintln!("zrt bench adam: round {}/{} done", round + 1, args.rounds);
+    }
+
+    if !args.json {
+        println!(
+            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param",
+            n as f64 / 1e6,
+            args.rounds,
+            args.steps,
+            BYTES_PER_PARAM
+        );
+        println!(
+            "{:<22} {:>7} {:>10} {:>12} {:>8} {:>10} {:>13} {:>13}",
+            "impl",
+            "threads",
+            "ms/step",
+            "Mparam/s",
+            "GB/s",
+            "copy GB/s",
+            "vs limit",
+            "vs best peer"
+        );
+    }
+    for (k, &t) in args.threads.iter().enumerate() {
+        let s = &samples[k];
+        let limit = median(&s.copy_gbs);
+        let zrt_s = median(&s.zrt);
+        let peers = [
+            ("torch fused AdamW", median(&s.torch)),
+            ("DeepSpeed CPUAdam", median(&s.deepspeed)),
+        ];
+        let best_peer = peers
+            .iter()
+            .map(|p| p.1)
+            .filter(|x| x.is_finite())
+            .fold(f64::NAN, f64::min);
+        let mut rows = vec![("zrt", zrt_s)];
+        rows.extend(peers.iter().filter(|p| p.1.is_finite()).copied());
+        for (name, secs) in rows {
+            let mps = n as f64 / secs / 1e6;
+            let gbs = BYTES_PER_PARAM * n as f64 / secs / 1e9;
+            let vs_limit = gbs / limit;
+            let vs_peer = best_peer / secs;
+            if args.json {
+                println!(
+                    "{}",
+                    json!({
+                        "bench": "adam", "impl": name, "threads": t, "params": n,
+                        "seconds_per_step": secs, "mparam_per_s": mps, "gb_per_s": gbs,
+                        "copy_gb_per_s": limit, "ratio_vs_limit": vs_limit,
+                        "ratio_vs_peer": if vs_peer.is_finite() { json!(vs_peer) } else { Value::Null },
+                    })
+                );
+            } else {
+                println!(
+                    "{:<22} {:>7} {:>10.2} {:>12.0} {:>8.1} {:>10.1} {:>12.2}x {:>12.2}x",
+                    name,
+                    t,
+                    secs * 1e3,
+                    mps,
+                    gbs,
+                    limit,
+                    vs_limit,
+                    vs_peer
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,71 @@
+//! `zrt bench ...`: binaries' measurements against a peer and a limit
+//! measured in the same run.
+//!
+//! This machine is noisy (timings swing 20-50%, a core can vanish for
+//! minutes), so every benchmark runs zrt and its peers interleaved
+//! (A B A B ...) over several rounds and reports medians.
+
+pub mod adam;
+pub mod peer;
+
+use std::time::Instant;
+
+/// Median of `xs` (the mean of the middle two for even lengths).
+///
+/// Returns NaN for an empty slice, so a missing measurement shows as NaN in
+/// a table rather than as a plausible number.
+pub fn median(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+/// Seconds taken by each of `reps` calls of `f`.
+pub fn time_each(reps: usize, mut f: impl FnMut()) -> Vec<f64> {
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// Single- or multi-threaded memory copy bandwidth in GB/s, counting bytes
+/// read plus bytes written (the convention the Adam figures use), from the
+/// median of `reps` copies of `bytes`.
+pub fn copy_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
+    let n = bytes / 4;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let chunk = n.div_ceil(threads.max(1));
+    let times = time_each(reps, || {
+        std::thread::scope(|s| {
+            for (d, src) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(src));
+            }
+        });
+    });
+    std::hint::black_box(&dst);
+    2.0 * (n * 4) as f64 / median(&times) / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+}

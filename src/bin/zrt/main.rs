@@ -1,0 +1,88 @@
+//! The `zrt` command line: launch ranks, run benchmarks, inspect checkpoints
+//! and configs, estimate memory.
+
+mod bench;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// zrt: ZeRO-sharded data-parallel training for tch (libtorch) models.
+#[derive(Parser, Debug)]
+#[command(name = "zrt", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+/// Arguments of a subcommand that is not implemented yet.
+#[derive(clap::Args, Debug)]
+struct Pending {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    args: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Start N ranks of a program with the torchrun environment contract.
+    ///
+    /// Example: zrt launch --nproc-per-node 2 -- target/release/examples/train_gpt
+    Launch(Pending),
+    /// Run a benchmark and print numbers next to a peer and a limit measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+    /// Inspect or consolidate a sharded checkpoint (`inspect DIR`, `consolidate DIR OUT`).
+    Ckpt(Pending),
+    /// Check a DeepSpeed JSON config and print it resolved (`check FILE [--world N]`).
+    Config(Pending),
+    /// Estimate model-state memory per rank for each ZeRO stage.
+    Estimate(Pending),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCmd {
+    /// Fused AdamW on one shard vs PyTorch fused AdamW, DeepSpeed CPUAdam and copy bandwidth.
+    Adam(bench::adam::AdamArgs),
+    /// all_reduce / reduce_scatter / all_gather bandwidth vs gloo and memcpy.
+    Collectives(Pending),
+    /// Training step time and memory per ZeRO stage vs FSDP2, DDP and DeepSpeed.
+    Train(Pending),
+    /// Optimizer step with NVMe offload vs in memory and raw disk speed.
+    Offload(Pending),
+}
+
+fn pending(name: &str) -> ExitCode {
+    eprintln!("zrt {name}: not implemented in this build yet");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Bench {
+            which: BenchCmd::Adam(a),
+        } => bench::adam::run(&a),
+        Cmd::Bench {
+            which: BenchCmd::Collectives(_),
+        } => return pending("bench collectives"),
+        Cmd::Bench {
+            which: BenchCmd::Train(_),
+        } => return pending("bench train"),
+        Cmd::Bench {
+            which: BenchCmd::Offload(_),
+        } => return pending("bench offload"),
+        Cmd::Launch(_) => return pending("launch"),
+        Cmd::Ckpt(_) => return pending("ckpt"),
+        Cmd::Config(_) => return pending("config"),
+        Cmd::Estimate(_) => return pending("estimate"),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("zrt: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

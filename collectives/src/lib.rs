@@ -1,6 +1,48 @@
 //! # zrt-collectives
 //!
 //! Moves flat typed buffers between ranks: process groups, a 2-D device mesh,
-//! rendezvous, and the local (threads), shared-memory, TCP and NCCL backends.
-//! It knows nothing about tch modules, so it is tested and benchmarked without
-//! libtorch.
+//! and backends. It knows nothing about tch modules, so it is tested and
+//! benchmarked without libtorch.
+//!
+//! ## Shape
+//!
+//! - [`ProcessGroup`] is the interface every backend implements: `all_reduce`
+//!   (sum, avg, max, min), `reduce_scatter`, `all_gather`, `broadcast`,
+//!   `barrier`, `send`/`recv`, over owned typed buffers (`Vec<T>` for every
+//!   [`Element`]: f32, bf16, f16, f64, i64, u8).
+//! - Every call returns at once with a [`Work`] handle; the operation runs on
+//!   the group's communication worker, in the order calls were issued, so
+//!   compute goes on meanwhile. `wait` has a timeout ([`default_timeout`]:
+//!   300 s, or `ZRT_TIMEOUT` seconds).
+//! - Faults never hang: a rank that dies fails every peer's pending and later
+//!   collectives with an error naming it; ranks that issue different
+//!   collectives at the same position get an error naming both calls.
+//! - [`DeviceMesh`] splits a world into shard groups and replicate groups.
+//!
+//! Buffers are owned (moved in, handed back by `wait`) rather than borrowed:
+//! an asynchronous operation must own what it writes, and the engine moves
+//! its flat buckets through collectives anyway.
+//!
+//! ## Backends
+//!
+//! - [`local`]: ranks as threads of one process (tests, and the reference
+//!   for the others).
+//!
+//! Not yet built (see the project's issue on collectives): the shared-memory
+//! backend for processes on one host, TCP across hosts, NCCL behind `cuda`,
+//! the TCP rendezvous store and `zrt launch`.
+
+mod dtype;
+mod error;
+pub mod local;
+mod mesh;
+mod op;
+mod stats;
+mod work;
+
+pub use dtype::{DType, Element};
+pub use error::CommError;
+pub use mesh::DeviceMesh;
+pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};
+pub use stats::{OpStats, Stats};
+pub use work::{default_timeout, Work};

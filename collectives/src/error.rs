@@ -1,0 +1,67 @@
+//! Errors of collectives: each names what happened and what to do.
+
+use std::time::Duration;
+
+/// Why a collective failed. Every variant names the group and the call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CommError {
+    /// A rank of the group is gone (its process or thread died, or it
+    /// dropped the group), so this collective can never complete.
+    #[error("rank {rank} of group `{group}` died or left the group during {call}: every rank must stay until the last collective; check rank {rank}'s output for its error")]
+    RankDied {
+        /// The group.
+        group: String,
+        /// The rank that is gone (global rank).
+        rank: usize,
+        /// This rank's pending call.
+        call: String,
+    },
+    /// Ranks issued different collectives at the same position in the group's sequence.
+    #[error("collective mismatch on group `{group}` at call #{seq}: rank {rank_a} called {call_a} but rank {rank_b} called {call_b}; every rank must issue the same collectives, with the same sizes and dtypes, in the same order")]
+    Mismatch {
+        /// The group.
+        group: String,
+        /// Position in the group's sequence of calls (0-based).
+        seq: u64,
+        /// One rank and its call.
+        rank_a: usize,
+        /// Its call.
+        call_a: String,
+        /// A rank that disagrees.
+        rank_b: usize,
+        /// Its call.
+        call_b: String,
+    },
+    /// The call did not complete in time.
+    #[error("{call} on group `{group}` timed out after {:.1} s waiting for rank(s) {waiting_for:?}; a rank is stuck or slow (raise ZRT_TIMEOUT if it is only slow)", timeout.as_secs_f64())]
+    Timeout {
+        /// The group.
+        group: String,
+        /// The call.
+        call: String,
+        /// How long it waited.
+        timeout: Duration,
+        /// Ranks that had not arrived (global ranks).
+        waiting_for: Vec<usize>,
+    },
+    /// The arguments cannot be valid on any rank.
+    #[error("invalid {call} on group `{group}`: {why}")]
+    Invalid {
+        /// The group.
+        group: String,
+        /// The call.
+        call: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The group was shut down (its handle dropped) before this call ran.
+    #[error(
+        "group `{group}` is shut down: {call} was issued after the group's handle was dropped"
+    )]
+    Closed {
+        /// The group.
+        group: String,
+        /// The call.
+        call: String,
+    },
+}

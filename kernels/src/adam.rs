@@ -136,7 +136,17 @@ pub(crate) struct Coef {
 }
 
 impl Coef {
-    pub(crate) fn new(cfg: &AdamConfig, step: u64, grad_scale: f32) -> Self {
+    /// Validates the settings and the step, then rounds the scalars: the one
+    /// entry point of every Adam kernel (CPU and CUDA).
+    pub(crate) fn new(cfg: &AdamConfig, step: u64, grad_scale: f32) -> Result<Self, KernelError> {
+        cfg.validate()?;
+        if step == 0 {
+            return Err(KernelError::BadSetting {
+                name: "step",
+                value: 0.0,
+                why: "is 1-based: the first step is 1",
+            });
+        }
         let t = step as f64;
         let (bc1, bc2) = if cfg.bias_correction {
             (1.0 - cfg.beta1.powf(t), 1.0 - cfg.beta2.powf(t))
@@ -148,7 +158,7 @@ impl Coef {
         } else {
             (cfg.weight_decay, 1.0)
         };
-        Self {
+        Ok(Self {
             scale: grad_scale,
             beta1: cfg.beta1 as f32,
             one_minus_beta1: (1.0 - cfg.beta1) as f32,
@@ -159,7 +169,7 @@ impl Coef {
             decay: decay as f32,
             neg_step_size: (-(cfg.lr / bc1)) as f32,
             bc2_sqrt: bc2.sqrt() as f32,
-        }
+        })
     }
 }
 
@@ -258,14 +268,7 @@ pub fn adam_step(
     shard: AdamShard<'_>,
     copy: ComputeCopy<'_>,
 ) -> Result<(), KernelError> {
-    cfg.validate()?;
-    if step == 0 {
-        return Err(KernelError::BadSetting {
-            name: "step",
-            value: 0.0,
-            why: "is 1-based: the first step is 1",
-        });
-    }
+    let c = Coef::new(cfg, step, grad_scale)?;
     let AdamShard { p, g, m, v } = shard;
     let n = p.len();
     same_len("g", g.len(), "p", n)?;
@@ -282,7 +285,6 @@ pub fn adam_step(
             CopyBits::F16(f16_bits_mut(d))
         }
     };
-    let c = Coef::new(cfg, step, grad_scale);
     let Some(cs) = threads.chunk_len(n) else {
         adam_range(&c, p, g, m, v, copy);
         return Ok(());
@@ -433,7 +435,8 @@ mod tests {
             },
             3,
             0.7,
-        );
+        )
+        .unwrap();
         let n = 4099;
         let p0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();

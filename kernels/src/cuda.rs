@@ -135,16 +135,7 @@ impl CudaAdam {
         shard: DeviceShard,
         copy: DeviceCopy,
     ) -> Result<(), CudaKernelError> {
-        cfg.validate()?;
-        if step == 0 {
-            return Err(KernelError::BadSetting {
-                name: "step",
-                value: 0.0,
-                why: "is 1-based: the first step is 1",
-            }
-            .into());
-        }
-        let c = Coef::new(cfg, step, grad_scale);
+        let c = Coef::new(cfg, step, grad_scale)?;
         let (copy_ptr, copy_kind): (u64, i32) = match copy {
             DeviceCopy::None => (0, 0),
             DeviceCopy::Bf16(p) => (p, 1),

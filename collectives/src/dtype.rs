@@ -32,19 +32,46 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// A type collectives can move and reduce.
+mod sealed {
+    /// Only plain-old-data types the crate knows: backends move them as bytes.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for i64 {}
+    impl Sealed for u8 {}
+}
+
+/// A type collectives can move and reduce. Sealed: every implementor is
+/// plain old data (any bit pattern valid, no padding), so backends may copy
+/// it through shared memory or sockets as bytes.
 ///
 /// Half-precision sums are accumulated in f32 and rounded once per element
 /// (what NCCL and gloo do), so a sum over ranks loses no more than one
 /// rounding. Integer sums wrap.
-pub trait Element: Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static {
+pub trait Element:
+    sealed::Sealed + Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static
+{
     /// This type's tag.
     const DTYPE: DType;
     /// The additive identity.
     const ZERO: Self;
     /// Reduces `xs` (one value per rank, in rank order) with `op`.
     fn reduce(xs: impl Iterator<Item = Self>, op: crate::ReduceOp) -> Self;
+    /// `dst[i] = reduce(srcs[0][i], srcs[1][i], ...)`, same bits as
+    /// [`Element::reduce`]; `srcs` are in rank order and as long as `dst`.
+    /// Backends override nothing: this is the one reduction every backend
+    /// uses, so they all compute identical bits.
+    fn reduce_into(dst: &mut [Self], srcs: &[&[Self]], op: crate::ReduceOp) {
+        for (i, d) in dst.iter_mut().enumerate() {
+            *d = Self::reduce(srcs.iter().map(|s| s[i]), op);
+        }
+    }
 }
+
+/// Elements per block of the blocked float reduction (f64 accumulators on the stack).
+const BLOCK: usize = 256;
 
 macro_rules! float_element {
     ($t:ty, $d:expr, $zero:expr, $to:expr, $from:expr) => {
@@ -81,6 +108,39 @@ macro_rules! float_element {
                 }
                 let a = acc.unwrap_or(0.0);
                 from(if op == Avg && n > 0 { a / n as f64 } else { a })
+            }
+
+            fn reduce_into(dst: &mut [Self], srcs: &[&[Self]], op: crate::ReduceOp) {
+                use crate::ReduceOp::*;
+                if !matches!(op, Sum | Avg) || srcs.is_empty() {
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = Self::reduce(srcs.iter().map(|s| s[i]), op);
+                    }
+                    return;
+                }
+                // Same arithmetic as `reduce` (f64, rank order, one rounding),
+                // blocked so it vectorizes across elements.
+                let to = $to;
+                let from = $from;
+                let n = srcs.len() as f64;
+                let mut acc = [0f64; BLOCK];
+                let mut start = 0;
+                while start < dst.len() {
+                    let end = (start + BLOCK).min(dst.len());
+                    let acc = &mut acc[..end - start];
+                    for (a, &x) in acc.iter_mut().zip(&srcs[0][start..end]) {
+                        *a = to(x);
+                    }
+                    for s in &srcs[1..] {
+                        for (a, &x) in acc.iter_mut().zip(&s[start..end]) {
+                            *a += to(x);
+                        }
+                    }
+                    for (d, &a) in dst[start..end].iter_mut().zip(acc.iter()) {
+                        *d = from(if op == Avg { a / n } else { a });
+                    }
+                    start = end;
+                }
             }
         }
     };

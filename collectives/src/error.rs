@@ -54,6 +54,9 @@ pub enum CommError {
         /// What is wrong.
         why: String,
     },
+    /// Rendezvous or the environment contract failed.
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
     /// The group was shut down (its handle dropped) before this call ran.
     #[error(
         "group `{group}` is shut down: {call} was issued after the group's handle was dropped"

@@ -27,21 +27,30 @@
 //!
 //! - [`local`]: ranks as threads of one process (tests, and the reference
 //!   for the others).
+//! - [`shm`]: processes on one host through shared memory, the default CPU
+//!   backend; reductions split across ranks.
 //!
-//! Not yet built (see the project's issue on collectives): the shared-memory
-//! backend for processes on one host, TCP across hosts, NCCL behind `cuda`,
-//! the TCP rendezvous store and `zrt launch`.
+//! Processes find each other through [`store`], a token-checked TCP
+//! key-value store rank 0 serves; [`init_from_env`] reads the environment
+//! `zrt launch` sets and joins the job.
+//!
+//! Not yet built: TCP across hosts, NCCL behind `cuda`.
 
 mod dtype;
 mod error;
+mod init;
 pub mod local;
 mod mesh;
 mod op;
+pub mod shm;
 mod stats;
+pub mod store;
 mod work;
+mod worker;
 
 pub use dtype::{DType, Element};
 pub use error::CommError;
+pub use init::{init_from_env, Backend, Dist, DistEnv, Group};
 pub use mesh::DeviceMesh;
 pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};
 pub use stats::{OpStats, Stats};

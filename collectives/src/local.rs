@@ -13,20 +13,18 @@ use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
 use crate::op::invalid;
+use crate::worker::Worker;
 use crate::{
     chunk_range, default_timeout, CommError, DeviceMesh, Element, OpDesc, OpKind, ProcessGroup,
     ReduceOp, Stats, Work,
 };
 
 type Payload = Arc<dyn Any + Send + Sync>;
-type Job = Box<dyn FnOnce() + Send>;
 /// A group's members and how many groups with those members came before it.
 type GroupKey = (Vec<usize>, u32);
 
@@ -313,36 +311,22 @@ pub struct LocalGroup {
     board: Arc<Board>,
     rank: usize,
     seq: AtomicU64,
-    tx: Option<Sender<Job>>,
-    worker: Option<JoinHandle<()>>,
-    stats: Arc<Stats>,
+    worker: Result<Worker, CommError>,
 }
 
 impl LocalGroup {
     fn new(board: Arc<Board>, rank: usize) -> Self {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let b = board.clone();
-        let worker = std::thread::Builder::new()
-            .name(format!("zrt-comm-{}-{rank}", board.name))
-            .spawn(move || {
-                for job in rx {
-                    job();
-                }
-                // The handle is gone and its queue drained: this rank has left.
-                b.leave(rank);
-            })
-            .ok();
-        if worker.is_none() {
-            // No thread for the worker: calls will report the group closed.
+        // When the handle is gone and its queue drained, this rank has left.
+        let worker = Worker::start(&board.name, rank, move || b.leave(rank));
+        if worker.is_err() {
             board.leave(rank);
         }
         Self {
             board,
             rank,
             seq: AtomicU64::new(0),
-            tx: worker.as_ref().map(|_| tx),
             worker,
-            stats: Arc::new(Stats::default()),
         }
     }
 
@@ -352,28 +336,12 @@ impl LocalGroup {
         desc: OpDesc,
         f: impl FnOnce(&Board) -> Result<(R, usize, usize), CommError> + Send + 'static,
     ) -> Work<R> {
-        let (rtx, rrx) = crossbeam_channel::bounded(1);
-        let board = self.board.clone();
-        let stats = self.stats.clone();
-        let job: Job = Box::new(move || {
-            let t = Instant::now();
-            let r = f(&board).map(|(out, sent, received)| {
-                stats.record(&desc.kind, sent, received, t.elapsed());
-                out
-            });
-            let _ = rtx.send(r);
-        });
-        let call = desc.to_string();
-        match &self.tx {
-            Some(tx) if tx.send(job).is_ok() => Work::new(rrx, &self.board.name, call),
-            _ => Work::ready(
-                Err(CommError::Closed {
-                    group: self.board.name.clone(),
-                    call: call.clone(),
-                }),
-                &self.board.name,
-                call,
-            ),
+        match &self.worker {
+            Ok(w) => {
+                let board = self.board.clone();
+                w.submit(desc, move || f(&board))
+            }
+            Err(e) => Work::ready(Err(e.clone()), &self.board.name, desc.to_string()),
         }
     }
 
@@ -418,8 +386,10 @@ fn reduce_into<T: Element>(
     op: ReduceOp,
     out: &mut Vec<T>,
 ) {
+    let srcs: Vec<&[T]> = parts.iter().map(|p| &p[range.clone()]).collect();
     out.clear();
-    out.extend(range.map(|i| T::reduce(parts.iter().map(|p| p[i]), op)));
+    out.resize(range.len(), T::ZERO);
+    T::reduce_into(out, &srcs, op);
 }
 
 impl ProcessGroup for LocalGroup {
@@ -436,7 +406,11 @@ impl ProcessGroup for LocalGroup {
         &self.board.world_ranks
     }
     fn stats(&self) -> &Stats {
-        &self.stats
+        static NONE: std::sync::OnceLock<Stats> = std::sync::OnceLock::new();
+        match &self.worker {
+            Ok(w) => w.stats(),
+            Err(_) => NONE.get_or_init(Stats::default),
+        }
     }
 
     fn all_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
@@ -570,15 +544,5 @@ impl ProcessGroup for LocalGroup {
             let got = bytes::<T>(v.len());
             Ok((v, 0, got))
         })
-    }
-}
-
-impl Drop for LocalGroup {
-    fn drop(&mut self) {
-        // Closing the queue lets the worker finish what was issued, then leave.
-        self.tx.take();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
     }
 }

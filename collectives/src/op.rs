@@ -83,6 +83,62 @@ impl OpDesc {
     }
 }
 
+const REDUCE_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::F64,
+    DType::I64,
+    DType::U8,
+];
+
+impl OpDesc {
+    /// Three words a peer can read from shared memory or a socket.
+    pub(crate) fn encode(&self) -> [u64; 3] {
+        let rop = |op: ReduceOp| REDUCE_OPS.iter().position(|&o| o == op).unwrap_or(0) as u64;
+        let (kind, arg) = match self.kind {
+            OpKind::AllReduce(op) => (1, rop(op)),
+            OpKind::ReduceScatter(op) => (2, rop(op)),
+            OpKind::AllGather => (3, 0),
+            OpKind::Broadcast { root } => (4, root as u64),
+            OpKind::Barrier => (5, 0),
+            OpKind::Send { to } => (6, to as u64),
+            OpKind::Recv { from } => (7, from as u64),
+        };
+        let dt = self
+            .dtype
+            .and_then(|d| DTYPES.iter().position(|&x| x == d))
+            .map_or(0, |i| i as u64 + 1);
+        [kind | arg << 8, dt, self.len as u64]
+    }
+
+    /// The inverse of [`OpDesc::encode`]; `None` for words no rank wrote.
+    pub(crate) fn decode(w: [u64; 3]) -> Option<OpDesc> {
+        let arg = (w[0] >> 8) as usize;
+        let rop = || REDUCE_OPS.get(arg).copied();
+        let kind = match w[0] & 0xFF {
+            1 => OpKind::AllReduce(rop()?),
+            2 => OpKind::ReduceScatter(rop()?),
+            3 => OpKind::AllGather,
+            4 => OpKind::Broadcast { root: arg },
+            5 => OpKind::Barrier,
+            6 => OpKind::Send { to: arg },
+            7 => OpKind::Recv { from: arg },
+            _ => return None,
+        };
+        let dtype = match w[1] {
+            0 => None,
+            i => Some(*DTYPES.get(i as usize - 1)?),
+        };
+        Some(OpDesc {
+            kind,
+            dtype,
+            len: w[2] as usize,
+        })
+    }
+}
+
 impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let dt = self
@@ -185,6 +241,30 @@ mod tests {
         }
         assert_eq!(chunk_range(10, 3, 0), 0..4);
         assert_eq!(chunk_range(10, 3, 2), 7..10);
+    }
+
+    #[test]
+    fn descriptions_round_trip_through_words() {
+        let all = [
+            OpKind::AllReduce(ReduceOp::Min),
+            OpKind::ReduceScatter(ReduceOp::Avg),
+            OpKind::AllGather,
+            OpKind::Broadcast { root: 3 },
+            OpKind::Barrier,
+            OpKind::Send { to: 1 },
+            OpKind::Recv { from: 2 },
+        ];
+        for kind in all {
+            for dtype in [None, Some(DType::BF16), Some(DType::U8)] {
+                let d = OpDesc {
+                    kind,
+                    dtype,
+                    len: 12345,
+                };
+                assert_eq!(OpDesc::decode(d.encode()), Some(d));
+            }
+        }
+        assert_eq!(OpDesc::decode([0, 0, 0]), None);
     }
 
     #[test]

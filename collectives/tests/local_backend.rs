@@ -4,9 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use half::{bf16, f16};
 use zrt_collectives::local::{self, LocalRank};
-use zrt_collectives::{chunk_range, CommError, Element, ProcessGroup, ReduceOp};
+use zrt_collectives::{CommError, ProcessGroup, ReduceOp};
 
 /// Runs `f` on every rank of a fresh world, one thread each; results in rank order.
 fn run<R: Send>(size: usize, timeout: Duration, f: impl Fn(LocalRank) -> R + Sync) -> Vec<R> {
@@ -19,154 +18,22 @@ fn run<R: Send>(size: usize, timeout: Duration, f: impl Fn(LocalRank) -> R + Syn
     })
 }
 
-/// Test values of each element type, and the reference result of a reduction
-/// computed independently of the backend (in i64 / f64).
-trait Make: Element {
-    fn make(x: i64) -> Self;
-    fn expect(xs: &[i64], op: ReduceOp) -> Self;
-}
+mod common;
 
-macro_rules! make_float {
-    ($t:ty, $from:expr) => {
-        impl Make for $t {
-            fn make(x: i64) -> Self {
-                $from(x as f64)
-            }
-            fn expect(xs: &[i64], op: ReduceOp) -> Self {
-                let sum: i64 = xs.iter().sum();
-                $from(match op {
-                    ReduceOp::Sum => sum as f64,
-                    ReduceOp::Avg => sum as f64 / xs.len() as f64,
-                    ReduceOp::Max => *xs.iter().max().unwrap() as f64,
-                    ReduceOp::Min => *xs.iter().min().unwrap() as f64,
-                })
-            }
-        }
-    };
-}
-make_float!(f32, |x: f64| x as f32);
-make_float!(f64, |x: f64| x);
-make_float!(bf16, bf16::from_f64);
-make_float!(f16, f16::from_f64);
-
-macro_rules! make_int {
-    ($t:ty) => {
-        impl Make for $t {
-            fn make(x: i64) -> Self {
-                x as $t
-            }
-            fn expect(xs: &[i64], op: ReduceOp) -> Self {
-                let sum: i64 = xs.iter().sum();
-                (match op {
-                    ReduceOp::Sum => sum,
-                    ReduceOp::Avg => sum / xs.len() as i64,
-                    ReduceOp::Max => *xs.iter().max().unwrap(),
-                    ReduceOp::Min => *xs.iter().min().unwrap(),
-                }) as $t
-            }
-        }
-    };
-}
-make_int!(i64);
-make_int!(u8);
-
-/// Rank `r`'s i-th input: small non-negative integers, exact in every type.
-fn val(r: usize, i: usize) -> i64 {
-    ((r * 7 + i * 3) % 11) as i64
-}
-
-fn check_all_ops<T: Make>() {
-    let ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
-    for world in [2usize, 3, 4] {
-        for len in [1usize, 7, 64, 1001] {
-            let per_rank = run(world, Duration::from_secs(30), |r| {
-                let g = r.world();
-                let me = r.rank();
-                let input: Vec<T> = (0..len).map(|i| T::make(val(me, i))).collect();
-                let mut got = Vec::new();
-                for op in ops {
-                    got.push(g.all_reduce(input.clone(), op).wait().unwrap());
-                    let (back, out) = g
-                        .reduce_scatter(input.clone(), Vec::new(), op)
-                        .wait()
-                        .unwrap();
-                    assert_eq!(back.len(), len);
-                    got.push(out);
-                }
-                // all_gather of unequal parts: rank r contributes len + r elements.
-                let part: Vec<T> = (0..len + me).map(|i| T::make(val(me, i))).collect();
-                got.push(g.all_gather(part, Vec::new()).wait().unwrap().1);
-                let b: Vec<T> = if me == world - 1 {
-                    input.clone()
-                } else {
-                    vec![T::ZERO; len]
-                };
-                got.push(g.broadcast(b, world - 1).wait().unwrap());
-                g.barrier().wait().unwrap();
-                got
-            });
-            for (me, got) in per_rank.iter().enumerate() {
-                let column = |i: usize| -> Vec<i64> { (0..world).map(|r| val(r, i)).collect() };
-                for (k, op) in ops.iter().enumerate() {
-                    let full: Vec<T> = (0..len).map(|i| T::expect(&column(i), *op)).collect();
-                    assert_eq!(
-                        got[2 * k],
-                        full,
-                        "{:?} all_reduce {op:?} world {world} len {len} rank {me}",
-                        T::DTYPE
-                    );
-                    let part = &full[chunk_range(len, world, me)];
-                    assert_eq!(
-                        &got[2 * k + 1][..],
-                        part,
-                        "{:?} reduce_scatter {op:?} world {world} len {len}",
-                        T::DTYPE
-                    );
-                }
-                let gathered: Vec<T> = (0..world)
-                    .flat_map(|r| (0..len + r).map(move |i| T::make(val(r, i))))
-                    .collect();
-                assert_eq!(
-                    got[8],
-                    gathered,
-                    "{:?} all_gather world {world} len {len}",
-                    T::DTYPE
-                );
-                let bcast: Vec<T> = (0..len).map(|i| T::make(val(world - 1, i))).collect();
-                assert_eq!(
-                    got[9],
-                    bcast,
-                    "{:?} broadcast world {world} len {len}",
-                    T::DTYPE
-                );
-            }
-        }
+#[test]
+fn every_op_dtype_and_uneven_size_on_worlds_of_2_3_4() {
+    for world in [2, 3, 4] {
+        run(world, Duration::from_secs(60), |r| {
+            common::check_all_dtypes(r.world())
+        });
     }
 }
 
 #[test]
-fn every_op_f32() {
-    check_all_ops::<f32>();
-}
-#[test]
-fn every_op_bf16() {
-    check_all_ops::<bf16>();
-}
-#[test]
-fn every_op_f16() {
-    check_all_ops::<f16>();
-}
-#[test]
-fn every_op_f64() {
-    check_all_ops::<f64>();
-}
-#[test]
-fn every_op_i64() {
-    check_all_ops::<i64>();
-}
-#[test]
-fn every_op_u8() {
-    check_all_ops::<u8>();
+fn send_recv_ring() {
+    run(3, Duration::from_secs(30), |r| {
+        common::check_send_recv(r.world())
+    });
 }
 
 #[test]

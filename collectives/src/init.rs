@@ -1,0 +1,309 @@
+//! Joining a job from the environment `zrt launch` (or torchrun) sets.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::local::LocalGroup;
+use crate::shm::{ShmGroup, ShmJoin, DEFAULT_SLOT_BYTES};
+use crate::store::{StoreClient, StoreServer};
+use crate::{default_timeout, CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, Work};
+
+/// The environment contract of `zrt launch`, as torchrun's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistEnv {
+    /// `RANK`: this process's rank in the world.
+    pub rank: usize,
+    /// `WORLD_SIZE`: ranks in the world.
+    pub world_size: usize,
+    /// `LOCAL_RANK`: rank on this host.
+    pub local_rank: usize,
+    /// `LOCAL_WORLD_SIZE`: ranks on this host.
+    pub local_world_size: usize,
+    /// `MASTER_ADDR`: where rank 0 serves the rendezvous store.
+    pub master_addr: String,
+    /// `MASTER_PORT`: its port.
+    pub master_port: u16,
+    /// `ZRT_TOKEN`: the job's secret; the store admits only peers presenting it.
+    pub token: String,
+}
+
+fn var(name: &str) -> Result<String, CommError> {
+    std::env::var(name).map_err(|_| {
+        CommError::Rendezvous(format!(
+            "{name} is not set: start ranks with `zrt launch --nproc-per-node N -- PROGRAM`, or set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and ZRT_TOKEN as it does"
+        ))
+    })
+}
+
+fn num<T: std::str::FromStr>(name: &str) -> Result<T, CommError> {
+    let v = var(name)?;
+    v.trim()
+        .parse()
+        .map_err(|_| CommError::Rendezvous(format!("{name}={v:?} is not a number")))
+}
+
+impl DistEnv {
+    /// Reads the contract, naming the first variable that is missing or bad.
+    pub fn from_env() -> Result<Self, CommError> {
+        let e = Self {
+            rank: num("RANK")?,
+            world_size: num("WORLD_SIZE")?,
+            local_rank: num("LOCAL_RANK")?,
+            local_world_size: num("LOCAL_WORLD_SIZE")?,
+            master_addr: var("MASTER_ADDR")?,
+            master_port: num("MASTER_PORT")?,
+            token: var("ZRT_TOKEN")?,
+        };
+        if e.rank >= e.world_size {
+            return Err(CommError::Rendezvous(format!(
+                "RANK={} is not below WORLD_SIZE={}",
+                e.rank, e.world_size
+            )));
+        }
+        Ok(e)
+    }
+
+    /// A name for this job's files that does not reveal the token.
+    pub fn job_id(&self) -> String {
+        // FNV-1a over token and port: unique per job, not invertible to the token in practice.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.token.bytes().chain(self.master_port.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{h:016x}")
+    }
+}
+
+/// Which transport a job's groups use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Shared memory: processes on one host.
+    Shm,
+}
+
+/// A group of any backend (the trait has generic methods, so it is not a
+/// trait object; this enum is how code holds "some group").
+pub enum Group {
+    /// Ranks as threads.
+    Local(LocalGroup),
+    /// Processes on one host.
+    Shm(ShmGroup),
+}
+
+macro_rules! each {
+    ($self:expr, $g:ident => $e:expr) => {
+        match $self {
+            Group::Local($g) => $e,
+            Group::Shm($g) => $e,
+        }
+    };
+}
+
+impl ProcessGroup for Group {
+    fn name(&self) -> &str {
+        each!(self, g => g.name())
+    }
+    fn rank(&self) -> usize {
+        each!(self, g => g.rank())
+    }
+    fn size(&self) -> usize {
+        each!(self, g => g.size())
+    }
+    fn world_ranks(&self) -> &[usize] {
+        each!(self, g => g.world_ranks())
+    }
+    fn stats(&self) -> &Stats {
+        each!(self, g => g.stats())
+    }
+    fn all_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        each!(self, g => g.all_reduce(buf, op))
+    }
+    fn reduce_scatter<T: Element>(
+        &self,
+        input: Vec<T>,
+        out: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        each!(self, g => g.reduce_scatter(input, out, op))
+    }
+    fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        each!(self, g => g.all_gather(input, out))
+    }
+    fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        each!(self, g => g.broadcast(buf, root))
+    }
+    fn barrier(&self) -> Work<()> {
+        each!(self, g => g.barrier())
+    }
+    fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
+        each!(self, g => g.send(buf, to))
+    }
+    fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
+        each!(self, g => g.recv(len, from))
+    }
+}
+
+/// This process's membership in a job: the world group, and the way to make
+/// sub-groups and meshes.
+pub struct Dist {
+    env: DistEnv,
+    backend: Backend,
+    store: Arc<StoreClient>,
+    world: Group,
+    created: std::collections::HashMap<Vec<usize>, u32>,
+    timeout: Duration,
+    slot_bytes: usize,
+    // Last: the server must outlive this rank's own client and groups.
+    _server: Option<StoreServer>,
+}
+
+/// Joins the job described by the environment (see [`DistEnv`]): rank 0
+/// serves the rendezvous store, every rank connects with the token, and the
+/// backend is chosen: shm when all ranks share a host (the only multi-process
+/// backend built so far), overridable with `ZRT_BACKEND`.
+pub fn init_from_env() -> Result<Dist, CommError> {
+    let env = DistEnv::from_env()?;
+    let timeout = default_timeout();
+    let addr = format!("{}:{}", env.master_addr, env.master_port);
+    let server = if env.rank == 0 {
+        Some(StoreServer::serve(&addr, &env.token)?)
+    } else {
+        None
+    };
+    let store = Arc::new(StoreClient::connect(&addr, &env.token, timeout)?);
+    let host = hostname();
+    store.set(&format!("host/{}", env.rank), host.as_bytes())?;
+    let mut hosts = Vec::with_capacity(env.world_size);
+    for r in 0..env.world_size {
+        hosts.push(store.get(&format!("host/{r}"), timeout)?);
+    }
+    let same_host = hosts.iter().all(|h| h == &hosts[0]);
+    let backend = match std::env::var("ZRT_BACKEND").ok().as_deref() {
+        None | Some("") | Some("shm") if same_host => Backend::Shm,
+        None | Some("") | Some("shm") => {
+            return Err(CommError::Rendezvous(
+                "ranks run on several hosts, which needs the tcp backend; it is not built yet (only shm, for one host)".into(),
+            ))
+        }
+        Some(other) => {
+            return Err(CommError::Rendezvous(format!(
+                "ZRT_BACKEND={other:?} is not available: this build has `shm` (one host) only"
+            )))
+        }
+    };
+    let slot_bytes = std::env::var("ZRT_SHM_SLOT_BYTES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_SLOT_BYTES);
+    let all: Vec<usize> = (0..env.world_size).collect();
+    let world = Group::Shm(ShmGroup::join(ShmJoin {
+        store: store.clone(),
+        job: &env.job_id(),
+        name: "world",
+        world_ranks: all,
+        world_rank: env.rank,
+        slot_bytes,
+        timeout,
+    })?);
+    tracing::info!(
+        rank = env.rank,
+        world = env.world_size,
+        ?backend,
+        "joined the job"
+    );
+    Ok(Dist {
+        env,
+        backend,
+        store,
+        world,
+        created: Default::default(),
+        timeout,
+        slot_bytes,
+        _server: server,
+    })
+}
+
+fn hostname() -> String {
+    // The boot id tells containers on one kernel apart from hosts sharing a name.
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{}", name.trim(), boot.trim())
+}
+
+impl Drop for Dist {
+    /// Checks out through the store. Rank 0 serves the store, so it keeps
+    /// serving until every rank has checked out (or left, or died), at most
+    /// the timeout: a rank that finishes first must not take the store away
+    /// from peers still using it.
+    fn drop(&mut self) {
+        let n = self.env.world_size as i64;
+        if let Ok(k) = self.store.add("finalized", 1) {
+            if k == n {
+                let _ = self.store.set("all-finalized", &[]);
+            }
+        }
+        if self.env.rank != 0 {
+            return;
+        }
+        let deadline = std::time::Instant::now() + self.timeout;
+        while std::time::Instant::now() < deadline {
+            if self
+                .store
+                .get("all-finalized", Duration::from_millis(100))
+                .is_ok()
+            {
+                return;
+            }
+            if let Group::Shm(g) = &self.world {
+                if g.peers_gone() {
+                    return;
+                }
+            }
+        }
+        tracing::warn!(
+            "rank 0 stops serving the rendezvous store although not every rank checked out"
+        );
+    }
+}
+
+impl Dist {
+    /// The environment this rank was started with.
+    pub fn env(&self) -> &DistEnv {
+        &self.env
+    }
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+    /// The group of every rank.
+    pub fn world(&self) -> &Group {
+        &self.world
+    }
+    /// The job's rendezvous store.
+    pub fn store(&self) -> &StoreClient {
+        &self.store
+    }
+
+    /// A group of the given world ranks (in that order). Every member calls
+    /// it, in the same order relative to its other `new_group` calls.
+    pub fn new_group(&mut self, ranks: &[usize]) -> Result<Group, CommError> {
+        let n = self.created.entry(ranks.to_vec()).or_insert(0);
+        let name = format!("ranks{ranks:?}#{n}");
+        *n += 1;
+        Ok(Group::Shm(ShmGroup::join(ShmJoin {
+            store: self.store.clone(),
+            job: &self.env.job_id(),
+            name: &name,
+            world_ranks: ranks.to_vec(),
+            world_rank: self.env.rank,
+            slot_bytes: self.slot_bytes,
+            timeout: self.timeout,
+        })?))
+    }
+
+    /// This rank's (replicate x shard) mesh.
+    pub fn mesh(&mut self, shard_size: usize) -> Result<DeviceMesh<Group>, CommError> {
+        let (rank, world) = (self.env.rank, self.env.world_size);
+        DeviceMesh::new(rank, world, shard_size, |ranks| self.new_group(ranks))
+    }
+}

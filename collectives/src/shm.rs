@@ -1,0 +1,741 @@
+//! The shared-memory backend: ranks are processes on one host, the default
+//! CPU backend.
+//!
+//! A group maps one segment (`/dev/shm`, unlinked as soon as every member has
+//! mapped it, so a crash leaves nothing behind):
+//!
+//! ```text
+//! header | control block per rank (arrive counter, left flag, call slots) | staging slot per rank | result area
+//! ```
+//!
+//! Every operation first publishes this rank's call description and passes a
+//! barrier; then all ranks compare descriptions (a mismatch fails everyone
+//! before any data moves). Data moves in windows that fit the staging slots.
+//! Reductions are split across ranks: for each window, rank r reduces only
+//! part r, reading every rank's slot, so the work and the memory traffic are
+//! divided by the group size and no byte round-trips through the kernel.
+//!
+//! Waiting spins briefly, then yields; every 50 ms a waiting rank checks the
+//! ranks it waits for: one that left (its handle dropped) or whose process is
+//! gone fails the call with [`CommError::RankDied`] naming it, and the
+//! deadline fails it with [`CommError::Timeout`]. `send`/`recv` go through
+//! the rendezvous store (they are rare in ZeRO; correctness over speed).
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+use parking_lot::Mutex;
+
+use crate::op::invalid;
+use crate::store::StoreClient;
+use crate::worker::Worker;
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
+
+const MAGIC: u64 = 0x7a72_745f_7368_6d31; // "zrt_shm1"
+const CTRL: usize = 128;
+const HEADER: usize = 64;
+/// Words of a control block: arrive, left, then two call slots of three words.
+const W_ARRIVE: usize = 0;
+const W_LEFT: usize = 1;
+const W_DESC: usize = 2;
+const LIVENESS_EVERY: Duration = Duration::from_millis(50);
+
+/// Default staging bytes per rank: large enough that per-window barriers
+/// cost little, small enough for /dev/shm on small machines.
+pub const DEFAULT_SLOT_BYTES: usize = 8 << 20;
+
+struct Segment {
+    map: MmapMut,
+    n: usize,
+    slot: usize,
+}
+
+impl Segment {
+    fn base(&self) -> *mut u8 {
+        self.map.as_ptr() as *mut u8
+    }
+    fn word(&self, rank: usize, w: usize) -> &AtomicU64 {
+        // SAFETY: in bounds (checked at creation), 8-aligned (page-aligned
+        // base, 64/128-byte blocks), and only ever accessed atomically.
+        unsafe { &*(self.base().add(HEADER + rank * CTRL + w * 8) as *const AtomicU64) }
+    }
+    fn data_offset(&self) -> usize {
+        HEADER + self.n * CTRL
+    }
+    /// Rank `r`'s staging slot (`r == n`: the result area) as `len` elements of T.
+    ///
+    /// # Safety
+    /// The caller must hold the protocol's right to the range: only its owner
+    /// writes a slot between two barriers, and readers read after the barrier.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot<T: Element>(&self, r: usize, at: usize, len: usize) -> &mut [T] {
+        debug_assert!((at + len) * std::mem::size_of::<T>() <= self.slot);
+        let p = self.base().add(self.data_offset() + r * self.slot) as *mut T;
+        std::slice::from_raw_parts_mut(p.add(at), len)
+    }
+    fn bytes(n: usize, slot: usize) -> usize {
+        HEADER + n * CTRL + (n + 1) * slot
+    }
+}
+
+struct State {
+    seq: u64,
+    epoch: u64,
+    /// After a mismatch the ranks are out of step: every later call fails too.
+    poisoned: Option<CommError>,
+    sends: HashMap<usize, u64>,
+    recvs: HashMap<usize, u64>,
+}
+
+struct Inner {
+    seg: Segment,
+    me: usize,
+    name: String,
+    world_ranks: Vec<usize>,
+    pids: Vec<u32>,
+    timeout: Duration,
+    store: Arc<StoreClient>,
+    state: Mutex<State>,
+}
+
+// SAFETY: the mapping is shared memory; all cross-rank access goes through
+// atomics or through ranges the barrier protocol hands to one writer.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+/// Whether process `pid` is gone (or a zombie: it died and is not yet reaped).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // Field 3, after the parenthesized command name: the state letter.
+        Ok(s) => s
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|st| st == "Z" || st == "X"),
+    }
+}
+
+impl Inner {
+    fn n(&self) -> usize {
+        self.seg.n
+    }
+
+    /// Waits until `cond(rank)` holds for every rank, failing on a rank that
+    /// left or died, and on the deadline.
+    fn wait_all(
+        &self,
+        call: &OpDesc,
+        deadline: Instant,
+        cond: impl Fn(usize) -> bool,
+    ) -> Result<(), CommError> {
+        let mut spins = 0u32;
+        let mut next_check = Instant::now() + LIVENESS_EVERY;
+        loop {
+            if (0..self.n()).all(&cond) {
+                return Ok(());
+            }
+            spins += 1;
+            if spins < 200 {
+                std::hint::spin_loop();
+                continue;
+            }
+            std::thread::yield_now();
+            let now = Instant::now();
+            if now < next_check {
+                continue;
+            }
+            next_check = now + LIVENESS_EVERY;
+            let missing: Vec<usize> = (0..self.n()).filter(|&r| !cond(r)).collect();
+            if let Some(&r) = missing.iter().find(|&&r| {
+                self.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(self.pids[r])
+            }) {
+                return Err(CommError::RankDied {
+                    group: self.name.clone(),
+                    rank: self.world_ranks[r],
+                    call: call.to_string(),
+                });
+            }
+            if now >= deadline {
+                return Err(CommError::Timeout {
+                    group: self.name.clone(),
+                    call: call.to_string(),
+                    timeout: self.timeout,
+                    waiting_for: missing.iter().map(|&r| self.world_ranks[r]).collect(),
+                });
+            }
+        }
+    }
+
+    fn barrier(&self, st: &mut State, call: &OpDesc, deadline: Instant) -> Result<(), CommError> {
+        st.epoch += 1;
+        let e = st.epoch;
+        self.seg.word(self.me, W_ARRIVE).store(e, Ordering::Release);
+        self.wait_all(call, deadline, |r| {
+            self.seg.word(r, W_ARRIVE).load(Ordering::Acquire) >= e
+        })
+    }
+
+    /// Publishes `desc`, passes a barrier, and returns every rank's
+    /// description, or the mismatch.
+    fn agree(
+        &self,
+        st: &mut State,
+        desc: &OpDesc,
+        deadline: Instant,
+    ) -> Result<Vec<OpDesc>, CommError> {
+        if let Some(e) = &st.poisoned {
+            return Err(e.clone());
+        }
+        let seq = st.seq;
+        st.seq += 1;
+        // Two call slots by parity: a rank can be at most one call ahead.
+        let at = W_DESC + (seq as usize % 2) * 3;
+        for (i, w) in desc.encode().iter().enumerate() {
+            self.seg.word(self.me, at + i).store(*w, Ordering::Relaxed);
+        }
+        self.barrier(st, desc, deadline)?;
+        let descs: Vec<Option<OpDesc>> = (0..self.n())
+            .map(|r| {
+                OpDesc::decode([0, 1, 2].map(|i| self.seg.word(r, at + i).load(Ordering::Relaxed)))
+            })
+            .collect();
+        let first = descs[0];
+        if let Some(b) = (1..self.n()).find(|&r| match (first, descs[r]) {
+            (Some(a), Some(d)) => !a.compatible(&d),
+            _ => true,
+        }) {
+            let show = |d: Option<OpDesc>| {
+                d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
+            };
+            let e = CommError::Mismatch {
+                group: self.name.clone(),
+                seq,
+                rank_a: self.world_ranks[0],
+                call_a: show(first),
+                rank_b: self.world_ranks[b],
+                call_b: show(descs[b]),
+            };
+            st.poisoned = Some(e.clone());
+            return Err(e);
+        }
+        Ok(descs.into_iter().flatten().collect())
+    }
+
+    /// Elements of T per part per window when `parts` windows share a slot.
+    fn window<T>(&self, parts: usize) -> usize {
+        (self.seg.slot / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
+    }
+
+    /// reduce_scatter / all_reduce on `input`; returns this rank's reduced
+    /// part, and with `full` also the whole reduced buffer.
+    fn reduce<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        op: ReduceOp,
+        full: bool,
+    ) -> Result<(Vec<T>, Option<Vec<T>>), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me, len) = (self.n(), self.me, input.len());
+        let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
+        let w = self.window::<T>(n);
+        let rounds = parts[0].len().div_ceil(w);
+        let mut mine = vec![T::ZERO; parts[me].len()];
+        let mut all = if full { vec![T::ZERO; len] } else { Vec::new() };
+        let window = |p: usize, j: usize| {
+            let s = (parts[p].start + j * w).min(parts[p].end);
+            s..(s + w).min(parts[p].end)
+        };
+        for j in 0..rounds {
+            // SAFETY (slots below): between barriers only rank `me` writes its
+            // own slot and its own window of the result area.
+            for p in 0..n {
+                let r = window(p, j);
+                unsafe { self.seg.slot::<T>(me, p * w, r.len()) }.copy_from_slice(&input[r]);
+            }
+            self.barrier(&mut st, desc, deadline)?;
+            let r = window(me, j);
+            let srcs: Vec<&[T]> = (0..n)
+                .map(|q| &*unsafe { self.seg.slot::<T>(q, me * w, r.len()) })
+                .collect();
+            let dst = &mut mine[r.start - parts[me].start..r.end - parts[me].start];
+            T::reduce_into(dst, &srcs, op);
+            if full {
+                unsafe { self.seg.slot::<T>(n, me * w, r.len()) }.copy_from_slice(dst);
+            }
+            self.barrier(&mut st, desc, deadline)?;
+            if full {
+                for p in 0..n {
+                    let r = window(p, j);
+                    all[r.clone()]
+                        .copy_from_slice(unsafe { self.seg.slot::<T>(n, p * w, r.len()) });
+                }
+                // The result area is rewritten next round: wait for every reader.
+                self.barrier(&mut st, desc, deadline)?;
+            }
+        }
+        Ok((mine, full.then_some(all)))
+    }
+
+    fn all_gather<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.state.lock();
+        let descs = self.agree(&mut st, desc, deadline)?;
+        let lens: Vec<usize> = descs.iter().map(|d| d.len).collect();
+        let offs: Vec<usize> = lens
+            .iter()
+            .scan(0, |acc, &l| {
+                let o = *acc;
+                *acc += l;
+                Some(o)
+            })
+            .collect();
+        out.clear();
+        out.resize(lens.iter().sum(), T::ZERO);
+        let w = self.window::<T>(1);
+        let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
+        for j in 0..rounds {
+            let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
+            let mine = part(self.me);
+            // SAFETY: own slot written between barriers; others read after.
+            unsafe { self.seg.slot::<T>(self.me, 0, mine.len()) }.copy_from_slice(&input[mine]);
+            self.barrier(&mut st, desc, deadline)?;
+            for r in 0..self.n() {
+                let p = part(r);
+                out[offs[r] + p.start..offs[r] + p.end]
+                    .copy_from_slice(unsafe { self.seg.slot::<T>(r, 0, p.len()) });
+            }
+            self.barrier(&mut st, desc, deadline)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let w = self.window::<T>(1);
+        for j in 0..buf.len().div_ceil(w) {
+            let r = j * w..((j + 1) * w).min(buf.len());
+            if self.me == root {
+                // SAFETY: the root alone writes its slot between barriers.
+                unsafe { self.seg.slot::<T>(root, 0, r.len()) }.copy_from_slice(&buf[r.clone()]);
+            }
+            self.barrier(&mut st, desc, deadline)?;
+            if self.me != root {
+                buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, 0, r.len()) });
+            }
+            self.barrier(&mut st, desc, deadline)?;
+        }
+        Ok(())
+    }
+
+    fn p2p_key(&self, from: usize, to: usize, n: u64) -> String {
+        format!("p2p/{}/{from}/{to}/{n}", self.name)
+    }
+
+    fn send<T: Element>(&self, desc: &OpDesc, buf: &[T], to: usize) -> Result<(), CommError> {
+        let n = {
+            let mut st = self.state.lock();
+            let c = st.sends.entry(to).or_insert(0);
+            *c += 1;
+            *c - 1
+        };
+        let mut msg: Vec<u8> = desc.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
+        msg.extend_from_slice(as_bytes(buf));
+        self.store.set(&self.p2p_key(self.me, to, n), &msg)
+    }
+
+    fn recv<T: Element>(&self, desc: &OpDesc, from: usize) -> Result<Vec<T>, CommError> {
+        let n = {
+            let mut st = self.state.lock();
+            let c = st.recvs.entry(from).or_insert(0);
+            *c += 1;
+            *c - 1
+        };
+        let key = self.p2p_key(from, self.me, n);
+        let deadline = Instant::now() + self.timeout;
+        let msg = loop {
+            match self.store.get(&key, LIVENESS_EVERY * 4) {
+                Ok(m) => break m,
+                Err(_)
+                    if self.seg.word(from, W_LEFT).load(Ordering::Acquire) != 0
+                        || process_gone(self.pids[from]) =>
+                {
+                    return Err(CommError::RankDied {
+                        group: self.name.clone(),
+                        rank: self.world_ranks[from],
+                        call: desc.to_string(),
+                    })
+                }
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(CommError::Timeout {
+                        group: self.name.clone(),
+                        call: desc.to_string(),
+                        timeout: self.timeout,
+                        waiting_for: vec![self.world_ranks[from]],
+                    })
+                }
+                Err(_) => {}
+            }
+        };
+        self.store.delete(&key)?;
+        let words: Vec<u64> = msg
+            .chunks_exact(8)
+            .take(3)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        let sent = words.try_into().ok().and_then(OpDesc::decode);
+        let data = msg.get(24..).unwrap_or_default();
+        match sent {
+            Some(s)
+                if s.dtype == desc.dtype
+                    && s.len == desc.len
+                    && data.len() == desc.len * std::mem::size_of::<T>() =>
+            {
+                let mut out = vec![T::ZERO; desc.len];
+                as_bytes_mut(&mut out).copy_from_slice(data);
+                Ok(out)
+            }
+            s => Err(CommError::Mismatch {
+                group: self.name.clone(),
+                seq: n,
+                rank_a: self.world_ranks[from],
+                call_a: s.map_or_else(|| "a malformed send".into(), |s| s.to_string()),
+                rank_b: self.world_ranks[self.me],
+                call_b: desc.to_string(),
+            }),
+        }
+    }
+}
+
+fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: Element is sealed to plain-old-data types.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+/// One rank's handle on a shared-memory group.
+pub struct ShmGroup {
+    inner: Arc<Inner>,
+    worker: Worker,
+}
+
+/// What a rank needs to join a shared-memory group.
+pub struct ShmJoin<'a> {
+    /// The job's store.
+    pub store: Arc<StoreClient>,
+    /// Unique per job (names the segment file).
+    pub job: &'a str,
+    /// The group's name (unique within the job).
+    pub name: &'a str,
+    /// The members' world ranks, in group order.
+    pub world_ranks: Vec<usize>,
+    /// This rank's world rank.
+    pub world_rank: usize,
+    /// Staging bytes per rank.
+    pub slot_bytes: usize,
+    /// Timeout of every wait.
+    pub timeout: Duration,
+}
+
+impl ShmGroup {
+    /// Creates (group rank 0) or maps (the others) the group's segment.
+    /// Every member must call it.
+    pub fn join(j: ShmJoin<'_>) -> Result<Self, CommError> {
+        let n = j.world_ranks.len();
+        let me = j
+            .world_ranks
+            .iter()
+            .position(|&r| r == j.world_rank)
+            .ok_or_else(|| CommError::Invalid {
+                group: j.name.to_string(),
+                call: "join".into(),
+                why: format!(
+                    "rank {} is not a member of {:?}",
+                    j.world_rank, j.world_ranks
+                ),
+            })?;
+        let slot = j.slot_bytes.max(4096).div_ceil(64) * 64;
+        let safe: String = j
+            .name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let path = std::path::PathBuf::from(format!("/dev/shm/zrt-{}-{safe}", j.job));
+        let key = |k: &str| format!("shm/{}/{k}", j.name);
+        let io = |what: &str, e: std::io::Error| {
+            CommError::Rendezvous(format!("{what} {}: {e}", path.display()))
+        };
+        let bytes = Segment::bytes(n, slot);
+        let file = if me == 0 {
+            let _ = std::fs::remove_file(&path);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .map_err(|e| io("creating", e))?;
+            f.set_len(bytes as u64)
+                .map_err(|e| io("sizing (is /dev/shm large enough?)", e))?;
+            j.store.set(&key("created"), &[])?;
+            f
+        } else {
+            j.store.get(&key("created"), j.timeout)?;
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| io("opening", e))?
+        };
+        // SAFETY: the file is this job's, sized above, and only accessed
+        // through `Segment`'s atomics and protocol-owned ranges.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| io("mapping", e))?;
+        let seg = Segment { map, n, slot };
+        if me == 0 {
+            // SAFETY: header words, written before anyone is told "ready".
+            unsafe { (seg.base() as *mut u64).write(MAGIC) };
+        }
+        // Publish this process's pid for liveness checks, then meet everyone.
+        j.store.set(
+            &key(&format!("pid/{me}")),
+            &std::process::id().to_le_bytes(),
+        )?;
+        if j.store.add(&key("joined"), 1)? == n as i64 {
+            j.store.set(&key("all"), &[])?;
+        }
+        j.store.get(&key("all"), j.timeout)?;
+        let mut pids = Vec::with_capacity(n);
+        for r in 0..n {
+            let b = j.store.get(&key(&format!("pid/{r}")), j.timeout)?;
+            pids.push(u32::from_le_bytes(
+                b.as_slice()
+                    .try_into()
+                    .map_err(|_| CommError::Rendezvous("malformed pid".into()))?,
+            ));
+        }
+        if me == 0 {
+            // Everyone has mapped it: the name can go, the memory stays.
+            let _ = std::fs::remove_file(&path);
+        }
+        // SAFETY: header word written by rank 0 before "all".
+        if unsafe { (seg.base() as *const u64).read() } != MAGIC {
+            return Err(CommError::Rendezvous(format!(
+                "{} is not a zrt segment",
+                path.display()
+            )));
+        }
+        let inner = Arc::new(Inner {
+            seg,
+            me,
+            name: j.name.to_string(),
+            world_ranks: j.world_ranks,
+            pids,
+            timeout: j.timeout,
+            store: j.store,
+            state: Mutex::new(State {
+                seq: 0,
+                epoch: 0,
+                poisoned: None,
+                sends: HashMap::new(),
+                recvs: HashMap::new(),
+            }),
+        });
+        let i2 = inner.clone();
+        let worker = Worker::start(j.name, me, move || {
+            i2.seg.word(i2.me, W_LEFT).store(1, Ordering::Release)
+        })?;
+        Ok(Self { inner, worker })
+    }
+
+    /// Whether every other member has left the group or died.
+    pub fn peers_gone(&self) -> bool {
+        let i = &self.inner;
+        (0..i.n())
+            .filter(|&r| r != i.me)
+            .all(|r| i.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(i.pids[r]))
+    }
+
+    fn run<R: Send + 'static>(
+        &self,
+        desc: OpDesc,
+        f: impl FnOnce(&Inner) -> Result<(R, usize, usize), CommError> + Send + 'static,
+    ) -> Work<R> {
+        let inner = self.inner.clone();
+        self.worker.submit(desc, move || f(&inner))
+    }
+}
+
+fn bytes_of<T>(n: usize) -> usize {
+    n * std::mem::size_of::<T>()
+}
+
+impl ProcessGroup for ShmGroup {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    fn rank(&self) -> usize {
+        self.inner.me
+    }
+    fn size(&self) -> usize {
+        self.inner.n()
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.inner.world_ranks
+    }
+    fn stats(&self) -> &Stats {
+        self.worker.stats()
+    }
+
+    fn all_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::AllReduce(op),
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        self.run(desc, move |g| {
+            let (_, all) = g.reduce(&desc, &buf, op, true)?;
+            let out = all.unwrap_or_default();
+            let b = bytes_of::<T>(out.len());
+            Ok((out, b, b))
+        })
+    }
+
+    fn reduce_scatter<T: Element>(
+        &self,
+        input: Vec<T>,
+        _out: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc {
+            kind: OpKind::ReduceScatter(op),
+            dtype: Some(T::DTYPE),
+            len: input.len(),
+        };
+        self.run(desc, move |g| {
+            let (mine, _) = g.reduce(&desc, &input, op, false)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(mine.len()));
+            Ok(((input, mine), s, r))
+        })
+    }
+
+    fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc {
+            kind: OpKind::AllGather,
+            dtype: Some(T::DTYPE),
+            len: input.len(),
+        };
+        self.run(desc, move |g| {
+            g.all_gather(&desc, &input, &mut out)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
+    fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::Broadcast { root },
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        if root >= self.size() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!("root {root} is not a rank of this group of {}", self.size()),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            g.broadcast(&desc, &mut buf, root)?;
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
+        })
+    }
+
+    fn barrier(&self) -> Work<()> {
+        let desc = OpDesc {
+            kind: OpKind::Barrier,
+            dtype: None,
+            len: 0,
+        };
+        self.run(desc, move |g| {
+            let deadline = Instant::now() + g.timeout;
+            g.agree(&mut g.state.lock(), &desc, deadline)?;
+            Ok(((), 0, 0))
+        })
+    }
+
+    fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
+        let desc = OpDesc {
+            kind: OpKind::Send { to },
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        if to >= self.size() || to == self.rank() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!(
+                        "destination {to} must be another rank of this group of {}",
+                        self.size()
+                    ),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            g.send(&desc, &buf, to)?;
+            Ok(((), bytes_of::<T>(buf.len()), 0))
+        })
+    }
+
+    fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::Recv { from },
+            dtype: Some(T::DTYPE),
+            len,
+        };
+        if from >= self.size() || from == self.rank() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!(
+                        "source {from} must be another rank of this group of {}",
+                        self.size()
+                    ),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            let v = g.recv::<T>(&desc, from)?;
+            let b = bytes_of::<T>(v.len());
+            Ok((v, 0, b))
+        })
+    }
+}

@@ -1,0 +1,387 @@
+//! The rendezvous store: a small TCP key-value server that ranks use to find
+//! each other, as torch's TCPStore.
+//!
+//! Rank 0 serves it on `MASTER_ADDR:MASTER_PORT`, bound to that address only
+//! (not every interface). Every connection must first present the job's
+//! token (made by `zrt launch`, passed as `ZRT_TOKEN`); a connection that
+//! does not, within 5 seconds, is closed having seen nothing. Each
+//! connection has its own thread, so a stray or hostile client can neither
+//! read data, register as a rank, nor stall the job.
+//!
+//! Wire format, all integers little-endian: a request is `op: u8`,
+//! `key_len: u32`, key bytes, then per op: SET `len: u64` + value; GET
+//! `timeout_ms: u64`; ADD `delta: i64`; DEL nothing. A reply is `status: u8`
+//! (0 ok, 1 timed out) then, for GET, `len: u64` + value, for ADD `i64`.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::CommError;
+
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_TOKEN: usize = 256;
+const MAX_KEY: usize = 4096;
+const MAX_VALUE: u64 = 1 << 30;
+
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_ADD: u8 = 3;
+const OP_DEL: u8 = 4;
+
+fn err(why: impl Into<String>) -> CommError {
+    CommError::Rendezvous(why.into())
+}
+
+fn io(what: &str, e: std::io::Error) -> CommError {
+    err(format!("{what}: {e}"))
+}
+
+/// Compares without an early exit, so timing does not reveal the token.
+fn same_token(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Default)]
+struct Table {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+/// The server side; dropping it stops accepting (open connections end
+/// when their clients hang up).
+pub struct StoreServer {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl StoreServer {
+    /// Binds `addr` (e.g. `127.0.0.1:29500`) and serves in the background.
+    pub fn serve(addr: &str, token: &str) -> Result<Self, CommError> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| io(&format!("cannot listen on {addr} (MASTER_ADDR:MASTER_PORT); is another job using the port?"), e))?;
+        let local = listener.local_addr().map_err(|e| io("local address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let table = Arc::new(Table::default());
+        let token = token.as_bytes().to_vec();
+        let s = stop.clone();
+        std::thread::Builder::new()
+            .name("zrt-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if s.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (table, token) = (table.clone(), token.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("zrt-store-conn".into())
+                        .spawn(move || serve_conn(conn, &table, &token));
+                }
+            })
+            .map_err(|e| io("starting the store thread", e))?;
+        Ok(Self { addr: local, stop })
+    }
+
+    /// The address it listens on (useful with port 0).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+fn read_exact(c: &mut TcpStream, n: usize) -> std::io::Result<Vec<u8>> {
+    let mut b = vec![0u8; n];
+    c.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn read_u64(c: &mut TcpStream) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    c.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn serve_conn(mut c: TcpStream, table: &Table, token: &[u8]) {
+    let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    // Hello: u32 length + token, within HELLO_TIMEOUT, or nothing at all.
+    let _ = c.set_read_timeout(Some(HELLO_TIMEOUT));
+    let hello = (|| {
+        let mut l = [0u8; 4];
+        c.read_exact(&mut l)?;
+        let n = u32::from_le_bytes(l) as usize;
+        if n > MAX_TOKEN {
+            return Err(std::io::Error::other("token too long"));
+        }
+        read_exact(&mut c, n)
+    })();
+    match hello {
+        Ok(t) if same_token(&t, token) => {}
+        _ => {
+            tracing::warn!(
+                peer,
+                "rendezvous store: refused a connection without the job's token"
+            );
+            let _ = c.shutdown(Shutdown::Both);
+            return;
+        }
+    }
+    if c.write_all(&[0]).is_err() {
+        return;
+    }
+    let _ = c.set_read_timeout(None);
+    let _ = c.set_nodelay(true);
+    while let Ok(()) = serve_one(&mut c, table) {}
+}
+
+fn serve_one(c: &mut TcpStream, table: &Table) -> std::io::Result<()> {
+    let mut head = [0u8; 5];
+    c.read_exact(&mut head)?;
+    let klen = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if klen > MAX_KEY {
+        return Err(std::io::Error::other("key too long"));
+    }
+    let key = String::from_utf8(read_exact(c, klen)?).map_err(std::io::Error::other)?;
+    match head[0] {
+        OP_SET => {
+            let n = read_u64(c)?;
+            if n > MAX_VALUE {
+                return Err(std::io::Error::other("value too large"));
+            }
+            let v = read_exact(c, n as usize)?;
+            table.map.lock().insert(key, v);
+            table.changed.notify_all();
+            c.write_all(&[0])
+        }
+        OP_GET => {
+            let deadline = Instant::now() + Duration::from_millis(read_u64(c)?);
+            let mut map = table.map.lock();
+            loop {
+                if let Some(v) = map.get(&key) {
+                    let mut out = Vec::with_capacity(9 + v.len());
+                    out.push(0);
+                    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                    out.extend_from_slice(v);
+                    drop(map);
+                    return c.write_all(&out);
+                }
+                if table.changed.wait_until(&mut map, deadline).timed_out()
+                    && !map.contains_key(&key)
+                {
+                    drop(map);
+                    return c.write_all(&[1]);
+                }
+            }
+        }
+        OP_ADD => {
+            let delta = read_u64(c)? as i64;
+            let mut map = table.map.lock();
+            let cur = map
+                .get(&key)
+                .and_then(|v| v.as_slice().try_into().ok())
+                .map_or(0, i64::from_le_bytes);
+            let new = cur.wrapping_add(delta);
+            map.insert(key, new.to_le_bytes().to_vec());
+            drop(map);
+            table.changed.notify_all();
+            let mut out = vec![0u8];
+            out.extend_from_slice(&new.to_le_bytes());
+            c.write_all(&out)
+        }
+        OP_DEL => {
+            table.map.lock().remove(&key);
+            c.write_all(&[0])
+        }
+        _ => Err(std::io::Error::other("unknown op")),
+    }
+}
+
+/// A rank's connection to the store. Calls are serialized on one connection.
+pub struct StoreClient {
+    conn: Mutex<TcpStream>,
+    addr: String,
+}
+
+impl StoreClient {
+    /// Connects (retrying until `timeout`, since rank 0 may not be serving
+    /// yet) and presents `token`.
+    pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, CommError> {
+        let deadline = Instant::now() + timeout;
+        let target = addr
+            .to_socket_addrs()
+            .map_err(|e| {
+                io(
+                    &format!("cannot resolve MASTER_ADDR:MASTER_PORT `{addr}`"),
+                    e,
+                )
+            })?
+            .next()
+            .ok_or_else(|| err(format!("`{addr}` resolves to no address")))?;
+        let mut c = loop {
+            match TcpStream::connect_timeout(&target, Duration::from_secs(1)) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(io(
+                        &format!(
+                            "no rendezvous store at {addr} after {:.0} s (is rank 0 running?)",
+                            timeout.as_secs_f64()
+                        ),
+                        e,
+                    ))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let _ = c.set_nodelay(true);
+        let mut hello = (token.len() as u32).to_le_bytes().to_vec();
+        hello.extend_from_slice(token.as_bytes());
+        c.write_all(&hello)
+            .map_err(|e| io("sending the token", e))?;
+        let mut ok = [0u8; 1];
+        c.read_exact(&mut ok)
+            .map_err(|_| err(format!("the store at {addr} refused this rank's token: ZRT_TOKEN must be the one `zrt launch` gave the job")))?;
+        Ok(Self {
+            conn: Mutex::new(c),
+            addr: addr.to_string(),
+        })
+    }
+
+    fn request(
+        &self,
+        op: u8,
+        key: &str,
+        body: &[u8],
+        reply_len: Option<usize>,
+    ) -> Result<Option<Vec<u8>>, CommError> {
+        let mut c = self.conn.lock();
+        let mut msg = vec![op];
+        msg.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        msg.extend_from_slice(key.as_bytes());
+        msg.extend_from_slice(body);
+        let lost = |e: std::io::Error| {
+            io(
+                &format!("lost the rendezvous store at {} (rank 0 gone?)", self.addr),
+                e,
+            )
+        };
+        c.write_all(&msg).map_err(lost)?;
+        let mut status = [0u8; 1];
+        c.read_exact(&mut status).map_err(lost)?;
+        if status[0] == 1 {
+            return Ok(None);
+        }
+        let n = match reply_len {
+            Some(n) => n,
+            None => read_u64(&mut c).map_err(lost)? as usize,
+        };
+        read_exact(&mut c, n).map(Some).map_err(lost)
+    }
+
+    /// Sets `key` to `value`.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        let mut body = (value.len() as u64).to_le_bytes().to_vec();
+        body.extend_from_slice(value);
+        self.request(OP_SET, key, &body, Some(0)).map(|_| ())
+    }
+
+    /// Waits for `key` to exist (at most `timeout`) and returns its value.
+    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
+        let body = (timeout.as_millis() as u64).to_le_bytes();
+        self.request(OP_GET, key, &body, None)?.ok_or_else(|| {
+            err(format!(
+                "key `{key}` did not appear in the store within {:.0} s",
+                timeout.as_secs_f64()
+            ))
+        })
+    }
+
+    /// Adds `delta` to the integer at `key` (0 if absent); returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+        let v = self
+            .request(OP_ADD, key, &delta.to_le_bytes(), Some(8))?
+            .unwrap_or_default();
+        Ok(i64::from_le_bytes(
+            v.as_slice()
+                .try_into()
+                .map_err(|_| err("malformed ADD reply"))?,
+        ))
+    }
+
+    /// Removes `key`.
+    pub fn delete(&self, key: &str) -> Result<(), CommError> {
+        self.request(OP_DEL, key, &[], Some(0)).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_add_delete_and_blocking_get() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let a = StoreClient::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let b = StoreClient::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        a.set("k", b"v").unwrap();
+        assert_eq!(b.get("k", Duration::from_secs(1)).unwrap(), b"v");
+        assert_eq!(a.add("n", 2).unwrap(), 2);
+        assert_eq!(b.add("n", 3).unwrap(), 5);
+        let t = std::thread::spawn(move || b.get("later", Duration::from_secs(5)).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        a.set("later", b"x").unwrap();
+        assert_eq!(t.join().unwrap(), b"x");
+        a.delete("k").unwrap();
+        let e = a
+            .get("k", Duration::from_millis(50))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `k` did not appear"), "{e}");
+    }
+
+    #[test]
+    fn a_wrong_token_gets_nothing_and_a_silent_client_stalls_nobody() {
+        let srv = StoreServer::serve("127.0.0.1:0", "secret").unwrap();
+        let addr = srv.addr().to_string();
+        let good = StoreClient::connect(&addr, "secret", Duration::from_secs(5)).unwrap();
+        good.set("weights", b"private").unwrap();
+        // A stray connection that says nothing holds only its own thread.
+        let _silent = TcpStream::connect(&addr).unwrap();
+        let e = StoreClient::connect(&addr, "guess", Duration::from_secs(5))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("refused this rank's token"), "{e}");
+        // A raw client that skips the hello and asks for a key gets no data.
+        let mut raw = TcpStream::connect(&addr).unwrap();
+        let mut req = vec![OP_GET];
+        req.extend_from_slice(&7u32.to_le_bytes());
+        req.extend_from_slice(b"weights");
+        req.extend_from_slice(&0u64.to_le_bytes());
+        let _ = raw.write_all(&req);
+        let mut buf = Vec::new();
+        let _ = raw.set_read_timeout(Some(Duration::from_secs(6)));
+        let _ = raw.read_to_end(&mut buf);
+        assert!(
+            !buf.windows(7).any(|w| w == b"private"),
+            "leaked data to an unauthenticated client"
+        );
+        // And the job goes on.
+        assert_eq!(
+            good.get("weights", Duration::from_secs(1)).unwrap(),
+            b"private"
+        );
+    }
+}

@@ -1,0 +1,146 @@
+//! Checks shared by every backend's tests: each rank runs every op on every
+//! dtype and size, and asserts its own results against a naive reference
+//! computed from the (deterministic) inputs of all ranks.
+
+#![allow(dead_code)]
+
+use half::{bf16, f16};
+use zrt_collectives::{chunk_range, Element, ProcessGroup, ReduceOp};
+
+/// Test values of each element type, and the reference result of a
+/// reduction computed independently of the backend (in i64 / f64).
+pub trait Make: Element {
+    fn make(x: i64) -> Self;
+    fn expect(xs: &[i64], op: ReduceOp) -> Self;
+}
+
+macro_rules! make_float {
+    ($t:ty, $from:expr) => {
+        impl Make for $t {
+            fn make(x: i64) -> Self {
+                $from(x as f64)
+            }
+            fn expect(xs: &[i64], op: ReduceOp) -> Self {
+                let sum: i64 = xs.iter().sum();
+                $from(match op {
+                    ReduceOp::Sum => sum as f64,
+                    ReduceOp::Avg => sum as f64 / xs.len() as f64,
+                    ReduceOp::Max => *xs.iter().max().unwrap() as f64,
+                    ReduceOp::Min => *xs.iter().min().unwrap() as f64,
+                })
+            }
+        }
+    };
+}
+make_float!(f32, |x: f64| x as f32);
+make_float!(f64, |x: f64| x);
+make_float!(bf16, bf16::from_f64);
+make_float!(f16, f16::from_f64);
+
+macro_rules! make_int {
+    ($t:ty) => {
+        impl Make for $t {
+            fn make(x: i64) -> Self {
+                x as $t
+            }
+            fn expect(xs: &[i64], op: ReduceOp) -> Self {
+                let sum: i64 = xs.iter().sum();
+                (match op {
+                    ReduceOp::Sum => sum,
+                    ReduceOp::Avg => sum / xs.len() as i64,
+                    ReduceOp::Max => *xs.iter().max().unwrap(),
+                    ReduceOp::Min => *xs.iter().min().unwrap(),
+                }) as $t
+            }
+        }
+    };
+}
+make_int!(i64);
+make_int!(u8);
+
+/// Rank `r`'s i-th input: small non-negative integers, exact in every type.
+pub fn val(r: usize, i: usize) -> i64 {
+    ((r * 7 + i * 3) % 11) as i64
+}
+
+/// Lengths that do not divide evenly by 2, 3 or 4 (and 64 that does).
+pub const LENS: [usize; 4] = [1, 7, 64, 1001];
+
+/// Every op on `g` for element type T and every length; panics naming the
+/// op, dtype, world and length on the first wrong element.
+pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
+    let (me, world) = (g.rank(), g.size());
+    let ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+    for len in LENS {
+        let input: Vec<T> = (0..len).map(|i| T::make(val(me, i))).collect();
+        let column = |i: usize| -> Vec<i64> { (0..world).map(|r| val(r, i)).collect() };
+        for op in ops {
+            let full: Vec<T> = (0..len).map(|i| T::expect(&column(i), op)).collect();
+            let got = g.all_reduce(input.clone(), op).wait().unwrap();
+            assert_eq!(
+                got,
+                full,
+                "{:?} all_reduce {op:?} world {world} len {len} rank {me}",
+                T::DTYPE
+            );
+            let (back, part) = g
+                .reduce_scatter(input.clone(), Vec::new(), op)
+                .wait()
+                .unwrap();
+            assert_eq!(back, input);
+            assert_eq!(
+                part[..],
+                full[chunk_range(len, world, me)],
+                "{:?} reduce_scatter {op:?} world {world} len {len} rank {me}",
+                T::DTYPE
+            );
+        }
+        // all_gather of unequal parts: rank r contributes len + r elements.
+        let mine: Vec<T> = (0..len + me).map(|i| T::make(val(me, i))).collect();
+        let (_, got) = g.all_gather(mine, Vec::new()).wait().unwrap();
+        let want: Vec<T> = (0..world)
+            .flat_map(|r| (0..len + r).map(move |i| T::make(val(r, i))))
+            .collect();
+        assert_eq!(
+            got,
+            want,
+            "{:?} all_gather world {world} len {len} rank {me}",
+            T::DTYPE
+        );
+        let root = world - 1;
+        let b: Vec<T> = if me == root {
+            input.clone()
+        } else {
+            vec![T::ZERO; len]
+        };
+        let got = g.broadcast(b, root).wait().unwrap();
+        let want: Vec<T> = (0..len).map(|i| T::make(val(root, i))).collect();
+        assert_eq!(
+            got,
+            want,
+            "{:?} broadcast world {world} len {len} rank {me}",
+            T::DTYPE
+        );
+        g.barrier().wait().unwrap();
+    }
+}
+
+/// [`check_ops`] for every element type.
+pub fn check_all_dtypes<G: ProcessGroup>(g: &G) {
+    check_ops::<f32, G>(g);
+    check_ops::<bf16, G>(g);
+    check_ops::<f16, G>(g);
+    check_ops::<f64, G>(g);
+    check_ops::<i64, G>(g);
+    check_ops::<u8, G>(g);
+}
+
+/// A ring of sends: each rank sends its rank to the next and receives from
+/// the previous.
+pub fn check_send_recv<G: ProcessGroup>(g: &G) {
+    let (me, n) = (g.rank(), g.size());
+    let sent = g.send(vec![me as f32; 5], (me + 1) % n);
+    let got = g.recv::<f32>(5, (me + n - 1) % n).wait().unwrap();
+    sent.wait().unwrap();
+    assert_eq!(got, vec![((me + n - 1) % n) as f32; 5]);
+}

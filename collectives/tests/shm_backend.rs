@@ -1,0 +1,270 @@
+//! The shared-memory backend with real processes: this test binary re-runs
+//! itself once per rank (the `rank_main` test, which does nothing unless
+//! `ZRT_TEST_SCENARIO` is set), with the environment `zrt launch` sets.
+
+mod common;
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use zrt_collectives::{init_from_env, CommError, ProcessGroup, ReduceOp};
+
+const SCENARIO: &str = "ZRT_TEST_SCENARIO";
+
+/// What one rank process printed and how it ended.
+struct Ended {
+    code: Option<i32>,
+    out: String,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn(world: usize, scenario: &str, extra: &[(&str, &str)]) -> Vec<Child> {
+    let port = free_port().to_string();
+    let token = format!("test-{}-{port}", std::process::id());
+    (0..world)
+        .map(|r| {
+            let mut c = Command::new(std::env::current_exe().unwrap());
+            c.args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
+                .env(SCENARIO, scenario)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ZRT_TOKEN", &token)
+                // Only liveness checks, not this timeout, may end a wait quickly.
+                .env("ZRT_TIMEOUT", "120")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect()
+}
+
+fn finish(children: Vec<Child>, limit: Duration) -> Vec<Ended> {
+    let deadline = Instant::now() + limit;
+    children
+        .into_iter()
+        .map(|mut c| {
+            let status = loop {
+                if let Some(s) = c.try_wait().unwrap() {
+                    break Some(s);
+                }
+                if Instant::now() >= deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break None;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let mut out = String::new();
+            c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+            let mut err = String::new();
+            c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            out.push_str(&err);
+            Ended {
+                code: status.and_then(|s| s.code()),
+                out,
+            }
+        })
+        .collect()
+}
+
+fn run(world: usize, scenario: &str, extra: &[(&str, &str)], limit: Duration) -> Vec<Ended> {
+    finish(spawn(world, scenario, extra), limit)
+}
+
+/// The line a rank printed as `@@ <text>`.
+fn said(e: &Ended) -> &str {
+    // libtest may print "test rank_main ... " on the same line first.
+    e.out
+        .lines()
+        .find_map(|l| l.split_once("@@ ").map(|(_, s)| s))
+        .unwrap_or_else(|| panic!("rank printed no result:\n{}", e.out))
+}
+
+/// Runs as a rank when re-executed by the tests above; a no-op otherwise.
+#[test]
+fn rank_main() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let dist = init_from_env().unwrap();
+    let g = dist.world();
+    let me = g.rank();
+    let report = |r: Result<(), CommError>| match r {
+        Ok(()) => println!("@@ ok"),
+        Err(e) => println!("@@ err {e}"),
+    };
+    match scenario.as_str() {
+        "ops" => {
+            common::check_all_dtypes(g);
+            common::check_send_recv(g);
+            println!("@@ ok");
+        }
+        "mesh" => {
+            let mut dist = dist;
+            let mesh = dist.mesh(2).unwrap();
+            let s = mesh
+                .shard_group()
+                .all_reduce(vec![me as i64], ReduceOp::Sum)
+                .wait()
+                .unwrap()[0];
+            let p = mesh
+                .replicate_group()
+                .all_reduce(vec![me as i64], ReduceOp::Sum)
+                .wait()
+                .unwrap()[0];
+            println!("@@ {s} {p}");
+        }
+        "exit" => {
+            g.all_reduce(vec![1f32; 8], ReduceOp::Sum).wait().unwrap();
+            if me == 2 {
+                std::process::exit(3);
+            }
+            report(
+                g.all_reduce(vec![1f32; 8], ReduceOp::Sum)
+                    .wait()
+                    .map(|_| ()),
+            );
+        }
+        "killed" => {
+            g.barrier().wait().unwrap();
+            if me == 1 {
+                // The parent kills this process while rank 0 waits in the gather.
+                println!("@@ waiting to be killed");
+                std::thread::sleep(Duration::from_secs(60));
+            }
+            report(
+                g.all_gather(vec![0u8; 1 << 20], Vec::new())
+                    .wait()
+                    .map(|_| ()),
+            );
+        }
+        "mismatch" => {
+            let r = if me == 0 {
+                g.all_reduce(vec![0f32; 10], ReduceOp::Sum)
+                    .wait()
+                    .map(|_| ())
+            } else {
+                g.all_gather(vec![0f32; 10], Vec::new()).wait().map(|_| ())
+            };
+            report(r);
+        }
+        "size" => report(
+            g.all_reduce(vec![0f32; 10 + 2 * me], ReduceOp::Sum)
+                .wait()
+                .map(|_| ()),
+        ),
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+#[test]
+fn every_op_dtype_and_uneven_size_across_processes() {
+    // Small staging slots force many windows per op.
+    for world in [2, 3, 4] {
+        for e in run(
+            world,
+            "ops",
+            &[("ZRT_SHM_SLOT_BYTES", "4096")],
+            Duration::from_secs(120),
+        ) {
+            assert_eq!(e.code, Some(0), "world {world}:\n{}", e.out);
+            assert_eq!(said(&e), "ok");
+        }
+    }
+}
+
+#[test]
+fn mesh_groups_across_processes() {
+    let got: Vec<String> = run(4, "mesh", &[], Duration::from_secs(60))
+        .iter()
+        .map(|e| said(e).to_string())
+        .collect();
+    assert_eq!(got, ["1 2", "1 4", "5 2", "5 4"]);
+}
+
+#[test]
+fn a_rank_that_exits_fails_its_peers_within_seconds() {
+    let t = Instant::now();
+    let ended = run(3, "exit", &[], Duration::from_secs(60));
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(ended[2].code, Some(3));
+    for e in &ended[..2] {
+        let s = said(e);
+        assert!(s.starts_with("err rank 2 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"), "{s}");
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_collective_fails_its_peer_within_5_seconds() {
+    let mut children = spawn(2, "killed", &[]);
+    // Wait until rank 1 says it is parked, then kill it without warning.
+    let mut buf = [0u8; 1];
+    let mut line = Vec::new();
+    let out1 = children[1].stdout.as_mut().unwrap();
+    while !String::from_utf8_lossy(&line).contains("@@ waiting") {
+        if out1.read(&mut buf).unwrap() == 0 {
+            break;
+        }
+        line.push(buf[0]);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    children[1].kill().unwrap();
+    let t = Instant::now();
+    let ended = finish(children, Duration::from_secs(60));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "detection took {:?}",
+        t.elapsed()
+    );
+    let s = said(&ended[0]);
+    assert!(
+        s.starts_with(
+            "err rank 1 of group `world` died or left the group during all_gather(u8 x 1048576)"
+        ),
+        "{s}"
+    );
+}
+
+#[test]
+fn different_collectives_or_sizes_name_both_calls() {
+    for e in run(2, "mismatch", &[], Duration::from_secs(60)) {
+        let s = said(&e);
+        assert!(
+            s.contains("collective mismatch on group `world` at call #0"),
+            "{s}"
+        );
+        assert!(
+            s.contains("all_reduce(f32 x 10, Sum)") && s.contains("all_gather(f32 x 10)"),
+            "{s}"
+        );
+    }
+    for e in run(3, "size", &[], Duration::from_secs(60)) {
+        let s = said(&e);
+        assert!(
+            s.contains("collective mismatch")
+                && s.contains("f32 x 10, Sum")
+                && s.contains("f32 x 12, Sum"),
+            "{s}"
+        );
+    }
+}

@@ -1,21 +1,24 @@
 //! The smallest real thing zrt runs today (until the engine and the GPT job
 //! land): ZeRO-3's data flow, by hand, across ranks.
 //!
-//! Each rank (a thread, local backend) holds only its shard of the fp32
+//! Under `zrt launch` each rank is a process and the ranks talk through
+//! shared memory (the shm backend); run directly, the ranks are threads
+//! (the local backend). Each rank holds only its shard of the fp32
 //! parameters and of Adam's m and v. Every step it all-gathers the flat
 //! parameters into a tch MLP, runs forward and backward on its own
 //! micro-batch, reduce-scatters (averages) the flat gradients, and updates its
 //! shard with zrt's fused AdamW. Rank 0 prints the training loss and a
 //! held-out validation loss, which fall.
 //!
-//! `cargo xtask demo [--world N] [--steps N]`
+//! `cargo xtask demo` runs `zrt launch --nproc-per-node 2 -- demo`;
+//! `demo [--world N] [--steps N]` runs N threads instead.
 
 use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use tch::{nn, nn::Module, Device, Reduction, Tensor};
-use zrt::collectives::local::{self, LocalRank};
-use zrt::collectives::{chunk_range, ProcessGroup, ReduceOp};
+use zrt::collectives::local;
+use zrt::collectives::{chunk_range, init_from_env, ProcessGroup, ReduceOp};
 use zrt::kernels::{adam_step, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 const IN: i64 = 16;
@@ -119,8 +122,8 @@ impl Flat {
 /// rank's thread gets the same, reproducible initialization.
 static INIT: Mutex<()> = Mutex::new(());
 
-fn run(rank: LocalRank, steps: usize, log: &Mutex<Vec<String>>) -> Result<(f64, f64)> {
-    let g = rank.world();
+/// One rank's training; `log` receives rank 0's progress lines.
+fn run<G: ProcessGroup>(g: &G, steps: usize, log: &(dyn Fn(String) + Sync)) -> Result<(f64, f64)> {
     let (me, world) = (g.rank(), g.size());
     let init = INIT
         .lock()
@@ -167,9 +170,7 @@ fn run(rank: LocalRank, steps: usize, log: &Mutex<Vec<String>>) -> Result<(f64, 
                 val.0 = vl;
             }
             val.1 = vl;
-            log.lock()
-                .map_err(|_| anyhow::anyhow!("log poisoned"))?
-                .push(format!("step {step:4}  validation loss {vl:.4}"));
+            log(format!("step {step:4}  validation loss {vl:.4}"));
         }
         flat.zero_grads();
         let (x, y) = batch((step * world + me) as u64, BATCH);
@@ -189,12 +190,22 @@ fn run(rank: LocalRank, steps: usize, log: &Mutex<Vec<String>>) -> Result<(f64, 
             .all_reduce(vec![loss.double_value(&[])], ReduceOp::Avg)
             .wait()?[0];
         if me == 0 && (step == 1 || step % 200 == 0) {
-            log.lock()
-                .map_err(|_| anyhow::anyhow!("log poisoned"))?
-                .push(format!("step {step:4}  train loss {avg:.4}"));
+            log(format!("step {step:4}  train loss {avg:.4}"));
         }
     }
     Ok(val)
+}
+
+fn report(first: f64, last: f64) -> Result<()> {
+    println!(
+        "validation loss {first:.4} -> {last:.4} ({:.1}x lower)",
+        first / last
+    );
+    // NaN counts as not falling.
+    if last.is_nan() || last >= first {
+        bail!("validation loss did not fall");
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -209,20 +220,49 @@ fn main() -> Result<()> {
             None => Ok(default),
         }
     };
-    let (world, steps) = (opt("--world", 2)?, opt("--steps", 1000)?);
-    if world == 0 || steps == 0 {
-        bail!("--world and --steps must be at least 1");
+    let steps = opt("--steps", 1000)?;
+    if steps == 0 {
+        bail!("--steps must be at least 1");
     }
     tch::set_num_threads(1);
-    println!(
-        "zrt demo: ZeRO-3 data flow by hand, {world} ranks (threads, local backend), {steps} steps"
-    );
-    println!("each rank holds 1/{world} of the fp32 params and Adam state; all_gather -> forward/backward -> reduce_scatter -> fused AdamW");
+    let banner = |world: usize, how: &str| {
+        println!("zrt demo: ZeRO-3 data flow by hand, {world} ranks ({how}), {steps} steps");
+        println!("each rank holds 1/{world} of the fp32 params and Adam state; all_gather -> forward/backward -> reduce_scatter -> fused AdamW");
+    };
+
+    if std::env::var_os("RANK").is_some() {
+        // Started by `zrt launch`: one process per rank.
+        let dist = init_from_env().context("joining the job")?;
+        let g = dist.world();
+        if g.rank() == 0 {
+            banner(g.size(), "processes, shared-memory backend");
+        }
+        let (first, last) = run(g, steps, &|line| println!("{line}"))?;
+        return if g.rank() == 0 {
+            report(first, last)
+        } else {
+            Ok(())
+        };
+    }
+
+    let world = opt("--world", 2)?;
+    if world == 0 {
+        bail!("--world must be at least 1");
+    }
+    banner(world, "threads, local backend");
     let log = Mutex::new(Vec::new());
+    let push = |line: String| {
+        if let Ok(mut l) = log.lock() {
+            l.push(line);
+        }
+    };
     let results: Vec<Result<(f64, f64)>> = std::thread::scope(|s| {
         let hs: Vec<_> = local::world(world)
             .into_iter()
-            .map(|r| s.spawn(|| run(r, steps, &log)))
+            .map(|r| {
+                let push = &push;
+                s.spawn(move || run(r.world(), steps, push))
+            })
             .collect();
         hs.into_iter()
             .map(|h| {
@@ -242,14 +282,5 @@ fn main() -> Result<()> {
     for (r, res) in results.into_iter().enumerate() {
         vals.push(res.with_context(|| format!("rank {r} failed"))?);
     }
-    let (first, last) = vals[0];
-    println!(
-        "validation loss {first:.4} -> {last:.4} ({:.1}x lower)",
-        first / last
-    );
-    // NaN counts as not falling.
-    if last.is_nan() || last >= first {
-        bail!("validation loss did not fall");
-    }
-    Ok(())
+    report(vals[0].0, vals[0].1)
 }

@@ -243,10 +243,41 @@ fn exit_code(st: std::process::ExitStatus) -> ExitCode {
     }
 }
 
-/// The main job. Until the engine lands this is the smallest real multi-part
-/// thing that exists; it grows into `zrt launch` of examples/train_gpt.
+/// The main job: `zrt launch` of the demo on 2 processes (shm backend).
+/// Until the engine lands the demo is ZeRO-3's data flow by hand; it grows
+/// into examples/train_gpt.
 fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
-    let mut a = vec!["run", "--release", "--quiet", "--example", "demo", "--"];
-    a.extend(str_refs(rest));
-    cargo(root, &a)
+    let code = cargo(
+        root,
+        &[
+            "build",
+            "--release",
+            "--quiet",
+            "--bin",
+            "zrt",
+            "--example",
+            "demo",
+        ],
+    )?;
+    if code != ExitCode::SUCCESS {
+        return Ok(code);
+    }
+    let release = target_dir(root).join("release");
+    let mut cmd = Command::new(release.join("zrt"));
+    cmd.args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(release.join("examples").join("demo"))
+        .args(rest);
+    eprintln!(
+        "xtask: zrt launch --nproc-per-node 2 -- target/release/examples/demo {}",
+        rest.join(" ")
+    );
+    Ok(exit_code(
+        cmd.current_dir(root)
+            .status()
+            .context("running zrt launch")?,
+    ))
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }

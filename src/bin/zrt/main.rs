@@ -2,6 +2,7 @@
 //! and configs, estimate memory.
 
 mod bench;
+mod launch;
 
 use std::process::ExitCode;
 
@@ -26,8 +27,8 @@ struct Pending {
 enum Cmd {
     /// Start N ranks of a program with the torchrun environment contract.
     ///
-    /// Example: zrt launch --nproc-per-node 2 -- target/release/examples/train_gpt
-    Launch(Pending),
+    /// Example: zrt launch --nproc-per-node 2 -- target/release/examples/demo
+    Launch(launch::LaunchArgs),
     /// Run a benchmark and print numbers next to a peer and a limit measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -73,7 +74,10 @@ fn main() -> ExitCode {
         Cmd::Bench {
             which: BenchCmd::Offload(_),
         } => return pending("bench offload"),
-        Cmd::Launch(_) => return pending("launch"),
+        Cmd::Launch(a) => match launch::run(&a) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
         Cmd::Ckpt(_) => return pending("ckpt"),
         Cmd::Config(_) => return pending("config"),
         Cmd::Estimate(_) => return pending("estimate"),

@@ -1,0 +1,243 @@
+//! `zrt launch`: start a job's ranks on this node with the torchrun
+//! environment contract.
+//!
+//! Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//! MASTER_ADDR, MASTER_PORT and ZRT_TOKEN (the job's secret, which the
+//! rendezvous store checks). Output lines are prefixed with the rank. The
+//! ranks run in their own process group: Ctrl-C reaches the launcher once and
+//! is forwarded to every rank. When a rank exits non-zero, the others are
+//! stopped (SIGTERM, then SIGKILL after a grace period) and the launcher
+//! exits with that rank's code, naming it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+/// Options of `zrt launch`.
+#[derive(Args, Debug)]
+pub struct LaunchArgs {
+    /// Ranks to start on this node.
+    #[arg(long)]
+    nproc_per_node: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index (0-based).
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address rank 0 serves the rendezvous store on.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Its port (default: a free port for single-node jobs, 29500 otherwise).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Seconds ranks get to exit after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program and its arguments, after `--`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, num_args = 1..)]
+    program: Vec<String>,
+}
+
+/// The signal the launcher received (0: none), set by the handler.
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+fn random_token() -> Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .context("reading /dev/urandom for the job token")?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Copies `from` to our stdout/stderr line by line, prefixed with the rank.
+fn pump(
+    rank: usize,
+    from: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).split(b'\n') {
+            let Ok(line) = line else { break };
+            let text = String::from_utf8_lossy(&line);
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+            }
+        }
+    })
+}
+
+/// Signals each rank's whole process group (each rank leads its own), so
+/// whatever a rank started goes too and no stray process keeps its output
+/// open.
+fn signal_all(children: &mut [(usize, Child)], sig: libc::c_int) {
+    for (_, c) in children.iter() {
+        // SAFETY: kill(2) on the process groups our own children lead.
+        unsafe { libc::kill(-(c.id() as libc::pid_t), sig) };
+    }
+}
+
+/// Stops every child still running: `sig`, then SIGKILL after `grace`.
+fn stop_all(children: &mut Vec<(usize, Child)>, sig: libc::c_int, grace: Duration) {
+    signal_all(children, sig);
+    let deadline = Instant::now() + grace;
+    while !children.is_empty() && Instant::now() < deadline {
+        children.retain_mut(|(_, c)| !matches!(c.try_wait(), Ok(Some(_))));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_all(children, libc::SIGKILL);
+    for (_, c) in children.iter_mut() {
+        let _ = c.wait();
+    }
+    children.clear();
+}
+
+fn code_of(st: std::process::ExitStatus) -> i32 {
+    st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
+}
+
+/// Runs the job; returns the launcher's exit code.
+pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
+    if a.nproc_per_node == 0 || a.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be at least 1");
+    }
+    if a.node_rank >= a.nnodes {
+        bail!(
+            "--node-rank {} must be below --nnodes {}",
+            a.node_rank,
+            a.nnodes
+        );
+    }
+    let token = match std::env::var("ZRT_TOKEN") {
+        Ok(t) if !t.is_empty() => t,
+        _ if a.nnodes > 1 => bail!(
+            "a job on several nodes needs the same ZRT_TOKEN on every node: export ZRT_TOKEN=<random hex> on each before `zrt launch`"
+        ),
+        _ => random_token()?,
+    };
+    let port = match a.master_port {
+        Some(p) => p,
+        None if a.nnodes == 1 => {
+            free_port().context("finding a free port for the rendezvous store")?
+        }
+        None => 29500,
+    };
+    let world = a.nnodes * a.nproc_per_node;
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut children = Vec::new();
+    let mut groups: Vec<libc::pid_t> = Vec::new();
+    let mut pumps = Vec::new();
+    for local in 0..a.nproc_per_node {
+        let rank = a.node_rank * a.nproc_per_node + local;
+        let mut cmd = Command::new(&a.program[0]);
+        cmd.args(&a.program[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env("ZRT_TOKEN", &token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Own process group: a terminal's Ctrl-C reaches only the launcher,
+            // which forwards it exactly once.
+            .process_group(0);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop_all(
+                    &mut children,
+                    libc::SIGTERM,
+                    Duration::from_secs_f64(a.grace),
+                );
+                bail!("cannot start `{}` for rank {rank}: {e}", a.program[0]);
+            }
+        };
+        groups.push(child.id() as libc::pid_t);
+        if let Some(o) = child.stdout.take() {
+            pumps.push(pump(rank, o, false));
+        }
+        if let Some(e) = child.stderr.take() {
+            pumps.push(pump(rank, e, true));
+        }
+        children.push((rank, child));
+    }
+
+    let grace = Duration::from_secs_f64(a.grace);
+    let mut failed: Option<(usize, i32)> = None;
+    while !children.is_empty() {
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!("zrt launch: got signal {sig}, forwarding it to every rank");
+            signal_all(&mut children, sig);
+            let deadline = Instant::now() + grace;
+            while !children.is_empty() && Instant::now() < deadline {
+                children.retain_mut(|(_, c)| !matches!(c.try_wait(), Ok(Some(_))));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            stop_all(&mut children, libc::SIGKILL, Duration::ZERO);
+            failed.get_or_insert((usize::MAX, 128 + sig));
+            break;
+        }
+        let mut i = 0;
+        while i < children.len() {
+            match children[i].1.try_wait() {
+                Ok(Some(st)) => {
+                    let (rank, _) = children.remove(i);
+                    let code = code_of(st);
+                    if code != 0 && failed.is_none() {
+                        failed = Some((rank, code));
+                        let how = match st.signal() {
+                            Some(s) => format!("was killed by signal {s}"),
+                            None => format!("exited with code {code}"),
+                        };
+                        eprintln!(
+                            "zrt launch: rank {rank} {how}; stopping the other {} rank(s)",
+                            children.len()
+                        );
+                        stop_all(&mut children, libc::SIGTERM, grace);
+                    }
+                }
+                Ok(None) => i += 1,
+                Err(e) => bail!("waiting for rank {}: {e}", children[i].0),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The job's processes end with the job: anything a rank left running in
+    // its process group would otherwise keep its output pipe (and us) open.
+    for pg in groups {
+        // SAFETY: kill(2) on process groups our children led; an empty group is ESRCH.
+        unsafe { libc::kill(-pg, libc::SIGKILL) };
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    Ok(match failed {
+        None => ExitCode::SUCCESS,
+        Some((_, code)) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+    })
+}

@@ -1,0 +1,131 @@
+//! `zrt launch` end to end, with `sh` as the ranks' program.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn zrt() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_zrt"));
+    c.env_remove("ZRT_TOKEN");
+    c
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
+        .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${#ZRT_TOKEN}; echo err >&2")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for r in 0..3 {
+        // A 32-hex-digit token was generated and passed.
+        assert!(
+            t.contains(&format!("[rank {r}] env {r} 3 {r} 3 127.0.0.1 32")),
+            "{t}"
+        );
+        assert!(t.contains(&format!("[rank {r}] err")), "{t}");
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
+    let t0 = Instant::now();
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
+        .arg("if [ $RANK = 1 ]; then sleep 0.2; exit 7; fi; sleep 60")
+        .output()
+        .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(o.status.code(), Some(7));
+    assert!(
+        text(&o).contains("zrt launch: rank 1 exited with code 7; stopping the other 2 rank(s)"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn ctrl_c_is_forwarded_to_every_rank() {
+    let child = zrt()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+        .arg("trap 'echo got-int; exit 0' INT; echo ready; sleep 60 & wait")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    // SAFETY: signalling the child we just spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{t}");
+    assert!(
+        t.contains("[rank 0] got-int") && t.contains("[rank 1] got-int"),
+        "{t}"
+    );
+}
+
+#[test]
+fn bad_arguments_are_refused_with_the_fix() {
+    let o = zrt()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("needs the same ZRT_TOKEN on every node"),
+        "{}",
+        text(&o)
+    );
+    let o = zrt()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&o).contains("--node-rank 2 must be below --nnodes 2"),
+        "{}",
+        text(&o)
+    );
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "1", "--", "/nonexistent/prog"])
+        .output()
+        .unwrap();
+    assert!(
+        text(&o).contains("cannot start `/nonexistent/prog` for rank 0"),
+        "{}",
+        text(&o)
+    );
+}

@@ -44,9 +44,11 @@ const W_LEFT: usize = 1;
 const W_DESC: usize = 2;
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 
-/// Default staging bytes per rank: large enough that per-window barriers
-/// cost little, small enough for /dev/shm on small machines.
-pub const DEFAULT_SLOT_BYTES: usize = 8 << 20;
+/// Default staging bytes per rank (`ZRT_SHM_SLOT_BYTES` overrides). Small
+/// enough that a window staged by one rank is still in cache when the others
+/// read it, large enough that the barriers per window cost little: measured
+/// best of 256 KiB .. 8 MiB on 2 ranks (README, collectives benchmark).
+pub const DEFAULT_SLOT_BYTES: usize = 512 << 10;
 
 struct Segment {
     map: MmapMut,
@@ -230,24 +232,30 @@ impl Inner {
         (self.seg.slot / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
     }
 
-    /// reduce_scatter / all_reduce on `input`; returns this rank's reduced
-    /// part, and with `full` also the whole reduced buffer.
+    /// reduce_scatter (`full == false`: this rank's reduced part goes to
+    /// `part`) or all_reduce (`full == true`: the whole result is written back
+    /// into `buf`, window by window, after each window was staged). Reuses
+    /// the caller's buffers: no allocation, no page faults.
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
-        input: &[T],
+        buf: &mut [T],
+        part: &mut Vec<T>,
         op: ReduceOp,
         full: bool,
-    ) -> Result<(Vec<T>, Option<Vec<T>>), CommError> {
+    ) -> Result<(), CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
-        let (n, me, len) = (self.n(), self.me, input.len());
+        let (n, me, len) = (self.n(), self.me, buf.len());
         let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
         let w = self.window::<T>(n);
         let rounds = parts[0].len().div_ceil(w);
-        let mut mine = vec![T::ZERO; parts[me].len()];
-        let mut all = if full { vec![T::ZERO; len] } else { Vec::new() };
+        if !full {
+            // Reuse the caller's buffer as it is: clearing would zero-fill it again.
+            part.truncate(parts[me].len());
+            part.resize(parts[me].len(), T::ZERO);
+        }
         let window = |p: usize, j: usize| {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
@@ -255,32 +263,41 @@ impl Inner {
         for j in 0..rounds {
             // SAFETY (slots below): between barriers only rank `me` writes its
             // own slot and its own window of the result area.
-            for p in 0..n {
+            // Only the parts other ranks reduce are staged: this rank reads
+            // its own part straight from `buf`.
+            for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
-                unsafe { self.seg.slot::<T>(me, p * w, r.len()) }.copy_from_slice(&input[r]);
+                unsafe { self.seg.slot::<T>(me, p * w, r.len()) }.copy_from_slice(&buf[r]);
             }
             self.barrier(&mut st, desc, deadline)?;
             let r = window(me, j);
             let srcs: Vec<&[T]> = (0..n)
-                .map(|q| &*unsafe { self.seg.slot::<T>(q, me * w, r.len()) })
+                .map(|q| {
+                    if q == me {
+                        &buf[r.clone()]
+                    } else {
+                        &*unsafe { self.seg.slot::<T>(q, me * w, r.len()) }
+                    }
+                })
                 .collect();
-            let dst = &mut mine[r.start - parts[me].start..r.end - parts[me].start];
-            T::reduce_into(dst, &srcs, op);
             if full {
-                unsafe { self.seg.slot::<T>(n, me * w, r.len()) }.copy_from_slice(dst);
+                T::reduce_into(unsafe { self.seg.slot::<T>(n, me * w, r.len()) }, &srcs, op);
+            } else {
+                let at = r.start - parts[me].start;
+                T::reduce_into(&mut part[at..at + r.len()], &srcs, op);
             }
             self.barrier(&mut st, desc, deadline)?;
             if full {
                 for p in 0..n {
                     let r = window(p, j);
-                    all[r.clone()]
-                        .copy_from_slice(unsafe { self.seg.slot::<T>(n, p * w, r.len()) });
+                    let l = r.len();
+                    buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, p * w, l) });
                 }
                 // The result area is rewritten next round: wait for every reader.
                 self.barrier(&mut st, desc, deadline)?;
             }
         }
-        Ok((mine, full.then_some(all)))
+        Ok(())
     }
 
     fn all_gather<T: Element>(
@@ -301,8 +318,10 @@ impl Inner {
                 Some(o)
             })
             .collect();
-        out.clear();
-        out.resize(lens.iter().sum(), T::ZERO);
+        // Reuse the caller's buffer as it is: clearing would zero-fill it again.
+        let total = lens.iter().sum();
+        out.truncate(total);
+        out.resize(total, T::ZERO);
         let w = self.window::<T>(1);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         for j in 0..rounds {
@@ -607,24 +626,23 @@ impl ProcessGroup for ShmGroup {
         self.worker.stats()
     }
 
-    fn all_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+    fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let desc = OpDesc {
             kind: OpKind::AllReduce(op),
             dtype: Some(T::DTYPE),
             len: buf.len(),
         };
         self.run(desc, move |g| {
-            let (_, all) = g.reduce(&desc, &buf, op, true)?;
-            let out = all.unwrap_or_default();
-            let b = bytes_of::<T>(out.len());
-            Ok((out, b, b))
+            g.reduce(&desc, &mut buf, &mut Vec::new(), op, true)?;
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
         })
     }
 
     fn reduce_scatter<T: Element>(
         &self,
-        input: Vec<T>,
-        _out: Vec<T>,
+        mut input: Vec<T>,
+        mut out: Vec<T>,
         op: ReduceOp,
     ) -> Work<(Vec<T>, Vec<T>)> {
         let desc = OpDesc {
@@ -633,9 +651,9 @@ impl ProcessGroup for ShmGroup {
             len: input.len(),
         };
         self.run(desc, move |g| {
-            let (mine, _) = g.reduce(&desc, &input, op, false)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(mine.len()));
-            Ok(((input, mine), s, r))
+            g.reduce(&desc, &mut input, &mut out, op, false)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
         })
     }
 

@@ -47,7 +47,10 @@ enum BenchCmd {
     /// Fused AdamW on one shard vs PyTorch fused AdamW, DeepSpeed CPUAdam and copy bandwidth.
     Adam(bench::adam::AdamArgs),
     /// all_reduce / reduce_scatter / all_gather bandwidth vs gloo and memcpy.
-    Collectives(Pending),
+    Collectives(bench::collectives::CollectivesArgs),
+    /// One rank of `bench collectives` (started by it).
+    #[command(hide = true)]
+    CollectivesRank(bench::collectives::RankArgs),
     /// Training step time and memory per ZeRO stage vs FSDP2, DDP and DeepSpeed.
     Train(Pending),
     /// Optimizer step with NVMe offload vs in memory and raw disk speed.
@@ -66,8 +69,11 @@ fn main() -> ExitCode {
             which: BenchCmd::Adam(a),
         } => bench::adam::run(&a),
         Cmd::Bench {
-            which: BenchCmd::Collectives(_),
-        } => return pending("bench collectives"),
+            which: BenchCmd::Collectives(a),
+        } => bench::collectives::run(&a),
+        Cmd::Bench {
+            which: BenchCmd::CollectivesRank(a),
+        } => bench::collectives::rank_main(&a),
         Cmd::Bench {
             which: BenchCmd::Train(_),
         } => return pending("bench train"),

@@ -6,6 +6,7 @@
 //! (A B A B ...) over several rounds and reports medians.
 
 pub mod adam;
+pub mod collectives;
 pub mod peer;
 
 use std::time::Instant;

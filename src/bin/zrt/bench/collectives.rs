@@ -1,0 +1,252 @@
+//! `zrt bench collectives`: all_reduce, reduce_scatter and all_gather on 2
+//! ranks of the shared-memory backend, against torch.distributed's gloo (the
+//! peer) and single-core memcpy (the limit), all measured in the same run.
+//!
+//! Conventions are nccl-tests': `algbw = S / t` with S the full buffer
+//! (all_reduce's buffer, reduce_scatter's input, all_gather's output);
+//! `busbw = algbw * 2(n-1)/n` for all_reduce and `algbw * (n-1)/n` for the
+//! other two. The limit is memcpy's `S / t` for the same S on one core.
+
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use super::{median, peer};
+use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
+
+const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+const RANKS: usize = 2;
+
+/// Options of `zrt bench collectives`.
+#[derive(Args, Debug)]
+pub struct CollectivesArgs {
+    /// Buffer sizes in MiB, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    sizes: Vec<usize>,
+    /// Interleaved rounds (zrt, gloo, memcpy, zrt, ...).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Timed iterations per op and size per round.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Also run the gloo peer in the libtorch venv.
+    #[arg(long)]
+    peer: bool,
+    /// One JSON object per row on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Options of the hidden per-rank half.
+#[derive(Args, Debug)]
+pub struct RankArgs {
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    #[arg(long)]
+    iters: usize,
+}
+
+/// Runs inside each rank process: times every op and size, prints rank 0's
+/// results (the slowest rank's time per iteration) as one protocol line.
+pub fn rank_main(a: &RankArgs) -> Result<()> {
+    let dist = init_from_env()?;
+    let g = dist.world();
+    let n = g.size();
+    let mut results = Vec::new();
+    for &mib in &a.sizes {
+        let len = mib * (1 << 20) / 4;
+        let mut full = vec![1f32; len];
+        let mut part = vec![1f32; len / n];
+        for op in OPS {
+            let mut times = Vec::new();
+            for it in 0..=a.iters {
+                g.barrier().wait()?;
+                let t = std::time::Instant::now();
+                match op {
+                    "all_reduce" => full = g.all_reduce(full, ReduceOp::Sum).wait()?,
+                    "reduce_scatter" => {
+                        (full, part) = g.reduce_scatter(full, part, ReduceOp::Sum).wait()?
+                    }
+                    _ => (part, full) = g.all_gather(part, full).wait()?,
+                }
+                if it > 0 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let slowest = g.all_reduce(times, ReduceOp::Max).wait()?;
+            results.push(json!({"op": op, "mib": mib, "times": slowest}));
+        }
+    }
+    if g.rank() == 0 {
+        println!("@@zrt {}", json!({ "results": results }));
+    }
+    Ok(())
+}
+
+/// Runs `RANKS` processes of `program args` with the launch contract and
+/// returns rank 0's protocol line.
+fn run_ranks(
+    program: &std::path::Path,
+    args: &[String],
+    extra_env: &[(&str, String)],
+) -> Result<Value> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port()
+        .to_string();
+    let token = format!("bench-{}-{port}", std::process::id());
+    let children: Vec<_> = (0..RANKS)
+        .map(|r| {
+            let mut c = Command::new(program);
+            c.args(args)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", RANKS.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", RANKS.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ZRT_TOKEN", &token)
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            for (k, v) in extra_env {
+                c.env(k, v);
+            }
+            c.spawn()
+                .with_context(|| format!("starting {}", program.display()))
+        })
+        .collect::<Result<_>>()?;
+    let mut line = None;
+    for c in children {
+        let o = c.wait_with_output()?;
+        if !o.status.success() {
+            bail!("a rank of {} failed ({})", program.display(), o.status);
+        }
+        for l in String::from_utf8_lossy(&o.stdout).lines() {
+            if let Some(j) = l.split_once("@@zrt ").map(|x| x.1) {
+                line = Some(serde_json::from_str(j)?);
+            }
+        }
+    }
+    line.context("no rank printed results")
+}
+
+fn collect(into: &mut std::collections::HashMap<(String, usize), Vec<f64>>, v: &Value) {
+    for r in v["results"].as_array().into_iter().flatten() {
+        let key = (
+            r["op"].as_str().unwrap_or("").to_string(),
+            r["mib"].as_u64().unwrap_or(0) as usize,
+        );
+        into.entry(key).or_default().extend(
+            r["times"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_f64),
+        );
+    }
+}
+
+/// Runs the benchmark and prints its rows.
+pub fn run(a: &CollectivesArgs) -> Result<()> {
+    let me = std::env::current_exe()?;
+    let sizes: Vec<String> = a.sizes.iter().map(|s| s.to_string()).collect();
+    let sizes = sizes.join(",");
+    let rank_args = vec![
+        "bench".into(),
+        "collectives-rank".into(),
+        "--sizes".into(),
+        sizes.clone(),
+        "--iters".into(),
+        a.iters.to_string(),
+    ];
+    let script =
+        std::env::temp_dir().join(format!("zrt-collectives-peer-{}.py", std::process::id()));
+    if a.peer {
+        std::fs::write(
+            &script,
+            include_str!("../../../../bench/peers/collectives_peer.py"),
+        )?;
+    }
+    let python = peer::venv_python();
+    let (mut zrt, mut gloo) = (Default::default(), Default::default());
+    let mut copy: std::collections::HashMap<usize, Vec<f64>> = Default::default();
+    for round in 0..a.rounds {
+        collect(&mut zrt, &run_ranks(&me, &rank_args, &[])?);
+        if a.peer {
+            let args = vec![
+                script.display().to_string(),
+                sizes.clone(),
+                a.iters.to_string(),
+            ];
+            collect(&mut gloo, &run_ranks(&python, &args, &[])?);
+        }
+        for &mib in &a.sizes {
+            let bytes = mib << 20;
+            // memcpy's S / t on one core, for the same S.
+            let gbs = super::copy_bandwidth(1, bytes, 3) / 2.0;
+            copy.entry(mib).or_default().push(gbs);
+        }
+        eprintln!(
+            "zrt bench collectives: round {}/{} done",
+            round + 1,
+            a.rounds
+        );
+    }
+    let _ = std::fs::remove_file(&script);
+
+    if !a.json {
+        println!("{RANKS} ranks, shm backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.rounds, a.iters);
+        println!(
+            "{:<15} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
+            "op", "MiB", "zrt ms", "algbw", "busbw", "gloo busbw", "memcpy", "vs gloo", "vs memcpy"
+        );
+    }
+    for &mib in &a.sizes {
+        let s = (mib << 20) as f64;
+        let limit = median(&copy[&mib]);
+        for op in OPS {
+            let key = (op.to_string(), mib);
+            let factor = if op == "all_reduce" {
+                2.0 * (RANKS - 1) as f64 / RANKS as f64
+            } else {
+                (RANKS - 1) as f64 / RANKS as f64
+            };
+            let t = median(zrt.get(&key).map_or(&[][..], |v| v));
+            let tg = median(gloo.get(&key).map_or(&[][..], |v| v));
+            let (algbw, busbw) = (s / t / 1e9, s / t / 1e9 * factor);
+            let gloo_busbw = s / tg / 1e9 * factor;
+            let vs_peer = busbw / gloo_busbw;
+            let vs_limit = busbw / limit;
+            if a.json {
+                println!(
+                    "{}",
+                    json!({
+                        "bench": "collectives", "op": op, "mib": mib, "ranks": RANKS, "backend": "shm",
+                        "seconds": t, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
+                        "peer": "gloo", "peer_busbw_gb_per_s": if gloo_busbw.is_finite() { json!(gloo_busbw) } else { Value::Null },
+                        "memcpy_gb_per_s": limit,
+                        "ratio_vs_peer": if vs_peer.is_finite() { json!(vs_peer) } else { Value::Null },
+                        "ratio_vs_limit": vs_limit,
+                    })
+                );
+            } else {
+                println!(
+                    "{:<15} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2} {:>9.1}x {:>9.2}x",
+                    op,
+                    mib,
+                    t * 1e3,
+                    algbw,
+                    busbw,
+                    gloo_busbw,
+                    limit,
+                    vs_peer,
+                    vs_limit
+                );
+            }
+        }
+    }
+    Ok(())
+}

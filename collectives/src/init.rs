@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::local::LocalGroup;
 use crate::shm::{ShmGroup, ShmJoin, DEFAULT_SLOT_BYTES};
 use crate::store::{StoreClient, StoreServer};
+use crate::tcp::{TcpGroup, TcpJoin};
 use crate::{default_timeout, CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, Work};
 
 /// The environment contract of `zrt launch`, as torchrun's.
@@ -79,6 +80,8 @@ impl DistEnv {
 pub enum Backend {
     /// Shared memory: processes on one host.
     Shm,
+    /// TCP: processes on any hosts.
+    Tcp,
 }
 
 /// A group of any backend (the trait has generic methods, so it is not a
@@ -88,6 +91,8 @@ pub enum Group {
     Local(LocalGroup),
     /// Processes on one host.
     Shm(ShmGroup),
+    /// Processes on any hosts.
+    Tcp(TcpGroup),
 }
 
 macro_rules! each {
@@ -95,6 +100,7 @@ macro_rules! each {
         match $self {
             Group::Local($g) => $e,
             Group::Shm($g) => $e,
+            Group::Tcp($g) => $e,
         }
     };
 }
@@ -157,12 +163,25 @@ pub struct Dist {
     _server: Option<StoreServer>,
 }
 
-/// Joins the job described by the environment (see [`DistEnv`]): rank 0
-/// serves the rendezvous store, every rank connects with the token, and the
-/// backend is chosen: shm when all ranks share a host (the only multi-process
-/// backend built so far), overridable with `ZRT_BACKEND`.
 pub fn init_from_env() -> Result<Dist, CommError> {
     let env = DistEnv::from_env()?;
+    // Checked before any connection, so every rank fails on its own config
+    // rather than on a peer that already gave up.
+    let requested = match std::env::var("ZRT_BACKEND").ok().as_deref() {
+        None | Some("") => None,
+        Some("shm") => Some(Backend::Shm),
+        Some("tcp") => Some(Backend::Tcp),
+        Some(other) => {
+            return Err(CommError::Rendezvous(format!(
+                "ZRT_BACKEND={other:?} is not a backend: use shm (one host) or tcp (any hosts){}",
+                if other == "nccl" {
+                    "; nccl needs a build with the `cuda` feature and GPUs"
+                } else {
+                    ""
+                }
+            )))
+        }
+    };
     let timeout = default_timeout();
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let server = if env.rank == 0 {
@@ -178,33 +197,22 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         hosts.push(store.get(&format!("host/{r}"), timeout)?);
     }
     let same_host = hosts.iter().all(|h| h == &hosts[0]);
-    let backend = match std::env::var("ZRT_BACKEND").ok().as_deref() {
-        None | Some("") | Some("shm") if same_host => Backend::Shm,
-        None | Some("") | Some("shm") => {
+    let backend = match requested {
+        None if same_host => Backend::Shm,
+        None => Backend::Tcp,
+        Some(Backend::Shm) if !same_host => {
             return Err(CommError::Rendezvous(
-                "ranks run on several hosts, which needs the tcp backend; it is not built yet (only shm, for one host)".into(),
+                "ZRT_BACKEND=shm, but the ranks run on several hosts: use tcp (or leave ZRT_BACKEND unset)".into(),
             ))
         }
-        Some(other) => {
-            return Err(CommError::Rendezvous(format!(
-                "ZRT_BACKEND={other:?} is not available: this build has `shm` (one host) only"
-            )))
-        }
+        Some(b) => b,
     };
     let slot_bytes = std::env::var("ZRT_SHM_SLOT_BYTES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(DEFAULT_SLOT_BYTES);
     let all: Vec<usize> = (0..env.world_size).collect();
-    let world = Group::Shm(ShmGroup::join(ShmJoin {
-        store: store.clone(),
-        job: &env.job_id(),
-        name: "world",
-        world_ranks: all,
-        world_rank: env.rank,
-        slot_bytes,
-        timeout,
-    })?);
+    let world = join_group(&env, backend, &store, slot_bytes, timeout, "world", &all)?;
     tracing::info!(
         rank = env.rank,
         world = env.world_size,
@@ -220,6 +228,37 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         timeout,
         slot_bytes,
         _server: server,
+    })
+}
+
+/// Joins (creates, for the first member) the group `name` of `ranks`.
+fn join_group(
+    env: &DistEnv,
+    backend: Backend,
+    store: &Arc<StoreClient>,
+    slot_bytes: usize,
+    timeout: Duration,
+    name: &str,
+    ranks: &[usize],
+) -> Result<Group, CommError> {
+    Ok(match backend {
+        Backend::Shm => Group::Shm(ShmGroup::join(ShmJoin {
+            store: store.clone(),
+            job: &env.job_id(),
+            name,
+            world_ranks: ranks.to_vec(),
+            world_rank: env.rank,
+            slot_bytes,
+            timeout,
+        })?),
+        Backend::Tcp => Group::Tcp(TcpGroup::join(TcpJoin {
+            store: store.clone(),
+            token: &env.token,
+            name,
+            world_ranks: ranks.to_vec(),
+            world_rank: env.rank,
+            timeout,
+        })?),
     })
 }
 
@@ -254,10 +293,13 @@ impl Drop for Dist {
             {
                 return;
             }
-            if let Group::Shm(g) = &self.world {
-                if g.peers_gone() {
-                    return;
-                }
+            let gone = match &self.world {
+                Group::Shm(g) => g.peers_gone(),
+                Group::Tcp(g) => g.peers_gone(),
+                Group::Local(_) => true,
+            };
+            if gone {
+                return;
             }
         }
         tracing::warn!(
@@ -284,21 +326,19 @@ impl Dist {
         &self.store
     }
 
-    /// A group of the given world ranks (in that order). Every member calls
-    /// it, in the same order relative to its other `new_group` calls.
     pub fn new_group(&mut self, ranks: &[usize]) -> Result<Group, CommError> {
         let n = self.created.entry(ranks.to_vec()).or_insert(0);
         let name = format!("ranks{ranks:?}#{n}");
         *n += 1;
-        Ok(Group::Shm(ShmGroup::join(ShmJoin {
-            store: self.store.clone(),
-            job: &self.env.job_id(),
-            name: &name,
-            world_ranks: ranks.to_vec(),
-            world_rank: self.env.rank,
-            slot_bytes: self.slot_bytes,
-            timeout: self.timeout,
-        })?))
+        join_group(
+            &self.env,
+            self.backend,
+            &self.store,
+            self.slot_bytes,
+            self.timeout,
+            &name,
+            ranks,
+        )
     }
 
     /// This rank's (replicate x shard) mesh.

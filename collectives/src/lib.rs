@@ -45,6 +45,7 @@ mod op;
 pub mod shm;
 mod stats;
 pub mod store;
+pub mod tcp;
 mod work;
 mod worker;
 

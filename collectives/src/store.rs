@@ -289,6 +289,16 @@ impl StoreClient {
         read_exact(&mut c, n).map(Some).map_err(lost)
     }
 
+    /// The local address of this connection: the IP this host uses to reach
+    /// rank 0, which is what peers on other hosts can reach too.
+    pub fn local_ip(&self) -> Result<std::net::IpAddr, CommError> {
+        self.conn
+            .lock()
+            .local_addr()
+            .map(|a| a.ip())
+            .map_err(|e| io("local address", e))
+    }
+
     /// Sets `key` to `value`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
         let mut body = (value.len() as u64).to_le_bytes().to_vec();

@@ -31,6 +31,9 @@ pub struct CollectivesArgs {
     /// Timed iterations per op and size per round.
     #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// zrt backend to measure: shm or tcp (loopback).
+    #[arg(long, default_value = "shm")]
+    backend: String,
     /// Also run the gloo peer in the libtorch venv.
     #[arg(long)]
     peer: bool,
@@ -174,7 +177,10 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     let (mut zrt, mut gloo) = (Default::default(), Default::default());
     let mut copy: std::collections::HashMap<usize, Vec<f64>> = Default::default();
     for round in 0..a.rounds {
-        collect(&mut zrt, &run_ranks(&me, &rank_args, &[])?);
+        collect(
+            &mut zrt,
+            &run_ranks(&me, &rank_args, &[("ZRT_BACKEND", a.backend.clone())])?,
+        );
         if a.peer {
             let args = vec![
                 script.display().to_string(),
@@ -198,7 +204,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     let _ = std::fs::remove_file(&script);
 
     if !a.json {
-        println!("{RANKS} ranks, shm backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.rounds, a.iters);
+        println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.backend, a.rounds, a.iters);
         println!(
             "{:<15} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
             "op", "MiB", "zrt ms", "algbw", "busbw", "gloo busbw", "memcpy", "vs gloo", "vs memcpy"
@@ -224,7 +230,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 println!(
                     "{}",
                     json!({
-                        "bench": "collectives", "op": op, "mib": mib, "ranks": RANKS, "backend": "shm",
+                        "bench": "collectives", "op": op, "mib": mib, "ranks": RANKS, "backend": a.backend,
                         "seconds": t, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
                         "peer": "gloo", "peer_busbw_gb_per_s": if gloo_busbw.is_finite() { json!(gloo_busbw) } else { Value::Null },
                         "memcpy_gb_per_s": limit,

@@ -1,6 +1,7 @@
-//! The shared-memory backend with real processes: this test binary re-runs
-//! itself once per rank (the `rank_main` test, which does nothing unless
-//! `ZRT_TEST_SCENARIO` is set), with the environment `zrt launch` sets.
+//! The process backends (shared memory and TCP on loopback) with real
+//! processes: this test binary re-runs itself once per rank (the `rank_main`
+//! test, which does nothing unless `ZRT_TEST_SCENARIO` is set), with the
+//! environment `zrt launch` sets. Every scenario runs on both backends.
 
 mod common;
 
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use zrt_collectives::{init_from_env, CommError, ProcessGroup, ReduceOp};
 
 const SCENARIO: &str = "ZRT_TEST_SCENARIO";
+const BACKENDS: [&str; 2] = ["shm", "tcp"];
 
 /// What one rank process printed and how it ended.
 struct Ended {
@@ -102,7 +104,13 @@ fn rank_main() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
-    let dist = init_from_env().unwrap();
+    let dist = match init_from_env() {
+        Ok(d) => d,
+        Err(e) => {
+            println!("@@ err {e}");
+            std::process::exit(1);
+        }
+    };
     let g = dist.world();
     let me = g.rank();
     let report = |r: Result<(), CommError>| match r {
@@ -175,96 +183,131 @@ fn rank_main() {
 
 #[test]
 fn every_op_dtype_and_uneven_size_across_processes() {
-    // Small staging slots force many windows per op.
-    for world in [2, 3, 4] {
-        for e in run(
-            world,
-            "ops",
-            &[("ZRT_SHM_SLOT_BYTES", "4096")],
-            Duration::from_secs(120),
-        ) {
-            assert_eq!(e.code, Some(0), "world {world}:\n{}", e.out);
-            assert_eq!(said(&e), "ok");
+    // Small staging slots force many windows per op on shm.
+    for backend in BACKENDS {
+        for world in [2, 3, 4] {
+            let env = [("ZRT_SHM_SLOT_BYTES", "4096"), ("ZRT_BACKEND", backend)];
+            for e in run(world, "ops", &env, Duration::from_secs(120)) {
+                assert_eq!(e.code, Some(0), "{backend} world {world}:\n{}", e.out);
+                assert_eq!(said(&e), "ok");
+            }
         }
     }
 }
 
 #[test]
 fn mesh_groups_across_processes() {
-    let got: Vec<String> = run(4, "mesh", &[], Duration::from_secs(60))
+    for backend in BACKENDS {
+        let got: Vec<String> = run(
+            4,
+            "mesh",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        )
         .iter()
         .map(|e| said(e).to_string())
         .collect();
-    assert_eq!(got, ["1 2", "1 4", "5 2", "5 4"]);
+        assert_eq!(got, ["1 2", "1 4", "5 2", "5 4"], "{backend}");
+    }
 }
 
 #[test]
 fn a_rank_that_exits_fails_its_peers_within_seconds() {
-    let t = Instant::now();
-    let ended = run(3, "exit", &[], Duration::from_secs(60));
-    assert!(
-        t.elapsed() < Duration::from_secs(20),
-        "took {:?}",
-        t.elapsed()
-    );
-    assert_eq!(ended[2].code, Some(3));
-    for e in &ended[..2] {
-        let s = said(e);
-        assert!(s.starts_with("err rank 2 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"), "{s}");
+    for backend in BACKENDS {
+        let t = Instant::now();
+        let ended = run(
+            3,
+            "exit",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{backend} took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(ended[2].code, Some(3));
+        for e in &ended[..2] {
+            let s = said(e);
+            assert!(
+                s.starts_with("err rank 2 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"),
+                "{backend}: {s}"
+            );
+        }
     }
 }
 
 #[test]
 fn a_rank_killed_mid_collective_fails_its_peer_within_5_seconds() {
-    let mut children = spawn(2, "killed", &[]);
-    // Wait until rank 1 says it is parked, then kill it without warning.
-    let mut buf = [0u8; 1];
-    let mut line = Vec::new();
-    let out1 = children[1].stdout.as_mut().unwrap();
-    while !String::from_utf8_lossy(&line).contains("@@ waiting") {
-        if out1.read(&mut buf).unwrap() == 0 {
-            break;
+    for backend in BACKENDS {
+        let mut children = spawn(2, "killed", &[("ZRT_BACKEND", backend)]);
+        // Wait until rank 1 says it is parked, then kill it without warning.
+        let mut buf = [0u8; 1];
+        let mut line = Vec::new();
+        let out1 = children[1].stdout.as_mut().unwrap();
+        while !String::from_utf8_lossy(&line).contains("@@ waiting") {
+            if out1.read(&mut buf).unwrap() == 0 {
+                break;
+            }
+            line.push(buf[0]);
         }
-        line.push(buf[0]);
+        std::thread::sleep(Duration::from_millis(200));
+        children[1].kill().unwrap();
+        let t = Instant::now();
+        let ended = finish(children, Duration::from_secs(60));
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{backend}: detection took {:?}",
+            t.elapsed()
+        );
+        let s = said(&ended[0]);
+        assert!(
+            s.starts_with("err rank 1 of group `world` died or left the group during all_gather(u8 x 1048576)"),
+            "{backend}: {s}"
+        );
     }
-    std::thread::sleep(Duration::from_millis(200));
-    children[1].kill().unwrap();
-    let t = Instant::now();
-    let ended = finish(children, Duration::from_secs(60));
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "detection took {:?}",
-        t.elapsed()
-    );
-    let s = said(&ended[0]);
-    assert!(
-        s.starts_with(
-            "err rank 1 of group `world` died or left the group during all_gather(u8 x 1048576)"
-        ),
-        "{s}"
-    );
 }
 
 #[test]
 fn different_collectives_or_sizes_name_both_calls() {
-    for e in run(2, "mismatch", &[], Duration::from_secs(60)) {
-        let s = said(&e);
-        assert!(
-            s.contains("collective mismatch on group `world` at call #0"),
-            "{s}"
-        );
-        assert!(
-            s.contains("all_reduce(f32 x 10, Sum)") && s.contains("all_gather(f32 x 10)"),
-            "{s}"
-        );
+    for backend in BACKENDS {
+        for e in run(
+            2,
+            "mismatch",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        ) {
+            let s = said(&e);
+            assert!(
+                s.contains("collective mismatch on group `world` at call #0"),
+                "{backend}: {s}"
+            );
+            assert!(
+                s.contains("all_reduce(f32 x 10, Sum)") && s.contains("all_gather(f32 x 10)"),
+                "{backend}: {s}"
+            );
+        }
+        for e in run(
+            3,
+            "size",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        ) {
+            let s = said(&e);
+            assert!(
+                s.contains("collective mismatch")
+                    && s.contains("f32 x 10, Sum")
+                    && s.contains("f32 x 12, Sum"),
+                "{backend}: {s}"
+            );
+        }
     }
-    for e in run(3, "size", &[], Duration::from_secs(60)) {
-        let s = said(&e);
-        assert!(
-            s.contains("collective mismatch")
-                && s.contains("f32 x 10, Sum")
-                && s.contains("f32 x 12, Sum"),
-            "{s}"
-        );
+}
+
+#[test]
+fn an_unknown_backend_is_refused_naming_the_choices() {
+    for e in run(2, "ops", &[("ZRT_BACKEND", "mpi")], Duration::from_secs(30)) {
+        assert_eq!(e.code, Some(1));
+        assert_eq!(said(&e), "err rendezvous failed: ZRT_BACKEND=\"mpi\" is not a backend: use shm (one host) or tcp (any hosts)");
     }
 }

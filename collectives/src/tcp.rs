@@ -1,0 +1,715 @@
+//! The TCP backend: ranks are processes on any hosts.
+//!
+//! Every pair of ranks has one connection (a full mesh, made at group
+//! creation through the rendezvous store; each connection presents the job's
+//! token, as the store does). Collectives are *direct*: for reduce_scatter
+//! every rank sends each peer that peer's part and reduces the parts it
+//! receives in rank order; all_reduce is that plus an all_gather. Per rank
+//! this moves the same bytes as a ring, and it buys two things: the
+//! reduction is the same rank-ordered f64 sum as the other backends (so all
+//! backends agree to the bit), and a dead rank is named exactly (its own
+//! connection closes). One reader thread per peer keeps concurrent sends
+//! from blocking each other. `send`/`recv` go through the store, as in shm.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::op::invalid;
+use crate::store::StoreClient;
+use crate::worker::Worker;
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
+
+/// What a rank needs to join a TCP group.
+pub struct TcpJoin<'a> {
+    /// The job's store.
+    pub store: Arc<StoreClient>,
+    /// The job's token (connections present it).
+    pub token: &'a str,
+    /// The group's name (unique within the job).
+    pub name: &'a str,
+    /// The members' world ranks, in group order.
+    pub world_ranks: Vec<usize>,
+    /// This rank's world rank.
+    pub world_rank: usize,
+    /// Timeout of every wait.
+    pub timeout: Duration,
+}
+
+struct Inner {
+    me: usize,
+    name: String,
+    world_ranks: Vec<usize>,
+    /// Connection to each peer (None for this rank).
+    peers: Vec<Option<Peer>>,
+    timeout: Duration,
+    store: Arc<StoreClient>,
+    state: Mutex<State>,
+}
+
+/// One connection, with separate handles per direction: a reader blocked
+/// on a peer must never stop the writer from sending to it.
+struct Peer {
+    r: Mutex<TcpStream>,
+    w: Mutex<TcpStream>,
+}
+
+struct State {
+    seq: u64,
+    poisoned: Option<CommError>,
+    sends: HashMap<usize, u64>,
+    recvs: HashMap<usize, u64>,
+}
+
+fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: Element is sealed to plain-old-data types.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+impl Inner {
+    fn n(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn died(&self, peer: usize, call: &OpDesc) -> CommError {
+        CommError::RankDied {
+            group: self.name.clone(),
+            rank: self.world_ranks[peer],
+            call: call.to_string(),
+        }
+    }
+
+    fn io_err(&self, peer: usize, call: &OpDesc, e: &std::io::Error) -> CommError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
+                group: self.name.clone(),
+                call: call.to_string(),
+                timeout: self.timeout,
+                waiting_for: vec![self.world_ranks[peer]],
+            },
+            _ => self.died(peer, call),
+        }
+    }
+
+    /// Sends `out[p]` to every peer p and receives `into[p]` (exactly its
+    /// length) from every peer, concurrently.
+    fn exchange(
+        &self,
+        call: &OpDesc,
+        deadline: Instant,
+        out: &[&[u8]],
+        into: &mut [&mut [u8]],
+    ) -> Result<(), CommError> {
+        let me = self.me;
+        std::thread::scope(|s| {
+            let mut readers = Vec::new();
+            for (p, buf) in into.iter_mut().enumerate() {
+                if p == me || buf.is_empty() {
+                    continue;
+                }
+                let Some(conn) = &self.peers[p] else { continue };
+                readers.push((
+                    p,
+                    s.spawn(move || -> Result<(), std::io::Error> {
+                        let mut c = conn.r.lock();
+                        let left = deadline
+                            .saturating_duration_since(Instant::now())
+                            .max(Duration::from_millis(1));
+                        c.set_read_timeout(Some(left))?;
+                        c.read_exact(buf)
+                    }),
+                ));
+            }
+            // Write to peers in order starting after this rank, so no two
+            // ranks push at the same peer first.
+            for k in 1..self.n() {
+                let p = (me + k) % self.n();
+                if out[p].is_empty() {
+                    continue;
+                }
+                if let Some(conn) = &self.peers[p] {
+                    if let Err(e) = conn.w.lock().write_all(out[p]) {
+                        return Err(self.io_err(p, call, &e));
+                    }
+                }
+            }
+            for (p, h) in readers {
+                match h.join() {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(self.io_err(p, call, &e)),
+                    Err(_) => return Err(self.died(p, call)),
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Every rank learns every rank's call description (this also acts as
+    /// a barrier); a mismatch fails every rank.
+    fn agree(
+        &self,
+        st: &mut State,
+        desc: &OpDesc,
+        deadline: Instant,
+    ) -> Result<Vec<OpDesc>, CommError> {
+        if let Some(e) = &st.poisoned {
+            return Err(e.clone());
+        }
+        let seq = st.seq;
+        st.seq += 1;
+        let mine: Vec<u8> = [seq]
+            .iter()
+            .chain(desc.encode().iter())
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let n = self.n();
+        let outs: Vec<&[u8]> = (0..n).map(|_| mine.as_slice()).collect();
+        let mut bufs = vec![[0u8; 32]; n];
+        {
+            let mut into: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+            self.exchange(desc, deadline, &outs, &mut into)?;
+        }
+        let descs: Vec<Option<OpDesc>> = (0..n)
+            .map(|p| {
+                if p == self.me {
+                    return Some(*desc);
+                }
+                let w: Vec<u64> = bufs[p]
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect();
+                (w[0] == seq)
+                    .then(|| OpDesc::decode([w[1], w[2], w[3]]))
+                    .flatten()
+            })
+            .collect();
+        let first = descs[0];
+        if let Some(b) = (1..n).find(|&r| match (first, descs[r]) {
+            (Some(a), Some(d)) => !a.compatible(&d),
+            _ => true,
+        }) {
+            let show = |d: Option<OpDesc>| {
+                d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
+            };
+            let e = CommError::Mismatch {
+                group: self.name.clone(),
+                seq,
+                rank_a: self.world_ranks[0],
+                call_a: show(first),
+                rank_b: self.world_ranks[b],
+                call_b: show(descs[b]),
+            };
+            st.poisoned = Some(e.clone());
+            return Err(e);
+        }
+        Ok(descs.into_iter().flatten().collect())
+    }
+
+    /// reduce_scatter into `part`; with `full`, then all_gather into `buf`.
+    fn reduce<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        part: &mut Vec<T>,
+        op: ReduceOp,
+        full: bool,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me, len) = (self.n(), self.me, buf.len());
+        let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
+        let mine = parts[me].clone();
+        // Peers' contributions to this rank's part, in rank order.
+        let mut recv: Vec<Vec<T>> = (0..n)
+            .map(|p| {
+                if p == me {
+                    Vec::new()
+                } else {
+                    vec![T::ZERO; mine.len()]
+                }
+            })
+            .collect();
+        {
+            let outs: Vec<&[u8]> = (0..n)
+                .map(|p| {
+                    if p == me {
+                        &[][..]
+                    } else {
+                        as_bytes(&buf[parts[p].clone()])
+                    }
+                })
+                .collect();
+            let mut into: Vec<&mut [u8]> = recv.iter_mut().map(|v| as_bytes_mut(v)).collect();
+            self.exchange(desc, deadline, &outs, &mut into)?;
+        }
+        let srcs: Vec<&[T]> = (0..n)
+            .map(|p| {
+                if p == me {
+                    &buf[mine.clone()]
+                } else {
+                    &recv[p][..]
+                }
+            })
+            .collect();
+        part.truncate(mine.len());
+        part.resize(mine.len(), T::ZERO);
+        T::reduce_into(part, &srcs, op);
+        if full {
+            buf[mine.clone()].copy_from_slice(part);
+            self.gather_parts(desc, deadline, buf, &parts)?;
+        }
+        Ok(())
+    }
+
+    /// Fills every peer's range of `out` from that peer (own range already there).
+    fn gather_parts<T: Element>(
+        &self,
+        desc: &OpDesc,
+        deadline: Instant,
+        out: &mut [T],
+        parts: &[std::ops::Range<usize>],
+    ) -> Result<(), CommError> {
+        let me = self.me;
+        let own: Vec<T> = out[parts[me].clone()].to_vec();
+        let outs: Vec<&[u8]> = (0..self.n())
+            .map(|p| if p == me { &[][..] } else { as_bytes(&own) })
+            .collect();
+        // Split `out` into the disjoint per-peer ranges.
+        let mut into: Vec<&mut [u8]> = Vec::with_capacity(self.n());
+        let mut rest = as_bytes_mut(out);
+        let size = std::mem::size_of::<T>();
+        let mut at = 0;
+        for (p, r) in parts.iter().enumerate() {
+            let (_, tail) = rest.split_at_mut((r.start - at) * size);
+            let (this, tail) = tail.split_at_mut(r.len() * size);
+            into.push(if p == me { &mut [][..] } else { this });
+            rest = tail;
+            at = r.end;
+        }
+        self.exchange(desc, deadline, &outs, &mut into)
+    }
+}
+
+/// One rank's handle on a TCP group.
+pub struct TcpGroup {
+    inner: Arc<Inner>,
+    worker: Worker,
+}
+
+fn same_token(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl TcpGroup {
+    /// Connects this rank to every other member. Every member must call it.
+    pub fn join(j: TcpJoin<'_>) -> Result<Self, CommError> {
+        let n = j.world_ranks.len();
+        let me = j
+            .world_ranks
+            .iter()
+            .position(|&r| r == j.world_rank)
+            .ok_or_else(|| CommError::Invalid {
+                group: j.name.to_string(),
+                call: "join".into(),
+                why: format!(
+                    "rank {} is not a member of {:?}",
+                    j.world_rank, j.world_ranks
+                ),
+            })?;
+        let rdv = |why: String| CommError::Rendezvous(format!("group `{}`: {why}", j.name));
+        let ip = match std::env::var("ZRT_BIND_ADDR") {
+            Ok(a) => a
+                .parse()
+                .map_err(|_| rdv(format!("ZRT_BIND_ADDR={a:?} is not an IP address")))?,
+            Err(_) => j.store.local_ip()?,
+        };
+        let listener =
+            TcpListener::bind((ip, 0)).map_err(|e| rdv(format!("cannot listen on {ip}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| rdv(e.to_string()))?;
+        j.store.set(
+            &format!("tcp/{}/addr/{me}", j.name),
+            addr.to_string().as_bytes(),
+        )?;
+        let mut peers: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        // Connect to every higher rank, presenting the token and our rank.
+        for (q, slot) in peers.iter_mut().enumerate().skip(me + 1) {
+            let a = j
+                .store
+                .get(&format!("tcp/{}/addr/{q}", j.name), j.timeout)?;
+            let a = String::from_utf8_lossy(&a).to_string();
+            let mut c = TcpStream::connect(&a).map_err(|e| {
+                rdv(format!(
+                    "cannot connect to rank {} at {a}: {e}",
+                    j.world_ranks[q]
+                ))
+            })?;
+            let mut hello = (j.token.len() as u32).to_le_bytes().to_vec();
+            hello.extend_from_slice(j.token.as_bytes());
+            hello.extend_from_slice(&(me as u32).to_le_bytes());
+            c.write_all(&hello).map_err(|e| rdv(e.to_string()))?;
+            let _ = c.set_nodelay(true);
+            *slot = Some(c);
+        }
+        // Accept every lower rank; connections without the token are dropped.
+        let deadline = Instant::now() + j.timeout;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| rdv(e.to_string()))?;
+        while peers[..me].iter().any(Option::is_none) {
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (0..me)
+                    .filter(|&q| peers[q].is_none())
+                    .map(|q| j.world_ranks[q])
+                    .collect();
+                return Err(rdv(format!("ranks {missing:?} never connected")));
+            }
+            match listener.accept() {
+                Ok((mut c, _)) => {
+                    let _ = c.set_nonblocking(false);
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+                    let hello = (|| -> std::io::Result<(Vec<u8>, usize)> {
+                        let mut l = [0u8; 4];
+                        c.read_exact(&mut l)?;
+                        let tl = u32::from_le_bytes(l) as usize;
+                        if tl > 256 {
+                            return Err(std::io::Error::other("token too long"));
+                        }
+                        let mut t = vec![0u8; tl];
+                        c.read_exact(&mut t)?;
+                        c.read_exact(&mut l)?;
+                        Ok((t, u32::from_le_bytes(l) as usize))
+                    })();
+                    match hello {
+                        Ok((t, q))
+                            if same_token(&t, j.token.as_bytes())
+                                && q < me
+                                && peers[q].is_none() =>
+                        {
+                            let _ = c.set_read_timeout(None);
+                            let _ = c.set_nodelay(true);
+                            peers[q] = Some(c);
+                        }
+                        _ => tracing::warn!(
+                            group = j.name,
+                            "refused a connection without the job's token"
+                        ),
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => return Err(rdv(format!("accept: {e}"))),
+            }
+        }
+        let inner = Arc::new(Inner {
+            me,
+            name: j.name.to_string(),
+            world_ranks: j.world_ranks,
+            peers: peers
+                .into_iter()
+                .enumerate()
+                .map(|(q, c)| match c {
+                    None => Ok(None),
+                    Some(c) => {
+                        let w = c
+                            .try_clone()
+                            .map_err(|e| rdv(format!("connection to rank {}: {e}", q)))?;
+                        Ok(Some(Peer {
+                            r: Mutex::new(c),
+                            w: Mutex::new(w),
+                        }))
+                    }
+                })
+                .collect::<Result<_, CommError>>()?,
+            timeout: j.timeout,
+            store: j.store,
+            state: Mutex::new(State {
+                seq: 0,
+                poisoned: None,
+                sends: HashMap::new(),
+                recvs: HashMap::new(),
+            }),
+        });
+        let i2 = inner.clone();
+        // Leaving closes the connections, which is how peers learn it.
+        let worker = Worker::start(j.name, me, move || {
+            for c in i2.peers.iter().flatten() {
+                let _ = c.w.lock().shutdown(std::net::Shutdown::Both);
+            }
+        })?;
+        Ok(Self { inner, worker })
+    }
+
+    /// Whether every other member has closed its connection (left or died).
+    pub fn peers_gone(&self) -> bool {
+        self.inner.peers.iter().flatten().all(|p| {
+            let c = p.r.lock();
+            let mut b = [0u8; 1];
+            let gone = c.set_nonblocking(true).is_ok()
+                && match c.peek(&mut b) {
+                    Ok(0) => true,
+                    Ok(_) => false,
+                    Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                };
+            let _ = c.set_nonblocking(false);
+            gone
+        })
+    }
+
+    fn run<R: Send + 'static>(
+        &self,
+        desc: OpDesc,
+        f: impl FnOnce(&Inner) -> Result<(R, usize, usize), CommError> + Send + 'static,
+    ) -> Work<R> {
+        let inner = self.inner.clone();
+        self.worker.submit(desc, move || f(&inner))
+    }
+}
+
+fn bytes_of<T>(n: usize) -> usize {
+    n * std::mem::size_of::<T>()
+}
+
+impl ProcessGroup for TcpGroup {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    fn rank(&self) -> usize {
+        self.inner.me
+    }
+    fn size(&self) -> usize {
+        self.inner.n()
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.inner.world_ranks
+    }
+    fn stats(&self) -> &Stats {
+        self.worker.stats()
+    }
+
+    fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::AllReduce(op),
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        self.run(desc, move |g| {
+            g.reduce(&desc, &mut buf, &mut Vec::new(), op, true)?;
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
+        })
+    }
+
+    fn reduce_scatter<T: Element>(
+        &self,
+        mut input: Vec<T>,
+        mut out: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc {
+            kind: OpKind::ReduceScatter(op),
+            dtype: Some(T::DTYPE),
+            len: input.len(),
+        };
+        self.run(desc, move |g| {
+            g.reduce(&desc, &mut input, &mut out, op, false)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
+    fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc {
+            kind: OpKind::AllGather,
+            dtype: Some(T::DTYPE),
+            len: input.len(),
+        };
+        self.run(desc, move |g| {
+            let deadline = Instant::now() + g.timeout;
+            let mut st = g.state.lock();
+            let descs = g.agree(&mut st, &desc, deadline)?;
+            let mut at = 0;
+            let parts: Vec<std::ops::Range<usize>> = descs
+                .iter()
+                .map(|d| {
+                    at += d.len;
+                    at - d.len..at
+                })
+                .collect();
+            out.truncate(at);
+            out.resize(at, T::ZERO);
+            out[parts[g.me].clone()].copy_from_slice(&input);
+            g.gather_parts(&desc, deadline, &mut out, &parts)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
+    fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::Broadcast { root },
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        if root >= self.size() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!("root {root} is not a rank of this group of {}", self.size()),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            let deadline = Instant::now() + g.timeout;
+            let mut st = g.state.lock();
+            g.agree(&mut st, &desc, deadline)?;
+            let n = g.n();
+            let data = if g.me == root {
+                as_bytes(&buf).to_vec()
+            } else {
+                Vec::new()
+            };
+            let outs: Vec<&[u8]> = (0..n)
+                .map(|p| {
+                    if g.me == root && p != root {
+                        &data[..]
+                    } else {
+                        &[][..]
+                    }
+                })
+                .collect();
+            {
+                let mut into: Vec<&mut [u8]> = Vec::with_capacity(n);
+                let whole = as_bytes_mut(&mut buf);
+                let mut whole = Some(whole);
+                for p in 0..n {
+                    into.push(if g.me != root && p == root {
+                        whole.take().unwrap_or_default()
+                    } else {
+                        &mut [][..]
+                    });
+                }
+                g.exchange(&desc, deadline, &outs, &mut into)?;
+            }
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
+        })
+    }
+
+    fn barrier(&self) -> Work<()> {
+        let desc = OpDesc {
+            kind: OpKind::Barrier,
+            dtype: None,
+            len: 0,
+        };
+        self.run(desc, move |g| {
+            let deadline = Instant::now() + g.timeout;
+            g.agree(&mut g.state.lock(), &desc, deadline)?;
+            Ok(((), 0, 0))
+        })
+    }
+
+    fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
+        let desc = OpDesc {
+            kind: OpKind::Send { to },
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        if to >= self.size() || to == self.rank() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!(
+                        "destination {to} must be another rank of this group of {}",
+                        self.size()
+                    ),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            let n = {
+                let mut st = g.state.lock();
+                let c = st.sends.entry(to).or_insert(0);
+                *c += 1;
+                *c - 1
+            };
+            let mut msg: Vec<u8> = desc.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
+            msg.extend_from_slice(as_bytes(&buf));
+            g.store
+                .set(&format!("p2p/{}/{}/{to}/{n}", g.name, g.me), &msg)?;
+            Ok(((), bytes_of::<T>(buf.len()), 0))
+        })
+    }
+
+    fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::Recv { from },
+            dtype: Some(T::DTYPE),
+            len,
+        };
+        if from >= self.size() || from == self.rank() {
+            return self.worker.fail(
+                &desc,
+                invalid(
+                    self.name(),
+                    &desc,
+                    format!(
+                        "source {from} must be another rank of this group of {}",
+                        self.size()
+                    ),
+                ),
+            );
+        }
+        self.run(desc, move |g| {
+            let n = {
+                let mut st = g.state.lock();
+                let c = st.recvs.entry(from).or_insert(0);
+                *c += 1;
+                *c - 1
+            };
+            let key = format!("p2p/{}/{from}/{}/{n}", g.name, g.me);
+            let msg = g.store.get(&key, g.timeout)?;
+            g.store.delete(&key)?;
+            let words: Vec<u64> = msg
+                .chunks_exact(8)
+                .take(3)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                .collect();
+            let sent = words.try_into().ok().and_then(OpDesc::decode);
+            let data = msg.get(24..).unwrap_or_default();
+            match sent {
+                Some(s)
+                    if s.dtype == desc.dtype
+                        && s.len == len
+                        && data.len() == bytes_of::<T>(len) =>
+                {
+                    let mut out = vec![T::ZERO; len];
+                    as_bytes_mut(&mut out).copy_from_slice(data);
+                    Ok((out, 0, bytes_of::<T>(len)))
+                }
+                s => Err(CommError::Mismatch {
+                    group: g.name.clone(),
+                    seq: n,
+                    rank_a: g.world_ranks[from],
+                    call_a: s.map_or_else(|| "a malformed send".into(), |s| s.to_string()),
+                    rank_b: g.world_ranks[g.me],
+                    call_b: desc.to_string(),
+                }),
+            }
+        })
+    }
+}

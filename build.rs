@@ -6,5 +6,7 @@ fn main() {
         // Resolve the `.libtorch` link so binaries keep working from any clone.
         let lib = std::fs::canonicalize(&lib).unwrap_or_else(|_| lib.into());
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        // `zrt launch` finds the wheel's NCCL next to it (see launch.rs).
+        println!("cargo:rustc-env=ZRT_LIBTORCH_LIB={}", lib.display());
     }
 }

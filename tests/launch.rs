@@ -37,6 +37,17 @@ fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
 }
 
 #[test]
+fn ranks_find_the_wheels_nccl_as_libnccl_so() {
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "1", "--", "sh", "-c"])
+        .arg("for d in $(echo $LD_LIBRARY_PATH | tr : ' '); do [ -e $d/libnccl.so ] && echo found $d; done")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(t.contains("[rank 0] found ") && t.contains("/nccl"), "{t}");
+}
+
+#[test]
 fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
     let t0 = Instant::now();
     let o = zrt()

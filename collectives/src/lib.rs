@@ -34,13 +34,17 @@
 //! key-value store rank 0 serves; [`init_from_env`] reads the environment
 //! `zrt launch` sets and joins the job.
 //!
-//! Not yet built: TCP across hosts, NCCL behind `cuda`.
+//! - [`tcp`]: processes on any hosts (full mesh; tested on loopback).
+//! - `nccl` (feature `cuda`): CUDA devices through NCCL. **Never run**: no
+//!   GPU is available to the project; compiled in CI only.
 
 mod dtype;
 mod error;
 mod init;
 pub mod local;
 mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod op;
 pub mod shm;
 mod stats;

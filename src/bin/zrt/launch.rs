@@ -7,7 +7,8 @@
 //! ranks run in their own process group: Ctrl-C reaches the launcher once and
 //! is forwarded to every rank. When a rank exits non-zero, the others are
 //! stopped (SIGTERM, then SIGKILL after a grace period) and the launcher
-//! exits with that rank's code, naming it.
+//! exits with that rank's code, naming it. Ranks also get the PyTorch
+//! wheel's NCCL on LD_LIBRARY_PATH (see `nccl_dir`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -57,6 +58,31 @@ fn random_token() -> Result<String> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .context("reading /dev/urandom for the job token")?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// The folder to prepend to the ranks' LD_LIBRARY_PATH so cudarc finds
+/// NCCL: it looks for `libnccl.so` (and `.so.13` and older majors), but the
+/// PyTorch wheel ships `nvidia/nccl/lib/libnccl.so.2`. We link it as
+/// `~/.cache/zrt/nccl/libnccl.so`. `None` when the wheel has no NCCL.
+fn nccl_dir() -> Option<std::path::PathBuf> {
+    let lib = std::path::Path::new(option_env!("ZRT_LIBTORCH_LIB")?);
+    let so2 = lib
+        .join("../../nvidia/nccl/lib/libnccl.so.2")
+        .canonicalize()
+        .ok()?;
+    let cache = std::env::var_os("ZRT_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache").join("zrt"))
+        })?;
+    let dir = cache.join("nccl");
+    let link = dir.join("libnccl.so");
+    if std::fs::read_link(&link).ok().as_deref() != Some(so2.as_path()) {
+        std::fs::create_dir_all(&dir).ok()?;
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&so2, &link).ok()?;
+    }
+    Some(dir)
 }
 
 fn free_port() -> Result<u16> {
@@ -140,6 +166,14 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         None => 29500,
     };
     let world = a.nnodes * a.nproc_per_node;
+    let ld_path = nccl_dir().map(|d| {
+        let mut p = d.into_os_string();
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+            p.push(":");
+            p.push(old);
+        }
+        p
+    });
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -165,6 +199,9 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             // Own process group: a terminal's Ctrl-C reaches only the launcher,
             // which forwards it exactly once.
             .process_group(0);
+        if let Some(p) = &ld_path {
+            cmd.env("LD_LIBRARY_PATH", p);
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

@@ -227,15 +227,26 @@ impl Inner {
         Ok(descs.into_iter().flatten().collect())
     }
 
-    /// Elements of T per part per window when `parts` windows share a slot.
+    /// Elements of T per part per window when `parts` windows share a slot
+    /// half.
     fn window<T>(&self, parts: usize) -> usize {
-        (self.seg.slot / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
+        (self.seg.slot / 2 / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
+    }
+
+    /// Element offset of round `j`'s half of a slot (double buffering).
+    fn half<T>(&self, j: usize) -> usize {
+        (j % 2) * (self.seg.slot / 2 / std::mem::size_of::<T>().max(1))
     }
 
     /// reduce_scatter (`full == false`: this rank's reduced part goes to
     /// `part`) or all_reduce (`full == true`: the whole result is written back
     /// into `buf`, window by window, after each window was staged). Reuses
     /// the caller's buffers: no allocation, no page faults.
+    ///
+    /// Slots and the result area are double-buffered by round parity: round
+    /// j + 1 writes the half that round j - 1 read, and every reader of that
+    /// half has passed round j's barrier, so one barrier per stage suffices
+    /// (the next operation's agreement barrier protects the last round).
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
@@ -261,13 +272,14 @@ impl Inner {
             s..(s + w).min(parts[p].end)
         };
         for j in 0..rounds {
+            let h = self.half::<T>(j);
             // SAFETY (slots below): between barriers only rank `me` writes its
-            // own slot and its own window of the result area.
+            // own slot half and its own window of the result area's half.
             // Only the parts other ranks reduce are staged: this rank reads
             // its own part straight from `buf`.
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
-                unsafe { self.seg.slot::<T>(me, p * w, r.len()) }.copy_from_slice(&buf[r]);
+                unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) }.copy_from_slice(&buf[r]);
             }
             self.barrier(&mut st, desc, deadline)?;
             let r = window(me, j);
@@ -276,25 +288,25 @@ impl Inner {
                     if q == me {
                         &buf[r.clone()]
                     } else {
-                        &*unsafe { self.seg.slot::<T>(q, me * w, r.len()) }
+                        &*unsafe { self.seg.slot::<T>(q, h + me * w, r.len()) }
                     }
                 })
                 .collect();
             if full {
-                T::reduce_into(unsafe { self.seg.slot::<T>(n, me * w, r.len()) }, &srcs, op);
-            } else {
-                let at = r.start - parts[me].start;
-                T::reduce_into(&mut part[at..at + r.len()], &srcs, op);
-            }
-            self.barrier(&mut st, desc, deadline)?;
-            if full {
+                T::reduce_into(
+                    unsafe { self.seg.slot::<T>(n, h + me * w, r.len()) },
+                    &srcs,
+                    op,
+                );
+                self.barrier(&mut st, desc, deadline)?;
                 for p in 0..n {
                     let r = window(p, j);
                     let l = r.len();
-                    buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, p * w, l) });
+                    buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, h + p * w, l) });
                 }
-                // The result area is rewritten next round: wait for every reader.
-                self.barrier(&mut st, desc, deadline)?;
+            } else {
+                let at = r.start - parts[me].start;
+                T::reduce_into(&mut part[at..at + r.len()], &srcs, op);
             }
         }
         Ok(())
@@ -325,17 +337,21 @@ impl Inner {
         let w = self.window::<T>(1);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         for j in 0..rounds {
+            let h = self.half::<T>(j);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
             let mine = part(self.me);
-            // SAFETY: own slot written between barriers; others read after.
-            unsafe { self.seg.slot::<T>(self.me, 0, mine.len()) }.copy_from_slice(&input[mine]);
+            // SAFETY: own slot half written between barriers; others read
+            // after (double-buffered as in `reduce`). This rank's own part
+            // goes straight from `input`.
+            unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }
+                .copy_from_slice(&input[mine.clone()]);
+            out[offs[self.me] + mine.start..offs[self.me] + mine.end].copy_from_slice(&input[mine]);
             self.barrier(&mut st, desc, deadline)?;
-            for r in 0..self.n() {
+            for r in (0..self.n()).filter(|&r| r != self.me) {
                 let p = part(r);
                 out[offs[r] + p.start..offs[r] + p.end]
-                    .copy_from_slice(unsafe { self.seg.slot::<T>(r, 0, p.len()) });
+                    .copy_from_slice(unsafe { self.seg.slot::<T>(r, h, p.len()) });
             }
-            self.barrier(&mut st, desc, deadline)?;
         }
         Ok(())
     }
@@ -351,16 +367,17 @@ impl Inner {
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1);
         for j in 0..buf.len().div_ceil(w) {
+            let h = self.half::<T>(j);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.me == root {
-                // SAFETY: the root alone writes its slot between barriers.
-                unsafe { self.seg.slot::<T>(root, 0, r.len()) }.copy_from_slice(&buf[r.clone()]);
+                // SAFETY: the root alone writes its slot half between barriers
+                // (double-buffered as in `reduce`).
+                unsafe { self.seg.slot::<T>(root, h, r.len()) }.copy_from_slice(&buf[r.clone()]);
             }
             self.barrier(&mut st, desc, deadline)?;
             if self.me != root {
-                buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, 0, r.len()) });
+                buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, h, r.len()) });
             }
-            self.barrier(&mut st, desc, deadline)?;
         }
         Ok(())
     }

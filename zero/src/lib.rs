@@ -8,6 +8,8 @@
 //! it imports `zrt-collectives`, `zrt-kernels` and `zrt-offload`; none of them
 //! imports it.
 
+pub mod config;
 pub mod glue;
 
+pub use config::{AutoHints, Config, ConfigError, Resolved};
 pub use glue::GlueError;

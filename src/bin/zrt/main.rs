@@ -2,6 +2,8 @@
 //! and configs, estimate memory.
 
 mod bench;
+mod config_cmd;
+mod estimate;
 mod launch;
 
 use std::process::ExitCode;
@@ -37,9 +39,12 @@ enum Cmd {
     /// Inspect or consolidate a sharded checkpoint (`inspect DIR`, `consolidate DIR OUT`).
     Ckpt(Pending),
     /// Check a DeepSpeed JSON config and print it resolved (`check FILE [--world N]`).
-    Config(Pending),
+    Config {
+        #[command(subcommand)]
+        which: config_cmd::ConfigCmd,
+    },
     /// Estimate model-state memory per rank for each ZeRO stage.
-    Estimate(Pending),
+    Estimate(estimate::EstimateArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -85,8 +90,8 @@ fn main() -> ExitCode {
             Err(e) => Err(e),
         },
         Cmd::Ckpt(_) => return pending("ckpt"),
-        Cmd::Config(_) => return pending("config"),
-        Cmd::Estimate(_) => return pending("estimate"),
+        Cmd::Config { which } => config_cmd::run(&which),
+        Cmd::Estimate(a) => estimate::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,135 @@
+//! `zrt config check FILE [--world N]`: the resolved config, or every problem.
+
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use zrt::zero::config::{OffloadDevice, Precision, Setting};
+use zrt::zero::{AutoHints, Config};
+
+/// `zrt config` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum ConfigCmd {
+    /// Parse and resolve a DeepSpeed JSON config; print it, or every problem at once.
+    Check(CheckArgs),
+}
+
+/// Options of `zrt config check`.
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The DeepSpeed JSON file.
+    file: std::path::PathBuf,
+    /// Data-parallel world size to resolve the batch rule for.
+    #[arg(long, default_value_t = 1)]
+    world: u64,
+    /// Hidden size, for "auto" bucket sizes and thresholds.
+    #[arg(long)]
+    hidden: Option<u64>,
+    /// Micro-batch per rank, for "auto" (or absent) batch sizes.
+    #[arg(long)]
+    micro: Option<u64>,
+    /// Learning rate, for an "auto" lr.
+    #[arg(long)]
+    lr: Option<f64>,
+}
+
+fn show<T: std::fmt::Debug + Copy>(s: Setting<T>) -> String {
+    match s {
+        Setting::Value(v) => format!("{v:?}"),
+        Setting::Auto => "auto".into(),
+    }
+}
+
+/// Runs `zrt config ...`.
+pub fn run(cmd: &ConfigCmd) -> Result<()> {
+    let ConfigCmd::Check(a) = cmd;
+    let hints = AutoHints {
+        hidden_size: a.hidden,
+        micro_batch: a.micro,
+        lr: a.lr,
+        ..Default::default()
+    };
+    let text = std::fs::read_to_string(&a.file)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", a.file.display()))?;
+    let r = match Config::check(&text, a.world, &hints) {
+        Ok(r) => r,
+        Err(e) => bail!("{}: {e}", a.file.display()),
+    };
+    let c = &r.config;
+    println!("{}: OK for a world of {}", a.file.display(), r.world);
+    println!(
+        "  batch            train {} = micro {} x gas {} x world {}",
+        r.batch.train, r.batch.micro, r.batch.gas, r.world
+    );
+    let o = &c.optimizer;
+    println!(
+        "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
+        o.kind,
+        show(o.lr),
+        o.betas.0,
+        o.betas.1,
+        o.eps,
+        show(o.weight_decay),
+        if o.adam_w_mode { "decoupled" } else { "L2" },
+        o.bias_correction
+    );
+    println!("  scheduler        {:?}", c.scheduler);
+    let prec = match &c.precision {
+        Precision::Fp32 => "fp32".to_string(),
+        Precision::Bf16 => "bf16 compute, fp32 master".to_string(),
+        Precision::Fp16(l) => format!(
+            "fp16 compute, fp32 master, loss scale {} (initial 2^{}, window {}, hysteresis {}, min {})",
+            if l.loss_scale == 0.0 { "dynamic".to_string() } else { l.loss_scale.to_string() },
+            l.initial_scale_power,
+            l.loss_scale_window,
+            l.hysteresis,
+            l.min_loss_scale
+        ),
+    };
+    println!(
+        "  precision        {prec}; gradients reduced in {}",
+        if c.fp32_grad_reduce {
+            "fp32"
+        } else {
+            "the compute dtype"
+        }
+    );
+    println!(
+        "  clipping         {}",
+        if c.gradient_clipping > 0.0 {
+            format!("global norm {}", c.gradient_clipping)
+        } else {
+            "off".into()
+        }
+    );
+    let z = &c.zero;
+    println!("  zero stage       {}", z.stage);
+    println!("  buckets          reduce {} allgather {} (elements); overlap_comm {} contiguous_gradients {}", show(z.reduce_bucket_size), z.allgather_bucket_size, z.overlap_comm, z.contiguous_gradients);
+    if z.stage == 3 {
+        println!(
+            "  stage 3          prefetch {} persistence < {} max_live {} max_reuse {}",
+            show(z.stage3_prefetch_bucket_size),
+            show(z.stage3_param_persistence_threshold),
+            z.stage3_max_live_parameters,
+            z.stage3_max_reuse_distance
+        );
+    }
+    println!(
+        "  sharding         {}; hpZ partition {}",
+        z.mics_shard_size
+            .map_or("over the whole world".to_string(), |s| format!(
+                "MiCS groups of {s}"
+            )),
+        z.zero_hpz_partition_size
+    );
+    let off = |o: &Option<zrt::zero::config::OffloadConfig>| {
+        o.as_ref().map_or(OffloadDevice::None, |o| o.device)
+    };
+    println!(
+        "  offload          optimizer {:?} params {:?}",
+        off(&z.offload_optimizer),
+        off(&z.offload_param)
+    );
+    for w in &c.warnings {
+        println!("  warning: {w}");
+    }
+    Ok(())
+}

@@ -1,0 +1,70 @@
+//! `zrt estimate`: model-state bytes per rank for each ZeRO stage, by
+//! DESIGN.md's formula (Adam, fp32 master, m and v).
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+/// Options of `zrt estimate`.
+#[derive(Args, Debug)]
+pub struct EstimateArgs {
+    /// Parameters in the model (5e9 is fine).
+    #[arg(long)]
+    params: f64,
+    /// Ranks the model is sharded over.
+    #[arg(long)]
+    world: u64,
+    /// Compute dtype: fp32, bf16 or fp16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+}
+
+/// Bytes per rank for `psi` parameters on `n` shards at `stage`, with
+/// `c`-byte compute params and grads (2 for bf16/fp16, 4 for fp32).
+pub fn model_state_bytes(stage: u8, psi: f64, n: f64, c: f64) -> f64 {
+    // fp32 master, m, v: 12 bytes; in fp32 training the master is the params.
+    let (p, g, opt) = if c == 4.0 {
+        (4.0, 4.0, 8.0)
+    } else {
+        (c, c, 12.0)
+    };
+    match stage {
+        0 => (p + g + opt) * psi,
+        1 => (p + g) * psi + opt * psi / n,
+        2 => p * psi + (g + opt) * psi / n,
+        _ => (p + g + opt) * psi / n,
+    }
+}
+
+/// Runs `zrt estimate`.
+pub fn run(a: &EstimateArgs) -> Result<()> {
+    let c = match a.dtype.as_str() {
+        "fp32" => 4.0,
+        "bf16" | "fp16" => 2.0,
+        other => bail!("--dtype must be fp32, bf16 or fp16, got {other}"),
+    };
+    if a.world == 0 || !(a.params > 0.0) {
+        bail!("--params and --world must be positive");
+    }
+    println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
+    for stage in 0..=3u8 {
+        let b = model_state_bytes(stage, a.params, a.world as f64, c);
+        println!("  stage {stage}: {:>10.2} GiB", b / (1u64 << 30) as f64);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_the_design_table() {
+        // Mixed precision: 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N.
+        assert_eq!(model_state_bytes(0, 1.0, 4.0, 2.0), 16.0);
+        assert_eq!(model_state_bytes(1, 1.0, 4.0, 2.0), 4.0 + 3.0);
+        assert_eq!(model_state_bytes(2, 1.0, 4.0, 2.0), 2.0 + 3.5);
+        assert_eq!(model_state_bytes(3, 1.0, 4.0, 2.0), 4.0);
+        // fp32: params are the master copy: 16 Psi as well, 4-byte grads.
+        assert_eq!(model_state_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
+    }
+}

@@ -1,0 +1,75 @@
+//! The `zrt` CLI's config and estimate commands, end to end.
+
+use std::process::Command;
+
+fn zrt(args: &[&str]) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
+}
+
+#[test]
+fn config_check_prints_a_shared_fixture_resolved() {
+    let f = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/ds-configs/tests_model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json"
+    );
+    let (ok, out) = zrt(&["config", "check", f, "--world", "2"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("batch            train 24 = micro 3 x gas 4 x world 2"),
+        "{out}"
+    );
+    assert!(out.contains("zero stage       2"), "{out}");
+    assert!(
+        out.contains("fp16 compute, fp32 master, loss scale dynamic (initial 2^16"),
+        "{out}"
+    );
+}
+
+#[test]
+fn config_check_lists_every_problem_and_fails() {
+    let dir = std::env::temp_dir().join(format!("zrt-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("bad.json");
+    std::fs::write(&f, r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stag": 3}}"#).unwrap();
+    let (ok, out) = zrt(&["config", "check", f.to_str().unwrap(), "--world", "2"]);
+    assert!(!ok);
+    assert!(
+        out.contains("2 problem(s) in the DeepSpeed config"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "unknown key `zero_optimization.stag`; did you mean `zero_optimization.stage`?"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x world 2"
+        ),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn estimate_prints_the_design_formula() {
+    let (ok, out) = zrt(&["estimate", "--params", "1073741824", "--world", "4"]);
+    assert!(ok, "{out}");
+    // 2^30 params, bf16: 16 GiB at stage 0, 4 GiB at stage 3 on 4 ranks.
+    assert!(
+        out.contains("stage 0:      16.00 GiB") && out.contains("stage 3:       4.00 GiB"),
+        "{out}"
+    );
+}

@@ -1,0 +1,188 @@
+//! The keys DeepSpeed documents, which of them zrt honours, and the closest
+//! known key for a typo.
+
+/// Top-level keys zrt reads.
+pub(crate) const TOP: &[&str] = &[
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_optimization",
+    "communication_data_type",
+    "data_types",
+];
+
+/// Top-level keys DeepSpeed knows that zrt does not implement (warnings).
+pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
+    "activation_checkpointing",
+    "aio",
+    "amp",
+    "autotuning",
+    "checkpoint",
+    "comms_logger",
+    "compression_training",
+    "csv_monitor",
+    "data_efficiency",
+    "dump_state",
+    "elasticity",
+    "flops_profiler",
+    "gradient_predivide_factor",
+    "memory_breakdown",
+    "pipeline",
+    "prescale_gradients",
+    "seq_parallel_communication_data_type",
+    "sparse_attention",
+    "sparse_gradients",
+    "tensorboard",
+    "wandb",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+];
+
+/// `zero_optimization` keys zrt honours (aliases included).
+pub(crate) const ZERO: &[&str] = &[
+    "stage",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "allgather_partitions",
+    "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "max_live_parameters",
+    "stage3_max_reuse_distance",
+    "max_reuse_distance",
+    "mics_shard_size",
+    "zero_hpz_partition_size",
+    "offload_optimizer",
+    "offload_param",
+];
+
+/// `zero_optimization` keys DeepSpeed knows that zrt does not implement yet (warnings).
+pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
+    "sub_group_size",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "round_robin_gradients",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "use_multi_rank_bucket_allreduce",
+    "stage3_model_persistence_threshold",
+    "model_persistence_threshold",
+    "stage3_module_granularity_threshold",
+    "module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "use_all_reduce_for_fetch_params",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "zeropp_loco_param",
+    "mics_hierarchical_params_gather",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+];
+
+/// Deprecated `zero_optimization` keys and what they map to.
+pub(crate) const ZERO_DEPRECATED: &[(&str, &str)] = &[
+    ("cpu_offload", "offload_optimizer: {\"device\": \"cpu\"}"),
+    ("cpu_offload_params", "offload_param: {\"device\": \"cpu\"}"),
+    ("cpu_offload_param", "offload_param: {\"device\": \"cpu\"}"),
+    ("cpu_offload_use_pin_memory", "offload_*.pin_memory"),
+];
+
+/// `offload_optimizer` keys.
+pub(crate) const OFFLOAD_OPTIMIZER: &[&str] = &[
+    "device",
+    "nvme_path",
+    "pin_memory",
+    "buffer_count",
+    "pipeline_read",
+    "pipeline_write",
+    "fast_init",
+    "ratio",
+    "pipeline",
+];
+
+/// `offload_param` keys.
+pub(crate) const OFFLOAD_PARAM: &[&str] = &[
+    "device",
+    "nvme_path",
+    "buffer_count",
+    "buffer_size",
+    "max_in_cpu",
+    "pin_memory",
+];
+
+/// `fp16` keys.
+pub(crate) const FP16: &[&str] = &[
+    "enabled",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "fp16_master_weights_and_grads",
+];
+
+/// `bf16` keys (DeepSpeed's bf16 has no loss scaling; fp16's keys are
+/// tolerated there with a warning, as DeepSpeed ignores them).
+pub(crate) const BF16: &[&str] = &["enabled", "immediate_grad_update", "check_grad_overflow"];
+
+/// Edit distance (Levenshtein) between two keys.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The known key closest to `key`, if one is close enough to be a typo.
+pub(crate) fn closest<'a>(key: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    known
+        .into_iter()
+        .map(|k| (distance(key, k), k))
+        .filter(|(d, k)| *d <= (k.len() / 3).max(2))
+        .min()
+        .map(|(_, k)| k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typos_find_their_key() {
+        assert_eq!(
+            closest("stage3_prefetch_bucket_sze", ZERO.iter().copied()),
+            Some("stage3_prefetch_bucket_size")
+        );
+        assert_eq!(closest("stag", ZERO.iter().copied()), Some("stage"));
+        assert_eq!(closest("completely_else", ZERO.iter().copied()), None);
+        assert_eq!(distance("kitten", "sitting"), 3);
+    }
+}

@@ -1,0 +1,288 @@
+//! The DeepSpeed JSON config, as DeepSpeed documents it.
+//!
+//! [`Config::from_file`] / [`Config::from_json`] parse a document and
+//! collect *every* problem at once: unknown keys inside `zero_optimization`
+//! and the offload blocks are errors naming the closest known key; keys
+//! DeepSpeed knows but zrt does not implement yet are warnings, never
+//! silently ignored; deprecated keys (`cpu_offload`, ...) are mapped with a
+//! warning; numbers may be written as `5e8`; fp16 and bf16 both enabled is
+//! an error. [`Config::resolve`] then applies what needs the world size and
+//! the model: the batch rule (any two of train / micro / accumulation
+//! determine the third; all three must satisfy train = micro x gas x world)
+//! and `"auto"` values, resolved as Hugging Face's integration does
+//! (`reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` =
+//! 0.9 hidden^2, `stage3_param_persistence_threshold` = 10 hidden; batch and
+//! optimizer values from the program), each resolved value logged.
+
+mod keys;
+mod parse;
+
+use std::path::Path;
+
+pub use parse::Setting;
+
+/// Every problem found in a config; the message lists them all.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{} problem(s) in the DeepSpeed config:\n{}", .problems.len(), .problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+pub struct ConfigError {
+    /// One line per problem, each naming the key and the fix.
+    pub problems: Vec<String>,
+}
+
+/// Which Adam.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerKind {
+    /// Adam; decoupled decay only if `adam_w_mode` is set.
+    Adam,
+    /// AdamW (decoupled weight decay).
+    AdamW,
+}
+
+/// `optimizer`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerConfig {
+    /// `type`.
+    pub kind: OptimizerKind,
+    /// `params.lr`.
+    pub lr: Setting<f64>,
+    /// `params.betas`.
+    pub betas: (f64, f64),
+    /// `params.eps`.
+    pub eps: f64,
+    /// `params.weight_decay`.
+    pub weight_decay: Setting<f64>,
+    /// Decoupled decay (AdamW, or Adam with `adam_w_mode: true`; DeepSpeed's
+    /// Adam defaults to true).
+    pub adam_w_mode: bool,
+    /// `params.bias_correction`.
+    pub bias_correction: bool,
+}
+
+/// `scheduler`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SchedulerConfig {
+    /// Warm up from `warmup_min_lr` to `warmup_max_lr`, then stay.
+    WarmupLR {
+        /// Start.
+        warmup_min_lr: f64,
+        /// End of warm-up.
+        warmup_max_lr: f64,
+        /// Steps of warm-up.
+        warmup_num_steps: u64,
+        /// `log` (DeepSpeed's default) or `linear`.
+        warmup_type: String,
+    },
+    /// WarmupLR, then linear decay to 0 at `total_num_steps`.
+    WarmupDecayLR {
+        /// Start.
+        warmup_min_lr: f64,
+        /// End of warm-up.
+        warmup_max_lr: f64,
+        /// Steps of warm-up.
+        warmup_num_steps: u64,
+        /// `log` or `linear`.
+        warmup_type: String,
+        /// Step at which the rate reaches 0.
+        total_num_steps: u64,
+    },
+    /// Linear warm-up from `warmup_min_ratio` x lr, then cosine to `cos_min_ratio` x lr.
+    WarmupCosineLR {
+        /// Steps in all.
+        total_num_steps: u64,
+        /// Warm-up starts at this fraction of lr.
+        warmup_min_ratio: f64,
+        /// Steps of warm-up.
+        warmup_num_steps: u64,
+        /// The cosine ends at this fraction of lr.
+        cos_min_ratio: f64,
+    },
+}
+
+/// fp16 dynamic loss scaling (DeepSpeed's knobs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossScaleConfig {
+    /// `loss_scale`: 0 for dynamic, else a static scale.
+    pub loss_scale: f64,
+    /// `initial_scale_power`: dynamic scaling starts at 2^this.
+    pub initial_scale_power: u32,
+    /// `loss_scale_window`: steps without overflow before the scale doubles.
+    pub loss_scale_window: u64,
+    /// `hysteresis`: overflows tolerated before the scale halves.
+    pub hysteresis: u32,
+    /// `min_loss_scale`.
+    pub min_loss_scale: f64,
+}
+
+/// Compute precision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Precision {
+    /// fp32 compute.
+    Fp32,
+    /// bf16 compute, fp32 master.
+    Bf16,
+    /// fp16 compute, fp32 master, loss scaling.
+    Fp16(LossScaleConfig),
+}
+
+/// Where optimizer state or parameters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadDevice {
+    /// Not offloaded.
+    None,
+    /// Host memory.
+    Cpu,
+    /// NVMe swap files.
+    Nvme,
+}
+
+/// `offload_optimizer` / `offload_param`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadConfig {
+    /// `device`.
+    pub device: OffloadDevice,
+    /// `nvme_path`.
+    pub nvme_path: Option<String>,
+    /// `pin_memory`.
+    pub pin_memory: bool,
+    /// `buffer_count`.
+    pub buffer_count: u64,
+    /// `buffer_size` (offload_param).
+    pub buffer_size: u64,
+}
+
+/// `zero_optimization`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ZeroConfig {
+    /// 0 (plain data parallel), 1, 2 or 3.
+    pub stage: u8,
+    /// Elements per gradient bucket.
+    pub reduce_bucket_size: Setting<u64>,
+    /// Elements per gather bucket (stages 1-2).
+    pub allgather_bucket_size: u64,
+    /// Overlap reduce-scatter with backward.
+    pub overlap_comm: bool,
+    /// Copy gradients into contiguous buffers as they are produced.
+    pub contiguous_gradients: bool,
+    /// Elements gathered ahead (stage 3).
+    pub stage3_prefetch_bucket_size: Setting<u64>,
+    /// Parameters below this many elements stay gathered (stage 3).
+    pub stage3_param_persistence_threshold: Setting<u64>,
+    /// Gathered elements in flight at most (stage 3).
+    pub stage3_max_live_parameters: u64,
+    /// Keep a gathered parameter if it is reused within this many elements (stage 3).
+    pub stage3_max_reuse_distance: u64,
+    /// MiCS: shard inside groups of this many ranks (-1 or absent: whole world).
+    pub mics_shard_size: Option<u64>,
+    /// ZeRO++ hpZ: secondary parameter shard inside groups of this many ranks.
+    pub zero_hpz_partition_size: u64,
+    /// `offload_optimizer`.
+    pub offload_optimizer: Option<OffloadConfig>,
+    /// `offload_param`.
+    pub offload_param: Option<OffloadConfig>,
+}
+
+/// Values `"auto"` resolves from, supplied by the program.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AutoHints {
+    /// The model's hidden size (for bucket sizes and thresholds).
+    pub hidden_size: Option<u64>,
+    /// Micro-batch per rank the program uses.
+    pub micro_batch: Option<u64>,
+    /// Accumulation steps the program uses.
+    pub gradient_accumulation_steps: Option<u64>,
+    /// Learning rate the program uses.
+    pub lr: Option<f64>,
+    /// Weight decay the program uses.
+    pub weight_decay: Option<f64>,
+}
+
+/// A parsed DeepSpeed config (before [`Config::resolve`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `train_batch_size`.
+    pub train_batch_size: Setting<Option<u64>>,
+    /// `train_micro_batch_size_per_gpu`.
+    pub micro_batch: Setting<Option<u64>>,
+    /// `gradient_accumulation_steps`.
+    pub gradient_accumulation_steps: Setting<Option<u64>>,
+    /// `optimizer` (DeepSpeed's default: Adam, lr 1e-3, when absent).
+    pub optimizer: OptimizerConfig,
+    /// `scheduler`.
+    pub scheduler: Option<SchedulerConfig>,
+    /// `fp16` / `bf16`.
+    pub precision: Precision,
+    /// `gradient_clipping` (0: off).
+    pub gradient_clipping: f64,
+    /// `steps_per_print`.
+    pub steps_per_print: u64,
+    /// `wall_clock_breakdown`.
+    pub wall_clock_breakdown: bool,
+    /// Reduce and accumulate gradients in fp32 (the default; `communication_data_type`
+    /// or `data_types.grad_accum_dtype` can ask for the compute dtype).
+    pub fp32_grad_reduce: bool,
+    /// `zero_optimization`.
+    pub zero: ZeroConfig,
+    /// Everything zrt read but will not honour, or mapped from a deprecated key.
+    pub warnings: Vec<String>,
+}
+
+/// The batch sizes after the batch rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    /// Samples per optimizer step across the world.
+    pub train: u64,
+    /// Samples per rank per micro-step.
+    pub micro: u64,
+    /// Micro-steps per optimizer step.
+    pub gas: u64,
+}
+
+/// A config with every value known: what the engine runs with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    /// The parsed config (its `"auto"` settings replaced).
+    pub config: Config,
+    /// The batch sizes.
+    pub batch: Batch,
+    /// The data-parallel world they were resolved for.
+    pub world: u64,
+}
+
+impl Config {
+    /// Reads and parses a DeepSpeed JSON file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            problems: vec![format!("cannot read {}: {e}", path.display())],
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Parses a DeepSpeed JSON document.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        parse::parse(text)
+    }
+
+    /// Parses and resolves in one go, reporting the problems of both steps
+    /// at once (what `zrt config check` prints).
+    pub fn check(text: &str, world: u64, hints: &AutoHints) -> Result<Resolved, ConfigError> {
+        let (cfg, mut problems) = parse::parse_all(text)?;
+        match cfg.resolve(world, hints) {
+            Ok(r) if problems.is_empty() => Ok(r),
+            Ok(_) => Err(ConfigError { problems }),
+            Err(e) => {
+                problems.extend(e.problems);
+                Err(ConfigError { problems })
+            }
+        }
+    }
+
+    /// Applies the batch rule for a data-parallel world of `world` ranks and
+    /// resolves every `"auto"` from `hints`; lists every problem at once.
+    pub fn resolve(&self, world: u64, hints: &AutoHints) -> Result<Resolved, ConfigError> {
+        parse::resolve(self, world, hints)
+    }
+}
+
+#[cfg(test)]
+mod tests;

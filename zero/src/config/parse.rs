@@ -1,0 +1,886 @@
+//! Walking the JSON: every problem is collected, never just the first.
+
+use serde_json::{Map, Value};
+
+use super::keys::{self, closest};
+use super::{
+    AutoHints, Batch, Config, ConfigError, LossScaleConfig, OffloadConfig, OffloadDevice,
+    OptimizerConfig, OptimizerKind, Precision, Resolved, SchedulerConfig, ZeroConfig,
+};
+
+/// A value that may be `"auto"` (resolved by [`Config::resolve`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Setting<T> {
+    /// Given in the config (or its default).
+    Value(T),
+    /// `"auto"`: taken from the program's hints at resolve time.
+    Auto,
+}
+
+impl<T: Copy> Setting<T> {
+    /// The value, or `None` while it is `"auto"`.
+    pub fn value(&self) -> Option<T> {
+        match self {
+            Setting::Value(v) => Some(*v),
+            Setting::Auto => None,
+        }
+    }
+}
+
+#[derive(Default)]
+struct P {
+    problems: Vec<String>,
+    warnings: Vec<String>,
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+impl P {
+    /// Checks an object's keys: known ones pass; known-but-unimplemented
+    /// ones warn; unknown ones are errors (`strict`) or warnings, naming the
+    /// closest known key.
+    fn keys(
+        &mut self,
+        obj: &Map<String, Value>,
+        path: &str,
+        known: &[&str],
+        unimplemented: &[&str],
+        strict: bool,
+    ) {
+        for k in obj.keys() {
+            if known.contains(&k.as_str()) {
+                continue;
+            }
+            let at = join(path, k);
+            if unimplemented.contains(&k.as_str()) {
+                self.warnings.push(format!(
+                    "`{at}` is a DeepSpeed setting zrt does not implement yet; it is ignored"
+                ));
+                continue;
+            }
+            if keys::ZERO_DEPRECATED.iter().any(|(d, _)| d == k) && path == "zero_optimization" {
+                continue; // mapped by the caller
+            }
+            let hint = closest(k, known.iter().chain(unimplemented).copied())
+                .map_or_else(String::new, |c| {
+                    format!("; did you mean `{}`?", join(path, c))
+                });
+            if strict {
+                self.problems.push(format!("unknown key `{at}`{hint}"));
+            } else {
+                self.warnings
+                    .push(format!("unknown key `{at}` is ignored{hint}"));
+            }
+        }
+    }
+
+    fn number(&mut self, v: &Value, at: &str) -> Option<f64> {
+        match v.as_f64() {
+            Some(x) if x.is_finite() => Some(x),
+            _ => {
+                self.problems
+                    .push(format!("`{at}` must be a number, got {v}"));
+                None
+            }
+        }
+    }
+
+    fn uint(&mut self, v: &Value, at: &str) -> Option<u64> {
+        let x = self.number(v, at)?;
+        if x < 0.0 || x.fract() != 0.0 || x > 9.0e15 {
+            self.problems.push(format!(
+                "`{at}` must be a whole number >= 0 (5e8 is fine), got {v}"
+            ));
+            return None;
+        }
+        Some(x as u64)
+    }
+
+    fn u64_or(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: u64) -> u64 {
+        match o.get(key) {
+            None => default,
+            Some(v) => self.uint(v, &join(path, key)).unwrap_or(default),
+        }
+    }
+
+    fn u64_setting(
+        &mut self,
+        o: &Map<String, Value>,
+        path: &str,
+        key: &str,
+        default: u64,
+    ) -> Setting<u64> {
+        match o.get(key) {
+            Some(Value::String(s)) if s == "auto" => Setting::Auto,
+            None => Setting::Value(default),
+            Some(v) => Setting::Value(self.uint(v, &join(path, key)).unwrap_or(default)),
+        }
+    }
+
+    fn f64_or(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: f64) -> f64 {
+        match o.get(key) {
+            None => default,
+            Some(v) => self.number(v, &join(path, key)).unwrap_or(default),
+        }
+    }
+
+    fn f64_setting(
+        &mut self,
+        o: &Map<String, Value>,
+        path: &str,
+        key: &str,
+        default: f64,
+    ) -> Setting<f64> {
+        match o.get(key) {
+            Some(Value::String(s)) if s == "auto" => Setting::Auto,
+            None => Setting::Value(default),
+            Some(v) => Setting::Value(self.number(v, &join(path, key)).unwrap_or(default)),
+        }
+    }
+
+    fn bool_or(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: bool) -> bool {
+        match o.get(key) {
+            None => default,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                self.problems.push(format!(
+                    "`{}` must be true or false, got {v}",
+                    join(path, key)
+                ));
+                default
+            }
+        }
+    }
+
+    fn string(&mut self, o: &Map<String, Value>, path: &str, key: &str) -> Option<String> {
+        match o.get(key) {
+            None => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(v) => {
+                self.problems
+                    .push(format!("`{}` must be a string, got {v}", join(path, key)));
+                None
+            }
+        }
+    }
+
+    fn object<'a>(
+        &mut self,
+        o: &'a Map<String, Value>,
+        key: &str,
+    ) -> Option<&'a Map<String, Value>> {
+        match o.get(key) {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) => Some(m),
+            Some(v) => {
+                self.problems
+                    .push(format!("`{key}` must be an object, got {v}"));
+                None
+            }
+        }
+    }
+
+    /// A batch size: absent, `"auto"`, or a whole number >= 1.
+    fn batch(&mut self, o: &Map<String, Value>, key: &str) -> Setting<Option<u64>> {
+        match o.get(key) {
+            None | Some(Value::Null) => Setting::Value(None),
+            Some(Value::String(s)) if s == "auto" => Setting::Auto,
+            Some(v) => match self.uint(v, key) {
+                Some(0) => {
+                    self.problems.push(format!("`{key}` must be at least 1"));
+                    Setting::Value(None)
+                }
+                n => Setting::Value(n),
+            },
+        }
+    }
+
+    fn optimizer(&mut self, top: &Map<String, Value>) -> OptimizerConfig {
+        let default = OptimizerConfig {
+            kind: OptimizerKind::AdamW,
+            lr: Setting::Value(1e-3),
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: Setting::Value(0.0),
+            adam_w_mode: true,
+            bias_correction: true,
+        };
+        let Some(o) = self.object(top, "optimizer") else {
+            self.warnings.push(
+                "no `optimizer` block: zrt uses AdamW with lr 1e-3, betas (0.9, 0.999), eps 1e-8, no weight decay (DeepSpeed's FusedAdam defaults)".into(),
+            );
+            return default;
+        };
+        self.keys(o, "optimizer", &["type", "params"], &[], false);
+        let kind = match self
+            .string(o, "optimizer", "type")
+            .map(|t| t.to_ascii_lowercase())
+            .as_deref()
+        {
+            Some("adam") | None => OptimizerKind::Adam,
+            Some("adamw") => OptimizerKind::AdamW,
+            Some(other) => {
+                self.problems.push(format!(
+                    "`optimizer.type` \"{other}\" is not supported by zrt: use \"Adam\" or \"AdamW\""
+                ));
+                OptimizerKind::Adam
+            }
+        };
+        let empty = Map::new();
+        let p = match o.get("params") {
+            Some(Value::Object(m)) => m,
+            None => &empty,
+            Some(v) => {
+                self.problems
+                    .push(format!("`optimizer.params` must be an object, got {v}"));
+                &empty
+            }
+        };
+        let path = "optimizer.params";
+        self.keys(
+            p,
+            path,
+            &[
+                "lr",
+                "betas",
+                "eps",
+                "weight_decay",
+                "adam_w_mode",
+                "bias_correction",
+                "torch_adam",
+                "amsgrad",
+                "fused",
+            ],
+            &[],
+            false,
+        );
+        if self.bool_or(p, path, "amsgrad", false) {
+            self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
+        }
+        let betas = match p.get("betas") {
+            None => default.betas,
+            Some(Value::Array(a)) if a.len() == 2 => {
+                let b1 = self
+                    .number(&a[0], "optimizer.params.betas[0]")
+                    .unwrap_or(0.9);
+                let b2 = self
+                    .number(&a[1], "optimizer.params.betas[1]")
+                    .unwrap_or(0.999);
+                (b1, b2)
+            }
+            Some(v) => {
+                self.problems.push(format!(
+                    "`optimizer.params.betas` must be [beta1, beta2], got {v}"
+                ));
+                default.betas
+            }
+        };
+        for (i, b) in [betas.0, betas.1].iter().enumerate() {
+            if !(0.0..1.0).contains(b) {
+                self.problems.push(format!(
+                    "`optimizer.params.betas[{i}]` must be in [0, 1), got {b}"
+                ));
+            }
+        }
+        // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true).
+        let adam_w_mode =
+            kind == OptimizerKind::AdamW || self.bool_or(p, path, "adam_w_mode", true);
+        OptimizerConfig {
+            kind,
+            lr: self.f64_setting(p, path, "lr", 1e-3),
+            betas,
+            eps: self.f64_or(p, path, "eps", 1e-8),
+            weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
+            adam_w_mode,
+            bias_correction: self.bool_or(p, path, "bias_correction", true),
+        }
+    }
+
+    fn scheduler(&mut self, top: &Map<String, Value>) -> Option<SchedulerConfig> {
+        let o = self.object(top, "scheduler")?;
+        self.keys(o, "scheduler", &["type", "params"], &[], false);
+        let empty = Map::new();
+        let p = match o.get("params") {
+            Some(Value::Object(m)) => m,
+            _ => &empty,
+        };
+        let path = "scheduler.params";
+        let ty = self.string(o, "scheduler", "type").unwrap_or_default();
+        let warmup_type = || {
+            p.get("warmup_type")
+                .and_then(Value::as_str)
+                .unwrap_or("log")
+                .to_string()
+        };
+        let s = match ty.as_str() {
+            "WarmupLR" => {
+                self.keys(
+                    p,
+                    path,
+                    &[
+                        "warmup_min_lr",
+                        "warmup_max_lr",
+                        "warmup_num_steps",
+                        "warmup_type",
+                        "last_batch_iteration",
+                    ],
+                    &[],
+                    false,
+                );
+                SchedulerConfig::WarmupLR {
+                    warmup_min_lr: self.f64_or(p, path, "warmup_min_lr", 0.0),
+                    warmup_max_lr: self.f64_or(p, path, "warmup_max_lr", 1e-3),
+                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    warmup_type: warmup_type(),
+                }
+            }
+            "WarmupDecayLR" => {
+                self.keys(
+                    p,
+                    path,
+                    &[
+                        "warmup_min_lr",
+                        "warmup_max_lr",
+                        "warmup_num_steps",
+                        "warmup_type",
+                        "total_num_steps",
+                        "last_batch_iteration",
+                    ],
+                    &[],
+                    false,
+                );
+                if !p.contains_key("total_num_steps") {
+                    self.problems.push(
+                        "`scheduler.params.total_num_steps` is required by WarmupDecayLR".into(),
+                    );
+                }
+                SchedulerConfig::WarmupDecayLR {
+                    warmup_min_lr: self.f64_or(p, path, "warmup_min_lr", 0.0),
+                    warmup_max_lr: self.f64_or(p, path, "warmup_max_lr", 1e-3),
+                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    warmup_type: warmup_type(),
+                    total_num_steps: self.u64_or(p, path, "total_num_steps", 1),
+                }
+            }
+            "WarmupCosineLR" => {
+                self.keys(
+                    p,
+                    path,
+                    &[
+                        "total_num_steps",
+                        "warmup_min_ratio",
+                        "warmup_num_steps",
+                        "cos_min_ratio",
+                        "warmup_type",
+                        "last_batch_iteration",
+                    ],
+                    &[],
+                    false,
+                );
+                if !p.contains_key("total_num_steps") {
+                    self.problems.push(
+                        "`scheduler.params.total_num_steps` is required by WarmupCosineLR".into(),
+                    );
+                }
+                SchedulerConfig::WarmupCosineLR {
+                    total_num_steps: self.u64_or(p, path, "total_num_steps", 1),
+                    warmup_min_ratio: self.f64_or(p, path, "warmup_min_ratio", 0.0),
+                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    cos_min_ratio: self.f64_or(p, path, "cos_min_ratio", 1e-4),
+                }
+            }
+            other => {
+                self.problems.push(format!(
+                    "`scheduler.type` \"{other}\" is not supported by zrt: use WarmupLR, WarmupDecayLR or WarmupCosineLR"
+                ));
+                return None;
+            }
+        };
+        if let SchedulerConfig::WarmupLR { warmup_type, .. }
+        | SchedulerConfig::WarmupDecayLR { warmup_type, .. } = &s
+        {
+            if warmup_type != "log" && warmup_type != "linear" {
+                self.problems.push(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"{warmup_type}\""));
+            }
+        }
+        Some(s)
+    }
+
+    fn precision(&mut self, top: &Map<String, Value>) -> Precision {
+        let fp16 = self.object(top, "fp16");
+        let bf16 = self.object(top, "bf16");
+        let on = |p: &mut P, o: Option<&Map<String, Value>>, path: &str| {
+            o.is_some_and(|o| p.bool_or(o, path, "enabled", false))
+        };
+        let (f, b) = (on(self, fp16, "fp16"), on(self, bf16, "bf16"));
+        if let Some(o) = bf16 {
+            // fp16's keys are accepted here (warned below), not flagged unknown.
+            let known: Vec<&str> = keys::BF16.iter().chain(keys::FP16).copied().collect();
+            self.keys(o, "bf16", &known, &[], false);
+            for k in o
+                .keys()
+                .filter(|k| keys::FP16.contains(&k.as_str()) && !keys::BF16.contains(&k.as_str()))
+            {
+                // The unknown-key warning above already names it; say why it is harmless.
+                self.warnings.push(format!("`bf16.{k}` has no effect: bf16 needs no loss scaling (DeepSpeed ignores it too)"));
+            }
+        }
+        if f && b {
+            self.problems.push(
+                "`fp16.enabled` and `bf16.enabled` are both true: choose one compute precision"
+                    .into(),
+            );
+            return Precision::Fp32;
+        }
+        if b {
+            return Precision::Bf16;
+        }
+        let Some(o) = fp16.filter(|_| f) else {
+            return Precision::Fp32;
+        };
+        self.keys(o, "fp16", keys::FP16, &[], false);
+        if self.bool_or(o, "fp16", "fp16_master_weights_and_grads", false) {
+            self.problems.push("`fp16.fp16_master_weights_and_grads` is not supported: zrt always keeps fp32 master weights".into());
+        }
+        Precision::Fp16(LossScaleConfig {
+            loss_scale: self.f64_or(o, "fp16", "loss_scale", 0.0),
+            initial_scale_power: self.u64_or(o, "fp16", "initial_scale_power", 16).min(64) as u32,
+            loss_scale_window: self.u64_or(o, "fp16", "loss_scale_window", 1000),
+            hysteresis: self.u64_or(o, "fp16", "hysteresis", 2).min(u32::MAX as u64) as u32,
+            min_loss_scale: self.f64_or(o, "fp16", "min_loss_scale", 1.0),
+        })
+    }
+
+    fn offload(&mut self, o: &Map<String, Value>, path: &str, known: &[&str]) -> OffloadConfig {
+        self.keys(o, path, known, &[], true);
+        let device = match self.string(o, path, "device").as_deref() {
+            None | Some("none") => OffloadDevice::None,
+            Some("cpu") => OffloadDevice::Cpu,
+            Some("nvme") => OffloadDevice::Nvme,
+            Some(other) => {
+                self.problems.push(format!(
+                    "`{path}.device` must be \"none\", \"cpu\" or \"nvme\", got \"{other}\""
+                ));
+                OffloadDevice::None
+            }
+        };
+        let nvme_path = self.string(o, path, "nvme_path");
+        if device == OffloadDevice::Nvme && nvme_path.is_none() {
+            self.problems.push(format!("`{path}.device` is \"nvme\" but `{path}.nvme_path` is missing: name a directory on the NVMe drive"));
+        }
+        if device != OffloadDevice::None {
+            self.warnings.push(format!(
+                "`{path}.device` = {device:?}: zrt does not offload yet; the state stays in memory"
+            ));
+        }
+        OffloadConfig {
+            device,
+            nvme_path,
+            pin_memory: self.bool_or(o, path, "pin_memory", false),
+            buffer_count: self.u64_or(o, path, "buffer_count", 5),
+            buffer_size: self.u64_or(o, path, "buffer_size", 100_000_000),
+        }
+    }
+
+    fn zero(&mut self, top: &Map<String, Value>) -> ZeroConfig {
+        let empty = Map::new();
+        let z = self.object(top, "zero_optimization").unwrap_or(&empty);
+        let path = "zero_optimization";
+        self.keys(z, path, keys::ZERO, keys::ZERO_KNOWN_UNIMPLEMENTED, true);
+        let stage = self.u64_or(z, path, "stage", 0);
+        if stage > 3 {
+            self.problems.push(format!(
+                "`zero_optimization.stage` must be 0, 1, 2 or 3, got {stage}"
+            ));
+        }
+        // Aliases: DeepSpeed accepts both spellings.
+        let alias = |z: &Map<String, Value>, a: &str, b: &str| {
+            if z.contains_key(a) {
+                a.to_string()
+            } else {
+                b.to_string()
+            }
+        };
+        let prefetch = alias(z, "stage3_prefetch_bucket_size", "prefetch_bucket_size");
+        let persist = alias(
+            z,
+            "stage3_param_persistence_threshold",
+            "param_persistence_threshold",
+        );
+        let live = alias(z, "stage3_max_live_parameters", "max_live_parameters");
+        let reuse = alias(z, "stage3_max_reuse_distance", "max_reuse_distance");
+        let mics = match z.get("mics_shard_size") {
+            None => None,
+            Some(v) if v.as_i64() == Some(-1) => None,
+            Some(v) => match self.uint(v, "zero_optimization.mics_shard_size") {
+                Some(0) | None => {
+                    self.problems.push(
+                        "`zero_optimization.mics_shard_size` must be -1 or at least 1".into(),
+                    );
+                    None
+                }
+                n => n,
+            },
+        };
+        let mut offload_optimizer = self.object(z, "offload_optimizer").map(|o| {
+            self.offload(
+                o,
+                "zero_optimization.offload_optimizer",
+                keys::OFFLOAD_OPTIMIZER,
+            )
+        });
+        let mut offload_param = self
+            .object(z, "offload_param")
+            .map(|o| self.offload(o, "zero_optimization.offload_param", keys::OFFLOAD_PARAM));
+        let cpu = OffloadConfig {
+            device: OffloadDevice::Cpu,
+            nvme_path: None,
+            pin_memory: false,
+            buffer_count: 5,
+            buffer_size: 100_000_000,
+        };
+        for (old, new) in keys::ZERO_DEPRECATED {
+            if !z.contains_key(*old) {
+                continue;
+            }
+            self.warnings.push(format!(
+                "`zero_optimization.{old}` is deprecated: read as `zero_optimization.{new}`"
+            ));
+            let on = self.bool_or(z, path, old, false);
+            match *old {
+                "cpu_offload" if on && offload_optimizer.is_none() => {
+                    self.warnings.push("`zero_optimization.offload_optimizer.device` = Cpu: zrt does not offload yet; the state stays in memory".into());
+                    offload_optimizer = Some(cpu.clone());
+                }
+                "cpu_offload_params" | "cpu_offload_param" if on && offload_param.is_none() => {
+                    self.warnings.push("`zero_optimization.offload_param.device` = Cpu: zrt does not offload yet; the state stays in memory".into());
+                    offload_param = Some(cpu.clone());
+                }
+                "cpu_offload_use_pin_memory" => {
+                    for o in [&mut offload_optimizer, &mut offload_param]
+                        .into_iter()
+                        .flatten()
+                    {
+                        o.pin_memory = on;
+                    }
+                }
+                _ => {}
+            }
+        }
+        ZeroConfig {
+            stage: stage.min(3) as u8,
+            reduce_bucket_size: self.u64_setting(z, path, "reduce_bucket_size", 500_000_000),
+            allgather_bucket_size: self.u64_or(z, path, "allgather_bucket_size", 500_000_000),
+            overlap_comm: self.bool_or(z, path, "overlap_comm", stage == 3),
+            contiguous_gradients: self.bool_or(z, path, "contiguous_gradients", true),
+            stage3_prefetch_bucket_size: self.u64_setting(z, path, &prefetch, 50_000_000),
+            stage3_param_persistence_threshold: self.u64_setting(z, path, &persist, 100_000),
+            stage3_max_live_parameters: self.u64_or(z, path, &live, 1_000_000_000),
+            stage3_max_reuse_distance: self.u64_or(z, path, &reuse, 1_000_000_000),
+            mics_shard_size: mics,
+            zero_hpz_partition_size: self.u64_or(z, path, "zero_hpz_partition_size", 1).max(1),
+            offload_optimizer,
+            offload_param,
+        }
+    }
+}
+
+/// Parses a document (see [`Config::from_json`]).
+pub(super) fn parse(text: &str) -> Result<Config, ConfigError> {
+    let (cfg, problems) = parse_all(text)?;
+    if problems.is_empty() {
+        Ok(cfg)
+    } else {
+        Err(ConfigError { problems })
+    }
+}
+
+/// Parses as much as it can: the config (defaults where a value was bad)
+/// and every problem found, so a caller can resolve it too and report all.
+pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| ConfigError {
+        problems: vec![format!("not valid JSON: {e}")],
+    })?;
+    let Value::Object(top) = v else {
+        return Err(ConfigError {
+            problems: vec!["the config must be a JSON object".into()],
+        });
+    };
+    let mut p = P::default();
+    p.keys(&top, "", keys::TOP, keys::TOP_KNOWN_UNIMPLEMENTED, false);
+    let reduce_dtype = p.string(&top, "", "communication_data_type").or_else(|| {
+        top.get("data_types")
+            .and_then(|d| d.get("grad_accum_dtype"))
+            .and_then(Value::as_str)
+            .map(String::from)
+    });
+    let fp32_grad_reduce = match reduce_dtype.as_deref() {
+        None | Some("fp32") | Some("float32") => true,
+        Some("bf16") | Some("fp16") | Some("bfloat16") | Some("float16") => false,
+        Some(other) => {
+            p.problems.push(format!(
+                "gradient reduction dtype \"{other}\" must be \"fp32\", \"bf16\" or \"fp16\""
+            ));
+            true
+        }
+    };
+    let cfg = Config {
+        train_batch_size: p.batch(&top, "train_batch_size"),
+        micro_batch: p.batch(&top, "train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps: p.batch(&top, "gradient_accumulation_steps"),
+        optimizer: p.optimizer(&top),
+        scheduler: p.scheduler(&top),
+        precision: p.precision(&top),
+        gradient_clipping: p.f64_or(&top, "", "gradient_clipping", 0.0),
+        steps_per_print: p.u64_or(&top, "", "steps_per_print", 10),
+        wall_clock_breakdown: p.bool_or(&top, "", "wall_clock_breakdown", false),
+        fp32_grad_reduce,
+        zero: p.zero(&top),
+        warnings: Vec::new(),
+    };
+    if cfg.gradient_clipping < 0.0 {
+        p.problems.push(format!(
+            "`gradient_clipping` must be >= 0 (0 turns it off), got {}",
+            cfg.gradient_clipping
+        ));
+    }
+    for w in &p.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok((
+        Config {
+            warnings: p.warnings,
+            ..cfg
+        },
+        p.problems,
+    ))
+}
+
+/// The batch rule, DeepSpeed's: any two of (train, micro, gas) determine the
+/// third; one alone is completed with gas = 1.
+fn batch(
+    train: Option<u64>,
+    micro: Option<u64>,
+    gas: Option<u64>,
+    world: u64,
+    problems: &mut Vec<String>,
+) -> Option<Batch> {
+    let div = |a: u64, b: u64, what: &str, problems: &mut Vec<String>| {
+        if b == 0 || a % b != 0 {
+            problems.push(what.to_string());
+            None
+        } else {
+            Some(a / b)
+        }
+    };
+    let b = match (train, micro, gas) {
+        (Some(t), Some(m), Some(g)) => Batch {
+            train: t,
+            micro: m,
+            gas: g,
+        },
+        (Some(t), Some(m), None) => {
+            let g = div(t, m * world, &format!("train_batch_size {t} is not divisible by train_micro_batch_size_per_gpu {m} x world {world}"), problems)?;
+            Batch {
+                train: t,
+                micro: m,
+                gas: g,
+            }
+        }
+        (Some(t), None, Some(g)) => {
+            let m = div(t, g * world, &format!("train_batch_size {t} is not divisible by gradient_accumulation_steps {g} x world {world}"), problems)?;
+            Batch {
+                train: t,
+                micro: m,
+                gas: g,
+            }
+        }
+        (None, Some(m), Some(g)) => Batch {
+            train: m * g * world,
+            micro: m,
+            gas: g,
+        },
+        (Some(t), None, None) => {
+            let m = div(
+                t,
+                world,
+                &format!("train_batch_size {t} is not divisible by the world size {world}"),
+                problems,
+            )?;
+            Batch {
+                train: t,
+                micro: m,
+                gas: 1,
+            }
+        }
+        (None, Some(m), None) => Batch {
+            train: m * world,
+            micro: m,
+            gas: 1,
+        },
+        (None, None, _) => {
+            problems.push("set `train_batch_size` or `train_micro_batch_size_per_gpu` (with `gradient_accumulation_steps` if not 1)".into());
+            return None;
+        }
+    };
+    if b.train != b.micro * b.gas * world || b.micro == 0 || b.gas == 0 {
+        problems.push(format!(
+            "train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x world {world} (= {})",
+            b.train,
+            b.micro,
+            b.gas,
+            b.micro * b.gas * world
+        ));
+        return None;
+    }
+    Some(b)
+}
+
+/// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
+pub(super) fn resolve(
+    cfg: &Config,
+    world: u64,
+    hints: &AutoHints,
+) -> Result<Resolved, ConfigError> {
+    let mut problems = Vec::new();
+    let mut c = cfg.clone();
+    let auto = |name: &str,
+                hint: Option<f64>,
+                rule: &str,
+                problems: &mut Vec<String>|
+     -> Option<f64> {
+        match hint {
+            Some(v) => {
+                tracing::info!("config: `{name}` \"auto\" resolved to {v} ({rule})");
+                Some(v)
+            }
+            None => {
+                problems.push(format!("`{name}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints"));
+                None
+            }
+        }
+    };
+    let hidden = hints.hidden_size.map(|h| h as f64);
+    let fill_u64 = |s: &mut Setting<u64>, v: Option<f64>| {
+        if let Some(v) = v {
+            *s = Setting::Value(v as u64);
+        }
+    };
+    if c.zero.reduce_bucket_size == Setting::Auto {
+        let v = auto(
+            "zero_optimization.reduce_bucket_size",
+            hidden.map(|h| h * h),
+            "hidden size (hidden^2)",
+            &mut problems,
+        );
+        fill_u64(&mut c.zero.reduce_bucket_size, v);
+    }
+    if c.zero.stage3_prefetch_bucket_size == Setting::Auto {
+        let v = auto(
+            "zero_optimization.stage3_prefetch_bucket_size",
+            hidden.map(|h| (0.9 * h * h).floor()),
+            "hidden size (0.9 hidden^2)",
+            &mut problems,
+        );
+        fill_u64(&mut c.zero.stage3_prefetch_bucket_size, v);
+    }
+    if c.zero.stage3_param_persistence_threshold == Setting::Auto {
+        let v = auto(
+            "zero_optimization.stage3_param_persistence_threshold",
+            hidden.map(|h| 10.0 * h),
+            "hidden size (10 hidden)",
+            &mut problems,
+        );
+        fill_u64(&mut c.zero.stage3_param_persistence_threshold, v);
+    }
+    if c.optimizer.lr == Setting::Auto {
+        if let Some(v) = auto(
+            "optimizer.params.lr",
+            hints.lr,
+            "learning rate",
+            &mut problems,
+        ) {
+            c.optimizer.lr = Setting::Value(v);
+        }
+    }
+    if c.optimizer.weight_decay == Setting::Auto {
+        if let Some(v) = auto(
+            "optimizer.params.weight_decay",
+            hints.weight_decay,
+            "weight decay",
+            &mut problems,
+        ) {
+            c.optimizer.weight_decay = Setting::Value(v);
+        }
+    }
+    let b = |s: Setting<Option<u64>>, name: &str, hint: Option<u64>, problems: &mut Vec<String>| {
+        match s {
+            Setting::Value(v) => v,
+            Setting::Auto => {
+                auto(name, hint.map(|h| h as f64), "value for it", problems).map(|v| v as u64)
+            }
+        }
+    };
+    let mut micro = b(
+        c.micro_batch,
+        "train_micro_batch_size_per_gpu",
+        hints.micro_batch,
+        &mut problems,
+    );
+    if micro.is_none() && c.train_batch_size == Setting::Value(None) {
+        // No batch keys at all (a template): the program's micro-batch, as
+        // Hugging Face's integration fills them.
+        if let Some(m) = hints.micro_batch {
+            tracing::info!(
+                "config: no batch keys; train_micro_batch_size_per_gpu {m} from the program"
+            );
+            micro = Some(m);
+        }
+    }
+    let gas = b(
+        c.gradient_accumulation_steps,
+        "gradient_accumulation_steps",
+        hints.gradient_accumulation_steps.or(Some(1)),
+        &mut problems,
+    );
+    let train_hint = micro.zip(gas).map(|(m, g)| m * g * world);
+    let train = b(
+        c.train_batch_size,
+        "train_batch_size",
+        train_hint,
+        &mut problems,
+    );
+    let resolved = batch(train, micro, gas, world, &mut problems);
+    if let Some(s) = c.zero.mics_shard_size {
+        if world % s != 0 {
+            problems.push(format!(
+                "`zero_optimization.mics_shard_size` {s} must divide the world size {world}"
+            ));
+        }
+    }
+    if world % c.zero.zero_hpz_partition_size != 0 {
+        problems.push(format!(
+            "`zero_optimization.zero_hpz_partition_size` {} must divide the world size {world}",
+            c.zero.zero_hpz_partition_size
+        ));
+    }
+    match resolved {
+        Some(batch) if problems.is_empty() => {
+            c.train_batch_size = Setting::Value(Some(batch.train));
+            c.micro_batch = Setting::Value(Some(batch.micro));
+            c.gradient_accumulation_steps = Setting::Value(Some(batch.gas));
+            Ok(Resolved {
+                config: c,
+                batch,
+                world,
+            })
+        }
+        _ => Err(ConfigError { problems }),
+    }
+}

@@ -1,0 +1,338 @@
+use std::path::PathBuf;
+
+use super::*;
+
+/// `../shared/ds-configs` beside the checkout (CI lays shared/ there), or
+/// `$ZRT_DS_CONFIGS`.
+fn fixtures() -> PathBuf {
+    std::env::var_os("ZRT_DS_CONFIGS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/ds-configs")
+        })
+}
+
+fn hints() -> AutoHints {
+    AutoHints {
+        hidden_size: Some(64),
+        micro_batch: Some(2),
+        gradient_accumulation_steps: None,
+        lr: Some(1e-4),
+        weight_decay: Some(0.0),
+    }
+}
+
+#[test]
+fn every_shared_deepspeed_config_loads_and_resolves() {
+    let dir = fixtures();
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| {
+            panic!(
+                "the DeepSpeed fixtures must be at {} ({e}); set ZRT_DS_CONFIGS",
+                dir.display()
+            )
+        })
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    assert!(
+        files.len() >= 8,
+        "expected the shared fixtures, found {files:?}"
+    );
+    for f in files {
+        let c = Config::from_file(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        // A world that divides every fixture's batch.
+        let r = c
+            .resolve(1, &hints())
+            .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert_eq!(r.batch.train, r.batch.micro * r.batch.gas);
+    }
+}
+
+#[test]
+fn fixtures_read_as_deepspeed_means_them() {
+    let c = Config::from_file(
+        fixtures().join("deepspeed_autotuning_config_templates_template_zero3.json"),
+    )
+    .unwrap();
+    assert_eq!(c.zero.stage, 3);
+    assert_eq!(c.zero.reduce_bucket_size, Setting::Value(500_000_000));
+    assert_eq!(
+        c.zero.stage3_param_persistence_threshold,
+        Setting::Value(1_000_000)
+    );
+    assert!(!c.zero.overlap_comm);
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("`zero_optimization.sub_group_size`")),
+        "{:?}",
+        c.warnings
+    );
+
+    let c = Config::from_file(
+        fixtures().join("tests_model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json"),
+    )
+    .unwrap();
+    assert_eq!(c.optimizer.lr, Setting::Value(3e-5));
+    assert!(!c.optimizer.bias_correction);
+    assert!(
+        matches!(c.precision, Precision::Fp16(LossScaleConfig { loss_scale, initial_scale_power: 16, .. }) if loss_scale == 0.0)
+    );
+    let r = c.resolve(2, &hints()).unwrap();
+    assert_eq!(
+        r.batch,
+        Batch {
+            train: 24,
+            micro: 3,
+            gas: 4
+        }
+    );
+
+    let c = Config::from_file(
+        fixtures().join("tests_model_Megatron_GPT2_ds_config_func_bs8_zero2_offload.json"),
+    )
+    .unwrap();
+    assert_eq!(
+        c.zero.offload_optimizer.as_ref().map(|o| o.device),
+        Some(OffloadDevice::Cpu)
+    );
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("`zero_optimization.cpu_offload` is deprecated")),
+        "{:?}",
+        c.warnings
+    );
+
+    let c = Config::from_file(fixtures().join("tests_torch_compile_ds_config_z3.json")).unwrap();
+    assert_eq!(c.precision, Precision::Bf16);
+    assert_eq!(c.optimizer.betas, (0.8, 0.999));
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("`bf16.loss_scale` has no effect")),
+        "{:?}",
+        c.warnings
+    );
+    assert!(
+        !c.warnings.iter().any(|w| w.contains("unknown key `bf16.")),
+        "{:?}",
+        c.warnings
+    );
+    assert!(matches!(
+        c.scheduler,
+        Some(SchedulerConfig::WarmupLR {
+            warmup_num_steps: 1000,
+            ..
+        })
+    ));
+}
+
+fn problems(json: &str) -> Vec<String> {
+    Config::from_json(json)
+        .err()
+        .map(|e| e.problems)
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_unknown_zero_key_is_an_error_naming_the_closest_key() {
+    let p = problems(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sze": 5e8}}"#,
+    );
+    assert_eq!(
+        p,
+        ["unknown key `zero_optimization.stage3_prefetch_bucket_sze`; did you mean `zero_optimization.stage3_prefetch_bucket_size`?"]
+    );
+    let p = problems(
+        r#"{"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": true}}}"#,
+    );
+    assert_eq!(
+        p,
+        ["unknown key `zero_optimization.offload_optimizer.pin_memroy`; did you mean `zero_optimization.offload_optimizer.pin_memory`?"]
+    );
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let e = Config::from_json(
+        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Lamb"},
+            "zero_optimization": {"stage": 4, "bogus": 1}, "gradient_clipping": -1}"#,
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("5 problem(s) in the DeepSpeed config:"),
+        "{text}"
+    );
+    for want in [
+        "`fp16.enabled` and `bf16.enabled` are both true",
+        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\" or \"AdamW\"",
+        "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
+        "unknown key `zero_optimization.bogus`",
+        "`gradient_clipping` must be >= 0",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn the_batch_rule_completes_or_names_the_numbers() {
+    let r = |json: &str, world| {
+        Config::from_json(json)
+            .unwrap()
+            .resolve(world, &AutoHints::default())
+    };
+    assert_eq!(
+        r(
+            r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}"#,
+            2
+        )
+        .unwrap()
+        .batch,
+        Batch {
+            train: 32,
+            micro: 4,
+            gas: 4
+        }
+    );
+    assert_eq!(
+        r(
+            r#"{"train_batch_size": 32, "gradient_accumulation_steps": 2}"#,
+            4
+        )
+        .unwrap()
+        .batch,
+        Batch {
+            train: 32,
+            micro: 4,
+            gas: 2
+        }
+    );
+    assert_eq!(
+        r(
+            r#"{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}"#,
+            2
+        )
+        .unwrap()
+        .batch,
+        Batch {
+            train: 48,
+            micro: 8,
+            gas: 3
+        }
+    );
+    assert_eq!(
+        r(r#"{"train_batch_size": 8}"#, 2).unwrap().batch,
+        Batch {
+            train: 8,
+            micro: 4,
+            gas: 1
+        }
+    );
+    let e = r(r#"{"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}"#, 2).unwrap_err();
+    assert_eq!(e.problems, ["train_batch_size 24 != train_micro_batch_size_per_gpu 3 x gradient_accumulation_steps 2 x world 2 (= 12)"]);
+    let e = r(
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}"#,
+        2,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x world 2"]
+    );
+    let e = r(r#"{"zero_optimization": {"stage": 1}}"#, 2).unwrap_err();
+    assert!(
+        e.problems[0].starts_with("set `train_batch_size` or `train_micro_batch_size_per_gpu`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn auto_values_resolve_as_hugging_face_does_or_say_what_is_missing() {
+    let json = r#"{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto"}}"#;
+    let c = Config::from_json(json).unwrap();
+    let r = c.resolve(2, &hints()).unwrap();
+    assert_eq!(
+        r.batch,
+        Batch {
+            train: 4,
+            micro: 2,
+            gas: 1
+        }
+    );
+    assert_eq!(r.config.zero.reduce_bucket_size, Setting::Value(4096));
+    assert_eq!(
+        r.config.zero.stage3_prefetch_bucket_size,
+        Setting::Value(3686)
+    );
+    assert_eq!(
+        r.config.zero.stage3_param_persistence_threshold,
+        Setting::Value(640)
+    );
+    assert_eq!(r.config.optimizer.lr, Setting::Value(1e-4));
+    let e = c.resolve(2, &AutoHints::default()).unwrap_err();
+    assert!(e.problems.iter().any(|p| p.starts_with("`zero_optimization.reduce_bucket_size` is \"auto\" but the program gave no hidden size")), "{e}");
+    assert!(
+        e.problems
+            .iter()
+            .any(|p| p.starts_with("`train_micro_batch_size_per_gpu` is \"auto\"")),
+        "{e}"
+    );
+}
+
+#[test]
+fn hybrid_sizes_must_divide_the_world() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 12, "zero_optimization": {"stage": 3, "mics_shard_size": 4}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.zero.mics_shard_size, Some(4));
+    let e = c.resolve(6, &AutoHints::default()).unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["`zero_optimization.mics_shard_size` 4 must divide the world size 6"]
+    );
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"mics_shard_size": -1}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.zero.mics_shard_size, None);
+}
+
+#[test]
+fn known_but_unimplemented_keys_warn_and_nvme_needs_a_path() {
+    let c = Config::from_json(r#"{"train_batch_size": 8, "activation_checkpointing": {}, "flops_profiler": {"enabled": true}}"#).unwrap();
+    assert!(c.warnings.iter().any(|w| w == "`activation_checkpointing` is a DeepSpeed setting zrt does not implement yet; it is ignored"), "{:?}", c.warnings);
+    let p =
+        problems(r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}"#);
+    assert_eq!(p, ["`zero_optimization.offload_optimizer.device` is \"nvme\" but `zero_optimization.offload_optimizer.nvme_path` is missing: name a directory on the NVMe drive"]);
+    let p = problems(
+        r#"{"zero_optimization": {"reduce_bucket_size": 0.5, "stage3_max_live_parameters": "many"}}"#,
+    );
+    assert_eq!(p.len(), 2, "{p:?}");
+    assert!(
+        p[0].contains("`zero_optimization.reduce_bucket_size` must be a whole number"),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn check_reports_parse_and_resolve_problems_together() {
+    let e = Config::check(
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sze": 1}}"#,
+        2,
+        &AutoHints::default(),
+    )
+    .unwrap_err();
+    assert_eq!(e.problems.len(), 2, "{e}");
+    assert!(e.problems[0].contains("stage3_prefetch_bucket_sze"));
+    assert_eq!(
+        e.problems[1],
+        "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x world 2"
+    );
+}

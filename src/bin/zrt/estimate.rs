@@ -42,7 +42,8 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         "bf16" | "fp16" => 2.0,
         other => bail!("--dtype must be fp32, bf16 or fp16, got {other}"),
     };
-    if a.world == 0 || !(a.params > 0.0) {
+    // NaN counts as not positive.
+    if a.world == 0 || a.params.is_nan() || a.params <= 0.0 {
         bail!("--params and --world must be positive");
     }
     println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);

@@ -8,6 +8,11 @@
 //! - [`kernels`]: fused Adam/AdamW and helpers on flat shards;
 //! - [`offload`]: where optimizer state lives (device, host, NVMe);
 //! - [`zero`]: flat buffers, stages 1-3, `ShardedModule`, engine, config.
+//!
+//! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
+//! the main job, the benchmarks and the parity tests.
+
+pub mod gpt;
 
 pub use zrt_collectives as collectives;
 pub use zrt_kernels as kernels;

@@ -87,4 +87,15 @@ char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
   }
 }
 
+// Drops a tensor's `.grad` (tch has no setter): the engine copies gradients
+// into its flat buffers and must not keep a second full copy alive.
+char *zrt_clear_grad(torch::Tensor *t) {
+  try {
+    t->mutable_grad() = at::Tensor();
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
 }  // extern "C"

@@ -13,7 +13,7 @@ use std::ffi::{c_char, CStr};
 use tch::Tensor;
 
 /// An error raised by libtorch inside the glue.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum GlueError {
     /// libtorch threw; the message is its own.
     #[error("libtorch glue `{op}` failed: {msg}")]
@@ -34,6 +34,7 @@ mod ffi {
         pub fn zrt_storage_nbytes(t: *const C_tensor, out: *mut usize) -> *mut c_char;
         pub fn zrt_storage_free(t: *mut C_tensor) -> *mut c_char;
         pub fn zrt_storage_realloc(t: *mut C_tensor, nbytes: usize) -> *mut c_char;
+        pub fn zrt_clear_grad(t: *mut C_tensor) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     }
 }
@@ -102,4 +103,12 @@ pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
     })?;
     // SAFETY: non-null on success, ownership transferred to tch.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Drops `t`'s `.grad` (tch has no setter for it), releasing its memory.
+pub fn clear_grad(t: &Tensor) -> Result<(), GlueError> {
+    // SAFETY: `t.as_ptr()` is live for the call; only its grad field changes.
+    check("clear_grad", unsafe {
+        ffi::zrt_clear_grad(t.as_ptr() as *mut _)
+    })
 }

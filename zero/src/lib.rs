@@ -9,7 +9,15 @@
 //! imports it.
 
 pub mod config;
+mod engine;
+mod error;
+pub mod flat;
 pub mod glue;
+mod plan;
+pub mod schedule;
 
 pub use config::{AutoHints, Config, ConfigError, Resolved};
+pub use engine::Engine;
+pub use error::EngineError;
 pub use glue::GlueError;
+pub use plan::{ShardPlan, ShardedModule};

@@ -1,0 +1,141 @@
+//! A small GPT in tch, its blocks wrapped in [`ShardedModule`]: the model
+//! of zrt's main job, benchmarks and parity tests.
+//!
+//! Pre-norm blocks (LayerNorm, causal self-attention with a bias-free qkv
+//! projection, LayerNorm, GELU MLP),
+//! learned position embeddings, an untied head. Initialization is tch's
+//! defaults, so a fixed `tch::manual_seed` gives the same model everywhere.
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::zero::{ShardPlan, ShardedModule};
+
+/// Sizes of a [`Gpt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Vocabulary size (256 for bytes).
+    pub vocab: i64,
+    /// Model width.
+    pub d_model: i64,
+    /// Blocks.
+    pub layers: i64,
+    /// Attention heads (must divide `d_model`).
+    pub heads: i64,
+    /// Longest sequence.
+    pub seq: i64,
+}
+
+/// One pre-norm transformer block.
+#[derive(Debug)]
+pub struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc: nn::Linear,
+    out: nn::Linear,
+    heads: i64,
+}
+
+impl Block {
+    fn new(p: &nn::Path, c: &GptConfig) -> Self {
+        let d = c.d_model;
+        Self {
+            ln1: nn::layer_norm(p / "ln1", vec![d], Default::default()),
+            // No bias: the key bias has an identically zero gradient (softmax
+            // is shift-invariant), so Adam would move it by amplified
+            // rounding noise alone.
+            qkv: nn::linear(
+                p / "qkv",
+                d,
+                3 * d,
+                nn::LinearConfig {
+                    bias: false,
+                    ..Default::default()
+                },
+            ),
+            proj: nn::linear(p / "proj", d, d, Default::default()),
+            ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
+            fc: nn::linear(p / "fc", d, 4 * d, Default::default()),
+            out: nn::linear(p / "out", 4 * d, d, Default::default()),
+            heads: c.heads,
+        }
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, d) = x.size3().unwrap_or((1, 1, 1));
+        let h = self.heads;
+        let qkv = self
+            .qkv
+            .forward(&self.ln1.forward(x))
+            .view([b, t, 3, h, d / h])
+            .permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        let a = Tensor::scaled_dot_product_attention::<Tensor>(
+            &q, &k, &v, None, 0.0, true, None, false,
+        );
+        let x = x + self
+            .proj
+            .forward(&a.transpose(1, 2).contiguous().view([b, t, d]));
+        let m = self
+            .out
+            .forward(&self.fc.forward(&self.ln2.forward(&x)).gelu("none"));
+        x + m
+    }
+}
+
+/// The model: token and position embeddings, blocks, final norm, head.
+#[derive(Debug)]
+pub struct Gpt {
+    wte: nn::Embedding,
+    wpe: nn::Embedding,
+    blocks: Vec<ShardedModule<Block>>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+    cfg: GptConfig,
+}
+
+impl Gpt {
+    /// Builds the model under `p`, each block a unit of `plan`
+    /// (`h.0`, `h.1`, ...); embeddings, final norm and head form the root.
+    pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig) -> Self {
+        let blocks = (0..cfg.layers)
+            .map(|i| {
+                let bp = p / "h" / i;
+                ShardedModule::new(plan, &bp, Block::new(&bp, cfg))
+            })
+            .collect();
+        Self {
+            wte: nn::embedding(p / "wte", cfg.vocab, cfg.d_model, Default::default()),
+            wpe: nn::embedding(p / "wpe", cfg.seq, cfg.d_model, Default::default()),
+            blocks,
+            ln_f: nn::layer_norm(p / "ln_f", vec![cfg.d_model], Default::default()),
+            head: nn::linear(p / "head", cfg.d_model, cfg.vocab, Default::default()),
+            cfg: *cfg,
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let t = tokens.size().get(1).copied().unwrap_or(1);
+        let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
+        let mut x = self.wte.forward(tokens) + self.wpe.forward(&pos);
+        for b in &self.blocks {
+            x = b.forward(&x);
+        }
+        self.head.forward(&self.ln_f.forward(&x))
+    }
+
+    /// Mean next-token cross-entropy of `tokens[:, :-1]` predicting `tokens[:, 1:]`.
+    pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        let t = tokens.size().get(1).copied().unwrap_or(2);
+        let (x, y) = (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1));
+        let logits = self.forward(&x);
+        logits
+            .view([-1, self.cfg.vocab])
+            .cross_entropy_for_logits(&y.reshape([-1]))
+    }
+}

@@ -1,0 +1,281 @@
+//! The engine against an unsharded single-process reference: stages 0-3 x
+//! accumulation 1, 2 x clipping off, on, world 2 (ranks as threads).
+//!
+//! The reference is plain tch with libtorch's own `clip_grad_norm` and
+//! `AdamW`. It computes each rank's micro-batch gradient in one process and
+//! averages them in the order the collectives do (f64, rank order, one
+//! rounding), accumulating micro-steps as each stage does (stage 1 sums
+//! locally first). That isolates what the engine does (sharding, gathering,
+//! reducing, updating) from the order of libtorch's batch reductions, which
+//! Adam would otherwise amplify for parameters with tiny gradients (its step
+//! is about m / sqrt(v), so an ulp in a tiny gradient moves the update).
+
+use std::sync::Mutex;
+
+use tch::nn::{self, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+use zrt::collectives::{local, ProcessGroup};
+use zrt::gpt::{Gpt, GptConfig};
+use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+
+const GPT: GptConfig = GptConfig {
+    vocab: 64,
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq: 16,
+};
+const MICRO: i64 = 2;
+const STEPS: usize = 5;
+const WORLD: usize = 2;
+const LR: f64 = 1e-2;
+const WD: f64 = 0.01;
+
+/// tch's RNG is process-global: build models one at a time from one seed.
+static INIT: Mutex<()> = Mutex::new(());
+
+fn model() -> (nn::VarStore, ShardPlan, Gpt) {
+    let _g = INIT.lock().unwrap();
+    // One intra-op thread: libtorch's reductions then sum in one order
+    // whichever thread runs them, so engine and reference see the same bits.
+    tch::set_num_threads(1);
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = ShardPlan::new();
+    let gpt = Gpt::new(&vs.root(), &plan, &GPT);
+    (vs, plan, gpt)
+}
+
+/// The micro-batch of (step, micro-step, rank): deterministic tokens.
+fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
+    let idx = ((step * gas + k) * WORLD + rank) as u64;
+    let mut s = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<i64> = (0..MICRO * (GPT.seq + 1))
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % GPT.vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_slice(&v).view([MICRO, GPT.seq + 1])
+}
+
+fn config(stage: u8, gas: usize, clip: f64) -> Config {
+    Config::from_json(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
+            "gradient_clipping": {clip}, "zero_optimization": {{"stage": {stage}}}}}"#
+    ))
+    .unwrap()
+}
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// Per-step losses (mean over the global batch) and the final parameters.
+fn run_engine(stage: u8, gas: usize, clip: f64) -> (Vec<f64>, Params, Vec<Option<f64>>) {
+    let cfg = config(stage, gas, clip);
+    let out: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(WORLD)
+            .into_iter()
+            .map(|r| {
+                let cfg = &cfg;
+                s.spawn(move || {
+                    let (vs, plan, gpt) = model();
+                    let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+                    let mut losses = Vec::new();
+                    let mut norms = Vec::new();
+                    for step in 0..STEPS {
+                        let mut sum = 0.0;
+                        for k in 0..gas {
+                            let loss = gpt.loss(&tokens(step, k, r.rank(), gas));
+                            sum += loss.double_value(&[]);
+                            engine.backward(&loss).unwrap();
+                            assert_eq!(
+                                engine.step().unwrap(),
+                                k + 1 == gas,
+                                "steps only at the boundary"
+                            );
+                        }
+                        let all = r
+                            .world()
+                            .all_reduce(vec![sum / gas as f64], zrt::collectives::ReduceOp::Avg)
+                            .wait()
+                            .unwrap();
+                        losses.push(all[0]);
+                        norms.push(engine.global_grad_norm());
+                    }
+                    (losses, engine.gathered_params().unwrap(), norms)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Every rank ends with the same parameters.
+    assert_eq!(out[0].1, out[1].1, "ranks disagree after training");
+    out.into_iter().next().unwrap()
+}
+
+fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut g: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.grad().to_kind(Kind::Double)))
+        .collect();
+    g.sort_by(|a, b| a.0.cmp(&b.0));
+    g
+}
+
+fn run_reference(stage: u8, gas: usize, clip: f64) -> (Vec<f64>, Params) {
+    let (vs, _plan, gpt) = model();
+    let mut opt = nn::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        wd: WD,
+        eps: 1e-8,
+        amsgrad: false,
+    }
+    .build(&vs, LR)
+    .unwrap();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        // acc[r] (stage 1: per rank, summed locally) or acc[0] (averaged each micro-step).
+        let mut acc: Vec<Vec<Tensor>> = Vec::new();
+        let mut loss_sum = 0.0;
+        for k in 0..gas {
+            let mut per_rank = Vec::new();
+            for r in 0..WORLD {
+                opt.zero_grad();
+                let loss = gpt.loss(&tokens(step, k, r, gas));
+                loss_sum += loss.double_value(&[]);
+                (loss / gas as f64).backward();
+                // Rounded to f32 as the engine's buffers hold them.
+                per_rank.push(
+                    grads(&vs)
+                        .into_iter()
+                        .map(|(_, g)| g.to_kind(Kind::Float))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            let avg = |parts: &[Vec<Tensor>]| -> Vec<Tensor> {
+                (0..parts[0].len())
+                    .map(|i| {
+                        let mut a = parts[0][i].to_kind(Kind::Double);
+                        for p in &parts[1..] {
+                            a += p[i].to_kind(Kind::Double);
+                        }
+                        (a / parts.len() as f64).to_kind(Kind::Float)
+                    })
+                    .collect()
+            };
+            if stage == 1 {
+                if acc.is_empty() {
+                    acc = per_rank;
+                } else {
+                    for (a, p) in acc.iter_mut().zip(per_rank) {
+                        for (x, y) in a.iter_mut().zip(p) {
+                            *x = &*x + y;
+                        }
+                    }
+                }
+            } else {
+                let a = avg(&per_rank);
+                if acc.is_empty() {
+                    acc = vec![a];
+                } else {
+                    for (x, y) in acc[0].iter_mut().zip(a) {
+                        *x = &*x + y;
+                    }
+                }
+            }
+        }
+        let total = if stage == 1 {
+            // Stage 1 reduces the locally accumulated gradients at the boundary.
+            (0..acc[0].len())
+                .map(|i| {
+                    let mut a = acc[0][i].to_kind(Kind::Double);
+                    for p in &acc[1..] {
+                        a += p[i].to_kind(Kind::Double);
+                    }
+                    (a / WORLD as f64).to_kind(Kind::Float)
+                })
+                .collect::<Vec<_>>()
+        } else {
+            acc.remove(0)
+        };
+        tch::no_grad(|| {
+            for ((_, v), g) in vars.iter().zip(&total) {
+                v.grad().copy_(g);
+            }
+        });
+        if clip > 0.0 {
+            opt.clip_grad_norm(clip);
+        }
+        opt.step();
+        losses.push(loss_sum / (gas * WORLD) as f64);
+    }
+    let mut params: Params = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                Vec::<f32>::try_from(&t.detach().to_kind(Kind::Float).flatten(0, -1)).unwrap(),
+            )
+        })
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    (losses, params)
+}
+
+fn compare(what: &str, engine: (Vec<f64>, Params), reference: (Vec<f64>, Params)) {
+    for (s, (a, b)) in engine.0.iter().zip(&reference.0).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "{what}: loss of step {s}: engine {a} reference {b}"
+        );
+    }
+    let mut e = engine.1;
+    e.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(e.len(), reference.1.len(), "{what}: parameter count");
+    for ((na, a), (nb, b)) in e.iter().zip(&reference.1) {
+        assert_eq!(na, nb, "{what}");
+        assert_eq!(a.len(), b.len(), "{what}: {na}");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let (x, y) = (*x as f64, *y as f64);
+            // 1e-5 relative; parameters that cancel to near zero are held
+            // to 1e-5 of the parameters' scale (0.1) instead.
+            assert!(
+                (x - y).abs() <= 1e-5 * y.abs().max(0.1),
+                "{what}: {na}[{i}] engine {x} reference {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn stages_0_to_3_match_the_unsharded_reference() {
+    for gas in [1, 2] {
+        for clip in [0.0, 0.5] {
+            for stage in 0..=3u8 {
+                let reference = run_reference(stage, gas, clip);
+                let (losses, params, norms) = run_engine(stage, gas, clip);
+                if clip > 0.0 {
+                    assert!(
+                        norms[0].unwrap() > clip,
+                        "clipping must be active in this test: norm {:?}",
+                        norms[0]
+                    );
+                }
+                compare(
+                    &format!("stage {stage} gas {gas} clip {clip}"),
+                    (losses, params),
+                    (reference.0.clone(), reference.1.clone()),
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! The engine's error type.
+
+use zrt_collectives::CommError;
+use zrt_kernels::KernelError;
+
+use crate::{ConfigError, GlueError};
+
+/// Why the engine failed. Every variant names what to fix.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// The DeepSpeed config is invalid for this job.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A collective failed (a rank died, calls mismatched, a timeout).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A kernel refused its arguments.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The libtorch glue failed.
+    #[error(transparent)]
+    Glue(#[from] GlueError),
+    /// libtorch raised an error.
+    #[error("libtorch: {0}")]
+    Torch(String),
+    /// The plan of units cannot be used.
+    #[error("sharding plan: {0}")]
+    Plan(String),
+    /// The ranks ran units in different orders.
+    #[error("ranks ran units in different orders: {0}; every rank must run the same units in the same order")]
+    UnitOrder(String),
+    /// A setting this build of the engine does not implement yet.
+    #[error("not implemented yet: {0}")]
+    Unsupported(String),
+}
+
+impl From<tch::TchError> for EngineError {
+    fn from(e: tch::TchError) -> Self {
+        EngineError::Torch(e.to_string())
+    }
+}

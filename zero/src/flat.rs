@@ -1,0 +1,100 @@
+//! The flat-buffer layout of one unit (DESIGN.md, "Flat buffers").
+//!
+//! A unit's parameters are ordered by name (VarStore's map order is random;
+//! sorting makes every rank agree), each start is aligned to [`ALIGN`]
+//! elements, and the total is padded to a multiple of `shards x ALIGN` so
+//! every shard has the same length. Padding is zeros that never reach a norm
+//! or an update (their gradients are zero, so Adam leaves them at zero).
+
+use std::ops::Range;
+
+/// Alignment of every parameter's start, in elements.
+pub const ALIGN: usize = 16;
+
+/// Where one parameter lives in its unit's flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// The VarStore name.
+    pub name: String,
+    /// The parameter's shape.
+    pub shape: Vec<i64>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// One unit's layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlatLayout {
+    /// Parameters in flat order (sorted by name).
+    pub slots: Vec<Slot>,
+    /// Elements including alignment and padding; a multiple of `shards x ALIGN`.
+    pub padded: usize,
+    /// Elements of real parameters.
+    pub numel: usize,
+    /// Shards the buffer is split into.
+    pub shards: usize,
+}
+
+impl FlatLayout {
+    /// Lays out `params` (name, shape) for `shards` shards.
+    pub fn new(mut params: Vec<(String, Vec<i64>)>, shards: usize) -> Self {
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut offset = 0;
+        let mut numel = 0;
+        let slots = params
+            .into_iter()
+            .map(|(name, shape)| {
+                let n = shape.iter().product::<i64>().max(0) as usize;
+                let s = Slot {
+                    name,
+                    shape,
+                    offset,
+                    numel: n,
+                };
+                offset = (offset + n).div_ceil(ALIGN) * ALIGN;
+                numel += n;
+                s
+            })
+            .collect();
+        let unit = shards.max(1) * ALIGN;
+        Self {
+            slots,
+            padded: offset.div_ceil(unit) * unit,
+            numel,
+            shards: shards.max(1),
+        }
+    }
+
+    /// Elements per shard.
+    pub fn shard_len(&self) -> usize {
+        self.padded / self.shards
+    }
+
+    /// Shard `i`'s range of the flat buffer.
+    pub fn shard(&self, i: usize) -> Range<usize> {
+        let l = self.shard_len();
+        i * l..(i + 1) * l
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sorted_aligned_and_padded_to_equal_shards() {
+        let l = FlatLayout::new(
+            vec![("b.weight".into(), vec![3, 5]), ("a.bias".into(), vec![7])],
+            3,
+        );
+        assert_eq!(l.slots[0].name, "a.bias");
+        assert_eq!((l.slots[0].offset, l.slots[0].numel), (0, 7));
+        assert_eq!((l.slots[1].offset, l.slots[1].numel), (16, 15));
+        // 16 + 15 = 31 -> aligned 32 -> padded to a multiple of 3 x 16 = 48.
+        assert_eq!(l.padded, 48);
+        assert_eq!(l.shard(2), 32..48);
+        assert_eq!(l.numel, 22);
+    }
+}

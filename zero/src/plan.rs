@@ -1,0 +1,129 @@
+//! Which parameters form which unit: [`ShardPlan`] and [`ShardedModule`].
+//!
+//! As FSDP wraps modules, a user wraps each block of an ordinary tch model
+//! in a [`ShardedModule`] registered with a [`ShardPlan`]; parameters under
+//! a wrapped module's VarStore path form its unit, and every other trainable
+//! parameter (embeddings, final norm, head) forms the root unit. The engine
+//! built from the plan then sees each unit's forward (stage 3 gathers the
+//! unit's parameters right before it).
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tch::{nn, Tensor};
+
+use crate::EngineError;
+
+/// What a unit's forward asks of the engine.
+pub(crate) trait UnitHook: Send + Sync {
+    /// Makes unit `unit`'s parameters usable (stage 3: gathers them). An
+    /// error is kept by the engine and returned by its next call.
+    fn before_forward(&self, unit: usize);
+}
+
+#[derive(Default)]
+pub(crate) struct PlanInner {
+    pub(crate) prefixes: Mutex<Vec<String>>,
+    pub(crate) hook: OnceLock<Arc<dyn UnitHook>>,
+}
+
+/// The list of units of a model, filled by [`ShardedModule::new`] and read by
+/// the engine. Cheap to clone; every clone is the same plan.
+#[derive(Clone, Default)]
+pub struct ShardPlan {
+    pub(crate) inner: Arc<PlanInner>,
+}
+
+impl ShardPlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The units' VarStore prefixes, in registration order.
+    pub fn units(&self) -> Vec<String> {
+        self.inner
+            .prefixes
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// A tch module whose parameters (those under `path`) form one unit.
+pub struct ShardedModule<M> {
+    inner: M,
+    plan: Arc<PlanInner>,
+    unit: usize,
+}
+
+impl<M> std::fmt::Debug for ShardedModule<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedModule")
+            .field("unit", &self.unit)
+            .finish()
+    }
+}
+
+impl<M> ShardedModule<M> {
+    /// Wraps `inner`, whose parameters live under `path`, as the next unit
+    /// of `plan`. Wrap in the order the units run in forward.
+    pub fn new(plan: &ShardPlan, path: &nn::Path, inner: M) -> Self {
+        let prefix = path.components().collect::<Vec<_>>().join(".");
+        let unit = match plan.inner.prefixes.lock() {
+            Ok(mut p) => {
+                p.push(prefix);
+                p.len() - 1
+            }
+            Err(_) => 0,
+        };
+        Self {
+            inner,
+            plan: plan.inner.clone(),
+            unit,
+        }
+    }
+
+    /// The wrapped module.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    fn before(&self) {
+        if let Some(h) = self.plan.hook.get() {
+            h.before_forward(self.unit);
+        }
+    }
+}
+
+impl<M: nn::Module> nn::Module for ShardedModule<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.before();
+        self.inner.forward(xs)
+    }
+}
+
+impl<M: nn::ModuleT> ShardedModule<M> {
+    /// `forward_t` of the wrapped module, with the unit's parameters made
+    /// usable first (tch gives every `Module` a `ModuleT`; this covers
+    /// modules that only implement `ModuleT`, such as ones with dropout).
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.before();
+        self.inner.forward_t(xs, train)
+    }
+}
+
+/// Why a plan cannot be used.
+pub(crate) fn check_prefixes(prefixes: &[String]) -> Result<(), EngineError> {
+    for (i, a) in prefixes.iter().enumerate() {
+        for b in &prefixes[i + 1..] {
+            let nested =
+                b.starts_with(&format!("{a}.")) || a.starts_with(&format!("{b}.")) || a == b;
+            if nested {
+                return Err(EngineError::Plan(format!(
+                    "units `{a}` and `{b}` overlap: wrap each block once, and not a block inside another wrapped block"
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -156,18 +156,26 @@ impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
             return;
         }
         let mut st = self.st.lock();
-        if st.error.is_some() {
+        if st.gathered[unit] {
             return;
         }
-        if let Err(e) = self.gather(&mut st, unit) {
-            // Forward cannot return an error: keep it for the next engine
-            // call, and give the parameters zeroed memory so this forward
-            // computes garbage instead of reading freed storage.
-            let u = &st.units[unit];
-            if glue::realloc_storage(&u.flat, u.layout.padded * 4).is_ok() {
-                let _ = u.flat.shallow_clone().f_zero_();
-            }
-            st.gathered[unit] = true;
+        let failed = match st.error.is_some() {
+            // After an error the ranks are out of step: no more collectives.
+            true => None,
+            false => self.gather(&mut st, unit).err(),
+        };
+        if st.gathered[unit] {
+            return;
+        }
+        // Forward cannot return an error: keep it for the next engine call,
+        // and give the parameters zeroed memory so this forward computes
+        // garbage instead of reading freed storage.
+        let u = &st.units[unit];
+        if glue::realloc_storage(&u.flat, u.layout.padded * 4).is_ok() {
+            let _ = u.flat.shallow_clone().f_zero_();
+        }
+        st.gathered[unit] = true;
+        if let Some(e) = failed {
             st.error = Some(e);
         }
     }
@@ -207,6 +215,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             ));
         }
         let stage = c.zero.stage;
+        if plan
+            .inner
+            .claimed
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(EngineError::Plan(
+                "this plan already drives another engine: build one plan per model".into(),
+            ));
+        }
         let prefixes = plan.units();
         check_prefixes(&prefixes)?;
         let mut groups: Vec<Vec<(String, Tensor)>> =

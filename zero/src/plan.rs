@@ -24,6 +24,9 @@ pub(crate) trait UnitHook: Send + Sync {
 pub(crate) struct PlanInner {
     pub(crate) prefixes: Mutex<Vec<String>>,
     pub(crate) hook: OnceLock<Arc<dyn UnitHook>>,
+    /// Set by the first engine built from this plan, before it touches the
+    /// parameters: a second engine must not re-lay-out tensors the first owns.
+    pub(crate) claimed: std::sync::atomic::AtomicBool,
 }
 
 /// The list of units of a model, filled by [`ShardedModule::new`] and read by

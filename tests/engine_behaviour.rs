@@ -1,0 +1,378 @@
+//! The engine on three tiny linears, 2 ranks (threads): exact gradient
+//! shards and padding, exact accumulation, stage-3 gathering and freeing,
+//! memory against DESIGN.md's formula, timing independence, and units run in
+//! different orders.
+
+use std::sync::Mutex;
+
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use zrt::collectives::local::{self, LocalGroup};
+use zrt::zero::{glue, AutoHints, Config, Engine, EngineError, ShardPlan, ShardedModule};
+
+const WORLD: usize = 2;
+static INIT: Mutex<()> = Mutex::new(());
+
+struct Tiny {
+    vs: nn::VarStore,
+    plan: ShardPlan,
+    a: ShardedModule<nn::Linear>,
+    b: ShardedModule<nn::Linear>,
+    c: ShardedModule<nn::Linear>,
+}
+
+/// Three linears 3 -> 5 -> 4 -> 1 with known values (index-based).
+fn tiny() -> Tiny {
+    let _g = INIT.lock().unwrap();
+    tch::set_num_threads(1);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = ShardPlan::new();
+    let r = vs.root();
+    let mk = |name: &str, i: i64, o: i64| {
+        ShardedModule::new(
+            &plan,
+            &(&r / name),
+            nn::linear(&r / name, i, o, Default::default()),
+        )
+    };
+    let (a, b, c) = (mk("a", 3, 5), mk("b", 5, 4), mk("c", 4, 1));
+    tch::no_grad(|| {
+        let mut names: Vec<_> = vs.variables().into_iter().collect();
+        names.sort_by(|x, y| x.0.cmp(&y.0));
+        for (k, (_, t)) in names.into_iter().enumerate() {
+            let n = t.numel() as i64;
+            let v = (Tensor::arange(n, (Kind::Float, Device::Cpu)) + k as f64).sin() * 0.5;
+            t.shallow_clone().copy_(&v.view(t.size().as_slice()));
+        }
+    });
+    Tiny { vs, plan, a, b, c }
+}
+
+impl Tiny {
+    fn loss(&self, x: &Tensor) -> Tensor {
+        self.c
+            .forward(&self.b.forward(&self.a.forward(x)).tanh())
+            .square()
+            .mean(Kind::Float)
+    }
+}
+
+fn input(rank: usize, k: usize) -> Tensor {
+    (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+        * (0.1 + 0.05 * (rank * 2 + k) as f64))
+        .cos()
+}
+
+fn config(stage: u8, gas: usize) -> Config {
+    Config::from_json(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": {gas},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}, "zero_optimization": {{"stage": {stage}}}}}"#
+    ))
+    .unwrap()
+}
+
+fn group(r: &local::LocalRank) -> LocalGroup {
+    r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap()
+}
+
+/// Each rank's gradient of unit `u` for micro-step k, flattened in the flat
+/// layout (sorted names, 16-aligned, padded), divided by gas, as f32.
+fn reference_grad(unit: &str, k: usize, rank: usize, gas: usize, padded: usize) -> Vec<f32> {
+    let t = tiny();
+    (t.loss(&input(rank, k)) / gas as f64).backward();
+    let mut names: Vec<_> =
+        t.vs.variables()
+            .into_iter()
+            .filter(|(n, _)| n.starts_with(&format!("{unit}.")))
+            .collect();
+    names.sort_by(|x, y| x.0.cmp(&y.0));
+    let mut flat = vec![0f32; padded];
+    let mut off = 0;
+    for (_, p) in names {
+        let g = Vec::<f32>::try_from(&p.grad().flatten(0, -1)).unwrap();
+        flat[off..off + g.len()].copy_from_slice(&g);
+        off = (off + g.len()).div_ceil(16) * 16;
+    }
+    flat
+}
+
+#[test]
+fn gradient_shards_padding_and_accumulation_are_exact() {
+    for stage in [2u8, 3] {
+        let got: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = local::world(WORLD)
+                .into_iter()
+                .map(|r| {
+                    s.spawn(move || {
+                        let t = tiny();
+                        let e = Engine::new(
+                            &t.vs,
+                            &t.plan,
+                            &config(stage, 2),
+                            group(&r),
+                            &AutoHints::default(),
+                        )
+                        .unwrap();
+                        assert_eq!(e.unit_names(), ["a", "b", "c"]);
+                        let mut after = Vec::new();
+                        for k in 0..2 {
+                            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                            after.push(
+                                (0..3)
+                                    .map(|u| e.grad_buffer(u).unwrap())
+                                    .collect::<Vec<_>>(),
+                            );
+                            e.step().unwrap();
+                        }
+                        (r.rank(), after)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // a: weight 15 at 0, bias 5 at 16 -> 21 -> padded to 2 x 16 = 32;
+        // b: weight 20 at 0, bias 4 at 32 -> 36 -> 64; c: 4 at 0, 1 at 16 -> 32.
+        for (rank, after) in got {
+            for (u, name) in ["a", "b", "c"].iter().enumerate() {
+                let padded = [32, 64, 32][u];
+                let half = padded / 2;
+                let mut want = vec![0f32; padded];
+                for (k, grads) in after.iter().enumerate() {
+                    // Average over ranks in f64, round once, accumulate in f32.
+                    let r0 = reference_grad(name, k, 0, 2, padded);
+                    let r1 = reference_grad(name, k, 1, 2, padded);
+                    for i in 0..padded {
+                        want[i] += ((r0[i] as f64 + r1[i] as f64) / 2.0) as f32;
+                    }
+                    let shard = &want[rank * half..(rank + 1) * half];
+                    assert_eq!(
+                        &grads[u][..],
+                        shard,
+                        "stage {stage} unit {name} rank {rank} after micro-step {k}"
+                    );
+                }
+                // `a` sorts bias (5 elements at 0) before weight (15 at 16):
+                // its padding is 5..16 (rank 0's shard) and 31 (rank 1's).
+                if *name == "a" {
+                    let pad: &[f32] = if rank == 0 {
+                        &after[1][0][5..16]
+                    } else {
+                        &after[1][0][15..]
+                    };
+                    assert!(
+                        !pad.is_empty() && pad.iter().all(|&x| x == 0.0),
+                        "padding must stay zero: {pad:?}"
+                    );
+                    assert!(
+                        after[1][0].iter().any(|&x| x != 0.0),
+                        "the real gradients are not all zero"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn stage_3_holds_only_shards_between_steps_and_gathered_values_in_forward() {
+    std::thread::scope(|s| {
+        for r in local::world(WORLD) {
+            s.spawn(move || {
+                let t = tiny();
+                let want_a =
+                    Vec::<f32>::try_from(&t.vs.variables()["a.weight"].flatten(0, -1)).unwrap();
+                let e = Engine::new(
+                    &t.vs,
+                    &t.plan,
+                    &config(3, 1),
+                    group(&r),
+                    &AutoHints::default(),
+                )
+                .unwrap();
+                let w = t.vs.variables()["a.weight"].shallow_clone();
+                assert_eq!(
+                    glue::storage_nbytes(&w).unwrap(),
+                    0,
+                    "freed before the first forward"
+                );
+                let h = t.a.forward(&input(r.rank(), 0));
+                assert!(glue::storage_nbytes(&w).unwrap() > 0);
+                assert_eq!(
+                    Vec::<f32>::try_from(&w.flatten(0, -1)).unwrap(),
+                    want_a,
+                    "gathered values are rank 0's"
+                );
+                let loss =
+                    t.c.forward(&t.b.forward(&h).tanh())
+                        .square()
+                        .mean(Kind::Float);
+                e.backward(&loss).unwrap();
+                assert!(e.step().unwrap());
+                assert_eq!(
+                    glue::storage_nbytes(&w).unwrap(),
+                    0,
+                    "resharded after step()"
+                );
+                assert!(!w.grad().defined(), "no full gradient is kept");
+            });
+        }
+    });
+}
+
+#[test]
+fn model_state_bytes_match_the_design_formula() {
+    for stage in 0..=3u8 {
+        let got: Vec<usize> = std::thread::scope(|s| {
+            let hs: Vec<_> = local::world(WORLD)
+                .into_iter()
+                .map(|r| {
+                    s.spawn(move || {
+                        let t = tiny();
+                        let e = Engine::new(
+                            &t.vs,
+                            &t.plan,
+                            &config(stage, 1),
+                            group(&r),
+                            &AutoHints::default(),
+                        )
+                        .unwrap();
+                        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+                        e.step().unwrap();
+                        e.model_state_bytes().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Psi (padded) = 32 + 64 + 32; N = 2; fp32: params 4, grads 4, m + v 8 bytes.
+        let (p, n) = (128usize, WORLD);
+        let want = match stage {
+            0 => 16 * p,
+            1 => 4 * p + 4 * p + 8 * p / n,
+            2 => 4 * p + 12 * p / n,
+            _ => 16 * p / n,
+        };
+        assert_eq!(got, vec![want; WORLD], "stage {stage}");
+    }
+}
+
+fn train(stage: u8, delays: bool) -> Vec<(String, Vec<f32>)> {
+    let out: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(WORLD)
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let t = tiny();
+                    let e = Engine::new(
+                        &t.vs,
+                        &t.plan,
+                        &config(stage, 2),
+                        group(&r),
+                        &AutoHints::default(),
+                    )
+                    .unwrap();
+                    if delays {
+                        e.inject_delays(0x5eed + r.rank() as u64);
+                    }
+                    for step in 0..3 {
+                        for k in 0..2 {
+                            e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                            e.step().unwrap();
+                        }
+                    }
+                    e.gathered_params().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn random_delays_before_collectives_change_no_bit() {
+    for stage in [1u8, 2, 3] {
+        assert_eq!(train(stage, false), train(stage, true), "stage {stage}");
+    }
+}
+
+#[test]
+fn units_run_in_different_orders_are_an_error_naming_them() {
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(WORLD)
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let t = tiny();
+                    let e = Engine::new(
+                        &t.vs,
+                        &t.plan,
+                        &config(3, 1),
+                        group(&r),
+                        &AutoHints::default(),
+                    )
+                    .unwrap();
+                    let x = input(r.rank(), 0);
+                    // Rank 1 runs unit b before unit a: shapes differ, so
+                    // feed b a 5-wide input directly.
+                    let y = if r.rank() == 0 {
+                        t.c.forward(&t.b.forward(&t.a.forward(&x)))
+                    } else {
+                        let h =
+                            t.b.forward(&Tensor::ones([4, 5], (Kind::Float, Device::Cpu)));
+                        let _ = t.a.forward(&x);
+                        t.c.forward(&h)
+                    };
+                    match e.backward(&y.mean(Kind::Float)) {
+                        Err(err @ EngineError::UnitOrder(_)) => err.to_string(),
+                        other => panic!("expected a unit-order error, got {other:?}"),
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errs {
+        assert!(e.contains("rank 0 runs `a`, rank 1 runs `b`"), "{e}");
+    }
+}
+
+#[test]
+fn plans_and_settings_the_engine_cannot_use_are_refused() {
+    let r = local::world(1).remove(0);
+    let t = tiny();
+    let bf16 = Config::from_json(r#"{"train_batch_size": 1, "bf16": {"enabled": true}}"#).unwrap();
+    let e = Engine::new(
+        &t.vs,
+        &t.plan,
+        &bf16,
+        r.new_group(&[0]).unwrap(),
+        &AutoHints::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("fp32 only"), "{e}");
+    let e = Engine::new(
+        &t.vs,
+        &t.plan,
+        &config(3, 1),
+        r.new_group(&[0]).unwrap(),
+        &AutoHints::default(),
+    );
+    assert!(e.is_ok());
+    let again = Engine::new(
+        &t.vs,
+        &t.plan,
+        &config(3, 1),
+        r.new_group(&[0]).unwrap(),
+        &AutoHints::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        again
+            .to_string()
+            .contains("this plan already drives another engine"),
+        "{again}"
+    );
+}

@@ -243,9 +243,8 @@ fn exit_code(st: std::process::ExitStatus) -> ExitCode {
     }
 }
 
-/// The main job: `zrt launch` of the demo on 2 processes (shm backend).
-/// Until the engine lands the demo is ZeRO-3's data flow by hand; it grows
-/// into examples/train_gpt.
+/// The main job: `zrt launch` of examples/train_gpt on 2 processes
+/// (shared-memory backend, ZeRO-3 from examples/ds_zero3.json, CPU).
 fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
     let code = cargo(
         root,
@@ -256,7 +255,7 @@ fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
             "--bin",
             "zrt",
             "--example",
-            "demo",
+            "train_gpt",
         ],
     )?;
     if code != ExitCode::SUCCESS {
@@ -265,10 +264,10 @@ fn demo(root: &Path, rest: &[String]) -> Result<ExitCode> {
     let release = target_dir(root).join("release");
     let mut cmd = Command::new(release.join("zrt"));
     cmd.args(["launch", "--nproc-per-node", "2", "--"])
-        .arg(release.join("examples").join("demo"))
+        .arg(release.join("examples").join("train_gpt"))
         .args(rest);
     eprintln!(
-        "xtask: zrt launch --nproc-per-node 2 -- target/release/examples/demo {}",
+        "xtask: zrt launch --nproc-per-node 2 -- target/release/examples/train_gpt {}",
         rest.join(" ")
     );
     Ok(exit_code(

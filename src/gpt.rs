@@ -129,11 +129,12 @@ impl Gpt {
         self.head.forward(&self.ln_f.forward(&x))
     }
 
-    /// Mean next-token cross-entropy of `tokens[:, :-1]` predicting `tokens[:, 1:]`.
+    /// Mean next-token cross-entropy of `tokens[:, :-1]` predicting
+    /// `tokens[:, 1:]`, computed in fp32 whatever the model's dtype.
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(2);
         let (x, y) = (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1));
-        let logits = self.forward(&x);
+        let logits = self.forward(&x).to_kind(Kind::Float);
         logits
             .view([-1, self.cfg.vocab])
             .cross_entropy_for_logits(&y.reshape([-1]))

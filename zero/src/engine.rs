@@ -1,41 +1,76 @@
 //! The engine: a model's units as flat buffers sharded across a group, and
 //! the training step of ZeRO stages 0-3 (DESIGN.md, "One training step").
 //!
-//! What this build does, per stage (fp32 compute):
+//! What this build does, per stage:
 //!
 //! | stage | between steps, per rank | each micro-step | at the boundary |
 //! |---|---|---|---|
-//! | 0 | full params, m, v, grads | all_reduce(avg) grads | Adam on everything |
-//! | 1 | full params and grads, shard of m, v | accumulate grads locally | reduce_scatter grads, Adam on the shard, all_gather params |
-//! | 2 | full params, shard of grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, all_gather params |
-//! | 3 | shard of params, grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, free the gathered params |
+//! | 0 | full params, master, m, v, grads | all_reduce(avg) grads | Adam on everything |
+//! | 1 | full params and grads, shard of master, m, v | accumulate grads locally | reduce_scatter grads, Adam on the shard, all_gather params |
+//! | 2 | full params, shard of master, grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, all_gather params |
+//! | 3 | shard of master, grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, free the gathered params |
 //!
-//! Each unit's parameters are views (`set_data`) into one flat fp32 tensor,
-//! so for stages 0-2 this rank's master shard is its slice of that tensor
-//! (no copy). Stage 3 gathers a unit right before its forward (through
+//! Each unit's parameters are views (`set_data`) into one flat tensor of the
+//! compute dtype. In fp32 training that tensor is the master copy, so for
+//! stages 0-2 this rank's master shard is its slice of it (no copy). With
+//! bf16 or fp16 compute an fp32 master (full for stage 0, a shard otherwise)
+//! is kept beside it, the optimizer writes the compute-dtype copy in the same
+//! pass, and stages 1-3 gather 16-bit shards (half the bytes). Gradients are
+//! widened to fp32 before they are reduced and accumulated (DESIGN.md,
+//! "Numerics"). fp16 uses DeepSpeed's dynamic loss scaling: an overflow on
+//! any rank skips the step on every rank.
+//!
+//! Stage 3 gathers a unit right before its forward (through
 //! [`crate::ShardedModule`]) and frees the storage after the step (the glue's
-//! in-place free), so between steps a rank holds 16 Psi / N bytes of model
-//! state. The root unit (parameters outside every wrapped module) stays
-//! gathered, as FSDP2's root does. Gradients are copied out of `.grad` and
-//! `.grad` is dropped, so they are never held twice.
+//! in-place free), so between steps a rank holds only shards. The root unit
+//! (parameters outside every wrapped module) stays gathered, as FSDP2's root
+//! does. Gradients are copied out of `.grad` and `.grad` is dropped, so they
+//! are never held twice.
 //!
-//! Not in this build yet (see the engine issue): bf16/fp16 compute, the
-//! backward hooks that free gathered units after forward and re-gather them
-//! before backward (so in stage 3 the gathered units stay live through
-//! backward), overlap of communication with compute, hybrid sharding.
+//! Not in this build yet (see the engine issue): reducing gradients in the
+//! compute dtype (`communication_data_type`), the backward hooks that free
+//! gathered units after forward and re-gather them before backward (so in
+//! stage 3 the gathered units stay live through backward), overlap of
+//! communication with compute, hybrid sharding.
 
 use std::sync::Arc;
 
+use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
-use zrt_collectives::{ProcessGroup, ReduceOp};
+use zrt_collectives::{Element, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
-use crate::config::{Precision, Setting};
+use crate::config::{LossScaleConfig, Precision, Setting};
 use crate::flat::FlatLayout;
 use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
+
+/// The dtype of the parameters forward and backward run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compute {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Compute {
+    fn kind(self) -> Kind {
+        match self {
+            Compute::F32 => Kind::Float,
+            Compute::Bf16 => Kind::BFloat16,
+            Compute::F16 => Kind::Half,
+        }
+    }
+    fn bytes(self) -> usize {
+        if self == Compute::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
 
 /// One unit: its layout, its parameters (views into `flat`), the flat tensor.
 struct Unit {
@@ -45,15 +80,76 @@ struct Unit {
     flat: Tensor,
 }
 
+/// This rank's compute-dtype shard (stage 3 with 16-bit compute): what the
+/// next forward gathers.
+enum CopyShard {
+    None,
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
 /// This rank's optimizer-side buffers of one unit.
-#[derive(Default)]
 struct Shard {
-    /// Stage 3 only: the fp32 master shard (stages 0-2 use the flat tensor).
-    p: Vec<f32>,
+    /// The fp32 master: empty when the flat tensor is the master (fp32,
+    /// stages 0-2); the full buffer (16-bit stage 0) or this rank's shard.
+    master: Vec<f32>,
     m: Vec<f32>,
     v: Vec<f32>,
     /// Accumulated gradients: full (stages 0, 1) or this rank's shard.
     g: Vec<f32>,
+    /// Stage 1: this step's reduced gradient shard.
+    reduced: Vec<f32>,
+    copy: CopyShard,
+}
+
+/// DeepSpeed's dynamic loss scaler (fp16).
+struct Scaler {
+    cfg: LossScaleConfig,
+    scale: f64,
+    hysteresis: u32,
+    iter: u64,
+    last_overflow: u64,
+}
+
+impl Scaler {
+    fn new(cfg: &LossScaleConfig) -> Self {
+        let scale = if cfg.loss_scale > 0.0 {
+            cfg.loss_scale
+        } else {
+            2f64.powi(cfg.initial_scale_power as i32)
+        };
+        Self {
+            cfg: cfg.clone(),
+            scale,
+            hysteresis: cfg.hysteresis.max(1),
+            iter: 0,
+            last_overflow: 0,
+        }
+    }
+
+    /// DeepSpeed's update: halve after `hysteresis` overflows (not below the
+    /// minimum), double after `loss_scale_window` steps without one; a
+    /// static scale never moves.
+    fn update(&mut self, overflow: bool) {
+        if self.cfg.loss_scale > 0.0 {
+            return;
+        }
+        if overflow {
+            if self.hysteresis <= 1 {
+                self.scale = (self.scale / 2.0).max(self.cfg.min_loss_scale);
+            } else {
+                self.hysteresis -= 1;
+            }
+            self.last_overflow = self.iter;
+        } else if self.cfg.loss_scale_window > 0
+            && (self.iter - self.last_overflow) % self.cfg.loss_scale_window == 0
+            && self.iter != self.last_overflow
+        {
+            self.hysteresis = self.cfg.hysteresis.max(1);
+            self.scale *= 2.0;
+        }
+        self.iter += 1;
+    }
 }
 
 struct State {
@@ -61,9 +157,14 @@ struct State {
     shards: Vec<Shard>,
     gathered: Vec<bool>,
     micro: u64,
+    /// The micro-step count at the last boundary handled: a second `step()`
+    /// without a new `backward` must not step again.
+    boundary_at: u64,
     step: u64,
+    skipped: u64,
     norm: Option<f64>,
     lr: f64,
+    scaler: Option<Scaler>,
     /// The first error a forward hook hit; the next engine call returns it.
     error: Option<EngineError>,
 }
@@ -72,6 +173,7 @@ struct Inner<G> {
     group: G,
     cfg: Resolved,
     stage: u8,
+    compute: Compute,
     threads: Threads,
     st: Mutex<State>,
     /// Test knob: sleep a random 0-2 ms before every collective (0: off).
@@ -84,14 +186,29 @@ pub struct Engine<G: ProcessGroup + 'static> {
     inner: Arc<Inner<G>>,
 }
 
-/// `n` f32s at `t`'s data (contiguous, CPU, at least `n` elements).
+/// `n` elements of T at `t`'s data (contiguous, CPU, of T's dtype).
 ///
 /// # Safety
-/// The caller must ensure nothing else reads or writes the memory for the
-/// slice's lifetime (the engine holds its state lock).
+/// `t` must be contiguous with at least `n` elements of exactly T's layout,
+/// and nothing else may read or write the memory for the slice's lifetime
+/// (the engine holds its state lock; no forward or backward runs).
 #[allow(clippy::mut_from_ref)]
-unsafe fn f32s(t: &Tensor, n: usize) -> &mut [f32] {
-    std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n)
+unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
+    std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n)
+}
+
+/// All-gathers `mine` into the whole of `flat` (`padded` elements of T);
+/// returns `mine` for reuse.
+fn gather_into<T: Element, G: ProcessGroup>(
+    group: &G,
+    mine: Vec<T>,
+    flat: &Tensor,
+    padded: usize,
+) -> Result<Vec<T>, EngineError> {
+    let (mine, full) = group.all_gather(mine, Vec::new()).wait()?;
+    // SAFETY: `flat` is the engine's contiguous tensor of T with `padded` elements.
+    unsafe { elems::<T>(flat, padded) }.copy_from_slice(&full);
+    Ok(mine)
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -107,6 +224,25 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     fn shard_range(&self, u: &Unit) -> std::ops::Range<usize> {
         u.layout.shard(self.group.rank())
+    }
+
+    /// Fills unit `i`'s whole flat tensor from every rank's shard of it
+    /// (compute dtype; the fp32 master in fp32 training).
+    fn fill_from_shards(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
+        let (u, sh) = (&st.units[i], &mut st.shards[i]);
+        let padded = u.layout.padded;
+        self.delay();
+        match &mut sh.copy {
+            CopyShard::Bf16(v) => {
+                *v = gather_into(&self.group, std::mem::take(v), &u.flat, padded)?
+            }
+            CopyShard::F16(v) => *v = gather_into(&self.group, std::mem::take(v), &u.flat, padded)?,
+            CopyShard::None => {
+                sh.master =
+                    gather_into(&self.group, std::mem::take(&mut sh.master), &u.flat, padded)?
+            }
+        }
+        Ok(())
     }
 
     /// Stage 3: makes unit `i`'s parameters hold the gathered values.
@@ -131,14 +267,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 .collect();
             return Err(EngineError::UnitOrder(names.join(", ")));
         }
-        self.delay();
-        let shard = std::mem::take(&mut st.shards[i].p);
-        let (shard, full) = self.group.all_gather(shard, Vec::new()).wait()?;
-        st.shards[i].p = shard;
         let u = &st.units[i];
-        glue::realloc_storage(&u.flat, u.layout.padded * 4)?;
-        // SAFETY: the flat tensor is the engine's, contiguous, `padded` long.
-        unsafe { f32s(&u.flat, u.layout.padded) }.copy_from_slice(&full);
+        glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes())?;
+        self.fill_from_shards(st, i)?;
         st.gathered[i] = true;
         Ok(())
     }
@@ -171,7 +302,7 @@ impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
         // and give the parameters zeroed memory so this forward computes
         // garbage instead of reading freed storage.
         let u = &st.units[unit];
-        if glue::realloc_storage(&u.flat, u.layout.padded * 4).is_ok() {
+        if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
             let _ = u.flat.shallow_clone().f_zero_();
         }
         st.gathered[unit] = true;
@@ -182,9 +313,11 @@ impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
 }
 
 impl<G: ProcessGroup + 'static> Engine<G> {
-    /// Builds the engine for the trainable parameters of `vs`, grouped into
-    /// the units of `plan`, trained as `config` says over `group` (the
-    /// data-parallel world). Rank 0's parameter values become everyone's.
+    /// Builds the engine for the trainable parameters of `vs` (created in
+    /// fp32), grouped into the units of `plan`, trained as `config` says over
+    /// `group` (the data-parallel world). Rank 0's parameter values become
+    /// everyone's. With bf16/fp16 in the config the parameters become views
+    /// of a 16-bit buffer: the model then runs in that dtype.
     pub fn new(
         vs: &nn::VarStore,
         plan: &ShardPlan,
@@ -194,11 +327,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<Self, EngineError> {
         let cfg = config.resolve(group.size() as u64, hints)?;
         let c = &cfg.config;
-        if c.precision != Precision::Fp32 {
-            return Err(EngineError::Unsupported(format!(
-                "{:?} compute: this build trains in fp32 only; disable fp16/bf16",
-                c.precision
-            )));
+        let compute = match c.precision {
+            Precision::Fp32 => Compute::F32,
+            Precision::Bf16 => Compute::Bf16,
+            Precision::Fp16(_) => Compute::F16,
+        };
+        if !c.fp32_grad_reduce {
+            return Err(EngineError::Unsupported(
+                "reducing gradients in the compute dtype (communication_data_type / data_types.grad_accum_dtype): remove it to reduce in fp32".into(),
+            ));
         }
         if c.zero
             .mics_shard_size
@@ -244,8 +381,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 prefixes[i]
             )));
         }
-        let world = group.size();
+        let (world, rank) = (group.size(), group.rank());
         let mut units = Vec::new();
+        let mut masters = Vec::new();
         for (i, params) in groups.into_iter().enumerate() {
             if params.is_empty() {
                 continue; // an empty root
@@ -256,21 +394,30 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 world,
             );
             let by_name: std::collections::HashMap<String, Tensor> = params.into_iter().collect();
-            let flat = Tensor::f_zeros([layout.padded as i64], (Kind::Float, Device::Cpu))?;
-            let mut ts = Vec::new();
+            // The fp32 values as created, laid out flat; rank 0's are everyone's.
+            let mut master = vec![0f32; layout.padded];
             for s in &layout.slots {
-                let mut t = by_name[&s.name].shallow_clone();
+                let t = &by_name[&s.name];
                 if t.kind() != Kind::Float {
                     return Err(EngineError::Unsupported(format!(
-                        "parameter `{}` is {:?}; this build trains fp32 parameters",
+                        "parameter `{}` is {:?}: create the model in fp32 (the engine casts it)",
                         s.name,
                         t.kind()
                     )));
                 }
+                let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
+                master[s.offset..s.offset + s.numel].copy_from_slice(&v);
+            }
+            let master = group.broadcast(master, 0).wait()?;
+            let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
+            let full = Tensor::from_slice(&master);
+            tch::no_grad(|| flat.shallow_clone().f_copy_(&full))?;
+            let mut ts = Vec::new();
+            for s in &layout.slots {
+                let mut t = by_name[&s.name].shallow_clone();
                 let view = flat
                     .f_narrow(0, s.offset as i64, s.numel as i64)?
                     .f_view(s.shape.as_slice())?;
-                tch::no_grad(|| view.shallow_clone().f_copy_(&t))?;
                 t.set_data(&view);
                 ts.push(t);
             }
@@ -280,61 +427,59 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 params: ts,
                 flat,
             });
+            masters.push(master);
         }
-        // Rank 0's values are everyone's (as DDP and DeepSpeed do at start).
-        for u in &units {
-            // SAFETY: the engine's own tensor, not yet shared with autograd.
-            let full = unsafe { f32s(&u.flat, u.layout.padded) }.to_vec();
-            let got = group.broadcast(full, 0).wait()?;
-            unsafe { f32s(&u.flat, u.layout.padded) }.copy_from_slice(&got);
-        }
-        let rank = group.rank();
         let mut shards = Vec::new();
-        for u in &units {
-            let (full, part) = (u.layout.padded, u.layout.shard_len());
-            let sh = match stage {
-                0 => Shard {
-                    p: Vec::new(),
-                    m: vec![0.0; full],
-                    v: vec![0.0; full],
-                    g: vec![0.0; full],
-                },
-                1 => Shard {
-                    p: Vec::new(),
-                    m: vec![0.0; part],
-                    v: vec![0.0; part],
-                    g: vec![0.0; full],
-                },
-                2 => Shard {
-                    p: Vec::new(),
-                    m: vec![0.0; part],
-                    v: vec![0.0; part],
-                    g: vec![0.0; part],
-                },
-                _ => Shard {
-                    // SAFETY: as above.
-                    p: (unsafe { f32s(&u.flat, full) })[u.layout.shard(rank)].to_vec(),
-                    m: vec![0.0; part],
-                    v: vec![0.0; part],
-                    g: vec![0.0; part],
-                },
+        for (u, master) in units.iter().zip(masters) {
+            let (full, part, range) = (u.layout.padded, u.layout.shard_len(), u.layout.shard(rank));
+            let opt_len = if stage == 0 { full } else { part };
+            let master = match (compute, stage) {
+                (Compute::F32, 0..=2) => Vec::new(),
+                (_, 0) => master,
+                _ => master[range.clone()].to_vec(),
             };
-            shards.push(sh);
+            let copy = match (compute, stage) {
+                // SAFETY: the flat tensor was just filled with this dtype.
+                (Compute::Bf16, 3) => {
+                    CopyShard::Bf16(unsafe { elems::<bf16>(&u.flat, full) }[range].to_vec())
+                }
+                (Compute::F16, 3) => {
+                    CopyShard::F16(unsafe { elems::<f16>(&u.flat, full) }[range].to_vec())
+                }
+                _ => CopyShard::None,
+            };
+            let g_len = if stage <= 1 { full } else { part };
+            shards.push(Shard {
+                master,
+                m: vec![0.0; opt_len],
+                v: vec![0.0; opt_len],
+                g: vec![0.0; g_len],
+                reduced: Vec::new(),
+                copy,
+            });
         }
         let n = units.len();
         let lr = cfg.config.optimizer.lr.value().unwrap_or(1e-3);
+        let scaler = match &cfg.config.precision {
+            Precision::Fp16(l) => Some(Scaler::new(l)),
+            _ => None,
+        };
         let inner = Arc::new(Inner {
             group,
             stage,
+            compute,
             threads: Threads::new(0)?,
             st: Mutex::new(State {
                 units,
                 shards,
                 gathered: vec![true; n],
                 micro: 0,
+                boundary_at: 0,
                 step: 0,
+                skipped: 0,
                 norm: None,
                 lr,
+                scaler,
                 error: None,
             }),
             delays: Mutex::new(0),
@@ -348,11 +493,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         let hook: Arc<dyn UnitHook> = inner.clone();
-        if plan.inner.hook.set(hook).is_err() {
-            return Err(EngineError::Plan(
-                "this plan already drives another engine: build one plan per model".into(),
-            ));
-        }
+        // Cannot fail: the claim above admits one engine per plan.
+        let _ = plan.inner.hook.set(hook);
         Ok(Self { inner })
     }
 
@@ -365,23 +507,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 
     /// Backward of one micro-step: `loss` is this rank's mean loss on its
     /// micro-batch. Gradients are averaged over the world and the
-    /// accumulation steps, as DeepSpeed does.
+    /// accumulation steps, as DeepSpeed does (fp16: of the scaled loss).
     pub fn backward(&self, loss: &Tensor) -> Result<(), EngineError> {
         let i = &*self.inner;
         let mut st = i.st.lock();
         self.take_error(&mut st)?;
-        let gas = i.cfg.batch.gas as f64;
-        loss.f_div_scalar(gas)?.f_backward()?;
+        let scale = st.scaler.as_ref().map_or(1.0, |s| s.scale);
+        loss.f_mul_scalar(scale / i.cfg.batch.gas as f64)?
+            .f_backward()?;
         for k in 0..st.units.len() {
             let padded = st.units[k].layout.padded;
             let mut full = vec![0f32; padded];
             for (slot, t) in st.units[k].layout.slots.iter().zip(&st.units[k].params) {
                 let g = t.grad();
                 if g.defined() {
-                    let g = g.f_contiguous()?;
-                    // SAFETY: a contiguous f32 gradient of `numel` elements.
+                    // Widened to fp32 before any reduction.
+                    let g = g.f_to_kind(Kind::Float)?.f_contiguous()?;
+                    // SAFETY: a contiguous f32 tensor of `numel` elements.
                     full[slot.offset..slot.offset + slot.numel]
-                        .copy_from_slice(unsafe { f32s(&g, slot.numel) });
+                        .copy_from_slice(unsafe { elems::<f32>(&g, slot.numel) });
                 }
                 glue::clear_grad(t)?;
             }
@@ -408,47 +552,80 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 
     /// The optimizer step, at the accumulation boundary only (DeepSpeed's
     /// `engine.step()` contract: call it after every `backward`). Returns
-    /// whether a step was taken.
+    /// whether the optimizer stepped: `false` off the boundary, and on an
+    /// fp16 overflow (the step is skipped on every rank, the loss scale
+    /// drops, and [`Engine::skipped_steps`] counts it).
     pub fn step(&self) -> Result<bool, EngineError> {
         let i = &*self.inner;
-        let mut st = i.st.lock();
-        self.take_error(&mut st)?;
-        if st.micro == 0 || st.micro % i.cfg.batch.gas != 0 {
+        let mut guard = i.st.lock();
+        self.take_error(&mut guard)?;
+        if guard.micro == 0
+            || guard.micro % i.cfg.batch.gas != 0
+            || guard.boundary_at == guard.micro
+        {
             return Ok(false);
         }
-        let st = &mut *st;
-        let rank = i.group.rank();
+        guard.boundary_at = guard.micro;
+        let st = &mut *guard;
         // Stage 1 reduces the accumulated full gradients only now.
         if i.stage == 1 {
             for sh in st.shards.iter_mut() {
-                let full = std::mem::take(&mut sh.g);
                 i.delay();
                 let (mut full, part) = i
                     .group
-                    .reduce_scatter(full, Vec::new(), ReduceOp::Avg)
+                    .reduce_scatter(std::mem::take(&mut sh.g), Vec::new(), ReduceOp::Avg)
                     .wait()?;
                 full.fill(0.0);
-                sh.p = part; // the reduced shard, for this step only
                 sh.g = full;
+                sh.reduced = part;
             }
         }
-        let grad = |sh: &Shard| -> Vec<f32> {
-            if i.stage == 1 {
-                sh.p.clone()
+        let stage1 = i.stage == 1;
+        fn grads(sh: &Shard, stage1: bool) -> &[f32] {
+            if stage1 {
+                &sh.reduced
             } else {
-                sh.g.clone()
+                &sh.g
             }
-        };
-        // Global norm, before clipping: the shards are disjoint.
+        }
+        // fp16: any rank's overflow skips the step everywhere.
+        if st.scaler.is_some() {
+            let local = st
+                .shards
+                .iter()
+                .any(|sh| reduce::has_inf_or_nan(&i.threads, grads(sh, stage1)));
+            let any = i
+                .group
+                .all_reduce(vec![u8::from(local)], ReduceOp::Max)
+                .wait()?[0]
+                != 0;
+            if let Some(s) = st.scaler.as_mut() {
+                s.update(any);
+            }
+            if any {
+                for sh in st.shards.iter_mut() {
+                    sh.g.fill(0.0);
+                    sh.reduced = Vec::new();
+                }
+                st.skipped += 1;
+                tracing::warn!(
+                    scale = st.scaler.as_ref().map(|s| s.scale),
+                    "fp16 overflow: step skipped on every rank"
+                );
+                return Ok(false);
+            }
+        }
+        let loss_scale = st.scaler.as_ref().map_or(1.0, |s| s.scale);
+        // Global norm of the true (unscaled) gradients, before clipping: the shards are disjoint.
         let mut sq: f64 = st
             .shards
             .iter()
-            .map(|sh| reduce::sum_of_squares(&i.threads, &grad(sh)))
+            .map(|sh| reduce::sum_of_squares(&i.threads, grads(sh, stage1)))
             .sum();
         if i.stage > 0 {
             sq = i.group.all_reduce(vec![sq], ReduceOp::Sum).wait()?[0];
         }
-        let norm = sq.sqrt();
+        let norm = sq.sqrt() / loss_scale;
         st.norm = Some(norm);
         let c = &i.cfg.config;
         let clip = c.gradient_clipping;
@@ -472,28 +649,50 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             adam_w_mode: c.optimizer.adam_w_mode,
             bias_correction: c.optimizer.bias_correction,
         };
+        let scale = (coef / loss_scale) as f32;
         for (u, sh) in st.units.iter().zip(st.shards.iter_mut()) {
-            let g = grad(sh);
             let (padded, range) = (u.layout.padded, i.shard_range(u));
-            let p: &mut [f32] = match i.stage {
-                // SAFETY: the engine's flat tensor; no forward or backward runs during step.
-                0 => unsafe { f32s(&u.flat, padded) },
-                1 | 2 => &mut (unsafe { f32s(&u.flat, padded) })[range],
-                _ => &mut sh.p,
-            };
-            let shard = AdamShard {
-                p,
-                g: &g,
-                m: &mut sh.m,
-                v: &mut sh.v,
+            // The compute-dtype range the update writes: the whole flat
+            // tensor (stage 0), this rank's range of it (1, 2), or the shard
+            // the next forward gathers (3).
+            let whole = if i.stage == 0 { 0..padded } else { range };
+            let Shard {
+                master,
+                m,
+                v,
+                g,
+                reduced,
+                copy,
+            } = sh;
+            let g: &[f32] = if stage1 { reduced } else { g };
+            let (p, copy): (&mut [f32], ComputeCopy<'_>) = match (i.compute, i.stage) {
+                // SAFETY: the engine's flat tensors; no forward or backward runs during step.
+                (Compute::F32, 0..=2) => (
+                    &mut unsafe { elems::<f32>(&u.flat, padded) }[whole],
+                    ComputeCopy::None,
+                ),
+                (Compute::F32, _) => (master, ComputeCopy::None),
+                (_, 3) => match copy {
+                    CopyShard::Bf16(c) => (master, ComputeCopy::Bf16(c)),
+                    CopyShard::F16(c) => (master, ComputeCopy::F16(c)),
+                    CopyShard::None => (master, ComputeCopy::None),
+                },
+                (Compute::Bf16, _) => (
+                    master,
+                    ComputeCopy::Bf16(&mut unsafe { elems::<bf16>(&u.flat, padded) }[whole]),
+                ),
+                (Compute::F16, _) => (
+                    master,
+                    ComputeCopy::F16(&mut unsafe { elems::<f16>(&u.flat, padded) }[whole]),
+                ),
             };
             adam_step(
                 &i.threads,
                 &adam,
                 st.step,
-                coef as f32,
-                shard,
-                ComputeCopy::None,
+                scale,
+                AdamShard { p, g, m, v },
+                copy,
             )?;
         }
         // Share the updated shards.
@@ -504,40 +703,45 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 0 => {}
                 1 | 2 => {
                     let u = &st.units[k];
-                    let range = i.shard_range(u);
-                    // SAFETY: as above.
-                    let mine = (unsafe { f32s(&u.flat, u.layout.padded) })[range].to_vec();
+                    let (padded, range) = (u.layout.padded, i.shard_range(u));
                     i.delay();
-                    let (_, full) = i.group.all_gather(mine, Vec::new()).wait()?;
-                    unsafe { f32s(&u.flat, u.layout.padded) }.copy_from_slice(&full);
+                    // SAFETY: as above.
+                    match i.compute {
+                        Compute::F32 => drop(gather_into(
+                            &i.group,
+                            unsafe { elems::<f32>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                        Compute::Bf16 => drop(gather_into(
+                            &i.group,
+                            unsafe { elems::<bf16>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                        Compute::F16 => drop(gather_into(
+                            &i.group,
+                            unsafe { elems::<f16>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                    }
+                }
+                _ if root_kept && k == n - 1 => {
+                    // The root stays gathered (its forward is not wrapped):
+                    // rebuild it from the updated shards now.
+                    i.fill_from_shards(st, k)?;
                 }
                 _ => {
-                    let is_root = root_kept && k == n - 1;
-                    if is_root {
-                        st.gathered[k] = false;
-                        // Keep the root gathered: its forward is not wrapped.
-                        // Rebuild it from the updated shards now.
-                        let (shard, full) = i
-                            .group
-                            .all_gather(std::mem::take(&mut st.shards[k].p), Vec::new())
-                            .wait()?;
-                        st.shards[k].p = shard;
-                        let u = &st.units[k];
-                        // SAFETY: as above; the root's storage was never freed.
-                        unsafe { f32s(&u.flat, u.layout.padded) }.copy_from_slice(&full);
-                        st.gathered[k] = true;
-                    } else if st.gathered[k] {
+                    if st.gathered[k] {
                         i.release(st, k)?;
                     }
                 }
             }
-            let _ = rank;
         }
         for sh in st.shards.iter_mut() {
             sh.g.fill(0.0);
-            if i.stage == 1 {
-                sh.p = Vec::new();
-            }
+            sh.reduced = Vec::new();
         }
         Ok(true)
     }
@@ -548,7 +752,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         *self.inner.delays.lock() = seed;
     }
 
-    /// The global gradient norm of the last step, *before* clipping.
+    /// The global gradient norm of the last step, *before* clipping (and
+    /// after removing the fp16 loss scale).
     pub fn global_grad_norm(&self) -> Option<f64> {
         self.inner.st.lock().norm
     }
@@ -556,9 +761,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn lr(&self) -> f64 {
         self.inner.st.lock().lr
     }
-    /// Optimizer steps taken.
+    /// Optimizer steps taken (skipped fp16 steps not counted).
     pub fn global_step(&self) -> u64 {
         self.inner.st.lock().step
+    }
+    /// Steps skipped on an fp16 overflow.
+    pub fn skipped_steps(&self) -> u64 {
+        self.inner.st.lock().skipped
+    }
+    /// The current fp16 loss scale (`None` without fp16).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.inner.st.lock().scaler.as_ref().map(|s| s.scale)
     }
     /// Micro-steps taken (`backward` calls).
     pub fn micro_steps(&self) -> u64 {
@@ -574,14 +787,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 
     /// Model-state bytes this rank holds now, as the engine allocated them:
-    /// parameters (flat tensors with storage), fp32 master (stage 3), Adam's
-    /// m and v, accumulated gradients. Compare with DESIGN.md's table.
+    /// parameters in the compute dtype (flat tensors with storage), fp32
+    /// master, Adam's m and v, accumulated gradients, and stage 3's 16-bit
+    /// shard. Compare with DESIGN.md's table.
     pub fn model_state_bytes(&self) -> Result<usize, EngineError> {
         let st = self.inner.st.lock();
         let mut b = 0;
         for (u, sh) in st.units.iter().zip(&st.shards) {
             b += glue::storage_nbytes(&u.flat)?;
-            b += 4 * (sh.p.len() + sh.m.len() + sh.v.len() + sh.g.len());
+            b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
+            b += match &sh.copy {
+                CopyShard::None => 0,
+                CopyShard::Bf16(c) => 2 * c.len(),
+                CopyShard::F16(c) => 2 * c.len(),
+            };
         }
         Ok(b)
     }
@@ -602,15 +821,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn master_shard(&self, unit: usize) -> Option<(Vec<f32>, std::ops::Range<usize>)> {
         let i = &*self.inner;
         let st = i.st.lock();
-        let u = st.units.get(unit)?;
+        let (u, sh) = (st.units.get(unit)?, &st.shards[unit]);
         let range = i.shard_range(u);
-        Some(match i.stage {
-            3 => (st.shards[unit].p.clone(), range),
+        Some(match (i.compute, i.stage) {
             // SAFETY: read-only copy under the lock.
-            _ => (
-                (unsafe { f32s(&u.flat, u.layout.padded) })[range.clone()].to_vec(),
+            (Compute::F32, 0..=2) => (
+                (unsafe { elems::<f32>(&u.flat, u.layout.padded) })[range.clone()].to_vec(),
                 range,
             ),
+            (_, 0) => (sh.master[range.clone()].to_vec(), range),
+            _ => (sh.master.clone(), range),
         })
     }
 
@@ -631,23 +851,61 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .collect()
     }
 
-    /// The full current parameters of every unit, gathered (a collective:
-    /// every rank must call it), as (name, values) in flat order.
+    /// The full fp32 master parameters of every unit, gathered (a
+    /// collective: every rank must call it), as (name, values) in flat order.
     pub fn gathered_params(&self) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
-        let i = &*self.inner;
-        let st = i.st.lock();
+        let n = self.inner.st.lock().units.len();
         let mut out = Vec::new();
-        for (u, sh) in st.units.iter().zip(&st.shards) {
-            let mine = match i.stage {
-                3 => sh.p.clone(),
-                // SAFETY: read-only copy under the lock.
-                _ => (unsafe { f32s(&u.flat, u.layout.padded) })[i.shard_range(u)].to_vec(),
+        for k in 0..n {
+            let Some((mine, _)) = self.master_shard(k) else {
+                continue;
             };
-            let (_, full) = i.group.all_gather(mine, Vec::new()).wait()?;
-            for s in &u.layout.slots {
+            let (_, full) = self.inner.group.all_gather(mine, Vec::new()).wait()?;
+            let st = self.inner.st.lock();
+            for s in &st.units[k].layout.slots {
                 out.push((s.name.clone(), full[s.offset..s.offset + s.numel].to_vec()));
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scaler(power: u32, window: u64, hysteresis: u32) -> Scaler {
+        Scaler::new(&LossScaleConfig {
+            loss_scale: 0.0,
+            initial_scale_power: power,
+            loss_scale_window: window,
+            hysteresis,
+            min_loss_scale: 1.0,
+        })
+    }
+
+    #[test]
+    fn loss_scale_follows_deepspeed() {
+        let mut s = scaler(4, 2, 2);
+        assert_eq!(s.scale, 16.0);
+        s.update(true); // first overflow: hysteresis 2 -> 1, scale kept
+        assert_eq!(s.scale, 16.0);
+        s.update(true); // second: halves
+        assert_eq!(s.scale, 8.0);
+        s.update(false);
+        s.update(false); // two good steps after the overflow at iter 1: doubles
+        assert_eq!(s.scale, 16.0);
+        let mut low = scaler(0, 1000, 1);
+        low.update(true);
+        assert_eq!(low.scale, 1.0, "never below min_loss_scale");
+        let mut fixed = Scaler::new(&LossScaleConfig {
+            loss_scale: 128.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1,
+            hysteresis: 1,
+            min_loss_scale: 1.0,
+        });
+        fixed.update(true);
+        assert_eq!(fixed.scale, 128.0, "a static scale never moves");
     }
 }

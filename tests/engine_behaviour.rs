@@ -174,13 +174,13 @@ fn gradient_shards_padding_and_accumulation_are_exact() {
 }
 
 #[test]
-fn stage_3_holds_only_shards_between_steps_and_gathered_values_in_forward() {
+fn stage_3_frees_units_after_forward_and_between_steps() {
     std::thread::scope(|s| {
         for r in local::world(WORLD) {
             s.spawn(move || {
                 let t = tiny();
-                let want_a =
-                    Vec::<f32>::try_from(&t.vs.variables()["a.weight"].flatten(0, -1)).unwrap();
+                let vars = t.vs.variables();
+                let (w0, b0) = (vars["a.weight"].copy(), vars["a.bias"].copy());
                 let e = Engine::new(
                     &t.vs,
                     &t.plan,
@@ -195,25 +195,39 @@ fn stage_3_holds_only_shards_between_steps_and_gathered_values_in_forward() {
                     0,
                     "freed before the first forward"
                 );
-                let h = t.a.forward(&input(r.rank(), 0));
-                assert!(glue::storage_nbytes(&w).unwrap() > 0);
+                let x = input(r.rank(), 0);
+                let h = t.a.forward(&x);
+                // Forward ran on the gathered values (rank 0's), then resharded.
+                assert!(
+                    h.allclose(&(x.matmul(&w0.tr()) + &b0), 1e-6, 1e-6, false),
+                    "forward used the gathered values"
+                );
                 assert_eq!(
-                    Vec::<f32>::try_from(&w.flatten(0, -1)).unwrap(),
-                    want_a,
-                    "gathered values are rank 0's"
+                    glue::storage_nbytes(&w).unwrap(),
+                    0,
+                    "resharded after forward"
                 );
                 let loss =
                     t.c.forward(&t.b.forward(&h).tanh())
                         .square()
                         .mean(Kind::Float);
                 e.backward(&loss).unwrap();
+                assert_eq!(
+                    glue::storage_nbytes(&w).unwrap(),
+                    0,
+                    "resharded after backward"
+                );
+                assert!(!w.grad().defined(), "no full gradient is kept");
+                assert!(
+                    e.grad_buffer(0).unwrap().iter().any(|&g| g != 0.0),
+                    "backward re-gathered and produced gradients"
+                );
                 assert!(e.step().unwrap());
                 assert_eq!(
                     glue::storage_nbytes(&w).unwrap(),
                     0,
                     "resharded after step()"
                 );
-                assert!(!w.grad().defined(), "no full gradient is kept");
             });
         }
     });

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 namespace {
@@ -92,6 +93,24 @@ char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
 char *zrt_clear_grad(torch::Tensor *t) {
   try {
     t->mutable_grad() = at::Tensor();
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Calls `cb(ctx)` when the gradient with respect to `t` has been computed
+// (before autograd runs the nodes that consume it), without changing the
+// gradient. `drop(ctx)` runs when autograd releases the hook (the graph is
+// freed), so the Rust side can free `ctx`. `cb` must not unwind.
+char *zrt_register_grad_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
+  try {
+    if (!t->requires_grad()) {
+      drop(ctx);
+      return to_error("the tensor does not require grad: no backward will reach it");
+    }
+    std::shared_ptr<void> owner(ctx, drop);
+    t->register_hook([cb, owner](const at::Tensor &) { cb(owner.get()); });
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

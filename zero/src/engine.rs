@@ -281,11 +281,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 }
 
-impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
-    fn before_forward(&self, unit: usize) {
-        if self.stage != 3 {
-            return;
-        }
+impl<G: ProcessGroup + 'static> Inner<G> {
+    /// Stage 3: makes unit `unit` usable for a forward or a backward. On an
+    /// error (kept for the next engine call) the parameters get zeroed
+    /// memory, so autograd computes garbage instead of reading freed storage.
+    fn make_live(&self, unit: usize) {
         let mut st = self.st.lock();
         if st.gathered[unit] {
             return;
@@ -298,9 +298,6 @@ impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
         if st.gathered[unit] {
             return;
         }
-        // Forward cannot return an error: keep it for the next engine call,
-        // and give the parameters zeroed memory so this forward computes
-        // garbage instead of reading freed storage.
         let u = &st.units[unit];
         if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
             let _ = u.flat.shallow_clone().f_zero_();
@@ -308,6 +305,46 @@ impl<G: ProcessGroup + 'static> UnitHook for Inner<G> {
         st.gathered[unit] = true;
         if let Some(e) = failed {
             st.error = Some(e);
+        }
+    }
+}
+
+/// The plan's view of the engine (weak: the plan must not keep it alive).
+struct Hook<G> {
+    inner: std::sync::Weak<Inner<G>>,
+}
+
+impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
+    fn before_forward(&self, unit: usize) {
+        match self.inner.upgrade() {
+            Some(i) if i.stage == 3 => i.make_live(unit),
+            _ => {}
+        }
+    }
+
+    fn after_forward(&self, unit: usize, y: &Tensor) {
+        let Some(i) = self.inner.upgrade().filter(|i| i.stage == 3) else {
+            return;
+        };
+        let mut st = i.st.lock();
+        if y.requires_grad() {
+            // Re-gather just before this unit's backward: the hook fires
+            // when the gradient of its output is ready, before the nodes
+            // that consume it (the unit's own backward) run.
+            let weak = self.inner.clone();
+            if let Err(e) = glue::on_grad(y, move || {
+                if let Some(i) = weak.upgrade() {
+                    i.make_live(unit);
+                }
+            }) {
+                st.error.get_or_insert(e.into());
+                return; // keep the parameters: backward will need them
+            }
+        }
+        // Reshard after forward: autograd's saved views keep the storage
+        // object, the glue frees its bytes.
+        if let Err(e) = i.release(&mut st, unit) {
+            st.error.get_or_insert(e);
         }
     }
 }
@@ -492,7 +529,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 inner.release(&mut st, i)?;
             }
         }
-        let hook: Arc<dyn UnitHook> = inner.clone();
+        let hook: Arc<dyn UnitHook> = Arc::new(Hook {
+            inner: Arc::downgrade(&inner),
+        });
         // Cannot fail: the claim above admits one engine per plan.
         let _ = plan.inner.hook.set(hook);
         Ok(Self { inner })
@@ -510,11 +549,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// accumulation steps, as DeepSpeed does (fp16: of the scaled loss).
     pub fn backward(&self, loss: &Tensor) -> Result<(), EngineError> {
         let i = &*self.inner;
-        let mut st = i.st.lock();
-        self.take_error(&mut st)?;
-        let scale = st.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = {
+            let mut st = i.st.lock();
+            self.take_error(&mut st)?;
+            st.scaler.as_ref().map_or(1.0, |s| s.scale)
+        };
+        // Not under the state lock: stage 3's backward hooks take it to
+        // re-gather units.
         loss.f_mul_scalar(scale / i.cfg.batch.gas as f64)?
             .f_backward()?;
+        let mut st = i.st.lock();
+        self.take_error(&mut st)?;
         for k in 0..st.units.len() {
             let padded = st.units[k].layout.padded;
             let mut full = vec![0f32; padded];
@@ -543,6 +588,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         .reduce_scatter(full, Vec::new(), ReduceOp::Avg)
                         .wait()?;
                     reduce::accumulate(&i.threads, &mut st.shards[k].g, &part)?;
+                }
+            }
+        }
+        if i.stage == 3 {
+            // Units re-gathered for backward go back to shards; the root stays.
+            let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
+            let n = st.units.len();
+            for k in 0..n {
+                if st.gathered[k] && !(root_kept && k == n - 1) {
+                    i.release(&mut st, k)?;
                 }
             }
         }

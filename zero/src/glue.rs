@@ -35,6 +35,12 @@ mod ffi {
         pub fn zrt_storage_free(t: *mut C_tensor) -> *mut c_char;
         pub fn zrt_storage_realloc(t: *mut C_tensor, nbytes: usize) -> *mut c_char;
         pub fn zrt_clear_grad(t: *mut C_tensor) -> *mut c_char;
+        pub fn zrt_register_grad_hook(
+            t: *mut C_tensor,
+            cb: extern "C" fn(*mut std::ffi::c_void),
+            drop: extern "C" fn(*mut std::ffi::c_void),
+            ctx: *mut std::ffi::c_void,
+        ) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     }
 }
@@ -110,5 +116,35 @@ pub fn clear_grad(t: &Tensor) -> Result<(), GlueError> {
     // SAFETY: `t.as_ptr()` is live for the call; only its grad field changes.
     check("clear_grad", unsafe {
         ffi::zrt_clear_grad(t.as_ptr() as *mut _)
+    })
+}
+
+// Send, not Sync: autograd calls a hook once per backward, never concurrently.
+type HookFn = Box<dyn Fn() + Send>;
+
+extern "C" fn call_hook(ctx: *mut std::ffi::c_void) {
+    // SAFETY: `ctx` is the `Box<HookFn>` leaked in `on_grad`, alive until `drop_hook`.
+    let f = unsafe { &*(ctx as *const HookFn) };
+    // Never unwind into libtorch's C++ frames.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+extern "C" fn drop_hook(ctx: *mut std::ffi::c_void) {
+    // SAFETY: called exactly once by the hook's owner, with the pointer `on_grad` leaked.
+    drop(unsafe { Box::from_raw(ctx as *mut HookFn) });
+}
+
+/// Runs `f` when backward has computed the gradient with respect to `t`,
+/// before the nodes that consume that gradient run (PyTorch's
+/// `Tensor.register_hook`, without changing the gradient). Stage 3 uses it
+/// on a unit's output to re-gather the unit's parameters just in time.
+/// `f` runs on the thread that runs backward; a panic in it is swallowed.
+pub fn on_grad(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<(), GlueError> {
+    let boxed: Box<HookFn> = Box::new(Box::new(f));
+    let ctx = Box::into_raw(boxed) as *mut std::ffi::c_void;
+    // SAFETY: `t` is live; the glue owns `ctx` from here on and calls
+    // `drop_hook` exactly once (also on error).
+    check("register_grad_hook", unsafe {
+        ffi::zrt_register_grad_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
     })
 }

@@ -18,6 +18,10 @@ pub(crate) trait UnitHook: Send + Sync {
     /// Makes unit `unit`'s parameters usable (stage 3: gathers them). An
     /// error is kept by the engine and returned by its next call.
     fn before_forward(&self, unit: usize);
+    /// After unit `unit`'s forward produced `output` (stage 3: frees the
+    /// gathered parameters and arranges their re-gathering before the
+    /// unit's backward).
+    fn after_forward(&self, unit: usize, output: &Tensor);
 }
 
 #[derive(Default)]
@@ -96,12 +100,20 @@ impl<M> ShardedModule<M> {
             h.before_forward(self.unit);
         }
     }
+
+    fn after(&self, y: &Tensor) {
+        if let Some(h) = self.plan.hook.get() {
+            h.after_forward(self.unit, y);
+        }
+    }
 }
 
 impl<M: nn::Module> nn::Module for ShardedModule<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
         self.before();
-        self.inner.forward(xs)
+        let y = self.inner.forward(xs);
+        self.after(&y);
+        y
     }
 }
 
@@ -111,7 +123,9 @@ impl<M: nn::ModuleT> ShardedModule<M> {
     /// modules that only implement `ModuleT`, such as ones with dropout).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.before();
-        self.inner.forward_t(xs, train)
+        let y = self.inner.forward_t(xs, train);
+        self.after(&y);
+        y
     }
 }
 

@@ -112,3 +112,47 @@ fn refilling_through_the_tensor_itself_is_caught_by_autograd() {
     let err = y.f_backward().unwrap_err().to_string();
     assert!(err.contains("modified by an inplace operation"), "{err}");
 }
+
+#[test]
+fn a_grad_hook_refills_freed_storage_before_the_nodes_that_need_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // Stage 3's pattern: a unit's parameters are views of `flat`; after the
+    // unit's forward the storage is freed; a hook on the unit's output
+    // re-gathers (here: refills) it before the unit's backward runs.
+    let values = Tensor::arange(32, (Kind::Float, Device::Cpu)) * 0.25 - 3.0;
+    let flat = values.copy();
+    let w = flat.narrow(0, 0, 16).view([4, 4]);
+    let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = x.matmul(&w.tr());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (c, alias, src) = (
+        calls.clone(),
+        glue::untracked_alias(&flat).unwrap(),
+        values.copy(),
+    );
+    let nbytes = glue::storage_nbytes(&flat).unwrap();
+    glue::on_grad(&y, move || {
+        c.fetch_add(1, Ordering::SeqCst);
+        glue::realloc_storage(&alias, nbytes).unwrap();
+        alias.shallow_clone().copy_(&src);
+    })
+    .unwrap();
+    glue::free_storage(&flat).unwrap();
+    assert_eq!(glue::storage_nbytes(&w).unwrap(), 0);
+    y.sum(Kind::Float).backward();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the hook ran once");
+    // d sum(x W^T) / dx = column sums of W, from the refilled values.
+    let want = values
+        .narrow(0, 0, 16)
+        .view([4, 4])
+        .sum_dim_intlist(0, false, Kind::Float)
+        .unsqueeze(0)
+        .expand([2, 4], false);
+    assert!(
+        x.grad().allclose(&want, 0.0, 0.0, false),
+        "gradient from refilled values"
+    );
+    let e = glue::on_grad(&Tensor::ones([1], (Kind::Float, Device::Cpu)), || {}).unwrap_err();
+    assert!(e.to_string().contains("does not require grad"), "{e}");
+}

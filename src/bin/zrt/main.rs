@@ -56,8 +56,11 @@ enum BenchCmd {
     /// One rank of `bench collectives` (started by it).
     #[command(hide = true)]
     CollectivesRank(bench::collectives::RankArgs),
-    /// Training step time and memory per ZeRO stage vs FSDP2, DDP and DeepSpeed.
-    Train(Pending),
+    /// Training step time and memory per ZeRO stage and world size.
+    Train(bench::train::TrainArgs),
+    /// One rank of `bench train` (started by it).
+    #[command(hide = true)]
+    TrainRank(bench::train::TrainRankArgs),
     /// Optimizer step with NVMe offload vs in memory and raw disk speed.
     Offload(Pending),
 }
@@ -80,8 +83,11 @@ fn main() -> ExitCode {
             which: BenchCmd::CollectivesRank(a),
         } => bench::collectives::rank_main(&a),
         Cmd::Bench {
-            which: BenchCmd::Train(_),
-        } => return pending("bench train"),
+            which: BenchCmd::Train(a),
+        } => bench::train::run(&a),
+        Cmd::Bench {
+            which: BenchCmd::TrainRank(a),
+        } => bench::train::rank_main(&a),
         Cmd::Bench {
             which: BenchCmd::Offload(_),
         } => return pending("bench offload"),

@@ -8,6 +8,7 @@
 pub mod adam;
 pub mod collectives;
 pub mod peer;
+pub mod train;
 
 use std::time::Instant;
 

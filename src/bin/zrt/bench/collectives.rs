@@ -7,13 +7,11 @@
 //! `busbw = algbw * 2(n-1)/n` for all_reduce and `algbw * (n-1)/n` for the
 //! other two. The limit is memcpy's `S / t` for the same S on one core.
 
-use std::process::{Command, Stdio};
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Args;
 use serde_json::{json, Value};
 
-use super::{median, peer};
+use super::{median, peer, run_ranks};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
@@ -88,54 +86,6 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs `RANKS` processes of `program args` with the launch contract and
-/// returns rank 0's protocol line.
-fn run_ranks(
-    program: &std::path::Path,
-    args: &[String],
-    extra_env: &[(&str, String)],
-) -> Result<Value> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port()
-        .to_string();
-    let token = format!("bench-{}-{port}", std::process::id());
-    let children: Vec<_> = (0..RANKS)
-        .map(|r| {
-            let mut c = Command::new(program);
-            c.args(args)
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", RANKS.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", RANKS.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ZRT_TOKEN", &token)
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit());
-            for (k, v) in extra_env {
-                c.env(k, v);
-            }
-            c.spawn()
-                .with_context(|| format!("starting {}", program.display()))
-        })
-        .collect::<Result<_>>()?;
-    let mut line = None;
-    for c in children {
-        let o = c.wait_with_output()?;
-        if !o.status.success() {
-            bail!("a rank of {} failed ({})", program.display(), o.status);
-        }
-        for l in String::from_utf8_lossy(&o.stdout).lines() {
-            if let Some(j) = l.split_once("@@zrt ").map(|x| x.1) {
-                line = Some(serde_json::from_str(j)?);
-            }
-        }
-    }
-    line.context("no rank printed results")
-}
-
 fn collect(into: &mut std::collections::HashMap<(String, usize), Vec<f64>>, v: &Value) {
     for r in v["results"].as_array().into_iter().flatten() {
         let key = (
@@ -179,7 +129,12 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     for round in 0..a.rounds {
         collect(
             &mut zrt,
-            &run_ranks(&me, &rank_args, &[("ZRT_BACKEND", a.backend.clone())])?,
+            &run_ranks(
+                &me,
+                &rank_args,
+                RANKS,
+                &[("ZRT_BACKEND", a.backend.clone())],
+            )?,
         );
         if a.peer {
             let args = vec![
@@ -187,7 +142,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 sizes.clone(),
                 a.iters.to_string(),
             ];
-            collect(&mut gloo, &run_ranks(&python, &args, &[])?);
+            collect(&mut gloo, &run_ranks(&python, &args, RANKS, &[])?);
         }
         for &mib in &a.sizes {
             let bytes = mib << 20;

@@ -10,7 +10,11 @@ pub mod collectives;
 pub mod peer;
 pub mod train;
 
+use std::process::{Command, Stdio};
 use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
 
 /// Median of `xs` (the mean of the middle two for even lengths).
 ///
@@ -58,6 +62,71 @@ pub fn copy_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
     });
     std::hint::black_box(&dst);
     2.0 * (n * 4) as f64 / median(&times) / 1e9
+}
+
+/// Runs `world` processes of `program args` with the launch contract (the
+/// same environment `zrt launch` sets, on loopback) and returns the JSON of
+/// the line rank 0 printed as `@@zrt {...}`.
+pub fn run_ranks(
+    program: &std::path::Path,
+    args: &[String],
+    world: usize,
+    env: &[(&str, String)],
+) -> Result<Value> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port()
+        .to_string();
+    let token = format!("bench-{}-{port}", std::process::id());
+    let mut path = peer::venv_python()
+        .parent()
+        .map(|b| b.as_os_str().to_owned())
+        .unwrap_or_default();
+    if let Some(old) = std::env::var_os("PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            let mut c = Command::new(program);
+            c.args(args)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ZRT_TOKEN", &token)
+                .env("OMP_NUM_THREADS", "1")
+                // DeepSpeed JIT-builds with the venv's ninja.
+                .env("PATH", &path)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn()
+                .with_context(|| format!("starting {}", program.display()))
+        })
+        .collect::<Result<_>>()?;
+    let mut line = None;
+    for c in children {
+        let o = c.wait_with_output()?;
+        if !o.status.success() {
+            bail!(
+                "a rank of {} {:?} failed ({})",
+                program.display(),
+                args,
+                o.status
+            );
+        }
+        for l in String::from_utf8_lossy(&o.stdout).lines() {
+            if let Some(j) = l.split_once("@@zrt ").map(|x| x.1) {
+                line = Some(serde_json::from_str(j)?);
+            }
+        }
+    }
+    line.context("no rank printed results")
 }
 
 #[cfg(test)]

@@ -3,15 +3,14 @@
 //! matmul peak (for MFU) and next to DESIGN.md's memory formula and the
 //! ZeRO communication volumes.
 
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use tch::{nn, Device, Kind, Tensor};
 
-use super::median;
+use super::{median, peer, run_ranks};
 use crate::estimate::model_state_bytes;
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 use zrt::gpt::{Gpt, GptConfig};
@@ -39,6 +38,11 @@ pub struct TrainArgs {
     /// Interleaved rounds over all configurations.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
+    /// Also run the peers (PyTorch DDP, FSDP2 ZeRO-3/ZeRO-2, DeepSpeed ZeRO
+    /// 1-3) on 2 ranks, gloo, in the libtorch venv (DeepSpeed rows need
+    /// `deepspeed`).
+    #[arg(long)]
+    peer: bool,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -175,58 +179,53 @@ fn run_rank(
     size: &str,
     a: &TrainArgs,
 ) -> Result<Value> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port()
-        .to_string();
-    let token = format!("bench-train-{}-{port}", std::process::id());
-    let children: Vec<_> = (0..world)
-        .map(|r| {
-            Command::new(me)
-                .args([
-                    "bench",
-                    "train-rank",
-                    "--stage",
-                    &stage.to_string(),
-                    "--size",
-                    size,
-                    "--micro",
-                    &a.micro.to_string(),
-                    "--steps",
-                    &a.steps.to_string(),
-                ])
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ZRT_TOKEN", &token)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .context("starting a rank")
-        })
-        .collect::<Result<_>>()?;
-    let mut row = None;
-    for c in children {
-        let o = c.wait_with_output()?;
-        if !o.status.success() {
-            bail!(
-                "a rank of stage {stage} world {world} {size} failed ({})",
-                o.status
-            );
-        }
-        for l in String::from_utf8_lossy(&o.stdout).lines() {
-            if let Some(j) = l.split_once("@@zrt ").map(|x| x.1) {
-                row = Some(serde_json::from_str(j)?);
-            }
-        }
-    }
-    row.context("no rank printed results")
+    let args: Vec<String> = [
+        "bench",
+        "train-rank",
+        "--stage",
+        &stage.to_string(),
+        "--size",
+        size,
+        "--micro",
+        &a.micro.to_string(),
+        "--steps",
+        &a.steps.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    run_ranks(me, &args, world, &[])
 }
 
-/// Runs the sweep and prints its rows.
+/// The PyTorch peers `--peer` runs (bench/peers/train_peer.py modes).
+const PEERS: [&str; 6] = [
+    "ddp",
+    "fsdp2_zero3",
+    "fsdp2_zero2",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+];
+
+/// Median step time of a set of rank-0 rows.
+fn median_time(rows: &[Value]) -> f64 {
+    median(
+        &rows
+            .iter()
+            .flat_map(|r| r["times"].as_array().cloned().unwrap_or_default())
+            .filter_map(|v| v.as_f64())
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Largest peak RSS over the ranks of a set of rows.
+fn max_rss(rows: &[Value]) -> f64 {
+    rows.iter()
+        .flat_map(|r| r["rss"].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_f64())
+        .fold(f64::NAN, f64::max)
+}
+
 pub fn run(a: &TrainArgs) -> Result<()> {
     let me = std::env::current_exe()?;
     let mut configs = Vec::new();
@@ -238,23 +237,67 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             }
         }
     }
+    let peers: Vec<(String, &str)> = if a.peer {
+        a.sizes
+            .iter()
+            .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let script = std::env::temp_dir().join(format!("zrt-train-peer-{}.py", std::process::id()));
+    if a.peer {
+        std::fs::write(
+            &script,
+            include_str!("../../../../bench/peers/train_peer.py"),
+        )?;
+    }
     let mut samples: Vec<Vec<Value>> = configs.iter().map(|_| Vec::new()).collect();
+    let mut peer_samples: Vec<Vec<Value>> = peers.iter().map(|_| Vec::new()).collect();
     let mut peaks = Vec::new();
+    // Interleaved: every configuration and every peer once per round.
     for round in 0..a.rounds {
         peaks.push(matmul_peak());
         for (k, (size, world, stage)) in configs.iter().enumerate() {
             samples[k].push(run_rank(&me, *world, *stage, size, a)?);
         }
+        for (k, (size, mode)) in peers.iter().enumerate() {
+            let args = vec![
+                script.display().to_string(),
+                mode.to_string(),
+                size.clone(),
+                a.micro.to_string(),
+                a.steps.to_string(),
+            ];
+            match run_ranks(&peer::venv_python(), &args, 2, &[]) {
+                Ok(v) => peer_samples[k].push(v),
+                Err(e) => eprintln!("zrt bench train: peer {mode} on {size} failed: {e:#}"),
+            }
+        }
         eprintln!("zrt bench train: round {}/{} done", round + 1, a.rounds);
     }
+    let _ = std::fs::remove_file(&script);
     let peak = median(&peaks);
+    let peer_rows = |size: &str, mode: &str| -> &[Value] {
+        peers
+            .iter()
+            .zip(&peer_samples)
+            .find(|((s, m), _)| s == size && *m == mode)
+            .map_or(&[], |(_, r)| r.as_slice())
+    };
     if !a.json {
-        println!("fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core", a.micro, a.rounds, a.steps, peak / 1e9);
         println!(
-            "{:<6} {:>5} {:>5} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core",
+            a.micro,
+            a.rounds,
+            a.steps,
+            peak / 1e9
+        );
+        println!(
+            "{:<6} {:>5} {:<12} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
             "model",
             "world",
-            "stage",
+            "impl",
             "params",
             "s/step",
             "tok/s",
@@ -267,33 +310,25 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             "comm s"
         );
     }
+    let mib = |b: f64| b / (1u64 << 20) as f64;
     for ((size, world, stage), rows) in configs.iter().zip(&samples) {
         let c = gpt(size)?;
         let get = |f: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[f].as_f64()).collect() };
-        let step: Vec<f64> = rows
-            .iter()
-            .flat_map(|r| r["times"].as_array().cloned().unwrap_or_default())
-            .filter_map(|v| v.as_f64())
-            .collect();
-        let t = median(&step);
+        let t = median_time(rows);
         let params = rows
             .first()
             .and_then(|r| r["params"].as_f64())
             .unwrap_or(f64::NAN);
-        let tokens = (a.micro * c.seq) as f64 * *world as f64;
-        let flops = step_flops(&c, params, tokens) / t;
-        let mfu = flops / (peak * *world as f64);
-        let rss = rows
-            .iter()
-            .flat_map(|r| r["rss"].as_array().cloned().unwrap_or_default())
-            .filter_map(|v| v.as_f64())
-            .fold(0.0, f64::max);
-        let state = median(&get("model_state_bytes"));
-        let formula = model_state_bytes(*stage, params, *world as f64, 4.0);
-        let comm = median(&get("comm_elements_per_step"));
-        // Elements each rank sends per step by ZeRO's accounting: 2 Psi
-        // (stages 0-2) or 3 Psi (stage 3), times (n-1)/n; none alone.
         let n = *world as f64;
+        let tokens = (a.micro * c.seq) as f64 * n;
+        let flops = step_flops(&c, params, tokens) / t;
+        let mfu = flops / (peak * n);
+        let rss = max_rss(rows);
+        let state = median(&get("model_state_bytes"));
+        let formula = model_state_bytes(*stage, params, n, 4.0);
+        let comm = median(&get("comm_elements_per_step"));
+        // Elements that must cross ranks per step by ZeRO's accounting: 2 Psi
+        // (stages 0-2) or 3 Psi (stage 3), times (n-1)/n; none alone.
         let per_psi = if *stage == 3 { 3.0 } else { 2.0 };
         let zero = if *world == 1 {
             0.0
@@ -301,23 +336,99 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             per_psi * params * (n - 1.0) / n
         };
         let wait = median(&get("comm_seconds_per_step"));
+        // The FSDP2 peer of a stage: reshard after forward for ZeRO-3, not otherwise.
+        let fsdp = if *stage == 3 {
+            "fsdp2_zero3"
+        } else {
+            "fsdp2_zero2"
+        };
+        let vs = |mode: &str| {
+            if a.peer && *world == 2 {
+                median_time(peer_rows(size, mode)) / t
+            } else {
+                f64::NAN
+            }
+        };
+        let rss_vs = if a.peer && *world == 2 {
+            max_rss(peer_rows(size, fsdp)) / rss
+        } else {
+            f64::NAN
+        };
+        let opt = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
         if a.json {
             println!(
                 "{}",
                 json!({
-                    "bench": "train", "model": size, "world": world, "stage": stage, "params": params,
-                    "seconds_per_step": t, "tokens_per_s": tokens / t, "flops_per_s": flops, "mfu": mfu,
+                    "bench": "train", "model": size, "world": world, "impl": format!("zrt_zero{stage}"), "stage": stage,
+                    "params": params, "seconds_per_step": t, "tokens_per_s": tokens / t, "flops_per_s": flops, "mfu": mfu,
                     "matmul_peak_flops_per_s": peak, "peak_rss_bytes": rss, "model_state_bytes": state,
                     "formula_bytes": formula, "comm_elements_per_step": comm, "zero_volume_elements": zero,
-                    "comm_seconds_per_step": wait,
+                    "comm_seconds_per_step": wait, "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
+                    "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
                 })
             );
         } else {
             println!(
-                "{:<6} {:>5} {:>5} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3}",
-                size, world, stage, params / 1e6, t, tokens / t, mfu * 100.0, rss / (1 << 20) as f64,
-                state / (1 << 20) as f64, formula / (1 << 20) as f64, comm / 1e6, zero / 1e6, wait
+                "{:<6} {:>5} {:<12} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3}",
+                size,
+                world,
+                format!("zrt zero{stage}"),
+                params / 1e6,
+                t,
+                tokens / t,
+                mfu * 100.0,
+                mib(rss),
+                mib(state),
+                mib(formula),
+                comm / 1e6,
+                zero / 1e6,
+                wait
             );
+        }
+    }
+    for (size, mode) in &peers {
+        let c = gpt(size)?;
+        let rows = peer_rows(size, mode);
+        let (t, rss) = (median_time(rows), max_rss(rows));
+        let tokens = (a.micro * c.seq * 2) as f64;
+        if a.json {
+            println!(
+                "{}",
+                json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss})
+            );
+        } else {
+            println!(
+                "{:<6} {:>5} {:<12} {:>8} {:>9.3} {:>8.0} {:>6} {:>9.0}",
+                size,
+                2,
+                mode,
+                "",
+                t,
+                tokens / t,
+                "",
+                mib(rss)
+            );
+        }
+    }
+    if !a.json && a.peer {
+        for size in &a.sizes {
+            for (stage, fsdp) in [(3u8, "fsdp2_zero3"), (2, "fsdp2_zero2")] {
+                let Some(rows) = configs
+                    .iter()
+                    .zip(&samples)
+                    .find(|((s, w, st), _)| s == size && *w == 2 && *st == stage)
+                    .map(|(_, r)| r)
+                else {
+                    continue;
+                };
+                let t = median_time(rows);
+                println!(
+                    "{size} ZeRO-{stage}, 2 ranks: FSDP2 / zrt step time {:.2}x, DDP / zrt {:.2}x, FSDP2 / zrt peak RSS {:.2}x (higher is better for zrt)",
+                    median_time(peer_rows(size, fsdp)) / t,
+                    median_time(peer_rows(size, "ddp")) / t,
+                    max_rss(peer_rows(size, fsdp)) / max_rss(rows)
+                );
+            }
         }
     }
     Ok(())

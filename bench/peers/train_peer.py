@@ -1,0 +1,132 @@
+"""Peer for `zrt bench train`: the same GPT in PyTorch, trained with DDP,
+FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
+with gloo, one thread per rank.
+
+Started by zrt as WORLD_SIZE processes with the torchrun environment.
+argv: mode size micro steps, where mode is one of ddp, fsdp2_zero3,
+fsdp2_zero2, deepspeed_zero1, deepspeed_zero2, deepspeed_zero3.
+Rank 0 prints one protocol line:
+  @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+SIZES = {
+    "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
+    "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
+    "tiny": dict(vocab=256, d=64, layers=2, heads=2, seq=32),
+}
+c = SIZES[size]
+torch.set_num_threads(1)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, d, layers, heads, seq):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for b in self.h:
+            h = b(h)
+        logits = self.head(self.ln_f(h)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def reply(obj):
+    print("@@zrt " + json.dumps(obj), flush=True)
+
+
+torch.manual_seed(0)
+model = Gpt(**c)
+world = int(os.environ["WORLD_SIZE"])
+if mode.startswith("deepspeed"):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": int(mode[-1])},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(batch):
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+else:
+    dist.init_process_group("gloo")
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = mode.endswith("zero3")
+        for b in model.h:
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = model(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+times = []
+for s in range(steps + 1):
+    batch = torch.randint(c["vocab"], (micro, c["seq"] + 1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(batch)
+    if s > 0:
+        times.append(time.perf_counter() - t0)
+t = torch.tensor(times, dtype=torch.float64)
+dist.all_reduce(t, op=dist.ReduceOp.MAX)
+rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+all_rss = [torch.zeros_like(rss) for _ in range(world)]
+dist.all_gather(all_rss, rss)
+if dist.get_rank() == 0:
+    reply({"times": t.tolist(), "rss": [r.item() for r in all_rss]})
+dist.barrier()
+sys.stdout.flush()
+# gloo's teardown sometimes aborts ("terminate called without an active
+# exception") when the ranks exit at slightly different times: the results
+# are out, so leave without running it.
+os._exit(0)

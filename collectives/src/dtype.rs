@@ -195,3 +195,15 @@ macro_rules! int_element {
 }
 int_element!(i64, DType::I64);
 int_element!(u8, DType::U8);
+
+/// The bytes of a slice of elements.
+pub(crate) fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: Element is sealed to plain-old-data types.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+/// The bytes of a slice of elements, writable (every byte pattern is a valid T).
+pub(crate) fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}

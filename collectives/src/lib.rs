@@ -46,6 +46,7 @@ mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod op;
+mod p2p;
 pub mod shm;
 mod stats;
 pub mod store;

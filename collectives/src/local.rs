@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::op::invalid;
+use crate::p2p::check_peer;
 use crate::worker::Worker;
 use crate::{
     chunk_range, default_timeout, CommError, DeviceMesh, Element, OpDesc, OpKind, ProcessGroup,
@@ -499,15 +500,7 @@ impl ProcessGroup for LocalGroup {
             dtype: Some(T::DTYPE),
             len: buf.len(),
         };
-        if to >= self.size() || to == self.rank {
-            let e = invalid(
-                self.name(),
-                &desc,
-                format!(
-                    "destination {to} must be another rank of this group of {}",
-                    self.size()
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, to, self.rank, self.size()) {
             return Work::ready(Err(e), self.name(), desc.to_string());
         }
         let from = self.rank;
@@ -524,15 +517,7 @@ impl ProcessGroup for LocalGroup {
             dtype: Some(T::DTYPE),
             len,
         };
-        if from >= self.size() || from == self.rank {
-            let e = invalid(
-                self.name(),
-                &desc,
-                format!(
-                    "source {from} must be another rank of this group of {}",
-                    self.size()
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, from, self.rank, self.size()) {
             return Work::ready(Err(e), self.name(), desc.to_string());
         }
         let to = self.rank;

@@ -21,7 +21,6 @@
 //! deadline fails it with [`CommError::Timeout`]. `send`/`recv` go through
 //! the rendezvous store (they are rare in ZeRO; correctness over speed).
 
-use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +30,7 @@ use memmap2::MmapMut;
 use parking_lot::Mutex;
 
 use crate::op::invalid;
+use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
@@ -89,8 +89,6 @@ struct State {
     epoch: u64,
     /// After a mismatch the ranks are out of step: every later call fails too.
     poisoned: Option<CommError>,
-    sends: HashMap<usize, u64>,
-    recvs: HashMap<usize, u64>,
 }
 
 struct Inner {
@@ -102,6 +100,7 @@ struct Inner {
     timeout: Duration,
     store: Arc<StoreClient>,
     state: Mutex<State>,
+    mailbox: Mailbox,
 }
 
 // SAFETY: the mapping is shared memory; all cross-rank access goes through
@@ -122,6 +121,15 @@ fn process_gone(pid: u32) -> bool {
 }
 
 impl Inner {
+    fn peers(&self) -> Peers<'_> {
+        Peers {
+            store: &self.store,
+            group: &self.name,
+            world_ranks: &self.world_ranks,
+            me: self.me,
+        }
+    }
+
     fn n(&self) -> usize {
         self.seg.n
     }
@@ -381,94 +389,6 @@ impl Inner {
         }
         Ok(())
     }
-
-    fn p2p_key(&self, from: usize, to: usize, n: u64) -> String {
-        format!("p2p/{}/{from}/{to}/{n}", self.name)
-    }
-
-    fn send<T: Element>(&self, desc: &OpDesc, buf: &[T], to: usize) -> Result<(), CommError> {
-        let n = {
-            let mut st = self.state.lock();
-            let c = st.sends.entry(to).or_insert(0);
-            *c += 1;
-            *c - 1
-        };
-        let mut msg: Vec<u8> = desc.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
-        msg.extend_from_slice(as_bytes(buf));
-        self.store.set(&self.p2p_key(self.me, to, n), &msg)
-    }
-
-    fn recv<T: Element>(&self, desc: &OpDesc, from: usize) -> Result<Vec<T>, CommError> {
-        let n = {
-            let mut st = self.state.lock();
-            let c = st.recvs.entry(from).or_insert(0);
-            *c += 1;
-            *c - 1
-        };
-        let key = self.p2p_key(from, self.me, n);
-        let deadline = Instant::now() + self.timeout;
-        let msg = loop {
-            match self.store.get(&key, LIVENESS_EVERY * 4) {
-                Ok(m) => break m,
-                Err(_)
-                    if self.seg.word(from, W_LEFT).load(Ordering::Acquire) != 0
-                        || process_gone(self.pids[from]) =>
-                {
-                    return Err(CommError::RankDied {
-                        group: self.name.clone(),
-                        rank: self.world_ranks[from],
-                        call: desc.to_string(),
-                    })
-                }
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(CommError::Timeout {
-                        group: self.name.clone(),
-                        call: desc.to_string(),
-                        timeout: self.timeout,
-                        waiting_for: vec![self.world_ranks[from]],
-                    })
-                }
-                Err(_) => {}
-            }
-        };
-        self.store.delete(&key)?;
-        let words: Vec<u64> = msg
-            .chunks_exact(8)
-            .take(3)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect();
-        let sent = words.try_into().ok().and_then(OpDesc::decode);
-        let data = msg.get(24..).unwrap_or_default();
-        match sent {
-            Some(s)
-                if s.dtype == desc.dtype
-                    && s.len == desc.len
-                    && data.len() == desc.len * std::mem::size_of::<T>() =>
-            {
-                let mut out = vec![T::ZERO; desc.len];
-                as_bytes_mut(&mut out).copy_from_slice(data);
-                Ok(out)
-            }
-            s => Err(CommError::Mismatch {
-                group: self.name.clone(),
-                seq: n,
-                rank_a: self.world_ranks[from],
-                call_a: s.map_or_else(|| "a malformed send".into(), |s| s.to_string()),
-                rank_b: self.world_ranks[self.me],
-                call_b: desc.to_string(),
-            }),
-        }
-    }
-}
-
-fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
-    // SAFETY: Element is sealed to plain-old-data types.
-    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
-}
-
-fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid T.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }
 
 /// One rank's handle on a shared-memory group.
@@ -593,9 +513,8 @@ impl ShmGroup {
                 seq: 0,
                 epoch: 0,
                 poisoned: None,
-                sends: HashMap::new(),
-                recvs: HashMap::new(),
             }),
+            mailbox: Mailbox::default(),
         });
         let i2 = inner.clone();
         let worker = Worker::start(j.name, me, move || {
@@ -729,21 +648,11 @@ impl ProcessGroup for ShmGroup {
             dtype: Some(T::DTYPE),
             len: buf.len(),
         };
-        if to >= self.size() || to == self.rank() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!(
-                        "destination {to} must be another rank of this group of {}",
-                        self.size()
-                    ),
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, to, self.rank(), self.size()) {
+            return self.worker.fail(&desc, e);
         }
         self.run(desc, move |g| {
-            g.send(&desc, &buf, to)?;
+            g.mailbox.send(&g.peers(), to, &desc, &buf)?;
             Ok(((), bytes_of::<T>(buf.len()), 0))
         })
     }
@@ -754,21 +663,16 @@ impl ProcessGroup for ShmGroup {
             dtype: Some(T::DTYPE),
             len,
         };
-        if from >= self.size() || from == self.rank() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!(
-                        "source {from} must be another rank of this group of {}",
-                        self.size()
-                    ),
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, from, self.rank(), self.size()) {
+            return self.worker.fail(&desc, e);
         }
         self.run(desc, move |g| {
-            let v = g.recv::<T>(&desc, from)?;
+            let gone = || {
+                g.seg.word(from, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(g.pids[from])
+            };
+            let v = g
+                .mailbox
+                .recv::<T>(&g.peers(), from, &desc, g.timeout, gone)?;
             let b = bytes_of::<T>(v.len());
             Ok((v, 0, b))
         })

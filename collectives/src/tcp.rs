@@ -11,7 +11,6 @@
 //! connection closes). One reader thread per peer keeps concurrent sends
 //! from blocking each other. `send`/`recv` go through the store, as in shm.
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -19,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::dtype::{as_bytes, as_bytes_mut};
 use crate::op::invalid;
+use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
@@ -49,6 +50,7 @@ struct Inner {
     timeout: Duration,
     store: Arc<StoreClient>,
     state: Mutex<State>,
+    mailbox: Mailbox,
 }
 
 /// One connection, with separate handles per direction: a reader blocked
@@ -61,21 +63,37 @@ struct Peer {
 struct State {
     seq: u64,
     poisoned: Option<CommError>,
-    sends: HashMap<usize, u64>,
-    recvs: HashMap<usize, u64>,
-}
-
-fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
-    // SAFETY: Element is sealed to plain-old-data types.
-    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
-}
-
-fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid T.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }
 
 impl Inner {
+    fn peers(&self) -> Peers<'_> {
+        Peers {
+            store: &self.store,
+            group: &self.name,
+            world_ranks: &self.world_ranks,
+            me: self.me,
+        }
+    }
+
+    /// Whether group rank `p` closed its connection (left or died). Only
+    /// called while no collective reads from it (the worker runs one
+    /// operation at a time).
+    fn peer_gone(&self, p: usize) -> bool {
+        let Some(peer) = &self.peers[p] else {
+            return false;
+        };
+        let c = peer.r.lock();
+        let mut b = [0u8; 1];
+        let gone = c.set_nonblocking(true).is_ok()
+            && match c.peek(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            };
+        let _ = c.set_nonblocking(false);
+        gone
+    }
+
     fn n(&self) -> usize {
         self.peers.len()
     }
@@ -436,9 +454,8 @@ impl TcpGroup {
             state: Mutex::new(State {
                 seq: 0,
                 poisoned: None,
-                sends: HashMap::new(),
-                recvs: HashMap::new(),
             }),
+            mailbox: Mailbox::default(),
         });
         let i2 = inner.clone();
         // Leaving closes the connections, which is how peers learn it.
@@ -452,18 +469,9 @@ impl TcpGroup {
 
     /// Whether every other member has closed its connection (left or died).
     pub fn peers_gone(&self) -> bool {
-        self.inner.peers.iter().flatten().all(|p| {
-            let c = p.r.lock();
-            let mut b = [0u8; 1];
-            let gone = c.set_nonblocking(true).is_ok()
-                && match c.peek(&mut b) {
-                    Ok(0) => true,
-                    Ok(_) => false,
-                    Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-                };
-            let _ = c.set_nonblocking(false);
-            gone
-        })
+        (0..self.inner.n())
+            .filter(|&p| p != self.inner.me)
+            .all(|p| self.inner.peer_gone(p))
     }
 
     fn run<R: Send + 'static>(
@@ -627,30 +635,11 @@ impl ProcessGroup for TcpGroup {
             dtype: Some(T::DTYPE),
             len: buf.len(),
         };
-        if to >= self.size() || to == self.rank() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!(
-                        "destination {to} must be another rank of this group of {}",
-                        self.size()
-                    ),
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, to, self.rank(), self.size()) {
+            return self.worker.fail(&desc, e);
         }
         self.run(desc, move |g| {
-            let n = {
-                let mut st = g.state.lock();
-                let c = st.sends.entry(to).or_insert(0);
-                *c += 1;
-                *c - 1
-            };
-            let mut msg: Vec<u8> = desc.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
-            msg.extend_from_slice(as_bytes(&buf));
-            g.store
-                .set(&format!("p2p/{}/{}/{to}/{n}", g.name, g.me), &msg)?;
+            g.mailbox.send(&g.peers(), to, &desc, &buf)?;
             Ok(((), bytes_of::<T>(buf.len()), 0))
         })
     }
@@ -661,55 +650,15 @@ impl ProcessGroup for TcpGroup {
             dtype: Some(T::DTYPE),
             len,
         };
-        if from >= self.size() || from == self.rank() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!(
-                        "source {from} must be another rank of this group of {}",
-                        self.size()
-                    ),
-                ),
-            );
+        if let Some(e) = check_peer(self.name(), &desc, from, self.rank(), self.size()) {
+            return self.worker.fail(&desc, e);
         }
         self.run(desc, move |g| {
-            let n = {
-                let mut st = g.state.lock();
-                let c = st.recvs.entry(from).or_insert(0);
-                *c += 1;
-                *c - 1
-            };
-            let key = format!("p2p/{}/{from}/{}/{n}", g.name, g.me);
-            let msg = g.store.get(&key, g.timeout)?;
-            g.store.delete(&key)?;
-            let words: Vec<u64> = msg
-                .chunks_exact(8)
-                .take(3)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-                .collect();
-            let sent = words.try_into().ok().and_then(OpDesc::decode);
-            let data = msg.get(24..).unwrap_or_default();
-            match sent {
-                Some(s)
-                    if s.dtype == desc.dtype
-                        && s.len == len
-                        && data.len() == bytes_of::<T>(len) =>
-                {
-                    let mut out = vec![T::ZERO; len];
-                    as_bytes_mut(&mut out).copy_from_slice(data);
-                    Ok((out, 0, bytes_of::<T>(len)))
-                }
-                s => Err(CommError::Mismatch {
-                    group: g.name.clone(),
-                    seq: n,
-                    rank_a: g.world_ranks[from],
-                    call_a: s.map_or_else(|| "a malformed send".into(), |s| s.to_string()),
-                    rank_b: g.world_ranks[g.me],
-                    call_b: desc.to_string(),
-                }),
-            }
+            let v = g
+                .mailbox
+                .recv::<T>(&g.peers(), from, &desc, g.timeout, || g.peer_gone(from))?;
+            let b = bytes_of::<T>(v.len());
+            Ok((v, 0, b))
         })
     }
 }

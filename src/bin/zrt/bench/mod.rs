@@ -78,14 +78,7 @@ pub fn run_ranks(
         .port()
         .to_string();
     let token = format!("bench-{}-{port}", std::process::id());
-    let mut path = peer::venv_python()
-        .parent()
-        .map(|b| b.as_os_str().to_owned())
-        .unwrap_or_default();
-    if let Some(old) = std::env::var_os("PATH") {
-        path.push(":");
-        path.push(old);
-    }
+    let path = peer::venv_path();
     let children: Vec<_> = (0..world)
         .map(|r| {
             let mut c = Command::new(program);

@@ -24,6 +24,19 @@ pub fn venv_python() -> PathBuf {
     cache.join("torch-2.13.0").join("bin").join("python")
 }
 
+/// `PATH` with the venv's bin first (DeepSpeed JIT-builds with the venv's ninja).
+pub fn venv_path() -> std::ffi::OsString {
+    let mut path = venv_python()
+        .parent()
+        .map(|b| b.as_os_str().to_owned())
+        .unwrap_or_default();
+    if let Some(old) = std::env::var_os("PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    path
+}
+
 /// A running peer process.
 pub struct Peer {
     child: Child,
@@ -43,18 +56,8 @@ impl Peer {
                 python.display()
             );
         }
-        // The venv's bin first on PATH: DeepSpeed JIT-builds its ops with the
-        // venv's ninja.
-        let mut path = python
-            .parent()
-            .map(|b| b.as_os_str().to_owned())
-            .unwrap_or_default();
-        if let Some(old) = std::env::var_os("PATH") {
-            path.push(":");
-            path.push(old);
-        }
         let mut child = Command::new(&python)
-            .env("PATH", path)
+            .env("PATH", venv_path())
             .arg("-c")
             .arg(script)
             .args(args)

@@ -53,6 +53,31 @@ struct Table {
     changed: Condvar,
 }
 
+/// A port for a job's store on `addr`, chosen below the kernel's ephemeral
+/// range (Linux: 32768-60999). Probing for a free port with `bind(:0)` and
+/// handing it to rank 0 races with every listener that binds port 0 in the
+/// meantime (the tcp backend's own listeners, other jobs); a port outside
+/// the range can only collide with another job that chose it too, which the
+/// probe here makes unlikely.
+pub fn free_store_port(addr: &str) -> Result<u16, CommError> {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut s = seed ^ (u64::from(std::process::id()) << 32) | 1;
+    for _ in 0..256 {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let port = 20_000 + (s % 12_000) as u16;
+        if TcpListener::bind((addr, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(err(format!(
+        "no free port for the rendezvous store on {addr} in 20000-31999: pass --master-port"
+    )))
+}
+
 /// The server side; dropping it stops accepting (open connections end
 /// when their clients hang up).
 pub struct StoreServer {

@@ -6,7 +6,6 @@
 mod common;
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,11 +21,7 @@ struct Ended {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    zrt_collectives::store::free_store_port("127.0.0.1").unwrap()
 }
 
 fn spawn(world: usize, scenario: &str, extra: &[(&str, &str)]) -> Vec<Child> {

@@ -34,7 +34,8 @@ pub struct LaunchArgs {
     /// Address rank 0 serves the rendezvous store on.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Its port (default: a free port for single-node jobs, 29500 otherwise).
+    /// Its port (default: a free port below the ephemeral range for
+    /// single-node jobs, 29500 otherwise).
     #[arg(long)]
     master_port: Option<u16>,
     /// Seconds ranks get to exit after SIGTERM before SIGKILL.
@@ -83,12 +84,6 @@ fn nccl_dir() -> Option<std::path::PathBuf> {
         std::os::unix::fs::symlink(&so2, &link).ok()?;
     }
     Some(dir)
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// Copies `from` to our stdout/stderr line by line, prefixed with the rank.
@@ -160,9 +155,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     };
     let port = match a.master_port {
         Some(p) => p,
-        None if a.nnodes == 1 => {
-            free_port().context("finding a free port for the rendezvous store")?
-        }
+        None if a.nnodes == 1 => zrt::collectives::store::free_store_port(&a.master_addr)?,
         None => 29500,
     };
     let world = a.nnodes * a.nproc_per_node;

@@ -73,10 +73,7 @@ pub fn run_ranks(
     world: usize,
     env: &[(&str, String)],
 ) -> Result<Value> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port()
-        .to_string();
+    let port = zrt::collectives::store::free_store_port("127.0.0.1")?.to_string();
     let token = format!("bench-{}-{port}", std::process::id());
     let path = peer::venv_path();
     let children: Vec<_> = (0..world)

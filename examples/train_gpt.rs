@@ -137,18 +137,6 @@ fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Tensor {
     Tensor::from_slice(&v).view([n, len])
 }
 
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|k| k.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
 fn main() -> Result<()> {
     let a = parse_args()?;
     tch::set_num_threads(1);
@@ -268,7 +256,10 @@ fn main() -> Result<()> {
     let secs = t0.elapsed().as_secs_f64();
     let rss = engine
         .group()
-        .all_gather(vec![peak_rss_mib()], Vec::new())
+        .all_gather(
+            vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64],
+            Vec::new(),
+        )
         .wait()?
         .1;
     let state = engine.model_state_bytes()? as f64 / (1 << 20) as f64;

@@ -207,3 +207,8 @@ pub(crate) fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     // SAFETY: as above; every byte pattern is a valid T.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }
+
+/// Bytes of `n` elements of T (what the per-op counters add up).
+pub(crate) fn bytes_of<T>(n: usize) -> usize {
+    n * std::mem::size_of::<T>()
+}

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::dtype::bytes_of;
 use crate::op::invalid;
 use crate::p2p::check_peer;
 use crate::worker::Worker;
@@ -358,7 +359,7 @@ impl LocalGroup {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let rank = self.rank;
         self.submit(desc, move |board| {
-            let sent = bytes::<T>(input.len());
+            let sent = bytes_of::<T>(input.len());
             let parts = board.exchange(seq, rank, desc, Arc::new(input))?;
             let typed: Vec<&Vec<T>> = parts
                 .iter()
@@ -375,10 +376,6 @@ impl LocalGroup {
             Ok((out, sent, received))
         })
     }
-}
-
-fn bytes<T>(n: usize) -> usize {
-    n * std::mem::size_of::<T>()
 }
 
 fn reduce_into<T: Element>(
@@ -424,7 +421,7 @@ impl ProcessGroup for LocalGroup {
         self.collective(desc, buf, move |parts| {
             let mut out = Vec::with_capacity(n);
             reduce_into(parts, 0..n, op, &mut out);
-            (out, bytes::<T>(n))
+            (out, bytes_of::<T>(n))
         })
     }
 
@@ -442,7 +439,7 @@ impl ProcessGroup for LocalGroup {
         let (rank, range) = (self.rank, chunk_range(input.len(), self.size(), self.rank));
         self.collective(desc, input, move |parts| {
             reduce_into(parts, range, op, &mut out);
-            let got = bytes::<T>(out.len());
+            let got = bytes_of::<T>(out.len());
             ((parts[rank].clone(), out), got)
         })
     }
@@ -459,7 +456,7 @@ impl ProcessGroup for LocalGroup {
             for p in parts {
                 out.extend_from_slice(p);
             }
-            let got = bytes::<T>(out.len());
+            let got = bytes_of::<T>(out.len());
             ((parts[rank].clone(), out), got)
         })
     }
@@ -480,7 +477,7 @@ impl ProcessGroup for LocalGroup {
         }
         self.collective(desc, buf, move |parts| {
             let out = parts[root].clone();
-            let got = bytes::<T>(out.len());
+            let got = bytes_of::<T>(out.len());
             (out, got)
         })
     }
@@ -505,7 +502,7 @@ impl ProcessGroup for LocalGroup {
         }
         let from = self.rank;
         self.submit(desc, move |board| {
-            let sent = bytes::<T>(buf.len());
+            let sent = bytes_of::<T>(buf.len());
             board.post(from, to, desc, Arc::new(buf));
             Ok(((), sent, 0))
         })
@@ -526,7 +523,7 @@ impl ProcessGroup for LocalGroup {
             let v = data.downcast_ref::<Vec<T>>().cloned().ok_or_else(|| {
                 invalid(&board.name, &desc, "the sender posted another element type")
             })?;
-            let got = bytes::<T>(v.len());
+            let got = bytes_of::<T>(v.len());
             Ok((v, 0, got))
         })
     }

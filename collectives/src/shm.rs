@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 use parking_lot::Mutex;
 
+use crate::dtype::bytes_of;
 use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
@@ -539,10 +540,6 @@ impl ShmGroup {
         let inner = self.inner.clone();
         self.worker.submit(desc, move || f(&inner))
     }
-}
-
-fn bytes_of<T>(n: usize) -> usize {
-    n * std::mem::size_of::<T>()
 }
 
 impl ProcessGroup for ShmGroup {

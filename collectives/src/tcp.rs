@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::dtype::bytes_of;
 use crate::dtype::{as_bytes, as_bytes_mut};
 use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
@@ -482,10 +483,6 @@ impl TcpGroup {
         let inner = self.inner.clone();
         self.worker.submit(desc, move || f(&inner))
     }
-}
-
-fn bytes_of<T>(n: usize) -> usize {
-    n * std::mem::size_of::<T>()
 }
 
 impl ProcessGroup for TcpGroup {

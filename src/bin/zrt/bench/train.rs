@@ -88,18 +88,6 @@ fn gpt(size: &str) -> Result<GptConfig> {
     })
 }
 
-fn peak_rss_bytes() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|k| k.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb * 1024.0)
-}
-
 /// FLOPs of one training step of `c` on `tokens` tokens: 6 per parameter
 /// per token (forward + backward) plus attention's 12 x layers x d x seq per token.
 fn step_flops(c: &GptConfig, params: f64, tokens: f64) -> f64 {
@@ -144,7 +132,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     let t = engine.group().all_reduce(times, ReduceOp::Max).wait()?;
     let rss = engine
         .group()
-        .all_gather(vec![peak_rss_bytes()], Vec::new())
+        .all_gather(vec![zrt::peak_rss_bytes()], Vec::new())
         .wait()?
         .1;
     let state = engine.model_state_bytes()? as f64;

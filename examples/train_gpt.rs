@@ -8,6 +8,12 @@
 //! `/usr/share/common-licenses` (about 260 KB of English), else the system
 //! Python's standard library sources; `--corpus DIR` picks another folder.
 //! The last 10% of the bytes is held out for validation.
+//!
+//! At the end it saves a sharded checkpoint (tag `stepN`) to
+//! `target/train_gpt-checkpoints` (`--save-dir DIR`, `--no-save`,
+//! `--save-every N`); `--resume` first loads the latest one there and goes
+//! on from its step. `zrt ckpt consolidate DIR model.safetensors` turns it
+//! into one file of the model's weights.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -25,6 +31,12 @@ struct Args {
     steps: u64,
     eval_every: u64,
     gpt: GptConfig,
+    /// Where checkpoints go (`--save-dir`; `--no-save` for none).
+    save_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end).
+    save_every: u64,
+    /// Load the latest checkpoint in `save_dir` first, if there is one.
+    resume: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -68,6 +80,20 @@ fn parse_args() -> Result<Args> {
         steps: num("--steps", 400)? as u64,
         eval_every: num("--eval-every", 100)?.max(1) as u64,
         gpt,
+        save_dir: match args.iter().any(|a| a == "--no-save") {
+            true => None,
+            false => Some(get("--save-dir").map_or_else(
+                || {
+                    PathBuf::from(concat!(
+                        env!("CARGO_MANIFEST_DIR"),
+                        "/target/train_gpt-checkpoints"
+                    ))
+                },
+                PathBuf::from,
+            )),
+        },
+        save_every: num("--save-every", 0)?.max(0) as u64,
+        resume: args.iter().any(|a| a == "--resume"),
     })
 }
 
@@ -200,13 +226,40 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let mut start = 1;
+    if let (true, Some(dir)) = (a.resume, &a.save_dir) {
+        if dir.join("latest").exists() {
+            let tag = engine.load_checkpoint(dir, None)?;
+            start = engine.global_step() + 1;
+            if rank == 0 {
+                println!(
+                    "resumed from {} (tag {tag}) at step {}",
+                    dir.display(),
+                    start - 1
+                );
+            }
+        }
+    }
+    let save = |step: u64| -> Result<()> {
+        if let Some(dir) = &a.save_dir {
+            let path = engine.save_checkpoint(dir, &format!("step{step}"))?;
+            if rank == 0 {
+                println!(
+                    "checkpoint saved to {} (`zrt ckpt inspect {}`)",
+                    path.display(),
+                    dir.display()
+                );
+            }
+        }
+        Ok(())
+    };
     let v0 = eval(0)?;
     if rank == 0 {
-        println!("step    0  validation loss {v0:.4}");
+        println!("step {:4}  validation loss {v0:.4}", start - 1);
     }
     let (mut first_train, mut last_train, mut last_val) = (f64::NAN, f64::NAN, v0);
     let t0 = Instant::now();
-    for step in 1..=a.steps {
+    for step in start..=a.steps {
         let mut sum = 0.0;
         for k in 0..gas {
             let loss = gpt.loss(&batch(
@@ -223,17 +276,20 @@ fn main() -> Result<()> {
             .group()
             .all_reduce(vec![sum / gas as f64], ReduceOp::Avg)
             .wait()?[0];
-        if step == 1 {
+        if step == start {
             first_train = loss;
         }
         last_train = loss;
-        let tps = tokens_per_step * step as f64 / t0.elapsed().as_secs_f64();
+        let tps = tokens_per_step * (step + 1 - start) as f64 / t0.elapsed().as_secs_f64();
         if let Some(b) = &bar {
             b.set_position(step);
             b.set_message(format!(
                 "loss {loss:.4} lr {:.2e} {tps:.0} tok/s",
                 engine.lr()
             ));
+        }
+        if a.save_every > 0 && step % a.save_every == 0 && step != a.steps {
+            save(step)?;
         }
         if step % a.eval_every == 0 || step == a.steps {
             last_val = eval(step)?;
@@ -253,6 +309,7 @@ fn main() -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    save(a.steps)?;
     let secs = t0.elapsed().as_secs_f64();
     let rss = engine
         .group()
@@ -266,8 +323,8 @@ fn main() -> Result<()> {
     if rank == 0 {
         println!(
             "done: {} steps in {secs:.1} s, {:.0} tokens/s",
-            a.steps,
-            tokens_per_step * a.steps as f64 / secs
+            (a.steps + 1).saturating_sub(start),
+            tokens_per_step * (a.steps + 1).saturating_sub(start) as f64 / secs
         );
         println!("train loss {first_train:.4} -> {last_train:.4}; validation loss {v0:.4} -> {last_val:.4}");
         println!(

@@ -10,70 +10,18 @@
 //! Adam would otherwise amplify for parameters with tiny gradients (its step
 //! is about m / sqrt(v), so an ulp in a tiny gradient moves the update).
 
-use std::sync::Mutex;
+mod common;
 
+use common::{config_with, model, tokens, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
-use zrt::gpt::{Gpt, GptConfig};
-use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+use zrt::zero::{AutoHints, Config, Engine};
 
-const GPT: GptConfig = GptConfig {
-    vocab: 64,
-    d_model: 32,
-    layers: 2,
-    heads: 2,
-    seq: 16,
-};
-const MICRO: i64 = 2;
 const STEPS: usize = 5;
-const WORLD: usize = 2;
-const LR: f64 = 1e-2;
-const WD: f64 = 0.01;
-
-/// tch's RNG is process-global: build models one at a time from one seed.
-static INIT: Mutex<()> = Mutex::new(());
-
-fn model() -> (nn::VarStore, ShardPlan, Gpt) {
-    let _g = INIT.lock().unwrap();
-    // One intra-op thread: libtorch's reductions then sum in one order
-    // whichever thread runs them, so engine and reference see the same bits.
-    tch::set_num_threads(1);
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let plan = ShardPlan::new();
-    let gpt = Gpt::new(&vs.root(), &plan, &GPT);
-    (vs, plan, gpt)
-}
-
-/// The micro-batch of (step, micro-step, rank): deterministic tokens.
-fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
-    let idx = ((step * gas + k) * WORLD + rank) as u64;
-    let mut s = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let v: Vec<i64> = (0..MICRO * (GPT.seq + 1))
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % GPT.vocab as u64) as i64
-        })
-        .collect();
-    Tensor::from_slice(&v).view([MICRO, GPT.seq + 1])
-}
 
 fn config(stage: u8, gas: usize, clip: f64) -> Config {
     config_with(stage, gas, clip, "")
-}
-
-/// `extra` is spliced into the top level (e.g. a precision block).
-fn config_with(stage: u8, gas: usize, clip: f64, extra: &str) -> Config {
-    Config::from_json(&format!(
-        r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
-            "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
-            {extra}
-            "gradient_clipping": {clip}, "zero_optimization": {{"stage": {stage}}}}}"#
-    ))
-    .unwrap()
 }
 
 type Params = Vec<(String, Vec<f32>)>;

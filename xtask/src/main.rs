@@ -11,6 +11,8 @@ use anyhow::{bail, Context, Result};
 
 /// The PyTorch release tch 0.26 is built against.
 const TORCH_VERSION: &str = "2.13.0";
+/// The Python safetensors the checkpoint tests read zrt's exports with.
+const SAFETENSORS_VERSION: &str = "0.5.3";
 
 const USAGE: &str = "\
 usage: cargo xtask <command> [args...]
@@ -162,6 +164,7 @@ fn setup(root: &Path) -> Result<PathBuf> {
             torch_dir.display()
         );
     }
+    ensure_safetensors(&cache)?;
     link_libtorch(root, &torch_dir)?;
     Ok(torch_dir)
 }
@@ -197,6 +200,36 @@ fn install_torch(cache: &Path) -> Result<()> {
         .context("running pip")?;
     if !st.success() {
         bail!("`pip install torch=={TORCH_VERSION}` failed (see pip's output above); pip must reach PyPI");
+    }
+    Ok(())
+}
+
+/// The Python `safetensors` package in the same venv: the checkpoint tests
+/// load zrt's consolidated weights with it, as a Python user would. Small
+/// (one wheel, about a second); installed once.
+fn ensure_safetensors(cache: &Path) -> Result<()> {
+    let python = venv_python(cache);
+    let have = Command::new(&python)
+        .args(["-c", "import safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if have {
+        return Ok(());
+    }
+    eprintln!("xtask: installing safetensors=={SAFETENSORS_VERSION} into the venv");
+    let st = Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .arg(format!("safetensors=={SAFETENSORS_VERSION}"))
+        .status()
+        .context("running pip")?;
+    if !st.success() {
+        bail!("`pip install safetensors=={SAFETENSORS_VERSION}` failed (see pip's output above); pip must reach PyPI");
     }
     Ok(())
 }

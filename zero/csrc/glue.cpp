@@ -5,10 +5,12 @@
 // `zrt_free_error`; a null return means success. Nothing here may throw across
 // the FFI boundary.
 #include <torch/torch.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace {
@@ -111,6 +113,45 @@ char *zrt_register_grad_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(
     }
     std::shared_ptr<void> owner(ctx, drop);
     t->register_hook([cb, owner](const at::Tensor &) { cb(owner.get()); });
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+
+// The state of libtorch's default CPU generator (what `torch.get_rng_state()`
+// returns): checkpoints save it so dropout and `randn` resume where they were.
+// With `out` null only the size is reported.
+char *zrt_cpu_rng_get(uint8_t *out, size_t cap, size_t *len) {
+  try {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    *len = static_cast<size_t>(state.numel());
+    if (out != nullptr) {
+      if (cap < *len) {
+        return to_error("rng state buffer too small");
+      }
+      std::memcpy(out, state.data_ptr<uint8_t>(), *len);
+    }
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Restores a state `zrt_cpu_rng_get` returned (libtorch validates it).
+char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
+  try {
+    auto state = torch::empty({static_cast<int64_t>(len)}, torch::kUInt8);
+    std::memcpy(state.data_ptr<uint8_t>(), in, len);
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

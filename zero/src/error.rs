@@ -3,7 +3,7 @@
 use zrt_collectives::CommError;
 use zrt_kernels::KernelError;
 
-use crate::{ConfigError, GlueError};
+use crate::{CheckpointError, ConfigError, GlueError};
 
 /// Why the engine failed. Every variant names what to fix.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -29,6 +29,9 @@ pub enum EngineError {
     /// The ranks ran units in different orders.
     #[error("ranks ran units in different orders: {0}; every rank must run the same units in the same order")]
     UnitOrder(String),
+    /// A checkpoint could not be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// A setting this build of the engine does not implement yet.
     #[error("not implemented yet: {0}")]
     Unsupported(String),

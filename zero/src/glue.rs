@@ -41,6 +41,8 @@ mod ffi {
             drop: extern "C" fn(*mut std::ffi::c_void),
             ctx: *mut std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn zrt_cpu_rng_get(out: *mut u8, cap: usize, len: *mut usize) -> *mut c_char;
+        pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     }
 }
@@ -109,6 +111,31 @@ pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
     })?;
     // SAFETY: non-null on success, ownership transferred to tch.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// The state of libtorch's default CPU generator (`torch.get_rng_state()`).
+pub fn cpu_rng_state() -> Result<Vec<u8>, GlueError> {
+    let mut len = 0usize;
+    // SAFETY: a null buffer asks for the size only.
+    check("cpu_rng_state", unsafe {
+        ffi::zrt_cpu_rng_get(std::ptr::null_mut(), 0, &mut len)
+    })?;
+    let mut out = vec![0u8; len];
+    // SAFETY: `out` has `len` writable bytes; the C side checks the capacity.
+    check("cpu_rng_state", unsafe {
+        ffi::zrt_cpu_rng_get(out.as_mut_ptr(), out.len(), &mut len)
+    })?;
+    out.truncate(len);
+    Ok(out)
+}
+
+/// Restores a state [`cpu_rng_state`] returned; libtorch rejects a state of
+/// the wrong size or version.
+pub fn set_cpu_rng_state(state: &[u8]) -> Result<(), GlueError> {
+    // SAFETY: `state` is readable for its length during the call.
+    check("set_cpu_rng_state", unsafe {
+        ffi::zrt_cpu_rng_set(state.as_ptr(), state.len())
+    })
 }
 
 /// Drops `t`'s `.grad` (tch has no setter for it), releasing its memory.

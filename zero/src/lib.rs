@@ -8,6 +8,7 @@
 //! it imports `zrt-collectives`, `zrt-kernels` and `zrt-offload`; none of them
 //! imports it.
 
+pub mod checkpoint;
 pub mod config;
 mod engine;
 mod error;
@@ -16,6 +17,7 @@ pub mod glue;
 mod plan;
 pub mod schedule;
 
+pub use checkpoint::CheckpointError;
 pub use config::{AutoHints, Config, ConfigError, Resolved};
 pub use engine::Engine;
 pub use error::EngineError;

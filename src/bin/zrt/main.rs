@@ -2,6 +2,7 @@
 //! and configs, estimate memory.
 
 mod bench;
+mod ckpt;
 mod config_cmd;
 mod estimate;
 mod launch;
@@ -37,7 +38,10 @@ enum Cmd {
         which: BenchCmd,
     },
     /// Inspect or consolidate a sharded checkpoint (`inspect DIR`, `consolidate DIR OUT`).
-    Ckpt(Pending),
+    Ckpt {
+        #[command(subcommand)]
+        which: ckpt::CkptCmd,
+    },
     /// Check a DeepSpeed JSON config and print it resolved (`check FILE [--world N]`).
     Config {
         #[command(subcommand)]
@@ -95,7 +99,7 @@ fn main() -> ExitCode {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
-        Cmd::Ckpt(_) => return pending("ckpt"),
+        Cmd::Ckpt { which } => ckpt::run(&which),
         Cmd::Config { which } => config_cmd::run(&which),
         Cmd::Estimate(a) => estimate::run(&a),
     };

@@ -47,6 +47,8 @@ use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
+mod checkpoint;
+
 /// The dtype of the parameters forward and backward run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Compute {
@@ -271,6 +273,58 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes())?;
         self.fill_from_shards(st, i)?;
         st.gathered[i] = true;
+        Ok(())
+    }
+
+    /// After the optimizer (or a checkpoint load) wrote this rank's shards:
+    /// stages 1-2 all-gather the updated ranges into every flat tensor,
+    /// stage 3 refills the root from the shards and frees any other unit
+    /// still gathered. Stage 0 has nothing to share.
+    fn share_shards(&self, st: &mut State) -> Result<(), EngineError> {
+        let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
+        let n = st.units.len();
+        for k in 0..n {
+            match self.stage {
+                0 => {}
+                1 | 2 => {
+                    let u = &st.units[k];
+                    let (padded, range) = (u.layout.padded, self.shard_range(u));
+                    self.delay();
+                    // SAFETY: the unit's flat tensor of the compute dtype, under
+                    // the state lock (no forward or backward runs).
+                    match self.compute {
+                        Compute::F32 => drop(gather_into(
+                            &self.group,
+                            unsafe { elems::<f32>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                        Compute::Bf16 => drop(gather_into(
+                            &self.group,
+                            unsafe { elems::<bf16>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                        Compute::F16 => drop(gather_into(
+                            &self.group,
+                            unsafe { elems::<f16>(&u.flat, padded) }[range].to_vec(),
+                            &u.flat,
+                            padded,
+                        )?),
+                    }
+                }
+                _ if root_kept && k == n - 1 => {
+                    // The root stays gathered (its forward is not wrapped):
+                    // rebuild it from the updated shards now.
+                    self.fill_from_shards(st, k)?;
+                }
+                _ => {
+                    if st.gathered[k] {
+                        self.release(st, k)?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
@@ -750,50 +804,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             )?;
         }
-        // Share the updated shards.
-        let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
-        let n = st.units.len();
-        for k in 0..n {
-            match i.stage {
-                0 => {}
-                1 | 2 => {
-                    let u = &st.units[k];
-                    let (padded, range) = (u.layout.padded, i.shard_range(u));
-                    i.delay();
-                    // SAFETY: as above.
-                    match i.compute {
-                        Compute::F32 => drop(gather_into(
-                            &i.group,
-                            unsafe { elems::<f32>(&u.flat, padded) }[range].to_vec(),
-                            &u.flat,
-                            padded,
-                        )?),
-                        Compute::Bf16 => drop(gather_into(
-                            &i.group,
-                            unsafe { elems::<bf16>(&u.flat, padded) }[range].to_vec(),
-                            &u.flat,
-                            padded,
-                        )?),
-                        Compute::F16 => drop(gather_into(
-                            &i.group,
-                            unsafe { elems::<f16>(&u.flat, padded) }[range].to_vec(),
-                            &u.flat,
-                            padded,
-                        )?),
-                    }
-                }
-                _ if root_kept && k == n - 1 => {
-                    // The root stays gathered (its forward is not wrapped):
-                    // rebuild it from the updated shards now.
-                    i.fill_from_shards(st, k)?;
-                }
-                _ => {
-                    if st.gathered[k] {
-                        i.release(st, k)?;
-                    }
-                }
-            }
-        }
+        i.share_shards(st)?;
         for sh in st.shards.iter_mut() {
             sh.g.fill(0.0);
             sh.reduced = Vec::new();

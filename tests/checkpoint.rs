@@ -1,0 +1,708 @@
+//! Checkpoints: exact resume (every stage, and between accumulation
+//! boundaries), resharding to another world size and stage, consolidation
+//! into one safetensors file, and every error the checkpoint issue names.
+//! Ranks are threads with the in-process backend; each phase builds fresh
+//! models and engines, as a restarted job would.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{config_with, model, model_of, tokens, GPT};
+use tch::{Kind, Tensor};
+use zrt::collectives::{local, ProcessGroup, ReduceOp};
+use zrt::gpt::GptConfig;
+use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// Which micro-batch a rank trains on at global micro-step `m`.
+#[derive(Clone, Copy)]
+enum Batches {
+    /// Two ranks, `gas` micro-steps each: `tokens(step, k, rank, gas)`.
+    Two { gas: usize },
+    /// One rank seeing both ranks' micro-batches of `Two { gas: 1 }` in
+    /// turn (gas 2): the same global batch per step.
+    OneOfTwo,
+}
+
+impl Batches {
+    fn world(self) -> usize {
+        match self {
+            Batches::Two { .. } => 2,
+            Batches::OneOfTwo => 1,
+        }
+    }
+    fn gas(self) -> usize {
+        match self {
+            Batches::Two { gas } => gas,
+            Batches::OneOfTwo => 2,
+        }
+    }
+    fn batch(self, m: usize, rank: usize) -> Tensor {
+        match self {
+            Batches::Two { gas } => tokens(m / gas, m % gas, rank, gas),
+            Batches::OneOfTwo => tokens(m / 2, 0, m % 2, 1),
+        }
+    }
+}
+
+/// One phase of a job.
+struct Phase<'a> {
+    stage: u8,
+    batches: Batches,
+    /// Global micro-steps to run (each followed by `step()`).
+    micros: std::ops::Range<usize>,
+    load: Option<(&'a Path, Option<&'a str>)>,
+    save: Option<(&'a Path, &'a str)>,
+    extra: &'a str,
+}
+
+impl<'a> Phase<'a> {
+    fn new(stage: u8, batches: Batches, micros: std::ops::Range<usize>) -> Self {
+        Self {
+            stage,
+            batches,
+            micros,
+            load: None,
+            save: None,
+            extra: "",
+        }
+    }
+    fn load(mut self, dir: &'a Path, tag: Option<&'a str>) -> Self {
+        self.load = Some((dir, tag));
+        self
+    }
+    fn save(mut self, dir: &'a Path, tag: &'a str) -> Self {
+        self.save = Some((dir, tag));
+        self
+    }
+}
+
+/// What rank 0 ends a phase with: the losses (global mean per micro-step)
+/// and the final parameters.
+struct Outcome {
+    losses: Vec<f64>,
+    params: Params,
+}
+
+fn run(p: &Phase<'_>) -> Outcome {
+    try_run(p, &GPT).into_iter().next().unwrap().unwrap()
+}
+
+/// Runs a phase on every rank; each rank's result (loading errors are
+/// returned, not panicked on).
+fn try_run(p: &Phase<'_>, gpt_cfg: &GptConfig) -> Vec<Result<Outcome, EngineError>> {
+    let world = p.batches.world();
+    let cfg = config_with(p.stage, p.batches.gas(), 0.5, p.extra);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(world)
+            .into_iter()
+            .map(|r| {
+                let cfg = &cfg;
+                s.spawn(move || -> Result<Outcome, EngineError> {
+                    let (vs, plan, gpt) = model_of(gpt_cfg);
+                    let g = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
+                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default())?;
+                    if let Some((dir, tag)) = p.load {
+                        engine.load_checkpoint(dir, tag)?;
+                    }
+                    let mut losses = Vec::new();
+                    for m in p.micros.clone() {
+                        let loss = gpt.loss(&p.batches.batch(m, r.rank()));
+                        engine.backward(&loss).unwrap();
+                        engine.step().unwrap();
+                        let all = r
+                            .world()
+                            .all_reduce(vec![loss.double_value(&[])], ReduceOp::Avg)
+                            .wait()
+                            .unwrap();
+                        losses.push(all[0]);
+                    }
+                    if let Some((dir, tag)) = p.save {
+                        engine.save_checkpoint(dir, tag)?;
+                    }
+                    let mut params = engine.gathered_params().unwrap();
+                    params.sort_by(|a, b| a.0.cmp(&b.0));
+                    Ok(Outcome { losses, params })
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zrt-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn assert_bits(what: &str, a: &Params, b: &Params) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((na, x), (nb, y)) in a.iter().zip(b) {
+        assert_eq!(na, nb, "{what}");
+        let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "{what}: {na} differs");
+    }
+}
+
+fn assert_close(what: &str, a: &Params, b: &Params, tol: f64) {
+    for ((na, x), (_, y)) in a.iter().zip(b) {
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            let (p, q) = (*p as f64, *q as f64);
+            assert!(
+                (p - q).abs() <= tol * q.abs().max(0.1),
+                "{what}: {na}[{i}] {p} vs {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn resuming_is_bit_identical_to_training_straight_through_for_every_stage() {
+    let two = Batches::Two { gas: 1 };
+    for stage in 0..=3u8 {
+        let dir = tmp(&format!("resume-{stage}"));
+        let straight = run(&Phase::new(stage, two, 0..4));
+        run(&Phase::new(stage, two, 0..2).save(&dir, "step2"));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("latest")).unwrap().trim(),
+            "step2"
+        );
+        let resumed = run(&Phase::new(stage, two, 2..4).load(&dir, None));
+        assert_eq!(
+            resumed.losses,
+            straight.losses[2..],
+            "stage {stage}: losses"
+        );
+        assert_bits(&format!("stage {stage}"), &resumed.params, &straight.params);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_checkpoint_between_accumulation_boundaries_resumes_exactly() {
+    // gas 2: save after the first micro-step of step 1, with its gradients.
+    for stage in [1u8, 3] {
+        let two = Batches::Two { gas: 2 };
+        let dir = tmp(&format!("mid-{stage}"));
+        let straight = run(&Phase::new(stage, two, 0..6));
+        run(&Phase::new(stage, two, 0..3).save(&dir, "mid"));
+        let resumed = run(&Phase::new(stage, two, 3..6).load(&dir, Some("mid")));
+        assert_bits(&format!("stage {stage}"), &resumed.params, &straight.params);
+        // ...but it cannot be resharded: the gradients are per rank.
+        let err = try_run(
+            &Phase::new(0, Batches::OneOfTwo, 0..0).load(&dir, Some("mid")),
+            &GPT,
+        )
+        .remove(0)
+        .err()
+        .unwrap();
+        assert!(
+            err.to_string().contains("between accumulation boundaries"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_checkpoint_loads_on_another_world_size_and_stage() {
+    let two = Batches::Two { gas: 1 };
+    let dir = tmp("reshard");
+    let straight = run(&Phase::new(3, two, 0..4));
+    run(&Phase::new(3, two, 0..2).save(&dir, "s3w2"));
+    // Same world, other stages: the same reductions, the same bits.
+    for stage in [0u8, 1, 2] {
+        let r = run(&Phase::new(stage, two, 2..4).load(&dir, None));
+        assert_bits(&format!("stage 3 -> {stage}"), &r.params, &straight.params);
+    }
+    // One rank doing both ranks' micro-batches: the same global batch,
+    // summed in another order, so within fp32 tolerance.
+    for stage in [0u8, 3] {
+        let r = run(&Phase::new(stage, Batches::OneOfTwo, 4..8).load(&dir, None));
+        assert_close(
+            &format!("world 2 -> 1, stage {stage}"),
+            &r.params,
+            &straight.params,
+            1e-4,
+        );
+        for (a, b) in r.losses.chunks(2).zip(&straight.losses[2..]) {
+            let mean = (a[0] + a[1]) / 2.0;
+            assert!((mean - b).abs() <= 1e-5 * b.abs(), "loss {mean} vs {b}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bf16_and_fp16_state_round_trips() {
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    for (extra, stage) in [(bf16, 3u8), (bf16, 1), (fp16, 3), (fp16, 0)] {
+        let two = Batches::Two { gas: 1 };
+        let dir = tmp(&format!("half-{stage}"));
+        let straight = run(&Phase {
+            extra,
+            ..Phase::new(stage, two, 0..4)
+        });
+        run(&Phase {
+            extra,
+            ..Phase::new(stage, two, 0..2).save(&dir, "a")
+        });
+        let resumed = run(&Phase {
+            extra,
+            ..Phase::new(stage, two, 2..4).load(&dir, None)
+        });
+        assert_bits(
+            &format!("{extra} stage {stage}"),
+            &resumed.params,
+            &straight.params,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_model_lists_what_differs() {
+    let dir = tmp("other-model");
+    run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
+    let other = GptConfig {
+        layers: 3,
+        d_model: 48,
+        ..GPT
+    };
+    let errs = try_run(
+        &Phase::new(2, Batches::Two { gas: 1 }, 0..0).load(&dir, None),
+        &other,
+    );
+    for e in errs {
+        let e = e.err().expect("every rank refuses another model");
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                EngineError::Checkpoint(CheckpointError::ModelMismatch { .. })
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("missing 11: h.2.fc.bias, h.2.fc.weight"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mis-shaped 27: h.0.fc.bias: checkpoint [128], model [192]"),
+            "{text}"
+        );
+    }
+    let fewer = GptConfig { layers: 1, ..GPT };
+    let e = try_run(
+        &Phase::new(2, Batches::Two { gas: 1 }, 0..0).load(&dir, None),
+        &fewer,
+    )
+    .remove(0);
+    let text = e.err().unwrap().to_string();
+    assert!(text.contains("unexpected 11: h.1.fc.bias"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn rank_file(dir: &Path, tag: &str, rank: usize) -> PathBuf {
+    dir.join(tag)
+        .join(format!("rank-{rank:05}-of-00002.safetensors"))
+}
+
+#[test]
+fn a_corrupted_or_truncated_shard_is_named_and_older_tags_still_load() {
+    let two = Batches::Two { gas: 1 };
+    let dir = tmp("corrupt");
+    let at1 = run(&Phase::new(3, two, 0..1).save(&dir, "one"));
+    run(&Phase::new(3, two, 0..2).save(&dir, "two"));
+    // Flip one byte in the middle of rank 1's data.
+    let f = rank_file(&dir, "two", 1);
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = bytes.len();
+    bytes[n - 100] ^= 0x40;
+    std::fs::write(&f, &bytes).unwrap();
+    let load_two = || try_run(&Phase::new(3, two, 0..0).load(&dir, None), &GPT);
+    for (rank, r) in load_two().into_iter().enumerate() {
+        let e = r.err().expect("a corrupted shard fails every rank");
+        let text = e.to_string();
+        if rank == 1 {
+            assert!(
+                text.contains("checksum mismatch") && text.contains("rank-00001-of-00002"),
+                "{text}"
+            );
+        } else {
+            assert!(text.contains("rank(s) [1] failed to load"), "{text}");
+        }
+    }
+    // Truncated.
+    std::fs::write(&f, &bytes[..n / 2]).unwrap();
+    let e = load_two().remove(1).err().unwrap().to_string();
+    assert!(
+        e.contains("rank-00001-of-00002") && (e.contains("truncated") || e.contains("checksum")),
+        "{e}"
+    );
+    // The older tag is intact and loads: nothing trained after it.
+    let back = run(&Phase::new(3, two, 1..1).load(&dir, Some("one")));
+    assert_bits("tag one", &back.params, &at1.params);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_missing_rank_file_fails_every_rank() {
+    let dir = tmp("missing");
+    run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
+    std::fs::remove_file(rank_file(&dir, "a", 1)).unwrap();
+    for r in try_run(
+        &Phase::new(2, Batches::Two { gas: 1 }, 0..0).load(&dir, None),
+        &GPT,
+    ) {
+        let text = r.err().expect("every rank fails").to_string();
+        assert!(
+            text.contains("rank-00001-of-00002.safetensors is missing"),
+            "{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Mounts a tmpfs of `size` at a fresh directory (this needs root, which
+/// this project's machines and CI have); unmounted on drop.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn new(name: &str, opts: &str) -> Option<Self> {
+        let d = tmp(name);
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(&d)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("cannot mount a tmpfs (not root?): this test needs one");
+        }
+        ok.then_some(Self(d))
+    }
+    fn remount(&self, opts: &str) {
+        let st = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,{opts}")])
+            .arg(&self.0)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn a_full_disk_or_read_only_directory_fails_every_rank_and_keeps_the_previous_checkpoint() {
+    let two = Batches::Two { gas: 1 };
+    // Room for one checkpoint (about 2 x 130 KiB) but not two.
+    let fs = Tmpfs::new("full", "size=400k").expect("tmpfs");
+    let first = run(&Phase::new(0, two, 0..1).save(&fs.0, "a"));
+    for r in try_run(&Phase::new(0, two, 0..2).save(&fs.0, "b"), &GPT) {
+        let text = r.err().expect("every rank fails").to_string();
+        assert!(
+            text.contains("No space left") || text.contains("failed to save"),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(fs.0.join("latest")).unwrap().trim(),
+        "a"
+    );
+    assert!(!fs.0.join("b").exists() && !fs.0.join(".b.partial").exists());
+    let back = run(&Phase::new(0, two, 1..1).load(&fs.0, None));
+    assert_bits("after a failed save", &back.params, &first.params);
+    fs.remount("ro");
+    for r in try_run(&Phase::new(0, two, 0..1).save(&fs.0, "c"), &GPT) {
+        let text = r.err().expect("every rank fails").to_string();
+        assert!(
+            text.contains("Read-only") || text.contains("failed to save"),
+            "{text}"
+        );
+    }
+    let back = run(&Phase::new(0, two, 1..1).load(&fs.0, None));
+    assert_bits("read-only", &back.params, &first.params);
+}
+
+#[test]
+fn consolidated_weights_load_in_tch_with_the_original_names() {
+    let dir = tmp("consolidate");
+    let trained = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..2).save(&dir, "a"));
+    let out = dir.join("model.safetensors");
+    let n = zrt::zero::checkpoint::consolidate(
+        &dir,
+        None,
+        &out,
+        zrt::zero::checkpoint::ExportDtype::F32,
+    )
+    .unwrap();
+    assert_eq!(n, trained.params.len());
+    let (mut vs, _plan, _gpt) = model();
+    vs.load(&out).unwrap();
+    let mut loaded: Params = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+        .collect();
+    loaded.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_bits("consolidated", &loaded, &trained.params);
+    // bf16: every value is the round-to-nearest-even of the fp32 one.
+    let out16 = dir.join("model-bf16.safetensors");
+    zrt::zero::checkpoint::consolidate(
+        &dir,
+        Some("a"),
+        &out16,
+        zrt::zero::checkpoint::ExportDtype::Bf16,
+    )
+    .unwrap();
+    let t = Tensor::read_safetensors(&out16).unwrap();
+    let (_, wte) = t.iter().find(|(n, _)| n == "wte.weight").unwrap();
+    assert_eq!(wte.kind(), Kind::BFloat16);
+    let want = Tensor::from_slice(
+        &trained
+            .params
+            .iter()
+            .find(|p| p.0 == "wte.weight")
+            .unwrap()
+            .1,
+    )
+    .to_kind(Kind::BFloat16);
+    assert!(wte.flatten(0, -1).equal(&want));
+    let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
+    assert!(
+        text.contains("world 2 (mesh 1 x 2), ZeRO stage 3, compute fp32"),
+        "{text}"
+    );
+    assert_eq!(text.matches("checksum ok").count(), 2, "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_16bit_model_holds_the_compute_weights() {
+    let dir = tmp("16bit");
+    let cfg: Config = config_with(3, 1, 0.0, r#""bf16": {"enabled": true},"#);
+    let out = dir.join("model16.safetensors");
+    let got: Vec<Params> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(2)
+            .into_iter()
+            .map(|r| {
+                let (cfg, out) = (&cfg, &out);
+                s.spawn(move || {
+                    let (vs, plan, gpt) = model();
+                    let g = r.new_group(&[0, 1]).unwrap();
+                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+                    engine
+                        .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
+                        .unwrap();
+                    engine.step().unwrap();
+                    engine.save_16bit_model(out).unwrap();
+                    engine.gathered_params().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let saved = Tensor::read_safetensors(&out).unwrap();
+    assert_eq!(saved.len(), got[0].len());
+    for (name, t) in saved {
+        assert_eq!(t.kind(), Kind::BFloat16, "{name}");
+        let master = &got[0].iter().find(|p| p.0 == name).unwrap().1;
+        let want = Tensor::from_slice(master).to_kind(Kind::BFloat16);
+        assert!(t.flatten(0, -1).equal(&want), "{name}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_rng_state_is_restored_and_bad_tags_are_refused() {
+    let dir = tmp("rng");
+    let cfg = config_with(1, 1, 0.0, "");
+    local::world(1).into_iter().for_each(|r| {
+        let (vs, plan, _gpt) = model();
+        let g = r.new_group(&[0]).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        engine.save_checkpoint(&dir, "a").unwrap();
+        let first = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
+        let _ = Tensor::randn([100], (Kind::Float, tch::Device::Cpu));
+        engine.load_checkpoint(&dir, Some("a")).unwrap();
+        let again = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
+        assert!(
+            first.equal(&again),
+            "dropout and sampling resume where they were"
+        );
+        for bad in ["", "../x", ".hidden", "latest"] {
+            let e = engine.save_checkpoint(&dir, bad).unwrap_err();
+            assert!(e.to_string().contains("invalid checkpoint tag"), "{e}");
+        }
+        let e = engine
+            .load_checkpoint(dir.join("nowhere"), None)
+            .unwrap_err();
+        assert!(e.to_string().contains("latest is missing"), "{e}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The libtorch venv's Python (`.libtorch` links into its site-packages).
+fn venv_python() -> PathBuf {
+    let torch = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join(".libtorch"))
+        .expect(".libtorch: run `cargo xtask setup`");
+    // <venv>/lib/pythonX.Y/site-packages/torch
+    torch.ancestors().nth(4).unwrap().join("bin").join("python")
+}
+
+#[test]
+fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
+    let dir = tmp("cli");
+    let trained = run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
+    let zrt = env!("CARGO_BIN_EXE_zrt");
+    let out = dir.join("m.safetensors");
+    let o = std::process::Command::new(zrt)
+        .args(["ckpt", "consolidate"])
+        .arg(&dir)
+        .arg(&out)
+        .args(["--dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Python reads it with safetensors into torch tensors of the right names,
+    // shapes and dtype; its sum matches ours.
+    let want: f64 = trained
+        .params
+        .iter()
+        .find(|p| p.0 == "h.0.fc.weight")
+        .map(|p| {
+            p.1.iter()
+                .map(|&x| Tensor::from(x).to_kind(Kind::BFloat16).double_value(&[]))
+                .sum()
+        })
+        .unwrap();
+    let script = format!(
+        "from safetensors.torch import load_file\n\
+         import torch\n\
+         t = load_file(r'{}')\n\
+         w = t['h.0.fc.weight']\n\
+         assert w.dtype == torch.bfloat16 and list(w.shape) == [128, 32], (w.dtype, w.shape)\n\
+         assert len(t) == {}\n\
+         print(repr(w.double().sum().item()))\n",
+        out.display(),
+        trained.params.len()
+    );
+    let py = std::process::Command::new(venv_python())
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let got: f64 = String::from_utf8_lossy(&py.stdout).trim().parse().unwrap();
+    assert!(
+        (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+        "python sum {got}, ours {want}"
+    );
+    // inspect: text and a clear failure on a damaged file.
+    let o = std::process::Command::new(zrt)
+        .args(["ckpt", "inspect"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && text.contains("ZeRO stage 2"),
+        "{text}"
+    );
+    std::fs::write(dir.join("a").join("meta.json"), "{}").unwrap();
+    let o = std::process::Command::new(zrt)
+        .args(["ckpt", "inspect"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("meta.json is not a readable zrt checkpoint file"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `zrt launch` of the main job on 2 processes (shm backend) with `args`.
+fn train_gpt(args: &[&str]) {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target")
+        .join(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        })
+        .join("examples")
+        .join("train_gpt");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(example)
+        .args([
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+            "--seq",
+            "32",
+        ])
+        .args(["--eval-every", "100"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
+    let dir = tmp("processes");
+    let (a, b) = (dir.join("straight"), dir.join("resumed"));
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    train_gpt(&["--steps", "4", "--save-dir", a_s]);
+    train_gpt(&["--steps", "2", "--save-dir", b_s]);
+    train_gpt(&["--steps", "4", "--save-dir", b_s, "--resume"]);
+    // The header's metadata map has no fixed order: compare the tensors.
+    let export = |d: &Path| {
+        let out = d.join("model.safetensors");
+        zrt::zero::checkpoint::consolidate(
+            d,
+            Some("step4"),
+            &out,
+            zrt::zero::checkpoint::ExportDtype::F32,
+        )
+        .unwrap();
+        let mut t = Tensor::read_safetensors(&out).unwrap();
+        t.sort_by(|x, y| x.0.cmp(&y.0));
+        t.into_iter()
+            .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+            .collect::<Params>()
+    };
+    let (straight, resumed) = (export(&a), export(&b));
+    assert!(!straight.is_empty());
+    assert_bits(
+        "2 + 2 steps in fresh processes against 4",
+        &resumed,
+        &straight,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

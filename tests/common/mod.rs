@@ -1,0 +1,70 @@
+//! What the engine tests share: a tiny GPT built the same way on every
+//! rank, deterministic token batches and a DeepSpeed config.
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::sync::Mutex;
+
+use tch::{nn, Device, Tensor};
+use zrt::gpt::{Gpt, GptConfig};
+use zrt::zero::{Config, ShardPlan};
+
+pub const GPT: GptConfig = GptConfig {
+    vocab: 64,
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq: 16,
+};
+pub const MICRO: i64 = 2;
+pub const WORLD: usize = 2;
+pub const LR: f64 = 1e-2;
+pub const WD: f64 = 0.01;
+
+/// tch's RNG is process-global: build models one at a time from one seed.
+static INIT: Mutex<()> = Mutex::new(());
+
+/// The GPT `cfg` from seed 0, its plan and its VarStore.
+pub fn model_of(cfg: &GptConfig) -> (nn::VarStore, ShardPlan, Gpt) {
+    let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    // One intra-op thread: libtorch's reductions then sum in one order
+    // whichever thread runs them, so engine and reference see the same bits.
+    tch::set_num_threads(1);
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = ShardPlan::new();
+    let gpt = Gpt::new(&vs.root(), &plan, cfg);
+    (vs, plan, gpt)
+}
+
+/// [`GPT`] from seed 0.
+pub fn model() -> (nn::VarStore, ShardPlan, Gpt) {
+    model_of(&GPT)
+}
+
+/// The micro-batch of (step, micro-step, rank) for a `WORLD`-rank job:
+/// deterministic tokens.
+pub fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
+    let idx = ((step * gas + k) * WORLD + rank) as u64;
+    let mut s = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<i64> = (0..MICRO * (GPT.seq + 1))
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % GPT.vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_slice(&v).view([MICRO, GPT.seq + 1])
+}
+
+/// AdamW at [`LR`], [`WD`]; `extra` is spliced into the top level (e.g. a
+/// precision block).
+pub fn config_with(stage: u8, gas: usize, clip: f64, extra: &str) -> Config {
+    Config::from_json(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
+            {extra}
+            "gradient_clipping": {clip}, "zero_optimization": {{"stage": {stage}}}}}"#
+    ))
+    .unwrap()
+}

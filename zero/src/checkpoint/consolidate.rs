@@ -1,0 +1,163 @@
+//! Offline tools over a checkpoint directory, no ranks needed: rebuild the
+//! model's tensors into one safetensors file (zrt's `zero_to_fp32.py`), and
+//! describe what a checkpoint holds.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use safetensors::tensor::Dtype;
+
+use super::files::{f32_bytes, write_safetensors, Entry, RankFile};
+use super::meta::{resolve_tag, Locator, Meta};
+use super::CheckpointError;
+
+/// The dtype of a consolidated export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportDtype {
+    /// The fp32 master weights, exactly.
+    F32,
+    /// bf16, rounded to nearest even (as libtorch's `to(bfloat16)`).
+    Bf16,
+}
+
+/// Writes every parameter of the checkpoint `DIR/TAG` (`tag` `None`: the
+/// one `latest` names) to `out` as one safetensors file under the model's
+/// original VarStore names, loadable by tch's `VarStore::load` and Python's
+/// `safetensors.torch.load_file`. Returns the number of tensors written.
+pub fn consolidate(
+    dir: &Path,
+    tag: Option<&str>,
+    out: &Path,
+    dtype: ExportDtype,
+) -> Result<usize, CheckpointError> {
+    let (_, tag_dir) = resolve_tag(dir, tag)?;
+    let meta = Meta::read(&tag_dir)?;
+    let mut loc = Locator::new(&meta, &tag_dir);
+    let dt = match dtype {
+        ExportDtype::F32 => Dtype::F32,
+        ExportDtype::Bf16 => Dtype::BF16,
+    };
+    let mut tensors = Vec::new();
+    for s in meta.params() {
+        let mut v = vec![0f32; s.numel];
+        loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;
+        tensors.push((s.name.clone(), s.shape.clone(), encode(&v, dt)));
+    }
+    write_model(out, dt, &tensors)?;
+    Ok(tensors.len())
+}
+
+/// `v` as little-endian bytes of `dtype` (F32, BF16 or F16; 16-bit rounded
+/// to nearest even, as libtorch's casts).
+pub(crate) fn encode(v: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::BF16 => v
+            .iter()
+            .flat_map(|&x| zrt_kernels::cast::f32_to_bf16_bits(x).to_le_bytes())
+            .collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|&x| zrt_kernels::cast::f32_to_f16_bits(x).to_le_bytes())
+            .collect(),
+        _ => f32_bytes(v).to_vec(),
+    }
+}
+
+/// Writes (name, shape, bytes of `dtype`) tensors as one safetensors model
+/// file (atomically, with the `format: pt` metadata torch loaders expect).
+pub(crate) fn write_model(
+    out: &Path,
+    dtype: Dtype,
+    tensors: &[(String, Vec<i64>, Vec<u8>)],
+) -> Result<(), CheckpointError> {
+    let entries: Vec<Entry<'_>> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| Entry {
+            name: name.clone(),
+            dtype,
+            shape: shape.iter().map(|&d| d.max(0) as usize).collect(),
+            data: bytes,
+        })
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_safetensors(out, &entries, meta)
+}
+
+/// A human-readable account of checkpoint `DIR/TAG` (`None`: `latest`):
+/// its world, stage, step, units and parameters, and every file with its
+/// size and whether its checksum holds. Errors only when `meta.json` itself
+/// cannot be read; a damaged rank file is reported in the text.
+pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError> {
+    let (tag, tag_dir) = resolve_tag(dir, tag)?;
+    let meta = Meta::read(&tag_dir)?;
+    let mut s = String::new();
+    let params: usize = meta.params().map(|p| p.numel).sum();
+    let _ = writeln!(s, "checkpoint {} (tag `{tag}`)", tag_dir.display());
+    let _ = writeln!(
+        s,
+        "  written by zrt {}, format {}",
+        meta.zrt_version, meta.format
+    );
+    let _ = writeln!(
+        s,
+        "  world {} (mesh {} x {}), ZeRO stage {}, compute {}",
+        meta.world, meta.mesh.0, meta.mesh.1, meta.stage, meta.compute
+    );
+    let _ = writeln!(
+        s,
+        "  step {}, micro-step {}, skipped {}, lr {:.3e}{}{}",
+        meta.global_step,
+        meta.micro_steps,
+        meta.skipped_steps,
+        meta.lr,
+        meta.loss_scaler
+            .as_ref()
+            .map(|l| format!(", loss scale {}", l.scale))
+            .unwrap_or_default(),
+        if meta.grads_saved {
+            ", saved between accumulation boundaries (holds gradients)"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        s,
+        "  {} units, {} parameters, {params} elements",
+        meta.units.len(),
+        meta.params().count()
+    );
+    for u in &meta.units {
+        let n: usize = u.slots.iter().map(|p| p.numel).sum();
+        let _ = writeln!(
+            s,
+            "    {:<24} {:>4} tensors {:>12} elements",
+            u.name,
+            u.slots.len(),
+            n
+        );
+    }
+    let mut bad = 0;
+    for f in &meta.files {
+        let path = tag_dir.join(f);
+        let size = std::fs::metadata(&path).map(|m| m.len()).ok();
+        let status = match RankFile::open(&path) {
+            Ok(_) => "checksum ok".to_string(),
+            Err(e) => {
+                bad += 1;
+                e.to_string()
+            }
+        };
+        let size = size.map_or("missing".into(), |b| {
+            format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+        });
+        let _ = writeln!(s, "  {f}  {size}  {status}");
+    }
+    if bad > 0 {
+        let _ = writeln!(
+            s,
+            "  {bad} damaged or missing file(s): this tag cannot be loaded"
+        );
+    }
+    Ok(s)
+}

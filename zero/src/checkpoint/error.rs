@@ -1,0 +1,118 @@
+//! What can go wrong with a checkpoint, each with the fix.
+
+use std::path::PathBuf;
+
+/// Why a checkpoint could not be saved, read or used.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CheckpointError {
+    /// The filesystem refused an operation.
+    #[error("cannot {op} {}: {msg}{}", path.display(), io_hint(msg))]
+    Io {
+        /// What was being done ("write", "create directory", ...).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        msg: String,
+    },
+    /// A file's contents do not match the checksum it was saved with.
+    #[error("checksum mismatch in {}: the file is corrupted or truncated (saved crc32 {expected:08x}, found {found:08x}); load an earlier tag, the files of other tags are not affected", path.display())]
+    Checksum {
+        /// The damaged file.
+        path: PathBuf,
+        /// The CRC-32 recorded at save time.
+        expected: u32,
+        /// The CRC-32 of what is on disk now.
+        found: u32,
+    },
+    /// A file is not what a zrt checkpoint holds (truncated header, another
+    /// format, a missing tensor).
+    #[error("{} is not a readable zrt checkpoint file: {msg}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A file the checkpoint needs does not exist.
+    #[error("{} is missing: a checkpoint needs meta.json and every rank's file (copy the whole tag directory)", path.display())]
+    Missing {
+        /// The missing file.
+        path: PathBuf,
+    },
+    /// The checkpoint holds another model's parameters.
+    #[error("the checkpoint is of another model: {}; load it into the model it was saved from (same parameter names and shapes)", model_diff(missing, unexpected, misshaped))]
+    ModelMismatch {
+        /// Parameters of this model the checkpoint does not have.
+        missing: Vec<String>,
+        /// Parameters in the checkpoint this model does not have.
+        unexpected: Vec<String>,
+        /// Parameters with another shape: "name: checkpoint [..], model [..]".
+        misshaped: Vec<String>,
+    },
+    /// The checkpoint cannot be loaded this way (e.g. resharding a
+    /// checkpoint saved between accumulation boundaries).
+    #[error("cannot load this checkpoint here: {0}")]
+    Incompatible(String),
+    /// A tag that cannot name a directory.
+    #[error("invalid checkpoint tag `{0}`: use a non-empty name without `/`, not starting with `.`, other than `latest`")]
+    BadTag(String),
+    /// Other ranks failed while this one succeeded; nothing was committed.
+    #[error("rank(s) {ranks:?} failed to {what} the checkpoint (their own errors say why); nothing was committed, the previous checkpoint is intact")]
+    Peers {
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+        /// "save" or "load".
+        what: &'static str,
+    },
+}
+
+impl CheckpointError {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, e: std::io::Error) -> Self {
+        CheckpointError::Io {
+            op,
+            path: path.into(),
+            msg: e.to_string(),
+        }
+    }
+
+    pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        CheckpointError::Format {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+}
+
+fn io_hint(msg: &str) -> &'static str {
+    if msg.contains("No space left") || msg.contains("File too large") {
+        " (the disk is full: free space or save elsewhere; the previous checkpoint is intact)"
+    } else if msg.contains("Read-only") || msg.contains("Permission denied") {
+        " (the directory is not writable: save elsewhere)"
+    } else {
+        ""
+    }
+}
+
+fn model_diff(missing: &[String], unexpected: &[String], misshaped: &[String]) -> String {
+    let mut parts = Vec::new();
+    let list = |what: &str, v: &[String]| {
+        let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
+        let more = if v.len() > 8 {
+            format!(" and {} more", v.len() - 8)
+        } else {
+            String::new()
+        };
+        format!("{what} {}: {}{more}", v.len(), shown.join(", "))
+    };
+    if !missing.is_empty() {
+        parts.push(list("missing", missing));
+    }
+    if !unexpected.is_empty() {
+        parts.push(list("unexpected", unexpected));
+    }
+    if !misshaped.is_empty() {
+        parts.push(list("mis-shaped", misshaped));
+    }
+    parts.join("; ")
+}

@@ -1,0 +1,242 @@
+//! `meta.json`: what a checkpoint holds and where every parameter lives.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::files::{read_json, RankFile};
+use super::CheckpointError;
+
+/// The format tag in every `meta.json`; a reader refuses other formats.
+pub const FORMAT: &str = "zrt-checkpoint/1";
+
+/// One parameter's place in its unit's flat buffer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlotMeta {
+    /// The VarStore name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<i64>,
+    /// First element in the unit's flat buffer.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// One unit's flat layout as saved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnitMeta {
+    /// The unit's name (its VarStore prefix, or `<root>`).
+    pub name: String,
+    /// Elements of the flat buffer, padding included.
+    pub padded: usize,
+    /// Elements per rank file (`padded / world`).
+    pub shard_len: usize,
+    /// Its parameters.
+    pub slots: Vec<SlotMeta>,
+}
+
+/// fp16 dynamic loss scaler state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScalerMeta {
+    /// The current scale.
+    pub scale: f64,
+    /// Overflows left before the next halving.
+    pub hysteresis: u32,
+    /// Steps seen.
+    pub iter: u64,
+    /// The step of the last overflow.
+    pub last_overflow: u64,
+}
+
+/// Everything `meta.json` records (rank 0 writes it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    /// [`FORMAT`].
+    pub format: String,
+    /// The zrt version that wrote it.
+    pub zrt_version: String,
+    /// The tag.
+    pub tag: String,
+    /// Ranks that saved it (one file each).
+    pub world: usize,
+    /// The mesh as (replicate, shard) sizes.
+    pub mesh: (usize, usize),
+    /// The ZeRO stage it was trained with.
+    pub stage: u8,
+    /// The compute dtype: "fp32", "bf16" or "fp16".
+    pub compute: String,
+    /// Optimizer steps taken.
+    pub global_step: u64,
+    /// Micro-steps (`backward` calls) taken.
+    pub micro_steps: u64,
+    /// The micro-step of the last accumulation boundary handled.
+    pub boundary_at: u64,
+    /// fp16 steps skipped on overflow.
+    pub skipped_steps: u64,
+    /// The learning rate of the last step.
+    pub lr: f64,
+    /// The fp16 loss scaler, if any.
+    pub loss_scaler: Option<ScalerMeta>,
+    /// Whether rank files hold accumulated gradients (saved between
+    /// accumulation boundaries): then only the same world and stage load it.
+    pub grads_saved: bool,
+    /// Units in flat order.
+    pub units: Vec<UnitMeta>,
+    /// The rank files, in rank order.
+    pub files: Vec<String>,
+    /// The resolved config (the settings that shape training).
+    pub config: serde_json::Value,
+}
+
+impl Meta {
+    /// Reads and verifies `TAG_DIR/meta.json`.
+    pub fn read(tag_dir: &Path) -> Result<Meta, CheckpointError> {
+        let path = tag_dir.join("meta.json");
+        let body = read_json(&path)?;
+        let meta: Meta = serde_json::from_str(&body)
+            .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
+        if meta.format != FORMAT {
+            return Err(CheckpointError::format(
+                &path,
+                format!("format `{}`, this zrt reads `{FORMAT}`", meta.format),
+            ));
+        }
+        if meta.files.len() != meta.world
+            || meta
+                .units
+                .iter()
+                .any(|u| u.shard_len * meta.world != u.padded)
+        {
+            return Err(CheckpointError::format(
+                &path,
+                "files or shard sizes do not match its world size",
+            ));
+        }
+        Ok(meta)
+    }
+
+    /// Every parameter as (name, shape), in flat order.
+    pub fn params(&self) -> impl Iterator<Item = &SlotMeta> {
+        self.units.iter().flat_map(|u| &u.slots)
+    }
+}
+
+/// The file name of rank `rank`'s shards in a world of `world`.
+pub(crate) fn rank_file_name(rank: usize, world: usize) -> String {
+    format!("rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// The tag to load (`tag`, or the one `DIR/latest` names) and its directory.
+pub(crate) fn resolve_tag(
+    dir: &Path,
+    tag: Option<&str>,
+) -> Result<(String, PathBuf), CheckpointError> {
+    let tag = match tag {
+        Some(t) => t.to_string(),
+        None => {
+            let latest = dir.join("latest");
+            match std::fs::read_to_string(&latest) {
+                Ok(t) => t.trim().to_string(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::Missing { path: latest })
+                }
+                Err(e) => return Err(CheckpointError::io("read", latest, e)),
+            }
+        }
+    };
+    let tag_dir = dir.join(&tag);
+    Ok((tag, tag_dir))
+}
+
+/// Finds any element of a saved parameter in whichever rank's file holds it.
+pub(crate) struct Locator<'m> {
+    meta: &'m Meta,
+    dir: PathBuf,
+    /// name -> (unit, offset in the unit's flat buffer)
+    by_name: HashMap<&'m str, (usize, usize)>,
+    files: HashMap<usize, RankFile>,
+}
+
+impl<'m> Locator<'m> {
+    /// A locator over the rank files in `tag_dir`; files are read (and
+    /// verified) on first use.
+    pub(crate) fn new(meta: &'m Meta, tag_dir: &Path) -> Self {
+        let by_name = meta
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, m)| {
+                m.slots
+                    .iter()
+                    .map(move |s| (s.name.as_str(), (u, s.offset)))
+            })
+            .collect();
+        Self {
+            meta,
+            dir: tag_dir.to_path_buf(),
+            by_name,
+            files: HashMap::new(),
+        }
+    }
+
+    /// Rank `rank`'s file, read and verified once.
+    pub(crate) fn file(&mut self, rank: usize) -> Result<&RankFile, CheckpointError> {
+        if !self.files.contains_key(&rank) {
+            let name = self.meta.files.get(rank).ok_or_else(|| {
+                CheckpointError::format(
+                    self.dir.join("meta.json"),
+                    format!("no file for rank {rank}"),
+                )
+            })?;
+            let path = self.dir.join(name);
+            let f = RankFile::open(&path)?;
+            // A file copied from another rank or checkpoint has a valid
+            // checksum but the wrong contents: its header says whose it is.
+            let (r, w) = (f.meta("rank")?, f.meta("world")?);
+            if r != rank.to_string() || w != self.meta.world.to_string() {
+                return Err(CheckpointError::format(
+                    path,
+                    format!(
+                        "it holds rank {r} of {w}, expected rank {rank} of {}",
+                        self.meta.world
+                    ),
+                ));
+            }
+            self.files.insert(rank, f);
+        }
+        Ok(&self.files[&rank])
+    }
+
+    /// Copies elements `elems` of parameter `name`'s `what` (`master`, `m`
+    /// or `v`) into `dst`, from the rank files that hold them.
+    pub(crate) fn read_param(
+        &mut self,
+        name: &str,
+        what: &str,
+        elems: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let meta = self.meta;
+        let &(u, offset) = self.by_name.get(name).ok_or_else(|| {
+            CheckpointError::format(self.dir.join("meta.json"), format!("no parameter `{name}`"))
+        })?;
+        let unit = &meta.units[u];
+        let tensor = format!("{}/{what}", unit.name);
+        let (mut a, b) = (offset + elems.start, offset + elems.end);
+        let mut out = 0;
+        while a < b {
+            let r = a / unit.shard_len;
+            let end = b.min((r + 1) * unit.shard_len);
+            let base = r * unit.shard_len;
+            let n = end - a;
+            self.file(r)?
+                .read_f32(&tensor, a - base..end - base, &mut dst[out..out + n])?;
+            out += n;
+            a = end;
+        }
+        Ok(())
+    }
+}

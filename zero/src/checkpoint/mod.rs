@@ -1,0 +1,41 @@
+//! Checkpoints: sharded save, exact resume, resharding on load, and the
+//! offline consolidation into one safetensors file.
+//!
+//! A checkpoint directory holds one sub-directory per tag and a `latest`
+//! file naming the newest complete tag:
+//!
+//! ```text
+//! DIR/latest                                 the newest complete tag (written last)
+//! DIR/TAG/meta.json                          rank 0: layout, world, stage, step, config, versions
+//! DIR/TAG/rank-00000-of-00002.safetensors    one per rank: its shards of the fp32
+//! ...                                        master, Adam's m and v, its RNG state
+//! ```
+//!
+//! Every file carries a CRC-32 of its contents (in the safetensors header
+//! metadata as `zrt_crc32`; in `meta.json` as its `crc32` field), checked on
+//! every read. A save writes into `DIR/.TAG.partial/` (each file written to
+//! a temporary name, fsynced, renamed), and only when every rank reports
+//! success does rank 0 move the directory into place and then rewrite
+//! `latest`: a save that fails on any rank (a read-only directory, a full
+//! disk, a dead peer) leaves the previous checkpoint and `latest` untouched.
+//! The directory must be visible to every rank (one host, or a shared
+//! filesystem), as DeepSpeed's checkpoints assume.
+//!
+//! Shards are stored per parameter *range* of each unit's flat buffer, and
+//! `meta.json` records every parameter's place in it, so a loader can take
+//! any element from whichever rank's file holds it: that is how a
+//! checkpoint saved on one world size or stage loads on another (DeepSpeed's
+//! universal checkpoint, without a conversion step), and how
+//! [`consolidate`] rebuilds the model's original tensors offline.
+
+pub(crate) mod consolidate;
+mod error;
+pub(crate) mod files;
+pub(crate) mod meta;
+
+pub use consolidate::{consolidate, inspect, ExportDtype};
+pub use error::CheckpointError;
+pub use meta::{Meta, SlotMeta, UnitMeta, FORMAT};
+
+pub(crate) use files::{write_atomic, write_safetensors};
+pub(crate) use meta::{rank_file_name, resolve_tag, Locator};

@@ -1,0 +1,553 @@
+//! Saving and loading an engine's state: the engine side of
+//! [`crate::checkpoint`] (whose docs describe the files).
+//!
+//! Both directions run in phases separated by an exchange of success flags,
+//! so a failure on any rank becomes an error on every rank (never a hang,
+//! never a half-committed checkpoint), and a load changes nothing until
+//! every rank has read and verified everything it needs.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use safetensors::tensor::Dtype;
+use zrt_collectives::ProcessGroup;
+use zrt_kernels::cast;
+
+use super::{elems, Compute, CopyShard, Engine, Scaler, State};
+use crate::checkpoint::consolidate::{encode, write_model};
+use crate::checkpoint::files::{f32_bytes, json_with_crc, sync_dir, Entry};
+use crate::checkpoint::meta::ScalerMeta;
+use crate::checkpoint::{
+    rank_file_name, resolve_tag, write_atomic, write_safetensors, CheckpointError, Locator, Meta,
+    SlotMeta, UnitMeta, FORMAT,
+};
+use crate::{glue, EngineError};
+
+/// One unit's state as read from a checkpoint, for this rank's range.
+struct LoadedUnit {
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    grad: Option<Vec<f32>>,
+}
+
+/// Everything a load read and verified, applied only once every rank has.
+struct Loaded {
+    tag: String,
+    meta: Meta,
+    units: Vec<LoadedUnit>,
+    rng: Option<Vec<u8>>,
+}
+
+fn check_tag(tag: &str) -> Result<(), CheckpointError> {
+    if tag.is_empty() || tag.contains('/') || tag.starts_with('.') || tag == "latest" {
+        return Err(CheckpointError::BadTag(tag.to_string()));
+    }
+    Ok(())
+}
+
+fn io<T>(op: &'static str, path: &Path, r: std::io::Result<T>) -> Result<T, CheckpointError> {
+    r.map_err(|e| CheckpointError::io(op, path, e))
+}
+
+impl<G: ProcessGroup + 'static> Engine<G> {
+    /// Turns this rank's outcome of one phase into every rank's: an error
+    /// anywhere is an error everywhere (this rank's own, or one naming the
+    /// ranks that failed).
+    fn agree<T>(
+        &self,
+        local: Result<T, CheckpointError>,
+        what: &'static str,
+    ) -> Result<T, EngineError> {
+        let flag = u8::from(local.is_err());
+        let (_, flags) = self.inner.group.all_gather(vec![flag], Vec::new()).wait()?;
+        let failed: Vec<usize> = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f != 0)
+            .map(|(r, _)| r)
+            .collect();
+        match local {
+            Err(e) => Err(e.into()),
+            Ok(_) if !failed.is_empty() => Err(CheckpointError::Peers {
+                ranks: failed,
+                what,
+            }
+            .into()),
+            Ok(v) => Ok(v),
+        }
+    }
+
+    /// The range of a unit's flat buffer this rank keeps optimizer state for
+    /// (everything at stage 0).
+    fn own_range(&self, padded: usize, shard: Range<usize>) -> Range<usize> {
+        if self.inner.stage == 0 {
+            0..padded
+        } else {
+            shard
+        }
+    }
+
+    /// Saves a checkpoint as `DIR/TAG` (a collective: every rank calls it
+    /// with the same arguments) and, once every rank's files are durable,
+    /// points `DIR/latest` at it. Each rank writes its shards of the fp32
+    /// master weights and Adam state (and, between accumulation boundaries,
+    /// its accumulated gradients) and its RNG state; rank 0 writes
+    /// `meta.json`. On any rank's failure every rank gets an error and the
+    /// previous checkpoint and `latest` are untouched. An existing `TAG` is
+    /// replaced. Returns `DIR/TAG`.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: &str,
+    ) -> Result<PathBuf, EngineError> {
+        let i = &*self.inner;
+        let dir = dir.as_ref();
+        check_tag(tag)?;
+        {
+            let mut st = i.st.lock();
+            self.take_error(&mut st)?;
+        }
+        let rank = i.group.rank();
+        let staging = dir.join(format!(".{tag}.partial"));
+        let target = dir.join(tag);
+        // 1. Rank 0 makes an empty staging directory for everyone.
+        let made = if rank == 0 {
+            let _ = std::fs::remove_dir_all(&staging);
+            io(
+                "create directory",
+                &staging,
+                std::fs::create_dir_all(&staging),
+            )
+        } else {
+            Ok(())
+        };
+        self.agree(made, "save")?;
+        // 2. Every rank writes its file; rank 0 also meta.json.
+        let wrote = {
+            let st = i.st.lock();
+            let mut r = self.write_rank_file(&st, &staging);
+            if rank == 0 && r.is_ok() {
+                r = self.write_meta(&st, &staging, tag);
+            }
+            r
+        };
+        if let Err(e) = self.agree(wrote, "save") {
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            return Err(e);
+        }
+        // 3. Rank 0 moves the complete directory into place, then `latest`.
+        let committed = if rank == 0 {
+            commit(dir, &staging, &target, tag)
+        } else {
+            Ok(())
+        };
+        self.agree(committed, "save")?;
+        tracing::info!(dir = %target.display(), "checkpoint saved");
+        Ok(target)
+    }
+
+    fn write_rank_file(&self, st: &State, dir: &Path) -> Result<(), CheckpointError> {
+        let i = &*self.inner;
+        let (rank, world) = (i.group.rank(), i.group.size());
+        let pending = st.micro != st.boundary_at;
+        let rng = glue::cpu_rng_state().map_err(|e| CheckpointError::format(dir, e.to_string()))?;
+        let mut entries = Vec::new();
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            let (padded, range) = (u.layout.padded, u.layout.shard(rank));
+            // This rank's range of the fp32 master, wherever it lives.
+            let master: &[f32] = match (i.compute, i.stage) {
+                // SAFETY: the fp32 flat tensor, read under the state lock.
+                (Compute::F32, 0..=2) => &(unsafe { elems::<f32>(&u.flat, padded) })[range.clone()],
+                (_, 0) => &sh.master[range.clone()],
+                _ => &sh.master,
+            };
+            let (m, v): (&[f32], &[f32]) = if i.stage == 0 {
+                (&sh.m[range.clone()], &sh.v[range])
+            } else {
+                (&sh.m, &sh.v)
+            };
+            entries.push(f32_entry(format!("{}/master", u.name), master));
+            entries.push(f32_entry(format!("{}/m", u.name), m));
+            entries.push(f32_entry(format!("{}/v", u.name), v));
+            if pending {
+                entries.push(f32_entry(format!("{}/grad", u.name), &sh.g));
+            }
+        }
+        entries.push(Entry {
+            name: "rng".into(),
+            dtype: Dtype::U8,
+            shape: vec![rng.len()],
+            data: &rng,
+        });
+        let meta = HashMap::from([
+            ("rank".to_string(), rank.to_string()),
+            ("world".to_string(), world.to_string()),
+        ]);
+        write_safetensors(&dir.join(rank_file_name(rank, world)), &entries, meta)
+    }
+
+    fn write_meta(&self, st: &State, dir: &Path, tag: &str) -> Result<(), CheckpointError> {
+        let i = &*self.inner;
+        let world = i.group.size();
+        let c = &i.cfg.config;
+        let meta = Meta {
+            format: FORMAT.into(),
+            zrt_version: env!("CARGO_PKG_VERSION").into(),
+            tag: tag.into(),
+            world,
+            mesh: (1, world),
+            stage: i.stage,
+            compute: match i.compute {
+                Compute::F32 => "fp32",
+                Compute::Bf16 => "bf16",
+                Compute::F16 => "fp16",
+            }
+            .into(),
+            global_step: st.step,
+            micro_steps: st.micro,
+            boundary_at: st.boundary_at,
+            skipped_steps: st.skipped,
+            lr: st.lr,
+            loss_scaler: st.scaler.as_ref().map(|s| ScalerMeta {
+                scale: s.scale,
+                hysteresis: s.hysteresis,
+                iter: s.iter,
+                last_overflow: s.last_overflow,
+            }),
+            grads_saved: st.micro != st.boundary_at,
+            units: st
+                .units
+                .iter()
+                .map(|u| UnitMeta {
+                    name: u.name.clone(),
+                    padded: u.layout.padded,
+                    shard_len: u.layout.shard_len(),
+                    slots: u
+                        .layout
+                        .slots
+                        .iter()
+                        .map(|s| SlotMeta {
+                            name: s.name.clone(),
+                            shape: s.shape.clone(),
+                            offset: s.offset,
+                            numel: s.numel,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            files: (0..world).map(|r| rank_file_name(r, world)).collect(),
+            config: serde_json::json!({
+                "zero_optimization": {"stage": c.zero.stage},
+                "train_batch_size": i.cfg.batch.train,
+                "train_micro_batch_size_per_gpu": i.cfg.batch.micro,
+                "gradient_accumulation_steps": i.cfg.batch.gas,
+                "gradient_clipping": c.gradient_clipping,
+                "optimizer": {
+                    "type": format!("{:?}", c.optimizer.kind),
+                    "lr": c.optimizer.lr.value(),
+                    "betas": [c.optimizer.betas.0, c.optimizer.betas.1],
+                    "eps": c.optimizer.eps,
+                    "weight_decay": c.optimizer.weight_decay.value(),
+                    "adam_w_mode": c.optimizer.adam_w_mode,
+                    "bias_correction": c.optimizer.bias_correction,
+                },
+                "precision": format!("{:?}", c.precision),
+                "scheduler": format!("{:?}", c.scheduler),
+            }),
+        };
+        let body = serde_json::to_string_pretty(&meta)
+            .map_err(|e| CheckpointError::format(dir.join("meta.json"), e.to_string()))?;
+        write_atomic(&dir.join("meta.json"), json_with_crc(&body).as_bytes())
+    }
+
+    /// Loads checkpoint `DIR/TAG` (`tag` `None`: the tag `DIR/latest` names)
+    /// into this engine (a collective) and returns the tag. On the world
+    /// size, stage and model it was saved from, training goes on exactly as
+    /// if it had never stopped (fp32: bit-identical). On another world size
+    /// or stage the shards are re-cut from the saved ranges (DeepSpeed's
+    /// universal checkpoint); the model's parameter names and shapes must
+    /// match. Nothing changes unless every rank read and verified
+    /// everything it needs.
+    pub fn load_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<String, EngineError> {
+        {
+            let mut st = self.inner.st.lock();
+            self.take_error(&mut st)?;
+        }
+        let read = self.read_checkpoint(dir.as_ref(), tag);
+        let loaded = self.agree(read, "load")?;
+        let tag = loaded.tag.clone();
+        self.apply(loaded)?;
+        tracing::info!(tag = %tag, "checkpoint loaded");
+        Ok(tag)
+    }
+
+    fn read_checkpoint(&self, dir: &Path, tag: Option<&str>) -> Result<Loaded, CheckpointError> {
+        let i = &*self.inner;
+        let (rank, world) = (i.group.rank(), i.group.size());
+        let (tag, tag_dir) = resolve_tag(dir, tag)?;
+        let meta = Meta::read(&tag_dir)?;
+        let st = i.st.lock();
+        check_model(&st, &meta)?;
+        for f in &meta.files {
+            let p = tag_dir.join(f);
+            if !p.is_file() {
+                return Err(CheckpointError::Missing { path: p });
+            }
+        }
+        let same_layout = meta.world == world
+            && meta.units.len() == st.units.len()
+            && meta
+                .units
+                .iter()
+                .zip(&st.units)
+                .all(|(m, u)| m.name == u.name && m.padded == u.layout.padded);
+        if meta.grads_saved && !(same_layout && meta.stage == i.stage) {
+            return Err(CheckpointError::Incompatible(format!(
+                "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, on {} ranks at stage {}; such a checkpoint loads only on the same world size and stage. To reshard, save right after a step() at an accumulation boundary",
+                meta.micro_steps, meta.boundary_at, meta.world, meta.stage
+            )));
+        }
+        let mut loc = Locator::new(&meta, &tag_dir);
+        let mut units = Vec::new();
+        for u in &st.units {
+            let need = self.own_range(u.layout.padded, u.layout.shard(rank));
+            let mut lu = LoadedUnit {
+                master: vec![0.0; need.len()],
+                m: vec![0.0; need.len()],
+                v: vec![0.0; need.len()],
+                grad: None,
+            };
+            for s in &u.layout.slots {
+                // The part of this parameter inside `need`, in its own elements.
+                let lo = need.start.max(s.offset);
+                let hi = need.end.min(s.offset + s.numel);
+                if lo >= hi {
+                    continue;
+                }
+                let (elems, dst) = (
+                    lo - s.offset..hi - s.offset,
+                    lo - need.start..hi - need.start,
+                );
+                loc.read_param(
+                    &s.name,
+                    "master",
+                    elems.clone(),
+                    &mut lu.master[dst.clone()],
+                )?;
+                loc.read_param(&s.name, "m", elems.clone(), &mut lu.m[dst.clone()])?;
+                loc.read_param(&s.name, "v", elems, &mut lu.v[dst])?;
+            }
+            if meta.grads_saved {
+                let f = loc.file(rank)?;
+                let name = format!("{}/grad", u.name);
+                let n = f.f32_len(&name)?;
+                let mut g = vec![0.0; n];
+                f.read_f32(&name, 0..n, &mut g)?;
+                lu.grad = Some(g);
+            }
+            units.push(lu);
+        }
+        let rng = match rank < meta.world {
+            true => Some(loc.file(rank)?.bytes("rng")?.1.to_vec()),
+            false => None,
+        };
+        drop(loc);
+        Ok(Loaded {
+            tag,
+            meta,
+            units,
+            rng,
+        })
+    }
+
+    fn apply(&self, l: Loaded) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        let rank = i.group.rank();
+        let mut guard = i.st.lock();
+        let st = &mut *guard;
+        for ((u, sh), lu) in st.units.iter().zip(st.shards.iter_mut()).zip(l.units) {
+            let (padded, range) = (u.layout.padded, u.layout.shard(rank));
+            let need = self.own_range(padded, range);
+            // The compute copy this rank writes (as the optimizer would).
+            match (i.compute, i.stage) {
+                // SAFETY: the unit's flat tensor of the compute dtype, under
+                // the state lock (no forward or backward runs).
+                (Compute::F32, 0..=2) => {
+                    (unsafe { elems::<f32>(&u.flat, padded) })[need].copy_from_slice(&lu.master)
+                }
+                (Compute::F32, _) => {}
+                (Compute::Bf16, 3) | (Compute::F16, 3) => match &mut sh.copy {
+                    CopyShard::Bf16(c) => cast::f32_to_bf16(&lu.master, c)?,
+                    CopyShard::F16(c) => cast::f32_to_f16(&lu.master, c)?,
+                    CopyShard::None => {}
+                },
+                (Compute::Bf16, _) => cast::f32_to_bf16(
+                    &lu.master,
+                    &mut unsafe { elems::<bf16>(&u.flat, padded) }[need],
+                )?,
+                (Compute::F16, _) => cast::f32_to_f16(
+                    &lu.master,
+                    &mut unsafe { elems::<f16>(&u.flat, padded) }[need],
+                )?,
+            }
+            if !sh.master.is_empty() {
+                sh.master = lu.master;
+            }
+            sh.m = lu.m;
+            sh.v = lu.v;
+            match lu.grad {
+                Some(g) if g.len() == sh.g.len() => sh.g = g,
+                _ => sh.g.fill(0.0),
+            }
+            sh.reduced = Vec::new();
+        }
+        let m = &l.meta;
+        st.step = m.global_step;
+        st.micro = m.micro_steps;
+        st.boundary_at = m.boundary_at;
+        st.skipped = m.skipped_steps;
+        st.lr = m.lr;
+        st.norm = None;
+        if let (Some(s), Some(saved)) = (st.scaler.as_mut(), &m.loss_scaler) {
+            restore_scaler(s, saved);
+        }
+        if let Some(rng) = &l.rng {
+            glue::set_cpu_rng_state(rng)?;
+        }
+        i.share_shards(st)
+    }
+
+    /// Writes the whole model in the compute dtype (bf16/fp16 training:
+    /// 16-bit; fp32: fp32) to one safetensors file at `path`, under the
+    /// model's VarStore names: DeepSpeed's `save_16bit_model` (with
+    /// `stage3_gather_16bit_weights_on_model_save`). A collective: the
+    /// parameters are gathered to every rank, rank 0 writes.
+    pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        let params = self.gathered_params()?;
+        let written = if i.group.rank() == 0 {
+            let shapes: HashMap<String, Vec<i64>> =
+                i.st.lock()
+                    .units
+                    .iter()
+                    .flat_map(|u| {
+                        u.layout
+                            .slots
+                            .iter()
+                            .map(|s| (s.name.clone(), s.shape.clone()))
+                    })
+                    .collect();
+            let dtype = match i.compute {
+                Compute::F32 => Dtype::F32,
+                Compute::Bf16 => Dtype::BF16,
+                Compute::F16 => Dtype::F16,
+            };
+            let tensors: Vec<_> = params
+                .into_iter()
+                .map(|(name, v)| {
+                    let shape = shapes
+                        .get(&name)
+                        .cloned()
+                        .unwrap_or_else(|| vec![v.len() as i64]);
+                    let bytes = encode(&v, dtype);
+                    (name, shape, bytes)
+                })
+                .collect();
+            write_model(path.as_ref(), dtype, &tensors)
+        } else {
+            Ok(())
+        };
+        self.agree(written, "save")
+    }
+}
+
+/// A 1-D f32 tensor entry.
+fn f32_entry(name: String, data: &[f32]) -> Entry<'_> {
+    Entry {
+        name,
+        dtype: Dtype::F32,
+        shape: vec![data.len()],
+        data: f32_bytes(data),
+    }
+}
+
+fn restore_scaler(s: &mut Scaler, m: &ScalerMeta) {
+    s.scale = m.scale;
+    s.hysteresis = m.hysteresis;
+    s.iter = m.iter;
+    s.last_overflow = m.last_overflow;
+}
+
+/// Moves the complete staging directory to `target` and then rewrites
+/// `latest`: a crash in between leaves `latest` at the previous tag.
+fn commit(dir: &Path, staging: &Path, target: &Path, tag: &str) -> Result<(), CheckpointError> {
+    sync_dir(staging)?;
+    if target.exists() {
+        let old = dir.join(format!(".{tag}.old"));
+        let _ = std::fs::remove_dir_all(&old);
+        io("rename", target, std::fs::rename(target, &old))?;
+        io("rename", staging, std::fs::rename(staging, target))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        io("rename", staging, std::fs::rename(staging, target))?;
+    }
+    sync_dir(dir)?;
+    write_atomic(&dir.join("latest"), format!("{tag}\n").as_bytes())
+}
+
+/// The checkpoint must hold exactly this model's parameters and shapes.
+fn check_model(st: &State, meta: &Meta) -> Result<(), CheckpointError> {
+    let ours: HashMap<&str, &[i64]> = st
+        .units
+        .iter()
+        .flat_map(|u| {
+            u.layout
+                .slots
+                .iter()
+                .map(|s| (s.name.as_str(), s.shape.as_slice()))
+        })
+        .collect();
+    let saved: HashMap<&str, &[i64]> = meta
+        .params()
+        .map(|s| (s.name.as_str(), s.shape.as_slice()))
+        .collect();
+    let mut missing: Vec<String> = ours
+        .keys()
+        .filter(|k| !saved.contains_key(*k))
+        .map(|k| k.to_string())
+        .collect();
+    let mut unexpected: Vec<String> = saved
+        .keys()
+        .filter(|k| !ours.contains_key(*k))
+        .map(|k| k.to_string())
+        .collect();
+    let mut misshaped: Vec<String> = ours
+        .iter()
+        .filter_map(|(k, s)| {
+            saved
+                .get(k)
+                .filter(|t| t != &s)
+                .map(|t| format!("{k}: checkpoint {t:?}, model {s:?}"))
+        })
+        .collect();
+    if missing.is_empty() && unexpected.is_empty() && misshaped.is_empty() {
+        return Ok(());
+    }
+    missing.sort();
+    unexpected.sort();
+    misshaped.sort();
+    Err(CheckpointError::ModelMismatch {
+        missing,
+        unexpected,
+        misshaped,
+    })
+}

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_with, model, model_of, tokens, GPT};
+use common::{config_with, config_zero, model, model_of, nvme, tokens, GPT};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup, ReduceOp};
 use zrt::gpt::GptConfig;
@@ -55,7 +55,10 @@ struct Phase<'a> {
     micros: std::ops::Range<usize>,
     load: Option<(&'a Path, Option<&'a str>)>,
     save: Option<(&'a Path, &'a str)>,
+    /// Spliced into the config's top level.
     extra: &'a str,
+    /// Spliced into `zero_optimization`.
+    zero: &'a str,
 }
 
 impl<'a> Phase<'a> {
@@ -67,6 +70,7 @@ impl<'a> Phase<'a> {
             load: None,
             save: None,
             extra: "",
+            zero: "",
         }
     }
     fn load(mut self, dir: &'a Path, tag: Option<&'a str>) -> Self {
@@ -94,7 +98,7 @@ fn run(p: &Phase<'_>) -> Outcome {
 /// returned, not panicked on).
 fn try_run(p: &Phase<'_>, gpt_cfg: &GptConfig) -> Vec<Result<Outcome, EngineError>> {
     let world = p.batches.world();
-    let cfg = config_with(p.stage, p.batches.gas(), 0.5, p.extra);
+    let cfg = config_zero(p.stage, p.batches.gas(), 0.5, p.extra, p.zero);
     std::thread::scope(|s| {
         let hs: Vec<_> = local::world(world)
             .into_iter()
@@ -705,4 +709,51 @@ fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
         &straight,
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
+    // Saved from the swap, loaded into memory, and the other way round.
+    let two = Batches::Two { gas: 1 };
+    let swap_dir = tmp("swap");
+    let (aio, off) = nvme(&swap_dir);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let with_swap = format!("{bf16}{aio}");
+    for stage in [2u8, 3] {
+        let dir = tmp(&format!("offload-{stage}"));
+        let straight = run(&Phase {
+            extra: bf16,
+            ..Phase::new(stage, two, 0..4)
+        });
+        run(&Phase {
+            extra: &with_swap,
+            zero: &off,
+            ..Phase::new(stage, two, 0..2).save(&dir, "swapped")
+        });
+        let resumed = run(&Phase {
+            extra: bf16,
+            ..Phase::new(stage, two, 2..4).load(&dir, None)
+        });
+        assert_bits(
+            &format!("stage {stage}: swap -> memory"),
+            &resumed.params,
+            &straight.params,
+        );
+        run(&Phase {
+            extra: bf16,
+            ..Phase::new(stage, two, 0..2).save(&dir, "memory")
+        });
+        let resumed = run(&Phase {
+            extra: &with_swap,
+            zero: &off,
+            ..Phase::new(stage, two, 2..4).load(&dir, None)
+        });
+        assert_bits(
+            &format!("stage {stage}: memory -> swap"),
+            &resumed.params,
+            &straight.params,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&swap_dir);
 }

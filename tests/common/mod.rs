@@ -60,11 +60,29 @@ pub fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
 /// AdamW at [`LR`], [`WD`]; `extra` is spliced into the top level (e.g. a
 /// precision block).
 pub fn config_with(stage: u8, gas: usize, clip: f64, extra: &str) -> Config {
+    config_zero(stage, gas, clip, extra, "")
+}
+
+/// As [`config_with`]; `zero` is spliced into `zero_optimization` (e.g. an
+/// `offload_optimizer` block, with a trailing comma).
+pub fn config_zero(stage: u8, gas: usize, clip: f64, extra: &str, zero: &str) -> Config {
     Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
             "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
             {extra}
-            "gradient_clipping": {clip}, "zero_optimization": {{"stage": {stage}}}}}"#
+            "gradient_clipping": {clip}, "zero_optimization": {{{zero} "stage": {stage}}}}}"#
     ))
     .unwrap()
+}
+
+/// An NVMe offload block for [`config_zero`] swapping into `dir`, with
+/// 4 KiB chunks (1024 elements) so even a tiny model streams many chunks.
+pub fn nvme(dir: &std::path::Path) -> (String, String) {
+    (
+        r#""aio": {"block_size": 4096},"#.to_string(),
+        format!(
+            r#""offload_optimizer": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 3}},"#,
+            dir.display()
+        ),
+    )
 }

@@ -32,6 +32,9 @@ pub enum EngineError {
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The optimizer-state swap (NVMe offload) failed.
+    #[error(transparent)]
+    Offload(#[from] zrt_offload::OffloadError),
     /// A setting this build of the engine does not implement yet.
     #[error("not implemented yet: {0}")]
     Unsupported(String),

@@ -19,13 +19,6 @@ struct Cli {
     command: Cmd,
 }
 
-/// Arguments of a subcommand that is not implemented yet.
-#[derive(clap::Args, Debug)]
-struct Pending {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    args: Vec<String>,
-}
-
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Start N ranks of a program with the torchrun environment contract.
@@ -66,12 +59,7 @@ enum BenchCmd {
     #[command(hide = true)]
     TrainRank(bench::train::TrainRankArgs),
     /// Optimizer step with NVMe offload vs in memory and raw disk speed.
-    Offload(Pending),
-}
-
-fn pending(name: &str) -> ExitCode {
-    eprintln!("zrt {name}: not implemented in this build yet");
-    ExitCode::from(2)
+    Offload(bench::offload::OffloadArgs),
 }
 
 fn main() -> ExitCode {
@@ -93,8 +81,8 @@ fn main() -> ExitCode {
             which: BenchCmd::TrainRank(a),
         } => bench::train::rank_main(&a),
         Cmd::Bench {
-            which: BenchCmd::Offload(_),
-        } => return pending("bench offload"),
+            which: BenchCmd::Offload(a),
+        } => bench::offload::run(&a),
         Cmd::Launch(a) => match launch::run(&a) {
             Ok(code) => return code,
             Err(e) => Err(e),

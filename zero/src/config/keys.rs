@@ -16,12 +16,12 @@ pub(crate) const TOP: &[&str] = &[
     "zero_optimization",
     "communication_data_type",
     "data_types",
+    "aio",
 ];
 
 /// Top-level keys DeepSpeed knows that zrt does not implement (warnings).
 pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "activation_checkpointing",
-    "aio",
     "amp",
     "autotuning",
     "checkpoint",
@@ -116,6 +116,17 @@ pub(crate) const OFFLOAD_OPTIMIZER: &[&str] = &[
     "fast_init",
     "ratio",
     "pipeline",
+];
+
+/// `aio` keys (DeepSpeed's async I/O for NVMe offload).
+pub(crate) const AIO: &[&str] = &[
+    "block_size",
+    "queue_depth",
+    "thread_count",
+    "intra_op_parallelism",
+    "single_submit",
+    "overlap_events",
+    "use_gds",
 ];
 
 /// `offload_param` keys.

@@ -150,6 +150,34 @@ pub struct OffloadConfig {
     pub buffer_size: u64,
 }
 
+/// `aio`: how the NVMe swap does its I/O. zrt honours `block_size` (bytes
+/// per array per request); the other knobs are read and warned about.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AioConfig {
+    /// `block_size` in bytes (DeepSpeed's default 1 MiB).
+    pub block_size: u64,
+    /// `queue_depth`.
+    pub queue_depth: u64,
+    /// `thread_count` / `intra_op_parallelism`.
+    pub thread_count: u64,
+    /// `single_submit`.
+    pub single_submit: bool,
+    /// `overlap_events`.
+    pub overlap_events: bool,
+}
+
+impl Default for AioConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 1 << 20,
+            queue_depth: 8,
+            thread_count: 1,
+            single_submit: false,
+            overlap_events: true,
+        }
+    }
+}
+
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZeroConfig {
@@ -222,6 +250,8 @@ pub struct Config {
     pub fp32_grad_reduce: bool,
     /// `zero_optimization`.
     pub zero: ZeroConfig,
+    /// `aio`.
+    pub aio: AioConfig,
     /// Everything zrt read but will not honour, or mapped from a deprecated key.
     pub warnings: Vec<String>,
 }

@@ -4,8 +4,9 @@ use serde_json::{Map, Value};
 
 use super::keys::{self, closest};
 use super::{
-    AutoHints, Batch, Config, ConfigError, LossScaleConfig, OffloadConfig, OffloadDevice,
-    OptimizerConfig, OptimizerKind, Precision, Resolved, SchedulerConfig, ZeroConfig,
+    AioConfig, AutoHints, Batch, Config, ConfigError, LossScaleConfig, OffloadConfig,
+    OffloadDevice, OptimizerConfig, OptimizerKind, Precision, Resolved, SchedulerConfig,
+    ZeroConfig,
 };
 
 /// A value that may be `"auto"` (resolved by [`Config::resolve`]).
@@ -474,9 +475,31 @@ impl P {
         if device == OffloadDevice::Nvme && nvme_path.is_none() {
             self.problems.push(format!("`{path}.device` is \"nvme\" but `{path}.nvme_path` is missing: name a directory on the NVMe drive"));
         }
-        if device != OffloadDevice::None {
+        let optimizer = path.ends_with("offload_optimizer");
+        match device {
+            OffloadDevice::None => {}
+            OffloadDevice::Cpu => self.warnings.push(format!(
+                "`{path}.device` = \"cpu\": on a CPU-only run the state already lives in host memory, so nothing is copied (pinned host buffers for CUDA devices are not built yet)"
+            )),
+            OffloadDevice::Nvme if !optimizer => self.warnings.push(format!(
+                "`{path}.device` = \"nvme\": zrt does not swap parameters to NVMe yet; stage-3 parameter shards stay in memory (offload_optimizer nvme is supported)"
+            )),
+            OffloadDevice::Nvme => {}
+        }
+        for key in ["fast_init", "ratio", "max_in_cpu"] {
+            if o.contains_key(key) {
+                self.warnings
+                    .push(format!("`{path}.{key}` is not honoured by zrt"));
+            }
+        }
+        for key in ["pipeline_read", "pipeline_write", "pipeline"] {
+            if o.get(key) == Some(&Value::Bool(false)) {
+                self.warnings.push(format!("`{path}.{key}` = false has no effect: zrt's swap always reads ahead and writes behind"));
+            }
+        }
+        if o.get("pin_memory") == Some(&Value::Bool(true)) {
             self.warnings.push(format!(
-                "`{path}.device` = {device:?}: zrt does not offload yet; the state stays in memory"
+                "`{path}.pin_memory` has no effect on a CPU-only run"
             ));
         }
         OffloadConfig {
@@ -485,6 +508,39 @@ impl P {
             pin_memory: self.bool_or(o, path, "pin_memory", false),
             buffer_count: self.u64_or(o, path, "buffer_count", 5),
             buffer_size: self.u64_or(o, path, "buffer_size", 100_000_000),
+        }
+    }
+
+    fn aio(&mut self, top: &Map<String, Value>) -> AioConfig {
+        let empty = Map::new();
+        let a = self.object(top, "aio").unwrap_or(&empty);
+        self.keys(a, "aio", keys::AIO, &[], true);
+        let d = AioConfig::default();
+        for key in [
+            "queue_depth",
+            "thread_count",
+            "intra_op_parallelism",
+            "single_submit",
+            "overlap_events",
+            "use_gds",
+        ] {
+            if a.contains_key(key) {
+                self.warnings.push(format!("`aio.{key}` is not honoured: zrt's swap keeps `buffer_count` chunks in flight on one reader and one writer thread (only `aio.block_size` is used)"));
+            }
+        }
+        let block_size = self.u64_or(a, "aio", "block_size", d.block_size);
+        if block_size == 0 {
+            self.problems.push(
+                "`aio.block_size` must be at least 1 byte (DeepSpeed's default is 1048576)".into(),
+            );
+        }
+        let threads = self.u64_or(a, "aio", "intra_op_parallelism", d.thread_count);
+        AioConfig {
+            block_size: block_size.max(1),
+            queue_depth: self.u64_or(a, "aio", "queue_depth", d.queue_depth),
+            thread_count: self.u64_or(a, "aio", "thread_count", threads),
+            single_submit: self.bool_or(a, "aio", "single_submit", d.single_submit),
+            overlap_events: self.bool_or(a, "aio", "overlap_events", d.overlap_events),
         }
     }
 
@@ -555,11 +611,11 @@ impl P {
             let on = self.bool_or(z, path, old, false);
             match *old {
                 "cpu_offload" if on && offload_optimizer.is_none() => {
-                    self.warnings.push("`zero_optimization.offload_optimizer.device` = Cpu: zrt does not offload yet; the state stays in memory".into());
+                    self.warnings.push("`zero_optimization.offload_optimizer.device` = \"cpu\": on a CPU-only run the state already lives in host memory, so nothing is copied".into());
                     offload_optimizer = Some(cpu.clone());
                 }
                 "cpu_offload_params" | "cpu_offload_param" if on && offload_param.is_none() => {
-                    self.warnings.push("`zero_optimization.offload_param.device` = Cpu: zrt does not offload yet; the state stays in memory".into());
+                    self.warnings.push("`zero_optimization.offload_param.device` = \"cpu\": on a CPU-only run the parameters already live in host memory, so nothing is copied".into());
                     offload_param = Some(cpu.clone());
                 }
                 "cpu_offload_use_pin_memory" => {
@@ -642,6 +698,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         wall_clock_breakdown: p.bool_or(&top, "", "wall_clock_breakdown", false),
         fp32_grad_reduce,
         zero: p.zero(&top),
+        aio: p.aio(&top),
         warnings: Vec::new(),
     };
     if cfg.gradient_clipping < 0.0 {

@@ -157,23 +157,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let pending = st.micro != st.boundary_at;
         let rng = glue::cpu_rng_state().map_err(|e| CheckpointError::format(dir, e.to_string()))?;
         let mut entries = Vec::new();
-        for (u, sh) in st.units.iter().zip(&st.shards) {
-            let (padded, range) = (u.layout.padded, u.layout.shard(rank));
-            // This rank's range of the fp32 master, wherever it lives.
-            let master: &[f32] = match (i.compute, i.stage) {
-                // SAFETY: the fp32 flat tensor, read under the state lock.
-                (Compute::F32, 0..=2) => &(unsafe { elems::<f32>(&u.flat, padded) })[range.clone()],
-                (_, 0) => &sh.master[range.clone()],
-                _ => &sh.master,
-            };
-            let (m, v): (&[f32], &[f32]) = if i.stage == 0 {
-                (&sh.m[range.clone()], &sh.v[range])
-            } else {
-                (&sh.m, &sh.v)
-            };
-            entries.push(f32_entry(format!("{}/master", u.name), master));
-            entries.push(f32_entry(format!("{}/m", u.name), m));
-            entries.push(f32_entry(format!("{}/v", u.name), v));
+        let states = (0..st.units.len())
+            .map(|k| i.shard_state(st, k))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| CheckpointError::format(dir, e.to_string()))?;
+        for ((u, sh), state) in st.units.iter().zip(&st.shards).zip(&states) {
+            entries.push(f32_entry(format!("{}/master", u.name), &state.master));
+            entries.push(f32_entry(format!("{}/m", u.name), &state.m));
+            entries.push(f32_entry(format!("{}/v", u.name), &state.v));
             if pending {
                 entries.push(f32_entry(format!("{}/grad", u.name), &sh.g));
             }
@@ -374,7 +365,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let rank = i.group.rank();
         let mut guard = i.st.lock();
         let st = &mut *guard;
-        for ((u, sh), lu) in st.units.iter().zip(st.shards.iter_mut()).zip(l.units) {
+        for (k, ((u, sh), lu)) in st
+            .units
+            .iter()
+            .zip(st.shards.iter_mut())
+            .zip(l.units)
+            .enumerate()
+        {
             let (padded, range) = (u.layout.padded, u.layout.shard(rank));
             let need = self.own_range(padded, range);
             // The compute copy this rank writes (as the optimizer would).
@@ -399,11 +396,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     &mut unsafe { elems::<f16>(&u.flat, padded) }[need],
                 )?,
             }
+            match &i.swap {
+                Some(swap) => i.swap_in(swap, k, &lu.master, &lu.m, &lu.v)?,
+                None => {
+                    sh.m = lu.m;
+                    sh.v = lu.v;
+                }
+            }
+            // Empty when the master lives in the flat tensor or the swap.
             if !sh.master.is_empty() {
                 sh.master = lu.master;
             }
-            sh.m = lu.m;
-            sh.v = lu.v;
             match lu.grad {
                 Some(g) if g.len() == sh.g.len() => sh.g = g,
                 _ => sh.g.fill(0.0),

@@ -48,6 +48,7 @@ use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
 mod checkpoint;
+mod offload;
 
 /// The dtype of the parameters forward and backward run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +103,21 @@ struct Shard {
     /// Stage 1: this step's reduced gradient shard.
     reduced: Vec<f32>,
     copy: CopyShard,
+}
+
+/// This rank's optimizer state over its shard of one unit (borrowed from
+/// memory, or read from the swap).
+struct ShardState<'a> {
+    master: std::borrow::Cow<'a, [f32]>,
+    m: std::borrow::Cow<'a, [f32]>,
+    v: std::borrow::Cow<'a, [f32]>,
+}
+
+/// What one optimizer step applies to every range it updates.
+struct Update<'a> {
+    adam: &'a AdamConfig,
+    step: u64,
+    scale: f32,
 }
 
 /// DeepSpeed's dynamic loss scaler (fp16).
@@ -180,6 +196,9 @@ struct Inner<G> {
     st: Mutex<State>,
     /// Test knob: sleep a random 0-2 ms before every collective (0: off).
     delays: Mutex<u64>,
+    /// NVMe offload: this rank's optimizer state (m, v, and the fp32 master
+    /// when the compute dtype is 16-bit) lives in this swap file.
+    swap: Option<zrt_offload::Swap>,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -276,6 +295,98 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
+    /// This rank's fp32 master, m and v over its shard of unit `k`,
+    /// wherever they live (the flat tensor, the shard buffers, the swap).
+    fn shard_state<'a>(&self, st: &'a State, k: usize) -> Result<ShardState<'a>, EngineError> {
+        use std::borrow::Cow;
+        let (u, sh) = (&st.units[k], &st.shards[k]);
+        let range = self.shard_range(u);
+        let mut swapped = match &self.swap {
+            Some(s) => Some(self.swapped_state(s, k)?),
+            None => None,
+        };
+        let master = match (
+            self.compute,
+            self.stage,
+            swapped.as_mut().and_then(|s| s.master.take()),
+        ) {
+            (_, _, Some(m)) => Cow::Owned(m),
+            // SAFETY: a read of the fp32 flat tensor under the state lock.
+            (Compute::F32, 0..=2, None) => {
+                Cow::Borrowed(&(unsafe { elems::<f32>(&u.flat, u.layout.padded) })[range.clone()])
+            }
+            (_, 0, None) => Cow::Borrowed(&sh.master[range.clone()]),
+            _ => Cow::Borrowed(sh.master.as_slice()),
+        };
+        let (m, v) = match swapped {
+            Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
+            None if self.stage == 0 => (
+                Cow::Borrowed(&sh.m[range.clone()]),
+                Cow::Borrowed(&sh.v[range]),
+            ),
+            None => (
+                Cow::Borrowed(sh.m.as_slice()),
+                Cow::Borrowed(sh.v.as_slice()),
+            ),
+        };
+        Ok(ShardState { master, m, v })
+    }
+
+    /// Adam over elements `r` of this rank's optimizer range of unit `u`
+    /// (its shard; the whole buffer at stage 0). `s.p` is the fp32 master of
+    /// those elements wherever it lives (empty when the flat tensor is the
+    /// master: fp32, stages 0-2); `s.g`, `s.m`, `s.v` are those elements.
+    /// The compute copy written is the flat tensor's range (stages 0-2) or
+    /// the range of the shard the next forward gathers (3).
+    fn adam_on(
+        &self,
+        u: &Unit,
+        r: std::ops::Range<usize>,
+        s: AdamShard<'_>,
+        copy: &mut CopyShard,
+        up: &Update<'_>,
+    ) -> Result<(), EngineError> {
+        let padded = u.layout.padded;
+        let base = if self.stage == 0 {
+            0
+        } else {
+            self.shard_range(u).start
+        };
+        let whole = base + r.start..base + r.end;
+        let AdamShard { p: master, g, m, v } = s;
+        // SAFETY: the engine's flat tensors of the compute dtype, under the
+        // state lock; no forward or backward runs during a step.
+        let (p, copy): (&mut [f32], ComputeCopy<'_>) = match (self.compute, self.stage) {
+            (Compute::F32, 0..=2) => (
+                &mut (unsafe { elems::<f32>(&u.flat, padded) })[whole],
+                ComputeCopy::None,
+            ),
+            (Compute::F32, _) => (master, ComputeCopy::None),
+            (_, 3) => match copy {
+                CopyShard::Bf16(c) => (master, ComputeCopy::Bf16(&mut c[r])),
+                CopyShard::F16(c) => (master, ComputeCopy::F16(&mut c[r])),
+                CopyShard::None => (master, ComputeCopy::None),
+            },
+            (Compute::Bf16, _) => (
+                master,
+                ComputeCopy::Bf16(&mut (unsafe { elems::<bf16>(&u.flat, padded) })[whole]),
+            ),
+            (Compute::F16, _) => (
+                master,
+                ComputeCopy::F16(&mut (unsafe { elems::<f16>(&u.flat, padded) })[whole]),
+            ),
+        };
+        adam_step(
+            &self.threads,
+            up.adam,
+            up.step,
+            up.scale,
+            AdamShard { p, g, m, v },
+            copy,
+        )?;
+        Ok(())
+    }
+
     /// After the optimizer (or a checkpoint load) wrote this rank's shards:
     /// stages 1-2 all-gather the updated ranges into every flat tensor,
     /// stage 3 refills the root from the shards and frees any other unit
@@ -362,6 +473,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 }
+
+/// A rank's fp32 master shard of one unit and its range in the unit's flat
+/// buffer.
+pub type MasterShard = (Vec<f32>, std::ops::Range<usize>);
 
 /// The plan's view of the engine (weak: the plan must not keep it alive).
 struct Hook<G> {
@@ -549,6 +664,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             });
         }
+        let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
         let n = units.len();
         let lr = cfg.config.optimizer.lr.value().unwrap_or(1e-3);
         let scaler = match &cfg.config.precision {
@@ -574,6 +690,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 error: None,
             }),
             delays: Mutex::new(0),
+            swap,
             cfg,
         });
         if stage == 3 {
@@ -759,50 +876,28 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             bias_correction: c.optimizer.bias_correction,
         };
         let scale = (coef / loss_scale) as f32;
-        for (u, sh) in st.units.iter().zip(st.shards.iter_mut()) {
-            let (padded, range) = (u.layout.padded, i.shard_range(u));
-            // The compute-dtype range the update writes: the whole flat
-            // tensor (stage 0), this rank's range of it (1, 2), or the shard
-            // the next forward gathers (3).
-            let whole = if i.stage == 0 { 0..padded } else { range };
-            let Shard {
-                master,
-                m,
-                v,
-                g,
-                reduced,
-                copy,
-            } = sh;
-            let g: &[f32] = if stage1 { reduced } else { g };
-            let (p, copy): (&mut [f32], ComputeCopy<'_>) = match (i.compute, i.stage) {
-                // SAFETY: the engine's flat tensors; no forward or backward runs during step.
-                (Compute::F32, 0..=2) => (
-                    &mut unsafe { elems::<f32>(&u.flat, padded) }[whole],
-                    ComputeCopy::None,
-                ),
-                (Compute::F32, _) => (master, ComputeCopy::None),
-                (_, 3) => match copy {
-                    CopyShard::Bf16(c) => (master, ComputeCopy::Bf16(c)),
-                    CopyShard::F16(c) => (master, ComputeCopy::F16(c)),
-                    CopyShard::None => (master, ComputeCopy::None),
-                },
-                (Compute::Bf16, _) => (
-                    master,
-                    ComputeCopy::Bf16(&mut unsafe { elems::<bf16>(&u.flat, padded) }[whole]),
-                ),
-                (Compute::F16, _) => (
-                    master,
-                    ComputeCopy::F16(&mut unsafe { elems::<f16>(&u.flat, padded) }[whole]),
-                ),
-            };
-            adam_step(
-                &i.threads,
-                &adam,
-                st.step,
-                scale,
-                AdamShard { p, g, m, v },
-                copy,
-            )?;
+        let up = Update {
+            adam: &adam,
+            step: st.step,
+            scale,
+        };
+        match &i.swap {
+            Some(swap) => i.adam_swapped(swap, st, &up, stage1)?,
+            None => {
+                for (u, sh) in st.units.iter().zip(st.shards.iter_mut()) {
+                    let Shard {
+                        master,
+                        m,
+                        v,
+                        g,
+                        reduced,
+                        copy,
+                    } = sh;
+                    let g: &[f32] = if stage1 { reduced } else { g };
+                    let r = 0..m.len();
+                    i.adam_on(u, r, AdamShard { p: master, g, m, v }, copy, &up)?;
+                }
+            }
         }
         i.share_shards(st)?;
         for sh in st.shards.iter_mut() {
@@ -852,13 +947,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         &self.inner.group
     }
 
-    /// Model-state bytes this rank holds now, as the engine allocated them:
-    /// parameters in the compute dtype (flat tensors with storage), fp32
-    /// master, Adam's m and v, accumulated gradients, and stage 3's 16-bit
-    /// shard. Compare with DESIGN.md's table.
+    /// Model-state bytes this rank holds in memory now, as the engine
+    /// allocated them: parameters in the compute dtype (flat tensors with
+    /// storage), fp32 master, Adam's m and v, accumulated gradients, stage
+    /// 3's 16-bit shard, and under NVMe offload the swap's buffers (not the
+    /// state on disk: see [`Engine::offloaded_bytes`]). Compare with
+    /// DESIGN.md's table.
     pub fn model_state_bytes(&self) -> Result<usize, EngineError> {
         let st = self.inner.st.lock();
-        let mut b = 0;
+        let mut b = self.inner.swap.as_ref().map_or(0, |s| s.resident_bytes());
         for (u, sh) in st.units.iter().zip(&st.shards) {
             b += glue::storage_nbytes(&u.flat)?;
             b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
@@ -869,6 +966,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             };
         }
         Ok(b)
+    }
+
+    /// Bytes of optimizer state in this rank's NVMe swap file (0 without
+    /// offload).
+    pub fn offloaded_bytes(&self) -> u64 {
+        self.inner.swap.as_ref().map_or(0, |s| s.file_bytes())
     }
 
     /// Elements of real parameters (without padding) in every unit.
@@ -883,21 +986,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 
     /// This rank's fp32 master shard of unit `unit` and its range in the
-    /// unit's flat buffer (for tests and checkpoints).
-    pub fn master_shard(&self, unit: usize) -> Option<(Vec<f32>, std::ops::Range<usize>)> {
+    /// unit's flat buffer (for tests and checkpoints); `None` past the last
+    /// unit. Reads the swap file under NVMe offload.
+    pub fn master_shard(&self, unit: usize) -> Result<Option<MasterShard>, EngineError> {
         let i = &*self.inner;
         let st = i.st.lock();
-        let (u, sh) = (st.units.get(unit)?, &st.shards[unit]);
+        let Some(u) = st.units.get(unit) else {
+            return Ok(None);
+        };
         let range = i.shard_range(u);
-        Some(match (i.compute, i.stage) {
-            // SAFETY: read-only copy under the lock.
-            (Compute::F32, 0..=2) => (
-                (unsafe { elems::<f32>(&u.flat, u.layout.padded) })[range.clone()].to_vec(),
-                range,
-            ),
-            (_, 0) => (sh.master[range.clone()].to_vec(), range),
-            _ => (sh.master.clone(), range),
-        })
+        Ok(Some((i.shard_state(&st, unit)?.master.into_owned(), range)))
     }
 
     /// This rank's accumulated gradient buffer of unit `unit` (full for
@@ -923,7 +1021,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let n = self.inner.st.lock().units.len();
         let mut out = Vec::new();
         for k in 0..n {
-            let Some((mine, _)) = self.master_shard(k) else {
+            let Some((mine, _)) = self.master_shard(k)? else {
                 continue;
             };
             let (_, full) = self.inner.group.all_gather(mine, Vec::new()).wait()?;

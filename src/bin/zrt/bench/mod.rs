@@ -7,6 +7,7 @@
 
 pub mod adam;
 pub mod collectives;
+pub mod offload;
 pub mod peer;
 pub mod train;
 

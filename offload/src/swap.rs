@@ -1,0 +1,556 @@
+//! The per-rank swap file and the read-ahead / write-behind stream over it.
+
+use std::fs::{File, OpenOptions};
+use std::ops::Range;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crossbeam_channel::bounded;
+
+use crate::aligned::{AlignedBuf, ALIGN};
+use crate::OffloadError;
+
+/// How to build a [`Swap`].
+#[derive(Debug, Clone)]
+pub struct SwapConfig {
+    /// The directory of the swap file (`nvme_path`).
+    pub dir: PathBuf,
+    /// This rank (part of the file name).
+    pub rank: usize,
+    /// Buffers in flight (`buffer_count`, at least 1; 3 or more lets a
+    /// read, the optimizer and a write run at once).
+    pub buffer_count: usize,
+    /// Bytes of each array per chunk (`aio.block_size`), rounded up to 4 KiB.
+    pub chunk_bytes: usize,
+    /// Open with O_DIRECT where the filesystem allows it.
+    pub direct: bool,
+}
+
+/// One region: `len` elements of each array, in `chunks` slots from byte `start`.
+#[derive(Debug, Clone)]
+struct Region {
+    start: u64,
+    len: usize,
+    chunks: usize,
+}
+
+/// A rank's optimizer-state swap file: regions of `arrays` f32 arrays each,
+/// streamed through a fixed set of aligned buffers (see the crate docs).
+pub struct Swap {
+    path: PathBuf,
+    file: File,
+    arrays: usize,
+    /// Elements of one array per chunk.
+    chunk: usize,
+    regions: Vec<Region>,
+    buffer_count: usize,
+    bufs: pool::Pool,
+    bytes: u64,
+    direct: bool,
+}
+
+/// The swap's idle buffers, kept between streams (no allocation per step).
+mod pool {
+    use super::AlignedBuf;
+    use std::sync::Mutex;
+
+    pub(super) struct Pool(Mutex<Vec<AlignedBuf>>);
+
+    impl Pool {
+        pub(super) fn new() -> Self {
+            Self(Mutex::new(Vec::new()))
+        }
+        /// Every pooled buffer, topped up to `n` buffers of `len` f32s.
+        pub(super) fn take(&self, n: usize, len: usize) -> Vec<AlignedBuf> {
+            let mut v = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+            while v.len() < n {
+                v.push(AlignedBuf::new(len));
+            }
+            v
+        }
+        pub(super) fn put(&self, bufs: impl IntoIterator<Item = AlignedBuf>) {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(bufs);
+        }
+    }
+}
+
+impl Swap {
+    /// Creates and preallocates a swap file in `cfg.dir` for regions of the
+    /// given lengths, each holding `arrays` f32 arrays (zeros).
+    pub fn create(cfg: &SwapConfig, arrays: usize, lens: &[usize]) -> Result<Self, OffloadError> {
+        if !cfg.dir.is_dir() {
+            return Err(OffloadError::NoDirectory {
+                path: cfg.dir.clone(),
+            });
+        }
+        if arrays == 0 {
+            return Err(OffloadError::Shape(
+                "a swap needs at least one array".into(),
+            ));
+        }
+        remove_stale(&cfg.dir);
+        let chunk = cfg.chunk_bytes.max(ALIGN).div_ceil(ALIGN) * ALIGN / 4;
+        let slot = (arrays * chunk * 4) as u64;
+        let mut regions = Vec::new();
+        let mut at = 0u64;
+        for &len in lens {
+            let chunks = len.div_ceil(chunk);
+            regions.push(Region {
+                start: at,
+                len,
+                chunks,
+            });
+            at += chunks as u64 * slot;
+        }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = cfg.dir.join(format!(
+            "zrt-optim-{}-r{}-{nanos}.swap",
+            std::process::id(),
+            cfg.rank
+        ));
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true).create_new(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(&path)
+        };
+        let (file, direct) = match open(cfg.direct) {
+            Ok(f) => (f, cfg.direct),
+            Err(e) if cfg.direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::warn!(dir = %cfg.dir.display(), "the filesystem refuses O_DIRECT: the optimizer swap goes through the page cache");
+                let _ = std::fs::remove_file(&path);
+                (
+                    open(false).map_err(|e| OffloadError::io("create", &path, &e))?,
+                    false,
+                )
+            }
+            Err(e) => return Err(OffloadError::io("create", &path, &e)),
+        };
+        if at > 0 {
+            // SAFETY: a valid open descriptor; the length fits in off_t.
+            let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, at as libc::off_t) };
+            if rc != 0 {
+                let e = std::io::Error::from_raw_os_error(rc);
+                let _ = std::fs::remove_file(&path);
+                return Err(match rc {
+                    libc::ENOSPC | libc::EFBIG => OffloadError::NoSpace {
+                        path,
+                        bytes: at,
+                        msg: e.to_string(),
+                    },
+                    _ => OffloadError::io("preallocate", &path, &e),
+                });
+            }
+        }
+        tracing::debug!(path = %path.display(), bytes = at, direct, "optimizer swap file created");
+        Ok(Self {
+            path,
+            file,
+            arrays,
+            chunk,
+            regions,
+            buffer_count: cfg.buffer_count.max(1),
+            bufs: pool::Pool::new(),
+            bytes: at,
+            direct,
+        })
+    }
+
+    /// The swap file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Bytes of the swap file.
+    pub fn file_bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// Bytes of memory the swap's buffers hold (its whole resident cost).
+    pub fn resident_bytes(&self) -> usize {
+        self.buffer_count * self.slot_len() * 4
+    }
+    /// Whether the file bypasses the page cache (O_DIRECT).
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+    /// Regions in the swap.
+    pub fn regions(&self) -> usize {
+        self.regions.len()
+    }
+    /// Elements per array of region `r`.
+    pub fn region_len(&self, r: usize) -> usize {
+        self.regions.get(r).map_or(0, |g| g.len)
+    }
+
+    fn slot_len(&self) -> usize {
+        self.arrays * self.chunk
+    }
+
+    fn slot_offset(&self, r: usize, c: usize) -> u64 {
+        self.regions[r].start + (c * self.slot_len() * 4) as u64
+    }
+
+    fn chunk_range(&self, r: usize, c: usize) -> Range<usize> {
+        let a = c * self.chunk;
+        a..(a + self.chunk).min(self.regions[r].len)
+    }
+
+    fn read_slot(&self, r: usize, c: usize, buf: &mut AlignedBuf) -> Result<(), OffloadError> {
+        let offset = self.slot_offset(r, c);
+        let b = buf.bytes_mut();
+        let mut got = 0;
+        while got < b.len() {
+            match self.file.read_at(&mut b[got..], offset + got as u64) {
+                Ok(0) => {
+                    return Err(OffloadError::ShortRead {
+                        path: self.path.clone(),
+                        offset,
+                        want: b.len(),
+                        got,
+                    })
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(OffloadError::io("read", &self.path, &e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_slot(&self, r: usize, c: usize, buf: &AlignedBuf) -> Result<(), OffloadError> {
+        self.file
+            .write_all_at(buf.bytes(), self.slot_offset(r, c))
+            .map_err(|e| OffloadError::io("write", &self.path, &e))
+    }
+
+    fn check(&self, r: usize, lens: impl Iterator<Item = usize>) -> Result<(), OffloadError> {
+        let region = self
+            .regions
+            .get(r)
+            .ok_or_else(|| OffloadError::Shape(format!("no region {r}")))?;
+        let lens: Vec<usize> = lens.collect();
+        if lens.len() != self.arrays || lens.iter().any(|&l| l != region.len) {
+            return Err(OffloadError::Shape(format!(
+                "region {r} holds {} arrays of {} elements, got lengths {lens:?}",
+                self.arrays, region.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes region `r`'s arrays (one slice per array, each the region's
+    /// length), synchronously.
+    pub fn write_region(&self, r: usize, arrays: &[&[f32]]) -> Result<(), OffloadError> {
+        self.check(r, arrays.iter().map(|a| a.len()))?;
+        let mut bufs = self.bufs.take(1, self.slot_len());
+        let res = (|| {
+            let buf = &mut bufs[0];
+            for c in 0..self.regions[r].chunks {
+                let range = self.chunk_range(r, c);
+                let s = buf.as_mut_slice();
+                for (a, src) in arrays.iter().enumerate() {
+                    let dst = &mut s[a * self.chunk..(a + 1) * self.chunk];
+                    dst[..range.len()].copy_from_slice(&src[range.clone()]);
+                    dst[range.len()..].fill(0.0);
+                }
+                self.write_slot(r, c, buf)?;
+            }
+            Ok(())
+        })();
+        self.bufs.put(bufs);
+        res
+    }
+
+    /// Reads region `r`'s arrays into `out` (one slice per array).
+    pub fn read_region(&self, r: usize, out: &mut [&mut [f32]]) -> Result<(), OffloadError> {
+        self.check(r, out.iter().map(|a| a.len()))?;
+        let mut bufs = self.bufs.take(1, self.slot_len());
+        let res = (|| {
+            let buf = &mut bufs[0];
+            for c in 0..self.regions[r].chunks {
+                let range = self.chunk_range(r, c);
+                self.read_slot(r, c, buf)?;
+                let s = buf.as_slice();
+                for (a, dst) in out.iter_mut().enumerate() {
+                    dst[range.clone()]
+                        .copy_from_slice(&s[a * self.chunk..a * self.chunk + range.len()]);
+                }
+            }
+            Ok(())
+        })();
+        self.bufs.put(bufs);
+        res
+    }
+
+    /// Runs `f(region, elements, arrays)` over every chunk of every region,
+    /// in order, and writes each chunk back after `f` returns: a reader
+    /// thread reads ahead and a writer thread writes behind through the
+    /// swap's `buffer_count` buffers. `arrays` holds this chunk of each
+    /// array (`elements` of the region). The first error (of `f`, a read or
+    /// a write) stops the stream and is returned; chunks `f` finished before
+    /// it are on disk.
+    pub fn stream<E: From<OffloadError>>(
+        &self,
+        mut f: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let items: Vec<(usize, usize)> = (0..self.regions.len())
+            .flat_map(|r| (0..self.regions[r].chunks).map(move |c| (r, c)))
+            .collect();
+        if items.is_empty() {
+            return Ok(());
+        }
+        let n = self.buffer_count;
+        let (free_tx, free_rx) = bounded::<AlignedBuf>(n);
+        for b in self.bufs.take(n, self.slot_len()) {
+            // Cannot fail: the channel holds n and the receiver is alive.
+            let _ = free_tx.send(b);
+        }
+        let (rd_tx, rd_rx) = bounded::<(usize, usize, AlignedBuf)>(n);
+        let (wr_tx, wr_rx) = bounded::<(usize, usize, AlignedBuf)>(n);
+        let mut done = 0;
+        let (computed, read, written) = std::thread::scope(|s| {
+            let free_rx = &free_rx;
+            let items = &items;
+            let reader = s.spawn(move || -> Result<(), OffloadError> {
+                for &(r, c) in items {
+                    let Ok(mut b) = free_rx.recv() else {
+                        return Ok(()); // the writer stopped: its error is reported
+                    };
+                    self.read_slot(r, c, &mut b)?;
+                    if rd_tx.send((r, c, b)).is_err() {
+                        return Ok(()); // the optimizer stopped
+                    }
+                }
+                Ok(())
+            });
+            let writer = s.spawn(move || -> Result<(), OffloadError> {
+                for (r, c, b) in wr_rx.iter() {
+                    let res = self.write_slot(r, c, &b);
+                    let _ = free_tx.send(b);
+                    res?;
+                }
+                Ok(())
+            });
+            let computed = (|| -> Result<(), E> {
+                let (rd_rx, wr_tx) = (rd_rx, wr_tx);
+                for (r, c, mut b) in rd_rx.iter() {
+                    let range = self.chunk_range(r, c);
+                    let len = range.len();
+                    let mut parts: Vec<&mut [f32]> = b
+                        .as_mut_slice()
+                        .chunks_mut(self.chunk)
+                        .map(|p| &mut p[..len])
+                        .collect();
+                    f(r, range, &mut parts)?;
+                    if wr_tx.send((r, c, b)).is_err() {
+                        return Ok(()); // the writer failed: its error is reported
+                    }
+                    done += 1;
+                }
+                Ok(())
+            })();
+            let read = reader.join().unwrap_or_else(|_| {
+                Err(OffloadError::Compute(
+                    "the swap reader thread panicked".into(),
+                ))
+            });
+            let written = writer.join().unwrap_or_else(|_| {
+                Err(OffloadError::Compute(
+                    "the swap writer thread panicked".into(),
+                ))
+            });
+            (computed, read, written)
+        });
+        self.bufs.put(free_rx.try_iter());
+        computed?;
+        read?;
+        written?;
+        if done != items.len() {
+            return Err(OffloadError::Compute(format!(
+                "the swap stream stopped after {done} of {} chunks",
+                items.len()
+            ))
+            .into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Swap {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            tracing::warn!(path = %self.path.display(), "cannot remove the optimizer swap file: {e}");
+        }
+    }
+}
+
+impl std::fmt::Debug for Swap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Swap")
+            .field("path", &self.path)
+            .field("bytes", &self.bytes)
+            .field("direct", &self.direct)
+            .finish()
+    }
+}
+
+/// Removes swap files in `dir` whose process is gone (a crashed run's).
+fn remove_stale(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = name
+            .strip_prefix("zrt-optim-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone && name.ends_with(".swap") {
+            tracing::info!(
+                file = name,
+                "removing the swap file of a process that is gone"
+            );
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(dir: &Path, buffers: usize) -> SwapConfig {
+        SwapConfig {
+            dir: dir.to_path_buf(),
+            rank: 0,
+            buffer_count: buffers,
+            chunk_bytes: 4096,
+            direct: true,
+        }
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("zrt-swap-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn regions_round_trip_and_stream_updates_every_element_once() {
+        let d = dir("roundtrip");
+        for buffers in [1, 2, 4] {
+            // 1024 elements per chunk: region lengths around the boundary.
+            let lens = [1, 1023, 1024, 1025, 5000];
+            let swap = Swap::create(&cfg(&d, buffers), 3, &lens).unwrap();
+            let data: Vec<Vec<Vec<f32>>> = lens
+                .iter()
+                .enumerate()
+                .map(|(r, &n)| {
+                    (0..3)
+                        .map(|a| {
+                            (0..n)
+                                .map(|i| (r * 100_000 + a * 10_000 + i) as f32)
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            for (r, arrays) in data.iter().enumerate() {
+                let refs: Vec<&[f32]> = arrays.iter().map(Vec::as_slice).collect();
+                swap.write_region(r, &refs).unwrap();
+            }
+            let mut seen = vec![0usize; lens.len()];
+            swap.stream(
+                |r, range, arrays: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+                    assert_eq!(arrays.len(), 3);
+                    for (a, part) in arrays.iter_mut().enumerate() {
+                        assert_eq!(&part[..], &data[r][a][range.clone()]);
+                        part.iter_mut().for_each(|x| *x = -*x);
+                    }
+                    seen[r] += range.len();
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert_eq!(seen, lens);
+            for (r, &n) in lens.iter().enumerate() {
+                let mut out = vec![vec![0f32; n]; 3];
+                let mut refs: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+                swap.read_region(r, &mut refs).unwrap();
+                for a in 0..3 {
+                    let want: Vec<f32> = data[r][a].iter().map(|x| -x).collect();
+                    assert_eq!(out[a], want, "region {r} array {a}");
+                }
+            }
+            assert_eq!(swap.resident_bytes(), buffers * 3 * 4096);
+            let path = swap.path().to_path_buf();
+            assert!(path.exists());
+            drop(swap);
+            assert!(!path.exists(), "removed on drop");
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let d = dir("errors");
+        let missing = d.join("nope");
+        let e = Swap::create(&cfg(&missing, 2), 2, &[10]).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        // A short read: the file shrinks under the swap.
+        let swap = Swap::create(&cfg(&d, 2), 2, &[5000]).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(swap.path())
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = swap
+            .stream(|_, _, _: &mut [&mut [f32]]| -> Result<(), OffloadError> { Ok(()) })
+            .unwrap_err();
+        assert!(matches!(e, OffloadError::ShortRead { .. }), "{e}");
+        assert!(e.to_string().contains("short read"), "{e}");
+        // The function's error stops the stream and comes back as it is.
+        let swap = Swap::create(&cfg(&d, 3), 1, &[100_000]).unwrap();
+        let mut calls = 0;
+        let e = swap
+            .stream(|_, _, _: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+                calls += 1;
+                match calls {
+                    3 => Err(OffloadError::Compute("stop".into())),
+                    _ => Ok(()),
+                }
+            })
+            .unwrap_err();
+        assert_eq!(e.to_string(), "stop");
+        // ...and the next stream still has its buffers and runs to the end.
+        let mut n = 0;
+        swap.stream(|_, r, _: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+            n += r.len();
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(n, 100_000);
+        // A stale file of a process that is gone is removed by the next create.
+        let stale = d.join("zrt-optim-999999999-r0-1.swap");
+        std::fs::write(&stale, b"x").unwrap();
+        let _swap = Swap::create(&cfg(&d, 1), 1, &[1]).unwrap();
+        assert!(!stale.exists());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

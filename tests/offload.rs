@@ -1,0 +1,226 @@
+//! NVMe offload of the optimizer state: bit-identical to training in
+//! memory, bounded resident memory, and clear errors for a missing,
+//! read-only or full directory and for a swap file that lost data.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{config_zero, model, model_of, nvme, tokens, GPT};
+use zrt::collectives::local;
+use zrt::gpt::GptConfig;
+use zrt::zero::{AutoHints, Config, Engine, EngineError};
+
+type Params = Vec<(String, Vec<f32>)>;
+
+struct Outcome {
+    losses: Vec<f64>,
+    params: Params,
+    resident: usize,
+    offloaded: u64,
+}
+
+/// Trains `steps` steps on 2 ranks (threads) with `cfg`.
+fn train(cfg: &Config, gpt: &GptConfig, steps: usize) -> Vec<Result<Outcome, EngineError>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(2)
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || -> Result<Outcome, EngineError> {
+                    let (vs, plan, m) = model_of(gpt);
+                    let g = r.new_group(&[0, 1]).unwrap();
+                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default())?;
+                    let mut losses = Vec::new();
+                    for step in 0..steps {
+                        let loss = m.loss(&tokens(step, 0, r.rank(), 1));
+                        losses.push(loss.double_value(&[]));
+                        engine.backward(&loss)?;
+                        engine.step()?;
+                    }
+                    Ok(Outcome {
+                        losses,
+                        resident: engine.model_state_bytes()?,
+                        offloaded: engine.offloaded_bytes(),
+                        params: engine.gathered_params()?,
+                    })
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zrt-offload-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn swap_files(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".swap"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn nvme_offload_is_bit_identical_to_training_in_memory() {
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    for (precision, stage) in [("", 1u8), ("", 2), ("", 3), (bf16, 1), (bf16, 3)] {
+        let dir = tmp(&format!("parity-{stage}-{}", precision.len()));
+        let (aio, off) = nvme(&dir);
+        let plain = config_zero(stage, 1, 0.5, precision, "");
+        let swapped = config_zero(stage, 1, 0.5, &format!("{precision}{aio}"), &off);
+        let a = train(&plain, &GPT, 4).remove(0).unwrap();
+        let b = train(&swapped, &GPT, 4).remove(0).unwrap();
+        let what = format!("stage {stage} {precision}");
+        assert_eq!(a.losses, b.losses, "{what}");
+        for ((n, x), (_, y)) in a.params.iter().zip(&b.params) {
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{what}: {n}"
+            );
+        }
+        assert!(b.offloaded > 0 && a.offloaded == 0);
+        assert_eq!(
+            swap_files(&dir),
+            0,
+            "{what}: swap files are removed with the engine"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn resident_optimizer_memory_stays_at_the_buffers_while_the_state_is_larger() {
+    // bf16 stage 1: master, m and v (12 bytes a parameter) go to the swap.
+    let big = GptConfig { d_model: 64, ..GPT };
+    let dir = tmp("resident");
+    let (aio, off) = nvme(&dir);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let plain = train(&config_zero(1, 1, 0.0, bf16, ""), &big, 1)
+        .remove(0)
+        .unwrap();
+    let swapped = train(
+        &config_zero(1, 1, 0.0, &format!("{bf16}{aio}"), &off),
+        &big,
+        1,
+    )
+    .remove(0)
+    .unwrap();
+    // 3 buffers x 3 arrays x 4 KiB chunks.
+    let buffers = 3 * 3 * 4096;
+    let moved = plain.resident - (swapped.resident - buffers);
+    assert!(
+        swapped.offloaded as usize >= 8 * buffers,
+        "the state ({} bytes) is several times the buffers ({buffers})",
+        swapped.offloaded
+    );
+    // What left memory is exactly the optimizer state the swap holds (its
+    // file rounds each unit up to whole chunks).
+    assert!(
+        moved as u64 <= swapped.offloaded && moved as u64 * 10 >= swapped.offloaded * 9,
+        "moved {moved}, offloaded {}",
+        swapped.offloaded
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
+    let missing = std::env::temp_dir().join("zrt-offload-no-such-dir");
+    let (aio, off) = nvme(&missing);
+    let e = train(&config_zero(2, 1, 0.0, &aio, &off), &GPT, 0)
+        .remove(0)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+    let e = Engine::new(
+        &model().0,
+        &model().1,
+        &config_zero(0, 1, 0.0, &aio, &off),
+        local::world(1).remove(0).new_group(&[0]).unwrap(),
+        &AutoHints::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("needs ZeRO stage 1, 2 or 3"), "{e}");
+    // A tmpfs too small for the swap, then read-only (needs root, which this
+    // project's machines and CI have).
+    let dir = tmp("small");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(mounted, "cannot mount a tmpfs (not root?)");
+    let (aio, off) = nvme(&dir);
+    let res = train(&config_zero(2, 1, 0.0, &aio, &off), &GPT, 0);
+    for r in res {
+        let e = r.err().expect("the swap does not fit");
+        assert!(
+            e.to_string()
+                .contains("not enough space for the optimizer swap file"),
+            "{e}"
+        );
+    }
+    assert_eq!(swap_files(&dir), 0, "nothing half-written is left");
+    let st = std::process::Command::new("mount")
+        .args(["-o", "remount,ro,size=64m"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let e = train(&config_zero(2, 1, 0.0, &aio, &off), &GPT, 0)
+        .remove(0)
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("not writable") || e.to_string().contains("Read-only"),
+        "{e}"
+    );
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_swap_file_that_lost_data_fails_the_step_with_a_short_read() {
+    let dir = tmp("short");
+    let (aio, off) = nvme(&dir);
+    let cfg = config_zero(3, 1, 0.0, &aio, &off);
+    let r = local::world(1).remove(0);
+    let (vs, plan, m) = model();
+    let engine = Engine::new(
+        &vs,
+        &plan,
+        &cfg,
+        r.new_group(&[0]).unwrap(),
+        &AutoHints::default(),
+    )
+    .unwrap();
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .next()
+        .unwrap()
+        .path();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(8192)
+        .unwrap();
+    engine.backward(&m.loss(&tokens(0, 0, 0, 1))).unwrap();
+    let e = engine.step().unwrap_err().to_string();
+    assert!(
+        e.contains("short read") && e.contains(&file.display().to_string()),
+        "{e}"
+    );
+    drop(engine);
+    assert!(!file.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_with, config_zero, model, model_of, nvme, tokens, GPT};
+use common::{config_with, config_zero, model, model_of, nvme, nvme_params, tokens, GPT};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup, ReduceOp};
 use zrt::gpt::GptConfig;
@@ -719,7 +719,12 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
     let (aio, off) = nvme(&swap_dir);
     let bf16 = r#""bf16": {"enabled": true},"#;
     let with_swap = format!("{bf16}{aio}");
-    for stage in [2u8, 3] {
+    let stage3_all = format!("{off}{}", nvme_params(&swap_dir));
+    for (stage, off) in [
+        (2u8, off.as_str()),
+        (3, off.as_str()),
+        (3, stage3_all.as_str()),
+    ] {
         let dir = tmp(&format!("offload-{stage}"));
         let straight = run(&Phase {
             extra: bf16,
@@ -727,7 +732,7 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
         });
         run(&Phase {
             extra: &with_swap,
-            zero: &off,
+            zero: off,
             ..Phase::new(stage, two, 0..2).save(&dir, "swapped")
         });
         let resumed = run(&Phase {
@@ -745,7 +750,7 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
         });
         let resumed = run(&Phase {
             extra: &with_swap,
-            zero: &off,
+            zero: off,
             ..Phase::new(stage, two, 2..4).load(&dir, None)
         });
         assert_bits(

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_zero, model, model_of, nvme, tokens, GPT};
+use common::{config_zero, model, model_of, nvme, nvme_params, tokens, GPT};
 use zrt::collectives::local;
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, Config, Engine, EngineError};
@@ -93,6 +93,53 @@ fn nvme_offload_is_bit_identical_to_training_in_memory() {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+#[test]
+fn stage_3_parameter_offload_is_bit_identical_and_moves_the_shards_out() {
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    for precision in ["", bf16] {
+        let dir = tmp(&format!("params-{}", precision.len()));
+        let (aio, off) = nvme(&dir);
+        let params = nvme_params(&dir);
+        let plain = train(&config_zero(3, 1, 0.5, precision, ""), &GPT, 4)
+            .remove(0)
+            .unwrap();
+        for zero in [params.clone(), format!("{params}{off}")] {
+            let cfg = config_zero(3, 1, 0.5, &format!("{precision}{aio}"), &zero);
+            let b = train(&cfg, &GPT, 4).remove(0).unwrap();
+            let what = format!("{precision} {zero}");
+            assert_eq!(plain.losses, b.losses, "{what}");
+            for ((n, x), (_, y)) in plain.params.iter().zip(&b.params) {
+                assert!(
+                    x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what}: {n}"
+                );
+            }
+            // The shards (2 or 4 bytes a parameter over 2 ranks) left memory.
+            let shard_bytes = if precision.is_empty() { 4 } else { 2 }
+                * (plain.params.iter().map(|p| p.1.len()).sum::<usize>() / 2);
+            assert!(
+                plain.resident > b.resident + shard_bytes / 2,
+                "{what}: {} -> {}",
+                plain.resident,
+                b.resident
+            );
+            assert_eq!(swap_files(&dir), 0);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // Stage 3 only, as in DeepSpeed.
+    let dir = tmp("params-stage");
+    let e = train(&config_zero(2, 1, 0.0, "", &nvme_params(&dir)), &GPT, 0)
+        .remove(0)
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("offload_param needs ZeRO stage 3"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -75,6 +75,14 @@ pub fn config_zero(stage: u8, gas: usize, clip: f64, extra: &str, zero: &str) ->
     .unwrap()
 }
 
+/// An `offload_param` NVMe block for [`config_zero`] (stage 3).
+pub fn nvme_params(dir: &std::path::Path) -> String {
+    format!(
+        r#""offload_param": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 2}},"#,
+        dir.display()
+    )
+}
+
 /// An NVMe offload block for [`config_zero`] swapping into `dir`, with
 /// 4 KiB chunks (1024 elements) so even a tiny model streams many chunks.
 pub fn nvme(dir: &std::path::Path) -> (String, String) {

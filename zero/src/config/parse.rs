@@ -475,14 +475,10 @@ impl P {
         if device == OffloadDevice::Nvme && nvme_path.is_none() {
             self.problems.push(format!("`{path}.device` is \"nvme\" but `{path}.nvme_path` is missing: name a directory on the NVMe drive"));
         }
-        let optimizer = path.ends_with("offload_optimizer");
         match device {
             OffloadDevice::None => {}
             OffloadDevice::Cpu => self.warnings.push(format!(
                 "`{path}.device` = \"cpu\": on a CPU-only run the state already lives in host memory, so nothing is copied (pinned host buffers for CUDA devices are not built yet)"
-            )),
-            OffloadDevice::Nvme if !optimizer => self.warnings.push(format!(
-                "`{path}.device` = \"nvme\": zrt does not swap parameters to NVMe yet; stage-3 parameter shards stay in memory (offload_optimizer nvme is supported)"
             )),
             OffloadDevice::Nvme => {}
         }

@@ -374,6 +374,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         {
             let (padded, range) = (u.layout.padded, u.layout.shard(rank));
             let need = self.own_range(padded, range);
+            i.page_in(sh, k)?;
             // The compute copy this rank writes (as the optimizer would).
             match (i.compute, i.stage) {
                 // SAFETY: the unit's flat tensor of the compute dtype, under
@@ -407,6 +408,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             if !sh.master.is_empty() {
                 sh.master = lu.master;
             }
+            i.page_out(sh, k, true)?;
             match lu.grad {
                 Some(g) if g.len() == sh.g.len() => sh.g = g,
                 _ => sh.g.fill(0.0),

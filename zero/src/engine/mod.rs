@@ -199,6 +199,8 @@ struct Inner<G> {
     /// NVMe offload: this rank's optimizer state (m, v, and the fp32 master
     /// when the compute dtype is 16-bit) lives in this swap file.
     swap: Option<zrt_offload::Swap>,
+    /// Stage-3 parameter offload: the units' gather sources live here.
+    pswap: Option<offload::ParamSwap>,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -252,6 +254,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     fn fill_from_shards(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
         let (u, sh) = (&st.units[i], &mut st.shards[i]);
         let padded = u.layout.padded;
+        self.page_in(sh, i)?;
         self.delay();
         match &mut sh.copy {
             CopyShard::Bf16(v) => {
@@ -263,7 +266,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     gather_into(&self.group, std::mem::take(&mut sh.master), &u.flat, padded)?
             }
         }
-        Ok(())
+        self.page_out(sh, i, false)
     }
 
     /// Stage 3: makes unit `i`'s parameters hold the gathered values.
@@ -316,6 +319,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 Cow::Borrowed(&(unsafe { elems::<f32>(&u.flat, u.layout.padded) })[range.clone()])
             }
             (_, 0, None) => Cow::Borrowed(&sh.master[range.clone()]),
+            // Paged out to the parameter swap (stage 3, fp32).
+            (Compute::F32, _, None) if sh.master.is_empty() && self.pswap.is_some() => {
+                Cow::Owned(self.paged_master(k)?)
+            }
             _ => Cow::Borrowed(sh.master.as_slice()),
         };
         let (m, v) = match swapped {
@@ -665,6 +672,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             });
         }
         let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
+        let pswap = offload::params_out(&cfg, stage, rank, &mut shards)?;
         let n = units.len();
         let lr = cfg.config.optimizer.lr.value().unwrap_or(1e-3);
         let scaler = match &cfg.config.precision {
@@ -691,6 +699,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }),
             delays: Mutex::new(0),
             swap,
+            pswap,
             cfg,
         });
         if stage == 3 {
@@ -884,7 +893,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         match &i.swap {
             Some(swap) => i.adam_swapped(swap, st, &up, stage1)?,
             None => {
-                for (u, sh) in st.units.iter().zip(st.shards.iter_mut()) {
+                for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
+                    i.page_in(sh, k)?;
                     let Shard {
                         master,
                         m,
@@ -896,6 +906,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     let g: &[f32] = if stage1 { reduced } else { g };
                     let r = 0..m.len();
                     i.adam_on(u, r, AdamShard { p: master, g, m, v }, copy, &up)?;
+                    i.page_out(sh, k, true)?;
                 }
             }
         }
@@ -955,7 +966,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// DESIGN.md's table.
     pub fn model_state_bytes(&self) -> Result<usize, EngineError> {
         let st = self.inner.st.lock();
-        let mut b = self.inner.swap.as_ref().map_or(0, |s| s.resident_bytes());
+        let mut b = self.inner.swap.as_ref().map_or(0, |s| s.resident_bytes())
+            + self.inner.pswap_resident();
         for (u, sh) in st.units.iter().zip(&st.shards) {
             b += glue::storage_nbytes(&u.flat)?;
             b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
@@ -968,10 +980,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         Ok(b)
     }
 
-    /// Bytes of optimizer state in this rank's NVMe swap file (0 without
-    /// offload).
+    /// Bytes of model state in this rank's NVMe swap files (optimizer
+    /// state, stage-3 parameter shards; 0 without offload).
     pub fn offloaded_bytes(&self) -> u64 {
-        self.inner.swap.as_ref().map_or(0, |s| s.file_bytes())
+        self.inner.swap.as_ref().map_or(0, |s| s.file_bytes()) + self.inner.pswap_bytes()
     }
 
     /// Elements of real parameters (without padding) in every unit.

@@ -15,7 +15,7 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::AdamShard;
 use zrt_offload::{Swap, SwapConfig};
 
-use super::{Compute, Inner, Shard, State, Update};
+use super::{Compute, CopyShard, Inner, Shard, State, Update};
 use crate::config::OffloadDevice;
 use crate::{EngineError, Resolved};
 
@@ -106,6 +106,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         swap.stream(
             |k, r, arrays: &mut [&mut [f32]]| -> Result<(), EngineError> {
                 let (u, sh) = (&units[k], &mut shards[k]);
+                // Stage-3 parameter offload: the unit's shard comes in for
+                // its first chunk and goes back, updated, after its last.
+                if r.start == 0 {
+                    self.page_in(sh, k)?;
+                }
+                let last = r.end == swap.region_len(k);
                 let Shard {
                     master,
                     g,
@@ -138,7 +144,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     },
                     copy,
                     up,
-                )
+                )?;
+                if last {
+                    self.page_out(sh, k, true)?;
+                }
+                Ok(())
             },
         )
     }
@@ -177,5 +187,207 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         arrays.push(v);
         swap.write_region(k, &arrays)?;
         Ok(())
+    }
+}
+
+/// Stage 3 with `offload_param: {"device": "nvme"}`: each unit's gather
+/// source (its 16-bit shard, or in fp32 training its fp32 master shard)
+/// lives in a second swap file and is *paged in* only around its uses (a
+/// gather, its optimizer update, a checkpoint), then dropped (or written
+/// back, after an update). The next unit's shard is read ahead on a thread
+/// while the current one is gathered.
+pub(super) struct ParamSwap {
+    swap: std::sync::Arc<Swap>,
+    /// A read of (unit, words) started ahead of its gather.
+    ahead: parking_lot::Mutex<Option<(usize, Ahead)>>,
+    /// The unit paged in last, to guess the direction (forward or backward).
+    last: std::sync::atomic::AtomicUsize,
+}
+
+type Ahead = std::thread::JoinHandle<Result<Vec<f32>, zrt_offload::OffloadError>>;
+
+/// Copies `src`'s bytes into a Vec of `T` (both plain numbers).
+fn recast<S: Copy, T: Copy + Default>(src: &[S]) -> Vec<T> {
+    let bytes = std::mem::size_of_val(src);
+    let mut out = vec![T::default(); bytes / std::mem::size_of::<T>()];
+    // SAFETY: both are plain-old-data number types; `out` has room for
+    // exactly `bytes` bytes and the regions do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            src.as_ptr().cast::<u8>(),
+            out.as_mut_ptr().cast::<u8>(),
+            bytes,
+        )
+    };
+    out
+}
+
+fn read_words(swap: &Swap, k: usize) -> Result<Vec<f32>, zrt_offload::OffloadError> {
+    let mut w = vec![0f32; swap.region_len(k)];
+    swap.read_region(k, &mut [w.as_mut_slice()])?;
+    Ok(w)
+}
+
+impl ParamSwap {
+    /// Words (f32-sized) of unit `k`'s source shard, from the read-ahead if
+    /// it holds that unit.
+    fn words(&self, k: usize) -> Result<Vec<f32>, EngineError> {
+        let pending = self.ahead.lock().take();
+        if let Some((j, h)) = pending {
+            let got = h.join().map_err(|_| {
+                EngineError::Plan("the parameter read-ahead thread panicked".into())
+            })?;
+            if j == k {
+                return Ok(got?);
+            }
+        }
+        Ok(read_words(&self.swap, k)?)
+    }
+
+    /// Starts reading the unit likely gathered after `k` (the next one in
+    /// forward order, the previous one in backward order).
+    fn read_ahead(&self, k: usize) {
+        use std::sync::atomic::Ordering;
+        let last = self.last.swap(k, Ordering::Relaxed);
+        let next = if k >= last { k + 1 } else { k.wrapping_sub(1) };
+        if next >= self.swap.regions() {
+            return;
+        }
+        let swap = self.swap.clone();
+        let h = std::thread::spawn(move || read_words(&swap, next));
+        // A previous read-ahead nobody used: let it finish, drop its data.
+        if let Some((_, old)) = self.ahead.lock().replace((next, h)) {
+            let _ = old.join();
+        }
+    }
+
+    /// Drops a read-ahead of unit `k` (before a write makes it stale).
+    fn cancel_ahead(&self, k: usize) {
+        let mut ahead = self.ahead.lock();
+        if ahead.as_ref().is_some_and(|(j, _)| *j == k) {
+            if let Some((_, h)) = ahead.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// Creates the parameter swap for stage 3 when the config asks for it and
+/// moves every unit's gather source into it.
+pub(super) fn params_out(
+    cfg: &Resolved,
+    stage: u8,
+    rank: usize,
+    shards: &mut [Shard],
+) -> Result<Option<ParamSwap>, EngineError> {
+    let Some(o) = cfg
+        .config
+        .zero
+        .offload_param
+        .as_ref()
+        .filter(|o| o.device == OffloadDevice::Nvme)
+    else {
+        return Ok(None);
+    };
+    if stage != 3 {
+        return Err(EngineError::Unsupported(
+            "offload_param needs ZeRO stage 3 (as in DeepSpeed): set zero_optimization.stage to 3 or remove offload_param".into(),
+        ));
+    }
+    let words = |sh: &Shard| match &sh.copy {
+        CopyShard::Bf16(v) => recast::<_, f32>(v),
+        CopyShard::F16(v) => recast::<_, f32>(v),
+        CopyShard::None => sh.master.clone(),
+    };
+    let sources: Vec<Vec<f32>> = shards.iter().map(words).collect();
+    let swap = Swap::create(
+        &SwapConfig {
+            dir: PathBuf::from(o.nvme_path.clone().unwrap_or_default()),
+            rank,
+            buffer_count: o.buffer_count.max(1) as usize,
+            chunk_bytes: cfg.config.aio.block_size as usize,
+            direct: true,
+        },
+        1,
+        &sources.iter().map(Vec::len).collect::<Vec<_>>(),
+    )?;
+    for (k, (w, sh)) in sources.iter().zip(shards.iter_mut()).enumerate() {
+        swap.write_region(k, &[w])?;
+        match &mut sh.copy {
+            CopyShard::Bf16(v) => *v = Vec::new(),
+            CopyShard::F16(v) => *v = Vec::new(),
+            CopyShard::None => sh.master = Vec::new(),
+        }
+    }
+    tracing::info!(file = %swap.path().display(), bytes = swap.file_bytes(), "stage-3 parameter shards offloaded to NVMe");
+    Ok(Some(ParamSwap {
+        swap: std::sync::Arc::new(swap),
+        ahead: parking_lot::Mutex::new(None),
+        last: std::sync::atomic::AtomicUsize::new(0),
+    }))
+}
+
+impl<G: ProcessGroup + 'static> Inner<G> {
+    /// Brings unit `k`'s gather source into memory (no-op without a
+    /// parameter swap, or when it is already in).
+    pub(super) fn page_in(&self, sh: &mut Shard, k: usize) -> Result<(), EngineError> {
+        let Some(ps) = &self.pswap else {
+            return Ok(());
+        };
+        match &mut sh.copy {
+            CopyShard::Bf16(v) if v.is_empty() => *v = recast(&ps.words(k)?),
+            CopyShard::F16(v) if v.is_empty() => *v = recast(&ps.words(k)?),
+            CopyShard::None if sh.master.is_empty() => sh.master = ps.words(k)?,
+            _ => return Ok(()),
+        }
+        ps.read_ahead(k);
+        Ok(())
+    }
+
+    /// Drops unit `k`'s gather source from memory, first writing it to the
+    /// parameter swap when it changed (`write`).
+    pub(super) fn page_out(
+        &self,
+        sh: &mut Shard,
+        k: usize,
+        write: bool,
+    ) -> Result<(), EngineError> {
+        let Some(ps) = &self.pswap else {
+            return Ok(());
+        };
+        if write {
+            ps.cancel_ahead(k);
+            let words = match &sh.copy {
+                CopyShard::Bf16(v) => recast::<_, f32>(v),
+                CopyShard::F16(v) => recast::<_, f32>(v),
+                CopyShard::None => std::mem::take(&mut sh.master),
+            };
+            ps.swap.write_region(k, &[&words])?;
+        }
+        match &mut sh.copy {
+            CopyShard::Bf16(v) => *v = Vec::new(),
+            CopyShard::F16(v) => *v = Vec::new(),
+            CopyShard::None => sh.master = Vec::new(),
+        }
+        Ok(())
+    }
+
+    /// Unit `k`'s fp32 master shard from the parameter swap (fp32 stage 3,
+    /// where the gather source is the master), leaving it paged out.
+    pub(super) fn paged_master(&self, k: usize) -> Result<Vec<f32>, EngineError> {
+        match &self.pswap {
+            Some(ps) => ps.words(k),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Bytes of memory the parameter swap's buffers hold.
+    pub(super) fn pswap_resident(&self) -> usize {
+        self.pswap.as_ref().map_or(0, |p| p.swap.resident_bytes())
+    }
+
+    /// Bytes of the parameter swap file.
+    pub(super) fn pswap_bytes(&self) -> u64 {
+        self.pswap.as_ref().map_or(0, |p| p.swap.file_bytes())
     }
 }

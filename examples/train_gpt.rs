@@ -177,17 +177,18 @@ fn main() -> Result<()> {
     let plan = ShardPlan::new();
     let gpt = Gpt::new(&vs.root(), &plan, &a.gpt);
     let cfg = Config::from_file(&a.config)?;
-    let group = dist.new_group(&(0..n).collect::<Vec<_>>())?;
-    let engine = Engine::new(
-        &vs,
-        &plan,
-        &cfg,
-        group,
-        &AutoHints {
-            hidden_size: Some(a.gpt.d_model as u64),
-            ..Default::default()
-        },
-    )?;
+    let hints = AutoHints {
+        hidden_size: Some(a.gpt.d_model as u64),
+        ..Default::default()
+    };
+    // `mics_shard_size` S < world: shard inside groups of S ranks (hybrid).
+    let engine = match cfg.zero.mics_shard_size.filter(|&s| (s as usize) < n) {
+        Some(s) => Engine::new_hybrid(&vs, &plan, &cfg, dist.mesh(s as usize)?, &hints)?,
+        None => {
+            let group = dist.new_group(&(0..n).collect::<Vec<_>>())?;
+            Engine::new(&vs, &plan, &cfg, group, &hints)?
+        }
+    };
     let batch_cfg = engine.config().batch;
     let micro = batch_cfg.micro as i64;
     let gas = batch_cfg.gas;

@@ -762,3 +762,40 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
     }
     let _ = std::fs::remove_dir_all(&swap_dir);
 }
+
+#[test]
+fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
+    // Saved by 4 ranks in 2 shard groups (one group writes), loaded by 2.
+    let dir = tmp("hybrid");
+    let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);
+    let saved: Vec<Params> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(4)
+            .into_iter()
+            .map(|r| {
+                let (cfg, dir) = (&cfg, &dir);
+                s.spawn(move || {
+                    let (vs, plan, gpt) = model();
+                    let mesh = r.mesh(2).unwrap();
+                    let engine =
+                        Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default()).unwrap();
+                    for step in 0..2 {
+                        engine
+                            .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
+                            .unwrap();
+                        engine.step().unwrap();
+                    }
+                    engine.save_checkpoint(dir, "h").unwrap();
+                    engine.gathered_params().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
+    assert!(text.contains("world 2 (mesh 2 x 2)"), "{text}");
+    let loaded = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..0).load(&dir, None));
+    let mut want = saved[0].clone();
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_bits("hybrid -> plain", &loaded.params, &want);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{config_with, model, tokens, LR, WD, WORLD};
+use common::{config_with, config_zero, model, tokens, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
@@ -345,4 +345,220 @@ fn fp16_overflows_skip_the_step_on_every_rank_and_lower_the_scale() {
         );
         assert!(losses.iter().all(|l| l.is_finite()));
     }
+}
+
+/// The reference of a 4-rank job with 2-rank shard groups: per-rank
+/// gradients averaged as the hybrid engine does (inside each pair, then
+/// across the pairs; f64 sums, one rounding per level), then libtorch's clip
+/// and AdamW.
+fn run_reference_hybrid(clip: f64) -> (Vec<f64>, Params) {
+    let (vs, _plan, gpt) = model();
+    let mut opt = nn::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        wd: WD,
+        eps: 1e-8,
+        amsgrad: false,
+    }
+    .build(&vs, LR)
+    .unwrap();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let avg = |a: &Tensor, b: &Tensor| {
+        ((a.to_kind(Kind::Double) + b.to_kind(Kind::Double)) / 2.0).to_kind(Kind::Float)
+    };
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let mut per_rank = Vec::new();
+        let mut sum = 0.0;
+        for r in 0..4 {
+            opt.zero_grad();
+            let loss = gpt.loss(&tokens(step, 0, r, 1));
+            sum += loss.double_value(&[]);
+            loss.backward();
+            per_rank.push(
+                grads(&vs)
+                    .into_iter()
+                    .map(|(_, g)| g.to_kind(Kind::Float))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        tch::no_grad(|| {
+            for (i, (_, v)) in vars.iter().enumerate() {
+                let pair0 = avg(&per_rank[0][i], &per_rank[1][i]);
+                let pair1 = avg(&per_rank[2][i], &per_rank[3][i]);
+                v.grad().copy_(&avg(&pair0, &pair1));
+            }
+        });
+        if clip > 0.0 {
+            opt.clip_grad_norm(clip);
+        }
+        opt.step();
+        losses.push(sum / 4.0);
+    }
+    let mut params: Params = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.detach().flatten(0, -1)).unwrap()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    (losses, params)
+}
+
+#[test]
+fn hybrid_sharding_matches_the_unsharded_reference() {
+    // World 4, mics_shard_size 2: shards inside {0, 1} and {2, 3}, gradient
+    // shards averaged across {0, 2} and {1, 3}.
+    let reference = run_reference_hybrid(0.5);
+    for stage in 1..=3u8 {
+        let cfg = config_zero(stage, 1, 0.5, "", r#""mics_shard_size": 2,"#);
+        let out: Vec<(Vec<f64>, Params)> = std::thread::scope(|s| {
+            let hs: Vec<_> = local::world(4)
+                .into_iter()
+                .map(|r| {
+                    let cfg = &cfg;
+                    s.spawn(move || {
+                        let (vs, plan, gpt) = model();
+                        let mesh = r.mesh(2).unwrap();
+                        let engine =
+                            Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default())
+                                .unwrap();
+                        let mut losses = Vec::new();
+                        for step in 0..STEPS {
+                            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
+                            engine.backward(&loss).unwrap();
+                            engine.step().unwrap();
+                            let all = r
+                                .world()
+                                .all_reduce(
+                                    vec![loss.double_value(&[])],
+                                    zrt::collectives::ReduceOp::Avg,
+                                )
+                                .wait()
+                                .unwrap();
+                            losses.push(all[0]);
+                        }
+                        (losses, engine.gathered_params().unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for o in &out[1..] {
+            assert_eq!(
+                o.1, out[0].1,
+                "stage {stage}: every rank ends with the same parameters"
+            );
+        }
+        compare(
+            &format!("hybrid stage {stage}"),
+            out[0].clone(),
+            reference.clone(),
+        );
+    }
+    // Without the mesh, mics_shard_size is refused with the fix.
+    let cfg = config_zero(2, 1, 0.0, "", r#""mics_shard_size": 2,"#);
+    let (vs, plan, _) = model();
+    let g = local::world(4).remove(0).new_group(&[0, 1, 2, 3]).unwrap();
+    let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("Engine::new_hybrid"), "{e}");
+}
+
+/// Which job `rank_main` runs when re-executed by `zrt launch`.
+const CASE: &str = "ZRT_PARITY_CASE";
+
+/// Runs as one rank of a real multi-process job when this test binary is
+/// re-executed by the test below (a no-op otherwise): stage 3 on 2 ranks,
+/// or stage 3 on 4 ranks in shard groups of 2, over the shm backend. Rank 0
+/// prints the losses and writes the final parameters.
+#[test]
+fn rank_main() {
+    let Ok(case) = std::env::var(CASE) else {
+        return;
+    };
+    let out = std::env::var("ZRT_PARITY_OUT").unwrap();
+    let mut dist = zrt::collectives::init_from_env().unwrap();
+    let rank = dist.env().rank;
+    let (vs, plan, gpt) = model();
+    let engine = match case.as_str() {
+        "hybrid" => {
+            let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);
+            let mesh = dist.mesh(2).unwrap();
+            Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap()
+        }
+        _ => {
+            let g = dist.new_group(&[0, 1]).unwrap();
+            Engine::new(&vs, &plan, &config(3, 1, 0.5), g, &AutoHints::default()).unwrap()
+        }
+    };
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let loss = gpt.loss(&tokens(step, 0, rank, 1));
+        engine.backward(&loss).unwrap();
+        engine.step().unwrap();
+        let all = dist
+            .world()
+            .all_reduce(
+                vec![loss.double_value(&[])],
+                zrt::collectives::ReduceOp::Avg,
+            )
+            .wait()
+            .unwrap();
+        losses.push(all[0].to_string());
+    }
+    engine.save_16bit_model(&out).unwrap();
+    if rank == 0 {
+        println!("@@ {}", losses.join(" "));
+    }
+}
+
+/// `zrt launch`es `n` ranks of `rank_main` for `case`; rank 0's losses and
+/// the final parameters.
+fn launch(n: usize, case: &str) -> (Vec<f64>, Params) {
+    let out = std::env::temp_dir().join(format!(
+        "zrt-parity-{}-{case}.safetensors",
+        std::process::id()
+    ));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
+        .env(CASE, case)
+        .env("ZRT_PARITY_OUT", &out)
+        .env("ZRT_BACKEND", "shm")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    let losses = text
+        .lines()
+        .find_map(|l| l.split_once("@@ ").map(|(_, s)| s))
+        .unwrap_or_else(|| panic!("no losses:\n{text}"))
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let mut params: Params = Tensor::read_safetensors(&out)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let _ = std::fs::remove_file(&out);
+    (losses, params)
+}
+
+#[test]
+fn stage_3_and_hybrid_sharding_as_processes_on_shm_match_the_reference() {
+    compare(
+        "stage 3, 2 processes",
+        launch(2, "stage3"),
+        run_reference(3, 1, 0.5),
+    );
+    compare(
+        "hybrid stage 3, 4 processes",
+        launch(4, "hybrid"),
+        run_reference_hybrid(0.5),
+    );
 }

@@ -60,6 +60,10 @@ impl<G: ProcessGroup> DeviceMesh<G> {
     pub fn replicate_group(&self) -> &G {
         &self.replicate
     }
+    /// The two groups, (shard, replicate), for whoever drives them.
+    pub fn into_groups(self) -> (G, G) {
+        (self.shard, self.replicate)
+    }
     /// This rank in the world.
     pub fn world_rank(&self) -> usize {
         self.world_rank

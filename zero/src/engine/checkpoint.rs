@@ -63,6 +63,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<T, EngineError> {
         let flag = u8::from(local.is_err());
         let (_, flags) = self.inner.group.all_gather(vec![flag], Vec::new()).wait()?;
+        // Hybrid sharding: the other shard groups' outcomes too.
+        let flags = match &self.inner.replicate {
+            Some(r) => {
+                let mine = u8::from(flags.iter().any(|&f| f != 0));
+                let (_, groups) = r.all_gather(vec![mine], Vec::new()).wait()?;
+                if groups.iter().any(|&f| f != 0) && mine == 0 {
+                    // Another shard group failed: name its world ranks
+                    // (group g holds ranks g*S .. g*S+S-1).
+                    let s = flags.len();
+                    groups
+                        .iter()
+                        .flat_map(|&f| std::iter::repeat_n(f, s))
+                        .collect()
+                } else {
+                    flags
+                }
+            }
+            None => flags,
+        };
         let failed: Vec<usize> = flags
             .iter()
             .enumerate()
@@ -110,7 +129,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let mut st = i.st.lock();
             self.take_error(&mut st)?;
         }
-        let rank = i.group.rank();
+        // Under hybrid sharding one shard group (replica 0) writes; world
+        // rank 0 (its shard rank 0) also writes meta.json and commits.
+        let writer = i.replicate.as_ref().is_none_or(|r| r.rank() == 0);
+        let rank = if writer { i.group.rank() } else { usize::MAX };
         let staging = dir.join(format!(".{tag}.partial"));
         let target = dir.join(tag);
         // 1. Rank 0 makes an empty staging directory for everyone.
@@ -128,7 +150,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // 2. Every rank writes its file; rank 0 also meta.json.
         let wrote = {
             let st = i.st.lock();
-            let mut r = self.write_rank_file(&st, &staging);
+            let mut r = match writer {
+                true => self.write_rank_file(&st, &staging),
+                false => Ok(()),
+            };
             if rank == 0 && r.is_ok() {
                 r = self.write_meta(&st, &staging, tag);
             }
@@ -191,7 +216,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             zrt_version: env!("CARGO_PKG_VERSION").into(),
             tag: tag.into(),
             world,
-            mesh: (1, world),
+            mesh: (i.replicate.as_ref().map_or(1, |r| r.size()), world),
             stage: i.stage,
             compute: match i.compute {
                 Compute::F32 => "fp32",

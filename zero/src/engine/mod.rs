@@ -38,7 +38,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
-use zrt_collectives::{Element, ProcessGroup, ReduceOp};
+use zrt_collectives::{DeviceMesh, Element, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 use crate::config::{LossScaleConfig, Precision, Setting};
@@ -188,7 +188,12 @@ struct State {
 }
 
 struct Inner<G> {
+    /// The group parameters are sharded over (the whole data-parallel world
+    /// unless the engine was built on a hybrid mesh).
     group: G,
+    /// Hybrid sharding: the ranks holding the same shard in the other shard
+    /// groups, across which gradient shards are averaged.
+    replicate: Option<G>,
     cfg: Resolved,
     stage: u8,
     compute: Compute,
@@ -242,6 +247,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             *s ^= *s >> 7;
             *s ^= *s << 17;
             std::thread::sleep(std::time::Duration::from_micros(*s % 2000));
+        }
+    }
+
+    /// Averages a reduced gradient (shard) across the replicate group, under
+    /// hybrid sharding; the identity otherwise.
+    fn across_replicas(&self, v: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        match &self.replicate {
+            Some(r) if r.size() > 1 => {
+                self.delay();
+                Ok(r.all_reduce(v, ReduceOp::Avg).wait()?)
+            }
+            _ => Ok(v),
         }
     }
 
@@ -538,7 +555,35 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         group: G,
         hints: &AutoHints,
     ) -> Result<Self, EngineError> {
-        let cfg = config.resolve(group.size() as u64, hints)?;
+        Self::build(vs, plan, config, group, None, hints)
+    }
+
+    /// As [`Engine::new`], sharding inside the mesh's shard groups and
+    /// averaging gradient shards across its replicate groups: hybrid
+    /// sharding (DeepSpeed's MiCS with `mics_shard_size`, PyTorch's HSDP).
+    /// Every rank of the world is a data-parallel rank. Build the mesh with
+    /// `dist.mesh(S)` (or `LocalRank::mesh`).
+    pub fn new_hybrid(
+        vs: &nn::VarStore,
+        plan: &ShardPlan,
+        config: &Config,
+        mesh: DeviceMesh<G>,
+        hints: &AutoHints,
+    ) -> Result<Self, EngineError> {
+        let (shard, replicate) = mesh.into_groups();
+        Self::build(vs, plan, config, shard, Some(replicate), hints)
+    }
+
+    fn build(
+        vs: &nn::VarStore,
+        plan: &ShardPlan,
+        config: &Config,
+        group: G,
+        replicate: Option<G>,
+        hints: &AutoHints,
+    ) -> Result<Self, EngineError> {
+        let replicas = replicate.as_ref().map_or(1, |r| r.size());
+        let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
         let c = &cfg.config;
         let compute = match c.precision {
             Precision::Fp32 => Compute::F32,
@@ -550,13 +595,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 "reducing gradients in the compute dtype (communication_data_type / data_types.grad_accum_dtype): remove it to reduce in fp32".into(),
             ));
         }
-        if c.zero
-            .mics_shard_size
-            .is_some_and(|s| s != group.size() as u64)
-            || c.zero.zero_hpz_partition_size > 1
-        {
+        if let Some(s) = c.zero.mics_shard_size.filter(|&s| s != group.size() as u64) {
+            return Err(EngineError::Plan(format!(
+                "mics_shard_size is {s} but the engine shards over {} ranks: build it with Engine::new_hybrid(.., dist.mesh({s})?, ..) (or remove mics_shard_size)",
+                group.size()
+            )));
+        }
+        if c.zero.zero_hpz_partition_size > 1 {
             return Err(EngineError::Unsupported(
-                "hybrid sharding (mics_shard_size, zero_hpz_partition_size)".into(),
+                "zero_hpz_partition_size (ZeRO++ hpZ secondary shards): remove it".into(),
             ));
         }
         if vs.device() != Device::Cpu {
@@ -621,6 +668,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
                 master[s.offset..s.offset + s.numel].copy_from_slice(&v);
             }
+            // World rank 0's values everywhere: across replicas first, then
+            // inside each shard group (whose rank 0 now holds them).
+            let master = match &replicate {
+                Some(r) => r.broadcast(master, 0).wait()?,
+                None => master,
+            };
             let master = group.broadcast(master, 0).wait()?;
             let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
             let full = Tensor::from_slice(&master);
@@ -681,6 +734,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         };
         let inner = Arc::new(Inner {
             group,
+            replicate,
             stage,
             compute,
             threads: Threads::new(0)?,
@@ -758,6 +812,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 0 => {
                     i.delay();
                     let r = i.group.all_reduce(full, ReduceOp::Avg).wait()?;
+                    let r = i.across_replicas(r)?;
                     reduce::accumulate(&i.threads, &mut st.shards[k].g, &r)?;
                 }
                 1 => reduce::accumulate(&i.threads, &mut st.shards[k].g, &full)?,
@@ -767,6 +822,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         .group
                         .reduce_scatter(full, Vec::new(), ReduceOp::Avg)
                         .wait()?;
+                    let part = i.across_replicas(part)?;
                     reduce::accumulate(&i.threads, &mut st.shards[k].g, &part)?;
                 }
             }
@@ -812,7 +868,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     .wait()?;
                 full.fill(0.0);
                 sh.g = full;
-                sh.reduced = part;
+                sh.reduced = i.across_replicas(part)?;
             }
         }
         let stage1 = i.stage == 1;

@@ -211,7 +211,25 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
                     t.c.forward(&t.b.forward(&h).tanh())
                         .square()
                         .mean(Kind::Float);
+                // When backward reaches `a`'s output, `c` (whose backward is
+                // long done) is already reduced and freed: reductions and
+                // frees happen during backward, not after it.
+                let c_w = t.vs.variables()["c.weight"].shallow_clone();
+                let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+                let seen2 = seen.clone();
+                glue::on_grad(&h, move || {
+                    *seen2.lock().unwrap() = Some(glue::storage_nbytes(&c_w).unwrap());
+                })
+                .unwrap();
                 e.backward(&loss).unwrap();
+                assert_eq!(*seen.lock().unwrap(), Some(0), "c freed during backward");
+                let counts = e.overlap_counts();
+                assert_eq!(
+                    counts.during_backward, 3,
+                    "every unit reduced from its hook: {counts:?}"
+                );
+                // Backward re-gathers c, then b (prefetched while c ran), then a.
+                assert!(counts.prefetched >= 2, "{counts:?}");
                 assert_eq!(
                     glue::storage_nbytes(&w).unwrap(),
                     0,

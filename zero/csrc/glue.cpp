@@ -6,6 +6,8 @@
 // the FFI boundary.
 #include <torch/torch.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +18,18 @@
 namespace {
 
 char *to_error(const std::string &msg) { return strdup(msg.c_str()); }
+
+// A post-accumulate-grad hook calling back into Rust; owns `ctx`.
+struct PostAccHook : torch::autograd::PostAccumulateGradHook {
+  void (*cb)(void *);
+  void (*drop)(void *);
+  void *ctx;
+  PostAccHook(void (*cb_)(void *), void (*drop_)(void *), void *ctx_) : cb(cb_), drop(drop_), ctx(ctx_) {}
+  ~PostAccHook() override { drop(ctx); }
+  PostAccHook(const PostAccHook &) = delete;
+  PostAccHook &operator=(const PostAccHook &) = delete;
+  void operator()(const torch::autograd::Variable & /*tensor*/) override { cb(ctx); }
+};
 
 }  // namespace
 
@@ -119,6 +133,28 @@ char *zrt_register_grad_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(
   }
 }
 
+// Calls `cb(ctx)` each time backward has accumulated a gradient into the
+// leaf `t`'s `.grad` (PyTorch's `register_post_accumulate_grad_hook`; a leaf
+// has one such slot, which this replaces). `drop(ctx)` runs when the hook is
+// replaced or the tensor dies, and on error. `cb` must not unwind.
+char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
+  std::unique_ptr<PostAccHook> hook;
+  try {
+    hook = std::make_unique<PostAccHook>(cb, drop, ctx);
+  } catch (const std::exception &e) {
+    drop(ctx);
+    return to_error(e.what());
+  }
+  try {
+    if (!t->requires_grad() || !t->is_leaf()) {
+      return to_error("post-accumulate-grad hooks need a leaf that requires grad");
+    }
+    torch::autograd::impl::set_post_acc_grad_hooks(*t, std::move(hook));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
 
 // The state of libtorch's default CPU generator (what `torch.get_rng_state()`
 // returns): checkpoints save it so dropout and `randn` resume where they were.

@@ -41,6 +41,12 @@ mod ffi {
             drop: extern "C" fn(*mut std::ffi::c_void),
             ctx: *mut std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn zrt_register_post_acc_hook(
+            t: *mut C_tensor,
+            cb: extern "C" fn(*mut std::ffi::c_void),
+            drop: extern "C" fn(*mut std::ffi::c_void),
+            ctx: *mut std::ffi::c_void,
+        ) -> *mut c_char;
         pub fn zrt_cpu_rng_get(out: *mut u8, cap: usize, len: *mut usize) -> *mut c_char;
         pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
@@ -173,5 +179,21 @@ pub fn on_grad(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<(), GlueErro
     // `drop_hook` exactly once (also on error).
     check("register_grad_hook", unsafe {
         ffi::zrt_register_grad_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
+    })
+}
+
+/// Runs `f` each time backward has accumulated a gradient into the leaf
+/// `t`'s `.grad` (PyTorch's `register_post_accumulate_grad_hook`; one per
+/// leaf, a second call replaces the first). The engine uses it to reduce a
+/// unit's gradients as soon as the last of them is ready, while backward
+/// goes on with earlier units. `f` runs on the thread that runs backward; a
+/// panic in it is swallowed.
+pub fn on_grad_accumulated(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<(), GlueError> {
+    let boxed: Box<HookFn> = Box::new(Box::new(f));
+    let ctx = Box::into_raw(boxed) as *mut std::ffi::c_void;
+    // SAFETY: `t` is live; the glue owns `ctx` from here on and calls
+    // `drop_hook` exactly once (when the hook dies, or on error).
+    check("register_post_acc_hook", unsafe {
+        ffi::zrt_register_post_acc_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
     })
 }

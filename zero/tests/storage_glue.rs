@@ -156,3 +156,30 @@ fn a_grad_hook_refills_freed_storage_before_the_nodes_that_need_it() {
     let e = glue::on_grad(&Tensor::ones([1], (Kind::Float, Device::Cpu)), || {}).unwrap_err();
     assert!(e.to_string().contains("does not require grad"), "{e}");
 }
+
+#[test]
+fn post_accumulate_grad_hooks_fire_once_per_backward_after_the_grad_is_in() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let w = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let sum = Arc::new(std::sync::Mutex::new(0.0f64));
+    let (s2, w2, sum2) = (seen.clone(), w.shallow_clone(), sum.clone());
+    glue::on_grad_accumulated(&w, move || {
+        s2.fetch_add(1, Ordering::SeqCst);
+        // The gradient is already accumulated when the hook runs.
+        *sum2.lock().unwrap() = w2.grad().sum(Kind::Float).double_value(&[]);
+    })
+    .unwrap();
+    // w used twice: one accumulation, one call.
+    let y = (&w * 2.0 + &w * 3.0).sum(Kind::Float);
+    y.backward();
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    assert_eq!(*sum.lock().unwrap(), 15.0);
+    (&w * 1.0).sum(Kind::Float).backward();
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(*sum.lock().unwrap(), 18.0);
+    // Not a leaf: refused.
+    let v = &w * 2.0;
+    assert!(glue::on_grad_accumulated(&v, || {}).is_err());
+}

@@ -149,10 +149,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.agree(made, "save")?;
         // 2. Every rank writes its file; rank 0 also meta.json.
         let wrote = {
-            let st = i.st.lock();
-            let mut r = match writer {
-                true => self.write_rank_file(&st, &staging),
-                false => Ok(()),
+            let mut st = i.st.lock();
+            let drained = i.drain_prefetch(&mut st).map_err(|e| {
+                CheckpointError::Incompatible(format!("finishing gathers in flight: {e}"))
+            });
+            let mut r = match (writer, drained) {
+                (_, Err(e)) => Err(e),
+                (true, Ok(())) => self.write_rank_file(&st, &staging),
+                (false, Ok(())) => Ok(()),
             };
             if rank == 0 && r.is_ok() {
                 r = self.write_meta(&st, &staging, tag);
@@ -390,6 +394,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let rank = i.group.rank();
         let mut guard = i.st.lock();
         let st = &mut *guard;
+        i.drain_prefetch(st)?;
         for (k, ((u, sh), lu)) in st
             .units
             .iter()

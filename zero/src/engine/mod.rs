@@ -49,6 +49,9 @@ use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
 mod checkpoint;
 mod offload;
+mod overlap;
+
+pub use overlap::OverlapCounts;
 
 /// The dtype of the parameters forward and backward run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +188,8 @@ struct State {
     scaler: Option<Scaler>,
     /// The first error a forward hook hit; the next engine call returns it.
     error: Option<EngineError>,
+    /// Reductions and gathers in flight (see `overlap`).
+    prog: overlap::Progress,
 }
 
 struct Inner<G> {
@@ -284,35 +289,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         self.page_out(sh, i, false)
-    }
-
-    /// Stage 3: makes unit `i`'s parameters hold the gathered values.
-    fn gather(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
-        if st.gathered[i] {
-            return Ok(());
-        }
-        // Name the unit to the peers first: units run in different orders
-        // would otherwise gather same-sized buffers into silent garbage.
-        self.delay();
-        let ids = self.group.all_gather(vec![i as i64], Vec::new()).wait()?.1;
-        if ids.iter().any(|&x| x != i as i64) {
-            let names: Vec<String> = ids
-                .iter()
-                .enumerate()
-                .map(|(r, &x)| {
-                    format!(
-                        "rank {r} runs `{}`",
-                        st.units.get(x as usize).map_or("?", |u| u.name.as_str())
-                    )
-                })
-                .collect();
-            return Err(EngineError::UnitOrder(names.join(", ")));
-        }
-        let u = &st.units[i];
-        glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes())?;
-        self.fill_from_shards(st, i)?;
-        st.gathered[i] = true;
-        Ok(())
     }
 
     /// This rank's fp32 master, m and v over its shard of unit `k`,
@@ -474,7 +450,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Stage 3: makes unit `unit` usable for a forward or a backward. On an
     /// error (kept for the next engine call) the parameters get zeroed
     /// memory, so autograd computes garbage instead of reading freed storage.
-    fn make_live(&self, unit: usize) {
+    fn make_live(&self, unit: usize, forward: bool) {
         let mut st = self.st.lock();
         if st.gathered[unit] {
             return;
@@ -482,7 +458,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let failed = match st.error.is_some() {
             // After an error the ranks are out of step: no more collectives.
             true => None,
-            false => self.gather(&mut st, unit).err(),
+            false => self
+                .gather(&mut st, unit)
+                .and_then(|()| self.prefetch_after(&mut st, unit, forward))
+                .err(),
         };
         if st.gathered[unit] {
             return;
@@ -510,7 +489,7 @@ struct Hook<G> {
 impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
     fn before_forward(&self, unit: usize) {
         match self.inner.upgrade() {
-            Some(i) if i.stage == 3 => i.make_live(unit),
+            Some(i) if i.stage == 3 => i.make_live(unit, true),
             _ => {}
         }
     }
@@ -527,7 +506,7 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             let weak = self.inner.clone();
             if let Err(e) = glue::on_grad(y, move || {
                 if let Some(i) = weak.upgrade() {
-                    i.make_live(unit);
+                    i.make_live(unit, false);
                 }
             }) {
                 st.error.get_or_insert(e.into());
@@ -750,6 +729,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 lr,
                 scaler,
                 error: None,
+                prog: overlap::Progress::new(n),
             }),
             delays: Mutex::new(0),
             swap,
@@ -761,6 +741,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // Between steps only shards exist; the root stays gathered.
             for i in 0..n.saturating_sub(usize::from(prefixes.len() < n)) {
                 inner.release(&mut st, i)?;
+            }
+        }
+        {
+            // Reduce each unit's gradients as soon as they are all in.
+            let st = inner.st.lock();
+            for (k, u) in st.units.iter().enumerate() {
+                for t in &u.params {
+                    let weak = Arc::downgrade(&inner);
+                    glue::on_grad_accumulated(t, move || {
+                        if let Some(i) = weak.upgrade() {
+                            i.grad_accumulated(k);
+                        }
+                    })?;
+                }
             }
         }
         let hook: Arc<dyn UnitHook> = Arc::new(Hook {
@@ -788,45 +782,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             self.take_error(&mut st)?;
             st.scaler.as_ref().map_or(1.0, |s| s.scale)
         };
-        // Not under the state lock: stage 3's backward hooks take it to
-        // re-gather units.
-        loss.f_mul_scalar(scale / i.cfg.batch.gas as f64)?
-            .f_backward()?;
+        // Not under the state lock: the hooks take it to re-gather units
+        // (stage 3) and to reduce each unit's gradients as soon as they are
+        // all there (see `overlap`).
+        i.begin_backward(&mut i.st.lock());
+        let ran = loss
+            .f_mul_scalar(scale / i.cfg.batch.gas as f64)
+            .and_then(|l| l.f_backward());
         let mut st = i.st.lock();
+        ran?;
         self.take_error(&mut st)?;
-        for k in 0..st.units.len() {
-            let padded = st.units[k].layout.padded;
-            let mut full = vec![0f32; padded];
-            for (slot, t) in st.units[k].layout.slots.iter().zip(&st.units[k].params) {
-                let g = t.grad();
-                if g.defined() {
-                    // Widened to fp32 before any reduction.
-                    let g = g.f_to_kind(Kind::Float)?.f_contiguous()?;
-                    // SAFETY: a contiguous f32 tensor of `numel` elements.
-                    full[slot.offset..slot.offset + slot.numel]
-                        .copy_from_slice(unsafe { elems::<f32>(&g, slot.numel) });
-                }
-                glue::clear_grad(t)?;
-            }
-            match i.stage {
-                0 => {
-                    i.delay();
-                    let r = i.group.all_reduce(full, ReduceOp::Avg).wait()?;
-                    let r = i.across_replicas(r)?;
-                    reduce::accumulate(&i.threads, &mut st.shards[k].g, &r)?;
-                }
-                1 => reduce::accumulate(&i.threads, &mut st.shards[k].g, &full)?,
-                _ => {
-                    i.delay();
-                    let (_, part) = i
-                        .group
-                        .reduce_scatter(full, Vec::new(), ReduceOp::Avg)
-                        .wait()?;
-                    let part = i.across_replicas(part)?;
-                    reduce::accumulate(&i.threads, &mut st.shards[k].g, &part)?;
-                }
-            }
-        }
+        i.end_backward(&mut st)?;
         if i.stage == 3 {
             // Units re-gathered for backward go back to shards; the root stays.
             let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
@@ -850,6 +816,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let mut guard = i.st.lock();
         self.take_error(&mut guard)?;
+        i.drain_prefetch(&mut guard)?;
         if guard.micro == 0
             || guard.micro % i.cfg.batch.gas != 0
             || guard.boundary_at == guard.micro
@@ -1005,6 +972,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn micro_steps(&self) -> u64 {
         self.inner.st.lock().micro
     }
+    /// How much communication overlapped compute so far: gathers served by
+    /// a prefetch, reductions issued while backward was still running.
+    pub fn overlap_counts(&self) -> OverlapCounts {
+        self.inner.st.lock().prog.counts
+    }
     /// The resolved config the engine runs with.
     pub fn config(&self) -> &Resolved {
         &self.inner.cfg
@@ -1058,7 +1030,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// unit. Reads the swap file under NVMe offload.
     pub fn master_shard(&self, unit: usize) -> Result<Option<MasterShard>, EngineError> {
         let i = &*self.inner;
-        let st = i.st.lock();
+        let mut st = i.st.lock();
+        i.drain_prefetch(&mut st)?;
         let Some(u) = st.units.get(unit) else {
             return Ok(None);
         };

@@ -1,0 +1,310 @@
+//! Communication overlapped with compute (DESIGN.md, "One training step").
+//!
+//! * **Reduce during backward.** Every trainable parameter carries a
+//!   post-accumulate-grad hook. When the last parameter of a unit has its
+//!   gradient, the unit's gradients are copied out (widened to fp32) and its
+//!   reduction (stage 0: all-reduce; stages 2-3: reduce-scatter) is issued
+//!   *asynchronously* on the group's worker, while autograd goes on with
+//!   earlier units; stage 3 frees the unit's gathered parameters at once.
+//!   `Engine::backward` waits for the reductions at its end, in issue order.
+//!   Every parameter in use produces its gradient through nodes that have
+//!   all run when its accumulation hook fires, so freeing then is safe.
+//! * **Prefetch (stage 3).** When a unit is gathered, the gather of the
+//!   next one (forward) or the previous one (backward) is issued right away
+//!   and only waited for when that unit is needed, bounded by
+//!   `stage3_prefetch_bucket_size` (elements of the unit prefetched) and
+//!   `stage3_max_live_parameters` (elements gathered or in flight).
+//!
+//! Collectives run in issue order on one worker per group, and every rank
+//! issues the same sequence (the same model runs the same autograd graph),
+//! so overlapping changes no bit of the result.
+
+use half::{bf16, f16};
+use zrt_collectives::{ProcessGroup, ReduceOp, Work};
+use zrt_kernels::reduce;
+
+use super::{elems, CopyShard, Inner, State};
+use crate::{glue, EngineError};
+
+/// A reduction in flight.
+pub(super) enum Reduce {
+    All(Work<Vec<f32>>),
+    Scatter(Work<(Vec<f32>, Vec<f32>)>),
+}
+
+/// A gather in flight, with the unit-order check issued before it.
+pub(super) struct Prefetch {
+    ids: Work<(Vec<i64>, Vec<i64>)>,
+    data: Fetch,
+}
+
+enum Fetch {
+    F32(Work<(Vec<f32>, Vec<f32>)>),
+    Bf16(Work<(Vec<bf16>, Vec<bf16>)>),
+    F16(Work<(Vec<f16>, Vec<f16>)>),
+}
+
+/// What the current backward has done, and gathers issued ahead.
+pub(super) struct Progress {
+    /// Parameters of each unit whose gradient this backward still owes.
+    ready: Vec<usize>,
+    /// Units whose gradients this backward has taken (all true outside an
+    /// engine backward, so hooks of a bare `loss.backward()` do nothing).
+    launched: Vec<bool>,
+    /// Reductions in issue order.
+    inflight: Vec<(usize, Reduce)>,
+    /// Gathers issued ahead, per unit.
+    prefetch: Vec<Option<Prefetch>>,
+    /// What overlapped so far (for tests and benchmarks).
+    pub(super) counts: OverlapCounts,
+}
+
+/// How much communication overlapped compute since the engine was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OverlapCounts {
+    /// Unit gathers that were issued ahead and found in flight or done
+    /// when the unit was needed (stage 3).
+    pub prefetched: u64,
+    /// Unit reductions issued from a gradient hook while backward was
+    /// still running (as opposed to after it).
+    pub during_backward: u64,
+}
+
+impl Progress {
+    pub(super) fn new(units: usize) -> Self {
+        Self {
+            ready: vec![0; units],
+            launched: vec![true; units],
+            inflight: Vec::new(),
+            prefetch: (0..units).map(|_| None).collect(),
+            counts: OverlapCounts::default(),
+        }
+    }
+}
+
+/// Whether unit `k` is the root (which stage 3 keeps gathered).
+pub(super) fn is_root(st: &State, k: usize) -> bool {
+    k + 1 == st.units.len() && st.units[k].name == "<root>"
+}
+
+impl<G: ProcessGroup + 'static> Inner<G> {
+    /// Arms the hooks for one backward.
+    pub(super) fn begin_backward(&self, st: &mut State) {
+        for (k, u) in st.units.iter().enumerate() {
+            st.prog.ready[k] = u.params.len();
+            st.prog.launched[k] = false;
+        }
+    }
+
+    /// A parameter of unit `k` has its gradient (the hook's entry point).
+    pub(super) fn grad_accumulated(&self, k: usize) {
+        let mut st = self.st.lock();
+        if st.error.is_some() || st.prog.launched.get(k) != Some(&false) {
+            return;
+        }
+        st.prog.ready[k] = st.prog.ready[k].saturating_sub(1);
+        if st.prog.ready[k] == 0 {
+            st.prog.counts.during_backward += 1;
+            if let Err(e) = self.launch_reduce(&mut st, k) {
+                st.error = Some(e);
+            }
+        }
+    }
+
+    /// Takes unit `k`'s gradients and issues their reduction.
+    pub(super) fn launch_reduce(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
+        let u = &st.units[k];
+        let mut full = vec![0f32; u.layout.padded];
+        for (slot, t) in u.layout.slots.iter().zip(&u.params) {
+            let g = t.grad();
+            if g.defined() {
+                // Widened to fp32 before any reduction.
+                let g = g.f_to_kind(tch::Kind::Float)?.f_contiguous()?;
+                // SAFETY: a contiguous f32 tensor of `numel` elements.
+                full[slot.offset..slot.offset + slot.numel]
+                    .copy_from_slice(unsafe { elems::<f32>(&g, slot.numel) });
+            }
+            glue::clear_grad(t)?;
+        }
+        match self.stage {
+            0 => {
+                self.delay();
+                let w = self.group.all_reduce(full, ReduceOp::Avg);
+                st.prog.inflight.push((k, Reduce::All(w)));
+            }
+            1 => reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?,
+            _ => {
+                self.delay();
+                let w = self.group.reduce_scatter(full, Vec::new(), ReduceOp::Avg);
+                st.prog.inflight.push((k, Reduce::Scatter(w)));
+            }
+        }
+        st.prog.launched[k] = true;
+        if self.stage == 3 && st.gathered[k] && !is_root(st, k) {
+            self.release(st, k)?;
+        }
+        Ok(())
+    }
+
+    /// Ends a backward: reduces units no hook completed (parameters without
+    /// a gradient this time), waits for every reduction in issue order and
+    /// accumulates the results.
+    pub(super) fn end_backward(&self, st: &mut State) -> Result<(), EngineError> {
+        for k in 0..st.units.len() {
+            if !st.prog.launched[k] {
+                self.launch_reduce(st, k)?;
+            }
+        }
+        for (k, r) in std::mem::take(&mut st.prog.inflight) {
+            let v = match r {
+                Reduce::All(w) => w.wait()?,
+                Reduce::Scatter(w) => w.wait()?.1,
+            };
+            let v = self.across_replicas(v)?;
+            reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
+        }
+        self.drain_prefetch(st)
+    }
+
+    /// Issues the unit-order check and the gather of unit `i`'s shard.
+    pub(super) fn issue_gather(&self, st: &mut State, i: usize) -> Result<Prefetch, EngineError> {
+        // Name the unit to the peers first: units run in different orders
+        // would otherwise gather same-sized buffers into silent garbage.
+        self.delay();
+        let ids = self.group.all_gather(vec![i as i64], Vec::new());
+        let sh = &mut st.shards[i];
+        self.page_in(sh, i)?;
+        self.delay();
+        let data = match &mut sh.copy {
+            CopyShard::Bf16(v) => Fetch::Bf16(self.group.all_gather(std::mem::take(v), Vec::new())),
+            CopyShard::F16(v) => Fetch::F16(self.group.all_gather(std::mem::take(v), Vec::new())),
+            CopyShard::None => Fetch::F32(
+                self.group
+                    .all_gather(std::mem::take(&mut sh.master), Vec::new()),
+            ),
+        };
+        Ok(Prefetch { ids, data })
+    }
+
+    /// Completes a gather of unit `i`: checks the order, gives the shard
+    /// back to the unit and, with `fill`, makes its parameters the gathered
+    /// values.
+    pub(super) fn finish_gather(
+        &self,
+        st: &mut State,
+        i: usize,
+        p: Prefetch,
+        fill: bool,
+    ) -> Result<(), EngineError> {
+        let ids = p.ids.wait()?.1;
+        if ids.iter().any(|&x| x != i as i64) {
+            let names: Vec<String> = ids
+                .iter()
+                .enumerate()
+                .map(|(r, &x)| {
+                    format!(
+                        "rank {r} runs `{}`",
+                        st.units.get(x as usize).map_or("?", |u| u.name.as_str())
+                    )
+                })
+                .collect();
+            return Err(EngineError::UnitOrder(names.join(", ")));
+        }
+        let (u, sh) = (&st.units[i], &mut st.shards[i]);
+        let padded = u.layout.padded;
+        if fill {
+            glue::realloc_storage(&u.flat, padded * self.compute.bytes())?;
+        }
+        // SAFETY (each arm): the unit's flat tensor of that dtype with
+        // `padded` elements, storage just allocated, under the state lock.
+        match p.data {
+            Fetch::F32(w) => {
+                let (mine, full) = w.wait()?;
+                if fill {
+                    unsafe { elems::<f32>(&u.flat, padded) }.copy_from_slice(&full);
+                }
+                sh.master = mine;
+            }
+            Fetch::Bf16(w) => {
+                let (mine, full) = w.wait()?;
+                if fill {
+                    unsafe { elems::<bf16>(&u.flat, padded) }.copy_from_slice(&full);
+                }
+                sh.copy = CopyShard::Bf16(mine);
+            }
+            Fetch::F16(w) => {
+                let (mine, full) = w.wait()?;
+                if fill {
+                    unsafe { elems::<f16>(&u.flat, padded) }.copy_from_slice(&full);
+                }
+                sh.copy = CopyShard::F16(mine);
+            }
+        }
+        self.page_out(sh, i, false)
+    }
+
+    /// Stage 3: gathers unit `i` (from its prefetch if one was issued).
+    pub(super) fn gather(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
+        if st.gathered[i] {
+            return Ok(());
+        }
+        let p = match st.prog.prefetch[i].take() {
+            Some(p) => {
+                st.prog.counts.prefetched += 1;
+                p
+            }
+            None => self.issue_gather(st, i)?,
+        };
+        self.finish_gather(st, i, p, true)?;
+        st.gathered[i] = true;
+        Ok(())
+    }
+
+    /// After gathering `unit`, issues the gather of the unit likely needed
+    /// next (`forward`: the next one; else the previous one), within the
+    /// prefetch bounds of the config.
+    pub(super) fn prefetch_after(
+        &self,
+        st: &mut State,
+        unit: usize,
+        forward: bool,
+    ) -> Result<(), EngineError> {
+        let next = if forward {
+            unit + 1
+        } else {
+            unit.wrapping_sub(1)
+        };
+        if next >= st.units.len()
+            || is_root(st, next)
+            || st.gathered[next]
+            || st.prog.prefetch[next].is_some()
+        {
+            return Ok(());
+        }
+        let z = &self.cfg.config.zero;
+        let bucket = z.stage3_prefetch_bucket_size.value().unwrap_or(0) as usize;
+        let live: usize = (0..st.units.len())
+            .filter(|&k| st.gathered[k] || st.prog.prefetch[k].is_some())
+            .map(|k| st.units[k].layout.padded)
+            .sum();
+        let size = st.units[next].layout.padded;
+        if st.units[next].layout.numel > bucket
+            || (live + size) as u64 > z.stage3_max_live_parameters
+        {
+            return Ok(());
+        }
+        st.prog.prefetch[next] = Some(self.issue_gather(st, next)?);
+        Ok(())
+    }
+
+    /// Completes every gather issued ahead and not used (the shards go
+    /// back to their units), before anything reads the shards.
+    pub(super) fn drain_prefetch(&self, st: &mut State) -> Result<(), EngineError> {
+        for i in 0..st.units.len() {
+            if let Some(p) = st.prog.prefetch[i].take() {
+                self.finish_gather(st, i, p, false)?;
+            }
+        }
+        Ok(())
+    }
+}

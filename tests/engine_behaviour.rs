@@ -416,3 +416,43 @@ fn plans_and_settings_the_engine_cannot_use_are_refused() {
         "{again}"
     );
 }
+
+#[test]
+fn each_step_reports_where_its_time_went() {
+    std::thread::scope(|s| {
+        for r in local::world(WORLD) {
+            s.spawn(move || {
+                let t = tiny();
+                let e = Engine::new(
+                    &t.vs,
+                    &t.plan,
+                    &config(3, 2),
+                    group(&r),
+                    &AutoHints::default(),
+                )
+                .unwrap();
+                // Delays before every collective: waiting must show.
+                e.inject_delays(0x7 + r.rank() as u64);
+                assert_eq!(e.last_step_breakdown(), None);
+                for k in 0..2 {
+                    std::thread::sleep(std::time::Duration::from_millis(20)); // "forward"
+                    e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                    e.step().unwrap();
+                }
+                let b = e.last_step_breakdown().expect("a step was taken");
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                assert!(
+                    ms(b.forward) >= 40.0,
+                    "two micro-steps of 20 ms each: {b:?}"
+                );
+                assert!(
+                    b.backward > std::time::Duration::ZERO
+                        && b.optimizer > std::time::Duration::ZERO,
+                    "{b:?}"
+                );
+                assert!(b.comm_wait > std::time::Duration::ZERO, "{b:?}");
+                assert!(b.comm_wait <= b.forward + b.backward + b.optimizer, "{b:?}");
+            });
+        }
+    });
+}

@@ -19,7 +19,7 @@ pub mod schedule;
 
 pub use checkpoint::CheckpointError;
 pub use config::{AutoHints, Config, ConfigError, Resolved};
-pub use engine::{Engine, MasterShard, OverlapCounts};
+pub use engine::{Engine, MasterShard, OverlapCounts, StepBreakdown};
 pub use error::EngineError;
 pub use glue::GlueError;
 pub use plan::{ShardPlan, ShardedModule};

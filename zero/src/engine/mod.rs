@@ -50,8 +50,10 @@ use crate::{glue, AutoHints, Config, EngineError, Resolved};
 mod checkpoint;
 mod offload;
 mod overlap;
+mod timing;
 
 pub use overlap::OverlapCounts;
+pub use timing::StepBreakdown;
 
 /// The dtype of the parameters forward and backward run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +192,8 @@ struct State {
     error: Option<EngineError>,
     /// Reductions and gathers in flight (see `overlap`).
     prog: overlap::Progress,
+    /// Where the current step's time goes.
+    timing: timing::Timing,
 }
 
 struct Inner<G> {
@@ -730,6 +734,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 scaler,
                 error: None,
                 prog: overlap::Progress::new(n),
+                timing: timing::Timing::new(),
             }),
             delays: Mutex::new(0),
             swap,
@@ -785,7 +790,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // Not under the state lock: the hooks take it to re-gather units
         // (stage 3) and to reduce each unit's gradients as soon as they are
         // all there (see `overlap`).
-        i.begin_backward(&mut i.st.lock());
+        let started = {
+            let mut st = i.st.lock();
+            i.begin_backward(&mut st);
+            st.timing.backward_starts()
+        };
         let ran = loss
             .f_mul_scalar(scale / i.cfg.batch.gas as f64)
             .and_then(|l| l.f_backward());
@@ -804,6 +813,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         st.micro += 1;
+        st.timing.backward_ends(started);
         Ok(())
     }
 
@@ -814,6 +824,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// drops, and [`Engine::skipped_steps`] counts it).
     pub fn step(&self) -> Result<bool, EngineError> {
         let i = &*self.inner;
+        let started = std::time::Instant::now();
         let mut guard = i.st.lock();
         self.take_error(&mut guard)?;
         i.drain_prefetch(&mut guard)?;
@@ -821,8 +832,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             || guard.micro % i.cfg.batch.gas != 0
             || guard.boundary_at == guard.micro
         {
+            guard.timing.call_ends();
             return Ok(false);
         }
+        let log = i.cfg.config.wall_clock_breakdown;
         guard.boundary_at = guard.micro;
         let st = &mut *guard;
         // Stage 1 reduces the accumulated full gradients only now.
@@ -866,6 +879,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     sh.reduced = Vec::new();
                 }
                 st.skipped += 1;
+                let step = st.step;
+                st.timing.step_ends(started, log, step);
                 tracing::warn!(
                     scale = st.scaler.as_ref().map(|s| s.scale),
                     "fp16 overflow: step skipped on every rank"
@@ -933,11 +948,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 }
             }
         }
+        let t = std::time::Instant::now();
         i.share_shards(st)?;
+        st.timing.waited(t.elapsed());
         for sh in st.shards.iter_mut() {
             sh.g.fill(0.0);
             sh.reduced = Vec::new();
         }
+        let step = st.step;
+        st.timing.step_ends(started, log, step);
         Ok(true)
     }
 
@@ -971,6 +990,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Micro-steps taken (`backward` calls).
     pub fn micro_steps(&self) -> u64 {
         self.inner.st.lock().micro
+    }
+    /// Where the last optimizer step's time went (forward, backward,
+    /// communication wait, optimizer), summed over its micro-steps; logged
+    /// through `tracing` at every step when the config has
+    /// `"wall_clock_breakdown": true`.
+    pub fn last_step_breakdown(&self) -> Option<StepBreakdown> {
+        self.inner.st.lock().timing.last
     }
     /// How much communication overlapped compute so far: gathers served by
     /// a prefetch, reductions issued while backward was still running.

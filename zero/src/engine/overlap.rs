@@ -23,6 +23,7 @@ use half::{bf16, f16};
 use zrt_collectives::{ProcessGroup, ReduceOp, Work};
 use zrt_kernels::reduce;
 
+use super::timing::waiting;
 use super::{elems, CopyShard, Inner, State};
 use crate::{glue, EngineError};
 
@@ -156,10 +157,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, r) in std::mem::take(&mut st.prog.inflight) {
-            let v = match r {
-                Reduce::All(w) => w.wait()?,
-                Reduce::Scatter(w) => w.wait()?.1,
-            };
+            let v = waiting(&mut st.timing, || match r {
+                Reduce::All(w) => w.wait(),
+                Reduce::Scatter(w) => w.wait().map(|(_, part)| part),
+            })?;
             let v = self.across_replicas(v)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
         }
@@ -196,6 +197,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         p: Prefetch,
         fill: bool,
     ) -> Result<(), EngineError> {
+        let t = std::time::Instant::now();
         let ids = p.ids.wait()?.1;
         if ids.iter().any(|&x| x != i as i64) {
             let names: Vec<String> = ids
@@ -240,7 +242,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 sh.copy = CopyShard::F16(mine);
             }
         }
-        self.page_out(sh, i, false)
+        self.page_out(sh, i, false)?;
+        st.timing.waited(t.elapsed());
+        Ok(())
     }
 
     /// Stage 3: gathers unit `i` (from its prefetch if one was issued).

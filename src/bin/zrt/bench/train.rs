@@ -114,7 +114,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     let batch = || Tensor::randint(c.vocab, [a.micro, c.seq + 1], (Kind::Int64, Device::Cpu));
     let stats = || engine.group().stats().snapshot();
     let mut times = Vec::new();
-    let (mut comm_s, mut comm_elems) = (0.0, 0.0);
+    let (mut comm_s, mut comm_elems, mut wait_s) = (0.0, 0.0, 0.0);
     for s in 0..=a.steps {
         let before = stats();
         let t = Instant::now();
@@ -123,6 +123,9 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         let dt = t.elapsed().as_secs_f64();
         if s > 0 {
             times.push(dt);
+            wait_s += engine
+                .last_step_breakdown()
+                .map_or(0.0, |b| b.comm_wait.as_secs_f64());
             for (x, y) in stats().iter().zip(&before) {
                 comm_s += (x.time - y.time).as_secs_f64();
                 comm_elems += (x.bytes_sent - y.bytes_sent) as f64 / 4.0;
@@ -142,6 +145,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
             json!({
                 "times": t, "rss": rss, "model_state_bytes": state, "params": engine.num_params(),
                 "comm_seconds_per_step": comm_s / a.steps as f64, "comm_elements_per_step": comm_elems / a.steps as f64,
+                "comm_wait_seconds_per_step": wait_s / a.steps as f64,
             })
         );
     }
@@ -282,7 +286,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             peak / 1e9
         );
         println!(
-            "{:<6} {:>5} {:<12} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
+            "{:<6} {:>5} {:<12} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "model",
             "world",
             "impl",
@@ -295,7 +299,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             "formula",
             "comm Mel",
             "ZeRO Mel",
-            "comm s"
+            "comm s",
+            "wait s"
         );
     }
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -323,7 +328,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         } else {
             per_psi * params * (n - 1.0) / n
         };
-        let wait = median(&get("comm_seconds_per_step"));
+        // Time the collectives took on their worker, and the part of it the
+        // step was blocked on (the rest overlapped compute).
+        let comm_time = median(&get("comm_seconds_per_step"));
+        let wait = median(&get("comm_wait_seconds_per_step"));
         // The FSDP2 peer of a stage: reshard after forward for ZeRO-3, not otherwise.
         let fsdp = if *stage == 3 {
             "fsdp2_zero3"
@@ -351,13 +359,14 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                     "params": params, "seconds_per_step": t, "tokens_per_s": tokens / t, "flops_per_s": flops, "mfu": mfu,
                     "matmul_peak_flops_per_s": peak, "peak_rss_bytes": rss, "model_state_bytes": state,
                     "formula_bytes": formula, "comm_elements_per_step": comm, "zero_volume_elements": zero,
-                    "comm_seconds_per_step": wait, "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
+                    "comm_seconds_per_step": comm_time, "comm_wait_seconds_per_step": wait,
+                    "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
                     "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
                 })
             );
         } else {
             println!(
-                "{:<6} {:>5} {:<12} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3}",
+                "{:<6} {:>5} {:<12} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3} {:>8.3}",
                 size,
                 world,
                 format!("zrt zero{stage}"),
@@ -370,6 +379,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 mib(formula),
                 comm / 1e6,
                 zero / 1e6,
+                comm_time,
                 wait
             );
         }

@@ -90,17 +90,19 @@ impl Module for Block {
 /// The model: token and position embeddings, blocks, final norm, head.
 #[derive(Debug)]
 pub struct Gpt {
-    wte: nn::Embedding,
+    wte: ShardedModule<nn::Embedding>,
     wpe: nn::Embedding,
     blocks: Vec<ShardedModule<Block>>,
     ln_f: nn::LayerNorm,
-    head: nn::Linear,
+    head: ShardedModule<nn::Linear>,
     cfg: GptConfig,
 }
 
 impl Gpt {
-    /// Builds the model under `p`, each block a unit of `plan`
-    /// (`h.0`, `h.1`, ...); embeddings, final norm and head form the root.
+    /// Builds the model under `p`: the token embedding (`wte`), each block
+    /// (`h.0`, `h.1`, ...) and the head are units of `plan`, as FSDP wraps
+    /// them (the two largest matrices must not stay gathered); the position
+    /// embedding and the final norm form the root.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig) -> Self {
         let blocks = (0..cfg.layers)
             .map(|i| {
@@ -108,12 +110,22 @@ impl Gpt {
                 ShardedModule::new(plan, &bp, Block::new(&bp, cfg))
             })
             .collect();
+        let wte = p / "wte";
+        let head = p / "head";
         Self {
-            wte: nn::embedding(p / "wte", cfg.vocab, cfg.d_model, Default::default()),
+            wte: ShardedModule::new(
+                plan,
+                &wte,
+                nn::embedding(&wte, cfg.vocab, cfg.d_model, Default::default()),
+            ),
             wpe: nn::embedding(p / "wpe", cfg.seq, cfg.d_model, Default::default()),
             blocks,
             ln_f: nn::layer_norm(p / "ln_f", vec![cfg.d_model], Default::default()),
-            head: nn::linear(p / "head", cfg.d_model, cfg.vocab, Default::default()),
+            head: ShardedModule::new(
+                plan,
+                &head,
+                nn::linear(&head, cfg.d_model, cfg.vocab, Default::default()),
+            ),
             cfg: *cfg,
         }
     }

@@ -9,6 +9,7 @@ pub mod adam;
 pub mod collectives;
 pub mod offload;
 pub mod peer;
+pub mod plot;
 pub mod train;
 
 use std::process::{Command, Stdio};

@@ -46,6 +46,10 @@ pub struct TrainArgs {
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also write PNG plots of step time and memory per stage into this
+    /// directory (`step_time.png`, `memory.png`).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// Options of the hidden per-rank half.
@@ -304,6 +308,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         );
     }
     let mib = |b: f64| b / (1u64 << 20) as f64;
+    // (size, world, stage, s/step, peak RSS, model state, formula) for --plot.
+    let mut plotted = Vec::new();
     for ((size, world, stage), rows) in configs.iter().zip(&samples) {
         let c = gpt(size)?;
         let get = |f: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[f].as_f64()).collect() };
@@ -351,6 +357,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             f64::NAN
         };
         let opt = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
+        plotted.push((size.clone(), *world, *stage, t, rss, state, formula));
         if a.json {
             println!(
                 "{}",
@@ -408,6 +415,16 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             );
         }
     }
+    if let Some(dir) = &a.plot {
+        plots(dir, &plotted, &peers, &peer_rows)?;
+        if !a.json {
+            println!(
+                "plots: {}/step_time.png, {}/memory.png",
+                dir.display(),
+                dir.display()
+            );
+        }
+    }
     if !a.json && a.peer {
         for size in &a.sizes {
             for (stage, fsdp) in [(3u8, "fsdp2_zero3"), (2, "fsdp2_zero2")] {
@@ -430,4 +447,111 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// One zrt configuration's figures, as `--plot` draws them.
+type Plotted = (String, usize, u8, f64, f64, f64, f64);
+
+/// The stage a peer's row sits at on the plots' x axis.
+fn peer_stage(mode: &str) -> Option<f64> {
+    Some(match mode {
+        "ddp" => 0.0,
+        "deepspeed_zero1" => 1.0,
+        "fsdp2_zero2" | "deepspeed_zero2" => 2.0,
+        "fsdp2_zero3" | "deepspeed_zero3" => 3.0,
+        _ => return None,
+    })
+}
+
+/// Writes `step_time.png` and `memory.png` into `dir`.
+fn plots<'a>(
+    dir: &std::path::Path,
+    rows: &[Plotted],
+    peers: &[(String, &str)],
+    peer_rows: &dyn Fn(&str, &str) -> &'a [Value],
+) -> Result<()> {
+    use super::plot::{by_stage, Series};
+    std::fs::create_dir_all(dir)?;
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let mut keys: Vec<(String, usize)> = rows.iter().map(|r| (r.0.clone(), r.1)).collect();
+    keys.dedup();
+    let line = |label: String, f: &dyn Fn(&Plotted) -> f64, key: &(String, usize)| Series {
+        label,
+        points: rows
+            .iter()
+            .filter(|r| r.0 == key.0 && r.1 == key.1)
+            .map(|r| (r.2 as f64, f(r)))
+            .collect(),
+        points_only: false,
+    };
+    let mut time: Vec<Series> = keys
+        .iter()
+        .map(|k| line(format!("zrt {} world {}", k.0, k.1), &|r| r.3, k))
+        .collect();
+    let mut memory: Vec<Series> = Vec::new();
+    for k in &keys {
+        memory.push(line(
+            format!("zrt {} world {}: peak RSS", k.0, k.1),
+            &|r| mib(r.4),
+            k,
+        ));
+        memory.push(line(
+            format!("zrt {} world {}: model state", k.0, k.1),
+            &|r| mib(r.5),
+            k,
+        ));
+        memory.push(Series {
+            points_only: true,
+            ..line(
+                format!("{} world {}: DESIGN.md formula", k.0, k.1),
+                &|r| mib(r.6),
+                k,
+            )
+        });
+    }
+    // Peers (2 ranks) as markers at the stage they correspond to.
+    let mut sizes: Vec<&String> = peers.iter().map(|p| &p.0).collect();
+    sizes.dedup();
+    for size in sizes {
+        for (family, label) in [
+            ("ddp", "DDP"),
+            ("fsdp2", "FSDP2"),
+            ("deepspeed", "DeepSpeed"),
+        ] {
+            let pts: Vec<(f64, f64, f64)> = peers
+                .iter()
+                .filter(|(s, m)| s == size && m.starts_with(family))
+                .filter_map(|(s, m)| {
+                    let r = peer_rows(s, m);
+                    peer_stage(m).map(|x| (x, median_time(r), mib(max_rss(r))))
+                })
+                .collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let name = format!("{label} {size} world 2");
+            time.push(Series {
+                label: name.clone(),
+                points: pts.iter().map(|p| (p.0, p.1)).collect(),
+                points_only: true,
+            });
+            memory.push(Series {
+                label: format!("{name}: peak RSS"),
+                points: pts.iter().map(|p| (p.0, p.2)).collect(),
+                points_only: true,
+            });
+        }
+    }
+    by_stage(
+        &dir.join("step_time.png"),
+        "Training step time per ZeRO stage",
+        "seconds per step",
+        &time,
+    )?;
+    by_stage(
+        &dir.join("memory.png"),
+        "Memory per rank per ZeRO stage",
+        "MiB",
+        &memory,
+    )
 }

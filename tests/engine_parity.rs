@@ -39,10 +39,18 @@ struct Run {
     norms: Vec<Option<f64>>,
     skipped: u64,
     scale: Option<f64>,
+    /// Bytes rank 0 handed to reduce-scatter and all-reduce.
+    reduced_bytes: u64,
 }
 
 /// As `run_engine`, for any config.
 fn run_engine_with(cfg: Config, gas: usize) -> Run {
+    run_engine_mode(cfg, gas, false)
+}
+
+/// As `run_engine_with`; `bare`: run backward as `loss.backward()` (the
+/// hooks alone drive the reductions) instead of `engine.backward(&loss)`.
+fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
     let out: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = local::world(WORLD)
             .into_iter()
@@ -59,7 +67,11 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
                         for k in 0..gas {
                             let loss = gpt.loss(&tokens(step, k, r.rank(), gas));
                             sum += loss.double_value(&[]);
-                            engine.backward(&loss).unwrap();
+                            if bare {
+                                loss.backward();
+                            } else {
+                                engine.backward(&loss).unwrap();
+                            }
                             let skipped = engine.skipped_steps();
                             let stepped = engine.step().unwrap();
                             // Steps only at the boundary, unless fp16 skipped it.
@@ -77,7 +89,16 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
                         losses.push(all[0]);
                         norms.push(engine.global_grad_norm());
                     }
+                    let reduced_bytes = engine
+                        .group()
+                        .stats()
+                        .snapshot()
+                        .iter()
+                        .filter(|o| o.op == "reduce_scatter" || o.op == "all_reduce")
+                        .map(|o| o.bytes_sent)
+                        .sum();
                     Run {
+                        reduced_bytes,
                         losses,
                         params: engine.gathered_params().unwrap(),
                         norms,
@@ -561,4 +582,59 @@ fn stage_3_and_hybrid_sharding_as_processes_on_shm_match_the_reference() {
         launch(4, "hybrid"),
         run_reference_hybrid(0.5),
     );
+}
+
+#[test]
+fn a_plain_loss_backward_is_reduced_by_the_hooks_as_engine_backward_is() {
+    for stage in 0..=3u8 {
+        for gas in [1usize, 2] {
+            let via_engine = run_engine_mode(config(stage, gas, 0.5), gas, false);
+            let bare = run_engine_mode(config(stage, gas, 0.5), gas, true);
+            let what = format!("stage {stage} gas {gas}");
+            if gas == 1 {
+                // The same gradients, reduced the same way: the same bits.
+                assert_eq!(bare.losses, via_engine.losses, "{what}");
+                assert_eq!(bare.params, via_engine.params, "{what}");
+            } else {
+                // 1/gas applied after backward instead of to the loss.
+                let mut reference = via_engine.params;
+                reference.sort_by(|a, b| a.0.cmp(&b.0));
+                compare(
+                    &what,
+                    (bare.losses, bare.params),
+                    (via_engine.losses, reference),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn communication_data_type_bf16_reduces_in_half_the_bytes_and_tracks_fp32() {
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let reduced16 = r#""bf16": {"enabled": true}, "communication_data_type": "bf16","#;
+    let reference = run_reference(0, 1, 0.5);
+    for stage in [0u8, 1, 2, 3] {
+        let wide = run_engine_with(config_with(stage, 1, 0.5, bf16), 1);
+        let narrow = run_engine_with(config_with(stage, 1, 0.5, reduced16), 1);
+        let what = format!("stage {stage}");
+        // The gradient collectives carry 2-byte elements instead of 4 (the
+        // loss-norm and fp16 checks are a few bytes).
+        assert!(
+            narrow.reduced_bytes * 2 <= wide.reduced_bytes + 64,
+            "{what}: {} vs {} bytes",
+            narrow.reduced_bytes,
+            wide.reduced_bytes
+        );
+        assert_ne!(
+            narrow.params, wide.params,
+            "{what}: the 16-bit path must be taken"
+        );
+        for (s, (a, b)) in narrow.losses.iter().zip(&reference.0).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-2 * b.abs(),
+                "{what} step {s}: {a} vs fp32 {b}"
+            );
+        }
+    }
 }

@@ -215,6 +215,9 @@ struct Inner<G> {
     swap: Option<zrt_offload::Swap>,
     /// Stage-3 parameter offload: the units' gather sources live here.
     pswap: Option<offload::ParamSwap>,
+    /// Reduce gradients in the 16-bit compute dtype (the config's
+    /// `communication_data_type`), not fp32.
+    reduce_16: bool,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -573,10 +576,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             Precision::Bf16 => Compute::Bf16,
             Precision::Fp16(_) => Compute::F16,
         };
-        if !c.fp32_grad_reduce {
-            return Err(EngineError::Unsupported(
-                "reducing gradients in the compute dtype (communication_data_type / data_types.grad_accum_dtype): remove it to reduce in fp32".into(),
-            ));
+        // `communication_data_type` bf16/fp16: reduce in the 16-bit compute
+        // dtype (half the bytes); accumulation stays fp32.
+        let reduce_16 = !c.fp32_grad_reduce && compute != Compute::F32;
+        if !c.fp32_grad_reduce && compute == Compute::F32 {
+            tracing::warn!("a 16-bit communication_data_type with fp32 compute: zrt reduces gradients in fp32 (enable bf16 or fp16 to reduce in 16 bits)");
         }
         if let Some(s) = c.zero.mics_shard_size.filter(|&s| s != group.size() as u64) {
             return Err(EngineError::Plan(format!(
@@ -739,6 +743,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             delays: Mutex::new(0),
             swap,
             pswap,
+            reduce_16,
             cfg,
         });
         if stage == 3 {
@@ -780,6 +785,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Backward of one micro-step: `loss` is this rank's mean loss on its
     /// micro-batch. Gradients are averaged over the world and the
     /// accumulation steps, as DeepSpeed does (fp16: of the scaled loss).
+    ///
+    /// A plain `loss.backward()` works too (as with FSDP): the gradient
+    /// hooks reduce each unit the same way and the next `step()` finishes
+    /// the micro-step; gradients are then divided by the accumulation steps
+    /// after the backward instead of before it (a rounding apart). fp16
+    /// needs this call, which applies the loss scale.
     pub fn backward(&self, loss: &Tensor) -> Result<(), EngineError> {
         let i = &*self.inner;
         let scale = {
@@ -802,17 +813,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         ran?;
         self.take_error(&mut st)?;
         i.end_backward(&mut st)?;
-        if i.stage == 3 {
-            // Units re-gathered for backward go back to shards; the root stays.
-            let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
-            let n = st.units.len();
-            for k in 0..n {
-                if st.gathered[k] && !(root_kept && k == n - 1) {
-                    i.release(&mut st, k)?;
-                }
-            }
-        }
-        st.micro += 1;
         st.timing.backward_ends(started);
         Ok(())
     }
@@ -827,6 +827,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let started = std::time::Instant::now();
         let mut guard = i.st.lock();
         self.take_error(&mut guard)?;
+        // A bare `loss.backward()` ran: finish it as `backward` would have.
+        if guard.prog.bare {
+            i.end_backward(&mut guard)?;
+        }
         i.drain_prefetch(&mut guard)?;
         if guard.micro == 0
             || guard.micro % i.cfg.batch.gas != 0
@@ -842,12 +846,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if i.stage == 1 {
             for sh in st.shards.iter_mut() {
                 i.delay();
-                let (mut full, part) = i
-                    .group
-                    .reduce_scatter(std::mem::take(&mut sh.g), Vec::new(), ReduceOp::Avg)
-                    .wait()?;
-                full.fill(0.0);
-                sh.g = full;
+                let full = std::mem::take(&mut sh.g);
+                let n = full.len();
+                let part = i.issue_reduce(full, false)?.wait()?;
+                sh.g = vec![0.0; n];
                 sh.reduced = i.across_replicas(part)?;
             }
         }

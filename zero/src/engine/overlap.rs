@@ -21,16 +21,44 @@
 
 use half::{bf16, f16};
 use zrt_collectives::{ProcessGroup, ReduceOp, Work};
-use zrt_kernels::reduce;
+use zrt_kernels::{cast, reduce};
 
 use super::timing::waiting;
-use super::{elems, CopyShard, Inner, State};
+use super::{elems, Compute, CopyShard, Inner, State};
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
 pub(super) enum Reduce {
     All(Work<Vec<f32>>),
     Scatter(Work<(Vec<f32>, Vec<f32>)>),
+    /// `communication_data_type` bf16 / fp16: reduced in 16 bits, widened
+    /// back to fp32 when waited for.
+    AllBf16(Work<Vec<bf16>>),
+    ScatterBf16(Work<(Vec<bf16>, Vec<bf16>)>),
+    AllF16(Work<Vec<f16>>),
+    ScatterF16(Work<(Vec<f16>, Vec<f16>)>),
+}
+
+impl Reduce {
+    /// Waits and returns the result in fp32.
+    pub(super) fn wait(self) -> Result<Vec<f32>, EngineError> {
+        fn widen<T>(
+            v: &[T],
+            f: impl Fn(&[T], &mut [f32]) -> Result<(), zrt_kernels::KernelError>,
+        ) -> Result<Vec<f32>, EngineError> {
+            let mut out = vec![0f32; v.len()];
+            f(v, &mut out)?;
+            Ok(out)
+        }
+        Ok(match self {
+            Reduce::All(w) => w.wait()?,
+            Reduce::Scatter(w) => w.wait()?.1,
+            Reduce::AllBf16(w) => widen(&w.wait()?, cast::bf16_to_f32)?,
+            Reduce::ScatterBf16(w) => widen(&w.wait()?.1, cast::bf16_to_f32)?,
+            Reduce::AllF16(w) => widen(&w.wait()?, cast::f16_to_f32)?,
+            Reduce::ScatterF16(w) => widen(&w.wait()?.1, cast::f16_to_f32)?,
+        })
+    }
 }
 
 /// A gather in flight, with the unit-order check issued before it.
@@ -58,6 +86,9 @@ pub(super) struct Progress {
     prefetch: Vec<Option<Prefetch>>,
     /// What overlapped so far (for tests and benchmarks).
     pub(super) counts: OverlapCounts,
+    /// The hooks are driving a backward the program started itself
+    /// (`loss.backward()` instead of `Engine::backward`); `step()` ends it.
+    pub(super) bare: bool,
 }
 
 /// How much communication overlapped compute since the engine was built.
@@ -79,6 +110,7 @@ impl Progress {
             inflight: Vec::new(),
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
+            bare: false,
         }
     }
 }
@@ -100,8 +132,17 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// A parameter of unit `k` has its gradient (the hook's entry point).
     pub(super) fn grad_accumulated(&self, k: usize) {
         let mut st = self.st.lock();
-        if st.error.is_some() || st.prog.launched.get(k) != Some(&false) {
+        if st.error.is_some() || k >= st.prog.launched.len() {
             return;
+        }
+        if st.prog.launched[k] {
+            // Outside `Engine::backward`: the program ran `loss.backward()`
+            // itself. The hooks drive it the same way; `step()` (or the
+            // next such backward) ends it.
+            if let Err(e) = self.begin_bare(&mut st) {
+                st.error = Some(e);
+                return;
+            }
         }
         st.prog.ready[k] = st.prog.ready[k].saturating_sub(1);
         if st.prog.ready[k] == 0 {
@@ -110,6 +151,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.error = Some(e);
             }
         }
+    }
+
+    /// Starts a backward the program began with `loss.backward()`, ending
+    /// the previous one first if `step()` was not called in between.
+    fn begin_bare(&self, st: &mut State) -> Result<(), EngineError> {
+        if st.scaler.is_some() {
+            return Err(EngineError::Plan(
+                "fp16 loss scaling needs the loss to go through the engine: call engine.backward(&loss) instead of loss.backward()".into(),
+            ));
+        }
+        if st.prog.bare {
+            self.end_backward(st)?;
+        }
+        self.begin_backward(st);
+        st.prog.bare = true;
+        Ok(())
     }
 
     /// Takes unit `k`'s gradients and issues their reduction.
@@ -127,24 +184,52 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
             glue::clear_grad(t)?;
         }
-        match self.stage {
-            0 => {
-                self.delay();
-                let w = self.group.all_reduce(full, ReduceOp::Avg);
-                st.prog.inflight.push((k, Reduce::All(w)));
-            }
-            1 => reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?,
-            _ => {
-                self.delay();
-                let w = self.group.reduce_scatter(full, Vec::new(), ReduceOp::Avg);
-                st.prog.inflight.push((k, Reduce::Scatter(w)));
-            }
+        if st.prog.bare && self.cfg.batch.gas > 1 {
+            // `Engine::backward` divides the loss by the accumulation steps;
+            // a bare backward did not.
+            reduce::scale(&self.threads, &mut full, 1.0 / self.cfg.batch.gas as f32);
+        }
+        if self.stage == 1 {
+            reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
+        } else {
+            self.delay();
+            let r = self.issue_reduce(full, self.stage == 0)?;
+            st.prog.inflight.push((k, r));
         }
         st.prog.launched[k] = true;
         if self.stage == 3 && st.gathered[k] && !is_root(st, k) {
             self.release(st, k)?;
         }
         Ok(())
+    }
+
+    /// Issues the averaging of `full` over the group: an all-reduce
+    /// (`all`) or a reduce-scatter, in fp32 or, when the config asks for
+    /// it (`communication_data_type`), in the 16-bit compute dtype.
+    pub(super) fn issue_reduce(&self, full: Vec<f32>, all: bool) -> Result<Reduce, EngineError> {
+        let g = &self.group;
+        Ok(match (self.reduce_16, self.compute) {
+            (true, Compute::Bf16) => {
+                let mut h = vec![bf16::ZERO; full.len()];
+                cast::f32_to_bf16(&full, &mut h)?;
+                match all {
+                    true => Reduce::AllBf16(g.all_reduce(h, ReduceOp::Avg)),
+                    false => Reduce::ScatterBf16(g.reduce_scatter(h, Vec::new(), ReduceOp::Avg)),
+                }
+            }
+            (true, Compute::F16) => {
+                let mut h = vec![f16::ZERO; full.len()];
+                cast::f32_to_f16(&full, &mut h)?;
+                match all {
+                    true => Reduce::AllF16(g.all_reduce(h, ReduceOp::Avg)),
+                    false => Reduce::ScatterF16(g.reduce_scatter(h, Vec::new(), ReduceOp::Avg)),
+                }
+            }
+            _ => match all {
+                true => Reduce::All(g.all_reduce(full, ReduceOp::Avg)),
+                false => Reduce::Scatter(g.reduce_scatter(full, Vec::new(), ReduceOp::Avg)),
+            },
+        })
     }
 
     /// Ends a backward: reduces units no hook completed (parameters without
@@ -157,14 +242,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, r) in std::mem::take(&mut st.prog.inflight) {
-            let v = waiting(&mut st.timing, || match r {
-                Reduce::All(w) => w.wait(),
-                Reduce::Scatter(w) => w.wait().map(|(_, part)| part),
-            })?;
+            let v = waiting(&mut st.timing, || r.wait())?;
             let v = self.across_replicas(v)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
         }
-        self.drain_prefetch(st)
+        self.drain_prefetch(st)?;
+        if self.stage == 3 {
+            // Units re-gathered for backward go back to shards; the root stays.
+            for k in 0..st.units.len() {
+                if st.gathered[k] && !is_root(st, k) {
+                    self.release(st, k)?;
+                }
+            }
+        }
+        st.prog.bare = false;
+        st.micro += 1;
+        Ok(())
     }
 
     /// Issues the unit-order check and the gather of unit `i`'s shard.

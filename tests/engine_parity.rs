@@ -69,6 +69,11 @@ fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
                             sum += loss.double_value(&[]);
                             if bare {
                                 loss.backward();
+                                if k + 1 < gas {
+                                    // As with FSDP: backward gas times,
+                                    // then one step.
+                                    continue;
+                                }
                             } else {
                                 engine.backward(&loss).unwrap();
                             }
@@ -128,17 +133,22 @@ fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     g
 }
 
-fn run_reference(stage: u8, gas: usize, clip: f64) -> (Vec<f64>, Params) {
-    let (vs, _plan, gpt) = model();
-    let mut opt = nn::AdamW {
+/// libtorch's AdamW with the engine's settings.
+fn adamw(vs: &nn::VarStore) -> nn::Optimizer {
+    nn::AdamW {
         beta1: 0.9,
         beta2: 0.999,
         wd: WD,
         eps: 1e-8,
         amsgrad: false,
     }
-    .build(&vs, LR)
-    .unwrap();
+    .build(vs, LR)
+    .unwrap()
+}
+
+fn run_reference(stage: u8, gas: usize, clip: f64) -> (Vec<f64>, Params) {
+    let (vs, _plan, gpt) = model();
+    let mut opt = adamw(&vs);
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut losses = Vec::new();
@@ -374,15 +384,7 @@ fn fp16_overflows_skip_the_step_on_every_rank_and_lower_the_scale() {
 /// and AdamW.
 fn run_reference_hybrid(clip: f64) -> (Vec<f64>, Params) {
     let (vs, _plan, gpt) = model();
-    let mut opt = nn::AdamW {
-        beta1: 0.9,
-        beta2: 0.999,
-        wd: WD,
-        eps: 1e-8,
-        amsgrad: false,
-    }
-    .build(&vs, LR)
-    .unwrap();
+    let mut opt = adamw(&vs);
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let avg = |a: &Tensor, b: &Tensor| {

@@ -187,6 +187,11 @@ fn install_torch(cache: &Path) -> Result<()> {
         }
     }
     eprintln!("xtask: installing torch=={TORCH_VERSION} from PyPI (about a minute, about 5 GB; once per machine)");
+    pip_install(cache, &format!("torch=={TORCH_VERSION}"))
+}
+
+/// `pip install SPEC` into the venv, quietly.
+fn pip_install(cache: &Path, spec: &str) -> Result<()> {
     let st = Command::new(venv_python(cache))
         .args([
             "-m",
@@ -194,12 +199,12 @@ fn install_torch(cache: &Path) -> Result<()> {
             "install",
             "--disable-pip-version-check",
             "--quiet",
+            spec,
         ])
-        .arg(format!("torch=={TORCH_VERSION}"))
         .status()
         .context("running pip")?;
     if !st.success() {
-        bail!("`pip install torch=={TORCH_VERSION}` failed (see pip's output above); pip must reach PyPI");
+        bail!("`pip install {spec}` failed (see pip's output above); pip must reach PyPI");
     }
     Ok(())
 }
@@ -217,21 +222,7 @@ fn ensure_safetensors(cache: &Path) -> Result<()> {
         return Ok(());
     }
     eprintln!("xtask: installing safetensors=={SAFETENSORS_VERSION} into the venv");
-    let st = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .arg(format!("safetensors=={SAFETENSORS_VERSION}"))
-        .status()
-        .context("running pip")?;
-    if !st.success() {
-        bail!("`pip install safetensors=={SAFETENSORS_VERSION}` failed (see pip's output above); pip must reach PyPI");
-    }
-    Ok(())
+    pip_install(cache, &format!("safetensors=={SAFETENSORS_VERSION}"))
 }
 
 fn which(name: &str) -> Option<PathBuf> {

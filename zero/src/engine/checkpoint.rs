@@ -470,17 +470,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let params = self.gathered_params()?;
         let written = if i.group.rank() == 0 {
-            let shapes: HashMap<String, Vec<i64>> =
-                i.st.lock()
-                    .units
-                    .iter()
-                    .flat_map(|u| {
-                        u.layout
-                            .slots
-                            .iter()
-                            .map(|s| (s.name.clone(), s.shape.clone()))
-                    })
-                    .collect();
+            let shapes: HashMap<String, Vec<i64>> = param_shapes(&i.st.lock())
+                .map(|(n, s)| (n.to_string(), s.to_vec()))
+                .collect();
             let dtype = match i.compute {
                 Compute::F32 => Dtype::F32,
                 Compute::Bf16 => Dtype::BF16,
@@ -539,18 +531,19 @@ fn commit(dir: &Path, staging: &Path, target: &Path, tag: &str) -> Result<(), Ch
     write_atomic(&dir.join("latest"), format!("{tag}\n").as_bytes())
 }
 
+/// Every parameter of the engine as (name, shape).
+fn param_shapes(st: &State) -> impl Iterator<Item = (&str, &[i64])> {
+    st.units.iter().flat_map(|u| {
+        u.layout
+            .slots
+            .iter()
+            .map(|s| (s.name.as_str(), s.shape.as_slice()))
+    })
+}
+
 /// The checkpoint must hold exactly this model's parameters and shapes.
 fn check_model(st: &State, meta: &Meta) -> Result<(), CheckpointError> {
-    let ours: HashMap<&str, &[i64]> = st
-        .units
-        .iter()
-        .flat_map(|u| {
-            u.layout
-                .slots
-                .iter()
-                .map(|s| (s.name.as_str(), s.shape.as_slice()))
-        })
-        .collect();
+    let ours: HashMap<&str, &[i64]> = param_shapes(st).collect();
     let saved: HashMap<&str, &[i64]> = meta
         .params()
         .map(|s| (s.name.as_str(), s.shape.as_slice()))

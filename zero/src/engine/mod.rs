@@ -812,7 +812,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut st = i.st.lock();
         ran?;
         self.take_error(&mut st)?;
-        i.end_backward(&mut st)?;
+        i.end_backward(&mut st, true)?;
         st.timing.backward_ends(started);
         Ok(())
     }
@@ -829,7 +829,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.take_error(&mut guard)?;
         // A bare `loss.backward()` ran: finish it as `backward` would have.
         if guard.prog.bare {
-            i.end_backward(&mut guard)?;
+            i.end_backward(&mut guard, true)?;
         }
         i.drain_prefetch(&mut guard)?;
         if guard.micro == 0

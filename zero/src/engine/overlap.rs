@@ -147,7 +147,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.ready[k] = st.prog.ready[k].saturating_sub(1);
         if st.prog.ready[k] == 0 {
             st.prog.counts.during_backward += 1;
-            if let Err(e) = self.launch_reduce(&mut st, k) {
+            if let Err(e) = self.launch_reduce(&mut st, k, true) {
                 st.error = Some(e);
             }
         }
@@ -162,7 +162,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             ));
         }
         if st.prog.bare {
-            self.end_backward(st)?;
+            // Units may already be gathered for the backward now starting:
+            // finish the reductions, free nothing.
+            self.end_backward(st, false)?;
         }
         self.begin_backward(st);
         st.prog.bare = true;
@@ -170,7 +172,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// Takes unit `k`'s gradients and issues their reduction.
-    pub(super) fn launch_reduce(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
+    pub(super) fn launch_reduce(
+        &self,
+        st: &mut State,
+        k: usize,
+        free: bool,
+    ) -> Result<(), EngineError> {
         let u = &st.units[k];
         let mut full = vec![0f32; u.layout.padded];
         for (slot, t) in u.layout.slots.iter().zip(&u.params) {
@@ -197,7 +204,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             st.prog.inflight.push((k, r));
         }
         st.prog.launched[k] = true;
-        if self.stage == 3 && st.gathered[k] && !is_root(st, k) {
+        if free && self.stage == 3 && st.gathered[k] && !is_root(st, k) {
             self.release(st, k)?;
         }
         Ok(())
@@ -234,11 +241,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Ends a backward: reduces units no hook completed (parameters without
     /// a gradient this time), waits for every reduction in issue order and
-    /// accumulates the results.
-    pub(super) fn end_backward(&self, st: &mut State) -> Result<(), EngineError> {
+    /// accumulates the results. With `free`, stage 3 frees what the backward
+    /// gathered (not when a new backward is already under way).
+    pub(super) fn end_backward(&self, st: &mut State, free: bool) -> Result<(), EngineError> {
         for k in 0..st.units.len() {
             if !st.prog.launched[k] {
-                self.launch_reduce(st, k)?;
+                self.launch_reduce(st, k, free)?;
             }
         }
         for (k, r) in std::mem::take(&mut st.prog.inflight) {
@@ -247,7 +255,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
         }
         self.drain_prefetch(st)?;
-        if self.stage == 3 {
+        if free && self.stage == 3 {
             // Units re-gathered for backward go back to shards; the root stays.
             for k in 0..st.units.len() {
                 if st.gathered[k] && !is_root(st, k) {

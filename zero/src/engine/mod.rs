@@ -810,7 +810,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .f_mul_scalar(scale / i.cfg.batch.gas as f64)
             .and_then(|l| l.f_backward());
         let mut st = i.st.lock();
-        ran?;
+        if let Err(e) = ran {
+            // Disarm, so later hooks are not taken for this backward's.
+            i.abort_backward(&mut st);
+            return Err(e.into());
+        }
         self.take_error(&mut st)?;
         i.end_backward(&mut st, true)?;
         st.timing.backward_ends(started);

@@ -129,6 +129,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
+    /// Disarms the hooks after a backward that failed in libtorch. The
+    /// reductions it issued are dropped unwaited (the worker still runs
+    /// them; if a peer never matches one, the next collective times out
+    /// naming it rather than this call blocking).
+    pub(super) fn abort_backward(&self, st: &mut State) {
+        st.prog.launched.fill(true);
+        st.prog.inflight.clear();
+    }
+
     /// A parameter of unit `k` has its gradient (the hook's entry point).
     pub(super) fn grad_accumulated(&self, k: usize) {
         let mut st = self.st.lock();

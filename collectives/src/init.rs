@@ -135,6 +135,12 @@ impl ProcessGroup for Group {
     fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
         each!(self, g => g.all_gather(input, out))
     }
+    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
+        each!(self, g => g.all_gather_in_place(buf))
+    }
+    fn reduce_scatter_in_place<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        each!(self, g => g.reduce_scatter_in_place(buf, op))
+    }
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         each!(self, g => g.broadcast(buf, root))
     }

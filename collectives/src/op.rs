@@ -200,6 +200,27 @@ pub trait ProcessGroup: Send + Sync {
     /// into `out`, resized to fit. Returns `(input, out)`.
     fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)>;
 
+    /// [`ProcessGroup::all_gather`] in place: `buf` has the whole length
+    /// on every rank and holds this rank's part ([`chunk_range`]) on entry;
+    /// on return it holds every rank's part. Backends that can skip copying
+    /// this rank's own part (shm) do.
+    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
+        let part = buf[chunk_range(buf.len(), self.size(), self.rank())].to_vec();
+        self.all_gather(part, buf).map(|(_, out)| out)
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] in place: reduces `buf` (same
+    /// length on every rank); on return this rank's part ([`chunk_range`])
+    /// of `buf` holds the result and the rest is unspecified.
+    fn reduce_scatter_in_place<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let r = chunk_range(buf.len(), self.size(), self.rank());
+        self.reduce_scatter(buf, Vec::new(), op)
+            .map(move |(mut buf, part)| {
+                buf[r].copy_from_slice(&part);
+                buf
+            })
+    }
+
     /// Overwrites `buf` on every rank with group rank `root`'s `buf`.
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>>;
 

@@ -260,9 +260,8 @@ impl Inner {
         &self,
         desc: &OpDesc,
         buf: &mut [T],
-        part: &mut Vec<T>,
+        dest: Dest<'_, T>,
         op: ReduceOp,
-        full: bool,
     ) -> Result<(), CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.state.lock();
@@ -271,11 +270,23 @@ impl Inner {
         let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
         let w = self.window::<T>(n);
         let rounds = parts[0].len().div_ceil(w);
-        if !full {
-            // Reuse the caller's buffer as it is: clearing would zero-fill it again.
-            part.truncate(parts[me].len());
-            part.resize(parts[me].len(), T::ZERO);
-        }
+        let (full, in_place) = (matches!(dest, Dest::All), matches!(dest, Dest::InPlace));
+        let mut tmp = Vec::new();
+        let part: &mut Vec<T> = match dest {
+            Dest::Part(part) => {
+                // Reuse the caller's buffer as it is: clearing would zero-fill it again.
+                part.truncate(parts[me].len());
+                part.resize(parts[me].len(), T::ZERO);
+                part
+            }
+            // In place, each window is reduced into a window-sized buffer
+            // and then written over this rank's own input.
+            Dest::InPlace => {
+                tmp.resize(w.min(parts[me].len()), T::ZERO);
+                &mut tmp
+            }
+            Dest::All => &mut tmp,
+        };
         let window = |p: usize, j: usize| {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
@@ -313,6 +324,11 @@ impl Inner {
                     let l = r.len();
                     buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, h + p * w, l) });
                 }
+            } else if in_place {
+                let l = r.len();
+                T::reduce_into(&mut part[..l], &srcs, op);
+                drop(srcs);
+                buf[r].copy_from_slice(&part[..l]);
             } else {
                 let at = r.start - parts[me].start;
                 T::reduce_into(&mut part[at..at + r.len()], &srcs, op);
@@ -321,10 +337,13 @@ impl Inner {
         Ok(())
     }
 
+    /// Concatenates the ranks' parts into `out`. `input` is this rank's
+    /// part, or `None` when it is already in `out` at its place (in place:
+    /// one copy less).
     fn all_gather<T: Element>(
         &self,
         desc: &OpDesc,
-        input: &[T],
+        input: Option<&[T]>,
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
         let deadline = Instant::now() + self.timeout;
@@ -340,7 +359,14 @@ impl Inner {
             })
             .collect();
         // Reuse the caller's buffer as it is: clearing would zero-fill it again.
-        let total = lens.iter().sum();
+        let total: usize = lens.iter().sum();
+        if input.is_none() && out.len() != total {
+            return Err(invalid(
+                &self.name,
+                desc,
+                format!("in-place all_gather needs a buffer of {total} elements (the parts' sum), got {}", out.len()),
+            ));
+        }
         out.truncate(total);
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1);
@@ -352,9 +378,17 @@ impl Inner {
             // SAFETY: own slot half written between barriers; others read
             // after (double-buffered as in `reduce`). This rank's own part
             // goes straight from `input`.
-            unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }
-                .copy_from_slice(&input[mine.clone()]);
-            out[offs[self.me] + mine.start..offs[self.me] + mine.end].copy_from_slice(&input[mine]);
+            let own = offs[self.me] + mine.start..offs[self.me] + mine.end;
+            match input {
+                Some(input) => {
+                    unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }
+                        .copy_from_slice(&input[mine.clone()]);
+                    out[own].copy_from_slice(&input[mine]);
+                }
+                None => {
+                    unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }.copy_from_slice(&out[own])
+                }
+            }
             self.barrier(&mut st, desc, deadline)?;
             for r in (0..self.n()).filter(|&r| r != self.me) {
                 let p = part(r);
@@ -390,6 +424,16 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// Where `reduce` leaves its result.
+enum Dest<'a, T> {
+    /// all_reduce: the whole result back into the buffer.
+    All,
+    /// reduce_scatter: this rank's part into this vector.
+    Part(&'a mut Vec<T>),
+    /// reduce_scatter in place: this rank's part over its own input.
+    InPlace,
 }
 
 /// One rank's handle on a shared-memory group.
@@ -566,7 +610,7 @@ impl ProcessGroup for ShmGroup {
             len: buf.len(),
         };
         self.run(desc, move |g| {
-            g.reduce(&desc, &mut buf, &mut Vec::new(), op, true)?;
+            g.reduce(&desc, &mut buf, Dest::All, op)?;
             let b = bytes_of::<T>(buf.len());
             Ok((buf, b, b))
         })
@@ -584,7 +628,7 @@ impl ProcessGroup for ShmGroup {
             len: input.len(),
         };
         self.run(desc, move |g| {
-            g.reduce(&desc, &mut input, &mut out, op, false)?;
+            g.reduce(&desc, &mut input, Dest::Part(&mut out), op)?;
             let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
             Ok(((input, out), s, r))
         })
@@ -597,9 +641,37 @@ impl ProcessGroup for ShmGroup {
             len: input.len(),
         };
         self.run(desc, move |g| {
-            g.all_gather(&desc, &input, &mut out)?;
+            g.all_gather(&desc, Some(&input), &mut out)?;
             let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
             Ok(((input, out), s, r))
+        })
+    }
+
+    fn reduce_scatter_in_place<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let desc = OpDesc {
+            kind: OpKind::ReduceScatter(op),
+            dtype: Some(T::DTYPE),
+            len: buf.len(),
+        };
+        let n = self.size();
+        self.run(desc, move |g| {
+            g.reduce(&desc, &mut buf, Dest::InPlace, op)?;
+            let s = bytes_of::<T>(buf.len());
+            Ok((buf, s, s / n.max(1)))
+        })
+    }
+
+    fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        let own = chunk_range(buf.len(), self.size(), self.rank());
+        let desc = OpDesc {
+            kind: OpKind::AllGather,
+            dtype: Some(T::DTYPE),
+            len: own.len(),
+        };
+        self.run(desc, move |g| {
+            g.all_gather(&desc, None, &mut buf)?;
+            let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
+            Ok((buf, s, r))
         })
     }
 

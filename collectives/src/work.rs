@@ -18,20 +18,36 @@ pub fn default_timeout() -> Duration {
 /// A pending collective. Dropping it does not cancel the operation (every
 /// rank must still complete it); it only discards the result.
 #[must_use = "a collective's result (and its error) is only seen through wait()"]
-#[derive(Debug)]
 pub struct Work<T> {
-    rx: Receiver<Result<T, CommError>>,
-    group: String,
-    call: String,
+    wait: Box<dyn FnOnce(Duration) -> Result<T, CommError> + Send>,
+    done: Box<dyn Fn() -> bool + Send>,
 }
 
-impl<T> Work<T> {
+impl<T> std::fmt::Debug for Work<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("done", &(self.done)())
+            .finish()
+    }
+}
+
+impl<T: Send + 'static> Work<T> {
     /// A handle whose result arrives on `rx`.
     pub(crate) fn new(rx: Receiver<Result<T, CommError>>, group: &str, call: String) -> Self {
+        let probe = rx.clone();
+        let group = group.to_string();
         Self {
-            rx,
-            group: group.to_string(),
-            call,
+            wait: Box::new(move |timeout| match rx.recv_timeout(timeout) {
+                Ok(r) => r,
+                Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout {
+                    group,
+                    call,
+                    timeout,
+                    waiting_for: Vec::new(),
+                }),
+                Err(RecvTimeoutError::Disconnected) => Err(CommError::Closed { group, call }),
+            }),
+            done: Box::new(move || !probe.is_empty()),
         }
     }
 
@@ -42,9 +58,21 @@ impl<T> Work<T> {
         Self::new(rx, group, call)
     }
 
+    /// The same operation, its result passed through `f` when waited for
+    /// (how the in-place collectives are built on the out-of-place ones).
+    pub fn map<U: Send + 'static>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Work<U> {
+        let wait = self.wait;
+        Work {
+            wait: Box::new(move |timeout| wait(timeout).map(f)),
+            done: self.done,
+        }
+    }
+}
+
+impl<T> Work<T> {
     /// Whether the result is ready (`wait` will not block).
     pub fn is_done(&self) -> bool {
-        !self.rx.is_empty()
+        (self.done)()
     }
 
     /// Blocks until the operation completes, at most [`default_timeout`].
@@ -54,18 +82,6 @@ impl<T> Work<T> {
 
     /// Blocks until the operation completes or `timeout` passes.
     pub fn wait_timeout(self, timeout: Duration) -> Result<T, CommError> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => r,
-            Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout {
-                group: self.group,
-                call: self.call,
-                timeout,
-                waiting_for: Vec::new(),
-            }),
-            Err(RecvTimeoutError::Disconnected) => Err(CommError::Closed {
-                group: self.group,
-                call: self.call,
-            }),
-        }
+        (self.wait)(timeout)
     }
 }

@@ -87,7 +87,7 @@ impl Worker {
     }
 
     /// A handle that fails at once (bad arguments caught at issue time).
-    pub(crate) fn fail<R>(&self, desc: &OpDesc, e: CommError) -> Work<R> {
+    pub(crate) fn fail<R: Send + 'static>(&self, desc: &OpDesc, e: CommError) -> Work<R> {
         Work::ready(Err(e), &self.group, desc.to_string())
     }
 }

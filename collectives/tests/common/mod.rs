@@ -94,7 +94,42 @@ pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
                 "{:?} reduce_scatter {op:?} world {world} len {len} rank {me}",
                 T::DTYPE
             );
+            let inplace = g.reduce_scatter_in_place(input.clone(), op).wait().unwrap();
+            let r = chunk_range(len, world, me);
+            assert_eq!(
+                inplace[r.clone()],
+                full[r],
+                "{:?} reduce_scatter_in_place {op:?} world {world} len {len} rank {me}",
+                T::DTYPE
+            );
         }
+        // all_gather in place: own part at its place, the rest overwritten
+        // (a sentinel shows every other part is filled in).
+        let want: Vec<T> = (0..len)
+            .map(|i| {
+                let r = (0..world)
+                    .find(|&r| chunk_range(len, world, r).contains(&i))
+                    .unwrap_or(0);
+                T::make(val(r, i))
+            })
+            .collect();
+        let own = chunk_range(len, world, me);
+        let buf: Vec<T> = (0..len)
+            .map(|i| {
+                if own.contains(&i) {
+                    want[i]
+                } else {
+                    T::make(99)
+                }
+            })
+            .collect();
+        let got = g.all_gather_in_place(buf).wait().unwrap();
+        assert_eq!(
+            got,
+            want,
+            "{:?} all_gather_in_place world {world} len {len} rank {me}",
+            T::DTYPE
+        );
         // all_gather of unequal parts: rank r contributes len + r elements.
         let mine: Vec<T> = (0..len + me).map(|i| T::make(val(me, i))).collect();
         let (_, got) = g.all_gather(mine, Vec::new()).wait().unwrap();

@@ -14,7 +14,15 @@ use serde_json::{json, Value};
 use super::{median, peer, run_ranks};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 
-const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+/// The ops measured; the `_in_place` ones are compared with gloo's
+/// out-of-place op of the same kind (its script has no in-place variant).
+const OPS: [&str; 5] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "reduce_scatter_in_place",
+    "all_gather_in_place",
+];
 const RANKS: usize = 2;
 
 /// Options of `zrt bench collectives`.
@@ -70,7 +78,11 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
                     "reduce_scatter" => {
                         (full, part) = g.reduce_scatter(full, part, ReduceOp::Sum).wait()?
                     }
-                    _ => (part, full) = g.all_gather(part, full).wait()?,
+                    "all_gather" => (part, full) = g.all_gather(part, full).wait()?,
+                    "reduce_scatter_in_place" => {
+                        full = g.reduce_scatter_in_place(full, ReduceOp::Sum).wait()?
+                    }
+                    _ => full = g.all_gather_in_place(full).wait()?,
                 }
                 if it > 0 {
                     times.push(t.elapsed().as_secs_f64());
@@ -161,7 +173,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     if !a.json {
         println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.backend, a.rounds, a.iters);
         println!(
-            "{:<15} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
+            "{:<24} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
             "op", "MiB", "zrt ms", "algbw", "busbw", "gloo busbw", "memcpy", "vs gloo", "vs memcpy"
         );
     }
@@ -176,7 +188,8 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 (RANKS - 1) as f64 / RANKS as f64
             };
             let t = median(zrt.get(&key).map_or(&[][..], |v| v));
-            let tg = median(gloo.get(&key).map_or(&[][..], |v| v));
+            let peer_key = (op.trim_end_matches("_in_place").to_string(), mib);
+            let tg = median(gloo.get(&peer_key).map_or(&[][..], |v| v));
             let (algbw, busbw) = (s / t / 1e9, s / t / 1e9 * factor);
             let gloo_busbw = s / tg / 1e9 * factor;
             let vs_peer = busbw / gloo_busbw;
@@ -195,7 +208,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 );
             } else {
                 println!(
-                    "{:<15} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2} {:>9.1}x {:>9.2}x",
+                    "{:<24} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2} {:>9.1}x {:>9.2}x",
                     op,
                     mib,
                     t * 1e3,

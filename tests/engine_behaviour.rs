@@ -66,7 +66,8 @@ fn input(rank: usize, k: usize) -> Tensor {
 fn config(stage: u8, gas: usize) -> Config {
     Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": {gas},
-            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}, "zero_optimization": {{"stage": {stage}}}}}"#
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
     ))
     .unwrap()
 }
@@ -451,4 +452,49 @@ fn each_step_reports_where_its_time_went() {
             });
         }
     });
+}
+
+#[test]
+fn units_under_the_persistence_threshold_stay_gathered_with_the_same_results() {
+    let persistent = Config::from_json(
+        r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000}}"#,
+    )
+    .unwrap();
+    let kept: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(WORLD)
+            .into_iter()
+            .map(|r| {
+                let persistent = &persistent;
+                s.spawn(move || {
+                    let t = tiny();
+                    let e =
+                        Engine::new(&t.vs, &t.plan, persistent, group(&r), &AutoHints::default())
+                            .unwrap();
+                    let w = t.vs.variables()["a.weight"].shallow_clone();
+                    assert!(
+                        glue::storage_nbytes(&w).unwrap() > 0,
+                        "kept gathered from the start"
+                    );
+                    for step in 0..3 {
+                        for k in 0..2 {
+                            e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                            assert!(
+                                glue::storage_nbytes(&w).unwrap() > 0,
+                                "kept through backward"
+                            );
+                            e.step().unwrap();
+                        }
+                    }
+                    assert!(glue::storage_nbytes(&w).unwrap() > 0, "kept after step()");
+                    assert_eq!(e.overlap_counts().prefetched, 0, "nothing to gather");
+                    e.gathered_params().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The same training as with every unit freed and re-gathered.
+    assert_eq!(kept[0], train(3, false));
 }

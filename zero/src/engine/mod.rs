@@ -194,6 +194,10 @@ struct State {
     prog: overlap::Progress,
     /// Where the current step's time goes.
     timing: timing::Timing,
+    /// Stage 3: units kept gathered (the root; units with fewer elements
+    /// than `stage3_param_persistence_threshold`, as DeepSpeed keeps small
+    /// parameters, here decided per unit).
+    persistent: Vec<bool>,
 }
 
 struct Inner<G> {
@@ -399,7 +403,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// stage 3 refills the root from the shards and frees any other unit
     /// still gathered. Stage 0 has nothing to share.
     fn share_shards(&self, st: &mut State) -> Result<(), EngineError> {
-        let root_kept = st.units.last().is_some_and(|u| u.name == "<root>");
         let n = st.units.len();
         for k in 0..n {
             match self.stage {
@@ -431,9 +434,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         )?),
                     }
                 }
-                _ if root_kept && k == n - 1 => {
-                    // The root stays gathered (its forward is not wrapped):
-                    // rebuild it from the updated shards now.
+                _ if overlap::stays_gathered(st, k) => {
+                    // The root and persistent units stay gathered: rebuild
+                    // them from the updated shards now.
                     self.fill_from_shards(st, k)?;
                 }
                 _ => {
@@ -522,6 +525,9 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         }
         // Reshard after forward: autograd's saved views keep the storage
         // object, the glue frees its bytes.
+        if overlap::stays_gathered(&st, unit) {
+            return;
+        }
         if let Err(e) = i.release(&mut st, unit) {
             st.error.get_or_insert(e);
         }
@@ -711,6 +717,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             });
         }
+        let threshold = cfg
+            .config
+            .zero
+            .stage3_param_persistence_threshold
+            .value()
+            .unwrap_or(0) as usize;
+        let persistent: Vec<bool> = units
+            .iter()
+            .map(|u| stage == 3 && (u.name == "<root>" || u.layout.numel < threshold))
+            .collect();
         let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
         let pswap = offload::params_out(&cfg, stage, rank, &mut shards)?;
         let n = units.len();
@@ -739,6 +755,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 error: None,
                 prog: overlap::Progress::new(n),
                 timing: timing::Timing::new(),
+                persistent,
             }),
             delays: Mutex::new(0),
             swap,
@@ -748,9 +765,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         });
         if stage == 3 {
             let mut st = inner.st.lock();
-            // Between steps only shards exist; the root stays gathered.
-            for i in 0..n.saturating_sub(usize::from(prefixes.len() < n)) {
-                inner.release(&mut st, i)?;
+            // Between steps only shards exist; the root and the units under
+            // the persistence threshold stay gathered.
+            for i in 0..n {
+                if !overlap::stays_gathered(&st, i) {
+                    inner.release(&mut st, i)?;
+                }
             }
         }
         {

@@ -115,9 +115,10 @@ impl Progress {
     }
 }
 
-/// Whether unit `k` is the root (which stage 3 keeps gathered).
-pub(super) fn is_root(st: &State, k: usize) -> bool {
-    k + 1 == st.units.len() && st.units[k].name == "<root>"
+/// Whether stage 3 keeps unit `k` gathered: the root (its forward is not
+/// wrapped), and units smaller than `stage3_param_persistence_threshold`.
+pub(super) fn stays_gathered(st: &State, k: usize) -> bool {
+    st.persistent.get(k).copied().unwrap_or(false)
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -213,7 +214,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             st.prog.inflight.push((k, r));
         }
         st.prog.launched[k] = true;
-        if free && self.stage == 3 && st.gathered[k] && !is_root(st, k) {
+        if free && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
             self.release(st, k)?;
         }
         Ok(())
@@ -267,7 +268,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if free && self.stage == 3 {
             // Units re-gathered for backward go back to shards; the root stays.
             for k in 0..st.units.len() {
-                if st.gathered[k] && !is_root(st, k) {
+                if st.gathered[k] && !stays_gathered(st, k) {
                     self.release(st, k)?;
                 }
             }
@@ -389,7 +390,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             unit.wrapping_sub(1)
         };
         if next >= st.units.len()
-            || is_root(st, next)
+            || stays_gathered(st, next)
             || st.gathered[next]
             || st.prog.prefetch[next].is_some()
         {

@@ -16,6 +16,15 @@ use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
 
 type Params = Vec<(String, Vec<f32>)>;
 
+/// Loading a checkpoint restores libtorch's process-global RNG, which
+/// another test's thread may be seeding to build its model: the tests of
+/// this file run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Which micro-batch a rank trains on at global micro-step `m`.
 #[derive(Clone, Copy)]
 enum Batches {
@@ -166,6 +175,7 @@ fn assert_close(what: &str, a: &Params, b: &Params, tol: f64) {
 
 #[test]
 fn resuming_is_bit_identical_to_training_straight_through_for_every_stage() {
+    let _serial = serial();
     let two = Batches::Two { gas: 1 };
     for stage in 0..=3u8 {
         let dir = tmp(&format!("resume-{stage}"));
@@ -188,6 +198,7 @@ fn resuming_is_bit_identical_to_training_straight_through_for_every_stage() {
 
 #[test]
 fn a_checkpoint_between_accumulation_boundaries_resumes_exactly() {
+    let _serial = serial();
     // gas 2: save after the first micro-step of step 1, with its gradients.
     for stage in [1u8, 3] {
         let two = Batches::Two { gas: 2 };
@@ -214,6 +225,7 @@ fn a_checkpoint_between_accumulation_boundaries_resumes_exactly() {
 
 #[test]
 fn a_checkpoint_loads_on_another_world_size_and_stage() {
+    let _serial = serial();
     let two = Batches::Two { gas: 1 };
     let dir = tmp("reshard");
     let straight = run(&Phase::new(3, two, 0..4));
@@ -243,6 +255,7 @@ fn a_checkpoint_loads_on_another_world_size_and_stage() {
 
 #[test]
 fn bf16_and_fp16_state_round_trips() {
+    let _serial = serial();
     let bf16 = r#""bf16": {"enabled": true},"#;
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
     for (extra, stage) in [(bf16, 3u8), (bf16, 1), (fp16, 3), (fp16, 0)] {
@@ -271,6 +284,7 @@ fn bf16_and_fp16_state_round_trips() {
 
 #[test]
 fn a_checkpoint_of_another_model_lists_what_differs() {
+    let _serial = serial();
     let dir = tmp("other-model");
     run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
     let other = GptConfig {
@@ -319,6 +333,7 @@ fn rank_file(dir: &Path, tag: &str, rank: usize) -> PathBuf {
 
 #[test]
 fn a_corrupted_or_truncated_shard_is_named_and_older_tags_still_load() {
+    let _serial = serial();
     let two = Batches::Two { gas: 1 };
     let dir = tmp("corrupt");
     let at1 = run(&Phase::new(3, two, 0..1).save(&dir, "one"));
@@ -357,6 +372,7 @@ fn a_corrupted_or_truncated_shard_is_named_and_older_tags_still_load() {
 
 #[test]
 fn a_missing_rank_file_fails_every_rank() {
+    let _serial = serial();
     let dir = tmp("missing");
     run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
     std::fs::remove_file(rank_file(&dir, "a", 1)).unwrap();
@@ -409,6 +425,7 @@ impl Drop for Tmpfs {
 
 #[test]
 fn a_full_disk_or_read_only_directory_fails_every_rank_and_keeps_the_previous_checkpoint() {
+    let _serial = serial();
     let two = Batches::Two { gas: 1 };
     // Room for one checkpoint (about 2 x 130 KiB) but not two.
     let fs = Tmpfs::new("full", "size=400k").expect("tmpfs");
@@ -441,6 +458,7 @@ fn a_full_disk_or_read_only_directory_fails_every_rank_and_keeps_the_previous_ch
 
 #[test]
 fn consolidated_weights_load_in_tch_with_the_original_names() {
+    let _serial = serial();
     let dir = tmp("consolidate");
     let trained = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..2).save(&dir, "a"));
     let out = dir.join("model.safetensors");
@@ -494,6 +512,7 @@ fn consolidated_weights_load_in_tch_with_the_original_names() {
 
 #[test]
 fn the_16bit_model_holds_the_compute_weights() {
+    let _serial = serial();
     let dir = tmp("16bit");
     let cfg: Config = config_with(3, 1, 0.0, r#""bf16": {"enabled": true},"#);
     let out = dir.join("model16.safetensors");
@@ -530,6 +549,7 @@ fn the_16bit_model_holds_the_compute_weights() {
 
 #[test]
 fn the_rng_state_is_restored_and_bad_tags_are_refused() {
+    let _serial = serial();
     let dir = tmp("rng");
     let cfg = config_with(1, 1, 0.0, "");
     local::world(1).into_iter().for_each(|r| {
@@ -567,6 +587,7 @@ fn venv_python() -> PathBuf {
 
 #[test]
 fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
+    let _serial = serial();
     let dir = tmp("cli");
     let trained = run(&Phase::new(2, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
     let zrt = env!("CARGO_BIN_EXE_zrt");
@@ -679,6 +700,7 @@ fn train_gpt(args: &[&str]) {
 
 #[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
+    let _serial = serial();
     let dir = tmp("processes");
     let (a, b) = (dir.join("straight"), dir.join("resumed"));
     let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
@@ -713,6 +735,7 @@ fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
 
 #[test]
 fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
+    let _serial = serial();
     // Saved from the swap, loaded into memory, and the other way round.
     let two = Batches::Two { gas: 1 };
     let swap_dir = tmp("swap");
@@ -765,6 +788,7 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
 
 #[test]
 fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
+    let _serial = serial();
     // Saved by 4 ranks in 2 shard groups (one group writes), loaded by 2.
     let dir = tmp("hybrid");
     let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);

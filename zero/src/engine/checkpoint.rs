@@ -292,7 +292,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// or stage the shards are re-cut from the saved ranges (DeepSpeed's
     /// universal checkpoint); the model's parameter names and shapes must
     /// match. Nothing changes unless every rank read and verified
-    /// everything it needs.
+    /// everything it needs. It also restores libtorch's (process-global)
+    /// CPU random generator to the state this rank saved.
     pub fn load_checkpoint(
         &self,
         dir: impl AsRef<Path>,

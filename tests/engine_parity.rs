@@ -670,3 +670,66 @@ fn bf16_tracks_the_fp32_reference_across_accumulation_and_clipping() {
         }
     }
 }
+
+/// Stage 3 on 4 ranks, plain or with hpZ over pairs: the final parameters
+/// and how many gathers the hpZ group served.
+fn run_hpz(hpz: bool, extra: &str) -> (Params, u64) {
+    // Threshold 0: this GPT's units are small enough to stay gathered.
+    let zero = if hpz {
+        r#""zero_hpz_partition_size": 2, "stage3_param_persistence_threshold": 0,"#
+    } else {
+        r#""stage3_param_persistence_threshold": 0,"#
+    };
+    let cfg = config_zero(3, 1, 0.5, extra, zero);
+    let out: Vec<(Params, u64)> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(4)
+            .into_iter()
+            .map(|r| {
+                let cfg = &cfg;
+                s.spawn(move || {
+                    let (vs, plan, gpt) = model();
+                    let world = r.new_group(&[0, 1, 2, 3]).unwrap();
+                    let engine = if hpz {
+                        let (pair, _) = r.mesh(2).unwrap().into_groups();
+                        Engine::new_hpz(&vs, &plan, cfg, world, pair, &AutoHints::default())
+                    } else {
+                        Engine::new(&vs, &plan, cfg, world, &AutoHints::default())
+                    }
+                    .unwrap();
+                    for step in 0..STEPS {
+                        engine
+                            .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
+                            .unwrap();
+                        engine.step().unwrap();
+                    }
+                    (
+                        engine.gathered_params().unwrap(),
+                        engine.overlap_counts().hpz_gathers,
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn hpz_regathers_inside_its_group_with_the_same_results() {
+    for extra in ["", r#""bf16": {"enabled": true},"#] {
+        let (plain, none) = run_hpz(false, extra);
+        let (hpz, served) = run_hpz(true, extra);
+        assert_eq!(none, 0);
+        // wte, 2 blocks and head re-gathered in every backward from the pair.
+        assert_eq!(served, 4 * STEPS as u64, "{extra}");
+        assert_eq!(hpz, plain, "hpZ gathers the same values: {extra}");
+    }
+    // Without its group the key is refused with the fix.
+    let cfg = config_zero(3, 1, 0.0, "", r#""zero_hpz_partition_size": 2,"#);
+    let (vs, plan, _) = model();
+    let g = local::world(2).remove(0).new_group(&[0, 1]).unwrap();
+    let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("Engine::new_hpz"), "{e}");
+}

@@ -198,6 +198,8 @@ struct State {
     /// than `stage3_param_persistence_threshold`, as DeepSpeed keeps small
     /// parameters, here decided per unit).
     persistent: Vec<bool>,
+    /// hpZ secondary copies, per unit, between its forward and backward.
+    secondary: Vec<Option<overlap::Secondary>>,
 }
 
 struct Inner<G> {
@@ -222,6 +224,9 @@ struct Inner<G> {
     /// Reduce gradients in the 16-bit compute dtype (the config's
     /// `communication_data_type`), not fp32.
     reduce_16: bool,
+    /// ZeRO++ hpZ: the group backward re-gathers stage-3 units in, from
+    /// secondary copies kept after forward.
+    hpz: Option<G>,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -528,6 +533,9 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         if overlap::stays_gathered(&st, unit) {
             return;
         }
+        if y.requires_grad() {
+            i.keep_secondary(&mut st, unit);
+        }
         if let Err(e) = i.release(&mut st, unit) {
             st.error.get_or_insert(e);
         }
@@ -547,7 +555,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         group: G,
         hints: &AutoHints,
     ) -> Result<Self, EngineError> {
-        Self::build(vs, plan, config, group, None, hints)
+        Self::build(vs, plan, config, group, None, None, hints)
     }
 
     /// As [`Engine::new`], sharding inside the mesh's shard groups and
@@ -563,7 +571,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         hints: &AutoHints,
     ) -> Result<Self, EngineError> {
         let (shard, replicate) = mesh.into_groups();
-        Self::build(vs, plan, config, shard, Some(replicate), hints)
+        Self::build(vs, plan, config, shard, Some(replicate), None, hints)
+    }
+
+    /// As [`Engine::new`] over `world`, with ZeRO++ hpZ
+    /// (`zero_hpz_partition_size` = S): stage 3 shards over the world, and
+    /// after a unit's forward each rank keeps 1/S of the unit's parameters
+    /// so that its backward re-gather runs inside `hpz`, a group of S ranks
+    /// (typically one node: `dist.mesh(S)?.into_groups().0`), instead of
+    /// across the world. Memory: 1/S of each unit between its forward and
+    /// its backward.
+    pub fn new_hpz(
+        vs: &nn::VarStore,
+        plan: &ShardPlan,
+        config: &Config,
+        world: G,
+        hpz: G,
+        hints: &AutoHints,
+    ) -> Result<Self, EngineError> {
+        Self::build(vs, plan, config, world, None, Some(hpz), hints)
     }
 
     fn build(
@@ -572,6 +598,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         config: &Config,
         group: G,
         replicate: Option<G>,
+        hpz: Option<G>,
         hints: &AutoHints,
     ) -> Result<Self, EngineError> {
         let replicas = replicate.as_ref().map_or(1, |r| r.size());
@@ -594,10 +621,21 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 group.size()
             )));
         }
-        if c.zero.zero_hpz_partition_size > 1 {
-            return Err(EngineError::Unsupported(
-                "zero_hpz_partition_size (ZeRO++ hpZ secondary shards): remove it".into(),
-            ));
+        let hpz_size = c.zero.zero_hpz_partition_size.max(1) as usize;
+        match &hpz {
+            None if hpz_size > 1 => {
+                return Err(EngineError::Plan(format!(
+                    "zero_hpz_partition_size is {hpz_size}: build the engine with Engine::new_hpz(.., world, hpz_group, ..) where hpz_group holds {hpz_size} ranks (or remove the key)"
+                )))
+            }
+            Some(h) if h.size() != hpz_size || c.zero.stage != 3 || group.size() % h.size() != 0 => {
+                return Err(EngineError::Plan(format!(
+                    "hpZ needs ZeRO stage 3, zero_hpz_partition_size equal to the hpZ group's size ({}, config says {hpz_size}) and a world ({}) it divides",
+                    h.size(),
+                    group.size()
+                )))
+            }
+            _ => {}
         }
         if vs.device() != Device::Cpu {
             return Err(EngineError::Unsupported(
@@ -756,11 +794,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 prog: overlap::Progress::new(n),
                 timing: timing::Timing::new(),
                 persistent,
+                secondary: (0..n).map(|_| None).collect(),
             }),
             delays: Mutex::new(0),
             swap,
             pswap,
             reduce_16,
+            hpz,
             cfg,
         });
         if stage == 3 {

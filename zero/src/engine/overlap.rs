@@ -65,6 +65,16 @@ impl Reduce {
 pub(super) struct Prefetch {
     ids: Work<(Vec<i64>, Vec<i64>)>,
     data: Fetch,
+    /// Gathered from the hpZ secondary copy (dropped after), not the shard.
+    secondary: bool,
+}
+
+/// ZeRO++ hpZ: the part of a unit's gathered parameters this rank keeps
+/// after forward for its hpZ group's backward gather (compute dtype).
+pub(super) enum Secondary {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
 }
 
 enum Fetch {
@@ -100,6 +110,9 @@ pub struct OverlapCounts {
     /// Unit reductions issued from a gradient hook while backward was
     /// still running (as opposed to after it).
     pub during_backward: u64,
+    /// ZeRO++ hpZ: backward re-gathers served inside the hpZ group from the
+    /// secondary copies.
+    pub hpz_gathers: u64,
 }
 
 impl Progress {
@@ -265,6 +278,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
         }
         self.drain_prefetch(st)?;
+        // hpZ copies serve one backward (the parameters change at the step).
+        st.secondary.iter_mut().for_each(|s| *s = None);
         if free && self.stage == 3 {
             // Units re-gathered for backward go back to shards; the root stays.
             for k in 0..st.units.len() {
@@ -280,6 +295,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Issues the unit-order check and the gather of unit `i`'s shard.
     pub(super) fn issue_gather(&self, st: &mut State, i: usize) -> Result<Prefetch, EngineError> {
+        // hpZ: a unit with a secondary copy is gathered inside the (smaller,
+        // closer) hpZ group from it.
+        if let (Some(h), Some(sec)) = (&self.hpz, st.secondary[i].take()) {
+            st.prog.counts.hpz_gathers += 1;
+            self.delay();
+            let ids = h.all_gather(vec![i as i64], Vec::new());
+            self.delay();
+            let data = match sec {
+                Secondary::F32(v) => Fetch::F32(h.all_gather(v, Vec::new())),
+                Secondary::Bf16(v) => Fetch::Bf16(h.all_gather(v, Vec::new())),
+                Secondary::F16(v) => Fetch::F16(h.all_gather(v, Vec::new())),
+            };
+            return Ok(Prefetch {
+                ids,
+                data,
+                secondary: true,
+            });
+        }
         // Name the unit to the peers first: units run in different orders
         // would otherwise gather same-sized buffers into silent garbage.
         self.delay();
@@ -295,7 +328,30 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     .all_gather(std::mem::take(&mut sh.master), Vec::new()),
             ),
         };
-        Ok(Prefetch { ids, data })
+        Ok(Prefetch {
+            ids,
+            data,
+            secondary: false,
+        })
+    }
+
+    /// hpZ: before unit `i` is freed after forward, keeps this rank's part
+    /// of it for the hpZ group's backward gather.
+    pub(super) fn keep_secondary(&self, st: &mut State, i: usize) {
+        let Some(h) = &self.hpz else {
+            return;
+        };
+        let u = &st.units[i];
+        let padded = u.layout.padded;
+        let part = padded / h.size();
+        let r = h.rank() * part..(h.rank() + 1) * part;
+        // SAFETY: the unit is gathered (its flat tensor holds `padded`
+        // elements of the compute dtype), under the state lock.
+        st.secondary[i] = Some(match self.compute {
+            Compute::F32 => Secondary::F32(unsafe { elems::<f32>(&u.flat, padded) }[r].to_vec()),
+            Compute::Bf16 => Secondary::Bf16(unsafe { elems::<bf16>(&u.flat, padded) }[r].to_vec()),
+            Compute::F16 => Secondary::F16(unsafe { elems::<f16>(&u.flat, padded) }[r].to_vec()),
+        });
     }
 
     /// Completes a gather of unit `i`: checks the order, gives the shard
@@ -336,21 +392,27 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 if fill {
                     unsafe { elems::<f32>(&u.flat, padded) }.copy_from_slice(&full);
                 }
-                sh.master = mine;
+                if !p.secondary {
+                    sh.master = mine;
+                }
             }
             Fetch::Bf16(w) => {
                 let (mine, full) = w.wait()?;
                 if fill {
                     unsafe { elems::<bf16>(&u.flat, padded) }.copy_from_slice(&full);
                 }
-                sh.copy = CopyShard::Bf16(mine);
+                if !p.secondary {
+                    sh.copy = CopyShard::Bf16(mine);
+                }
             }
             Fetch::F16(w) => {
                 let (mine, full) = w.wait()?;
                 if fill {
                     unsafe { elems::<f16>(&u.flat, padded) }.copy_from_slice(&full);
                 }
-                sh.copy = CopyShard::F16(mine);
+                if !p.secondary {
+                    sh.copy = CopyShard::F16(mine);
+                }
             }
         }
         self.page_out(sh, i, false)?;

@@ -196,57 +196,72 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
                     0,
                     "freed before the first forward"
                 );
-                let x = input(r.rank(), 0);
-                let h = t.a.forward(&x);
-                // Forward ran on the gathered values (rank 0's), then resharded.
-                assert!(
-                    h.allclose(&(x.matmul(&w0.tr()) + &b0), 1e-6, 1e-6, false),
-                    "forward used the gathered values"
-                );
-                assert_eq!(
-                    glue::storage_nbytes(&w).unwrap(),
-                    0,
-                    "resharded after forward"
-                );
-                let loss =
-                    t.c.forward(&t.b.forward(&h).tanh())
-                        .square()
-                        .mean(Kind::Float);
-                // When backward reaches `a`'s output, `c` (whose backward is
-                // long done) is already reduced and freed: reductions and
-                // frees happen during backward, not after it.
-                let c_w = t.vs.variables()["c.weight"].shallow_clone();
-                let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
-                let seen2 = seen.clone();
-                glue::on_grad(&h, move || {
-                    *seen2.lock().unwrap() = Some(glue::storage_nbytes(&c_w).unwrap());
-                })
-                .unwrap();
-                e.backward(&loss).unwrap();
-                assert_eq!(*seen.lock().unwrap(), Some(0), "c freed during backward");
-                let counts = e.overlap_counts();
-                assert_eq!(
-                    counts.during_backward, 3,
-                    "every unit reduced from its hook: {counts:?}"
-                );
-                // Backward re-gathers c, then b (prefetched while c ran), then a.
-                assert!(counts.prefetched >= 2, "{counts:?}");
-                assert_eq!(
-                    glue::storage_nbytes(&w).unwrap(),
-                    0,
-                    "resharded after backward"
-                );
-                assert!(!w.grad().defined(), "no full gradient is kept");
-                assert!(
-                    e.grad_buffer(0).unwrap().iter().any(|&g| g != 0.0),
-                    "backward re-gathered and produced gradients"
-                );
-                assert!(e.step().unwrap());
-                assert_eq!(
-                    glue::storage_nbytes(&w).unwrap(),
-                    0,
-                    "resharded after step()"
-                );
+                for pass in 0..2 {
+                    let x = input(r.rank(), pass);
+                    let h = t.a.forward(&x);
+                    if pass == 0 {
+                        // Forward ran on the gathered values (rank 0's).
+                        assert!(
+                            h.allclose(&(x.matmul(&w0.tr()) + &b0), 1e-6, 1e-6, false),
+                            "forward used the gathered values"
+                        );
+                        // The first forward keeps units gathered while it
+                        // checks which parameters each one used.
+                        assert!(
+                            glue::storage_nbytes(&w).unwrap() > 0,
+                            "kept through the first forward"
+                        );
+                    } else {
+                        assert_eq!(
+                            glue::storage_nbytes(&w).unwrap(),
+                            0,
+                            "resharded after forward"
+                        );
+                    }
+                    let loss =
+                        t.c.forward(&t.b.forward(&h).tanh())
+                            .square()
+                            .mean(Kind::Float);
+                    // When backward reaches `a`'s output, `c` (whose backward
+                    // is long done) is already reduced and freed: reductions
+                    // and frees happen during backward, not after it.
+                    let c_w = t.vs.variables()["c.weight"].shallow_clone();
+                    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+                    let seen2 = seen.clone();
+                    glue::on_grad(&h, move || {
+                        *seen2.lock().unwrap() = Some(glue::storage_nbytes(&c_w).unwrap());
+                    })
+                    .unwrap();
+                    e.backward(&loss).unwrap();
+                    assert_eq!(*seen.lock().unwrap(), Some(0), "c freed during backward");
+                    let counts = e.overlap_counts();
+                    assert_eq!(
+                        counts.during_backward,
+                        3 * (pass as u64 + 1),
+                        "every unit reduced from its hook: {counts:?}"
+                    );
+                    if pass == 1 {
+                        // Forward prefetched b and c; backward re-gathered c,
+                        // then b and a (prefetched while the one before ran).
+                        assert!(counts.prefetched >= 4, "{counts:?}");
+                    }
+                    assert_eq!(
+                        glue::storage_nbytes(&w).unwrap(),
+                        0,
+                        "resharded after backward"
+                    );
+                    assert!(!w.grad().defined(), "no full gradient is kept");
+                    assert!(
+                        e.grad_buffer(0).unwrap().iter().any(|&g| g != 0.0),
+                        "backward produced gradients"
+                    );
+                    assert!(e.step().unwrap());
+                    assert_eq!(
+                        glue::storage_nbytes(&w).unwrap(),
+                        0,
+                        "resharded after step()"
+                    );
+                }
             });
         }
     });
@@ -497,4 +512,63 @@ fn units_under_the_persistence_threshold_stay_gathered_with_the_same_results() {
     });
     // The same training as with every unit freed and re-gathered.
     assert_eq!(kept[0], train(3, false));
+}
+
+/// A module using a weight another unit owns (a tied weight), plus its own bias.
+#[derive(Debug)]
+struct TiedB {
+    w: Tensor,
+    bias: Tensor,
+}
+
+impl nn::Module for TiedB {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.matmul(&self.w.tr()) + &self.bias
+    }
+}
+
+#[test]
+fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
+    for stage in [2u8, 3] {
+        let r = local::world(1).remove(0);
+        let _g = INIT.lock().unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let plan = ShardPlan::new();
+        let root = vs.root();
+        let a = ShardedModule::new(
+            &plan,
+            &(&root / "a"),
+            nn::linear(&root / "a", 4, 4, Default::default()),
+        );
+        let tied = TiedB {
+            w: a.inner().ws.shallow_clone(),
+            bias: (&root / "b").zeros("bias", &[4]),
+        };
+        let b = ShardedModule::new(&plan, &(&root / "b"), tied);
+        let cfg = Config::from_json(&format!(
+            r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+        ))
+        .unwrap();
+        let e = Engine::new(
+            &vs,
+            &plan,
+            &cfg,
+            r.new_group(&[0]).unwrap(),
+            &AutoHints::default(),
+        )
+        .unwrap();
+        let x = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+        let loss = b.forward(&a.forward(&x).tanh()).square().mean(Kind::Float);
+        let got = e.backward(&loss);
+        if stage == 3 {
+            let text = got.unwrap_err().to_string();
+            assert!(
+                text.contains("parameter `a.weight` belongs to unit `a` but unit `b` uses it too"),
+                "{text}"
+            );
+        } else {
+            got.unwrap();
+            assert!(e.step().unwrap(), "a tied weight trains below stage 3");
+        }
+    }
 }

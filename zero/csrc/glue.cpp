@@ -8,6 +8,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <unordered_set>
+#include <vector>
 
 #include <cstdlib>
 #include <cstring>
@@ -150,6 +154,58 @@ char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*dr
       return to_error("post-accumulate-grad hooks need a leaf that requires grad");
     }
     torch::autograd::impl::set_post_acc_grad_hooks(*t, std::move(hook));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// The address of the TensorImpl behind `t` (what autograd's leaves refer to).
+char *zrt_tensor_impl(const torch::Tensor *t, const void **out) {
+  try {
+    *out = t->unsafeGetTensorImpl();
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// The leaves (their TensorImpl addresses) autograd would accumulate into
+// when backpropagating from `t`, not looking past `stop`'s grad_fn (a unit's
+// input): the parameters a unit's forward used. Writes at most `cap`
+// addresses to `out` and the count found to `len`.
+char *zrt_graph_leaves(const torch::Tensor *t, const torch::Tensor *stop, const void **out, size_t cap, size_t *len) {
+  try {
+    *len = 0;
+    auto root = t->grad_fn();
+    if (!root) {
+      return nullptr;
+    }
+    torch::autograd::Node *stop_node = nullptr;
+    if (stop != nullptr && stop->defined() && stop->grad_fn()) {
+      stop_node = stop->grad_fn().get();
+    }
+    std::vector<torch::autograd::Node *> todo{root.get()};
+    std::unordered_set<torch::autograd::Node *> seen;
+    while (!todo.empty()) {
+      torch::autograd::Node *n = todo.back();
+      todo.pop_back();
+      if (n == nullptr || n == stop_node || !seen.insert(n).second) {
+        continue;
+      }
+      if (auto *acc = dynamic_cast<torch::autograd::AccumulateGrad *>(n)) {
+        if (*len < cap) {
+          out[*len] = acc->variable.unsafeGetTensorImpl();
+        }
+        (*len)++;
+        continue;
+      }
+      for (const auto &e : n->next_edges()) {
+        if (e.function) {
+          todo.push_back(e.function.get());
+        }
+      }
+    }
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

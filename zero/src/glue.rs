@@ -47,6 +47,17 @@ mod ffi {
             drop: extern "C" fn(*mut std::ffi::c_void),
             ctx: *mut std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn zrt_tensor_impl(
+            t: *const C_tensor,
+            out: *mut *const std::ffi::c_void,
+        ) -> *mut c_char;
+        pub fn zrt_graph_leaves(
+            t: *const C_tensor,
+            stop: *const C_tensor,
+            out: *mut *const std::ffi::c_void,
+            cap: usize,
+            len: *mut usize,
+        ) -> *mut c_char;
         pub fn zrt_cpu_rng_get(out: *mut u8, cap: usize, len: *mut usize) -> *mut c_char;
         pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
@@ -196,4 +207,35 @@ pub fn on_grad_accumulated(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<
     check("register_post_acc_hook", unsafe {
         ffi::zrt_register_post_acc_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
     })
+}
+
+/// The address of the `TensorImpl` behind `t`: the identity autograd's
+/// leaves have (a `shallow_clone` shares it).
+pub fn tensor_impl(t: &Tensor) -> Result<usize, GlueError> {
+    let mut out: *const std::ffi::c_void = std::ptr::null();
+    // SAFETY: `t` is live for the call; `out` receives an address only.
+    check("tensor_impl", unsafe {
+        ffi::zrt_tensor_impl(t.as_ptr(), &mut out)
+    })?;
+    Ok(out as usize)
+}
+
+/// The leaves (as [`tensor_impl`] addresses) backward from `t` would
+/// accumulate into, not looking past `stop`'s history: with `stop` a
+/// module's input and `t` its output, the parameters the module used.
+pub fn graph_leaves(t: &Tensor, stop: &Tensor) -> Result<Vec<usize>, GlueError> {
+    let mut cap = 64;
+    loop {
+        let mut out: Vec<*const std::ffi::c_void> = vec![std::ptr::null(); cap];
+        let mut len = 0usize;
+        // SAFETY: both tensors are live; `out` has `cap` writable slots and
+        // the C side writes at most that many.
+        check("graph_leaves", unsafe {
+            ffi::zrt_graph_leaves(t.as_ptr(), stop.as_ptr(), out.as_mut_ptr(), cap, &mut len)
+        })?;
+        if len <= cap {
+            return Ok(out[..len].iter().map(|&p| p as usize).collect());
+        }
+        cap = len;
+    }
 }

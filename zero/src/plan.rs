@@ -18,10 +18,10 @@ pub(crate) trait UnitHook: Send + Sync {
     /// Makes unit `unit`'s parameters usable (stage 3: gathers them). An
     /// error is kept by the engine and returned by its next call.
     fn before_forward(&self, unit: usize);
-    /// After unit `unit`'s forward produced `output` (stage 3: frees the
-    /// gathered parameters and arranges their re-gathering before the
-    /// unit's backward).
-    fn after_forward(&self, unit: usize, output: &Tensor);
+    /// After unit `unit`'s forward turned `input` into `output` (stage 3:
+    /// frees the gathered parameters and arranges their re-gathering before
+    /// the unit's backward).
+    fn after_forward(&self, unit: usize, input: &Tensor, output: &Tensor);
 }
 
 #[derive(Default)]
@@ -101,9 +101,9 @@ impl<M> ShardedModule<M> {
         }
     }
 
-    fn after(&self, y: &Tensor) {
+    fn after(&self, x: &Tensor, y: &Tensor) {
         if let Some(h) = self.plan.hook.get() {
-            h.after_forward(self.unit, y);
+            h.after_forward(self.unit, x, y);
         }
     }
 }
@@ -112,7 +112,7 @@ impl<M: nn::Module> nn::Module for ShardedModule<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
         self.before();
         let y = self.inner.forward(xs);
-        self.after(&y);
+        self.after(xs, &y);
         y
     }
 }
@@ -124,7 +124,7 @@ impl<M: nn::ModuleT> ShardedModule<M> {
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.before();
         let y = self.inner.forward_t(xs, train);
-        self.after(&y);
+        self.after(xs, &y);
         y
     }
 }

@@ -200,6 +200,9 @@ struct State {
     persistent: Vec<bool>,
     /// hpZ secondary copies, per unit, between its forward and backward.
     secondary: Vec<Option<overlap::Secondary>>,
+    /// Units whose first forward has been checked for parameters of other
+    /// units (stage 3).
+    checked: Vec<bool>,
 }
 
 struct Inner<G> {
@@ -227,6 +230,8 @@ struct Inner<G> {
     /// ZeRO++ hpZ: the group backward re-gathers stage-3 units in, from
     /// secondary copies kept after forward.
     hpz: Option<G>,
+    /// Every trainable parameter by its TensorImpl address: (unit, name).
+    owners: std::collections::HashMap<usize, (usize, String)>,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -462,6 +467,28 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
+    /// Stage 3: unit `unit`'s forward (from `x` to `y`) must not have used
+    /// a parameter of another unit that is freed after its own forward.
+    fn check_foreign_params(
+        &self,
+        st: &State,
+        unit: usize,
+        x: &Tensor,
+        y: &Tensor,
+    ) -> Result<(), EngineError> {
+        for leaf in glue::graph_leaves(y, x)? {
+            if let Some((owner, name)) = self.owners.get(&leaf) {
+                if *owner != unit && !overlap::stays_gathered(st, *owner) {
+                    return Err(EngineError::Plan(format!(
+                        "parameter `{name}` belongs to unit `{}` but unit `{}` uses it too (tied weights?): ZeRO-3 frees a unit's parameters after its own forward. Wrap the modules that share it in one ShardedModule, or leave it outside every wrapped module (the root keeps its parameters gathered)",
+                        st.units[*owner].name, st.units[unit].name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Stage 3: makes unit `unit` usable for a forward or a backward. On an
     /// error (kept for the next engine call) the parameters get zeroed
     /// memory, so autograd computes garbage instead of reading freed storage.
@@ -509,11 +536,21 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         }
     }
 
-    fn after_forward(&self, unit: usize, y: &Tensor) {
+    fn after_forward(&self, unit: usize, x: &Tensor, y: &Tensor) {
         let Some(i) = self.inner.upgrade().filter(|i| i.stage == 3) else {
             return;
         };
         let mut st = i.st.lock();
+        // The first forward through a unit keeps it gathered and checks
+        // which parameters it used: one owned by another unit (tied weights)
+        // would otherwise be read after its owner freed it.
+        let first = y.requires_grad() && !st.checked[unit];
+        if first {
+            st.checked[unit] = true;
+            if let Err(e) = i.check_foreign_params(&st, unit, x, y) {
+                st.error.get_or_insert(e);
+            }
+        }
         if y.requires_grad() {
             // Re-gather just before this unit's backward: the hook fires
             // when the gradient of its output is ready, before the nodes
@@ -529,8 +566,9 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             }
         }
         // Reshard after forward: autograd's saved views keep the storage
-        // object, the glue frees its bytes.
-        if overlap::stays_gathered(&st, unit) {
+        // object, the glue frees its bytes. (After the first forward the
+        // backward frees it.)
+        if first || overlap::stays_gathered(&st, unit) {
             return;
         }
         if y.requires_grad() {
@@ -765,6 +803,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .iter()
             .map(|u| stage == 3 && (u.name == "<root>" || u.layout.numel < threshold))
             .collect();
+        let mut owners = std::collections::HashMap::new();
+        for (k, u) in units.iter().enumerate() {
+            for (slot, t) in u.layout.slots.iter().zip(&u.params) {
+                owners.insert(glue::tensor_impl(t)?, (k, slot.name.clone()));
+            }
+        }
         let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
         let pswap = offload::params_out(&cfg, stage, rank, &mut shards)?;
         let n = units.len();
@@ -795,12 +839,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 timing: timing::Timing::new(),
                 persistent,
                 secondary: (0..n).map(|_| None).collect(),
+                checked: vec![false; n],
             }),
             delays: Mutex::new(0),
             swap,
             pswap,
             reduce_16,
             hpz,
+            owners,
             cfg,
         });
         if stage == 3 {

@@ -572,3 +572,35 @@ fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
         }
     }
 }
+
+#[test]
+fn the_first_forward_keeps_units_only_within_max_live_parameters() {
+    let tight = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
+            "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1}}"#,
+    )
+    .unwrap();
+    std::thread::scope(|s| {
+        for r in local::world(WORLD) {
+            let tight = &tight;
+            s.spawn(move || {
+                let t = tiny();
+                let e =
+                    Engine::new(&t.vs, &t.plan, tight, group(&r), &AutoHints::default()).unwrap();
+                let w = t.vs.variables()["a.weight"].shallow_clone();
+                let h = t.a.forward(&input(r.rank(), 0));
+                assert_eq!(
+                    glue::storage_nbytes(&w).unwrap(),
+                    0,
+                    "over the bound: freed at once"
+                );
+                let loss =
+                    t.c.forward(&t.b.forward(&h).tanh())
+                        .square()
+                        .mean(Kind::Float);
+                e.backward(&loss).unwrap();
+                assert!(e.step().unwrap());
+            });
+        }
+    });
+}

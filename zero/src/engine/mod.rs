@@ -566,9 +566,16 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             }
         }
         // Reshard after forward: autograd's saved views keep the storage
-        // object, the glue frees its bytes. (After the first forward the
-        // backward frees it.)
-        if first || overlap::stays_gathered(&st, unit) {
+        // object, the glue frees its bytes. The first forward keeps units
+        // gathered (its backward frees them), so that a later unit using
+        // this one's parameters reads them, and the check above names it,
+        // within `stage3_max_live_parameters` elements gathered at once.
+        let live: usize = (0..st.units.len())
+            .filter(|&k| st.gathered[k])
+            .map(|k| st.units[k].layout.padded)
+            .sum();
+        let keep = first && live as u64 <= i.cfg.config.zero.stage3_max_live_parameters;
+        if keep || overlap::stays_gathered(&st, unit) {
             return;
         }
         if y.requires_grad() {

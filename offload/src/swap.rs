@@ -61,19 +61,28 @@ mod pool {
         pub(super) fn new() -> Self {
             Self(Mutex::new(Vec::new()))
         }
-        /// Every pooled buffer, topped up to `n` buffers of `len` f32s.
+        /// `n` buffers of `len` f32s: pooled ones first, new ones if the
+        /// pool has fewer (another thread holds the rest).
         pub(super) fn take(&self, n: usize, len: usize) -> Vec<AlignedBuf> {
-            let mut v = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+            let mut v = {
+                let mut pool = self.0.lock().unwrap_or_else(|e| e.into_inner());
+                let at = pool.len() - pool.len().min(n);
+                pool.split_off(at)
+            };
             while v.len() < n {
                 v.push(AlignedBuf::new(len));
             }
             v
         }
-        pub(super) fn put(&self, bufs: impl IntoIterator<Item = AlignedBuf>) {
-            self.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(bufs);
+        /// Returns buffers to the pool, which keeps at most `cap` (the
+        /// swap's `buffer_count`: its resident bound).
+        pub(super) fn put(&self, bufs: impl IntoIterator<Item = AlignedBuf>, cap: usize) {
+            let mut pool = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            for b in bufs {
+                if pool.len() < cap {
+                    pool.push(b);
+                }
+            }
         }
     }
 }
@@ -264,7 +273,7 @@ impl Swap {
             }
             Ok(())
         })();
-        self.bufs.put(bufs);
+        self.bufs.put(bufs, self.buffer_count);
         res
     }
 
@@ -285,7 +294,7 @@ impl Swap {
             }
             Ok(())
         })();
-        self.bufs.put(bufs);
+        self.bufs.put(bufs, self.buffer_count);
         res
     }
 
@@ -368,7 +377,7 @@ impl Swap {
             });
             (computed, read, written)
         });
-        self.bufs.put(free_rx.try_iter());
+        self.bufs.put(free_rx.try_iter(), self.buffer_count);
         computed?;
         read?;
         written?;

@@ -965,9 +965,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 i.delay();
                 let full = std::mem::take(&mut sh.g);
                 let n = full.len();
-                let part = i.issue_reduce(full, false)?.wait()?;
+                let mut reduced = vec![0.0; n / i.group.size()];
+                for (range, r) in i.reduce_in_buckets(full, false)? {
+                    let part = i.across_replicas(r.wait()?)?;
+                    reduced[range].copy_from_slice(&part);
+                }
                 sh.g = vec![0.0; n];
-                sh.reduced = i.across_replicas(part)?;
+                sh.reduced = reduced;
             }
         }
         let stage1 = i.stage == 1;

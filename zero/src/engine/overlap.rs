@@ -90,8 +90,9 @@ pub(super) struct Progress {
     /// Units whose gradients this backward has taken (all true outside an
     /// engine backward, so hooks of a bare `loss.backward()` do nothing).
     launched: Vec<bool>,
-    /// Reductions in issue order.
-    inflight: Vec<(usize, Reduce)>,
+    /// Reductions in issue order: (unit, range of its gradient buffer the
+    /// result adds to, the reduction).
+    inflight: Vec<(usize, std::ops::Range<usize>, Reduce)>,
     /// Gathers issued ahead, per unit.
     prefetch: Vec<Option<Prefetch>>,
     /// What overlapped so far (for tests and benchmarks).
@@ -222,15 +223,68 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if self.stage == 1 {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
         } else {
-            self.delay();
-            let r = self.issue_reduce(full, self.stage == 0)?;
-            st.prog.inflight.push((k, r));
+            for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
+                st.prog.inflight.push((k, range, r));
+            }
         }
         st.prog.launched[k] = true;
         if free && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
             self.release(st, k)?;
         }
         Ok(())
+    }
+
+    /// Issues the averaging of a unit's full gradient buffer over the group
+    /// in buckets of at most `reduce_bucket_size` elements: an all-reduce
+    /// (`all`: pieces of the buffer) or reduce-scatters (each bucket takes
+    /// the same slice of every rank's shard, staged rank-major, so each
+    /// rank receives a contiguous piece of its own shard). Returns each
+    /// bucket with the range of the result buffer (the whole buffer for
+    /// all-reduce, the shard otherwise) it covers. Element-wise sums in the
+    /// same rank order: bucketing changes no bit.
+    pub(super) fn reduce_in_buckets(
+        &self,
+        full: Vec<f32>,
+        all: bool,
+    ) -> Result<Vec<(std::ops::Range<usize>, Reduce)>, EngineError> {
+        let bucket = self
+            .cfg
+            .config
+            .zero
+            .reduce_bucket_size
+            .value()
+            .unwrap_or(u64::MAX)
+            .max(1) as usize;
+        let n = self.group.size();
+        let len = full.len();
+        let mut out = Vec::new();
+        if len <= bucket {
+            self.delay();
+            let range = if all { 0..len } else { 0..len / n };
+            out.push((range, self.issue_reduce(full, all)?));
+            return Ok(out);
+        }
+        if all {
+            for a in (0..len).step_by(bucket) {
+                let r = a..(a + bucket).min(len);
+                self.delay();
+                out.push((r.clone(), self.issue_reduce(full[r].to_vec(), true)?));
+            }
+            return Ok(out);
+        }
+        // Reduce-scatter: `len` is a multiple of the group size (padding).
+        let shard = len / n;
+        let per = (bucket / n).max(1);
+        for a in (0..shard).step_by(per) {
+            let r = a..(a + per).min(shard);
+            let mut staged = Vec::with_capacity(r.len() * n);
+            for p in 0..n {
+                staged.extend_from_slice(&full[p * shard + r.start..p * shard + r.end]);
+            }
+            self.delay();
+            out.push((r, self.issue_reduce(staged, false)?));
+        }
+        Ok(out)
     }
 
     /// Issues the averaging of `full` over the group: an all-reduce
@@ -272,10 +326,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 self.launch_reduce(st, k, free)?;
             }
         }
-        for (k, r) in std::mem::take(&mut st.prog.inflight) {
+        for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
             let v = waiting(&mut st.timing, || r.wait())?;
             let v = self.across_replicas(v)?;
-            reduce::accumulate(&self.threads, &mut st.shards[k].g, &v)?;
+            reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
         }
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).

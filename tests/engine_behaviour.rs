@@ -604,3 +604,63 @@ fn the_first_forward_keeps_units_only_within_max_live_parameters() {
         }
     });
 }
+
+#[test]
+fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
+    // Threshold 10: a.weight (15) and b.weight (20) are freed after their
+    // forward; the biases (5, 4) stay gathered in the root; c (4 + 1) is all
+    // small and stays gathered whole.
+    let cfg = Config::from_json(
+        r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}"#,
+    )
+    .unwrap();
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::world(WORLD)
+            .into_iter()
+            .map(|r| {
+                let cfg = &cfg;
+                s.spawn(move || {
+                    let t = tiny();
+                    let e =
+                        Engine::new(&t.vs, &t.plan, cfg, group(&r), &AutoHints::default()).unwrap();
+                    let vars = t.vs.variables();
+                    let bytes = |n: &str| glue::storage_nbytes(&vars[n]).unwrap();
+                    assert!(
+                        e.unit_names().last().is_some_and(|n| n == "<root>"),
+                        "{:?}",
+                        e.unit_names()
+                    );
+                    for step in 0..3 {
+                        for k in 0..2 {
+                            let h = t.a.forward(&input(r.rank(), k + step));
+                            if step > 0 {
+                                assert_eq!(bytes("a.weight"), 0, "a.weight is freed after forward");
+                                assert!(
+                                    bytes("a.bias") > 0 && bytes("c.weight") > 0,
+                                    "small ones stay"
+                                );
+                            }
+                            let loss =
+                                t.c.forward(&t.b.forward(&h).tanh())
+                                    .square()
+                                    .mean(Kind::Float);
+                            e.backward(&loss).unwrap();
+                            e.step().unwrap();
+                        }
+                    }
+                    assert!(bytes("b.bias") > 0 && bytes("c.bias") > 0 && bytes("b.weight") == 0);
+                    let mut p = e.gathered_params().unwrap();
+                    p.sort_by(|x, y| x.0.cmp(&y.0));
+                    p
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The same training as with every parameter freed and re-gathered.
+    let mut want = train(3, false);
+    want.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(got[0], want);
+}

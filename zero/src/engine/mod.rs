@@ -717,6 +717,30 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 prefixes[i]
             )));
         }
+        // Stage 3, `stage3_param_persistence_threshold`: parameters smaller
+        // than it stay gathered (DeepSpeed's rule, per parameter). A unit
+        // made only of such parameters stays gathered whole; from a unit that
+        // also has larger ones they move to the root, which stays gathered.
+        let threshold = cfg
+            .config
+            .zero
+            .stage3_param_persistence_threshold
+            .value()
+            .unwrap_or(0) as usize;
+        let small = |t: &Tensor| (t.numel() as usize) < threshold;
+        if stage == 3 && threshold > 0 {
+            let root = prefixes.len();
+            for g in 0..root {
+                if groups[g].iter().all(|(_, t)| small(t)) {
+                    continue;
+                }
+                let (keep, moved): (Vec<_>, Vec<_>) = std::mem::take(&mut groups[g])
+                    .into_iter()
+                    .partition(|(_, t)| !small(t));
+                groups[g] = keep;
+                groups[root].extend(moved);
+            }
+        }
         let (world, rank) = (group.size(), group.rank());
         let mut units = Vec::new();
         let mut masters = Vec::new();
@@ -800,15 +824,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             });
         }
-        let threshold = cfg
-            .config
-            .zero
-            .stage3_param_persistence_threshold
-            .value()
-            .unwrap_or(0) as usize;
         let persistent: Vec<bool> = units
             .iter()
-            .map(|u| stage == 3 && (u.name == "<root>" || u.layout.numel < threshold))
+            .map(|u| {
+                stage == 3
+                    && (u.name == "<root>" || u.layout.slots.iter().all(|s| s.numel < threshold))
+            })
             .collect();
         let mut owners = std::collections::HashMap::new();
         for (k, u) in units.iter().enumerate() {

@@ -727,7 +727,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .stage3_param_persistence_threshold
             .value()
             .unwrap_or(0) as usize;
-        let small = |t: &Tensor| (t.numel() as usize) < threshold;
+        let small = |t: &Tensor| t.numel() < threshold;
         if stage == 3 && threshold > 0 {
             let root = prefixes.len();
             for g in 0..root {

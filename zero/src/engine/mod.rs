@@ -16,22 +16,27 @@
 //! bf16 or fp16 compute an fp32 master (full for stage 0, a shard otherwise)
 //! is kept beside it, the optimizer writes the compute-dtype copy in the same
 //! pass, and stages 1-3 gather 16-bit shards (half the bytes). Gradients are
-//! widened to fp32 before they are reduced and accumulated (DESIGN.md,
-//! "Numerics"). fp16 uses DeepSpeed's dynamic loss scaling: an overflow on
-//! any rank skips the step on every rank.
+//! widened to fp32 before they are reduced (unless the config's
+//! `communication_data_type` asks for the 16-bit compute dtype) and always
+//! accumulated in fp32 (DESIGN.md, "Numerics"). fp16 uses DeepSpeed's dynamic
+//! loss scaling: an overflow on any rank skips the step on every rank.
 //!
 //! Stage 3 gathers a unit right before its forward (through
-//! [`crate::ShardedModule`]) and frees the storage after the step (the glue's
-//! in-place free), so between steps a rank holds only shards. The root unit
-//! (parameters outside every wrapped module) stays gathered, as FSDP2's root
+//! [`crate::ShardedModule`]), frees its storage right after (the glue's
+//! in-place free), re-gathers it from a hook on its output's gradient just
+//! before its backward, and frees it again once its gradients are reduced,
+//! so between steps a rank holds only shards. The root unit (parameters
+//! outside every wrapped module, and those under
+//! `stage3_param_persistence_threshold`) stays gathered, as FSDP2's root
 //! does. Gradients are copied out of `.grad` and `.grad` is dropped, so they
 //! are never held twice.
 //!
-//! Not in this build yet (see the engine issue): reducing gradients in the
-//! compute dtype (`communication_data_type`), the backward hooks that free
-//! gathered units after forward and re-gather them before backward (so in
-//! stage 3 the gathered units stay live through backward), overlap of
-//! communication with compute, hybrid sharding.
+//! Submodules: `overlap` (reductions issued from gradient hooks during
+//! backward, prefetched gathers, reduce buckets, hpZ re-gathers),
+//! `checkpoint` (save and load), `offload` (NVMe swaps of optimizer state
+//! and stage-3 parameters), `timing` (`wall_clock_breakdown`). Hybrid
+//! sharding ([`Engine::new_hybrid`]) shards inside a mesh's shard groups and
+//! averages gradient shards across its replicate groups.
 
 use std::sync::Arc;
 

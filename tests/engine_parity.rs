@@ -380,6 +380,30 @@ fn fp16_overflows_skip_the_step_on_every_rank_and_lower_the_scale() {
     }
 }
 
+/// `STEPS` steps of one micro-step each on this rank's batches; the mean
+/// loss over `world` per step.
+fn train_steps<G: ProcessGroup + 'static>(
+    engine: &Engine<G>,
+    gpt: &zrt::gpt::Gpt,
+    rank: usize,
+    world: &impl ProcessGroup,
+) -> Vec<f64> {
+    (0..STEPS)
+        .map(|step| {
+            let loss = gpt.loss(&tokens(step, 0, rank, 1));
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+            world
+                .all_reduce(
+                    vec![loss.double_value(&[])],
+                    zrt::collectives::ReduceOp::Avg,
+                )
+                .wait()
+                .unwrap()[0]
+        })
+        .collect()
+}
+
 /// The reference of a 4-rank job with 2-rank shard groups: per-rank
 /// gradients averaged as the hybrid engine does (inside each pair, then
 /// across the pairs; f64 sums, one rounding per level), then libtorch's clip
@@ -448,21 +472,7 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
                         let engine =
                             Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default())
                                 .unwrap();
-                        let mut losses = Vec::new();
-                        for step in 0..STEPS {
-                            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
-                            engine.backward(&loss).unwrap();
-                            engine.step().unwrap();
-                            let all = r
-                                .world()
-                                .all_reduce(
-                                    vec![loss.double_value(&[])],
-                                    zrt::collectives::ReduceOp::Avg,
-                                )
-                                .wait()
-                                .unwrap();
-                            losses.push(all[0]);
-                        }
+                        let losses = train_steps(&engine, &gpt, r.rank(), r.world());
                         (losses, engine.gathered_params().unwrap())
                     })
                 })
@@ -518,21 +528,10 @@ fn rank_main() {
             Engine::new(&vs, &plan, &config(3, 1, 0.5), g, &AutoHints::default()).unwrap()
         }
     };
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let loss = gpt.loss(&tokens(step, 0, rank, 1));
-        engine.backward(&loss).unwrap();
-        engine.step().unwrap();
-        let all = dist
-            .world()
-            .all_reduce(
-                vec![loss.double_value(&[])],
-                zrt::collectives::ReduceOp::Avg,
-            )
-            .wait()
-            .unwrap();
-        losses.push(all[0].to_string());
-    }
+    let losses: Vec<String> = train_steps(&engine, &gpt, rank, dist.world())
+        .iter()
+        .map(f64::to_string)
+        .collect();
     engine.save_16bit_model(&out).unwrap();
     if rank == 0 {
         println!("@@ {}", losses.join(" "));

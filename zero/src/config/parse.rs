@@ -512,14 +512,8 @@ impl P {
         let a = self.object(top, "aio").unwrap_or(&empty);
         self.keys(a, "aio", keys::AIO, &[], true);
         let d = AioConfig::default();
-        for key in [
-            "queue_depth",
-            "thread_count",
-            "intra_op_parallelism",
-            "single_submit",
-            "overlap_events",
-            "use_gds",
-        ] {
+        // Every `aio` key but `block_size` is read and warned about.
+        for &key in keys::AIO.iter().filter(|k| **k != "block_size") {
             if a.contains_key(key) {
                 self.warnings.push(format!("`aio.{key}` is not honoured: zrt's swap keeps `buffer_count` chunks in flight on one reader and one writer thread (only `aio.block_size` is used)"));
             }

@@ -992,11 +992,21 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 let full = std::mem::take(&mut sh.g);
                 let n = full.len();
                 let mut reduced = vec![0.0; n / i.group.size()];
+                // The accumulation buffer comes back from a single fp32
+                // reduce-scatter: reuse it rather than allocate it per step.
+                let mut spare = None;
                 for (range, r) in i.reduce_in_buckets(full, false)? {
-                    let part = i.across_replicas(r.wait()?)?;
-                    reduced[range].copy_from_slice(&part);
+                    let (input, part) = r.wait_keep_input()?;
+                    reduced[range].copy_from_slice(&i.across_replicas(part)?);
+                    spare = input.filter(|v| v.len() == n);
                 }
-                sh.g = vec![0.0; n];
+                sh.g = match spare {
+                    Some(mut v) => {
+                        v.fill(0.0);
+                        v
+                    }
+                    None => vec![0.0; n],
+                };
                 sh.reduced = reduced;
             }
         }

@@ -41,6 +41,18 @@ pub(super) enum Reduce {
 
 impl Reduce {
     /// Waits and returns the result in fp32.
+    /// As [`Reduce::wait`], also handing back the input buffer of an fp32
+    /// reduce-scatter, for the caller to reuse.
+    pub(super) fn wait_keep_input(self) -> Result<(Option<Vec<f32>>, Vec<f32>), EngineError> {
+        match self {
+            Reduce::Scatter(w) => {
+                let (input, part) = w.wait()?;
+                Ok((Some(input), part))
+            }
+            other => Ok((None, other.wait()?)),
+        }
+    }
+
     pub(super) fn wait(self) -> Result<Vec<f32>, EngineError> {
         fn widen<T>(
             v: &[T],

@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{config_with, config_zero, model, tokens, LR, WD, WORLD};
+use common::{config_with, config_zero, model, on_ranks, tokens, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
@@ -461,23 +461,12 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
     let reference = run_reference_hybrid(0.5);
     for stage in 1..=3u8 {
         let cfg = config_zero(stage, 1, 0.5, "", r#""mics_shard_size": 2,"#);
-        let out: Vec<(Vec<f64>, Params)> = std::thread::scope(|s| {
-            let hs: Vec<_> = local::world(4)
-                .into_iter()
-                .map(|r| {
-                    let cfg = &cfg;
-                    s.spawn(move || {
-                        let (vs, plan, gpt) = model();
-                        let mesh = r.mesh(2).unwrap();
-                        let engine =
-                            Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default())
-                                .unwrap();
-                        let losses = train_steps(&engine, &gpt, r.rank(), r.world());
-                        (losses, engine.gathered_params().unwrap())
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let out: Vec<(Vec<f64>, Params)> = on_ranks(4, |r| {
+            let (vs, plan, gpt) = model();
+            let mesh = r.mesh(2).unwrap();
+            let engine = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+            let losses = train_steps(&engine, &gpt, r.rank(), r.world());
+            (losses, engine.gathered_params().unwrap())
         });
         for o in &out[1..] {
             assert_eq!(
@@ -682,35 +671,21 @@ fn run_hpz(hpz: bool, extra: &str) -> (Params, u64) {
         r#""stage3_param_persistence_threshold": 0,"#
     };
     let cfg = config_zero(3, 1, 0.5, extra, zero);
-    let out: Vec<(Params, u64)> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(4)
-            .into_iter()
-            .map(|r| {
-                let cfg = &cfg;
-                s.spawn(move || {
-                    let (vs, plan, gpt) = model();
-                    let world = r.new_group(&[0, 1, 2, 3]).unwrap();
-                    let engine = if hpz {
-                        let (pair, _) = r.mesh(2).unwrap().into_groups();
-                        Engine::new_hpz(&vs, &plan, cfg, world, pair, &AutoHints::default())
-                    } else {
-                        Engine::new(&vs, &plan, cfg, world, &AutoHints::default())
-                    }
-                    .unwrap();
-                    for step in 0..STEPS {
-                        engine
-                            .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
-                            .unwrap();
-                        engine.step().unwrap();
-                    }
-                    (
-                        engine.gathered_params().unwrap(),
-                        engine.overlap_counts().hpz_gathers,
-                    )
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out: Vec<(Params, u64)> = on_ranks(4, |r| {
+        let (vs, plan, gpt) = model();
+        let world = r.new_group(&[0, 1, 2, 3]).unwrap();
+        let engine = if hpz {
+            let (pair, _) = r.mesh(2).unwrap().into_groups();
+            Engine::new_hpz(&vs, &plan, &cfg, world, pair, &AutoHints::default())
+        } else {
+            Engine::new(&vs, &plan, &cfg, world, &AutoHints::default())
+        }
+        .unwrap();
+        train_steps(&engine, &gpt, r.rank(), r.world());
+        (
+            engine.gathered_params().unwrap(),
+            engine.overlap_counts().hpz_gathers,
+        )
     });
     out.into_iter().next().unwrap()
 }

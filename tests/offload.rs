@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_zero, model, model_of, nvme, nvme_params, tokens, GPT};
+use common::{config_zero, model, model_of, nvme, nvme_params, on_ranks, tokens, GPT};
 use zrt::collectives::local;
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, Config, Engine, EngineError};
@@ -22,31 +22,23 @@ struct Outcome {
 
 /// Trains `steps` steps on 2 ranks (threads) with `cfg`.
 fn train(cfg: &Config, gpt: &GptConfig, steps: usize) -> Vec<Result<Outcome, EngineError>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(2)
-            .into_iter()
-            .map(|r| {
-                s.spawn(move || -> Result<Outcome, EngineError> {
-                    let (vs, plan, m) = model_of(gpt);
-                    let g = r.new_group(&[0, 1]).unwrap();
-                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default())?;
-                    let mut losses = Vec::new();
-                    for step in 0..steps {
-                        let loss = m.loss(&tokens(step, 0, r.rank(), 1));
-                        losses.push(loss.double_value(&[]));
-                        engine.backward(&loss)?;
-                        engine.step()?;
-                    }
-                    Ok(Outcome {
-                        losses,
-                        resident: engine.model_state_bytes()?,
-                        offloaded: engine.offloaded_bytes(),
-                        params: engine.gathered_params()?,
-                    })
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(2, |r| -> Result<Outcome, EngineError> {
+        let (vs, plan, m) = model_of(gpt);
+        let g = r.new_group(&[0, 1]).unwrap();
+        let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default())?;
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let loss = m.loss(&tokens(step, 0, r.rank(), 1));
+            losses.push(loss.double_value(&[]));
+            engine.backward(&loss)?;
+            engine.step()?;
+        }
+        Ok(Outcome {
+            losses,
+            resident: engine.model_state_bytes()?,
+            offloaded: engine.offloaded_bytes(),
+            params: engine.gathered_params()?,
+        })
     })
 }
 

@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 
 use tch::{nn, Device, Tensor};
+use zrt::collectives::local::{self, LocalRank};
 use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{Config, ShardPlan};
 
@@ -93,4 +94,17 @@ pub fn nvme(dir: &std::path::Path) -> (String, String) {
             dir.display()
         ),
     )
+}
+
+/// Runs `f` on each rank of a fresh `n`-rank in-process world (a thread
+/// each) and returns the ranks' results in rank order.
+pub fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalRank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = local::world(n)
+            .into_iter()
+            .map(|r| s.spawn(move || f(r)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

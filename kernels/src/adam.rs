@@ -35,6 +35,17 @@ use crate::{KernelError, Threads};
 /// while the compute-dtype copy is written from them.
 const BLOCK: usize = 1024;
 
+/// Elements the update walks between software prefetches: two 64-byte lines
+/// of each array.
+const STEP: usize = 32;
+
+/// How far ahead (elements, 2 KiB per array) the update prefetches p, g, m
+/// and v. One core alone cannot keep enough misses in flight for four
+/// streams with the hardware prefetcher only: measured on this project's
+/// 2-core EPYC, 50M params, 1 thread, this distance gave +7-10% (256 and
+/// 768 less, issuing a whole block's prefetches at once -30%).
+const PREFETCH_AHEAD: usize = 512;
+
 /// Adam hyper-parameters, named as in DeepSpeed's `optimizer.params`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamConfig {
@@ -206,7 +217,29 @@ enum CopyBits<'a> {
     F16(&'a mut [u16]),
 }
 
-/// One thread's contiguous range, walked in cache blocks.
+/// Prefetches the [`STEP`] elements at `at` of every stream (each `n` long)
+/// into L1; nothing past the end. A hint only: no memory is read or written.
+#[inline(always)]
+fn prefetch(streams: &[*const f32; 4], n: usize, at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for line in [at, at + STEP / 2] {
+            if line < n {
+                for &s in streams {
+                    // SAFETY: `line < n`, so the address is inside the slice
+                    // `s` points into; prefetch never faults or writes.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(s.add(line).cast::<i8>()) };
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (streams, n, at);
+}
+
+/// One thread's contiguous range, walked in cache blocks and, within a
+/// block, in [`STEP`]s with software prefetch [`PREFETCH_AHEAD`] ahead.
 #[inline(always)]
 fn range_body(
     c: &Coef,
@@ -217,6 +250,7 @@ fn range_body(
     copy: CopyBits<'_>,
 ) {
     let n = p.len();
+    let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr()];
     let mut copy = copy;
     let mut start = 0;
     while start < n {
@@ -227,10 +261,17 @@ fn range_body(
             &mut m[start..end],
             &mut v[start..end],
         );
-        if c.l2 != 0.0 {
-            update::<true>(c, pb, gb, mb, vb);
-        } else {
-            update::<false>(c, pb, gb, mb, vb);
+        let mut s = 0;
+        while s < pb.len() {
+            let e = (s + STEP).min(pb.len());
+            prefetch(&streams, n, start + s + PREFETCH_AHEAD);
+            let (ps, gs, ms, vs) = (&mut pb[s..e], &gb[s..e], &mut mb[s..e], &mut vb[s..e]);
+            if c.l2 != 0.0 {
+                update::<true>(c, ps, gs, ms, vs);
+            } else {
+                update::<false>(c, ps, gs, ms, vs);
+            }
+            s = e;
         }
         match &mut copy {
             CopyBits::None => {}

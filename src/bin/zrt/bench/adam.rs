@@ -173,12 +173,6 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                     })
                 );
             } else {
-                // Without --peer there is no ratio to print.
-                let vs_peer = if vs_peer.is_finite() {
-                    format!("{vs_peer:.2}x")
-                } else {
-                    "-".to_string()
-                };
                 println!(
                     "{:<22} {:>7} {:>10.2} {:>12.0} {:>8.1} {:>10.1} {:>12.2}x {:>13}",
                     name,
@@ -188,7 +182,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                     gbs,
                     limit,
                     vs_limit,
-                    vs_peer
+                    super::cell(vs_peer, 2, "x")
                 );
             }
         }

@@ -208,15 +208,15 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 );
             } else {
                 println!(
-                    "{:<24} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2} {:>9.1}x {:>9.2}x",
+                    "{:<24} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>11} {:>11.2} {:>10} {:>9.2}x",
                     op,
                     mib,
                     t * 1e3,
                     algbw,
                     busbw,
-                    gloo_busbw,
+                    super::cell(gloo_busbw, 2, ""),
                     limit,
-                    vs_peer,
+                    super::cell(vs_peer, 1, "x"),
                     vs_limit
                 );
             }

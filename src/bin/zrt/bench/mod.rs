@@ -47,6 +47,16 @@ pub fn time_each(reps: usize, mut f: impl FnMut()) -> Vec<f64> {
         .collect()
 }
 
+/// A table cell for a figure that is missing without a peer (`NaN`): `-`
+/// instead of `NaN`; `suffix` follows the number ("x" for ratios).
+pub fn cell(x: f64, decimals: usize, suffix: &str) -> String {
+    if x.is_finite() {
+        format!("{x:.decimals$}{suffix}")
+    } else {
+        "-".to_string()
+    }
+}
+
 /// Single- or multi-threaded memory copy bandwidth in GB/s, counting bytes
 /// read plus bytes written (the convention the Adam figures use), from the
 /// median of `reps` copies of `bytes`.

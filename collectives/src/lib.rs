@@ -50,6 +50,7 @@ mod p2p;
 pub mod shm;
 mod stats;
 pub mod store;
+mod stream;
 pub mod tcp;
 mod work;
 mod worker;

@@ -33,16 +33,23 @@ use crate::dtype::bytes_of;
 use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
+use crate::stream::{copy_streaming, STREAM_MIN_DEST_BYTES};
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
 
 const MAGIC: u64 = 0x7a72_745f_7368_6d31; // "zrt_shm1"
 const CTRL: usize = 128;
 const HEADER: usize = 64;
-/// Words of a control block: arrive, left, then two call slots of three words.
+/// Words of a control block: arrive, left, two call slots of three words,
+/// then the count of ranks asleep on this rank's arrive word.
 const W_ARRIVE: usize = 0;
 const W_LEFT: usize = 1;
 const W_DESC: usize = 2;
+const W_SLEEPERS: usize = 8;
+/// Spins before a waiting rank goes to sleep on a futex: long enough to catch
+/// a peer that is a few microseconds behind, short enough that a peer still
+/// computing gets the core (2 ranks on 2 cores share them with compute).
+const SPINS: u32 = 2000;
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 
 /// Default staging bytes per rank (`ZRT_SHM_SLOT_BYTES` overrides). Small
@@ -121,6 +128,52 @@ fn process_gone(pid: u32) -> bool {
     }
 }
 
+/// Futex wait and wake on the low 32 bits of a shared 64-bit word (the
+/// mapping is shared between processes, so not the `PRIVATE` variants).
+mod futex {
+    use std::sync::atomic::AtomicU64;
+    use std::time::Duration;
+
+    /// The word's low half (little-endian: its first four bytes).
+    fn low(word: &AtomicU64) -> *const u32 {
+        let p = word.as_ptr().cast::<u32>();
+        if cfg!(target_endian = "little") {
+            p
+        } else {
+            p.wrapping_add(1)
+        }
+    }
+
+    /// Sleeps while the word's low half is still `seen`'s, for at most
+    /// `at_most`. Returns early on a wake, a signal or a changed value;
+    /// callers re-check.
+    pub(super) fn wait(word: &AtomicU64, seen: u64, at_most: Duration) {
+        let ts = libc::timespec {
+            tv_sec: at_most.as_secs() as libc::time_t,
+            tv_nsec: at_most.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: the address is a live, aligned word of the shared mapping
+        // and the timespec outlives the call; a futex only reads the word.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                low(word),
+                libc::FUTEX_WAIT,
+                seen as u32,
+                &ts as *const libc::timespec,
+            );
+        }
+    }
+
+    /// Wakes every rank asleep on the word.
+    pub(super) fn wake_all(word: &AtomicU64) {
+        // SAFETY: as in `wait`; waking touches no memory.
+        unsafe {
+            libc::syscall(libc::SYS_futex, low(word), libc::FUTEX_WAKE, i32::MAX);
+        }
+    }
+}
+
 impl Inner {
     fn peers(&self) -> Peers<'_> {
         Peers {
@@ -135,30 +188,29 @@ impl Inner {
         self.seg.n
     }
 
-    /// Waits until `cond(rank)` holds for every rank, failing on a rank that
-    /// left or died, and on the deadline.
-    fn wait_all(
-        &self,
-        call: &OpDesc,
-        deadline: Instant,
-        cond: impl Fn(usize) -> bool,
-    ) -> Result<(), CommError> {
+    /// Waits until every rank's arrive word is at least `epoch`, failing on
+    /// a rank that left or died, and on the deadline. Spins [`SPINS`] times,
+    /// then sleeps on the first late rank's arrive word (a futex, woken by
+    /// its arrival) for at most the liveness period.
+    fn wait_all(&self, call: &OpDesc, deadline: Instant, epoch: u64) -> Result<(), CommError> {
+        let arrived = |r: usize| self.seg.word(r, W_ARRIVE).load(Ordering::Acquire) >= epoch;
         let mut spins = 0u32;
         let mut next_check = Instant::now() + LIVENESS_EVERY;
         loop {
-            if (0..self.n()).all(&cond) {
+            let Some(late) = (0..self.n()).find(|&r| !arrived(r)) else {
                 return Ok(());
-            }
+            };
             spins += 1;
-            if spins < 200 {
+            if spins < SPINS {
                 std::hint::spin_loop();
                 continue;
             }
-            std::thread::yield_now();
             let now = Instant::now();
             if now < next_check {
+                self.sleep_on(late, epoch, next_check - now);
                 continue;
             }
+            let cond = arrived;
             next_check = now + LIVENESS_EVERY;
             let missing: Vec<usize> = (0..self.n()).filter(|&r| !cond(r)).collect();
             if let Some(&r) = missing.iter().find(|&&r| {
@@ -181,13 +233,29 @@ impl Inner {
         }
     }
 
+    /// Sleeps until rank `r` arrives at `epoch` (or `at_most` passes, or a
+    /// spurious wake-up). The sleeper count is raised before the last look at
+    /// the word, and the arriver reads it after storing (both SeqCst), so
+    /// either this rank sees the arrival or the arriver sees the sleeper.
+    fn sleep_on(&self, r: usize, epoch: u64, at_most: Duration) {
+        let (word, sleepers) = (self.seg.word(r, W_ARRIVE), self.seg.word(r, W_SLEEPERS));
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        let seen = word.load(Ordering::SeqCst);
+        if seen < epoch {
+            futex::wait(word, seen, at_most);
+        }
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
     fn barrier(&self, st: &mut State, call: &OpDesc, deadline: Instant) -> Result<(), CommError> {
         st.epoch += 1;
         let e = st.epoch;
-        self.seg.word(self.me, W_ARRIVE).store(e, Ordering::Release);
-        self.wait_all(call, deadline, |r| {
-            self.seg.word(r, W_ARRIVE).load(Ordering::Acquire) >= e
-        })
+        let word = self.seg.word(self.me, W_ARRIVE);
+        word.store(e, Ordering::SeqCst);
+        if self.seg.word(self.me, W_SLEEPERS).load(Ordering::SeqCst) > 0 {
+            futex::wake_all(word);
+        }
+        self.wait_all(call, deadline, e)
     }
 
     /// Publishes `desc`, passes a barrier, and returns every rank's
@@ -371,6 +439,7 @@ impl Inner {
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
+        let stream = bytes_of::<T>(total) >= STREAM_MIN_DEST_BYTES;
         for j in 0..rounds {
             let h = self.half::<T>(j);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
@@ -383,7 +452,7 @@ impl Inner {
                 Some(input) => {
                     unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }
                         .copy_from_slice(&input[mine.clone()]);
-                    out[own].copy_from_slice(&input[mine]);
+                    copy_streaming(&mut out[own], &input[mine], stream);
                 }
                 None => {
                     unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }.copy_from_slice(&out[own])
@@ -392,8 +461,9 @@ impl Inner {
             self.barrier(&mut st, desc, deadline)?;
             for r in (0..self.n()).filter(|&r| r != self.me) {
                 let p = part(r);
-                out[offs[r] + p.start..offs[r] + p.end]
-                    .copy_from_slice(unsafe { self.seg.slot::<T>(r, h, p.len()) });
+                // SAFETY: rank r's slot half, read after the barrier.
+                let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
+                copy_streaming(&mut out[offs[r] + p.start..offs[r] + p.end], src, stream);
             }
         }
         Ok(())

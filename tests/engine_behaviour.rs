@@ -261,6 +261,11 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
                         0,
                         "resharded after step()"
                     );
+                    // Freed units gave their gathered buffers back for the
+                    // next gathers, keeping at most two (largest unit: b,
+                    // 32 + 16 padded f32 elements).
+                    let pooled = e.pooled_bytes();
+                    assert!(pooled > 0 && pooled <= 2 * 48 * 4, "pooled {pooled} bytes");
                 }
             });
         }

@@ -90,6 +90,28 @@ char *zrt_storage_realloc(torch::Tensor *t, size_t nbytes) {
   }
 }
 
+// Gives a (freed) CPU storage memory the caller already holds: `data`,
+// `nbytes` long, released by `del(ctx)` when the storage lets go of it (freed,
+// re-allocated or destroyed). On error the storage is unchanged and the
+// caller still owns `ctx`. This is how a gathered buffer becomes a unit's
+// parameters without a copy.
+char *zrt_storage_adopt(torch::Tensor *t, void *data, size_t nbytes, void *ctx, void (*del)(void *)) {
+  try {
+    c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
+    if (!s->resizable()) {
+      return to_error("storage is not resizable (it wraps memory torch does not own)");
+    }
+    if (s->device().type() != c10::DeviceType::CPU) {
+      return to_error("only a CPU storage can adopt host memory");
+    }
+    s->set_data_ptr_noswap(c10::DataPtr(data, ctx, del, s->device()));
+    s->set_nbytes(nbytes);
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
 // A new tensor over the same storage, offset, sizes and strides as `t`, but
 // with its own autograd version counter and no autograd history. Writing
 // through it (the refill after `zrt_storage_realloc`, or a collective writing

@@ -6,7 +6,9 @@
 //! saved views of them for backward; replacing the tensors would leave those
 //! views pinning the memory. Freeing the storage itself releases the bytes
 //! while every view (and every saved view) stays valid, and re-allocating +
-//! refilling it before backward makes them see the right values again.
+//! refilling it before backward makes them see the right values again —
+//! or, without a copy, by *adopting* a gathered buffer as the storage's
+//! memory ([`adopt_storage`]), which libtorch hands back when it lets go.
 
 use std::ffi::{c_char, CStr};
 
@@ -34,6 +36,13 @@ mod ffi {
         pub fn zrt_storage_nbytes(t: *const C_tensor, out: *mut usize) -> *mut c_char;
         pub fn zrt_storage_free(t: *mut C_tensor) -> *mut c_char;
         pub fn zrt_storage_realloc(t: *mut C_tensor, nbytes: usize) -> *mut c_char;
+        pub fn zrt_storage_adopt(
+            t: *mut C_tensor,
+            data: *mut std::ffi::c_void,
+            nbytes: usize,
+            ctx: *mut std::ffi::c_void,
+            del: extern "C" fn(*mut std::ffi::c_void),
+        ) -> *mut c_char;
         pub fn zrt_clear_grad(t: *mut C_tensor) -> *mut c_char;
         pub fn zrt_register_grad_hook(
             t: *mut C_tensor,
@@ -108,6 +117,61 @@ pub fn realloc_storage(t: &Tensor, nbytes: usize) -> Result<(), GlueError> {
     check("storage_realloc", unsafe {
         ffi::zrt_storage_realloc(t.as_ptr() as *mut _, nbytes)
     })
+}
+
+/// What a storage adopted from Rust holds: the buffer, and what to do with
+/// it when libtorch lets go.
+struct Adopted<T> {
+    buf: Vec<T>,
+    on_release: Box<dyn FnOnce(Vec<T>) + Send>,
+}
+
+/// The storage's deleter: hands the buffer to its `on_release`.
+extern "C" fn release_adopted<T>(ctx: *mut std::ffi::c_void) {
+    // SAFETY: `ctx` is the `Box<Adopted<T>>` `adopt_storage` leaked, and
+    // libtorch calls the deleter exactly once.
+    let a = unsafe { Box::from_raw(ctx.cast::<Adopted<T>>()) };
+    // A panic must not unwind into C++: `on_release` only returns the buffer
+    // to a pool, but catch anything anyway (the buffer is then just dropped).
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || (a.on_release)(a.buf)));
+}
+
+/// Makes `buf` the memory of `t`'s (freed, CPU) storage without copying;
+/// when libtorch releases it (the storage freed with [`free_storage`],
+/// re-allocated, or dropped) the buffer goes to `on_release` — a pool, so
+/// the next gather reuses memory that is already paged in.
+///
+/// `buf` must hold exactly the bytes the storage needs. On error the buffer
+/// is dropped and the storage is as it was.
+pub fn adopt_storage<T: Copy + Send + 'static>(
+    t: &Tensor,
+    buf: Vec<T>,
+    on_release: impl FnOnce(Vec<T>) + Send + 'static,
+) -> Result<(), GlueError> {
+    let nbytes = std::mem::size_of_val(buf.as_slice());
+    let mut a = Box::new(Adopted {
+        buf,
+        on_release: Box::new(on_release),
+    });
+    // The Vec's heap block does not move when the Box (or Vec) does.
+    let data = a.buf.as_mut_ptr().cast::<std::ffi::c_void>();
+    let ctx = Box::into_raw(a).cast::<std::ffi::c_void>();
+    // SAFETY: `t.as_ptr()` is live; `data` is valid for `nbytes` for as long
+    // as `ctx` is, and the deleter frees `ctx` once.
+    let r = check("storage_adopt", unsafe {
+        ffi::zrt_storage_adopt(
+            t.as_ptr() as *mut _,
+            data,
+            nbytes,
+            ctx,
+            release_adopted::<T>,
+        )
+    });
+    if r.is_err() {
+        // SAFETY: on error the glue did not take `ctx`; reclaim and drop it.
+        drop(unsafe { Box::from_raw(ctx.cast::<Adopted<T>>()) });
+    }
+    r
 }
 
 /// A tensor over the same memory as `t` (same storage, offset, sizes and

@@ -183,3 +183,73 @@ fn post_accumulate_grad_hooks_fire_once_per_backward_after_the_grad_is_in() {
     let v = &w * 2.0;
     assert!(glue::on_grad_accumulated(&v, || {}).is_err());
 }
+
+#[test]
+fn an_adopted_buffer_is_the_storage_until_freed_then_comes_back() {
+    // A stage-3 unit: a flat buffer and a parameter view that autograd saves.
+    let flat = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+    let w = flat.narrow(0, 2, 4);
+    let x = Tensor::ones([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = (&x * &w).sum(Kind::Float);
+    glue::free_storage(&flat).unwrap();
+
+    // Gathered values become the storage without a copy.
+    let gathered: Vec<f32> = (0..8).map(|i| i as f32 * 1.5).collect();
+    let at = gathered.as_ptr() as usize;
+    let back = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let back2 = back.clone();
+    glue::adopt_storage(&flat, gathered, move |v: Vec<f32>| {
+        *back2.lock().unwrap() = Some(v);
+    })
+    .unwrap();
+    assert_eq!(
+        flat.data_ptr() as usize,
+        at,
+        "the buffer itself, not a copy"
+    );
+    assert_eq!(glue::storage_nbytes(&w).unwrap(), 32);
+    y.backward();
+    assert_eq!(
+        Vec::<f32>::try_from(&x.grad()).unwrap(),
+        vec![3.0, 4.5, 6.0, 7.5],
+        "backward read the adopted values through the saved view"
+    );
+    assert!(
+        back.lock().unwrap().is_none(),
+        "held while the storage uses it"
+    );
+
+    // Freeing the storage hands the buffer back, contents intact.
+    glue::free_storage(&flat).unwrap();
+    let v = back.lock().unwrap().take().expect("returned on free");
+    assert_eq!(v.as_ptr() as usize, at);
+    assert_eq!(v[7], 10.5);
+}
+
+#[test]
+fn a_storage_that_cannot_adopt_drops_the_buffer_and_stays_as_it_was() {
+    // Memory torch does not own (from_slice copies, so wrap a blob).
+    let mut data = [1f32, 2.0, 3.0];
+    // SAFETY: `data` outlives `t`, which is dropped at the end of the test.
+    let t = unsafe {
+        Tensor::from_blob(
+            data.as_mut_ptr().cast(),
+            &[3],
+            &[1],
+            Kind::Float,
+            Device::Cpu,
+        )
+    };
+    let called = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let c2 = called.clone();
+    let e = glue::adopt_storage(&t, vec![9f32; 3], move |_| {
+        c2.store(true, std::sync::atomic::Ordering::SeqCst)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("not resizable"), "{e}");
+    assert!(
+        !called.load(std::sync::atomic::Ordering::SeqCst),
+        "not a release"
+    );
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![1.0, 2.0, 3.0]);
+}

@@ -29,10 +29,14 @@
 //! outside every wrapped module, and those under
 //! `stage3_param_persistence_threshold`) stays gathered, as FSDP2's root
 //! does. Gradients are copied out of `.grad` and `.grad` is dropped, so they
-//! are never held twice.
+//! are never held twice. A unit is gathered straight into a buffer that then
+//! becomes its storage (the glue's adopt, no copy); freeing the unit hands
+//! the buffer to a small pool the next gather (or gradient buffer) of that
+//! size takes it from, already paged in.
 //!
 //! Submodules: `overlap` (reductions issued from gradient hooks during
-//! backward, prefetched gathers, reduce buckets, hpZ re-gathers),
+//! backward, prefetched gathers, reduce buckets, hpZ re-gathers), `pool`
+//! (the reused gather and gradient buffers),
 //! `checkpoint` (save and load), `offload` (NVMe swaps of optimizer state
 //! and stage-3 parameters), `timing` (`wall_clock_breakdown`). Hybrid
 //! sharding ([`Engine::new_hybrid`]) shards inside a mesh's shard groups and
@@ -55,6 +59,7 @@ use crate::{glue, AutoHints, Config, EngineError, Resolved};
 mod checkpoint;
 mod offload;
 mod overlap;
+mod pool;
 mod timing;
 
 pub use overlap::OverlapCounts;
@@ -237,6 +242,9 @@ struct Inner<G> {
     hpz: Option<G>,
     /// Every trainable parameter by its TensorImpl address: (unit, name).
     owners: std::collections::HashMap<usize, (usize, String)>,
+    /// Stage 3: gather buffers that become unit storage and come back here
+    /// when the unit is freed.
+    pools: pool::Pools,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -880,6 +888,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             reduce_16,
             hpz,
             owners,
+            pools: pool::Pools::new(),
             cfg,
         });
         if stage == 3 {
@@ -1191,6 +1200,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             };
         }
         Ok(b)
+    }
+
+    /// Bytes of stage-3 gather buffers kept for reuse (at most two per
+    /// compute dtype): memory held between gathers so the next one does not
+    /// page-fault a fresh buffer in. Counted in RSS, not in model state.
+    pub fn pooled_bytes(&self) -> usize {
+        self.inner.pools.bytes()
     }
 
     /// Bytes of model state in this rank's NVMe swap files (optimizer

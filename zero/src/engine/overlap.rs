@@ -19,12 +19,15 @@
 //! issues the same sequence (the same model runs the same autograd graph),
 //! so overlapping changes no bit of the result.
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 use zrt_collectives::{ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
+use super::pool::Pool;
 use super::timing::waiting;
-use super::{elems, Compute, CopyShard, Inner, State};
+use super::{elems, Compute, CopyShard, Inner, State, Unit};
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
@@ -215,18 +218,26 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         free: bool,
     ) -> Result<(), EngineError> {
         let u = &st.units[k];
-        let mut full = vec![0f32; u.layout.padded];
+        // A kept buffer (already paged in) with stale contents: every element
+        // is written below, gradients where they exist and zeros elsewhere.
+        let mut full = self.pools.f32.take(u.layout.padded, 0.0);
+        let mut written = 0;
         for (slot, t) in u.layout.slots.iter().zip(&u.params) {
+            full[written..slot.offset].fill(0.0);
+            let dst = &mut full[slot.offset..slot.offset + slot.numel];
             let g = t.grad();
             if g.defined() {
                 // Widened to fp32 before any reduction.
                 let g = g.f_to_kind(tch::Kind::Float)?.f_contiguous()?;
                 // SAFETY: a contiguous f32 tensor of `numel` elements.
-                full[slot.offset..slot.offset + slot.numel]
-                    .copy_from_slice(unsafe { elems::<f32>(&g, slot.numel) });
+                dst.copy_from_slice(unsafe { elems::<f32>(&g, slot.numel) });
+            } else {
+                dst.fill(0.0);
             }
+            written = slot.offset + slot.numel;
             glue::clear_grad(t)?;
         }
+        full[written..].fill(0.0);
         if st.prog.bare && self.cfg.batch.gas > 1 {
             // `Engine::backward` divides the loss by the accumulation steps;
             // a bare backward did not.
@@ -234,6 +245,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         if self.stage == 1 {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
+            self.pools.f32.give(full);
         } else {
             for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
                 st.prog.inflight.push((k, range, r));
@@ -339,9 +351,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
-            let v = waiting(&mut st.timing, || r.wait())?;
+            let (input, v) = waiting(&mut st.timing, || r.wait_keep_input())?;
             let v = self.across_replicas(v)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
+            // A whole unit's gradient buffer (not a bucket's) serves the
+            // next launch_reduce or gather of that size.
+            if let Some(input) = input.filter(|i| i.len() == st.units[k].layout.padded) {
+                self.pools.f32.give(input);
+            }
         }
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
@@ -368,10 +385,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             self.delay();
             let ids = h.all_gather(vec![i as i64], Vec::new());
             self.delay();
+            let padded = st.units[i].layout.padded;
             let data = match sec {
-                Secondary::F32(v) => Fetch::F32(h.all_gather(v, Vec::new())),
-                Secondary::Bf16(v) => Fetch::Bf16(h.all_gather(v, Vec::new())),
-                Secondary::F16(v) => Fetch::F16(h.all_gather(v, Vec::new())),
+                Secondary::F32(v) => Fetch::F32(h.all_gather(v, self.pools.f32.take(padded, 0.0))),
+                Secondary::Bf16(v) => {
+                    Fetch::Bf16(h.all_gather(v, self.pools.bf16.take(padded, bf16::ZERO)))
+                }
+                Secondary::F16(v) => {
+                    Fetch::F16(h.all_gather(v, self.pools.f16.take(padded, f16::ZERO)))
+                }
             };
             return Ok(Prefetch {
                 ids,
@@ -383,16 +405,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // would otherwise gather same-sized buffers into silent garbage.
         self.delay();
         let ids = self.group.all_gather(vec![i as i64], Vec::new());
+        let padded = st.units[i].layout.padded;
         let sh = &mut st.shards[i];
         self.page_in(sh, i)?;
         self.delay();
+        let g = &self.group;
         let data = match &mut sh.copy {
-            CopyShard::Bf16(v) => Fetch::Bf16(self.group.all_gather(std::mem::take(v), Vec::new())),
-            CopyShard::F16(v) => Fetch::F16(self.group.all_gather(std::mem::take(v), Vec::new())),
-            CopyShard::None => Fetch::F32(
-                self.group
-                    .all_gather(std::mem::take(&mut sh.master), Vec::new()),
+            CopyShard::Bf16(v) => Fetch::Bf16(
+                g.all_gather(std::mem::take(v), self.pools.bf16.take(padded, bf16::ZERO)),
             ),
+            CopyShard::F16(v) => {
+                Fetch::F16(g.all_gather(std::mem::take(v), self.pools.f16.take(padded, f16::ZERO)))
+            }
+            CopyShard::None => Fetch::F32(g.all_gather(
+                std::mem::take(&mut sh.master),
+                self.pools.f32.take(padded, 0.0),
+            )),
         };
         Ok(Prefetch {
             ids,
@@ -446,36 +474,26 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             return Err(EngineError::UnitOrder(names.join(", ")));
         }
         let (u, sh) = (&st.units[i], &mut st.shards[i]);
-        let padded = u.layout.padded;
-        if fill {
-            glue::realloc_storage(&u.flat, padded * self.compute.bytes())?;
-        }
-        // SAFETY (each arm): the unit's flat tensor of that dtype with
-        // `padded` elements, storage just allocated, under the state lock.
+        // With `fill`, the gathered buffer becomes the unit's storage: no
+        // copy, and it returns to the pool when the unit is freed.
         match p.data {
             Fetch::F32(w) => {
                 let (mine, full) = w.wait()?;
-                if fill {
-                    unsafe { elems::<f32>(&u.flat, padded) }.copy_from_slice(&full);
-                }
+                install(u, full, fill, &self.pools.f32)?;
                 if !p.secondary {
                     sh.master = mine;
                 }
             }
             Fetch::Bf16(w) => {
                 let (mine, full) = w.wait()?;
-                if fill {
-                    unsafe { elems::<bf16>(&u.flat, padded) }.copy_from_slice(&full);
-                }
+                install(u, full, fill, &self.pools.bf16)?;
                 if !p.secondary {
                     sh.copy = CopyShard::Bf16(mine);
                 }
             }
             Fetch::F16(w) => {
                 let (mine, full) = w.wait()?;
-                if fill {
-                    unsafe { elems::<f16>(&u.flat, padded) }.copy_from_slice(&full);
-                }
+                install(u, full, fill, &self.pools.f16)?;
                 if !p.secondary {
                     sh.copy = CopyShard::F16(mine);
                 }
@@ -550,4 +568,30 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         Ok(())
     }
+}
+
+/// With `fill`, makes the gathered `full` the memory of unit `u`'s flat
+/// storage (no copy; it goes back to `pool` when the storage is freed);
+/// without, returns it to the pool.
+fn install<T: Copy + Send + 'static>(
+    u: &Unit,
+    full: Vec<T>,
+    fill: bool,
+    pool: &Arc<Pool<T>>,
+) -> Result<(), EngineError> {
+    if !fill {
+        pool.give(full);
+        return Ok(());
+    }
+    if full.len() != u.layout.padded {
+        return Err(EngineError::Plan(format!(
+            "unit `{}` gathered {} elements but its layout has {}: did every rank build the same model?",
+            u.name,
+            full.len(),
+            u.layout.padded
+        )));
+    }
+    let pool = pool.clone();
+    glue::adopt_storage(&u.flat, full, move |v| pool.give(v))?;
+    Ok(())
 }

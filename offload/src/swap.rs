@@ -212,8 +212,11 @@ impl Swap {
     }
 
     fn read_slot(&self, r: usize, c: usize, buf: &mut AlignedBuf) -> Result<(), OffloadError> {
-        let offset = self.slot_offset(r, c);
-        let b = buf.bytes_mut();
+        self.read_exact_at(buf.bytes_mut(), self.slot_offset(r, c))
+    }
+
+    /// Fills `b` from byte `offset`; an end of file first is a short read.
+    fn read_exact_at(&self, b: &mut [u8], offset: u64) -> Result<(), OffloadError> {
         let mut got = 0;
         while got < b.len() {
             match self.file.read_at(&mut b[got..], offset + got as u64) {
@@ -291,6 +294,34 @@ impl Swap {
                     dst[range.clone()]
                         .copy_from_slice(&s[a * self.chunk..a * self.chunk + range.len()]);
                 }
+            }
+            Ok(())
+        })();
+        self.bufs.put(bufs, self.buffer_count);
+        res
+    }
+
+    /// Reads array `a` of region `r` alone into `out` (the region's length):
+    /// `1 / arrays` of [`Swap::read_region`]'s I/O, for a caller that needs
+    /// one array (the fp32 master of an export, not its Adam moments). Each
+    /// chunk's piece of one array is contiguous and 4 KiB-aligned in the
+    /// file, so this stays O_DIRECT.
+    pub fn read_array(&self, r: usize, a: usize, out: &mut [f32]) -> Result<(), OffloadError> {
+        if a >= self.arrays {
+            return Err(OffloadError::Shape(format!(
+                "array {a} asked of a swap of {} arrays",
+                self.arrays
+            )));
+        }
+        self.check(r, std::iter::repeat_n(out.len(), self.arrays))?;
+        let mut bufs = self.bufs.take(1, self.slot_len());
+        let res = (|| {
+            let buf = &mut bufs[0];
+            for c in 0..self.regions[r].chunks {
+                let range = self.chunk_range(r, c);
+                let offset = self.slot_offset(r, c) + (a * self.chunk * 4) as u64;
+                self.read_exact_at(&mut buf.bytes_mut()[..self.chunk * 4], offset)?;
+                out[range.clone()].copy_from_slice(&buf.as_slice()[..range.len()]);
             }
             Ok(())
         })();
@@ -504,6 +535,10 @@ mod tests {
                 for a in 0..3 {
                     let want: Vec<f32> = data[r][a].iter().map(|x| -x).collect();
                     assert_eq!(out[a], want, "region {r} array {a}");
+                    // One array alone reads the same values.
+                    let mut one = vec![0f32; n];
+                    swap.read_array(r, a, &mut one).unwrap();
+                    assert_eq!(one, want, "read_array region {r} array {a}");
                 }
             }
             assert_eq!(swap.resident_bytes(), buffers * 3 * 4096);
@@ -521,6 +556,19 @@ mod tests {
         let missing = d.join("nope");
         let e = Swap::create(&cfg(&missing, 2), 2, &[10]).unwrap_err();
         assert!(e.to_string().contains("does not exist"), "{e}");
+        let swap = Swap::create(&cfg(&d, 1), 2, &[10]).unwrap();
+        let e = swap.read_array(0, 2, &mut [0f32; 10]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("array 2 asked of a swap of 2 arrays"),
+            "{e}"
+        );
+        let e = swap.read_array(0, 1, &mut [0f32; 9]).unwrap_err();
+        assert!(
+            e.to_string().contains("holds 2 arrays of 10 elements"),
+            "{e}"
+        );
+        drop(swap);
         // A short read: the file shrinks under the swap.
         let swap = Swap::create(&cfg(&d, 2), 2, &[5000]).unwrap();
         std::fs::OpenOptions::new()

@@ -1237,7 +1237,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             return Ok(None);
         };
         let range = i.shard_range(u);
-        Ok(Some((i.shard_state(&st, unit)?.master.into_owned(), range)))
+        let master = match &i.swap {
+            // The master sits in the optimizer swap beside m and v: read it
+            // alone (a third of the I/O of the whole unit state).
+            Some(s) if offload::swaps_master(i.compute) => {
+                let mut m = vec![0f32; s.region_len(unit)];
+                s.read_array(unit, 0, &mut m)?;
+                m
+            }
+            _ => i.shard_state(&st, unit)?.master.into_owned(),
+        };
+        Ok(Some((master, range)))
     }
 
     /// This rank's accumulated gradient buffer of unit `unit` (full for

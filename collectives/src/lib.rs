@@ -40,6 +40,7 @@
 
 mod dtype;
 mod error;
+mod front;
 mod init;
 pub mod local;
 mod mesh;

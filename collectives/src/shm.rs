@@ -30,12 +30,13 @@ use memmap2::MmapMut;
 use parking_lot::Mutex;
 
 use crate::dtype::bytes_of;
+use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::invalid;
-use crate::p2p::{check_peer, Mailbox, Peers};
+use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::stream::{copy_streaming, STREAM_MIN_DEST_BYTES};
 use crate::worker::Worker;
-use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Work};
 
 const MAGIC: u64 = 0x7a72_745f_7368_6d31; // "zrt_shm1"
 const CTRL: usize = 128;
@@ -101,14 +102,9 @@ struct State {
 
 struct Inner {
     seg: Segment,
-    me: usize,
-    name: String,
-    world_ranks: Vec<usize>,
+    m: Member,
     pids: Vec<u32>,
-    timeout: Duration,
-    store: Arc<StoreClient>,
     state: Mutex<State>,
-    mailbox: Mailbox,
 }
 
 // SAFETY: the mapping is shared memory; all cross-rank access goes through
@@ -175,19 +171,6 @@ mod futex {
 }
 
 impl Inner {
-    fn peers(&self) -> Peers<'_> {
-        Peers {
-            store: &self.store,
-            group: &self.name,
-            world_ranks: &self.world_ranks,
-            me: self.me,
-        }
-    }
-
-    fn n(&self) -> usize {
-        self.seg.n
-    }
-
     /// Waits until every rank's arrive word is at least `epoch`, failing on
     /// a rank that left or died, and on the deadline. Spins [`SPINS`] times,
     /// then sleeps on the first late rank's arrive word (a futex, woken by
@@ -213,21 +196,19 @@ impl Inner {
             let cond = arrived;
             next_check = now + LIVENESS_EVERY;
             let missing: Vec<usize> = (0..self.n()).filter(|&r| !cond(r)).collect();
-            if let Some(&r) = missing.iter().find(|&&r| {
-                self.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(self.pids[r])
-            }) {
+            if let Some(&r) = missing.iter().find(|&&r| self.peer_gone(r)) {
                 return Err(CommError::RankDied {
-                    group: self.name.clone(),
-                    rank: self.world_ranks[r],
+                    group: self.m.name.clone(),
+                    rank: self.m.world_ranks[r],
                     call: call.to_string(),
                 });
             }
             if now >= deadline {
                 return Err(CommError::Timeout {
-                    group: self.name.clone(),
+                    group: self.m.name.clone(),
                     call: call.to_string(),
-                    timeout: self.timeout,
-                    waiting_for: missing.iter().map(|&r| self.world_ranks[r]).collect(),
+                    timeout: self.m.timeout,
+                    waiting_for: missing.iter().map(|&r| self.m.world_ranks[r]).collect(),
                 });
             }
         }
@@ -250,9 +231,9 @@ impl Inner {
     fn barrier(&self, st: &mut State, call: &OpDesc, deadline: Instant) -> Result<(), CommError> {
         st.epoch += 1;
         let e = st.epoch;
-        let word = self.seg.word(self.me, W_ARRIVE);
+        let word = self.seg.word(self.m.me, W_ARRIVE);
         word.store(e, Ordering::SeqCst);
-        if self.seg.word(self.me, W_SLEEPERS).load(Ordering::SeqCst) > 0 {
+        if self.seg.word(self.m.me, W_SLEEPERS).load(Ordering::SeqCst) > 0 {
             futex::wake_all(word);
         }
         self.wait_all(call, deadline, e)
@@ -274,7 +255,9 @@ impl Inner {
         // Two call slots by parity: a rank can be at most one call ahead.
         let at = W_DESC + (seq as usize % 2) * 3;
         for (i, w) in desc.encode().iter().enumerate() {
-            self.seg.word(self.me, at + i).store(*w, Ordering::Relaxed);
+            self.seg
+                .word(self.m.me, at + i)
+                .store(*w, Ordering::Relaxed);
         }
         self.barrier(st, desc, deadline)?;
         let descs: Vec<Option<OpDesc>> = (0..self.n())
@@ -291,11 +274,11 @@ impl Inner {
                 d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
             };
             let e = CommError::Mismatch {
-                group: self.name.clone(),
+                group: self.m.name.clone(),
                 seq,
-                rank_a: self.world_ranks[0],
+                rank_a: self.m.world_ranks[0],
                 call_a: show(first),
-                rank_b: self.world_ranks[b],
+                rank_b: self.m.world_ranks[b],
                 call_b: show(descs[b]),
             };
             st.poisoned = Some(e.clone());
@@ -331,10 +314,10 @@ impl Inner {
         dest: Dest<'_, T>,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
-        let (n, me, len) = (self.n(), self.me, buf.len());
+        let (n, me, len) = (self.n(), self.m.me, buf.len());
         let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
         let w = self.window::<T>(n);
         let rounds = parts[0].len().div_ceil(w);
@@ -408,13 +391,13 @@ impl Inner {
     /// Concatenates the ranks' parts into `out`. `input` is this rank's
     /// part, or `None` when it is already in `out` at its place (in place:
     /// one copy less).
-    fn all_gather<T: Element>(
+    fn gather<T: Element>(
         &self,
         desc: &OpDesc,
         input: Option<&[T]>,
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
         let lens: Vec<usize> = descs.iter().map(|d| d.len).collect();
@@ -430,7 +413,7 @@ impl Inner {
         let total: usize = lens.iter().sum();
         if input.is_none() && out.len() != total {
             return Err(invalid(
-                &self.name,
+                &self.m.name,
                 desc,
                 format!("in-place all_gather needs a buffer of {total} elements (the parts' sum), got {}", out.len()),
             ));
@@ -443,23 +426,22 @@ impl Inner {
         for j in 0..rounds {
             let h = self.half::<T>(j);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
-            let mine = part(self.me);
+            let mine = part(self.m.me);
             // SAFETY: own slot half written between barriers; others read
             // after (double-buffered as in `reduce`). This rank's own part
             // goes straight from `input`.
-            let own = offs[self.me] + mine.start..offs[self.me] + mine.end;
+            let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
             match input {
                 Some(input) => {
-                    unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }
+                    unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }
                         .copy_from_slice(&input[mine.clone()]);
                     copy_streaming(&mut out[own], &input[mine], stream);
                 }
-                None => {
-                    unsafe { self.seg.slot::<T>(self.me, h, mine.len()) }.copy_from_slice(&out[own])
-                }
+                None => unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }
+                    .copy_from_slice(&out[own]),
             }
             self.barrier(&mut st, desc, deadline)?;
-            for r in (0..self.n()).filter(|&r| r != self.me) {
+            for r in (0..self.n()).filter(|&r| r != self.m.me) {
                 let p = part(r);
                 // SAFETY: rank r's slot half, read after the barrier.
                 let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
@@ -469,26 +451,26 @@ impl Inner {
         Ok(())
     }
 
-    fn broadcast<T: Element>(
+    fn bcast<T: Element>(
         &self,
         desc: &OpDesc,
         buf: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1);
         for j in 0..buf.len().div_ceil(w) {
             let h = self.half::<T>(j);
             let r = j * w..((j + 1) * w).min(buf.len());
-            if self.me == root {
+            if self.m.me == root {
                 // SAFETY: the root alone writes its slot half between barriers
                 // (double-buffered as in `reduce`).
                 unsafe { self.seg.slot::<T>(root, h, r.len()) }.copy_from_slice(&buf[r.clone()]);
             }
             self.barrier(&mut st, desc, deadline)?;
-            if self.me != root {
+            if self.m.me != root {
                 buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, h, r.len()) });
             }
         }
@@ -508,8 +490,7 @@ enum Dest<'a, T> {
 
 /// One rank's handle on a shared-memory group.
 pub struct ShmGroup {
-    inner: Arc<Inner>,
-    worker: Worker,
+    front: Front<Inner>,
 }
 
 /// What a rank needs to join a shared-memory group.
@@ -618,113 +599,96 @@ impl ShmGroup {
         }
         let inner = Arc::new(Inner {
             seg,
-            me,
-            name: j.name.to_string(),
-            world_ranks: j.world_ranks,
+            m: Member {
+                name: j.name.to_string(),
+                me,
+                world_ranks: j.world_ranks,
+                timeout: j.timeout,
+                store: j.store,
+                mailbox: Mailbox::default(),
+            },
             pids,
-            timeout: j.timeout,
-            store: j.store,
             state: Mutex::new(State {
                 seq: 0,
                 epoch: 0,
                 poisoned: None,
             }),
-            mailbox: Mailbox::default(),
         });
         let i2 = inner.clone();
         let worker = Worker::start(j.name, me, move || {
-            i2.seg.word(i2.me, W_LEFT).store(1, Ordering::Release)
+            i2.seg.word(i2.m.me, W_LEFT).store(1, Ordering::Release)
         })?;
-        Ok(Self { inner, worker })
+        Ok(Self {
+            front: Front { inner, worker },
+        })
     }
 
     /// Whether every other member has left the group or died.
     pub fn peers_gone(&self) -> bool {
-        let i = &self.inner;
-        (0..i.n())
-            .filter(|&r| r != i.me)
-            .all(|r| i.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(i.pids[r]))
-    }
-
-    fn run<R: Send + 'static>(
-        &self,
-        desc: OpDesc,
-        f: impl FnOnce(&Inner) -> Result<(R, usize, usize), CommError> + Send + 'static,
-    ) -> Work<R> {
-        let inner = self.inner.clone();
-        self.worker.submit(desc, move || f(&inner))
+        self.front.peers_gone()
     }
 }
 
-impl ProcessGroup for ShmGroup {
-    fn name(&self) -> &str {
-        &self.inner.name
+impl Transport for Inner {
+    fn member(&self) -> &Member {
+        &self.m
     }
-    fn rank(&self) -> usize {
-        self.inner.me
+    fn n(&self) -> usize {
+        self.seg.n
     }
-    fn size(&self) -> usize {
-        self.inner.n()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        &self.inner.world_ranks
-    }
-    fn stats(&self) -> &Stats {
-        self.worker.stats()
+    fn peer_gone(&self, r: usize) -> bool {
+        self.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(self.pids[r])
     }
 
-    fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::AllReduce(op),
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
-        self.run(desc, move |g| {
-            g.reduce(&desc, &mut buf, Dest::All, op)?;
-            let b = bytes_of::<T>(buf.len());
-            Ok((buf, b, b))
-        })
+    fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        self.agree(&mut self.state.lock(), desc, deadline)
+            .map(|_| ())
     }
-
+    fn all_reduce<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce(desc, buf, Dest::All, op)
+    }
     fn reduce_scatter<T: Element>(
         &self,
-        mut input: Vec<T>,
-        mut out: Vec<T>,
+        desc: &OpDesc,
+        input: &mut [T],
+        out: &mut Vec<T>,
         op: ReduceOp,
-    ) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::ReduceScatter(op),
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
-        self.run(desc, move |g| {
-            g.reduce(&desc, &mut input, Dest::Part(&mut out), op)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
-            Ok(((input, out), s, r))
-        })
+    ) -> Result<(), CommError> {
+        self.reduce(desc, input, Dest::Part(out), op)
     }
-
-    fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::AllGather,
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
-        self.run(desc, move |g| {
-            g.all_gather(&desc, Some(&input), &mut out)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
-            Ok(((input, out), s, r))
-        })
+    fn all_gather<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        self.gather(desc, Some(input), out)
     }
+    fn broadcast<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.bcast(desc, buf, root)
+    }
+}
 
+forward_process_group!(ShmGroup {
     fn reduce_scatter_in_place<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let desc = OpDesc {
             kind: OpKind::ReduceScatter(op),
             dtype: Some(T::DTYPE),
             len: buf.len(),
         };
-        let n = self.size();
-        self.run(desc, move |g| {
+        let n = self.front.size();
+        self.front.run(desc, move |g| {
             g.reduce(&desc, &mut buf, Dest::InPlace, op)?;
             let s = bytes_of::<T>(buf.len());
             Ok((buf, s, s / n.max(1)))
@@ -732,88 +696,16 @@ impl ProcessGroup for ShmGroup {
     }
 
     fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
-        let own = chunk_range(buf.len(), self.size(), self.rank());
+        let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
         let desc = OpDesc {
             kind: OpKind::AllGather,
             dtype: Some(T::DTYPE),
             len: own.len(),
         };
-        self.run(desc, move |g| {
-            g.all_gather(&desc, None, &mut buf)?;
+        self.front.run(desc, move |g| {
+            g.gather(&desc, None, &mut buf)?;
             let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
             Ok((buf, s, r))
         })
     }
-
-    fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Broadcast { root },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
-        if root >= self.size() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!("root {root} is not a rank of this group of {}", self.size()),
-                ),
-            );
-        }
-        self.run(desc, move |g| {
-            g.broadcast(&desc, &mut buf, root)?;
-            let b = bytes_of::<T>(buf.len());
-            Ok((buf, b, b))
-        })
-    }
-
-    fn barrier(&self) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Barrier,
-            dtype: None,
-            len: 0,
-        };
-        self.run(desc, move |g| {
-            let deadline = Instant::now() + g.timeout;
-            g.agree(&mut g.state.lock(), &desc, deadline)?;
-            Ok(((), 0, 0))
-        })
-    }
-
-    fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Send { to },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
-        if let Some(e) = check_peer(self.name(), &desc, to, self.rank(), self.size()) {
-            return self.worker.fail(&desc, e);
-        }
-        self.run(desc, move |g| {
-            g.mailbox.send(&g.peers(), to, &desc, &buf)?;
-            Ok(((), bytes_of::<T>(buf.len()), 0))
-        })
-    }
-
-    fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Recv { from },
-            dtype: Some(T::DTYPE),
-            len,
-        };
-        if let Some(e) = check_peer(self.name(), &desc, from, self.rank(), self.size()) {
-            return self.worker.fail(&desc, e);
-        }
-        self.run(desc, move |g| {
-            let gone = || {
-                g.seg.word(from, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(g.pids[from])
-            };
-            let v = g
-                .mailbox
-                .recv::<T>(&g.peers(), from, &desc, g.timeout, gone)?;
-            let b = bytes_of::<T>(v.len());
-            Ok((v, 0, b))
-        })
-    }
-}
+});

@@ -18,13 +18,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::dtype::bytes_of;
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::op::invalid;
-use crate::p2p::{check_peer, Mailbox, Peers};
+use crate::front::{forward_process_group, Front, Member, Transport};
+use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::worker::Worker;
-use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ProcessGroup, ReduceOp, Stats, Work};
+use crate::{chunk_range, CommError, Element, OpDesc, ReduceOp};
 
 /// What a rank needs to join a TCP group.
 pub struct TcpJoin<'a> {
@@ -43,15 +42,10 @@ pub struct TcpJoin<'a> {
 }
 
 struct Inner {
-    me: usize,
-    name: String,
-    world_ranks: Vec<usize>,
+    m: Member,
     /// Connection to each peer (None for this rank).
     peers: Vec<Option<Peer>>,
-    timeout: Duration,
-    store: Arc<StoreClient>,
     state: Mutex<State>,
-    mailbox: Mailbox,
 }
 
 /// One connection, with separate handles per direction: a reader blocked
@@ -67,42 +61,10 @@ struct State {
 }
 
 impl Inner {
-    fn peers(&self) -> Peers<'_> {
-        Peers {
-            store: &self.store,
-            group: &self.name,
-            world_ranks: &self.world_ranks,
-            me: self.me,
-        }
-    }
-
-    /// Whether group rank `p` closed its connection (left or died). Only
-    /// called while no collective reads from it (the worker runs one
-    /// operation at a time).
-    fn peer_gone(&self, p: usize) -> bool {
-        let Some(peer) = &self.peers[p] else {
-            return false;
-        };
-        let c = peer.r.lock();
-        let mut b = [0u8; 1];
-        let gone = c.set_nonblocking(true).is_ok()
-            && match c.peek(&mut b) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-            };
-        let _ = c.set_nonblocking(false);
-        gone
-    }
-
-    fn n(&self) -> usize {
-        self.peers.len()
-    }
-
     fn died(&self, peer: usize, call: &OpDesc) -> CommError {
         CommError::RankDied {
-            group: self.name.clone(),
-            rank: self.world_ranks[peer],
+            group: self.m.name.clone(),
+            rank: self.m.world_ranks[peer],
             call: call.to_string(),
         }
     }
@@ -110,10 +72,10 @@ impl Inner {
     fn io_err(&self, peer: usize, call: &OpDesc, e: &std::io::Error) -> CommError {
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
-                group: self.name.clone(),
+                group: self.m.name.clone(),
                 call: call.to_string(),
-                timeout: self.timeout,
-                waiting_for: vec![self.world_ranks[peer]],
+                timeout: self.m.timeout,
+                waiting_for: vec![self.m.world_ranks[peer]],
             },
             _ => self.died(peer, call),
         }
@@ -128,7 +90,7 @@ impl Inner {
         out: &[&[u8]],
         into: &mut [&mut [u8]],
     ) -> Result<(), CommError> {
-        let me = self.me;
+        let me = self.m.me;
         std::thread::scope(|s| {
             let mut readers = Vec::new();
             for (p, buf) in into.iter_mut().enumerate() {
@@ -199,7 +161,7 @@ impl Inner {
         }
         let descs: Vec<Option<OpDesc>> = (0..n)
             .map(|p| {
-                if p == self.me {
+                if p == self.m.me {
                     return Some(*desc);
                 }
                 let w: Vec<u64> = bufs[p]
@@ -220,11 +182,11 @@ impl Inner {
                 d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
             };
             let e = CommError::Mismatch {
-                group: self.name.clone(),
+                group: self.m.name.clone(),
                 seq,
-                rank_a: self.world_ranks[0],
+                rank_a: self.m.world_ranks[0],
                 call_a: show(first),
-                rank_b: self.world_ranks[b],
+                rank_b: self.m.world_ranks[b],
                 call_b: show(descs[b]),
             };
             st.poisoned = Some(e.clone());
@@ -242,10 +204,10 @@ impl Inner {
         op: ReduceOp,
         full: bool,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
-        let (n, me, len) = (self.n(), self.me, buf.len());
+        let (n, me, len) = (self.n(), self.m.me, buf.len());
         let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
         let mine = parts[me].clone();
         // Peers' contributions to this rank's part, in rank order.
@@ -298,7 +260,7 @@ impl Inner {
         out: &mut [T],
         parts: &[std::ops::Range<usize>],
     ) -> Result<(), CommError> {
-        let me = self.me;
+        let me = self.m.me;
         let own: Vec<T> = out[parts[me].clone()].to_vec();
         let outs: Vec<&[u8]> = (0..self.n())
             .map(|p| if p == me { &[][..] } else { as_bytes(&own) })
@@ -321,8 +283,7 @@ impl Inner {
 
 /// One rank's handle on a TCP group.
 pub struct TcpGroup {
-    inner: Arc<Inner>,
-    worker: Worker,
+    front: Front<Inner>,
 }
 
 fn same_token(a: &[u8], b: &[u8]) -> bool {
@@ -431,9 +392,14 @@ impl TcpGroup {
             }
         }
         let inner = Arc::new(Inner {
-            me,
-            name: j.name.to_string(),
-            world_ranks: j.world_ranks,
+            m: Member {
+                name: j.name.to_string(),
+                me,
+                world_ranks: j.world_ranks,
+                timeout: j.timeout,
+                store: j.store,
+                mailbox: Mailbox::default(),
+            },
             peers: peers
                 .into_iter()
                 .enumerate()
@@ -450,13 +416,10 @@ impl TcpGroup {
                     }
                 })
                 .collect::<Result<_, CommError>>()?,
-            timeout: j.timeout,
-            store: j.store,
             state: Mutex::new(State {
                 seq: 0,
                 poisoned: None,
             }),
-            mailbox: Mailbox::default(),
         });
         let i2 = inner.clone();
         // Leaving closes the connections, which is how peers learn it.
@@ -465,197 +428,127 @@ impl TcpGroup {
                 let _ = c.w.lock().shutdown(std::net::Shutdown::Both);
             }
         })?;
-        Ok(Self { inner, worker })
+        Ok(Self {
+            front: Front { inner, worker },
+        })
     }
 
     /// Whether every other member has closed its connection (left or died).
     pub fn peers_gone(&self) -> bool {
-        (0..self.inner.n())
-            .filter(|&p| p != self.inner.me)
-            .all(|p| self.inner.peer_gone(p))
-    }
-
-    fn run<R: Send + 'static>(
-        &self,
-        desc: OpDesc,
-        f: impl FnOnce(&Inner) -> Result<(R, usize, usize), CommError> + Send + 'static,
-    ) -> Work<R> {
-        let inner = self.inner.clone();
-        self.worker.submit(desc, move || f(&inner))
+        self.front.peers_gone()
     }
 }
 
-impl ProcessGroup for TcpGroup {
-    fn name(&self) -> &str {
-        &self.inner.name
+impl Transport for Inner {
+    fn member(&self) -> &Member {
+        &self.m
     }
-    fn rank(&self) -> usize {
-        self.inner.me
-    }
-    fn size(&self) -> usize {
-        self.inner.n()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        &self.inner.world_ranks
-    }
-    fn stats(&self) -> &Stats {
-        self.worker.stats()
+    fn n(&self) -> usize {
+        self.peers.len()
     }
 
-    fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::AllReduce(op),
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
+    /// Whether group rank `p` closed its connection (left or died). Only
+    /// called while no collective reads from it (the worker runs one
+    /// operation at a time).
+    fn peer_gone(&self, p: usize) -> bool {
+        let Some(peer) = &self.peers[p] else {
+            return false;
         };
-        self.run(desc, move |g| {
-            g.reduce(&desc, &mut buf, &mut Vec::new(), op, true)?;
-            let b = bytes_of::<T>(buf.len());
-            Ok((buf, b, b))
-        })
+        let c = peer.r.lock();
+        let mut b = [0u8; 1];
+        let gone = c.set_nonblocking(true).is_ok()
+            && match c.peek(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            };
+        let _ = c.set_nonblocking(false);
+        gone
+    }
+
+    fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        self.agree(&mut self.state.lock(), desc, deadline)
+            .map(|_| ())
+    }
+
+    fn all_reduce<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce(desc, buf, &mut Vec::new(), op, true)
     }
 
     fn reduce_scatter<T: Element>(
         &self,
-        mut input: Vec<T>,
-        mut out: Vec<T>,
+        desc: &OpDesc,
+        input: &mut [T],
+        out: &mut Vec<T>,
         op: ReduceOp,
-    ) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::ReduceScatter(op),
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
-        self.run(desc, move |g| {
-            g.reduce(&desc, &mut input, &mut out, op, false)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
-            Ok(((input, out), s, r))
-        })
+    ) -> Result<(), CommError> {
+        self.reduce(desc, input, out, op, false)
     }
 
-    fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::AllGather,
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
-        self.run(desc, move |g| {
-            let deadline = Instant::now() + g.timeout;
-            let mut st = g.state.lock();
-            let descs = g.agree(&mut st, &desc, deadline)?;
-            let mut at = 0;
-            let parts: Vec<std::ops::Range<usize>> = descs
-                .iter()
-                .map(|d| {
-                    at += d.len;
-                    at - d.len..at
-                })
-                .collect();
-            out.truncate(at);
-            out.resize(at, T::ZERO);
-            out[parts[g.me].clone()].copy_from_slice(&input);
-            g.gather_parts(&desc, deadline, &mut out, &parts)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
-            Ok(((input, out), s, r))
-        })
+    fn all_gather<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        let descs = self.agree(&mut st, desc, deadline)?;
+        let mut at = 0;
+        let parts: Vec<std::ops::Range<usize>> = descs
+            .iter()
+            .map(|d| {
+                at += d.len;
+                at - d.len..at
+            })
+            .collect();
+        out.truncate(at);
+        out.resize(at, T::ZERO);
+        out[parts[self.m.me].clone()].copy_from_slice(input);
+        self.gather_parts(desc, deadline, out, &parts)
     }
 
-    fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Broadcast { root },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
+    fn broadcast<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let n = self.n();
+        let data = if self.m.me == root {
+            as_bytes(buf).to_vec()
+        } else {
+            Vec::new()
         };
-        if root >= self.size() {
-            return self.worker.fail(
-                &desc,
-                invalid(
-                    self.name(),
-                    &desc,
-                    format!("root {root} is not a rank of this group of {}", self.size()),
-                ),
-            );
-        }
-        self.run(desc, move |g| {
-            let deadline = Instant::now() + g.timeout;
-            let mut st = g.state.lock();
-            g.agree(&mut st, &desc, deadline)?;
-            let n = g.n();
-            let data = if g.me == root {
-                as_bytes(&buf).to_vec()
-            } else {
-                Vec::new()
-            };
-            let outs: Vec<&[u8]> = (0..n)
-                .map(|p| {
-                    if g.me == root && p != root {
-                        &data[..]
-                    } else {
-                        &[][..]
-                    }
-                })
-                .collect();
-            {
-                let mut into: Vec<&mut [u8]> = Vec::with_capacity(n);
-                let whole = as_bytes_mut(&mut buf);
-                let mut whole = Some(whole);
-                for p in 0..n {
-                    into.push(if g.me != root && p == root {
-                        whole.take().unwrap_or_default()
-                    } else {
-                        &mut [][..]
-                    });
+        let outs: Vec<&[u8]> = (0..n)
+            .map(|p| {
+                if self.m.me == root && p != root {
+                    &data[..]
+                } else {
+                    &[][..]
                 }
-                g.exchange(&desc, deadline, &outs, &mut into)?;
-            }
-            let b = bytes_of::<T>(buf.len());
-            Ok((buf, b, b))
-        })
-    }
-
-    fn barrier(&self) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Barrier,
-            dtype: None,
-            len: 0,
-        };
-        self.run(desc, move |g| {
-            let deadline = Instant::now() + g.timeout;
-            g.agree(&mut g.state.lock(), &desc, deadline)?;
-            Ok(((), 0, 0))
-        })
-    }
-
-    fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Send { to },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
-        if let Some(e) = check_peer(self.name(), &desc, to, self.rank(), self.size()) {
-            return self.worker.fail(&desc, e);
+            })
+            .collect();
+        let mut into: Vec<&mut [u8]> = Vec::with_capacity(n);
+        let mut whole = Some(as_bytes_mut(buf));
+        for p in 0..n {
+            into.push(if self.m.me != root && p == root {
+                whole.take().unwrap_or_default()
+            } else {
+                &mut [][..]
+            });
         }
-        self.run(desc, move |g| {
-            g.mailbox.send(&g.peers(), to, &desc, &buf)?;
-            Ok(((), bytes_of::<T>(buf.len()), 0))
-        })
-    }
-
-    fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Recv { from },
-            dtype: Some(T::DTYPE),
-            len,
-        };
-        if let Some(e) = check_peer(self.name(), &desc, from, self.rank(), self.size()) {
-            return self.worker.fail(&desc, e);
-        }
-        self.run(desc, move |g| {
-            let v = g
-                .mailbox
-                .recv::<T>(&g.peers(), from, &desc, g.timeout, || g.peer_gone(from))?;
-            let b = bytes_of::<T>(v.len());
-            Ok((v, 0, b))
-        })
+        self.exchange(desc, deadline, &outs, &mut into)
     }
 }
+
+forward_process_group!(TcpGroup {});

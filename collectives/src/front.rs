@@ -1,0 +1,309 @@
+//! What the process backends (shm, tcp) share: turning a [`ProcessGroup`]
+//! call into a described operation, run in issue order on the group's
+//! worker, with its byte counts, and `send`/`recv` through the store.
+//!
+//! A backend provides a [`Transport`] (how data moves) and keeps a
+//! [`Front`] over it; its `ProcessGroup` impl forwards each call here. The
+//! `local` backend is different enough (threads, one board) to stand alone.
+//!
+//! [`ProcessGroup`]: crate::ProcessGroup
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::dtype::bytes_of;
+use crate::op::invalid;
+use crate::p2p::{check_peer, Mailbox, Peers};
+use crate::store::StoreClient;
+use crate::worker::Worker;
+use crate::{CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
+
+/// How a process backend moves data. Every method runs on the group's
+/// worker thread, one operation at a time, in issue order; each first
+/// agrees with the other ranks on `desc` (a mismatch fails every rank).
+pub(crate) trait Transport: Send + Sync + 'static {
+    /// Who this rank is in which group.
+    fn member(&self) -> &Member;
+    /// Ranks in the group.
+    fn n(&self) -> usize;
+    /// Whether group rank `r` left or died.
+    fn peer_gone(&self, r: usize) -> bool;
+
+    /// The group's name.
+    fn name(&self) -> &str {
+        &self.member().name
+    }
+    /// This rank's index in the group.
+    fn me(&self) -> usize {
+        self.member().me
+    }
+    /// The members' world ranks, in group order.
+    fn world_ranks(&self) -> &[usize] {
+        &self.member().world_ranks
+    }
+    /// The timeout of every wait.
+    fn timeout(&self) -> Duration {
+        self.member().timeout
+    }
+    /// The store-side view of the group, for `send`/`recv`.
+    fn peers(&self) -> Peers<'_> {
+        let m = self.member();
+        Peers {
+            store: &m.store,
+            group: &m.name,
+            world_ranks: &m.world_ranks,
+            me: m.me,
+        }
+    }
+
+    /// Agrees on `desc` with every rank: the barrier.
+    fn barrier(&self, desc: &OpDesc) -> Result<(), CommError>;
+    /// Reduces `buf` over the group, leaving the result in every rank's `buf`.
+    fn all_reduce<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Reduces `input` over the group; this rank's part goes to `out`
+    /// (resized to it, reusing its allocation).
+    fn reduce_scatter<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &mut [T],
+        out: &mut Vec<T>,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Concatenates every rank's `input` into `out` (resized to the sum).
+    fn all_gather<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError>;
+    /// Copies `root`'s `buf` into every rank's.
+    fn broadcast<T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError>;
+}
+
+/// What every process backend knows of its group and of this rank in it.
+pub(crate) struct Member {
+    /// The group's name (unique within the job).
+    pub(crate) name: String,
+    /// This rank's index in the group.
+    pub(crate) me: usize,
+    /// The members' world ranks, in group order.
+    pub(crate) world_ranks: Vec<usize>,
+    /// The timeout of every wait.
+    pub(crate) timeout: Duration,
+    /// The job's rendezvous store (`send`/`recv` go through it).
+    pub(crate) store: Arc<StoreClient>,
+    /// Messages received ahead of their `recv`.
+    pub(crate) mailbox: Mailbox,
+}
+
+/// A process backend's [`ProcessGroup`](crate::ProcessGroup) half: the
+/// transport and the worker its operations run on.
+pub(crate) struct Front<X> {
+    pub(crate) inner: Arc<X>,
+    pub(crate) worker: Worker,
+}
+
+fn desc<T: Element>(kind: OpKind, len: usize) -> OpDesc {
+    OpDesc {
+        kind,
+        dtype: Some(T::DTYPE),
+        len,
+    }
+}
+
+impl<X: Transport> Front<X> {
+    /// Runs `f` on the worker; it returns the result and the bytes it sent
+    /// and received (for [`Stats`]).
+    pub(crate) fn run<R: Send + 'static>(
+        &self,
+        desc: OpDesc,
+        f: impl FnOnce(&X) -> Result<(R, usize, usize), CommError> + Send + 'static,
+    ) -> Work<R> {
+        let inner = self.inner.clone();
+        self.worker.submit(desc, move || f(&inner))
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        self.inner.name()
+    }
+    pub(crate) fn rank(&self) -> usize {
+        self.inner.me()
+    }
+    pub(crate) fn size(&self) -> usize {
+        self.inner.n()
+    }
+    pub(crate) fn world_ranks(&self) -> &[usize] {
+        self.inner.world_ranks()
+    }
+    pub(crate) fn stats(&self) -> &Stats {
+        self.worker.stats()
+    }
+
+    /// Whether every other member has left the group or died.
+    pub(crate) fn peers_gone(&self) -> bool {
+        let i = &self.inner;
+        (0..i.n()).filter(|&r| r != i.me()).all(|r| i.peer_gone(r))
+    }
+
+    pub(crate) fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let d = desc::<T>(OpKind::AllReduce(op), buf.len());
+        self.run(d, move |g| {
+            g.all_reduce(&d, &mut buf, op)?;
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
+        })
+    }
+
+    pub(crate) fn reduce_scatter<T: Element>(
+        &self,
+        mut input: Vec<T>,
+        mut out: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let d = desc::<T>(OpKind::ReduceScatter(op), input.len());
+        self.run(d, move |g| {
+            g.reduce_scatter(&d, &mut input, &mut out, op)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
+    pub(crate) fn all_gather<T: Element>(
+        &self,
+        input: Vec<T>,
+        mut out: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let d = desc::<T>(OpKind::AllGather, input.len());
+        self.run(d, move |g| {
+            g.all_gather(&d, &input, &mut out)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
+    pub(crate) fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let d = desc::<T>(OpKind::Broadcast { root }, buf.len());
+        if root >= self.size() {
+            let why = format!("root {root} is not a rank of this group of {}", self.size());
+            return self.worker.fail(&d, invalid(self.name(), &d, why));
+        }
+        self.run(d, move |g| {
+            g.broadcast(&d, &mut buf, root)?;
+            let b = bytes_of::<T>(buf.len());
+            Ok((buf, b, b))
+        })
+    }
+
+    pub(crate) fn barrier(&self) -> Work<()> {
+        let d = OpDesc {
+            kind: OpKind::Barrier,
+            dtype: None,
+            len: 0,
+        };
+        self.run(d, move |g| {
+            g.barrier(&d)?;
+            Ok(((), 0, 0))
+        })
+    }
+
+    /// `send`/`recv` go through the rendezvous store: they are rare in ZeRO
+    /// (correctness over speed).
+    pub(crate) fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
+        let d = desc::<T>(OpKind::Send { to }, buf.len());
+        if let Some(e) = check_peer(self.name(), &d, to, self.rank(), self.size()) {
+            return self.worker.fail(&d, e);
+        }
+        self.run(d, move |g| {
+            g.member().mailbox.send(&g.peers(), to, &d, &buf)?;
+            Ok(((), bytes_of::<T>(buf.len()), 0))
+        })
+    }
+
+    pub(crate) fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
+        let d = desc::<T>(OpKind::Recv { from }, len);
+        if let Some(e) = check_peer(self.name(), &d, from, self.rank(), self.size()) {
+            return self.worker.fail(&d, e);
+        }
+        self.run(d, move |g| {
+            let gone = || g.peer_gone(from);
+            let v = g
+                .member()
+                .mailbox
+                .recv::<T>(&g.peers(), from, &d, g.timeout(), gone)?;
+            let b = bytes_of::<T>(v.len());
+            Ok((v, 0, b))
+        })
+    }
+}
+
+/// Implements [`ProcessGroup`](crate::ProcessGroup) for a backend struct
+/// with a `front: Front<_>` field by forwarding every call to it; the
+/// in-place ops keep the trait's defaults unless the backend adds its own
+/// (`$extra`).
+macro_rules! forward_process_group {
+    ($ty:ty { $($extra:tt)* }) => {
+        impl $crate::ProcessGroup for $ty {
+            fn name(&self) -> &str {
+                self.front.name()
+            }
+            fn rank(&self) -> usize {
+                self.front.rank()
+            }
+            fn size(&self) -> usize {
+                self.front.size()
+            }
+            fn world_ranks(&self) -> &[usize] {
+                self.front.world_ranks()
+            }
+            fn stats(&self) -> &$crate::Stats {
+                self.front.stats()
+            }
+            fn all_reduce<T: $crate::Element>(
+                &self,
+                buf: Vec<T>,
+                op: $crate::ReduceOp,
+            ) -> $crate::Work<Vec<T>> {
+                self.front.all_reduce(buf, op)
+            }
+            fn reduce_scatter<T: $crate::Element>(
+                &self,
+                input: Vec<T>,
+                out: Vec<T>,
+                op: $crate::ReduceOp,
+            ) -> $crate::Work<(Vec<T>, Vec<T>)> {
+                self.front.reduce_scatter(input, out, op)
+            }
+            fn all_gather<T: $crate::Element>(
+                &self,
+                input: Vec<T>,
+                out: Vec<T>,
+            ) -> $crate::Work<(Vec<T>, Vec<T>)> {
+                self.front.all_gather(input, out)
+            }
+            fn broadcast<T: $crate::Element>(&self, buf: Vec<T>, root: usize) -> $crate::Work<Vec<T>> {
+                self.front.broadcast(buf, root)
+            }
+            fn barrier(&self) -> $crate::Work<()> {
+                self.front.barrier()
+            }
+            fn send<T: $crate::Element>(&self, buf: Vec<T>, to: usize) -> $crate::Work<()> {
+                self.front.send(buf, to)
+            }
+            fn recv<T: $crate::Element>(&self, len: usize, from: usize) -> $crate::Work<Vec<T>> {
+                self.front.recv(len, from)
+            }
+            $($extra)*
+        }
+    };
+}
+pub(crate) use forward_process_group;

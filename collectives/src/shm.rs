@@ -15,11 +15,15 @@
 //! part r, reading every rank's slot, so the work and the memory traffic are
 //! divided by the group size and no byte round-trips through the kernel.
 //!
-//! Waiting spins briefly, then yields; every 50 ms a waiting rank checks the
-//! ranks it waits for: one that left (its handle dropped) or whose process is
-//! gone fails the call with [`CommError::RankDied`] naming it, and the
-//! deadline fails it with [`CommError::Timeout`]. `send`/`recv` go through
-//! the rendezvous store (they are rare in ZeRO; correctness over speed).
+//! Waiting spins briefly, then sleeps on a futex over the late rank's
+//! arrive word, which that rank wakes when it arrives (yielding in a loop
+//! instead left a waiting rank behind a busy compute thread for a scheduler
+//! tick). At least every 50 ms a waiting rank checks the ranks it waits for:
+//! one that left (its handle dropped) or whose process is gone fails the
+//! call with [`CommError::RankDied`] naming it, and the deadline fails it
+//! with [`CommError::Timeout`]. Large all_gather outputs are written with
+//! streaming stores (`stream`). `send`/`recv` go through the rendezvous
+//! store (they are rare in ZeRO; correctness over speed).
 
 use std::fs::OpenOptions;
 use std::sync::atomic::{AtomicU64, Ordering};

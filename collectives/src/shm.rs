@@ -232,7 +232,12 @@ impl Inner {
         sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 
-    fn barrier(&self, st: &mut State, call: &OpDesc, deadline: Instant) -> Result<(), CommError> {
+    fn pass_barrier(
+        &self,
+        st: &mut State,
+        call: &OpDesc,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
         st.epoch += 1;
         let e = st.epoch;
         let word = self.seg.word(self.m.me, W_ARRIVE);
@@ -263,7 +268,7 @@ impl Inner {
                 .word(self.m.me, at + i)
                 .store(*w, Ordering::Relaxed);
         }
-        self.barrier(st, desc, deadline)?;
+        self.pass_barrier(st, desc, deadline)?;
         let descs: Vec<Option<OpDesc>> = (0..self.n())
             .map(|r| {
                 OpDesc::decode([0, 1, 2].map(|i| self.seg.word(r, at + i).load(Ordering::Relaxed)))
@@ -356,7 +361,7 @@ impl Inner {
                 let r = window(p, j);
                 unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) }.copy_from_slice(&buf[r]);
             }
-            self.barrier(&mut st, desc, deadline)?;
+            self.pass_barrier(&mut st, desc, deadline)?;
             let r = window(me, j);
             let srcs: Vec<&[T]> = (0..n)
                 .map(|q| {
@@ -373,7 +378,7 @@ impl Inner {
                     &srcs,
                     op,
                 );
-                self.barrier(&mut st, desc, deadline)?;
+                self.pass_barrier(&mut st, desc, deadline)?;
                 for p in 0..n {
                     let r = window(p, j);
                     let l = r.len();
@@ -444,38 +449,12 @@ impl Inner {
                 None => unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }
                     .copy_from_slice(&out[own]),
             }
-            self.barrier(&mut st, desc, deadline)?;
+            self.pass_barrier(&mut st, desc, deadline)?;
             for r in (0..self.n()).filter(|&r| r != self.m.me) {
                 let p = part(r);
                 // SAFETY: rank r's slot half, read after the barrier.
                 let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
                 copy_streaming(&mut out[offs[r] + p.start..offs[r] + p.end], src, stream);
-            }
-        }
-        Ok(())
-    }
-
-    fn bcast<T: Element>(
-        &self,
-        desc: &OpDesc,
-        buf: &mut [T],
-        root: usize,
-    ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
-        let mut st = self.state.lock();
-        self.agree(&mut st, desc, deadline)?;
-        let w = self.window::<T>(1);
-        for j in 0..buf.len().div_ceil(w) {
-            let h = self.half::<T>(j);
-            let r = j * w..((j + 1) * w).min(buf.len());
-            if self.m.me == root {
-                // SAFETY: the root alone writes its slot half between barriers
-                // (double-buffered as in `reduce`).
-                unsafe { self.seg.slot::<T>(root, h, r.len()) }.copy_from_slice(&buf[r.clone()]);
-            }
-            self.barrier(&mut st, desc, deadline)?;
-            if self.m.me != root {
-                buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, h, r.len()) });
             }
         }
         Ok(())
@@ -680,7 +659,24 @@ impl Transport for Inner {
         buf: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
-        self.bcast(desc, buf, root)
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let w = self.window::<T>(1);
+        for j in 0..buf.len().div_ceil(w) {
+            let h = self.half::<T>(j);
+            let r = j * w..((j + 1) * w).min(buf.len());
+            if self.m.me == root {
+                // SAFETY: the root alone writes its slot half between barriers
+                // (double-buffered as in `reduce`).
+                unsafe { self.seg.slot::<T>(root, h, r.len()) }.copy_from_slice(&buf[r.clone()]);
+            }
+            self.pass_barrier(&mut st, desc, deadline)?;
+            if self.m.me != root {
+                buf[r.clone()].copy_from_slice(unsafe { self.seg.slot::<T>(root, h, r.len()) });
+            }
+        }
+        Ok(())
     }
 }
 

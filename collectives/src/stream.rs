@@ -81,6 +81,25 @@ unsafe fn stream_bytes(dst: *mut u8, src: *const u8, len: usize) {
     _mm_sfence();
 }
 
+/// Hints the CPU to bring `s`'s cache lines into L1 (one prefetch per 64
+/// bytes). Reads and writes nothing: a no-op for correctness.
+#[inline]
+pub(crate) fn prefetch<T>(s: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (p, bytes) = (s.as_ptr().cast::<i8>(), std::mem::size_of_val(s));
+        let mut at = 0;
+        while at < bytes {
+            // SAFETY: `at < bytes`, inside the slice; prefetch never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at)) };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = s;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,23 +139,4 @@ mod tests {
             }
         }
     }
-}
-
-/// Hints the CPU to bring `s`'s cache lines into L1 (one prefetch per 64
-/// bytes). Reads and writes nothing: a no-op for correctness.
-#[inline]
-pub(crate) fn prefetch<T>(s: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let (p, bytes) = (s.as_ptr().cast::<i8>(), std::mem::size_of_val(s));
-        let mut at = 0;
-        while at < bytes {
-            // SAFETY: `at < bytes`, inside the slice; prefetch never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(at)) };
-            at += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = s;
 }

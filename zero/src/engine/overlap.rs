@@ -354,10 +354,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             let (input, v) = waiting(&mut st.timing, || r.wait_keep_input())?;
             let v = self.across_replicas(v)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
-            // A whole unit's gradient buffer (not a bucket's) serves the
-            // next launch_reduce or gather of that size.
-            if let Some(input) = input.filter(|i| i.len() == st.units[k].layout.padded) {
-                self.pools.f32.give(input);
+            // A whole unit's gradient buffer (a reduce-scatter's input, or
+            // stage 0's all-reduced buffer; not a bucket) serves the next
+            // launch_reduce or gather of that size.
+            let padded = st.units[k].layout.padded;
+            for b in [input, Some(v)].into_iter().flatten() {
+                if b.len() == padded {
+                    self.pools.f32.give(b);
+                }
             }
         }
         self.drain_prefetch(st)?;

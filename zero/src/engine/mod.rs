@@ -242,8 +242,8 @@ struct Inner<G> {
     hpz: Option<G>,
     /// Every trainable parameter by its TensorImpl address: (unit, name).
     owners: std::collections::HashMap<usize, (usize, String)>,
-    /// Stage 3: gather buffers that become unit storage and come back here
-    /// when the unit is freed.
+    /// Stage 3's gather buffers (they become unit storage and come back
+    /// here when the unit is freed) and whole-unit gradient buffers.
     pools: pool::Pools,
 }
 
@@ -1207,9 +1207,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         Ok(b)
     }
 
-    /// Bytes of stage-3 gather buffers kept for reuse (at most two per
-    /// compute dtype): memory held between gathers so the next one does not
-    /// page-fault a fresh buffer in. Counted in RSS, not in model state.
+    /// Bytes of gather and gradient buffers kept for reuse (at most two per
+    /// dtype): memory held between uses so the next gather or reduction
+    /// does not page-fault a fresh buffer in. Counted in RSS, not in model
+    /// state.
     pub fn pooled_bytes(&self) -> usize {
         self.inner.pools.bytes()
     }

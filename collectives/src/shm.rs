@@ -147,6 +147,7 @@ mod futex {
     /// Sleeps while the word's low half is still `seen`'s, for at most
     /// `at_most`. Returns early on a wake, a signal or a changed value;
     /// callers re-check.
+    #[cfg(target_os = "linux")]
     pub(super) fn wait(word: &AtomicU64, seen: u64, at_most: Duration) {
         let ts = libc::timespec {
             tv_sec: at_most.as_secs() as libc::time_t,
@@ -165,7 +166,18 @@ mod futex {
         }
     }
 
+    /// Elsewhere (no futex): a short sleep; the caller re-checks.
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn wait(_word: &AtomicU64, _seen: u64, at_most: Duration) {
+        std::thread::sleep(at_most.min(Duration::from_micros(50)));
+    }
+
     /// Wakes every rank asleep on the word.
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn wake_all(_word: &AtomicU64) {}
+
+    /// Wakes every rank asleep on the word.
+    #[cfg(target_os = "linux")]
     pub(super) fn wake_all(word: &AtomicU64) {
         // SAFETY: as in `wait`; waking touches no memory.
         unsafe {

@@ -204,9 +204,9 @@ struct State {
     prog: overlap::Progress,
     /// Where the current step's time goes.
     timing: timing::Timing,
-    /// Stage 3: units kept gathered (the root; units with fewer elements
-    /// than `stage3_param_persistence_threshold`, as DeepSpeed keeps small
-    /// parameters, here decided per unit).
+    /// Stage 3: units kept gathered (the root, which also holds the small
+    /// parameters moved out of larger units, and units made only of
+    /// parameters under `stage3_param_persistence_threshold`).
     persistent: Vec<bool>,
     /// hpZ secondary copies, per unit, between its forward and backward.
     secondary: Vec<Option<overlap::Secondary>>,

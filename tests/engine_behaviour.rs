@@ -273,6 +273,68 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
 }
 
 #[test]
+fn stage_3_prefetches_in_the_order_forward_ran_not_the_wrapping_order() {
+    std::thread::scope(|s| {
+        for r in local::world(WORLD) {
+            s.spawn(move || {
+                // Wrapped c, a, b (units 0, 1, 2) but run a, b, c: as a GPT
+                // wraps its token embedding and head after the blocks.
+                let (vs, plan) = {
+                    let _g = INIT.lock().unwrap();
+                    (nn::VarStore::new(Device::Cpu), ShardPlan::new())
+                };
+                let root = vs.root();
+                let mk = |name: &str, i: i64, o: i64| {
+                    ShardedModule::new(
+                        &plan,
+                        &(&root / name),
+                        nn::linear(&root / name, i, o, Default::default()),
+                    )
+                };
+                let c = mk("c", 4, 1);
+                let a = mk("a", 3, 5);
+                let b = mk("b", 5, 4);
+                let e = Engine::new(&vs, &plan, &config(3, 1), group(&r), &AutoHints::default())
+                    .unwrap();
+                assert_eq!(e.unit_names(), ["c", "a", "b"]);
+                let c_w = vs.variables()["c.weight"].shallow_clone();
+                let a_w = vs.variables()["a.weight"].shallow_clone();
+                for pass in 0..3 {
+                    let before = e.overlap_counts();
+                    let y = c.forward(&b.forward(&a.forward(&input(r.rank(), pass))).tanh());
+                    if pass > 0 {
+                        assert_eq!(glue::storage_nbytes(&a_w).unwrap(), 0, "a resharded");
+                        // Backward starts with c: it stays gathered.
+                        assert!(
+                            glue::storage_nbytes(&c_w).unwrap() > 0,
+                            "the unit forward ran last stays gathered for backward"
+                        );
+                    }
+                    e.backward(&y.square().mean(Kind::Float)).unwrap();
+                    assert!(e.step().unwrap());
+                    let now = e.overlap_counts();
+                    let on_demand = now.on_demand - before.on_demand;
+                    let unused = now.unused - before.unused;
+                    if pass == 0 {
+                        // No order known yet, so by index: a prefetched b
+                        // (unit 2), b nothing (no unit 3), c waited.
+                        // Backward found every unit kept by the first forward.
+                        assert_eq!((on_demand, unused), (2, 0), "{now:?}");
+                    } else {
+                        // By the recorded order only a, which starts the
+                        // forward, waited for its whole gather; b and c
+                        // (forward), b and a (backward) were prefetched, and
+                        // nothing was gathered for nobody.
+                        assert_eq!((on_demand, unused), (1, 0), "pass {pass}: {now:?}");
+                        assert_eq!(now.prefetched - before.prefetched, 4, "{now:?}");
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
 fn model_state_bytes_match_the_design_formula() {
     for stage in 0..=3u8 {
         let got: Vec<usize> = std::thread::scope(|s| {

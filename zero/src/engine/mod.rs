@@ -507,7 +507,17 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// memory, so autograd computes garbage instead of reading freed storage.
     fn make_live(&self, unit: usize, forward: bool) {
         let mut st = self.st.lock();
+        if forward && !st.prog.in_backward() {
+            st.prog.order.forward_starts(unit);
+        }
         if st.gathered[unit] {
+            // Still gathered (the first forward, or the unit forward ran
+            // last): the next one's gather can start all the same.
+            if st.error.is_none() {
+                if let Err(e) = self.prefetch_after(&mut st, unit, forward) {
+                    st.error = Some(e);
+                }
+            }
             return;
         }
         let failed = match st.error.is_some() {
@@ -587,7 +597,12 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             .filter(|&k| st.gathered[k])
             .map(|k| st.units[k].layout.padded)
             .sum();
-        let keep = first && live as u64 <= i.cfg.config.zero.stage3_max_live_parameters;
+        // The unit that ran last in forward is the first one backward
+        // needs, right after the loss: freeing it would gather it again at
+        // once, with nothing to overlap the gather.
+        let runs_last = y.requires_grad() && st.prog.order.runs_last(unit);
+        let keep =
+            (first || runs_last) && live as u64 <= i.cfg.config.zero.stage3_max_live_parameters;
         if keep || overlap::stays_gathered(&st, unit) {
             return;
         }

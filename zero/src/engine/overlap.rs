@@ -9,9 +9,10 @@
 //!   `Engine::backward` waits for the reductions at its end, in issue order.
 //!   Every parameter in use produces its gradient through nodes that have
 //!   all run when its accumulation hook fires, so freeing then is safe.
-//! * **Prefetch (stage 3).** When a unit is gathered, the gather of the
-//!   next one (forward) or the previous one (backward) is issued right away
-//!   and only waited for when that unit is needed, bounded by
+//! * **Prefetch (stage 3).** When a unit is needed, the gather of the next
+//!   one (forward) or the previous one (backward), in the order the last
+//!   forward ran them ([`RunOrder`]), is issued right away and only waited
+//!   for when that unit is needed, bounded by
 //!   `stage3_prefetch_bucket_size` (elements of the unit prefetched) and
 //!   `stage3_max_live_parameters` (elements gathered or in flight).
 //!
@@ -115,6 +116,60 @@ pub(super) struct Progress {
     /// The hooks are driving a backward the program started itself
     /// (`loss.backward()` instead of `Engine::backward`); `step()` ends it.
     pub(super) bare: bool,
+    /// The order forward runs the units in, which prefetch follows.
+    pub(super) order: RunOrder,
+}
+
+/// The order the units' forwards ran in, recorded as they run (FSDP2
+/// records its first iteration's order the same way): a model's units need
+/// not run in the order they were wrapped (a GPT's token embedding and its
+/// head are wrapped after the blocks but run first and last), and
+/// prefetching by index then gathers a unit nobody needs next while the one
+/// needed waits. Every rank runs the same forward, so every rank records the
+/// same order and issues the same prefetches.
+#[derive(Debug, Default)]
+pub(super) struct RunOrder {
+    /// The forward under way: distinct units in the order they started.
+    current: Vec<usize>,
+    /// The last forward that completed (empty before the first).
+    last: Vec<usize>,
+}
+
+impl RunOrder {
+    /// Unit `k`'s forward starts. A unit already seen means a new forward
+    /// began without a backward in between (evaluation): the one before is
+    /// complete.
+    pub(super) fn forward_starts(&mut self, k: usize) {
+        if self.current.contains(&k) {
+            self.complete();
+        }
+        self.current.push(k);
+    }
+
+    /// A forward is complete (its backward begins).
+    pub(super) fn complete(&mut self) {
+        if !self.current.is_empty() {
+            self.last = std::mem::take(&mut self.current);
+        }
+    }
+
+    /// The unit that runs after `k` in forward (`forward`) or backward
+    /// order: by the last complete forward, or by index before one
+    /// completed (or for a unit it did not run).
+    pub(super) fn after(&self, k: usize, forward: bool) -> Option<usize> {
+        match self.last.iter().position(|&u| u == k) {
+            Some(at) if forward => self.last.get(at + 1).copied(),
+            Some(at) => at.checked_sub(1).map(|p| self.last[p]),
+            None if forward => Some(k + 1),
+            None => k.checked_sub(1),
+        }
+    }
+
+    /// Whether `k` ran last in the last complete forward: its backward runs
+    /// first, right after the loss.
+    pub(super) fn runs_last(&self, k: usize) -> bool {
+        self.last.last() == Some(&k)
+    }
 }
 
 /// How much communication overlapped compute since the engine was built.
@@ -129,9 +184,20 @@ pub struct OverlapCounts {
     /// ZeRO++ hpZ: backward re-gathers served inside the hpZ group from the
     /// secondary copies.
     pub hpz_gathers: u64,
+    /// Unit gathers issued only when the unit was needed (stage 3): compute
+    /// waited for the whole gather.
+    pub on_demand: u64,
+    /// Gathers issued ahead that nothing used (stage 3): wasted traffic.
+    pub unused: u64,
 }
 
 impl Progress {
+    /// Whether an engine backward is under way (forwards run inside it
+    /// recompute activations; they are not the model's run order).
+    pub(super) fn in_backward(&self) -> bool {
+        self.launched.iter().any(|&l| !l)
+    }
+
     pub(super) fn new(units: usize) -> Self {
         Self {
             ready: vec![0; units],
@@ -140,6 +206,7 @@ impl Progress {
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
             bare: false,
+            order: RunOrder::default(),
         }
     }
 }
@@ -153,6 +220,7 @@ pub(super) fn stays_gathered(st: &State, k: usize) -> bool {
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Arms the hooks for one backward.
     pub(super) fn begin_backward(&self, st: &mut State) {
+        st.prog.order.complete();
         for (k, u) in st.units.iter().enumerate() {
             st.prog.ready[k] = u.params.len();
             st.prog.launched[k] = false;
@@ -518,26 +586,26 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.prog.counts.prefetched += 1;
                 p
             }
-            None => self.issue_gather(st, i)?,
+            None => {
+                st.prog.counts.on_demand += 1;
+                self.issue_gather(st, i)?
+            }
         };
         self.finish_gather(st, i, p, true)?;
         st.gathered[i] = true;
         Ok(())
     }
 
-    /// After gathering `unit`, issues the gather of the unit likely needed
-    /// next (`forward`: the next one; else the previous one), within the
-    /// prefetch bounds of the config.
+    /// When `unit` is needed, issues the gather of the unit needed after it
+    /// ([`RunOrder::after`]), within the prefetch bounds of the config.
     pub(super) fn prefetch_after(
         &self,
         st: &mut State,
         unit: usize,
         forward: bool,
     ) -> Result<(), EngineError> {
-        let next = if forward {
-            unit + 1
-        } else {
-            unit.wrapping_sub(1)
+        let Some(next) = st.prog.order.after(unit, forward) else {
+            return Ok(());
         };
         if next >= st.units.len()
             || stays_gathered(st, next)
@@ -567,6 +635,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn drain_prefetch(&self, st: &mut State) -> Result<(), EngineError> {
         for i in 0..st.units.len() {
             if let Some(p) = st.prog.prefetch[i].take() {
+                st.prog.counts.unused += 1;
                 self.finish_gather(st, i, p, false)?;
             }
         }

@@ -1,8 +1,9 @@
 //! Checkpoints: exact resume (every stage, and between accumulation
 //! boundaries), resharding to another world size and stage, consolidation
 //! into one safetensors file, and every error the checkpoint issue names.
-//! Ranks are threads with the in-process backend; each phase builds fresh
-//! models and engines, as a restarted job would.
+//! Ranks are threads with the in-process backend (processes where
+//! libtorch's process-global RNG matters); each phase builds fresh models
+//! and engines, as a restarted job would.
 
 mod common;
 
@@ -821,5 +822,90 @@ fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
     let mut want = saved[0].clone();
     want.sort_by(|a, b| a.0.cmp(&b.0));
     assert_bits("hybrid -> plain", &loaded.params, &want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Which half of the RNG test `rng_rank_main` runs when re-executed by
+/// `zrt launch`, and in which directory.
+const RNG_CASE: &str = "ZRT_CKPT_RNG_CASE";
+const RNG_DIR: &str = "ZRT_CKPT_RNG_DIR";
+
+/// One rank of a real 4-process hybrid job (2 replicas of shard groups of
+/// 2, shm backend), when this test binary is re-executed by the test below
+/// (a no-op otherwise). `save`: each rank seeds libtorch's generator with
+/// its own seed (replicas draw different dropout masks), trains a step,
+/// saves, then prints its next draw. `load`: a fresh rank loads and prints
+/// its next draw. libtorch's CPU generator is process-global, so only
+/// processes can show that each replica resumes its own stream.
+#[test]
+fn rng_rank_main() {
+    let (Ok(case), Ok(dir)) = (std::env::var(RNG_CASE), std::env::var(RNG_DIR)) else {
+        return;
+    };
+    let mut dist = zrt::collectives::init_from_env().unwrap();
+    let rank = dist.env().rank;
+    let (vs, plan, gpt) = model();
+    let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);
+    let engine = Engine::new_hybrid(
+        &vs,
+        &plan,
+        &cfg,
+        dist.mesh(2).unwrap(),
+        &AutoHints::default(),
+    )
+    .unwrap();
+    if case == "save" {
+        tch::manual_seed(1000 + rank as i64);
+        engine.backward(&gpt.loss(&tokens(0, 0, rank, 1))).unwrap();
+        engine.step().unwrap();
+        engine.save_checkpoint(&dir, "rng").unwrap();
+    } else {
+        tch::manual_seed(7);
+        engine.load_checkpoint(&dir, None).unwrap();
+    }
+    let draw = Vec::<f32>::try_from(&Tensor::rand([4], (Kind::Float, tch::Device::Cpu))).unwrap();
+    println!("@@ {rank} {draw:?}");
+}
+
+/// `zrt launch`es 4 ranks of `rng_rank_main`; each rank's printed draw.
+fn launch_rng(case: &str, dir: &Path) -> Vec<(usize, String)> {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["launch", "--nproc-per-node", "4", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "rng_rank_main",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(RNG_CASE, case)
+        .env(RNG_DIR, dir)
+        .env("ZRT_BACKEND", "shm")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    let mut draws: Vec<(usize, String)> = text
+        .lines()
+        .filter_map(|l| l.split_once("@@ ").map(|(_, s)| s))
+        .filter_map(|s| s.split_once(' '))
+        .map(|(r, d)| (r.parse().unwrap(), d.to_string()))
+        .collect();
+    draws.sort();
+    assert_eq!(draws.len(), 4, "{text}");
+    draws
+}
+
+#[test]
+fn every_replica_of_a_hybrid_job_resumes_its_own_rng_stream() {
+    let _serial = serial();
+    let dir = tmp("rng");
+    let saved = launch_rng("save", &dir);
+    let loaded = launch_rng("load", &dir);
+    // The replicas' streams differ, so a replica given another's state
+    // would draw another's numbers.
+    let distinct: std::collections::HashSet<_> = saved.iter().map(|(_, d)| d).collect();
+    assert_eq!(distinct.len(), 4, "{saved:?}");
+    assert_eq!(loaded, saved, "each rank draws on where it left off");
     let _ = std::fs::remove_dir_all(&dir);
 }

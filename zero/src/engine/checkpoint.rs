@@ -132,6 +132,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // Under hybrid sharding one shard group (replica 0) writes; world
         // rank 0 (its shard rank 0) also writes meta.json and commits.
         let writer = i.replicate.as_ref().is_none_or(|r| r.rank() == 0);
+        // Every replica's RNG state goes to the writer: replicas draw
+        // different dropout masks, and each must resume its own stream.
+        let rngs = self.replica_rngs()?;
         let rank = if writer { i.group.rank() } else { usize::MAX };
         let staging = dir.join(format!(".{tag}.partial"));
         let target = dir.join(tag);
@@ -155,7 +158,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             });
             let mut r = match (writer, drained) {
                 (_, Err(e)) => Err(e),
-                (true, Ok(())) => self.write_rank_file(&st, &staging),
+                (true, Ok(())) => match &rngs {
+                    Ok(rngs) => self.write_rank_file(&st, &staging, rngs),
+                    Err(e) => Err(e.clone()),
+                },
                 (false, Ok(())) => Ok(()),
             };
             if rank == 0 && r.is_ok() {
@@ -180,11 +186,47 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         Ok(target)
     }
 
-    fn write_rank_file(&self, st: &State, dir: &Path) -> Result<(), CheckpointError> {
+    /// This rank's libtorch CPU RNG state and, under hybrid sharding, its
+    /// replicas' (a collective over the replicate group), in replica order.
+    /// A rank whose state cannot be read still takes part in the gather
+    /// (with nothing), so its peers get the error instead of a hang.
+    fn replica_rngs(&self) -> Result<Result<Vec<Vec<u8>>, CheckpointError>, EngineError> {
+        let own = glue::cpu_rng_state()
+            .map_err(|e| CheckpointError::Incompatible(format!("reading the RNG state: {e}")));
+        let Some(r) = &self.inner.replicate else {
+            return Ok(own.map(|v| vec![v]));
+        };
+        let len = own.as_ref().map_or(0, Vec::len);
+        let lens = r.all_gather(vec![len as i64], Vec::new()).wait()?.1;
+        let all = r
+            .all_gather(own.clone().unwrap_or_default(), Vec::new())
+            .wait()?
+            .1;
+        if let Some(j) = lens.iter().position(|&l| l <= 0) {
+            return Ok(Err(CheckpointError::Incompatible(format!(
+                "replica {j} could not read its RNG state"
+            ))));
+        }
+        let mut at = 0;
+        Ok(Ok(lens
+            .iter()
+            .map(|&l| {
+                let v = all[at..at + l as usize].to_vec();
+                at += l as usize;
+                v
+            })
+            .collect()))
+    }
+
+    fn write_rank_file(
+        &self,
+        st: &State,
+        dir: &Path,
+        rngs: &[Vec<u8>],
+    ) -> Result<(), CheckpointError> {
         let i = &*self.inner;
         let (rank, world) = (i.group.rank(), i.group.size());
         let pending = st.micro != st.boundary_at;
-        let rng = glue::cpu_rng_state().map_err(|e| CheckpointError::format(dir, e.to_string()))?;
         let mut entries = Vec::new();
         let states = (0..st.units.len())
             .map(|k| i.shard_state(st, k))
@@ -198,12 +240,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 entries.push(f32_entry(format!("{}/grad", u.name), &sh.g));
             }
         }
-        entries.push(Entry {
-            name: "rng".into(),
-            dtype: Dtype::U8,
-            shape: vec![rng.len()],
-            data: &rng,
-        });
+        // Replica 0's (this rank's) state as `rng`, replica j's as
+        // `rng/replica{j}`.
+        for (j, rng) in rngs.iter().enumerate() {
+            entries.push(Entry {
+                name: match j {
+                    0 => "rng".into(),
+                    _ => format!("rng/replica{j}"),
+                },
+                dtype: Dtype::U8,
+                shape: vec![rng.len()],
+                data: rng,
+            });
+        }
         let meta = HashMap::from([
             ("rank".to_string(), rank.to_string()),
             ("world".to_string(), world.to_string()),
@@ -377,8 +426,18 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             units.push(lu);
         }
+        // Replica j resumes replica j's stream when the checkpoint has it
+        // (saved on a mesh with that many replicas), else shard rank's.
+        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
         let rng = match rank < meta.world {
-            true => Some(loc.file(rank)?.bytes("rng")?.1.to_vec()),
+            true => {
+                let f = loc.file(rank)?;
+                let own = format!("rng/replica{replica}");
+                Some(match f.bytes(&own) {
+                    Ok((_, b)) if replica > 0 => b.to_vec(),
+                    _ => f.bytes("rng")?.1.to_vec(),
+                })
+            }
             false => None,
         };
         drop(loc);

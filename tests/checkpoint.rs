@@ -9,7 +9,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_with, config_zero, model, model_of, nvme, nvme_params, tokens, GPT};
+use common::{
+    config_with, config_zero, model, model_of, nvme, nvme_params, solo_engine, tokens, GPT,
+};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup, ReduceOp};
 use zrt::gpt::GptConfig;
@@ -553,10 +555,9 @@ fn the_rng_state_is_restored_and_bad_tags_are_refused() {
     let _serial = serial();
     let dir = tmp("rng");
     let cfg = config_with(1, 1, 0.0, "");
-    local::world(1).into_iter().for_each(|r| {
+    {
         let (vs, plan, _gpt) = model();
-        let g = r.new_group(&[0]).unwrap();
-        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let engine = solo_engine(&vs, &plan, &cfg).unwrap();
         engine.save_checkpoint(&dir, "a").unwrap();
         let first = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
         let _ = Tensor::randn([100], (Kind::Float, tch::Device::Cpu));
@@ -574,7 +575,7 @@ fn the_rng_state_is_restored_and_bad_tags_are_refused() {
             .load_checkpoint(dir.join("nowhere"), None)
             .unwrap_err();
         assert!(e.to_string().contains("latest is missing"), "{e}");
-    });
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -899,7 +900,7 @@ fn launch_rng(case: &str, dir: &Path) -> Vec<(usize, String)> {
 #[test]
 fn every_replica_of_a_hybrid_job_resumes_its_own_rng_stream() {
     let _serial = serial();
-    let dir = tmp("rng");
+    let dir = tmp("replica-rng");
     let saved = launch_rng("save", &dir);
     let loaded = launch_rng("load", &dir);
     // The replicas' streams differ, so a replica given another's state

@@ -3,7 +3,11 @@
 //! memory against DESIGN.md's formula, timing independence, and units run in
 //! different orders.
 
+mod common;
+
 use std::sync::Mutex;
+
+use common::solo_engine;
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -454,40 +458,17 @@ fn units_run_in_different_orders_are_an_error_naming_them() {
 
 #[test]
 fn plans_and_settings_the_engine_cannot_use_are_refused() {
-    let r = local::world(1).remove(0);
     let t = tiny();
     let low = Config::from_json(
         r#"{"train_batch_size": 1, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}"#,
     )
     .unwrap();
-    let e = Engine::new(
-        &t.vs,
-        &t.plan,
-        &low,
-        r.new_group(&[0]).unwrap(),
-        &AutoHints::default(),
-    )
-    .err()
-    .unwrap();
+    let e = solo_engine(&t.vs, &t.plan, &low).err().unwrap();
     assert!(e.to_string().contains("zero_hpz_partition_size"), "{e}");
     // A refused config claims nothing: the plan still builds an engine.
-    let ok = Engine::new(
-        &t.vs,
-        &t.plan,
-        &config(3, 1),
-        r.new_group(&[0]).unwrap(),
-        &AutoHints::default(),
-    );
+    let ok = solo_engine(&t.vs, &t.plan, &config(3, 1));
     assert!(ok.is_ok());
-    let again = Engine::new(
-        &t.vs,
-        &t.plan,
-        &config(3, 1),
-        r.new_group(&[0]).unwrap(),
-        &AutoHints::default(),
-    )
-    .err()
-    .unwrap();
+    let again = solo_engine(&t.vs, &t.plan, &config(3, 1)).err().unwrap();
     assert!(
         again
             .to_string()
@@ -597,7 +578,6 @@ impl nn::Module for TiedB {
 #[test]
 fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
     for stage in [2u8, 3] {
-        let r = local::world(1).remove(0);
         let _g = INIT.lock().unwrap();
         let vs = nn::VarStore::new(Device::Cpu);
         let plan = ShardPlan::new();
@@ -616,14 +596,7 @@ fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
             r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
         ))
         .unwrap();
-        let e = Engine::new(
-            &vs,
-            &plan,
-            &cfg,
-            r.new_group(&[0]).unwrap(),
-            &AutoHints::default(),
-        )
-        .unwrap();
+        let e = solo_engine(&vs, &plan, &cfg).unwrap();
         let x = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
         let loss = b.forward(&a.forward(&x).tanh()).square().mean(Kind::Float);
         let got = e.backward(&loss);

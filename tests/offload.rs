@@ -6,8 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_zero, model, model_of, nvme, nvme_params, on_ranks, tokens, GPT};
-use zrt::collectives::local;
+use common::{config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens, GPT};
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, Config, Engine, EngineError};
 
@@ -178,15 +177,10 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("does not exist"), "{e}");
-    let e = Engine::new(
-        &model().0,
-        &model().1,
-        &config_zero(0, 1, 0.0, &aio, &off),
-        local::world(1).remove(0).new_group(&[0]).unwrap(),
-        &AutoHints::default(),
-    )
-    .err()
-    .unwrap();
+    let (vs, plan, _) = model();
+    let e = solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, &aio, &off))
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("needs ZeRO stage 1, 2 or 3"), "{e}");
     // A tmpfs too small for the swap, then read-only (needs root, which this
     // project's machines and CI have).
@@ -231,16 +225,8 @@ fn a_swap_file_that_lost_data_fails_the_step_with_a_short_read() {
     let dir = tmp("short");
     let (aio, off) = nvme(&dir);
     let cfg = config_zero(3, 1, 0.0, &aio, &off);
-    let r = local::world(1).remove(0);
     let (vs, plan, m) = model();
-    let engine = Engine::new(
-        &vs,
-        &plan,
-        &cfg,
-        r.new_group(&[0]).unwrap(),
-        &AutoHints::default(),
-    )
-    .unwrap();
+    let engine = solo_engine(&vs, &plan, &cfg).unwrap();
     let file = std::fs::read_dir(&dir)
         .unwrap()
         .flatten()

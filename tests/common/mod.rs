@@ -5,9 +5,9 @@
 use std::sync::Mutex;
 
 use tch::{nn, Device, Tensor};
-use zrt::collectives::local::{self, LocalRank};
+use zrt::collectives::local::{self, LocalGroup, LocalRank};
 use zrt::gpt::{Gpt, GptConfig};
-use zrt::zero::{Config, ShardPlan};
+use zrt::zero::{AutoHints, Config, Engine, EngineError, ShardPlan};
 
 pub const GPT: GptConfig = GptConfig {
     vocab: 64,
@@ -107,4 +107,15 @@ pub fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalRank) -> T + Sync) -> Vec<T> 
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// An engine for `vs` and `plan` on a one-rank in-process world: for tests
+/// of what one rank refuses, reports or reads back.
+pub fn solo_engine(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    cfg: &Config,
+) -> Result<Engine<LocalGroup>, EngineError> {
+    let group = local::world(1).remove(0).new_group(&[0]).unwrap();
+    Engine::new(vs, plan, cfg, group, &AutoHints::default())
 }

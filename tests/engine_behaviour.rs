@@ -25,20 +25,25 @@ struct Tiny {
     c: ShardedModule<nn::Linear>,
 }
 
+/// A linear `i -> o` named `name`, wrapped as a unit of `plan`.
+fn linear_unit(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    name: &str,
+    i: i64,
+    o: i64,
+) -> ShardedModule<nn::Linear> {
+    let p = vs.root() / name;
+    ShardedModule::new(plan, &p, nn::linear(&p, i, o, Default::default()))
+}
+
 /// Three linears 3 -> 5 -> 4 -> 1 with known values (index-based).
 fn tiny() -> Tiny {
     let _g = INIT.lock().unwrap();
     tch::set_num_threads(1);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let r = vs.root();
-    let mk = |name: &str, i: i64, o: i64| {
-        ShardedModule::new(
-            &plan,
-            &(&r / name),
-            nn::linear(&r / name, i, o, Default::default()),
-        )
-    };
+    let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
     let (a, b, c) = (mk("a", 3, 5), mk("b", 5, 4), mk("c", 4, 1));
     tch::no_grad(|| {
         let mut names: Vec<_> = vs.variables().into_iter().collect();
@@ -287,14 +292,7 @@ fn stage_3_prefetches_in_the_order_forward_ran_not_the_wrapping_order() {
                     let _g = INIT.lock().unwrap();
                     (nn::VarStore::new(Device::Cpu), ShardPlan::new())
                 };
-                let root = vs.root();
-                let mk = |name: &str, i: i64, o: i64| {
-                    ShardedModule::new(
-                        &plan,
-                        &(&root / name),
-                        nn::linear(&root / name, i, o, Default::default()),
-                    )
-                };
+                let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
                 let c = mk("c", 4, 1);
                 let a = mk("a", 3, 5);
                 let b = mk("b", 5, 4);

@@ -427,15 +427,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             units.push(lu);
         }
         // Replica j resumes replica j's stream when the checkpoint has it
-        // (saved on a mesh with that many replicas), else shard rank's.
+        // (saved on a mesh with that many replicas), else replica 0's.
         let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
         let rng = match rank < meta.world {
             true => {
                 let f = loc.file(rank)?;
-                let own = format!("rng/replica{replica}");
-                Some(match f.bytes(&own) {
-                    Ok((_, b)) if replica > 0 => b.to_vec(),
-                    _ => f.bytes("rng")?.1.to_vec(),
+                let own = (replica > 0)
+                    .then(|| f.bytes(&format!("rng/replica{replica}")).ok())
+                    .flatten();
+                Some(match own {
+                    Some((_, b)) => b.to_vec(),
+                    None => f.bytes("rng")?.1.to_vec(),
                 })
             }
             false => None,

@@ -668,3 +668,41 @@ fn install<T: Copy + Send + 'static>(
     glue::adopt_storage(&u.flat, full, move |v| pool.give(v))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RunOrder;
+
+    #[test]
+    fn run_order_follows_the_last_complete_forward() {
+        let mut o = RunOrder::default();
+        // Nothing recorded yet: by index.
+        assert_eq!((o.after(3, true), o.after(3, false)), (Some(4), Some(2)));
+        assert_eq!(o.after(0, false), None);
+        // Wrapped 0, 1, 2 but run 2, 0, 1 (embedding wrapped last, run first).
+        for k in [2, 0, 1] {
+            o.forward_starts(k);
+        }
+        // Not complete until its backward begins.
+        assert_eq!(o.after(2, true), Some(3));
+        o.complete();
+        assert_eq!(
+            [o.after(2, true), o.after(0, true), o.after(1, true)],
+            [Some(0), Some(1), None]
+        );
+        assert_eq!(
+            [o.after(1, false), o.after(0, false), o.after(2, false)],
+            [Some(0), Some(2), None]
+        );
+        assert!(o.runs_last(1) && !o.runs_last(2));
+        // Forwards without a backward (evaluation): a unit seen again starts
+        // the next forward, which completes the one before.
+        for k in [1, 0, 1] {
+            o.forward_starts(k);
+        }
+        assert_eq!(o.after(1, true), Some(0));
+        assert!(o.runs_last(0));
+        // A unit the last forward did not run falls back to index order.
+        assert_eq!(o.after(2, true), Some(3));
+    }
+}

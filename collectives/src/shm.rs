@@ -250,6 +250,14 @@ impl Inner {
         call: &OpDesc,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        let e = self.arrive(st);
+        self.wait_all(call, deadline, e)
+    }
+
+    /// The first half of a barrier: tells the others this rank is there
+    /// (waking any asleep on it) and returns the epoch to wait for. Work
+    /// that touches nothing shared can go between this and `wait_all`.
+    fn arrive(&self, st: &mut State) -> u64 {
         st.epoch += 1;
         let e = st.epoch;
         let word = self.seg.word(self.m.me, W_ARRIVE);
@@ -257,7 +265,7 @@ impl Inner {
         if self.seg.word(self.m.me, W_SLEEPERS).load(Ordering::SeqCst) > 0 {
             futex::wake_all(word);
         }
-        self.wait_all(call, deadline, e)
+        e
     }
 
     /// Publishes `desc`, passes a barrier, and returns every rank's
@@ -452,16 +460,15 @@ impl Inner {
             // after (double-buffered as in `reduce`). This rank's own part
             // goes straight from `input`.
             let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
-            match input {
-                Some(input) => {
-                    unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }
-                        .copy_from_slice(&input[mine.clone()]);
-                    copy_streaming(&mut out[own], &input[mine], stream);
-                }
-                None => unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }
-                    .copy_from_slice(&out[own]),
+            let src = input.map_or(&out[own.clone()], |i| &i[mine.clone()]);
+            unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }.copy_from_slice(src);
+            // The peers may read the slot now; copying this rank's own part
+            // into `out` overlaps their arrival instead of delaying it.
+            let e = self.arrive(&mut st);
+            if let Some(input) = input {
+                copy_streaming(&mut out[own], &input[mine], stream);
             }
-            self.pass_barrier(&mut st, desc, deadline)?;
+            self.wait_all(desc, deadline, e)?;
             for r in (0..self.n()).filter(|&r| r != self.m.me) {
                 let p = part(r);
                 // SAFETY: rank r's slot half, read after the barrier.

@@ -316,15 +316,16 @@ impl Inner {
         Ok(descs.into_iter().flatten().collect())
     }
 
-    /// Elements of T per part per window when `parts` windows share a slot
-    /// half.
-    fn window<T>(&self, parts: usize) -> usize {
-        (self.seg.slot / 2 / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
+    /// Elements of T per part per window when `parts` windows share one of
+    /// a slot's `bufs` buffers.
+    fn window<T>(&self, parts: usize, bufs: usize) -> usize {
+        (self.seg.slot / bufs / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
     }
 
-    /// Element offset of round `j`'s half of a slot (double buffering).
-    fn half<T>(&self, j: usize) -> usize {
-        (j % 2) * (self.seg.slot / 2 / std::mem::size_of::<T>().max(1))
+    /// Element offset of round `j`'s buffer when a slot is split into
+    /// `bufs` (2: double buffering).
+    fn half<T>(&self, j: usize, bufs: usize) -> usize {
+        (j % bufs) * (self.seg.slot / bufs / std::mem::size_of::<T>().max(1))
     }
 
     /// reduce_scatter (`full == false`: this rank's reduced part goes to
@@ -332,10 +333,14 @@ impl Inner {
     /// into `buf`, window by window, after each window was staged). Reuses
     /// the caller's buffers: no allocation, no page faults.
     ///
-    /// Slots and the result area are double-buffered by round parity: round
-    /// j + 1 writes the half that round j - 1 read, and every reader of that
-    /// half has passed round j's barrier, so one barrier per stage suffices
-    /// (the next operation's agreement barrier protects the last round).
+    /// Staging is pipelined: between arriving at round j's barrier and
+    /// waiting on it, a rank stages round j + 1 (its own input into its own
+    /// slot: nothing anyone reads yet), so that copy overlaps the peers'
+    /// arrival instead of delaying its own. Slots and the result area are
+    /// therefore triple-buffered: round j + 1's staging writes the third
+    /// that round j - 2 read, and every reader of it has arrived at round
+    /// j - 1's barrier, which this rank has passed (the next operation's
+    /// agreement barrier protects the last rounds).
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
@@ -348,7 +353,8 @@ impl Inner {
         self.agree(&mut st, desc, deadline)?;
         let (n, me, len) = (self.n(), self.m.me, buf.len());
         let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
-        let w = self.window::<T>(n);
+        const BUFS: usize = 3;
+        let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
         let (full, in_place) = (matches!(dest, Dest::All), matches!(dest, Dest::InPlace));
         let mut tmp = Vec::new();
@@ -371,17 +377,30 @@ impl Inner {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
         };
-        for j in 0..rounds {
-            let h = self.half::<T>(j);
-            // SAFETY (slots below): between barriers only rank `me` writes its
-            // own slot half and its own window of the result area's half.
-            // Only the parts other ranks reduce are staged: this rank reads
-            // its own part straight from `buf`.
+        // Only the parts other ranks reduce are staged: this rank reads its
+        // own part straight from `buf`.
+        let stage = |buf: &[T], j: usize| {
+            let h = self.half::<T>(j, BUFS);
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
+                // SAFETY: only rank `me` writes its own slot, and round j's
+                // third is one no peer reads now (see above).
                 unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) }.copy_from_slice(&buf[r]);
             }
-            self.pass_barrier(&mut st, desc, deadline)?;
+        };
+        if rounds > 0 {
+            stage(buf, 0);
+        }
+        for j in 0..rounds {
+            let h = self.half::<T>(j, BUFS);
+            let e = self.arrive(&mut st);
+            if j + 1 < rounds {
+                stage(buf, j + 1);
+            }
+            self.wait_all(desc, deadline, e)?;
+            // SAFETY (slots below): peers' thirds of round j are complete
+            // (they arrived after staging them); between barriers only rank
+            // `me` writes its own window of the result area's third.
             let r = window(me, j);
             let srcs: Vec<&[T]> = (0..n)
                 .map(|q| {
@@ -449,11 +468,11 @@ impl Inner {
         }
         out.truncate(total);
         out.resize(total, T::ZERO);
-        let w = self.window::<T>(1);
+        let w = self.window::<T>(1, 2);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         let stream = bytes_of::<T>(total) >= STREAM_MIN_DEST_BYTES;
         for j in 0..rounds {
-            let h = self.half::<T>(j);
+            let h = self.half::<T>(j, 2);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
             let mine = part(self.m.me);
             // SAFETY: own slot half written between barriers; others read
@@ -681,9 +700,9 @@ impl Transport for Inner {
         let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
-        let w = self.window::<T>(1);
+        let w = self.window::<T>(1, 2);
         for j in 0..buf.len().div_ceil(w) {
-            let h = self.half::<T>(j);
+            let h = self.half::<T>(j, 2);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.m.me == root {
                 // SAFETY: the root alone writes its slot half between barriers

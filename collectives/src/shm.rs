@@ -324,7 +324,7 @@ impl Inner {
 
     /// Element offset of round `j`'s buffer when a slot is split into
     /// `bufs` (2: double buffering).
-    fn half<T>(&self, j: usize, bufs: usize) -> usize {
+    fn buf_at<T>(&self, j: usize, bufs: usize) -> usize {
         (j % bufs) * (self.seg.slot / bufs / std::mem::size_of::<T>().max(1))
     }
 
@@ -380,7 +380,7 @@ impl Inner {
         // Only the parts other ranks reduce are staged: this rank reads its
         // own part straight from `buf`.
         let stage = |buf: &[T], j: usize| {
-            let h = self.half::<T>(j, BUFS);
+            let h = self.buf_at::<T>(j, BUFS);
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
                 // SAFETY: only rank `me` writes its own slot, and round j's
@@ -392,7 +392,7 @@ impl Inner {
             stage(buf, 0);
         }
         for j in 0..rounds {
-            let h = self.half::<T>(j, BUFS);
+            let h = self.buf_at::<T>(j, BUFS);
             let e = self.arrive(&mut st);
             if j + 1 < rounds {
                 stage(buf, j + 1);
@@ -472,12 +472,13 @@ impl Inner {
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         let stream = bytes_of::<T>(total) >= STREAM_MIN_DEST_BYTES;
         for j in 0..rounds {
-            let h = self.half::<T>(j, 2);
+            let h = self.buf_at::<T>(j, 2);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
             let mine = part(self.m.me);
             // SAFETY: own slot half written between barriers; others read
-            // after (double-buffered as in `reduce`). This rank's own part
-            // goes straight from `input`.
+            // after. Double-buffered: round j + 1 writes the half that round
+            // j - 1 read, whose readers have all arrived at round j. This
+            // rank's own part goes straight from `input`.
             let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
             let src = input.map_or(&out[own.clone()], |i| &i[mine.clone()]);
             unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) }.copy_from_slice(src);
@@ -702,7 +703,7 @@ impl Transport for Inner {
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1, 2);
         for j in 0..buf.len().div_ceil(w) {
-            let h = self.half::<T>(j, 2);
+            let h = self.buf_at::<T>(j, 2);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.m.me == root {
                 // SAFETY: the root alone writes its slot half between barriers

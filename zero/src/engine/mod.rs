@@ -290,14 +290,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// Averages a reduced gradient (shard) across the replicate group, under
-    /// hybrid sharding; the identity otherwise.
-    fn across_replicas(&self, v: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+    /// hybrid sharding; the values as they are otherwise.
+    fn across_replicas<'a>(
+        &self,
+        red: &'a overlap::Reduced,
+    ) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
         match &self.replicate {
             Some(r) if r.size() > 1 => {
                 self.delay();
-                Ok(r.all_reduce(v, ReduceOp::Avg).wait()?)
+                let v = r.all_reduce(red.values().to_vec(), ReduceOp::Avg);
+                Ok(std::borrow::Cow::Owned(v.wait()?))
             }
-            _ => Ok(v),
+            _ => Ok(std::borrow::Cow::Borrowed(red.values())),
         }
     }
 
@@ -1025,9 +1029,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 // reduce-scatter: reuse it rather than allocate it per step.
                 let mut spare = None;
                 for (range, r) in i.reduce_in_buckets(full, false)? {
-                    let (input, part) = r.wait_keep_input()?;
-                    reduced[range].copy_from_slice(&i.across_replicas(part)?);
-                    spare = input.filter(|v| v.len() == n);
+                    let red = r.wait()?;
+                    reduced[range].copy_from_slice(&i.across_replicas(&red)?);
+                    spare = Some(red.buf).filter(|v| v.len() == n);
                 }
                 sh.g = match spare {
                     Some(mut v) => {

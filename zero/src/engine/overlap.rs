@@ -23,7 +23,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use zrt_collectives::{ProcessGroup, ReduceOp, Work};
+use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
 use super::pool::Pool;
@@ -34,7 +34,10 @@ use crate::{glue, EngineError};
 /// A reduction in flight.
 pub(super) enum Reduce {
     All(Work<Vec<f32>>),
-    Scatter(Work<(Vec<f32>, Vec<f32>)>),
+    /// fp32 reduce-scatter, in place: the result is the buffer's range
+    /// (this rank's part), so no output is allocated and the buffer goes
+    /// back to the pool whole.
+    Scatter(Work<Vec<f32>>, std::ops::Range<usize>),
     /// `communication_data_type` bf16 / fp16: reduced in 16 bits, widened
     /// back to fp32 when waited for.
     AllBf16(Work<Vec<bf16>>),
@@ -43,21 +46,24 @@ pub(super) enum Reduce {
     ScatterF16(Work<(Vec<f16>, Vec<f16>)>),
 }
 
+/// A finished reduction: the result is `buf[range]`.
+pub(super) struct Reduced {
+    /// The buffer holding the result (for a reduce-scatter in place, the
+    /// whole input: the caller may reuse it).
+    pub(super) buf: Vec<f32>,
+    range: std::ops::Range<usize>,
+}
+
+impl Reduced {
+    /// The reduced values.
+    pub(super) fn values(&self) -> &[f32] {
+        &self.buf[self.range.clone()]
+    }
+}
+
 impl Reduce {
     /// Waits and returns the result in fp32.
-    /// As [`Reduce::wait`], also handing back the input buffer of an fp32
-    /// reduce-scatter, for the caller to reuse.
-    pub(super) fn wait_keep_input(self) -> Result<(Option<Vec<f32>>, Vec<f32>), EngineError> {
-        match self {
-            Reduce::Scatter(w) => {
-                let (input, part) = w.wait()?;
-                Ok((Some(input), part))
-            }
-            other => Ok((None, other.wait()?)),
-        }
-    }
-
-    pub(super) fn wait(self) -> Result<Vec<f32>, EngineError> {
+    pub(super) fn wait(self) -> Result<Reduced, EngineError> {
         fn widen<T>(
             v: &[T],
             f: impl Fn(&[T], &mut [f32]) -> Result<(), zrt_kernels::KernelError>,
@@ -66,13 +72,20 @@ impl Reduce {
             f(v, &mut out)?;
             Ok(out)
         }
+        let whole = |buf: Vec<f32>| Reduced {
+            range: 0..buf.len(),
+            buf,
+        };
         Ok(match self {
-            Reduce::All(w) => w.wait()?,
-            Reduce::Scatter(w) => w.wait()?.1,
-            Reduce::AllBf16(w) => widen(&w.wait()?, cast::bf16_to_f32)?,
-            Reduce::ScatterBf16(w) => widen(&w.wait()?.1, cast::bf16_to_f32)?,
-            Reduce::AllF16(w) => widen(&w.wait()?, cast::f16_to_f32)?,
-            Reduce::ScatterF16(w) => widen(&w.wait()?.1, cast::f16_to_f32)?,
+            Reduce::All(w) => whole(w.wait()?),
+            Reduce::Scatter(w, range) => Reduced {
+                buf: w.wait()?,
+                range,
+            },
+            Reduce::AllBf16(w) => whole(widen(&w.wait()?, cast::bf16_to_f32)?),
+            Reduce::ScatterBf16(w) => whole(widen(&w.wait()?.1, cast::bf16_to_f32)?),
+            Reduce::AllF16(w) => whole(widen(&w.wait()?, cast::f16_to_f32)?),
+            Reduce::ScatterF16(w) => whole(widen(&w.wait()?.1, cast::f16_to_f32)?),
         })
     }
 }
@@ -403,7 +416,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
             _ => match all {
                 true => Reduce::All(g.all_reduce(full, ReduceOp::Avg)),
-                false => Reduce::Scatter(g.reduce_scatter(full, Vec::new(), ReduceOp::Avg)),
+                false => {
+                    let own = chunk_range(full.len(), g.size(), g.rank());
+                    Reduce::Scatter(g.reduce_scatter_in_place(full, ReduceOp::Avg), own)
+                }
             },
         })
     }
@@ -419,17 +435,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
-            let (input, v) = waiting(&mut st.timing, || r.wait_keep_input())?;
-            let v = self.across_replicas(v)?;
+            let red = waiting(&mut st.timing, || r.wait())?;
+            let v = self.across_replicas(&red)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
+            drop(v);
             // A whole unit's gradient buffer (a reduce-scatter's input, or
             // stage 0's all-reduced buffer; not a bucket) serves the next
             // launch_reduce or gather of that size.
-            let padded = st.units[k].layout.padded;
-            for b in [input, Some(v)].into_iter().flatten() {
-                if b.len() == padded {
-                    self.pools.f32.give(b);
-                }
+            if red.buf.len() == st.units[k].layout.padded {
+                self.pools.f32.give(red.buf);
             }
         }
         self.drain_prefetch(st)?;

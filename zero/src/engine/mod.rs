@@ -514,16 +514,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if forward && !st.prog.in_backward() {
             st.prog.order.forward_starts(unit);
         }
-        if st.gathered[unit] {
-            // Still gathered (the first forward, or the unit forward ran
-            // last): the next one's gather can start all the same.
-            if st.error.is_none() {
-                if let Err(e) = self.prefetch_after(&mut st, unit, forward) {
-                    st.error = Some(e);
-                }
-            }
-            return;
-        }
+        // `gather` does nothing for a unit still gathered (the first
+        // forward, or the unit forward ran last); the next unit's prefetch
+        // starts all the same.
         let failed = match st.error.is_some() {
             // After an error the ranks are out of step: no more collectives.
             true => None,
@@ -532,14 +525,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 .and_then(|()| self.prefetch_after(&mut st, unit, forward))
                 .err(),
         };
-        if st.gathered[unit] {
-            return;
+        if !st.gathered[unit] {
+            let u = &st.units[unit];
+            if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
+                let _ = u.flat.shallow_clone().f_zero_();
+            }
+            st.gathered[unit] = true;
         }
-        let u = &st.units[unit];
-        if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
-            let _ = u.flat.shallow_clone().f_zero_();
-        }
-        st.gathered[unit] = true;
         if let Some(e) = failed {
             st.error = Some(e);
         }

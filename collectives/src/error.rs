@@ -54,6 +54,17 @@ pub enum CommError {
         /// What is wrong.
         why: String,
     },
+    /// Shared memory for a symmetric buffer could not be created or mapped
+    /// (on this rank, or on the rank named in `why`).
+    #[error("{call} on group `{group}` could not set up shared memory: {why}; free space in /dev/shm (see `df /dev/shm`) or allocate smaller buffers")]
+    SharedMemory {
+        /// The group.
+        group: String,
+        /// The call.
+        call: String,
+        /// What failed, and on which rank.
+        why: String,
+    },
     /// Rendezvous or the environment contract failed.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),

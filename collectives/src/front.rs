@@ -114,11 +114,7 @@ pub(crate) struct Front<X> {
 }
 
 fn desc<T: Element>(kind: OpKind, len: usize) -> OpDesc {
-    OpDesc {
-        kind,
-        dtype: Some(T::DTYPE),
-        len,
-    }
+    OpDesc::new(kind, Some(T::DTYPE), len)
 }
 
 impl<X: Transport> Front<X> {
@@ -205,11 +201,7 @@ impl<X: Transport> Front<X> {
     }
 
     pub(crate) fn barrier(&self) -> Work<()> {
-        let d = OpDesc {
-            kind: OpKind::Barrier,
-            dtype: None,
-            len: 0,
-        };
+        let d = OpDesc::new(OpKind::Barrier, None, 0);
         self.run(d, move |g| {
             g.barrier(&d)?;
             Ok(((), 0, 0))

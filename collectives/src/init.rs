@@ -7,7 +7,10 @@ use crate::local::LocalGroup;
 use crate::shm::{ShmGroup, ShmJoin, DEFAULT_SLOT_BYTES};
 use crate::store::{StoreClient, StoreServer};
 use crate::tcp::{TcpGroup, TcpJoin};
-use crate::{default_timeout, CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, Work};
+use crate::{
+    default_timeout, CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, SymmetricBuf,
+    Work,
+};
 
 /// The environment contract of `zrt launch`, as torchrun's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,6 +143,19 @@ impl ProcessGroup for Group {
     }
     fn reduce_scatter_in_place<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         each!(self, g => g.reduce_scatter_in_place(buf, op))
+    }
+    fn alloc_symmetric<T: Element>(&self, len: usize) -> Work<SymmetricBuf<T>> {
+        each!(self, g => g.alloc_symmetric(len))
+    }
+    fn reduce_scatter_symmetric<T: Element>(
+        &self,
+        buf: SymmetricBuf<T>,
+        op: ReduceOp,
+    ) -> Work<SymmetricBuf<T>> {
+        each!(self, g => g.reduce_scatter_symmetric(buf, op))
+    }
+    fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
+        each!(self, g => g.all_gather_symmetric(buf))
     }
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         each!(self, g => g.broadcast(buf, root))

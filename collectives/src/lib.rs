@@ -18,6 +18,11 @@
 //!   collectives with an error naming it; ranks that issue different
 //!   collectives at the same position get an error naming both calls.
 //! - [`DeviceMesh`] splits a world into shard groups and replicate groups.
+//! - [`SymmetricBuf`]: a buffer every rank allocates together
+//!   (`alloc_symmetric`), which the shm backend places in shared memory so
+//!   its `reduce_scatter_symmetric` / `all_gather_symmetric` read peers'
+//!   buffers in place instead of staging them (NCCL's user-buffer
+//!   registration, PyTorch's SymmetricMemory); elsewhere a heap buffer.
 //!
 //! Buffers are owned (moved in, handed back by `wait`) rather than borrowed:
 //! an asynchronous operation must own what it writes, and the engine moves
@@ -52,6 +57,7 @@ pub mod shm;
 mod stats;
 pub mod store;
 mod stream;
+mod symmetric;
 pub mod tcp;
 mod work;
 mod worker;
@@ -62,4 +68,5 @@ pub use init::{init_from_env, Backend, Dist, DistEnv, Group};
 pub use mesh::DeviceMesh;
 pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};
 pub use stats::{OpStats, Stats};
+pub use symmetric::SymmetricBuf;
 pub use work::{default_timeout, Work};

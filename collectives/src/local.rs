@@ -412,11 +412,7 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn all_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::AllReduce(op),
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
+        let desc = OpDesc::new(OpKind::AllReduce(op), Some(T::DTYPE), buf.len());
         let n = buf.len();
         self.collective(desc, buf, move |parts| {
             let mut out = Vec::with_capacity(n);
@@ -431,11 +427,7 @@ impl ProcessGroup for LocalGroup {
         mut out: Vec<T>,
         op: ReduceOp,
     ) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::ReduceScatter(op),
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
+        let desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), input.len());
         let (rank, range) = (self.rank, chunk_range(input.len(), self.size(), self.rank));
         self.collective(desc, input, move |parts| {
             reduce_into(parts, range, op, &mut out);
@@ -445,11 +437,7 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc {
-            kind: OpKind::AllGather,
-            dtype: Some(T::DTYPE),
-            len: input.len(),
-        };
+        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), input.len());
         let rank = self.rank;
         self.collective(desc, input, move |parts| {
             out.clear();
@@ -462,11 +450,7 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Broadcast { root },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
+        let desc = OpDesc::new(OpKind::Broadcast { root }, Some(T::DTYPE), buf.len());
         if root >= self.size() {
             let e = invalid(
                 self.name(),
@@ -483,20 +467,12 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn barrier(&self) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Barrier,
-            dtype: None,
-            len: 0,
-        };
+        let desc = OpDesc::new(OpKind::Barrier, None, 0);
         self.collective::<u8, ()>(desc, Vec::new(), |_| ((), 0))
     }
 
     fn send<T: Element>(&self, buf: Vec<T>, to: usize) -> Work<()> {
-        let desc = OpDesc {
-            kind: OpKind::Send { to },
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
+        let desc = OpDesc::new(OpKind::Send { to }, Some(T::DTYPE), buf.len());
         if let Some(e) = check_peer(self.name(), &desc, to, self.rank, self.size()) {
             return Work::ready(Err(e), self.name(), desc.to_string());
         }
@@ -509,11 +485,7 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::Recv { from },
-            dtype: Some(T::DTYPE),
-            len,
-        };
+        let desc = OpDesc::new(OpKind::Recv { from }, Some(T::DTYPE), len);
         if let Some(e) = check_peer(self.name(), &desc, from, self.rank, self.size()) {
             return Work::ready(Err(e), self.name(), desc.to_string());
         }

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use crate::{CommError, DType, Element, Stats, Work};
+use crate::{CommError, DType, Element, Stats, SymmetricBuf, Work};
 
 /// How `all_reduce` and `reduce_scatter` combine ranks' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,6 +44,8 @@ pub enum OpKind {
         /// Source (group rank).
         from: usize,
     },
+    /// `alloc_symmetric`: every rank allocates its buffer of a symmetric set.
+    AllocSymmetric,
 }
 
 impl OpKind {
@@ -57,6 +59,7 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::Send { .. } => "send",
             OpKind::Recv { .. } => "recv",
+            OpKind::AllocSymmetric => "alloc_symmetric",
         }
     }
 }
@@ -70,6 +73,22 @@ pub struct OpDesc {
     pub dtype: Option<DType>,
     /// Elements in the input (for `all_gather`, this rank's own part).
     pub len: usize,
+    /// For calls on a [`SymmetricBuf`] of the shm backend: the buffer's
+    /// allocation number, so ranks that pass buffers of different
+    /// allocations fail instead of reading the wrong peer buffers.
+    pub buffer: Option<u32>,
+}
+
+impl OpDesc {
+    /// A call on ordinary buffers.
+    pub fn new(kind: OpKind, dtype: Option<DType>, len: usize) -> Self {
+        Self {
+            kind,
+            dtype,
+            len,
+            buffer: None,
+        }
+    }
 }
 
 impl OpDesc {
@@ -77,7 +96,9 @@ impl OpDesc {
     /// `all_gather` parts may differ in length (all_gather_v).
     pub fn compatible(&self, other: &OpDesc) -> bool {
         match self.kind {
-            OpKind::AllGather => self.kind == other.kind && self.dtype == other.dtype,
+            OpKind::AllGather => {
+                self.kind == other.kind && self.dtype == other.dtype && self.buffer == other.buffer
+            }
             _ => self == other,
         }
     }
@@ -105,12 +126,14 @@ impl OpDesc {
             OpKind::Barrier => (5, 0),
             OpKind::Send { to } => (6, to as u64),
             OpKind::Recv { from } => (7, from as u64),
+            OpKind::AllocSymmetric => (8, 0),
         };
         let dt = self
             .dtype
             .and_then(|d| DTYPES.iter().position(|&x| x == d))
             .map_or(0, |i| i as u64 + 1);
-        [kind | arg << 8, dt, self.len as u64]
+        let buffer = self.buffer.map_or(0, |b| u64::from(b) + 1);
+        [kind | arg << 8, dt | buffer << 32, self.len as u64]
     }
 
     /// The inverse of [`OpDesc::encode`]; `None` for words no rank wrote.
@@ -125,16 +148,22 @@ impl OpDesc {
             5 => OpKind::Barrier,
             6 => OpKind::Send { to: arg },
             7 => OpKind::Recv { from: arg },
+            8 => OpKind::AllocSymmetric,
             _ => return None,
         };
-        let dtype = match w[1] {
+        let dtype = match w[1] & 0xFFFF_FFFF {
             0 => None,
             i => Some(*DTYPES.get(i as usize - 1)?),
+        };
+        let buffer = match w[1] >> 32 {
+            0 => None,
+            b => Some(u32::try_from(b - 1).ok()?),
         };
         Some(OpDesc {
             kind,
             dtype,
             len: w[2] as usize,
+            buffer,
         })
     }
 }
@@ -151,7 +180,13 @@ impl fmt::Display for OpDesc {
             OpKind::Broadcast { root } => write!(f, "broadcast({dt}, root {root})"),
             OpKind::Send { to } => write!(f, "send({dt}, to {to})"),
             OpKind::Recv { from } => write!(f, "recv({dt}, from {from})"),
-            OpKind::AllGather | OpKind::Barrier => write!(f, "{}({dt})", self.kind.name()),
+            OpKind::AllGather | OpKind::Barrier | OpKind::AllocSymmetric => {
+                write!(f, "{}({dt})", self.kind.name())
+            }
+        }?;
+        match self.buffer {
+            Some(b) => write!(f, " on symmetric buffer #{b}"),
+            None => Ok(()),
         }
     }
 }
@@ -221,6 +256,56 @@ pub trait ProcessGroup: Send + Sync {
             })
     }
 
+    /// Allocates a [`SymmetricBuf`] of `len` zeros on every rank together:
+    /// a collective, so every rank must call it, with the same length and
+    /// type, at the same place in the group's sequence. The shm backend
+    /// puts it in shared memory that every rank maps, so the symmetric
+    /// collectives below read peers' buffers in place instead of staging
+    /// them; other backends hand out a heap buffer.
+    fn alloc_symmetric<T: Element>(&self, len: usize) -> Work<SymmetricBuf<T>> {
+        Work::ready(
+            Ok(SymmetricBuf::heap(vec![T::ZERO; len])),
+            self.name(),
+            OpDesc::new(OpKind::AllocSymmetric, Some(T::DTYPE), len).to_string(),
+        )
+    }
+
+    /// [`ProcessGroup::reduce_scatter_in_place`] on a symmetric buffer (of
+    /// this group; every rank passes its buffer of the same allocation).
+    /// On shm each rank reduces its part reading every rank's buffer in
+    /// place: no staging copies.
+    fn reduce_scatter_symmetric<T: Element>(
+        &self,
+        buf: SymmetricBuf<T>,
+        op: ReduceOp,
+    ) -> Work<SymmetricBuf<T>> {
+        let desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
+        match buf.into_heap() {
+            Ok(v) => self.reduce_scatter_in_place(v, op).map(SymmetricBuf::heap),
+            Err(_) => Work::ready(
+                Err(foreign_buffer(self.name(), &desc)),
+                self.name(),
+                desc.to_string(),
+            ),
+        }
+    }
+
+    /// [`ProcessGroup::all_gather_in_place`] on a symmetric buffer (of this
+    /// group; every rank passes its buffer of the same allocation). On shm
+    /// each rank copies the peers' parts straight from their buffers.
+    fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
+        let own = chunk_range(buf.len(), self.size(), self.rank()).len();
+        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own);
+        match buf.into_heap() {
+            Ok(v) => self.all_gather_in_place(v).map(SymmetricBuf::heap),
+            Err(_) => Work::ready(
+                Err(foreign_buffer(self.name(), &desc)),
+                self.name(),
+                desc.to_string(),
+            ),
+        }
+    }
+
     /// Overwrites `buf` on every rank with group rank `root`'s `buf`.
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>>;
 
@@ -232,6 +317,15 @@ pub trait ProcessGroup: Send + Sync {
 
     /// Receives `len` elements from group rank `from`'s matching `send`.
     fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>>;
+}
+
+/// The error for a symmetric buffer passed to a group that did not allocate it.
+pub(crate) fn foreign_buffer(group: &str, desc: &OpDesc) -> CommError {
+    invalid(
+        group,
+        desc,
+        "the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric",
+    )
 }
 
 /// Builds the error for a call that cannot be valid.
@@ -274,15 +368,17 @@ mod tests {
             OpKind::Barrier,
             OpKind::Send { to: 1 },
             OpKind::Recv { from: 2 },
+            OpKind::AllocSymmetric,
         ];
         for kind in all {
             for dtype in [None, Some(DType::BF16), Some(DType::U8)] {
-                let d = OpDesc {
-                    kind,
-                    dtype,
-                    len: 12345,
-                };
-                assert_eq!(OpDesc::decode(d.encode()), Some(d));
+                for buffer in [None, Some(0), Some(7)] {
+                    let d = OpDesc {
+                        buffer,
+                        ..OpDesc::new(kind, dtype, 12345)
+                    };
+                    assert_eq!(OpDesc::decode(d.encode()), Some(d));
+                }
             }
         }
         assert_eq!(OpDesc::decode([0, 0, 0]), None);
@@ -290,17 +386,18 @@ mod tests {
 
     #[test]
     fn descriptions_read_like_calls() {
-        let d = OpDesc {
-            kind: OpKind::AllReduce(ReduceOp::Sum),
-            dtype: Some(DType::F32),
-            len: 10,
-        };
+        let d = OpDesc::new(OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 10);
         assert_eq!(d.to_string(), "all_reduce(f32 x 10, Sum)");
-        let b = OpDesc {
-            kind: OpKind::Barrier,
-            dtype: None,
-            len: 0,
-        };
+        let b = OpDesc::new(OpKind::Barrier, None, 0);
         assert_eq!(b.to_string(), "barrier()");
+        let s = OpDesc {
+            buffer: Some(3),
+            ..OpDesc::new(OpKind::AllGather, Some(DType::BF16), 5)
+        };
+        assert_eq!(s.to_string(), "all_gather(bf16 x 5) on symmetric buffer #3");
+        assert!(!s.compatible(&OpDesc {
+            buffer: Some(4),
+            ..s
+        }));
     }
 }

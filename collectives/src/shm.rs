@@ -15,6 +15,15 @@
 //! part r, reading every rank's slot, so the work and the memory traffic are
 //! divided by the group size and no byte round-trips through the kernel.
 //!
+//! Symmetric buffers ([`SymmetricBuf`]) skip the staging: each rank's
+//! buffer is a file of its own in `/dev/shm` that every rank maps when it
+//! is allocated (then unlinked, like the segment), so the symmetric
+//! reduce-scatter reduces its part reading every rank's buffer where it is
+//! and the symmetric all-gather copies the peers' parts straight out of
+//! theirs. A barrier closes each, so no rank touches its buffer while a
+//! peer still reads it. A rank that dies between creating its file and the
+//! end of the allocation leaves that file behind (named after the job).
+//!
 //! Waiting spins briefly, then sleeps on a futex over the late rank's
 //! arrive word, which that rank wakes when it arrives (yielding in a loop
 //! instead left a waiting rank behind a busy compute thread for a scheduler
@@ -35,22 +44,26 @@ use parking_lot::Mutex;
 
 use crate::dtype::bytes_of;
 use crate::front::{forward_process_group, Front, Member, Transport};
-use crate::op::invalid;
+use crate::op::{foreign_buffer, invalid};
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::stream::{copy_streaming, STREAM_MIN_DEST_BYTES};
+use crate::symmetric::Shared;
 use crate::worker::Worker;
-use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Work};
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, SymmetricBuf, Work};
 
 const MAGIC: u64 = 0x7a72_745f_7368_6d31; // "zrt_shm1"
 const CTRL: usize = 128;
 const HEADER: usize = 64;
 /// Words of a control block: arrive, left, two call slots of three words,
-/// then the count of ranks asleep on this rank's arrive word.
+/// then the count of ranks asleep on this rank's arrive word, then how this
+/// rank's two steps of a symmetric allocation went (a word each: a fast
+/// rank writes the second while a slow one may still read the first).
 const W_ARRIVE: usize = 0;
 const W_LEFT: usize = 1;
 const W_DESC: usize = 2;
 const W_SLEEPERS: usize = 8;
+const W_STATUS: usize = 9;
 /// Spins before a waiting rank goes to sleep on a futex: long enough to catch
 /// a peer that is a few microseconds behind, short enough that a peer still
 /// computing gets the core (2 ranks on 2 cores share them with compute).
@@ -100,6 +113,8 @@ impl Segment {
 struct State {
     seq: u64,
     epoch: u64,
+    /// Symmetric buffers allocated so far (the next one's number).
+    allocs: u32,
     /// After a mismatch the ranks are out of step: every later call fails too.
     poisoned: Option<CommError>,
 }
@@ -109,7 +124,14 @@ struct Inner {
     m: Member,
     pids: Vec<u32>,
     state: Mutex<State>,
+    /// Process-unique: which group a symmetric buffer came from.
+    serial: u64,
+    /// The segment's path; symmetric buffers' files add a suffix to it.
+    path: String,
 }
+
+/// Serials of the groups this process has joined.
+static SERIALS: AtomicU64 = AtomicU64::new(1);
 
 // SAFETY: the mapping is shared memory; all cross-rank access goes through
 // atomics or through ranges the barrier protocol hands to one writer.
@@ -500,6 +522,255 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Allocates this rank's buffer of symmetric allocation `desc.buffer`
+    /// and maps every peer's. In two phases, each ending at a barrier with
+    /// every rank's outcome in its status word, so a rank that fails fails
+    /// every rank with its name instead of leaving them waiting: (1) each
+    /// rank creates and maps its own file, its pages reserved up front
+    /// (`posix_fallocate`: a full /dev/shm is an error here, not a SIGBUS
+    /// later); (2) each maps the peers' files. Then the names go, as the
+    /// segment's do: the memory lives as long as some rank maps it.
+    fn alloc<T: Element>(&self, len: usize) -> Result<SymmetricBuf<T>, CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        let id = st.allocs;
+        st.allocs += 1;
+        let desc = OpDesc {
+            buffer: Some(id),
+            ..OpDesc::new(OpKind::AllocSymmetric, Some(T::DTYPE), len)
+        };
+        self.agree(&mut st, &desc, deadline)?;
+        let (n, me) = (self.n(), self.m.me);
+        let bytes = bytes_of::<T>(len).max(1).div_ceil(4096) * 4096;
+        let file = |r: usize| format!("{}-sym{id}-r{r}", self.path);
+        let own = create_mapped(&file(me), bytes);
+        // However this ends, the name goes when it returns: after phase 1
+        // every rank has mapped the file or given up.
+        let _unlink = Unlink(file(me));
+        self.phase(&mut st, &desc, deadline, id, 0, own.as_ref().err().cloned())??;
+        // Its own failure would have been reported by `phase`.
+        let mut own = Some(own.map_err(|why| self.shm_error(&desc, why))?);
+        let mut maps = Vec::with_capacity(n);
+        let mut failed = None;
+        for r in 0..n {
+            let m = match own.take_if(|_| r == me) {
+                Some(m) => Ok(m),
+                None => open_mapped(&file(r), bytes),
+            };
+            match m {
+                Ok(m) => maps.push(m),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        self.phase(&mut st, &desc, deadline, id, 1, failed)??;
+        let shared = Shared {
+            group: self.serial,
+            id,
+            maps,
+            me,
+        };
+        Ok(SymmetricBuf::shared(shared, len))
+    }
+
+    /// Publishes how this rank's step of an allocation went (`failed`: why
+    /// not), passes a barrier and returns the first failure: this rank's own
+    /// (with its reason) or a peer's (naming it). The outer error is the
+    /// barrier's own (a dead rank, the deadline).
+    fn phase(
+        &self,
+        st: &mut State,
+        desc: &OpDesc,
+        deadline: Instant,
+        id: u32,
+        phase: u64,
+        failed: Option<String>,
+    ) -> Result<Result<(), CommError>, CommError> {
+        // Tagged with the allocation and the phase, so a word left from an
+        // earlier one never reads as success.
+        let tag = |ok: bool| (u64::from(id) + 1) << 2 | phase << 1 | u64::from(!ok);
+        let w = W_STATUS + phase as usize;
+        self.seg
+            .word(self.m.me, w)
+            .store(tag(failed.is_none()), Ordering::Relaxed);
+        self.pass_barrier(st, desc, deadline)?;
+        if let Some(why) = failed {
+            return Ok(Err(self.shm_error(desc, why)));
+        }
+        let bad = (0..self.n()).find(|&r| self.seg.word(r, w).load(Ordering::Relaxed) != tag(true));
+        Ok(match bad {
+            None => Ok(()),
+            Some(r) => Err(self.shm_error(
+                desc,
+                format!(
+                    "rank {} failed to {} (its own error says why)",
+                    self.m.world_ranks[r],
+                    if phase == 0 {
+                        "create its buffer"
+                    } else {
+                        "map a peer's buffer"
+                    }
+                ),
+            )),
+        })
+    }
+
+    fn shm_error(&self, desc: &OpDesc, why: String) -> CommError {
+        CommError::SharedMemory {
+            group: self.m.name.clone(),
+            call: desc.to_string(),
+            why,
+        }
+    }
+
+    /// `buf`'s shared side, if this group allocated it.
+    fn own_buffer<'a, T: Element>(
+        &self,
+        desc: &OpDesc,
+        buf: &'a SymmetricBuf<T>,
+    ) -> Result<&'a Shared, CommError> {
+        buf.shared_part()
+            .filter(|s| s.group == self.serial && s.maps.len() == self.n())
+            .ok_or_else(|| foreign_buffer(&self.m.name, desc))
+    }
+
+    /// reduce_scatter on a symmetric buffer: this rank reduces its part
+    /// reading every rank's buffer where it is, a window at a time into a
+    /// cache-sized scratch (the result may not alias a source while it is
+    /// read), then writes the window over its own part. Peers read only
+    /// their own parts of this rank's buffer, so nothing they read changes.
+    /// The closing barrier keeps every rank's buffer still until all reads
+    /// are done.
+    fn reduce_symmetric<T: Element>(
+        &self,
+        desc: &OpDesc,
+        sh: &Shared,
+        len: usize,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me) = (self.n(), self.m.me);
+        let part = chunk_range(len, n, me);
+        let w = (SCRATCH_BYTES / std::mem::size_of::<T>().max(1)).min(part.len());
+        let mut tmp = vec![T::ZERO; w];
+        let mut at = part.start;
+        while at < part.end {
+            let l = w.min(part.end - at);
+            {
+                // SAFETY: each buffer holds `len` elements; between the
+                // agreement and the closing barrier no rank writes any
+                // rank's part `me` but this one, which writes it only below,
+                // after these borrows end.
+                let srcs: Vec<&[T]> = (0..n)
+                    .map(|q| unsafe { std::slice::from_raw_parts(sh.ptr::<T>(q).add(at), l) })
+                    .collect();
+                T::reduce_into(&mut tmp[..l], &srcs, op);
+            }
+            // SAFETY: this rank's own part, read by no peer (see above).
+            unsafe { std::slice::from_raw_parts_mut(sh.ptr::<T>(me).add(at), l) }
+                .copy_from_slice(&tmp[..l]);
+            at += l;
+        }
+        self.pass_barrier(&mut st, desc, deadline)
+    }
+
+    /// all_gather on a symmetric buffer: every rank's part is already in
+    /// its own buffer, so each rank copies the peers' parts straight from
+    /// theirs (starting at the next rank, so n > 2 ranks do not all read
+    /// rank 0 first). The closing barrier keeps every buffer still until all
+    /// copies are done.
+    fn gather_symmetric<T: Element>(
+        &self,
+        desc: &OpDesc,
+        sh: &Shared,
+        len: usize,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me) = (self.n(), self.m.me);
+        let stream = bytes_of::<T>(len) >= STREAM_MIN_DEST_BYTES;
+        for q in (1..n).map(|k| (me + k) % n) {
+            let r = chunk_range(len, n, q);
+            // SAFETY: rank q's part of its own buffer, which nobody writes
+            // during the collective; this rank's part q, which only this
+            // rank writes (and nobody reads) during it.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(sh.ptr::<T>(q).add(r.start), r.len()),
+                    std::slice::from_raw_parts_mut(sh.ptr::<T>(me).add(r.start), r.len()),
+                )
+            };
+            copy_streaming(dst, src, stream);
+        }
+        self.pass_barrier(&mut st, desc, deadline)
+    }
+}
+
+/// Scratch of the symmetric reduce-scatter: a window this size stays in L2.
+const SCRATCH_BYTES: usize = 64 << 10;
+
+/// Removes a file when dropped.
+struct Unlink(String);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Creates `path` (exclusively) with `bytes` reserved and maps it.
+fn create_mapped(path: &str, bytes: usize) -> Result<MmapMut, String> {
+    let _ = std::fs::remove_file(path);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| format!("creating {path}: {e}"))?;
+    reserve(&f, bytes).map_err(|e| format!("reserving {bytes} bytes for {path}: {e}"))?;
+    // SAFETY: this job's file, sized above; shared only through the
+    // symmetric collectives' protocol.
+    unsafe { MmapMut::map_mut(&f) }.map_err(|e| format!("mapping {path}: {e}"))
+}
+
+/// Maps a peer's file made by [`create_mapped`], checking its size.
+fn open_mapped(path: &str, bytes: usize) -> Result<MmapMut, String> {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("opening {path}: {e}"))?;
+    let have = f.metadata().map_err(|e| format!("{path}: {e}"))?.len();
+    if have != bytes as u64 {
+        return Err(format!("{path} has {have} bytes, not {bytes}"));
+    }
+    // SAFETY: as in `create_mapped`.
+    unsafe { MmapMut::map_mut(&f) }.map_err(|e| format!("mapping {path}: {e}"))
+}
+
+/// Sizes `f` to `bytes`, with the pages allocated now where the platform
+/// can, so running out of shared memory is an error instead of a SIGBUS.
+fn reserve(f: &std::fs::File, bytes: usize) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid descriptor, a non-negative range.
+        let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, bytes as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        return Err(std::io::Error::from_raw_os_error(rc));
+    }
+    #[allow(unreachable_code)]
+    f.set_len(bytes as u64)
+}
+
 /// Where `reduce` leaves its result.
 enum Dest<'a, T> {
     /// all_reduce: the whole result back into the buffer.
@@ -633,8 +904,11 @@ impl ShmGroup {
             state: Mutex::new(State {
                 seq: 0,
                 epoch: 0,
+                allocs: 0,
                 poisoned: None,
             }),
+            serial: SERIALS.fetch_add(1, Ordering::Relaxed),
+            path: path.display().to_string(),
         });
         let i2 = inner.clone();
         let worker = Worker::start(j.name, me, move || {
@@ -721,11 +995,7 @@ impl Transport for Inner {
 
 forward_process_group!(ShmGroup {
     fn reduce_scatter_in_place<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let desc = OpDesc {
-            kind: OpKind::ReduceScatter(op),
-            dtype: Some(T::DTYPE),
-            len: buf.len(),
-        };
+        let desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
         let n = self.front.size();
         self.front.run(desc, move |g| {
             g.reduce(&desc, &mut buf, Dest::InPlace, op)?;
@@ -734,13 +1004,42 @@ forward_process_group!(ShmGroup {
         })
     }
 
+    fn alloc_symmetric<T: Element>(&self, len: usize) -> Work<SymmetricBuf<T>> {
+        let desc = OpDesc::new(OpKind::AllocSymmetric, Some(T::DTYPE), len);
+        self.front.run(desc, move |g| Ok((g.alloc::<T>(len)?, 0, 0)))
+    }
+
+    fn reduce_scatter_symmetric<T: Element>(
+        &self,
+        buf: SymmetricBuf<T>,
+        op: ReduceOp,
+    ) -> Work<SymmetricBuf<T>> {
+        let mut desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
+        desc.buffer = buf.shared_part().map(|s| s.id);
+        let n = self.front.size();
+        self.front.run(desc, move |g| {
+            let sh = g.own_buffer(&desc, &buf)?;
+            g.reduce_symmetric::<T>(&desc, sh, buf.len(), op)?;
+            let s = bytes_of::<T>(buf.len());
+            Ok((buf, s, s / n.max(1)))
+        })
+    }
+
+    fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
+        let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
+        let mut desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
+        desc.buffer = buf.shared_part().map(|s| s.id);
+        self.front.run(desc, move |g| {
+            let sh = g.own_buffer(&desc, &buf)?;
+            g.gather_symmetric::<T>(&desc, sh, buf.len())?;
+            let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
+            Ok((buf, s, r))
+        })
+    }
+
     fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
         let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
-        let desc = OpDesc {
-            kind: OpKind::AllGather,
-            dtype: Some(T::DTYPE),
-            len: own.len(),
-        };
+        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
         self.front.run(desc, move |g| {
             g.gather(&desc, None, &mut buf)?;
             let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::OpKind;
 
-const KINDS: usize = 7;
+const KINDS: usize = 8;
 
 fn index(k: &OpKind) -> usize {
     match k {
@@ -16,6 +16,7 @@ fn index(k: &OpKind) -> usize {
         OpKind::Barrier => 4,
         OpKind::Send { .. } => 5,
         OpKind::Recv { .. } => 6,
+        OpKind::AllocSymmetric => 7,
     }
 }
 
@@ -27,6 +28,7 @@ const NAMES: [&str; KINDS] = [
     "barrier",
     "send",
     "recv",
+    "alloc_symmetric",
 ];
 
 #[derive(Default)]

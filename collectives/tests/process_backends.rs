@@ -172,6 +172,36 @@ fn rank_main() {
                 .wait()
                 .map(|_| ()),
         ),
+        "symmetric_misuse" => {
+            // A buffer of the world passed to another group, then ranks
+            // passing buffers of different allocations.
+            let mut dist = dist;
+            let pair = dist.new_group(&[0, 1]).unwrap();
+            let g = dist.world();
+            let a = g.alloc_symmetric::<f32>(10).wait().unwrap();
+            let b = g.alloc_symmetric::<f32>(10).wait().unwrap();
+            let foreign = pair.reduce_scatter_symmetric(a, ReduceOp::Sum).wait();
+            let a = g.alloc_symmetric::<f32>(10).wait().unwrap();
+            let r = if me == 0 {
+                g.reduce_scatter_symmetric(a, ReduceOp::Sum).wait()
+            } else {
+                g.reduce_scatter_symmetric(b, ReduceOp::Sum).wait()
+            };
+            match (foreign, r) {
+                (Err(f), Err(m)) => println!("@@ {f} | {m}"),
+                other => println!("@@ unexpected {other:?}"),
+            }
+        }
+        "symmetric_too_big" => {
+            // More than /dev/shm holds: tmpfs refuses the reservation at once.
+            let r = g.alloc_symmetric::<u8>(1 << 42).wait().map(|_| ());
+            let after = g.all_reduce(vec![1f32], ReduceOp::Sum).wait().unwrap();
+            println!(
+                "@@ {} | {}",
+                r.err().map_or("ok".into(), |e| e.to_string()),
+                after[0]
+            );
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -296,6 +326,45 @@ fn different_collectives_or_sizes_name_both_calls() {
                 "{backend}: {s}"
             );
         }
+    }
+}
+
+#[test]
+fn symmetric_buffers_of_another_group_or_allocation_are_refused() {
+    for e in run(
+        2,
+        "symmetric_misuse",
+        &[("ZRT_BACKEND", "shm")],
+        Duration::from_secs(60),
+    ) {
+        let s = said(&e);
+        let (foreign, mismatch) = s.split_once(" | ").unwrap_or_else(|| panic!("{s}"));
+        assert_eq!(foreign, "invalid reduce_scatter(f32 x 10, Sum) on symmetric buffer #0 on group `ranks[0, 1]#0`: the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric");
+        assert!(
+            mismatch.contains("collective mismatch on group `world`")
+                && mismatch
+                    .contains("rank 0 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #2")
+                && mismatch
+                    .contains("rank 1 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #1"),
+            "{mismatch}"
+        );
+    }
+}
+
+#[test]
+fn a_symmetric_buffer_shm_cannot_hold_fails_every_rank_and_the_group_goes_on() {
+    for e in run(
+        2,
+        "symmetric_too_big",
+        &[("ZRT_BACKEND", "shm")],
+        Duration::from_secs(60),
+    ) {
+        let s = said(&e);
+        assert!(
+            s.starts_with("alloc_symmetric(u8 x 4398046511104) on symmetric buffer #0 on group `world` could not set up shared memory: reserving 4398046511104 bytes for /dev/shm/zrt-")
+                && s.ends_with("No space left on device (os error 28); free space in /dev/shm (see `df /dev/shm`) or allocate smaller buffers | 2"),
+            "{s}"
+        );
     }
 }
 

@@ -130,6 +130,7 @@ pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
             "{:?} all_gather_in_place world {world} len {len} rank {me}",
             T::DTYPE
         );
+        check_symmetric::<T, G>(g, len, &input, &want);
         // all_gather of unequal parts: rank r contributes len + r elements.
         let mine: Vec<T> = (0..len + me).map(|i| T::make(val(me, i))).collect();
         let (_, got) = g.all_gather(mine, Vec::new()).wait().unwrap();
@@ -158,6 +159,46 @@ pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
         );
         g.barrier().wait().unwrap();
     }
+}
+
+/// The symmetric-buffer collectives on one allocation reused for every op
+/// (as the engine reuses its buffers): reduce_scatter with each op, then
+/// all_gather, each against the same reference as the `Vec` collectives.
+/// Under `ZRT_BACKEND=shm` the buffer must really be shared.
+fn check_symmetric<T: Make, G: ProcessGroup>(g: &G, len: usize, input: &[T], gathered: &[T]) {
+    let (me, world) = (g.rank(), g.size());
+    let mut buf = g.alloc_symmetric::<T>(len).wait().unwrap();
+    assert_eq!(buf.len(), len);
+    assert!(buf.iter().all(|x| *x == T::ZERO), "a fresh buffer is zeros");
+    let shm = std::env::var("ZRT_BACKEND").as_deref() == Ok("shm");
+    assert_eq!(buf.is_shared(), shm, "{buf:?}");
+    let r = chunk_range(len, world, me);
+    let column = |i: usize| -> Vec<i64> { (0..world).map(|r| val(r, i)).collect() };
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+        buf.copy_from_slice(input);
+        buf = g.reduce_scatter_symmetric(buf, op).wait().unwrap();
+        let want: Vec<T> = r.clone().map(|i| T::expect(&column(i), op)).collect();
+        assert_eq!(
+            buf[r.clone()],
+            want[..],
+            "{:?} reduce_scatter_symmetric {op:?} world {world} len {len} rank {me}",
+            T::DTYPE
+        );
+    }
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = if r.contains(&i) {
+            gathered[i]
+        } else {
+            T::make(99)
+        };
+    }
+    let buf = g.all_gather_symmetric(buf).wait().unwrap();
+    assert_eq!(
+        buf[..],
+        gathered[..],
+        "{:?} all_gather_symmetric world {world} len {len} rank {me}",
+        T::DTYPE
+    );
 }
 
 /// [`check_ops`] for every element type.

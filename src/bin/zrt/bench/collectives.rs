@@ -14,14 +14,18 @@ use serde_json::{json, Value};
 use super::{median, peer, run_ranks};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 
-/// The ops measured; the `_in_place` ones are compared with gloo's
-/// out-of-place op of the same kind (its script has no in-place variant).
-const OPS: [&str; 5] = [
+/// The ops measured; the `_in_place` and `_symmetric` ones (in place on a
+/// buffer from `alloc_symmetric`, which peers read where it is) are
+/// compared with gloo's out-of-place op of the same kind (its script has
+/// neither variant).
+const OPS: [&str; 7] = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
     "reduce_scatter_in_place",
     "all_gather_in_place",
+    "reduce_scatter_symmetric",
+    "all_gather_symmetric",
 ];
 const RANKS: usize = 2;
 
@@ -68,6 +72,8 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
         let len = mib * (1 << 20) / 4;
         let mut full = vec![1f32; len];
         let mut part = vec![1f32; len / n];
+        let mut sym = g.alloc_symmetric::<f32>(len).wait()?;
+        sym.fill(1.0);
         for op in OPS {
             let mut times = Vec::new();
             for it in 0..=a.iters {
@@ -82,6 +88,10 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
                     "reduce_scatter_in_place" => {
                         full = g.reduce_scatter_in_place(full, ReduceOp::Sum).wait()?
                     }
+                    "reduce_scatter_symmetric" => {
+                        sym = g.reduce_scatter_symmetric(sym, ReduceOp::Sum).wait()?
+                    }
+                    "all_gather_symmetric" => sym = g.all_gather_symmetric(sym).wait()?,
                     _ => full = g.all_gather_in_place(full).wait()?,
                 }
                 if it > 0 {
@@ -188,7 +198,8 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                 (RANKS - 1) as f64 / RANKS as f64
             };
             let t = median(zrt.get(&key).map_or(&[][..], |v| v));
-            let peer_key = (op.trim_end_matches("_in_place").to_string(), mib);
+            let kind = op.trim_end_matches("_in_place");
+            let peer_key = (kind.trim_end_matches("_symmetric").to_string(), mib);
             let tg = median(gloo.get(&peer_key).map_or(&[][..], |v| v));
             let (algbw, busbw) = (s / t / 1e9, s / t / 1e9 * factor);
             let gloo_busbw = s / tg / 1e9 * factor;

@@ -273,36 +273,36 @@ pub trait ProcessGroup: Send + Sync {
     /// [`ProcessGroup::reduce_scatter_in_place`] on a symmetric buffer (of
     /// this group; every rank passes its buffer of the same allocation).
     /// On shm each rank reduces its part reading every rank's buffer in
-    /// place: no staging copies.
+    /// place: no staging copies. Elsewhere it is the in-place op (a buffer
+    /// another backend allocated goes through a copy).
     fn reduce_scatter_symmetric<T: Element>(
         &self,
         buf: SymmetricBuf<T>,
         op: ReduceOp,
     ) -> Work<SymmetricBuf<T>> {
-        let desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
         match buf.into_heap() {
             Ok(v) => self.reduce_scatter_in_place(v, op).map(SymmetricBuf::heap),
-            Err(_) => Work::ready(
-                Err(foreign_buffer(self.name(), &desc)),
-                self.name(),
-                desc.to_string(),
-            ),
+            Err(mut buf) => self
+                .reduce_scatter_in_place(buf.to_vec(), op)
+                .map(move |v| {
+                    buf.copy_from_slice(&v);
+                    buf
+                }),
         }
     }
 
     /// [`ProcessGroup::all_gather_in_place`] on a symmetric buffer (of this
     /// group; every rank passes its buffer of the same allocation). On shm
     /// each rank copies the peers' parts straight from their buffers.
+    /// Elsewhere it is the in-place op (a buffer another backend allocated
+    /// goes through a copy).
     fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
-        let own = chunk_range(buf.len(), self.size(), self.rank()).len();
-        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own);
         match buf.into_heap() {
             Ok(v) => self.all_gather_in_place(v).map(SymmetricBuf::heap),
-            Err(_) => Work::ready(
-                Err(foreign_buffer(self.name(), &desc)),
-                self.name(),
-                desc.to_string(),
-            ),
+            Err(mut buf) => self.all_gather_in_place(buf.to_vec()).map(move |v| {
+                buf.copy_from_slice(&v);
+                buf
+            }),
         }
     }
 
@@ -317,15 +317,6 @@ pub trait ProcessGroup: Send + Sync {
 
     /// Receives `len` elements from group rank `from`'s matching `send`.
     fn recv<T: Element>(&self, len: usize, from: usize) -> Work<Vec<T>>;
-}
-
-/// The error for a symmetric buffer passed to a group that did not allocate it.
-pub(crate) fn foreign_buffer(group: &str, desc: &OpDesc) -> CommError {
-    invalid(
-        group,
-        desc,
-        "the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric",
-    )
 }
 
 /// Builds the error for a call that cannot be valid.

@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 use crate::dtype::bytes_of;
 use crate::front::{forward_process_group, Front, Member, Transport};
-use crate::op::{foreign_buffer, invalid};
+use crate::op::invalid;
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::stream::{copy_streaming, STREAM_MIN_DEST_BYTES};
@@ -627,14 +627,25 @@ impl Inner {
     }
 
     /// `buf`'s shared side, if this group allocated it.
-    fn own_buffer<'a, T: Element>(
-        &self,
-        desc: &OpDesc,
-        buf: &'a SymmetricBuf<T>,
-    ) -> Result<&'a Shared, CommError> {
+    fn own_buffer<'a, T: Element>(&self, buf: &'a SymmetricBuf<T>) -> Option<&'a Shared> {
         buf.shared_part()
             .filter(|s| s.group == self.serial && s.maps.len() == self.n())
-            .ok_or_else(|| foreign_buffer(&self.m.name, desc))
+    }
+
+    /// Agrees on a symmetric call. A rank whose buffer is not this group's
+    /// still takes part (its description names no buffer), so the peers
+    /// fail at once on the mismatch instead of waiting for it, and it
+    /// reports the foreign buffer itself.
+    fn agree_symmetric<'a>(
+        &self,
+        st: &mut State,
+        desc: &OpDesc,
+        sh: Option<&'a Shared>,
+        deadline: Instant,
+    ) -> Result<&'a Shared, CommError> {
+        let agreed = self.agree(st, desc, deadline);
+        let sh = sh.ok_or_else(|| foreign_buffer(&self.m.name, desc))?;
+        agreed.map(|_| sh)
     }
 
     /// reduce_scatter on a symmetric buffer: this rank reduces its part
@@ -647,13 +658,13 @@ impl Inner {
     fn reduce_symmetric<T: Element>(
         &self,
         desc: &OpDesc,
-        sh: &Shared,
-        len: usize,
+        buf: &SymmetricBuf<T>,
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
-        self.agree(&mut st, desc, deadline)?;
+        let sh = self.agree_symmetric(&mut st, desc, self.own_buffer(buf), deadline)?;
+        let len = buf.len();
         let (n, me) = (self.n(), self.m.me);
         let part = chunk_range(len, n, me);
         let w = (SCRATCH_BYTES / std::mem::size_of::<T>().max(1)).min(part.len());
@@ -687,12 +698,12 @@ impl Inner {
     fn gather_symmetric<T: Element>(
         &self,
         desc: &OpDesc,
-        sh: &Shared,
-        len: usize,
+        buf: &SymmetricBuf<T>,
     ) -> Result<(), CommError> {
         let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
-        self.agree(&mut st, desc, deadline)?;
+        let sh = self.agree_symmetric(&mut st, desc, self.own_buffer(buf), deadline)?;
+        let len = buf.len();
         let (n, me) = (self.n(), self.m.me);
         let stream = bytes_of::<T>(len) >= STREAM_MIN_DEST_BYTES;
         for q in (1..n).map(|k| (me + k) % n) {
@@ -710,6 +721,15 @@ impl Inner {
         }
         self.pass_barrier(&mut st, desc, deadline)
     }
+}
+
+/// The error for a symmetric buffer passed to a group that did not allocate it.
+fn foreign_buffer(group: &str, desc: &OpDesc) -> CommError {
+    invalid(
+        group,
+        desc,
+        "the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric",
+    )
 }
 
 /// Scratch of the symmetric reduce-scatter: a window this size stays in L2.
@@ -1015,11 +1035,10 @@ forward_process_group!(ShmGroup {
         op: ReduceOp,
     ) -> Work<SymmetricBuf<T>> {
         let mut desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
-        desc.buffer = buf.shared_part().map(|s| s.id);
+        desc.buffer = self.front.inner.own_buffer(&buf).map(|s| s.id);
         let n = self.front.size();
         self.front.run(desc, move |g| {
-            let sh = g.own_buffer(&desc, &buf)?;
-            g.reduce_symmetric::<T>(&desc, sh, buf.len(), op)?;
+            g.reduce_symmetric(&desc, &buf, op)?;
             let s = bytes_of::<T>(buf.len());
             Ok((buf, s, s / n.max(1)))
         })
@@ -1028,10 +1047,9 @@ forward_process_group!(ShmGroup {
     fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
         let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
         let mut desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
-        desc.buffer = buf.shared_part().map(|s| s.id);
+        desc.buffer = self.front.inner.own_buffer(&buf).map(|s| s.id);
         self.front.run(desc, move |g| {
-            let sh = g.own_buffer(&desc, &buf)?;
-            g.gather_symmetric::<T>(&desc, sh, buf.len())?;
+            g.gather_symmetric(&desc, &buf)?;
             let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
             Ok((buf, s, r))
         })

@@ -173,14 +173,27 @@ fn rank_main() {
                 .map(|_| ()),
         ),
         "symmetric_misuse" => {
-            // A buffer of the world passed to another group, then ranks
-            // passing buffers of different allocations.
+            // Rank 0 passes a buffer of the world to another group, whose
+            // rank 1 passes that group's own; then ranks pass buffers of
+            // different allocations. Nobody may wait for anybody.
             let mut dist = dist;
             let pair = dist.new_group(&[0, 1]).unwrap();
             let g = dist.world();
+            // A backend without shared memory takes a shm buffer through a copy.
+            let mut c = g.alloc_symmetric::<f32>(3).wait().unwrap();
+            c.copy_from_slice(&[1.0, 2.0, 3.0]);
+            let solo = zrt_collectives::local::world(1);
+            let c = solo[0].world().reduce_scatter_symmetric(c, ReduceOp::Sum);
+            let c = c.wait().unwrap();
+            assert!(c.is_shared() && c[..] == [1.0, 2.0, 3.0], "{c:?}");
             let a = g.alloc_symmetric::<f32>(10).wait().unwrap();
             let b = g.alloc_symmetric::<f32>(10).wait().unwrap();
-            let foreign = pair.reduce_scatter_symmetric(a, ReduceOp::Sum).wait();
+            let p = pair.alloc_symmetric::<f32>(10).wait().unwrap();
+            let foreign = if me == 0 {
+                pair.reduce_scatter_symmetric(a, ReduceOp::Sum).wait()
+            } else {
+                pair.reduce_scatter_symmetric(p, ReduceOp::Sum).wait()
+            };
             let a = g.alloc_symmetric::<f32>(10).wait().unwrap();
             let r = if me == 0 {
                 g.reduce_scatter_symmetric(a, ReduceOp::Sum).wait()
@@ -331,21 +344,36 @@ fn different_collectives_or_sizes_name_both_calls() {
 
 #[test]
 fn symmetric_buffers_of_another_group_or_allocation_are_refused() {
-    for e in run(
+    let t = Instant::now();
+    let ended = run(
         2,
         "symmetric_misuse",
         &[("ZRT_BACKEND", "shm")],
         Duration::from_secs(60),
-    ) {
-        let s = said(&e);
-        let (foreign, mismatch) = s.split_once(" | ").unwrap_or_else(|| panic!("{s}"));
-        assert_eq!(foreign, "invalid reduce_scatter(f32 x 10, Sum) on symmetric buffer #0 on group `ranks[0, 1]#0`: the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric");
+    );
+    // Well under ZRT_TIMEOUT (120 s): a rank left waiting would show here.
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    let said: Vec<(&str, &str)> = ended
+        .iter()
+        .map(|e| {
+            said(e)
+                .split_once(" | ")
+                .unwrap_or_else(|| panic!("{}", e.out))
+        })
+        .collect();
+    assert_eq!(said[0].0, "invalid reduce_scatter(f32 x 10, Sum) on group `ranks[0, 1]#0`: the symmetric buffer was allocated by another group: use a buffer from this group's alloc_symmetric");
+    assert!(
+        said[1].0.starts_with("collective mismatch on group `ranks[0, 1]#0` at call #1: rank 0 called reduce_scatter(f32 x 10, Sum) but rank 1 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #0;"),
+        "{}",
+        said[1].0
+    );
+    for (_, mismatch) in said {
         assert!(
             mismatch.contains("collective mismatch on group `world`")
                 && mismatch
-                    .contains("rank 0 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #2")
+                    .contains("rank 0 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #3")
                 && mismatch
-                    .contains("rank 1 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #1"),
+                    .contains("rank 1 called reduce_scatter(f32 x 10, Sum) on symmetric buffer #2"),
             "{mismatch}"
         );
     }

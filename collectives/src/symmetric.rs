@@ -25,9 +25,8 @@ use crate::Element;
 
 /// A buffer allocated by every rank of a group together
 /// ([`ProcessGroup::alloc_symmetric`](crate::ProcessGroup::alloc_symmetric)):
-/// a slice of `T` this rank reads and writes as any other, which the
-/// group's symmetric collectives may also read (and, during a collective,
-/// write) from the other ranks.
+/// a slice of `T` this rank reads and writes as any other, which the other
+/// ranks read (never write) during the group's symmetric collectives.
 ///
 /// It belongs to the group that allocated it: passing it to another group's
 /// collective is an error. Dropping it frees this rank's mapping; the memory
@@ -55,12 +54,6 @@ pub(crate) struct Shared {
     /// This rank's index in `maps`.
     pub(crate) me: usize,
 }
-
-// SAFETY: the mappings are plain shared memory (MmapMut is Send + Sync);
-// this rank writes only its own, and reads peers' only inside the group's
-// collectives, whose barriers order the accesses.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
 
 impl Shared {
     /// Rank `r`'s buffer.
@@ -121,8 +114,8 @@ impl<T: Element> Deref for SymmetricBuf<T> {
             Mem::Heap(v) => v,
             // SAFETY: the mapping holds `len` elements (checked when made),
             // page-aligned, and every bit pattern is a valid `Element`.
-            // Peers write this rank's buffer only inside a collective,
-            // which owns the buffer meanwhile.
+            // Peers only read this rank's buffer, and only inside a
+            // collective, which owns the buffer meanwhile.
             Mem::Shared(s) => unsafe {
                 std::slice::from_raw_parts(s.ptr::<T>(s.me) as *const T, self.len)
             },

@@ -1,6 +1,5 @@
 //! Symmetric buffers: one buffer per rank, allocated by every rank of a
-//! group together, which the shared-memory backend's peers read and write
-//! in place.
+//! group together, which the shared-memory backend's peers read in place.
 //!
 //! A process cannot read a peer's private memory, so a collective over
 //! ordinary `Vec`s must stage every byte a peer needs through a shared
@@ -28,8 +27,8 @@ use crate::Element;
 /// a slice of `T` this rank reads and writes as any other, which the other
 /// ranks read (never write) during the group's symmetric collectives.
 ///
-/// It belongs to the group that allocated it: passing it to another group's
-/// collective is an error. Dropping it frees this rank's mapping; the memory
+/// It belongs to the group that allocated it: another shm group refuses it
+/// (backends without shared memory take it through a copy). Dropping it frees this rank's mapping; the memory
 /// goes when every rank has dropped its own.
 pub struct SymmetricBuf<T: Element> {
     len: usize,

@@ -632,20 +632,28 @@ impl Inner {
             .filter(|s| s.group == self.serial && s.maps.len() == self.n())
     }
 
-    /// Agrees on a symmetric call. A rank whose buffer is not this group's
-    /// still takes part (its description names no buffer), so the peers
-    /// fail at once on the mismatch instead of waiting for it, and it
-    /// reports the foreign buffer itself.
-    fn agree_symmetric<'a>(
+    /// Runs a symmetric collective on `buf`: agrees on `desc`, runs `body`
+    /// on the buffer's mappings, then passes a closing barrier, which keeps
+    /// every rank's buffer still until all peers' reads are done. A rank
+    /// whose buffer is not this group's still takes part in the agreement
+    /// (its description names no buffer), so the peers fail at once on the
+    /// mismatch instead of waiting for it, and it reports the foreign
+    /// buffer itself.
+    fn symmetric<T: Element>(
         &self,
-        st: &mut State,
         desc: &OpDesc,
-        sh: Option<&'a Shared>,
-        deadline: Instant,
-    ) -> Result<&'a Shared, CommError> {
-        let agreed = self.agree(st, desc, deadline);
-        let sh = sh.ok_or_else(|| foreign_buffer(&self.m.name, desc))?;
-        agreed.map(|_| sh)
+        buf: &SymmetricBuf<T>,
+        body: impl FnOnce(&Shared),
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.m.timeout;
+        let mut st = self.state.lock();
+        let agreed = self.agree(&mut st, desc, deadline);
+        let sh = self
+            .own_buffer(buf)
+            .ok_or_else(|| foreign_buffer(&self.m.name, desc))?;
+        agreed?;
+        body(sh);
+        self.pass_barrier(&mut st, desc, deadline)
     }
 
     /// reduce_scatter on a symmetric buffer: this rank reduces its part
@@ -653,18 +661,8 @@ impl Inner {
     /// cache-sized scratch (the result may not alias a source while it is
     /// read), then writes the window over its own part. Peers read only
     /// their own parts of this rank's buffer, so nothing they read changes.
-    /// The closing barrier keeps every rank's buffer still until all reads
-    /// are done.
-    fn reduce_symmetric<T: Element>(
-        &self,
-        desc: &OpDesc,
-        buf: &SymmetricBuf<T>,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
-        let mut st = self.state.lock();
-        let sh = self.agree_symmetric(&mut st, desc, self.own_buffer(buf), deadline)?;
-        let len = buf.len();
+    /// Runs inside [`Inner::symmetric`], between agreement and barrier.
+    fn reduce_symmetric<T: Element>(&self, sh: &Shared, len: usize, op: ReduceOp) {
         let (n, me) = (self.n(), self.m.me);
         let part = chunk_range(len, n, me);
         let w = (SCRATCH_BYTES / std::mem::size_of::<T>().max(1)).min(part.len());
@@ -687,23 +685,14 @@ impl Inner {
                 .copy_from_slice(&tmp[..l]);
             at += l;
         }
-        self.pass_barrier(&mut st, desc, deadline)
     }
 
     /// all_gather on a symmetric buffer: every rank's part is already in
     /// its own buffer, so each rank copies the peers' parts straight from
     /// theirs (starting at the next rank, so n > 2 ranks do not all read
-    /// rank 0 first). The closing barrier keeps every buffer still until all
-    /// copies are done.
-    fn gather_symmetric<T: Element>(
-        &self,
-        desc: &OpDesc,
-        buf: &SymmetricBuf<T>,
-    ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
-        let mut st = self.state.lock();
-        let sh = self.agree_symmetric(&mut st, desc, self.own_buffer(buf), deadline)?;
-        let len = buf.len();
+    /// rank 0 first). Runs inside [`Inner::symmetric`], between agreement
+    /// and barrier.
+    fn gather_symmetric<T: Element>(&self, sh: &Shared, len: usize) {
         let (n, me) = (self.n(), self.m.me);
         let stream = bytes_of::<T>(len) >= STREAM_MIN_DEST_BYTES;
         for q in (1..n).map(|k| (me + k) % n) {
@@ -719,7 +708,6 @@ impl Inner {
             };
             copy_streaming(dst, src, stream);
         }
-        self.pass_barrier(&mut st, desc, deadline)
     }
 }
 
@@ -1038,7 +1026,7 @@ forward_process_group!(ShmGroup {
         desc.buffer = self.front.inner.own_buffer(&buf).map(|s| s.id);
         let n = self.front.size();
         self.front.run(desc, move |g| {
-            g.reduce_symmetric(&desc, &buf, op)?;
+            g.symmetric(&desc, &buf, |sh| g.reduce_symmetric::<T>(sh, buf.len(), op))?;
             let s = bytes_of::<T>(buf.len());
             Ok((buf, s, s / n.max(1)))
         })
@@ -1049,7 +1037,7 @@ forward_process_group!(ShmGroup {
         let mut desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
         desc.buffer = self.front.inner.own_buffer(&buf).map(|s| s.id);
         self.front.run(desc, move |g| {
-            g.gather_symmetric(&desc, &buf)?;
+            g.symmetric(&desc, &buf, |sh| g.gather_symmetric::<T>(sh, buf.len()))?;
             let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
             Ok((buf, s, r))
         })

@@ -378,23 +378,28 @@ impl Inner {
         const BUFS: usize = 3;
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
-        let (full, in_place) = (matches!(dest, Dest::All), matches!(dest, Dest::InPlace));
-        let mut tmp = Vec::new();
-        let part: &mut Vec<T> = match dest {
+        let full = matches!(dest, Dest::All);
+        // Out of place into a destination too large to stay cached, each
+        // window is reduced into a window-sized buffer and streamed out:
+        // a plain store would first read every cold line of the
+        // destination (read-for-ownership), 2.5 S instead of 2 S per rank
+        // through the memory bus both ranks share. Measured at 128 MiB on
+        // 2 ranks: 15.3 -> 12.1 ms.
+        let stream = matches!(dest, Dest::Part(_))
+            && bytes_of::<T>(parts[me].len()) >= STREAM_MIN_DEST_BYTES;
+        let mut part = match dest {
             Dest::Part(part) => {
                 // Reuse the caller's buffer as it is: clearing would zero-fill it again.
                 part.truncate(parts[me].len());
                 part.resize(parts[me].len(), T::ZERO);
-                part
+                Some(part)
             }
-            // In place, each window is reduced into a window-sized buffer
-            // and then written over this rank's own input.
-            Dest::InPlace => {
-                tmp.resize(w.min(parts[me].len()), T::ZERO);
-                &mut tmp
-            }
-            Dest::All => &mut tmp,
+            Dest::All | Dest::InPlace => None,
         };
+        // In place (and streamed), each window is reduced here first and
+        // then written over this rank's own input (or streamed out).
+        let staged = !full && (part.is_none() || stream);
+        let mut tmp = vec![T::ZERO; if staged { w.min(parts[me].len()) } else { 0 }];
         let window = |p: usize, j: usize| {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
@@ -445,14 +450,21 @@ impl Inner {
                     let l = r.len();
                     buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, h + p * w, l) });
                 }
-            } else if in_place {
-                let l = r.len();
-                T::reduce_into(&mut part[..l], &srcs, op);
-                drop(srcs);
-                buf[r].copy_from_slice(&part[..l]);
             } else {
                 let at = r.start - parts[me].start;
-                T::reduce_into(&mut part[at..at + r.len()], &srcs, op);
+                let l = r.len();
+                match part.as_mut() {
+                    Some(part) if !stream => T::reduce_into(&mut part[at..at + l], &srcs, op),
+                    part => {
+                        T::reduce_into(&mut tmp[..l], &srcs, op);
+                        drop(srcs);
+                        let to = match part {
+                            Some(part) => &mut part[at..at + l],
+                            None => &mut buf[r],
+                        };
+                        copy_streaming(to, &tmp[..l], stream);
+                    }
+                }
             }
         }
         Ok(())

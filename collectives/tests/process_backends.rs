@@ -205,6 +205,22 @@ fn rank_main() {
                 other => println!("@@ unexpected {other:?}"),
             }
         }
+        "large" => {
+            // Destinations of 32 MiB and more take the streaming-store paths
+            // (odd length: a tail past the last whole line).
+            let len = 2 * (8 << 20) + 3;
+            let input: Vec<f32> = (0..len).map(|i| common::val(me, i) as f32).collect();
+            let (_, part) = g
+                .reduce_scatter(input, Vec::new(), ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            let r = zrt_collectives::chunk_range(len, 2, me);
+            let sum = |i: usize| (common::val(0, i) + common::val(1, i)) as f32;
+            let wrong = r.clone().zip(&part).position(|(i, &x)| x != sum(i));
+            let (_, all) = g.all_gather(part, Vec::new()).wait().unwrap();
+            let wrong_all = (0..len).zip(&all).position(|(i, &x)| x != sum(i));
+            println!("@@ {} {wrong:?} {wrong_all:?}", all.len());
+        }
         "symmetric_too_big" => {
             // More than /dev/shm holds: tmpfs refuses the reservation at once.
             let r = g.alloc_symmetric::<u8>(1 << 42).wait().map(|_| ());
@@ -230,6 +246,19 @@ fn every_op_dtype_and_uneven_size_across_processes() {
                 assert_eq!(said(&e), "ok");
             }
         }
+    }
+}
+
+#[test]
+fn destinations_larger_than_the_cache_are_streamed_exactly() {
+    for e in run(
+        2,
+        "large",
+        &[("ZRT_BACKEND", "shm")],
+        Duration::from_secs(120),
+    ) {
+        assert_eq!(e.code, Some(0), "{}", e.out);
+        assert_eq!(said(&e), format!("{} None None", 2 * (8 << 20) + 3));
     }
 }
 

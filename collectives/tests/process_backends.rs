@@ -206,8 +206,9 @@ fn rank_main() {
             }
         }
         "large" => {
-            // Destinations of 32 MiB and more take the streaming-store paths
-            // (odd length: a tail past the last whole line).
+            // Large enough for the streaming-store paths (an all_gather
+            // output of 32 MiB; a reduce_scatter whose inputs and parts
+            // take 32 MiB); odd length: a tail past the last whole line.
             let len = 2 * (8 << 20) + 3;
             let input: Vec<f32> = (0..len).map(|i| common::val(me, i) as f32).collect();
             let (_, part) = g

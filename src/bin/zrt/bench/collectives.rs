@@ -148,6 +148,8 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     let python = peer::venv_python();
     let (mut zrt, mut gloo) = (Default::default(), Default::default());
     let mut copy: std::collections::HashMap<usize, Vec<f64>> = Default::default();
+    // Where the host put the two CPUs, per round (see `core_round_trip_ns`).
+    let mut trips = Vec::new();
     for round in 0..a.rounds {
         collect(
             &mut zrt,
@@ -172,6 +174,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
             let gbs = super::copy_bandwidth(1, bytes, 3) / 2.0;
             copy.entry(mib).or_default().push(gbs);
         }
+        trips.push(super::core_round_trip_ns());
         eprintln!(
             "zrt bench collectives: round {}/{} done",
             round + 1,
@@ -182,6 +185,15 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
 
     if !a.json {
         println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.backend, a.rounds, a.iters);
+        let (lo, hi) = trips
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        println!(
+            "core-to-core round trip {} ns (rounds: {}-{} ns)",
+            super::cell(median(&trips), 0, ""),
+            super::cell(lo, 0, ""),
+            super::cell(hi, 0, "")
+        );
         println!(
             "{:<24} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
             "op", "MiB", "zrt ms", "algbw", "busbw", "gloo busbw", "memcpy", "vs gloo", "vs memcpy"
@@ -213,6 +225,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                         "seconds": t, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
                         "peer": "gloo", "peer_busbw_gb_per_s": if gloo_busbw.is_finite() { json!(gloo_busbw) } else { Value::Null },
                         "memcpy_gb_per_s": limit,
+                        "core_round_trip_ns": if median(&trips).is_finite() { json!(median(&trips)) } else { Value::Null },
                         "ratio_vs_peer": if vs_peer.is_finite() { json!(vs_peer) } else { Value::Null },
                         "ratio_vs_limit": vs_limit,
                     })

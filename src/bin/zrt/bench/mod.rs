@@ -59,40 +59,66 @@ pub fn cell(x: f64, decimals: usize, suffix: &str) -> String {
 
 /// Nanoseconds for a cache line to go from one core to another and back:
 /// two threads, pinned to the first two CPUs this process may use, take
-/// turns bumping one atomic (median of three runs of 100 000 round trips).
-/// NaN with fewer than two CPUs. On a VM it tells where the host put the
-/// vCPUs: this project's 2-vCPU machine measures ~100 ns when they share a
-/// cache and ~400 ns when they do not, and every collective that stages
-/// data through shared memory runs at the matching speed.
+/// turns bumping one atomic (median of three runs of up to 100 000 round
+/// trips, each run cut off after half a second: a vCPU the host stops
+/// must not stall the benchmark). NaN with fewer than two CPUs. On a VM it
+/// tells where the host put the vCPUs: this project's 2-vCPU machine
+/// measures about 50 ns or, for minutes at a time, about 400 ns (the cores
+/// on different dies: all_reduce twice as slow, more memory bandwidth).
 pub fn core_round_trip_ns() -> f64 {
     use std::sync::atomic::{AtomicU64, Ordering};
+    const TRIPS: u64 = 100_000;
+    const STOP: u64 = u64::MAX;
+    const LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
     let cpus = allowed_cpus();
     if cpus.len() < 2 {
         return f64::NAN;
     }
-    const TRIPS: u64 = 100_000;
     let once = || {
         let word = AtomicU64::new(0);
         std::thread::scope(|s| {
             s.spawn(|| {
                 pin_to(cpus[1]);
-                for i in 0..TRIPS {
-                    while word.load(Ordering::Acquire) != 2 * i + 1 {
-                        std::hint::spin_loop();
+                // Answers every odd value with the next even one until told
+                // to stop; the compare-exchange never overwrites STOP.
+                loop {
+                    match word.load(Ordering::Acquire) {
+                        STOP => break,
+                        x if x % 2 == 1 => {
+                            let _ = word.compare_exchange(
+                                x,
+                                x + 1,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            );
+                        }
+                        _ => std::hint::spin_loop(),
                     }
-                    word.store(2 * i + 2, Ordering::Release);
                 }
             });
             let _unpin = Unpin(allowed_cpus());
             pin_to(cpus[0]);
             let t = Instant::now();
-            for i in 0..TRIPS {
-                word.store(2 * i + 1, Ordering::Release);
-                while word.load(Ordering::Acquire) != 2 * i + 2 {
+            let mut trips = 0;
+            'trips: while trips < TRIPS {
+                word.store(2 * trips + 1, Ordering::Release);
+                let mut spins = 0u32;
+                while word.load(Ordering::Acquire) != 2 * trips + 2 {
                     std::hint::spin_loop();
+                    spins = spins.wrapping_add(1);
+                    if spins % 4096 == 0 && t.elapsed() > LIMIT {
+                        break 'trips;
+                    }
                 }
+                trips += 1;
             }
-            t.elapsed().as_secs_f64() * 1e9 / TRIPS as f64
+            let ns = t.elapsed().as_secs_f64() * 1e9 / trips as f64;
+            word.store(STOP, Ordering::Release);
+            if trips == 0 {
+                f64::NAN
+            } else {
+                ns
+            }
         })
     };
     median(&[once(), once(), once()])

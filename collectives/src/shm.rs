@@ -385,15 +385,6 @@ impl Inner {
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
         let full = matches!(dest, Dest::All);
-        // Every window is reduced into a private window-sized buffer first,
-        // unless it goes straight into a destination that stays cached
-        // (reduce_scatter out of place, small). From there it is written
-        // over this rank's input (in place), streamed out (below), or
-        // copied into the result area (all_reduce). The last matters when
-        // the ranks' cores are on different dies: the reduction loop's own
-        // stores into shared lines a peer's core held last stalled it, and
-        // all_reduce ran 1.7-1.9x slower than with the copy, which moves
-        // them many at a time.
         // Out of place, when the destination cannot be cached anyway, each
         // window is reduced into a window-sized buffer and streamed out: a
         // plain store would first read every cold line of the destination
@@ -402,6 +393,15 @@ impl Inner {
         // -> 12.1 ms.
         let stream = matches!(dest, Dest::Part(_))
             && bytes_of::<T>(len) * (n + 1) >= STREAM_MIN_FOOTPRINT_BYTES;
+        // Every window is reduced into a private window-sized buffer first,
+        // unless it goes straight into a destination that stays cached
+        // (reduce_scatter out of place, small). From there it is written
+        // over this rank's input (in place), streamed out (above), or
+        // copied into the result area (all_reduce). The last matters when
+        // the ranks' cores are on different dies: the reduction loop's own
+        // stores into shared lines a peer's core held last stalled it, and
+        // all_reduce ran 1.7-1.9x slower than with the copy, which moves
+        // them many at a time.
         let staged = !matches!(dest, Dest::Part(_)) || stream;
         let mut part = match dest {
             Dest::Part(part) => {
@@ -436,7 +436,8 @@ impl Inner {
                 let l = r.len();
                 // SAFETY: round j's third of the result area, complete (its
                 // writers arrived at a later barrier this rank passed) and
-                // not rewritten before this rank arrives at round j + 2.
+                // rewritten only in round j + 3, after this rank arrived
+                // at that round's barrier.
                 buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, h + p * w, l) });
             }
         };

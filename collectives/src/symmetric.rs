@@ -28,8 +28,9 @@ use crate::Element;
 /// ranks read (never write) during the group's symmetric collectives.
 ///
 /// It belongs to the group that allocated it: another shm group refuses it
-/// (backends without shared memory take it through a copy). Dropping it frees this rank's mapping; the memory
-/// goes when every rank has dropped its own.
+/// (backends without shared memory take it through a copy). Dropping it
+/// frees this rank's mapping; the memory goes when every rank has dropped
+/// its own.
 pub struct SymmetricBuf<T: Element> {
     len: usize,
     mem: Mem<T>,

@@ -183,6 +183,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     }
     let _ = std::fs::remove_file(&script);
 
+    let trip = median(&trips);
     if !a.json {
         println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.backend, a.rounds, a.iters);
         let (lo, hi) = trips
@@ -190,7 +191,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
             .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
         println!(
             "core-to-core round trip {} ns (rounds: {}-{} ns)",
-            super::cell(median(&trips), 0, ""),
+            super::cell(trip, 0, ""),
             super::cell(lo, 0, ""),
             super::cell(hi, 0, "")
         );
@@ -225,7 +226,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                         "seconds": t, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
                         "peer": "gloo", "peer_busbw_gb_per_s": if gloo_busbw.is_finite() { json!(gloo_busbw) } else { Value::Null },
                         "memcpy_gb_per_s": limit,
-                        "core_round_trip_ns": if median(&trips).is_finite() { json!(median(&trips)) } else { Value::Null },
+                        "core_round_trip_ns": if trip.is_finite() { json!(trip) } else { Value::Null },
                         "ratio_vs_peer": if vs_peer.is_finite() { json!(vs_peer) } else { Value::Null },
                         "ratio_vs_limit": vs_limit,
                     })

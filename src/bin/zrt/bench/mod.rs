@@ -64,7 +64,8 @@ pub fn cell(x: f64, decimals: usize, suffix: &str) -> String {
 /// must not stall the benchmark). NaN with fewer than two CPUs. On a VM it
 /// tells where the host put the vCPUs: this project's 2-vCPU machine
 /// measures about 50 ns or, for minutes at a time, about 400 ns (the cores
-/// on different dies: all_reduce twice as slow, more memory bandwidth).
+/// on different dies: hand-offs between cores slower, more memory
+/// bandwidth).
 pub fn core_round_trip_ns() -> f64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     const TRIPS: u64 = 100_000;
@@ -96,7 +97,7 @@ pub fn core_round_trip_ns() -> f64 {
                     }
                 }
             });
-            let _unpin = Unpin(allowed_cpus());
+            let _unpin = Unpin(cpus.clone());
             pin_to(cpus[0]);
             let t = Instant::now();
             let mut trips = 0;

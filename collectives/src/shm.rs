@@ -47,7 +47,7 @@ use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::invalid;
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
-use crate::stream::{copy_streaming, STREAM_MIN_DEST_BYTES, STREAM_MIN_FOOTPRINT_BYTES};
+use crate::stream::{copy_streaming, stream_min_dest_bytes, stream_min_footprint_bytes};
 use crate::symmetric::Shared;
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, SymmetricBuf, Work};
@@ -392,7 +392,7 @@ impl Inner {
         // memory bus the ranks share. Measured at 128 MiB on 2 ranks: 15.3
         // -> 12.1 ms.
         let stream = matches!(dest, Dest::Part(_))
-            && bytes_of::<T>(len) * (n + 1) >= STREAM_MIN_FOOTPRINT_BYTES;
+            && bytes_of::<T>(len) * (n + 1) >= stream_min_footprint_bytes();
         // Every window is reduced into a private window-sized buffer first,
         // unless it goes straight into a destination that stays cached
         // (reduce_scatter out of place, small). From there it is written
@@ -530,7 +530,7 @@ impl Inner {
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1, 2);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
-        let stream = bytes_of::<T>(total) >= STREAM_MIN_DEST_BYTES;
+        let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
         for j in 0..rounds {
             let h = self.buf_at::<T>(j, 2);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
@@ -732,7 +732,7 @@ impl Inner {
     /// and barrier.
     fn gather_symmetric<T: Element>(&self, sh: &Shared, len: usize) {
         let (n, me) = (self.n(), self.m.me);
-        let stream = bytes_of::<T>(len) >= STREAM_MIN_DEST_BYTES;
+        let stream = bytes_of::<T>(len) >= stream_min_dest_bytes();
         for q in (1..n).map(|k| (me + k) % n) {
             let r = chunk_range(len, n, q);
             // SAFETY: rank q's part of its own buffer, which nobody writes

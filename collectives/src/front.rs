@@ -106,6 +106,37 @@ pub(crate) struct Member {
     pub(crate) mailbox: Mailbox,
 }
 
+impl Member {
+    /// Checks the calls every rank made at position `seq` (`None`: one that
+    /// could not be read, e.g. a rank still at an older position) and returns
+    /// them, or the error naming rank 0's call and the first rank whose call
+    /// differs — never a collective run on mismatched sizes or dtypes.
+    pub(crate) fn agreed_calls(
+        &self,
+        seq: u64,
+        calls: Vec<Option<OpDesc>>,
+    ) -> Result<Vec<OpDesc>, CommError> {
+        let first = calls[0];
+        if let Some(b) = (1..calls.len()).find(|&r| match (first, calls[r]) {
+            (Some(a), Some(d)) => !a.compatible(&d),
+            _ => true,
+        }) {
+            let show = |d: Option<OpDesc>| {
+                d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
+            };
+            return Err(CommError::Mismatch {
+                group: self.name.clone(),
+                seq,
+                rank_a: self.world_ranks[0],
+                call_a: show(first),
+                rank_b: self.world_ranks[b],
+                call_b: show(calls[b]),
+            });
+        }
+        Ok(calls.into_iter().flatten().collect())
+    }
+}
+
 /// A process backend's [`ProcessGroup`](crate::ProcessGroup) half: the
 /// transport and the worker its operations run on.
 pub(crate) struct Front<X> {

@@ -316,26 +316,10 @@ impl Inner {
                 OpDesc::decode([0, 1, 2].map(|i| self.seg.word(r, at + i).load(Ordering::Relaxed)))
             })
             .collect();
-        let first = descs[0];
-        if let Some(b) = (1..self.n()).find(|&r| match (first, descs[r]) {
-            (Some(a), Some(d)) => !a.compatible(&d),
-            _ => true,
-        }) {
-            let show = |d: Option<OpDesc>| {
-                d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
-            };
-            let e = CommError::Mismatch {
-                group: self.m.name.clone(),
-                seq,
-                rank_a: self.m.world_ranks[0],
-                call_a: show(first),
-                rank_b: self.m.world_ranks[b],
-                call_b: show(descs[b]),
-            };
+        self.m.agreed_calls(seq, descs).inspect_err(|e| {
+            // Every later call on this group fails with the same error.
             st.poisoned = Some(e.clone());
-            return Err(e);
-        }
-        Ok(descs.into_iter().flatten().collect())
+        })
     }
 
     /// Elements of T per part per window when `parts` windows share one of

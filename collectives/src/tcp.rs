@@ -173,26 +173,10 @@ impl Inner {
                     .flatten()
             })
             .collect();
-        let first = descs[0];
-        if let Some(b) = (1..n).find(|&r| match (first, descs[r]) {
-            (Some(a), Some(d)) => !a.compatible(&d),
-            _ => true,
-        }) {
-            let show = |d: Option<OpDesc>| {
-                d.map_or_else(|| "an unknown call".to_string(), |d| d.to_string())
-            };
-            let e = CommError::Mismatch {
-                group: self.m.name.clone(),
-                seq,
-                rank_a: self.m.world_ranks[0],
-                call_a: show(first),
-                rank_b: self.m.world_ranks[b],
-                call_b: show(descs[b]),
-            };
+        self.m.agreed_calls(seq, descs).inspect_err(|e| {
+            // Every later call on this group fails with the same error.
             st.poisoned = Some(e.clone());
-            return Err(e);
-        }
-        Ok(descs.into_iter().flatten().collect())
+        })
     }
 
     /// reduce_scatter into `part`; with `full`, then all_gather into `buf`.

@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::solo_engine;
+use common::{on_ranks, solo_engine};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -85,6 +85,13 @@ fn group(r: &local::LocalRank) -> LocalGroup {
     r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap()
 }
 
+/// The tiny model and its engine under `cfg` on rank `r`'s world group.
+fn tiny_engine(cfg: &Config, r: &local::LocalRank) -> (Tiny, Engine<LocalGroup>) {
+    let t = tiny();
+    let e = Engine::new(&t.vs, &t.plan, cfg, group(r), &AutoHints::default()).unwrap();
+    (t, e)
+}
+
 /// Each rank's gradient of unit `u` for micro-step k, flattened in the flat
 /// layout (sorted names, 16-aligned, padded), divided by gas, as f32.
 fn reference_grad(unit: &str, k: usize, rank: usize, gas: usize, padded: usize) -> Vec<f32> {
@@ -109,36 +116,20 @@ fn reference_grad(unit: &str, k: usize, rank: usize, gas: usize, padded: usize) 
 #[test]
 fn gradient_shards_padding_and_accumulation_are_exact() {
     for stage in [2u8, 3] {
-        let got: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = local::world(WORLD)
-                .into_iter()
-                .map(|r| {
-                    s.spawn(move || {
-                        let t = tiny();
-                        let e = Engine::new(
-                            &t.vs,
-                            &t.plan,
-                            &config(stage, 2),
-                            group(&r),
-                            &AutoHints::default(),
-                        )
-                        .unwrap();
-                        assert_eq!(e.unit_names(), ["a", "b", "c"]);
-                        let mut after = Vec::new();
-                        for k in 0..2 {
-                            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
-                            after.push(
-                                (0..3)
-                                    .map(|u| e.grad_buffer(u).unwrap())
-                                    .collect::<Vec<_>>(),
-                            );
-                            e.step().unwrap();
-                        }
-                        (r.rank(), after)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let got: Vec<_> = on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(stage, 2), &r);
+            assert_eq!(e.unit_names(), ["a", "b", "c"]);
+            let mut after = Vec::new();
+            for k in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                after.push(
+                    (0..3)
+                        .map(|u| e.grad_buffer(u).unwrap())
+                        .collect::<Vec<_>>(),
+                );
+                e.step().unwrap();
+            }
+            (r.rank(), after)
         });
         // a: weight 15 at 0, bias 5 at 16 -> 21 -> padded to 2 x 16 = 32;
         // b: weight 20 at 0, bias 4 at 32 -> 36 -> 64; c: 4 at 0, 1 at 16 -> 32.
@@ -185,153 +176,144 @@ fn gradient_shards_padding_and_accumulation_are_exact() {
 
 #[test]
 fn stage_3_frees_units_after_forward_and_between_steps() {
-    std::thread::scope(|s| {
-        for r in local::world(WORLD) {
-            s.spawn(move || {
-                let t = tiny();
-                let vars = t.vs.variables();
-                let (w0, b0) = (vars["a.weight"].copy(), vars["a.bias"].copy());
-                let e = Engine::new(
-                    &t.vs,
-                    &t.plan,
-                    &config(3, 1),
-                    group(&r),
-                    &AutoHints::default(),
-                )
-                .unwrap();
-                let w = t.vs.variables()["a.weight"].shallow_clone();
+    on_ranks(WORLD, |r| {
+        let t = tiny();
+        let vars = t.vs.variables();
+        let (w0, b0) = (vars["a.weight"].copy(), vars["a.bias"].copy());
+        let e = Engine::new(
+            &t.vs,
+            &t.plan,
+            &config(3, 1),
+            group(&r),
+            &AutoHints::default(),
+        )
+        .unwrap();
+        let w = t.vs.variables()["a.weight"].shallow_clone();
+        assert_eq!(
+            glue::storage_nbytes(&w).unwrap(),
+            0,
+            "freed before the first forward"
+        );
+        for pass in 0..2 {
+            let x = input(r.rank(), pass);
+            let h = t.a.forward(&x);
+            if pass == 0 {
+                // Forward ran on the gathered values (rank 0's).
+                assert!(
+                    h.allclose(&(x.matmul(&w0.tr()) + &b0), 1e-6, 1e-6, false),
+                    "forward used the gathered values"
+                );
+                // The first forward keeps units gathered while it
+                // checks which parameters each one used.
+                assert!(
+                    glue::storage_nbytes(&w).unwrap() > 0,
+                    "kept through the first forward"
+                );
+            } else {
                 assert_eq!(
                     glue::storage_nbytes(&w).unwrap(),
                     0,
-                    "freed before the first forward"
+                    "resharded after forward"
                 );
-                for pass in 0..2 {
-                    let x = input(r.rank(), pass);
-                    let h = t.a.forward(&x);
-                    if pass == 0 {
-                        // Forward ran on the gathered values (rank 0's).
-                        assert!(
-                            h.allclose(&(x.matmul(&w0.tr()) + &b0), 1e-6, 1e-6, false),
-                            "forward used the gathered values"
-                        );
-                        // The first forward keeps units gathered while it
-                        // checks which parameters each one used.
-                        assert!(
-                            glue::storage_nbytes(&w).unwrap() > 0,
-                            "kept through the first forward"
-                        );
-                    } else {
-                        assert_eq!(
-                            glue::storage_nbytes(&w).unwrap(),
-                            0,
-                            "resharded after forward"
-                        );
-                    }
-                    let loss =
-                        t.c.forward(&t.b.forward(&h).tanh())
-                            .square()
-                            .mean(Kind::Float);
-                    // When backward reaches `a`'s output, `c` (whose backward
-                    // is long done) is already reduced and freed: reductions
-                    // and frees happen during backward, not after it.
-                    let c_w = t.vs.variables()["c.weight"].shallow_clone();
-                    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
-                    let seen2 = seen.clone();
-                    glue::on_grad(&h, move || {
-                        *seen2.lock().unwrap() = Some(glue::storage_nbytes(&c_w).unwrap());
-                    })
-                    .unwrap();
-                    e.backward(&loss).unwrap();
-                    assert_eq!(*seen.lock().unwrap(), Some(0), "c freed during backward");
-                    let counts = e.overlap_counts();
-                    assert_eq!(
-                        counts.during_backward,
-                        3 * (pass as u64 + 1),
-                        "every unit reduced from its hook: {counts:?}"
-                    );
-                    if pass == 1 {
-                        // Forward prefetched b and c; backward re-gathered c,
-                        // then b and a (prefetched while the one before ran).
-                        assert!(counts.prefetched >= 4, "{counts:?}");
-                    }
-                    assert_eq!(
-                        glue::storage_nbytes(&w).unwrap(),
-                        0,
-                        "resharded after backward"
-                    );
-                    assert!(!w.grad().defined(), "no full gradient is kept");
-                    assert!(
-                        e.grad_buffer(0).unwrap().iter().any(|&g| g != 0.0),
-                        "backward produced gradients"
-                    );
-                    assert!(e.step().unwrap());
-                    assert_eq!(
-                        glue::storage_nbytes(&w).unwrap(),
-                        0,
-                        "resharded after step()"
-                    );
-                    // Freed units gave their gathered buffers back for the
-                    // next gathers, keeping at most two (largest unit: b,
-                    // 32 + 16 padded f32 elements).
-                    let pooled = e.pooled_bytes();
-                    assert!(pooled > 0 && pooled <= 2 * 48 * 4, "pooled {pooled} bytes");
-                }
-            });
+            }
+            let loss =
+                t.c.forward(&t.b.forward(&h).tanh())
+                    .square()
+                    .mean(Kind::Float);
+            // When backward reaches `a`'s output, `c` (whose backward
+            // is long done) is already reduced and freed: reductions
+            // and frees happen during backward, not after it.
+            let c_w = t.vs.variables()["c.weight"].shallow_clone();
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+            let seen2 = seen.clone();
+            glue::on_grad(&h, move || {
+                *seen2.lock().unwrap() = Some(glue::storage_nbytes(&c_w).unwrap());
+            })
+            .unwrap();
+            e.backward(&loss).unwrap();
+            assert_eq!(*seen.lock().unwrap(), Some(0), "c freed during backward");
+            let counts = e.overlap_counts();
+            assert_eq!(
+                counts.during_backward,
+                3 * (pass as u64 + 1),
+                "every unit reduced from its hook: {counts:?}"
+            );
+            if pass == 1 {
+                // Forward prefetched b and c; backward re-gathered c,
+                // then b and a (prefetched while the one before ran).
+                assert!(counts.prefetched >= 4, "{counts:?}");
+            }
+            assert_eq!(
+                glue::storage_nbytes(&w).unwrap(),
+                0,
+                "resharded after backward"
+            );
+            assert!(!w.grad().defined(), "no full gradient is kept");
+            assert!(
+                e.grad_buffer(0).unwrap().iter().any(|&g| g != 0.0),
+                "backward produced gradients"
+            );
+            assert!(e.step().unwrap());
+            assert_eq!(
+                glue::storage_nbytes(&w).unwrap(),
+                0,
+                "resharded after step()"
+            );
+            // Freed units gave their gathered buffers back for the
+            // next gathers, keeping at most two (largest unit: b,
+            // 32 + 16 padded f32 elements).
+            let pooled = e.pooled_bytes();
+            assert!(pooled > 0 && pooled <= 2 * 48 * 4, "pooled {pooled} bytes");
         }
     });
 }
 
 #[test]
 fn stage_3_prefetches_in_the_order_forward_ran_not_the_wrapping_order() {
-    std::thread::scope(|s| {
-        for r in local::world(WORLD) {
-            s.spawn(move || {
-                // Wrapped c, a, b (units 0, 1, 2) but run a, b, c: as a GPT
-                // wraps its token embedding and head after the blocks.
-                let (vs, plan) = {
-                    let _g = INIT.lock().unwrap();
-                    (nn::VarStore::new(Device::Cpu), ShardPlan::new())
-                };
-                let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
-                let c = mk("c", 4, 1);
-                let a = mk("a", 3, 5);
-                let b = mk("b", 5, 4);
-                let e = Engine::new(&vs, &plan, &config(3, 1), group(&r), &AutoHints::default())
-                    .unwrap();
-                assert_eq!(e.unit_names(), ["c", "a", "b"]);
-                let c_w = vs.variables()["c.weight"].shallow_clone();
-                let a_w = vs.variables()["a.weight"].shallow_clone();
-                for pass in 0..3 {
-                    let before = e.overlap_counts();
-                    let y = c.forward(&b.forward(&a.forward(&input(r.rank(), pass))).tanh());
-                    if pass > 0 {
-                        assert_eq!(glue::storage_nbytes(&a_w).unwrap(), 0, "a resharded");
-                        // Backward starts with c: it stays gathered.
-                        assert!(
-                            glue::storage_nbytes(&c_w).unwrap() > 0,
-                            "the unit forward ran last stays gathered for backward"
-                        );
-                    }
-                    e.backward(&y.square().mean(Kind::Float)).unwrap();
-                    assert!(e.step().unwrap());
-                    let now = e.overlap_counts();
-                    let on_demand = now.on_demand - before.on_demand;
-                    let unused = now.unused - before.unused;
-                    if pass == 0 {
-                        // No order known yet, so by index: a prefetched b
-                        // (unit 2), b nothing (no unit 3), c waited.
-                        // Backward found every unit kept by the first forward.
-                        assert_eq!((on_demand, unused), (2, 0), "{now:?}");
-                    } else {
-                        // By the recorded order only a, which starts the
-                        // forward, waited for its whole gather; b and c
-                        // (forward), b and a (backward) were prefetched, and
-                        // nothing was gathered for nobody.
-                        assert_eq!((on_demand, unused), (1, 0), "pass {pass}: {now:?}");
-                        assert_eq!(now.prefetched - before.prefetched, 4, "{now:?}");
-                    }
-                }
-            });
+    on_ranks(WORLD, |r| {
+        // Wrapped c, a, b (units 0, 1, 2) but run a, b, c: as a GPT
+        // wraps its token embedding and head after the blocks.
+        let (vs, plan) = {
+            let _g = INIT.lock().unwrap();
+            (nn::VarStore::new(Device::Cpu), ShardPlan::new())
+        };
+        let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
+        let c = mk("c", 4, 1);
+        let a = mk("a", 3, 5);
+        let b = mk("b", 5, 4);
+        let e = Engine::new(&vs, &plan, &config(3, 1), group(&r), &AutoHints::default()).unwrap();
+        assert_eq!(e.unit_names(), ["c", "a", "b"]);
+        let c_w = vs.variables()["c.weight"].shallow_clone();
+        let a_w = vs.variables()["a.weight"].shallow_clone();
+        for pass in 0..3 {
+            let before = e.overlap_counts();
+            let y = c.forward(&b.forward(&a.forward(&input(r.rank(), pass))).tanh());
+            if pass > 0 {
+                assert_eq!(glue::storage_nbytes(&a_w).unwrap(), 0, "a resharded");
+                // Backward starts with c: it stays gathered.
+                assert!(
+                    glue::storage_nbytes(&c_w).unwrap() > 0,
+                    "the unit forward ran last stays gathered for backward"
+                );
+            }
+            e.backward(&y.square().mean(Kind::Float)).unwrap();
+            assert!(e.step().unwrap());
+            let now = e.overlap_counts();
+            let on_demand = now.on_demand - before.on_demand;
+            let unused = now.unused - before.unused;
+            if pass == 0 {
+                // No order known yet, so by index: a prefetched b
+                // (unit 2), b nothing (no unit 3), c waited.
+                // Backward found every unit kept by the first forward.
+                assert_eq!((on_demand, unused), (2, 0), "{now:?}");
+            } else {
+                // By the recorded order only a, which starts the
+                // forward, waited for its whole gather; b and c
+                // (forward), b and a (backward) were prefetched, and
+                // nothing was gathered for nobody.
+                assert_eq!((on_demand, unused), (1, 0), "pass {pass}: {now:?}");
+                assert_eq!(now.prefetched - before.prefetched, 4, "{now:?}");
+            }
         }
     });
 }
@@ -339,27 +321,11 @@ fn stage_3_prefetches_in_the_order_forward_ran_not_the_wrapping_order() {
 #[test]
 fn model_state_bytes_match_the_design_formula() {
     for stage in 0..=3u8 {
-        let got: Vec<usize> = std::thread::scope(|s| {
-            let hs: Vec<_> = local::world(WORLD)
-                .into_iter()
-                .map(|r| {
-                    s.spawn(move || {
-                        let t = tiny();
-                        let e = Engine::new(
-                            &t.vs,
-                            &t.plan,
-                            &config(stage, 1),
-                            group(&r),
-                            &AutoHints::default(),
-                        )
-                        .unwrap();
-                        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
-                        e.step().unwrap();
-                        e.model_state_bytes().unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let got: Vec<usize> = on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(stage, 1), &r);
+            e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+            e.step().unwrap();
+            e.model_state_bytes().unwrap()
         });
         // Psi (padded) = 32 + 64 + 32; N = 2; fp32: params 4, grads 4, m + v 8 bytes.
         let (p, n) = (128usize, WORLD);
@@ -374,34 +340,18 @@ fn model_state_bytes_match_the_design_formula() {
 }
 
 fn train(stage: u8, delays: bool) -> Vec<(String, Vec<f32>)> {
-    let out: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(WORLD)
-            .into_iter()
-            .map(|r| {
-                s.spawn(move || {
-                    let t = tiny();
-                    let e = Engine::new(
-                        &t.vs,
-                        &t.plan,
-                        &config(stage, 2),
-                        group(&r),
-                        &AutoHints::default(),
-                    )
-                    .unwrap();
-                    if delays {
-                        e.inject_delays(0x5eed + r.rank() as u64);
-                    }
-                    for step in 0..3 {
-                        for k in 0..2 {
-                            e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
-                            e.step().unwrap();
-                        }
-                    }
-                    e.gathered_params().unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out: Vec<_> = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(stage, 2), &r);
+        if delays {
+            e.inject_delays(0x5eed + r.rank() as u64);
+        }
+        for step in 0..3 {
+            for k in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                e.step().unwrap();
+            }
+        }
+        e.gathered_params().unwrap()
     });
     out.into_iter().next().unwrap()
 }
@@ -415,39 +365,23 @@ fn random_delays_before_collectives_change_no_bit() {
 
 #[test]
 fn units_run_in_different_orders_are_an_error_naming_them() {
-    let errs: Vec<String> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(WORLD)
-            .into_iter()
-            .map(|r| {
-                s.spawn(move || {
-                    let t = tiny();
-                    let e = Engine::new(
-                        &t.vs,
-                        &t.plan,
-                        &config(3, 1),
-                        group(&r),
-                        &AutoHints::default(),
-                    )
-                    .unwrap();
-                    let x = input(r.rank(), 0);
-                    // Rank 1 runs unit b before unit a: shapes differ, so
-                    // feed b a 5-wide input directly.
-                    let y = if r.rank() == 0 {
-                        t.c.forward(&t.b.forward(&t.a.forward(&x)))
-                    } else {
-                        let h =
-                            t.b.forward(&Tensor::ones([4, 5], (Kind::Float, Device::Cpu)));
-                        let _ = t.a.forward(&x);
-                        t.c.forward(&h)
-                    };
-                    match e.backward(&y.mean(Kind::Float)) {
-                        Err(err @ EngineError::UnitOrder(_)) => err.to_string(),
-                        other => panic!("expected a unit-order error, got {other:?}"),
-                    }
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs: Vec<String> = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        let x = input(r.rank(), 0);
+        // Rank 1 runs unit b before unit a: shapes differ, so
+        // feed b a 5-wide input directly.
+        let y = if r.rank() == 0 {
+            t.c.forward(&t.b.forward(&t.a.forward(&x)))
+        } else {
+            let h =
+                t.b.forward(&Tensor::ones([4, 5], (Kind::Float, Device::Cpu)));
+            let _ = t.a.forward(&x);
+            t.c.forward(&h)
+        };
+        match e.backward(&y.mean(Kind::Float)) {
+            Err(err @ EngineError::UnitOrder(_)) => err.to_string(),
+            other => panic!("expected a unit-order error, got {other:?}"),
+        }
     });
     for e in errs {
         assert!(e.contains("rank 0 runs `a`, rank 1 runs `b`"), "{e}");
@@ -477,41 +411,28 @@ fn plans_and_settings_the_engine_cannot_use_are_refused() {
 
 #[test]
 fn each_step_reports_where_its_time_went() {
-    std::thread::scope(|s| {
-        for r in local::world(WORLD) {
-            s.spawn(move || {
-                let t = tiny();
-                let e = Engine::new(
-                    &t.vs,
-                    &t.plan,
-                    &config(3, 2),
-                    group(&r),
-                    &AutoHints::default(),
-                )
-                .unwrap();
-                // Delays before every collective: waiting must show.
-                e.inject_delays(0x7 + r.rank() as u64);
-                assert_eq!(e.last_step_breakdown(), None);
-                for k in 0..2 {
-                    std::thread::sleep(std::time::Duration::from_millis(20)); // "forward"
-                    e.backward(&t.loss(&input(r.rank(), k))).unwrap();
-                    e.step().unwrap();
-                }
-                let b = e.last_step_breakdown().expect("a step was taken");
-                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-                assert!(
-                    ms(b.forward) >= 40.0,
-                    "two micro-steps of 20 ms each: {b:?}"
-                );
-                assert!(
-                    b.backward > std::time::Duration::ZERO
-                        && b.optimizer > std::time::Duration::ZERO,
-                    "{b:?}"
-                );
-                assert!(b.comm_wait > std::time::Duration::ZERO, "{b:?}");
-                assert!(b.comm_wait <= b.forward + b.backward + b.optimizer, "{b:?}");
-            });
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 2), &r);
+        // Delays before every collective: waiting must show.
+        e.inject_delays(0x7 + r.rank() as u64);
+        assert_eq!(e.last_step_breakdown(), None);
+        for k in 0..2 {
+            std::thread::sleep(std::time::Duration::from_millis(20)); // "forward"
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
         }
+        let b = e.last_step_breakdown().expect("a step was taken");
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        assert!(
+            ms(b.forward) >= 40.0,
+            "two micro-steps of 20 ms each: {b:?}"
+        );
+        assert!(
+            b.backward > std::time::Duration::ZERO && b.optimizer > std::time::Duration::ZERO,
+            "{b:?}"
+        );
+        assert!(b.comm_wait > std::time::Duration::ZERO, "{b:?}");
+        assert!(b.comm_wait <= b.forward + b.backward + b.optimizer, "{b:?}");
     });
 }
 
@@ -523,38 +444,26 @@ fn units_under_the_persistence_threshold_stay_gathered_with_the_same_results() {
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000}}"#,
     )
     .unwrap();
-    let kept: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(WORLD)
-            .into_iter()
-            .map(|r| {
-                let persistent = &persistent;
-                s.spawn(move || {
-                    let t = tiny();
-                    let e =
-                        Engine::new(&t.vs, &t.plan, persistent, group(&r), &AutoHints::default())
-                            .unwrap();
-                    let w = t.vs.variables()["a.weight"].shallow_clone();
-                    assert!(
-                        glue::storage_nbytes(&w).unwrap() > 0,
-                        "kept gathered from the start"
-                    );
-                    for step in 0..3 {
-                        for k in 0..2 {
-                            e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
-                            assert!(
-                                glue::storage_nbytes(&w).unwrap() > 0,
-                                "kept through backward"
-                            );
-                            e.step().unwrap();
-                        }
-                    }
-                    assert!(glue::storage_nbytes(&w).unwrap() > 0, "kept after step()");
-                    assert_eq!(e.overlap_counts().prefetched, 0, "nothing to gather");
-                    e.gathered_params().unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let kept: Vec<_> = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&persistent, &r);
+        let w = t.vs.variables()["a.weight"].shallow_clone();
+        assert!(
+            glue::storage_nbytes(&w).unwrap() > 0,
+            "kept gathered from the start"
+        );
+        for step in 0..3 {
+            for k in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                assert!(
+                    glue::storage_nbytes(&w).unwrap() > 0,
+                    "kept through backward"
+                );
+                e.step().unwrap();
+            }
+        }
+        assert!(glue::storage_nbytes(&w).unwrap() > 0, "kept after step()");
+        assert_eq!(e.overlap_counts().prefetched, 0, "nothing to gather");
+        e.gathered_params().unwrap()
     });
     // The same training as with every unit freed and re-gathered.
     assert_eq!(kept[0], train(3, false));
@@ -618,28 +527,21 @@ fn the_first_forward_keeps_units_only_within_max_live_parameters() {
             "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1}}"#,
     )
     .unwrap();
-    std::thread::scope(|s| {
-        for r in local::world(WORLD) {
-            let tight = &tight;
-            s.spawn(move || {
-                let t = tiny();
-                let e =
-                    Engine::new(&t.vs, &t.plan, tight, group(&r), &AutoHints::default()).unwrap();
-                let w = t.vs.variables()["a.weight"].shallow_clone();
-                let h = t.a.forward(&input(r.rank(), 0));
-                assert_eq!(
-                    glue::storage_nbytes(&w).unwrap(),
-                    0,
-                    "over the bound: freed at once"
-                );
-                let loss =
-                    t.c.forward(&t.b.forward(&h).tanh())
-                        .square()
-                        .mean(Kind::Float);
-                e.backward(&loss).unwrap();
-                assert!(e.step().unwrap());
-            });
-        }
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&tight, &r);
+        let w = t.vs.variables()["a.weight"].shallow_clone();
+        let h = t.a.forward(&input(r.rank(), 0));
+        assert_eq!(
+            glue::storage_nbytes(&w).unwrap(),
+            0,
+            "over the bound: freed at once"
+        );
+        let loss =
+            t.c.forward(&t.b.forward(&h).tanh())
+                .square()
+                .mean(Kind::Float);
+        e.backward(&loss).unwrap();
+        assert!(e.step().unwrap());
     });
 }
 
@@ -654,48 +556,37 @@ fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}"#,
     )
     .unwrap();
-    let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(WORLD)
-            .into_iter()
-            .map(|r| {
-                let cfg = &cfg;
-                s.spawn(move || {
-                    let t = tiny();
-                    let e =
-                        Engine::new(&t.vs, &t.plan, cfg, group(&r), &AutoHints::default()).unwrap();
-                    let vars = t.vs.variables();
-                    let bytes = |n: &str| glue::storage_nbytes(&vars[n]).unwrap();
+    let got: Vec<_> = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        let vars = t.vs.variables();
+        let bytes = |n: &str| glue::storage_nbytes(&vars[n]).unwrap();
+        assert!(
+            e.unit_names().last().is_some_and(|n| n == "<root>"),
+            "{:?}",
+            e.unit_names()
+        );
+        for step in 0..3 {
+            for k in 0..2 {
+                let h = t.a.forward(&input(r.rank(), k + step));
+                if step > 0 {
+                    assert_eq!(bytes("a.weight"), 0, "a.weight is freed after forward");
                     assert!(
-                        e.unit_names().last().is_some_and(|n| n == "<root>"),
-                        "{:?}",
-                        e.unit_names()
+                        bytes("a.bias") > 0 && bytes("c.weight") > 0,
+                        "small ones stay"
                     );
-                    for step in 0..3 {
-                        for k in 0..2 {
-                            let h = t.a.forward(&input(r.rank(), k + step));
-                            if step > 0 {
-                                assert_eq!(bytes("a.weight"), 0, "a.weight is freed after forward");
-                                assert!(
-                                    bytes("a.bias") > 0 && bytes("c.weight") > 0,
-                                    "small ones stay"
-                                );
-                            }
-                            let loss =
-                                t.c.forward(&t.b.forward(&h).tanh())
-                                    .square()
-                                    .mean(Kind::Float);
-                            e.backward(&loss).unwrap();
-                            e.step().unwrap();
-                        }
-                    }
-                    assert!(bytes("b.bias") > 0 && bytes("c.bias") > 0 && bytes("b.weight") == 0);
-                    let mut p = e.gathered_params().unwrap();
-                    p.sort_by(|x, y| x.0.cmp(&y.0));
-                    p
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+                }
+                let loss =
+                    t.c.forward(&t.b.forward(&h).tanh())
+                        .square()
+                        .mean(Kind::Float);
+                e.backward(&loss).unwrap();
+                e.step().unwrap();
+            }
+        }
+        assert!(bytes("b.bias") > 0 && bytes("c.bias") > 0 && bytes("b.weight") == 0);
+        let mut p = e.gathered_params().unwrap();
+        p.sort_by(|x, y| x.0.cmp(&y.0));
+        p
     });
     // The same training as with every parameter freed and re-gathered.
     let mut want = train(3, false);

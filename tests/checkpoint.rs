@@ -10,10 +10,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    config_with, config_zero, model, model_of, nvme, nvme_params, solo_engine, tokens, GPT,
+    config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens,
+    GPT,
 };
 use tch::{Kind, Tensor};
-use zrt::collectives::{local, ProcessGroup, ReduceOp};
+use zrt::collectives::{ProcessGroup, ReduceOp};
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
 
@@ -111,40 +112,31 @@ fn run(p: &Phase<'_>) -> Outcome {
 fn try_run(p: &Phase<'_>, gpt_cfg: &GptConfig) -> Vec<Result<Outcome, EngineError>> {
     let world = p.batches.world();
     let cfg = config_zero(p.stage, p.batches.gas(), 0.5, p.extra, p.zero);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(world)
-            .into_iter()
-            .map(|r| {
-                let cfg = &cfg;
-                s.spawn(move || -> Result<Outcome, EngineError> {
-                    let (vs, plan, gpt) = model_of(gpt_cfg);
-                    let g = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
-                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default())?;
-                    if let Some((dir, tag)) = p.load {
-                        engine.load_checkpoint(dir, tag)?;
-                    }
-                    let mut losses = Vec::new();
-                    for m in p.micros.clone() {
-                        let loss = gpt.loss(&p.batches.batch(m, r.rank()));
-                        engine.backward(&loss).unwrap();
-                        engine.step().unwrap();
-                        let all = r
-                            .world()
-                            .all_reduce(vec![loss.double_value(&[])], ReduceOp::Avg)
-                            .wait()
-                            .unwrap();
-                        losses.push(all[0]);
-                    }
-                    if let Some((dir, tag)) = p.save {
-                        engine.save_checkpoint(dir, tag)?;
-                    }
-                    let mut params = engine.gathered_params().unwrap();
-                    params.sort_by(|a, b| a.0.cmp(&b.0));
-                    Ok(Outcome { losses, params })
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(world, |r| -> Result<Outcome, EngineError> {
+        let (vs, plan, gpt) = model_of(gpt_cfg);
+        let g = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())?;
+        if let Some((dir, tag)) = p.load {
+            engine.load_checkpoint(dir, tag)?;
+        }
+        let mut losses = Vec::new();
+        for m in p.micros.clone() {
+            let loss = gpt.loss(&p.batches.batch(m, r.rank()));
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+            let all = r
+                .world()
+                .all_reduce(vec![loss.double_value(&[])], ReduceOp::Avg)
+                .wait()
+                .unwrap();
+            losses.push(all[0]);
+        }
+        if let Some((dir, tag)) = p.save {
+            engine.save_checkpoint(dir, tag)?;
+        }
+        let mut params = engine.gathered_params().unwrap();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Outcome { losses, params })
     })
 }
 
@@ -519,25 +511,16 @@ fn the_16bit_model_holds_the_compute_weights() {
     let dir = tmp("16bit");
     let cfg: Config = config_with(3, 1, 0.0, r#""bf16": {"enabled": true},"#);
     let out = dir.join("model16.safetensors");
-    let got: Vec<Params> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(2)
-            .into_iter()
-            .map(|r| {
-                let (cfg, out) = (&cfg, &out);
-                s.spawn(move || {
-                    let (vs, plan, gpt) = model();
-                    let g = r.new_group(&[0, 1]).unwrap();
-                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
-                    engine
-                        .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
-                        .unwrap();
-                    engine.step().unwrap();
-                    engine.save_16bit_model(out).unwrap();
-                    engine.gathered_params().unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let got: Vec<Params> = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        engine
+            .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
+            .unwrap();
+        engine.step().unwrap();
+        engine.save_16bit_model(&out).unwrap();
+        engine.gathered_params().unwrap()
     });
     let saved = Tensor::read_safetensors(&out).unwrap();
     assert_eq!(saved.len(), got[0].len());
@@ -794,28 +777,18 @@ fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
     // Saved by 4 ranks in 2 shard groups (one group writes), loaded by 2.
     let dir = tmp("hybrid");
     let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);
-    let saved: Vec<Params> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(4)
-            .into_iter()
-            .map(|r| {
-                let (cfg, dir) = (&cfg, &dir);
-                s.spawn(move || {
-                    let (vs, plan, gpt) = model();
-                    let mesh = r.mesh(2).unwrap();
-                    let engine =
-                        Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default()).unwrap();
-                    for step in 0..2 {
-                        engine
-                            .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
-                            .unwrap();
-                        engine.step().unwrap();
-                    }
-                    engine.save_checkpoint(dir, "h").unwrap();
-                    engine.gathered_params().unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let saved: Vec<Params> = on_ranks(4, |r| {
+        let (vs, plan, gpt) = model();
+        let mesh = r.mesh(2).unwrap();
+        let engine = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+        for step in 0..2 {
+            engine
+                .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
+                .unwrap();
+            engine.step().unwrap();
+        }
+        engine.save_checkpoint(&dir, "h").unwrap();
+        engine.gathered_params().unwrap()
     });
     let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
     assert!(text.contains("world 2 (mesh 2 x 2)"), "{text}");

@@ -53,69 +53,60 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
 /// As `run_engine_with`; `bare`: run backward as `loss.backward()` (the
 /// hooks alone drive the reductions) instead of `engine.backward(&loss)`.
 fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
-    let out: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::world(WORLD)
+    let out: Vec<_> = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let mut losses = Vec::new();
+        let mut norms = Vec::new();
+        for step in 0..STEPS {
+            let mut sum = 0.0;
+            for k in 0..gas {
+                let loss = gpt.loss(&tokens(step, k, r.rank(), gas));
+                sum += loss.double_value(&[]);
+                if bare {
+                    loss.backward();
+                    if k + 1 < gas {
+                        // As with FSDP: backward gas times,
+                        // then one step.
+                        continue;
+                    }
+                } else {
+                    engine.backward(&loss).unwrap();
+                }
+                let skipped = engine.skipped_steps();
+                let stepped = engine.step().unwrap();
+                // Steps only at the boundary, unless fp16 skipped it.
+                assert_eq!(
+                    stepped || engine.skipped_steps() > skipped,
+                    k + 1 == gas,
+                    "steps only at the boundary"
+                );
+            }
+            let all = r
+                .world()
+                .all_reduce(vec![sum / gas as f64], zrt::collectives::ReduceOp::Avg)
+                .wait()
+                .unwrap();
+            losses.push(all[0]);
+            norms.push(engine.global_grad_norm());
+        }
+        let reductions: Vec<_> = engine
+            .group()
+            .stats()
+            .snapshot()
             .into_iter()
-            .map(|r| {
-                let cfg = &cfg;
-                s.spawn(move || {
-                    let (vs, plan, gpt) = model();
-                    let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-                    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
-                    let mut losses = Vec::new();
-                    let mut norms = Vec::new();
-                    for step in 0..STEPS {
-                        let mut sum = 0.0;
-                        for k in 0..gas {
-                            let loss = gpt.loss(&tokens(step, k, r.rank(), gas));
-                            sum += loss.double_value(&[]);
-                            if bare {
-                                loss.backward();
-                                if k + 1 < gas {
-                                    // As with FSDP: backward gas times,
-                                    // then one step.
-                                    continue;
-                                }
-                            } else {
-                                engine.backward(&loss).unwrap();
-                            }
-                            let skipped = engine.skipped_steps();
-                            let stepped = engine.step().unwrap();
-                            // Steps only at the boundary, unless fp16 skipped it.
-                            assert_eq!(
-                                stepped || engine.skipped_steps() > skipped,
-                                k + 1 == gas,
-                                "steps only at the boundary"
-                            );
-                        }
-                        let all = r
-                            .world()
-                            .all_reduce(vec![sum / gas as f64], zrt::collectives::ReduceOp::Avg)
-                            .wait()
-                            .unwrap();
-                        losses.push(all[0]);
-                        norms.push(engine.global_grad_norm());
-                    }
-                    let reductions: Vec<_> = engine
-                        .group()
-                        .stats()
-                        .snapshot()
-                        .into_iter()
-                        .filter(|o| o.op == "reduce_scatter" || o.op == "all_reduce")
-                        .collect();
-                    Run {
-                        reduced_bytes: reductions.iter().map(|o| o.bytes_sent).sum(),
-                        reduce_calls: reductions.iter().map(|o| o.calls).sum(),
-                        losses,
-                        params: engine.gathered_params().unwrap(),
-                        norms,
-                        skipped: engine.skipped_steps(),
-                        scale: engine.loss_scale(),
-                    }
-                })
-            })
+            .filter(|o| o.op == "reduce_scatter" || o.op == "all_reduce")
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        Run {
+            reduced_bytes: reductions.iter().map(|o| o.bytes_sent).sum(),
+            reduce_calls: reductions.iter().map(|o| o.calls).sum(),
+            losses,
+            params: engine.gathered_params().unwrap(),
+            norms,
+            skipped: engine.skipped_steps(),
+            scale: engine.loss_scale(),
+        }
     });
     // Every rank ends with the same parameters.
     assert_eq!(
@@ -296,23 +287,18 @@ fn stages_0_to_3_match_the_unsharded_reference() {
 #[test]
 fn a_second_step_at_the_same_boundary_does_nothing() {
     let cfg = config(2, 1, 0.0);
-    std::thread::scope(|s| {
-        for r in local::world(WORLD) {
-            let cfg = &cfg;
-            s.spawn(move || {
-                let (vs, plan, gpt) = model();
-                let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-                let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
-                engine
-                    .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
-                    .unwrap();
-                assert!(engine.step().unwrap());
-                let after = engine.gathered_params().unwrap();
-                assert!(!engine.step().unwrap(), "no new micro-step, no new step");
-                assert_eq!(engine.global_step(), 1);
-                assert_eq!(engine.gathered_params().unwrap(), after);
-            });
-        }
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        engine
+            .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
+            .unwrap();
+        assert!(engine.step().unwrap());
+        let after = engine.gathered_params().unwrap();
+        assert!(!engine.step().unwrap(), "no new micro-step, no new step");
+        assert_eq!(engine.global_step(), 1);
+        assert_eq!(engine.gathered_params().unwrap(), after);
     });
 }
 

@@ -4,13 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::local::LocalGroup;
-use crate::shm::{ShmGroup, ShmJoin, DEFAULT_SLOT_BYTES};
+use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin};
 use crate::store::{StoreClient, StoreServer};
 use crate::tcp::{TcpGroup, TcpJoin};
-use crate::{
-    default_timeout, CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, SymmetricBuf,
-    Work,
-};
+use crate::work::timeout_from_env;
+use crate::{CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, SymmetricBuf, Work};
 
 /// The environment contract of `zrt launch`, as torchrun's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,7 +202,8 @@ pub fn init_from_env() -> Result<Dist, CommError> {
             )))
         }
     };
-    let timeout = default_timeout();
+    let timeout = timeout_from_env().map_err(CommError::Rendezvous)?;
+    let slot_bytes = slot_bytes_from_env().map_err(CommError::Rendezvous)?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let server = if env.rank == 0 {
         Some(StoreServer::serve(&addr, &env.token)?)
@@ -229,10 +228,6 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         }
         Some(b) => b,
     };
-    let slot_bytes = std::env::var("ZRT_SHM_SLOT_BYTES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SLOT_BYTES);
     let all: Vec<usize> = (0..env.world_size).collect();
     let world = join_group(&env, backend, &store, slot_bytes, timeout, "world", &all)?;
     tracing::info!(

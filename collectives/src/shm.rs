@@ -76,6 +76,44 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 /// best of 256 KiB .. 8 MiB on 2 ranks (README, collectives benchmark).
 pub const DEFAULT_SLOT_BYTES: usize = 512 << 10;
 
+/// The smallest staging slot `ZRT_SHM_SLOT_BYTES` may ask for.
+const MIN_SLOT_BYTES: usize = 4096;
+
+/// Staging bytes per rank for a group of `n`: `wanted`, raised so that the
+/// smallest window (16 elements of the widest dtype, 8 bytes, for each of
+/// `n` parts in each of a reduction's three buffers) fits, and rounded up to
+/// a cache line. Below that the windows of a large group would run past the
+/// slot into the next rank's.
+fn slot_bytes_for(wanted: usize, n: usize) -> usize {
+    wanted.max(MIN_SLOT_BYTES).max(n * 3 * 16 * 8).div_ceil(64) * 64
+}
+
+/// Elements of `size` bytes per part per window when `parts` windows share
+/// one of a `slot`-byte slot's `bufs` buffers: a multiple of 16, at least 16
+/// (which [`slot_bytes_for`] makes fit).
+fn window_len(slot: usize, size: usize, parts: usize, bufs: usize) -> usize {
+    (slot / bufs / size.max(1) / parts.max(1) / 16 * 16).max(16)
+}
+
+/// `ZRT_SHM_SLOT_BYTES` ([`DEFAULT_SLOT_BYTES`] when unset or empty), or
+/// what is wrong with it.
+pub(crate) fn slot_bytes_from_env() -> Result<usize, String> {
+    parse_slot_bytes(std::env::var("ZRT_SHM_SLOT_BYTES").ok().as_deref())
+}
+
+fn parse_slot_bytes(v: Option<&str>) -> Result<usize, String> {
+    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(DEFAULT_SLOT_BYTES);
+    };
+    match v.parse::<usize>() {
+        Ok(b) if (MIN_SLOT_BYTES..=1 << 30).contains(&b) => Ok(b),
+        _ => Err(format!(
+            "ZRT_SHM_SLOT_BYTES={v:?} is not a byte count from {MIN_SLOT_BYTES} to 1073741824 \
+             (e.g. ZRT_SHM_SLOT_BYTES=524288, the default)"
+        )),
+    }
+}
+
 struct Segment {
     map: MmapMut,
     n: usize,
@@ -325,7 +363,7 @@ impl Inner {
     /// Elements of T per part per window when `parts` windows share one of
     /// a slot's `bufs` buffers.
     fn window<T>(&self, parts: usize, bufs: usize) -> usize {
-        (self.seg.slot / bufs / std::mem::size_of::<T>().max(1) / parts.max(1) / 16 * 16).max(16)
+        window_len(self.seg.slot, std::mem::size_of::<T>(), parts, bufs)
     }
 
     /// Element offset of round `j`'s buffer when a slot is split into
@@ -851,7 +889,7 @@ impl ShmGroup {
                     j.world_rank, j.world_ranks
                 ),
             })?;
-        let slot = j.slot_bytes.max(4096).div_ceil(64) * 64;
+        let own_slot = slot_bytes_for(j.slot_bytes, n);
         let safe: String = j
             .name
             .chars()
@@ -862,8 +900,8 @@ impl ShmGroup {
         let io = |what: &str, e: std::io::Error| {
             CommError::Rendezvous(format!("{what} {}: {e}", path.display()))
         };
-        let bytes = Segment::bytes(n, slot);
-        let file = if me == 0 {
+        let (file, slot) = if me == 0 {
+            let slot = own_slot;
             let _ = std::fs::remove_file(&path);
             let f = OpenOptions::new()
                 .read(true)
@@ -871,21 +909,43 @@ impl ShmGroup {
                 .create_new(true)
                 .open(&path)
                 .map_err(|e| io("creating", e))?;
-            f.set_len(bytes as u64)
+            f.set_len(Segment::bytes(n, slot) as u64)
                 .map_err(|e| io("sizing (is /dev/shm large enough?)", e))?;
-            j.store.set(&key("created"), &[])?;
-            f
+            // The layout is rank 0's: a rank started with another
+            // ZRT_SHM_SLOT_BYTES must not index the segment differently.
+            j.store.set(&key("created"), &(slot as u64).to_le_bytes())?;
+            (f, slot)
         } else {
-            j.store.get(&key("created"), j.timeout)?;
-            OpenOptions::new()
+            let b = j.store.get(&key("created"), j.timeout)?;
+            let slot = <[u8; 8]>::try_from(b.as_slice())
+                .map(|b| u64::from_le_bytes(b) as usize)
+                .map_err(|_| CommError::Rendezvous("malformed segment layout".into()))?;
+            if slot != own_slot {
+                tracing::warn!(
+                    group = j.name,
+                    rank0 = slot,
+                    here = own_slot,
+                    "ZRT_SHM_SLOT_BYTES differs from rank 0's: using rank 0's staging slots"
+                );
+            }
+            let f = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(&path)
-                .map_err(|e| io("opening", e))?
+                .map_err(|e| io("opening", e))?;
+            (f, slot)
         };
         // SAFETY: the file is this job's, sized above, and only accessed
         // through `Segment`'s atomics and protocol-owned ranges.
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| io("mapping", e))?;
+        if map.len() < Segment::bytes(n, slot) {
+            return Err(CommError::Rendezvous(format!(
+                "{} holds {} bytes, the group's layout needs {}",
+                path.display(),
+                map.len(),
+                Segment::bytes(n, slot)
+            )));
+        }
         let seg = Segment { map, n, slot };
         if me == 0 {
             // SAFETY: header words, written before anyone is told "ready".
@@ -1075,3 +1135,39 @@ forward_process_group!(ShmGroup {
         })
     }
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_fit_their_slot_for_any_group_and_dtype() {
+        for wanted in [0, 4096, 5000, DEFAULT_SLOT_BYTES] {
+            for n in 1..=64 {
+                let slot = slot_bytes_for(wanted, n);
+                assert!(slot >= wanted && slot % 64 == 0, "{wanted} {n}: {slot}");
+                for size in [1, 2, 4, 8] {
+                    // Reductions: n parts in 3 buffers; gathers: 1 in 2.
+                    for (parts, bufs) in [(n, 3), (1, 2)] {
+                        let w = window_len(slot, size, parts, bufs);
+                        assert!(
+                            w % 16 == 0 && w * parts * bufs * size <= slot,
+                            "slot {slot} n {n} size {size}: window {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slot_sizes_from_the_environment_are_checked() {
+        assert_eq!(parse_slot_bytes(None), Ok(DEFAULT_SLOT_BYTES));
+        assert_eq!(parse_slot_bytes(Some("")), Ok(DEFAULT_SLOT_BYTES));
+        assert_eq!(parse_slot_bytes(Some(" 4096 ")), Ok(4096));
+        for bad in ["512k", "100", "-1", "x", "2000000000"] {
+            let e = parse_slot_bytes(Some(bad)).unwrap_err();
+            assert!(e.contains(&format!("ZRT_SHM_SLOT_BYTES={bad:?}")), "{e}");
+        }
+    }
+}

@@ -6,13 +6,38 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::CommError;
 
-/// How long a wait lasts unless told otherwise: `ZRT_TIMEOUT` seconds, else 300.
+/// What a wait lasts when `ZRT_TIMEOUT` is not set.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How long a wait lasts unless told otherwise: `ZRT_TIMEOUT` seconds, else
+/// 300. A value that is not a positive number of seconds is refused by
+/// [`init_from_env`](crate::init_from_env); here (threads of the local
+/// backend, waits without a group) it is logged once and 300 s used.
 pub fn default_timeout() -> Duration {
-    std::env::var("ZRT_TIMEOUT")
+    timeout_from_env().unwrap_or_else(|why| {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| tracing::warn!("{why}; waiting {} s", DEFAULT_TIMEOUT.as_secs()));
+        DEFAULT_TIMEOUT
+    })
+}
+
+/// `ZRT_TIMEOUT` as a duration (300 s when unset or empty), or what is
+/// wrong with it.
+pub(crate) fn timeout_from_env() -> Result<Duration, String> {
+    parse_timeout(std::env::var("ZRT_TIMEOUT").ok().as_deref())
+}
+
+fn parse_timeout(v: Option<&str>) -> Result<Duration, String> {
+    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    v.parse::<f64>()
         .ok()
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .filter(|s| *s > 0.0 && s.is_finite())
-        .map_or(Duration::from_secs(300), Duration::from_secs_f64)
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            format!("ZRT_TIMEOUT={v:?} is not a positive number of seconds (e.g. ZRT_TIMEOUT=600)")
+        })
 }
 
 /// A pending collective. Dropping it does not cancel the operation (every
@@ -83,5 +108,26 @@ impl<T> Work<T> {
     /// Blocks until the operation completes or `timeout` passes.
     pub fn wait_timeout(self, timeout: Duration) -> Result<T, CommError> {
         (self.wait)(timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_seconds_and_anything_else_is_named() {
+        assert_eq!(parse_timeout(None), Ok(DEFAULT_TIMEOUT));
+        assert_eq!(parse_timeout(Some(" ")), Ok(DEFAULT_TIMEOUT));
+        assert_eq!(parse_timeout(Some("600")), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_timeout(Some("0.5")), Ok(Duration::from_millis(500)));
+        for bad in ["30s", "abc", "0", "-5", "inf", "NaN", "1e400"] {
+            let e = parse_timeout(Some(bad)).unwrap_err();
+            assert!(
+                e.contains(&format!("ZRT_TIMEOUT={bad:?}"))
+                    && e.contains("positive number of seconds"),
+                "{e}"
+            );
+        }
     }
 }

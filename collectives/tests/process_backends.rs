@@ -99,6 +99,11 @@ fn rank_main() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
+    if scenario == "ops_rank1_small_slots" && std::env::var("RANK").as_deref() == Ok("1") {
+        // Only rank 1 asks for other staging slots: the segment's layout
+        // must still be rank 0's.
+        std::env::set_var("ZRT_SHM_SLOT_BYTES", "4096");
+    }
     let dist = match init_from_env() {
         Ok(d) => d,
         Err(e) => {
@@ -113,7 +118,7 @@ fn rank_main() {
         Err(e) => println!("@@ err {e}"),
     };
     match scenario.as_str() {
-        "ops" => {
+        "ops" | "ops_rank1_small_slots" => {
             common::check_all_dtypes(g);
             common::check_send_recv(g);
             println!("@@ ok");
@@ -431,5 +436,39 @@ fn an_unknown_backend_is_refused_naming_the_choices() {
     for e in run(2, "ops", &[("ZRT_BACKEND", "mpi")], Duration::from_secs(30)) {
         assert_eq!(e.code, Some(1));
         assert_eq!(said(&e), "err rendezvous failed: ZRT_BACKEND=\"mpi\" is not a backend: use shm (one host) or tcp (any hosts)");
+    }
+}
+
+#[test]
+fn a_timeout_or_slot_size_that_is_not_a_number_is_refused_naming_it() {
+    for (key, value, want) in [
+        (
+            "ZRT_TIMEOUT",
+            "30s",
+            "is not a positive number of seconds (e.g. ZRT_TIMEOUT=600)",
+        ),
+        (
+            "ZRT_SHM_SLOT_BYTES",
+            "512k",
+            "is not a byte count from 4096",
+        ),
+    ] {
+        for e in run(2, "ops", &[(key, value)], Duration::from_secs(30)) {
+            assert_eq!(e.code, Some(1), "{}", e.out);
+            let s = said(&e);
+            assert!(
+                s.starts_with(&format!("err rendezvous failed: {key}=\"{value}\" {want}")),
+                "{s}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ranks_started_with_other_slot_sizes_use_rank_0s_layout() {
+    let env = [("ZRT_BACKEND", "shm")];
+    for e in run(2, "ops_rank1_small_slots", &env, Duration::from_secs(120)) {
+        assert_eq!(e.code, Some(0), "{}", e.out);
+        assert_eq!(said(&e), "ok");
     }
 }

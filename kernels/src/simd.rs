@@ -29,7 +29,15 @@ pub fn level() -> Level {
         let wanted = match std::env::var("ZRT_SIMD").as_deref() {
             Ok("base") => Level::Base,
             Ok("avx2") => Level::Avx2,
-            _ => Level::Avx512,
+            Ok("avx512") | Ok("") | Err(_) => Level::Avx512,
+            Ok(other) => {
+                // Only a speed knob, read where nothing can return an error:
+                // said loudly, not fatal.
+                tracing::warn!(
+                    "ZRT_SIMD={other:?} is not base, avx2 or avx512: using the CPU's widest level"
+                );
+                Level::Avx512
+            }
         };
         hw.min(wanted)
     })

@@ -164,6 +164,7 @@ fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Tensor {
 }
 
 fn main() -> Result<()> {
+    zrt::init_logging();
     let a = parse_args()?;
     tch::set_num_threads(1);
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;

@@ -28,6 +28,33 @@ pub fn peak_rss_bytes() -> f64 {
         .map_or(f64::NAN, |kb| kb * 1024.0)
 }
 
+/// What [`init_logging`] shows when `RUST_LOG` is not set: warnings and
+/// errors from everywhere, and the engine's and offload's info lines
+/// (`"auto"` values resolved, `wall_clock_breakdown`, checkpoints saved,
+/// what went to NVMe).
+pub const DEFAULT_LOG_FILTER: &str = "warn,zrt_zero=info,zrt_offload=info";
+
+/// Sends the workspace's [`tracing`](https://docs.rs/tracing) events to
+/// stderr, filtered by `RUST_LOG` (e.g. `RUST_LOG=zrt_collectives=debug`),
+/// else by [`DEFAULT_LOG_FILTER`]. The libraries only emit events; a
+/// program calls this once at the start of `main` (the main job and the
+/// `zrt` CLI do), or installs a subscriber of its own. Without one, warnings
+/// such as a config key zrt ignores are never seen. Later calls, or a
+/// subscriber already installed, leave things as they are.
+pub fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_LOG_FILTER));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        // Under `zrt launch` stderr is a pipe: no colour codes in the lines.
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
 pub use zrt_collectives as collectives;
 pub use zrt_kernels as kernels;
 pub use zrt_offload as offload;

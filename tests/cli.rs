@@ -1,4 +1,4 @@
-//! The `zrt` CLI's config and estimate commands, end to end.
+//! The `zrt` CLI's config and estimate commands, and its log output, end to end.
 
 use std::process::Command;
 
@@ -72,4 +72,34 @@ fn estimate_prints_the_design_formula() {
         out.contains("stage 0:      16.00 GiB") && out.contains("stage 3:       4.00 GiB"),
         "{out}"
     );
+}
+
+#[test]
+fn the_cli_shows_the_libraries_warnings() {
+    // The kernels crate warns (through `tracing`) about a ZRT_SIMD it does
+    // not know; only a subscriber the CLI installed can print it.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args([
+            "bench",
+            "adam",
+            "--params",
+            "100000",
+            "--threads",
+            "1",
+            "--rounds",
+            "1",
+        ])
+        .env("ZRT_SIMD", "avx3")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "WARN ZRT_SIMD=\"avx3\" is not base, avx2 or avx512: using the CPU's widest level"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains('\x1b'), "no colour codes into a pipe: {err}");
 }

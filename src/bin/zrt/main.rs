@@ -64,6 +64,7 @@ enum BenchCmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    zrt::init_logging();
     let result = match cli.command {
         Cmd::Bench {
             which: BenchCmd::Adam(a),

@@ -59,14 +59,15 @@ impl Timing {
         self.cur.optimizer += self.since - started;
         let b = std::mem::take(&mut self.cur);
         if log {
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            // Tenths of a millisecond: what a reader compares, and no
+            // float noise (84.886356999) in the line.
+            let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1e3);
             tracing::info!(
-                step,
-                forward_ms = ms(b.forward),
-                backward_ms = ms(b.backward),
-                comm_wait_ms = ms(b.comm_wait),
-                optimizer_ms = ms(b.optimizer),
-                "wall clock breakdown"
+                "wall clock breakdown, step {step} (ms): forward {} | backward {} | waiting for communication {} | optimizer {}",
+                ms(b.forward),
+                ms(b.backward),
+                ms(b.comm_wait),
+                ms(b.optimizer),
             );
         }
         self.last = Some(b);

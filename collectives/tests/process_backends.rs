@@ -211,9 +211,12 @@ fn rank_main() {
             }
         }
         "large" => {
-            // Large enough for the streaming-store paths (an all_gather
-            // output of 32 MiB; a reduce_scatter whose inputs and parts
-            // take 32 MiB); odd length: a tail past the last whole line.
+            // Large enough for the streaming-store paths where the
+            // last-level cache is 32 MiB or less, as on this project's
+            // machines (an all_gather output of 64 MiB; a reduce_scatter
+            // whose inputs and parts take 192 MiB); on a host with more the
+            // plain paths are checked. Odd length: a tail past the last
+            // whole line.
             let len = 2 * (8 << 20) + 3;
             let input: Vec<f32> = (0..len).map(|i| common::val(me, i) as f32).collect();
             let (_, part) = g

@@ -139,4 +139,25 @@ fn bad_arguments_are_refused_with_the_fix() {
         "{}",
         text(&o)
     );
+    // An address of no interface here (TEST-NET-1): the address is the
+    // problem, not the ports.
+    let o = zrt()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "192.0.2.1",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("cannot listen on 192.0.2.1: ")
+            && text(&o).contains("the master address must name this host"),
+        "{}",
+        text(&o)
+    );
 }

@@ -69,8 +69,16 @@ pub fn free_store_port(addr: &str) -> Result<u16, CommError> {
         s ^= s >> 7;
         s ^= s << 17;
         let port = 20_000 + (s % 12_000) as u16;
-        if TcpListener::bind((addr, port)).is_ok() {
-            return Ok(port);
+        match TcpListener::bind((addr, port)) {
+            Ok(_) => return Ok(port),
+            // Another port may be free; anything else is about the address.
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {}
+            Err(e) => {
+                return Err(err(format!(
+                    "cannot listen on {addr}: {e}; the master address must name this host \
+                     (the node of rank 0), e.g. --master-addr 127.0.0.1 on one machine"
+                )))
+            }
         }
     }
     Err(err(format!(

@@ -557,7 +557,21 @@ fn the_rng_state_is_restored_and_bad_tags_are_refused() {
         let e = engine
             .load_checkpoint(dir.join("nowhere"), None)
             .unwrap_err();
-        assert!(e.to_string().contains("latest is missing"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("nowhere does not exist: pass the directory save_checkpoint wrote to"),
+            "{e}"
+        );
+        // Tags but no `latest` (as after copying only the tag directories).
+        std::fs::remove_file(dir.join("latest")).unwrap();
+        let e = engine.load_checkpoint(&dir, None).unwrap_err();
+        assert!(
+            e.to_string().ends_with(
+                "has no `latest` file naming the tag to load (a completed save writes it): \
+                 pass the tag; tags there: a"
+            ),
+            "{e}"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

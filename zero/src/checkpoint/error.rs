@@ -40,6 +40,16 @@ pub enum CheckpointError {
         /// The missing file.
         path: PathBuf,
     },
+    /// No tag was given and the directory has no `latest` naming one.
+    #[error("{}", no_latest(dir, *exists, tags))]
+    NoLatest {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// Whether the directory exists at all.
+        exists: bool,
+        /// The tags found in it (subdirectories holding a `meta.json`).
+        tags: Vec<String>,
+    },
     /// The checkpoint holds another model's parameters.
     #[error("the checkpoint is of another model: {}; load it into the model it was saved from (same parameter names and shapes)", model_diff(missing, unexpected, misshaped))]
     ModelMismatch {
@@ -115,4 +125,19 @@ fn model_diff(missing: &[String], unexpected: &[String], misshaped: &[String]) -
         parts.push(list("mis-shaped", misshaped));
     }
     parts.join("; ")
+}
+
+fn no_latest(dir: &std::path::Path, exists: bool, tags: &[String]) -> String {
+    let dir = dir.display();
+    if !exists {
+        return format!(
+            "checkpoint directory {dir} does not exist: pass the directory save_checkpoint wrote to"
+        );
+    }
+    let found = if tags.is_empty() {
+        "it holds no checkpoint tag (a subdirectory with a meta.json)".to_string()
+    } else {
+        format!("tags there: {}", tags.join(", "))
+    };
+    format!("{dir} has no `latest` file naming the tag to load (a completed save writes it): pass the tag; {found}")
 }

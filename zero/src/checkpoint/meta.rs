@@ -141,7 +141,11 @@ pub(crate) fn resolve_tag(
             match std::fs::read_to_string(&latest) {
                 Ok(t) => t.trim().to_string(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(CheckpointError::Missing { path: latest })
+                    return Err(CheckpointError::NoLatest {
+                        dir: dir.to_path_buf(),
+                        exists: dir.is_dir(),
+                        tags: tags_in(dir),
+                    });
                 }
                 Err(e) => return Err(CheckpointError::io("read", latest, e)),
             }
@@ -149,6 +153,20 @@ pub(crate) fn resolve_tag(
     };
     let tag_dir = dir.join(&tag);
     Ok((tag, tag_dir))
+}
+
+/// The checkpoint tags under `dir` (subdirectories holding a `meta.json`),
+/// sorted; none when it cannot be read.
+fn tags_in(dir: &Path) -> Vec<String> {
+    let mut tags: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.path().join("meta.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    tags.sort();
+    tags
 }
 
 /// Finds any element of a saved parameter in whichever rank's file holds it.

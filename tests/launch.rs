@@ -90,6 +90,42 @@ fn ctrl_c_is_forwarded_to_every_rank() {
 }
 
 #[test]
+fn launchers_on_two_nodes_make_one_job() {
+    // Two "nodes" on this host: each launcher starts one rank, they meet at
+    // node 0's store with the shared token, and talk over tcp as two hosts
+    // would. The program is the collectives benchmark's rank half, which
+    // all-reduces its timings and prints rank 0's as one line.
+    let port = free_port();
+    let node = |rank: usize| {
+        zrt()
+            .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+            .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port.to_string(), "--"])
+            .arg(env!("CARGO_BIN_EXE_zrt"))
+            .args(["bench", "collectives-rank", "--sizes", "1", "--iters", "1"])
+            .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+            .env("ZRT_BACKEND", "tcp")
+            .env("ZRT_TIMEOUT", "60")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (node(0), node(1));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (ta, tb) = (text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
+    assert!(ta.contains("[rank 0] @@zrt {\"results\""), "{ta}");
+    assert!(!tb.contains("@@zrt"), "only rank 0 reports: {tb}");
+}
+
+/// A port nothing listens on, for a store the test's launchers start.
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[test]
 fn bad_arguments_are_refused_with_the_fix() {
     let o = zrt()
         .args([

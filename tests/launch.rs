@@ -127,73 +127,60 @@ fn free_port() -> u16 {
 
 #[test]
 fn bad_arguments_are_refused_with_the_fix() {
-    let o = zrt()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--",
-            "true",
-        ])
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(
-        text(&o).contains("needs the same ZRT_TOKEN on every node"),
-        "{}",
-        text(&o)
-    );
-    let o = zrt()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "2",
-            "--",
-            "true",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        text(&o).contains("--node-rank 2 must be below --nnodes 2"),
-        "{}",
-        text(&o)
-    );
-    let o = zrt()
-        .args(["launch", "--nproc-per-node", "1", "--", "/nonexistent/prog"])
-        .output()
-        .unwrap();
-    assert!(
-        text(&o).contains("cannot start `/nonexistent/prog` for rank 0"),
-        "{}",
-        text(&o)
-    );
-    // An address of no interface here (TEST-NET-1): the address is the
-    // problem, not the ports.
-    let o = zrt()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--master-addr",
-            "192.0.2.1",
-            "--",
-            "true",
-        ])
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(
-        text(&o).contains("cannot listen on 192.0.2.1: ")
-            && text(&o).contains("the master address must name this host"),
-        "{}",
-        text(&o)
-    );
+    let cases: [(&[&str], &[&str]); 4] = [
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--",
+                "true",
+            ],
+            &["needs the same ZRT_TOKEN on every node"],
+        ),
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--",
+                "true",
+            ],
+            &["--node-rank 2 must be below --nnodes 2"],
+        ),
+        (
+            &["--nproc-per-node", "1", "--", "/nonexistent/prog"],
+            &["cannot start `/nonexistent/prog` for rank 0"],
+        ),
+        // An address of no interface here (TEST-NET-1): the address is the
+        // problem, not the ports.
+        (
+            &[
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "192.0.2.1",
+                "--",
+                "true",
+            ],
+            &[
+                "cannot listen on 192.0.2.1: ",
+                "the master address must name this host",
+            ],
+        ),
+    ];
+    for (args, want) in cases {
+        let o = zrt().arg("launch").args(args).output().unwrap();
+        let t = text(&o);
+        assert!(!o.status.success(), "{args:?}: {t}");
+        for w in want {
+            assert!(t.contains(w), "{args:?}: {t}");
+        }
+    }
 }

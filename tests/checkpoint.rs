@@ -897,3 +897,115 @@ fn every_replica_of_a_hybrid_job_resumes_its_own_rng_stream() {
     assert_eq!(loaded, saved, "each rank draws on where it left off");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A model with a trained linear `lin`, a frozen parameter `emb` and a
+/// buffer `stat` of `stat_len` elements (as a running statistic).
+struct FrozenModel {
+    vs: tch::nn::VarStore,
+    plan: zrt::zero::ShardPlan,
+    lin: zrt::zero::ShardedModule<tch::nn::Linear>,
+    emb: Tensor,
+    stat: Tensor,
+}
+
+fn frozen_model(stat_len: i64) -> FrozenModel {
+    use tch::nn;
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let plan = zrt::zero::ShardPlan::new();
+    let root = vs.root();
+    let lin = zrt::zero::ShardedModule::new(
+        &plan,
+        &(&root / "lin"),
+        nn::linear(&root / "lin", 4, 3, Default::default()),
+    );
+    let emb = root.randn_standard("emb", &[5, 4]);
+    let _ = emb.set_requires_grad(false);
+    let stat = root.zeros_no_train("stat", &[stat_len]);
+    FrozenModel {
+        vs,
+        plan,
+        lin,
+        emb,
+        stat,
+    }
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(&t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
+}
+
+#[test]
+fn frozen_variables_are_saved_restored_and_exported() {
+    use tch::nn::Module;
+    let _serial = serial();
+    let dir = tmp("frozen");
+    let cfg = config_with(3, 1, 0.0, "");
+    let m = frozen_model(3);
+    let engine = solo_engine(&m.vs, &m.plan, &cfg).unwrap();
+    let x = Tensor::ones([2, 5], (Kind::Float, tch::Device::Cpu));
+    let loss = (m.lin.forward(&x.matmul(&m.emb)) + &m.stat)
+        .square()
+        .mean(Kind::Float);
+    engine.backward(&loss).unwrap();
+    assert!(engine.step().unwrap());
+    tch::no_grad(|| {
+        m.stat
+            .shallow_clone()
+            .copy_(&Tensor::from_slice(&[1f32, 2., 3.]))
+    });
+    let (emb, stat) = (values(&m.emb), values(&m.stat));
+    engine.save_checkpoint(&dir, "t").unwrap();
+    let exported = dir.join("model.safetensors");
+    engine.save_16bit_model(&exported).unwrap();
+
+    // A load gives the saved values back.
+    tch::no_grad(|| {
+        let _ = m.emb.shallow_clone().fill_(0.0);
+        let _ = m.stat.shallow_clone().fill_(0.0);
+    });
+    engine.load_checkpoint(&dir, None).unwrap();
+    assert_eq!(
+        (values(&m.emb), values(&m.stat)),
+        (emb.clone(), stat.clone())
+    );
+
+    // Both model files hold them, under their names.
+    let consolidated = dir.join("consolidated.safetensors");
+    let n = zrt::zero::checkpoint::consolidate(
+        &dir,
+        None,
+        &consolidated,
+        zrt::zero::checkpoint::ExportDtype::F32,
+    )
+    .unwrap();
+    assert_eq!(n, 4, "lin.weight, lin.bias, emb, stat");
+    for file in [&exported, &consolidated] {
+        let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(file)
+            .unwrap()
+            .into_iter()
+            .collect();
+        assert_eq!(got.len(), 4, "{}", file.display());
+        assert_eq!(values(&got["emb"]), emb, "{}", file.display());
+        assert_eq!(got["emb"].size(), [5, 4]);
+        assert_eq!(values(&got["stat"]), stat, "{}", file.display());
+    }
+    let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
+    assert!(
+        text.contains("2 frozen variables, 23 elements (rank 0's, in frozen.safetensors)")
+            && text.contains("frozen.safetensors  "),
+        "{text}"
+    );
+    drop(engine);
+
+    // Another model's buffer is named, not loaded.
+    let other = frozen_model(4);
+    let engine = solo_engine(&other.vs, &other.plan, &cfg).unwrap();
+    let e = engine.load_checkpoint(&dir, None).unwrap_err().to_string();
+    assert!(
+        e.contains("the checkpoint is of another model")
+            && e.contains("stat: checkpoint F32 [3], model Float [4]"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

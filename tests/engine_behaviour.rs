@@ -593,3 +593,71 @@ fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
     want.sort_by(|x, y| x.0.cmp(&y.0));
     assert_eq!(got[0], want);
 }
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// Trains the tiny model with `b.weight` frozen — rank 1's set to other
+/// values before the engine is built, which must give it rank 0's — and
+/// returns rank 0's gathered (trainable) parameters and every rank's
+/// `b.weight` afterwards.
+fn train_frozen(stage: u8) -> (Params, Vec<Vec<f32>>) {
+    let out = on_ranks(WORLD, |r| {
+        let t = tiny();
+        let frozen = t.vs.variables()["b.weight"].shallow_clone();
+        let _ = frozen.set_requires_grad(false);
+        if r.rank() == 1 {
+            let _ = tch::no_grad(|| frozen.shallow_clone().fill_(7.0));
+        }
+        let e = Engine::new(
+            &t.vs,
+            &t.plan,
+            &config(stage, 2),
+            group(&r),
+            &AutoHints::default(),
+        )
+        .unwrap();
+        for step in 0..3 {
+            for k in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                e.step().unwrap();
+            }
+        }
+        let p = e.gathered_params().unwrap();
+        (p, Vec::<f32>::try_from(&frozen.flatten(0, -1)).unwrap())
+    });
+    let frozen = out.iter().map(|o| o.1.clone()).collect();
+    (out.into_iter().next().unwrap().0, frozen)
+}
+
+#[test]
+fn frozen_parameters_are_rank_0s_and_stay_while_the_rest_trains_alike_in_every_stage() {
+    let before = Vec::<f32>::try_from(&tiny().vs.variables()["b.weight"].flatten(0, -1)).unwrap();
+    let (reference, _) = train_frozen(0);
+    assert!(
+        !reference.iter().any(|(n, _)| n == "b.weight"),
+        "a frozen parameter has no master copy"
+    );
+    for stage in [0u8, 1, 2, 3] {
+        let (got, frozen) = train_frozen(stage);
+        for f in &frozen {
+            assert_eq!(
+                f, &before,
+                "stage {stage}: rank 0's frozen weight, untouched"
+            );
+        }
+        assert_eq!(got.len(), reference.len(), "stage {stage}");
+        for ((n, a), (m, b)) in got.iter().zip(&reference) {
+            assert_eq!(n, m);
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-6, "stage {stage} {n}: off by {worst}");
+        }
+        // It did train.
+        let a0 = &got.iter().find(|(n, _)| n == "a.weight").unwrap().1;
+        let init = Vec::<f32>::try_from(&tiny().vs.variables()["a.weight"].flatten(0, -1)).unwrap();
+        assert_ne!(a0, &init, "stage {stage}");
+    }
+}

@@ -9,7 +9,7 @@ use std::path::Path;
 use safetensors::tensor::Dtype;
 
 use super::files::{f32_bytes, write_safetensors, Entry, RankFile};
-use super::meta::{resolve_tag, Locator, Meta};
+use super::meta::{resolve_tag, Locator, Meta, FROZEN_FILE};
 use super::CheckpointError;
 
 /// The dtype of a consolidated export.
@@ -22,8 +22,8 @@ pub enum ExportDtype {
 }
 
 /// Writes every parameter of the checkpoint `DIR/TAG` (`tag` `None`: the
-/// one `latest` names) to `out` as one safetensors file under the model's
-/// original VarStore names, loadable by tch's `VarStore::load` and Python's
+/// one `latest` names), and its frozen variables, to `out` as one
+/// safetensors file under the model's original VarStore names, loadable by tch's `VarStore::load` and Python's
 /// `safetensors.torch.load_file`. Returns the number of tensors written.
 pub fn consolidate(
     dir: &Path,
@@ -42,9 +42,27 @@ pub fn consolidate(
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;
-        tensors.push((s.name.clone(), s.shape.clone(), encode(&v, dt)));
+        tensors.push((s.name.clone(), dt, s.shape.clone(), encode(&v, dt)));
     }
-    write_model(out, dt, &tensors)?;
+    // Frozen variables as saved; fp32 ones in the export's dtype.
+    if let Some(frozen) = meta.frozen.as_ref().filter(|f| !f.is_empty()) {
+        let file = RankFile::open(&tag_dir.join(FROZEN_FILE))?;
+        for f in frozen {
+            let (_, bytes) = file.bytes(&f.name)?;
+            let (dtype, bytes) = match f.dtype {
+                Dtype::F32 => {
+                    let v: Vec<f32> = bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    (dt, encode(&v, dt))
+                }
+                other => (other, bytes.to_vec()),
+            };
+            tensors.push((f.name.clone(), dtype, f.shape.clone(), bytes));
+        }
+    }
+    write_model(out, &tensors)?;
     Ok(tensors.len())
 }
 
@@ -64,18 +82,18 @@ pub(crate) fn encode(v: &[f32], dtype: Dtype) -> Vec<u8> {
     }
 }
 
-/// Writes (name, shape, bytes of `dtype`) tensors as one safetensors model
-/// file (atomically, with the `format: pt` metadata torch loaders expect).
+/// Writes (name, dtype, shape, little-endian bytes) tensors as one
+/// safetensors model file (atomically, with the `format: pt` metadata torch
+/// loaders expect).
 pub(crate) fn write_model(
     out: &Path,
-    dtype: Dtype,
-    tensors: &[(String, Vec<i64>, Vec<u8>)],
+    tensors: &[(String, Dtype, Vec<i64>, Vec<u8>)],
 ) -> Result<(), CheckpointError> {
     let entries: Vec<Entry<'_>> = tensors
         .iter()
-        .map(|(name, shape, bytes)| Entry {
+        .map(|(name, dtype, shape, bytes)| Entry {
             name: name.clone(),
-            dtype,
+            dtype: *dtype,
             shape: shape.iter().map(|&d| d.max(0) as usize).collect(),
             data: bytes,
         })
@@ -137,8 +155,18 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             n
         );
     }
+    let frozen = meta.frozen.as_deref().unwrap_or_default();
+    if !frozen.is_empty() {
+        let n: i64 = frozen.iter().map(|f| f.shape.iter().product::<i64>()).sum();
+        let _ = writeln!(
+            s,
+            "  {} frozen variables, {n} elements (rank 0's, in {FROZEN_FILE})",
+            frozen.len()
+        );
+    }
     let mut bad = 0;
-    for f in &meta.files {
+    let frozen_file = (!frozen.is_empty()).then(|| FROZEN_FILE.to_string());
+    for f in meta.files.iter().chain(&frozen_file) {
         let path = tag_dir.join(f);
         let size = std::fs::metadata(&path).map(|m| m.len()).ok();
         let status = match RankFile::open(&path) {

@@ -25,6 +25,22 @@ pub struct SlotMeta {
     pub numel: usize,
 }
 
+/// The file holding a checkpoint's frozen variables (rank 0's values).
+pub const FROZEN_FILE: &str = "frozen.safetensors";
+
+/// A frozen variable (a VarStore tensor with `requires_grad` false: a
+/// frozen parameter or a buffer such as a running statistic), saved whole
+/// in [`FROZEN_FILE`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrozenMeta {
+    /// The VarStore name.
+    pub name: String,
+    /// Its element type, as safetensors names it (`F32`, `I64`, ...).
+    pub dtype: safetensors::Dtype,
+    /// Its shape.
+    pub shape: Vec<i64>,
+}
+
 /// One unit's flat layout as saved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitMeta {
@@ -87,6 +103,10 @@ pub struct Meta {
     pub units: Vec<UnitMeta>,
     /// The rank files, in rank order.
     pub files: Vec<String>,
+    /// The frozen variables in [`FROZEN_FILE`]; `None` in checkpoints
+    /// written before zrt saved them (loading one leaves them as they are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen: Option<Vec<FrozenMeta>>,
     /// The resolved config (the settings that shape training).
     pub config: serde_json::Value,
 }

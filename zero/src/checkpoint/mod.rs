@@ -9,7 +9,13 @@
 //! DIR/TAG/meta.json                          rank 0: layout, world, stage, step, config, versions
 //! DIR/TAG/rank-00000-of-00002.safetensors    one per rank: its shards of the fp32
 //! ...                                        master, Adam's m and v, its RNG state
+//! DIR/TAG/frozen.safetensors                 rank 0: the frozen variables, whole
 //! ```
+//!
+//! Frozen variables are the model's tensors that do not train
+//! (`requires_grad` false: frozen parameters, buffers such as running
+//! statistics). They are not sharded; a checkpoint keeps rank 0's, and a
+//! load gives them to every rank.
 //!
 //! Every file carries a CRC-32 of its contents (in the safetensors header
 //! metadata as `zrt_crc32`; in `meta.json` as its `crc32` field), checked on
@@ -35,7 +41,7 @@ pub(crate) mod meta;
 
 pub use consolidate::{consolidate, inspect, ExportDtype};
 pub use error::CheckpointError;
-pub use meta::{Meta, SlotMeta, UnitMeta, FORMAT};
+pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 
 pub(crate) use files::{write_atomic, write_safetensors};
 pub(crate) use meta::{rank_file_name, resolve_tag, Locator};

@@ -15,13 +15,14 @@ use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
+use super::frozen::Frozen;
 use super::{elems, Compute, CopyShard, Engine, Scaler, State};
 use crate::checkpoint::consolidate::{encode, write_model};
-use crate::checkpoint::files::{f32_bytes, json_with_crc, sync_dir, Entry};
+use crate::checkpoint::files::{f32_bytes, json_with_crc, sync_dir, Entry, RankFile};
 use crate::checkpoint::meta::ScalerMeta;
 use crate::checkpoint::{
     rank_file_name, resolve_tag, write_atomic, write_safetensors, CheckpointError, Locator, Meta,
-    SlotMeta, UnitMeta, FORMAT,
+    SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
 };
 use crate::{glue, EngineError};
 
@@ -39,6 +40,8 @@ struct Loaded {
     meta: Meta,
     units: Vec<LoadedUnit>,
     rng: Option<Vec<u8>>,
+    /// The frozen variables' values (`None`: the checkpoint predates them).
+    frozen: Option<Vec<tch::Tensor>>,
 }
 
 fn check_tag(tag: &str) -> Result<(), CheckpointError> {
@@ -260,8 +263,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         write_safetensors(&dir.join(rank_file_name(rank, world)), &entries, meta)
     }
 
+    /// Rank 0's part besides its shards: the frozen variables' file, then
+    /// `meta.json` listing them.
     fn write_meta(&self, st: &State, dir: &Path, tag: &str) -> Result<(), CheckpointError> {
         let i = &*self.inner;
+        let frozen = st
+            .frozen
+            .tensors(None)
+            .map_err(|e| CheckpointError::format(dir.join(FROZEN_FILE), e.to_string()))?;
+        if !frozen.is_empty() {
+            write_model(&dir.join(FROZEN_FILE), &frozen)?;
+        }
         let world = i.group.size();
         let c = &i.cfg.config;
         let meta = Meta {
@@ -310,6 +322,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 })
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
+            frozen: Some(Frozen::metas(&frozen)),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
                 "train_batch_size": i.cfg.batch.train,
@@ -367,6 +380,22 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let meta = Meta::read(&tag_dir)?;
         let st = i.st.lock();
         check_model(&st, &meta)?;
+        let frozen = match &meta.frozen {
+            Some(saved) => {
+                // Written only when there is something to hold.
+                let f = match saved.is_empty() {
+                    true => None,
+                    false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
+                };
+                Some(st.frozen.read(saved, f.as_ref())?)
+            }
+            None => {
+                if !st.frozen.is_empty() {
+                    tracing::warn!("the checkpoint was written before zrt saved frozen variables (requires_grad false): they keep their current values");
+                }
+                None
+            }
+        };
         for f in &meta.files {
             let p = tag_dir.join(f);
             if !p.is_file() {
@@ -448,6 +477,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             meta,
             units,
             rng,
+            frozen,
         })
     }
 
@@ -520,6 +550,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if let Some(rng) = &l.rng {
             glue::set_cpu_rng_state(rng)?;
         }
+        if let Some(v) = &l.frozen {
+            st.frozen.restore(v)?;
+        }
         i.share_shards(st)
     }
 
@@ -540,7 +573,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 Compute::Bf16 => Dtype::BF16,
                 Compute::F16 => Dtype::F16,
             };
-            let tensors: Vec<_> = params
+            let mut tensors: Vec<_> = params
                 .into_iter()
                 .map(|(name, v)| {
                     let shape = shapes
@@ -548,10 +581,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         .cloned()
                         .unwrap_or_else(|| vec![v.len() as i64]);
                     let bytes = encode(&v, dtype);
-                    (name, shape, bytes)
+                    (name, dtype, shape, bytes)
                 })
                 .collect();
-            write_model(path.as_ref(), dtype, &tensors)
+            // The tensors that do not train belong to the model too
+            // (floating-point ones in the export's dtype, as DeepSpeed's
+            // half-precision module holds them).
+            match i.st.lock().frozen.tensors(Some(i.compute.kind())) {
+                Ok(f) => {
+                    tensors.extend(f);
+                    write_model(path.as_ref(), &tensors)
+                }
+                Err(e) => Err(CheckpointError::format(path.as_ref(), e.to_string())),
+            }
         } else {
             Ok(())
         };

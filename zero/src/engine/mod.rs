@@ -37,8 +37,10 @@
 //! Submodules: `overlap` (reductions issued from gradient hooks during
 //! backward, prefetched gathers, reduce buckets, hpZ re-gathers), `pool`
 //! (the reused gather and gradient buffers),
-//! `checkpoint` (save and load), `offload` (NVMe swaps of optimizer state
-//! and stage-3 parameters), `timing` (`wall_clock_breakdown`). Hybrid
+//! `checkpoint` (save and load), `frozen` (the variables that do not train:
+//! replicated, synced from rank 0, saved and exported), `offload` (NVMe
+//! swaps of optimizer state and stage-3 parameters), `timing`
+//! (`wall_clock_breakdown`). Hybrid
 //! sharding ([`Engine::new_hybrid`]) shards inside a mesh's shard groups and
 //! averages gradient shards across its replicate groups.
 
@@ -57,6 +59,7 @@ use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
 mod checkpoint;
+mod frozen;
 mod offload;
 mod overlap;
 mod pool;
@@ -213,6 +216,8 @@ struct State {
     /// Units whose first forward has been checked for parameters of other
     /// units (stage 3).
     checked: Vec<bool>,
+    /// The model's tensors that do not train (not sharded).
+    frozen: frozen::Frozen,
 }
 
 struct Inner<G> {
@@ -616,7 +621,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// fp32), grouped into the units of `plan`, trained as `config` says over
     /// `group` (the data-parallel world). Rank 0's parameter values become
     /// everyone's. With bf16/fp16 in the config the parameters become views
-    /// of a 16-bit buffer: the model then runs in that dtype.
+    /// of a 16-bit buffer: the model then runs in that dtype. Variables with
+    /// `requires_grad` false (frozen parameters, buffers) are not sharded:
+    /// every rank keeps them whole, with rank 0's values; checkpoints and
+    /// model exports include them.
     pub fn new(
         vs: &nn::VarStore,
         plan: &ShardPlan,
@@ -869,6 +877,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             Precision::Fp16(l) => Some(Scaler::new(l)),
             _ => None,
         };
+        // The tensors that do not train: world rank 0's everywhere too.
+        let frozen = frozen::Frozen::of(vs);
+        frozen.sync(&group, replicate.as_ref())?;
         let inner = Arc::new(Inner {
             group,
             replicate,
@@ -897,6 +908,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 persistent,
                 secondary: (0..n).map(|_| None).collect(),
                 checked: vec![false; n],
+                frozen,
             }),
             delays: Mutex::new(0),
             swap,

@@ -1,0 +1,245 @@
+//! Frozen variables: the model's tensors that do not train (`requires_grad`
+//! false: frozen parameters, and buffers such as running statistics).
+//!
+//! They are not sharded — every rank keeps them whole, as DDP would (FSDP2
+//! and ZeRO-3 shard frozen parameters too; zrt does not yet, so a frozen
+//! base model costs its full size on every rank). What the engine owes them
+//! is what DDP and FSDP give them: world rank 0's values on every rank when
+//! the engine is built (`sync_module_states`), rank 0's values in a
+//! checkpoint and back on every rank after a load, and a place in the
+//! exported model.
+
+use safetensors::Dtype;
+use tch::{nn, Kind, Tensor};
+use zrt_collectives::ProcessGroup;
+
+use crate::checkpoint::files::RankFile;
+use crate::checkpoint::{CheckpointError, FrozenMeta};
+use crate::EngineError;
+
+/// One tensor of a model file: (name, dtype, shape, little-endian bytes).
+pub(super) type ModelTensor = (String, Dtype, Vec<i64>, Vec<u8>);
+
+/// The model's frozen variables, sorted by name.
+pub(super) struct Frozen {
+    vars: Vec<(String, Tensor)>,
+}
+
+impl Frozen {
+    /// The variables of `vs` whose `requires_grad` is false.
+    pub(super) fn of(vs: &nn::VarStore) -> Self {
+        let mut vars: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        Self { vars }
+    }
+
+    /// Makes world rank 0's values everyone's: across replicas first, then
+    /// inside the shard group (whose rank 0 then holds them), one variable at
+    /// a time so no copy of them all is ever made. A collective.
+    pub(super) fn sync<G: ProcessGroup>(
+        &self,
+        group: &G,
+        replicate: Option<&G>,
+    ) -> Result<(), EngineError> {
+        for (name, t) in &self.vars {
+            let (kind, shape, bytes) = raw(name, t)?;
+            let bytes = match replicate {
+                Some(r) => r.broadcast(bytes, 0).wait()?,
+                None => bytes,
+            };
+            let bytes = group.broadcast(bytes, 0).wait()?;
+            assign(t, &bytes, &shape, kind)?;
+        }
+        Ok(())
+    }
+
+    /// Every frozen variable as a model-file tensor; floating-point ones as
+    /// `float` when given (a 16-bit export's dtype), the rest as they are.
+    pub(super) fn tensors(&self, float: Option<Kind>) -> Result<Vec<ModelTensor>, EngineError> {
+        self.vars
+            .iter()
+            .map(|(name, t)| {
+                let t = match float {
+                    Some(k) if t.is_floating_point() => t.f_to_kind(k)?,
+                    _ => t.shallow_clone(),
+                };
+                let (kind, shape, bytes) = raw(name, &t)?;
+                Ok((name.clone(), dtype_of(name, kind)?, shape, bytes))
+            })
+            .collect()
+    }
+
+    /// What `meta.json` records of them.
+    pub(super) fn metas(tensors: &[ModelTensor]) -> Vec<FrozenMeta> {
+        tensors
+            .iter()
+            .map(|(name, dtype, shape, _)| FrozenMeta {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+            })
+            .collect()
+    }
+
+    /// Reads this model's frozen variables from `file` (a checkpoint's
+    /// [`FROZEN_FILE`](crate::checkpoint::FROZEN_FILE), listed by `saved`;
+    /// `None` when `saved` is empty):
+    /// every one must be there with its dtype and shape, and nothing else.
+    pub(super) fn read(
+        &self,
+        saved: &[FrozenMeta],
+        file: Option<&RankFile>,
+    ) -> Result<Vec<Tensor>, CheckpointError> {
+        let mut missing = Vec::new();
+        let mut misshaped = Vec::new();
+        let mut out = Vec::with_capacity(self.vars.len());
+        for (name, t) in &self.vars {
+            let Some(s) = saved.iter().find(|s| &s.name == name) else {
+                missing.push(name.clone());
+                continue;
+            };
+            let ours = (t.kind(), t.size());
+            if kind_of(s.dtype) != Some(ours.0) || s.shape != ours.1 {
+                misshaped.push(format!(
+                    "{name}: checkpoint {:?} {:?}, model {:?} {:?}",
+                    s.dtype, s.shape, ours.0, ours.1
+                ));
+                continue;
+            }
+            let Some(file) = file else {
+                // `saved` lists it, so the checkpoint wrote the file.
+                return Err(CheckpointError::Incompatible(format!(
+                    "frozen `{name}` is listed but no frozen file was opened"
+                )));
+            };
+            let (_, bytes) = file.bytes(name)?;
+            let v = Tensor::f_from_data_size(bytes, &s.shape, ours.0)
+                .map_err(|e| CheckpointError::Incompatible(format!("frozen `{name}`: {e}")))?;
+            out.push(v);
+        }
+        let unexpected: Vec<String> = saved
+            .iter()
+            .filter(|s| !self.vars.iter().any(|(n, _)| n == &s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        if missing.is_empty() && misshaped.is_empty() && unexpected.is_empty() {
+            return Ok(out);
+        }
+        Err(CheckpointError::ModelMismatch {
+            missing,
+            unexpected,
+            misshaped,
+        })
+    }
+
+    /// Copies values [`Frozen::read`] returned into the variables.
+    pub(super) fn restore(&self, values: &[Tensor]) -> Result<(), EngineError> {
+        for ((_, t), v) in self.vars.iter().zip(values) {
+            tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
+        }
+        Ok(())
+    }
+
+    /// Whether the model has none.
+    pub(super) fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+}
+
+/// `t`'s kind, shape and little-endian bytes.
+fn raw(name: &str, t: &Tensor) -> Result<(Kind, Vec<i64>, Vec<u8>), EngineError> {
+    let kind = t.f_kind()?;
+    dtype_of(name, kind)?;
+    let c = t.detach().f_contiguous()?;
+    let n = c.numel();
+    let mut bytes = vec![0u8; n * kind.elt_size_in_bytes()];
+    c.f_copy_data_u8(&mut bytes, n)?;
+    Ok((kind, c.size(), bytes))
+}
+
+/// Overwrites `t` with `bytes` of `kind` in `shape`.
+fn assign(t: &Tensor, bytes: &[u8], shape: &[i64], kind: Kind) -> Result<(), EngineError> {
+    let v = Tensor::f_from_data_size(bytes, shape, kind)?;
+    tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
+    Ok(())
+}
+
+/// The safetensors dtype of `kind`, or why a variable of that kind cannot
+/// be saved.
+fn dtype_of(name: &str, kind: Kind) -> Result<Dtype, EngineError> {
+    Ok(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int8 => Dtype::I8,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Bool => Dtype::BOOL,
+        other => {
+            return Err(EngineError::Unsupported(format!(
+                "frozen variable `{name}` is {other:?}, which checkpoints cannot hold: use a real, integer or bool tensor"
+            )))
+        }
+    })
+}
+
+/// The tch kind of a safetensors dtype [`dtype_of`] produces.
+fn kind_of(d: Dtype) -> Option<Kind> {
+    Some(match d {
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I8 => Kind::Int8,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::BOOL => Kind::Bool,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_maps_to_a_dtype_and_back() {
+        for k in [
+            Kind::Float,
+            Kind::Double,
+            Kind::Half,
+            Kind::BFloat16,
+            Kind::Int64,
+            Kind::Int,
+            Kind::Int16,
+            Kind::Int8,
+            Kind::Uint8,
+            Kind::Bool,
+        ] {
+            assert_eq!(kind_of(dtype_of("x", k).unwrap()), Some(k));
+        }
+        assert!(dtype_of("x", Kind::ComplexFloat)
+            .unwrap_err()
+            .to_string()
+            .contains("frozen variable `x` is ComplexFloat"));
+    }
+
+    #[test]
+    fn raw_bytes_round_trip_a_strided_tensor() {
+        let t = Tensor::arange(12, (Kind::Int64, tch::Device::Cpu)).view([3, 4]);
+        let (kind, shape, bytes) = raw("t", &t.tr()).unwrap();
+        assert_eq!((kind, shape.as_slice()), (Kind::Int64, &[4i64, 3][..]));
+        let back = Tensor::zeros([4, 3], (Kind::Int64, tch::Device::Cpu));
+        assign(&back, &bytes, &shape, kind).unwrap();
+        assert!(back.equal(&t.tr()));
+    }
+}

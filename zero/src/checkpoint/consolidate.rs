@@ -23,8 +23,9 @@ pub enum ExportDtype {
 
 /// Writes every parameter of the checkpoint `DIR/TAG` (`tag` `None`: the
 /// one `latest` names), and its frozen variables, to `out` as one
-/// safetensors file under the model's original VarStore names, loadable by tch's `VarStore::load` and Python's
-/// `safetensors.torch.load_file`. Returns the number of tensors written.
+/// safetensors file under the model's original VarStore names, loadable by
+/// tch's `VarStore::load` and Python's `safetensors.torch.load_file`.
+/// Returns the number of tensors written.
 pub fn consolidate(
     dir: &Path,
     tag: Option<&str>,

@@ -233,6 +233,11 @@ impl RankFile {
             .ok_or_else(|| CheckpointError::format(&self.path, format!("no `{key}` in its header")))
     }
 
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The raw bytes of tensor `name` and its dtype.
     pub(crate) fn bytes(&self, name: &str) -> Result<(Dtype, &[u8]), CheckpointError> {
         let (dtype, r) = self

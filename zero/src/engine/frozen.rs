@@ -117,8 +117,9 @@ impl Frozen {
                 )));
             };
             let (_, bytes) = file.bytes(name)?;
-            let v = Tensor::f_from_data_size(bytes, &s.shape, ours.0)
-                .map_err(|e| CheckpointError::Incompatible(format!("frozen `{name}`: {e}")))?;
+            let v = from_bytes(bytes, &s.shape, ours.0).map_err(|e| {
+                CheckpointError::format(file.path(), format!("frozen `{name}`: {e}"))
+            })?;
             out.push(v);
         }
         let unexpected: Vec<String> = saved
@@ -163,9 +164,23 @@ fn raw(name: &str, t: &Tensor) -> Result<(Kind, Vec<i64>, Vec<u8>), EngineError>
 
 /// Overwrites `t` with `bytes` of `kind` in `shape`.
 fn assign(t: &Tensor, bytes: &[u8], shape: &[i64], kind: Kind) -> Result<(), EngineError> {
-    let v = Tensor::f_from_data_size(bytes, shape, kind)?;
+    let v = from_bytes(bytes, shape, kind).map_err(EngineError::Unsupported)?;
     tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
     Ok(())
+}
+
+/// A tensor of `kind` in `shape` holding `bytes`, which must be exactly
+/// that many elements (libtorch would read past a short slice).
+fn from_bytes(bytes: &[u8], shape: &[i64], kind: Kind) -> Result<Tensor, String> {
+    let numel: i64 = shape.iter().product();
+    let want = usize::try_from(numel).unwrap_or(usize::MAX) * kind.elt_size_in_bytes();
+    if bytes.len() != want {
+        return Err(format!(
+            "{} bytes for {kind:?} {shape:?}, which needs {want}",
+            bytes.len()
+        ));
+    }
+    Tensor::f_from_data_size(bytes, shape, kind).map_err(|e| e.to_string())
 }
 
 /// The safetensors dtype of `kind`, or why a variable of that kind cannot
@@ -241,5 +256,7 @@ mod tests {
         let back = Tensor::zeros([4, 3], (Kind::Int64, tch::Device::Cpu));
         assign(&back, &bytes, &shape, kind).unwrap();
         assert!(back.equal(&t.tr()));
+        let short = from_bytes(&bytes[1..], &shape, kind).unwrap_err();
+        assert_eq!(short, "95 bytes for Int64 [4, 3], which needs 96");
     }
 }

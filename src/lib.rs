@@ -44,15 +44,25 @@ pub const DEFAULT_LOG_FILTER: &str = "warn,zrt_zero=info,zrt_offload=info";
 pub fn init_logging() {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_LOG_FILTER));
-    let _ = tracing_subscriber::fmt()
+    let set = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty());
+    let (filter, refused) = match set.as_deref().map(EnvFilter::try_new) {
+        Some(Ok(f)) => (f, None),
+        Some(Err(e)) => (EnvFilter::new(DEFAULT_LOG_FILTER), Some(e)),
+        None => (EnvFilter::new(DEFAULT_LOG_FILTER), None),
+    };
+    let installed = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
         // Under `zrt launch` stderr is a pipe: no colour codes in the lines.
         .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+        .try_init()
+        .is_ok();
+    if let (true, Some(e), Some(v)) = (installed, refused, set) {
+        tracing::warn!("RUST_LOG={v:?} is not a filter ({e}); logging with {DEFAULT_LOG_FILTER:?}");
+    }
 }
 
 pub use zrt_collectives as collectives;

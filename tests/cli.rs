@@ -102,4 +102,26 @@ fn the_cli_shows_the_libraries_warnings() {
         "{err}"
     );
     assert!(!err.contains('\x1b'), "no colour codes into a pipe: {err}");
+    // A filter that does not parse is said, and the default one used.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args([
+            "bench",
+            "adam",
+            "--params",
+            "100000",
+            "--threads",
+            "1",
+            "--rounds",
+            "1",
+        ])
+        .env("ZRT_SIMD", "avx3")
+        .env("RUST_LOG", "zrt_zero=loud")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("WARN RUST_LOG=\"zrt_zero=loud\" is not a filter (")
+            && err.contains("WARN ZRT_SIMD=\"avx3\""),
+        "{err}"
+    );
 }

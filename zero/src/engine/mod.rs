@@ -744,10 +744,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             groups[unit].push((name, t));
         }
         if let Some(i) = groups[..prefixes.len()].iter().position(Vec::is_empty) {
-            return Err(EngineError::Plan(format!(
-                "unit `{}` has no trainable parameters under its VarStore path: wrap the module with the path its parameters were created under",
-                prefixes[i]
-            )));
+            let p = &prefixes[i];
+            let frozen = vs
+                .variables()
+                .keys()
+                .any(|n| n.starts_with(&format!("{p}.")));
+            return Err(EngineError::Plan(if frozen {
+                format!("unit `{p}` has only frozen parameters (requires_grad false): leave that module unwrapped (frozen parameters are not sharded) or unfreeze some")
+            } else {
+                format!("unit `{p}` has no trainable parameters under its VarStore path: wrap the module with the path its parameters were created under")
+            }));
         }
         // Stage 3, `stage3_param_persistence_threshold`: parameters smaller
         // than it stay gathered (DeepSpeed's rule, per parameter). A unit

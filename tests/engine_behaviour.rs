@@ -689,3 +689,49 @@ fn frozen_parameters_are_rank_0s_and_stay_while_the_rest_trains_alike_in_every_s
         assert_ne!(a0, &init, "stage {stage}");
     }
 }
+
+#[test]
+fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
+    // `a.unused` gets no gradient (as a head not used in this phase of
+    // training): its unit's reduction must still happen, and with zero
+    // gradient AdamW only decays it.
+    let run = |stage: u8| -> Params {
+        let out = on_ranks(WORLD, |r| {
+            let t = tiny();
+            let _unused = {
+                let _g = INIT.lock().unwrap();
+                (t.vs.root() / "a").ones("unused", &[3])
+            };
+            let e = Engine::new(
+                &t.vs,
+                &t.plan,
+                &config(stage, 2),
+                group(&r),
+                &AutoHints::default(),
+            )
+            .unwrap();
+            for step in 0..2 {
+                for k in 0..2 {
+                    e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
+                    e.step().unwrap();
+                }
+            }
+            e.gathered_params().unwrap()
+        });
+        out.into_iter().next().unwrap()
+    };
+    let reference = run(0);
+    assert!(reference.iter().any(|(n, _)| n == "a.unused"));
+    for stage in [1u8, 2, 3] {
+        let got = run(stage);
+        assert_eq!(got.len(), reference.len());
+        for ((n, a), (_, b)) in got.iter().zip(&reference) {
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-6, "stage {stage} {n}: off by {worst}");
+        }
+    }
+}

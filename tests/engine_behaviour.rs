@@ -735,3 +735,62 @@ fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
         }
     }
 }
+
+#[test]
+fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step() {
+    // `c.extra` is in rank 0's loss only. Stage 1 reduces every unit at the
+    // accumulation boundary, in one order, and trains; stages 0, 2 and 3
+    // reduce unit c during backward on rank 0 but only at its end on rank 1.
+    let run = |stage: u8| -> Vec<Result<(), String>> {
+        on_ranks(WORLD, |r| {
+            let t = tiny();
+            let extra = {
+                let _g = INIT.lock().unwrap();
+                (t.vs.root() / "c").ones("extra", &[3])
+            };
+            let e = Engine::new(
+                &t.vs,
+                &t.plan,
+                &config(stage, 2),
+                group(&r),
+                &AutoHints::default(),
+            )
+            .unwrap();
+            for k in 0..4 {
+                let loss = t.loss(&input(r.rank(), k));
+                let loss = match r.rank() {
+                    0 => loss + extra.sum(Kind::Float) * 0.1,
+                    _ => loss,
+                };
+                e.backward(&loss).map_err(|e| e.to_string())?;
+                e.step().map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+    };
+    assert!(run(1).iter().all(Result::is_ok), "{:?}", run(1));
+    for stage in [0u8, 2, 3] {
+        let got = run(stage);
+        for (rank, r) in got.iter().enumerate() {
+            let e = r.as_ref().unwrap_err();
+            // Named before any reduction is used: b and the grown c have
+            // the same size, and would have been summed together.
+            assert!(
+                e.starts_with(
+                    "gradient reductions out of step across ranks: rank 0 reduces `c`, rank 1 reduces `b`. "
+                ) && e.contains("Use every trained parameter in every rank's loss"),
+                "stage {stage} rank {rank}: {e}"
+            );
+        }
+        let e1 = got[1].as_ref().unwrap_err();
+        assert!(
+            e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
+            "stage {stage}: {e1}"
+        );
+        let e0 = got[0].as_ref().unwrap_err();
+        assert!(
+            e0.contains("every parameter got a gradient on this rank"),
+            "stage {stage}: {e0}"
+        );
+    }
+}

@@ -29,6 +29,10 @@ pub enum EngineError {
     /// The ranks ran units in different orders.
     #[error("ranks ran units in different orders: {0}; every rank must run the same units in the same order")]
     UnitOrder(String),
+    /// Ranks reduced gradients in different orders because a parameter got
+    /// a gradient on some ranks and not on others.
+    #[error("gradient reductions out of step across ranks: {0}")]
+    UnevenGradients(String),
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),

@@ -92,7 +92,7 @@ impl Reduce {
 
 /// A gather in flight, with the unit-order check issued before it.
 pub(super) struct Prefetch {
-    ids: Work<(Vec<i64>, Vec<i64>)>,
+    ids: UnitIds,
     data: Fetch,
     /// Gathered from the hpZ secondary copy (dropped after), not the shard.
     secondary: bool,
@@ -112,6 +112,9 @@ enum Fetch {
     F16(Work<(Vec<f16>, Vec<f16>)>),
 }
 
+/// A unit's index as every rank of a group named it (an all_gather).
+type UnitIds = Work<(Vec<i64>, Vec<i64>)>;
+
 /// What the current backward has done, and gathers issued ahead.
 pub(super) struct Progress {
     /// Parameters of each unit whose gradient this backward still owes.
@@ -122,6 +125,10 @@ pub(super) struct Progress {
     /// Reductions in issue order: (unit, range of its gradient buffer the
     /// result adds to, the reduction).
     inflight: Vec<(usize, std::ops::Range<usize>, Reduce)>,
+    /// Each reduced unit's index as every rank of the group (and of the
+    /// replicate group) named it, in issue order, checked before any
+    /// reduction is used.
+    reduce_ids: Vec<(usize, Vec<UnitIds>)>,
     /// Gathers issued ahead, per unit.
     prefetch: Vec<Option<Prefetch>>,
     /// What overlapped so far (for tests and benchmarks).
@@ -216,6 +223,7 @@ impl Progress {
             ready: vec![0; units],
             launched: vec![true; units],
             inflight: Vec::new(),
+            reduce_ids: Vec::new(),
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
             bare: false,
@@ -247,6 +255,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn abort_backward(&self, st: &mut State) {
         st.prog.launched.fill(true);
         st.prog.inflight.clear();
+        st.prog.reduce_ids.clear();
     }
 
     /// A parameter of unit `k` has its gradient (the hook's entry point).
@@ -328,6 +337,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
             self.pools.f32.give(full);
         } else {
+            // Name the unit to the peers first, as gathers do: units reduced
+            // in different orders (a parameter only some ranks' losses use
+            // completes a unit early on some ranks) would otherwise sum
+            // same-sized buffers of different units into silent garbage.
+            self.delay();
+            let mut ids = vec![self.group.all_gather(vec![k as i64], Vec::new())];
+            if let Some(r) = &self.replicate {
+                ids.push(r.all_gather(vec![k as i64], Vec::new()));
+            }
+            st.prog.reduce_ids.push((k, ids));
             for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
                 st.prog.inflight.push((k, range, r));
             }
@@ -429,13 +448,46 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// accumulates the results. With `free`, stage 3 frees what the backward
     /// gathered (not when a new backward is already under way).
     pub(super) fn end_backward(&self, st: &mut State, free: bool) -> Result<(), EngineError> {
+        // Parameters left without a gradient, for the error below.
+        let mut without = Vec::new();
         for k in 0..st.units.len() {
             if !st.prog.launched[k] {
+                let u = &st.units[k];
+                without.extend(
+                    u.layout
+                        .slots
+                        .iter()
+                        .zip(&u.params)
+                        .filter(|(_, t)| !t.grad().defined())
+                        .map(|(s, _)| format!("`{}` (unit `{}`)", s.name, u.name)),
+                );
                 self.launch_reduce(st, k, free)?;
             }
         }
+        for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
+            for w in works {
+                let ids = waiting(&mut st.timing, || w.wait())
+                    .map_err(|e| uneven(e.into(), &without))?
+                    .1;
+                if ids.iter().any(|&x| x != k as i64) {
+                    // Nothing of this backward is used; its reductions
+                    // still run on the workers, unwaited.
+                    st.prog.inflight.clear();
+                    st.prog.reduce_ids.clear();
+                    let names: Vec<String> = ids
+                        .iter()
+                        .enumerate()
+                        .map(|(r, &x)| {
+                            let u = st.units.get(x as usize).map_or("?", |u| u.name.as_str());
+                            format!("rank {r} reduces `{u}`")
+                        })
+                        .collect();
+                    return Err(explain_uneven(&names.join(", "), &without));
+                }
+            }
+        }
         for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
-            let red = waiting(&mut st.timing, || r.wait())?;
+            let red = waiting(&mut st.timing, || r.wait()).map_err(|e| uneven(e, &without))?;
             let v = self.across_replicas(&red)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
             drop(v);
@@ -660,6 +712,35 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// With `fill`, makes the gathered `full` the memory of unit `u`'s flat
 /// storage (no copy; it goes back to `pool` when the storage is freed);
 /// without, returns it to the pool.
+/// A mismatch among gradient reductions, explained. Each unit is reduced
+/// as soon as all its parameters have gradients, so when a parameter some
+/// ranks' losses use and others' do not leaves a unit incomplete on some
+/// ranks, those ranks reduce it only at the end of backward: the ranks
+/// issue their reductions in different orders. `without` names this rank's
+/// parameters that had no gradient. Other errors pass through.
+fn uneven(e: EngineError, without: &[String]) -> EngineError {
+    match &e {
+        EngineError::Comm(c @ zrt_collectives::CommError::Mismatch { .. }) => {
+            explain_uneven(&c.to_string(), without)
+        }
+        _ => e,
+    }
+}
+
+/// [`EngineError::UnevenGradients`]: `what` the ranks did, why, and this
+/// rank's parameters without a gradient.
+fn explain_uneven(what: &str, without: &[String]) -> EngineError {
+    let here = if without.is_empty() {
+        "every parameter got a gradient on this rank; the other ranks' errors name theirs"
+            .to_string()
+    } else {
+        format!("on this rank no gradient reached {}", without.join(", "))
+    };
+    EngineError::UnevenGradients(format!(
+        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Use every trained parameter in every rank's loss (adding 0.0 * p.sum() is enough) or freeze it"
+    ))
+}
+
 fn install<T: Copy + Send + 'static>(
     u: &Unit,
     full: Vec<T>,

@@ -709,9 +709,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 }
 
-/// With `fill`, makes the gathered `full` the memory of unit `u`'s flat
-/// storage (no copy; it goes back to `pool` when the storage is freed);
-/// without, returns it to the pool.
 /// A mismatch among gradient reductions, explained. Each unit is reduced
 /// as soon as all its parameters have gradients, so when a parameter some
 /// ranks' losses use and others' do not leaves a unit incomplete on some
@@ -741,6 +738,9 @@ fn explain_uneven(what: &str, without: &[String]) -> EngineError {
     ))
 }
 
+/// With `fill`, makes the gathered `full` the memory of unit `u`'s flat
+/// storage (no copy; it goes back to `pool` when the storage is freed);
+/// without, returns it to the pool.
 fn install<T: Copy + Send + 'static>(
     u: &Unit,
     full: Vec<T>,

@@ -74,27 +74,35 @@ fn estimate_prints_the_design_formula() {
     );
 }
 
+/// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the
+/// kernels crate warns about through `tracing`) and `RUST_LOG` as given.
+fn adam_with_unknown_simd(rust_log: Option<&str>) -> String {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_zrt"));
+    c.args([
+        "bench",
+        "adam",
+        "--params",
+        "100000",
+        "--threads",
+        "1",
+        "--rounds",
+        "1",
+    ])
+    .env("ZRT_SIMD", "avx3");
+    match rust_log {
+        Some(v) => c.env("RUST_LOG", v),
+        None => c.env_remove("RUST_LOG"),
+    };
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{err}");
+    err
+}
+
 #[test]
 fn the_cli_shows_the_libraries_warnings() {
-    // The kernels crate warns (through `tracing`) about a ZRT_SIMD it does
-    // not know; only a subscriber the CLI installed can print it.
-    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .args([
-            "bench",
-            "adam",
-            "--params",
-            "100000",
-            "--threads",
-            "1",
-            "--rounds",
-            "1",
-        ])
-        .env("ZRT_SIMD", "avx3")
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    // Only a subscriber the CLI installed can print the kernels' warning.
+    let err = adam_with_unknown_simd(None);
     assert!(
         err.contains(
             "WARN ZRT_SIMD=\"avx3\" is not base, avx2 or avx512: using the CPU's widest level"
@@ -103,22 +111,7 @@ fn the_cli_shows_the_libraries_warnings() {
     );
     assert!(!err.contains('\x1b'), "no colour codes into a pipe: {err}");
     // A filter that does not parse is said, and the default one used.
-    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .args([
-            "bench",
-            "adam",
-            "--params",
-            "100000",
-            "--threads",
-            "1",
-            "--rounds",
-            "1",
-        ])
-        .env("ZRT_SIMD", "avx3")
-        .env("RUST_LOG", "zrt_zero=loud")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = adam_with_unknown_simd(Some("zrt_zero=loud"));
     assert!(
         err.contains("WARN RUST_LOG=\"zrt_zero=loud\" is not a filter (")
             && err.contains("WARN ZRT_SIMD=\"avx3\""),

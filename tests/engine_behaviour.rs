@@ -88,8 +88,19 @@ fn group(r: &local::LocalRank) -> LocalGroup {
 /// The tiny model and its engine under `cfg` on rank `r`'s world group.
 fn tiny_engine(cfg: &Config, r: &local::LocalRank) -> (Tiny, Engine<LocalGroup>) {
     let t = tiny();
-    let e = Engine::new(&t.vs, &t.plan, cfg, group(r), &AutoHints::default()).unwrap();
+    let e = engine_for(&t, cfg, r);
     (t, e)
+}
+
+/// The engine for `t` (built as it is now) under `cfg` on rank `r`.
+fn engine_for(t: &Tiny, cfg: &Config, r: &local::LocalRank) -> Engine<LocalGroup> {
+    Engine::new(&t.vs, &t.plan, cfg, group(r), &AutoHints::default()).unwrap()
+}
+
+/// A 3-element parameter `extra` (all ones) added to unit `unit` of `t`.
+fn extra_param(t: &Tiny, unit: &str) -> Tensor {
+    let _g = INIT.lock().unwrap();
+    (t.vs.root() / unit).ones("extra", &[3])
 }
 
 /// Each rank's gradient of unit `u` for micro-step k, flattened in the flat
@@ -636,14 +647,7 @@ fn train_frozen(stage: u8) -> (Params, Vec<Vec<f32>>) {
         if r.rank() == 1 {
             let _ = tch::no_grad(|| frozen.shallow_clone().fill_(7.0));
         }
-        let e = Engine::new(
-            &t.vs,
-            &t.plan,
-            &config(stage, 2),
-            group(&r),
-            &AutoHints::default(),
-        )
-        .unwrap();
+        let e = engine_for(&t, &config(stage, 2), &r);
         for step in 0..3 {
             for k in 0..2 {
                 e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
@@ -692,24 +696,14 @@ fn frozen_parameters_are_rank_0s_and_stay_while_the_rest_trains_alike_in_every_s
 
 #[test]
 fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
-    // `a.unused` gets no gradient (as a head not used in this phase of
+    // `a.extra` gets no gradient (as a head not used in this phase of
     // training): its unit's reduction must still happen, and with zero
     // gradient AdamW only decays it.
     let run = |stage: u8| -> Params {
         let out = on_ranks(WORLD, |r| {
             let t = tiny();
-            let _unused = {
-                let _g = INIT.lock().unwrap();
-                (t.vs.root() / "a").ones("unused", &[3])
-            };
-            let e = Engine::new(
-                &t.vs,
-                &t.plan,
-                &config(stage, 2),
-                group(&r),
-                &AutoHints::default(),
-            )
-            .unwrap();
+            let _unused = extra_param(&t, "a");
+            let e = engine_for(&t, &config(stage, 2), &r);
             for step in 0..2 {
                 for k in 0..2 {
                     e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
@@ -721,7 +715,7 @@ fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
         out.into_iter().next().unwrap()
     };
     let reference = run(0);
-    assert!(reference.iter().any(|(n, _)| n == "a.unused"));
+    assert!(reference.iter().any(|(n, _)| n == "a.extra"));
     for stage in [1u8, 2, 3] {
         let got = run(stage);
         assert_eq!(got.len(), reference.len());
@@ -744,18 +738,8 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
     let run = |stage: u8| -> Vec<Result<(), String>> {
         on_ranks(WORLD, |r| {
             let t = tiny();
-            let extra = {
-                let _g = INIT.lock().unwrap();
-                (t.vs.root() / "c").ones("extra", &[3])
-            };
-            let e = Engine::new(
-                &t.vs,
-                &t.plan,
-                &config(stage, 2),
-                group(&r),
-                &AutoHints::default(),
-            )
-            .unwrap();
+            let extra = extra_param(&t, "c");
+            let e = engine_for(&t, &config(stage, 2), &r);
             for k in 0..4 {
                 let loss = t.loss(&input(r.rank(), k));
                 let loss = match r.rank() {

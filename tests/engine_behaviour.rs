@@ -59,8 +59,13 @@ fn tiny() -> Tiny {
 
 impl Tiny {
     fn loss(&self, x: &Tensor) -> Tensor {
+        self.loss_after_a(&self.a.forward(x))
+    }
+
+    /// The loss from `a`'s output `h` (for tests that look between units).
+    fn loss_after_a(&self, h: &Tensor) -> Tensor {
         self.c
-            .forward(&self.b.forward(&self.a.forward(x)).tanh())
+            .forward(&self.b.forward(h).tanh())
             .square()
             .mean(Kind::Float)
     }
@@ -227,10 +232,7 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
                     "resharded after forward"
                 );
             }
-            let loss =
-                t.c.forward(&t.b.forward(&h).tanh())
-                    .square()
-                    .mean(Kind::Float);
+            let loss = t.loss_after_a(&h);
             // When backward reaches `a`'s output, `c` (whose backward
             // is long done) is already reduced and freed: reductions
             // and frees happen during backward, not after it.
@@ -575,10 +577,7 @@ fn the_first_forward_keeps_units_only_within_max_live_parameters() {
             0,
             "over the bound: freed at once"
         );
-        let loss =
-            t.c.forward(&t.b.forward(&h).tanh())
-                .square()
-                .mean(Kind::Float);
+        let loss = t.loss_after_a(&h);
         e.backward(&loss).unwrap();
         assert!(e.step().unwrap());
     });
@@ -614,10 +613,7 @@ fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
                         "small ones stay"
                     );
                 }
-                let loss =
-                    t.c.forward(&t.b.forward(&h).tanh())
-                        .square()
-                        .mean(Kind::Float);
+                let loss = t.loss_after_a(&h);
                 e.backward(&loss).unwrap();
                 e.step().unwrap();
             }

@@ -45,14 +45,27 @@ impl Frozen {
         group: &G,
         replicate: Option<&G>,
     ) -> Result<(), EngineError> {
+        // Only world rank 0's bytes are kept; every other rank sends a
+        // buffer of the right length and takes the result (so a large frozen
+        // model is copied out once, on rank 0, and never written back there).
+        let root = group.rank() == 0 && replicate.is_none_or(|r| r.rank() == 0);
         for (name, t) in &self.vars {
-            let (kind, shape, bytes) = raw(name, t)?;
+            let kind = t.f_kind()?;
+            // Checked on every rank, so all refuse the same variable.
+            dtype_of(name, kind)?;
+            let shape = t.size();
+            let bytes = match root {
+                true => raw(name, t)?.2,
+                false => vec![0u8; t.numel() * kind.elt_size_in_bytes()],
+            };
             let bytes = match replicate {
                 Some(r) => r.broadcast(bytes, 0).wait()?,
                 None => bytes,
             };
             let bytes = group.broadcast(bytes, 0).wait()?;
-            assign(t, &bytes, &shape, kind)?;
+            if !root {
+                assign(t, &bytes, &shape, kind)?;
+            }
         }
         Ok(())
     }

@@ -184,3 +184,33 @@ fn bad_arguments_are_refused_with_the_fix() {
         }
     }
 }
+
+#[test]
+fn lines_of_ranks_writing_at_once_to_one_file_stay_whole() {
+    // stdout and stderr of the launcher are one file, as under `2>&1`:
+    // every rank's line must reach it whole, never cut by another's.
+    let path = std::env::temp_dir().join(format!("zrt-launch-lines-{}", std::process::id()));
+    let out = std::fs::File::create(&path).unwrap();
+    let status = zrt()
+        .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
+        .arg("i=0; while [ $i -lt 300 ]; do echo out $RANK $i; echo err $RANK $i >&2; i=$((i+1)); done")
+        .stdout(Stdio::from(out.try_clone().unwrap()))
+        .stderr(Stdio::from(out))
+        .status()
+        .unwrap();
+    let t = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "{t}");
+    let mut lines = 0;
+    for line in t.lines() {
+        let ok = (0..3).any(|r| {
+            ["out", "err"].iter().any(|s| {
+                line.strip_prefix(&format!("[rank {r}] {s} {r} "))
+                    .is_some_and(|i| i.parse::<u32>().is_ok())
+            })
+        });
+        assert!(ok, "a cut line: {line:?}");
+        lines += 1;
+    }
+    assert_eq!(lines, 3 * 2 * 300, "{t}");
+}

@@ -87,22 +87,38 @@ fn nccl_dir() -> Option<std::path::PathBuf> {
 }
 
 /// Copies `from` to our stdout/stderr line by line, prefixed with the rank.
+///
+/// Each prefixed line goes out in one `write`: `writeln!` on (unbuffered)
+/// stderr writes the prefix, the rank and the text separately, and when
+/// both streams are one file (`2>&1`) another rank's line landed between
+/// the pieces.
 fn pump(
     rank: usize,
     from: impl std::io::Read + Send + 'static,
     to_stderr: bool,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
+        let prefix = format!("[rank {rank}] ");
+        let mut out = Vec::new();
         for line in BufReader::new(from).split(b'\n') {
             let Ok(line) = line else { break };
-            let text = String::from_utf8_lossy(&line);
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+            out.clear();
+            out.extend_from_slice(prefix.as_bytes());
+            out.extend_from_slice(&line);
+            out.push(b'\n');
+            let _ = if to_stderr {
+                write_line(&mut std::io::stderr().lock(), &out)
             } else {
-                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
-            }
+                write_line(&mut std::io::stdout().lock(), &out)
+            };
         }
     })
+}
+
+/// Writes one whole line and flushes it, so it is not split across writes.
+fn write_line(to: &mut impl Write, line: &[u8]) -> std::io::Result<()> {
+    to.write_all(line)?;
+    to.flush()
 }
 
 /// Signals each rank's whole process group (each rank leads its own), so

@@ -23,7 +23,7 @@ struct Cli {
 enum Cmd {
     /// Start N ranks of a program with the torchrun environment contract.
     ///
-    /// Example: zrt launch --nproc-per-node 2 -- target/release/examples/demo
+    /// Example: zrt launch --nproc-per-node 2 -- target/release/examples/train_gpt --steps 50
     Launch(launch::LaunchArgs),
     /// Run a benchmark and print numbers next to a peer and a limit measured in the same run.
     Bench {

@@ -39,25 +39,111 @@ struct Args {
     resume: bool,
 }
 
-fn parse_args() -> Result<Args> {
+/// The options: name, what follows it (empty for a switch), what it does.
+const OPTIONS: &[(&str, &str, &str)] = &[
+    (
+        "--config",
+        "FILE",
+        "DeepSpeed JSON config (default: examples/ds_zero3.json)",
+    ),
+    (
+        "--corpus",
+        "DIR",
+        "folder of text to train on (default: the license texts)",
+    ),
+    ("--steps", "N", "optimizer steps (default: 400)"),
+    (
+        "--eval-every",
+        "N",
+        "steps between validation losses (default: 100)",
+    ),
+    ("--d-model", "N", "model width (default: 256)"),
+    ("--layers", "N", "transformer blocks (default: 6)"),
+    (
+        "--heads",
+        "N",
+        "attention heads, dividing --d-model (default: 8)",
+    ),
+    ("--seq", "N", "sequence length in bytes (default: 128)"),
+    (
+        "--save-dir",
+        "DIR",
+        "where checkpoints go (default: target/train_gpt-checkpoints)",
+    ),
+    (
+        "--save-every",
+        "N",
+        "steps between checkpoints (default: 0, only at the end)",
+    ),
+    ("--no-save", "", "save no checkpoint"),
+    (
+        "--resume",
+        "",
+        "first load the latest checkpoint in the save directory",
+    ),
+    ("--help", "", "print this and exit"),
+];
+
+/// The usage text `--help` prints.
+fn usage() -> String {
+    let mut u = String::from(
+        "train_gpt: the main job, a GPT trained byte-level with ZeRO\n\
+         usage: zrt launch --nproc-per-node N -- train_gpt [OPTIONS]\n\n",
+    );
+    for (name, value, what) in OPTIONS {
+        u.push_str(&format!("  {:<22} {what}\n", format!("{name} {value}")));
+    }
+    u
+}
+
+/// The command line as option -> value (`""` for a switch). An unknown
+/// option or a missing value is an error, so a typo such as `--step 10`
+/// does not silently train the default 400 steps.
+fn options(args: &[String]) -> Result<std::collections::HashMap<&'static str, String>> {
+    let mut got = std::collections::HashMap::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let Some(&(name, value, _)) = OPTIONS.iter().find(|o| o.0 == a) else {
+            let names: Vec<&str> = OPTIONS.iter().map(|o| o.0).collect();
+            bail!("unknown option `{a}`; the options are {}", names.join(", "));
+        };
+        let v = match value.is_empty() {
+            true => String::new(),
+            false => it
+                .next()
+                .with_context(|| format!("{name} needs a value ({value})"))?
+                .clone(),
+        };
+        got.insert(name, v);
+    }
+    Ok(got)
+}
+
+/// The arguments, or `None` when `--help` asked for the usage.
+fn parse_args() -> Result<Option<Args>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let get = |name: &str| -> Option<&str> {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .map(String::as_str)
-    };
-    let num = |name: &str, d: i64| -> Result<i64> {
-        get(name).map_or(Ok(d), |v| {
-            v.parse().with_context(|| format!("{name} takes a number"))
-        })
+    let opts = options(&args)?;
+    if opts.contains_key("--help") {
+        return Ok(None);
+    }
+    let get = |name: &str| opts.get(name).map(String::as_str);
+    // A count of at least `min`; `d` when the option is not given.
+    let num = |name: &str, d: i64, min: i64| -> Result<i64> {
+        let v = get(name).map_or(Ok(d), |v| {
+            v.parse()
+                .with_context(|| format!("{name} takes a whole number, got `{v}`"))
+        })?;
+        if v < min {
+            bail!("{name} must be at least {min}, got {v}");
+        }
+        Ok(v)
     };
     let gpt = GptConfig {
         vocab: 256,
-        d_model: num("--d-model", 256)?,
-        layers: num("--layers", 6)?,
-        heads: num("--heads", 8)?,
-        seq: num("--seq", 128)?,
+        d_model: num("--d-model", 256, 1)?,
+        layers: num("--layers", 6, 1)?,
+        heads: num("--heads", 8, 1)?,
+        seq: num("--seq", 128, 1)?,
     };
     if gpt.d_model % gpt.heads != 0 {
         bail!(
@@ -66,7 +152,7 @@ fn parse_args() -> Result<Args> {
             gpt.d_model
         );
     }
-    Ok(Args {
+    Ok(Some(Args {
         config: get("--config").map_or_else(
             || {
                 PathBuf::from(concat!(
@@ -77,10 +163,10 @@ fn parse_args() -> Result<Args> {
             PathBuf::from,
         ),
         corpus: get("--corpus").map(PathBuf::from),
-        steps: num("--steps", 400)? as u64,
-        eval_every: num("--eval-every", 100)?.max(1) as u64,
+        steps: num("--steps", 400, 1)? as u64,
+        eval_every: num("--eval-every", 100, 1)? as u64,
         gpt,
-        save_dir: match args.iter().any(|a| a == "--no-save") {
+        save_dir: match opts.contains_key("--no-save") {
             true => None,
             false => Some(get("--save-dir").map_or_else(
                 || {
@@ -92,9 +178,9 @@ fn parse_args() -> Result<Args> {
                 PathBuf::from,
             )),
         },
-        save_every: num("--save-every", 0)?.max(0) as u64,
-        resume: args.iter().any(|a| a == "--resume"),
-    })
+        save_every: num("--save-every", 0, 0)? as u64,
+        resume: opts.contains_key("--resume"),
+    }))
 }
 
 /// Every regular file under `dir` whose name passes `keep`, sorted.
@@ -165,7 +251,10 @@ fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Tensor {
 
 fn main() -> Result<()> {
     zrt::init_logging();
-    let a = parse_args()?;
+    let Some(a) = parse_args()? else {
+        print!("{}", usage());
+        return Ok(());
+    };
     tch::set_num_threads(1);
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
     let (rank, n) = (dist.env().rank, dist.env().world_size);

@@ -663,15 +663,7 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
 
 /// `zrt launch` of the main job on 2 processes (shm backend) with `args`.
 fn train_gpt(args: &[&str]) {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("target")
-        .join(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        })
-        .join("examples")
-        .join("train_gpt");
+    let example = common::example("train_gpt");
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
         .args(["launch", "--nproc-per-node", "2", "--"])
         .arg(example)

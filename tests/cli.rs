@@ -2,6 +2,8 @@
 
 use std::process::Command;
 
+mod common;
+
 fn zrt(args: &[&str]) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
         .args(args)
@@ -116,5 +118,37 @@ fn the_cli_shows_the_libraries_warnings() {
         err.contains("WARN RUST_LOG=\"zrt_zero=loud\" is not a filter (")
             && err.contains("WARN ZRT_SIMD=\"avx3\""),
         "{err}"
+    );
+}
+
+#[test]
+fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
+    let run = |args: &[&str]| {
+        let o = Command::new(common::example("train_gpt"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o.status.success(), text)
+    };
+    // Refused before joining a job: no `zrt launch` needed to see these.
+    let (ok, out) = run(&["--step", "10"]);
+    assert!(!ok && out.contains("unknown option `--step`"), "{out}");
+    assert!(out.contains("--steps"), "the options are listed: {out}");
+    let (ok, out) = run(&["--steps", "-3"]);
+    assert!(
+        !ok && out.contains("--steps must be at least 1, got -3"),
+        "{out}"
+    );
+    let (ok, out) = run(&["--save-dir"]);
+    assert!(!ok && out.contains("--save-dir needs a value"), "{out}");
+    let (ok, out) = run(&["--help"]);
+    assert!(
+        ok && out.contains("--eval-every N") && out.contains("--resume"),
+        "{out}"
     );
 }

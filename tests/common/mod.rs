@@ -119,3 +119,17 @@ pub fn solo_engine(
     let group = local::world(1).remove(0).new_group(&[0]).unwrap();
     Engine::new(vs, plan, cfg, group, &AutoHints::default())
 }
+
+/// An example program of this build (`cargo test` builds them beside the
+/// test binaries' profile).
+pub fn example(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target")
+        .join(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        })
+        .join("examples")
+        .join(name)
+}

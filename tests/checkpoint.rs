@@ -661,8 +661,9 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `zrt launch` of the main job on 2 processes (shm backend) with `args`.
-fn train_gpt(args: &[&str]) {
+/// `zrt launch` of the main job on 2 processes (shm backend) with `args`;
+/// what it printed.
+fn train_gpt(args: &[&str]) -> String {
     let example = common::example("train_gpt");
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
         .args(["launch", "--nproc-per-node", "2", "--"])
@@ -681,23 +682,25 @@ fn train_gpt(args: &[&str]) {
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        o.status.success(),
+    let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
+    assert!(o.status.success(), "{text}");
+    text
 }
 
-#[test]
-fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
-    let _serial = serial();
-    let dir = tmp("processes");
+/// The main job with `args` for 4 steps, and for 2 then 2 more with
+/// `--resume`, in fresh processes; both runs' final weights, and what the
+/// resumed run printed.
+fn main_job_straight_and_resumed(name: &str, args: &[&str]) -> (Params, Params, String) {
+    let dir = tmp(name);
     let (a, b) = (dir.join("straight"), dir.join("resumed"));
     let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
-    train_gpt(&["--steps", "4", "--save-dir", a_s]);
-    train_gpt(&["--steps", "2", "--save-dir", b_s]);
-    train_gpt(&["--steps", "4", "--save-dir", b_s, "--resume"]);
+    train_gpt(&[args, &["--steps", "4", "--save-dir", a_s]].concat());
+    train_gpt(&[args, &["--steps", "2", "--save-dir", b_s]].concat());
+    let said = train_gpt(&[args, &["--steps", "4", "--save-dir", b_s, "--resume"]].concat());
     // The header's metadata map has no fixed order: compare the tensors.
     let export = |d: &Path| {
         let out = d.join("model.safetensors");
@@ -715,13 +718,54 @@ fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
             .collect::<Params>()
     };
     let (straight, resumed) = (export(&a), export(&b));
+    let _ = std::fs::remove_dir_all(&dir);
+    (straight, resumed, said)
+}
+
+#[test]
+fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
+    let _serial = serial();
+    let (straight, resumed, _) = main_job_straight_and_resumed("processes", &[]);
     assert!(!straight.is_empty());
     assert_bits(
         "2 + 2 steps in fresh processes against 4",
         &resumed,
         &straight,
     );
+}
+
+#[test]
+fn the_main_job_in_fp16_resumes_after_the_steps_an_overflow_skipped() {
+    let _serial = serial();
+    // A loss scale of 2^20 overflows the first two steps; the next two train.
+    let dir = tmp("fp16-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("fp16.json");
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/ds_zero3.json"
+    ))
+    .unwrap();
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 20, "hysteresis": 1},"#;
+    std::fs::write(&cfg, base.replacen('{', &format!("{{{fp16}"), 1)).unwrap();
+    let (straight, resumed, said) =
+        main_job_straight_and_resumed("fp16", &["--config", cfg.to_str().unwrap()]);
     let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        said.matches("fp16 overflow: step skipped").count(),
+        0,
+        "{said}"
+    );
+    assert!(
+        said.contains("at step 2"),
+        "resumed after both skipped steps: {said}"
+    );
+    assert!(said.contains("fp16 compute on CPU"), "the warning: {said}");
+    assert_bits(
+        "fp16: 2 (both skipped) + 2 steps in fresh processes against 4",
+        &resumed,
+        &straight,
+    );
 }
 
 #[test]

@@ -774,3 +774,30 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
         );
     }
 }
+
+#[test]
+fn the_learning_rate_reported_follows_the_warm_up_from_before_the_first_step() {
+    let cfg = Config::from_json(
+        r#"{"train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001,
+                "warmup_max_lr": 0.011, "warmup_num_steps": 10, "warmup_type": "linear"}},
+            "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        // Not the optimizer's 0.5: the first step will use the warm-up's start.
+        assert_eq!(e.lr(), 0.001);
+        let mut seen = Vec::new();
+        for k in 0..3 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
+            seen.push(e.lr());
+        }
+        let want = [0.001, 0.002, 0.003];
+        for (s, w) in seen.iter().zip(want) {
+            assert!((s - w).abs() < 1e-12, "{seen:?} against {want:?}");
+        }
+    });
+}

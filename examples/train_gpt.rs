@@ -271,14 +271,8 @@ fn main() -> Result<()> {
         hidden_size: Some(a.gpt.d_model as u64),
         ..Default::default()
     };
-    // `mics_shard_size` S < world: shard inside groups of S ranks (hybrid).
-    let engine = match cfg.zero.mics_shard_size.filter(|&s| (s as usize) < n) {
-        Some(s) => Engine::new_hybrid(&vs, &plan, &cfg, dist.mesh(s as usize)?, &hints)?,
-        None => {
-            let group = dist.new_group(&(0..n).collect::<Vec<_>>())?;
-            Engine::new(&vs, &plan, &cfg, group, &hints)?
-        }
-    };
+    // Plain, hybrid (`mics_shard_size`) or hpZ, as the config says.
+    let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &hints)?;
     let batch_cfg = engine.config().batch;
     let micro = batch_cfg.micro as i64;
     let gas = batch_cfg.gas;
@@ -298,13 +292,16 @@ fn main() -> Result<()> {
             batch_cfg.train, a.gpt.seq, micro, gas, n
         );
     }
-    let eval = |step: u64| -> Result<f64> {
+    // Losses and memory are averaged and listed over the whole world (under
+    // hybrid sharding the engine's own group is one shard group).
+    let world = dist.world();
+    let eval = || -> Result<f64> {
         // Each rank a share of fixed validation windows; averaged.
         let l = tch::no_grad(|| {
             gpt.loss(&batch(val, 16, a.gpt.seq + 1, 1_000_000 + rank as u64))
                 .double_value(&[])
         });
-        Ok(engine.group().all_reduce(vec![l], ReduceOp::Avg).wait()?[0] + 0.0 * step as f64)
+        Ok(world.all_reduce(vec![l], ReduceOp::Avg).wait()?[0])
     };
 
     let bar = if rank == 0 && console_is_tty() {
@@ -347,7 +344,7 @@ fn main() -> Result<()> {
         Ok(())
     };
     let stepped_before = engine.global_step();
-    let v0 = eval(0)?;
+    let v0 = eval()?;
     if rank == 0 {
         println!("step {:4}  validation loss {v0:.4}", start - 1);
     }
@@ -366,8 +363,7 @@ fn main() -> Result<()> {
             engine.backward(&loss)?;
             engine.step()?;
         }
-        let loss = engine
-            .group()
+        let loss = world
             .all_reduce(vec![sum / gas as f64], ReduceOp::Avg)
             .wait()?[0];
         if step == start {
@@ -386,7 +382,7 @@ fn main() -> Result<()> {
             save(step)?;
         }
         if step % a.eval_every == 0 || step == a.steps {
-            last_val = eval(step)?;
+            last_val = eval()?;
             if rank == 0 {
                 let line = format!(
                     "step {step:4}  train loss {loss:.4}  validation loss {last_val:.4}  lr {:.2e}  grad norm {:.3}  {tps:.0} tokens/s",
@@ -405,8 +401,7 @@ fn main() -> Result<()> {
     }
     save(a.steps)?;
     let secs = t0.elapsed().as_secs_f64();
-    let rss = engine
-        .group()
+    let rss = world
         .all_gather(
             vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64],
             Vec::new(),

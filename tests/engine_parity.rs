@@ -447,10 +447,12 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
     let reference = run_reference_hybrid(0.5);
     for stage in 1..=3u8 {
         let cfg = config_zero(stage, 1, 0.5, "", r#""mics_shard_size": 2,"#);
-        let out: Vec<(Vec<f64>, Params)> = on_ranks(4, |r| {
+        let out: Vec<(Vec<f64>, Params)> = on_ranks(4, |mut r| {
             let (vs, plan, gpt) = model();
-            let mesh = r.mesh(2).unwrap();
-            let engine = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+            // The config's mics_shard_size makes the mesh.
+            let engine =
+                Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+            assert_eq!(engine.group().size(), 2, "stage {stage}: sharded in pairs");
             let losses = train_steps(&engine, &gpt, r.rank(), r.world());
             (losses, engine.gathered_params().unwrap())
         });
@@ -657,16 +659,11 @@ fn run_hpz(hpz: bool, extra: &str) -> (Params, u64) {
         r#""stage3_param_persistence_threshold": 0,"#
     };
     let cfg = config_zero(3, 1, 0.5, extra, zero);
-    let out: Vec<(Params, u64)> = on_ranks(4, |r| {
+    let out: Vec<(Params, u64)> = on_ranks(4, |mut r| {
         let (vs, plan, gpt) = model();
-        let world = r.new_group(&[0, 1, 2, 3]).unwrap();
-        let engine = if hpz {
-            let (pair, _) = r.mesh(2).unwrap().into_groups();
-            Engine::new_hpz(&vs, &plan, &cfg, world, pair, &AutoHints::default())
-        } else {
-            Engine::new(&vs, &plan, &cfg, world, &AutoHints::default())
-        }
-        .unwrap();
+        // With the key, the hpZ pairs are made from it.
+        let engine = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+        assert_eq!(engine.group().size(), 4, "stage 3 shards over the world");
         train_steps(&engine, &gpt, r.rank(), r.world());
         (
             engine.gathered_params().unwrap(),
@@ -696,6 +693,36 @@ fn hpz_regathers_inside_its_group_with_the_same_results() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("Engine::new_hpz"), "{e}");
+}
+
+#[test]
+fn a_config_the_world_cannot_be_split_by_is_refused_naming_the_key() {
+    for (zero, want) in [
+        (
+            r#""mics_shard_size": 3,"#,
+            "mics_shard_size 3 on a world of 4 ranks: it must divide the world",
+        ),
+        (
+            r#""zero_hpz_partition_size": 3,"#,
+            "zero_hpz_partition_size 3 on a world of 4 ranks: it must divide the world",
+        ),
+        (
+            r#""mics_shard_size": 2, "zero_hpz_partition_size": 2,"#,
+            "mics_shard_size and zero_hpz_partition_size together",
+        ),
+    ] {
+        let cfg = config_zero(3, 1, 0.0, "", zero);
+        let errors = on_ranks(4, |mut r| {
+            let (vs, plan, _) = model();
+            Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default())
+                .err()
+                .map(|e| e.to_string())
+        });
+        for e in errors {
+            let e = e.unwrap_or_default();
+            assert!(e.contains(want), "{zero}: {e}");
+        }
+    }
 }
 
 #[test]

@@ -46,6 +46,7 @@
 mod dtype;
 mod error;
 mod front;
+mod groups;
 mod init;
 pub mod local;
 mod mesh;
@@ -64,6 +65,7 @@ mod worker;
 
 pub use dtype::{DType, Element};
 pub use error::CommError;
+pub use groups::Groups;
 pub use init::{init_from_env, Backend, Dist, DistEnv, Group};
 pub use mesh::DeviceMesh;
 pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};

@@ -49,7 +49,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
-use zrt_collectives::{DeviceMesh, Element, ProcessGroup, ReduceOp};
+use zrt_collectives::{DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 use crate::config::{LossScaleConfig, Precision, Setting};
@@ -617,6 +617,52 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
 }
 
 impl<G: ProcessGroup + 'static> Engine<G> {
+    /// Builds the engine `config` asks for, making its groups from
+    /// `groups` (the [`Dist`](zrt_collectives::Dist) of `init_from_env`, or
+    /// a [`LocalRank`](zrt_collectives::local::LocalRank)), as DeepSpeed's
+    /// `initialize` does: `mics_shard_size` S below the world shards inside
+    /// groups of S ranks ([`Engine::new_hybrid`]), `zero_hpz_partition_size`
+    /// S re-gathers backward inside groups of S neighbouring ranks
+    /// ([`Engine::new_hpz`]), and otherwise it shards over every rank
+    /// ([`Engine::new`]). Every rank calls it (it makes groups).
+    pub fn from_config<S: Groups<Group = G>>(
+        vs: &nn::VarStore,
+        plan: &ShardPlan,
+        config: &Config,
+        groups: &mut S,
+        hints: &AutoHints,
+    ) -> Result<Self, EngineError> {
+        let world = groups.world_size();
+        let mics = config.zero.mics_shard_size.map(|s| s as usize);
+        let hpz = config.zero.zero_hpz_partition_size as usize;
+        match (mics.filter(|&s| s != world), hpz > 1) {
+            (Some(_), true) => Err(EngineError::Plan(
+                "mics_shard_size and zero_hpz_partition_size together: zrt builds one or the other (in DeepSpeed they are different optimizers, MiCS and ZeRO++); remove one".into(),
+            )),
+            (Some(s), false) => {
+                let mesh = groups.mesh(s).map_err(|e| {
+                    EngineError::Plan(format!(
+                        "mics_shard_size {s} on a world of {world} ranks: it must divide the world ({e})"
+                    ))
+                })?;
+                Self::new_hybrid(vs, plan, config, mesh, hints)
+            }
+            (None, true) => {
+                let all = groups.everyone()?;
+                let (near, _) = groups
+                    .mesh(hpz)
+                    .map_err(|e| {
+                        EngineError::Plan(format!(
+                            "zero_hpz_partition_size {hpz} on a world of {world} ranks: it must divide the world ({e})"
+                        ))
+                    })?
+                    .into_groups();
+                Self::new_hpz(vs, plan, config, all, near, hints)
+            }
+            (None, false) => Self::new(vs, plan, config, groups.everyone()?, hints),
+        }
+    }
+
     /// Builds the engine for the trainable parameters of `vs` (created in
     /// fp32), grouped into the units of `plan`, trained as `config` says over
     /// `group` (the data-parallel world). Rank 0's parameter values become

@@ -33,7 +33,7 @@ pub enum CommError {
         call_b: String,
     },
     /// The call did not complete in time.
-    #[error("{call} on group `{group}` timed out after {:.1} s waiting for rank(s) {waiting_for:?}; a rank is stuck or slow (raise ZRT_TIMEOUT if it is only slow)", timeout.as_secs_f64())]
+    #[error("{call} on group `{group}` timed out after {:.1} s {}; a rank is stuck or slow (raise ZRT_TIMEOUT if it is only slow)", timeout.as_secs_f64(), waiting(waiting_for))]
     Timeout {
         /// The group.
         group: String,
@@ -68,6 +68,18 @@ pub enum CommError {
     /// Rendezvous or the environment contract failed.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),
+    /// An earlier collective on this group failed on this rank, which then
+    /// left the group (its peers see it as gone instead of reading a slot
+    /// it never filled): later calls on the group are not run.
+    #[error("{call} on group `{group}` was not run: an earlier collective on the group failed on this rank, which then left it ({cause}); a group cannot be used after one of its collectives failed")]
+    Failed {
+        /// The group.
+        group: String,
+        /// The call that was not run.
+        call: String,
+        /// Why the earlier collective failed.
+        cause: Box<CommError>,
+    },
     /// The group was shut down (its handle dropped) before this call ran.
     #[error(
         "group `{group}` is shut down: {call} was issued after the group's handle was dropped"
@@ -78,4 +90,15 @@ pub enum CommError {
         /// The call.
         call: String,
     },
+}
+
+/// Whom a timed-out call waited for: the ranks, when the backend saw them
+/// missing; otherwise the wait was on this rank's handle, while the call (or
+/// one issued before it on the group) was still waiting for the others.
+fn waiting(ranks: &[usize]) -> String {
+    if ranks.is_empty() {
+        "waiting for the call to finish on this rank's group worker (it, or a call issued before it on the group, is still waiting for other ranks)".to_string()
+    } else {
+        format!("waiting for rank(s) {ranks:?}")
+    }
 }

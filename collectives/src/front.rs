@@ -8,7 +8,7 @@
 //!
 //! [`ProcessGroup`]: crate::ProcessGroup
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::dtype::bytes_of;
@@ -28,6 +28,10 @@ pub(crate) trait Transport: Send + Sync + 'static {
     fn n(&self) -> usize;
     /// Whether group rank `r` left or died.
     fn peer_gone(&self, r: usize) -> bool;
+    /// Leaves the group: every peer's pending and later collectives see
+    /// this rank as gone ([`Transport::peer_gone`]). Called when the group
+    /// is dropped, and when a collective failed part-way on this rank.
+    fn leave(&self);
 
     /// The group's name.
     fn name(&self) -> &str {
@@ -142,6 +146,9 @@ impl Member {
 pub(crate) struct Front<X> {
     pub(crate) inner: Arc<X>,
     pub(crate) worker: Worker,
+    /// The first collective that failed on this rank: once set, this rank
+    /// has left the group and runs nothing more on it.
+    failed: Arc<OnceLock<CommError>>,
 }
 
 fn desc<T: Element>(kind: OpKind, len: usize) -> OpDesc {
@@ -149,15 +156,57 @@ fn desc<T: Element>(kind: OpKind, len: usize) -> OpDesc {
 }
 
 impl<X: Transport> Front<X> {
+    /// The front of `inner`, whose operations run on `worker` (started with
+    /// `inner.leave()` as what it does on exit).
+    pub(crate) fn new(inner: Arc<X>, worker: Worker) -> Self {
+        Self {
+            inner,
+            worker,
+            failed: Arc::default(),
+        }
+    }
+
     /// Runs `f` on the worker; it returns the result and the bytes it sent
     /// and received (for [`Stats`]).
+    ///
+    /// A collective that fails part-way (a timeout, a dead peer, a
+    /// mismatch, bad arguments found after the ranks agreed) leaves the
+    /// ranks at different points of the group's protocol. Going on would
+    /// let this rank's next call satisfy a barrier its peers are still
+    /// waiting at in the failed one, and they would read slots it never
+    /// filled. So the first failure makes this rank leave the group (its
+    /// peers then fail within the liveness period, naming it) and every
+    /// later call fails with [`CommError::Failed`]. `send`/`recv` go through
+    /// the store, not the group's protocol, and do not count; nor does a
+    /// failed shared-memory allocation, which every rank learns together.
     pub(crate) fn run<R: Send + 'static>(
         &self,
         desc: OpDesc,
         f: impl FnOnce(&X) -> Result<(R, usize, usize), CommError> + Send + 'static,
     ) -> Work<R> {
         let inner = self.inner.clone();
-        self.worker.submit(desc, move || f(&inner))
+        let failed = self.failed.clone();
+        let counts = !matches!(desc.kind, OpKind::Send { .. } | OpKind::Recv { .. });
+        self.worker.submit(desc, move || {
+            if let Some(cause) = failed.get() {
+                return Err(CommError::Failed {
+                    group: inner.name().to_string(),
+                    call: desc.to_string(),
+                    cause: Box::new(cause.clone()),
+                });
+            }
+            let r = f(&inner);
+            if let Err(e) = &r {
+                if counts
+                    && !matches!(e, CommError::SharedMemory { .. })
+                    && failed.set(e.clone()).is_ok()
+                {
+                    tracing::debug!(group = inner.name(), "leaving the group after: {e}");
+                    inner.leave();
+                }
+            }
+            r
+        })
     }
 
     pub(crate) fn name(&self) -> &str {

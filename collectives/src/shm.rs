@@ -1001,11 +1001,9 @@ impl ShmGroup {
             path: path.display().to_string(),
         });
         let i2 = inner.clone();
-        let worker = Worker::start(j.name, me, move || {
-            i2.seg.word(i2.m.me, W_LEFT).store(1, Ordering::Release)
-        })?;
+        let worker = Worker::start(j.name, me, move || i2.leave())?;
         Ok(Self {
-            front: Front { inner, worker },
+            front: Front::new(inner, worker),
         })
     }
 
@@ -1024,6 +1022,11 @@ impl Transport for Inner {
     }
     fn peer_gone(&self, r: usize) -> bool {
         self.seg.word(r, W_LEFT).load(Ordering::Acquire) != 0 || process_gone(self.pids[r])
+    }
+    fn leave(&self) {
+        self.seg.word(self.m.me, W_LEFT).store(1, Ordering::Release);
+        // Peers asleep on this rank's arrival look again at once.
+        futex::wake_all(self.seg.word(self.m.me, W_ARRIVE));
     }
 
     fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {

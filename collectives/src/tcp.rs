@@ -406,14 +406,9 @@ impl TcpGroup {
             }),
         });
         let i2 = inner.clone();
-        // Leaving closes the connections, which is how peers learn it.
-        let worker = Worker::start(j.name, me, move || {
-            for c in i2.peers.iter().flatten() {
-                let _ = c.w.lock().shutdown(std::net::Shutdown::Both);
-            }
-        })?;
+        let worker = Worker::start(j.name, me, move || i2.leave())?;
         Ok(Self {
-            front: Front { inner, worker },
+            front: Front::new(inner, worker),
         })
     }
 
@@ -429,6 +424,13 @@ impl Transport for Inner {
     }
     fn n(&self) -> usize {
         self.peers.len()
+    }
+
+    /// Leaving closes the connections, which is how peers learn it.
+    fn leave(&self) {
+        for c in self.peers.iter().flatten() {
+            let _ = c.w.lock().shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Whether group rank `p` closed its connection (left or died). Only

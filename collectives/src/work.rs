@@ -40,6 +40,10 @@ fn parse_timeout(v: Option<&str>) -> Result<Duration, String> {
         })
 }
 
+/// How much longer [`Work::wait`] waits than the backends' own timeout:
+/// they look at their deadline at least every 50 ms.
+const WAIT_MARGIN: Duration = Duration::from_millis(500);
+
 /// A pending collective. Dropping it does not cancel the operation (every
 /// rank must still complete it); it only discards the result.
 #[must_use = "a collective's result (and its error) is only seen through wait()"]
@@ -100,9 +104,13 @@ impl<T> Work<T> {
         (self.done)()
     }
 
-    /// Blocks until the operation completes, at most [`default_timeout`].
+    /// Blocks until the operation completes, at most [`default_timeout`]
+    /// and a short margin. The backends time every wait of an operation out
+    /// after the same timeout, from when the operation started, and their
+    /// error names the ranks that did not arrive; the margin lets that
+    /// error, rather than this wait's own, reach the caller.
     pub fn wait(self) -> Result<T, CommError> {
-        self.wait_timeout(default_timeout())
+        self.wait_timeout(default_timeout() + WAIT_MARGIN)
     }
 
     /// Blocks until the operation completes or `timeout` passes.

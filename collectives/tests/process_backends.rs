@@ -99,6 +99,10 @@ fn rank_main() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
+    if scenario == "stalled" && std::env::var("RANK").as_deref() == Ok("0") {
+        // Rank 0 gives up on a late rank 1 after half a second.
+        std::env::set_var("ZRT_TIMEOUT", "0.5");
+    }
     if scenario == "ops_rank1_small_slots" && std::env::var("RANK").as_deref() == Ok("1") {
         // Only rank 1 asks for other staging slots: the segment's layout
         // must still be rank 0's.
@@ -240,6 +244,30 @@ fn rank_main() {
                 after[0]
             );
         }
+        "stalled" => {
+            let gather = |v: u8| g.all_gather(vec![v; 1000], Vec::new()).wait();
+            if me == 0 {
+                // Timed out waiting for rank 1; then a call that must not run.
+                let a = gather(7).err().map_or("ok".into(), |e| e.to_string());
+                let t = Instant::now();
+                let b = gather(7).err().map_or("ok".into(), |e| e.to_string());
+                println!(
+                    "@@ {a} | {b} | {}",
+                    t.elapsed() < Duration::from_millis(250)
+                );
+                // Alive until rank 1 is done: it must learn from the group,
+                // not from this process's exit.
+                std::thread::sleep(Duration::from_secs(4));
+            } else {
+                std::thread::sleep(Duration::from_millis(1500));
+                let t = Instant::now();
+                match gather(9) {
+                    // Never rank 0's slot as it was left: it wrote no part.
+                    Ok((_, all)) => println!("@@ ok {:?}", &all[..4]),
+                    Err(e) => println!("@@ {e} | {}", t.elapsed() < Duration::from_secs(1)),
+                }
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -340,6 +368,35 @@ fn a_rank_killed_mid_collective_fails_its_peer_within_5_seconds() {
         assert!(
             s.starts_with("err rank 1 of group `world` died or left the group during all_gather(u8 x 1048576)"),
             "{backend}: {s}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_timed_out_leaves_the_group_and_the_late_rank_learns_it() {
+    for backend in BACKENDS {
+        let ended = run(
+            2,
+            "stalled",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        let (zero, one) = (said(&ended[0]), said(&ended[1]));
+        assert!(
+            zero.starts_with(
+                "all_gather(u8 x 1000) on group `world` timed out after 0.5 s waiting for rank(s) [1]"
+            ) && zero.contains(
+                "| all_gather(u8 x 1000) on group `world` was not run: an earlier collective on the group failed on this rank"
+            ) && zero.ends_with("| true"),
+            "{backend}: {zero}"
+        );
+        // Rank 1 arrives late, while rank 0 is still alive: it is told at
+        // once that rank 0 left, instead of running the gather against a
+        // rank that is no longer in it.
+        assert_eq!(
+            one,
+            "rank 0 of group `world` died or left the group during all_gather(u8 x 1000): every rank must stay until the last collective; check rank 0's output for its error | true",
+            "{backend}"
         );
     }
 }

@@ -317,10 +317,14 @@ fn main() -> Result<()> {
     let mut start = 1;
     if let (true, Some(dir)) = (a.resume, &a.save_dir) {
         if dir.join("latest").exists() {
-            let tag = engine.load_checkpoint(dir, None)?;
-            // Steps an fp16 overflow skipped were steps of this loop too
-            // (their batches were drawn): go on after them, not before.
-            start = engine.global_step() + engine.skipped_steps() + 1;
+            let (tag, saved) = engine.load_checkpoint_with(dir, None)?;
+            // The loop's own position, saved with the checkpoint: steps an
+            // fp16 overflow skipped were steps of this loop too (their
+            // batches were drawn), though not optimizer steps.
+            let done = saved["step"]
+                .as_u64()
+                .unwrap_or(engine.global_step() + engine.skipped_steps());
+            start = done + 1;
             if rank == 0 {
                 println!(
                     "resumed from {} (tag {tag}) at step {}",
@@ -332,7 +336,8 @@ fn main() -> Result<()> {
     }
     let save = |step: u64| -> Result<()> {
         if let Some(dir) = &a.save_dir {
-            let path = engine.save_checkpoint(dir, &format!("step{step}"))?;
+            let state = serde_json::json!({ "step": step });
+            let path = engine.save_checkpoint_with(dir, &format!("step{step}"), &state)?;
             if rank == 0 {
                 println!(
                     "checkpoint saved to {} (`zrt ckpt inspect {}`)",

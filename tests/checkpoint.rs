@@ -1045,3 +1045,29 @@ fn frozen_variables_are_saved_restored_and_exported() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_programs_own_state_comes_back_with_its_checkpoint() {
+    let _serial = serial();
+    let dir = tmp("client-state");
+    let (vs, plan, _) = model();
+    let e = solo_engine(&vs, &plan, &config_with(3, 1, 0.0, "")).unwrap();
+    let state = serde_json::json!({"epoch": 3, "batches": [1, 2]});
+    e.save_checkpoint_with(&dir, "with", &state).unwrap();
+    e.save_checkpoint(&dir, "without").unwrap();
+    assert_eq!(
+        e.load_checkpoint_with(&dir, Some("with")).unwrap(),
+        ("with".to_string(), state)
+    );
+    assert_eq!(
+        e.load_checkpoint_with(&dir, None).unwrap(),
+        ("without".to_string(), serde_json::Value::Null),
+        "the latest, saved without"
+    );
+    let shown = zrt::zero::checkpoint::inspect(&dir, Some("with")).unwrap();
+    assert!(
+        shown.contains(r#"client state {"batches":[1,2],"epoch":3}"#),
+        "{shown}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

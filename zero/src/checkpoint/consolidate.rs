@@ -165,6 +165,9 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             frozen.len()
         );
     }
+    if !meta.client_state.is_null() {
+        let _ = writeln!(s, "  client state {}", meta.client_state);
+    }
     let mut bad = 0;
     let frozen_file = (!frozen.is_empty()).then(|| FROZEN_FILE.to_string());
     for f in meta.files.iter().chain(&frozen_file) {

@@ -109,6 +109,11 @@ pub struct Meta {
     pub frozen: Option<Vec<FrozenMeta>>,
     /// The resolved config (the settings that shape training).
     pub config: serde_json::Value,
+    /// What the program saved with the checkpoint (DeepSpeed's
+    /// `client_state`: an epoch, a data position), world rank 0's; `null`
+    /// when it saved nothing.
+    #[serde(default)]
+    pub client_state: serde_json::Value,
 }
 
 impl Meta {

@@ -125,6 +125,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         dir: impl AsRef<Path>,
         tag: &str,
     ) -> Result<PathBuf, EngineError> {
+        self.save_checkpoint_with(dir, tag, &serde_json::Value::Null)
+    }
+
+    /// [`Engine::save_checkpoint`] with `client_state`, the program's own
+    /// state (DeepSpeed's `client_state`: an epoch, a data position), which
+    /// [`Engine::load_checkpoint_with`] hands back. World rank 0's is saved
+    /// (in `meta.json`).
+    pub fn save_checkpoint_with(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: &str,
+        client_state: &serde_json::Value,
+    ) -> Result<PathBuf, EngineError> {
         let i = &*self.inner;
         let dir = dir.as_ref();
         check_tag(tag)?;
@@ -168,7 +181,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 (false, Ok(())) => Ok(()),
             };
             if rank == 0 && r.is_ok() {
-                r = self.write_meta(&st, &staging, tag);
+                r = self.write_meta(&st, &staging, tag, client_state);
             }
             r
         };
@@ -265,7 +278,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 
     /// Rank 0's part besides its shards: the frozen variables' file, then
     /// `meta.json` listing them.
-    fn write_meta(&self, st: &State, dir: &Path, tag: &str) -> Result<(), CheckpointError> {
+    fn write_meta(
+        &self,
+        st: &State,
+        dir: &Path,
+        tag: &str,
+        client_state: &serde_json::Value,
+    ) -> Result<(), CheckpointError> {
         let i = &*self.inner;
         let frozen = st
             .frozen
@@ -323,6 +342,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
             frozen: Some(Frozen::metas(&frozen)),
+            client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
                 "train_batch_size": i.cfg.batch.train,
@@ -361,6 +381,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         dir: impl AsRef<Path>,
         tag: Option<&str>,
     ) -> Result<String, EngineError> {
+        self.load_checkpoint_with(dir, tag).map(|(tag, _)| tag)
+    }
+
+    /// [`Engine::load_checkpoint`], returning the tag and the client state
+    /// saved with it ([`Engine::save_checkpoint_with`]; `null` if none).
+    pub fn load_checkpoint_with(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<(String, serde_json::Value), EngineError> {
         {
             let mut st = self.inner.st.lock();
             self.take_error(&mut st)?;
@@ -368,9 +398,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let read = self.read_checkpoint(dir.as_ref(), tag);
         let loaded = self.agree(read, "load")?;
         let tag = loaded.tag.clone();
+        let client_state = loaded.meta.client_state.clone();
         self.apply(loaded)?;
         tracing::info!(tag = %tag, "checkpoint loaded");
-        Ok(tag)
+        Ok((tag, client_state))
     }
 
     fn read_checkpoint(&self, dir: &Path, tag: Option<&str>) -> Result<Loaded, CheckpointError> {

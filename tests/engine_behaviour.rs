@@ -801,3 +801,35 @@ fn the_learning_rate_reported_follows_the_warm_up_from_before_the_first_step() {
         }
     });
 }
+
+#[test]
+fn a_backward_past_a_boundary_no_step_handled_is_refused() {
+    for stage in [2, 3] {
+        past_a_boundary(stage);
+    }
+}
+
+fn past_a_boundary(stage: u8) {
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(stage, 2), &r);
+        // Two micro-steps make the boundary; then step() must come.
+        for k in 0..2 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+        }
+        let err = e
+            .backward(&t.loss(&input(r.rank(), 2)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("backward after micro-step 2 reached an accumulation boundary")
+                && err.contains("call engine.step() after every backward"),
+            "{err}"
+        );
+        // After the step the program goes on as usual.
+        assert!(e.step().unwrap());
+        e.backward(&t.loss(&input(r.rank(), 2))).unwrap();
+        assert!(!e.step().unwrap(), "off the boundary");
+        e.backward(&t.loss(&input(r.rank(), 3))).unwrap();
+        assert!(e.step().unwrap(), "stage {stage}: the next boundary");
+    });
+}

@@ -39,6 +39,9 @@ pub enum EngineError {
     /// The optimizer-state swap (NVMe offload) failed.
     #[error(transparent)]
     Offload(#[from] zrt_offload::OffloadError),
+    /// The program called the engine out of order.
+    #[error("engine calls out of order: {0}")]
+    CallOrder(String),
     /// A setting this build of the engine does not implement yet.
     #[error("not implemented yet: {0}")]
     Unsupported(String),

@@ -1035,6 +1035,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let scale = {
             let mut st = i.st.lock();
             self.take_error(&mut st)?;
+            // DeepSpeed would add this micro-batch's gradients to the
+            // previous step's, which nobody applied: a forgotten `step()`
+            // silently doubles the next update.
+            let gas = i.cfg.batch.gas;
+            if st.micro > 0 && st.micro % gas == 0 && st.boundary_at != st.micro {
+                return Err(EngineError::CallOrder(format!(
+                    "backward after micro-step {} reached an accumulation boundary (gradient_accumulation_steps {gas}) that no step() handled; call engine.step() after every backward (it steps only at the boundary)",
+                    st.micro
+                )));
+            }
             st.scaler.as_ref().map_or(1.0, |s| s.scale)
         };
         // Not under the state lock: the hooks take it to re-gather units

@@ -1071,3 +1071,39 @@ fn the_programs_own_state_comes_back_with_its_checkpoint() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_save_only_rank_0_calls_is_named_as_a_collective() {
+    let _serial = serial();
+    let dir = tmp("rank-0-only");
+    let cfg = config_with(3, 1, 0.0, "");
+    let out = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        let world = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, world, &AutoHints::default()).unwrap();
+        // The usual mistake: saving under `if rank == 0` while the others
+        // go on training.
+        if r.rank() == 0 {
+            e.save_checkpoint(&dir, "x").err().map(|e| e.to_string())
+        } else {
+            let r2 = (|| {
+                e.backward(&gpt.loss(&tokens(0, 0, 1, 1)))?;
+                e.step()
+            })();
+            r2.err().map(|e| e.to_string())
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let (saver, trainer) = (out[0].clone().unwrap(), out[1].clone().unwrap());
+    assert!(
+        saver.contains("save_checkpoint is a collective: every rank calls it")
+            && saver.contains("collective mismatch"),
+        "{saver}"
+    );
+    // Not "uneven gradients": the peer is checkpointing.
+    assert!(
+        trainer.contains("another rank is saving or loading a checkpoint while this one trains")
+            && !trainer.contains("Use every trained parameter"),
+        "{trainer}"
+    );
+}

@@ -44,6 +44,21 @@ struct Loaded {
     frozen: Option<Vec<tch::Tensor>>,
 }
 
+/// A save or load whose collectives met another call, a rank that left or
+/// a timeout: most often not every rank called it. Says so, keeping the
+/// collectives' own words.
+fn called_by_every_rank(what: &str, e: EngineError) -> EngineError {
+    use zrt_collectives::CommError as C;
+    match e {
+        EngineError::Comm(c @ (C::Mismatch { .. } | C::RankDied { .. } | C::Timeout { .. })) => {
+            EngineError::CallOrder(format!(
+                "{what} is a collective: every rank calls it, at the same point of the program (not only under `if rank == 0`); if every rank did, a rank failed or is stuck. The collectives said: {c}"
+            ))
+        }
+        e => e,
+    }
+}
+
 fn check_tag(tag: &str) -> Result<(), CheckpointError> {
     if tag.is_empty() || tag.contains('/') || tag.starts_with('.') || tag == "latest" {
         return Err(CheckpointError::BadTag(tag.to_string()));
@@ -138,8 +153,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         tag: &str,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, EngineError> {
+        self.save_inner(dir.as_ref(), tag, client_state)
+            .map_err(|e| called_by_every_rank("save_checkpoint", e))
+    }
+
+    fn save_inner(
+        &self,
+        dir: &Path,
+        tag: &str,
+        client_state: &serde_json::Value,
+    ) -> Result<PathBuf, EngineError> {
         let i = &*self.inner;
-        let dir = dir.as_ref();
         check_tag(tag)?;
         {
             let mut st = i.st.lock();
@@ -389,6 +413,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn load_checkpoint_with(
         &self,
         dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<(String, serde_json::Value), EngineError> {
+        self.load_inner(dir.as_ref(), tag)
+            .map_err(|e| called_by_every_rank("load_checkpoint", e))
+    }
+
+    fn load_inner(
+        &self,
+        dir: &Path,
         tag: Option<&str>,
     ) -> Result<(String, serde_json::Value), EngineError> {
         {

@@ -1031,6 +1031,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// after the backward instead of before it (a rounding apart). fp16
     /// needs this call, which applies the loss scale.
     pub fn backward(&self, loss: &Tensor) -> Result<(), EngineError> {
+        self.backward_inner(loss).map_err(checkpoint_on_a_peer)
+    }
+
+    fn backward_inner(&self, loss: &Tensor) -> Result<(), EngineError> {
         let i = &*self.inner;
         let scale = {
             let mut st = i.st.lock();
@@ -1076,6 +1080,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// fp16 overflow (the step is skipped on every rank, the loss scale
     /// drops, and [`Engine::skipped_steps`] counts it).
     pub fn step(&self) -> Result<bool, EngineError> {
+        self.step_inner().map_err(checkpoint_on_a_peer)
+    }
+
+    fn step_inner(&self) -> Result<bool, EngineError> {
         let i = &*self.inner;
         let started = std::time::Instant::now();
         let mut guard = i.st.lock();
@@ -1387,6 +1395,28 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         Ok(out)
     }
+}
+
+/// The one collective signature a checkpoint's save or load starts with
+/// (its agreement on every rank's outcome) and training never issues.
+pub(crate) const CHECKPOINT_AGREEMENT: &str = "all_gather(u8 x 1)";
+
+/// A training collective that met a peer's checkpoint agreement means that
+/// peer is saving or loading while this rank trains (a save under `if rank
+/// == 0`): say that, since the two calls' names mean nothing to the user
+/// and the mismatch would otherwise read as uneven gradients.
+fn checkpoint_on_a_peer(e: EngineError) -> EngineError {
+    let mismatch = matches!(
+        e,
+        EngineError::Comm(zrt_collectives::CommError::Mismatch { .. })
+    );
+    let text = e.to_string();
+    if mismatch && text.contains(CHECKPOINT_AGREEMENT) {
+        return EngineError::CallOrder(format!(
+            "another rank is saving or loading a checkpoint while this one trains: save_checkpoint and load_checkpoint are collectives, which every rank calls at the same point (not only under `if rank == 0`). The collectives said: {text}"
+        ));
+    }
+    e
 }
 
 #[cfg(test)]

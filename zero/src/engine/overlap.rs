@@ -717,7 +717,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// parameters that had no gradient. Other errors pass through.
 fn uneven(e: EngineError, without: &[String]) -> EngineError {
     match &e {
-        EngineError::Comm(c @ zrt_collectives::CommError::Mismatch { .. }) => {
+        // A peer's checkpoint agreement is not a gradient: see
+        // `checkpoint_on_a_peer`.
+        EngineError::Comm(c @ zrt_collectives::CommError::Mismatch { .. })
+            if !c.to_string().contains(super::CHECKPOINT_AGREEMENT) =>
+        {
             explain_uneven(&c.to_string(), without)
         }
         _ => e,

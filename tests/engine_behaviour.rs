@@ -833,3 +833,86 @@ fn past_a_boundary(stage: u8) {
         assert!(e.step().unwrap(), "stage {stage}: the next boundary");
     });
 }
+
+/// Unit `a` (3 -> 3) run twice in each forward, then `c` (3 -> 1): the
+/// final parameters of `a` after two steps of stage `stage` (None: plain
+/// libtorch on one rank seeing both ranks' inputs, averaged).
+fn reused_unit(stage: Option<u8>) -> Vec<f32> {
+    let build = || {
+        let _g = INIT.lock().unwrap();
+        tch::manual_seed(5);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let plan = ShardPlan::new();
+        let a = linear_unit(&vs, &plan, "a", 3, 3);
+        let c = linear_unit(&vs, &plan, "c", 3, 1);
+        (vs, plan, a, c)
+    };
+    let loss = |a: &ShardedModule<nn::Linear>, c: &ShardedModule<nn::Linear>, x: &Tensor| {
+        c.forward(&a.forward(&a.forward(x).tanh()))
+            .square()
+            .mean(Kind::Float)
+    };
+    let weights = |vs: &nn::VarStore| {
+        let w = &vs.variables()["a.weight"];
+        Vec::<f32>::try_from(&w.flatten(0, -1)).unwrap()
+    };
+    match stage {
+        Some(stage) => {
+            let out = on_ranks(WORLD, |r| {
+                let (vs, plan, a, c) = build();
+                let e = Engine::new(
+                    &vs,
+                    &plan,
+                    &config(stage, 1),
+                    group(&r),
+                    &AutoHints::default(),
+                )
+                .unwrap();
+                for k in 0..2 {
+                    e.backward(&loss(&a, &c, &input(r.rank(), k))).unwrap();
+                    e.step().unwrap();
+                }
+                e.gathered_params()
+                    .unwrap()
+                    .into_iter()
+                    .find(|(n, _)| n == "a.weight")
+                    .unwrap()
+                    .1
+            });
+            out[0].clone()
+        }
+        None => {
+            let (vs, _plan, a, c) = build();
+            let mut opt = nn::OptimizerConfig::build(
+                nn::AdamW {
+                    wd: 0.0,
+                    ..Default::default()
+                },
+                &vs,
+                0.01,
+            )
+            .unwrap();
+            for k in 0..2 {
+                opt.zero_grad();
+                let l = (loss(&a, &c, &input(0, k)) + loss(&a, &c, &input(1, k))) / 2.0;
+                l.backward();
+                opt.step();
+            }
+            weights(&vs)
+        }
+    }
+}
+
+#[test]
+fn a_unit_run_twice_in_one_forward_trains_like_the_reference() {
+    let want = reused_unit(None);
+    for stage in [0u8, 1, 2, 3] {
+        let got = reused_unit(Some(stage));
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "stage {stage}: {got:?} against {want:?}"
+            );
+        }
+    }
+}

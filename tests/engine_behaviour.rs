@@ -916,3 +916,22 @@ fn a_unit_run_twice_in_one_forward_trains_like_the_reference() {
         }
     }
 }
+
+#[test]
+fn a_forward_whose_loss_is_dropped_changes_no_result_in_stage_3() {
+    let run = |dangling: bool| {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(3, 1), &r);
+            for k in 0..3 {
+                if dangling {
+                    // A validation loss computed with gradients on, dropped.
+                    let _ = t.loss(&input(r.rank(), 7)).double_value(&[]);
+                }
+                e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        })[0].clone()
+    };
+    assert_eq!(run(true), run(false));
+}

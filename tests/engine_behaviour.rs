@@ -931,7 +931,8 @@ fn a_forward_whose_loss_is_dropped_changes_no_result_in_stage_3() {
                 e.step().unwrap();
             }
             e.gathered_params().unwrap()
-        })[0].clone()
+        })[0]
+            .clone()
     };
     assert_eq!(run(true), run(false));
 }

@@ -14,6 +14,7 @@
 //! 0.9 hidden^2, `stage3_param_persistence_threshold` = 10 hidden; batch and
 //! optimizer values from the program), each resolved value logged.
 
+mod duplicates;
 mod keys;
 mod parse;
 

@@ -659,6 +659,11 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         });
     };
     let mut p = P::default();
+    for key in super::duplicates::duplicate_keys(text) {
+        p.problems.push(format!(
+            "`{key}` is given twice: JSON keeps only the last value, which is rarely what was meant; keep one"
+        ));
+    }
     p.keys(&top, "", keys::TOP, keys::TOP_KNOWN_UNIMPLEMENTED, false);
     let reduce_dtype = p.string(&top, "", "communication_data_type").or_else(|| {
         top.get("data_types")

@@ -155,6 +155,17 @@ fn an_unknown_zero_key_is_an_error_naming_the_closest_key() {
 }
 
 #[test]
+fn a_key_given_twice_is_an_error_naming_it() {
+    let p = problems(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "overlap_comm": true, "stage": 1}}"#,
+    );
+    assert_eq!(
+        p,
+        ["`zero_optimization.stage` is given twice: JSON keeps only the last value, which is rarely what was meant; keep one"]
+    );
+}
+
+#[test]
 fn every_problem_is_reported_at_once() {
     let e = Config::from_json(
         r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Lamb"},

@@ -7,7 +7,7 @@ use std::time::Duration;
 pub enum CommError {
     /// A rank of the group is gone (its process or thread died, or it
     /// dropped the group), so this collective can never complete.
-    #[error("rank {rank} of group `{group}` died or left the group during {call}: every rank must stay until the last collective; check rank {rank}'s output for its error")]
+    #[error("rank {rank} of group `{group}` died or left the group during {call}: every rank must stay until the last collective (a rank that ran out of data and returned early leaves too: give every rank the same number of steps); otherwise check rank {rank}'s output for its error")]
     RankDied {
         /// The group.
         group: String,

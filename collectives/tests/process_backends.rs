@@ -395,7 +395,7 @@ fn a_rank_that_timed_out_leaves_the_group_and_the_late_rank_learns_it() {
         // rank that is no longer in it.
         assert_eq!(
             one,
-            "rank 0 of group `world` died or left the group during all_gather(u8 x 1000): every rank must stay until the last collective; check rank 0's output for its error | true",
+            "rank 0 of group `world` died or left the group during all_gather(u8 x 1000): every rank must stay until the last collective (a rank that ran out of data and returned early leaves too: give every rank the same number of steps); otherwise check rank 0's output for its error | true",
             "{backend}"
         );
     }

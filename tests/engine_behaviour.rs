@@ -936,3 +936,22 @@ fn a_forward_whose_loss_is_dropped_changes_no_result_in_stage_3() {
     };
     assert_eq!(run(true), run(false));
 }
+
+#[test]
+fn a_step_with_a_non_finite_gradient_norm_is_warned_about() {
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(2, 1), &r);
+        let (norm, logs) = common::with_logs(|| {
+            e.backward(&(t.loss(&input(r.rank(), 0)) * f64::INFINITY))
+                .unwrap();
+            e.step().unwrap();
+            e.global_grad_norm()
+        });
+        assert!(norm.is_some_and(|n| !n.is_finite()), "{norm:?}");
+        assert!(
+            logs.contains("WARN")
+                && logs.contains("this step writes inf or NaN into the parameters"),
+            "{logs}"
+        );
+    });
+}

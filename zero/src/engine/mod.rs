@@ -1177,6 +1177,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let norm = sq.sqrt() / loss_scale;
         st.norm = Some(norm);
+        if !norm.is_finite() {
+            // fp16 skipped such a step above; bf16 and fp32 apply it, as
+            // DeepSpeed and PyTorch do, but the parameters become NaN.
+            tracing::warn!(
+                step = st.step + 1,
+                "the gradient norm is {norm}: this step writes inf or NaN into the parameters; look for inf/NaN in the loss or the inputs, or lower the learning rate"
+            );
+        }
         let c = &i.cfg.config;
         let clip = c.gradient_clipping;
         let coef = if clip > 0.0 {

@@ -37,6 +37,21 @@ fn var(name: &str) -> Result<String, CommError> {
     })
 }
 
+/// `ZRT_TOKEN`, which must be set and not blank: the store admits whoever
+/// presents it, so an empty one would admit any process.
+fn token(v: Option<String>) -> Result<String, CommError> {
+    let fix = "`zrt launch` makes one; when torchrun, srun or mpirun starts the ranks, export the same secret to every rank first (e.g. `export ZRT_TOKEN=$(openssl rand -hex 16)`)";
+    match v {
+        None => Err(CommError::Rendezvous(format!(
+            "ZRT_TOKEN is not set: {fix}"
+        ))),
+        Some(t) if t.trim().is_empty() => Err(CommError::Rendezvous(format!(
+            "ZRT_TOKEN is empty, which would admit any process to the job's store: {fix}"
+        ))),
+        Some(t) => Ok(t),
+    }
+}
+
 fn num<T: std::str::FromStr>(name: &str) -> Result<T, CommError> {
     let v = var(name)?;
     v.trim()
@@ -54,7 +69,7 @@ impl DistEnv {
             local_world_size: num("LOCAL_WORLD_SIZE")?,
             master_addr: var("MASTER_ADDR")?,
             master_port: num("MASTER_PORT")?,
-            token: var("ZRT_TOKEN")?,
+            token: token(std::env::var("ZRT_TOKEN").ok())?,
         };
         if e.rank >= e.world_size {
             return Err(CommError::Rendezvous(format!(
@@ -362,5 +377,22 @@ impl Dist {
     pub fn mesh(&mut self, shard_size: usize) -> Result<DeviceMesh<Group>, CommError> {
         let (rank, world) = (self.env.rank, self.env.world_size);
         DeviceMesh::new(rank, world, shard_size, |ranks| self.new_group(ranks))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token;
+
+    #[test]
+    fn a_missing_or_blank_token_is_refused_with_how_to_make_one() {
+        for (v, why) in [(None, "is not set"), (Some(" "), "is empty")] {
+            let e = token(v.map(String::from)).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("ZRT_TOKEN {why}")) && e.contains("export ZRT_TOKEN="),
+                "{e}"
+            );
+        }
+        assert_eq!(token(Some("s3cret".into())).unwrap(), "s3cret");
     }
 }

@@ -682,11 +682,7 @@ fn train_gpt(args: &[&str]) -> String {
         .args(args)
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let text = common::printed(&o);
     assert!(o.status.success(), "{text}");
     text
 }
@@ -907,7 +903,7 @@ fn launch_rng(case: &str, dir: &Path) -> Vec<(usize, String)> {
         .env("ZRT_BACKEND", "shm")
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    let text = common::printed(&o);
     assert!(o.status.success(), "{text}");
     let mut draws: Vec<(usize, String)> = text
         .lines()

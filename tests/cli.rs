@@ -9,14 +9,7 @@ fn zrt(args: &[&str]) -> (bool, String) {
         .args(args)
         .output()
         .unwrap();
-    (
-        o.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-    )
+    (o.status.success(), common::printed(&o))
 }
 
 #[test]
@@ -128,12 +121,7 @@ fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
             .args(args)
             .output()
             .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        (o.status.success(), text)
+        (o.status.success(), common::printed(&o))
     };
     // Refused before joining a job: no `zrt launch` needed to see these.
     let (ok, out) = run(&["--step", "10"]);

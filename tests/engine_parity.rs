@@ -531,7 +531,7 @@ fn launch(n: usize, case: &str) -> (Vec<f64>, Params) {
         .env("ZRT_BACKEND", "shm")
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    let text = common::printed(&o);
     assert!(o.status.success(), "{text}");
     let losses = text
         .lines()

@@ -159,3 +159,12 @@ pub fn with_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
     let text = String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned();
     (r, text)
 }
+
+/// What a finished program printed: its stdout, then its stderr.
+pub fn printed(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}

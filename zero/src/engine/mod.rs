@@ -1405,8 +1405,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 }
 
-/// The one collective signature a checkpoint's save or load starts with
-/// (its agreement on every rank's outcome) and training never issues.
+/// The signature of the collective every checkpoint save and load issues
+/// first on the engine's group (the ranks' agreement on their outcomes),
+/// which training never issues.
 pub(crate) const CHECKPOINT_AGREEMENT: &str = "all_gather(u8 x 1)";
 
 /// A training collective that met a peer's checkpoint agreement means that

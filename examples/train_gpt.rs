@@ -334,6 +334,17 @@ fn main() -> Result<()> {
             }
         }
     }
+    if start > a.steps {
+        // Every rank read the same checkpoint, so every rank stops here.
+        if rank == 0 {
+            println!(
+                "nothing to train: the checkpoint is at step {}, --steps is {}",
+                start - 1,
+                a.steps
+            );
+        }
+        return Ok(());
+    }
     let save = |step: u64| -> Result<()> {
         if let Some(dir) = &a.save_dir {
             let state = serde_json::json!({ "step": step });

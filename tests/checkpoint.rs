@@ -714,6 +714,12 @@ fn main_job_straight_and_resumed(name: &str, args: &[&str]) -> (Params, Params, 
             .collect::<Params>()
     };
     let (straight, resumed) = (export(&a), export(&b));
+    // Resumed again with nothing left to do: it says so and trains nothing.
+    let again = train_gpt(&[args, &["--steps", "4", "--save-dir", b_s, "--resume"]].concat());
+    assert!(
+        again.contains("nothing to train: the checkpoint is at step 4, --steps is 4"),
+        "{again}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
     (straight, resumed, said)
 }

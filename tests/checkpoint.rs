@@ -502,6 +502,14 @@ fn consolidated_weights_load_in_tch_with_the_original_names() {
         "{text}"
     );
     assert_eq!(text.matches("checksum ok").count(), 2, "{text}");
+    assert!(!text.contains("interrupted saves"), "{text}");
+    // What a job killed mid-save leaves behind is pointed out.
+    std::fs::create_dir(dir.join(".step9.partial")).unwrap();
+    let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
+    assert!(
+        text.contains(": .step9.partial (nothing loads them; delete them to free the space)"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

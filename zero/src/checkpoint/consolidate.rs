@@ -191,5 +191,30 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             "  {bad} damaged or missing file(s): this tag cannot be loaded"
         );
     }
+    let partial = partial_saves(dir);
+    if !partial.is_empty() {
+        let _ = writeln!(
+            s,
+            "  left by interrupted saves in {}: {} (nothing loads them; delete them to free the space)",
+            dir.display(),
+            partial.join(", ")
+        );
+    }
     Ok(s)
+}
+
+/// The staging directories (`.TAG.partial`) of saves that never completed
+/// under `dir`, sorted: a save that succeeds renames its own away, and one
+/// that fails removes it, so these are what a killed job left.
+fn partial_saves(dir: &Path) -> Vec<String> {
+    let mut found: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with('.') && n.ends_with(".partial"))
+        .collect();
+    found.sort();
+    found
 }

@@ -1386,6 +1386,48 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .collect()
     }
 
+    /// Runs `f` with every parameter of the model in memory, whole, then
+    /// frees what stage 3 keeps freed: FSDP's `summon_full_params`,
+    /// DeepSpeed's `GatheredParameters`. A collective (every rank calls it).
+    ///
+    /// Between steps, stage 3 leaves each unit's parameters without memory
+    /// (their storage is freed while their shapes stay), and reading or
+    /// writing them then crashes the process: `vs.save(..)`, printing a
+    /// weight. Inside `f` they hold the current compute-dtype values, so
+    /// `engine.with_full_params(|| vs.save("model.safetensors"))` works on
+    /// every stage. Treat them as read-only: a write reaches the
+    /// optimizer's master copy only where the parameters are that copy
+    /// (fp32, stages 0-2). Load pretrained weights into the VarStore before
+    /// building the engine (it takes rank 0's values), or resume with
+    /// [`Engine::load_checkpoint`].
+    pub fn with_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R, EngineError> {
+        let i = &*self.inner;
+        if i.stage == 3 {
+            let mut st = i.st.lock();
+            self.take_error(&mut st)?;
+            if st.prog.in_backward() {
+                return Err(EngineError::CallOrder(
+                    "with_full_params during a backward: call it between steps".into(),
+                ));
+            }
+            i.drain_prefetch(&mut st)?;
+            for k in 0..st.units.len() {
+                i.gather(&mut st, k)?;
+            }
+        }
+        // Not under the state lock: `f` may run the model, whose hooks take it.
+        let r = f();
+        if i.stage == 3 {
+            let mut st = i.st.lock();
+            for k in 0..st.units.len() {
+                if st.gathered[k] && !overlap::stays_gathered(&st, k) {
+                    i.release(&mut st, k)?;
+                }
+            }
+        }
+        Ok(r)
+    }
+
     /// The full fp32 master parameters of every unit, gathered (a
     /// collective: every rank must call it), as (name, values) in flat order.
     pub fn gathered_params(&self) -> Result<Vec<(String, Vec<f32>)>, EngineError> {

@@ -80,6 +80,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         what: &'static str,
     ) -> Result<T, EngineError> {
         let flag = u8::from(local.is_err());
+        // This all_gather(u8 x 1) is `CHECKPOINT_AGREEMENT`: a training
+        // collective that meets it is named as a peer checkpointing, so
+        // training must never issue one of the same signature.
         let (_, flags) = self.inner.group.all_gather(vec![flag], Vec::new()).wait()?;
         // Hybrid sharding: the other shard groups' outcomes too.
         let flags = match &self.inner.replicate {

@@ -958,11 +958,21 @@ fn a_step_with_a_non_finite_gradient_norm_is_warned_about() {
 
 #[test]
 fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
-    for (stage, extra) in [(3u8, ""), (3, r#""bf16": {"enabled": true},"#), (2, "")] {
+    let swap = std::env::temp_dir().join(format!("zrt-full-swap-{}", std::process::id()));
+    std::fs::create_dir_all(&swap).unwrap();
+    let offload = common::nvme_params(&swap);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    for (stage, extra, zero) in [
+        (3u8, "", ""),
+        (3, bf16, ""),
+        // The gather sources paged in from the swap.
+        (3, bf16, offload.as_str()),
+        (2, "", ""),
+    ] {
         let cfg = Config::from_json(&format!(
             r#"{{"train_micro_batch_size_per_gpu": 4, {extra}
                 "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
-                "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+                "zero_optimization": {{{zero} "stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
         ))
         .unwrap();
         // The model runs in the compute dtype.
@@ -981,9 +991,10 @@ fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
                 assert_eq!(glue::storage_nbytes(&w).unwrap(), 0);
             }
             let path = std::env::temp_dir().join(format!(
-                "zrt-full-{}-{stage}-{}-{}.safetensors",
+                "zrt-full-{}-{stage}-{}-{}-{}.safetensors",
                 std::process::id(),
                 extra.len(),
+                zero.len(),
                 r.rank()
             ));
             e.with_full_params(|| t.vs.save(&path)).unwrap().unwrap();
@@ -1005,4 +1016,5 @@ fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
             assert!(e.step().unwrap());
         });
     }
+    let _ = std::fs::remove_dir_all(&swap);
 }

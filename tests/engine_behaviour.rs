@@ -1018,3 +1018,22 @@ fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
     }
     let _ = std::fs::remove_dir_all(&swap);
 }
+
+#[test]
+fn an_unsharded_stage_3_model_outlives_its_engine() {
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        let trained = e.gathered_params().unwrap();
+        e.unshard().unwrap();
+        drop(e);
+        // Inference and the VarStore work on the trained values, whole.
+        let vars = t.vs.variables();
+        for (name, want) in &trained {
+            let got = Vec::<f32>::try_from(&vars[name].flatten(0, -1)).unwrap();
+            assert_eq!(&got, want, "{name}");
+        }
+        assert!(t.loss(&input(r.rank(), 1)).double_value(&[]).is_finite());
+    });
+}

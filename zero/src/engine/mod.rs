@@ -1402,19 +1402,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// [`Engine::load_checkpoint`].
     pub fn with_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R, EngineError> {
         let i = &*self.inner;
-        if i.stage == 3 {
-            let mut st = i.st.lock();
-            self.take_error(&mut st)?;
-            if st.prog.in_backward() {
-                return Err(EngineError::CallOrder(
-                    "with_full_params during a backward: call it between steps".into(),
-                ));
-            }
-            i.drain_prefetch(&mut st)?;
-            for k in 0..st.units.len() {
-                i.gather(&mut st, k)?;
-            }
-        }
+        self.unshard()?;
         // Not under the state lock: `f` may run the model, whose hooks take it.
         let r = f();
         if i.stage == 3 {
@@ -1426,6 +1414,33 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         Ok(r)
+    }
+
+    /// Stage 3: gathers every unit's parameters into memory and leaves them
+    /// there (FSDP2's `unshard`), until a forward frees its unit again or a
+    /// step frees them all. A collective; nothing to do on stages 0-2.
+    ///
+    /// Call it before dropping the engine to keep using the model: the
+    /// parameters then hold the trained compute-dtype values, whole, for
+    /// inference or `vs.save`. Dropped without it, a stage-3 model's
+    /// parameters have no memory and any use of them fails.
+    pub fn unshard(&self) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        if i.stage != 3 {
+            return Ok(());
+        }
+        let mut st = i.st.lock();
+        self.take_error(&mut st)?;
+        if st.prog.in_backward() {
+            return Err(EngineError::CallOrder(
+                "unshard or with_full_params during a backward: call it between steps".into(),
+            ));
+        }
+        i.drain_prefetch(&mut st)?;
+        for k in 0..st.units.len() {
+            i.gather(&mut st, k)?;
+        }
+        Ok(())
     }
 
     /// The full fp32 master parameters of every unit, gathered (a

@@ -352,18 +352,24 @@ fn model_state_bytes_match_the_design_formula() {
     }
 }
 
+/// `steps` optimizer steps of `t` under `e` (a config with 2 accumulation
+/// steps), rank `rank`'s micro-batches.
+fn train_steps(t: &Tiny, e: &Engine<LocalGroup>, rank: usize, steps: usize) {
+    for step in 0..steps {
+        for k in 0..2 {
+            e.backward(&t.loss(&input(rank, k + step))).unwrap();
+            e.step().unwrap();
+        }
+    }
+}
+
 fn train(stage: u8, delays: bool) -> Vec<(String, Vec<f32>)> {
     let out: Vec<_> = on_ranks(WORLD, |r| {
         let (t, e) = tiny_engine(&config(stage, 2), &r);
         if delays {
             e.inject_delays(0x5eed + r.rank() as u64);
         }
-        for step in 0..3 {
-            for k in 0..2 {
-                e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
-                e.step().unwrap();
-            }
-        }
+        train_steps(&t, &e, r.rank(), 3);
         e.gathered_params().unwrap()
     });
     out.into_iter().next().unwrap()
@@ -644,12 +650,7 @@ fn train_frozen(stage: u8) -> (Params, Vec<Vec<f32>>) {
             let _ = tch::no_grad(|| frozen.shallow_clone().fill_(7.0));
         }
         let e = engine_for(&t, &config(stage, 2), &r);
-        for step in 0..3 {
-            for k in 0..2 {
-                e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
-                e.step().unwrap();
-            }
-        }
+        train_steps(&t, &e, r.rank(), 3);
         let p = e.gathered_params().unwrap();
         (p, Vec::<f32>::try_from(&frozen.flatten(0, -1)).unwrap())
     });
@@ -700,12 +701,7 @@ fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
             let t = tiny();
             let _unused = extra_param(&t, "a");
             let e = engine_for(&t, &config(stage, 2), &r);
-            for step in 0..2 {
-                for k in 0..2 {
-                    e.backward(&t.loss(&input(r.rank(), k + step))).unwrap();
-                    e.step().unwrap();
-                }
-            }
+            train_steps(&t, &e, r.rank(), 2);
             e.gathered_params().unwrap()
         });
         out.into_iter().next().unwrap()

@@ -12,7 +12,7 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -309,11 +309,19 @@ impl Board {
 /// One rank's handle on a local group. Dropping it waits for this rank's
 /// queued operations, then marks the rank gone: peers' later collectives
 /// fail with [`CommError::RankDied`] instead of waiting.
+///
+/// As on the process backends, a collective that fails (a timeout, a dead
+/// peer, a mismatch) makes this rank leave the group, and its later
+/// collectives fail with [`CommError::Failed`] quoting that error. The board
+/// itself could go on (every call has a slot of its own), but tests on
+/// threads should see what a program on shm or tcp sees.
 pub struct LocalGroup {
     board: Arc<Board>,
     rank: usize,
     seq: AtomicU64,
     worker: Result<Worker, CommError>,
+    /// The first collective that failed on this rank, once one has.
+    failed: Arc<OnceLock<CommError>>,
 }
 
 impl LocalGroup {
@@ -329,6 +337,7 @@ impl LocalGroup {
             rank,
             seq: AtomicU64::new(0),
             worker,
+            failed: Arc::default(),
         }
     }
 
@@ -358,9 +367,26 @@ impl LocalGroup {
     ) -> Work<R> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let rank = self.rank;
+        let failed = self.failed.clone();
         self.submit(desc, move |board| {
+            if let Some(cause) = failed.get() {
+                return Err(CommError::Failed {
+                    group: board.name.clone(),
+                    call: desc.to_string(),
+                    cause: Box::new(cause.clone()),
+                });
+            }
             let sent = bytes_of::<T>(input.len());
-            let parts = board.exchange(seq, rank, desc, Arc::new(input))?;
+            let parts = match board.exchange(seq, rank, desc, Arc::new(input)) {
+                Ok(parts) => parts,
+                Err(e) => {
+                    if failed.set(e.clone()).is_ok() {
+                        tracing::debug!(group = board.name, "leaving the group after: {e}");
+                        board.leave(rank);
+                    }
+                    return Err(e);
+                }
+            };
             let typed: Vec<&Vec<T>> = parts
                 .iter()
                 .filter_map(|p| p.downcast_ref::<Vec<T>>())

@@ -195,14 +195,24 @@ fn different_collectives_at_one_position_name_both_calls() {
 
 #[test]
 fn same_collective_with_other_sizes_or_dtypes_names_both() {
-    let got = run(2, Duration::from_secs(120), |r| {
-        let g = r.world();
-        let size = g
+    // Two worlds: after a mismatch a rank has left its group (see
+    // `a_rank_whose_collective_failed_leaves_the_group`).
+    let sizes = run(2, Duration::from_secs(120), |r| {
+        r.world()
             .all_reduce(vec![0f32; 10 + r.rank() * 2], ReduceOp::Sum)
             .wait()
             .unwrap_err()
-            .to_string();
-        let dtype = if r.rank() == 0 {
+            .to_string()
+    });
+    for size in sizes {
+        assert!(
+            size.contains("f32 x 10, Sum") && size.contains("f32 x 12, Sum"),
+            "{size}"
+        );
+    }
+    let dtypes = run(2, Duration::from_secs(120), |r| {
+        let g = r.world();
+        if r.rank() == 0 {
             g.broadcast(vec![0f32; 4], 0)
                 .wait()
                 .unwrap_err()
@@ -212,20 +222,66 @@ fn same_collective_with_other_sizes_or_dtypes_names_both() {
                 .wait()
                 .unwrap_err()
                 .to_string()
-        };
-        (size, dtype)
+        }
     });
-    for (size, dtype) in got {
-        assert!(
-            size.contains("f32 x 10, Sum") && size.contains("f32 x 12, Sum"),
-            "{size}"
-        );
+    for dtype in dtypes {
         assert!(
             dtype.contains("broadcast(f32 x 4, root 0)")
                 && dtype.contains("broadcast(f64 x 4, root 0)"),
             "{dtype}"
         );
     }
+}
+
+#[test]
+fn a_rank_whose_collective_failed_leaves_the_group() {
+    // Rank 0 times out waiting for rank 1, then calls again; rank 1 arrives
+    // late. As on shm and tcp, rank 0's later call is not run, and rank 1
+    // learns that rank 0 left instead of waiting out its timeout.
+    let t = Instant::now();
+    let got = run(2, Duration::from_millis(400), |r| {
+        let g = r.world();
+        if r.rank() == 0 {
+            let first = g.all_gather(vec![7u8; 2], Vec::new()).wait().unwrap_err();
+            let second = g.all_gather(vec![7u8; 2], Vec::new()).wait().unwrap_err();
+            return vec![first.to_string(), second.to_string()];
+        }
+        std::thread::sleep(Duration::from_millis(700));
+        // Rank 0 posted its part of call #0 before it gave up: the data is
+        // whole, so this call may still complete, correctly.
+        let first = match g.all_gather(vec![1u8; 2], Vec::new()).wait() {
+            Ok((_, out)) => {
+                assert_eq!(out, [7, 7, 1, 1]);
+                "ok".to_string()
+            }
+            Err(e) => e.to_string(),
+        };
+        let second = g.all_gather(vec![1u8; 2], Vec::new()).wait().unwrap_err();
+        vec![first, second.to_string()]
+    });
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert!(
+        got[0][0].contains("timed out") && got[0][0].contains("[1]"),
+        "{}",
+        got[0][0]
+    );
+    assert!(
+        got[0][1].starts_with("all_gather(u8 x 2) on group `world` was not run")
+            && got[0][1].contains("timed out"),
+        "{}",
+        got[0][1]
+    );
+    for e in &got[1] {
+        assert!(
+            e == "ok" || e.starts_with("rank 0 of group `world` died or left the group"),
+            "{e}"
+        );
+    }
+    assert!(
+        got[1][1].starts_with("rank 0 of group `world` died or left"),
+        "{}",
+        got[1][1]
+    );
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Checkpoints: exact resume (every stage, and between accumulation
 //! boundaries), resharding to another world size and stage, consolidation
-//! into one safetensors file, and every error the checkpoint issue names.
+//! into one safetensors file, module-only loads for fine-tuning, and every
+//! error the checkpoint issue names.
 //! Ranks are threads with the in-process backend (processes where
 //! libtorch's process-global RNG matters); each phase builds fresh models
 //! and engines, as a restarted job would.
@@ -1116,4 +1117,100 @@ fn a_save_only_rank_0_calls_is_named_as_a_collective() {
             && !trainer.contains("Use every trained parameter"),
         "{trainer}"
     );
+}
+
+/// Trains `steps` steps of stage `stage` on 2 ranks from a fresh model.
+/// Before: `init` is copied into the VarStore before the engine is built
+/// (pretrained weights, the README's way), or the checkpoint `load` is
+/// loaded module-only after. Rank 0's final parameters and global step.
+fn fine_tune(
+    (stage, extra, zero): (u8, &str, &str),
+    steps: usize,
+    init: Option<&Params>,
+    load: Option<&Path>,
+) -> (Params, u64) {
+    let cfg = config_zero(stage, 1, 0.5, extra, zero);
+    on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        if let Some(init) = init {
+            let mut vars = vs.variables();
+            tch::no_grad(|| {
+                for (name, values) in init {
+                    let t = vars.get_mut(name).unwrap();
+                    t.f_copy_(&Tensor::from_slice(values).view(t.size().as_slice()))
+                        .unwrap();
+                }
+            });
+        }
+        let world = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, world, &AutoHints::default()).unwrap();
+        if let Some(dir) = load {
+            let (tag, _) = e.load_checkpoint_module_only(dir, None).unwrap();
+            assert_eq!(tag, "pre");
+        }
+        for s in 0..steps {
+            e.backward(&gpt.loss(&tokens(s + 100, 0, r.rank(), 1)))
+                .unwrap();
+            e.step().unwrap();
+        }
+        let mut params = e.gathered_params().unwrap();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        (params, e.global_step())
+    })
+    .swap_remove(0)
+}
+
+#[test]
+fn a_module_only_load_fine_tunes_like_weights_loaded_before_the_engine() {
+    let _serial = serial();
+    let dir = tmp("module-only");
+    // "Pre-training": three steps of stage 3, saved.
+    let pre = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..3).save(&dir, "pre")).params;
+    // Fine-tuning from it, two ways: the same bits, and the step count
+    // starts again (Adam's moments and bias correction too). At stage 2;
+    // and at stage 3 in bf16 with the optimizer state swapped to NVMe.
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let (aio, off) = nvme(&swap);
+    let bf16 = format!(r#""bf16": {{"enabled": true}}, {aio}"#);
+    let mut loaded = Vec::new();
+    for setup in [(2, "", ""), (3, bf16.as_str(), off.as_str())] {
+        let (l, step) = fine_tune(setup, 2, None, Some(&dir));
+        let (reference, _) = fine_tune(setup, 2, Some(&pre), None);
+        assert_bits(
+            &format!(
+                "stage {}: module-only load vs weights loaded first",
+                setup.0
+            ),
+            &l,
+            &reference,
+        );
+        assert_eq!(step, 2, "the fine-tuning engine's own step count");
+        if loaded.is_empty() {
+            loaded = l;
+        }
+    }
+    // Not what a full load gives: that one carries the moments on.
+    let cfg = config_with(2, 1, 0.5, "");
+    let resumed = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        let world = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, world, &AutoHints::default()).unwrap();
+        e.load_checkpoint(&dir, None).unwrap();
+        for s in 0..2 {
+            e.backward(&gpt.loss(&tokens(s + 100, 0, r.rank(), 1)))
+                .unwrap();
+            e.step().unwrap();
+        }
+        let mut params = e.gathered_params().unwrap();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        (params, e.global_step())
+    })
+    .swap_remove(0);
+    assert_eq!(resumed.1, 5);
+    assert!(
+        resumed.0.iter().zip(&loaded).any(|((_, a), (_, b))| a != b),
+        "a full load and a module-only load trained alike"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

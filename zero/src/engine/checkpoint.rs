@@ -34,6 +34,15 @@ struct LoadedUnit {
     grad: Option<Vec<f32>>,
 }
 
+/// What a load applies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum What {
+    /// The training state: parameters, optimizer, counters, scaler, RNG.
+    Everything,
+    /// The parameters only (`load_checkpoint_module_only`).
+    ModuleOnly,
+}
+
 /// Everything a load read and verified, applied only once every rank has.
 struct Loaded {
     tag: String,
@@ -418,14 +427,35 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         dir: impl AsRef<Path>,
         tag: Option<&str>,
     ) -> Result<(String, serde_json::Value), EngineError> {
-        self.load_inner(dir.as_ref(), tag)
+        self.load_inner(dir.as_ref(), tag, What::Everything)
             .map_err(|e| called_by_every_rank("load_checkpoint", e))
+    }
+
+    /// Loads only the model from checkpoint `DIR/TAG` (a collective), for
+    /// fine-tuning from a pre-training run: DeepSpeed's
+    /// `load_checkpoint(.., load_module_only=True)`. The parameters (fp32
+    /// masters, their compute copies and the frozen variables) take the
+    /// saved values, on any world size or stage as with
+    /// [`Engine::load_checkpoint`]; everything else stays this engine's:
+    /// Adam's moments start from zero, and the step count, learning-rate
+    /// schedule, loss scaler and random generator are not touched, and
+    /// gradients accumulated since the last step are dropped (call it
+    /// before training, or right after a `step`). Returns the tag and the
+    /// client state saved with it.
+    pub fn load_checkpoint_module_only(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<(String, serde_json::Value), EngineError> {
+        self.load_inner(dir.as_ref(), tag, What::ModuleOnly)
+            .map_err(|e| called_by_every_rank("load_checkpoint_module_only", e))
     }
 
     fn load_inner(
         &self,
         dir: &Path,
         tag: Option<&str>,
+        what: What,
     ) -> Result<(String, serde_json::Value), EngineError> {
         {
             let mut st = self.inner.st.lock();
@@ -435,8 +465,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let loaded = self.agree(read, "load")?;
         let tag = loaded.tag.clone();
         let client_state = loaded.meta.client_state.clone();
-        self.apply(loaded)?;
-        tracing::info!(tag = %tag, "checkpoint loaded");
+        self.apply(loaded, what)?;
+        tracing::info!(tag = %tag, module_only = what == What::ModuleOnly, "checkpoint loaded");
         Ok((tag, client_state))
     }
 
@@ -548,19 +578,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         })
     }
 
-    fn apply(&self, l: Loaded) -> Result<(), EngineError> {
+    fn apply(&self, l: Loaded, what: What) -> Result<(), EngineError> {
         let i = &*self.inner;
         let rank = i.group.rank();
         let mut guard = i.st.lock();
         let st = &mut *guard;
         i.drain_prefetch(st)?;
-        for (k, ((u, sh), lu)) in st
+        for (k, ((u, sh), mut lu)) in st
             .units
             .iter()
             .zip(st.shards.iter_mut())
             .zip(l.units)
             .enumerate()
         {
+            if what == What::ModuleOnly {
+                // A fresh optimizer over the loaded weights.
+                lu.m.fill(0.0);
+                lu.v.fill(0.0);
+                lu.grad = None;
+            }
             let (padded, range) = (u.layout.padded, u.layout.shard(rank));
             let need = self.own_range(padded, range);
             i.page_in(sh, k)?;
@@ -603,6 +639,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 _ => sh.g.fill(0.0),
             }
             sh.reduced = Vec::new();
+        }
+        if what == What::ModuleOnly {
+            if let Some(v) = &l.frozen {
+                st.frozen.restore(v)?;
+            }
+            return i.share_shards(st);
         }
         let m = &l.meta;
         st.step = m.global_step;

@@ -67,6 +67,13 @@ fn estimate_prints_the_design_formula() {
         out.contains("stage 0:      16.00 GiB") && out.contains("stage 3:       4.00 GiB"),
         "{out}"
     );
+    // The main job's 4.9M-parameter GPT on 2 ranks: the stages differ.
+    let (ok, out) = zrt(&["estimate", "--params", "4.9e6", "--world", "2"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("stage 0:      74.77 MiB") && out.contains("stage 3:      37.38 MiB"),
+        "{out}"
+    );
 }
 
 /// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the

@@ -49,9 +49,20 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
     for stage in 0..=3u8 {
         let b = model_state_bytes(stage, a.params, a.world as f64, c);
-        println!("  stage {stage}: {:>10.2} GiB", b / (1u64 << 30) as f64);
+        println!("  stage {stage}: {:>14}", human(b));
     }
     Ok(())
+}
+
+/// `b` bytes in GiB, or in MiB below one GiB (small models would show
+/// every stage as 0.04 GiB).
+fn human(b: f64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else {
+        format!("{:.2} MiB", b / (1u64 << 20) as f64)
+    }
 }
 
 #[cfg(test)]
@@ -67,5 +78,11 @@ mod tests {
         assert_eq!(model_state_bytes(3, 1.0, 4.0, 2.0), 4.0);
         // fp32: params are the master copy: 16 Psi as well, 4-byte grads.
         assert_eq!(model_state_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
+    }
+
+    #[test]
+    fn small_models_print_in_mib() {
+        assert_eq!(human((1u64 << 30) as f64 * 16.0), "16.00 GiB");
+        assert_eq!(human(39.2e6), "37.38 MiB");
     }
 }

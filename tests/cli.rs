@@ -62,13 +62,20 @@ fn config_check_lists_every_problem_and_fails() {
 fn estimate_prints_the_design_formula() {
     let (ok, out) = zrt(&["estimate", "--params", "1073741824", "--world", "4"]);
     assert!(ok, "{out}");
-    // 2^30 params, bf16: 16 GiB at stage 0, 4 GiB at stage 3 on 4 ranks.
+    // 2^30 params, bf16 on 4 ranks: zrt holds fp32 gradients, 18 GiB at
+    // stage 0 and 4.5 at stage 3; DESIGN.md's table (16-bit gradients)
+    // says 16 and 4.
     assert!(
-        out.contains("stage 0:      16.00 GiB") && out.contains("stage 3:       4.00 GiB"),
+        out.contains("stage 0:      18.00 GiB       16.00 GiB")
+            && out.contains("stage 3:       4.50 GiB        4.00 GiB")
+            && out.contains("accumulates gradients in fp32"),
         "{out}"
     );
-    // The main job's 4.9M-parameter GPT on 2 ranks: the stages differ.
-    let (ok, out) = zrt(&["estimate", "--params", "4.9e6", "--world", "2"]);
+    // The main job's 4.9M-parameter GPT on 2 ranks in fp32: the stages
+    // differ (they all printed 0.04 GiB before).
+    let (ok, out) = zrt(&[
+        "estimate", "--params", "4.9e6", "--world", "2", "--dtype", "fp32",
+    ]);
     assert!(ok, "{out}");
     assert!(
         out.contains("stage 0:      74.77 MiB") && out.contains("stage 3:      37.38 MiB"),

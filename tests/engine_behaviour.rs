@@ -1033,3 +1033,34 @@ fn an_unsharded_stage_3_model_outlives_its_engine() {
         assert!(t.loss(&input(r.rank(), 1)).double_value(&[]).is_finite());
     });
 }
+
+#[test]
+fn bf16_model_state_holds_fp32_gradients() {
+    // DESIGN.md's table counts 2-byte gradients (DeepSpeed's); zrt reduces
+    // and accumulates gradients in fp32 (DESIGN.md "Numerics"), 2 bytes per
+    // parameter more, sharded from stage 2. `zrt estimate` prints this.
+    let (p, n) = (128usize, WORLD);
+    for stage in 0..=3u8 {
+        let got: Vec<usize> = on_ranks(WORLD, |r| {
+            let cfg = Config::from_json(&format!(
+                r#"{{"train_micro_batch_size_per_gpu": 4, "bf16": {{"enabled": true}},
+                    "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+                    "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+            ))
+            .unwrap();
+            let (t, e) = tiny_engine(&cfg, &r);
+            let x = input(r.rank(), 0).to_kind(Kind::BFloat16);
+            e.backward(&t.loss(&x)).unwrap();
+            e.step().unwrap();
+            e.model_state_bytes().unwrap()
+        });
+        // bf16 params, fp32 gradients, fp32 master + m + v.
+        let want = match stage {
+            0 => (2 + 4 + 12) * p,
+            1 => (2 + 4) * p + 12 * p / n,
+            2 => 2 * p + (4 + 12) * p / n,
+            _ => (2 + 4 + 12) * p / n,
+        };
+        assert_eq!(got, vec![want; WORLD], "stage {stage}");
+    }
+}

@@ -1,5 +1,6 @@
-//! `zrt estimate`: model-state bytes per rank for each ZeRO stage, by
-//! DESIGN.md's formula (Adam, fp32 master, m and v).
+//! `zrt estimate`: model-state bytes per rank for each ZeRO stage (Adam,
+//! fp32 master, m and v): what zrt holds, and in mixed precision also
+//! DESIGN.md's table, whose gradients are 16-bit.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -18,15 +19,30 @@ pub struct EstimateArgs {
     dtype: String,
 }
 
-/// Bytes per rank for `psi` parameters on `n` shards at `stage`, with
-/// `c`-byte compute params and grads (2 for bf16/fp16, 4 for fp32).
+/// Bytes per rank zrt holds for `psi` parameters on `n` shards at
+/// `stage`, with `c`-byte compute params (2 for bf16/fp16, 4 for fp32).
+/// Gradients are fp32 whatever the compute dtype (DESIGN.md "Numerics"),
+/// so mixed precision holds 2 bytes per parameter more than DESIGN.md's
+/// table (DeepSpeed's, with 16-bit gradients): see [`table_bytes`].
 pub fn model_state_bytes(stage: u8, psi: f64, n: f64, c: f64) -> f64 {
     // fp32 master, m, v: 12 bytes; in fp32 training the master is the params.
     let (p, g, opt) = if c == 4.0 {
         (4.0, 4.0, 8.0)
     } else {
-        (c, c, 12.0)
+        (c, 4.0, 12.0)
     };
+    by_stage(stage, psi, n, (p, g, opt))
+}
+
+/// DESIGN.md's table: gradients in the compute dtype.
+pub fn table_bytes(stage: u8, psi: f64, n: f64, c: f64) -> f64 {
+    let opt = if c == 4.0 { 8.0 } else { 12.0 };
+    by_stage(stage, psi, n, (c, c, opt))
+}
+
+/// Which of params, grads and optimizer state (bytes per parameter) each
+/// stage shards.
+fn by_stage(stage: u8, psi: f64, n: f64, (p, g, opt): (f64, f64, f64)) -> f64 {
     match stage {
         0 => (p + g + opt) * psi,
         1 => (p + g) * psi + opt * psi / n,
@@ -47,9 +63,24 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         bail!("--params and --world must be positive");
     }
     println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
+    let mixed = c != 4.0;
+    if mixed {
+        println!("             {:>14}  {:>14}", "zrt", "16-bit grads");
+    }
     for stage in 0..=3u8 {
-        let b = model_state_bytes(stage, a.params, a.world as f64, c);
-        println!("  stage {stage}: {:>14}", human(b));
+        let (psi, n) = (a.params, a.world as f64);
+        let b = model_state_bytes(stage, psi, n, c);
+        match mixed {
+            true => println!(
+                "  stage {stage}: {:>14}  {:>14}",
+                human(b),
+                human(table_bytes(stage, psi, n, c))
+            ),
+            false => println!("  stage {stage}: {:>14}", human(b)),
+        }
+    }
+    if mixed {
+        println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {}", a.dtype);
     }
     Ok(())
 }
@@ -72,12 +103,22 @@ mod tests {
     #[test]
     fn matches_the_design_table() {
         // Mixed precision: 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N.
-        assert_eq!(model_state_bytes(0, 1.0, 4.0, 2.0), 16.0);
-        assert_eq!(model_state_bytes(1, 1.0, 4.0, 2.0), 4.0 + 3.0);
-        assert_eq!(model_state_bytes(2, 1.0, 4.0, 2.0), 2.0 + 3.5);
-        assert_eq!(model_state_bytes(3, 1.0, 4.0, 2.0), 4.0);
+        assert_eq!(table_bytes(0, 1.0, 4.0, 2.0), 16.0);
+        assert_eq!(table_bytes(1, 1.0, 4.0, 2.0), 4.0 + 3.0);
+        assert_eq!(table_bytes(2, 1.0, 4.0, 2.0), 2.0 + 3.5);
+        assert_eq!(table_bytes(3, 1.0, 4.0, 2.0), 4.0);
         // fp32: params are the master copy: 16 Psi as well, 4-byte grads.
+        assert_eq!(table_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
         assert_eq!(model_state_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
+    }
+
+    #[test]
+    fn mixed_precision_counts_fp32_gradients() {
+        // What tests/engine_behaviour.rs measures the engine holding in bf16.
+        assert_eq!(model_state_bytes(0, 1.0, 2.0, 2.0), 18.0);
+        assert_eq!(model_state_bytes(1, 1.0, 2.0, 2.0), 12.0);
+        assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0), 10.0);
+        assert_eq!(model_state_bytes(3, 1.0, 2.0, 2.0), 9.0);
     }
 
     #[test]

@@ -146,9 +146,36 @@ impl Member {
 pub(crate) struct Front<X> {
     pub(crate) inner: Arc<X>,
     pub(crate) worker: Worker,
-    /// The first collective that failed on this rank: once set, this rank
-    /// has left the group and runs nothing more on it.
-    failed: Arc<OnceLock<CommError>>,
+    failed: FirstFailure,
+}
+
+/// The first collective that failed on a rank's handle of a group: once
+/// set, the rank has left the group and runs nothing more on it (every
+/// backend's rule; see [`Front::run`]). Clones share it.
+#[derive(Clone, Default)]
+pub(crate) struct FirstFailure(Arc<OnceLock<CommError>>);
+
+impl FirstFailure {
+    /// [`CommError::Failed`] for `desc` once a collective on `group` failed.
+    pub(crate) fn check(&self, group: &str, desc: &OpDesc) -> Result<(), CommError> {
+        match self.0.get() {
+            Some(cause) => Err(CommError::Failed {
+                group: group.to_string(),
+                call: desc.to_string(),
+                cause: Box::new(cause.clone()),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `e` if it is the group's first failure, and then runs
+    /// `leave` (this rank leaves the group).
+    pub(crate) fn record(&self, group: &str, e: &CommError, leave: impl FnOnce()) {
+        if self.0.set(e.clone()).is_ok() {
+            tracing::debug!(group, "leaving the group after: {e}");
+            leave();
+        }
+    }
 }
 
 fn desc<T: Element>(kind: OpKind, len: usize) -> OpDesc {
@@ -162,7 +189,7 @@ impl<X: Transport> Front<X> {
         Self {
             inner,
             worker,
-            failed: Arc::default(),
+            failed: FirstFailure::default(),
         }
     }
 
@@ -188,21 +215,11 @@ impl<X: Transport> Front<X> {
         let failed = self.failed.clone();
         let counts = !matches!(desc.kind, OpKind::Send { .. } | OpKind::Recv { .. });
         self.worker.submit(desc, move || {
-            if let Some(cause) = failed.get() {
-                return Err(CommError::Failed {
-                    group: inner.name().to_string(),
-                    call: desc.to_string(),
-                    cause: Box::new(cause.clone()),
-                });
-            }
+            failed.check(inner.name(), &desc)?;
             let r = f(&inner);
             if let Err(e) = &r {
-                if counts
-                    && !matches!(e, CommError::SharedMemory { .. })
-                    && failed.set(e.clone()).is_ok()
-                {
-                    tracing::debug!(group = inner.name(), "leaving the group after: {e}");
-                    inner.leave();
+                if counts && !matches!(e, CommError::SharedMemory { .. }) {
+                    failed.record(inner.name(), e, || inner.leave());
                 }
             }
             r

@@ -12,12 +12,13 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::dtype::bytes_of;
+use crate::front::FirstFailure;
 use crate::op::invalid;
 use crate::p2p::check_peer;
 use crate::worker::Worker;
@@ -321,7 +322,7 @@ pub struct LocalGroup {
     seq: AtomicU64,
     worker: Result<Worker, CommError>,
     /// The first collective that failed on this rank, once one has.
-    failed: Arc<OnceLock<CommError>>,
+    failed: FirstFailure,
 }
 
 impl LocalGroup {
@@ -337,7 +338,7 @@ impl LocalGroup {
             rank,
             seq: AtomicU64::new(0),
             worker,
-            failed: Arc::default(),
+            failed: FirstFailure::default(),
         }
     }
 
@@ -369,24 +370,11 @@ impl LocalGroup {
         let rank = self.rank;
         let failed = self.failed.clone();
         self.submit(desc, move |board| {
-            if let Some(cause) = failed.get() {
-                return Err(CommError::Failed {
-                    group: board.name.clone(),
-                    call: desc.to_string(),
-                    cause: Box::new(cause.clone()),
-                });
-            }
+            failed.check(&board.name, &desc)?;
             let sent = bytes_of::<T>(input.len());
-            let parts = match board.exchange(seq, rank, desc, Arc::new(input)) {
-                Ok(parts) => parts,
-                Err(e) => {
-                    if failed.set(e.clone()).is_ok() {
-                        tracing::debug!(group = board.name, "leaving the group after: {e}");
-                        board.leave(rank);
-                    }
-                    return Err(e);
-                }
-            };
+            let parts = board
+                .exchange(seq, rank, desc, Arc::new(input))
+                .inspect_err(|e| failed.record(&board.name, e, || board.leave(rank)))?;
             let typed: Vec<&Vec<T>> = parts
                 .iter()
                 .filter_map(|p| p.downcast_ref::<Vec<T>>())

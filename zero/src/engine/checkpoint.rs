@@ -640,24 +640,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             sh.reduced = Vec::new();
         }
-        if what == What::ModuleOnly {
-            if let Some(v) = &l.frozen {
-                st.frozen.restore(v)?;
+        if what == What::Everything {
+            let m = &l.meta;
+            st.step = m.global_step;
+            st.micro = m.micro_steps;
+            st.boundary_at = m.boundary_at;
+            st.skipped = m.skipped_steps;
+            st.lr = m.lr;
+            st.norm = None;
+            if let (Some(s), Some(saved)) = (st.scaler.as_mut(), &m.loss_scaler) {
+                restore_scaler(s, saved);
             }
-            return i.share_shards(st);
-        }
-        let m = &l.meta;
-        st.step = m.global_step;
-        st.micro = m.micro_steps;
-        st.boundary_at = m.boundary_at;
-        st.skipped = m.skipped_steps;
-        st.lr = m.lr;
-        st.norm = None;
-        if let (Some(s), Some(saved)) = (st.scaler.as_mut(), &m.loss_scaler) {
-            restore_scaler(s, saved);
-        }
-        if let Some(rng) = &l.rng {
-            glue::set_cpu_rng_state(rng)?;
+            if let Some(rng) = &l.rng {
+                glue::set_cpu_rng_state(rng)?;
+            }
         }
         if let Some(v) = &l.frozen {
             st.frozen.restore(v)?;

@@ -635,27 +635,27 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let world = groups.world_size();
         let mics = config.zero.mics_shard_size.map(|s| s as usize);
         let hpz = config.zero.zero_hpz_partition_size as usize;
+        // The config key whose size the mesh could not be cut by.
+        let must_divide = |key: &'static str, s: usize| {
+            move |e| {
+                EngineError::Plan(format!(
+                    "{key} {s} on a world of {world} ranks: it must divide the world ({e})"
+                ))
+            }
+        };
         match (mics.filter(|&s| s != world), hpz > 1) {
             (Some(_), true) => Err(EngineError::Plan(
                 "mics_shard_size and zero_hpz_partition_size together: zrt builds one or the other (in DeepSpeed they are different optimizers, MiCS and ZeRO++); remove one".into(),
             )),
             (Some(s), false) => {
-                let mesh = groups.mesh(s).map_err(|e| {
-                    EngineError::Plan(format!(
-                        "mics_shard_size {s} on a world of {world} ranks: it must divide the world ({e})"
-                    ))
-                })?;
+                let mesh = groups.mesh(s).map_err(must_divide("mics_shard_size", s))?;
                 Self::new_hybrid(vs, plan, config, mesh, hints)
             }
             (None, true) => {
                 let all = groups.everyone()?;
                 let (near, _) = groups
                     .mesh(hpz)
-                    .map_err(|e| {
-                        EngineError::Plan(format!(
-                            "zero_hpz_partition_size {hpz} on a world of {world} ranks: it must divide the world ({e})"
-                        ))
-                    })?
+                    .map_err(must_divide("zero_hpz_partition_size", hpz))?
                     .into_groups();
                 Self::new_hpz(vs, plan, config, all, near, hints)
             }
@@ -1398,8 +1398,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// every stage. Treat them as read-only: a write reaches the
     /// optimizer's master copy only where the parameters are that copy
     /// (fp32, stages 0-2). Load pretrained weights into the VarStore before
-    /// building the engine (it takes rank 0's values), or resume with
-    /// [`Engine::load_checkpoint`].
+    /// building the engine (it takes rank 0's values), or from a checkpoint
+    /// with [`Engine::load_checkpoint`] (resume) or
+    /// [`Engine::load_checkpoint_module_only`] (fine-tune).
     pub fn with_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R, EngineError> {
         let i = &*self.inner;
         self.unshard()?;

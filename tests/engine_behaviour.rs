@@ -652,7 +652,9 @@ fn train_frozen(stage: u8) -> (Params, Vec<Vec<f32>>) {
         let e = engine_for(&t, &config(stage, 2), &r);
         train_steps(&t, &e, r.rank(), 3);
         let p = e.gathered_params().unwrap();
-        (p, Vec::<f32>::try_from(&frozen.flatten(0, -1)).unwrap())
+        // Stage 3 holds it as shards between steps: read it gathered.
+        let f = e.with_full_params(|| Vec::<f32>::try_from(&frozen.flatten(0, -1)).unwrap());
+        (p, f.unwrap())
     });
     let frozen = out.iter().map(|o| o.1.clone()).collect();
     (out.into_iter().next().unwrap().0, frozen)

@@ -15,7 +15,7 @@ use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
-use super::frozen::Frozen;
+use super::frozen::{self, Frozen, ModelTensor};
 use super::{elems, Compute, CopyShard, Engine, Scaler, State};
 use crate::checkpoint::consolidate::{encode, write_model};
 use crate::checkpoint::files::{f32_bytes, json_with_crc, sync_dir, Entry, RankFile};
@@ -50,7 +50,7 @@ struct Loaded {
     units: Vec<LoadedUnit>,
     rng: Option<Vec<u8>>,
     /// The frozen variables' values (`None`: the checkpoint predates them).
-    frozen: Option<Vec<tch::Tensor>>,
+    frozen: Option<frozen::Values>,
 }
 
 /// A save or load whose collectives met another call, a rank that left or
@@ -208,18 +208,30 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let drained = i.drain_prefetch(&mut st).map_err(|e| {
                 CheckpointError::Incompatible(format!("finishing gathers in flight: {e}"))
             });
-            let mut r = match (writer, drained) {
+            // The writers' shard group gathers stage 3's sharded frozen
+            // parameters for rank 0's frozen file (a collective in it).
+            let frozen = match (writer, drained) {
+                (true, Ok(())) => self.frozen_tensors(&st, None).map_err(|e| {
+                    CheckpointError::Incompatible(format!("gathering frozen parameters: {e}"))
+                }),
+                (_, d) => d.map(|()| Vec::new()),
+            };
+            let mut r = match (writer, frozen) {
                 (_, Err(e)) => Err(e),
-                (true, Ok(())) => match &rngs {
-                    Ok(rngs) => self.write_rank_file(&st, &staging, rngs),
+                (true, Ok(f)) => match &rngs {
+                    Ok(rngs) => self.write_rank_file(&st, &staging, rngs).map(|()| f),
                     Err(e) => Err(e.clone()),
                 },
-                (false, Ok(())) => Ok(()),
+                (false, Ok(f)) => Ok(f),
             };
-            if rank == 0 && r.is_ok() {
-                r = self.write_meta(&st, &staging, tag, client_state);
+            if rank == 0 {
+                if let Ok(f) = r {
+                    r = self
+                        .write_meta(&st, &staging, tag, client_state, f)
+                        .map(|()| Vec::new());
+                }
             }
-            r
+            r.map(drop)
         };
         if let Err(e) = self.agree(wrote, "save") {
             if rank == 0 {
@@ -320,12 +332,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         dir: &Path,
         tag: &str,
         client_state: &serde_json::Value,
+        frozen: Vec<ModelTensor>,
     ) -> Result<(), CheckpointError> {
         let i = &*self.inner;
-        let frozen = st
-            .frozen
-            .tensors(None)
-            .map_err(|e| CheckpointError::format(dir.join(FROZEN_FILE), e.to_string()))?;
         if !frozen.is_empty() {
             write_model(&dir.join(FROZEN_FILE), &frozen)?;
         }
@@ -657,6 +666,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         if let Some(v) = &l.frozen {
             st.frozen.restore(v)?;
+            for u in &mut st.units {
+                if let Some(p) = &mut u.frozen {
+                    p.load(&v.sharded, i.compute, rank)?;
+                }
+            }
         }
         i.share_shards(st)
     }
@@ -669,6 +683,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
         let i = &*self.inner;
         let params = self.gathered_params()?;
+        // The tensors that do not train belong to the model too
+        // (floating-point ones in the export's dtype, as DeepSpeed's
+        // half-precision module holds them). A collective at stage 3.
+        let frozen = {
+            let mut st = i.st.lock();
+            i.drain_prefetch(&mut st)?;
+            self.frozen_tensors(&st, Some(i.compute.kind()))?
+        };
         let written = if i.group.rank() == 0 {
             let shapes: HashMap<String, Vec<i64>> = param_shapes(&i.st.lock())
                 .map(|(n, s)| (n.to_string(), s.to_vec()))
@@ -689,20 +711,39 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     (name, dtype, shape, bytes)
                 })
                 .collect();
-            // The tensors that do not train belong to the model too
-            // (floating-point ones in the export's dtype, as DeepSpeed's
-            // half-precision module holds them).
-            match i.st.lock().frozen.tensors(Some(i.compute.kind())) {
-                Ok(f) => {
-                    tensors.extend(f);
-                    write_model(path.as_ref(), &tensors)
-                }
-                Err(e) => Err(CheckpointError::format(path.as_ref(), e.to_string())),
-            }
+            tensors.extend(frozen);
+            write_model(path.as_ref(), &tensors)
         } else {
             Ok(())
         };
         self.agree(written, "save")
+    }
+}
+
+impl<G: ProcessGroup + 'static> Engine<G> {
+    /// Every frozen variable whole, as model-file tensors sorted by name:
+    /// the replicated ones as they are, stage 3's sharded ones gathered (a
+    /// collective over the group) in fp32. Floating-point ones in `float`
+    /// when given. No gather may be in flight.
+    fn frozen_tensors(
+        &self,
+        st: &State,
+        float: Option<tch::Kind>,
+    ) -> Result<Vec<ModelTensor>, EngineError> {
+        let mut out = st.frozen.tensors(float)?;
+        let dtype = match float {
+            Some(tch::Kind::BFloat16) => Dtype::BF16,
+            Some(tch::Kind::Half) => Dtype::F16,
+            _ => Dtype::F32,
+        };
+        for p in st.units.iter().filter_map(|u| u.frozen.as_ref()) {
+            for (name, shape, v) in p.whole(&self.inner.group)? {
+                let bytes = encode(&v, dtype);
+                out.push((name, dtype, shape, bytes));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
     }
 }
 

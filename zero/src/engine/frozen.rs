@@ -1,16 +1,17 @@
 //! Frozen variables: the model's tensors that do not train (`requires_grad`
 //! false: frozen parameters, and buffers such as running statistics).
 //!
-//! They are not sharded — every rank keeps them whole, as DDP would (FSDP2
-//! and ZeRO-3 shard frozen parameters too; zrt does not yet, so a frozen
-//! base model costs its full size on every rank). What the engine owes them
-//! is what DDP and FSDP give them: world rank 0's values on every rank when
+//! Stage 3 shards the fp32 frozen parameters of the units it frees
+//! ([`super::frozen_shards`]), as FSDP2 and ZeRO-3 do. Everything else
+//! here — buffers, the root's frozen parameters, all of them at stages
+//! 0-2 — every rank keeps whole, as DDP would. What the engine owes them is
+//! what DDP and FSDP give them: world rank 0's values on every rank when
 //! the engine is built (`sync_module_states`), rank 0's values in a
 //! checkpoint and back on every rank after a load, and a place in the
-//! exported model.
+//! exported model. This type lists them all and moves the replicated ones.
 
 use safetensors::Dtype;
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 
 use crate::checkpoint::files::RankFile;
@@ -22,19 +23,59 @@ pub(super) type ModelTensor = (String, Dtype, Vec<i64>, Vec<u8>);
 
 /// The model's frozen variables, sorted by name.
 pub(super) struct Frozen {
+    /// Those every rank holds whole.
     vars: Vec<(String, Tensor)>,
+    /// Those of `vars` that are fp32 parameters cast to the 16-bit compute
+    /// dtype: checkpoints hold them in fp32, as the model created them, so
+    /// a checkpoint loads whatever the precision or stage.
+    widened: std::collections::HashSet<String>,
+    /// Stage 3's sharded frozen parameters (`frozen_shards`): name and
+    /// shape. Checkpoints hold them whole, in fp32.
+    sharded: Vec<(String, Vec<i64>)>,
+}
+
+/// Frozen values a checkpoint holds, as [`Frozen::read`] returns them.
+pub(super) struct Values {
+    /// The replicated variables', in [`Frozen`]'s order.
+    replicated: Vec<Tensor>,
+    /// The sharded parameters' (fp32) by name.
+    pub(super) sharded: std::collections::HashMap<String, Tensor>,
 }
 
 impl Frozen {
-    /// The variables of `vs` whose `requires_grad` is false.
-    pub(super) fn of(vs: &nn::VarStore) -> Self {
-        let mut vars: Vec<(String, Tensor)> = vs
-            .variables()
+    /// The variables in `vars` whose `requires_grad` is false, and the
+    /// `sharded` ones stage-3 units hold. Those of them that are fp32
+    /// parameters (their TensorImpl in `params`, not buffers) become
+    /// `compute` (a 16-bit one; DeepSpeed's `module.bfloat16()` casts the
+    /// frozen parameters too), so that they meet the 16-bit activations.
+    pub(super) fn of(
+        vars: std::collections::HashMap<String, Tensor>,
+        mut sharded: Vec<(String, Vec<i64>)>,
+        params: &std::collections::HashSet<usize>,
+        compute: Kind,
+    ) -> Result<Self, EngineError> {
+        let mut vars: Vec<(String, Tensor)> = vars
             .into_iter()
             .filter(|(_, t)| !t.requires_grad())
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        Self { vars }
+        sharded.sort();
+        let mut widened = std::collections::HashSet::new();
+        for (name, t) in &mut vars {
+            if compute != Kind::Float
+                && t.kind() == Kind::Float
+                && params.contains(&crate::glue::tensor_impl(t)?)
+            {
+                let cast = t.f_to_kind(compute)?;
+                t.set_data(&cast);
+                widened.insert(name.clone());
+            }
+        }
+        Ok(Self {
+            vars,
+            widened,
+            sharded,
+        })
     }
 
     /// Makes world rank 0's values everyone's: across replicas first, then
@@ -70,14 +111,16 @@ impl Frozen {
         Ok(())
     }
 
-    /// Every frozen variable as a model-file tensor; floating-point ones as
-    /// `float` when given (a 16-bit export's dtype), the rest as they are.
+    /// Every replicated frozen variable as a model-file tensor;
+    /// floating-point ones as `float` when given (a 16-bit export's dtype),
+    /// else as the model created them.
     pub(super) fn tensors(&self, float: Option<Kind>) -> Result<Vec<ModelTensor>, EngineError> {
         self.vars
             .iter()
             .map(|(name, t)| {
                 let t = match float {
                     Some(k) if t.is_floating_point() => t.f_to_kind(k)?,
+                    None if self.widened.contains(name) => t.f_to_kind(Kind::Float)?,
                     _ => t.shallow_clone(),
                 };
                 let (kind, shape, bytes) = raw(name, &t)?;
@@ -106,20 +149,33 @@ impl Frozen {
         &self,
         saved: &[FrozenMeta],
         file: Option<&RankFile>,
-    ) -> Result<Vec<Tensor>, CheckpointError> {
+    ) -> Result<Values, CheckpointError> {
         let mut missing = Vec::new();
         let mut misshaped = Vec::new();
-        let mut out = Vec::with_capacity(self.vars.len());
-        for (name, t) in &self.vars {
+        let mut values = Values {
+            replicated: Vec::with_capacity(self.vars.len()),
+            sharded: Default::default(),
+        };
+        let replicated = self.vars.iter().map(|(n, t)| {
+            let kind = match self.widened.contains(n) {
+                true => Kind::Float,
+                false => t.kind(),
+            };
+            (n, kind, t.size(), false)
+        });
+        let sharded = self
+            .sharded
+            .iter()
+            .map(|(n, s)| (n, Kind::Float, s.clone(), true));
+        for (name, kind, shape, is_sharded) in replicated.chain(sharded) {
             let Some(s) = saved.iter().find(|s| &s.name == name) else {
                 missing.push(name.clone());
                 continue;
             };
-            let ours = (t.kind(), t.size());
-            if kind_of(s.dtype) != Some(ours.0) || s.shape != ours.1 {
+            if kind_of(s.dtype) != Some(kind) || s.shape != shape {
                 misshaped.push(format!(
-                    "{name}: checkpoint {:?} {:?}, model {:?} {:?}",
-                    s.dtype, s.shape, ours.0, ours.1
+                    "{name}: checkpoint {:?} {:?}, model {kind:?} {shape:?}",
+                    s.dtype, s.shape
                 ));
                 continue;
             }
@@ -130,18 +186,24 @@ impl Frozen {
                 )));
             };
             let (_, bytes) = file.bytes(name)?;
-            let v = from_bytes(bytes, &s.shape, ours.0).map_err(|e| {
+            let v = from_bytes(bytes, &s.shape, kind).map_err(|e| {
                 CheckpointError::format(file.path(), format!("frozen `{name}`: {e}"))
             })?;
-            out.push(v);
+            match is_sharded {
+                true => drop(values.sharded.insert(name.clone(), v)),
+                false => values.replicated.push(v),
+            }
         }
         let unexpected: Vec<String> = saved
             .iter()
-            .filter(|s| !self.vars.iter().any(|(n, _)| n == &s.name))
+            .filter(|s| {
+                !self.vars.iter().any(|(n, _)| n == &s.name)
+                    && !self.sharded.iter().any(|(n, _)| n == &s.name)
+            })
             .map(|s| s.name.clone())
             .collect();
         if missing.is_empty() && misshaped.is_empty() && unexpected.is_empty() {
-            return Ok(out);
+            return Ok(values);
         }
         Err(CheckpointError::ModelMismatch {
             missing,
@@ -150,9 +212,10 @@ impl Frozen {
         })
     }
 
-    /// Copies values [`Frozen::read`] returned into the variables.
-    pub(super) fn restore(&self, values: &[Tensor]) -> Result<(), EngineError> {
-        for ((_, t), v) in self.vars.iter().zip(values) {
+    /// Copies the replicated variables' values [`Frozen::read`] returned
+    /// into them (the sharded ones go to their units' shards).
+    pub(super) fn restore(&self, values: &Values) -> Result<(), EngineError> {
+        for ((_, t), v) in self.vars.iter().zip(&values.replicated) {
             tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
         }
         Ok(())
@@ -160,7 +223,7 @@ impl Frozen {
 
     /// Whether the model has none.
     pub(super) fn is_empty(&self) -> bool {
-        self.vars.is_empty()
+        self.vars.is_empty() && self.sharded.is_empty()
     }
 }
 

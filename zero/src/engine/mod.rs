@@ -38,7 +38,8 @@
 //! backward, prefetched gathers, reduce buckets, hpZ re-gathers), `pool`
 //! (the reused gather and gradient buffers),
 //! `checkpoint` (save and load), `frozen` (the variables that do not train:
-//! replicated, synced from rank 0, saved and exported), `offload` (NVMe
+//! synced from rank 0, saved and exported), `frozen_shards` (stage 3's
+//! frozen parameters, sharded and gathered with their unit), `offload` (NVMe
 //! swaps of optimizer state and stage-3 parameters), `timing`
 //! (`wall_clock_breakdown`). Hybrid
 //! sharding ([`Engine::new_hybrid`]) shards inside a mesh's shard groups and
@@ -60,6 +61,7 @@ use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
 mod checkpoint;
 mod frozen;
+mod frozen_shards;
 mod offload;
 mod overlap;
 mod pool;
@@ -93,12 +95,21 @@ impl Compute {
     }
 }
 
-/// One unit: its layout, its parameters (views into `flat`), the flat tensor.
+/// One unit: its layout, its parameters (views into `flat`), the flat
+/// tensor, and at stage 3 its sharded frozen parameters.
 struct Unit {
     name: String,
     layout: FlatLayout,
     params: Vec<Tensor>,
     flat: Tensor,
+    frozen: Option<frozen_shards::Part>,
+}
+
+impl Unit {
+    /// Elements a gather of the unit brings in (trainable and frozen).
+    fn gathered_len(&self) -> usize {
+        self.layout.padded + self.frozen.as_ref().map_or(0, |p| p.padded())
+    }
 }
 
 /// This rank's compute-dtype shard (stage 3 with 16-bit compute): what the
@@ -483,6 +494,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     fn release(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
         glue::free_storage(&st.units[i].flat)?;
+        if let Some(p) = &st.units[i].frozen {
+            glue::free_storage(&p.flat)?;
+        }
         st.gathered[i] = false;
         Ok(())
     }
@@ -534,6 +548,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             let u = &st.units[unit];
             if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
                 let _ = u.flat.shallow_clone().f_zero_();
+            }
+            if let Some(p) = &u.frozen {
+                p.zero_fill(self.compute);
             }
             st.gathered[unit] = true;
         }
@@ -668,9 +685,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// `group` (the data-parallel world). Rank 0's parameter values become
     /// everyone's. With bf16/fp16 in the config the parameters become views
     /// of a 16-bit buffer: the model then runs in that dtype. Variables with
-    /// `requires_grad` false (frozen parameters, buffers) are not sharded:
-    /// every rank keeps them whole, with rank 0's values; checkpoints and
-    /// model exports include them.
+    /// `requires_grad` false (frozen parameters, buffers) have no optimizer
+    /// state and take rank 0's values. Stage 3 shards the fp32 frozen
+    /// parameters of the units it frees with the unit (in the compute
+    /// dtype: bf16 training makes them bf16, as DeepSpeed does); buffers,
+    /// the root's frozen parameters and all of them at stages 0-2 stay
+    /// whole on every rank. Checkpoints and model exports include them all.
     pub fn new(
         vs: &nn::VarStore,
         plan: &ShardPlan,
@@ -802,7 +822,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .keys()
                 .any(|n| n.starts_with(&format!("{p}.")));
             return Err(EngineError::Plan(if frozen {
-                format!("unit `{p}` has only frozen parameters (requires_grad false): leave that module unwrapped (frozen parameters are not sharded) or unfreeze some")
+                format!("unit `{p}` has only frozen parameters (requires_grad false): leave that module unwrapped (its frozen parameters then stay whole on every rank), wrap it together with a module that trains, or unfreeze some")
             } else {
                 format!("unit `{p}` has no trainable parameters under its VarStore path: wrap the module with the path its parameters were created under")
             }));
@@ -882,6 +902,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 layout,
                 params: ts,
                 flat,
+                frozen: None,
             });
             masters.push(master);
         }
@@ -921,9 +942,52 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     && (u.name == "<root>" || u.layout.slots.iter().all(|s| s.numel < threshold))
             })
             .collect();
+        // Stage 3 shards the frozen parameters of the units it frees too;
+        // the root's, buffers and the rest stay replicated (`frozen`).
+        // The VarStore's parameters (trainable or frozen), not its buffers.
+        let params: std::collections::HashSet<usize> = vs
+            .trainable_variables()
+            .iter()
+            .map(glue::tensor_impl)
+            .collect::<Result<_, _>>()?;
+        let mut all_vars = vs.variables();
+        for (k, u) in units.iter_mut().enumerate() {
+            if stage != 3 || persistent[k] {
+                continue;
+            }
+            let prefix = format!("{}.", u.name);
+            let mut take = Vec::new();
+            for (name, t) in &all_vars {
+                if !t.requires_grad()
+                    && name.starts_with(&prefix)
+                    && params.contains(&glue::tensor_impl(t)?)
+                    && frozen_shards::shardable(t, threshold)
+                {
+                    take.push(name.clone());
+                }
+            }
+            take.sort();
+            if take.is_empty() {
+                continue;
+            }
+            let vars = take
+                .iter()
+                .filter_map(|n| all_vars.remove_entry(n))
+                .collect();
+            u.frozen = Some(frozen_shards::Part::new(
+                vars,
+                compute,
+                &group,
+                replicate.as_ref(),
+            )?);
+        }
         let mut owners = std::collections::HashMap::new();
         for (k, u) in units.iter().enumerate() {
-            for (slot, t) in u.layout.slots.iter().zip(&u.params) {
+            let frozen = u
+                .frozen
+                .iter()
+                .flat_map(|p| p.layout.slots.iter().zip(&p.params));
+            for (slot, t) in u.layout.slots.iter().zip(&u.params).chain(frozen) {
                 owners.insert(glue::tensor_impl(t)?, (k, slot.name.clone()));
             }
         }
@@ -941,7 +1005,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             _ => None,
         };
         // The tensors that do not train: world rank 0's everywhere too.
-        let frozen = frozen::Frozen::of(vs);
+        let sharded = units
+            .iter()
+            .flat_map(|u| u.frozen.iter().flat_map(|p| &p.layout.slots))
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect();
+        let frozen = frozen::Frozen::of(all_vars, sharded, &params, compute.kind())?;
         frozen.sync(&group, replicate.as_ref())?;
         let inner = Arc::new(Inner {
             group,
@@ -1301,15 +1370,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Model-state bytes this rank holds in memory now, as the engine
     /// allocated them: parameters in the compute dtype (flat tensors with
     /// storage), fp32 master, Adam's m and v, accumulated gradients, stage
-    /// 3's 16-bit shard, and under NVMe offload the swap's buffers (not the
-    /// state on disk: see [`Engine::offloaded_bytes`]). Compare with
-    /// DESIGN.md's table.
+    /// 3's 16-bit shard and its sharded frozen parameters, and under NVMe
+    /// offload the swap's buffers (not the state on disk: see
+    /// [`Engine::offloaded_bytes`]). Compare with DESIGN.md's table, which
+    /// counts trainable parameters only.
     pub fn model_state_bytes(&self) -> Result<usize, EngineError> {
         let st = self.inner.st.lock();
         let mut b = self.inner.swap.as_ref().map_or(0, |s| s.resident_bytes())
             + self.inner.pswap_resident();
         for (u, sh) in st.units.iter().zip(&st.shards) {
             b += glue::storage_nbytes(&u.flat)?;
+            if let Some(p) = &u.frozen {
+                b += p.bytes()?;
+            }
             b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
             b += match &sh.copy {
                 CopyShard::None => 0,

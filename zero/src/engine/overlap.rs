@@ -20,15 +20,18 @@
 //! issues the same sequence (the same model runs the same autograd graph),
 //! so overlapping changes no bit of the result.
 
+use std::mem::take;
 use std::sync::Arc;
 
 use half::{bf16, f16};
+use tch::Tensor;
 use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
+use super::frozen_shards::Held;
 use super::pool::Pool;
 use super::timing::waiting;
-use super::{elems, Compute, CopyShard, Inner, State, Unit};
+use super::{elems, Compute, CopyShard, Inner, State};
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
@@ -96,6 +99,9 @@ pub(super) struct Prefetch {
     data: Fetch,
     /// Gathered from the hpZ secondary copy (dropped after), not the shard.
     secondary: bool,
+    /// The unit's sharded frozen parameters (always from the shards, over
+    /// the whole group: hpZ keeps no secondary copy of them).
+    frozen: Option<Fetch>,
 }
 
 /// ZeRO++ hpZ: the part of a unit's gathered parameters this rank keeps
@@ -537,6 +543,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 ids,
                 data,
                 secondary: true,
+                frozen: self.issue_frozen(st, i),
             });
         }
         // Name the unit to the peers first: units run in different orders
@@ -564,6 +571,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             ids,
             data,
             secondary: false,
+            frozen: self.issue_frozen(st, i),
+        })
+    }
+
+    /// Issues the gather of unit `i`'s sharded frozen parameters, if it has
+    /// any (their shard goes with it and comes back in `finish_gather`).
+    fn issue_frozen(&self, st: &mut State, i: usize) -> Option<Fetch> {
+        let p = st.units[i].frozen.as_mut()?;
+        let (g, padded) = (&self.group, p.padded());
+        self.delay();
+        Some(match &mut p.shard {
+            Held::F32(v) => Fetch::F32(g.all_gather(take(v), self.pools.f32.take(padded, 0.0))),
+            Held::Bf16(v) => {
+                Fetch::Bf16(g.all_gather(take(v), self.pools.bf16.take(padded, bf16::ZERO)))
+            }
+            Held::F16(v) => {
+                Fetch::F16(g.all_gather(take(v), self.pools.f16.take(padded, f16::ZERO)))
+            }
         })
     }
 
@@ -611,27 +636,50 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 .collect();
             return Err(EngineError::UnitOrder(names.join(", ")));
         }
-        let (u, sh) = (&st.units[i], &mut st.shards[i]);
+        let (u, sh) = (&mut st.units[i], &mut st.shards[i]);
+        if let (Some(f), Some(part)) = (p.frozen, u.frozen.as_mut()) {
+            let what = (u.name.as_str(), "'s frozen parameters");
+            let (flat, padded) = (&part.flat, part.layout.padded);
+            part.shard = match f {
+                Fetch::F32(w) => {
+                    let (mine, full) = w.wait()?;
+                    install(what, flat, padded, full, fill, &self.pools.f32)?;
+                    Held::F32(mine)
+                }
+                Fetch::Bf16(w) => {
+                    let (mine, full) = w.wait()?;
+                    install(what, flat, padded, full, fill, &self.pools.bf16)?;
+                    Held::Bf16(mine)
+                }
+                Fetch::F16(w) => {
+                    let (mine, full) = w.wait()?;
+                    install(what, flat, padded, full, fill, &self.pools.f16)?;
+                    Held::F16(mine)
+                }
+            };
+        }
+        let what = (u.name.as_str(), "");
+        let (flat, padded) = (&u.flat, u.layout.padded);
         // With `fill`, the gathered buffer becomes the unit's storage: no
         // copy, and it returns to the pool when the unit is freed.
         match p.data {
             Fetch::F32(w) => {
                 let (mine, full) = w.wait()?;
-                install(u, full, fill, &self.pools.f32)?;
+                install(what, flat, padded, full, fill, &self.pools.f32)?;
                 if !p.secondary {
                     sh.master = mine;
                 }
             }
             Fetch::Bf16(w) => {
                 let (mine, full) = w.wait()?;
-                install(u, full, fill, &self.pools.bf16)?;
+                install(what, flat, padded, full, fill, &self.pools.bf16)?;
                 if !p.secondary {
                     sh.copy = CopyShard::Bf16(mine);
                 }
             }
             Fetch::F16(w) => {
                 let (mine, full) = w.wait()?;
-                install(u, full, fill, &self.pools.f16)?;
+                install(what, flat, padded, full, fill, &self.pools.f16)?;
                 if !p.secondary {
                     sh.copy = CopyShard::F16(mine);
                 }
@@ -684,10 +732,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let bucket = z.stage3_prefetch_bucket_size.value().unwrap_or(0) as usize;
         let live: usize = (0..st.units.len())
             .filter(|&k| st.gathered[k] || st.prog.prefetch[k].is_some())
-            .map(|k| st.units[k].layout.padded)
+            .map(|k| st.units[k].gathered_len())
             .sum();
-        let size = st.units[next].layout.padded;
-        if st.units[next].layout.numel > bucket
+        let (u, size) = (&st.units[next], st.units[next].gathered_len());
+        if u.layout.numel + u.frozen.as_ref().map_or(0, |p| p.layout.numel) > bucket
             || (live + size) as u64 > z.stage3_max_live_parameters
         {
             return Ok(());
@@ -742,11 +790,14 @@ fn explain_uneven(what: &str, without: &[String]) -> EngineError {
     ))
 }
 
-/// With `fill`, makes the gathered `full` the memory of unit `u`'s flat
-/// storage (no copy; it goes back to `pool` when the storage is freed);
-/// without, returns it to the pool.
+/// With `fill`, makes the gathered `full` the memory of `flat` (`padded`
+/// elements; no copy, it goes back to `pool` when the storage is freed);
+/// without, returns it to the pool. `what` names the flat for an error:
+/// (unit, which part of it).
 fn install<T: Copy + Send + 'static>(
-    u: &Unit,
+    what: (&str, &str),
+    flat: &Tensor,
+    padded: usize,
     full: Vec<T>,
     fill: bool,
     pool: &Arc<Pool<T>>,
@@ -755,16 +806,16 @@ fn install<T: Copy + Send + 'static>(
         pool.give(full);
         return Ok(());
     }
-    if full.len() != u.layout.padded {
+    if full.len() != padded {
         return Err(EngineError::Plan(format!(
-            "unit `{}` gathered {} elements but its layout has {}: did every rank build the same model?",
-            u.name,
+            "unit `{}`{} gathered {} elements but the layout has {padded}: did every rank build the same model?",
+            what.0,
+            what.1,
             full.len(),
-            u.layout.padded
         )));
     }
     let pool = pool.clone();
-    glue::adopt_storage(&u.flat, full, move |v| pool.give(v))?;
+    glue::adopt_storage(flat, full, move |v| pool.give(v))?;
     Ok(())
 }
 

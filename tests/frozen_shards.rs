@@ -1,0 +1,258 @@
+//! Stage 3 shards frozen parameters with their unit (a LoRA-style frozen
+//! base): exact memory, training identical to the unsharded reference in
+//! fp32 and bf16, with the parameter swap and hpZ, and checkpoints that
+//! move between stage 3 (sharded) and stage 2 (replicated). 2 or 4 ranks
+//! (threads).
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{config_zero, model, nvme_params, on_ranks, tokens, WORLD};
+use tch::{nn, Kind, Tensor};
+use zrt::collectives::local::LocalRank;
+use zrt::collectives::ProcessGroup;
+use zrt::zero::flat::FlatLayout;
+use zrt::zero::{glue, AutoHints, Config, Engine};
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// The frozen base: every block's `fc` and `out` weights (the biggest
+/// tensors of the GPT; the rest trains, as LoRA adapters would).
+fn is_frozen(name: &str) -> bool {
+    name.starts_with("h.") && (name.ends_with(".fc.weight") || name.ends_with(".out.weight"))
+}
+
+/// The test GPT with its frozen base; rank 1's base is scrambled before
+/// the engine is built (the engine must give it rank 0's).
+fn frozen_model(rank: usize) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) {
+    let (vs, plan, gpt) = model();
+    for (name, t) in vs.variables() {
+        if is_frozen(&name) {
+            let _ = t.set_requires_grad(false);
+            if rank == 1 {
+                let _ = tch::no_grad(|| t.shallow_clone().fill_(0.25));
+            }
+        }
+    }
+    (vs, plan, gpt)
+}
+
+/// The frozen base as the model created it (fp32), by name.
+fn base() -> HashMap<String, Vec<f32>> {
+    let (vs, _, _) = model();
+    vs.variables()
+        .into_iter()
+        .filter(|(n, _)| is_frozen(n))
+        .map(|(n, t)| (n, values(&t)))
+        .collect()
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(&t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
+}
+
+/// The frozen base as the engine holds it, gathered (a collective).
+fn gathered_base<G: ProcessGroup + 'static>(
+    e: &Engine<G>,
+    vs: &nn::VarStore,
+) -> HashMap<String, (Kind, Vec<f32>)> {
+    e.with_full_params(|| {
+        vs.variables()
+            .into_iter()
+            .filter(|(n, _)| is_frozen(n))
+            .map(|(n, t)| (n, (t.kind(), values(&t))))
+            .collect()
+    })
+    .unwrap()
+}
+
+/// What a run left: rank 0's trained parameters and losses, and every
+/// rank's gathered frozen base.
+struct Run {
+    params: Params,
+    losses: Vec<f64>,
+    bases: Vec<HashMap<String, (Kind, Vec<f32>)>>,
+}
+
+/// Trains 3 steps on `world` ranks under `cfg` (`from_config`, so hpZ
+/// keys make their groups).
+fn run(cfg: &Config, world: usize) -> Run {
+    let out = on_ranks(world, |mut r: LocalRank| {
+        let (vs, plan, gpt) = frozen_model(r.rank());
+        let e = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
+        let mut losses = Vec::new();
+        for step in 0..3 {
+            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            losses.push(loss.double_value(&[]));
+        }
+        (e.gathered_params().unwrap(), losses, gathered_base(&e, &vs))
+    });
+    let bases = out.iter().map(|o| o.2.clone()).collect();
+    let (params, losses, _) = out.into_iter().next().unwrap();
+    Run {
+        params,
+        losses,
+        bases,
+    }
+}
+
+fn cfg(stage: u8, extra: &str, zero: &str) -> Config {
+    let zero = format!(r#"{zero} "stage3_param_persistence_threshold": 0,"#);
+    config_zero(stage, 1, 0.5, extra, &zero)
+}
+
+#[test]
+fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
+    let want = base();
+    let dir = std::env::temp_dir().join(format!("zrt-frozen-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    for (extra, kind) in [("", Kind::Float), (bf16, Kind::BFloat16)] {
+        // Stage 0 keeps the base whole on every rank: the reference.
+        let reference = run(&cfg(0, extra, ""), WORLD);
+        assert!(
+            !reference.params.iter().any(|(n, _)| is_frozen(n)),
+            "a frozen parameter has no master copy"
+        );
+        for zero in ["", &nvme_params(&dir)] {
+            let what = format!("stage 3 {extra} {zero}");
+            let got = run(&cfg(3, extra, zero), WORLD);
+            assert_eq!(got.params, reference.params, "{what}");
+            assert_eq!(got.losses, reference.losses, "{what}");
+            for b in got.bases.iter().chain(&reference.bases) {
+                assert_eq!(b.len(), want.len());
+                for (n, (k, v)) in b {
+                    // fp32 values as rank 0 created them; bf16 training
+                    // casts them as DeepSpeed's module.bfloat16() does.
+                    assert_eq!(*k, kind, "{what}: {n}");
+                    let w = Tensor::from_slice(&want[n]).to_kind(kind);
+                    assert_eq!(v, &values(&w), "{what}: {n} is rank 0's, untouched");
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hpz_regathers_a_sharded_frozen_base_with_the_same_results() {
+    let plain = run(&cfg(3, "", ""), 4);
+    let hpz = run(&cfg(3, "", r#""zero_hpz_partition_size": 2,"#), 4);
+    assert_eq!(hpz.params, plain.params);
+    assert_eq!(hpz.losses, plain.losses);
+}
+
+/// Elements of each rank's shard of a flat buffer over `names` (shapes
+/// from `vs`) on `world` ranks.
+fn shard_len(vs: &nn::VarStore, names: &[String], world: usize) -> usize {
+    let vars = vs.variables();
+    let layout = FlatLayout::new(
+        names.iter().map(|n| (n.clone(), vars[n].size())).collect(),
+        world,
+    );
+    layout.shard_len()
+}
+
+#[test]
+fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = frozen_model(r.rank());
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg(3, "", ""), g, &AutoHints::default()).unwrap();
+        let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
+        e.backward(&loss).unwrap();
+        e.step().unwrap();
+        let vars = vs.variables();
+        let mut names: Vec<String> = vars.keys().cloned().collect();
+        names.sort();
+        // fp32 stage 3, per unit: master, m, v and gradient shards of the
+        // trainable parameters (16 bytes an element of the shard), and the
+        // frozen ones' shard (4 bytes); the root stays gathered besides.
+        let mut want = 0;
+        for unit in e.unit_names() {
+            let under = |n: &String| match unit.as_str() {
+                "<root>" => !e
+                    .unit_names()
+                    .iter()
+                    .any(|u| n.starts_with(&format!("{u}."))),
+                u => n.starts_with(&format!("{u}.")),
+            };
+            let (frozen, trained): (Vec<String>, Vec<String>) = names
+                .iter()
+                .filter(|n| under(n))
+                .cloned()
+                .partition(|n| is_frozen(n));
+            let part = shard_len(&vs, &trained, WORLD);
+            want += 16 * part;
+            if unit == "<root>" {
+                want += 4 * part * WORLD;
+                assert!(frozen.is_empty());
+            } else {
+                want += 4 * shard_len(&vs, &frozen, WORLD);
+            }
+        }
+        assert_eq!(e.model_state_bytes().unwrap(), want);
+        for n in names.iter().filter(|n| is_frozen(n)) {
+            assert_eq!(glue::storage_nbytes(&vars[n]).unwrap(), 0, "{n} is freed");
+        }
+        // Gathered, it has its memory back; freed again after.
+        let n = "h.0.fc.weight";
+        let held = e
+            .with_full_params(|| glue::storage_nbytes(&vars[n]).unwrap())
+            .unwrap();
+        assert_eq!(
+            held,
+            shard_len(&vs, &[n.into(), "h.0.out.weight".into()], WORLD) * WORLD * 4
+        );
+        assert_eq!(glue::storage_nbytes(&vars[n]).unwrap(), 0);
+    });
+}
+
+#[test]
+fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
+    let dir = std::env::temp_dir().join(format!("zrt-frozen-ckpt-{}", std::process::id()));
+    let want = base();
+    let export = dir.join("model.safetensors");
+    for (from, to) in [(3u8, 2u8), (2, 3)] {
+        let tag = format!("from{from}");
+        on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = frozen_model(r.rank());
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg(from, "", ""), g, &AutoHints::default()).unwrap();
+            let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            e.save_checkpoint(&dir, &tag).unwrap();
+            e.save_16bit_model(&export).unwrap();
+        });
+        let file: HashMap<String, Tensor> = Tensor::read_safetensors(&export)
+            .unwrap()
+            .into_iter()
+            .collect();
+        for (n, v) in &want {
+            assert_eq!(
+                &values(&file[n]),
+                v,
+                "stage {from}'s export holds {n} whole"
+            );
+        }
+        on_ranks(WORLD, |r| {
+            // Another base everywhere: the load must replace it.
+            let (vs, plan, _) = frozen_model(1);
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg(to, "", ""), g, &AutoHints::default()).unwrap();
+            assert_ne!(
+                gathered_base(&e, &vs)["h.0.fc.weight"].1,
+                want["h.0.fc.weight"]
+            );
+            e.load_checkpoint(&dir, Some(&tag)).unwrap();
+            for (n, (_, v)) in gathered_base(&e, &vs) {
+                assert_eq!(v, want[&n], "stage {from} -> {to}: {n}");
+            }
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

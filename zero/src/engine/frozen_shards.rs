@@ -1,0 +1,217 @@
+//! Stage 3's sharded frozen parameters: the `requires_grad` false
+//! parameters inside a wrapped module (a LoRA model's frozen base), held as
+//! shards and gathered with their unit, as FSDP2 and ZeRO-3 hold them.
+//!
+//! Each such unit gets a second flat buffer beside its trainable one, in
+//! the compute dtype (an fp32 frozen weight becomes bf16 under bf16
+//! training, as DeepSpeed's `module.bfloat16()` makes it). It is never
+//! reduced and has no optimizer state: this rank keeps its shard, the
+//! unit's gathers fill the buffer, its frees empty it. Only fp32 parameters
+//! are taken (the dtype trainable ones are created in); anything else, and
+//! buffers, stay replicated ([`super::frozen`]).
+//!
+//! Checkpoints and exports hold them whole, in fp32, as a replicated model
+//! would write them: a stage-3 checkpoint loads into any stage and back.
+
+use half::{bf16, f16};
+use tch::{Device, Kind, Tensor};
+use zrt_collectives::ProcessGroup;
+use zrt_kernels::cast;
+
+use super::Compute;
+use crate::flat::FlatLayout;
+use crate::EngineError;
+
+/// A frozen parameter gathered whole: name, shape, fp32 values.
+pub(super) type Whole = (String, Vec<i64>, Vec<f32>);
+
+/// This rank's shard of a unit's frozen parameters, in the compute dtype.
+pub(super) enum Held {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Held {
+    fn bytes(&self) -> usize {
+        match self {
+            Held::F32(v) => 4 * v.len(),
+            Held::Bf16(v) => 2 * v.len(),
+            Held::F16(v) => 2 * v.len(),
+        }
+    }
+}
+
+/// One unit's frozen parameters: views (`set_data`) into `flat`, which has
+/// storage only while the unit is gathered, and this rank's shard of it.
+pub(super) struct Part {
+    pub(super) layout: FlatLayout,
+    pub(super) params: Vec<Tensor>,
+    pub(super) flat: Tensor,
+    /// Empty while a gather has it (it comes back with the gathered unit).
+    pub(super) shard: Held,
+}
+
+impl Part {
+    /// Takes `vars` (fp32, under one unit) over: world rank 0's values
+    /// become everyone's (across `replicate` first, then inside `group`),
+    /// the variables become views of a flat buffer of `compute`'s dtype,
+    /// and this rank keeps its shard of it. The buffer stays full until
+    /// the engine frees the unit. A collective.
+    pub(super) fn new<G: ProcessGroup>(
+        vars: Vec<(String, Tensor)>,
+        compute: Compute,
+        group: &G,
+        replicate: Option<&G>,
+    ) -> Result<Self, EngineError> {
+        let layout = FlatLayout::new(
+            vars.iter().map(|(n, t)| (n.clone(), t.size())).collect(),
+            group.size(),
+        );
+        let by_name: std::collections::HashMap<String, Tensor> = vars.into_iter().collect();
+        let mut values = vec![0f32; layout.padded];
+        for s in &layout.slots {
+            let v =
+                Vec::<f32>::try_from(&by_name[&s.name].detach().f_contiguous()?.f_flatten(0, -1)?)?;
+            values[s.offset..s.offset + s.numel].copy_from_slice(&v);
+        }
+        let values = match replicate {
+            Some(r) => r.broadcast(values, 0).wait()?,
+            None => values,
+        };
+        let values = group.broadcast(values, 0).wait()?;
+        let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
+        tch::no_grad(|| flat.shallow_clone().f_copy_(&Tensor::from_slice(&values)))?;
+        let mut params = Vec::with_capacity(layout.slots.len());
+        for s in &layout.slots {
+            let mut t = by_name[&s.name].shallow_clone();
+            let view = flat
+                .f_narrow(0, s.offset as i64, s.numel as i64)?
+                .f_view(s.shape.as_slice())?;
+            t.set_data(&view);
+            params.push(t);
+        }
+        let mut part = Self {
+            layout,
+            params,
+            flat,
+            shard: Held::F32(Vec::new()),
+        };
+        part.set(&values, compute, group.rank())?;
+        Ok(part)
+    }
+
+    /// Elements gathered with the unit.
+    pub(super) fn padded(&self) -> usize {
+        self.layout.padded
+    }
+
+    /// Bytes this rank holds: the shard, and the buffer while gathered.
+    pub(super) fn bytes(&self) -> Result<usize, EngineError> {
+        Ok(self.shard.bytes() + crate::glue::storage_nbytes(&self.flat)?)
+    }
+
+    /// Makes `whole` (fp32, the full padded buffer) the values: this rank's
+    /// shard of it in the compute dtype. The buffer, if gathered, keeps its
+    /// old values until the unit is gathered again.
+    pub(super) fn set(
+        &mut self,
+        whole: &[f32],
+        compute: Compute,
+        rank: usize,
+    ) -> Result<(), EngineError> {
+        let mine = &whole[self.layout.shard(rank)];
+        self.shard = match compute {
+            Compute::F32 => Held::F32(mine.to_vec()),
+            Compute::Bf16 => {
+                let mut v = vec![bf16::ZERO; mine.len()];
+                cast::f32_to_bf16(mine, &mut v)?;
+                Held::Bf16(v)
+            }
+            Compute::F16 => {
+                let mut v = vec![f16::ZERO; mine.len()];
+                cast::f32_to_f16(mine, &mut v)?;
+                Held::F16(v)
+            }
+        };
+        Ok(())
+    }
+
+    /// Takes a checkpoint's values (fp32, by name; [`super::frozen::Frozen::read`]
+    /// checked every one is there in its shape) as this rank's shard.
+    pub(super) fn load(
+        &mut self,
+        values: &std::collections::HashMap<String, Tensor>,
+        compute: Compute,
+        rank: usize,
+    ) -> Result<(), EngineError> {
+        let mut whole = vec![0f32; self.layout.padded];
+        for s in &self.layout.slots {
+            let t = values.get(&s.name).ok_or_else(|| {
+                EngineError::Plan(format!(
+                    "frozen `{}` was not read from the checkpoint",
+                    s.name
+                ))
+            })?;
+            let v = Vec::<f32>::try_from(&t.f_flatten(0, -1)?)?;
+            if v.len() != s.numel {
+                return Err(EngineError::Plan(format!(
+                    "frozen `{}`: {} values read, {} in the model",
+                    s.name,
+                    v.len(),
+                    s.numel
+                )));
+            }
+            whole[s.offset..s.offset + s.numel].copy_from_slice(&v);
+        }
+        self.set(&whole, compute, rank)
+    }
+
+    /// Every parameter whole, widened to fp32, by name: what checkpoints and
+    /// exports write. All-gathers the shards (a collective over `group`),
+    /// so it works whether or not the unit is gathered.
+    pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<Whole>, EngineError> {
+        let full: Vec<f32> = match &self.shard {
+            Held::F32(v) => group.all_gather(v.clone(), Vec::new()).wait()?.1,
+            Held::Bf16(v) => widen(&group.all_gather(v.clone(), Vec::new()).wait()?.1),
+            Held::F16(v) => widen(&group.all_gather(v.clone(), Vec::new()).wait()?.1),
+        };
+        if full.len() != self.layout.padded {
+            return Err(EngineError::Plan(format!(
+                "frozen parameters gathered {} elements but the layout has {}: did every rank build the same model?",
+                full.len(),
+                self.layout.padded
+            )));
+        }
+        Ok(self
+            .layout
+            .slots
+            .iter()
+            .map(|s| {
+                let v = full[s.offset..s.offset + s.numel].to_vec();
+                (s.name.clone(), s.shape.clone(), v)
+            })
+            .collect())
+    }
+
+    /// Gives the buffer zeroed memory (after a failed gather, so autograd
+    /// computes garbage instead of reading freed storage).
+    pub(super) fn zero_fill(&self, compute: Compute) {
+        let bytes = self.layout.padded * compute.bytes();
+        if crate::glue::realloc_storage(&self.flat, bytes).is_ok() {
+            let _ = self.flat.shallow_clone().f_zero_();
+        }
+    }
+}
+
+/// 16-bit values widened to fp32.
+fn widen<T: Copy + Into<f32>>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|&x| x.into()).collect()
+}
+
+/// Whether `t`, a frozen variable, is a parameter stage 3 can shard: fp32
+/// and at least `threshold` elements (smaller ones stay gathered, as
+/// `stage3_param_persistence_threshold` keeps small trainable ones).
+pub(super) fn shardable(t: &Tensor, threshold: usize) -> bool {
+    t.kind() == Kind::Float && t.numel() >= threshold.max(1)
+}

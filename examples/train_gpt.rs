@@ -37,6 +37,8 @@ struct Args {
     save_every: u64,
     /// Load the latest checkpoint in `save_dir` first, if there is one.
     resume: bool,
+    /// Freeze every block's MLP weights (`--freeze-mlp`).
+    freeze_mlp: bool,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -80,6 +82,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--resume",
         "",
         "first load the latest checkpoint in the save directory",
+    ),
+    (
+        "--freeze-mlp",
+        "",
+        "freeze every block's MLP weights, as a LoRA fine-tune freezes its base (stage 3 shards them)",
     ),
     ("--help", "", "print this and exit"),
 ];
@@ -180,6 +187,7 @@ fn parse_args() -> Result<Option<Args>> {
         },
         save_every: num("--save-every", 0, 0)? as u64,
         resume: opts.contains_key("--resume"),
+        freeze_mlp: opts.contains_key("--freeze-mlp"),
     }))
 }
 
@@ -266,6 +274,16 @@ fn main() -> Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
     let gpt = Gpt::new(&vs.root(), &plan, &a.gpt);
+    let mut frozen = 0;
+    if a.freeze_mlp {
+        for (name, t) in vs.variables() {
+            let mlp = name.ends_with(".fc.weight") || name.ends_with(".out.weight");
+            if name.starts_with("h.") && mlp {
+                let _ = t.set_requires_grad(false);
+                frozen += t.numel();
+            }
+        }
+    }
     let cfg = Config::from_file(&a.config)?;
     let hints = AutoHints {
         hidden_size: Some(a.gpt.d_model as u64),
@@ -287,6 +305,12 @@ fn main() -> Result<()> {
             text.len() >> 10,
             val.len() >> 10
         );
+        if frozen > 0 {
+            println!(
+                "{:.2}M frozen params (every block's MLP weights; stage 3 shards them too)",
+                frozen as f64 / 1e6
+            );
+        }
         println!(
             "batch {} sequences of {} bytes per step ({} per rank x {} accumulation x {} ranks)",
             batch_cfg.train, a.gpt.seq, micro, gas, n

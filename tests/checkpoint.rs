@@ -746,6 +746,55 @@ fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
 }
 
 #[test]
+fn the_main_job_with_a_frozen_mlp_keeps_it_and_resumes_to_the_same_bits() {
+    let _serial = serial();
+    // Stage 3 holds the frozen MLP weights as shards in each process.
+    let (straight, resumed, said) = main_job_straight_and_resumed("frozen-mlp", &["--freeze-mlp"]);
+    assert!(
+        said.contains("M frozen params (every block's MLP weights"),
+        "{said}"
+    );
+    assert_bits("frozen MLP: 2 + 2 steps against 4", &resumed, &straight);
+    // Checkpoints after 2 and 4 steps hold the same frozen weights, whole,
+    // while the rest trains.
+    let dir = tmp("frozen-mlp-kept");
+    let d = dir.to_str().unwrap();
+    train_gpt(&[
+        "--freeze-mlp",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--save-dir",
+        d,
+    ]);
+    let at = |tag: &str| -> std::collections::HashMap<String, Vec<f32>> {
+        let out = dir.join(format!("{tag}.safetensors"));
+        zrt::zero::checkpoint::consolidate(
+            &dir,
+            Some(tag),
+            &out,
+            zrt::zero::checkpoint::ExportDtype::F32,
+        )
+        .unwrap();
+        Tensor::read_safetensors(&out)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+            .collect()
+    };
+    let (two, four) = (at("step2"), at("step4"));
+    let _ = std::fs::remove_dir_all(&dir);
+    for n in ["h.0.fc.weight", "h.0.out.weight"] {
+        assert_eq!(two[n], four[n], "{n} is frozen");
+    }
+    assert_ne!(
+        two["h.0.qkv.weight"], four["h.0.qkv.weight"],
+        "the rest trains"
+    );
+}
+
+#[test]
 fn the_main_job_in_fp16_resumes_after_the_steps_an_overflow_skipped() {
     let _serial = serial();
     // A loss scale of 2^20 overflows the first two steps; the next two train.

@@ -14,7 +14,7 @@
 //! would write them: a stage-3 checkpoint loads into any stage and back.
 
 use half::{bf16, f16};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
@@ -75,22 +75,8 @@ impl Part {
                 Vec::<f32>::try_from(&by_name[&s.name].detach().f_contiguous()?.f_flatten(0, -1)?)?;
             values[s.offset..s.offset + s.numel].copy_from_slice(&v);
         }
-        let values = match replicate {
-            Some(r) => r.broadcast(values, 0).wait()?,
-            None => values,
-        };
-        let values = group.broadcast(values, 0).wait()?;
-        let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
-        tch::no_grad(|| flat.shallow_clone().f_copy_(&Tensor::from_slice(&values)))?;
-        let mut params = Vec::with_capacity(layout.slots.len());
-        for s in &layout.slots {
-            let mut t = by_name[&s.name].shallow_clone();
-            let view = flat
-                .f_narrow(0, s.offset as i64, s.numel as i64)?
-                .f_view(s.shape.as_slice())?;
-            t.set_data(&view);
-            params.push(t);
-        }
+        let (values, flat, params) =
+            super::rank0_flat(values, &layout, &by_name, compute, group, replicate)?;
         let mut part = Self {
             layout,
             params,

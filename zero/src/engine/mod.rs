@@ -280,6 +280,41 @@ unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
     std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n)
 }
 
+/// World rank 0's `values` (a flat buffer over `layout`) on every rank:
+/// across replicas first, then inside the shard group (whose rank 0 then
+/// holds them). Returns them, a new flat tensor of `compute`'s dtype
+/// holding them, and the variables of `vars` made views (`set_data`) of
+/// their slots, in slot order. A collective.
+fn rank0_flat<G: ProcessGroup>(
+    values: Vec<f32>,
+    layout: &FlatLayout,
+    vars: &std::collections::HashMap<String, Tensor>,
+    compute: Compute,
+    group: &G,
+    replicate: Option<&G>,
+) -> Result<(Vec<f32>, Tensor, Vec<Tensor>), EngineError> {
+    let values = match replicate {
+        Some(r) => r.broadcast(values, 0).wait()?,
+        None => values,
+    };
+    let values = group.broadcast(values, 0).wait()?;
+    let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
+    tch::no_grad(|| flat.shallow_clone().f_copy_(&Tensor::from_slice(&values)))?;
+    let mut views = Vec::with_capacity(layout.slots.len());
+    for s in &layout.slots {
+        let mut t = vars
+            .get(&s.name)
+            .ok_or_else(|| EngineError::Plan(format!("no variable `{}` to lay out", s.name)))?
+            .shallow_clone();
+        let view = flat
+            .f_narrow(0, s.offset as i64, s.numel as i64)?
+            .f_view(s.shape.as_slice())?;
+        t.set_data(&view);
+        views.push(t);
+    }
+    Ok((values, flat, views))
+}
+
 /// All-gathers `mine` into the whole of `flat` (`padded` elements of T);
 /// returns `mine` for reuse.
 fn gather_into<T: Element, G: ProcessGroup>(
@@ -878,25 +913,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
                 master[s.offset..s.offset + s.numel].copy_from_slice(&v);
             }
-            // World rank 0's values everywhere: across replicas first, then
-            // inside each shard group (whose rank 0 now holds them).
-            let master = match &replicate {
-                Some(r) => r.broadcast(master, 0).wait()?,
-                None => master,
-            };
-            let master = group.broadcast(master, 0).wait()?;
-            let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
-            let full = Tensor::from_slice(&master);
-            tch::no_grad(|| flat.shallow_clone().f_copy_(&full))?;
-            let mut ts = Vec::new();
-            for s in &layout.slots {
-                let mut t = by_name[&s.name].shallow_clone();
-                let view = flat
-                    .f_narrow(0, s.offset as i64, s.numel as i64)?
-                    .f_view(s.shape.as_slice())?;
-                t.set_data(&view);
-                ts.push(t);
-            }
+            let (master, flat, ts) = rank0_flat(
+                master,
+                &layout,
+                &by_name,
+                compute,
+                &group,
+                replicate.as_ref(),
+            )?;
             units.push(Unit {
                 name,
                 layout,

@@ -17,18 +17,29 @@ use zrt::zero::{glue, AutoHints, Config, Engine};
 
 type Params = Vec<(String, Vec<f32>)>;
 
-/// The frozen base: every block's `fc` and `out` weights (the biggest
-/// tensors of the GPT; the rest trains, as LoRA adapters would).
+/// The frozen base: the token embedding (a unit with nothing else to
+/// train), all of the last block (a frozen unit backward passes through)
+/// and every other block's `fc` and `out` weights (the biggest tensors of
+/// the GPT; the rest trains, as LoRA adapters would).
 fn is_frozen(name: &str) -> bool {
-    name.starts_with("h.") && (name.ends_with(".fc.weight") || name.ends_with(".out.weight"))
+    let mlp = name.ends_with(".fc.weight") || name.ends_with(".out.weight");
+    name.starts_with("wte.") || name.starts_with("h.1.") || (name.starts_with("h.") && mlp)
 }
 
 /// The test GPT with its frozen base; rank 1's base is scrambled before
 /// the engine is built (the engine must give it rank 0's).
 fn frozen_model(rank: usize) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) {
+    frozen_model_by(rank, is_frozen)
+}
+
+/// As [`frozen_model`], freezing what `frozen` names.
+fn frozen_model_by(
+    rank: usize,
+    frozen: fn(&str) -> bool,
+) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) {
     let (vs, plan, gpt) = model();
     for (name, t) in vs.variables() {
-        if is_frozen(&name) {
+        if frozen(&name) {
             let _ = t.set_requires_grad(false);
             if rank == 1 {
                 let _ = tch::no_grad(|| t.shallow_clone().fill_(0.25));
@@ -56,11 +67,12 @@ fn values(t: &Tensor) -> Vec<f32> {
 fn gathered_base<G: ProcessGroup + 'static>(
     e: &Engine<G>,
     vs: &nn::VarStore,
+    frozen: fn(&str) -> bool,
 ) -> HashMap<String, (Kind, Vec<f32>)> {
     e.with_full_params(|| {
         vs.variables()
             .into_iter()
-            .filter(|(n, _)| is_frozen(n))
+            .filter(|(n, _)| frozen(n))
             .map(|(n, t)| (n, (t.kind(), values(&t))))
             .collect()
     })
@@ -78,8 +90,13 @@ struct Run {
 /// Trains 3 steps on `world` ranks under `cfg` (`from_config`, so hpZ
 /// keys make their groups).
 fn run(cfg: &Config, world: usize) -> Run {
+    run_by(cfg, world, is_frozen)
+}
+
+/// As [`run`], freezing what `frozen` names.
+fn run_by(cfg: &Config, world: usize, frozen: fn(&str) -> bool) -> Run {
     let out = on_ranks(world, |mut r: LocalRank| {
-        let (vs, plan, gpt) = frozen_model(r.rank());
+        let (vs, plan, gpt) = frozen_model_by(r.rank(), frozen);
         let e = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
         let mut losses = Vec::new();
         for step in 0..3 {
@@ -88,7 +105,11 @@ fn run(cfg: &Config, world: usize) -> Run {
             e.step().unwrap();
             losses.push(loss.double_value(&[]));
         }
-        (e.gathered_params().unwrap(), losses, gathered_base(&e, &vs))
+        (
+            e.gathered_params().unwrap(),
+            losses,
+            gathered_base(&e, &vs, frozen),
+        )
     });
     let bases = out.iter().map(|o| o.2.clone()).collect();
     let (params, losses, _) = out.into_iter().next().unwrap();
@@ -117,9 +138,10 @@ fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
             !reference.params.iter().any(|(n, _)| is_frozen(n)),
             "a frozen parameter has no master copy"
         );
-        for zero in ["", &nvme_params(&dir)] {
-            let what = format!("stage 3 {extra} {zero}");
-            let got = run(&cfg(3, extra, zero), WORLD);
+        let nvme = nvme_params(&dir);
+        for (stage, zero) in [(1u8, ""), (2, ""), (3, ""), (3, nvme.as_str())] {
+            let what = format!("stage {stage} {extra} {zero}");
+            let got = run(&cfg(stage, extra, zero), WORLD);
             assert_eq!(got.params, reference.params, "{what}");
             assert_eq!(got.losses, reference.losses, "{what}");
             for b in got.bases.iter().chain(&reference.bases) {
@@ -228,16 +250,25 @@ fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
             e.save_checkpoint(&dir, &tag).unwrap();
             e.save_16bit_model(&export).unwrap();
         });
-        let file: HashMap<String, Tensor> = Tensor::read_safetensors(&export)
-            .unwrap()
-            .into_iter()
-            .collect();
-        for (n, v) in &want {
-            assert_eq!(
-                &values(&file[n]),
-                v,
-                "stage {from}'s export holds {n} whole"
-            );
+        let consolidated = dir.join("consolidated.safetensors");
+        zrt::zero::checkpoint::consolidate(
+            &dir,
+            Some(&tag),
+            &consolidated,
+            zrt::zero::checkpoint::ExportDtype::F32,
+        )
+        .unwrap();
+        for f in [&export, &consolidated] {
+            let file: HashMap<String, Tensor> =
+                Tensor::read_safetensors(f).unwrap().into_iter().collect();
+            for (n, v) in &want {
+                assert_eq!(
+                    &values(&file[n]),
+                    v,
+                    "stage {from}: {} holds {n}",
+                    f.display()
+                );
+            }
         }
         on_ranks(WORLD, |r| {
             // Another base everywhere: the load must replace it.
@@ -245,14 +276,57 @@ fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &cfg(to, "", ""), g, &AutoHints::default()).unwrap();
             assert_ne!(
-                gathered_base(&e, &vs)["h.0.fc.weight"].1,
+                gathered_base(&e, &vs, is_frozen)["h.0.fc.weight"].1,
                 want["h.0.fc.weight"]
             );
             e.load_checkpoint(&dir, Some(&tag)).unwrap();
-            for (n, (_, v)) in gathered_base(&e, &vs) {
+            for (n, (_, v)) in gathered_base(&e, &vs, is_frozen) {
                 assert_eq!(v, want[&n], "stage {from} -> {to}: {n}");
             }
         });
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// LoRA's shape under DeepSpeed's default threshold: every big block weight
+/// frozen, so what trains in a block (biases, norms) is all under
+/// `stage3_param_persistence_threshold`.
+fn is_big_block_weight(name: &str) -> bool {
+    name.starts_with("h.") && name.ends_with(".weight") && !name.contains(".ln")
+}
+
+#[test]
+fn small_trainable_parameters_do_not_keep_a_large_frozen_base_gathered() {
+    let zero = r#""stage3_param_persistence_threshold": 1000,"#;
+    // No clipping: the threshold moves parameters between units at stage 3
+    // only, which changes the order the global norm sums in.
+    let at3 = config_zero(3, 1, 0.0, "", zero);
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = frozen_model_by(r.rank(), is_big_block_weight);
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
+        e.backward(&gpt.loss(&tokens(0, 0, r.rank(), 1))).unwrap();
+        e.step().unwrap();
+        let vars = vs.variables();
+        let bytes = |n: &str| glue::storage_nbytes(&vars[n]).unwrap();
+        // The blocks are units still: their frozen weights and their small
+        // trainable ones are freed between steps.
+        assert!(e.unit_names().contains(&"h.0".to_string()));
+        for n in [
+            "h.0.fc.weight",
+            "h.0.qkv.weight",
+            "h.0.proj.weight",
+            "h.0.fc.bias",
+        ] {
+            assert_eq!(bytes(n), 0, "{n}");
+        }
+    });
+    // And it trains as the replicated reference does (the threshold moves
+    // `head.bias` to the root: compare by name).
+    let by_name = |cfg: &Config| {
+        let mut p = run_by(cfg, WORLD, is_big_block_weight).params;
+        p.sort_by(|a, b| a.0.cmp(&b.0));
+        p
+    };
+    assert_eq!(by_name(&at3), by_name(&config_zero(0, 1, 0.0, "", zero)));
 }

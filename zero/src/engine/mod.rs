@@ -648,7 +648,7 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         // within `stage3_max_live_parameters` elements gathered at once.
         let live: usize = (0..st.units.len())
             .filter(|&k| st.gathered[k])
-            .map(|k| st.units[k].layout.padded)
+            .map(|k| st.units[k].gathered_len())
             .sum();
         // The unit that ran last in forward is the first one backward
         // needs, right after the loss: freeing it would gather it again at
@@ -850,17 +850,17 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .unwrap_or(prefixes.len());
             groups[unit].push((name, t));
         }
+        // A unit of frozen parameters only (a LoRA model's frozen embedding)
+        // has an empty trainable part: stage 3 shards its frozen one.
         if let Some(i) = groups[..prefixes.len()].iter().position(Vec::is_empty) {
             let p = &prefixes[i];
             let frozen = vs
                 .variables()
                 .keys()
                 .any(|n| n.starts_with(&format!("{p}.")));
-            return Err(EngineError::Plan(if frozen {
-                format!("unit `{p}` has only frozen parameters (requires_grad false): leave that module unwrapped (its frozen parameters then stay whole on every rank), wrap it together with a module that trains, or unfreeze some")
-            } else {
-                format!("unit `{p}` has no trainable parameters under its VarStore path: wrap the module with the path its parameters were created under")
-            }));
+            if !frozen {
+                return Err(EngineError::Plan(format!("unit `{p}` has no parameters under its VarStore path: wrap the module with the path its parameters were created under")));
+            }
         }
         // Stage 3, `stage3_param_persistence_threshold`: parameters smaller
         // than it stay gathered (DeepSpeed's rule, per parameter). A unit
@@ -890,7 +890,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut units = Vec::new();
         let mut masters = Vec::new();
         for (i, params) in groups.into_iter().enumerate() {
-            if params.is_empty() {
+            if params.is_empty() && i == prefixes.len() {
                 continue; // an empty root
             }
             let name = prefixes.get(i).cloned().unwrap_or_else(|| "<root>".into());
@@ -959,15 +959,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             });
         }
-        let persistent: Vec<bool> = units
-            .iter()
-            .map(|u| {
-                stage == 3
-                    && (u.name == "<root>" || u.layout.slots.iter().all(|s| s.numel < threshold))
-            })
-            .collect();
-        // Stage 3 shards the frozen parameters of the units it frees too;
-        // the root's, buffers and the rest stay replicated (`frozen`).
+        // Stage 3 shards the fp32 frozen parameters of its units too (not
+        // the root's): those of at least `threshold` elements.
         // The VarStore's parameters (trainable or frozen), not its buffers.
         let params: std::collections::HashSet<usize> = vs
             .trainable_variables()
@@ -975,14 +968,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(glue::tensor_impl)
             .collect::<Result<_, _>>()?;
         let mut all_vars = vs.variables();
-        for (k, u) in units.iter_mut().enumerate() {
-            if stage != 3 || persistent[k] {
-                continue;
-            }
+        let mut frozen_of: Vec<Vec<String>> = Vec::with_capacity(units.len());
+        for u in &units {
             let prefix = format!("{}.", u.name);
             let mut take = Vec::new();
             for (name, t) in &all_vars {
-                if !t.requires_grad()
+                if stage == 3
+                    && u.name != "<root>"
+                    && !t.requires_grad()
                     && name.starts_with(&prefix)
                     && params.contains(&glue::tensor_impl(t)?)
                     && frozen_shards::shardable(t, threshold)
@@ -991,6 +984,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 }
             }
             take.sort();
+            frozen_of.push(take);
+        }
+        // A unit stays gathered when all it would shard is small (a LoRA
+        // block's adapters under the threshold do not keep its frozen base
+        // gathered).
+        let persistent: Vec<bool> = units
+            .iter()
+            .zip(&frozen_of)
+            .map(|(u, f)| {
+                let small = u.layout.slots.iter().all(|s| s.numel < threshold);
+                stage == 3 && (u.name == "<root>" || (small && f.is_empty()))
+            })
+            .collect();
+        for (u, take) in units.iter_mut().zip(frozen_of) {
             if take.is_empty() {
                 continue;
             }

@@ -250,7 +250,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.order.complete();
         for (k, u) in st.units.iter().enumerate() {
             st.prog.ready[k] = u.params.len();
-            st.prog.launched[k] = false;
+            // A unit of frozen parameters only has nothing to reduce.
+            st.prog.launched[k] = u.params.is_empty();
         }
     }
 

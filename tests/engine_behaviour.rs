@@ -99,7 +99,17 @@ fn tiny_engine(cfg: &Config, r: &local::LocalRank) -> (Tiny, Engine<LocalGroup>)
 
 /// The engine for `t` (built as it is now) under `cfg` on rank `r`.
 fn engine_for(t: &Tiny, cfg: &Config, r: &local::LocalRank) -> Engine<LocalGroup> {
-    Engine::new(&t.vs, &t.plan, cfg, group(r), &AutoHints::default()).unwrap()
+    engine_of(&t.vs, &t.plan, cfg, r)
+}
+
+/// The engine for `vs` and `plan` under `cfg` on rank `r`'s world group.
+fn engine_of(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    cfg: &Config,
+    r: &local::LocalRank,
+) -> Engine<LocalGroup> {
+    Engine::new(vs, plan, cfg, group(r), &AutoHints::default()).unwrap()
 }
 
 /// A 3-element parameter `extra` (all ones) added to unit `unit` of `t`.
@@ -650,6 +660,72 @@ fn train_frozen(stage: u8) -> (Params, Vec<Vec<f32>>) {
 }
 
 #[test]
+fn a_frozen_unit_backward_passes_through_is_freed_once_its_backward_is_done() {
+    // `b` has only frozen parameters; `a` before it and `c` after it train,
+    // so backward runs through `b`: stage 3 re-gathers it for that and
+    // must free it again before `a`'s backward, not at the end.
+    let seen: Vec<Vec<(usize, usize)>> = on_ranks(WORLD, |r| {
+        let t = tiny();
+        let vars = t.vs.variables();
+        let _ = vars["b.weight"].set_requires_grad(false);
+        let _ = vars["b.bias"].set_requires_grad(false);
+        let e = engine_for(&t, &config(3, 1), &r);
+        let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
+        for step in 0..3 {
+            // The gradient of the model's input is computed after `a`'s
+            // backward, the last of all: what does `b` hold then?
+            let x = input(r.rank(), step).set_requires_grad(true);
+            let (w, s) = (vars["b.weight"].shallow_clone(), seen.clone());
+            glue::on_grad(&x, move || {
+                let b = glue::storage_nbytes(&w).unwrap();
+                s.lock().unwrap().push((step, b));
+            })
+            .unwrap();
+            e.backward(&t.loss(&x)).unwrap();
+            e.step().unwrap();
+        }
+        let v = seen.lock().unwrap().clone();
+        v
+    });
+    for s in seen {
+        assert_eq!(s, [(0, 0), (1, 0), (2, 0)]);
+    }
+}
+
+#[test]
+fn a_frozen_unit_run_twice_in_a_row_keeps_its_parameters_for_both_backwards() {
+    // f(f(a(x))): the second run's input is the first run's output, so
+    // the gradient that ends the second run's backward is the one the
+    // first run's re-gather waits for.
+    let run = |stage: u8| {
+        let out = on_ranks(WORLD, |r| {
+            let (vs, plan) = {
+                let _g = INIT.lock().unwrap();
+                tch::manual_seed(7);
+                (nn::VarStore::new(Device::Cpu), ShardPlan::new())
+            };
+            let a = linear_unit(&vs, &plan, "a", 3, 3);
+            let f = linear_unit(&vs, &plan, "f", 3, 3);
+            let c = linear_unit(&vs, &plan, "c", 3, 1);
+            for (n, t) in vs.variables() {
+                if n.starts_with("f.") {
+                    let _ = t.set_requires_grad(false);
+                }
+            }
+            let e = engine_of(&vs, &plan, &config(stage, 1), &r);
+            for k in 0..3 {
+                let y = c.forward(&f.forward(&f.forward(&a.forward(&input(r.rank(), k)))));
+                e.backward(&y.square().mean(Kind::Float)).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        });
+        out.into_iter().next().unwrap()
+    };
+    assert_eq!(run(3), run(0));
+}
+
+#[test]
 fn frozen_parameters_are_rank_0s_and_stay_while_the_rest_trains_alike_in_every_stage() {
     let before = Vec::<f32>::try_from(&tiny().vs.variables()["b.weight"].flatten(0, -1)).unwrap();
     let (reference, _) = train_frozen(0);
@@ -847,14 +923,7 @@ fn reused_unit(stage: Option<u8>) -> Vec<f32> {
         Some(stage) => {
             let out = on_ranks(WORLD, |r| {
                 let (vs, plan, a, c) = build();
-                let e = Engine::new(
-                    &vs,
-                    &plan,
-                    &config(stage, 1),
-                    group(&r),
-                    &AutoHints::default(),
-                )
-                .unwrap();
+                let e = engine_of(&vs, &plan, &config(stage, 1), &r);
                 for k in 0..2 {
                     e.backward(&loss(&a, &c, &input(r.rank(), k))).unwrap();
                     e.step().unwrap();

@@ -227,6 +227,9 @@ struct State {
     /// Units whose first forward has been checked for parameters of other
     /// units (stage 3).
     checked: Vec<bool>,
+    /// Stage 3, per unit of frozen parameters only: forwards whose input
+    /// gradient backward has yet to compute (see `input_grad_ready`).
+    awaiting_input_grad: Vec<usize>,
     /// The model's tensors that do not train (not sharded).
     frozen: frozen::Frozen,
 }
@@ -560,6 +563,21 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
+    /// Stage 3: backward has computed the gradient of an input of `unit`, a
+    /// unit of frozen parameters only, so that forward's backward through
+    /// it is done: free it once every forward's is (a unit run twice in one
+    /// forward needs its parameters until the first run's backward).
+    fn input_grad_ready(&self, unit: usize) {
+        let mut st = self.st.lock();
+        let left = st.awaiting_input_grad[unit].saturating_sub(1);
+        st.awaiting_input_grad[unit] = left;
+        if left == 0 && st.error.is_none() && st.gathered[unit] {
+            if let Err(e) = self.release(&mut st, unit) {
+                st.error = Some(e);
+            }
+        }
+    }
+
     /// Stage 3: makes unit `unit` usable for a forward or a backward. On an
     /// error (kept for the next engine call) the parameters get zeroed
     /// memory, so autograd computes garbage instead of reading freed storage.
@@ -625,6 +643,24 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             st.checked[unit] = true;
             if let Err(e) = i.check_foreign_params(&st, unit, x, y) {
                 st.error.get_or_insert(e);
+            }
+        }
+        if y.requires_grad()
+            && x.requires_grad()
+            && st.units[unit].params.is_empty()
+            && !overlap::stays_gathered(&st, unit)
+        {
+            // A unit of frozen parameters only has no gradient of its own to
+            // say its backward is done; the gradient of its input does (it
+            // sums every consumer of the input, this unit's backward too).
+            st.awaiting_input_grad[unit] += 1;
+            let weak = self.inner.clone();
+            if let Err(e) = glue::on_grad(x, move || {
+                if let Some(i) = weak.upgrade() {
+                    i.input_grad_ready(unit);
+                }
+            }) {
+                st.error.get_or_insert(e.into());
             }
         }
         if y.requires_grad() {
@@ -1071,6 +1107,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 persistent,
                 secondary: (0..n).map(|_| None).collect(),
                 checked: vec![false; n],
+                awaiting_input_grad: vec![0; n],
                 frozen,
             }),
             delays: Mutex::new(0),

@@ -516,6 +516,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 }
             }
         }
+        // Forwards whose backward did not run (evaluation with autograd on)
+        // count no more.
+        st.awaiting_input_grad.fill(0);
         st.prog.bare = false;
         st.micro += 1;
         Ok(())

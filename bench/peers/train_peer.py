@@ -3,8 +3,10 @@ FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
 with gloo, one thread per rank.
 
 Started by zrt as WORLD_SIZE processes with the torchrun environment.
-argv: mode size micro steps, where mode is one of ddp, fsdp2_zero3,
-fsdp2_zero2, deepspeed_zero1, deepspeed_zero2, deepspeed_zero3.
+argv: mode size micro steps [freeze_mlp], where mode is one of ddp,
+fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
+deepspeed_zero3, and freeze_mlp 1 freezes every block's fc and out weights
+(the optimizer then holds the rest).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -20,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
 SIZES = {
     "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
     "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
@@ -68,6 +71,10 @@ def reply(obj):
 
 torch.manual_seed(0)
 model = Gpt(**c)
+if freeze_mlp:
+    for b in model.h:
+        b.fc.weight.requires_grad_(False)
+        b.out.weight.requires_grad_(False)
 world = int(os.environ["WORLD_SIZE"])
 if mode.startswith("deepspeed"):
     import deepspeed
@@ -80,7 +87,8 @@ if mode.startswith("deepspeed"):
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": int(mode[-1])},
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=cfg)
 
     def step(batch):
         loss = engine(batch)
@@ -99,13 +107,13 @@ else:
         for b in model.h:
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
         loss = model(batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
 
 

@@ -43,6 +43,11 @@ pub struct TrainArgs {
     /// `deepspeed`).
     #[arg(long)]
     peer: bool,
+    /// Freeze every block's MLP weights (`fc`, `out`: two thirds of a
+    /// block), in zrt and in the peers, as a LoRA fine-tune freezes its
+    /// base: params, formula and ZeRO volume then count the trainable ones.
+    #[arg(long)]
+    freeze_mlp: bool,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -63,6 +68,8 @@ pub struct TrainRankArgs {
     micro: i64,
     #[arg(long)]
     steps: usize,
+    #[arg(long)]
+    freeze_mlp: bool,
 }
 
 fn gpt(size: &str) -> Result<GptConfig> {
@@ -92,10 +99,24 @@ fn gpt(size: &str) -> Result<GptConfig> {
     })
 }
 
-/// FLOPs of one training step of `c` on `tokens` tokens: 6 per parameter
-/// per token (forward + backward) plus attention's 12 x layers x d x seq per token.
-fn step_flops(c: &GptConfig, params: f64, tokens: f64) -> f64 {
-    6.0 * params * tokens + 12.0 * (c.layers * c.d_model * c.seq) as f64 * tokens
+/// FLOPs of one training step of `c` on `tokens` tokens: 6 per trained
+/// parameter per token (forward + backward), 4 per frozen one (no weight
+/// gradient), plus attention's 12 x layers x d x seq per token.
+fn step_flops(c: &GptConfig, params: f64, frozen: f64, tokens: f64) -> f64 {
+    (6.0 * params + 4.0 * frozen) * tokens + 12.0 * (c.layers * c.d_model * c.seq) as f64 * tokens
+}
+
+/// Freezes every block's MLP weights (`--freeze-mlp`); their elements.
+fn freeze_mlp(vs: &nn::VarStore) -> usize {
+    let mut n = 0;
+    for (name, t) in vs.variables() {
+        if name.starts_with("h.") && (name.ends_with(".fc.weight") || name.ends_with(".out.weight"))
+        {
+            let _ = t.set_requires_grad(false);
+            n += t.numel();
+        }
+    }
+    n
 }
 
 /// Runs inside each rank: times `steps` training steps, prints rank 0's row.
@@ -108,6 +129,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
     let model = Gpt::new(&vs.root(), &plan, &c);
+    let frozen = if a.freeze_mlp { freeze_mlp(&vs) } else { 0 };
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}}}}}"#,
@@ -147,7 +169,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         println!(
             "@@zrt {}",
             json!({
-                "times": t, "rss": rss, "model_state_bytes": state, "params": engine.num_params(),
+                "times": t, "rss": rss, "model_state_bytes": state, "params": engine.num_params(), "frozen": frozen,
                 "comm_seconds_per_step": comm_s / a.steps as f64, "comm_elements_per_step": comm_elems / a.steps as f64,
                 "comm_wait_seconds_per_step": wait_s / a.steps as f64,
             })
@@ -189,6 +211,7 @@ fn run_rank(
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(a.freeze_mlp.then(|| "--freeze-mlp".to_string()))
     .collect();
     run_ranks(me, &args, world, &[])
 }
@@ -264,6 +287,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 size.clone(),
                 a.micro.to_string(),
                 a.steps.to_string(),
+                (a.freeze_mlp as u8).to_string(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -283,11 +307,15 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     };
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}",
             a.micro,
             a.rounds,
             a.steps,
-            peak / 1e9
+            peak / 1e9,
+            match a.freeze_mlp {
+                true => "; every block's MLP weights frozen (params, formula and ZeRO volume count the trained ones)",
+                false => "",
+            }
         );
         println!(
             "{:<6} {:>5} {:<12} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
@@ -318,9 +346,13 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             .first()
             .and_then(|r| r["params"].as_f64())
             .unwrap_or(f64::NAN);
+        let frozen = rows
+            .first()
+            .and_then(|r| r["frozen"].as_f64())
+            .unwrap_or(0.0);
         let n = *world as f64;
         let tokens = (a.micro * c.seq) as f64 * n;
-        let flops = step_flops(&c, params, tokens) / t;
+        let flops = step_flops(&c, params, frozen, tokens) / t;
         let mfu = flops / (peak * n);
         let rss = max_rss(rows);
         let state = median(&get("model_state_bytes"));

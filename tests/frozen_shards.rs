@@ -238,12 +238,20 @@ fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
     let dir = std::env::temp_dir().join(format!("zrt-frozen-ckpt-{}", std::process::id()));
     let want = base();
     let export = dir.join("model.safetensors");
+    let swap_dir = dir.join("swap");
+    std::fs::create_dir_all(&swap_dir).unwrap();
+    // Stage 3 keeps its frozen shards in a swap file (`offload_param`):
+    // saved from it, loaded into it.
+    let at = |stage: u8| match stage {
+        3 => cfg(3, "", &nvme_params(&swap_dir)),
+        s => cfg(s, "", ""),
+    };
     for (from, to) in [(3u8, 2u8), (2, 3)] {
         let tag = format!("from{from}");
         on_ranks(WORLD, |r| {
             let (vs, plan, gpt) = frozen_model(r.rank());
             let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg(from, "", ""), g, &AutoHints::default()).unwrap();
+            let e = Engine::new(&vs, &plan, &at(from), g, &AutoHints::default()).unwrap();
             let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
             e.backward(&loss).unwrap();
             e.step().unwrap();
@@ -274,7 +282,7 @@ fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
             // Another base everywhere: the load must replace it.
             let (vs, plan, _) = frozen_model(1);
             let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg(to, "", ""), g, &AutoHints::default()).unwrap();
+            let e = Engine::new(&vs, &plan, &at(to), g, &AutoHints::default()).unwrap();
             assert_ne!(
                 gathered_base(&e, &vs, is_frozen)["h.0.fc.weight"].1,
                 want["h.0.fc.weight"]
@@ -329,4 +337,32 @@ fn small_trainable_parameters_do_not_keep_a_large_frozen_base_gathered() {
         p
     };
     assert_eq!(by_name(&at3), by_name(&config_zero(0, 1, 0.0, "", zero)));
+}
+
+#[test]
+fn offload_param_moves_the_frozen_shards_to_a_swap_file_of_their_own() {
+    let dir = std::env::temp_dir().join(format!("zrt-frozen-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let swaps = || {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".swap"))
+            .count()
+    };
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = frozen_model(r.rank());
+        let g = r.new_group(&[0, 1]).unwrap();
+        let at3 = cfg(3, "", &nvme_params(&dir));
+        let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
+        e.backward(&gpt.loss(&tokens(0, 0, r.rank(), 1))).unwrap();
+        e.step().unwrap();
+        let barrier = || drop(e.group().all_gather(vec![0u8], Vec::new()).wait().unwrap());
+        barrier();
+        // Per rank: the trainable gather sources' file and the frozen one
+        // (training from them is in `a_sharded_frozen_base_trains_...`).
+        assert_eq!(swaps(), 2 * WORLD);
+        barrier();
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }

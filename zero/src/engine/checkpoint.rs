@@ -668,7 +668,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.frozen.restore(v)?;
             for u in &mut st.units {
                 if let Some(p) = &mut u.frozen {
-                    p.load(&v.sharded, i.compute, rank)?;
+                    p.load(&v.sharded, rank)?;
                 }
             }
         }

@@ -12,12 +12,18 @@
 //!
 //! Checkpoints and exports hold them whole, in fp32, as a replicated model
 //! would write them: a stage-3 checkpoint loads into any stage and back.
+//! With `offload_param` the shards live in a swap file of their own (they
+//! never change, so a gather reads them and nothing writes them back).
+
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
+use zrt_offload::Swap;
 
+use super::offload::recast;
 use super::Compute;
 use crate::flat::FlatLayout;
 use crate::EngineError;
@@ -26,6 +32,7 @@ use crate::EngineError;
 pub(super) type Whole = (String, Vec<i64>, Vec<f32>);
 
 /// This rank's shard of a unit's frozen parameters, in the compute dtype.
+#[derive(Clone)]
 pub(super) enum Held {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
@@ -40,6 +47,25 @@ impl Held {
             Held::F16(v) => 2 * v.len(),
         }
     }
+
+    /// The values as f32-sized words (the swap's unit; shard lengths are
+    /// multiples of 16, so 16-bit ones pair up).
+    fn words(&self) -> Vec<f32> {
+        match self {
+            Held::F32(v) => v.clone(),
+            Held::Bf16(v) => recast(v),
+            Held::F16(v) => recast(v),
+        }
+    }
+
+    /// [`Held::words`] back, in `compute`'s dtype.
+    fn from_words(w: Vec<f32>, compute: Compute) -> Self {
+        match compute {
+            Compute::F32 => Held::F32(w),
+            Compute::Bf16 => Held::Bf16(recast(&w)),
+            Compute::F16 => Held::F16(recast(&w)),
+        }
+    }
 }
 
 /// One unit's frozen parameters: views (`set_data`) into `flat`, which has
@@ -48,8 +74,12 @@ pub(super) struct Part {
     pub(super) layout: FlatLayout,
     pub(super) params: Vec<Tensor>,
     pub(super) flat: Tensor,
-    /// Empty while a gather has it (it comes back with the gathered unit).
-    pub(super) shard: Held,
+    /// Empty while a gather has it (it comes back with the gathered unit)
+    /// and while it lives in `swap`.
+    shard: Held,
+    compute: Compute,
+    /// `offload_param`: the swap file holding the shard, and its region.
+    swap: Option<(Arc<Swap>, usize)>,
 }
 
 impl Part {
@@ -82,8 +112,10 @@ impl Part {
             params,
             flat,
             shard: Held::F32(Vec::new()),
+            compute,
+            swap: None,
         };
-        part.set(&values, compute, group.rank())?;
+        part.set(&values, group.rank())?;
         Ok(part)
     }
 
@@ -98,16 +130,12 @@ impl Part {
     }
 
     /// Makes `whole` (fp32, the full padded buffer) the values: this rank's
-    /// shard of it in the compute dtype. The buffer, if gathered, keeps its
-    /// old values until the unit is gathered again.
-    pub(super) fn set(
-        &mut self,
-        whole: &[f32],
-        compute: Compute,
-        rank: usize,
-    ) -> Result<(), EngineError> {
+    /// shard of it in the compute dtype (written to the swap if it lives
+    /// there). The buffer, if gathered, keeps its old values until the unit
+    /// is gathered again.
+    pub(super) fn set(&mut self, whole: &[f32], rank: usize) -> Result<(), EngineError> {
         let mine = &whole[self.layout.shard(rank)];
-        self.shard = match compute {
+        let held = match self.compute {
             Compute::F32 => Held::F32(mine.to_vec()),
             Compute::Bf16 => {
                 let mut v = vec![bf16::ZERO; mine.len()];
@@ -120,7 +148,53 @@ impl Part {
                 Held::F16(v)
             }
         };
+        match &self.swap {
+            Some((swap, k)) => swap.write_region(*k, &[&held.words()])?,
+            None => self.shard = held,
+        }
         Ok(())
+    }
+
+    /// This rank's shard, for a gather (read from the swap if it lives
+    /// there); [`Part::give_back`] returns it.
+    pub(super) fn take_shard(&mut self) -> Result<Held, EngineError> {
+        match &self.swap {
+            Some(_) => self.copy_shard(),
+            None => Ok(std::mem::replace(&mut self.shard, Held::F32(Vec::new()))),
+        }
+    }
+
+    /// A copy of this rank's shard (read from the swap if it lives there).
+    fn copy_shard(&self) -> Result<Held, EngineError> {
+        Ok(match &self.swap {
+            Some((swap, k)) => {
+                let mut w = vec![0f32; swap.region_len(*k)];
+                swap.read_region(*k, &mut [w.as_mut_slice()])?;
+                Held::from_words(w, self.compute)
+            }
+            None => self.shard.clone(),
+        })
+    }
+
+    /// Takes the shard back after a gather (dropped when the swap has it:
+    /// frozen values do not change).
+    pub(super) fn give_back(&mut self, shard: Held) {
+        if self.swap.is_none() {
+            self.shard = shard;
+        }
+    }
+
+    /// Moves the shard into region `k` of `swap` (`offload_param`).
+    pub(super) fn offload(&mut self, swap: Arc<Swap>, k: usize) -> Result<(), EngineError> {
+        let held = self.take_shard()?;
+        swap.write_region(k, &[&held.words()])?;
+        self.swap = Some((swap, k));
+        Ok(())
+    }
+
+    /// Words (f32-sized) of this rank's shard: what the swap holds.
+    pub(super) fn shard_words(&self) -> usize {
+        self.layout.shard_len() * self.compute.bytes() / 4
     }
 
     /// Takes a checkpoint's values (fp32, by name; [`super::frozen::Frozen::read`]
@@ -128,7 +202,6 @@ impl Part {
     pub(super) fn load(
         &mut self,
         values: &std::collections::HashMap<String, Tensor>,
-        compute: Compute,
         rank: usize,
     ) -> Result<(), EngineError> {
         let mut whole = vec![0f32; self.layout.padded];
@@ -150,17 +223,17 @@ impl Part {
             }
             whole[s.offset..s.offset + s.numel].copy_from_slice(&v);
         }
-        self.set(&whole, compute, rank)
+        self.set(&whole, rank)
     }
 
     /// Every parameter whole, widened to fp32, by name: what checkpoints and
     /// exports write. All-gathers the shards (a collective over `group`),
     /// so it works whether or not the unit is gathered.
     pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<Whole>, EngineError> {
-        let full: Vec<f32> = match &self.shard {
-            Held::F32(v) => group.all_gather(v.clone(), Vec::new()).wait()?.1,
-            Held::Bf16(v) => widen(&group.all_gather(v.clone(), Vec::new()).wait()?.1),
-            Held::F16(v) => widen(&group.all_gather(v.clone(), Vec::new()).wait()?.1),
+        let full: Vec<f32> = match self.copy_shard()? {
+            Held::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
+            Held::Bf16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
+            Held::F16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
         };
         if full.len() != self.layout.padded {
             return Err(EngineError::Plan(format!(

@@ -1059,7 +1059,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
-        let pswap = offload::params_out(&cfg, stage, rank, &mut shards)?;
+        let pswap = offload::params_out(&cfg, stage, rank, &mut shards, &mut units)?;
         let n = units.len();
         // What the first step will use (a warm-up's start, not the base).
         let lr = lr_at(

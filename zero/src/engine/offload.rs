@@ -15,7 +15,7 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::AdamShard;
 use zrt_offload::{Swap, SwapConfig};
 
-use super::{Compute, CopyShard, Inner, Shard, State, Update};
+use super::{Compute, CopyShard, Inner, Shard, State, Unit, Update};
 use crate::config::OffloadDevice;
 use crate::{EngineError, Resolved};
 
@@ -198,6 +198,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// while the current one is gathered.
 pub(super) struct ParamSwap {
     swap: std::sync::Arc<Swap>,
+    /// The units' sharded frozen parameters (`frozen_shards`), a region
+    /// each (empty for units without them); `None` when there are none.
+    frozen: Option<std::sync::Arc<Swap>>,
     /// A read of (unit, words) started ahead of its gather.
     ahead: parking_lot::Mutex<Option<(usize, Ahead)>>,
     /// The unit paged in last, to guess the direction (forward or backward).
@@ -207,7 +210,7 @@ pub(super) struct ParamSwap {
 type Ahead = std::thread::JoinHandle<Result<Vec<f32>, zrt_offload::OffloadError>>;
 
 /// Copies `src`'s bytes into a Vec of `T` (both plain numbers).
-fn recast<S: Copy, T: Copy + Default>(src: &[S]) -> Vec<T> {
+pub(super) fn recast<S: Copy, T: Copy + Default>(src: &[S]) -> Vec<T> {
     let bytes = std::mem::size_of_val(src);
     let mut out = vec![T::default(); bytes / std::mem::size_of::<T>()];
     // SAFETY: both are plain-old-data number types; `out` has room for
@@ -279,6 +282,7 @@ pub(super) fn params_out(
     stage: u8,
     rank: usize,
     shards: &mut [Shard],
+    units: &mut [Unit],
 ) -> Result<Option<ParamSwap>, EngineError> {
     let Some(o) = cfg
         .config
@@ -300,14 +304,15 @@ pub(super) fn params_out(
         CopyShard::None => sh.master.clone(),
     };
     let sources: Vec<Vec<f32>> = shards.iter().map(words).collect();
+    let swap_cfg = SwapConfig {
+        dir: PathBuf::from(o.nvme_path.clone().unwrap_or_default()),
+        rank,
+        buffer_count: o.buffer_count.max(1) as usize,
+        chunk_bytes: cfg.config.aio.block_size as usize,
+        direct: true,
+    };
     let swap = Swap::create(
-        &SwapConfig {
-            dir: PathBuf::from(o.nvme_path.clone().unwrap_or_default()),
-            rank,
-            buffer_count: o.buffer_count.max(1) as usize,
-            chunk_bytes: cfg.config.aio.block_size as usize,
-            direct: true,
-        },
+        &swap_cfg,
         1,
         &sources.iter().map(Vec::len).collect::<Vec<_>>(),
     )?;
@@ -320,7 +325,25 @@ pub(super) fn params_out(
         }
     }
     tracing::info!(file = %swap.path().display(), bytes = swap.file_bytes(), "stage-3 parameter shards offloaded to NVMe");
+    let frozen = match units.iter().any(|u| u.frozen.is_some()) {
+        false => None,
+        true => {
+            let lens: Vec<usize> = units
+                .iter()
+                .map(|u| u.frozen.as_ref().map_or(0, |p| p.shard_words()))
+                .collect();
+            let fswap = std::sync::Arc::new(Swap::create(&swap_cfg, 1, &lens)?);
+            for (k, u) in units.iter_mut().enumerate() {
+                if let Some(p) = &mut u.frozen {
+                    p.offload(fswap.clone(), k)?;
+                }
+            }
+            tracing::info!(file = %fswap.path().display(), bytes = fswap.file_bytes(), "stage-3 frozen parameter shards offloaded to NVMe");
+            Some(fswap)
+        }
+    };
     Ok(Some(ParamSwap {
+        frozen,
         swap: std::sync::Arc::new(swap),
         ahead: parking_lot::Mutex::new(None),
         last: std::sync::atomic::AtomicUsize::new(0),
@@ -383,11 +406,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Bytes of memory the parameter swap's buffers hold.
     pub(super) fn pswap_resident(&self) -> usize {
-        self.pswap.as_ref().map_or(0, |p| p.swap.resident_bytes())
+        self.pswap.as_ref().map_or(0, |p| {
+            p.swap.resident_bytes() + p.frozen.as_ref().map_or(0, |f| f.resident_bytes())
+        })
     }
 
     /// Bytes of the parameter swap file.
     pub(super) fn pswap_bytes(&self) -> u64 {
-        self.pswap.as_ref().map_or(0, |p| p.swap.file_bytes())
+        self.pswap.as_ref().map_or(0, |p| {
+            p.swap.file_bytes() + p.frozen.as_ref().map_or(0, |f| f.file_bytes())
+        })
     }
 }

@@ -20,7 +20,6 @@
 //! issues the same sequence (the same model runs the same autograd graph),
 //! so overlapping changes no bit of the result.
 
-use std::mem::take;
 use std::sync::Arc;
 
 use half::{bf16, f16};
@@ -547,7 +546,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 ids,
                 data,
                 secondary: true,
-                frozen: self.issue_frozen(st, i),
+                frozen: self.issue_frozen(st, i)?,
             });
         }
         // Name the unit to the peers first: units run in different orders
@@ -575,25 +574,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             ids,
             data,
             secondary: false,
-            frozen: self.issue_frozen(st, i),
+            frozen: self.issue_frozen(st, i)?,
         })
     }
 
     /// Issues the gather of unit `i`'s sharded frozen parameters, if it has
     /// any (their shard goes with it and comes back in `finish_gather`).
-    fn issue_frozen(&self, st: &mut State, i: usize) -> Option<Fetch> {
-        let p = st.units[i].frozen.as_mut()?;
+    fn issue_frozen(&self, st: &mut State, i: usize) -> Result<Option<Fetch>, EngineError> {
+        let Some(p) = st.units[i].frozen.as_mut() else {
+            return Ok(None);
+        };
         let (g, padded) = (&self.group, p.padded());
+        let shard = p.take_shard()?;
         self.delay();
-        Some(match &mut p.shard {
-            Held::F32(v) => Fetch::F32(g.all_gather(take(v), self.pools.f32.take(padded, 0.0))),
-            Held::Bf16(v) => {
-                Fetch::Bf16(g.all_gather(take(v), self.pools.bf16.take(padded, bf16::ZERO)))
-            }
-            Held::F16(v) => {
-                Fetch::F16(g.all_gather(take(v), self.pools.f16.take(padded, f16::ZERO)))
-            }
-        })
+        Ok(Some(match shard {
+            Held::F32(v) => Fetch::F32(g.all_gather(v, self.pools.f32.take(padded, 0.0))),
+            Held::Bf16(v) => Fetch::Bf16(g.all_gather(v, self.pools.bf16.take(padded, bf16::ZERO))),
+            Held::F16(v) => Fetch::F16(g.all_gather(v, self.pools.f16.take(padded, f16::ZERO))),
+        }))
     }
 
     /// hpZ: before unit `i` is freed after forward, keeps this rank's part
@@ -644,7 +642,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if let (Some(f), Some(part)) = (p.frozen, u.frozen.as_mut()) {
             let what = (u.name.as_str(), "'s frozen parameters");
             let (flat, padded) = (&part.flat, part.layout.padded);
-            part.shard = match f {
+            let mine = match f {
                 Fetch::F32(w) => {
                     let (mine, full) = w.wait()?;
                     install(what, flat, padded, full, fill, &self.pools.f32)?;
@@ -661,6 +659,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     Held::F16(mine)
                 }
             };
+            part.give_back(mine);
         }
         let what = (u.name.as_str(), "");
         let (flat, padded) = (&u.flat, u.layout.padded);

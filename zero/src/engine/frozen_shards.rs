@@ -23,50 +23,13 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 use zrt_offload::Swap;
 
-use super::offload::recast;
+use super::elems::Elems;
 use super::Compute;
 use crate::flat::FlatLayout;
 use crate::EngineError;
 
 /// A frozen parameter gathered whole: name, shape, fp32 values.
 pub(super) type Whole = (String, Vec<i64>, Vec<f32>);
-
-/// This rank's shard of a unit's frozen parameters, in the compute dtype.
-#[derive(Clone)]
-pub(super) enum Held {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-impl Held {
-    fn bytes(&self) -> usize {
-        match self {
-            Held::F32(v) => 4 * v.len(),
-            Held::Bf16(v) => 2 * v.len(),
-            Held::F16(v) => 2 * v.len(),
-        }
-    }
-
-    /// The values as f32-sized words (the swap's unit; shard lengths are
-    /// multiples of 16, so 16-bit ones pair up).
-    fn words(&self) -> Vec<f32> {
-        match self {
-            Held::F32(v) => v.clone(),
-            Held::Bf16(v) => recast(v),
-            Held::F16(v) => recast(v),
-        }
-    }
-
-    /// [`Held::words`] back, in `compute`'s dtype.
-    fn from_words(w: Vec<f32>, compute: Compute) -> Self {
-        match compute {
-            Compute::F32 => Held::F32(w),
-            Compute::Bf16 => Held::Bf16(recast(&w)),
-            Compute::F16 => Held::F16(recast(&w)),
-        }
-    }
-}
 
 /// One unit's frozen parameters: views (`set_data`) into `flat`, which has
 /// storage only while the unit is gathered, and this rank's shard of it.
@@ -76,7 +39,7 @@ pub(super) struct Part {
     pub(super) flat: Tensor,
     /// Empty while a gather has it (it comes back with the gathered unit)
     /// and while it lives in `swap`.
-    shard: Held,
+    shard: Elems,
     compute: Compute,
     /// `offload_param`: the swap file holding the shard, and its region.
     swap: Option<(Arc<Swap>, usize)>,
@@ -111,7 +74,7 @@ impl Part {
             layout,
             params,
             flat,
-            shard: Held::F32(Vec::new()),
+            shard: Elems::empty(compute),
             compute,
             swap: None,
         };
@@ -136,16 +99,16 @@ impl Part {
     pub(super) fn set(&mut self, whole: &[f32], rank: usize) -> Result<(), EngineError> {
         let mine = &whole[self.layout.shard(rank)];
         let held = match self.compute {
-            Compute::F32 => Held::F32(mine.to_vec()),
+            Compute::F32 => Elems::F32(mine.to_vec()),
             Compute::Bf16 => {
                 let mut v = vec![bf16::ZERO; mine.len()];
                 cast::f32_to_bf16(mine, &mut v)?;
-                Held::Bf16(v)
+                Elems::Bf16(v)
             }
             Compute::F16 => {
                 let mut v = vec![f16::ZERO; mine.len()];
                 cast::f32_to_f16(mine, &mut v)?;
-                Held::F16(v)
+                Elems::F16(v)
             }
         };
         match &self.swap {
@@ -157,20 +120,23 @@ impl Part {
 
     /// This rank's shard, for a gather (read from the swap if it lives
     /// there); [`Part::give_back`] returns it.
-    pub(super) fn take_shard(&mut self) -> Result<Held, EngineError> {
+    pub(super) fn take_shard(&mut self) -> Result<Elems, EngineError> {
         match &self.swap {
             Some(_) => self.copy_shard(),
-            None => Ok(std::mem::replace(&mut self.shard, Held::F32(Vec::new()))),
+            None => Ok(std::mem::replace(
+                &mut self.shard,
+                Elems::empty(self.compute),
+            )),
         }
     }
 
     /// A copy of this rank's shard (read from the swap if it lives there).
-    fn copy_shard(&self) -> Result<Held, EngineError> {
+    fn copy_shard(&self) -> Result<Elems, EngineError> {
         Ok(match &self.swap {
             Some((swap, k)) => {
                 let mut w = vec![0f32; swap.region_len(*k)];
                 swap.read_region(*k, &mut [w.as_mut_slice()])?;
-                Held::from_words(w, self.compute)
+                Elems::from_words(w, self.compute)
             }
             None => self.shard.clone(),
         })
@@ -178,7 +144,7 @@ impl Part {
 
     /// Takes the shard back after a gather (dropped when the swap has it:
     /// frozen values do not change).
-    pub(super) fn give_back(&mut self, shard: Held) {
+    pub(super) fn give_back(&mut self, shard: Elems) {
         if self.swap.is_none() {
             self.shard = shard;
         }
@@ -231,9 +197,9 @@ impl Part {
     /// so it works whether or not the unit is gathered.
     pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<Whole>, EngineError> {
         let full: Vec<f32> = match self.copy_shard()? {
-            Held::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
-            Held::Bf16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
-            Held::F16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
+            Elems::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
+            Elems::Bf16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
+            Elems::F16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
         };
         if full.len() != self.layout.padded {
             return Err(EngineError::Plan(format!(

@@ -60,6 +60,7 @@ use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 
 mod checkpoint;
+mod elems;
 mod frozen;
 mod frozen_shards;
 mod offload;

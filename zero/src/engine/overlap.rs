@@ -27,7 +27,7 @@ use tch::Tensor;
 use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
-use super::frozen_shards::Held;
+use super::elems::Elems;
 use super::pool::Pool;
 use super::timing::waiting;
 use super::{elems, Compute, CopyShard, Inner, State};
@@ -96,22 +96,24 @@ impl Reduce {
 pub(super) struct Prefetch {
     ids: UnitIds,
     data: Fetch,
-    /// Gathered from the hpZ secondary copy (dropped after), not the shard.
+    /// Gathered from the hpZ secondary copies (dropped after), not the
+    /// shards.
     secondary: bool,
-    /// The unit's sharded frozen parameters (always from the shards, over
-    /// the whole group: hpZ keeps no secondary copy of them).
-    frozen: Option<Fetch>,
+    /// The unit's sharded frozen parameters, and whether from the shard
+    /// (which then comes back) rather than a secondary copy.
+    frozen: Option<(Fetch, bool)>,
 }
 
-/// ZeRO++ hpZ: the part of a unit's gathered parameters this rank keeps
-/// after forward for its hpZ group's backward gather (compute dtype).
-pub(super) enum Secondary {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
+/// ZeRO++ hpZ: the part of a unit's gathered parameters (and of its
+/// sharded frozen ones) this rank keeps after forward for its hpZ group's
+/// backward gather.
+pub(super) struct Secondary {
+    unit: Elems,
+    frozen: Option<Elems>,
 }
 
-enum Fetch {
+/// An all-gather in flight: (this rank's part back, the whole).
+pub(super) enum Fetch {
     F32(Work<(Vec<f32>, Vec<f32>)>),
     Bf16(Work<(Vec<bf16>, Vec<bf16>)>),
     F16(Work<(Vec<f16>, Vec<f16>)>),
@@ -532,21 +534,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             self.delay();
             let ids = h.all_gather(vec![i as i64], Vec::new());
             self.delay();
-            let padded = st.units[i].layout.padded;
-            let data = match sec {
-                Secondary::F32(v) => Fetch::F32(h.all_gather(v, self.pools.f32.take(padded, 0.0))),
-                Secondary::Bf16(v) => {
-                    Fetch::Bf16(h.all_gather(v, self.pools.bf16.take(padded, bf16::ZERO)))
-                }
-                Secondary::F16(v) => {
-                    Fetch::F16(h.all_gather(v, self.pools.f16.take(padded, f16::ZERO)))
-                }
+            let u = &st.units[i];
+            let data = sec.unit.gather(h, u.layout.padded, &self.pools);
+            let frozen = match (sec.frozen, &u.frozen) {
+                (Some(f), Some(p)) => Some((f.gather(h, p.padded(), &self.pools), false)),
+                // No copy of it kept: from the shard, over the whole group.
+                _ => self.issue_frozen(st, i)?,
             };
             return Ok(Prefetch {
                 ids,
                 data,
                 secondary: true,
-                frozen: self.issue_frozen(st, i)?,
+                frozen,
             });
         }
         // Name the unit to the peers first: units run in different orders
@@ -580,18 +579,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Issues the gather of unit `i`'s sharded frozen parameters, if it has
     /// any (their shard goes with it and comes back in `finish_gather`).
-    fn issue_frozen(&self, st: &mut State, i: usize) -> Result<Option<Fetch>, EngineError> {
+    fn issue_frozen(&self, st: &mut State, i: usize) -> Result<Option<(Fetch, bool)>, EngineError> {
         let Some(p) = st.units[i].frozen.as_mut() else {
             return Ok(None);
         };
-        let (g, padded) = (&self.group, p.padded());
         let shard = p.take_shard()?;
         self.delay();
-        Ok(Some(match shard {
-            Held::F32(v) => Fetch::F32(g.all_gather(v, self.pools.f32.take(padded, 0.0))),
-            Held::Bf16(v) => Fetch::Bf16(g.all_gather(v, self.pools.bf16.take(padded, bf16::ZERO))),
-            Held::F16(v) => Fetch::F16(g.all_gather(v, self.pools.f16.take(padded, f16::ZERO))),
-        }))
+        Ok(Some((
+            shard.gather(&self.group, p.padded(), &self.pools),
+            true,
+        )))
     }
 
     /// hpZ: before unit `i` is freed after forward, keeps this rank's part
@@ -601,15 +598,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             return;
         };
         let u = &st.units[i];
-        let padded = u.layout.padded;
-        let part = padded / h.size();
-        let r = h.rank() * part..(h.rank() + 1) * part;
-        // SAFETY: the unit is gathered (its flat tensor holds `padded`
-        // elements of the compute dtype), under the state lock.
-        st.secondary[i] = Some(match self.compute {
-            Compute::F32 => Secondary::F32(unsafe { elems::<f32>(&u.flat, padded) }[r].to_vec()),
-            Compute::Bf16 => Secondary::Bf16(unsafe { elems::<bf16>(&u.flat, padded) }[r].to_vec()),
-            Compute::F16 => Secondary::F16(unsafe { elems::<f16>(&u.flat, padded) }[r].to_vec()),
+        let part = |padded: usize| {
+            let n = padded / h.size();
+            h.rank() * n..(h.rank() + 1) * n
+        };
+        let keep = |flat: &Tensor, padded: usize| {
+            // SAFETY: the unit is gathered (its flat tensors hold their
+            // padded elements of the compute dtype), under the state lock.
+            unsafe { Elems::of_flat(flat, padded, self.compute, part(padded)) }
+        };
+        st.secondary[i] = Some(Secondary {
+            unit: keep(&u.flat, u.layout.padded),
+            frozen: u.frozen.as_ref().map(|p| keep(&p.flat, p.padded())),
         });
     }
 
@@ -639,27 +639,29 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             return Err(EngineError::UnitOrder(names.join(", ")));
         }
         let (u, sh) = (&mut st.units[i], &mut st.shards[i]);
-        if let (Some(f), Some(part)) = (p.frozen, u.frozen.as_mut()) {
+        if let (Some((f, from_shard)), Some(part)) = (p.frozen, u.frozen.as_mut()) {
             let what = (u.name.as_str(), "'s frozen parameters");
             let (flat, padded) = (&part.flat, part.layout.padded);
             let mine = match f {
                 Fetch::F32(w) => {
                     let (mine, full) = w.wait()?;
                     install(what, flat, padded, full, fill, &self.pools.f32)?;
-                    Held::F32(mine)
+                    Elems::F32(mine)
                 }
                 Fetch::Bf16(w) => {
                     let (mine, full) = w.wait()?;
                     install(what, flat, padded, full, fill, &self.pools.bf16)?;
-                    Held::Bf16(mine)
+                    Elems::Bf16(mine)
                 }
                 Fetch::F16(w) => {
                     let (mine, full) = w.wait()?;
                     install(what, flat, padded, full, fill, &self.pools.f16)?;
-                    Held::F16(mine)
+                    Elems::F16(mine)
                 }
             };
-            part.give_back(mine);
+            if from_shard {
+                part.give_back(mine);
+            }
         }
         let what = (u.name.as_str(), "");
         let (flat, padded) = (&u.flat, u.layout.padded);

@@ -221,8 +221,8 @@ impl Part {
 
     /// Gives the buffer zeroed memory (after a failed gather, so autograd
     /// computes garbage instead of reading freed storage).
-    pub(super) fn zero_fill(&self, compute: Compute) {
-        let bytes = self.layout.padded * compute.bytes();
+    pub(super) fn zero_fill(&self) {
+        let bytes = self.layout.padded * self.compute.bytes();
         if crate::glue::realloc_storage(&self.flat, bytes).is_ok() {
             let _ = self.flat.shallow_clone().f_zero_();
         }

@@ -604,7 +604,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 let _ = u.flat.shallow_clone().f_zero_();
             }
             if let Some(p) = &u.frozen {
-                p.zero_fill(self.compute);
+                p.zero_fill();
             }
             st.gathered[unit] = true;
         }
@@ -1005,24 +1005,22 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(glue::tensor_impl)
             .collect::<Result<_, _>>()?;
         let mut all_vars = vs.variables();
-        let mut frozen_of: Vec<Vec<String>> = Vec::with_capacity(units.len());
-        for u in &units {
-            let prefix = format!("{}.", u.name);
-            let mut take = Vec::new();
-            for (name, t) in &all_vars {
-                if stage == 3
-                    && u.name != "<root>"
-                    && !t.requires_grad()
-                    && name.starts_with(&prefix)
-                    && params.contains(&glue::tensor_impl(t)?)
-                    && frozen_shards::shardable(t, threshold)
-                {
-                    take.push(name.clone());
-                }
+        let mut frozen_of: Vec<Vec<String>> = units.iter().map(|_| Vec::new()).collect();
+        for (name, t) in all_vars.iter().filter(|_| stage == 3) {
+            if t.requires_grad()
+                || !frozen_shards::shardable(t, threshold)
+                || !params.contains(&glue::tensor_impl(t)?)
+            {
+                continue;
             }
-            take.sort();
-            frozen_of.push(take);
+            let unit = units
+                .iter()
+                .position(|u| u.name != "<root>" && name.starts_with(&format!("{}.", u.name)));
+            if let Some(k) = unit {
+                frozen_of[k].push(name.clone());
+            }
         }
+        frozen_of.iter_mut().for_each(|f| f.sort());
         // A unit stays gathered when all it would shard is small (a LoRA
         // block's adapters under the threshold do not keep its frozen base
         // gathered).

@@ -211,7 +211,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // The writers' shard group gathers stage 3's sharded frozen
             // parameters for rank 0's frozen file (a collective in it).
             let frozen = match (writer, drained) {
-                (true, Ok(())) => self.frozen_tensors(&st, None).map_err(|e| {
+                (true, Ok(())) => self.frozen_tensors(&st, None, rank == 0).map_err(|e| {
                     CheckpointError::Incompatible(format!("gathering frozen parameters: {e}"))
                 }),
                 (_, d) => d.map(|()| Vec::new()),
@@ -685,13 +685,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let params = self.gathered_params()?;
         // The tensors that do not train belong to the model too
         // (floating-point ones in the export's dtype, as DeepSpeed's
-        // half-precision module holds them). A collective at stage 3.
+        // half-precision module holds them). A collective at stage 3; its
+        // error (rank 0's alone when a variable has a dtype no file holds)
+        // reaches every rank through the agreement below.
         let frozen = {
             let mut st = i.st.lock();
             i.drain_prefetch(&mut st)?;
-            self.frozen_tensors(&st, Some(i.compute.kind()))?
+            self.frozen_tensors(&st, Some(i.compute.kind()), i.group.rank() == 0)
+                .map_err(|e| CheckpointError::format(path.as_ref(), e.to_string()))
         };
         let written = if i.group.rank() == 0 {
+            let frozen = match frozen {
+                Ok(f) => f,
+                Err(e) => return self.agree(Err(e), "save"),
+            };
             let shapes: HashMap<String, Vec<i64>> = param_shapes(&i.st.lock())
                 .map(|(n, s)| (n.to_string(), s.to_vec()))
                 .collect();
@@ -714,7 +721,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             tensors.extend(frozen);
             write_model(path.as_ref(), &tensors)
         } else {
-            Ok(())
+            frozen.map(drop)
         };
         self.agree(written, "save")
     }
@@ -724,23 +731,33 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Every frozen variable whole, as model-file tensors sorted by name:
     /// the replicated ones as they are, stage 3's sharded ones gathered (a
     /// collective over the group) in fp32. Floating-point ones in `float`
-    /// when given. No gather may be in flight.
+    /// when given. No gather may be in flight. Only the rank that writes
+    /// (`keep`) keeps them: the others take part in the gathers and drop
+    /// each unit's values at once, so a frozen base is never whole on them.
     fn frozen_tensors(
         &self,
         st: &State,
         float: Option<tch::Kind>,
+        keep: bool,
     ) -> Result<Vec<ModelTensor>, EngineError> {
-        let mut out = st.frozen.tensors(float)?;
         let dtype = match float {
             Some(tch::Kind::BFloat16) => Dtype::BF16,
             Some(tch::Kind::Half) => Dtype::F16,
             _ => Dtype::F32,
         };
+        // The collectives first: a local error after them (a dtype no file
+        // holds) cannot leave the peers waiting in a gather.
+        let mut out = Vec::new();
         for p in st.units.iter().filter_map(|u| u.frozen.as_ref()) {
             for (name, shape, v) in p.whole(&self.inner.group)? {
-                let bytes = encode(&v, dtype);
-                out.push((name, dtype, shape, bytes));
+                if keep {
+                    let bytes = encode(&v, dtype);
+                    out.push((name, dtype, shape, bytes));
+                }
             }
+        }
+        if keep {
+            out.extend(st.frozen.tensors(float)?);
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)

@@ -281,6 +281,11 @@ pub struct Engine<G: ProcessGroup + 'static> {
 /// (the engine holds its state lock; no forward or backward runs).
 #[allow(clippy::mut_from_ref)]
 unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
+    if n == 0 {
+        // An empty tensor's data pointer may be null, which no slice may
+        // have (a unit of frozen parameters only has an empty flat).
+        return &mut [];
+    }
     std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n)
 }
 

@@ -699,14 +699,16 @@ fn a_frozen_unit_run_twice_in_a_row_keeps_its_parameters_for_both_backwards() {
     // first run's re-gather waits for.
     let run = |stage: u8| {
         let out = on_ranks(WORLD, |r| {
-            let (vs, plan) = {
+            // Built under the lock: the ranks share libtorch's global RNG.
+            let (vs, plan, a, f, c) = {
                 let _g = INIT.lock().unwrap();
                 tch::manual_seed(7);
-                (nn::VarStore::new(Device::Cpu), ShardPlan::new())
+                let (vs, plan) = (nn::VarStore::new(Device::Cpu), ShardPlan::new());
+                let a = linear_unit(&vs, &plan, "a", 3, 3);
+                let f = linear_unit(&vs, &plan, "f", 3, 3);
+                let c = linear_unit(&vs, &plan, "c", 3, 1);
+                (vs, plan, a, f, c)
             };
-            let a = linear_unit(&vs, &plan, "a", 3, 3);
-            let f = linear_unit(&vs, &plan, "f", 3, 3);
-            let c = linear_unit(&vs, &plan, "c", 3, 1);
             for (n, t) in vs.variables() {
                 if n.starts_with("f.") {
                     let _ = t.set_requires_grad(false);

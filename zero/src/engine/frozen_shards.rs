@@ -24,6 +24,7 @@ use zrt_kernels::cast;
 use zrt_offload::Swap;
 
 use super::elems::Elems;
+use super::offload::read_words;
 use super::Compute;
 use crate::flat::FlatLayout;
 use crate::EngineError;
@@ -62,14 +63,8 @@ impl Part {
             group.size(),
         );
         let by_name: std::collections::HashMap<String, Tensor> = vars.into_iter().collect();
-        let mut values = vec![0f32; layout.padded];
-        for s in &layout.slots {
-            let v =
-                Vec::<f32>::try_from(&by_name[&s.name].detach().f_contiguous()?.f_flatten(0, -1)?)?;
-            values[s.offset..s.offset + s.numel].copy_from_slice(&v);
-        }
         let (values, flat, params) =
-            super::rank0_flat(values, &layout, &by_name, compute, group, replicate)?;
+            super::rank0_flat(&layout, &by_name, compute, group, replicate)?;
         let mut part = Self {
             layout,
             params,
@@ -133,11 +128,7 @@ impl Part {
     /// A copy of this rank's shard (read from the swap if it lives there).
     fn copy_shard(&self) -> Result<Elems, EngineError> {
         Ok(match &self.swap {
-            Some((swap, k)) => {
-                let mut w = vec![0f32; swap.region_len(*k)];
-                swap.read_region(*k, &mut [w.as_mut_slice()])?;
-                Elems::from_words(w, self.compute)
-            }
+            Some((swap, k)) => Elems::from_words(read_words(swap, *k)?, self.compute),
             None => self.shard.clone(),
         })
     }
@@ -198,8 +189,18 @@ impl Part {
     pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<Whole>, EngineError> {
         let full: Vec<f32> = match self.copy_shard()? {
             Elems::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
-            Elems::Bf16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
-            Elems::F16(v) => widen(&group.all_gather(v, Vec::new()).wait()?.1),
+            Elems::Bf16(v) => {
+                let h = group.all_gather(v, Vec::new()).wait()?.1;
+                let mut w = vec![0f32; h.len()];
+                cast::bf16_to_f32(&h, &mut w)?;
+                w
+            }
+            Elems::F16(v) => {
+                let h = group.all_gather(v, Vec::new()).wait()?.1;
+                let mut w = vec![0f32; h.len()];
+                cast::f16_to_f32(&h, &mut w)?;
+                w
+            }
         };
         if full.len() != self.layout.padded {
             return Err(EngineError::Plan(format!(
@@ -227,11 +228,6 @@ impl Part {
             let _ = self.flat.shallow_clone().f_zero_();
         }
     }
-}
-
-/// 16-bit values widened to fp32.
-fn widen<T: Copy + Into<f32>>(v: &[T]) -> Vec<f32> {
-    v.iter().map(|&x| x.into()).collect()
 }
 
 /// Whether `t`, a frozen variable, is a parameter stage 3 can shard: fp32

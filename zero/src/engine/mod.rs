@@ -289,19 +289,27 @@ unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
     std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n)
 }
 
-/// World rank 0's `values` (a flat buffer over `layout`) on every rank:
-/// across replicas first, then inside the shard group (whose rank 0 then
-/// holds them). Returns them, a new flat tensor of `compute`'s dtype
-/// holding them, and the variables of `vars` made views (`set_data`) of
-/// their slots, in slot order. A collective.
+/// The fp32 values of `vars` (fp32 tensors) laid out flat over `layout`,
+/// world rank 0's on every rank: across replicas first, then inside the
+/// shard group (whose rank 0 then holds them). Returns them, a new flat
+/// tensor of `compute`'s dtype holding them, and the variables made views
+/// (`set_data`) of their slots, in slot order. A collective.
 fn rank0_flat<G: ProcessGroup>(
-    values: Vec<f32>,
     layout: &FlatLayout,
     vars: &std::collections::HashMap<String, Tensor>,
     compute: Compute,
     group: &G,
     replicate: Option<&G>,
 ) -> Result<(Vec<f32>, Tensor, Vec<Tensor>), EngineError> {
+    let var = |name: &str| {
+        vars.get(name)
+            .ok_or_else(|| EngineError::Plan(format!("no variable `{name}` to lay out")))
+    };
+    let mut values = vec![0f32; layout.padded];
+    for s in &layout.slots {
+        let v = Vec::<f32>::try_from(&var(&s.name)?.detach().f_contiguous()?.f_flatten(0, -1)?)?;
+        values[s.offset..s.offset + s.numel].copy_from_slice(&v);
+    }
     let values = match replicate {
         Some(r) => r.broadcast(values, 0).wait()?,
         None => values,
@@ -311,10 +319,7 @@ fn rank0_flat<G: ProcessGroup>(
     tch::no_grad(|| flat.shallow_clone().f_copy_(&Tensor::from_slice(&values)))?;
     let mut views = Vec::with_capacity(layout.slots.len());
     for s in &layout.slots {
-        let mut t = vars
-            .get(&s.name)
-            .ok_or_else(|| EngineError::Plan(format!("no variable `{}` to lay out", s.name)))?
-            .shallow_clone();
+        let mut t = var(&s.name)?.shallow_clone();
         let view = flat
             .f_narrow(0, s.offset as i64, s.numel as i64)?
             .f_view(s.shape.as_slice())?;
@@ -941,8 +946,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 world,
             );
             let by_name: std::collections::HashMap<String, Tensor> = params.into_iter().collect();
-            // The fp32 values as created, laid out flat; rank 0's are everyone's.
-            let mut master = vec![0f32; layout.padded];
             for s in &layout.slots {
                 let t = &by_name[&s.name];
                 if t.kind() != Kind::Float {
@@ -952,17 +955,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         t.kind()
                     )));
                 }
-                let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
-                master[s.offset..s.offset + s.numel].copy_from_slice(&v);
             }
-            let (master, flat, ts) = rank0_flat(
-                master,
-                &layout,
-                &by_name,
-                compute,
-                &group,
-                replicate.as_ref(),
-            )?;
+            let (master, flat, ts) =
+                rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             units.push(Unit {
                 name,
                 layout,

@@ -225,7 +225,7 @@ pub(super) fn recast<S: Copy, T: Copy + Default>(src: &[S]) -> Vec<T> {
     out
 }
 
-fn read_words(swap: &Swap, k: usize) -> Result<Vec<f32>, zrt_offload::OffloadError> {
+pub(super) fn read_words(swap: &Swap, k: usize) -> Result<Vec<f32>, zrt_offload::OffloadError> {
     let mut w = vec![0f32; swap.region_len(k)];
     swap.read_region(k, &mut [w.as_mut_slice()])?;
     Ok(w)

@@ -77,6 +77,27 @@ impl FlatLayout {
         let l = self.shard_len();
         i * l..(i + 1) * l
     }
+
+    /// The parameters that overlap `range` of the flat buffer, each with
+    /// the overlap in its own elements and in `range`'s (offsets from
+    /// `range.start`): what a rank reads of each saved parameter to fill
+    /// its part of the buffer.
+    pub fn pieces(
+        &self,
+        range: Range<usize>,
+    ) -> impl Iterator<Item = (&Slot, Range<usize>, Range<usize>)> {
+        self.slots.iter().filter_map(move |s| {
+            let lo = range.start.max(s.offset);
+            let hi = range.end.min(s.offset + s.numel);
+            (lo < hi).then(|| {
+                (
+                    s,
+                    lo - s.offset..hi - s.offset,
+                    lo - range.start..hi - range.start,
+                )
+            })
+        })
+    }
 }
 
 #[cfg(test)]
@@ -96,5 +117,16 @@ mod tests {
         assert_eq!(l.padded, 48);
         assert_eq!(l.shard(2), 32..48);
         assert_eq!(l.numel, 22);
+        // Shard 0 is 0..16: all of a.bias; shard 1, 16..32: b.weight's
+        // first 15 elements (16..31), then padding.
+        let names = |r| {
+            l.pieces(r)
+                .map(|(s, a, b)| (s.name.as_str(), a, b))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(0..16), vec![("a.bias", 0..7, 0..7)]);
+        assert_eq!(names(16..32), vec![("b.weight", 0..15, 0..15)]);
+        assert_eq!(names(20..40), vec![("b.weight", 4..15, 0..11)]);
+        assert!(names(32..48).is_empty());
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 
-use super::files::{f32_bytes, write_safetensors, Entry, RankFile};
+use super::files::{f32_bytes, Planned, RankFile, TensorWriter};
 use super::meta::{resolve_tag, Locator, Meta, FROZEN_FILE};
 use super::CheckpointError;
 
@@ -39,32 +39,47 @@ pub fn consolidate(
         ExportDtype::F32 => Dtype::F32,
         ExportDtype::Bf16 => Dtype::BF16,
     };
-    let mut tensors = Vec::new();
+    // Frozen variables as saved; fp32 ones in the export's dtype.
+    let frozen = meta.frozen.as_deref().unwrap_or_default();
+    let file = match frozen.is_empty() {
+        true => None,
+        false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
+    };
+    let as_exported = |d: Dtype| if d == Dtype::F32 { dt } else { d };
+    let plan: Vec<Planned> = meta
+        .params()
+        .map(|s| Planned::new(&s.name, dt, &s.shape))
+        .chain(
+            frozen
+                .iter()
+                .map(|f| Planned::new(&f.name, as_exported(f.dtype), &f.shape)),
+        )
+        .collect();
+    // One tensor in memory at a time, whatever the model's size.
+    let pt = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut w = TensorWriter::create(out, &plan, pt)?;
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;
-        tensors.push((s.name.clone(), dt, s.shape.clone(), encode(&v, dt)));
+        w.write(&s.name, &encode(&v, dt))?;
     }
-    // Frozen variables as saved; fp32 ones in the export's dtype.
-    if let Some(frozen) = meta.frozen.as_ref().filter(|f| !f.is_empty()) {
-        let file = RankFile::open(&tag_dir.join(FROZEN_FILE))?;
+    if let Some(file) = &file {
         for f in frozen {
             let (_, bytes) = file.bytes(&f.name)?;
-            let (dtype, bytes) = match f.dtype {
+            match f.dtype {
                 Dtype::F32 => {
                     let v: Vec<f32> = bytes
                         .chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                         .collect();
-                    (dt, encode(&v, dt))
+                    w.write(&f.name, &encode(&v, dt))?;
                 }
-                other => (other, bytes.to_vec()),
-            };
-            tensors.push((f.name.clone(), dtype, f.shape.clone(), bytes));
+                _ => w.write(&f.name, bytes)?,
+            }
         }
     }
-    write_model(out, &tensors)?;
-    Ok(tensors.len())
+    w.finish()?;
+    Ok(plan.len())
 }
 
 /// `v` as little-endian bytes of `dtype` (F32, BF16 or F16; 16-bit rounded
@@ -81,26 +96,6 @@ pub(crate) fn encode(v: &[f32], dtype: Dtype) -> Vec<u8> {
             .collect(),
         _ => f32_bytes(v).to_vec(),
     }
-}
-
-/// Writes (name, dtype, shape, little-endian bytes) tensors as one
-/// safetensors model file (atomically, with the `format: pt` metadata torch
-/// loaders expect).
-pub(crate) fn write_model(
-    out: &Path,
-    tensors: &[(String, Dtype, Vec<i64>, Vec<u8>)],
-) -> Result<(), CheckpointError> {
-    let entries: Vec<Entry<'_>> = tensors
-        .iter()
-        .map(|(name, dtype, shape, bytes)| Entry {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.iter().map(|&d| d.max(0) as usize).collect(),
-            data: bytes,
-        })
-        .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors(out, &entries, meta)
 }
 
 /// A human-readable account of checkpoint `DIR/TAG` (`None`: `latest`):

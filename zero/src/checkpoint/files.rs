@@ -1,13 +1,12 @@
 //! Files of a checkpoint: safetensors with a CRC-32 in the header, JSON with
 //! a CRC-32 field, all written atomically (temporary name, fsync, rename).
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
+use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::CheckpointError;
 
@@ -18,29 +17,6 @@ compile_error!(
 
 /// The header key of a safetensors file's CRC-32.
 const CRC_KEY: &str = "zrt_crc32";
-
-/// One tensor to write: little-endian bytes of `dtype` in `shape`.
-pub(crate) struct Entry<'a> {
-    pub name: String,
-    pub dtype: Dtype,
-    pub shape: Vec<usize>,
-    pub data: &'a [u8],
-}
-
-impl View for &Entry<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
 
 /// The bytes of an f32 slice (little-endian hosts only, checked above).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -99,30 +75,255 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointEr
     res
 }
 
-/// Writes `entries` as a safetensors file with `meta` and a CRC-32 in its
-/// header, atomically.
-pub(crate) fn write_safetensors(
-    path: &Path,
-    entries: &[Entry<'_>],
-    mut meta: HashMap<String, String>,
-) -> Result<(), CheckpointError> {
-    let crc = crc_of(entries.iter().map(|e| (e.name.as_str(), e.data)).collect());
-    meta.insert(CRC_KEY.into(), format!("{crc:08x}"));
-    let tmp = tmp_name(path);
-    let res = safetensors::tensor::serialize_to_file(
-        entries.iter().map(|e| (e.name.as_str(), e)),
-        &Some(meta),
-        &tmp,
-    )
-    .map_err(|e| match e {
-        SafeTensorError::IoError(io) => CheckpointError::io("write", path, io),
-        other => CheckpointError::format(path, format!("{other:?}")),
-    })
-    .and_then(|()| commit(&tmp, path));
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+/// A tensor a [`TensorWriter`] will write: its name, dtype and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Planned {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+impl Planned {
+    /// A tensor of `dtype` in `shape` (libtorch's `i64` dimensions).
+    pub(crate) fn new(name: &str, dtype: Dtype, shape: &[i64]) -> Self {
+        Self {
+            name: name.to_string(),
+            dtype,
+            shape: shape.iter().map(|&d| d.max(0) as usize).collect(),
+        }
     }
-    res
+
+    fn bytes(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(self.dtype.size(), |n, &d| n.checked_mul(d))
+    }
+}
+
+/// A safetensors file written one tensor at a time, so that its writer
+/// never holds more than the tensor in hand (one unit's gathered values
+/// instead of a whole model). The header — names, dtypes, shapes and
+/// offsets, all known before any value — goes first; the CRC-32 it holds
+/// is patched in once the last tensor is written. The file appears under
+/// its name only from [`TensorWriter::finish`] (temporary name, fsync,
+/// rename); dropped unfinished, it leaves nothing.
+pub(crate) struct TensorWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+    /// Name and byte length of every tensor, in file order.
+    plan: Vec<(String, usize)>,
+    next: usize,
+    /// Each written tensor's CRC state (its name's bytes, then its data):
+    /// combined in name order at the end, they give the same checksum
+    /// [`crc_of`] computes over the whole file, whatever the file order.
+    crcs: Vec<(String, crc32fast::Hasher)>,
+    /// Where the CRC's eight hex digits sit in the file.
+    crc_at: u64,
+    finished: bool,
+}
+
+/// What the header holds as the CRC until the data is written.
+const CRC_PLACEHOLDER: &str = "00000000";
+
+impl TensorWriter {
+    /// Starts `path` (under a temporary name) with the header of `plan`,
+    /// in that order, and `meta` (plus the CRC) as its metadata.
+    pub(crate) fn create(
+        path: &Path,
+        plan: &[Planned],
+        meta: HashMap<String, String>,
+    ) -> Result<Self, CheckpointError> {
+        // The CRC first, so its place does not depend on the other keys.
+        let head = format!("{{\"__metadata__\":{{\"{CRC_KEY}\":\"");
+        let mut header = format!("{head}{CRC_PLACEHOLDER}\"");
+        let mut keys: Vec<_> = meta.iter().filter(|(k, _)| *k != CRC_KEY).collect();
+        keys.sort();
+        for (k, v) in keys {
+            header.push_str(&format!(",{}:{}", to_json(path, k)?, to_json(path, v)?));
+        }
+        header.push('}');
+        let mut seen = std::collections::HashSet::new();
+        let mut at = 0usize;
+        let mut lens = Vec::with_capacity(plan.len());
+        for t in plan {
+            if t.name == "__metadata__" || !seen.insert(t.name.as_str()) {
+                return Err(CheckpointError::format(
+                    path,
+                    format!("tensor name `{}` twice or reserved", t.name),
+                ));
+            }
+            let n = t.bytes().ok_or_else(|| {
+                CheckpointError::format(path, format!("tensor `{}` is too large", t.name))
+            })?;
+            header.push_str(&format!(
+                ",{}:{{\"dtype\":{},\"shape\":{},\"data_offsets\":[{at},{}]}}",
+                to_json(path, &t.name)?,
+                to_json(path, &t.dtype)?,
+                to_json(path, &t.shape)?,
+                at + n
+            ));
+            lens.push((t.name.clone(), n));
+            at += n;
+        }
+        header.push('}');
+        // safetensors pads its header with spaces to 8 bytes, so the data
+        // that follows is aligned.
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let tmp = tmp_name(path);
+        let file =
+            std::fs::File::create(&tmp).map_err(|e| CheckpointError::io("create", &tmp, e))?;
+        let mut w = Self {
+            path: path.to_path_buf(),
+            tmp,
+            file: std::io::BufWriter::with_capacity(1 << 20, file),
+            plan: lens,
+            next: 0,
+            crcs: Vec::with_capacity(plan.len()),
+            crc_at: (8 + head.len()) as u64,
+            finished: false,
+        };
+        let mut start = (header.len() as u64).to_le_bytes().to_vec();
+        start.extend_from_slice(header.as_bytes());
+        w.put(&start)?;
+        Ok(w)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<(), CheckpointError> {
+        self.file
+            .write_all(bytes)
+            .map_err(|e| CheckpointError::io("write", &self.path, e))
+    }
+
+    /// Writes tensor `name`, which must be the next one of the plan, whole.
+    pub(crate) fn write(&mut self, name: &str, data: &[u8]) -> Result<(), CheckpointError> {
+        match self.plan.get(self.next) {
+            Some((n, len)) if n == name && *len == data.len() => {}
+            planned => {
+                return Err(CheckpointError::format(
+                    &self.path,
+                    format!(
+                        "tensor `{name}` ({} bytes) written where the header planned {planned:?}",
+                        data.len()
+                    ),
+                ))
+            }
+        }
+        self.next += 1;
+        let mut h = crc32fast::Hasher::new();
+        h.update(name.as_bytes());
+        h.update(data);
+        self.crcs.push((name.to_string(), h));
+        self.put(data)
+    }
+
+    /// Checks every planned tensor was written, puts the CRC in the header
+    /// and makes the file durable under its name.
+    pub(crate) fn finish(mut self) -> Result<(), CheckpointError> {
+        if let Some((name, _)) = self.plan.get(self.next) {
+            return Err(CheckpointError::format(
+                &self.path,
+                format!("tensor `{name}` was planned but never written"),
+            ));
+        }
+        let mut crcs = std::mem::take(&mut self.crcs);
+        crcs.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut crc = crc32fast::Hasher::new();
+        for (_, h) in &crcs {
+            crc.combine(h);
+        }
+        let digits = format!("{:08x}", crc.finalize());
+        let patched = self
+            .file
+            .flush()
+            .and_then(|()| {
+                use std::io::{Seek, SeekFrom};
+                let f = self.file.get_mut();
+                f.seek(SeekFrom::Start(self.crc_at))?;
+                f.write_all(digits.as_bytes())
+            })
+            .map_err(|e| CheckpointError::io("write", &self.path, e));
+        patched.and_then(|()| commit(&self.tmp, &self.path))?;
+        self.finished = true;
+        Ok(())
+    }
+}
+
+impl Drop for TensorWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Where a rank streams a file only one rank writes, while every rank
+/// takes part in the gathers that feed it: the writer (the writing rank),
+/// nothing (the others), or the writer's first error, kept so the writing
+/// rank goes on through the collectives its peers are in and reports the
+/// error after them instead of leaving them waiting.
+pub(crate) enum Sink {
+    /// This rank does not write.
+    Skip,
+    /// This rank writes.
+    Writing(TensorWriter),
+    /// This rank was writing and failed.
+    Failed(CheckpointError),
+}
+
+impl Sink {
+    /// A writer of `plan` to `path` when `write`, else [`Sink::Skip`].
+    pub(crate) fn open(
+        write: bool,
+        path: &Path,
+        plan: &[Planned],
+        meta: HashMap<String, String>,
+    ) -> Self {
+        match write {
+            false => Self::Skip,
+            true => match TensorWriter::create(path, plan, meta) {
+                Ok(w) => Self::Writing(w),
+                Err(e) => Self::Failed(e),
+            },
+        }
+    }
+
+    /// Whether it takes values (so that the others need not encode them).
+    pub(crate) fn wants(&self) -> bool {
+        matches!(self, Self::Writing(_))
+    }
+
+    /// Writes the next tensor, or keeps the error.
+    pub(crate) fn write(&mut self, name: &str, data: &[u8]) {
+        if let Self::Writing(w) = self {
+            if let Err(e) = w.write(name, data) {
+                *self = Self::Failed(e);
+            }
+        }
+    }
+
+    /// Fails with `e` unless it already failed (the first error is kept).
+    pub(crate) fn fail(&mut self, e: CheckpointError) {
+        if !matches!(self, Self::Failed(_)) {
+            *self = Self::Failed(e);
+        }
+    }
+
+    /// Finishes the file; the first error if any.
+    pub(crate) fn finish(self) -> Result<(), CheckpointError> {
+        match self {
+            Self::Skip => Ok(()),
+            Self::Writing(w) => w.finish(),
+            Self::Failed(e) => Err(e),
+        }
+    }
+}
+
+/// `v` as JSON text, for a header being written to `path`.
+fn to_json<T: serde::Serialize + ?Sized>(path: &Path, v: &T) -> Result<String, CheckpointError> {
+    serde_json::to_string(v).map_err(|e| CheckpointError::format(path, e.to_string()))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
@@ -132,6 +333,22 @@ fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
         },
         _ => CheckpointError::io("read", path, e),
     })
+}
+
+/// `path` mapped read-only.
+fn map(path: &Path) -> Result<memmap2::Mmap, CheckpointError> {
+    let f = std::fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CheckpointError::Missing {
+            path: path.to_path_buf(),
+        },
+        _ => CheckpointError::io("open", path, e),
+    })?;
+    // SAFETY: checkpoint files are written under a temporary name and
+    // renamed into place, never changed after, so the mapping's bytes do
+    // not move under it. (A file truncated in place by another program
+    // while mapped would fault, as it would under every safetensors loader
+    // that maps.)
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| CheckpointError::io("map", path, e))
 }
 
 /// How a checksummed JSON file starts: `{"crc32":"XXXXXXXX","body":...}`.
@@ -171,19 +388,24 @@ pub(crate) fn read_json(path: &Path) -> Result<String, CheckpointError> {
     Ok(body.to_string())
 }
 
-/// One rank's safetensors file, read whole and verified against its CRC-32.
+/// One rank's safetensors file, mapped and verified against its CRC-32.
+///
+/// Mapped rather than read: a rank takes only its part of a file (its
+/// shard of each frozen parameter, its range of a re-cut checkpoint), and
+/// the pages it maps are the page cache's, which the kernel can drop,
+/// instead of a copy of the whole file in the rank's own memory.
 pub(crate) struct RankFile {
     path: PathBuf,
-    bytes: Vec<u8>,
+    bytes: memmap2::Mmap,
     /// name -> (dtype, byte range in `bytes`)
     tensors: HashMap<String, (Dtype, Range<usize>)>,
     meta: HashMap<String, String>,
 }
 
 impl RankFile {
-    /// Reads and verifies `path`.
+    /// Maps and verifies `path`.
     pub(crate) fn open(path: &Path) -> Result<Self, CheckpointError> {
-        let bytes = read(path)?;
+        let bytes = map(path)?;
         let (n, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
             CheckpointError::format(
                 path,
@@ -247,6 +469,19 @@ impl RankFile {
         Ok((*dtype, &self.bytes[r.clone()]))
     }
 
+    /// The bytes of elements `range` of the f32 tensor `name`, checked to
+    /// be there.
+    pub(crate) fn f32s(&self, name: &str, range: Range<usize>) -> Result<&[u8], CheckpointError> {
+        let (dtype, b) = self.bytes(name)?;
+        if dtype != Dtype::F32 || range.start > range.end || range.end * 4 > b.len() {
+            return Err(CheckpointError::format(
+                &self.path,
+                format!("tensor `{name}` is not an f32 tensor covering {range:?}"),
+            ));
+        }
+        Ok(&b[range.start * 4..range.end * 4])
+    }
+
     /// Copies elements `range` of the f32 tensor `name` into `dst`.
     pub(crate) fn read_f32(
         &self,
@@ -254,17 +489,17 @@ impl RankFile {
         range: Range<usize>,
         dst: &mut [f32],
     ) -> Result<(), CheckpointError> {
-        let (dtype, b) = self.bytes(name)?;
-        if dtype != Dtype::F32 || range.end * 4 > b.len() || dst.len() != range.len() {
+        if dst.len() != range.len() {
             return Err(CheckpointError::format(
                 &self.path,
-                format!("tensor `{name}` is not an f32 tensor covering {range:?}"),
+                format!(
+                    "{} elements of `{name}` asked into {}",
+                    range.len(),
+                    dst.len()
+                ),
             ));
         }
-        for (d, c) in dst
-            .iter_mut()
-            .zip(b[range.start * 4..range.end * 4].chunks_exact(4))
-        {
+        for (d, c) in dst.iter_mut().zip(self.f32s(name, range)?.chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
         Ok(())
@@ -273,5 +508,119 @@ impl RankFile {
     /// Elements of the f32 tensor `name`.
     pub(crate) fn f32_len(&self, name: &str) -> Result<usize, CheckpointError> {
         Ok(self.bytes(name)?.1.len() / 4)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> Vec<Planned> {
+        // Not in name order, with an empty tensor and an odd length, so the
+        // data starts unaligned after the first and the CRC is combined
+        // out of file order.
+        vec![
+            Planned::new("z", Dtype::F32, &[2, 3]),
+            Planned::new("a\"quoted", Dtype::U8, &[3]),
+            Planned::new("empty", Dtype::BF16, &[0, 4]),
+            Planned::new("m", Dtype::I64, &[1]),
+        ]
+    }
+
+    fn write_all(w: &mut TensorWriter) {
+        let z: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
+        w.write("z", f32_bytes(&z)).unwrap();
+        w.write("a\"quoted", &[7, 8, 9]).unwrap();
+        w.write("empty", &[]).unwrap();
+        w.write("m", &(-5i64).to_le_bytes()).unwrap();
+    }
+
+    #[test]
+    fn streamed_file_is_safetensors_with_the_crc_of_its_tensors() {
+        let dir = std::env::temp_dir().join(format!("zrt-writer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let meta = HashMap::from([("rank".to_string(), "3".to_string())]);
+        let mut w = TensorWriter::create(&path, &plan(), meta).unwrap();
+        write_all(&mut w);
+        // Nothing under the final name until it is finished.
+        assert!(!path.exists());
+        w.finish().unwrap();
+
+        let bytes = std::fs::read(&path).unwrap();
+        // safetensors itself parses it, offsets and all.
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let z = st.tensor("z").unwrap();
+        assert_eq!((z.dtype(), z.shape()), (Dtype::F32, &[2usize, 3][..]));
+        assert_eq!(&z.data()[4..8], &0.5f32.to_le_bytes());
+        assert_eq!(st.tensor("a\"quoted").unwrap().data(), &[7, 8, 9]);
+        assert_eq!(st.tensor("empty").unwrap().shape(), &[0, 4]);
+        assert_eq!(st.tensor("m").unwrap().data(), &(-5i64).to_le_bytes());
+        // The header is padded so the data starts 8-aligned.
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        // The CRC is the one the whole-file reader computes (and checks).
+        let f = RankFile::open(&path).unwrap();
+        assert_eq!(f.meta("rank").unwrap(), "3");
+        let expected = crc_of(vec![
+            ("z", &bytes[8 + n..8 + n + 24]),
+            ("a\"quoted", &[7, 8, 9]),
+            ("empty", &[]),
+            ("m", &bytes[8 + n + 27..8 + n + 35]),
+        ]);
+        assert_eq!(f.meta(CRC_KEY).unwrap(), format!("{expected:08x}"));
+        // A flipped data byte fails the check.
+        let mut bad = bytes.clone();
+        bad[8 + n + 25] ^= 1;
+        std::fs::write(&path, &bad).unwrap();
+        assert!(matches!(
+            RankFile::open(&path),
+            Err(CheckpointError::Checksum { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn writes_off_the_plan_are_refused_and_leave_no_file() {
+        let dir = std::env::temp_dir().join(format!("zrt-writer-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let mut w = TensorWriter::create(&path, &plan(), HashMap::new()).unwrap();
+        let e = w.write("a\"quoted", &[1, 2, 3]).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "tensor `a\"quoted` (3 bytes) written where the header planned Some((\"z\", 24))"
+            ),
+            "{e}"
+        );
+        let e = w.write("z", &[0; 20]).unwrap_err().to_string();
+        assert!(e.contains("(20 bytes)"), "{e}");
+        w.write("z", &[0; 24]).unwrap();
+        let e = w.finish().unwrap_err().to_string();
+        assert!(
+            e.contains("tensor `a\"quoted` was planned but never written"),
+            "{e}"
+        );
+        // Neither the file nor its temporary is left behind.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        let mut twice = plan();
+        twice.push(Planned::new("z", Dtype::U8, &[1]));
+        let e = TensorWriter::create(&path, &twice, HashMap::new())
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("tensor name `z` twice"), "{e}");
+        // A sink keeps the first error and finishes with it.
+        let mut sink = Sink::open(true, &path, &plan(), HashMap::new());
+        assert!(sink.wants());
+        sink.write("m", &[0; 8]);
+        assert!(!sink.wants());
+        sink.write("z", &[0; 24]);
+        let e = sink.finish().unwrap_err().to_string();
+        assert!(e.contains("tensor `m` (8 bytes)"), "{e}");
+        assert!(Sink::open(false, &path, &plan(), HashMap::new())
+            .finish()
+            .is_ok());
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -195,40 +195,46 @@ fn tags_in(dir: &Path) -> Vec<String> {
 }
 
 /// Finds any element of a saved parameter in whichever rank's file holds it.
-pub(crate) struct Locator<'m> {
-    meta: &'m Meta,
+pub(crate) struct Locator {
     dir: PathBuf,
+    /// The checkpoint's world size and rank files.
+    world: usize,
+    files: Vec<String>,
+    /// Each unit's name and shard length.
+    units: Vec<(String, usize)>,
     /// name -> (unit, offset in the unit's flat buffer)
-    by_name: HashMap<&'m str, (usize, usize)>,
-    files: HashMap<usize, RankFile>,
+    by_name: HashMap<String, (usize, usize)>,
+    open: HashMap<usize, RankFile>,
 }
 
-impl<'m> Locator<'m> {
-    /// A locator over the rank files in `tag_dir`; files are read (and
+impl Locator {
+    /// A locator over the rank files in `tag_dir`; files are mapped (and
     /// verified) on first use.
-    pub(crate) fn new(meta: &'m Meta, tag_dir: &Path) -> Self {
+    pub(crate) fn new(meta: &Meta, tag_dir: &Path) -> Self {
         let by_name = meta
             .units
             .iter()
             .enumerate()
-            .flat_map(|(u, m)| {
-                m.slots
-                    .iter()
-                    .map(move |s| (s.name.as_str(), (u, s.offset)))
-            })
+            .flat_map(|(u, m)| m.slots.iter().map(move |s| (s.name.clone(), (u, s.offset))))
             .collect();
         Self {
-            meta,
             dir: tag_dir.to_path_buf(),
+            world: meta.world,
+            files: meta.files.clone(),
+            units: meta
+                .units
+                .iter()
+                .map(|u| (u.name.clone(), u.shard_len))
+                .collect(),
             by_name,
-            files: HashMap::new(),
+            open: HashMap::new(),
         }
     }
 
-    /// Rank `rank`'s file, read and verified once.
+    /// Rank `rank`'s file, mapped and verified once.
     pub(crate) fn file(&mut self, rank: usize) -> Result<&RankFile, CheckpointError> {
-        if !self.files.contains_key(&rank) {
-            let name = self.meta.files.get(rank).ok_or_else(|| {
+        if !self.open.contains_key(&rank) {
+            let name = self.files.get(rank).ok_or_else(|| {
                 CheckpointError::format(
                     self.dir.join("meta.json"),
                     format!("no file for rank {rank}"),
@@ -239,18 +245,18 @@ impl<'m> Locator<'m> {
             // A file copied from another rank or checkpoint has a valid
             // checksum but the wrong contents: its header says whose it is.
             let (r, w) = (f.meta("rank")?, f.meta("world")?);
-            if r != rank.to_string() || w != self.meta.world.to_string() {
+            if r != rank.to_string() || w != self.world.to_string() {
                 return Err(CheckpointError::format(
                     path,
                     format!(
                         "it holds rank {r} of {w}, expected rank {rank} of {}",
-                        self.meta.world
+                        self.world
                     ),
                 ));
             }
-            self.files.insert(rank, f);
+            self.open.insert(rank, f);
         }
-        Ok(&self.files[&rank])
+        Ok(&self.open[&rank])
     }
 
     /// Copies elements `elems` of parameter `name`'s `what` (`master`, `m`
@@ -262,21 +268,45 @@ impl<'m> Locator<'m> {
         elems: Range<usize>,
         dst: &mut [f32],
     ) -> Result<(), CheckpointError> {
-        let meta = self.meta;
+        self.walk(name, what, elems, Some(dst))
+    }
+
+    /// Checks that [`Locator::read_param`] of the same elements would find
+    /// them all (files present and verified, tensors of the right dtype
+    /// and length), reading nothing.
+    pub(crate) fn check_param(
+        &mut self,
+        name: &str,
+        what: &str,
+        elems: Range<usize>,
+    ) -> Result<(), CheckpointError> {
+        self.walk(name, what, elems, None)
+    }
+
+    fn walk(
+        &mut self,
+        name: &str,
+        what: &str,
+        elems: Range<usize>,
+        mut dst: Option<&mut [f32]>,
+    ) -> Result<(), CheckpointError> {
         let &(u, offset) = self.by_name.get(name).ok_or_else(|| {
             CheckpointError::format(self.dir.join("meta.json"), format!("no parameter `{name}`"))
         })?;
-        let unit = &meta.units[u];
-        let tensor = format!("{}/{what}", unit.name);
+        let (unit, shard_len) = self.units[u].clone();
+        let tensor = format!("{unit}/{what}");
         let (mut a, b) = (offset + elems.start, offset + elems.end);
         let mut out = 0;
         while a < b {
-            let r = a / unit.shard_len;
-            let end = b.min((r + 1) * unit.shard_len);
-            let base = r * unit.shard_len;
+            let r = a / shard_len;
+            let end = b.min((r + 1) * shard_len);
+            let base = r * shard_len;
             let n = end - a;
-            self.file(r)?
-                .read_f32(&tensor, a - base..end - base, &mut dst[out..out + n])?;
+            let f = self.file(r)?;
+            match dst.as_deref_mut() {
+                Some(d) => f.read_f32(&tensor, a - base..end - base, &mut d[out..out + n])?,
+                None => drop(f.f32s(&tensor, a - base..end - base)?),
+            }
             out += n;
             a = end;
         }

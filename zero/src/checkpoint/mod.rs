@@ -43,5 +43,5 @@ pub use consolidate::{consolidate, inspect, ExportDtype};
 pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 
-pub(crate) use files::{write_atomic, write_safetensors};
+pub(crate) use files::write_atomic;
 pub(crate) use meta::{rank_file_name, resolve_tag, Locator};

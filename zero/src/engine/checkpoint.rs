@@ -4,7 +4,9 @@
 //! Both directions run in phases separated by an exchange of success flags,
 //! so a failure on any rank becomes an error on every rank (never a hang,
 //! never a half-committed checkpoint), and a load changes nothing until
-//! every rank has read and verified everything it needs.
+//! every rank has verified everything it needs (every file's checksum and
+//! every range it will read; the values themselves are read unit by unit
+//! as they are applied, so a load never holds a rank's whole state).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -15,13 +17,15 @@ use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
-use super::frozen::{self, Frozen, ModelTensor};
+use super::frozen::{self, Frozen};
 use super::{elems, Compute, CopyShard, Engine, Scaler, State};
-use crate::checkpoint::consolidate::{encode, write_model};
-use crate::checkpoint::files::{f32_bytes, json_with_crc, sync_dir, Entry, RankFile};
+use crate::checkpoint::consolidate::encode;
+use crate::checkpoint::files::{
+    f32_bytes, json_with_crc, sync_dir, Planned, RankFile, Sink, TensorWriter,
+};
 use crate::checkpoint::meta::ScalerMeta;
 use crate::checkpoint::{
-    rank_file_name, resolve_tag, write_atomic, write_safetensors, CheckpointError, Locator, Meta,
+    rank_file_name, resolve_tag, write_atomic, CheckpointError, FrozenMeta, Locator, Meta,
     SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
 };
 use crate::{glue, EngineError};
@@ -34,6 +38,48 @@ struct LoadedUnit {
     grad: Option<Vec<f32>>,
 }
 
+impl LoadedUnit {
+    /// Reads elements `need` of unit `u`'s state (zero moments and no
+    /// gradients for `ModuleOnly`) from the files `read_checkpoint`
+    /// checked.
+    fn read(
+        loc: &mut Locator,
+        u: &super::Unit,
+        need: Range<usize>,
+        rank: usize,
+        grads_saved: bool,
+        what: What,
+    ) -> Result<Self, CheckpointError> {
+        let n = need.len();
+        let mut lu = LoadedUnit {
+            master: vec![0.0; n],
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            grad: None,
+        };
+        for (s, elems, dst) in u.layout.pieces(need) {
+            loc.read_param(
+                &s.name,
+                "master",
+                elems.clone(),
+                &mut lu.master[dst.clone()],
+            )?;
+            if what == What::Everything {
+                loc.read_param(&s.name, "m", elems.clone(), &mut lu.m[dst.clone()])?;
+                loc.read_param(&s.name, "v", elems, &mut lu.v[dst])?;
+            }
+        }
+        if grads_saved && what == What::Everything {
+            let f = loc.file(rank)?;
+            let name = format!("{}/grad", u.name);
+            let mut g = vec![0.0; f.f32_len(&name)?];
+            f.read_f32(&name, 0..g.len(), &mut g)?;
+            lu.grad = Some(g);
+        }
+        Ok(lu)
+    }
+}
+
 /// What a load applies.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum What {
@@ -43,11 +89,12 @@ enum What {
     ModuleOnly,
 }
 
-/// Everything a load read and verified, applied only once every rank has.
+/// Everything a load verified, applied only once every rank has.
 struct Loaded {
     tag: String,
     meta: Meta,
-    units: Vec<LoadedUnit>,
+    /// The rank files, checked; each unit reads its part in `apply`.
+    loc: Locator,
     rng: Option<Vec<u8>>,
     /// The frozen variables' values (`None`: the checkpoint predates them).
     frozen: Option<frozen::Values>,
@@ -209,11 +256,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 CheckpointError::Incompatible(format!("finishing gathers in flight: {e}"))
             });
             // The writers' shard group gathers stage 3's sharded frozen
-            // parameters for rank 0's frozen file (a collective in it).
+            // parameters into rank 0's frozen file (a collective in it).
             let frozen = match (writer, drained) {
-                (true, Ok(())) => self.frozen_tensors(&st, None, rank == 0).map_err(|e| {
-                    CheckpointError::Incompatible(format!("gathering frozen parameters: {e}"))
-                }),
+                (true, Ok(())) => self.save_frozen(&st, &staging, rank == 0),
                 (_, d) => d.map(|()| Vec::new()),
             };
             let mut r = match (writer, frozen) {
@@ -282,6 +327,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .collect()))
     }
 
+    /// Writes this rank's file, one unit's state at a time (a unit's
+    /// shard is read from the swap only when its turn comes, so saving
+    /// never holds the whole of an offloaded optimizer state).
     fn write_rank_file(
         &self,
         st: &State,
@@ -291,53 +339,64 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let (rank, world) = (i.group.rank(), i.group.size());
         let pending = st.micro != st.boundary_at;
-        let mut entries = Vec::new();
-        let states = (0..st.units.len())
-            .map(|k| i.shard_state(st, k))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| CheckpointError::format(dir, e.to_string()))?;
-        for ((u, sh), state) in st.units.iter().zip(&st.shards).zip(&states) {
-            entries.push(f32_entry(format!("{}/master", u.name), &state.master));
-            entries.push(f32_entry(format!("{}/m", u.name), &state.m));
-            entries.push(f32_entry(format!("{}/v", u.name), &state.v));
+        // Replica 0's (this rank's) RNG state as `rng`, replica j's as
+        // `rng/replica{j}`.
+        let rng_name = |j: usize| match j {
+            0 => "rng".to_string(),
+            _ => format!("rng/replica{j}"),
+        };
+        let mut plan = Vec::new();
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            let n = u.layout.shard(rank).len() as i64;
+            for part in ["master", "m", "v"] {
+                plan.push(Planned::new(
+                    &format!("{}/{part}", u.name),
+                    Dtype::F32,
+                    &[n],
+                ));
+            }
             if pending {
-                entries.push(f32_entry(format!("{}/grad", u.name), &sh.g));
+                let g = sh.g.len() as i64;
+                plan.push(Planned::new(&format!("{}/grad", u.name), Dtype::F32, &[g]));
             }
         }
-        // Replica 0's (this rank's) state as `rng`, replica j's as
-        // `rng/replica{j}`.
         for (j, rng) in rngs.iter().enumerate() {
-            entries.push(Entry {
-                name: match j {
-                    0 => "rng".into(),
-                    _ => format!("rng/replica{j}"),
-                },
-                dtype: Dtype::U8,
-                shape: vec![rng.len()],
-                data: rng,
-            });
+            plan.push(Planned::new(&rng_name(j), Dtype::U8, &[rng.len() as i64]));
         }
         let meta = HashMap::from([
             ("rank".to_string(), rank.to_string()),
             ("world".to_string(), world.to_string()),
         ]);
-        write_safetensors(&dir.join(rank_file_name(rank, world)), &entries, meta)
+        let path = dir.join(rank_file_name(rank, world));
+        let mut w = TensorWriter::create(&path, &plan, meta)?;
+        for (k, (u, sh)) in st.units.iter().zip(&st.shards).enumerate() {
+            let state = i
+                .shard_state(st, k)
+                .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
+            w.write(&format!("{}/master", u.name), f32_bytes(&state.master))?;
+            w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
+            w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
+            if pending {
+                w.write(&format!("{}/grad", u.name), f32_bytes(&sh.g))?;
+            }
+        }
+        for (j, rng) in rngs.iter().enumerate() {
+            w.write(&rng_name(j), rng)?;
+        }
+        w.finish()
     }
 
-    /// Rank 0's part besides its shards: the frozen variables' file, then
-    /// `meta.json` listing them.
+    /// Rank 0's `meta.json`, listing the `frozen` variables its frozen
+    /// file holds.
     fn write_meta(
         &self,
         st: &State,
         dir: &Path,
         tag: &str,
         client_state: &serde_json::Value,
-        frozen: Vec<ModelTensor>,
+        frozen: Vec<FrozenMeta>,
     ) -> Result<(), CheckpointError> {
         let i = &*self.inner;
-        if !frozen.is_empty() {
-            write_model(&dir.join(FROZEN_FILE), &frozen)?;
-        }
         let world = i.group.size();
         let c = &i.cfg.config;
         let meta = Meta {
@@ -386,7 +445,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 })
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
-            frozen: Some(Frozen::metas(&frozen)),
+            frozen: Some(frozen),
             client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
@@ -418,7 +477,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// if it had never stopped (fp32: bit-identical). On another world size
     /// or stage the shards are re-cut from the saved ranges (DeepSpeed's
     /// universal checkpoint); the model's parameter names and shapes must
-    /// match. Nothing changes unless every rank read and verified
+    /// match. Nothing changes unless every rank verified
     /// everything it needs. It also restores libtorch's (process-global)
     /// CPU random generator to the state this rank saved.
     pub fn load_checkpoint(
@@ -493,7 +552,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     true => None,
                     false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
                 };
-                Some(st.frozen.read(saved, f.as_ref())?)
+                Some(st.frozen.read(saved, f)?)
             }
             None => {
                 if !st.frozen.is_empty() {
@@ -521,45 +580,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 meta.micro_steps, meta.boundary_at, meta.world, meta.stage
             )));
         }
+        // Everything a unit will read is checked now (its files mapped and
+        // verified, every range present), and read only when the unit's
+        // turn comes in `apply`: one unit's state in memory at a time.
         let mut loc = Locator::new(&meta, &tag_dir);
-        let mut units = Vec::new();
         for u in &st.units {
             let need = self.own_range(u.layout.padded, u.layout.shard(rank));
-            let mut lu = LoadedUnit {
-                master: vec![0.0; need.len()],
-                m: vec![0.0; need.len()],
-                v: vec![0.0; need.len()],
-                grad: None,
-            };
-            for s in &u.layout.slots {
-                // The part of this parameter inside `need`, in its own elements.
-                let lo = need.start.max(s.offset);
-                let hi = need.end.min(s.offset + s.numel);
-                if lo >= hi {
-                    continue;
+            for (s, elems, _) in u.layout.pieces(need) {
+                for what in ["master", "m", "v"] {
+                    loc.check_param(&s.name, what, elems.clone())?;
                 }
-                let (elems, dst) = (
-                    lo - s.offset..hi - s.offset,
-                    lo - need.start..hi - need.start,
-                );
-                loc.read_param(
-                    &s.name,
-                    "master",
-                    elems.clone(),
-                    &mut lu.master[dst.clone()],
-                )?;
-                loc.read_param(&s.name, "m", elems.clone(), &mut lu.m[dst.clone()])?;
-                loc.read_param(&s.name, "v", elems, &mut lu.v[dst])?;
             }
             if meta.grads_saved {
-                let f = loc.file(rank)?;
-                let name = format!("{}/grad", u.name);
-                let n = f.f32_len(&name)?;
-                let mut g = vec![0.0; n];
-                f.read_f32(&name, 0..n, &mut g)?;
-                lu.grad = Some(g);
+                loc.file(rank)?.f32_len(&format!("{}/grad", u.name))?;
             }
-            units.push(lu);
         }
         // Replica j resumes replica j's stream when the checkpoint has it
         // (saved on a mesh with that many replicas), else replica 0's.
@@ -577,11 +611,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             false => None,
         };
-        drop(loc);
         Ok(Loaded {
             tag,
             meta,
-            units,
+            loc,
             rng,
             frozen,
         })
@@ -593,21 +626,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut guard = i.st.lock();
         let st = &mut *guard;
         i.drain_prefetch(st)?;
-        for (k, ((u, sh), mut lu)) in st
-            .units
-            .iter()
-            .zip(st.shards.iter_mut())
-            .zip(l.units)
-            .enumerate()
-        {
-            if what == What::ModuleOnly {
-                // A fresh optimizer over the loaded weights.
-                lu.m.fill(0.0);
-                lu.v.fill(0.0);
-                lu.grad = None;
-            }
-            let (padded, range) = (u.layout.padded, u.layout.shard(rank));
-            let need = self.own_range(padded, range);
+        let mut loc = l.loc;
+        for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
+            let padded = u.layout.padded;
+            let need = self.own_range(padded, u.layout.shard(rank));
+            let lu = LoadedUnit::read(&mut loc, u, need.clone(), rank, l.meta.grads_saved, what)?;
             i.page_in(sh, k)?;
             // The compute copy this rank writes (as the optimizer would).
             match (i.compute, i.stage) {
@@ -667,8 +690,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if let Some(v) = &l.frozen {
             st.frozen.restore(v)?;
             for u in &mut st.units {
-                if let Some(p) = &mut u.frozen {
-                    p.load(&v.sharded, rank)?;
+                if let (Some(p), Some(f)) = (&mut u.frozen, &v.file) {
+                    p.load(f, rank)?;
                 }
             }
         }
@@ -682,96 +705,121 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// parameters are gathered to every rank, rank 0 writes.
     pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
         let i = &*self.inner;
-        let params = self.gathered_params()?;
+        let path = path.as_ref();
+        let float = i.compute.kind();
+        let dtype = file_dtype(Some(float));
+        // Every rank lays the file out (the same way, so a refused variable
+        // fails on all of them before any gather), rank 0 writes it as the
+        // gathers come: one unit's parameters at a time, never the model.
+        let plan = {
+            let st = i.st.lock();
+            let mut plan: Vec<Planned> = st
+                .units
+                .iter()
+                .flat_map(|u| &u.layout.slots)
+                .map(|s| Planned::new(&s.name, dtype, &s.shape))
+                .collect();
+            plan.extend(frozen_plan(&st, Some(float))?);
+            plan
+        };
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let mut sink = Sink::open(i.group.rank() == 0, path, &plan, meta);
+        let units = i.st.lock().units.len();
+        for k in 0..units {
+            let Some((mine, _)) = self.master_shard(k)? else {
+                continue;
+            };
+            let (_, full) = i.group.all_gather(mine, Vec::new()).wait()?;
+            if sink.wants() {
+                for s in &i.st.lock().units[k].layout.slots {
+                    sink.write(&s.name, &encode(&full[s.offset..s.offset + s.numel], dtype));
+                }
+            }
+        }
         // The tensors that do not train belong to the model too
         // (floating-point ones in the export's dtype, as DeepSpeed's
-        // half-precision module holds them). A collective at stage 3; its
-        // error (rank 0's alone when a variable has a dtype no file holds)
-        // reaches every rank through the agreement below.
-        let frozen = {
+        // half-precision module holds them). A collective at stage 3; a
+        // write error on rank 0 reaches every rank through the agreement.
+        {
             let mut st = i.st.lock();
             i.drain_prefetch(&mut st)?;
-            self.frozen_tensors(&st, Some(i.compute.kind()), i.group.rank() == 0)
-                .map_err(|e| CheckpointError::format(path.as_ref(), e.to_string()))
-        };
-        let written = if i.group.rank() == 0 {
-            let frozen = match frozen {
-                Ok(f) => f,
-                Err(e) => return self.agree(Err(e), "save"),
-            };
-            let shapes: HashMap<String, Vec<i64>> = param_shapes(&i.st.lock())
-                .map(|(n, s)| (n.to_string(), s.to_vec()))
-                .collect();
-            let dtype = match i.compute {
-                Compute::F32 => Dtype::F32,
-                Compute::Bf16 => Dtype::BF16,
-                Compute::F16 => Dtype::F16,
-            };
-            let mut tensors: Vec<_> = params
-                .into_iter()
-                .map(|(name, v)| {
-                    let shape = shapes
-                        .get(&name)
-                        .cloned()
-                        .unwrap_or_else(|| vec![v.len() as i64]);
-                    let bytes = encode(&v, dtype);
-                    (name, dtype, shape, bytes)
-                })
-                .collect();
-            tensors.extend(frozen);
-            write_model(path.as_ref(), &tensors)
-        } else {
-            frozen.map(drop)
-        };
-        self.agree(written, "save")
+            self.stream_frozen(&st, Some(float), &mut sink)?;
+        }
+        self.agree(sink.finish(), "save")
     }
 }
 
 impl<G: ProcessGroup + 'static> Engine<G> {
-    /// Every frozen variable whole, as model-file tensors sorted by name:
-    /// the replicated ones as they are, stage 3's sharded ones gathered (a
-    /// collective over the group) in fp32. Floating-point ones in `float`
-    /// when given. No gather may be in flight. Only the rank that writes
-    /// (`keep`) keeps them: the others take part in the gathers and drop
-    /// each unit's values at once, so a frozen base is never whole on them.
-    fn frozen_tensors(
+    /// Rank 0's frozen file in the checkpoint being staged in `dir` (when
+    /// the model has frozen variables; `write`: this is rank 0), gathered
+    /// unit by unit with the rest of the shard group; what `meta.json`
+    /// lists of it.
+    fn save_frozen(
+        &self,
+        st: &State,
+        dir: &Path,
+        write: bool,
+    ) -> Result<Vec<FrozenMeta>, CheckpointError> {
+        let gathering = |e: EngineError| {
+            CheckpointError::Incompatible(format!("gathering frozen parameters: {e}"))
+        };
+        let plan = frozen_plan(st, None).map_err(gathering)?;
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let path = dir.join(FROZEN_FILE);
+        let mut sink = Sink::open(write && !plan.is_empty(), &path, &plan, meta);
+        self.stream_frozen(st, None, &mut sink).map_err(gathering)?;
+        sink.finish()?;
+        Ok(Frozen::metas(&plan))
+    }
+
+    /// Writes the frozen variables to `sink` as [`frozen_plan`] lists
+    /// them: stage 3's sharded ones gathered unit by unit (a collective
+    /// over the group, which every rank joins whether it writes or not),
+    /// so no rank holds more than one unit's at a time; then the
+    /// replicated ones. No gather may be in flight.
+    fn stream_frozen(
         &self,
         st: &State,
         float: Option<tch::Kind>,
-        keep: bool,
-    ) -> Result<Vec<ModelTensor>, EngineError> {
-        let dtype = match float {
-            Some(tch::Kind::BFloat16) => Dtype::BF16,
-            Some(tch::Kind::Half) => Dtype::F16,
-            _ => Dtype::F32,
-        };
-        // The collectives first: a local error after them (a dtype no file
-        // holds) cannot leave the peers waiting in a gather.
-        let mut out = Vec::new();
+        sink: &mut Sink,
+    ) -> Result<(), EngineError> {
+        let dtype = file_dtype(float);
         for p in st.units.iter().filter_map(|u| u.frozen.as_ref()) {
-            for (name, shape, v) in p.whole(&self.inner.group)? {
-                if keep {
-                    let bytes = encode(&v, dtype);
-                    out.push((name, dtype, shape, bytes));
+            for (name, _, v) in p.whole(&self.inner.group)? {
+                if sink.wants() {
+                    sink.write(&name, &encode(&v, dtype));
                 }
             }
         }
-        if keep {
-            out.extend(st.frozen.tensors(float)?);
-        }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(out)
+        st.frozen.write(float, sink);
+        Ok(())
     }
 }
 
-/// A 1-D f32 tensor entry.
-fn f32_entry(name: String, data: &[f32]) -> Entry<'_> {
-    Entry {
-        name,
-        dtype: Dtype::F32,
-        shape: vec![data.len()],
-        data: f32_bytes(data),
+/// The dtype stage 3's sharded frozen parameters (and an export's
+/// parameters) are written in: `float` when given, else fp32.
+fn file_dtype(float: Option<tch::Kind>) -> Dtype {
+    match float {
+        Some(tch::Kind::BFloat16) => Dtype::BF16,
+        Some(tch::Kind::Half) => Dtype::F16,
+        _ => Dtype::F32,
     }
+}
+
+/// The frozen tensors a model file holds, in the order
+/// [`Engine::stream_frozen`] writes them: each stage-3 unit's sharded
+/// ones, then the replicated ones.
+fn frozen_plan(st: &State, float: Option<tch::Kind>) -> Result<Vec<Planned>, EngineError> {
+    let dtype = file_dtype(float);
+    let mut plan: Vec<Planned> = st
+        .units
+        .iter()
+        .filter_map(|u| u.frozen.as_ref())
+        .flat_map(|p| &p.layout.slots)
+        .map(|s| Planned::new(&s.name, dtype, &s.shape))
+        .collect();
+    plan.extend(st.frozen.plan(float)?);
+    Ok(plan)
 }
 
 fn restore_scaler(s: &mut Scaler, m: &ScalerMeta) {

@@ -14,12 +14,9 @@ use safetensors::Dtype;
 use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 
-use crate::checkpoint::files::RankFile;
+use crate::checkpoint::files::{Planned, RankFile, Sink};
 use crate::checkpoint::{CheckpointError, FrozenMeta};
 use crate::EngineError;
-
-/// One tensor of a model file: (name, dtype, shape, little-endian bytes).
-pub(super) type ModelTensor = (String, Dtype, Vec<i64>, Vec<u8>);
 
 /// The model's frozen variables, sorted by name.
 pub(super) struct Frozen {
@@ -38,8 +35,9 @@ pub(super) struct Frozen {
 pub(super) struct Values {
     /// The replicated variables', in [`Frozen`]'s order.
     replicated: Vec<Tensor>,
-    /// The sharded parameters' (fp32) by name.
-    pub(super) sharded: std::collections::HashMap<String, Tensor>,
+    /// The checkpoint's frozen file, checked to hold the sharded
+    /// parameters in fp32: each unit reads its shard of them from it.
+    pub(super) file: Option<RankFile>,
 }
 
 impl Frozen {
@@ -111,34 +109,65 @@ impl Frozen {
         Ok(())
     }
 
-    /// Every replicated frozen variable as a model-file tensor;
-    /// floating-point ones as `float` when given (a 16-bit export's dtype),
-    /// else as the model created them.
-    pub(super) fn tensors(&self, float: Option<Kind>) -> Result<Vec<ModelTensor>, EngineError> {
+    /// The kind variable `name` is saved in: `float` for a floating-point
+    /// one when given (a 16-bit export's dtype), else the kind the model
+    /// created it in.
+    fn saved_kind(&self, name: &str, t: &Tensor, float: Option<Kind>) -> Result<Kind, EngineError> {
+        Ok(match float {
+            Some(k) if t.is_floating_point() => k,
+            None if self.widened.contains(name) => Kind::Float,
+            _ => t.f_kind()?,
+        })
+    }
+
+    /// Every replicated frozen variable as a model file lists it, in the
+    /// order [`Frozen::write`] writes them.
+    pub(super) fn plan(&self, float: Option<Kind>) -> Result<Vec<Planned>, EngineError> {
         self.vars
             .iter()
             .map(|(name, t)| {
-                let t = match float {
-                    Some(k) if t.is_floating_point() => t.f_to_kind(k)?,
-                    None if self.widened.contains(name) => t.f_to_kind(Kind::Float)?,
-                    _ => t.shallow_clone(),
-                };
-                let (kind, shape, bytes) = raw(name, &t)?;
-                Ok((name.clone(), dtype_of(name, kind)?, shape, bytes))
+                let kind = self.saved_kind(name, t, float)?;
+                Ok(Planned::new(name, dtype_of(name, kind)?, &t.size()))
             })
             .collect()
     }
 
-    /// What `meta.json` records of them.
-    pub(super) fn metas(tensors: &[ModelTensor]) -> Vec<FrozenMeta> {
-        tensors
+    /// Writes every replicated frozen variable to `sink` (one at a time),
+    /// as [`Frozen::plan`] lists them. A local step: an error goes into
+    /// the sink.
+    pub(super) fn write(&self, float: Option<Kind>, sink: &mut Sink) {
+        for (name, t) in &self.vars {
+            if !sink.wants() {
+                return;
+            }
+            let bytes = self
+                .saved_kind(name, t, float)
+                .and_then(|k| match k == t.kind() {
+                    true => Ok(t.shallow_clone()),
+                    false => Ok(t.f_to_kind(k)?),
+                })
+                .and_then(|t| raw(name, &t));
+            match bytes {
+                Ok((_, _, b)) => sink.write(name, &b),
+                Err(e) => sink.fail(CheckpointError::Incompatible(format!(
+                    "frozen `{name}`: {e}"
+                ))),
+            }
+        }
+    }
+
+    /// What `meta.json` records of the frozen tensors in `plan`, by name.
+    pub(super) fn metas(plan: &[Planned]) -> Vec<FrozenMeta> {
+        let mut m: Vec<FrozenMeta> = plan
             .iter()
-            .map(|(name, dtype, shape, _)| FrozenMeta {
-                name: name.clone(),
-                dtype: *dtype,
-                shape: shape.clone(),
+            .map(|p| FrozenMeta {
+                name: p.name.clone(),
+                dtype: p.dtype,
+                shape: p.shape.iter().map(|&d| d as i64).collect(),
             })
-            .collect()
+            .collect();
+        m.sort_by(|a, b| a.name.cmp(&b.name));
+        m
     }
 
     /// Reads this model's frozen variables from `file` (a checkpoint's
@@ -148,13 +177,13 @@ impl Frozen {
     pub(super) fn read(
         &self,
         saved: &[FrozenMeta],
-        file: Option<&RankFile>,
+        file: Option<RankFile>,
     ) -> Result<Values, CheckpointError> {
         let mut missing = Vec::new();
         let mut misshaped = Vec::new();
         let mut values = Values {
             replicated: Vec::with_capacity(self.vars.len()),
-            sharded: Default::default(),
+            file: None,
         };
         let replicated = self.vars.iter().map(|(n, t)| {
             let kind = match self.widened.contains(n) {
@@ -179,20 +208,32 @@ impl Frozen {
                 ));
                 continue;
             }
-            let Some(file) = file else {
+            let Some(file) = file.as_ref() else {
                 // `saved` lists it, so the checkpoint wrote the file.
                 return Err(CheckpointError::Incompatible(format!(
                     "frozen `{name}` is listed but no frozen file was opened"
                 )));
             };
             let (_, bytes) = file.bytes(name)?;
+            if is_sharded {
+                // Read later, each rank its shard; checked now, before
+                // anything changes.
+                let numel: i64 = s.shape.iter().product();
+                if file.f32_len(name)? as i64 != numel {
+                    return Err(CheckpointError::format(
+                        file.path(),
+                        format!(
+                            "frozen `{name}`: {} bytes for {numel} fp32 elements",
+                            bytes.len()
+                        ),
+                    ));
+                }
+                continue;
+            }
             let v = from_bytes(bytes, &s.shape, kind).map_err(|e| {
                 CheckpointError::format(file.path(), format!("frozen `{name}`: {e}"))
             })?;
-            match is_sharded {
-                true => drop(values.sharded.insert(name.clone(), v)),
-                false => values.replicated.push(v),
-            }
+            values.replicated.push(v);
         }
         let unexpected: Vec<String> = saved
             .iter()
@@ -203,6 +244,7 @@ impl Frozen {
             .map(|s| s.name.clone())
             .collect();
         if missing.is_empty() && misshaped.is_empty() && unexpected.is_empty() {
+            values.file = file;
             return Ok(values);
         }
         Err(CheckpointError::ModelMismatch {

@@ -26,6 +26,7 @@ use zrt_offload::Swap;
 use super::elems::Elems;
 use super::offload::read_words;
 use super::Compute;
+use crate::checkpoint::files::RankFile;
 use crate::flat::FlatLayout;
 use crate::EngineError;
 
@@ -73,7 +74,7 @@ impl Part {
             compute,
             swap: None,
         };
-        part.set(&values, group.rank())?;
+        part.set(&values[part.layout.shard(group.rank())])?;
         Ok(part)
     }
 
@@ -87,12 +88,11 @@ impl Part {
         Ok(self.shard.bytes() + crate::glue::storage_nbytes(&self.flat)?)
     }
 
-    /// Makes `whole` (fp32, the full padded buffer) the values: this rank's
-    /// shard of it in the compute dtype (written to the swap if it lives
+    /// Makes `mine` (fp32, this rank's shard of the padded buffer) its
+    /// values, in the compute dtype (written to the swap if it lives
     /// there). The buffer, if gathered, keeps its old values until the unit
     /// is gathered again.
-    pub(super) fn set(&mut self, whole: &[f32], rank: usize) -> Result<(), EngineError> {
-        let mine = &whole[self.layout.shard(rank)];
+    pub(super) fn set(&mut self, mine: &[f32]) -> Result<(), EngineError> {
         let held = match self.compute {
             Compute::F32 => Elems::F32(mine.to_vec()),
             Compute::Bf16 => {
@@ -154,33 +154,17 @@ impl Part {
         self.layout.shard_len() * self.compute.bytes() / 4
     }
 
-    /// Takes a checkpoint's values (fp32, by name; [`super::frozen::Frozen::read`]
-    /// checked every one is there in its shape) as this rank's shard.
-    pub(super) fn load(
-        &mut self,
-        values: &std::collections::HashMap<String, Tensor>,
-        rank: usize,
-    ) -> Result<(), EngineError> {
-        let mut whole = vec![0f32; self.layout.padded];
-        for s in &self.layout.slots {
-            let t = values.get(&s.name).ok_or_else(|| {
-                EngineError::Plan(format!(
-                    "frozen `{}` was not read from the checkpoint",
-                    s.name
-                ))
-            })?;
-            let v = Vec::<f32>::try_from(&t.f_flatten(0, -1)?)?;
-            if v.len() != s.numel {
-                return Err(EngineError::Plan(format!(
-                    "frozen `{}`: {} values read, {} in the model",
-                    s.name,
-                    v.len(),
-                    s.numel
-                )));
-            }
-            whole[s.offset..s.offset + s.numel].copy_from_slice(&v);
+    /// Takes this rank's shard of a checkpoint's values from `file` (its
+    /// frozen file, which [`super::frozen::Frozen::read`] checked holds
+    /// every one in fp32 in its shape), reading only the shard's elements:
+    /// no rank holds the whole frozen base to load it.
+    pub(super) fn load(&mut self, file: &RankFile, rank: usize) -> Result<(), EngineError> {
+        let range = self.layout.shard(rank);
+        let mut mine = vec![0f32; range.len()];
+        for (s, elems, dst) in self.layout.pieces(range) {
+            file.read_f32(&s.name, elems, &mut mine[dst])?;
         }
-        self.set(&whole, rank)
+        self.set(&mine)
     }
 
     /// Every parameter whole, widened to fp32, by name: what checkpoints and

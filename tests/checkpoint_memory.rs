@@ -1,0 +1,179 @@
+//! Saving a checkpoint, exporting the model and loading a checkpoint hold
+//! one unit's values at a time, never the whole model: the point of ZeRO-3
+//! is a model no rank can hold, and a save that gathers it all would fail
+//! on exactly those. Stage 3 with a frozen base (sharded) and the optimizer
+//! state on NVMe, 2 ranks (threads).
+//!
+//! Measured with a counting global allocator: the peak of this process's
+//! Rust heap (both ranks' threads) above where it stood when the call
+//! began. libtorch's own tensors are outside it, and what the engine keeps
+//! between steps is not counted (the peak starts from it).
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Barrier;
+
+use common::{config_zero, model_of, nvme, on_ranks, MICRO};
+use tch::{Kind, Tensor};
+use zrt::gpt::GptConfig;
+use zrt::zero::{AutoHints, Engine};
+
+struct Counting;
+
+static NOW: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call goes to the system allocator unchanged; the counters
+// only observe sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            grew(l.size());
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(l) };
+        if !p.is_null() {
+            grew(l.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) };
+        NOW.fetch_sub(l.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let q = unsafe { System.realloc(p, l, new) };
+        if !q.is_null() {
+            NOW.fetch_sub(l.size(), Ordering::Relaxed);
+            grew(new);
+        }
+        q
+    }
+}
+
+fn grew(n: usize) {
+    let now = NOW.fetch_add(n, Ordering::Relaxed) + n;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Runs `f` on every rank at once and returns the heap's peak above
+/// where it stood before (all ranks' threads together).
+fn peak_of(r: usize, gate: &Barrier, f: impl FnOnce()) -> usize {
+    gate.wait();
+    if r == 0 {
+        PEAK.store(NOW.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+    gate.wait();
+    let before = NOW.load(Ordering::Relaxed);
+    f();
+    gate.wait();
+    PEAK.load(Ordering::Relaxed).saturating_sub(before)
+}
+
+/// 16 blocks: a unit is a sixteenth of the model.
+const BIG: GptConfig = GptConfig {
+    vocab: 64,
+    d_model: 192,
+    layers: 16,
+    heads: 4,
+    seq: 8,
+};
+
+fn is_frozen(name: &str) -> bool {
+    name.ends_with(".fc.weight") || name.ends_with(".out.weight")
+}
+
+fn tokens(rank: usize) -> Tensor {
+    let n = MICRO * (BIG.seq + 1);
+    Tensor::arange(n, (Kind::Int64, tch::Device::Cpu))
+        .g_mul_scalar(rank as i64 + 3)
+        .remainder(BIG.vocab)
+        .view([MICRO, BIG.seq + 1])
+}
+
+#[test]
+fn save_export_and_load_hold_one_unit_at_a_time() {
+    let dir = std::env::temp_dir().join(format!("zrt-ckpt-memory-{}", std::process::id()));
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let (aio, offload) = nvme(&swap);
+    let zero = format!(r#"{offload} "stage3_param_persistence_threshold": 0,"#);
+    let cfg = config_zero(3, 1, 1.0, &aio, &zero);
+    let gate = Barrier::new(2);
+    let sizes = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model_of(&BIG);
+        let (mut frozen, mut trained) = (0usize, 0usize);
+        for (name, t) in vs.variables() {
+            let bytes = t.numel() * 4;
+            match is_frozen(&name) {
+                true => {
+                    let _ = t.set_requires_grad(false);
+                    frozen += bytes;
+                }
+                false => trained += bytes,
+            }
+        }
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
+        e.step().unwrap();
+        let rank = r.rank();
+        let save = peak_of(rank, &gate, || {
+            e.save_checkpoint(&dir, "t").map(drop).unwrap();
+        });
+        let export = peak_of(rank, &gate, || {
+            e.save_16bit_model(dir.join("model.safetensors")).unwrap();
+        });
+        let load = peak_of(rank, &gate, || {
+            e.load_checkpoint(&dir, Some("t")).map(drop).unwrap();
+        });
+        (frozen, trained, save, export, load)
+    });
+    let (frozen, trained, save, export, load) = sizes[0];
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "frozen {:.1} MiB, trained {:.1} MiB; heap peaks: save {:.1}, export {:.1}, load {:.1} MiB",
+        mib(frozen),
+        mib(trained),
+        mib(save),
+        mib(export),
+        mib(load)
+    );
+    assert!(
+        frozen > 16 << 20 && trained > 8 << 20,
+        "the model is big enough to tell"
+    );
+    // A unit's gathers are a sixteenth of that. A whole copy of the frozen
+    // base on a rank, of the trained parameters on both, or of both ranks'
+    // offloaded optimizer states (12 bytes per shard element) is more.
+    for (what, peak) in [("save", save), ("export", export), ("load", load)] {
+        assert!(
+            peak < frozen / 2,
+            "{what} held {:.1} MiB at its peak: more than a few units' worth",
+            mib(peak)
+        );
+    }
+    // And the files hold what they should: the export, every tensor.
+    let file: HashMap<String, Tensor> = Tensor::read_safetensors(dir.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let (vs, _, _) = model_of(&BIG);
+    assert_eq!(file.len(), vs.variables().len());
+    for (name, t) in vs.variables() {
+        assert_eq!(file[&name].size(), t.size(), "{name}");
+        if is_frozen(&name) {
+            assert!(file[&name].equal(&t), "{name} is the model's frozen value");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,13 +12,11 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
 use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
-use zrt_kernels::cast;
 
 use super::frozen::{self, Frozen};
-use super::{elems, Compute, CopyShard, Engine, Scaler, State};
+use super::{Compute, Engine, OwnedState, Scaler, State};
 use crate::checkpoint::consolidate::encode;
 use crate::checkpoint::files::{
     f32_bytes, json_with_crc, sync_dir, Planned, RankFile, Sink, TensorWriter,
@@ -32,9 +30,7 @@ use crate::{glue, EngineError};
 
 /// One unit's state as read from a checkpoint, for this rank's range.
 struct LoadedUnit {
-    master: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    state: OwnedState,
     grad: Option<Vec<f32>>,
 }
 
@@ -52,9 +48,11 @@ impl LoadedUnit {
     ) -> Result<Self, CheckpointError> {
         let n = need.len();
         let mut lu = LoadedUnit {
-            master: vec![0.0; n],
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            state: OwnedState {
+                master: vec![0.0; n],
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
             grad: None,
         };
         for (s, elems, dst) in u.layout.pieces(need) {
@@ -62,11 +60,11 @@ impl LoadedUnit {
                 &s.name,
                 "master",
                 elems.clone(),
-                &mut lu.master[dst.clone()],
+                &mut lu.state.master[dst.clone()],
             )?;
             if what == What::Everything {
-                loc.read_param(&s.name, "m", elems.clone(), &mut lu.m[dst.clone()])?;
-                loc.read_param(&s.name, "v", elems, &mut lu.v[dst])?;
+                loc.read_param(&s.name, "m", elems.clone(), &mut lu.state.m[dst.clone()])?;
+                loc.read_param(&s.name, "v", elems, &mut lu.state.v[dst])?;
             }
         }
         if grads_saved && what == What::Everything {
@@ -631,41 +629,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let padded = u.layout.padded;
             let need = self.own_range(padded, u.layout.shard(rank));
             let lu = LoadedUnit::read(&mut loc, u, need.clone(), rank, l.meta.grads_saved, what)?;
-            i.page_in(sh, k)?;
-            // The compute copy this rank writes (as the optimizer would).
-            match (i.compute, i.stage) {
-                // SAFETY: the unit's flat tensor of the compute dtype, under
-                // the state lock (no forward or backward runs).
-                (Compute::F32, 0..=2) => {
-                    (unsafe { elems::<f32>(&u.flat, padded) })[need].copy_from_slice(&lu.master)
-                }
-                (Compute::F32, _) => {}
-                (Compute::Bf16, 3) | (Compute::F16, 3) => match &mut sh.copy {
-                    CopyShard::Bf16(c) => cast::f32_to_bf16(&lu.master, c)?,
-                    CopyShard::F16(c) => cast::f32_to_f16(&lu.master, c)?,
-                    CopyShard::None => {}
-                },
-                (Compute::Bf16, _) => cast::f32_to_bf16(
-                    &lu.master,
-                    &mut unsafe { elems::<bf16>(&u.flat, padded) }[need],
-                )?,
-                (Compute::F16, _) => cast::f32_to_f16(
-                    &lu.master,
-                    &mut unsafe { elems::<f16>(&u.flat, padded) }[need],
-                )?,
-            }
-            match &i.swap {
-                Some(swap) => i.swap_in(swap, k, &lu.master, &lu.m, &lu.v)?,
-                None => {
-                    sh.m = lu.m;
-                    sh.v = lu.v;
-                }
-            }
-            // Empty when the master lives in the flat tensor or the swap.
-            if !sh.master.is_empty() {
-                sh.master = lu.master;
-            }
-            i.page_out(sh, k, true)?;
+            i.install(u, sh, k, need, lu.state)?;
             match lu.grad {
                 Some(g) if g.len() == sh.g.len() => sh.g = g,
                 _ => sh.g.fill(0.0),

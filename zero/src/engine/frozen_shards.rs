@@ -106,6 +106,21 @@ impl Part {
                 Elems::F16(v)
             }
         };
+        self.hold(held)
+    }
+
+    /// Makes this rank's range of the gathered buffer, which
+    /// `with_full_params` saw changed, its shard.
+    pub(super) fn keep_gathered(&mut self, rank: usize) -> Result<(), EngineError> {
+        let range = self.layout.shard(rank);
+        // SAFETY: the buffer is gathered (the caller fingerprinted it), read
+        // under the engine's state lock.
+        let mine = unsafe { Elems::of_flat(&self.flat, self.layout.padded, self.compute, range) };
+        self.hold(mine)
+    }
+
+    /// Keeps `held` as the shard (in the swap if it lives there).
+    fn hold(&mut self, held: Elems) -> Result<(), EngineError> {
         match &self.swap {
             Some((swap, k)) => swap.write_region(*k, &[&held.words()])?,
             None => self.shard = held,

@@ -63,6 +63,7 @@ mod checkpoint;
 mod elems;
 mod frozen;
 mod frozen_shards;
+mod full_params;
 mod offload;
 mod overlap;
 mod pool;
@@ -141,6 +142,14 @@ struct ShardState<'a> {
     master: std::borrow::Cow<'a, [f32]>,
     m: std::borrow::Cow<'a, [f32]>,
     v: std::borrow::Cow<'a, [f32]>,
+}
+
+/// One unit's optimizer state over a rank's range, owned: what a
+/// checkpoint load or a write-back of changed parameters installs.
+struct OwnedState {
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
 }
 
 /// What one optimizer step applies to every range it updates.
@@ -1524,64 +1533,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .iter()
             .map(|u| u.name.clone())
             .collect()
-    }
-
-    /// Runs `f` with every parameter of the model in memory, whole, then
-    /// frees what stage 3 keeps freed: FSDP's `summon_full_params`,
-    /// DeepSpeed's `GatheredParameters`. A collective (every rank calls it).
-    ///
-    /// Between steps, stage 3 leaves each unit's parameters without memory
-    /// (their storage is freed while their shapes stay), and reading or
-    /// writing them then crashes the process: `vs.save(..)`, printing a
-    /// weight. Inside `f` they hold the current compute-dtype values, so
-    /// `engine.with_full_params(|| vs.save("model.safetensors"))` works on
-    /// every stage. Treat them as read-only: a write reaches the
-    /// optimizer's master copy only where the parameters are that copy
-    /// (fp32, stages 0-2). Load pretrained weights into the VarStore before
-    /// building the engine (it takes rank 0's values), or from a checkpoint
-    /// with [`Engine::load_checkpoint`] (resume) or
-    /// [`Engine::load_checkpoint_module_only`] (fine-tune).
-    pub fn with_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R, EngineError> {
-        let i = &*self.inner;
-        self.unshard()?;
-        // Not under the state lock: `f` may run the model, whose hooks take it.
-        let r = f();
-        if i.stage == 3 {
-            let mut st = i.st.lock();
-            for k in 0..st.units.len() {
-                if st.gathered[k] && !overlap::stays_gathered(&st, k) {
-                    i.release(&mut st, k)?;
-                }
-            }
-        }
-        Ok(r)
-    }
-
-    /// Stage 3: gathers every unit's parameters into memory and leaves them
-    /// there (FSDP2's `unshard`), until a forward frees its unit again or a
-    /// step frees them all. A collective; nothing to do on stages 0-2.
-    ///
-    /// Call it before dropping the engine to keep using the model: the
-    /// parameters then hold the trained compute-dtype values, whole, for
-    /// inference or `vs.save`. Dropped without it, a stage-3 model's
-    /// parameters have no memory and any use of them fails.
-    pub fn unshard(&self) -> Result<(), EngineError> {
-        let i = &*self.inner;
-        if i.stage != 3 {
-            return Ok(());
-        }
-        let mut st = i.st.lock();
-        self.take_error(&mut st)?;
-        if st.prog.in_backward() {
-            return Err(EngineError::CallOrder(
-                "unshard or with_full_params during a backward: call it between steps".into(),
-            ));
-        }
-        i.drain_prefetch(&mut st)?;
-        for k in 0..st.units.len() {
-            i.gather(&mut st, k)?;
-        }
-        Ok(())
     }
 
     /// The full fp32 master parameters of every unit, gathered (a

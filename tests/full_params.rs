@@ -1,0 +1,172 @@
+//! `with_full_params` keeps what its closure changes (FSDP's
+//! `writeback=True`): a change made inside it trains exactly as the same
+//! change made to the VarStore before the engine was built, on every stage,
+//! in fp32 and bf16, with the optimizer state and the parameters on NVMe,
+//! and for a sharded frozen weight. Ranks that change the model
+//! differently get an error and rank 0's values. 2 ranks (threads).
+
+mod common;
+
+use common::{config_zero, model, nvme, nvme_params, on_ranks, tokens, WORLD};
+use tch::{nn, Kind, Tensor};
+use zrt::zero::{AutoHints, Config, Engine};
+
+fn var(vs: &nn::VarStore, name: &str) -> Tensor {
+    vs.variables()
+        .remove(name)
+        .unwrap_or_else(|| panic!("no variable {name}"))
+}
+
+/// The change, in values every precision holds exactly: a trained weight
+/// and bias set, one row of the root's embedding set, a frozen weight
+/// doubled.
+fn change(vs: &nn::VarStore) {
+    tch::no_grad(|| {
+        let _ = var(vs, "h.0.proj.weight").fill_(0.125);
+        let _ = var(vs, "h.1.proj.bias").fill_(-0.5);
+        let _ = var(vs, "wte.weight").narrow(0, 0, 1).fill_(0.0625);
+        let _ = var(vs, "h.0.fc.weight").g_mul_scalar_(2.0);
+    });
+}
+
+/// What training left: every master, and the frozen weight as the engine
+/// holds it (gathered).
+type Outcome = (Vec<(String, Vec<f32>)>, Vec<f32>);
+
+/// Trains two steps of the test GPT with `h.0.fc.weight` frozen, making
+/// [`change`] before building the engine (`inside` false) or inside
+/// `with_full_params` after it.
+fn train(cfg: &Config, inside: bool) -> Vec<Outcome> {
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let _ = var(&vs, "h.0.fc.weight").set_requires_grad(false);
+        if !inside {
+            change(&vs);
+        }
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+        if inside {
+            e.with_full_params(|| change(&vs)).unwrap();
+        }
+        for step in 0..2 {
+            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+        }
+        let frozen = e
+            .with_full_params(|| {
+                let t = var(&vs, "h.0.fc.weight").to_kind(Kind::Float);
+                Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()
+            })
+            .unwrap();
+        (e.gathered_params().unwrap(), frozen)
+    })
+}
+
+/// Asserts `a` and `b` hold the same bits, naming the first parameter
+/// that differs (the values themselves would fill a screen).
+fn same(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb, "{what}");
+        assert!(va == vb, "{what}: `{na}` differs");
+    }
+}
+
+fn cfg(stage: u8, extra: &str, zero: &str) -> Config {
+    let zero = format!(r#"{zero} "stage3_param_persistence_threshold": 0,"#);
+    config_zero(stage, 1, 0.5, extra, &zero)
+}
+
+#[test]
+fn a_change_inside_with_full_params_trains_as_one_made_before_the_engine() {
+    let dir = std::env::temp_dir().join(format!("zrt-full-params-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (aio, opt) = nvme(&dir);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let mut cases: Vec<(String, Config)> = Vec::new();
+    for stage in 0..=3u8 {
+        cases.push((format!("stage {stage} fp32"), cfg(stage, "", "")));
+        cases.push((format!("stage {stage} bf16"), cfg(stage, bf16, "")));
+    }
+    let offloaded = format!("{opt}{}", nvme_params(&dir));
+    cases.push((
+        "stage 3 bf16, optimizer and parameters on NVMe".into(),
+        cfg(3, &format!("{aio}{bf16}"), &offloaded),
+    ));
+    cases.push((
+        "stage 3 fp32, optimizer and parameters on NVMe".into(),
+        cfg(3, &aio, &offloaded),
+    ));
+    for (what, c) in &cases {
+        let before = train(c, false);
+        let inside = train(c, true);
+        for (rank, (b, i)) in before.iter().zip(&inside).enumerate() {
+            same(&b.0, &i.0, &format!("{what}, rank {rank}"));
+            assert!(b.1 == i.1, "{what}, rank {rank}: the frozen weight differs");
+        }
+        // The change took: the frozen weight is doubled, not the model's.
+        let (vs, _, _) = model();
+        let (_, frozen) = &inside[0];
+        let init = var(&vs, "h.0.fc.weight")
+            .to_kind(Kind::Float)
+            .flatten(0, -1);
+        let init = Vec::<f32>::try_from(&init).unwrap();
+        let twice = |x: f32| match what.contains("bf16") {
+            true => half::bf16::from_f32(x).to_f32() * 2.0,
+            false => x * 2.0,
+        };
+        assert_eq!(
+            frozen[..8],
+            init[..8].iter().map(|&x| twice(x)).collect::<Vec<_>>()[..]
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ranks_that_change_the_model_differently_get_an_error_and_rank_0s_values() {
+    for (stage, extra) in [(3u8, ""), (2, r#""bf16": {"enabled": true},"#)] {
+        let out = on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = model();
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e =
+                Engine::new(&vs, &plan, &cfg(stage, extra, ""), g, &AutoHints::default()).unwrap();
+            let w = var(&vs, "h.1.proj.weight");
+            let err = e
+                .with_full_params(|| {
+                    if r.rank() == 1 {
+                        let _ = tch::no_grad(|| w.shallow_clone().fill_(0.25));
+                    }
+                })
+                .unwrap_err()
+                .to_string();
+            // Training goes on from one model.
+            let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            (err, e.gathered_params().unwrap())
+        });
+        let reference = on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = model();
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e =
+                Engine::new(&vs, &plan, &cfg(stage, extra, ""), g, &AutoHints::default()).unwrap();
+            let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            e.gathered_params().unwrap()
+        });
+        for (rank, (err, params)) in out.iter().enumerate() {
+            assert!(
+                err.contains("the ranks changed units `h.1` (world ranks [1]) differently from world rank 0; rank 0's values were kept on every rank"),
+                "stage {stage}, rank {rank}: {err}"
+            );
+            same(
+                params,
+                &reference[rank],
+                &format!("stage {stage}, rank {rank}"),
+            );
+        }
+    }
+}

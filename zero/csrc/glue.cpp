@@ -41,10 +41,13 @@ extern "C" {
 
 void zrt_free_error(char *err) { std::free(err); }
 
-// Bytes currently held by the tensor's storage (0 once freed).
-char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out) {
+// The tensor's storage: its length in bytes and where its data is (a freed
+// storage's data is null or a guard, see `zrt_storage_free`).
+char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out, const void **data) {
   try {
-    *out = t->storage().nbytes();
+    c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
+    *out = s->nbytes();
+    *data = s->data_ptr().get();
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());
@@ -53,16 +56,26 @@ char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out) {
 
 // Releases the memory behind a tensor's storage, keeping the storage object
 // (and with it every view and every autograd node that saved one) alive.
-// This is FSDP's `untyped_storage().resize_(0)`: a freed storage has no data
-// and zero bytes until `zrt_storage_realloc` gives it fresh memory.
-char *zrt_storage_free(torch::Tensor *t) {
+// This is FSDP's `untyped_storage().resize_(0)`, with one difference: given
+// a `guard` (reserved, inaccessible address space at least as long as the
+// storage; CPU only), the storage keeps its length and points there, so a
+// reader that copies its bytes faults in the guard (and the Rust side
+// explains why) instead of reading null or writing a zero-byte copy.
+// Without one it has no data and zero bytes. Either way it stays freed until
+// `zrt_storage_realloc` or `zrt_storage_adopt` gives it memory. The guard
+// is not owned: nothing is released when the storage lets go of it.
+char *zrt_storage_free(torch::Tensor *t, void *guard) {
   try {
     c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
     if (!s->resizable()) {
       return to_error("storage is not resizable (it wraps memory torch does not own)");
     }
-    s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
-    s->set_nbytes(0);
+    if (guard != nullptr && s->device().type() == c10::DeviceType::CPU) {
+      s->set_data_ptr_noswap(c10::DataPtr(guard, s->device()));
+    } else {
+      s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+      s->set_nbytes(0);
+    }
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

@@ -12,6 +12,8 @@
 
 use std::ffi::{c_char, CStr};
 
+mod freed;
+
 use tch::Tensor;
 
 /// An error raised by libtorch inside the glue.
@@ -33,8 +35,12 @@ mod ffi {
 
     extern "C" {
         pub fn zrt_free_error(err: *mut c_char);
-        pub fn zrt_storage_nbytes(t: *const C_tensor, out: *mut usize) -> *mut c_char;
-        pub fn zrt_storage_free(t: *mut C_tensor) -> *mut c_char;
+        pub fn zrt_storage_nbytes(
+            t: *const C_tensor,
+            out: *mut usize,
+            data: *mut *const std::ffi::c_void,
+        ) -> *mut c_char;
+        pub fn zrt_storage_free(t: *mut C_tensor, guard: *mut std::ffi::c_void) -> *mut c_char;
         pub fn zrt_storage_realloc(t: *mut C_tensor, nbytes: usize) -> *mut c_char;
         pub fn zrt_storage_adopt(
             t: *mut C_tensor,
@@ -89,24 +95,42 @@ fn check(op: &'static str, err: *mut c_char) -> Result<(), GlueError> {
 
 /// Bytes currently held by the storage behind `t` (0 after [`free_storage`]).
 pub fn storage_nbytes(t: &Tensor) -> Result<usize, GlueError> {
+    let (n, data) = storage(t)?;
+    Ok(match freed::guarded(data as usize) {
+        true => 0,
+        false => n,
+    })
+}
+
+/// The storage's length and data pointer.
+fn storage(t: &Tensor) -> Result<(usize, *const std::ffi::c_void), GlueError> {
     let mut out = 0usize;
+    let mut data = std::ptr::null();
     // SAFETY: `t.as_ptr()` is a live `torch::Tensor*` for the borrow's duration.
     check("storage_nbytes", unsafe {
-        ffi::zrt_storage_nbytes(t.as_ptr(), &mut out)
+        ffi::zrt_storage_nbytes(t.as_ptr(), &mut out, &mut data)
     })?;
-    Ok(out)
+    Ok((out, data))
 }
 
 /// Releases the memory behind `t`'s storage, in place.
 ///
 /// Every tensor sharing the storage (views, and views autograd saved for
 /// backward) stays alive but must not be read until [`realloc_storage`] gives
-/// the storage memory again and the caller refills it.
+/// the storage memory again and the caller refills it. A CPU storage points
+/// into an inaccessible guard meanwhile, so a read stops the process with an
+/// explanation ([`freed`]) rather than reading nothing.
 pub fn free_storage(t: &Tensor) -> Result<(), GlueError> {
+    let (n, data) = storage(t)?;
+    if freed::guarded(data as usize) {
+        return Ok(());
+    }
+    let guard = freed::guard(n).unwrap_or(std::ptr::null_mut());
     // SAFETY: as above; the glue only touches the storage, which the tensor
-    // keeps alive, and tch's handle is not mutated.
+    // keeps alive, and tch's handle is not mutated. The guard outlives the
+    // process's storages (it is never unmapped).
     check("storage_free", unsafe {
-        ffi::zrt_storage_free(t.as_ptr() as *mut _)
+        ffi::zrt_storage_free(t.as_ptr() as *mut _, guard)
     })
 }
 

@@ -34,8 +34,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ///
     /// Between steps, stage 3 leaves each unit's parameters without memory
     /// (their storage is freed while their shapes stay), and reading or
-    /// writing them then crashes the process: `vs.save(..)`, printing a
-    /// weight. Inside `f` they hold the current compute-dtype values, so
+    /// writing them then stops the process with a message saying so
+    /// (`vs.save(..)`, printing a weight; see [`crate::glue`]). Inside `f` they hold the current compute-dtype values, so
     /// `engine.with_full_params(|| vs.save("model.safetensors"))` works on
     /// every stage.
     ///

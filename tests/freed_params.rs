@@ -1,0 +1,103 @@
+//! Reading a stage-3 parameter the engine freed, outside
+//! `with_full_params`, through code that reads its bytes directly
+//! (`VarStore::save`, libtorch's serializer): the process still stops (the
+//! storage has no memory), but it says why and what to do, where before the
+//! `.pt` path wrote a file of zero-byte storages and reported success and
+//! the `.safetensors` path died of a bare SIGSEGV. The crashes run in a
+//! child process (this test binary run again, `ZRT_FREED_CHILD` saying
+//! what to do).
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+
+use common::{config_zero, model, solo_engine, tokens};
+use tch::nn;
+use zrt::collectives::local::LocalGroup;
+use zrt::zero::Engine;
+
+const CHILD: &str = "ZRT_FREED_CHILD";
+const THIS: &str = "saving_a_freed_stage_3_model_names_the_problem_and_the_fix";
+
+/// A one-rank stage-3 model after a step: every parameter freed.
+fn freed_model() -> (nn::VarStore, Engine<LocalGroup>) {
+    let (vs, plan, gpt) = model();
+    let cfg = config_zero(3, 1, 0.0, "", r#""stage3_param_persistence_threshold": 0,"#);
+    let e = solo_engine(&vs, &plan, &cfg).unwrap();
+    e.backward(&gpt.loss(&tokens(0, 0, 0, 1))).unwrap();
+    e.step().unwrap();
+    (vs, e)
+}
+
+/// Runs this binary's [`THIS`] test as a child doing `what`; its stderr and
+/// the signal that ended it.
+fn child(what: &str) -> (String, Option<i32>) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", THIS, "--nocapture", "--test-threads=1"])
+        .env(CHILD, what)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (err, out.status.signal())
+}
+
+#[test]
+fn saving_a_freed_stage_3_model_names_the_problem_and_the_fix() {
+    match std::env::var(CHILD).as_deref() {
+        Ok("overflow") => return overflow_after_a_free(),
+        Ok(path) => {
+            let (vs, _e) = freed_model();
+            eprintln!("saving");
+            let r = vs.save(path);
+            // Not reached when the save stops the process as it should.
+            eprintln!("save returned {r:?}");
+            return;
+        }
+        Err(_) => {}
+    }
+    for ext in ["pt", "safetensors"] {
+        let path = std::env::temp_dir().join(format!("zrt-freed-{}.{ext}", std::process::id()));
+        let (err, signal) = child(&path.display().to_string());
+        let _ = std::fs::remove_file(&path);
+        assert!(err.contains("saving"), "{ext}: {err}");
+        assert_eq!(signal, Some(libc::SIGSEGV), "{ext}: {err}");
+        for words in [
+            "a stage-3 parameter whose memory the engine freed was read or written",
+            "engine.with_full_params(|| vs.save(path))",
+            "engine.save_16bit_model(path)",
+            "engine.unshard()",
+        ] {
+            assert!(err.contains(words), "{ext}: `{words}` not in:\n{err}");
+        }
+    }
+}
+
+/// Frees a stage-3 model (installing zrt's handler), then overflows a
+/// thread's stack: the fault is not in a guard, so Rust's own report must
+/// still run.
+fn overflow_after_a_free() {
+    let _model = freed_model();
+    fn deep(n: u64) -> u64 {
+        let pad = std::hint::black_box([n; 64]);
+        match n {
+            u64::MAX => 0,
+            _ => pad[1] + deep(n + 1),
+        }
+    }
+    let t = std::thread::Builder::new()
+        .stack_size(1 << 16)
+        .spawn(|| deep(0));
+    let _ = t.unwrap().join();
+}
+
+#[test]
+fn other_faults_still_reach_the_handler_that_was_there_before() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let (err, signal) = child("overflow");
+    assert!(err.contains("has overflowed its stack"), "{err}");
+    assert!(!err.contains("zrt: a stage-3 parameter"), "{err}");
+    assert_eq!(signal, Some(libc::SIGABRT), "{err}");
+}

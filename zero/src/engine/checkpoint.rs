@@ -666,7 +666,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// 16-bit; fp32: fp32) to one safetensors file at `path`, under the
     /// model's VarStore names: DeepSpeed's `save_16bit_model` (with
     /// `stage3_gather_16bit_weights_on_model_save`). A collective: the
-    /// parameters are gathered to every rank, rank 0 writes.
+    /// parameters are gathered one unit at a time and rank 0 writes each
+    /// as it comes, so no rank holds the whole model.
     pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
         let i = &*self.inner;
         let path = path.as_ref();

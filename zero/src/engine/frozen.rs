@@ -140,12 +140,10 @@ impl Frozen {
             if !sink.wants() {
                 return;
             }
+            // A cast to the kind it has already is the tensor itself.
             let bytes = self
                 .saved_kind(name, t, float)
-                .and_then(|k| match k == t.kind() {
-                    true => Ok(t.shallow_clone()),
-                    false => Ok(t.f_to_kind(k)?),
-                })
+                .and_then(|k| Ok(t.f_to_kind(k)?))
                 .and_then(|t| raw(name, &t));
             match bytes {
                 Ok((_, _, b)) => sink.write(name, &b),

@@ -170,3 +170,62 @@ fn ranks_that_change_the_model_differently_get_an_error_and_rank_0s_values() {
         }
     }
 }
+
+#[test]
+fn hybrid_sharding_writes_back_in_every_replica_and_names_world_ranks() {
+    // World 4, mics_shard_size 2: shards inside {0, 1} and {2, 3}, replicas
+    // {0, 2} and {1, 3}. `who` changes the model: every rank, or rank 3
+    // alone (the second replica's second shard rank).
+    let cfg = config_zero(
+        3,
+        1,
+        0.5,
+        "",
+        r#""mics_shard_size": 2, "stage3_param_persistence_threshold": 0,"#,
+    );
+    let run = |before: bool, who: fn(usize) -> bool| {
+        on_ranks(4, |mut r| {
+            let (vs, plan, gpt) = model();
+            if before {
+                change(&vs);
+            }
+            let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+            let kept = e.with_full_params(|| {
+                if who(r.rank()) {
+                    change(&vs);
+                }
+            });
+            let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            (
+                kept.err().map(|e| e.to_string()),
+                e.gathered_params().unwrap(),
+            )
+        })
+    };
+    let reference = run(true, |_| false);
+    let inside = run(false, |_| true);
+    let rank3 = run(false, |r| r == 3);
+    let untouched = run(false, |_| false);
+    for rank in 0..4 {
+        assert_eq!(reference[rank].0, None);
+        same(
+            &reference[rank].1,
+            &reference[0].1,
+            &format!("reference rank {rank}"),
+        );
+        same(
+            &inside[rank].1,
+            &reference[rank].1,
+            &format!("changed inside, rank {rank}"),
+        );
+        same(
+            &rank3[rank].1,
+            &untouched[rank].1,
+            &format!("rank 3 alone, rank {rank}"),
+        );
+        let err = rank3[rank].0.as_deref().unwrap_or_default();
+        assert!(err.contains("(world ranks [3])"), "rank {rank}: {err}");
+    }
+}

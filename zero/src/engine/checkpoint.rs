@@ -174,16 +174,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
     }
 
-    /// The range of a unit's flat buffer this rank keeps optimizer state for
-    /// (everything at stage 0).
-    fn own_range(&self, padded: usize, shard: Range<usize>) -> Range<usize> {
-        if self.inner.stage == 0 {
-            0..padded
-        } else {
-            shard
-        }
-    }
-
     /// Saves a checkpoint as `DIR/TAG` (a collective: every rank calls it
     /// with the same arguments) and, once every rank's files are durable,
     /// points `DIR/latest` at it. Each rank writes its shards of the fp32
@@ -583,7 +573,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // turn comes in `apply`: one unit's state in memory at a time.
         let mut loc = Locator::new(&meta, &tag_dir);
         for u in &st.units {
-            let need = self.own_range(u.layout.padded, u.layout.shard(rank));
+            let need = i.own_range(u);
             for (s, elems, _) in u.layout.pieces(need) {
                 for what in ["master", "m", "v"] {
                     loc.check_param(&s.name, what, elems.clone())?;
@@ -626,8 +616,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         i.drain_prefetch(st)?;
         let mut loc = l.loc;
         for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
-            let padded = u.layout.padded;
-            let need = self.own_range(padded, u.layout.shard(rank));
+            let need = i.own_range(u);
             let lu = LoadedUnit::read(&mut loc, u, need.clone(), rank, l.meta.grads_saved, what)?;
             i.install(u, sh, k, need, lu.state)?;
             match lu.grad {

@@ -153,16 +153,26 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     return Ok(None);
                 }
                 let mut h = crc32fast::Hasher::new();
-                // SAFETY: gathered flat tensors of the compute dtype (stage
-                // 3: checked above; stages 0-2 always hold them), read
-                // under the state lock.
-                h.update(unsafe { elems::<u8>(&u.flat, u.layout.padded * self.compute.bytes()) });
-                if let Some(p) = &u.frozen {
-                    h.update(unsafe { elems::<u8>(&p.flat, p.padded() * self.compute.bytes()) });
+                for (flat, n) in self.gathered_flats(u) {
+                    // SAFETY: gathered flat tensors of the compute dtype
+                    // (stage 3: checked above; stages 0-2 always hold
+                    // them), read under the state lock.
+                    h.update(unsafe { elems::<u8>(flat, n) });
                 }
                 Ok(Some(h.finalize()))
             })
             .collect()
+    }
+
+    /// Unit `u`'s flat tensors a gather fills (trainable, then frozen), with
+    /// their lengths in bytes.
+    fn gathered_flats<'u>(&self, u: &'u Unit) -> Vec<(&'u tch::Tensor, usize)> {
+        let bytes = self.compute.bytes();
+        let mut flats = vec![(&u.flat, u.layout.padded * bytes)];
+        if let Some(p) = &u.frozen {
+            flats.push((&p.flat, p.padded() * bytes));
+        }
+        flats
     }
 
     /// `mine` from every rank of the world, in world order (the shard
@@ -178,13 +188,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Makes world rank 0's gathered values of unit `k` (trainable and
     /// frozen) everyone's: across replicas, then inside the shard group.
     fn rank0_values(&self, st: &State, k: usize) -> Result<(), EngineError> {
-        let u = &st.units[k];
-        let bytes = self.compute.bytes();
-        let mut flats = vec![(&u.flat, u.layout.padded * bytes)];
-        if let Some(p) = &u.frozen {
-            flats.push((&p.flat, p.padded() * bytes));
-        }
-        for (flat, n) in flats {
+        for (flat, n) in self.gathered_flats(&st.units[k]) {
             // SAFETY: a gathered flat tensor (checked by the caller's
             // fingerprints), under the state lock.
             let data = unsafe { elems::<u8>(flat, n) };
@@ -201,13 +205,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Writes unit `k`'s gathered values, which changed, back into this
     /// rank's range of everything they are gathered or stepped from.
     fn write_back_unit(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
-        let rank = self.group.rank();
         let padded = st.units[k].layout.padded;
-        // Stage 0 steps the whole buffer on every rank; the others a shard.
-        let need = match self.stage {
-            0 => 0..padded,
-            _ => st.units[k].layout.shard(rank),
-        };
+        let need = self.own_range(&st.units[k]);
         let mut state = match self.stage {
             0 => {
                 let sh = &st.shards[k];
@@ -254,7 +253,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let (units, shards) = (&mut st.units, &mut st.shards);
         let u = &mut units[k];
         if let Some(p) = &mut u.frozen {
-            p.keep_gathered(rank)?;
+            p.keep_gathered(self.group.rank())?;
         }
         self.install(u, &mut shards[k], k, need, state)
     }

@@ -383,6 +383,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         u.layout.shard(self.group.rank())
     }
 
+    /// The range of unit `u`'s flat buffer this rank keeps optimizer state
+    /// for: its shard, everything at stage 0 (which steps the whole buffer
+    /// on every rank).
+    fn own_range(&self, u: &Unit) -> std::ops::Range<usize> {
+        match self.stage {
+            0 => 0..u.layout.padded,
+            _ => self.shard_range(u),
+        }
+    }
+
     /// Fills unit `i`'s whole flat tensor from every rank's shard of it
     /// (compute dtype; the fp32 master in fp32 training).
     fn fill_from_shards(&self, st: &mut State, i: usize) -> Result<(), EngineError> {

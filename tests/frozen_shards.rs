@@ -37,10 +37,21 @@ fn frozen_model_by(
     rank: usize,
     frozen: fn(&str) -> bool,
 ) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) {
+    frozen_model_in(rank, frozen, Kind::Float)
+}
+
+/// As [`frozen_model_by`], the frozen base cast to `base` first (a LoRA
+/// base loaded in bf16).
+fn frozen_model_in(
+    rank: usize,
+    frozen: fn(&str) -> bool,
+    base: Kind,
+) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) {
     let (vs, plan, gpt) = model();
-    for (name, t) in vs.variables() {
+    for (name, mut t) in vs.variables() {
         if frozen(&name) {
             let _ = t.set_requires_grad(false);
+            t.set_data(&t.to_kind(base));
             if rank == 1 {
                 let _ = tch::no_grad(|| t.shallow_clone().fill_(0.25));
             }
@@ -97,8 +108,13 @@ fn run(cfg: &Config, world: usize) -> Run {
 
 /// As [`run`], freezing what `frozen` names.
 fn run_by(cfg: &Config, world: usize, frozen: fn(&str) -> bool) -> Run {
+    run_in(cfg, world, frozen, Kind::Float)
+}
+
+/// As [`run_by`], the frozen base cast to `base` first.
+fn run_in(cfg: &Config, world: usize, frozen: fn(&str) -> bool, base: Kind) -> Run {
     let out = on_ranks(world, |mut r: LocalRank| {
-        let (vs, plan, gpt) = frozen_model_by(r.rank(), frozen);
+        let (vs, plan, gpt) = frozen_model_in(r.rank(), frozen, base);
         let e = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
         let mut losses = Vec::new();
         for step in 0..3 {
@@ -143,17 +159,25 @@ fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
     let dir = std::env::temp_dir().join(format!("zrt-frozen-shards-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bf16 = r#""bf16": {"enabled": true},"#;
-    for (extra, kind) in [("", Kind::Float), (bf16, Kind::BFloat16)] {
-        // Stage 0 keeps the base whole on every rank: the reference.
+    // The third: a base loaded in bf16 for bf16 training is sharded as it
+    // is, and trains to the same bits as an fp32 base the engine casts.
+    let cases = [
+        ("", Kind::Float, Kind::Float),
+        (bf16, Kind::BFloat16, Kind::Float),
+        (bf16, Kind::BFloat16, Kind::BFloat16),
+    ];
+    for (extra, kind, base_kind) in cases {
+        // Stage 0 keeps the base whole on every rank: the reference (of
+        // the fp32 base).
         let reference = run(&cfg(0, extra, ""), WORLD);
         assert!(
             !reference.params.iter().any(|(n, _)| is_frozen(n)),
             "a frozen parameter has no master copy"
         );
         let nvme = nvme_params(&dir);
-        for (stage, zero) in [(1u8, ""), (2, ""), (3, ""), (3, nvme.as_str())] {
-            let what = format!("stage {stage} {extra} {zero}");
-            let got = run(&cfg(stage, extra, zero), WORLD);
+        for (stage, zero) in [(0u8, ""), (1, ""), (2, ""), (3, ""), (3, nvme.as_str())] {
+            let what = format!("stage {stage} {extra} {zero} base {base_kind:?}");
+            let got = run_in(&cfg(stage, extra, zero), WORLD, is_frozen, base_kind);
             assert_eq!(got.params, reference.params, "{what}");
             assert_eq!(got.losses, reference.losses, "{what}");
             for b in got.bases.iter().chain(&reference.bases) {
@@ -257,29 +281,61 @@ fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
 
 #[test]
 fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
-    let dir = std::env::temp_dir().join(format!("zrt-frozen-ckpt-{}", std::process::id()));
-    let want = base();
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    // fp32, and a bf16 base under bf16 training (sharded as bf16, saved
+    // as bf16: as a replicated bf16 base is).
+    for (extra, base_kind) in [("", Kind::Float), (bf16, Kind::BFloat16)] {
+        checkpoint_round_trip(extra, base_kind);
+    }
+}
+
+fn checkpoint_round_trip(extra: &str, base_kind: Kind) {
+    let dir = std::env::temp_dir().join(format!(
+        "zrt-frozen-ckpt-{}-{base_kind:?}",
+        std::process::id()
+    ));
+    let want: HashMap<String, Vec<f32>> = base()
+        .into_iter()
+        .map(|(n, v)| (n, values(&Tensor::from_slice(&v).to_kind(base_kind))))
+        .collect();
     let export = dir.join("model.safetensors");
     let swap_dir = dir.join("swap");
     std::fs::create_dir_all(&swap_dir).unwrap();
     // Stage 3 keeps its frozen shards in a swap file (`offload_param`):
     // saved from it, loaded into it.
     let at = |stage: u8| match stage {
-        3 => cfg(3, "", &nvme_params(&swap_dir)),
-        s => cfg(s, "", ""),
+        3 => cfg(3, extra, &nvme_params(&swap_dir)),
+        s => cfg(s, extra, ""),
     };
     for (from, to) in [(3u8, 2u8), (2, 3)] {
         let tag = format!("from{from}");
         on_ranks(WORLD, |r| {
-            let (vs, plan, gpt) = frozen_model(r.rank());
+            let (vs, plan, gpt) = frozen_model_in(r.rank(), is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &at(from), g, &AutoHints::default()).unwrap();
+            if from == 3 && r.rank() == 0 {
+                // Sharded: freed between steps, whatever its dtype.
+                assert_eq!(
+                    glue::storage_nbytes(&vs.variables()["h.0.fc.weight"]).unwrap(),
+                    0
+                );
+            }
             let loss = gpt.loss(&tokens(0, 0, r.rank(), 1));
             e.backward(&loss).unwrap();
             e.step().unwrap();
             e.save_checkpoint(&dir, &tag).unwrap();
             e.save_16bit_model(&export).unwrap();
         });
+        // The checkpoint holds the base in the dtype the model created it
+        // in, whether it was sharded or not.
+        let saved: HashMap<String, Tensor> =
+            Tensor::read_safetensors(dir.join(&tag).join("frozen.safetensors"))
+                .unwrap()
+                .into_iter()
+                .collect();
+        for n in want.keys() {
+            assert_eq!(saved[n].kind(), base_kind, "stage {from}: {n}");
+        }
         let consolidated = dir.join("consolidated.safetensors");
         zrt::zero::checkpoint::consolidate(
             &dir,
@@ -302,7 +358,7 @@ fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
         }
         on_ranks(WORLD, |r| {
             // Another base everywhere: the load must replace it.
-            let (vs, plan, _) = frozen_model(1);
+            let (vs, plan, _) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &at(to), g, &AutoHints::default()).unwrap();
             assert_ne!(

@@ -737,11 +737,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         float: Option<tch::Kind>,
         sink: &mut Sink,
     ) -> Result<(), EngineError> {
-        let dtype = file_dtype(float);
         for p in st.units.iter().filter_map(|u| u.frozen.as_ref()) {
-            for (name, _, v) in p.whole(&self.inner.group)? {
+            let full = p.whole(&self.inner.group)?;
+            for (s, &saved) in p.layout.slots.iter().zip(&p.saved) {
                 if sink.wants() {
-                    sink.write(&name, &encode(&v, dtype));
+                    let v = &full[s.offset..s.offset + s.numel];
+                    sink.write(&s.name, &encode(v, sharded_dtype(saved, float)));
                 }
             }
         }
@@ -750,8 +751,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 }
 
-/// The dtype stage 3's sharded frozen parameters (and an export's
-/// parameters) are written in: `float` when given, else fp32.
+/// The dtype an export's parameters are written in: `float` when given,
+/// else fp32.
 fn file_dtype(float: Option<tch::Kind>) -> Dtype {
     match float {
         Some(tch::Kind::BFloat16) => Dtype::BF16,
@@ -760,17 +761,26 @@ fn file_dtype(float: Option<tch::Kind>) -> Dtype {
     }
 }
 
+/// The dtype a sharded frozen parameter the model created in `saved` is
+/// written in: an export's `float` when given, else `saved` (checkpoints
+/// keep the model's dtype, as for replicated frozen variables).
+fn sharded_dtype(saved: Dtype, float: Option<tch::Kind>) -> Dtype {
+    match float {
+        Some(_) => file_dtype(float),
+        None => saved,
+    }
+}
+
 /// The frozen tensors a model file holds, in the order
 /// [`Engine::stream_frozen`] writes them: each stage-3 unit's sharded
 /// ones, then the replicated ones.
 fn frozen_plan(st: &State, float: Option<tch::Kind>) -> Result<Vec<Planned>, EngineError> {
-    let dtype = file_dtype(float);
     let mut plan: Vec<Planned> = st
         .units
         .iter()
         .filter_map(|u| u.frozen.as_ref())
-        .flat_map(|p| &p.layout.slots)
-        .map(|s| Planned::new(&s.name, dtype, &s.shape))
+        .flat_map(|p| p.layout.slots.iter().zip(&p.saved))
+        .map(|(s, &saved)| Planned::new(&s.name, sharded_dtype(saved, float), &s.shape))
         .collect();
     plan.extend(st.frozen.plan(float)?);
     Ok(plan)

@@ -1,7 +1,8 @@
 //! Frozen variables: the model's tensors that do not train (`requires_grad`
 //! false: frozen parameters, and buffers such as running statistics).
 //!
-//! Stage 3 shards the fp32 frozen parameters of the units it frees
+//! Stage 3 shards the fp32 (and compute-dtype) frozen parameters of the
+//! units it frees
 //! ([`super::frozen_shards`]), as FSDP2 and ZeRO-3 do. Everything else
 //! here — buffers, the root's frozen parameters, all of them at stages
 //! 0-2 — every rank keeps whole, as DDP would. What the engine owes them is
@@ -26,9 +27,10 @@ pub(super) struct Frozen {
     /// dtype: checkpoints hold them in fp32, as the model created them, so
     /// a checkpoint loads whatever the precision or stage.
     widened: std::collections::HashSet<String>,
-    /// Stage 3's sharded frozen parameters (`frozen_shards`): name and
-    /// shape. Checkpoints hold them whole, in fp32.
-    sharded: Vec<(String, Vec<i64>)>,
+    /// Stage 3's sharded frozen parameters (`frozen_shards`): name, shape
+    /// and the dtype checkpoints hold them in (whole, as the model created
+    /// them).
+    sharded: Vec<(String, Vec<i64>, Dtype)>,
 }
 
 /// Frozen values a checkpoint holds, as [`Frozen::read`] returns them.
@@ -36,7 +38,8 @@ pub(super) struct Values {
     /// The replicated variables', in [`Frozen`]'s order.
     replicated: Vec<Tensor>,
     /// The checkpoint's frozen file, checked to hold the sharded
-    /// parameters in fp32: each unit reads its shard of them from it.
+    /// parameters in their dtypes: each unit reads its shard of them from
+    /// it.
     pub(super) file: Option<RankFile>,
 }
 
@@ -48,7 +51,7 @@ impl Frozen {
     /// frozen parameters too), so that they meet the 16-bit activations.
     pub(super) fn of(
         vars: std::collections::HashMap<String, Tensor>,
-        mut sharded: Vec<(String, Vec<i64>)>,
+        mut sharded: Vec<(String, Vec<i64>, Dtype)>,
         params: &std::collections::HashSet<usize>,
         compute: Kind,
     ) -> Result<Self, EngineError> {
@@ -57,7 +60,7 @@ impl Frozen {
             .filter(|(_, t)| !t.requires_grad())
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        sharded.sort();
+        sharded.sort_by(|a, b| a.0.cmp(&b.0));
         let mut widened = std::collections::HashSet::new();
         for (name, t) in &mut vars {
             if compute != Kind::Float
@@ -193,7 +196,7 @@ impl Frozen {
         let sharded = self
             .sharded
             .iter()
-            .map(|(n, s)| (n, Kind::Float, s.clone(), true));
+            .map(|(n, s, d)| (n, kind_of(*d).unwrap_or(Kind::Float), s.clone(), true));
         for (name, kind, shape, is_sharded) in replicated.chain(sharded) {
             let Some(s) = saved.iter().find(|s| &s.name == name) else {
                 missing.push(name.clone());
@@ -217,12 +220,13 @@ impl Frozen {
                 // Read later, each rank its shard; checked now, before
                 // anything changes.
                 let numel: i64 = s.shape.iter().product();
-                if file.f32_len(name)? as i64 != numel {
+                if bytes.len() as i64 != numel * s.dtype.size() as i64 {
                     return Err(CheckpointError::format(
                         file.path(),
                         format!(
-                            "frozen `{name}`: {} bytes for {numel} fp32 elements",
-                            bytes.len()
+                            "frozen `{name}`: {} bytes for {numel} {:?} elements",
+                            bytes.len(),
+                            s.dtype
                         ),
                     ));
                 }
@@ -237,7 +241,7 @@ impl Frozen {
             .iter()
             .filter(|s| {
                 !self.vars.iter().any(|(n, _)| n == &s.name)
-                    && !self.sharded.iter().any(|(n, _)| n == &s.name)
+                    && !self.sharded.iter().any(|(n, _, _)| n == &s.name)
             })
             .map(|s| s.name.clone())
             .collect();

@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
+use safetensors::Dtype;
 use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
@@ -30,15 +31,16 @@ use crate::checkpoint::files::RankFile;
 use crate::flat::FlatLayout;
 use crate::EngineError;
 
-/// A frozen parameter gathered whole: name, shape, fp32 values.
-pub(super) type Whole = (String, Vec<i64>, Vec<f32>);
-
 /// One unit's frozen parameters: views (`set_data`) into `flat`, which has
 /// storage only while the unit is gathered, and this rank's shard of it.
 pub(super) struct Part {
     pub(super) layout: FlatLayout,
     pub(super) params: Vec<Tensor>,
     pub(super) flat: Tensor,
+    /// The dtype the model created each parameter (slot) in: what a
+    /// checkpoint holds it in (F32, BF16 or F16; the buffer may be
+    /// narrower).
+    pub(super) saved: Vec<Dtype>,
     /// Empty while a gather has it (it comes back with the gathered unit)
     /// and while it lives in `swap`.
     shard: Elems,
@@ -48,7 +50,8 @@ pub(super) struct Part {
 }
 
 impl Part {
-    /// Takes `vars` (fp32, under one unit) over: world rank 0's values
+    /// Takes `vars` (fp32 or `compute`'s dtype, [`shardable`], under one
+    /// unit) over: world rank 0's values
     /// become everyone's (across `replicate` first, then inside `group`),
     /// the variables become views of a flat buffer of `compute`'s dtype,
     /// and this rank keeps its shard of it. The buffer stays full until
@@ -64,12 +67,24 @@ impl Part {
             group.size(),
         );
         let by_name: std::collections::HashMap<String, Tensor> = vars.into_iter().collect();
+        // Read before the views replace the variables' data.
+        let saved = layout
+            .slots
+            .iter()
+            .map(|s| match by_name.get(&s.name).map(Tensor::kind) {
+                Some(Kind::BFloat16) => Dtype::BF16,
+                Some(Kind::Half) => Dtype::F16,
+                _ => Dtype::F32,
+            })
+            .collect();
+        // Widened to fp32 on the way (exact), narrowed back into the buffer.
         let (values, flat, params) =
             super::rank0_flat(&layout, &by_name, compute, group, replicate)?;
         let mut part = Self {
             layout,
             params,
             flat,
+            saved,
             shard: Elems::empty(compute),
             compute,
             swap: None,
@@ -171,21 +186,22 @@ impl Part {
 
     /// Takes this rank's shard of a checkpoint's values from `file` (its
     /// frozen file, which [`super::frozen::Frozen::read`] checked holds
-    /// every one in fp32 in its shape), reading only the shard's elements:
-    /// no rank holds the whole frozen base to load it.
+    /// every one in its saved dtype and shape), reading only the shard's
+    /// elements: no rank holds the whole frozen base to load it.
     pub(super) fn load(&mut self, file: &RankFile, rank: usize) -> Result<(), EngineError> {
         let range = self.layout.shard(rank);
         let mut mine = vec![0f32; range.len()];
         for (s, elems, dst) in self.layout.pieces(range) {
-            file.read_f32(&s.name, elems, &mut mine[dst])?;
+            file.read_widened(&s.name, elems, &mut mine[dst])?;
         }
         self.set(&mine)
     }
 
-    /// Every parameter whole, widened to fp32, by name: what checkpoints and
-    /// exports write. All-gathers the shards (a collective over `group`),
-    /// so it works whether or not the unit is gathered.
-    pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<Whole>, EngineError> {
+    /// The whole padded buffer widened to fp32 (each parameter at its
+    /// slot's offset): what checkpoints and exports write. All-gathers the
+    /// shards (a collective over `group`), so it works whether or not the
+    /// unit is gathered.
+    pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<f32>, EngineError> {
         let full: Vec<f32> = match self.copy_shard()? {
             Elems::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
             Elems::Bf16(v) => {
@@ -208,15 +224,7 @@ impl Part {
                 self.layout.padded
             )));
         }
-        Ok(self
-            .layout
-            .slots
-            .iter()
-            .map(|s| {
-                let v = full[s.offset..s.offset + s.numel].to_vec();
-                (s.name.clone(), s.shape.clone(), v)
-            })
-            .collect())
+        Ok(full)
     }
 
     /// Gives the buffer zeroed memory (after a failed gather, so autograd
@@ -229,9 +237,12 @@ impl Part {
     }
 }
 
-/// Whether `t`, a frozen variable, is a parameter stage 3 can shard: fp32
-/// and at least `threshold` elements (smaller ones stay gathered, as
+/// Whether `t`, a frozen parameter, is one stage 3 can shard under
+/// `compute`: fp32 or `compute` itself (the buffer holds `compute`; a
+/// bf16 weight under fp16 training would change its values, and one under
+/// fp32 training its dtype, so those stay replicated), and at least
+/// `threshold` elements (smaller ones stay gathered, as
 /// `stage3_param_persistence_threshold` keeps small trainable ones).
-pub(super) fn shardable(t: &Tensor, threshold: usize) -> bool {
-    t.kind() == Kind::Float && t.numel() >= threshold.max(1)
+pub(super) fn shardable(t: &Tensor, compute: Kind, threshold: usize) -> bool {
+    (t.kind() == Kind::Float || t.kind() == compute) && t.numel() >= threshold.max(1)
 }

@@ -1015,8 +1015,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 copy,
             });
         }
-        // Stage 3 shards the fp32 frozen parameters of its units too (not
-        // the root's): those of at least `threshold` elements.
+        // Stage 3 shards the frozen parameters of its units too (not the
+        // root's): fp32 or compute-dtype ones of at least `threshold`
+        // elements.
         // The VarStore's parameters (trainable or frozen), not its buffers.
         let params: std::collections::HashSet<usize> = vs
             .trainable_variables()
@@ -1027,7 +1028,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut frozen_of: Vec<Vec<String>> = units.iter().map(|_| Vec::new()).collect();
         for (name, t) in all_vars.iter().filter(|_| stage == 3) {
             if t.requires_grad()
-                || !frozen_shards::shardable(t, threshold)
+                || !frozen_shards::shardable(t, compute.kind(), threshold)
                 || !params.contains(&glue::tensor_impl(t)?)
             {
                 continue;
@@ -1092,8 +1093,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // The tensors that do not train: world rank 0's everywhere too.
         let sharded = units
             .iter()
-            .flat_map(|u| u.frozen.iter().flat_map(|p| &p.layout.slots))
-            .map(|s| (s.name.clone(), s.shape.clone()))
+            .flat_map(|u| {
+                u.frozen
+                    .iter()
+                    .flat_map(|p| p.layout.slots.iter().zip(&p.saved))
+            })
+            .map(|(s, d)| (s.name.clone(), s.shape.clone(), *d))
             .collect();
         let frozen = frozen::Frozen::of(all_vars, sharded, &params, compute.kind())?;
         frozen.sync(&group, replicate.as_ref())?;

@@ -97,6 +97,117 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "log_trace_cache_warnings",
 ];
 
+/// Known-unimplemented keys one value of which asks for what zrt does
+/// anyway: given that value they pass silently (configs written for
+/// DeepSpeed spell out its defaults); any other value warns, saying what
+/// zrt does instead. Top-level blocks with `"enabled": false` pass too.
+pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
+    (
+        "prescale_gradients",
+        AsZrt::Bool(false),
+        "zrt reduces gradients in fp32 and averages after the reduction",
+    ),
+    (
+        "gradient_predivide_factor",
+        AsZrt::Number(1.0),
+        "zrt reduces gradients in fp32 and averages after the reduction",
+    ),
+    (
+        "stage3_gather_16bit_weights_on_model_save",
+        AsZrt::Bool(true),
+        GATHERS_ON_SAVE,
+    ),
+    (
+        "stage3_gather_fp16_weights_on_model_save",
+        AsZrt::Bool(true),
+        GATHERS_ON_SAVE,
+    ),
+    (
+        "gather_16bit_weights_on_model_save",
+        AsZrt::Bool(true),
+        GATHERS_ON_SAVE,
+    ),
+    (
+        "ignore_unused_parameters",
+        AsZrt::Bool(true),
+        "zrt trains a model some of whose parameters no loss uses (their gradient is zero)",
+    ),
+    (
+        "load_from_fp32_weights",
+        AsZrt::Bool(true),
+        "zrt's checkpoints restore the fp32 master weights",
+    ),
+    (
+        "round_robin_gradients",
+        AsZrt::Bool(false),
+        "it only orders DeepSpeed's gradient copies; zrt's results do not depend on it",
+    ),
+    (
+        "elastic_checkpoint",
+        AsZrt::Bool(false),
+        "zrt's checkpoints load on any world size anyway",
+    ),
+    (
+        "zero_quantized_weights",
+        AsZrt::Bool(false),
+        "zrt gathers weights unquantized",
+    ),
+    (
+        "zero_quantized_nontrainable_weights",
+        AsZrt::Bool(false),
+        "zrt gathers weights unquantized",
+    ),
+    (
+        "zero_quantized_gradients",
+        AsZrt::Bool(false),
+        "zrt reduces gradients unquantized (fp32)",
+    ),
+    (
+        "stage3_use_all_reduce_for_fetch_params",
+        AsZrt::Bool(false),
+        "zrt fetches parameters with all-gathers",
+    ),
+    (
+        "use_all_reduce_for_fetch_params",
+        AsZrt::Bool(false),
+        "zrt fetches parameters with all-gathers",
+    ),
+    (
+        "mics_hierarchical_params_gather",
+        AsZrt::Bool(false),
+        "zrt gathers inside the shard group in one step",
+    ),
+    (
+        "pipeline_loading_checkpoint",
+        AsZrt::Bool(false),
+        "zrt loads checkpoints whole-model",
+    ),
+    (
+        "legacy_stage1",
+        AsZrt::Bool(false),
+        "zrt's stage 1 is the current one",
+    ),
+];
+
+const GATHERS_ON_SAVE: &str = "zrt's save_16bit_model gathers the weights whatever this says (one unit at a time, never the whole model on a rank)";
+
+/// The value of a [`SAME_AS_ZRT`] key that means what zrt does.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum AsZrt {
+    Bool(bool),
+    Number(f64),
+}
+
+impl AsZrt {
+    /// Whether `v` is this value.
+    pub(crate) fn is(self, v: &serde_json::Value) -> bool {
+        match self {
+            AsZrt::Bool(b) => v.as_bool() == Some(b),
+            AsZrt::Number(x) => v.as_f64() == Some(x),
+        }
+    }
+}
+
 /// Deprecated `zero_optimization` keys and what they map to.
 pub(crate) const ZERO_DEPRECATED: &[(&str, &str)] = &[
     ("cpu_offload", "offload_optimizer: {\"device\": \"cpu\"}"),

@@ -60,9 +60,19 @@ impl P {
             }
             let at = join(path, k);
             if unimplemented.contains(&k.as_str()) {
-                self.warnings.push(format!(
-                    "`{at}` is a DeepSpeed setting zrt does not implement yet; it is ignored"
-                ));
+                let v = &obj[k];
+                let same = keys::SAME_AS_ZRT.iter().find(|(key, _, _)| key == k);
+                let disabled = v.get("enabled").and_then(Value::as_bool) == Some(false);
+                match same {
+                    Some((_, value, _)) if value.is(v) => {}
+                    Some((_, _, instead)) => self.warnings.push(format!(
+                        "`{at}` = {v} is a DeepSpeed setting zrt does not implement; it is ignored: {instead}"
+                    )),
+                    None if disabled => {}
+                    None => self.warnings.push(format!(
+                        "`{at}` is a DeepSpeed setting zrt does not implement yet; it is ignored"
+                    )),
+                }
                 continue;
             }
             if keys::ZERO_DEPRECATED.iter().any(|(d, _)| d == k) && path == "zero_optimization" {

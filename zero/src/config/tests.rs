@@ -333,6 +333,38 @@ fn known_but_unimplemented_keys_warn_and_nvme_needs_a_path() {
 }
 
 #[test]
+fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
+    let quiet = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": false, "gradient_predivide_factor": 1.0,
+            "flops_profiler": {"enabled": false}, "wandb": {"enabled": false},
+            "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true,
+                "ignore_unused_parameters": true, "round_robin_gradients": false}}"#,
+    )
+    .unwrap();
+    assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    let loud = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": true, "tensorboard": {"enabled": true},
+            "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": false}}"#,
+    )
+    .unwrap();
+    assert_eq!(loud.warnings.len(), 3, "{:?}", loud.warnings);
+    assert!(loud.warnings.iter().any(|w| w.starts_with("`prescale_gradients` = true is a DeepSpeed setting zrt does not implement; it is ignored: zrt reduces gradients in fp32")), "{:?}", loud.warnings);
+    assert!(
+        loud.warnings.iter().any(|w| w
+            .starts_with("`zero_optimization.stage3_gather_16bit_weights_on_model_save` = false")
+            && w.contains("save_16bit_model gathers the weights whatever this says")),
+        "{:?}",
+        loud.warnings
+    );
+    assert!(
+        loud.warnings.iter().any(|w| w
+            == "`tensorboard` is a DeepSpeed setting zrt does not implement yet; it is ignored"),
+        "{:?}",
+        loud.warnings
+    );
+}
+
+#[test]
 fn check_reports_parse_and_resolve_problems_together() {
     let e = Config::check(
         r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sze": 1}}"#,

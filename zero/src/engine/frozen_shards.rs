@@ -6,14 +6,17 @@
 //! the compute dtype (an fp32 frozen weight becomes bf16 under bf16
 //! training, as DeepSpeed's `module.bfloat16()` makes it). It is never
 //! reduced and has no optimizer state: this rank keeps its shard, the
-//! unit's gathers fill the buffer, its frees empty it. Only fp32 parameters
-//! are taken (the dtype trainable ones are created in); anything else, and
-//! buffers, stay replicated ([`super::frozen`]).
+//! unit's gathers fill the buffer, its frees empty it. Taken are fp32
+//! parameters (the dtype trainable ones are created in) and those already
+//! in the compute dtype (a LoRA base loaded in bf16 for bf16 training);
+//! any other dtype, and buffers, stay replicated ([`super::frozen`]).
 //!
-//! Checkpoints and exports hold them whole, in fp32, as a replicated model
-//! would write them: a stage-3 checkpoint loads into any stage and back.
-//! With `offload_param` the shards live in a swap file of their own (they
-//! never change, so a gather reads them and nothing writes them back).
+//! Checkpoints and exports hold them whole, in the dtype the model created
+//! each in, as a replicated model would write them: a stage-3 checkpoint
+//! loads into any stage and back. With `offload_param` the shards live in
+//! a swap file of their own (they do not train, so a gather reads them and
+//! nothing writes them back; only a load or `with_full_params` does), read
+//! ahead with the unit's trainable shard.
 
 use std::sync::Arc;
 
@@ -22,10 +25,9 @@ use safetensors::Dtype;
 use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
-use zrt_offload::Swap;
 
 use super::elems::Elems;
-use super::offload::read_words;
+use super::offload::{read_words, FrozenSwap};
 use super::Compute;
 use crate::checkpoint::files::RankFile;
 use crate::flat::FlatLayout;
@@ -46,7 +48,7 @@ pub(super) struct Part {
     shard: Elems,
     compute: Compute,
     /// `offload_param`: the swap file holding the shard, and its region.
-    swap: Option<(Arc<Swap>, usize)>,
+    swap: Option<(Arc<FrozenSwap>, usize)>,
 }
 
 impl Part {
@@ -137,18 +139,20 @@ impl Part {
     /// Keeps `held` as the shard (in the swap if it lives there).
     fn hold(&mut self, held: Elems) -> Result<(), EngineError> {
         match &self.swap {
-            Some((swap, k)) => swap.write_region(*k, &[&held.words()])?,
+            Some((swap, k)) => swap.write(*k, &held.words())?,
             None => self.shard = held,
         }
         Ok(())
     }
 
-    /// This rank's shard, for a gather (read from the swap if it lives
-    /// there); [`Part::give_back`] returns it.
-    pub(super) fn take_shard(&mut self) -> Result<Elems, EngineError> {
-        match &self.swap {
-            Some(_) => self.copy_shard(),
-            None => Ok(std::mem::replace(
+    /// This rank's shard, for a gather (from the swap if it lives there:
+    /// `ahead` when the parameter swap read it ahead, else read now);
+    /// [`Part::give_back`] returns it.
+    pub(super) fn take_shard(&mut self, ahead: Option<Vec<f32>>) -> Result<Elems, EngineError> {
+        match (&self.swap, ahead) {
+            (Some(_), Some(words)) => Ok(Elems::from_words(words, self.compute)),
+            (Some(_), None) => self.copy_shard(),
+            (None, _) => Ok(std::mem::replace(
                 &mut self.shard,
                 Elems::empty(self.compute),
             )),
@@ -158,7 +162,7 @@ impl Part {
     /// A copy of this rank's shard (read from the swap if it lives there).
     fn copy_shard(&self) -> Result<Elems, EngineError> {
         Ok(match &self.swap {
-            Some((swap, k)) => Elems::from_words(read_words(swap, *k)?, self.compute),
+            Some((swap, k)) => Elems::from_words(read_words(&swap.swap, *k)?, self.compute),
             None => self.shard.clone(),
         })
     }
@@ -172,9 +176,9 @@ impl Part {
     }
 
     /// Moves the shard into region `k` of `swap` (`offload_param`).
-    pub(super) fn offload(&mut self, swap: Arc<Swap>, k: usize) -> Result<(), EngineError> {
-        let held = self.take_shard()?;
-        swap.write_region(k, &[&held.words()])?;
+    pub(super) fn offload(&mut self, swap: Arc<FrozenSwap>, k: usize) -> Result<(), EngineError> {
+        let held = self.take_shard(None)?;
+        swap.write(k, &held.words())?;
         self.swap = Some((swap, k));
         Ok(())
     }

@@ -270,7 +270,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         s: OwnedState,
     ) -> Result<(), EngineError> {
         let padded = u.layout.padded;
-        self.page_in(sh, k)?;
+        self.page_in(sh, k, None)?;
         match (self.compute, self.stage) {
             // SAFETY: the unit's flat tensor of the compute dtype, under
             // the state lock (no forward or backward runs).

@@ -109,7 +109,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 // Stage-3 parameter offload: the unit's shard comes in for
                 // its first chunk and goes back, updated, after its last.
                 if r.start == 0 {
-                    self.page_in(sh, k)?;
+                    self.page_in(sh, k, None)?;
                 }
                 let last = r.end == swap.region_len(k);
                 let Shard {
@@ -195,19 +195,52 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// lives in a second swap file and is *paged in* only around its uses (a
 /// gather, its optimizer update, a checkpoint), then dropped (or written
 /// back, after an update). The next unit's shard is read ahead on a thread
-/// while the current one is gathered.
+/// while the current one is gathered, and its frozen shard with it.
 pub(super) struct ParamSwap {
     swap: std::sync::Arc<Swap>,
     /// The units' sharded frozen parameters (`frozen_shards`), a region
     /// each (empty for units without them); `None` when there are none.
-    frozen: Option<std::sync::Arc<Swap>>,
+    frozen: Option<std::sync::Arc<FrozenSwap>>,
     /// A read of (unit, words) started ahead of its gather.
     ahead: parking_lot::Mutex<Option<(usize, Ahead)>>,
+    /// The frozen shard the last used read-ahead brought: (unit, the
+    /// frozen swap's write count when the read began, words).
+    ready_frozen: parking_lot::Mutex<Option<(usize, u64, Vec<f32>)>>,
     /// The unit paged in last, to guess the direction (forward or backward).
     last: std::sync::atomic::AtomicUsize,
 }
 
-type Ahead = std::thread::JoinHandle<Result<Vec<f32>, zrt_offload::OffloadError>>;
+/// What a read-ahead brings: a unit's gather source and, when it has
+/// sharded frozen parameters, their shard with the frozen swap's write
+/// count when the read began.
+struct Read {
+    words: Vec<f32>,
+    frozen: Option<(u64, Vec<f32>)>,
+}
+
+type Ahead = std::thread::JoinHandle<Result<Read, zrt_offload::OffloadError>>;
+
+/// The frozen shards' swap file (`offload_param`) and how many writes it
+/// has had (a load or `with_full_params` writes it; training never does):
+/// a shard read ahead is used only if no write came after its read began.
+pub(super) struct FrozenSwap {
+    pub(super) swap: Swap,
+    writes: std::sync::atomic::AtomicU64,
+}
+
+impl FrozenSwap {
+    /// Writes region `k` (a unit's frozen shard), then counts the write.
+    pub(super) fn write(&self, k: usize, words: &[f32]) -> Result<(), EngineError> {
+        self.swap.write_region(k, &[words])?;
+        self.writes
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn writes(&self) -> u64 {
+        self.writes.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
 
 /// Copies `src`'s bytes into a Vec of `T` (both plain numbers).
 pub(super) fn recast<S: Copy, T: Copy + Default>(src: &[S]) -> Vec<T> {
@@ -241,23 +274,49 @@ impl ParamSwap {
                 EngineError::Plan("the parameter read-ahead thread panicked".into())
             })?;
             if j == k {
-                return Ok(got?);
+                let read = got?;
+                *self.ready_frozen.lock() = read.frozen.map(|(at, w)| (k, at, w));
+                return Ok(read.words);
             }
         }
         Ok(read_words(&self.swap, k)?)
     }
 
-    /// Starts reading the unit likely gathered after `k` (the next one in
-    /// forward order, the previous one in backward order).
-    fn read_ahead(&self, k: usize) {
+    /// Unit `k`'s frozen shard if the read-ahead brought it and nothing
+    /// wrote the frozen swap since that read began.
+    pub(super) fn frozen_ahead(&self, k: usize) -> Option<Vec<f32>> {
+        let fs = self.frozen.as_ref()?;
+        match self.ready_frozen.lock().take() {
+            Some((j, at, w)) if j == k && at == fs.writes() => Some(w),
+            _ => None,
+        }
+    }
+
+    /// Starts reading the unit paged in after `k`: `next` when the caller
+    /// knows it (a gather, from the order forward ran the units in), else
+    /// guessed by index (the next one going up, the previous going down).
+    fn read_ahead(&self, k: usize, next: Option<usize>) {
         use std::sync::atomic::Ordering;
         let last = self.last.swap(k, Ordering::Relaxed);
-        let next = if k >= last { k + 1 } else { k.wrapping_sub(1) };
+        let guess = if k >= last { k + 1 } else { k.wrapping_sub(1) };
+        let next = next.unwrap_or(guess);
         if next >= self.swap.regions() {
             return;
         }
         let swap = self.swap.clone();
-        let h = std::thread::spawn(move || read_words(&swap, next));
+        let frozen = self.frozen.clone().filter(|f| f.swap.region_len(next) > 0);
+        let h = std::thread::spawn(move || {
+            let words = read_words(&swap, next)?;
+            let frozen = match frozen {
+                Some(f) => {
+                    // Counted before the read: a write during it shows.
+                    let at = f.writes();
+                    Some((at, read_words(&f.swap, next)?))
+                }
+                None => None,
+            };
+            Ok(Read { words, frozen })
+        });
         // A previous read-ahead nobody used: let it finish, drop its data.
         if let Some((_, old)) = self.ahead.lock().replace((next, h)) {
             let _ = old.join();
@@ -332,13 +391,16 @@ pub(super) fn params_out(
                 .iter()
                 .map(|u| u.frozen.as_ref().map_or(0, |p| p.shard_words()))
                 .collect();
-            let fswap = std::sync::Arc::new(Swap::create(&swap_cfg, 1, &lens)?);
+            let fswap = std::sync::Arc::new(FrozenSwap {
+                swap: Swap::create(&swap_cfg, 1, &lens)?,
+                writes: std::sync::atomic::AtomicU64::new(0),
+            });
             for (k, u) in units.iter_mut().enumerate() {
                 if let Some(p) = &mut u.frozen {
                     p.offload(fswap.clone(), k)?;
                 }
             }
-            tracing::info!(file = %fswap.path().display(), bytes = fswap.file_bytes(), "stage-3 frozen parameter shards offloaded to NVMe");
+            tracing::info!(file = %fswap.swap.path().display(), bytes = fswap.swap.file_bytes(), "stage-3 frozen parameter shards offloaded to NVMe");
             Some(fswap)
         }
     };
@@ -346,14 +408,21 @@ pub(super) fn params_out(
         frozen,
         swap: std::sync::Arc::new(swap),
         ahead: parking_lot::Mutex::new(None),
+        ready_frozen: parking_lot::Mutex::new(None),
         last: std::sync::atomic::AtomicUsize::new(0),
     }))
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Brings unit `k`'s gather source into memory (no-op without a
-    /// parameter swap, or when it is already in).
-    pub(super) fn page_in(&self, sh: &mut Shard, k: usize) -> Result<(), EngineError> {
+    /// parameter swap, or when it is already in), and starts reading the
+    /// one paged in after it (`next`, else guessed by index).
+    pub(super) fn page_in(
+        &self,
+        sh: &mut Shard,
+        k: usize,
+        next: Option<usize>,
+    ) -> Result<(), EngineError> {
         let Some(ps) = &self.pswap else {
             return Ok(());
         };
@@ -363,7 +432,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             CopyShard::None if sh.master.is_empty() => sh.master = ps.words(k)?,
             _ => return Ok(()),
         }
-        ps.read_ahead(k);
+        ps.read_ahead(k, next);
         Ok(())
     }
 
@@ -407,14 +476,85 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Bytes of memory the parameter swap's buffers hold.
     pub(super) fn pswap_resident(&self) -> usize {
         self.pswap.as_ref().map_or(0, |p| {
-            p.swap.resident_bytes() + p.frozen.as_ref().map_or(0, |f| f.resident_bytes())
+            p.swap.resident_bytes() + p.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
         })
     }
 
     /// Bytes of the parameter swap file.
     pub(super) fn pswap_bytes(&self) -> u64 {
         self.pswap.as_ref().map_or(0, |p| {
-            p.swap.file_bytes() + p.frozen.as_ref().map_or(0, |f| f.file_bytes())
+            p.swap.file_bytes() + p.frozen.as_ref().map_or(0, |f| f.swap.file_bytes())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
+
+    use super::*;
+
+    /// A parameter swap of 3 units, each with a trainable and a frozen
+    /// region of 8 words holding `10 k` and `100 k`.
+    fn three_units(dir: &std::path::Path) -> ParamSwap {
+        let cfg = SwapConfig {
+            dir: dir.to_path_buf(),
+            rank: 0,
+            buffer_count: 1,
+            chunk_bytes: 4096,
+            direct: false,
+        };
+        let swap = Swap::create(&cfg, 1, &[8; 3]).unwrap();
+        let frozen = FrozenSwap {
+            swap: Swap::create(&SwapConfig { rank: 1, ..cfg }, 1, &[8; 3]).unwrap(),
+            writes: AtomicU64::new(0),
+        };
+        for k in 0..3 {
+            swap.write_region(k, &[&[10.0 * k as f32; 8]]).unwrap();
+            frozen.write(k, &[100.0 * k as f32; 8]).unwrap();
+        }
+        ParamSwap {
+            swap: Arc::new(swap),
+            frozen: Some(Arc::new(frozen)),
+            ahead: Mutex::new(None),
+            ready_frozen: Mutex::new(None),
+            last: AtomicUsize::new(0),
+        }
+    }
+
+    #[test]
+    fn a_frozen_shard_read_ahead_is_used_unless_written_since() {
+        let dir = std::env::temp_dir().join(format!("zrt-pswap-ahead-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ps = three_units(&dir);
+        // Unit 0 in: unit 1 is read ahead, frozen shard and all.
+        ps.read_ahead(0, None);
+        assert_eq!(ps.words(1).unwrap(), vec![10.0; 8]);
+        assert_eq!(ps.frozen_ahead(1), Some(vec![100.0; 8]));
+        assert_eq!(ps.frozen_ahead(1), None, "used once");
+        // Unit 1 in: unit 2 is read ahead; then a load rewrites unit 2's
+        // frozen shard. The read-ahead is stale and must not be used.
+        ps.read_ahead(1, Some(2));
+        let read = || {
+            ps.ahead
+                .lock()
+                .as_ref()
+                .is_some_and(|(_, h)| h.is_finished())
+        };
+        while !read() {
+            std::thread::yield_now();
+        }
+        ps.frozen.as_ref().unwrap().write(2, &[7.0; 8]).unwrap();
+        assert_eq!(ps.words(2).unwrap(), vec![20.0; 8]);
+        assert_eq!(ps.frozen_ahead(2), None);
+        // Nor is one of another unit; a known next unit is read, not the
+        // index's guess.
+        ps.read_ahead(1, Some(0));
+        assert_eq!(ps.words(0).unwrap(), vec![0.0; 8]);
+        assert_eq!(ps.frozen_ahead(2), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

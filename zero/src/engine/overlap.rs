@@ -216,6 +216,10 @@ pub struct OverlapCounts {
     pub on_demand: u64,
     /// Gathers issued ahead that nothing used (stage 3): wasted traffic.
     pub unused: u64,
+    /// `offload_param`: sharded frozen parameters the parameter swap had
+    /// read ahead when their unit's gather was issued (rather than read
+    /// then).
+    pub frozen_read_ahead: u64,
 }
 
 impl Progress {
@@ -553,8 +557,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         self.delay();
         let ids = self.group.all_gather(vec![i as i64], Vec::new());
         let padded = st.units[i].layout.padded;
+        // The swap reads ahead the unit gathered after this one.
+        let next = st.prog.order.after(i, !st.prog.in_backward());
         let sh = &mut st.shards[i];
-        self.page_in(sh, i)?;
+        self.page_in(sh, i, next)?;
         self.delay();
         let g = &self.group;
         let data = match &mut sh.copy {
@@ -583,7 +589,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let Some(p) = st.units[i].frozen.as_mut() else {
             return Ok(None);
         };
-        let shard = p.take_shard()?;
+        let ahead = self.pswap.as_ref().and_then(|ps| ps.frozen_ahead(i));
+        st.prog.counts.frozen_read_ahead += u64::from(ahead.is_some());
+        let shard = p.take_shard(ahead)?;
         self.delay();
         Ok(Some((
             shard.gather(&self.group, p.padded(), &self.pools),

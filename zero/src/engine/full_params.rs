@@ -54,7 +54,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn with_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R, EngineError> {
         let i = &*self.inner;
         self.unshard()?;
-        let before = i.prints(&i.st.lock())?;
+        let before = i.prints(&i.st.lock());
         // Not under the state lock: `f` may run the model, whose hooks take it.
         let r = f();
         let kept = self.write_back(&before);
@@ -102,7 +102,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     fn write_back(&self, before: &[Print]) -> Result<(), EngineError> {
         let i = &*self.inner;
         let mut st = i.st.lock();
-        let after = i.prints(&st)?;
+        let after = i.prints(&st);
         // Per unit: 1 if it changed here, then its fingerprint (-1: not
         // gathered), gathered from every rank of the world.
         let mine: Vec<i64> = before
@@ -144,13 +144,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Every unit's fingerprint.
-    fn prints(&self, st: &State) -> Result<Vec<Print>, EngineError> {
+    fn prints(&self, st: &State) -> Vec<Print> {
         st.units
             .iter()
             .enumerate()
             .map(|(k, u)| {
                 if self.stage == 3 && !st.gathered[k] {
-                    return Ok(None);
+                    return None;
                 }
                 let mut h = crc32fast::Hasher::new();
                 for (flat, n) in self.gathered_flats(u) {
@@ -159,7 +159,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     // them), read under the state lock.
                     h.update(unsafe { elems::<u8>(flat, n) });
                 }
-                Ok(Some(h.finalize()))
+                Some(h.finalize())
             })
             .collect()
     }

@@ -2,10 +2,10 @@
 //! false: frozen parameters, and buffers such as running statistics).
 //!
 //! Stage 3 shards the fp32 (and compute-dtype) frozen parameters of the
-//! units it frees
-//! ([`super::frozen_shards`]), as FSDP2 and ZeRO-3 do. Everything else
-//! here — buffers, the root's frozen parameters, all of them at stages
-//! 0-2 — every rank keeps whole, as DDP would. What the engine owes them is
+//! units it frees ([`super::frozen_shards`]), as FSDP2 and ZeRO-3 do.
+//! Everything else here — buffers, the root's frozen parameters, those of
+//! other dtypes, all of them at stages 0-2 — every rank keeps whole, as
+//! DDP would. What the engine owes them is
 //! what DDP and FSDP give them: world rank 0's values on every rank when
 //! the engine is built (`sync_module_states`), rank 0's values in a
 //! checkpoint and back on every rank after a load, and a place in the

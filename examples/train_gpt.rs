@@ -39,6 +39,9 @@ struct Args {
     resume: bool,
     /// Freeze every block's MLP weights (`--freeze-mlp`).
     freeze_mlp: bool,
+    /// Recompute every block's activations in backward
+    /// (`--checkpoint-activations`).
+    checkpoint: bool,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -87,6 +90,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--freeze-mlp",
         "",
         "freeze every block's MLP weights, as a LoRA fine-tune freezes its base (stage 3 shards them)",
+    ),
+    (
+        "--checkpoint-activations",
+        "",
+        "recompute every block's activations in backward instead of keeping them (less memory, one more block forward per step)",
     ),
     ("--help", "", "print this and exit"),
 ];
@@ -188,6 +196,7 @@ fn parse_args() -> Result<Option<Args>> {
         save_every: num("--save-every", 0, 0)? as u64,
         resume: opts.contains_key("--resume"),
         freeze_mlp: opts.contains_key("--freeze-mlp"),
+        checkpoint: opts.contains_key("--checkpoint-activations"),
     }))
 }
 
@@ -273,7 +282,10 @@ fn main() -> Result<()> {
     tch::manual_seed(1234);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let gpt = Gpt::new(&vs.root(), &plan, &a.gpt);
+    let gpt = match a.checkpoint {
+        true => Gpt::new_checkpointed(&vs.root(), &plan, &a.gpt),
+        false => Gpt::new(&vs.root(), &plan, &a.gpt),
+    };
     let mut frozen = 0;
     if a.freeze_mlp {
         for (name, t) in vs.variables() {

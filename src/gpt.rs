@@ -9,6 +9,7 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt`].
@@ -87,12 +88,29 @@ impl Module for Block {
     }
 }
 
+/// A block as the model runs it: plain, or with its activations
+/// recomputed in backward.
+#[derive(Debug)]
+enum Run {
+    Plain(Box<Block>),
+    Checkpointed(Checkpointed<Block>),
+}
+
+impl Module for Run {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Run::Plain(b) => b.forward(x),
+            Run::Checkpointed(b) => b.forward(x),
+        }
+    }
+}
+
 /// The model: token and position embeddings, blocks, final norm, head.
 #[derive(Debug)]
 pub struct Gpt {
     wte: ShardedModule<nn::Embedding>,
     wpe: nn::Embedding,
-    blocks: Vec<ShardedModule<Block>>,
+    blocks: Vec<ShardedModule<Run>>,
     ln_f: nn::LayerNorm,
     head: ShardedModule<nn::Linear>,
     cfg: GptConfig,
@@ -104,10 +122,27 @@ impl Gpt {
     /// them (the two largest matrices must not stay gathered); the position
     /// embedding and the final norm form the root.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig) -> Self {
+        Self::build(p, plan, cfg, false)
+    }
+
+    /// As [`Gpt::new`], every block's activations recomputed in backward
+    /// ([`Checkpointed`] inside each block's `ShardedModule`): the same
+    /// parameters and results, less memory, one more block forward per
+    /// backward.
+    pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig) -> Self {
+        Self::build(p, plan, cfg, true)
+    }
+
+    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig, checkpointed: bool) -> Self {
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                ShardedModule::new(plan, &bp, Block::new(&bp, cfg))
+                let block = Block::new(&bp, cfg);
+                let run = match checkpointed {
+                    true => Run::Checkpointed(Checkpointed::new(block)),
+                    false => Run::Plain(Box::new(block)),
+                };
+                ShardedModule::new(plan, &bp, run)
             })
             .collect();
         let wte = p / "wte";

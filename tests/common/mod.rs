@@ -26,6 +26,24 @@ static INIT: Mutex<()> = Mutex::new(());
 
 /// The GPT `cfg` from seed 0, its plan and its VarStore.
 pub fn model_of(cfg: &GptConfig) -> (nn::VarStore, ShardPlan, Gpt) {
+    built(cfg, Gpt::new)
+}
+
+/// Runs `init` under the model lock with seed 0 (and one intra-op thread):
+/// tch's RNG is process-global.
+pub fn seeded<T>(init: impl FnOnce() -> T) -> T {
+    let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    tch::set_num_threads(1);
+    tch::manual_seed(0);
+    init()
+}
+
+/// The GPT `cfg` from seed 0, built by `new` (`Gpt::new` or
+/// `Gpt::new_checkpointed`).
+pub fn built(
+    cfg: &GptConfig,
+    new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
+) -> (nn::VarStore, ShardPlan, Gpt) {
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
     // One intra-op thread: libtorch's reductions then sum in one order
     // whichever thread runs them, so engine and reference see the same bits.
@@ -33,7 +51,7 @@ pub fn model_of(cfg: &GptConfig) -> (nn::VarStore, ShardPlan, Gpt) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let gpt = Gpt::new(&vs.root(), &plan, cfg);
+    let gpt = new(&vs.root(), &plan, cfg);
     (vs, plan, gpt)
 }
 

@@ -35,6 +35,118 @@ struct PostAccHook : torch::autograd::PostAccumulateGradHook {
   void operator()(const torch::autograd::Variable & /*tensor*/) override { cb(ctx); }
 };
 
+// The Rust side of a checkpointed segment (`zrt_checkpoint`): `run(ctx,
+// inputs, n, out)` computes the segment's output from `n` input handles it
+// takes ownership of, storing a new handle in `*out`, and returns an error
+// string (freed with `zrt_free_error`) or null; it must not unwind.
+// `drop(ctx)` runs when the graph that holds the segment is freed.
+struct Segment : torch::CustomClassHolder {
+  char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **);
+  void (*drop)(void *);
+  void *ctx;
+  Segment(char *(*run_)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*drop_)(void *), void *ctx_)
+      : run(run_), drop(drop_), ctx(ctx_) {}
+  ~Segment() override { drop(ctx); }
+  Segment(const Segment &) = delete;
+  Segment &operator=(const Segment &) = delete;
+
+  // Runs the segment on `inputs`; throws its error.
+  torch::Tensor call(const torch::autograd::variable_list &inputs) {
+    std::vector<torch::Tensor *> handles;
+    handles.reserve(inputs.size());
+    for (const auto &x : inputs) {
+      handles.push_back(new torch::Tensor(x));
+    }
+    torch::Tensor *out = nullptr;
+    char *err = run(ctx, handles.data(), handles.size(), &out);
+    if (err != nullptr) {
+      std::string msg(err);
+      std::free(err);
+      throw std::runtime_error(msg);
+    }
+    if (out == nullptr) {
+      throw std::runtime_error("the checkpointed segment returned no tensor");
+    }
+    torch::Tensor result = *out;
+    delete out;
+    return result;
+  }
+};
+
+// The CPU generator's state, copied.
+at::Tensor rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_rng_state(const at::Tensor &state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// Activation checkpointing (PyTorch's reentrant `torch.utils.checkpoint`):
+// forward runs the segment without building its graph and keeps only the
+// inputs (and the CPU generator's state, so dropout draws the same masks);
+// backward runs the segment again with its graph and back-propagates
+// through it, which accumulates its parameters' gradients (firing their
+// hooks) and yields the inputs' gradients. `anchor`, an empty leaf that
+// requires grad, makes the output require grad even when no input does
+// (the first block after a frozen embedding): the segment's parameters are
+// not inputs, and backward would otherwise never reach them.
+struct Recompute : public torch::autograd::Function<Recompute> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
+                                                c10::intrusive_ptr<Segment> segment,
+                                                const torch::Tensor & /*anchor*/,
+                                                at::TensorList inputs) {
+    // (A TensorList, not a vector: autograd counts each of its tensors as
+    // an input; a vector would count as one non-tensor argument.)
+    torch::autograd::variable_list xs(inputs.begin(), inputs.end());
+    ctx->saved_data["rng"] = rng_state();
+    ctx->save_for_backward(xs);
+    auto out = segment->call(xs);
+    ctx->saved_data["segment"] = c10::IValue::make_capsule(std::move(segment));
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto segment = c10::static_intrusive_pointer_cast<Segment>(ctx->saved_data["segment"].toCapsule());
+    auto saved = ctx->get_saved_variables();
+    torch::autograd::variable_list inputs;
+    inputs.reserve(saved.size());
+    for (const auto &x : saved) {
+      inputs.push_back(x.detach().requires_grad_(x.requires_grad()));
+    }
+    // The forward's random draws again, then the generator where it was.
+    auto now = rng_state();
+    set_rng_state(ctx->saved_data["rng"].toTensor());
+    torch::Tensor out;
+    try {
+      at::AutoGradMode grad(true);
+      out = segment->call(inputs);
+    } catch (...) {
+      set_rng_state(now);
+      throw;
+    }
+    set_rng_state(now);
+    if (out.requires_grad()) {
+      torch::autograd::backward({out}, {grads[0]});
+    }
+    // One gradient per forward input: none for the segment and the
+    // anchor, then each tensor's (undefined where it needs none).
+    torch::autograd::variable_list result;
+    result.reserve(inputs.size() + 2);
+    result.emplace_back();
+    result.emplace_back();
+    for (const auto &x : inputs) {
+      result.push_back(x.requires_grad() ? x.grad() : torch::Tensor());
+    }
+    return result;
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -279,6 +391,35 @@ char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state);
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Runs a checkpointed segment on the `n` tensors `inputs` (see `Segment`
+// and `Recompute`): `*out` receives its output, whose backward recomputes
+// it. Owns `ctx` from here on: `drop(ctx)` runs when the graph is freed, at
+// once when the output needs no gradient, and on error.
+char *zrt_checkpoint(torch::Tensor *const *inputs, size_t n,
+                     char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*drop)(void *),
+                     void *ctx, torch::Tensor **out) {
+  c10::intrusive_ptr<Segment> segment;
+  try {
+    segment = c10::make_intrusive<Segment>(run, drop, ctx);
+  } catch (const std::exception &e) {
+    drop(ctx);
+    return to_error(e.what());
+  }
+  try {
+    torch::autograd::variable_list xs;
+    xs.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      xs.push_back(*inputs[i]);
+    }
+    auto anchor = torch::empty({0}).requires_grad_(true);
+    auto ys = Recompute::apply(std::move(segment), anchor, at::TensorList(xs));
+    *out = new torch::Tensor(ys.at(0));
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

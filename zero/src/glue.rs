@@ -76,6 +76,19 @@ mod ffi {
         pub fn zrt_cpu_rng_get(out: *mut u8, cap: usize, len: *mut usize) -> *mut c_char;
         pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+        pub fn zrt_checkpoint(
+            inputs: *const *mut C_tensor,
+            n: usize,
+            run: extern "C" fn(
+                *mut std::ffi::c_void,
+                *mut *mut C_tensor,
+                usize,
+                *mut *mut C_tensor,
+            ) -> *mut c_char,
+            drop: extern "C" fn(*mut std::ffi::c_void),
+            ctx: *mut std::ffi::c_void,
+            out: *mut *mut C_tensor,
+        ) -> *mut c_char;
     }
 }
 
@@ -326,4 +339,87 @@ pub fn graph_leaves(t: &Tensor, stop: &Tensor) -> Result<Vec<usize>, GlueError> 
         }
         cap = len;
     }
+}
+
+/// A checkpointed segment's body: the output from the inputs.
+type SegmentFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor, String> + Send>;
+
+extern "C" fn run_segment(
+    ctx: *mut std::ffi::c_void,
+    inputs: *mut *mut torch_sys::C_tensor,
+    n: usize,
+    out: *mut *mut torch_sys::C_tensor,
+) -> *mut c_char {
+    // SAFETY: `ctx` is the `Box<SegmentFn>` leaked in `checkpoint`, alive
+    // until `drop_segment`; `inputs` holds `n` fresh handles this call owns.
+    let f = unsafe { &*(ctx as *const SegmentFn) };
+    let xs: Vec<Tensor> = (0..n)
+        .map(|i| unsafe { Tensor::from_ptr(*inputs.add(i)) })
+        .collect();
+    // Never unwind into libtorch's C++ frames.
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&xs))).unwrap_or_else(|p| {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(format!("the checkpointed segment panicked: {what}"))
+        });
+    match result {
+        Ok(mut y) => {
+            // SAFETY: the handle moves to the glue, which deletes it.
+            unsafe { *out = y.as_mut_ptr() };
+            std::mem::forget(y);
+            std::ptr::null_mut()
+        }
+        // The glue frees it with `zrt_free_error` (strdup's allocator).
+        Err(msg) => match std::ffi::CString::new(msg.replace('\0', " ")) {
+            Ok(c) => unsafe { libc_strdup(c.as_ptr()) },
+            Err(_) => std::ptr::null_mut(),
+        },
+    }
+}
+
+extern "C" {
+    #[link_name = "strdup"]
+    fn libc_strdup(s: *const c_char) -> *mut c_char;
+}
+
+extern "C" fn drop_segment(ctx: *mut std::ffi::c_void) {
+    // SAFETY: called exactly once by the segment's owner, with the pointer
+    // `checkpoint` leaked.
+    drop(unsafe { Box::from_raw(ctx as *mut SegmentFn) });
+}
+
+/// Runs `f` on `inputs` without keeping its activations, and returns its
+/// output, whose backward runs `f` again (with its graph) and
+/// back-propagates through that: activation checkpointing, as PyTorch's
+/// reentrant `torch.utils.checkpoint`. The CPU generator's state is put
+/// back for the second run, so dropout draws the same masks. `f` must
+/// compute the same function both times. An error or panic in `f` is
+/// returned here (forward) or by the backward (the second run).
+pub fn checkpoint(
+    inputs: &[&Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,
+) -> Result<Tensor, GlueError> {
+    let boxed: Box<SegmentFn> = Box::new(Box::new(f));
+    let ctx = Box::into_raw(boxed) as *mut std::ffi::c_void;
+    let handles: Vec<*mut torch_sys::C_tensor> =
+        inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: the handles are live for the call (the glue copies them); the
+    // glue owns `ctx` from here on and calls `drop_segment` exactly once.
+    check("checkpoint", unsafe {
+        ffi::zrt_checkpoint(
+            handles.as_ptr(),
+            handles.len(),
+            run_segment,
+            drop_segment,
+            ctx,
+            &mut out,
+        )
+    })?;
+    // SAFETY: on success `out` is a fresh handle this side owns.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }

@@ -8,6 +8,7 @@
 //! it imports `zrt-collectives`, `zrt-kernels` and `zrt-offload`; none of them
 //! imports it.
 
+pub mod activation;
 pub mod checkpoint;
 pub mod config;
 mod engine;

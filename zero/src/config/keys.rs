@@ -103,6 +103,11 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
 /// zrt does instead. Top-level blocks with `"enabled": false` pass too.
 pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
     (
+        "activation_checkpointing",
+        AsZrt::Never,
+        "it tunes DeepSpeed's own checkpointing (partitioned or CPU-held inputs); in zrt a model checkpoints a block by wrapping it in `zrt::zero::activation::Checkpointed`, as DeepSpeed's model code calls `deepspeed.checkpointing.checkpoint`",
+    ),
+    (
         "prescale_gradients",
         AsZrt::Bool(false),
         "zrt reduces gradients in fp32 and averages after the reduction",
@@ -196,6 +201,8 @@ const GATHERS_ON_SAVE: &str = "zrt's save_16bit_model gathers the weights whatev
 pub(crate) enum AsZrt {
     Bool(bool),
     Number(f64),
+    /// No value does (a block): it always warns, with the text alone.
+    Never,
 }
 
 impl AsZrt {
@@ -204,6 +211,7 @@ impl AsZrt {
         match self {
             AsZrt::Bool(b) => v.as_bool() == Some(b),
             AsZrt::Number(x) => v.as_f64() == Some(x),
+            AsZrt::Never => false,
         }
     }
 }

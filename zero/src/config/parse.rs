@@ -65,6 +65,9 @@ impl P {
                 let disabled = v.get("enabled").and_then(Value::as_bool) == Some(false);
                 match same {
                     Some((_, value, _)) if value.is(v) => {}
+                    Some((_, keys::AsZrt::Never, instead)) => self.warnings.push(format!(
+                        "`{at}` is a DeepSpeed setting zrt does not implement; it is ignored: {instead}"
+                    )),
                     Some((_, _, instead)) => self.warnings.push(format!(
                         "`{at}` = {v} is a DeepSpeed setting zrt does not implement; it is ignored: {instead}"
                     )),

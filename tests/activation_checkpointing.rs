@@ -1,0 +1,193 @@
+//! Activation checkpointing (`zrt::zero::activation::Checkpointed`): the
+//! same outputs and gradients as the plain module, to the bit, with dropout
+//! drawing the same masks; the module runs twice; errors in either run come
+//! back as errors; and a GPT with checkpointed blocks trains to the same
+//! bits as the plain one at every stage, with the same gathers at stage 3.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{built, config_with, on_ranks, seeded, tokens, GPT, WORLD};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use zrt::gpt::Gpt;
+use zrt::zero::activation::Checkpointed;
+use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts};
+
+/// Linear, GELU, dropout, linear; counts its forwards and panics on call
+/// `fail_on`.
+#[derive(Debug)]
+struct Mlp {
+    a: nn::Linear,
+    b: nn::Linear,
+    calls: Arc<AtomicUsize>,
+    fail_on: usize,
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.fail_on {
+            panic!("boom on call {n}");
+        }
+        let h = self.a.forward(x).gelu("none").dropout(0.3, true);
+        self.b.forward(&h)
+    }
+}
+
+/// A fresh VarStore and MLP from seed 0 (the same every time). Call it
+/// under [`seeded`], which the whole test holds: the RNG is process-wide
+/// and other tests draw from it too.
+fn mlp(fail_on: usize) -> (nn::VarStore, Mlp, Arc<AtomicUsize>) {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let m = Mlp {
+        a: nn::linear(vs.root() / "a", 8, 16, Default::default()),
+        b: nn::linear(vs.root() / "b", 16, 8, Default::default()),
+        calls: calls.clone(),
+        fail_on,
+    };
+    (vs, m, calls)
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(&t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
+}
+
+/// Output, parameter gradients (by name), input gradient and the next
+/// random draw after backward.
+type Outcome = (
+    Vec<f32>,
+    Vec<(String, Vec<f32>)>,
+    Option<Vec<f32>>,
+    Vec<f32>,
+);
+
+fn run(vs: &nn::VarStore, f: impl Fn(&Tensor) -> Tensor, input_grad: bool) -> Outcome {
+    let x = Tensor::from_slice(&(0..24).map(|i| i as f32 * 0.1 - 1.0).collect::<Vec<_>>())
+        .view([3, 8])
+        .set_requires_grad(input_grad);
+    tch::manual_seed(7);
+    let y = f(&x);
+    (&y * &y).sum(Kind::Float).backward();
+    let mut grads: Vec<(String, Vec<f32>)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, values(&t.grad())))
+        .collect();
+    grads.sort_by(|a, b| a.0.cmp(&b.0));
+    let xg = input_grad.then(|| values(&x.grad()));
+    (
+        values(&y),
+        grads,
+        xg,
+        values(&Tensor::rand([4], (Kind::Float, Device::Cpu))),
+    )
+}
+
+#[test]
+fn a_checkpointed_module_gives_the_plain_outputs_and_gradients_and_runs_twice() {
+    seeded(plain_and_checkpointed_agree);
+}
+
+fn plain_and_checkpointed_agree() {
+    // Without an input that requires grad too (a block after a frozen
+    // embedding): its parameters must still get their gradients.
+    for input_grad in [true, false] {
+        let (vs, plain, calls) = mlp(0);
+        let want = run(&vs, |x| plain.forward(x), input_grad);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        let (vs, m, calls) = mlp(0);
+        let c = Checkpointed::new(m);
+        let got = run(&vs, |x| c.forward(x), input_grad);
+        assert_eq!(got, want, "input requires grad: {input_grad}");
+        assert!(got.1.iter().all(|(_, g)| g.iter().any(|&v| v != 0.0)));
+        // Forward, then the recompute in backward.
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+    // The forward recorded no graph of the module's own: the output's
+    // history reaches no parameter (so it saved none of the activations).
+    let (vs, m, _) = mlp(0);
+    let x = Tensor::ones([2, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let weight = glue::tensor_impl(&vs.variables()["a.weight"]).unwrap();
+    assert!(glue::graph_leaves(&m.forward(&x), &x)
+        .unwrap()
+        .contains(&weight));
+    let c = Checkpointed::new(m);
+    assert!(!glue::graph_leaves(&c.forward(&x), &x)
+        .unwrap()
+        .contains(&weight));
+    // Under no_grad (evaluation) there is nothing to recompute.
+    let (_vs, m, calls) = mlp(0);
+    let c = Checkpointed::new(m);
+    let y = tch::no_grad(|| c.forward(&Tensor::ones([2, 8], (Kind::Float, Device::Cpu))));
+    assert!(!y.requires_grad());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn errors_in_the_forward_or_the_recompute_are_returned() {
+    seeded(errors_come_back);
+}
+
+fn errors_come_back() {
+    let x = Tensor::ones([2, 8], (Kind::Float, Device::Cpu));
+    let (_vs, m, _) = mlp(1);
+    let err = Checkpointed::new(m).f_forward(&x).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the checkpointed segment panicked: boom on call 1"),
+        "{err}"
+    );
+    let (_vs, m, _) = mlp(2);
+    let y = Checkpointed::new(m).f_forward(&x).unwrap();
+    let err = y.sum(Kind::Float).f_backward().unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the checkpointed segment panicked: boom on call 2"),
+        "{err}"
+    );
+}
+
+/// What a training run left on rank 0: parameters, losses, overlap counts.
+type Trained = (Vec<(String, Vec<f32>)>, Vec<f64>, OverlapCounts);
+
+/// Trains the test GPT (plain or checkpointed blocks) 3 steps on `WORLD`
+/// ranks: rank 0's parameters, losses and gather counts.
+fn train(
+    cfg: &Config,
+    new: fn(&nn::Path, &zrt::zero::ShardPlan, &zrt::gpt::GptConfig) -> Gpt,
+) -> Trained {
+    let mut out = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = built(&GPT, new);
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+        let mut losses = Vec::new();
+        for step in 0..3 {
+            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            losses.push(loss.double_value(&[]));
+        }
+        (e.gathered_params().unwrap(), losses, e.overlap_counts())
+    });
+    out.swap_remove(0)
+}
+
+#[test]
+fn a_gpt_with_checkpointed_blocks_trains_to_the_same_bits_at_every_stage() {
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    for (stage, extra) in [(0u8, ""), (1, ""), (2, ""), (3, ""), (3, bf16)] {
+        let cfg = config_with(stage, 1, 0.5, extra);
+        let plain = train(&cfg, Gpt::new);
+        let ckpt = train(&cfg, Gpt::new_checkpointed);
+        assert_eq!(ckpt.1, plain.1, "stage {stage} {extra}: losses");
+        assert_eq!(ckpt.0, plain.0, "stage {stage} {extra}: parameters");
+        // The gathers stay outside the checkpoint: the recompute gathers
+        // nothing more, and the reductions still overlap backward.
+        assert_eq!(ckpt.2, plain.2, "stage {stage} {extra}: overlap");
+    }
+}

@@ -1,0 +1,79 @@
+//! Activation checkpointing: a block's activations are dropped after its
+//! forward and recomputed in its backward, trading compute for memory
+//! (PyTorch's `torch.utils.checkpoint` and FSDP's `checkpoint_wrapper`,
+//! DeepSpeed's `deepspeed.checkpointing.checkpoint`).
+//!
+//! Wrap a block in [`Checkpointed`], and that inside its
+//! [`ShardedModule`](crate::ShardedModule):
+//!
+//! ```ignore
+//! let block = ShardedModule::new(&plan, &path, Checkpointed::new(Block::new(&path)));
+//! ```
+//!
+//! In that order the unit's gather and free stay outside the checkpoint:
+//! stage 3 gathers the unit before its forward (which keeps only the
+//! block's input), frees it after, and gathers it again before the
+//! recompute in backward, exactly as without checkpointing. The recompute
+//! accumulates the parameters' gradients, so the engine reduces them as
+//! usual. The DeepSpeed config's `activation_checkpointing` block configures
+//! DeepSpeed's own partitioning of the saved inputs, which zrt does not do
+//! (a warning says so); checkpointing itself is this wrapper, as in
+//! DeepSpeed it is the model code's call.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tch::{nn, Tensor};
+
+use crate::glue;
+
+/// A module whose forward keeps only its input, recomputing its
+/// activations in backward ([`glue::checkpoint`]).
+///
+/// The module is shared with the autograd graph, which runs it again in
+/// backward (possibly after this wrapper is gone), hence the `Arc`; the
+/// mutex makes it `Send` for that without asking `M` to be `Sync`.
+pub struct Checkpointed<M> {
+    inner: Arc<Mutex<M>>,
+}
+
+impl<M> std::fmt::Debug for Checkpointed<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpointed").finish_non_exhaustive()
+    }
+}
+
+impl<M: nn::Module + 'static> Checkpointed<M> {
+    /// Wraps `inner`.
+    pub fn new(inner: M) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(inner)),
+        }
+    }
+
+    /// Runs `f` on the wrapped module (to read its fields, say).
+    pub fn with_inner<R>(&self, f: impl FnOnce(&M) -> R) -> R {
+        f(&self.inner.lock())
+    }
+
+    /// The checkpointed forward, or libtorch's error (the recompute's
+    /// errors come out of the backward).
+    pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor, glue::GlueError> {
+        let inner = self.inner.clone();
+        glue::checkpoint(&[xs], move |ins| match ins {
+            [x] => Ok(inner.lock().forward(x)),
+            _ => Err(format!("one input expected, got {}", ins.len())),
+        })
+    }
+}
+
+impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
+    /// The checkpointed forward. Panics, as tch's own modules do, if
+    /// libtorch fails; [`Checkpointed::f_forward`] returns the error.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        match self.f_forward(xs) {
+            Ok(y) => y,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

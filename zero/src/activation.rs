@@ -30,6 +30,10 @@ use crate::glue;
 /// A module whose forward keeps only its input, recomputing its
 /// activations in backward ([`glue::checkpoint`]).
 ///
+/// It wraps an [`nn::Module`] (one input, one output). A block that only
+/// implements `ModuleT` (a train flag for its dropout) is not covered yet:
+/// checkpoint it with [`glue::checkpoint`] and a closure that owns it.
+///
 /// The module is shared with the autograd graph, which runs it again in
 /// backward (possibly after this wrapper is gone), hence the `Arc`; the
 /// mutex makes it `Send` for that without asking `M` to be `Sync`.

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{built, config_with, on_ranks, seeded, tokens, GPT, WORLD};
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use zrt::gpt::Gpt;
-use zrt::zero::activation::Checkpointed;
+use zrt::zero::activation::{Checkpointed, CheckpointedT};
 use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts};
 
 /// Linear, GELU, dropout, linear; counts its forwards and panics on call
@@ -126,6 +126,34 @@ fn plain_and_checkpointed_agree() {
     let y = tch::no_grad(|| c.forward(&Tensor::ones([2, 8], (Kind::Float, Device::Cpu))));
     assert!(!y.requires_grad());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// [`Mlp`] with dropout only when training: a `ModuleT`-only block.
+#[derive(Debug)]
+struct MlpT(Mlp);
+
+impl nn::ModuleT for MlpT {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        self.0.calls.fetch_add(1, Ordering::SeqCst);
+        let h = self.0.a.forward(x).gelu("none").dropout(0.3, train);
+        self.0.b.forward(&h)
+    }
+}
+
+#[test]
+fn a_checkpointed_module_t_keeps_its_train_flag_for_the_recompute() {
+    seeded(|| {
+        for train in [true, false] {
+            let (vs, m, _) = mlp(0);
+            let plain = MlpT(m);
+            let want = run(&vs, |x| plain.forward_t(x, train), true);
+            let (vs, m, calls) = mlp(0);
+            let c = CheckpointedT::new(MlpT(m));
+            let got = run(&vs, |x| c.forward_t(x, train), true);
+            assert_eq!(got, want, "train: {train}");
+            assert_eq!(calls.load(Ordering::SeqCst), 2);
+        }
+    });
 }
 
 #[test]

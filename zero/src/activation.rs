@@ -3,7 +3,8 @@
 //! (PyTorch's `torch.utils.checkpoint` and FSDP's `checkpoint_wrapper`,
 //! DeepSpeed's `deepspeed.checkpointing.checkpoint`).
 //!
-//! Wrap a block in [`Checkpointed`], and that inside its
+//! Wrap a block in [`Checkpointed`] ([`CheckpointedT`] for a `ModuleT`
+//! block, with dropout), and that inside its
 //! [`ShardedModule`](crate::ShardedModule):
 //!
 //! ```ignore
@@ -30,9 +31,9 @@ use crate::glue;
 /// A module whose forward keeps only its input, recomputing its
 /// activations in backward ([`glue::checkpoint`]).
 ///
-/// It wraps an [`nn::Module`] (one input, one output). A block that only
-/// implements `ModuleT` (a train flag for its dropout) is not covered yet:
-/// checkpoint it with [`glue::checkpoint`] and a closure that owns it.
+/// It wraps an [`nn::Module`] (one input, one output); a block that
+/// implements only `ModuleT` (a train flag for its dropout) takes
+/// [`CheckpointedT`].
 ///
 /// The module is shared with the autograd graph, which runs it again in
 /// backward (possibly after this wrapper is gone), hence the `Arc`; the
@@ -63,12 +64,21 @@ impl<M: nn::Module + 'static> Checkpointed<M> {
     /// The checkpointed forward, or libtorch's error (the recompute's
     /// errors come out of the backward).
     pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor, glue::GlueError> {
-        let inner = self.inner.clone();
-        glue::checkpoint(&[xs], move |ins| match ins {
-            [x] => Ok(inner.lock().forward(x)),
-            _ => Err(format!("one input expected, got {}", ins.len())),
-        })
+        checkpoint_one(&self.inner, xs, |m, x| m.forward(x))
     }
+}
+
+/// Checkpoints `forward` of the shared module on the one input `xs`.
+fn checkpoint_one<M: Send + 'static>(
+    inner: &Arc<Mutex<M>>,
+    xs: &Tensor,
+    forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
+) -> Result<Tensor, glue::GlueError> {
+    let inner = inner.clone();
+    glue::checkpoint(&[xs], move |ins| match ins {
+        [x] => Ok(forward(&inner.lock(), x)),
+        _ => Err(format!("one input expected, got {}", ins.len())),
+    })
 }
 
 impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
@@ -76,6 +86,48 @@ impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
     /// libtorch fails; [`Checkpointed::f_forward`] returns the error.
     fn forward(&self, xs: &Tensor) -> Tensor {
         match self.f_forward(xs) {
+            Ok(y) => y,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// [`Checkpointed`] for a block that implements only [`nn::ModuleT`]: the
+/// train flag of each forward is the one its recompute uses.
+pub struct CheckpointedT<M> {
+    inner: Arc<Mutex<M>>,
+}
+
+impl<M> std::fmt::Debug for CheckpointedT<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointedT").finish_non_exhaustive()
+    }
+}
+
+impl<M: nn::ModuleT + 'static> CheckpointedT<M> {
+    /// Wraps `inner`.
+    pub fn new(inner: M) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(inner)),
+        }
+    }
+
+    /// Runs `f` on the wrapped module.
+    pub fn with_inner<R>(&self, f: impl FnOnce(&M) -> R) -> R {
+        f(&self.inner.lock())
+    }
+
+    /// The checkpointed `forward_t`, or libtorch's error.
+    pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, glue::GlueError> {
+        checkpoint_one(&self.inner, xs, move |m, x| m.forward_t(x, train))
+    }
+}
+
+impl<M: nn::ModuleT + 'static> nn::ModuleT for CheckpointedT<M> {
+    /// The checkpointed `forward_t`. Panics, as tch's own modules do, if
+    /// libtorch fails; [`CheckpointedT::f_forward_t`] returns the error.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        match self.f_forward_t(xs, train) {
             Ok(y) => y,
             Err(e) => panic!("{e}"),
         }

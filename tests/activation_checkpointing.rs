@@ -9,7 +9,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{built, config_with, on_ranks, seeded, tokens, GPT, WORLD};
+use common::{built, config_with, on_ranks, seeded, train_losses, GPT, WORLD};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use zrt::gpt::Gpt;
@@ -193,13 +193,7 @@ fn train(
         let (vs, plan, gpt) = built(&GPT, new);
         let g = r.new_group(&[0, 1]).unwrap();
         let e = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
-        let mut losses = Vec::new();
-        for step in 0..3 {
-            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
-            e.backward(&loss).unwrap();
-            e.step().unwrap();
-            losses.push(loss.double_value(&[]));
-        }
+        let losses = train_losses(&gpt, &e, r.rank(), 3);
         (e.gathered_params().unwrap(), losses, e.overlap_counts())
     });
     out.swap_remove(0)

@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{config_zero, model, nvme_params, on_ranks, tokens, WORLD};
+use common::{config_zero, model, nvme_params, on_ranks, tokens, train_losses, WORLD};
 use tch::{nn, Kind, Tensor};
 use zrt::collectives::local::LocalRank;
 use zrt::collectives::ProcessGroup;
@@ -116,13 +116,7 @@ fn run_in(cfg: &Config, world: usize, frozen: fn(&str) -> bool, base: Kind) -> R
     let out = on_ranks(world, |mut r: LocalRank| {
         let (vs, plan, gpt) = frozen_model_in(r.rank(), frozen, base);
         let e = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
-        let mut losses = Vec::new();
-        for step in 0..3 {
-            let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
-            e.backward(&loss).unwrap();
-            e.step().unwrap();
-            losses.push(loss.double_value(&[]));
-        }
+        let losses = train_losses(&gpt, &e, r.rank(), 3);
         let gathered = e
             .group()
             .stats()

@@ -186,3 +186,21 @@ pub fn printed(o: &std::process::Output) -> String {
         String::from_utf8_lossy(&o.stderr)
     )
 }
+
+/// Trains `steps` steps of the GPT on this rank's micro-batches
+/// ([`tokens`], no accumulation): the losses.
+pub fn train_losses<G: zrt::collectives::ProcessGroup + 'static>(
+    gpt: &Gpt,
+    e: &Engine<G>,
+    rank: usize,
+    steps: usize,
+) -> Vec<f64> {
+    (0..steps)
+        .map(|step| {
+            let loss = gpt.loss(&tokens(step, 0, rank, 1));
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            loss.double_value(&[])
+        })
+        .collect()
+}

@@ -305,7 +305,7 @@ fn from_bytes(bytes: &[u8], shape: &[i64], kind: Kind) -> Result<Tensor, String>
 
 /// The safetensors dtype of `kind`, or why a variable of that kind cannot
 /// be saved.
-fn dtype_of(name: &str, kind: Kind) -> Result<Dtype, EngineError> {
+pub(super) fn dtype_of(name: &str, kind: Kind) -> Result<Dtype, EngineError> {
     Ok(match kind {
         Kind::Float => Dtype::F32,
         Kind::Double => Dtype::F64,

@@ -27,6 +27,7 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
 use super::elems::Elems;
+use super::frozen::dtype_of;
 use super::offload::{read_words, FrozenSwap};
 use super::Compute;
 use crate::checkpoint::files::RankFile;
@@ -70,15 +71,16 @@ impl Part {
         );
         let by_name: std::collections::HashMap<String, Tensor> = vars.into_iter().collect();
         // Read before the views replace the variables' data.
+        // (A missing variable: `rank0_flat` names it next.)
         let saved = layout
             .slots
             .iter()
-            .map(|s| match by_name.get(&s.name).map(Tensor::kind) {
-                Some(Kind::BFloat16) => Dtype::BF16,
-                Some(Kind::Half) => Dtype::F16,
-                _ => Dtype::F32,
+            .map(|s| {
+                by_name
+                    .get(&s.name)
+                    .map_or(Ok(Dtype::F32), |t| dtype_of(&s.name, t.kind()))
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         // Widened to fp32 on the way (exact), narrowed back into the buffer.
         let (values, flat, params) =
             super::rank0_flat(&layout, &by_name, compute, group, replicate)?;

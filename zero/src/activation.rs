@@ -33,52 +33,27 @@ use crate::glue;
 ///
 /// It wraps an [`nn::Module`] (one input, one output); a block that
 /// implements only `ModuleT` (a train flag for its dropout) takes
-/// [`CheckpointedT`].
-///
-/// The module is shared with the autograd graph, which runs it again in
-/// backward (possibly after this wrapper is gone), hence the `Arc`; the
-/// mutex makes it `Send` for that without asking `M` to be `Sync`.
-pub struct Checkpointed<M> {
-    inner: Arc<Mutex<M>>,
-}
-
-impl<M> std::fmt::Debug for Checkpointed<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkpointed").finish_non_exhaustive()
-    }
-}
+/// [`CheckpointedT`], which this is with the flag unused.
+#[derive(Debug)]
+pub struct Checkpointed<M>(CheckpointedT<M>);
 
 impl<M: nn::Module + 'static> Checkpointed<M> {
     /// Wraps `inner`.
     pub fn new(inner: M) -> Self {
-        Self {
-            inner: Arc::new(Mutex::new(inner)),
-        }
+        Self(CheckpointedT::new(inner))
     }
 
     /// Runs `f` on the wrapped module (to read its fields, say).
     pub fn with_inner<R>(&self, f: impl FnOnce(&M) -> R) -> R {
-        f(&self.inner.lock())
+        self.0.with_inner(f)
     }
 
     /// The checkpointed forward, or libtorch's error (the recompute's
     /// errors come out of the backward).
     pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor, glue::GlueError> {
-        checkpoint_one(&self.inner, xs, |m, x| m.forward(x))
+        // A `Module`'s `forward_t` is its `forward`, whatever the flag.
+        self.0.f_forward_t(xs, false)
     }
-}
-
-/// Checkpoints `forward` of the shared module on the one input `xs`.
-fn checkpoint_one<M: Send + 'static>(
-    inner: &Arc<Mutex<M>>,
-    xs: &Tensor,
-    forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
-) -> Result<Tensor, glue::GlueError> {
-    let inner = inner.clone();
-    glue::checkpoint(&[xs], move |ins| match ins {
-        [x] => Ok(forward(&inner.lock(), x)),
-        _ => Err(format!("one input expected, got {}", ins.len())),
-    })
 }
 
 impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
@@ -94,6 +69,10 @@ impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
 
 /// [`Checkpointed`] for a block that implements only [`nn::ModuleT`]: the
 /// train flag of each forward is the one its recompute uses.
+///
+/// The module is shared with the autograd graph, which runs it again in
+/// backward (possibly after this wrapper is gone), hence the `Arc`; the
+/// mutex makes it `Send` for that without asking `M` to be `Sync`.
 pub struct CheckpointedT<M> {
     inner: Arc<Mutex<M>>,
 }
@@ -119,7 +98,11 @@ impl<M: nn::ModuleT + 'static> CheckpointedT<M> {
 
     /// The checkpointed `forward_t`, or libtorch's error.
     pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, glue::GlueError> {
-        checkpoint_one(&self.inner, xs, move |m, x| m.forward_t(x, train))
+        let inner = self.inner.clone();
+        glue::checkpoint(&[xs], move |ins| match ins {
+            [x] => Ok(inner.lock().forward_t(x, train)),
+            _ => Err(format!("one input expected, got {}", ins.len())),
+        })
     }
 }
 

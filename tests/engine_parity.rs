@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{config_with, config_zero, model, on_ranks, tokens, LR, WD, WORLD};
+use common::{config_with, config_zero, model, on_ranks, tokens, train_losses, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
@@ -374,16 +374,11 @@ fn train_steps<G: ProcessGroup + 'static>(
     rank: usize,
     world: &impl ProcessGroup,
 ) -> Vec<f64> {
-    (0..STEPS)
-        .map(|step| {
-            let loss = gpt.loss(&tokens(step, 0, rank, 1));
-            engine.backward(&loss).unwrap();
-            engine.step().unwrap();
+    train_losses(gpt, engine, rank, STEPS)
+        .into_iter()
+        .map(|loss| {
             world
-                .all_reduce(
-                    vec![loss.double_value(&[])],
-                    zrt::collectives::ReduceOp::Avg,
-                )
+                .all_reduce(vec![loss], zrt::collectives::ReduceOp::Avg)
                 .wait()
                 .unwrap()[0]
         })

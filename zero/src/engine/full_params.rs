@@ -20,6 +20,7 @@ use half::{bf16, f16};
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
+use super::offload::ReadAhead;
 use super::{elems, overlap, Compute, CopyShard, Engine, Inner, OwnedState, Shard, State, Unit};
 use crate::EngineError;
 
@@ -270,7 +271,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         s: OwnedState,
     ) -> Result<(), EngineError> {
         let padded = u.layout.padded;
-        self.page_in(sh, k, None)?;
+        self.page_in(sh, k, ReadAhead::Update)?;
         match (self.compute, self.stage) {
             // SAFETY: the unit's flat tensor of the compute dtype, under
             // the state lock (no forward or backward runs).

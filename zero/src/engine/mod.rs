@@ -58,6 +58,7 @@ use crate::flat::FlatLayout;
 use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
+use offload::ReadAhead;
 
 mod checkpoint;
 mod elems;
@@ -398,7 +399,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     fn fill_from_shards(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
         let (u, sh) = (&st.units[i], &mut st.shards[i]);
         let padded = u.layout.padded;
-        self.page_in(sh, i, None)?;
+        self.page_in(sh, i, ReadAhead::Update)?;
         self.delay();
         match &mut sh.copy {
             CopyShard::Bf16(v) => {
@@ -1377,7 +1378,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             Some(swap) => i.adam_swapped(swap, st, &up, stage1)?,
             None => {
                 for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
-                    i.page_in(sh, k, None)?;
+                    i.page_in(sh, k, ReadAhead::Update)?;
                     let Shard {
                         master,
                         m,

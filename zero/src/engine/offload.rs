@@ -109,7 +109,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 // Stage-3 parameter offload: the unit's shard comes in for
                 // its first chunk and goes back, updated, after its last.
                 if r.start == 0 {
-                    self.page_in(sh, k, None)?;
+                    self.page_in(sh, k, ReadAhead::Update)?;
                 }
                 let last = r.end == swap.region_len(k);
                 let Shard {
@@ -210,6 +210,20 @@ pub(super) struct ParamSwap {
     last: std::sync::atomic::AtomicUsize,
 }
 
+/// What [`Inner::page_in`] reads ahead once its unit is in.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum ReadAhead {
+    /// The page-in is a gather's: read the unit gathered next (the recorded
+    /// run order's, else the index's guess) and its frozen shard, which
+    /// that gather will need too.
+    Gather(Option<usize>),
+    /// The page-in is an update's or a write-back's: read the next unit by
+    /// index, its trainable shard only. Nothing there uses frozen shards, so
+    /// reading them would only be disk traffic thrown away (two thirds of a
+    /// block's bytes when its MLP is frozen).
+    Update,
+}
+
 /// What a read-ahead brings: a unit's gather source and, when it has
 /// sharded frozen parameters, their shard with the frozen swap's write
 /// count when the read began.
@@ -292,19 +306,26 @@ impl ParamSwap {
         }
     }
 
-    /// Starts reading the unit paged in after `k`: `next` when the caller
-    /// knows it (a gather, from the order forward ran the units in), else
-    /// guessed by index (the next one going up, the previous going down).
-    fn read_ahead(&self, k: usize, next: Option<usize>) {
+    /// Starts reading the unit paged in after `k`: for a gather, the one
+    /// the recorded run order gathers next when known, and its frozen shard
+    /// with it; else the one guessed by index (the next one going up, the
+    /// previous going down).
+    fn read_ahead(&self, k: usize, then: ReadAhead) {
         use std::sync::atomic::Ordering;
         let last = self.last.swap(k, Ordering::Relaxed);
         let guess = if k >= last { k + 1 } else { k.wrapping_sub(1) };
-        let next = next.unwrap_or(guess);
+        let (next, with_frozen) = match then {
+            ReadAhead::Gather(next) => (next.unwrap_or(guess), true),
+            ReadAhead::Update => (guess, false),
+        };
         if next >= self.swap.regions() {
             return;
         }
         let swap = self.swap.clone();
-        let frozen = self.frozen.clone().filter(|f| f.swap.region_len(next) > 0);
+        let frozen = self
+            .frozen
+            .clone()
+            .filter(|f| with_frozen && f.swap.region_len(next) > 0);
         let h = std::thread::spawn(move || {
             let words = read_words(&swap, next)?;
             let frozen = match frozen {
@@ -416,12 +437,12 @@ pub(super) fn params_out(
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Brings unit `k`'s gather source into memory (no-op without a
     /// parameter swap, or when it is already in), and starts reading the
-    /// one paged in after it (`next`, else guessed by index).
+    /// one paged in after it (`then`).
     pub(super) fn page_in(
         &self,
         sh: &mut Shard,
         k: usize,
-        next: Option<usize>,
+        then: ReadAhead,
     ) -> Result<(), EngineError> {
         let Some(ps) = &self.pswap else {
             return Ok(());
@@ -432,7 +453,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             CopyShard::None if sh.master.is_empty() => sh.master = ps.words(k)?,
             _ => return Ok(()),
         }
-        ps.read_ahead(k, next);
+        ps.read_ahead(k, then);
         Ok(())
     }
 
@@ -476,7 +497,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Bytes of memory the parameter swap's buffers hold.
     pub(super) fn pswap_resident(&self) -> usize {
         self.pswap.as_ref().map_or(0, |p| {
-            p.swap.resident_bytes() + p.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
+            let ready = p
+                .ready_frozen
+                .lock()
+                .as_ref()
+                .map_or(0, |(_, _, w)| 4 * w.len());
+            p.swap.resident_bytes()
+                + p.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
+                + ready
         })
     }
 
@@ -531,13 +559,13 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let ps = three_units(&dir);
         // Unit 0 in: unit 1 is read ahead, frozen shard and all.
-        ps.read_ahead(0, None);
+        ps.read_ahead(0, ReadAhead::Gather(None));
         assert_eq!(ps.words(1).unwrap(), vec![10.0; 8]);
         assert_eq!(ps.frozen_ahead(1), Some(vec![100.0; 8]));
         assert_eq!(ps.frozen_ahead(1), None, "used once");
         // Unit 1 in: unit 2 is read ahead; then a load rewrites unit 2's
         // frozen shard. The read-ahead is stale and must not be used.
-        ps.read_ahead(1, Some(2));
+        ps.read_ahead(1, ReadAhead::Gather(Some(2)));
         let read = || {
             ps.ahead
                 .lock()
@@ -552,9 +580,39 @@ mod tests {
         assert_eq!(ps.frozen_ahead(2), None);
         // Nor is one of another unit; a known next unit is read, not the
         // index's guess.
-        ps.read_ahead(1, Some(0));
+        ps.read_ahead(1, ReadAhead::Gather(Some(0)));
         assert_eq!(ps.words(0).unwrap(), vec![0.0; 8]);
         assert_eq!(ps.frozen_ahead(2), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_update_reads_ahead_no_frozen_shard() {
+        let dir = std::env::temp_dir().join(format!("zrt-pswap-update-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ps = three_units(&dir);
+        // An optimizer step pages unit 0 in: unit 1's trainable shard is
+        // read ahead, its frozen shard (no use in a step) is not.
+        ps.read_ahead(0, ReadAhead::Update);
+        let read = ps
+            .ahead
+            .lock()
+            .take()
+            .map(|(k, h)| (k, h.join().unwrap().unwrap()));
+        let (k, read) = read.expect("a read-ahead was started");
+        assert_eq!((k, read.words), (1, vec![10.0; 8]));
+        assert!(
+            read.frozen.is_none(),
+            "the frozen shard was read for an update"
+        );
+        // Nothing it brought is held afterwards, and the memory count says so.
+        ps.read_ahead(1, ReadAhead::Update);
+        assert_eq!(ps.words(2).unwrap(), vec![20.0; 8]);
+        assert!(ps.ready_frozen.lock().is_none());
+        // A gather's read-ahead does bring it, and it is counted until used.
+        ps.read_ahead(2, ReadAhead::Gather(Some(1)));
+        assert_eq!(ps.words(1).unwrap(), vec![10.0; 8]);
+        assert!(ps.ready_frozen.lock().is_some());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -28,6 +28,7 @@ use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
 use super::elems::Elems;
+use super::offload::ReadAhead;
 use super::pool::Pool;
 use super::timing::waiting;
 use super::{elems, Compute, CopyShard, Inner, State};
@@ -560,7 +561,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // The swap reads ahead the unit gathered after this one.
         let next = st.prog.order.after(i, !st.prog.in_backward());
         let sh = &mut st.shards[i];
-        self.page_in(sh, i, next)?;
+        self.page_in(sh, i, ReadAhead::Gather(next))?;
         self.delay();
         let g = &self.group;
         let data = match &mut sh.copy {

@@ -3,10 +3,12 @@ FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
 with gloo, one thread per rank.
 
 Started by zrt as WORLD_SIZE processes with the torchrun environment.
-argv: mode size micro steps [freeze_mlp], where mode is one of ddp,
-fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
-deepspeed_zero3, and freeze_mlp 1 freezes every block's fc and out weights
-(the optimizer then holds the rest).
+argv: mode size micro steps [freeze_mlp [checkpoint]], where mode is one of
+ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
+deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
+(the optimizer then holds the rest); checkpoint 1 recomputes every block's
+activations in backward (non-reentrant `torch.utils.checkpoint` around each
+block, outside FSDP2's per-block hooks, as torchtitan applies it).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -20,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
+checkpoint = len(sys.argv) > 6 and sys.argv[6] == "1"
 SIZES = {
     "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
     "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
@@ -60,7 +64,7 @@ class Gpt(nn.Module):
         x, y = tokens[:, :-1], tokens[:, 1:]
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
         for b in self.h:
-            h = b(h)
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False) if checkpoint else b(h)
         logits = self.head(self.ln_f(h)).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 

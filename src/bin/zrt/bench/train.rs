@@ -48,6 +48,12 @@ pub struct TrainArgs {
     /// base: params, formula and ZeRO volume then count the trainable ones.
     #[arg(long)]
     freeze_mlp: bool,
+    /// Recompute every block's activations in backward, in zrt
+    /// (`Gpt::new_checkpointed`) and in the peers (non-reentrant
+    /// `torch.utils.checkpoint` around each block, as torchtitan applies it
+    /// under FSDP2). MFU still counts model FLOPs, not the recompute.
+    #[arg(long)]
+    checkpoint_activations: bool,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -70,6 +76,8 @@ pub struct TrainRankArgs {
     steps: usize,
     #[arg(long)]
     freeze_mlp: bool,
+    #[arg(long)]
+    checkpoint_activations: bool,
 }
 
 fn gpt(size: &str) -> Result<GptConfig> {
@@ -128,7 +136,11 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let model = Gpt::new(&vs.root(), &plan, &c);
+    let model = if a.checkpoint_activations {
+        Gpt::new_checkpointed(&vs.root(), &plan, &c)
+    } else {
+        Gpt::new(&vs.root(), &plan, &c)
+    };
     let frozen = if a.freeze_mlp { freeze_mlp(&vs) } else { 0 };
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
@@ -212,6 +224,10 @@ fn run_rank(
     .iter()
     .map(|s| s.to_string())
     .chain(a.freeze_mlp.then(|| "--freeze-mlp".to_string()))
+    .chain(
+        a.checkpoint_activations
+            .then(|| "--checkpoint-activations".to_string()),
+    )
     .collect();
     run_ranks(me, &args, world, &[])
 }
@@ -288,6 +304,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 a.micro.to_string(),
                 a.steps.to_string(),
                 (a.freeze_mlp as u8).to_string(),
+                (a.checkpoint_activations as u8).to_string(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -307,13 +324,17 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     };
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}",
             a.micro,
             a.rounds,
             a.steps,
             peak / 1e9,
             match a.freeze_mlp {
                 true => "; every block's MLP weights frozen (params, formula and ZeRO volume count the trained ones)",
+                false => "",
+            },
+            match a.checkpoint_activations {
+                true => "; every block's activations recomputed in backward (MFU counts model FLOPs, not the recompute)",
                 false => "",
             }
         );
@@ -401,6 +422,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                     "comm_seconds_per_step": comm_time, "comm_wait_seconds_per_step": wait,
                     "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
                     "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
+                    "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
                 })
             );
         } else {
@@ -431,7 +453,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         if a.json {
             println!(
                 "{}",
-                json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss})
+                json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss,
+                    "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations})
             );
         } else {
             println!(

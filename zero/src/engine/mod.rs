@@ -1580,17 +1580,23 @@ pub(crate) const CHECKPOINT_AGREEMENT: &str = "all_gather(u8 x 1)";
 /// == 0`): say that, since the two calls' names mean nothing to the user
 /// and the mismatch would otherwise read as uneven gradients.
 fn checkpoint_on_a_peer(e: EngineError) -> EngineError {
-    let mismatch = matches!(
-        e,
-        EngineError::Comm(zrt_collectives::CommError::Mismatch { .. })
-    );
-    let text = e.to_string();
-    if mismatch && text.contains(CHECKPOINT_AGREEMENT) {
-        return EngineError::CallOrder(format!(
-            "another rank is saving or loading a checkpoint while this one trains: save_checkpoint and load_checkpoint are collectives, which every rank calls at the same point (not only under `if rank == 0`). The collectives said: {text}"
-        ));
+    match &e {
+        EngineError::Comm(c) if meets_checkpoint(c) => EngineError::CallOrder(format!(
+            "another rank is saving or loading a checkpoint while this one trains: save_checkpoint and load_checkpoint are collectives, which every rank calls at the same point (not only under `if rank == 0`). The collectives said: {c}"
+        )),
+        _ => e,
     }
-    e
+}
+
+/// Whether `c` is a mismatch one side of which is a checkpoint agreement
+/// (by the call's own description, not a search of the message, which
+/// names the group and could hold anything).
+pub(crate) fn meets_checkpoint(c: &zrt_collectives::CommError) -> bool {
+    matches!(
+        c,
+        zrt_collectives::CommError::Mismatch { call_a, call_b, .. }
+            if call_a == CHECKPOINT_AGREEMENT || call_b == CHECKPOINT_AGREEMENT
+    )
 }
 
 #[cfg(test)]

@@ -782,7 +782,7 @@ fn uneven(e: EngineError, without: &[String]) -> EngineError {
         // A peer's checkpoint agreement is not a gradient: see
         // `checkpoint_on_a_peer`.
         EngineError::Comm(c @ zrt_collectives::CommError::Mismatch { .. })
-            if !c.to_string().contains(super::CHECKPOINT_AGREEMENT) =>
+            if !super::meets_checkpoint(c) =>
         {
             explain_uneven(&c.to_string(), without)
         }

@@ -2,7 +2,9 @@
 //! one unit's values at a time, never the whole model: the point of ZeRO-3
 //! is a model no rank can hold, and a save that gathers it all would fail
 //! on exactly those. Stage 3 with a frozen base (sharded) and the optimizer
-//! state on NVMe, 2 ranks (threads).
+//! state on NVMe, 2 ranks (threads). And `with_full_params` at stage 0
+//! writes a change back into the state where it lies, without a copy of
+//! it.
 //!
 //! Measured with a counting global allocator: the peak of this process's
 //! Rust heap (both ranks' threads) above where it stood when the call
@@ -67,6 +69,9 @@ static ALLOC: Counting = Counting;
 
 /// Runs `f` on every rank at once and returns the heap's peak above
 /// where it stood before (all ranks' threads together).
+/// The counters are the process's: one test measures at a time.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn peak_of(r: usize, gate: &Barrier, f: impl FnOnce()) -> usize {
     gate.wait();
     if r == 0 {
@@ -108,6 +113,7 @@ fn save_export_and_load_hold_one_unit_at_a_time() {
     let (aio, offload) = nvme(&swap);
     let zero = format!(r#"{offload} "stage3_param_persistence_threshold": 0,"#);
     let cfg = config_zero(3, 1, 1.0, &aio, &zero);
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let gate = Barrier::new(2);
     let sizes = on_ranks(2, |r| {
         let (vs, plan, gpt) = model_of(&BIG);
@@ -176,4 +182,71 @@ fn save_export_and_load_hold_one_unit_at_a_time() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn with_full_params_at_stage_0_copies_no_units_state() {
+    // bf16: the fp32 master, m and v are three arrays beside the model, and
+    // a change must reach the master. Stage 0 holds them whole on every
+    // rank; writing back used to copy a unit's three (12 bytes per element)
+    // on each rank before putting them back unchanged.
+    let cfg = config_zero(0, 1, 1.0, r#""bf16": {"enabled": true},"#, "");
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let gate = Barrier::new(2);
+    let out = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model_of(&BIG);
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
+        e.step().unwrap();
+        let w = vs
+            .variables()
+            .into_iter()
+            .find(|(n, _)| n == "h.0.fc.weight")
+            .unwrap()
+            .1;
+        let first = || {
+            let t = w.to_kind(Kind::Float).flatten(0, -1).narrow(0, 0, 4);
+            Vec::<f32>::try_from(&t).unwrap()
+        };
+        let before = first();
+        let peak = peak_of(r.rank(), &gate, || {
+            e.with_full_params(|| {
+                tch::no_grad(|| {
+                    // Every parameter changes: every unit is written back.
+                    for (_, t) in vs.variables() {
+                        let _ = t.shallow_clone().g_mul_scalar_(2.0);
+                    }
+                })
+            })
+            .unwrap();
+        });
+        (peak, before, first())
+    });
+    let (vs, _, _) = model_of(&BIG);
+    let unit = vs
+        .variables()
+        .iter()
+        .filter(|(n, _)| n.starts_with("h.0."))
+        .map(|(_, t)| t.numel())
+        .sum::<usize>();
+    let peak = out[0].0;
+    eprintln!(
+        "largest block {:.2} M elements; write-back heap peak {:.2} MiB (both ranks)",
+        unit as f64 / 1e6,
+        peak as f64 / (1 << 20) as f64
+    );
+    // Each rank holds the unit's old 16-bit rounding (2 bytes per element)
+    // to find what changed; a copy of its state is 12.
+    assert!(
+        peak < 2 * 4 * unit,
+        "write-back held {peak} bytes at its peak: a copy of a unit's state is {} per rank",
+        12 * unit
+    );
+    // And the change took (doubling is exact in bf16), on both ranks.
+    for (_, before, after) in &out {
+        let twice: Vec<f32> = before.iter().map(|x| 2.0 * x).collect();
+        assert!(before.iter().all(|x| *x != 0.0));
+        assert_eq!(after, &twice);
+    }
 }

@@ -206,57 +206,80 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Writes unit `k`'s gathered values, which changed, back into this
     /// rank's range of everything they are gathered or stepped from.
     fn write_back_unit(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
-        let padded = st.units[k].layout.padded;
-        let need = self.own_range(&st.units[k]);
-        let mut state = match self.stage {
-            0 => {
-                let sh = &st.shards[k];
-                let master = match sh.master.is_empty() {
-                    // SAFETY: the fp32 flat tensor is the master here.
-                    true => unsafe { elems::<f32>(&st.units[k].flat, padded) }.to_vec(),
-                    false => sh.master.clone(),
-                };
-                OwnedState {
-                    master,
-                    m: sh.m.clone(),
-                    v: sh.v.clone(),
-                }
-            }
-            _ => {
-                let s = self.shard_state(st, k)?;
-                OwnedState {
-                    master: s.master.into_owned(),
-                    m: s.m.into_owned(),
-                    v: s.v.into_owned(),
-                }
-            }
-        };
-        let u = &st.units[k];
-        // SAFETY: the gathered flat tensor of the compute dtype, under the
-        // state lock.
-        match self.compute {
-            Compute::F32 => state
-                .master
-                .copy_from_slice(&unsafe { elems::<f32>(&u.flat, padded) }[need.clone()]),
-            Compute::Bf16 => {
-                let now = &unsafe { elems::<bf16>(&u.flat, padded) }[need.clone()];
-                let mut was = vec![bf16::ZERO; need.len()];
-                cast::f32_to_bf16(&state.master, &mut was)?;
-                take_changed(&mut state.master, now, &was, bf16::to_bits, bf16::to_f32);
-            }
-            Compute::F16 => {
-                let now = &unsafe { elems::<f16>(&u.flat, padded) }[need.clone()];
-                let mut was = vec![f16::ZERO; need.len()];
-                cast::f32_to_f16(&state.master, &mut was)?;
-                take_changed(&mut state.master, now, &was, f16::to_bits, f16::to_f32);
-            }
+        if self.stage == 0 {
+            return self.write_back_whole(st, k);
         }
+        let need = self.own_range(&st.units[k]);
+        let s = self.shard_state(st, k)?;
+        let mut state = OwnedState {
+            master: s.master.into_owned(),
+            m: s.m.into_owned(),
+            v: s.v.into_owned(),
+        };
+        self.merge_into_master(&st.units[k], need.clone(), &mut state.master)?;
         let (units, shards) = (&mut st.units, &mut st.shards);
         let u = &mut units[k];
         if let Some(p) = &mut u.frozen {
             p.keep_gathered(self.group.rank())?;
         }
         self.install(u, &mut shards[k], k, need, state)
+    }
+
+    /// Stage 0's write-back: every rank holds and steps the whole unit, so
+    /// the change goes into its fp32 master where it lies, without the
+    /// copy of the unit's master, m and v that the sharded stages install
+    /// (m and v do not change).
+    fn write_back_whole(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
+        let (u, sh) = (&st.units[k], &mut st.shards[k]);
+        let padded = u.layout.padded;
+        if sh.master.is_empty() {
+            // fp32: the flat tensor is the master, and `f` changed it.
+            return Ok(());
+        }
+        self.merge_into_master(u, 0..padded, &mut sh.master)?;
+        // The compute copy, as the optimizer leaves it: the merged master
+        // rounded (what `f` wrote, for every element it changed).
+        // SAFETY: the unit's flat tensor of the compute dtype, under the
+        // state lock (no forward or backward runs).
+        match self.compute {
+            Compute::F32 => unsafe { elems::<f32>(&u.flat, padded) }.copy_from_slice(&sh.master),
+            Compute::Bf16 => {
+                cast::f32_to_bf16(&sh.master, unsafe { elems::<bf16>(&u.flat, padded) })?
+            }
+            Compute::F16 => cast::f32_to_f16(&sh.master, unsafe { elems::<f16>(&u.flat, padded) })?,
+        }
+        Ok(())
+    }
+
+    /// Takes the gathered compute values of unit `u` over elements `need`
+    /// into `master` (the fp32 master of those elements): all of them in
+    /// fp32; with 16-bit compute only those whose 16-bit value differs from
+    /// the master's rounding, so an untouched weight keeps its fp32 bits.
+    fn merge_into_master(
+        &self,
+        u: &Unit,
+        need: std::ops::Range<usize>,
+        master: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let padded = u.layout.padded;
+        // SAFETY: the gathered flat tensor of the compute dtype, under the
+        // state lock.
+        match self.compute {
+            Compute::F32 => master.copy_from_slice(&unsafe { elems::<f32>(&u.flat, padded) }[need]),
+            Compute::Bf16 => {
+                let now = &unsafe { elems::<bf16>(&u.flat, padded) }[need.clone()];
+                let mut was = vec![bf16::ZERO; need.len()];
+                cast::f32_to_bf16(master, &mut was)?;
+                take_changed(master, now, &was, bf16::to_bits, bf16::to_f32);
+            }
+            Compute::F16 => {
+                let now = &unsafe { elems::<f16>(&u.flat, padded) }[need.clone()];
+                let mut was = vec![f16::ZERO; need.len()];
+                cast::f32_to_f16(master, &mut was)?;
+                take_changed(master, now, &was, f16::to_bits, f16::to_f32);
+            }
+        }
+        Ok(())
     }
 
     /// Installs `s`, this rank's state over elements `need` of unit `k`:

@@ -52,10 +52,18 @@ struct Segment : torch::CustomClassHolder {
 
   // Runs the segment on `inputs`; throws its error.
   torch::Tensor call(const torch::autograd::variable_list &inputs) {
-    std::vector<torch::Tensor *> handles;
-    handles.reserve(inputs.size());
+    // Owned here until `run` takes them (it wraps each as a Rust Tensor,
+    // which deletes it), so an allocation that throws midway frees the
+    // ones made before it.
+    std::vector<std::unique_ptr<torch::Tensor>> owned;
+    owned.reserve(inputs.size());
     for (const auto &x : inputs) {
-      handles.push_back(new torch::Tensor(x));
+      owned.push_back(std::make_unique<torch::Tensor>(x));
+    }
+    std::vector<torch::Tensor *> handles;
+    handles.reserve(owned.size());
+    for (auto &h : owned) {
+      handles.push_back(h.release());
     }
     torch::Tensor *out = nullptr;
     char *err = run(ctx, handles.data(), handles.size(), &out);

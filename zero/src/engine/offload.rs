@@ -494,7 +494,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
-    /// Bytes of memory the parameter swap's buffers hold.
+    /// Bytes of memory the parameter swap's buffers hold, and a frozen
+    /// shard its read-ahead brought that no gather has used yet.
     pub(super) fn pswap_resident(&self) -> usize {
         self.pswap.as_ref().map_or(0, |p| {
             let ready = p

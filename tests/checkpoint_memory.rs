@@ -67,11 +67,11 @@ fn grew(n: usize) {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// Runs `f` on every rank at once and returns the heap's peak above
-/// where it stood before (all ranks' threads together).
 /// The counters are the process's: one test measures at a time.
 static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Runs `f` on every rank at once and returns the heap's peak above
+/// where it stood before (all ranks' threads together).
 fn peak_of(r: usize, gate: &Barrier, f: impl FnOnce()) -> usize {
     gate.wait();
     if r == 0 {
@@ -232,7 +232,7 @@ fn with_full_params_at_stage_0_copies_no_units_state() {
         .sum::<usize>();
     let peak = out[0].0;
     eprintln!(
-        "largest block {:.2} M elements; write-back heap peak {:.2} MiB (both ranks)",
+        "a block {:.2} M elements; write-back heap peak {:.2} MiB (both ranks)",
         unit as f64 / 1e6,
         peak as f64 / (1 << 20) as f64
     );

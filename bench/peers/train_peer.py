@@ -8,7 +8,8 @@ ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
 deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
 (the optimizer then holds the rest); checkpoint 1 recomputes every block's
 activations in backward (non-reentrant `torch.utils.checkpoint` around each
-block, outside FSDP2's per-block hooks, as torchtitan applies it).
+block's call, so FSDP2's per-block hooks run inside it; torchtitan nests
+them the other way round, the checkpoint wrapper inside `fully_shard`).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """

@@ -50,8 +50,8 @@ pub struct TrainArgs {
     freeze_mlp: bool,
     /// Recompute every block's activations in backward, in zrt
     /// (`Gpt::new_checkpointed`) and in the peers (non-reentrant
-    /// `torch.utils.checkpoint` around each block, as torchtitan applies it
-    /// under FSDP2). MFU still counts model FLOPs, not the recompute.
+    /// `torch.utils.checkpoint` around each block's call, FSDP2's hooks
+    /// inside it). MFU still counts model FLOPs, not the recompute.
     #[arg(long)]
     checkpoint_activations: bool,
     /// One JSON object per row on stdout instead of a table.

@@ -7,9 +7,9 @@ argv: mode size micro steps [freeze_mlp [checkpoint]], where mode is one of
 ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
 deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
 (the optimizer then holds the rest); checkpoint 1 recomputes every block's
-activations in backward (non-reentrant `torch.utils.checkpoint` around each
-block's call, so FSDP2's per-block hooks run inside it; torchtitan nests
-them the other way round, the checkpoint wrapper inside `fully_shard`).
+activations in backward (each block wrapped in `checkpoint_wrapper`, the
+non-reentrant `torch.utils.checkpoint`, before `fully_shard` or DDP, as
+torchtitan applies it: FSDP2's per-block hooks stay outside the recompute).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
@@ -65,7 +64,7 @@ class Gpt(nn.Module):
         x, y = tokens[:, :-1], tokens[:, 1:]
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
         for b in self.h:
-            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False) if checkpoint else b(h)
+            h = b(h)
         logits = self.head(self.ln_f(h)).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -80,6 +79,11 @@ if freeze_mlp:
     for b in model.h:
         b.fc.weight.requires_grad_(False)
         b.out.weight.requires_grad_(False)
+if checkpoint:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, b in enumerate(model.h):
+        model.h[i] = checkpoint_wrapper(b)
 world = int(os.environ["WORLD_SIZE"])
 if mode.startswith("deepspeed"):
     import deepspeed

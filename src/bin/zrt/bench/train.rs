@@ -49,9 +49,10 @@ pub struct TrainArgs {
     #[arg(long)]
     freeze_mlp: bool,
     /// Recompute every block's activations in backward, in zrt
-    /// (`Gpt::new_checkpointed`) and in the peers (non-reentrant
-    /// `torch.utils.checkpoint` around each block's call, FSDP2's hooks
-    /// inside it). MFU still counts model FLOPs, not the recompute.
+    /// (`Gpt::new_checkpointed`) and in the peers (each block in
+    /// `checkpoint_wrapper`, non-reentrant, inside `fully_shard` as
+    /// torchtitan applies it). MFU still counts model FLOPs, not the
+    /// recompute.
     #[arg(long)]
     checkpoint_activations: bool,
     /// One JSON object per row on stdout instead of a table.

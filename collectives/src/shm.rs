@@ -407,17 +407,20 @@ impl Inner {
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
         let full = matches!(dest, Dest::All);
-        // Out of place, when the destination cannot be cached anyway, each
-        // window is reduced into a window-sized buffer and streamed out: a
-        // plain store would first read every cold line of the destination
-        // (read-for-ownership), 2 S instead of 1.5 S per rank through the
-        // memory bus the ranks share. Measured at 128 MiB on 2 ranks: 15.3
-        // -> 12.1 ms.
+        // Out of place, when the destination cannot be cached anyway, it
+        // is written with streaming stores: a plain store would first read
+        // every cold line of the destination (read-for-ownership), 2 S
+        // instead of 1.5 S per rank through the memory bus the ranks share.
+        // Measured at 128 MiB on 2 ranks: 15.3 -> 12.1 ms. f32 sums and
+        // averages stream from the reduction's own registers
+        // (`Element::reduce_into_streaming`); other types reduce each
+        // window into a window-sized buffer and stream that out, one more
+        // pass over the window (about 10% slower at 128 MiB).
         let stream = matches!(dest, Dest::Part(_))
             && bytes_of::<T>(len) * (n + 1) >= stream_min_footprint_bytes();
         // Every window is reduced into a private window-sized buffer first,
-        // unless it goes straight into a destination that stays cached
-        // (reduce_scatter out of place, small). From there it is written
+        // unless it goes straight into the destination (reduce_scatter out
+        // of place: small, or f32 streamed). From there it is written
         // over this rank's input (in place), streamed out (above), or
         // copied into the result area (all_reduce). The last matters when
         // the ranks' cores are on different dies: the reduction loop's own
@@ -497,7 +500,14 @@ impl Inner {
             } else {
                 let at = r.start - parts[me].start;
                 let l = r.len();
+                // Streamed straight from the reduction where the type has
+                // a kernel for it (above); else through `tmp` below.
+                let fused = stream
+                    && part.as_mut().is_some_and(|part| {
+                        T::reduce_into_streaming(&mut part[at..at + l], &srcs, op)
+                    });
                 match part.as_mut() {
+                    _ if fused => {}
                     Some(part) if !stream => T::reduce_into(&mut part[at..at + l], &srcs, op),
                     part => {
                         T::reduce_into(&mut tmp[..l], &srcs, op);

@@ -156,6 +156,16 @@ unsafe fn stream_bytes(dst: *mut u8, src: *const u8, len: usize) {
     _mm_sfence();
 }
 
+/// A store fence: streaming stores made before it are visible to other
+/// cores before any store after it (the release that publishes them).
+pub(crate) fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no preconditions (SSE, in every x86-64).
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 /// Hints the CPU to bring `s`'s cache lines into L1 (one prefetch per 64
 /// bytes). Reads and writes nothing: a no-op for correctness.
 #[inline]

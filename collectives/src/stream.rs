@@ -124,6 +124,68 @@ pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool)
     dst.copy_from_slice(src);
 }
 
+/// `cached.copy_from_slice(src)` and `streamed.copy_from_slice(src)` in
+/// one pass over `src`: plain stores into `cached` (read soon, by a peer),
+/// non-temporal ones into `streamed` when the copy is at least
+/// [`STREAM_MIN_BYTES`] (x86-64), then a store fence, as [`copy_streaming`].
+///
+/// # Panics
+/// If the lengths differ; callers pass equal lengths.
+pub(crate) fn copy_twice_streaming<T: Element>(cached: &mut [T], streamed: &mut [T], src: &[T]) {
+    assert!(
+        cached.len() == src.len() && streamed.len() == src.len(),
+        "copy_twice_streaming: lengths differ"
+    );
+    let bytes = std::mem::size_of_val(src);
+    #[cfg(target_arch = "x86_64")]
+    if bytes >= STREAM_MIN_BYTES {
+        // SAFETY: the three ranges are `bytes` long, valid, and cannot
+        // overlap (two are borrowed mutably); every `Element` is plain old
+        // data.
+        unsafe {
+            stream_bytes_twice(
+                cached.as_mut_ptr().cast::<u8>(),
+                streamed.as_mut_ptr().cast::<u8>(),
+                src.as_ptr().cast::<u8>(),
+                bytes,
+            )
+        };
+        return;
+    }
+    cached.copy_from_slice(src);
+    streamed.copy_from_slice(src);
+}
+
+/// [`stream_bytes`] into `dst` that also stores every byte plainly into
+/// `cached`.
+///
+/// # Safety
+/// The three ranges valid for `len` bytes and not overlapping.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_bytes_twice(cached: *mut u8, dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_sfence, _mm_storeu_si128, _mm_stream_si128,
+    };
+    // Head: up to the streamed destination's next 64-byte line.
+    let head = (dst.align_offset(64)).min(len);
+    std::ptr::copy_nonoverlapping(src, cached, head);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let lines = (len - head) / 64;
+    for l in 0..lines {
+        let at = head + l * 64;
+        for k in (0..64).step_by(16) {
+            let v = _mm_loadu_si128(src.add(at + k).cast::<__m128i>());
+            _mm_storeu_si128(cached.add(at + k).cast::<__m128i>(), v);
+            _mm_stream_si128(dst.add(at + k).cast::<__m128i>(), v);
+        }
+    }
+    let done = head + lines * 64;
+    std::ptr::copy_nonoverlapping(src.add(done), cached.add(done), len - done);
+    std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
+    // Streaming stores are weakly ordered: publish them before returning.
+    _mm_sfence();
+}
+
 /// Copies `len` bytes with 16-byte non-temporal stores (SSE2: every x86-64
 /// has it, so no run-time dispatch), plain copies for the unaligned head and
 /// the tail, then `sfence`.
@@ -240,21 +302,34 @@ mod tests {
                     STREAM_MIN_BYTES,
                     STREAM_MIN_BYTES + 37,
                 ] {
+                    let want = &src[off_s..off_s + len];
+                    // Only what the copy must write: nothing before or past.
+                    let exact = |dst: &[u8], off: usize, what: &str| {
+                        assert_eq!(
+                            &dst[off..off + len],
+                            want,
+                            "{what}: d {off} s {off_s} len {len}"
+                        );
+                        assert!(dst[..off].iter().all(|&x| x == 0), "{what}: wrote before");
+                        assert!(
+                            dst[off + len..].iter().all(|&x| x == 0),
+                            "{what}: wrote past"
+                        );
+                    };
                     let mut dst = vec![0u8; len + 64];
-                    copy_streaming(&mut dst[off_d..off_d + len], &src[off_s..off_s + len], true);
-                    assert_eq!(
-                        &dst[off_d..off_d + len],
-                        &src[off_s..off_s + len],
-                        "d {off_d} s {off_s} len {len}"
+                    copy_streaming(&mut dst[off_d..off_d + len], want, true);
+                    exact(&dst, off_d, "streamed");
+                    // Both destinations of the two-way copy, each at its
+                    // own alignment (the cached one offset differently).
+                    let off_c = (off_d + 5) % 33;
+                    let (mut dst, mut cached) = (vec![0u8; len + 64], vec![0u8; len + 64]);
+                    copy_twice_streaming(
+                        &mut cached[off_c..off_c + len],
+                        &mut dst[off_d..off_d + len],
+                        want,
                     );
-                    assert!(
-                        dst[..off_d].iter().all(|&x| x == 0),
-                        "wrote before the range"
-                    );
-                    assert!(
-                        dst[off_d + len..].iter().all(|&x| x == 0),
-                        "wrote past the range"
-                    );
+                    exact(&dst, off_d, "twice, streamed");
+                    exact(&cached, off_c, "twice, cached");
                 }
             }
         }

@@ -72,7 +72,8 @@ pub trait Element:
     /// cache and will not be read soon, with non-temporal stores fused into
     /// the reduction, then a store fence; or `false`, touching nothing, where
     /// there is no such kernel (only f32 sums and averages with AVX2 have
-    /// one). Used by the shm backend's out-of-place reduce_scatter.
+    /// one). Used by the shm backend's out-of-place reduce_scatter. Panics,
+    /// as `reduce_into` does, if a source is shorter than `dst`.
     #[doc(hidden)]
     fn reduce_into_streaming(dst: &mut [Self], srcs: &[&[Self]], op: crate::ReduceOp) -> bool {
         let _ = (dst, srcs, op);
@@ -255,7 +256,14 @@ fn sum_blocked<T: Copy>(
 /// 24.9, faster in 10 of 12 interleaved pairs, and became as fast as the
 /// in-place one (in an hour when this VM's memcpy ran at a third of its
 /// usual speed, so the times are twice the README's).
+///
+/// # Panics
+/// If a source is not as long as `dst` (the vector loop reads unchecked).
 fn sum_f32_streaming(dst: &mut [f32], srcs: &[&[f32]], avg: bool) -> bool {
+    assert!(
+        srcs.iter().all(|s| s.len() == dst.len()),
+        "reduce_into_streaming: every source must be as long as the destination"
+    );
     #[cfg(target_arch = "x86_64")]
     {
         use zrt_kernels::simd::{level, Level};
@@ -504,5 +512,15 @@ mod tests {
             &[&x, &x],
             ReduceOp::Sum
         ));
+    }
+
+    /// A short source is refused before the unchecked vector loop reads
+    /// past it.
+    #[test]
+    #[should_panic(expected = "every source must be as long as the destination")]
+    fn the_streaming_sum_refuses_a_short_source() {
+        let (long, short) = (vec![1f32; 4096], vec![1f32; 4000]);
+        let mut out = vec![0f32; 4096];
+        f32::reduce_into_streaming(&mut out, &[&long, &short], ReduceOp::Sum);
     }
 }

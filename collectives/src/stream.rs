@@ -105,23 +105,7 @@ fn parse_cache_size(s: &str) -> Option<usize> {
 /// # Panics
 /// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
 pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool) {
-    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
-    let bytes = std::mem::size_of_val(dst);
-    #[cfg(target_arch = "x86_64")]
-    if stream && bytes >= STREAM_MIN_BYTES {
-        // SAFETY: both ranges are `bytes` long, valid, and cannot overlap
-        // (one is borrowed mutably); every `Element` is plain old data.
-        unsafe {
-            stream_bytes(
-                dst.as_mut_ptr().cast::<u8>(),
-                src.as_ptr().cast::<u8>(),
-                bytes,
-            )
-        };
-        return;
-    }
-    let _ = (bytes, stream);
-    dst.copy_from_slice(src);
+    copy(dst, None, src, stream);
 }
 
 /// `cached.copy_from_slice(src)` and `streamed.copy_from_slice(src)` in
@@ -132,90 +116,76 @@ pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool)
 /// # Panics
 /// If the lengths differ; callers pass equal lengths.
 pub(crate) fn copy_twice_streaming<T: Element>(cached: &mut [T], streamed: &mut [T], src: &[T]) {
+    copy(streamed, Some(cached), src, true);
+}
+
+/// Copies `src` into `dst`, streamed as [`copy_streaming`] says, and
+/// plainly into `also` if given, in the same pass.
+fn copy<T: Element>(dst: &mut [T], also: Option<&mut [T]>, src: &[T], stream: bool) {
     assert!(
-        cached.len() == src.len() && streamed.len() == src.len(),
-        "copy_twice_streaming: lengths differ"
+        dst.len() == src.len() && also.as_ref().is_none_or(|a| a.len() == src.len()),
+        "copy_streaming: lengths differ"
     );
     let bytes = std::mem::size_of_val(src);
     #[cfg(target_arch = "x86_64")]
-    if bytes >= STREAM_MIN_BYTES {
-        // SAFETY: the three ranges are `bytes` long, valid, and cannot
-        // overlap (two are borrowed mutably); every `Element` is plain old
-        // data.
+    if stream && bytes >= STREAM_MIN_BYTES {
+        // SAFETY: every range is `bytes` long and valid, and none overlaps
+        // another (the destinations are borrowed mutably); every `Element`
+        // is plain old data.
         unsafe {
-            stream_bytes_twice(
-                cached.as_mut_ptr().cast::<u8>(),
-                streamed.as_mut_ptr().cast::<u8>(),
+            stream_bytes(
+                dst.as_mut_ptr().cast::<u8>(),
+                also.map(|a| a.as_mut_ptr().cast::<u8>()),
                 src.as_ptr().cast::<u8>(),
                 bytes,
             )
         };
         return;
     }
-    cached.copy_from_slice(src);
-    streamed.copy_from_slice(src);
+    let _ = stream;
+    if let Some(also) = also {
+        also.copy_from_slice(src);
+    }
+    dst.copy_from_slice(src);
 }
 
-/// [`stream_bytes`] into `dst` that also stores every byte plainly into
-/// `cached`.
+/// Copies `len` bytes into `dst` with 16-byte non-temporal stores (SSE2:
+/// every x86-64 has it, so no run-time dispatch), plain copies for the
+/// unaligned head and the tail, then `sfence`; and into `also`, if given,
+/// with plain stores from the same loads.
 ///
 /// # Safety
-/// The three ranges valid for `len` bytes and not overlapping.
+/// `dst`, `also` and `src` valid for `len` bytes and not overlapping.
 #[cfg(target_arch = "x86_64")]
-unsafe fn stream_bytes_twice(cached: *mut u8, dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{
-        __m128i, _mm_loadu_si128, _mm_sfence, _mm_storeu_si128, _mm_stream_si128,
+unsafe fn stream_bytes(dst: *mut u8, also: Option<*mut u8>, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128};
+    let plain = |from: usize, n: usize| {
+        std::ptr::copy_nonoverlapping(src.add(from), dst.add(from), n);
+        if let Some(a) = also {
+            std::ptr::copy_nonoverlapping(src.add(from), a.add(from), n);
+        }
     };
     // Head: up to the streamed destination's next 64-byte line.
     let head = (dst.align_offset(64)).min(len);
-    std::ptr::copy_nonoverlapping(src, cached, head);
-    std::ptr::copy_nonoverlapping(src, dst, head);
+    plain(0, head);
     let lines = (len - head) / 64;
     for l in 0..lines {
         let at = head + l * 64;
-        for k in (0..64).step_by(16) {
-            let v = _mm_loadu_si128(src.add(at + k).cast::<__m128i>());
-            _mm_storeu_si128(cached.add(at + k).cast::<__m128i>(), v);
-            _mm_stream_si128(dst.add(at + k).cast::<__m128i>(), v);
+        // Four loads, then four streams: one whole line per write-combine.
+        let v = [0, 16, 32, 48].map(|k| _mm_loadu_si128(src.add(at + k).cast::<__m128i>()));
+        if let Some(a) = also {
+            for (k, &x) in [0, 16, 32, 48].iter().zip(&v) {
+                _mm_storeu_si128(a.add(at + k).cast::<__m128i>(), x);
+            }
+        }
+        for (k, &x) in [0, 16, 32, 48].iter().zip(&v) {
+            _mm_stream_si128(dst.add(at + k).cast::<__m128i>(), x);
         }
     }
     let done = head + lines * 64;
-    std::ptr::copy_nonoverlapping(src.add(done), cached.add(done), len - done);
-    std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
+    plain(done, len - done);
     // Streaming stores are weakly ordered: publish them before returning.
-    _mm_sfence();
-}
-
-/// Copies `len` bytes with 16-byte non-temporal stores (SSE2: every x86-64
-/// has it, so no run-time dispatch), plain copies for the unaligned head and
-/// the tail, then `sfence`.
-///
-/// # Safety
-/// `dst` and `src` valid for `len` bytes and not overlapping.
-#[cfg(target_arch = "x86_64")]
-unsafe fn stream_bytes(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    // Head: up to the destination's next 64-byte line.
-    let head = (dst.align_offset(64)).min(len);
-    std::ptr::copy_nonoverlapping(src, dst, head);
-    let (mut d, mut s) = (dst.add(head), src.add(head));
-    let lines = (len - head) / 64;
-    for _ in 0..lines {
-        // Four loads, then four streams: one whole line per write-combine.
-        let a = _mm_loadu_si128(s.cast::<__m128i>());
-        let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
-        let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
-        let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
-        _mm_stream_si128(d.cast::<__m128i>(), a);
-        _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
-        _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
-        _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
-        d = d.add(64);
-        s = s.add(64);
-    }
-    std::ptr::copy_nonoverlapping(s, d, len - head - lines * 64);
-    // Streaming stores are weakly ordered: publish them before returning.
-    _mm_sfence();
+    fence();
 }
 
 /// A store fence: streaming stores made before it are visible to other

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
 #include <unordered_set>
 #include <vector>
 
@@ -49,6 +50,12 @@ struct Segment : torch::CustomClassHolder {
   ~Segment() override { drop(ctx); }
   Segment(const Segment &) = delete;
   Segment &operator=(const Segment &) = delete;
+
+  // The output of a first run `zrt_checkpoint` already made (with its
+  // graph, since dropped) and the generator's state before it; undefined
+  // when `Recompute::forward` is to run the segment itself.
+  torch::Tensor first;
+  torch::Tensor first_rng;
 
   // Runs the segment on `inputs`; throws its error.
   torch::Tensor call(const torch::autograd::variable_list &inputs) {
@@ -111,9 +118,15 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     // (A TensorList, not a vector: autograd counts each of its tensors as
     // an input; a vector would count as one non-tensor argument.)
     torch::autograd::variable_list xs(inputs.begin(), inputs.end());
-    ctx->saved_data["rng"] = rng_state();
     ctx->save_for_backward(xs);
-    auto out = segment->call(xs);
+    torch::Tensor out;
+    if (segment->first.defined()) {
+      ctx->saved_data["rng"] = std::move(segment->first_rng);
+      out = std::move(segment->first);
+    } else {
+      ctx->saved_data["rng"] = rng_state();
+      out = segment->call(xs);
+    }
     ctx->saved_data["segment"] = c10::IValue::make_capsule(std::move(segment));
     return {out};
   }
@@ -424,6 +437,24 @@ char *zrt_checkpoint(torch::Tensor *const *inputs, size_t n,
     xs.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       xs.push_back(*inputs[i]);
+    }
+    // No input needs a gradient: run the segment once with its graph, to
+    // learn whether its parameters need any. If none does (a frozen block
+    // after a frozen embedding), that output is the answer and backward
+    // never comes back here: no recompute, and no gather for one at stage
+    // 3. The graph lives only while one block runs, as the recompute's
+    // does in backward. Otherwise the output is kept, without its graph,
+    // and the anchor (see `Recompute`) takes over.
+    bool any_input_grad = std::any_of(xs.begin(), xs.end(), [](const torch::Tensor &x) { return x.requires_grad(); });
+    if (!any_input_grad && torch::GradMode::is_enabled()) {
+      auto rng = rng_state();
+      auto y = segment->call(xs);
+      if (!y.requires_grad()) {
+        *out = new torch::Tensor(std::move(y));
+        return nullptr;
+      }
+      segment->first = y.detach();
+      segment->first_rng = std::move(rng);
     }
     auto anchor = torch::empty({0}).requires_grad_(true);
     auto ys = Recompute::apply(std::move(segment), anchor, at::TensorList(xs));

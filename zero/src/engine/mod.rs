@@ -666,6 +666,9 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             return;
         };
         let mut st = i.st.lock();
+        if !y.requires_grad() && !st.prog.in_backward() {
+            st.prog.order.without_backward(unit);
+        }
         // The first forward through a unit keeps it gathered and checks
         // which parameters it used: one owned by another unit (tied weights)
         // would otherwise be read after its owner freed it.

@@ -161,6 +161,12 @@ pub(super) struct RunOrder {
     current: Vec<usize>,
     /// The last forward that completed (empty before the first).
     last: Vec<usize>,
+    /// Units of `current` whose output needed no gradient (a frozen
+    /// prefix: frozen units before the first trainable one): backward
+    /// never reaches them.
+    current_skipped: Vec<usize>,
+    /// The same for `last`: backward's prefetch passes them over.
+    last_skipped: Vec<usize>,
 }
 
 impl RunOrder {
@@ -174,20 +180,35 @@ impl RunOrder {
         self.current.push(k);
     }
 
+    /// Unit `k`'s forward, under way, gave an output that needs no
+    /// gradient: it has no backward.
+    pub(super) fn without_backward(&mut self, k: usize) {
+        if self.current.contains(&k) && !self.current_skipped.contains(&k) {
+            self.current_skipped.push(k);
+        }
+    }
+
     /// A forward is complete (its backward begins).
     pub(super) fn complete(&mut self) {
         if !self.current.is_empty() {
             self.last = std::mem::take(&mut self.current);
+            self.last_skipped = std::mem::take(&mut self.current_skipped);
         }
     }
 
     /// The unit that runs after `k` in forward (`forward`) or backward
     /// order: by the last complete forward, or by index before one
-    /// completed (or for a unit it did not run).
+    /// completed (or for a unit it did not run). Backward passes over the
+    /// units it never reaches ([`RunOrder::without_backward`]): gathering
+    /// them would be traffic nothing uses.
     pub(super) fn after(&self, k: usize, forward: bool) -> Option<usize> {
         match self.last.iter().position(|&u| u == k) {
             Some(at) if forward => self.last.get(at + 1).copied(),
-            Some(at) => at.checked_sub(1).map(|p| self.last[p]),
+            Some(at) => self.last[..at]
+                .iter()
+                .rev()
+                .find(|u| !self.last_skipped.contains(u))
+                .copied(),
             None if forward => Some(k + 1),
             None => k.checked_sub(1),
         }
@@ -868,5 +889,23 @@ mod tests {
         assert!(o.runs_last(0));
         // A unit the last forward did not run falls back to index order.
         assert_eq!(o.after(2, true), Some(3));
+        // Run 3, 0, 1, 2 with 3 and 0 frozen (no gradient out of them):
+        // forward still goes through them, backward stops after 1.
+        o.complete();
+        for k in [3, 0, 1, 2] {
+            o.forward_starts(k);
+            if k == 3 || k == 0 {
+                o.without_backward(k);
+            }
+        }
+        o.complete();
+        assert_eq!([o.after(3, true), o.after(0, true)], [Some(0), Some(1)]);
+        assert_eq!([o.after(2, false), o.after(1, false)], [Some(1), None]);
+        // The next forward records afresh: nothing skipped in it.
+        for k in [3, 0, 1, 2] {
+            o.forward_starts(k);
+        }
+        o.complete();
+        assert_eq!(o.after(1, false), Some(0));
     }
 }

@@ -429,7 +429,6 @@ impl Inner {
         // stores into shared lines a peer's core held last stalled it, and
         // all_reduce ran 1.7-1.9x slower than with the copy, which moves
         // them many at a time.
-        let staged = !matches!(dest, Dest::Part(_)) || stream;
         let mut part = match dest {
             Dest::Part(part) => {
                 // Reuse the caller's buffer as it is: clearing would zero-fill it again.
@@ -439,7 +438,11 @@ impl Inner {
             }
             Dest::All | Dest::InPlace => None,
         };
-        let mut tmp = vec![T::ZERO; if staged { w.min(parts[me].len()) } else { 0 }];
+        // Allocated on first use: a call that never needs it (straight
+        // into the destination, or the fused f32 stream) does not zero
+        // one for nothing.
+        let mut tmp: Vec<T> = Vec::new();
+        let cap = w.min(parts[me].len());
         let window = |p: usize, j: usize| {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
@@ -493,9 +496,10 @@ impl Inner {
                 .collect();
             if full {
                 let l = r.len();
-                T::reduce_into(&mut tmp[..l], &srcs, op);
+                let tmp = scratch(&mut tmp, cap, l);
+                T::reduce_into(tmp, &srcs, op);
                 drop(srcs);
-                unsafe { self.seg.slot::<T>(n, h + me * w, l) }.copy_from_slice(&tmp[..l]);
+                unsafe { self.seg.slot::<T>(n, h + me * w, l) }.copy_from_slice(tmp);
                 if j > 0 {
                     take_results(buf, j - 1);
                 }
@@ -512,13 +516,14 @@ impl Inner {
                     _ if fused => {}
                     Some(part) if !stream => T::reduce_into(&mut part[at..at + l], &srcs, op),
                     part => {
-                        T::reduce_into(&mut tmp[..l], &srcs, op);
+                        let tmp = scratch(&mut tmp, cap, l);
+                        T::reduce_into(tmp, &srcs, op);
                         drop(srcs);
                         let to = match part {
                             Some(part) => &mut part[at..at + l],
                             None => &mut buf[r],
                         };
-                        copy_streaming(to, &tmp[..l], stream);
+                        copy_streaming(to, tmp, stream);
                     }
                 }
             }
@@ -800,6 +805,15 @@ impl Inner {
 }
 
 /// The error for a symmetric buffer passed to a group that did not allocate it.
+/// The first `l` elements of `tmp`, grown to `cap` (at least `l`) zeroed
+/// elements the first time it is too short.
+fn scratch<T: Element>(tmp: &mut Vec<T>, cap: usize, l: usize) -> &mut [T] {
+    if tmp.len() < l {
+        tmp.resize(cap.max(l), T::ZERO);
+    }
+    &mut tmp[..l]
+}
+
 fn foreign_buffer(group: &str, desc: &OpDesc) -> CommError {
     invalid(
         group,

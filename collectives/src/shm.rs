@@ -804,7 +804,6 @@ impl Inner {
     }
 }
 
-/// The error for a symmetric buffer passed to a group that did not allocate it.
 /// The first `l` elements of `tmp`, grown to `cap` (at least `l`) zeroed
 /// elements the first time it is too short.
 fn scratch<T: Element>(tmp: &mut Vec<T>, cap: usize, l: usize) -> &mut [T] {
@@ -814,6 +813,7 @@ fn scratch<T: Element>(tmp: &mut Vec<T>, cap: usize, l: usize) -> &mut [T] {
     &mut tmp[..l]
 }
 
+/// The error for a symmetric buffer passed to a group that did not allocate it.
 fn foreign_buffer(group: &str, desc: &OpDesc) -> CommError {
     invalid(
         group,

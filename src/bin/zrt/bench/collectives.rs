@@ -171,8 +171,9 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
         for &mib in &a.sizes {
             let bytes = mib << 20;
             // memcpy's S / t on one core, for the same S; small copies
-            // repeated until they take about as long as one 128 MiB copy,
-            // so a single slow one cannot set the median.
+            // repeated until they move as much as three 128 MiB copies
+            // (3 reps at 128 MiB, 384 at 1 MiB), so a few slow ones
+            // cannot set the median.
             let reps = (3 * (128 << 20) / bytes.max(1)).clamp(3, 384);
             let gbs = super::copy_bandwidth(1, bytes, reps) / 2.0;
             copy.entry(mib).or_default().push(gbs);

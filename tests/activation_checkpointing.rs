@@ -1,8 +1,10 @@
 //! Activation checkpointing (`zrt::zero::activation::Checkpointed`): the
 //! same outputs and gradients as the plain module, to the bit, with dropout
 //! drawing the same masks; the module runs twice; errors in either run come
-//! back as errors; and a GPT with checkpointed blocks trains to the same
-//! bits as the plain one at every stage, with the same gathers at stage 3.
+//! back as errors; a frozen module after a frozen input runs once; and a
+//! GPT with checkpointed blocks trains to the same bits as the plain one at
+//! every stage, with the same gathers at stage 3, also with a frozen
+//! prefix (which backward neither recomputes nor gathers).
 
 mod common;
 

@@ -5,13 +5,17 @@
 //! GPT with checkpointed blocks trains to the same bits as the plain one at
 //! every stage, with the same gathers at stage 3, also with a frozen
 //! prefix (which backward neither recomputes nor gathers).
+//!
+//! The tests run one at a time ([`common::serial`]): a recompute puts
+//! libtorch's process-global RNG state back, which can land between another
+//! test's seeding and its model's first draws.
 
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{built, config_with, config_zero, on_ranks, seeded, train_losses, GPT, WORLD};
+use common::{built, config_with, config_zero, on_ranks, seeded, serial, train_losses, GPT, WORLD};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use zrt::gpt::Gpt;
@@ -92,6 +96,7 @@ fn run(vs: &nn::VarStore, f: impl Fn(&Tensor) -> Tensor, input_grad: bool) -> Ou
 
 #[test]
 fn a_checkpointed_module_gives_the_plain_outputs_and_gradients_and_runs_twice() {
+    let _serial = serial();
     seeded(plain_and_checkpointed_agree);
 }
 
@@ -178,6 +183,7 @@ impl nn::ModuleT for MlpT {
 
 #[test]
 fn a_checkpointed_module_t_keeps_its_train_flag_for_the_recompute() {
+    let _serial = serial();
     seeded(|| {
         for train in [true, false] {
             let (vs, m, _) = mlp(0);
@@ -194,6 +200,7 @@ fn a_checkpointed_module_t_keeps_its_train_flag_for_the_recompute() {
 
 #[test]
 fn errors_in_the_forward_or_the_recompute_are_returned() {
+    let _serial = serial();
     seeded(errors_come_back);
 }
 
@@ -252,6 +259,7 @@ fn train_frozen(
 
 #[test]
 fn a_gpt_with_checkpointed_blocks_trains_to_the_same_bits_at_every_stage() {
+    let _serial = serial();
     let bf16 = r#""bf16": {"enabled": true},"#;
     for (stage, extra) in [(0u8, ""), (1, ""), (2, ""), (3, ""), (3, bf16)] {
         let cfg = config_with(stage, 1, 0.5, extra);
@@ -267,6 +275,7 @@ fn a_gpt_with_checkpointed_blocks_trains_to_the_same_bits_at_every_stage() {
 
 #[test]
 fn a_frozen_prefix_is_not_recomputed_nor_gathered_again() {
+    let _serial = serial();
     // The embeddings and the first block frozen (fine-tuning the top of a
     // model): the first block's input and output need no gradient, so
     // backward never reaches it, checkpointed or not. Its checkpoint must

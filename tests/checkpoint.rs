@@ -11,8 +11,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens,
-    GPT,
+    config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, serial, solo_engine,
+    tokens, GPT,
 };
 use tch::{Kind, Tensor};
 use zrt::collectives::{ProcessGroup, ReduceOp};
@@ -20,15 +20,6 @@ use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
 
 type Params = Vec<(String, Vec<f32>)>;
-
-/// Loading a checkpoint restores libtorch's process-global RNG, which
-/// another test's thread may be seeding to build its model: the tests of
-/// this file run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Which micro-batch a rank trains on at global micro-step `m`.
 #[derive(Clone, Copy)]

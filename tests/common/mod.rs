@@ -24,6 +24,18 @@ pub const WD: f64 = 0.01;
 /// tch's RNG is process-global: build models one at a time from one seed.
 static INIT: Mutex<()> = Mutex::new(());
 
+/// Held for a whole test by the tests that set libtorch's process-global
+/// RNG state outside [`INIT`] (loading a checkpoint, a checkpointed block's
+/// recompute in backward): that can land between another test's seeding
+/// and its model's first draws, and the two builds of one model differ.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Runs the test one at a time with the others that take it (see
+/// [`SERIAL`]). Take it before [`INIT`], never inside it.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The GPT `cfg` from seed 0, its plan and its VarStore.
 pub fn model_of(cfg: &GptConfig) -> (nn::VarStore, ShardPlan, Gpt) {
     built(cfg, Gpt::new)

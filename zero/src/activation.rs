@@ -3,6 +3,14 @@
 //! (PyTorch's `torch.utils.checkpoint` and FSDP's `checkpoint_wrapper`,
 //! DeepSpeed's `deepspeed.checkpointing.checkpoint`).
 //!
+//! The recompute draws dropout's masks again by putting libtorch's CPU
+//! generator back where the forward found it, as PyTorch does. That
+//! generator is process-wide: ranks that are threads of one process (the
+//! in-process backend) share it, so with dropout their draws interleave in
+//! whatever order the threads run, and a recompute on one rank moves the
+//! others' generator. Give each rank its own process for dropout runs that
+//! must repeat.
+//!
 //! Wrap a block in [`Checkpointed`] ([`CheckpointedT`] for a `ModuleT`
 //! block, with dropout), and that inside its
 //! [`ShardedModule`](crate::ShardedModule):

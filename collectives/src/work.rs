@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use crate::worker::Ticket;
 use crate::CommError;
 
 /// What a wait lasts when `ZRT_TIMEOUT` is not set.
@@ -77,6 +78,24 @@ impl<T: Send + 'static> Work<T> {
                 Err(RecvTimeoutError::Disconnected) => Err(CommError::Closed { group, call }),
             }),
             done: Box::new(move || !probe.is_empty()),
+        }
+    }
+
+    /// This handle, its operation run by the waiting thread when the group's
+    /// worker has not started it and it is next in the group's order (see
+    /// [`crate::worker`]). Only a wait as long as the operation's own
+    /// deadline ([`Work::wait`]) does so: running it cannot be cut short,
+    /// and a shorter [`Work::wait_timeout`] must return when it says.
+    pub(crate) fn runnable_by_waiter(self, ticket: std::sync::Arc<Ticket>) -> Self {
+        let wait = self.wait;
+        Self {
+            wait: Box::new(move |timeout| {
+                if timeout >= default_timeout() {
+                    ticket.run_here();
+                }
+                wait(timeout)
+            }),
+            done: self.done,
         }
     }
 

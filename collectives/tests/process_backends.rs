@@ -268,6 +268,27 @@ fn rank_main() {
                 }
             }
         }
+        "reverse_waits" => {
+            // Rank 0 waits for its last call first, while rank 1 has not
+            // issued any: the waiter may run a call itself only in its
+            // turn. Run out of turn, rank 0's first call would meet rank
+            // 1's first, of another size, and both would fail naming them.
+            if me == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let mut works: Vec<_> = (1..=3)
+                .map(|k| g.all_reduce(vec![k as f64; k], ReduceOp::Sum))
+                .collect();
+            if me == 0 {
+                works.reverse();
+            }
+            let n = g.size() as f64;
+            report(works.into_iter().try_for_each(|w| {
+                let v = w.wait()?;
+                assert_eq!(v, vec![n * v.len() as f64; v.len()]);
+                Ok(())
+            }));
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -282,6 +303,21 @@ fn every_op_dtype_and_uneven_size_across_processes() {
                 assert_eq!(e.code, Some(0), "{backend} world {world}:\n{}", e.out);
                 assert_eq!(said(&e), "ok");
             }
+        }
+    }
+}
+
+#[test]
+fn waiting_for_a_later_call_first_still_runs_the_calls_in_issue_order() {
+    for backend in BACKENDS {
+        for e in run(
+            2,
+            "reverse_waits",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        ) {
+            assert_eq!(e.code, Some(0), "{backend}:\n{}", e.out);
+            assert_eq!(said(&e), "ok", "{backend}");
         }
     }
 }

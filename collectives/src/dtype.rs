@@ -79,6 +79,19 @@ pub trait Element:
         let _ = (dst, srcs, op);
         false
     }
+    /// [`Element::reduce_into`] (the same bits) over one of its own
+    /// sources: `own` is rank `me`'s source and the destination, `others`
+    /// the other ranks' sources in rank order; or `false`, touching
+    /// nothing, where there is no such kernel (only f32 sums and averages
+    /// with AVX2 have one). Used by the shm backend's in-place and
+    /// symmetric reduce_scatter, which otherwise reduce into a scratch
+    /// window and copy it back. Panics if a source is not as long as `own`
+    /// or `me > others.len()`.
+    #[doc(hidden)]
+    fn reduce_over(own: &mut [Self], others: &[&[Self]], me: usize, op: crate::ReduceOp) -> bool {
+        let _ = (own, others, me, op);
+        false
+    }
 }
 
 /// Elements per block of the blocked float reduction (f64 accumulators on the stack).
@@ -96,10 +109,11 @@ macro_rules! float_element {
             $zero,
             $to,
             $from,
-            |_: &mut [$t], _: &[&[$t]], _: bool, _: bool| false
+            |_: &mut [$t], _: &[&[$t]], _: bool, _: bool| false,
+            |_: &mut [$t], _: &[&[$t]], _: usize, _: bool| false
         );
     };
-    ($t:ty, $d:expr, $zero:expr, $to:expr, $from:expr, $vector:expr) => {
+    ($t:ty, $d:expr, $zero:expr, $to:expr, $from:expr, $vector:expr, $over:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
             const ZERO: Self = $zero;
@@ -155,6 +169,16 @@ macro_rules! float_element {
             ) -> bool {
                 use crate::ReduceOp::*;
                 matches!(op, Sum | Avg) && !srcs.is_empty() && $vector(dst, srcs, op == Avg, true)
+            }
+
+            fn reduce_over(
+                own: &mut [Self],
+                others: &[&[Self]],
+                me: usize,
+                op: crate::ReduceOp,
+            ) -> bool {
+                use crate::ReduceOp::*;
+                matches!(op, Sum | Avg) && $over(own, others, me, op == Avg)
             }
         }
     };
@@ -290,9 +314,6 @@ fn sum_f32_vector(dst: &mut [f32], srcs: &[&[f32]], avg: bool, stream: bool) -> 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn sum_f32_avx2(dst: &mut [f32], srcs: &[&[f32]], avg: bool, stream: bool) {
-    use std::arch::x86_64::*;
-    let to = |x: f32| x as f64;
-    let from = |x: f64| x as f32;
     // Up to the first 32-byte boundary (where a streaming store may go)
     // and the tail past the last whole vector: the blocked loop.
     let lead = match stream {
@@ -304,30 +325,97 @@ unsafe fn sum_f32_avx2(dst: &mut [f32], srcs: &[&[f32]], avg: bool, stream: bool
     let (mid, tail) = rest.split_at_mut(body);
     let part =
         |r: std::ops::Range<usize>| -> Vec<&[f32]> { srcs.iter().map(|s| &s[r.clone()]).collect() };
-    sum_blocked(head, &part(0..lead), avg, to, from);
-    sum_blocked(tail, &part(lead + body..srcs[0].len()), avg, to, from);
+    sum_blocked(head, &part(0..lead), avg, F32_TO, F32_FROM);
+    sum_blocked(
+        tail,
+        &part(lead + body..srcs[0].len()),
+        avg,
+        F32_TO,
+        F32_FROM,
+    );
+    let from: Vec<*const f32> = srcs.iter().map(|s| s.as_ptr().add(lead)).collect();
+    // SAFETY: `mid` holds `body` elements and each source as many past
+    // `lead` (each is as long as `dst`); aligned past `lead` when streaming.
+    sum_f32_avx2_body(mid.as_mut_ptr(), &from, body, avg, stream);
+}
+
+/// [`sum_f32_vector`] over one of the sources (`Element::reduce_over`).
+fn sum_f32_over(own: &mut [f32], others: &[&[f32]], me: usize, avg: bool) -> bool {
+    assert!(
+        others.iter().all(|s| s.len() == own.len()) && me <= others.len(),
+        "reduce_over: every source must be as long as the destination, and `me` a rank"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        use zrt_kernels::simd::{level, Level};
+        if matches!(level(), Level::Avx2 | Level::Avx512) {
+            // SAFETY: `level()` reports AVX2 only where the CPU has it.
+            unsafe { sum_f32_over_avx2(own, others, me, avg) };
+            return true;
+        }
+    }
+    let _ = (own, others, me, avg);
+    false
+}
+
+/// Against reducing into a scratch window and copying it back (what the
+/// other types do), one pass less over the window, and the destination is
+/// prefetched as a source: reading it is what brings its lines in.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_f32_over_avx2(own: &mut [f32], others: &[&[f32]], me: usize, avg: bool) {
+    let body = own.len() / 8 * 8;
+    {
+        // The tail, under one vector, from a copy of this rank's, so no
+        // source aliases the destination.
+        let (_, tail) = own.split_at_mut(body);
+        let mut mine = [0f32; 8];
+        mine[..tail.len()].copy_from_slice(tail);
+        let mut srcs: Vec<&[f32]> = others.iter().map(|s| &s[body..]).collect();
+        srcs.insert(me, &mine[..tail.len()]);
+        sum_blocked(tail, &srcs, avg, F32_TO, F32_FROM);
+    }
+    let d = own.as_mut_ptr();
+    let mut from: Vec<*const f32> = others.iter().map(|s| s.as_ptr()).collect();
+    from.insert(me, d.cast_const());
+    // SAFETY: `d` holds `own.len() >= body` elements, as does each source;
+    // the one that is `d` itself is read before each vector is stored.
+    sum_f32_avx2_body(d, &from, body, avg, false);
+}
+
+/// f32 -> f64 -> f32 for the blocked loop's head and tail of the f32 kernels.
+const F32_TO: fn(f32) -> f64 = |x| x as f64;
+const F32_FROM: fn(f64) -> f32 = |x| x as f32;
+
+/// The vector loop of the f32 kernels: `len` (a multiple of 8) sums of
+/// `srcs` (in rank order) into `d`. A source may be `d` itself: each vector
+/// is loaded from every source before it is stored.
+///
+/// # Safety
+/// AVX2; `d` and every source valid for `len` elements; with `stream`, `d`
+/// 32-byte aligned.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_f32_avx2_body(d: *mut f32, srcs: &[*const f32], len: usize, avg: bool, stream: bool) {
+    use std::arch::x86_64::*;
     let n = srcs.len() as f64;
     let inverse = srcs
         .len()
         .is_power_of_two()
         .then(|| _mm256_set1_pd(1.0 / n));
     let count = _mm256_set1_pd(n);
-    let d = mid.as_mut_ptr();
     let mut i = 0;
-    while i < body {
-        let at = lead + i;
+    while i < len {
         if i % 16 == 0 {
             for s in srcs {
                 // A hint only: it never faults, even past the end.
-                _mm_prefetch::<_MM_HINT_T0>(s.as_ptr().wrapping_add(at + PREFETCH_AHEAD).cast());
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(i + PREFETCH_AHEAD).cast());
             }
         }
-        // SAFETY: `at + 8 <= lead + body <= len` for every source (each as
-        // long as `dst`).
-        let load =
-            |s: &[f32], half: usize| _mm256_cvtps_pd(_mm_loadu_ps(s.as_ptr().add(at + half)));
+        // SAFETY: `i + 8 <= len`, which every source holds.
+        let load = |s: *const f32, half: usize| _mm256_cvtps_pd(_mm_loadu_ps(s.add(i + half)));
         let (mut lo, mut hi) = (load(srcs[0], 0), load(srcs[0], 4));
-        for s in &srcs[1..] {
+        for &s in &srcs[1..] {
             lo = _mm256_add_pd(lo, load(s, 0));
             hi = _mm256_add_pd(hi, load(s, 4));
         }
@@ -344,8 +432,8 @@ unsafe fn sum_f32_avx2(dst: &mut [f32], srcs: &[&[f32]], avg: bool, stream: bool
             }
         }
         let v = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
-        // SAFETY: 8 floats of `mid` follow `d + i`, which is 32-byte
-        // aligned (past `lead`) when streaming.
+        // SAFETY: 8 floats of `d` follow `d + i`, 32-byte aligned when
+        // streaming (the caller's promise).
         match stream {
             true => _mm256_stream_ps(d.add(i), v),
             false => _mm256_storeu_ps(d.add(i), v),
@@ -362,7 +450,8 @@ float_element!(
     0.0,
     |x: f32| x as f64,
     |x: f64| x as f32,
-    sum_f32_vector
+    sum_f32_vector,
+    sum_f32_over
 );
 float_element!(f64, DType::F64, 0.0, |x: f64| x, |x: f64| x);
 float_element!(
@@ -491,29 +580,10 @@ mod tests {
     /// kernel and leave the destination alone.
     #[test]
     fn the_f32_vector_sum_has_the_elementwise_bits() {
-        use zrt_kernels::simd::{level, Level};
-        let avx2 = cfg!(target_arch = "x86_64") && matches!(level(), Level::Avx2 | Level::Avx512);
-        let special = [
-            f32::NAN,
-            f32::INFINITY,
-            -f32::INFINITY,
-            f32::MAX,
-            1e-40,
-            -0.0,
-            16_777_217.0,
-        ];
+        let avx2 = has_avx2();
         for ranks in 1..=5 {
-            for len in [0, 1, 7, 8, 9, 31, 3 * BLOCK + 7 + PREFETCH_AHEAD] {
-                let srcs: Vec<Vec<f32>> = (0..ranks)
-                    .map(|r| {
-                        (0..len)
-                            .map(|i| match (i * 31 + r * 17) % 97 {
-                                k if k < special.len() => special[k],
-                                _ => ((i * 7919 + r * 104_729) % 10_007) as f32 / 7.3 - 600.0,
-                            })
-                            .collect()
-                    })
-                    .collect();
+            for len in F32_LENS {
+                let srcs = f32_sources(ranks, len);
                 let views: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
                 for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                     let want: Vec<f32> = (0..len)
@@ -550,6 +620,81 @@ mod tests {
             &[&x, &x],
             ReduceOp::Sum
         ));
+    }
+
+    fn has_avx2() -> bool {
+        use zrt_kernels::simd::{level, Level};
+        cfg!(target_arch = "x86_64") && matches!(level(), Level::Avx2 | Level::Avx512)
+    }
+
+    /// Lengths for the f32 kernels: empty, under one vector, one, just
+    /// over, several with a tail, and past the prefetch distance.
+    const F32_LENS: [usize; 7] = [0, 1, 7, 8, 9, 31, 3 * BLOCK + 7 + PREFETCH_AHEAD];
+
+    /// `ranks` f32 sources of `len` with NaN, infinities, a subnormal, -0,
+    /// values whose f64 sum an f32 one would round differently, and every
+    /// 13th element a sum whose value depends on the ranks' order (1e30 +
+    /// 1 - 1e30 is 0 in f64, -1e30 + 1e30 + 1 is 1).
+    fn f32_sources(ranks: usize, len: usize) -> Vec<Vec<f32>> {
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            f32::MAX,
+            1e-40,
+            -0.0,
+            16_777_217.0,
+        ];
+        (0..ranks)
+            .map(|r| {
+                (0..len)
+                    .map(|i| match (i * 31 + r * 17) % 97 {
+                        _ if i % 13 == 5 => [1e30, 1.0, -1e30, 0.25, 2.0][r],
+                        k if k < special.len() => special[k],
+                        _ => ((i * 7919 + r * 104_729) % 10_007) as f32 / 7.3 - 600.0,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The f32 sum over one of its own sources (the in-place kernel) writes
+    /// the bits of the element-wise `reduce` whichever rank's source it
+    /// overwrites, wherever that starts; other ops and types decline it
+    /// and leave the destination alone.
+    #[test]
+    fn the_f32_sum_over_its_own_source_has_the_elementwise_bits() {
+        let avx2 = has_avx2();
+        for ranks in 1..=5 {
+            for len in F32_LENS {
+                let srcs = f32_sources(ranks, len);
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                    let want: Vec<f32> = (0..len)
+                        .map(|i| f32::reduce(srcs.iter().map(|s| s[i]), op))
+                        .collect();
+                    for me in 0..ranks {
+                        let others: Vec<&[f32]> = (0..ranks)
+                            .filter(|&q| q != me)
+                            .map(|q| srcs[q].as_slice())
+                            .collect();
+                        for offset in [0, 1, 3] {
+                            let mut buf = vec![-1f32; len + offset];
+                            buf[offset..].copy_from_slice(&srcs[me]);
+                            let done = f32::reduce_over(&mut buf[offset..], &others, me, op);
+                            let what = format!("{ranks} ranks, me {me}, {len} at {offset}, {op:?}");
+                            assert_eq!(done, avx2 && op != ReduceOp::Max, "{what}");
+                            let expect = if done { &want } else { &srcs[me] };
+                            assert_eq!(as_bytes(&buf[offset..]), as_bytes(expect), "{what}");
+                            assert!(buf[..offset].iter().all(|&x| x == -1.0), "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        let x = [bf16::ONE; 64];
+        let mut own = [bf16::ONE; 64];
+        assert!(!bf16::reduce_over(&mut own, &[&x], 0, ReduceOp::Sum));
+        assert_eq!(own, x);
     }
 
     /// A short source is refused before the unchecked vector loop reads

@@ -422,7 +422,8 @@ impl Inner {
             && bytes_of::<T>(len) * (n + 1) >= stream_min_footprint_bytes();
         // Every window is reduced into a private window-sized buffer first,
         // unless it goes straight into the destination (reduce_scatter out
-        // of place: small, or f32 streamed). From there it is written
+        // of place: small, or f32 streamed; in place: f32 sums, over this
+        // rank's own input). From there it is written
         // over this rank's input (in place), streamed out (above), or
         // copied into the result area (all_reduce). The last matters when
         // the ranks' cores are on different dies: the reduction loop's own
@@ -485,15 +486,17 @@ impl Inner {
             // (they arrived after staging them); between barriers only rank
             // `me` writes its own window of the result area's third.
             let r = window(me, j);
-            let srcs: Vec<&[T]> = (0..n)
-                .map(|q| {
-                    if q == me {
-                        &buf[r.clone()]
-                    } else {
-                        &*unsafe { self.seg.slot::<T>(q, h + me * w, r.len()) }
-                    }
-                })
+            let others: Vec<&[T]> = (0..n)
+                .filter(|&q| q != me)
+                .map(|q| &*unsafe { self.seg.slot::<T>(q, h + me * w, r.len()) })
                 .collect();
+            // In place, an f32 sum reduces over this rank's input where it
+            // is (`Element::reduce_over`): no scratch window to copy back.
+            if !full && part.is_none() && T::reduce_over(&mut buf[r.clone()], &others, me, op) {
+                continue;
+            }
+            let mut srcs = others;
+            srcs.insert(me, &buf[r.clone()]);
             if full {
                 let l = r.len();
                 let tmp = scratch(&mut tmp, cap, l);
@@ -750,32 +753,36 @@ impl Inner {
     }
 
     /// reduce_scatter on a symmetric buffer: this rank reduces its part
-    /// reading every rank's buffer where it is, a window at a time into a
-    /// cache-sized scratch (the result may not alias a source while it is
-    /// read), then writes the window over its own part. Peers read only
-    /// their own parts of this rank's buffer, so nothing they read changes.
+    /// reading every rank's buffer where it is, a window at a time, over
+    /// its own part (f32 sums) or into a cache-sized scratch then written
+    /// over it. Peers read only their own parts of this rank's buffer, so
+    /// nothing they read changes.
     /// Runs inside [`Inner::symmetric`], between agreement and barrier.
     fn reduce_symmetric<T: Element>(&self, sh: &Shared, len: usize, op: ReduceOp) {
         let (n, me) = (self.n(), self.m.me);
         let part = chunk_range(len, n, me);
         let w = (SCRATCH_BYTES / std::mem::size_of::<T>().max(1)).min(part.len());
-        let mut tmp = vec![T::ZERO; w];
+        // Allocated on first use: f32 sums reduce over their own part.
+        let mut tmp = Vec::new();
         let mut at = part.start;
         while at < part.end {
             let l = w.min(part.end - at);
-            {
-                // SAFETY: each buffer holds `len` elements; between the
-                // agreement and the closing barrier no rank writes any
-                // rank's part `me` but this one, which writes it only below,
-                // after these borrows end.
-                let srcs: Vec<&[T]> = (0..n)
-                    .map(|q| unsafe { std::slice::from_raw_parts(sh.ptr::<T>(q).add(at), l) })
-                    .collect();
-                T::reduce_into(&mut tmp[..l], &srcs, op);
+            // SAFETY: each buffer holds `len` elements; between the
+            // agreement and the closing barrier no rank writes any rank's
+            // part `me` but this one, and no peer reads it.
+            let src = |q: usize| unsafe { std::slice::from_raw_parts(sh.ptr::<T>(q).add(at), l) };
+            let own = unsafe { std::slice::from_raw_parts_mut(sh.ptr::<T>(me).add(at), l) };
+            let others: Vec<&[T]> = (0..n).filter(|&q| q != me).map(src).collect();
+            // An f32 sum reduces over this rank's part where it is
+            // (`Element::reduce_over`); other types into the scratch,
+            // which is then written over it.
+            if !T::reduce_over(own, &others, me, op) {
+                let tmp = scratch(&mut tmp, w, l);
+                let mut srcs = others;
+                srcs.insert(me, own);
+                T::reduce_into(tmp, &srcs, op);
+                own.copy_from_slice(tmp);
             }
-            // SAFETY: this rank's own part, read by no peer (see above).
-            unsafe { std::slice::from_raw_parts_mut(sh.ptr::<T>(me).add(at), l) }
-                .copy_from_slice(&tmp[..l]);
             at += l;
         }
     }

@@ -220,9 +220,20 @@ fn rank_main() {
             // machines (an all_gather output of 64 MiB; a reduce_scatter
             // whose inputs and parts take 192 MiB); on a host with more the
             // plain paths are checked. Odd length: a tail past the last
-            // whole line.
+            // whole line. The in-place and symmetric reduce_scatter too:
+            // many windows of the f32 sum over this rank's own part.
             let len = 2 * (8 << 20) + 3;
             let input: Vec<f32> = (0..len).map(|i| common::val(me, i) as f32).collect();
+            let mut sym = g.alloc_symmetric::<f32>(len).wait().unwrap();
+            sym.copy_from_slice(&input);
+            let sym = g
+                .reduce_scatter_symmetric(sym, ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            let in_place = g
+                .reduce_scatter_in_place(input.clone(), ReduceOp::Sum)
+                .wait()
+                .unwrap();
             let (_, part) = g
                 .reduce_scatter(input, Vec::new(), ReduceOp::Sum)
                 .wait()
@@ -230,9 +241,14 @@ fn rank_main() {
             let r = zrt_collectives::chunk_range(len, 2, me);
             let sum = |i: usize| (common::val(0, i) + common::val(1, i)) as f32;
             let wrong = r.clone().zip(&part).position(|(i, &x)| x != sum(i));
+            let wrong_own = |buf: &[f32]| r.clone().position(|i| buf[i] != sum(i));
+            let (wrong_sym, wrong_in_place) = (wrong_own(&sym), wrong_own(&in_place));
             let (_, all) = g.all_gather(part, Vec::new()).wait().unwrap();
             let wrong_all = (0..len).zip(&all).position(|(i, &x)| x != sum(i));
-            println!("@@ {} {wrong:?} {wrong_all:?}", all.len());
+            println!(
+                "@@ {} {wrong:?} {wrong_all:?} {wrong_sym:?} {wrong_in_place:?}",
+                all.len()
+            );
         }
         "symmetric_too_big" => {
             // More than /dev/shm holds: tmpfs refuses the reservation at once.
@@ -322,8 +338,10 @@ fn waiting_for_a_later_call_first_still_runs_the_calls_in_issue_order() {
     }
 }
 
+/// Streamed destinations, and in-place and symmetric reduce_scatter over
+/// many windows, give exact sums (the "large" scenario).
 #[test]
-fn destinations_larger_than_the_cache_are_streamed_exactly() {
+fn large_buffers_stream_and_reduce_in_place_exactly() {
     for e in run(
         2,
         "large",
@@ -331,7 +349,10 @@ fn destinations_larger_than_the_cache_are_streamed_exactly() {
         Duration::from_secs(120),
     ) {
         assert_eq!(e.code, Some(0), "{}", e.out);
-        assert_eq!(said(&e), format!("{} None None", 2 * (8 << 20) + 3));
+        assert_eq!(
+            said(&e),
+            format!("{} None None None None", 2 * (8 << 20) + 3)
+        );
     }
 }
 

@@ -2,13 +2,15 @@
 //! base): exact memory, training identical to the unsharded reference in
 //! fp32 and bf16, with the parameter swap and hpZ, and checkpoints that
 //! move between stage 3 (sharded) and stage 2 (replicated). 2 or 4 ranks
-//! (threads).
+//! (threads). The tests run one at a time ([`common::serial`]): loading a
+//! checkpoint puts libtorch's process-global RNG state back, which can land
+//! between another test's seeding and its model's first draws.
 
 mod common;
 
 use std::collections::HashMap;
 
-use common::{config_zero, model, nvme_params, on_ranks, tokens, train_losses, WORLD};
+use common::{config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, WORLD};
 use tch::{nn, Kind, Tensor};
 use zrt::collectives::local::LocalRank;
 use zrt::collectives::ProcessGroup;
@@ -149,6 +151,7 @@ fn cfg(stage: u8, extra: &str, zero: &str) -> Config {
 
 #[test]
 fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
+    let _serial = serial();
     let want = base();
     let dir = std::env::temp_dir().join(format!("zrt-frozen-shards-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -191,6 +194,7 @@ fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
 
 #[test]
 fn hpz_regathers_a_sharded_frozen_base_with_the_same_results() {
+    let _serial = serial();
     let plain = run(&cfg(3, "", ""), 4);
     let hpz = run(&cfg(3, "", r#""zero_hpz_partition_size": 2,"#), 4);
     assert_eq!(hpz.params, plain.params);
@@ -220,6 +224,7 @@ fn shard_len(vs: &nn::VarStore, names: &[String], world: usize) -> usize {
 
 #[test]
 fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
+    let _serial = serial();
     on_ranks(WORLD, |r| {
         let (vs, plan, gpt) = frozen_model(r.rank());
         let g = r.new_group(&[0, 1]).unwrap();
@@ -275,6 +280,7 @@ fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
 
 #[test]
 fn a_checkpoint_moves_the_frozen_base_between_sharded_and_replicated() {
+    let _serial = serial();
     let bf16 = r#""bf16": {"enabled": true},"#;
     // fp32, and a bf16 base under bf16 training (sharded as bf16, saved
     // as bf16: as a replicated bf16 base is).
@@ -377,6 +383,7 @@ fn is_big_block_weight(name: &str) -> bool {
 
 #[test]
 fn small_trainable_parameters_do_not_keep_a_large_frozen_base_gathered() {
+    let _serial = serial();
     let zero = r#""stage3_param_persistence_threshold": 1000,"#;
     // No clipping: the threshold moves parameters between units at stage 3
     // only, which changes the order the global norm sums in.
@@ -413,6 +420,7 @@ fn small_trainable_parameters_do_not_keep_a_large_frozen_base_gathered() {
 
 #[test]
 fn offload_param_keeps_the_frozen_shards_in_a_swap_file_read_ahead_in_run_order() {
+    let _serial = serial();
     let dir = std::env::temp_dir().join(format!("zrt-frozen-nvme-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let swaps = || {

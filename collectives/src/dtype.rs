@@ -296,18 +296,28 @@ fn sum_f32_vector(dst: &mut [f32], srcs: &[&[f32]], avg: bool, stream: bool) -> 
         "reduce_into: every source must be as long as the destination"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        use zrt_kernels::simd::{level, Level};
-        if matches!(level(), Level::Avx2 | Level::Avx512) {
-            // SAFETY: `level()` reports AVX2 only where the CPU has it.
-            unsafe { sum_f32_avx2(dst, srcs, avg, stream) };
-            if stream {
-                crate::stream::fence();
-            }
-            return true;
+    if f32_kernels() {
+        // SAFETY: `f32_kernels()` holds only where the CPU has AVX2.
+        unsafe { sum_f32_avx2(dst, srcs, avg, stream) };
+        if stream {
+            crate::stream::fence();
         }
+        return true;
     }
     let _ = (dst, srcs, avg, stream);
+    false
+}
+
+/// Whether the f32 vector kernels run here: AVX2 (or more) on x86-64, as
+/// `zrt_kernels::simd::level` reports it (`ZRT_SIMD` can lower it).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn f32_kernels() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use zrt_kernels::simd::{level, Level};
+        matches!(level(), Level::Avx2 | Level::Avx512)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
@@ -346,13 +356,10 @@ fn sum_f32_over(own: &mut [f32], others: &[&[f32]], me: usize, avg: bool) -> boo
         "reduce_over: every source must be as long as the destination, and `me` a rank"
     );
     #[cfg(target_arch = "x86_64")]
-    {
-        use zrt_kernels::simd::{level, Level};
-        if matches!(level(), Level::Avx2 | Level::Avx512) {
-            // SAFETY: `level()` reports AVX2 only where the CPU has it.
-            unsafe { sum_f32_over_avx2(own, others, me, avg) };
-            return true;
-        }
+    if f32_kernels() {
+        // SAFETY: `f32_kernels()` holds only where the CPU has AVX2.
+        unsafe { sum_f32_over_avx2(own, others, me, avg) };
+        return true;
     }
     let _ = (own, others, me, avg);
     false
@@ -580,7 +587,7 @@ mod tests {
     /// kernel and leave the destination alone.
     #[test]
     fn the_f32_vector_sum_has_the_elementwise_bits() {
-        let avx2 = has_avx2();
+        let avx2 = f32_kernels();
         for ranks in 1..=5 {
             for len in F32_LENS {
                 let srcs = f32_sources(ranks, len);
@@ -622,11 +629,6 @@ mod tests {
         ));
     }
 
-    fn has_avx2() -> bool {
-        use zrt_kernels::simd::{level, Level};
-        cfg!(target_arch = "x86_64") && matches!(level(), Level::Avx2 | Level::Avx512)
-    }
-
     /// Lengths for the f32 kernels: empty, under one vector, one, just
     /// over, several with a tail, and past the prefetch distance.
     const F32_LENS: [usize; 7] = [0, 1, 7, 8, 9, 31, 3 * BLOCK + 7 + PREFETCH_AHEAD];
@@ -664,7 +666,7 @@ mod tests {
     /// and leave the destination alone.
     #[test]
     fn the_f32_sum_over_its_own_source_has_the_elementwise_bits() {
-        let avx2 = has_avx2();
+        let avx2 = f32_kernels();
         for ranks in 1..=5 {
             for len in F32_LENS {
                 let srcs = f32_sources(ranks, len);

@@ -588,38 +588,31 @@ mod tests {
     #[test]
     fn the_f32_vector_sum_has_the_elementwise_bits() {
         let avx2 = f32_kernels();
-        for ranks in 1..=5 {
-            for len in F32_LENS {
-                let srcs = f32_sources(ranks, len);
-                let views: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
-                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-                    let want: Vec<f32> = (0..len)
-                        .map(|i| f32::reduce(views.iter().map(|s| s[i]), op))
-                        .collect();
-                    for offset in 0..8 {
-                        let mut plain = vec![-1f32; len + offset];
-                        f32::reduce_into(&mut plain[offset..], &views, op);
-                        assert_eq!(
-                            as_bytes(&plain[offset..]),
-                            as_bytes(&want),
-                            "reduce_into: {ranks} ranks, {len} elements at offset {offset}, {op:?}"
-                        );
-                        let mut buf = vec![-1f32; len + offset];
-                        let done = f32::reduce_into_streaming(&mut buf[offset..], &views, op);
-                        assert_eq!(done, avx2 && op != ReduceOp::Max, "{ranks} ranks {op:?}");
-                        if !done {
-                            assert!(buf.iter().all(|&x| x == -1.0), "declined but wrote");
-                            continue;
-                        }
-                        assert_eq!(
-                            as_bytes(&buf[offset..]),
-                            as_bytes(&want),
-                            "{ranks} ranks, {len} elements at offset {offset}, {op:?}"
-                        );
-                    }
+        each_f32_case(|srcs, op, want| {
+            let (ranks, len) = (srcs.len(), want.len());
+            let views: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
+            for offset in 0..8 {
+                let mut plain = vec![-1f32; len + offset];
+                f32::reduce_into(&mut plain[offset..], &views, op);
+                assert_eq!(
+                    as_bytes(&plain[offset..]),
+                    as_bytes(want),
+                    "reduce_into: {ranks} ranks, {len} elements at offset {offset}, {op:?}"
+                );
+                let mut buf = vec![-1f32; len + offset];
+                let done = f32::reduce_into_streaming(&mut buf[offset..], &views, op);
+                assert_eq!(done, avx2 && op != ReduceOp::Max, "{ranks} ranks {op:?}");
+                if !done {
+                    assert!(buf.iter().all(|&x| x == -1.0), "declined but wrote");
+                    continue;
                 }
+                assert_eq!(
+                    as_bytes(&buf[offset..]),
+                    as_bytes(want),
+                    "{ranks} ranks, {len} elements at offset {offset}, {op:?}"
+                );
             }
-        }
+        });
         let x = [bf16::ONE; 64];
         let mut out = [bf16::ZERO; 64];
         assert!(!bf16::reduce_into_streaming(
@@ -627,6 +620,23 @@ mod tests {
             &[&x, &x],
             ReduceOp::Sum
         ));
+    }
+
+    /// Runs `check` on every case of the f32 kernel tests: 1-5 ranks'
+    /// sources ([`f32_sources`]) of each of [`F32_LENS`], Sum, Avg and Max,
+    /// with the element-wise `reduce` the kernels must match to the bit.
+    fn each_f32_case(mut check: impl FnMut(&[Vec<f32>], ReduceOp, &[f32])) {
+        for ranks in 1..=5 {
+            for len in F32_LENS {
+                let srcs = f32_sources(ranks, len);
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                    let want: Vec<f32> = (0..len)
+                        .map(|i| f32::reduce(srcs.iter().map(|s| s[i]), op))
+                        .collect();
+                    check(&srcs, op, &want);
+                }
+            }
+        }
     }
 
     /// Lengths for the f32 kernels: empty, under one vector, one, just
@@ -667,32 +677,25 @@ mod tests {
     #[test]
     fn the_f32_sum_over_its_own_source_has_the_elementwise_bits() {
         let avx2 = f32_kernels();
-        for ranks in 1..=5 {
-            for len in F32_LENS {
-                let srcs = f32_sources(ranks, len);
-                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-                    let want: Vec<f32> = (0..len)
-                        .map(|i| f32::reduce(srcs.iter().map(|s| s[i]), op))
-                        .collect();
-                    for me in 0..ranks {
-                        let others: Vec<&[f32]> = (0..ranks)
-                            .filter(|&q| q != me)
-                            .map(|q| srcs[q].as_slice())
-                            .collect();
-                        for offset in [0, 1, 3] {
-                            let mut buf = vec![-1f32; len + offset];
-                            buf[offset..].copy_from_slice(&srcs[me]);
-                            let done = f32::reduce_over(&mut buf[offset..], &others, me, op);
-                            let what = format!("{ranks} ranks, me {me}, {len} at {offset}, {op:?}");
-                            assert_eq!(done, avx2 && op != ReduceOp::Max, "{what}");
-                            let expect = if done { &want } else { &srcs[me] };
-                            assert_eq!(as_bytes(&buf[offset..]), as_bytes(expect), "{what}");
-                            assert!(buf[..offset].iter().all(|&x| x == -1.0), "{what}");
-                        }
-                    }
+        each_f32_case(|srcs, op, want| {
+            let (ranks, len) = (srcs.len(), want.len());
+            for me in 0..ranks {
+                let others: Vec<&[f32]> = (0..ranks)
+                    .filter(|&q| q != me)
+                    .map(|q| srcs[q].as_slice())
+                    .collect();
+                for offset in [0, 1, 3] {
+                    let mut buf = vec![-1f32; len + offset];
+                    buf[offset..].copy_from_slice(&srcs[me]);
+                    let done = f32::reduce_over(&mut buf[offset..], &others, me, op);
+                    let what = format!("{ranks} ranks, me {me}, {len} at {offset}, {op:?}");
+                    assert_eq!(done, avx2 && op != ReduceOp::Max, "{what}");
+                    let expect = if done { want } else { &srcs[me][..] };
+                    assert_eq!(as_bytes(&buf[offset..]), as_bytes(expect), "{what}");
+                    assert!(buf[..offset].iter().all(|&x| x == -1.0), "{what}");
                 }
             }
-        }
+        });
         let x = [bf16::ONE; 64];
         let mut own = [bf16::ONE; 64];
         assert!(!bf16::reduce_over(&mut own, &[&x], 0, ReduceOp::Sum));

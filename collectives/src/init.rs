@@ -198,6 +198,16 @@ pub struct Dist {
     _server: Option<StoreServer>,
 }
 
+/// Joins the job this process was started in: reads the environment
+/// contract ([`DistEnv`]), serves the rendezvous store on rank 0, connects
+/// to it, and joins the world group.
+///
+/// The backend is shm when every rank runs on this host and tcp otherwise;
+/// `ZRT_BACKEND=shm|tcp` overrides that (shm across hosts is refused).
+/// `ZRT_TIMEOUT` (seconds) bounds every wait, `ZRT_SHM_SLOT_BYTES` sizes
+/// the shm staging slots. A variable that is missing or malformed is an
+/// error naming it, raised before any connection so that every rank fails
+/// on its own configuration.
 pub fn init_from_env() -> Result<Dist, CommError> {
     let env = DistEnv::from_env()?;
     // Checked before any connection, so every rank fails on its own config
@@ -358,6 +368,11 @@ impl Dist {
         &self.store
     }
 
+    /// Creates the group of world `ranks` (in that order), on this job's
+    /// backend. Only its members call it, each with the same `ranks`; a
+    /// call from a rank outside `ranks` is an error. Calling it again with
+    /// the same ranks creates another group, with its own sequence of
+    /// operations, as long as every member does so in the same order.
     pub fn new_group(&mut self, ranks: &[usize]) -> Result<Group, CommError> {
         let n = self.created.entry(ranks.to_vec()).or_insert(0);
         let name = format!("ranks{ranks:?}#{n}");

@@ -72,11 +72,48 @@ fn issued_calls_run_in_order_while_the_caller_goes_on() {
 }
 
 #[test]
+fn a_handle_is_done_only_once_every_rank_has_issued_its_call() {
+    let both_issued = std::sync::Barrier::new(2);
+    run(2, Duration::from_secs(30), |r| {
+        let g = r.world();
+        if g.rank() == 1 {
+            // Rank 0 looks at its handle before this rank has issued.
+            both_issued.wait();
+            let w = g.all_reduce(vec![1i64; 3], ReduceOp::Sum);
+            assert_eq!(w.wait().unwrap(), vec![2; 3]);
+            return;
+        }
+        let w = g.all_reduce(vec![1i64; 3], ReduceOp::Sum);
+        std::thread::sleep(Duration::from_millis(50));
+        let (early, shown) = (w.is_done(), format!("{w:?}"));
+        // Asserted after the barrier: a failure before it would leave the
+        // peer waiting there for good.
+        both_issued.wait();
+        assert!(!early, "done before the peer issued its call");
+        assert!(shown.contains("done: false"), "{shown}");
+        // Not waited for: the group's worker completes it on its own.
+        let t = Instant::now();
+        while !w.is_done() {
+            assert!(t.elapsed() < Duration::from_secs(10), "never done");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(format!("{w:?}").contains("done: true"), "{w:?}");
+        let t = Instant::now();
+        assert_eq!(w.wait_timeout(Duration::ZERO).unwrap(), vec![2; 3]);
+        assert_fast(t, "a wait on a done handle");
+    });
+}
+
+#[test]
 fn mesh_groups_reduce_over_their_own_ranks() {
     // world 4 = 2 replicate x 2 shard: shard groups {0,1},{2,3}; replicate {0,2},{1,3}.
     let got = run(4, Duration::from_secs(30), |r| {
         let mesh = r.mesh(2).unwrap();
         let me = r.rank() as i64;
+        assert_eq!(
+            (mesh.world_rank(), mesh.world_size(), mesh.shard_size()),
+            (r.rank(), 4, 2)
+        );
         let s = mesh
             .shard_group()
             .all_reduce(vec![me], ReduceOp::Sum)

@@ -47,9 +47,7 @@ use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::invalid;
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
-use crate::stream::{
-    copy_streaming, copy_twice_streaming, stream_min_dest_bytes, stream_min_footprint_bytes,
-};
+use crate::stream::{copy_streaming, stream_min_dest_bytes, stream_min_footprint_bytes};
 use crate::symmetric::Shared;
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, SymmetricBuf, Work};
@@ -580,31 +578,32 @@ impl Inner {
             let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
             // SAFETY: own slot half written between barriers; others read
             // after. Double-buffered: round j + 1 writes the half that round
-            // j - 1 read, whose readers have all arrived at round j. This
-            // rank's own part goes straight from `input`.
+            // j - 1 read, whose readers have all arrived at round j.
             let slot = unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) };
-            let mut later = None;
-            match input {
-                // Into the slot and, streamed, into `out` in one pass: one
-                // read of the part instead of two, worth more than letting
-                // the copy overlap the peers' arrival (below). Measured at
-                // 128 MiB on 2 ranks: 17.8 -> 15.9 ms median, faster in 9
-                // of 12 interleaved pairs.
-                Some(input) if stream => {
-                    copy_twice_streaming(slot, &mut out[own.clone()], &input[mine.clone()])
-                }
-                // Into `out` after arriving: the copy then overlaps the
-                // peers' arrival instead of delaying it.
+            // Out of place, this rank's part goes into `out` after
+            // arriving, so the copy overlaps the peers' arrival instead of
+            // delaying it. When `out` is streamed into, it is copied from
+            // the slot, still in this core's cache, not from `input`: one
+            // read of the part from memory. Copying into the slot and
+            // streaming into `out` in one loop instead (one read too) was
+            // 1.6x slower at 128 MiB on 2 ranks (AMD EPYC, AVX-512 VM:
+            // 12.4 -> 7.9 ms median, faster in 12 of 12 interleaved pairs):
+            // plain stores between the streaming ones seem to break up
+            // their write-combining.
+            let later = match input {
                 Some(input) => {
                     slot.copy_from_slice(&input[mine.clone()]);
-                    later = Some(&input[mine.clone()]);
+                    Some(if stream { &*slot } else { &input[mine.clone()] })
                 }
-                None => slot.copy_from_slice(&out[own.clone()]),
-            }
-            // The peers may read the slot now.
+                None => {
+                    slot.copy_from_slice(&out[own.clone()]);
+                    None
+                }
+            };
+            // The peers may read the slot now (and this rank, below).
             let e = self.arrive(&mut st);
             if let Some(src) = later {
-                out[own].copy_from_slice(src);
+                copy_streaming(&mut out[own], src, stream);
             }
             self.wait_all(desc, deadline, e)?;
             for r in (0..self.n()).filter(|&r| r != self.m.me) {

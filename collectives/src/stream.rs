@@ -105,37 +105,16 @@ fn parse_cache_size(s: &str) -> Option<usize> {
 /// # Panics
 /// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
 pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool) {
-    copy(dst, None, src, stream);
-}
-
-/// `cached.copy_from_slice(src)` and `streamed.copy_from_slice(src)` in
-/// one pass over `src`: plain stores into `cached` (read soon, by a peer),
-/// non-temporal ones into `streamed` when the copy is at least
-/// [`STREAM_MIN_BYTES`] (x86-64), then a store fence, as [`copy_streaming`].
-///
-/// # Panics
-/// If the lengths differ; callers pass equal lengths.
-pub(crate) fn copy_twice_streaming<T: Element>(cached: &mut [T], streamed: &mut [T], src: &[T]) {
-    copy(streamed, Some(cached), src, true);
-}
-
-/// Copies `src` into `dst`, streamed as [`copy_streaming`] says, and
-/// plainly into `also` if given, in the same pass.
-fn copy<T: Element>(dst: &mut [T], also: Option<&mut [T]>, src: &[T], stream: bool) {
-    assert!(
-        dst.len() == src.len() && also.as_ref().is_none_or(|a| a.len() == src.len()),
-        "copy_streaming: lengths differ"
-    );
+    assert!(dst.len() == src.len(), "copy_streaming: lengths differ");
     let bytes = std::mem::size_of_val(src);
     #[cfg(target_arch = "x86_64")]
     if stream && bytes >= STREAM_MIN_BYTES {
-        // SAFETY: every range is `bytes` long and valid, and none overlaps
-        // another (the destinations are borrowed mutably); every `Element`
-        // is plain old data.
+        // SAFETY: both ranges are `bytes` long and valid, and they do not
+        // overlap (`dst` is borrowed mutably); every `Element` is plain
+        // old data.
         unsafe {
             stream_bytes(
                 dst.as_mut_ptr().cast::<u8>(),
-                also.map(|a| a.as_mut_ptr().cast::<u8>()),
                 src.as_ptr().cast::<u8>(),
                 bytes,
             )
@@ -143,47 +122,32 @@ fn copy<T: Element>(dst: &mut [T], also: Option<&mut [T]>, src: &[T], stream: bo
         return;
     }
     let _ = stream;
-    if let Some(also) = also {
-        also.copy_from_slice(src);
-    }
     dst.copy_from_slice(src);
 }
 
 /// Copies `len` bytes into `dst` with 16-byte non-temporal stores (SSE2:
 /// every x86-64 has it, so no run-time dispatch), plain copies for the
-/// unaligned head and the tail, then `sfence`; and into `also`, if given,
-/// with plain stores from the same loads.
+/// unaligned head and the tail, then `sfence`.
 ///
 /// # Safety
-/// `dst`, `also` and `src` valid for `len` bytes and not overlapping.
+/// `dst` and `src` valid for `len` bytes and not overlapping.
 #[cfg(target_arch = "x86_64")]
-unsafe fn stream_bytes(dst: *mut u8, also: Option<*mut u8>, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128};
-    let plain = |from: usize, n: usize| {
-        std::ptr::copy_nonoverlapping(src.add(from), dst.add(from), n);
-        if let Some(a) = also {
-            std::ptr::copy_nonoverlapping(src.add(from), a.add(from), n);
-        }
-    };
-    // Head: up to the streamed destination's next 64-byte line.
+unsafe fn stream_bytes(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    // Head: up to the destination's next 64-byte line.
     let head = (dst.align_offset(64)).min(len);
-    plain(0, head);
+    std::ptr::copy_nonoverlapping(src, dst, head);
     let lines = (len - head) / 64;
     for l in 0..lines {
         let at = head + l * 64;
         // Four loads, then four streams: one whole line per write-combine.
         let v = [0, 16, 32, 48].map(|k| _mm_loadu_si128(src.add(at + k).cast::<__m128i>()));
-        if let Some(a) = also {
-            for (k, &x) in [0, 16, 32, 48].iter().zip(&v) {
-                _mm_storeu_si128(a.add(at + k).cast::<__m128i>(), x);
-            }
-        }
         for (k, &x) in [0, 16, 32, 48].iter().zip(&v) {
             _mm_stream_si128(dst.add(at + k).cast::<__m128i>(), x);
         }
     }
     let done = head + lines * 64;
-    plain(done, len - done);
+    std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
     // Streaming stores are weakly ordered: publish them before returning.
     fence();
 }
@@ -273,33 +237,16 @@ mod tests {
                     STREAM_MIN_BYTES + 37,
                 ] {
                     let want = &src[off_s..off_s + len];
-                    // Only what the copy must write: nothing before or past.
-                    let exact = |dst: &[u8], off: usize, what: &str| {
-                        assert_eq!(
-                            &dst[off..off + len],
-                            want,
-                            "{what}: d {off} s {off_s} len {len}"
-                        );
-                        assert!(dst[..off].iter().all(|&x| x == 0), "{what}: wrote before");
-                        assert!(
-                            dst[off + len..].iter().all(|&x| x == 0),
-                            "{what}: wrote past"
-                        );
-                    };
                     let mut dst = vec![0u8; len + 64];
                     copy_streaming(&mut dst[off_d..off_d + len], want, true);
-                    exact(&dst, off_d, "streamed");
-                    // Both destinations of the two-way copy, each at its
-                    // own alignment (the cached one offset differently).
-                    let off_c = (off_d + 5) % 33;
-                    let (mut dst, mut cached) = (vec![0u8; len + 64], vec![0u8; len + 64]);
-                    copy_twice_streaming(
-                        &mut cached[off_c..off_c + len],
-                        &mut dst[off_d..off_d + len],
-                        want,
+                    let at = format!("d {off_d} s {off_s} len {len}");
+                    assert_eq!(&dst[off_d..off_d + len], want, "{at}");
+                    // Only what the copy must write: nothing before or past.
+                    assert!(dst[..off_d].iter().all(|&x| x == 0), "wrote before: {at}");
+                    assert!(
+                        dst[off_d + len..].iter().all(|&x| x == 0),
+                        "wrote past: {at}"
                     );
-                    exact(&dst, off_d, "twice, streamed");
-                    exact(&cached, off_c, "twice, cached");
                 }
             }
         }

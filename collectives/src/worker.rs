@@ -249,7 +249,13 @@ mod tests {
         let t1 = ticket(&order, 1, move || s1("1"));
         std::thread::scope(|s| {
             let caller = s.spawn(|| t0.run_here());
+            let t = std::time::Instant::now();
             while log.lock().is_empty() {
+                // Bounded: a caller that never runs it fails, not hangs.
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the caller did not run operation 0"
+                );
                 std::thread::yield_now();
             }
             let worker = s.spawn(|| {

@@ -140,7 +140,23 @@ fn rank_main() {
                 .all_reduce(vec![me as i64], ReduceOp::Sum)
                 .wait()
                 .unwrap()[0];
-            println!("@@ {s} {p}");
+            let (sr, pr) = (
+                mesh.shard_group().world_ranks(),
+                mesh.replicate_group().world_ranks(),
+            );
+            println!("@@ {s} {p} {sr:?} {pr:?}");
+        }
+        "late_send" => {
+            // The sender comes a second late, several of the receiver's
+            // polls of the store: the receive waits for it (up to
+            // ZRT_TIMEOUT), it does not give up after one poll.
+            if me == 1 {
+                std::thread::sleep(Duration::from_secs(1));
+                g.send(vec![7i64, 8, 9], 0).wait().unwrap();
+                println!("@@ sent");
+            } else {
+                report(g.recv::<i64>(3, 1).wait().map(|v| assert_eq!(v, [7, 8, 9])));
+            }
         }
         "exit" => {
             g.all_reduce(vec![1f32; 8], ReduceOp::Sum).wait().unwrap();
@@ -368,7 +384,32 @@ fn mesh_groups_across_processes() {
         .iter()
         .map(|e| said(e).to_string())
         .collect();
-        assert_eq!(got, ["1 2", "1 4", "5 2", "5 4"], "{backend}");
+        assert_eq!(
+            got,
+            [
+                "1 2 [0, 1] [0, 2]",
+                "1 4 [0, 1] [1, 3]",
+                "5 2 [2, 3] [0, 2]",
+                "5 4 [2, 3] [1, 3]"
+            ],
+            "{backend}"
+        );
+    }
+}
+
+#[test]
+fn a_receive_waits_for_a_late_sender() {
+    for backend in BACKENDS {
+        let got: Vec<String> = run(
+            2,
+            "late_send",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        )
+        .iter()
+        .map(|e| said(e).to_string())
+        .collect();
+        assert_eq!(got, ["ok", "sent"], "{backend}");
     }
 }
 

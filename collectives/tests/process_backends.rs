@@ -150,12 +150,33 @@ fn rank_main() {
             // The sender comes a second late, several of the receiver's
             // polls of the store: the receive waits for it (up to
             // ZRT_TIMEOUT), it does not give up after one poll.
+            // Also what the group says of itself: its name and counters.
+            let stat = |op: &str| {
+                g.stats()
+                    .get(op)
+                    .map(|s| (s.calls, s.bytes_sent, s.bytes_received))
+            };
             if me == 1 {
                 std::thread::sleep(Duration::from_secs(1));
                 g.send(vec![7i64, 8, 9], 0).wait().unwrap();
-                println!("@@ sent");
+                println!("@@ sent {} {:?}", g.name(), stat("send"));
             } else {
-                report(g.recv::<i64>(3, 1).wait().map(|v| assert_eq!(v, [7, 8, 9])));
+                let v = g.recv::<i64>(3, 1).wait().unwrap();
+                println!("@@ {v:?} {} {:?}", g.name(), stat("recv"));
+            }
+        }
+        "rank0_leaves_first" => {
+            // Rank 0 is done at once; the others still talk through the
+            // store it serves, which must stay up until they check out.
+            if me == 0 {
+                drop(dist);
+                println!("@@ left");
+            } else {
+                std::thread::sleep(Duration::from_millis(500));
+                let peer = 3 - me;
+                let sent = g.send(vec![me as u8], peer);
+                let got = g.recv::<u8>(1, peer).wait();
+                report(sent.wait().and(got).map(|v| assert_eq!(v, [peer as u8])));
             }
         }
         "exit" => {
@@ -409,7 +430,34 @@ fn a_receive_waits_for_a_late_sender() {
         .iter()
         .map(|e| said(e).to_string())
         .collect();
-        assert_eq!(got, ["ok", "sent"], "{backend}");
+        assert_eq!(
+            got,
+            [
+                "[7, 8, 9] world Some((1, 0, 24))",
+                "sent world Some((1, 24, 0))"
+            ],
+            "{backend}"
+        );
+    }
+}
+
+#[test]
+fn rank_0_serves_the_store_until_every_rank_checked_out() {
+    for backend in BACKENDS {
+        let got: Vec<String> = run(
+            3,
+            "rank0_leaves_first",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        )
+        .iter()
+        .map(|e| format!("{:?} {}", e.code, said(e)))
+        .collect();
+        assert_eq!(
+            got,
+            ["Some(0) left", "Some(0) ok", "Some(0) ok"],
+            "{backend}"
+        );
     }
 }
 

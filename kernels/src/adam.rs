@@ -412,11 +412,13 @@ mod tests {
 
     #[test]
     fn matches_f64_reference_in_both_modes() {
-        for adam_w_mode in [true, false] {
+        // A large eps too: at 1e-8 its sign would not show.
+        for (adam_w_mode, eps) in [(true, 1e-8), (false, 1e-8), (true, 0.1)] {
             let cfg = AdamConfig {
                 lr: 1e-2,
                 weight_decay: 0.05,
                 adam_w_mode,
+                eps,
                 ..Default::default()
             };
             let n = 1000;
@@ -537,6 +539,35 @@ mod tests {
         .unwrap();
         for i in 0..n {
             assert_eq!(h[i].to_bits(), crate::cast::f32_to_f16_bits(p[i]));
+        }
+    }
+
+    #[test]
+    fn every_setting_out_of_its_domain_is_refused_by_name() {
+        let (nan, inf) = (f64::NAN, f64::INFINITY);
+        type Set = fn(&mut AdamConfig, f64);
+        let settings: [(&str, Set, &[f64]); 5] = [
+            ("lr", |c, x| c.lr = x, &[-1e-3, inf, nan]),
+            ("betas[0]", |c, x| c.beta1 = x, &[-0.1, 1.0, nan]),
+            ("betas[1]", |c, x| c.beta2 = x, &[-0.1, 1.5, nan]),
+            ("eps", |c, x| c.eps = x, &[-1e-8, inf, nan]),
+            (
+                "weight_decay",
+                |c, x| c.weight_decay = x,
+                &[-0.01, inf, nan],
+            ),
+        ];
+        for (name, set, bad) in settings {
+            for &x in bad {
+                let mut c = AdamConfig::default();
+                set(&mut c, x);
+                let e = c.validate().unwrap_err().to_string();
+                assert!(e.contains(&format!("`{name}` = {x}")), "{name} = {x}: {e}");
+            }
+            // The domain's edge is allowed.
+            let mut c = AdamConfig::default();
+            set(&mut c, 0.0);
+            c.validate().unwrap();
         }
     }
 

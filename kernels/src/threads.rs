@@ -74,3 +74,25 @@ impl Threads {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_the_call_in_aligned_pieces_one_per_thread() {
+        let one = Threads::new(1).unwrap();
+        assert_eq!(one.count(), 1);
+        assert_eq!(one.chunk_len(1 << 20), None, "one thread runs serially");
+        let three = Threads::new(3).unwrap();
+        assert_eq!(three.count(), 3);
+        assert!(format!("{three:?}").contains("n: 3"));
+        assert_eq!(three.chunk_len(SERIAL_BELOW - 1), None, "small calls run serially");
+        for len in [SERIAL_BELOW, 100_003, 1 << 22] {
+            let c = three.chunk_len(len).unwrap();
+            assert_eq!(c % ALIGN, 0, "{len}: {c}");
+            // Three ranges cover it; two would not.
+            assert!(3 * c >= len && 2 * c < len, "{len}: {c}");
+        }
+    }
+}

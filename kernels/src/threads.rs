@@ -87,7 +87,11 @@ mod tests {
         let three = Threads::new(3).unwrap();
         assert_eq!(three.count(), 3);
         assert!(format!("{three:?}").contains("n: 3"));
-        assert_eq!(three.chunk_len(SERIAL_BELOW - 1), None, "small calls run serially");
+        assert_eq!(
+            three.chunk_len(SERIAL_BELOW - 1),
+            None,
+            "small calls run serially"
+        );
         for len in [SERIAL_BELOW, 100_003, 1 << 22] {
             let c = three.chunk_len(len).unwrap();
             assert_eq!(c % ALIGN, 0, "{len}: {c}");

@@ -50,3 +50,27 @@ pub fn raw_write_read(dir: &Path, bytes: u64, block: usize) -> Result<(f64, f64)
     let _ = std::fs::remove_file(&path);
     res
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_times_both_directions_and_leaves_no_file() {
+        let dir = std::env::temp_dir().join(format!("zrt-probe-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (w, r) = raw_write_read(&dir, 1 << 20, 64 << 10).unwrap();
+        let left = std::fs::read_dir(&dir).unwrap().count();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            w > 0.0 && w.is_finite() && r > 0.0 && r.is_finite(),
+            "{w} {r}"
+        );
+        assert_eq!(left, 0, "the probe's file was left behind");
+        let gone = dir.join("missing");
+        let e = raw_write_read(&gone, 1 << 20, 64 << 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("create") && e.contains("missing"), "{e}");
+    }
+}

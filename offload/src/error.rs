@@ -70,3 +70,24 @@ impl OffloadError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::hint;
+
+    #[test]
+    fn io_errors_get_the_fix_for_their_cause() {
+        let writable = "point `nvme_path` at a writable one";
+        for msg in [
+            "Read-only file system (os error 30)",
+            "Permission denied (os error 13)",
+        ] {
+            assert!(hint(msg).contains(writable), "{msg}");
+        }
+        assert_eq!(
+            hint("No space left on device (os error 28)"),
+            " (the disk is full)"
+        );
+        assert_eq!(hint("Input/output error (os error 5)"), "");
+    }
+}

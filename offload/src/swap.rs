@@ -542,12 +542,73 @@ mod tests {
                 }
             }
             assert_eq!(swap.resident_bytes(), buffers * 3 * 4096);
+            // Each region takes whole chunks of 1024 elements for 3 arrays.
+            let chunks: usize = lens.iter().map(|n| n.div_ceil(1024)).sum();
+            assert_eq!(swap.file_bytes(), (chunks * 3 * 4096) as u64);
+            assert_eq!(
+                std::fs::metadata(swap.path()).unwrap().len(),
+                swap.file_bytes()
+            );
+            assert_eq!(swap.regions(), lens.len());
+            for (r, &n) in lens.iter().enumerate() {
+                assert_eq!(swap.region_len(r), n);
+            }
+            assert_eq!(swap.region_len(lens.len()), 0);
+            let shown = format!("{swap:?}");
+            assert!(
+                shown.starts_with("Swap") && shown.contains("zrt-optim-"),
+                "{shown}"
+            );
             let path = swap.path().to_path_buf();
             assert!(path.exists());
             drop(swap);
             assert!(!path.exists(), "removed on drop");
         }
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_swap_says_whether_it_bypasses_the_page_cache() {
+        let d = dir("direct");
+        // Whether this filesystem takes O_DIRECT at all (tmpfs does not).
+        let probe = d.join("probe");
+        let takes_direct = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&probe)
+            .is_ok();
+        let asked = Swap::create(&cfg(&d, 1), 1, &[10]).unwrap();
+        assert_eq!(asked.direct(), takes_direct);
+        let not_asked = Swap::create(
+            &SwapConfig {
+                direct: false,
+                ..cfg(&d, 1)
+            },
+            1,
+            &[10],
+        )
+        .unwrap();
+        assert!(!not_asked.direct());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_pool_keeps_at_most_its_cap_and_hands_pooled_buffers_out_first() {
+        let pool = pool::Pool::new();
+        let mut bufs = pool.take(3, 1024);
+        assert_eq!(bufs.len(), 3);
+        // Marked, so a pooled buffer tells itself from a new (zeroed) one
+        // even where the allocator hands a freed address out again.
+        for b in &mut bufs {
+            b.as_mut_slice()[0] = 7.0;
+        }
+        pool.put(bufs, 2);
+        // Two were kept: taking three gives those two back and one new one.
+        let again = pool.take(3, 1024);
+        assert_eq!(again.len(), 3);
+        let reused = again.iter().filter(|b| b.as_slice()[0] == 7.0).count();
+        assert_eq!(reused, 2);
     }
 
     #[test]
@@ -606,8 +667,15 @@ mod tests {
         // A stale file of a process that is gone is removed by the next create.
         let stale = d.join("zrt-optim-999999999-r0-1.swap");
         std::fs::write(&stale, b"x").unwrap();
+        // A live process's file, and a file that is not a swap, stay.
+        let live = d.join(format!("zrt-optim-{}-r1-1.swap", std::process::id()));
+        std::fs::write(&live, b"x").unwrap();
+        let other = d.join("zrt-optim-999999999-r0-1.txt");
+        std::fs::write(&other, b"x").unwrap();
         let _swap = Swap::create(&cfg(&d, 1), 1, &[1]).unwrap();
         assert!(!stale.exists());
+        assert!(live.exists(), "a live process's swap file was removed");
+        assert!(other.exists(), "a file that is not a swap was removed");
         let _ = std::fs::remove_dir_all(&d);
     }
 }

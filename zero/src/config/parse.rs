@@ -794,7 +794,17 @@ fn batch(
             return None;
         }
     };
-    if b.train != b.micro * b.gas * world || b.micro == 0 || b.gas == 0 {
+    // The config's own keys are refused at 0 when parsed; a 0 here came
+    // from the program's AutoHints, and the product rule below would
+    // blame train_batch_size for it.
+    if b.micro == 0 || b.gas == 0 {
+        problems.push(format!(
+            "train_micro_batch_size_per_gpu {} and gradient_accumulation_steps {} must both be at least 1: check the values the program passes in AutoHints",
+            b.micro, b.gas
+        ));
+        return None;
+    }
+    if b.train != b.micro * b.gas * world {
         problems.push(format!(
             "train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x world {world} (= {})",
             b.train,

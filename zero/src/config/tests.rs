@@ -242,6 +242,22 @@ fn the_batch_rule_completes_or_names_the_numbers() {
             gas: 1
         }
     );
+    assert_eq!(
+        r(r#"{"train_micro_batch_size_per_gpu": 4}"#, 3)
+            .unwrap()
+            .batch,
+        Batch {
+            train: 12,
+            micro: 4,
+            gas: 1
+        }
+    );
+    // A batch size written as a string other than "auto" is not a number.
+    let e = Config::from_json(r#"{"train_batch_size": "32"}"#).unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["`train_batch_size` must be a number, got \"32\""]
+    );
     let e = r(r#"{"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}"#, 2).unwrap_err();
     assert_eq!(e.problems, ["train_batch_size 24 != train_micro_batch_size_per_gpu 3 x gradient_accumulation_steps 2 x world 2 (= 12)"]);
     let e = r(
@@ -286,6 +302,30 @@ fn auto_values_resolve_as_hugging_face_does_or_say_what_is_missing() {
         Setting::Value(640)
     );
     assert_eq!(r.config.optimizer.lr, Setting::Value(1e-4));
+    // train_batch_size "auto" is the product of the other two and the world.
+    let with_gas = AutoHints {
+        gradient_accumulation_steps: Some(3),
+        ..hints()
+    };
+    assert_eq!(
+        c.resolve(4, &with_gas).unwrap().batch,
+        Batch {
+            train: 24,
+            micro: 2,
+            gas: 3
+        }
+    );
+    // A zero from the program is named as the program's, not blamed on
+    // train_batch_size.
+    let zero_micro = AutoHints {
+        micro_batch: Some(0),
+        ..hints()
+    };
+    let e = c.resolve(2, &zero_micro).unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["train_micro_batch_size_per_gpu 0 and gradient_accumulation_steps 1 must both be at least 1: check the values the program passes in AutoHints"]
+    );
     let e = c.resolve(2, &AutoHints::default()).unwrap_err();
     assert!(e.problems.iter().any(|p| p.starts_with("`zero_optimization.reduce_bucket_size` is \"auto\" but the program gave no hidden size")), "{e}");
     assert!(
@@ -308,6 +348,12 @@ fn hybrid_sizes_must_divide_the_world() {
         e.problems,
         ["`zero_optimization.mics_shard_size` 4 must divide the world size 6"]
     );
+    // A size that divides the world resolves.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 12, "zero_optimization": {"stage": 3, "mics_shard_size": 2}}"#,
+    )
+    .unwrap();
+    assert!(c.resolve(6, &AutoHints::default()).is_ok());
     let c = Config::from_json(
         r#"{"train_batch_size": 8, "zero_optimization": {"mics_shard_size": -1}}"#,
     )

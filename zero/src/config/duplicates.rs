@@ -103,5 +103,10 @@ mod tests {
         assert_eq!(duplicate_keys(text), ["z.x[0].k", "z.stage", "a"]);
         assert!(duplicate_keys(r#"{"a": {"b": 1}, "b": {"b": [1, 1]}}"#).is_empty());
         assert!(duplicate_keys("not json").is_empty());
+        // Array elements are numbered from 0 in the path.
+        assert_eq!(
+            duplicate_keys(r#"{"x": [1, 2, {"k": 1, "k": 2}]}"#),
+            ["x[2].k"]
+        );
     }
 }

@@ -314,5 +314,14 @@ mod tests {
         assert_eq!(closest("stag", ZERO.iter().copied()), Some("stage"));
         assert_eq!(closest("completely_else", ZERO.iter().copied()), None);
         assert_eq!(distance("kitten", "sitting"), 3);
+        assert_eq!(distance("abc", ""), 3);
+        assert_eq!(distance("xab", "ab"), 1);
+        assert_eq!(distance("ab", "a"), 1);
+        // A third of a long key's length may differ: five edits away from
+        // its 27 characters is still a typo of it.
+        assert_eq!(
+            closest("stage3_prefetch_bucket", ZERO.iter().copied()),
+            Some("stage3_prefetch_bucket_size")
+        );
     }
 }

@@ -431,3 +431,196 @@ fn check_reports_parse_and_resolve_problems_together() {
         "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x world 2"
     );
 }
+
+#[test]
+fn numbers_are_whole_where_counts_are_meant_and_strings_are_auto_only() {
+    assert_eq!(Setting::<u64>::Auto.value(), None);
+    assert_eq!(Setting::Value(3u64).value(), Some(3));
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 0, "allgather_bucket_size": 9e15}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.zero.stage, c.zero.allgather_bucket_size),
+        (0, 9_000_000_000_000_000)
+    );
+    for (json, want) in [
+        (
+            r#"{"zero_optimization": {"stage": -1}}"#,
+            "`zero_optimization.stage` must be a whole number >= 0 (5e8 is fine), got -1",
+        ),
+        (
+            r#"{"zero_optimization": {"allgather_bucket_size": 1e16}}"#,
+            "`zero_optimization.allgather_bucket_size` must be a whole number >= 0 (5e8 is fine), got 1e+16",
+        ),
+        (
+            r#"{"zero_optimization": {"reduce_bucket_size": "big"}}"#,
+            "`zero_optimization.reduce_bucket_size` must be a number, got \"big\"",
+        ),
+        (
+            r#"{"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}"#,
+            "`optimizer.params.lr` must be a number, got \"fast\"",
+        ),
+        (
+            r#"{"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}"#,
+            "`optimizer.params.betas` must be [beta1, beta2], got [0.9]",
+        ),
+    ] {
+        let p = problems(&format!("{}, \"train_batch_size\": 8}}", &json[..json.len() - 1]));
+        assert_eq!(p, [want], "{json}");
+    }
+}
+
+#[test]
+fn adam_w_mode_is_deepspeeds_adam_default_and_always_on_for_adamw() {
+    let mode = |json: &str| Config::from_json(json).unwrap().optimizer.adam_w_mode;
+    assert!(mode(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {}}}"#
+    ));
+    assert!(!mode(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}}"#
+    ));
+    assert!(mode(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}}"#
+    ));
+}
+
+#[test]
+fn scheduler_params_are_read_and_checked() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupLR",
+            "params": {"warmup_num_steps": 50, "warmup_max_lr": 0.01, "warmup_type": "linear"}}}"#,
+    )
+    .unwrap();
+    match c.scheduler {
+        Some(SchedulerConfig::WarmupLR {
+            warmup_num_steps,
+            warmup_max_lr,
+            ref warmup_type,
+            ..
+        }) => assert_eq!(
+            (warmup_num_steps, warmup_max_lr, warmup_type.as_str()),
+            (50, 0.01, "linear")
+        ),
+        ref s => panic!("{s:?}"),
+    }
+    for ty in ["WarmupDecayLR", "WarmupCosineLR"] {
+        let with = format!(
+            r#"{{"train_batch_size": 8, "scheduler": {{"type": "{ty}", "params": {{"total_num_steps": 100}}}}}}"#
+        );
+        assert!(Config::from_json(&with).is_ok(), "{ty}");
+        let without = format!(
+            r#"{{"train_batch_size": 8, "scheduler": {{"type": "{ty}", "params": {{}}}}}}"#
+        );
+        assert_eq!(
+            problems(&without),
+            [format!(
+                "`scheduler.params.total_num_steps` is required by {ty}"
+            )]
+        );
+    }
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}"#
+        ),
+        ["`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"cos\""]
+    );
+}
+
+#[test]
+fn precision_offload_and_aio_warn_only_about_what_has_no_effect() {
+    let quiet = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {}}, "bf16": {"enabled": true}, "aio": {"block_size": 4096},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}"#,
+    )
+    .unwrap();
+    assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    assert_eq!(quiet.precision, Precision::Bf16);
+    assert_eq!(
+        quiet.aio,
+        AioConfig {
+            block_size: 4096,
+            ..AioConfig::default()
+        }
+    );
+    let loud = Config::from_json(
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true, "loss_scale": 0}, "aio": {"queue_depth": 16},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_read": false}}}"#,
+    )
+    .unwrap();
+    for want in [
+        "`bf16.loss_scale` has no effect",
+        "`aio.queue_depth` is not honoured",
+        "`zero_optimization.offload_optimizer.device` = \"cpu\"",
+        "`zero_optimization.offload_optimizer.pipeline_read` = false has no effect",
+    ] {
+        assert!(
+            loud.warnings.iter().any(|w| w.starts_with(want)),
+            "{want}: {:?}",
+            loud.warnings
+        );
+    }
+    assert_eq!(loud.aio.queue_depth, 16);
+}
+
+#[test]
+fn deprecated_offload_keys_map_to_their_successors_without_overriding_them() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload": true,
+            "cpu_offload_params": true, "cpu_offload_use_pin_memory": true}}"#,
+    )
+    .unwrap();
+    for o in [&c.zero.offload_optimizer, &c.zero.offload_param] {
+        let o = o.as_ref().unwrap();
+        assert_eq!((o.device, o.pin_memory), (OffloadDevice::Cpu, true));
+    }
+    // An explicit successor wins over the deprecated switch.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload": true, "cpu_offload_param": true,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_param": {"device": "none"}}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.zero.offload_optimizer.as_ref().map(|o| o.device),
+        Some(OffloadDevice::Nvme)
+    );
+    assert_eq!(
+        c.zero.offload_param.as_ref().map(|o| o.device),
+        Some(OffloadDevice::None)
+    );
+    // Switched off, they add nothing.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload": false, "cpu_offload_params": false}}"#,
+    )
+    .unwrap();
+    assert!(c.zero.offload_optimizer.is_none() && c.zero.offload_param.is_none());
+}
+
+#[test]
+fn overlap_comm_defaults_on_at_stage_3_only() {
+    let overlap = |stage: u8| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}}}}}"#
+        ))
+        .unwrap()
+        .zero
+        .overlap_comm
+    };
+    assert!(overlap(3));
+    assert!(!overlap(2));
+}
+
+#[test]
+fn check_fails_on_parse_problems_even_when_resolving_succeeds() {
+    let e = Config::check(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 7}}"#,
+        2,
+        &AutoHints::default(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["`zero_optimization.stage` must be 0, 1, 2 or 3, got 7"]
+    );
+    assert!(Config::check(r#"{"train_batch_size": 8}"#, 2, &AutoHints::default()).is_ok());
+}

@@ -86,7 +86,7 @@ pub enum SchedulerConfig {
         /// Step at which the rate reaches 0.
         total_num_steps: u64,
     },
-    /// Linear warm-up from `warmup_min_ratio` x lr, then cosine to `cos_min_ratio` x lr.
+    /// Warm-up from `warmup_min_ratio` x lr to lr, then cosine to `cos_min_ratio` x lr.
     WarmupCosineLR {
         /// Steps in all.
         total_num_steps: u64,
@@ -96,6 +96,8 @@ pub enum SchedulerConfig {
         warmup_num_steps: u64,
         /// The cosine ends at this fraction of lr.
         cos_min_ratio: f64,
+        /// `log` (DeepSpeed's default) or `linear`.
+        warmup_type: String,
     },
 }
 

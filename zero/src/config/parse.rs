@@ -407,6 +407,7 @@ impl P {
                     warmup_min_ratio: self.f64_or(p, path, "warmup_min_ratio", 0.0),
                     warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
                     cos_min_ratio: self.f64_or(p, path, "cos_min_ratio", 1e-4),
+                    warmup_type: warmup_type(),
                 }
             }
             other => {
@@ -416,12 +417,28 @@ impl P {
                 return None;
             }
         };
-        if let SchedulerConfig::WarmupLR { warmup_type, .. }
-        | SchedulerConfig::WarmupDecayLR { warmup_type, .. } = &s
-        {
-            if warmup_type != "log" && warmup_type != "linear" {
-                self.problems.push(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"{warmup_type}\""));
-            }
+        let (SchedulerConfig::WarmupLR {
+            warmup_type,
+            warmup_num_steps,
+            ..
+        }
+        | SchedulerConfig::WarmupDecayLR {
+            warmup_type,
+            warmup_num_steps,
+            ..
+        }
+        | SchedulerConfig::WarmupCosineLR {
+            warmup_type,
+            warmup_num_steps,
+            ..
+        }) = &s;
+        // DeepSpeed falls back to "log" with a warning; a typo here would
+        // change the schedule without a word, so it is refused instead.
+        if warmup_type != "log" && warmup_type != "linear" {
+            self.problems.push(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"{warmup_type}\""));
+        }
+        if *warmup_num_steps == 0 {
+            self.problems.push(format!("`scheduler.params.warmup_num_steps` must be at least 1 for {ty} (DeepSpeed refuses 0 too)"));
         }
         Some(s)
     }

@@ -519,11 +519,27 @@ fn scheduler_params_are_read_and_checked() {
             )]
         );
     }
-    assert_eq!(
-        problems(
-            r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}"#
-        ),
-        ["`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"cos\""]
+    for ty in ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] {
+        let p = problems(&format!(
+            r#"{{"train_batch_size": 8, "scheduler": {{"type": "{ty}", "params": {{"total_num_steps": 9, "warmup_type": "cos", "warmup_num_steps": 0}}}}}}"#
+        ));
+        assert_eq!(
+            p,
+            [
+                "`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"cos\"".to_string(),
+                format!("`scheduler.params.warmup_num_steps` must be at least 1 for {ty} (DeepSpeed refuses 0 too)")
+            ]
+        );
+    }
+    // WarmupCosineLR warms up by log unless told otherwise, as in DeepSpeed.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9}}}"#,
+    )
+    .unwrap();
+    assert!(
+        matches!(c.scheduler, Some(SchedulerConfig::WarmupCosineLR { ref warmup_type, .. }) if warmup_type == "log"),
+        "{:?}",
+        c.scheduler
     );
 }
 

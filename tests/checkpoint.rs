@@ -644,7 +644,35 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
-        o.status.success() && text.contains("ZeRO stage 2"),
+        o.status.success() && text.contains("ZeRO stage 2") && !text.contains("damaged"),
+        "{text}"
+    );
+    // A rank file that lost its tail, and what an interrupted save left
+    // (a staging directory; a plain file of that name is not one), are named.
+    let rank_file = dir.join("a").join("rank-00001-of-00002.safetensors");
+    let len = std::fs::metadata(&rank_file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&rank_file)
+        .unwrap()
+        .set_len(len - 8)
+        .unwrap();
+    std::fs::create_dir_all(dir.join(".b.partial")).unwrap();
+    std::fs::write(dir.join(".c.partial"), b"not a directory").unwrap();
+    std::fs::create_dir_all(dir.join("d.partial")).unwrap();
+    std::fs::create_dir_all(dir.join(".e")).unwrap();
+    let o = std::process::Command::new(zrt)
+        .args(["ckpt", "inspect"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("1 damaged or missing file(s): this tag cannot be loaded"),
+        "{text}"
+    );
+    assert!(
+        text.contains(": .b.partial (nothing loads them; delete them to free the space)"),
         "{text}"
     );
     std::fs::write(dir.join("a").join("meta.json"), "{}").unwrap();

@@ -841,6 +841,35 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
 }
 
 #[test]
+fn forward_t_gathers_and_trains_like_forward() {
+    // At stage 3 a unit is freed between uses: forward_t must gather it
+    // first and re-gather it for backward, as forward does.
+    let run = |use_t: bool| {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(3, 1), &r);
+            for k in 0..2 {
+                let x = input(r.rank(), k);
+                let h = match use_t {
+                    true => t.a.forward_t(&x, true),
+                    false => t.a.forward(&x),
+                };
+                e.backward(&t.loss_after_a(&h)).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        })
+    };
+    let (with_t, plain) = (run(true), run(false));
+    assert_eq!(with_t, plain);
+    // ...and the steps moved the weights.
+    let t = tiny();
+    let start = t.vs.variables()["a.weight"].flatten(0, -1);
+    let start = Vec::<f32>::try_from(&start).unwrap();
+    let moved = &with_t[0].iter().find(|(n, _)| n == "a.weight").unwrap().1;
+    assert_ne!(moved, &start);
+}
+
+#[test]
 fn the_learning_rate_reported_follows_the_warm_up_from_before_the_first_step() {
     let cfg = Config::from_json(
         r#"{"train_micro_batch_size_per_gpu": 1,

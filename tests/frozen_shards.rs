@@ -344,6 +344,24 @@ fn checkpoint_round_trip(extra: &str, base_kind: Kind) {
             zrt::zero::checkpoint::ExportDtype::F32,
         )
         .unwrap();
+        // Exported in bf16, an fp32 base is cast and a bf16 one kept.
+        let in_bf16 = dir.join("consolidated-bf16.safetensors");
+        zrt::zero::checkpoint::consolidate(
+            &dir,
+            Some(&tag),
+            &in_bf16,
+            zrt::zero::checkpoint::ExportDtype::Bf16,
+        )
+        .unwrap();
+        let file: HashMap<String, Tensor> = Tensor::read_safetensors(&in_bf16)
+            .unwrap()
+            .into_iter()
+            .collect();
+        for (n, v) in &want {
+            assert_eq!(file[n].kind(), Kind::BFloat16, "stage {from}: {n}");
+            let cast = values(&Tensor::from_slice(v).to_kind(Kind::BFloat16));
+            assert_eq!(values(&file[n]), cast, "stage {from}: bf16 export of {n}");
+        }
         for f in [&export, &consolidated] {
             let file: HashMap<String, Tensor> =
                 Tensor::read_safetensors(f).unwrap().into_iter().collect();

@@ -144,3 +144,24 @@ pub(crate) fn check_prefixes(prefixes: &[String]) -> Result<(), EngineError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::check_prefixes;
+
+    #[test]
+    fn units_that_overlap_are_refused_by_name() {
+        let check =
+            |v: &[&str]| check_prefixes(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        // Siblings, even where one name begins with another's ("h.1", "h.10").
+        assert!(check(&["h.0", "h.1", "h.10", "lm_head"]).is_ok());
+        for (v, a, b) in [
+            (["h.0", "h.0.mlp"], "h.0", "h.0.mlp"),
+            (["h.0.mlp", "h.0"], "h.0.mlp", "h.0"),
+            (["h.1", "h.1"], "h.1", "h.1"),
+        ] {
+            let e = check(&v).unwrap_err().to_string();
+            assert!(e.contains(&format!("units `{a}` and `{b}` overlap")), "{e}");
+        }
+    }
+}

@@ -637,11 +637,14 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
         "python sum {got}, ours {want}"
     );
     // inspect: text and a clear failure on a damaged file.
-    let o = std::process::Command::new(zrt)
-        .args(["ckpt", "inspect"])
-        .arg(&dir)
-        .output()
-        .unwrap();
+    let inspect = || {
+        std::process::Command::new(zrt)
+            .args(["ckpt", "inspect"])
+            .arg(&dir)
+            .output()
+            .unwrap()
+    };
+    let o = inspect();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success() && text.contains("ZeRO stage 2") && !text.contains("damaged"),
@@ -661,11 +664,7 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
     std::fs::write(dir.join(".c.partial"), b"not a directory").unwrap();
     std::fs::create_dir_all(dir.join("d.partial")).unwrap();
     std::fs::create_dir_all(dir.join(".e")).unwrap();
-    let o = std::process::Command::new(zrt)
-        .args(["ckpt", "inspect"])
-        .arg(&dir)
-        .output()
-        .unwrap();
+    let o = inspect();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         text.contains("1 damaged or missing file(s): this tag cannot be loaded"),
@@ -676,11 +675,7 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
         "{text}"
     );
     std::fs::write(dir.join("a").join("meta.json"), "{}").unwrap();
-    let o = std::process::Command::new(zrt)
-        .args(["ckpt", "inspect"])
-        .arg(&dir)
-        .output()
-        .unwrap();
+    let o = inspect();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && err.contains("meta.json is not a readable zrt checkpoint file"),

@@ -376,6 +376,40 @@ fn a_missing_rank_file_fails_every_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn a_load_that_fails_in_a_later_unit_changes_nothing() {
+    let _serial = serial();
+    let dir = tmp("late-damage");
+    let two = Batches::Two { gas: 1 };
+    run(&Phase::new(3, two, 0..1).save(&dir, "a"));
+    // Rank 1's file of a one-block model is a valid rank-1 file whose
+    // first units match the two-block model's: only block h.1 is missing.
+    let one_block = GptConfig { layers: 1, ..GPT };
+    try_run(&Phase::new(3, two, 0..1).save(&dir, "b"), &one_block)
+        .into_iter()
+        .for_each(|r| drop(r.unwrap()));
+    std::fs::copy(rank_file(&dir, "b", 1), rank_file(&dir, "a", 1)).unwrap();
+    // One rank reads both files: every unit is checked before the first
+    // is installed, so the engine keeps its own parameters.
+    let (vs, plan, _) = model();
+    let engine = solo_engine(&vs, &plan, &config_zero(3, 2, 0.5, "", "")).unwrap();
+    let before = engine.gathered_params().unwrap();
+    let e = engine
+        .load_checkpoint(&dir, Some("a"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank-00001-of-00002") && e.contains("no tensor `h.1"),
+        "{e}"
+    );
+    assert_bits(
+        "after a failed load",
+        &engine.gathered_params().unwrap(),
+        &before,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Mounts a tmpfs of `size` at a fresh directory (this needs root, which
 /// this project's machines and CI have); unmounted on drop.
 struct Tmpfs(PathBuf);

@@ -141,3 +141,80 @@ fn no_latest(dir: &std::path::Path, exists: bool, tags: &[String]) -> String {
     };
     format!("{dir} has no `latest` file naming the tag to load (a completed save writes it): pass the tag; {found}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(msg: &str) -> String {
+        CheckpointError::Io {
+            op: "write",
+            path: "/ck/t/x".into(),
+            msg: msg.into(),
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn io_errors_say_what_to_do_for_a_full_disk_or_a_read_only_directory() {
+        let full =
+            " (the disk is full: free space or save elsewhere; the previous checkpoint is intact)";
+        let ro = " (the directory is not writable: save elsewhere)";
+        for (msg, hint) in [
+            ("No space left on device (os error 28)", full),
+            ("File too large (os error 27)", full),
+            ("Read-only file system (os error 30)", ro),
+            ("Permission denied (os error 13)", ro),
+            ("Input/output error (os error 5)", ""),
+        ] {
+            assert_eq!(io(msg), format!("cannot write /ck/t/x: {msg}{hint}"));
+        }
+    }
+
+    #[test]
+    fn a_model_mismatch_lists_eight_names_of_each_kind_and_counts_the_rest() {
+        let names = |p: &str, n: usize| (0..n).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+        let e = CheckpointError::ModelMismatch {
+            missing: names("m", 10),
+            unexpected: vec![],
+            misshaped: names("s", 8),
+        }
+        .to_string();
+        assert_eq!(
+            e,
+            "the checkpoint is of another model: missing 10: m0, m1, m2, m3, m4, m5, m6, m7 and 2 more; mis-shaped 8: s0, s1, s2, s3, s4, s5, s6, s7; load it into the model it was saved from (same parameter names and shapes)"
+        );
+        let e = CheckpointError::ModelMismatch {
+            missing: vec![],
+            unexpected: names("u", 9),
+            misshaped: vec![],
+        }
+        .to_string();
+        assert!(
+            e.contains(": unexpected 9: u0, u1, u2, u3, u4, u5, u6, u7 and 1 more; load"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn no_latest_says_whether_the_directory_exists_and_which_tags_it_holds() {
+        let e = |exists, tags: &[&str]| {
+            CheckpointError::NoLatest {
+                dir: "/ck".into(),
+                exists,
+                tags: tags.iter().map(|t| t.to_string()).collect(),
+            }
+            .to_string()
+        };
+        assert_eq!(
+            e(false, &[]),
+            "checkpoint directory /ck does not exist: pass the directory save_checkpoint wrote to"
+        );
+        let head = "/ck has no `latest` file naming the tag to load (a completed save writes it): pass the tag; ";
+        assert_eq!(
+            e(true, &[]),
+            format!("{head}it holds no checkpoint tag (a subdirectory with a meta.json)")
+        );
+        assert_eq!(e(true, &["a", "b"]), format!("{head}tags there: a, b"));
+    }
+}

@@ -313,3 +313,180 @@ impl Locator {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::files::{f32_bytes, json_with_crc, Planned, TensorWriter};
+    use safetensors::Dtype;
+
+    /// A fresh empty directory for one test.
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("zrt-meta-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Two ranks, one unit `u` of 8 elements: `a` (5) then `b` (3).
+    fn meta() -> Meta {
+        let slot = |name: &str, offset, numel| SlotMeta {
+            name: name.into(),
+            shape: vec![numel as i64],
+            offset,
+            numel,
+        };
+        Meta {
+            format: FORMAT.into(),
+            zrt_version: "test".into(),
+            tag: "t".into(),
+            world: 2,
+            mesh: (1, 2),
+            stage: 3,
+            compute: "fp32".into(),
+            global_step: 1,
+            micro_steps: 1,
+            boundary_at: 1,
+            skipped_steps: 0,
+            lr: 0.1,
+            loss_scaler: None,
+            grads_saved: false,
+            units: vec![UnitMeta {
+                name: "u".into(),
+                padded: 8,
+                shard_len: 4,
+                slots: vec![slot("a", 0, 5), slot("b", 5, 3)],
+            }],
+            files: vec![rank_file_name(0, 2), rank_file_name(1, 2)],
+            frozen: None,
+            config: serde_json::Value::Null,
+            client_state: serde_json::Value::Null,
+        }
+    }
+
+    fn write_meta(dir: &Path, m: &Meta) {
+        let body = serde_json::to_string(m).unwrap();
+        std::fs::write(dir.join("meta.json"), json_with_crc(&body)).unwrap();
+    }
+
+    /// Rank `rank`'s file, saying in its header it is rank `says.0` of
+    /// `says.1`, holding `u/master` (element i of the flat buffer is i)
+    /// and, for `m`, only `len` elements.
+    fn write_rank(dir: &Path, rank: usize, says: (usize, usize), m_len: usize) {
+        let master: Vec<f32> = (0..4).map(|i| (rank * 4 + i) as f32).collect();
+        let m = vec![0.5f32; m_len];
+        let plan = [
+            Planned::new("u/master", Dtype::F32, &[4]),
+            Planned::new("u/m", Dtype::F32, &[m_len as i64]),
+        ];
+        let header = HashMap::from([
+            ("rank".to_string(), says.0.to_string()),
+            ("world".to_string(), says.1.to_string()),
+        ]);
+        let mut w =
+            TensorWriter::create(&dir.join(rank_file_name(rank, 2)), &plan, header).unwrap();
+        w.write("u/master", f32_bytes(&master)).unwrap();
+        w.write("u/m", f32_bytes(&m)).unwrap();
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn meta_json_must_agree_with_its_world_size_on_both_counts() {
+        let d = dir("world");
+        write_meta(&d, &meta());
+        assert_eq!(Meta::read(&d).unwrap(), meta());
+        // Each disagreement on its own is refused.
+        let mut one_file = meta();
+        one_file.files.pop();
+        let mut odd_shards = meta();
+        odd_shards.units[0].padded = 10;
+        for bad in [one_file, odd_shards] {
+            write_meta(&d, &bad);
+            let e = Meta::read(&d).unwrap_err().to_string();
+            assert!(
+                e.contains("files or shard sizes do not match its world size"),
+                "{e}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn latest_that_cannot_be_read_is_an_io_error_not_a_missing_tag() {
+        let d = dir("latest");
+        // Only subdirectories holding a meta.json count as tags, sorted.
+        for (t, meta) in [("b", true), ("a", true), ("partial", false)] {
+            std::fs::create_dir(d.join(t)).unwrap();
+            if meta {
+                std::fs::write(d.join(t).join("meta.json"), "{}").unwrap();
+            }
+        }
+        match resolve_tag(&d, None) {
+            Err(CheckpointError::NoLatest { exists, tags, .. }) => {
+                assert!(exists);
+                assert_eq!(tags, ["a", "b"]);
+            }
+            r => panic!("{r:?}"),
+        }
+        std::fs::create_dir(d.join("latest")).unwrap();
+        let e = resolve_tag(&d, None).unwrap_err();
+        assert!(matches!(e, CheckpointError::Io { op: "read", .. }), "{e}");
+        std::fs::remove_dir(d.join("latest")).unwrap();
+        std::fs::write(d.join("latest"), "step7\n").unwrap();
+        assert_eq!(
+            resolve_tag(&d, None).unwrap(),
+            ("step7".into(), d.join("step7"))
+        );
+        assert_eq!(
+            resolve_tag(&d, Some("x")).unwrap(),
+            ("x".into(), d.join("x"))
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn reads_span_rank_files_and_a_file_of_another_rank_or_world_is_refused() {
+        let d = dir("locate");
+        let m = meta();
+        write_rank(&d, 0, (0, 2), 4);
+        write_rank(&d, 1, (1, 2), 4);
+        let mut loc = Locator::new(&m, &d);
+        // `a` is elements 0..5: four in rank 0's file, one in rank 1's.
+        let mut a = [0f32; 4];
+        loc.read_param("a", "master", 1..5, &mut a).unwrap();
+        assert_eq!(a, [1., 2., 3., 4.]);
+        let mut b = [0f32; 3];
+        loc.read_param("b", "master", 0..3, &mut b).unwrap();
+        assert_eq!(b, [5., 6., 7.]);
+        loc.check_param("b", "m", 0..3).unwrap();
+        // Rank 1's `m` is one element short: the check finds it without a
+        // destination to read into.
+        write_rank(&d, 1, (1, 2), 3);
+        let mut loc = Locator::new(&m, &d);
+        loc.check_param("a", "m", 0..4).unwrap();
+        let e = loc.check_param("b", "m", 0..3).unwrap_err().to_string();
+        assert!(
+            e.contains("rank-00001-of-00002")
+                && e.contains("tensor `u/m` is not an f32 tensor covering 1..4"),
+            "{e}"
+        );
+        // A file whose header names another rank, or another world, is not
+        // read even though its checksum is valid.
+        for says in [(0, 2), (1, 3)] {
+            write_rank(&d, 1, says, 4);
+            let mut loc = Locator::new(&m, &d);
+            let e = loc
+                .check_param("b", "master", 0..3)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "it holds rank {} of {}, expected rank 1 of 2",
+                    says.0, says.1
+                )),
+                "{e}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

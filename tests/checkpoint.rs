@@ -543,26 +543,30 @@ fn consolidated_weights_load_in_tch_with_the_original_names() {
 fn the_16bit_model_holds_the_compute_weights() {
     let _serial = serial();
     let dir = tmp("16bit");
-    let cfg: Config = config_with(3, 1, 0.0, r#""bf16": {"enabled": true},"#);
-    let out = dir.join("model16.safetensors");
-    let got: Vec<Params> = on_ranks(2, |r| {
-        let (vs, plan, gpt) = model();
-        let g = r.new_group(&[0, 1]).unwrap();
-        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
-        engine
-            .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
-            .unwrap();
-        engine.step().unwrap();
-        engine.save_16bit_model(&out).unwrap();
-        engine.gathered_params().unwrap()
-    });
-    let saved = Tensor::read_safetensors(&out).unwrap();
-    assert_eq!(saved.len(), got[0].len());
-    for (name, t) in saved {
-        assert_eq!(t.kind(), Kind::BFloat16, "{name}");
-        let master = &got[0].iter().find(|p| p.0 == name).unwrap().1;
-        let want = Tensor::from_slice(master).to_kind(Kind::BFloat16);
-        assert!(t.flatten(0, -1).equal(&want), "{name}");
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    for (extra, kind) in [(bf16, Kind::BFloat16), (fp16, Kind::Half)] {
+        let cfg: Config = config_with(3, 1, 0.0, extra);
+        let out = dir.join("model16.safetensors");
+        let got: Vec<Params> = on_ranks(2, |r| {
+            let (vs, plan, gpt) = model();
+            let g = r.new_group(&[0, 1]).unwrap();
+            let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            engine
+                .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
+                .unwrap();
+            engine.step().unwrap();
+            engine.save_16bit_model(&out).unwrap();
+            engine.gathered_params().unwrap()
+        });
+        let saved = Tensor::read_safetensors(&out).unwrap();
+        assert_eq!(saved.len(), got[0].len());
+        for (name, t) in saved {
+            assert_eq!(t.kind(), kind, "{name}");
+            let master = &got[0].iter().find(|p| p.0 == name).unwrap().1;
+            let want = Tensor::from_slice(master).to_kind(kind);
+            assert!(t.flatten(0, -1).equal(&want), "{kind:?} {name}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

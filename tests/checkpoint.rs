@@ -463,6 +463,18 @@ fn a_full_disk_or_read_only_directory_fails_every_rank_and_keeps_the_previous_ch
         "a"
     );
     assert!(!fs.0.join("b").exists() && !fs.0.join(".b.partial").exists());
+    // A rank alone removes its staging directory as well.
+    let alone = try_run(
+        &Phase::new(0, Batches::OneOfTwo, 0..2).save(&fs.0, "b1"),
+        &GPT,
+    );
+    let text = alone[0]
+        .as_ref()
+        .err()
+        .expect("the disk is full")
+        .to_string();
+    assert!(text.contains("No space left"), "{text}");
+    assert!(!fs.0.join(".b1.partial").exists());
     let back = run(&Phase::new(0, two, 1..1).load(&fs.0, None));
     assert_bits("after a failed save", &back.params, &first.params);
     fs.remount("ro");
@@ -949,16 +961,40 @@ fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
                 .unwrap();
             engine.step().unwrap();
         }
-        engine.save_checkpoint(&dir, "h").unwrap();
+        // Each rank offers its own client state: world rank 0's is kept.
+        let client = serde_json::json!({ "rank": r.rank() });
+        engine.save_checkpoint_with(&dir, "h", &client).unwrap();
         engine.gathered_params().unwrap()
     });
     let text = zrt::zero::checkpoint::inspect(&dir, None).unwrap();
     assert!(text.contains("world 2 (mesh 2 x 2)"), "{text}");
+    assert!(text.contains(r#"client state {"rank":0}"#), "{text}");
     let loaded = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..0).load(&dir, None));
     let mut want = saved[0].clone();
     want.sort_by(|a, b| a.0.cmp(&b.0));
     assert_bits("hybrid -> plain", &loaded.params, &want);
+    // The second shard group's ranks load from a directory whose tag is
+    // gone: the first group's ranks, which could load, fail too, naming
+    // the failed ranks by their world rank.
+    let gone = tmp("hybrid-gone");
+    std::fs::write(gone.join("latest"), "h\n").unwrap();
+    let errs = on_ranks(4, |r| {
+        let (vs, plan, _) = model();
+        let engine =
+            Engine::new_hybrid(&vs, &plan, &cfg, r.mesh(2).unwrap(), &AutoHints::default())
+                .unwrap();
+        let from = if r.rank() < 2 { &dir } else { &gone };
+        engine.load_checkpoint(from, None).unwrap_err().to_string()
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let want = match rank {
+            0 | 1 => "rank(s) [2, 3] failed to load".to_string(),
+            _ => format!("{} is missing", gone.join("h").join("meta.json").display()),
+        };
+        assert!(e.contains(&want), "rank {rank}: {e}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&gone);
 }
 
 /// Which half of the RNG test `rng_rank_main` runs when re-executed by

@@ -1191,7 +1191,38 @@ fn frozen_variables_are_saved_restored_and_exported() {
             && e.contains("stat: checkpoint F32 [3], model Float [4]"),
         "{e}"
     );
+    drop(engine);
+
+    // A checkpoint written before zrt saved frozen variables loads the
+    // trained parameters and leaves the frozen ones as they are, saying so.
+    strip_frozen(&dir.join("t").join("meta.json"));
+    let fresh = frozen_model(3);
+    let engine = solo_engine(&fresh.vs, &fresh.plan, &cfg).unwrap();
+    tch::no_grad(|| drop(fresh.emb.shallow_clone().fill_(0.0)));
+    let (loaded, logs) = common::with_logs(|| engine.load_checkpoint(&dir, None));
+    loaded.unwrap();
+    assert!(
+        logs.contains("the checkpoint was written before zrt saved frozen variables"),
+        "{logs}"
+    );
+    assert_eq!(
+        (values(&fresh.emb), values(&fresh.stat)),
+        (vec![0.0; 20], vec![0.0; 3])
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rewrites a checkpoint's `meta.json` as zrt wrote it before it saved
+/// frozen variables (no `frozen` field), checksum and all.
+fn strip_frozen(meta: &Path) {
+    let text = std::fs::read_to_string(meta).unwrap();
+    let mut file: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut body = file["body"].take();
+    assert!(body.as_object_mut().unwrap().remove("frozen").is_some());
+    let body = body.to_string();
+    let crc = crc32fast::hash(body.as_bytes());
+    let text = format!("{{\"crc32\":\"{crc:08x}\",\"body\":{body}}}\n");
+    std::fs::write(meta, text).unwrap();
 }
 
 #[test]

@@ -1158,6 +1158,7 @@ fn frozen_variables_are_saved_restored_and_exported() {
         (values(&m.emb), values(&m.stat)),
         (emb.clone(), stat.clone())
     );
+    let trained = engine.gathered_params().unwrap();
 
     // Both model files hold them, under their names.
     let consolidated = dir.join("consolidated.safetensors");
@@ -1214,6 +1215,7 @@ fn frozen_variables_are_saved_restored_and_exported() {
         (values(&fresh.emb), values(&fresh.stat)),
         (vec![0.0; 20], vec![0.0; 3])
     );
+    assert_eq!(engine.gathered_params().unwrap(), trained);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

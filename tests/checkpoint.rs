@@ -242,6 +242,11 @@ fn a_checkpoint_loads_on_another_world_size_and_stage() {
             assert!((mean - b).abs() <= 1e-5 * b.abs(), "loss {mean} vs {b}");
         }
     }
+    // And from one rank to two: rank 1 has no file of its own (it reads
+    // its shards from rank 0's and keeps its own RNG stream).
+    run(&Phase::new(3, Batches::OneOfTwo, 0..4).save(&dir, "s3w1"));
+    let r = run(&Phase::new(3, two, 2..4).load(&dir, Some("s3w1")));
+    assert_close("world 1 -> 2", &r.params, &straight.params, 1e-4);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -165,6 +165,14 @@ fn resident_optimizer_memory_stays_at_the_buffers_while_the_state_is_larger() {
         "moved {moved}, offloaded {}",
         swapped.offloaded
     );
+    // And it is all three arrays of this rank's half: 12 bytes a
+    // parameter, not m and v alone (8), which would leave the fp32 master
+    // in memory.
+    let params: usize = plain.params.iter().map(|p| p.1.len()).sum();
+    assert!(
+        moved >= 12 * params / 2,
+        "moved {moved} bytes for {params} parameters over 2 ranks"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

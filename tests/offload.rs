@@ -89,7 +89,8 @@ fn nvme_offload_is_bit_identical_to_training_in_memory() {
 #[test]
 fn stage_3_parameter_offload_is_bit_identical_and_moves_the_shards_out() {
     let bf16 = r#""bf16": {"enabled": true},"#;
-    for precision in ["", bf16] {
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    for precision in ["", bf16, fp16] {
         let dir = tmp(&format!("params-{}", precision.len()));
         let (aio, off) = nvme(&dir);
         let params = nvme_params(&dir);

@@ -344,6 +344,15 @@ impl ParamSwap {
         }
     }
 
+    /// Writes unit `k`'s source shard, first dropping a read-ahead of it,
+    /// which holds the values being replaced: a later page-in would take
+    /// them from there.
+    fn write(&self, k: usize, words: &[f32]) -> Result<(), EngineError> {
+        self.cancel_ahead(k);
+        self.swap.write_region(k, &[words])?;
+        Ok(())
+    }
+
     /// Drops a read-ahead of unit `k` (before a write makes it stale).
     fn cancel_ahead(&self, k: usize) {
         let mut ahead = self.ahead.lock();
@@ -469,13 +478,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             return Ok(());
         };
         if write {
-            ps.cancel_ahead(k);
             let words = match &sh.copy {
                 CopyShard::Bf16(v) => recast::<_, f32>(v),
                 CopyShard::F16(v) => recast::<_, f32>(v),
                 CopyShard::None => std::mem::take(&mut sh.master),
             };
-            ps.swap.write_region(k, &[&words])?;
+            ps.write(k, &words)?;
         }
         match &mut sh.copy {
             CopyShard::Bf16(v) => *v = Vec::new(),
@@ -494,26 +502,34 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
-    /// Bytes of memory the parameter swap's buffers hold, and a frozen
-    /// shard its read-ahead brought that no gather has used yet.
+    /// Bytes of memory the parameter swap holds ([`ParamSwap::resident_bytes`]).
     pub(super) fn pswap_resident(&self) -> usize {
-        self.pswap.as_ref().map_or(0, |p| {
-            let ready = p
-                .ready_frozen
-                .lock()
-                .as_ref()
-                .map_or(0, |(_, _, w)| 4 * w.len());
-            p.swap.resident_bytes()
-                + p.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
-                + ready
-        })
+        self.pswap.as_ref().map_or(0, ParamSwap::resident_bytes)
     }
 
-    /// Bytes of the parameter swap file.
+    /// Bytes of the parameter swap files ([`ParamSwap::file_bytes`]).
     pub(super) fn pswap_bytes(&self) -> u64 {
-        self.pswap.as_ref().map_or(0, |p| {
-            p.swap.file_bytes() + p.frozen.as_ref().map_or(0, |f| f.swap.file_bytes())
-        })
+        self.pswap.as_ref().map_or(0, ParamSwap::file_bytes)
+    }
+}
+
+impl ParamSwap {
+    /// Bytes of memory the swaps' buffers hold, and a frozen shard the
+    /// read-ahead brought that no gather has used yet.
+    fn resident_bytes(&self) -> usize {
+        let ready = self
+            .ready_frozen
+            .lock()
+            .as_ref()
+            .map_or(0, |(_, _, w)| 4 * w.len());
+        self.swap.resident_bytes()
+            + self.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
+            + ready
+    }
+
+    /// Bytes of the swap files (trainable sources and frozen shards).
+    fn file_bytes(&self) -> u64 {
+        self.swap.file_bytes() + self.frozen.as_ref().map_or(0, |f| f.swap.file_bytes())
     }
 }
 
@@ -584,6 +600,55 @@ mod tests {
         ps.read_ahead(1, ReadAhead::Gather(Some(0)));
         assert_eq!(ps.words(0).unwrap(), vec![0.0; 8]);
         assert_eq!(ps.frozen_ahead(2), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_write_drops_the_read_ahead_of_its_unit_only() {
+        let dir = std::env::temp_dir().join(format!("zrt-pswap-write-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ps = three_units(&dir);
+        // Unit 1 is read ahead (old values), then written: the next
+        // page-in of unit 1 must see the new values.
+        ps.read_ahead(0, ReadAhead::Update);
+        // Finished before the write, so a kept read-ahead would be stale.
+        while !ps
+            .ahead
+            .lock()
+            .as_ref()
+            .is_some_and(|(_, h)| h.is_finished())
+        {
+            std::thread::yield_now();
+        }
+        ps.write(1, &[5.0; 8]).unwrap();
+        assert_eq!(ps.words(1).unwrap(), vec![5.0; 8]);
+        // A write of another unit leaves the read-ahead to be used.
+        ps.read_ahead(1, ReadAhead::Update);
+        ps.write(0, &[6.0; 8]).unwrap();
+        assert!(ps.ahead.lock().as_ref().is_some_and(|(j, _)| *j == 2));
+        assert_eq!(ps.words(2).unwrap(), vec![20.0; 8]);
+        assert_eq!(ps.words(0).unwrap(), vec![6.0; 8]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_counts_hold_both_swaps_and_an_unused_frozen_read_ahead() {
+        let dir = std::env::temp_dir().join(format!("zrt-pswap-count-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ps = three_units(&dir);
+        let frozen = &ps.frozen.as_ref().unwrap().swap;
+        let buffers = ps.swap.resident_bytes() + frozen.resident_bytes();
+        assert!(ps.swap.resident_bytes() > 0 && frozen.resident_bytes() > 0);
+        assert_eq!(ps.resident_bytes(), buffers);
+        assert_eq!(ps.file_bytes(), ps.swap.file_bytes() + frozen.file_bytes());
+        assert!(ps.swap.file_bytes() > 0 && frozen.file_bytes() > 0);
+        // Unit 1's frozen shard (8 words) is read ahead and held until its
+        // gather takes it.
+        ps.read_ahead(0, ReadAhead::Gather(Some(1)));
+        ps.words(1).unwrap();
+        assert_eq!(ps.resident_bytes(), buffers + 8 * 4);
+        assert!(ps.frozen_ahead(1).is_some());
+        assert_eq!(ps.resident_bytes(), buffers);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

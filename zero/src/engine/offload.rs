@@ -570,6 +570,27 @@ mod tests {
         }
     }
 
+    /// Waits until a read-ahead of unit `k` has finished reading; fails
+    /// (instead of spinning forever) when none of `k` was started.
+    fn wait_for_read_ahead(ps: &ParamSwap, k: usize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match ps.ahead.lock().as_ref() {
+                Some((j, h)) if *j == k => {
+                    if h.is_finished() {
+                        return;
+                    }
+                }
+                other => panic!("no read-ahead of unit {k}: {:?}", other.map(|a| a.0)),
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "read-ahead of {k} never finished"
+            );
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn a_frozen_shard_read_ahead_is_used_unless_written_since() {
         let dir = std::env::temp_dir().join(format!("zrt-pswap-ahead-{}", std::process::id()));
@@ -583,15 +604,7 @@ mod tests {
         // Unit 1 in: unit 2 is read ahead; then a load rewrites unit 2's
         // frozen shard. The read-ahead is stale and must not be used.
         ps.read_ahead(1, ReadAhead::Gather(Some(2)));
-        let read = || {
-            ps.ahead
-                .lock()
-                .as_ref()
-                .is_some_and(|(_, h)| h.is_finished())
-        };
-        while !read() {
-            std::thread::yield_now();
-        }
+        wait_for_read_ahead(&ps, 2);
         ps.frozen.as_ref().unwrap().write(2, &[7.0; 8]).unwrap();
         assert_eq!(ps.words(2).unwrap(), vec![20.0; 8]);
         assert_eq!(ps.frozen_ahead(2), None);
@@ -612,14 +625,7 @@ mod tests {
         // page-in of unit 1 must see the new values.
         ps.read_ahead(0, ReadAhead::Update);
         // Finished before the write, so a kept read-ahead would be stale.
-        while !ps
-            .ahead
-            .lock()
-            .as_ref()
-            .is_some_and(|(_, h)| h.is_finished())
-        {
-            std::thread::yield_now();
-        }
+        wait_for_read_ahead(&ps, 1);
         ps.write(1, &[5.0; 8]).unwrap();
         assert_eq!(ps.words(1).unwrap(), vec![5.0; 8]);
         // A write of another unit leaves the read-ahead to be used.

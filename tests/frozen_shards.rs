@@ -222,6 +222,38 @@ fn shard_len(vs: &nn::VarStore, names: &[String], world: usize) -> usize {
     layout.shard_len()
 }
 
+/// Per unit of `e`: whether it is the root, and the elements of each
+/// rank's shard of its trainable and of its frozen parameters on
+/// [`WORLD`] ranks (the root has no frozen ones: asserted).
+fn unit_shards<G: ProcessGroup + 'static>(
+    e: &Engine<G>,
+    vs: &nn::VarStore,
+) -> Vec<(bool, usize, usize)> {
+    let names: Vec<String> = vs.variables().keys().cloned().collect();
+    let units = e.unit_names();
+    units
+        .iter()
+        .map(|unit| {
+            let under = |n: &String| match unit.as_str() {
+                "<root>" => !units.iter().any(|u| n.starts_with(&format!("{u}."))),
+                u => n.starts_with(&format!("{u}.")),
+            };
+            let (frozen, trained): (Vec<String>, Vec<String>) = names
+                .iter()
+                .filter(|n| under(n))
+                .cloned()
+                .partition(|n| is_frozen(n));
+            let root = unit == "<root>";
+            assert!(!root || frozen.is_empty(), "{frozen:?}");
+            (
+                root,
+                shard_len(vs, &trained, WORLD),
+                shard_len(vs, &frozen, WORLD),
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
     let _serial = serial();
@@ -233,38 +265,27 @@ fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
         e.backward(&loss).unwrap();
         e.step().unwrap();
         let vars = vs.variables();
-        let mut names: Vec<String> = vars.keys().cloned().collect();
-        names.sort();
         // fp32 stage 3, per unit: master, m, v and gradient shards of the
         // trainable parameters (16 bytes an element of the shard), and the
         // frozen ones' shard (4 bytes); the root stays gathered besides.
-        let mut want = 0;
-        for unit in e.unit_names() {
-            let under = |n: &String| match unit.as_str() {
-                "<root>" => !e
-                    .unit_names()
-                    .iter()
-                    .any(|u| n.starts_with(&format!("{u}."))),
-                u => n.starts_with(&format!("{u}.")),
-            };
-            let (frozen, trained): (Vec<String>, Vec<String>) = names
-                .iter()
-                .filter(|n| under(n))
-                .cloned()
-                .partition(|n| is_frozen(n));
-            let part = shard_len(&vs, &trained, WORLD);
-            want += 16 * part;
-            if unit == "<root>" {
-                want += 4 * part * WORLD;
-                assert!(frozen.is_empty());
-            } else {
-                want += 4 * shard_len(&vs, &frozen, WORLD);
-            }
-        }
+        let units = unit_shards(&e, &vs);
+        let want: usize = units
+            .iter()
+            .map(|&(root, t, f)| 16 * t + if root { 4 * t * WORLD } else { 4 * f })
+            .sum();
         assert_eq!(e.model_state_bytes().unwrap(), want);
-        for n in names.iter().filter(|n| is_frozen(n)) {
+        for n in vars.keys().filter(|n| is_frozen(n)) {
             assert_eq!(glue::storage_nbytes(&vars[n]).unwrap(), 0, "{n} is freed");
         }
+        // Gathered, every unit's whole buffers, trainable and frozen, are
+        // counted too.
+        let gathered: usize = units
+            .iter()
+            .filter(|u| !u.0)
+            .map(|&(_, t, f)| 4 * WORLD * (t + f))
+            .sum();
+        let inside = e.with_full_params(|| e.model_state_bytes()).unwrap();
+        assert_eq!(inside.unwrap(), want + gathered);
         // Gathered, it has its memory back; freed again after.
         let n = "h.0.fc.weight";
         let held = e
@@ -451,7 +472,8 @@ fn offload_param_keeps_the_frozen_shards_in_a_swap_file_read_ahead_in_run_order(
     on_ranks(WORLD, |r| {
         let (vs, plan, gpt) = frozen_model(r.rank());
         let g = r.new_group(&[0, 1]).unwrap();
-        let at3 = cfg(3, "", &nvme_params(&dir));
+        // 4 KiB chunks: each swap's 2 buffers hold 8 KiB.
+        let at3 = cfg(3, r#""aio": {"block_size": 4096},"#, &nvme_params(&dir));
         let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
         let mut read_ahead = Vec::new();
         for step in 0..2 {
@@ -469,6 +491,21 @@ fn offload_param_keeps_the_frozen_shards_in_a_swap_file_read_ahead_in_run_order(
         // gradient), so it is not gathered there at all. (Guessed by
         // index, as in the first step, forward finds only h.1's.)
         assert_eq!(read_ahead[1] - read_ahead[0], 3, "{read_ahead:?}");
+        // In memory: the trainable parameters' m, v and gradient shards
+        // (their fp32 master, the gather source, is in the swap), the
+        // root's gathered buffer and the two swaps' buffers; of the frozen
+        // base, at most one unit's shard read ahead and not gathered yet.
+        let units = unit_shards(&e, &vs);
+        let want: usize = units
+            .iter()
+            .map(|&(root, t, _)| 12 * t + if root { 4 * t * WORLD } else { 0 })
+            .sum::<usize>()
+            + 2 * 2 * 4096;
+        let held = e.model_state_bytes().unwrap() as i64 - want as i64;
+        assert!(
+            held == 0 || units.iter().any(|u| 4 * u.2 as i64 == held),
+            "{held} bytes more than the trainable state and the buffers; frozen shards {units:?}"
+        );
         let barrier = || drop(e.group().all_gather(vec![0u8], Vec::new()).wait().unwrap());
         barrier();
         // Per rank: the trainable gather sources' file and the frozen one
@@ -477,4 +514,30 @@ fn offload_param_keeps_the_frozen_shards_in_a_swap_file_read_ahead_in_run_order(
         barrier();
     });
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_forward_whose_gathers_fail_runs_on_zeros_and_the_next_call_names_the_dead_rank() {
+    let _serial = serial();
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = frozen_model(r.rank());
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg(3, "", ""), g, &AutoHints::default()).unwrap();
+        e.backward(&gpt.loss(&tokens(0, 0, r.rank(), 1))).unwrap();
+        e.step().unwrap();
+        if r.rank() == 1 {
+            // Leaves: its engine and group drop as the thread ends.
+            return;
+        }
+        // Rank 0's next forward cannot gather. Its units get zeroed memory
+        // (frozen and trainable), not freed memory a read would stop the
+        // process on: the forward runs to a loss, and the error waits for
+        // the next engine call.
+        let t = std::time::Instant::now();
+        let loss = gpt.loss(&tokens(1, 0, 0, 1));
+        assert!(loss.double_value(&[]).is_finite());
+        let err = e.backward(&loss).unwrap_err().to_string();
+        assert!(err.contains("rank 1"), "{err}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(30));
+    });
 }

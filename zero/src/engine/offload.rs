@@ -543,10 +543,13 @@ mod tests {
     use super::*;
 
     /// A parameter swap of 3 units, each with a trainable and a frozen
-    /// region of 8 words holding `10 k` and `100 k`.
-    fn three_units(dir: &std::path::Path) -> ParamSwap {
+    /// region of 8 words holding `10 k` and `100 k`, in a new temporary
+    /// directory named for the test (returned, to remove).
+    fn three_units(test: &str) -> (PathBuf, ParamSwap) {
+        let dir = std::env::temp_dir().join(format!("zrt-pswap-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let cfg = SwapConfig {
-            dir: dir.to_path_buf(),
+            dir: dir.clone(),
             rank: 0,
             buffer_count: 1,
             chunk_bytes: 4096,
@@ -561,13 +564,14 @@ mod tests {
             swap.write_region(k, &[&[10.0 * k as f32; 8]]).unwrap();
             frozen.write(k, &[100.0 * k as f32; 8]).unwrap();
         }
-        ParamSwap {
+        let ps = ParamSwap {
             swap: Arc::new(swap),
             frozen: Some(Arc::new(frozen)),
             ahead: Mutex::new(None),
             ready_frozen: Mutex::new(None),
             last: AtomicUsize::new(0),
-        }
+        };
+        (dir, ps)
     }
 
     /// Waits until a read-ahead of unit `k` has finished reading; fails
@@ -593,9 +597,7 @@ mod tests {
 
     #[test]
     fn a_frozen_shard_read_ahead_is_used_unless_written_since() {
-        let dir = std::env::temp_dir().join(format!("zrt-pswap-ahead-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ps = three_units(&dir);
+        let (dir, ps) = three_units("ahead");
         // Unit 0 in: unit 1 is read ahead, frozen shard and all.
         ps.read_ahead(0, ReadAhead::Gather(None));
         assert_eq!(ps.words(1).unwrap(), vec![10.0; 8]);
@@ -618,9 +620,7 @@ mod tests {
 
     #[test]
     fn a_write_drops_the_read_ahead_of_its_unit_only() {
-        let dir = std::env::temp_dir().join(format!("zrt-pswap-write-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ps = three_units(&dir);
+        let (dir, ps) = three_units("write");
         // Unit 1 is read ahead (old values), then written: the next
         // page-in of unit 1 must see the new values.
         ps.read_ahead(0, ReadAhead::Update);
@@ -639,9 +639,7 @@ mod tests {
 
     #[test]
     fn the_counts_hold_both_swaps_and_an_unused_frozen_read_ahead() {
-        let dir = std::env::temp_dir().join(format!("zrt-pswap-count-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ps = three_units(&dir);
+        let (dir, ps) = three_units("count");
         let frozen = &ps.frozen.as_ref().unwrap().swap;
         let buffers = ps.swap.resident_bytes() + frozen.resident_bytes();
         assert!(ps.swap.resident_bytes() > 0 && frozen.resident_bytes() > 0);
@@ -660,9 +658,7 @@ mod tests {
 
     #[test]
     fn an_update_reads_ahead_no_frozen_shard() {
-        let dir = std::env::temp_dir().join(format!("zrt-pswap-update-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ps = three_units(&dir);
+        let (dir, ps) = three_units("update");
         // An optimizer step pages unit 0 in: unit 1's trainable shard is
         // read ahead, its frozen shard (no use in a step) is not.
         ps.read_ahead(0, ReadAhead::Update);

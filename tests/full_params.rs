@@ -3,7 +3,9 @@
 //! change made to the VarStore before the engine was built, on every stage,
 //! in fp32 and bf16, with the optimizer state and the parameters on NVMe,
 //! and for a sharded frozen weight. Ranks that change the model
-//! differently get an error and rank 0's values. 2 ranks (threads).
+//! differently get an error and rank 0's values; a change to a unit a
+//! forward inside the closure freed on another rank is refused on every
+//! rank. 2 ranks (threads).
 
 mod common;
 
@@ -168,6 +170,88 @@ fn ranks_that_change_the_model_differently_get_an_error_and_rank_0s_values() {
                 &format!("stage {stage}, rank {rank}"),
             );
         }
+    }
+}
+
+/// Variable `name`'s values as the engine holds them (a collective).
+fn held(
+    e: &Engine<impl zrt::collectives::ProcessGroup + 'static>,
+    vs: &nn::VarStore,
+    name: &str,
+) -> Vec<f32> {
+    e.with_full_params(|| {
+        let t = var(vs, name).to_kind(Kind::Float);
+        Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()
+    })
+    .unwrap()
+}
+
+#[test]
+fn ranks_that_both_change_a_unit_but_differently_are_told_and_keep_rank_0s() {
+    for stage in [3u8, 1] {
+        let out = on_ranks(WORLD, |r| {
+            let (vs, plan, _) = model();
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg(stage, "", ""), g, &AutoHints::default()).unwrap();
+            let w = var(&vs, "h.1.proj.weight");
+            let to = [0.5, 0.25][r.rank()];
+            let err = e
+                .with_full_params(|| tch::no_grad(|| drop(w.shallow_clone().fill_(to))))
+                .unwrap_err()
+                .to_string();
+            (err, held(&e, &vs, "h.1.proj.weight"))
+        });
+        for (rank, (err, values)) in out.iter().enumerate() {
+            assert!(
+                err.contains("the ranks changed units `h.1` (world ranks [1]) differently"),
+                "stage {stage}, rank {rank}: {err}"
+            );
+            assert!(
+                values.iter().all(|&x| x == 0.5),
+                "stage {stage}, rank {rank}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_change_a_forward_inside_the_closure_freed_on_another_rank_is_refused_on_both() {
+    let out = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg(3, "", ""), g, &AutoHints::default()).unwrap();
+        // A step first: the first forward keeps every unit gathered.
+        e.backward(&gpt.loss(&tokens(0, 0, r.rank(), 1))).unwrap();
+        e.step().unwrap();
+        let before = held(&e, &vs, "h.0.proj.weight");
+        let w = var(&vs, "h.0.proj.weight");
+        // Rank 0 changes h.0; rank 1 runs a forward, which frees h.0 again
+        // at stage 3 once h.1 has run (the last unit stays for backward).
+        let err = e
+            .with_full_params(|| match r.rank() {
+                0 => tch::no_grad(|| drop(w.shallow_clone().fill_(0.5))),
+                _ => drop(gpt.loss(&tokens(1, 0, 1, 1))),
+            })
+            .unwrap_err()
+            .to_string();
+        // Without a change, a forward inside the closure is no error.
+        e.with_full_params(|| {
+            if r.rank() == 1 {
+                drop(gpt.loss(&tokens(2, 0, 1, 1)));
+            }
+        })
+        .unwrap();
+        (err, before, held(&e, &vs, "h.0.proj.weight"))
+    });
+    for (rank, (err, before, after)) in out.iter().enumerate() {
+        assert!(
+            err.contains(
+                "unit `h.0` changed inside with_full_params but world rank 1 no longer held it"
+            ),
+            "rank {rank}: {err}"
+        );
+        // Nothing was written back: every rank has the model as it was.
+        assert_eq!(after, before, "rank {rank}");
     }
 }
 

@@ -353,6 +353,24 @@ impl ParamSwap {
         Ok(())
     }
 
+    /// Bytes of memory the swaps' buffers hold, and a frozen shard the
+    /// read-ahead brought that no gather has used yet.
+    fn resident_bytes(&self) -> usize {
+        let ready = self
+            .ready_frozen
+            .lock()
+            .as_ref()
+            .map_or(0, |(_, _, w)| 4 * w.len());
+        self.swap.resident_bytes()
+            + self.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
+            + ready
+    }
+
+    /// Bytes of the swap files (trainable sources and frozen shards).
+    fn file_bytes(&self) -> u64 {
+        self.swap.file_bytes() + self.frozen.as_ref().map_or(0, |f| f.swap.file_bytes())
+    }
+
     /// Drops a read-ahead of unit `k` (before a write makes it stale).
     fn cancel_ahead(&self, k: usize) {
         let mut ahead = self.ahead.lock();
@@ -510,26 +528,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Bytes of the parameter swap files ([`ParamSwap::file_bytes`]).
     pub(super) fn pswap_bytes(&self) -> u64 {
         self.pswap.as_ref().map_or(0, ParamSwap::file_bytes)
-    }
-}
-
-impl ParamSwap {
-    /// Bytes of memory the swaps' buffers hold, and a frozen shard the
-    /// read-ahead brought that no gather has used yet.
-    fn resident_bytes(&self) -> usize {
-        let ready = self
-            .ready_frozen
-            .lock()
-            .as_ref()
-            .map_or(0, |(_, _, w)| 4 * w.len());
-        self.swap.resident_bytes()
-            + self.frozen.as_ref().map_or(0, |f| f.swap.resident_bytes())
-            + ready
-    }
-
-    /// Bytes of the swap files (trainable sources and frozen shards).
-    fn file_bytes(&self) -> u64 {
-        self.swap.file_bytes() + self.frozen.as_ref().map_or(0, |f| f.swap.file_bytes())
     }
 }
 

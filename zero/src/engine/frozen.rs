@@ -369,6 +369,34 @@ mod tests {
     }
 
     #[test]
+    fn a_16_bit_export_casts_floating_variables_only() {
+        let cpu = tch::Device::Cpu;
+        let w = Tensor::ones([4], (Kind::Float, cpu));
+        let buf = Tensor::ones([4], (Kind::Float, cpu));
+        let steps = Tensor::ones([1], (Kind::Int64, cpu));
+        let params = [crate::glue::tensor_impl(&w).unwrap()].into();
+        let vars = [("w", &w), ("buf", &buf), ("steps", &steps)]
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t.shallow_clone()))
+            .collect();
+        let f = Frozen::of(vars, Vec::new(), &params, Kind::BFloat16).unwrap();
+        let kind = |name: &str, float| {
+            let (_, t) = f.vars.iter().find(|(n, _)| n == name).unwrap();
+            f.saved_kind(name, t, float).unwrap()
+        };
+        // An export in a 16-bit dtype casts the floating-point ones...
+        assert_eq!(kind("w", Some(Kind::Half)), Kind::Half);
+        assert_eq!(kind("buf", Some(Kind::Half)), Kind::Half);
+        // ...and keeps an integer buffer as it is.
+        assert_eq!(kind("steps", Some(Kind::Half)), Kind::Int64);
+        // A checkpoint holds each as the model created it: the fp32
+        // parameter the engine cast to bf16 as fp32 again.
+        assert_eq!(kind("w", None), Kind::Float);
+        assert_eq!(kind("buf", None), Kind::Float);
+        assert_eq!(kind("steps", None), Kind::Int64);
+    }
+
+    #[test]
     fn raw_bytes_round_trip_a_strided_tensor() {
         let t = Tensor::arange(12, (Kind::Int64, tch::Device::Cpu)).view([3, 4]);
         let (kind, shape, bytes) = raw("t", &t.tr()).unwrap();

@@ -541,3 +541,44 @@ fn a_forward_whose_gathers_fail_runs_on_zeros_and_the_next_call_names_the_dead_r
         assert!(t.elapsed() < std::time::Duration::from_secs(30));
     });
 }
+
+/// The frozen base and the root's position embedding (a frozen parameter
+/// every rank keeps whole at stage 3 too).
+fn is_frozen_or_wpe(name: &str) -> bool {
+    is_frozen(name) || name.starts_with("wpe.")
+}
+
+#[test]
+fn under_hybrid_sharding_every_rank_takes_world_rank_0s_frozen_values() {
+    let _serial = serial();
+    let (vs, _, _) = model();
+    let want: HashMap<String, Vec<f32>> = vs
+        .variables()
+        .into_iter()
+        .filter(|(n, _)| is_frozen_or_wpe(n))
+        .map(|(n, t)| (n, values(&t)))
+        .collect();
+    // World 4, mics_shard_size 2: shard groups {0, 1} and {2, 3}, replicas
+    // {0, 2} and {1, 3}. Every rank but world rank 0 starts from values of
+    // its own.
+    let at3 = cfg(3, "", r#""mics_shard_size": 2,"#);
+    let bases = on_ranks(4, |mut r| {
+        let (vs, plan, _) = model();
+        for (name, t) in vs.variables() {
+            if is_frozen_or_wpe(&name) {
+                let _ = t.set_requires_grad(false);
+                if r.rank() > 0 {
+                    let _ = tch::no_grad(|| t.shallow_clone().fill_(r.rank() as f64));
+                }
+            }
+        }
+        let e = Engine::from_config(&vs, &plan, &at3, &mut r, &AutoHints::default()).unwrap();
+        gathered_base(&e, &vs, is_frozen_or_wpe)
+    });
+    for (rank, base) in bases.iter().enumerate() {
+        assert_eq!(base.len(), want.len());
+        for (n, (_, v)) in base {
+            assert_eq!(v, &want[n], "world rank {rank}: {n} is world rank 0's");
+        }
+    }
+}

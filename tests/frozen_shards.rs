@@ -582,3 +582,33 @@ fn under_hybrid_sharding_every_rank_takes_world_rank_0s_frozen_values() {
         }
     }
 }
+
+#[test]
+fn a_checkpoint_with_a_frozen_variable_this_model_lacks_is_refused_naming_it() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("zrt-frozen-extra-{}", std::process::id()));
+    // The loading model has frozen variables of both kinds (sharded in its
+    // blocks, replicated at the root: `wpe`), the saving one a buffer more.
+    let at3 = cfg(3, "", "");
+    let errs = [true, false].map(|saver| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, _) = frozen_model_by(r.rank(), is_frozen_or_wpe);
+            if saver {
+                let _ = vs.root().zeros_no_train("extra", &[4]);
+            }
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
+            match saver {
+                true => e.save_checkpoint(&dir, "t").map(|_| String::new()).unwrap(),
+                false => e.load_checkpoint(&dir, Some("t")).unwrap_err().to_string(),
+            }
+        })
+    });
+    for (rank, err) in errs[1].iter().enumerate() {
+        assert!(
+            err.contains("the checkpoint is of another model: unexpected 1: extra;"),
+            "rank {rank}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

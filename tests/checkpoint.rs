@@ -1224,6 +1224,21 @@ fn frozen_variables_are_saved_restored_and_exported() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn a_model_without_frozen_variables_loads_a_checkpoint_from_before_them_quietly() {
+    let _serial = serial();
+    let dir = tmp("pre-frozen-plain");
+    let (vs, plan, _) = model();
+    let e = solo_engine(&vs, &plan, &config_with(3, 1, 0.0, "")).unwrap();
+    e.save_checkpoint(&dir, "t").unwrap();
+    strip_frozen(&dir.join("t").join("meta.json"));
+    // Nothing of this model keeps old values: no warning that something does.
+    let (loaded, logs) = common::with_logs(|| e.load_checkpoint(&dir, None));
+    loaded.unwrap();
+    assert!(!logs.contains("frozen variables"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Rewrites a checkpoint's `meta.json` as zrt wrote it before it saved
 /// frozen variables (no `frozen` field), checksum and all.
 fn strip_frozen(meta: &Path) {

@@ -104,4 +104,13 @@ mod tests {
         assert_eq!(p.bytes(), (5 + 6) * 4, "the oldest (4 elements) went");
         assert_eq!(p.take(4, 0.0), vec![0.0; 4]);
     }
+
+    #[test]
+    fn the_bytes_count_every_dtypes_pool() {
+        let p = Pools::new();
+        p.f32.give(vec![0.0; 4]);
+        p.bf16.give(vec![bf16::ZERO; 3]);
+        p.f16.give(vec![f16::ZERO; 5]);
+        assert_eq!(p.bytes(), 4 * 4 + 3 * 2 + 5 * 2);
+    }
 }

@@ -43,7 +43,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Changes `f` makes to the parameters are kept, as FSDP's default
     /// `writeback=True` keeps them: they reach the optimizer's fp32 master
     /// and every copy the engine gathers from (with 16-bit compute, only
-    /// the elements whose 16-bit value changed take it, widened). Every
+    /// the elements whose 16-bit value changed take it, widened; so an
+    /// element set to the value its 16-bit copy already had keeps its
+    /// fp32 master, as nothing tells that it was written). Every
     /// rank must make the same change. If they differ, world rank 0's
     /// values are kept everywhere and the call fails, naming the ranks
     /// that differed. A forward run inside `f` at stage 3 frees its units

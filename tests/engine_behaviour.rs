@@ -283,12 +283,31 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
                 "resharded after step()"
             );
             // Freed units gave their gathered buffers back for the
-            // next gathers, keeping at most two (largest unit: b,
-            // 32 + 16 padded f32 elements).
+            // next gathers, keeping at most two (b, 64 padded f32
+            // elements, and a or c, 32).
             let pooled = e.pooled_bytes();
-            assert!(pooled > 0 && pooled <= 2 * 48 * 4, "pooled {pooled} bytes");
+            assert!(
+                pooled > 0 && pooled <= (64 + 32) * 4,
+                "pooled {pooled} bytes"
+            );
         }
     });
+}
+
+#[test]
+fn a_units_gradient_buffer_goes_back_to_the_pool_for_the_next_backward() {
+    // Backward stages each unit's gradients in a whole padded f32 buffer
+    // (c: 32 elements, b: 64, a: 32, in backward order: 16-element slots,
+    // padded to a multiple of 16 per rank); once reduced it is kept for
+    // the next backward's, the newest two of them.
+    for stage in [0u8, 1, 2] {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(stage, 1), &r);
+            assert_eq!(e.pooled_bytes(), 0, "stage {stage}");
+            e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+            assert_eq!(e.pooled_bytes(), (64 + 32) * 4, "stage {stage}");
+        });
+    }
 }
 
 #[test]
@@ -564,6 +583,80 @@ fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
             assert!(e.step().unwrap(), "a tied weight trains below stage 3");
         }
     }
+}
+
+/// Per step after the first (order known), the stage-3 gathers of the tiny
+/// model that were (prefetched, on demand, unused) under `zero` (spliced
+/// into `zero_optimization`).
+fn gathers_per_step(zero: &str) -> (u64, u64, u64) {
+    let cfg = Config::from_json(&format!(
+        r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, {zero}
+            "stage3_param_persistence_threshold": 0}}}}"#
+    ))
+    .unwrap();
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        let before = e.overlap_counts();
+        for k in 1..3 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
+        }
+        let now = e.overlap_counts();
+        (
+            (now.prefetched - before.prefetched) / 2,
+            (now.on_demand - before.on_demand) / 2,
+            (now.unused - before.unused) / 2,
+        )
+    })[0]
+}
+
+#[test]
+fn prefetch_stays_within_the_bucket_and_live_parameter_bounds() {
+    // Units a, b, c: 20, 24 and 5 elements (32, 64, 32 padded). Unbounded:
+    // b and c prefetched in forward, b and a in backward (c, run last,
+    // stays gathered); only a waits.
+    let all = (4, 1, 0);
+    assert_eq!(gathers_per_step(""), all);
+    // A unit over `stage3_prefetch_bucket_size` elements is not prefetched
+    // (b, twice); one of exactly that size is.
+    let no_b = (2, 3, 0);
+    assert_eq!(
+        gathers_per_step(r#""stage3_prefetch_bucket_size": 24,"#),
+        all
+    );
+    assert_eq!(
+        gathers_per_step(r#""stage3_prefetch_bucket_size": 23,"#),
+        no_b
+    );
+    // Nor is one that would take the gathered and in-flight elements over
+    // `stage3_max_live_parameters`: each prefetch joins one gathered unit,
+    // and b's with a or c makes 64 + 32 elements.
+    assert_eq!(
+        gathers_per_step(r#""stage3_max_live_parameters": 96,"#),
+        all
+    );
+    assert_eq!(
+        gathers_per_step(r#""stage3_max_live_parameters": 95,"#),
+        (0, 5, 0)
+    );
+}
+
+#[test]
+fn a_prefetch_nothing_used_is_counted_unused() {
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        // a's forward prefetches b; nothing runs b before the unshard
+        // completes the gather for nobody.
+        let _ = tch::no_grad(|| t.a.forward(&input(r.rank(), 1)));
+        let before = e.overlap_counts();
+        e.with_full_params(|| ()).unwrap();
+        let now = e.overlap_counts();
+        assert_eq!(now.unused - before.unused, 1, "{now:?}");
+    });
 }
 
 #[test]
@@ -1024,6 +1117,37 @@ fn a_forward_whose_loss_is_dropped_changes_no_result_in_stage_3() {
             .clone()
     };
     assert_eq!(run(true), run(false));
+}
+
+#[test]
+fn a_backward_libtorch_refuses_leaves_the_engine_as_it_was() {
+    // A loss with no graph: libtorch refuses it before any hook fires. The
+    // engine must disarm what it armed for that backward; otherwise a
+    // later bare `loss.backward()` is taken for the refused one's (its
+    // reductions are never waited for: the step runs without them) and
+    // stage 3 thinks a backward is still under way.
+    for stage in 0..=3u8 {
+        let run = |refused: bool| {
+            on_ranks(WORLD, |r| {
+                let (t, e) = tiny_engine(&config(stage, 1), &r);
+                for k in 0..3 {
+                    if refused && k == 1 {
+                        let err = e.backward(&Tensor::from(1.0f32)).unwrap_err();
+                        assert!(
+                            err.to_string().contains("does not require grad"),
+                            "stage {stage}: {err}"
+                        );
+                        e.with_full_params(|| ()).unwrap();
+                    }
+                    t.loss(&input(r.rank(), k)).backward();
+                    e.step().unwrap();
+                }
+                e.gathered_params().unwrap()
+            })[0]
+                .clone()
+        };
+        assert_eq!(run(true), run(false), "stage {stage}");
+    }
 }
 
 #[test]

@@ -1151,6 +1151,53 @@ fn a_backward_libtorch_refuses_leaves_the_engine_as_it_was() {
 }
 
 #[test]
+fn ranks_making_different_engine_calls_are_each_told_not_left_with_garbage() {
+    // Rank 0 trains while rank 1 calls with_full_params: the forward's
+    // gathers line up with the unshard's, then rank 0's next gather
+    // announcement meets rank 1's fingerprint exchange. Both are
+    // all_gathers of i64 (whose parts may differ in length), so the
+    // collective layer matches them; rank 1 used to compare rank 0's
+    // announcement as fingerprints and return Ok.
+    let errs: Vec<String> = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        let got = match r.rank() {
+            0 => e.backward(&t.loss(&input(r.rank(), 1))),
+            _ => e.with_full_params(|| ()),
+        };
+        match got {
+            Err(err @ EngineError::OutOfStep(_)) => err.to_string(),
+            other => panic!(
+                "rank {}: expected ranks out of step, got {other:?}",
+                r.rank()
+            ),
+        }
+    });
+    assert!(
+        errs[0].contains(
+            "announced the gather of unit `b` to its 2 ranks and got 8 values back instead of 4"
+        ),
+        "{}",
+        errs[0]
+    );
+    assert!(
+        errs[1].contains(
+            "with_full_params compared 8 fingerprint values from the ranks instead of 12"
+        ),
+        "{}",
+        errs[1]
+    );
+    for e in &errs {
+        assert!(
+            e.starts_with("ranks out of step: ")
+                && e.ends_with("every rank must make the same engine calls in the same order"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn a_step_with_a_non_finite_gradient_norm_is_warned_about() {
     on_ranks(WORLD, |r| {
         let (t, e) = tiny_engine(&config(2, 1), &r);

@@ -33,6 +33,12 @@ pub enum EngineError {
     /// a gradient on some ranks and not on others.
     #[error("gradient reductions out of step across ranks: {0}")]
     UnevenGradients(String),
+    /// Ranks made different engine calls at the same point (a backward on
+    /// one, with_full_params on another): their collectives do not line up.
+    #[error(
+        "ranks out of step: {0}; every rank must make the same engine calls in the same order"
+    )]
+    OutOfStep(String),
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),

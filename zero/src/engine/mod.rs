@@ -348,6 +348,14 @@ fn gather_into<T: Element, G: ProcessGroup>(
     padded: usize,
 ) -> Result<Vec<T>, EngineError> {
     let (mine, full) = group.all_gather(mine, Vec::new()).wait()?;
+    if full.len() != padded {
+        // all_gather parts may differ in length: a peer's different call
+        // can match this one.
+        return Err(EngineError::OutOfStep(format!(
+            "gathering {padded} parameter elements got {}: another rank made a different collective call here",
+            full.len()
+        )));
+    }
     // SAFETY: `flat` is the engine's contiguous tensor of T with `padded` elements.
     unsafe { elems::<T>(flat, padded) }.copy_from_slice(&full);
     Ok(mine)

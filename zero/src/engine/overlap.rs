@@ -31,7 +31,7 @@ use super::elems::Elems;
 use super::offload::ReadAhead;
 use super::pool::Pool;
 use super::timing::waiting;
-use super::{elems, Compute, CopyShard, Inner, State};
+use super::{elems, Compute, CopyShard, Inner, State, Unit};
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
@@ -120,8 +120,108 @@ pub(super) enum Fetch {
     F16(Work<(Vec<f16>, Vec<f16>)>),
 }
 
-/// A unit's index as every rank of a group named it (an all_gather).
-type UnitIds = Work<(Vec<i64>, Vec<i64>)>;
+/// What every rank of a group announced before a unit's collective (an
+/// all_gather of [`Kind`], unit index), and the group's size.
+pub(super) struct UnitIds {
+    work: Work<(Vec<i64>, Vec<i64>)>,
+    ranks: usize,
+}
+
+/// The kind of collective a rank announces with a unit's index: a gather
+/// and a reduction of units of the same size would otherwise match.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Gather = 0,
+    Reduce = 1,
+}
+
+impl UnitIds {
+    /// Announces `kind` of unit `unit` to the group.
+    fn issue(g: &impl ProcessGroup, kind: Kind, unit: usize) -> Self {
+        Self {
+            work: g.all_gather(vec![kind as i64, unit as i64], Vec::new()),
+            ranks: g.size(),
+        }
+    }
+
+    /// Waits for every rank's announcement: `None` when all are this
+    /// rank's (`kind`, `unit`), else what each rank announced (`name`
+    /// names a unit index). An error when a rank's part of the all_gather
+    /// was not an announcement: a peer made another engine call, and
+    /// all_gather parts may differ in length, so the collective matched.
+    fn disagree(
+        self,
+        kind: Kind,
+        unit: usize,
+        name: impl Fn(usize) -> String,
+    ) -> Result<Option<Disagreement>, EngineError> {
+        let mine = [kind as i64, unit as i64];
+        let all = self.work.wait()?.1;
+        if all.len() != mine.len() * self.ranks {
+            return Err(EngineError::OutOfStep(format!(
+                "this rank announced {} unit `{}` to its {} ranks and got {} values back instead of {}: another rank made a different collective call here (with_full_params, a checkpoint, a forward only some ranks ran)",
+                match kind {
+                    Kind::Gather => "the gather of",
+                    Kind::Reduce => "the gradient reduction of",
+                },
+                name(unit),
+                self.ranks,
+                all.len(),
+                mine.len() * self.ranks,
+            )));
+        }
+        if all.chunks(2).all(|c| c == mine) {
+            return Ok(None);
+        }
+        let kinds = |k: Kind| all.chunks(2).any(|c| c[0] == k as i64);
+        let mixed = kinds(Kind::Gather) && kinds(Kind::Reduce);
+        let names: Vec<String> = all
+            .chunks(2)
+            .enumerate()
+            .map(|(r, c)| {
+                let u = usize::try_from(c[1]).map_or("?".into(), &name);
+                let verb = if c[0] == Kind::Reduce as i64 {
+                    "reduces"
+                } else {
+                    "runs"
+                };
+                format!("rank {r} {verb} `{u}`")
+            })
+            .collect();
+        Ok(Some(Disagreement {
+            names: names.join(", "),
+            mixed,
+        }))
+    }
+}
+
+/// Ranks that announced different collectives at the same point.
+#[derive(Debug, PartialEq)]
+struct Disagreement {
+    /// "rank r runs `unit`" / "rank r reduces `unit`", for every rank.
+    names: String,
+    /// Some rank announced a gather and another a reduction.
+    mixed: bool,
+}
+
+impl Disagreement {
+    /// The error: a gather met by a reduction means different engine
+    /// calls; otherwise `same_kind` explains it.
+    fn error(self, same_kind: impl FnOnce(String) -> EngineError) -> EngineError {
+        match self.mixed {
+            true => EngineError::OutOfStep(format!(
+                "{}: one rank gathers a unit's parameters while another reduces gradients, so the ranks made different engine calls (a backward on some, with_full_params, a checkpoint or a forward on others)",
+                self.names
+            )),
+            false => same_kind(self.names),
+        }
+    }
+}
+
+/// Unit `x`'s name, `?` past the last.
+fn unit_name(units: &[Unit], x: usize) -> String {
+    units.get(x).map_or("?", |u| u.name.as_str()).to_string()
+}
 
 /// What the current backward has done, and gathers issued ahead.
 pub(super) struct Progress {
@@ -376,9 +476,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // completes a unit early on some ranks) would otherwise sum
             // same-sized buffers of different units into silent garbage.
             self.delay();
-            let mut ids = vec![self.group.all_gather(vec![k as i64], Vec::new())];
+            let mut ids = vec![UnitIds::issue(&self.group, Kind::Reduce, k)];
             if let Some(r) = &self.replicate {
-                ids.push(r.all_gather(vec![k as i64], Vec::new()));
+                ids.push(UnitIds::issue(r, Kind::Reduce, k));
             }
             st.prog.reduce_ids.push((k, ids));
             for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
@@ -500,24 +600,21 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
             for w in works {
-                let ids = waiting(&mut st.timing, || w.wait())
-                    .map_err(|e| uneven(e.into(), &without))?
-                    .1;
-                if ids.iter().any(|&x| x != k as i64) {
-                    // Nothing of this backward is used; its reductions
-                    // still run on the workers, unwaited.
-                    st.prog.inflight.clear();
-                    st.prog.reduce_ids.clear();
-                    let names: Vec<String> = ids
-                        .iter()
-                        .enumerate()
-                        .map(|(r, &x)| {
-                            let u = st.units.get(x as usize).map_or("?", |u| u.name.as_str());
-                            format!("rank {r} reduces `{u}`")
-                        })
-                        .collect();
-                    return Err(explain_uneven(&names.join(", "), &without));
-                }
+                let units = &st.units;
+                let seen = waiting(&mut st.timing, || {
+                    w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
+                })
+                .map_err(|e| uneven(e, &without));
+                let e = match seen {
+                    Ok(None) => continue,
+                    Ok(Some(d)) => d.error(|names| explain_uneven(&names, &without)),
+                    Err(e) => e,
+                };
+                // Nothing of this backward is used; its reductions still
+                // run on the workers, unwaited.
+                st.prog.inflight.clear();
+                st.prog.reduce_ids.clear();
+                return Err(e);
             }
         }
         for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
@@ -558,7 +655,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if let (Some(h), Some(sec)) = (&self.hpz, st.secondary[i].take()) {
             st.prog.counts.hpz_gathers += 1;
             self.delay();
-            let ids = h.all_gather(vec![i as i64], Vec::new());
+            let ids = UnitIds::issue(h, Kind::Gather, i);
             self.delay();
             let u = &st.units[i];
             let data = sec.unit.gather(h, u.layout.padded, &self.pools);
@@ -577,7 +674,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // Name the unit to the peers first: units run in different orders
         // would otherwise gather same-sized buffers into silent garbage.
         self.delay();
-        let ids = self.group.all_gather(vec![i as i64], Vec::new());
+        let ids = UnitIds::issue(&self.group, Kind::Gather, i);
         let padded = st.units[i].layout.padded;
         // The swap reads ahead the unit gathered after this one.
         let next = st.prog.order.after(i, !st.prog.in_backward());
@@ -654,19 +751,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         fill: bool,
     ) -> Result<(), EngineError> {
         let t = std::time::Instant::now();
-        let ids = p.ids.wait()?.1;
-        if ids.iter().any(|&x| x != i as i64) {
-            let names: Vec<String> = ids
-                .iter()
-                .enumerate()
-                .map(|(r, &x)| {
-                    format!(
-                        "rank {r} runs `{}`",
-                        st.units.get(x as usize).map_or("?", |u| u.name.as_str())
-                    )
-                })
-                .collect();
-            return Err(EngineError::UnitOrder(names.join(", ")));
+        if let Some(d) = p
+            .ids
+            .disagree(Kind::Gather, i, |x| unit_name(&st.units, x))?
+        {
+            return Err(d.error(EngineError::UnitOrder));
         }
         let (u, sh) = (&mut st.units[i], &mut st.shards[i]);
         if let (Some((f, from_shard)), Some(part)) = (p.frozen, u.frozen.as_mut()) {
@@ -856,7 +945,82 @@ fn install<T: Copy + Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use super::RunOrder;
+    use super::{Disagreement, Kind, RunOrder, UnitIds};
+    use zrt_collectives::{local, ProcessGroup};
+
+    /// Each of two ranks announces (kind, unit); what rank 0 makes of it.
+    fn announce(a: (Kind, usize), b: (Kind, usize)) -> Result<Option<Disagreement>, String> {
+        let out: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = local::world(2)
+                .into_iter()
+                .zip([a, b])
+                .map(|(r, (kind, unit))| {
+                    s.spawn(move || {
+                        let g = r.new_group(&[0, 1]).map_err(|e| e.to_string())?;
+                        let name = |x: usize| ["a", "b"].get(x).unwrap_or(&"?").to_string();
+                        UnitIds::issue(&g, kind, unit)
+                            .disagree(kind, unit, name)
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        out.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn announcements_name_what_each_rank_does() {
+        assert_eq!(announce((Kind::Gather, 1), (Kind::Gather, 1)), Ok(None));
+        let d = |names: &str, mixed| {
+            Ok(Some(Disagreement {
+                names: names.into(),
+                mixed,
+            }))
+        };
+        assert_eq!(
+            announce((Kind::Gather, 0), (Kind::Gather, 1)),
+            d("rank 0 runs `a`, rank 1 runs `b`", false)
+        );
+        assert_eq!(
+            announce((Kind::Reduce, 1), (Kind::Reduce, 0)),
+            d("rank 0 reduces `b`, rank 1 reduces `a`", false)
+        );
+        // Same unit, same size: only the kind tells a gather from a
+        // reduction.
+        let mixed = announce((Kind::Reduce, 1), (Kind::Gather, 1));
+        assert_eq!(mixed, d("rank 0 reduces `b`, rank 1 runs `b`", true));
+        let e = mixed
+            .unwrap()
+            .unwrap()
+            .error(|_| unreachable!())
+            .to_string();
+        assert!(
+            e.contains("one rank gathers a unit's parameters while another reduces gradients"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_announcement_met_by_another_all_gather_is_an_error() {
+        // all_gather parts may differ in length, so the collective matches.
+        let mut ranks = local::world(2).into_iter();
+        let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        let other = std::thread::spawn(move || {
+            let g = r1.new_group(&[0, 1]).unwrap();
+            g.all_gather(vec![7i64; 3], Vec::new()).wait().unwrap()
+        });
+        let g = r0.new_group(&[0, 1]).unwrap();
+        let e = UnitIds::issue(&g, Kind::Reduce, 0)
+            .disagree(Kind::Reduce, 0, |_| "a".into())
+            .unwrap_err()
+            .to_string();
+        other.join().unwrap();
+        assert!(
+            e.starts_with("ranks out of step: this rank announced the gradient reduction of unit `a` to its 2 ranks and got 5 values back instead of 4"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn run_order_follows_the_last_complete_forward() {

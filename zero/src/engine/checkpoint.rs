@@ -683,7 +683,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let Some((mine, _)) = self.master_shard(k)? else {
                 continue;
             };
-            let (_, full) = i.group.all_gather(mine, Vec::new()).wait()?;
+            let padded = i.st.lock().units[k].layout.padded;
+            let (_, full) = super::gather_whole(&i.group, mine, padded)?;
             if sink.wants() {
                 for s in &i.st.lock().units[k].layout.slots {
                     sink.write(&s.name, &encode(&full[s.offset..s.offset + s.numel], dtype));

@@ -347,18 +347,29 @@ fn gather_into<T: Element, G: ProcessGroup>(
     flat: &Tensor,
     padded: usize,
 ) -> Result<Vec<T>, EngineError> {
-    let (mine, full) = group.all_gather(mine, Vec::new()).wait()?;
-    if full.len() != padded {
-        // all_gather parts may differ in length: a peer's different call
-        // can match this one.
-        return Err(EngineError::OutOfStep(format!(
-            "gathering {padded} parameter elements got {}: another rank made a different collective call here",
-            full.len()
-        )));
-    }
+    let (mine, full) = gather_whole(group, mine, padded)?;
     // SAFETY: `flat` is the engine's contiguous tensor of T with `padded` elements.
     unsafe { elems::<T>(flat, padded) }.copy_from_slice(&full);
     Ok(mine)
+}
+
+/// All-gathers `mine` into a unit's whole `padded` elements: (`mine`
+/// back, the whole). An error, not a short buffer, when the parts add up
+/// to another length: all_gather parts may differ in length, so a peer's
+/// different call can match this one.
+pub(super) fn gather_whole<T: Element, G: ProcessGroup>(
+    group: &G,
+    mine: Vec<T>,
+    padded: usize,
+) -> Result<(Vec<T>, Vec<T>), EngineError> {
+    let (mine, full) = group.all_gather(mine, Vec::new()).wait()?;
+    if full.len() != padded {
+        return Err(EngineError::OutOfStep(format!(
+            "gathering a unit's {padded} elements got {}: another rank made a different collective call here",
+            full.len()
+        )));
+    }
+    Ok((mine, full))
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -1571,7 +1582,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let Some((mine, _)) = self.master_shard(k)? else {
                 continue;
             };
-            let (_, full) = self.inner.group.all_gather(mine, Vec::new()).wait()?;
+            let padded = self.inner.st.lock().units[k].layout.padded;
+            let (_, full) = gather_whole(&self.inner.group, mine, padded)?;
             let st = self.inner.st.lock();
             for s in &st.units[k].layout.slots {
                 out.push((s.name.clone(), full[s.offset..s.offset + s.numel].to_vec()));
@@ -1613,6 +1625,24 @@ pub(crate) fn meets_checkpoint(c: &zrt_collectives::CommError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_whole_unit_gathered_from_parts_of_another_length_is_an_error() {
+        let mut ranks = zrt_collectives::local::world(2).into_iter();
+        let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        // Rank 1 makes another call: all_gather parts may differ in length.
+        let other = std::thread::spawn(move || {
+            let g = r1.new_group(&[0, 1]).unwrap();
+            g.all_gather(vec![0f32; 3], Vec::new()).wait().unwrap()
+        });
+        let g = r0.new_group(&[0, 1]).unwrap();
+        let e = gather_whole(&g, vec![1f32; 2], 4).unwrap_err().to_string();
+        other.join().unwrap();
+        assert_eq!(
+            e,
+            "ranks out of step: gathering a unit's 4 elements got 5: another rank made a different collective call here; every rank must make the same engine calls in the same order"
+        );
+    }
 
     fn scaler(power: u32, window: u64, hysteresis: u32) -> Scaler {
         Scaler::new(&LossScaleConfig {

@@ -16,7 +16,7 @@ use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
 use crate::worker::Worker;
-use crate::{CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
 
 /// How a process backend moves data. Every method runs on the group's
 /// worker thread, one operation at a time, in issue order; each first
@@ -271,16 +271,33 @@ impl<X: Transport> Front<X> {
         })
     }
 
+    /// `all_gather` (`kind` [`OpKind::AllGather`]) or `all_gather_v`
+    /// ([`OpKind::AllGatherV`]): the same data movement, agreed on
+    /// differently.
     pub(crate) fn all_gather<T: Element>(
         &self,
+        kind: OpKind,
         input: Vec<T>,
         mut out: Vec<T>,
     ) -> Work<(Vec<T>, Vec<T>)> {
-        let d = desc::<T>(OpKind::AllGather, input.len());
+        let d = desc::<T>(kind, input.len());
         self.run(d, move |g| {
             g.all_gather(&d, &input, &mut out)?;
             let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
             Ok(((input, out), s, r))
+        })
+    }
+
+    /// `all_gather_in_place` for a transport without a way to skip this
+    /// rank's own part: it is copied out and gathered back.
+    pub(crate) fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        let d = desc::<T>(OpKind::AllGatherInPlace, buf.len());
+        let own = chunk_range(buf.len(), self.size(), self.rank());
+        self.run(d, move |g| {
+            let part = buf[own].to_vec();
+            g.all_gather(&d, &part, &mut buf)?;
+            let (s, r) = (bytes_of::<T>(part.len()), bytes_of::<T>(buf.len()));
+            Ok((buf, s, r))
         })
     }
 
@@ -337,8 +354,8 @@ impl<X: Transport> Front<X> {
 
 /// Implements [`ProcessGroup`](crate::ProcessGroup) for a backend struct
 /// with a `front: Front<_>` field by forwarding every call to it; the
-/// in-place ops keep the trait's defaults unless the backend adds its own
-/// (`$extra`).
+/// backend adds `all_gather_in_place` and any op it does better than the
+/// trait's default (`$extra`).
 macro_rules! forward_process_group {
     ($ty:ty { $($extra:tt)* }) => {
         impl $crate::ProcessGroup for $ty {
@@ -377,7 +394,14 @@ macro_rules! forward_process_group {
                 input: Vec<T>,
                 out: Vec<T>,
             ) -> $crate::Work<(Vec<T>, Vec<T>)> {
-                self.front.all_gather(input, out)
+                self.front.all_gather($crate::OpKind::AllGather, input, out)
+            }
+            fn all_gather_v<T: $crate::Element>(
+                &self,
+                input: Vec<T>,
+                out: Vec<T>,
+            ) -> $crate::Work<(Vec<T>, Vec<T>)> {
+                self.front.all_gather($crate::OpKind::AllGatherV, input, out)
             }
             fn broadcast<T: $crate::Element>(&self, buf: Vec<T>, root: usize) -> $crate::Work<Vec<T>> {
                 self.front.broadcast(buf, root)

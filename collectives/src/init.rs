@@ -151,6 +151,9 @@ impl ProcessGroup for Group {
     fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
         each!(self, g => g.all_gather(input, out))
     }
+    fn all_gather_v<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        each!(self, g => g.all_gather_v(input, out))
+    }
     fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
         each!(self, g => g.all_gather_in_place(buf))
     }

@@ -392,6 +392,27 @@ impl LocalGroup {
     }
 }
 
+impl LocalGroup {
+    /// `all_gather` or `all_gather_v` (`kind`): concatenates the parts.
+    fn gather<T: Element>(
+        &self,
+        kind: OpKind,
+        input: Vec<T>,
+        mut out: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc::new(kind, Some(T::DTYPE), input.len());
+        let rank = self.rank;
+        self.collective(desc, input, move |parts| {
+            out.clear();
+            for p in parts {
+                out.extend_from_slice(p);
+            }
+            let got = bytes_of::<T>(out.len());
+            ((parts[rank].clone(), out), got)
+        })
+    }
+}
+
 fn reduce_into<T: Element>(
     parts: &[&Vec<T>],
     range: std::ops::Range<usize>,
@@ -450,16 +471,26 @@ impl ProcessGroup for LocalGroup {
         })
     }
 
-    fn all_gather<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), input.len());
-        let rank = self.rank;
-        self.collective(desc, input, move |parts| {
-            out.clear();
+    fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        self.gather(OpKind::AllGather, input, out)
+    }
+
+    fn all_gather_v<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        self.gather(OpKind::AllGatherV, input, out)
+    }
+
+    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
+        let desc = OpDesc::new(OpKind::AllGatherInPlace, Some(T::DTYPE), buf.len());
+        let part = buf[chunk_range(buf.len(), self.size(), self.rank)].to_vec();
+        // Agreement made every part a chunk of the same whole: they fill `buf`.
+        self.collective(desc, part, move |parts| {
+            let mut buf = buf;
+            buf.clear();
             for p in parts {
-                out.extend_from_slice(p);
+                buf.extend_from_slice(p);
             }
-            let got = bytes_of::<T>(out.len());
-            ((parts[rank].clone(), out), got)
+            let got = bytes_of::<T>(buf.len());
+            (buf, got)
         })
     }
 

@@ -25,8 +25,14 @@ pub enum OpKind {
     AllReduce(ReduceOp),
     /// `reduce_scatter`.
     ReduceScatter(ReduceOp),
-    /// `all_gather` (per-rank lengths may differ).
+    /// `all_gather`: every rank's part has the same length.
     AllGather,
+    /// `all_gather_v`: parts may differ in length.
+    AllGatherV,
+    /// `all_gather_in_place` (and `all_gather_symmetric`): the length is
+    /// the whole buffer's, the same on every rank, and the parts are its
+    /// [`chunk_range`]s.
+    AllGatherInPlace,
     /// `broadcast` from a group rank.
     Broadcast {
         /// Source (group rank).
@@ -55,6 +61,8 @@ impl OpKind {
             OpKind::AllReduce(_) => "all_reduce",
             OpKind::ReduceScatter(_) => "reduce_scatter",
             OpKind::AllGather => "all_gather",
+            OpKind::AllGatherV => "all_gather_v",
+            OpKind::AllGatherInPlace => "all_gather_in_place",
             OpKind::Broadcast { .. } => "broadcast",
             OpKind::Barrier => "barrier",
             OpKind::Send { .. } => "send",
@@ -71,7 +79,8 @@ pub struct OpDesc {
     pub kind: OpKind,
     /// Element type (`None` for barrier).
     pub dtype: Option<DType>,
-    /// Elements in the input (for `all_gather`, this rank's own part).
+    /// Elements in the input (for `all_gather` and `all_gather_v`, this
+    /// rank's own part; for `all_gather_in_place`, the whole buffer).
     pub len: usize,
     /// For calls on a [`SymmetricBuf`] of the shm backend: the buffer's
     /// allocation number, so ranks that pass buffers of different
@@ -92,16 +101,33 @@ impl OpDesc {
 }
 
 impl OpDesc {
-    /// Whether two ranks' descriptions can belong to one collective.
-    /// `all_gather` parts may differ in length (all_gather_v).
+    /// Whether two ranks' descriptions can belong to one collective: the
+    /// same in every field, except that `all_gather_v` parts may differ
+    /// in length. Plain `all_gather` is strict on purpose: two different
+    /// calls that happen to be gathers of one dtype (a 1-element flag met
+    /// by a 6-element exchange, say) must fail, not concatenate.
     pub fn compatible(&self, other: &OpDesc) -> bool {
         match self.kind {
-            OpKind::AllGather => {
+            OpKind::AllGatherV => {
                 self.kind == other.kind && self.dtype == other.dtype && self.buffer == other.buffer
             }
             _ => self == other,
         }
     }
+}
+
+/// The length of each rank's part in a gather whose ranks described their
+/// calls as `descs` (agreed, in group order).
+pub(crate) fn gather_lens(descs: &[OpDesc]) -> Vec<usize> {
+    let n = descs.len();
+    descs
+        .iter()
+        .enumerate()
+        .map(|(r, d)| match d.kind {
+            OpKind::AllGatherInPlace => chunk_range(d.len, n, r).len(),
+            _ => d.len,
+        })
+        .collect()
 }
 
 const REDUCE_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
@@ -127,6 +153,8 @@ impl OpDesc {
             OpKind::Send { to } => (6, to as u64),
             OpKind::Recv { from } => (7, from as u64),
             OpKind::AllocSymmetric => (8, 0),
+            OpKind::AllGatherV => (9, 0),
+            OpKind::AllGatherInPlace => (10, 0),
         };
         let dt = self
             .dtype
@@ -149,6 +177,8 @@ impl OpDesc {
             6 => OpKind::Send { to: arg },
             7 => OpKind::Recv { from: arg },
             8 => OpKind::AllocSymmetric,
+            9 => OpKind::AllGatherV,
+            10 => OpKind::AllGatherInPlace,
             _ => return None,
         };
         let dtype = match w[1] & 0xFFFF_FFFF {
@@ -180,7 +210,11 @@ impl fmt::Display for OpDesc {
             OpKind::Broadcast { root } => write!(f, "broadcast({dt}, root {root})"),
             OpKind::Send { to } => write!(f, "send({dt}, to {to})"),
             OpKind::Recv { from } => write!(f, "recv({dt}, from {from})"),
-            OpKind::AllGather | OpKind::Barrier | OpKind::AllocSymmetric => {
+            OpKind::AllGather
+            | OpKind::AllGatherV
+            | OpKind::AllGatherInPlace
+            | OpKind::Barrier
+            | OpKind::AllocSymmetric => {
                 write!(f, "{}({dt})", self.kind.name())
             }
         }?;
@@ -231,18 +265,24 @@ pub trait ProcessGroup: Send + Sync {
         op: ReduceOp,
     ) -> Work<(Vec<T>, Vec<T>)>;
 
-    /// Concatenates every rank's `input` (lengths may differ) in rank order
-    /// into `out`, resized to fit. Returns `(input, out)`.
+    /// Concatenates every rank's `input` in rank order into `out`, resized
+    /// to fit. Returns `(input, out)`. Every rank's `input` has the same
+    /// length (as torch's `all_gather_into_tensor`): a rank whose length
+    /// differs fails the call on every rank, naming both calls. Parts of
+    /// different lengths go through [`ProcessGroup::all_gather_v`].
     fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)>;
 
-    /// [`ProcessGroup::all_gather`] in place: `buf` has the whole length
-    /// on every rank and holds this rank's part ([`chunk_range`]) on entry;
-    /// on return it holds every rank's part. Backends that can skip copying
-    /// this rank's own part (shm) do.
-    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
-        let part = buf[chunk_range(buf.len(), self.size(), self.rank())].to_vec();
-        self.all_gather(part, buf).map(|(_, out)| out)
-    }
+    /// [`ProcessGroup::all_gather`] of parts whose lengths may differ from
+    /// rank to rank (MPI's `allgatherv`): the lengths are exchanged with
+    /// the call, so the caller need not know them. Only the element type
+    /// must agree.
+    fn all_gather_v<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)>;
+
+    /// [`ProcessGroup::all_gather`] in place: `buf` has the whole length,
+    /// the same on every rank, and holds this rank's part ([`chunk_range`])
+    /// on entry; on return it holds every rank's part. Backends that can
+    /// skip copying this rank's own part (shm) do.
+    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>>;
 
     /// [`ProcessGroup::reduce_scatter`] in place: reduces `buf` (same
     /// length on every rank); on return this rank's part ([`chunk_range`])
@@ -360,6 +400,8 @@ mod tests {
             OpKind::Send { to: 1 },
             OpKind::Recv { from: 2 },
             OpKind::AllocSymmetric,
+            OpKind::AllGatherV,
+            OpKind::AllGatherInPlace,
         ];
         for kind in all {
             for dtype in [None, Some(DType::BF16), Some(DType::U8)] {
@@ -383,12 +425,50 @@ mod tests {
         assert_eq!(b.to_string(), "barrier()");
         let s = OpDesc {
             buffer: Some(3),
-            ..OpDesc::new(OpKind::AllGather, Some(DType::BF16), 5)
+            ..OpDesc::new(OpKind::AllGatherInPlace, Some(DType::BF16), 5)
         };
-        assert_eq!(s.to_string(), "all_gather(bf16 x 5) on symmetric buffer #3");
+        assert_eq!(
+            s.to_string(),
+            "all_gather_in_place(bf16 x 5) on symmetric buffer #3"
+        );
         assert!(!s.compatible(&OpDesc {
             buffer: Some(4),
             ..s
         }));
+    }
+
+    #[test]
+    fn only_all_gather_v_parts_may_differ_in_length() {
+        let d = |kind, dtype, len| OpDesc::new(kind, Some(dtype), len);
+        for kind in [OpKind::AllGather, OpKind::AllGatherInPlace] {
+            assert!(d(kind, DType::F32, 6).compatible(&d(kind, DType::F32, 6)));
+            assert!(!d(kind, DType::I64, 1).compatible(&d(kind, DType::I64, 6)));
+        }
+        let v = OpKind::AllGatherV;
+        assert!(d(v, DType::I64, 1).compatible(&d(v, DType::I64, 6)));
+        assert!(d(v, DType::I64, 6).compatible(&d(v, DType::I64, 1)));
+        assert!(!d(v, DType::I64, 1).compatible(&d(v, DType::F32, 1)));
+        // A gather of one kind never runs with another kind's call.
+        assert!(!d(v, DType::F32, 4).compatible(&d(OpKind::AllGather, DType::F32, 4)));
+        assert!(!d(OpKind::AllGather, DType::F32, 4).compatible(&d(v, DType::F32, 4)));
+        let in_place = d(OpKind::AllGatherInPlace, DType::F32, 4);
+        assert!(!in_place.compatible(&d(OpKind::AllGather, DType::F32, 4)));
+    }
+
+    #[test]
+    fn gathered_parts_are_the_callers_lengths_or_chunks_of_the_whole() {
+        let d = |kind, len| OpDesc::new(kind, Some(DType::F32), len);
+        let v = [
+            d(OpKind::AllGatherV, 3),
+            d(OpKind::AllGatherV, 0),
+            d(OpKind::AllGatherV, 5),
+        ];
+        assert_eq!(gather_lens(&v), [3, 0, 5]);
+        assert_eq!(gather_lens(&[d(OpKind::AllGather, 4); 3]), [4, 4, 4]);
+        // In place the whole of 10 splits like torch.tensor_split.
+        assert_eq!(
+            gather_lens(&[d(OpKind::AllGatherInPlace, 10); 3]),
+            [4, 3, 3]
+        );
     }
 }

@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 use crate::dtype::bytes_of;
 use crate::front::{forward_process_group, Front, Member, Transport};
-use crate::op::invalid;
+use crate::op::{gather_lens, invalid};
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::stream::{copy_streaming, stream_min_dest_bytes, stream_min_footprint_bytes};
@@ -548,7 +548,7 @@ impl Inner {
         let deadline = Instant::now() + self.m.timeout;
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
-        let lens: Vec<usize> = descs.iter().map(|d| d.len).collect();
+        let lens = gather_lens(&descs);
         let offs: Vec<usize> = lens
             .iter()
             .scan(0, |acc, &l| {
@@ -1167,7 +1167,7 @@ forward_process_group!(ShmGroup {
 
     fn all_gather_symmetric<T: Element>(&self, buf: SymmetricBuf<T>) -> Work<SymmetricBuf<T>> {
         let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
-        let mut desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
+        let mut desc = OpDesc::new(OpKind::AllGatherInPlace, Some(T::DTYPE), buf.len());
         desc.buffer = self.front.inner.own_buffer(&buf).map(|s| s.id);
         self.front.run(desc, move |g| {
             g.symmetric(&desc, &buf, |sh| g.gather_symmetric::<T>(sh, buf.len()))?;
@@ -1178,7 +1178,7 @@ forward_process_group!(ShmGroup {
 
     fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
         let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
-        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), own.len());
+        let desc = OpDesc::new(OpKind::AllGatherInPlace, Some(T::DTYPE), buf.len());
         self.front.run(desc, move |g| {
             g.gather(&desc, None, &mut buf)?;
             let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));

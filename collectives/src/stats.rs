@@ -11,7 +11,8 @@ fn index(k: &OpKind) -> usize {
     match k {
         OpKind::AllReduce(_) => 0,
         OpKind::ReduceScatter(_) => 1,
-        OpKind::AllGather => 2,
+        // The gathers share one counter: a benchmark reads "all_gather".
+        OpKind::AllGather | OpKind::AllGatherV | OpKind::AllGatherInPlace => 2,
         OpKind::Broadcast { .. } => 3,
         OpKind::Barrier => 4,
         OpKind::Send { .. } => 5,

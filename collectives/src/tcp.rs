@@ -20,10 +20,11 @@ use parking_lot::Mutex;
 
 use crate::dtype::{as_bytes, as_bytes_mut};
 use crate::front::{forward_process_group, Front, Member, Transport};
+use crate::op::gather_lens;
 use crate::p2p::Mailbox;
 use crate::store::StoreClient;
 use crate::worker::Worker;
-use crate::{chunk_range, CommError, Element, OpDesc, ReduceOp};
+use crate::{chunk_range, CommError, Element, OpDesc, ReduceOp, Work};
 
 /// What a rank needs to join a TCP group.
 pub struct TcpJoin<'a> {
@@ -487,11 +488,11 @@ impl Transport for Inner {
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
         let mut at = 0;
-        let parts: Vec<std::ops::Range<usize>> = descs
-            .iter()
-            .map(|d| {
-                at += d.len;
-                at - d.len..at
+        let parts: Vec<std::ops::Range<usize>> = gather_lens(&descs)
+            .into_iter()
+            .map(|len| {
+                at += len;
+                at - len..at
             })
             .collect();
         out.truncate(at);
@@ -537,4 +538,8 @@ impl Transport for Inner {
     }
 }
 
-forward_process_group!(TcpGroup {});
+forward_process_group!(TcpGroup {
+    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
+        self.front.all_gather_in_place(buf)
+    }
+});

@@ -271,6 +271,53 @@ fn same_collective_with_other_sizes_or_dtypes_names_both() {
 }
 
 #[test]
+fn gathers_of_other_lengths_name_both_calls_unless_they_are_all_gather_v() {
+    // all_gather parts must agree in length; in place, the whole buffers;
+    // and a gather never pairs with a gather of another kind.
+    let cases: [(&str, &str); 3] = [
+        ("all_gather(i64 x 1)", "all_gather(i64 x 6)"),
+        (
+            "all_gather_in_place(i64 x 10)",
+            "all_gather_in_place(i64 x 11)",
+        ),
+        ("all_gather(i64 x 3)", "all_gather_v(i64 x 3)"),
+    ];
+    for (case, (a, b)) in cases.into_iter().enumerate() {
+        let got = run(2, Duration::from_secs(120), |r| {
+            let g = r.world();
+            let one = r.rank() == 1;
+            let e = match (case, one) {
+                (0, _) => g
+                    .all_gather(vec![0i64; if one { 6 } else { 1 }], Vec::new())
+                    .wait()
+                    .map(|_| ()),
+                (1, _) => g
+                    .all_gather_in_place(vec![0i64; if one { 11 } else { 10 }])
+                    .wait()
+                    .map(|_| ()),
+                (_, false) => g.all_gather(vec![0i64; 3], Vec::new()).wait().map(|_| ()),
+                (_, true) => g.all_gather_v(vec![0i64; 3], Vec::new()).wait().map(|_| ()),
+            };
+            e.unwrap_err().to_string()
+        });
+        for e in got {
+            assert!(
+                e.contains("collective mismatch") && e.contains(a) && e.contains(b),
+                "case {case}: {e}"
+            );
+        }
+    }
+    // Parts of different lengths are what all_gather_v is for.
+    let got = run(3, Duration::from_secs(120), |r| {
+        let mine = vec![r.rank() as i64; r.rank()];
+        r.world().all_gather_v(mine, Vec::new()).wait().unwrap().1
+    });
+    for g in got {
+        assert_eq!(g, [1, 2, 2]);
+    }
+}
+
+#[test]
 fn a_rank_whose_collective_failed_leaves_the_group() {
     // Rank 0 times out waiting for rank 1, then calls again; rank 1 arrives
     // late. As on shm and tcp, rank 0's later call is not run, and rank 1

@@ -218,6 +218,11 @@ fn rank_main() {
                 .wait()
                 .map(|_| ()),
         ),
+        "gather_size" => {
+            // One rank's 6-element exchange met by the others' 1-element flag.
+            let len = if me == 1 { 6 } else { 1 };
+            report(g.all_gather(vec![0i64; len], Vec::new()).wait().map(|_| ()));
+        }
         "symmetric_misuse" => {
             // Rank 0 passes a buffer of the world to another group, whose
             // rank 1 passes that group's own; then ranks pass buffers of
@@ -280,7 +285,8 @@ fn rank_main() {
             let wrong = r.clone().zip(&part).position(|(i, &x)| x != sum(i));
             let wrong_own = |buf: &[f32]| r.clone().position(|i| buf[i] != sum(i));
             let (wrong_sym, wrong_in_place) = (wrong_own(&sym), wrong_own(&in_place));
-            let (_, all) = g.all_gather(part, Vec::new()).wait().unwrap();
+            // Parts of 8 Mi + 2 and 8 Mi + 1: all_gather_v.
+            let (_, all) = g.all_gather_v(part, Vec::new()).wait().unwrap();
             let wrong_all = (0..len).zip(&all).position(|(i, &x)| x != sum(i));
             println!(
                 "@@ {} {wrong:?} {wrong_all:?} {wrong_sym:?} {wrong_in_place:?}",
@@ -577,6 +583,20 @@ fn different_collectives_or_sizes_name_both_calls() {
                 s.contains("collective mismatch")
                     && s.contains("f32 x 10, Sum")
                     && s.contains("f32 x 12, Sum"),
+                "{backend}: {s}"
+            );
+        }
+        for e in run(
+            3,
+            "gather_size",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        ) {
+            let s = said(&e);
+            assert!(
+                s.contains("collective mismatch")
+                    && s.contains("all_gather(i64 x 1)")
+                    && s.contains("all_gather(i64 x 6)"),
                 "{backend}: {s}"
             );
         }

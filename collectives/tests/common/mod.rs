@@ -131,16 +131,28 @@ pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
             T::DTYPE
         );
         check_symmetric::<T, G>(g, len, &input, &want);
-        // all_gather of unequal parts: rank r contributes len + r elements.
+        // all_gather: every rank contributes len elements.
+        let (back, got) = g.all_gather(input.clone(), Vec::new()).wait().unwrap();
+        assert_eq!(back, input);
+        let want: Vec<T> = (0..world)
+            .flat_map(|r| (0..len).map(move |i| T::make(val(r, i))))
+            .collect();
+        assert_eq!(
+            got,
+            want,
+            "{:?} all_gather world {world} len {len} rank {me}",
+            T::DTYPE
+        );
+        // all_gather_v of unequal parts: rank r contributes len + r elements.
         let mine: Vec<T> = (0..len + me).map(|i| T::make(val(me, i))).collect();
-        let (_, got) = g.all_gather(mine, Vec::new()).wait().unwrap();
+        let (_, got) = g.all_gather_v(mine, Vec::new()).wait().unwrap();
         let want: Vec<T> = (0..world)
             .flat_map(|r| (0..len + r).map(move |i| T::make(val(r, i))))
             .collect();
         assert_eq!(
             got,
             want,
-            "{:?} all_gather world {world} len {len} rank {me}",
+            "{:?} all_gather_v world {world} len {len} rank {me}",
             T::DTYPE
         );
         let root = world - 1;

@@ -296,7 +296,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let len = own.as_ref().map_or(0, Vec::len);
         let lens = r.all_gather(vec![len as i64], Vec::new()).wait()?.1;
         let all = r
-            .all_gather(own.clone().unwrap_or_default(), Vec::new())
+            .all_gather_v(own.clone().unwrap_or_default(), Vec::new())
             .wait()?
             .1;
         if let Some(j) = lens.iter().position(|&l| l <= 0) {

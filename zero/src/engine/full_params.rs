@@ -181,21 +181,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// `mine` from every rank of the world, in world order (the shard
     /// group's ranks inside each replica). A collective.
     fn world_gather(&self, mine: Vec<i64>) -> Result<Vec<i64>, EngineError> {
-        let want = mine.len() * self.group.size();
-        let group = self.group.all_gather(mine, Vec::new()).wait()?.1;
-        let (all, want) = match &self.replicate {
-            Some(r) => (r.all_gather(group, Vec::new()).wait()?.1, want * r.size()),
-            None => (group, want),
-        };
-        // all_gather parts may differ in length: a peer's different call
-        // can match this one.
-        if all.len() != want {
-            return Err(EngineError::OutOfStep(format!(
-                "with_full_params compared {} fingerprint values from the ranks instead of {want}: another rank made a different collective call here",
-                all.len()
-            )));
-        }
-        Ok(all)
+        let what = || "with_full_params exchanged its fingerprints of the units".to_string();
+        let group = self.group.all_gather(mine, Vec::new()).wait();
+        let group = group.map_err(|e| super::out_of_step(e, what))?.1;
+        Ok(match &self.replicate {
+            Some(r) => {
+                let all = r.all_gather(group, Vec::new()).wait();
+                all.map_err(|e| super::out_of_step(e, what))?.1
+            }
+            None => group,
+        })
     }
 
     /// Makes world rank 0's gathered values of unit `k` (trainable and

@@ -50,7 +50,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
-use zrt_collectives::{DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
+use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 use crate::config::{LossScaleConfig, Precision, Setting};
@@ -354,22 +354,43 @@ fn gather_into<T: Element, G: ProcessGroup>(
 }
 
 /// All-gathers `mine` into a unit's whole `padded` elements: (`mine`
-/// back, the whole). An error, not a short buffer, when the parts add up
-/// to another length: all_gather parts may differ in length, so a peer's
-/// different call can match this one.
+/// back, the whole). A peer's different call here is
+/// [`EngineError::OutOfStep`] (see [`out_of_step`]); parts that do not
+/// add up to `padded` (a shard of the wrong size on every rank) an error
+/// too, not a short buffer for the caller to copy from.
 pub(super) fn gather_whole<T: Element, G: ProcessGroup>(
     group: &G,
     mine: Vec<T>,
     padded: usize,
 ) -> Result<(Vec<T>, Vec<T>), EngineError> {
-    let (mine, full) = group.all_gather(mine, Vec::new()).wait()?;
+    let what = || format!("this rank gathered a unit's {padded} elements");
+    let (mine, full) = group
+        .all_gather(mine, Vec::new())
+        .wait()
+        .map_err(|e| out_of_step(e, what))?;
     if full.len() != padded {
         return Err(EngineError::OutOfStep(format!(
-            "gathering a unit's {padded} elements got {}: another rank made a different collective call here",
+            "{} and got {}",
+            what(),
             full.len()
         )));
     }
     Ok((mine, full))
+}
+
+/// The error for collective `e`, met while this rank did `what`: a
+/// mismatch means a peer made another engine call here (all_gather parts
+/// must agree in length, so a peer's different gather cannot match
+/// this one), which is [`EngineError::OutOfStep`]. A peer's checkpoint
+/// agreement stays [`EngineError::Comm`] for `checkpoint_on_a_peer`.
+pub(super) fn out_of_step(e: CommError, what: impl FnOnce() -> String) -> EngineError {
+    match e {
+        c @ CommError::Mismatch { .. } if !meets_checkpoint(&c) => EngineError::OutOfStep(format!(
+            "{}, and another rank made a different collective call here (with_full_params, a checkpoint, a forward only some ranks ran): {c}",
+            what()
+        )),
+        c => EngineError::Comm(c),
+    }
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -1627,21 +1648,62 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_whole_unit_gathered_from_parts_of_another_length_is_an_error() {
+    fn a_whole_unit_gathered_against_another_call_or_to_another_length_is_an_error() {
         let mut ranks = zrt_collectives::local::world(2).into_iter();
         let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
-        // Rank 1 makes another call: all_gather parts may differ in length.
+        // Rank 1 makes another call.
         let other = std::thread::spawn(move || {
             let g = r1.new_group(&[0, 1]).unwrap();
-            g.all_gather(vec![0f32; 3], Vec::new()).wait().unwrap()
+            let e = g.all_gather(vec![0f32; 3], Vec::new()).wait();
+            // Shards of one size on both ranks, adding up to 6, not 5.
+            let g = r1.new_group(&[0, 1]).unwrap();
+            let ok = g.all_gather(vec![0f32; 3], Vec::new()).wait();
+            (e.is_err(), ok.is_ok())
         });
         let g = r0.new_group(&[0, 1]).unwrap();
         let e = gather_whole(&g, vec![1f32; 2], 4).unwrap_err().to_string();
-        other.join().unwrap();
-        assert_eq!(
-            e,
-            "ranks out of step: gathering a unit's 4 elements got 5: another rank made a different collective call here; every rank must make the same engine calls in the same order"
+        let g = r0.new_group(&[0, 1]).unwrap();
+        let short = gather_whole(&g, vec![1f32; 3], 5).unwrap_err().to_string();
+        assert_eq!(other.join().unwrap(), (true, true));
+        assert!(
+            e.starts_with("ranks out of step: this rank gathered a unit's 4 elements, and another rank made a different collective call here")
+                && e.contains("rank 0 called all_gather(f32 x 2) but rank 1 called all_gather(f32 x 3)"),
+            "{e}"
         );
+        assert_eq!(
+            short,
+            "ranks out of step: this rank gathered a unit's 5 elements and got 6; every rank must make the same engine calls in the same order"
+        );
+    }
+
+    #[test]
+    fn a_peers_checkpoint_agreement_is_left_to_the_checkpoint_explanation() {
+        let m = |call_b: &str| CommError::Mismatch {
+            group: "world".into(),
+            seq: 3,
+            rank_a: 0,
+            call_a: "all_gather(f32 x 2)".into(),
+            rank_b: 1,
+            call_b: call_b.into(),
+        };
+        let what = || "here".to_string();
+        assert!(matches!(
+            out_of_step(m(CHECKPOINT_AGREEMENT), what),
+            EngineError::Comm(CommError::Mismatch { .. })
+        ));
+        assert!(matches!(
+            out_of_step(m("all_gather(f32 x 3)"), what),
+            EngineError::OutOfStep(_)
+        ));
+        let died = CommError::RankDied {
+            group: "world".into(),
+            rank: 1,
+            call: "all_gather(f32 x 2)".into(),
+        };
+        assert!(matches!(
+            out_of_step(died, what),
+            EngineError::Comm(CommError::RankDied { .. })
+        ));
     }
 
     fn scaler(power: u32, window: u64, hysteresis: u32) -> Scaler {

@@ -146,9 +146,8 @@ impl UnitIds {
 
     /// Waits for every rank's announcement: `None` when all are this
     /// rank's (`kind`, `unit`), else what each rank announced (`name`
-    /// names a unit index). An error when a rank's part of the all_gather
-    /// was not an announcement: a peer made another engine call, and
-    /// all_gather parts may differ in length, so the collective matched.
+    /// names a unit index). [`EngineError::OutOfStep`] when a peer's call
+    /// was not an announcement (see [`super::out_of_step`]).
     fn disagree(
         self,
         kind: Kind,
@@ -156,20 +155,18 @@ impl UnitIds {
         name: impl Fn(usize) -> String,
     ) -> Result<Option<Disagreement>, EngineError> {
         let mine = [kind as i64, unit as i64];
-        let all = self.work.wait()?.1;
-        if all.len() != mine.len() * self.ranks {
-            return Err(EngineError::OutOfStep(format!(
-                "this rank announced {} unit `{}` to its {} ranks and got {} values back instead of {}: another rank made a different collective call here (with_full_params, a checkpoint, a forward only some ranks ran)",
+        let what = || {
+            format!(
+                "this rank announced {} unit `{}` to its {} ranks",
                 match kind {
                     Kind::Gather => "the gather of",
                     Kind::Reduce => "the gradient reduction of",
                 },
                 name(unit),
                 self.ranks,
-                all.len(),
-                mine.len() * self.ranks,
-            )));
-        }
+            )
+        };
+        let all = self.work.wait().map_err(|e| super::out_of_step(e, what))?.1;
         if all.chunks(2).all(|c| c == mine) {
             return Ok(None);
         }
@@ -1003,12 +1000,12 @@ mod tests {
 
     #[test]
     fn an_announcement_met_by_another_all_gather_is_an_error() {
-        // all_gather parts may differ in length, so the collective matches.
+        // Both are all_gathers of i64: only their lengths differ.
         let mut ranks = local::world(2).into_iter();
         let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
         let other = std::thread::spawn(move || {
             let g = r1.new_group(&[0, 1]).unwrap();
-            g.all_gather(vec![7i64; 3], Vec::new()).wait().unwrap()
+            g.all_gather(vec![7i64; 3], Vec::new()).wait().unwrap_err()
         });
         let g = r0.new_group(&[0, 1]).unwrap();
         let e = UnitIds::issue(&g, Kind::Reduce, 0)
@@ -1017,7 +1014,8 @@ mod tests {
             .to_string();
         other.join().unwrap();
         assert!(
-            e.starts_with("ranks out of step: this rank announced the gradient reduction of unit `a` to its 2 ranks and got 5 values back instead of 4"),
+            e.starts_with("ranks out of step: this rank announced the gradient reduction of unit `a` to its 2 ranks, and another rank made a different collective call here")
+                && e.contains("rank 0 called all_gather(i64 x 2) but rank 1 called all_gather(i64 x 3)"),
             "{e}"
         );
     }

@@ -650,6 +650,51 @@ fn communication_data_type_16_bit_reduces_in_half_the_bytes_and_tracks_fp32() {
 }
 
 #[test]
+fn fp16_hands_adam_the_unscaled_gradients() {
+    // Adam's update does not depend on the gradient's scale but through
+    // eps, so a loss scale left in the gradients (or applied twice) hid
+    // behind it. With eps 1 the update follows the gradient's size: fp16
+    // must move the parameters as fp32 does, not 2^16 times the gradient.
+    let eps = |mut cfg: Config| {
+        cfg.optimizer.eps = 1.0;
+        cfg
+    };
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    let mut start: Params = model()
+        .0
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()))
+        .collect();
+    start.sort_by(|a, b| a.0.cmp(&b.0));
+    let moved = |r: &Run| -> f64 {
+        let mut p = r.params.clone();
+        p.sort_by(|a, b| a.0.cmp(&b.0));
+        p.iter()
+            .zip(&start)
+            .flat_map(|((_, a), (_, b))| a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64))
+            .fold(0.0, f64::max)
+    };
+    for stage in [0u8, 3] {
+        let wide = run_engine_with(eps(config_with(stage, 1, 0.0, "")), 1);
+        let half = run_engine_with(eps(config_with(stage, 1, 0.0, fp16)), 1);
+        // The gradient norm it reports is unscaled too.
+        for (s, (a, b)) in half.norms.iter().zip(&wide.norms).enumerate() {
+            let (a, b) = (a.unwrap(), b.unwrap());
+            assert!(
+                (a - b).abs() <= 0.05 * b,
+                "stage {stage} step {s}: fp16 gradient norm {a}, fp32 {b}"
+            );
+        }
+        let (wide, half) = (moved(&wide), moved(&half));
+        assert!(
+            (half - wide).abs() <= 0.1 * wide,
+            "stage {stage}: fp16 moved a parameter up to {half:e}, fp32 {wide:e}"
+        );
+    }
+}
+
+#[test]
 fn bf16_tracks_the_fp32_reference_across_accumulation_and_clipping() {
     // The rest of the bf16 matrix (stages x gas x clipping): within the 2%
     // a bf16 forward allows (8 significand bits, 0.4% per rounding), and

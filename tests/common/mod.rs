@@ -150,18 +150,14 @@ pub fn solo_engine(
     Engine::new(vs, plan, cfg, group, &AutoHints::default())
 }
 
-/// An example program of this build (`cargo test` builds them beside the
-/// test binaries' profile).
+/// An example program of this build. `cargo test` builds them into
+/// `<target>/<profile>/examples`, beside the `deps` folder this test binary
+/// runs from: found from it, not from `target/` under the sources, so a
+/// `CARGO_TARGET_DIR` elsewhere works too (cargo-mutants uses one).
 pub fn example(name: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("target")
-        .join(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        })
-        .join("examples")
-        .join(name)
+    let exe = std::env::current_exe().unwrap();
+    let profile = exe.parent().and_then(std::path::Path::parent).unwrap();
+    profile.join("examples").join(name)
 }
 
 /// Runs `f` with this thread's `tracing` events (warnings and up) written

@@ -572,33 +572,27 @@ fn different_collectives_or_sizes_name_both_calls() {
                 "{backend}: {s}"
             );
         }
-        for e in run(
-            3,
-            "size",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        ) {
-            let s = said(&e);
-            assert!(
-                s.contains("collective mismatch")
-                    && s.contains("f32 x 10, Sum")
-                    && s.contains("f32 x 12, Sum"),
-                "{backend}: {s}"
-            );
-        }
-        for e in run(
-            3,
-            "gather_size",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        ) {
-            let s = said(&e);
-            assert!(
-                s.contains("collective mismatch")
-                    && s.contains("all_gather(i64 x 1)")
-                    && s.contains("all_gather(i64 x 6)"),
-                "{backend}: {s}"
-            );
+        // The same collective with other sizes, on 3 ranks: the calls each names.
+        let sizes = [
+            ("size", ["f32 x 10, Sum", "f32 x 12, Sum"]),
+            (
+                "gather_size",
+                ["all_gather(i64 x 1)", "all_gather(i64 x 6)"],
+            ),
+        ];
+        for (role, [a, b]) in sizes {
+            for e in run(
+                3,
+                role,
+                &[("ZRT_BACKEND", backend)],
+                Duration::from_secs(60),
+            ) {
+                let s = said(&e);
+                assert!(
+                    s.contains("collective mismatch") && s.contains(a) && s.contains(b),
+                    "{backend} {role}: {s}"
+                );
+            }
         }
     }
 }

@@ -278,26 +278,31 @@ impl<X: Transport> Front<X> {
         &self,
         kind: OpKind,
         input: Vec<T>,
-        mut out: Vec<T>,
+        out: Vec<T>,
     ) -> Work<(Vec<T>, Vec<T>)> {
-        let d = desc::<T>(kind, input.len());
-        self.run(d, move |g| {
-            g.all_gather(&d, &input, &mut out)?;
-            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
-            Ok(((input, out), s, r))
-        })
+        self.gather(desc::<T>(kind, input.len()), input, out)
     }
 
     /// `all_gather_in_place` for a transport without a way to skip this
     /// rank's own part: it is copied out and gathered back.
-    pub(crate) fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+    pub(crate) fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
         let d = desc::<T>(OpKind::AllGatherInPlace, buf.len());
-        let own = chunk_range(buf.len(), self.size(), self.rank());
+        let part = buf[chunk_range(buf.len(), self.size(), self.rank())].to_vec();
+        self.gather(d, part, buf).map(|(_, buf)| buf)
+    }
+
+    /// Every gather (`d` says which): the transport concatenates the
+    /// ranks' `input`s into `out`. Returns `(input, out)`.
+    fn gather<T: Element>(
+        &self,
+        d: OpDesc,
+        input: Vec<T>,
+        mut out: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
         self.run(d, move |g| {
-            let part = buf[own].to_vec();
-            g.all_gather(&d, &part, &mut buf)?;
-            let (s, r) = (bytes_of::<T>(part.len()), bytes_of::<T>(buf.len()));
-            Ok((buf, s, r))
+            g.all_gather(&d, &input, &mut out)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
         })
     }
 

@@ -390,17 +390,15 @@ impl LocalGroup {
             Ok((out, sent, received))
         })
     }
-}
 
-impl LocalGroup {
-    /// `all_gather` or `all_gather_v` (`kind`): concatenates the parts.
+    /// Every gather (`desc` says which): concatenates the ranks' `input`s
+    /// into `out`. Returns `(input, out)`.
     fn gather<T: Element>(
         &self,
-        kind: OpKind,
+        desc: OpDesc,
         input: Vec<T>,
         mut out: Vec<T>,
     ) -> Work<(Vec<T>, Vec<T>)> {
-        let desc = OpDesc::new(kind, Some(T::DTYPE), input.len());
         let rank = self.rank;
         self.collective(desc, input, move |parts| {
             out.clear();
@@ -472,26 +470,21 @@ impl ProcessGroup for LocalGroup {
     }
 
     fn all_gather<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        self.gather(OpKind::AllGather, input, out)
+        let desc = OpDesc::new(OpKind::AllGather, Some(T::DTYPE), input.len());
+        self.gather(desc, input, out)
     }
 
     fn all_gather_v<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
-        self.gather(OpKind::AllGatherV, input, out)
+        let desc = OpDesc::new(OpKind::AllGatherV, Some(T::DTYPE), input.len());
+        self.gather(desc, input, out)
     }
 
     fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
+        // Described by the whole length, so agreement makes every part a
+        // chunk of the same whole: together they fill `buf`.
         let desc = OpDesc::new(OpKind::AllGatherInPlace, Some(T::DTYPE), buf.len());
         let part = buf[chunk_range(buf.len(), self.size(), self.rank)].to_vec();
-        // Agreement made every part a chunk of the same whole: they fill `buf`.
-        self.collective(desc, part, move |parts| {
-            let mut buf = buf;
-            buf.clear();
-            for p in parts {
-                buf.extend_from_slice(p);
-            }
-            let got = bytes_of::<T>(buf.len());
-            (buf, got)
-        })
+        self.gather(desc, part, buf).map(|(_, buf)| buf)
     }
 
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {

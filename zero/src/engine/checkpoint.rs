@@ -680,11 +680,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut sink = Sink::open(i.group.rank() == 0, path, &plan, meta);
         let units = i.st.lock().units.len();
         for k in 0..units {
-            let Some((mine, _)) = self.master_shard(k)? else {
+            let Some(full) = self.whole_master(k)? else {
                 continue;
             };
-            let padded = i.st.lock().units[k].layout.padded;
-            let (_, full) = super::gather_whole(&i.group, mine, padded)?;
             if sink.wants() {
                 for s in &i.st.lock().units[k].layout.slots {
                     sink.write(&s.name, &encode(&full[s.offset..s.offset + s.numel], dtype));

@@ -1600,17 +1600,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let n = self.inner.st.lock().units.len();
         let mut out = Vec::new();
         for k in 0..n {
-            let Some((mine, _)) = self.master_shard(k)? else {
+            let Some(full) = self.whole_master(k)? else {
                 continue;
             };
-            let padded = self.inner.st.lock().units[k].layout.padded;
-            let (_, full) = gather_whole(&self.inner.group, mine, padded)?;
             let st = self.inner.st.lock();
             for s in &st.units[k].layout.slots {
                 out.push((s.name.clone(), full[s.offset..s.offset + s.numel].to_vec()));
             }
         }
         Ok(out)
+    }
+
+    /// Unit `k`'s whole fp32 master, gathered from every rank's shard (a
+    /// collective); `None` where [`Engine::master_shard`] has none.
+    pub(super) fn whole_master(&self, k: usize) -> Result<Option<Vec<f32>>, EngineError> {
+        let Some((mine, _)) = self.master_shard(k)? else {
+            return Ok(None);
+        };
+        let padded = self.inner.st.lock().units[k].layout.padded;
+        Ok(Some(gather_whole(&self.inner.group, mine, padded)?.1))
     }
 }
 

@@ -387,6 +387,36 @@ fn fp16_overflows_skip_the_step_on_every_rank_and_lower_the_scale() {
     }
 }
 
+#[test]
+fn an_overflow_at_the_minimum_loss_scale_stops_every_rank() {
+    // With the minimum at the initial 2^20 no smaller scale is left: the
+    // first overflow is an error on every rank (DeepSpeed raises too),
+    // not a run that skips every step from then on.
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 20, "hysteresis": 1, "min_loss_scale": 1048576},"#;
+    let cfg = config_with(3, 1, 0.0, fp16);
+    let errors = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        engine
+            .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
+            .unwrap();
+        let e = engine.step().unwrap_err();
+        (e.to_string(), engine.skipped_steps(), engine.loss_scale())
+    });
+    for (rank, (e, skipped, scale)) in errors.iter().enumerate() {
+        assert!(
+            e.contains("overflowed at the minimum loss scale (1048576, `fp16.min_loss_scale`)"),
+            "rank {rank}: {e}"
+        );
+        assert_eq!(
+            (*skipped, *scale),
+            (1, Some(1048576.0)),
+            "rank {rank}: the step is skipped"
+        );
+    }
+}
+
 /// `STEPS` steps of one micro-step each on this rank's batches; the mean
 /// loss over `world` per step.
 fn train_steps<G: ProcessGroup + 'static>(
@@ -659,7 +689,9 @@ fn fp16_hands_adam_the_unscaled_gradients() {
         cfg.optimizer.eps = 1.0;
         cfg
     };
-    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
+    // A window of 2 doubles the scale during the run (at the third and
+    // fifth steps): those steps' gradients were made with the scale before.
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8, "loss_scale_window": 2},"#;
     let mut start: Params = model()
         .0
         .variables()

@@ -48,6 +48,10 @@ pub enum EngineError {
     /// The program called the engine out of order.
     #[error("engine calls out of order: {0}")]
     CallOrder(String),
+    /// fp16 gradients overflowed with the loss scale already at
+    /// `min_loss_scale` (DeepSpeed stops the run here too).
+    #[error("fp16 gradients overflowed at the minimum loss scale ({0}, `fp16.min_loss_scale`): no smaller scale is left, so every step from here would be skipped; look for inf/NaN in the inputs or the loss, lower the learning rate, or train in bf16 (`\"bf16\": {{\"enabled\": true}}`), which needs no loss scaling")]
+    LossScaleAtMinimum(f64),
     /// A setting this build of the engine does not implement yet.
     #[error("not implemented yet: {0}")]
     Unsupported(String),

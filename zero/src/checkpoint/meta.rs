@@ -63,8 +63,8 @@ pub struct ScalerMeta {
     pub hysteresis: u32,
     /// Steps seen.
     pub iter: u64,
-    /// The step of the last overflow.
-    pub last_overflow: u64,
+    /// The step of the last overflow (`null` before the first).
+    pub last_overflow: Option<u64>,
 }
 
 /// Everything `meta.json` records (rank 0 writes it).

@@ -108,10 +108,14 @@ pub struct LossScaleConfig {
     pub loss_scale: f64,
     /// `initial_scale_power`: dynamic scaling starts at 2^this.
     pub initial_scale_power: u32,
-    /// `loss_scale_window`: steps without overflow before the scale doubles.
+    /// `loss_scale_window`: steps without overflow before the scale doubles
+    /// (on the step after them, as DeepSpeed does).
     pub loss_scale_window: u64,
     /// `hysteresis`: overflows tolerated before the scale halves.
     pub hysteresis: u32,
+    /// `consecutive_hysteresis`: refill the hysteresis on every step
+    /// without an overflow, not only when the scale doubles.
+    pub consecutive_hysteresis: bool,
     /// `min_loss_scale`.
     pub min_loss_scale: f64,
 }

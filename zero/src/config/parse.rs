@@ -479,11 +479,17 @@ impl P {
         if self.bool_or(o, "fp16", "fp16_master_weights_and_grads", false) {
             self.problems.push("`fp16.fp16_master_weights_and_grads` is not supported: zrt always keeps fp32 master weights".into());
         }
+        if self.bool_or(o, "fp16", "auto_cast", false) {
+            // DeepSpeed casts the floating inputs of `engine(..)`; a
+            // ShardedModule's forward is the program's own call.
+            self.warnings.push("`fp16.auto_cast` = true has no effect: zrt does not call the model's forward, so cast floating inputs yourself (`x.to_kind(Kind::Half)`)".into());
+        }
         Precision::Fp16(LossScaleConfig {
             loss_scale: self.f64_or(o, "fp16", "loss_scale", 0.0),
             initial_scale_power: self.u64_or(o, "fp16", "initial_scale_power", 16).min(64) as u32,
             loss_scale_window: self.u64_or(o, "fp16", "loss_scale_window", 1000),
             hysteresis: self.u64_or(o, "fp16", "hysteresis", 2).min(u32::MAX as u64) as u32,
+            consecutive_hysteresis: self.bool_or(o, "fp16", "consecutive_hysteresis", false),
             min_loss_scale: self.f64_or(o, "fp16", "min_loss_scale", 1.0),
         })
     }

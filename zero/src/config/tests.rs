@@ -579,6 +579,35 @@ fn precision_offload_and_aio_warn_only_about_what_has_no_effect() {
 }
 
 #[test]
+fn fp16_reads_consecutive_hysteresis_and_says_auto_cast_does_nothing() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {}}, "fp16": {"enabled": true, "consecutive_hysteresis": true, "auto_cast": false}}"#,
+    )
+    .unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert!(
+        matches!(&c.precision, Precision::Fp16(l) if l.consecutive_hysteresis),
+        "{:?}",
+        c.precision
+    );
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "fp16": {"enabled": true, "auto_cast": true}}"#,
+    )
+    .unwrap();
+    assert!(
+        matches!(&c.precision, Precision::Fp16(l) if !l.consecutive_hysteresis),
+        "off by default"
+    );
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.starts_with("`fp16.auto_cast` = true has no effect")),
+        "{:?}",
+        c.warnings
+    );
+}
+
+#[test]
 fn deprecated_offload_keys_map_to_their_successors_without_overriding_them() {
     let c = Config::from_json(
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload": true,

@@ -21,7 +21,6 @@ use crate::checkpoint::consolidate::encode;
 use crate::checkpoint::files::{
     f32_bytes, json_with_crc, sync_dir, Planned, RankFile, Sink, TensorWriter,
 };
-use crate::checkpoint::meta::ScalerMeta;
 use crate::checkpoint::{
     rank_file_name, resolve_tag, write_atomic, CheckpointError, FrozenMeta, Locator, Meta,
     SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
@@ -405,12 +404,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             boundary_at: st.boundary_at,
             skipped_steps: st.skipped,
             lr: st.lr,
-            loss_scaler: st.scaler.as_ref().map(|s| ScalerMeta {
-                scale: s.scale,
-                hysteresis: s.hysteresis,
-                iter: s.iter,
-                last_overflow: s.last_overflow,
-            }),
+            loss_scaler: st.scaler.as_ref().map(Scaler::meta),
             grads_saved: st.micro != st.boundary_at,
             units: st
                 .units
@@ -634,7 +628,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.lr = m.lr;
             st.norm = None;
             if let (Some(s), Some(saved)) = (st.scaler.as_mut(), &m.loss_scaler) {
-                restore_scaler(s, saved);
+                s.restore(saved);
             }
             if let Some(rng) = &l.rng {
                 glue::set_cpu_rng_state(rng)?;
@@ -783,13 +777,6 @@ fn frozen_plan(st: &State, float: Option<tch::Kind>) -> Result<Vec<Planned>, Eng
         .collect();
     plan.extend(st.frozen.plan(float)?);
     Ok(plan)
-}
-
-fn restore_scaler(s: &mut Scaler, m: &ScalerMeta) {
-    s.scale = m.scale;
-    s.hysteresis = m.hysteresis;
-    s.iter = m.iter;
-    s.last_overflow = m.last_overflow;
 }
 
 /// Moves the complete staging directory to `target` and then rewrites

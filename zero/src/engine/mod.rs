@@ -53,11 +53,12 @@ use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
-use crate::config::{LossScaleConfig, Precision, Setting};
+use crate::config::{Precision, Setting};
 use crate::flat::FlatLayout;
 use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::lr_at;
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
+use loss_scale::Scaler;
 use offload::ReadAhead;
 
 mod checkpoint;
@@ -65,6 +66,7 @@ mod elems;
 mod frozen;
 mod frozen_shards;
 mod full_params;
+mod loss_scale;
 mod offload;
 mod overlap;
 mod pool;
@@ -158,56 +160,6 @@ struct Update<'a> {
     adam: &'a AdamConfig,
     step: u64,
     scale: f32,
-}
-
-/// DeepSpeed's dynamic loss scaler (fp16).
-struct Scaler {
-    cfg: LossScaleConfig,
-    scale: f64,
-    hysteresis: u32,
-    iter: u64,
-    last_overflow: u64,
-}
-
-impl Scaler {
-    fn new(cfg: &LossScaleConfig) -> Self {
-        let scale = if cfg.loss_scale > 0.0 {
-            cfg.loss_scale
-        } else {
-            2f64.powi(cfg.initial_scale_power as i32)
-        };
-        Self {
-            cfg: cfg.clone(),
-            scale,
-            hysteresis: cfg.hysteresis.max(1),
-            iter: 0,
-            last_overflow: 0,
-        }
-    }
-
-    /// DeepSpeed's update: halve after `hysteresis` overflows (not below the
-    /// minimum), double after `loss_scale_window` steps without one; a
-    /// static scale never moves.
-    fn update(&mut self, overflow: bool) {
-        if self.cfg.loss_scale > 0.0 {
-            return;
-        }
-        if overflow {
-            if self.hysteresis <= 1 {
-                self.scale = (self.scale / 2.0).max(self.cfg.min_loss_scale);
-            } else {
-                self.hysteresis -= 1;
-            }
-            self.last_overflow = self.iter;
-        } else if self.cfg.loss_scale_window > 0
-            && (self.iter - self.last_overflow) % self.cfg.loss_scale_window == 0
-            && self.iter != self.last_overflow
-        {
-            self.hysteresis = self.cfg.hysteresis.max(1);
-            self.scale *= 2.0;
-        }
-        self.iter += 1;
-    }
 }
 
 struct State {
@@ -1340,8 +1292,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 &sh.g
             }
         }
-        // fp16: any rank's overflow skips the step everywhere.
-        if st.scaler.is_some() {
+        // fp16: any rank's overflow skips the step everywhere. The
+        // gradients were made with the scale before this step's update and
+        // are divided by it below (DeepSpeed divides by the updated one, so
+        // a step that doubles the scale halves its gradients:
+        // deepspeedai/DeepSpeed#8588).
+        let mut loss_scale = 1.0;
+        if let Some(scaler) = st.scaler.as_mut() {
             let local = st
                 .shards
                 .iter()
@@ -1351,9 +1308,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .all_reduce(vec![u8::from(local)], ReduceOp::Max)
                 .wait()?[0]
                 != 0;
-            if let Some(s) = st.scaler.as_mut() {
-                s.update(any);
-            }
+            loss_scale = scaler.scale;
+            let updated = scaler.update(any);
             if any {
                 for sh in st.shards.iter_mut() {
                     sh.g.fill(0.0);
@@ -1362,14 +1318,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 st.skipped += 1;
                 let step = st.step;
                 st.timing.step_ends(started, log, step);
+                // Every rank saw the same overflow: all fail together here.
+                updated?;
                 tracing::warn!(
-                    scale = st.scaler.as_ref().map(|s| s.scale),
+                    scale = scaler.scale,
                     "fp16 overflow: step skipped on every rank"
                 );
                 return Ok(false);
             }
         }
-        let loss_scale = st.scaler.as_ref().map_or(1.0, |s| s.scale);
         // Global norm of the true (unscaled) gradients, before clipping: the shards are disjoint.
         let mut sq: f64 = st
             .shards
@@ -1712,40 +1669,5 @@ mod tests {
             out_of_step(died, what),
             EngineError::Comm(CommError::RankDied { .. })
         ));
-    }
-
-    fn scaler(power: u32, window: u64, hysteresis: u32) -> Scaler {
-        Scaler::new(&LossScaleConfig {
-            loss_scale: 0.0,
-            initial_scale_power: power,
-            loss_scale_window: window,
-            hysteresis,
-            min_loss_scale: 1.0,
-        })
-    }
-
-    #[test]
-    fn loss_scale_follows_deepspeed() {
-        let mut s = scaler(4, 2, 2);
-        assert_eq!(s.scale, 16.0);
-        s.update(true); // first overflow: hysteresis 2 -> 1, scale kept
-        assert_eq!(s.scale, 16.0);
-        s.update(true); // second: halves
-        assert_eq!(s.scale, 8.0);
-        s.update(false);
-        s.update(false); // two good steps after the overflow at iter 1: doubles
-        assert_eq!(s.scale, 16.0);
-        let mut low = scaler(0, 1000, 1);
-        low.update(true);
-        assert_eq!(low.scale, 1.0, "never below min_loss_scale");
-        let mut fixed = Scaler::new(&LossScaleConfig {
-            loss_scale: 128.0,
-            initial_scale_power: 16,
-            loss_scale_window: 1,
-            hysteresis: 1,
-            min_loss_scale: 1.0,
-        });
-        fixed.update(true);
-        assert_eq!(fixed.scale, 128.0, "a static scale never moves");
     }
 }

@@ -680,6 +680,28 @@ fn communication_data_type_16_bit_reduces_in_half_the_bytes_and_tracks_fp32() {
 }
 
 #[test]
+fn a_16_bit_communication_data_type_with_fp32_compute_is_warned_about() {
+    // zrt reduces in the compute dtype, so the key alone changes nothing:
+    // the engine says so at build, and only then.
+    let said = |extra: &str| {
+        let (vs, plan, _) = model();
+        let cfg = config_with(2, 1, 0.0, extra);
+        common::with_logs(|| common::solo_engine(&vs, &plan, &cfg).map(|_| ()))
+    };
+    let warning = "a 16-bit communication_data_type with fp32 compute";
+    let (built, logs) = said(r#""communication_data_type": "bf16","#);
+    assert!(built.is_ok() && logs.contains(warning), "{logs}");
+    for quiet in [
+        r#""communication_data_type": "fp32","#,
+        r#""bf16": {"enabled": true}, "communication_data_type": "bf16","#,
+        "",
+    ] {
+        let (built, logs) = said(quiet);
+        assert!(built.is_ok() && !logs.contains(warning), "{quiet}: {logs}");
+    }
+}
+
+#[test]
 fn fp16_hands_adam_the_unscaled_gradients() {
     // Adam's update does not depend on the gradient's scale but through
     // eps, so a loss scale left in the gradients (or applied twice) hid

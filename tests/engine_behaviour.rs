@@ -1218,6 +1218,42 @@ fn a_step_with_a_non_finite_gradient_norm_is_warned_about() {
 }
 
 #[test]
+fn bf16_check_grad_overflow_skips_a_step_with_inf_gradients_on_every_rank() {
+    // Rank 1 alone makes an infinite gradient; with the key on, neither
+    // rank steps and the parameters stay as they were, and the next step
+    // trains. With it off the step is applied (and warned about, above).
+    for check in [true, false] {
+        let cfg = Config::from_json(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 4, "bf16": {{"enabled": true, "check_grad_overflow": {check}}},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+                "zero_optimization": {{"stage": 2}}}}"#
+        ))
+        .unwrap();
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&cfg, &r);
+            let before = e.gathered_params().unwrap();
+            let x = input(r.rank(), 0).to_kind(Kind::BFloat16);
+            let blow_up = if r.rank() == 1 { f64::INFINITY } else { 1.0 };
+            e.backward(&(t.loss(&x) * blow_up)).unwrap();
+            let (stepped, logs) = common::with_logs(|| e.step().unwrap());
+            let after = e.gathered_params().unwrap();
+            if check {
+                assert!(!stepped, "rank {}: skipped", r.rank());
+                assert_eq!(e.skipped_steps(), 1);
+                assert_eq!(after, before, "rank {}: nothing applied", r.rank());
+                assert!(logs.contains("step skipped on every rank"), "{logs}");
+                e.backward(&t.loss(&x)).unwrap();
+                assert!(e.step().unwrap(), "the next step trains");
+                assert_ne!(e.gathered_params().unwrap(), before);
+            } else {
+                assert!(stepped && e.skipped_steps() == 0);
+                assert_ne!(after, before, "rank {}: applied", r.rank());
+            }
+        });
+    }
+}
+
+#[test]
 fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
     let swap = std::env::temp_dir().join(format!("zrt-full-swap-{}", std::process::id()));
     std::fs::create_dir_all(&swap).unwrap();

@@ -74,7 +74,12 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
     println!("  scheduler        {:?}", c.scheduler);
     let prec = match &c.precision {
         Precision::Fp32 => "fp32".to_string(),
-        Precision::Bf16 => "bf16 compute, fp32 master".to_string(),
+        Precision::Bf16 {
+            check_grad_overflow,
+        } => format!(
+            "bf16 compute, fp32 master{}",
+            if *check_grad_overflow { ", steps with inf/NaN gradients skipped" } else { "" }
+        ),
         Precision::Fp16(l) => format!(
             "fp16 compute, fp32 master, loss scale {} (initial 2^{}, window {}, hysteresis {}, min {})",
             if l.loss_scale == 0.0 { "dynamic".to_string() } else { l.loss_scale.to_string() },

@@ -126,7 +126,12 @@ pub enum Precision {
     /// fp32 compute.
     Fp32,
     /// bf16 compute, fp32 master.
-    Bf16,
+    Bf16 {
+        /// `bf16.check_grad_overflow`: skip, on every rank, a step whose
+        /// gradients hold inf/NaN on any rank (off by default, as in
+        /// DeepSpeed; with it off such a step is applied and warned about).
+        check_grad_overflow: bool,
+    },
     /// fp16 compute, fp32 master, loss scaling.
     Fp16(LossScaleConfig),
 }

@@ -469,8 +469,10 @@ impl P {
             );
             return Precision::Fp32;
         }
-        if b {
-            return Precision::Bf16;
+        if let Some(o) = bf16.filter(|_| b) {
+            return Precision::Bf16 {
+                check_grad_overflow: self.bool_or(o, "bf16", "check_grad_overflow", false),
+            };
         }
         let Some(o) = fp16.filter(|_| f) else {
             return Precision::Fp32;

@@ -106,7 +106,12 @@ fn fixtures_read_as_deepspeed_means_them() {
     );
 
     let c = Config::from_file(fixtures().join("tests_torch_compile_ds_config_z3.json")).unwrap();
-    assert_eq!(c.precision, Precision::Bf16);
+    assert_eq!(
+        c.precision,
+        Precision::Bf16 {
+            check_grad_overflow: false
+        }
+    );
     assert_eq!(c.optimizer.betas, (0.8, 0.999));
     assert!(
         c.warnings
@@ -550,7 +555,12 @@ fn precision_offload_and_aio_warn_only_about_what_has_no_effect() {
     )
     .unwrap();
     assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
-    assert_eq!(quiet.precision, Precision::Bf16);
+    assert_eq!(
+        quiet.precision,
+        Precision::Bf16 {
+            check_grad_overflow: false
+        }
+    );
     assert_eq!(
         quiet.aio,
         AioConfig {

@@ -846,7 +846,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let c = &cfg.config;
         let compute = match c.precision {
             Precision::Fp32 => Compute::F32,
-            Precision::Bf16 => Compute::Bf16,
+            Precision::Bf16 { .. } => Compute::Bf16,
             Precision::Fp16(_) => Compute::F16,
         };
         if compute == Compute::F16 {
@@ -1234,7 +1234,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// `engine.step()` contract: call it after every `backward`). Returns
     /// whether the optimizer stepped: `false` off the boundary, and on an
     /// fp16 overflow (the step is skipped on every rank, the loss scale
-    /// drops, and [`Engine::skipped_steps`] counts it).
+    /// drops, and [`Engine::skipped_steps`] counts it; bf16 with
+    /// `check_grad_overflow` skips such a step too). An fp16 overflow with
+    /// the scale at `min_loss_scale` is [`EngineError::LossScaleAtMinimum`].
     pub fn step(&self) -> Result<bool, EngineError> {
         self.step_inner().map_err(checkpoint_on_a_peer)
     }
@@ -1292,13 +1294,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 &sh.g
             }
         }
-        // fp16: any rank's overflow skips the step everywhere. The
-        // gradients were made with the scale before this step's update and
-        // are divided by it below (DeepSpeed divides by the updated one, so
-        // a step that doubles the scale halves its gradients:
-        // deepspeedai/DeepSpeed#8588).
+        // fp16 (and bf16 with `check_grad_overflow`): any rank's overflow
+        // skips the step everywhere. The gradients were made with the scale
+        // before this step's update and are divided by it below (DeepSpeed
+        // divides by the updated one, so a step that doubles the scale
+        // halves its gradients: deepspeedai/DeepSpeed#8588).
         let mut loss_scale = 1.0;
-        if let Some(scaler) = st.scaler.as_mut() {
+        let check = st.scaler.is_some()
+            || matches!(
+                i.cfg.config.precision,
+                Precision::Bf16 {
+                    check_grad_overflow: true
+                }
+            );
+        if check {
             let local = st
                 .shards
                 .iter()
@@ -1308,8 +1317,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .all_reduce(vec![u8::from(local)], ReduceOp::Max)
                 .wait()?[0]
                 != 0;
-            loss_scale = scaler.scale;
-            let updated = scaler.update(any);
+            let mut updated = Ok(());
+            if let Some(scaler) = st.scaler.as_mut() {
+                loss_scale = scaler.scale;
+                updated = scaler.update(any);
+            }
             if any {
                 for sh in st.shards.iter_mut() {
                     sh.g.fill(0.0);
@@ -1321,8 +1333,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 // Every rank saw the same overflow: all fail together here.
                 updated?;
                 tracing::warn!(
-                    scale = scaler.scale,
-                    "fp16 overflow: step skipped on every rank"
+                    scale = st.scaler.as_ref().map(|s| s.scale),
+                    "gradient overflow (inf/NaN): step skipped on every rank"
                 );
                 return Ok(false);
             }
@@ -1426,7 +1438,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn global_step(&self) -> u64 {
         self.inner.st.lock().step
     }
-    /// Steps skipped on an fp16 overflow.
+    /// Steps skipped on a gradient overflow (fp16, or bf16 with
+    /// `check_grad_overflow`).
     pub fn skipped_steps(&self) -> u64 {
         self.inner.st.lock().skipped
     }

@@ -821,6 +821,27 @@ fn hpz_regathers_inside_its_group_with_the_same_results() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("Engine::new_hpz"), "{e}");
+    // With a group, it must be stage 3 and hold as many ranks as the key.
+    let mut ranks = local::world(4);
+    let r = ranks.remove(0);
+    for (stage, hpz) in [(3u8, vec![0, 1, 2, 3]), (2, vec![0, 1])] {
+        let cfg = config_zero(stage, 1, 0.0, "", r#""zero_hpz_partition_size": 2,"#);
+        let (vs, plan, _) = model();
+        let world = r.new_group(&[0, 1, 2, 3]).unwrap();
+        let e = Engine::new_hpz(
+            &vs,
+            &plan,
+            &cfg,
+            world,
+            r.new_group(&hpz).unwrap(),
+            &AutoHints::default(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        let want = format!("hpZ needs ZeRO stage 3, zero_hpz_partition_size equal to the hpZ group's size ({}, config says 2)", hpz.len());
+        assert!(e.contains(&want), "stage {stage}, group {hpz:?}: {e}");
+    }
 }
 
 #[test]

@@ -81,11 +81,12 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             if *check_grad_overflow { ", steps with inf/NaN gradients skipped" } else { "" }
         ),
         Precision::Fp16(l) => format!(
-            "fp16 compute, fp32 master, loss scale {} (initial 2^{}, window {}, hysteresis {}, min {})",
+            "fp16 compute, fp32 master, loss scale {} (initial 2^{}, window {}, hysteresis {}{}, min {})",
             if l.loss_scale == 0.0 { "dynamic".to_string() } else { l.loss_scale.to_string() },
             l.initial_scale_power,
             l.loss_scale_window,
             l.hysteresis,
+            if l.consecutive_hysteresis { " consecutive" } else { "" },
             l.min_loss_scale
         ),
     };

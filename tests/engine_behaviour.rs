@@ -727,6 +727,39 @@ fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
     assert_eq!(got[0], want);
 }
 
+#[test]
+fn a_parameter_of_exactly_the_persistence_threshold_stays_gathered() {
+    // DeepSpeed persists `ds_numel <= threshold`. a.weight has 15
+    // elements, a.bias 5, b.weight 20: at 15 unit `a` is all small and
+    // stays gathered whole; at 5 a.bias moves to the root and stays
+    // gathered while a.weight is freed; at 4 both are freed. b.weight is
+    // freed at every one.
+    for (threshold, weight_kept, bias_kept) in
+        [(15, true, true), (5, false, true), (4, false, false)]
+    {
+        let cfg = Config::from_json(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 4,
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+                "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": {threshold}}}}}"#
+        ))
+        .unwrap();
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&cfg, &r);
+            let vars = t.vs.variables();
+            let kept = |n: &str| glue::storage_nbytes(&vars[n]).unwrap() > 0;
+            for k in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                e.step().unwrap();
+                let _ = t.a.forward(&input(r.rank(), k));
+                let what = format!("threshold {threshold}, step {k}");
+                assert_eq!(kept("a.weight"), weight_kept, "{what}");
+                assert_eq!(kept("a.bias"), bias_kept, "{what}");
+                assert!(!kept("b.weight"), "{what}");
+            }
+        });
+    }
+}
+
 type Params = Vec<(String, Vec<f32>)>;
 
 /// Trains the tiny model with `b.weight` frozen — rank 1's set to other

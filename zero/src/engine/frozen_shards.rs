@@ -246,11 +246,11 @@ impl Part {
 /// Whether `t`, a frozen parameter, is one stage 3 can shard under
 /// `compute`: fp32 or `compute` itself (the buffer holds `compute`; a
 /// bf16 weight under fp16 training would change its values, and one under
-/// fp32 training its dtype, so those stay replicated), and at least
-/// `threshold` elements (smaller ones stay gathered, as
+/// fp32 training its dtype, so those stay replicated), and more than
+/// `threshold` elements (others stay gathered, as
 /// `stage3_param_persistence_threshold` keeps small trainable ones).
 pub(super) fn shardable(t: &Tensor, compute: Kind, threshold: usize) -> bool {
-    (t.kind() == Kind::Float || t.kind() == compute) && t.numel() >= threshold.max(1)
+    (t.kind() == Kind::Float || t.kind() == compute) && t.numel() > threshold
 }
 
 #[cfg(test)]
@@ -258,20 +258,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fp32_or_the_compute_dtype_at_or_over_the_threshold_is_sharded() {
+    fn fp32_or_the_compute_dtype_over_the_threshold_is_sharded() {
         let of = |kind: Kind, n: i64| Tensor::zeros([n], (kind, tch::Device::Cpu));
         // fp32, or already the compute dtype (a bf16 LoRA base).
-        assert!(shardable(&of(Kind::Float, 10), Kind::BFloat16, 10));
-        assert!(shardable(&of(Kind::BFloat16, 10), Kind::BFloat16, 10));
-        assert!(shardable(&of(Kind::Float, 10), Kind::Float, 10));
+        assert!(shardable(&of(Kind::Float, 11), Kind::BFloat16, 10));
+        assert!(shardable(&of(Kind::BFloat16, 11), Kind::BFloat16, 10));
+        assert!(shardable(&of(Kind::Float, 11), Kind::Float, 10));
         // Another 16-bit dtype would change values; a bf16 weight under
         // fp32 training would change dtype.
-        assert!(!shardable(&of(Kind::Half, 10), Kind::BFloat16, 10));
-        assert!(!shardable(&of(Kind::BFloat16, 10), Kind::Float, 10));
-        assert!(!shardable(&of(Kind::Double, 10), Kind::Float, 10));
-        // Under the threshold it stays gathered, in any dtype; a threshold
-        // of 0 shards everything (but an empty tensor).
-        assert!(!shardable(&of(Kind::Float, 9), Kind::Float, 10));
+        assert!(!shardable(&of(Kind::Half, 11), Kind::BFloat16, 10));
+        assert!(!shardable(&of(Kind::BFloat16, 11), Kind::Float, 10));
+        assert!(!shardable(&of(Kind::Double, 11), Kind::Float, 10));
+        // At or under the threshold it stays gathered, in any dtype
+        // (DeepSpeed persists `ds_numel <= threshold`); a threshold of 0
+        // shards everything (but an empty tensor).
+        assert!(!shardable(&of(Kind::Float, 10), Kind::Float, 10));
         assert!(!shardable(&of(Kind::Half, 9), Kind::Float, 10));
         assert!(shardable(&of(Kind::Float, 1), Kind::Float, 0));
         assert!(!shardable(&of(Kind::Float, 0), Kind::Float, 0));

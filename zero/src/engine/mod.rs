@@ -183,7 +183,7 @@ struct State {
     timing: timing::Timing,
     /// Stage 3: units kept gathered (the root, which also holds the small
     /// parameters moved out of larger units, and units made only of
-    /// parameters under `stage3_param_persistence_threshold`).
+    /// parameters of at most `stage3_param_persistence_threshold` elements).
     persistent: Vec<bool>,
     /// hpZ secondary copies, per unit, between its forward and backward.
     secondary: Vec<Option<overlap::Secondary>>,
@@ -924,8 +924,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 return Err(EngineError::Plan(format!("unit `{p}` has no parameters under its VarStore path: wrap the module with the path its parameters were created under")));
             }
         }
-        // Stage 3, `stage3_param_persistence_threshold`: parameters smaller
-        // than it stay gathered (DeepSpeed's rule, per parameter). A unit
+        // Stage 3, `stage3_param_persistence_threshold`: parameters of at
+        // most that many elements stay gathered (DeepSpeed's rule, per
+        // parameter: `ds_numel <= param_threshold`). A unit
         // made only of such parameters stays gathered whole; from a unit that
         // also has larger ones they move to the root, which stays gathered.
         let threshold = cfg
@@ -934,7 +935,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .stage3_param_persistence_threshold
             .value()
             .unwrap_or(0) as usize;
-        let small = |t: &Tensor| t.numel() < threshold;
+        let small = |t: &Tensor| t.numel() <= threshold;
         if stage == 3 && threshold > 0 {
             let root = prefixes.len();
             for g in 0..root {
@@ -1012,7 +1013,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             });
         }
         // Stage 3 shards the frozen parameters of its units too (not the
-        // root's): fp32 or compute-dtype ones of at least `threshold`
+        // root's): fp32 or compute-dtype ones of more than `threshold`
         // elements.
         // The VarStore's parameters (trainable or frozen), not its buffers.
         let params: std::collections::HashSet<usize> = vs
@@ -1044,7 +1045,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .iter()
             .zip(&frozen_of)
             .map(|(u, f)| {
-                let small = u.layout.slots.iter().all(|s| s.numel < threshold);
+                let small = u.layout.slots.iter().all(|s| s.numel <= threshold);
                 stage == 3 && (u.name == "<root>" || (small && f.is_empty()))
             })
             .collect();

@@ -363,7 +363,8 @@ impl Progress {
 }
 
 /// Whether stage 3 keeps unit `k` gathered: the root (its forward is not
-/// wrapped), and units smaller than `stage3_param_persistence_threshold`.
+/// wrapped), and units of parameters no larger than
+/// `stage3_param_persistence_threshold`.
 pub(super) fn stays_gathered(st: &State, k: usize) -> bool {
     st.persistent.get(k).copied().unwrap_or(false)
 }

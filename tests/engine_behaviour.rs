@@ -760,6 +760,40 @@ fn a_parameter_of_exactly_the_persistence_threshold_stays_gathered() {
     }
 }
 
+#[test]
+fn stage_3_leaves_a_units_buffers_and_odd_dtype_frozen_parameters_whole() {
+    // Stage 3 shards a unit's frozen *parameters* of fp32 or the compute
+    // dtype; a buffer (a running statistic) and an f64 frozen parameter
+    // stay whole on every rank, in their dtype, with their values.
+    on_ranks(WORLD, |r| {
+        let t = tiny();
+        let b = t.vs.root() / "b";
+        let stat = b.zeros_no_train("stat", &[8]);
+        let _ = stat.shallow_clone().fill_(0.25);
+        let mut scale = b.ones("scale", &[8]);
+        let _ = scale.set_requires_grad(false);
+        scale.set_data(&scale.to_kind(Kind::Double));
+        let e = engine_for(&t, &config(3, 1), &r);
+        for k in 0..2 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
+        }
+        let vars = t.vs.variables();
+        assert_eq!(
+            glue::storage_nbytes(&vars["b.weight"]).unwrap(),
+            0,
+            "b's weights are sharded"
+        );
+        for (name, bytes, want) in [("b.stat", 4 * 8, 0.25), ("b.scale", 8 * 8, 1.0)] {
+            let v = &vars[name];
+            assert_eq!(glue::storage_nbytes(v).unwrap(), bytes, "{name} whole");
+            let got = Vec::<f64>::try_from(&v.to_kind(Kind::Double)).unwrap();
+            assert_eq!(got, vec![want; 8], "{name}");
+        }
+        assert_eq!(vars["b.scale"].kind(), Kind::Double);
+    });
+}
+
 type Params = Vec<(String, Vec<f32>)>;
 
 /// Trains the tiny model with `b.weight` frozen — rank 1's set to other

@@ -38,6 +38,18 @@ fn config_zero(stage: u8, gas: usize, clip: f64, extra: &str, zero: &str) -> Con
     common::config_zero(stage, gas, clip, extra, &zero)
 }
 
+/// The test GPT and its engine under `cfg` on rank `r`'s world group (the
+/// VarStore is returned to outlive the engine).
+fn world_engine(
+    r: &local::LocalRank,
+    cfg: &Config,
+) -> (nn::VarStore, zrt::gpt::Gpt, Engine<local::LocalGroup>) {
+    let (vs, plan, gpt) = model();
+    let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+    let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+    (vs, gpt, engine)
+}
+
 type Params = Vec<(String, Vec<f32>)>;
 
 /// Per-step losses (mean over the global batch) and the final parameters.
@@ -71,9 +83,7 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
 /// hooks alone drive the reductions) instead of `engine.backward(&loss)`.
 fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
     let out: Vec<_> = on_ranks(WORLD, |r| {
-        let (vs, plan, gpt) = model();
-        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let (_vs, gpt, engine) = world_engine(&r, &cfg);
         let mut losses = Vec::new();
         let mut norms = Vec::new();
         for step in 0..STEPS {
@@ -309,9 +319,7 @@ fn stages_0_to_3_match_the_unsharded_reference() {
 fn a_second_step_at_the_same_boundary_does_nothing() {
     let cfg = config(2, 1, 0.0);
     on_ranks(WORLD, |r| {
-        let (vs, plan, gpt) = model();
-        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let (_vs, gpt, engine) = world_engine(&r, &cfg);
         engine
             .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
             .unwrap();
@@ -395,9 +403,7 @@ fn an_overflow_at_the_minimum_loss_scale_stops_every_rank() {
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 20, "hysteresis": 1, "min_loss_scale": 1048576},"#;
     let cfg = config_with(3, 1, 0.0, fp16);
     let errors = on_ranks(WORLD, |r| {
-        let (vs, plan, gpt) = model();
-        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-        let engine = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let (_vs, gpt, engine) = world_engine(&r, &cfg);
         engine
             .backward(&gpt.loss(&tokens(0, 0, r.rank(), 1)))
             .unwrap();

@@ -109,7 +109,8 @@ pub struct LossScaleConfig {
     /// `initial_scale_power`: dynamic scaling starts at 2^this.
     pub initial_scale_power: u32,
     /// `loss_scale_window`: steps without overflow before the scale doubles
-    /// (on the step after them, as DeepSpeed does).
+    /// (on the step after them, as DeepSpeed does); 0: it never doubles
+    /// (DeepSpeed divides by it).
     pub loss_scale_window: u64,
     /// `hysteresis`: overflows tolerated before the scale halves.
     pub hysteresis: u32,

@@ -141,6 +141,8 @@ mod tests {
             scales(&cfg(4, 2, 1), &[g, g, g, g, g, o, g, g, g, g, g]),
             [16., 16., 32., 32., 64., 32., 32., 32., 64., 64., 128.]
         );
+        // A window of 0 never doubles.
+        assert_eq!(scales(&cfg(4, 0, 1), &[g, g, g]), [16.; 3]);
     }
 
     #[test]

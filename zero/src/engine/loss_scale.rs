@@ -73,8 +73,9 @@ impl Scaler {
         if self.cfg.consecutive_hysteresis {
             self.hysteresis = self.cfg.hysteresis.max(1);
         }
-        // Good steps before this one since the last overflow.
-        let good = iter - self.last_overflow.map_or(0, |k| k + 1);
+        // Good steps before this one since the last overflow (saturating:
+        // a checkpoint's state is read from a file).
+        let good = iter.saturating_sub(self.last_overflow.map_or(0, |k| k + 1));
         let window = self.cfg.loss_scale_window;
         if window > 0 && good > 0 && good % window == 0 {
             self.hysteresis = self.cfg.hysteresis.max(1);

@@ -538,3 +538,27 @@ impl ProcessGroup for LocalGroup {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finished_collectives_leave_nothing_on_the_board() {
+        // Each collective's slot holds every rank's buffer until the last
+        // rank has read it; a slot kept after that would grow the board by
+        // a whole buffer per call for the life of the group.
+        let ranks = world(2);
+        std::thread::scope(|s| {
+            for r in &ranks {
+                s.spawn(|| {
+                    for _ in 0..3 {
+                        let w = r.world().all_reduce(vec![1f32; 4], ReduceOp::Sum);
+                        assert_eq!(w.wait().unwrap(), vec![2.0; 4]);
+                    }
+                });
+            }
+        });
+        assert!(ranks[0].world().board.st.lock().slots.is_empty());
+    }
+}

@@ -58,6 +58,29 @@ fn send_recv_in_a_ring_and_stats_count_bytes() {
 }
 
 #[test]
+fn a_recv_of_another_length_or_dtype_than_the_send_is_an_error() {
+    for (len, f64_recv) in [(4usize, false), (5, true)] {
+        let got = run(2, Duration::from_secs(30), |r| {
+            let g = r.world();
+            if g.rank() == 0 {
+                g.send(vec![1f32; 5], 1).wait().unwrap();
+                None
+            } else if f64_recv {
+                Some(g.recv::<f64>(len, 0).wait().unwrap_err().to_string())
+            } else {
+                Some(g.recv::<f32>(len, 0).wait().unwrap_err().to_string())
+            }
+        });
+        let e = got[1].clone().unwrap();
+        let want = if f64_recv { "f64 x 5" } else { "f32 x 4" };
+        assert!(
+            e.contains("collective mismatch") && e.contains("f32 x 5") && e.contains(want),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn issued_calls_run_in_order_while_the_caller_goes_on() {
     run(2, Duration::from_secs(30), |r| {
         let g = r.world();

@@ -223,6 +223,14 @@ fn rank_main() {
             let len = if me == 1 { 6 } else { 1 };
             report(g.all_gather(vec![0i64; len], Vec::new()).wait().map(|_| ()));
         }
+        "recv_size" => {
+            // Rank 0 sends 5 elements; rank 1 expects 4.
+            if me == 0 {
+                report(g.send(vec![1f32; 5], 1).wait());
+            } else {
+                report(g.recv::<f32>(4, 0).wait().map(|_| ()));
+            }
+        }
         "symmetric_misuse" => {
             // Rank 0 passes a buffer of the world to another group, whose
             // rank 1 passes that group's own; then ranks pass buffers of
@@ -594,6 +602,19 @@ fn different_collectives_or_sizes_name_both_calls() {
                 );
             }
         }
+        // A receive of another size than the send: the receiver is told
+        // both, not handed a buffer of the wrong length.
+        let ended = run(
+            2,
+            "recv_size",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        let s = said(&ended[1]);
+        assert!(
+            s.contains("collective mismatch") && s.contains("f32 x 5") && s.contains("f32 x 4"),
+            "{backend} recv_size: {s}"
+        );
     }
 }
 

@@ -147,9 +147,26 @@ fn mesh_groups_reduce_over_their_own_ranks() {
             .all_reduce(vec![me], ReduceOp::Sum)
             .wait()
             .unwrap()[0];
-        (s, p)
+        // Each group names its members by world rank, itself by them, and
+        // knows this rank's place in it.
+        let (sg, rg) = (mesh.shard_group(), mesh.replicate_group());
+        let (shard, replicate) = (sg.world_ranks().to_vec(), rg.world_ranks().to_vec());
+        assert_eq!(sg.name(), format!("ranks{shard:?}"));
+        assert_eq!(r.world().name(), "world");
+        assert_eq!((sg.rank(), rg.rank()), (r.rank() % 2, r.rank() / 2));
+        (s, p, shard, replicate)
     });
-    assert_eq!(got, vec![(1, 2), (1, 4), (5, 2), (5, 4)]);
+    let want =
+        |s, p, shard: [usize; 2], replicate: [usize; 2]| (s, p, shard.to_vec(), replicate.to_vec());
+    assert_eq!(
+        got,
+        vec![
+            want(1, 2, [0, 1], [0, 2]),
+            want(1, 4, [0, 1], [1, 3]),
+            want(5, 2, [2, 3], [0, 2]),
+            want(5, 4, [2, 3], [1, 3]),
+        ]
+    );
     let e = run(3, Duration::from_secs(30), |r| {
         r.mesh(2).err().unwrap().to_string()
     });

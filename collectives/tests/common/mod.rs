@@ -231,4 +231,17 @@ pub fn check_send_recv<G: ProcessGroup>(g: &G) {
     let got = g.recv::<f32>(5, (me + n - 1) % n).wait().unwrap();
     sent.wait().unwrap();
     assert_eq!(got, vec![((me + n - 1) % n) as f32; 5]);
+    // Several messages to one peer before it reads any arrive in order.
+    let to = (me + 1) % n;
+    let sent: Vec<_> = (0..3)
+        .map(|k| g.send(vec![k as i64, me as i64], to))
+        .collect();
+    let from = (me + n - 1) % n;
+    for k in 0..3 {
+        let got = g.recv::<i64>(2, from).wait().unwrap();
+        assert_eq!(got, [k, from as i64], "message {k} from rank {from}");
+    }
+    for s in sent {
+        s.wait().unwrap();
+    }
 }

@@ -223,6 +223,23 @@ fn rank_main() {
             let len = if me == 1 { 6 } else { 1 };
             report(g.all_gather(vec![0i64; len], Vec::new()).wait().map(|_| ()));
         }
+        "recv_silent" | "recv_dead" => {
+            // Rank 0 never sends: it waits (silent) or exits (dead).
+            if me == 0 {
+                if scenario == "recv_dead" {
+                    std::process::exit(4);
+                }
+                std::thread::sleep(Duration::from_secs(3));
+                println!("@@ ok");
+            } else {
+                let t = Instant::now();
+                let r = g.recv::<f32>(4, 0).wait().map(|_| ());
+                match r {
+                    Ok(()) => println!("@@ ok"),
+                    Err(e) => println!("@@ err {e} | {} s", t.elapsed().as_secs()),
+                }
+            }
+        }
         "recv_size" => {
             // Rank 0 sends 5 elements; rank 1 expects 4.
             if me == 0 {
@@ -558,6 +575,37 @@ fn a_rank_that_timed_out_leaves_the_group_and_the_late_rank_learns_it() {
             "rank 0 of group `world` died or left the group during all_gather(u8 x 1000): every rank must stay until the last collective (a rank that ran out of data and returned early leaves too: give every rank the same number of steps); otherwise check rank 0's output for its error | true",
             "{backend}"
         );
+    }
+}
+
+#[test]
+fn a_recv_whose_sender_never_sends_or_exits_fails_naming_it() {
+    for backend in BACKENDS {
+        let env = [("ZRT_BACKEND", backend), ("ZRT_TIMEOUT", "1")];
+        let ended = run(2, "recv_silent", &env, Duration::from_secs(60));
+        let s = said(&ended[1]);
+        assert!(
+            s.starts_with("err recv(f32 x 4")
+                && s.contains("timed out after 1.0 s waiting for rank(s) [0]"),
+            "{backend} silent: {s}"
+        );
+        let env = [("ZRT_BACKEND", backend), ("ZRT_TIMEOUT", "30")];
+        let ended = run(2, "recv_dead", &env, Duration::from_secs(60));
+        assert_eq!(ended[0].code, Some(4), "{backend}");
+        let s = said(&ended[1]);
+        assert!(
+            s.starts_with("err rank 0 of group `world` died or left the group during recv(f32 x 4"),
+            "{backend} dead: {s}"
+        );
+        // Well before the 30 s timeout.
+        let secs: u64 = s
+            .rsplit("| ")
+            .next()
+            .unwrap()
+            .trim_end_matches(" s")
+            .parse()
+            .unwrap();
+        assert!(secs <= 5, "{backend} dead after {secs} s: {s}");
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::local::LocalGroup;
 use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{StoreClient, StoreServer, MAX_TOKEN_LEN};
 use crate::tcp::{TcpGroup, TcpJoin};
 use crate::work::timeout_from_env;
 use crate::{CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, SymmetricBuf, Work};
@@ -47,6 +47,10 @@ fn token(v: Option<String>) -> Result<String, CommError> {
         ))),
         Some(t) if t.trim().is_empty() => Err(CommError::Rendezvous(format!(
             "ZRT_TOKEN is empty, which would admit any process to the job's store: {fix}"
+        ))),
+        Some(t) if t.len() > MAX_TOKEN_LEN => Err(CommError::Rendezvous(format!(
+            "ZRT_TOKEN is {} bytes; the store accepts at most {MAX_TOKEN_LEN}: use a shorter secret ({fix})",
+            t.len()
         ))),
         Some(t) => Ok(t),
     }
@@ -400,7 +404,7 @@ impl Dist {
 
 #[cfg(test)]
 mod tests {
-    use super::token;
+    use super::{token, MAX_TOKEN_LEN};
 
     #[test]
     fn a_missing_or_blank_token_is_refused_with_how_to_make_one() {
@@ -412,5 +416,12 @@ mod tests {
             );
         }
         assert_eq!(token(Some("s3cret".into())).unwrap(), "s3cret");
+        let longest = "t".repeat(MAX_TOKEN_LEN);
+        assert_eq!(token(Some(longest.clone())).unwrap(), longest);
+        let e = token(Some(longest + "t")).unwrap_err().to_string();
+        assert!(
+            e.contains("ZRT_TOKEN is 257 bytes; the store accepts at most 256"),
+            "{e}"
+        );
     }
 }

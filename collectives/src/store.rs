@@ -25,7 +25,9 @@ use parking_lot::{Condvar, Mutex};
 use crate::CommError;
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-const MAX_TOKEN: usize = 256;
+/// The longest job token (`ZRT_TOKEN`) the store and the tcp backend
+/// accept, in bytes: a hello announcing more is refused unread.
+pub const MAX_TOKEN_LEN: usize = 256;
 const MAX_KEY: usize = 4096;
 const MAX_VALUE: u64 = 1 << 30;
 
@@ -42,8 +44,9 @@ fn io(what: &str, e: std::io::Error) -> CommError {
     err(format!("{what}: {e}"))
 }
 
-/// Compares without an early exit, so timing does not reveal the token.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
+/// Compares without an early exit, so timing does not reveal the token
+/// (the store's and the tcp backend's hello both use it).
+pub(crate) fn same_token(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -60,18 +63,32 @@ struct Table {
 /// the range can only collide with another job that chose it too, which the
 /// probe here makes unlikely.
 pub fn free_store_port(addr: &str) -> Result<u16, CommError> {
-    let seed = std::time::SystemTime::now()
+    let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let mut s = seed ^ (u64::from(std::process::id()) << 32) | 1;
-    for _ in 0..256 {
+    first_free_port(addr, port_candidates(nanos, std::process::id()))
+}
+
+/// The ports [`free_store_port`] tries, in order: 256 draws from
+/// 20000-31999 of a xorshift seeded by the clock and the process id, so two
+/// jobs started in the same nanosecond still try different ports.
+fn port_candidates(nanos: u64, pid: u32) -> impl Iterator<Item = u16> {
+    let mut s = nanos ^ (u64::from(pid) << 32) | 1;
+    (0..256).map(move |_| {
         s ^= s << 13;
         s ^= s >> 7;
         s ^= s << 17;
-        let port = 20_000 + (s % 12_000) as u16;
+        20_000 + (s % 12_000) as u16
+    })
+}
+
+/// The first of `candidates` that `addr` can listen on. A port in use moves
+/// on to the next; any other failure is about the address and ends the
+/// search with an error saying so.
+fn first_free_port(addr: &str, candidates: impl Iterator<Item = u16>) -> Result<u16, CommError> {
+    for port in candidates {
         match TcpListener::bind((addr, port)) {
             Ok(_) => return Ok(port),
-            // Another port may be free; anything else is about the address.
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {}
             Err(e) => {
                 return Err(err(format!(
@@ -155,7 +172,7 @@ fn serve_conn(mut c: TcpStream, table: &Table, token: &[u8]) {
         let mut l = [0u8; 4];
         c.read_exact(&mut l)?;
         let n = u32::from_le_bytes(l) as usize;
-        if n > MAX_TOKEN {
+        if n > MAX_TOKEN_LEN {
             return Err(std::io::Error::other("token too long"));
         }
         read_exact(&mut c, n)
@@ -402,11 +419,14 @@ mod tests {
         good.set("weights", b"private").unwrap();
         // A stray connection that says nothing holds only its own thread.
         let _silent = TcpStream::connect(&addr).unwrap();
-        let e = StoreClient::connect(&addr, "guess", Duration::from_secs(5))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("refused this rank's token"), "{e}");
+        // Wrong tokens of another length and of the same length.
+        for guess in ["guess", "secreT"] {
+            let e = StoreClient::connect(&addr, guess, Duration::from_secs(5))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("refused this rank's token"), "{guess}: {e}");
+        }
         // A raw client that skips the hello and asks for a key gets no data.
         let mut raw = TcpStream::connect(&addr).unwrap();
         let mut req = vec![OP_GET];
@@ -426,5 +446,87 @@ mod tests {
             good.get("weights", Duration::from_secs(1)).unwrap(),
             b"private"
         );
+    }
+
+    #[test]
+    fn a_token_of_the_longest_length_is_admitted() {
+        let token = "t".repeat(MAX_TOKEN_LEN);
+        let srv = StoreServer::serve("127.0.0.1:0", &token).unwrap();
+        let addr = srv.addr().to_string();
+        let c = StoreClient::connect(&addr, &token, Duration::from_secs(5)).unwrap();
+        c.set("k", b"v").unwrap();
+    }
+
+    #[test]
+    fn tokens_match_only_byte_for_byte() {
+        assert!(same_token(b"secret", b"secret"));
+        assert!(same_token(b"", b""));
+        for other in [&b"Secret"[..], b"secreT", b"secre", b"secrets", b""] {
+            assert!(!same_token(b"secret", other), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn store_ports_are_spread_below_the_ephemeral_range_and_differ_by_process() {
+        let a: Vec<u16> = port_candidates(1_700_000_000_123_456_789, 4242).collect();
+        assert_eq!(a.len(), 256);
+        assert!(a.iter().all(|p| (20_000..32_000).contains(p)), "{a:?}");
+        let distinct: std::collections::HashSet<_> = a.iter().collect();
+        assert!(
+            distinct.len() > 240,
+            "only {} distinct ports",
+            distinct.len()
+        );
+        // Two jobs started in the same nanosecond try different ports.
+        let b: Vec<u16> = port_candidates(1_700_000_000_123_456_789, 4243).collect();
+        assert!(a.iter().zip(&b).filter(|(x, y)| x == y).count() < 8);
+    }
+
+    #[test]
+    fn a_port_in_use_is_skipped_and_a_foreign_address_is_named() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy = taken.local_addr().unwrap().port();
+        let free = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        assert_eq!(
+            first_free_port("127.0.0.1", [busy, free].into_iter()).unwrap(),
+            free
+        );
+        let e = first_free_port("127.0.0.1", [busy].into_iter())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no free port") && e.contains("--master-port"),
+            "{e}"
+        );
+        // 192.0.2.1 (TEST-NET-1) is no address of this host: one try, named.
+        let e = first_free_port("192.0.2.1", [free, busy].into_iter())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot listen on 192.0.2.1") && e.contains("must name this host"),
+            "{e}"
+        );
+        let p = free_store_port("127.0.0.1").unwrap();
+        assert!((20_000..32_000).contains(&p), "{p}");
+    }
+
+    #[test]
+    fn a_dropped_server_stops_accepting() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        drop(srv);
+        // The accept loop exits on the wake-up connection and closes the
+        // listener; give its thread a moment.
+        let t = Instant::now();
+        while TcpStream::connect(&addr).is_ok() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "still accepting connections 5 s after the server was dropped"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }

@@ -22,7 +22,7 @@ use crate::dtype::{as_bytes, as_bytes_mut};
 use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::gather_lens;
 use crate::p2p::Mailbox;
-use crate::store::StoreClient;
+use crate::store::{same_token, StoreClient, MAX_TOKEN_LEN};
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, ReduceOp, Work};
 
@@ -271,10 +271,6 @@ pub struct TcpGroup {
     front: Front<Inner>,
 }
 
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 impl TcpGroup {
     /// Connects this rank to every other member. Every member must call it.
     pub fn join(j: TcpJoin<'_>) -> Result<Self, CommError> {
@@ -346,7 +342,7 @@ impl TcpGroup {
                         let mut l = [0u8; 4];
                         c.read_exact(&mut l)?;
                         let tl = u32::from_le_bytes(l) as usize;
-                        if tl > 256 {
+                        if tl > MAX_TOKEN_LEN {
                             return Err(std::io::Error::other("token too long"));
                         }
                         let mut t = vec![0u8; tl];

@@ -458,6 +458,18 @@ mod tests {
     }
 
     #[test]
+    fn keys_up_to_the_limit_are_served_and_a_longer_one_ends_the_connection() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let c = StoreClient::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let longest = "k".repeat(MAX_KEY);
+        c.set(&longest, b"v").unwrap();
+        assert_eq!(c.get(&longest, Duration::from_secs(1)).unwrap(), b"v");
+        let e = c.set(&(longest + "k"), b"v").unwrap_err().to_string();
+        assert!(e.contains("lost the rendezvous store"), "{e}");
+    }
+
+    #[test]
     fn tokens_match_only_byte_for_byte() {
         assert!(same_token(b"secret", b"secret"));
         assert!(same_token(b"", b""));

@@ -470,6 +470,42 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_waits_for_the_store_to_come_up_and_no_longer_than_its_timeout() {
+        let unused = || {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+        };
+        let addr = unused();
+        // Rank 0 is not serving yet: the others retry until it does.
+        let a = addr.clone();
+        let early = std::thread::spawn(move || {
+            StoreClient::connect(&a, "tok", Duration::from_secs(10)).map(|_| ())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let srv = StoreServer::serve(&addr, "tok").unwrap();
+        early.join().unwrap().unwrap();
+        // Nobody ever serves: an error naming the address, once the timeout is up.
+        let addr = unused();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let a = addr.clone();
+        let t = Instant::now();
+        std::thread::spawn(move || {
+            let r = StoreClient::connect(&a, "tok", Duration::from_millis(300));
+            let _ = tx.send(r.err().map(|e| e.to_string()));
+        });
+        let e = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("still connecting 5 s into a 0.3 s timeout")
+            .expect("connected to nothing");
+        assert!(e.contains(&format!("no rendezvous store at {addr}")), "{e}");
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[test]
     fn tokens_match_only_byte_for_byte() {
         assert!(same_token(b"secret", b"secret"));
         assert!(same_token(b"", b""));

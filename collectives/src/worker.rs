@@ -283,6 +283,21 @@ mod tests {
     }
 
     #[test]
+    fn dropping_the_worker_finishes_what_was_issued_then_runs_on_exit() {
+        let (log, say) = logger();
+        let s = say.clone();
+        let w = Worker::start("t", 0, move || s("exit")).unwrap();
+        let op = w.submit(OpDesc::new(crate::OpKind::Barrier, None, 0), move || {
+            std::thread::sleep(Duration::from_millis(100));
+            say("op");
+            Ok(((), 0, 0))
+        });
+        drop(op);
+        drop(w);
+        assert_eq!(*log.lock(), ["op", "exit"]);
+    }
+
+    #[test]
     fn a_wait_shorter_than_the_deadline_leaves_the_operation_to_the_worker() {
         let w = Worker::start("t", 0, || {}).unwrap();
         let op = w.submit(OpDesc::new(crate::OpKind::Barrier, None, 0), || {

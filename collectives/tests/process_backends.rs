@@ -204,13 +204,16 @@ fn rank_main() {
             );
         }
         "mismatch" => {
-            let r = if me == 0 {
-                g.all_reduce(vec![0f32; 10], ReduceOp::Sum)
-                    .wait()
-                    .map(|_| ())
-            } else {
-                g.all_gather(vec![0f32; 10], Vec::new()).wait().map(|_| ())
-            };
+            // One agreed call first, so the mismatch is at call #1.
+            let r = g.barrier().wait().and_then(|()| {
+                if me == 0 {
+                    g.all_reduce(vec![0f32; 10], ReduceOp::Sum)
+                        .wait()
+                        .map(|_| ())
+                } else {
+                    g.all_gather(vec![0f32; 10], Vec::new()).wait().map(|_| ())
+                }
+            });
             report(r);
         }
         "size" => report(
@@ -620,7 +623,7 @@ fn different_collectives_or_sizes_name_both_calls() {
         ) {
             let s = said(&e);
             assert!(
-                s.contains("collective mismatch on group `world` at call #0"),
+                s.contains("collective mismatch on group `world` at call #1"),
                 "{backend}: {s}"
             );
             assert!(

@@ -539,3 +539,69 @@ forward_process_group!(TcpGroup {
         self.front.all_gather_in_place(buf)
     }
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreServer;
+    use crate::ProcessGroup;
+
+    fn join(addr: &str, token: &str, world_rank: usize) -> Result<TcpGroup, CommError> {
+        let store = StoreClient::connect(addr, token, Duration::from_secs(5))?;
+        TcpGroup::join(TcpJoin {
+            store: Arc::new(store),
+            token,
+            name: "g",
+            world_ranks: vec![0, 1],
+            world_rank,
+            timeout: Duration::from_secs(3),
+        })
+    }
+
+    /// Connects to `addr` and says `hello`: a token, then the rank it claims.
+    fn intrude(addr: &str, token: &str, claims: u32) -> TcpStream {
+        let mut c = TcpStream::connect(addr).unwrap();
+        let mut hello = (token.len() as u32).to_le_bytes().to_vec();
+        hello.extend_from_slice(token.as_bytes());
+        hello.extend_from_slice(&claims.to_le_bytes());
+        c.write_all(&hello).unwrap();
+        c
+    }
+
+    #[test]
+    fn a_rank_admits_only_lower_ranks_that_present_the_token() {
+        // The longest token the hello takes, and wrong ones of its length.
+        let token = "t".repeat(MAX_TOKEN_LEN);
+        let wrong = format!("{}x", "t".repeat(MAX_TOKEN_LEN - 1));
+        let srv = StoreServer::serve("127.0.0.1:0", &token).unwrap();
+        let addr = srv.addr().to_string();
+        let a = addr.clone();
+        let t = token.clone();
+        let rank1 = std::thread::spawn(move || join(&a, &t, 1));
+        // Before rank 0 connects, strays reach rank 1's listener: the wrong
+        // token claiming rank 0, the right one claiming rank 1 itself and a
+        // rank past the group. None may take rank 0's place or crash the join.
+        let store = StoreClient::connect(&addr, &token, Duration::from_secs(5)).unwrap();
+        let listener =
+            String::from_utf8(store.get("tcp/g/addr/1", Duration::from_secs(5)).unwrap()).unwrap();
+        let _strays = [
+            intrude(&listener, &wrong, 0),
+            intrude(&listener, &token, 1),
+            intrude(&listener, &token, 7),
+        ];
+        std::thread::sleep(Duration::from_millis(200));
+        let g0 = join(&addr, &token, 0).unwrap();
+        let g1 = rank1.join().unwrap().unwrap();
+        for g in [&g0, &g1] {
+            let me = g.front.inner.m.me;
+            assert!(
+                g.front.inner.peers[me].is_none(),
+                "rank {me} holds a connection to itself"
+            );
+        }
+        let w0 = g0.all_reduce(vec![1f32, 2.0], ReduceOp::Sum);
+        let w1 = g1.all_reduce(vec![10f32, 20.0], ReduceOp::Sum);
+        assert_eq!(w0.wait().unwrap(), [11.0, 22.0]);
+        assert_eq!(w1.wait().unwrap(), [11.0, 22.0]);
+    }
+}

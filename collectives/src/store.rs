@@ -482,7 +482,7 @@ mod tests {
             StoreClient::connect(&a, "tok", Duration::from_secs(10)).map(|_| ())
         });
         std::thread::sleep(Duration::from_millis(300));
-        let srv = StoreServer::serve(&addr, "tok").unwrap();
+        let _srv = StoreServer::serve(&addr, "tok").unwrap();
         early.join().unwrap().unwrap();
         // Nobody ever serves: an error naming the address, once the timeout is up.
         let addr = unused();

@@ -30,6 +30,13 @@ fn every_op_dtype_and_uneven_size_on_worlds_of_2_3_4() {
 }
 
 #[test]
+fn a_late_rank_holds_the_barrier_and_still_broadcasts() {
+    run(3, Duration::from_secs(30), |r| {
+        common::check_late_rank(r.world())
+    });
+}
+
+#[test]
 fn send_recv_ring() {
     run(3, Duration::from_secs(30), |r| {
         common::check_send_recv(r.world())

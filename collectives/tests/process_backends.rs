@@ -125,6 +125,7 @@ fn rank_main() {
         "ops" | "ops_rank1_small_slots" => {
             common::check_all_dtypes(g);
             common::check_send_recv(g);
+            common::check_late_rank(g);
             println!("@@ ok");
         }
         "mesh" => {

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use half::{bf16, f16};
 use zrt_collectives::{chunk_range, Element, ProcessGroup, ReduceOp};
 
@@ -221,6 +223,39 @@ pub fn check_all_dtypes<G: ProcessGroup>(g: &G) {
     check_ops::<f64, G>(g);
     check_ops::<i64, G>(g);
     check_ops::<u8, G>(g);
+}
+
+/// A rank that comes late: the last rank sleeps before a barrier and before
+/// broadcasting. No rank may leave the barrier before the last one entered
+/// it (compared on the wall clock, which every rank on this host shares:
+/// ranks start the check at different times, so a duration each measures
+/// would prove nothing), and the late broadcast must still arrive (a wait
+/// is timed from the call's start, not from when the data was due).
+pub fn check_late_rank<G: ProcessGroup>(g: &G) {
+    let (me, n) = (g.rank(), g.size());
+    let now = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64
+    };
+    let late = Duration::from_millis(300);
+    if me == n - 1 {
+        std::thread::sleep(late);
+    }
+    let entered = now();
+    g.barrier().wait().unwrap();
+    let left = now();
+    if me == n - 1 {
+        std::thread::sleep(late);
+    }
+    let buf = vec![if me == n - 1 { entered } else { 0 }];
+    let last_entered = g.broadcast(buf, n - 1).wait().unwrap()[0];
+    assert!(
+        left >= last_entered,
+        "rank {me} left the barrier {} ms before the last rank entered it",
+        (last_entered - left) / 1_000_000
+    );
 }
 
 /// A ring of sends: each rank sends its rank to the next and receives from

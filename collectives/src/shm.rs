@@ -1205,6 +1205,12 @@ mod tests {
                             w % 16 == 0 && w * parts * bufs * size <= slot,
                             "slot {slot} n {n} size {size}: window {w}"
                         );
+                        // And the largest that fits: fewer, longer windows
+                        // mean fewer barriers.
+                        assert!(
+                            (w + 16) * parts * bufs * size > slot,
+                            "slot {slot} n {n} size {size}: window {w} could be longer"
+                        );
                     }
                 }
             }
@@ -1213,7 +1219,8 @@ mod tests {
 
     #[test]
     fn slot_sizes_from_the_environment_are_checked() {
-        assert_eq!(parse_slot_bytes(None), Ok(DEFAULT_SLOT_BYTES));
+        // The default the README's environment table gives.
+        assert_eq!(parse_slot_bytes(None), Ok(524_288));
         assert_eq!(parse_slot_bytes(Some("")), Ok(DEFAULT_SLOT_BYTES));
         assert_eq!(parse_slot_bytes(Some(" 4096 ")), Ok(4096));
         for bad in ["512k", "100", "-1", "x", "2000000000"] {

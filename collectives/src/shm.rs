@@ -1217,6 +1217,35 @@ mod tests {
         }
     }
 
+    /// A waiting rank really sleeps (a futex on the wrong address returns
+    /// at once, and the rank would spin on a core its peer needs), wakes
+    /// when the word is no longer what it saw, and is woken by `wake_all`.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_futex_sleeper_sleeps_until_woken() {
+        let word = AtomicU64::new(5);
+        let t = Instant::now();
+        futex::wait(&word, 5, Duration::from_millis(200));
+        assert!(
+            t.elapsed() >= Duration::from_millis(150),
+            "{:?}",
+            t.elapsed()
+        );
+        let t = Instant::now();
+        futex::wait(&word, 6, Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        std::thread::scope(|s| {
+            let t = Instant::now();
+            let sleeper = s.spawn(|| futex::wait(&word, 5, Duration::from_secs(10)));
+            // Woken again and again: the sleeper may not be asleep yet.
+            while !sleeper.is_finished() {
+                assert!(t.elapsed() < Duration::from_secs(5), "wake_all woke nobody");
+                futex::wake_all(&word);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+    }
+
     #[test]
     fn slot_sizes_from_the_environment_are_checked() {
         // The default the README's environment table gives.

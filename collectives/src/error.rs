@@ -80,9 +80,9 @@ pub enum CommError {
         /// Why the earlier collective failed.
         cause: Box<CommError>,
     },
-    /// The group was shut down (its handle dropped) before this call ran.
+    /// The group was shut down (closed, or its handle dropped) before this call ran.
     #[error(
-        "group `{group}` is shut down: {call} was issued after the group's handle was dropped"
+        "group `{group}` is shut down: {call} was issued after this rank closed the group (or dropped its handle)"
     )]
     Closed {
         /// The group.

@@ -242,6 +242,13 @@ impl<X: Transport> Front<X> {
         self.worker.stats()
     }
 
+    /// Finishes what was issued and leaves the group (peers learn it);
+    /// later operations fail with [`CommError::Closed`]. [`Self::peers_gone`]
+    /// still answers.
+    pub(crate) fn close(&mut self) {
+        self.worker.close();
+    }
+
     /// Whether every other member has left the group or died.
     pub(crate) fn peers_gone(&self) -> bool {
         let i = &self.inner;

@@ -319,11 +319,22 @@ fn hostname() -> String {
 }
 
 impl Drop for Dist {
-    /// Checks out through the store. Rank 0 serves the store, so it keeps
-    /// serving until every rank has checked out (or left, or died), at most
-    /// the timeout: a rank that finishes first must not take the store away
-    /// from peers still using it.
+    /// Leaves the world group, then checks out through the store. Rank 0
+    /// serves the store, so it keeps serving until every rank has checked
+    /// out (or left, or died), at most the timeout: a rank that finishes
+    /// first must not take the store away from peers still using it.
+    ///
+    /// Leaving comes first so that peers still waiting for this rank in a
+    /// collective (it returned early, on an error or out of data) fail at
+    /// once naming it, check out in turn, and let rank 0 stop waiting.
+    /// Groups made with [`Dist::new_group`] or [`Dist::mesh`] are the
+    /// caller's: drop them before the `Dist` (declared after it, they are).
     fn drop(&mut self) {
+        match &mut self.world {
+            Group::Shm(g) => g.close(),
+            Group::Tcp(g) => g.close(),
+            Group::Local(_) => {}
+        }
         let n = self.env.world_size as i64;
         if let Ok(k) = self.store.add("finalized", 1) {
             if k == n {

@@ -1059,6 +1059,13 @@ impl ShmGroup {
     pub fn peers_gone(&self) -> bool {
         self.front.peers_gone()
     }
+
+    /// Finishes what was issued and leaves the group, as dropping it does,
+    /// but keeps it to ask [`Self::peers_gone`]; later operations fail with
+    /// [`CommError::Closed`].
+    pub fn close(&mut self) {
+        self.front.close();
+    }
 }
 
 impl Transport for Inner {

@@ -13,6 +13,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,8 @@ struct Inner {
     /// Connection to each peer (None for this rank).
     peers: Vec<Option<Peer>>,
     state: Mutex<State>,
+    /// Set once this rank has left the group.
+    left: AtomicBool,
 }
 
 /// One connection, with separate handles per direction: a reader blocked
@@ -401,6 +404,7 @@ impl TcpGroup {
                 seq: 0,
                 poisoned: None,
             }),
+            left: AtomicBool::new(false),
         });
         let i2 = inner.clone();
         let worker = Worker::start(j.name, me, move || i2.leave())?;
@@ -413,6 +417,13 @@ impl TcpGroup {
     pub fn peers_gone(&self) -> bool {
         self.front.peers_gone()
     }
+
+    /// Finishes what was issued and leaves the group, as dropping it does,
+    /// but keeps it to ask [`Self::peers_gone`]; later operations fail with
+    /// [`CommError::Closed`].
+    pub fn close(&mut self) {
+        self.front.close();
+    }
 }
 
 impl Transport for Inner {
@@ -423,10 +434,13 @@ impl Transport for Inner {
         self.peers.len()
     }
 
-    /// Leaving closes the connections, which is how peers learn it.
+    /// Leaving closes this rank's sending side of each connection, which is
+    /// how peers learn it (their reads end). The receiving side stays open,
+    /// so that [`Self::peer_gone`] can still see a peer close its own.
     fn leave(&self) {
+        self.left.store(true, Ordering::Release);
         for c in self.peers.iter().flatten() {
-            let _ = c.w.lock().shutdown(std::net::Shutdown::Both);
+            let _ = c.w.lock().shutdown(std::net::Shutdown::Write);
         }
     }
 
@@ -437,14 +451,29 @@ impl Transport for Inner {
         let Some(peer) = &self.peers[p] else {
             return false;
         };
-        let c = peer.r.lock();
-        let mut b = [0u8; 1];
-        let gone = c.set_nonblocking(true).is_ok()
-            && match c.peek(&mut b) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-            };
+        let mut c = peer.r.lock();
+        let left = self.left.load(Ordering::Acquire);
+        let mut b = [0u8; 1 << 12];
+        let gone = c.set_nonblocking(true).is_ok() && {
+            let mut drained = 0;
+            loop {
+                match c.peek(&mut b[..1]) {
+                    Ok(0) => break true,
+                    // Once this rank has left, nothing reads the connection
+                    // again: what the peer sent before it closed is dropped
+                    // (a bounded amount per look) so that its close, behind
+                    // it, can be seen.
+                    Ok(_) if left && drained < 64 => {
+                        drained += 1;
+                        if c.read(&mut b).is_err() {
+                            break true;
+                        }
+                    }
+                    Ok(_) => break false,
+                    Err(e) => break e.kind() != std::io::ErrorKind::WouldBlock,
+                }
+            }
+        };
         let _ = c.set_nonblocking(false);
         gone
     }
@@ -566,6 +595,36 @@ mod tests {
         hello.extend_from_slice(&claims.to_le_bytes());
         c.write_all(&hello).unwrap();
         c
+    }
+
+    #[test]
+    fn a_closed_group_still_sees_its_peer_close_behind_unread_data() {
+        let srv = StoreServer::serve("127.0.0.1:0", "t").unwrap();
+        let addr = srv.addr().to_string();
+        let a = addr.clone();
+        let rank1 = std::thread::spawn(move || join(&a, "t", 1));
+        let mut g0 = join(&addr, "t", 0).unwrap();
+        let g1 = rank1.join().unwrap().unwrap();
+        g0.close();
+        assert!(g1.peers_gone(), "rank 1 was not told that rank 0 left");
+        assert!(
+            !g0.peers_gone(),
+            "rank 0 takes itself leaving for rank 1 gone"
+        );
+        // Rank 1 had sent more than rank 0 will ever read, then it goes.
+        let peer = g1.front.inner.peers[0].as_ref().unwrap();
+        peer.w.lock().write_all(&[7u8; 100_000]).unwrap();
+        drop(g1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !g0.peers_gone() {
+            assert!(Instant::now() < deadline, "rank 1's close was never seen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let late = g0.barrier().wait().unwrap_err().to_string();
+        assert!(
+            late.contains("barrier() was issued after this rank closed the group"),
+            "{late}"
+        );
     }
 
     #[test]

@@ -186,13 +186,22 @@ impl Worker {
     }
 }
 
-impl Drop for Worker {
-    fn drop(&mut self) {
+impl Worker {
+    /// Lets the worker finish what was issued, run its `on_exit`, and stop;
+    /// operations issued afterwards fail with [`CommError::Closed`]. Returns
+    /// once the worker thread has ended. Dropping the worker does the same.
+    pub(crate) fn close(&mut self) {
         // Closing the queue lets the worker finish what was issued, then exit.
         self.tx.lock().take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 
@@ -295,6 +304,25 @@ mod tests {
         drop(op);
         drop(w);
         assert_eq!(*log.lock(), ["op", "exit"]);
+    }
+
+    #[test]
+    fn a_closed_worker_has_finished_its_work_and_refuses_more() {
+        let (log, say) = logger();
+        let s = say.clone();
+        let mut w = Worker::start("t", 0, move || s("exit")).unwrap();
+        let op = w.submit(OpDesc::new(crate::OpKind::Barrier, None, 0), move || {
+            std::thread::sleep(Duration::from_millis(100));
+            say("op");
+            Ok(((), 0, 0))
+        });
+        w.close();
+        assert_eq!(*log.lock(), ["op", "exit"]);
+        assert!(op.wait().is_ok());
+        let late = w.submit(OpDesc::new(crate::OpKind::Barrier, None, 0), || {
+            Ok(((), 0, 0))
+        });
+        assert!(matches!(late.wait(), Err(CommError::Closed { .. })));
     }
 
     #[test]

@@ -180,6 +180,21 @@ fn rank_main() {
                 report(sent.wait().and(got).map(|v| assert_eq!(v, [peer as u8])));
             }
         }
+        "rank0_returns" => {
+            // Rank 0 returns early (an error, or it ran out of data): its
+            // `Dist` is dropped while the others wait for it in a collective.
+            g.barrier().wait().unwrap();
+            if me == 0 {
+                drop(dist);
+                println!("@@ returned");
+            } else {
+                report(
+                    g.all_reduce(vec![1f32; 8], ReduceOp::Sum)
+                        .wait()
+                        .map(|_| ()),
+                );
+            }
+        }
         "exit" => {
             g.all_reduce(vec![1f32; 8], ReduceOp::Sum).wait().unwrap();
             if me == 2 {
@@ -493,6 +508,35 @@ fn rank_0_serves_the_store_until_every_rank_checked_out() {
             ["Some(0) left", "Some(0) ok", "Some(0) ok"],
             "{backend}"
         );
+    }
+}
+
+#[test]
+fn rank_0_returning_early_fails_its_peers_within_seconds() {
+    // Rank 0 serves the store, so dropping its `Dist` waits for the others
+    // to check out; it must leave its groups first, or the others wait for
+    // it in their collective, and it for them, until ZRT_TIMEOUT (120 s).
+    for backend in BACKENDS {
+        let t = Instant::now();
+        let ended = run(
+            3,
+            "rank0_returns",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{backend} took {:?}",
+            t.elapsed()
+        );
+        assert_eq!((ended[0].code, said(&ended[0])), (Some(0), "returned"));
+        for e in &ended[1..] {
+            let s = said(e);
+            assert!(
+                s.starts_with("err rank 0 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"),
+                "{backend}: {s}"
+            );
+        }
     }
 }
 

@@ -65,8 +65,9 @@ pub fn val(r: usize, i: usize) -> i64 {
     ((r * 7 + i * 3) % 11) as i64
 }
 
-/// Lengths that do not divide evenly by 2, 3 or 4 (and 64 that does).
-pub const LENS: [usize; 4] = [1, 7, 64, 1001];
+/// Lengths that do not divide evenly by 2, 3 or 4, 64 that does, and 0
+/// (every op on empty buffers must work, and agree on zero rounds).
+pub const LENS: [usize; 5] = [0, 1, 7, 64, 1001];
 
 /// Every op on `g` for element type T and every length; panics naming the
 /// op, dtype, world and length on the first wrong element.

@@ -249,17 +249,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
     for r in 0..env.world_size {
         hosts.push(store.get(&format!("host/{r}"), timeout)?);
     }
-    let same_host = hosts.iter().all(|h| h == &hosts[0]);
-    let backend = match requested {
-        None if same_host => Backend::Shm,
-        None => Backend::Tcp,
-        Some(Backend::Shm) if !same_host => {
-            return Err(CommError::Rendezvous(
-                "ZRT_BACKEND=shm, but the ranks run on several hosts: use tcp (or leave ZRT_BACKEND unset)".into(),
-            ))
-        }
-        Some(b) => b,
-    };
+    let backend = choose_backend(requested, hosts.iter().all(|h| h == &hosts[0]))?;
     let all: Vec<usize> = (0..env.world_size).collect();
     let world = join_group(&env, backend, &store, slot_bytes, timeout, "world", &all)?;
     tracing::info!(
@@ -278,6 +268,20 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         slot_bytes,
         _server: server,
     })
+}
+
+/// The backend for a job: `requested` (`ZRT_BACKEND`) if set, else shm when
+/// every rank runs on one host and tcp otherwise; shm across hosts is an
+/// error.
+fn choose_backend(requested: Option<Backend>, same_host: bool) -> Result<Backend, CommError> {
+    match requested {
+        None if same_host => Ok(Backend::Shm),
+        None => Ok(Backend::Tcp),
+        Some(Backend::Shm) if !same_host => Err(CommError::Rendezvous(
+            "ZRT_BACKEND=shm, but the ranks run on several hosts: use tcp (or leave ZRT_BACKEND unset)".into(),
+        )),
+        Some(b) => Ok(b),
+    }
 }
 
 /// Joins (creates, for the first member) the group `name` of `ranks`.
@@ -415,7 +419,52 @@ impl Dist {
 
 #[cfg(test)]
 mod tests {
-    use super::{token, MAX_TOKEN_LEN};
+    use super::{choose_backend, token, Backend, DistEnv, MAX_TOKEN_LEN};
+
+    #[test]
+    fn shm_on_one_host_tcp_across_hosts_and_an_override_unless_impossible() {
+        assert_eq!(choose_backend(None, true).unwrap(), Backend::Shm);
+        assert_eq!(choose_backend(None, false).unwrap(), Backend::Tcp);
+        for same_host in [true, false] {
+            assert_eq!(
+                choose_backend(Some(Backend::Tcp), same_host).unwrap(),
+                Backend::Tcp
+            );
+        }
+        assert_eq!(
+            choose_backend(Some(Backend::Shm), true).unwrap(),
+            Backend::Shm
+        );
+        let e = choose_backend(Some(Backend::Shm), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("several hosts: use tcp"), "{e}");
+    }
+
+    /// Every rank of a job derives the same id; two jobs on one host (another
+    /// token, or another port) never share one; the token cannot be read
+    /// from it.
+    #[test]
+    fn a_job_id_is_the_same_on_every_rank_and_differs_between_jobs() {
+        let env = |token: String, master_port: u16, rank: usize| DistEnv {
+            rank,
+            world_size: 2,
+            local_rank: rank,
+            local_world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port,
+            token,
+        };
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..500 {
+            for port in [29500, 29501] {
+                let id = env(format!("job-{i}"), port, 0).job_id();
+                assert_eq!(id, env(format!("job-{i}"), port, 1).job_id());
+                assert!(id.len() == 16 && !id.contains("job"), "{id}");
+                assert!(seen.insert(id), "job {i} port {port}: id seen before");
+            }
+        }
+    }
 
     #[test]
     fn a_missing_or_blank_token_is_refused_with_how_to_make_one() {

@@ -145,7 +145,20 @@ fn rank_main() {
                 mesh.shard_group().world_ranks(),
                 mesh.replicate_group().world_ranks(),
             );
-            println!("@@ {s} {p} {sr:?} {pr:?}");
+            // Two groups of the same ranks are two groups: their own names,
+            // sequences and buffers, with calls in flight on both at once.
+            let (a, b) = (
+                dist.new_group(&[0, 1, 2, 3]).unwrap(),
+                dist.new_group(&[0, 1, 2, 3]).unwrap(),
+            );
+            let wa = a.all_reduce(vec![me as i64; 3], ReduceOp::Sum);
+            let wb = b.all_reduce(vec![10 * me as i64; 5], ReduceOp::Sum);
+            let (va, vb) = (wa.wait().unwrap(), wb.wait().unwrap());
+            println!(
+                "@@ {s} {p} {sr:?} {pr:?} {} {} {va:?} {vb:?}",
+                a.name(),
+                b.name()
+            );
         }
         "late_send" => {
             // The sender comes a second late, several of the receiver's
@@ -246,11 +259,17 @@ fn rank_main() {
             // Rank 0 never sends: it waits (silent) or exits (dead).
             if me == 0 {
                 if scenario == "recv_dead" {
+                    // Not before rank 1 has joined: its init would fail on
+                    // the store rank 0 serves, not its recv on rank 0.
+                    g.barrier().wait().unwrap();
                     std::process::exit(4);
                 }
                 std::thread::sleep(Duration::from_secs(3));
                 println!("@@ ok");
             } else {
+                if scenario == "recv_dead" {
+                    g.barrier().wait().unwrap();
+                }
                 let t = Instant::now();
                 let r = g.recv::<f32>(4, 0).wait().map(|_| ());
                 match r {
@@ -474,7 +493,10 @@ fn mesh_groups_across_processes() {
                 "1 4 [0, 1] [1, 3]",
                 "5 2 [2, 3] [0, 2]",
                 "5 4 [2, 3] [1, 3]"
-            ],
+            ]
+            .map(|m| format!(
+                "{m} ranks[0, 1, 2, 3]#0 ranks[0, 1, 2, 3]#1 [6, 6, 6] [60, 60, 60, 60, 60]"
+            )),
             "{backend}"
         );
     }

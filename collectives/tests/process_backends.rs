@@ -545,16 +545,17 @@ fn rank_0_serves_the_store_until_every_rank_checked_out() {
     }
 }
 
-#[test]
-fn rank_0_returning_early_fails_its_peers_within_seconds() {
-    // Rank 0 serves the store, so dropping its `Dist` waits for the others
-    // to check out; it must leave its groups first, or the others wait for
-    // it in their collective, and it for them, until ZRT_TIMEOUT (120 s).
+/// Runs `scenario` on 3 ranks of each backend: rank `gone` leaves (and
+/// its process ends with `code`) while the others wait for it in an
+/// all_reduce, which must fail naming it, the whole run well within the
+/// children's ZRT_TIMEOUT (120 s). Returns each backend's ranks.
+fn check_peers_of_a_gone_rank_fail(scenario: &str, gone: usize, code: i32) -> Vec<Vec<Ended>> {
+    let mut runs = Vec::new();
     for backend in BACKENDS {
         let t = Instant::now();
         let ended = run(
             3,
-            "rank0_returns",
+            scenario,
             &[("ZRT_BACKEND", backend)],
             Duration::from_secs(60),
         );
@@ -563,41 +564,32 @@ fn rank_0_returning_early_fails_its_peers_within_seconds() {
             "{backend} took {:?}",
             t.elapsed()
         );
-        assert_eq!((ended[0].code, said(&ended[0])), (Some(0), "returned"));
-        for e in &ended[1..] {
+        assert_eq!(ended[gone].code, Some(code), "{backend}");
+        for (r, e) in ended.iter().enumerate().filter(|&(r, _)| r != gone) {
             let s = said(e);
             assert!(
-                s.starts_with("err rank 0 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"),
-                "{backend}: {s}"
+                s.starts_with(&format!("err rank {gone} of group `world` died or left the group during all_reduce(f32 x 8, Sum)")),
+                "{backend} rank {r}: {s}"
             );
         }
+        runs.push(ended);
+    }
+    runs
+}
+
+#[test]
+fn rank_0_returning_early_fails_its_peers_within_seconds() {
+    // Rank 0 serves the store, so dropping its `Dist` waits for the others
+    // to check out; it must leave its groups first, or the others wait for
+    // it in their collective, and it for them, until ZRT_TIMEOUT.
+    for ended in check_peers_of_a_gone_rank_fail("rank0_returns", 0, 0) {
+        assert_eq!(said(&ended[0]), "returned");
     }
 }
 
 #[test]
 fn a_rank_that_exits_fails_its_peers_within_seconds() {
-    for backend in BACKENDS {
-        let t = Instant::now();
-        let ended = run(
-            3,
-            "exit",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        );
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{backend} took {:?}",
-            t.elapsed()
-        );
-        assert_eq!(ended[2].code, Some(3));
-        for e in &ended[..2] {
-            let s = said(e);
-            assert!(
-                s.starts_with("err rank 2 of group `world` died or left the group during all_reduce(f32 x 8, Sum)"),
-                "{backend}: {s}"
-            );
-        }
-    }
+    check_peers_of_a_gone_rank_fail("exit", 2, 3);
 }
 
 #[test]

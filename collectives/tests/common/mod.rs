@@ -268,6 +268,12 @@ pub fn check_late_rank<G: ProcessGroup>(g: &G) {
         "rank {me} left the barrier {} ms before the last rank entered it",
         (last_entered - left) / 1_000_000
     );
+    // A symmetric allocation (collective on shm) waits for a late rank too.
+    if me == n - 1 {
+        std::thread::sleep(late);
+    }
+    let sym = g.alloc_symmetric::<f32>(16).wait().unwrap();
+    assert_eq!(sym.len(), 16);
 }
 
 /// CPU time this process has used, user and system.

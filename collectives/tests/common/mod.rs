@@ -268,12 +268,22 @@ pub fn check_late_rank<G: ProcessGroup>(g: &G) {
         "rank {me} left the barrier {} ms before the last rank entered it",
         (last_entered - left) / 1_000_000
     );
-    // A symmetric allocation (collective on shm) waits for a late rank too.
+    // A symmetric allocation (collective on shm), and a reduce_scatter over
+    // one, wait for a late rank too.
     if me == n - 1 {
         std::thread::sleep(late);
     }
-    let sym = g.alloc_symmetric::<f32>(16).wait().unwrap();
-    assert_eq!(sym.len(), 16);
+    let mut sym = g.alloc_symmetric::<f32>(16).wait().unwrap();
+    sym.fill(1.0);
+    if me == n - 1 {
+        std::thread::sleep(late);
+    }
+    let sym = g
+        .reduce_scatter_symmetric(sym, ReduceOp::Sum)
+        .wait()
+        .unwrap();
+    let own = chunk_range(16, n, me);
+    assert!(sym[own].iter().all(|&x| x == n as f32), "{:?}", &sym[..]);
 }
 
 /// CPU time this process has used, user and system.

@@ -465,8 +465,9 @@ impl Transport for Inner {
                     // it, can be seen.
                     Ok(_) if left && drained < 64 => {
                         drained += 1;
-                        if c.read(&mut b).is_err() {
-                            break true;
+                        match c.read(&mut b) {
+                            Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => break true,
+                            _ => {}
                         }
                     }
                     Ok(_) => break false,

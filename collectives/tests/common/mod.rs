@@ -231,7 +231,9 @@ pub fn check_all_dtypes<G: ProcessGroup>(g: &G) {
 /// it (compared on the wall clock, which every rank on this host shares:
 /// ranks start the check at different times, so a duration each measures
 /// would prove nothing), and the late broadcast must still arrive (a wait
-/// is timed from the call's start, not from when the data was due).
+/// is timed from the call's start, not from when the data was due); so
+/// must a symmetric allocation and a symmetric reduce_scatter the last rank
+/// comes late to.
 pub fn check_late_rank<G: ProcessGroup>(g: &G) {
     let (me, n) = (g.rank(), g.size());
     let now = || {

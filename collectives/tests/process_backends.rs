@@ -257,19 +257,19 @@ fn rank_main() {
         }
         "recv_silent" | "recv_dead" => {
             // Rank 0 never sends: it waits (silent) or exits (dead).
+            let dead = scenario == "recv_dead";
+            if dead {
+                // Rank 0 exits only once rank 1 has joined: else rank 1's
+                // init would fail on the store rank 0 serves, not its recv.
+                g.barrier().wait().unwrap();
+            }
             if me == 0 {
-                if scenario == "recv_dead" {
-                    // Not before rank 1 has joined: its init would fail on
-                    // the store rank 0 serves, not its recv on rank 0.
-                    g.barrier().wait().unwrap();
+                if dead {
                     std::process::exit(4);
                 }
                 std::thread::sleep(Duration::from_secs(3));
                 println!("@@ ok");
             } else {
-                if scenario == "recv_dead" {
-                    g.barrier().wait().unwrap();
-                }
                 let t = Instant::now();
                 let r = g.recv::<f32>(4, 0).wait().map(|_| ());
                 match r {

@@ -80,6 +80,18 @@ pub enum CommError {
         /// Why the earlier collective failed.
         cause: Box<CommError>,
     },
+    /// The collective panicked on this rank: a bug in zrt (nothing a caller
+    /// or a peer can do should cause one). The rank left the group, as after
+    /// any failed collective, so its peers fail too instead of waiting.
+    #[error("{call} on group `{group}` panicked on this rank ({why}): this is a bug in zrt, please report it with this message; the rank has left the group, so its peers fail too")]
+    Panicked {
+        /// The group.
+        group: String,
+        /// The call.
+        call: String,
+        /// The panic's message.
+        why: String,
+    },
     /// The group was shut down (closed, or its handle dropped) before this call ran.
     #[error(
         "group `{group}` is shut down: {call} was issued after this rank closed the group (or dropped its handle)"

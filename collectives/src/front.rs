@@ -15,7 +15,7 @@ use crate::dtype::bytes_of;
 use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
-use crate::worker::Worker;
+use crate::worker::{contain, Worker};
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
 
 /// How a process backend moves data. Every method runs on the group's
@@ -203,9 +203,11 @@ impl<X: Transport> Front<X> {
     /// waiting at in the failed one, and they would read slots it never
     /// filled. So the first failure makes this rank leave the group (its
     /// peers then fail within the liveness period, naming it) and every
-    /// later call fails with [`CommError::Failed`]. `send`/`recv` go through
-    /// the store, not the group's protocol, and do not count; nor does a
-    /// failed shared-memory allocation, which every rank learns together.
+    /// later call fails with [`CommError::Failed`]. A panic in `f` (a bug)
+    /// is such a failure too ([`CommError::Panicked`]). `send`/`recv` go
+    /// through the store, not the group's protocol, and do not count; nor
+    /// does a failed shared-memory allocation, which every rank learns
+    /// together.
     pub(crate) fn run<R: Send + 'static>(
         &self,
         desc: OpDesc,
@@ -216,7 +218,7 @@ impl<X: Transport> Front<X> {
         let counts = !matches!(desc.kind, OpKind::Send { .. } | OpKind::Recv { .. });
         self.worker.submit(desc, move || {
             failed.check(inner.name(), &desc)?;
-            let r = f(&inner);
+            let r = contain(inner.name(), &desc, || f(&inner));
             if let Err(e) = &r {
                 if counts && !matches!(e, CommError::SharedMemory { .. }) {
                     failed.record(inner.name(), e, || inner.leave());
@@ -432,3 +434,115 @@ macro_rules! forward_process_group {
     };
 }
 pub(crate) use forward_process_group;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreServer;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A one-rank transport whose all_reduce panics (standing in for a bug
+    /// in a backend) and that counts how often it left.
+    struct Panicky {
+        m: Member,
+        left: AtomicUsize,
+    }
+
+    impl Transport for Panicky {
+        fn member(&self) -> &Member {
+            &self.m
+        }
+        fn n(&self) -> usize {
+            2
+        }
+        fn peer_gone(&self, _: usize) -> bool {
+            false
+        }
+        fn leave(&self) {
+            self.left.fetch_add(1, Ordering::SeqCst);
+        }
+        fn barrier(&self, _: &OpDesc) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn all_reduce<T: Element>(
+            &self,
+            _: &OpDesc,
+            _: &mut [T],
+            _: ReduceOp,
+        ) -> Result<(), CommError> {
+            panic!("index out of bounds in the reduction")
+        }
+        fn reduce_scatter<T: Element>(
+            &self,
+            _: &OpDesc,
+            _: &mut [T],
+            _: &mut Vec<T>,
+            _: ReduceOp,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn all_gather<T: Element>(
+            &self,
+            _: &OpDesc,
+            _: &[T],
+            _: &mut Vec<T>,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn broadcast<T: Element>(
+            &self,
+            _: &OpDesc,
+            _: &mut [T],
+            _: usize,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_collective_that_panics_fails_and_leaves_the_group() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
+        let inner = Arc::new(Panicky {
+            m: Member {
+                name: "g".into(),
+                me: 0,
+                world_ranks: vec![0, 1],
+                timeout: Duration::from_secs(5),
+                store: Arc::new(store.unwrap()),
+                mailbox: Mailbox::default(),
+            },
+            left: AtomicUsize::new(0),
+        });
+        let i2 = inner.clone();
+        let worker = Worker::start("g", 0, move || i2.leave()).unwrap();
+        let mut front = Front::new(inner.clone(), worker);
+        assert!(front.barrier().wait().is_ok());
+        // On the worker (a short wait leaves it there) and on a waiter.
+        let on_worker = front.all_reduce(vec![1.0f32], ReduceOp::Sum);
+        let e = on_worker.wait_timeout(Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(&e, CommError::Panicked { group, why, .. }
+                if group == "g" && why == "index out of bounds in the reduction"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("this is a bug in zrt"), "{e}");
+        assert_eq!(
+            inner.left.load(Ordering::SeqCst),
+            1,
+            "did not leave the group"
+        );
+        // Later calls are refused, quoting the panic; the worker lives on.
+        let later = front.barrier().wait().unwrap_err();
+        assert!(
+            matches!(&later, CommError::Failed { cause, .. } if **cause == e),
+            "{later:?}"
+        );
+        front.close();
+        assert_eq!(
+            inner.left.load(Ordering::SeqCst),
+            2,
+            "the exit hook did not run"
+        );
+    }
+}

@@ -21,7 +21,7 @@ use crate::dtype::bytes_of;
 use crate::front::FirstFailure;
 use crate::op::invalid;
 use crate::p2p::check_peer;
-use crate::worker::Worker;
+use crate::worker::{contain, Worker};
 use crate::{
     chunk_range, default_timeout, CommError, DeviceMesh, Element, OpDesc, OpKind, ProcessGroup,
     ReduceOp, Stats, Work,
@@ -372,8 +372,8 @@ impl LocalGroup {
         self.submit(desc, move |board| {
             failed.check(&board.name, &desc)?;
             let sent = bytes_of::<T>(input.len());
-            let parts = board
-                .exchange(seq, rank, desc, Arc::new(input))
+            let exchange = || board.exchange(seq, rank, desc, Arc::new(input));
+            let parts = contain(&board.name, &desc, exchange)
                 .inspect_err(|e| failed.record(&board.name, e, || board.leave(rank)))?;
             let typed: Vec<&Vec<T>> = parts
                 .iter()

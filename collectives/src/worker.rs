@@ -9,6 +9,7 @@
 //! 10-90 us, as long as a whole 1 MiB collective; an operation issued early
 //! (a prefetch) is still run by the worker while the caller computes.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -19,6 +20,31 @@ use parking_lot::{Condvar, Mutex};
 use crate::{CommError, OpDesc, Stats, Work};
 
 type Job = Box<dyn FnOnce() + Send>;
+
+/// Runs `f`, returning a panic in it as [`CommError::Panicked`] for `desc`
+/// on `group` (logged too). Nothing a caller or a peer does should make a
+/// collective panic, so one is a bug in zrt; contained, it reaches the
+/// caller as an error like any other, and the backends leave the group on
+/// it as on any failure, so peers fail at once instead of at the timeout.
+pub(crate) fn contain<R>(
+    group: &str,
+    desc: &OpDesc,
+    f: impl FnOnce() -> Result<R, CommError>,
+) -> Result<R, CommError> {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_string());
+        tracing::error!(group, call = %desc, "a collective panicked: {why}");
+        Err(CommError::Panicked {
+            group: group.to_string(),
+            call: desc.to_string(),
+            why,
+        })
+    })
+}
 
 /// One issued operation: its place in the group's order and its job, taken
 /// by whichever of the worker and the waiting caller gets to it first.
@@ -50,8 +76,8 @@ impl Order {
     }
 }
 
-/// Marks a ticket finished when dropped, so a job that panics on a caller's
-/// thread cannot leave the worker waiting for it.
+/// Marks a ticket finished when dropped, so a job that panics cannot leave
+/// the group's later operations waiting for it.
 struct Finish<'a>(&'a Ticket);
 
 impl Drop for Finish<'_> {
@@ -64,8 +90,8 @@ impl Ticket {
     /// Runs the job on the calling thread if no thread has taken it and it
     /// is the group's next operation (every earlier one finished), so the
     /// order on the group is what it would be on the worker. Returns whether
-    /// it ran here. A panic in the job is contained: its result channel
-    /// closes, which the waiter reports as [`CommError::Closed`].
+    /// it ran here. Jobs made by [`Worker::submit`] return their panics as
+    /// errors ([`contain`]); one that panics anyway is contained here too.
     pub(crate) fn run_here(&self) -> bool {
         if *self.order.done.lock() != self.seq {
             return false;
@@ -74,18 +100,19 @@ impl Ticket {
             return false;
         };
         let _finish = Finish(self);
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(job));
         true
     }
 
     /// The worker's side: waits for its turn, then runs the job unless a
-    /// caller took it (then the caller marks it finished).
+    /// caller took it (then the caller marks it finished). A panic is
+    /// contained, so the worker goes on to later jobs and its exit hook.
     fn run_on_worker(&self) {
         self.order.wait_turn(self.seq);
         let job = self.job.lock().take();
         if let Some(job) = job {
             let _finish = Finish(self);
-            job();
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(job));
         }
     }
 }
@@ -138,7 +165,8 @@ impl Worker {
     }
 
     /// Queues `f`; it returns `(result, bytes sent, bytes received)`, which
-    /// are counted against `desc`'s operation when it succeeds.
+    /// are counted against `desc`'s operation when it succeeds. A panic in
+    /// `f` is its result, as [`CommError::Panicked`].
     pub(crate) fn submit<R: Send + 'static>(
         &self,
         desc: OpDesc,
@@ -146,9 +174,10 @@ impl Worker {
     ) -> Work<R> {
         let (rtx, rrx) = crossbeam_channel::bounded(1);
         let stats = self.stats.clone();
+        let group = self.group.clone();
         let job: Job = Box::new(move || {
             let t = Instant::now();
-            let r = f().map(|(out, sent, received)| {
+            let r = contain(&group, &desc, f).map(|(out, sent, received)| {
                 stats.record(&desc.kind, sent, received, t.elapsed());
                 out
             });
@@ -281,14 +310,18 @@ mod tests {
     }
 
     #[test]
-    fn an_operation_that_panics_on_a_waiter_lets_the_next_one_run() {
+    fn an_operation_that_panics_on_a_waiter_or_the_worker_lets_the_next_one_run() {
         let order = Arc::new(Order::default());
         let t0 = ticket(&order, 0, || panic!("boom"));
         assert!(t0.run_here());
         assert_eq!(*order.done.lock(), 1);
+        // On the worker, too, a panic is contained (it would end the
+        // worker's thread, and with it every later operation of the group).
+        ticket(&order, 1, || panic!("boom")).run_on_worker();
+        assert_eq!(*order.done.lock(), 2);
         let (log, say) = logger();
-        ticket(&order, 1, move || say("1")).run_on_worker();
-        assert_eq!(*log.lock(), ["1"]);
+        ticket(&order, 2, move || say("2")).run_on_worker();
+        assert_eq!(*log.lock(), ["2"]);
     }
 
     #[test]
@@ -323,6 +356,37 @@ mod tests {
             Ok(((), 0, 0))
         });
         assert!(matches!(late.wait(), Err(CommError::Closed { .. })));
+    }
+
+    #[test]
+    fn a_job_that_panics_returns_the_panic_and_the_worker_lives_on() {
+        let (log, say) = logger();
+        let s = say.clone();
+        let w = Worker::start("t", 0, move || s("exit")).unwrap();
+        let barrier = || OpDesc::new(crate::OpKind::Barrier, None, 0);
+        let boom =
+            |n: usize| move || -> Result<((), usize, usize), CommError> { panic!("boom {n}") };
+        // A short wait leaves the job to the worker; a full one runs it here.
+        let on_worker = w
+            .submit(barrier(), boom(1))
+            .wait_timeout(Duration::from_secs(10));
+        let on_waiter = w.submit(barrier(), boom(2)).wait();
+        for (r, n) in [(on_worker, 1), (on_waiter, 2)] {
+            match r {
+                Err(CommError::Panicked { group, call, why }) => {
+                    assert_eq!((group.as_str(), why), ("t", format!("boom {n}")));
+                    assert!(call.contains("barrier"), "{call}");
+                }
+                other => panic!("job {n}: {other:?}"),
+            }
+        }
+        let next = w.submit(barrier(), move || {
+            say("next");
+            Ok(((), 0, 0))
+        });
+        assert!(next.wait_timeout(Duration::from_secs(10)).is_ok());
+        drop(w);
+        assert_eq!(*log.lock(), ["next", "exit"]);
     }
 
     #[test]

@@ -378,6 +378,35 @@ fn rank_main() {
                 after[0]
             );
         }
+        "symmetric_rank1_fails" => {
+            // Only rank 1 cannot create its buffer: its files may not grow
+            // past 64 KiB (a soft limit, raised back after), so reserving
+            // 1 MiB fails with EFBIG (SIGXFSZ ignored, or it would kill it).
+            let fsize = |cur: u64| {
+                let mut l: libc::rlimit = unsafe { std::mem::zeroed() };
+                assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut l) }, 0);
+                let old = l.rlim_cur;
+                l.rlim_cur = cur;
+                assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &l) }, 0);
+                old
+            };
+            let old = (me == 1).then(|| unsafe {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                fsize(64 << 10)
+            });
+            let t = Instant::now();
+            let r = g.alloc_symmetric::<u8>(1 << 20).wait().map(|_| ());
+            let fast = t.elapsed() < Duration::from_secs(10);
+            if let Some(old) = old {
+                fsize(old);
+            }
+            let after = g.all_reduce(vec![1f32], ReduceOp::Sum).wait().unwrap();
+            println!(
+                "@@ {} | {fast} | {}",
+                r.err().map_or("ok".into(), |e| e.to_string()),
+                after[0]
+            );
+        }
         "stalled" => {
             let gather = |v: u8| g.all_gather(vec![v; 1000], Vec::new()).wait();
             if me == 0 {
@@ -792,6 +821,30 @@ fn a_symmetric_buffer_shm_cannot_hold_fails_every_rank_and_the_group_goes_on() {
             "{s}"
         );
     }
+}
+
+#[test]
+fn a_symmetric_buffer_one_rank_cannot_create_fails_every_rank_naming_it() {
+    let ends = run(
+        2,
+        "symmetric_rank1_fails",
+        &[("ZRT_BACKEND", "shm")],
+        Duration::from_secs(60),
+    );
+    let call = "alloc_symmetric(u8 x 1048576) on symmetric buffer #0 on group `world` could not set up shared memory: ";
+    let tail =
+        "; free space in /dev/shm (see `df /dev/shm`) or allocate smaller buffers | true | 2";
+    let s = said(&ends[0]);
+    assert_eq!(
+        s,
+        format!("{call}rank 1 failed to create its buffer (its own error says why){tail}")
+    );
+    let s = said(&ends[1]);
+    assert!(
+        s.starts_with(&format!("{call}reserving 1048576 bytes for /dev/shm/zrt-"))
+            && s.ends_with(&format!("File too large (os error 27){tail}")),
+        "{s}"
+    );
 }
 
 #[test]

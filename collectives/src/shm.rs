@@ -945,10 +945,24 @@ impl ShmGroup {
             .collect();
         let path = std::path::PathBuf::from(format!("/dev/shm/zrt-{}-{safe}", j.job));
         let key = |k: &str| format!("shm/{}/{k}", j.name);
+        // A wait for a peer's step of the join, whose failure names the
+        // peer and the group rather than a store key.
+        let await_rank = |r: usize, step: &str, k: &str| {
+            j.store.get(&key(k), j.timeout).map_err(|e| {
+                let e = match e {
+                    CommError::Rendezvous(why) => why,
+                    e => e.to_string(),
+                };
+                CommError::Rendezvous(format!(
+                    "rank {} did not {step} shared-memory group `{}` ({e}): check that rank's output, it died or is stuck",
+                    j.world_ranks[r], j.name
+                ))
+            })
+        };
         let io = |what: &str, e: std::io::Error| {
             CommError::Rendezvous(format!("{what} {}: {e}", path.display()))
         };
-        let (file, slot) = if me == 0 {
+        let (file, slot, unlink) = if me == 0 {
             let slot = own_slot;
             let _ = std::fs::remove_file(&path);
             let f = OpenOptions::new()
@@ -957,14 +971,18 @@ impl ShmGroup {
                 .create_new(true)
                 .open(&path)
                 .map_err(|e| io("creating", e))?;
+            // From here the name goes however join ends: a failure below
+            // (a rank that never maps it, a timeout) must not leave the
+            // segment in /dev/shm, holding its memory until reboot.
+            let unlink = Unlink(path.display().to_string());
             f.set_len(Segment::bytes(n, slot) as u64)
                 .map_err(|e| io("sizing (is /dev/shm large enough?)", e))?;
             // The layout is rank 0's: a rank started with another
             // ZRT_SHM_SLOT_BYTES must not index the segment differently.
             j.store.set(&key("created"), &(slot as u64).to_le_bytes())?;
-            (f, slot)
+            (f, slot, Some(unlink))
         } else {
-            let b = j.store.get(&key("created"), j.timeout)?;
+            let b = await_rank(0, "create", "created")?;
             let slot = <[u8; 8]>::try_from(b.as_slice())
                 .map(|b| u64::from_le_bytes(b) as usize)
                 .map_err(|_| CommError::Rendezvous("malformed segment layout".into()))?;
@@ -981,7 +999,7 @@ impl ShmGroup {
                 .write(true)
                 .open(&path)
                 .map_err(|e| io("opening", e))?;
-            (f, slot)
+            (f, slot, None)
         };
         // SAFETY: the file is this job's, sized above, and only accessed
         // through `Segment`'s atomics and protocol-owned ranges.
@@ -999,29 +1017,26 @@ impl ShmGroup {
             // SAFETY: header words, written before anyone is told "ready".
             unsafe { (seg.base() as *mut u64).write(MAGIC) };
         }
-        // Publish this process's pid for liveness checks, then meet everyone.
+        // Publish this process's pid for liveness checks, then read every
+        // rank's: a rank publishes only once it has mapped the segment (and
+        // rank 0 once it wrote the header), so having all pids is the
+        // barrier that lets the name go and the header be read.
         j.store.set(
             &key(&format!("pid/{me}")),
             &std::process::id().to_le_bytes(),
         )?;
-        if j.store.add(&key("joined"), 1)? == n as i64 {
-            j.store.set(&key("all"), &[])?;
-        }
-        j.store.get(&key("all"), j.timeout)?;
         let mut pids = Vec::with_capacity(n);
         for r in 0..n {
-            let b = j.store.get(&key(&format!("pid/{r}")), j.timeout)?;
+            let b = await_rank(r, "join", &format!("pid/{r}"))?;
             pids.push(u32::from_le_bytes(
                 b.as_slice()
                     .try_into()
                     .map_err(|_| CommError::Rendezvous("malformed pid".into()))?,
             ));
         }
-        if me == 0 {
-            // Everyone has mapped it: the name can go, the memory stays.
-            let _ = std::fs::remove_file(&path);
-        }
-        // SAFETY: header word written by rank 0 before "all".
+        // Everyone has mapped it: the name can go, the memory stays.
+        drop(unlink);
+        // SAFETY: header word written by rank 0 before it published its pid.
         if unsafe { (seg.base() as *const u64).read() } != MAGIC {
             return Err(CommError::Rendezvous(format!(
                 "{} is not a zrt segment",
@@ -1251,6 +1266,39 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(10));
             }
         });
+    }
+
+    #[test]
+    fn a_join_a_rank_never_comes_to_fails_naming_it_and_leaves_no_segment() {
+        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
+        let store = Arc::new(store.unwrap());
+        let job = format!("unit-{}", std::process::id());
+        let path = format!("/dev/shm/zrt-{job}-lonely");
+        let join = |name, world_rank| {
+            ShmGroup::join(ShmJoin {
+                store: store.clone(),
+                job: &job,
+                name,
+                world_ranks: vec![4, 9],
+                world_rank,
+                slot_bytes: 4096,
+                timeout: Duration::from_millis(300),
+            })
+        };
+        // Rank 0 (world rank 4) made the segment, then waited for rank 9.
+        let e = join("lonely", 4).err().unwrap().to_string();
+        assert!(
+            e.starts_with("rendezvous failed: rank 9 did not join shared-memory group `lonely` (key `shm/lonely/pid/1` did not appear"),
+            "{e}"
+        );
+        assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
+        // Group rank 1 (world rank 9) waited for rank 4 to make one.
+        let e = join("empty", 9).err().unwrap().to_string();
+        assert!(
+            e.starts_with("rendezvous failed: rank 4 did not create shared-memory group `empty` (key `shm/empty/created` did not appear"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -74,7 +74,7 @@ fn spawn(world: usize, scenario: &str, extra: &[(&str, &str)]) -> Ranks {
 /// segment or buffer file that outlives its job holds memory until reboot.
 fn finish(ranks: Ranks, limit: Duration) -> Vec<Ended> {
     let deadline = Instant::now() + limit;
-    let ended = ranks
+    let ended: Vec<Ended> = ranks
         .children
         .into_iter()
         .map(|mut c| {
@@ -107,7 +107,14 @@ fn finish(ranks: Ranks, limit: Duration) -> Vec<Ended> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with(&prefix))
         .collect();
-    assert!(left.is_empty(), "the job left files in /dev/shm: {left:?}");
+    // The ranks' output goes with it: a rank that failed for another
+    // reason is the likelier cause, and its message must not be lost.
+    let printed: Vec<&str> = ended.iter().map(|e| e.out.as_str()).collect();
+    assert!(
+        left.is_empty(),
+        "the job left files in /dev/shm: {left:?}; its ranks printed:\n{}",
+        printed.join("\n---\n")
+    );
     ended
 }
 

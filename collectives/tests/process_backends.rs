@@ -423,6 +423,9 @@ fn rank_main() {
             // Only rank 1 cannot create its buffer: its files may not grow
             // past 64 KiB (a soft limit, raised back after), so reserving
             // 1 MiB fails with EFBIG (SIGXFSZ ignored, or it would kill it).
+            // SAFETY (the calls below): getrlimit and setrlimit read and
+            // write the plain struct they are given; ignoring SIGXFSZ
+            // installs no handler.
             let fsize = |cur: u64| {
                 let mut l: libc::rlimit = unsafe { std::mem::zeroed() };
                 assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut l) }, 0);

@@ -78,10 +78,16 @@ fn input(rank: usize, k: usize) -> Tensor {
 }
 
 fn config(stage: u8, gas: usize) -> Config {
+    config_plus(stage, gas, "", "")
+}
+
+/// [`config`] with `top` spliced into the top level and `zero` into
+/// `zero_optimization` (each ending with a comma).
+fn config_plus(stage: u8, gas: usize, top: &str, zero: &str) -> Config {
     Config::from_json(&format!(
-        r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": {gas},
+        r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": {gas}, {top}
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
-            "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+            "zero_optimization": {{{zero} "stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
     ))
     .unwrap()
 }
@@ -434,6 +440,138 @@ fn units_run_in_different_orders_are_an_error_naming_them() {
     for e in errs {
         assert!(e.contains("rank 0 runs `a`, rank 1 runs `b`"), "{e}");
     }
+}
+
+/// The error of building `t`'s engine under `cfg` on `group`, which must
+/// be [`EngineError::RanksDiffer`].
+fn differs(t: &Tiny, cfg: &Config, group: LocalGroup) -> String {
+    match Engine::new(&t.vs, &t.plan, cfg, group, &AutoHints::default()) {
+        Err(e @ EngineError::RanksDiffer(_)) => e.to_string(),
+        Err(e) => panic!("expected the ranks' difference, got {e}"),
+        Ok(_) => panic!("an engine was built from different models or configs"),
+    }
+}
+
+#[test]
+fn ranks_built_from_different_models_or_configs_are_refused_naming_each_difference() {
+    // Rank 1's unit `b` has one more parameter and its config clips
+    // gradients. The model alone used to fail the build's broadcast with
+    // no cause named; the clipping alone trained the ranks apart with no
+    // error at all (every collective still lines up).
+    let errs = on_ranks(WORLD, |r| {
+        let t = tiny();
+        let top = match r.rank() {
+            0 => "",
+            _ => {
+                let _ = extra_param(&t, "b");
+                r#""gradient_clipping": 1.0,"#
+            }
+        };
+        differs(&t, &config_plus(3, 1, top, ""), group(&r))
+    });
+    assert_eq!(errs[0], errs[1], "every rank says the same");
+    assert!(
+        errs[0].starts_with(
+            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
+             gradient_clipping: rank 1 has 1.0, rank 0 has 0.0; \
+             variable `b.extra`: rank 1 has [3] Float (trained), rank 0 has none. \
+             Every rank must build the same model"
+        ),
+        "{}",
+        errs[0]
+    );
+}
+
+#[test]
+fn a_setting_one_rank_alone_refuses_is_named_as_the_difference() {
+    // Rank 1 alone would refuse hpZ without an hpZ group, and rank 0 would
+    // only learn that rank 1 left: the ranks compare before either refuses.
+    let errs = on_ranks(WORLD, |r| {
+        let zero = match r.rank() {
+            0 => "",
+            _ => r#""zero_hpz_partition_size": 2,"#,
+        };
+        differs(&tiny(), &config_plus(3, 1, "", zero), group(&r))
+    });
+    for e in errs {
+        assert!(
+            e.contains(
+                "rank 1 differs from rank 0 in zero_optimization.zero_hpz_partition_size: rank 1 has 2, rank 0 has 1."
+            ),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_differing_outside_both_groups_of_a_peer_fails_that_peer_too_and_the_plan_is_left() {
+    // A 2x2 mesh: shard groups {0, 1} and {2, 3}, replicate groups {0, 2}
+    // and {1, 3}. Only rank 3's config differs, so rank 0 agrees with
+    // both its groups: it must still refuse, or it would go on alone.
+    let out = on_ranks(4, |r| {
+        let t = tiny();
+        let zero = match r.rank() {
+            3 => r#""reduce_bucket_size": 1000,"#,
+            _ => "",
+        };
+        let mesh = r.mesh(2).unwrap();
+        let err = match Engine::new_hybrid(
+            &t.vs,
+            &t.plan,
+            &config_plus(2, 1, "", zero),
+            mesh,
+            &AutoHints::default(),
+        ) {
+            Err(e @ EngineError::RanksDiffer(_)) => e.to_string(),
+            Err(e) => panic!("rank {}: expected the ranks' difference, got {e}", r.rank()),
+            Ok(_) => panic!("rank {}: built from different configs", r.rank()),
+        };
+        // The refusal claimed nothing: the same plan builds once the
+        // configs agree, and trains.
+        let e = Engine::new_hybrid(
+            &t.vs,
+            &t.plan,
+            &config(2, 1),
+            r.mesh(2).unwrap(),
+            &AutoHints::default(),
+        )
+        .unwrap();
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        assert!(e.step().unwrap());
+        (err, e.gathered_params().unwrap())
+    });
+    for (err, params) in &out {
+        assert!(
+            err.starts_with(
+                "ranks built their engines from different models or configs: rank 3 differs from rank 0 in \
+                 zero_optimization.reduce_bucket_size: rank 3 has 1000, rank 0 has 500000000. Every"
+            ),
+            "{err}"
+        );
+        assert_eq!(params, &out[0].1, "ranks disagree after the step");
+    }
+}
+
+#[test]
+fn ranks_may_keep_their_own_optimizer_state_differently() {
+    // Where a rank keeps its Adam state is its own affair: rank 1 swaps it
+    // to NVMe, rank 0 keeps it in memory, and they train as ranks that
+    // both keep it in memory.
+    let dir = std::env::temp_dir().join(format!("zrt-behaviour-{}-own", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let offload = format!(
+        r#""offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}},"#,
+        dir.display()
+    );
+    let out = on_ranks(WORLD, |r| {
+        let zero = if r.rank() == 1 { offload.as_str() } else { "" };
+        let (t, e) = tiny_engine(&config_plus(2, 2, "", zero), &r);
+        train_steps(&t, &e, r.rank(), 3);
+        e.gathered_params().unwrap()
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(out[0], train(2, false));
+    assert_eq!(out[1], out[0]);
 }
 
 #[test]

@@ -182,15 +182,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// group's ranks inside each replica). A collective.
     fn world_gather(&self, mine: Vec<i64>) -> Result<Vec<i64>, EngineError> {
         let what = || "with_full_params exchanged its fingerprints of the units".to_string();
-        let group = self.group.all_gather(mine, Vec::new()).wait();
-        let group = group.map_err(|e| super::out_of_step(e, what))?.1;
-        Ok(match &self.replicate {
-            Some(r) => {
-                let all = r.all_gather(group, Vec::new()).wait();
-                all.map_err(|e| super::out_of_step(e, what))?.1
-            }
-            None => group,
-        })
+        super::agree::world_gather(&self.group, self.replicate.as_ref(), mine, false, what)
     }
 
     /// Makes world rank 0's gathered values of unit `k` (trainable and

@@ -34,7 +34,8 @@
 //! the buffer to a small pool the next gather (or gradient buffer) of that
 //! size takes it from, already paged in.
 //!
-//! Submodules: `overlap` (reductions issued from gradient hooks during
+//! Submodules: `agree` (the ranks' check, at build, that they train the
+//! same model with the same config), `overlap` (reductions issued from gradient hooks during
 //! backward, prefetched gathers, reduce buckets, hpZ re-gathers), `pool`
 //! (the reused gather and gradient buffers),
 //! `checkpoint` (save and load), `frozen` (the variables that do not train:
@@ -61,6 +62,7 @@ use crate::{glue, AutoHints, Config, EngineError, Resolved};
 use loss_scale::Scaler;
 use offload::ReadAhead;
 
+mod agree;
 mod checkpoint;
 mod elems;
 mod frozen;
@@ -843,6 +845,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<Self, EngineError> {
         let replicas = replicate.as_ref().map_or(1, |r| r.size());
         let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
+        // First, so that the checks below, which a config that differs on
+        // one rank fails there alone, meet ranks that agree; and before
+        // the plan is claimed, so an engine refused here leaves it for the
+        // next try.
+        agree::check(
+            &agree::Terms::of(&cfg, &plan.units(), vs),
+            &group,
+            replicate.as_ref(),
+        )?;
         let c = &cfg.config;
         let compute = match c.precision {
             Precision::Fp32 => Compute::F32,

@@ -1612,7 +1612,8 @@ pub(crate) const CHECKPOINT_AGREEMENT: &str = "all_gather(u8 x 1)";
 /// A training collective that met a peer's checkpoint agreement means that
 /// peer is saving or loading while this rank trains (a save under `if rank
 /// == 0`): say that, since the two calls' names mean nothing to the user
-/// and the mismatch would otherwise read as uneven gradients.
+/// and the mismatch would otherwise read as "ranks out of step" with no
+/// cause.
 fn checkpoint_on_a_peer(e: EngineError) -> EngineError {
     match &e {
         EngineError::Comm(c) if meets_checkpoint(c) => EngineError::CallOrder(format!(

@@ -599,10 +599,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
             for w in works {
                 let units = &st.units;
+                // A mismatch here is `OutOfStep` (another engine call) or a
+                // peer's checkpoint agreement, left for `checkpoint_on_a_peer`.
                 let seen = waiting(&mut st.timing, || {
                     w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
-                })
-                .map_err(|e| uneven(e, &without));
+                });
                 let e = match seen {
                     Ok(None) => continue,
                     Ok(Some(d)) => d.error(|names| explain_uneven(&names, &without)),
@@ -616,7 +617,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
-            let red = waiting(&mut st.timing, || r.wait()).map_err(|e| uneven(e, &without))?;
+            // The ranks announced this very reduction, built alike (see
+            // `agree`), so its shape matches theirs.
+            let red = waiting(&mut st.timing, || r.wait())?;
             let v = self.across_replicas(&red)?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
             drop(v);
@@ -879,27 +882,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 }
 
-/// A mismatch among gradient reductions, explained. Each unit is reduced
+/// [`EngineError::UnevenGradients`]: `what` the ranks did, why, and this
+/// rank's parameters without a gradient (`without`). Each unit is reduced
 /// as soon as all its parameters have gradients, so when a parameter some
 /// ranks' losses use and others' do not leaves a unit incomplete on some
 /// ranks, those ranks reduce it only at the end of backward: the ranks
-/// issue their reductions in different orders. `without` names this rank's
-/// parameters that had no gradient. Other errors pass through.
-fn uneven(e: EngineError, without: &[String]) -> EngineError {
-    match &e {
-        // A peer's checkpoint agreement is not a gradient: see
-        // `checkpoint_on_a_peer`.
-        EngineError::Comm(c @ zrt_collectives::CommError::Mismatch { .. })
-            if !super::meets_checkpoint(c) =>
-        {
-            explain_uneven(&c.to_string(), without)
-        }
-        _ => e,
-    }
-}
-
-/// [`EngineError::UnevenGradients`]: `what` the ranks did, why, and this
-/// rank's parameters without a gradient.
+/// announce their reductions in different orders.
 fn explain_uneven(what: &str, without: &[String]) -> EngineError {
     let here = if without.is_empty() {
         "every parameter got a gradient on this rank; the other ranks' errors name theirs"

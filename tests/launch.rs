@@ -96,27 +96,53 @@ fn launchers_on_two_nodes_make_one_job() {
     // would. The program is the collectives benchmark's rank half, which
     // all-reduces its timings and prints rank 0's as one line.
     let port = free_port();
-    let node = |rank: usize| {
-        zrt()
-            .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
-            .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &port.to_string(), "--"])
-            .arg(env!("CARGO_BIN_EXE_zrt"))
-            .args(["bench", "collectives-rank", "--sizes", "1", "--iters", "1"])
-            .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
-            .env("ZRT_BACKEND", "tcp")
-            .env("ZRT_TIMEOUT", "60")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let (a, b) = (node(0), node(1));
+    let (a, b) = (node(port, 0, 1), node(port, 1, 1));
     let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
     let (ta, tb) = (text(&a), text(&b));
     assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
     assert!(ta.contains("[rank 0] @@zrt {\"results\""), "{ta}");
     assert!(!tb.contains("@@zrt"), "only rank 0 reports: {tb}");
+}
+
+#[test]
+fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
+    // Node 0's launcher is told one rank per node, node 1's two: rank 0
+    // runs a world of 2, ranks 2 and 3 a world of 4, and rank 0 waited out
+    // its whole timeout for a rank 1 that never comes.
+    let port = free_port();
+    let t = Instant::now();
+    let (a, b) = (node(port, 0, 1), node(port, 1, 2));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let took = t.elapsed();
+    for o in [&a, &b] {
+        let t = text(o);
+        assert!(!o.status.success(), "{t}");
+        assert!(
+            t.contains("rank 0 was started with WORLD_SIZE=2 and rank ")
+                && t.contains(" with WORLD_SIZE=4: give every node's launcher the same --nnodes and --nproc-per-node"),
+            "{t}"
+        );
+    }
+    assert!(took < Duration::from_secs(30), "{took:?}");
+}
+
+/// Node `rank` of a two-node job at `port` on this host, starting `nproc`
+/// ranks of the collectives benchmark over tcp (60 s timeout).
+fn node(port: u16, rank: usize, nproc: usize) -> std::process::Child {
+    zrt()
+        .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+        .args(["--nproc-per-node", &nproc.to_string()])
+        .args(["--master-addr", "127.0.0.1"])
+        .args(["--master-port", &port.to_string(), "--"])
+        .arg(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "collectives-rank", "--sizes", "1", "--iters", "1"])
+        .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+        .env("ZRT_BACKEND", "tcp")
+        .env("ZRT_TIMEOUT", "60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 /// A port nothing listens on, for a store the test's launchers start.

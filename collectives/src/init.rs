@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::local::LocalGroup;
+use crate::rendezvous;
 use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin};
 use crate::store::{StoreClient, StoreServer, MAX_TOKEN_LEN};
 use crate::tcp::{TcpGroup, TcpJoin};
@@ -243,12 +244,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         None
     };
     let store = Arc::new(StoreClient::connect(&addr, &env.token, timeout)?);
-    let host = hostname();
-    store.set(&format!("host/{}", env.rank), host.as_bytes())?;
-    let mut hosts = Vec::with_capacity(env.world_size);
-    for r in 0..env.world_size {
-        hosts.push(store.get(&format!("host/{r}"), timeout)?);
-    }
+    let hosts = rendezvous::meet(&store, env.rank, env.world_size, &hostname(), timeout)?;
     let backend = choose_backend(requested, hosts.iter().all(|h| h == &hosts[0]))?;
     let all: Vec<usize> = (0..env.world_size).collect();
     let world = join_group(&env, backend, &store, slot_bytes, timeout, "world", &all)?;

@@ -54,6 +54,7 @@ mod mesh;
 pub mod nccl;
 mod op;
 mod p2p;
+mod rendezvous;
 pub mod shm;
 mod stats;
 pub mod store;

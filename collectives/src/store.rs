@@ -358,13 +358,19 @@ impl StoreClient {
 
     /// Waits for `key` to exist (at most `timeout`) and returns its value.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
-        let body = (timeout.as_millis() as u64).to_le_bytes();
-        self.request(OP_GET, key, &body, None)?.ok_or_else(|| {
+        self.get_within(key, timeout)?.ok_or_else(|| {
             err(format!(
                 "key `{key}` did not appear in the store within {:.0} s",
                 timeout.as_secs_f64()
             ))
         })
+    }
+
+    /// As [`StoreClient::get`], with `None` when `key` did not appear
+    /// within `timeout` (zero: whether it exists now).
+    pub fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
+        let body = (timeout.as_millis() as u64).to_le_bytes();
+        self.request(OP_GET, key, &body, None)
     }
 
     /// Adds `delta` to the integer at `key` (0 if absent); returns the new value.

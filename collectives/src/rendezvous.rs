@@ -1,0 +1,163 @@
+//! The world's rendezvous: every rank claims its `RANK`, publishes its
+//! `WORLD_SIZE` and host, and reads every rank's.
+//!
+//! Launch mistakes show up here. Two nodes given the same `--node-rank`
+//! start a rank twice, and the two processes would act as one rank;
+//! launchers given different `--nnodes` or `--nproc-per-node` start ranks
+//! that disagree on the world, and some of them would wait out their whole
+//! timeout (300 s by default) for a rank that never comes. The rank that
+//! finds such a mistake writes it under [`ABORT`], which every rank watches
+//! while it waits, so the whole job fails at once, every rank naming the
+//! cause.
+
+use std::time::{Duration, Instant};
+
+use crate::store::StoreClient;
+use crate::CommError;
+
+/// The key under which a rank that found a launch mistake says what it is.
+const ABORT: &str = "abort";
+
+/// How often a waiting rank looks at [`ABORT`].
+const POLL: Duration = Duration::from_millis(100);
+
+/// Rank `rank` of a world of `world` ranks on `host` meets the others:
+/// returns every rank's host, in rank order. Fails (and makes every rank
+/// fail) when a rank is started twice or ranks disagree on the world
+/// size, and names the rank that did not come within `timeout`.
+pub(crate) fn meet(
+    store: &StoreClient,
+    rank: usize,
+    world: usize,
+    host: &str,
+    timeout: Duration,
+) -> Result<Vec<String>, CommError> {
+    let abort = |why: String| {
+        // Best effort: should the store be gone, this rank still fails
+        // with `why`, and its peers with the lost store.
+        let _ = store.set(ABORT, why.as_bytes());
+        CommError::Rendezvous(why)
+    };
+    if store.add(&format!("claim/{rank}"), 1)? > 1 {
+        return Err(abort(format!(
+            "RANK={rank} was started twice in this job: give each node's launcher its own --node-rank (0 to --nnodes - 1), and stop any rank of an earlier job with the same MASTER_PORT and ZRT_TOKEN"
+        )));
+    }
+    store.set(
+        &format!("host/{rank}"),
+        format!("{world} {host}").as_bytes(),
+    )?;
+    let deadline = Instant::now() + timeout;
+    let mut hosts = Vec::with_capacity(world);
+    for r in 0..world {
+        let Some(v) = wait(store, &format!("host/{r}"), deadline)? else {
+            return Err(CommError::Rendezvous(format!(
+                "rank {r} did not join the job within {:.0} s: check that its process runs and reaches MASTER_ADDR:MASTER_PORT, and that every node's launcher was started with the same --nnodes and --nproc-per-node (WORLD_SIZE={world} here)",
+                timeout.as_secs_f64()
+            )));
+        };
+        let v = String::from_utf8_lossy(&v);
+        let (w, h) = v.split_once(' ').unwrap_or(("?", &v));
+        if w != world.to_string() {
+            return Err(abort(format!(
+                "rank {r} was started with WORLD_SIZE={w} and rank {rank} with WORLD_SIZE={world}: give every node's launcher the same --nnodes and --nproc-per-node"
+            )));
+        }
+        hosts.push(h.to_string());
+    }
+    Ok(hosts)
+}
+
+/// `key`'s value once it appears, or `None` at `deadline`; fails as soon
+/// as a rank writes [`ABORT`].
+fn wait(store: &StoreClient, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, CommError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Some(v) = store.get_within(key, left.min(POLL))? {
+            return Ok(Some(v));
+        }
+        if let Some(why) = store.get_within(ABORT, Duration::ZERO)? {
+            return Err(CommError::Rendezvous(format!(
+                "another rank stopped the job: {}",
+                String::from_utf8_lossy(&why)
+            )));
+        }
+        if left.is_zero() {
+            return Ok(None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreServer;
+
+    /// Ranks (`rank`, `world`) meeting at one store on threads, each
+    /// waiting at most `timeout`: each one's result and how long it took.
+    fn meet_all(
+        ranks: &[(usize, usize)],
+        timeout: Duration,
+    ) -> Vec<(Result<Vec<String>, String>, Duration)> {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .map(|&(rank, world)| {
+                    let addr = addr.clone();
+                    s.spawn(move || {
+                        let c = StoreClient::connect(&addr, "tok", timeout).unwrap();
+                        let t = Instant::now();
+                        let got = meet(&c, rank, world, &format!("h{rank}"), timeout);
+                        (got.map_err(|e| e.to_string()), t.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn ranks_that_agree_get_every_hosts_name_in_rank_order() {
+        for (got, _) in meet_all(&[(2, 3), (0, 3), (1, 3)], Duration::from_secs(30)) {
+            assert_eq!(got.unwrap(), ["h0", "h1", "h2"]);
+        }
+    }
+
+    #[test]
+    fn a_rank_started_twice_stops_every_rank_at_once_naming_it() {
+        // Rank 2 never comes: without the abort, ranks would wait for it
+        // until their timeout.
+        let out = meet_all(&[(0, 3), (1, 3), (1, 3)], Duration::from_secs(30));
+        for (got, took) in out {
+            let e = got.unwrap_err();
+            assert!(e.contains("RANK=1 was started twice in this job"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn ranks_started_with_different_world_sizes_stop_every_rank_naming_both() {
+        // As launchers given --nproc-per-node 1 and 2 with --nnodes 2:
+        // rank 0 of a world of 2, ranks 2 and 3 of a world of 4.
+        let out = meet_all(&[(0, 2), (2, 4), (3, 4)], Duration::from_secs(30));
+        for (got, took) in out {
+            let e = got.unwrap_err();
+            assert!(
+                e.contains("rank 0 was started with WORLD_SIZE=2 and rank ") && e.contains(" with WORLD_SIZE=4: give every node's launcher the same --nnodes and --nproc-per-node"),
+                "{e}"
+            );
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_is_named_at_the_timeout() {
+        let out = meet_all(&[(0, 2)], Duration::from_millis(300));
+        let (got, took) = &out[0];
+        let e = got.clone().unwrap_err();
+        assert!(e.contains("rank 1 did not join the job within 0 s"), "{e}");
+        assert!(*took >= Duration::from_millis(300), "{took:?}");
+    }
+}

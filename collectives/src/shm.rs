@@ -974,13 +974,16 @@ impl ShmGroup {
             // From here the name goes however join ends: a failure below
             // (a rank that never maps it, a timeout) must not leave the
             // segment in /dev/shm, holding its memory until reboot.
+            // Every rank holds such a guard once the file exists, so that
+            // a rank 0 killed before everyone mapped it (nothing runs in a
+            // killed process) does not leave it either.
             let unlink = Unlink(path.display().to_string());
             f.set_len(Segment::bytes(n, slot) as u64)
                 .map_err(|e| io("sizing (is /dev/shm large enough?)", e))?;
             // The layout is rank 0's: a rank started with another
             // ZRT_SHM_SLOT_BYTES must not index the segment differently.
             j.store.set(&key("created"), &(slot as u64).to_le_bytes())?;
-            (f, slot, Some(unlink))
+            (f, slot, unlink)
         } else {
             let b = await_rank(0, "create", "created")?;
             let slot = <[u8; 8]>::try_from(b.as_slice())
@@ -994,12 +997,13 @@ impl ShmGroup {
                     "ZRT_SHM_SLOT_BYTES differs from rank 0's: using rank 0's staging slots"
                 );
             }
+            let unlink = Unlink(path.display().to_string());
             let f = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(&path)
                 .map_err(|e| io("opening", e))?;
-            (f, slot, None)
+            (f, slot, unlink)
         };
         // SAFETY: the file is this job's, sized above, and only accessed
         // through `Segment`'s atomics and protocol-owned ranges.
@@ -1298,6 +1302,24 @@ mod tests {
         assert!(
             e.starts_with("rendezvous failed: rank 4 did not create shared-memory group `empty` (key `shm/empty/created` did not appear"),
             "{e}"
+        );
+        // Rank 4 made the segment and was killed: rank 9 maps it, waits
+        // for rank 4's pid, and removes the name on its way out.
+        let slot = slot_bytes_for(4096, 2);
+        let orphan = format!("/dev/shm/zrt-{job}-orphan");
+        let f = std::fs::File::create(&orphan).unwrap();
+        f.set_len(Segment::bytes(2, slot) as u64).unwrap();
+        store
+            .set("shm/orphan/created", &(slot as u64).to_le_bytes())
+            .unwrap();
+        let e = join("orphan", 9).err().unwrap().to_string();
+        assert!(
+            e.starts_with("rendezvous failed: rank 4 did not join shared-memory group `orphan`"),
+            "{e}"
+        );
+        assert!(
+            !std::path::Path::new(&orphan).exists(),
+            "{orphan} left behind"
         );
     }
 

@@ -289,7 +289,12 @@ fn describe(each: &[(usize, Terms)]) -> String {
             )
         })
         .collect();
-    parts.join(". ")
+    match parts.is_empty() {
+        // Different CRCs of terms that read alike: only bytes the parse
+        // does not keep (invalid UTF-8) can do that.
+        true => "their terms differ in bytes that do not print (please report this)".into(),
+        false => parts.join(". "),
+    }
 }
 
 /// `mine` from every rank of the world, in world order (the shard group's
@@ -360,6 +365,16 @@ mod tests {
              variable `a`: rank 1 has none, rank 0 has [5]; \
              variable `b`: rank 1 has [5], rank 0 has none. \
              rank 3 differs from rank 0 in lr: rank 3 has 0.02, rank 0 has 0.01"
+        );
+    }
+
+    #[test]
+    fn terms_that_read_alike_still_make_an_error_that_says_something() {
+        let t = terms(&[("a", "1")]);
+        let d = describe(&[(0, t.clone()), (1, t)]);
+        assert_eq!(
+            d,
+            "their terms differ in bytes that do not print (please report this)"
         );
     }
 

@@ -35,9 +35,9 @@
 //! size takes it from, already paged in.
 //!
 //! Submodules: `agree` (the ranks' check, at build, that they train the
-//! same model with the same config), `overlap` (reductions issued from gradient hooks during
-//! backward, prefetched gathers, reduce buckets, hpZ re-gathers), `pool`
-//! (the reused gather and gradient buffers),
+//! same model with the same config), `overlap` (reductions issued from
+//! gradient hooks during backward, prefetched gathers, reduce buckets, hpZ
+//! re-gathers), `pool` (the reused gather and gradient buffers),
 //! `checkpoint` (save and load), `frozen` (the variables that do not train:
 //! synced from rank 0, saved and exported), `frozen_shards` (stage 3's
 //! frozen parameters, sharded and gathered with their unit), `offload` (NVMe
@@ -1612,8 +1612,7 @@ pub(crate) const CHECKPOINT_AGREEMENT: &str = "all_gather(u8 x 1)";
 /// A training collective that met a peer's checkpoint agreement means that
 /// peer is saving or loading while this rank trains (a save under `if rank
 /// == 0`): say that, since the two calls' names mean nothing to the user
-/// and the mismatch would otherwise read as "ranks out of step" with no
-/// cause.
+/// and the bare mismatch would not say what the peer is doing.
 fn checkpoint_on_a_peer(e: EngineError) -> EngineError {
     match &e {
         EngineError::Comm(c) if meets_checkpoint(c) => EngineError::CallOrder(format!(

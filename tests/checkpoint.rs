@@ -1279,6 +1279,43 @@ fn the_programs_own_state_comes_back_with_its_checkpoint() {
 }
 
 #[test]
+fn ranks_given_different_tags_load_nothing_and_name_what_each_read() {
+    // Each rank's load alone succeeds: before, rank 0 took its shards from
+    // step 1 and rank 1 from step 2, and the model mixed them unsaid.
+    let _serial = serial();
+    let dir = tmp("different-tags");
+    run(&Phase::new(3, Batches::Two { gas: 1 }, 0..1).save(&dir, "a"));
+    run(&Phase::new(3, Batches::Two { gas: 1 }, 0..2).save(&dir, "b"));
+    let cfg = config_zero(3, 1, 0.5, "", "");
+    let out = on_ranks(2, |r| {
+        let (vs, plan, _) = model_of(&GPT);
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let before = e.gathered_params().unwrap();
+        let err = e
+            .load_checkpoint(&dir, Some(["a", "b"][r.rank()]))
+            .unwrap_err();
+        (err, before == e.gathered_params().unwrap())
+    });
+    let d = dir.display();
+    for (e, unchanged) in out {
+        let text = e.to_string();
+        assert!(
+            matches!(e, EngineError::Checkpoint(CheckpointError::NotTheSame(_))),
+            "{text}"
+        );
+        assert!(
+            text.starts_with(&format!(
+                "ranks read different checkpoints: rank 0 read {d}/a (step 1); rank 1 read {d}/b (step 2); nothing was loaded"
+            )),
+            "{text}"
+        );
+        assert!(unchanged, "a refused load changed the parameters");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_save_only_rank_0_calls_is_named_as_a_collective() {
     let _serial = serial();
     let dir = tmp("rank-0-only");

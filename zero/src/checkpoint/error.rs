@@ -67,6 +67,10 @@ pub enum CheckpointError {
     /// A tag that cannot name a directory.
     #[error("invalid checkpoint tag `{0}`: use a non-empty name without `/`, not starting with `.`, other than `latest`")]
     BadTag(String),
+    /// Ranks read different checkpoints (other tags or directories): each
+    /// "ranks R read PATH (step S)". Nothing was loaded.
+    #[error("ranks read different checkpoints: {}; nothing was loaded: every rank must load the same tag from the same directory (on several nodes, one they share)", .0.join("; "))]
+    NotTheSame(Vec<String>),
     /// Other ranks failed while this one succeeded; nothing was committed.
     #[error("rank(s) {ranks:?} failed to {what} the checkpoint (their own errors say why); nothing was committed, the previous checkpoint is intact")]
     Peers {

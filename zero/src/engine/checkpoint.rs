@@ -6,7 +6,8 @@
 //! never a half-committed checkpoint), and a load changes nothing until
 //! every rank has verified everything it needs (every file's checksum and
 //! every range it will read; the values themselves are read unit by unit
-//! as they are applied, so a load never holds a rank's whole state).
+//! as they are applied, so a load never holds a rank's whole state) and
+//! the ranks have checked that they all read the same checkpoint.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -513,11 +514,79 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let read = self.read_checkpoint(dir.as_ref(), tag);
         let loaded = self.agree(read, "load")?;
+        self.same_checkpoint(dir, &loaded)?;
         let tag = loaded.tag.clone();
         let client_state = loaded.meta.client_state.clone();
         self.apply(loaded, what)?;
         tracing::info!(tag = %tag, module_only = what == What::ModuleOnly, "checkpoint loaded");
         Ok((tag, client_state))
+    }
+
+    /// Checks that every rank of the world read the same checkpoint (a
+    /// CRC-32 of its meta.json as read): ranks given other tags or
+    /// directories would each load their own, and the model would mix
+    /// shards of different steps without an error. When they differ,
+    /// every rank fails naming what each read, before anything is applied.
+    fn same_checkpoint(&self, dir: &Path, loaded: &Loaded) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        let path = dir.join(&loaded.tag);
+        let meta = serde_json::to_vec(&loaded.meta)
+            .map_err(|e| CheckpointError::format(path.join("meta.json"), e.to_string()))?;
+        let path = path.display().to_string();
+        // 16 bytes per rank: CRC-32, step, the path's length.
+        let mut mine = crc32fast::hash(&meta).to_le_bytes().to_vec();
+        mine.extend_from_slice(&loaded.meta.global_step.to_le_bytes());
+        mine.extend_from_slice(&(path.len() as u32).to_le_bytes());
+        let what = || "this rank compared the checkpoint it read with the other ranks'".to_string();
+        let gather = |v: Vec<u8>, parts| {
+            super::agree::world_gather(&i.group, i.replicate.as_ref(), v, parts, what)
+        };
+        let all = gather(mine, false)?;
+        // A little-endian word (all_gather parts have one length, so every
+        // chunk has 16 bytes).
+        let word = |b: Option<&[u8]>| {
+            b.unwrap_or_default()
+                .iter()
+                .rev()
+                .fold(0u64, |a, &x| a << 8 | u64::from(x))
+        };
+        let each: Vec<(u64, u64, usize)> = all
+            .chunks(16)
+            .map(|c| {
+                (
+                    word(c.get(..4)),
+                    word(c.get(4..12)),
+                    word(c.get(12..)) as usize,
+                )
+            })
+            .collect();
+        if each.iter().all(|e| e.0 == each[0].0) {
+            return Ok(());
+        }
+        // Every rank saw the same CRCs, so every rank is here. World rank
+        // r is the r-th part (the shard groups in replica order).
+        let paths = gather(path.into_bytes(), true)?;
+        let mut read: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut at = 0;
+        for (r, &(_, step, len)) in each.iter().enumerate() {
+            let p = String::from_utf8_lossy(paths.get(at..at + len).unwrap_or_default());
+            let it = format!("{p} (step {step})");
+            at += len;
+            match read.iter_mut().find(|(x, _)| *x == it) {
+                Some((_, rs)) => rs.push(r),
+                None => read.push((it, vec![r])),
+            }
+        }
+        Err(CheckpointError::NotTheSame(
+            read.into_iter()
+                .map(|(it, rs)| {
+                    let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
+                    let s = if rs.len() > 1 { "s" } else { "" };
+                    format!("rank{s} {} read {it}", rs.join(", "))
+                })
+                .collect(),
+        )
+        .into())
     }
 
     fn read_checkpoint(&self, dir: &Path, tag: Option<&str>) -> Result<Loaded, CheckpointError> {

@@ -98,6 +98,34 @@ struct Loaded {
     frozen: Option<frozen::Values>,
 }
 
+/// What each world rank read, from its (meta.json CRC, step, path): one
+/// phrase per distinct checkpoint, ranks that read the same one named
+/// together; the CRC is shown where one path and step hold different
+/// contents (the same directory on two nodes' own disks).
+fn what_each_read(reads: &[(u64, u64, String)]) -> Vec<String> {
+    // (CRC, path and step, the ranks that read it).
+    let mut seen: Vec<(u64, String, Vec<usize>)> = Vec::new();
+    for (r, (crc, step, path)) in reads.iter().enumerate() {
+        let it = format!("{path} (step {step}");
+        match seen.iter_mut().find(|(c, x, _)| c == crc && *x == it) {
+            Some((_, _, rs)) => rs.push(r),
+            None => seen.push((*crc, it, vec![r])),
+        }
+    }
+    let shared = |it: &str| seen.iter().filter(|(_, x, _)| x == it).count() > 1;
+    seen.iter()
+        .map(|(crc, it, rs)| {
+            let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
+            let s = if rs.len() > 1 { "s" } else { "" };
+            let crc = match shared(it) {
+                true => format!(", meta.json crc {crc:08x}"),
+                false => String::new(),
+            };
+            format!("rank{s} {} read {it}{crc})", rs.join(", "))
+        })
+        .collect()
+}
+
 /// A save or load whose collectives met another call, a rank that left or
 /// a timeout: most often not every rank called it. Says so, keeping the
 /// collectives' own words.
@@ -533,31 +561,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let meta = serde_json::to_vec(&loaded.meta)
             .map_err(|e| CheckpointError::format(path.join("meta.json"), e.to_string()))?;
         let path = path.display().to_string();
-        // 16 bytes per rank: CRC-32, step, the path's length.
-        let mut mine = crc32fast::hash(&meta).to_le_bytes().to_vec();
-        mine.extend_from_slice(&loaded.meta.global_step.to_le_bytes());
-        mine.extend_from_slice(&(path.len() as u32).to_le_bytes());
+        // Per rank: CRC-32, step, the path's length.
+        let mine = vec![
+            i64::from(crc32fast::hash(&meta)),
+            loaded.meta.global_step as i64,
+            path.len() as i64,
+        ];
         let what = || "this rank compared the checkpoint it read with the other ranks'".to_string();
-        let gather = |v: Vec<u8>, parts| {
-            super::agree::world_gather(&i.group, i.replicate.as_ref(), v, parts, what)
-        };
-        let all = gather(mine, false)?;
-        // A little-endian word (all_gather parts have one length, so every
-        // chunk has 16 bytes).
-        let word = |b: Option<&[u8]>| {
-            b.unwrap_or_default()
-                .iter()
-                .rev()
-                .fold(0u64, |a, &x| a << 8 | u64::from(x))
-        };
+        let all = super::agree::world_gather(&i.group, i.replicate.as_ref(), mine, false, what)?;
         let each: Vec<(u64, u64, usize)> = all
-            .chunks(16)
-            .map(|c| {
-                (
-                    word(c.get(..4)),
-                    word(c.get(4..12)),
-                    word(c.get(12..)) as usize,
-                )
+            .chunks(3)
+            .map(|c| match c {
+                &[crc, step, len] => (crc as u64, step as u64, len as usize),
+                _ => (0, 0, 0),
             })
             .collect();
         if each.iter().all(|e| e.0 == each[0].0) {
@@ -565,28 +581,21 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         // Every rank saw the same CRCs, so every rank is here. World rank
         // r is the r-th part (the shard groups in replica order).
-        let paths = gather(path.into_bytes(), true)?;
-        let mut read: Vec<(String, Vec<usize>)> = Vec::new();
+        let paths = super::agree::world_gather(
+            &i.group,
+            i.replicate.as_ref(),
+            path.into_bytes(),
+            true,
+            what,
+        )?;
         let mut at = 0;
-        for (r, &(_, step, len)) in each.iter().enumerate() {
+        let mut reads = Vec::with_capacity(each.len());
+        for &(crc, step, len) in &each {
             let p = String::from_utf8_lossy(paths.get(at..at + len).unwrap_or_default());
-            let it = format!("{p} (step {step})");
+            reads.push((crc, step, p.into_owned()));
             at += len;
-            match read.iter_mut().find(|(x, _)| *x == it) {
-                Some((_, rs)) => rs.push(r),
-                None => read.push((it, vec![r])),
-            }
         }
-        Err(CheckpointError::NotTheSame(
-            read.into_iter()
-                .map(|(it, rs)| {
-                    let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
-                    let s = if rs.len() > 1 { "s" } else { "" };
-                    format!("rank{s} {} read {it}", rs.join(", "))
-                })
-                .collect(),
-        )
-        .into())
+        Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
     }
 
     fn read_checkpoint(&self, dir: &Path, tag: Option<&str>) -> Result<Loaded, CheckpointError> {
@@ -912,4 +921,28 @@ fn check_model(st: &State, meta: &Meta) -> Result<(), CheckpointError> {
         unexpected,
         misshaped,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::what_each_read;
+
+    #[test]
+    fn each_checkpoint_read_is_named_once_with_its_ranks_and_a_crc_where_paths_agree() {
+        let r = |crc, step, p: &str| (crc, step, p.to_string());
+        let reads = [
+            r(1, 1, "d/a"),
+            r(2, 2, "d/b"),
+            r(1, 1, "d/a"),
+            r(3, 2, "d/b"),
+        ];
+        assert_eq!(
+            what_each_read(&reads),
+            [
+                "ranks 0, 2 read d/a (step 1)",
+                "rank 1 read d/b (step 2, meta.json crc 00000002)",
+                "rank 3 read d/b (step 2, meta.json crc 00000003)",
+            ]
+        );
+    }
 }

@@ -520,14 +520,17 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
             reference.clone(),
         );
     }
-    // Without the mesh, mics_shard_size is refused with the fix.
+    // Without the mesh, mics_shard_size is refused with the fix (on every
+    // rank: building an engine is a collective).
     let cfg = config_zero(2, 1, 0.0, "", r#""mics_shard_size": 2,"#);
-    let (vs, plan, _) = model();
-    let g = local::world(4).remove(0).new_group(&[0, 1, 2, 3]).unwrap();
-    let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
-        .err()
-        .unwrap();
-    assert!(e.to_string().contains("Engine::new_hybrid"), "{e}");
+    for e in on_ranks(4, |r| {
+        let (vs, plan, _) = model();
+        let g = r.new_group(&[0, 1, 2, 3]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default());
+        e.err().unwrap().to_string()
+    }) {
+        assert!(e.contains("Engine::new_hybrid"), "{e}");
+    }
 }
 
 /// Which job `rank_main` runs when re-executed by `zrt launch`.
@@ -819,34 +822,31 @@ fn hpz_regathers_inside_its_group_with_the_same_results() {
         assert_eq!(served, 3 * (STEPS as u64 - 1), "{extra}");
         assert_eq!(hpz, plain, "hpZ gathers the same values: {extra}");
     }
-    // Without its group the key is refused with the fix.
+    // Without its group the key is refused with the fix (on every rank:
+    // building an engine is a collective).
     let cfg = config_zero(3, 1, 0.0, "", r#""zero_hpz_partition_size": 2,"#);
-    let (vs, plan, _) = model();
-    let g = local::world(2).remove(0).new_group(&[0, 1]).unwrap();
-    let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
-        .err()
-        .unwrap();
-    assert!(e.to_string().contains("Engine::new_hpz"), "{e}");
-    // With a group, it must be stage 3 and hold as many ranks as the key.
-    let mut ranks = local::world(4);
-    let r = ranks.remove(0);
-    for (stage, hpz) in [(3u8, vec![0, 1, 2, 3]), (2, vec![0, 1])] {
-        let cfg = config_zero(stage, 1, 0.0, "", r#""zero_hpz_partition_size": 2,"#);
+    for e in on_ranks(2, |r| {
         let (vs, plan, _) = model();
-        let world = r.new_group(&[0, 1, 2, 3]).unwrap();
-        let e = Engine::new_hpz(
-            &vs,
-            &plan,
-            &cfg,
-            world,
-            r.new_group(&hpz).unwrap(),
-            &AutoHints::default(),
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        let want = format!("hpZ needs ZeRO stage 3, zero_hpz_partition_size equal to the hpZ group's size ({}, config says 2)", hpz.len());
-        assert!(e.contains(&want), "stage {stage}, group {hpz:?}: {e}");
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default());
+        e.err().unwrap().to_string()
+    }) {
+        assert!(e.contains("Engine::new_hpz"), "{e}");
+    }
+    // With a group, it must be stage 3 and hold as many ranks as the key.
+    for (stage, size) in [(3u8, 4), (2, 2)] {
+        let cfg = config_zero(stage, 1, 0.0, "", r#""zero_hpz_partition_size": 2,"#);
+        for e in on_ranks(4, |r| {
+            let (vs, plan, _) = model();
+            let world = r.new_group(&[0, 1, 2, 3]).unwrap();
+            let first = r.rank() / size * size;
+            let hpz = r.new_group(&(first..first + size).collect::<Vec<_>>());
+            let e = Engine::new_hpz(&vs, &plan, &cfg, world, hpz.unwrap(), &AutoHints::default());
+            e.err().unwrap().to_string()
+        }) {
+            let want = format!("hpZ needs ZeRO stage 3, zero_hpz_partition_size equal to the hpZ group's size ({size}, config says 2)");
+            assert!(e.contains(&want), "stage {stage}, groups of {size}: {e}");
+        }
     }
 }
 

@@ -790,6 +790,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// dtype: bf16 training makes them bf16, as DeepSpeed does); buffers,
     /// the root's frozen parameters and all of them at stages 0-2 stay
     /// whole on every rank. Checkpoints and model exports include them all.
+    ///
+    /// A collective: every rank of `group` builds its engine, from the same
+    /// model and config, or each gets [`EngineError::RanksDiffer`] naming
+    /// what differs (checked first, before anything else can refuse).
     pub fn new(
         vs: &nn::VarStore,
         plan: &ShardPlan,

@@ -234,14 +234,13 @@ pub(super) fn check<G: ProcessGroup>(
         return Ok(());
     }
     // Every rank saw the same words, so every rank is here.
-    let all = world_gather(group, replicate, bytes, true, what)?;
-    let mut at = 0;
-    let mut each = Vec::new();
-    for &(r, _, len) in &ranks {
-        let part = all.get(at..at + len).unwrap_or_default();
-        each.push((r, Terms::parse(part)));
-        at += len;
-    }
+    let lens: Vec<usize> = ranks.iter().map(|x| x.2).collect();
+    let parts = world_parts(group, replicate, bytes, &lens, what)?;
+    let mut each: Vec<_> = ranks
+        .iter()
+        .zip(&parts)
+        .map(|(x, part)| (x.0, Terms::parse(part)))
+        .collect();
     each.sort_by_key(|x| x.0);
     Err(EngineError::RanksDiffer(describe(&each)))
 }
@@ -323,6 +322,28 @@ pub(super) fn world_gather<T: Element, G: ProcessGroup>(
         Some(r) => gather(r, inside),
         None => Ok(inside),
     }
+}
+
+/// Every rank's `mine` (bytes of any length), in world order, split
+/// into one part per rank by `lens`, the lengths the ranks exchanged
+/// before (see [`world_gather`]).
+pub(super) fn world_parts<G: ProcessGroup>(
+    group: &G,
+    replicate: Option<&G>,
+    mine: Vec<u8>,
+    lens: &[usize],
+    what: impl Fn() -> String,
+) -> Result<Vec<Vec<u8>>, EngineError> {
+    let all = world_gather(group, replicate, mine, true, what)?;
+    let mut at = 0;
+    Ok(lens
+        .iter()
+        .map(|&len| {
+            let part = all.get(at..at + len).unwrap_or_default().to_vec();
+            at += len;
+            part
+        })
+        .collect())
 }
 
 #[cfg(test)]

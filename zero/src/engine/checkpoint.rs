@@ -581,20 +581,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         // Every rank saw the same CRCs, so every rank is here. World rank
         // r is the r-th part (the shard groups in replica order).
-        let paths = super::agree::world_gather(
+        let lens: Vec<usize> = each.iter().map(|x| x.2).collect();
+        let paths = super::agree::world_parts(
             &i.group,
             i.replicate.as_ref(),
             path.into_bytes(),
-            true,
+            &lens,
             what,
         )?;
-        let mut at = 0;
-        let mut reads = Vec::with_capacity(each.len());
-        for &(crc, step, len) in &each {
-            let p = String::from_utf8_lossy(paths.get(at..at + len).unwrap_or_default());
-            reads.push((crc, step, p.into_owned()));
-            at += len;
-        }
+        let reads: Vec<_> = each
+            .iter()
+            .zip(paths)
+            .map(|(&(crc, step, _), p)| (crc, step, String::from_utf8_lossy(&p).into_owned()))
+            .collect();
         Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
     }
 

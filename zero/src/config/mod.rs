@@ -99,6 +99,51 @@ pub enum SchedulerConfig {
         /// `log` (DeepSpeed's default) or `linear`.
         warmup_type: String,
     },
+    /// One triangular cycle of the learning rate (and, inversely, of
+    /// Adam's beta1), then a decay: DeepSpeed's `OneCycle`.
+    OneCycle {
+        /// The rate at the cycle's ends.
+        cycle_min_lr: f64,
+        /// The rate at the cycle's peak.
+        cycle_max_lr: f64,
+        /// After the cycle the rate is `cycle_min_lr / (1 + rate x k /
+        /// decay_step_size)` at `k` iterations past it (0: it stays at
+        /// `cycle_min_lr`).
+        decay_lr_rate: f64,
+        /// Iterations of the rising half.
+        cycle_first_step_size: u64,
+        /// Iterations of the falling half (DeepSpeed's default: the first's).
+        cycle_second_step_size: u64,
+        /// Stairs of the rising half (0: continuous).
+        cycle_first_stair_count: u64,
+        /// Stairs of the falling half (DeepSpeed's default: the first's).
+        cycle_second_stair_count: u64,
+        /// Iterations per decay interval (0: no decay).
+        decay_step_size: u64,
+        /// Whether beta1 cycles between `cycle_max_mom` and `cycle_min_mom`;
+        /// while it does, beta2 is 0.99, as DeepSpeed sets it.
+        cycle_momentum: bool,
+        /// beta1 at the peak of the rate.
+        cycle_min_mom: f64,
+        /// beta1 at the cycle's ends.
+        cycle_max_mom: f64,
+        /// After the cycle beta1 is `cycle_max_mom x (1 + rate x k /
+        /// decay_step_size)` (DeepSpeed's formula; 0: it stays).
+        decay_mom_rate: f64,
+    },
+    /// The learning-rate range test: the rate grows from
+    /// `lr_range_test_min_lr` by `lr_range_test_step_rate` x its start every
+    /// `lr_range_test_step_size` iterations: DeepSpeed's `LRRangeTest`.
+    LRRangeTest {
+        /// The starting rate.
+        lr_range_test_min_lr: f64,
+        /// Iterations per increase.
+        lr_range_test_step_size: u64,
+        /// Increase per interval, in multiples of the start.
+        lr_range_test_step_rate: f64,
+        /// Whether the rate moves in stairs rather than every iteration.
+        lr_range_test_staircase: bool,
+    },
 }
 
 /// fp16 dynamic loss scaling (DeepSpeed's knobs).

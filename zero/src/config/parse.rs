@@ -410,14 +410,26 @@ impl P {
                     warmup_type: warmup_type(),
                 }
             }
+            "OneCycle" => self.one_cycle(p, path),
+            "LRRangeTest" => self.lr_range_test(p, path),
             other => {
                 self.problems.push(format!(
-                    "`scheduler.type` \"{other}\" is not supported by zrt: use WarmupLR, WarmupDecayLR or WarmupCosineLR"
+                    "`scheduler.type` \"{other}\" is not supported by zrt: use WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
                 ));
                 return None;
             }
         };
-        let (SchedulerConfig::WarmupLR {
+        // DeepSpeed starts a schedule at `last_batch_iteration` + 1 without
+        // setting its first rate; zrt resumes a schedule from the
+        // checkpoint's step instead, and ignoring the key would run another
+        // schedule than the one asked for without a word.
+        if let Some(v) = p.get("last_batch_iteration") {
+            let at = "scheduler.params.last_batch_iteration";
+            if self.number(v, at).is_some_and(|n| n != -1.0) {
+                self.problems.push(format!("`{at}` is {v}: zrt starts every schedule at its beginning and resumes it from a checkpoint's step; remove the key (or set it to -1) and load the checkpoint to go on"));
+            }
+        }
+        if let SchedulerConfig::WarmupLR {
             warmup_type,
             warmup_num_steps,
             ..
@@ -431,16 +443,148 @@ impl P {
             warmup_type,
             warmup_num_steps,
             ..
-        }) = &s;
-        // DeepSpeed falls back to "log" with a warning; a typo here would
-        // change the schedule without a word, so it is refused instead.
-        if warmup_type != "log" && warmup_type != "linear" {
-            self.problems.push(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"{warmup_type}\""));
-        }
-        if *warmup_num_steps == 0 {
-            self.problems.push(format!("`scheduler.params.warmup_num_steps` must be at least 1 for {ty} (DeepSpeed refuses 0 too)"));
+        } = &s
+        {
+            // DeepSpeed falls back to "log" with a warning; a typo here would
+            // change the schedule without a word, so it is refused instead.
+            if warmup_type != "log" && warmup_type != "linear" {
+                self.problems.push(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got \"{warmup_type}\""));
+            }
+            if *warmup_num_steps == 0 {
+                self.problems.push(format!("`scheduler.params.warmup_num_steps` must be at least 1 for {ty} (DeepSpeed refuses 0 too)"));
+            }
         }
         Some(s)
+    }
+
+    /// DeepSpeed's `OneCycle`, with its defaults; `cycle_min_lr` and
+    /// `cycle_max_lr` have none there and are required here.
+    fn one_cycle(&mut self, p: &Map<String, Value>, path: &str) -> SchedulerConfig {
+        self.keys(
+            p,
+            path,
+            &[
+                "cycle_min_lr",
+                "cycle_max_lr",
+                "decay_lr_rate",
+                "cycle_first_step_size",
+                "cycle_second_step_size",
+                "cycle_first_stair_count",
+                "cycle_second_stair_count",
+                "decay_step_size",
+                "cycle_momentum",
+                "cycle_min_mom",
+                "cycle_max_mom",
+                "decay_mom_rate",
+                "last_batch_iteration",
+            ],
+            &[],
+            false,
+        );
+        for key in ["cycle_min_lr", "cycle_max_lr"] {
+            if !p.contains_key(key) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is required by OneCycle (DeepSpeed has no default either)"
+                ));
+            }
+        }
+        let first = self.u64_or(p, path, "cycle_first_step_size", 2000);
+        if first == 0 {
+            // DeepSpeed refuses it too: the rising half's slope divides by it.
+            self.problems.push(format!(
+                "`{path}.cycle_first_step_size` must be at least 1 for OneCycle"
+            ));
+        }
+        let first_stairs = self.u64_or(p, path, "cycle_first_stair_count", 0);
+        let s = SchedulerConfig::OneCycle {
+            cycle_min_lr: self.f64_or(p, path, "cycle_min_lr", 0.0),
+            cycle_max_lr: self.f64_or(p, path, "cycle_max_lr", 0.0),
+            decay_lr_rate: self.f64_or(p, path, "decay_lr_rate", 0.0),
+            cycle_first_step_size: first,
+            cycle_second_step_size: self.u64_or(p, path, "cycle_second_step_size", first),
+            cycle_first_stair_count: first_stairs,
+            cycle_second_stair_count: self.u64_or(
+                p,
+                path,
+                "cycle_second_stair_count",
+                first_stairs,
+            ),
+            decay_step_size: self.u64_or(p, path, "decay_step_size", 0),
+            cycle_momentum: self.bool_or(p, path, "cycle_momentum", true),
+            cycle_min_mom: self.f64_or(p, path, "cycle_min_mom", 0.8),
+            cycle_max_mom: self.f64_or(p, path, "cycle_max_mom", 0.9),
+            decay_mom_rate: self.f64_or(p, path, "decay_mom_rate", 0.0),
+        };
+        if let SchedulerConfig::OneCycle {
+            cycle_momentum: true,
+            cycle_min_mom,
+            cycle_max_mom,
+            ..
+        } = &s
+        {
+            // They become Adam's beta1, which the optimizer holds to [0, 1).
+            for (key, m) in [
+                ("cycle_min_mom", cycle_min_mom),
+                ("cycle_max_mom", cycle_max_mom),
+            ] {
+                if !(0.0..1.0).contains(m) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` must be in [0, 1) (it becomes Adam's beta1), got {m}"
+                    ));
+                }
+            }
+        }
+        if let SchedulerConfig::OneCycle {
+            cycle_momentum: true,
+            cycle_first_step_size: first,
+            cycle_second_step_size: second,
+            cycle_max_mom: max,
+            decay_mom_rate: rate,
+            decay_step_size: d,
+            ..
+        } = &s
+        {
+            if *rate > 0.0 && *d > 0 && (0.0..1.0).contains(max) && *max > 0.0 {
+                // DeepSpeed's momentum decay multiplies: beta1 grows past the
+                // cycle until it reaches 1, where Adam stops (the engine
+                // refuses that step rather than diverge).
+                let past = (*d as f64 * (1.0 / max - 1.0) / rate).ceil();
+                self.warnings.push(format!(
+                    "`{path}.decay_mom_rate` {rate} raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about {past} steps after the cycle's {} steps, and the engine stops there; Adam needs beta1 < 1",
+                    first + second
+                ));
+            }
+        }
+        s
+    }
+
+    /// DeepSpeed's `LRRangeTest`, with its defaults.
+    fn lr_range_test(&mut self, p: &Map<String, Value>, path: &str) -> SchedulerConfig {
+        self.keys(
+            p,
+            path,
+            &[
+                "lr_range_test_min_lr",
+                "lr_range_test_step_size",
+                "lr_range_test_step_rate",
+                "lr_range_test_staircase",
+                "last_batch_iteration",
+            ],
+            &[],
+            false,
+        );
+        let step_size = self.u64_or(p, path, "lr_range_test_step_size", 2000);
+        if step_size == 0 {
+            self.problems.push(format!(
+                "`{path}.lr_range_test_step_size` must be at least 1 (DeepSpeed refuses 0 too)"
+            ));
+        }
+        SchedulerConfig::LRRangeTest {
+            lr_range_test_min_lr: self.f64_or(p, path, "lr_range_test_min_lr", 1e-3),
+            lr_range_test_step_size: step_size,
+            lr_range_test_step_rate: self.f64_or(p, path, "lr_range_test_step_rate", 1.0),
+            lr_range_test_staircase: self.bool_or(p, path, "lr_range_test_staircase", false),
+        }
     }
 
     fn precision(&mut self, top: &Map<String, Value>) -> Precision {
@@ -734,6 +878,16 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         aio: p.aio(&top),
         warnings: Vec::new(),
     };
+    if let Some(SchedulerConfig::OneCycle {
+        cycle_momentum: true,
+        ..
+    }) = &cfg.scheduler
+    {
+        p.warnings.push(format!(
+            "OneCycle cycles Adam's beta1 between `cycle_max_mom` and `cycle_min_mom` and sets beta2 to 0.99, as DeepSpeed does: `optimizer.params.betas` {:?} is not used; set `scheduler.params.cycle_momentum` to false to keep it",
+            cfg.optimizer.betas
+        ));
+    }
     if cfg.gradient_clipping < 0.0 {
         p.problems.push(format!(
             "`gradient_clipping` must be >= 0 (0 turns it off), got {}",

@@ -547,6 +547,132 @@ fn scheduler_params_are_read_and_checked() {
     );
 }
 
+fn scheduler(ty: &str, params: &str) -> String {
+    format!(
+        r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{}}}},
+            "scheduler": {{"type": "{ty}", "params": {{{params}}}}}}}"#
+    )
+}
+
+#[test]
+fn one_cycle_takes_deepspeeds_defaults_and_says_what_it_does_to_the_betas() {
+    let c = Config::from_json(&scheduler(
+        "OneCycle",
+        r#""cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 100, "cycle_first_stair_count": 4"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        c.scheduler,
+        Some(SchedulerConfig::OneCycle {
+            cycle_min_lr: 0.001,
+            cycle_max_lr: 0.01,
+            decay_lr_rate: 0.0,
+            cycle_first_step_size: 100,
+            // The falling half and its stairs default to the rising half's.
+            cycle_second_step_size: 100,
+            cycle_first_stair_count: 4,
+            cycle_second_stair_count: 4,
+            decay_step_size: 0,
+            cycle_momentum: true,
+            cycle_min_mom: 0.8,
+            cycle_max_mom: 0.9,
+            decay_mom_rate: 0.0,
+        })
+    );
+    // The optimizer's betas give way to the cycled momentum: said once.
+    assert_eq!(
+        c.warnings,
+        ["OneCycle cycles Adam's beta1 between `cycle_max_mom` and `cycle_min_mom` and sets beta2 to 0.99, as DeepSpeed does: `optimizer.params.betas` (0.9, 0.999) is not used; set `scheduler.params.cycle_momentum` to false to keep it"]
+    );
+    let kept = Config::from_json(&scheduler(
+        "OneCycle",
+        r#""cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_momentum": false, "cycle_second_step_size": 0"#,
+    ))
+    .unwrap();
+    assert!(kept.warnings.is_empty(), "{:?}", kept.warnings);
+    assert!(matches!(
+        kept.scheduler,
+        Some(SchedulerConfig::OneCycle {
+            cycle_first_step_size: 2000,
+            cycle_second_step_size: 0,
+            ..
+        })
+    ));
+    assert_eq!(
+        problems(&scheduler(
+            "OneCycle",
+            r#""cycle_first_step_size": 0, "cycle_min_mom": 1.0, "cycle_max_mom": -0.1"#
+        )),
+        [
+            "`scheduler.params.cycle_min_lr` is required by OneCycle (DeepSpeed has no default either)",
+            "`scheduler.params.cycle_max_lr` is required by OneCycle (DeepSpeed has no default either)",
+            "`scheduler.params.cycle_first_step_size` must be at least 1 for OneCycle",
+            "`scheduler.params.cycle_min_mom` must be in [0, 1) (it becomes Adam's beta1), got 1",
+            "`scheduler.params.cycle_max_mom` must be in [0, 1) (it becomes Adam's beta1), got -0.1",
+        ]
+    );
+    // Momenta are not Adam's while they do not cycle.
+    assert!(Config::from_json(&scheduler(
+        "OneCycle",
+        r#""cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_momentum": false, "cycle_min_mom": 1.0"#
+    ))
+    .is_ok());
+    // A momentum decay that will take beta1 to 1 is announced with when.
+    let decays = Config::from_json(&scheduler(
+        "OneCycle",
+        r#""cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_step_size": 5, "cycle_second_step_size": 5, "decay_step_size": 10, "decay_mom_rate": 0.01, "cycle_max_mom": 0.8"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        decays.warnings[0],
+        "`scheduler.params.decay_mom_rate` 0.01 raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about 250 steps after the cycle's 10 steps, and the engine stops there; Adam needs beta1 < 1"
+    );
+}
+
+#[test]
+fn the_range_test_takes_deepspeeds_defaults() {
+    let c = Config::from_json(&scheduler("LRRangeTest", "")).unwrap();
+    assert_eq!(
+        c.scheduler,
+        Some(SchedulerConfig::LRRangeTest {
+            lr_range_test_min_lr: 1e-3,
+            lr_range_test_step_size: 2000,
+            lr_range_test_step_rate: 1.0,
+            lr_range_test_staircase: false,
+        })
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert_eq!(
+        problems(&scheduler(
+            "LRRangeTest",
+            r#""lr_range_test_step_size": 0, "lr_range_test_staircase": 1"#
+        )),
+        [
+            "`scheduler.params.lr_range_test_step_size` must be at least 1 (DeepSpeed refuses 0 too)",
+            "`scheduler.params.lr_range_test_staircase` must be true or false, got 1",
+        ]
+    );
+}
+
+#[test]
+fn a_schedule_started_part_way_is_refused_and_other_types_are_named() {
+    for ty in ["WarmupLR", "OneCycle", "LRRangeTest"] {
+        let p = problems(&scheduler(
+            ty,
+            r#""cycle_min_lr": 0.1, "cycle_max_lr": 1, "last_batch_iteration": 40"#,
+        ));
+        assert!(
+            p.contains(&"`scheduler.params.last_batch_iteration` is 40: zrt starts every schedule at its beginning and resumes it from a checkpoint's step; remove the key (or set it to -1) and load the checkpoint to go on".to_string()),
+            "{ty}: {p:?}"
+        );
+    }
+    assert!(Config::from_json(&scheduler("LRRangeTest", r#""last_batch_iteration": -1"#)).is_ok());
+    assert_eq!(
+        problems(&scheduler("CyclicLR", "")),
+        ["`scheduler.type` \"CyclicLR\" is not supported by zrt: use WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"]
+    );
+}
+
 #[test]
 fn precision_offload_and_aio_warn_only_about_what_has_no_effect() {
     let quiet = Config::from_json(

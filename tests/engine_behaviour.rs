@@ -1197,6 +1197,73 @@ fn the_learning_rate_reported_follows_the_warm_up_from_before_the_first_step() {
 }
 
 #[test]
+fn one_cycles_momentum_decay_stops_every_rank_where_beta1_reaches_1() {
+    // Cycle over steps 1-2; past it beta1 is 0.9 x (1 + 0.5 k): 1.35 at k 1.
+    let cfg = config_plus(
+        2,
+        1,
+        r#""scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001,
+            "cycle_max_lr": 0.01, "cycle_first_step_size": 1, "decay_step_size": 1,
+            "decay_mom_rate": 0.5}},"#,
+        "",
+    );
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        // What the first step will use: DeepSpeed's scheduler sets it when made.
+        assert_eq!((e.lr(), e.betas()), (0.001, (0.8, 0.99)));
+        let mut seen = Vec::new();
+        for k in 0..3 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            assert!(e.step().unwrap());
+            seen.push((e.lr(), e.betas()));
+        }
+        assert_eq!(
+            seen,
+            [
+                (0.001, (0.8, 0.99)),
+                // 0.001 + 0.009 x 1, as DeepSpeed computes it.
+                (0.010000000000000002, (0.8, 0.99)),
+                (0.001, (0.9, 0.99))
+            ]
+        );
+        let before = e.gathered_params().unwrap();
+        e.backward(&t.loss(&input(r.rank(), 3))).unwrap();
+        let err = e.step().unwrap_err().to_string();
+        assert!(
+            err.contains("OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to 1.35 at step 4: Adam needs beta1 in [0, 1)"),
+            "{err}"
+        );
+        // Refused before anything moved.
+        assert_eq!(e.gathered_params().unwrap(), before);
+        assert_eq!(e.global_step(), 3);
+    });
+}
+
+#[test]
+fn the_range_test_raises_the_rate_as_deepspeed_does() {
+    let cfg = config_plus(
+        3,
+        1,
+        r#""scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.001,
+            "lr_range_test_step_size": 2, "lr_range_test_step_rate": 3, "lr_range_test_staircase": true}},"#,
+        "",
+    );
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        let mut seen = vec![e.lr()];
+        for k in 0..4 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
+            seen.push(e.lr());
+        }
+        // Before the first step, then what each step used: the rate goes
+        // up by 3 x 0.001 every 2 scheduler steps.
+        assert_eq!(seen, [0.001, 0.001, 0.001, 0.004, 0.004]);
+        assert_eq!(e.betas(), (0.9, 0.999));
+    });
+}
+
+#[test]
 fn a_backward_past_a_boundary_no_step_handled_is_refused() {
     for stage in [2, 3] {
         past_a_boundary(stage);

@@ -54,10 +54,10 @@ use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
-use crate::config::{Precision, Setting};
+use crate::config::{ConfigError, Precision, Setting};
 use crate::flat::FlatLayout;
 use crate::plan::{check_prefixes, ShardPlan, UnitHook};
-use crate::schedule::lr_at;
+use crate::schedule::{betas_at, lr_at};
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 use loss_scale::Scaler;
 use offload::ReadAhead;
@@ -1382,12 +1382,24 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             1.0
         };
         let base = c.optimizer.lr.value().unwrap_or(1e-3);
+        let (beta1, beta2) = betas_at(c.scheduler.as_ref(), c.optimizer.betas, st.step);
+        if !(0.0..1.0).contains(&beta1) {
+            // Only OneCycle's momentum decay moves beta1 out of [0, 1) (the
+            // config refuses such betas otherwise); every rank stops here.
+            return Err(ConfigError {
+                problems: vec![format!(
+                    "OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to {beta1} at step {}: Adam needs beta1 in [0, 1); lower decay_mom_rate, raise decay_step_size, or set decay_mom_rate to 0",
+                    st.step + 1
+                )],
+            }
+            .into());
+        }
         st.lr = lr_at(c.scheduler.as_ref(), base, st.step);
         st.step += 1;
         let adam = AdamConfig {
             lr: st.lr,
-            beta1: c.optimizer.betas.0,
-            beta2: c.optimizer.betas.1,
+            beta1,
+            beta2,
             eps: c.optimizer.eps,
             weight_decay: match c.optimizer.weight_decay {
                 Setting::Value(w) => w,
@@ -1449,6 +1461,18 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// one it will use, a warm-up's first).
     pub fn lr(&self) -> f64 {
         self.inner.st.lock().lr
+    }
+    /// Adam's (beta1, beta2) the last step used (before the first step:
+    /// the ones it will use): the configured betas, or under OneCycle with
+    /// `cycle_momentum` the cycled beta1 and 0.99 (DeepSpeed's `get_mom`).
+    pub fn betas(&self) -> (f64, f64) {
+        let step = self.inner.st.lock().step;
+        let c = &self.inner.cfg.config;
+        betas_at(
+            c.scheduler.as_ref(),
+            c.optimizer.betas,
+            step.saturating_sub(1),
+        )
     }
     /// Optimizer steps taken (skipped fp16 steps not counted).
     pub fn global_step(&self) -> u64 {

@@ -66,7 +66,7 @@ pub enum SchedulerConfig {
     WarmupLR {
         /// Start.
         warmup_min_lr: f64,
-        /// End of warm-up.
+        /// End of warm-up (left out: the optimizer's lr, as in DeepSpeed).
         warmup_max_lr: f64,
         /// Steps of warm-up.
         warmup_num_steps: u64,
@@ -77,7 +77,7 @@ pub enum SchedulerConfig {
     WarmupDecayLR {
         /// Start.
         warmup_min_lr: f64,
-        /// End of warm-up.
+        /// End of warm-up (left out: 1e-3, as in DeepSpeed).
         warmup_max_lr: f64,
         /// Steps of warm-up.
         warmup_num_steps: u64,
@@ -280,6 +280,21 @@ pub struct AutoHints {
     pub lr: Option<f64>,
     /// Weight decay the program uses.
     pub weight_decay: Option<f64>,
+    /// Adam's (beta1, beta2) the program uses (`optimizer.params.betas`).
+    pub betas: Option<(f64, f64)>,
+    /// Adam's epsilon the program uses (`optimizer.params.eps`).
+    pub eps: Option<f64>,
+    /// The gradient-norm clip the program uses (`gradient_clipping`;
+    /// Hugging Face's `max_grad_norm`).
+    pub gradient_clipping: Option<f64>,
+    /// Warm-up steps (`scheduler.params.warmup_num_steps`).
+    pub warmup_steps: Option<u64>,
+    /// Optimizer steps in the whole run (`scheduler.params.total_num_steps`).
+    pub total_steps: Option<u64>,
+    /// Whether the program computes in bf16 (`bf16.enabled`; none: false).
+    pub bf16: Option<bool>,
+    /// Whether the program computes in fp16 (`fp16.enabled`; none: false).
+    pub fp16: Option<bool>,
 }
 
 /// A parsed DeepSpeed config (before [`Config::resolve`]).
@@ -312,6 +327,18 @@ pub struct Config {
     pub aio: AioConfig,
     /// Everything zrt read but will not honour, or mapped from a deprecated key.
     pub warnings: Vec<String>,
+    /// Keys whose values [`Config::resolve`] fills: those given as `"auto"`
+    /// among `optimizer.params.betas`, `optimizer.params.eps`,
+    /// `gradient_clipping` and `scheduler.params.{warmup_min_lr,
+    /// warmup_max_lr, warmup_num_steps, total_num_steps}`, and
+    /// `scheduler.params.warmup_max_lr` when WarmupLR leaves it out
+    /// (DeepSpeed then uses the optimizer's lr). Until then
+    /// their fields hold DeepSpeed's defaults as placeholders.
+    pub unresolved: Vec<String>,
+    /// The 16-bit precisions whose `enabled` is `"auto"`: resolving
+    /// enables the one the program asks for ([`AutoHints::bf16`],
+    /// [`AutoHints::fp16`]), or neither.
+    pub precision_auto: Vec<Precision>,
 }
 
 /// The batch sizes after the batch rule.

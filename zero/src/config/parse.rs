@@ -32,6 +32,17 @@ impl<T: Copy> Setting<T> {
 struct P {
     problems: Vec<String>,
     warnings: Vec<String>,
+    /// Keys given as `"auto"` whose fields hold placeholders until resolve.
+    autos: Vec<String>,
+}
+
+/// A 16-bit block's `enabled`.
+#[derive(Clone, Copy, PartialEq)]
+enum Enabled {
+    Off,
+    On,
+    /// `"auto"`: the program decides at resolve.
+    Auto,
 }
 
 fn join(path: &str, key: &str) -> String {
@@ -158,6 +169,29 @@ impl P {
         }
     }
 
+    /// A number that may be `"auto"`: then `default` stands in and the key
+    /// is noted for resolve.
+    fn f64_auto(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: f64) -> f64 {
+        match o.get(key) {
+            Some(Value::String(s)) if s == "auto" => {
+                self.autos.push(join(path, key));
+                default
+            }
+            _ => self.f64_or(o, path, key, default),
+        }
+    }
+
+    /// As [`P::f64_auto`], for a whole number.
+    fn u64_auto(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: u64) -> u64 {
+        match o.get(key) {
+            Some(Value::String(s)) if s == "auto" => {
+                self.autos.push(join(path, key));
+                default
+            }
+            _ => self.u64_or(o, path, key, default),
+        }
+    }
+
     fn bool_or(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: bool) -> bool {
         match o.get(key) {
             None => default,
@@ -279,6 +313,10 @@ impl P {
         }
         let betas = match p.get("betas") {
             None => default.betas,
+            Some(Value::String(s)) if s == "auto" => {
+                self.autos.push("optimizer.params.betas".into());
+                default.betas
+            }
             Some(Value::Array(a)) if a.len() == 2 => {
                 let b1 = self
                     .number(&a[0], "optimizer.params.betas[0]")
@@ -309,7 +347,7 @@ impl P {
             kind,
             lr: self.f64_setting(p, path, "lr", 1e-3),
             betas,
-            eps: self.f64_or(p, path, "eps", 1e-8),
+            eps: self.f64_auto(p, path, "eps", 1e-8),
             weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
             adam_w_mode,
             bias_correction: self.bool_or(p, path, "bias_correction", true),
@@ -348,9 +386,9 @@ impl P {
                     false,
                 );
                 SchedulerConfig::WarmupLR {
-                    warmup_min_lr: self.f64_or(p, path, "warmup_min_lr", 0.0),
-                    warmup_max_lr: self.f64_or(p, path, "warmup_max_lr", 1e-3),
-                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    warmup_min_lr: self.f64_auto(p, path, "warmup_min_lr", 0.0),
+                    warmup_max_lr: self.warmup_max_lr(p, path, true),
+                    warmup_num_steps: self.u64_auto(p, path, "warmup_num_steps", 1000),
                     warmup_type: warmup_type(),
                 }
             }
@@ -375,11 +413,11 @@ impl P {
                     );
                 }
                 SchedulerConfig::WarmupDecayLR {
-                    warmup_min_lr: self.f64_or(p, path, "warmup_min_lr", 0.0),
-                    warmup_max_lr: self.f64_or(p, path, "warmup_max_lr", 1e-3),
-                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    warmup_min_lr: self.f64_auto(p, path, "warmup_min_lr", 0.0),
+                    warmup_max_lr: self.warmup_max_lr(p, path, false),
+                    warmup_num_steps: self.u64_auto(p, path, "warmup_num_steps", 1000),
                     warmup_type: warmup_type(),
-                    total_num_steps: self.u64_or(p, path, "total_num_steps", 1),
+                    total_num_steps: self.u64_auto(p, path, "total_num_steps", 1),
                 }
             }
             "WarmupCosineLR" => {
@@ -403,9 +441,9 @@ impl P {
                     );
                 }
                 SchedulerConfig::WarmupCosineLR {
-                    total_num_steps: self.u64_or(p, path, "total_num_steps", 1),
+                    total_num_steps: self.u64_auto(p, path, "total_num_steps", 1),
                     warmup_min_ratio: self.f64_or(p, path, "warmup_min_ratio", 0.0),
-                    warmup_num_steps: self.u64_or(p, path, "warmup_num_steps", 1000),
+                    warmup_num_steps: self.u64_auto(p, path, "warmup_num_steps", 1000),
                     cos_min_ratio: self.f64_or(p, path, "cos_min_ratio", 1e-4),
                     warmup_type: warmup_type(),
                 }
@@ -455,6 +493,24 @@ impl P {
             }
         }
         Some(s)
+    }
+
+    /// WarmupLR's and WarmupDecayLR's `warmup_max_lr`: a number, or the
+    /// optimizer's lr (filled at resolve once that is known) when given
+    /// `"auto"` (Hugging Face fills it so) or when left out of a WarmupLR
+    /// (`absent_is_lr`: DeepSpeed 0.19's WarmupLR defaults to the
+    /// optimizer's lr, its WarmupDecayLR to 1e-3).
+    fn warmup_max_lr(&mut self, p: &Map<String, Value>, path: &str, absent_is_lr: bool) -> f64 {
+        let from_optimizer = match p.get("warmup_max_lr") {
+            None => absent_is_lr,
+            Some(v) => v == "auto",
+        };
+        if from_optimizer {
+            self.autos.push(join(path, "warmup_max_lr"));
+            1e-3
+        } else {
+            self.f64_or(p, path, "warmup_max_lr", 1e-3)
+        }
     }
 
     /// DeepSpeed's `OneCycle`, with its defaults; `cycle_min_lr` and
@@ -587,13 +643,22 @@ impl P {
         }
     }
 
-    fn precision(&mut self, top: &Map<String, Value>) -> Precision {
+    /// A 16-bit block's `enabled` (absent block or key: off).
+    fn enabled(&mut self, o: Option<&Map<String, Value>>, path: &str) -> Enabled {
+        let Some(o) = o else { return Enabled::Off };
+        match o.get("enabled") {
+            Some(Value::String(s)) if s == "auto" => Enabled::Auto,
+            _ if self.bool_or(o, path, "enabled", false) => Enabled::On,
+            _ => Enabled::Off,
+        }
+    }
+
+    /// The compute precision the config enables, and the 16-bit ones whose
+    /// `enabled` is `"auto"` (for resolve to pick from).
+    fn precision(&mut self, top: &Map<String, Value>) -> (Precision, Vec<Precision>) {
         let fp16 = self.object(top, "fp16");
         let bf16 = self.object(top, "bf16");
-        let on = |p: &mut P, o: Option<&Map<String, Value>>, path: &str| {
-            o.is_some_and(|o| p.bool_or(o, path, "enabled", false))
-        };
-        let (f, b) = (on(self, fp16, "fp16"), on(self, bf16, "bf16"));
+        let (f, b) = (self.enabled(fp16, "fp16"), self.enabled(bf16, "bf16"));
         if let Some(o) = bf16 {
             // fp16's keys are accepted here (warned below), not flagged unknown.
             let known: Vec<&str> = keys::BF16.iter().chain(keys::FP16).copied().collect();
@@ -606,21 +671,30 @@ impl P {
                 self.warnings.push(format!("`bf16.{k}` has no effect: bf16 needs no loss scaling (DeepSpeed ignores it too)"));
             }
         }
-        if f && b {
+        if f == Enabled::On && b == Enabled::On {
             self.problems.push(
                 "`fp16.enabled` and `bf16.enabled` are both true: choose one compute precision"
                     .into(),
             );
-            return Precision::Fp32;
+            return (Precision::Fp32, Vec::new());
         }
-        if let Some(o) = bf16.filter(|_| b) {
-            return Precision::Bf16 {
-                check_grad_overflow: self.bool_or(o, "bf16", "check_grad_overflow", false),
-            };
+        let bf = bf16.filter(|_| b != Enabled::Off).map(|o| Precision::Bf16 {
+            check_grad_overflow: self.bool_or(o, "bf16", "check_grad_overflow", false),
+        });
+        let fp = fp16.filter(|_| f != Enabled::Off).map(|o| self.fp16(o));
+        let (mut now, mut auto) = (Precision::Fp32, Vec::new());
+        for (state, p) in [(b, bf), (f, fp)] {
+            match (state, p) {
+                (Enabled::On, Some(p)) => now = p,
+                (Enabled::Auto, Some(p)) => auto.push(p),
+                _ => {}
+            }
         }
-        let Some(o) = fp16.filter(|_| f) else {
-            return Precision::Fp32;
-        };
+        (now, auto)
+    }
+
+    /// The `fp16` block of a run that may compute in fp16.
+    fn fp16(&mut self, o: &Map<String, Value>) -> Precision {
         self.keys(o, "fp16", keys::FP16, &[], false);
         if self.bool_or(o, "fp16", "fp16_master_weights_and_grads", false) {
             self.problems.push("`fp16.fp16_master_weights_and_grads` is not supported: zrt always keeps fp32 master weights".into());
@@ -863,20 +937,23 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
             true
         }
     };
+    let (precision, precision_auto) = p.precision(&top);
     let cfg = Config {
         train_batch_size: p.batch(&top, "train_batch_size"),
         micro_batch: p.batch(&top, "train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps: p.batch(&top, "gradient_accumulation_steps"),
         optimizer: p.optimizer(&top),
         scheduler: p.scheduler(&top),
-        precision: p.precision(&top),
-        gradient_clipping: p.f64_or(&top, "", "gradient_clipping", 0.0),
+        precision,
+        gradient_clipping: p.f64_auto(&top, "", "gradient_clipping", 0.0),
         steps_per_print: p.u64_or(&top, "", "steps_per_print", 10),
         wall_clock_breakdown: p.bool_or(&top, "", "wall_clock_breakdown", false),
         fp32_grad_reduce,
         zero: p.zero(&top),
         aio: p.aio(&top),
         warnings: Vec::new(),
+        unresolved: Vec::new(),
+        precision_auto,
     };
     if let Some(SchedulerConfig::OneCycle {
         cycle_momentum: true,
@@ -900,6 +977,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
     Ok((
         Config {
             warnings: p.warnings,
+            unresolved: p.autos,
             ..cfg
         },
         p.problems,
@@ -997,6 +1075,154 @@ fn batch(
 }
 
 /// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
+/// The program's value for `"auto"` key `name`, logged; or a problem
+/// naming what the program did not give (`rule`).
+fn auto<T: std::fmt::Debug>(
+    name: &str,
+    hint: Option<T>,
+    rule: &str,
+    problems: &mut Vec<String>,
+) -> Option<T> {
+    match hint {
+        Some(v) => {
+            tracing::info!("config: `{name}` \"auto\" resolved to {v:?} ({rule})");
+            Some(v)
+        }
+        None => {
+            problems.push(format!("`{name}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints"));
+            None
+        }
+    }
+}
+
+/// Fills the keys parsing left to the program ([`Config::unresolved`],
+/// [`Config::precision_auto`]) as Hugging Face's integration fills them:
+/// betas, eps, the clip, warm-up and total steps and the 16-bit switches
+/// from the program; `warmup_min_lr` 0; `warmup_max_lr` the optimizer's lr
+/// (also DeepSpeed's WarmupLR's default when the key is left out). Runs
+/// after the optimizer's lr is resolved.
+fn fill_from_program(c: &mut Config, hints: &AutoHints, problems: &mut Vec<String>) {
+    for key in std::mem::take(&mut c.unresolved) {
+        let param = key.strip_prefix("scheduler.params.");
+        match (key.as_str(), param) {
+            ("optimizer.params.betas", _) => {
+                if let Some(b) = auto(&key, hints.betas, "betas", problems) {
+                    c.optimizer.betas = b;
+                }
+            }
+            ("optimizer.params.eps", _) => {
+                if let Some(e) = auto(&key, hints.eps, "epsilon", problems) {
+                    c.optimizer.eps = e;
+                }
+            }
+            ("gradient_clipping", _) => {
+                if let Some(g) = auto(&key, hints.gradient_clipping, "gradient clip", problems) {
+                    c.gradient_clipping = g;
+                }
+            }
+            (_, Some("warmup_max_lr")) => {
+                // Unresolved only when the optimizer's lr is "auto" with no
+                // hint, which is a problem of its own already.
+                if let (Some(lr), Some(s)) = (c.optimizer.lr.value(), &mut c.scheduler) {
+                    tracing::info!(
+                        "config: `{key}` (\"auto\" or left out) is the optimizer's lr, {lr}"
+                    );
+                    set_param(s, "warmup_max_lr", lr);
+                }
+            }
+            (_, Some(param)) => {
+                let (value, rule) = match param {
+                    "warmup_min_lr" => (Some(0.0), "0, as Hugging Face fills it"),
+                    "warmup_num_steps" => (hints.warmup_steps.map(|n| n as f64), "warm-up steps"),
+                    _ => (hints.total_steps.map(|n| n as f64), "total steps"),
+                };
+                if let (Some(v), Some(s)) = (auto(&key, value, rule, problems), &mut c.scheduler) {
+                    set_param(s, param, v);
+                }
+            }
+            _ => {}
+        }
+    }
+    if c.gradient_clipping < 0.0 {
+        problems.push(format!(
+            "`gradient_clipping` must be >= 0 (0 turns it off), got {} from the program",
+            c.gradient_clipping
+        ));
+    }
+    if let Some(
+        SchedulerConfig::WarmupLR {
+            warmup_num_steps: 0,
+            ..
+        }
+        | SchedulerConfig::WarmupDecayLR {
+            warmup_num_steps: 0,
+            ..
+        }
+        | SchedulerConfig::WarmupCosineLR {
+            warmup_num_steps: 0,
+            ..
+        },
+    ) = c.scheduler
+    {
+        problems.push("`scheduler.params.warmup_num_steps` must be at least 1 (DeepSpeed refuses 0 too), got 0 from the program".into());
+    }
+    let wants = |p: &Precision| match p {
+        Precision::Bf16 { .. } => ("bf16.enabled", hints.bf16),
+        _ => ("fp16.enabled", hints.fp16),
+    };
+    for p in std::mem::take(&mut c.precision_auto) {
+        let (key, hint) = wants(&p);
+        let on = hint.unwrap_or(false);
+        tracing::info!("config: `{key}` \"auto\" resolved to {on} (the program's choice; false when it gives none)");
+        if !on {
+            continue;
+        }
+        if c.precision != Precision::Fp32 {
+            problems.push("`fp16.enabled` and `bf16.enabled` both resolved to true: the program asks for both bf16 and fp16 (AutoHints); choose one".into());
+        } else {
+            c.precision = p;
+        }
+    }
+}
+
+/// Sets warm-up schedule parameter `param` (one [`fill_from_program`] fills).
+fn set_param(s: &mut SchedulerConfig, param: &str, v: f64) {
+    match (s, param) {
+        (
+            SchedulerConfig::WarmupLR { warmup_min_lr, .. }
+            | SchedulerConfig::WarmupDecayLR { warmup_min_lr, .. },
+            "warmup_min_lr",
+        ) => *warmup_min_lr = v,
+        (
+            SchedulerConfig::WarmupLR { warmup_max_lr, .. }
+            | SchedulerConfig::WarmupDecayLR { warmup_max_lr, .. },
+            "warmup_max_lr",
+        ) => *warmup_max_lr = v,
+        (
+            SchedulerConfig::WarmupLR {
+                warmup_num_steps, ..
+            }
+            | SchedulerConfig::WarmupDecayLR {
+                warmup_num_steps, ..
+            }
+            | SchedulerConfig::WarmupCosineLR {
+                warmup_num_steps, ..
+            },
+            "warmup_num_steps",
+        ) => *warmup_num_steps = v as u64,
+        (
+            SchedulerConfig::WarmupDecayLR {
+                total_num_steps, ..
+            }
+            | SchedulerConfig::WarmupCosineLR {
+                total_num_steps, ..
+            },
+            "total_num_steps",
+        ) => *total_num_steps = v as u64,
+        _ => {}
+    }
+}
+
 pub(super) fn resolve(
     cfg: &Config,
     world: u64,
@@ -1004,22 +1230,6 @@ pub(super) fn resolve(
 ) -> Result<Resolved, ConfigError> {
     let mut problems = Vec::new();
     let mut c = cfg.clone();
-    let auto = |name: &str,
-                hint: Option<f64>,
-                rule: &str,
-                problems: &mut Vec<String>|
-     -> Option<f64> {
-        match hint {
-            Some(v) => {
-                tracing::info!("config: `{name}` \"auto\" resolved to {v} ({rule})");
-                Some(v)
-            }
-            None => {
-                problems.push(format!("`{name}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints"));
-                None
-            }
-        }
-    };
     let hidden = hints.hidden_size.map(|h| h as f64);
     let fill_u64 = |s: &mut Setting<u64>, v: Option<f64>| {
         if let Some(v) = v {
@@ -1073,6 +1283,7 @@ pub(super) fn resolve(
             c.optimizer.weight_decay = Setting::Value(v);
         }
     }
+    fill_from_program(&mut c, hints, &mut problems);
     let b = |s: Setting<Option<u64>>, name: &str, hint: Option<u64>, problems: &mut Vec<String>| {
         match s {
             Setting::Value(v) => v,

@@ -19,6 +19,7 @@ fn hints() -> AutoHints {
         gradient_accumulation_steps: None,
         lr: Some(1e-4),
         weight_decay: Some(0.0),
+        ..Default::default()
     }
 }
 
@@ -671,6 +672,194 @@ fn a_schedule_started_part_way_is_refused_and_other_types_are_named() {
         problems(&scheduler("CyclicLR", "")),
         ["`scheduler.type` \"CyclicLR\" is not supported by zrt: use WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"]
     );
+}
+
+/// A Hugging Face style ZeRO-3 config (FlagAlpha/Llama2-Chinese's
+/// `train/pretrain/ds_config_zero3.json`): every value the Trainer fills is
+/// `"auto"`.
+const HF_ZERO3: &str = r#"{
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"last_batch_iteration": -1, "total_num_steps": "auto",
+                             "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": true, "contiguous_gradients": true,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "gather_16bit_weights_on_model_save": true},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": false
+}"#;
+
+/// What a Hugging Face Trainer would hand over for [`HF_ZERO3`].
+fn trainer_hints() -> AutoHints {
+    AutoHints {
+        hidden_size: Some(64),
+        micro_batch: Some(2),
+        gradient_accumulation_steps: Some(4),
+        lr: Some(3e-4),
+        weight_decay: Some(0.1),
+        betas: Some((0.9, 0.95)),
+        eps: Some(1e-6),
+        gradient_clipping: Some(1.0),
+        warmup_steps: Some(20),
+        total_steps: Some(500),
+        bf16: Some(true),
+        fp16: None,
+    }
+}
+
+#[test]
+fn hugging_faces_auto_values_are_filled_from_the_program_as_its_trainer_fills_them() {
+    let cfg = Config::from_json(HF_ZERO3).unwrap();
+    assert_eq!(
+        cfg.unresolved,
+        [
+            "optimizer.params.betas",
+            "optimizer.params.eps",
+            "scheduler.params.warmup_min_lr",
+            "scheduler.params.warmup_max_lr",
+            "scheduler.params.warmup_num_steps",
+            "scheduler.params.total_num_steps",
+            "gradient_clipping",
+        ]
+    );
+    let r = cfg.resolve(8, &trainer_hints()).unwrap();
+    let c = &r.config;
+    assert_eq!(
+        (c.optimizer.betas, c.optimizer.eps, c.gradient_clipping),
+        ((0.9, 0.95), 1e-6, 1.0)
+    );
+    assert_eq!(
+        c.scheduler,
+        Some(SchedulerConfig::WarmupDecayLR {
+            warmup_min_lr: 0.0,
+            warmup_max_lr: 3e-4,
+            warmup_num_steps: 20,
+            warmup_type: "log".into(),
+            total_num_steps: 500,
+        })
+    );
+    assert_eq!(
+        c.precision,
+        Precision::Bf16 {
+            check_grad_overflow: false
+        }
+    );
+    assert!(c.unresolved.is_empty() && c.precision_auto.is_empty());
+    assert_eq!(r.batch.train, 2 * 4 * 8);
+    // fp16 from the program takes the block's loss-scaling settings.
+    let fp16 = AutoHints {
+        bf16: None,
+        fp16: Some(true),
+        ..trainer_hints()
+    };
+    match Config::from_json(HF_ZERO3)
+        .unwrap()
+        .resolve(8, &fp16)
+        .unwrap()
+        .config
+        .precision
+    {
+        Precision::Fp16(l) => assert_eq!(
+            (
+                l.loss_scale,
+                l.initial_scale_power,
+                l.loss_scale_window,
+                l.hysteresis
+            ),
+            (0.0, 16, 1000, 2)
+        ),
+        p => panic!("{p:?}"),
+    }
+    // Neither: fp32, as the Trainer leaves both off by default.
+    let neither = AutoHints {
+        bf16: None,
+        ..trainer_hints()
+    };
+    let r = Config::from_json(HF_ZERO3)
+        .unwrap()
+        .resolve(8, &neither)
+        .unwrap();
+    assert_eq!(r.config.precision, Precision::Fp32);
+    let both = AutoHints {
+        fp16: Some(true),
+        ..trainer_hints()
+    };
+    assert_eq!(
+        Config::from_json(HF_ZERO3).unwrap().resolve(8, &both).unwrap_err().problems,
+        ["`fp16.enabled` and `bf16.enabled` both resolved to true: the program asks for both bf16 and fp16 (AutoHints); choose one"]
+    );
+    // A program that gives nothing is told each value it owes.
+    let bare = AutoHints {
+        hidden_size: Some(64),
+        micro_batch: Some(2),
+        lr: Some(3e-4),
+        weight_decay: Some(0.0),
+        ..Default::default()
+    };
+    let owed = |what: &str, rule: &str| {
+        format!("`{what}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints")
+    };
+    assert_eq!(
+        Config::from_json(HF_ZERO3)
+            .unwrap()
+            .resolve(8, &bare)
+            .unwrap_err()
+            .problems,
+        [
+            owed("optimizer.params.betas", "betas"),
+            owed("optimizer.params.eps", "epsilon"),
+            owed("scheduler.params.warmup_num_steps", "warm-up steps"),
+            owed("scheduler.params.total_num_steps", "total steps"),
+            owed("gradient_clipping", "gradient clip"),
+        ]
+    );
+    let zero_warm_up = AutoHints {
+        warmup_steps: Some(0),
+        gradient_clipping: Some(-1.0),
+        ..trainer_hints()
+    };
+    assert_eq!(
+        Config::from_json(HF_ZERO3).unwrap().resolve(8, &zero_warm_up).unwrap_err().problems,
+        [
+            "`gradient_clipping` must be >= 0 (0 turns it off), got -1 from the program",
+            "`scheduler.params.warmup_num_steps` must be at least 1 (DeepSpeed refuses 0 too), got 0 from the program",
+        ]
+    );
+}
+
+#[test]
+fn a_warm_up_with_no_peak_rises_to_what_deepspeed_gives_it() {
+    // DeepSpeed 0.19's WarmupLR rises to the optimizer's lr; its
+    // WarmupDecayLR to 1e-3.
+    let peak = |ty: &str, lr: &str| {
+        let json = format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{"lr": {lr}}}}},
+                "scheduler": {{"type": "{ty}", "params": {{"total_num_steps": 100}}}}}}"#
+        );
+        let hints = AutoHints {
+            lr: Some(5e-4),
+            ..Default::default()
+        };
+        match Config::from_json(&json)
+            .unwrap()
+            .resolve(1, &hints)
+            .unwrap()
+            .config
+            .scheduler
+        {
+            Some(SchedulerConfig::WarmupLR { warmup_max_lr, .. })
+            | Some(SchedulerConfig::WarmupDecayLR { warmup_max_lr, .. }) => warmup_max_lr,
+            s => panic!("{s:?}"),
+        }
+    };
+    assert_eq!(peak("WarmupLR", "3e-4"), 3e-4);
+    assert_eq!(peak("WarmupLR", "\"auto\""), 5e-4);
+    assert_eq!(peak("WarmupDecayLR", "3e-4"), 1e-3);
 }
 
 #[test]

@@ -59,6 +59,76 @@ fn config_check_lists_every_problem_and_fails() {
 }
 
 #[test]
+fn config_check_fills_a_hugging_face_config_from_its_flags() {
+    let dir = std::env::temp_dir().join(format!("zrt-cli-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("hf.json");
+    std::fs::write(
+        &f,
+        r#"{"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+            "zero_optimization": {"stage": 3}, "gradient_clipping": "auto",
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}"#,
+    )
+    .unwrap();
+    let f = f.to_str().unwrap();
+    let (ok, out) = zrt(&[
+        "config",
+        "check",
+        f,
+        "--world",
+        "2",
+        "--micro",
+        "4",
+        "--lr",
+        "3e-4",
+        "--weight-decay",
+        "0.1",
+        "--betas",
+        "0.9,0.95",
+        "--eps",
+        "1e-6",
+        "--clip",
+        "1",
+        "--warmup-steps",
+        "20",
+        "--bf16",
+    ]);
+    assert!(ok, "{out}");
+    for want in [
+        "AdamW lr 0.0003 betas (0.9, 0.95) eps 0.000001 weight_decay 0.1",
+        "WarmupLR { warmup_min_lr: 0.0, warmup_max_lr: 0.0003, warmup_num_steps: 20,",
+        "precision        bf16 compute",
+        "clipping         global norm 1",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    // Without the flags each value owed is named.
+    let (ok, out) = zrt(&["config", "check", f, "--micro", "4", "--lr", "3e-4"]);
+    assert!(!ok);
+    for key in [
+        "weight_decay",
+        "betas",
+        "eps",
+        "warmup_num_steps",
+        "gradient_clipping",
+    ] {
+        assert!(
+            out.contains(&format!("{key}` is \"auto\" but the program gave no")),
+            "{key}: {out}"
+        );
+    }
+    let (ok, out) = zrt(&["config", "check", f, "--betas", "0.9"]);
+    assert!(!ok);
+    assert!(
+        out.contains("expected BETA1,BETA2 (e.g. 0.9,0.999), got `0.9`"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn estimate_prints_the_design_formula() {
     let (ok, out) = zrt(&["estimate", "--params", "1073741824", "--world", "4"]);
     assert!(ok, "{out}");

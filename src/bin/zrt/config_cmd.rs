@@ -26,9 +26,41 @@ pub struct CheckArgs {
     /// Micro-batch per rank, for "auto" (or absent) batch sizes.
     #[arg(long)]
     micro: Option<u64>,
-    /// Learning rate, for an "auto" lr.
+    /// Learning rate, for an "auto" lr (and an "auto" warmup_max_lr).
     #[arg(long)]
     lr: Option<f64>,
+    /// Weight decay, for an "auto" weight_decay.
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// Adam's betas as BETA1,BETA2, for "auto" betas.
+    #[arg(long, value_parser = parse_betas)]
+    betas: Option<(f64, f64)>,
+    /// Adam's epsilon, for an "auto" eps.
+    #[arg(long)]
+    eps: Option<f64>,
+    /// Gradient-norm clip, for an "auto" gradient_clipping.
+    #[arg(long)]
+    clip: Option<f64>,
+    /// Warm-up steps, for an "auto" warmup_num_steps.
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// Optimizer steps in the run, for an "auto" total_num_steps.
+    #[arg(long)]
+    total_steps: Option<u64>,
+    /// Compute in bf16, for "auto" bf16.enabled (otherwise false).
+    #[arg(long)]
+    bf16: bool,
+    /// Compute in fp16, for "auto" fp16.enabled (otherwise false).
+    #[arg(long)]
+    fp16: bool,
+}
+
+/// `0.9,0.95` as Adam's betas.
+fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
+    let bad = || format!("expected BETA1,BETA2 (e.g. 0.9,0.999), got `{s}`");
+    let (a, b) = s.split_once(',').ok_or_else(bad)?;
+    let num = |x: &str| x.trim().parse::<f64>().map_err(|_| bad());
+    Ok((num(a)?, num(b)?))
 }
 
 fn show<T: std::fmt::Debug + Copy>(s: Setting<T>) -> String {
@@ -45,6 +77,14 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         hidden_size: a.hidden,
         micro_batch: a.micro,
         lr: a.lr,
+        weight_decay: a.weight_decay,
+        betas: a.betas,
+        eps: a.eps,
+        gradient_clipping: a.clip,
+        warmup_steps: a.warmup_steps,
+        total_steps: a.total_steps,
+        bf16: Some(a.bf16),
+        fp16: Some(a.fp16),
         ..Default::default()
     };
     let text = std::fs::read_to_string(&a.file)

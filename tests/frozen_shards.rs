@@ -276,6 +276,23 @@ fn between_steps_a_rank_holds_its_shard_of_the_frozen_base_and_nothing_more() {
             .map(|&(root, t, f)| 16 * t + if root { 4 * t * WORLD } else { 4 * f })
             .sum();
         assert_eq!(e.model_state_bytes().unwrap(), want);
+        // In 16 bits the trainable shards add their 16-bit copy (2 bytes),
+        // and the frozen shards and the gathered root hold 2 bytes an element.
+        for precision in ["bf16", "fp16"] {
+            let (vs16, plan16, gpt16) = frozen_model(r.rank());
+            let on = format!(r#""{precision}": {{"enabled": true}},"#);
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e16 =
+                Engine::new(&vs16, &plan16, &cfg(3, &on, ""), g, &AutoHints::default()).unwrap();
+            e16.backward(&gpt16.loss(&tokens(0, 0, r.rank(), 1)))
+                .unwrap();
+            e16.step().unwrap();
+            let want16: usize = units
+                .iter()
+                .map(|&(root, t, f)| 18 * t + if root { 2 * t * WORLD } else { 2 * f })
+                .sum();
+            assert_eq!(e16.model_state_bytes().unwrap(), want16, "{precision}");
+        }
         for n in vars.keys().filter(|n| is_frozen(n)) {
             assert_eq!(glue::storage_nbytes(&vars[n]).unwrap(), 0, "{n} is freed");
         }

@@ -133,15 +133,39 @@ fn storage(t: &Tensor) -> Result<(usize, *const std::ffi::c_void), GlueError> {
 /// the storage memory again and the caller refills it. A CPU storage points
 /// into an inaccessible guard meanwhile, so a read stops the process with an
 /// explanation ([`freed`]) rather than reading nothing.
+///
+/// A storage [`free_storage_to_zeros`] freed moves to an inaccessible guard.
 pub fn free_storage(t: &Tensor) -> Result<(), GlueError> {
+    free_to(t, false)
+}
+
+/// As [`free_storage`], but a CPU storage then reads as zeros (writing it
+/// still stops the process), at no cost in memory. For a moment when a
+/// read must not fault: the engine frees a unit so after its first
+/// forward, so that a later unit using one of its parameters (a tied
+/// weight) computes on zeros and the engine names the tie, rather than the
+/// read stopping the process. Zeros are wrong values: move the storage to
+/// an inaccessible guard ([`free_storage`]) as soon as that moment ends.
+pub fn free_storage_to_zeros(t: &Tensor) -> Result<(), GlueError> {
+    free_to(t, true)
+}
+
+/// Whether `t`'s storage was freed by [`free_storage_to_zeros`] (and reads
+/// as zeros).
+pub fn reads_zeros(t: &Tensor) -> Result<bool, GlueError> {
+    Ok(freed::reads_zeros(storage(t)?.1 as usize))
+}
+
+fn free_to(t: &Tensor, zeros: bool) -> Result<(), GlueError> {
     let (n, data) = storage(t)?;
-    if freed::guarded(data as usize) {
+    if freed::guarded(data as usize) && freed::reads_zeros(data as usize) == zeros {
         return Ok(());
     }
-    let guard = freed::guard(n).unwrap_or(std::ptr::null_mut());
+    let guard = freed::guard(n, zeros).unwrap_or(std::ptr::null_mut());
     // SAFETY: as above; the glue only touches the storage, which the tensor
     // keeps alive, and tch's handle is not mutated. The guard outlives the
-    // process's storages (it is never unmapped).
+    // process's storages (it is never unmapped), and a guarded storage's old
+    // data pointer owns nothing.
     check("storage_free", unsafe {
         ffi::zrt_storage_free(t.as_ptr() as *mut _, guard)
     })

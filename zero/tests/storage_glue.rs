@@ -6,6 +6,10 @@
 use tch::{Device, Kind, Tensor};
 use zrt_zero::glue;
 
+/// Held by the tests that measure the RSS, whose 128-256 MiB would
+/// otherwise move each other's figures.
+static RSS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Resident set size of this process, from /proc/self/statm.
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
@@ -21,6 +25,7 @@ fn rss_bytes() -> u64 {
 
 #[test]
 fn freed_storage_is_released_and_backward_sees_refilled_values() {
+    let _rss = RSS.lock().unwrap_or_else(|e| e.into_inner());
     const N: i64 = 64 << 20; // 64 Mi floats = 256 MiB
     const OFF: i64 = 16;
     let pattern = || Tensor::arange(N, (Kind::Float, Device::Cpu)).remainder(7.0);
@@ -252,4 +257,38 @@ fn a_storage_that_cannot_adopt_drops_the_buffer_and_stays_as_it_was() {
         "not a release"
     );
     assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![1.0, 2.0, 3.0]);
+}
+
+#[test]
+fn a_storage_freed_to_zeros_reads_zeros_for_no_memory_until_guarded() {
+    let _rss = RSS.lock().unwrap_or_else(|e| e.into_inner());
+    const N: i64 = 32 << 20; // 32 Mi floats = 128 MiB
+    let flat = Tensor::ones([N], (Kind::Float, Device::Cpu));
+    let w = flat.narrow(0, 8, N - 8);
+    let nbytes = glue::storage_nbytes(&flat).unwrap();
+    let before = rss_bytes();
+    glue::free_storage_to_zeros(&flat).unwrap();
+    assert_eq!(glue::storage_nbytes(&flat).unwrap(), 0, "held no memory");
+    assert!(glue::reads_zeros(&w).unwrap());
+    // A reader (a tied weight's other unit) computes on zeros: every page
+    // read maps the kernel's one zero page, so the RSS stays down.
+    let sum = w.sum(Kind::Double).double_value(&[]);
+    assert_eq!(sum, 0.0);
+    let after = rss_bytes();
+    assert!(
+        before.saturating_sub(after) >= 100 << 20,
+        "freeing 128 MiB to zeros and reading it left RSS at {} MiB from {} MiB",
+        after >> 20,
+        before >> 20
+    );
+    // Then into the inaccessible guard, and back to memory as usual.
+    glue::free_storage(&flat).unwrap();
+    assert!(!glue::reads_zeros(&flat).unwrap());
+    assert_eq!(glue::storage_nbytes(&flat).unwrap(), 0);
+    glue::realloc_storage(&flat, nbytes).unwrap();
+    assert!(!glue::reads_zeros(&flat).unwrap());
+    assert_eq!(glue::storage_nbytes(&flat).unwrap(), nbytes);
+    // A storage with memory frees straight to zeros again.
+    glue::free_storage_to_zeros(&flat).unwrap();
+    assert!(glue::reads_zeros(&flat).unwrap());
 }

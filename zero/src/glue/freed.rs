@@ -17,14 +17,24 @@
 //! the signal stop the process. Any other fault goes to the handler that
 //! was there before (Rust's stack-overflow report, a debugger's).
 //! [`super::storage_nbytes`] reports a guarded storage as 0 bytes.
+//!
+//! A second kind of guard reads as zeros (`PROT_READ` over no memory: the
+//! kernel maps its shared zero page) and faults only on a write. The engine
+//! points a unit's storage there after the unit's first forward, so that a
+//! later unit reading one of its parameters (a tied weight) computes on
+//! zeros instead of faulting, and the engine names the tie from the graph
+//! ([`super::free_storage_to_zeros`]); then it moves them to an
+//! inaccessible guard.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// Guards reserved so far: (start, length) pairs, read by the handler.
 const MAX_GUARDS: usize = 32;
 static GUARDS: [(AtomicUsize, AtomicUsize); MAX_GUARDS] =
     [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; MAX_GUARDS];
+/// Which of [`GUARDS`] read as zeros.
+static READABLE: [AtomicBool; MAX_GUARDS] = [const { AtomicBool::new(false) }; MAX_GUARDS];
 static RESERVE: Mutex<usize> = Mutex::new(0);
 /// The SIGSEGV disposition before ours.
 static PREV: OnceLock<libc::sigaction> = OnceLock::new();
@@ -38,26 +48,39 @@ const MESSAGE: &str = "\nzrt: a stage-3 parameter whose memory the engine freed 
 /// The start of a guard at least `nbytes` long, reserving one (and
 /// installing the handler) if none is; `None` if the address space or the
 /// table of guards is exhausted (the storage is then freed to null).
-pub(super) fn guard(nbytes: usize) -> Option<*mut std::ffi::c_void> {
+/// `readable`: one that reads as zeros (see the module's docs).
+pub(super) fn guard(nbytes: usize, readable: bool) -> Option<*mut std::ffi::c_void> {
     let mut reserved = RESERVE.lock().unwrap_or_else(|e| e.into_inner());
     let found = GUARDS[..*reserved]
         .iter()
-        .map(|(s, l)| (s.load(Ordering::Acquire), l.load(Ordering::Acquire)))
-        .find(|&(_, l)| l >= nbytes);
-    if let Some((start, _)) = found {
+        .zip(&READABLE)
+        .map(|((s, l), r)| {
+            (
+                s.load(Ordering::Acquire),
+                l.load(Ordering::Acquire),
+                r.load(Ordering::Acquire),
+            )
+        })
+        .find(|&(_, l, r)| l >= nbytes && r == readable);
+    if let Some((start, _, _)) = found {
         return Some(start as *mut _);
     }
     if *reserved == MAX_GUARDS {
         return None;
     }
     let len = nbytes.max(MIN_GUARD).checked_next_power_of_two()?;
-    // SAFETY: a fresh anonymous mapping nobody else knows of; PROT_NONE and
-    // MAP_NORESERVE, so it takes address space only.
+    // SAFETY: a fresh anonymous mapping nobody else knows of; PROT_NONE (or
+    // PROT_READ: reads map the kernel's shared zero page) and MAP_NORESERVE,
+    // so it takes address space only.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
-            libc::PROT_NONE,
+            if readable {
+                libc::PROT_READ
+            } else {
+                libc::PROT_NONE
+            },
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
             0,
@@ -71,6 +94,7 @@ pub(super) fn guard(nbytes: usize) -> Option<*mut std::ffi::c_void> {
         return None;
     }
     let (s, l) = &GUARDS[*reserved];
+    READABLE[*reserved].store(readable, Ordering::Release);
     s.store(p as usize, Ordering::Release);
     l.store(len, Ordering::Release);
     *reserved += 1;
@@ -80,7 +104,17 @@ pub(super) fn guard(nbytes: usize) -> Option<*mut std::ffi::c_void> {
 
 /// Whether `p` points into a guard (a freed storage's data).
 pub(super) fn guarded(p: usize) -> bool {
-    GUARDS.iter().any(|(s, l)| {
+    which(p).is_some()
+}
+
+/// Whether `p` points into a guard that reads as zeros.
+pub(super) fn reads_zeros(p: usize) -> bool {
+    which(p).is_some_and(|k| READABLE[k].load(Ordering::Acquire))
+}
+
+/// The guard `p` points into.
+fn which(p: usize) -> Option<usize> {
+    GUARDS.iter().position(|(s, l)| {
         let start = s.load(Ordering::Acquire);
         start != 0 && p >= start && p - start < l.load(Ordering::Acquire)
     })

@@ -687,7 +687,13 @@ impl nn::Module for TiedB {
 
 #[test]
 fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
-    for stage in [2u8, 3] {
+    // `stage3_max_live_parameters` 1 frees `a` as soon as its forward ends,
+    // so `b` reads its weight as zeros; by default `a` is still held then.
+    for (stage, live) in [
+        (2u8, ""),
+        (3, ""),
+        (3, r#""stage3_max_live_parameters": 1,"#),
+    ] {
         let _g = INIT.lock().unwrap();
         let vs = nn::VarStore::new(Device::Cpu);
         let plan = ShardPlan::new();
@@ -703,7 +709,7 @@ fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
         };
         let b = ShardedModule::new(&plan, &(&root / "b"), tied);
         let cfg = Config::from_json(&format!(
-            r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+            r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage}, {live} "stage3_param_persistence_threshold": 0}}}}"#
         ))
         .unwrap();
         let e = solo_engine(&vs, &plan, &cfg).unwrap();
@@ -798,6 +804,49 @@ fn a_prefetch_nothing_used_is_counted_unused() {
 }
 
 #[test]
+fn the_first_forward_holds_only_the_latest_unit_as_later_forwards_do() {
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        let vars = t.vs.variables();
+        let (a, b, c) = (&vars["a.weight"], &vars["b.weight"], &vars["c.weight"]);
+        let held = |x: &Tensor| glue::storage_nbytes(x).unwrap() > 0;
+        let zeros = |x: &Tensor| glue::reads_zeros(x).unwrap();
+        let all_held = || -> usize {
+            vars.values()
+                .map(|v| glue::storage_nbytes(v).unwrap())
+                .sum()
+        };
+        let mut after_forward = Vec::new();
+        for step in 0..2 {
+            let h = t.a.forward(&input(r.rank(), step));
+            if step == 0 {
+                // Which unit runs last is not known yet: the latest stays.
+                assert!(held(a), "a, the latest so far");
+            }
+            let hb = t.b.forward(&h).tanh();
+            if step == 0 {
+                // a is freed once b's forward ends, to memory that reads as
+                // zeros (a unit still to run might use a's weight).
+                assert!(!held(a) && zeros(a), "a freed to zeros");
+                assert!(held(b), "b, the latest so far");
+            }
+            let y = t.c.forward(&hb);
+            // Every unit has been checked: no zeros left, and only c (run
+            // last, first in backward) holds memory, on every step alike.
+            assert!(!held(a) && !held(b) && held(c), "step {step}");
+            assert!(!zeros(a) && !zeros(b), "step {step}: back to the guard");
+            after_forward.push(all_held());
+            e.backward(&y.square().mean(Kind::Float)).unwrap();
+            assert!(e.step().unwrap());
+        }
+        assert_eq!(
+            after_forward[0], after_forward[1],
+            "the first step holds as much as the second"
+        );
+    });
+}
+
+#[test]
 fn the_first_forward_keeps_units_only_within_max_live_parameters() {
     let tight = Config::from_json(
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
@@ -812,6 +861,10 @@ fn the_first_forward_keeps_units_only_within_max_live_parameters() {
             glue::storage_nbytes(&w).unwrap(),
             0,
             "over the bound: freed at once"
+        );
+        assert!(
+            glue::reads_zeros(&w).unwrap(),
+            "to zeros: b and c are still to run"
         );
         let loss = t.loss_after_a(&h);
         e.backward(&loss).unwrap();
@@ -1114,14 +1167,20 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
     assert!(run(1).iter().all(Result::is_ok), "{:?}", run(1));
     for stage in [0u8, 2, 3] {
         let got = run(stage);
+        // Named before any reduction is used: b and the grown c have the
+        // same size, and would have been summed together. At stage 3 rank
+        // 1's backward gathers `a` (the first forward freed every unit)
+        // where rank 0 reduces `c`.
+        let what = match stage {
+            3 => "rank 0 reduces `c`, rank 1 runs the backward of `a`. ",
+            _ => "rank 0 reduces `c`, rank 1 reduces `b`. ",
+        };
         for (rank, r) in got.iter().enumerate() {
             let e = r.as_ref().unwrap_err();
-            // Named before any reduction is used: b and the grown c have
-            // the same size, and would have been summed together.
             assert!(
-                e.starts_with(
-                    "gradient reductions out of step across ranks: rank 0 reduces `c`, rank 1 reduces `b`. "
-                ) && e.contains("Use every trained parameter in every rank's loss"),
+                e.starts_with(&format!(
+                    "gradient reductions out of step across ranks: {what}"
+                )) && e.contains("Use every trained parameter in every rank's loss"),
                 "stage {stage} rank {rank}: {e}"
             );
         }
@@ -1136,6 +1195,49 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
             "stage {stage}: {e0}"
         );
     }
+}
+
+#[test]
+fn a_parameter_only_some_ranks_use_is_named_when_backward_gathers_too() {
+    // From step 2 stage 3 gathers units during backward, so rank 0's early
+    // reduction of `c` meets rank 1's gather of the next unit for its
+    // backward, and the data collectives behind the announcements differ
+    // (a reduce-scatter against an all-gather). Both ranks must still be
+    // told it is the parameter, not different engine calls or a bare
+    // collective mismatch.
+    let got = on_ranks(WORLD, |r| -> Result<(), String> {
+        let t = tiny();
+        let extra = extra_param(&t, "c");
+        let e = engine_for(&t, &config(3, 1), &r);
+        for k in 0..3 {
+            let loss = t.loss(&input(r.rank(), k));
+            let loss = match (r.rank(), k) {
+                (0, 1..) => loss + extra.sum(Kind::Float) * 0.1,
+                _ => loss,
+            };
+            e.backward(&loss).map_err(|e| format!("step {k}: {e}"))?;
+            e.step().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        assert!(
+            e.starts_with("step 1: gradient reductions out of step across ranks: rank 0 reduces `c`, rank 1 runs the backward of `a`. ")
+                && e.contains("Use every trained parameter in every rank's loss"),
+            "rank {rank}: {e}"
+        );
+    }
+    let e1 = got[1].as_ref().unwrap_err();
+    assert!(
+        e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
+        "{e1}"
+    );
+    let e0 = got[0].as_ref().unwrap_err();
+    assert!(
+        e0.contains("every parameter got a gradient on this rank"),
+        "{e0}"
+    );
 }
 
 #[test]

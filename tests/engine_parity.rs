@@ -893,10 +893,11 @@ fn hpz_regathers_inside_its_group_with_the_same_results() {
         let (plain, none) = run_hpz(false, extra);
         let (hpz, served) = run_hpz(true, extra);
         assert_eq!(none, 0);
-        // wte and 2 blocks re-gathered from the pair in every backward but
-        // the first (the first forward keeps units gathered); the head ran
-        // last in forward and stays gathered for backward.
-        assert_eq!(served, 3 * (STEPS as u64 - 1), "{extra}");
+        // wte and 2 blocks re-gathered from the pair in every backward
+        // (the first forward, too, frees each unit once the next one's
+        // forward ends); the head ran last in forward and stays gathered
+        // for backward.
+        assert_eq!(served, 3 * STEPS as u64, "{extra}");
         assert_eq!(hpz, plain, "hpZ gathers the same values: {extra}");
     }
     // Without its group the key is refused with the fix (on every rank:

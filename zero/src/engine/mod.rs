@@ -192,6 +192,12 @@ struct State {
     /// Units whose first forward has been checked for parameters of other
     /// units (stage 3).
     checked: Vec<bool>,
+    /// Stage 3: units freed to storage that reads as zeros after their
+    /// first forward (see `after_forward`), not yet moved to a guard.
+    zeroed: usize,
+    /// Stage 3: the unit whose first forward ended last, kept gathered
+    /// until another unit's first forward ends (see `after_forward`).
+    held: Option<usize>,
     /// Stage 3, per unit of frozen parameters only: forwards whose input
     /// gradient backward has yet to compute (see `input_grad_ready`).
     awaiting_input_grad: Vec<usize>,
@@ -563,6 +569,56 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.gathered[i] = false;
         Ok(())
     }
+
+    /// As `release`, to storage that reads as zeros (a unit's first
+    /// forward: see `after_forward`) until `reguard`.
+    fn release_to_zeros(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
+        glue::free_storage_to_zeros(&st.units[i].flat)?;
+        if let Some(p) = &st.units[i].frozen {
+            glue::free_storage_to_zeros(&p.flat)?;
+        }
+        st.gathered[i] = false;
+        st.zeroed += 1;
+        Ok(())
+    }
+
+    /// Stage 3: frees `unit` after its forward, keeping its hpZ secondary
+    /// copy when its backward follows (its output needs a gradient). A
+    /// unit's first forward frees to zeros: a later unit of that forward
+    /// that uses one of its parameters (a tied weight) computes on zeros
+    /// rather than stop the process, and `check_foreign_params` names the
+    /// parameter. Nothing stays gathered for that, so the first step peaks
+    /// no higher than the others.
+    fn free_after_forward(&self, st: &mut State, unit: usize, backward_follows: bool, first: bool) {
+        if backward_follows {
+            self.keep_secondary(st, unit);
+        }
+        let freed = match first {
+            true => self.release_to_zeros(st, unit),
+            false => self.release(st, unit),
+        };
+        if let Err(e) = freed {
+            st.error.get_or_insert(e);
+        }
+    }
+
+    /// Moves the units `release_to_zeros` freed (and nothing has gathered
+    /// since) to an inaccessible guard: a read then stops the process with
+    /// an explanation instead of returning zeros.
+    fn reguard(&self, st: &mut State) -> Result<(), EngineError> {
+        // The forward is over: a unit's first forward after this one frees
+        // nothing it did not run.
+        st.held = None;
+        if st.zeroed == 0 {
+            return Ok(());
+        }
+        st.zeroed = 0;
+        let freed: Vec<usize> = (0..st.units.len()).filter(|&k| !st.gathered[k]).collect();
+        for k in freed {
+            self.release(st, k)?;
+        }
+        Ok(())
+    }
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -611,6 +667,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if forward && !st.prog.in_backward() {
             st.prog.order.forward_starts(unit);
         }
+        if !forward {
+            // Backward has begun: no forward reads a freed unit any more.
+            if let Err(e) = self.reguard(&mut st) {
+                st.error.get_or_insert(e);
+            }
+        }
         // `gather` does nothing for a unit still gathered (the first
         // forward, or the unit forward ran last); the next unit's prefetch
         // starts all the same.
@@ -620,7 +682,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             false => self
                 .gather(&mut st, unit)
                 .and_then(|()| self.prefetch_after(&mut st, unit, forward))
-                .err(),
+                .err()
+                .map(|e| self.explain_failure(&mut st, e)),
         };
         if !st.gathered[unit] {
             let u = &st.units[unit];
@@ -663,9 +726,9 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         if !y.requires_grad() && !st.prog.in_backward() {
             st.prog.order.without_backward(unit);
         }
-        // The first forward through a unit keeps it gathered and checks
-        // which parameters it used: one owned by another unit (tied weights)
-        // would otherwise be read after its owner freed it.
+        // The first forward through a unit checks which parameters it
+        // used: one owned by another unit (tied weights) is read after its
+        // owner freed it, which is why a first forward frees to zeros.
         let first = y.requires_grad() && !st.checked[unit];
         if first {
             st.checked[unit] = true;
@@ -706,28 +769,39 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             }
         }
         // Reshard after forward: autograd's saved views keep the storage
-        // object, the glue frees its bytes. The first forward keeps units
-        // gathered (its backward frees them), so that a later unit using
-        // this one's parameters reads them, and the check above names it,
-        // within `stage3_max_live_parameters` elements gathered at once.
+        // object, the glue frees its bytes. The unit that ran last in
+        // forward is the first one backward needs, right after the loss:
+        // freeing it would gather it again at once, with nothing to overlap
+        // the gather. A first forward does not know yet which unit runs
+        // last, so it keeps the latest and frees the one before.
+        if first {
+            if let Some(prev) = st.held.take().filter(|&p| p != unit && st.gathered[p]) {
+                i.free_after_forward(&mut st, prev, true, true);
+            }
+        }
         let live: usize = (0..st.units.len())
             .filter(|&k| st.gathered[k])
             .map(|k| st.units[k].gathered_len())
             .sum();
-        // The unit that ran last in forward is the first one backward
-        // needs, right after the loss: freeing it would gather it again at
-        // once, with nothing to overlap the gather.
         let runs_last = y.requires_grad() && st.prog.order.runs_last(unit);
         let keep =
             (first || runs_last) && live as u64 <= i.cfg.config.zero.stage3_max_live_parameters;
-        if keep || overlap::stays_gathered(&st, unit) {
-            return;
+        let stays = overlap::stays_gathered(&st, unit);
+        if keep && first && !stays {
+            st.held = Some(unit);
         }
-        if y.requires_grad() {
-            i.keep_secondary(&mut st, unit);
+        if !keep && !stays {
+            i.free_after_forward(&mut st, unit, y.requires_grad(), first);
         }
-        if let Err(e) = i.release(&mut st, unit) {
-            st.error.get_or_insert(e);
+        // Once every unit has been through its check, the zeros have done
+        // their work: from here a read of a freed unit stops the process
+        // with an explanation (backward and every engine call do the same).
+        let all_checked =
+            (0..st.units.len()).all(|k| st.checked[k] || overlap::stays_gathered(&st, k));
+        if first && all_checked {
+            if let Err(e) = i.reguard(&mut st) {
+                st.error.get_or_insert(e);
+            }
         }
     }
 }
@@ -1142,6 +1216,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 persistent,
                 secondary: (0..n).map(|_| None).collect(),
                 checked: vec![false; n],
+                zeroed: 0,
+                held: None,
                 awaiting_input_grad: vec![0; n],
                 frozen,
             }),
@@ -1189,7 +1265,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     fn take_error(&self, st: &mut State) -> Result<(), EngineError> {
         match st.error.take() {
             Some(e) => Err(e),
-            None => Ok(()),
+            // Every engine call ends a first forward's zeros (see
+            // `after_forward`).
+            None => self.inner.reguard(st),
         }
     }
 

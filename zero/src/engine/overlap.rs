@@ -96,6 +96,8 @@ impl Reduce {
 /// A gather in flight, with the unit-order check issued before it.
 pub(super) struct Prefetch {
     ids: UnitIds,
+    /// What `ids` announced: a gather in forward or in backward.
+    kind: Kind,
     data: Fetch,
     /// Gathered from the hpZ secondary copies (dropped after), not the
     /// shards.
@@ -129,10 +131,14 @@ pub(super) struct UnitIds {
 
 /// The kind of collective a rank announces with a unit's index: a gather
 /// and a reduction of units of the same size would otherwise match.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Kind {
+    /// A gather outside backward (a forward, with_full_params...).
     Gather = 0,
     Reduce = 1,
+    /// A gather for backward: met by a peer's reduction, it means both
+    /// ranks are in backward and one finished a unit's gradients early.
+    BackwardGather = 2,
 }
 
 impl UnitIds {
@@ -142,6 +148,11 @@ impl UnitIds {
             work: g.all_gather(vec![kind as i64, unit as i64], Vec::new()),
             ranks: g.size(),
         }
+    }
+
+    /// Whether every rank's announcement is in (waiting will not block).
+    fn done(&self) -> bool {
+        self.work.is_done()
     }
 
     /// Waits for every rank's announcement: `None` when all are this
@@ -159,7 +170,7 @@ impl UnitIds {
             format!(
                 "this rank announced {} unit `{}` to its {} ranks",
                 match kind {
-                    Kind::Gather => "the gather of",
+                    Kind::Gather | Kind::BackwardGather => "the gather of",
                     Kind::Reduce => "the gradient reduction of",
                 },
                 name(unit),
@@ -171,23 +182,39 @@ impl UnitIds {
             return Ok(None);
         }
         let kinds = |k: Kind| all.chunks(2).any(|c| c[0] == k as i64);
-        let mixed = kinds(Kind::Gather) && kinds(Kind::Reduce);
+        let why = match (
+            kinds(Kind::Gather),
+            kinds(Kind::BackwardGather),
+            kinds(Kind::Reduce),
+        ) {
+            // Every rank in backward, some reducing a unit the others have
+            // not finished.
+            (false, true, true) => Why::Uneven,
+            (true, true, _) | (true, _, true) => Why::DifferentCalls,
+            _ => Why::SameKind,
+        };
         let names: Vec<String> = all
             .chunks(2)
             .enumerate()
             .map(|(r, c)| {
                 let u = usize::try_from(c[1]).map_or("?".into(), &name);
-                let verb = if c[0] == Kind::Reduce as i64 {
-                    "reduces"
-                } else {
-                    "runs"
+                let verb = match c[0] {
+                    1 => "reduces",
+                    2 => "runs the backward of",
+                    _ => "runs",
                 };
                 format!("rank {r} {verb} `{u}`")
             })
             .collect();
+        let reduced = all
+            .chunks(2)
+            .filter(|c| c[0] == Kind::Reduce as i64)
+            .filter_map(|c| usize::try_from(c[1]).ok())
+            .collect();
         Ok(Some(Disagreement {
             names: names.join(", "),
-            mixed,
+            why,
+            reduced,
         }))
     }
 }
@@ -197,20 +224,43 @@ impl UnitIds {
 struct Disagreement {
     /// "rank r runs `unit`" / "rank r reduces `unit`", for every rank.
     names: String,
-    /// Some rank announced a gather and another a reduction.
-    mixed: bool,
+    /// What the mix of kinds means.
+    why: Why,
+    /// Units some rank announced the reduction of.
+    reduced: Vec<usize>,
+}
+
+/// What announcements of different kinds at one point mean.
+#[derive(Debug, PartialEq)]
+enum Why {
+    /// All gathers, or all reductions, of different units: `same_kind`.
+    SameKind,
+    /// A gather outside backward met a reduction or a backward's gather:
+    /// the ranks made different engine calls.
+    DifferentCalls,
+    /// Reductions met backward's gathers: every rank is in backward, and
+    /// some finished a unit's gradients that others have not (a parameter
+    /// only some ranks' losses use).
+    Uneven,
 }
 
 impl Disagreement {
-    /// The error: a gather met by a reduction means different engine
-    /// calls; otherwise `same_kind` explains it.
-    fn error(self, same_kind: impl FnOnce(String) -> EngineError) -> EngineError {
-        match self.mixed {
-            true => EngineError::OutOfStep(format!(
-                "{}: one rank gathers a unit's parameters while another reduces gradients, so the ranks made different engine calls (a backward on some, with_full_params, a checkpoint or a forward on others)",
+    /// The error: a gather outside backward met by anything else means
+    /// different engine calls; reductions met by backward's gathers mean
+    /// uneven gradients (`uneven` gets the names and the units some rank
+    /// reduced); otherwise `same_kind` explains it.
+    fn error(
+        self,
+        same_kind: impl FnOnce(String) -> EngineError,
+        uneven: impl FnOnce(String, &[usize]) -> EngineError,
+    ) -> EngineError {
+        match self.why {
+            Why::DifferentCalls => EngineError::OutOfStep(format!(
+                "{}: one rank gathers a unit's parameters while another reduces gradients or runs a backward, so the ranks made different engine calls (a backward on some, with_full_params, a checkpoint or a forward on others)",
                 self.names
             )),
-            false => same_kind(self.names),
+            Why::Uneven => uneven(self.names, &self.reduced),
+            Why::SameKind => same_kind(self.names),
         }
     }
 }
@@ -606,7 +656,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 });
                 let e = match seen {
                     Ok(None) => continue,
-                    Ok(Some(d)) => d.error(|names| explain_uneven(&names, &without)),
+                    Ok(Some(d)) => d.error(
+                        |names| explain_uneven(&names, &without),
+                        |names, _| explain_uneven(&names, &without),
+                    ),
                     Err(e) => e,
                 };
                 // Nothing of this backward is used; its reductions still
@@ -649,6 +702,33 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
+    /// A collective of this backward failed with `e`. When a reduction this
+    /// rank announced before it shows the ranks disagreeing, that is the
+    /// cause (the failure is the collective that followed the
+    /// announcement: a reduction on one rank met a gather on another), and
+    /// the error says so; otherwise `e`. Only announcements already
+    /// answered are read: explaining waits for nothing.
+    pub(super) fn explain_failure(&self, st: &mut State, e: EngineError) -> EngineError {
+        if !st.prog.in_backward() {
+            return e;
+        }
+        for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
+            for w in works.into_iter().take_while(UnitIds::done) {
+                let units = &st.units;
+                let Ok(Some(d)) = w.disagree(Kind::Reduce, k, |x| unit_name(units, x)) else {
+                    continue;
+                };
+                let st = &*st;
+                let uneven = |names: String, reduced: &[usize]| {
+                    explain_uneven(&names, &without_gradient(st, reduced))
+                };
+                let reduced = d.reduced.clone();
+                return d.error(|names| uneven(names, &reduced), uneven);
+            }
+        }
+        e
+    }
+
     /// Issues the unit-order check and the gather of unit `i`'s shard.
     pub(super) fn issue_gather(&self, st: &mut State, i: usize) -> Result<Prefetch, EngineError> {
         // hpZ: a unit with a secondary copy is gathered inside the (smaller,
@@ -656,7 +736,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if let (Some(h), Some(sec)) = (&self.hpz, st.secondary[i].take()) {
             st.prog.counts.hpz_gathers += 1;
             self.delay();
-            let ids = UnitIds::issue(h, Kind::Gather, i);
+            let kind = gather_kind(st);
+            let ids = UnitIds::issue(h, kind, i);
             self.delay();
             let u = &st.units[i];
             let data = sec.unit.gather(h, u.layout.padded, &self.pools);
@@ -667,6 +748,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             };
             return Ok(Prefetch {
                 ids,
+                kind,
                 data,
                 secondary: true,
                 frozen,
@@ -675,7 +757,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // Name the unit to the peers first: units run in different orders
         // would otherwise gather same-sized buffers into silent garbage.
         self.delay();
-        let ids = UnitIds::issue(&self.group, Kind::Gather, i);
+        let kind = gather_kind(st);
+        let ids = UnitIds::issue(&self.group, kind, i);
         let padded = st.units[i].layout.padded;
         // The swap reads ahead the unit gathered after this one.
         let next = st.prog.order.after(i, !st.prog.in_backward());
@@ -697,6 +780,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         Ok(Prefetch {
             ids,
+            kind,
             data,
             secondary: false,
             frozen: self.issue_frozen(st, i)?,
@@ -752,11 +836,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         fill: bool,
     ) -> Result<(), EngineError> {
         let t = std::time::Instant::now();
-        if let Some(d) = p
-            .ids
-            .disagree(Kind::Gather, i, |x| unit_name(&st.units, x))?
-        {
-            return Err(d.error(EngineError::UnitOrder));
+        if let Some(d) = p.ids.disagree(p.kind, i, |x| unit_name(&st.units, x))? {
+            return Err(d.error(EngineError::UnitOrder, |names, reduced| {
+                explain_uneven(&names, &without_gradient(st, reduced))
+            }));
         }
         let (u, sh) = (&mut st.units[i], &mut st.shards[i]);
         if let (Some((f, from_shard)), Some(part)) = (p.frozen, u.frozen.as_mut()) {
@@ -882,6 +965,34 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 }
 
+/// What a gather announces: one for backward, or any other.
+fn gather_kind(st: &State) -> Kind {
+    match st.prog.in_backward() {
+        true => Kind::BackwardGather,
+        false => Kind::Gather,
+    }
+}
+
+/// The parameters of `units` without a gradient on this rank (so far in
+/// this backward), named for [`explain_uneven`]. A unit this rank has
+/// reduced had all of them (and its gradients have moved to its buffer).
+fn without_gradient(st: &State, units: &[usize]) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    units
+        .iter()
+        .filter(|&&k| seen.insert(k) && !st.prog.launched.get(k).copied().unwrap_or(true))
+        .filter_map(|&k| st.units.get(k))
+        .flat_map(|u| {
+            u.layout
+                .slots
+                .iter()
+                .zip(&u.params)
+                .filter(|(_, t)| !t.grad().defined())
+                .map(|(s, _)| format!("`{}` (unit `{}`)", s.name, u.name))
+        })
+        .collect()
+}
+
 /// [`EngineError::UnevenGradients`]: `what` the ranks did, why, and this
 /// rank's parameters without a gradient (`without`). Each unit is reduced
 /// as soon as all its parameters have gradients, so when a parameter some
@@ -931,7 +1042,7 @@ fn install<T: Copy + Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use super::{Disagreement, Kind, RunOrder, UnitIds};
+    use super::{Disagreement, Kind, RunOrder, UnitIds, Why};
     use zrt_collectives::{local, ProcessGroup};
 
     /// Each of two ranks announces (kind, unit); what rank 0 makes of it.
@@ -958,33 +1069,77 @@ mod tests {
     #[test]
     fn announcements_name_what_each_rank_does() {
         assert_eq!(announce((Kind::Gather, 1), (Kind::Gather, 1)), Ok(None));
-        let d = |names: &str, mixed| {
+        let d = |names: &str, why, reduced: &[usize]| {
             Ok(Some(Disagreement {
                 names: names.into(),
-                mixed,
+                why,
+                reduced: reduced.to_vec(),
             }))
         };
         assert_eq!(
             announce((Kind::Gather, 0), (Kind::Gather, 1)),
-            d("rank 0 runs `a`, rank 1 runs `b`", false)
+            d("rank 0 runs `a`, rank 1 runs `b`", Why::SameKind, &[])
         );
         assert_eq!(
             announce((Kind::Reduce, 1), (Kind::Reduce, 0)),
-            d("rank 0 reduces `b`, rank 1 reduces `a`", false)
+            d(
+                "rank 0 reduces `b`, rank 1 reduces `a`",
+                Why::SameKind,
+                &[1, 0]
+            )
         );
         // Same unit, same size: only the kind tells a gather from a
         // reduction.
         let mixed = announce((Kind::Reduce, 1), (Kind::Gather, 1));
-        assert_eq!(mixed, d("rank 0 reduces `b`, rank 1 runs `b`", true));
+        assert_eq!(
+            mixed,
+            d(
+                "rank 0 reduces `b`, rank 1 runs `b`",
+                Why::DifferentCalls,
+                &[1]
+            )
+        );
         let e = mixed
             .unwrap()
             .unwrap()
-            .error(|_| unreachable!())
+            .error(|_| unreachable!(), |_, _| unreachable!())
             .to_string();
         assert!(
-            e.contains("one rank gathers a unit's parameters while another reduces gradients"),
+            e.contains("one rank gathers a unit's parameters while another reduces gradients or runs a backward, so the ranks made different engine calls"),
             "{e}"
         );
+        // A gather outside backward against one for backward: different
+        // calls too.
+        assert_eq!(
+            announce((Kind::Gather, 0), (Kind::BackwardGather, 0))
+                .unwrap()
+                .unwrap()
+                .why,
+            Why::DifferentCalls
+        );
+        // A reduction against a backward's gather: both ranks are in
+        // backward, one reduces a unit the other has not finished.
+        let uneven = announce((Kind::BackwardGather, 0), (Kind::Reduce, 1));
+        assert_eq!(
+            uneven,
+            d(
+                "rank 0 runs the backward of `a`, rank 1 reduces `b`",
+                Why::Uneven,
+                &[1]
+            )
+        );
+        let e = uneven
+            .unwrap()
+            .unwrap()
+            .error(
+                |_| unreachable!(),
+                |names, reduced| {
+                    assert_eq!(reduced, [1]);
+                    crate::EngineError::UnevenGradients(names)
+                },
+            )
+            .to_string();
+        assert!(e.contains("rank 1 reduces `b`"), "{e}");
     }
 
     #[test]

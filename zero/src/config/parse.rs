@@ -937,13 +937,19 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
             true
         }
     };
+    // In this order, so that the problems list in the config's usual order.
+    let train_batch_size = p.batch(&top, "train_batch_size");
+    let micro_batch = p.batch(&top, "train_micro_batch_size_per_gpu");
+    let gradient_accumulation_steps = p.batch(&top, "gradient_accumulation_steps");
+    let optimizer = p.optimizer(&top);
+    let scheduler = p.scheduler(&top);
     let (precision, precision_auto) = p.precision(&top);
     let cfg = Config {
-        train_batch_size: p.batch(&top, "train_batch_size"),
-        micro_batch: p.batch(&top, "train_micro_batch_size_per_gpu"),
-        gradient_accumulation_steps: p.batch(&top, "gradient_accumulation_steps"),
-        optimizer: p.optimizer(&top),
-        scheduler: p.scheduler(&top),
+        train_batch_size,
+        micro_batch,
+        gradient_accumulation_steps,
+        optimizer,
+        scheduler,
         precision,
         gradient_clipping: p.f64_auto(&top, "", "gradient_clipping", 0.0),
         steps_per_print: p.u64_or(&top, "", "steps_per_print", 10),
@@ -1130,9 +1136,13 @@ fn fill_from_program(c: &mut Config, hints: &AutoHints, problems: &mut Vec<Strin
                     set_param(s, "warmup_max_lr", lr);
                 }
             }
+            (_, Some("warmup_min_lr")) => {
+                // Parsing left DeepSpeed's default there, 0: what Hugging
+                // Face fills.
+                tracing::info!("config: `{key}` \"auto\" resolved to 0 (as Hugging Face fills it)");
+            }
             (_, Some(param)) => {
                 let (value, rule) = match param {
-                    "warmup_min_lr" => (Some(0.0), "0, as Hugging Face fills it"),
                     "warmup_num_steps" => (hints.warmup_steps.map(|n| n as f64), "warm-up steps"),
                     _ => (hints.total_steps.map(|n| n as f64), "total steps"),
                 };
@@ -1185,14 +1195,11 @@ fn fill_from_program(c: &mut Config, hints: &AutoHints, problems: &mut Vec<Strin
     }
 }
 
-/// Sets warm-up schedule parameter `param` (one [`fill_from_program`] fills).
+/// Sets warm-up schedule parameter `param` (`warmup_max_lr`,
+/// `warmup_num_steps` or `total_num_steps`: one [`fill_from_program`]
+/// fills).
 fn set_param(s: &mut SchedulerConfig, param: &str, v: f64) {
     match (s, param) {
-        (
-            SchedulerConfig::WarmupLR { warmup_min_lr, .. }
-            | SchedulerConfig::WarmupDecayLR { warmup_min_lr, .. },
-            "warmup_min_lr",
-        ) => *warmup_min_lr = v,
         (
             SchedulerConfig::WarmupLR { warmup_max_lr, .. }
             | SchedulerConfig::WarmupDecayLR { warmup_max_lr, .. },

@@ -833,6 +833,61 @@ fn hugging_faces_auto_values_are_filled_from_the_program_as_its_trainer_fills_th
 }
 
 #[test]
+fn only_the_string_auto_is_left_to_the_program() {
+    // Any other string is the type error it always was, not an "auto".
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "gradient_clipping": "1.0",
+                "optimizer": {"type": "AdamW", "params": {"eps": "1e-8", "betas": "auto-ish"}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}},
+                "bf16": {"enabled": "yes"}}"#
+        ),
+        [
+            "`optimizer.params.betas` must be [beta1, beta2], got \"auto-ish\"",
+            "`optimizer.params.eps` must be a number, got \"1e-8\"",
+            "`scheduler.params.warmup_num_steps` must be a number, got \"ten\"",
+            "`bf16.enabled` must be true or false, got \"yes\"",
+            "`gradient_clipping` must be a number, got \"1.0\"",
+        ]
+    );
+    // A 16-bit block off, or without `enabled`, is off (DeepSpeed's default).
+    for blocks in [
+        r#""fp16": {"enabled": false}, "bf16": {"enabled": false}"#,
+        r#""fp16": {"loss_scale": 0}, "bf16": {}"#,
+    ] {
+        let c = Config::from_json(&format!(r#"{{"train_batch_size": 8, {blocks}}}"#)).unwrap();
+        assert_eq!(
+            (c.precision, c.precision_auto.len()),
+            (Precision::Fp32, 0),
+            "{blocks}"
+        );
+    }
+}
+
+#[test]
+fn a_momentum_decay_is_announced_only_when_it_will_reach_1() {
+    let warned = |params: &str| {
+        Config::from_json(&scheduler(
+            "OneCycle",
+            &format!(r#""cycle_min_lr": 0.1, "cycle_max_lr": 1, {params}"#),
+        ))
+        .unwrap()
+        .warnings
+        .iter()
+        .any(|w| w.contains("decay_mom_rate"))
+    };
+    assert!(warned(r#""decay_step_size": 10, "decay_mom_rate": 0.01"#));
+    // No rate, no interval, or a beta1 of 0 (which stays 0): no decay to 1.
+    assert!(!warned(r#""decay_step_size": 10, "decay_mom_rate": 0"#));
+    assert!(!warned(r#""decay_step_size": 0, "decay_mom_rate": 0.01"#));
+    assert!(!warned(
+        r#""decay_step_size": 10, "decay_mom_rate": 0.01, "cycle_min_mom": 0, "cycle_max_mom": 0"#
+    ));
+    // A rate that lowers beta1 never reaches 1 either.
+    assert!(!warned(r#""decay_step_size": 10, "decay_mom_rate": -0.01"#));
+}
+
+#[test]
 fn a_warm_up_with_no_peak_rises_to_what_deepspeed_gives_it() {
     // DeepSpeed 0.19's WarmupLR rises to the optimizer's lr; its
     // WarmupDecayLR to 1e-3.

@@ -667,8 +667,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if forward && !st.prog.in_backward() {
             st.prog.order.forward_starts(unit);
         }
-        if !forward {
+        if !forward && st.error.is_none() {
             // Backward has begun: no forward reads a freed unit any more.
+            // (After a tie was found, a bare loss.backward() still runs the
+            // using unit's backward on the zeros, and step() names the tie.)
             if let Err(e) = self.reguard(&mut st) {
                 st.error.get_or_insert(e);
             }
@@ -798,7 +800,7 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         // with an explanation (backward and every engine call do the same).
         let all_checked =
             (0..st.units.len()).all(|k| st.checked[k] || overlap::stays_gathered(&st, k));
-        if first && all_checked {
+        if first && all_checked && st.error.is_none() {
             if let Err(e) = i.reguard(&mut st) {
                 st.error.get_or_insert(e);
             }
@@ -1263,11 +1265,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 
     fn take_error(&self, st: &mut State) -> Result<(), EngineError> {
+        // Every engine call ends a first forward's zeros (see
+        // `after_forward`), an error's too: nothing reads them after it.
+        let reguarded = self.inner.reguard(st);
         match st.error.take() {
             Some(e) => Err(e),
-            // Every engine call ends a first forward's zeros (see
-            // `after_forward`).
-            None => self.inner.reguard(st),
+            None => reguarded,
         }
     }
 

@@ -250,3 +250,60 @@ fn with_full_params_at_stage_0_copies_no_units_state() {
         assert_eq!(after, &twice);
     }
 }
+
+#[test]
+fn a_step_holds_a_few_units_of_gradients_and_parameters_and_the_first_no_more() {
+    // Stage 3, 16 blocks (a block is 0.44 M elements), reductions in
+    // buckets of 0.5 M elements: a step holds a few units' gradients in
+    // flight and a few gathered units. Until 2026-11-26 every unit's full
+    // gradient stayed in flight to the end of backward (the whole model's,
+    // in fp32, on each rank), and the first forward kept every unit
+    // gathered until its backward (to name a tied weight).
+    let zero = r#""stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5e5,"#;
+    let cfg = config_zero(3, 1, 1.0, "", zero);
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let gate = Barrier::new(2);
+    let out = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model_of(&BIG);
+        let model: usize = vs.variables().values().map(|t| t.numel() * 4).sum();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let mut peaks = Vec::new();
+        for _ in 0..3 {
+            peaks.push(peak_of(r.rank(), &gate, || {
+                e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
+                e.step().unwrap();
+            }));
+        }
+        (model, peaks)
+    });
+    let (model, peaks) = &out[0];
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "model {:.1} MiB a rank; heap peaks of steps 1-3 (both ranks): {:.1}, {:.1}, {:.1} MiB",
+        mib(*model),
+        mib(peaks[0]),
+        mib(peaks[1]),
+        mib(peaks[2])
+    );
+    // Both ranks together: under half the model a rank (at 2026-11-26
+    // 23.8 MiB, where all gradients in flight made 88.5). Two buckets of
+    // gradients in flight (3.8 MiB a rank) and the newest unit's, the
+    // gathered unit and the one prefetched, and the pool's two buffers.
+    for (step, peak) in peaks.iter().enumerate() {
+        assert!(
+            *peak < *model,
+            "step {} held {:.1} MiB at its peak (both ranks), the model is {:.1} MiB a rank",
+            step + 1,
+            mib(*peak),
+            mib(*model)
+        );
+    }
+    // The first step no more than a block above the next.
+    assert!(
+        peaks[0] <= peaks[1] + model / 16,
+        "step 1 held {:.1} MiB, step 2 {:.1}: the first forward kept units gathered",
+        mib(peaks[0]),
+        mib(peaks[1])
+    );
+}

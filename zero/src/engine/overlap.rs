@@ -278,8 +278,10 @@ pub(super) struct Progress {
     /// engine backward, so hooks of a bare `loss.backward()` do nothing).
     launched: Vec<bool>,
     /// Reductions in issue order: (unit, range of its gradient buffer the
-    /// result adds to, the reduction).
-    inflight: Vec<(usize, std::ops::Range<usize>, Reduce)>,
+    /// result adds to, the reduction, elements of the buffer it holds).
+    inflight: Vec<(usize, std::ops::Range<usize>, Reduce, usize)>,
+    /// The elements `inflight` holds (see `launch_reduce`).
+    inflight_elems: usize,
     /// Each reduced unit's index as every rank of the group (and of the
     /// replicate group) named it, in issue order, checked before any
     /// reduction is used.
@@ -403,6 +405,7 @@ impl Progress {
             ready: vec![0; units],
             launched: vec![true; units],
             inflight: Vec::new(),
+            inflight_elems: 0,
             reduce_ids: Vec::new(),
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
@@ -436,8 +439,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// naming it rather than this call blocking).
     pub(super) fn abort_backward(&self, st: &mut State) {
         st.prog.launched.fill(true);
-        st.prog.inflight.clear();
-        st.prog.reduce_ids.clear();
+        drop_reductions(st);
     }
 
     /// A parameter of unit `k` has its gradient (the hook's entry point).
@@ -529,13 +531,92 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 ids.push(UnitIds::issue(r, Kind::Reduce, k));
             }
             st.prog.reduce_ids.push((k, ids));
+            let n = if self.stage == 0 {
+                1
+            } else {
+                self.group.size()
+            };
             for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
-                st.prog.inflight.push((k, range, r));
+                // A bucket's buffer: its range of every rank's shard.
+                let elems = range.len() * n;
+                st.prog.inflight_elems += elems;
+                st.prog.inflight.push((k, range, r, elems));
+            }
+            // DeepSpeed keeps two buckets of `reduce_bucket_size` elements
+            // of gradients in flight; here units wait for their reductions,
+            // oldest first, once the buffers in flight exceed that (the
+            // newest always stays in flight, to overlap what backward does
+            // next). Otherwise every unit's full gradient would be alive at
+            // the end of backward: the whole model's, in fp32, on each rank.
+            let bound = self.reduce_bucket().saturating_mul(2);
+            while st.prog.inflight_elems > bound
+                && st.prog.reduce_ids.first().is_some_and(|(u, _)| *u != k)
+            {
+                self.retire_oldest(st)?;
             }
         }
         st.prog.launched[k] = true;
         if free && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
             self.release(st, k)?;
+        }
+        Ok(())
+    }
+
+    /// `reduce_bucket_size` in elements (at least 1).
+    fn reduce_bucket(&self) -> usize {
+        let z = &self.cfg.config.zero;
+        z.reduce_bucket_size.value().unwrap_or(u64::MAX).max(1) as usize
+    }
+
+    /// Waits for the oldest unit's reductions (once its announcement shows
+    /// every rank reduced that unit) and adds them to its gradient shard,
+    /// which frees their buffers.
+    fn retire_oldest(&self, st: &mut State) -> Result<(), EngineError> {
+        if st.prog.reduce_ids.is_empty() {
+            return Ok(());
+        }
+        let (k, works) = st.prog.reduce_ids.remove(0);
+        for w in works {
+            let units = &st.units;
+            let seen = waiting(&mut st.timing, || {
+                w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
+            });
+            let e = match seen {
+                Ok(None) => continue,
+                Ok(Some(d)) => uneven_now(st, d),
+                Err(e) => e,
+            };
+            drop_reductions(st);
+            return Err(e);
+        }
+        while st.prog.inflight.first().is_some_and(|f| f.0 == k) {
+            let (k, range, r, elems) = st.prog.inflight.remove(0);
+            st.prog.inflight_elems -= elems;
+            self.finish_reduction(st, k, range, r)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for one reduction of unit `k` and adds it to `range` of the
+    /// unit's gradient shard (averaged across replicas first).
+    fn finish_reduction(
+        &self,
+        st: &mut State,
+        k: usize,
+        range: std::ops::Range<usize>,
+        r: Reduce,
+    ) -> Result<(), EngineError> {
+        // The ranks announced this very reduction, built alike (see
+        // `agree`), so its shape matches theirs.
+        let red = waiting(&mut st.timing, || r.wait())?;
+        let v = self.across_replicas(&red)?;
+        reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
+        drop(v);
+        // A whole unit's gradient buffer (a reduce-scatter's input, or
+        // stage 0's all-reduced buffer; not a bucket) serves the next
+        // launch_reduce or gather of that size.
+        if red.buf.len() == st.units[k].layout.padded {
+            self.pools.f32.give(red.buf);
         }
         Ok(())
     }
@@ -553,14 +634,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         full: Vec<f32>,
         all: bool,
     ) -> Result<Vec<(std::ops::Range<usize>, Reduce)>, EngineError> {
-        let bucket = self
-            .cfg
-            .config
-            .zero
-            .reduce_bucket_size
-            .value()
-            .unwrap_or(u64::MAX)
-            .max(1) as usize;
+        let bucket = self.reduce_bucket();
         let n = self.group.size();
         let len = full.len();
         let mut out = Vec::new();
@@ -664,24 +738,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 };
                 // Nothing of this backward is used; its reductions still
                 // run on the workers, unwaited.
-                st.prog.inflight.clear();
-                st.prog.reduce_ids.clear();
+                drop_reductions(st);
                 return Err(e);
             }
         }
-        for (k, range, r) in std::mem::take(&mut st.prog.inflight) {
-            // The ranks announced this very reduction, built alike (see
-            // `agree`), so its shape matches theirs.
-            let red = waiting(&mut st.timing, || r.wait())?;
-            let v = self.across_replicas(&red)?;
-            reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
-            drop(v);
-            // A whole unit's gradient buffer (a reduce-scatter's input, or
-            // stage 0's all-reduced buffer; not a bucket) serves the next
-            // launch_reduce or gather of that size.
-            if red.buf.len() == st.units[k].layout.padded {
-                self.pools.f32.give(red.buf);
-            }
+        st.prog.inflight_elems = 0;
+        for (k, range, r, _) in std::mem::take(&mut st.prog.inflight) {
+            self.finish_reduction(st, k, range, r)?;
         }
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
@@ -718,12 +781,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 let Ok(Some(d)) = w.disagree(Kind::Reduce, k, |x| unit_name(units, x)) else {
                     continue;
                 };
-                let st = &*st;
-                let uneven = |names: String, reduced: &[usize]| {
-                    explain_uneven(&names, &without_gradient(st, reduced))
-                };
-                let reduced = d.reduced.clone();
-                return d.error(|names| uneven(names, &reduced), uneven);
+                return uneven_now(st, d);
             }
         }
         e
@@ -963,6 +1021,23 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         Ok(())
     }
+}
+
+/// The error for reductions announced differently mid-backward: the
+/// parameters without a gradient so far are those of the units some rank
+/// reduced and this one has not.
+fn uneven_now(st: &State, d: Disagreement) -> EngineError {
+    let reduced = d.reduced.clone();
+    let uneven =
+        |names: String, reduced: &[usize]| explain_uneven(&names, &without_gradient(st, reduced));
+    d.error(|names| uneven(names, &reduced), uneven)
+}
+
+/// Drops this backward's reductions unwaited (the workers still run them).
+fn drop_reductions(st: &mut State) {
+    st.prog.inflight.clear();
+    st.prog.inflight_elems = 0;
+    st.prog.reduce_ids.clear();
 }
 
 /// What a gather announces: one for backward, or any other.

@@ -606,8 +606,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// since) to an inaccessible guard: a read then stops the process with
     /// an explanation instead of returning zeros.
     fn reguard(&self, st: &mut State) -> Result<(), EngineError> {
-        // The forward is over: a unit's first forward after this one frees
-        // nothing it did not run.
+        // `held` belongs to the forward that is ending: a unit's first
+        // forward later on must not free what this one left gathered.
         st.held = None;
         if st.zeroed == 0 {
             return Ok(());

@@ -884,6 +884,41 @@ fn the_first_forward_keeps_units_only_within_max_live_parameters() {
 }
 
 #[test]
+fn a_unit_that_stays_gathered_is_not_freed_by_the_first_forward() {
+    // Threshold 19: every parameter of `a` (15, 5) and of `c` (4, 1) is
+    // under it, so those units stay gathered; `b` (20) is freed. The first
+    // forward frees each unit once the next one's forward ends, but never
+    // one that stays.
+    let cfg = Config::from_json(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
+            "stage3_param_persistence_threshold": 19}}"#,
+    )
+    .unwrap();
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        let vars = t.vs.variables();
+        let held = |n: &str| glue::storage_nbytes(&vars[n]).unwrap() > 0;
+        for step in 0..2 {
+            let h = t.a.forward(&input(r.rank(), step));
+            let hb = t.b.forward(&h).tanh();
+            assert!(held("a.weight"), "step {step}: a stays");
+            let loss = t.c.forward(&hb).square().mean(Kind::Float);
+            assert!(
+                held("a.weight") && held("c.weight"),
+                "step {step}: they stay"
+            );
+            // b is the last unit that does not stay: kept for backward in
+            // the first step (as the unit run last is later), freed after
+            // it once the order is known.
+            assert_eq!(held("b.weight"), step == 0, "step {step}");
+            e.backward(&loss).unwrap();
+            assert!(e.step().unwrap());
+            assert!(held("a.weight") && held("c.weight") && !held("b.weight"));
+        }
+    });
+}
+
+#[test]
 fn parameters_under_the_persistence_threshold_stay_gathered_one_by_one() {
     // Threshold 10: a.weight (15) and b.weight (20) are freed after their
     // forward; the biases (5, 4) stay gathered in the root; c (4 + 1) is all

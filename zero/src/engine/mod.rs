@@ -777,7 +777,7 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         // the gather. A first forward does not know yet which unit runs
         // last, so it keeps the latest and frees the one before.
         if first {
-            if let Some(prev) = st.held.take().filter(|&p| p != unit && st.gathered[p]) {
+            if let Some(prev) = st.held.take().filter(|&p| st.gathered[p]) {
                 i.free_after_forward(&mut st, prev, true, true);
             }
         }

@@ -576,19 +576,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             return Ok(());
         }
         let (k, works) = st.prog.reduce_ids.remove(0);
-        for w in works {
-            let units = &st.units;
-            let seen = waiting(&mut st.timing, || {
-                w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
-            });
-            let e = match seen {
-                Ok(None) => continue,
-                Ok(Some(d)) => uneven_now(st, d),
-                Err(e) => e,
-            };
-            drop_reductions(st);
-            return Err(e);
-        }
+        check_announced(st, k, works, uneven_now)?;
         while st.prog.inflight.first().is_some_and(|f| f.0 == k) {
             let (k, range, r, elems) = st.prog.inflight.remove(0);
             st.prog.inflight_elems -= elems;
@@ -721,26 +709,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
-            for w in works {
-                let units = &st.units;
-                // A mismatch here is `OutOfStep` (another engine call) or a
-                // peer's checkpoint agreement, left for `checkpoint_on_a_peer`.
-                let seen = waiting(&mut st.timing, || {
-                    w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
-                });
-                let e = match seen {
-                    Ok(None) => continue,
-                    Ok(Some(d)) => d.error(
-                        |names| explain_uneven(&names, &without),
-                        |names, _| explain_uneven(&names, &without),
-                    ),
-                    Err(e) => e,
-                };
-                // Nothing of this backward is used; its reductions still
-                // run on the workers, unwaited.
-                drop_reductions(st);
-                return Err(e);
-            }
+            // A mismatch here is `OutOfStep` (another engine call) or a
+            // peer's checkpoint agreement, left for `checkpoint_on_a_peer`.
+            check_announced(st, k, works, |_, d| {
+                d.error(
+                    |names| explain_uneven(&names, &without),
+                    |names, _| explain_uneven(&names, &without),
+                )
+            })?;
         }
         st.prog.inflight_elems = 0;
         for (k, range, r, _) in std::mem::take(&mut st.prog.inflight) {
@@ -1031,6 +1007,32 @@ fn uneven_now(st: &State, d: Disagreement) -> EngineError {
     let uneven =
         |names: String, reduced: &[usize]| explain_uneven(&names, &without_gradient(st, reduced));
     d.error(|names| uneven(names, &reduced), uneven)
+}
+
+/// Waits for unit `k`'s reduction announcements (`works`, on the group and
+/// the replicate group). Where the ranks disagree nothing of this backward
+/// is used: its reductions are dropped unwaited (the workers still run
+/// them) and `explain` makes the error.
+fn check_announced(
+    st: &mut State,
+    k: usize,
+    works: Vec<UnitIds>,
+    explain: impl FnOnce(&State, Disagreement) -> EngineError,
+) -> Result<(), EngineError> {
+    for w in works {
+        let units = &st.units;
+        let seen = waiting(&mut st.timing, || {
+            w.disagree(Kind::Reduce, k, |x| unit_name(units, x))
+        });
+        let e = match seen {
+            Ok(None) => continue,
+            Ok(Some(d)) => explain(st, d),
+            Err(e) => e,
+        };
+        drop_reductions(st);
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Drops this backward's reductions unwaited (the workers still run them).

@@ -199,8 +199,8 @@ impl UnitIds {
             .map(|(r, c)| {
                 let u = usize::try_from(c[1]).map_or("?".into(), &name);
                 let verb = match c[0] {
-                    1 => "reduces",
-                    2 => "runs the backward of",
+                    x if x == Kind::Reduce as i64 => "reduces",
+                    x if x == Kind::BackwardGather as i64 => "runs the backward of",
                     _ => "runs",
                 };
                 format!("rank {r} {verb} `{u}`")

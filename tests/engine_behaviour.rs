@@ -1188,31 +1188,76 @@ fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
     }
 }
 
+/// Trains the tiny model under `config(stage, gas)` for `micro_steps`,
+/// with `c.extra` in rank 0's loss from micro-step `from` on; each rank's
+/// first error, with the micro-step it came at.
+fn train_with_extra_on_rank_0(
+    stage: u8,
+    gas: usize,
+    micro_steps: usize,
+    from: usize,
+) -> Vec<Result<(), (usize, String)>> {
+    on_ranks(WORLD, |r| {
+        let t = tiny();
+        let extra = extra_param(&t, "c");
+        let e = engine_for(&t, &config(stage, gas), &r);
+        for k in 0..micro_steps {
+            let loss = t.loss(&input(r.rank(), k));
+            let loss = match r.rank() == 0 && k >= from {
+                true => loss + extra.sum(Kind::Float) * 0.1,
+                false => loss,
+            };
+            e.backward(&loss).map_err(|e| (k, e.to_string()))?;
+            e.step().map_err(|e| (k, e.to_string()))?;
+        }
+        Ok(())
+    })
+}
+
+/// Both ranks were told their reductions went out of step because of
+/// `c.extra` (`what`: what each rank did), rank 1 that it lacks that
+/// gradient and rank 0 that it lacks none; each error came at micro-step
+/// `at` when given.
+fn assert_named_uneven(got: &[Result<(), (usize, String)>], what: &str, at: Option<usize>) {
+    let error = |rank: usize| match &got[rank] {
+        Err((k, e)) => {
+            assert!(
+                at.is_none_or(|at| at == *k),
+                "rank {rank} failed at micro-step {k}: {e}"
+            );
+            e.clone()
+        }
+        Ok(()) => panic!("rank {rank} trained on: {got:?}"),
+    };
+    for rank in 0..WORLD {
+        let e = error(rank);
+        assert!(
+            e.starts_with(&format!(
+                "gradient reductions out of step across ranks: {what}"
+            )) && e.contains("Use every trained parameter in every rank's loss"),
+            "rank {rank}: {e}"
+        );
+    }
+    let e1 = error(1);
+    assert!(
+        e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
+        "{e1}"
+    );
+    let e0 = error(0);
+    assert!(
+        e0.contains("every parameter got a gradient on this rank"),
+        "{e0}"
+    );
+}
+
 #[test]
 fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step() {
     // `c.extra` is in rank 0's loss only. Stage 1 reduces every unit at the
     // accumulation boundary, in one order, and trains; stages 0, 2 and 3
     // reduce unit c during backward on rank 0 but only at its end on rank 1.
-    let run = |stage: u8| -> Vec<Result<(), String>> {
-        on_ranks(WORLD, |r| {
-            let t = tiny();
-            let extra = extra_param(&t, "c");
-            let e = engine_for(&t, &config(stage, 2), &r);
-            for k in 0..4 {
-                let loss = t.loss(&input(r.rank(), k));
-                let loss = match r.rank() {
-                    0 => loss + extra.sum(Kind::Float) * 0.1,
-                    _ => loss,
-                };
-                e.backward(&loss).map_err(|e| e.to_string())?;
-                e.step().map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })
-    };
+    let run = |stage: u8| train_with_extra_on_rank_0(stage, 2, 4, 0);
     assert!(run(1).iter().all(Result::is_ok), "{:?}", run(1));
     for stage in [0u8, 2, 3] {
-        let got = run(stage);
         // Named before any reduction is used: b and the grown c have the
         // same size, and would have been summed together. At stage 3 rank
         // 1's backward gathers `a` (the first forward freed every unit)
@@ -1221,25 +1266,7 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
             3 => "rank 0 reduces `c`, rank 1 runs the backward of `a`. ",
             _ => "rank 0 reduces `c`, rank 1 reduces `b`. ",
         };
-        for (rank, r) in got.iter().enumerate() {
-            let e = r.as_ref().unwrap_err();
-            assert!(
-                e.starts_with(&format!(
-                    "gradient reductions out of step across ranks: {what}"
-                )) && e.contains("Use every trained parameter in every rank's loss"),
-                "stage {stage} rank {rank}: {e}"
-            );
-        }
-        let e1 = got[1].as_ref().unwrap_err();
-        assert!(
-            e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
-            "stage {stage}: {e1}"
-        );
-        let e0 = got[0].as_ref().unwrap_err();
-        assert!(
-            e0.contains("every parameter got a gradient on this rank"),
-            "stage {stage}: {e0}"
-        );
+        assert_named_uneven(&run(stage), what, None);
     }
 }
 
@@ -1250,39 +1277,12 @@ fn a_parameter_only_some_ranks_use_is_named_when_backward_gathers_too() {
     // backward, and the data collectives behind the announcements differ
     // (a reduce-scatter against an all-gather). Both ranks must still be
     // told it is the parameter, not different engine calls or a bare
-    // collective mismatch.
-    let got = on_ranks(WORLD, |r| -> Result<(), String> {
-        let t = tiny();
-        let extra = extra_param(&t, "c");
-        let e = engine_for(&t, &config(3, 1), &r);
-        for k in 0..3 {
-            let loss = t.loss(&input(r.rank(), k));
-            let loss = match (r.rank(), k) {
-                (0, 1..) => loss + extra.sum(Kind::Float) * 0.1,
-                _ => loss,
-            };
-            e.backward(&loss).map_err(|e| format!("step {k}: {e}"))?;
-            e.step().map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    });
-    for (rank, r) in got.iter().enumerate() {
-        let e = r.as_ref().unwrap_err();
-        assert!(
-            e.starts_with("step 1: gradient reductions out of step across ranks: rank 0 reduces `c`, rank 1 runs the backward of `a`. ")
-                && e.contains("Use every trained parameter in every rank's loss"),
-            "rank {rank}: {e}"
-        );
-    }
-    let e1 = got[1].as_ref().unwrap_err();
-    assert!(
-        e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
-        "{e1}"
-    );
-    let e0 = got[0].as_ref().unwrap_err();
-    assert!(
-        e0.contains("every parameter got a gradient on this rank"),
-        "{e0}"
+    // collective mismatch, at step 2 (micro-step 1).
+    let got = train_with_extra_on_rank_0(3, 1, 3, 1);
+    assert_named_uneven(
+        &got,
+        "rank 0 reduces `c`, rank 1 runs the backward of `a`. ",
+        Some(1),
     );
 }
 

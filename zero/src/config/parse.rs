@@ -169,26 +169,29 @@ impl P {
         }
     }
 
+    /// Whether `o[key]` is `"auto"`; if so the key is noted for resolve.
+    fn noted_auto(&mut self, o: &Map<String, Value>, path: &str, key: &str) -> bool {
+        let auto = o.get(key).is_some_and(|v| v == "auto");
+        if auto {
+            self.autos.push(join(path, key));
+        }
+        auto
+    }
+
     /// A number that may be `"auto"`: then `default` stands in and the key
     /// is noted for resolve.
     fn f64_auto(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: f64) -> f64 {
-        match o.get(key) {
-            Some(Value::String(s)) if s == "auto" => {
-                self.autos.push(join(path, key));
-                default
-            }
-            _ => self.f64_or(o, path, key, default),
+        match self.noted_auto(o, path, key) {
+            true => default,
+            false => self.f64_or(o, path, key, default),
         }
     }
 
     /// As [`P::f64_auto`], for a whole number.
     fn u64_auto(&mut self, o: &Map<String, Value>, path: &str, key: &str, default: u64) -> u64 {
-        match o.get(key) {
-            Some(Value::String(s)) if s == "auto" => {
-                self.autos.push(join(path, key));
-                default
-            }
-            _ => self.u64_or(o, path, key, default),
+        match self.noted_auto(o, path, key) {
+            true => default,
+            false => self.u64_or(o, path, key, default),
         }
     }
 
@@ -313,10 +316,7 @@ impl P {
         }
         let betas = match p.get("betas") {
             None => default.betas,
-            Some(Value::String(s)) if s == "auto" => {
-                self.autos.push("optimizer.params.betas".into());
-                default.betas
-            }
+            Some(_) if self.noted_auto(p, path, "betas") => default.betas,
             Some(Value::Array(a)) if a.len() == 2 => {
                 let b1 = self
                     .number(&a[0], "optimizer.params.betas[0]")
@@ -551,13 +551,43 @@ impl P {
                 "`{path}.cycle_first_step_size` must be at least 1 for OneCycle"
             ));
         }
+        let second = self.u64_or(p, path, "cycle_second_step_size", first);
         let first_stairs = self.u64_or(p, path, "cycle_first_stair_count", 0);
-        let s = SchedulerConfig::OneCycle {
+        let decay_step_size = self.u64_or(p, path, "decay_step_size", 0);
+        let cycle_momentum = self.bool_or(p, path, "cycle_momentum", true);
+        let cycle_min_mom = self.f64_or(p, path, "cycle_min_mom", 0.8);
+        let cycle_max_mom = self.f64_or(p, path, "cycle_max_mom", 0.9);
+        let decay_mom_rate = self.f64_or(p, path, "decay_mom_rate", 0.0);
+        if cycle_momentum {
+            // They become Adam's beta1, which the optimizer holds to [0, 1).
+            for (key, m) in [
+                ("cycle_min_mom", cycle_min_mom),
+                ("cycle_max_mom", cycle_max_mom),
+            ] {
+                if !(0.0..1.0).contains(&m) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` must be in [0, 1) (it becomes Adam's beta1), got {m}"
+                    ));
+                }
+            }
+            let (rate, d, max) = (decay_mom_rate, decay_step_size, cycle_max_mom);
+            if rate > 0.0 && d > 0 && (0.0..1.0).contains(&max) && max > 0.0 {
+                // DeepSpeed's momentum decay multiplies: beta1 grows past the
+                // cycle until it reaches 1, where Adam stops (the engine
+                // refuses that step rather than diverge).
+                let past = (d as f64 * (1.0 / max - 1.0) / rate).ceil();
+                self.warnings.push(format!(
+                    "`{path}.decay_mom_rate` {rate} raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about {past} steps after the cycle's {} steps, and the engine stops there; Adam needs beta1 < 1",
+                    first + second
+                ));
+            }
+        }
+        SchedulerConfig::OneCycle {
             cycle_min_lr: self.f64_or(p, path, "cycle_min_lr", 0.0),
             cycle_max_lr: self.f64_or(p, path, "cycle_max_lr", 0.0),
             decay_lr_rate: self.f64_or(p, path, "decay_lr_rate", 0.0),
             cycle_first_step_size: first,
-            cycle_second_step_size: self.u64_or(p, path, "cycle_second_step_size", first),
+            cycle_second_step_size: second,
             cycle_first_stair_count: first_stairs,
             cycle_second_stair_count: self.u64_or(
                 p,
@@ -565,53 +595,12 @@ impl P {
                 "cycle_second_stair_count",
                 first_stairs,
             ),
-            decay_step_size: self.u64_or(p, path, "decay_step_size", 0),
-            cycle_momentum: self.bool_or(p, path, "cycle_momentum", true),
-            cycle_min_mom: self.f64_or(p, path, "cycle_min_mom", 0.8),
-            cycle_max_mom: self.f64_or(p, path, "cycle_max_mom", 0.9),
-            decay_mom_rate: self.f64_or(p, path, "decay_mom_rate", 0.0),
-        };
-        if let SchedulerConfig::OneCycle {
-            cycle_momentum: true,
+            decay_step_size,
+            cycle_momentum,
             cycle_min_mom,
             cycle_max_mom,
-            ..
-        } = &s
-        {
-            // They become Adam's beta1, which the optimizer holds to [0, 1).
-            for (key, m) in [
-                ("cycle_min_mom", cycle_min_mom),
-                ("cycle_max_mom", cycle_max_mom),
-            ] {
-                if !(0.0..1.0).contains(m) {
-                    self.problems.push(format!(
-                        "`{path}.{key}` must be in [0, 1) (it becomes Adam's beta1), got {m}"
-                    ));
-                }
-            }
+            decay_mom_rate,
         }
-        if let SchedulerConfig::OneCycle {
-            cycle_momentum: true,
-            cycle_first_step_size: first,
-            cycle_second_step_size: second,
-            cycle_max_mom: max,
-            decay_mom_rate: rate,
-            decay_step_size: d,
-            ..
-        } = &s
-        {
-            if *rate > 0.0 && *d > 0 && (0.0..1.0).contains(max) && *max > 0.0 {
-                // DeepSpeed's momentum decay multiplies: beta1 grows past the
-                // cycle until it reaches 1, where Adam stops (the engine
-                // refuses that step rather than diverge).
-                let past = (*d as f64 * (1.0 / max - 1.0) / rate).ceil();
-                self.warnings.push(format!(
-                    "`{path}.decay_mom_rate` {rate} raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about {past} steps after the cycle's {} steps, and the engine stops there; Adam needs beta1 < 1",
-                    first + second
-                ));
-            }
-        }
-        s
     }
 
     /// DeepSpeed's `LRRangeTest`, with its defaults.

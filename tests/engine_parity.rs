@@ -526,22 +526,34 @@ fn run_reference_hybrid(clip: f64) -> (Vec<f64>, Params) {
     (losses, params)
 }
 
+/// Each rank's losses, final parameters and reduce-scatter calls from
+/// training the test GPT on 4 ranks under `cfg`, whose mics_shard_size
+/// makes the mesh.
+fn run_hybrid(cfg: &Config) -> Vec<(Vec<f64>, Params, u64)> {
+    on_ranks(4, |mut r| {
+        let (vs, plan, gpt) = model();
+        let engine = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
+        assert_eq!(engine.group().size(), 2, "sharded in pairs");
+        let losses = train_steps(&engine, &gpt, r.rank(), r.world());
+        let scatters = engine
+            .group()
+            .stats()
+            .snapshot()
+            .into_iter()
+            .filter(|o| o.op == "reduce_scatter")
+            .map(|o| o.calls)
+            .sum();
+        (losses, engine.gathered_params().unwrap(), scatters)
+    })
+}
+
 #[test]
 fn hybrid_sharding_matches_the_unsharded_reference() {
     // World 4, mics_shard_size 2: shards inside {0, 1} and {2, 3}, gradient
     // shards averaged across {0, 2} and {1, 3}.
     let reference = run_reference_hybrid(0.5);
     for stage in 1..=3u8 {
-        let cfg = config_zero(stage, 1, 0.5, "", r#""mics_shard_size": 2,"#);
-        let out: Vec<(Vec<f64>, Params)> = on_ranks(4, |mut r| {
-            let (vs, plan, gpt) = model();
-            // The config's mics_shard_size makes the mesh.
-            let engine =
-                Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
-            assert_eq!(engine.group().size(), 2, "stage {stage}: sharded in pairs");
-            let losses = train_steps(&engine, &gpt, r.rank(), r.world());
-            (losses, engine.gathered_params().unwrap())
-        });
+        let out = run_hybrid(&config_zero(stage, 1, 0.5, "", r#""mics_shard_size": 2,"#));
         for o in &out[1..] {
             assert_eq!(
                 o.1, out[0].1,
@@ -550,9 +562,35 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
         }
         compare(
             &format!("hybrid stage {stage}"),
-            out[0].clone(),
+            (out[0].0.clone(), out[0].1.clone()),
             reference.clone(),
         );
+        // Buckets of 100 elements: every unit's reduction is split, and from
+        // stage 2 on each unit retires the one before it mid-backward (two
+        // buckets in flight at most), running its replicate-group average
+        // then rather than at the end of backward. Same sums in the same
+        // order: the same bits on every rank.
+        let small = config_zero(
+            stage,
+            1,
+            0.5,
+            "",
+            r#""mics_shard_size": 2, "reduce_bucket_size": 100,"#,
+        );
+        for (rank, b) in run_hybrid(&small).iter().enumerate() {
+            let what = format!("hybrid stage {stage}, small buckets, rank {rank}");
+            assert_eq!(b.0, out[0].0, "{what}");
+            assert_eq!(b.1, out[0].1, "{what}");
+            if stage >= 2 {
+                // Split indeed.
+                assert!(
+                    b.2 > 4 * out[rank].2,
+                    "{what}: {} calls, {} whole",
+                    b.2,
+                    out[rank].2
+                );
+            }
+        }
     }
     // Without the mesh, mics_shard_size is refused with the fix (on every
     // rank: building an engine is a collective).

@@ -93,6 +93,9 @@ impl<'a> Phase<'a> {
 struct Outcome {
     losses: Vec<f64>,
     params: Params,
+    /// The rate and betas the next step would use.
+    lr: f64,
+    betas: (f64, f64),
 }
 
 fn run(p: &Phase<'_>) -> Outcome {
@@ -128,7 +131,12 @@ fn try_run(p: &Phase<'_>, gpt_cfg: &GptConfig) -> Vec<Result<Outcome, EngineErro
         }
         let mut params = engine.gathered_params().unwrap();
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Outcome { losses, params })
+        Ok(Outcome {
+            losses,
+            params,
+            lr: engine.lr(),
+            betas: engine.betas(),
+        })
     })
 }
 
@@ -180,6 +188,48 @@ fn resuming_is_bit_identical_to_training_straight_through_for_every_stage() {
         );
         assert_bits(&format!("stage {stage}"), &resumed.params, &straight.params);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_scheduled_run_resumes_where_its_schedule_was() {
+    let _serial = serial();
+    // OneCycle moves the rate and beta1 every step (up over 2 steps, down
+    // over 2, then decaying); WarmupDecayLR the rate. A resumed run that
+    // restarted its schedule, or kept the first phase's last settings,
+    // would train other bits.
+    let schedules = [
+        r#""scheduler": {"type": "OneCycle", "params": {
+            "cycle_min_lr": 0.0025, "cycle_max_lr": 0.02, "cycle_first_step_size": 2,
+            "cycle_second_step_size": 2, "decay_step_size": 1, "decay_lr_rate": 0.5,
+            "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01}},"#,
+        r#""scheduler": {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
+            "total_num_steps": 8}},"#,
+    ];
+    let two = Batches::Two { gas: 1 };
+    for (i, extra) in schedules.into_iter().enumerate() {
+        for stage in [1u8, 3] {
+            let what = format!("schedule {i}, stage {stage}");
+            let dir = tmp(&format!("scheduled-{i}-{stage}"));
+            let phase = |micros| Phase {
+                extra,
+                ..Phase::new(stage, two, micros)
+            };
+            let straight = run(&phase(0..6));
+            let first = run(&phase(0..3).save(&dir, "step3"));
+            let resumed = run(&phase(3..6).load(&dir, None));
+            assert_eq!(resumed.losses, straight.losses[3..], "{what}: losses");
+            assert_bits(&what, &resumed.params, &straight.params);
+            assert_eq!(
+                (resumed.lr, resumed.betas),
+                (straight.lr, straight.betas),
+                "{what}: settings after the last step"
+            );
+            // The schedule moved across the save, so the check can fail.
+            assert_ne!(first.lr, straight.lr, "{what}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 }
 

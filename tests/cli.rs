@@ -1,4 +1,5 @@
-//! The `zrt` CLI's config and estimate commands, and its log output, end to end.
+//! The `zrt` CLI end to end: its config and estimate commands, its log
+//! output, and `bench train`'s bucket-size axis.
 
 use std::process::Command;
 
@@ -222,5 +223,41 @@ fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
     assert!(
         ok && out.contains("--eval-every N") && out.contains("--resume"),
         "{out}"
+    );
+}
+
+#[test]
+fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
+    let bench = |buckets: &str| {
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+            .args(["--stages", "3", "--rounds", "1", "--steps", "1", "--json"])
+            .args(["--reduce-bucket-sizes", buckets])
+            .env("ZRT_BACKEND", "shm")
+            .output()
+            .unwrap()
+    };
+    let o = bench("5e8,100");
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let buckets: Vec<f64> = rows
+        .iter()
+        .map(|r| r["reduce_bucket_size"].as_f64().unwrap())
+        .collect();
+    assert_eq!(buckets, [5e8, 100.0], "{rows:?}");
+    // Buckets change the number of calls, not what crosses ranks.
+    for field in ["params", "comm_elements_per_step", "model_state_bytes"] {
+        assert_eq!(rows[0][field], rows[1][field], "{field}: {rows:?}");
+    }
+    assert!(rows[0]["comm_elements_per_step"].as_f64().unwrap() > 0.0);
+    let o = bench("5e8,0.5");
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--reduce-bucket-sizes entry 0.5: a bucket is a whole number of elements"),
+        "{err}"
     );
 }

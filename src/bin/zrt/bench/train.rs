@@ -55,6 +55,14 @@ pub struct TrainArgs {
     /// recompute.
     #[arg(long)]
     checkpoint_activations: bool,
+    /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
+    /// in elements (DeepSpeed's default: 5e8). Several are interleaved like
+    /// the stages: `5e8,5e5` shows what small buckets (which also bound the
+    /// gradients in flight during backward to two of them) cost in step
+    /// time and save in peak RSS. The peers keep their defaults; the
+    /// summary's ratios use the first size listed.
+    #[arg(long, value_delimiter = ',', default_value = "5e8")]
+    reduce_bucket_sizes: Vec<f64>,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -79,6 +87,8 @@ pub struct TrainRankArgs {
     freeze_mlp: bool,
     #[arg(long)]
     checkpoint_activations: bool,
+    #[arg(long, default_value_t = 5e8)]
+    reduce_bucket_size: f64,
 }
 
 fn gpt(size: &str) -> Result<GptConfig> {
@@ -145,8 +155,8 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     let frozen = if a.freeze_mlp { freeze_mlp(&vs) } else { 0 };
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
-            "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}}}}}"#,
-        a.micro, a.stage
+            "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}}}}}"#,
+        a.micro, a.stage, a.reduce_bucket_size
     ))?;
     let group = dist.new_group(&(0..n).collect::<Vec<_>>())?;
     let engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
@@ -203,11 +213,18 @@ fn matmul_peak() -> f64 {
     2.0 * 1024f64.powi(3) * 5.0 / t.elapsed().as_secs_f64()
 }
 
+/// `zrt bench train`'s label of a bucket size: `500k`, `500M`, `262144`.
+fn bucket_label(b: f64) -> String {
+    match b {
+        b if b >= 1e6 && b % 1e6 == 0.0 => format!("{}M", b / 1e6),
+        b if b >= 1e3 && b % 1e3 == 0.0 => format!("{}k", b / 1e3),
+        b => b.to_string(),
+    }
+}
+
 fn run_rank(
     me: &std::path::Path,
-    world: usize,
-    stage: u8,
-    size: &str,
+    (size, world, stage, bucket): &Measured,
     a: &TrainArgs,
 ) -> Result<Value> {
     let args: Vec<String> = [
@@ -221,6 +238,8 @@ fn run_rank(
         &a.micro.to_string(),
         "--steps",
         &a.steps.to_string(),
+        "--reduce-bucket-size",
+        &bucket.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -230,8 +249,11 @@ fn run_rank(
             .then(|| "--checkpoint-activations".to_string()),
     )
     .collect();
-    run_ranks(me, &args, world, &[])
+    run_ranks(me, &args, *world, &[])
 }
+
+/// One zrt configuration: model size, world, stage, `reduce_bucket_size`.
+type Measured = (String, usize, u8, f64);
 
 /// The PyTorch peers `--peer` runs (bench/peers/train_peer.py modes).
 const PEERS: [&str; 6] = [
@@ -264,12 +286,29 @@ fn max_rss(rows: &[Value]) -> f64 {
 
 pub fn run(a: &TrainArgs) -> Result<()> {
     let me = std::env::current_exe()?;
-    let mut configs = Vec::new();
+    if a.reduce_bucket_sizes.is_empty() {
+        bail!("--reduce-bucket-sizes is empty: give at least one size, e.g. 5e8");
+    }
+    if let Some(b) = a
+        .reduce_bucket_sizes
+        .iter()
+        .find(|b| !(b.is_finite() && **b >= 1.0 && b.fract() == 0.0))
+    {
+        bail!(
+            "--reduce-bucket-sizes entry {b}: a bucket is a whole number of elements, at least 1"
+        );
+    }
+    // Bucket sizes are named in the rows only when they are not DeepSpeed's
+    // default alone.
+    let name_buckets = a.reduce_bucket_sizes != [5e8];
+    let mut configs: Vec<Measured> = Vec::new();
     for size in &a.sizes {
         gpt(size)?;
         for &world in &a.worlds {
             for &stage in &a.stages {
-                configs.push((size.clone(), world, stage));
+                for &bucket in &a.reduce_bucket_sizes {
+                    configs.push((size.clone(), world, stage, bucket));
+                }
             }
         }
     }
@@ -294,8 +333,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     // Interleaved: every configuration and every peer once per round.
     for round in 0..a.rounds {
         peaks.push(matmul_peak());
-        for (k, (size, world, stage)) in configs.iter().enumerate() {
-            samples[k].push(run_rank(&me, *world, *stage, size, a)?);
+        for (k, c) in configs.iter().enumerate() {
+            samples[k].push(run_rank(&me, c, a)?);
         }
         for (k, (size, mode)) in peers.iter().enumerate() {
             let args = vec![
@@ -340,7 +379,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             }
         );
         println!(
-            "{:<6} {:>5} {:<12} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
+            "{:<6} {:>5} {:<16} {:>8} {:>9} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "model",
             "world",
             "impl",
@@ -360,8 +399,12 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let mib = |b: f64| b / (1u64 << 20) as f64;
     // (size, world, stage, s/step, peak RSS, model state, formula) for --plot.
     let mut plotted = Vec::new();
-    for ((size, world, stage), rows) in configs.iter().zip(&samples) {
+    for ((size, world, stage, bucket), rows) in configs.iter().zip(&samples) {
         let c = gpt(size)?;
+        let name = match name_buckets {
+            true => format!("zrt zero{stage} b{}", bucket_label(*bucket)),
+            false => format!("zrt zero{stage}"),
+        };
         let get = |f: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[f].as_f64()).collect() };
         let t = median_time(rows);
         let params = rows
@@ -411,12 +454,17 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             f64::NAN
         };
         let opt = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
-        plotted.push((size.clone(), *world, *stage, t, rss, state, formula));
+        let line = match name_buckets {
+            true => format!("{size} bucket {}", bucket_label(*bucket)),
+            false => size.clone(),
+        };
+        plotted.push((line, *world, *stage, t, rss, state, formula));
         if a.json {
             println!(
                 "{}",
                 json!({
                     "bench": "train", "model": size, "world": world, "impl": format!("zrt_zero{stage}"), "stage": stage,
+                    "reduce_bucket_size": bucket,
                     "params": params, "seconds_per_step": t, "tokens_per_s": tokens / t, "flops_per_s": flops, "mfu": mfu,
                     "matmul_peak_flops_per_s": peak, "peak_rss_bytes": rss, "model_state_bytes": state,
                     "formula_bytes": formula, "comm_elements_per_step": comm, "zero_volume_elements": zero,
@@ -428,10 +476,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             );
         } else {
             println!(
-                "{:<6} {:>5} {:<12} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3} {:>8.3}",
+                "{:<6} {:>5} {:<16} {:>7.1}M {:>9.3} {:>8.0} {:>5.1}% {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.3} {:>8.3}",
                 size,
                 world,
-                format!("zrt zero{stage}"),
+                name,
                 params / 1e6,
                 t,
                 tokens / t,
@@ -459,7 +507,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             );
         } else {
             println!(
-                "{:<6} {:>5} {:<12} {:>8} {:>9.3} {:>8.0} {:>6} {:>9.0}",
+                "{:<6} {:>5} {:<16} {:>8} {:>9.3} {:>8.0} {:>6} {:>9.0}",
                 size,
                 2,
                 mode,
@@ -487,7 +535,9 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 let Some(rows) = configs
                     .iter()
                     .zip(&samples)
-                    .find(|((s, w, st), _)| s == size && *w == 2 && *st == stage)
+                    .find(|((s, w, st, b), _)| {
+                        s == size && *w == 2 && *st == stage && *b == a.reduce_bucket_sizes[0]
+                    })
                     .map(|(_, r)| r)
                 else {
                     continue;

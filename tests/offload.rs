@@ -97,6 +97,8 @@ fn stage_3_parameter_offload_is_bit_identical_and_moves_the_shards_out() {
         let plain = train(&config_zero(3, 1, 0.5, precision, ""), &GPT, 4)
             .remove(0)
             .unwrap();
+        // The parameter swap's bytes, from the first run (parameters only).
+        let mut params_file = 0;
         for zero in [params.clone(), format!("{params}{off}")] {
             let cfg = config_zero(3, 1, 0.5, &format!("{precision}{aio}"), &zero);
             let b = train(&cfg, &GPT, 4).remove(0).unwrap();
@@ -109,14 +111,27 @@ fn stage_3_parameter_offload_is_bit_identical_and_moves_the_shards_out() {
                 );
             }
             // The shards (2 or 4 bytes a parameter over 2 ranks) left memory.
-            let shard_bytes = if precision.is_empty() { 4 } else { 2 }
-                * (plain.params.iter().map(|p| p.1.len()).sum::<usize>() / 2);
+            let trained = plain.params.iter().map(|p| p.1.len()).sum::<usize>() / 2;
+            let shard_bytes = if precision.is_empty() { 4 } else { 2 } * trained;
             assert!(
                 plain.resident > b.resident + shard_bytes / 2,
                 "{what}: {} -> {}",
                 plain.resident,
                 b.resident
             );
+            // The files hold them (whole chunks a unit), and with the
+            // optimizer offloaded too at least its m and v (8 bytes a
+            // parameter) on top.
+            if params_file == 0 {
+                params_file = b.offloaded;
+                assert!(params_file as usize >= shard_bytes, "{what}: {params_file}");
+            } else {
+                assert!(
+                    b.offloaded >= params_file + 8 * trained as u64,
+                    "{what}: {} with the optimizer, {params_file} without",
+                    b.offloaded
+                );
+            }
             assert_eq!(swap_files(&dir), 0);
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -141,7 +141,9 @@ impl NcclGroup {
             store.set(&key, &bytes)?;
             id
         } else {
-            let bytes = store.get(&key, timeout)?;
+            let bytes = crate::store::await_rank(store, &key, world_ranks[0], timeout, || {
+                format!("create NCCL group `{name}`")
+            })?;
             let mut internal = [0 as std::ffi::c_char; 128];
             for (d, s) in internal.iter_mut().zip(bytes) {
                 *d = s as std::ffi::c_char;

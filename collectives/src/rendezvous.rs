@@ -8,18 +8,17 @@
 //! timeout (300 s by default) for a rank that never comes. The rank that
 //! finds such a mistake writes it under [`ABORT`], which every rank watches
 //! while it waits, so the whole job fails at once, every rank naming the
-//! cause.
+//! cause. A rank that claimed its `RANK` and then ended (a crash between
+//! connecting and meeting) is named at once too: its store connection
+//! sets its [`gone_key`] when it closes.
 
 use std::time::{Duration, Instant};
 
-use crate::store::StoreClient;
+use crate::store::{gone_key, Awaited, StoreClient};
 use crate::CommError;
 
 /// The key under which a rank that found a launch mistake says what it is.
 const ABORT: &str = "abort";
-
-/// How often a waiting rank looks at [`ABORT`].
-const POLL: Duration = Duration::from_millis(100);
 
 /// Rank `rank` of a world of `world` ranks on `host` meets the others:
 /// returns every rank's host, in rank order. Fails (and makes every rank
@@ -43,6 +42,9 @@ pub(crate) fn meet(
             "RANK={rank} was started twice in this job: give each node's launcher its own --node-rank (0 to --nnodes - 1), and stop any rank of an earlier job with the same MASTER_PORT and ZRT_TOKEN"
         )));
     }
+    // Only the claim's winner: a duplicate's connection ending must not
+    // say this rank left.
+    store.set_on_close(&gone_key(rank))?;
     store.set(
         &format!("host/{rank}"),
         format!("{world} {host}").as_bytes(),
@@ -50,11 +52,26 @@ pub(crate) fn meet(
     let deadline = Instant::now() + timeout;
     let mut hosts = Vec::with_capacity(world);
     for r in 0..world {
-        let Some(v) = wait(store, &format!("host/{r}"), deadline)? else {
-            return Err(CommError::Rendezvous(format!(
-                "rank {r} did not join the job within {:.0} s: check that its process runs and reaches MASTER_ADDR:MASTER_PORT, and that every node's launcher was started with the same --nnodes and --nproc-per-node (WORLD_SIZE={world} here)",
-                timeout.as_secs_f64()
-            )));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let v = match store.await_key(&format!("host/{r}"), &[ABORT, &gone_key(r)], left)? {
+            Awaited::Value(v) => v,
+            Awaited::Ended(0, why) => {
+                return Err(CommError::Rendezvous(format!(
+                    "another rank stopped the job: {}",
+                    String::from_utf8_lossy(&why)
+                )))
+            }
+            Awaited::Ended(..) => {
+                return Err(CommError::Rendezvous(format!(
+                    "rank {r} connected to the job and ended before it met the others: check that rank's output, it exited or died"
+                )))
+            }
+            Awaited::TimedOut => {
+                return Err(CommError::Rendezvous(format!(
+                    "rank {r} did not join the job within {:.0} s: check that its process runs and reaches MASTER_ADDR:MASTER_PORT, and that every node's launcher was started with the same --nnodes and --nproc-per-node (WORLD_SIZE={world} here)",
+                    timeout.as_secs_f64()
+                )))
+            }
         };
         let v = String::from_utf8_lossy(&v);
         let (w, h) = v.split_once(' ').unwrap_or(("?", &v));
@@ -66,26 +83,6 @@ pub(crate) fn meet(
         hosts.push(h.to_string());
     }
     Ok(hosts)
-}
-
-/// `key`'s value once it appears, or `None` at `deadline`; fails as soon
-/// as a rank writes [`ABORT`].
-fn wait(store: &StoreClient, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, CommError> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if let Some(v) = store.get_within(key, left.min(POLL))? {
-            return Ok(Some(v));
-        }
-        if let Some(why) = store.get_within(ABORT, Duration::ZERO)? {
-            return Err(CommError::Rendezvous(format!(
-                "another rank stopped the job: {}",
-                String::from_utf8_lossy(&why)
-            )));
-        }
-        if left.is_zero() {
-            return Ok(None);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -150,6 +147,29 @@ mod tests {
             );
             assert!(took < Duration::from_secs(10), "{took:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_rank_that_ends_after_its_claim_is_named_at_once() {
+        // Rank 1 claims its RANK as `meet` does, then its process ends
+        // (the connection closes) before it publishes its host.
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let timeout = Duration::from_secs(30);
+        let one = StoreClient::connect(&addr, "tok", timeout).unwrap();
+        assert_eq!(one.add("claim/1", 1).unwrap(), 1);
+        one.set_on_close(&gone_key(1)).unwrap();
+        let zero = StoreClient::connect(&addr, "tok", timeout).unwrap();
+        let t = Instant::now();
+        let waiting = std::thread::spawn(move || meet(&zero, 0, 2, "h0", timeout));
+        std::thread::sleep(Duration::from_millis(300));
+        drop(one);
+        let e = waiting.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1 connected to the job and ended before it met the others"),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
 
     #[test]

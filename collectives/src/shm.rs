@@ -948,15 +948,8 @@ impl ShmGroup {
         // A wait for a peer's step of the join, whose failure names the
         // peer and the group rather than a store key.
         let await_rank = |r: usize, step: &str, k: &str| {
-            j.store.get(&key(k), j.timeout).map_err(|e| {
-                let e = match e {
-                    CommError::Rendezvous(why) => why,
-                    e => e.to_string(),
-                };
-                CommError::Rendezvous(format!(
-                    "rank {} did not {step} shared-memory group `{}` ({e}): check that rank's output, it died or is stuck",
-                    j.world_ranks[r], j.name
-                ))
+            crate::store::await_rank(&j.store, &key(k), j.world_ranks[r], j.timeout, || {
+                format!("{step} shared-memory group `{}`", j.name)
             })
         };
         let io = |what: &str, e: std::io::Error| {
@@ -1293,14 +1286,16 @@ mod tests {
         // Rank 0 (world rank 4) made the segment, then waited for rank 9.
         let e = join("lonely", 4).err().unwrap().to_string();
         assert!(
-            e.starts_with("rendezvous failed: rank 9 did not join shared-memory group `lonely` (key `shm/lonely/pid/1` did not appear"),
+            e.starts_with("rendezvous failed: rank 9 did not join shared-memory group `lonely` within 300ms: check that rank's output"),
             "{e}"
         );
         assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
         // Group rank 1 (world rank 9) waited for rank 4 to make one.
         let e = join("empty", 9).err().unwrap().to_string();
         assert!(
-            e.starts_with("rendezvous failed: rank 4 did not create shared-memory group `empty` (key `shm/empty/created` did not appear"),
+            e.starts_with(
+                "rendezvous failed: rank 4 did not create shared-memory group `empty` within 300ms"
+            ),
             "{e}"
         );
         // Rank 4 made the segment and was killed: rank 9 maps it, waits
@@ -1321,6 +1316,27 @@ mod tests {
             !std::path::Path::new(&orphan).exists(),
             "{orphan} left behind"
         );
+        // Had rank 4's process ended, its store connection would have said
+        // so: the wait ends at once instead of at the timeout.
+        store.set("gone/4", b"").unwrap();
+        let join = |name| {
+            ShmGroup::join(ShmJoin {
+                store: store.clone(),
+                job: &job,
+                name,
+                world_ranks: vec![4, 9],
+                world_rank: 9,
+                slot_bytes: 4096,
+                timeout: Duration::from_secs(60),
+            })
+        };
+        let t = std::time::Instant::now();
+        let e = join("ended").err().unwrap().to_string();
+        assert!(
+            e.starts_with("rendezvous failed: rank 4 left the job before it could create shared-memory group `ended`: its process exited, died or dropped its `Dist`"),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
 
     #[test]

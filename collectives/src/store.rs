@@ -10,8 +10,15 @@
 //!
 //! Wire format, all integers little-endian: a request is `op: u8`,
 //! `key_len: u32`, key bytes, then per op: SET `len: u64` + value; GET
-//! `timeout_ms: u64`; ADD `delta: i64`; DEL nothing. A reply is `status: u8`
-//! (0 ok, 1 timed out) then, for GET, `len: u64` + value, for ADD `i64`.
+//! `timeout_ms: u64`; ADD `delta: i64`; DEL nothing; ON_CLOSE nothing (the
+//! server sets `key`, empty, once this connection ends). A reply is
+//! `status: u8` (0 ok, 1 timed out) then, for GET, `len: u64` + value, for
+//! ADD `i64`.
+//!
+//! Each rank's connection sets [`gone_key`] of its rank when it ends (the
+//! rank exited, died, or dropped its `Dist`), so a rank waiting for a peer's
+//! step of a rendezvous or a group's join stops waiting at once, naming it,
+//! instead of waiting out its timeout.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -35,6 +42,51 @@ const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_DEL: u8 = 4;
+const OP_ON_CLOSE: u8 = 5;
+
+/// How often [`StoreClient::await_key`] looks at the keys that end a wait.
+const POLL: Duration = Duration::from_millis(100);
+
+/// The key a rank's store connection sets when it ends
+/// ([`StoreClient::set_on_close`]): that rank left the job.
+pub(crate) fn gone_key(rank: usize) -> String {
+    format!("gone/{rank}")
+}
+
+/// Waits for world rank `rank`'s `key` (its step of a join), failing at
+/// once, naming the rank and `what` step it missed, when that rank's store
+/// connection ended, or at `timeout` when the rank is alive but did not get
+/// there.
+pub(crate) fn await_rank(
+    store: &StoreClient,
+    key: &str,
+    rank: usize,
+    timeout: Duration,
+    what: impl Fn() -> String,
+) -> Result<Vec<u8>, CommError> {
+    match store.await_key(key, &[&gone_key(rank)], timeout)? {
+        Awaited::Value(v) => Ok(v),
+        Awaited::Ended(..) => Err(err(format!(
+            "rank {rank} left the job before it could {}: its process exited, died or dropped its `Dist` (its rendezvous store connection closed); check that rank's output",
+            what()
+        ))),
+        Awaited::TimedOut => Err(err(format!(
+            "rank {rank} did not {} within {timeout:?}: check that rank's output, it is stuck or has not called it",
+            what(),
+        ))),
+    }
+}
+
+/// How [`StoreClient::await_key`] ended.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Awaited {
+    /// The key's value.
+    Value(Vec<u8>),
+    /// The `i`th of the keys that end the wait appeared first, with its value.
+    Ended(usize, Vec<u8>),
+    /// Neither within the timeout.
+    TimedOut,
+}
 
 fn err(why: impl Into<String>) -> CommError {
     CommError::Rendezvous(why.into())
@@ -193,10 +245,19 @@ fn serve_conn(mut c: TcpStream, table: &Table, token: &[u8]) {
     }
     let _ = c.set_read_timeout(None);
     let _ = c.set_nodelay(true);
-    while let Ok(()) = serve_one(&mut c, table) {}
+    let mut on_close = Vec::new();
+    while let Ok(()) = serve_one(&mut c, table, &mut on_close) {}
+    if !on_close.is_empty() {
+        let mut map = table.map.lock();
+        for k in on_close {
+            map.insert(k, Vec::new());
+        }
+        drop(map);
+        table.changed.notify_all();
+    }
 }
 
-fn serve_one(c: &mut TcpStream, table: &Table) -> std::io::Result<()> {
+fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut Vec<String>) -> std::io::Result<()> {
     let mut head = [0u8; 5];
     c.read_exact(&mut head)?;
     let klen = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
@@ -252,6 +313,14 @@ fn serve_one(c: &mut TcpStream, table: &Table) -> std::io::Result<()> {
         }
         OP_DEL => {
             table.map.lock().remove(&key);
+            c.write_all(&[0])
+        }
+        OP_ON_CLOSE => {
+            // Bounded like everything a connection can make the server keep.
+            if on_close.len() >= 16 {
+                return Err(std::io::Error::other("too many ON_CLOSE keys"));
+            }
+            on_close.push(key);
             c.write_all(&[0])
         }
         _ => Err(std::io::Error::other("unknown op")),
@@ -389,11 +458,84 @@ impl StoreClient {
     pub fn delete(&self, key: &str) -> Result<(), CommError> {
         self.request(OP_DEL, key, &[], Some(0)).map(|_| ())
     }
+
+    /// Makes the server set `key` (empty) once this connection ends, however
+    /// it ends: a killed process's connection ends too.
+    pub fn set_on_close(&self, key: &str) -> Result<(), CommError> {
+        self.request(OP_ON_CLOSE, key, &[], Some(0)).map(|_| ())
+    }
+
+    /// Waits for `key` at most `timeout`, ending early when one of `unless`
+    /// appears (looked at every 100 ms): a peer's step of a rendezvous
+    /// against that peer's [`gone_key`], or a job's abort.
+    pub(crate) fn await_key(
+        &self,
+        key: &str,
+        unless: &[&str],
+        timeout: Duration,
+    ) -> Result<Awaited, CommError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(v) = self.get_within(key, left.min(POLL))? {
+                return Ok(Awaited::Value(v));
+            }
+            for (i, k) in unless.iter().enumerate() {
+                if let Some(v) = self.get_within(k, Duration::ZERO)? {
+                    return Ok(Awaited::Ended(i, v));
+                }
+            }
+            if left.is_zero() {
+                return Ok(Awaited::TimedOut);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_that_ends_sets_its_keys_and_ends_waits_on_them() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let t = Duration::from_secs(5);
+        let (a, b) = (
+            StoreClient::connect(&addr, "tok", t).unwrap(),
+            StoreClient::connect(&addr, "tok", t).unwrap(),
+        );
+        a.set_on_close(&gone_key(3)).unwrap();
+        assert_eq!(b.get_within("gone/3", Duration::ZERO).unwrap(), None);
+        b.set("x", b"1").unwrap();
+        assert_eq!(
+            b.await_key("x", &["other", "gone/3"], t).unwrap(),
+            Awaited::Value(b"1".to_vec())
+        );
+        assert_eq!(
+            b.await_key("y", &["gone/3"], Duration::from_millis(150))
+                .unwrap(),
+            Awaited::TimedOut
+        );
+        let waiting = std::thread::spawn(move || {
+            let at = Instant::now();
+            (
+                b.await_key("y", &["other", "gone/3"], t).unwrap(),
+                at.elapsed(),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        drop(a);
+        let (got, took) = waiting.join().unwrap();
+        assert_eq!(got, Awaited::Ended(1, Vec::new()));
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        // A connection cannot make the server keep keys without bound.
+        let c = StoreClient::connect(&addr, "tok", t).unwrap();
+        for i in 0..16 {
+            c.set_on_close(&format!("k{i}")).unwrap();
+        }
+        assert!(c.set_on_close("k16").is_err());
+    }
 
     #[test]
     fn set_get_add_delete_and_blocking_get() {

@@ -307,9 +307,13 @@ impl TcpGroup {
         let mut peers: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
         // Connect to every higher rank, presenting the token and our rank.
         for (q, slot) in peers.iter_mut().enumerate().skip(me + 1) {
-            let a = j
-                .store
-                .get(&format!("tcp/{}/addr/{q}", j.name), j.timeout)?;
+            let a = crate::store::await_rank(
+                &j.store,
+                &format!("tcp/{}/addr/{q}", j.name),
+                j.world_ranks[q],
+                j.timeout,
+                || format!("join tcp group `{}`", j.name),
+            )?;
             let a = String::from_utf8_lossy(&a).to_string();
             let mut c = TcpStream::connect(&a).map_err(|e| {
                 rdv(format!(
@@ -329,13 +333,31 @@ impl TcpGroup {
         listener
             .set_nonblocking(true)
             .map_err(|e| rdv(e.to_string()))?;
+        let mut looked = Instant::now();
         while peers[..me].iter().any(Option::is_none) {
-            if Instant::now() >= deadline {
-                let missing: Vec<usize> = (0..me)
+            let missing = || -> Vec<usize> {
+                (0..me)
                     .filter(|&q| peers[q].is_none())
                     .map(|q| j.world_ranks[q])
-                    .collect();
-                return Err(rdv(format!("ranks {missing:?} never connected")));
+                    .collect()
+            };
+            if Instant::now() >= deadline {
+                return Err(rdv(format!("ranks {:?} never connected", missing())));
+            }
+            // A lower rank that ended (its store connection closed) will
+            // not connect: say so now rather than at the deadline.
+            if looked.elapsed() >= Duration::from_millis(100) {
+                looked = Instant::now();
+                for q in missing() {
+                    if j.store
+                        .get_within(&crate::store::gone_key(q), Duration::ZERO)?
+                        .is_some()
+                    {
+                        return Err(rdv(format!(
+                            "rank {q} left the job before it connected to this rank: its process exited, died or dropped its `Dist` (its rendezvous store connection closed); check that rank's output"
+                        )));
+                    }
+                }
             }
             match listener.accept() {
                 Ok((mut c, _)) => {

@@ -260,6 +260,14 @@ fn rank_main() {
                     .map(|_| ()),
             );
         }
+        "exit_before_group" => {
+            g.barrier().wait().unwrap();
+            if me == 2 {
+                std::process::exit(3);
+            }
+            let mut dist = dist;
+            report(dist.new_group(&[0, 1, 2]).map(|_| ()));
+        }
         "killed" => {
             g.barrier().wait().unwrap();
             if me == 1 {
@@ -663,6 +671,36 @@ fn rank_0_returning_early_fails_its_peers_within_seconds() {
 #[test]
 fn a_rank_that_exits_fails_its_peers_within_seconds() {
     check_peers_of_a_gone_rank_fail("exit", 2, 3);
+}
+
+#[test]
+fn a_rank_that_exits_before_a_group_it_belongs_to_fails_the_join_naming_it() {
+    // Ranks 0 and 1 create a group with rank 2, which has exited: they
+    // stop waiting for its step of the join when its store connection
+    // closes, not at the children's ZRT_TIMEOUT (120 s).
+    for backend in BACKENDS {
+        let t = Instant::now();
+        let ended = run(
+            3,
+            "exit_before_group",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{backend} took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(ended[2].code, Some(3), "{backend}");
+        for e in &ended[..2] {
+            let s = said(e);
+            assert!(
+                s.starts_with("err rendezvous failed: rank 2 left the job before it could ")
+                    && s.contains("its process exited, died or dropped its `Dist`"),
+                "{backend}: {s}"
+            );
+        }
+    }
 }
 
 #[test]

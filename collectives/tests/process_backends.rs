@@ -268,6 +268,19 @@ fn rank_main() {
             let mut dist = dist;
             report(dist.new_group(&[0, 1, 2]).map(|_| ()));
         }
+        "exit_before_group_low" => {
+            // The gone rank is the group's first: the creator of an shm
+            // group, the one a tcp rank waits to be connected by.
+            g.barrier().wait().unwrap();
+            match me {
+                1 => std::process::exit(3),
+                2 => {
+                    let mut dist = dist;
+                    report(dist.new_group(&[1, 2]).map(|_| ()));
+                }
+                _ => println!("@@ ok"),
+            }
+        }
         "killed" => {
             g.barrier().wait().unwrap();
             if me == 1 {
@@ -700,6 +713,23 @@ fn a_rank_that_exits_before_a_group_it_belongs_to_fails_the_join_naming_it() {
                 "{backend}: {s}"
             );
         }
+        let t = Instant::now();
+        let ended = run(
+            3,
+            "exit_before_group_low",
+            &[("ZRT_BACKEND", backend)],
+            Duration::from_secs(60),
+        );
+        assert!(t.elapsed() < Duration::from_secs(20), "{backend}");
+        assert_eq!(ended[1].code, Some(3), "{backend}");
+        assert_eq!(said(&ended[0]), "ok", "{backend}");
+        let s = said(&ended[2]);
+        assert!(
+            s.starts_with("err rendezvous failed: ")
+                && s.contains("rank 1 left the job before it")
+                && s.contains("its process exited, died or dropped its `Dist`"),
+            "{backend}: {s}"
+        );
     }
 }
 

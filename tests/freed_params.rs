@@ -5,7 +5,8 @@
 //! `.pt` path wrote a file of zero-byte storages and reported success and
 //! the `.safetensors` path died of a bare SIGSEGV. The crashes run in a
 //! child process (this test binary run again, `ZRT_FREED_CHILD` saying
-//! what to do).
+//! what to do). Faults outside the freed memory still reach the handler
+//! the program had before (Rust's, or its own).
 
 mod common;
 
@@ -31,21 +32,22 @@ fn freed_model() -> (nn::VarStore, Engine<LocalGroup>) {
 }
 
 /// Runs this binary's [`THIS`] test as a child doing `what`; its stderr and
-/// the signal that ended it.
-fn child(what: &str) -> (String, Option<i32>) {
+/// how it ended.
+fn child(what: &str) -> (String, std::process::ExitStatus) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", THIS, "--nocapture", "--test-threads=1"])
         .env(CHILD, what)
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    (err, out.status.signal())
+    (err, out.status)
 }
 
 #[test]
 fn saving_a_freed_stage_3_model_names_the_problem_and_the_fix() {
     match std::env::var(CHILD).as_deref() {
         Ok("overflow") => return overflow_after_a_free(),
+        Ok("plain") => return fault_under_a_plain_handler(),
         Ok(path) => {
             let (vs, _e) = freed_model();
             eprintln!("saving");
@@ -58,10 +60,10 @@ fn saving_a_freed_stage_3_model_names_the_problem_and_the_fix() {
     }
     for ext in ["pt", "safetensors"] {
         let path = std::env::temp_dir().join(format!("zrt-freed-{}.{ext}", std::process::id()));
-        let (err, signal) = child(&path.display().to_string());
+        let (err, status) = child(&path.display().to_string());
         let _ = std::fs::remove_file(&path);
         assert!(err.contains("saving"), "{ext}: {err}");
-        assert_eq!(signal, Some(libc::SIGSEGV), "{ext}: {err}");
+        assert_eq!(status.signal(), Some(libc::SIGSEGV), "{ext}: {err}");
         for words in [
             "a stage-3 parameter whose memory the engine freed was read or written",
             "engine.with_full_params(|| vs.save(path))",
@@ -91,13 +93,48 @@ fn overflow_after_a_free() {
     let _ = t.unwrap().join();
 }
 
+/// What the program's own SIGSEGV handler writes before it exits with 7.
+const PLAIN: &str = "the program's own SIGSEGV handler ran\n";
+
+extern "C" fn plain_handler(_: libc::c_int) {
+    // SAFETY: write(2) and _exit(2) are async-signal-safe.
+    unsafe {
+        libc::write(2, PLAIN.as_ptr().cast(), PLAIN.len());
+        libc::_exit(7);
+    }
+}
+
+/// Installs a plain (not `SA_SIGINFO`) SIGSEGV handler, as a program's own
+/// crash reporter might, then frees a stage-3 model (installing zrt's
+/// handler over it) and faults outside any guard.
+fn fault_under_a_plain_handler() {
+    // SAFETY: installs a handler that only makes async-signal-safe calls.
+    unsafe {
+        libc::signal(
+            libc::SIGSEGV,
+            plain_handler as *const () as libc::sighandler_t,
+        )
+    };
+    let _model = freed_model();
+    // SAFETY: none needed: this read faults on purpose (address 8 is
+    // never mapped), which is the point.
+    let v = unsafe { std::ptr::read_volatile(8 as *const u8) };
+    eprintln!("read {v}");
+}
+
 #[test]
 fn other_faults_still_reach_the_handler_that_was_there_before() {
     if std::env::var(CHILD).is_ok() {
         return;
     }
-    let (err, signal) = child("overflow");
+    // Rust's own (SA_SIGINFO, for its stack-overflow report).
+    let (err, status) = child("overflow");
     assert!(err.contains("has overflowed its stack"), "{err}");
     assert!(!err.contains("zrt: a stage-3 parameter"), "{err}");
-    assert_eq!(signal, Some(libc::SIGABRT), "{err}");
+    assert_eq!(status.signal(), Some(libc::SIGABRT), "{err}");
+    // A plain one the program installed.
+    let (err, status) = child("plain");
+    assert!(err.contains(PLAIN.trim_end()), "{err}");
+    assert!(!err.contains("zrt: a stage-3 parameter"), "{err}");
+    assert_eq!(status.code(), Some(7), "{err}");
 }

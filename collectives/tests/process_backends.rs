@@ -639,6 +639,24 @@ fn rank_0_serves_the_store_until_every_rank_checked_out() {
     }
 }
 
+/// Runs `scenario` on 3 ranks of `backend`, asserting that the whole run
+/// (a fault included) ends well within the children's ZRT_TIMEOUT (120 s).
+fn run_3_quickly(scenario: &str, backend: &str) -> Vec<Ended> {
+    let t = Instant::now();
+    let ended = run(
+        3,
+        scenario,
+        &[("ZRT_BACKEND", backend)],
+        Duration::from_secs(60),
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "{scenario} on {backend} took {:?}",
+        t.elapsed()
+    );
+    ended
+}
+
 /// Runs `scenario` on 3 ranks of each backend: rank `gone` leaves (and
 /// its process ends with `code`) while the others wait for it in an
 /// all_reduce, which must fail naming it, the whole run well within the
@@ -646,18 +664,7 @@ fn rank_0_serves_the_store_until_every_rank_checked_out() {
 fn check_peers_of_a_gone_rank_fail(scenario: &str, gone: usize, code: i32) -> Vec<Vec<Ended>> {
     let mut runs = Vec::new();
     for backend in BACKENDS {
-        let t = Instant::now();
-        let ended = run(
-            3,
-            scenario,
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        );
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{backend} took {:?}",
-            t.elapsed()
-        );
+        let ended = run_3_quickly(scenario, backend);
         assert_eq!(ended[gone].code, Some(code), "{backend}");
         for (r, e) in ended.iter().enumerate().filter(|&(r, _)| r != gone) {
             let s = said(e);
@@ -692,18 +699,7 @@ fn a_rank_that_exits_before_a_group_it_belongs_to_fails_the_join_naming_it() {
     // stop waiting for its step of the join when its store connection
     // closes, not at the children's ZRT_TIMEOUT (120 s).
     for backend in BACKENDS {
-        let t = Instant::now();
-        let ended = run(
-            3,
-            "exit_before_group",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        );
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{backend} took {:?}",
-            t.elapsed()
-        );
+        let ended = run_3_quickly("exit_before_group", backend);
         assert_eq!(ended[2].code, Some(3), "{backend}");
         for e in &ended[..2] {
             let s = said(e);
@@ -713,14 +709,7 @@ fn a_rank_that_exits_before_a_group_it_belongs_to_fails_the_join_naming_it() {
                 "{backend}: {s}"
             );
         }
-        let t = Instant::now();
-        let ended = run(
-            3,
-            "exit_before_group_low",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        );
-        assert!(t.elapsed() < Duration::from_secs(20), "{backend}");
+        let ended = run_3_quickly("exit_before_group_low", backend);
         assert_eq!(ended[1].code, Some(3), "{backend}");
         assert_eq!(said(&ended[0]), "ok", "{backend}");
         let s = said(&ended[2]);

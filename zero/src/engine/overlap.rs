@@ -282,6 +282,11 @@ pub(super) struct Progress {
     inflight: Vec<(usize, std::ops::Range<usize>, Reduce, usize)>,
     /// The elements `inflight` holds (see `launch_reduce`).
     inflight_elems: usize,
+    /// Hybrid sharding: replicate-group averages issued for reductions that
+    /// completed, waited for one retired unit later (or at the end of
+    /// backward), so backward does not stop for each one: (unit, range of
+    /// its gradient shard, the average).
+    replicating: Vec<(usize, std::ops::Range<usize>, Work<Vec<f32>>)>,
     /// Each reduced unit's index as every rank of the group (and of the
     /// replicate group) named it, in issue order, checked before any
     /// reduction is used.
@@ -406,6 +411,7 @@ impl Progress {
             launched: vec![true; units],
             inflight: Vec::new(),
             inflight_elems: 0,
+            replicating: Vec::new(),
             reduce_ids: Vec::new(),
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
@@ -577,6 +583,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         let (k, works) = st.prog.reduce_ids.remove(0);
         check_announced(st, k, works, uneven_now)?;
+        // The previous retired unit's replicate averages have had a unit's
+        // backward to run.
+        self.finish_replicas(st)?;
         while st.prog.inflight.first().is_some_and(|f| f.0 == k) {
             let (k, range, r, elems) = st.prog.inflight.remove(0);
             st.prog.inflight_elems -= elems;
@@ -586,7 +595,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// Waits for one reduction of unit `k` and adds it to `range` of the
-    /// unit's gradient shard (averaged across replicas first).
+    /// unit's gradient shard; under hybrid sharding, issues its average
+    /// across replicas instead, which [`Self::finish_replicas`] adds.
     fn finish_reduction(
         &self,
         st: &mut State,
@@ -597,14 +607,29 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // The ranks announced this very reduction, built alike (see
         // `agree`), so its shape matches theirs.
         let red = waiting(&mut st.timing, || r.wait())?;
-        let v = self.across_replicas(&red)?;
-        reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
-        drop(v);
+        match &self.replicate {
+            Some(g) if g.size() > 1 => {
+                self.delay();
+                let w = g.all_reduce(red.values().to_vec(), ReduceOp::Avg);
+                st.prog.replicating.push((k, range, w));
+            }
+            _ => reduce::accumulate(&self.threads, &mut st.shards[k].g[range], red.values())?,
+        }
         // A whole unit's gradient buffer (a reduce-scatter's input, or
         // stage 0's all-reduced buffer; not a bucket) serves the next
         // launch_reduce or gather of that size.
         if red.buf.len() == st.units[k].layout.padded {
             self.pools.f32.give(red.buf);
+        }
+        Ok(())
+    }
+
+    /// Waits for the replicate-group averages issued so far, in issue order,
+    /// and adds each to its unit's gradient shard.
+    fn finish_replicas(&self, st: &mut State) -> Result<(), EngineError> {
+        for (k, range, w) in std::mem::take(&mut st.prog.replicating) {
+            let v = waiting(&mut st.timing, || w.wait())?;
+            reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
         }
         Ok(())
     }
@@ -722,6 +747,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         for (k, range, r, _) in std::mem::take(&mut st.prog.inflight) {
             self.finish_reduction(st, k, range, r)?;
         }
+        self.finish_replicas(st)?;
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
         st.secondary.iter_mut().for_each(|s| *s = None);
@@ -1038,6 +1064,7 @@ fn check_announced(
 /// Drops this backward's reductions unwaited (the workers still run them).
 fn drop_reductions(st: &mut State) {
     st.prog.inflight.clear();
+    st.prog.replicating.clear();
     st.prog.inflight_elems = 0;
     st.prog.reduce_ids.clear();
 }

@@ -49,6 +49,11 @@ pub enum EngineError {
     /// The optimizer-state swap (NVMe offload) failed.
     #[error(transparent)]
     Offload(#[from] zrt_offload::OffloadError),
+    /// A backward failed after part of its gradient had been added to the
+    /// step's accumulated gradients: every call but a checkpoint load
+    /// returns this, rather than stepping with part of a micro-batch.
+    #[error("accumulated gradients unusable: {0}")]
+    GradientsLost(String),
     /// The program called the engine out of order.
     #[error("engine calls out of order: {0}")]
     CallOrder(String),

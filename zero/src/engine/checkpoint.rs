@@ -538,7 +538,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<(String, serde_json::Value), EngineError> {
         {
             let mut st = self.inner.st.lock();
-            self.take_error(&mut st)?;
+            // A load is the way out of gradients a failed backward left
+            // unusable: it replaces them.
+            let broken = st.broken.take();
+            let pending = self.take_error(&mut st);
+            st.broken = broken;
+            pending?;
         }
         let read = self.read_checkpoint(dir.as_ref(), tag);
         let loaded = self.agree(read, "load")?;
@@ -696,6 +701,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             sh.reduced = Vec::new();
         }
+        // Every unit's accumulated gradient was just replaced.
+        st.broken = None;
         if what == What::Everything {
             let m = &l.meta;
             st.step = m.global_step;

@@ -179,6 +179,10 @@ struct State {
     scaler: Option<Scaler>,
     /// The first error a forward hook hit; the next engine call returns it.
     error: Option<EngineError>,
+    /// Why this engine's accumulated gradients cannot be trusted (a
+    /// backward failed after some of its reductions were added to them):
+    /// every call but a checkpoint load returns it.
+    broken: Option<String>,
     /// Reductions and gathers in flight (see `overlap`).
     prog: overlap::Progress,
     /// Where the current step's time goes.
@@ -1213,6 +1217,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 lr,
                 scaler,
                 error: None,
+                broken: None,
                 prog: overlap::Progress::new(n),
                 timing: timing::Timing::new(),
                 persistent,
@@ -1270,7 +1275,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let reguarded = self.inner.reguard(st);
         match st.error.take() {
             Some(e) => Err(e),
-            None => reguarded,
+            None => match &st.broken {
+                Some(why) => Err(EngineError::GradientsLost(why.clone())),
+                None => reguarded,
+            },
         }
     }
 
@@ -1318,7 +1326,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut st = i.st.lock();
         if let Err(e) = ran {
             // Disarm, so later hooks are not taken for this backward's.
+            let micro = st.micro;
             i.abort_backward(&mut st);
+            if let Some(units) = st.prog.added_to_shards(&st.units) {
+                // DeepSpeed goes on with them: the next step would apply
+                // part of this micro-batch's gradient, silently.
+                st.broken = Some(format!(
+                    "the backward of micro-step {micro} failed in libtorch ({e}) after the gradients of {units} had been reduced and added to the step's accumulated gradients, which cannot be taken out again; load a checkpoint (`load_checkpoint`, which replaces them) or build a new engine"
+                ));
+            }
             return Err(e.into());
         }
         self.take_error(&mut st)?;

@@ -287,6 +287,11 @@ pub(super) struct Progress {
     /// backward), so backward does not stop for each one: (unit, range of
     /// its gradient shard, the average).
     replicating: Vec<(usize, std::ops::Range<usize>, Work<Vec<f32>>)>,
+    /// Units whose reductions this backward already added to their
+    /// gradient shards (stage 1 adds at launch, the others when a unit is
+    /// retired): a backward that fails after that leaves part of its
+    /// gradient in them.
+    added: Vec<usize>,
     /// Each reduced unit's index as every rank of the group (and of the
     /// replicate group) named it, in issue order, checked before any
     /// reduction is used.
@@ -401,6 +406,23 @@ pub struct OverlapCounts {
 impl Progress {
     /// Whether an engine backward is under way (forwards run inside it
     /// recompute activations; they are not the model's run order).
+    /// The units this backward added to their gradient shards, named for
+    /// an error, if any.
+    pub(super) fn added_to_shards(&self, units: &[Unit]) -> Option<String> {
+        let mut added = self.added.clone();
+        added.sort_unstable();
+        added.dedup();
+        let names: Vec<String> = added
+            .iter()
+            .map(|&k| format!("`{}`", unit_name(units, k)))
+            .collect();
+        match names.len() {
+            0 => None,
+            1 => Some(format!("unit {}", names[0])),
+            _ => Some(format!("units {}", names.join(", "))),
+        }
+    }
+
     pub(super) fn in_backward(&self) -> bool {
         self.launched.iter().any(|&l| !l)
     }
@@ -412,6 +434,7 @@ impl Progress {
             inflight: Vec::new(),
             inflight_elems: 0,
             replicating: Vec::new(),
+            added: Vec::new(),
             reduce_ids: Vec::new(),
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
@@ -432,6 +455,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Arms the hooks for one backward.
     pub(super) fn begin_backward(&self, st: &mut State) {
         st.prog.order.complete();
+        st.prog.added.clear();
         for (k, u) in st.units.iter().enumerate() {
             st.prog.ready[k] = u.params.len();
             // A unit of frozen parameters only has nothing to reduce.
@@ -525,6 +549,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         if self.stage == 1 {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
+            st.prog.added.push(k);
             self.pools.f32.give(full);
         } else {
             // Name the unit to the peers first, as gathers do: units reduced
@@ -613,7 +638,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 let w = g.all_reduce(red.values().to_vec(), ReduceOp::Avg);
                 st.prog.replicating.push((k, range, w));
             }
-            _ => reduce::accumulate(&self.threads, &mut st.shards[k].g[range], red.values())?,
+            _ => {
+                reduce::accumulate(&self.threads, &mut st.shards[k].g[range], red.values())?;
+                st.prog.added.push(k);
+            }
         }
         // A whole unit's gradient buffer (a reduce-scatter's input, or
         // stage 0's all-reduced buffer; not a bucket) serves the next
@@ -630,6 +658,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         for (k, range, w) in std::mem::take(&mut st.prog.replicating) {
             let v = waiting(&mut st.timing, || w.wait())?;
             reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
+            st.prog.added.push(k);
         }
         Ok(())
     }

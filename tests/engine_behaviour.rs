@@ -1842,7 +1842,7 @@ fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_un
             for e in refused {
                 let units = added.unwrap_or_default();
                 assert!(
-                    e.starts_with("accumulated gradients unusable: the backward of micro-step 0 failed in libtorch")
+                    e.starts_with("accumulated gradients unusable: the backward of micro-step 0 failed (libtorch: ")
                         && e.contains(&format!("after the gradients of {units} had been reduced"))
                         && e.contains("load a checkpoint (`load_checkpoint`"),
                     "{what}: {e}"

@@ -1324,21 +1324,27 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .f_mul_scalar(scale / i.cfg.batch.gas as f64)
             .and_then(|l| l.f_backward());
         let mut st = i.st.lock();
-        if let Err(e) = ran {
-            // Disarm, so later hooks are not taken for this backward's.
-            let micro = st.micro;
-            i.abort_backward(&mut st);
+        let micro = st.micro;
+        let ended = match ran {
+            Err(e) => {
+                // Disarm, so later hooks are not taken for this backward's.
+                i.abort_backward(&mut st);
+                Err(e.into())
+            }
+            Ok(()) => self
+                .take_error(&mut st)
+                .and_then(|()| i.end_backward(&mut st, true)),
+        };
+        if let Err(e) = &ended {
             if let Some(units) = st.prog.added_to_shards(&st.units) {
                 // DeepSpeed goes on with them: the next step would apply
                 // part of this micro-batch's gradient, silently.
                 st.broken = Some(format!(
-                    "the backward of micro-step {micro} failed in libtorch ({e}) after the gradients of {units} had been reduced and added to the step's accumulated gradients, which cannot be taken out again; load a checkpoint (`load_checkpoint`, which replaces them) or build a new engine"
+                    "the backward of micro-step {micro} failed ({e}) after the gradients of {units} had been reduced and added to the step's accumulated gradients, which cannot be taken out again; load a checkpoint (`load_checkpoint`, which replaces them) or build a new engine"
                 ));
             }
-            return Err(e.into());
         }
-        self.take_error(&mut st)?;
-        i.end_backward(&mut st, true)?;
+        ended?;
         st.timing.backward_ends(started);
         Ok(())
     }

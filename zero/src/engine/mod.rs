@@ -812,6 +812,22 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
     }
 }
 
+/// A backward of micro-step `micro` ended with `e`. When it had already
+/// added some units' reductions to the accumulated gradients, those hold
+/// part of a micro-batch (DeepSpeed goes on with them: the next step would
+/// apply it, silently), so every call but a checkpoint load refuses from
+/// here.
+fn backward_failed(st: &mut State, micro: u64, e: &EngineError) {
+    if st.broken.is_some() {
+        return;
+    }
+    if let Some(units) = st.prog.added_to_shards(&st.units) {
+        st.broken = Some(format!(
+            "the backward of micro-step {micro} failed ({e}) after the gradients of {units} had been reduced and added to the step's accumulated gradients, which cannot be taken out again; load a checkpoint (`load_checkpoint`, which replaces them) or build a new engine"
+        ));
+    }
+}
+
 impl<G: ProcessGroup + 'static> Engine<G> {
     /// Builds the engine `config` asks for, making its groups from
     /// `groups` (the [`Dist`](zrt_collectives::Dist) of `init_from_env`, or
@@ -1336,13 +1352,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .and_then(|()| i.end_backward(&mut st, true)),
         };
         if let Err(e) = &ended {
-            if let Some(units) = st.prog.added_to_shards(&st.units) {
-                // DeepSpeed goes on with them: the next step would apply
-                // part of this micro-batch's gradient, silently.
-                st.broken = Some(format!(
-                    "the backward of micro-step {micro} failed ({e}) after the gradients of {units} had been reduced and added to the step's accumulated gradients, which cannot be taken out again; load a checkpoint (`load_checkpoint`, which replaces them) or build a new engine"
-                ));
-            }
+            backward_failed(&mut st, micro, e);
         }
         ended?;
         st.timing.backward_ends(started);
@@ -1364,11 +1374,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let started = std::time::Instant::now();
         let mut guard = i.st.lock();
-        self.take_error(&mut guard)?;
         // A bare `loss.backward()` ran: finish it as `backward` would have.
-        if guard.prog.bare {
-            i.end_backward(&mut guard, true)?;
+        let (bare, micro) = (guard.prog.bare, guard.micro);
+        let ended = self.take_error(&mut guard).and_then(|()| match bare {
+            true => i.end_backward(&mut guard, true),
+            false => Ok(()),
+        });
+        if let (true, Err(e)) = (bare, &ended) {
+            backward_failed(&mut guard, micro, e);
         }
+        ended?;
         i.drain_prefetch(&mut guard)?;
         if guard.micro == 0
             || guard.micro % i.cfg.batch.gas != 0

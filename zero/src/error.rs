@@ -50,8 +50,9 @@ pub enum EngineError {
     #[error(transparent)]
     Offload(#[from] zrt_offload::OffloadError),
     /// A backward failed after part of its gradient had been added to the
-    /// step's accumulated gradients: every call but a checkpoint load
-    /// returns this, rather than stepping with part of a micro-batch.
+    /// step's accumulated gradients: `backward`, `step`, `save_checkpoint`
+    /// and `with_full_params` return this until a checkpoint load replaces
+    /// them, rather than stepping with part of a micro-batch.
     #[error("accumulated gradients unusable: {0}")]
     GradientsLost(String),
     /// The program called the engine out of order.

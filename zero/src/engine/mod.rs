@@ -181,7 +181,8 @@ struct State {
     error: Option<EngineError>,
     /// Why this engine's accumulated gradients cannot be trusted (a
     /// backward failed after some of its reductions were added to them):
-    /// every call but a checkpoint load returns it.
+    /// every call that checks pending errors returns it (all but a load,
+    /// which replaces them, and the weight-only reads).
     broken: Option<String>,
     /// Reductions and gathers in flight (see `overlap`).
     prog: overlap::Progress,
@@ -815,8 +816,8 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
 /// A backward of micro-step `micro` ended with `e`. When it had already
 /// added some units' reductions to the accumulated gradients, those hold
 /// part of a micro-batch (DeepSpeed goes on with them: the next step would
-/// apply it, silently), so every call but a checkpoint load refuses from
-/// here.
+/// apply it, silently), so the engine refuses to go on until a checkpoint
+/// load replaces them.
 fn backward_failed(st: &mut State, micro: u64, e: &EngineError) {
     if st.broken.is_some() {
         return;

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
-use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp};
+use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 use crate::config::{ConfigError, Precision, Setting};
@@ -369,19 +369,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
+    /// Under hybrid sharding, issues the average of `values` (a reduced
+    /// gradient shard) across the replicate group; `None` otherwise, where
+    /// the values are already the average.
+    fn replicate_average(&self, values: &[f32]) -> Option<Work<Vec<f32>>> {
+        let r = self.replicate.as_ref().filter(|r| r.size() > 1)?;
+        self.delay();
+        Some(r.all_reduce(values.to_vec(), ReduceOp::Avg))
+    }
+
     /// Averages a reduced gradient (shard) across the replicate group, under
-    /// hybrid sharding; the values as they are otherwise.
+    /// hybrid sharding, waiting for it; the values as they are otherwise.
     fn across_replicas<'a>(
         &self,
         red: &'a overlap::Reduced,
     ) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
-        match &self.replicate {
-            Some(r) if r.size() > 1 => {
-                self.delay();
-                let v = r.all_reduce(red.values().to_vec(), ReduceOp::Avg);
-                Ok(std::borrow::Cow::Owned(v.wait()?))
-            }
-            _ => Ok(std::borrow::Cow::Borrowed(red.values())),
+        match self.replicate_average(red.values()) {
+            Some(w) => Ok(std::borrow::Cow::Owned(w.wait()?)),
+            None => Ok(std::borrow::Cow::Borrowed(red.values())),
         }
     }
 

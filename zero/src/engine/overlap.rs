@@ -404,8 +404,6 @@ pub struct OverlapCounts {
 }
 
 impl Progress {
-    /// Whether an engine backward is under way (forwards run inside it
-    /// recompute activations; they are not the model's run order).
     /// The units this backward added to their gradient shards, named for
     /// an error, if any.
     pub(super) fn added_to_shards(&self, units: &[Unit]) -> Option<String> {
@@ -423,6 +421,8 @@ impl Progress {
         }
     }
 
+    /// Whether an engine backward is under way (forwards run inside it
+    /// recompute activations; they are not the model's run order).
     pub(super) fn in_backward(&self) -> bool {
         self.launched.iter().any(|&l| !l)
     }
@@ -632,13 +632,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // The ranks announced this very reduction, built alike (see
         // `agree`), so its shape matches theirs.
         let red = waiting(&mut st.timing, || r.wait())?;
-        match &self.replicate {
-            Some(g) if g.size() > 1 => {
-                self.delay();
-                let w = g.all_reduce(red.values().to_vec(), ReduceOp::Avg);
-                st.prog.replicating.push((k, range, w));
-            }
-            _ => {
+        match self.replicate_average(red.values()) {
+            Some(w) => st.prog.replicating.push((k, range, w)),
+            None => {
                 reduce::accumulate(&self.threads, &mut st.shards[k].g[range], red.values())?;
                 st.prog.added.push(k);
             }

@@ -69,6 +69,37 @@ fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
 }
 
 #[test]
+fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
+    // Rank 1 ignores SIGTERM (and so does its `sleep`), then tells rank 0,
+    // which fails. With a grace longer than the clock can count, the
+    // launcher waits for rank 1 to finish; with a short one it kills it.
+    for (grace, finished) in [("1e19", true), ("0.1", false)] {
+        let ready =
+            std::env::temp_dir().join(format!("zrt-launch-grace-{}-{grace}", std::process::id()));
+        let _ = std::fs::remove_file(&ready);
+        let o = zrt()
+            .args(["launch", "--nproc-per-node", "2", "--grace", grace])
+            .args(["--", "sh", "-c"])
+            .arg(
+                "if [ $RANK = 0 ]; then while [ ! -e \"$READY\" ]; do sleep 0.02; done; exit 3; fi; \
+                 trap '' TERM; touch \"$READY\"; sleep 1; echo finished",
+            )
+            .env("READY", &ready)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&ready);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "grace {grace}: {t}");
+        assert!(t.contains("zrt launch: rank 0 exited with code 3"), "{t}");
+        assert_eq!(
+            t.contains("[rank 1] finished"),
+            finished,
+            "grace {grace}: {t}"
+        );
+    }
+}
+
+#[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
     let child = zrt()
         .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
@@ -153,7 +184,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn bad_arguments_are_refused_with_the_fix() {
-    let cases: [(&[&str], &[&str]); 4] = [
+    let cases: [(&[&str], &[&str]); 7] = [
         (
             &[
                 "--nproc-per-node",
@@ -199,6 +230,18 @@ fn bad_arguments_are_refused_with_the_fix() {
                 "cannot listen on 192.0.2.1: ",
                 "the master address must name this host",
             ],
+        ),
+        (
+            &["--nproc-per-node", "2", "--master-port", "0", "--", "true"],
+            &["--master-port 0 names no port the ranks could meet on"],
+        ),
+        (
+            &["--nproc-per-node", "1", "--grace=-1", "--", "true"],
+            &["--grace -1 must be a number of seconds, 0 or more"],
+        ),
+        (
+            &["--nproc-per-node", "1", "--grace", "NaN", "--", "true"],
+            &["--grace NaN must be a number of seconds, 0 or more"],
         ),
     ];
     for (args, want) in cases {

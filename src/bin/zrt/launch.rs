@@ -134,8 +134,9 @@ fn signal_all(children: &mut [(usize, Child)], sig: libc::c_int) {
 /// Stops every child still running: `sig`, then SIGKILL after `grace`.
 fn stop_all(children: &mut Vec<(usize, Child)>, sig: libc::c_int, grace: Duration) {
     signal_all(children, sig);
-    let deadline = Instant::now() + grace;
-    while !children.is_empty() && Instant::now() < deadline {
+    // A grace too long to add to the clock waits for the ranks to exit.
+    let deadline = Instant::now().checked_add(grace);
+    while !children.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
         children.retain_mut(|(_, c)| !matches!(c.try_wait(), Ok(Some(_))));
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -162,6 +163,25 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             a.nnodes
         );
     }
+    let Some(world) = a.nnodes.checked_mul(a.nproc_per_node) else {
+        bail!(
+            "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
+            a.nnodes,
+            a.nproc_per_node
+        );
+    };
+    // Port 0 would have rank 0's store listen on a port the kernel picks,
+    // which no other rank could know: they would wait out the timeout.
+    if a.master_port == Some(0) {
+        bail!("--master-port 0 names no port the ranks could meet on: give a port from 1 to 65535, or leave it out on one node for a free one");
+    }
+    let grace = match Duration::try_from_secs_f64(a.grace) {
+        Ok(g) => g,
+        Err(_) => bail!(
+            "--grace {} must be a number of seconds, 0 or more (how long ranks get between SIGTERM and SIGKILL)",
+            a.grace
+        ),
+    };
     let token = match std::env::var("ZRT_TOKEN") {
         Ok(t) if !t.is_empty() => t,
         _ if a.nnodes > 1 => bail!(
@@ -174,7 +194,6 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         None if a.nnodes == 1 => zrt::collectives::store::free_store_port(&a.master_addr)?,
         None => 29500,
     };
-    let world = a.nnodes * a.nproc_per_node;
     let ld_path = nccl_dir().map(|d| {
         let mut p = d.into_os_string();
         if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -214,11 +233,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                stop_all(
-                    &mut children,
-                    libc::SIGTERM,
-                    Duration::from_secs_f64(a.grace),
-                );
+                stop_all(&mut children, libc::SIGTERM, grace);
                 bail!("cannot start `{}` for rank {rank}: {e}", a.program[0]);
             }
         };
@@ -232,19 +247,12 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         children.push((rank, child));
     }
 
-    let grace = Duration::from_secs_f64(a.grace);
     let mut failed: Option<(usize, i32)> = None;
     while !children.is_empty() {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("zrt launch: got signal {sig}, forwarding it to every rank");
-            signal_all(&mut children, sig);
-            let deadline = Instant::now() + grace;
-            while !children.is_empty() && Instant::now() < deadline {
-                children.retain_mut(|(_, c)| !matches!(c.try_wait(), Ok(Some(_))));
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            stop_all(&mut children, libc::SIGKILL, Duration::ZERO);
+            stop_all(&mut children, sig, grace);
             failed.get_or_insert((usize::MAX, 128 + sig));
             break;
         }
@@ -268,7 +276,13 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                     }
                 }
                 Ok(None) => i += 1,
-                Err(e) => bail!("waiting for rank {}: {e}", children[i].0),
+                Err(e) => {
+                    // The ranks lead their own process groups: a launcher that
+                    // returned here without stopping them would orphan them.
+                    let rank = children[i].0;
+                    stop_all(&mut children, libc::SIGTERM, grace);
+                    bail!("waiting for rank {rank}: {e}; stopped every rank");
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(20));

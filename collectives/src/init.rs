@@ -76,13 +76,39 @@ impl DistEnv {
             master_port: num("MASTER_PORT")?,
             token: token(std::env::var("ZRT_TOKEN").ok())?,
         };
-        if e.rank >= e.world_size {
-            return Err(CommError::Rendezvous(format!(
-                "RANK={} is not below WORLD_SIZE={}",
-                e.rank, e.world_size
-            )));
-        }
+        e.check()?;
         Ok(e)
+    }
+
+    /// Refuses a contract no job could run with, before anything waits on
+    /// it: a mistake here would otherwise surface as a rendezvous that
+    /// times out.
+    fn check(&self) -> Result<(), CommError> {
+        let bad = |what: String| Err(CommError::Rendezvous(what));
+        if self.rank >= self.world_size {
+            return bad(format!(
+                "RANK={} is not below WORLD_SIZE={}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.local_rank >= self.local_world_size {
+            return bad(format!(
+                "LOCAL_RANK={} is not below LOCAL_WORLD_SIZE={}",
+                self.local_rank, self.local_world_size
+            ));
+        }
+        if self.local_world_size > self.world_size {
+            return bad(format!(
+                "LOCAL_WORLD_SIZE={} is more than WORLD_SIZE={}: a host cannot run more ranks than the job has",
+                self.local_world_size, self.world_size
+            ));
+        }
+        // Rank 0's store would listen on a port the kernel picks, which the
+        // other ranks cannot know: they would wait out the timeout.
+        if self.master_port == 0 {
+            return bad("MASTER_PORT=0 names no port the ranks could meet on: give every rank the same port, 1 to 65535".into());
+        }
+        Ok(())
     }
 
     /// A name for this job's files that does not reveal the token.
@@ -459,6 +485,39 @@ mod tests {
                 assert!(id.len() == 16 && !id.contains("job"), "{id}");
                 assert!(seen.insert(id), "job {i} port {port}: id seen before");
             }
+        }
+    }
+
+    #[test]
+    fn a_contract_no_job_could_run_with_is_refused_naming_the_variable() {
+        let good = DistEnv {
+            rank: 3,
+            world_size: 4,
+            local_rank: 1,
+            local_world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            token: "t".into(),
+        };
+        assert!(good.check().is_ok());
+        type Spoil = fn(&mut DistEnv);
+        let cases: [(Spoil, &str); 4] = [
+            (|e| e.rank = 4, "RANK=4 is not below WORLD_SIZE=4"),
+            (
+                |e| e.local_rank = 2,
+                "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2",
+            ),
+            (
+                |e| (e.local_world_size, e.local_rank) = (5, 4),
+                "LOCAL_WORLD_SIZE=5 is more than WORLD_SIZE=4",
+            ),
+            (|e| e.master_port = 0, "MASTER_PORT=0 names no port"),
+        ];
+        for (spoil, want) in cases {
+            let mut e = good.clone();
+            spoil(&mut e);
+            let why = e.check().unwrap_err().to_string();
+            assert!(why.contains(want), "{why}");
         }
     }
 

@@ -152,6 +152,20 @@ fn estimate_prints_the_design_formula() {
         out.contains("stage 0:      74.77 MiB") && out.contains("stage 3:      37.38 MiB"),
         "{out}"
     );
+    for (params, world) in [
+        ("0", "2"),
+        ("-1e9", "2"),
+        ("NaN", "2"),
+        ("inf", "2"),
+        ("1e9", "0"),
+    ] {
+        let (params, world) = (format!("--params={params}"), format!("--world={world}"));
+        let (ok, out) = zrt(&["estimate", &params, &world]);
+        assert!(
+            !ok && out.contains("--params and --world must be positive numbers"),
+            "{params} {world}: {out}"
+        );
+    }
 }
 
 /// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the

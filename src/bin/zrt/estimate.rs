@@ -58,9 +58,9 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         "bf16" | "fp16" => 2.0,
         other => bail!("--dtype must be fp32, bf16 or fp16, got {other}"),
     };
-    // NaN counts as not positive.
-    if a.world == 0 || a.params.is_nan() || a.params <= 0.0 {
-        bail!("--params and --world must be positive");
+    // NaN and infinity are not a count of parameters.
+    if a.world == 0 || !a.params.is_finite() || a.params <= 0.0 {
+        bail!("--params and --world must be positive numbers (e.g. --params 7e9 --world 8)");
     }
     println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
     let mixed = c != 4.0;

@@ -168,6 +168,39 @@ fn estimate_prints_the_design_formula() {
     }
 }
 
+#[test]
+fn a_benchmark_given_a_count_of_zero_refuses_it() {
+    // A zero here printed NaN rows, ran a benchmark of nothing, or (adam's
+    // --params) panicked.
+    for args in [
+        &["adam", "--params", "0"][..],
+        &["adam", "--threads", "1,0"],
+        &["adam", "--rounds", "0"],
+        &["adam", "--steps", "0"],
+        &["collectives", "--sizes", "0"],
+        &["collectives", "--rounds", "0"],
+        &["collectives", "--iters", "0"],
+        &["offload", "--params", "0"],
+        &["offload", "--block-size", "0"],
+        &["offload", "--buffers", "0"],
+        &["offload", "--threads", "0"],
+        &["offload", "--rounds", "0"],
+        &["offload", "--steps", "0"],
+        &["train", "--worlds", "0"],
+        &["train", "--micro", "0"],
+        &["train", "--steps", "0"],
+        &["train", "--rounds", "0"],
+    ] {
+        let (ok, out) = zrt(&[&["bench"][..], args].concat());
+        let flag = args[1];
+        assert!(
+            !ok && out.contains(&format!("invalid value '0' for '{flag} "))
+                && out.contains("0 is not in 1.."),
+            "{args:?}: {out}"
+        );
+    }
+}
+
 /// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the
 /// kernels crate warns about through `tracing`) and `RUST_LOG` as given.
 fn adam_with_unknown_simd(rust_log: Option<&str>) -> String {

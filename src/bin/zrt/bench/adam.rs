@@ -17,16 +17,16 @@ const BYTES_PER_PARAM: f64 = 28.0;
 #[derive(Args, Debug)]
 pub struct AdamArgs {
     /// Parameters in the shard.
-    #[arg(long, default_value_t = 50_000_000)]
+    #[arg(long, default_value_t = 50_000_000, value_parser = super::at_least_one())]
     params: usize,
     /// Thread counts to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2", value_parser = super::at_least_one())]
     threads: Vec<usize>,
     /// Interleaved rounds (zrt, peers, limit, zrt, ...).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     rounds: usize,
     /// Timed steps per implementation per round.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     steps: usize,
     /// Also run the peers (PyTorch fused AdamW, DeepSpeed CPUAdam) in the libtorch venv.
     #[arg(long)]

@@ -33,13 +33,13 @@ const RANKS: usize = 2;
 #[derive(Args, Debug)]
 pub struct CollectivesArgs {
     /// Buffer sizes in MiB, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128", value_parser = super::at_least_one())]
     sizes: Vec<usize>,
     /// Interleaved rounds (zrt, gloo, memcpy, zrt, ...).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     rounds: usize,
     /// Timed iterations per op and size per round.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     iters: usize,
     /// zrt backend to measure: shm or tcp (loopback).
     #[arg(long, default_value = "shm")]

@@ -18,6 +18,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+/// clap's parser for a count that must be at least 1 (rounds, steps,
+/// sizes, threads): a 0 would print NaN rows, or panic, instead of a table.
+pub fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
 /// Median of `xs` (the mean of the middle two for even lengths).
 ///
 /// Returns NaN for an empty slice, so a missing measurement shows as NaN in

@@ -20,25 +20,25 @@ use zrt::offload::{raw_write_read, OffloadError, Swap, SwapConfig};
 pub struct OffloadArgs {
     /// Parameters in the rank's shard (the swap holds 12 bytes each:
     /// fp32 master, m and v, as bf16 training with NVMe offload does).
-    #[arg(long, default_value_t = 20_000_000)]
+    #[arg(long, default_value_t = 20_000_000, value_parser = super::at_least_one())]
     params: usize,
     /// The directory to swap to (`nvme_path`); default: the system temp dir.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Bytes per array per request (`aio.block_size`).
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = 1 << 20, value_parser = super::at_least_one())]
     block_size: usize,
     /// Buffers in flight (`offload_optimizer.buffer_count`).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::at_least_one())]
     buffers: usize,
     /// Adam threads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_one())]
     threads: usize,
     /// Interleaved rounds (in memory, swapped, raw disk, ...).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     rounds: usize,
     /// Steps per implementation per round.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = super::at_least_one())]
     steps: usize,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]

@@ -23,20 +23,20 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
     stages: Vec<u8>,
     /// World sizes (ranks as processes on the shm backend).
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2", value_parser = super::at_least_one())]
     worlds: Vec<usize>,
     /// Model sizes: `base` (the GPT: vocab 8192, d 512, 8 layers,
     /// 8 heads, seq 256) and `large` (about 3x the parameters: d 768, 12 layers).
     #[arg(long, value_delimiter = ',', default_value = "base,large")]
     sizes: Vec<String>,
     /// Micro-batch per rank.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(i64).range(1..))]
     micro: i64,
     /// Timed steps per configuration per round (after one warm-up step).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
     steps: usize,
     /// Interleaved rounds over all configurations.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = super::at_least_one())]
     rounds: usize,
     /// Also run the peers (PyTorch DDP, FSDP2 ZeRO-3/ZeRO-2, DeepSpeed ZeRO
     /// 1-3) on 2 ranks, gloo, in the libtorch venv (DeepSpeed rows need

@@ -130,14 +130,67 @@ fn config_check_fills_a_hugging_face_config_from_its_flags() {
 }
 
 #[test]
+fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
+    let dir = std::env::temp_dir().join(format!("zrt-cli-z3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("z3.json");
+    std::fs::write(
+        &f,
+        r#"{"fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}"#,
+    )
+    .unwrap();
+    let f = f.to_str().unwrap();
+    let (ok, out) = zrt(&[
+        "config",
+        "check",
+        f,
+        "--world",
+        "2",
+        "--hidden",
+        "512",
+        "--total-steps",
+        "1000",
+        "--fp16",
+    ]);
+    assert!(ok, "{out}");
+    // DeepSpeed's "auto": hidden^2, 0.9 hidden^2 and 10 hidden.
+    for want in [
+        "buckets          reduce 262144 allgather",
+        "stage 3          prefetch 235929 persistence < 5120 max_live",
+        "warmup_num_steps: 10, warmup_type: \"log\", total_num_steps: 1000 }",
+        "precision        fp16 compute",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    // Without them, each is owed, and the flag that gives it is named.
+    let (ok, out) = zrt(&["config", "check", f, "--world", "2"]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("4 problem(s)")
+            && out.contains("`zero_optimization.reduce_bucket_size` is \"auto\" but the program gave no hidden size")
+            && out.contains("`scheduler.params.total_num_steps` is \"auto\" but the program gave no total steps")
+            && out.contains("`zrt config check` takes these as flags (--hidden, --micro, --lr"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn estimate_prints_the_design_formula() {
     let (ok, out) = zrt(&["estimate", "--params", "1073741824", "--world", "4"]);
     assert!(ok, "{out}");
     // 2^30 params, bf16 on 4 ranks: zrt holds fp32 gradients, 18 GiB at
-    // stage 0 and 4.5 at stage 3; DESIGN.md's table (16-bit gradients)
-    // says 16 and 4.
+    // stage 0, 6 + 12/4 at stage 1, 2 + 16/4 at stage 2 and 18/4 at stage
+    // 3; DESIGN.md's table (16-bit gradients) says 16, 4 + 12/4, 2 + 14/4
+    // and 16/4.
     assert!(
         out.contains("stage 0:      18.00 GiB       16.00 GiB")
+            && out.contains("stage 1:       9.00 GiB        7.00 GiB")
+            && out.contains("stage 2:       6.00 GiB        5.50 GiB")
             && out.contains("stage 3:       4.50 GiB        4.00 GiB")
             && out.contains("accumulates gradients in fp32"),
         "{out}"

@@ -91,6 +91,12 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", a.file.display()))?;
     let r = match Config::check(&text, a.world, &hints) {
         Ok(r) => r,
+        // The library's fix for an "auto" it cannot fill names AutoHints,
+        // the program's side; here the user gives them on the command line.
+        Err(e) if e.to_string().contains("AutoHints") => bail!(
+            "{}: {e}\n`zrt config check` takes these as flags (--hidden, --micro, --lr, --weight-decay, --betas, --eps, --clip, --warmup-steps, --total-steps, --bf16, --fp16): see `zrt config check --help`",
+            a.file.display()
+        ),
         Err(e) => bail!("{}: {e}", a.file.display()),
     };
     let c = &r.config;

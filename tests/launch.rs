@@ -37,14 +37,77 @@ fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
 }
 
 #[test]
-fn ranks_find_the_wheels_nccl_as_libnccl_so() {
+fn an_empty_zrt_token_is_replaced_on_one_node() {
+    // An exported but empty ZRT_TOKEN is no secret: one node makes its own.
     let o = zrt()
         .args(["launch", "--nproc-per-node", "1", "--", "sh", "-c"])
-        .arg("for d in $(echo $LD_LIBRARY_PATH | tr : ' '); do [ -e $d/libnccl.so ] && echo found $d; done")
+        .arg("echo token ${#ZRT_TOKEN}")
+        .env("ZRT_TOKEN", "")
         .output()
         .unwrap();
     let t = text(&o);
-    assert!(t.contains("[rank 0] found ") && t.contains("/nccl"), "{t}");
+    assert!(o.status.success() && t.contains("[rank 0] token 32"), "{t}");
+}
+
+#[test]
+fn a_second_nodes_ranks_come_after_the_first_nodes_on_port_29500() {
+    // Launchers of a job on several nodes must agree on the port without
+    // talking: the default is torchrun's, not a free port each picks.
+    let o = zrt()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "1",
+        ])
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT",
+        ])
+        .env("ZRT_TOKEN", "shared-secret")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("[rank 2] env 2 6 0 29500") && t.contains("[rank 3] env 3 6 1 29500"),
+        "{t}"
+    );
+}
+
+#[test]
+fn ranks_find_the_wheels_nccl_as_libnccl_so() {
+    // In a fresh cache the link is made; a stale one (another wheel's) is
+    // replaced.
+    let cache = std::env::temp_dir().join(format!("zrt-launch-nccl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let link = cache.join("nccl/libnccl.so");
+    for stale in [false, true] {
+        if stale {
+            std::fs::remove_file(&link).unwrap();
+            std::os::unix::fs::symlink("/nonexistent/libnccl.so.2", &link).unwrap();
+        }
+        let o = zrt()
+            .args(["launch", "--nproc-per-node", "1", "--", "sh", "-c"])
+            .arg("for d in $(echo $LD_LIBRARY_PATH | tr : ' '); do [ -e $d/libnccl.so ] && echo found $d; done")
+            .env("ZRT_CACHE", &cache)
+            .output()
+            .unwrap();
+        let t = text(&o);
+        let want = format!("[rank 0] found {}", cache.join("nccl").display());
+        assert!(t.contains(&want), "stale link {stale}: {t}");
+        let target = std::fs::read_link(&link).unwrap();
+        assert!(
+            target.ends_with("nvidia/nccl/lib/libnccl.so.2"),
+            "{target:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&cache);
 }
 
 #[test]
@@ -66,6 +129,53 @@ fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
         "{}",
         text(&o)
     );
+    // A rank killed by a signal: the shell's convention, 128 + the signal.
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+        .arg("if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(137), "{t}");
+    assert!(
+        t.contains("zrt launch: rank 0 was killed by signal 9; stopping the other 1 rank(s)"),
+        "{t}"
+    );
+}
+
+#[test]
+fn stopping_a_rank_signals_what_it_started_too() {
+    // Rank 0 is a shell that runs another shell (as a wrapper script runs
+    // the real program); only the inner one says it got SIGTERM. Each rank
+    // leads a process group and the launcher signals the group.
+    let ready = std::env::temp_dir().join(format!("zrt-launch-group-{}", std::process::id()));
+    let _ = std::fs::remove_file(&ready);
+    let o = zrt()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--grace",
+            "2",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(
+            "if [ $RANK = 1 ]; then while [ ! -e \"$READY\" ]; do sleep 0.02; done; exit 5; fi; \
+             trap : TERM; sh -c \"$INNER\" & p=$!; wait $p; wait $p",
+        )
+        .env(
+            "INNER",
+            "trap 'echo inner got TERM; exit 0' TERM; touch \"$READY\"; sleep 60 & wait",
+        )
+        .env("READY", &ready)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&ready);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(5), "{t}");
+    assert!(t.contains("[rank 0] inner got TERM"), "{t}");
 }
 
 #[test]
@@ -101,6 +211,10 @@ fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
 
 #[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
+    // The ranks' `sleep 60` ignores SIGINT (a background job of a
+    // non-interactive shell does) and outlives its shell: the launcher
+    // kills what is left of each rank's process group when the rank ends.
+    let t0 = Instant::now();
     let child = zrt()
         .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
         .arg("trap 'echo got-int; exit 0' INT; echo ready; sleep 60 & wait")
@@ -117,6 +231,11 @@ fn ctrl_c_is_forwarded_to_every_rank() {
     assert!(
         t.contains("[rank 0] got-int") && t.contains("[rank 1] got-int"),
         "{t}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
     );
 }
 
@@ -184,7 +303,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn bad_arguments_are_refused_with_the_fix() {
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 9] = [
         (
             &[
                 "--nproc-per-node",
@@ -230,6 +349,14 @@ fn bad_arguments_are_refused_with_the_fix() {
                 "cannot listen on 192.0.2.1: ",
                 "the master address must name this host",
             ],
+        ),
+        (
+            &["--nproc-per-node", "0", "--", "true"],
+            &["--nproc-per-node and --nnodes must be at least 1"],
+        ),
+        (
+            &["--nproc-per-node", "1", "--nnodes", "0", "--", "true"],
+            &["--nproc-per-node and --nnodes must be at least 1"],
         ),
         (
             &["--nproc-per-node", "2", "--master-port", "0", "--", "true"],

@@ -209,6 +209,62 @@ fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
     }
 }
 
+/// Whether process `pid` still runs (a zombie, dead but not yet reaped by
+/// whoever adopted it, does not).
+fn runs(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let state = s.rsplit_once(") ")?.1.chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn ranks_die_with_a_launcher_killed_by_sigkill() {
+    // A scheduler or the OOM killer ends the launcher with SIGKILL, which
+    // it cannot forward: its ranks, in their own process groups, must not
+    // go on running.
+    let pids = std::env::temp_dir().join(format!("zrt-launch-orphans-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&pids);
+    std::fs::create_dir_all(&pids).unwrap();
+    let mut launcher = zrt()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+        .arg("echo $$ > \"$PIDS/$RANK.tmp\" && mv \"$PIDS/$RANK.tmp\" \"$PIDS/$RANK\" && exec sleep 60")
+        .env("PIDS", &pids)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = |r: usize| -> Option<i32> {
+        std::fs::read_to_string(pids.join(r.to_string()))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let t0 = Instant::now();
+    while (pid(0).is_none() || pid(1).is_none()) && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = [pid(0).unwrap(), pid(1).unwrap()];
+    assert!(ranks.iter().all(|&p| runs(p)), "{ranks:?}");
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let t0 = Instant::now();
+    while ranks.iter().any(|&p| runs(p)) && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<i32> = ranks.into_iter().filter(|&p| runs(p)).collect();
+    for &p in &left {
+        // SAFETY: killing the test's own orphans so they do not outlive it.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    let _ = std::fs::remove_dir_all(&pids);
+    assert!(left.is_empty(), "ranks {left:?} outlived their launcher");
+}
+
 #[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
     // The ranks' `sleep 60` ignores SIGINT (a background job of a

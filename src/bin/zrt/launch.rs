@@ -147,6 +147,39 @@ fn stop_all(children: &mut Vec<(usize, Child)>, sig: libc::c_int, grace: Duratio
     children.clear();
 }
 
+/// Has the rank killed when the launcher dies, however it dies.
+///
+/// The ranks lead their own process groups, so a launcher killed by
+/// SIGKILL (a scheduler's, the OOM killer's) took nobody with it: its ranks
+/// went on training, or waiting for peers, with nobody to read their output.
+/// On Linux the kernel sends the rank SIGKILL when the launcher's thread
+/// that started it ends (the main thread, which outlives the job); its
+/// peers then see a dead rank and fail, as they would for any other.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(cmd: &mut Command) {
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: prctl, getppid and raise are async-signal-safe, which is all
+    // a pre_exec closure may call.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher died between the fork and the prctl: nobody
+            // would send the signal now.
+            if libc::getppid() != launcher {
+                libc::raise(libc::SIGKILL);
+            }
+            Ok(())
+        })
+    };
+}
+
+/// Elsewhere there is no parent-death signal: a killed launcher leaves its
+/// ranks running until they next write to their closed output pipe.
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_: &mut Command) {}
+
 fn code_of(st: std::process::ExitStatus) -> i32 {
     st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
@@ -230,6 +263,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         if let Some(p) = &ld_path {
             cmd.env("LD_LIBRARY_PATH", p);
         }
+        die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

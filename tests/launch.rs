@@ -162,7 +162,7 @@ fn stopping_a_rank_signals_what_it_started_too() {
             "-c",
         ])
         .arg(
-            "if [ $RANK = 1 ]; then while [ ! -e \"$READY\" ]; do sleep 0.02; done; exit 5; fi; \
+            "if [ $RANK = 1 ]; then i=0; while [ ! -e \"$READY\" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done; exit 5; fi; \
              trap : TERM; sh -c \"$INNER\" & p=$!; wait $p; wait $p",
         )
         .env(
@@ -191,7 +191,7 @@ fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
             .args(["launch", "--nproc-per-node", "2", "--grace", grace])
             .args(["--", "sh", "-c"])
             .arg(
-                "if [ $RANK = 0 ]; then while [ ! -e \"$READY\" ]; do sleep 0.02; done; exit 3; fi; \
+                "if [ $RANK = 0 ]; then i=0; while [ ! -e \"$READY\" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done; exit 3; fi; \
                  trap '' TERM; touch \"$READY\"; sleep 1; echo finished",
             )
             .env("READY", &ready)

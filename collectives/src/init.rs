@@ -370,7 +370,7 @@ impl Drop for Dist {
         if self.env.rank != 0 {
             return;
         }
-        let deadline = std::time::Instant::now() + self.timeout;
+        let deadline = crate::work::deadline_in(self.timeout);
         while std::time::Instant::now() < deadline {
             if self
                 .store

@@ -190,7 +190,7 @@ impl Board {
         desc: OpDesc,
         data: Payload,
     ) -> Result<Vec<Payload>, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::work::deadline_in(self.timeout);
         let n = self.size();
         let mut st = self.st.lock();
         {
@@ -266,7 +266,7 @@ impl Board {
     }
 
     fn take(&self, from: usize, to: usize, want: OpDesc) -> Result<Payload, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::work::deadline_in(self.timeout);
         let mut st = self.st.lock();
         loop {
             if let Some((desc, data)) = st.mail.get_mut(&(from, to)).and_then(VecDeque::pop_front) {

@@ -93,7 +93,7 @@ impl Mailbox {
     ) -> Result<Vec<T>, CommError> {
         let n = next(&self.received, from);
         let key = p.key(from, p.me, n);
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::work::deadline_in(timeout);
         let msg = loop {
             match p.store.get(&key, POLL) {
                 Ok(m) => break m,

@@ -49,7 +49,7 @@ pub(crate) fn meet(
         &format!("host/{rank}"),
         format!("{world} {host}").as_bytes(),
     )?;
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::work::deadline_in(timeout);
     let mut hosts = Vec::with_capacity(world);
     for r in 0..world {
         let left = deadline.saturating_duration_since(Instant::now());

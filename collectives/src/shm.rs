@@ -398,7 +398,7 @@ impl Inner {
         dest: Dest<'_, T>,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let (n, me, len) = (self.n(), self.m.me, buf.len());
@@ -545,7 +545,7 @@ impl Inner {
         input: Option<&[T]>,
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
         let lens = gather_lens(&descs);
@@ -627,7 +627,7 @@ impl Inner {
     /// later); (2) each maps the peers' files. Then the names go, as the
     /// segment's do: the memory lives as long as some rank maps it.
     fn alloc<T: Element>(&self, len: usize) -> Result<SymmetricBuf<T>, CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let id = st.allocs;
         st.allocs += 1;
@@ -740,7 +740,7 @@ impl Inner {
         buf: &SymmetricBuf<T>,
         body: impl FnOnce(&Shared),
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let agreed = self.agree(&mut st, desc, deadline);
         let sh = self
@@ -1097,7 +1097,7 @@ impl Transport for Inner {
     }
 
     fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         self.agree(&mut self.state.lock(), desc, deadline)
             .map(|_| ())
     }
@@ -1132,7 +1132,7 @@ impl Transport for Inner {
         buf: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1, 2);

@@ -277,7 +277,7 @@ fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut Vec<String>) -> st
             c.write_all(&[0])
         }
         OP_GET => {
-            let deadline = Instant::now() + Duration::from_millis(read_u64(c)?);
+            let deadline = crate::work::deadline_in(Duration::from_millis(read_u64(c)?));
             let mut map = table.map.lock();
             loop {
                 if let Some(v) = map.get(&key) {
@@ -337,7 +337,7 @@ impl StoreClient {
     /// Connects (retrying until `timeout`, since rank 0 may not be serving
     /// yet) and presents `token`.
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, CommError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::work::deadline_in(timeout);
         let target = addr
             .to_socket_addrs()
             .map_err(|e| {
@@ -474,7 +474,7 @@ impl StoreClient {
         unless: &[&str],
         timeout: Duration,
     ) -> Result<Awaited, CommError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::work::deadline_in(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if let Some(v) = self.get_within(key, left.min(POLL))? {

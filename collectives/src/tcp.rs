@@ -192,7 +192,7 @@ impl Inner {
         op: ReduceOp,
         full: bool,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let (n, me, len) = (self.n(), self.m.me, buf.len());
@@ -329,7 +329,7 @@ impl TcpGroup {
             *slot = Some(c);
         }
         // Accept every lower rank; connections without the token are dropped.
-        let deadline = Instant::now() + j.timeout;
+        let deadline = crate::work::deadline_in(j.timeout);
         listener
             .set_nonblocking(true)
             .map_err(|e| rdv(e.to_string()))?;
@@ -502,7 +502,7 @@ impl Transport for Inner {
     }
 
     fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         self.agree(&mut self.state.lock(), desc, deadline)
             .map(|_| ())
     }
@@ -532,7 +532,7 @@ impl Transport for Inner {
         input: &[T],
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
         let mut at = 0;
@@ -555,7 +555,7 @@ impl Transport for Inner {
         buf: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.m.timeout;
+        let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let n = self.n();

@@ -1,6 +1,6 @@
 //! The handle an asynchronous collective returns.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
@@ -39,6 +39,17 @@ fn parse_timeout(v: Option<&str>) -> Result<Duration, String> {
         .ok_or_else(|| {
             format!("ZRT_TIMEOUT={v:?} is not a positive number of seconds (e.g. ZRT_TIMEOUT=600)")
         })
+}
+
+/// The instant `timeout` from now, or a century from now when the clock
+/// cannot count that far (`Instant + Duration` panics on overflow, and
+/// `ZRT_TIMEOUT=1e19` or a caller's `Duration::MAX` mean "wait long").
+pub(crate) fn deadline_in(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    // A century always fits (the clock counts seconds in an i64); the
+    // fallback only keeps this free of a panic path.
+    now.checked_add(timeout.min(CENTURY)).unwrap_or(now)
 }
 
 /// How much longer [`Work::wait`] waits than the backends' own timeout:
@@ -156,5 +167,21 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn a_deadline_past_the_clocks_end_is_a_century_away() {
+        const YEAR: u64 = 365 * 24 * 3600;
+        let t = Instant::now();
+        for long in [Duration::MAX, Duration::from_secs_f64(1e19)] {
+            let d = deadline_in(long) - t;
+            assert!(d >= Duration::from_secs(100 * YEAR), "{d:?}");
+            assert!(d < Duration::from_secs(101 * YEAR), "{d:?}");
+        }
+        let d = deadline_in(Duration::from_secs(5)) - t;
+        assert!(
+            d >= Duration::from_secs(5) && d < Duration::from_secs(6),
+            "{d:?}"
+        );
     }
 }

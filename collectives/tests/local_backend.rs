@@ -454,3 +454,17 @@ fn bad_arguments_fail_at_once() {
         assert!(e.contains("rank 7 is not in the world of 2 ranks"), "{e}");
     });
 }
+
+#[test]
+fn a_timeout_too_long_for_the_clock_waits_instead_of_panicking() {
+    // `Duration::MAX` (or ZRT_TIMEOUT=1e19) reads "wait long": every
+    // deadline saturates instead of overflowing the clock.
+    let sums = run(2, Duration::MAX, |r| {
+        let g = r.world();
+        g.barrier().wait().unwrap();
+        g.all_reduce(vec![r.rank() as f32 + 1.0; 3], ReduceOp::Sum)
+            .wait()
+            .unwrap()
+    });
+    assert_eq!(sums, vec![vec![3.0f32; 3]; 2]);
+}

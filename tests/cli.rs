@@ -56,6 +56,8 @@ fn config_check_lists_every_problem_and_fails() {
         ),
         "{out}"
     );
+    // No "auto" is owed, so no flag for one is suggested.
+    assert!(!out.contains("takes these as flags"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -120,7 +120,7 @@ impl P {
         let x = self.number(v, at)?;
         if x < 0.0 || x.fract() != 0.0 || x > 9.0e15 {
             self.problems.push(format!(
-                "`{at}` must be a whole number >= 0 (5e8 is fine), got {v}"
+                "`{at}` must be a whole number from 0 to 9e15 (5e8 is fine), got {v}"
             ));
             return None;
         }

@@ -453,11 +453,11 @@ fn numbers_are_whole_where_counts_are_meant_and_strings_are_auto_only() {
     for (json, want) in [
         (
             r#"{"train_batch_size": 8, "zero_optimization": {"stage": -1}}"#,
-            "`zero_optimization.stage` must be a whole number >= 0 (5e8 is fine), got -1",
+            "`zero_optimization.stage` must be a whole number from 0 to 9e15 (5e8 is fine), got -1",
         ),
         (
             r#"{"train_batch_size": 8, "zero_optimization": {"allgather_bucket_size": 1e16}}"#,
-            "`zero_optimization.allgather_bucket_size` must be a whole number >= 0 (5e8 is fine), got 1e+16",
+            "`zero_optimization.allgather_bucket_size` must be a whole number from 0 to 9e15 (5e8 is fine), got 1e+16",
         ),
         (
             r#"{"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": "big"}}"#,

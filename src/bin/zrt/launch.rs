@@ -156,7 +156,7 @@ fn stop_all(children: &mut Vec<(usize, Child)>, sig: libc::c_int, grace: Duratio
 /// that started it ends (the main thread, which outlives the job); its
 /// peers then see a dead rank and fail, as they would for any other.
 #[cfg(target_os = "linux")]
-fn die_with_launcher(cmd: &mut Command) {
+pub(crate) fn die_with_launcher(cmd: &mut Command) {
     let launcher = std::process::id() as libc::pid_t;
     // SAFETY: prctl, getppid and raise are async-signal-safe, which is all
     // a pre_exec closure may call.
@@ -178,7 +178,7 @@ fn die_with_launcher(cmd: &mut Command) {
 /// Elsewhere there is no parent-death signal: a killed launcher leaves its
 /// ranks running until they next write to their closed output pipe.
 #[cfg(not(target_os = "linux"))]
-fn die_with_launcher(_: &mut Command) {}
+pub(crate) fn die_with_launcher(_: &mut Command) {}
 
 fn code_of(st: std::process::ExitStatus) -> i32 {
     st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))

@@ -229,6 +229,9 @@ pub fn run_ranks(
             for (k, v) in env {
                 c.env(k, v);
             }
+            // A benchmark killed mid-run must not leave ranks spinning on
+            // the cores the next run measures.
+            crate::launch::die_with_launcher(&mut c);
             c.spawn()
                 .with_context(|| format!("starting {}", program.display()))
         })

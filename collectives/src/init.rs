@@ -500,6 +500,12 @@ mod tests {
             token: "t".into(),
         };
         assert!(good.check().is_ok());
+        // One node: every rank of the world is local.
+        let one_node = DistEnv {
+            local_world_size: 4,
+            ..good.clone()
+        };
+        assert!(one_node.check().is_ok());
         type Spoil = fn(&mut DistEnv);
         let cases: [(Spoil, &str); 4] = [
             (|e| e.rank = 4, "RANK=4 is not below WORLD_SIZE=4"),

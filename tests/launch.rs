@@ -143,36 +143,51 @@ fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
     );
 }
 
+/// Runs two ranks under `zrt launch LAUNCH_ARGS` where rank `failing.0`
+/// waits (at most 30 s) for the file `$READY`, then exits with code
+/// `failing.1`; the other rank runs `script`, which touches `$READY` once
+/// it is set up. Returns the launcher's output.
+fn fail_when_ready(
+    name: &str,
+    launch_args: &[&str],
+    failing: (usize, i32),
+    script: &str,
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let ready = std::env::temp_dir().join(format!("zrt-launch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&ready);
+    let (rank, code) = failing;
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "2"])
+        .args(launch_args)
+        .args(["--", "sh", "-c"])
+        .arg(format!(
+            "if [ $RANK = {rank} ]; then i=0; while [ ! -e \"$READY\" ] && [ $i -lt 1500 ]; \
+             do sleep 0.02; i=$((i+1)); done; exit {code}; fi; {script}"
+        ))
+        .env("READY", &ready)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&ready);
+    o
+}
+
 #[test]
 fn stopping_a_rank_signals_what_it_started_too() {
     // Rank 0 is a shell that runs another shell (as a wrapper script runs
     // the real program); only the inner one says it got SIGTERM. Each rank
     // leads a process group and the launcher signals the group.
-    let ready = std::env::temp_dir().join(format!("zrt-launch-group-{}", std::process::id()));
-    let _ = std::fs::remove_file(&ready);
-    let o = zrt()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--grace",
-            "2",
-            "--",
-            "sh",
-            "-c",
-        ])
-        .arg(
-            "if [ $RANK = 1 ]; then i=0; while [ ! -e \"$READY\" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done; exit 5; fi; \
-             trap : TERM; sh -c \"$INNER\" & p=$!; wait $p; wait $p",
-        )
-        .env(
+    let o = fail_when_ready(
+        "group",
+        &["--grace", "2"],
+        (1, 5),
+        "trap : TERM; sh -c \"$INNER\" & p=$!; wait $p; wait $p",
+        &[(
             "INNER",
             "trap 'echo inner got TERM; exit 0' TERM; touch \"$READY\"; sleep 60 & wait",
-        )
-        .env("READY", &ready)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&ready);
+        )],
+    );
     let t = text(&o);
     assert_eq!(o.status.code(), Some(5), "{t}");
     assert!(t.contains("[rank 0] inner got TERM"), "{t}");
@@ -185,20 +200,13 @@ fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
     // or longer than the clock can count) the launcher waits for it to
     // finish; with a short one it kills it.
     for (grace, finished) in [("1e19", true), ("5", true), ("0.1", false)] {
-        let ready =
-            std::env::temp_dir().join(format!("zrt-launch-grace-{}-{grace}", std::process::id()));
-        let _ = std::fs::remove_file(&ready);
-        let o = zrt()
-            .args(["launch", "--nproc-per-node", "2", "--grace", grace])
-            .args(["--", "sh", "-c"])
-            .arg(
-                "if [ $RANK = 0 ]; then i=0; while [ ! -e \"$READY\" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done; exit 3; fi; \
-                 trap '' TERM; touch \"$READY\"; sleep 1; echo finished",
-            )
-            .env("READY", &ready)
-            .output()
-            .unwrap();
-        let _ = std::fs::remove_file(&ready);
+        let o = fail_when_ready(
+            &format!("grace-{grace}"),
+            &["--grace", grace],
+            (0, 3),
+            "trap '' TERM; touch \"$READY\"; sleep 1; echo finished",
+            &[],
+        );
         let t = text(&o);
         assert_eq!(o.status.code(), Some(3), "grace {grace}: {t}");
         assert!(t.contains("zrt launch: rank 0 exited with code 3"), "{t}");

@@ -196,15 +196,15 @@ fn stopping_a_rank_signals_what_it_started_too() {
 #[test]
 fn a_rank_that_ignores_sigterm_is_killed_after_its_grace_and_not_before() {
     // Rank 1 ignores SIGTERM (and so does its `sleep`), then tells rank 0,
-    // which fails. With a grace longer than rank 1's second of work (5 s,
-    // or longer than the clock can count) the launcher waits for it to
-    // finish; with a short one it kills it.
-    for (grace, finished) in [("1e19", true), ("5", true), ("0.1", false)] {
+    // which fails. With a grace longer than rank 1's two seconds of work
+    // (30 s, or longer than the clock can count) the launcher waits for it
+    // to finish, and no longer; with a short one it kills it.
+    for (grace, finished) in [("1e19", true), ("30", true), ("0.1", false)] {
         let o = fail_when_ready(
             &format!("grace-{grace}"),
             &["--grace", grace],
             (0, 3),
-            "trap '' TERM; touch \"$READY\"; sleep 1; echo finished",
+            "trap '' TERM; touch \"$READY\"; sleep 2; echo finished",
             &[],
         );
         let t = text(&o);

@@ -72,4 +72,4 @@ pub use mesh::DeviceMesh;
 pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};
 pub use stats::{OpStats, Stats};
 pub use symmetric::SymmetricBuf;
-pub use work::{default_timeout, Work};
+pub use work::{deadline_in, default_timeout, Work};

@@ -44,7 +44,8 @@ fn parse_timeout(v: Option<&str>) -> Result<Duration, String> {
 /// The instant `timeout` from now, or a century from now when the clock
 /// cannot count that far (`Instant + Duration` panics on overflow, and
 /// `ZRT_TIMEOUT=1e19` or a caller's `Duration::MAX` mean "wait long").
-pub(crate) fn deadline_in(timeout: Duration) -> Instant {
+/// Every wait of the collectives, and the launcher's grace, ends here.
+pub fn deadline_in(timeout: Duration) -> Instant {
     const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
     let now = Instant::now();
     // A century always fits (the clock counts seconds in an i64); the

@@ -134,9 +134,10 @@ fn signal_all(children: &mut [(usize, Child)], sig: libc::c_int) {
 /// Stops every child still running: `sig`, then SIGKILL after `grace`.
 fn stop_all(children: &mut Vec<(usize, Child)>, sig: libc::c_int, grace: Duration) {
     signal_all(children, sig);
-    // A grace too long to add to the clock waits for the ranks to exit.
-    let deadline = Instant::now().checked_add(grace);
-    while !children.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
+    // A grace too long for the clock (`--grace 1e19`) waits a century: in
+    // effect, for the ranks to exit.
+    let deadline = zrt::collectives::deadline_in(grace);
+    while !children.is_empty() && Instant::now() < deadline {
         children.retain_mut(|(_, c)| !matches!(c.try_wait(), Ok(Some(_))));
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -13,6 +13,14 @@ fn zrt(args: &[&str]) -> (bool, String) {
     (o.status.success(), common::printed(&o))
 }
 
+/// A DeepSpeed config holding `json`, in a file of the test's own
+/// (`zrt-cli-NAME-PID.json` in the temp directory); the test removes it.
+fn config_file(name: &str, json: &str) -> String {
+    let f = std::env::temp_dir().join(format!("zrt-cli-{name}-{}.json", std::process::id()));
+    std::fs::write(&f, json).unwrap();
+    f.to_string_lossy().into_owned()
+}
+
 #[test]
 fn config_check_prints_a_shared_fixture_resolved() {
     let f = concat!(
@@ -34,11 +42,11 @@ fn config_check_prints_a_shared_fixture_resolved() {
 
 #[test]
 fn config_check_lists_every_problem_and_fails() {
-    let dir = std::env::temp_dir().join(format!("zrt-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("bad.json");
-    std::fs::write(&f, r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stag": 3}}"#).unwrap();
-    let (ok, out) = zrt(&["config", "check", f.to_str().unwrap(), "--world", "2"]);
+    let f = config_file(
+        "bad",
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stag": 3}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
     assert!(!ok);
     assert!(
         out.contains("2 problem(s) in the DeepSpeed config"),
@@ -58,24 +66,20 @@ fn config_check_lists_every_problem_and_fails() {
     );
     // No "auto" is owed, so no flag for one is suggested.
     assert!(!out.contains("takes these as flags"), "{out}");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(f);
 }
 
 #[test]
 fn config_check_fills_a_hugging_face_config_from_its_flags() {
-    let dir = std::env::temp_dir().join(format!("zrt-cli-hf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("hf.json");
-    std::fs::write(
-        &f,
+    let f = config_file(
+        "hf",
         r#"{"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
             "zero_optimization": {"stage": 3}, "gradient_clipping": "auto",
             "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}"#,
-    )
-    .unwrap();
-    let f = f.to_str().unwrap();
+    );
+    let f = f.as_str();
     let (ok, out) = zrt(&[
         "config",
         "check",
@@ -128,24 +132,20 @@ fn config_check_fills_a_hugging_face_config_from_its_flags() {
         out.contains("expected BETA1,BETA2 (e.g. 0.9,0.999), got `0.9`"),
         "{out}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(f);
 }
 
 #[test]
 fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
-    let dir = std::env::temp_dir().join(format!("zrt-cli-z3-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("z3.json");
-    std::fs::write(
-        &f,
+    let f = config_file(
+        "z3",
         r#"{"fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": "auto"}},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
                 "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}"#,
-    )
-    .unwrap();
-    let f = f.to_str().unwrap();
+    );
+    let f = f.as_str();
     let (ok, out) = zrt(&[
         "config",
         "check",
@@ -178,7 +178,7 @@ fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
             && out.contains("`zrt config check` takes these as flags (--hidden, --micro, --lr"),
         "{out}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(f);
 }
 
 #[test]

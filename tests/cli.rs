@@ -256,6 +256,47 @@ fn a_benchmark_given_a_count_of_zero_refuses_it() {
     }
 }
 
+#[test]
+fn a_benchmark_larger_than_the_host_refuses_it_before_allocating() {
+    // These aborted in the allocator ("memory allocation failed") or
+    // overflowed computing the size, after a rank or two had started.
+    for (args, flags) in [
+        (
+            &["collectives", "--sizes", "1,100000000"][..],
+            "--sizes 100000000",
+        ),
+        (
+            &["collectives", "--sizes", "18446744073709551615"],
+            "--sizes 18446744073709551615",
+        ),
+        (
+            &["adam", "--params", "100000000000000"],
+            "--params 100000000000000",
+        ),
+        (
+            &["adam", "--params", "2000000000000", "--peer"],
+            "--params 2000000000000 with --peer",
+        ),
+        (
+            &["offload", "--params", "100000000000000"],
+            "--params 100000000000000 --block-size",
+        ),
+        (
+            &["offload", "--buffers", "1000000000000"],
+            "--buffers 1000000000000",
+        ),
+    ] {
+        let (ok, out) = zrt(&[&["bench"][..], args].concat());
+        assert!(
+            !ok && out.contains(flags)
+                && (out.contains("GiB available; give a smaller value")
+                    || out.contains("more memory than any host has")),
+            "{args:?}: {out}"
+        );
+        assert!(!out.contains("round 1/"), "{args:?} ran: {out}");
+    }
+}
+
 /// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the
 /// kernels crate warns about through `tracing`) and `RUST_LOG` as given.
 fn adam_with_unknown_simd(rust_log: Option<&str>) -> String {

@@ -245,6 +245,34 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
 }
 
 #[test]
+fn swap_buffers_past_the_hosts_memory_are_refused_when_the_engine_is_built() {
+    // Both aborted the process in the allocator at the first step's
+    // stream ("memory allocation of ... bytes failed"), after the model was
+    // built and the swap files written.
+    let dir = tmp("buffers");
+    let optimizer = format!(
+        r#""offload_optimizer": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 1e12}},"#,
+        dir.display()
+    );
+    let params = nvme_params(&dir);
+    for (stage, aio, zero) in [
+        (2, r#""aio": {"block_size": 4096},"#, optimizer),
+        (3, r#""aio": {"block_size": 1e15},"#, params),
+    ] {
+        for r in train(&config_zero(stage, 1, 0.0, aio, &zero), &GPT, 1) {
+            let e = r.err().expect("the buffers cannot fit").to_string();
+            assert!(
+                e.contains("do not fit in the")
+                    && e.contains("lower `buffer_count` or `aio.block_size`"),
+                "stage {stage}: {e}"
+            );
+        }
+        assert_eq!(swap_files(&dir), 0, "stage {stage}: no swap file made");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_swap_file_that_lost_data_fails_the_step_with_a_short_read() {
     let dir = tmp("short");
     let (aio, off) = nvme(&dir);

@@ -21,6 +21,16 @@ pub enum OffloadError {
         /// The OS error.
         msg: String,
     },
+    /// The swap's buffers would not fit in the host's memory.
+    #[error("the swap's {buffer_count} buffers of {slot_bytes} bytes each (about {:.1} GiB) do not fit in the {:.1} GiB of memory this host has available: lower `buffer_count` or `aio.block_size` (each buffer holds `aio.block_size` bytes of each swapped array)", gib(buffer_count.saturating_mul(*slot_bytes)), gib(*available))]
+    Buffers {
+        /// `buffer_count`.
+        buffer_count: u64,
+        /// Bytes of one buffer: a chunk of every array.
+        slot_bytes: u64,
+        /// `MemAvailable`, in bytes.
+        available: u64,
+    },
     /// An I/O call failed.
     #[error("cannot {op} optimizer swap file {}: {msg}{}", path.display(), hint(msg))]
     Io {
@@ -49,6 +59,10 @@ pub enum OffloadError {
     /// The function run over the chunks failed.
     #[error("{0}")]
     Compute(String),
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 fn hint(msg: &str) -> &'static str {

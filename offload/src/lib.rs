@@ -37,8 +37,10 @@
 mod aligned;
 mod disk;
 mod error;
+mod host;
 mod swap;
 
 pub use disk::raw_write_read;
 pub use error::OffloadError;
+pub use host::available_memory;
 pub use swap::{Swap, SwapConfig};

@@ -87,6 +87,29 @@ mod pool {
     }
 }
 
+/// Refuses `buffer_count` buffers of `slot` bytes that cannot fit in the
+/// `available` memory (unknown: only a product past 2^64 is refused): the
+/// stream would otherwise abort the process allocating them, mid-step.
+fn check_buffers(
+    buffer_count: usize,
+    slot: u64,
+    available: Option<u64>,
+) -> Result<(), OffloadError> {
+    let fits = match (slot.checked_mul(buffer_count as u64), available) {
+        (None, _) => false,
+        (Some(bytes), Some(a)) => bytes <= a,
+        (Some(_), None) => true,
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(OffloadError::Buffers {
+        buffer_count: buffer_count as u64,
+        slot_bytes: slot,
+        available: available.unwrap_or(0),
+    })
+}
+
 impl Swap {
     /// Creates and preallocates a swap file in `cfg.dir` for regions of the
     /// given lengths, each holding `arrays` f32 arrays (zeros).
@@ -101,9 +124,17 @@ impl Swap {
                 "a swap needs at least one array".into(),
             ));
         }
+        // Elements of one array per chunk; an absurd `aio.block_size`
+        // saturates here and is refused as buffers that cannot fit below.
+        let chunk = cfg
+            .chunk_bytes
+            .max(ALIGN)
+            .div_ceil(ALIGN)
+            .saturating_mul(ALIGN)
+            / 4;
+        let slot = (arrays as u64).saturating_mul(chunk as u64 * 4);
+        check_buffers(cfg.buffer_count.max(1), slot, crate::available_memory())?;
         remove_stale(&cfg.dir);
-        let chunk = cfg.chunk_bytes.max(ALIGN).div_ceil(ALIGN) * ALIGN / 4;
-        let slot = (arrays * chunk * 4) as u64;
         let mut regions = Vec::new();
         let mut at = 0u64;
         for &len in lens {
@@ -113,7 +144,14 @@ impl Swap {
                 len,
                 chunks,
             });
-            at += chunks as u64 * slot;
+            at = (chunks as u64)
+                .checked_mul(slot)
+                .and_then(|b| b.checked_add(at))
+                .ok_or_else(|| OffloadError::NoSpace {
+                    path: cfg.dir.clone(),
+                    bytes: u64::MAX,
+                    msg: "the swap file would be larger than 2^64 bytes".into(),
+                })?;
         }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -609,6 +647,48 @@ mod tests {
         assert_eq!(again.len(), 3);
         let reused = again.iter().filter(|b| b.as_slice()[0] == 7.0).count();
         assert_eq!(reused, 2);
+    }
+
+    #[test]
+    fn buffers_past_the_hosts_memory_are_refused_before_the_file_is_made() {
+        let d = dir("buffers");
+        // A trillion buffers of three 4 KiB blocks (12 PB), and one buffer
+        // of a block size that saturates: both aborted in the allocator of
+        // the first stream before.
+        for (buffers, block) in [(1_000_000_000_000, 4096), (1, usize::MAX)] {
+            let e = Swap::create(
+                &SwapConfig {
+                    chunk_bytes: block,
+                    ..cfg(&d, buffers)
+                },
+                3,
+                &[10],
+            )
+            .unwrap_err();
+            assert!(matches!(e, OffloadError::Buffers { .. }), "{e}");
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("the swap's {buffers} buffers of "))
+                    && text.contains("lower `buffer_count` or `aio.block_size`"),
+                "{text}"
+            );
+        }
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "no file made");
+        // The rule itself: at most what is available; unknown memory
+        // refuses only an overflowing product.
+        assert!(check_buffers(4, 1 << 20, Some(4 << 20)).is_ok());
+        assert!(check_buffers(5, 1 << 20, Some(4 << 20)).is_err());
+        assert!(check_buffers(1 << 20, 1 << 30, None).is_ok());
+        let e = check_buffers(1 << 20, 1 << 30, Some(1 << 30)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the swap's 1048576 buffers of 1073741824 bytes each (about \
+             1048576.0 GiB) do not fit in the 1.0 GiB of memory this host has \
+             available: lower `buffer_count` or `aio.block_size` (each buffer holds \
+             `aio.block_size` bytes of each swapped array)"
+        );
+        assert!(check_buffers(usize::MAX, 1 << 30, None).is_err());
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

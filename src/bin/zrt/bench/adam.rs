@@ -52,9 +52,29 @@ fn peer_times(peer: &mut Peer, imp: &str, threads: usize, steps: usize) -> Resul
     Ok(times.iter().filter_map(Value::as_f64).collect())
 }
 
+/// The copy the limit times: the bytes an Adam step moves, up to 1 GiB.
+fn copy_bytes(n: usize) -> usize {
+    n.saturating_mul(4 * 7) / 2
+}
+
+/// Bytes held at once for `n` parameters: zrt's p, g, m, v (16 each), the
+/// limit's source and destination, and with `peer` the peer process's
+/// parameter, gradient (and its temporary) and two optimizers' m and v.
+fn peak_bytes(n: usize, peer: bool) -> Option<u64> {
+    let n = n as u64;
+    let copy = 2 * copy_bytes(n.try_into().ok()?).min(1 << 30) as u64;
+    let peer = if peer { n.checked_mul(28)? } else { 0 };
+    n.checked_mul(16)?.checked_add(copy)?.checked_add(peer)
+}
+
 /// Runs the benchmark and prints its rows.
 pub fn run(args: &AdamArgs) -> Result<()> {
     let n = args.params;
+    let what = format!(
+        "--params {n}{}",
+        if args.peer { " with --peer" } else { "" }
+    );
+    super::check_fits(peak_bytes(n, args.peer), &what)?;
     let mut peer = if args.peer {
         Some(Peer::start(
             include_str!("../../../../bench/peers/adam_peer.py"),
@@ -117,7 +137,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
             }
             // The limit, interleaved too: the same bytes an Adam step moves.
             s.copy_gbs
-                .push(copy_bandwidth(t, (n * 4 * 7 / 2).min(1 << 30), 3));
+                .push(copy_bandwidth(t, copy_bytes(n).min(1 << 30), 3));
         }
         eprintln!("zrt bench adam: round {}/{} done", round + 1, args.rounds);
     }

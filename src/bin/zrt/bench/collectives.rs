@@ -124,8 +124,19 @@ fn collect(into: &mut std::collections::HashMap<(String, usize), Vec<f64>>, v: &
     }
 }
 
+/// Bytes the ranks hold at once for a size of `mib` MiB: each rank's full
+/// buffer, its part and its symmetric buffer (gloo's ranks, which run
+/// between zrt's, hold about as much; the staging slots are small).
+fn peak_bytes(mib: usize) -> Option<u64> {
+    let s = (mib as u64).checked_mul(1 << 20)?;
+    let per_rank = s.checked_mul(2)?.checked_add(s / RANKS as u64)?;
+    per_rank.checked_mul(RANKS as u64)
+}
+
 /// Runs the benchmark and prints its rows.
 pub fn run(a: &CollectivesArgs) -> Result<()> {
+    let largest = a.sizes.iter().copied().max().unwrap_or(0);
+    super::check_fits(peak_bytes(largest), &format!("--sizes {largest}"))?;
     let me = std::env::current_exe()?;
     let sizes: Vec<String> = a.sizes.iter().map(|s| s.to_string()).collect();
     let sizes = sizes.join(",");

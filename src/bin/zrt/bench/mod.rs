@@ -24,6 +24,36 @@ pub fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
+/// Refuses a benchmark whose buffers cannot fit in this host's memory,
+/// before it allocates any: a size past what the host has would otherwise
+/// abort in the allocator ("memory allocation failed") or, with the
+/// kernel's overcommit, get a rank killed by the OOM killer mid-run.
+///
+/// `bytes` is what the run holds at its peak (`None` when computing it
+/// overflowed, which no host holds); `what` names the flags that set it,
+/// as the user typed them. The limit is `MemAvailable` from
+/// `/proc/meminfo`; where that cannot be read only the overflow is refused.
+pub fn check_fits(bytes: Option<u64>, what: &str) -> Result<()> {
+    check_fits_in(bytes, zrt::offload::available_memory(), what)
+}
+
+/// [`check_fits`] against a given amount of available memory (`None`:
+/// unknown), so the rule is testable without the host's.
+fn check_fits_in(bytes: Option<u64>, available: Option<u64>, what: &str) -> Result<()> {
+    const GIB: f64 = (1u64 << 30) as f64;
+    match (bytes, available) {
+        (None, _) => bail!(
+            "{what} asks for more memory than any host has (the byte count overflows); give a smaller value"
+        ),
+        (Some(b), Some(a)) if b > a => bail!(
+            "{what} needs about {:.1} GiB of memory at once and this host has {:.1} GiB available; give a smaller value",
+            b as f64 / GIB,
+            a as f64 / GIB
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Median of `xs` (the mean of the middle two for even lengths).
 ///
 /// Returns NaN for an empty slice, so a missing measurement shows as NaN in
@@ -265,5 +295,22 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn a_run_past_the_available_memory_is_refused_naming_its_flags() {
+        let gib = 1u64 << 30;
+        assert!(check_fits_in(Some(gib), Some(gib), "--sizes 1").is_ok());
+        assert!(check_fits_in(Some(gib), None, "--sizes 1").is_ok());
+        let e = check_fits_in(Some(3 * gib), Some(2 * gib), "--sizes 9").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--sizes 9 needs about 3.0 GiB of memory at once and this host has 2.0 GiB \
+             available; give a smaller value"
+        );
+        let e = check_fits_in(None, None, "--params 9").unwrap_err();
+        assert!(e
+            .to_string()
+            .starts_with("--params 9 asks for more memory than any host has"));
     }
 }

@@ -45,9 +45,27 @@ pub struct OffloadArgs {
     json: bool,
 }
 
+/// Bytes held in memory at once: the gradient, the bf16 copy, the
+/// in-memory master, m and v (18 per parameter), and the swap's buffers (a
+/// block of each of its three arrays per buffer) plus the raw disk test's
+/// block. The swap file itself is on disk.
+fn peak_bytes(a: &OffloadArgs) -> Option<u64> {
+    let block = a.block_size as u64;
+    let buffers = (a.buffers as u64).checked_mul(3)?.checked_mul(block)?;
+    (a.params as u64)
+        .checked_mul(18)?
+        .checked_add(buffers)?
+        .checked_add(block)
+}
+
 /// Runs the benchmark and prints its rows.
 pub fn run(a: &OffloadArgs) -> Result<()> {
     let n = a.params;
+    let what = format!(
+        "--params {n} --block-size {} --buffers {}",
+        a.block_size, a.buffers
+    );
+    super::check_fits(peak_bytes(a), &what)?;
     let dir = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     let pool = Threads::new(a.threads)?;
     let cfg = AdamConfig {

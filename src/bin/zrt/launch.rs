@@ -181,6 +181,56 @@ pub(crate) fn die_with_launcher(cmd: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn die_with_launcher(_: &mut Command) {}
 
+/// How many processes the kernel's out-of-memory killer has killed since
+/// boot (`oom_kill` in `/proc/vmstat`, Linux 4.13 and later; it counts
+/// kills for a memory cgroup's limit too). `None` where it is not kept.
+fn oom_kills() -> Option<u64> {
+    let vmstat = std::fs::read_to_string("/proc/vmstat").ok()?;
+    let line = vmstat.lines().find(|l| l.starts_with("oom_kill "))?;
+    line["oom_kill ".len()..].trim().parse().ok()
+}
+
+/// The OOM killer's kills between two readings of [`oom_kills`] (0 where
+/// the counter is not kept).
+fn oom_kills_since(before: Option<u64>, now: Option<u64>) -> u64 {
+    match (before, now) {
+        (Some(b), Some(n)) => n.saturating_sub(b),
+        _ => 0,
+    }
+}
+
+/// The advice that follows an out-of-memory kill.
+const OOM_FIX: &str = "give each rank less to hold: fewer ranks per node (--nproc-per-node), \
+a higher ZeRO stage, `offload_optimizer`, or a smaller micro-batch \
+(`zrt estimate` gives the model state per rank)";
+
+/// How a rank that died of signal `sig` is described, given the OOM
+/// killer's kills on this node since the job started: a SIGKILL the
+/// launcher did not send, with the OOM killer at work meanwhile, was most
+/// likely it (torchrun reports the same death as "exitcode -9" and nothing
+/// more). The counter is the node's, so an unrelated process's OOM kill at
+/// the same moment would be misread; hence "most likely".
+fn killed_by(sig: i32, oom_kills: u64) -> String {
+    let name = match sig {
+        libc::SIGABRT => " (SIGABRT: the rank aborted; its last lines above say why)",
+        libc::SIGKILL => " (SIGKILL)",
+        libc::SIGSEGV => " (SIGSEGV)",
+        libc::SIGBUS => " (SIGBUS)",
+        libc::SIGTERM => " (SIGTERM)",
+        libc::SIGINT => " (SIGINT)",
+        _ => "",
+    };
+    if sig == libc::SIGKILL && oom_kills > 0 {
+        return format!(
+            "was killed by signal 9 (SIGKILL) while the kernel's out-of-memory killer \
+             was at work on this node (it killed {oom_kills} process(es) since the job \
+             started): most likely the rank ran out of memory (the node's, or its memory \
+             cgroup's limit); {OOM_FIX}"
+        );
+    }
+    format!("was killed by signal {sig}{name}")
+}
+
 fn code_of(st: std::process::ExitStatus) -> i32 {
     st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
@@ -241,6 +291,9 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    // Read before any rank starts, so a rank the OOM killer takes can be
+    // told from one killed by hand.
+    let oom_before = oom_kills();
     let mut children = Vec::new();
     let mut groups: Vec<libc::pid_t> = Vec::new();
     let mut pumps = Vec::new();
@@ -283,6 +336,8 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     }
 
     let mut failed: Option<(usize, i32)> = None;
+    // Whether the failure named is the OOM killer's.
+    let mut named_oom = false;
     while !children.is_empty() {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
@@ -299,8 +354,10 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                     let code = code_of(st);
                     if code != 0 && failed.is_none() {
                         failed = Some((rank, code));
+                        let oom = oom_kills_since(oom_before, oom_kills());
+                        named_oom = st.signal() == Some(libc::SIGKILL) && oom > 0;
                         let how = match st.signal() {
-                            Some(s) => format!("was killed by signal {s}"),
+                            Some(s) => killed_by(s, oom),
                             None => format!("exited with code {code}"),
                         };
                         eprintln!(
@@ -330,6 +387,16 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     }
     for p in pumps {
         let _ = p.join();
+    }
+    // A rank the OOM killer took may not be the one named above: its peers
+    // can fail first (a collective naming the dead rank), or it may have
+    // been a child process of a rank.
+    let oom = oom_kills_since(oom_before, oom_kills());
+    if oom > 0 && failed.is_some() && !named_oom {
+        eprintln!(
+            "zrt launch: the kernel's out-of-memory killer killed {oom} process(es) on this \
+             node while the job ran; if they were the job's, {OOM_FIX}"
+        );
     }
     Ok(match failed {
         None => ExitCode::SUCCESS,

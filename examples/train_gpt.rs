@@ -252,10 +252,19 @@ fn corpus(dir: Option<&Path>) -> Result<(Vec<u8>, String)> {
     )
 }
 
-/// `n` windows of `len` bytes from `data`, chosen by `seed`.
-fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Tensor {
+/// `n` windows of `len` bytes from `data` (longer than `len`), chosen by
+/// `seed`. A batch too large to allocate is an error naming the keys that
+/// size it, not an abort in the allocator.
+fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Result<Tensor> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity((n * len) as usize);
+    let mut v = Vec::new();
+    let tokens = n.checked_mul(len).and_then(|t| usize::try_from(t).ok());
+    if tokens.is_none_or(|t| v.try_reserve_exact(t).is_err()) {
+        bail!(
+            "a micro-batch of {n} sequences of {len} tokens does not fit in memory: \
+             lower train_micro_batch_size_per_gpu (or train_batch_size) in the config, or --seq"
+        );
+    }
     for _ in 0..n {
         s ^= s << 13;
         s ^= s >> 7;
@@ -263,7 +272,7 @@ fn batch(data: &[u8], n: i64, len: i64, seed: u64) -> Tensor {
         let start = (s % (data.len() as u64 - len as u64)) as usize;
         v.extend(data[start..start + len as usize].iter().map(|&b| b as i64));
     }
-    Tensor::from_slice(&v).view([n, len])
+    Ok(Tensor::from_slice(&v).view([n, len]))
 }
 
 fn main() -> Result<()> {
@@ -278,6 +287,18 @@ fn main() -> Result<()> {
     let (text, source) = corpus(a.corpus.as_deref())?;
     let split = text.len() * 9 / 10;
     let (train, val) = (&text[..split], &text[split..]);
+    // Windows of seq + 1 bytes start anywhere before the end: the held-out
+    // tenth must be longer than one.
+    if a.gpt.seq as u64 + 1 >= val.len() as u64 {
+        bail!(
+            "--seq {} needs windows of {} bytes, longer than the validation text (the \
+             corpus's last tenth: {} bytes of {}): give a smaller --seq or a larger --corpus",
+            a.gpt.seq,
+            a.gpt.seq as u64 + 1,
+            val.len(),
+            source
+        );
+    }
 
     tch::manual_seed(1234);
     let vs = nn::VarStore::new(Device::Cpu);
@@ -333,10 +354,8 @@ fn main() -> Result<()> {
     let world = dist.world();
     let eval = || -> Result<f64> {
         // Each rank a share of fixed validation windows; averaged.
-        let l = tch::no_grad(|| {
-            gpt.loss(&batch(val, 16, a.gpt.seq + 1, 1_000_000 + rank as u64))
-                .double_value(&[])
-        });
+        let windows = batch(val, 16, a.gpt.seq + 1, 1_000_000 + rank as u64)?;
+        let l = tch::no_grad(|| gpt.loss(&windows).double_value(&[]));
         Ok(world.all_reduce(vec![l], ReduceOp::Avg).wait()?[0])
     };
 
@@ -410,7 +429,7 @@ fn main() -> Result<()> {
                 micro,
                 a.gpt.seq + 1,
                 ((step * gas + k) * n as u64) + rank as u64,
-            ));
+            )?);
             sum += loss.double_value(&[]);
             engine.backward(&loss)?;
             engine.step()?;

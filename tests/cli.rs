@@ -370,6 +370,58 @@ fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
 }
 
 #[test]
+fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
+    // One rank, a tiny model: each case fails before or at its first step.
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["launch", "--nproc-per-node", "1", "--"])
+            .arg(common::example("train_gpt"))
+            .args([
+                "--d-model",
+                "16",
+                "--layers",
+                "1",
+                "--heads",
+                "1",
+                "--steps",
+                "1",
+            ])
+            .args(["--no-save"])
+            .args(args)
+            .env_remove("ZRT_TOKEN")
+            .output()
+            .unwrap();
+        (o.status.code(), common::printed(&o))
+    };
+    // Longer than the held-out tenth: a panic slicing the text before.
+    let (code, out) = run(&["--seq", "100000"]);
+    assert!(
+        code == Some(1)
+            && out.contains(
+                "--seq 100000 needs windows of 100001 bytes, longer than the validation text"
+            )
+            && !out.contains("panicked"),
+        "{out}"
+    );
+    // A micro-batch no host holds: an abort in the allocator before.
+    let cfg = config_file(
+        "huge-micro",
+        r#"{"train_micro_batch_size_per_gpu": 1e12, "optimizer": {"type": "AdamW", "params": {}},
+            "zero_optimization": {"stage": 3}}"#,
+    );
+    let (code, out) = run(&["--seq", "16", "--config", &cfg]);
+    let _ = std::fs::remove_file(&cfg);
+    assert!(
+        code == Some(1)
+            && out.contains(
+                "a micro-batch of 1000000000000 sequences of 17 tokens does not fit in memory: \
+                 lower train_micro_batch_size_per_gpu"
+            ),
+        "{out}"
+    );
+}
+
+#[test]
 fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
     let bench = |buckets: &str| {
         Command::new(env!("CARGO_BIN_EXE_zrt"))

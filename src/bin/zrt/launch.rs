@@ -403,3 +403,51 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         Some((_, code)) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_killed_by_a_signal_is_described_by_its_name_and_the_oom_killer() {
+        assert_eq!(
+            killed_by(libc::SIGABRT, 0),
+            "was killed by signal 6 (SIGABRT: the rank aborted; its last lines above say why)"
+        );
+        for (sig, name) in [
+            (libc::SIGKILL, "SIGKILL"),
+            (libc::SIGSEGV, "SIGSEGV"),
+            (libc::SIGBUS, "SIGBUS"),
+            (libc::SIGTERM, "SIGTERM"),
+            (libc::SIGINT, "SIGINT"),
+        ] {
+            assert_eq!(
+                killed_by(sig, 0),
+                format!("was killed by signal {sig} ({name})")
+            );
+        }
+        assert_eq!(killed_by(libc::SIGUSR1, 0), "was killed by signal 10");
+        // Only a SIGKILL is put down to the OOM killer, and only when it ran.
+        let oom = killed_by(libc::SIGKILL, 2);
+        assert!(
+            oom.starts_with(
+                "was killed by signal 9 (SIGKILL) while the kernel's out-of-memory killer"
+            ) && oom.contains("it killed 2 process(es) since the job started")
+                && oom.ends_with(OOM_FIX),
+            "{oom}"
+        );
+        assert!(!killed_by(libc::SIGABRT, 2).contains("out-of-memory"));
+    }
+
+    #[test]
+    fn oom_kills_are_counted_between_two_readings() {
+        assert_eq!(oom_kills_since(Some(3), Some(5)), 2);
+        assert_eq!(oom_kills_since(Some(5), Some(5)), 0);
+        // A counter that went back (it cannot) or is not kept counts none.
+        assert_eq!(oom_kills_since(Some(5), Some(3)), 0);
+        assert_eq!(oom_kills_since(None, Some(5)), 0);
+        assert_eq!(oom_kills_since(Some(5), None), 0);
+        // The kernels this project runs on keep it.
+        assert!(oom_kills().is_some());
+    }
+}

@@ -54,15 +54,15 @@ fn peer_times(peer: &mut Peer, imp: &str, threads: usize, steps: usize) -> Resul
 
 /// The copy the limit times: the bytes an Adam step moves, up to 1 GiB.
 fn copy_bytes(n: usize) -> usize {
-    n.saturating_mul(4 * 7) / 2
+    (n.saturating_mul(4 * 7) / 2).min(1 << 30)
 }
 
 /// Bytes held at once for `n` parameters: zrt's p, g, m, v (16 each), the
 /// limit's source and destination, and with `peer` the peer process's
 /// parameter, gradient (and its temporary) and two optimizers' m and v.
 fn peak_bytes(n: usize, peer: bool) -> Option<u64> {
+    let copy = 2 * copy_bytes(n) as u64;
     let n = n as u64;
-    let copy = 2 * copy_bytes(n.try_into().ok()?).min(1 << 30) as u64;
     let peer = if peer { n.checked_mul(28)? } else { 0 };
     n.checked_mul(16)?.checked_add(copy)?.checked_add(peer)
 }
@@ -136,8 +136,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                 }
             }
             // The limit, interleaved too: the same bytes an Adam step moves.
-            s.copy_gbs
-                .push(copy_bandwidth(t, copy_bytes(n).min(1 << 30), 3));
+            s.copy_gbs.push(copy_bandwidth(t, copy_bytes(n), 3));
         }
         eprintln!("zrt bench adam: round {}/{} done", round + 1, args.rounds);
     }
@@ -208,4 +207,23 @@ pub fn run(args: &AdamArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_counts_zrts_arrays_the_limits_copy_and_the_peer() {
+        // p, g, m, v (16 bytes a parameter); the limit copies the 14 bytes
+        // a step moves per parameter, from a source to a destination.
+        assert_eq!(copy_bytes(1000), 14_000);
+        assert_eq!(copy_bytes(1 << 30), 1 << 30);
+        assert_eq!(peak_bytes(1000, false), Some(16_000 + 28_000));
+        // The peer: its parameter, gradient, temporary and two m and v.
+        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 28_000));
+        // The limit's copy stops at 1 GiB.
+        assert_eq!(peak_bytes(1 << 30, false), Some((16u64 << 30) + (2 << 30)));
+        assert_eq!(peak_bytes(usize::MAX, false), None);
+    }
 }

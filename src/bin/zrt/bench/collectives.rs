@@ -264,3 +264,16 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_each_ranks_full_buffer_part_and_symmetric_buffer() {
+        // 2 ranks x (1 MiB + 0.5 MiB + 1 MiB).
+        assert_eq!(peak_bytes(1), Some(5 << 20));
+        assert_eq!(peak_bytes(128), Some(640 << 20));
+        assert_eq!(peak_bytes(usize::MAX), None);
+    }
+}

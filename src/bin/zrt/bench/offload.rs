@@ -193,3 +193,29 @@ pub fn run(a: &OffloadArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_18_bytes_a_parameter_and_the_swaps_buffers() {
+        let args = |params, block_size, buffers| OffloadArgs {
+            params,
+            dir: None,
+            block_size,
+            buffers,
+            threads: 1,
+            rounds: 1,
+            steps: 1,
+            json: false,
+        };
+        // 18 bytes a parameter, 4 buffers of 3 arrays' blocks, one raw block.
+        assert_eq!(
+            peak_bytes(&args(1000, 4096, 4)),
+            Some(18_000 + 4 * 3 * 4096 + 4096)
+        );
+        assert_eq!(peak_bytes(&args(1000, 4096, usize::MAX)), None);
+        assert_eq!(peak_bytes(&args(usize::MAX, 4096, 1)), None);
+    }
+}

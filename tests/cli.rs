@@ -422,6 +422,54 @@ fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
 }
 
 #[test]
+fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
+    // The job in a mount namespace of its own whose /dev/shm holds 64 KiB
+    // (needs root, as the tmpfs tests do). Before, the group's segment was
+    // a sparse file that joined fine: a job whose collectives touched more
+    // of it than /dev/shm held died of SIGBUS (the demo's model did, at
+    // its first step), and this tiny one, touching less, ran.
+    let o = Command::new("unshare")
+        .args(["-m", "sh", "-c"])
+        .arg("mount -t tmpfs -o size=64k tmpfs /dev/shm || exit 99; exec \"$@\"")
+        .arg("sh")
+        .arg(env!("CARGO_BIN_EXE_zrt"))
+        .args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(common::example("train_gpt"))
+        .args([
+            "--d-model",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "1",
+            "--steps",
+            "1",
+        ])
+        .args(["--no-save"])
+        .env_remove("ZRT_TOKEN")
+        .env("ZRT_BACKEND", "shm")
+        .output()
+        .unwrap();
+    let out = common::printed(&o);
+    assert_ne!(
+        o.status.code(),
+        Some(99),
+        "cannot mount a tmpfs (not root?): {out}"
+    );
+    assert!(
+        o.status.code() == Some(1)
+            && out.contains("[rank 0]     rendezvous failed: reserving ")
+            && out.contains(
+                "No space left on device (os error 28); /dev/shm is full or smaller than the job \
+                 needs (see `df -h /dev/shm`; Docker gives a container 64 MiB unless run with \
+                 --shm-size): free space there, or use ZRT_BACKEND=tcp"
+            )
+            && !out.contains("signal"),
+        "{out}"
+    );
+}
+
+#[test]
 fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
     let bench = |buckets: &str| {
         Command::new(env!("CARGO_BIN_EXE_zrt"))

@@ -971,8 +971,19 @@ impl ShmGroup {
             // a rank 0 killed before everyone mapped it (nothing runs in a
             // killed process) does not leave it either.
             let unlink = Unlink(path.display().to_string());
-            f.set_len(Segment::bytes(n, slot) as u64)
-                .map_err(|e| io("sizing (is /dev/shm large enough?)", e))?;
+            // Its pages reserved now: a sparse file on a /dev/shm too
+            // small for it (Docker gives containers 64 MiB) joined fine and
+            // killed the ranks with SIGBUS at their first collective.
+            let bytes = Segment::bytes(n, slot);
+            reserve(&f, bytes).map_err(|e| {
+                CommError::Rendezvous(format!(
+                    "reserving {bytes} bytes of shared memory for {}: {e}; /dev/shm is full \
+                     or smaller than the job needs (see `df -h /dev/shm`; Docker gives a \
+                     container 64 MiB unless run with --shm-size): free space there, or use \
+                     ZRT_BACKEND=tcp",
+                    path.display()
+                ))
+            })?;
             // The layout is rank 0's: a rank started with another
             // ZRT_SHM_SLOT_BYTES must not index the segment differently.
             j.store.set(&key("created"), &(slot as u64).to_le_bytes())?;

@@ -215,7 +215,7 @@ fn killed_by(sig: i32, oom_kills: u64) -> String {
         libc::SIGABRT => " (SIGABRT: the rank aborted; its last lines above say why)",
         libc::SIGKILL => " (SIGKILL)",
         libc::SIGSEGV => " (SIGSEGV)",
-        libc::SIGBUS => " (SIGBUS)",
+        libc::SIGBUS => " (SIGBUS: memory the rank mapped could not be backed, as when a file in a full /dev/shm is touched)",
         libc::SIGTERM => " (SIGTERM)",
         libc::SIGINT => " (SIGINT)",
         _ => "",
@@ -417,7 +417,6 @@ mod tests {
         for (sig, name) in [
             (libc::SIGKILL, "SIGKILL"),
             (libc::SIGSEGV, "SIGSEGV"),
-            (libc::SIGBUS, "SIGBUS"),
             (libc::SIGTERM, "SIGTERM"),
             (libc::SIGINT, "SIGINT"),
         ] {
@@ -426,6 +425,7 @@ mod tests {
                 format!("was killed by signal {sig} ({name})")
             );
         }
+        assert!(killed_by(libc::SIGBUS, 0).starts_with("was killed by signal 7 (SIGBUS: memory"));
         assert_eq!(killed_by(libc::SIGUSR1, 0), "was killed by signal 10");
         // Only a SIGKILL is put down to the OOM killer, and only when it ran.
         let oom = killed_by(libc::SIGKILL, 2);

@@ -15,7 +15,7 @@
 //! `status: u8` (0 ok, 1 timed out) then, for GET, `len: u64` + value, for
 //! ADD `i64`.
 //!
-//! Each rank's connection sets [`gone_key`] of its rank when it ends (the
+//! Each rank's connection sets `gone_key` of its rank when it ends (the
 //! rank exited, died, or dropped its `Dist`), so a rank waiting for a peer's
 //! step of a rendezvous or a group's join stops waiting at once, naming it,
 //! instead of waiting out its timeout.

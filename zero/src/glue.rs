@@ -132,7 +132,7 @@ fn storage(t: &Tensor) -> Result<(usize, *const std::ffi::c_void), GlueError> {
 /// backward) stays alive but must not be read until [`realloc_storage`] gives
 /// the storage memory again and the caller refills it. A CPU storage points
 /// into an inaccessible guard meanwhile, so a read stops the process with an
-/// explanation ([`freed`]) rather than reading nothing.
+/// explanation (`freed`) rather than reading nothing.
 ///
 /// A storage [`free_storage_to_zeros`] freed moves to an inaccessible guard.
 pub fn free_storage(t: &Tensor) -> Result<(), GlueError> {

@@ -37,6 +37,41 @@ fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
 }
 
 #[test]
+fn ranks_get_their_share_of_the_cores_unless_omp_num_threads_is_set() {
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let run = |omp: Option<&str>| {
+        let mut c = zrt();
+        c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+            .arg("echo threads=$OMP_NUM_THREADS");
+        match omp {
+            Some(v) => c.env("OMP_NUM_THREADS", v),
+            None => c.env_remove("OMP_NUM_THREADS"),
+        };
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        text(&o)
+    };
+    let t = run(None);
+    let share = (cores / 2).max(1);
+    for r in 0..2 {
+        assert!(t.contains(&format!("[rank {r}] threads={share}\n")), "{t}");
+    }
+    assert!(
+        t.contains(&format!(
+            "zrt launch: OMP_NUM_THREADS is not set: each rank gets {share} thread(s), this \
+             node's {cores} core(s) shared by 2 ranks"
+        )),
+        "{t}"
+    );
+    let t = run(Some("3"));
+    assert!(
+        t.contains("[rank 0] threads=3\n") && t.contains("[rank 1] threads=3\n"),
+        "{t}"
+    );
+    assert!(!t.contains("OMP_NUM_THREADS is not set"), "{t}");
+}
+
+#[test]
 fn an_empty_zrt_token_is_replaced_on_one_node() {
     // An exported but empty ZRT_TOKEN is no secret: one node makes its own.
     let o = zrt()
@@ -457,6 +492,9 @@ fn lines_of_ranks_writing_at_once_to_one_file_stay_whole() {
     let status = zrt()
         .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
         .arg("i=0; while [ $i -lt 300 ]; do echo out $RANK $i; echo err $RANK $i >&2; i=$((i+1)); done")
+        // Set, so the file holds the ranks' lines only (the launcher's
+        // own line about it is tested above).
+        .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::from(out.try_clone().unwrap()))
         .stderr(Stdio::from(out))
         .status()

@@ -231,6 +231,16 @@ fn killed_by(sig: i32, oom_kills: u64) -> String {
     format!("was killed by signal {sig}{name}")
 }
 
+/// The OMP_NUM_THREADS each rank gets, and the cores it came from, when
+/// the user set none (`set`): the node's cores shared among its ranks, at
+/// least one each. libtorch's intra-op pool (and so the engine's kernels,
+/// which use as many threads) would otherwise take every core in every
+/// rank, oversubscribing the node `nproc` times over; torchrun sets 1 for
+/// the same reason.
+fn omp_threads(set: bool, cores: usize, nproc: usize) -> Option<(usize, usize)> {
+    (!set).then(|| ((cores / nproc.max(1)).max(1), cores))
+}
+
 fn code_of(st: std::process::ExitStatus) -> i32 {
     st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
@@ -291,6 +301,18 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    let omp_threads = omp_threads(
+        std::env::var_os("OMP_NUM_THREADS").is_some(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        a.nproc_per_node,
+    );
+    if let Some((threads, cores)) = omp_threads {
+        eprintln!(
+            "zrt launch: OMP_NUM_THREADS is not set: each rank gets {threads} thread(s), \
+             this node's {cores} core(s) shared by {} ranks; set OMP_NUM_THREADS to choose",
+            a.nproc_per_node
+        );
+    }
     // Read before any rank starts, so a rank the OOM killer takes can be
     // told from one killed by hand.
     let oom_before = oom_kills();
@@ -316,6 +338,9 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             .process_group(0);
         if let Some(p) = &ld_path {
             cmd.env("LD_LIBRARY_PATH", p);
+        }
+        if let Some((threads, _)) = omp_threads {
+            cmd.env("OMP_NUM_THREADS", threads.to_string());
         }
         die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
@@ -437,6 +462,15 @@ mod tests {
             "{oom}"
         );
         assert!(!killed_by(libc::SIGABRT, 2).contains("out-of-memory"));
+    }
+
+    #[test]
+    fn ranks_share_the_nodes_cores_unless_omp_num_threads_is_set() {
+        assert_eq!(omp_threads(false, 2, 2), Some((1, 2)));
+        assert_eq!(omp_threads(false, 16, 4), Some((4, 16)));
+        assert_eq!(omp_threads(false, 16, 3), Some((5, 16)));
+        assert_eq!(omp_threads(false, 2, 8), Some((1, 2)), "at least one");
+        assert_eq!(omp_threads(true, 16, 4), None, "the user's choice stands");
     }
 
     #[test]

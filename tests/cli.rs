@@ -369,6 +369,20 @@ fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
     );
 }
 
+/// The main job's options for a one-step run of a tiny model, saving
+/// nothing: for tests of what happens before or at its first step.
+const TINY_MAIN_JOB: [&str; 9] = [
+    "--d-model",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "1",
+    "--steps",
+    "1",
+    "--no-save",
+];
+
 #[test]
 fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
     // One rank, a tiny model: each case fails before or at its first step.
@@ -376,17 +390,7 @@ fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
         let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
             .args(["launch", "--nproc-per-node", "1", "--"])
             .arg(common::example("train_gpt"))
-            .args([
-                "--d-model",
-                "16",
-                "--layers",
-                "1",
-                "--heads",
-                "1",
-                "--steps",
-                "1",
-            ])
-            .args(["--no-save"])
+            .args(TINY_MAIN_JOB)
             .args(args)
             .env_remove("ZRT_TOKEN")
             .output()
@@ -435,17 +439,7 @@ fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
         .arg(env!("CARGO_BIN_EXE_zrt"))
         .args(["launch", "--nproc-per-node", "2", "--"])
         .arg(common::example("train_gpt"))
-        .args([
-            "--d-model",
-            "16",
-            "--layers",
-            "1",
-            "--heads",
-            "1",
-            "--steps",
-            "1",
-        ])
-        .args(["--no-save"])
+        .args(TINY_MAIN_JOB)
         .env_remove("ZRT_TOKEN")
         .env("ZRT_BACKEND", "shm")
         .output()

@@ -29,6 +29,16 @@ impl SmallCgroup {
         let cg = PathBuf::from(dir.trim_end_matches('/')).join(name);
         let made = std::fs::create_dir_all(&cg)
             .and_then(|_| std::fs::write(cg.join(file), limit.to_string()));
+        // No swap either, where the host has some: a cgroup that can swap
+        // would page the `tail` out instead of running out.
+        for (swap, value) in [
+            ("memory.memsw.limit_in_bytes", limit),
+            ("memory.swap.max", 0),
+        ] {
+            if cg.join(swap).exists() {
+                let _ = std::fs::write(cg.join(swap), value.to_string());
+            }
+        }
         assert!(
             made.is_ok(),
             "cannot make a memory cgroup at {} (needs root): {made:?}",
@@ -48,7 +58,9 @@ impl Drop for SmallCgroup {
 /// up: outside it, the `tail` would take the whole machine's memory) and
 /// runs `tail` on a line of /dev/zero, which never ends, so the OOM killer
 /// takes the `tail`: `exec`ed, as the rank itself, or as its child. The
-/// other rank sleeps until stopped. Returns the exit code and the output.
+/// other rank sleeps until stopped; 20 s of CPU time bound the `tail`
+/// where the cgroup does not stop it (the test then fails, naming
+/// SIGXCPU). Returns the exit code and the output.
 fn rank_0_runs_out_of_memory(cg: &SmallCgroup, exec: bool) -> (Option<i32>, String) {
     let t0 = Instant::now();
     let tail = if exec { "exec tail" } else { "tail" };
@@ -57,7 +69,7 @@ fn rank_0_runs_out_of_memory(cg: &SmallCgroup, exec: bool) -> (Option<i32>, Stri
         .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
         .arg(format!(
             "if [ $RANK = 0 ]; then echo $$ > \"$CG/cgroup.procs\" || exit 3; \
-             {tail} -n 1 /dev/zero; exit $?; fi; sleep 60"
+             ulimit -t 20; {tail} -n 1 /dev/zero; exit $?; fi; sleep 60"
         ))
         .env("CG", &cg.0)
         .output()

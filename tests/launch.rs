@@ -51,11 +51,14 @@ fn ranks_get_their_share_of_the_cores_unless_omp_num_threads_is_set() {
         assert!(o.status.success(), "{}", text(&o));
         text(&o)
     };
-    let t = run(None);
     let share = (cores / 2).max(1);
-    for r in 0..2 {
-        assert!(t.contains(&format!("[rank {r}] threads={share}\n")), "{t}");
+    // An empty OMP_NUM_THREADS is unset to OpenMP, and to the launcher.
+    for t in [run(None), run(Some(""))] {
+        for r in 0..2 {
+            assert!(t.contains(&format!("[rank {r}] threads={share}\n")), "{t}");
+        }
     }
+    let t = run(None);
     assert!(
         t.contains(&format!(
             "zrt launch: OMP_NUM_THREADS is not set: each rank gets {share} thread(s), this \

@@ -302,7 +302,8 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
     let omp_threads = omp_threads(
-        std::env::var_os("OMP_NUM_THREADS").is_some(),
+        // Empty is unset to OpenMP too.
+        std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty()),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         a.nproc_per_node,
     );

@@ -44,5 +44,5 @@ mod swap;
 
 pub use disk::raw_write_read;
 pub use error::OffloadError;
-pub use host::available_memory;
+pub use host::{available_memory, fits_in};
 pub use swap::{Swap, SwapConfig};

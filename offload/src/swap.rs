@@ -95,12 +95,7 @@ fn check_buffers(
     slot: u64,
     available: Option<u64>,
 ) -> Result<(), OffloadError> {
-    let fits = match (slot.checked_mul(buffer_count as u64), available) {
-        (None, _) => false,
-        (Some(bytes), Some(a)) => bytes <= a,
-        (Some(_), None) => true,
-    };
-    if fits {
+    if crate::fits_in(slot.checked_mul(buffer_count as u64), available) {
         return Ok(());
     }
     Err(OffloadError::Buffers {

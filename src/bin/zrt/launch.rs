@@ -204,6 +204,13 @@ const OOM_FIX: &str = "give each rank less to hold: fewer ranks per node (--npro
 a higher ZeRO stage, `offload_optimizer`, or a smaller micro-batch \
 (`zrt estimate` gives the model state per rank)";
 
+/// Whether a rank that died of signal `sig` is put down to the OOM killer:
+/// a SIGKILL while the killer was at work (`oom_kills` since the job
+/// started).
+fn oom_took(sig: i32, oom_kills: u64) -> bool {
+    sig == libc::SIGKILL && oom_kills > 0
+}
+
 /// How a rank that died of signal `sig` is described, given the OOM
 /// killer's kills on this node since the job started: a SIGKILL the
 /// launcher did not send, with the OOM killer at work meanwhile, was most
@@ -220,7 +227,7 @@ fn killed_by(sig: i32, oom_kills: u64) -> String {
         libc::SIGINT => " (SIGINT)",
         _ => "",
     };
-    if sig == libc::SIGKILL && oom_kills > 0 {
+    if oom_took(sig, oom_kills) {
         return format!(
             "was killed by signal 9 (SIGKILL) while the kernel's out-of-memory killer \
              was at work on this node (it killed {oom_kills} process(es) since the job \
@@ -381,7 +388,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                     if code != 0 && failed.is_none() {
                         failed = Some((rank, code));
                         let oom = oom_kills_since(oom_before, oom_kills());
-                        named_oom = st.signal() == Some(libc::SIGKILL) && oom > 0;
+                        named_oom = st.signal().is_some_and(|s| oom_took(s, oom));
                         let how = match st.signal() {
                             Some(s) => killed_by(s, oom),
                             None => format!("exited with code {code}"),

@@ -41,16 +41,18 @@ pub fn check_fits(bytes: Option<u64>, what: &str) -> Result<()> {
 /// unknown), so the rule is testable without the host's.
 fn check_fits_in(bytes: Option<u64>, available: Option<u64>, what: &str) -> Result<()> {
     const GIB: f64 = (1u64 << 30) as f64;
+    if zrt::offload::fits_in(bytes, available) {
+        return Ok(());
+    }
     match (bytes, available) {
-        (None, _) => bail!(
-            "{what} asks for more memory than any host has (the byte count overflows); give a smaller value"
-        ),
-        (Some(b), Some(a)) if b > a => bail!(
+        (Some(b), Some(a)) => bail!(
             "{what} needs about {:.1} GiB of memory at once and this host has {:.1} GiB available; give a smaller value",
             b as f64 / GIB,
             a as f64 / GIB
         ),
-        _ => Ok(()),
+        _ => bail!(
+            "{what} asks for more memory than any host has (the byte count overflows); give a smaller value"
+        ),
     }
 }
 

@@ -483,6 +483,30 @@ fn ranks_built_from_different_models_or_configs_are_refused_naming_each_differen
 }
 
 #[test]
+fn ranks_leaving_different_parameters_out_of_weight_decay_are_refused_naming_them() {
+    // Trained apart with no collective out of line, had they not compared.
+    let errs = on_ranks(WORLD, |r| {
+        let t = tiny();
+        if r.rank() == 1 {
+            t.plan
+                .exclude_from_weight_decay(|name, _| name.ends_with(".bias"))
+                .unwrap();
+        }
+        differs(&t, &config(2, 1), group(&r))
+    });
+    assert_eq!(errs[0], errs[1], "every rank says the same");
+    assert!(
+        errs[0].starts_with(
+            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
+             variable `a.bias`: rank 1 has [5] Float (trained, no weight decay), rank 0 has [5] Float (trained); \
+             variable `b.bias`"
+        ),
+        "{}",
+        errs[0]
+    );
+}
+
+#[test]
 fn a_setting_one_rank_alone_refuses_is_named_as_the_difference() {
     // Rank 1 alone would refuse hpZ without an hpZ group, and rank 0 would
     // only learn that rank 1 left: the ranks compare before either refuses.
@@ -593,6 +617,15 @@ fn plans_and_settings_the_engine_cannot_use_are_refused() {
             .contains("this plan already drives another engine"),
         "{again}"
     );
+    // The weight-decay rule is read when the engine is built: a later one
+    // would be ignored, so it is refused.
+    let late = t.plan.exclude_from_weight_decay(|_, _| true).unwrap_err();
+    assert_eq!(
+        late.to_string(),
+        "sharding plan: exclude_from_weight_decay was called after the engine was built from \
+         this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)"
+    );
+    assert!(!t.plan.excluded_from_weight_decay("a.bias", &[5]));
     // A unit wrapped under a path where nothing was created is another mistake.
     let (vs, plan) = {
         let _g = INIT.lock().unwrap();

@@ -44,7 +44,21 @@ fn world_engine(
     r: &local::LocalRank,
     cfg: &Config,
 ) -> (nn::VarStore, zrt::gpt::Gpt, Engine<local::LocalGroup>) {
+    world_engine_with(r, cfg, false)
+}
+
+/// As [`world_engine`]; `no_decay_vectors`: weight decay leaves out the
+/// parameters of fewer than two dimensions (biases, norm weights).
+fn world_engine_with(
+    r: &local::LocalRank,
+    cfg: &Config,
+    no_decay_vectors: bool,
+) -> (nn::VarStore, zrt::gpt::Gpt, Engine<local::LocalGroup>) {
     let (vs, plan, gpt) = model();
+    if no_decay_vectors {
+        plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
+            .unwrap();
+    }
     let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
     let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
     (vs, gpt, engine)
@@ -82,8 +96,13 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
 /// As `run_engine_with`; `bare`: run backward as `loss.backward()` (the
 /// hooks alone drive the reductions) instead of `engine.backward(&loss)`.
 fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
+    run_engine_full(cfg, gas, bare, false)
+}
+
+/// As `run_engine_mode`; `no_decay_vectors` as in [`world_engine_with`].
+fn run_engine_full(cfg: Config, gas: usize, bare: bool, no_decay_vectors: bool) -> Run {
     let out: Vec<_> = on_ranks(WORLD, |r| {
-        let (_vs, gpt, engine) = world_engine(&r, &cfg);
+        let (_vs, gpt, engine) = world_engine_with(&r, &cfg, no_decay_vectors);
         let mut losses = Vec::new();
         let mut norms = Vec::new();
         for step in 0..STEPS {
@@ -193,7 +212,28 @@ fn run_reference_with(
     clip: f64,
     schedule: Option<&Schedule>,
 ) -> (Vec<f64>, Params) {
+    run_reference_full(stage, gas, clip, schedule, false)
+}
+
+/// As `run_reference_with`; `no_decay_vectors`: the parameters of fewer
+/// than two dimensions go into a parameter group of weight decay 0, as Hugging
+/// Face's Trainer puts biases and norm weights.
+fn run_reference_full(
+    stage: u8,
+    gas: usize,
+    clip: f64,
+    schedule: Option<&Schedule>,
+    no_decay_vectors: bool,
+) -> (Vec<f64>, Params) {
     let (vs, _plan, gpt) = model();
+    if no_decay_vectors {
+        let mut vars = vs.variables_.lock().unwrap();
+        for v in &mut vars.trainable_variables {
+            if v.tensor.dim() < 2 {
+                v.group = 1;
+            }
+        }
+    }
     let mut opt = match schedule {
         None => adamw(&vs),
         Some(s) => nn::AdamW {
@@ -203,6 +243,9 @@ fn run_reference_with(
         .build(&vs, LR)
         .unwrap(),
     };
+    if no_decay_vectors {
+        opt.set_weight_decay_group(1, 0.0);
+    }
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut losses = Vec::new();
@@ -347,6 +390,55 @@ fn stages_0_to_3_match_the_unsharded_reference() {
             }
         }
     }
+}
+
+#[test]
+fn parameters_left_out_of_weight_decay_train_like_a_parameter_group_without_it() {
+    // The swap streams the optimizer state in blocks of 1024 elements,
+    // which cut the runs of decaying and non-decaying elements again.
+    let swap = std::env::temp_dir().join(format!("zrt-parity-no-decay-{}", std::process::id()));
+    std::fs::create_dir_all(&swap).unwrap();
+    let (aio, offload) = common::nvme(&swap);
+    for (what, stage, gas, clip, extra) in [
+        ("stage 0", 0, 1, 0.0, String::new()),
+        ("stage 1, gas 2, clip", 1, 2, 0.5, String::new()),
+        ("stage 2, clip", 2, 1, 0.5, String::new()),
+        ("stage 3, gas 2", 3, 2, 0.0, String::new()),
+        (
+            "stage 3, optimizer on NVMe",
+            3,
+            1,
+            0.5,
+            format!("{aio} {offload}"),
+        ),
+    ] {
+        let reference = run_reference_full(stage, gas, clip, None, true);
+        let r = run_engine_full(config_with(stage, gas, clip, &extra), gas, false, true);
+        compare(what, (r.losses, r.params.clone()), reference);
+        // Leaving them out changed the outcome (so an engine that decayed
+        // them would fail the comparison): the norm weights, ones, which
+        // decay moves most, end elsewhere.
+        let decayed = run_reference_full(stage, gas, clip, None, false).1;
+        let params = sorted(r.params);
+        let moved = |name: &str| {
+            let (i, _) = params
+                .iter()
+                .enumerate()
+                .find(|(_, p)| p.0 == name)
+                .unwrap();
+            let (a, b) = (&params[i].1, &decayed[i].1);
+            a.iter()
+                .zip(b)
+                .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
+        };
+        assert!(moved("h.0.ln1.weight") && moved("ln_f.weight"), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+fn sorted(mut p: Params) -> Params {
+    p.sort_by(|a, b| a.0.cmp(&b.0));
+    p
 }
 
 #[test]

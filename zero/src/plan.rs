@@ -24,6 +24,10 @@ pub(crate) trait UnitHook: Send + Sync {
     fn after_forward(&self, unit: usize, input: &Tensor, output: &Tensor);
 }
 
+/// The program's rule for which trainable parameters weight decay leaves
+/// out, given each one's VarStore name and shape.
+pub(crate) type DecayRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
+
 #[derive(Default)]
 pub(crate) struct PlanInner {
     pub(crate) prefixes: Mutex<Vec<String>>,
@@ -31,6 +35,8 @@ pub(crate) struct PlanInner {
     /// Set by the first engine built from this plan, before it touches the
     /// parameters: a second engine must not re-lay-out tensors the first owns.
     pub(crate) claimed: std::sync::atomic::AtomicBool,
+    /// Set by [`ShardPlan::exclude_from_weight_decay`].
+    pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
 }
 
 /// The list of units of a model, filled by [`ShardedModule::new`] and read by
@@ -44,6 +50,52 @@ impl ShardPlan {
     /// An empty plan.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Leaves out of weight decay every trainable parameter for which
+    /// `exclude(name, shape)` is true (`name` as the VarStore has it,
+    /// `layers.0.ln1.weight`): they get no decoupled decay with AdamW and no
+    /// L2 term with Adam; the others get `optimizer.params.weight_decay`.
+    ///
+    /// DeepSpeed and PyTorch take this from the program's parameter groups
+    /// (`[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]`);
+    /// Hugging Face's Trainer and nanoGPT leave out biases and norm weights,
+    /// the parameters of fewer than two dimensions:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.exclude_from_weight_decay(|_name, shape| shape.len() < 2)?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// Call it before building the engine, on every rank alike (the engine
+    /// checks that ranks agree). Without it every trainable parameter
+    /// decays, as with `torch.optim.AdamW(model.parameters())`. The rule is
+    /// the program's, not the checkpoint's: a run resumed from a checkpoint
+    /// decays what its own plan says.
+    pub fn exclude_from_weight_decay(
+        &self,
+        exclude: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        if self.inner.claimed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(EngineError::Plan(
+                "exclude_from_weight_decay was called after the engine was built from this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)".into(),
+            ));
+        }
+        let mut rule = self
+            .inner
+            .no_decay
+            .lock()
+            .map_err(|_| EngineError::Plan("the plan's lock was poisoned".into()))?;
+        *rule = Some(Arc::new(exclude));
+        Ok(())
+    }
+
+    /// Whether weight decay leaves out the parameter `name` of `shape`
+    /// ([`Self::exclude_from_weight_decay`]; none is left out without it).
+    pub fn excluded_from_weight_decay(&self, name: &str, shape: &[i64]) -> bool {
+        let rule = self.inner.no_decay.lock().ok().and_then(|r| r.clone());
+        rule.is_some_and(|r| r(name, shape))
     }
 
     /// The units' VarStore prefixes, in registration order.

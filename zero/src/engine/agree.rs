@@ -21,7 +21,7 @@ use tch::nn;
 use zrt_collectives::{Element, ProcessGroup};
 
 use crate::config::{Precision, Setting};
-use crate::{EngineError, Resolved};
+use crate::{EngineError, Resolved, ShardPlan};
 
 /// Marks the first word of the exchange, so a peer's other call of the same
 /// shape is told apart.
@@ -37,9 +37,9 @@ const SHOWN: usize = 6;
 pub(super) struct Terms(Vec<(String, String)>);
 
 impl Terms {
-    /// The terms of an engine built from `cfg` over `units` (the plan's
+    /// The terms of an engine built from `cfg` over `plan`'s units (its
     /// prefixes, in its order) of the variables in `vs`.
-    pub(super) fn of(cfg: &Resolved, units: &[String], vs: &nn::VarStore) -> Self {
+    pub(super) fn of(cfg: &Resolved, plan: &ShardPlan, vs: &nn::VarStore) -> Self {
         let (c, z, o) = (&cfg.config, &cfg.config.zero, &cfg.config.optimizer);
         let mut t = Vec::new();
         let mut put = |what: &str, value: String| t.push((what.to_string(), value));
@@ -124,14 +124,16 @@ impl Terms {
             &zero("zero_hpz_partition_size"),
             z.zero_hpz_partition_size.to_string(),
         );
-        put("units (ShardPlan)", units.join(", "));
+        put("units (ShardPlan)", plan.units().join(", "));
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, v) in vars {
-            let role = if v.requires_grad() {
-                "trained"
-            } else {
+            let role = if !v.requires_grad() {
                 "frozen"
+            } else if plan.excluded_from_weight_decay(&name, &v.size()) {
+                "trained, no weight decay"
+            } else {
+                "trained"
             };
             put(
                 &format!("variable `{name}`"),

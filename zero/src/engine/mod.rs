@@ -64,6 +64,7 @@ use offload::ReadAhead;
 
 mod agree;
 mod checkpoint;
+mod decay;
 mod elems;
 mod frozen;
 mod frozen_shards;
@@ -107,6 +108,9 @@ impl Compute {
 struct Unit {
     name: String,
     layout: FlatLayout,
+    /// The ranges of the flat buffer weight decay leaves out
+    /// ([`ShardPlan::exclude_from_weight_decay`]).
+    no_decay: Vec<std::ops::Range<usize>>,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -491,7 +495,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // state lock; no forward or backward runs during a step.
         let (p, copy): (&mut [f32], ComputeCopy<'_>) = match (self.compute, self.stage) {
             (Compute::F32, 0..=2) => (
-                &mut (unsafe { elems::<f32>(&u.flat, padded) })[whole],
+                &mut (unsafe { elems::<f32>(&u.flat, padded) })[whole.clone()],
                 ComputeCopy::None,
             ),
             (Compute::F32, _) => (master, ComputeCopy::None),
@@ -502,21 +506,53 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             },
             (Compute::Bf16, _) => (
                 master,
-                ComputeCopy::Bf16(&mut (unsafe { elems::<bf16>(&u.flat, padded) })[whole]),
+                ComputeCopy::Bf16(&mut (unsafe { elems::<bf16>(&u.flat, padded) })[whole.clone()]),
             ),
             (Compute::F16, _) => (
                 master,
-                ComputeCopy::F16(&mut (unsafe { elems::<f16>(&u.flat, padded) })[whole]),
+                ComputeCopy::F16(&mut (unsafe { elems::<f16>(&u.flat, padded) })[whole.clone()]),
             ),
         };
-        adam_step(
-            &self.threads,
-            up.adam,
-            up.step,
-            up.scale,
-            AdamShard { p, g, m, v },
-            copy,
-        )?;
+        if up.adam.weight_decay == 0.0 || u.no_decay.is_empty() {
+            adam_step(
+                &self.threads,
+                up.adam,
+                up.step,
+                up.scale,
+                AdamShard { p, g, m, v },
+                copy,
+            )?;
+            return Ok(());
+        }
+        // Parameters left out of weight decay: one kernel call per run of
+        // elements that decay alike.
+        let none = AdamConfig {
+            weight_decay: 0.0,
+            ..*up.adam
+        };
+        let (mut p, mut g, mut m, mut v, mut copy) = (p, g, m, v, copy);
+        for (len, decays) in decay::runs(whole, &u.no_decay) {
+            let (p1, p2) = std::mem::take(&mut p).split_at_mut(len);
+            let (g1, g2) = g.split_at(len);
+            let (m1, m2) = std::mem::take(&mut m).split_at_mut(len);
+            let (v1, v2) = std::mem::take(&mut v).split_at_mut(len);
+            let (c1, c2) = decay::split_copy(std::mem::take(&mut copy), len);
+            (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
+            let cfg = if decays { up.adam } else { &none };
+            adam_step(
+                &self.threads,
+                cfg,
+                up.step,
+                up.scale,
+                AdamShard {
+                    p: p1,
+                    g: g1,
+                    m: m1,
+                    v: v1,
+                },
+                c1,
+            )?;
+        }
         Ok(())
     }
 
@@ -956,7 +992,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // the plan is claimed, so an engine refused here leaves it for the
         // next try.
         agree::check(
-            &agree::Terms::of(&cfg, &plan.units(), vs),
+            &agree::Terms::of(&cfg, plan, vs),
             &group,
             replicate.as_ref(),
         )?;
@@ -1091,14 +1127,28 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
+            let no_decay =
+                decay::excluded_ranges(&layout, |n, s| plan.excluded_from_weight_decay(n, s));
             units.push(Unit {
                 name,
+                no_decay,
                 layout,
                 params: ts,
                 flat,
                 frozen: None,
             });
             masters.push(master);
+        }
+        let excluded: usize = units
+            .iter()
+            .flat_map(|u| &u.no_decay)
+            .map(|r| r.len())
+            .sum();
+        if excluded > 0 {
+            let all: usize = units.iter().map(|u| u.layout.numel).sum();
+            tracing::info!(
+                "weight decay leaves out {excluded} of {all} trained elements (ShardPlan::exclude_from_weight_decay)"
+            );
         }
         let mut shards = Vec::new();
         for (u, master) in units.iter().zip(masters) {

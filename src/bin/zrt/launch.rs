@@ -238,6 +238,25 @@ fn killed_by(sig: i32, oom_kills: u64) -> String {
     format!("was killed by signal {sig}{name}")
 }
 
+/// How a rank that exited with `code` is described. 127 is the code the
+/// dynamic loader exits with when a shared library the program needs is
+/// not found (and a shell's for a command it cannot find): for a program
+/// of the user's own that links libtorch, the folder of libtorch is on
+/// neither its rpath nor LD_LIBRARY_PATH. `libtorch` is the folder this
+/// zrt was built with, the likely answer.
+fn exited_with(code: i32, libtorch: Option<&str>) -> String {
+    if code != 127 {
+        return format!("exited with code {code}");
+    }
+    let ours = libtorch.map_or(String::new(), |d| format!("; this zrt was built with {d}"));
+    format!(
+        "exited with code 127, the dynamic loader's code for a shared library it could not \
+         find (and a shell's for a command), named in the rank's line above: a program that \
+         links libtorch needs libtorch's lib folder on its rpath (examples/own-project/build.rs \
+         puts it there) or on LD_LIBRARY_PATH{ours}"
+    )
+}
+
 /// The OMP_NUM_THREADS each rank gets, and the cores it came from, when
 /// the user set none (`set`): the node's cores shared among its ranks, at
 /// least one each. libtorch's intra-op pool (and so the engine's kernels,
@@ -391,7 +410,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                         named_oom = st.signal().is_some_and(|s| oom_took(s, oom));
                         let how = match st.signal() {
                             Some(s) => killed_by(s, oom),
-                            None => format!("exited with code {code}"),
+                            None => exited_with(code, option_env!("ZRT_LIBTORCH_LIB")),
                         };
                         eprintln!(
                             "zrt launch: rank {rank} {how}; stopping the other {} rank(s)",
@@ -470,6 +489,21 @@ mod tests {
             "{oom}"
         );
         assert!(!killed_by(libc::SIGABRT, 2).contains("out-of-memory"));
+    }
+
+    #[test]
+    fn an_exit_code_of_127_is_put_down_to_a_library_not_found() {
+        assert_eq!(exited_with(1, Some("/t/lib")), "exited with code 1");
+        assert_eq!(exited_with(126, None), "exited with code 126");
+        let missing = exited_with(127, Some("/t/lib"));
+        assert!(
+            missing.starts_with(
+                "exited with code 127, the dynamic loader's code for a shared library"
+            ) && missing.contains("examples/own-project/build.rs")
+                && missing.ends_with("or on LD_LIBRARY_PATH; this zrt was built with /t/lib"),
+            "{missing}"
+        );
+        assert!(exited_with(127, None).ends_with("or on LD_LIBRARY_PATH"));
     }
 
     #[test]

@@ -41,8 +41,8 @@ pub(super) fn excluded_ranges(
 }
 
 /// `whole` (a range of the flat buffer) cut where it enters or leaves an
-/// `excluded` range: `(length, decays)` for each run, in order, lengths
-/// summing to `whole`'s.
+/// `excluded` range: `(length, decays)` for each run, in order, none empty,
+/// lengths summing to `whole`'s.
 pub(super) fn runs(whole: Range<usize>, excluded: &[Range<usize>]) -> Vec<(usize, bool)> {
     let mut out = Vec::new();
     let mut at = whole.start;
@@ -106,6 +106,8 @@ mod tests {
             [(1, false), (2, true), (1, false), (2, true), (1, false)]
         );
         assert_eq!(runs(4..6, &ex), [(2, true)]);
+        // No empty runs where a range starts or ends with an excluded one.
+        assert_eq!(runs(2..7, &ex), [(2, false), (2, true), (1, false)]);
         assert_eq!(runs(10..11, &ex), [(1, false)]);
         assert_eq!(runs(0..12, &[]), [(12, true)]);
         assert_eq!(runs(5..5, &ex), []);

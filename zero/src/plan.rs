@@ -54,7 +54,7 @@ impl ShardPlan {
 
     /// Leaves out of weight decay every trainable parameter for which
     /// `exclude(name, shape)` is true (`name` as the VarStore has it,
-    /// `layers.0.ln1.weight`): they get no decoupled decay with AdamW and no
+    /// `h.0.ln1.weight`): they get no decoupled decay with AdamW and no
     /// L2 term with Adam; the others get `optimizer.params.weight_decay`.
     ///
     /// DeepSpeed and PyTorch take this from the program's parameter groups

@@ -299,11 +299,15 @@ fn a_step_holds_a_few_units_of_gradients_and_parameters_and_the_first_no_more() 
             mib(*model)
         );
     }
-    // The first step no more than a block above the next.
+    // The first step no more than a block above the later ones. Their
+    // peaks vary with how the ranks' gathers interleave (21.9-23.7 MiB over
+    // runs, 23.6-23.7 in most), so the first is held to the higher of the
+    // two: a single favourable step 2 failed CI once (23.8 against 21.9).
+    let later = peaks[1].max(peaks[2]);
     assert!(
-        peaks[0] <= peaks[1] + model / 16,
-        "step 1 held {:.1} MiB, step 2 {:.1}: the first forward kept units gathered",
+        peaks[0] <= later + model / 16,
+        "step 1 held {:.1} MiB, steps 2-3 at most {:.1}: the first forward kept units gathered",
         mib(peaks[0]),
-        mib(peaks[1])
+        mib(later)
     );
 }

@@ -12,8 +12,6 @@
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
 //! the main job, the benchmarks and the parity tests.
 
-#![warn(missing_docs)]
-
 pub mod gpt;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where

@@ -43,8 +43,6 @@
 //! - `nccl` (feature `cuda`): CUDA devices through NCCL. **Never run**: no
 //!   GPU is available to the project; compiled in CI only.
 
-#![warn(missing_docs)]
-
 mod dtype;
 mod error;
 mod front;

@@ -34,8 +34,6 @@
 //! The CUDA version of Adam (NVRTC through cudarc, behind the `cuda` feature)
 //! is compiled in CI and has **never run on a GPU**.
 
-#![warn(missing_docs)]
-
 pub mod adam;
 pub mod cast;
 #[cfg(feature = "cuda")]

@@ -34,8 +34,6 @@
 //! read by a later run (the names differ) and are removed by the next
 //! [`Swap::create`] in that directory once their process is gone.
 
-#![warn(missing_docs)]
-
 mod aligned;
 mod disk;
 mod error;

@@ -8,8 +8,6 @@
 //! it imports `zrt-collectives`, `zrt-kernels` and `zrt-offload`; none of them
 //! imports it.
 
-#![warn(missing_docs)]
-
 pub mod activation;
 pub mod checkpoint;
 pub mod config;

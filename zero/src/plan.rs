@@ -94,8 +94,13 @@ impl ShardPlan {
     /// Whether weight decay leaves out the parameter `name` of `shape`
     /// ([`Self::exclude_from_weight_decay`]; none is left out without it).
     pub fn excluded_from_weight_decay(&self, name: &str, shape: &[i64]) -> bool {
-        let rule = self.inner.no_decay.lock().ok().and_then(|r| r.clone());
-        rule.is_some_and(|r| r(name, shape))
+        self.decay_rule().is_some_and(|r| r(name, shape))
+    }
+
+    /// The rule [`Self::exclude_from_weight_decay`] set, if any: the engine
+    /// reads it once, so its agreement check and its layout see one rule.
+    pub(crate) fn decay_rule(&self) -> Option<Arc<DecayRule>> {
+        self.inner.no_decay.lock().ok().and_then(|r| r.clone())
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -38,8 +38,14 @@ pub(super) struct Terms(Vec<(String, String)>);
 
 impl Terms {
     /// The terms of an engine built from `cfg` over `plan`'s units (its
-    /// prefixes, in its order) of the variables in `vs`.
-    pub(super) fn of(cfg: &Resolved, plan: &ShardPlan, vs: &nn::VarStore) -> Self {
+    /// prefixes, in its order) of the variables in `vs`, with `excluded`
+    /// the parameters weight decay leaves out.
+    pub(super) fn of(
+        cfg: &Resolved,
+        plan: &ShardPlan,
+        vs: &nn::VarStore,
+        excluded: impl Fn(&str, &[i64]) -> bool,
+    ) -> Self {
         let (c, z, o) = (&cfg.config, &cfg.config.zero, &cfg.config.optimizer);
         let mut t = Vec::new();
         let mut put = |what: &str, value: String| t.push((what.to_string(), value));
@@ -130,7 +136,7 @@ impl Terms {
         for (name, v) in vars {
             let role = if !v.requires_grad() {
                 "frozen"
-            } else if plan.excluded_from_weight_decay(&name, &v.size()) {
+            } else if excluded(&name, &v.size()) {
                 "trained, no weight decay"
             } else {
                 "trained"

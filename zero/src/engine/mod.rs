@@ -987,12 +987,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<Self, EngineError> {
         let replicas = replicate.as_ref().map_or(1, |r| r.size());
         let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
+        // The weight-decay rule, read once: the ranks agree on the rule
+        // the layout then uses.
+        let rule = plan.decay_rule();
+        let excluded = |name: &str, shape: &[i64]| rule.as_ref().is_some_and(|r| r(name, shape));
         // First, so that the checks below, which a config that differs on
         // one rank fails there alone, meet ranks that agree; and before
         // the plan is claimed, so an engine refused here leaves it for the
         // next try.
         agree::check(
-            &agree::Terms::of(&cfg, plan, vs),
+            &agree::Terms::of(&cfg, plan, vs, excluded),
             &group,
             replicate.as_ref(),
         )?;
@@ -1127,8 +1131,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
-            let no_decay =
-                decay::excluded_ranges(&layout, |n, s| plan.excluded_from_weight_decay(n, s));
+            let no_decay = decay::excluded_ranges(&layout, excluded);
             units.push(Unit {
                 name,
                 no_decay,

@@ -7,16 +7,12 @@
 //! outer `cargo test` holds the workspace's), so the first run compiles
 //! tch and zrt again, about two minutes on two cores; later runs reuse it.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::printed as text;
 
 /// The template copied to a fresh folder outside the workspace, its `zrt`
 /// dependency pointed at this checkout and the workspace's lock file beside

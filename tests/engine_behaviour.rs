@@ -1707,6 +1707,76 @@ fn bf16_check_grad_overflow_skips_a_step_with_inf_gradients_on_every_rank() {
 }
 
 #[test]
+fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
+    // Five boundaries, the second skipped (rank 1's gradient is infinite):
+    // with `steps_per_print` 2 rank 0 logs boundaries 2 (the skipped one)
+    // and 4, as DeepSpeed counts them; rank 1 logs none; 0 logs nothing.
+    for every in [2, 0] {
+        let cfg = Config::from_json(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 4, "steps_per_print": {every},
+                "bf16": {{"enabled": true, "check_grad_overflow": true}},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+                "zero_optimization": {{"stage": 2}}}}"#
+        ))
+        .unwrap();
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&cfg, &r);
+            let mut at_4 = None;
+            let ((), logs) = common::with_logs_at(tracing::Level::INFO, || {
+                for k in 0..5 {
+                    let x = input(r.rank(), k).to_kind(Kind::BFloat16);
+                    let blow_up = if k == 1 && r.rank() == 1 {
+                        f64::INFINITY
+                    } else {
+                        1.0
+                    };
+                    e.backward(&(t.loss(&x) * blow_up)).unwrap();
+                    assert_eq!(
+                        e.step().unwrap(),
+                        k != 1,
+                        "rank {} boundary {}",
+                        r.rank(),
+                        k + 1
+                    );
+                    if k == 3 {
+                        at_4 = Some((e.lr(), e.betas(), e.global_grad_norm().unwrap()));
+                    }
+                }
+            });
+            let lines: Vec<&str> = logs
+                .lines()
+                .filter(|l| l.contains(", skipped="))
+                .filter_map(|l| l.split_once("step=").map(|(_, rest)| rest))
+                .collect();
+            if every == 0 || r.rank() != 0 {
+                assert!(lines.is_empty(), "rank {}, every {every}: {logs}", r.rank());
+                return;
+            }
+            let (lr, betas, norm) = at_4.unwrap();
+            assert_eq!(
+                (lr, betas),
+                (0.01, (0.9, 0.999)),
+                "the config's, no schedule"
+            );
+            let applied = "4, skipped=1, lr=0.01, mom=(0.9, 0.999), grad_norm=";
+            assert!(
+                lines.len() == 2
+                    && lines[0]
+                        == "2, skipped=1, lr=0.01, mom=(0.9, 0.999), grad_norm=none (step skipped)"
+                    && lines[1].starts_with(applied),
+                "{logs}"
+            );
+            // Six significant digits of the step's norm.
+            let printed: f64 = lines[1][applied.len()..].parse().unwrap();
+            assert!(
+                (printed - norm).abs() <= 1e-5 * norm,
+                "{printed} against {norm}"
+            );
+        });
+    }
+}
+
+#[test]
 fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
     let swap = std::env::temp_dir().join(format!("zrt-full-swap-{}", std::process::id()));
     std::fs::create_dir_all(&swap).unwrap();

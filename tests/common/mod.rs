@@ -163,6 +163,11 @@ pub fn example(name: &str) -> std::path::PathBuf {
 /// Runs `f` with this thread's `tracing` events (warnings and up) written
 /// into a string, which it returns with `f`'s result.
 pub fn with_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
+    with_logs_at(tracing::Level::WARN, f)
+}
+
+/// [`with_logs`] with the events at `level` and up.
+pub fn with_logs_at<R>(level: tracing::Level, f: impl FnOnce() -> R) -> (R, String) {
     #[derive(Clone, Default)]
     struct Buf(std::sync::Arc<Mutex<Vec<u8>>>);
     impl std::io::Write for Buf {
@@ -177,7 +182,7 @@ pub fn with_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
     let buf = Buf::default();
     let out = buf.clone();
     let sub = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
+        .with_max_level(level)
         .with_ansi(false)
         .with_writer(move || out.clone())
         .finish();

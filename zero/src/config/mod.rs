@@ -314,7 +314,10 @@ pub struct Config {
     pub precision: Precision,
     /// `gradient_clipping` (0: off).
     pub gradient_clipping: f64,
-    /// `steps_per_print`.
+    /// `steps_per_print` (default 10, DeepSpeed's): every that many
+    /// accumulation boundaries, skipped ones included, the job's first rank
+    /// logs a progress line at info (step, skipped steps, lr, betas,
+    /// gradient norm, fp16 loss scale). 0: never.
     pub steps_per_print: u64,
     /// `wall_clock_breakdown`.
     pub wall_clock_breakdown: bool,

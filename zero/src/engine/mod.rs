@@ -73,6 +73,7 @@ mod loss_scale;
 mod offload;
 mod overlap;
 mod pool;
+mod progress;
 mod timing;
 
 pub use overlap::OverlapCounts;
@@ -391,6 +392,33 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         match self.replicate_average(red.values()) {
             Some(w) => Ok(std::borrow::Cow::Owned(w.wait()?)),
             None => Ok(std::borrow::Cow::Borrowed(red.values())),
+        }
+    }
+
+    /// `steps_per_print`: the progress line, logged by the first rank of
+    /// the job only (rank 0 of the shard group and of the replicate group),
+    /// as DeepSpeed's `_report_progress` is. `norm` is this boundary's
+    /// gradient norm, `None` if the step was skipped.
+    fn report_progress(&self, st: &State, norm: Option<f64>) {
+        if self.group.rank() != 0 || self.replicate.as_ref().is_some_and(|r| r.rank() != 0) {
+            return;
+        }
+        let c = &self.cfg.config;
+        let p = progress::Progress {
+            boundaries: st.step + st.skipped,
+            skipped: st.skipped,
+            lr: st.lr,
+            // The betas of the last applied step, as `Engine::betas` says.
+            betas: betas_at(
+                c.scheduler.as_ref(),
+                c.optimizer.betas,
+                st.step.saturating_sub(1),
+            ),
+            norm,
+            loss_scale: st.scaler.as_ref().map(|s| s.scale),
+        };
+        if let Some(line) = progress::line(c.steps_per_print, &p) {
+            tracing::info!("{line}");
         }
     }
 
@@ -1529,6 +1557,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     scale = st.scaler.as_ref().map(|s| s.scale),
                     "gradient overflow (inf/NaN): step skipped on every rank"
                 );
+                i.report_progress(st, None);
                 return Ok(false);
             }
         }
@@ -1620,6 +1649,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let step = st.step;
         st.timing.step_ends(started, log, step);
+        i.report_progress(st, Some(norm));
         Ok(true)
     }
 

@@ -301,6 +301,46 @@ fn stage_3_frees_units_after_forward_and_between_steps() {
 }
 
 #[test]
+fn overlap_comm_false_waits_for_each_units_reduction_in_its_hook() {
+    // When backward reaches `a`'s output, `c`'s hook issued its reduction
+    // long before. With `overlap_comm` it may still be in flight (two
+    // buckets are allowed) and nothing is in c's gradient buffer yet;
+    // without, the hook waited for it and the buffer holds it. DeepSpeed's
+    // default: on at stage 3 only.
+    for (stage, zero, waited) in [
+        (2u8, r#""overlap_comm": true,"#, false),
+        (2, r#""overlap_comm": false,"#, true),
+        (2, "", true),
+        (3, "", false),
+        (3, r#""overlap_comm": false,"#, true),
+        (0, r#""overlap_comm": false,"#, true),
+    ] {
+        let cfg = config_plus(stage, 1, "", zero);
+        let buffers = on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&cfg, &r);
+            let e = std::sync::Arc::new(e);
+            let c = e.unit_names().iter().position(|n| n == "c").unwrap();
+            let h = t.a.forward(&input(r.rank(), 0));
+            let seen = std::sync::Arc::new(Mutex::new(None));
+            let (seen2, e2) = (seen.clone(), e.clone());
+            glue::on_grad(&h, move || *seen2.lock().unwrap() = e2.grad_buffer(c)).unwrap();
+            e.backward(&t.loss_after_a(&h)).unwrap();
+            let at_a = seen.lock().unwrap().take().expect("the hook ran");
+            (at_a, e.grad_buffer(c).unwrap())
+        });
+        for (rank, (at_a, after)) in buffers.into_iter().enumerate() {
+            let what = format!("stage {stage}, {zero:?}, rank {rank}");
+            assert!(after.iter().any(|&g| g != 0.0), "{what}: {after:?}");
+            if waited {
+                assert_eq!(at_a, after, "{what}: reduced in c's hook");
+            } else {
+                assert!(at_a.iter().all(|&g| g == 0.0), "{what}: in flight {at_a:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_units_gradient_buffer_goes_back_to_the_pool_for_the_next_backward() {
     // Backward stages each unit's gradients in a whole padded f32 buffer
     // (c: 32 elements, b: 64, a: 32, in backward order: 16-element slots,
@@ -1230,10 +1270,19 @@ fn train_with_extra_on_rank_0(
     micro_steps: usize,
     from: usize,
 ) -> Vec<Result<(), (usize, String)>> {
+    train_with_extra_on_rank_0_under(config(stage, gas), micro_steps, from)
+}
+
+/// [`train_with_extra_on_rank_0`] under `cfg`.
+fn train_with_extra_on_rank_0_under(
+    cfg: Config,
+    micro_steps: usize,
+    from: usize,
+) -> Vec<Result<(), (usize, String)>> {
     on_ranks(WORLD, |r| {
         let t = tiny();
         let extra = extra_param(&t, "c");
-        let e = engine_for(&t, &config(stage, gas), &r);
+        let e = engine_for(&t, &cfg, &r);
         for k in 0..micro_steps {
             let loss = t.loss(&input(r.rank(), k));
             let loss = match r.rank() == 0 && k >= from {
@@ -1300,6 +1349,12 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
             _ => "rank 0 reduces `c`, rank 1 reduces `b`. ",
         };
         assert_named_uneven(&run(stage), what, None);
+        // `overlap_comm` against its default (on at stage 3 only): where
+        // rank 0 waits in c's hook, its error is made when backward has
+        // run on, so it does not blame its own units not reached yet.
+        let flipped = format!(r#""overlap_comm": {},"#, stage != 3);
+        let got = train_with_extra_on_rank_0_under(config_plus(stage, 2, "", &flipped), 4, 0);
+        assert_named_uneven(&got, what, None);
     }
 }
 
@@ -1893,14 +1948,21 @@ fn bf16_model_state_holds_fp32_gradients() {
 fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_until_a_load() {
     // The input changes in place after the forward: libtorch's backward
     // fails at unit `a` (its saved input is stale), after `c` and `b` ran.
-    // Stage 1 has then added both to its accumulated gradients, stages 2-3
-    // with 1-element buckets `c` (retired when `b` launched); with the
-    // default buckets nothing was added yet and training goes on.
-    let cases: [(u8, &str, Option<&str>); 4] = [
+    // Stage 1 has then added both to its accumulated gradients, and so has
+    // stage 2 without `overlap_comm` (each hook waits for its reduction);
+    // with it, stages 2-3 with 1-element buckets `c` (retired when `b`
+    // launched), and with the default buckets nothing was added yet and
+    // training goes on.
+    let cases: [(u8, &str, Option<&str>); 5] = [
         (1, "", Some("units `b`, `c`")),
-        (2, r#""reduce_bucket_size": 1,"#, Some("unit `c`")),
+        (2, "", Some("units `b`, `c`")),
+        (
+            2,
+            r#""reduce_bucket_size": 1, "overlap_comm": true,"#,
+            Some("unit `c`"),
+        ),
         (3, r#""reduce_bucket_size": 1,"#, Some("unit `c`")),
-        (2, "", None),
+        (2, r#""overlap_comm": true,"#, None),
     ];
     for (stage, zero, added) in cases {
         let what = format!("stage {stage} {zero}");

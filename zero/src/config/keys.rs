@@ -45,7 +45,12 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "zero_force_ds_cpu_optimizer",
 ];
 
-/// `zero_optimization` keys zrt honours (aliases included).
+/// `zero_optimization` keys zrt reads (aliases included). Some tune
+/// DeepSpeed's own implementation and change nothing here
+/// (`contiguous_gradients`, `reduce_scatter`, `allgather_partitions`,
+/// `allgather_bucket_size`, `stage3_max_reuse_distance`: the README's
+/// choices say why); they are accepted without a warning because every
+/// value of them gives the same results here.
 pub(crate) const ZERO: &[&str] = &[
     "stage",
     "reduce_bucket_size",

@@ -243,11 +243,16 @@ pub struct ZeroConfig {
     pub stage: u8,
     /// Elements per gradient bucket.
     pub reduce_bucket_size: Setting<u64>,
-    /// Elements per gather bucket (stages 1-2).
+    /// Elements per gather bucket (stages 1-2). Read and agreed on across
+    /// ranks, nothing more: zrt gathers each unit's updated shards in one
+    /// call (the unit is the bucket).
     pub allgather_bucket_size: u64,
-    /// Overlap reduce-scatter with backward.
+    /// Overlap gradient reductions with backward (DeepSpeed's default: on
+    /// at stage 3 only). Off, each unit's gradient hook waits for the
+    /// reductions it issued, so none is in flight while backward computes.
     pub overlap_comm: bool,
-    /// Copy gradients into contiguous buffers as they are produced.
+    /// Copy gradients into contiguous buffers as they are produced. Read
+    /// and agreed on; zrt's gradients always go into flat buffers.
     pub contiguous_gradients: bool,
     /// Elements gathered ahead (stage 3).
     pub stage3_prefetch_bucket_size: Setting<u64>,
@@ -255,7 +260,10 @@ pub struct ZeroConfig {
     pub stage3_param_persistence_threshold: Setting<u64>,
     /// Gathered elements in flight at most (stage 3).
     pub stage3_max_live_parameters: u64,
-    /// Keep a gathered parameter if it is reused within this many elements (stage 3).
+    /// Keep a gathered parameter if it is reused within this many elements
+    /// (stage 3). Read and agreed on; zrt keeps the unit forward ran last
+    /// gathered for the backward that begins with it and re-gathers the
+    /// others, whatever this says.
     pub stage3_max_reuse_distance: u64,
     /// MiCS: shard inside groups of this many ranks (-1 or absent: whole world).
     pub mics_shard_size: Option<u64>,

@@ -1377,7 +1377,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // `after_forward`), an error's too: nothing reads them after it.
         let reguarded = self.inner.reguard(st);
         match st.error.take() {
-            Some(e) => Err(e),
+            Some(e) => Err(overlap::named_after_backward(st, e)),
             None => match &st.broken {
                 Some(why) => Err(EngineError::GradientsLost(why.clone())),
                 None => reguarded,

@@ -305,6 +305,11 @@ pub(super) struct Progress {
     pub(super) bare: bool,
     /// The order forward runs the units in, which prefetch follows.
     pub(super) order: RunOrder,
+    /// `overlap_comm: false`: reductions a hook found announced unevenly
+    /// (the ranks' names for it, the units some rank reduced), named when
+    /// the error is returned, after backward ran on (see
+    /// [`uneven_after_backward`]).
+    uneven_later: Option<(String, Vec<usize>)>,
 }
 
 /// The order the units' forwards ran in, recorded as they run (FSDP2
@@ -440,6 +445,7 @@ impl Progress {
             counts: OverlapCounts::default(),
             bare: false,
             order: RunOrder::default(),
+            uneven_later: None,
         }
     }
 }
@@ -456,6 +462,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn begin_backward(&self, st: &mut State) {
         st.prog.order.complete();
         st.prog.added.clear();
+        st.prog.uneven_later = None;
         for (k, u) in st.units.iter().enumerate() {
             st.prog.ready[k] = u.params.len();
             // A unit of frozen parameters only has nothing to reduce.
@@ -490,7 +497,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.ready[k] = st.prog.ready[k].saturating_sub(1);
         if st.prog.ready[k] == 0 {
             st.prog.counts.during_backward += 1;
-            if let Err(e) = self.launch_reduce(&mut st, k, true) {
+            let overlap = self.cfg.config.zero.overlap_comm;
+            let done = self
+                .launch_reduce(&mut st, k, true)
+                .and_then(|()| match overlap {
+                    true => Ok(()),
+                    false => self.wait_for_reductions(&mut st),
+                });
+            if let Err(e) = done {
                 st.error = Some(e);
             }
         }
@@ -599,15 +613,39 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         z.reduce_bucket_size.value().unwrap_or(u64::MAX).max(1) as usize
     }
 
+    /// `overlap_comm: false`: backward waits in the hook for the
+    /// reductions it just issued (and under hybrid sharding their
+    /// replicate-group averages), so no gradient buffer outlives its unit's
+    /// hook and communication never runs beside backward's compute.
+    fn wait_for_reductions(&self, st: &mut State) -> Result<(), EngineError> {
+        let mut waited = || {
+            while !st.prog.reduce_ids.is_empty() {
+                self.retire_oldest_explained(st, uneven_after_backward)?;
+            }
+            self.finish_replicas(st)
+        };
+        waited().map_err(|e| explain_by_prefetches(st, e))
+    }
+
     /// Waits for the oldest unit's reductions (once its announcement shows
     /// every rank reduced that unit) and adds them to its gradient shard,
     /// which frees their buffers.
     fn retire_oldest(&self, st: &mut State) -> Result<(), EngineError> {
+        self.retire_oldest_explained(st, uneven_now)
+    }
+
+    /// [`Self::retire_oldest`], with `explain` making the error when the
+    /// ranks announced different units.
+    fn retire_oldest_explained(
+        &self,
+        st: &mut State,
+        explain: impl FnOnce(&mut State, Disagreement) -> EngineError,
+    ) -> Result<(), EngineError> {
         if st.prog.reduce_ids.is_empty() {
             return Ok(());
         }
         let (k, works) = st.prog.reduce_ids.remove(0);
-        check_announced(st, k, works, uneven_now)?;
+        check_announced(st, k, works, explain)?;
         // The previous retired unit's replicate averages have had a unit's
         // backward to run.
         self.finish_replicas(st)?;
@@ -1053,11 +1091,69 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// The error for reductions announced differently mid-backward: the
 /// parameters without a gradient so far are those of the units some rank
 /// reduced and this one has not.
-fn uneven_now(st: &State, d: Disagreement) -> EngineError {
+fn uneven_now(st: &mut State, d: Disagreement) -> EngineError {
     let reduced = d.reduced.clone();
     let uneven =
         |names: String, reduced: &[usize]| explain_uneven(&names, &without_gradient(st, reduced));
     d.error(|names| uneven(names, &reduced), uneven)
+}
+
+/// [`uneven_now`] for a hook that waits for its own unit's reduction
+/// (`overlap_comm: false`). A rank ahead of its peers is still in that
+/// hook: the units before it in forward have no gradients yet, and naming
+/// them as the cause would be wrong. So the error names the parameters
+/// without a gradient when it is returned ([`named_after_backward`]),
+/// after backward ran on with the hooks disarmed by the error.
+fn uneven_after_backward(st: &mut State, d: Disagreement) -> EngineError {
+    let reduced = d.reduced.clone();
+    // The error stands in for the one returned later, and names no
+    // parameter; `kept` is set unless the ranks made different calls.
+    let kept = std::cell::Cell::new(None);
+    let keep = |names: String| {
+        let e = explain_uneven(&names, &[]);
+        kept.set(Some(names));
+        e
+    };
+    let e = d.error(keep, |names, _| keep(names));
+    if let Some(names) = kept.take() {
+        st.prog.uneven_later = Some((names, reduced));
+    }
+    e
+}
+
+/// A collective failed (`e`) while a hook waited for its reductions
+/// (`overlap_comm: false`). A gather this rank issued ahead for backward
+/// may have met a peer's reduction at its announcement, and the failure is
+/// the data collectives that followed (a reduce-scatter against an
+/// all-gather): an announcement already answered that shows the ranks
+/// disagreeing is the cause, named as [`uneven_after_backward`] names it.
+/// Otherwise `e`. Reads only announcements that are done: waits for
+/// nothing.
+fn explain_by_prefetches(st: &mut State, e: EngineError) -> EngineError {
+    for i in 0..st.prog.prefetch.len() {
+        if !st.prog.prefetch[i].as_ref().is_some_and(|p| p.ids.done()) {
+            continue;
+        }
+        let Some(p) = st.prog.prefetch[i].take() else {
+            continue;
+        };
+        let units = &st.units;
+        if let Ok(Some(d)) = p.ids.disagree(p.kind, i, |x| unit_name(units, x)) {
+            return uneven_after_backward(st, d);
+        }
+    }
+    e
+}
+
+/// The error a backward's hook kept, as the engine call returns it: an
+/// uneven reduction found by a hook that waited for it
+/// ([`uneven_after_backward`]) names this rank's parameters without a
+/// gradient now, when backward has run.
+pub(super) fn named_after_backward(st: &mut State, e: EngineError) -> EngineError {
+    match st.prog.uneven_later.take() {
+        Some((names, reduced)) => explain_uneven(&names, &without_gradient(st, &reduced)),
+        None => e,
+    }
 }
 
 /// Waits for unit `k`'s reduction announcements (`works`, on the group and
@@ -1068,7 +1164,7 @@ fn check_announced(
     st: &mut State,
     k: usize,
     works: Vec<UnitIds>,
-    explain: impl FnOnce(&State, Disagreement) -> EngineError,
+    explain: impl FnOnce(&mut State, Disagreement) -> EngineError,
 ) -> Result<(), EngineError> {
     for w in works {
         let units = &st.units;

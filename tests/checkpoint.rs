@@ -1292,14 +1292,98 @@ fn a_model_without_frozen_variables_loads_a_checkpoint_from_before_them_quietly(
 /// Rewrites a checkpoint's `meta.json` as zrt wrote it before it saved
 /// frozen variables (no `frozen` field), checksum and all.
 fn strip_frozen(meta: &Path) {
+    strip_field(meta, "frozen");
+}
+
+/// Rewrites a checkpoint's `meta.json` without `field`, as zrt wrote it
+/// before it recorded that, checksum and all.
+fn strip_field(meta: &Path, field: &str) {
     let text = std::fs::read_to_string(meta).unwrap();
     let mut file: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut body = file["body"].take();
-    assert!(body.as_object_mut().unwrap().remove("frozen").is_some());
+    assert!(body.as_object_mut().unwrap().remove(field).is_some());
     let body = body.to_string();
     let crc = crc32fast::hash(body.as_bytes());
     let text = format!("{{\"crc32\":\"{crc:08x}\",\"body\":{body}}}\n");
     std::fs::write(meta, text).unwrap();
+}
+
+#[test]
+fn a_resume_that_changes_what_weight_decay_leaves_out_is_warned_about() {
+    let _serial = serial();
+    let dir = tmp("decay-rule");
+    let cfg = config_with(3, 1, 0.0, "");
+    // Each phase builds a fresh model and engine, as a restarted job would.
+    let engine = |rule: bool| {
+        let (vs, plan, _) = model();
+        if rule {
+            plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
+                .unwrap();
+        }
+        let vectors: Vec<String> = (vs.variables().into_iter())
+            .filter(|(_, t)| t.dim() < 2)
+            .map(|(name, _)| name)
+            .collect();
+        (solo_engine(&vs, &plan, &cfg).unwrap(), vectors, vs)
+    };
+    let (e, mut vectors, _vs) = engine(true);
+    e.save_checkpoint(&dir, "t").unwrap();
+    drop(e);
+    vectors.sort();
+    assert!(vectors.len() > 5, "{vectors:?}");
+    let meta = std::fs::read_to_string(dir.join("t").join("meta.json")).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    assert_eq!(
+        meta["body"]["no_weight_decay"],
+        serde_json::json!(vectors),
+        "the checkpoint records what its run left out"
+    );
+    let shown = zrt::zero::checkpoint::inspect(&dir, Some("t")).unwrap();
+    assert!(
+        shown.contains(&format!(
+            "{} parameter(s) left out of weight decay: {}",
+            vectors.len(),
+            vectors.join(", ")
+        )),
+        "{shown}"
+    );
+    let load = |rule: bool, module_only: bool| {
+        let (e, _, _vs) = engine(rule);
+        let (loaded, logs) = common::with_logs(|| match module_only {
+            true => e.load_checkpoint_module_only(&dir, None).map(|_| ()),
+            false => e.load_checkpoint(&dir, None).map(|_| ()),
+        });
+        loaded.unwrap();
+        logs
+    };
+    // The same rule: quiet.
+    let logs = load(true, false);
+    assert!(!logs.contains("weight decay"), "{logs}");
+    // No rule: every vector decays from here on, and the warning says so.
+    let logs = load(false, false);
+    let first = vectors
+        .iter()
+        .take(5)
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>();
+    assert!(
+        logs.contains("WARN")
+            && logs.contains(&format!(
+                "the checkpoint's run left {} parameter(s) out of weight decay, this engine's plan leaves out 0: from here on weight decay follows the plan (now left out: none; now decayed: {} and {} more)",
+                vectors.len(),
+                first.join(", "),
+                vectors.len() - 5
+            )),
+        "{logs}"
+    );
+    // Only the weights: no optimizer state is carried on, nothing to warn of.
+    let logs = load(false, true);
+    assert!(!logs.contains("weight decay"), "{logs}");
+    // A checkpoint from before zrt recorded it: nothing to compare with.
+    strip_field(&dir.join("t").join("meta.json"), "no_weight_decay");
+    let logs = load(false, false);
+    assert!(!logs.contains("weight decay"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -160,6 +160,14 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             frozen.len()
         );
     }
+    if let Some(names) = meta.no_weight_decay.as_deref().filter(|n| !n.is_empty()) {
+        let _ = writeln!(
+            s,
+            "  {} parameter(s) left out of weight decay: {}",
+            names.len(),
+            names.join(", ")
+        );
+    }
     if !meta.client_state.is_null() {
         let _ = writeln!(s, "  client state {}", meta.client_state);
     }

@@ -107,6 +107,11 @@ pub struct Meta {
     /// written before zrt saved them (loading one leaves them as they are).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frozen: Option<Vec<FrozenMeta>>,
+    /// The parameters the run left out of weight decay
+    /// ([`ShardPlan::exclude_from_weight_decay`](crate::ShardPlan::exclude_from_weight_decay)),
+    /// sorted; `None` in checkpoints written before zrt recorded them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_weight_decay: Option<Vec<String>>,
     /// The resolved config (the settings that shape training).
     pub config: serde_json::Value,
     /// What the program saved with the checkpoint (DeepSpeed's
@@ -359,6 +364,7 @@ mod tests {
             }],
             files: vec![rank_file_name(0, 2), rank_file_name(1, 2)],
             frozen: None,
+            no_weight_decay: None,
             config: serde_json::Value::Null,
             client_state: serde_json::Value::Null,
         }

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
 
+use super::decay;
 use super::frozen::{self, Frozen};
 use super::{Compute, Engine, OwnedState, Scaler, State};
 use crate::checkpoint::consolidate::encode;
@@ -457,6 +458,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
             frozen: Some(frozen),
+            no_weight_decay: Some(decay::excluded_names(&st.units)),
             client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
@@ -550,7 +552,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.same_checkpoint(dir, &loaded)?;
         let tag = loaded.tag.clone();
         let client_state = loaded.meta.client_state.clone();
+        let saved_decay = loaded.meta.no_weight_decay.clone();
         self.apply(loaded, what)?;
+        if let (What::Everything, Some(saved), true) = (what, saved_decay, self.inner.first_rank())
+        {
+            let now = decay::excluded_names(&self.inner.st.lock().units);
+            if let Some(change) = decay::changed(&saved, &now) {
+                tracing::warn!("{change}");
+            }
+        }
         tracing::info!(tag = %tag, module_only = what == What::ModuleOnly, "checkpoint loaded");
         Ok((tag, client_state))
     }

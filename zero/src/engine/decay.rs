@@ -40,6 +40,51 @@ pub(super) fn excluded_ranges(
     out
 }
 
+/// The names of the parameters weight decay leaves out, over every unit,
+/// sorted (what a checkpoint records).
+pub(super) fn excluded_names(units: &[super::Unit]) -> Vec<String> {
+    let mut names: Vec<String> = units
+        .iter()
+        .flat_map(|u| u.no_decay_names.iter().cloned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// What a resumed run changes in weight decay: `None` when the parameters
+/// the checkpoint's run left out (`saved`) are the ones this engine
+/// leaves out (`now`, both sorted), else the warning to log. Changing the
+/// rule on resume is allowed, as changing `weight_decay` in the config
+/// is, but never silent.
+pub(super) fn changed(saved: &[String], now: &[String]) -> Option<String> {
+    if saved == now {
+        return None;
+    }
+    let list = |names: Vec<&String>| {
+        let shown: Vec<String> = names.iter().take(5).map(|n| format!("`{n}`")).collect();
+        match names.len() {
+            0 => "none".to_string(),
+            n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
+            _ => shown.join(", "),
+        }
+    };
+    let added: Vec<&String> = now
+        .iter()
+        .filter(|n| saved.binary_search(n).is_err())
+        .collect();
+    let dropped: Vec<&String> = saved
+        .iter()
+        .filter(|n| now.binary_search(n).is_err())
+        .collect();
+    Some(format!(
+        "the checkpoint's run left {} parameter(s) out of weight decay, this engine's plan leaves out {}: from here on weight decay follows the plan (now left out: {}; now decayed: {}). If that is not meant, give the plan the rule the run had (ShardPlan::exclude_from_weight_decay)",
+        saved.len(),
+        now.len(),
+        list(added),
+        list(dropped),
+    ))
+}
+
 /// `whole` (a range of the flat buffer) cut where it enters or leaves an
 /// `excluded` range: `(length, decays)` for each run, in order, none empty,
 /// lengths summing to `whole`'s.

@@ -112,6 +112,8 @@ struct Unit {
     /// The ranges of the flat buffer weight decay leaves out
     /// ([`ShardPlan::exclude_from_weight_decay`]).
     no_decay: Vec<std::ops::Range<usize>>,
+    /// The names of the parameters it leaves out (for checkpoints).
+    no_decay_names: Vec<String>,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -395,12 +397,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
+    /// Whether this is the job's first rank (rank 0 of the shard group and
+    /// of the replicate group): the one that logs what every rank would.
+    fn first_rank(&self) -> bool {
+        self.group.rank() == 0 && self.replicate.as_ref().is_none_or(|r| r.rank() == 0)
+    }
+
     /// `steps_per_print`: the progress line, logged by the first rank of
     /// the job only (rank 0 of the shard group and of the replicate group),
     /// as DeepSpeed's `_report_progress` is. `norm` is this boundary's
     /// gradient norm, `None` if the step was skipped.
     fn report_progress(&self, st: &State, norm: Option<f64>) {
-        if self.group.rank() != 0 || self.replicate.as_ref().is_some_and(|r| r.rank() != 0) {
+        if !self.first_rank() {
             return;
         }
         let c = &self.cfg.config;
@@ -1160,9 +1168,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let no_decay = decay::excluded_ranges(&layout, excluded);
+            let no_decay_names = (layout.slots.iter())
+                .filter(|s| excluded(&s.name, &s.shape))
+                .map(|s| s.name.clone())
+                .collect();
             units.push(Unit {
                 name,
                 no_decay,
+                no_decay_names,
                 layout,
                 params: ts,
                 flat,

@@ -305,12 +305,12 @@ fn overlap_comm_false_waits_for_each_units_reduction_in_its_hook() {
     // When backward reaches `a`'s output, `c`'s hook issued its reduction
     // long before. With `overlap_comm` it may still be in flight (two
     // buckets are allowed) and nothing is in c's gradient buffer yet;
-    // without, the hook waited for it and the buffer holds it. DeepSpeed's
-    // default: on at stage 3 only.
+    // without, the hook waited for it and the buffer holds it. On by
+    // default at every stage.
     for (stage, zero, waited) in [
         (2u8, r#""overlap_comm": true,"#, false),
         (2, r#""overlap_comm": false,"#, true),
-        (2, "", true),
+        (2, "", false),
         (3, "", false),
         (3, r#""overlap_comm": false,"#, true),
         (0, r#""overlap_comm": false,"#, true),
@@ -1349,11 +1349,11 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
             _ => "rank 0 reduces `c`, rank 1 reduces `b`. ",
         };
         assert_named_uneven(&run(stage), what, None);
-        // `overlap_comm` against its default (on at stage 3 only): where
-        // rank 0 waits in c's hook, its error is made when backward has
-        // run on, so it does not blame its own units not reached yet.
-        let flipped = format!(r#""overlap_comm": {},"#, stage != 3);
-        let got = train_with_extra_on_rank_0_under(config_plus(stage, 2, "", &flipped), 4, 0);
+        // Without `overlap_comm` rank 0 waits in c's hook; its error is
+        // made when backward has run on, so it does not blame its own
+        // units not reached yet.
+        let waiting = config_plus(stage, 2, "", r#""overlap_comm": false,"#);
+        let got = train_with_extra_on_rank_0_under(waiting, 4, 0);
         assert_named_uneven(&got, what, None);
     }
 }
@@ -1955,14 +1955,10 @@ fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_un
     // training goes on.
     let cases: [(u8, &str, Option<&str>); 5] = [
         (1, "", Some("units `b`, `c`")),
-        (2, "", Some("units `b`, `c`")),
-        (
-            2,
-            r#""reduce_bucket_size": 1, "overlap_comm": true,"#,
-            Some("unit `c`"),
-        ),
+        (2, r#""overlap_comm": false,"#, Some("units `b`, `c`")),
+        (2, r#""reduce_bucket_size": 1,"#, Some("unit `c`")),
         (3, r#""reduce_bucket_size": 1,"#, Some("unit `c`")),
-        (2, r#""overlap_comm": true,"#, None),
+        (2, "", None),
     ];
     for (stage, zero, added) in cases {
         let what = format!("stage {stage} {zero}");

@@ -669,15 +669,14 @@ fn hybrid_sharding_matches_the_unsharded_reference() {
             "",
             r#""mics_shard_size": 2, "reduce_bucket_size": 100,"#,
         );
-        // `overlap_comm` against its default (on at stage 3 only): off,
-        // each hook waits for its unit's reduce-scatter and
-        // replicate-group average. The same bits.
-        let flipped = format!(r#""mics_shard_size": 2, "overlap_comm": {},"#, stage != 3);
-        for (rank, b) in run_hybrid(&config_zero(stage, 1, 0.5, "", &flipped))
+        // Without `overlap_comm` each hook waits for its unit's
+        // reduce-scatter and replicate-group average. The same bits.
+        let waiting = r#""mics_shard_size": 2, "overlap_comm": false,"#;
+        for (rank, b) in run_hybrid(&config_zero(stage, 1, 0.5, "", waiting))
             .iter()
             .enumerate()
         {
-            let what = format!("hybrid stage {stage}, {flipped}, rank {rank}");
+            let what = format!("hybrid stage {stage}, overlap_comm false, rank {rank}");
             assert_eq!(b.0, out[0].0, "{what}");
             assert_eq!(b.1, out[0].1, "{what}");
         }
@@ -1115,13 +1114,12 @@ fn gradients_reduced_in_small_buckets_give_the_same_bits() {
             let what = format!("stage {stage} gas {gas}");
             assert_eq!(bucketed.losses, whole.losses, "{what}");
             assert_eq!(bucketed.params, whole.params, "{what}");
-            // `overlap_comm` against its default (on at stage 3 only): each
-            // hook waiting for its unit's reductions, or not, changes when
-            // they are added, not what.
-            let flipped = format!(r#""overlap_comm": {},"#, stage != 3);
-            let other = run_engine_with(config_zero(stage, gas, 0.5, "", &flipped), gas);
-            assert_eq!(other.losses, whole.losses, "{what}, {flipped}");
-            assert_eq!(other.params, whole.params, "{what}, {flipped}");
+            // Without `overlap_comm` each hook waits for its unit's
+            // reductions: that changes when they are added, not what.
+            let waiting = r#""overlap_comm": false,"#;
+            let other = run_engine_with(config_zero(stage, gas, 0.5, "", waiting), gas);
+            assert_eq!(other.losses, whole.losses, "{what}, {waiting}");
+            assert_eq!(other.params, whole.params, "{what}, {waiting}");
             // Each unit's reduction becomes ceil(padded / 100) calls (a
             // reduce-scatter's bucket takes 50 elements of each rank's
             // shard), once a micro-step (stages 0, 2, 3) or once a step

@@ -247,9 +247,10 @@ pub struct ZeroConfig {
     /// ranks, nothing more: zrt gathers each unit's updated shards in one
     /// call (the unit is the bucket).
     pub allgather_bucket_size: u64,
-    /// Overlap gradient reductions with backward (DeepSpeed's default: on
-    /// at stage 3 only). Off, each unit's gradient hook waits for the
-    /// reductions it issued, so none is in flight while backward computes.
+    /// Overlap gradient reductions with backward (default on at every
+    /// stage; DeepSpeed's is on at stage 3 only). Off, each unit's gradient
+    /// hook waits for the reductions it issued, so none is in flight while
+    /// backward computes.
     pub overlap_comm: bool,
     /// Copy gradients into contiguous buffers as they are produced. Read
     /// and agreed on; zrt's gradients always go into flat buffers.

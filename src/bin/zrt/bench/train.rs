@@ -153,12 +153,9 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         Gpt::new(&vs.root(), &plan, &c)
     };
     let frozen = if a.freeze_mlp { freeze_mlp(&vs) } else { 0 };
-    // `overlap_comm` on at every stage, as Hugging Face's configs set it
-    // (DeepSpeed's default is on at stage 3 only): the peers (DDP, FSDP)
-    // overlap their reductions with backward too.
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
-            "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}, "overlap_comm": true}}}}"#,
+            "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}}}}}"#,
         a.micro, a.stage, a.reduce_bucket_size
     ))?;
     let group = dist.new_group(&(0..n).collect::<Vec<_>>())?;

@@ -1832,6 +1832,30 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
 }
 
 #[test]
+fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
+    // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
+    // but not of its replicate group {0, 2}; only world rank 0 logs.
+    let cfg = Config::from_json(
+        r#"{"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 2, "mics_shard_size": 2}}"#,
+    )
+    .unwrap();
+    let lines = on_ranks(4, |mut r| {
+        let t = tiny();
+        let e = Engine::from_config(&t.vs, &t.plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+        let ((), logs) = common::with_logs_at(tracing::Level::INFO, || {
+            e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+            assert!(e.step().unwrap());
+        });
+        logs.lines()
+            .filter(|l| l.contains("step=1, skipped=0, lr=0.01"))
+            .count()
+    });
+    assert_eq!(lines, [1, 0, 0, 0]);
+}
+
+#[test]
 fn with_full_params_a_stage_3_model_saves_through_its_var_store() {
     let swap = std::env::temp_dir().join(format!("zrt-full-swap-{}", std::process::id()));
     std::fs::create_dir_all(&swap).unwrap();

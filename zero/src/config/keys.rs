@@ -45,28 +45,17 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "zero_force_ds_cpu_optimizer",
 ];
 
-/// `zero_optimization` keys zrt reads (aliases included). Some tune
-/// DeepSpeed's own implementation and change nothing here
-/// (`contiguous_gradients`, `reduce_scatter`, `allgather_partitions`,
-/// `allgather_bucket_size`, `stage3_max_reuse_distance`: the README's
-/// choices say why); they are accepted without a warning because every
-/// value of them gives the same results here.
+/// `zero_optimization` keys zrt honours (aliases included).
 pub(crate) const ZERO: &[&str] = &[
     "stage",
     "reduce_bucket_size",
-    "allgather_bucket_size",
     "overlap_comm",
-    "contiguous_gradients",
-    "reduce_scatter",
-    "allgather_partitions",
     "stage3_prefetch_bucket_size",
     "prefetch_bucket_size",
     "stage3_param_persistence_threshold",
     "param_persistence_threshold",
     "stage3_max_live_parameters",
     "max_live_parameters",
-    "stage3_max_reuse_distance",
-    "max_reuse_distance",
     "mics_shard_size",
     "zero_hpz_partition_size",
     "offload_optimizer",
@@ -75,6 +64,12 @@ pub(crate) const ZERO: &[&str] = &[
 
 /// `zero_optimization` keys DeepSpeed knows that zrt does not implement yet (warnings).
 pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
+    "contiguous_gradients",
+    "reduce_scatter",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "stage3_max_reuse_distance",
+    "max_reuse_distance",
     "sub_group_size",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
@@ -107,6 +102,34 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
 /// DeepSpeed spell out its defaults); any other value warns, saying what
 /// zrt does instead. Top-level blocks with `"enabled": false` pass too.
 pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
+    // Settings of DeepSpeed's own implementation: zrt does one thing,
+    // with the same results, and says so when a config asks for another.
+    (
+        "contiguous_gradients",
+        AsZrt::Bool(true),
+        "zrt's gradients always go into contiguous flat buffers",
+    ),
+    (
+        "reduce_scatter",
+        AsZrt::Bool(true),
+        "zrt always reduce-scatters gradients (DeepSpeed's all-reduce instead gives the same sums)",
+    ),
+    (
+        "allgather_partitions",
+        AsZrt::Bool(true),
+        "zrt always all-gathers the updated shards (DeepSpeed's broadcasts instead give the same values)",
+    ),
+    (
+        "allgather_bucket_size",
+        AsZrt::Number(5e8),
+        "zrt gathers each unit's updated shards in one call: the unit is the bucket",
+    ),
+    (
+        "stage3_max_reuse_distance",
+        AsZrt::Number(1e9),
+        REUSE,
+    ),
+    ("max_reuse_distance", AsZrt::Number(1e9), REUSE),
     (
         "activation_checkpointing",
         AsZrt::Never,
@@ -198,6 +221,9 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "zrt's stage 1 is the current one",
     ),
 ];
+
+/// What zrt does instead of `stage3_max_reuse_distance`.
+const REUSE: &str = "stage 3 keeps the unit forward ran last gathered for the backward that begins with it and re-gathers the others, whatever the distance";
 
 const GATHERS_ON_SAVE: &str = "zrt's save_16bit_model gathers the weights whatever this says (one unit at a time, never the whole model on a rank)";
 

@@ -244,8 +244,9 @@ pub struct ZeroConfig {
     /// Elements per gradient bucket.
     pub reduce_bucket_size: Setting<u64>,
     /// Elements per gather bucket (stages 1-2). Read and agreed on across
-    /// ranks, nothing more: zrt gathers each unit's updated shards in one
-    /// call (the unit is the bucket).
+    /// ranks, nothing more (a value other than DeepSpeed's 5e8 warns): zrt
+    /// gathers each unit's updated shards in one call (the unit is the
+    /// bucket).
     pub allgather_bucket_size: u64,
     /// Overlap gradient reductions with backward (default on at every
     /// stage; DeepSpeed's is on at stage 3 only). Off, each unit's gradient
@@ -253,7 +254,8 @@ pub struct ZeroConfig {
     /// backward computes.
     pub overlap_comm: bool,
     /// Copy gradients into contiguous buffers as they are produced. Read
-    /// and agreed on; zrt's gradients always go into flat buffers.
+    /// and agreed on (false warns); zrt's gradients always go into flat
+    /// buffers.
     pub contiguous_gradients: bool,
     /// Elements gathered ahead (stage 3).
     pub stage3_prefetch_bucket_size: Setting<u64>,
@@ -262,7 +264,8 @@ pub struct ZeroConfig {
     /// Gathered elements in flight at most (stage 3).
     pub stage3_max_live_parameters: u64,
     /// Keep a gathered parameter if it is reused within this many elements
-    /// (stage 3). Read and agreed on; zrt keeps the unit forward ran last
+    /// (stage 3). Read and agreed on (a value other than DeepSpeed's 1e9
+    /// warns); zrt keeps the unit forward ran last
     /// gathered for the backward that begins with it and re-gathers the
     /// others, whatever this says.
     pub stage3_max_reuse_distance: u64,

@@ -391,6 +391,56 @@ fn known_but_unimplemented_keys_warn_and_nvme_needs_a_path() {
 }
 
 #[test]
+fn settings_of_deepspeeds_own_implementation_warn_unless_they_ask_for_what_zrt_does() {
+    // DeepSpeed's defaults, as configs spell them out: quiet.
+    let quiet = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "contiguous_gradients": true,
+            "reduce_scatter": true, "allgather_partitions": true, "allgather_bucket_size": 5e8,
+            "stage3_max_reuse_distance": 1e9}}"#,
+    )
+    .unwrap();
+    assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    assert_eq!(quiet.zero.allgather_bucket_size, 500_000_000);
+    // Anything else: each named, with what zrt does, and the value kept
+    // (the ranks still agree on it).
+    let loud = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "contiguous_gradients": false,
+            "reduce_scatter": false, "allgather_partitions": false, "allgather_bucket_size": 2e8,
+            "max_reuse_distance": 5}}"#,
+    )
+    .unwrap();
+    assert_eq!(loud.zero.allgather_bucket_size, 200_000_000);
+    assert_eq!(loud.zero.stage3_max_reuse_distance, 5);
+    for (key, does) in [
+        ("contiguous_gradients` = false", "contiguous flat buffers"),
+        (
+            "reduce_scatter` = false",
+            "always reduce-scatters gradients",
+        ),
+        (
+            "allgather_partitions` = false",
+            "always all-gathers the updated shards",
+        ),
+        (
+            "allgather_bucket_size` = 200000000.0",
+            "the unit is the bucket",
+        ),
+        ("max_reuse_distance` = 5", "re-gathers the others"),
+    ] {
+        assert!(
+            loud.warnings.iter().any(|w| w
+                .starts_with(&format!("`zero_optimization.{key} is a DeepSpeed setting zrt does not implement; it is ignored: "))
+                && w.contains(does)),
+            "{key}: {:?}",
+            loud.warnings
+        );
+    }
+    assert_eq!(loud.warnings.len(), 5, "{:?}", loud.warnings);
+}
+
+#[test]
 fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
     let quiet = Config::from_json(
         r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": false, "gradient_predivide_factor": 1.0,

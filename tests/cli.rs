@@ -161,8 +161,8 @@ fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
     assert!(ok, "{out}");
     // DeepSpeed's "auto": hidden^2, 0.9 hidden^2 and 10 hidden.
     for want in [
-        "buckets          reduce 262144 allgather",
-        "stage 3          prefetch 235929 persistence < 5120 max_live",
+        "buckets          reduce 262144 (elements); overlap_comm true",
+        "stage 3          prefetch 235929 persistence < 5120 max_live 1000000000",
         "warmup_num_steps: 10, warmup_type: \"log\", total_num_steps: 1000 }",
         "precision        fp16 compute",
     ] {

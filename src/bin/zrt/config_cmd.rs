@@ -154,14 +154,20 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
     );
     let z = &c.zero;
     println!("  zero stage       {}", z.stage);
-    println!("  buckets          reduce {} allgather {} (elements); overlap_comm {} contiguous_gradients {}", show(z.reduce_bucket_size), z.allgather_bucket_size, z.overlap_comm, z.contiguous_gradients);
+    // Only what zrt acts on: allgather_bucket_size, contiguous_gradients
+    // and stage3_max_reuse_distance change nothing here (the config warns
+    // when they ask for something else).
+    println!(
+        "  buckets          reduce {} (elements); overlap_comm {}",
+        show(z.reduce_bucket_size),
+        z.overlap_comm
+    );
     if z.stage == 3 {
         println!(
-            "  stage 3          prefetch {} persistence < {} max_live {} max_reuse {}",
+            "  stage 3          prefetch {} persistence < {} max_live {}",
             show(z.stage3_prefetch_bucket_size),
             show(z.stage3_param_persistence_threshold),
             z.stage3_max_live_parameters,
-            z.stage3_max_reuse_distance
         );
     }
     println!(

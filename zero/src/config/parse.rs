@@ -659,6 +659,9 @@ impl P {
                 // The unknown-key warning above already names it; say why it is harmless.
                 self.warnings.push(format!("`bf16.{k}` has no effect: bf16 needs no loss scaling (DeepSpeed ignores it too)"));
             }
+            if !self.bool_or(o, "bf16", "immediate_grad_update", true) {
+                self.warnings.push("`bf16.immediate_grad_update` = false is ignored: zrt adds each micro-step's gradients into fp32 buffers as soon as they are reduced, which is what true asks for".into());
+            }
         }
         if f == Enabled::On && b == Enabled::On {
             self.problems.push(

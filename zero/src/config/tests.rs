@@ -441,6 +441,24 @@ fn settings_of_deepspeeds_own_implementation_warn_unless_they_ask_for_what_zrt_d
 }
 
 #[test]
+fn bf16_immediate_grad_update_false_warns_that_zrt_accumulates_in_fp32_anyway() {
+    let cfg = |v: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+                "bf16": {{"enabled": true, "immediate_grad_update": {v}}}}}"#
+        ))
+    };
+    assert!(cfg("true").unwrap().warnings.is_empty());
+    let w = cfg("false").unwrap().warnings;
+    assert!(
+        w.len() == 1 && w[0].starts_with("`bf16.immediate_grad_update` = false is ignored: zrt adds each micro-step's gradients into fp32 buffers"),
+        "{w:?}"
+    );
+    let e = cfg("1").unwrap_err().to_string();
+    assert!(e.contains("bf16.immediate_grad_update"), "{e}");
+}
+
+#[test]
 fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
     let quiet = Config::from_json(
         r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": false, "gradient_predivide_factor": 1.0,

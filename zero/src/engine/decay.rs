@@ -131,6 +131,36 @@ pub(super) fn split_copy(c: ComputeCopy<'_>, mid: usize) -> (ComputeCopy<'_>, Co
 mod tests {
     use super::*;
 
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_changed_rule_names_what_is_now_left_out_and_now_decayed() {
+        let same = names(&["a.bias", "b.bias"]);
+        assert_eq!(changed(&same, &same), None);
+        let w = changed(&names(&["a.bias", "b.bias"]), &names(&["b.bias", "c.bias"])).unwrap();
+        assert!(
+            w.starts_with("the checkpoint's run left 2 parameter(s) out of weight decay, this engine's plan leaves out 2: from here on weight decay follows the plan (now left out: `c.bias`; now decayed: `a.bias`)"),
+            "{w}"
+        );
+        // Five are listed whole, a sixth is counted.
+        let five = names(&["p1", "p2", "p3", "p4", "p5"]);
+        let w = changed(&five, &[]).unwrap();
+        assert!(
+            w.contains("(now left out: none; now decayed: `p1`, `p2`, `p3`, `p4`, `p5`)"),
+            "{w}"
+        );
+        let six = names(&["p1", "p2", "p3", "p4", "p5", "p6"]);
+        let w = changed(&[], &six).unwrap();
+        assert!(
+            w.contains(
+                "(now left out: `p1`, `p2`, `p3`, `p4`, `p5` and 1 more; now decayed: none)"
+            ),
+            "{w}"
+        );
+    }
+
     #[test]
     fn a_range_is_cut_where_it_enters_and_leaves_the_excluded_ranges() {
         let ex = [2..4, 6..7, 9..12];

@@ -3,8 +3,9 @@
 //! dependency, libtorch named by `LIBTORCH` as tch asks), then trained on
 //! two ranks by `zrt launch` with no LD_LIBRARY_PATH.
 //!
-//! The build has a target folder of its own (`target/own-project`: the
-//! outer `cargo test` holds the workspace's), so the first run compiles
+//! The build has a target folder of its own (`own-project` in the
+//! workspace's target folder: the outer `cargo test` holds the
+//! workspace's build lock), so the first run compiles
 //! tch and zrt again, about two minutes on two cores; later runs reuse it.
 
 mod common;
@@ -44,7 +45,11 @@ fn a_project_of_ones_own_builds_against_zrt_and_trains_on_two_ranks() {
     // `.cargo/config.toml` gives every process cargo starts LIBTORCH (the
     // workspace's `.libtorch`); outside the workspace the user sets it.
     let libtorch = std::fs::canonicalize(std::env::var("LIBTORCH").unwrap()).unwrap();
-    let target = repo.join("target/own-project");
+    // Beside the workspace's own builds: in `CARGO_TARGET_DIR` when that
+    // is set (relative to the checkout, as cargo reads it there).
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| repo.join("target"), |t| repo.join(t))
+        .join("own-project");
     let build = Command::new(env!("CARGO"))
         .args(["build", "--offline", "--quiet"])
         .current_dir(&dir)

@@ -265,9 +265,9 @@ pub struct ZeroConfig {
     pub stage3_max_live_parameters: u64,
     /// Keep a gathered parameter if it is reused within this many elements
     /// (stage 3). Read and agreed on (a value other than DeepSpeed's 1e9
-    /// warns); zrt keeps the unit forward ran last
-    /// gathered for the backward that begins with it and re-gathers the
-    /// others, whatever this says.
+    /// warns); zrt keeps the unit forward ran last gathered for the
+    /// backward that begins with it and re-gathers the others, whatever
+    /// this says.
     pub stage3_max_reuse_distance: u64,
     /// MiCS: shard inside groups of this many ranks (-1 or absent: whole world).
     pub mics_shard_size: Option<u64>,

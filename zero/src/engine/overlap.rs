@@ -631,7 +631,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// every rank reduced that unit) and adds them to its gradient shard,
     /// which frees their buffers.
     fn retire_oldest(&self, st: &mut State) -> Result<(), EngineError> {
-        self.retire_oldest_explained(st, uneven_now)
+        self.retire_oldest_explained(st, |st, d| uneven_now(st, d))
     }
 
     /// [`Self::retire_oldest`], with `explain` making the error when the
@@ -1091,7 +1091,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 /// The error for reductions announced differently mid-backward: the
 /// parameters without a gradient so far are those of the units some rank
 /// reduced and this one has not.
-fn uneven_now(st: &mut State, d: Disagreement) -> EngineError {
+fn uneven_now(st: &State, d: Disagreement) -> EngineError {
     let reduced = d.reduced.clone();
     let uneven =
         |names: String, reduced: &[usize]| explain_uneven(&names, &without_gradient(st, reduced));

@@ -251,16 +251,23 @@ fn with_full_params_at_stage_0_copies_no_units_state() {
     }
 }
 
-#[test]
-fn a_step_holds_a_few_units_of_gradients_and_parameters_and_the_first_no_more() {
-    // Stage 3, 16 blocks (a block is 0.44 M elements), reductions in
-    // buckets of 0.5 M elements: a step holds a few units' gradients in
-    // flight and a few gathered units. Until 2026-11-26 every unit's full
-    // gradient stayed in flight to the end of backward (the whole model's,
-    // in fp32, on each rank), and the first forward kept every unit
-    // gathered until its backward (to name a tied weight).
-    let zero = r#""stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5e5,"#;
-    let cfg = config_zero(3, 1, 1.0, "", zero);
+/// What [`three_steps`] measures of each step.
+#[derive(Clone, Copy)]
+enum Measured {
+    /// Forward, backward and `step()`.
+    WholeStep,
+    /// `backward` alone.
+    Backward,
+}
+
+/// Two ranks train the 16-block GPT at stage 3, reductions in buckets of
+/// 0.5 M elements (`overlap_comm` as given), for three steps: the model's
+/// bytes a rank, and each step's heap peak (both ranks) over `measured`.
+fn three_steps(overlap: bool, measured: Measured) -> (usize, Vec<usize>) {
+    let zero = format!(
+        r#""stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5e5, "overlap_comm": {overlap},"#
+    );
+    let cfg = config_zero(3, 1, 1.0, "", &zero);
     let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let gate = Barrier::new(2);
     let out = on_ranks(2, |r| {
@@ -270,14 +277,33 @@ fn a_step_holds_a_few_units_of_gradients_and_parameters_and_the_first_no_more() 
         let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
         let mut peaks = Vec::new();
         for _ in 0..3 {
-            peaks.push(peak_of(r.rank(), &gate, || {
-                e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
-                e.step().unwrap();
-            }));
+            peaks.push(match measured {
+                Measured::WholeStep => peak_of(r.rank(), &gate, || {
+                    e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
+                    e.step().unwrap();
+                }),
+                Measured::Backward => {
+                    let loss = gpt.loss(&tokens(r.rank()));
+                    let peak = peak_of(r.rank(), &gate, || e.backward(&loss).unwrap());
+                    e.step().unwrap();
+                    peak
+                }
+            });
         }
         (model, peaks)
     });
-    let (model, peaks) = &out[0];
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_step_holds_a_few_units_of_gradients_and_parameters_and_the_first_no_more() {
+    // Stage 3, 16 blocks (a block is 0.44 M elements), reductions in
+    // buckets of 0.5 M elements: a step holds a few units' gradients in
+    // flight and a few gathered units. Until 2026-11-26 every unit's full
+    // gradient stayed in flight to the end of backward (the whole model's,
+    // in fp32, on each rank), and the first forward kept every unit
+    // gathered until its backward (to name a tied weight).
+    let (model, peaks) = &three_steps(true, Measured::WholeStep);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!(
         "model {:.1} MiB a rank; heap peaks of steps 1-3 (both ranks): {:.1}, {:.1}, {:.1} MiB",
@@ -318,28 +344,10 @@ fn without_overlap_comm_backward_holds_no_gradients_in_flight() {
     // `overlap_comm` (the default) up to two buckets of a rank's gradients
     // stay in flight while backward goes on; without, each unit's hook
     // waits for its reductions and its buffers go back to the pool at once.
-    let backward_peak = |overlap: bool| {
-        let zero = format!(
-            r#""stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5e5, "overlap_comm": {overlap},"#
-        );
-        let cfg = config_zero(3, 1, 1.0, "", &zero);
-        let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
-        let gate = Barrier::new(2);
-        let out = on_ranks(2, |r| {
-            let (vs, plan, gpt) = model_of(&BIG);
-            let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
-            let mut peaks = Vec::new();
-            for _ in 0..3 {
-                let loss = gpt.loss(&tokens(r.rank()));
-                peaks.push(peak_of(r.rank(), &gate, || e.backward(&loss).unwrap()));
-                e.step().unwrap();
-            }
-            peaks
-        });
-        out[0].clone()
-    };
-    let (on, off) = (backward_peak(true), backward_peak(false));
+    let (on, off) = (
+        three_steps(true, Measured::Backward).1,
+        three_steps(false, Measured::Backward).1,
+    );
     let mib = |b: &Vec<usize>| {
         b.iter()
             .map(|x| format!("{:.1}", *x as f64 / (1 << 20) as f64))
@@ -350,7 +358,7 @@ fn without_overlap_comm_backward_holds_no_gradients_in_flight() {
         mib(&on),
         mib(&off)
     );
-    // At 2026-11-26: 16.9-17.1 MiB on, 8.4-8.5 off. Off holds at least a
+    // At 2026-11-26: 15.2-17.7 MiB on, 8.4-8.5 off. Off holds at least a
     // bucket a rank less (the two buckets in flight, less the unit being
     // reduced, which off holds too), in every step.
     let bucket = 500_000 * 4;

@@ -1767,13 +1767,10 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
     // with `steps_per_print` 2 rank 0 logs boundaries 2 (the skipped one)
     // and 4, as DeepSpeed counts them; rank 1 logs none; 0 logs nothing.
     for every in [2, 0] {
-        let cfg = Config::from_json(&format!(
-            r#"{{"train_micro_batch_size_per_gpu": 4, "steps_per_print": {every},
-                "bf16": {{"enabled": true, "check_grad_overflow": true}},
-                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
-                "zero_optimization": {{"stage": 2}}}}"#
-        ))
-        .unwrap();
+        let top = format!(
+            r#""steps_per_print": {every}, "bf16": {{"enabled": true, "check_grad_overflow": true}},"#
+        );
+        let cfg = config_plus(2, 1, &top, "");
         on_ranks(WORLD, |r| {
             let (t, e) = tiny_engine(&cfg, &r);
             let mut at_4 = None;
@@ -1835,12 +1832,7 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
 fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
     // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
     // but not of its replicate group {0, 2}; only world rank 0 logs.
-    let cfg = Config::from_json(
-        r#"{"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 2, "mics_shard_size": 2}}"#,
-    )
-    .unwrap();
+    let cfg = config_plus(2, 1, r#""steps_per_print": 1,"#, r#""mics_shard_size": 2,"#);
     let lines = on_ranks(4, |mut r| {
         let t = tiny();
         let e = Engine::from_config(&t.vs, &t.plan, &cfg, &mut r, &AutoHints::default()).unwrap();

@@ -1387,6 +1387,101 @@ fn a_resume_that_changes_what_weight_decay_leaves_out_is_warned_about() {
 }
 
 #[test]
+fn a_resume_that_changes_learning_rate_scales_is_warned_about() {
+    let _serial = serial();
+    let dir = tmp("lr-scales");
+    let cfg = config_with(3, 1, 0.0, "");
+    // Each phase builds a fresh model and engine, as a restarted job would:
+    // block 0 at half the rate, or (`faster`) the embedding at twice it.
+    let engine = |rule: Option<bool>| {
+        let (vs, plan, _) = model();
+        if let Some(faster) = rule {
+            plan.scale_learning_rate(move |name, _| match name {
+                n if n.starts_with("h.0.") => 0.5,
+                "wte.weight" if faster => 2.0,
+                _ => 1.0,
+            })
+            .unwrap();
+        }
+        let block0: Vec<String> = (vs.variables().into_keys())
+            .filter(|n| n.starts_with("h.0."))
+            .collect();
+        (solo_engine(&vs, &plan, &cfg).unwrap(), block0, vs)
+    };
+    let (e, mut block0, _vs) = engine(Some(false));
+    e.save_checkpoint(&dir, "t").unwrap();
+    drop(e);
+    block0.sort();
+    assert!(block0.len() > 5, "{block0:?}");
+    let meta = std::fs::read_to_string(dir.join("t").join("meta.json")).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    let halves: serde_json::Map<String, serde_json::Value> =
+        block0.iter().map(|n| (n.clone(), 0.5.into())).collect();
+    assert_eq!(
+        meta["body"]["lr_scales"],
+        serde_json::Value::Object(halves),
+        "the checkpoint records its run's scales"
+    );
+    let shown = zrt::zero::checkpoint::inspect(&dir, Some("t")).unwrap();
+    let each: Vec<String> = block0.iter().map(|n| format!("{n} x0.5")).collect();
+    assert!(
+        shown.contains(&format!(
+            "{} parameter(s) with a scaled learning rate: {}",
+            block0.len(),
+            each.join(", ")
+        )),
+        "{shown}"
+    );
+    let load = |rule: Option<bool>, module_only: bool| {
+        let (e, _, _vs) = engine(rule);
+        let (loaded, logs) = common::with_logs(|| match module_only {
+            true => e.load_checkpoint_module_only(&dir, None).map(|_| ()),
+            false => e.load_checkpoint(&dir, None).map(|_| ()),
+        });
+        loaded.unwrap();
+        logs
+    };
+    // The same rule: quiet.
+    let logs = load(Some(false), false);
+    assert!(!logs.contains("learning rate"), "{logs}");
+    // One more parameter scaled: the warning names it alone.
+    let logs = load(Some(true), false);
+    assert!(
+        logs.contains("WARN")
+            && logs.contains(&format!(
+                "the checkpoint's run scaled the learning rate of {} parameter(s), this engine's plan scales {}: from here on the plan's scales apply (1 changed: `wte.weight` x1 -> x2)",
+                block0.len(),
+                block0.len() + 1,
+            )),
+        "{logs}"
+    );
+    // No rule: block 0 is back at the schedule's rate.
+    let logs = load(None, false);
+    assert!(
+        logs.contains(&format!(
+            "this engine's plan scales 0: from here on the plan's scales apply ({} changed: `{}` x0.5 -> x1,",
+            block0.len(),
+            block0[0]
+        )),
+        "{logs}"
+    );
+    // Only the weights: no optimizer state is carried on, nothing to warn of.
+    let logs = load(None, true);
+    assert!(!logs.contains("learning rate"), "{logs}");
+    // A checkpoint from before zrt recorded scales had none: a plan that
+    // scales is a change.
+    strip_field(&dir.join("t").join("meta.json"), "lr_scales");
+    let logs = load(None, false);
+    assert!(!logs.contains("learning rate"), "{logs}");
+    let logs = load(Some(false), false);
+    assert!(
+        logs.contains("the checkpoint's run scaled the learning rate of 0 parameter(s)"),
+        "{logs}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn the_programs_own_state_comes_back_with_its_checkpoint() {
     let _serial = serial();
     let dir = tmp("client-state");

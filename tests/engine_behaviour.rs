@@ -547,6 +547,51 @@ fn ranks_leaving_different_parameters_out_of_weight_decay_are_refused_naming_the
 }
 
 #[test]
+fn ranks_scaling_learning_rates_differently_are_refused_naming_them() {
+    let errs = on_ranks(WORLD, |r| {
+        let t = tiny();
+        let scale = if r.rank() == 1 { 0.5 } else { 0.25 };
+        t.plan
+            .scale_learning_rate(move |name, _| if name.starts_with("b.") { scale } else { 1.0 })
+            .unwrap();
+        differs(&t, &config(2, 1), group(&r))
+    });
+    assert_eq!(errs[0], errs[1], "every rank says the same");
+    assert!(
+        errs[0].starts_with(
+            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
+             variable `b.bias`: rank 1 has [4] Float (trained, learning rate x0.5), rank 0 has [4] Float (trained, learning rate x0.25); \
+             variable `b.weight`"
+        ),
+        "{}",
+        errs[0]
+    );
+}
+
+#[test]
+fn a_learning_rate_scale_that_is_not_a_finite_number_of_at_least_zero_is_refused() {
+    for (scale, shown) in [(-1.0, "-1"), (f64::INFINITY, "inf")] {
+        let t = tiny();
+        t.plan
+            .scale_learning_rate(move |name, _| if name == "a.bias" { scale } else { 1.0 })
+            .unwrap();
+        let e = solo_engine(&t.vs, &t.plan, &config(3, 1)).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "sharding plan: ShardPlan::scale_learning_rate gave `a.bias` the scale {shown}: a scale \
+                 multiplies the schedule's learning rate and must be a finite number of at least 0 \
+                 (1 leaves the parameter at the schedule's rate)"
+            )
+        );
+        // Refused before the plan was claimed: a mended rule builds.
+        t.plan.scale_learning_rate(|_, _| 0.0).unwrap();
+        assert!(solo_engine(&t.vs, &t.plan, &config(3, 1)).is_ok());
+        assert_eq!(t.plan.learning_rate_scale("a.bias", &[5]), 0.0);
+    }
+}
+
+#[test]
 fn a_setting_one_rank_alone_refuses_is_named_as_the_difference() {
     // Rank 1 alone would refuse hpZ without an hpZ group, and rank 0 would
     // only learn that rank 1 left: the ranks compare before either refuses.
@@ -666,6 +711,14 @@ fn plans_and_settings_the_engine_cannot_use_are_refused() {
          this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)"
     );
     assert!(!t.plan.excluded_from_weight_decay("a.bias", &[5]));
+    let late = t.plan.scale_learning_rate(|_, _| 2.0).unwrap_err();
+    assert!(
+        late.to_string().starts_with(
+            "sharding plan: scale_learning_rate was called after the engine was built"
+        ),
+        "{late}"
+    );
+    assert_eq!(t.plan.learning_rate_scale("a.bias", &[5]), 1.0);
     // A unit wrapped under a path where nothing was created is another mistake.
     let (vs, plan) = {
         let _g = INIT.lock().unwrap();

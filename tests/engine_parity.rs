@@ -44,21 +44,63 @@ fn world_engine(
     r: &local::LocalRank,
     cfg: &Config,
 ) -> (nn::VarStore, zrt::gpt::Gpt, Engine<local::LocalGroup>) {
-    world_engine_with(r, cfg, false)
+    world_engine_with(r, cfg, Rules::Plain)
 }
 
-/// As [`world_engine`]; `no_decay_vectors`: weight decay leaves out the
-/// parameters of fewer than two dimensions (biases, norm weights).
+/// The optimizer rules a run's plan is given, and the parameter groups the
+/// reference puts the same parameters in.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Rules {
+    /// Every parameter decays, at the schedule's rate.
+    Plain,
+    /// Weight decay leaves out the parameters of fewer than two dimensions
+    /// (biases, norm weights), as Hugging Face's Trainer does.
+    NoDecayVectors,
+    /// Those left out, and the learning rate scaled by where a parameter
+    /// is: layer-wise decay over the two blocks (x0.25, x0.5), a faster
+    /// token embedding (x2) and the final norm's weight held (x0).
+    Scaled,
+}
+
+impl Rules {
+    fn decays(self, shape: &[i64]) -> bool {
+        self == Rules::Plain || shape.len() >= 2
+    }
+
+    fn lr_scale(self, name: &str) -> f64 {
+        if self != Rules::Scaled {
+            return 1.0;
+        }
+        match name {
+            n if n.starts_with("h.0.") => 0.25,
+            n if n.starts_with("h.1.") => 0.5,
+            "wte.weight" => 2.0,
+            "ln_f.weight" => 0.0,
+            _ => 1.0,
+        }
+    }
+
+    /// Gives `plan` these rules.
+    fn apply(self, plan: &zrt::zero::ShardPlan) {
+        if self != Rules::Plain {
+            plan.exclude_from_weight_decay(move |_, shape| !self.decays(shape))
+                .unwrap();
+        }
+        if self == Rules::Scaled {
+            plan.scale_learning_rate(move |name, _| self.lr_scale(name))
+                .unwrap();
+        }
+    }
+}
+
+/// As [`world_engine`], the plan given `rules`.
 fn world_engine_with(
     r: &local::LocalRank,
     cfg: &Config,
-    no_decay_vectors: bool,
+    rules: Rules,
 ) -> (nn::VarStore, zrt::gpt::Gpt, Engine<local::LocalGroup>) {
     let (vs, plan, gpt) = model();
-    if no_decay_vectors {
-        plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
-            .unwrap();
-    }
+    rules.apply(&plan);
     let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
     let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
     (vs, gpt, engine)
@@ -96,13 +138,13 @@ fn run_engine_with(cfg: Config, gas: usize) -> Run {
 /// As `run_engine_with`; `bare`: run backward as `loss.backward()` (the
 /// hooks alone drive the reductions) instead of `engine.backward(&loss)`.
 fn run_engine_mode(cfg: Config, gas: usize, bare: bool) -> Run {
-    run_engine_full(cfg, gas, bare, false)
+    run_engine_full(cfg, gas, bare, Rules::Plain)
 }
 
-/// As `run_engine_mode`; `no_decay_vectors` as in [`world_engine_with`].
-fn run_engine_full(cfg: Config, gas: usize, bare: bool, no_decay_vectors: bool) -> Run {
+/// As `run_engine_mode`, the plan given `rules`.
+fn run_engine_full(cfg: Config, gas: usize, bare: bool, rules: Rules) -> Run {
     let out: Vec<_> = on_ranks(WORLD, |r| {
-        let (_vs, gpt, engine) = world_engine_with(&r, &cfg, no_decay_vectors);
+        let (_vs, gpt, engine) = world_engine_with(&r, &cfg, rules);
         let mut losses = Vec::new();
         let mut norms = Vec::new();
         for step in 0..STEPS {
@@ -212,26 +254,44 @@ fn run_reference_with(
     clip: f64,
     schedule: Option<&Schedule>,
 ) -> (Vec<f64>, Params) {
-    run_reference_full(stage, gas, clip, schedule, false)
+    run_reference_full(stage, gas, clip, schedule, Rules::Plain)
 }
 
-/// As `run_reference_with`; `no_decay_vectors`: the parameters of fewer
-/// than two dimensions go into a parameter group of weight decay 0, as Hugging
-/// Face's Trainer puts biases and norm weights.
+/// As `run_reference_with`, with a parameter group for each (decays,
+/// learning-rate scale) that `rules` gives a parameter: weight decay 0 in
+/// the groups left out of it, the schedule's rate times the scale.
 fn run_reference_full(
     stage: u8,
     gas: usize,
     clip: f64,
     schedule: Option<&Schedule>,
-    no_decay_vectors: bool,
+    rules: Rules,
 ) -> (Vec<f64>, Params) {
     let (vs, _plan, gpt) = model();
-    if no_decay_vectors {
+    // Group 0 is the plain one.
+    let mut groups = vec![(true, 1.0)];
+    {
         let mut vars = vs.variables_.lock().unwrap();
-        for v in &mut vars.trainable_variables {
-            if v.tensor.dim() < 2 {
-                v.group = 1;
-            }
+        let names: std::collections::HashMap<usize, String> = vars
+            .named_variables
+            .iter()
+            .filter_map(|(n, t)| {
+                let i = vars
+                    .trainable_variables
+                    .iter()
+                    .position(|v| v.tensor.data_ptr() == t.data_ptr())?;
+                Some((i, n.clone()))
+            })
+            .collect();
+        for (i, v) in vars.trainable_variables.iter_mut().enumerate() {
+            let g = (rules.decays(&v.tensor.size()), rules.lr_scale(&names[&i]));
+            v.group = match groups.iter().position(|x| *x == g) {
+                Some(k) => k,
+                None => {
+                    groups.push(g);
+                    groups.len() - 1
+                }
+            };
         }
     }
     let mut opt = match schedule {
@@ -243,9 +303,17 @@ fn run_reference_full(
         .build(&vs, LR)
         .unwrap(),
     };
-    if no_decay_vectors {
-        opt.set_weight_decay_group(1, 0.0);
+    let set_lr = |opt: &mut nn::Optimizer, lr: f64| {
+        for (k, (_, scale)) in groups.iter().enumerate() {
+            opt.set_lr_group(k, lr * scale);
+        }
+    };
+    for (k, (decays, _)) in groups.iter().enumerate() {
+        if !decays {
+            opt.set_weight_decay_group(k, 0.0);
+        }
     }
+    set_lr(&mut opt, LR);
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut losses = Vec::new();
@@ -323,7 +391,7 @@ fn run_reference_full(
             opt.clip_grad_norm(clip);
         }
         if let Some(s) = schedule {
-            opt.set_lr(s.lrs[step]);
+            set_lr(&mut opt, s.lrs[step]);
             opt.set_momentum(s.beta1s[step]);
         }
         opt.step();
@@ -412,13 +480,18 @@ fn parameters_left_out_of_weight_decay_train_like_a_parameter_group_without_it()
             format!("{aio} {offload}"),
         ),
     ] {
-        let reference = run_reference_full(stage, gas, clip, None, true);
-        let r = run_engine_full(config_with(stage, gas, clip, &extra), gas, false, true);
+        let reference = run_reference_full(stage, gas, clip, None, Rules::NoDecayVectors);
+        let r = run_engine_full(
+            config_with(stage, gas, clip, &extra),
+            gas,
+            false,
+            Rules::NoDecayVectors,
+        );
         compare(what, (r.losses, r.params.clone()), reference);
         // Leaving them out changed the outcome (so an engine that decayed
         // them would fail the comparison): the norm weights, ones, which
         // decay moves most, end elsewhere.
-        let decayed = run_reference_full(stage, gas, clip, None, false).1;
+        let decayed = run_reference_full(stage, gas, clip, None, Rules::Plain).1;
         let params = sorted(r.params);
         let moved = |name: &str| {
             let (i, _) = params
@@ -432,6 +505,94 @@ fn parameters_left_out_of_weight_decay_train_like_a_parameter_group_without_it()
                 .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
         };
         assert!(moved("h.0.ln1.weight") && moved("ln_f.weight"), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+#[test]
+fn scaled_learning_rates_train_like_parameter_groups_with_their_own_rates() {
+    // The blocks at a quarter and half the rate, the embedding at twice it,
+    // the final norm's weight held, the vectors out of weight decay: seven
+    // parameter groups in the reference, runs of them inside every flat
+    // buffer here. With WarmupLR each step's rate is the schedule's times
+    // the scale (PyTorch's LambdaLR over groups with their own rates).
+    let swap = std::env::temp_dir().join(format!("zrt-parity-lr-scale-{}", std::process::id()));
+    std::fs::create_dir_all(&swap).unwrap();
+    let (aio, offload) = common::nvme(&swap);
+    let warmup = r#""scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+        "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}},"#;
+    // DeepSpeed's engine steps the scheduler once when it is built: the
+    // first two steps run at the minimum.
+    let schedule = Schedule {
+        lrs: [0.0, 0.0, 0.0025, 0.005, 0.0075],
+        beta1s: [0.9; STEPS],
+        beta2: 0.999,
+    };
+    for (what, stage, gas, clip, extra, warm) in [
+        ("stage 0", 0, 1, 0.0, String::new(), false),
+        ("stage 1, gas 2, clip", 1, 2, 0.5, String::new(), false),
+        ("stage 2, WarmupLR", 2, 1, 0.5, warmup.to_string(), true),
+        (
+            "stage 3, gas 2, WarmupLR",
+            3,
+            2,
+            0.0,
+            warmup.to_string(),
+            true,
+        ),
+        (
+            "stage 3, optimizer on NVMe",
+            3,
+            1,
+            0.5,
+            format!("{aio} {offload}"),
+            false,
+        ),
+    ] {
+        let schedule = warm.then_some(&schedule);
+        let reference = run_reference_full(stage, gas, clip, schedule, Rules::Scaled);
+        let r = run_engine_full(
+            config_with(stage, gas, clip, &extra),
+            gas,
+            false,
+            Rules::Scaled,
+        );
+        let params = sorted(r.params.clone());
+        compare(what, (r.losses, r.params), reference);
+        // The scales changed the outcome (an engine that ignored them
+        // would fail the comparison): against the same run with the
+        // vectors left out of decay but every rate the schedule's, the
+        // scaled parameters end elsewhere, and the held one where it began.
+        let unscaled = run_reference_full(stage, gas, clip, schedule, Rules::NoDecayVectors).1;
+        let initial = sorted(
+            common::model()
+                .0
+                .variables()
+                .into_iter()
+                .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+                .collect(),
+        );
+        let at = |name: &str| params.iter().position(|p| p.0 == name).unwrap();
+        let moved = |name: &str| {
+            let i = at(name);
+            let (a, b) = (&params[i].1, &unscaled[i].1);
+            a.iter()
+                .zip(b)
+                .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
+        };
+        for name in [
+            "h.0.qkv.weight",
+            "h.1.fc.weight",
+            "wte.weight",
+            "ln_f.weight",
+        ] {
+            assert!(moved(name), "{what}: {name}");
+        }
+        assert_eq!(
+            params[at("ln_f.weight")].1,
+            initial[at("ln_f.weight")].1,
+            "{what}"
+        );
     }
     let _ = std::fs::remove_dir_all(&swap);
 }

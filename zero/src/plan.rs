@@ -28,6 +28,10 @@ pub(crate) trait UnitHook: Send + Sync {
 /// out, given each one's VarStore name and shape.
 pub(crate) type DecayRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
 
+/// The program's rule for what each trainable parameter's learning rate is
+/// multiplied by, given its VarStore name and shape.
+pub(crate) type LrRule = dyn Fn(&str, &[i64]) -> f64 + Send + Sync;
+
 #[derive(Default)]
 pub(crate) struct PlanInner {
     pub(crate) prefixes: Mutex<Vec<String>>,
@@ -37,6 +41,8 @@ pub(crate) struct PlanInner {
     pub(crate) claimed: std::sync::atomic::AtomicBool,
     /// Set by [`ShardPlan::exclude_from_weight_decay`].
     pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
+    /// Set by [`ShardPlan::scale_learning_rate`].
+    pub(crate) lr_scale: Mutex<Option<Arc<LrRule>>>,
 }
 
 /// The list of units of a model, filled by [`ShardedModule::new`] and read by
@@ -77,18 +83,11 @@ impl ShardPlan {
         &self,
         exclude: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
     ) -> Result<(), EngineError> {
-        if self.inner.claimed.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(EngineError::Plan(
-                "exclude_from_weight_decay was called after the engine was built from this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)".into(),
-            ));
-        }
-        let mut rule = self
-            .inner
-            .no_decay
-            .lock()
-            .map_err(|_| EngineError::Plan("the plan's lock was poisoned".into()))?;
-        *rule = Some(Arc::new(exclude));
-        Ok(())
+        self.set_rule(
+            "exclude_from_weight_decay",
+            &self.inner.no_decay,
+            Arc::new(exclude),
+        )
     }
 
     /// Whether weight decay leaves out the parameter `name` of `shape`
@@ -97,10 +96,83 @@ impl ShardPlan {
         self.decay_rule().is_some_and(|r| r(name, shape))
     }
 
+    /// Multiplies the learning rate of every trainable parameter by
+    /// `scale(name, shape)` (`name` as the VarStore has it): at every step
+    /// the parameter gets the schedule's rate (`optimizer.params.lr`, or
+    /// what `scheduler` made of it) times its scale, weight decay
+    /// included, as AdamW's decoupled decay is proportional to the rate.
+    /// 1 leaves a parameter at the schedule's rate; 0 stops its updates
+    /// (Adam's moments still follow its gradient); a scale that is negative
+    /// or not finite is refused when the engine is built, naming the
+    /// parameter.
+    ///
+    /// PyTorch takes this from parameter groups with their own `lr`, which
+    /// a `LambdaLR` then multiplies alike; the usual uses are layer-wise
+    /// learning-rate decay in fine-tuning (each block's rate a power of a
+    /// factor below one, deeper blocks faster) and a slower embedding.
+    /// Layer-wise decay over blocks `h.0` to `h.7`:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.scale_learning_rate(|name, _shape| {
+    ///     let block = name.strip_prefix("h.").and_then(|r| r.split('.').next());
+    ///     match block.and_then(|b| b.parse::<i32>().ok()) {
+    ///         Some(i) => 0.8f64.powi(7 - i),
+    ///         None => 1.0,
+    ///     }
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// Call it before building the engine, on every rank alike (the engine
+    /// checks that ranks agree). The rule is the program's, not the
+    /// checkpoint's: a resumed run scales as its own plan says, and a
+    /// full load warns when that differs from the checkpoint's run. The
+    /// rate `Engine::lr` returns and the progress line logs is the
+    /// schedule's, unscaled.
+    pub fn scale_learning_rate(
+        &self,
+        scale: impl Fn(&str, &[i64]) -> f64 + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        self.set_rule("scale_learning_rate", &self.inner.lr_scale, Arc::new(scale))
+    }
+
+    /// What the learning rate of the parameter `name` of `shape` is
+    /// multiplied by ([`Self::scale_learning_rate`]; 1 without it).
+    pub fn learning_rate_scale(&self, name: &str, shape: &[i64]) -> f64 {
+        self.lr_rule().map_or(1.0, |r| r(name, shape))
+    }
+
+    /// Puts `rule` in `slot`, unless an engine was already built from the
+    /// plan (it read the rules then): `what` names the caller.
+    fn set_rule<R: ?Sized>(
+        &self,
+        what: &str,
+        slot: &Mutex<Option<Arc<R>>>,
+        rule: Arc<R>,
+    ) -> Result<(), EngineError> {
+        if self.inner.claimed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(EngineError::Plan(format!(
+                "{what} was called after the engine was built from this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)"
+            )));
+        }
+        let mut slot = slot
+            .lock()
+            .map_err(|_| EngineError::Plan("the plan's lock was poisoned".into()))?;
+        *slot = Some(rule);
+        Ok(())
+    }
+
     /// The rule [`Self::exclude_from_weight_decay`] set, if any: the engine
     /// reads it once, so its agreement check and its layout see one rule.
     pub(crate) fn decay_rule(&self) -> Option<Arc<DecayRule>> {
         self.inner.no_decay.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// The rule [`Self::scale_learning_rate`] set, if any (read once, as
+    /// [`Self::decay_rule`]).
+    pub(crate) fn lr_rule(&self) -> Option<Arc<LrRule>> {
+        self.inner.lr_scale.lock().ok().and_then(|r| r.clone())
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -168,6 +168,15 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             names.join(", ")
         );
     }
+    if let Some(scales) = meta.lr_scales.as_ref().filter(|m| !m.is_empty()) {
+        let each: Vec<String> = scales.iter().map(|(n, s)| format!("{n} x{s}")).collect();
+        let _ = writeln!(
+            s,
+            "  {} parameter(s) with a scaled learning rate: {}",
+            scales.len(),
+            each.join(", ")
+        );
+    }
     if !meta.client_state.is_null() {
         let _ = writeln!(s, "  client state {}", meta.client_state);
     }

@@ -112,6 +112,12 @@ pub struct Meta {
     /// sorted; `None` in checkpoints written before zrt recorded them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_weight_decay: Option<Vec<String>>,
+    /// The parameters whose learning rate the run scaled
+    /// ([`ShardPlan::scale_learning_rate`](crate::ShardPlan::scale_learning_rate)),
+    /// with their scales; `None` in checkpoints written before zrt
+    /// recorded them (whose runs scaled none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_scales: Option<std::collections::BTreeMap<String, f64>>,
     /// The resolved config (the settings that shape training).
     pub config: serde_json::Value,
     /// What the program saved with the checkpoint (DeepSpeed's
@@ -365,6 +371,7 @@ mod tests {
             files: vec![rank_file_name(0, 2), rank_file_name(1, 2)],
             frozen: None,
             no_weight_decay: None,
+            lr_scales: None,
             config: serde_json::Value::Null,
             client_state: serde_json::Value::Null,
         }

@@ -38,13 +38,13 @@ pub(super) struct Terms(Vec<(String, String)>);
 
 impl Terms {
     /// The terms of an engine built from `cfg` over `plan`'s units (its
-    /// prefixes, in its order) of the variables in `vs`, with `excluded`
-    /// the parameters weight decay leaves out.
+    /// prefixes, in its order) of the variables in `vs`, with
+    /// `treated` how the optimizer treats each trained one.
     pub(super) fn of(
         cfg: &Resolved,
         plan: &ShardPlan,
         vs: &nn::VarStore,
-        excluded: impl Fn(&str, &[i64]) -> bool,
+        treated: impl Fn(&str, &[i64]) -> super::groups::Setting,
     ) -> Self {
         let (c, z, o) = (&cfg.config, &cfg.config.zero, &cfg.config.optimizer);
         let mut t = Vec::new();
@@ -135,11 +135,9 @@ impl Terms {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, v) in vars {
             let role = if !v.requires_grad() {
-                "frozen"
-            } else if excluded(&name, &v.size()) {
-                "trained, no weight decay"
+                "frozen".to_string()
             } else {
-                "trained"
+                treated(&name, &v.size()).role()
             };
             put(
                 &format!("variable `{name}`"),

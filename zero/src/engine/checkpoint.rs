@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 use zrt_collectives::ProcessGroup;
 
-use super::decay;
 use super::frozen::{self, Frozen};
+use super::groups;
 use super::{Compute, Engine, OwnedState, Scaler, State};
 use crate::checkpoint::consolidate::encode;
 use crate::checkpoint::files::{
@@ -458,7 +458,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
             frozen: Some(frozen),
-            no_weight_decay: Some(decay::excluded_names(&st.units)),
+            no_weight_decay: Some(groups::excluded_names(
+                st.units.iter().map(|u| u.special_names.as_slice()),
+            )),
+            lr_scales: Some(groups::lr_scales(
+                st.units.iter().map(|u| u.special_names.as_slice()),
+            )),
             client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
@@ -553,11 +558,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let tag = loaded.tag.clone();
         let client_state = loaded.meta.client_state.clone();
         let saved_decay = loaded.meta.no_weight_decay.clone();
+        // Checkpoints from before scales were recorded had none.
+        let saved_scales = loaded.meta.lr_scales.clone().unwrap_or_default();
         self.apply(loaded, what)?;
-        if let (What::Everything, Some(saved), true) = (what, saved_decay, self.inner.first_rank())
-        {
-            let now = decay::excluded_names(&self.inner.st.lock().units);
-            if let Some(change) = decay::changed(&saved, &now) {
+        if what == What::Everything && self.inner.first_rank() {
+            let st = self.inner.st.lock();
+            let special = || st.units.iter().map(|u| u.special_names.as_slice());
+            let decay = saved_decay
+                .and_then(|saved| groups::changed(&saved, &groups::excluded_names(special())));
+            let scales = groups::lr_changed(&saved_scales, &groups::lr_scales(special()));
+            for change in decay.into_iter().chain(scales) {
                 tracing::warn!("{change}");
             }
         }

@@ -64,11 +64,11 @@ use offload::ReadAhead;
 
 mod agree;
 mod checkpoint;
-mod decay;
 mod elems;
 mod frozen;
 mod frozen_shards;
 mod full_params;
+mod groups;
 mod loss_scale;
 mod offload;
 mod overlap;
@@ -109,11 +109,12 @@ impl Compute {
 struct Unit {
     name: String,
     layout: FlatLayout,
-    /// The ranges of the flat buffer weight decay leaves out
-    /// ([`ShardPlan::exclude_from_weight_decay`]).
-    no_decay: Vec<std::ops::Range<usize>>,
-    /// The names of the parameters it leaves out (for checkpoints).
-    no_decay_names: Vec<String>,
+    /// The ranges of the flat buffer the optimizer does not treat plainly
+    /// ([`ShardPlan::exclude_from_weight_decay`],
+    /// [`ShardPlan::scale_learning_rate`]).
+    special: Vec<(std::ops::Range<usize>, groups::Setting)>,
+    /// The names and settings of those parameters (for checkpoints).
+    special_names: Vec<(String, groups::Setting)>,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -549,7 +550,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 ComputeCopy::F16(&mut (unsafe { elems::<f16>(&u.flat, padded) })[whole.clone()]),
             ),
         };
-        if up.adam.weight_decay == 0.0 || u.no_decay.is_empty() {
+        if u.special.is_empty() {
             adam_step(
                 &self.threads,
                 up.adam,
@@ -560,24 +561,19 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             )?;
             return Ok(());
         }
-        // Parameters left out of weight decay: one kernel call per run of
-        // elements that decay alike.
-        let none = AdamConfig {
-            weight_decay: 0.0,
-            ..*up.adam
-        };
+        // Parameters left out of weight decay or with a scaled learning
+        // rate: one kernel call per run of elements treated alike.
         let (mut p, mut g, mut m, mut v, mut copy) = (p, g, m, v, copy);
-        for (len, decays) in decay::runs(whole, &u.no_decay) {
+        for (len, setting) in groups::runs(whole, &u.special) {
             let (p1, p2) = std::mem::take(&mut p).split_at_mut(len);
             let (g1, g2) = g.split_at(len);
             let (m1, m2) = std::mem::take(&mut m).split_at_mut(len);
             let (v1, v2) = std::mem::take(&mut v).split_at_mut(len);
-            let (c1, c2) = decay::split_copy(std::mem::take(&mut copy), len);
+            let (c1, c2) = groups::split_copy(std::mem::take(&mut copy), len);
             (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
-            let cfg = if decays { up.adam } else { &none };
             adam_step(
                 &self.threads,
-                cfg,
+                &setting.adam(up.adam),
                 up.step,
                 up.scale,
                 AdamShard {
@@ -1023,18 +1019,26 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<Self, EngineError> {
         let replicas = replicate.as_ref().map_or(1, |r| r.size());
         let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
-        // The weight-decay rule, read once: the ranks agree on the rule
-        // the layout then uses.
-        let rule = plan.decay_rule();
-        let excluded = |name: &str, shape: &[i64]| rule.as_ref().is_some_and(|r| r(name, shape));
+        // The plan's optimizer rules, read once: the ranks agree on the
+        // rules the layout then uses.
+        let rules = groups::Rules::of(plan);
+        let setting = |name: &str, shape: &[i64]| rules.setting(name, shape);
         // First, so that the checks below, which a config that differs on
         // one rank fails there alone, meet ranks that agree; and before
         // the plan is claimed, so an engine refused here leaves it for the
         // next try.
         agree::check(
-            &agree::Terms::of(&cfg, plan, vs, excluded),
+            &agree::Terms::of(&cfg, plan, vs, setting),
             &group,
             replicate.as_ref(),
+        )?;
+        // After the agreement: ranks that agree on the scales fail alike.
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        rules.check(
+            vars.iter()
+                .filter(|(_, t)| t.requires_grad())
+                .map(|(n, t)| (n.as_str(), t.size())),
         )?;
         let c = &cfg.config;
         let compute = match c.precision {
@@ -1167,15 +1171,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
-            let no_decay = decay::excluded_ranges(&layout, excluded);
-            let no_decay_names = (layout.slots.iter())
-                .filter(|s| excluded(&s.name, &s.shape))
-                .map(|s| s.name.clone())
+            let special = groups::special_ranges(&layout, setting);
+            let special_names = (layout.slots.iter())
+                .map(|s| (s.name.clone(), setting(&s.name, &s.shape)))
+                .filter(|(_, s)| *s != groups::Setting::PLAIN)
                 .collect();
             units.push(Unit {
                 name,
-                no_decay,
-                no_decay_names,
+                special,
+                special_names,
                 layout,
                 params: ts,
                 flat,
@@ -1183,15 +1187,18 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             });
             masters.push(master);
         }
-        let excluded: usize = units
-            .iter()
-            .flat_map(|u| &u.no_decay)
-            .map(|r| r.len())
-            .sum();
-        if excluded > 0 {
-            let all: usize = units.iter().map(|u| u.layout.numel).sum();
+        let special = units.iter().flat_map(|u| &u.special_names);
+        let left_out = special.clone().filter(|(_, s)| !s.decays).count();
+        let scaled = special.filter(|(_, s)| s.lr_scale != 1.0).count();
+        let all: usize = units.iter().map(|u| u.layout.slots.len()).sum();
+        if left_out > 0 {
             tracing::info!(
-                "weight decay leaves out {excluded} of {all} trained elements (ShardPlan::exclude_from_weight_decay)"
+                "weight decay leaves out {left_out} of {all} trained parameters (ShardPlan::exclude_from_weight_decay)"
+            );
+        }
+        if scaled > 0 {
+            tracing::info!(
+                "the learning rate of {scaled} of {all} trained parameters is scaled (ShardPlan::scale_learning_rate)"
             );
         }
         let mut shards = Vec::new();

@@ -1,0 +1,529 @@
+//! Optimizer settings by parameter: which parameters the program left out
+//! of weight decay ([`ShardPlan::exclude_from_weight_decay`]) and whose
+//! learning rate it scales ([`ShardPlan::scale_learning_rate`]), where
+//! they lie in a unit's flat buffer, and how a range of the buffer splits
+//! into runs of elements the optimizer treats alike.
+//!
+//! DeepSpeed and PyTorch get this from the optimizer's parameter groups. A
+//! flat buffer mixes parameters of every group, so the Adam kernel runs
+//! once per run, each with its own weight decay and learning rate; a model
+//! whose parameters are all treated alike runs it once per range, as
+//! before.
+//!
+//! [`ShardPlan::exclude_from_weight_decay`]: crate::ShardPlan::exclude_from_weight_decay
+//! [`ShardPlan::scale_learning_rate`]: crate::ShardPlan::scale_learning_rate
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use zrt_kernels::{AdamConfig, ComputeCopy};
+
+use crate::flat::FlatLayout;
+use crate::plan::{DecayRule, LrRule};
+use crate::{EngineError, ShardPlan};
+
+/// How the optimizer treats one parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Setting {
+    /// Whether `optimizer.params.weight_decay` applies to it.
+    pub(super) decays: bool,
+    /// What the schedule's learning rate is multiplied by for it.
+    pub(super) lr_scale: f64,
+}
+
+impl Setting {
+    /// What a parameter no rule names gets: decay, the schedule's rate.
+    pub(super) const PLAIN: Setting = Setting {
+        decays: true,
+        lr_scale: 1.0,
+    };
+
+    /// `base` (this step's settings) as this parameter gets them.
+    pub(super) fn adam(&self, base: &AdamConfig) -> AdamConfig {
+        AdamConfig {
+            lr: base.lr * self.lr_scale,
+            weight_decay: if self.decays { base.weight_decay } else { 0.0 },
+            ..*base
+        }
+    }
+
+    /// How the ranks' agreement check describes a trained parameter.
+    pub(super) fn role(&self) -> String {
+        let mut role = "trained".to_string();
+        if !self.decays {
+            role.push_str(", no weight decay");
+        }
+        if self.lr_scale != 1.0 {
+            role.push_str(&format!(", learning rate x{}", self.lr_scale));
+        }
+        role
+    }
+}
+
+/// The plan's rules, read once when the engine is built, so that the
+/// ranks' agreement check and the layout see the same ones.
+#[derive(Clone, Default)]
+pub(super) struct Rules {
+    no_decay: Option<Arc<DecayRule>>,
+    lr_scale: Option<Arc<LrRule>>,
+}
+
+impl Rules {
+    /// `plan`'s rules as they are now.
+    pub(super) fn of(plan: &ShardPlan) -> Self {
+        Self {
+            no_decay: plan.decay_rule(),
+            lr_scale: plan.lr_rule(),
+        }
+    }
+
+    /// How the optimizer treats the parameter `name` of `shape`.
+    pub(super) fn setting(&self, name: &str, shape: &[i64]) -> Setting {
+        Setting {
+            decays: !self.no_decay.as_ref().is_some_and(|r| r(name, shape)),
+            lr_scale: self.lr_scale.as_ref().map_or(1.0, |r| r(name, shape)),
+        }
+    }
+
+    /// Refuses a learning-rate scale that is not a finite number of at
+    /// least zero, naming the first parameter given one.
+    pub(super) fn check<'a>(
+        &self,
+        params: impl IntoIterator<Item = (&'a str, Vec<i64>)>,
+    ) -> Result<(), EngineError> {
+        for (name, shape) in params {
+            let s = self.setting(name, &shape).lr_scale;
+            if !(s.is_finite() && s >= 0.0) {
+                return Err(EngineError::Plan(format!(
+                    "ShardPlan::scale_learning_rate gave `{name}` the scale {s}: a scale multiplies the schedule's learning rate and must be a finite number of at least 0 (1 leaves the parameter at the schedule's rate)"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The element ranges of `layout`'s flat buffer whose parameters are not
+/// treated plainly (`setting(name, shape)`), in order, adjacent ones of
+/// one setting merged. A range runs on over the alignment padding after
+/// its parameter (zeros, which every setting leaves at zero), so that
+/// neighbours treated alike make one range.
+pub(super) fn special_ranges(
+    layout: &FlatLayout,
+    setting: impl Fn(&str, &[i64]) -> Setting,
+) -> Vec<(Range<usize>, Setting)> {
+    let mut slots: Vec<_> = layout.slots.iter().collect();
+    slots.sort_by_key(|s| s.offset);
+    let mut out: Vec<(Range<usize>, Setting)> = Vec::new();
+    for (i, s) in slots.iter().enumerate() {
+        let this = setting(&s.name, &s.shape);
+        let end = slots.get(i + 1).map_or(layout.padded, |n| n.offset);
+        // A parameter of no elements shares its offset with the next.
+        if this == Setting::PLAIN || end == s.offset {
+            continue;
+        }
+        match out.last_mut() {
+            Some((last, was)) if last.end == s.offset && *was == this => last.end = end,
+            _ => out.push((s.offset..end, this)),
+        }
+    }
+    out
+}
+
+/// The parameters of `units` (each unit's `(name, setting)` of those not
+/// treated plainly) that weight decay leaves out, sorted (what a
+/// checkpoint records).
+pub(super) fn excluded_names<'a>(
+    units: impl IntoIterator<Item = &'a [(String, Setting)]>,
+) -> Vec<String> {
+    let mut names: Vec<String> = units
+        .into_iter()
+        .flatten()
+        .filter(|(_, s)| !s.decays)
+        .map(|(n, _)| n.clone())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The parameters of `units` whose learning rate is scaled, with their
+/// scales (what a checkpoint records).
+pub(super) fn lr_scales<'a>(
+    units: impl IntoIterator<Item = &'a [(String, Setting)]>,
+) -> BTreeMap<String, f64> {
+    units
+        .into_iter()
+        .flatten()
+        .filter(|(_, s)| s.lr_scale != 1.0)
+        .map(|(n, s)| (n.clone(), s.lr_scale))
+        .collect()
+}
+
+/// Up to five names in backticks, then how many more.
+fn some_of(names: &[String]) -> String {
+    let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
+    match names.len() {
+        0 => "none".to_string(),
+        n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
+        _ => shown.join(", "),
+    }
+}
+
+/// What a resumed run changes in weight decay: `None` when the parameters
+/// the checkpoint's run left out (`saved`) are the ones this engine
+/// leaves out (`now`, both sorted), else the warning to log. Changing the
+/// rule on resume is allowed, as changing `weight_decay` in the config
+/// is, but never silent.
+pub(super) fn changed(saved: &[String], now: &[String]) -> Option<String> {
+    if saved == now {
+        return None;
+    }
+    let quoted = |names: &[String], other: &[String]| -> Vec<String> {
+        names
+            .iter()
+            .filter(|n| other.binary_search(n).is_err())
+            .map(|n| format!("`{n}`"))
+            .collect()
+    };
+    Some(format!(
+        "the checkpoint's run left {} parameter(s) out of weight decay, this engine's plan leaves out {}: from here on weight decay follows the plan (now left out: {}; now decayed: {}). If that is not meant, give the plan the rule the run had (ShardPlan::exclude_from_weight_decay)",
+        saved.len(),
+        now.len(),
+        some_of(&quoted(now, saved)),
+        some_of(&quoted(saved, now)),
+    ))
+}
+
+/// What a resumed run changes in learning-rate scales: `None` when every
+/// parameter has the scale it had in the checkpoint's run (`saved`; a
+/// parameter absent has scale 1), else the warning to log, naming each
+/// parameter whose scale changed, with both scales.
+pub(super) fn lr_changed(
+    saved: &BTreeMap<String, f64>,
+    now: &BTreeMap<String, f64>,
+) -> Option<String> {
+    let scale = |m: &BTreeMap<String, f64>, n: &str| m.get(n).copied().unwrap_or(1.0);
+    let mut names: Vec<&String> = saved.keys().chain(now.keys()).collect();
+    names.sort();
+    names.dedup();
+    let moved: Vec<String> = names
+        .into_iter()
+        .filter(|n| scale(saved, n) != scale(now, n))
+        .map(|n| format!("`{n}` x{} -> x{}", scale(saved, n), scale(now, n)))
+        .collect();
+    if moved.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "the checkpoint's run scaled the learning rate of {} parameter(s), this engine's plan scales {}: from here on the plan's scales apply ({} changed: {}). If that is not meant, give the plan the rule the run had (ShardPlan::scale_learning_rate)",
+        saved.values().filter(|s| **s != 1.0).count(),
+        now.values().filter(|s| **s != 1.0).count(),
+        moved.len(),
+        some_of(&moved),
+    ))
+}
+
+/// `whole` (a range of the flat buffer) cut where it enters or leaves a
+/// `special` range: `(length, setting)` for each run, in order, none
+/// empty, lengths summing to `whole`'s.
+pub(super) fn runs(
+    whole: Range<usize>,
+    special: &[(Range<usize>, Setting)],
+) -> Vec<(usize, Setting)> {
+    let mut out = Vec::new();
+    let mut at = whole.start;
+    for (e, setting) in special {
+        if e.end <= at {
+            continue;
+        }
+        if e.start >= whole.end {
+            break;
+        }
+        if e.start > at {
+            out.push((e.start - at, Setting::PLAIN));
+            at = e.start;
+        }
+        let end = e.end.min(whole.end);
+        out.push((end - at, *setting));
+        at = end;
+    }
+    if at < whole.end {
+        out.push((whole.end - at, Setting::PLAIN));
+    }
+    out
+}
+
+/// Splits a compute copy destination at `mid`, as `split_at_mut` does.
+pub(super) fn split_copy(c: ComputeCopy<'_>, mid: usize) -> (ComputeCopy<'_>, ComputeCopy<'_>) {
+    match c {
+        ComputeCopy::None => (ComputeCopy::None, ComputeCopy::None),
+        ComputeCopy::Bf16(d) => {
+            let (a, b) = d.split_at_mut(mid);
+            (ComputeCopy::Bf16(a), ComputeCopy::Bf16(b))
+        }
+        ComputeCopy::F16(d) => {
+            let (a, b) = d.split_at_mut(mid);
+            (ComputeCopy::F16(a), ComputeCopy::F16(b))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_changed_rule_names_what_is_now_left_out_and_now_decayed() {
+        let same = names(&["a.bias", "b.bias"]);
+        assert_eq!(changed(&same, &same), None);
+        let w = changed(&names(&["a.bias", "b.bias"]), &names(&["b.bias", "c.bias"])).unwrap();
+        assert!(
+            w.starts_with("the checkpoint's run left 2 parameter(s) out of weight decay, this engine's plan leaves out 2: from here on weight decay follows the plan (now left out: `c.bias`; now decayed: `a.bias`)"),
+            "{w}"
+        );
+        // Five are listed whole, a sixth is counted.
+        let five = names(&["p1", "p2", "p3", "p4", "p5"]);
+        let w = changed(&five, &[]).unwrap();
+        assert!(
+            w.contains("(now left out: none; now decayed: `p1`, `p2`, `p3`, `p4`, `p5`)"),
+            "{w}"
+        );
+        let six = names(&["p1", "p2", "p3", "p4", "p5", "p6"]);
+        let w = changed(&[], &six).unwrap();
+        assert!(
+            w.contains(
+                "(now left out: `p1`, `p2`, `p3`, `p4`, `p5` and 1 more; now decayed: none)"
+            ),
+            "{w}"
+        );
+    }
+
+    /// Left out of weight decay, at the schedule's rate.
+    const OUT: Setting = Setting {
+        decays: false,
+        lr_scale: 1.0,
+    };
+
+    /// `runs` with each run's setting as whether it decays.
+    fn decays(whole: Range<usize>, ex: &[Range<usize>]) -> Vec<(usize, bool)> {
+        let special: Vec<_> = ex.iter().map(|r| (r.clone(), OUT)).collect();
+        runs(whole, &special)
+            .into_iter()
+            .map(|(n, s)| (n, s.decays))
+            .collect()
+    }
+
+    #[test]
+    fn a_range_is_cut_where_it_enters_and_leaves_the_excluded_ranges() {
+        let ex = [2..4, 6..7, 9..12];
+        assert_eq!(
+            decays(0..12, &ex),
+            [
+                (2, true),
+                (2, false),
+                (2, true),
+                (1, false),
+                (2, true),
+                (3, false)
+            ]
+        );
+        // Ranges cut by a shard's bounds.
+        assert_eq!(
+            decays(3..10, &ex),
+            [(1, false), (2, true), (1, false), (2, true), (1, false)]
+        );
+        assert_eq!(decays(4..6, &ex), [(2, true)]);
+        // No empty runs where a range starts or ends with an excluded one.
+        assert_eq!(decays(2..7, &ex), [(2, false), (2, true), (1, false)]);
+        assert_eq!(decays(10..11, &ex), [(1, false)]);
+        assert_eq!(decays(0..12, &[]), [(12, true)]);
+        assert_eq!(decays(5..5, &ex), []);
+        assert_eq!(decays(12..20, &ex), [(8, true)]);
+    }
+
+    #[test]
+    fn neighbouring_ranges_of_different_settings_make_separate_runs() {
+        let half = Setting {
+            decays: true,
+            lr_scale: 0.5,
+        };
+        let special = [(2..4, OUT), (4..6, half), (8..9, half)];
+        assert_eq!(
+            runs(0..10, &special),
+            [
+                (2, Setting::PLAIN),
+                (2, OUT),
+                (2, half),
+                (2, Setting::PLAIN),
+                (1, half),
+                (1, Setting::PLAIN)
+            ]
+        );
+        assert_eq!(runs(3..5, &special), [(1, OUT), (1, half)]);
+    }
+
+    #[test]
+    fn a_setting_scales_the_rate_and_drops_the_decay_it_names() {
+        let base = AdamConfig {
+            lr: 0.25,
+            weight_decay: 0.1,
+            ..AdamConfig::default()
+        };
+        let both = Setting {
+            decays: false,
+            lr_scale: 0.5,
+        };
+        let a = both.adam(&base);
+        assert_eq!((a.lr, a.weight_decay, a.beta2), (0.125, 0.0, base.beta2));
+        let a = Setting::PLAIN.adam(&base);
+        assert_eq!((a.lr, a.weight_decay), (0.25, 0.1));
+        assert_eq!(Setting::PLAIN.role(), "trained");
+        assert_eq!(both.role(), "trained, no weight decay, learning rate x0.5");
+    }
+
+    #[test]
+    fn a_scale_that_is_negative_or_not_finite_is_refused_by_name() {
+        let plan = ShardPlan::new();
+        plan.scale_learning_rate(|name, _| match name {
+            "a" => 0.0,
+            "b" => -0.5,
+            _ => f64::NAN,
+        })
+        .unwrap();
+        let rules = Rules::of(&plan);
+        assert!(rules.check([("a", vec![2])]).is_ok());
+        let e = rules.check([("a", vec![2]), ("b", vec![3])]).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "ShardPlan::scale_learning_rate gave `b` the scale -0.5: a scale multiplies the schedule's learning rate and must be a finite number of at least 0"
+            ),
+            "{e}"
+        );
+        let e = rules.check([("c", vec![2])]).unwrap_err();
+        assert!(e.to_string().contains("gave `c` the scale NaN"), "{e}");
+    }
+
+    #[test]
+    fn a_changed_scale_names_the_parameter_and_both_scales() {
+        let map = |v: &[(&str, f64)]| -> BTreeMap<String, f64> {
+            v.iter().map(|(n, s)| (n.to_string(), *s)).collect()
+        };
+        let saved = map(&[("a", 0.5), ("b", 2.0)]);
+        assert_eq!(lr_changed(&saved, &saved), None);
+        // A scale of 1 written out is a scale of 1 left out.
+        assert_eq!(
+            lr_changed(&saved, &map(&[("a", 0.5), ("b", 2.0), ("c", 1.0)])),
+            None
+        );
+        let w = lr_changed(&saved, &map(&[("a", 0.25), ("c", 3.0)])).unwrap();
+        assert!(
+            w.starts_with("the checkpoint's run scaled the learning rate of 2 parameter(s), this engine's plan scales 2: from here on the plan's scales apply (3 changed: `a` x0.5 -> x0.25, `b` x2 -> x1, `c` x1 -> x3)"),
+            "{w}"
+        );
+        let six = map(&[
+            ("p1", 2.0),
+            ("p2", 2.0),
+            ("p3", 2.0),
+            ("p4", 2.0),
+            ("p5", 2.0),
+            ("p6", 2.0),
+        ]);
+        let w = lr_changed(&BTreeMap::new(), &six).unwrap();
+        assert!(w.contains("(6 changed: `p1` x1 -> x2, `p2` x1 -> x2, `p3` x1 -> x2, `p4` x1 -> x2, `p5` x1 -> x2 and 1 more)"), "{w}");
+    }
+
+    #[test]
+    fn parameters_not_treated_plainly_become_merged_ranges_of_the_flat_buffer() {
+        let layout = FlatLayout::new(
+            vec![
+                ("w1".into(), vec![3, 2]),
+                ("b1".into(), vec![3]),
+                ("g1".into(), vec![2]),
+                ("w2".into(), vec![2, 2]),
+                ("b2".into(), vec![5]),
+            ],
+            2,
+        );
+        // Slots go by name, each aligned: b1 b2 g1 w1 w2.
+        let at = |n: &str| layout.slots.iter().find(|s| s.name == n).unwrap().offset;
+        let names = ["b1", "b2", "g1", "w1", "w2"];
+        assert!(names.windows(2).all(|w| at(w[0]) < at(w[1])));
+        let out = |yes: bool| if yes { OUT } else { Setting::PLAIN };
+        // The vectors are next to each other: one range, to w1.
+        let ex = special_ranges(&layout, |_, shape| out(shape.len() < 2));
+        assert_eq!(ex, vec![(0..at("w1"), OUT)]);
+        assert!(special_ranges(&layout, |_, _| Setting::PLAIN).is_empty());
+        assert_eq!(
+            special_ranges(&layout, |n, _| out(n == "w1")),
+            vec![(at("w1")..at("w2"), OUT)]
+        );
+        // The last runs on to the end of the buffer.
+        assert_eq!(
+            special_ranges(&layout, |n, _| out(n.starts_with('b') || n == "w2")),
+            [(0..at("g1"), OUT), (at("w2")..layout.padded, OUT)]
+        );
+        assert!(layout.padded > at("w2") + 4);
+        // Neighbours of different settings are not merged.
+        let half = Setting {
+            decays: false,
+            lr_scale: 0.5,
+        };
+        assert_eq!(
+            special_ranges(&layout, |n, _| match n {
+                "b1" => OUT,
+                "b2" | "g1" => half,
+                _ => Setting::PLAIN,
+            }),
+            [(0..at("b2"), OUT), (at("b2")..at("w1"), half)]
+        );
+    }
+
+    #[test]
+    fn a_parameter_of_no_elements_makes_no_range() {
+        let layout = FlatLayout::new(vec![("a".into(), vec![0]), ("b".into(), vec![3])], 2);
+        assert_eq!(layout.slots[0].offset, layout.slots[1].offset);
+        let out = |n: &str, _: &[i64]| if n == "a" { OUT } else { Setting::PLAIN };
+        assert!(special_ranges(&layout, out).is_empty());
+    }
+
+    #[test]
+    fn checkpoints_record_the_left_out_names_and_the_scales() {
+        let half = Setting {
+            decays: false,
+            lr_scale: 0.5,
+        };
+        let a = vec![("z".to_string(), OUT), ("y".to_string(), half)];
+        let b = vec![(
+            "x".to_string(),
+            Setting {
+                decays: true,
+                lr_scale: 2.0,
+            },
+        )];
+        let units = [a.as_slice(), b.as_slice()];
+        assert_eq!(excluded_names(units), ["y", "z"]);
+        assert_eq!(
+            lr_scales(units).into_iter().collect::<Vec<_>>(),
+            [("x".to_string(), 2.0), ("y".to_string(), 0.5)]
+        );
+    }
+
+    #[test]
+    fn a_compute_copy_splits_like_a_slice() {
+        let mut d = vec![half::bf16::ZERO; 5];
+        let (a, b) = split_copy(ComputeCopy::Bf16(&mut d), 2);
+        match (a, b) {
+            (ComputeCopy::Bf16(a), ComputeCopy::Bf16(b)) => assert_eq!((a.len(), b.len()), (2, 3)),
+            _ => panic!("not bf16"),
+        }
+        assert!(matches!(
+            split_copy(ComputeCopy::None, 0),
+            (ComputeCopy::None, ComputeCopy::None)
+        ));
+    }
+}

@@ -44,7 +44,7 @@ impl Terms {
         cfg: &Resolved,
         plan: &ShardPlan,
         vs: &nn::VarStore,
-        treated: impl Fn(&str, &[i64]) -> super::groups::Setting,
+        treated: impl Fn(&str) -> super::groups::Setting,
     ) -> Self {
         let (c, z, o) = (&cfg.config, &cfg.config.zero, &cfg.config.optimizer);
         let mut t = Vec::new();
@@ -137,7 +137,7 @@ impl Terms {
             let role = if !v.requires_grad() {
                 "frozen".to_string()
             } else {
-                treated(&name, &v.size()).role()
+                treated(&name).role()
             };
             put(
                 &format!("variable `{name}`"),

@@ -15,12 +15,10 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
 
 use zrt_kernels::{AdamConfig, ComputeCopy};
 
 use crate::flat::FlatLayout;
-use crate::plan::{DecayRule, LrRule};
 use crate::{EngineError, ShardPlan};
 
 /// How the optimizer treats one parameter.
@@ -61,39 +59,44 @@ impl Setting {
     }
 }
 
-/// The plan's rules, read once when the engine is built, so that the
-/// ranks' agreement check and the layout see the same ones.
-#[derive(Clone, Default)]
-pub(super) struct Rules {
-    no_decay: Option<Arc<DecayRule>>,
-    lr_scale: Option<Arc<LrRule>>,
-}
+/// How the optimizer treats each trainable parameter that a rule of the
+/// plan names, by VarStore name. Built once when the engine is built, each
+/// rule asked once per parameter, so the ranks' agreement check, the
+/// layout and checkpoints see the same answers.
+#[derive(Debug, Default)]
+pub(super) struct Settings(BTreeMap<String, Setting>);
 
-impl Rules {
-    /// `plan`'s rules as they are now.
-    pub(super) fn of(plan: &ShardPlan) -> Self {
-        Self {
-            no_decay: plan.decay_rule(),
-            lr_scale: plan.lr_rule(),
+impl Settings {
+    /// The settings `plan`'s rules give the trainable variables of `vs`.
+    pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore) -> Self {
+        let (no_decay, lr_scale) = (plan.decay_rule(), plan.lr_rule());
+        let mut out = BTreeMap::new();
+        for (name, t) in vs.variables() {
+            if !t.requires_grad() {
+                continue;
+            }
+            let shape = t.size();
+            let this = Setting {
+                decays: !no_decay.as_ref().is_some_and(|r| r(&name, &shape)),
+                lr_scale: lr_scale.as_ref().map_or(1.0, |r| r(&name, &shape)),
+            };
+            if this != Setting::PLAIN {
+                out.insert(name, this);
+            }
         }
+        Self(out)
     }
 
-    /// How the optimizer treats the parameter `name` of `shape`.
-    pub(super) fn setting(&self, name: &str, shape: &[i64]) -> Setting {
-        Setting {
-            decays: !self.no_decay.as_ref().is_some_and(|r| r(name, shape)),
-            lr_scale: self.lr_scale.as_ref().map_or(1.0, |r| r(name, shape)),
-        }
+    /// How the optimizer treats the parameter `name`.
+    pub(super) fn get(&self, name: &str) -> Setting {
+        self.0.get(name).copied().unwrap_or(Setting::PLAIN)
     }
 
     /// Refuses a learning-rate scale that is not a finite number of at
-    /// least zero, naming the first parameter given one.
-    pub(super) fn check<'a>(
-        &self,
-        params: impl IntoIterator<Item = (&'a str, Vec<i64>)>,
-    ) -> Result<(), EngineError> {
-        for (name, shape) in params {
-            let s = self.setting(name, &shape).lr_scale;
+    /// least zero, naming the first parameter (by name) given one.
+    pub(super) fn check(&self) -> Result<(), EngineError> {
+        for (name, s) in &self.0 {
+            let s = s.lr_scale;
             if !(s.is_finite() && s >= 0.0) {
                 return Err(EngineError::Plan(format!(
                     "ShardPlan::scale_learning_rate gave `{name}` the scale {s}: a scale multiplies the schedule's learning rate and must be a finite number of at least 0 (1 leaves the parameter at the schedule's rate)"
@@ -105,19 +108,19 @@ impl Rules {
 }
 
 /// The element ranges of `layout`'s flat buffer whose parameters are not
-/// treated plainly (`setting(name, shape)`), in order, adjacent ones of
-/// one setting merged. A range runs on over the alignment padding after
+/// treated plainly (`setting(name)`), in order, adjacent ones of one
+/// setting merged. A range runs on over the alignment padding after
 /// its parameter (zeros, which every setting leaves at zero), so that
 /// neighbours treated alike make one range.
 pub(super) fn special_ranges(
     layout: &FlatLayout,
-    setting: impl Fn(&str, &[i64]) -> Setting,
+    setting: impl Fn(&str) -> Setting,
 ) -> Vec<(Range<usize>, Setting)> {
     let mut slots: Vec<_> = layout.slots.iter().collect();
     slots.sort_by_key(|s| s.offset);
     let mut out: Vec<(Range<usize>, Setting)> = Vec::new();
     for (i, s) in slots.iter().enumerate() {
-        let this = setting(&s.name, &s.shape);
+        let this = setting(&s.name);
         let end = slots.get(i + 1).map_or(layout.padded, |n| n.offset);
         // A parameter of no elements shares its offset with the next.
         if this == Setting::PLAIN || end == s.offset {
@@ -386,26 +389,61 @@ mod tests {
         assert_eq!(both.role(), "trained, no weight decay, learning rate x0.5");
     }
 
+    /// A VarStore of trained vectors `names` and a frozen one, `frozen`.
+    fn store(names: &[&str]) -> tch::nn::VarStore {
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        for n in names {
+            let _ = vs.root().zeros(n, &[2]);
+        }
+        let _ = vs.root().zeros_no_train("frozen", &[3]);
+        vs
+    }
+
+    #[test]
+    fn settings_hold_what_the_rules_give_each_trained_parameter() {
+        let plan = ShardPlan::new();
+        let vs = store(&["a", "b", "c"]);
+        assert!(Settings::of(&plan, &vs).0.is_empty());
+        plan.exclude_from_weight_decay(|name, shape| name != "a" && shape == [2])
+            .unwrap();
+        plan.scale_learning_rate(|name, _| if name == "c" { 0.5 } else { 1.0 })
+            .unwrap();
+        let s = Settings::of(&plan, &vs);
+        // Plain ones are not kept; frozen ones are not asked about.
+        assert_eq!(s.0.keys().collect::<Vec<_>>(), ["b", "c"]);
+        assert_eq!(s.get("a"), Setting::PLAIN);
+        assert_eq!(s.get("b"), OUT);
+        let c = Setting {
+            decays: false,
+            lr_scale: 0.5,
+        };
+        assert_eq!((s.get("c"), s.get("frozen")), (c, Setting::PLAIN));
+    }
+
     #[test]
     fn a_scale_that_is_negative_or_not_finite_is_refused_by_name() {
         let plan = ShardPlan::new();
         plan.scale_learning_rate(|name, _| match name {
-            "a" => 0.0,
+            "a" | "frozen" => f64::NAN,
             "b" => -0.5,
-            _ => f64::NAN,
+            "c" => 0.0,
+            _ => 1.0,
         })
         .unwrap();
-        let rules = Rules::of(&plan);
-        assert!(rules.check([("a", vec![2])]).is_ok());
-        let e = rules.check([("a", vec![2]), ("b", vec![3])]).unwrap_err();
+        assert!(Settings::of(&plan, &store(&["c", "d"])).check().is_ok());
+        let e = Settings::of(&plan, &store(&["b", "c"]))
+            .check()
+            .unwrap_err();
         assert!(
             e.to_string().contains(
                 "ShardPlan::scale_learning_rate gave `b` the scale -0.5: a scale multiplies the schedule's learning rate and must be a finite number of at least 0"
             ),
             "{e}"
         );
-        let e = rules.check([("c", vec![2])]).unwrap_err();
-        assert!(e.to_string().contains("gave `c` the scale NaN"), "{e}");
+        let e = Settings::of(&plan, &store(&["b", "a"]))
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("gave `a` the scale NaN"), "{e}");
     }
 
     #[test]
@@ -455,16 +493,16 @@ mod tests {
         assert!(names.windows(2).all(|w| at(w[0]) < at(w[1])));
         let out = |yes: bool| if yes { OUT } else { Setting::PLAIN };
         // The vectors are next to each other: one range, to w1.
-        let ex = special_ranges(&layout, |_, shape| out(shape.len() < 2));
+        let ex = special_ranges(&layout, |n| out(n != "w1" && n != "w2"));
         assert_eq!(ex, vec![(0..at("w1"), OUT)]);
-        assert!(special_ranges(&layout, |_, _| Setting::PLAIN).is_empty());
+        assert!(special_ranges(&layout, |_| Setting::PLAIN).is_empty());
         assert_eq!(
-            special_ranges(&layout, |n, _| out(n == "w1")),
+            special_ranges(&layout, |n| out(n == "w1")),
             vec![(at("w1")..at("w2"), OUT)]
         );
         // The last runs on to the end of the buffer.
         assert_eq!(
-            special_ranges(&layout, |n, _| out(n.starts_with('b') || n == "w2")),
+            special_ranges(&layout, |n| out(n.starts_with('b') || n == "w2")),
             [(0..at("g1"), OUT), (at("w2")..layout.padded, OUT)]
         );
         assert!(layout.padded > at("w2") + 4);
@@ -474,7 +512,7 @@ mod tests {
             lr_scale: 0.5,
         };
         assert_eq!(
-            special_ranges(&layout, |n, _| match n {
+            special_ranges(&layout, |n| match n {
                 "b1" => OUT,
                 "b2" | "g1" => half,
                 _ => Setting::PLAIN,
@@ -487,7 +525,7 @@ mod tests {
     fn a_parameter_of_no_elements_makes_no_range() {
         let layout = FlatLayout::new(vec![("a".into(), vec![0]), ("b".into(), vec![3])], 2);
         assert_eq!(layout.slots[0].offset, layout.slots[1].offset);
-        let out = |n: &str, _: &[i64]| if n == "a" { OUT } else { Setting::PLAIN };
+        let out = |n: &str| if n == "a" { OUT } else { Setting::PLAIN };
         assert!(special_ranges(&layout, out).is_empty());
     }
 

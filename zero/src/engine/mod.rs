@@ -1019,10 +1019,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ) -> Result<Self, EngineError> {
         let replicas = replicate.as_ref().map_or(1, |r| r.size());
         let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
-        // The plan's optimizer rules, read once: the ranks agree on the
-        // rules the layout then uses.
-        let rules = groups::Rules::of(plan);
-        let setting = |name: &str, shape: &[i64]| rules.setting(name, shape);
+        // The plan's optimizer rules, asked once per parameter: the ranks
+        // agree on the answers the layout and checkpoints then use.
+        let settings = groups::Settings::of(plan, vs);
+        let setting = |name: &str| settings.get(name);
         // First, so that the checks below, which a config that differs on
         // one rank fails there alone, meet ranks that agree; and before
         // the plan is claimed, so an engine refused here leaves it for the
@@ -1033,13 +1033,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             replicate.as_ref(),
         )?;
         // After the agreement: ranks that agree on the scales fail alike.
-        let mut vars: Vec<_> = vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        rules.check(
-            vars.iter()
-                .filter(|(_, t)| t.requires_grad())
-                .map(|(n, t)| (n.as_str(), t.size())),
-        )?;
+        settings.check()?;
         let c = &cfg.config;
         let compute = match c.precision {
             Precision::Fp32 => Compute::F32,
@@ -1173,7 +1167,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let special = groups::special_ranges(&layout, setting);
             let special_names = (layout.slots.iter())
-                .map(|s| (s.name.clone(), setting(&s.name, &s.shape)))
+                .map(|s| (s.name.clone(), setting(&s.name)))
                 .filter(|(_, s)| *s != groups::Setting::PLAIN)
                 .collect();
             units.push(Unit {

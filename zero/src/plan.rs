@@ -109,7 +109,8 @@ impl ShardPlan {
     /// PyTorch takes this from parameter groups with their own `lr`, which
     /// a `LambdaLR` then multiplies alike; the usual uses are layer-wise
     /// learning-rate decay in fine-tuning (each block's rate a power of a
-    /// factor below one, deeper blocks faster) and a slower embedding.
+    /// factor below one, the blocks nearest the output fastest) and a
+    /// slower embedding.
     /// Layer-wise decay over blocks `h.0` to `h.7`:
     ///
     /// ```no_run

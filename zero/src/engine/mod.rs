@@ -1679,7 +1679,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.inner.st.lock().norm
     }
     /// The learning rate the last step used (before the first step: the
-    /// one it will use, a warm-up's first).
+    /// one it will use, a warm-up's first): the schedule's, which a
+    /// parameter whose rate the plan scales
+    /// ([`ShardPlan::scale_learning_rate`]) got times its scale.
     pub fn lr(&self) -> f64 {
         self.inner.st.lock().lr
     }

@@ -41,6 +41,43 @@ fn config_check_prints_a_shared_fixture_resolved() {
 }
 
 #[test]
+fn config_check_shows_each_warning_once_with_the_report_or_the_problems() {
+    // A fixture with six warnings (the bf16 loss-scale keys, and
+    // contiguous_gradients false), as the report's own lines, not also
+    // as log lines.
+    let f = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/ds-configs/tests_torch_compile_ds_config_z3.json"
+    );
+    let (ok, out) = zrt(&["config", "check", f, "--world", "2"]);
+    assert!(ok, "{out}");
+    assert_eq!(
+        out.matches("`bf16.hysteresis` has no effect").count(),
+        1,
+        "{out}"
+    );
+    assert_eq!(out.matches("  warning: ").count(), 6, "{out}");
+    assert!(!out.contains("WARN"), "{out}");
+    // A config that fails still shows what it would have warned about.
+    let bad = config_file(
+        "warned",
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": true, "loss_scale": 0}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &bad, "--world", "2"]);
+    assert!(!ok);
+    assert!(
+        out.contains("1 problem(s) in the DeepSpeed config"),
+        "{out}"
+    );
+    assert!(
+        out.contains("\n  warning: `bf16.loss_scale` has no effect: bf16 needs no loss scaling"),
+        "{out}"
+    );
+    assert!(!out.contains("WARN"), "{out}");
+    let _ = std::fs::remove_file(&bad);
+}
+
+#[test]
 fn config_check_lists_every_problem_and_fails() {
     let f = config_file(
         "bad",

@@ -89,15 +89,30 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
     };
     let text = std::fs::read_to_string(&a.file)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", a.file.display()))?;
-    let r = match Config::check(&text, a.world, &hints) {
+    // The report lists the config's warnings itself, once: the library's
+    // log of the same lines would print each twice.
+    let checked =
+        tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::new(), || {
+            Config::check(&text, a.world, &hints)
+        });
+    let r = match checked {
         Ok(r) => r,
-        // The library's fix for an "auto" it cannot fill names AutoHints,
-        // the program's side; here the user gives them on the command line.
-        Err(e) if e.to_string().contains("AutoHints") => bail!(
-            "{}: {e}\n`zrt config check` takes these as flags (--hidden, --micro, --lr, --weight-decay, --betas, --eps, --clip, --warmup-steps, --total-steps, --bf16, --fp16): see `zrt config check --help`",
-            a.file.display()
-        ),
-        Err(e) => bail!("{}: {e}", a.file.display()),
+        Err(e) => {
+            let warned: String = e
+                .warnings
+                .iter()
+                .map(|w| format!("\n  warning: {w}"))
+                .collect();
+            // The library's fix for an "auto" it cannot fill names
+            // AutoHints, the program's side; here the user gives them on
+            // the command line.
+            let flags = if e.to_string().contains("AutoHints") {
+                "\n`zrt config check` takes these as flags (--hidden, --micro, --lr, --weight-decay, --betas, --eps, --clip, --warmup-steps, --total-steps, --bf16, --fp16): see `zrt config check --help`"
+            } else {
+                ""
+            };
+            bail!("{}: {e}{flags}{warned}", a.file.display())
+        }
     };
     let c = &r.config;
     println!("{}: OK for a world of {}", a.file.display(), r.world);
@@ -117,7 +132,10 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         if o.adam_w_mode { "decoupled" } else { "L2" },
         o.bias_correction
     );
-    println!("  scheduler        {:?}", c.scheduler);
+    match &c.scheduler {
+        Some(sched) => println!("  scheduler        {sched:?}"),
+        None => println!("  scheduler        none (the learning rate stays at lr)"),
+    }
     let prec = match &c.precision {
         Precision::Fp32 => "fp32".to_string(),
         Precision::Bf16 {

@@ -23,11 +23,15 @@ use std::path::Path;
 pub use parse::Setting;
 
 /// Every problem found in a config; the message lists them all.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, Default, PartialEq, thiserror::Error)]
 #[error("{} problem(s) in the DeepSpeed config:\n{}", .problems.len(), .problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigError {
     /// One line per problem, each naming the key and the fix.
     pub problems: Vec<String>,
+    /// What [`Config::check`] would also have warned about (keys zrt reads
+    /// differently or ignores), so that a report of the problems can show
+    /// them too; empty from every other call, which logs its warnings.
+    pub warnings: Vec<String>,
 }
 
 /// Which Adam.
@@ -384,6 +388,7 @@ impl Config {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             problems: vec![format!("cannot read {}: {e}", path.display())],
+            ..Default::default()
         })?;
         Self::from_json(&text)
     }
@@ -394,15 +399,18 @@ impl Config {
     }
 
     /// Parses and resolves in one go, reporting the problems of both steps
-    /// at once (what `zrt config check` prints).
+    /// at once (what `zrt config check` prints), with the warnings in the
+    /// config the result or the error holds (and logs them, as parsing
+    /// does).
     pub fn check(text: &str, world: u64, hints: &AutoHints) -> Result<Resolved, ConfigError> {
         let (cfg, mut problems) = parse::parse_all(text)?;
+        let warnings = cfg.warnings.clone();
         match cfg.resolve(world, hints) {
             Ok(r) if problems.is_empty() => Ok(r),
-            Ok(_) => Err(ConfigError { problems }),
+            Ok(_) => Err(ConfigError { problems, warnings }),
             Err(e) => {
                 problems.extend(e.problems);
-                Err(ConfigError { problems })
+                Err(ConfigError { problems, warnings })
             }
         }
     }

@@ -893,7 +893,10 @@ pub(super) fn parse(text: &str) -> Result<Config, ConfigError> {
     if problems.is_empty() {
         Ok(cfg)
     } else {
-        Err(ConfigError { problems })
+        Err(ConfigError {
+            problems,
+            ..Default::default()
+        })
     }
 }
 
@@ -902,10 +905,12 @@ pub(super) fn parse(text: &str) -> Result<Config, ConfigError> {
 pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError> {
     let v: Value = serde_json::from_str(text).map_err(|e| ConfigError {
         problems: vec![format!("not valid JSON: {e}")],
+        ..Default::default()
     })?;
     let Value::Object(top) = v else {
         return Err(ConfigError {
             problems: vec!["the config must be a JSON object".into()],
+            ..Default::default()
         });
     };
     let mut p = P::default();
@@ -1047,7 +1052,7 @@ fn batch(
             gas: 1,
         },
         (None, None, _) => {
-            problems.push("set `train_batch_size` or `train_micro_batch_size_per_gpu` (with `gradient_accumulation_steps` if not 1)".into());
+            problems.push("set `train_batch_size` or `train_micro_batch_size_per_gpu` (with `gradient_accumulation_steps` if not 1), or have the program pass its micro-batch in AutoHints (`micro_batch`), as Hugging Face's Trainer fills them".into());
             return None;
         }
     };
@@ -1347,6 +1352,9 @@ pub(super) fn resolve(
                 world,
             })
         }
-        _ => Err(ConfigError { problems }),
+        _ => Err(ConfigError {
+            problems,
+            ..Default::default()
+        }),
     }
 }

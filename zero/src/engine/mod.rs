@@ -1611,6 +1611,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to {beta1} at step {}: Adam needs beta1 in [0, 1); lower decay_mom_rate, raise decay_step_size, or set decay_mom_rate to 0",
                     st.step + 1
                 )],
+                ..Default::default()
             }
             .into());
         }

@@ -220,7 +220,70 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         AsZrt::Bool(false),
         "zrt's stage 1 is the current one",
     ),
+    (
+        "sub_group_size",
+        AsZrt::Number(1e9),
+        "zrt's optimizer step, and its NVMe swap, go one unit at a time (`aio.block_size` sets the swap's pieces)",
+    ),
+    (
+        "memory_efficient_linear",
+        AsZrt::Bool(true),
+        "zrt's stage 3 frees gathered weights in place, so what autograd saves of them holds no memory whatever this says",
+    ),
+    (
+        "log_trace_cache_warnings",
+        AsZrt::Bool(false),
+        "zrt records the units' order at every forward and logs nothing about it",
+    ),
+    (
+        "stage3_module_granularity_threshold",
+        AsZrt::Number(0.0),
+        UNITS,
+    ),
+    ("module_granularity_threshold", AsZrt::Number(0.0), UNITS),
+    (
+        "use_multi_rank_bucket_allreduce",
+        AsZrt::Bool(true),
+        "zrt reduces each bucket in one collective",
+    ),
+    // Top-level keys.
+    (
+        "checkpoint",
+        AsZrt::Never,
+        "in zrt every rank must load the same tag (an error otherwise, as DeepSpeed's `tag_validation: \"Fail\"`), every checkpoint loads on any world size or stage (no `load_universal` conversion), and each rank writes its own file under the directory given",
+    ),
+    (
+        "dump_state",
+        AsZrt::Bool(false),
+        "zrt prints no engine state at start (`zrt config check` prints the config as resolved)",
+    ),
+    (
+        "memory_breakdown",
+        AsZrt::Bool(false),
+        "zrt logs no memory breakdown (`engine.model_state_bytes()` counts what it holds)",
+    ),
+    (
+        "sparse_gradients",
+        AsZrt::Bool(false),
+        "zrt reduces every gradient dense",
+    ),
+    (
+        "zero_force_ds_cpu_optimizer",
+        AsZrt::Bool(true),
+        "zrt always runs its own Adam kernel, offloaded or not",
+    ),
+    (
+        "seq_parallel_communication_data_type",
+        AsZrt::Str("fp32"),
+        "zrt has no sequence parallelism",
+    ),
+    // Permission to give DeepSpeed an optimizer of the program's own: zrt
+    // takes none, so neither value changes anything.
+    ("zero_allow_untested_optimizer", AsZrt::Any, ""),
 ];
+
+/// What zrt's units are, for the keys that set DeepSpeed's granularity.
+const UNITS: &str = "zrt's units are the modules the program wraps in ShardedModule";
 
 /// What zrt does instead of `stage3_max_reuse_distance`.
 const REUSE: &str = "stage 3 keeps the unit forward ran last gathered for the backward that begins with it and re-gathers the others, whatever the distance";
@@ -232,6 +295,9 @@ const GATHERS_ON_SAVE: &str = "zrt's save_16bit_model gathers the weights whatev
 pub(crate) enum AsZrt {
     Bool(bool),
     Number(f64),
+    Str(&'static str),
+    /// Every value does: the key never warns.
+    Any,
     /// No value does (a block): it always warns, with the text alone.
     Never,
 }
@@ -242,6 +308,8 @@ impl AsZrt {
         match self {
             AsZrt::Bool(b) => v.as_bool() == Some(b),
             AsZrt::Number(x) => v.as_f64() == Some(x),
+            AsZrt::Str(x) => v.as_str() == Some(x),
+            AsZrt::Any => true,
             AsZrt::Never => false,
         }
     }

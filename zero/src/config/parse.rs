@@ -730,10 +730,18 @@ impl P {
             )),
             OffloadDevice::Nvme => {}
         }
-        for key in ["fast_init", "ratio", "max_in_cpu"] {
-            if o.contains_key(key) {
-                self.warnings
-                    .push(format!("`{path}.{key}` is not honoured by zrt"));
+        // Quiet at DeepSpeed's defaults, which configs spell out.
+        let same = |v: &Value, d: &Value| v == d || (v.is_number() && v.as_f64() == d.as_f64());
+        for (key, default) in [
+            ("fast_init", Value::Bool(false)),
+            ("ratio", serde_json::json!(1.0)),
+            ("max_in_cpu", serde_json::json!(1e9)),
+        ] {
+            match o.get(key) {
+                Some(v) if !same(v, &default) => self
+                    .warnings
+                    .push(format!("`{path}.{key}` = {v} is not honoured by zrt")),
+                _ => {}
             }
         }
         for key in ["pipeline_read", "pipeline_write", "pipeline"] {
@@ -741,7 +749,9 @@ impl P {
                 self.warnings.push(format!("`{path}.{key}` = false has no effect: zrt's swap always reads ahead and writes behind"));
             }
         }
-        if o.get("pin_memory") == Some(&Value::Bool(true)) {
+        // Pinned memory is for copies to and from a GPU: meaningless with
+        // no offload, and said of "cpu" by the device's warning above.
+        if device == OffloadDevice::Nvme && o.get("pin_memory") == Some(&Value::Bool(true)) {
             self.warnings.push(format!(
                 "`{path}.pin_memory` has no effect on a CPU-only run"
             ));

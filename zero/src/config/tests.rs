@@ -491,6 +491,96 @@ fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
 }
 
 #[test]
+fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn() {
+    // What a full DeepSpeed config spells out at its defaults: quiet, the
+    // offload blocks' own keys too (pinned memory means nothing without
+    // an offload).
+    let quiet = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "dump_state": false, "memory_breakdown": false, "sparse_gradients": false,
+            "zero_force_ds_cpu_optimizer": true, "zero_allow_untested_optimizer": true,
+            "seq_parallel_communication_data_type": "fp32",
+            "zero_optimization": {"stage": 3, "sub_group_size": 1e9, "memory_efficient_linear": true,
+                "log_trace_cache_warnings": false, "stage3_module_granularity_threshold": 0,
+                "use_multi_rank_bucket_allreduce": true,
+                "offload_optimizer": {"device": "none", "pin_memory": true, "ratio": 1, "fast_init": false},
+                "offload_param": {"device": "none", "pin_memory": true, "max_in_cpu": 1e9}}}"#,
+    )
+    .unwrap();
+    assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    let loud = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "dump_state": true, "memory_breakdown": true, "sparse_gradients": true,
+            "zero_force_ds_cpu_optimizer": false, "zero_allow_untested_optimizer": false,
+            "seq_parallel_communication_data_type": "bf16", "checkpoint": {"tag_validation": "Warn"},
+            "zero_optimization": {"stage": 3, "sub_group_size": 1e12, "memory_efficient_linear": false,
+                "log_trace_cache_warnings": true, "module_granularity_threshold": 100,
+                "use_multi_rank_bucket_allreduce": false,
+                "offload_optimizer": {"device": "cpu", "pin_memory": true, "ratio": 0.5, "fast_init": true},
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp", "pin_memory": true, "max_in_cpu": 1e6}}}"#,
+    )
+    .unwrap();
+    for (key, does) in [
+        ("dump_state` = true", "no engine state"),
+        ("memory_breakdown` = true", "no memory breakdown"),
+        ("sparse_gradients` = true", "every gradient dense"),
+        (
+            "zero_force_ds_cpu_optimizer` = false",
+            "its own Adam kernel",
+        ),
+        (
+            "seq_parallel_communication_data_type` = \"bf16\"",
+            "no sequence parallelism",
+        ),
+        (
+            "zero_optimization.sub_group_size` = 1000000000000.0",
+            "one unit at a time",
+        ),
+        (
+            "zero_optimization.memory_efficient_linear` = false",
+            "frees gathered weights in place",
+        ),
+        (
+            "zero_optimization.log_trace_cache_warnings` = true",
+            "logs nothing about it",
+        ),
+        (
+            "zero_optimization.module_granularity_threshold` = 100",
+            "wraps in ShardedModule",
+        ),
+        (
+            "zero_optimization.use_multi_rank_bucket_allreduce` = false",
+            "one collective",
+        ),
+    ] {
+        assert!(
+            loud.warnings.iter().any(|w| w.starts_with(&format!(
+                "`{key} is a DeepSpeed setting zrt does not implement; it is ignored: "
+            )) && w.contains(does)),
+            "{key}: {:?}",
+            loud.warnings
+        );
+    }
+    for w in [
+        "`checkpoint` is a DeepSpeed setting zrt does not implement; it is ignored: in zrt every rank must load the same tag",
+        "`zero_optimization.offload_optimizer.ratio` = 0.5 is not honoured by zrt",
+        "`zero_optimization.offload_optimizer.fast_init` = true is not honoured by zrt",
+        "`zero_optimization.offload_param.max_in_cpu` = 1000000.0 is not honoured by zrt",
+        "`zero_optimization.offload_param.pin_memory` has no effect on a CPU-only run",
+    ] {
+        assert!(
+            loud.warnings.iter().any(|x| x.starts_with(w)),
+            "{w}: {:?}",
+            loud.warnings
+        );
+    }
+    // The ten above, those five, and "cpu" offload's own; no pin_memory
+    // warning for "cpu" (its device warning says it), none for the
+    // permission to bring an optimizer (zrt takes none).
+    assert_eq!(loud.warnings.len(), 16, "{:?}", loud.warnings);
+}
+
+#[test]
 fn check_reports_parse_and_resolve_problems_together() {
     let e = Config::check(
         r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sze": 1}}"#,

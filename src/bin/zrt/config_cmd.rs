@@ -196,11 +196,17 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             )),
         z.zero_hpz_partition_size
     );
-    let off = |o: &Option<zrt::zero::config::OffloadConfig>| {
-        o.as_ref().map_or(OffloadDevice::None, |o| o.device)
+    // As the config spells the devices, with the swap's folder.
+    let off = |o: &Option<zrt::zero::config::OffloadConfig>| match o {
+        Some(o) if o.device == OffloadDevice::Cpu => "cpu".to_string(),
+        Some(o) if o.device == OffloadDevice::Nvme => format!(
+            "nvme ({})",
+            o.nvme_path.as_deref().unwrap_or("no nvme_path")
+        ),
+        _ => "none".to_string(),
     };
     println!(
-        "  offload          optimizer {:?} params {:?}",
+        "  offload          optimizer {}, params {}",
         off(&z.offload_optimizer),
         off(&z.offload_param)
     );

@@ -1308,6 +1308,21 @@ fn strip_field(meta: &Path, field: &str) {
     std::fs::write(meta, text).unwrap();
 }
 
+/// Loads the latest checkpoint in `dir` into `e` (whole, or only the
+/// weights) and returns what was logged meanwhile.
+fn logged_load<G: zrt::collectives::ProcessGroup + 'static>(
+    e: &zrt::zero::Engine<G>,
+    dir: &Path,
+    module_only: bool,
+) -> String {
+    let (loaded, logs) = common::with_logs(|| match module_only {
+        true => e.load_checkpoint_module_only(dir, None).map(|_| ()),
+        false => e.load_checkpoint(dir, None).map(|_| ()),
+    });
+    loaded.unwrap();
+    logs
+}
+
 #[test]
 fn a_resume_that_changes_what_weight_decay_leaves_out_is_warned_about() {
     let _serial = serial();
@@ -1349,12 +1364,7 @@ fn a_resume_that_changes_what_weight_decay_leaves_out_is_warned_about() {
     );
     let load = |rule: bool, module_only: bool| {
         let (e, _, _vs) = engine(rule);
-        let (loaded, logs) = common::with_logs(|| match module_only {
-            true => e.load_checkpoint_module_only(&dir, None).map(|_| ()),
-            false => e.load_checkpoint(&dir, None).map(|_| ()),
-        });
-        loaded.unwrap();
-        logs
+        logged_load(&e, &dir, module_only)
     };
     // The same rule: quiet.
     let logs = load(true, false);
@@ -1434,12 +1444,7 @@ fn a_resume_that_changes_learning_rate_scales_is_warned_about() {
     );
     let load = |rule: Option<bool>, module_only: bool| {
         let (e, _, _vs) = engine(rule);
-        let (loaded, logs) = common::with_logs(|| match module_only {
-            true => e.load_checkpoint_module_only(&dir, None).map(|_| ()),
-            false => e.load_checkpoint(&dir, None).map(|_| ()),
-        });
-        loaded.unwrap();
-        logs
+        logged_load(&e, &dir, module_only)
     };
     // The same rule: quiet.
     let logs = load(Some(false), false);

@@ -493,17 +493,7 @@ fn parameters_left_out_of_weight_decay_train_like_a_parameter_group_without_it()
         // decay moves most, end elsewhere.
         let decayed = run_reference_full(stage, gas, clip, None, Rules::Plain).1;
         let params = sorted(r.params);
-        let moved = |name: &str| {
-            let (i, _) = params
-                .iter()
-                .enumerate()
-                .find(|(_, p)| p.0 == name)
-                .unwrap();
-            let (a, b) = (&params[i].1, &decayed[i].1);
-            a.iter()
-                .zip(b)
-                .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
-        };
+        let moved = |name: &str| ends_apart(&params, &decayed, name);
         assert!(moved("h.0.ln1.weight") && moved("ln_f.weight"), "{what}");
     }
     let _ = std::fs::remove_dir_all(&swap);
@@ -573,20 +563,13 @@ fn scaled_learning_rates_train_like_parameter_groups_with_their_own_rates() {
                 .collect(),
         );
         let at = |name: &str| params.iter().position(|p| p.0 == name).unwrap();
-        let moved = |name: &str| {
-            let i = at(name);
-            let (a, b) = (&params[i].1, &unscaled[i].1);
-            a.iter()
-                .zip(b)
-                .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
-        };
         for name in [
             "h.0.qkv.weight",
             "h.1.fc.weight",
             "wte.weight",
             "ln_f.weight",
         ] {
-            assert!(moved(name), "{what}: {name}");
+            assert!(ends_apart(&params, &unscaled, name), "{what}: {name}");
         }
         assert_eq!(
             params[at("ln_f.weight")].1,
@@ -595,6 +578,16 @@ fn scaled_learning_rates_train_like_parameter_groups_with_their_own_rates() {
         );
     }
     let _ = std::fs::remove_dir_all(&swap);
+}
+
+/// Whether parameter `name` ends further apart in `a` and `b` (both
+/// sorted by name) than [`compare`] allows.
+fn ends_apart(a: &Params, b: &Params, name: &str) -> bool {
+    let i = a.iter().position(|p| p.0 == name).unwrap();
+    assert_eq!(b[i].0, name);
+    (a[i].1.iter())
+        .zip(&b[i].1)
+        .any(|(x, y)| (x - y).abs() > 1e-5 * y.abs().max(0.1))
 }
 
 fn sorted(mut p: Params) -> Params {

@@ -108,6 +108,13 @@ impl P {
     fn number(&mut self, v: &Value, at: &str) -> Option<f64> {
         match v.as_f64() {
             Some(x) if x.is_finite() => Some(x),
+            // DeepSpeed's schedulers take one value per parameter group.
+            None if v.is_array() && at.starts_with("scheduler.params.") => {
+                self.problems.push(format!(
+                    "`{at}` is a list, DeepSpeed's form for one value per optimizer parameter group, got {v}: zrt's config has no parameter groups; give one number and scale the groups' rates against it with ShardPlan::scale_learning_rate"
+                ));
+                None
+            }
             _ => {
                 self.problems
                     .push(format!("`{at}` must be a number, got {v}"));

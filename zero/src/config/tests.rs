@@ -581,6 +581,20 @@ fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn()
 }
 
 #[test]
+fn a_scheduler_value_per_parameter_group_is_refused_pointing_at_the_plans_scales() {
+    let e = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+                "warmup_max_lr": [1e-3, 1e-4], "warmup_num_steps": 10}}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.problems,
+        ["`scheduler.params.warmup_max_lr` is a list, DeepSpeed's form for one value per optimizer parameter group, got [0.001,0.0001]: zrt's config has no parameter groups; give one number and scale the groups' rates against it with ShardPlan::scale_learning_rate"]
+    );
+}
+
+#[test]
 fn check_reports_parse_and_resolve_problems_together() {
     let e = Config::check(
         r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sze": 1}}"#,

@@ -502,7 +502,7 @@ fn parameters_left_out_of_weight_decay_train_like_a_parameter_group_without_it()
 #[test]
 fn scaled_learning_rates_train_like_parameter_groups_with_their_own_rates() {
     // The blocks at a quarter and half the rate, the embedding at twice it,
-    // the final norm's weight held, the vectors out of weight decay: seven
+    // the final norm's weight held, the vectors out of weight decay: eight
     // parameter groups in the reference, runs of them inside every flat
     // buffer here. With WarmupLR each step's rate is the schedule's times
     // the scale (PyTorch's LambdaLR over groups with their own rates).

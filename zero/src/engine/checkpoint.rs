@@ -458,12 +458,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
             frozen: Some(frozen),
-            no_weight_decay: Some(groups::excluded_names(
-                st.units.iter().map(|u| u.special_names.as_slice()),
-            )),
-            lr_scales: Some(groups::lr_scales(
-                st.units.iter().map(|u| u.special_names.as_slice()),
-            )),
+            no_weight_decay: Some(i.settings.excluded()),
+            lr_scales: Some(i.settings.lr_scales()),
             client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
@@ -562,11 +558,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let saved_scales = loaded.meta.lr_scales.clone().unwrap_or_default();
         self.apply(loaded, what)?;
         if what == What::Everything && self.inner.first_rank() {
-            let st = self.inner.st.lock();
-            let special = || st.units.iter().map(|u| u.special_names.as_slice());
-            let decay = saved_decay
-                .and_then(|saved| groups::changed(&saved, &groups::excluded_names(special())));
-            let scales = groups::lr_changed(&saved_scales, &groups::lr_scales(special()));
+            let now = &self.inner.settings;
+            let decay = saved_decay.and_then(|saved| groups::changed(&saved, &now.excluded()));
+            let scales = groups::lr_changed(&saved_scales, &now.lr_scales());
             for change in decay.into_iter().chain(scales) {
                 tracing::warn!("{change}");
             }

@@ -92,6 +92,25 @@ impl Settings {
         self.0.get(name).copied().unwrap_or(Setting::PLAIN)
     }
 
+    /// The parameters weight decay leaves out, sorted (what a checkpoint
+    /// records).
+    pub(super) fn excluded(&self) -> Vec<String> {
+        // A BTreeMap's keys come sorted.
+        (self.0.iter())
+            .filter(|(_, s)| !s.decays)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// The parameters whose learning rate is scaled, with their scales
+    /// (what a checkpoint records).
+    pub(super) fn lr_scales(&self) -> BTreeMap<String, f64> {
+        (self.0.iter())
+            .filter(|(_, s)| s.lr_scale != 1.0)
+            .map(|(n, s)| (n.clone(), s.lr_scale))
+            .collect()
+    }
+
     /// Refuses a learning-rate scale that is not a finite number of at
     /// least zero, naming the first parameter (by name) given one.
     pub(super) fn check(&self) -> Result<(), EngineError> {
@@ -132,35 +151,6 @@ pub(super) fn special_ranges(
         }
     }
     out
-}
-
-/// The parameters of `units` (each unit's `(name, setting)` of those not
-/// treated plainly) that weight decay leaves out, sorted (what a
-/// checkpoint records).
-pub(super) fn excluded_names<'a>(
-    units: impl IntoIterator<Item = &'a [(String, Setting)]>,
-) -> Vec<String> {
-    let mut names: Vec<String> = units
-        .into_iter()
-        .flatten()
-        .filter(|(_, s)| !s.decays)
-        .map(|(n, _)| n.clone())
-        .collect();
-    names.sort();
-    names
-}
-
-/// The parameters of `units` whose learning rate is scaled, with their
-/// scales (what a checkpoint records).
-pub(super) fn lr_scales<'a>(
-    units: impl IntoIterator<Item = &'a [(String, Setting)]>,
-) -> BTreeMap<String, f64> {
-    units
-        .into_iter()
-        .flatten()
-        .filter(|(_, s)| s.lr_scale != 1.0)
-        .map(|(n, s)| (n.clone(), s.lr_scale))
-        .collect()
 }
 
 /// Up to five names in backticks, then how many more.
@@ -535,18 +525,18 @@ mod tests {
             decays: false,
             lr_scale: 0.5,
         };
-        let a = vec![("z".to_string(), OUT), ("y".to_string(), half)];
-        let b = vec![(
-            "x".to_string(),
-            Setting {
-                decays: true,
-                lr_scale: 2.0,
-            },
-        )];
-        let units = [a.as_slice(), b.as_slice()];
-        assert_eq!(excluded_names(units), ["y", "z"]);
+        let faster = Setting {
+            decays: true,
+            lr_scale: 2.0,
+        };
+        let s = Settings(
+            [("z", OUT), ("y", half), ("x", faster)]
+                .map(|(n, s)| (n.to_string(), s))
+                .into(),
+        );
+        assert_eq!(s.excluded(), ["y", "z"]);
         assert_eq!(
-            lr_scales(units).into_iter().collect::<Vec<_>>(),
+            s.lr_scales().into_iter().collect::<Vec<_>>(),
             [("x".to_string(), 2.0), ("y".to_string(), 0.5)]
         );
     }

@@ -113,8 +113,6 @@ struct Unit {
     /// ([`ShardPlan::exclude_from_weight_decay`],
     /// [`ShardPlan::scale_learning_rate`]).
     special: Vec<(std::ops::Range<usize>, groups::Setting)>,
-    /// The names and settings of those parameters (for checkpoints).
-    special_names: Vec<(String, groups::Setting)>,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -243,6 +241,10 @@ struct Inner<G> {
     /// ZeRO++ hpZ: the group backward re-gathers stage-3 units in, from
     /// secondary copies kept after forward.
     hpz: Option<G>,
+    /// How the optimizer treats each trained parameter the plan's rules
+    /// name (weight decay, learning-rate scale), asked once at build;
+    /// checkpoints record it.
+    settings: groups::Settings,
     /// Every trainable parameter by its TensorImpl address: (unit, name).
     owners: std::collections::HashMap<usize, (usize, String)>,
     /// Stage 3's gather buffers (they become unit storage and come back
@@ -1166,14 +1168,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let special = groups::special_ranges(&layout, setting);
-            let special_names = (layout.slots.iter())
-                .map(|s| (s.name.clone(), setting(&s.name)))
-                .filter(|(_, s)| *s != groups::Setting::PLAIN)
-                .collect();
             units.push(Unit {
                 name,
                 special,
-                special_names,
                 layout,
                 params: ts,
                 flat,
@@ -1181,9 +1178,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             });
             masters.push(master);
         }
-        let special = units.iter().flat_map(|u| &u.special_names);
-        let left_out = special.clone().filter(|(_, s)| !s.decays).count();
-        let scaled = special.filter(|(_, s)| s.lr_scale != 1.0).count();
+        let left_out = settings.excluded().len();
+        let scaled = settings.lr_scales().len();
         let all: usize = units.iter().map(|u| u.layout.slots.len()).sum();
         if left_out > 0 {
             tracing::info!(
@@ -1350,6 +1346,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             pswap,
             reduce_16,
             hpz,
+            settings,
             owners,
             pools: pool::Pools::new(),
             cfg,

@@ -57,6 +57,7 @@ mod p2p;
 mod rendezvous;
 pub mod shm;
 mod stats;
+mod still_waiting;
 pub mod store;
 mod stream;
 mod symmetric;

@@ -10,10 +10,14 @@
 //! while it waits, so the whole job fails at once, every rank naming the
 //! cause. A rank that claimed its `RANK` and then ended (a crash between
 //! connecting and meeting) is named at once too: its store connection
-//! sets its [`gone_key`] when it closes.
+//! sets its [`gone_key`] when it closes. A rank that never connects (its
+//! node's launcher not started, a crash before it reached the store) no
+//! process here can see: rank 0 says whom it still waits for every so
+//! often ([`StillWaiting`]) until the timeout names them.
 
 use std::time::{Duration, Instant};
 
+use crate::still_waiting::StillWaiting;
 use crate::store::{gone_key, Awaited, StoreClient};
 use crate::CommError;
 
@@ -30,6 +34,29 @@ pub(crate) fn meet(
     world: usize,
     host: &str,
     timeout: Duration,
+) -> Result<Vec<String>, CommError> {
+    // Every rank waits for the same missing ranks; the first one's word
+    // is enough at the default level.
+    let say = |m: String| {
+        if rank == 0 {
+            tracing::info!("{m}");
+        } else {
+            tracing::debug!("{m}");
+        }
+    };
+    meet_saying(store, rank, world, host, timeout, StillWaiting::new(), say)
+}
+
+/// [`meet`], saying through `say` whom it still waits for when `waits`
+/// has a report due.
+fn meet_saying(
+    store: &StoreClient,
+    rank: usize,
+    world: usize,
+    host: &str,
+    timeout: Duration,
+    mut waits: StillWaiting,
+    mut say: impl FnMut(String),
 ) -> Result<Vec<String>, CommError> {
     let abort = |why: String| {
         // Best effort: should the store be gone, this rank still fails
@@ -52,8 +79,21 @@ pub(crate) fn meet(
     let deadline = crate::work::deadline_in(timeout);
     let mut hosts = Vec::with_capacity(world);
     for r in 0..world {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let v = match store.await_key(&format!("host/{r}"), &[ABORT, &gone_key(r)], left)? {
+        let awaited = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let part = left.min(waits.until_due());
+            match store.await_key(&format!("host/{r}"), &[ABORT, &gone_key(r)], part)? {
+                Awaited::TimedOut if part < left => {
+                    if let Some(waited) = waits.due() {
+                        if let Some(m) = still_waiting(store, r, world, waited, timeout)? {
+                            say(m);
+                        }
+                    }
+                }
+                awaited => break awaited,
+            }
+        };
+        let v = match awaited {
             Awaited::Value(v) => v,
             Awaited::Ended(0, why) => {
                 return Err(CommError::Rendezvous(format!(
@@ -83,6 +123,40 @@ pub(crate) fn meet(
         hosts.push(h.to_string());
     }
     Ok(hosts)
+}
+
+/// What a rank that has met ranks `0..first` says while it waits for
+/// `first` after `waited`: how many have joined and which have not
+/// (nothing when all have, since it looked).
+fn still_waiting(
+    store: &StoreClient,
+    first: usize,
+    world: usize,
+    waited: Duration,
+    timeout: Duration,
+) -> Result<Option<String>, CommError> {
+    let mut missing = Vec::new();
+    for r in first..world {
+        if store
+            .get_within(&format!("host/{r}"), Duration::ZERO)?
+            .is_none()
+        {
+            missing.push(r);
+        }
+    }
+    let shown: Vec<String> = missing.iter().take(8).map(usize::to_string).collect();
+    let who = match missing.len() {
+        0 => return Ok(None),
+        1 => format!("rank {}", shown[0]),
+        n if n > 8 => format!("ranks {} and {} more", shown.join(", "), n - 8),
+        _ => format!("ranks {}", shown.join(", ")),
+    };
+    Ok(Some(format!(
+        "rendezvous: {} of {world} ranks have joined after {:.0} s, waiting for {who} (is every node's launcher running, with the same MASTER_ADDR:MASTER_PORT? the wait fails at {:.0} s, ZRT_TIMEOUT)",
+        world - missing.len(),
+        waited.as_secs_f64(),
+        timeout.as_secs_f64(),
+    )))
 }
 
 #[cfg(test)]
@@ -170,6 +244,70 @@ mod tests {
             "{e}"
         );
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn rank_0_says_whom_it_still_waits_for_until_they_come() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let timeout = Duration::from_secs(30);
+        let client = || StoreClient::connect(&addr, "tok", timeout).unwrap();
+        let (zero, one, two) = (client(), client(), client());
+        let ms = Duration::from_millis;
+        let said = std::thread::scope(|s| {
+            let z = s.spawn(|| {
+                let mut said = Vec::new();
+                let waits = StillWaiting::every(ms(100), ms(100));
+                let hosts = meet_saying(&zero, 0, 3, "h0", timeout, waits, |m| {
+                    said.push((Instant::now(), m))
+                });
+                assert_eq!(hosts.unwrap(), ["h0", "h1", "h2"]);
+                said
+            });
+            s.spawn(|| meet(&one, 1, 3, "h1", timeout).unwrap());
+            std::thread::sleep(ms(450));
+            meet(&two, 2, 3, "h2", timeout).unwrap();
+            z.join().unwrap()
+        });
+        // One report a period, however often the wait looks.
+        assert!(said.len() >= 2, "{said:#?}");
+        for pair in said.windows(2) {
+            assert!(pair[1].0 - pair[0].0 >= ms(90), "{said:#?}");
+        }
+        for (_, m) in &said {
+            assert!(
+                m.starts_with("rendezvous: 2 of 3 ranks have joined after ")
+                    && m.contains(" s, waiting for rank 2 (is every node's launcher running, with the same MASTER_ADDR:MASTER_PORT? the wait fails at 30 s, ZRT_TIMEOUT)"),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_list_of_missing_ranks_is_cut_short() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let c =
+            StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5)).unwrap();
+        let (waited, timeout) = (Duration::from_secs(40), Duration::from_secs(300));
+        c.set("host/0", b"12 h").unwrap();
+        c.set("host/5", b"12 h").unwrap();
+        let said = still_waiting(&c, 1, 12, waited, timeout).unwrap().unwrap();
+        assert!(
+            said.starts_with("rendezvous: 2 of 12 ranks have joined after 40 s, waiting for ranks 1, 2, 3, 4, 6, 7, 8, 9 and 2 more ("),
+            "{said}"
+        );
+        assert!(
+            said.ends_with("the wait fails at 300 s, ZRT_TIMEOUT)"),
+            "{said}"
+        );
+        let said = still_waiting(&c, 4, 6, waited, timeout).unwrap().unwrap();
+        assert!(
+            said.contains("5 of 6 ranks have joined after 40 s, waiting for rank 4 ("),
+            "{said}"
+        );
+        // All there since the wait looked: nothing to say.
+        c.set("host/4", b"6 h").unwrap();
+        assert_eq!(still_waiting(&c, 4, 6, waited, timeout).unwrap(), None);
     }
 
     #[test]

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::still_waiting::StillWaiting;
 use crate::CommError;
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -335,8 +336,22 @@ pub struct StoreClient {
 
 impl StoreClient {
     /// Connects (retrying until `timeout`, since rank 0 may not be serving
-    /// yet) and presents `token`.
+    /// yet, and saying so now and then while it is not) and presents
+    /// `token`.
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, CommError> {
+        let say = |m: String| tracing::info!("{m}");
+        Self::connect_saying(addr, token, timeout, StillWaiting::new(), say)
+    }
+
+    /// [`StoreClient::connect`], saying through `say` that it still waits
+    /// when `waits` has a report due.
+    fn connect_saying(
+        addr: &str,
+        token: &str,
+        timeout: Duration,
+        mut waits: StillWaiting,
+        mut say: impl FnMut(String),
+    ) -> Result<Self, CommError> {
         let deadline = crate::work::deadline_in(timeout);
         let target = addr
             .to_socket_addrs()
@@ -360,7 +375,16 @@ impl StoreClient {
                         e,
                     ))
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => {
+                    if let Some(waited) = waits.due() {
+                        say(format!(
+                            "no rendezvous store at {addr} after {:.0} s: waiting for rank 0 to start it (is rank 0's launcher running, with this MASTER_ADDR:MASTER_PORT? the wait fails at {:.0} s, ZRT_TIMEOUT)",
+                            waited.as_secs_f64(),
+                            timeout.as_secs_f64()
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
             }
         };
         let _ = c.set_nodelay(true);
@@ -495,6 +519,39 @@ impl StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_waiting_for_the_store_says_so_until_it_comes() {
+        // A port nobody serves yet.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let ms = Duration::from_millis;
+        let serving = std::thread::spawn(move || {
+            std::thread::sleep(ms(450));
+            StoreServer::serve(&addr.to_string(), "tok").unwrap()
+        });
+        let mut said = Vec::new();
+        let waits = StillWaiting::every(ms(100), ms(100));
+        let c = StoreClient::connect_saying(&addr.to_string(), "tok", ms(30_000), waits, |m| {
+            said.push((Instant::now(), m))
+        });
+        let _srv = serving.join().unwrap();
+        c.unwrap().set("x", b"1").unwrap();
+        // One report a period, however often the wait looks.
+        assert!(said.len() >= 2, "{said:#?}");
+        for pair in said.windows(2) {
+            assert!(pair[1].0 - pair[0].0 >= ms(90), "{said:#?}");
+        }
+        for (_, m) in &said {
+            assert!(
+                m.starts_with(&format!("no rendezvous store at {addr} after "))
+                    && m.ends_with(" s: waiting for rank 0 to start it (is rank 0's launcher running, with this MASTER_ADDR:MASTER_PORT? the wait fails at 30 s, ZRT_TIMEOUT)"),
+                "{m}"
+            );
+        }
+    }
 
     #[test]
     fn a_connection_that_ends_sets_its_keys_and_ends_waits_on_them() {

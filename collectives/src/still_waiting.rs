@@ -1,0 +1,86 @@
+//! When a long wait at start-up says it is still waiting.
+//!
+//! A rank waiting for the rendezvous store or for ranks that have not
+//! joined waits up to `ZRT_TIMEOUT` (300 s by default) before it fails
+//! naming them. A node whose launcher was never started, or a rank that
+//! crashed before it connected (neither of which any process here can
+//! see), would leave the job silent all that time; PyTorch's store-based
+//! barrier logs who it waits for every few seconds instead, and so does
+//! zrt: first after [`FIRST`] (ranks that start normally have met by
+//! then), then every [`THEN`].
+
+use std::time::{Duration, Instant};
+
+/// How long a wait goes on before it first says so.
+pub(crate) const FIRST: Duration = Duration::from_secs(10);
+/// How often it says so after that.
+pub(crate) const THEN: Duration = Duration::from_secs(30);
+
+/// The clock of one wait's reports.
+#[derive(Debug)]
+pub(crate) struct StillWaiting {
+    began: Instant,
+    /// Time from `began` at which the next report is due.
+    next: Duration,
+    then: Duration,
+}
+
+impl StillWaiting {
+    /// Reports after [`FIRST`], then every [`THEN`], from now.
+    pub(crate) fn new() -> Self {
+        Self::every(FIRST, THEN)
+    }
+
+    /// Reports after `first`, then every `then`, from now (tests use
+    /// milliseconds).
+    pub(crate) fn every(first: Duration, then: Duration) -> Self {
+        Self {
+            began: Instant::now(),
+            next: first,
+            // A zero period would report on every poll.
+            then: then.max(Duration::from_millis(1)),
+        }
+    }
+
+    /// How long until the next report is due (zero when it is).
+    pub(crate) fn until_due(&self) -> Duration {
+        (self.began + self.next).saturating_duration_since(Instant::now())
+    }
+
+    /// The time waited so far when a report is due (and the clock moves
+    /// on to the next one), else `None`.
+    pub(crate) fn due(&mut self) -> Option<Duration> {
+        let waited = self.began.elapsed();
+        if waited < self.next {
+            return None;
+        }
+        while self.next <= waited {
+            self.next += self.then;
+        }
+        Some(waited)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_come_first_after_the_first_delay_then_once_a_period() {
+        let ms = Duration::from_millis;
+        let mut w = StillWaiting::every(ms(100), ms(200));
+        assert_eq!(w.due(), None);
+        assert!(w.until_due() > ms(50), "{:?}", w.until_due());
+        std::thread::sleep(ms(110));
+        assert!(w.due().is_some_and(|t| t >= ms(100)));
+        // Reported: the next one is a period away, not due at once.
+        assert_eq!(w.due(), None);
+        assert!(w.until_due() > ms(100), "{:?}", w.until_due());
+        // A caller that looks late gets one report, not one per period
+        // it missed.
+        std::thread::sleep(ms(600));
+        assert!(w.due().is_some());
+        assert_eq!(w.due(), None);
+        assert_eq!(StillWaiting::every(ms(0), ms(0)).then, ms(1));
+    }
+}

@@ -36,10 +36,12 @@ pub(crate) fn meet(
     timeout: Duration,
 ) -> Result<Vec<String>, CommError> {
     // Every rank waits for the same missing ranks; the first one's word
-    // is enough at the default level.
+    // is enough at the default level. A warning: `zrt::init_logging`
+    // shows the collectives' warnings only, and ten seconds at the
+    // rendezvous is seldom meant.
     let say = |m: String| {
         if rank == 0 {
-            tracing::info!("{m}");
+            tracing::warn!("{m}");
         } else {
             tracing::debug!("{m}");
         }

@@ -339,7 +339,8 @@ impl StoreClient {
     /// yet, and saying so now and then while it is not) and presents
     /// `token`.
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, CommError> {
-        let say = |m: String| tracing::info!("{m}");
+        // A warning, as the rendezvous's (`rendezvous::meet`).
+        let say = |m: String| tracing::warn!("{m}");
         Self::connect_saying(addr, token, timeout, StillWaiting::new(), say)
     }
 

@@ -81,20 +81,13 @@ fn meet_saying(
     let deadline = crate::work::deadline_in(timeout);
     let mut hosts = Vec::with_capacity(world);
     for r in 0..world {
-        let awaited = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let part = left.min(waits.until_due());
-            match store.await_key(&format!("host/{r}"), &[ABORT, &gone_key(r)], part)? {
-                Awaited::TimedOut if part < left => {
-                    if let Some(waited) = waits.due() {
-                        if let Some(m) = still_waiting(store, r, world, waited, timeout)? {
-                            say(m);
-                        }
-                    }
-                }
-                awaited => break awaited,
-            }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let still = |waited| {
+            still_waiting(store, r, world, waited, timeout)
+                .map(|m| m.into_iter().for_each(&mut say))
         };
+        let (host, gone) = (format!("host/{r}"), gone_key(r));
+        let awaited = store.await_key_saying(&host, &[ABORT, &gone], left, &mut waits, still)?;
         let v = match awaited {
             Awaited::Value(v) => v,
             Awaited::Ended(0, why) => {

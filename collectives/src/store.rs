@@ -65,7 +65,31 @@ pub(crate) fn await_rank(
     timeout: Duration,
     what: impl Fn() -> String,
 ) -> Result<Vec<u8>, CommError> {
-    match store.await_key(key, &[&gone_key(rank)], timeout)? {
+    let say = |m: String| tracing::warn!("{m}");
+    await_rank_saying(store, key, rank, timeout, what, StillWaiting::new(), say)
+}
+
+/// [`await_rank`], saying through `say` that it still waits when `waits`
+/// has a report due.
+fn await_rank_saying(
+    store: &StoreClient,
+    key: &str,
+    rank: usize,
+    timeout: Duration,
+    what: impl Fn() -> String,
+    mut waits: StillWaiting,
+    mut say: impl FnMut(String),
+) -> Result<Vec<u8>, CommError> {
+    let still = |waited: Duration| {
+        say(format!(
+            "still waiting after {:.0} s for rank {rank} to {} (is it stuck, or does it not make that call? the wait fails at {:.0} s, ZRT_TIMEOUT)",
+            waited.as_secs_f64(),
+            what(),
+            timeout.as_secs_f64()
+        ));
+        Ok(())
+    };
+    match store.await_key_saying(key, &[&gone_key(rank)], timeout, &mut waits, still)? {
         Awaited::Value(v) => Ok(v),
         Awaited::Ended(..) => Err(err(format!(
             "rank {rank} left the job before it could {}: its process exited, died or dropped its `Dist` (its rendezvous store connection closed); check that rank's output",
@@ -490,6 +514,32 @@ impl StoreClient {
         self.request(OP_ON_CLOSE, key, &[], Some(0)).map(|_| ())
     }
 
+    /// [`StoreClient::await_key`], calling `still` with the time waited
+    /// whenever `waits` has a report due meanwhile (an error from it ends
+    /// the wait).
+    pub(crate) fn await_key_saying(
+        &self,
+        key: &str,
+        unless: &[&str],
+        timeout: Duration,
+        waits: &mut StillWaiting,
+        mut still: impl FnMut(Duration) -> Result<(), CommError>,
+    ) -> Result<Awaited, CommError> {
+        let deadline = crate::work::deadline_in(timeout);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let part = left.min(waits.until_due());
+            match self.await_key(key, unless, part)? {
+                Awaited::TimedOut if part < left => {
+                    if let Some(waited) = waits.due() {
+                        still(waited)?;
+                    }
+                }
+                awaited => return Ok(awaited),
+            }
+        }
+    }
+
     /// Waits for `key` at most `timeout`, ending early when one of `unless`
     /// appears (looked at every 100 ms): a peer's step of a rendezvous
     /// against that peer's [`gone_key`], or a job's abort.
@@ -549,6 +599,38 @@ mod tests {
             assert!(
                 m.starts_with(&format!("no rendezvous store at {addr} after "))
                     && m.ends_with(" s: waiting for rank 0 to start it (is rank 0's launcher running, with this MASTER_ADDR:MASTER_PORT? the wait fails at 30 s, ZRT_TIMEOUT)"),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_join_waiting_for_a_rank_says_so_until_its_timeout() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let c =
+            StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5)).unwrap();
+        let ms = Duration::from_millis;
+        let mut said = Vec::new();
+        let waits = StillWaiting::every(ms(100), ms(100));
+        let what = || "join shared-memory group `g`".to_string();
+        let e = await_rank_saying(&c, "never", 3, ms(450), what, waits, |m| {
+            said.push((Instant::now(), m))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("rank 3 did not join shared-memory group `g` within 450ms"),
+            "{e}"
+        );
+        // One report a period, however often the wait looks.
+        assert!(said.len() >= 2, "{said:#?}");
+        for pair in said.windows(2) {
+            assert!(pair[1].0 - pair[0].0 >= ms(90), "{said:#?}");
+        }
+        for (_, m) in &said {
+            assert!(
+                m.starts_with("still waiting after ")
+                    && m.ends_with(" s for rank 3 to join shared-memory group `g` (is it stuck, or does it not make that call? the wait fails at 0 s, ZRT_TIMEOUT)"),
                 "{m}"
             );
         }

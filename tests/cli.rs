@@ -102,7 +102,7 @@ fn config_check_lists_every_problem_and_fails() {
         "{out}"
     );
     // No "auto" is owed, so no flag for one is suggested.
-    assert!(!out.contains("takes these as flags"), "{out}");
+    assert!(!out.contains("as flags"), "{out}");
     let _ = std::fs::remove_file(f);
 }
 
@@ -163,12 +163,32 @@ fn config_check_fills_a_hugging_face_config_from_its_flags() {
             "{key}: {out}"
         );
     }
+    assert!(
+        out.contains("takes the program's values as flags: --weight-decay WD, --betas B1,B2, --eps EPS, --clip C, --warmup-steps N (see"),
+        "{out}"
+    );
     let (ok, out) = zrt(&["config", "check", f, "--betas", "0.9"]);
     assert!(!ok);
     assert!(
         out.contains("expected BETA1,BETA2 (e.g. 0.9,0.999), got `0.9`"),
         "{out}"
     );
+    let _ = std::fs::remove_file(f);
+}
+
+#[test]
+fn config_check_takes_the_micro_batch_of_a_config_with_no_batch_keys_from_its_flag() {
+    let f = config_file("nobatch", r#"{"zero_optimization": {"stage": 3}}"#);
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("or have the program pass its micro-batch in `AutoHints::micro_batch`")
+            && out.contains("takes the program's values as flags: --micro M (see"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2", "--micro", "3"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("train 6 = micro 3 x gas 1 x world 2"), "{out}");
     let _ = std::fs::remove_file(f);
 }
 
@@ -212,7 +232,7 @@ fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
         out.contains("4 problem(s)")
             && out.contains("`zero_optimization.reduce_bucket_size` is \"auto\" but the program gave no hidden size")
             && out.contains("`scheduler.params.total_num_steps` is \"auto\" but the program gave no total steps")
-            && out.contains("`zrt config check` takes these as flags (--hidden, --micro, --lr"),
+            && out.contains("\n`zrt config check` takes the program's values as flags: --hidden H, --total-steps N (see `zrt config check --help`)"),
         "{out}"
     );
     let _ = std::fs::remove_file(f);

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use zrt::zero::config::{OffloadDevice, Precision, Setting};
-use zrt::zero::{AutoHints, Config};
+use zrt::zero::{AutoHints, Config, ConfigError};
 
 /// `zrt config` subcommands.
 #[derive(Subcommand, Debug)]
@@ -71,6 +71,46 @@ fn show<T: std::fmt::Debug + Copy>(s: Setting<T>) -> String {
 }
 
 /// Runs `zrt config ...`.
+/// Each [`AutoHints`] field a config can owe (bf16 and fp16 default to
+/// false) and the flag of `zrt config check` that gives it.
+const HINT_FLAGS: [(&str, &str); 9] = [
+    ("hidden_size", "--hidden H"),
+    ("micro_batch", "--micro M"),
+    ("lr", "--lr LR"),
+    ("weight_decay", "--weight-decay WD"),
+    ("betas", "--betas B1,B2"),
+    ("eps", "--eps EPS"),
+    ("gradient_clipping", "--clip C"),
+    ("warmup_steps", "--warmup-steps N"),
+    ("total_steps", "--total-steps N"),
+];
+
+/// The flags that give what `e` says the program owes: the library names
+/// the [`AutoHints`] field (`AutoHints::lr`) that fills an `"auto"` it
+/// could not; here the user gives those on the command line. Empty when
+/// nothing is owed.
+fn owed_flags(e: &ConfigError) -> String {
+    let text = e.to_string();
+    let flags: Vec<&str> = (HINT_FLAGS.iter())
+        .filter(|(field, _)| {
+            // `AutoHints::lr` must not match inside a longer field's name.
+            let name = format!("AutoHints::{field}");
+            (text.match_indices(&name)).any(|(i, _)| {
+                let next = text[i + name.len()..].chars().next();
+                !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        })
+        .map(|(_, flag)| *flag)
+        .collect();
+    if flags.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\n`zrt config check` takes the program's values as flags: {} (see `zrt config check --help`)",
+        flags.join(", ")
+    )
+}
+
 pub fn run(cmd: &ConfigCmd) -> Result<()> {
     let ConfigCmd::Check(a) = cmd;
     let hints = AutoHints {
@@ -103,15 +143,7 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
                 .iter()
                 .map(|w| format!("\n  warning: {w}"))
                 .collect();
-            // The library's fix for an "auto" it cannot fill names
-            // AutoHints, the program's side; here the user gives them on
-            // the command line.
-            let flags = if e.to_string().contains("AutoHints") {
-                "\n`zrt config check` takes these as flags (--hidden, --micro, --lr, --weight-decay, --betas, --eps, --clip, --warmup-steps, --total-steps, --bf16, --fp16): see `zrt config check --help`"
-            } else {
-                ""
-            };
-            bail!("{}: {e}{flags}{warned}", a.file.display())
+            bail!("{}: {e}{}{warned}", a.file.display(), owed_flags(&e))
         }
     };
     let c = &r.config;

@@ -1069,7 +1069,7 @@ fn batch(
             gas: 1,
         },
         (None, None, _) => {
-            problems.push("set `train_batch_size` or `train_micro_batch_size_per_gpu` (with `gradient_accumulation_steps` if not 1), or have the program pass its micro-batch in AutoHints (`micro_batch`), as Hugging Face's Trainer fills them".into());
+            problems.push("set `train_batch_size` or `train_micro_batch_size_per_gpu` (with `gradient_accumulation_steps` if not 1), or have the program pass its micro-batch in `AutoHints::micro_batch`, as Hugging Face's Trainer fills them".into());
             return None;
         }
     };
@@ -1098,11 +1098,12 @@ fn batch(
 
 /// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
 /// The program's value for `"auto"` key `name`, logged; or a problem
-/// naming what the program did not give (`rule`).
+/// naming what the program did not give (`rule`) and the [`AutoHints`]
+/// field that gives it (`field`; `zrt config check` maps it to its flag).
 fn auto<T: std::fmt::Debug>(
     name: &str,
     hint: Option<T>,
-    rule: &str,
+    (rule, field): (&str, &str),
     problems: &mut Vec<String>,
 ) -> Option<T> {
     match hint {
@@ -1111,7 +1112,7 @@ fn auto<T: std::fmt::Debug>(
             Some(v)
         }
         None => {
-            problems.push(format!("`{name}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints"));
+            problems.push(format!("`{name}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in `AutoHints::{field}`"));
             None
         }
     }
@@ -1128,17 +1129,22 @@ fn fill_from_program(c: &mut Config, hints: &AutoHints, problems: &mut Vec<Strin
         let param = key.strip_prefix("scheduler.params.");
         match (key.as_str(), param) {
             ("optimizer.params.betas", _) => {
-                if let Some(b) = auto(&key, hints.betas, "betas", problems) {
+                if let Some(b) = auto(&key, hints.betas, ("betas", "betas"), problems) {
                     c.optimizer.betas = b;
                 }
             }
             ("optimizer.params.eps", _) => {
-                if let Some(e) = auto(&key, hints.eps, "epsilon", problems) {
+                if let Some(e) = auto(&key, hints.eps, ("epsilon", "eps"), problems) {
                     c.optimizer.eps = e;
                 }
             }
             ("gradient_clipping", _) => {
-                if let Some(g) = auto(&key, hints.gradient_clipping, "gradient clip", problems) {
+                if let Some(g) = auto(
+                    &key,
+                    hints.gradient_clipping,
+                    ("gradient clip", "gradient_clipping"),
+                    problems,
+                ) {
                     c.gradient_clipping = g;
                 }
             }
@@ -1159,8 +1165,14 @@ fn fill_from_program(c: &mut Config, hints: &AutoHints, problems: &mut Vec<Strin
             }
             (_, Some(param)) => {
                 let (value, rule) = match param {
-                    "warmup_num_steps" => (hints.warmup_steps.map(|n| n as f64), "warm-up steps"),
-                    _ => (hints.total_steps.map(|n| n as f64), "total steps"),
+                    "warmup_num_steps" => (
+                        hints.warmup_steps.map(|n| n as f64),
+                        ("warm-up steps", "warmup_steps"),
+                    ),
+                    _ => (
+                        hints.total_steps.map(|n| n as f64),
+                        ("total steps", "total_steps"),
+                    ),
                 };
                 if let (Some(v), Some(s)) = (auto(&key, value, rule, problems), &mut c.scheduler) {
                     set_param(s, param, v);
@@ -1263,7 +1275,7 @@ pub(super) fn resolve(
         let v = auto(
             "zero_optimization.reduce_bucket_size",
             hidden.map(|h| h * h),
-            "hidden size (hidden^2)",
+            ("hidden size (hidden^2)", "hidden_size"),
             &mut problems,
         );
         fill_u64(&mut c.zero.reduce_bucket_size, v);
@@ -1272,7 +1284,7 @@ pub(super) fn resolve(
         let v = auto(
             "zero_optimization.stage3_prefetch_bucket_size",
             hidden.map(|h| (0.9 * h * h).floor()),
-            "hidden size (0.9 hidden^2)",
+            ("hidden size (0.9 hidden^2)", "hidden_size"),
             &mut problems,
         );
         fill_u64(&mut c.zero.stage3_prefetch_bucket_size, v);
@@ -1281,7 +1293,7 @@ pub(super) fn resolve(
         let v = auto(
             "zero_optimization.stage3_param_persistence_threshold",
             hidden.map(|h| 10.0 * h),
-            "hidden size (10 hidden)",
+            ("hidden size (10 hidden)", "hidden_size"),
             &mut problems,
         );
         fill_u64(&mut c.zero.stage3_param_persistence_threshold, v);
@@ -1290,7 +1302,7 @@ pub(super) fn resolve(
         if let Some(v) = auto(
             "optimizer.params.lr",
             hints.lr,
-            "learning rate",
+            ("learning rate", "lr"),
             &mut problems,
         ) {
             c.optimizer.lr = Setting::Value(v);
@@ -1300,18 +1312,21 @@ pub(super) fn resolve(
         if let Some(v) = auto(
             "optimizer.params.weight_decay",
             hints.weight_decay,
-            "weight decay",
+            ("weight decay", "weight_decay"),
             &mut problems,
         ) {
             c.optimizer.weight_decay = Setting::Value(v);
         }
     }
     fill_from_program(&mut c, hints, &mut problems);
+    // A batch key's hint comes from the program's micro-batch (the
+    // train batch is micro x gas x world).
     let b = |s: Setting<Option<u64>>, name: &str, hint: Option<u64>, problems: &mut Vec<String>| {
         match s {
             Setting::Value(v) => v,
             Setting::Auto => {
-                auto(name, hint.map(|h| h as f64), "value for it", problems).map(|v| v as u64)
+                let rule = ("value for it", "micro_batch");
+                auto(name, hint.map(|h| h as f64), rule, problems).map(|v| v as u64)
             }
         }
     };

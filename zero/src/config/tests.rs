@@ -973,8 +973,8 @@ fn hugging_faces_auto_values_are_filled_from_the_program_as_its_trainer_fills_th
         weight_decay: Some(0.0),
         ..Default::default()
     };
-    let owed = |what: &str, rule: &str| {
-        format!("`{what}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in AutoHints")
+    let owed = |what: &str, rule: &str, field: &str| {
+        format!("`{what}` is \"auto\" but the program gave no {rule}: set it in the config, or pass it in `AutoHints::{field}`")
     };
     assert_eq!(
         Config::from_json(HF_ZERO3)
@@ -983,11 +983,19 @@ fn hugging_faces_auto_values_are_filled_from_the_program_as_its_trainer_fills_th
             .unwrap_err()
             .problems,
         [
-            owed("optimizer.params.betas", "betas"),
-            owed("optimizer.params.eps", "epsilon"),
-            owed("scheduler.params.warmup_num_steps", "warm-up steps"),
-            owed("scheduler.params.total_num_steps", "total steps"),
-            owed("gradient_clipping", "gradient clip"),
+            owed("optimizer.params.betas", "betas", "betas"),
+            owed("optimizer.params.eps", "epsilon", "eps"),
+            owed(
+                "scheduler.params.warmup_num_steps",
+                "warm-up steps",
+                "warmup_steps"
+            ),
+            owed(
+                "scheduler.params.total_num_steps",
+                "total steps",
+                "total_steps"
+            ),
+            owed("gradient_clipping", "gradient clip", "gradient_clipping"),
         ]
     );
     let zero_warm_up = AutoHints {

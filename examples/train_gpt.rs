@@ -454,6 +454,9 @@ fn main() -> Result<()> {
         }
         if step % a.eval_every == 0 || step == a.steps {
             last_val = eval()?;
+            // Beside the engine's scalars, if the config enables a monitor.
+            let at = engine.global_samples();
+            engine.write_monitor_events(&[("Eval/Samples/eval_loss", last_val, at)]);
             if rank == 0 {
                 let line = format!(
                     "step {step:4}  train loss {loss:.4}  validation loss {last_val:.4}  lr {:.2e}  grad norm {:.3}  {tps:.0} tokens/s",
@@ -494,6 +497,16 @@ fn main() -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        if let Some(dir) = &engine.config().config.monitor.tensorboard {
+            let logdir = (dir.parent())
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            println!(
+                "scalars for TensorBoard in {} (`tensorboard --logdir {}`)",
+                dir.display(),
+                logdir.display()
+            );
+        }
         // Only steps that trained can lower it: fp16 overflows skip some.
         let trained = engine.global_step() > stepped_before;
         if last_val.is_nan() || (trained && last_val >= v0) {

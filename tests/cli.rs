@@ -193,6 +193,28 @@ fn config_check_takes_the_micro_batch_of_a_config_with_no_batch_keys_from_its_fl
 }
 
 #[test]
+fn config_check_names_the_folders_the_monitors_write_into() {
+    let f = config_file(
+        "monitors",
+        r#"{"train_batch_size": 8, "csv_monitor": {"enabled": true, "output_path": "out", "job_name": "a"},
+            "tensorboard": {"enabled": true}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(
+            "\n  monitors         csv_monitor into out/a, tensorboard into DeepSpeedJobName\n"
+        ),
+        "{out}"
+    );
+    let _ = std::fs::remove_file(f);
+    let f = config_file("no-monitors", r#"{"train_batch_size": 8}"#);
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    assert!(ok && out.contains("\n  monitors         none\n"), "{out}");
+    let _ = std::fs::remove_file(f);
+}
+
+#[test]
 fn config_check_fills_stage_3_sizes_steps_and_fp16_from_its_flags() {
     let f = config_file(
         "z3",

@@ -2084,3 +2084,155 @@ fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_un
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn monitors_write_deepspeeds_scalars_from_the_first_rank_only() {
+    // Three boundaries of two micro-steps (train batch 4 x 2 x 2 = 16
+    // samples), fp16, the second boundary skipped (rank 1's second
+    // gradient is infinite): both monitors, in one folder, get one row or
+    // event per boundary from rank 0 alone, at x = samples so far.
+    let dir = std::env::temp_dir().join(format!("zrt-monitor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let block = |key: &str| {
+        format!(
+            r#""{key}": {{"enabled": true, "output_path": "{}", "job_name": "run"}},"#,
+            dir.display()
+        )
+    };
+    let top = format!(
+        r#"{} {} "wall_clock_breakdown": true, "fp16": {{"enabled": true, "initial_scale_power": 4, "hysteresis": 1}},"#,
+        block("csv_monitor"),
+        block("tensorboard")
+    );
+    let cfg = config_plus(2, 2, &top, "");
+    let seen = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        let mut seen = Vec::new();
+        for b in 0..3 {
+            let mut losses = Vec::new();
+            for m in 0..2 {
+                let loss = t.loss(&input(r.rank(), 2 * b + m).to_kind(Kind::Half));
+                losses.push(loss.double_value(&[]));
+                let blow_up = if (b, m, r.rank()) == (1, 1, 1) {
+                    f64::INFINITY
+                } else {
+                    1.0
+                };
+                e.backward(&(loss * blow_up)).unwrap();
+                assert_eq!(e.step().unwrap(), m == 1 && b != 1);
+            }
+            let mean = (losses[0] + losses[1]) / 2.0;
+            seen.push((mean, e.lr(), e.loss_scale().unwrap()));
+        }
+        // A scalar of the program's own, from every rank.
+        assert_eq!(e.global_samples(), 48);
+        e.write_monitor_events(&[("Eval/Samples/eval_loss", r.rank() as f64 + 0.5, 48)]);
+        seen
+    });
+    let rank0 = &seen[0];
+    let run = dir.join("run");
+    let rows = |tag: &str| -> Vec<(u64, f64)> {
+        let text = std::fs::read_to_string(run.join(format!("Train_Samples_{tag}.csv"))).unwrap();
+        let mut lines = text.lines();
+        assert_eq!(lines.next(), Some(format!("step,{tag}").as_str()), "{text}");
+        lines
+            .map(|l| {
+                let (x, v) = l.split_once(',').unwrap();
+                (x.parse().unwrap(), v.parse().unwrap())
+            })
+            .collect()
+    };
+    let xs = [16, 32, 48];
+    let loss = rows("train_loss");
+    assert_eq!(loss.len(), 3, "{loss:?}");
+    for ((x, v), (want_x, (want, _, _))) in loss.iter().zip(xs.iter().zip(rank0)) {
+        assert_eq!(x, want_x);
+        assert!(
+            (v - want).abs() <= 1e-9 * want.abs(),
+            "{v} against rank 0's {want}"
+        );
+    }
+    // Rank 1's losses are not rank 0's: the rows are rank 0's alone.
+    assert!(seen[1].iter().zip(rank0).all(|(a, b)| a.0 != b.0));
+    let expect = |tag: &str, want: Vec<f64>| {
+        let got = rows(tag);
+        assert_eq!(
+            got,
+            xs.iter().copied().zip(want).collect::<Vec<_>>(),
+            "{tag}"
+        );
+    };
+    expect("lr", rank0.iter().map(|s| s.1).collect());
+    // The overflow halved the scale (hysteresis 1).
+    assert_eq!(
+        rank0.iter().map(|s| s.2).collect::<Vec<_>>(),
+        [16.0, 8.0, 8.0]
+    );
+    expect("loss_scale", rank0.iter().map(|s| s.2).collect());
+    for tag in ["forward", "backward", "step"] {
+        let got = rows(&format!("elapsed_time_ms_{tag}"));
+        assert_eq!(got.iter().map(|r| r.0).collect::<Vec<_>>(), xs, "{tag}");
+        assert!(
+            got.iter().all(|r| r.1 >= 0.0 && r.1 < 60_000.0),
+            "{tag}: {got:?}"
+        );
+    }
+    let eval = std::fs::read_to_string(run.join("Eval_Samples_eval_loss.csv")).unwrap();
+    assert_eq!(eval, "step,eval_loss\n48,0.5\n", "rank 0's alone");
+    // One event file, holding the same scalars (TensorBoard's are f32).
+    let files: Vec<_> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("tfevents"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let events = zrt::zero::monitor::tfevents::read_scalars(&files[0]).unwrap();
+    assert_eq!(events.len(), 3 * 6 + 1, "{events:?}");
+    let of = |tag: &str| -> Vec<(i64, f32)> {
+        (events.iter())
+            .filter(|e| e.0 == tag)
+            .map(|e| (e.1, e.2))
+            .collect()
+    };
+    assert_eq!(of("Train/Samples/lr"), [(16, 0.01), (32, 0.01), (48, 0.01)]);
+    let scales: Vec<(i64, f32)> = xs
+        .iter()
+        .zip(rank0)
+        .map(|(x, s)| (*x as i64, s.2 as f32))
+        .collect();
+    assert_eq!(of("Train/Samples/loss_scale"), scales);
+    let losses: Vec<(i64, f32)> = loss.iter().map(|(x, v)| (*x as i64, *v as f32)).collect();
+    assert_eq!(of("Train/Samples/train_loss"), losses);
+    assert_eq!(of("Eval/Samples/eval_loss"), [(48, 0.5)]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_monitor_folder_that_cannot_be_made_is_refused_naming_it() {
+    let cfg = config_plus(
+        0,
+        1,
+        r#""tensorboard": {"enabled": true, "output_path": "/proc/zrt-no", "job_name": "run"},"#,
+        "",
+    );
+    on_ranks(1, |r| {
+        let t = tiny();
+        let e = Engine::new(
+            &t.vs,
+            &t.plan,
+            &cfg,
+            r.new_group(&[0]).unwrap(),
+            &AutoHints::default(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.starts_with("monitor: cannot write `tensorboard` into /proc/zrt-no/run: ")
+                && e.ends_with(
+                    "set `tensorboard.output_path` to a writable folder, or turn the monitor off"
+                ),
+            "{e}"
+        );
+    });
+}

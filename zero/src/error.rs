@@ -41,7 +41,7 @@ pub enum EngineError {
     OutOfStep(String),
     /// Ranks built their engines from different models or configs (found
     /// when the engine is built, before anything trains).
-    #[error("ranks built their engines from different models or configs: {0}. Every rank must build the same model (the same variables with the same shapes, wrapped in the same units, under the same ShardPlan rules for weight decay and learning rates; only rank 0's values are used) and pass the same config (only offload_optimizer, offload_param, aio, steps_per_print and wall_clock_breakdown may differ)")]
+    #[error("ranks built their engines from different models or configs: {0}. Every rank must build the same model (the same variables with the same shapes, wrapped in the same units, under the same ShardPlan rules for weight decay and learning rates; only rank 0's values are used) and pass the same config (only offload_optimizer, offload_param, aio, steps_per_print, wall_clock_breakdown, csv_monitor and tensorboard may differ)")]
     RanksDiffer(String),
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
@@ -62,6 +62,9 @@ pub enum EngineError {
     /// `min_loss_scale` (DeepSpeed stops the run here too).
     #[error("fp16 gradients overflowed at the minimum loss scale ({0}, `fp16.min_loss_scale`): no smaller scale is left, so every step from here would be skipped; look for inf/NaN in the inputs or the loss, lower the learning rate, or train in bf16 (`\"bf16\": {{\"enabled\": true}}`), which needs no loss scaling")]
     LossScaleAtMinimum(f64),
+    /// A monitor (`csv_monitor`, `tensorboard`) that cannot start.
+    #[error("monitor: {0}")]
+    Monitor(String),
     /// A setting this build of the engine does not implement yet.
     #[error("not implemented yet: {0}")]
     Unsupported(String),

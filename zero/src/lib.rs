@@ -15,6 +15,7 @@ mod engine;
 mod error;
 pub mod flat;
 pub mod glue;
+pub mod monitor;
 mod plan;
 pub mod schedule;
 

@@ -242,6 +242,21 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         off(&z.offload_optimizer),
         off(&z.offload_param)
     );
+    let monitors: Vec<String> = [
+        ("csv_monitor", &c.monitor.csv),
+        ("tensorboard", &c.monitor.tensorboard),
+    ]
+    .into_iter()
+    .filter_map(|(key, dir)| dir.as_ref().map(|d| format!("{key} into {}", d.display())))
+    .collect();
+    println!(
+        "  monitors         {}",
+        if monitors.is_empty() {
+            "none".to_string()
+        } else {
+            monitors.join(", ")
+        }
+    );
     for w in &c.warnings {
         println!("  warning: {w}");
     }

@@ -17,7 +17,12 @@ pub(crate) const TOP: &[&str] = &[
     "communication_data_type",
     "data_types",
     "aio",
+    "csv_monitor",
+    "tensorboard",
 ];
+
+/// Keys of the monitor blocks zrt writes (`csv_monitor`, `tensorboard`).
+pub(crate) const MONITOR: &[&str] = &["enabled", "output_path", "job_name"];
 
 /// Top-level keys DeepSpeed knows that zrt does not implement (warnings).
 pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
@@ -25,9 +30,9 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "amp",
     "autotuning",
     "checkpoint",
+    "comet",
     "comms_logger",
     "compression_training",
-    "csv_monitor",
     "data_efficiency",
     "dump_state",
     "elasticity",
@@ -39,7 +44,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "seq_parallel_communication_data_type",
     "sparse_attention",
     "sparse_gradients",
-    "tensorboard",
     "wandb",
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
@@ -280,7 +284,13 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
     // Permission to give DeepSpeed an optimizer of the program's own: zrt
     // takes none, so neither value changes anything.
     ("zero_allow_untested_optimizer", AsZrt::Any, ""),
+    // Monitors that need their own clients; zrt writes the other two.
+    ("wandb", AsZrt::Never, NO_CLIENT),
+    ("comet", AsZrt::Never, NO_CLIENT),
 ];
+
+/// What zrt does instead of the monitors that need a service's client.
+const NO_CLIENT: &str = "zrt has no client for that service; the monitors it writes are `csv_monitor` and `tensorboard` (files TensorBoard and any CSV reader open)";
 
 /// What zrt's units are, for the keys that set DeepSpeed's granularity.
 const UNITS: &str = "zrt's units are the modules the program wraps in ShardedModule";

@@ -240,6 +240,17 @@ impl Default for AioConfig {
     }
 }
 
+/// DeepSpeed's monitor blocks zrt writes: `csv_monitor` and `tensorboard`,
+/// each `{"enabled", "output_path", "job_name"}`. What the job's first
+/// rank writes at each accumulation boundary is in [`crate::monitor`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MonitorConfig {
+    /// `csv_monitor`'s folder (`output_path/job_name`) when enabled.
+    pub csv: Option<std::path::PathBuf>,
+    /// `tensorboard`'s folder (`output_path/job_name`) when enabled.
+    pub tensorboard: Option<std::path::PathBuf>,
+}
+
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZeroConfig {
@@ -344,6 +355,8 @@ pub struct Config {
     pub zero: ZeroConfig,
     /// `aio`.
     pub aio: AioConfig,
+    /// `csv_monitor` and `tensorboard`.
+    pub monitor: MonitorConfig,
     /// Everything zrt read but will not honour, or mapped from a deprecated key.
     pub warnings: Vec<String>,
     /// Keys whose values [`Config::resolve`] fills: those given as `"auto"`

@@ -4,9 +4,9 @@ use serde_json::{Map, Value};
 
 use super::keys::{self, closest};
 use super::{
-    AioConfig, AutoHints, Batch, Config, ConfigError, LossScaleConfig, OffloadConfig,
-    OffloadDevice, OptimizerConfig, OptimizerKind, Precision, Resolved, SchedulerConfig,
-    ZeroConfig,
+    AioConfig, AutoHints, Batch, Config, ConfigError, LossScaleConfig, MonitorConfig,
+    OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerKind, Precision, Resolved,
+    SchedulerConfig, ZeroConfig,
 };
 
 /// A value that may be `"auto"` (resolved by [`Config::resolve`]).
@@ -75,6 +75,7 @@ impl P {
                 let same = keys::SAME_AS_ZRT.iter().find(|(key, _, _)| key == k);
                 let disabled = v.get("enabled").and_then(Value::as_bool) == Some(false);
                 match same {
+                    _ if disabled => {}
                     Some((_, value, _)) if value.is(v) => {}
                     Some((_, keys::AsZrt::Never, instead)) => self.warnings.push(format!(
                         "`{at}` is a DeepSpeed setting zrt does not implement; it is ignored: {instead}"
@@ -82,7 +83,6 @@ impl P {
                     Some((_, _, instead)) => self.warnings.push(format!(
                         "`{at}` = {v} is a DeepSpeed setting zrt does not implement; it is ignored: {instead}"
                     )),
-                    None if disabled => {}
                     None => self.warnings.push(format!(
                         "`{at}` is a DeepSpeed setting zrt does not implement yet; it is ignored"
                     )),
@@ -772,6 +772,25 @@ impl P {
         }
     }
 
+    /// A monitor block (`csv_monitor`, `tensorboard`): its folder,
+    /// `output_path/job_name` with DeepSpeed's defaults ("" and
+    /// "DeepSpeedJobName"), when enabled.
+    fn monitor(&mut self, top: &Map<String, Value>, key: &str) -> Option<std::path::PathBuf> {
+        let m = self.object(top, key)?;
+        self.keys(m, key, keys::MONITOR, &[], true);
+        let enabled = self.bool_or(m, key, "enabled", false);
+        let path = self.string(m, key, "output_path").unwrap_or_default();
+        let job = self.string(m, key, "job_name");
+        let job = job.unwrap_or_else(|| "DeepSpeedJobName".into());
+        if job.is_empty() || job.contains('/') {
+            self.problems.push(format!(
+                "`{key}.job_name` must name one folder (inside `output_path`), got {job:?}"
+            ));
+            return None;
+        }
+        enabled.then(|| std::path::Path::new(&path).join(job))
+    }
+
     fn aio(&mut self, top: &Map<String, Value>) -> AioConfig {
         let empty = Map::new();
         let a = self.object(top, "aio").unwrap_or(&empty);
@@ -973,6 +992,10 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         fp32_grad_reduce,
         zero: p.zero(&top),
         aio: p.aio(&top),
+        monitor: MonitorConfig {
+            csv: p.monitor(&top, "csv_monitor"),
+            tensorboard: p.monitor(&top, "tensorboard"),
+        },
         warnings: Vec::new(),
         unresolved: Vec::new(),
         precision_auto,

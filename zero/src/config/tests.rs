@@ -469,7 +469,7 @@ fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
     .unwrap();
     assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
     let loud = Config::from_json(
-        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": true, "tensorboard": {"enabled": true},
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "prescale_gradients": true, "wandb": {"enabled": true},
             "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": false}}"#,
     )
     .unwrap();
@@ -484,7 +484,7 @@ fn unimplemented_keys_set_to_what_zrt_does_anyway_pass_silently() {
     );
     assert!(
         loud.warnings.iter().any(|w| w
-            == "`tensorboard` is a DeepSpeed setting zrt does not implement yet; it is ignored"),
+            == "`wandb` is a DeepSpeed setting zrt does not implement; it is ignored: zrt has no client for that service; the monitors it writes are `csv_monitor` and `tensorboard` (files TensorBoard and any CSV reader open)"),
         "{:?}",
         loud.warnings
     );
@@ -1226,4 +1226,42 @@ fn check_fails_on_parse_problems_even_when_resolving_succeeds() {
         ["`zero_optimization.stage` must be 0, 1, 2 or 3, got 7"]
     );
     assert!(Config::check(r#"{"train_batch_size": 8}"#, 2, &AutoHints::default()).is_ok());
+}
+
+#[test]
+fn monitor_blocks_name_their_folders_as_deepspeed_joins_them() {
+    let cfg = |blocks: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}, {blocks}}}"#
+        ))
+    };
+    let c = cfg(
+        r#""csv_monitor": {"enabled": true, "output_path": "logs/", "job_name": "gpt"},
+        "tensorboard": {"enabled": true}"#,
+    )
+    .unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    // DeepSpeed's defaults: output_path "" and job_name "DeepSpeedJobName".
+    assert_eq!(
+        c.monitor,
+        MonitorConfig {
+            csv: Some("logs/gpt".into()),
+            tensorboard: Some("DeepSpeedJobName".into()),
+        }
+    );
+    // Off unless enabled, as DeepSpeed's are; a disabled block is quiet.
+    let c =
+        cfg(r#""csv_monitor": {"output_path": "x"}, "tensorboard": {"enabled": false}"#).unwrap();
+    assert_eq!(c.monitor, MonitorConfig::default());
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let e = cfg(r#""tensorboard": {"enabled": "yes", "job_nam": "a"}, "csv_monitor": {"enabled": true, "job_name": "a/b"}"#)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "`tensorboard.enabled` must be true or false, got \"yes\"",
+        "unknown key `tensorboard.job_nam`; did you mean `tensorboard.job_name`?",
+        "`csv_monitor.job_name` must name one folder (inside `output_path`), got \"a/b\"",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
 }

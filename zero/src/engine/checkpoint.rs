@@ -725,6 +725,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.skipped = m.skipped_steps;
             st.lr = m.lr;
             st.norm = None;
+            // The monitors' train loss must not mix in losses of
+            // micro-batches the load undid (a step resumed mid-way
+            // reports the mean of those it sees).
+            st.loss_sum = None;
             if let (Some(s), Some(saved)) = (st.scaler.as_mut(), &m.loss_scaler) {
                 s.restore(saved);
             }

@@ -183,6 +183,9 @@ struct State {
     norm: Option<f64>,
     lr: f64,
     scaler: Option<Scaler>,
+    /// With a monitor open: the sum and count of the losses this step's
+    /// `Engine::backward` calls saw (their mean is the monitors' train loss).
+    loss_sum: Option<(f64, u64)>,
     /// The first error a forward hook hit; the next engine call returns it.
     error: Option<EngineError>,
     /// Why this engine's accumulated gradients cannot be trusted (a
@@ -245,6 +248,9 @@ struct Inner<G> {
     /// name (weight decay, learning-rate scale), asked once at build;
     /// checkpoints record it.
     settings: groups::Settings,
+    /// The job's first rank's `csv_monitor` and `tensorboard` writers,
+    /// when the config enables any (see [`crate::monitor`]).
+    monitor: Mutex<Option<crate::monitor::Monitor>>,
     /// Every trainable parameter by its TensorImpl address: (unit, name).
     owners: std::collections::HashMap<usize, (usize, String)>,
     /// Stage 3's gather buffers (they become unit storage and come back
@@ -409,8 +415,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// `steps_per_print`: the progress line, logged by the first rank of
     /// the job only (rank 0 of the shard group and of the replicate group),
     /// as DeepSpeed's `_report_progress` is. `norm` is this boundary's
-    /// gradient norm, `None` if the step was skipped.
-    fn report_progress(&self, st: &State, norm: Option<f64>) {
+    /// gradient norm, `None` if the step was skipped. Also writes the
+    /// boundary's scalars to the monitors, if any (`loss`: the step's mean
+    /// loss, when `Engine::backward` saw its losses).
+    fn report_progress(&self, st: &State, norm: Option<f64>, loss: Option<f64>) {
         if !self.first_rank() {
             return;
         }
@@ -430,6 +438,37 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         if let Some(line) = progress::line(c.steps_per_print, &p) {
             tracing::info!("{line}");
+        }
+        if let Some(m) = self.monitor.lock().as_mut() {
+            // `Engine::global_samples`.
+            let samples = p.boundaries * self.cfg.batch.train;
+            let mut events = Vec::new();
+            if let Some(loss) = loss {
+                events.push(("Train/Samples/train_loss", loss, samples));
+            }
+            events.push(("Train/Samples/lr", p.lr, samples));
+            if let Some(scale) = p.loss_scale {
+                events.push(("Train/Samples/loss_scale", scale, samples));
+            }
+            if let (true, Some(b)) = (c.wall_clock_breakdown, st.timing.last) {
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                events.push((
+                    "Train/Samples/elapsed_time_ms_forward",
+                    ms(b.forward),
+                    samples,
+                ));
+                events.push((
+                    "Train/Samples/elapsed_time_ms_backward",
+                    ms(b.backward),
+                    samples,
+                ));
+                events.push((
+                    "Train/Samples/elapsed_time_ms_step",
+                    ms(b.optimizer),
+                    samples,
+                ));
+            }
+            m.write(&events);
         }
     }
 
@@ -1036,6 +1075,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         )?;
         // After the agreement: ranks that agree on the scales fail alike.
         settings.check()?;
+        // The first rank writes the monitors; before the plan is claimed,
+        // so that a mended output_path builds.
+        let first = group.rank() == 0 && replicate.as_ref().is_none_or(|r| r.rank() == 0);
+        let monitor = match first {
+            true => crate::monitor::Monitor::open(&cfg.config.monitor)?,
+            false => None,
+        };
         let c = &cfg.config;
         let compute = match c.precision {
             Precision::Fp32 => Compute::F32,
@@ -1329,6 +1375,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 norm: None,
                 lr,
                 scaler,
+                loss_sum: None,
                 error: None,
                 broken: None,
                 prog: overlap::Progress::new(n),
@@ -1347,6 +1394,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             reduce_16,
             hpz,
             settings,
+            monitor: Mutex::new(monitor),
             owners,
             pools: pool::Pools::new(),
             cfg,
@@ -1423,6 +1471,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "backward after micro-step {} reached an accumulation boundary (gradient_accumulation_steps {gas}) that no step() handled; call engine.step() after every backward (it steps only at the boundary)",
                     st.micro
                 )));
+            }
+            if i.monitor.lock().is_some() {
+                // DeepSpeed's `train_loss`: the mean of the step's losses.
+                let l = loss.f_detach()?.f_mean(Kind::Double)?.f_double_value(&[])?;
+                let (sum, n) = st.loss_sum.get_or_insert((0.0, 0));
+                (*sum, *n) = (*sum + l, *n + 1);
             }
             st.scaler.as_ref().map_or(1.0, |s| s.scale)
         };
@@ -1568,7 +1622,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     scale = st.scaler.as_ref().map(|s| s.scale),
                     "gradient overflow (inf/NaN): step skipped on every rank"
                 );
-                i.report_progress(st, None);
+                let loss = st.loss_sum.take().map(|(sum, n)| sum / n as f64);
+                i.report_progress(st, None, loss);
                 return Ok(false);
             }
         }
@@ -1661,7 +1716,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let step = st.step;
         st.timing.step_ends(started, log, step);
-        i.report_progress(st, Some(norm));
+        let loss = st.loss_sum.take().map(|(sum, n)| sum / n as f64);
+        i.report_progress(st, Some(norm), loss);
         Ok(true)
     }
 
@@ -1723,6 +1779,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// a prefetch, reductions issued while backward was still running.
     pub fn overlap_counts(&self) -> OverlapCounts {
         self.inner.st.lock().prog.counts
+    }
+    /// Writes scalars of the program's own (`(tag, value, x)`, e.g. a
+    /// validation loss as `("Eval/Samples/eval_loss", loss, samples)`) to
+    /// the monitors the config enables (`csv_monitor`, `tensorboard`),
+    /// beside the engine's: DeepSpeed's `engine.monitor.write_events`. The
+    /// job's first rank writes them; on the other ranks, and with no
+    /// monitor, this does nothing. It is no collective: any rank may call
+    /// it any time.
+    pub fn write_monitor_events(&self, events: &[(&str, f64, u64)]) {
+        if let Some(m) = self.inner.monitor.lock().as_mut() {
+            m.write(events);
+        }
+    }
+    /// Samples trained so far: accumulation boundaries (skipped fp16
+    /// steps included) times `train_batch_size`, as DeepSpeed's
+    /// `global_samples` counts them; the x of the monitors' scalars.
+    pub fn global_samples(&self) -> u64 {
+        let st = self.inner.st.lock();
+        (st.step + st.skipped) * self.inner.cfg.batch.train
     }
     /// The resolved config the engine runs with.
     pub fn config(&self) -> &Resolved {

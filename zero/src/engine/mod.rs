@@ -440,8 +440,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             tracing::info!("{line}");
         }
         if let Some(m) = self.monitor.lock().as_mut() {
-            // `Engine::global_samples`.
-            let samples = p.boundaries * self.cfg.batch.train;
+            let samples = self.global_samples(st);
             let mut events = Vec::new();
             if let Some(loss) = loss {
                 events.push(("Train/Samples/train_loss", loss, samples));
@@ -451,25 +450,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 events.push(("Train/Samples/loss_scale", scale, samples));
             }
             if let (true, Some(b)) = (c.wall_clock_breakdown, st.timing.last) {
-                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-                events.push((
-                    "Train/Samples/elapsed_time_ms_forward",
-                    ms(b.forward),
-                    samples,
-                ));
-                events.push((
-                    "Train/Samples/elapsed_time_ms_backward",
-                    ms(b.backward),
-                    samples,
-                ));
-                events.push((
-                    "Train/Samples/elapsed_time_ms_step",
-                    ms(b.optimizer),
-                    samples,
-                ));
+                for (tag, d) in [
+                    ("Train/Samples/elapsed_time_ms_forward", b.forward),
+                    ("Train/Samples/elapsed_time_ms_backward", b.backward),
+                    ("Train/Samples/elapsed_time_ms_step", b.optimizer),
+                ] {
+                    events.push((tag, d.as_secs_f64() * 1e3, samples));
+                }
             }
             m.write(&events);
         }
+    }
+
+    /// DeepSpeed's `global_samples`: boundaries so far, skipped ones
+    /// included, times `train_batch_size`.
+    fn global_samples(&self, st: &State) -> u64 {
+        (st.step + st.skipped) * self.cfg.batch.train
     }
 
     fn shard_range(&self, u: &Unit) -> std::ops::Range<usize> {
@@ -1796,8 +1792,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// steps included) times `train_batch_size`, as DeepSpeed's
     /// `global_samples` counts them; the x of the monitors' scalars.
     pub fn global_samples(&self) -> u64 {
-        let st = self.inner.st.lock();
-        (st.step + st.skipped) * self.inner.cfg.batch.train
+        self.inner.global_samples(&self.inner.st.lock())
     }
     /// The resolved config the engine runs with.
     pub fn config(&self) -> &Resolved {

@@ -47,16 +47,15 @@ impl StillWaiting {
         (self.began + self.next).saturating_duration_since(Instant::now())
     }
 
-    /// The time waited so far when a report is due (and the clock moves
-    /// on to the next one), else `None`.
+    /// The time waited so far when a report is due (and the next one is
+    /// then a period from now, so reports never come closer than that,
+    /// however late the caller looked), else `None`.
     pub(crate) fn due(&mut self) -> Option<Duration> {
         let waited = self.began.elapsed();
         if waited < self.next {
             return None;
         }
-        while self.next <= waited {
-            self.next += self.then;
-        }
+        self.next = waited + self.then;
         Some(waited)
     }
 }
@@ -68,19 +67,26 @@ mod tests {
     #[test]
     fn reports_come_first_after_the_first_delay_then_once_a_period() {
         let ms = Duration::from_millis;
-        let mut w = StillWaiting::every(ms(100), ms(200));
+        // Long periods, so that a slow machine's pauses between the
+        // calls below cannot reach them.
+        let mut w = StillWaiting::every(ms(300), ms(60_000));
         assert_eq!(w.due(), None);
-        assert!(w.until_due() > ms(50), "{:?}", w.until_due());
-        std::thread::sleep(ms(110));
-        assert!(w.due().is_some_and(|t| t >= ms(100)));
-        // Reported: the next one is a period away, not due at once.
+        assert!(w.until_due() <= ms(300), "{:?}", w.until_due());
+        std::thread::sleep(ms(310));
+        assert_eq!(w.until_due(), Duration::ZERO);
+        assert!(w.due().is_some_and(|t| t >= ms(300)));
+        // Reported: the next one is a period from now, not due at once.
         assert_eq!(w.due(), None);
-        assert!(w.until_due() > ms(100), "{:?}", w.until_due());
-        // A caller that looks late gets one report, not one per period
-        // it missed.
-        std::thread::sleep(ms(600));
-        assert!(w.due().is_some());
+        assert!(w.until_due() > ms(59_000), "{:?}", w.until_due());
+        // A caller that looks late gets one report, and the next a period
+        // after it, not one per period it missed.
+        // (On a grid of periods from the start the next would be 100 ms
+        // away here.)
+        let mut w = StillWaiting::every(ms(0), ms(200));
+        std::thread::sleep(ms(700));
+        assert!(w.due().is_some_and(|t| t >= ms(700)));
         assert_eq!(w.due(), None);
+        assert!(w.until_due() > ms(150), "{:?}", w.until_due());
         assert_eq!(StillWaiting::every(ms(0), ms(0)).then, ms(1));
     }
 }

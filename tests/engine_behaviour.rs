@@ -1884,8 +1884,15 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
 #[test]
 fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
     // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
-    // but not of its replicate group {0, 2}; only world rank 0 logs.
-    let cfg = config_plus(2, 1, r#""steps_per_print": 1,"#, r#""mics_shard_size": 2,"#);
+    // but not of its replicate group {0, 2}; only world rank 0 logs, and
+    // only it writes the monitors.
+    let dir = std::env::temp_dir().join(format!("zrt-hybrid-monitor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let top = format!(
+        r#""steps_per_print": 1, "csv_monitor": {{"enabled": true, "output_path": "{}"}},"#,
+        dir.display()
+    );
+    let cfg = config_plus(2, 1, &top, r#""mics_shard_size": 2,"#);
     let lines = on_ranks(4, |mut r| {
         let t = tiny();
         let e = Engine::from_config(&t.vs, &t.plan, &cfg, &mut r, &AutoHints::default()).unwrap();
@@ -1893,11 +1900,15 @@ fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
             e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
             assert!(e.step().unwrap());
         });
+        e.write_monitor_events(&[("rank", r.rank() as f64, 1)]);
         logs.lines()
             .filter(|l| l.contains("step=1, skipped=0, lr=0.01"))
             .count()
     });
     assert_eq!(lines, [1, 0, 0, 0]);
+    let rows = std::fs::read_to_string(dir.join("DeepSpeedJobName/rank.csv")).unwrap();
+    assert_eq!(rows, "step,rank\n1,0\n");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

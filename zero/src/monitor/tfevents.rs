@@ -299,9 +299,12 @@ mod tests {
         ]
         .concat();
         assert_eq!(e, want);
-        // A step past 127 takes two varint bytes: 300 = 0xac 0x02.
+        // A step past 127 takes two varint bytes: 300 = 0xac 0x02, and
+        // 200 = 0xc8 0x01 (its low byte has the top bit set already).
         let e = event(0.0, 300, Body::FileVersion("v"));
         assert_eq!(&e[9..], [0x10, 0xac, 0x02, 0x1a, 0x01, b'v']);
+        let e = event(0.0, 200, Body::FileVersion("v"));
+        assert_eq!(&e[9..12], [0x10, 0xc8, 0x01]);
     }
 
     #[test]
@@ -331,9 +334,19 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert_eq!((g.0.as_str(), g.1, g.2), w);
         }
-        // The first record is the file version, which holds no scalar.
+        // The first record is the file version, which holds no scalar,
+        // stamped with the time now, as the file's name is.
         let bytes = std::fs::read(&path).unwrap();
         assert!(bytes.windows(13).any(|w| w == b"brain.Event:2"));
+        let wall = f64::from_le_bytes(bytes[13..21].try_into().unwrap());
+        let real = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!((wall - real).abs() < 60.0, "{wall}");
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let secs: f64 = name.split('.').nth(3).unwrap().parse().unwrap();
+        assert!((secs - wall).abs() < 2.0, "{name}");
         let mut flipped = bytes.clone();
         let last = flipped.len() - 6;
         flipped[last] ^= 1;

@@ -295,6 +295,14 @@ mod tests {
             said.ends_with("the wait fails at 300 s, ZRT_TIMEOUT)"),
             "{said}"
         );
+        // Eight are listed whole; two, too.
+        let said = still_waiting(&c, 4, 13, waited, timeout).unwrap().unwrap();
+        assert!(
+            said.contains(" waiting for ranks 4, 6, 7, 8, 9, 10, 11, 12 ("),
+            "{said}"
+        );
+        let said = still_waiting(&c, 3, 6, waited, timeout).unwrap().unwrap();
+        assert!(said.contains(" waiting for ranks 3, 4 ("), "{said}");
         let said = still_waiting(&c, 4, 6, waited, timeout).unwrap().unwrap();
         assert!(
             said.contains("5 of 6 ranks have joined after 40 s, waiting for rank 4 ("),

@@ -70,7 +70,6 @@ fn show<T: std::fmt::Debug + Copy>(s: Setting<T>) -> String {
     }
 }
 
-/// Runs `zrt config ...`.
 /// Each [`AutoHints`] field a config can owe (bf16 and fp16 default to
 /// false) and the flag of `zrt config check` that gives it.
 const HINT_FLAGS: [(&str, &str); 9] = [
@@ -111,6 +110,7 @@ fn owed_flags(e: &ConfigError) -> String {
     )
 }
 
+/// Runs `zrt config ...`.
 pub fn run(cmd: &ConfigCmd) -> Result<()> {
     let ConfigCmd::Check(a) = cmd;
     let hints = AutoHints {

@@ -18,8 +18,9 @@
 //! The CSV monitor appends `step,<last part of the tag>` rows to one file
 //! per tag (`Train_Samples_train_loss.csv`), with that header first, as
 //! DeepSpeed's does. The TensorBoard monitor writes one event file
-//! (`events.out.tfevents.<seconds>.<host>`, [`tfevents`]). Both flush at
-//! every boundary, so a run that dies loses none of the steps it logged.
+//! (`events.out.tfevents.<seconds>.<host>.<pid>.<n>`, [`tfevents`]).
+//! Neither buffers: each boundary's lines go to the OS as they are
+//! written, so a run that dies loses none of the steps it logged.
 //! A monitor that cannot write warns once and stops; training goes on
 //! (a full disk under the logs should not cost the run).
 
@@ -63,7 +64,7 @@ impl Monitor {
     }
 
     /// Writes `events` (tag, value, samples) to every monitor still open
-    /// and flushes. A monitor that fails is warned about and closed.
+    /// (unbuffered). A monitor that fails is warned about and closed.
     pub(crate) fn write(&mut self, events: &[(&str, f64, u64)]) {
         if let Some(c) = &mut self.csv {
             if let Err(e) = c.write(events) {
@@ -77,5 +78,32 @@ impl Monitor {
                 self.tensorboard = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_monitor_that_cannot_write_is_closed_and_the_others_go_on() {
+        let dir = std::env::temp_dir().join(format!("zrt-monitors-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = MonitorConfig {
+            csv: Some(dir.join("csv")),
+            tensorboard: Some(dir.join("tb")),
+        };
+        let mut m = Monitor::open(&cfg).unwrap().unwrap();
+        // The CSV folder goes away before its first file is made.
+        std::fs::remove_dir_all(dir.join("csv")).unwrap();
+        m.write(&[("Train/Samples/lr", 0.5, 8)]);
+        assert!(m.csv.is_none() && m.tensorboard.is_some());
+        m.write(&[("Train/Samples/lr", 0.25, 16)]);
+        assert!(!dir.join("csv").exists(), "a closed monitor writes nothing");
+        let tb = m.tensorboard.as_ref().unwrap().path().to_path_buf();
+        let got = tfevents::read_scalars(&tb).unwrap();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(Monitor::open(&MonitorConfig::default()).unwrap().is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -60,6 +60,19 @@ impl StillWaiting {
     }
 }
 
+/// Test helper: at least two reports were said (each with when), each
+/// about a period (`period`, less 10 ms) after the one before.
+#[cfg(test)]
+pub(crate) fn assert_a_period_apart(said: &[(Instant, String)], period: Duration) {
+    assert!(said.len() >= 2, "{said:#?}");
+    for pair in said.windows(2) {
+        assert!(
+            pair[1].0 - pair[0].0 >= period - Duration::from_millis(10),
+            "{said:#?}"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

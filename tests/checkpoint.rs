@@ -798,23 +798,23 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
 /// what it printed.
 fn train_gpt(args: &[&str]) -> String {
     let example = common::example("train_gpt");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .args(["launch", "--nproc-per-node", "2", "--"])
-        .arg(example)
-        .args([
-            "--layers",
-            "1",
-            "--d-model",
-            "32",
-            "--heads",
-            "2",
-            "--seq",
-            "32",
-        ])
-        .args(["--eval-every", "100"])
-        .args(args)
-        .output()
-        .unwrap();
+    let o = common::output_elsewhere(
+        std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["launch", "--nproc-per-node", "2", "--"])
+            .arg(example)
+            .args([
+                "--layers",
+                "1",
+                "--d-model",
+                "32",
+                "--heads",
+                "2",
+                "--seq",
+                "32",
+            ])
+            .args(["--eval-every", "100"])
+            .args(args),
+    );
     let text = common::printed(&o);
     assert!(o.status.success(), "{text}");
     text

@@ -466,14 +466,14 @@ const TINY_MAIN_JOB: [&str; 9] = [
 fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
     // One rank, a tiny model: each case fails before or at its first step.
     let run = |args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["launch", "--nproc-per-node", "1", "--"])
-            .arg(common::example("train_gpt"))
-            .args(TINY_MAIN_JOB)
-            .args(args)
-            .env_remove("ZRT_TOKEN")
-            .output()
-            .unwrap();
+        let o = common::output_elsewhere(
+            Command::new(env!("CARGO_BIN_EXE_zrt"))
+                .args(["launch", "--nproc-per-node", "1", "--"])
+                .arg(common::example("train_gpt"))
+                .args(TINY_MAIN_JOB)
+                .args(args)
+                .env_remove("ZRT_TOKEN"),
+        );
         (o.status.code(), common::printed(&o))
     };
     // Longer than the held-out tenth: a panic slicing the text before.
@@ -511,8 +511,8 @@ fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
     // a sparse file that joined fine: a job whose collectives touched more
     // of it than /dev/shm held died of SIGBUS (the demo's model did, at
     // its first step), and this tiny one, touching less, ran.
-    let o = Command::new("unshare")
-        .args(["-m", "sh", "-c"])
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "sh", "-c"])
         .arg("mount -t tmpfs -o size=64k tmpfs /dev/shm || exit 99; exec \"$@\"")
         .arg("sh")
         .arg(env!("CARGO_BIN_EXE_zrt"))
@@ -520,9 +520,8 @@ fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
         .arg(common::example("train_gpt"))
         .args(TINY_MAIN_JOB)
         .env_remove("ZRT_TOKEN")
-        .env("ZRT_BACKEND", "shm")
-        .output()
-        .unwrap();
+        .env("ZRT_BACKEND", "shm");
+    let o = common::output_elsewhere(&mut cmd);
     let out = common::printed(&o);
     assert_ne!(
         o.status.code(),

@@ -160,6 +160,21 @@ pub fn example(name: &str) -> std::path::PathBuf {
     profile.join("examples").join(name)
 }
 
+/// Runs `cmd` (a launch of the main job) to its end in a fresh folder,
+/// removed after, so that what the job writes at relative paths (its
+/// config's TensorBoard folder, `target/runs`) stays out of the checkout,
+/// where it would mix with the demo's runs.
+pub fn output_elsewhere(cmd: &mut std::process::Command) -> std::process::Output {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("zrt-cwd-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = cmd.current_dir(&dir).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    o
+}
+
 /// Runs `f` with this thread's `tracing` events (warnings and up) written
 /// into a string, which it returns with `f`'s result.
 pub fn with_logs<R>(f: impl FnOnce() -> R) -> (R, String) {

@@ -91,14 +91,9 @@ const HINT_FLAGS: [(&str, &str); 9] = [
 fn owed_flags(e: &ConfigError) -> String {
     let text = e.to_string();
     let flags: Vec<&str> = (HINT_FLAGS.iter())
-        .filter(|(field, _)| {
-            // `AutoHints::lr` must not match inside a longer field's name.
-            let name = format!("AutoHints::{field}");
-            (text.match_indices(&name)).any(|(i, _)| {
-                let next = text[i + name.len()..].chars().next();
-                !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
-            })
-        })
+        // The library quotes the field whole, so one cannot match
+        // inside a longer one's name.
+        .filter(|(field, _)| text.contains(&format!("`AutoHints::{field}`")))
         .map(|(_, flag)| *flag)
         .collect();
     if flags.is_empty() {

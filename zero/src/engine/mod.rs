@@ -374,6 +374,12 @@ pub(super) fn out_of_step(e: CommError, what: impl FnOnce() -> String) -> Engine
     }
 }
 
+/// Whether this rank is rank 0 of its shard group `group` and of its
+/// replicate group, if any: the job's first rank.
+fn is_first_rank<G: ProcessGroup>(group: &G, replicate: Option<&G>) -> bool {
+    group.rank() == 0 && replicate.is_none_or(|r| r.rank() == 0)
+}
+
 impl<G: ProcessGroup + 'static> Inner<G> {
     fn delay(&self) {
         let mut s = self.delays.lock();
@@ -409,7 +415,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Whether this is the job's first rank (rank 0 of the shard group and
     /// of the replicate group): the one that logs what every rank would.
     fn first_rank(&self) -> bool {
-        self.group.rank() == 0 && self.replicate.as_ref().is_none_or(|r| r.rank() == 0)
+        is_first_rank(&self.group, self.replicate.as_ref())
     }
 
     /// `steps_per_print`: the progress line, logged by the first rank of
@@ -1073,8 +1079,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         settings.check()?;
         // The first rank writes the monitors; before the plan is claimed,
         // so that a mended output_path builds.
-        let first = group.rank() == 0 && replicate.as_ref().is_none_or(|r| r.rank() == 0);
-        let monitor = match first {
+        let monitor = match is_first_rank(&group, replicate.as_ref()) {
             true => crate::monitor::Monitor::open(&cfg.config.monitor)?,
             false => None,
         };

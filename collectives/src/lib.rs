@@ -71,6 +71,6 @@ pub use groups::Groups;
 pub use init::{init_from_env, Backend, Dist, DistEnv, Group};
 pub use mesh::DeviceMesh;
 pub use op::{chunk_range, OpDesc, OpKind, ProcessGroup, ReduceOp};
-pub use stats::{OpStats, Stats};
+pub use stats::{Observer, OpRecord, OpStats, SizeStats, Stats};
 pub use symmetric::SymmetricBuf;
 pub use work::{deadline_in, default_timeout, Work};

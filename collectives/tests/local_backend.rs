@@ -65,6 +65,63 @@ fn send_recv_in_a_ring_and_stats_count_bytes() {
 }
 
 #[test]
+fn stats_count_each_message_size_and_tell_an_observer_of_each_op() {
+    use std::sync::{Arc, Mutex};
+    use zrt_collectives::{OpRecord, SizeStats};
+    let got = run(3, Duration::from_secs(30), |r| {
+        let g = r.world();
+        let told: Arc<Mutex<Vec<(&'static str, u64)>>> = Arc::default();
+        let t = told.clone();
+        g.stats().observe(Some(Arc::new(move |o: &OpRecord| {
+            t.lock().unwrap().push((o.op, o.bytes))
+        })));
+        for len in [10, 6, 10] {
+            g.all_reduce(vec![1f32; len], ReduceOp::Sum).wait().unwrap();
+        }
+        // The message is the whole buffer: a reduce-scatter's input (12
+        // f32, each rank keeping 4), a gather's output (3 ranks x 2 f64).
+        let rs = g.reduce_scatter(vec![1f32; 12], vec![0f32; 4], ReduceOp::Sum);
+        rs.wait().unwrap();
+        g.all_gather(vec![1f64; 2], vec![0f64; 6]).wait().unwrap();
+        g.stats().observe(None);
+        g.broadcast(vec![0u8; 3], 0).wait().unwrap();
+        let told = told.lock().unwrap().clone();
+        let rows: Vec<(&str, u64, u64)> = g
+            .stats()
+            .by_size()
+            .iter()
+            .map(|s: &SizeStats| (s.op, s.bytes, s.calls))
+            .collect();
+        let timed = g.stats().by_size().iter().all(|s| s.time > Duration::ZERO);
+        (told, rows, timed)
+    });
+    for (told, rows, timed) in got {
+        // The broadcast came after the observer was removed.
+        assert_eq!(
+            told,
+            [
+                ("all_reduce", 40),
+                ("all_reduce", 24),
+                ("all_reduce", 40),
+                ("reduce_scatter", 48),
+                ("all_gather", 48)
+            ]
+        );
+        assert_eq!(
+            rows,
+            [
+                ("all_reduce", 24, 1),
+                ("all_reduce", 40, 2),
+                ("reduce_scatter", 48, 1),
+                ("all_gather", 48, 1),
+                ("broadcast", 3, 1)
+            ]
+        );
+        assert!(timed);
+    }
+}
+
+#[test]
 fn a_recv_of_another_length_or_dtype_than_the_send_is_an_error() {
     for (len, f64_recv) in [(4usize, false), (5, true)] {
         let got = run(2, Duration::from_secs(30), |r| {

@@ -473,6 +473,10 @@ fn main() -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // What the collectives cost, if the config has a `comms_logger`.
+    if engine.config().config.comms_logger.enabled {
+        engine.log_comms_summary();
+    }
     save(a.steps)?;
     let secs = t0.elapsed().as_secs_f64();
     let rss = world

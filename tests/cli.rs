@@ -193,14 +193,19 @@ fn config_check_takes_the_micro_batch_of_a_config_with_no_batch_keys_from_its_fl
 }
 
 #[test]
-fn config_check_names_the_folders_the_monitors_write_into() {
+fn config_check_names_the_folders_the_monitors_write_into_and_what_the_comms_logger_logs() {
     let f = config_file(
         "monitors",
         r#"{"train_batch_size": 8, "csv_monitor": {"enabled": true, "output_path": "out", "job_name": "a"},
-            "tensorboard": {"enabled": true}}"#,
+            "tensorboard": {"enabled": true},
+            "comms_logger": {"enabled": true, "verbose": true, "prof_all": false, "prof_ops": ["all_gather_into_tensor"]}}"#,
     );
     let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
     assert!(ok, "{out}");
+    assert!(
+        out.contains("\n  comms logger     all_gather, each as it completes\n"),
+        "{out}"
+    );
     assert!(
         out.contains(
             "\n  monitors         csv_monitor into out/a, tensorboard into DeepSpeedJobName\n"
@@ -210,7 +215,10 @@ fn config_check_names_the_folders_the_monitors_write_into() {
     let _ = std::fs::remove_file(f);
     let f = config_file("no-monitors", r#"{"train_batch_size": 8}"#);
     let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
-    assert!(ok && out.contains("\n  monitors         none\n"), "{out}");
+    assert!(
+        ok && out.contains("\n  monitors         none\n  comms logger     none\n"),
+        "{out}"
+    );
     let _ = std::fs::remove_file(f);
 }
 

@@ -12,6 +12,7 @@ use common::{on_ranks, solo_engine};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zrt::collectives::local::{self, LocalGroup};
+use zrt::collectives::ProcessGroup;
 use zrt::zero::{glue, AutoHints, Config, Engine, EngineError, ShardPlan, ShardedModule};
 
 const WORLD: usize = 2;
@@ -2248,4 +2249,120 @@ fn a_monitor_folder_that_cannot_be_made_is_refused_naming_it() {
             "{e}"
         );
     });
+}
+
+#[test]
+fn comms_logger_logs_the_selected_ops_each_and_in_a_summary_on_the_first_rank() {
+    // Stage 3 gathers and reduce-scatters; the engine's build also
+    // broadcasts rank 0's values and exchanges its agreement. The logger
+    // keeps the gathers and reductions, named as DeepSpeed names them.
+    let cfg = config_plus(
+        3,
+        2,
+        r#""comms_logger": {"enabled": true, "verbose": true, "prof_all": false,
+            "prof_ops": ["all_gather_into_tensor", "reduce_scatter_tensor"]},"#,
+        "",
+    );
+    let kept = ["all_gather", "reduce_scatter"];
+    let got = on_ranks(WORLD, |r| {
+        common::with_logs_at(tracing::Level::INFO, || {
+            let (t, e) = tiny_engine(&cfg, &r);
+            let calls = |op: &str| -> u64 {
+                let all = e.group().stats().by_size();
+                all.iter().filter(|s| s.op == op).map(|s| s.calls).sum()
+            };
+            let at_build = kept.map(calls);
+            for m in 0..2 {
+                e.backward(&t.loss(&input(r.rank(), m))).unwrap();
+                e.step().unwrap();
+            }
+            let since =
+                kept.map(|op| calls(op) - at_build[kept.iter().position(|k| *k == op).unwrap()]);
+            e.log_comms_summary();
+            (e.comms_summary(), e.group().stats().by_size(), since)
+        })
+    });
+    for (rank, ((summary, all, since), logs)) in got.into_iter().enumerate() {
+        // The summary holds the group's counts of the kept ops, exactly.
+        let want: Vec<_> = all.iter().filter(|s| kept.contains(&s.op)).collect();
+        assert_eq!(summary.rows.len(), want.len(), "{summary}");
+        for (row, s) in summary.rows.iter().zip(&want) {
+            assert_eq!(
+                (row.role, row.ranks, row.op, row.bytes, row.calls, row.time),
+                ("shard", WORLD, s.op, s.bytes, s.calls, s.time)
+            );
+        }
+        for op in kept {
+            assert!(summary.rows.iter().any(|r| r.op == op), "{op}: {summary}");
+        }
+        // What was left out ran: the filter, not an idle group, keeps it out.
+        assert!(all.iter().any(|s| !kept.contains(&s.op)), "{all:?}");
+        let lines = |op: &str| {
+            logs.lines()
+                .filter(|l| l.contains(&format!("comm op: {op} | group: shard")))
+                .count() as u64
+        };
+        if rank == 0 {
+            // A line per kept op since the build, with its size and rates.
+            assert_eq!(
+                [lines("all_gather"), lines("reduce_scatter")],
+                since,
+                "{logs}"
+            );
+            assert!(since.iter().all(|&n| n > 0), "{since:?}");
+            let line = logs
+                .lines()
+                .find(|l| l.contains("comm op: all_gather"))
+                .unwrap();
+            assert!(
+                line.contains("msg size: ") && line.contains("busbw (GB/s): "),
+                "{line}"
+            );
+            assert!(
+                !logs.contains("comm op: broadcast") && !logs.contains("comm op: all_reduce"),
+                "{logs}"
+            );
+            // And the table, as `comms_summary` displays it.
+            let table = summary.to_string();
+            assert!(logs.contains(table.trim_end()), "{logs}\n{table}");
+        } else {
+            assert!(
+                !logs.contains("comm op:") && !logs.contains("busbw GB/s"),
+                "{logs}"
+            );
+        }
+    }
+}
+
+#[test]
+fn without_comms_logger_the_summary_holds_every_op_and_logging_it_says_why_not() {
+    let got = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        let ((), logs) = common::with_logs_at(tracing::Level::INFO, || e.log_comms_summary());
+        let ops: Vec<_> = e
+            .comms_summary()
+            .rows
+            .iter()
+            .map(|r| (r.op, r.calls))
+            .collect();
+        let all: Vec<_> = e
+            .group()
+            .stats()
+            .by_size()
+            .iter()
+            .map(|s| (s.op, s.calls))
+            .collect();
+        (logs, ops, all)
+    });
+    for (rank, (logs, ops, all)) in got.into_iter().enumerate() {
+        let said =
+            logs.contains("no communication summary: `comms_logger` is not enabled in the config");
+        assert_eq!(said, rank == 0, "{logs}");
+        assert_eq!(ops, all);
+        for op in ["all_gather", "reduce_scatter", "broadcast"] {
+            assert!(ops.iter().any(|o| o.0 == op), "{op}: {ops:?}");
+        }
+    }
 }

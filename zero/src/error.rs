@@ -41,7 +41,7 @@ pub enum EngineError {
     OutOfStep(String),
     /// Ranks built their engines from different models or configs (found
     /// when the engine is built, before anything trains).
-    #[error("ranks built their engines from different models or configs: {0}. Every rank must build the same model (the same variables with the same shapes, wrapped in the same units, under the same ShardPlan rules for weight decay and learning rates; only rank 0's values are used) and pass the same config (only offload_optimizer, offload_param, aio, steps_per_print, wall_clock_breakdown, csv_monitor and tensorboard may differ)")]
+    #[error("ranks built their engines from different models or configs: {0}. Every rank must build the same model (the same variables with the same shapes, wrapped in the same units, under the same ShardPlan rules for weight decay and learning rates; only rank 0's values are used) and pass the same config (only offload_optimizer, offload_param, aio, steps_per_print, wall_clock_breakdown, csv_monitor, tensorboard and comms_logger may differ)")]
     RanksDiffer(String),
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]

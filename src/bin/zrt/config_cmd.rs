@@ -252,6 +252,18 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             monitors.join(", ")
         }
     );
+    let l = &c.comms_logger;
+    let logged = match &l.ops {
+        _ if !l.enabled => "none".to_string(),
+        None => "every op".to_string(),
+        Some(ops) => ops.join(", "),
+    };
+    let each = if l.enabled && l.verbose {
+        ", each as it completes"
+    } else {
+        ""
+    };
+    println!("  comms logger     {logged}{each}");
     for w in &c.warnings {
         println!("  warning: {w}");
     }

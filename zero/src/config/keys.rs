@@ -19,10 +19,43 @@ pub(crate) const TOP: &[&str] = &[
     "aio",
     "csv_monitor",
     "tensorboard",
+    "comms_logger",
 ];
 
 /// Keys of the monitor blocks zrt writes (`csv_monitor`, `tensorboard`).
 pub(crate) const MONITOR: &[&str] = &["enabled", "output_path", "job_name"];
+
+/// Keys of `comms_logger`.
+pub(crate) const COMMS_LOGGER: &[&str] = &["enabled", "verbose", "prof_all", "prof_ops", "debug"];
+
+/// Names `comms_logger.prof_ops` may hold: DeepSpeed's names of its
+/// communication calls, and the operation of zrt's they count as (`None`:
+/// one zrt never issues).
+pub(crate) const COMM_OPS: &[(&str, Option<&str>)] = &[
+    ("all_reduce", Some("all_reduce")),
+    ("inference_all_reduce", Some("all_reduce")),
+    ("all_reduce_coalesced", Some("all_reduce")),
+    ("reduce_scatter", Some("reduce_scatter")),
+    ("reduce_scatter_tensor", Some("reduce_scatter")),
+    ("reduce_scatter_base", Some("reduce_scatter")),
+    ("reduce_scatter_fn", Some("reduce_scatter")),
+    ("all_gather", Some("all_gather")),
+    ("all_gather_into_tensor", Some("all_gather")),
+    ("all_gather_base", Some("all_gather")),
+    ("allgather_fn", Some("all_gather")),
+    ("all_gather_coalesced", Some("all_gather")),
+    ("broadcast", Some("broadcast")),
+    ("barrier", Some("barrier")),
+    ("send", Some("send")),
+    ("isend", Some("send")),
+    ("recv", Some("recv")),
+    ("irecv", Some("recv")),
+    ("all_to_all_single", None),
+    ("all_to_all", None),
+    ("reduce", None),
+    ("gather", None),
+    ("scatter", None),
+];
 
 /// Top-level keys DeepSpeed knows that zrt does not implement (warnings).
 pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
@@ -31,7 +64,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "autotuning",
     "checkpoint",
     "comet",
-    "comms_logger",
     "compression_training",
     "data_efficiency",
     "dump_state",

@@ -251,6 +251,30 @@ pub struct MonitorConfig {
     pub tensorboard: Option<std::path::PathBuf>,
 }
 
+/// DeepSpeed's `comms_logger`: `{"enabled", "verbose", "prof_all",
+/// "prof_ops"}`. The collectives count every operation whatever this says;
+/// it chooses what the engine logs: each operation as it completes
+/// (`verbose`) and the table [`crate::Engine::log_comms_summary`] prints.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommsLoggerConfig {
+    /// `enabled`.
+    pub enabled: bool,
+    /// `verbose`: a line per operation as it completes.
+    pub verbose: bool,
+    /// The operations logged, by zrt's names (`all_reduce`,
+    /// `reduce_scatter`, `all_gather`, `broadcast`, `barrier`, `send`,
+    /// `recv`): `None` for every one (`prof_all`, the default), else those
+    /// `prof_ops` names.
+    pub ops: Option<Vec<String>>,
+}
+
+impl CommsLoggerConfig {
+    /// Whether operation `op` (zrt's name) is logged.
+    pub fn logs(&self, op: &str) -> bool {
+        self.enabled && self.ops.as_ref().is_none_or(|o| o.iter().any(|x| x == op))
+    }
+}
+
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZeroConfig {
@@ -357,6 +381,8 @@ pub struct Config {
     pub aio: AioConfig,
     /// `csv_monitor` and `tensorboard`.
     pub monitor: MonitorConfig,
+    /// `comms_logger`.
+    pub comms_logger: CommsLoggerConfig,
     /// Everything zrt read but will not honour, or mapped from a deprecated key.
     pub warnings: Vec<String>,
     /// Keys whose values [`Config::resolve`] fills: those given as `"auto"`

@@ -4,9 +4,9 @@ use serde_json::{Map, Value};
 
 use super::keys::{self, closest};
 use super::{
-    AioConfig, AutoHints, Batch, Config, ConfigError, LossScaleConfig, MonitorConfig,
-    OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerKind, Precision, Resolved,
-    SchedulerConfig, ZeroConfig,
+    AioConfig, AutoHints, Batch, CommsLoggerConfig, Config, ConfigError, LossScaleConfig,
+    MonitorConfig, OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerKind, Precision,
+    Resolved, SchedulerConfig, ZeroConfig,
 };
 
 /// A value that may be `"auto"` (resolved by [`Config::resolve`]).
@@ -791,6 +791,59 @@ impl P {
         enabled.then(|| std::path::Path::new(&path).join(job))
     }
 
+    /// `comms_logger`, its `prof_ops` mapped to zrt's operation names.
+    fn comms_logger(&mut self, top: &Map<String, Value>) -> CommsLoggerConfig {
+        let key = "comms_logger";
+        let Some(m) = self.object(top, key) else {
+            return CommsLoggerConfig::default();
+        };
+        self.keys(m, key, keys::COMMS_LOGGER, &[], true);
+        let enabled = self.bool_or(m, key, "enabled", false);
+        let verbose = self.bool_or(m, key, "verbose", false);
+        let all = self.bool_or(m, key, "prof_all", true);
+        let debug = self.bool_or(m, key, "debug", false);
+        let mut ops = Vec::new();
+        let names: &[Value] = match m.get("prof_ops") {
+            None | Some(Value::Null) => &[],
+            Some(Value::Array(a)) => a,
+            Some(v) => {
+                self.problems.push(format!(
+                    "`comms_logger.prof_ops` must be a list of operation names, got {v}"
+                ));
+                &[]
+            }
+        };
+        for v in names {
+            let name = v.as_str().unwrap_or_default();
+            match keys::COMM_OPS.iter().find(|(ds, _)| *ds == name) {
+                Some((_, Some(op))) => ops.push(op.to_string()),
+                Some((_, None)) => self.warnings.push(format!(
+                    "`comms_logger.prof_ops` names `{name}`, which zrt never issues: nothing of it to log"
+                )),
+                None => self.problems.push(format!(
+                    "`comms_logger.prof_ops` names {v}, not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, broadcast, barrier, send and recv (DeepSpeed's names, such as all_gather_into_tensor, are taken too)"
+                )),
+            }
+        }
+        if enabled && debug {
+            self.warnings.push("`comms_logger.debug` has no effect: zrt names an operation's group, not the function that called it".into());
+        }
+        if enabled && all && !names.is_empty() {
+            self.warnings.push("`comms_logger.prof_ops` is used only when `prof_all` is false, as in DeepSpeed: every operation is logged".into());
+        }
+        if enabled && !all && names.is_empty() {
+            self.warnings.push(
+                "`comms_logger` has `prof_all` false and no `prof_ops`: it logs no operation"
+                    .into(),
+            );
+        }
+        CommsLoggerConfig {
+            enabled,
+            verbose,
+            ops: (!all).then_some(ops),
+        }
+    }
+
     fn aio(&mut self, top: &Map<String, Value>) -> AioConfig {
         let empty = Map::new();
         let a = self.object(top, "aio").unwrap_or(&empty);
@@ -996,6 +1049,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
             csv: p.monitor(&top, "csv_monitor"),
             tensorboard: p.monitor(&top, "tensorboard"),
         },
+        comms_logger: p.comms_logger(&top),
         warnings: Vec::new(),
         unresolved: Vec::new(),
         precision_auto,

@@ -1265,3 +1265,67 @@ fn monitor_blocks_name_their_folders_as_deepspeed_joins_them() {
         assert!(e.contains(want), "{want}: {e}");
     }
 }
+
+#[test]
+fn comms_logger_takes_deepspeeds_op_names_and_says_what_it_cannot_log() {
+    let cfg = |block: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}, "comms_logger": {block}}}"#
+        ))
+    };
+    // DeepSpeed's tutorial block: every op.
+    let c =
+        cfg(r#"{"enabled": true, "verbose": false, "prof_all": true, "debug": false}"#).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let all = CommsLoggerConfig {
+        enabled: true,
+        verbose: false,
+        ops: None,
+    };
+    assert_eq!(c.comms_logger, all);
+    assert!(c.comms_logger.logs("barrier") && c.comms_logger.logs("all_gather"));
+    // Off unless enabled; a disabled block is quiet and logs nothing.
+    let c = cfg(r#"{"enabled": false, "prof_ops": ["all_reduce"]}"#).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert!(!c.comms_logger.enabled && !c.comms_logger.logs("all_reduce"));
+    // prof_ops by DeepSpeed's names, mapped to zrt's; one zrt never issues.
+    let c = cfg(r#"{"enabled": true, "verbose": true, "prof_all": false,
+        "prof_ops": ["all_gather_into_tensor", "reduce_scatter_tensor", "isend", "all_to_all_single"]}"#)
+    .unwrap();
+    let ops = ["all_gather", "reduce_scatter", "send"]
+        .map(String::from)
+        .to_vec();
+    assert_eq!(c.comms_logger.ops, Some(ops));
+    assert!(
+        c.comms_logger.verbose && c.comms_logger.logs("send") && !c.comms_logger.logs("all_reduce")
+    );
+    assert_eq!(
+        c.warnings,
+        ["`comms_logger.prof_ops` names `all_to_all_single`, which zrt never issues: nothing of it to log"]
+    );
+    // prof_ops beside prof_all true, nothing selected, debug: said.
+    for (block, want) in [
+        (r#"{"enabled": true, "prof_ops": ["all_reduce"]}"#, "`comms_logger.prof_ops` is used only when `prof_all` is false, as in DeepSpeed: every operation is logged"),
+        (r#"{"enabled": true, "prof_all": false}"#, "`comms_logger` has `prof_all` false and no `prof_ops`: it logs no operation"),
+        (r#"{"enabled": true, "debug": true}"#, "`comms_logger.debug` has no effect: zrt names an operation's group, not the function that called it"),
+    ] {
+        assert_eq!(cfg(block).unwrap().warnings, [want], "{block}");
+    }
+    let e = cfg(r#"{"enabled": true, "prof_ops": ["allreduce", 3], "verbos": true}"#)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "`comms_logger.prof_ops` names \"allreduce\", not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, broadcast, barrier, send and recv",
+        "`comms_logger.prof_ops` names 3, not a communication operation",
+        "unknown key `comms_logger.verbos`; did you mean `comms_logger.verbose`?",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    let e = cfg(r#"{"enabled": true, "prof_ops": "all_reduce"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`comms_logger.prof_ops` must be a list of operation names, got \"all_reduce\""),
+        "{e}"
+    );
+}

@@ -13,8 +13,8 @@
 //! those differ the terms themselves, so every rank's error names the
 //! differences. Where each rank keeps its own state and what it logs may
 //! differ (`offload_optimizer`, `offload_param`, `aio`, `steps_per_print`,
-//! `wall_clock_breakdown`, and the monitors, which the first rank alone
-//! writes): nothing another rank does depends on them.
+//! `wall_clock_breakdown`, the monitors, which the first rank alone
+//! writes, and `comms_logger`): nothing another rank does depends on them.
 
 use std::fmt::Debug;
 

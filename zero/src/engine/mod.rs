@@ -64,6 +64,7 @@ use offload::ReadAhead;
 
 mod agree;
 mod checkpoint;
+mod comms_log;
 mod elems;
 mod frozen;
 mod frozen_shards;
@@ -76,6 +77,7 @@ mod pool;
 mod progress;
 mod timing;
 
+pub use comms_log::{CommsRow, CommsSummary};
 pub use overlap::OverlapCounts;
 pub use timing::StepBreakdown;
 
@@ -264,6 +266,16 @@ pub struct Engine<G: ProcessGroup + 'static> {
     inner: Arc<Inner<G>>,
 }
 
+impl<G: ProcessGroup + 'static> Drop for Engine<G> {
+    fn drop(&mut self) {
+        // The groups outlive the engine (they are the program's): stop
+        // logging their operations as the engine's.
+        if self.logs_each_op() {
+            comms_log::observe(&self.inner.comm_groups(), None);
+        }
+    }
+}
+
 /// `n` elements of T at `t`'s data (contiguous, CPU, of T's dtype).
 ///
 /// # Safety
@@ -416,6 +428,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// of the replicate group): the one that logs what every rank would.
     fn first_rank(&self) -> bool {
         is_first_rank(&self.group, self.replicate.as_ref())
+    }
+
+    /// The groups the engine communicates on, by role (`comms_logger`).
+    fn comm_groups(&self) -> Vec<(&'static str, &G)> {
+        comms_log::groups(&self.group, self.replicate.as_ref(), self.hpz.as_ref())
     }
 
     /// `steps_per_print`: the progress line, logged by the first rank of
@@ -1429,7 +1446,21 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         });
         // Cannot fail: the claim above admits one engine per plan.
         let _ = plan.inner.hook.set(hook);
-        Ok(Self { inner })
+        let engine = Self { inner };
+        if engine.logs_each_op() {
+            comms_log::observe(
+                &engine.inner.comm_groups(),
+                Some(&engine.inner.cfg.config.comms_logger),
+            );
+        }
+        Ok(engine)
+    }
+
+    /// Whether this engine logs each communication operation: the job's
+    /// first rank, with `comms_logger.verbose`.
+    fn logs_each_op(&self) -> bool {
+        let c = &self.inner.cfg.config.comms_logger;
+        c.enabled && c.verbose && self.inner.first_rank()
     }
 
     fn take_error(&self, st: &mut State) -> Result<(), EngineError> {
@@ -1791,6 +1822,29 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     pub fn write_monitor_events(&self, events: &[(&str, f64, u64)]) {
         if let Some(m) = self.inner.monitor.lock().as_mut() {
             m.write(events);
+        }
+    }
+    /// What the engine's collectives cost on this rank since its groups
+    /// were made, per group, operation and message size (calls, time,
+    /// bandwidths; see [`CommsSummary`]). With `comms_logger` enabled, only
+    /// the operations it selects (`prof_all`, `prof_ops`); the counts are
+    /// kept whatever the config says. No collective: any rank, any time.
+    pub fn comms_summary(&self) -> CommsSummary {
+        let c = &self.inner.cfg.config.comms_logger;
+        comms_log::summary(&self.inner.comm_groups(), |op| !c.enabled || c.logs(op))
+    }
+    /// DeepSpeed's `deepspeed.comm.log_summary()`: with `comms_logger`
+    /// enabled, the job's first rank logs [`Engine::comms_summary`] as a
+    /// table (at info, through `tracing`); other ranks log nothing. Without
+    /// it, says so once at info. No collective: call it at the end of
+    /// training, an epoch, every N steps.
+    pub fn log_comms_summary(&self) {
+        if !self.inner.first_rank() {
+            return;
+        }
+        match self.inner.cfg.config.comms_logger.enabled {
+            true => tracing::info!("communication on this rank (comms_logger; the first rank's, others differ by their waits):\n{}", self.comms_summary()),
+            false => tracing::info!("no communication summary: `comms_logger` is not enabled in the config (Engine::comms_summary gives the counts anyway)"),
         }
     }
     /// Samples trained so far: accumulation boundaries (skipped fp16

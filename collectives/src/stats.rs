@@ -156,7 +156,8 @@ impl Stats {
     /// completes (an operation that fails is not counted, nor told). One
     /// observer per group: a later call replaces it, `None` removes it.
     /// `f` runs before the operation's waiters are woken, so it must be
-    /// quick (a log line).
+    /// quick (a log line), and must not call `observe` (the observer is
+    /// held while it runs).
     pub fn observe(&self, f: Option<Observer>) {
         *self.observer.write() = f;
     }

@@ -45,7 +45,10 @@ pub struct CommsRow {
 impl CommsRow {
     /// Mean time of one call.
     pub fn latency(&self) -> Duration {
-        self.time / self.calls.max(1) as u32
+        // In nanoseconds: `Duration / u32` would take calls past u32::MAX
+        // as fewer (or as zero, a panic).
+        let nanos = self.time.as_nanos() / u128::from(self.calls.max(1));
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 
     /// Algorithm bandwidth, GB/s (1e9 bytes): the message over the mean
@@ -169,37 +172,35 @@ pub(super) fn summary<G: ProcessGroup>(
     CommsSummary { rows }
 }
 
-/// With `verbose`, logs each operation `cfg` selects on `groups` as it
-/// completes (DeepSpeed's line, bandwidths as above); else removes any
-/// such log. Called on the job's first rank at build, and at drop.
+/// Logs each operation `cfg` selects on `groups` as it completes
+/// (DeepSpeed's `verbose` line, bandwidths as above). Called on the job's
+/// first rank at build, with `verbose`.
 ///
 /// The lines come from the groups' communication threads; they go to the
 /// `tracing` subscriber in effect where this is called (the engine's
 /// build), as the engine's other lines do, even one set for that thread
 /// only.
-pub(super) fn observe<G: ProcessGroup>(
-    groups: &[(&'static str, &G)],
-    cfg: Option<&CommsLoggerConfig>,
-) {
+pub(super) fn observe<G: ProcessGroup>(groups: &[(&'static str, &G)], cfg: &CommsLoggerConfig) {
     let to = tracing::dispatcher::get_default(|d| d.clone());
     for &(role, g) in groups {
-        let cfg = cfg.filter(|c| c.enabled && c.verbose).cloned();
-        let (name, ranks, to) = (g.name().to_string(), g.size(), to.clone());
-        g.stats().observe(cfg.map(|c| {
-            Arc::new(move |o: &OpRecord| {
-                if c.logs(o.op) {
-                    let bw = algbw(o.bytes, o.time);
-                    tracing::dispatcher::with_default(&to, || tracing::info!(
-                        "comm op: {} | group: {role} {name} ({ranks}) | time (ms): {:.3} | msg size: {} | algbw (GB/s): {} | busbw (GB/s): {}",
-                        o.op,
-                        o.time.as_secs_f64() * 1e3,
-                        size(o.bytes),
-                        cell(bw),
-                        cell(bw.zip(bus_factor(o.op, ranks)).map(|(a, b)| a * b)),
-                    ));
-                }
-            }) as zrt_collectives::Observer
-        }));
+        let (c, name, ranks, to) = (cfg.clone(), g.name().to_string(), g.size(), to.clone());
+        g.stats().observe(Some(Arc::new(move |o: &OpRecord| {
+            if !c.logs(o.op) {
+                return;
+            }
+            let bw = algbw(o.bytes, o.time);
+            let bus = bw.zip(bus_factor(o.op, ranks)).map(|(a, b)| a * b);
+            tracing::dispatcher::with_default(&to, || {
+                tracing::info!(
+                    "comm op: {} | group: {role} {name} ({ranks}) | time (ms): {:.3} | msg size: {} | algbw (GB/s): {} | busbw (GB/s): {}",
+                    o.op,
+                    o.time.as_secs_f64() * 1e3,
+                    size(o.bytes),
+                    cell(bw),
+                    cell(bus),
+                )
+            });
+        })));
     }
 }
 
@@ -240,6 +241,10 @@ mod tests {
         );
         assert_eq!(row("barrier", 2, 0, 3, 1).algbw(), None);
         assert_eq!(row("barrier", 2, 0, 3, 1).busbw(), None);
+        // More calls than a u32 holds: 2^32 calls in 2^32 ns, 1 ns each.
+        let mut r = row("barrier", 2, 0, 1 << 32, 0);
+        r.time = Duration::from_nanos(1 << 32);
+        assert_eq!(r.latency(), Duration::from_nanos(1));
     }
 
     #[test]

@@ -266,16 +266,6 @@ pub struct Engine<G: ProcessGroup + 'static> {
     inner: Arc<Inner<G>>,
 }
 
-impl<G: ProcessGroup + 'static> Drop for Engine<G> {
-    fn drop(&mut self) {
-        // The groups outlive the engine (they are the program's): stop
-        // logging their operations as the engine's.
-        if self.logs_each_op() {
-            comms_log::observe(&self.inner.comm_groups(), None);
-        }
-    }
-}
-
 /// `n` elements of T at `t`'s data (contiguous, CPU, of T's dtype).
 ///
 /// # Safety
@@ -1446,21 +1436,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         });
         // Cannot fail: the claim above admits one engine per plan.
         let _ = plan.inner.hook.set(hook);
-        let engine = Self { inner };
-        if engine.logs_each_op() {
-            comms_log::observe(
-                &engine.inner.comm_groups(),
-                Some(&engine.inner.cfg.config.comms_logger),
-            );
+        // The groups are the engine's own (made for it, dropped with it):
+        // their observers need no removing.
+        let c = &inner.cfg.config.comms_logger;
+        if c.enabled && c.verbose && inner.first_rank() {
+            comms_log::observe(&inner.comm_groups(), c);
         }
-        Ok(engine)
-    }
-
-    /// Whether this engine logs each communication operation: the job's
-    /// first rank, with `comms_logger.verbose`.
-    fn logs_each_op(&self) -> bool {
-        let c = &self.inner.cfg.config.comms_logger;
-        c.enabled && c.verbose && self.inner.first_rank()
+        Ok(Self { inner })
     }
 
     fn take_error(&self, st: &mut State) -> Result<(), EngineError> {

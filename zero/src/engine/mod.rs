@@ -1825,7 +1825,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             return;
         }
         match self.inner.cfg.config.comms_logger.enabled {
-            true => tracing::info!("communication on this rank (comms_logger; the first rank's, others differ by their waits):\n{}", self.comms_summary()),
+            true => tracing::info!("comms_logger: this rank's collectives so far (the job's first rank; the others' times differ by their waits):\n{}", self.comms_summary()),
             false => tracing::info!("no communication summary: `comms_logger` is not enabled in the config (Engine::comms_summary gives the counts anyway)"),
         }
     }

@@ -1436,7 +1436,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         });
         // Cannot fail: the claim above admits one engine per plan.
         let _ = plan.inner.hook.set(hook);
-        // The groups are the engine's own (made for it, dropped with it):
+        // The engine owns its groups (they drop with it):
         // their observers need no removing.
         let c = &inner.cfg.config.comms_logger;
         if c.enabled && c.verbose && inner.first_rank() {
@@ -1818,7 +1818,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// DeepSpeed's `deepspeed.comm.log_summary()`: with `comms_logger`
     /// enabled, the job's first rank logs [`Engine::comms_summary`] as a
     /// table (at info, through `tracing`); other ranks log nothing. Without
-    /// it, says so once at info. No collective: call it at the end of
+    /// it, says so at info. No collective: call it at the end of
     /// training, an epoch, every N steps.
     pub fn log_comms_summary(&self) {
         if !self.inner.first_rank() {

@@ -2276,8 +2276,11 @@ fn comms_logger_logs_the_selected_ops_each_and_in_a_summary_on_the_first_rank() 
                 e.backward(&t.loss(&input(r.rank(), m))).unwrap();
                 e.step().unwrap();
             }
-            let since =
-                kept.map(|op| calls(op) - at_build[kept.iter().position(|k| *k == op).unwrap()]);
+            // Ops run in order on the group's thread: after this barrier
+            // nothing the engine issued (a prefetch) is still to complete.
+            e.group().barrier().wait().unwrap();
+            let now = kept.map(calls);
+            let since = [now[0] - at_build[0], now[1] - at_build[1]];
             e.log_comms_summary();
             (e.comms_summary(), e.group().stats().by_size(), since)
         })

@@ -1883,14 +1883,15 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
 }
 
 #[test]
-fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
+fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress_and_the_comms_table() {
     // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
-    // but not of its replicate group {0, 2}; only world rank 0 logs, and
-    // only it writes the monitors.
+    // but not of its replicate group {0, 2}; only world rank 0 logs (the
+    // progress line and the comms table), and only it writes the monitors.
     let dir = std::env::temp_dir().join(format!("zrt-hybrid-monitor-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let top = format!(
-        r#""steps_per_print": 1, "csv_monitor": {{"enabled": true, "output_path": "{}"}},"#,
+        r#""steps_per_print": 1, "csv_monitor": {{"enabled": true, "output_path": "{}"}},
+            "comms_logger": {{"enabled": true}},"#,
         dir.display()
     );
     let cfg = config_plus(2, 1, &top, r#""mics_shard_size": 2,"#);
@@ -1900,13 +1901,26 @@ fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress() {
         let ((), logs) = common::with_logs_at(tracing::Level::INFO, || {
             e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
             assert!(e.step().unwrap());
+            e.log_comms_summary();
         });
         e.write_monitor_events(&[("rank", r.rank() as f64, 1)]);
-        logs.lines()
-            .filter(|l| l.contains("step=1, skipped=0, lr=0.01"))
-            .count()
+        // Every rank counts its two groups, by role: the gradient shards
+        // are averaged across the replicate group.
+        let rows = e.comms_summary().rows;
+        for (role, op) in [("shard", "reduce_scatter"), ("replicate", "all_reduce")] {
+            assert!(
+                rows.iter()
+                    .any(|x| (x.role, x.ranks, x.op) == (role, 2, op)),
+                "{role} {op}: {rows:?}"
+            );
+        }
+        let count = |text: &str| logs.lines().filter(|l| l.contains(text)).count();
+        [
+            count("step=1, skipped=0, lr=0.01"),
+            count("comms_logger: this rank's collectives so far"),
+        ]
     });
-    assert_eq!(lines, [1, 0, 0, 0]);
+    assert_eq!(lines, [[1, 1], [0, 0], [0, 0], [0, 0]]);
     let rows = std::fs::read_to_string(dir.join("DeepSpeedJobName/rank.csv")).unwrap();
     assert_eq!(rows, "step,rank\n1,0\n");
     let _ = std::fs::remove_dir_all(&dir);

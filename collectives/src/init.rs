@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::local::LocalGroup;
 use crate::rendezvous;
-use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin};
+use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin, SlotStores};
 use crate::store::{StoreClient, StoreServer, MAX_TOKEN_LEN};
 use crate::tcp::{TcpGroup, TcpJoin};
 use crate::work::timeout_from_env;
@@ -227,7 +227,7 @@ pub struct Dist {
     world: Group,
     created: std::collections::HashMap<Vec<usize>, u32>,
     timeout: Duration,
-    slot_bytes: usize,
+    shm: ShmSettings,
     // Last: the server must outlive this rank's own client and groups.
     _server: Option<StoreServer>,
 }
@@ -239,7 +239,8 @@ pub struct Dist {
 /// The backend is shm when every rank runs on this host and tcp otherwise;
 /// `ZRT_BACKEND=shm|tcp` overrides that (shm across hosts is refused).
 /// `ZRT_TIMEOUT` (seconds) bounds every wait, `ZRT_SHM_SLOT_BYTES` sizes
-/// the shm staging slots. A variable that is missing or malformed is an
+/// the shm staging slots and `ZRT_SHM_SLOT_STORES` (`auto`, `plain`,
+/// `streaming`) says how they are written. A variable that is missing or malformed is an
 /// error naming it, raised before any connection so that every rank fails
 /// on its own configuration.
 pub fn init_from_env() -> Result<Dist, CommError> {
@@ -262,7 +263,10 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         }
     };
     let timeout = timeout_from_env().map_err(CommError::Rendezvous)?;
-    let slot_bytes = slot_bytes_from_env().map_err(CommError::Rendezvous)?;
+    let shm = ShmSettings {
+        slot_bytes: slot_bytes_from_env().map_err(CommError::Rendezvous)?,
+        slot_stores: SlotStores::from_env().map_err(CommError::Rendezvous)?,
+    };
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let server = if env.rank == 0 {
         Some(StoreServer::serve(&addr, &env.token)?)
@@ -273,7 +277,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
     let hosts = rendezvous::meet(&store, env.rank, env.world_size, &hostname(), timeout)?;
     let backend = choose_backend(requested, hosts.iter().all(|h| h == &hosts[0]))?;
     let all: Vec<usize> = (0..env.world_size).collect();
-    let world = join_group(&env, backend, &store, slot_bytes, timeout, "world", &all)?;
+    let world = join_group(&env, backend, &store, shm, timeout, "world", &all)?;
     tracing::info!(
         rank = env.rank,
         world = env.world_size,
@@ -287,7 +291,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         world,
         created: Default::default(),
         timeout,
-        slot_bytes,
+        shm,
         _server: server,
     })
 }
@@ -306,12 +310,19 @@ fn choose_backend(requested: Option<Backend>, same_host: bool) -> Result<Backend
     }
 }
 
+/// The shm backend's settings from the environment, for every group.
+#[derive(Clone, Copy)]
+struct ShmSettings {
+    slot_bytes: usize,
+    slot_stores: SlotStores,
+}
+
 /// Joins (creates, for the first member) the group `name` of `ranks`.
 fn join_group(
     env: &DistEnv,
     backend: Backend,
     store: &Arc<StoreClient>,
-    slot_bytes: usize,
+    shm: ShmSettings,
     timeout: Duration,
     name: &str,
     ranks: &[usize],
@@ -323,7 +334,8 @@ fn join_group(
             name,
             world_ranks: ranks.to_vec(),
             world_rank: env.rank,
-            slot_bytes,
+            slot_bytes: shm.slot_bytes,
+            slot_stores: shm.slot_stores,
             timeout,
         })?),
         Backend::Tcp => Group::Tcp(TcpGroup::join(TcpJoin {
@@ -425,7 +437,7 @@ impl Dist {
             &self.env,
             self.backend,
             &self.store,
-            self.slot_bytes,
+            self.shm,
             self.timeout,
             &name,
             ranks,

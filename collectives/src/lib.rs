@@ -56,6 +56,7 @@ mod op;
 mod p2p;
 mod rendezvous;
 pub mod shm;
+mod slot_stores;
 mod stats;
 mod still_waiting;
 pub mod store;

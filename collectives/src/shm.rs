@@ -46,8 +46,12 @@ use crate::dtype::bytes_of;
 use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::{gather_lens, invalid};
 use crate::p2p::Mailbox;
+pub use crate::slot_stores::SlotStores;
+use crate::slot_stores::{Chooser, Measured, Switch};
 use crate::store::StoreClient;
-use crate::stream::{copy_streaming, stream_min_dest_bytes, stream_min_footprint_bytes};
+use crate::stream::{
+    copy_streaming, copy_to_slot, stream_min_dest_bytes, stream_min_footprint_bytes,
+};
 use crate::symmetric::Shared;
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, SymmetricBuf, Work};
@@ -155,6 +159,8 @@ struct State {
     allocs: u32,
     /// After a mismatch the ranks are out of step: every later call fails too.
     poisoned: Option<CommError>,
+    /// Plain or streaming stores into this rank's slots.
+    stores: Chooser,
 }
 
 struct Inner {
@@ -360,6 +366,26 @@ impl Inner {
         })
     }
 
+    /// Tells the group's chooser of slot stores what an operation of
+    /// `rounds` rounds took with `streamed` stores, and says when that
+    /// changes them (debug: a run's speed moving for minutes at a time has
+    /// this as one cause).
+    fn learn(&self, st: &mut State, rounds: usize, streamed: bool, took: &Measured) {
+        match st.stores.observe(rounds, streamed, took) {
+            Some(Switch::ToStreaming(x)) => tracing::debug!(
+                group = %self.m.name,
+                "shm: writing a slot took {x:.1}x as long per byte as reading a peer's (cores \
+                 on different dies?): streaming stores into the slots"
+            ),
+            Some(Switch::ToPlain(x)) => tracing::debug!(
+                group = %self.m.name,
+                "shm: writing a slot took {x:.1}x as long per byte as reading a peer's: plain \
+                 stores into the slots again"
+            ),
+            None => {}
+        }
+    }
+
     /// Elements of T per part per window when `parts` windows share one of
     /// a slot's `bufs` buffers.
     fn window<T>(&self, parts: usize, bufs: usize) -> usize {
@@ -407,6 +433,10 @@ impl Inner {
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
         let full = matches!(dest, Dest::All);
+        // Plain or streaming stores into the slots (`slot_stores`), and
+        // what this operation's writes and reads took, to choose again.
+        let nt = st.stores.streaming(rounds);
+        let mut took = Measured::default();
         // Out of place, when the destination cannot be cached anyway, it
         // is written with streaming stores: a plain store would first read
         // every cold line of the destination (read-for-ownership), 2 S
@@ -454,8 +484,18 @@ impl Inner {
                 let r = window(p, j);
                 // SAFETY: only rank `me` writes its own slot, and round j's
                 // third is one no peer reads now (see above).
-                unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) }.copy_from_slice(&buf[r]);
+                copy_to_slot(
+                    unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) },
+                    &buf[r],
+                    nt,
+                );
             }
+        };
+        let staged = |j: usize| {
+            (0..n)
+                .filter(|&p| p != me)
+                .map(|p| bytes_of::<T>(window(p, j).len()))
+                .sum::<usize>()
         };
         // all_reduce: copies every rank's result of round j back into `buf`.
         let take_results = |buf: &mut [T], j: usize| {
@@ -471,15 +511,33 @@ impl Inner {
             }
         };
         if rounds > 0 {
+            let t = Instant::now();
             stage(buf, 0);
+            took.wrote(t, staged(0));
         }
+        // Round j's reading of the peers' windows, timed up to the next
+        // round (it ends in more than one place), less all_reduce's writing
+        // of its result into the shared area meanwhile (a write like
+        // staging, counted as one).
+        let mut reading: Option<(Instant, usize)> = None;
+        let mut results_written = Duration::ZERO;
         for j in 0..rounds {
+            if let Some((t, b)) = reading.take() {
+                took.read_less(t, std::mem::take(&mut results_written), b);
+            }
             let h = self.buf_at::<T>(j, BUFS);
             let e = self.arrive(&mut st);
             if j + 1 < rounds {
+                let t = Instant::now();
                 stage(buf, j + 1);
+                took.wrote(t, staged(j + 1));
             }
             self.wait_all(desc, deadline, e)?;
+            // Read from shared memory this round: the peers' windows, and
+            // for all_reduce the results too (about n windows, taken a
+            // round later).
+            let windows = if full { 2 * n - 1 } else { n - 1 };
+            reading = Some((Instant::now(), windows * bytes_of::<T>(window(me, j).len())));
             // SAFETY (slots below): peers' thirds of round j are complete
             // (they arrived after staging them); between barriers only rank
             // `me` writes its own window of the result area's third.
@@ -500,7 +558,11 @@ impl Inner {
                 let tmp = scratch(&mut tmp, cap, l);
                 T::reduce_into(tmp, &srcs, op);
                 drop(srcs);
-                unsafe { self.seg.slot::<T>(n, h + me * w, l) }.copy_from_slice(tmp);
+                let t = Instant::now();
+                copy_to_slot(unsafe { self.seg.slot::<T>(n, h + me * w, l) }, tmp, nt);
+                let d = t.elapsed();
+                took.wrote_for(d, bytes_of::<T>(l));
+                results_written += d;
                 if j > 0 {
                     take_results(buf, j - 1);
                 }
@@ -529,6 +591,13 @@ impl Inner {
                 }
             }
         }
+        if let Some((t, b)) = reading.take() {
+            took.read_less(t, results_written, b);
+        }
+        // all_reduce counted its results written as writes and those it
+        // reads as reads, so its ratio compares like with like (measured:
+        // 1.1-1.7 with a shared cache, 3.6-6.4 across dies).
+        self.learn(&mut st, rounds, nt, &took);
         if full && rounds > 0 {
             self.pass_barrier(&mut st, desc, deadline)?;
             take_results(buf, rounds - 1);
@@ -571,6 +640,8 @@ impl Inner {
         let w = self.window::<T>(1, 2);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
+        let nt = st.stores.streaming(rounds);
+        let mut took = Measured::default();
         for j in 0..rounds {
             let h = self.buf_at::<T>(j, 2);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
@@ -589,30 +660,43 @@ impl Inner {
             // 1.6x slower at 128 MiB on 2 ranks (AMD EPYC, AVX-512 VM:
             // 12.4 -> 7.9 ms median, faster in 12 of 12 interleaved pairs):
             // plain stores between the streaming ones seem to break up
-            // their write-combining.
+            // their write-combining. Streamed into the slot (`slot_stores`),
+            // the part is not in this core's cache after all: it goes into
+            // `out` from `input`.
+            let t = Instant::now();
             let later = match input {
                 Some(input) => {
-                    slot.copy_from_slice(&input[mine.clone()]);
-                    Some(if stream { &*slot } else { &input[mine.clone()] })
+                    copy_to_slot(slot, &input[mine.clone()], nt);
+                    Some(if stream && !nt {
+                        &*slot
+                    } else {
+                        &input[mine.clone()]
+                    })
                 }
                 None => {
-                    slot.copy_from_slice(&out[own.clone()]);
+                    copy_to_slot(slot, &out[own.clone()], nt);
                     None
                 }
             };
+            took.wrote(t, bytes_of::<T>(mine.len()));
             // The peers may read the slot now (and this rank, below).
             let e = self.arrive(&mut st);
             if let Some(src) = later {
                 copy_streaming(&mut out[own], src, stream);
             }
             self.wait_all(desc, deadline, e)?;
+            let t = Instant::now();
+            let mut bytes = 0;
             for r in (0..self.n()).filter(|&r| r != self.m.me) {
                 let p = part(r);
                 // SAFETY: rank r's slot half, read after the barrier.
                 let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
                 copy_streaming(&mut out[offs[r] + p.start..offs[r] + p.end], src, stream);
+                bytes += bytes_of::<T>(p.len());
             }
+            took.read(t, bytes);
         }
+        self.learn(&mut st, rounds, nt, &took);
         Ok(())
     }
 }
@@ -916,6 +1000,8 @@ pub struct ShmJoin<'a> {
     pub world_rank: usize,
     /// Staging bytes per rank.
     pub slot_bytes: usize,
+    /// How this rank writes its slots (`ZRT_SHM_SLOT_STORES`).
+    pub slot_stores: SlotStores,
     /// Timeout of every wait.
     pub timeout: Duration,
 }
@@ -1011,7 +1097,8 @@ impl ShmGroup {
         };
         // SAFETY: the file is this job's, sized above, and only accessed
         // through `Segment`'s atomics and protocol-owned ranges.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| io("mapping", e))?;
+        let map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }
+            .map_err(|e| io("mapping", e))?;
         if map.len() < Segment::bytes(n, slot) {
             return Err(CommError::Rendezvous(format!(
                 "{} holds {} bytes, the group's layout needs {}",
@@ -1067,6 +1154,7 @@ impl ShmGroup {
                 epoch: 0,
                 allocs: 0,
                 poisoned: None,
+                stores: Chooser::new(j.slot_stores),
             }),
             serial: SERIALS.fetch_add(1, Ordering::Relaxed),
             path: path.display().to_string(),
@@ -1220,6 +1308,7 @@ forward_process_group!(ShmGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ProcessGroup;
 
     #[test]
     fn windows_fit_their_slot_for_any_group_and_dtype() {
@@ -1276,6 +1365,92 @@ mod tests {
         });
     }
 
+    /// Streaming stores into the slots move the same bytes as plain ones:
+    /// two ranks (threads) run every staged operation, over many rounds and
+    /// with parts that do not divide evenly, under each fixed policy, and
+    /// the results equal a reference computed here.
+    #[test]
+    fn streaming_and_plain_slot_stores_give_the_same_results() {
+        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
+        let store = Arc::new(store.unwrap());
+        let job = format!("stores-{}", std::process::id());
+        let len = 50_003; // 200 KB: many 64 KiB-slot rounds, uneven parts
+        let inputs: Vec<Vec<f32>> = (0..2)
+            .map(|r| {
+                (0..len)
+                    .map(|i| ((i * 7 + r * 13) % 1000) as f32 * 0.25)
+                    .collect()
+            })
+            .collect();
+        let input = |r: usize| inputs[r].clone();
+        let sum: Vec<f32> = (0..len).map(|i| inputs[0][i] + inputs[1][i]).collect();
+        let half = |r: usize| chunk_range(len, 2, r);
+        for (name, stores) in [("plain", SlotStores::Plain), ("nt", SlotStores::Streaming)] {
+            let results: Vec<_> = std::thread::scope(|sc| {
+                let handles: Vec<_> = (0..2)
+                    .map(|r| {
+                        let (store, job, input) = (store.clone(), &job, &input);
+                        sc.spawn(move || {
+                            let g = ShmGroup::join(ShmJoin {
+                                store,
+                                job,
+                                name,
+                                world_ranks: vec![0, 1],
+                                world_rank: r,
+                                slot_bytes: 64 << 10,
+                                slot_stores: stores,
+                                timeout: Duration::from_secs(20),
+                            })
+                            .unwrap();
+                            let all = g.all_reduce(input(r), ReduceOp::Sum).wait().unwrap();
+                            let (_, part) = g
+                                .reduce_scatter(input(r), Vec::new(), ReduceOp::Sum)
+                                .wait()
+                                .unwrap();
+                            let in_place = g
+                                .reduce_scatter_in_place(input(r), ReduceOp::Sum)
+                                .wait()
+                                .unwrap();
+                            // Parts of equal length (all_gather's rule): 25001 each.
+                            let mine = input(r)[r * 25_001..(r + 1) * 25_001].to_vec();
+                            let (_, gathered) = g.all_gather(mine, Vec::new()).wait().unwrap();
+                            let mut buf = vec![0.0; len];
+                            buf[half(r)].copy_from_slice(&input(r)[half(r)]);
+                            let gathered_in_place = g.all_gather_in_place(buf).wait().unwrap();
+                            (
+                                all,
+                                part,
+                                in_place[half(r)].to_vec(),
+                                gathered,
+                                gathered_in_place,
+                            )
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            // Each rank's gathered part is its own input's.
+            let gathered: Vec<f32> = (0..2)
+                .flat_map(|r| input(r)[r * 25_001..(r + 1) * 25_001].to_vec())
+                .collect();
+            let halves: Vec<f32> = (0..2).flat_map(|r| input(r)[half(r)].to_vec()).collect();
+            for (r, (all, part, in_place, g, g_in_place)) in results.into_iter().enumerate() {
+                assert!(all == sum, "{name}: rank {r}'s all_reduce");
+                assert!(part == sum[half(r)], "{name}: rank {r}'s reduce_scatter");
+                assert!(
+                    in_place == sum[half(r)],
+                    "{name}: rank {r}'s in-place reduce_scatter"
+                );
+                assert!(g == gathered, "{name}: rank {r}'s all_gather");
+                assert!(
+                    g_in_place == halves,
+                    "{name}: rank {r}'s in-place all_gather"
+                );
+            }
+        }
+    }
+
     #[test]
     fn a_join_a_rank_never_comes_to_fails_naming_it_and_leaves_no_segment() {
         let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
@@ -1291,6 +1466,7 @@ mod tests {
                 world_ranks: vec![4, 9],
                 world_rank,
                 slot_bytes: 4096,
+                slot_stores: SlotStores::Auto,
                 timeout: Duration::from_millis(300),
             })
         };
@@ -1338,6 +1514,7 @@ mod tests {
                 world_ranks: vec![4, 9],
                 world_rank: 9,
                 slot_bytes: 4096,
+                slot_stores: SlotStores::Auto,
                 timeout: Duration::from_secs(60),
             })
         };

@@ -125,6 +125,37 @@ pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool)
     dst.copy_from_slice(src);
 }
 
+/// A write into a shared slot: with `streaming`, non-temporal stores for
+/// any copy of at least [`SLOT_STREAM_MIN_BYTES`] (on x86-64), then a store
+/// fence. The point here is not a read of cold lines skipped but no line
+/// left in this core's cache for a peer's core on another die to take (see
+/// `slot_stores`), which holds for a window of any size.
+///
+/// # Panics
+/// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
+pub(crate) fn copy_to_slot<T: Element>(dst: &mut [T], src: &[T], streaming: bool) {
+    assert!(dst.len() == src.len(), "copy_to_slot: lengths differ");
+    let bytes = std::mem::size_of_val(src);
+    #[cfg(target_arch = "x86_64")]
+    if streaming && bytes >= SLOT_STREAM_MIN_BYTES {
+        // SAFETY: as in `copy_streaming`.
+        unsafe {
+            stream_bytes(
+                dst.as_mut_ptr().cast::<u8>(),
+                src.as_ptr().cast::<u8>(),
+                bytes,
+            )
+        };
+        return;
+    }
+    let _ = streaming;
+    dst.copy_from_slice(src);
+}
+
+/// Slot writes smaller than this stay plain: a few lines, where the fence
+/// would cost about what the copy does.
+const SLOT_STREAM_MIN_BYTES: usize = 4 << 10;
+
 /// Copies `len` bytes into `dst` with 16-byte non-temporal stores (SSE2:
 /// every x86-64 has it, so no run-time dispatch), plain copies for the
 /// unaligned head and the tail, then `sfence`.

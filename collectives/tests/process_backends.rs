@@ -551,20 +551,25 @@ fn waiting_for_a_later_call_first_still_runs_the_calls_in_issue_order() {
 }
 
 /// Streamed destinations, and in-place and symmetric reduce_scatter over
-/// many windows, give exact sums (the "large" scenario).
+/// many windows, give exact sums (the "large" scenario), whether the ranks
+/// write their staging slots with plain or streaming stores (the default
+/// measures and chooses, so either may run there).
 #[test]
 fn large_buffers_stream_and_reduce_in_place_exactly() {
-    for e in run(
-        2,
-        "large",
-        &[("ZRT_BACKEND", "shm")],
-        Duration::from_secs(120),
-    ) {
-        assert_eq!(e.code, Some(0), "{}", e.out);
-        assert_eq!(
-            said(&e),
-            format!("{} None None None None None", 2 * (8 << 20) + 3)
-        );
+    for stores in ["auto", "streaming", "plain"] {
+        for e in run(
+            2,
+            "large",
+            &[("ZRT_BACKEND", "shm"), ("ZRT_SHM_SLOT_STORES", stores)],
+            Duration::from_secs(120),
+        ) {
+            assert_eq!(e.code, Some(0), "{stores}: {}", e.out);
+            assert_eq!(
+                said(&e),
+                format!("{} None None None None None", 2 * (8 << 20) + 3),
+                "{stores}"
+            );
+        }
     }
 }
 
@@ -957,7 +962,7 @@ fn an_unknown_backend_is_refused_naming_the_choices() {
 }
 
 #[test]
-fn a_timeout_or_slot_size_that_is_not_a_number_is_refused_naming_it() {
+fn a_malformed_timeout_slot_size_or_slot_store_is_refused_naming_it() {
     for (key, value, want) in [
         (
             "ZRT_TIMEOUT",
@@ -968,6 +973,11 @@ fn a_timeout_or_slot_size_that_is_not_a_number_is_refused_naming_it() {
             "ZRT_SHM_SLOT_BYTES",
             "512k",
             "is not a byte count from 4096",
+        ),
+        (
+            "ZRT_SHM_SLOT_STORES",
+            "nt",
+            "is not one of auto (the default: measure and choose), plain or streaming",
         ),
     ] {
         for e in run(2, "ops", &[(key, value)], Duration::from_secs(30)) {

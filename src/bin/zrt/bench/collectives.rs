@@ -200,7 +200,19 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
 
     let trip = median(&trips);
     if !a.json {
-        println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s", a.backend, a.rounds, a.iters);
+        // The ranks inherit ZRT_SHM_SLOT_STORES: which stores the staged
+        // rows ran with is part of what a run measured.
+        let stores = match a.backend.as_str() {
+            "shm" => format!(
+                "; slot stores {}",
+                std::env::var("ZRT_SHM_SLOT_STORES")
+                    .ok()
+                    .filter(|v| !v.trim().is_empty())
+                    .unwrap_or_else(|| "auto".into())
+            ),
+            _ => String::new(),
+        };
+        println!("{RANKS} ranks, {} backend vs gloo; medians of {} rounds x {} iterations; GB/s = 1e9 B/s{stores}", a.backend, a.rounds, a.iters);
         let (lo, hi) = trips
             .iter()
             .fold((f64::INFINITY, 0f64), |(l, h), &x| (l.min(x), h.max(x)));

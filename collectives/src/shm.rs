@@ -1451,6 +1451,64 @@ mod tests {
         }
     }
 
+    /// What `auto` measures to choose its stores: every byte a rank wrote
+    /// into shared memory and read out of it, per operation kind.
+    #[test]
+    fn a_rank_counts_the_bytes_it_writes_into_and_reads_from_shared_memory() {
+        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
+        let store = Arc::new(store.unwrap());
+        let job = format!("counts-{}", std::process::id());
+        let len = 50_003;
+        let counted: Vec<Vec<(usize, usize)>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..2)
+                .map(|r| {
+                    let (store, job) = (store.clone(), &job);
+                    sc.spawn(move || {
+                        let g = ShmGroup::join(ShmJoin {
+                            store,
+                            job,
+                            name: "counts",
+                            world_ranks: vec![0, 1],
+                            world_rank: r,
+                            slot_bytes: 64 << 10,
+                            slot_stores: SlotStores::Auto,
+                            timeout: Duration::from_secs(20),
+                        })
+                        .unwrap();
+                        let counts = || g.front.inner.state.lock().stores.pending_bytes();
+                        let mut seen = vec![counts()];
+                        g.all_gather(vec![1f32; 25_001], Vec::new()).wait().unwrap();
+                        seen.push(counts());
+                        let v = vec![1f32; len];
+                        g.reduce_scatter(v.clone(), Vec::new(), ReduceOp::Sum)
+                            .wait()
+                            .unwrap();
+                        seen.push(counts());
+                        g.all_reduce(v, ReduceOp::Sum).wait().unwrap();
+                        seen.push(counts());
+                        // One round (a 1 KiB gather): not counted.
+                        g.all_gather(vec![1f32; 256], Vec::new()).wait().unwrap();
+                        seen.push(counts());
+                        seen
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, seen) in counted.iter().enumerate() {
+            let own = 4 * chunk_range(len, 2, r).len();
+            let peer = 4 * chunk_range(len, 2, 1 - r).len();
+            let gather = (100_004, 100_004);
+            // reduce_scatter stages the peer's part, reduces its own from
+            // the peer's slot; all_reduce also writes its own part's result
+            // and reads both results.
+            let scatter = (gather.0 + peer, gather.1 + own);
+            let all = (scatter.0 + peer + own, scatter.1 + 3 * own);
+            assert_eq!(seen, &[(0, 0), gather, scatter, all, all], "rank {r}");
+        }
+    }
+
     #[test]
     fn a_join_a_rank_never_comes_to_fails_naming_it_and_leaves_no_segment() {
         let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();

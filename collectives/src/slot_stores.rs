@@ -164,6 +164,12 @@ impl Chooser {
         }
     }
 
+    /// Bytes written and read that the next decision will rest on.
+    #[cfg(test)]
+    pub(crate) fn pending_bytes(&self) -> (usize, usize) {
+        (self.pending.written, self.pending.read_bytes)
+    }
+
     /// Whether an operation of `rounds` rounds writes its slots with
     /// streaming stores. One round is not worth it: a small operation's
     /// data stays in cache, and its time is the barrier's.
@@ -256,22 +262,37 @@ mod tests {
     #[test]
     fn slow_writes_switch_to_streaming_and_a_probe_switches_back() {
         let mut c = Chooser::new(SlotStores::Auto);
-        // Writing about as fast as reading: plain stays.
+        // Writing about as fast as reading: plain stays. Exactly 2.5x is
+        // not slower than the threshold.
         assert!(!c.streaming(8));
         assert_eq!(c.observe(8, false, &m(2, 1)), None);
+        assert_eq!(c.observe(2, false, &m(5, 2)), None);
         assert!(!c.streaming(8));
         // One round: neither streamed nor learnt from, however slow.
         assert_eq!(c.observe(1, false, &m(9, 1)), None);
         assert!(!c.streaming(8));
-        // Writes 3x slower, measured in two halves: the decision waits
-        // for the second, then streaming from the next operation.
-        let half = m_over(3, 1, DECIDE_BYTES / 2);
-        assert_eq!(c.observe(8, false, &half), None);
+        // Writes 3x slower per byte (6 ns/B against 2, with unequal bytes
+        // written and read), in two operations: the decision waits until
+        // enough was read too, then streaming from the next one.
+        let wrote = Measured {
+            write: Duration::from_nanos(6 * DECIDE_BYTES as u64),
+            written: DECIDE_BYTES,
+            read: Duration::from_nanos(DECIDE_BYTES as u64),
+            read_bytes: DECIDE_BYTES / 2,
+        };
+        assert_eq!(c.observe(8, false, &wrote), None);
         assert!(!c.streaming(8));
-        assert_eq!(c.observe(8, false, &half), Some(Switch::ToStreaming(3.0)));
-        // A streamed operation teaches nothing (its writes are another kind).
+        let read = Measured {
+            write: Duration::from_nanos(3 * DECIDE_BYTES as u64),
+            written: DECIDE_BYTES / 2,
+            read: Duration::from_nanos(3 * DECIDE_BYTES as u64),
+            read_bytes: 3 * DECIDE_BYTES / 2,
+        };
+        assert_eq!(c.observe(2, false, &read), Some(Switch::ToStreaming(3.0)));
+        // A streamed operation teaches nothing (its writes are another
+        // kind); two rounds are enough to stream.
         for _ in 0..PROBE_EVERY - 1 {
-            assert!(c.streaming(8));
+            assert!(c.streaming(2));
             assert_eq!(c.observe(8, true, &m(1, 9)), None);
         }
         // One-round operations neither stream nor count towards the probe.
@@ -303,6 +324,7 @@ mod tests {
             c.observe(8, false, &m(3, 1)),
             Some(Switch::ToStreaming(3.0))
         );
+        assert_eq!(Measured::default().write_over_read(), None);
     }
 
     #[test]

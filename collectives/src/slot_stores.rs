@@ -36,7 +36,8 @@ pub enum SlotStores {
     Auto,
     /// Always plain stores (cores that share a cache).
     Plain,
-    /// Always streaming stores (cores on different dies or sockets).
+    /// Streaming stores for every operation of two or more rounds (cores
+    /// on different dies or sockets); a one-round operation stays in cache.
     Streaming,
 }
 
@@ -75,7 +76,8 @@ const PROBE_EVERY: u32 = 32;
 /// late or interrupted would decide alone.
 const DECIDE_BYTES: usize = 2 << 20;
 
-/// Time and bytes of one operation's slot writes and peer reads.
+/// Time and bytes of an operation's writes into shared memory and reads
+/// out of it (or of several operations', added up).
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 pub(crate) struct Measured {
     /// Writing this rank's slots (staging, and all_reduce's results).

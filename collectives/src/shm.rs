@@ -1365,16 +1365,47 @@ mod tests {
         });
     }
 
+    /// Runs `f` on two ranks (threads) of a new shm group `name` with
+    /// 64 KiB slots written under `stores`; each rank's result, in order.
+    fn on_two_ranks<R: Send>(
+        name: &str,
+        stores: SlotStores,
+        f: impl Fn(usize, &ShmGroup) -> R + Sync,
+    ) -> Vec<R> {
+        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
+        let store = Arc::new(store.unwrap());
+        let job = format!("two-{}", std::process::id());
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..2)
+                .map(|r| {
+                    let (store, job, f) = (store.clone(), &job, &f);
+                    sc.spawn(move || {
+                        let g = ShmGroup::join(ShmJoin {
+                            store,
+                            job,
+                            name,
+                            world_ranks: vec![0, 1],
+                            world_rank: r,
+                            slot_bytes: 64 << 10,
+                            slot_stores: stores,
+                            timeout: Duration::from_secs(20),
+                        })
+                        .unwrap();
+                        f(r, &g)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     /// Streaming stores into the slots move the same bytes as plain ones:
     /// two ranks (threads) run every staged operation, over many rounds and
     /// with parts that do not divide evenly, under each fixed policy, and
     /// the results equal a reference computed here.
     #[test]
     fn streaming_and_plain_slot_stores_give_the_same_results() {
-        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
-        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
-        let store = Arc::new(store.unwrap());
-        let job = format!("stores-{}", std::process::id());
         let len = 50_003; // 200 KB: many 64 KiB-slot rounds, uneven parts
         let inputs: Vec<Vec<f32>> = (0..2)
             .map(|r| {
@@ -1387,48 +1418,29 @@ mod tests {
         let sum: Vec<f32> = (0..len).map(|i| inputs[0][i] + inputs[1][i]).collect();
         let half = |r: usize| chunk_range(len, 2, r);
         for (name, stores) in [("plain", SlotStores::Plain), ("nt", SlotStores::Streaming)] {
-            let results: Vec<_> = std::thread::scope(|sc| {
-                let handles: Vec<_> = (0..2)
-                    .map(|r| {
-                        let (store, job, input) = (store.clone(), &job, &input);
-                        sc.spawn(move || {
-                            let g = ShmGroup::join(ShmJoin {
-                                store,
-                                job,
-                                name,
-                                world_ranks: vec![0, 1],
-                                world_rank: r,
-                                slot_bytes: 64 << 10,
-                                slot_stores: stores,
-                                timeout: Duration::from_secs(20),
-                            })
-                            .unwrap();
-                            let all = g.all_reduce(input(r), ReduceOp::Sum).wait().unwrap();
-                            let (_, part) = g
-                                .reduce_scatter(input(r), Vec::new(), ReduceOp::Sum)
-                                .wait()
-                                .unwrap();
-                            let in_place = g
-                                .reduce_scatter_in_place(input(r), ReduceOp::Sum)
-                                .wait()
-                                .unwrap();
-                            // Parts of equal length (all_gather's rule): 25001 each.
-                            let mine = input(r)[r * 25_001..(r + 1) * 25_001].to_vec();
-                            let (_, gathered) = g.all_gather(mine, Vec::new()).wait().unwrap();
-                            let mut buf = vec![0.0; len];
-                            buf[half(r)].copy_from_slice(&input(r)[half(r)]);
-                            let gathered_in_place = g.all_gather_in_place(buf).wait().unwrap();
-                            (
-                                all,
-                                part,
-                                in_place[half(r)].to_vec(),
-                                gathered,
-                                gathered_in_place,
-                            )
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let results = on_two_ranks(name, stores, |r, g| {
+                let all = g.all_reduce(input(r), ReduceOp::Sum).wait().unwrap();
+                let (_, part) = g
+                    .reduce_scatter(input(r), Vec::new(), ReduceOp::Sum)
+                    .wait()
+                    .unwrap();
+                let in_place = g
+                    .reduce_scatter_in_place(input(r), ReduceOp::Sum)
+                    .wait()
+                    .unwrap();
+                // Parts of equal length (all_gather's rule): 25001 each.
+                let mine = input(r)[r * 25_001..(r + 1) * 25_001].to_vec();
+                let (_, gathered) = g.all_gather(mine, Vec::new()).wait().unwrap();
+                let mut buf = vec![0.0; len];
+                buf[half(r)].copy_from_slice(&input(r)[half(r)]);
+                let gathered_in_place = g.all_gather_in_place(buf).wait().unwrap();
+                (
+                    all,
+                    part,
+                    in_place[half(r)].to_vec(),
+                    gathered,
+                    gathered_in_place,
+                )
             });
             // Each rank's gathered part is its own input's.
             let gathered: Vec<f32> = (0..2)
@@ -1455,46 +1467,23 @@ mod tests {
     /// into shared memory and read out of it, per operation kind.
     #[test]
     fn a_rank_counts_the_bytes_it_writes_into_and_reads_from_shared_memory() {
-        let srv = crate::store::StoreServer::serve("127.0.0.1:0", "tok").unwrap();
-        let store = StoreClient::connect(&srv.addr().to_string(), "tok", Duration::from_secs(5));
-        let store = Arc::new(store.unwrap());
-        let job = format!("counts-{}", std::process::id());
         let len = 50_003;
-        let counted: Vec<Vec<(usize, usize)>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..2)
-                .map(|r| {
-                    let (store, job) = (store.clone(), &job);
-                    sc.spawn(move || {
-                        let g = ShmGroup::join(ShmJoin {
-                            store,
-                            job,
-                            name: "counts",
-                            world_ranks: vec![0, 1],
-                            world_rank: r,
-                            slot_bytes: 64 << 10,
-                            slot_stores: SlotStores::Auto,
-                            timeout: Duration::from_secs(20),
-                        })
-                        .unwrap();
-                        let counts = || g.front.inner.state.lock().stores.pending_bytes();
-                        let mut seen = vec![counts()];
-                        g.all_gather(vec![1f32; 25_001], Vec::new()).wait().unwrap();
-                        seen.push(counts());
-                        let v = vec![1f32; len];
-                        g.reduce_scatter(v.clone(), Vec::new(), ReduceOp::Sum)
-                            .wait()
-                            .unwrap();
-                        seen.push(counts());
-                        g.all_reduce(v, ReduceOp::Sum).wait().unwrap();
-                        seen.push(counts());
-                        // One round (a 1 KiB gather): not counted.
-                        g.all_gather(vec![1f32; 256], Vec::new()).wait().unwrap();
-                        seen.push(counts());
-                        seen
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let counted = on_two_ranks("counts", SlotStores::Auto, |_, g| {
+            let counts = || g.front.inner.state.lock().stores.pending_bytes();
+            let mut seen = vec![counts()];
+            g.all_gather(vec![1f32; 25_001], Vec::new()).wait().unwrap();
+            seen.push(counts());
+            let v = vec![1f32; len];
+            g.reduce_scatter(v.clone(), Vec::new(), ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            seen.push(counts());
+            g.all_reduce(v, ReduceOp::Sum).wait().unwrap();
+            seen.push(counts());
+            // One round (a 1 KiB gather): not counted.
+            g.all_gather(vec![1f32; 256], Vec::new()).wait().unwrap();
+            seen.push(counts());
+            seen
         });
         for (r, seen) in counted.iter().enumerate() {
             let own = 4 * chunk_range(len, 2, r).len();

@@ -105,10 +105,28 @@ fn parse_cache_size(s: &str) -> Option<usize> {
 /// # Panics
 /// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
 pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool) {
+    copy_streaming_from(dst, src, stream.then_some(STREAM_MIN_BYTES));
+}
+
+/// A write into a shared slot: with `streaming`, non-temporal stores for
+/// any copy of at least [`SLOT_STREAM_MIN_BYTES`] (on x86-64), then a store
+/// fence. The point here is not a read of cold lines skipped but no line
+/// left in this core's cache for a peer's core on another die to take (see
+/// `slot_stores`), which holds for a window of any size.
+///
+/// # Panics
+/// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
+pub(crate) fn copy_to_slot<T: Element>(dst: &mut [T], src: &[T], streaming: bool) {
+    copy_streaming_from(dst, src, streaming.then_some(SLOT_STREAM_MIN_BYTES));
+}
+
+/// `dst.copy_from_slice(src)`, streamed (and fenced) on x86-64 when the
+/// copy is at least `min` bytes, plain when `min` is `None`.
+fn copy_streaming_from<T: Element>(dst: &mut [T], src: &[T], min: Option<usize>) {
     assert!(dst.len() == src.len(), "copy_streaming: lengths differ");
     let bytes = std::mem::size_of_val(src);
     #[cfg(target_arch = "x86_64")]
-    if stream && bytes >= STREAM_MIN_BYTES {
+    if min.is_some_and(|m| bytes >= m) {
         // SAFETY: both ranges are `bytes` long and valid, and they do not
         // overlap (`dst` is borrowed mutably); every `Element` is plain
         // old data.
@@ -121,34 +139,7 @@ pub(crate) fn copy_streaming<T: Element>(dst: &mut [T], src: &[T], stream: bool)
         };
         return;
     }
-    let _ = stream;
-    dst.copy_from_slice(src);
-}
-
-/// A write into a shared slot: with `streaming`, non-temporal stores for
-/// any copy of at least [`SLOT_STREAM_MIN_BYTES`] (on x86-64), then a store
-/// fence. The point here is not a read of cold lines skipped but no line
-/// left in this core's cache for a peer's core on another die to take (see
-/// `slot_stores`), which holds for a window of any size.
-///
-/// # Panics
-/// If the lengths differ (as `copy_from_slice`); callers pass equal lengths.
-pub(crate) fn copy_to_slot<T: Element>(dst: &mut [T], src: &[T], streaming: bool) {
-    assert!(dst.len() == src.len(), "copy_to_slot: lengths differ");
-    let bytes = std::mem::size_of_val(src);
-    #[cfg(target_arch = "x86_64")]
-    if streaming && bytes >= SLOT_STREAM_MIN_BYTES {
-        // SAFETY: as in `copy_streaming`.
-        unsafe {
-            stream_bytes(
-                dst.as_mut_ptr().cast::<u8>(),
-                src.as_ptr().cast::<u8>(),
-                bytes,
-            )
-        };
-        return;
-    }
-    let _ = streaming;
+    let _ = min;
     dst.copy_from_slice(src);
 }
 

@@ -1235,13 +1235,22 @@ impl Transport for Inner {
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1, 2);
-        for j in 0..buf.len().div_ceil(w) {
+        let rounds = buf.len().div_ceil(w);
+        // The root writes with the stores the group's other operations
+        // chose (`slot_stores`); a broadcast teaches nothing, as no rank
+        // both writes and reads in it.
+        let nt = st.stores.streaming(rounds);
+        for j in 0..rounds {
             let h = self.buf_at::<T>(j, 2);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.m.me == root {
                 // SAFETY: the root alone writes its slot half between barriers
                 // (double-buffered as in `reduce`).
-                unsafe { self.seg.slot::<T>(root, h, r.len()) }.copy_from_slice(&buf[r.clone()]);
+                copy_to_slot(
+                    unsafe { self.seg.slot::<T>(root, h, r.len()) },
+                    &buf[r.clone()],
+                    nt,
+                );
             }
             self.pass_barrier(&mut st, desc, deadline)?;
             if self.m.me != root {
@@ -1401,7 +1410,7 @@ mod tests {
     }
 
     /// Streaming stores into the slots move the same bytes as plain ones:
-    /// two ranks (threads) run every staged operation, over many rounds and
+    /// two ranks (threads) run every staged operation (and a broadcast), over many rounds and
     /// with parts that do not divide evenly, under each fixed policy, and
     /// the results equal a reference computed here.
     #[test]
@@ -1434,6 +1443,8 @@ mod tests {
                 let mut buf = vec![0.0; len];
                 buf[half(r)].copy_from_slice(&input(r)[half(r)]);
                 let gathered_in_place = g.all_gather_in_place(buf).wait().unwrap();
+                let sent = g.broadcast(input(1), 1).wait().unwrap();
+                assert!(sent == input(1), "{name}: rank {r}'s broadcast from rank 1");
                 (
                     all,
                     part,

@@ -430,6 +430,55 @@ fn rank_main() {
                 all.len()
             );
         }
+        "staged" => {
+            // Several rounds of windows of at least 4 KiB on any world size
+            // (with the default 512 KiB slots), so streaming slot stores are
+            // used where the policy asks for them: every staged operation
+            // against sums and parts worked out here.
+            let n = g.size();
+            let column = |i: usize| (0..n).map(|r| common::val(r, i)).sum::<i64>() as f32;
+            let len = 100_003;
+            let input: Vec<f32> = (0..len).map(|i| common::val(me, i) as f32).collect();
+            let all = g.all_reduce(input.clone(), ReduceOp::Sum).wait().unwrap();
+            let mut wrong = Vec::new();
+            if (0..len).any(|i| all[i] != column(i)) {
+                wrong.push("all_reduce");
+            }
+            let mine = zrt_collectives::chunk_range(len, n, me);
+            let (_, part) = g
+                .reduce_scatter(input.clone(), Vec::new(), ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            if mine.clone().zip(&part).any(|(i, &x)| x != column(i)) {
+                wrong.push("reduce_scatter");
+            }
+            let in_place = g
+                .reduce_scatter_in_place(input, ReduceOp::Sum)
+                .wait()
+                .unwrap();
+            if mine.clone().any(|i| in_place[i] != column(i)) {
+                wrong.push("reduce_scatter_in_place");
+            }
+            let part_len = 150_001;
+            let own: Vec<f32> = (0..part_len).map(|i| common::val(me, i) as f32).collect();
+            let (_, gathered) = g.all_gather(own, Vec::new()).wait().unwrap();
+            let expect = |k: usize| common::val(k / part_len, k % part_len) as f32;
+            if gathered.len() != n * part_len || (0..n * part_len).any(|k| gathered[k] != expect(k))
+            {
+                wrong.push("all_gather");
+            }
+            let from_last = (0..len)
+                .map(|i| common::val(n - 1, i) as f32)
+                .collect::<Vec<f32>>();
+            let buf = match me == n - 1 {
+                true => from_last.clone(),
+                false => vec![0f32; len],
+            };
+            if g.broadcast(buf, n - 1).wait().unwrap() != from_last {
+                wrong.push("broadcast");
+            }
+            println!("@@ wrong: {wrong:?}");
+        }
         "symmetric_too_big" => {
             // More than /dev/shm holds: tmpfs refuses the reservation at once.
             let r = g.alloc_symmetric::<u8>(1 << 42).wait().map(|_| ());
@@ -569,6 +618,21 @@ fn large_buffers_stream_and_reduce_in_place_exactly() {
                 format!("{} None None None None None", 2 * (8 << 20) + 3),
                 "{stores}"
             );
+        }
+    }
+}
+
+/// Every staged operation on 2, 3 and 4 processes, over several rounds of
+/// windows large enough to stream, under each slot-store policy.
+#[test]
+fn staged_operations_are_exact_under_every_slot_store_policy() {
+    for stores in ["streaming", "plain", "auto"] {
+        for world in [2, 3, 4] {
+            let env = [("ZRT_BACKEND", "shm"), ("ZRT_SHM_SLOT_STORES", stores)];
+            for e in run(world, "staged", &env, Duration::from_secs(120)) {
+                assert_eq!(e.code, Some(0), "{stores}, world {world}:\n{}", e.out);
+                assert_eq!(said(&e), "wrong: []", "{stores}, world {world}");
+            }
         }
     }
 }

@@ -240,9 +240,9 @@ pub struct Dist {
 /// `ZRT_BACKEND=shm|tcp` overrides that (shm across hosts is refused).
 /// `ZRT_TIMEOUT` (seconds) bounds every wait, `ZRT_SHM_SLOT_BYTES` sizes
 /// the shm staging slots and `ZRT_SHM_SLOT_STORES` (`auto`, `plain`,
-/// `streaming`) says how they are written. A variable that is missing or malformed is an
-/// error naming it, raised before any connection so that every rank fails
-/// on its own configuration.
+/// `streaming`) says how they are written. A variable that is missing or
+/// malformed is an error naming it, raised before any connection so that
+/// every rank fails on its own configuration.
 pub fn init_from_env() -> Result<Dist, CommError> {
     let env = DistEnv::from_env()?;
     // Checked before any connection, so every rank fails on its own config

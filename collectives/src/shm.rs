@@ -478,10 +478,13 @@ impl Inner {
         };
         // Only the parts other ranks reduce are staged: this rank reads its
         // own part straight from `buf`.
-        let stage = |buf: &[T], j: usize| {
-            let h = self.buf_at::<T>(j, BUFS);
+        // Timed into `took`, with the bytes it wrote.
+        let stage = |buf: &[T], j: usize, took: &mut Measured| {
+            let (t, h) = (Instant::now(), self.buf_at::<T>(j, BUFS));
+            let mut bytes = 0;
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
+                bytes += bytes_of::<T>(r.len());
                 // SAFETY: only rank `me` writes its own slot, and round j's
                 // third is one no peer reads now (see above).
                 copy_to_slot(
@@ -490,12 +493,7 @@ impl Inner {
                     nt,
                 );
             }
-        };
-        let staged = |j: usize| {
-            (0..n)
-                .filter(|&p| p != me)
-                .map(|p| bytes_of::<T>(window(p, j).len()))
-                .sum::<usize>()
+            took.wrote(t, bytes);
         };
         // all_reduce: copies every rank's result of round j back into `buf`.
         let take_results = |buf: &mut [T], j: usize| {
@@ -511,9 +509,7 @@ impl Inner {
             }
         };
         if rounds > 0 {
-            let t = Instant::now();
-            stage(buf, 0);
-            took.wrote(t, staged(0));
+            stage(buf, 0, &mut took);
         }
         // Round j's reading of the peers' windows, timed up to the next
         // round (it ends in more than one place), less all_reduce's writing
@@ -528,9 +524,7 @@ impl Inner {
             let h = self.buf_at::<T>(j, BUFS);
             let e = self.arrive(&mut st);
             if j + 1 < rounds {
-                let t = Instant::now();
-                stage(buf, j + 1);
-                took.wrote(t, staged(j + 1));
+                stage(buf, j + 1, &mut took);
             }
             self.wait_all(desc, deadline, e)?;
             // Read from shared memory this round: the peers' windows, and

@@ -1806,6 +1806,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             m.write(events);
         }
     }
+
     /// What the engine's collectives cost on this rank since its groups
     /// were made, per group, operation and message size (calls, time,
     /// bandwidths; see [`CommsSummary`]). With `comms_logger` enabled, only
@@ -1815,6 +1816,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let c = &self.inner.cfg.config.comms_logger;
         comms_log::summary(&self.inner.comm_groups(), |op| !c.enabled || c.logs(op))
     }
+
     /// DeepSpeed's `deepspeed.comm.log_summary()`: with `comms_logger`
     /// enabled, the job's first rank logs [`Engine::comms_summary`] as a
     /// table (at info, through `tracing`); other ranks log nothing. Without

@@ -384,6 +384,55 @@ fn a_benchmark_larger_than_the_host_refuses_it_before_allocating() {
     }
 }
 
+#[test]
+fn the_collectives_bench_prints_every_row_with_its_limits() {
+    // Two real ranks on shm, 1 MiB, once: every op's row as JSON, with the
+    // memcpy it is compared with and both cores' memcpy at once.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "collectives", "--sizes", "1", "--rounds", "1"])
+        .args(["--iters", "1", "--json"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let ops: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    assert_eq!(
+        ops,
+        [
+            "all_reduce",
+            "reduce_scatter",
+            "all_gather",
+            "reduce_scatter_in_place",
+            "all_gather_in_place",
+            "reduce_scatter_symmetric",
+            "all_gather_symmetric"
+        ]
+    );
+    let two_cpus = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+    for r in &rows {
+        let positive = |k: &str| r[k].as_f64().is_some_and(|x| x > 0.0 && x.is_finite());
+        for k in [
+            "seconds",
+            "busbw_gb_per_s",
+            "memcpy_gb_per_s",
+            "ratio_vs_limit",
+        ] {
+            assert!(positive(k), "{k} in {r}");
+        }
+        // Null (not NaN, which is no JSON) where one CPU cannot copy twice.
+        assert_eq!(positive("memcpy_two_cores_gb_per_s"), two_cpus, "{r}");
+        let ratio = r["busbw_gb_per_s"].as_f64().unwrap() / r["memcpy_gb_per_s"].as_f64().unwrap();
+        assert!(
+            (r["ratio_vs_limit"].as_f64().unwrap() - ratio).abs() < 1e-9,
+            "{r}"
+        );
+    }
+}
+
 /// stderr of a tiny `zrt bench adam` run with `ZRT_SIMD=avx3` (which the
 /// kernels crate warns about through `tracing`) and `RUST_LOG` as given.
 fn adam_with_unknown_simd(rust_log: Option<&str>) -> String {

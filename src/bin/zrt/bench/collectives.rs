@@ -6,6 +6,10 @@
 //! (all_reduce's buffer, reduce_scatter's input, all_gather's output);
 //! `busbw = algbw * 2(n-1)/n` for all_reduce and `algbw * (n-1)/n` for the
 //! other two. The limit is memcpy's `S / t` for the same S on one core.
+//! Beside it the run measures both cores copying at once (a line above the
+//! table; `memcpy_two_cores_gb_per_s` in the JSON): what the memory system
+//! gives the pair of ranks together, which is what bounds the rows on
+//! private buffers.
 
 use anyhow::Result;
 use clap::Args;
@@ -159,6 +163,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     let python = peer::venv_python();
     let (mut zrt, mut gloo) = (Default::default(), Default::default());
     let mut copy: std::collections::HashMap<usize, Vec<f64>> = Default::default();
+    let mut pair: std::collections::HashMap<usize, Vec<f64>> = Default::default();
     // Where the host put the two CPUs, per round (see `core_round_trip_ns`).
     let mut trips = Vec::new();
     for round in 0..a.rounds {
@@ -188,6 +193,11 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
             let reps = (3 * (128 << 20) / bytes.max(1)).clamp(3, 384);
             let gbs = super::copy_bandwidth(1, bytes, reps) / 2.0;
             copy.entry(mib).or_default().push(gbs);
+            // Both cores copying at once: how much of one core's memcpy a
+            // pair of ranks can count on together.
+            pair.entry(mib)
+                .or_default()
+                .push(super::pair_copy_bandwidth(bytes, reps));
         }
         trips.push(super::core_round_trip_ns());
         eprintln!(
@@ -222,6 +232,17 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
             super::cell(lo, 0, ""),
             super::cell(hi, 0, "")
         );
+        let scaling: Vec<String> = a
+            .sizes
+            .iter()
+            .enumerate()
+            .map(|(i, mib)| {
+                let f = median(&pair[mib]) / median(&copy[mib]);
+                let what = if i == 0 { " one core's memcpy" } else { "" };
+                format!("{}{what} at {mib} MiB", super::cell(f, 2, "x"))
+            })
+            .collect();
+        println!("both cores copying at once: {}", scaling.join(", "));
         println!(
             "{:<24} {:>6} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10}",
             "op", "MiB", "zrt ms", "algbw", "busbw", "gloo busbw", "memcpy", "vs gloo", "vs memcpy"
@@ -230,6 +251,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
     for &mib in &a.sizes {
         let s = (mib << 20) as f64;
         let limit = median(&copy[&mib]);
+        let two_cores = median(&pair[&mib]);
         for op in OPS {
             let key = (op.to_string(), mib);
             let factor = if op == "all_reduce" {
@@ -253,6 +275,7 @@ pub fn run(a: &CollectivesArgs) -> Result<()> {
                         "seconds": t, "algbw_gb_per_s": algbw, "busbw_gb_per_s": busbw,
                         "peer": "gloo", "peer_busbw_gb_per_s": if gloo_busbw.is_finite() { json!(gloo_busbw) } else { Value::Null },
                         "memcpy_gb_per_s": limit,
+                        "memcpy_two_cores_gb_per_s": if two_cores.is_finite() { json!(two_cores) } else { Value::Null },
                         "core_round_trip_ns": if trip.is_finite() { json!(trip) } else { Value::Null },
                         "ratio_vs_peer": if vs_peer.is_finite() { json!(vs_peer) } else { Value::Null },
                         "ratio_vs_limit": vs_limit,

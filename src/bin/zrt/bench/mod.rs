@@ -230,6 +230,71 @@ pub fn copy_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
     2.0 * (n * 4) as f64 / median(&times) / 1e9
 }
 
+/// Both cores' memcpy at once, in GB/s of bytes copied by the pair
+/// together (2 S / t, where `t` lasts until the slower copy is done; the
+/// memcpy column's convention, S / t, for two copies): two threads, pinned
+/// to the first two CPUs this process may use, each copy their own
+/// `bytes`, starting together, `reps` times (median). NaN with fewer than
+/// two CPUs.
+///
+/// Divided by one core's memcpy of the same S it says how much more the
+/// memory system moves for two cores than for one: about 2 where each
+/// core copies within its caches; at 128 MiB on this project's VM 1.2-1.3
+/// while its two vCPUs share a cache and 1.7-1.8 while they sit on
+/// different dies. That bounds a 2-rank collective on private buffers,
+/// which moves more bytes than the memcpy it is compared with (README,
+/// "What bounds the staged rows").
+pub fn pair_copy_bandwidth(bytes: usize, reps: usize) -> f64 {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 || reps == 0 {
+        return f64::NAN;
+    }
+    let n = bytes / 4;
+    // A spinning barrier: a futex wake-up costs tens of microseconds, as
+    // long as a 1 MiB copy. `arrivals` counts both threads' arrivals; the
+    // k-th barrier (from 1) is passed when it reaches 2 k. Yields now and
+    // then, so a vCPU the host took away does not stall the other.
+    let arrivals = AtomicUsize::new(0);
+    let barrier = |k: usize| {
+        arrivals.fetch_add(1, Ordering::AcqRel);
+        let mut spins = 0u32;
+        while arrivals.load(Ordering::Acquire) < 2 * k {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins % 4096 == 0 {
+                std::thread::yield_now();
+            }
+        }
+    };
+    let copies = |times: Option<&mut Vec<f64>>| {
+        let src = vec![1.0f32; n];
+        let mut dst = vec![0.0f32; n];
+        let mut times = times;
+        for rep in 0..reps {
+            barrier(2 * rep + 1);
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            barrier(2 * rep + 2);
+            if let Some(times) = times.as_mut() {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        std::hint::black_box(&dst);
+    };
+    let mut times = Vec::with_capacity(reps);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_to(cpus[1]);
+            copies(None);
+        });
+        let _unpin = Unpin(cpus.clone());
+        pin_to(cpus[0]);
+        copies(Some(&mut times));
+    });
+    2.0 * (n * 4) as f64 / median(&times) / 1e9
+}
+
 /// Runs `world` processes of `program args` with the launch contract (the
 /// same environment `zrt launch` sets, on loopback) and returns the JSON of
 /// the line rank 0 printed as `@@zrt {...}`.

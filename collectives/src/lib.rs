@@ -43,6 +43,7 @@
 //! - `nccl` (feature `cuda`): CUDA devices through NCCL. **Never run**: no
 //!   GPU is available to the project; compiled in CI only.
 
+mod caches;
 mod dtype;
 mod error;
 mod front;

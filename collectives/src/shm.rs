@@ -5,12 +5,16 @@
 //! mapped it, so a crash leaves nothing behind):
 //!
 //! ```text
-//! header | control block per rank (arrive counter, left flag, call slots) | staging slot per rank | result area
+//! header | control block per rank (arrive counter, left flag, call slots) | staging ring per rank | result ring
 //! ```
 //!
 //! Every operation first publishes this rank's call description and passes a
 //! barrier; then all ranks compare descriptions (a mismatch fails everyone
-//! before any data moves). Data moves in windows that fit the staging slots.
+//! before any data moves). Data moves in windows cut from a staging slot
+//! (`ZRT_SHM_SLOT_BYTES`), round after round; each round's buffer is the
+//! next one along a rank's ring of several slots, so a rank writes a line
+//! again only after the peers that read it have read a few of their core's
+//! caches' worth since (see [`ring_laps`]).
 //! Reductions are split across ranks: for each window, rank r reduces only
 //! part r, reading every rank's slot, so the work and the memory traffic are
 //! divided by the group size and no byte round-trips through the kernel.
@@ -74,22 +78,80 @@ const W_STATUS: usize = 9;
 const SPINS: u32 = 2000;
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 
-/// Default staging bytes per rank (`ZRT_SHM_SLOT_BYTES` overrides). Small
-/// enough that a window staged by one rank is still in cache when the others
-/// read it, large enough that the barriers per window cost little: measured
-/// best of 256 KiB .. 8 MiB on 2 ranks (README, collectives benchmark).
+/// Default bytes of a staging slot (`ZRT_SHM_SLOT_BYTES` overrides), which
+/// a round's windows are cut from (a rank's ring holds [`ring_laps`]
+/// slots). Small enough that a window staged by one rank is still in cache
+/// when the others read it, large enough that the barriers per window cost
+/// little: measured best of 256 KiB .. 8 MiB on 2 ranks (README,
+/// collectives benchmark).
 pub const DEFAULT_SLOT_BYTES: usize = 512 << 10;
 
 /// The smallest staging slot `ZRT_SHM_SLOT_BYTES` may ask for.
 const MIN_SLOT_BYTES: usize = 4096;
 
-/// Staging bytes per rank for a group of `n`: `wanted`, raised so that the
+/// Bytes of a staging slot for a group of `n`: `wanted`, raised so that the
 /// smallest window (16 elements of the widest dtype, 8 bytes, for each of
 /// `n` parts in each of a reduction's three buffers) fits, and rounded up to
 /// a cache line. Below that the windows of a large group would run past the
 /// slot into the next rank's.
 fn slot_bytes_for(wanted: usize, n: usize) -> usize {
     wanted.max(MIN_SLOT_BYTES).max(n * 3 * 16 * 8).div_ceil(64) * 64
+}
+
+/// Most slots ("laps") a staging ring holds.
+const MAX_LAPS: usize = 16;
+
+/// Slots of `slot` bytes in each rank's staging ring for a group of `n`
+/// whose cores have `core_cache` bytes of level-2 cache: enough that what
+/// a peer reads of this rank's ring in one lap (1 / (n - 1) of all it
+/// reads) adds up to twice its core's cache, so the lines are gone from it
+/// when this rank writes them again; at least 1, at most [`MAX_LAPS`].
+///
+/// Why: a store into a line another core holds must first take the line
+/// from that core's cache. Two pinned threads on this project's VM (cores
+/// sharing an L3): writing 512 KiB the other core had just read took
+/// 50-53 us, writing it into lines that core had not read 11 us (a copy
+/// within one core's cache); with a ring of 4 x 512 KiB the writes took
+/// 13.6 us, with 2 x 512 KiB 32.6. One slot reused round after round
+/// (the layout before 2026-11-27) spent most of a 1 MiB reduce_scatter
+/// there.
+fn ring_laps(slot: usize, n: usize, core_cache: usize) -> usize {
+    if n < 2 {
+        return 1;
+    }
+    (2 * core_cache)
+        .div_ceil((n - 1) * slot.max(1))
+        .clamp(1, MAX_LAPS)
+}
+
+/// Elements (of `size` bytes) in one buffer when a `slot`-byte slot is
+/// split into `bufs`, and how many such buffers a ring of `laps` slots
+/// holds: at least `bufs`.
+fn ring_bufs(slot: usize, laps: usize, size: usize, bufs: usize) -> (usize, usize) {
+    let size = size.max(1);
+    let len = slot / bufs.max(1) / size;
+    let per = (slot * laps / (len * size).max(1)).max(1);
+    (len, per)
+}
+
+/// Claims an operation's `rounds` buffers ([`ring_bufs`]): the next ones
+/// along the ring after byte `at`, where the previous operation's ended,
+/// wrapping around; moves `at` past them. Returns the first one's number.
+/// Every rank claims the same rounds in the same order, so they agree on
+/// where each round's buffer is without saying so.
+fn claim_bufs(
+    at: &mut usize,
+    slot: usize,
+    laps: usize,
+    size: usize,
+    bufs: usize,
+    rounds: usize,
+) -> usize {
+    let (len, per) = ring_bufs(slot, laps, size, bufs);
+    let bytes = (len * size.max(1)).max(1);
+    let first = at.div_ceil(bytes) % per;
+    *at = (first + rounds % per) % per * bytes;
+    first
 }
 
 /// Elements of `size` bytes per part per window when `parts` windows share
@@ -121,7 +183,10 @@ fn parse_slot_bytes(v: Option<&str>) -> Result<usize, String> {
 struct Segment {
     map: MmapMut,
     n: usize,
+    /// Bytes of one slot, from which windows are cut.
     slot: usize,
+    /// Slots in each rank's ring (and in the result ring).
+    laps: usize,
 }
 
 impl Segment {
@@ -136,23 +201,32 @@ impl Segment {
     fn data_offset(&self) -> usize {
         HEADER + self.n * CTRL
     }
-    /// Rank `r`'s staging slot (`r == n`: the result area) as `len` elements of T.
+    /// Bytes of each rank's ring.
+    fn ring(&self) -> usize {
+        self.slot * self.laps
+    }
+    /// `len` elements of T from element `at` of rank `r`'s staging ring
+    /// (`r == n`: the result ring).
     ///
     /// # Safety
     /// The caller must hold the protocol's right to the range: only its owner
     /// writes a slot between two barriers, and readers read after the barrier.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slot<T: Element>(&self, r: usize, at: usize, len: usize) -> &mut [T] {
-        debug_assert!((at + len) * std::mem::size_of::<T>() <= self.slot);
-        let p = self.base().add(self.data_offset() + r * self.slot) as *mut T;
+        debug_assert!((at + len) * std::mem::size_of::<T>() <= self.ring());
+        let p = self.base().add(self.data_offset() + r * self.ring()) as *mut T;
         std::slice::from_raw_parts_mut(p.add(at), len)
     }
-    fn bytes(n: usize, slot: usize) -> usize {
-        HEADER + n * CTRL + (n + 1) * slot
+    fn bytes(n: usize, slot: usize, laps: usize) -> usize {
+        HEADER + n * CTRL + (n + 1) * slot * laps
     }
 }
 
 struct State {
+    /// Where along the rings the next operation's first buffer goes (a
+    /// byte offset; the same on every rank, which all claim the same
+    /// rounds in the same order).
+    ring_at: usize,
     seq: u64,
     epoch: u64,
     /// Symmetric buffers allocated so far (the next one's number).
@@ -392,10 +466,24 @@ impl Inner {
         window_len(self.seg.slot, std::mem::size_of::<T>(), parts, bufs)
     }
 
-    /// Element offset of round `j`'s buffer when a slot is split into
-    /// `bufs` (2: double buffering).
-    fn buf_at<T>(&self, j: usize, bufs: usize) -> usize {
-        (j % bufs) * (self.seg.slot / bufs / std::mem::size_of::<T>().max(1))
+    /// Claims the buffers (1 / `bufs` of a slot each) of an operation's
+    /// `rounds` rounds ([`claim_bufs`]); returns the first one's number,
+    /// for [`Inner::buf_at`].
+    fn claim<T>(&self, st: &mut State, rounds: usize, bufs: usize) -> usize {
+        let size = std::mem::size_of::<T>();
+        let (slot, laps) = (self.seg.slot, self.seg.laps);
+        claim_bufs(&mut st.ring_at, slot, laps, size, bufs, rounds)
+    }
+
+    /// Element offset, in a rank's ring, of round `j`'s buffer of an
+    /// operation whose buffers start at `first` ([`Inner::claim`]). Round
+    /// j's buffer is used again at round j + `per` at the earliest, and
+    /// `per` is at least `bufs` ([`ring_bufs`]): what the double (gather,
+    /// broadcast) and triple (reductions) buffering below rely on.
+    fn buf_at<T>(&self, first: usize, j: usize, bufs: usize) -> usize {
+        let size = std::mem::size_of::<T>();
+        let (len, per) = ring_bufs(self.seg.slot, self.seg.laps, size, bufs);
+        (first + j % per) % per * len
     }
 
     /// reduce_scatter (`full == false`: this rank's reduced part goes to
@@ -412,11 +500,12 @@ impl Inner {
     /// Staging is pipelined: between arriving at round j's barrier and
     /// waiting on it, a rank stages round j + 1 (its own input into its own
     /// slot: nothing anyone reads yet), so that copy overlaps the peers'
-    /// arrival instead of delaying its own. Slots and the result area are
-    /// therefore triple-buffered: round j + 1's staging writes the third
-    /// that round j - 2 read, and every reader of it has arrived at round
-    /// j - 1's barrier, which this rank has passed (the next operation's
-    /// agreement barrier protects the last rounds).
+    /// arrival instead of delaying its own. The rounds' buffers are
+    /// therefore thirds of a slot, at least three along the ring
+    /// ([`Inner::buf_at`]): round j + 1's staging writes a buffer that
+    /// round j - 2 read at the latest, and every reader of it has arrived
+    /// at round j - 1's barrier, which this rank has passed (the next
+    /// operation's agreement barrier protects the last rounds).
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
@@ -432,6 +521,7 @@ impl Inner {
         const BUFS: usize = 3;
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
+        let first = self.claim::<T>(&mut st, rounds, BUFS);
         let full = matches!(dest, Dest::All);
         // Plain or streaming stores into the slots (`slot_stores`), and
         // what this operation's writes and reads took, to choose again.
@@ -480,13 +570,13 @@ impl Inner {
         // own part straight from `buf`.
         // Timed into `took`, with the bytes it wrote.
         let stage = |buf: &[T], j: usize, took: &mut Measured| {
-            let (t, h) = (Instant::now(), self.buf_at::<T>(j, BUFS));
+            let (t, h) = (Instant::now(), self.buf_at::<T>(first, j, BUFS));
             let mut bytes = 0;
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
                 bytes += bytes_of::<T>(r.len());
-                // SAFETY: only rank `me` writes its own slot, and round j's
-                // third is one no peer reads now (see above).
+                // SAFETY: only rank `me` writes its own ring, and round
+                // j's buffer is one no peer reads now (see above).
                 copy_to_slot(
                     unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) },
                     &buf[r],
@@ -497,14 +587,14 @@ impl Inner {
         };
         // all_reduce: copies every rank's result of round j back into `buf`.
         let take_results = |buf: &mut [T], j: usize| {
-            let h = self.buf_at::<T>(j, BUFS);
+            let h = self.buf_at::<T>(first, j, BUFS);
             for p in 0..n {
                 let r = window(p, j);
                 let l = r.len();
-                // SAFETY: round j's third of the result area, complete (its
-                // writers arrived at a later barrier this rank passed) and
-                // rewritten only in round j + 3, after this rank arrived
-                // at that round's barrier.
+                // SAFETY: round j's buffer of the result ring, complete
+                // (its writers arrived at a later barrier this rank
+                // passed) and rewritten in round j + 3 at the earliest,
+                // after this rank arrived at that round's barrier.
                 buf[r].copy_from_slice(unsafe { self.seg.slot::<T>(n, h + p * w, l) });
             }
         };
@@ -521,7 +611,7 @@ impl Inner {
             if let Some((t, b)) = reading.take() {
                 took.read_less(t, std::mem::take(&mut results_written), b);
             }
-            let h = self.buf_at::<T>(j, BUFS);
+            let h = self.buf_at::<T>(first, j, BUFS);
             let e = self.arrive(&mut st);
             if j + 1 < rounds {
                 stage(buf, j + 1, &mut took);
@@ -532,9 +622,9 @@ impl Inner {
             // round later).
             let windows = if full { 2 * n - 1 } else { n - 1 };
             reading = Some((Instant::now(), windows * bytes_of::<T>(window(me, j).len())));
-            // SAFETY (slots below): peers' thirds of round j are complete
+            // SAFETY (slots below): peers' buffers of round j are complete
             // (they arrived after staging them); between barriers only rank
-            // `me` writes its own window of the result area's third.
+            // `me` writes its own window of the result ring's buffer.
             let r = window(me, j);
             let others: Vec<&[T]> = (0..n)
                 .filter(|&q| q != me)
@@ -633,17 +723,19 @@ impl Inner {
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1, 2);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
+        let first = self.claim::<T>(&mut st, rounds, 2);
         let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
         let nt = st.stores.streaming(rounds);
         let mut took = Measured::default();
         for j in 0..rounds {
-            let h = self.buf_at::<T>(j, 2);
+            let h = self.buf_at::<T>(first, j, 2);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
             let mine = part(self.m.me);
             let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
-            // SAFETY: own slot half written between barriers; others read
-            // after. Double-buffered: round j + 1 writes the half that round
-            // j - 1 read, whose readers have all arrived at round j.
+            // SAFETY: own ring written between barriers; others read
+            // after. Round j + 1 writes a buffer that round j - 1 read at
+            // the latest (half a slot each, at least two along the ring),
+            // whose readers have all arrived at round j.
             let slot = unsafe { self.seg.slot::<T>(self.m.me, h, mine.len()) };
             // Out of place, this rank's part goes into `out` after
             // arriving, so the copy overlaps the peers' arrival instead of
@@ -683,7 +775,7 @@ impl Inner {
             let mut bytes = 0;
             for r in (0..self.n()).filter(|&r| r != self.m.me) {
                 let p = part(r);
-                // SAFETY: rank r's slot half, read after the barrier.
+                // SAFETY: rank r's buffer of this round, read after the barrier.
                 let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
                 copy_streaming(&mut out[offs[r] + p.start..offs[r] + p.end], src, stream);
                 bytes += bytes_of::<T>(p.len());
@@ -1035,8 +1127,9 @@ impl ShmGroup {
         let io = |what: &str, e: std::io::Error| {
             CommError::Rendezvous(format!("{what} {}: {e}", path.display()))
         };
-        let (file, slot, unlink) = if me == 0 {
+        let (file, slot, laps, unlink) = if me == 0 {
             let slot = own_slot;
+            let laps = ring_laps(slot, n, crate::caches::core_cache_bytes());
             let _ = std::fs::remove_file(&path);
             let f = OpenOptions::new()
                 .read(true)
@@ -1054,7 +1147,7 @@ impl ShmGroup {
             // Its pages reserved now: a sparse file on a /dev/shm too
             // small for it (Docker gives containers 64 MiB) joined fine and
             // killed the ranks with SIGBUS at their first collective.
-            let bytes = Segment::bytes(n, slot);
+            let bytes = Segment::bytes(n, slot, laps);
             reserve(&f, bytes).map_err(|e| {
                 CommError::Rendezvous(format!(
                     "reserving {bytes} bytes of shared memory for {}: {e}; /dev/shm is full \
@@ -1065,14 +1158,22 @@ impl ShmGroup {
                 ))
             })?;
             // The layout is rank 0's: a rank started with another
-            // ZRT_SHM_SLOT_BYTES must not index the segment differently.
-            j.store.set(&key("created"), &(slot as u64).to_le_bytes())?;
-            (f, slot, unlink)
+            // ZRT_SHM_SLOT_BYTES, or on a core with another cache, must
+            // not index the segment differently.
+            let layout = [slot as u64, laps as u64].map(u64::to_le_bytes).concat();
+            j.store.set(&key("created"), &layout)?;
+            (f, slot, laps, unlink)
         } else {
             let b = await_rank(0, "create", "created")?;
-            let slot = <[u8; 8]>::try_from(b.as_slice())
-                .map(|b| u64::from_le_bytes(b) as usize)
-                .map_err(|_| CommError::Rendezvous("malformed segment layout".into()))?;
+            let word = |i: usize| {
+                b.get(i * 8..i * 8 + 8)
+                    .and_then(|w| <[u8; 8]>::try_from(w).ok())
+                    .map(|w| u64::from_le_bytes(w) as usize)
+            };
+            let (slot, laps) = match (b.len(), word(0), word(1)) {
+                (16, Some(slot), Some(laps)) => (slot, laps),
+                _ => return Err(CommError::Rendezvous("malformed segment layout".into())),
+            };
             if slot != own_slot {
                 tracing::warn!(
                     group = j.name,
@@ -1087,21 +1188,21 @@ impl ShmGroup {
                 .write(true)
                 .open(&path)
                 .map_err(|e| io("opening", e))?;
-            (f, slot, unlink)
+            (f, slot, laps, unlink)
         };
         // SAFETY: the file is this job's, sized above, and only accessed
         // through `Segment`'s atomics and protocol-owned ranges.
         let map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file) }
             .map_err(|e| io("mapping", e))?;
-        if map.len() < Segment::bytes(n, slot) {
+        if map.len() < Segment::bytes(n, slot, laps) {
             return Err(CommError::Rendezvous(format!(
                 "{} holds {} bytes, the group's layout needs {}",
                 path.display(),
                 map.len(),
-                Segment::bytes(n, slot)
+                Segment::bytes(n, slot, laps)
             )));
         }
-        let seg = Segment { map, n, slot };
+        let seg = Segment { map, n, slot, laps };
         if me == 0 {
             // SAFETY: header words, written before anyone is told "ready".
             unsafe { (seg.base() as *mut u64).write(MAGIC) };
@@ -1144,6 +1245,7 @@ impl ShmGroup {
             },
             pids,
             state: Mutex::new(State {
+                ring_at: 0,
                 seq: 0,
                 epoch: 0,
                 allocs: 0,
@@ -1230,16 +1332,17 @@ impl Transport for Inner {
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1, 2);
         let rounds = buf.len().div_ceil(w);
+        let first = self.claim::<T>(&mut st, rounds, 2);
         // The root writes with the stores the group's other operations
         // chose (`slot_stores`); a broadcast teaches nothing, as no rank
         // both writes and reads in it.
         let nt = st.stores.streaming(rounds);
         for j in 0..rounds {
-            let h = self.buf_at::<T>(j, 2);
+            let h = self.buf_at::<T>(first, j, 2);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.m.me == root {
-                // SAFETY: the root alone writes its slot half between barriers
-                // (double-buffered as in `reduce`).
+                // SAFETY: the root alone writes its ring between barriers
+                // (at least two buffers along it, as in `gather`).
                 copy_to_slot(
                     unsafe { self.seg.slot::<T>(root, h, r.len()) },
                     &buf[r.clone()],
@@ -1336,6 +1439,80 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_ring_spans_twice_a_cores_cache_of_what_one_peer_reads() {
+        let (kib, mib) = (1 << 10, 1 << 20);
+        // 2 ranks, 512 KiB slots, 1 MiB of L2: 4 slots (2 MiB).
+        assert_eq!(ring_laps(512 * kib, 2, mib), 4);
+        // A peer reads 2 rings a lap with 3 ranks, 4 with 5.
+        assert_eq!(ring_laps(512 * kib, 3, mib), 2);
+        assert_eq!(ring_laps(512 * kib, 5, mib), 1);
+        assert_eq!(ring_laps(512 * kib, 64, mib), 1);
+        assert_eq!(ring_laps(512 * kib, 2, 2 * mib), 8);
+        assert_eq!(ring_laps(512 * kib, 1, mib), 1);
+        // Small slots: at most MAX_LAPS; large ones: one.
+        assert_eq!(ring_laps(4 * kib, 2, mib), MAX_LAPS);
+        assert_eq!(ring_laps(8 * mib, 2, mib), 1);
+    }
+
+    #[test]
+    fn operations_walk_the_ring_and_no_round_reuses_a_buffer_too_soon() {
+        let slot = slot_bytes_for(5000, 3);
+        for laps in [1, 2, 5] {
+            let ring = slot * laps;
+            let mut at = 0;
+            let mut used = std::collections::BTreeSet::new();
+            let mut last_end = 0;
+            // Operations of every buffering, element size and length, in
+            // an irregular order, as a training step issues them.
+            for k in 0..500usize {
+                let bufs = [2, 3][k % 2];
+                let size = [4, 2, 8, 1, 4][k % 5];
+                let rounds = [1, 2, 7, 3, 40, 1, 5][k % 7];
+                let (len, per) = ring_bufs(slot, laps, size, bufs);
+                assert!(per >= bufs * laps, "{laps} {bufs} {size}: {per}");
+                let first = claim_bufs(&mut at, slot, laps, size, bufs, rounds);
+                let bytes = |j: usize| {
+                    let b = (first + j % per) % per * len * size;
+                    b..b + len * size
+                };
+                // Where the previous operation ended, unless that was the
+                // end of the ring.
+                if bytes(0).start != 0 {
+                    assert!(bytes(0).start >= last_end, "op {k}");
+                }
+                for j in 0..rounds {
+                    let r = bytes(j);
+                    assert!(r.end <= ring, "op {k} round {j}: {r:?} past {ring}");
+                    used.insert(r.start);
+                    // The rounds the buffering protects never share a byte.
+                    for d in 1..bufs.min(rounds - j) {
+                        let q = bytes(j + d);
+                        assert!(
+                            r.end <= q.start || q.end <= r.start,
+                            "op {k}: {j} and {}",
+                            j + d
+                        );
+                    }
+                }
+                last_end = bytes(rounds - 1).end;
+            }
+            // Every lap was written, not only the first.
+            assert!(
+                used.iter().any(|&b| b >= ring - slot),
+                "laps {laps}: {used:?}"
+            );
+            // One-round operations take the ring's buffers in turn.
+            let (_, per) = ring_bufs(slot, laps, 4, 2);
+            let mut at = 0;
+            let firsts: Vec<usize> = (0..2 * per)
+                .map(|_| claim_bufs(&mut at, slot, laps, 4, 2, 1))
+                .collect();
+            let turns: Vec<usize> = (0..2 * per).map(|k| k % per).collect();
+            assert_eq!(firsts, turns, "laps {laps}");
         }
     }
 
@@ -1542,10 +1719,9 @@ mod tests {
         let slot = slot_bytes_for(4096, 2);
         let orphan = format!("/dev/shm/zrt-{job}-orphan");
         let f = std::fs::File::create(&orphan).unwrap();
-        f.set_len(Segment::bytes(2, slot) as u64).unwrap();
-        store
-            .set("shm/orphan/created", &(slot as u64).to_le_bytes())
-            .unwrap();
+        f.set_len(Segment::bytes(2, slot, 1) as u64).unwrap();
+        let layout = [slot as u64, 1].map(u64::to_le_bytes).concat();
+        store.set("shm/orphan/created", &layout).unwrap();
         let e = join("orphan", 9).err().unwrap().to_string();
         assert!(
             e.starts_with("rendezvous failed: rank 4 did not join shared-memory group `orphan`"),

@@ -9,6 +9,7 @@
 //! for copies larger than the cache, which the shm backend's window-sized
 //! copies never are.
 
+use crate::caches::last_level_cache_bytes;
 use crate::Element;
 
 /// Copies smaller than this go through `copy_from_slice`: the fence below
@@ -33,68 +34,6 @@ pub(crate) fn stream_min_dest_bytes() -> usize {
 /// 1.4 ms); 8 MiB a wash; 1-4 MiB 10-40% slower (everything cached).
 pub(crate) fn stream_min_footprint_bytes() -> usize {
     last_level_cache_bytes()
-}
-
-/// Assumed when the host does not say: the L3 of the EPYC the thresholds
-/// above were measured on (and of most server parts' core complexes).
-const DEFAULT_LLC_BYTES: usize = 32 << 20;
-
-/// Size of the largest cache the first CPU shares, read once from sysfs
-/// (`/sys/devices/system/cpu/cpu0/cache/index*/size`): what decides whether
-/// an operation's buffers can still be cached. On a desktop part with 8 MiB
-/// of L3, 16 MiB gathers already stream; on a part with 96 MiB they do not.
-/// [`DEFAULT_LLC_BYTES`] where sysfs has no cache (other systems, some
-/// containers).
-pub(crate) fn last_level_cache_bytes() -> usize {
-    static LLC: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LLC.get_or_init(|| {
-        let found = read_largest_cache("/sys/devices/system/cpu/cpu0/cache");
-        tracing::debug!(
-            bytes = found.unwrap_or(DEFAULT_LLC_BYTES),
-            from_sysfs = found.is_some(),
-            "last-level cache size for the streaming thresholds"
-        );
-        found.unwrap_or(DEFAULT_LLC_BYTES)
-    })
-}
-
-/// The largest `size` of the data or unified caches under `dir`
-/// (`index0`, `index1`, ...), or `None` if there is none to read.
-fn read_largest_cache(dir: &str) -> Option<usize> {
-    let entries = std::fs::read_dir(dir).ok()?;
-    entries
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with("index"))
-        .filter(|e| {
-            // An instruction cache never holds an operation's data.
-            std::fs::read_to_string(e.path().join("type"))
-                .map_or(true, |t| t.trim() != "Instruction")
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("size")).ok())
-        .filter_map(|s| parse_cache_size(&s))
-        .max()
-}
-
-/// Parses sysfs's cache sizes: `32768K`, `1M`, `512` (bytes). `None` for
-/// anything else, or zero.
-fn parse_cache_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let scale = match unit {
-        "" => 1,
-        "K" => 1 << 10,
-        "M" => 1 << 20,
-        "G" => 1 << 30,
-        _ => return None,
-    };
-    digits
-        .parse::<usize>()
-        .ok()
-        .and_then(|d| d.checked_mul(scale))
-        .filter(|&b| b > 0)
 }
 
 /// `dst.copy_from_slice(src)`, with non-temporal stores on x86-64 when
@@ -206,41 +145,6 @@ pub(crate) fn prefetch<T>(s: &[T]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cache_sizes_parse_as_sysfs_writes_them() {
-        assert_eq!(parse_cache_size("32768K\n"), Some(32 << 20));
-        assert_eq!(parse_cache_size("1M"), Some(1 << 20));
-        assert_eq!(parse_cache_size("512"), Some(512));
-        assert_eq!(parse_cache_size("2G"), Some(2 << 30));
-        for bad in ["", "K", "0K", "12 K", "12KB", "-1", "x"] {
-            assert_eq!(parse_cache_size(bad), None, "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn the_largest_data_cache_is_the_last_level() {
-        let dir = std::env::temp_dir().join(format!("zrt-llc-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        for (i, ty, size) in [
-            (0, "Data", "48K"),
-            (1, "Instruction", "64M"),
-            (2, "Unified", "1024K"),
-            (3, "Unified", "32768K"),
-        ] {
-            let d = dir.join(format!("index{i}"));
-            std::fs::create_dir_all(&d).unwrap();
-            std::fs::write(d.join("type"), format!("{ty}\n")).unwrap();
-            std::fs::write(d.join("size"), format!("{size}\n")).unwrap();
-        }
-        // Not a cache: ignored.
-        std::fs::create_dir_all(dir.join("power")).unwrap();
-        let found = read_largest_cache(dir.to_str().unwrap());
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(found, Some(32 << 20));
-        assert_eq!(read_largest_cache("/nonexistent/zrt"), None);
-        assert!(last_level_cache_bytes() > 0);
-    }
 
     #[test]
     fn copies_every_byte_at_any_alignment_and_length() {

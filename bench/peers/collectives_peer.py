@@ -37,7 +37,9 @@ for mib in sizes:
         "all_gather": lambda: dist.all_gather_into_tensor(full, part),
     }
     for name, op in ops.items():
-        op()
+        # Untimed warm-up, as many as zrt's ranks run (WARMUP there).
+        for _ in range(5):
+            op()
         times = []
         for _ in range(iters):
             dist.barrier()

@@ -65,6 +65,14 @@ pub struct RankArgs {
     iters: usize,
 }
 
+/// Untimed iterations of each op and size before the timed ones (as
+/// nccl-tests' warm-up): the first operations of a group walk its shm
+/// staging rings for the first time, and, where the slot stores are
+/// chosen by measuring (`ZRT_SHM_SLOT_STORES=auto`), run before the
+/// choice is made. With one warm-up iteration the first row (all_reduce,
+/// 1 MiB) read up to 2x its steady time.
+const WARMUP: usize = 5;
+
 /// Runs inside each rank process: times every op and size, prints rank 0's
 /// results (the slowest rank's time per iteration) as one protocol line.
 pub fn rank_main(a: &RankArgs) -> Result<()> {
@@ -80,7 +88,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
         sym.fill(1.0);
         for op in OPS {
             let mut times = Vec::new();
-            for it in 0..=a.iters {
+            for it in 0..WARMUP + a.iters {
                 g.barrier().wait()?;
                 let t = std::time::Instant::now();
                 match op {
@@ -98,7 +106,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
                     "all_gather_symmetric" => sym = g.all_gather_symmetric(sym).wait()?,
                     _ => full = g.all_gather_in_place(full).wait()?,
                 }
-                if it > 0 {
+                if it >= WARMUP {
                     times.push(t.elapsed().as_secs_f64());
                 }
             }

@@ -241,9 +241,9 @@ pub fn copy_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
 /// memory system moves for two cores than for one: about 2 where each
 /// core copies within its caches; at 128 MiB on this project's VM 1.2-1.3
 /// while its two vCPUs share a cache and 1.7-1.8 while they sit on
-/// different dies. That bounds a 2-rank collective on private buffers,
-/// which moves more bytes than the memcpy it is compared with (README,
-/// "What bounds the staged rows").
+/// different dies. The staged rows of `bench collectives`, whose data
+/// comes from memory at 16 and 128 MiB, read higher where it is higher
+/// (README, "What bounds the staged rows").
 pub fn pair_copy_bandwidth(bytes: usize, reps: usize) -> f64 {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let cpus = allowed_cpus();

@@ -150,7 +150,7 @@ fn claim_bufs(
     let (len, per) = ring_bufs(slot, laps, size, bufs);
     let bytes = (len * size.max(1)).max(1);
     let first = at.div_ceil(bytes) % per;
-    *at = (first + rounds % per) % per * bytes;
+    *at = (first + rounds) % per * bytes;
     first
 }
 
@@ -483,7 +483,7 @@ impl Inner {
     fn buf_at<T>(&self, first: usize, j: usize, bufs: usize) -> usize {
         let size = std::mem::size_of::<T>();
         let (len, per) = ring_bufs(self.seg.slot, self.seg.laps, size, bufs);
-        (first + j % per) % per * len
+        (first + j) % per * len
     }
 
     /// reduce_scatter (`full == false`: this rank's reduced part goes to
@@ -1678,6 +1678,37 @@ mod tests {
             let all = (scatter.0 + peer + own, scatter.1 + 3 * own);
             assert_eq!(seen, &[(0, 0), gather, scatter, all, all], "rank {r}");
         }
+    }
+
+    /// A group's operations take the next buffers along its ring, the same
+    /// on every rank: one-round operations, whatever their buffering and
+    /// element type, each start past the previous one's buffer.
+    #[test]
+    fn a_groups_operations_walk_its_ring_in_step_on_every_rank() {
+        let seen = on_two_ranks("ring", SlotStores::Plain, |_, g| {
+            let inner = &g.front.inner;
+            let at = || inner.state.lock().ring_at;
+            let mut seen = vec![at()];
+            for k in 0..6 {
+                match k % 3 {
+                    0 => drop(g.all_gather(vec![1f32; 100], Vec::new()).wait().unwrap()),
+                    1 => drop(g.all_reduce(vec![1f64; 100], ReduceOp::Sum).wait().unwrap()),
+                    _ => drop(g.all_gather(vec![1u8; 100], Vec::new()).wait().unwrap()),
+                }
+                seen.push(at());
+            }
+            (seen, inner.seg.slot, inner.seg.laps)
+        });
+        let (positions, slot, laps) = &seen[0];
+        assert_eq!(&seen[1].0, positions, "the ranks walk their rings apart");
+        assert_eq!(
+            *laps,
+            ring_laps(*slot, 2, crate::caches::core_cache_bytes())
+        );
+        assert!(*laps >= 4, "a ring of {laps} slots of {slot} bytes");
+        // One f32 gather buffer (half a slot) from the start, then on.
+        assert_eq!(positions[..2], [0, slot / 2]);
+        assert!(positions.windows(2).all(|w| w[1] > w[0]), "{positions:?}");
     }
 
     #[test]

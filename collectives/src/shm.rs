@@ -1762,6 +1762,26 @@ mod tests {
             !std::path::Path::new(&orphan).exists(),
             "{orphan} left behind"
         );
+        // A segment that holds less than the layout rank 0 published (a
+        // ring of 4 slots in a file made for 1): refused before any rank
+        // indexes past its end, and removed.
+        let short = format!("/dev/shm/zrt-{job}-short");
+        let f = std::fs::File::create(&short).unwrap();
+        f.set_len(Segment::bytes(2, slot, 1) as u64).unwrap();
+        let layout = [slot as u64, 4].map(u64::to_le_bytes).concat();
+        store.set("shm/short/created", &layout).unwrap();
+        let e = join("short", 9).err().unwrap().to_string();
+        let (has, needs) = (Segment::bytes(2, slot, 1), Segment::bytes(2, slot, 4));
+        assert_eq!(
+            e,
+            format!(
+                "rendezvous failed: {short} holds {has} bytes, the group's layout needs {needs}"
+            )
+        );
+        assert!(
+            !std::path::Path::new(&short).exists(),
+            "{short} left behind"
+        );
         // Had rank 4's process ended, its store connection would have said
         // so: the wait ends at once instead of at the timeout.
         store.set("gone/4", b"").unwrap();

@@ -1748,11 +1748,17 @@ mod tests {
         // Rank 4 made the segment and was killed: rank 9 maps it, waits
         // for rank 4's pid, and removes the name on its way out.
         let slot = slot_bytes_for(4096, 2);
-        let orphan = format!("/dev/shm/zrt-{job}-orphan");
-        let f = std::fs::File::create(&orphan).unwrap();
-        f.set_len(Segment::bytes(2, slot, 1) as u64).unwrap();
-        let layout = [slot as u64, 1].map(u64::to_le_bytes).concat();
-        store.set("shm/orphan/created", &layout).unwrap();
+        // A segment as rank 4 would have made it: a file holding `laps`
+        // slots per rank, and the layout published (`published` slots).
+        let made = |name: &str, laps: usize, published: u64| {
+            let path = format!("/dev/shm/zrt-{job}-{name}");
+            let f = std::fs::File::create(&path).unwrap();
+            f.set_len(Segment::bytes(2, slot, laps) as u64).unwrap();
+            let layout = [slot as u64, published].map(u64::to_le_bytes).concat();
+            store.set(&format!("shm/{name}/created"), &layout).unwrap();
+            path
+        };
+        let orphan = made("orphan", 1, 1);
         let e = join("orphan", 9).err().unwrap().to_string();
         assert!(
             e.starts_with("rendezvous failed: rank 4 did not join shared-memory group `orphan`"),
@@ -1765,11 +1771,7 @@ mod tests {
         // A segment that holds less than the layout rank 0 published (a
         // ring of 4 slots in a file made for 1): refused before any rank
         // indexes past its end, and removed.
-        let short = format!("/dev/shm/zrt-{job}-short");
-        let f = std::fs::File::create(&short).unwrap();
-        f.set_len(Segment::bytes(2, slot, 1) as u64).unwrap();
-        let layout = [slot as u64, 4].map(u64::to_le_bytes).concat();
-        store.set("shm/short/created", &layout).unwrap();
+        let short = made("short", 1, 4);
         let e = join("short", 9).err().unwrap().to_string();
         let (has, needs) = (Segment::bytes(2, slot, 1), Segment::bytes(2, slot, 4));
         assert_eq!(

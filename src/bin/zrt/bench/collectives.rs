@@ -8,8 +8,8 @@
 //! other two. The limit is memcpy's `S / t` for the same S on one core.
 //! Beside it the run measures both cores copying at once (a line above the
 //! table; `memcpy_two_cores_gb_per_s` in the JSON): what the memory system
-//! gives the pair of ranks together, which the rows on private buffers
-//! depend on where their data comes from memory.
+//! gives the pair of ranks together, on which the rows on private buffers
+//! depend where their data comes from memory (16 and 128 MiB).
 
 use anyhow::Result;
 use clap::Args;

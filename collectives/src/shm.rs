@@ -134,11 +134,33 @@ fn ring_bufs(slot: usize, laps: usize, size: usize, bufs: usize) -> (usize, usiz
     (len, per)
 }
 
-/// Claims an operation's `rounds` buffers ([`ring_bufs`]): the next ones
-/// along the ring after byte `at`, where the previous operation's ended,
-/// wrapping around; moves `at` past them. Returns the first one's number.
-/// Every rank claims the same rounds in the same order, so they agree on
-/// where each round's buffer is without saying so.
+/// The buffers an operation claimed along a rank's ring ([`claim_bufs`]):
+/// round j's is [`Claimed::at`]`(j)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Claimed {
+    /// The first round's buffer's number along the ring.
+    first: usize,
+    /// Elements in one buffer.
+    len: usize,
+    /// Buffers in the ring.
+    per: usize,
+}
+
+impl Claimed {
+    /// Element offset, in a rank's ring, of round `j`'s buffer. Round j's
+    /// buffer is used again at round j + `per` at the earliest, and `per`
+    /// is at least the `bufs` it was claimed with ([`ring_bufs`]): what the
+    /// double (gather, broadcast) and triple (reductions) buffering rely on.
+    fn at(&self, j: usize) -> usize {
+        (self.first + j) % self.per * self.len
+    }
+}
+
+/// Claims an operation's `rounds` buffers of elements of `size` bytes, a
+/// slot split into `bufs` ([`ring_bufs`]): the next ones along the ring
+/// after byte `at`, where the previous operation's ended, wrapping around;
+/// moves `at` past them. Every rank claims the same rounds in the same
+/// order, so they agree on where each round's buffer is without saying so.
 fn claim_bufs(
     at: &mut usize,
     slot: usize,
@@ -146,12 +168,12 @@ fn claim_bufs(
     size: usize,
     bufs: usize,
     rounds: usize,
-) -> usize {
+) -> Claimed {
     let (len, per) = ring_bufs(slot, laps, size, bufs);
     let bytes = (len * size.max(1)).max(1);
     let first = at.div_ceil(bytes) % per;
     *at = (first + rounds) % per * bytes;
-    first
+    Claimed { first, len, per }
 }
 
 /// Elements of `size` bytes per part per window when `parts` windows share
@@ -467,23 +489,11 @@ impl Inner {
     }
 
     /// Claims the buffers (1 / `bufs` of a slot each) of an operation's
-    /// `rounds` rounds ([`claim_bufs`]); returns the first one's number,
-    /// for [`Inner::buf_at`].
-    fn claim<T>(&self, st: &mut State, rounds: usize, bufs: usize) -> usize {
+    /// `rounds` rounds of T ([`claim_bufs`]).
+    fn claim<T>(&self, st: &mut State, rounds: usize, bufs: usize) -> Claimed {
         let size = std::mem::size_of::<T>();
         let (slot, laps) = (self.seg.slot, self.seg.laps);
         claim_bufs(&mut st.ring_at, slot, laps, size, bufs, rounds)
-    }
-
-    /// Element offset, in a rank's ring, of round `j`'s buffer of an
-    /// operation whose buffers start at `first` ([`Inner::claim`]). Round
-    /// j's buffer is used again at round j + `per` at the earliest, and
-    /// `per` is at least `bufs` ([`ring_bufs`]): what the double (gather,
-    /// broadcast) and triple (reductions) buffering below rely on.
-    fn buf_at<T>(&self, first: usize, j: usize, bufs: usize) -> usize {
-        let size = std::mem::size_of::<T>();
-        let (len, per) = ring_bufs(self.seg.slot, self.seg.laps, size, bufs);
-        (first + j) % per * len
     }
 
     /// reduce_scatter (`full == false`: this rank's reduced part goes to
@@ -521,7 +531,7 @@ impl Inner {
         const BUFS: usize = 3;
         let w = self.window::<T>(n, BUFS);
         let rounds = parts[0].len().div_ceil(w);
-        let first = self.claim::<T>(&mut st, rounds, BUFS);
+        let ring = self.claim::<T>(&mut st, rounds, BUFS);
         let full = matches!(dest, Dest::All);
         // Plain or streaming stores into the slots (`slot_stores`), and
         // what this operation's writes and reads took, to choose again.
@@ -570,7 +580,7 @@ impl Inner {
         // own part straight from `buf`.
         // Timed into `took`, with the bytes it wrote.
         let stage = |buf: &[T], j: usize, took: &mut Measured| {
-            let (t, h) = (Instant::now(), self.buf_at::<T>(first, j, BUFS));
+            let (t, h) = (Instant::now(), ring.at(j));
             let mut bytes = 0;
             for p in (0..n).filter(|&p| p != me) {
                 let r = window(p, j);
@@ -587,7 +597,7 @@ impl Inner {
         };
         // all_reduce: copies every rank's result of round j back into `buf`.
         let take_results = |buf: &mut [T], j: usize| {
-            let h = self.buf_at::<T>(first, j, BUFS);
+            let h = ring.at(j);
             for p in 0..n {
                 let r = window(p, j);
                 let l = r.len();
@@ -611,7 +621,7 @@ impl Inner {
             if let Some((t, b)) = reading.take() {
                 took.read_less(t, std::mem::take(&mut results_written), b);
             }
-            let h = self.buf_at::<T>(first, j, BUFS);
+            let h = ring.at(j);
             let e = self.arrive(&mut st);
             if j + 1 < rounds {
                 stage(buf, j + 1, &mut took);
@@ -723,12 +733,12 @@ impl Inner {
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1, 2);
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
-        let first = self.claim::<T>(&mut st, rounds, 2);
+        let ring = self.claim::<T>(&mut st, rounds, 2);
         let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
         let nt = st.stores.streaming(rounds);
         let mut took = Measured::default();
         for j in 0..rounds {
-            let h = self.buf_at::<T>(first, j, 2);
+            let h = ring.at(j);
             let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
             let mine = part(self.m.me);
             let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
@@ -1332,13 +1342,13 @@ impl Transport for Inner {
         self.agree(&mut st, desc, deadline)?;
         let w = self.window::<T>(1, 2);
         let rounds = buf.len().div_ceil(w);
-        let first = self.claim::<T>(&mut st, rounds, 2);
+        let ring = self.claim::<T>(&mut st, rounds, 2);
         // The root writes with the stores the group's other operations
         // chose (`slot_stores`); a broadcast teaches nothing, as no rank
         // both writes and reads in it.
         let nt = st.stores.streaming(rounds);
         for j in 0..rounds {
-            let h = self.buf_at::<T>(first, j, 2);
+            let h = ring.at(j);
             let r = j * w..((j + 1) * w).min(buf.len());
             if self.m.me == root {
                 // SAFETY: the root alone writes its ring between barriers
@@ -1472,13 +1482,10 @@ mod tests {
                 let bufs = [2, 3][k % 2];
                 let size = [4, 2, 8, 1, 4][k % 5];
                 let rounds = [1, 2, 7, 3, 40, 1, 5][k % 7];
-                let (len, per) = ring_bufs(slot, laps, size, bufs);
-                assert!(per >= bufs * laps, "{laps} {bufs} {size}: {per}");
-                let first = claim_bufs(&mut at, slot, laps, size, bufs, rounds);
-                let bytes = |j: usize| {
-                    let b = (first + j % per) % per * len * size;
-                    b..b + len * size
-                };
+                let c = claim_bufs(&mut at, slot, laps, size, bufs, rounds);
+                assert_eq!((c.len, c.per), ring_bufs(slot, laps, size, bufs));
+                assert!(c.per >= bufs * laps, "{laps} {bufs} {size}: {c:?}");
+                let bytes = |j: usize| c.at(j) * size..(c.at(j) + c.len) * size;
                 // Where the previous operation ended, unless that was the
                 // end of the ring.
                 if bytes(0).start != 0 {
@@ -1509,7 +1516,7 @@ mod tests {
             let (_, per) = ring_bufs(slot, laps, 4, 2);
             let mut at = 0;
             let firsts: Vec<usize> = (0..2 * per)
-                .map(|_| claim_bufs(&mut at, slot, laps, 4, 2, 1))
+                .map(|_| claim_bufs(&mut at, slot, laps, 4, 2, 1).first)
                 .collect();
             let turns: Vec<usize> = (0..2 * per).map(|k| k % per).collect();
             assert_eq!(firsts, turns, "laps {laps}");

@@ -425,9 +425,19 @@ fn rank_main() {
             let wrong_i64 = zrt_collectives::chunk_range(len, 2, me)
                 .zip(&part)
                 .position(|(i, &x)| x != common::val(0, i) + common::val(1, i));
+            // An all_gather whose 16 MiB output stays below a 32 MiB cache
+            // but whose parts and outputs do not: this rank's part is
+            // streamed into the output, the peer's copied with plain
+            // stores. Odd parts: a tail past the last whole vector.
+            let l = (1 << 21) + 1;
+            let part: Vec<f32> = (0..l).map(|i| common::val(me, i) as f32).collect();
+            let (_, out) = g.all_gather(part, Vec::new()).wait().unwrap();
+            let wrong_gather = (0..2 * l).position(|i| out[i] != common::val(i / l, i % l) as f32);
             println!(
-                "@@ {} {wrong:?} {wrong_all:?} {wrong_sym:?} {wrong_in_place:?} {wrong_i64:?}",
-                all.len()
+                "@@ {} {wrong:?} {wrong_all:?} {wrong_sym:?} {wrong_in_place:?} {wrong_i64:?} \
+                 {wrong_gather:?} {}",
+                all.len(),
+                out.len()
             );
         }
         "staged" => {
@@ -615,7 +625,11 @@ fn large_buffers_stream_and_reduce_in_place_exactly() {
             assert_eq!(e.code, Some(0), "{stores}: {}", e.out);
             assert_eq!(
                 said(&e),
-                format!("{} None None None None None", 2 * (8 << 20) + 3),
+                format!(
+                    "{} None None None None None None {}",
+                    2 * (8 << 20) + 3,
+                    2 * ((1 << 21) + 1)
+                ),
                 "{stores}"
             );
         }

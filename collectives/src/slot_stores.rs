@@ -387,6 +387,23 @@ mod tests {
         assert!(c.streaming(8));
     }
 
+    /// Eight operations decide only with [`DECIDE_BYTES`] among them:
+    /// tiny ones never do, however slow; eight that move exactly that
+    /// much do, at the eighth.
+    #[test]
+    fn eight_operations_decide_once_they_moved_enough() {
+        let mut c = Chooser::new(SlotStores::Auto);
+        for _ in 0..3 * DECIDE_OPS {
+            assert_eq!(c.observe(8, false, &m_over(9, 1, 1024)), None);
+        }
+        let mut c = Chooser::new(SlotStores::Auto);
+        let eighth = m_over(9, 1, DECIDE_BYTES / DECIDE_OPS);
+        for _ in 1..DECIDE_OPS {
+            assert_eq!(c.observe(8, false, &eighth), None);
+        }
+        assert_eq!(c.observe(8, false, &eighth), Some(Switch::ToStreaming(9.0)));
+    }
+
     #[test]
     fn a_fixed_policy_never_changes() {
         let mut plain = Chooser::new(SlotStores::Plain);

@@ -97,6 +97,11 @@ const DECIDE_OPS: usize = 8;
 /// for eight of them across dies would cost a second.
 const DECIDE_BYTES_FEW: usize = 16 * DECIDE_BYTES;
 
+/// Ratios one decision keeps: operations that read a few bytes each (an
+/// all_gather_v whose peers' parts are tiny) could take a long time to add
+/// up [`DECIDE_BYTES`], and the list must not grow meanwhile.
+const MAX_RATIOS: usize = 256;
+
 /// Time and bytes of an operation's writes into shared memory and reads
 /// out of it (or of several operations', added up).
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -167,7 +172,8 @@ pub(crate) struct Chooser {
     since_probe: u32,
     /// Plain-store measurements not yet decided on.
     pending: Measured,
-    /// Their operations' write-over-read ratios.
+    /// Their operations' write-over-read ratios, the first
+    /// [`MAX_RATIOS`] of them.
     ratios: Vec<f64>,
 }
 
@@ -230,7 +236,9 @@ impl Chooser {
             return None;
         }
         self.pending.add(m);
-        self.ratios.extend(m.write_over_read());
+        if self.ratios.len() < MAX_RATIOS {
+            self.ratios.extend(m.write_over_read());
+        }
         let moved = self.pending.written.min(self.pending.read_bytes);
         if moved < DECIDE_BYTES || (self.ratios.len() < DECIDE_OPS && moved < DECIDE_BYTES_FEW) {
             return None;
@@ -402,6 +410,25 @@ mod tests {
             assert_eq!(c.observe(8, false, &eighth), None);
         }
         assert_eq!(c.observe(8, false, &eighth), Some(Switch::ToStreaming(9.0)));
+    }
+
+    /// Operations that read little keep at most [`MAX_RATIOS`] ratios
+    /// until they have read enough, then decide on those.
+    #[test]
+    fn operations_that_read_little_keep_a_bounded_list() {
+        let mut c = Chooser::new(SlotStores::Auto);
+        let little = Measured {
+            write: Duration::from_nanos(9 * 4096),
+            written: 4096,
+            read: Duration::from_nanos(64),
+            read_bytes: 64,
+        };
+        for _ in 0..DECIDE_BYTES / 64 - 1 {
+            assert_eq!(c.observe(8, false, &little), None);
+        }
+        assert_eq!(c.ratios.len(), MAX_RATIOS);
+        assert_eq!(c.observe(8, false, &little), Some(Switch::ToStreaming(9.0)));
+        assert!(c.ratios.is_empty());
     }
 
     #[test]

@@ -117,14 +117,6 @@ pub(crate) struct Measured {
 }
 
 impl Measured {
-    /// Adds `other`'s times and bytes.
-    fn add(&mut self, other: &Measured) {
-        self.write += other.write;
-        self.written += other.written;
-        self.read += other.read;
-        self.read_bytes += other.read_bytes;
-    }
-
     /// Adds a write of `bytes` that began at `t`.
     pub(crate) fn wrote(&mut self, t: Instant, bytes: usize) {
         self.wrote_for(t.elapsed(), bytes);
@@ -170,8 +162,9 @@ pub(crate) struct Chooser {
     probing: bool,
     /// Eligible operations since streaming began or was last probed.
     since_probe: u32,
-    /// Plain-store measurements not yet decided on.
-    pending: Measured,
+    /// Bytes written and read by the plain-store operations not yet
+    /// decided on (their times are in `ratios`).
+    pending: (usize, usize),
     /// Their operations' write-over-read ratios, the first
     /// [`MAX_RATIOS`] of them.
     ratios: Vec<f64>,
@@ -198,7 +191,7 @@ impl Chooser {
     /// Bytes written and read that the next decision will rest on.
     #[cfg(test)]
     pub(crate) fn pending_bytes(&self) -> (usize, usize) {
-        (self.pending.written, self.pending.read_bytes)
+        self.pending
     }
 
     /// Whether an operation of `rounds` rounds writes its slots with
@@ -235,16 +228,17 @@ impl Chooser {
         if self.policy != SlotStores::Auto || streamed || rounds < 2 {
             return None;
         }
-        self.pending.add(m);
+        self.pending.0 += m.written;
+        self.pending.1 += m.read_bytes;
         if self.ratios.len() < MAX_RATIOS {
             self.ratios.extend(m.write_over_read());
         }
-        let moved = self.pending.written.min(self.pending.read_bytes);
+        let moved = self.pending.0.min(self.pending.1);
         if moved < DECIDE_BYTES || (self.ratios.len() < DECIDE_OPS && moved < DECIDE_BYTES_FEW) {
             return None;
         }
         self.probing = false;
-        self.pending = Measured::default();
+        self.pending = (0, 0);
         // The median operation: one interrupted or unlucky operation does
         // not decide for the rest.
         let mut ratios = std::mem::take(&mut self.ratios);

@@ -737,21 +737,17 @@ impl Inner {
         let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
         let ring = self.claim::<T>(&mut st, rounds, 2);
         let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
-        // Out of place, this rank's own part is streamed into `out` once
-        // the operation's data on the host, n ranks' parts and outputs,
-        // passes the last-level cache, as reduce_scatter's part is: its
-        // lines are cold, and a plain store reads each first. The peers'
-        // parts, copied last, stay plain below `stream`: what the caller
-        // reads next, and what stays cached of `out`. Measured at 16 MiB on
-        // 2 ranks (a 32 MiB cache), eight interleaved runs each: median
-        // 2.32 against 2.52 ms, faster at every rank of the sorted times.
+        // Out of place (the only copy it is used for), this rank's own
+        // part is streamed into `out` by the rule reduce_scatter's part
+        // follows ([`part_streams`]). The peers' parts, copied last, stay
+        // plain below `stream`: what the caller reads next, and what stays
+        // cached of `out`.
         let stream_own = stream
-            || (input.is_some()
-                && part_streams(
-                    bytes_of::<T>(total),
-                    self.n(),
-                    crate::caches::last_level_cache_bytes(),
-                ));
+            || part_streams(
+                bytes_of::<T>(total),
+                self.n(),
+                crate::caches::last_level_cache_bytes(),
+            );
         let nt = st.stores.streaming(rounds);
         let mut took = Measured::default();
         for j in 0..rounds {

@@ -14,7 +14,7 @@
 //! (`ZRT_SHM_SLOT_BYTES`), round after round; each round's buffer is the
 //! next one along a rank's ring of several slots, so a rank writes a line
 //! again only after the peers that read it have read a few of their core's
-//! caches' worth since (see [`ring_laps`]).
+//! caches' worth since (`ring_laps` sizes the ring).
 //! Reductions are split across ranks: for each window, rank r reduces only
 //! part r, reading every rank's slot, so the work and the memory traffic are
 //! divided by the group size and no byte round-trips through the kernel.
@@ -77,7 +77,7 @@ const SPINS: u32 = 2000;
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 
 /// Default bytes of a staging slot (`ZRT_SHM_SLOT_BYTES` overrides), which
-/// a round's windows are cut from (a rank's ring holds [`ring_laps`]
+/// a round's windows are cut from (a rank's ring holds `ring_laps`
 /// slots). Small enough that a window staged by one rank is still in cache
 /// when the others read it, large enough that the barriers per window cost
 /// little: measured best of 256 KiB .. 8 MiB on 2 ranks (README,

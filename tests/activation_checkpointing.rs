@@ -10,7 +10,7 @@
 //! libtorch's process-global RNG state back, which can land between another
 //! test's seeding and its model's first draws.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

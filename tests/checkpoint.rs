@@ -6,7 +6,7 @@
 //! libtorch's process-global RNG matters); each phase builds fresh models
 //! and engines, as a restarted job would.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
@@ -1106,7 +1106,7 @@ fn launch_rng(case: &str, dir: &Path) -> Vec<(usize, String)> {
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "rng_rank_main",
+            "checkpoint::rng_rank_main",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -10,6 +10,9 @@
 //! Rust heap (both ranks' threads) above where it stood when the call
 //! began. libtorch's own tensors are outside it, and what the engine keeps
 //! between steps is not counted (the peak starts from it).
+//!
+//! In a test binary of its own: the counting allocator is the process's
+//! global one, and other tests' threads would add to its peaks.
 
 mod common;
 

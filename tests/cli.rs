@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-mod common;
+use crate::common;
 
 fn zrt(args: &[&str]) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_zrt"))

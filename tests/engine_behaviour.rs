@@ -3,7 +3,7 @@
 //! memory against DESIGN.md's formula, timing independence, and units run in
 //! different orders.
 
-mod common;
+use crate::common;
 
 use std::sync::Mutex;
 

@@ -10,7 +10,7 @@
 //! Adam would otherwise amplify for parameters with tiny gradients (its step
 //! is about m / sqrt(v), so an ulp in a tiny gradient moves the update).
 
-mod common;
+use crate::common;
 
 use common::{model, on_ranks, tokens, train_losses, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
@@ -909,7 +909,12 @@ fn launch(n: usize, case: &str) -> (Vec<f64>, Params) {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
         .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "engine_parity::rank_main",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CASE, case)
         .env("ZRT_PARITY_OUT", &out)
         .env("ZRT_BACKEND", "shm")

@@ -8,7 +8,7 @@
 //! what to do). Faults outside the freed memory still reach the handler
 //! the program had before (Rust's, or its own).
 
-mod common;
+use crate::common;
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
@@ -19,7 +19,7 @@ use zrt::collectives::local::LocalGroup;
 use zrt::zero::Engine;
 
 const CHILD: &str = "ZRT_FREED_CHILD";
-const THIS: &str = "saving_a_freed_stage_3_model_names_the_problem_and_the_fix";
+const THIS: &str = "freed_params::saving_a_freed_stage_3_model_names_the_problem_and_the_fix";
 
 /// A one-rank stage-3 model after a step: every parameter freed.
 fn freed_model() -> (nn::VarStore, Engine<LocalGroup>) {

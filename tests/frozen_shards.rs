@@ -8,7 +8,7 @@
 //! checkpoint puts libtorch's process-global RNG state back, which can land
 //! between another test's seeding and its model's first draws.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

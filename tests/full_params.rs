@@ -7,7 +7,7 @@
 //! forward inside the closure freed on another rank is refused on every
 //! rank. 2 ranks (threads).
 
-mod common;
+use crate::common;
 
 use common::{config_zero, model, nvme, nvme_params, on_ranks, tokens, WORLD};
 use tch::{nn, Kind, Tensor};

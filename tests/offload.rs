@@ -2,7 +2,7 @@
 //! memory, bounded resident memory, and clear errors for a missing,
 //! read-only or full directory and for a swap file that lost data.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

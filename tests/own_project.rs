@@ -7,6 +7,9 @@
 //! workspace's target folder: the outer `cargo test` holds the
 //! workspace's build lock), so the first run compiles
 //! tch and zrt again, about two minutes on two cores; later runs reuse it.
+//!
+//! In a test binary of its own: that build keeps both cores busy for
+//! minutes, and tests beside it with bounded waits would share them.
 
 mod common;
 

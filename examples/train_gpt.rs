@@ -514,7 +514,15 @@ fn main() -> Result<()> {
         // Only steps that trained can lower it: fp16 overflows skip some.
         let trained = engine.global_step() > stepped_before;
         if last_val.is_nan() || (trained && last_val >= v0) {
-            bail!("validation loss did not fall");
+            // A run of a step or two is still in the learning-rate
+            // warm-up (the first step's rate is 0): say so, not just fail.
+            bail!(
+                "validation loss did not fall: {v0:.4} -> {last_val:.4} after {} optimizer \
+                 step(s) at a last learning rate of {:.2e} (a run of a few steps may still be \
+                 in the warm-up; the default is --steps 400)",
+                engine.global_step() - stepped_before,
+                engine.lr()
+            );
         }
     }
     Ok(())

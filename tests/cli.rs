@@ -562,6 +562,37 @@ fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
 }
 
 #[test]
+fn a_main_job_too_short_to_learn_says_what_it_measured_and_why() {
+    // One step: its learning rate is the warm-up's first, 0, so the
+    // validation loss cannot fall, and the job's check says that.
+    let o = common::output_elsewhere(
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["launch", "--nproc-per-node", "1", "--"])
+            .arg(common::example("train_gpt"))
+            .args(TINY_MAIN_JOB)
+            .env_remove("ZRT_TOKEN"),
+    );
+    let out = common::printed(&o);
+    let said = out
+        .lines()
+        .find_map(|l| l.split_once("Error: validation loss did not fall: "))
+        .map(|(_, rest)| rest)
+        .unwrap_or_else(|| panic!("{out}"));
+    let (losses, why) = said
+        .split_once(" after ")
+        .unwrap_or_else(|| panic!("{out}"));
+    let (v0, last) = losses.split_once(" -> ").unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(v0, last, "{out}");
+    assert_eq!(
+        why,
+        "1 optimizer step(s) at a last learning rate of 0.00e0 (a run of a few steps may \
+         still be in the warm-up; the default is --steps 400)",
+        "{out}"
+    );
+    assert_eq!(o.status.code(), Some(1), "{out}");
+}
+
+#[test]
 fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
     // The job in a mount namespace of its own whose /dev/shm holds 64 KiB
     // (needs root, as the tmpfs tests do). Before, the group's segment was

@@ -519,22 +519,24 @@ const TINY_MAIN_JOB: [&str; 9] = [
     "--no-save",
 ];
 
+/// [`TINY_MAIN_JOB`] and `args` on one rank: its exit code and output.
+fn run_tiny_main_job(args: &[&str]) -> (Option<i32>, String) {
+    let o = common::output_elsewhere(
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["launch", "--nproc-per-node", "1", "--"])
+            .arg(common::example("train_gpt"))
+            .args(TINY_MAIN_JOB)
+            .args(args)
+            .env_remove("ZRT_TOKEN"),
+    );
+    (o.status.code(), common::printed(&o))
+}
+
 #[test]
 fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
     // One rank, a tiny model: each case fails before or at its first step.
-    let run = |args: &[&str]| {
-        let o = common::output_elsewhere(
-            Command::new(env!("CARGO_BIN_EXE_zrt"))
-                .args(["launch", "--nproc-per-node", "1", "--"])
-                .arg(common::example("train_gpt"))
-                .args(TINY_MAIN_JOB)
-                .args(args)
-                .env_remove("ZRT_TOKEN"),
-        );
-        (o.status.code(), common::printed(&o))
-    };
     // Longer than the held-out tenth: a panic slicing the text before.
-    let (code, out) = run(&["--seq", "100000"]);
+    let (code, out) = run_tiny_main_job(&["--seq", "100000"]);
     assert!(
         code == Some(1)
             && out.contains(
@@ -549,7 +551,7 @@ fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
         r#"{"train_micro_batch_size_per_gpu": 1e12, "optimizer": {"type": "AdamW", "params": {}},
             "zero_optimization": {"stage": 3}}"#,
     );
-    let (code, out) = run(&["--seq", "16", "--config", &cfg]);
+    let (code, out) = run_tiny_main_job(&["--seq", "16", "--config", &cfg]);
     let _ = std::fs::remove_file(&cfg);
     assert!(
         code == Some(1)
@@ -565,14 +567,7 @@ fn the_main_job_refuses_a_window_or_batch_it_cannot_hold() {
 fn a_main_job_too_short_to_learn_says_what_it_measured_and_why() {
     // One step: its learning rate is the warm-up's first, 0, so the
     // validation loss cannot fall, and the job's check says that.
-    let o = common::output_elsewhere(
-        Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["launch", "--nproc-per-node", "1", "--"])
-            .arg(common::example("train_gpt"))
-            .args(TINY_MAIN_JOB)
-            .env_remove("ZRT_TOKEN"),
-    );
-    let out = common::printed(&o);
+    let (code, out) = run_tiny_main_job(&[]);
     let said = out
         .lines()
         .find_map(|l| l.split_once("Error: validation loss did not fall: "))
@@ -589,7 +584,7 @@ fn a_main_job_too_short_to_learn_says_what_it_measured_and_why() {
          still be in the warm-up; the default is --steps 400)",
         "{out}"
     );
-    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert_eq!(code, Some(1), "{out}");
 }
 
 #[test]

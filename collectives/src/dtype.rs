@@ -286,7 +286,8 @@ fn sum_blocked<T: Copy>(
 /// reduce_scatter of 128 MiB on 2 shm ranks took a median 22.2 ms against
 /// 24.9, faster in 10 of 12 interleaved pairs, and became as fast as the
 /// in-place one (in an hour when this VM's memcpy ran at a third of its
-/// usual speed, so the times are twice the README's).
+/// usual speed, so the times are twice those of the 2026-11-24 table in
+/// docs/collectives-bench.md).
 ///
 /// # Panics
 /// If a source is not as long as `dst` (the vector loop reads unchecked).

@@ -80,8 +80,8 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 /// a round's windows are cut from (a rank's ring holds `ring_laps`
 /// slots). Small enough that a window staged by one rank is still in cache
 /// when the others read it, large enough that the barriers per window cost
-/// little: measured best of 256 KiB .. 8 MiB on 2 ranks (README,
-/// collectives benchmark).
+/// little: measured best of 256 KiB .. 8 MiB on 2 ranks
+/// (docs/collectives-bench.md).
 pub const DEFAULT_SLOT_BYTES: usize = 512 << 10;
 
 /// The smallest staging slot `ZRT_SHM_SLOT_BYTES` may ask for.

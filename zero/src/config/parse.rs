@@ -960,8 +960,8 @@ impl P {
             stage: stage.min(3) as u8,
             reduce_bucket_size: self.u64_setting(z, path, "reduce_bucket_size", 500_000_000),
             allgather_bucket_size: self.u64_or(z, path, "allgather_bucket_size", 500_000_000),
-            // On at every stage (DeepSpeed: at stage 3 only): the README's
-            // choices say why.
+            // On at every stage (DeepSpeed: at stage 3 only): docs/choices.md
+            // says why.
             overlap_comm: self.bool_or(z, path, "overlap_comm", true),
             contiguous_gradients: self.bool_or(z, path, "contiguous_gradients", true),
             stage3_prefetch_bucket_size: self.u64_setting(z, path, &prefetch, 50_000_000),

@@ -625,6 +625,41 @@ fn a_dev_shm_too_small_for_the_group_is_named_with_the_fix() {
 }
 
 #[test]
+fn bench_train_leaves_out_peers_it_cannot_run_and_says_so_once() {
+    // A "Python" that fails everything: DeepSpeed cannot be imported, and
+    // every other peer fails in its round.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+        .args(["--stages", "3", "--rounds", "1", "--steps", "1", "--peer"])
+        .env("ZRT_BACKEND", "shm")
+        .env("ZRT_PYTHON", "/bin/false")
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{}", common::printed(&o));
+    assert_eq!(
+        err.matches("DeepSpeed's rows are left out, the venv cannot import it")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(!err.contains("deepspeed_zero"), "{err}");
+    assert!(!out.contains("deepspeed") && !out.contains("NaN"), "{out}");
+    for peer in ["ddp", "fsdp2_zero3", "fsdp2_zero2"] {
+        let row = format!("{peer:<16} failed in every round (its errors are above)");
+        assert!(out.contains(&row), "{peer}: {out}");
+        assert!(
+            err.contains(&format!("peer {peer} on tiny failed")),
+            "{err}"
+        );
+    }
+    assert!(out.contains("tiny       2 zrt zero3"), "{out}");
+}
+
+#[test]
 fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
     let bench = |buckets: &str| {
         Command::new(env!("CARGO_BIN_EXE_zrt"))

@@ -37,6 +37,31 @@ pub fn venv_path() -> std::ffi::OsString {
     path
 }
 
+/// Why `python` cannot import `module`, or `None` when it can: the last
+/// line Python printed (`ModuleNotFoundError: No module named 'deepspeed'`),
+/// or why it did not run. Asked once before a benchmark's rounds, so a peer
+/// whose package is missing is left out with one line instead of failing
+/// with a traceback in every round.
+pub fn import_fails(python: &std::path::Path, module: &str) -> Option<String> {
+    let out = Command::new(python)
+        .env("PATH", venv_path())
+        .arg("-c")
+        .arg(format!("import {module}"))
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map_or_else(|| format!("exit {}", o.status), |l| l.trim().to_string()),
+        ),
+        Err(e) => Some(format!("{}: {e}", python.display())),
+    }
+}
+
 /// A running peer process.
 pub struct Peer {
     child: Child,
@@ -112,5 +137,23 @@ impl Drop for Peer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_module_the_venv_lacks_is_named_with_pythons_own_words() {
+        let python = venv_python();
+        assert_eq!(import_fails(&python, "json"), None);
+        assert_eq!(
+            import_fails(&python, "zrt_no_such_module").as_deref(),
+            Some("ModuleNotFoundError: No module named 'zrt_no_such_module'")
+        );
+        let missing = std::path::Path::new("/nonexistent/zrt/python");
+        let why = import_fails(missing, "json").unwrap_or_default();
+        assert!(why.starts_with("/nonexistent/zrt/python: "), "{why}");
     }
 }

@@ -312,10 +312,24 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             }
         }
     }
+    // DeepSpeed is optional in the venv: without it its peers are left out
+    // with one line, not a traceback per peer and round and rows of NaN.
+    let deepspeed_missing = a.peer
+        && {
+            let why = peer::import_fails(&peer::venv_python(), "deepspeed");
+            if let Some(why) = &why {
+                eprintln!(
+                "zrt bench train: DeepSpeed's rows are left out, the venv cannot import it ({why}); \
+                 `$(cargo xtask python) -m pip install deepspeed ninja` adds them"
+            );
+            }
+            why.is_some()
+        };
     let peers: Vec<(String, &str)> = if a.peer {
         a.sizes
             .iter()
             .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
+            .filter(|(_, p)| !(deepspeed_missing && p.starts_with("deepspeed")))
             .collect()
     } else {
         Vec::new()
@@ -499,7 +513,19 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         let rows = peer_rows(size, mode);
         let (t, rss) = (median_time(rows), max_rss(rows));
         let tokens = (a.micro * c.seq * 2) as f64;
-        if a.json {
+        if rows.is_empty() {
+            // Its errors went to stderr as each round failed.
+            match a.json {
+                true => println!(
+                    "{}",
+                    json!({"bench": "train", "model": size, "world": 2, "impl": mode, "failed": true})
+                ),
+                false => println!(
+                    "{:<6} {:>5} {:<16} failed in every round (its errors are above)",
+                    size, 2, mode
+                ),
+            }
+        } else if a.json {
             println!(
                 "{}",
                 json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss,
@@ -542,6 +568,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 else {
                     continue;
                 };
+                if peer_rows(size, fsdp).is_empty() {
+                    // It failed in every round: its row says so.
+                    continue;
+                }
                 let t = median_time(rows);
                 println!(
                     "{size} ZeRO-{stage}, 2 ranks: FSDP2 / zrt step time {:.2}x, DDP / zrt {:.2}x, FSDP2 / zrt peak RSS {:.2}x (higher is better for zrt)",

@@ -11,6 +11,46 @@
 //!
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
 //! the main job, the benchmarks and the parity tests.
+//!
+//! # Training with ZeRO
+//!
+//! Wrap the model's blocks in `ShardedModule`s on a [`zero::ShardPlan`]
+//! (the GPT here does), build the engine from a DeepSpeed config, and run
+//! the program under `zrt launch --nproc-per-node N -- PROGRAM`, which
+//! gives every rank the environment [`collectives::init_from_env`] reads.
+//! Every rank runs the same loop; the engine shards the parameters,
+//! gradients and optimizer state as the config's stage says, and
+//! `backward` and `step` do the communication.
+//!
+//! ```no_run
+//! use zrt::collectives::init_from_env;
+//! use zrt::gpt::{Gpt, GptConfig};
+//! use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     zrt::init_logging(); // zrt's warnings to stderr (RUST_LOG filters)
+//!     let cfg = Config::from_file("ds_config.json")?; // DeepSpeed JSON
+//!     let mut dist = init_from_env()?; // the ranks `zrt launch` started
+//!     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//!     let plan = ShardPlan::new();
+//!     let shape = GptConfig { vocab: 256, d_model: 256, layers: 6, heads: 8, seq: 128 };
+//!     let model = Gpt::new(&vs.root(), &plan, &shape); // blocks in ShardedModule::new(&plan, path, block)
+//!     // Pretrained weights go into `vs` here: the engine takes rank 0's.
+//!     let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &AutoHints::default())?;
+//!     for _ in 0..100 {
+//!         let batch = tch::Tensor::randint(256, [8, 129], (tch::Kind::Int64, tch::Device::Cpu));
+//!         let loss = model.loss(&batch);
+//!         engine.backward(&loss)?; // or loss.backward(): the hooks reduce either way
+//!         engine.step()?; // steps at the accumulation boundary only
+//!     }
+//!     engine.save_checkpoint("checkpoints", "step100")?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! The README's "Using it" goes on from there: parameter groups, monitors,
+//! activation checkpointing, reading stage 3's parameters, hybrid sharding
+//! and checkpoints.
 
 pub mod gpt;
 
@@ -69,3 +109,35 @@ pub use zrt_collectives as collectives;
 pub use zrt_kernels as kernels;
 pub use zrt_offload as offload;
 pub use zrt_zero as zero;
+
+#[cfg(test)]
+mod tests {
+    /// The first fenced block after `start` in `text`, up to its closing fence.
+    fn block<'a>(text: &'a str, start: &str, fence: &str) -> &'a str {
+        let from = text.find(start).map_or(text.len(), |i| i + start.len());
+        let body = &text[from..];
+        let body = body.find(fence).map_or("", |i| &body[i + fence.len()..]);
+        body.find("```").map_or(body, |i| &body[..i])
+    }
+
+    /// The README's "Using it" program is this crate's doc example, which
+    /// `cargo test` compiles: a change to one that the other lacks would
+    /// leave the README showing code that no longer builds.
+    #[test]
+    fn the_readmes_program_is_the_compiled_doc_example() {
+        let readme = block(include_str!("../README.md"), "## Using it", "```rust\n");
+        let doc: String = block(
+            include_str!("lib.rs"),
+            "# Training with ZeRO",
+            "```no_run\n",
+        )
+        .lines()
+        .map(|l| {
+            let l = l.trim_start_matches("//!");
+            format!("{}\n", l.strip_prefix(' ').unwrap_or(l))
+        })
+        .collect();
+        assert!(readme.contains("Engine::from_config"), "{readme}");
+        assert_eq!(readme.trim_end(), doc.trim_end());
+    }
+}

@@ -468,13 +468,13 @@ impl Inner {
         match st.stores.observe(rounds, streamed, took) {
             Some(Switch::ToStreaming(x)) => tracing::debug!(
                 group = %self.m.name,
-                "shm: writing a slot took {x:.1}x as long per byte as reading a peer's (cores \
-                 on different dies?): streaming stores into the slots"
+                "shm: staging with plain stores took {x:.2}x as long per byte as with \
+                 streaming ones (cores on different dies?): streaming stores into the slots"
             ),
             Some(Switch::ToPlain(x)) => tracing::debug!(
                 group = %self.m.name,
-                "shm: writing a slot took {x:.1}x as long per byte as reading a peer's: plain \
-                 stores into the slots again"
+                "shm: staging with streaming stores took {x:.2}x as long per byte as with \
+                 plain ones: plain stores into the slots again"
             ),
             None => {}
         }
@@ -1696,7 +1696,22 @@ mod tests {
             // and reads both results.
             let scatter = (gather.0 + peer, gather.1 + own);
             let all = (scatter.0 + peer + own, scatter.1 + 3 * own);
-            assert_eq!(seen, &[(0, 0), gather, scatter, all, all], "rank {r}");
+            // A trial takes plain and streaming stores in turn: the
+            // gather and the all_reduce plain, the reduce_scatter streamed.
+            let none = (0, 0);
+            let streamed = (scatter.0 - gather.0, scatter.1 - gather.1);
+            let plain = (all.0 - streamed.0, all.1 - streamed.1);
+            assert_eq!(
+                seen,
+                &[
+                    (none, none),
+                    (gather, none),
+                    (gather, streamed),
+                    (plain, streamed),
+                    (plain, streamed)
+                ],
+                "rank {r}"
+            );
         }
     }
 

@@ -16,16 +16,30 @@
 //! streaming cost up to a quarter (all_reduce 21 -> 26 ms, a 1 MiB
 //! all_gather 0.04 -> 0.08 ms), so neither choice is right everywhere.
 //!
-//! So each rank times its own operations. Operations of several rounds
-//! that staged with plain stores each time how long this rank took to
-//! write into shared memory and to read from it; once [`DECIDE_BYTES`] of
-//! each are in over [`DECIDE_OPS`] operations, the median operation
-//! writing [`SLOW_WRITES`] times slower per byte than it read switches the
-//! group to streaming stores. After [`PROBE_EVERY`] such
-//! operations it stages with plain stores again until it has measured as
-//! much, to see whether the cores have moved back. Each rank decides for
-//! the stores it makes; the bytes moved are the same either way, so ranks
-//! that decide differently only run at different speeds.
+//! A third placement showed on 2026-11-28 (round trip 440-490 ns, against
+//! 70-90 with a shared cache): there a rank's writes ran no slower than
+//! its reads (0.5-1.2x per byte), so the first rule here, which switched
+//! when writes ran 3x slower, never did, while streaming made the 1 MiB
+//! staged rows 0.10-0.11 ms against plain stores' 0.18-0.20 (and where
+//! the cores shared a cache, 0.10-0.13 against 0.07-0.08).
+//!
+//! So each rank tries both. Operations of several rounds are what it
+//! learns from: at a trial it runs them with plain and streaming stores in
+//! turn (both kinds then see the same mix of sizes and operations), each
+//! timing its writes into shared memory and its reads out of it, until
+//! each kind has [`DECIDE_BYTES`] written and read over [`DECIDE_OPS`]
+//! operations (or [`DECIDE_BYTES_FEW`] over fewer), and keeps the stores
+//! whose median operation took less per byte;
+//! the other must be [`MARGIN`] times faster to replace the current
+//! choice. The first eligible operation starts a trial; the next comes
+//! [`FIRST_PERIOD`] eligible operations after a trial that switched, and
+//! twice as long after one that did not, up to [`LONGEST_PERIOD`], so
+//! trying the losing stores costs a few percent at first and about 1%
+//! once the choice has held. Both arms run the same operations on every
+//! rank (collectives are issued in one order), so the ranks try each kind
+//! together; each rank decides for the stores it makes, and the bytes
+//! moved are the same either way, so ranks that decide differently only
+//! run at different speeds.
 
 use std::time::{Duration, Instant};
 
@@ -62,42 +76,44 @@ impl SlotStores {
     }
 }
 
-/// Writing a slot this many times slower per byte than reading a peer's
-/// (the median over the operations of a decision) switches to streaming
-/// stores. Measured on 2 ranks, per benchmark run and operation: 1.1-1.9
-/// with a shared cache, 3.6-6.4 across dies; but single 1 MiB all_gathers
-/// with a shared cache ran at 1.0-2.8, some up to 5 (2026-11-27). With 2.5
-/// and every byte of a decision added up, 4 of 6 benchmark runs with a
-/// shared cache switched to streaming for a while, which costs there
-/// (forced: 1 MiB rows 0.06-0.07 -> 0.07-0.08 ms, all_reduce at 128 MiB up
-/// to a quarter).
-const SLOW_WRITES: f64 = 3.0;
+/// How much faster per byte the other stores' median operation must run
+/// in a trial to replace the current choice. Where the choice matters it
+/// is by 2-5x (1 MiB rows on 2026-11-27 across dies: 0.25 ms plain
+/// against 0.05 streamed; on 2026-11-28 0.19 against 0.10); with 1.1 the
+/// benchmark's runs with a shared cache, where plain stores are right,
+/// switched now and then (a trial during a placement change), costing a
+/// row a fifth.
+const MARGIN: f64 = 1.25;
 
-/// While streaming, after this many eligible operations the group stages
-/// with plain stores until it has measured enough to decide, to notice cores
-/// that moved back next to each other.
-const PROBE_EVERY: u32 = 32;
+/// Eligible operations (of two or more rounds) from a trial that switched
+/// to the next trial.
+const FIRST_PERIOD: u32 = 32;
 
-/// Bytes written and read with plain stores that one decision rests on: a
-/// single operation's rounds at 1 MiB take microseconds, and one of them
-/// late or interrupted would decide alone.
+/// The longest period between trials: a choice that held doubles the
+/// period up to this. With [`DECIDE_OPS`] operations an arm, the losing
+/// stores then run about 1 operation in 130; a placement that changes
+/// is noticed within this many operations (at 1 MiB, a tenth of a
+/// second; at 128 MiB, about 15 s).
+const LONGEST_PERIOD: u32 = 1024;
+
+/// Bytes written and read that one arm of a trial rests on: a single
+/// operation's rounds at 1 MiB take microseconds, and one of them late or
+/// interrupted would decide alone.
 const DECIDE_BYTES: usize = 2 << 20;
 
-/// Operations one decision rests on, unless they moved [`DECIDE_BYTES_FEW`].
+/// Operations one arm rests on, unless they moved [`DECIDE_BYTES_FEW`].
 /// Why: the first 1 MiB operations after a pause or after a 128 MiB one
-/// wrote 4-5x slower than they read with the cores sharing a cache, the
-/// next ones 1-1.6x (2026-11-27); two of them made a decision, and the
-/// group streamed until its next probe. Eight with their median still
-/// switched in 2 of 5 such runs (against 4 of 5 before): phases of eight
-/// and more slow writes happen with a shared cache too.
+/// ran 4-5x slower than the next ones (2026-11-27), and phases of eight
+/// and more slow operations happen too: the median of eight is what an
+/// arm's operations took.
 const DECIDE_OPS: usize = 8;
 
-/// Bytes written and read that decide with fewer than [`DECIDE_OPS`]
-/// operations: a 128 MiB operation's rounds take milliseconds, and waiting
-/// for eight of them across dies would cost a second.
+/// Bytes written and read that end an arm with fewer than [`DECIDE_OPS`]
+/// operations: a 128 MiB operation's rounds take milliseconds, and eight
+/// of them in the slower stores would cost a second.
 const DECIDE_BYTES_FEW: usize = 16 * DECIDE_BYTES;
 
-/// Ratios one decision keeps: operations that read a few bytes each (an
+/// Times one arm keeps: operations that move a few bytes each (an
 /// all_gather_v whose peers' parts are tiny) could take a long time to add
 /// up [`DECIDE_BYTES`], and the list must not grow meanwhile.
 const MAX_RATIOS: usize = 256;
@@ -140,42 +156,86 @@ impl Measured {
         self.read_bytes += bytes;
     }
 
-    /// Nanoseconds per byte written over those per byte read, if both
-    /// happened.
-    fn write_over_read(&self) -> Option<f64> {
-        let per = |d: Duration, b: usize| (b > 0).then(|| d.as_nanos() as f64 / b as f64);
-        let (w, r) = (
-            per(self.write, self.written)?,
-            per(self.read, self.read_bytes)?,
-        );
-        (r > 0.0).then_some(w / r)
+    /// Nanoseconds per byte written or read, if any was.
+    fn per_byte(&self) -> Option<f64> {
+        let bytes = self.written + self.read_bytes;
+        (bytes > 0).then(|| (self.write + self.read).as_nanos() as f64 / bytes as f64)
     }
 }
 
 /// A group's choice between plain and streaming slot stores.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Chooser {
     policy: SlotStores,
-    /// Streaming now (under [`SlotStores::Auto`]).
+    /// Streaming now (under [`SlotStores::Auto`]), outside trials.
     streaming: bool,
-    /// Streaming, but staging with plain stores to measure again.
-    probing: bool,
-    /// Eligible operations since streaming began or was last probed.
-    since_probe: u32,
-    /// Bytes written and read by the plain-store operations not yet
-    /// decided on (their times are in `ratios`).
-    pending: (usize, usize),
-    /// Their operations' write-over-read ratios, the first
-    /// [`MAX_RATIOS`] of them.
-    ratios: Vec<f64>,
+    /// The trial under way, if one is.
+    trial: Option<Trial>,
+    /// Eligible operations until the next trial.
+    until_trial: u32,
+    /// The last gap between trials: doubled after a trial that kept the
+    /// choice, back to [`FIRST_PERIOD`] after one that switched.
+    period: u32,
+}
+
+impl Default for Chooser {
+    fn default() -> Self {
+        Self::new(SlotStores::Auto)
+    }
+}
+
+/// Plain and streaming stores measured in turn, operation by operation,
+/// so that both arms see the same mix of operations (a group's sizes and
+/// kinds come in runs: all_gathers of one unit, then reduce_scatters; a
+/// benchmark's rows one after another).
+#[derive(Debug, Default)]
+struct Trial {
+    /// The next operation's stores: streaming ones.
+    next_streams: bool,
+    /// The plain arm.
+    plain: Arm,
+    /// The streaming arm.
+    streamed: Arm,
+}
+
+/// One kind of stores' operations in a trial.
+#[derive(Debug, Default)]
+struct Arm {
+    /// Bytes written and read.
+    moved: (usize, usize),
+    /// Each operation's nanoseconds per byte, the first [`MAX_RATIOS`].
+    per_byte: Vec<f64>,
+}
+
+impl Arm {
+    /// Whether the arm has measured enough to be compared.
+    fn done(&self) -> bool {
+        let moved = self.moved.0.min(self.moved.1);
+        let ops = self.per_byte.len();
+        ops > 0 && ((moved >= DECIDE_BYTES && ops >= DECIDE_OPS) || moved >= DECIDE_BYTES_FEW)
+    }
+
+    /// The median operation's nanoseconds per byte (the lower one of an
+    /// even count): a few interrupted or unlucky operations do not decide
+    /// for the rest.
+    fn median(&mut self) -> f64 {
+        self.per_byte.sort_by(f64::total_cmp);
+        let n = self.per_byte.len();
+        self.per_byte
+            .get(n.saturating_sub(1) / 2)
+            .copied()
+            .unwrap_or(f64::NAN)
+    }
 }
 
 /// What [`Chooser::observe`] changed.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Switch {
-    /// To streaming stores: writes took this many times longer per byte.
+    /// To streaming stores: plain ones took this many times as long per
+    /// byte in the trial.
     ToStreaming(f64),
-    /// Back to plain stores: writes took this many times longer per byte.
+    /// Back to plain stores: streaming ones took this many times as long
+    /// per byte in the trial.
     ToPlain(f64),
 }
 
@@ -184,14 +244,20 @@ impl Chooser {
     pub(crate) fn new(policy: SlotStores) -> Self {
         Self {
             policy,
-            ..Self::default()
+            streaming: false,
+            trial: None,
+            until_trial: 0,
+            period: FIRST_PERIOD,
         }
     }
 
-    /// Bytes written and read that the next decision will rest on.
+    /// Bytes written and read by each arm of the trial under way:
+    /// (plain, streaming).
     #[cfg(test)]
-    pub(crate) fn pending_bytes(&self) -> (usize, usize) {
-        self.pending
+    pub(crate) fn pending_bytes(&self) -> ((usize, usize), (usize, usize)) {
+        self.trial
+            .as_ref()
+            .map_or(((0, 0), (0, 0)), |t| (t.plain.moved, t.streamed.moved))
     }
 
     /// Whether an operation of `rounds` rounds writes its slots with
@@ -201,59 +267,69 @@ impl Chooser {
         match self.policy {
             SlotStores::Plain => false,
             SlotStores::Streaming => rounds > 1,
-            SlotStores::Auto if rounds < 2 || !self.streaming || self.probing => false,
+            SlotStores::Auto if rounds < 2 => false,
             SlotStores::Auto => {
-                self.since_probe += 1;
-                if self.since_probe >= PROBE_EVERY {
-                    // A probe: plain stores until measured enough.
-                    self.since_probe = 0;
-                    self.probing = true;
-                    return false;
+                if self.trial.is_none() {
+                    if self.until_trial > 0 {
+                        self.until_trial -= 1;
+                        return self.streaming;
+                    }
+                    self.trial = Some(Trial::default());
                 }
-                true
+                self.trial.as_ref().is_some_and(|t| t.next_streams)
             }
         }
     }
 
     /// Learns from an operation of `rounds` rounds that ran with
-    /// `streamed` stores: only plain ones of several rounds tell how the
-    /// cores share lines now, once they add up to [`DECIDE_BYTES`] over
-    /// [`DECIDE_OPS`] operations (or [`DECIDE_BYTES_FEW`] over fewer).
+    /// `streamed` stores: only operations of several rounds in a trial
+    /// count, in the arm of their stores.
     pub(crate) fn observe(
         &mut self,
         rounds: usize,
         streamed: bool,
         m: &Measured,
     ) -> Option<Switch> {
-        if self.policy != SlotStores::Auto || streamed || rounds < 2 {
+        if self.policy != SlotStores::Auto || rounds < 2 {
             return None;
         }
-        self.pending.0 += m.written;
-        self.pending.1 += m.read_bytes;
-        if self.ratios.len() < MAX_RATIOS {
-            self.ratios.extend(m.write_over_read());
+        let trial = self.trial.as_mut()?;
+        let arm = match streamed {
+            true => &mut trial.streamed,
+            false => &mut trial.plain,
+        };
+        arm.moved.0 += m.written;
+        arm.moved.1 += m.read_bytes;
+        if arm.per_byte.len() < MAX_RATIOS {
+            arm.per_byte.extend(m.per_byte());
         }
-        let moved = self.pending.0.min(self.pending.1);
-        if moved < DECIDE_BYTES || (self.ratios.len() < DECIDE_OPS && moved < DECIDE_BYTES_FEW) {
+        // The other arm next, unless it has measured enough.
+        let (done_plain, done_streamed) = (trial.plain.done(), trial.streamed.done());
+        trial.next_streams = match (done_plain, done_streamed) {
+            (false, false) => !streamed,
+            (true, false) => true,
+            (false, true) => false,
+            (true, true) => false,
+        };
+        if !(done_plain && done_streamed) {
             return None;
         }
-        self.probing = false;
-        self.pending = (0, 0);
-        // The median operation: one interrupted or unlucky operation does
-        // not decide for the rest.
-        let mut ratios = std::mem::take(&mut self.ratios);
-        ratios.sort_by(f64::total_cmp);
-        let ratio = *ratios.get(ratios.len().saturating_sub(1) / 2)?;
-        let slow = ratio > SLOW_WRITES;
-        if slow == self.streaming {
-            return None;
+        let (plain, streamed) = (trial.plain.median(), trial.streamed.median());
+        self.trial = None;
+        let switch = match self.streaming {
+            false if streamed * MARGIN < plain => Some(Switch::ToStreaming(plain / streamed)),
+            true if plain * MARGIN < streamed => Some(Switch::ToPlain(streamed / plain)),
+            _ => None,
+        };
+        self.period = match switch {
+            Some(_) => FIRST_PERIOD,
+            None => (self.period * 2).min(LONGEST_PERIOD),
+        };
+        self.until_trial = self.period;
+        if switch.is_some() {
+            self.streaming = !self.streaming;
         }
-        self.streaming = slow;
-        self.since_probe = 0;
-        Some(match slow {
-            true => Switch::ToStreaming(ratio),
-            false => Switch::ToPlain(ratio),
-        })
+        switch
     }
 }
 
@@ -271,9 +347,16 @@ mod tests {
         }
     }
 
-    /// As [`m_over`], over enough bytes for one operation to decide.
+    /// As [`m_over`], over enough bytes for one operation to end an arm.
     fn m(w: u64, r: u64) -> Measured {
         m_over(w, r, DECIDE_BYTES_FEW)
+    }
+
+    /// Runs one eligible operation taking `took` with whatever stores the
+    /// chooser picks: `took(streamed)`.
+    fn op(c: &mut Chooser, took: impl Fn(bool) -> Measured) -> (bool, Option<Switch>) {
+        let streamed = c.streaming(8);
+        (streamed, c.observe(8, streamed, &took(streamed)))
     }
 
     #[test]
@@ -294,120 +377,133 @@ mod tests {
         );
     }
 
+    /// A trial runs plain stores, then streaming ones, and keeps the
+    /// faster by [`MARGIN`]; between trials the choice holds, and the gap
+    /// doubles while the choice holds.
     #[test]
-    fn slow_writes_switch_to_streaming_and_a_probe_switches_back() {
+    fn a_trial_of_both_keeps_the_faster_stores() {
         let mut c = Chooser::new(SlotStores::Auto);
-        // Writing about as fast as reading: plain stays. Exactly 3x is
-        // not slower than the threshold.
-        assert!(!c.streaming(8));
-        assert_eq!(c.observe(8, false, &m(2, 1)), None);
-        assert_eq!(c.observe(2, false, &m(3, 1)), None);
-        assert!(!c.streaming(8));
-        // One round: neither streamed nor learnt from, however slow.
-        assert_eq!(c.observe(1, false, &m(9, 1)), None);
-        assert!(!c.streaming(8));
-        // Writes 4x slower per byte (8 ns/B against 2, with unequal bytes
-        // written and read), in two operations: the decision waits until
-        // enough was read too, then streaming from the next one.
-        let wrote = Measured {
-            write: Duration::from_nanos(8 * DECIDE_BYTES_FEW as u64),
-            written: DECIDE_BYTES_FEW,
-            read: Duration::from_nanos(DECIDE_BYTES_FEW as u64),
-            read_bytes: DECIDE_BYTES_FEW / 2,
-        };
-        assert_eq!(c.observe(8, false, &wrote), None);
-        assert!(!c.streaming(8));
-        let read = Measured {
-            write: Duration::from_nanos(4 * DECIDE_BYTES_FEW as u64),
-            written: DECIDE_BYTES_FEW / 2,
-            read: Duration::from_nanos(3 * DECIDE_BYTES_FEW as u64),
-            read_bytes: 3 * DECIDE_BYTES_FEW / 2,
-        };
-        assert_eq!(c.observe(2, false, &read), Some(Switch::ToStreaming(4.0)));
-        // A streamed operation teaches nothing (its writes are another
-        // kind); two rounds are enough to stream.
-        for _ in 0..PROBE_EVERY - 1 {
-            assert!(c.streaming(2));
-            assert_eq!(c.observe(8, true, &m(1, 9)), None);
-        }
-        // One-round operations neither stream nor count towards the probe.
-        assert!(!c.streaming(1));
-        // Then a probe: plain stores until measured enough, still slow, so
-        // streaming goes on.
-        let half = m_over(5, 1, DECIDE_BYTES_FEW / 2);
-        assert!(!c.streaming(8));
-        assert_eq!(c.observe(8, false, &half), None);
-        assert!(
-            !c.streaming(8),
-            "a probe lasts until it has measured enough"
-        );
-        assert_eq!(c.observe(8, false, &half), None);
-        for _ in 0..PROBE_EVERY - 1 {
-            assert!(c.streaming(8));
-        }
-        // The next probe finds the cores sharing lines again: back to plain.
-        assert!(!c.streaming(8));
-        assert_eq!(c.observe(8, false, &m(1, 1)), Some(Switch::ToPlain(1.0)));
-        assert!(!c.streaming(8));
-        // Nothing read: nothing learnt, and nothing kept to add up.
-        let unread = Measured {
-            read: Duration::ZERO,
-            ..m(9, 1)
-        };
-        assert_eq!(c.observe(8, false, &unread), None);
+        // Streaming 2 ns/B against plain's 4 (writes and reads alike: the
+        // placement of 2026-11-28, where plain writes ran no slower than
+        // reads). The first eligible operation starts a trial.
+        let slow_plain = |s: bool| if s { m(2, 2) } else { m(4, 4) };
+        assert_eq!(op(&mut c, slow_plain), (false, None));
         assert_eq!(
-            c.observe(8, false, &m(4, 1)),
-            Some(Switch::ToStreaming(4.0))
+            op(&mut c, slow_plain),
+            (true, Some(Switch::ToStreaming(2.0)))
         );
-        assert_eq!(Measured::default().write_over_read(), None);
+        for _ in 0..FIRST_PERIOD {
+            assert_eq!(op(&mut c, slow_plain), (true, None));
+        }
+        // The next trial: plain, then streaming, which still wins by less
+        // than the margin would ask of plain: streaming stays, and the
+        // gap doubles.
+        let close = |s: bool| if s { m(10, 10) } else { m(11, 10) };
+        assert_eq!(op(&mut c, close), (false, None));
+        assert_eq!(op(&mut c, close), (true, None));
+        for _ in 0..2 * FIRST_PERIOD {
+            assert_eq!(op(&mut c, close), (true, None));
+        }
+        // The cores share a cache again: plain wins the next trial.
+        let slow_streaming = |s: bool| if s { m(3, 9) } else { m(2, 2) };
+        assert_eq!(op(&mut c, slow_streaming), (false, None));
+        assert_eq!(
+            op(&mut c, slow_streaming),
+            (true, Some(Switch::ToPlain(3.0)))
+        );
+        for _ in 0..FIRST_PERIOD {
+            assert_eq!(op(&mut c, slow_streaming), (false, None));
+        }
+        // Streaming a fifth faster (6 ns/B against 5) is within the
+        // margin: plain stays.
+        let a_fifth = |s: bool| if s { m(5, 5) } else { m(6, 6) };
+        assert_eq!(op(&mut c, a_fifth), (false, None));
+        assert_eq!(op(&mut c, a_fifth), (true, None));
+        assert!(!c.streaming(8));
+        // One-round operations neither stream nor count, in a trial or not.
+        assert!(!c.streaming(1));
+        assert_eq!(c.observe(1, false, &m(9, 9)), None);
+        // Nothing moved: nothing learnt.
+        assert_eq!(Measured::default().per_byte(), None);
     }
 
-    /// A decision is the median operation's, over at least
-    /// [`DECIDE_OPS`] of them when they are small: a few slow operations
-    /// among fast ones (the first after a pause, a rank interrupted) do
-    /// not switch, however slow; most operations slow do, however fast
-    /// one is.
+    /// A held choice doubles the gap between trials up to
+    /// [`LONGEST_PERIOD`] eligible operations.
+    #[test]
+    fn trials_thin_out_while_the_choice_holds() {
+        let mut c = Chooser::new(SlotStores::Auto);
+        let mut trials = Vec::new();
+        let mut gap = 0;
+        for _ in 0..6000 {
+            let streamed = c.streaming(8);
+            if c.trial.is_some() {
+                if gap > 0 {
+                    trials.push(gap);
+                }
+                gap = 0;
+            } else {
+                gap += 1;
+                assert!(!streamed);
+            }
+            assert_eq!(c.observe(8, streamed, &m(1, 1)), None);
+        }
+        assert_eq!(trials, [64, 128, 256, 512, 1024, 1024, 1024, 1024]);
+    }
+
+    /// An arm is the median operation's, over at least [`DECIDE_OPS`]
+    /// of them when they are small: a few slow operations among fast ones
+    /// (the first after a pause, a rank interrupted) do not decide.
     #[test]
     fn the_median_of_enough_operations_decides() {
         let mut c = Chooser::new(SlotStores::Auto);
-        let small = |w| m_over(w, 1, DECIDE_BYTES / 4);
-        // Enough bytes after four, but not enough operations.
-        for w in [40, 50, 2, 2, 2, 1, 2] {
-            assert_eq!(c.observe(8, false, &small(w)), None);
+        let small = |w| m_over(w, w, DECIDE_BYTES / 4);
+        // In turn, plain then streaming: enough bytes after four of each,
+        // but not enough operations. Two very slow plain ones among eight
+        // do not make plain slow: its median is 2, streaming's 3.
+        let plain = [40, 50, 2, 2, 2, 2, 2, 2];
+        let streamed = [1, 1, 1, 3, 3, 3, 3, 3];
+        for (p, s) in plain.into_iter().zip(streamed) {
+            assert_eq!(op(&mut c, |_| small(p)), (false, None));
+            assert_eq!(op(&mut c, |_| small(s)), (true, None));
         }
-        // Added up, writes took 12.6x as long; the median operation 2x.
-        assert_eq!(c.observe(8, false, &small(2)), None);
-        assert!(!c.streaming(8));
-        for w in [4, 1, 5, 4, 9, 2, 4] {
-            assert_eq!(c.observe(8, false, &small(w)), None);
-        }
-        // Of 1, 2, 4, 4, 4, 5, 6 and 9 the lower median: 4.
-        assert_eq!(
-            c.observe(8, false, &small(6)),
-            Some(Switch::ToStreaming(4.0))
-        );
-        assert!(c.streaming(8));
+        assert!(c.trial.is_none(), "the trial ended");
+        assert!(!c.streaming(8), "plain stays");
     }
 
-    /// Eight operations decide only with [`DECIDE_BYTES`] among them:
-    /// tiny ones never do, however slow; eight that move exactly that
-    /// much do, at the eighth.
+    /// Eight operations end an arm only with [`DECIDE_BYTES`] among them:
+    /// tiny ones never do; eight that move exactly that much do, at the
+    /// eighth; an arm that has ended leaves the rest of the trial to the
+    /// other.
     #[test]
-    fn eight_operations_decide_once_they_moved_enough() {
+    fn eight_operations_end_an_arm_once_they_moved_enough() {
         let mut c = Chooser::new(SlotStores::Auto);
-        for _ in 0..3 * DECIDE_OPS {
-            assert_eq!(c.observe(8, false, &m_over(9, 1, 1024)), None);
+        for i in 0..3 * DECIDE_OPS {
+            assert_eq!(op(&mut c, |_| m_over(9, 1, 1024)), (i % 2 == 1, None));
         }
         let mut c = Chooser::new(SlotStores::Auto);
-        let eighth = m_over(9, 1, DECIDE_BYTES / DECIDE_OPS);
-        for _ in 1..DECIDE_OPS {
-            assert_eq!(c.observe(8, false, &eighth), None);
+        let eighth = m_over(1, 1, DECIDE_BYTES / DECIDE_OPS);
+        for _ in 0..DECIDE_OPS - 1 {
+            assert_eq!(op(&mut c, |_| eighth), (false, None));
+            assert_eq!(op(&mut c, |_| eighth), (true, None));
         }
-        assert_eq!(c.observe(8, false, &eighth), Some(Switch::ToStreaming(9.0)));
+        // The plain arm's eighth ends it; a large streamed operation ends
+        // the other.
+        assert_eq!(op(&mut c, |_| eighth), (false, None));
+        assert_eq!(c.pending_bytes().0, (DECIDE_BYTES, DECIDE_BYTES));
+        assert_eq!(op(&mut c, |_| m(1, 1)), (true, None));
+        assert!(c.trial.is_none(), "the trial ended");
+        // Which a plain arm that ended first leaves to streaming alone.
+        let mut c = Chooser::new(SlotStores::Auto);
+        assert_eq!(op(&mut c, |_| m(1, 1)), (false, None));
+        for _ in 0..DECIDE_OPS - 1 {
+            assert_eq!(op(&mut c, |_| eighth), (true, None));
+        }
+        assert_eq!(op(&mut c, |_| eighth), (true, None));
+        assert!(c.trial.is_none(), "the trial ended");
     }
 
-    /// Operations that read little keep at most [`MAX_RATIOS`] ratios
-    /// until they have read enough, then decide on those.
+    /// Operations that read little keep at most [`MAX_RATIOS`] times
+    /// until they have read enough, then end their arm on those.
     #[test]
     fn operations_that_read_little_keep_a_bounded_list() {
         let mut c = Chooser::new(SlotStores::Auto);
@@ -417,24 +513,35 @@ mod tests {
             read: Duration::from_nanos(64),
             read_bytes: 64,
         };
-        for _ in 0..DECIDE_BYTES / 64 - 1 {
-            assert_eq!(c.observe(8, false, &little), None);
+        for _ in 0..2 * (DECIDE_BYTES / 64 - 1) {
+            op(&mut c, |_| little);
         }
-        assert_eq!(c.ratios.len(), MAX_RATIOS);
-        assert_eq!(c.observe(8, false, &little), Some(Switch::ToStreaming(9.0)));
-        assert!(c.ratios.is_empty());
+        let kept = c
+            .trial
+            .as_ref()
+            .map(|t| (t.plain.per_byte.len(), t.streamed.per_byte.len()));
+        assert_eq!(kept, Some((MAX_RATIOS, MAX_RATIOS)));
+        op(&mut c, |_| little);
+        op(&mut c, |_| little);
+        assert!(c.trial.is_none(), "the trial ended");
     }
 
     #[test]
     fn a_fixed_policy_never_changes() {
         let mut plain = Chooser::new(SlotStores::Plain);
-        assert_eq!(plain.observe(8, false, &m(9, 1)), None);
-        assert!(!plain.streaming(8));
+        for _ in 0..4 * FIRST_PERIOD {
+            assert_eq!(
+                op(&mut plain, |s| m(if s { 1 } else { 9 }, 1)),
+                (false, None)
+            );
+        }
         let mut streaming = Chooser::new(SlotStores::Streaming);
         assert!(!streaming.streaming(1), "one round is never streamed");
-        for _ in 0..2 * PROBE_EVERY {
-            assert!(streaming.streaming(8));
-            assert_eq!(streaming.observe(8, false, &m(1, 1)), None);
+        for _ in 0..4 * FIRST_PERIOD {
+            assert_eq!(
+                op(&mut streaming, |s| m(if s { 9 } else { 1 }, 1)),
+                (true, None)
+            );
         }
     }
 

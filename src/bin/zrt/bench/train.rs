@@ -314,22 +314,21 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     }
     // DeepSpeed is optional in the venv: without it its peers are left out
     // with one line, not a traceback per peer and round and rows of NaN.
-    let deepspeed_missing = a.peer
-        && {
-            let why = peer::import_fails(&peer::venv_python(), "deepspeed");
-            if let Some(why) = &why {
-                eprintln!(
-                "zrt bench train: DeepSpeed's rows are left out, the venv cannot import it ({why}); \
-                 `$(cargo xtask python) -m pip install deepspeed ninja` adds them"
-            );
-            }
-            why.is_some()
-        };
+    let deepspeed_missing = match a.peer {
+        true => peer::import_fails(&peer::venv_python(), "deepspeed"),
+        false => None,
+    };
+    if let Some(why) = &deepspeed_missing {
+        eprintln!(
+            "zrt bench train: DeepSpeed's rows are left out, the venv cannot import it \
+             ({why}); `$(cargo xtask python) -m pip install deepspeed ninja` adds them"
+        );
+    }
     let peers: Vec<(String, &str)> = if a.peer {
         a.sizes
             .iter()
             .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
-            .filter(|(_, p)| !(deepspeed_missing && p.starts_with("deepspeed")))
+            .filter(|(_, p)| deepspeed_missing.is_none() || !p.starts_with("deepspeed"))
             .collect()
     } else {
         Vec::new()

@@ -16,7 +16,6 @@ use zrt::collectives::ProcessGroup;
 use zrt::zero::{glue, AutoHints, Config, Engine, EngineError, ShardPlan, ShardedModule};
 
 const WORLD: usize = 2;
-static INIT: Mutex<()> = Mutex::new(());
 
 struct Tiny {
     vs: nn::VarStore,
@@ -40,7 +39,7 @@ fn linear_unit(
 
 /// Three linears 3 -> 5 -> 4 -> 1 with known values (index-based).
 fn tiny() -> Tiny {
-    let _g = INIT.lock().unwrap();
+    let _g = common::rng_lock();
     tch::set_num_threads(1);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
@@ -121,7 +120,7 @@ fn engine_of(
 
 /// A 3-element parameter `extra` (all ones) added to unit `unit` of `t`.
 fn extra_param(t: &Tiny, unit: &str) -> Tensor {
-    let _g = INIT.lock().unwrap();
+    let _g = common::rng_lock();
     (t.vs.root() / unit).ones("extra", &[3])
 }
 
@@ -362,14 +361,14 @@ fn stage_3_prefetches_in_the_order_forward_ran_not_the_wrapping_order() {
     on_ranks(WORLD, |r| {
         // Wrapped c, a, b (units 0, 1, 2) but run a, b, c: as a GPT
         // wraps its token embedding and head after the blocks.
-        let (vs, plan) = {
-            let _g = INIT.lock().unwrap();
-            (nn::VarStore::new(Device::Cpu), ShardPlan::new())
-        };
+        // Built under the RNG lock: `nn::linear` draws its values.
+        let rng = common::rng_lock();
+        let (vs, plan) = (nn::VarStore::new(Device::Cpu), ShardPlan::new());
         let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
         let c = mk("c", 4, 1);
         let a = mk("a", 3, 5);
         let b = mk("b", 5, 4);
+        drop(rng);
         let e = Engine::new(&vs, &plan, &config(3, 1), group(&r), &AutoHints::default()).unwrap();
         assert_eq!(e.unit_names(), ["c", "a", "b"]);
         let c_w = vs.variables()["c.weight"].shallow_clone();
@@ -721,11 +720,10 @@ fn plans_and_settings_the_engine_cannot_use_are_refused() {
     );
     assert_eq!(t.plan.learning_rate_scale("a.bias", &[5]), 1.0);
     // A unit wrapped under a path where nothing was created is another mistake.
-    let (vs, plan) = {
-        let _g = INIT.lock().unwrap();
-        (nn::VarStore::new(Device::Cpu), ShardPlan::new())
-    };
+    let rng = common::rng_lock();
+    let (vs, plan) = (nn::VarStore::new(Device::Cpu), ShardPlan::new());
     let _a = linear_unit(&vs, &plan, "a", 3, 5);
+    drop(rng);
     let _stray = ShardedModule::new(
         &plan,
         &(vs.root() / "nowhere"),
@@ -821,7 +819,7 @@ fn a_weight_tied_across_units_is_refused_in_stage_3_and_works_below() {
         (3, ""),
         (3, r#""stage3_max_live_parameters": 1,"#),
     ] {
-        let _g = INIT.lock().unwrap();
+        let _g = common::rng_lock();
         let vs = nn::VarStore::new(Device::Cpu);
         let plan = ShardPlan::new();
         let root = vs.root();
@@ -1225,7 +1223,7 @@ fn a_frozen_unit_run_twice_in_a_row_keeps_its_parameters_for_both_backwards() {
         let out = on_ranks(WORLD, |r| {
             // Built under the lock: the ranks share libtorch's global RNG.
             let (vs, plan, a, f, c) = {
-                let _g = INIT.lock().unwrap();
+                let _g = common::rng_lock();
                 tch::manual_seed(7);
                 let (vs, plan) = (nn::VarStore::new(Device::Cpu), ShardPlan::new());
                 let a = linear_unit(&vs, &plan, "a", 3, 3);
@@ -1590,7 +1588,7 @@ fn past_a_boundary(stage: u8) {
 /// libtorch on one rank seeing both ranks' inputs, averaged).
 fn reused_unit(stage: Option<u8>) -> Vec<f32> {
     let build = || {
-        let _g = INIT.lock().unwrap();
+        let _g = common::rng_lock();
         tch::manual_seed(5);
         let vs = nn::VarStore::new(Device::Cpu);
         let plan = ShardPlan::new();

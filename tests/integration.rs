@@ -2,18 +2,18 @@
 //! binary: as separate binaries, each compiled and linked the engine's
 //! code again (Cargo.toml says what that cost).
 //! `cargo test --test integration engine_parity::` runs one file's tests.
-//! `checkpoint_memory`, `launch_oom` and `own_project` stay binaries of
-//! their own (Cargo.toml; each file's first lines say why).
+//! The tests that set libtorch's process-global RNG state (checkpoint
+//! loads, checkpointed blocks) are in `tests/rng_state.rs`, a binary of
+//! their own; `checkpoint_memory`, `launch_oom` and `own_project` also
+//! stay binaries of their own (Cargo.toml; each file's first lines say
+//! why).
 
 mod common;
 
-mod activation_checkpointing;
-mod checkpoint;
 mod cli;
 mod engine_behaviour;
 mod engine_parity;
 mod freed_params;
-mod frozen_shards;
 mod full_params;
 mod kernels_vs_libtorch;
 mod launch;

@@ -24,6 +24,13 @@ pub const WD: f64 = 0.01;
 /// tch's RNG is process-global: build models one at a time from one seed.
 static INIT: Mutex<()> = Mutex::new(());
 
+/// [`INIT`], for a test that seeds or draws from libtorch's RNG on its own
+/// (a model of its own): every test of a binary must seed and draw under
+/// this one lock, or its draws land inside another test's seeded build.
+pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    INIT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Held for a whole test by the tests that set libtorch's process-global
 /// RNG state outside [`INIT`] (loading a checkpoint, a checkpointed block's
 /// recompute in backward): that can land between another test's seeding

@@ -178,12 +178,6 @@ pub(crate) struct Chooser {
     period: u32,
 }
 
-impl Default for Chooser {
-    fn default() -> Self {
-        Self::new(SlotStores::Auto)
-    }
-}
-
 /// Plain and streaming stores measured in turn, operation by operation,
 /// so that both arms see the same mix of operations (a group's sizes and
 /// kinds come in runs: all_gathers of one unit, then reduce_scatters; a

@@ -16,7 +16,7 @@ use crate::op::invalid;
 use crate::p2p::{check_peer, Mailbox, Peers};
 use crate::store::StoreClient;
 use crate::worker::{contain, Worker};
-use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
+use crate::{CommError, Element, OpDesc, OpKind, ReduceOp, Stats, Work};
 
 /// How a process backend moves data. Every method runs on the group's
 /// worker thread, one operation at a time, in issue order; each first
@@ -290,14 +290,6 @@ impl<X: Transport> Front<X> {
         out: Vec<T>,
     ) -> Work<(Vec<T>, Vec<T>)> {
         self.gather(desc::<T>(kind, input.len()), input, out)
-    }
-
-    /// `all_gather_in_place` for a transport without a way to skip this
-    /// rank's own part: it is copied out and gathered back.
-    pub(crate) fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
-        let d = desc::<T>(OpKind::AllGatherInPlace, buf.len());
-        let part = buf[chunk_range(buf.len(), self.size(), self.rank())].to_vec();
-        self.gather(d, part, buf).map(|(_, buf)| buf)
     }
 
     /// Every gather (`d` says which): the transport concatenates the

@@ -7,7 +7,7 @@ use crate::local::LocalGroup;
 use crate::rendezvous;
 use crate::shm::{slot_bytes_from_env, ShmGroup, ShmJoin, SlotStores};
 use crate::store::{StoreClient, StoreServer, MAX_TOKEN_LEN};
-use crate::tcp::{TcpGroup, TcpJoin};
+use crate::tcp::{window_bytes_from_env, TcpGroup, TcpJoin};
 use crate::work::timeout_from_env;
 use crate::{CommError, DeviceMesh, Element, ProcessGroup, ReduceOp, Stats, SymmetricBuf, Work};
 
@@ -227,7 +227,7 @@ pub struct Dist {
     world: Group,
     created: std::collections::HashMap<Vec<usize>, u32>,
     timeout: Duration,
-    shm: ShmSettings,
+    settings: Settings,
     // Last: the server must outlive this rank's own client and groups.
     _server: Option<StoreServer>,
 }
@@ -240,7 +240,8 @@ pub struct Dist {
 /// `ZRT_BACKEND=shm|tcp` overrides that (shm across hosts is refused).
 /// `ZRT_TIMEOUT` (seconds) bounds every wait, `ZRT_SHM_SLOT_BYTES` sizes
 /// the shm staging slots and `ZRT_SHM_SLOT_STORES` (`auto`, `plain`,
-/// `streaming`) says how they are written. A variable that is missing or
+/// `streaming`) says how they are written, `ZRT_TCP_WINDOW_BYTES` sizes
+/// the tcp backend's reduction windows. A variable that is missing or
 /// malformed is an error naming it, raised before any connection so that
 /// every rank fails on its own configuration.
 pub fn init_from_env() -> Result<Dist, CommError> {
@@ -263,9 +264,10 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         }
     };
     let timeout = timeout_from_env().map_err(CommError::Rendezvous)?;
-    let shm = ShmSettings {
+    let settings = Settings {
         slot_bytes: slot_bytes_from_env().map_err(CommError::Rendezvous)?,
         slot_stores: SlotStores::from_env().map_err(CommError::Rendezvous)?,
+        tcp_window_bytes: window_bytes_from_env().map_err(CommError::Rendezvous)?,
     };
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let server = if env.rank == 0 {
@@ -277,7 +279,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
     let hosts = rendezvous::meet(&store, env.rank, env.world_size, &hostname(), timeout)?;
     let backend = choose_backend(requested, hosts.iter().all(|h| h == &hosts[0]))?;
     let all: Vec<usize> = (0..env.world_size).collect();
-    let world = join_group(&env, backend, &store, shm, timeout, "world", &all)?;
+    let world = join_group(&env, backend, &store, settings, timeout, "world", &all)?;
     tracing::info!(
         rank = env.rank,
         world = env.world_size,
@@ -291,7 +293,7 @@ pub fn init_from_env() -> Result<Dist, CommError> {
         world,
         created: Default::default(),
         timeout,
-        shm,
+        settings,
         _server: server,
     })
 }
@@ -310,11 +312,12 @@ fn choose_backend(requested: Option<Backend>, same_host: bool) -> Result<Backend
     }
 }
 
-/// The shm backend's settings from the environment, for every group.
+/// The backends' settings from the environment, for every group.
 #[derive(Clone, Copy)]
-struct ShmSettings {
+struct Settings {
     slot_bytes: usize,
     slot_stores: SlotStores,
+    tcp_window_bytes: usize,
 }
 
 /// Joins (creates, for the first member) the group `name` of `ranks`.
@@ -322,7 +325,7 @@ fn join_group(
     env: &DistEnv,
     backend: Backend,
     store: &Arc<StoreClient>,
-    shm: ShmSettings,
+    settings: Settings,
     timeout: Duration,
     name: &str,
     ranks: &[usize],
@@ -334,8 +337,8 @@ fn join_group(
             name,
             world_ranks: ranks.to_vec(),
             world_rank: env.rank,
-            slot_bytes: shm.slot_bytes,
-            slot_stores: shm.slot_stores,
+            slot_bytes: settings.slot_bytes,
+            slot_stores: settings.slot_stores,
             timeout,
         })?),
         Backend::Tcp => Group::Tcp(TcpGroup::join(TcpJoin {
@@ -345,6 +348,7 @@ fn join_group(
             world_ranks: ranks.to_vec(),
             world_rank: env.rank,
             timeout,
+            window_bytes: settings.tcp_window_bytes,
         })?),
     })
 }
@@ -437,7 +441,7 @@ impl Dist {
             &self.env,
             self.backend,
             &self.store,
-            self.shm,
+            self.settings,
             self.timeout,
             &name,
             ranks,

@@ -45,6 +45,7 @@
 
 mod caches;
 mod dtype;
+mod env_bytes;
 mod error;
 mod front;
 mod groups;

@@ -184,20 +184,7 @@ fn window_len(slot: usize, size: usize, parts: usize, bufs: usize) -> usize {
 /// `ZRT_SHM_SLOT_BYTES` ([`DEFAULT_SLOT_BYTES`] when unset or empty), or
 /// what is wrong with it.
 pub(crate) fn slot_bytes_from_env() -> Result<usize, String> {
-    parse_slot_bytes(std::env::var("ZRT_SHM_SLOT_BYTES").ok().as_deref())
-}
-
-fn parse_slot_bytes(v: Option<&str>) -> Result<usize, String> {
-    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(DEFAULT_SLOT_BYTES);
-    };
-    match v.parse::<usize>() {
-        Ok(b) if (MIN_SLOT_BYTES..=1 << 30).contains(&b) => Ok(b),
-        _ => Err(format!(
-            "ZRT_SHM_SLOT_BYTES={v:?} is not a byte count from {MIN_SLOT_BYTES} to 1073741824 \
-             (e.g. ZRT_SHM_SLOT_BYTES=524288, the default)"
-        )),
-    }
+    crate::env_bytes::from_env("ZRT_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES, MIN_SLOT_BYTES)
 }
 
 struct Segment {
@@ -1845,13 +1832,20 @@ mod tests {
 
     #[test]
     fn slot_sizes_from_the_environment_are_checked() {
+        let parse = |v| {
+            crate::env_bytes::parse("ZRT_SHM_SLOT_BYTES", v, DEFAULT_SLOT_BYTES, MIN_SLOT_BYTES)
+        };
         // The default the README's environment table gives.
-        assert_eq!(parse_slot_bytes(None), Ok(524_288));
-        assert_eq!(parse_slot_bytes(Some("")), Ok(DEFAULT_SLOT_BYTES));
-        assert_eq!(parse_slot_bytes(Some(" 4096 ")), Ok(4096));
+        assert_eq!(parse(None), Ok(524_288));
+        assert_eq!(parse(Some("")), Ok(DEFAULT_SLOT_BYTES));
+        assert_eq!(parse(Some(" 4096 ")), Ok(4096));
         for bad in ["512k", "100", "-1", "x", "2000000000"] {
-            let e = parse_slot_bytes(Some(bad)).unwrap_err();
+            let e = parse(Some(bad)).unwrap_err();
             assert!(e.contains(&format!("ZRT_SHM_SLOT_BYTES={bad:?}")), "{e}");
+            assert!(
+                e.contains("from 4096 to 1073741824 (e.g. ZRT_SHM_SLOT_BYTES=524288, the default)"),
+                "{e}"
+            );
         }
     }
 }

@@ -10,22 +10,29 @@
 //! backends agree to the bit), and a dead rank is named exactly (its own
 //! connection closes). One reader thread per peer keeps concurrent sends
 //! from blocking each other. `send`/`recv` go through the store, as in shm.
+//!
+//! Reductions run a window at a time ([`DEFAULT_WINDOW_BYTES`] per peer):
+//! what the peers send is received into scratch the group keeps, and the
+//! window is reduced before the next is exchanged. Nothing is allocated
+//! per call: the in-place ops reduce over, and gather into, the caller's
+//! buffer, and all_gather sends this rank's part from where it lies.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::dtype::{as_bytes, as_bytes_mut};
+use crate::dtype::{as_bytes, as_bytes_mut, bytes_of};
 use crate::front::{forward_process_group, Front, Member, Transport};
 use crate::op::gather_lens;
 use crate::p2p::Mailbox;
 use crate::store::{same_token, StoreClient, MAX_TOKEN_LEN};
 use crate::worker::Worker;
-use crate::{chunk_range, CommError, Element, OpDesc, ReduceOp, Work};
+use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Work};
 
 /// What a rank needs to join a TCP group.
 pub struct TcpJoin<'a> {
@@ -41,6 +48,32 @@ pub struct TcpJoin<'a> {
     pub world_rank: usize,
     /// Timeout of every wait.
     pub timeout: Duration,
+    /// Bytes per peer of one window of this rank's reductions
+    /// ([`DEFAULT_WINDOW_BYTES`]; `ZRT_TCP_WINDOW_BYTES` through
+    /// [`init_from_env`](crate::init_from_env); at least 4096). Ranks may
+    /// differ: a window only says how much this rank sends and receives
+    /// before it reduces, not what crosses a connection (each peer's part,
+    /// in order, either way).
+    pub window_bytes: usize,
+}
+
+/// Bytes per peer of one window of a reduction (reduce_scatter, all_reduce)
+/// unless `ZRT_TCP_WINDOW_BYTES` says otherwise. A rank's scratch is one
+/// window per rank of the group, reused by every operation; buffers as
+/// large as the part, allocated per call, made all_reduce 2x slower than
+/// reduce_scatter and all_gather in turn (page faults).
+pub const DEFAULT_WINDOW_BYTES: usize = 4 << 20;
+
+/// The smallest window `ZRT_TCP_WINDOW_BYTES` may ask for.
+const MIN_WINDOW_BYTES: usize = 4096;
+
+/// `ZRT_TCP_WINDOW_BYTES`, checked.
+pub(crate) fn window_bytes_from_env() -> Result<usize, String> {
+    crate::env_bytes::from_env(
+        "ZRT_TCP_WINDOW_BYTES",
+        DEFAULT_WINDOW_BYTES,
+        MIN_WINDOW_BYTES,
+    )
 }
 
 struct Inner {
@@ -48,6 +81,8 @@ struct Inner {
     /// Connection to each peer (None for this rank).
     peers: Vec<Option<Peer>>,
     state: Mutex<State>,
+    /// Bytes per peer of a reduction's window.
+    window: usize,
     /// Set once this rank has left the group.
     left: AtomicBool,
 }
@@ -62,6 +97,9 @@ struct Peer {
 struct State {
     seq: u64,
     poisoned: Option<CommError>,
+    /// The reductions' windows ([`scratch`]): u64 words, so that every
+    /// element type is aligned in them.
+    scratch: Vec<u64>,
 }
 
 impl Inner {
@@ -183,77 +221,126 @@ impl Inner {
         })
     }
 
-    /// reduce_scatter into `part`; with `full`, then all_gather into `buf`.
+    /// Reduces `buf` (this rank's input; every rank's is as long) a window
+    /// at a time. Each round sends every peer its window of that peer's
+    /// part and receives every peer's window of this rank's part into
+    /// scratch, then reduces that window in rank order: into `out` (out of
+    /// place) or, with `out` `None`, over this rank's own part of `buf`.
+    /// With `gather`, then all_gathers the reduced parts into `buf`
+    /// (all_reduce).
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
         buf: &mut [T],
-        part: &mut Vec<T>,
+        mut out: Option<&mut Vec<T>>,
         op: ReduceOp,
-        full: bool,
+        gather: bool,
     ) -> Result<(), CommError> {
         let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let (n, me, len) = (self.n(), self.m.me, buf.len());
-        let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
+        let parts: Vec<Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
         let mine = parts[me].clone();
-        // Peers' contributions to this rank's part, in rank order.
-        let mut recv: Vec<Vec<T>> = (0..n)
-            .map(|p| {
-                if p == me {
-                    Vec::new()
-                } else {
-                    vec![T::ZERO; mine.len()]
-                }
-            })
-            .collect();
-        {
-            let outs: Vec<&[u8]> = (0..n)
-                .map(|p| {
-                    if p == me {
-                        &[][..]
-                    } else {
-                        as_bytes(&buf[parts[p].clone()])
-                    }
-                })
-                .collect();
-            let mut into: Vec<&mut [u8]> = recv.iter_mut().map(|v| as_bytes_mut(v)).collect();
-            self.exchange(desc, deadline, &outs, &mut into)?;
+        if let Some(out) = out.as_deref_mut() {
+            out.truncate(mine.len());
+            out.resize(mine.len(), T::ZERO);
         }
-        let srcs: Vec<&[T]> = (0..n)
-            .map(|p| {
-                if p == me {
-                    &buf[mine.clone()]
-                } else {
-                    &recv[p][..]
+        let w = (self.window / std::mem::size_of::<T>()).max(1);
+        // Rounds enough for the longest part: every peer's part is sent
+        // and this rank's received whole. A peer with other windows cuts
+        // the same bytes differently; each connection carries them in order.
+        let rounds = parts.iter().map(|p| p.len()).max().unwrap_or(0).div_ceil(w);
+        // A window per peer received, and one for a result that the type
+        // cannot sum over its own source (`reduce_over`).
+        let (recv, tmp) = scratch::<T>(&mut st.scratch, n * w).split_at_mut((n - 1) * w);
+        let window = |j: usize, p: &Range<usize>| {
+            p.start + (j * w).min(p.len())..p.start + ((j + 1) * w).min(p.len())
+        };
+        for j in 0..rounds {
+            let own = window(j, &mine);
+            let k = own.len();
+            {
+                let outs: Vec<&[u8]> = (0..n)
+                    .map(|p| match p == me {
+                        true => &[][..],
+                        false => as_bytes(&buf[window(j, &parts[p])]),
+                    })
+                    .collect();
+                let mut peers = recv.chunks_mut(w);
+                let mut into: Vec<&mut [u8]> = (0..n)
+                    .map(|p| match p == me {
+                        true => &mut [][..],
+                        false => peers
+                            .next()
+                            .map_or(&mut [][..], |c| as_bytes_mut(&mut c[..k])),
+                    })
+                    .collect();
+                self.exchange(desc, deadline, &outs, &mut into)?;
+            }
+            let others: Vec<&[T]> = recv.chunks(w).map(|c| &c[..k]).collect();
+            match out.as_deref_mut() {
+                Some(out) => {
+                    let at = own.start - mine.start..own.end - mine.start;
+                    T::reduce_into(&mut out[at], &in_rank_order(&others, me, &buf[own]), op);
                 }
-            })
-            .collect();
-        part.truncate(mine.len());
-        part.resize(mine.len(), T::ZERO);
-        T::reduce_into(part, &srcs, op);
-        if full {
-            buf[mine.clone()].copy_from_slice(part);
+                None if T::reduce_over(&mut buf[own.clone()], &others, me, op) => {}
+                None => {
+                    let t = &mut tmp[..k];
+                    T::reduce_into(t, &in_rank_order(&others, me, &buf[own.clone()]), op);
+                    buf[own].copy_from_slice(t);
+                }
+            }
+        }
+        if gather {
             self.gather_parts(desc, deadline, buf, &parts)?;
         }
         Ok(())
     }
 
-    /// Fills every peer's range of `out` from that peer (own range already there).
+    /// Concatenates the ranks' parts into `out`, in rank order. `input` is
+    /// this rank's part, or `None` when it is already in `out` at its place
+    /// (in place: no copy).
+    fn gather<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: Option<&[T]>,
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        let deadline = crate::work::deadline_in(self.m.timeout);
+        let mut st = self.state.lock();
+        let descs = self.agree(&mut st, desc, deadline)?;
+        let mut at = 0;
+        let parts: Vec<Range<usize>> = gather_lens(&descs)
+            .into_iter()
+            .map(|len| {
+                at += len;
+                at - len..at
+            })
+            .collect();
+        // In place the agreed length is the buffer's, so `at` is too: the
+        // resize below changes nothing then.
+        out.truncate(at);
+        out.resize(at, T::ZERO);
+        if let Some(input) = input {
+            out[parts[self.m.me].clone()].copy_from_slice(input);
+        }
+        self.gather_parts(desc, deadline, out, &parts)
+    }
+
+    /// Fills every peer's range of `out` from that peer, sending this
+    /// rank's own range (already there) to every peer.
     fn gather_parts<T: Element>(
         &self,
         desc: &OpDesc,
         deadline: Instant,
         out: &mut [T],
-        parts: &[std::ops::Range<usize>],
+        parts: &[Range<usize>],
     ) -> Result<(), CommError> {
         let me = self.m.me;
-        let own: Vec<T> = out[parts[me].clone()].to_vec();
-        let outs: Vec<&[u8]> = (0..self.n())
-            .map(|p| if p == me { &[][..] } else { as_bytes(&own) })
-            .collect();
-        // Split `out` into the disjoint per-peer ranges.
+        // Split `out` into the disjoint per-rank ranges: this rank's is
+        // read (sent), the peers' written (received), with no copy.
+        let mut own: &[u8] = &[];
         let mut into: Vec<&mut [u8]> = Vec::with_capacity(self.n());
         let mut rest = as_bytes_mut(out);
         let size = std::mem::size_of::<T>();
@@ -261,12 +348,44 @@ impl Inner {
         for (p, r) in parts.iter().enumerate() {
             let (_, tail) = rest.split_at_mut((r.start - at) * size);
             let (this, tail) = tail.split_at_mut(r.len() * size);
-            into.push(if p == me { &mut [][..] } else { this });
+            if p == me {
+                own = this;
+                into.push(&mut [][..]);
+            } else {
+                into.push(this);
+            }
             rest = tail;
             at = r.end;
         }
+        let outs: Vec<&[u8]> = (0..self.n())
+            .map(|p| if p == me { &[][..] } else { own })
+            .collect();
         self.exchange(desc, deadline, &outs, &mut into)
     }
+}
+
+/// The sources of a reduction in rank order: `others` with `own` at `me`.
+fn in_rank_order<'a, T>(others: &[&'a [T]], me: usize, own: &'a [T]) -> Vec<&'a [T]> {
+    let mut srcs = others.to_vec();
+    srcs.insert(me, own);
+    srcs
+}
+
+/// `len` elements of T over `words`, grown (zero-filled) when too short,
+/// else as the last operation left them. Reused by every operation of the
+/// group: a buffer allocated per call costs a page fault per 4 KiB it
+/// touches (an 8 MiB one about 4 ms on this project's VM, more than
+/// copying it), and the reductions' scratch was two or three of those.
+fn scratch<T: Element>(words: &mut Vec<u64>, len: usize) -> &mut [T] {
+    const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
+    let need = (len * std::mem::size_of::<T>()).div_ceil(8);
+    if words.len() < need {
+        words.resize(need, 0);
+    }
+    // SAFETY: `need` words hold `len` elements; u64 storage is aligned
+    // for every Element (asserted above); every byte pattern is a valid T
+    // (Element is sealed to plain-old-data types).
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<T>(), len) }
 }
 
 /// One rank's handle on a TCP group.
@@ -425,7 +544,9 @@ impl TcpGroup {
             state: Mutex::new(State {
                 seq: 0,
                 poisoned: None,
+                scratch: Vec::new(),
             }),
+            window: j.window_bytes.max(MIN_WINDOW_BYTES),
             left: AtomicBool::new(false),
         });
         let i2 = inner.clone();
@@ -513,7 +634,7 @@ impl Transport for Inner {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.reduce(desc, buf, &mut Vec::new(), op, true)
+        self.reduce(desc, buf, None, op, true)
     }
 
     fn reduce_scatter<T: Element>(
@@ -523,7 +644,7 @@ impl Transport for Inner {
         out: &mut Vec<T>,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.reduce(desc, input, out, op, false)
+        self.reduce(desc, input, Some(out), op, false)
     }
 
     fn all_gather<T: Element>(
@@ -532,21 +653,7 @@ impl Transport for Inner {
         input: &[T],
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
-        let deadline = crate::work::deadline_in(self.m.timeout);
-        let mut st = self.state.lock();
-        let descs = self.agree(&mut st, desc, deadline)?;
-        let mut at = 0;
-        let parts: Vec<std::ops::Range<usize>> = gather_lens(&descs)
-            .into_iter()
-            .map(|len| {
-                at += len;
-                at - len..at
-            })
-            .collect();
-        out.truncate(at);
-        out.resize(at, T::ZERO);
-        out[parts[self.m.me].clone()].copy_from_slice(input);
-        self.gather_parts(desc, deadline, out, &parts)
+        self.gather(desc, Some(input), out)
     }
 
     fn broadcast<T: Element>(
@@ -587,8 +694,24 @@ impl Transport for Inner {
 }
 
 forward_process_group!(TcpGroup {
-    fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
-        self.front.all_gather_in_place(buf)
+    fn reduce_scatter_in_place<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let desc = OpDesc::new(OpKind::ReduceScatter(op), Some(T::DTYPE), buf.len());
+        let n = self.front.size();
+        self.front.run(desc, move |g| {
+            g.reduce(&desc, &mut buf, None, op, false)?;
+            let s = bytes_of::<T>(buf.len());
+            Ok((buf, s, s / n.max(1)))
+        })
+    }
+
+    fn all_gather_in_place<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        let own = chunk_range(buf.len(), self.front.size(), self.front.rank());
+        let desc = OpDesc::new(OpKind::AllGatherInPlace, Some(T::DTYPE), buf.len());
+        self.front.run(desc, move |g| {
+            g.gather(&desc, None, &mut buf)?;
+            let (s, r) = (bytes_of::<T>(own.len()), bytes_of::<T>(buf.len()));
+            Ok((buf, s, r))
+        })
     }
 });
 
@@ -607,6 +730,7 @@ mod tests {
             world_ranks: vec![0, 1],
             world_rank,
             timeout: Duration::from_secs(3),
+            window_bytes: DEFAULT_WINDOW_BYTES,
         })
     }
 

@@ -146,6 +146,11 @@ fn rank_main() {
         // must still be rank 0's.
         std::env::set_var("ZRT_SHM_SLOT_BYTES", "4096");
     }
+    if scenario == "staged_rank1_small_windows" && std::env::var("RANK").as_deref() == Ok("1") {
+        // Only rank 1 asks for other TCP windows: the bytes on the wire
+        // are the same either way.
+        std::env::set_var("ZRT_TCP_WINDOW_BYTES", "4096");
+    }
     let dist = match init_from_env() {
         Ok(d) => d,
         Err(e) => {
@@ -440,7 +445,7 @@ fn rank_main() {
                 out.len()
             );
         }
-        "staged" => {
+        "staged" | "staged_rank1_small_windows" => {
             // Several rounds of windows of at least 4 KiB on any world size
             // (with the default 512 KiB slots), so streaming slot stores are
             // used where the policy asks for them: every staged operation
@@ -468,6 +473,22 @@ fn rank_main() {
                 .unwrap();
             if mine.clone().any(|i| in_place[i] != column(i)) {
                 wrong.push("reduce_scatter_in_place");
+            }
+            // Reductions with no kernel over their own source (`reduce_over`
+            // has f32 sums only): reduced into scratch and copied back.
+            let ints: Vec<i64> = (0..len).map(|i| common::val(me, i)).collect();
+            let all = g.all_reduce(ints.clone(), ReduceOp::Sum).wait().unwrap();
+            let int_column = |i: usize| (0..n).map(|r| common::val(r, i)).sum::<i64>();
+            if (0..len).any(|i| all[i] != int_column(i)) {
+                wrong.push("all_reduce i64");
+            }
+            let top = g
+                .reduce_scatter_in_place(ints.iter().map(|&x| x as f32).collect(), ReduceOp::Max)
+                .wait()
+                .unwrap();
+            let max = |i: usize| (0..n).map(|r| common::val(r, i)).max().unwrap_or(0) as f32;
+            if mine.clone().any(|i| top[i] != max(i)) {
+                wrong.push("reduce_scatter_in_place max");
             }
             let part_len = 150_001;
             let own: Vec<f32> = (0..part_len).map(|i| common::val(me, i) as f32).collect();
@@ -585,7 +606,12 @@ fn every_op_dtype_and_uneven_size_across_processes() {
     // Small staging slots force many windows per op on shm.
     for backend in BACKENDS {
         for world in [1, 2, 3, 4] {
-            let env = [("ZRT_SHM_SLOT_BYTES", "4096"), ("ZRT_BACKEND", backend)];
+            // And small windows on tcp.
+            let env = [
+                ("ZRT_SHM_SLOT_BYTES", "4096"),
+                ("ZRT_TCP_WINDOW_BYTES", "4096"),
+                ("ZRT_BACKEND", backend),
+            ];
             for e in run(world, "ops", &env, Duration::from_secs(120)) {
                 assert_eq!(e.code, Some(0), "{backend} world {world}:\n{}", e.out);
                 assert_eq!(said(&e), "ok");
@@ -647,6 +673,30 @@ fn staged_operations_are_exact_under_every_slot_store_policy() {
                 assert_eq!(e.code, Some(0), "{stores}, world {world}:\n{}", e.out);
                 assert_eq!(said(&e), "wrong: []", "{stores}, world {world}");
             }
+        }
+    }
+}
+
+/// The TCP backend's reductions over many windows (4 KiB each: dozens per
+/// operation, the last one short) on 2, 3 and 4 processes give the exact
+/// results the staged scenario expects, and so do ranks that use windows
+/// of different sizes (a window is how much a rank takes before it
+/// reduces; each connection carries the same bytes in the same order).
+#[test]
+fn tcp_reductions_over_many_windows_are_exact() {
+    for world in [2, 3, 4] {
+        let env = [("ZRT_BACKEND", "tcp"), ("ZRT_TCP_WINDOW_BYTES", "4096")];
+        for e in run(world, "staged", &env, Duration::from_secs(120)) {
+            assert_eq!(e.code, Some(0), "world {world}:\n{}", e.out);
+            assert_eq!(said(&e), "wrong: []", "world {world}");
+        }
+    }
+    for world in [2, 3] {
+        let env = [("ZRT_BACKEND", "tcp"), ("ZRT_TIMEOUT", "20")];
+        let scenario = "staged_rank1_small_windows";
+        for e in run(world, scenario, &env, Duration::from_secs(60)) {
+            assert_eq!(e.code, Some(0), "world {world}:\n{}", e.out);
+            assert_eq!(said(&e), "wrong: []", "world {world}");
         }
     }
 }
@@ -1040,7 +1090,7 @@ fn an_unknown_backend_is_refused_naming_the_choices() {
 }
 
 #[test]
-fn a_malformed_timeout_slot_size_or_slot_store_is_refused_naming_it() {
+fn a_malformed_timeout_slot_size_slot_store_or_tcp_window_is_refused_naming_it() {
     for (key, value, want) in [
         (
             "ZRT_TIMEOUT",
@@ -1051,6 +1101,11 @@ fn a_malformed_timeout_slot_size_or_slot_store_is_refused_naming_it() {
             "ZRT_SHM_SLOT_BYTES",
             "512k",
             "is not a byte count from 4096",
+        ),
+        (
+            "ZRT_TCP_WINDOW_BYTES",
+            "4M",
+            "is not a byte count from 4096 to 1073741824 (e.g. ZRT_TCP_WINDOW_BYTES=4194304, the default)",
         ),
         (
             "ZRT_SHM_SLOT_STORES",

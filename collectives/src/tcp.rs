@@ -666,28 +666,16 @@ impl Transport for Inner {
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let n = self.n();
-        let data = if self.m.me == root {
-            as_bytes(buf).to_vec()
+        // The root sends `buf` to every peer and receives nothing; the
+        // others receive it from the root into `buf` and send nothing.
+        let mut outs: Vec<&[u8]> = vec![&[][..]; n];
+        let mut into: Vec<&mut [u8]> = (0..n).map(|_| &mut [][..]).collect();
+        if self.m.me == root {
+            outs = (0..n)
+                .map(|p| if p == root { &[][..] } else { as_bytes(buf) })
+                .collect();
         } else {
-            Vec::new()
-        };
-        let outs: Vec<&[u8]> = (0..n)
-            .map(|p| {
-                if self.m.me == root && p != root {
-                    &data[..]
-                } else {
-                    &[][..]
-                }
-            })
-            .collect();
-        let mut into: Vec<&mut [u8]> = Vec::with_capacity(n);
-        let mut whole = Some(as_bytes_mut(buf));
-        for p in 0..n {
-            into.push(if self.m.me != root && p == root {
-                whole.take().unwrap_or_default()
-            } else {
-                &mut [][..]
-            });
+            into[root] = as_bytes_mut(buf);
         }
         self.exchange(desc, deadline, &outs, &mut into)
     }

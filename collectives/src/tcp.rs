@@ -173,15 +173,13 @@ impl Inner {
                         Err(e) => return Err(self.io_err(p, call, &e)),
                     }
                 }
-                let events = if sent[p] < out[p].len() {
-                    libc::POLLOUT
-                } else {
-                    0
-                } | if got[p] < into[p].len() {
-                    libc::POLLIN
-                } else {
-                    0
-                };
+                let mut events = 0;
+                if sent[p] < out[p].len() {
+                    events |= libc::POLLOUT;
+                }
+                if got[p] < into[p].len() {
+                    events |= libc::POLLIN;
+                }
                 if events != 0 {
                     fds.push(libc::pollfd {
                         fd: r.as_raw_fd(),
@@ -193,9 +191,8 @@ impl Inner {
             if fds.is_empty() {
                 return Ok(());
             }
-            if moved {
-                continue;
-            }
+            // Checked on every pass, moving or not: a peer that trickles
+            // bytes must not hold this rank past its deadline either.
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 // The first peer still owing bytes (or still owed them).
@@ -210,6 +207,9 @@ impl Inner {
                     call,
                     &std::io::Error::from(std::io::ErrorKind::TimedOut),
                 ));
+            }
+            if moved {
+                continue;
             }
             // At most a second per sleep: the deadline is checked above.
             let ms = left.as_millis().clamp(1, 1000) as libc::c_int;

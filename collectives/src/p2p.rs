@@ -97,13 +97,19 @@ impl Mailbox {
         let msg = loop {
             match p.store.get(&key, POLL) {
                 Ok(m) => break m,
-                Err(_) if gone() => {
-                    return Err(CommError::RankDied {
-                        group: p.group.to_string(),
-                        rank: p.world_ranks[from],
-                        call: desc.to_string(),
-                    })
-                }
+                // A sender posts and may then leave at once: after seeing
+                // it gone, look once more, or a message that came between
+                // the wait and the look would be lost for a death.
+                Err(_) if gone() => match p.store.get_within(&key, Duration::ZERO) {
+                    Ok(Some(m)) => break m,
+                    _ => {
+                        return Err(CommError::RankDied {
+                            group: p.group.to_string(),
+                            rank: p.world_ranks[from],
+                            call: desc.to_string(),
+                        })
+                    }
+                },
                 Err(_) if Instant::now() >= deadline => {
                     return Err(CommError::Timeout {
                         group: p.group.to_string(),
@@ -142,5 +148,48 @@ impl Mailbox {
                 call_b: desc.to_string(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreServer;
+    use crate::OpKind;
+
+    /// Group rank `me`'s `Peers` on `store`, in a group of world ranks 0 and 1.
+    fn peers<'a>(store: &'a StoreClient, me: usize) -> Peers<'a> {
+        Peers {
+            store,
+            group: "g",
+            world_ranks: &[0, 1],
+            me,
+        }
+    }
+
+    #[test]
+    fn a_message_posted_just_before_its_sender_left_is_received() {
+        let srv = StoreServer::serve("127.0.0.1:0", "t").unwrap();
+        let addr = srv.addr().to_string();
+        let store = StoreClient::connect(&addr, "t", Duration::from_secs(5)).unwrap();
+        let (sender, receiver) = (Mailbox::default(), Mailbox::default());
+        let send = OpDesc::new(OpKind::Send { to: 1 }, Some(crate::DType::I64), 3);
+        let recv = OpDesc::new(OpKind::Recv { from: 0 }, Some(crate::DType::I64), 3);
+        // The sender posts between the receiver's wait and its look at
+        // whether the sender is gone, and is gone by that look: the race
+        // of a sender that sends and exits.
+        let gone = || {
+            sender
+                .send(&peers(&store, 0), 1, &send, &[7i64, 8, 9])
+                .unwrap();
+            true
+        };
+        let got = receiver.recv::<i64>(&peers(&store, 1), 0, &recv, Duration::from_secs(5), gone);
+        assert_eq!(got.unwrap(), vec![7, 8, 9]);
+        // With nothing posted, a gone sender is an error naming it.
+        let e = receiver
+            .recv::<i64>(&peers(&store, 1), 0, &recv, Duration::from_secs(5), || true)
+            .unwrap_err();
+        assert!(matches!(e, CommError::RankDied { rank: 0, .. }), "{e}");
     }
 }

@@ -15,9 +15,9 @@
 //!
 //! Reductions run a window at a time ([`DEFAULT_WINDOW_BYTES`] per peer):
 //! what the peers send is received into scratch the group keeps, and the
-//! window is reduced before the next is exchanged. Nothing is allocated
+//! window is reduced before the next is exchanged. No buffer is allocated
 //! per call: the in-place ops reduce over, and gather into, the caller's
-//! buffer, and all_gather sends this rank's part from where it lies.
+//! buffer, and all_gather and broadcast send from where the data lies.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -60,8 +60,8 @@ pub struct TcpJoin<'a> {
 }
 
 /// Bytes per peer of one window of a reduction (reduce_scatter, all_reduce)
-/// unless `ZRT_TCP_WINDOW_BYTES` says otherwise. A rank's scratch is one
-/// window per rank of the group, reused by every operation; buffers as
+/// unless `ZRT_TCP_WINDOW_BYTES` says otherwise. A rank's scratch is at
+/// most one window per rank of the group, reused by every operation; buffers as
 /// large as the part, allocated per call, made all_reduce 2x slower than
 /// reduce_scatter and all_gather in turn (page faults).
 pub const DEFAULT_WINDOW_BYTES: usize = 4 << 20;

@@ -130,6 +130,20 @@ pub(crate) fn gather_lens(descs: &[OpDesc]) -> Vec<usize> {
         .collect()
 }
 
+/// Where each rank's part lies in the output of a gather whose ranks
+/// described their calls as `descs`: [`gather_lens`] laid end to end, in
+/// group order. The last range ends at the output's length.
+pub(crate) fn gather_ranges(descs: &[OpDesc]) -> Vec<Range<usize>> {
+    let mut at = 0;
+    gather_lens(descs)
+        .into_iter()
+        .map(|len| {
+            at += len;
+            at - len..at
+        })
+        .collect()
+}
+
 const REDUCE_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 const DTYPES: [DType; 6] = [
     DType::F32,
@@ -464,11 +478,16 @@ mod tests {
             d(OpKind::AllGatherV, 5),
         ];
         assert_eq!(gather_lens(&v), [3, 0, 5]);
+        assert_eq!(gather_ranges(&v), [0..3, 3..3, 3..8]);
         assert_eq!(gather_lens(&[d(OpKind::AllGather, 4); 3]), [4, 4, 4]);
         // In place the whole of 10 splits like torch.tensor_split.
         assert_eq!(
             gather_lens(&[d(OpKind::AllGatherInPlace, 10); 3]),
             [4, 3, 3]
+        );
+        assert_eq!(
+            gather_ranges(&[d(OpKind::AllGatherInPlace, 10); 3]),
+            [0..4, 4..7, 7..10]
         );
     }
 }

@@ -48,7 +48,7 @@ use parking_lot::Mutex;
 
 use crate::dtype::bytes_of;
 use crate::front::{forward_process_group, Front, Member, Transport};
-use crate::op::{gather_lens, invalid};
+use crate::op::{gather_ranges, invalid};
 use crate::p2p::Mailbox;
 pub use crate::slot_stores::SlotStores;
 use crate::slot_stores::{Chooser, Measured, Switch};
@@ -700,17 +700,11 @@ impl Inner {
         let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
-        let lens = gather_lens(&descs);
-        let offs: Vec<usize> = lens
-            .iter()
-            .scan(0, |acc, &l| {
-                let o = *acc;
-                *acc += l;
-                Some(o)
-            })
-            .collect();
+        let parts = gather_ranges(&descs);
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        let offs: Vec<usize> = parts.iter().map(|p| p.start).collect();
         // Reuse the caller's buffer as it is: clearing would zero-fill it again.
-        let total: usize = lens.iter().sum();
+        let total = parts.last().map_or(0, |p| p.end);
         if input.is_none() && out.len() != total {
             return Err(invalid(
                 &self.m.name,

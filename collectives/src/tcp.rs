@@ -30,7 +30,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::dtype::{as_bytes, as_bytes_mut, bytes_of};
 use crate::front::{forward_process_group, Front, Member, Transport};
-use crate::op::gather_lens;
+use crate::op::gather_ranges;
 use crate::p2p::Mailbox;
 use crate::store::{same_token, StoreClient, MAX_TOKEN_LEN};
 use crate::worker::Worker;
@@ -355,14 +355,8 @@ impl Inner {
         let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
-        let mut at = 0;
-        let parts: Vec<Range<usize>> = gather_lens(&descs)
-            .into_iter()
-            .map(|len| {
-                at += len;
-                at - len..at
-            })
-            .collect();
+        let parts = gather_ranges(&descs);
+        let at = parts.last().map_or(0, |p| p.end);
         // In place the agreed length is the buffer's, so `at` is too: the
         // resize below changes nothing then.
         out.truncate(at);

@@ -4,7 +4,8 @@
 //! creation through the rendezvous store; each connection presents the job's
 //! token, as the store does). Collectives are *direct*: for reduce_scatter
 //! every rank sends each peer that peer's part and reduces the parts it
-//! receives in rank order; all_reduce is that plus an all_gather. Per rank
+//! receives in rank order; all_reduce is that plus an all_gather (or, when
+//! small, whole buffers to every peer: [`WHOLE_ALL_REDUCE_BYTES`]). Per rank
 //! this moves the same bytes as a ring, and it buys two things: the
 //! reduction is the same rank-ordered f64 sum as the other backends (so all
 //! backends agree to the bit), and a dead rank is named exactly (its own
@@ -35,6 +36,15 @@ use crate::p2p::Mailbox;
 use crate::store::{same_token, StoreClient, MAX_TOKEN_LEN};
 use crate::worker::Worker;
 use crate::{chunk_range, CommError, Element, OpDesc, OpKind, ReduceOp, Work};
+
+/// An all_reduce is done in one exchange of data when a rank sends at most
+/// this many bytes that way (its buffer to each of `n - 1` peers): each
+/// rank sends its whole buffer to every peer and reduces all of it,
+/// rather than reduce-scattering and then all-gathering the parts. It
+/// moves `n - 1` buffers per rank instead of `2 (n - 1) / n` (the same on
+/// 2 ranks) and saves a round trip: most of what a loss or a gradient
+/// norm costs. (Medians on 2 ranks, loopback: docs/collectives-bench.md.)
+pub const WHOLE_ALL_REDUCE_BYTES: usize = 64 << 10;
 
 /// What a rank needs to join a TCP group.
 pub struct TcpJoin<'a> {
@@ -269,7 +279,9 @@ impl Inner {
     /// scratch, then reduces that window in rank order: into `out` (out of
     /// place) or, with `out` `None`, over this rank's own part of `buf`.
     /// With `gather`, then all_gathers the reduced parts into `buf`
-    /// (all_reduce).
+    /// (all_reduce); a small all_reduce ([`WHOLE_ALL_REDUCE_BYTES`])
+    /// instead sends every peer the whole buffer and reduces all of it
+    /// (one exchange of data, not two).
     fn reduce<T: Element>(
         &self,
         desc: &OpDesc,
@@ -282,7 +294,15 @@ impl Inner {
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
         let (n, me, len) = (self.n(), self.m.me, buf.len());
-        let parts: Vec<Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
+        // Every rank's "part" is then the whole buffer: each reduces all
+        // of it, in rank order, as the parts would have been (the same bits).
+        let whole = gather && bytes_of::<T>(len) * (n - 1) <= WHOLE_ALL_REDUCE_BYTES;
+        let parts: Vec<Range<usize>> = (0..n)
+            .map(|p| match whole {
+                true => 0..len,
+                false => chunk_range(len, n, p),
+            })
+            .collect();
         let mine = parts[me].clone();
         if let Some(out) = out.as_deref_mut() {
             out.truncate(mine.len());
@@ -337,7 +357,7 @@ impl Inner {
                 }
             }
         }
-        if gather {
+        if gather && !whole {
             self.gather_parts(desc, deadline, buf, &parts)?;
         }
         Ok(())

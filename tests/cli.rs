@@ -660,6 +660,42 @@ fn bench_train_leaves_out_peers_it_cannot_run_and_says_so_once() {
 }
 
 #[test]
+fn bench_train_runs_its_ranks_on_each_backend_it_is_given() {
+    // ZRT_BACKEND says shm: the flag decides, and each row says what its
+    // ranks ran on.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+        .args(["--stages", "3", "--rounds", "1", "--steps", "1", "--json"])
+        .args(["--backends", "tcp,shm"])
+        .env("ZRT_BACKEND", "shm")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let backends: Vec<&str> = rows
+        .iter()
+        .map(|r| r["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(backends, ["tcp", "shm"], "{rows:?}");
+    // The same work on either backend.
+    for field in ["params", "comm_elements_per_step", "model_state_bytes"] {
+        assert_eq!(rows[0][field], rows[1][field], "{field}: {rows:?}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "train", "--backends", "shm,nccl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("invalid value 'nccl'"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
     let bench = |buckets: &str| {
         Command::new(env!("CARGO_BIN_EXE_zrt"))
@@ -686,6 +722,7 @@ fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
         assert_eq!(rows[0][field], rows[1][field], "{field}: {rows:?}");
     }
     assert!(rows[0]["comm_elements_per_step"].as_f64().unwrap() > 0.0);
+    assert_eq!(rows[0]["backend"], "shm", "{rows:?}");
     let o = bench("5e8,0.5");
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);

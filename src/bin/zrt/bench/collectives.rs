@@ -46,7 +46,7 @@ pub struct CollectivesArgs {
     #[arg(long, default_value_t = 5, value_parser = super::at_least_one())]
     iters: usize,
     /// zrt backend to measure: shm or tcp (loopback).
-    #[arg(long, default_value = "shm")]
+    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp"])]
     backend: String,
     /// Also run the gloo peer in the libtorch venv.
     #[arg(long)]

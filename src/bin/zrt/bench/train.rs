@@ -22,7 +22,7 @@ pub struct TrainArgs {
     /// ZeRO stages to measure.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
     stages: Vec<u8>,
-    /// World sizes (ranks as processes on the shm backend).
+    /// World sizes (ranks as processes on each of `--backends`).
     #[arg(long, value_delimiter = ',', default_value = "1,2", value_parser = super::at_least_one())]
     worlds: Vec<usize>,
     /// Model sizes: `base` (the GPT: vocab 8192, d 512, 8 layers,
@@ -63,6 +63,11 @@ pub struct TrainArgs {
     /// summary's ratios use the first size listed.
     #[arg(long, value_delimiter = ',', default_value = "5e8")]
     reduce_bucket_sizes: Vec<f64>,
+    /// zrt backends the ranks use, interleaved like the stages: shm, and
+    /// tcp (on loopback: what a job across hosts runs on). The peers use
+    /// gloo, over TCP, either way.
+    #[arg(long, value_delimiter = ',', default_value = "shm", value_parser = ["shm", "tcp"])]
+    backends: Vec<String>,
     /// One JSON object per row on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -143,6 +148,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     tch::set_num_threads(1);
     let mut dist = init_from_env()?;
     let (rank, n) = (dist.env().rank, dist.env().world_size);
+    let backend = format!("{:?}", dist.backend()).to_lowercase();
     let c = gpt(&a.size)?;
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
@@ -193,6 +199,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
             "@@zrt {}",
             json!({
                 "times": t, "rss": rss, "model_state_bytes": state, "params": engine.num_params(), "frozen": frozen,
+                "backend": backend,
                 "comm_seconds_per_step": comm_s / a.steps as f64, "comm_elements_per_step": comm_elems / a.steps as f64,
                 "comm_wait_seconds_per_step": wait_s / a.steps as f64,
             })
@@ -224,7 +231,7 @@ fn bucket_label(b: f64) -> String {
 
 fn run_rank(
     me: &std::path::Path,
-    (size, world, stage, bucket): &Measured,
+    (size, world, stage, bucket, backend): &Measured,
     a: &TrainArgs,
 ) -> Result<Value> {
     let args: Vec<String> = [
@@ -249,11 +256,12 @@ fn run_rank(
             .then(|| "--checkpoint-activations".to_string()),
     )
     .collect();
-    run_ranks(me, &args, *world, &[])
+    run_ranks(me, &args, *world, &[("ZRT_BACKEND", backend.clone())])
 }
 
-/// One zrt configuration: model size, world, stage, `reduce_bucket_size`.
-type Measured = (String, usize, u8, f64);
+/// One zrt configuration: model size, world, stage, `reduce_bucket_size`,
+/// backend.
+type Measured = (String, usize, u8, f64, String);
 
 /// The PyTorch peers `--peer` runs (bench/peers/train_peer.py modes).
 const PEERS: [&str; 6] = [
@@ -307,7 +315,9 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         for &world in &a.worlds {
             for &stage in &a.stages {
                 for &bucket in &a.reduce_bucket_sizes {
-                    configs.push((size.clone(), world, stage, bucket));
+                    for backend in &a.backends {
+                        configs.push((size.clone(), world, stage, bucket, backend.clone()));
+                    }
                 }
             }
         }
@@ -377,8 +387,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     };
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, shm backend; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}",
             a.micro,
+            a.backends.join(" and "),
+            if a.backends.len() > 1 { "s" } else { "" },
             a.rounds,
             a.steps,
             peak / 1e9,
@@ -412,12 +424,17 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let mib = |b: f64| b / (1u64 << 20) as f64;
     // (size, world, stage, s/step, peak RSS, model state, formula) for --plot.
     let mut plotted = Vec::new();
-    for ((size, world, stage, bucket), rows) in configs.iter().zip(&samples) {
+    // Backends are named in the rows only when there are several.
+    let tag = |backend: &str| match a.backends.len() > 1 {
+        true => format!(" {backend}"),
+        false => String::new(),
+    };
+    for ((size, world, stage, bucket, backend), rows) in configs.iter().zip(&samples) {
         let c = gpt(size)?;
         let name = match name_buckets {
             true => format!("zrt zero{stage} b{}", bucket_label(*bucket)),
             false => format!("zrt zero{stage}"),
-        };
+        } + &tag(backend);
         let get = |f: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[f].as_f64()).collect() };
         let t = median_time(rows);
         let params = rows
@@ -470,13 +487,15 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         let line = match name_buckets {
             true => format!("{size} bucket {}", bucket_label(*bucket)),
             false => size.clone(),
-        };
+        } + &tag(backend);
         plotted.push((line, *world, *stage, t, rss, state, formula));
         if a.json {
             println!(
                 "{}",
                 json!({
                     "bench": "train", "model": size, "world": world, "impl": format!("zrt_zero{stage}"), "stage": stage,
+                    // The backend the ranks said they ran on.
+                    "backend": rows.first().map_or(Value::Null, |r| r["backend"].clone()),
                     "reduce_bucket_size": bucket,
                     "params": params, "seconds_per_step": t, "tokens_per_s": tokens / t, "flops_per_s": flops, "mfu": mfu,
                     "matmul_peak_flops_per_s": peak, "peak_rss_bytes": rss, "model_state_bytes": state,
@@ -556,12 +575,19 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     }
     if !a.json && a.peer {
         for size in &a.sizes {
-            for (stage, fsdp) in [(3u8, "fsdp2_zero3"), (2, "fsdp2_zero2")] {
+            for ((stage, fsdp), backend) in [(3u8, "fsdp2_zero3"), (2, "fsdp2_zero2")]
+                .into_iter()
+                .flat_map(|s| a.backends.iter().map(move |b| (s, b)))
+            {
                 let Some(rows) = configs
                     .iter()
                     .zip(&samples)
-                    .find(|((s, w, st, b), _)| {
-                        s == size && *w == 2 && *st == stage && *b == a.reduce_bucket_sizes[0]
+                    .find(|((s, w, st, b, be), _)| {
+                        s == size
+                            && *w == 2
+                            && *st == stage
+                            && *b == a.reduce_bucket_sizes[0]
+                            && be == backend
                     })
                     .map(|(_, r)| r)
                 else {
@@ -573,7 +599,11 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 }
                 let t = median_time(rows);
                 println!(
-                    "{size} ZeRO-{stage}, 2 ranks: FSDP2 / zrt step time {:.2}x, DDP / zrt {:.2}x, FSDP2 / zrt peak RSS {:.2}x (higher is better for zrt)",
+                    "{size} ZeRO-{stage}, 2 ranks{}: FSDP2 / zrt step time {:.2}x, DDP / zrt {:.2}x, FSDP2 / zrt peak RSS {:.2}x (higher is better for zrt)",
+                    match a.backends.len() > 1 {
+                        true => format!(", zrt on {backend}"),
+                        false => String::new(),
+                    },
                     median_time(peer_rows(size, fsdp)) / t,
                     median_time(peer_rows(size, "ddp")) / t,
                     max_rss(peer_rows(size, fsdp)) / max_rss(rows)

@@ -296,7 +296,7 @@ impl Inner {
         let (n, me, len) = (self.n(), self.m.me, buf.len());
         // Every rank's "part" is then the whole buffer: each reduces all
         // of it, in rank order, as the parts would have been (the same bits).
-        let whole = gather && bytes_of::<T>(len) * (n - 1) <= WHOLE_ALL_REDUCE_BYTES;
+        let whole = gather && bytes_of::<T>(len).saturating_mul(n - 1) <= WHOLE_ALL_REDUCE_BYTES;
         let parts: Vec<Range<usize>> = (0..n)
             .map(|p| match whole {
                 true => 0..len,

@@ -1295,10 +1295,16 @@ impl Transport for Inner {
         futex::wake_all(self.seg.word(self.m.me, W_ARRIVE));
     }
 
+    /// Agrees on the call, then passes a second barrier: a rank that
+    /// reached the barrier and then gave up on it (timed out, and left)
+    /// has arrived at the first but never arrives at the second, so a
+    /// late rank fails naming it instead of passing (as a late rank's
+    /// gather fails: it needs the peer's data).
     fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
         let deadline = crate::work::deadline_in(self.m.timeout);
-        self.agree(&mut self.state.lock(), desc, deadline)
-            .map(|_| ())
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        self.pass_barrier(&mut st, desc, deadline)
     }
     fn all_reduce<T: Element>(
         &self,

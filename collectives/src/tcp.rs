@@ -680,10 +680,33 @@ impl Transport for Inner {
         }
     }
 
+    /// Agrees on the call, then exchanges a byte with every peer: a rank
+    /// that reached the barrier and then gave up on it (timed out, and
+    /// left) sent its description but never sends the byte, so a late
+    /// rank reads the connection's end and fails naming it instead of
+    /// passing (as a late rank's gather fails: it needs the peer's data).
+    /// A peer that passed and then exited sent the byte before it closed.
     fn barrier(&self, desc: &OpDesc) -> Result<(), CommError> {
         let deadline = crate::work::deadline_in(self.m.timeout);
-        self.agree(&mut self.state.lock(), desc, deadline)
-            .map(|_| ())
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let n = self.n();
+        let outs: Vec<&[u8]> = (0..n)
+            .map(|p| if p == self.m.me { &[][..] } else { &[1u8][..] })
+            .collect();
+        let mut bytes = vec![[0u8]; n];
+        let mut into: Vec<&mut [u8]> = bytes
+            .iter_mut()
+            .enumerate()
+            .map(|(p, b)| {
+                if p == self.m.me {
+                    &mut [][..]
+                } else {
+                    &mut b[..]
+                }
+            })
+            .collect();
+        self.exchange(desc, deadline, &outs, &mut into)
     }
 
     fn all_reduce<T: Element>(

@@ -137,7 +137,7 @@ fn rank_main() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
-    if scenario == "stalled" && std::env::var("RANK").as_deref() == Ok("0") {
+    if scenario.starts_with("stalled") && std::env::var("RANK").as_deref() == Ok("0") {
         // Rank 0 gives up on a late rank 1 after half a second.
         std::env::set_var("ZRT_TIMEOUT", "0.5");
     }
@@ -562,8 +562,13 @@ fn rank_main() {
                 after[0]
             );
         }
-        "stalled" => {
-            let gather = |v: u8| g.all_gather(vec![v; 1000], Vec::new()).wait();
+        "stalled" | "stalled_barrier" => {
+            // The late rank's call: a gather, or a barrier (which moves no
+            // data), and what it returns.
+            let gather = |v: u8| match scenario.as_str() {
+                "stalled" => g.all_gather(vec![v; 1000], Vec::new()).wait(),
+                _ => g.barrier().wait().map(|()| (Vec::new(), vec![v; 4])),
+            };
             if me == 0 {
                 // Timed out waiting for rank 1; then a call that must not run.
                 let a = gather(7).err().map_or("ok".into(), |e| e.to_string());
@@ -917,30 +922,37 @@ fn a_rank_killed_mid_collective_fails_its_peer_within_5_seconds() {
 
 #[test]
 fn a_rank_that_timed_out_leaves_the_group_and_the_late_rank_learns_it() {
-    for backend in BACKENDS {
-        let ended = run(
-            2,
-            "stalled",
-            &[("ZRT_BACKEND", backend)],
-            Duration::from_secs(60),
-        );
-        let (zero, one) = (said(&ended[0]), said(&ended[1]));
-        assert!(
-            zero.starts_with(
-                "all_gather(u8 x 1000) on group `world` timed out after 0.5 s waiting for rank(s) [1]"
-            ) && zero.contains(
-                "| all_gather(u8 x 1000) on group `world` was not run: an earlier collective on the group failed on this rank"
-            ) && zero.ends_with("| true"),
-            "{backend}: {zero}"
-        );
-        // Rank 1 arrives late, while rank 0 is still alive: it is told at
-        // once that rank 0 left, instead of running the gather against a
-        // rank that is no longer in it.
-        assert_eq!(
-            one,
-            "rank 0 of group `world` died or left the group during all_gather(u8 x 1000): every rank must stay until the last collective (a rank that ran out of data and returned early leaves too: give every rank the same number of steps); otherwise check rank 0's output for its error | true",
-            "{backend}"
-        );
+    // A gather, and a barrier: it moves no data, but a late rank must not
+    // pass one that its peer reached and then gave up on either.
+    for (scenario, call) in [
+        ("stalled", "all_gather(u8 x 1000)"),
+        ("stalled_barrier", "barrier()"),
+    ] {
+        for backend in BACKENDS {
+            let ended = run(
+                2,
+                scenario,
+                &[("ZRT_BACKEND", backend)],
+                Duration::from_secs(60),
+            );
+            let (zero, one) = (said(&ended[0]), said(&ended[1]));
+            assert!(
+                zero.starts_with(&format!(
+                    "{call} on group `world` timed out after 0.5 s waiting for rank(s) [1]"
+                )) && zero.contains(&format!(
+                    "| {call} on group `world` was not run: an earlier collective on the group failed on this rank"
+                )) && zero.ends_with("| true"),
+                "{backend}: {zero}"
+            );
+            // Rank 1 arrives late, while rank 0 is still alive: it is told
+            // at once that rank 0 left, instead of running the call against
+            // a rank that is no longer in it.
+            assert_eq!(
+                one,
+                format!("rank 0 of group `world` died or left the group during {call}: every rank must stay until the last collective (a rank that ran out of data and returned early leaves too: give every rank the same number of steps); otherwise check rank 0's output for its error | true"),
+                "{backend}"
+            );
+        }
     }
 }
 

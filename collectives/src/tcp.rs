@@ -690,23 +690,9 @@ impl Transport for Inner {
         let deadline = crate::work::deadline_in(self.m.timeout);
         let mut st = self.state.lock();
         self.agree(&mut st, desc, deadline)?;
-        let n = self.n();
-        let outs: Vec<&[u8]> = (0..n)
-            .map(|p| if p == self.m.me { &[][..] } else { &[1u8][..] })
-            .collect();
-        let mut bytes = vec![[0u8]; n];
-        let mut into: Vec<&mut [u8]> = bytes
-            .iter_mut()
-            .enumerate()
-            .map(|(p, b)| {
-                if p == self.m.me {
-                    &mut [][..]
-                } else {
-                    &mut b[..]
-                }
-            })
-            .collect();
-        self.exchange(desc, deadline, &outs, &mut into)
+        // An all_gather of one byte per rank.
+        let parts: Vec<Range<usize>> = (0..self.n()).map(|p| p..p + 1).collect();
+        self.gather_parts(desc, deadline, &mut vec![1u8; self.n()], &parts)
     }
 
     fn all_reduce<T: Element>(

@@ -701,8 +701,6 @@ impl Inner {
         let mut st = self.state.lock();
         let descs = self.agree(&mut st, desc, deadline)?;
         let parts = gather_ranges(&descs);
-        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        let offs: Vec<usize> = parts.iter().map(|p| p.start).collect();
         // Reuse the caller's buffer as it is: clearing would zero-fill it again.
         let total = parts.last().map_or(0, |p| p.end);
         if input.is_none() && out.len() != total {
@@ -715,7 +713,7 @@ impl Inner {
         out.truncate(total);
         out.resize(total, T::ZERO);
         let w = self.window::<T>(1, 2);
-        let rounds = lens.iter().max().copied().unwrap_or(0).div_ceil(w);
+        let rounds = parts.iter().map(|p| p.len()).max().unwrap_or(0).div_ceil(w);
         let ring = self.claim::<T>(&mut st, rounds, 2);
         let stream = bytes_of::<T>(total) >= stream_min_dest_bytes();
         // Out of place (the only copy it is used for), this rank's own
@@ -733,9 +731,13 @@ impl Inner {
         let mut took = Measured::default();
         for j in 0..rounds {
             let h = ring.at(j);
-            let part = |r: usize| (j * w).min(lens[r])..((j + 1) * w).min(lens[r]);
+            // Rank r's window of this round, within its part and in `out`.
+            let part = |r: usize| (j * w).min(parts[r].len())..((j + 1) * w).min(parts[r].len());
+            let place = |r: usize, p: &std::ops::Range<usize>| {
+                parts[r].start + p.start..parts[r].start + p.end
+            };
             let mine = part(self.m.me);
-            let own = offs[self.m.me] + mine.start..offs[self.m.me] + mine.end;
+            let own = place(self.m.me, &mine);
             // SAFETY: own ring written between barriers; others read
             // after. Round j + 1 writes a buffer that round j - 1 read at
             // the latest (half a slot each, at least two along the ring),
@@ -781,7 +783,7 @@ impl Inner {
                 let p = part(r);
                 // SAFETY: rank r's buffer of this round, read after the barrier.
                 let src = unsafe { self.seg.slot::<T>(r, h, p.len()) };
-                copy_streaming(&mut out[offs[r] + p.start..offs[r] + p.end], src, stream);
+                copy_streaming(&mut out[place(r, &p)], src, stream);
                 bytes += bytes_of::<T>(p.len());
             }
             took.read(t, bytes);

@@ -385,12 +385,14 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             .find(|((s, m), _)| s == size && *m == mode)
             .map_or(&[], |(_, r)| r.as_slice())
     };
+    // Backends are named in the rows only when there are several.
+    let several_backends = a.backends.len() > 1;
     if !a.json {
         println!(
             "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}",
             a.micro,
             a.backends.join(" and "),
-            if a.backends.len() > 1 { "s" } else { "" },
+            if several_backends { "s" } else { "" },
             a.rounds,
             a.steps,
             peak / 1e9,
@@ -424,8 +426,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let mib = |b: f64| b / (1u64 << 20) as f64;
     // (size, world, stage, s/step, peak RSS, model state, formula) for --plot.
     let mut plotted = Vec::new();
-    // Backends are named in the rows only when there are several.
-    let tag = |backend: &str| match a.backends.len() > 1 {
+    let tag = |backend: &str| match several_backends {
         true => format!(" {backend}"),
         false => String::new(),
     };
@@ -600,7 +601,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 let t = median_time(rows);
                 println!(
                     "{size} ZeRO-{stage}, 2 ranks{}: FSDP2 / zrt step time {:.2}x, DDP / zrt {:.2}x, FSDP2 / zrt peak RSS {:.2}x (higher is better for zrt)",
-                    match a.backends.len() > 1 {
+                    match several_backends {
                         true => format!(", zrt on {backend}"),
                         false => String::new(),
                     },

@@ -18,3 +18,4 @@ mod full_params;
 mod kernels_vs_libtorch;
 mod launch;
 mod offload;
+mod two_engines;

@@ -66,6 +66,7 @@ mod agree;
 mod checkpoint;
 mod comms_log;
 mod elems;
+mod foreign;
 mod frozen;
 mod frozen_shards;
 mod full_params;
@@ -258,6 +259,14 @@ struct Inner<G> {
     /// Stage 3's gather buffers (they become unit storage and come back
     /// here when the unit is freed) and whole-unit gradient buffers.
     pools: pool::Pools,
+    /// This engine among the process's (see [`foreign`]).
+    id: u64,
+    /// `backward` calls so far: with `id`, names each backward to the
+    /// other engines' hooks.
+    backwards: std::sync::atomic::AtomicU64,
+    /// Whether this engine has said that it dropped gradients another
+    /// engine's backward sent through its parameters (said once).
+    told_foreign: std::sync::atomic::AtomicBool,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -1406,6 +1415,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             owners,
             pools: pool::Pools::new(),
             cfg,
+            id: foreign::new_id(),
+            backwards: Default::default(),
+            told_foreign: Default::default(),
         });
         if stage == 3 {
             let mut st = inner.st.lock();
@@ -1421,11 +1433,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // Reduce each unit's gradients as soon as they are all in.
             let st = inner.st.lock();
             for (k, u) in st.units.iter().enumerate() {
-                for t in &u.params {
+                for (j, t) in u.params.iter().enumerate() {
                     let weak = Arc::downgrade(&inner);
                     glue::on_grad_accumulated(t, move || {
                         if let Some(i) = weak.upgrade() {
-                            i.grad_accumulated(k);
+                            i.grad_accumulated(k, j);
                         }
                     })?;
                 }
@@ -1502,9 +1514,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             i.begin_backward(&mut st);
             st.timing.backward_starts()
         };
-        let ran = loss
-            .f_mul_scalar(scale / i.cfg.batch.gas as f64)
-            .and_then(|l| l.f_backward());
+        let ran = {
+            // Other engines' hooks this backward reaches drop their
+            // gradients (see `foreign`).
+            let seq = i
+                .backwards
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let _running = foreign::running(i.id, seq);
+            loss.f_mul_scalar(scale / i.cfg.batch.gas as f64)
+                .and_then(|l| l.f_backward())
+        };
         let mut st = i.st.lock();
         let micro = st.micro;
         let ended = match ran {

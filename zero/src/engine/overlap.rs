@@ -31,7 +31,7 @@ use super::elems::Elems;
 use super::offload::ReadAhead;
 use super::pool::Pool;
 use super::timing::waiting;
-use super::{elems, Compute, CopyShard, Inner, State, Unit};
+use super::{elems, foreign, Compute, CopyShard, Inner, State, Unit};
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
@@ -305,6 +305,11 @@ pub(super) struct Progress {
     pub(super) bare: bool,
     /// The order forward runs the units in, which prefetch follows.
     pub(super) order: RunOrder,
+    /// The other engine's backward (id, count) whose gradients through
+    /// this engine's parameters the hooks are dropping ([`foreign`]).
+    foreign_of: Option<(u64, u64)>,
+    /// Per unit, the parameters whose gradient that backward still owes.
+    foreign_ready: Vec<usize>,
     /// `overlap_comm: false`: reductions a hook found announced unevenly
     /// (the ranks' names for it, the units some rank reduced), named when
     /// the error is returned, after backward ran on (see
@@ -446,6 +451,8 @@ impl Progress {
             bare: false,
             order: RunOrder::default(),
             uneven_later: None,
+            foreign_of: None,
+            foreign_ready: Vec::new(),
         }
     }
 }
@@ -479,10 +486,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         drop_reductions(st);
     }
 
-    /// A parameter of unit `k` has its gradient (the hook's entry point).
-    pub(super) fn grad_accumulated(&self, k: usize) {
+    /// Parameter `j` of unit `k` has its gradient (the hook's entry point).
+    pub(super) fn grad_accumulated(&self, k: usize, j: usize) {
         let mut st = self.st.lock();
         if st.error.is_some() || k >= st.prog.launched.len() {
+            return;
+        }
+        if let Some(other) = foreign::other_than(self.id) {
+            if let Err(e) = self.drop_foreign(&mut st, other, k, j) {
+                st.error = Some(e);
+            }
             return;
         }
         if st.prog.launched[k] {
@@ -508,6 +521,43 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.error = Some(e);
             }
         }
+    }
+
+    /// Drops the gradient another engine's backward (`other`: its id and
+    /// backward count) sent through parameter `j` of unit `k`, as
+    /// `zero_grad()` would before this engine's own step, and reduces
+    /// nothing (see [`foreign`]). Stage 3 frees the unit once all its
+    /// parameters' gradients have come, as after its own backward: that
+    /// backward re-gathered it.
+    fn drop_foreign(
+        &self,
+        st: &mut State,
+        other: (u64, u64),
+        k: usize,
+        j: usize,
+    ) -> Result<(), EngineError> {
+        if st.prog.foreign_of != Some(other) {
+            st.prog.foreign_of = Some(other);
+            st.prog.foreign_ready = st.units.iter().map(|u| u.params.len()).collect();
+        }
+        if let Some(t) = st.units[k].params.get(j) {
+            glue::clear_grad(t)?;
+        }
+        if !self
+            .told_foreign
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "unit `{}`: another engine's backward sent gradients through this engine's parameters; they are dropped: engine.backward(loss) trains that engine only, as zero_grad() before this engine's own step would clear them. To train both engines from one loss, call loss.backward() and then step() on each (said once)",
+                st.units[k].name
+            );
+        }
+        let left = &mut st.prog.foreign_ready[k];
+        *left = left.saturating_sub(1);
+        if *left == 0 && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
+            self.release(st, k)?;
+        }
+        Ok(())
     }
 
     /// Starts a backward the program began with `loss.backward()`, ending

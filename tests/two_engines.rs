@@ -1,0 +1,272 @@
+//! Two engines in one program, as DeepSpeed users run them: a frozen
+//! teacher under ZeRO-3, only ever run forward, whose logits a student
+//! learns from (distillation); two models trained in turn; a GAN, whose
+//! generator's backward runs through the discriminator's parameters. Each
+//! engine makes its own groups, so neither's collectives meet the
+//! other's; each must train exactly as it does alone, and
+//! `engine.backward` trains its own engine only (docs/choices.md).
+
+use crate::common;
+
+use common::{config_zero, model_of, on_ranks, tokens, GPT, WORLD};
+use tch::Kind;
+use zrt::collectives::local::{LocalGroup, LocalRank};
+use zrt::gpt::{Gpt, GptConfig};
+use zrt::zero::{glue, AutoHints, Config, Engine, ShardPlan};
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// The student: one block where the teacher ([`GPT`]) has two.
+const STUDENT: GptConfig = GptConfig { layers: 1, ..GPT };
+
+/// AdamW at `stage`, no accumulation or clipping; at stage 3 every
+/// parameter is sharded (DeepSpeed's default threshold would keep all of
+/// these tiny models' parameters whole).
+fn config(stage: u8) -> Config {
+    config_zero(
+        stage,
+        1,
+        0.0,
+        "",
+        r#""stage3_param_persistence_threshold": 0,"#,
+    )
+}
+
+/// An engine for `vs` and `plan` under `cfg` on `r`'s world.
+fn engine(
+    vs: &tch::nn::VarStore,
+    plan: &ShardPlan,
+    cfg: &Config,
+    r: &LocalRank,
+) -> Engine<LocalGroup> {
+    let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+    Engine::new(vs, plan, cfg, group, &AutoHints::default()).unwrap()
+}
+
+/// Next-token cross-entropy of `logits` for `batch`, plus their mean
+/// squared distance from the teacher's.
+fn distill_loss(batch: &tch::Tensor, logits: &tch::Tensor, teacher: &tch::Tensor) -> tch::Tensor {
+    let y = batch.narrow(1, 1, GPT.seq);
+    let ce = logits
+        .view([-1, GPT.vocab])
+        .cross_entropy_for_logits(&y.reshape([-1]));
+    ce + (logits - teacher).square().mean(Kind::Float)
+}
+
+/// Trains the student at ZeRO-3 for three steps against the teacher's
+/// logits; the teacher is a plain tch model (`teacher_stage` `None`) or
+/// frozen whole in an engine of that stage. Rank 0's student losses and
+/// parameters.
+fn distill(teacher_stage: Option<u8>) -> (Vec<f64>, Params) {
+    let out = on_ranks(WORLD, |r| {
+        let (tvs, tplan, teacher) = model_of(&GPT);
+        for (_, t) in tvs.variables() {
+            let _ = t.set_requires_grad(false);
+        }
+        let (svs, splan, student) = model_of(&STUDENT);
+        let _teacher_engine = teacher_stage.map(|s| engine(&tvs, &tplan, &config(s), &r));
+        let se = engine(&svs, &splan, &config(3), &r);
+        let losses: Vec<f64> = (0..3)
+            .map(|step| {
+                let batch = tokens(step, 0, r.rank(), 1);
+                let x = batch.narrow(1, 0, GPT.seq);
+                let t = tch::no_grad(|| teacher.forward(&x));
+                if teacher_stage == Some(3) && step > 0 {
+                    // Sharded for real: a block the forward is done with
+                    // holds no memory (the first forward frees units to
+                    // zeros it maps instead, for its check of tied weights).
+                    let w = &tvs.variables()["h.0.fc.weight"];
+                    assert_eq!(glue::storage_nbytes(w).unwrap(), 0);
+                }
+                let loss = distill_loss(&batch, &student.forward(&x), &t);
+                se.backward(&loss).unwrap();
+                se.step().unwrap();
+                loss.double_value(&[])
+            })
+            .collect();
+        (losses, se.gathered_params().unwrap())
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_frozen_zero_3_teacher_teaches_as_the_plain_model_does() {
+    let plain = distill(None);
+    assert!(plain.0.iter().all(|l| l.is_finite()), "{:?}", plain.0);
+    assert_ne!(plain.0[0], plain.0[2], "the student did not learn");
+    let sharded = distill(Some(3));
+    assert_eq!(sharded.0, plain.0, "losses");
+    assert_eq!(sharded.1, plain.1, "the student's parameters");
+}
+
+/// A model, its plan and its engine, kept together: the engine works on
+/// the VarStore's tensors and the plan's units.
+type Trained = (tch::nn::VarStore, ShardPlan, Gpt, Engine<LocalGroup>);
+
+/// Trains `a` (the [`GPT`]) and `b` (the [`STUDENT`] shape) for three
+/// steps each on rank `r`'s micro-batches, in turn when both are given:
+/// rank 0's losses and parameters of each.
+fn train(a: Option<u8>, b: Option<u8>) -> [Option<(Vec<f64>, Params)>; 2] {
+    let out = on_ranks(WORLD, |r| {
+        let models: Vec<Option<Trained>> = [(a, GPT), (b, STUDENT)]
+            .into_iter()
+            .map(|(stage, shape)| {
+                stage.map(|s| {
+                    let (vs, plan, gpt) = model_of(&shape);
+                    let e = engine(&vs, &plan, &config(s), &r);
+                    (vs, plan, gpt, e)
+                })
+            })
+            .collect();
+        let mut losses = [Vec::new(), Vec::new()];
+        for step in 0..3 {
+            for (m, l) in models.iter().zip(&mut losses) {
+                if let Some((_, _, gpt, e)) = m {
+                    let loss = gpt.loss(&tokens(step, 0, r.rank(), 1));
+                    e.backward(&loss).unwrap();
+                    e.step().unwrap();
+                    l.push(loss.double_value(&[]));
+                }
+            }
+        }
+        let mut got = [None, None];
+        for ((m, l), g) in models.iter().zip(losses).zip(&mut got) {
+            if let Some((_, _, _, e)) = m {
+                *g = Some((l, e.gathered_params().unwrap()));
+            }
+        }
+        got
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn two_engines_trained_in_turn_each_train_as_alone() {
+    for (sa, sb) in [(3, 3), (3, 2), (1, 3)] {
+        let [a, b] = train(Some(sa), Some(sb));
+        let [alone_a, _] = train(Some(sa), None);
+        let [_, alone_b] = train(None, Some(sb));
+        assert_eq!(a, alone_a, "stages {sa} and {sb}: the first model");
+        assert_eq!(b, alone_b, "stages {sa} and {sb}: the second model");
+    }
+}
+
+/// A linear `i -> o` named `name`, wrapped as a unit of `plan`.
+fn linear_unit(
+    vs: &tch::nn::VarStore,
+    plan: &ShardPlan,
+    name: &str,
+    i: i64,
+    o: i64,
+) -> zrt::zero::ShardedModule<tch::nn::Linear> {
+    let p = vs.root() / name;
+    zrt::zero::ShardedModule::new(plan, &p, tch::nn::linear(&p, i, o, Default::default()))
+}
+
+/// A GAN's discriminator and generator: two linear units each.
+struct Gan {
+    gvs: tch::nn::VarStore,
+    gplan: ShardPlan,
+    dvs: tch::nn::VarStore,
+    dplan: ShardPlan,
+    g: [zrt::zero::ShardedModule<tch::nn::Linear>; 2],
+    d: [zrt::zero::ShardedModule<tch::nn::Linear>; 2],
+}
+
+impl Gan {
+    fn new() -> Self {
+        let _g = common::rng_lock();
+        tch::manual_seed(3);
+        let (gvs, gplan) = (tch::nn::VarStore::new(tch::Device::Cpu), ShardPlan::new());
+        let (dvs, dplan) = (tch::nn::VarStore::new(tch::Device::Cpu), ShardPlan::new());
+        let g = [
+            linear_unit(&gvs, &gplan, "g1", 4, 8),
+            linear_unit(&gvs, &gplan, "g2", 8, 4),
+        ];
+        let d = [
+            linear_unit(&dvs, &dplan, "d1", 4, 8),
+            linear_unit(&dvs, &dplan, "d2", 8, 1),
+        ];
+        Self {
+            gvs,
+            gplan,
+            dvs,
+            dplan,
+            g,
+            d,
+        }
+    }
+
+    fn generate(&self, z: &tch::Tensor) -> tch::Tensor {
+        use tch::nn::Module;
+        self.g[1].forward(&self.g[0].forward(z).tanh())
+    }
+
+    /// The discriminator's mean score of `x`.
+    fn score(&self, x: &tch::Tensor) -> tch::Tensor {
+        use tch::nn::Module;
+        self.d[1]
+            .forward(&self.d[0].forward(x).tanh())
+            .mean(Kind::Float)
+    }
+}
+
+/// Data of `step` on `rank`.
+fn data(step: usize, rank: usize) -> tch::Tensor {
+    (tch::Tensor::arange(16, (Kind::Float, tch::Device::Cpu)).view([4, 4])
+        * (0.1 + 0.1 * (step * WORLD + rank) as f64))
+        .cos()
+}
+
+/// Two discriminator steps, with a generator step between them when
+/// `generator_step` (its loss runs through the discriminator): the
+/// discriminator's parameters at the end, the generator's, and what was
+/// logged on rank 0.
+fn gan(stage: u8, generator_step: bool) -> (Params, Params, String) {
+    let out = on_ranks(WORLD, |r| {
+        common::with_logs(|| {
+            let m = Gan::new();
+            let eg = engine(&m.gvs, &m.gplan, &config(stage), &r);
+            let ed = engine(&m.dvs, &m.dplan, &config(stage), &r);
+            let fake = m.generate(&data(0, r.rank()));
+            let ld = m.score(&data(1, r.rank())) - m.score(&fake.detach());
+            ed.backward(&ld).unwrap();
+            ed.step().unwrap();
+            if generator_step {
+                eg.backward(&m.score(&fake)).unwrap();
+                eg.step().unwrap();
+                if stage == 3 {
+                    // Re-gathered for that backward, freed again after it.
+                    let w = &m.dvs.variables()["d1.weight"];
+                    assert_eq!(glue::storage_nbytes(w).unwrap(), 0);
+                }
+            }
+            // The discriminator's second step reads real data only.
+            ed.backward(&m.score(&data(2, r.rank()))).unwrap();
+            ed.step().unwrap();
+            (ed.gathered_params().unwrap(), eg.gathered_params().unwrap())
+        })
+    });
+    let ((d, g), logs) = out.into_iter().next().unwrap();
+    (d, g, logs)
+}
+
+#[test]
+fn another_engines_backward_through_this_ones_parameters_trains_neither_them_nor_it_twice() {
+    for stage in [0u8, 1, 2, 3] {
+        let (d, g, logs) = gan(stage, true);
+        let (d_alone, g_untrained, quiet) = gan(stage, false);
+        // The generator's loss reached the discriminator's parameters, and
+        // its step dropped their gradients, as zero_grad() would have.
+        assert_eq!(d, d_alone, "stage {stage}: the discriminator");
+        assert_ne!(g, g_untrained, "stage {stage}: the generator did not train");
+        assert_eq!(
+            logs.matches("another engine's backward sent gradients")
+                .count(),
+            1,
+            "stage {stage}: {logs}"
+        );
+        assert!(logs.contains("unit `d"), "{logs}");
+        assert!(!quiet.contains("another engine"), "{quiet}");
+    }
+}

@@ -211,25 +211,42 @@ impl Gan {
     }
 }
 
-/// Data of `step` on `rank`.
-fn data(step: usize, rank: usize) -> tch::Tensor {
+/// Data of `step` on `rank`, in `kind`.
+fn data(step: usize, rank: usize, kind: Kind) -> tch::Tensor {
     (tch::Tensor::arange(16, (Kind::Float, tch::Device::Cpu)).view([4, 4])
         * (0.1 + 0.1 * (step * WORLD + rank) as f64))
         .cos()
+        .to_kind(kind)
 }
 
 /// Two discriminator steps, with a generator step between them when
-/// `generator_step` (its loss runs through the discriminator): the
-/// discriminator's parameters at the end, the generator's, and what was
-/// logged on rank 0.
-fn gan(stage: u8, generator_step: bool) -> (Params, Params, String) {
+/// `generator_step` (its loss runs through the discriminator), in fp32 or
+/// fp16 (`fp16`, with DeepSpeed's loss scaling): the discriminator's
+/// parameters at the end, the generator's, and what was logged on rank 0.
+fn gan(stage: u8, generator_step: bool, fp16: bool) -> (Params, Params, String) {
+    let (top, kind) = match fp16 {
+        // A scale these gradients do not overflow: no step is skipped.
+        true => (
+            r#""fp16": {"enabled": true, "initial_scale_power": 4},"#,
+            Kind::Half,
+        ),
+        false => ("", Kind::Float),
+    };
+    let cfg = config_zero(
+        stage,
+        1,
+        0.0,
+        top,
+        r#""stage3_param_persistence_threshold": 0,"#,
+    );
     let out = on_ranks(WORLD, |r| {
         common::with_logs(|| {
             let m = Gan::new();
-            let eg = engine(&m.gvs, &m.gplan, &config(stage), &r);
-            let ed = engine(&m.dvs, &m.dplan, &config(stage), &r);
-            let fake = m.generate(&data(0, r.rank()));
-            let ld = m.score(&data(1, r.rank())) - m.score(&fake.detach());
+            let eg = engine(&m.gvs, &m.gplan, &cfg, &r);
+            let ed = engine(&m.dvs, &m.dplan, &cfg, &r);
+            let d_before = ed.gathered_params().unwrap();
+            let fake = m.generate(&data(0, r.rank(), kind));
+            let ld = m.score(&data(1, r.rank(), kind)) - m.score(&fake.detach());
             ed.backward(&ld).unwrap();
             ed.step().unwrap();
             if generator_step {
@@ -242,9 +259,11 @@ fn gan(stage: u8, generator_step: bool) -> (Params, Params, String) {
                 }
             }
             // The discriminator's second step reads real data only.
-            ed.backward(&m.score(&data(2, r.rank()))).unwrap();
+            ed.backward(&m.score(&data(2, r.rank(), kind))).unwrap();
             ed.step().unwrap();
-            (ed.gathered_params().unwrap(), eg.gathered_params().unwrap())
+            let d = ed.gathered_params().unwrap();
+            assert_ne!(d, d_before, "the discriminator did not train");
+            (d, eg.gathered_params().unwrap())
         })
     });
     let ((d, g), logs) = out.into_iter().next().unwrap();
@@ -253,9 +272,11 @@ fn gan(stage: u8, generator_step: bool) -> (Params, Params, String) {
 
 #[test]
 fn another_engines_backward_through_this_ones_parameters_trains_neither_them_nor_it_twice() {
-    for stage in [0u8, 1, 2, 3] {
-        let (d, g, logs) = gan(stage, true);
-        let (d_alone, g_untrained, quiet) = gan(stage, false);
+    // In fp16 the generator's scaled loss reached the discriminator's
+    // hooks, which used to fail it: "call engine.backward(&loss)".
+    for (stage, fp16) in [(0u8, false), (1, false), (2, false), (3, false), (3, true)] {
+        let (d, g, logs) = gan(stage, true, fp16);
+        let (d_alone, g_untrained, quiet) = gan(stage, false, fp16);
         // The generator's loss reached the discriminator's parameters, and
         // its step dropped their gradients, as zero_grad() would have.
         assert_eq!(d, d_alone, "stage {stage}: the discriminator");

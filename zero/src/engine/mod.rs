@@ -1488,6 +1488,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let scale = {
             let mut st = i.st.lock();
             self.take_error(&mut st)?;
+            if st.prog.bare {
+                // The program's own `loss.backward()` ran since the last
+                // engine call: end it here, as `step()` would have, so that
+                // it counts as its micro-step and this backward's hooks do
+                // not take it for a bare one (dividing its gradients by the
+                // accumulation steps again). This backward's forward has
+                // run: free nothing.
+                let micro = st.micro;
+                if let Err(e) = i.end_backward(&mut st, false) {
+                    backward_failed(&mut st, micro, &e);
+                    return Err(e);
+                }
+            }
             // DeepSpeed would add this micro-batch's gradients to the
             // previous step's, which nobody applied: a forgotten `step()`
             // silently doubles the next update.

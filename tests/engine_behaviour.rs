@@ -2381,3 +2381,31 @@ fn without_comms_logger_the_summary_holds_every_op_and_logging_it_says_why_not()
         }
     }
 }
+
+#[test]
+fn a_model_run_twice_before_one_backward_trains_alike_in_every_stage() {
+    // A siamese or contrastive step: two forwards of the whole model, one
+    // loss. Stage 3 frees every unit after each forward and re-gathers it
+    // for each use's backward; each parameter's gradient sums both uses
+    // before its hook fires, once.
+    let zero = r#""stage3_param_persistence_threshold": 0,"#;
+    let run = |stage: u8| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let cfg = common::config_zero(stage, 1, 0.0, "", zero);
+            let e = engine_of(&vs, &plan, &cfg, &r);
+            for step in 0..3 {
+                let a = gpt.loss(&common::tokens(step, 0, r.rank(), 2));
+                let b = gpt.loss(&common::tokens(step, 1, r.rank(), 2));
+                e.backward(&(a + b)).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        })
+        .remove(0)
+    };
+    let unsharded = run(0);
+    for stage in [1u8, 2, 3] {
+        assert_eq!(run(stage), unsharded, "stage {stage}");
+    }
+}

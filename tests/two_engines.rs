@@ -4,7 +4,8 @@
 //! generator's backward runs through the discriminator's parameters. Each
 //! engine makes its own groups, so neither's collectives meet the
 //! other's; each must train exactly as it does alone, and
-//! `engine.backward` trains its own engine only (docs/choices.md).
+//! `engine.backward` trains its own engine only (docs/choices.md), while
+//! the program's own `loss.backward()` trains every engine it reaches.
 
 use crate::common;
 
@@ -289,5 +290,58 @@ fn another_engines_backward_through_this_ones_parameters_trains_neither_them_nor
         );
         assert!(logs.contains("unit `d"), "{logs}");
         assert!(!quiet.contains("another engine"), "{quiet}");
+    }
+}
+
+/// Three steps of the generator's loss through the discriminator, which
+/// trains both: by the program's own `loss.backward()` and a step of each
+/// engine, or (`one_engine`) in one engine over the same four units.
+/// Rank 0's parameters by name.
+fn joint(stage: u8, one_engine: bool) -> Params {
+    use tch::nn::Module;
+    let out = on_ranks(WORLD, |r| {
+        let loss = |u: &[&zrt::zero::ShardedModule<tch::nn::Linear>; 4], step: usize| {
+            let fake = u[1].forward(&u[0].forward(&data(step, r.rank(), Kind::Float)).tanh());
+            u[3].forward(&u[2].forward(&fake).tanh()).mean(Kind::Float)
+        };
+        let mut p = if one_engine {
+            // The same units from the same draws as `Gan::new`, in one VarStore.
+            let (vs, plan, u) = {
+                let _g = common::rng_lock();
+                tch::manual_seed(3);
+                let (vs, plan) = (tch::nn::VarStore::new(tch::Device::Cpu), ShardPlan::new());
+                let u = [("g1", 4, 8), ("g2", 8, 4), ("d1", 4, 8), ("d2", 8, 1)]
+                    .map(|(n, i, o)| linear_unit(&vs, &plan, n, i, o));
+                (vs, plan, u)
+            };
+            let e = engine(&vs, &plan, &config(stage), &r);
+            for step in 0..3 {
+                loss(&[&u[0], &u[1], &u[2], &u[3]], step).backward();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        } else {
+            let m = Gan::new();
+            let eg = engine(&m.gvs, &m.gplan, &config(stage), &r);
+            let ed = engine(&m.dvs, &m.dplan, &config(stage), &r);
+            for step in 0..3 {
+                loss(&[&m.g[0], &m.g[1], &m.d[0], &m.d[1]], step).backward();
+                eg.step().unwrap();
+                ed.step().unwrap();
+            }
+            let mut p = eg.gathered_params().unwrap();
+            p.extend(ed.gathered_params().unwrap());
+            p
+        };
+        p.sort_by(|a, b| a.0.cmp(&b.0));
+        p
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn one_loss_backward_through_two_engines_trains_both_as_one_engine_would() {
+    for stage in [0u8, 1, 2, 3] {
+        assert_eq!(joint(stage, false), joint(stage, true), "stage {stage}");
     }
 }

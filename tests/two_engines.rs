@@ -345,3 +345,41 @@ fn one_loss_backward_through_two_engines_trains_both_as_one_engine_would() {
         assert_eq!(joint(stage, false), joint(stage, true), "stage {stage}");
     }
 }
+
+#[test]
+fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values() {
+    // A new config, a next phase of training: unshard, drop the engine,
+    // build another on the same model and plan.
+    for (first, second) in [(3u8, 3u8), (3, 0), (2, 3)] {
+        let out = on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = model_of(&GPT);
+            let train = |e: &Engine<LocalGroup>, from: usize| {
+                for step in from..from + 2 {
+                    e.backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
+                        .unwrap();
+                    e.step().unwrap();
+                }
+                e.gathered_params().unwrap()
+            };
+            let e = engine(&vs, &plan, &config(first), &r);
+            let trained = train(&e, 0);
+            // While it lives, the plan is its own.
+            let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+            let refused = Engine::new(&vs, &plan, &config(second), group, &AutoHints::default());
+            assert!(refused.is_err());
+            e.unshard().unwrap();
+            drop(e);
+            let e = engine(&vs, &plan, &config(second), &r);
+            let start = e.gathered_params().unwrap();
+            let again = train(&e, 2);
+            (trained, start, again)
+        });
+        let (trained, start, again) = out.into_iter().next().unwrap();
+        let what = format!("stages {first} then {second}");
+        assert_eq!(
+            start, trained,
+            "{what}: the second engine starts from the trained values"
+        );
+        assert_ne!(again, start, "{what}: the second engine did not train");
+    }
+}

@@ -7,7 +7,7 @@
 //! built from the plan then sees each unit's forward (stage 3 gathers the
 //! unit's parameters right before it).
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
@@ -32,12 +32,31 @@ pub(crate) type DecayRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
 /// multiplied by, given its VarStore name and shape.
 pub(crate) type LrRule = dyn Fn(&str, &[i64]) -> f64 + Send + Sync;
 
+impl PlanInner {
+    /// The hook of the engine built from this plan, if one is (cloned, so
+    /// that no lock is held while it gathers or frees).
+    fn engine_hook(&self) -> Option<Arc<dyn UnitHook>> {
+        self.hook.read().ok().and_then(|h| h.clone())
+    }
+
+    /// The engine built from this plan dropped: another may be built.
+    pub(crate) fn release(&self) {
+        if let Ok(mut h) = self.hook.write() {
+            *h = None;
+        }
+        self.claimed
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct PlanInner {
     pub(crate) prefixes: Mutex<Vec<String>>,
-    pub(crate) hook: OnceLock<Arc<dyn UnitHook>>,
-    /// Set by the first engine built from this plan, before it touches the
-    /// parameters: a second engine must not re-lay-out tensors the first owns.
+    /// The engine's hook while one is built from this plan.
+    pub(crate) hook: RwLock<Option<Arc<dyn UnitHook>>>,
+    /// Set by the engine built from this plan, before it touches the
+    /// parameters, until it drops: a second engine must not re-lay-out
+    /// tensors the first owns.
     pub(crate) claimed: std::sync::atomic::AtomicBool,
     /// Set by [`ShardPlan::exclude_from_weight_decay`].
     pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
@@ -226,13 +245,13 @@ impl<M> ShardedModule<M> {
     }
 
     fn before(&self) {
-        if let Some(h) = self.plan.hook.get() {
+        if let Some(h) = self.plan.engine_hook() {
             h.before_forward(self.unit);
         }
     }
 
     fn after(&self, x: &Tensor, y: &Tensor) {
-        if let Some(h) = self.plan.hook.get() {
+        if let Some(h) = self.plan.engine_hook() {
             h.after_forward(self.unit, x, y);
         }
     }

@@ -273,6 +273,18 @@ struct Inner<G> {
 /// stage keeps where.
 pub struct Engine<G: ProcessGroup + 'static> {
     inner: Arc<Inner<G>>,
+    /// The plan it was built from, released when it drops.
+    plan: Arc<crate::plan::PlanInner>,
+}
+
+impl<G: ProcessGroup + 'static> Drop for Engine<G> {
+    /// Leaves the plan to the next engine built from it (a new config, a
+    /// phase of training, a sweep: `unshard()` first at stage 3, so the
+    /// parameters hold their values). Until 2026-11-28 the plan stayed
+    /// claimed, and the next engine was refused as if this one still ran.
+    fn drop(&mut self) {
+        self.plan.release();
+    }
 }
 
 /// `n` elements of T at `t`'s data (contiguous, CPU, of T's dtype).
@@ -1151,7 +1163,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .swap(true, std::sync::atomic::Ordering::SeqCst)
         {
             return Err(EngineError::Plan(
-                "this plan already drives another engine: build one plan per model".into(),
+                "this plan already drives another engine: drop that one first (after engine.unshard() at stage 3, so that the parameters hold their values), or build one plan per model".into(),
             ));
         }
         let prefixes = plan.units();
@@ -1446,15 +1458,20 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let hook: Arc<dyn UnitHook> = Arc::new(Hook {
             inner: Arc::downgrade(&inner),
         });
-        // Cannot fail: the claim above admits one engine per plan.
-        let _ = plan.inner.hook.set(hook);
+        // The claim above admits one engine per plan at a time.
+        if let Ok(mut h) = plan.inner.hook.write() {
+            *h = Some(hook);
+        }
         // The engine owns its groups (they drop with it):
         // their observers need no removing.
         let c = &inner.cfg.config.comms_logger;
         if c.enabled && c.verbose && inner.first_rank() {
             comms_log::observe(&inner.comm_groups(), c);
         }
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            plan: plan.inner.clone(),
+        })
     }
 
     fn take_error(&self, st: &mut State) -> Result<(), EngineError> {

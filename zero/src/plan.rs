@@ -32,6 +32,21 @@ pub(crate) type DecayRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
 /// multiplied by, given its VarStore name and shape.
 pub(crate) type LrRule = dyn Fn(&str, &[i64]) -> f64 + Send + Sync;
 
+#[derive(Default)]
+pub(crate) struct PlanInner {
+    pub(crate) prefixes: Mutex<Vec<String>>,
+    /// The engine's hook while one is built from this plan.
+    pub(crate) hook: RwLock<Option<Arc<dyn UnitHook>>>,
+    /// Set by the engine built from this plan, before it touches the
+    /// parameters, until it drops: a second engine must not re-lay-out
+    /// tensors the first owns.
+    pub(crate) claimed: std::sync::atomic::AtomicBool,
+    /// Set by [`ShardPlan::exclude_from_weight_decay`].
+    pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
+    /// Set by [`ShardPlan::scale_learning_rate`].
+    pub(crate) lr_scale: Mutex<Option<Arc<LrRule>>>,
+}
+
 impl PlanInner {
     /// The hook of the engine built from this plan, if one is (cloned, so
     /// that no lock is held while it gathers or frees).
@@ -47,21 +62,6 @@ impl PlanInner {
         self.claimed
             .store(false, std::sync::atomic::Ordering::SeqCst);
     }
-}
-
-#[derive(Default)]
-pub(crate) struct PlanInner {
-    pub(crate) prefixes: Mutex<Vec<String>>,
-    /// The engine's hook while one is built from this plan.
-    pub(crate) hook: RwLock<Option<Arc<dyn UnitHook>>>,
-    /// Set by the engine built from this plan, before it touches the
-    /// parameters, until it drops: a second engine must not re-lay-out
-    /// tensors the first owns.
-    pub(crate) claimed: std::sync::atomic::AtomicBool,
-    /// Set by [`ShardPlan::exclude_from_weight_decay`].
-    pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
-    /// Set by [`ShardPlan::scale_learning_rate`].
-    pub(crate) lr_scale: Mutex<Option<Arc<LrRule>>>,
 }
 
 /// The list of units of a model, filled by [`ShardedModule::new`] and read by

@@ -12,14 +12,12 @@ use std::path::{Path, PathBuf};
 
 use common::{
     config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, serial, solo_engine,
-    tokens, GPT,
+    tokens, Params, GPT,
 };
 use tch::{Kind, Tensor};
 use zrt::collectives::{ProcessGroup, ReduceOp};
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
-
-type Params = Vec<(String, Vec<f32>)>;
 
 /// Which micro-batch a rank trains on at global micro-step `m`.
 #[derive(Clone, Copy)]

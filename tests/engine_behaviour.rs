@@ -7,7 +7,7 @@ use crate::common;
 
 use std::sync::Mutex;
 
-use common::{on_ranks, solo_engine};
+use common::{linear_unit, on_ranks, solo_engine, Params};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -23,18 +23,6 @@ struct Tiny {
     a: ShardedModule<nn::Linear>,
     b: ShardedModule<nn::Linear>,
     c: ShardedModule<nn::Linear>,
-}
-
-/// A linear `i -> o` named `name`, wrapped as a unit of `plan`.
-fn linear_unit(
-    vs: &nn::VarStore,
-    plan: &ShardPlan,
-    name: &str,
-    i: i64,
-    o: i64,
-) -> ShardedModule<nn::Linear> {
-    let p = vs.root() / name;
-    ShardedModule::new(plan, &p, nn::linear(&p, i, o, Default::default()))
 }
 
 /// Three linears 3 -> 5 -> 4 -> 1 with known values (index-based).
@@ -1155,8 +1143,6 @@ fn stage_3_leaves_a_units_buffers_and_odd_dtype_frozen_parameters_whole() {
         assert_eq!(vars["b.scale"].kind(), Kind::Double);
     });
 }
-
-type Params = Vec<(String, Vec<f32>)>;
 
 /// Trains the tiny model with `b.weight` frozen — rank 1's set to other
 /// values before the engine is built, which must give it rank 0's — and

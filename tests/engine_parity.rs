@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{model, on_ranks, tokens, train_losses, LR, WD, WORLD};
+use common::{model, on_ranks, tokens, train_losses, Params, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
@@ -105,8 +105,6 @@ fn world_engine_with(
     let engine = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
     (vs, gpt, engine)
 }
-
-type Params = Vec<(String, Vec<f32>)>;
 
 /// Per-step losses (mean over the global batch) and the final parameters.
 fn run_engine(stage: u8, gas: usize, clip: f64) -> (Vec<f64>, Params, Vec<Option<f64>>) {

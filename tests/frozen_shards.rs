@@ -12,14 +12,14 @@ use crate::common;
 
 use std::collections::HashMap;
 
-use common::{config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, WORLD};
+use common::{
+    config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, Params, WORLD,
+};
 use tch::{nn, Kind, Tensor};
 use zrt::collectives::local::LocalRank;
 use zrt::collectives::ProcessGroup;
 use zrt::zero::flat::FlatLayout;
 use zrt::zero::{glue, AutoHints, Config, Engine};
-
-type Params = Vec<(String, Vec<f32>)>;
 
 /// The frozen base: the token embedding (a unit with nothing else to
 /// train), all of the last block (a frozen unit backward passes through)

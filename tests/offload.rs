@@ -6,11 +6,11 @@ use crate::common;
 
 use std::path::{Path, PathBuf};
 
-use common::{config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens, GPT};
+use common::{
+    config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens, Params, GPT,
+};
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, Config, Engine, EngineError};
-
-type Params = Vec<(String, Vec<f32>)>;
 
 struct Outcome {
     losses: Vec<f64>,

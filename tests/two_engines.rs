@@ -9,13 +9,11 @@
 
 use crate::common;
 
-use common::{config_zero, model_of, on_ranks, tokens, GPT, WORLD};
+use common::{config_zero, linear_unit, model_of, on_ranks, tokens, Params, GPT, WORLD};
 use tch::Kind;
 use zrt::collectives::local::{LocalGroup, LocalRank};
 use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{glue, AutoHints, Config, Engine, ShardPlan};
-
-type Params = Vec<(String, Vec<f32>)>;
 
 /// The student: one block where the teacher ([`GPT`]) has two.
 const STUDENT: GptConfig = GptConfig { layers: 1, ..GPT };
@@ -150,18 +148,6 @@ fn two_engines_trained_in_turn_each_train_as_alone() {
         assert_eq!(a, alone_a, "stages {sa} and {sb}: the first model");
         assert_eq!(b, alone_b, "stages {sa} and {sb}: the second model");
     }
-}
-
-/// A linear `i -> o` named `name`, wrapped as a unit of `plan`.
-fn linear_unit(
-    vs: &tch::nn::VarStore,
-    plan: &ShardPlan,
-    name: &str,
-    i: i64,
-    o: i64,
-) -> zrt::zero::ShardedModule<tch::nn::Linear> {
-    let p = vs.root() / name;
-    zrt::zero::ShardedModule::new(plan, &p, tch::nn::linear(&p, i, o, Default::default()))
 }
 
 /// A GAN's discriminator and generator: two linear units each.

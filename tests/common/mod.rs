@@ -74,6 +74,21 @@ pub fn built(
     (vs, plan, gpt)
 }
 
+/// Parameters by name, with their values (`Engine::gathered_params`).
+pub type Params = Vec<(String, Vec<f32>)>;
+
+/// A linear `i -> o` named `name`, wrapped as a unit of `plan`.
+pub fn linear_unit(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    name: &str,
+    i: i64,
+    o: i64,
+) -> zrt::zero::ShardedModule<nn::Linear> {
+    let p = vs.root() / name;
+    zrt::zero::ShardedModule::new(plan, &p, nn::linear(&p, i, o, Default::default()))
+}
+
 /// [`GPT`] from seed 0.
 pub fn model() -> (nn::VarStore, ShardPlan, Gpt) {
     model_of(&GPT)

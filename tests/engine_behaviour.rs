@@ -1993,6 +1993,25 @@ fn an_unsharded_stage_3_model_outlives_its_engine() {
 }
 
 #[test]
+fn a_double_model_is_refused_before_it_is_laid_out_and_builds_once_fp32() {
+    // f64 would lose bits in the fp32 master; fp32, bf16 and fp16 widen
+    // to it exactly. Refused before the plan is claimed: the mended model
+    // builds on the same plan.
+    let mut t = tiny();
+    t.vs.double();
+    let e = solo_engine(&t.vs, &t.plan, &config(3, 1)).err().unwrap();
+    assert!(
+        e.to_string()
+            .contains("is Double: create the model in fp32"),
+        "{e}"
+    );
+    t.vs.float();
+    let e = solo_engine(&t.vs, &t.plan, &config(3, 1)).unwrap();
+    e.backward(&t.loss(&input(0, 0))).unwrap();
+    assert!(e.step().unwrap());
+}
+
+#[test]
 fn bf16_model_state_holds_fp32_gradients() {
     // DESIGN.md's table counts 2-byte gradients (DeepSpeed's); zrt reduces
     // and accumulates gradients in fp32 (DESIGN.md "Numerics"), 2 bytes per

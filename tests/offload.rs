@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use common::{
     config_zero, model, model_of, nvme, nvme_params, on_ranks, solo_engine, tokens, Params, GPT,
 };
+use tch::Kind;
 use zrt::gpt::GptConfig;
 use zrt::zero::{AutoHints, Config, Engine, EngineError};
 
@@ -241,6 +242,95 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
         "{e}"
     );
     let _ = std::process::Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On 2 ranks: a build under `cfg` that must fail with `error`; once both
+/// ranks failed, rank 0 runs `mend`; then a build on the same model and
+/// plan, which trains two steps. Rank 0's parameters, as the failed build
+/// left them (they must still be fp32) and trained.
+fn built_again(cfg: &Config, error: &str, mend: impl Fn() + Sync) -> (Params, Params) {
+    let failed = std::sync::Barrier::new(2);
+    let mut out = on_ranks(2, |r| {
+        let (vs, plan, m) = model_of(&GPT);
+        let build = || {
+            let group = r.new_group(&[0, 1]).unwrap();
+            Engine::new(&vs, &plan, cfg, group, &AutoHints::default())
+        };
+        let e = build().err().expect("the first build fails");
+        assert!(e.to_string().contains(error), "{e}");
+        failed.wait();
+        if r.rank() == 0 {
+            mend();
+        }
+        failed.wait();
+        let left = values(&vs);
+        let engine = build().unwrap();
+        for step in 0..2 {
+            engine
+                .backward(&m.loss(&tokens(step, 0, r.rank(), 1)))
+                .unwrap();
+            engine.step().unwrap();
+        }
+        (left, engine.gathered_params().unwrap())
+    });
+    out.remove(0)
+}
+
+/// `vs`'s variables by name, which must be fp32.
+fn values(vs: &tch::nn::VarStore) -> Params {
+    let mut p: Params = Vec::new();
+    for (name, t) in vs.variables() {
+        assert_eq!(t.kind(), Kind::Float, "{name}");
+        p.push((name, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()));
+    }
+    p.sort_by(|a, b| a.0.cmp(&b.0));
+    p
+}
+
+#[test]
+fn a_build_refused_for_a_missing_nvme_path_leaves_the_model_as_it_was() {
+    // Checked before the parameters are laid out (a bf16 build left them
+    // bf16, and the next build refused them), so the mended build trains
+    // as a first one does.
+    let dir = tmp("retry").join("swap");
+    let (aio, off) = nvme(&dir);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    let cfg = config_zero(3, 1, 0.0, &format!("{aio}{bf16}"), &off);
+    let (left, trained) = built_again(&cfg, "does not exist", || {
+        std::fs::create_dir_all(&dir).unwrap();
+    });
+    assert_eq!(left, values(&model_of(&GPT).0));
+    assert_eq!(trained, train(&cfg, &GPT, 2).remove(0).unwrap().params);
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn a_build_that_fails_on_a_full_drive_leaves_the_plan_to_the_next_one() {
+    // The swap file is made after the engine claimed the plan and laid out
+    // the parameters: the failed build must leave the plan free (it stayed
+    // claimed: "this plan already drives another engine").
+    let dir = tmp("full");
+    let mount = |opts: &str| {
+        let mut c = std::process::Command::new("mount");
+        match opts {
+            "" => c.args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]),
+            o => c.args(["-o", o]),
+        };
+        assert!(
+            c.arg(&dir).status().is_ok_and(|s| s.success()),
+            "mount {opts}"
+        );
+    };
+    mount("");
+    let (aio, off) = nvme(&dir);
+    let cfg = config_zero(3, 1, 0.0, &aio, &off);
+    let (left, trained) = built_again(&cfg, "not enough space", || mount("remount,size=64m"));
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    // fp32: laid out, the parameters hold rank 0's values, which every
+    // rank's fresh model has.
+    assert_eq!(left, values(&model_of(&GPT).0));
+    assert_eq!(trained, train(&cfg, &GPT, 2).remove(0).unwrap().params);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -335,8 +335,27 @@ fn one_loss_backward_through_two_engines_trains_both_as_one_engine_would() {
 #[test]
 fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values() {
     // A new config, a next phase of training: unshard, drop the engine,
-    // build another on the same model and plan.
-    for (first, second) in [(3u8, 3u8), (3, 0), (2, 3)] {
+    // build another on the same model and plan. After bf16 the model holds
+    // the trained values in bf16 (the fp32 masters go with the engine, as
+    // they do with DeepSpeed's; a checkpoint keeps them): the next engine
+    // starts from those, widened.
+    let bf16 = |stage: u8| {
+        config_zero(
+            stage,
+            1,
+            0.0,
+            r#""bf16": {"enabled": true},"#,
+            r#""stage3_param_persistence_threshold": 0,"#,
+        )
+    };
+    let cases = [
+        ("stages 3 then 3", config(3), config(3)),
+        ("stages 3 then 0", config(3), config(0)),
+        ("stages 2 then 3", config(2), config(3)),
+        ("bf16 stages 3 then 3", bf16(3), bf16(3)),
+        ("bf16 stage 1 then fp32 stage 3", bf16(1), config(3)),
+    ];
+    for (what, first, second) in cases {
         let out = on_ranks(WORLD, |r| {
             let (vs, plan, gpt) = model_of(&GPT);
             let train = |e: &Engine<LocalGroup>, from: usize| {
@@ -347,21 +366,26 @@ fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values(
                 }
                 e.gathered_params().unwrap()
             };
-            let e = engine(&vs, &plan, &config(first), &r);
+            let e = engine(&vs, &plan, &first, &r);
             let trained = train(&e, 0);
             // While it lives, the plan is its own.
             let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-            let refused = Engine::new(&vs, &plan, &config(second), group, &AutoHints::default());
+            let refused = Engine::new(&vs, &plan, &second, group, &AutoHints::default());
             assert!(refused.is_err());
             e.unshard().unwrap();
             drop(e);
-            let e = engine(&vs, &plan, &config(second), &r);
+            let e = engine(&vs, &plan, &second, &r);
             let start = e.gathered_params().unwrap();
             let again = train(&e, 2);
             (trained, start, again)
         });
-        let (trained, start, again) = out.into_iter().next().unwrap();
-        let what = format!("stages {first} then {second}");
+        let (mut trained, start, again) = out.into_iter().next().unwrap();
+        if what.starts_with("bf16") {
+            for (_, v) in &mut trained {
+                let t = tch::Tensor::from_slice(v).to_kind(Kind::BFloat16);
+                *v = Vec::<f32>::try_from(&t.to_kind(Kind::Float)).unwrap();
+            }
+        }
         assert_eq!(
             start, trained,
             "{what}: the second engine starts from the trained values"

@@ -54,13 +54,38 @@ impl PlanInner {
         self.hook.read().ok().and_then(|h| h.clone())
     }
 
-    /// The engine built from this plan dropped: another may be built.
-    pub(crate) fn release(&self) {
-        if let Ok(mut h) = self.hook.write() {
+    /// Claims the plan for an engine being built, or `None` when another
+    /// engine holds it.
+    pub(crate) fn claim(self: &Arc<Self>) -> Option<Claim> {
+        let taken = self.claimed.swap(true, std::sync::atomic::Ordering::SeqCst);
+        (!taken).then(|| Claim(self.clone()))
+    }
+}
+
+/// An engine's hold on its plan: one engine lays out a model's parameters
+/// at a time. Dropping it clears the hook and leaves the plan to the next
+/// engine: when the engine drops, and when a build fails after claiming
+/// (a drive too full for the swap file), so that it may be tried again on
+/// the same model.
+pub(crate) struct Claim(Arc<PlanInner>);
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Ok(mut h) = self.0.hook.write() {
             *h = None;
         }
-        self.claimed
+        self.0
+            .claimed
             .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Claim {
+    /// Installs the hook of the engine that holds the claim.
+    pub(crate) fn set_hook(&self, hook: Arc<dyn UnitHook>) {
+        if let Ok(mut h) = self.0.hook.write() {
+            *h = Some(hook);
+        }
     }
 }
 

@@ -273,18 +273,11 @@ struct Inner<G> {
 /// stage keeps where.
 pub struct Engine<G: ProcessGroup + 'static> {
     inner: Arc<Inner<G>>,
-    /// The plan it was built from, released when it drops.
-    plan: Arc<crate::plan::PlanInner>,
-}
-
-impl<G: ProcessGroup + 'static> Drop for Engine<G> {
-    /// Leaves the plan to the next engine built from it (a new config, a
-    /// phase of training, a sweep: `unshard()` first at stage 3, so the
-    /// parameters hold their values). Until 2026-11-28 the plan stayed
-    /// claimed, and the next engine was refused as if this one still ran.
-    fn drop(&mut self) {
-        self.plan.release();
-    }
+    /// Its hold on the plan it was built from. Dropping it leaves the plan
+    /// to the next engine built from it (a new config, a phase of
+    /// training, a sweep: `unshard()` first at stage 3, so the parameters
+    /// hold their values).
+    _plan: crate::plan::Claim,
 }
 
 /// `n` elements of T at `t`'s data (contiguous, CPU, of T's dtype).
@@ -1105,8 +1098,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         )?;
         // After the agreement: ranks that agree on the scales fail alike.
         settings.check()?;
-        // The first rank writes the monitors; before the plan is claimed,
-        // so that a mended output_path builds.
+        // The first rank writes the monitors; opened before the plan is
+        // claimed, so a bad output_path fails before anything is laid out.
         let monitor = match is_first_rank(&group, replicate.as_ref()) {
             true => crate::monitor::Monitor::open(&cfg.config.monitor)?,
             false => None,
@@ -1157,15 +1150,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             ));
         }
         let stage = c.zero.stage;
-        if plan
-            .inner
-            .claimed
-            .swap(true, std::sync::atomic::Ordering::SeqCst)
-        {
-            return Err(EngineError::Plan(
-                "this plan already drives another engine: drop that one first (after engine.unshard() at stage 3, so that the parameters hold their values), or build one plan per model".into(),
-            ));
-        }
+        offload::check(&cfg, stage)?;
         let prefixes = plan.units();
         check_prefixes(&prefixes)?;
         let mut groups: Vec<Vec<(String, Tensor)>> =
@@ -1217,6 +1202,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 groups[root].extend(moved);
             }
         }
+        for (name, t) in groups.iter().flatten() {
+            // Widened to the fp32 master exactly. A model the last engine
+            // on it left in the compute dtype builds again.
+            if !matches!(t.kind(), Kind::Float | Kind::BFloat16 | Kind::Half) {
+                return Err(EngineError::Unsupported(format!(
+                    "parameter `{name}` is {:?}: create the model in fp32 (the engine keeps an fp32 master and casts to the compute dtype)",
+                    t.kind()
+                )));
+            }
+        }
+        // The checks a user can mend are behind: from here the parameters
+        // are laid out. A build that fails later (a peer that died, a full
+        // drive) leaves the plan free again when the claim drops, and the
+        // parameters rank 0's values in the compute dtype.
+        let Some(claim) = plan.inner.claim() else {
+            return Err(EngineError::Plan(
+                "this plan already drives another engine: drop that one first (after engine.unshard() at stage 3, so that the parameters hold their values), or build one plan per model".into(),
+            ));
+        };
         let (world, rank) = (group.size(), group.rank());
         let mut units = Vec::new();
         let mut masters = Vec::new();
@@ -1230,16 +1234,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 world,
             );
             let by_name: std::collections::HashMap<String, Tensor> = params.into_iter().collect();
-            for s in &layout.slots {
-                let t = &by_name[&s.name];
-                if t.kind() != Kind::Float {
-                    return Err(EngineError::Unsupported(format!(
-                        "parameter `{}` is {:?}: create the model in fp32 (the engine casts it)",
-                        s.name,
-                        t.kind()
-                    )));
-                }
-            }
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let special = groups::special_ranges(&layout, setting);
@@ -1357,8 +1351,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 owners.insert(glue::tensor_impl(t)?, (k, slot.name.clone()));
             }
         }
-        let swap = offload::swap_out(&cfg, stage, compute, rank, &mut shards)?;
-        let pswap = offload::params_out(&cfg, stage, rank, &mut shards, &mut units)?;
+        let swap = offload::swap_out(&cfg, compute, rank, &mut shards)?;
+        let pswap = offload::params_out(&cfg, rank, &mut shards, &mut units)?;
         let n = units.len();
         // What the first step will use (a warm-up's start, not the base).
         let lr = lr_at(
@@ -1459,9 +1453,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             inner: Arc::downgrade(&inner),
         });
         // The claim above admits one engine per plan at a time.
-        if let Ok(mut h) = plan.inner.hook.write() {
-            *h = Some(hook);
-        }
+        claim.set_hook(hook);
         // The engine owns its groups (they drop with it):
         // their observers need no removing.
         let c = &inner.cfg.config.comms_logger;
@@ -1470,7 +1462,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         Ok(Self {
             inner,
-            plan: plan.inner.clone(),
+            _plan: claim,
         })
     }
 

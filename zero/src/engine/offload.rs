@@ -24,11 +24,45 @@ pub(super) fn swaps_master(compute: Compute) -> bool {
     compute != Compute::F32
 }
 
+/// The config's NVMe offload blocks against `stage` and the folders they
+/// name: checked before the engine lays out any parameter, so that a
+/// mended config builds on the same model (what only the swap file's
+/// creation finds, a full or read-only drive, comes later).
+pub(super) fn check(cfg: &Resolved, stage: u8) -> Result<(), EngineError> {
+    let z = &cfg.config.zero;
+    let nvme = |o: &Option<crate::config::OffloadConfig>| {
+        o.clone().filter(|o| o.device == OffloadDevice::Nvme)
+    };
+    let folder = |o: crate::config::OffloadConfig| {
+        let path = PathBuf::from(o.nvme_path.unwrap_or_default());
+        match path.is_dir() {
+            true => Ok(()),
+            false => Err(zrt_offload::OffloadError::NoDirectory { path }),
+        }
+    };
+    if let Some(o) = nvme(&z.offload_optimizer) {
+        if stage == 0 {
+            return Err(EngineError::Unsupported(
+                "offload_optimizer needs ZeRO stage 1, 2 or 3 (as in DeepSpeed): set zero_optimization.stage".into(),
+            ));
+        }
+        folder(o)?;
+    }
+    if let Some(o) = nvme(&z.offload_param) {
+        if stage != 3 {
+            return Err(EngineError::Unsupported(
+                "offload_param needs ZeRO stage 3 (as in DeepSpeed): set zero_optimization.stage to 3 or remove offload_param".into(),
+            ));
+        }
+        folder(o)?;
+    }
+    Ok(())
+}
+
 /// Moves every shard's optimizer state into a new swap file when the config
-/// asks for NVMe offload; `None` otherwise.
+/// asks for NVMe offload (checked by [`check`]); `None` otherwise.
 pub(super) fn swap_out(
     cfg: &Resolved,
-    stage: u8,
     compute: Compute,
     rank: usize,
     shards: &mut [Shard],
@@ -42,11 +76,6 @@ pub(super) fn swap_out(
     else {
         return Ok(None);
     };
-    if stage == 0 {
-        return Err(EngineError::Unsupported(
-            "offload_optimizer needs ZeRO stage 1, 2 or 3 (as in DeepSpeed): set zero_optimization.stage".into(),
-        ));
-    }
     let dir = PathBuf::from(o.nvme_path.clone().unwrap_or_default());
     let with_master = swaps_master(compute);
     let swap = Swap::create(
@@ -382,11 +411,10 @@ impl ParamSwap {
     }
 }
 
-/// Creates the parameter swap for stage 3 when the config asks for it and
-/// moves every unit's gather source into it.
+/// Creates the parameter swap for stage 3 when the config asks for it
+/// (checked by [`check`]) and moves every unit's gather source into it.
 pub(super) fn params_out(
     cfg: &Resolved,
-    stage: u8,
     rank: usize,
     shards: &mut [Shard],
     units: &mut [Unit],
@@ -400,11 +428,6 @@ pub(super) fn params_out(
     else {
         return Ok(None);
     };
-    if stage != 3 {
-        return Err(EngineError::Unsupported(
-            "offload_param needs ZeRO stage 3 (as in DeepSpeed): set zero_optimization.stage to 3 or remove offload_param".into(),
-        ));
-    }
     let words = |sh: &Shard| match &sh.copy {
         CopyShard::Bf16(v) => recast::<_, f32>(v),
         CopyShard::F16(v) => recast::<_, f32>(v),

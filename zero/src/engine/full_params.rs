@@ -21,7 +21,7 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::cast;
 
 use super::offload::ReadAhead;
-use super::{elems, overlap, Compute, CopyShard, Engine, Inner, OwnedState, Shard, State, Unit};
+use super::{elems, Compute, CopyShard, Engine, Inner, OwnedState, Shard, State, Unit};
 use crate::EngineError;
 
 /// A unit's fingerprint: the CRC-32 of its gathered buffers, or `None`
@@ -61,12 +61,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // Not under the state lock: `f` may run the model, whose hooks take it.
         let r = f();
         let kept = self.write_back(&before);
-        if i.stage == 3 {
+        {
             let mut st = i.st.lock();
             for k in 0..st.units.len() {
-                if st.gathered[k] && !overlap::stays_gathered(&st, k) {
-                    i.release(&mut st, k)?;
-                }
+                i.free_if_gathered(&mut st, k)?;
             }
         }
         kept.map(|()| r)

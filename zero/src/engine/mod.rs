@@ -703,6 +703,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
+    /// Stage 3: frees unit `k` when it is gathered and is not one the stage
+    /// keeps gathered (see `overlap::stays_gathered`); a no-op otherwise.
+    fn free_if_gathered(&self, st: &mut State, k: usize) -> Result<(), EngineError> {
+        if self.stage == 3 && st.gathered[k] && !overlap::stays_gathered(st, k) {
+            self.release(st, k)?;
+        }
+        Ok(())
+    }
+
     fn release(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
         glue::free_storage(&st.units[i].flat)?;
         if let Some(p) = &st.units[i].frozen {
@@ -1425,14 +1434,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             backwards: Default::default(),
             told_foreign: Default::default(),
         });
-        if stage == 3 {
+        {
             let mut st = inner.st.lock();
-            // Between steps only shards exist; the root and the units under
-            // the persistence threshold stay gathered.
+            // Stage 3: between steps only shards exist; the root and the
+            // units under the persistence threshold stay gathered.
             for i in 0..n {
-                if !overlap::stays_gathered(&st, i) {
-                    inner.release(&mut st, i)?;
-                }
+                inner.free_if_gathered(&mut st, i)?;
             }
         }
         {

@@ -554,8 +554,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         let left = &mut st.prog.foreign_ready[k];
         *left = left.saturating_sub(1);
-        if *left == 0 && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
-            self.release(st, k)?;
+        if *left == 0 {
+            self.free_if_gathered(st, k)?;
         }
         Ok(())
     }
@@ -651,8 +651,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         st.prog.launched[k] = true;
-        if free && self.stage == 3 && st.gathered[k] && !stays_gathered(st, k) {
-            self.release(st, k)?;
+        if free {
+            self.free_if_gathered(st, k)?;
         }
         Ok(())
     }
@@ -864,12 +864,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
         st.secondary.iter_mut().for_each(|s| *s = None);
-        if free && self.stage == 3 {
-            // Units re-gathered for backward go back to shards; the root stays.
+        if free {
+            // Stage 3: units re-gathered for backward go back to shards; the
+            // root stays.
             for k in 0..st.units.len() {
-                if st.gathered[k] && !stays_gathered(st, k) {
-                    self.release(st, k)?;
-                }
+                self.free_if_gathered(st, k)?;
             }
         }
         // Forwards whose backward did not run (evaluation with autograd on)

@@ -2115,6 +2115,47 @@ fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_un
 }
 
 #[test]
+fn a_plain_backward_whose_hook_failed_after_part_was_reduced_stops_the_engine() {
+    // Stage 3, 1-element buckets: `c` is added to the step's gradients
+    // when `b` launches. Rank 1's loss skips `a` (its output detached), so
+    // rank 0's re-gather of `a` meets rank 1's end-of-backward reduction
+    // of it: a hook's error, recorded during the program's own
+    // `loss.backward()`. The next engine call returns it; whichever it is
+    // (`backward`, as here, or `step`), part of the gradient is in and the
+    // engine must refuse to go on (`backward` returned the error and left
+    // the open backward to `step`, which ended it and stepped, or failed
+    // on a group the error had left).
+    let cfg = config_plus(3, 1, "", r#""reduce_bucket_size": 1,"#);
+    let out = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        let h = t.a.forward(&input(r.rank(), 0));
+        let h = if r.rank() == 1 { h.detach() } else { h };
+        t.loss_after_a(&h).backward();
+        let y = t.loss(&input(r.rank(), 1));
+        let failed = e.backward(&y).unwrap_err().to_string();
+        let refused = e.step().unwrap_err().to_string();
+        (failed, refused)
+    });
+    for (rank, (failed, refused)) in out.iter().enumerate() {
+        // Rank 1's names the parameter; rank 0's hook met the collective
+        // that failed after the disagreement.
+        assert!(
+            refused.starts_with(&format!(
+                "accumulated gradients unusable: the backward of micro-step 0 failed ({failed}) after the gradients of "
+            )) && refused.contains("`c`"),
+            "rank {rank}: {refused}"
+        );
+    }
+    assert!(
+        out[1]
+            .0
+            .starts_with("gradient reductions out of step across ranks: rank 0 reduces `a`"),
+        "{}",
+        out[1].0
+    );
+}
+
+#[test]
 fn monitors_write_deepspeeds_scalars_from_the_first_rank_only() {
     // Three boundaries of two micro-steps (train batch 4 x 2 x 2 = 16
     // samples), fp16, the second boundary skipped (rank 1's second

@@ -1486,6 +1486,23 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
     }
 
+    /// Returns the error a hook recorded, and ends the program's own
+    /// `loss.backward()` if one ran since the last engine call (`free`:
+    /// stage 3 frees the units it re-gathered). Either failing while such
+    /// a backward is open marks its micro-step failed: part of its
+    /// gradient may be in the step's already (see `backward_failed`).
+    fn settle(&self, st: &mut State, free: bool) -> Result<(), EngineError> {
+        let (bare, micro) = (st.prog.bare, st.micro);
+        let ended = self.take_error(st).and_then(|()| match bare {
+            true => self.inner.end_backward(st, free),
+            false => Ok(()),
+        });
+        if let (true, Err(e)) = (bare, &ended) {
+            backward_failed(st, micro, e);
+        }
+        ended
+    }
+
     /// Backward of one micro-step: `loss` is this rank's mean loss on its
     /// micro-batch. Gradients are averaged over the world and the
     /// accumulation steps, as DeepSpeed does (fp16: of the scaled loss).
@@ -1503,20 +1520,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let scale = {
             let mut st = i.st.lock();
-            self.take_error(&mut st)?;
-            if st.prog.bare {
-                // The program's own `loss.backward()` ran since the last
-                // engine call: end it here, as `step()` would have, so that
-                // it counts as its micro-step and this backward's hooks do
-                // not take it for a bare one (dividing its gradients by the
-                // accumulation steps again). This backward's forward has
-                // run: free nothing.
-                let micro = st.micro;
-                if let Err(e) = i.end_backward(&mut st, false) {
-                    backward_failed(&mut st, micro, &e);
-                    return Err(e);
-                }
-            }
+            // A `loss.backward()` of the program's own that ran since the
+            // last engine call ends here, so that it counts as its
+            // micro-step and this backward's hooks do not take it for a bare
+            // one (dividing its gradients by the accumulation steps again).
+            // This backward's forward has run: free nothing.
+            self.settle(&mut st, false)?;
             // DeepSpeed would add this micro-batch's gradients to the
             // previous step's, which nobody applied: a forgotten `step()`
             // silently doubles the next update.
@@ -1589,15 +1598,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let started = std::time::Instant::now();
         let mut guard = i.st.lock();
         // A bare `loss.backward()` ran: finish it as `backward` would have.
-        let (bare, micro) = (guard.prog.bare, guard.micro);
-        let ended = self.take_error(&mut guard).and_then(|()| match bare {
-            true => i.end_backward(&mut guard, true),
-            false => Ok(()),
-        });
-        if let (true, Err(e)) = (bare, &ended) {
-            backward_failed(&mut guard, micro, e);
-        }
-        ended?;
+        self.settle(&mut guard, true)?;
         i.drain_prefetch(&mut guard)?;
         if guard.micro == 0
             || guard.micro % i.cfg.batch.gas != 0

@@ -17,5 +17,6 @@ mod freed_params;
 mod full_params;
 mod kernels_vs_libtorch;
 mod launch;
+mod learning_rate;
 mod offload;
 mod two_engines;

@@ -39,6 +39,10 @@ pub enum EngineError {
         "ranks out of step: {0}; every rank must make the same engine calls in the same order"
     )]
     OutOfStep(String),
+    /// Ranks passed different values to a call that must get the same on
+    /// every rank (`Engine::set_lr`); names each rank's.
+    #[error("ranks passed different values: {0}")]
+    ValuesDiffer(String),
     /// Ranks built their engines from different models or configs (found
     /// when the engine is built, before anything trains).
     #[error("ranks built their engines from different models or configs: {0}. Every rank must build the same model (the same variables with the same shapes, wrapped in the same units, under the same ShardPlan rules for weight decay and learning rates; only rank 0's values are used) and pass the same config (only offload_optimizer, offload_param, aio, steps_per_print, wall_clock_breakdown, csv_monitor, tensorboard and comms_logger may differ)")]

@@ -94,6 +94,11 @@ pub struct Meta {
     pub skipped_steps: u64,
     /// The learning rate of the last step.
     pub lr: f64,
+    /// The learning rate the program set
+    /// ([`Engine::set_lr`](crate::Engine::set_lr)), which steps use until
+    /// it sets another; `None` when they follow the config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_set: Option<f64>,
     /// The fp16 loss scaler, if any.
     pub loss_scaler: Option<ScalerMeta>,
     /// Whether rank files hold accumulated gradients (saved between
@@ -360,6 +365,7 @@ mod tests {
             boundary_at: 1,
             skipped_steps: 0,
             lr: 0.1,
+            lr_set: None,
             loss_scaler: None,
             grads_saved: false,
             units: vec![UnitMeta {

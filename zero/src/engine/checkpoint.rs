@@ -434,6 +434,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             boundary_at: st.boundary_at,
             skipped_steps: st.skipped,
             lr: st.lr,
+            lr_set: st.lr_set,
             loss_scaler: st.scaler.as_ref().map(Scaler::meta),
             grads_saved: st.micro != st.boundary_at,
             units: st
@@ -724,6 +725,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.boundary_at = m.boundary_at;
             st.skipped = m.skipped_steps;
             st.lr = m.lr;
+            st.lr_set = m.lr_set;
             st.norm = None;
             // The monitors' train loss must not mix in losses of
             // micro-batches the load undid (a step resumed mid-way

@@ -185,6 +185,9 @@ struct State {
     skipped: u64,
     norm: Option<f64>,
     lr: f64,
+    /// The learning rate the program set (`Engine::set_lr`), which steps
+    /// use instead of the config's until it sets another.
+    lr_set: Option<f64>,
     scaler: Option<Scaler>,
     /// With a monitor open: the sum and count of the losses this step's
     /// `Engine::backward` calls saw (their mean is the monitors' train loss).
@@ -1406,6 +1409,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 skipped: 0,
                 norm: None,
                 lr,
+                lr_set: None,
                 scaler,
                 loss_sum: None,
                 error: None,
@@ -1730,7 +1734,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             .into());
         }
-        st.lr = lr_at(c.scheduler.as_ref(), base, st.step);
+        st.lr = st
+            .lr_set
+            .unwrap_or_else(|| lr_at(c.scheduler.as_ref(), base, st.step));
         st.step += 1;
         let adam = AdamConfig {
             lr: st.lr,
@@ -1796,11 +1802,55 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.inner.st.lock().norm
     }
     /// The learning rate the last step used (before the first step: the
-    /// one it will use, a warm-up's first): the schedule's, which a
-    /// parameter whose rate the plan scales
-    /// ([`ShardPlan::scale_learning_rate`]) got times its scale.
+    /// one it will use, a warm-up's first; after [`Engine::set_lr`], the
+    /// one set): the schedule's, which a parameter whose rate the plan
+    /// scales ([`ShardPlan::scale_learning_rate`]) got times its scale.
     pub fn lr(&self) -> f64 {
         self.inner.st.lock().lr
+    }
+
+    /// Sets the learning rate of the steps from the next one on, until it
+    /// is set again: the program's own schedule (nanoGPT's `get_lr(it)`,
+    /// which DeepSpeed programs write into the optimizer's `param_groups`).
+    /// [`Engine::lr`] returns it from here; a parameter whose rate the plan
+    /// scales gets it times its scale; checkpoints keep it. A collective:
+    /// every rank calls it with the same value, or each is told the
+    /// ranks' values (replicas that stepped with different rates would
+    /// drift apart silently). Refused under a config `scheduler`, which
+    /// sets the rate at every step.
+    pub fn set_lr(&self, lr: f64) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        if i.cfg.config.scheduler.is_some() {
+            return Err(ConfigError {
+                problems: vec![format!(
+                    "set_lr({lr}) under the config's `scheduler`, which sets the learning rate at every step: remove the `scheduler` block to set it from the program, or keep the scheduler and drop the set_lr calls"
+                )],
+                ..Default::default()
+            }
+            .into());
+        }
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(EngineError::Unsupported(format!(
+                "set_lr({lr}): a learning rate is a finite number >= 0"
+            )));
+        }
+        let what = || format!("set_lr({lr}) exchanged the learning rate");
+        let all = agree::world_gather(&i.group, i.replicate.as_ref(), vec![lr], false, what)?;
+        if all.iter().any(|&x| x.to_bits() != lr.to_bits()) {
+            let each: Vec<String> = all
+                .iter()
+                .enumerate()
+                .map(|(r, x)| format!("rank {r} {x}"))
+                .collect();
+            return Err(EngineError::ValuesDiffer(format!(
+                "set_lr got {}: every rank must set the same learning rate (compute it from engine.global_step(), which every rank shares)",
+                each.join(", ")
+            )));
+        }
+        let mut st = i.st.lock();
+        st.lr_set = Some(lr);
+        st.lr = lr;
+        Ok(())
     }
     /// Adam's (beta1, beta2) the last step used (before the first step:
     /// the ones it will use): the configured betas, or under OneCycle with

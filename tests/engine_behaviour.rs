@@ -2137,8 +2137,6 @@ fn a_plain_backward_whose_hook_failed_after_part_was_reduced_stops_the_engine() 
         (failed, refused)
     });
     for (rank, (failed, refused)) in out.iter().enumerate() {
-        // Rank 1's names the parameter; rank 0's hook met the collective
-        // that failed after the disagreement.
         assert!(
             refused.starts_with(&format!(
                 "accumulated gradients unusable: the backward of micro-step 0 failed ({failed}) after the gradients of "
@@ -2146,13 +2144,15 @@ fn a_plain_backward_whose_hook_failed_after_part_was_reduced_stops_the_engine() 
             "rank {rank}: {refused}"
         );
     }
-    assert!(
-        out[1]
-            .0
-            .starts_with("gradient reductions out of step across ranks: rank 0 reduces `a`"),
-        "{}",
-        out[1].0
-    );
+    // Both are told the cause: rank 0's next forward met the failure
+    // after its plain backward, which stays open until the next engine
+    // call (it was told only of the collective that failed).
+    for (rank, (failed, _)) in out.iter().enumerate() {
+        assert!(
+            failed.starts_with("gradient reductions out of step across ranks: rank 0 reduces `a`"),
+            "rank {rank}: {failed}"
+        );
+    }
 }
 
 #[test]

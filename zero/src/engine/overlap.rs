@@ -886,7 +886,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// the error says so; otherwise `e`. Only announcements already
     /// answered are read: explaining waits for nothing.
     pub(super) fn explain_failure(&self, st: &mut State, e: EngineError) -> EngineError {
-        if !st.prog.in_backward() {
+        // A plain `loss.backward()` stays open until the next engine call:
+        // the forward after it may be what meets the failure.
+        if !st.prog.in_backward() && !st.prog.bare {
             return e;
         }
         for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {

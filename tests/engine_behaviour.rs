@@ -2455,3 +2455,45 @@ fn a_model_run_twice_before_one_backward_trains_alike_in_every_stage() {
         assert_eq!(run(stage), unsharded, "stage {stage}");
     }
 }
+
+#[test]
+fn a_loss_backward_cannot_run_is_named_and_the_engine_trains_on() {
+    // libtorch's errors: "element 0 of tensors does not require grad and
+    // does not have a grad_fn" with 2 KB of C++ stack, and "grad can be
+    // implicitly created only for scalar outputs".
+    let got = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        let x = input(r.rank(), 0);
+        let evaluated = tch::no_grad(|| t.loss(&x));
+        let per_sample = t.c.forward(&t.b.forward(&t.a.forward(&x)).tanh());
+        let errs = [
+            e.backward(&evaluated).unwrap_err().to_string(),
+            e.backward(&per_sample).unwrap_err().to_string(),
+        ];
+        e.backward(&t.loss(&x)).unwrap();
+        assert!(e.step().unwrap());
+        (errs, e.gathered_params().unwrap())
+    });
+    let clean = on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        e.backward(&t.loss(&input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        e.gathered_params().unwrap()
+    });
+    for (rank, ([no_grad, shaped], trained)) in got.iter().enumerate() {
+        assert!(
+            no_grad.contains(
+                "backward of a loss that does not require grad: it was computed under tch::no_grad"
+            ),
+            "{no_grad}"
+        );
+        assert!(
+            shaped.contains("backward of a loss of shape [4, 1]: it needs one number"),
+            "{shaped}"
+        );
+        assert_eq!(
+            trained, &clean[rank],
+            "rank {rank} trains on as if nothing failed"
+        );
+    }
+}

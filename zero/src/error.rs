@@ -76,6 +76,29 @@ pub enum EngineError {
 
 impl From<tch::TchError> for EngineError {
     fn from(e: tch::TchError) -> Self {
-        EngineError::Torch(e.to_string())
+        EngineError::Torch(torch_message(&e.to_string()))
+    }
+}
+
+/// libtorch's message without what tch and libtorch wrap it in: tch's
+/// "Internal torch error: " (the cause is usually the program's) and the
+/// C++ stack libtorch appends ("Exception raised from ... frame #0: ..."),
+/// 2 KB naming no frame of the program's.
+fn torch_message(s: &str) -> String {
+    let s = s.strip_prefix("Internal torch error: ").unwrap_or(s);
+    let s = s.split("\nException raised from").next().unwrap_or(s);
+    s.trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn libtorch_messages_lose_their_cpp_stack() {
+        let raw = "Internal torch error: element 0 of tensors does not require grad and does not have a grad_fn\nException raised from run_backward at autograd.cpp:104 (most recent call first):\nframe #0: c10::Error::Error() + 0x9d (0x7fa4 in libc10.so)\n";
+        assert_eq!(
+            super::torch_message(raw),
+            "element 0 of tensors does not require grad and does not have a grad_fn"
+        );
+        assert_eq!(super::torch_message("shape mismatch"), "shape mismatch");
     }
 }

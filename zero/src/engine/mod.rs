@@ -1522,6 +1522,18 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 
     fn backward_inner(&self, loss: &Tensor) -> Result<(), EngineError> {
         let i = &*self.inner;
+        // libtorch's own errors for these do not say where to look.
+        if loss.numel() != 1 {
+            return Err(EngineError::CallOrder(format!(
+                "backward of a loss of shape {:?}: it needs one number, this rank's mean loss (reduce it with .mean(Kind::Float))",
+                loss.size()
+            )));
+        }
+        if !loss.requires_grad() {
+            return Err(EngineError::CallOrder(
+                "backward of a loss that does not require grad: it was computed under tch::no_grad (an evaluation's), from detached tensors, or with every parameter it uses frozen; compute it with autograd on from the model's output".into(),
+            ));
+        }
         let scale = {
             let mut st = i.st.lock();
             // A `loss.backward()` of the program's own that ran since the

@@ -1993,16 +1993,25 @@ fn an_unsharded_stage_3_model_outlives_its_engine() {
 }
 
 #[test]
-fn a_double_model_is_refused_before_it_is_laid_out_and_builds_once_fp32() {
-    // f64 would lose bits in the fp32 master; fp32, bf16 and fp16 widen
-    // to it exactly. Refused before the plan is claimed: the mended model
-    // builds on the same plan.
+fn a_model_neither_fp32_nor_in_the_compute_dtype_is_refused_before_it_is_laid_out() {
+    // f64 would lose bits in the fp32 master; fp32 and the compute dtype
+    // widen to it exactly. Refused before the plan is claimed: the mended
+    // model builds on the same plan.
     let mut t = tiny();
     t.vs.double();
     let e = solo_engine(&t.vs, &t.plan, &config(3, 1)).err().unwrap();
     assert!(
-        e.to_string()
-            .contains("is Double: create the model in fp32"),
+        e.to_string().contains(
+            "is Double and the config computes in Float: make the model fp32 (`vs.float()`"
+        ),
+        "{e}"
+    );
+    // A bf16 model is a config without its bf16 block, or a model to
+    // cast back.
+    t.vs.bfloat16();
+    let e = solo_engine(&t.vs, &t.plan, &config(3, 1)).err().unwrap();
+    assert!(
+        e.to_string().contains("is BFloat16 and the config computes in Float: enable `\"bf16\": {\"enabled\": true}` in the config, or make the model fp32 (`vs.float()`"),
         "{e}"
     );
     t.vs.float();

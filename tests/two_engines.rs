@@ -353,7 +353,7 @@ fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values(
         ("stages 3 then 0", config(3), config(0)),
         ("stages 2 then 3", config(2), config(3)),
         ("bf16 stages 3 then 3", bf16(3), bf16(3)),
-        ("bf16 stage 1 then fp32 stage 3", bf16(1), config(3)),
+        ("bf16 stage 1 then stage 3", bf16(1), bf16(3)),
     ];
     for (what, first, second) in cases {
         let out = on_ranks(WORLD, |r| {

@@ -1216,11 +1216,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         for (name, t) in groups.iter().flatten() {
             // Widened to the fp32 master exactly. A model the last engine
-            // on it left in the compute dtype builds again.
-            if !matches!(t.kind(), Kind::Float | Kind::BFloat16 | Kind::Half) {
-                return Err(EngineError::Unsupported(format!(
-                    "parameter `{name}` is {:?}: create the model in fp32 (the engine keeps an fp32 master and casts to the compute dtype)",
-                    t.kind()
+            // on it left in the compute dtype builds again; one in another
+            // 16-bit dtype than the config's is a config that forgot its
+            // `bf16` or `fp16` block, or a model to cast back first.
+            let kind = t.kind();
+            if kind != Kind::Float && kind != compute.kind() {
+                let fix = match kind {
+                    Kind::BFloat16 => "enable `\"bf16\": {\"enabled\": true}` in the config, or ",
+                    Kind::Half => "enable `\"fp16\": {\"enabled\": true}` in the config, or ",
+                    _ => "",
+                };
+                return Err(EngineError::Plan(format!(
+                    "parameter `{name}` is {kind:?} and the config computes in {:?}: {fix}make the model fp32 (`vs.float()`; the engine keeps an fp32 master and casts to the compute dtype)",
+                    compute.kind()
                 )));
             }
         }

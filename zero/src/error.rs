@@ -39,6 +39,10 @@ pub enum EngineError {
         "ranks out of step: {0}; every rank must make the same engine calls in the same order"
     )]
     OutOfStep(String),
+    /// An engine call got an argument it cannot use (a loss that is not
+    /// one number, a learning rate that is not finite).
+    #[error("bad argument: {0}")]
+    BadArgument(String),
     /// Ranks passed different values to a call that must get the same on
     /// every rank (`Engine::set_lr`); names each rank's.
     #[error("ranks passed different values: {0}")]

@@ -1532,13 +1532,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         // libtorch's own errors for these do not say where to look.
         if loss.numel() != 1 {
-            return Err(EngineError::CallOrder(format!(
+            return Err(EngineError::BadArgument(format!(
                 "backward of a loss of shape {:?}: it needs one number, this rank's mean loss (reduce it with .mean(Kind::Float))",
                 loss.size()
             )));
         }
         if !loss.requires_grad() {
-            return Err(EngineError::CallOrder(
+            return Err(EngineError::BadArgument(
                 "backward of a loss that does not require grad: it was computed under tch::no_grad (an evaluation's), from detached tensors, or with every parameter it uses frozen; compute it with autograd on from the model's output".into(),
             ));
         }
@@ -1850,7 +1850,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .into());
         }
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(EngineError::Unsupported(format!(
+            return Err(EngineError::BadArgument(format!(
                 "set_lr({lr}): a learning rate is a finite number >= 0"
             )));
         }

@@ -29,13 +29,16 @@ fn engine(cfg: &Config, r: &LocalRank) -> (zrt::gpt::Gpt, Engine<LocalGroup>) {
     (gpt, e)
 }
 
-/// Trains steps `from..to`, each after `set_lr(lrs(step))` when given.
+/// A learning rate by step.
+type Rates<'a> = Option<&'a (dyn Fn(usize) -> f64 + Sync)>;
+
+/// Trains `steps`, each after `set_lr(lrs(step))` when given.
 fn train(
     gpt: &zrt::gpt::Gpt,
     e: &Engine<LocalGroup>,
     rank: usize,
     steps: std::ops::Range<usize>,
-    lrs: Option<&dyn Fn(usize) -> f64>,
+    lrs: Rates,
 ) {
     for step in steps {
         if let Some(lr) = lrs {
@@ -49,16 +52,10 @@ fn train(
 
 /// Rank 0's parameters after three steps at `stage` under config rate
 /// `lr`, with `set_lr(lrs(step))` before each when given.
-fn run(stage: u8, lr: f64, lrs: Option<&(dyn Fn(usize) -> f64 + Sync)>) -> Params {
+fn run(stage: u8, lr: f64, lrs: Rates) -> Params {
     on_ranks(WORLD, |r| {
         let (gpt, e) = engine(&config(stage, lr, ""), &r);
-        train(
-            &gpt,
-            &e,
-            r.rank(),
-            0..3,
-            lrs.map(|f| f as &dyn Fn(usize) -> f64),
-        );
+        train(&gpt, &e, r.rank(), 0..3, lrs);
         e.gathered_params().unwrap()
     })
     .remove(0)

@@ -108,7 +108,16 @@ fn a_set_learning_rate_is_kept_by_checkpoints() {
         });
         (on, resumed)
     };
+    // Resumed under a config scheduler, that schedule sets the rate.
+    let warmup = r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},"#;
+    let scheduled = on_ranks(WORLD, |r| {
+        let (gpt, e) = engine(&config(3, 0.01, warmup), &r);
+        e.load_checkpoint(&dir, Some("one")).unwrap();
+        train(&gpt, &e, r.rank(), 1..3, None);
+        e.lr()
+    });
     let _ = std::fs::remove_dir_all(&dir);
+    assert!(scheduled[0] != 0.003 && scheduled[0] > 0.0, "{scheduled:?}");
     assert_eq!(resumed[0], on[0], "the resumed run steps at the set rate");
     assert_ne!(on[0], run(3, 0.01, None));
 }

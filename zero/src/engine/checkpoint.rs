@@ -725,7 +725,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.boundary_at = m.boundary_at;
             st.skipped = m.skipped_steps;
             st.lr = m.lr;
-            st.lr_set = m.lr_set;
+            // A config `scheduler` sets the rate at every step, and
+            // refuses set_lr: a rate the saved run set does not override it.
+            st.lr_set = m.lr_set.filter(|_| i.cfg.config.scheduler.is_none());
             st.norm = None;
             // The monitors' train loss must not mix in losses of
             // micro-batches the load undid (a step resumed mid-way

@@ -2508,3 +2508,37 @@ fn a_loss_backward_cannot_run_is_named_and_the_engine_trains_on() {
         );
     }
 }
+
+#[test]
+fn a_unit_no_rank_uses_trains_alike_at_every_stage() {
+    // Unit `c` is in no rank's loss (a head another phase trains): its
+    // gradient is zero on every rank, reduced at the end of backward (at
+    // stage 3 without ever being gathered for it), and Adam steps it with
+    // that zero, as DeepSpeed's flat buffers do.
+    let run = |stage: u8| {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(stage, 1), &r);
+            for k in 0..3 {
+                let h = t.b.forward(&t.a.forward(&input(r.rank(), k)));
+                e.backward(&h.tanh().square().mean(Kind::Float)).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        })
+        .remove(0)
+    };
+    let reference = run(0);
+    // No weight decay in this config: a zero gradient moves nothing.
+    let t = tiny();
+    for (name, v) in reference.iter().filter(|(n, _)| n.starts_with("c.")) {
+        let start = Vec::<f32>::try_from(&t.vs.variables()[name].flatten(0, -1)).unwrap();
+        assert_eq!(v, &start, "{name}");
+    }
+    assert_ne!(reference[0].1, {
+        let a = &t.vs.variables()[&reference[0].0];
+        Vec::<f32>::try_from(&a.flatten(0, -1)).unwrap()
+    });
+    for stage in [1u8, 2, 3] {
+        assert_eq!(run(stage), reference, "stage {stage}");
+    }
+}

@@ -155,3 +155,35 @@ fn set_lr_is_refused_under_a_scheduler_for_a_bad_rate_and_for_ranks_that_differ(
         );
     }
 }
+
+#[test]
+fn set_lr_on_one_rank_only_is_an_error_on_both_not_a_hang() {
+    // `if rank == 0 { engine.set_lr(..) }`: rank 0's exchange meets rank
+    // 1's next collective, the first gather of the next forward.
+    let errs = on_ranks(WORLD, |r| {
+        let (gpt, e) = engine(&config(3, 0.01, ""), &r);
+        let x = tokens(0, 0, r.rank(), 1);
+        let got = match r.rank() {
+            0 => e.set_lr(0.001),
+            _ => e.backward(&gpt.loss(&x)),
+        };
+        got.unwrap_err().to_string()
+    });
+    assert!(
+        errs[0].starts_with("ranks out of step: set_lr(0.001) exchanged the learning rate, and another rank made a different collective call here"),
+        "{}",
+        errs[0]
+    );
+    assert!(
+        errs[1].starts_with("ranks out of step: this rank announced the gather of unit `wte`"),
+        "{}",
+        errs[1]
+    );
+    for e in &errs {
+        assert!(
+            e.contains("(with_full_params, a checkpoint, set_lr, a forward only some ranks ran): collective mismatch on group `world`")
+                && e.contains("rank 0 called all_gather(f64 x 1) but rank 1 called all_gather(i64 x 2)"),
+            "{e}"
+        );
+    }
+}

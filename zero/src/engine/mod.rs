@@ -386,7 +386,7 @@ pub(super) fn gather_whole<T: Element, G: ProcessGroup>(
 pub(super) fn out_of_step(e: CommError, what: impl FnOnce() -> String) -> EngineError {
     match e {
         c @ CommError::Mismatch { .. } if !meets_checkpoint(&c) => EngineError::OutOfStep(format!(
-            "{}, and another rank made a different collective call here (with_full_params, a checkpoint, a forward only some ranks ran): {c}",
+            "{}, and another rank made a different collective call here (with_full_params, a checkpoint, set_lr, a forward only some ranks ran): {c}",
             what()
         )),
         c => EngineError::Comm(c),

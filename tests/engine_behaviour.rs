@@ -2542,3 +2542,35 @@ fn a_unit_no_rank_uses_trains_alike_at_every_stage() {
         assert_eq!(run(stage), reference, "stage {stage}");
     }
 }
+
+#[test]
+fn an_evaluation_between_a_plain_backward_and_the_step_changes_nothing() {
+    // `loss.backward(); if it % 100 == 0 { evaluate() }; engine.step()`:
+    // the plain backward stays open (its reductions in flight, stage 3's
+    // units gathered for it) while the evaluation's forward gathers and
+    // frees units, until step() ends it.
+    let zero = r#""stage3_param_persistence_threshold": 0,"#;
+    let run = |stage: u8, bare: bool| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let cfg = common::config_zero(stage, 1, 0.0, "", zero);
+            let e = engine_of(&vs, &plan, &cfg, &r);
+            let mut evals = Vec::new();
+            for step in 0..3 {
+                let loss = gpt.loss(&common::tokens(step, 0, r.rank(), 1));
+                match bare {
+                    true => loss.backward(),
+                    false => e.backward(&loss).unwrap(),
+                }
+                let val = tch::no_grad(|| gpt.loss(&common::tokens(100 + step, 0, r.rank(), 1)));
+                evals.push(val.double_value(&[]));
+                assert!(e.step().unwrap());
+            }
+            (evals, e.gathered_params().unwrap())
+        })
+        .remove(0)
+    };
+    for stage in [0u8, 1, 2, 3] {
+        assert_eq!(run(stage, true), run(stage, false), "stage {stage}");
+    }
+}

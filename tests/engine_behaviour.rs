@@ -2562,8 +2562,11 @@ fn an_evaluation_between_a_plain_backward_and_the_step_changes_nothing() {
                     true => loss.backward(),
                     false => e.backward(&loss).unwrap(),
                 }
-                let val = tch::no_grad(|| gpt.loss(&common::tokens(100 + step, 0, r.rank(), 1)));
-                evals.push(val.double_value(&[]));
+                let val = |k| gpt.loss(&common::tokens(100 + step, k, r.rank(), 1));
+                // Under no_grad, and with autograd on (a forward whose
+                // backward never runs).
+                evals.push(tch::no_grad(|| val(0)).double_value(&[]));
+                evals.push(val(1).double_value(&[]));
                 assert!(e.step().unwrap());
             }
             (evals, e.gathered_params().unwrap())

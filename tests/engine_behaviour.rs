@@ -2577,3 +2577,36 @@ fn an_evaluation_between_a_plain_backward_and_the_step_changes_nothing() {
         assert_eq!(run(stage, true), run(stage, false), "stage {stage}");
     }
 }
+
+#[test]
+fn input_gradients_by_autograd_grad_leave_training_as_it_was() {
+    // Saliency maps, adversarial examples: a backward for the input's
+    // gradient only (torch.autograd.grad(loss, x)) runs through the units
+    // (stage 3 gathers them for it) but accumulates no parameter gradient.
+    // Between steps, at every stage: training equals training without it,
+    // and the input gradients equal stage 0's.
+    let run = |stage: u8, probe: bool| {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(stage, 1), &r);
+            let mut saliency = Vec::new();
+            for k in 0..3 {
+                if probe {
+                    let x = input(r.rank(), 10 + k).set_requires_grad(true);
+                    let g = Tensor::run_backward(&[t.loss(&x)], &[&x], false, false);
+                    saliency.push(Vec::<f32>::try_from(&g[0].flatten(0, -1)).unwrap());
+                }
+                e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                e.step().unwrap();
+            }
+            (saliency, e.gathered_params().unwrap())
+        })
+        .remove(0)
+    };
+    let reference = run(0, true);
+    assert_eq!(reference.0.len(), 3);
+    for stage in [0u8, 1, 2, 3] {
+        let (saliency, trained) = run(stage, true);
+        assert_eq!(trained, run(stage, false).1, "stage {stage}");
+        assert_eq!(saliency, reference.0, "stage {stage}");
+    }
+}

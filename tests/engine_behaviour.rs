@@ -2584,16 +2584,23 @@ fn input_gradients_by_autograd_grad_leave_training_as_it_was() {
     // gradient only (torch.autograd.grad(loss, x)) runs through the units
     // (stage 3 gathers them for it) but accumulates no parameter gradient.
     // Between steps, at every stage: training equals training without it,
-    // and the input gradients equal stage 0's.
+    // the input gradients equal stage 0's, and stage 3 frees each unit
+    // after it (until 2026-11-28 they stayed gathered until their next
+    // forward: the whole model, at the end of such a backward).
     let run = |stage: u8, probe: bool| {
         on_ranks(WORLD, |r| {
             let (t, e) = tiny_engine(&config(stage, 1), &r);
             let mut saliency = Vec::new();
             for k in 0..3 {
                 if probe {
+                    let held = e.model_state_bytes().unwrap();
+                    // `a`'s input too: its backward needs `a`'s weights.
                     let x = input(r.rank(), 10 + k).set_requires_grad(true);
                     let g = Tensor::run_backward(&[t.loss(&x)], &[&x], false, false);
                     saliency.push(Vec::<f32>::try_from(&g[0].flatten(0, -1)).unwrap());
+                    // Each unit freed once backward is through it: no
+                    // parameter gradient hook fires to free it.
+                    assert_eq!(e.model_state_bytes().unwrap(), held, "stage {stage}");
                 }
                 e.backward(&t.loss(&input(r.rank(), k))).unwrap();
                 e.step().unwrap();

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <unordered_set>
@@ -322,6 +323,32 @@ char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*dr
       return to_error("post-accumulate-grad hooks need a leaf that requires grad");
     }
     torch::autograd::impl::set_post_acc_grad_hooks(*t, std::move(hook));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// Whether the backward running on this thread accumulates a gradient into
+// the leaf `t`'s `.grad` (`*out` 1) or not (0): one that asked for other
+// tensors' gradients only (`torch.autograd.grad(loss, x)`, `backward(inputs=)`)
+// runs only the nodes those need, and captures rather than accumulates.
+// Outside a backward, or in one that runs every node, 1 when `t` has an
+// accumulator (a forward used it). PyTorch's `_will_engine_execute_node`.
+char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
+  try {
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(*t);
+    if (!acc) {
+      *out = 0;
+      return nullptr;
+    }
+    const auto *info = torch::autograd::get_current_graph_task_exec_info();
+    if (info == nullptr || info->empty()) {
+      *out = 1;
+      return nullptr;
+    }
+    auto it = info->find(acc.get());
+    *out = (it != info->end() && it->second.needed_) ? 1 : 0;
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

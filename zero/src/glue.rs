@@ -66,6 +66,7 @@ mod ffi {
             t: *const C_tensor,
             out: *mut *const std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn zrt_will_accumulate(t: *const C_tensor, out: *mut std::ffi::c_int) -> *mut c_char;
         pub fn zrt_graph_leaves(
             t: *const C_tensor,
             stop: *const C_tensor,
@@ -332,6 +333,20 @@ pub fn on_grad_accumulated(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<
     check("register_post_acc_hook", unsafe {
         ffi::zrt_register_post_acc_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
     })
+}
+
+/// Whether the backward running on this thread accumulates a gradient into
+/// the leaf `t`'s `.grad`: not one that asked for other tensors' gradients
+/// only (`torch.autograd.grad(loss, x)`, whose parameters' gradient hooks
+/// never fire). Outside a backward, or in one that runs every node: whether
+/// a forward used `t`. PyTorch's `_will_engine_execute_node`.
+pub fn will_accumulate(t: &Tensor) -> Result<bool, GlueError> {
+    let mut out: std::ffi::c_int = 0;
+    // SAFETY: `t` is live for the call; `out` receives a flag only.
+    check("will_accumulate", unsafe {
+        ffi::zrt_will_accumulate(t.as_ptr(), &mut out)
+    })?;
+    Ok(out != 0)
 }
 
 /// The address of the `TensorImpl` behind `t`: the identity autograd's

@@ -798,12 +798,29 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
-    /// Stage 3: backward has computed the gradient of an input of `unit`, a
-    /// unit of frozen parameters only, so that forward's backward through
-    /// it is done: free it once every forward's is (a unit run twice in one
-    /// forward needs its parameters until the first run's backward).
+    /// Stage 3: backward has computed the gradient of an input of `unit`,
+    /// so that forward's backward through it is done: free it once every
+    /// forward's is (a unit run twice in one forward needs its parameters
+    /// until the first run's backward) when nothing else will. The gradient
+    /// hooks of a unit's trained parameters free it after they reduce; a
+    /// unit of frozen parameters only has none, and neither does any unit
+    /// in a backward that accumulates no parameter gradient
+    /// (`torch.autograd.grad(loss, x)`: saliency, adversarial examples).
     fn input_grad_ready(&self, unit: usize) {
         let mut st = self.st.lock();
+        let accumulates = st.units[unit]
+            .params
+            .iter()
+            .map(glue::will_accumulate)
+            .collect::<Result<Vec<bool>, _>>();
+        match accumulates {
+            Ok(any) if any.contains(&true) => return,
+            Ok(_) => {}
+            Err(e) => {
+                st.error.get_or_insert(e.into());
+                return;
+            }
+        }
         let left = st.awaiting_input_grad[unit].saturating_sub(1);
         st.awaiting_input_grad[unit] = left;
         if left == 0 && st.error.is_none() && st.gathered[unit] {
@@ -892,14 +909,11 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
                 st.error.get_or_insert(e);
             }
         }
-        if y.requires_grad()
-            && x.requires_grad()
-            && st.units[unit].params.is_empty()
-            && !overlap::stays_gathered(&st, unit)
-        {
-            // A unit of frozen parameters only has no gradient of its own to
-            // say its backward is done; the gradient of its input does (it
-            // sums every consumer of the input, this unit's backward too).
+        if y.requires_grad() && x.requires_grad() && !overlap::stays_gathered(&st, unit) {
+            // When no parameter gradient will say the unit's backward is
+            // done (see `input_grad_ready`), the gradient of its input does
+            // (it sums every consumer of the input, this unit's backward
+            // too).
             st.awaiting_input_grad[unit] += 1;
             let weak = self.inner.clone();
             if let Err(e) = glue::on_grad(x, move || {

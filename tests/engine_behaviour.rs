@@ -2617,3 +2617,46 @@ fn input_gradients_by_autograd_grad_leave_training_as_it_was() {
         assert_eq!(saliency, reference.0, "stage {stage}");
     }
 }
+
+#[test]
+fn a_gradient_penalty_through_the_units_trains_alike_at_every_stage() {
+    // WGAN-GP, R1: the input gradient taken with create_graph (and so
+    // keep_graph), then a backward through it, which needs the units'
+    // parameters again after the first pass; with unit `b` frozen too (a
+    // unit of frozen parameters only, freed when its input's gradient is
+    // ready unless the graph is kept: it was freed, and the second
+    // backward read freed memory).
+    let run = |stage: u8, frozen: bool| {
+        on_ranks(WORLD, |r| {
+            let t = tiny();
+            if frozen {
+                for (name, v) in t.vs.variables() {
+                    if name.starts_with("b.") {
+                        let _ = v.set_requires_grad(false);
+                    }
+                }
+            }
+            let e = engine_for(&t, &config(stage, 1), &r);
+            for k in 0..3 {
+                let x = input(r.rank(), k).set_requires_grad(true);
+                let out = t.loss(&x);
+                let g = Tensor::run_backward(&[&out], &[&x], true, true);
+                let penalty = (g[0].square().sum(Kind::Float) - 1.0).square();
+                e.backward(&(out + penalty)).unwrap();
+                e.step().unwrap();
+            }
+            e.gathered_params().unwrap()
+        })
+        .remove(0)
+    };
+    for frozen in [false, true] {
+        let reference = run(0, frozen);
+        for stage in [1u8, 2, 3] {
+            assert_eq!(
+                run(stage, frozen),
+                reference,
+                "stage {stage}, frozen b {frozen}"
+            );
+        }
+    }
+}

@@ -329,6 +329,18 @@ char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*dr
   }
 }
 
+// Whether the backward running on this thread keeps its graph (`*out` 1:
+// `retain_graph`, `create_graph`, so another backward may run through the
+// same nodes and their saved tensors) or frees it (0). Outside a backward: 1.
+char *zrt_graph_kept(int *out) {
+  try {
+    *out = torch::autograd::get_current_graph_task_keep_graph() ? 1 : 0;
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
 // Whether the backward running on this thread accumulates a gradient into
 // the leaf `t`'s `.grad` (`*out` 1) or not (0): one that asked for other
 // tensors' gradients only (`torch.autograd.grad(loss, x)`, `backward(inputs=)`)

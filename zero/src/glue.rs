@@ -66,6 +66,7 @@ mod ffi {
             t: *const C_tensor,
             out: *mut *const std::ffi::c_void,
         ) -> *mut c_char;
+        pub fn zrt_graph_kept(out: *mut std::ffi::c_int) -> *mut c_char;
         pub fn zrt_will_accumulate(t: *const C_tensor, out: *mut std::ffi::c_int) -> *mut c_char;
         pub fn zrt_graph_leaves(
             t: *const C_tensor,
@@ -333,6 +334,17 @@ pub fn on_grad_accumulated(t: &Tensor, f: impl Fn() + Send + 'static) -> Result<
     check("register_post_acc_hook", unsafe {
         ffi::zrt_register_post_acc_hook(t.as_ptr() as *mut _, call_hook, drop_hook, ctx)
     })
+}
+
+/// Whether the backward running on this thread keeps its graph
+/// (`retain_graph`, `create_graph`: another backward, a gradient
+/// penalty's, may run through the same nodes and the parameters they
+/// saved). Outside a backward: `true`.
+pub fn graph_kept() -> Result<bool, GlueError> {
+    let mut out: std::ffi::c_int = 0;
+    // SAFETY: `out` receives a flag only.
+    check("graph_kept", unsafe { ffi::zrt_graph_kept(&mut out) })?;
+    Ok(out != 0)
 }
 
 /// Whether the backward running on this thread accumulates a gradient into

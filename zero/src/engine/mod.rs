@@ -806,16 +806,25 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// unit of frozen parameters only has none, and neither does any unit
     /// in a backward that accumulates no parameter gradient
     /// (`torch.autograd.grad(loss, x)`: saliency, adversarial examples).
+    /// A backward that keeps its graph frees nothing here: another
+    /// backward through the unit (a gradient penalty's) reads its
+    /// parameters again; the end of the backward frees them.
     fn input_grad_ready(&self, unit: usize) {
         let mut st = self.st.lock();
-        let accumulates = st.units[unit]
-            .params
-            .iter()
-            .map(glue::will_accumulate)
-            .collect::<Result<Vec<bool>, _>>();
-        match accumulates {
-            Ok(any) if any.contains(&true) => return,
-            Ok(_) => {}
+        let needed = glue::graph_kept().and_then(|kept| {
+            if kept {
+                return Ok(true);
+            }
+            for t in &st.units[unit].params {
+                if glue::will_accumulate(t)? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        });
+        match needed {
+            Ok(true) => return,
+            Ok(false) => {}
             Err(e) => {
                 st.error.get_or_insert(e.into());
                 return;

@@ -371,7 +371,13 @@ fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values(
             // While it lives, the plan is its own.
             let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
             let refused = Engine::new(&vs, &plan, &second, group, &AutoHints::default());
-            assert!(refused.is_err());
+            let refused = refused.err().expect("a second engine on a claimed plan");
+            assert!(
+                refused
+                    .to_string()
+                    .contains("this plan already drives another engine"),
+                "{refused}"
+            );
             e.unshard().unwrap();
             drop(e);
             let e = engine(&vs, &plan, &second, &r);

@@ -2660,3 +2660,28 @@ fn a_gradient_penalty_through_the_units_trains_alike_at_every_stage() {
         }
     }
 }
+
+#[test]
+fn a_backward_that_reaches_none_of_the_engines_parameters_is_warned_of_once() {
+    // The loss of another model (the wrong engine's backward): its
+    // micro-step's gradient is zero, silently.
+    let t = tiny();
+    let other = tiny_other();
+    let e = solo_engine(&t.vs, &t.plan, &config(2, 1)).unwrap();
+    let ((), logs) = common::with_logs(|| {
+        for k in 0..2 {
+            e.backward(&(other.square().mean(Kind::Float) * (k + 1) as f64))
+                .unwrap();
+            e.step().unwrap();
+        }
+        e.backward(&t.loss(&input(0, 0))).unwrap();
+        e.step().unwrap();
+    });
+    let warned = "the loss reached none of this engine's trained parameters";
+    assert_eq!(logs.matches(warned).count(), 1, "{logs}");
+}
+
+/// A parameter of no engine's, for a loss that reaches none.
+fn tiny_other() -> Tensor {
+    Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true)
+}

@@ -270,6 +270,8 @@ struct Inner<G> {
     /// Whether this engine has said that it dropped gradients another
     /// engine's backward sent through its parameters (said once).
     told_foreign: std::sync::atomic::AtomicBool,
+    /// Whether it warned of a backward that reached none of its parameters.
+    told_untouched: std::sync::atomic::AtomicBool,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -1468,6 +1470,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             id: foreign::new_id(),
             backwards: Default::default(),
             told_foreign: Default::default(),
+            told_untouched: Default::default(),
         });
         {
             let mut st = inner.st.lock();
@@ -1617,9 +1620,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 i.abort_backward(&mut st);
                 Err(e.into())
             }
-            Ok(()) => self
-                .take_error(&mut st)
-                .and_then(|()| i.end_backward(&mut st, true)),
+            Ok(()) => self.take_error(&mut st).and_then(|()| {
+                i.warn_if_untouched(&st);
+                i.end_backward(&mut st, true)
+            }),
         };
         if let Err(e) = &ended {
             backward_failed(&mut st, micro, e);

@@ -477,6 +477,32 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
     }
 
+    /// Warns (once) when the backward that just ran reached none of this
+    /// engine's trained parameters: a loss of another model's, or computed
+    /// from detached tensors. Its micro-step's gradient is zero, and
+    /// nothing else would say so.
+    pub(super) fn warn_if_untouched(&self, st: &State) {
+        let mut trained = st
+            .units
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| !u.params.is_empty());
+        let reached = trained
+            .clone()
+            .any(|(k, u)| st.prog.launched[k] || u.params.iter().any(|t| t.grad().defined()));
+        if trained.next().is_some()
+            && !reached
+            && !self
+                .told_untouched
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                micro_step = st.micro,
+                "engine.backward(loss): the loss reached none of this engine's trained parameters, so this micro-step's gradient is zero; was it computed from another engine's model, or from detached tensors? (said once)"
+            );
+        }
+    }
+
     /// Disarms the hooks after a backward that failed in libtorch. The
     /// reductions it issued are dropped unwaited (the worker still runs
     /// them; if a peer never matches one, the next collective times out

@@ -2126,10 +2126,11 @@ fn a_backward_that_fails_after_reducing_part_of_its_gradient_stops_the_engine_un
 #[test]
 fn a_plain_backward_whose_hook_failed_after_part_was_reduced_stops_the_engine() {
     // Stage 3, 1-element buckets: `c` is added to the step's gradients
-    // when `b` launches. Rank 1's loss skips `a` (its output detached), so
-    // rank 0's re-gather of `a` meets rank 1's end-of-backward reduction
-    // of it: a hook's error, recorded during the program's own
-    // `loss.backward()`. The next engine call returns it; whichever it is
+    // when `b` launches. Rank 1's loss skips `a` (its output detached):
+    // its backward ends before `a`'s and its next forward gathers, where
+    // rank 0 reduces `a`. Rank 0's error is recorded while the program's
+    // own `loss.backward()` is open (not ended until the next engine
+    // call). The next engine call returns it; whichever it is
     // (`backward`, as here, or `step`), part of the gradient is in and the
     // engine must refuse to go on (`backward` returned the error and left
     // the open backward to `step`, which ended it and stepped, or failed

@@ -311,6 +311,13 @@ fn a_build_that_fails_on_a_full_drive_leaves_the_plan_to_the_next_one() {
     // the parameters: the failed build must leave the plan free (it stayed
     // claimed: "this plan already drives another engine").
     let dir = tmp("full");
+    /// Unmounts the tmpfs however the test ends.
+    struct Mounted<'a>(&'a Path);
+    impl Drop for Mounted<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
     let mount = |opts: &str| {
         let mut c = std::process::Command::new("mount");
         match opts {
@@ -323,10 +330,11 @@ fn a_build_that_fails_on_a_full_drive_leaves_the_plan_to_the_next_one() {
         );
     };
     mount("");
+    let mounted = Mounted(&dir);
     let (aio, off) = nvme(&dir);
     let cfg = config_zero(3, 1, 0.0, &aio, &off);
     let (left, trained) = built_again(&cfg, "not enough space", || mount("remount,size=64m"));
-    let _ = std::process::Command::new("umount").arg(&dir).status();
+    drop(mounted);
     // fp32: laid out, the parameters hold rank 0's values, which every
     // rank's fresh model has.
     assert_eq!(left, values(&model_of(&GPT).0));

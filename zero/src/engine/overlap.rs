@@ -486,12 +486,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             .units
             .iter()
             .enumerate()
-            .filter(|(_, u)| !u.params.is_empty());
+            .filter(|(_, u)| !u.params.is_empty())
+            .peekable();
+        if trained.peek().is_none() {
+            return; // every parameter frozen: nothing to reach
+        }
         let reached = trained
-            .clone()
             .any(|(k, u)| st.prog.launched[k] || u.params.iter().any(|t| t.grad().defined()));
-        if trained.next().is_some()
-            && !reached
+        if !reached
             && !self
                 .told_untouched
                 .swap(true, std::sync::atomic::Ordering::Relaxed)

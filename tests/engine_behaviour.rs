@@ -7,7 +7,7 @@ use crate::common;
 
 use std::sync::Mutex;
 
-use common::{linear_unit, on_ranks, solo_engine, Params};
+use common::{engine_of, linear_unit, on_ranks, solo_engine, Params};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -94,16 +94,6 @@ fn tiny_engine(cfg: &Config, r: &local::LocalRank) -> (Tiny, Engine<LocalGroup>)
 /// The engine for `t` (built as it is now) under `cfg` on rank `r`.
 fn engine_for(t: &Tiny, cfg: &Config, r: &local::LocalRank) -> Engine<LocalGroup> {
     engine_of(&t.vs, &t.plan, cfg, r)
-}
-
-/// The engine for `vs` and `plan` under `cfg` on rank `r`'s world group.
-fn engine_of(
-    vs: &nn::VarStore,
-    plan: &ShardPlan,
-    cfg: &Config,
-    r: &local::LocalRank,
-) -> Engine<LocalGroup> {
-    Engine::new(vs, plan, cfg, group(r), &AutoHints::default()).unwrap()
 }
 
 /// A 3-element parameter `extra` (all ones) added to unit `unit` of `t`.

@@ -7,9 +7,9 @@
 
 use crate::common;
 
-use common::{model, on_ranks, serial, tokens, Params, WORLD};
+use common::{engine_of, model, on_ranks, serial, tokens, Params, WORLD};
 use zrt::collectives::local::{LocalGroup, LocalRank};
-use zrt::zero::{AutoHints, Config, Engine, EngineError};
+use zrt::zero::{Config, Engine, EngineError};
 
 /// AdamW at `stage` with learning rate `lr`, `extra` spliced into the top
 /// level (ending with a comma); every stage-3 parameter sharded.
@@ -24,9 +24,7 @@ fn config(stage: u8, lr: f64, extra: &str) -> Config {
 
 fn engine(cfg: &Config, r: &LocalRank) -> (zrt::gpt::Gpt, Engine<LocalGroup>) {
     let (vs, plan, gpt) = model();
-    let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-    let e = Engine::new(&vs, &plan, cfg, group, &AutoHints::default()).unwrap();
-    (gpt, e)
+    (gpt, engine_of(&vs, &plan, cfg, r))
 }
 
 /// A learning rate by step.

@@ -9,9 +9,9 @@
 
 use crate::common;
 
-use common::{config_zero, linear_unit, model_of, on_ranks, tokens, Params, GPT, WORLD};
+use common::{config_zero, engine_of, linear_unit, model_of, on_ranks, tokens, Params, GPT, WORLD};
 use tch::Kind;
-use zrt::collectives::local::{LocalGroup, LocalRank};
+use zrt::collectives::local::LocalGroup;
 use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{glue, AutoHints, Config, Engine, ShardPlan};
 
@@ -29,17 +29,6 @@ fn config(stage: u8) -> Config {
         "",
         r#""stage3_param_persistence_threshold": 0,"#,
     )
-}
-
-/// An engine for `vs` and `plan` under `cfg` on `r`'s world.
-fn engine(
-    vs: &tch::nn::VarStore,
-    plan: &ShardPlan,
-    cfg: &Config,
-    r: &LocalRank,
-) -> Engine<LocalGroup> {
-    let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-    Engine::new(vs, plan, cfg, group, &AutoHints::default()).unwrap()
 }
 
 /// Next-token cross-entropy of `logits` for `batch`, plus their mean
@@ -63,8 +52,8 @@ fn distill(teacher_stage: Option<u8>) -> (Vec<f64>, Params) {
             let _ = t.set_requires_grad(false);
         }
         let (svs, splan, student) = model_of(&STUDENT);
-        let _teacher_engine = teacher_stage.map(|s| engine(&tvs, &tplan, &config(s), &r));
-        let se = engine(&svs, &splan, &config(3), &r);
+        let _teacher_engine = teacher_stage.map(|s| engine_of(&tvs, &tplan, &config(s), &r));
+        let se = engine_of(&svs, &splan, &config(3), &r);
         let losses: Vec<f64> = (0..3)
             .map(|step| {
                 let batch = tokens(step, 0, r.rank(), 1);
@@ -112,7 +101,7 @@ fn train(a: Option<u8>, b: Option<u8>) -> [Option<(Vec<f64>, Params)>; 2] {
             .map(|(stage, shape)| {
                 stage.map(|s| {
                     let (vs, plan, gpt) = model_of(&shape);
-                    let e = engine(&vs, &plan, &config(s), &r);
+                    let e = engine_of(&vs, &plan, &config(s), &r);
                     (vs, plan, gpt, e)
                 })
             })
@@ -229,8 +218,8 @@ fn gan(stage: u8, generator_step: bool, fp16: bool) -> (Params, Params, String) 
     let out = on_ranks(WORLD, |r| {
         common::with_logs(|| {
             let m = Gan::new();
-            let eg = engine(&m.gvs, &m.gplan, &cfg, &r);
-            let ed = engine(&m.dvs, &m.dplan, &cfg, &r);
+            let eg = engine_of(&m.gvs, &m.gplan, &cfg, &r);
+            let ed = engine_of(&m.dvs, &m.dplan, &cfg, &r);
             let d_before = ed.gathered_params().unwrap();
             let fake = m.generate(&data(0, r.rank(), kind));
             let ld = m.score(&data(1, r.rank(), kind)) - m.score(&fake.detach());
@@ -300,7 +289,7 @@ fn joint(stage: u8, one_engine: bool) -> Params {
                     .map(|(n, i, o)| linear_unit(&vs, &plan, n, i, o));
                 (vs, plan, u)
             };
-            let e = engine(&vs, &plan, &config(stage), &r);
+            let e = engine_of(&vs, &plan, &config(stage), &r);
             for step in 0..3 {
                 loss(&[&u[0], &u[1], &u[2], &u[3]], step).backward();
                 e.step().unwrap();
@@ -308,8 +297,8 @@ fn joint(stage: u8, one_engine: bool) -> Params {
             e.gathered_params().unwrap()
         } else {
             let m = Gan::new();
-            let eg = engine(&m.gvs, &m.gplan, &config(stage), &r);
-            let ed = engine(&m.dvs, &m.dplan, &config(stage), &r);
+            let eg = engine_of(&m.gvs, &m.gplan, &config(stage), &r);
+            let ed = engine_of(&m.dvs, &m.dplan, &config(stage), &r);
             for step in 0..3 {
                 loss(&[&m.g[0], &m.g[1], &m.d[0], &m.d[1]], step).backward();
                 eg.step().unwrap();
@@ -366,7 +355,7 @@ fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values(
                 }
                 e.gathered_params().unwrap()
             };
-            let e = engine(&vs, &plan, &first, &r);
+            let e = engine_of(&vs, &plan, &first, &r);
             let trained = train(&e, 0);
             // While it lives, the plan is its own.
             let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
@@ -380,7 +369,7 @@ fn an_engine_built_again_on_the_same_model_goes_on_from_the_dropped_ones_values(
             );
             e.unshard().unwrap();
             drop(e);
-            let e = engine(&vs, &plan, &second, &r);
+            let e = engine_of(&vs, &plan, &second, &r);
             let start = e.gathered_params().unwrap();
             let again = train(&e, 2);
             (trained, start, again)

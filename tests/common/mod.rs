@@ -161,6 +161,18 @@ pub fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalRank) -> T + Sync) -> Vec<T> 
     })
 }
 
+/// The engine for `vs` and `plan` under `cfg` on rank `r`'s world group
+/// (every rank of its in-process world).
+pub fn engine_of(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    cfg: &Config,
+    r: &LocalRank,
+) -> Engine<LocalGroup> {
+    let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+    Engine::new(vs, plan, cfg, group, &AutoHints::default()).unwrap()
+}
+
 /// An engine for `vs` and `plan` on a one-rank in-process world: for tests
 /// of what one rank refuses, reports or reads back.
 pub fn solo_engine(

@@ -210,12 +210,7 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
     // A tmpfs too small for the swap, then read-only (needs root, which this
     // project's machines and CI have).
     let dir = tmp("small");
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
-        .arg(&dir)
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(mounted, "cannot mount a tmpfs (not root?)");
+    let mounted = Mounted::new(&dir);
     let (aio, off) = nvme(&dir);
     let res = train(&config_zero(2, 1, 0.0, &aio, &off), &GPT, 0);
     for r in res {
@@ -227,12 +222,7 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
         );
     }
     assert_eq!(swap_files(&dir), 0, "nothing half-written is left");
-    let st = std::process::Command::new("mount")
-        .args(["-o", "remount,ro,size=64m"])
-        .arg(&dir)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    mounted.remount("remount,ro,size=64m");
     let e = train(&config_zero(2, 1, 0.0, &aio, &off), &GPT, 0)
         .remove(0)
         .err()
@@ -241,8 +231,41 @@ fn a_missing_read_only_or_full_nvme_path_is_a_clear_error() {
         e.to_string().contains("not writable") || e.to_string().contains("Read-only"),
         "{e}"
     );
-    let _ = std::process::Command::new("umount").arg(&dir).status();
+    drop(mounted);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A 64 KiB tmpfs mounted on a folder (needs root, which this project's
+/// machines and CI have), unmounted however the test ends: one left
+/// mounted in /tmp outlives the test run.
+struct Mounted<'a>(&'a Path);
+
+impl<'a> Mounted<'a> {
+    fn new(dir: &'a Path) -> Self {
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "cannot mount a tmpfs on {} (not root?)", dir.display());
+        Mounted(dir)
+    }
+
+    /// Mounts it again with `opts` (`remount,...`).
+    fn remount(&self, opts: &str) {
+        let ok = std::process::Command::new("mount")
+            .args(["-o", opts])
+            .arg(self.0)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "mount -o {opts} {}", self.0.display());
+    }
+}
+
+impl Drop for Mounted<'_> {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0).status();
+    }
 }
 
 /// On 2 ranks: a build under `cfg` that must fail with `error`; once both
@@ -311,29 +334,12 @@ fn a_build_that_fails_on_a_full_drive_leaves_the_plan_to_the_next_one() {
     // the parameters: the failed build must leave the plan free (it stayed
     // claimed: "this plan already drives another engine").
     let dir = tmp("full");
-    /// Unmounts the tmpfs however the test ends.
-    struct Mounted<'a>(&'a Path);
-    impl Drop for Mounted<'_> {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(self.0).status();
-        }
-    }
-    let mount = |opts: &str| {
-        let mut c = std::process::Command::new("mount");
-        match opts {
-            "" => c.args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]),
-            o => c.args(["-o", o]),
-        };
-        assert!(
-            c.arg(&dir).status().is_ok_and(|s| s.success()),
-            "mount {opts}"
-        );
-    };
-    mount("");
-    let mounted = Mounted(&dir);
+    let mounted = Mounted::new(&dir);
     let (aio, off) = nvme(&dir);
     let cfg = config_zero(3, 1, 0.0, &aio, &off);
-    let (left, trained) = built_again(&cfg, "not enough space", || mount("remount,size=64m"));
+    let (left, trained) = built_again(&cfg, "not enough space", || {
+        mounted.remount("remount,size=64m")
+    });
     drop(mounted);
     // fp32: laid out, the parameters hold rank 0's values, which every
     // rank's fresh model has.

@@ -2676,3 +2676,46 @@ fn a_backward_that_reaches_none_of_the_engines_parameters_is_warned_of_once() {
 fn tiny_other() -> Tensor {
     Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true)
 }
+
+#[test]
+fn the_accumulation_boundary_is_the_micro_step_whose_step_updates() {
+    // DeepSpeed's `is_gradient_accumulation_boundary`: true for the last
+    // micro-step of each accumulation, asked before its backward or after
+    // it (engine.backward or a plain loss.backward()), and on after a
+    // checkpoint load.
+    let dir = std::env::temp_dir().join(format!("zrt-boundary-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = config(2, 3);
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&cfg, &r);
+        for k in 1..=7 {
+            let last = k % 3 == 0;
+            assert_eq!(e.is_gradient_accumulation_boundary(), last, "before {k}");
+            let loss = t.loss(&input(r.rank(), k));
+            match k % 2 {
+                0 => loss.backward(),
+                _ => e.backward(&loss).unwrap(),
+            }
+            assert_eq!(e.is_gradient_accumulation_boundary(), last, "after {k}");
+            assert_eq!(e.step().unwrap(), last, "step {k}");
+            if k == 3 {
+                e.save_checkpoint(&dir, "three").unwrap();
+            }
+        }
+        // Without the step() calls between micro-steps that do not update
+        // (then, until its backward, the micro-step in progress is the one
+        // before).
+        let (t, e) = tiny_engine(&cfg, &r);
+        e.load_checkpoint(&dir, Some("three")).unwrap();
+        assert!(!e.is_gradient_accumulation_boundary());
+        for k in 4..=5 {
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            assert!(!e.is_gradient_accumulation_boundary(), "{k}");
+        }
+        t.loss(&input(r.rank(), 6)).backward();
+        assert!(e.is_gradient_accumulation_boundary());
+        assert!(e.step().unwrap());
+        assert!(!e.is_gradient_accumulation_boundary());
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

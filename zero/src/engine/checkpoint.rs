@@ -723,6 +723,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.step = m.global_step;
             st.micro = m.micro_steps;
             st.boundary_at = m.boundary_at;
+            st.step_called_at = m.micro_steps;
             st.skipped = m.skipped_steps;
             st.lr = m.lr;
             // A config `scheduler` sets the rate at every step, and

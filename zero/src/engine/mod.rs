@@ -181,6 +181,10 @@ struct State {
     /// The micro-step count at the last boundary handled: a second `step()`
     /// without a new `backward` must not step again.
     boundary_at: u64,
+    /// The micro-step count at the last `step()` call (boundary or not): a
+    /// backward since then belongs to the micro-step in progress
+    /// (`Engine::is_gradient_accumulation_boundary`).
+    step_called_at: u64,
     step: u64,
     skipped: u64,
     norm: Option<f64>,
@@ -1438,6 +1442,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 gathered: vec![true; n],
                 micro: 0,
                 boundary_at: 0,
+                step_called_at: 0,
                 step: 0,
                 skipped: 0,
                 norm: None,
@@ -1650,6 +1655,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut guard = i.st.lock();
         // A bare `loss.backward()` ran: finish it as `backward` would have.
         self.settle(&mut guard, true)?;
+        guard.step_called_at = guard.micro;
         i.drain_prefetch(&mut guard)?;
         if guard.micro == 0
             || guard.micro % i.cfg.batch.gas != 0
@@ -1927,6 +1933,22 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Micro-steps taken (`backward` calls).
     pub fn micro_steps(&self) -> u64 {
         self.inner.st.lock().micro
+    }
+    /// Whether the micro-step in progress is the last of its accumulation,
+    /// so that the `step()` that ends it updates the parameters
+    /// (DeepSpeed's `is_gradient_accumulation_boundary`: log, clip or set
+    /// the learning rate only then). The micro-step in progress is the one
+    /// whose backward ran since the last `step()` call (a plain
+    /// `loss.backward()` counts), or else the next one; after a checkpoint
+    /// load, the one after the last saved.
+    pub fn is_gradient_accumulation_boundary(&self) -> bool {
+        let st = self.inner.st.lock();
+        let done = st.micro + u64::from(st.prog.bare);
+        let current = match done > st.step_called_at {
+            true => done,
+            false => done + 1,
+        };
+        current % self.inner.cfg.batch.gas == 0
     }
     /// Where the last optimizer step's time went (forward, backward,
     /// communication wait, optimizer), summed over its micro-steps; logged

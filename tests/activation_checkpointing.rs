@@ -20,7 +20,7 @@ use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use zrt::gpt::Gpt;
 use zrt::zero::activation::{Checkpointed, CheckpointedT};
-use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts};
+use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts, ShardedModule};
 
 /// Linear, GELU, dropout, linear; counts its forwards and panics on call
 /// `fail_on`.
@@ -295,5 +295,173 @@ fn a_frozen_prefix_is_not_recomputed_nor_gathered_again() {
         // unused. It used to gather the embedding and the first block in
         // every backward for nothing: 4 unused gathers in 3 steps.
         assert!(plain.2.unused <= 1, "stage {stage}: {:?}", plain.2);
+    }
+}
+
+#[test]
+fn input_gradients_through_a_checkpointed_module_add_no_parameter_gradient_and_keep_their_graph() {
+    let _serial = serial();
+    seeded(input_gradients_alike);
+}
+
+fn input_gradients_alike() {
+    // torch.autograd.grad(loss, x) through the checkpoint accumulated the
+    // module's parameter gradients (an engine's next step applied them),
+    // and with create_graph returned a gradient without its graph (a
+    // gradient penalty through it added nothing, silently), until
+    // 2026-11-28: the recompute back-propagated as `loss.backward()` does.
+    let outcome = |checkpointed: bool| {
+        let (vs, m, _) = mlp(0);
+        let c = Checkpointed::new(m);
+        let x = Tensor::from_slice(&(0..24).map(|i| i as f32 * 0.1 - 1.0).collect::<Vec<_>>())
+            .view([3, 8])
+            .set_requires_grad(true);
+        tch::manual_seed(7);
+        let y = match checkpointed {
+            true => c.forward(&x),
+            false => c.with_inner(|m| m.forward(&x)),
+        };
+        let l = (&y * &y).sum(Kind::Float);
+        let once = Tensor::run_backward(&[&l], &[&x], true, false);
+        let g = Tensor::run_backward(&[&l], &[&x], true, true);
+        let accumulated: Vec<String> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.grad().defined())
+            .map(|(n, _)| n)
+            .collect();
+        assert!(g[0].requires_grad(), "checkpointed {checkpointed}");
+        // The penalty's backward reaches the parameters through `g`.
+        g[0].square().sum(Kind::Float).backward();
+        let mut grads: Vec<(String, Vec<f32>)> = vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, values(&t.grad())))
+            .collect();
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        (values(&once[0]), values(&g[0]), accumulated, grads)
+    };
+    let (want, got) = (outcome(false), outcome(true));
+    assert!(want.2.is_empty());
+    // First order to the bit; the second sums its terms in another order.
+    assert_eq!((&got.0, &got.1, &got.2), (&want.0, &want.1, &want.2));
+    assert_eq!(names(&got.3), names(&want.3));
+    for ((name, g), (_, w)) in got.3.iter().zip(&want.3) {
+        assert_close(g, w, name);
+    }
+}
+
+fn names(p: &[(String, Vec<f32>)]) -> Vec<&str> {
+    p.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// `got` equals `want` but for rounding: within 1e-5 of each value's
+/// magnitude (at least 1).
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "{what}: {got:?} against {want:?}"
+        );
+    }
+}
+
+/// Linear, then tanh: a block that draws nothing from the generator the
+/// ranks (threads) share.
+#[derive(Debug)]
+struct Tanh(nn::Linear);
+
+impl Module for Tanh {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.0.forward(x).tanh()
+    }
+}
+
+/// A loss of the input, from the model's units.
+type Loss = Box<dyn Fn(&Tensor) -> Tensor>;
+
+/// Units `a` (3 -> 8) and `b` (8 -> 1), each a [`Tanh`] block, with
+/// checkpointed blocks or not, from seed 5; the loss is the mean square of
+/// the output.
+fn two_units(checkpointed: bool) -> (nn::VarStore, zrt::zero::ShardPlan, Loss) {
+    let _g = common::rng_lock();
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = zrt::zero::ShardPlan::new();
+    let (pa, pb) = (vs.root() / "a", vs.root() / "b");
+    let (la, lb) = (
+        Tanh(nn::linear(&pa, 3, 8, Default::default())),
+        Tanh(nn::linear(&pb, 8, 1, Default::default())),
+    );
+    let loss: Loss = match checkpointed {
+        true => {
+            let (a, b) = (
+                ShardedModule::new(&plan, &pa, Checkpointed::new(la)),
+                ShardedModule::new(&plan, &pb, Checkpointed::new(lb)),
+            );
+            Box::new(move |x| b.forward(&a.forward(x)).square().mean(Kind::Float))
+        }
+        false => {
+            let (a, b) = (
+                ShardedModule::new(&plan, &pa, la),
+                ShardedModule::new(&plan, &pb, lb),
+            );
+            Box::new(move |x| b.forward(&a.forward(x)).square().mean(Kind::Float))
+        }
+    };
+    (vs, plan, loss)
+}
+
+#[test]
+fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike_at_every_stage() {
+    let _serial = serial();
+    // Before each step a saliency map (the input's gradient only), then a
+    // gradient penalty (WGAN-GP): the input's gradient with create_graph,
+    // and the engine's backward of the loss plus a function of it. Stage
+    // 3 frees each unit after the saliency map's backward.
+    let input = |rank: usize, k: usize| {
+        (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+            * (0.1 + 0.05 * (rank * 2 + k) as f64))
+            .cos()
+            .set_requires_grad(true)
+    };
+    let run = |stage: u8, checkpointed: bool| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, loss) = two_units(checkpointed);
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = config_zero(stage, 1, 0.0, "", zero);
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            let mut saliency = Vec::new();
+            for k in 0..3 {
+                let held = e.model_state_bytes().unwrap();
+                let x = input(r.rank(), 10 + k);
+                let g = Tensor::run_backward(&[loss(&x)], &[&x], false, false);
+                saliency.push(values(&g[0]));
+                assert_eq!(e.model_state_bytes().unwrap(), held, "stage {stage}");
+                let x = input(r.rank(), k);
+                let out = loss(&x);
+                let g = Tensor::run_backward(&[&out], &[&x], true, true);
+                let penalty = (g[0].square().sum(Kind::Float) - 1.0).square();
+                e.backward(&(out + penalty)).unwrap();
+                e.step().unwrap();
+            }
+            (saliency, e.gathered_params().unwrap())
+        })
+        .swap_remove(0)
+    };
+    let want = run(0, false);
+    for stage in [0u8, 1, 2, 3] {
+        let got = run(stage, true);
+        // The second-order terms sum in another order than without the
+        // checkpoints: equal but for rounding.
+        for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+            assert_close(g, w, &format!("stage {stage}: saliency {k}"));
+        }
+        assert_eq!(names(&got.1), names(&want.1));
+        for ((name, g), (_, w)) in got.1.iter().zip(&want.1) {
+            assert_close(g, w, &format!("stage {stage}: {name}"));
+        }
     }
 }

@@ -110,7 +110,10 @@ void set_rng_state(const at::Tensor &state) {
 // hooks) and yields the inputs' gradients. `anchor`, an empty leaf that
 // requires grad, makes the output require grad even when no input does
 // (the first block after a frozen embedding): the segment's parameters are
-// not inputs, and backward would otherwise never reach them.
+// not inputs, and backward would otherwise never reach them. Unlike
+// PyTorch's reentrant checkpoint, which refuses `torch.autograd.grad`, it
+// serves one too (input gradients, with `create_graph` for a gradient
+// penalty), accumulating no parameter gradient.
 struct Recompute : public torch::autograd::Function<Recompute> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
                                                 c10::intrusive_ptr<Segment> segment,
@@ -135,11 +138,34 @@ struct Recompute : public torch::autograd::Function<Recompute> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
                                                  torch::autograd::variable_list grads) {
     auto segment = c10::static_intrusive_pointer_cast<Segment>(ctx->saved_data["segment"].toCapsule());
+    // What the running backward asked for. One that runs every node
+    // (`loss.backward()`) accumulates the segment's parameter gradients;
+    // one that asked for some tensors' gradients only
+    // (`torch.autograd.grad(loss, x)`: its graph task runs only the nodes
+    // those need) must accumulate none, so the inputs' gradients are taken
+    // with `grad`, which captures them. With `create_graph` the engine
+    // runs this with grad mode on, and the gradients must keep their graph
+    // (a gradient penalty back-propagates through them).
+    const auto *info = torch::autograd::get_current_graph_task_exec_info();
+    const bool capture = info != nullptr && !info->empty();
+    const bool create = at::GradMode::is_enabled();
+    if (create && !capture) {
+      throw std::runtime_error(
+          "backward with create_graph through a checkpointed block is not supported: take the gradients with "
+          "torch.autograd.grad (tch: Tensor::run_backward) instead");
+    }
+    // The recompute runs on detached copies of the inputs, so that a
+    // backward through it stops there (the forward's own nodes before the
+    // segment run once, in the backward that called this). A gradient
+    // whose graph is kept starts from the inputs themselves: a backward
+    // through it must reach what they came from (the earlier segments'
+    // parameters, through this gradient's dependence on the input), and
+    // `grad` stops at them now.
     auto saved = ctx->get_saved_variables();
     torch::autograd::variable_list inputs;
     inputs.reserve(saved.size());
     for (const auto &x : saved) {
-      inputs.push_back(x.detach().requires_grad_(x.requires_grad()));
+      inputs.push_back(create ? x : x.detach().requires_grad_(x.requires_grad()));
     }
     // The forward's random draws again, then the generator where it was.
     auto now = rng_state();
@@ -153,17 +179,34 @@ struct Recompute : public torch::autograd::Function<Recompute> {
       throw;
     }
     set_rng_state(now);
-    if (out.requires_grad()) {
-      torch::autograd::backward({out}, {grads[0]});
-    }
     // One gradient per forward input: none for the segment and the
     // anchor, then each tensor's (undefined where it needs none).
-    torch::autograd::variable_list result;
-    result.reserve(inputs.size() + 2);
-    result.emplace_back();
-    result.emplace_back();
-    for (const auto &x : inputs) {
-      result.push_back(x.requires_grad() ? x.grad() : torch::Tensor());
+    torch::autograd::variable_list result(inputs.size() + 2);
+    if (!out.requires_grad()) {
+      return result;
+    }
+    if (!capture) {
+      torch::autograd::backward({out}, {grads[0]});
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (inputs[i].requires_grad()) {
+          result[i + 2] = inputs[i].grad();
+        }
+      }
+      return result;
+    }
+    torch::autograd::variable_list wanted;
+    std::vector<size_t> at;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].requires_grad()) {
+        wanted.push_back(inputs[i]);
+        at.push_back(i + 2);
+      }
+    }
+    if (!wanted.empty()) {
+      auto got = torch::autograd::grad({out}, wanted, {grads[0]}, create, create, true);
+      for (size_t j = 0; j < got.size(); ++j) {
+        result[at[j]] = got[j];
+      }
     }
     return result;
   }

@@ -465,3 +465,56 @@ fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike
         }
     }
 }
+
+#[test]
+fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
+    let _serial = serial();
+    // ALBERT-style shared layers: each run's recompute accumulates the
+    // unit's gradients in a backward of its own. At stage 3 the second
+    // recompute read the unit freed (SIGSEGV) until 2026-11-28.
+    let run = |stage: u8, checkpointed: bool| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, a, b) = {
+                let _g = common::rng_lock();
+                tch::manual_seed(5);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let plan = zrt::zero::ShardPlan::new();
+                let (pa, pb) = (vs.root() / "a", vs.root() / "b");
+                let la = Tanh(nn::linear(&pa, 3, 3, Default::default()));
+                let a: Box<dyn Module> = match checkpointed {
+                    true => Box::new(ShardedModule::new(&plan, &pa, Checkpointed::new(la))),
+                    false => Box::new(ShardedModule::new(&plan, &pa, la)),
+                };
+                let b = ShardedModule::new(&plan, &pb, nn::linear(&pb, 3, 1, Default::default()));
+                (vs, plan, a, b)
+            };
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = config_zero(stage, 1, 0.0, "", zero);
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            for k in 0..3 {
+                let x = (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+                    * (0.1 + 0.05 * (r.rank() * 2 + k) as f64))
+                    .cos();
+                let loss = b
+                    .forward(&a.forward(&a.forward(&x)))
+                    .square()
+                    .mean(Kind::Float);
+                match k {
+                    1 => loss.backward(),
+                    _ => e.backward(&loss).unwrap(),
+                }
+                e.step().unwrap();
+            }
+            // The second run's gradients were taken for another backward's
+            // (a plain loss.backward() after the first): a micro-step more.
+            assert_eq!(e.micro_steps(), 3, "stage {stage}");
+            e.gathered_params().unwrap()
+        })
+        .swap_remove(0)
+    };
+    let want = run(0, false);
+    for stage in [0u8, 1, 2, 3] {
+        assert_eq!(run(stage, true), want, "stage {stage}");
+    }
+}

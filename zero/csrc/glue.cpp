@@ -102,6 +102,28 @@ void set_rng_state(const at::Tensor &state) {
   gen.set_state(state);
 }
 
+// The backward that ran the outermost checkpointed segment being
+// recomputed on this thread (-1: none; see `zrt_backward_id`).
+thread_local int64_t outer_backward = -1;
+
+// Marks a recompute's backward as part of the running one, for its
+// duration.
+struct InRecompute {
+  bool set;
+  InRecompute() : set(outer_backward < 0) {
+    if (set) {
+      outer_backward = torch::autograd::get_current_graph_task_id();
+    }
+  }
+  ~InRecompute() {
+    if (set) {
+      outer_backward = -1;
+    }
+  }
+  InRecompute(const InRecompute &) = delete;
+  InRecompute &operator=(const InRecompute &) = delete;
+};
+
 // Activation checkpointing (PyTorch's reentrant `torch.utils.checkpoint`):
 // forward runs the segment without building its graph and keeps only the
 // inputs (and the CPU generator's state, so dropout draws the same masks);
@@ -185,6 +207,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     if (!out.requires_grad()) {
       return result;
     }
+    InRecompute marked;
     if (!capture) {
       torch::autograd::backward({out}, {grads[0]});
       for (size_t i = 0; i < inputs.size(); ++i) {
@@ -375,6 +398,19 @@ char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*dr
 // Whether the backward running on this thread keeps its graph (`*out` 1:
 // `retain_graph`, `create_graph`, so another backward may run through the
 // same nodes and their saved tensors) or frees it (0). Outside a backward: 1.
+// Which backward runs on this thread (-1: none): libtorch's graph task id,
+// or, inside a checkpointed segment's recompute (a backward of its own),
+// the id of the backward that ran the segment's node, so that gradients
+// the recompute accumulates count as that backward's.
+char *zrt_backward_id(int64_t *out) {
+  try {
+    *out = outer_backward >= 0 ? outer_backward : torch::autograd::get_current_graph_task_id();
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
 char *zrt_graph_kept(int *out) {
   try {
     *out = torch::autograd::get_current_graph_task_keep_graph() ? 1 : 0;
@@ -388,18 +424,20 @@ char *zrt_graph_kept(int *out) {
 // the leaf `t`'s `.grad` (`*out` 1) or not (0): one that asked for other
 // tensors' gradients only (`torch.autograd.grad(loss, x)`, `backward(inputs=)`)
 // runs only the nodes those need, and captures rather than accumulates.
-// Outside a backward, or in one that runs every node, 1 when `t` has an
-// accumulator (a forward used it). PyTorch's `_will_engine_execute_node`.
+// Outside a backward, or in one that runs every node, 1 when `t` requires
+// grad: its accumulator may not exist yet (a checkpointed segment's
+// recompute makes it later in the backward). PyTorch's
+// `_will_engine_execute_node`.
 char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
   try {
+    const auto *info = torch::autograd::get_current_graph_task_exec_info();
+    if (info == nullptr || info->empty()) {
+      *out = t->requires_grad() ? 1 : 0;
+      return nullptr;
+    }
     auto acc = torch::autograd::impl::try_get_grad_accumulator(*t);
     if (!acc) {
       *out = 0;
-      return nullptr;
-    }
-    const auto *info = torch::autograd::get_current_graph_task_exec_info();
-    if (info == nullptr || info->empty()) {
-      *out = 1;
       return nullptr;
     }
     auto it = info->find(acc.get());

@@ -67,6 +67,7 @@ mod ffi {
             out: *mut *const std::ffi::c_void,
         ) -> *mut c_char;
         pub fn zrt_graph_kept(out: *mut std::ffi::c_int) -> *mut c_char;
+        pub fn zrt_backward_id(out: *mut i64) -> *mut c_char;
         pub fn zrt_will_accumulate(t: *const C_tensor, out: *mut std::ffi::c_int) -> *mut c_char;
         pub fn zrt_graph_leaves(
             t: *const C_tensor,
@@ -347,11 +348,21 @@ pub fn graph_kept() -> Result<bool, GlueError> {
     Ok(out != 0)
 }
 
+/// Which backward runs on this thread (`None` outside one): libtorch's
+/// graph task id, the same inside a checkpointed segment's recompute (a
+/// backward of its own, nested in the one that reached the segment).
+pub fn backward_id() -> Result<Option<i64>, GlueError> {
+    let mut out: i64 = -1;
+    // SAFETY: `out` receives a number only.
+    check("backward_id", unsafe { ffi::zrt_backward_id(&mut out) })?;
+    Ok((out >= 0).then_some(out))
+}
+
 /// Whether the backward running on this thread accumulates a gradient into
 /// the leaf `t`'s `.grad`: not one that asked for other tensors' gradients
 /// only (`torch.autograd.grad(loss, x)`, whose parameters' gradient hooks
 /// never fire). Outside a backward, or in one that runs every node: whether
-/// a forward used `t`. PyTorch's `_will_engine_execute_node`.
+/// `t` requires grad. PyTorch's `_will_engine_execute_node`.
 pub fn will_accumulate(t: &Tensor) -> Result<bool, GlueError> {
     let mut out: std::ffi::c_int = 0;
     // SAFETY: `t` is live for the call; `out` receives a flag only.

@@ -303,6 +303,9 @@ pub(super) struct Progress {
     /// The hooks are driving a backward the program started itself
     /// (`loss.backward()` instead of `Engine::backward`); `step()` ends it.
     pub(super) bare: bool,
+    /// The libtorch backward that last accumulated a gradient here
+    /// ([`glue::backward_id`]).
+    backward_id: Option<i64>,
     /// The order forward runs the units in, which prefetch follows.
     pub(super) order: RunOrder,
     /// The other engine's backward (id, count) whose gradients through
@@ -449,6 +452,7 @@ impl Progress {
             prefetch: (0..units).map(|_| None).collect(),
             counts: OverlapCounts::default(),
             bare: false,
+            backward_id: None,
             order: RunOrder::default(),
             uneven_later: None,
             foreign_of: None,
@@ -526,7 +530,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
             return;
         }
-        if st.prog.launched[k] {
+        let id = match glue::backward_id() {
+            Ok(id) => id,
+            Err(e) => {
+                st.error = Some(e.into());
+                return;
+            }
+        };
+        let again = id.is_some() && id == st.prog.backward_id;
+        st.prog.backward_id = id;
+        if st.prog.launched[k] && again {
+            // This backward already took the unit's gradients: a
+            // checkpointed unit run more than once in one forward, whose
+            // runs' recomputes each accumulate their part (in a backward of
+            // their own; without checkpoints libtorch sums the parts and
+            // accumulates once). Reduce this part too, once it is whole.
+            st.prog.launched[k] = false;
+            st.prog.ready[k] = st.units[k].params.len();
+        } else if st.prog.launched[k] {
             // Outside `Engine::backward`: the program ran `loss.backward()`
             // itself. The hooks drive it the same way; `step()` (or the
             // next such backward) ends it.

@@ -518,3 +518,65 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
         assert_eq!(run(stage, true), want, "stage {stage}");
     }
 }
+
+/// Units `a` and `b` in a row: a module of units, which a checkpoint can
+/// wrap whole.
+#[derive(Debug)]
+struct Two(ShardedModule<Tanh>, ShardedModule<Tanh>);
+
+impl Module for Two {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.1.forward(&self.0.forward(x))
+    }
+}
+
+#[test]
+fn a_checkpoint_around_several_units_trains_like_the_plain_units_at_every_stage() {
+    let _serial = serial();
+    // The checkpoint outside the units (README: inside them), so the
+    // recompute runs the units' forwards again in backward: stage 3
+    // gathers and frees them for it as for a forward, and their hooks
+    // fire in the recompute's own backward.
+    let run = |stage: u8, checkpointed: bool| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, model) = {
+                let _g = common::rng_lock();
+                tch::manual_seed(5);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let plan = zrt::zero::ShardPlan::new();
+                let (pa, pb) = (vs.root() / "a", vs.root() / "b");
+                let two = Two(
+                    ShardedModule::new(&plan, &pa, Tanh(nn::linear(&pa, 3, 8, Default::default()))),
+                    ShardedModule::new(&plan, &pb, Tanh(nn::linear(&pb, 8, 1, Default::default()))),
+                );
+                let model: Box<dyn Module> = match checkpointed {
+                    true => Box::new(Checkpointed::new(two)),
+                    false => Box::new(two),
+                };
+                (vs, plan, model)
+            };
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = config_zero(stage, 1, 0.0, "", zero);
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            for k in 0..3 {
+                let x = (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+                    * (0.1 + 0.05 * (r.rank() * 2 + k) as f64))
+                    .cos();
+                let loss = model.forward(&x).square().mean(Kind::Float);
+                match k {
+                    1 => loss.backward(),
+                    _ => e.backward(&loss).unwrap(),
+                }
+                e.step().unwrap();
+            }
+            assert_eq!(e.micro_steps(), 3, "stage {stage}");
+            e.gathered_params().unwrap()
+        })
+        .swap_remove(0)
+    };
+    let want = run(0, false);
+    for stage in [0u8, 1, 2, 3] {
+        assert_eq!(run(stage, true), want, "stage {stage}");
+    }
+}

@@ -2719,3 +2719,25 @@ fn the_accumulation_boundary_is_the_micro_step_whose_step_updates() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn input_gradients_taken_with_retain_graph_hold_the_units_until_one_without() {
+    // Stage 3: a backward that keeps its graph frees no unit at its
+    // input's gradient (a gradient penalty's backward may follow); the
+    // last input gradient taken without retain_graph frees them (choices.md).
+    on_ranks(WORLD, |r| {
+        let (t, e) = tiny_engine(&config(3, 1), &r);
+        for k in 0..2 {
+            let held = e.model_state_bytes().unwrap();
+            let x = input(r.rank(), 10 + k).set_requires_grad(true);
+            let y = t.loss(&x);
+            let kept = Tensor::run_backward(&[&y], &[&x], true, false);
+            assert!(e.model_state_bytes().unwrap() > held, "step {k}");
+            let last = Tensor::run_backward(&[&y], &[&x], false, false);
+            assert_eq!(e.model_state_bytes().unwrap(), held, "step {k}");
+            assert_eq!(kept[0], last[0]);
+            e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+            e.step().unwrap();
+        }
+    });
+}

@@ -18,9 +18,10 @@ use std::sync::Arc;
 use common::{built, config_with, config_zero, on_ranks, seeded, serial, train_losses, GPT, WORLD};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
+use zrt::collectives::local::{LocalGroup, LocalRank};
 use zrt::gpt::Gpt;
 use zrt::zero::activation::{Checkpointed, CheckpointedT};
-use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts, ShardedModule};
+use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts, ShardPlan, ShardedModule};
 
 /// Linear, GELU, dropout, linear; counts its forwards and panics on call
 /// `fail_on`.
@@ -72,19 +73,28 @@ type Outcome = (
     Vec<f32>,
 );
 
-fn run(vs: &nn::VarStore, f: impl Fn(&Tensor) -> Tensor, input_grad: bool) -> Outcome {
-    let x = Tensor::from_slice(&(0..24).map(|i| i as f32 * 0.1 - 1.0).collect::<Vec<_>>())
-        .view([3, 8])
-        .set_requires_grad(input_grad);
-    tch::manual_seed(7);
-    let y = f(&x);
-    (&y * &y).sum(Kind::Float).backward();
+/// A 3 x 8 input for [`Mlp`].
+fn mlp_input() -> Tensor {
+    Tensor::from_slice(&(0..24).map(|i| i as f32 * 0.1 - 1.0).collect::<Vec<_>>()).view([3, 8])
+}
+
+/// Each variable's gradient, by name.
+fn grads(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
     let mut grads: Vec<(String, Vec<f32>)> = vs
         .variables()
         .into_iter()
         .map(|(n, t)| (n, values(&t.grad())))
         .collect();
     grads.sort_by(|a, b| a.0.cmp(&b.0));
+    grads
+}
+
+fn run(vs: &nn::VarStore, f: impl Fn(&Tensor) -> Tensor, input_grad: bool) -> Outcome {
+    let x = mlp_input().set_requires_grad(input_grad);
+    tch::manual_seed(7);
+    let y = f(&x);
+    (&y * &y).sum(Kind::Float).backward();
+    let grads = grads(vs);
     let xg = input_grad.then(|| values(&x.grad()));
     (
         values(&y),
@@ -228,10 +238,7 @@ type Trained = (Vec<(String, Vec<f32>)>, Vec<f64>, OverlapCounts);
 
 /// Trains the test GPT (plain or checkpointed blocks) 3 steps on `WORLD`
 /// ranks: rank 0's parameters, losses and gather counts.
-fn train(
-    cfg: &Config,
-    new: fn(&nn::Path, &zrt::zero::ShardPlan, &zrt::gpt::GptConfig) -> Gpt,
-) -> Trained {
+fn train(cfg: &Config, new: fn(&nn::Path, &ShardPlan, &zrt::gpt::GptConfig) -> Gpt) -> Trained {
     train_frozen(cfg, new, &[])
 }
 
@@ -239,7 +246,7 @@ fn train(
 /// frozen before the engine is built.
 fn train_frozen(
     cfg: &Config,
-    new: fn(&nn::Path, &zrt::zero::ShardPlan, &zrt::gpt::GptConfig) -> Gpt,
+    new: fn(&nn::Path, &ShardPlan, &zrt::gpt::GptConfig) -> Gpt,
     frozen: &[&str],
 ) -> Trained {
     let mut out = on_ranks(WORLD, |r| {
@@ -313,9 +320,7 @@ fn input_gradients_alike() {
     let outcome = |checkpointed: bool| {
         let (vs, m, _) = mlp(0);
         let c = Checkpointed::new(m);
-        let x = Tensor::from_slice(&(0..24).map(|i| i as f32 * 0.1 - 1.0).collect::<Vec<_>>())
-            .view([3, 8])
-            .set_requires_grad(true);
+        let x = mlp_input().set_requires_grad(true);
         tch::manual_seed(7);
         let y = match checkpointed {
             true => c.forward(&x),
@@ -333,13 +338,7 @@ fn input_gradients_alike() {
         assert!(g[0].requires_grad(), "checkpointed {checkpointed}");
         // The penalty's backward reaches the parameters through `g`.
         g[0].square().sum(Kind::Float).backward();
-        let mut grads: Vec<(String, Vec<f32>)> = vs
-            .variables()
-            .into_iter()
-            .map(|(n, t)| (n, values(&t.grad())))
-            .collect();
-        grads.sort_by(|a, b| a.0.cmp(&b.0));
-        (values(&once[0]), values(&g[0]), accumulated, grads)
+        (values(&once[0]), values(&g[0]), accumulated, grads(&vs))
     };
     let (want, got) = (outcome(false), outcome(true));
     assert!(want.2.is_empty());
@@ -381,36 +380,82 @@ impl Module for Tanh {
 /// A loss of the input, from the model's units.
 type Loss = Box<dyn Fn(&Tensor) -> Tensor>;
 
-/// Units `a` (3 -> 8) and `b` (8 -> 1), each a [`Tanh`] block, with
-/// checkpointed blocks or not, from seed 5; the loss is the mean square of
-/// the output.
-fn two_units(checkpointed: bool) -> (nn::VarStore, zrt::zero::ShardPlan, Loss) {
+/// A model of units `make` builds on a fresh VarStore and plan, from seed
+/// 5 (under the model lock), and the loss it gives an input.
+fn units(make: impl FnOnce(&nn::VarStore, &ShardPlan) -> Loss) -> (nn::VarStore, ShardPlan, Loss) {
     let _g = common::rng_lock();
     tch::manual_seed(5);
     let vs = nn::VarStore::new(Device::Cpu);
-    let plan = zrt::zero::ShardPlan::new();
-    let (pa, pb) = (vs.root() / "a", vs.root() / "b");
-    let (la, lb) = (
-        Tanh(nn::linear(&pa, 3, 8, Default::default())),
-        Tanh(nn::linear(&pb, 8, 1, Default::default())),
-    );
-    let loss: Loss = match checkpointed {
-        true => {
-            let (a, b) = (
-                ShardedModule::new(&plan, &pa, Checkpointed::new(la)),
-                ShardedModule::new(&plan, &pb, Checkpointed::new(lb)),
-            );
-            Box::new(move |x| b.forward(&a.forward(x)).square().mean(Kind::Float))
-        }
-        false => {
-            let (a, b) = (
-                ShardedModule::new(&plan, &pa, la),
-                ShardedModule::new(&plan, &pb, lb),
-            );
-            Box::new(move |x| b.forward(&a.forward(x)).square().mean(Kind::Float))
-        }
-    };
+    let plan = ShardPlan::new();
+    let loss = make(&vs, &plan);
     (vs, plan, loss)
+}
+
+/// A [`Tanh`] block `i -> o` named `name`, checkpointed or not, as a unit.
+fn tanh_unit(
+    vs: &nn::VarStore,
+    plan: &ShardPlan,
+    name: &str,
+    i: i64,
+    o: i64,
+    checkpointed: bool,
+) -> Box<dyn Module> {
+    let p = vs.root() / name;
+    let block = Tanh(nn::linear(&p, i, o, Default::default()));
+    match checkpointed {
+        true => Box::new(ShardedModule::new(plan, &p, Checkpointed::new(block))),
+        false => Box::new(ShardedModule::new(plan, &p, block)),
+    }
+}
+
+/// Units `a` (3 -> 8) and `b` (8 -> 1), [`tanh_unit`]s; the loss is the
+/// mean square of the output.
+fn two_units(checkpointed: bool) -> (nn::VarStore, ShardPlan, Loss) {
+    units(|vs, plan| {
+        let a = tanh_unit(vs, plan, "a", 3, 8, checkpointed);
+        let b = tanh_unit(vs, plan, "b", 8, 1, checkpointed);
+        Box::new(move |x| b.forward(&a.forward(x)).square().mean(Kind::Float))
+    })
+}
+
+/// Rank `rank`'s input at step `k`.
+fn small_input(rank: usize, k: usize) -> Tensor {
+    (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+        * (0.1 + 0.05 * (rank * 2 + k) as f64))
+        .cos()
+}
+
+/// The engine at `stage` for `vs` and `plan` on `r`'s ranks, every unit
+/// sharded however small.
+fn engine_at(stage: u8, vs: &nn::VarStore, plan: &ShardPlan, r: &LocalRank) -> Engine<LocalGroup> {
+    let zero = r#""stage3_param_persistence_threshold": 0,"#;
+    let cfg = config_zero(stage, 1, 0.0, "", zero);
+    let g = r.new_group(&[0, 1]).unwrap();
+    Engine::new(vs, plan, &cfg, g, &AutoHints::default()).unwrap()
+}
+
+/// Trains the model `make` builds (see [`units`]) 3 steps at `stage`, the
+/// second with a plain `loss.backward()`: rank 0's parameters.
+fn train_units(
+    stage: u8,
+    make: impl Fn(&nn::VarStore, &ShardPlan) -> Loss + Sync,
+) -> Vec<(String, Vec<f32>)> {
+    on_ranks(WORLD, |r| {
+        let (vs, plan, loss) = units(&make);
+        let e = engine_at(stage, &vs, &plan, &r);
+        for k in 0..3 {
+            let loss = loss(&small_input(r.rank(), k));
+            match k {
+                1 => loss.backward(),
+                _ => e.backward(&loss).unwrap(),
+            }
+            e.step().unwrap();
+        }
+        // Each micro-step counted once, whatever backward drove it.
+        assert_eq!(e.micro_steps(), 3, "stage {stage}");
+        e.gathered_params().unwrap()
+    })
+    .swap_remove(0)
 }
 
 #[test]
@@ -420,19 +465,11 @@ fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike
     // gradient penalty (WGAN-GP): the input's gradient with create_graph,
     // and the engine's backward of the loss plus a function of it. Stage
     // 3 frees each unit after the saliency map's backward.
-    let input = |rank: usize, k: usize| {
-        (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
-            * (0.1 + 0.05 * (rank * 2 + k) as f64))
-            .cos()
-            .set_requires_grad(true)
-    };
+    let input = |rank: usize, k: usize| small_input(rank, k).set_requires_grad(true);
     let run = |stage: u8, checkpointed: bool| {
         on_ranks(WORLD, |r| {
             let (vs, plan, loss) = two_units(checkpointed);
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = config_zero(stage, 1, 0.0, "", zero);
-            let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            let e = engine_at(stage, &vs, &plan, &r);
             let mut saliency = Vec::new();
             for k in 0..3 {
                 let held = e.model_state_bytes().unwrap();
@@ -471,62 +508,33 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     let _serial = serial();
     // ALBERT-style shared layers: each run's recompute accumulates the
     // unit's gradients in a backward of its own. At stage 3 the second
-    // recompute read the unit freed (SIGSEGV) until 2026-11-28.
-    let run = |stage: u8, checkpointed: bool| {
-        on_ranks(WORLD, |r| {
-            let (vs, plan, a, b) = {
-                let _g = common::rng_lock();
-                tch::manual_seed(5);
-                let vs = nn::VarStore::new(Device::Cpu);
-                let plan = zrt::zero::ShardPlan::new();
-                let (pa, pb) = (vs.root() / "a", vs.root() / "b");
-                let la = Tanh(nn::linear(&pa, 3, 3, Default::default()));
-                let a: Box<dyn Module> = match checkpointed {
-                    true => Box::new(ShardedModule::new(&plan, &pa, Checkpointed::new(la))),
-                    false => Box::new(ShardedModule::new(&plan, &pa, la)),
-                };
-                let b = ShardedModule::new(&plan, &pb, nn::linear(&pb, 3, 1, Default::default()));
-                (vs, plan, a, b)
-            };
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = config_zero(stage, 1, 0.0, "", zero);
-            let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
-            for k in 0..3 {
-                let x = (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
-                    * (0.1 + 0.05 * (r.rank() * 2 + k) as f64))
-                    .cos();
-                let loss = b
-                    .forward(&a.forward(&a.forward(&x)))
+    // recompute read the unit freed (SIGSEGV) until 2026-11-28, and the
+    // second run's gradients were taken for another backward's (after a
+    // plain loss.backward(), a micro-step more).
+    let shared = |checkpointed: bool| {
+        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+            let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
+            let b = tanh_unit(vs, plan, "b", 3, 1, false);
+            Box::new(move |x| {
+                b.forward(&a.forward(&a.forward(x)))
                     .square()
-                    .mean(Kind::Float);
-                match k {
-                    1 => loss.backward(),
-                    _ => e.backward(&loss).unwrap(),
-                }
-                e.step().unwrap();
-            }
-            // The second run's gradients were taken for another backward's
-            // (a plain loss.backward() after the first): a micro-step more.
-            assert_eq!(e.micro_steps(), 3, "stage {stage}");
-            e.gathered_params().unwrap()
-        })
-        .swap_remove(0)
+                    .mean(Kind::Float)
+            })
+        }
     };
-    let want = run(0, false);
+    let want = train_units(0, shared(false));
     for stage in [0u8, 1, 2, 3] {
-        assert_eq!(run(stage, true), want, "stage {stage}");
+        assert_eq!(train_units(stage, shared(true)), want, "stage {stage}");
     }
 }
 
-/// Units `a` and `b` in a row: a module of units, which a checkpoint can
-/// wrap whole.
+/// Units in a row: a module of units, which a checkpoint can wrap whole.
 #[derive(Debug)]
-struct Two(ShardedModule<Tanh>, ShardedModule<Tanh>);
+struct Row(Vec<Box<dyn Module>>);
 
-impl Module for Two {
+impl Module for Row {
     fn forward(&self, x: &Tensor) -> Tensor {
-        self.1.forward(&self.0.forward(x))
+        self.0.iter().fold(x.shallow_clone(), |h, m| m.forward(&h))
     }
 }
 
@@ -537,46 +545,21 @@ fn a_checkpoint_around_several_units_trains_like_the_plain_units_at_every_stage(
     // recompute runs the units' forwards again in backward: stage 3
     // gathers and frees them for it as for a forward, and their hooks
     // fire in the recompute's own backward.
-    let run = |stage: u8, checkpointed: bool| {
-        on_ranks(WORLD, |r| {
-            let (vs, plan, model) = {
-                let _g = common::rng_lock();
-                tch::manual_seed(5);
-                let vs = nn::VarStore::new(Device::Cpu);
-                let plan = zrt::zero::ShardPlan::new();
-                let (pa, pb) = (vs.root() / "a", vs.root() / "b");
-                let two = Two(
-                    ShardedModule::new(&plan, &pa, Tanh(nn::linear(&pa, 3, 8, Default::default()))),
-                    ShardedModule::new(&plan, &pb, Tanh(nn::linear(&pb, 8, 1, Default::default()))),
-                );
-                let model: Box<dyn Module> = match checkpointed {
-                    true => Box::new(Checkpointed::new(two)),
-                    false => Box::new(two),
-                };
-                (vs, plan, model)
+    let row = |checkpointed: bool| {
+        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+            let row = Row(vec![
+                tanh_unit(vs, plan, "a", 3, 8, false),
+                tanh_unit(vs, plan, "b", 8, 1, false),
+            ]);
+            let model: Box<dyn Module> = match checkpointed {
+                true => Box::new(Checkpointed::new(row)),
+                false => Box::new(row),
             };
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = config_zero(stage, 1, 0.0, "", zero);
-            let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
-            for k in 0..3 {
-                let x = (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
-                    * (0.1 + 0.05 * (r.rank() * 2 + k) as f64))
-                    .cos();
-                let loss = model.forward(&x).square().mean(Kind::Float);
-                match k {
-                    1 => loss.backward(),
-                    _ => e.backward(&loss).unwrap(),
-                }
-                e.step().unwrap();
-            }
-            assert_eq!(e.micro_steps(), 3, "stage {stage}");
-            e.gathered_params().unwrap()
-        })
-        .swap_remove(0)
+            Box::new(move |x| model.forward(x).square().mean(Kind::Float))
+        }
     };
-    let want = run(0, false);
+    let want = train_units(0, row(false));
     for stage in [0u8, 1, 2, 3] {
-        assert_eq!(run(stage, true), want, "stage {stage}");
+        assert_eq!(train_units(stage, row(true)), want, "stage {stage}");
     }
 }

@@ -395,9 +395,6 @@ char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*dr
   }
 }
 
-// Whether the backward running on this thread keeps its graph (`*out` 1:
-// `retain_graph`, `create_graph`, so another backward may run through the
-// same nodes and their saved tensors) or frees it (0). Outside a backward: 1.
 // Which backward runs on this thread (-1: none): libtorch's graph task id,
 // or, inside a checkpointed segment's recompute (a backward of its own),
 // the id of the backward that ran the segment's node, so that gradients
@@ -411,6 +408,9 @@ char *zrt_backward_id(int64_t *out) {
   }
 }
 
+// Whether the backward running on this thread keeps its graph (`*out` 1:
+// `retain_graph`, `create_graph`, so another backward may run through the
+// same nodes and their saved tensors) or frees it (0). Outside a backward: 1.
 char *zrt_graph_kept(int *out) {
   try {
     *out = torch::autograd::get_current_graph_task_keep_graph() ? 1 : 0;

@@ -43,7 +43,7 @@ static PREV: OnceLock<libc::sigaction> = OnceLock::new();
 const MIN_GUARD: usize = 1 << 30;
 
 /// What the handler prints (no allocation is allowed there).
-const MESSAGE: &str = "\nzrt: a stage-3 parameter whose memory the engine freed was read or written outside a forward, a backward or with_full_params (VarStore::save or load, printing or copying a weight). Between steps stage 3 keeps only each rank's shard: the parameters themselves have no memory. Save the model with engine.with_full_params(|| vs.save(path)), export it with engine.save_16bit_model(path), or call engine.unshard() first to use it whole (after the engine, for inference). The process is stopped (SIGSEGV).\n";
+const MESSAGE: &str = "\nzrt: a stage-3 parameter whose memory the engine freed was read or written outside a forward, a backward or with_full_params (VarStore::save or load, printing or copying a weight). Between steps stage 3 keeps only each rank's shard: the parameters themselves have no memory. Save the model with engine.with_full_params(|| vs.save(path)), export it with engine.save_16bit_model(path), or call engine.unshard() first to use it whole (after the engine, for inference). If it happened inside a forward or backward of the wrapped units, zrt freed a unit that autograd still needed: that is zrt's defect, please report it with how the units are used (run twice, checkpointed, shared weights). The process is stopped (SIGSEGV).\n";
 
 /// The start of a guard at least `nbytes` long, reserving one (and
 /// installing the handler) if none is; `None` if the address space or the

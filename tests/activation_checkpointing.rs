@@ -15,13 +15,16 @@ use crate::common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::{built, config_with, config_zero, on_ranks, seeded, serial, train_losses, GPT, WORLD};
+use common::{
+    built, config_with, config_zero, engine_of, on_ranks, seeded, serial, small_input,
+    train_losses, GPT, WORLD,
+};
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use zrt::collectives::local::{LocalGroup, LocalRank};
 use zrt::gpt::Gpt;
 use zrt::zero::activation::{Checkpointed, CheckpointedT};
-use zrt::zero::{glue, AutoHints, Config, Engine, OverlapCounts, ShardPlan, ShardedModule};
+use zrt::zero::{glue, Config, Engine, OverlapCounts, ShardPlan, ShardedModule};
 
 /// Linear, GELU, dropout, linear; counts its forwards and panics on call
 /// `fail_on`.
@@ -256,8 +259,7 @@ fn train_frozen(
                 let _ = t.set_requires_grad(false);
             }
         }
-        let g = r.new_group(&[0, 1]).unwrap();
-        let e = Engine::new(&vs, &plan, cfg, g, &AutoHints::default()).unwrap();
+        let e = engine_of(&vs, &plan, cfg, &r);
         let losses = train_losses(&gpt, &e, r.rank(), 3);
         (e.gathered_params().unwrap(), losses, e.overlap_counts())
     });
@@ -418,20 +420,11 @@ fn two_units(checkpointed: bool) -> (nn::VarStore, ShardPlan, Loss) {
     })
 }
 
-/// Rank `rank`'s input at step `k`.
-fn small_input(rank: usize, k: usize) -> Tensor {
-    (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
-        * (0.1 + 0.05 * (rank * 2 + k) as f64))
-        .cos()
-}
-
 /// The engine at `stage` for `vs` and `plan` on `r`'s ranks, every unit
 /// sharded however small.
 fn engine_at(stage: u8, vs: &nn::VarStore, plan: &ShardPlan, r: &LocalRank) -> Engine<LocalGroup> {
     let zero = r#""stage3_param_persistence_threshold": 0,"#;
-    let cfg = config_zero(stage, 1, 0.0, "", zero);
-    let g = r.new_group(&[0, 1]).unwrap();
-    Engine::new(vs, plan, &cfg, g, &AutoHints::default()).unwrap()
+    engine_of(vs, plan, &config_zero(stage, 1, 0.0, "", zero), r)
 }
 
 /// Trains the model `make` builds (see [`units`]) 3 steps at `stage`, the

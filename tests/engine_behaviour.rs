@@ -7,7 +7,7 @@ use crate::common;
 
 use std::sync::Mutex;
 
-use common::{engine_of, linear_unit, on_ranks, solo_engine, Params};
+use common::{engine_of, linear_unit, on_ranks, small_input as input, solo_engine, Params};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -57,12 +57,6 @@ impl Tiny {
             .square()
             .mean(Kind::Float)
     }
-}
-
-fn input(rank: usize, k: usize) -> Tensor {
-    (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
-        * (0.1 + 0.05 * (rank * 2 + k) as f64))
-        .cos()
 }
 
 fn config(stage: u8, gas: usize) -> Config {

@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use tch::{nn, Device, Tensor};
+use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::local::{self, LocalGroup, LocalRank};
 use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, EngineError, ShardPlan};
@@ -108,6 +108,13 @@ pub fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
         })
         .collect();
     Tensor::from_slice(&v).view([MICRO, GPT.seq + 1])
+}
+
+/// A small deterministic input (4 x 3) of rank `rank` for micro-step `k`.
+pub fn small_input(rank: usize, k: usize) -> Tensor {
+    (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])
+        * (0.1 + 0.05 * (rank * 2 + k) as f64))
+        .cos()
 }
 
 /// AdamW at [`LR`], [`WD`]; `extra` is spliced into the top level (e.g. a

@@ -102,6 +102,15 @@ void set_rng_state(const at::Tensor &state) {
   gen.set_state(state);
 }
 
+// Whether the backward running on this thread runs every node
+// (`loss.backward()`, or no backward at all) rather than only those some
+// tensors' gradients need (`torch.autograd.grad(loss, x)`,
+// `backward(inputs=)`), which capture instead of accumulating.
+bool runs_every_node() {
+  const auto *info = torch::autograd::get_current_graph_task_exec_info();
+  return info == nullptr || info->empty();
+}
+
 // The backward that ran the outermost checkpointed segment being
 // recomputed on this thread (-1: none; see `zrt_backward_id`).
 thread_local int64_t outer_backward = -1;
@@ -168,8 +177,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     // with `grad`, which captures them. With `create_graph` the engine
     // runs this with grad mode on, and the gradients must keep their graph
     // (a gradient penalty back-propagates through them).
-    const auto *info = torch::autograd::get_current_graph_task_exec_info();
-    const bool capture = info != nullptr && !info->empty();
+    const bool capture = !runs_every_node();
     const bool create = at::GradMode::is_enabled();
     if (create && !capture) {
       throw std::runtime_error(
@@ -207,16 +215,6 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     if (!out.requires_grad()) {
       return result;
     }
-    InRecompute marked;
-    if (!capture) {
-      torch::autograd::backward({out}, {grads[0]});
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        if (inputs[i].requires_grad()) {
-          result[i + 2] = inputs[i].grad();
-        }
-      }
-      return result;
-    }
     torch::autograd::variable_list wanted;
     std::vector<size_t> at;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -225,11 +223,18 @@ struct Recompute : public torch::autograd::Function<Recompute> {
         at.push_back(i + 2);
       }
     }
-    if (!wanted.empty()) {
-      auto got = torch::autograd::grad({out}, wanted, {grads[0]}, create, create, true);
-      for (size_t j = 0; j < got.size(); ++j) {
-        result[at[j]] = got[j];
+    InRecompute marked;
+    torch::autograd::variable_list got;
+    if (!capture) {
+      torch::autograd::backward({out}, {grads[0]});
+      for (const auto &x : wanted) {
+        got.push_back(x.grad());
       }
+    } else if (!wanted.empty()) {
+      got = torch::autograd::grad({out}, wanted, {grads[0]}, create, create, true);
+    }
+    for (size_t j = 0; j < got.size(); ++j) {
+      result[at[j]] = got[j];
     }
     return result;
   }
@@ -430,8 +435,7 @@ char *zrt_graph_kept(int *out) {
 // `_will_engine_execute_node`.
 char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
   try {
-    const auto *info = torch::autograd::get_current_graph_task_exec_info();
-    if (info == nullptr || info->empty()) {
+    if (runs_every_node()) {
       *out = t->requires_grad() ? 1 : 0;
       return nullptr;
     }
@@ -440,6 +444,7 @@ char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
       *out = 0;
       return nullptr;
     }
+    const auto *info = torch::autograd::get_current_graph_task_exec_info();
     auto it = info->find(acc.get());
     *out = (it != info->end() && it->second.needed_) ? 1 : 0;
     return nullptr;

@@ -436,6 +436,14 @@ impl Progress {
 
     /// Whether an engine backward is under way (forwards run inside it
     /// recompute activations; they are not the model's run order).
+    /// Unit `k`, of `params` trained parameters, owes a reduction once
+    /// each of them has its gradient (a unit of frozen parameters only has
+    /// nothing to reduce).
+    fn arm(&mut self, k: usize, params: usize) {
+        self.ready[k] = params;
+        self.launched[k] = params == 0;
+    }
+
     pub(super) fn in_backward(&self) -> bool {
         self.launched.iter().any(|&l| !l)
     }
@@ -475,9 +483,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.added.clear();
         st.prog.uneven_later = None;
         for (k, u) in st.units.iter().enumerate() {
-            st.prog.ready[k] = u.params.len();
-            // A unit of frozen parameters only has nothing to reduce.
-            st.prog.launched[k] = u.params.is_empty();
+            st.prog.arm(k, u.params.len());
         }
     }
 
@@ -545,8 +551,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // runs' recomputes each accumulate their part (in a backward of
             // their own; without checkpoints libtorch sums the parts and
             // accumulates once). Reduce this part too, once it is whole.
-            st.prog.launched[k] = false;
-            st.prog.ready[k] = st.units[k].params.len();
+            let params = st.units[k].params.len();
+            st.prog.arm(k, params);
         } else if st.prog.launched[k] {
             // Outside `Engine::backward`: the program ran `loss.backward()`
             // itself. The hooks drive it the same way; `step()` (or the

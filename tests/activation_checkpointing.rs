@@ -254,11 +254,7 @@ fn train_frozen(
 ) -> Trained {
     let mut out = on_ranks(WORLD, |r| {
         let (vs, plan, gpt) = built(&GPT, new);
-        for (name, t) in vs.variables() {
-            if frozen.iter().any(|f| name.starts_with(f)) {
-                let _ = t.set_requires_grad(false);
-            }
-        }
+        common::freeze(&vs, frozen);
         let e = engine_of(&vs, &plan, cfg, &r);
         let losses = train_losses(&gpt, &e, r.rank(), 3);
         (e.gathered_params().unwrap(), losses, e.overlap_counts())
@@ -471,10 +467,8 @@ fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike
                 saliency.push(values(&g[0]));
                 assert_eq!(e.model_state_bytes().unwrap(), held, "stage {stage}");
                 let x = input(r.rank(), k);
-                let out = loss(&x);
-                let g = Tensor::run_backward(&[&out], &[&x], true, true);
-                let penalty = (g[0].square().sum(Kind::Float) - 1.0).square();
-                e.backward(&(out + penalty)).unwrap();
+                e.backward(&common::with_gradient_penalty(&loss(&x), &x))
+                    .unwrap();
                 e.step().unwrap();
             }
             (saliency, e.gathered_params().unwrap())

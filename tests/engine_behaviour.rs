@@ -1201,11 +1201,7 @@ fn a_frozen_unit_run_twice_in_a_row_keeps_its_parameters_for_both_backwards() {
                 let c = linear_unit(&vs, &plan, "c", 3, 1);
                 (vs, plan, a, f, c)
             };
-            for (n, t) in vs.variables() {
-                if n.starts_with("f.") {
-                    let _ = t.set_requires_grad(false);
-                }
-            }
+            common::freeze(&vs, &["f."]);
             let e = engine_of(&vs, &plan, &config(stage, 1), &r);
             for k in 0..3 {
                 let y = c.forward(&f.forward(&f.forward(&a.forward(&input(r.rank(), k)))));
@@ -2615,19 +2611,13 @@ fn a_gradient_penalty_through_the_units_trains_alike_at_every_stage() {
         on_ranks(WORLD, |r| {
             let t = tiny();
             if frozen {
-                for (name, v) in t.vs.variables() {
-                    if name.starts_with("b.") {
-                        let _ = v.set_requires_grad(false);
-                    }
-                }
+                common::freeze(&t.vs, &["b."]);
             }
             let e = engine_for(&t, &config(stage, 1), &r);
             for k in 0..3 {
                 let x = input(r.rank(), k).set_requires_grad(true);
-                let out = t.loss(&x);
-                let g = Tensor::run_backward(&[&out], &[&x], true, true);
-                let penalty = (g[0].square().sum(Kind::Float) - 1.0).square();
-                e.backward(&(out + penalty)).unwrap();
+                e.backward(&common::with_gradient_penalty(&t.loss(&x), &x))
+                    .unwrap();
                 e.step().unwrap();
             }
             e.gathered_params().unwrap()

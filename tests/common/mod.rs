@@ -110,6 +110,24 @@ pub fn tokens(step: usize, k: usize, rank: usize, gas: usize) -> Tensor {
     Tensor::from_slice(&v).view([MICRO, GPT.seq + 1])
 }
 
+/// Freezes the variables of `vs` whose names start with one of `prefixes`
+/// (`requires_grad` false), as fine-tuning a part of a model does.
+pub fn freeze(vs: &nn::VarStore, prefixes: &[&str]) {
+    for (name, t) in vs.variables() {
+        if prefixes.iter().any(|p| name.starts_with(p)) {
+            let _ = t.set_requires_grad(false);
+        }
+    }
+}
+
+/// `out` plus a gradient penalty on input `x` (WGAN-GP): the input's
+/// gradient taken with `create_graph`, so that a backward of the sum runs
+/// through it again.
+pub fn with_gradient_penalty(out: &Tensor, x: &Tensor) -> Tensor {
+    let g = Tensor::run_backward(&[out], &[x], true, true);
+    out + (g[0].square().sum(Kind::Float) - 1.0).square()
+}
+
 /// A small deterministic input (4 x 3) of rank `rank` for micro-step `k`.
 pub fn small_input(rank: usize, k: usize) -> Tensor {
     (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3])

@@ -279,6 +279,45 @@ fn a_gpt_with_checkpointed_blocks_trains_to_the_same_bits_at_every_stage() {
 }
 
 #[test]
+fn small_parameters_kept_gathered_in_the_root_wait_for_their_blocks_recomputes() {
+    let _serial = serial();
+    // Stage 3 keeps parameters under `stage3_param_persistence_threshold`
+    // (the blocks' biases and norms here) gathered in the root unit. A
+    // block run twice per micro-step (the loss of two forwards), its
+    // checkpoint accumulates them once per run: the root was reduced
+    // after the first recompute, and again for the rest, a sum in another
+    // order than stage 0's (until 2026-11-29: parameters 1 ulp apart
+    // after two steps of two micro-steps).
+    let persist = r#""stage3_param_persistence_threshold": 100,"#;
+    let run = |stage: u8| {
+        let cfg = config_zero(stage, 2, 0.0, "", persist);
+        on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = built(&GPT, Gpt::new_checkpointed);
+            // The root's other parameter accumulates last, after every
+            // recompute: frozen, so that the root's last parameter comes
+            // from a block.
+            common::freeze(&vs, &["wpe."]);
+            let e = engine_of(&vs, &plan, &cfg, &r);
+            for step in 0..2 {
+                for k in 0..2 {
+                    let t = common::tokens(step, k, r.rank(), 2);
+                    e.backward(&((gpt.loss(&t) + gpt.loss(&t.flip([0]))) * 0.5))
+                        .unwrap();
+                    e.step().unwrap();
+                }
+            }
+            e.gathered_params().unwrap()
+        })
+        .swap_remove(0)
+    };
+    let sorted = |mut p: Vec<(String, Vec<f32>)>| {
+        p.sort_by(|a, b| a.0.cmp(&b.0));
+        p
+    };
+    assert_eq!(sorted(run(3)), sorted(run(0)));
+}
+
+#[test]
 fn a_frozen_prefix_is_not_recomputed_nor_gathered_again() {
     let _serial = serial();
     // The embeddings and the first block frozen (fine-tuning the top of a
@@ -424,11 +463,12 @@ fn engine_at(stage: u8, vs: &nn::VarStore, plan: &ShardPlan, r: &LocalRank) -> E
 }
 
 /// Trains the model `make` builds (see [`units`]) 3 steps at `stage`, the
-/// second with a plain `loss.backward()`: rank 0's parameters.
+/// second with a plain `loss.backward()`: rank 0's parameters and what
+/// its gathers and reductions overlapped.
 fn train_units(
     stage: u8,
     make: impl Fn(&nn::VarStore, &ShardPlan) -> Loss + Sync,
-) -> Vec<(String, Vec<f32>)> {
+) -> (Vec<(String, Vec<f32>)>, OverlapCounts) {
     on_ranks(WORLD, |r| {
         let (vs, plan, loss) = units(&make);
         let e = engine_at(stage, &vs, &plan, &r);
@@ -442,7 +482,7 @@ fn train_units(
         }
         // Each micro-step counted once, whatever backward drove it.
         assert_eq!(e.micro_steps(), 3, "stage {stage}");
-        e.gathered_params().unwrap()
+        (e.gathered_params().unwrap(), e.overlap_counts())
     })
     .swap_remove(0)
 }
@@ -497,7 +537,9 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     // unit's gradients in a backward of its own. At stage 3 the second
     // recompute read the unit freed (SIGSEGV) until 2026-11-28, and the
     // second run's gradients were taken for another backward's (after a
-    // plain loss.backward(), a micro-step more).
+    // plain loss.backward(), a micro-step more). The unit is reduced once
+    // per backward, as the plain one (until 2026-11-29 once per run, and
+    // at stage 3 gathered again for the second run's backward).
     let shared = |checkpointed: bool| {
         move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
             let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
@@ -509,9 +551,67 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
             })
         }
     };
-    let want = train_units(0, shared(false));
     for stage in [0u8, 1, 2, 3] {
-        assert_eq!(train_units(stage, shared(true)), want, "stage {stage}");
+        assert_eq!(
+            train_units(stage, shared(true)),
+            train_units(stage, shared(false)),
+            "stage {stage}"
+        );
+    }
+}
+
+/// A unit of two [`Tanh`] blocks `inner` (3 -> 3) and `outer` (3 -> 3),
+/// `inner` checkpointed: a checkpoint covering part of a unit.
+#[derive(Debug)]
+struct Partly(Box<dyn Module>, Tanh);
+
+impl Module for Partly {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.1.forward(&self.0.forward(x))
+    }
+}
+
+#[test]
+fn a_unit_checkpointed_in_part_and_run_twice_trains_like_the_plain_one() {
+    let _serial = serial();
+    // Shared layers whose checkpoint covers part of the unit (the
+    // attention of a block, say). The plain part's gradients accumulate
+    // once, summed over both runs; the checkpointed part's once per run,
+    // each in its recompute. After the second run's recompute and the
+    // plain part every parameter had a gradient: the unit was reduced
+    // then and, at stage 3, freed, and the first run's recompute read it
+    // freed (SIGSEGV); at stages 0-2 the first run's part was reduced on
+    // its own, a sum in another order than the plain unit's (until
+    // 2026-11-29). Now the unit waits for every recompute it holds.
+    let model = |checkpointed: bool, twice: bool| {
+        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+            let p = vs.root() / "a";
+            let inner = Tanh(nn::linear(&p / "inner", 3, 3, Default::default()));
+            let inner: Box<dyn Module> = match checkpointed {
+                true => Box::new(Checkpointed::new(inner)),
+                false => Box::new(inner),
+            };
+            let outer = Tanh(nn::linear(&p / "outer", 3, 3, Default::default()));
+            let a = ShardedModule::new(plan, &p, Partly(inner, outer));
+            let b = tanh_unit(vs, plan, "b", 3, 1, false);
+            Box::new(move |x| {
+                let h = match twice {
+                    true => a.forward(&a.forward(x)),
+                    false => a.forward(x),
+                };
+                b.forward(&h).square().mean(Kind::Float)
+            })
+        }
+    };
+    for twice in [false, true] {
+        for stage in [0u8, 1, 2, 3] {
+            // The same bits, gathers and reductions as the plain unit.
+            assert_eq!(
+                train_units(stage, model(true, twice)),
+                train_units(stage, model(false, twice)),
+                "stage {stage}, run twice: {twice}"
+            );
+        }
     }
 }
 
@@ -545,8 +645,8 @@ fn a_checkpoint_around_several_units_trains_like_the_plain_units_at_every_stage(
             Box::new(move |x| model.forward(x).square().mean(Kind::Float))
         }
     };
-    let want = train_units(0, row(false));
+    let want = train_units(0, row(false)).0;
     for stage in [0u8, 1, 2, 3] {
-        assert_eq!(train_units(stage, row(true)), want, "stage {stage}");
+        assert_eq!(train_units(stage, row(true)).0, want, "stage {stage}");
     }
 }

@@ -41,13 +41,17 @@ struct PostAccHook : torch::autograd::PostAccumulateGradHook {
 // inputs, n, out)` computes the segment's output from `n` input handles it
 // takes ownership of, storing a new handle in `*out`, and returns an error
 // string (freed with `zrt_free_error`) or null; it must not unwind.
-// `drop(ctx)` runs when the graph that holds the segment is freed.
+// `recomputed(ctx)` runs after a backward's recompute has accumulated the
+// segment's parameter gradients, `drop(ctx)` when the graph that holds the
+// segment is freed; neither may unwind.
 struct Segment : torch::CustomClassHolder {
   char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **);
+  void (*recomputed)(void *);
   void (*drop)(void *);
   void *ctx;
-  Segment(char *(*run_)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*drop_)(void *), void *ctx_)
-      : run(run_), drop(drop_), ctx(ctx_) {}
+  Segment(char *(*run_)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*recomputed_)(void *),
+          void (*drop_)(void *), void *ctx_)
+      : run(run_), recomputed(recomputed_), drop(drop_), ctx(ctx_) {}
   ~Segment() override { drop(ctx); }
   Segment(const Segment &) = delete;
   Segment &operator=(const Segment &) = delete;
@@ -230,6 +234,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
       for (const auto &x : wanted) {
         got.push_back(x.grad());
       }
+      segment->recomputed(segment->ctx);
     } else if (!wanted.empty()) {
       got = torch::autograd::grad({out}, wanted, {grads[0]}, create, create, true);
     }
@@ -548,11 +553,11 @@ char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
 // it. Owns `ctx` from here on: `drop(ctx)` runs when the graph is freed, at
 // once when the output needs no gradient, and on error.
 char *zrt_checkpoint(torch::Tensor *const *inputs, size_t n,
-                     char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*drop)(void *),
-                     void *ctx, torch::Tensor **out) {
+                     char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **),
+                     void (*recomputed)(void *), void (*drop)(void *), void *ctx, torch::Tensor **out) {
   c10::intrusive_ptr<Segment> segment;
   try {
-    segment = c10::make_intrusive<Segment>(run, drop, ctx);
+    segment = c10::make_intrusive<Segment>(run, recomputed, drop, ctx);
   } catch (const std::exception &e) {
     drop(ctx);
     return to_error(e.what());

@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use tch::{nn, Tensor};
 
 use crate::glue;
+use crate::running::{self, SegmentTrack};
 
 /// A module whose forward keeps only its input, recomputing its
 /// activations in backward ([`glue::checkpoint`]).
@@ -107,10 +108,27 @@ impl<M: nn::ModuleT + 'static> CheckpointedT<M> {
     /// The checkpointed `forward_t`, or libtorch's error.
     pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, glue::GlueError> {
         let inner = self.inner.clone();
-        glue::checkpoint(&[xs], move |ins| match ins {
-            [x] => Ok(inner.lock().forward_t(x, train)),
-            _ => Err(format!("one input expected, got {}", ins.len())),
-        })
+        // The engines learn which units the segment may touch (see
+        // `running`): its recompute adds to their gradients later in
+        // backward, and they wait for it.
+        let track = Arc::new(SegmentTrack::default());
+        let told = track.clone();
+        let (y, units) = running::segment_units(|| {
+            glue::checkpoint_with(
+                &[xs],
+                move |ins| match ins {
+                    [x] => Ok(inner.lock().forward_t(x, train)),
+                    _ => Err(format!("one input expected, got {}", ins.len())),
+                },
+                move || told.recomputed(),
+            )
+        });
+        let y = y?;
+        // Without a gradient there is no graph: no recompute will come.
+        if y.requires_grad() && !units.is_empty() {
+            track.begin(units);
+        }
+        Ok(y)
     }
 }
 

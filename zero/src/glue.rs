@@ -88,6 +88,7 @@ mod ffi {
                 usize,
                 *mut *mut C_tensor,
             ) -> *mut c_char,
+            recomputed: extern "C" fn(*mut std::ffi::c_void),
             drop: extern "C" fn(*mut std::ffi::c_void),
             ctx: *mut std::ffi::c_void,
             out: *mut *mut C_tensor,
@@ -404,7 +405,14 @@ pub fn graph_leaves(t: &Tensor, stop: &Tensor) -> Result<Vec<usize>, GlueError> 
 }
 
 /// A checkpointed segment's body: the output from the inputs.
-type SegmentFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor, String> + Send>;
+type SegmentBody = Box<dyn Fn(&[Tensor]) -> Result<Tensor, String> + Send>;
+
+/// A checkpointed segment's body and what to call when a backward's
+/// recompute has accumulated its gradients.
+struct SegmentFn {
+    body: SegmentBody,
+    recomputed: Box<dyn Fn() + Send>,
+}
 
 extern "C" fn run_segment(
     ctx: *mut std::ffi::c_void,
@@ -419,8 +427,8 @@ extern "C" fn run_segment(
         .map(|i| unsafe { Tensor::from_ptr(*inputs.add(i)) })
         .collect();
     // Never unwind into libtorch's C++ frames.
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&xs))).unwrap_or_else(|p| {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (f.body)(&xs)))
+        .unwrap_or_else(|p| {
             let what = p
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
@@ -448,10 +456,22 @@ extern "C" {
     fn libc_strdup(s: *const c_char) -> *mut c_char;
 }
 
+extern "C" fn segment_recomputed(ctx: *mut std::ffi::c_void) {
+    // SAFETY: as in `run_segment`.
+    let f = unsafe { &*(ctx as *const SegmentFn) };
+    // Never unwind into libtorch's C++ frames; what it tells the engine
+    // is bookkeeping, and a panic there leaves the engine to reduce the
+    // units at the end of backward.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (f.recomputed)()));
+}
+
 extern "C" fn drop_segment(ctx: *mut std::ffi::c_void) {
     // SAFETY: called exactly once by the segment's owner, with the pointer
     // `checkpoint` leaked.
-    drop(unsafe { Box::from_raw(ctx as *mut SegmentFn) });
+    let f = unsafe { Box::from_raw(ctx as *mut SegmentFn) };
+    // Never unwind into libtorch's C++ frames (the closures' captures
+    // may tell an engine something when dropped).
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(f)));
 }
 
 /// Runs `f` on `inputs` without keeping its activations, and returns its
@@ -465,7 +485,22 @@ pub fn checkpoint(
     inputs: &[&Tensor],
     f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,
 ) -> Result<Tensor, GlueError> {
-    let boxed: Box<SegmentFn> = Box::new(Box::new(f));
+    checkpoint_with(inputs, f, || {})
+}
+
+/// [`checkpoint`], calling `recomputed` each time a backward has run the
+/// second run's backward and accumulated its parameters' gradients (not
+/// for `torch.autograd.grad`, which accumulates none). `f` and `recomputed`
+/// are dropped with the graph that holds the segment.
+pub fn checkpoint_with(
+    inputs: &[&Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,
+    recomputed: impl Fn() + Send + 'static,
+) -> Result<Tensor, GlueError> {
+    let boxed = Box::new(SegmentFn {
+        body: Box::new(f),
+        recomputed: Box::new(recomputed),
+    });
     let ctx = Box::into_raw(boxed) as *mut std::ffi::c_void;
     let handles: Vec<*mut torch_sys::C_tensor> =
         inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
@@ -477,6 +512,7 @@ pub fn checkpoint(
             handles.as_ptr(),
             handles.len(),
             run_segment,
+            segment_recomputed,
             drop_segment,
             ctx,
             &mut out,

@@ -17,6 +17,7 @@ pub mod flat;
 pub mod glue;
 pub mod monitor;
 mod plan;
+mod running;
 pub mod schedule;
 
 pub use checkpoint::CheckpointError;

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
+use crate::running::Running;
 use crate::EngineError;
 
 /// What a unit's forward asks of the engine.
@@ -22,6 +23,18 @@ pub(crate) trait UnitHook: Send + Sync {
     /// frees the gathered parameters and arranges their re-gathering before
     /// the unit's backward).
     fn after_forward(&self, unit: usize, input: &Tensor, output: &Tensor);
+    /// A checkpointed segment that may touch `units` made a graph whose
+    /// backward will recompute it (see [`crate::running`]): their
+    /// reductions wait until it ends.
+    fn segment_begins(&self, units: &[usize]);
+    /// A backward recomputed that segment and accumulated its gradients:
+    /// whether that ends it (not while the backward keeps its graph,
+    /// which another backward may recompute again).
+    fn segment_recomputed(&self, units: &[usize]) -> bool;
+    /// The segment's graph was dropped before a recompute ended it. Runs
+    /// wherever the last tensor of that graph is dropped, the engine's own
+    /// code included: it must take none of the engine's locks.
+    fn segment_dropped(&self, units: &[usize]);
 }
 
 /// The program's rule for which trainable parameters weight decay leaves
@@ -269,10 +282,12 @@ impl<M> ShardedModule<M> {
         &self.inner
     }
 
-    fn before(&self) {
-        if let Some(h) = self.plan.engine_hook() {
-            h.before_forward(self.unit);
-        }
+    /// Before the wrapped module's forward; the unit counts as running
+    /// (for checkpointed segments inside it) while the result lives.
+    fn before(&self) -> Option<Running> {
+        let h = self.plan.engine_hook()?;
+        h.before_forward(self.unit);
+        Some(Running::enter(h, self.unit))
     }
 
     fn after(&self, x: &Tensor, y: &Tensor) {
@@ -284,7 +299,7 @@ impl<M> ShardedModule<M> {
 
 impl<M: nn::Module> nn::Module for ShardedModule<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.before();
+        let _running = self.before();
         let y = self.inner.forward(xs);
         self.after(xs, &y);
         y
@@ -296,7 +311,7 @@ impl<M: nn::ModuleT> ShardedModule<M> {
     /// usable first (tch gives every `Module` a `ModuleT`; this covers
     /// modules that only implement `ModuleT`, such as ones with dropout).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.before();
+        let _running = self.before();
         let y = self.inner.forward_t(xs, train);
         self.after(xs, &y);
         y

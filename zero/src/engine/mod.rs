@@ -76,6 +76,7 @@ mod offload;
 mod overlap;
 mod pool;
 mod progress;
+mod segments;
 mod timing;
 
 pub use comms_log::{CommsRow, CommsSummary};
@@ -276,6 +277,8 @@ struct Inner<G> {
     told_foreign: std::sync::atomic::AtomicBool,
     /// Whether it warned of a backward that reached none of its parameters.
     told_untouched: std::sync::atomic::AtomicBool,
+    /// The checkpointed segments each unit's reduction waits for.
+    segments: segments::Segments,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -899,6 +902,24 @@ struct Hook<G> {
 }
 
 impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
+    fn segment_begins(&self, units: &[usize]) {
+        if let Some(i) = self.inner.upgrade() {
+            i.segments.hold(units);
+        }
+    }
+
+    fn segment_recomputed(&self, units: &[usize]) -> bool {
+        self.inner
+            .upgrade()
+            .is_none_or(|i| i.segment_recomputed(units))
+    }
+
+    fn segment_dropped(&self, units: &[usize]) {
+        if let Some(i) = self.inner.upgrade() {
+            i.segments.release(units);
+        }
+    }
+
     fn before_forward(&self, unit: usize) {
         match self.inner.upgrade() {
             Some(i) if i.stage == 3 => i.make_live(unit, true),
@@ -1230,6 +1251,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .value()
             .unwrap_or(0) as usize;
         let small = |t: &Tensor| t.numel() <= threshold;
+        let mut root_of_moved = None;
         if stage == 3 && threshold > 0 {
             let root = prefixes.len();
             for g in 0..root {
@@ -1240,6 +1262,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     .into_iter()
                     .partition(|(_, t)| !small(t));
                 groups[g] = keep;
+                if moved.iter().any(|(_, t)| t.requires_grad()) {
+                    root_of_moved = Some(root);
+                }
                 groups[root].extend(moved);
             }
         }
@@ -1476,6 +1501,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             backwards: Default::default(),
             told_foreign: Default::default(),
             told_untouched: Default::default(),
+            segments: segments::Segments::new(n, root_of_moved),
         });
         {
             let mut st = inner.st.lock();

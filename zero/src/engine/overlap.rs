@@ -274,6 +274,9 @@ fn unit_name(units: &[Unit], x: usize) -> String {
 pub(super) struct Progress {
     /// Parameters of each unit whose gradient this backward still owes.
     ready: Vec<usize>,
+    /// Per unit, which of its parameters this backward has accumulated
+    /// (a checkpointed segment's recompute may accumulate one again).
+    seen: Vec<Vec<bool>>,
     /// Units whose gradients this backward has taken (all true outside an
     /// engine backward, so hooks of a bare `loss.backward()` do nothing).
     launched: Vec<bool>,
@@ -441,7 +444,21 @@ impl Progress {
     /// nothing to reduce).
     fn arm(&mut self, k: usize, params: usize) {
         self.ready[k] = params;
+        self.seen[k].clear();
+        self.seen[k].resize(params, false);
         self.launched[k] = params == 0;
+    }
+
+    /// Parameter `j` of unit `k` accumulated its gradient: whether each of
+    /// the unit's parameters has now.
+    fn see(&mut self, k: usize, j: usize) -> bool {
+        if let Some(seen) = self.seen[k].get_mut(j) {
+            if !*seen {
+                *seen = true;
+                self.ready[k] = self.ready[k].saturating_sub(1);
+            }
+        }
+        self.ready[k] == 0
     }
 
     pub(super) fn in_backward(&self) -> bool {
@@ -451,6 +468,7 @@ impl Progress {
     pub(super) fn new(units: usize) -> Self {
         Self {
             ready: vec![0; units],
+            seen: vec![Vec::new(); units],
             launched: vec![true; units],
             inflight: Vec::new(),
             inflight_elems: 0,
@@ -562,20 +580,57 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 return;
             }
         }
-        st.prog.ready[k] = st.prog.ready[k].saturating_sub(1);
-        if st.prog.ready[k] == 0 {
-            st.prog.counts.during_backward += 1;
-            let overlap = self.cfg.config.zero.overlap_comm;
-            let done = self
-                .launch_reduce(&mut st, k, true)
-                .and_then(|()| match overlap {
-                    true => Ok(()),
-                    false => self.wait_for_reductions(&mut st),
-                });
-            if let Err(e) = done {
-                st.error = Some(e);
+        // Complete once each parameter has its gradient and no
+        // checkpointed segment that may add to one is still to be
+        // recomputed (a unit run twice, part of it checkpointed).
+        if st.prog.see(k, j) && self.segments.held(k) == 0 {
+            self.launch_complete(&mut st, k);
+        }
+    }
+
+    /// Unit `k` has its whole gradient for this backward: issue its
+    /// reduction (and at stage 3 free it), waiting for it under
+    /// `overlap_comm: false`.
+    fn launch_complete(&self, st: &mut State, k: usize) {
+        st.prog.counts.during_backward += 1;
+        let overlap = self.cfg.config.zero.overlap_comm;
+        let done = self
+            .launch_reduce(st, k, true)
+            .and_then(|()| match overlap {
+                true => Ok(()),
+                false => self.wait_for_reductions(st),
+            });
+        if let Err(e) = done {
+            st.error = Some(e);
+        }
+    }
+
+    /// A checkpointed segment that may touch `units` was recomputed by a
+    /// backward, which accumulated its gradients: it holds them no longer
+    /// unless that backward keeps its graph (see `segments`). Units it
+    /// was the last to hold and whose parameters all have their gradients
+    /// are reduced now. Whether it ended.
+    pub(super) fn segment_recomputed(&self, units: &[usize]) -> bool {
+        match glue::graph_kept() {
+            Ok(false) => {}
+            Ok(true) => return false,
+            Err(e) => {
+                self.st.lock().error.get_or_insert(e.into());
+                return false;
             }
         }
+        let held = self.segments.release(units);
+        let mut st = self.st.lock();
+        if st.error.is_some() || foreign::other_than(self.id).is_some() {
+            return true;
+        }
+        for k in held {
+            let armed = st.prog.launched.get(k) == Some(&false);
+            if armed && st.prog.ready[k] == 0 && self.segments.held(k) == 0 {
+                self.launch_complete(&mut st, k);
+            }
+        }
+        true
     }
 
     /// Drops the gradient another engine's backward (`other`: its id and

@@ -284,9 +284,10 @@ fn small_parameters_kept_gathered_in_the_root_wait_for_their_blocks_recomputes()
     // Stage 3 keeps parameters under `stage3_param_persistence_threshold`
     // (the blocks' biases and norms here) gathered in the root unit. A
     // block run twice per micro-step (the loss of two forwards), its
-    // checkpoint accumulates them once per run: the root was reduced
-    // after the first recompute, and again for the rest, a sum in another
-    // order than stage 0's (until 2026-11-29: parameters 1 ulp apart
+    // checkpoint accumulates them once per run: the root was reduced once
+    // each of its parameters had a gradient, before the other run's
+    // recompute added to some, and again for that: a sum in another order
+    // than stage 0's (until late on 2026-11-28: parameters 1 ulp apart
     // after two steps of two micro-steps).
     let persist = r#""stage3_param_persistence_threshold": 100,"#;
     let run = |stage: u8| {
@@ -538,7 +539,7 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     // recompute read the unit freed (SIGSEGV) until 2026-11-28, and the
     // second run's gradients were taken for another backward's (after a
     // plain loss.backward(), a micro-step more). The unit is reduced once
-    // per backward, as the plain one (until 2026-11-29 once per run, and
+    // per backward, as the plain one (until late on 2026-11-28 once per run, and
     // at stage 3 gathered again for the second run's backward).
     let shared = |checkpointed: bool| {
         move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
@@ -582,7 +583,7 @@ fn a_unit_checkpointed_in_part_and_run_twice_trains_like_the_plain_one() {
     // then and, at stage 3, freed, and the first run's recompute read it
     // freed (SIGSEGV); at stages 0-2 the first run's part was reduced on
     // its own, a sum in another order than the plain unit's (until
-    // 2026-11-29). Now the unit waits for every recompute it holds.
+    // late on 2026-11-28). Now the unit waits for every recompute it holds.
     let model = |checkpointed: bool, twice: bool| {
         move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
             let p = vs.root() / "a";

@@ -13,4 +13,5 @@ mod common;
 
 mod activation_checkpointing;
 mod checkpoint;
+mod config_sweep;
 mod frozen_shards;

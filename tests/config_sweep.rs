@@ -5,16 +5,20 @@
 //! NVMe) and a program (accumulation steps, clipping, bf16, frozen parts,
 //! checkpointed blocks, parameter rules, a warm-up, plain or engine
 //! backwards, a model run twice per micro-step, evaluation forwards
-//! between), and trains the test GPT under it on 2 ranks. It must end
-//! with the same losses and parameters, to the bit, as the same program
-//! at stage 0 with DeepSpeed's defaults (stage 1 against stage 1: it sums
-//! the micro-steps before reducing them, another order than stage 0's).
+//! between, a resume from a checkpoint after the first step), and trains
+//! the test GPT under it on 2 ranks, or on 4 with
+//! hybrid sharding (MiCS pairs) or hpZ pairs. It must end with the same
+//! losses and parameters, to the bit, as the same program at stage 0
+//! with DeepSpeed's defaults (stage 1 against stage 1: it sums the
+//! micro-steps before reducing them, another order than stage 0's; on 4
+//! ranks against the same stage and grouping with the defaults: pairs
+//! sum in another order than 4 ranks).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together (case 187 of seed 1: the stage-3 root's small
 //! parameters reduced before their checkpointed blocks' last recompute,
 //! fixed on 2026-11-28; `activation_checkpointing` has its own test now).
-//! CI runs the first 24 cases of seed 1 (about 10 s);
+//! CI runs the first 24 cases of seed 1 (about 20 s);
 //! `ZRT_SWEEP_SEED=7 ZRT_SWEEP_CASES=200 cargo test --test rng_state
 //! config_sweep -- --nocapture` runs more, and a failure names its case,
 //! which `ZRT_SWEEP_CASE=n` (with the same seed) runs alone.
@@ -22,7 +26,7 @@
 use crate::common;
 
 use common::{
-    built, config_zero, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT, WORLD,
+    built, config_zero, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT,
 };
 use zrt::gpt::Gpt;
 use zrt::zero::{AutoHints, Engine};
@@ -59,6 +63,9 @@ impl Draw {
 /// the reference's).
 #[derive(Debug)]
 struct Program {
+    /// Ranks (threads), and the `zero_optimization` keys that group them.
+    world: usize,
+    grouping: &'static str,
     gas: usize,
     clip: f64,
     /// The config's top-level blocks (bf16, a warm-up scheduler).
@@ -74,29 +81,50 @@ struct Program {
     /// Before each micro-step, 1: a forward under `no_grad`; 2: one with
     /// autograd on whose output is dropped.
     eval: usize,
+    /// After the first step, save a checkpoint and go on from it with a
+    /// fresh model and engine (the tested run only).
+    resume: bool,
 }
 
-/// Trains `p` at `stage` with `zero` in `zero_optimization`: rank 0's
-/// parameters (sorted by name) and per-micro-step losses.
-fn train(p: &Program, stage: u8, zero: &str) -> (Params, Vec<f64>) {
-    let cfg = config_zero(stage, p.gas, p.clip, &p.top, zero);
-    let mut out = on_ranks(WORLD, |r| {
+/// Trains `p` at `stage` with `zero` (and `p.grouping`) in
+/// `zero_optimization`, resuming from a checkpoint in `resume_from` after
+/// the first step if given: rank 0's parameters (sorted by name) and
+/// per-micro-step losses.
+fn train(
+    p: &Program,
+    stage: u8,
+    zero: &str,
+    resume_from: Option<&std::path::Path>,
+) -> (Params, Vec<f64>) {
+    let zero = format!("{zero}{}", p.grouping);
+    let cfg = config_zero(stage, p.gas, p.clip, &p.top, &zero);
+    let out = on_ranks(p.world, |mut r| {
+        let rank = r.rank();
         let new = match p.checkpointed {
             true => Gpt::new_checkpointed,
             false => Gpt::new,
         };
-        let (vs, plan, gpt) = built(&GPT, new);
-        freeze(&vs, p.frozen);
-        if p.no_decay_vectors {
-            plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
-                .unwrap();
-        }
-        let group = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
-        let e = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default()).unwrap();
+        let mut build = || {
+            let (vs, plan, gpt) = built(&GPT, new);
+            freeze(&vs, p.frozen);
+            if p.no_decay_vectors {
+                plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
+                    .unwrap();
+            }
+            let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+            (vs, gpt, e)
+        };
+        let (mut _vs, mut gpt, mut e) = build();
         let mut losses = Vec::new();
         for step in 0..STEPS {
+            if let (1, Some(dir)) = (step, resume_from) {
+                e.save_checkpoint(dir, "resume").unwrap();
+                drop(e);
+                (_vs, gpt, e) = build();
+                e.load_checkpoint(dir, Some("resume")).unwrap();
+            }
             for k in 0..p.gas {
-                let t = tokens(step, k, r.rank(), p.gas);
+                let t = tokens(step, k, rank, p.gas);
                 match p.eval {
                     1 => drop(tch::no_grad(|| gpt.loss(&t.flip([1])))),
                     2 => drop(gpt.loss(&t.flip([1]))),
@@ -119,8 +147,13 @@ fn train(p: &Program, stage: u8, zero: &str) -> (Params, Vec<f64>) {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         (params, losses)
     });
-    assert_eq!(out[0].0, out[1].0, "the ranks' parameters differ");
-    out.swap_remove(0)
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(
+            o.0, out[0].0,
+            "rank {rank}'s parameters differ from rank 0's"
+        );
+    }
+    out.into_iter().next().unwrap()
 }
 
 /// Case `i`'s stage, settings and program; `dir` holds its swap files.
@@ -168,7 +201,14 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
     if d.flag(2) {
         top += r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},"#;
     }
+    let (world, grouping) = match *d.one(&[&0, &0, &0, &1, &2]) {
+        1 => (4, r#""mics_shard_size": 2,"#),
+        2 if stage == 3 => (4, r#""zero_hpz_partition_size": 2,"#),
+        _ => (2, ""),
+    };
     let program = Program {
+        world,
+        grouping,
         gas: *d.one(&[&1, &2, &3]),
         clip: *d.one(&[&0.0, &0.5]),
         top,
@@ -178,6 +218,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
         bare: *d.one(&[&0, &1, &2]),
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
+        resume: d.flag(4),
     };
     (stage, zero, program)
 }
@@ -229,9 +270,14 @@ fn random_settings_that_must_not_change_results_change_none() {
         }
         let case = format!("seed {seed}, case {i}: stage {stage}, {zero} {program:?}");
         eprintln!("{case}");
-        let got = train(&program, stage, &zero);
-        let reference = if stage == 1 { 1 } else { 0 };
-        let want = train(&program, reference, "");
+        let resume = swap_dir(&dir.0, i, "checkpoint");
+        let got = train(&program, stage, &zero, program.resume.then_some(&*resume));
+        let reference = match (stage, program.world) {
+            (1, _) => 1,
+            (_, 2) => 0,
+            _ => stage,
+        };
+        let want = train(&program, reference, "", None);
         assert_eq!(got.1, want.1, "{case}: losses");
         for ((name, g), (_, w)) in got.0.iter().zip(&want.0) {
             let apart = g.iter().zip(w).filter(|(a, b)| a != b).count();

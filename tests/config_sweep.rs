@@ -2,7 +2,7 @@
 //! result: each case draws a stage (1-3), the settings of that stage
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
-//! NVMe) and a program (accumulation steps, clipping, bf16, frozen parts,
+//! NVMe) and a program (accumulation steps, clipping, bf16 or fp16, frozen parts,
 //! checkpointed blocks, parameter rules, a warm-up, plain or engine
 //! backwards, a model run twice per micro-step, evaluation forwards
 //! between, a resume from a checkpoint after the first step), and trains
@@ -68,7 +68,7 @@ struct Program {
     grouping: &'static str,
     gas: usize,
     clip: f64,
-    /// The config's top-level blocks (bf16, a warm-up scheduler).
+    /// The config's top-level blocks (bf16 or fp16, a warm-up scheduler).
     top: String,
     frozen: &'static [&'static str],
     checkpointed: bool,
@@ -88,14 +88,14 @@ struct Program {
 
 /// Trains `p` at `stage` with `zero` (and `p.grouping`) in
 /// `zero_optimization`, resuming from a checkpoint in `resume_from` after
-/// the first step if given: rank 0's parameters (sorted by name) and
-/// per-micro-step losses.
+/// the first step if given: rank 0's parameters (sorted by name),
+/// per-micro-step losses and the steps fp16 skipped.
 fn train(
     p: &Program,
     stage: u8,
     zero: &str,
     resume_from: Option<&std::path::Path>,
-) -> (Params, Vec<f64>) {
+) -> (Params, Vec<f64>, u64) {
     let zero = format!("{zero}{}", p.grouping);
     let cfg = config_zero(stage, p.gas, p.clip, &p.top, &zero);
     let out = on_ranks(p.world, |mut r| {
@@ -145,7 +145,7 @@ fn train(
         }
         let mut params = e.gathered_params().unwrap();
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        (params, losses)
+        (params, losses, e.skipped_steps())
     });
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(
@@ -195,9 +195,19 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
         _ => {}
     }
     let mut top = String::new();
-    if d.flag(3) {
-        top += r#""bf16": {"enabled": true},"#;
-    }
+    let fp16 = match *d.one(&[&0, &0, &0, &1, &2]) {
+        1 => {
+            top += r#""bf16": {"enabled": true},"#;
+            false
+        }
+        // A high first scale: the first step or two overflow and are
+        // skipped, the scale halves, and the rest train.
+        2 => {
+            top += r#""fp16": {"enabled": true, "initial_scale_power": 19, "hysteresis": 1},"#;
+            true
+        }
+        _ => false,
+    };
     if d.flag(2) {
         top += r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},"#;
     }
@@ -215,7 +225,8 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
         frozen: d.one(FROZEN),
         checkpointed: d.flag(3),
         no_decay_vectors: d.flag(2),
-        bare: *d.one(&[&0, &1, &2]),
+        // fp16's loss scaling needs `engine.backward`.
+        bare: *d.one(&[&0, &1, &2]) * usize::from(!fp16),
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
         resume: d.flag(4),
@@ -279,6 +290,8 @@ fn random_settings_that_must_not_change_results_change_none() {
         };
         let want = train(&program, reference, "", None);
         assert_eq!(got.1, want.1, "{case}: losses");
+        assert_eq!(got.2, want.2, "{case}: steps skipped");
+        eprintln!("  {} of {STEPS} steps skipped", got.2);
         for ((name, g), (_, w)) in got.0.iter().zip(&want.0) {
             let apart = g.iter().zip(w).filter(|(a, b)| a != b).count();
             assert_eq!(apart, 0, "{case}: {apart} elements of `{name}` differ");

@@ -561,6 +561,45 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     }
 }
 
+#[test]
+fn checkpointed_forwards_whose_graphs_are_dropped_hold_back_no_reduction() {
+    let _serial = serial();
+    // Each checkpointed segment holds its units' reductions until a
+    // backward recomputes it. One whose graph is dropped instead (an
+    // evaluation with autograd on, a saliency map's backward, which
+    // accumulates nothing) lets go when the graph goes: the next
+    // backward's units are reduced as their gradients come in, not all at
+    // its end, and at stage 3 freed as they go.
+    let run = |stage: u8, detours: bool| {
+        on_ranks(WORLD, |r| {
+            let (vs, plan, loss) = two_units(true);
+            let e = engine_at(stage, &vs, &plan, &r);
+            for k in 0..3 {
+                if detours {
+                    drop(loss(&small_input(r.rank(), 10 + k)));
+                    let x = small_input(r.rank(), 20 + k).set_requires_grad(true);
+                    drop(Tensor::run_backward(&[loss(&x)], &[&x], false, false));
+                }
+                e.backward(&loss(&small_input(r.rank(), k))).unwrap();
+                e.step().unwrap();
+            }
+            (
+                e.gathered_params().unwrap(),
+                e.overlap_counts().during_backward,
+            )
+        })
+        .swap_remove(0)
+    };
+    for stage in [0u8, 3] {
+        let (params, during) = run(stage, true);
+        assert_eq!(
+            during, 6,
+            "stage {stage}: two units reduced in each backward"
+        );
+        assert_eq!((params, during), run(stage, false), "stage {stage}");
+    }
+}
+
 /// A unit of two [`Tanh`] blocks `inner` (3 -> 3) and `outer` (3 -> 3),
 /// `inner` checkpointed: a checkpoint covering part of a unit.
 #[derive(Debug)]

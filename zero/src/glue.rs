@@ -488,10 +488,10 @@ pub fn checkpoint(
     checkpoint_with(inputs, f, || {})
 }
 
-/// [`checkpoint`], calling `recomputed` each time a backward has run the
-/// second run's backward and accumulated its parameters' gradients (not
-/// for `torch.autograd.grad`, which accumulates none). `f` and `recomputed`
-/// are dropped with the graph that holds the segment.
+/// [`checkpoint`], calling `recomputed` each time a backward has run `f`
+/// again and back-propagated through it, accumulating its parameters'
+/// gradients (not for `torch.autograd.grad`, which accumulates none).
+/// `f` and `recomputed` are dropped with the graph that holds the segment.
 pub fn checkpoint_with(
     inputs: &[&Tensor],
     f: impl Fn(&[Tensor]) -> Result<Tensor, String> + Send + 'static,

@@ -611,6 +611,29 @@ impl Module for Partly {
     }
 }
 
+/// Unit `a`, a [`Partly`] unit (its `inner` block checkpointed or not),
+/// run once or twice, then unit `b` (3 -> 1); the loss is the mean square.
+fn partly(checkpointed: bool, twice: bool) -> impl Fn(&nn::VarStore, &ShardPlan) -> Loss + Sync {
+    move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+        let p = vs.root() / "a";
+        let inner = Tanh(nn::linear(&p / "inner", 3, 3, Default::default()));
+        let inner: Box<dyn Module> = match checkpointed {
+            true => Box::new(Checkpointed::new(inner)),
+            false => Box::new(inner),
+        };
+        let outer = Tanh(nn::linear(&p / "outer", 3, 3, Default::default()));
+        let a = ShardedModule::new(plan, &p, Partly(inner, outer));
+        let b = tanh_unit(vs, plan, "b", 3, 1, false);
+        Box::new(move |x| {
+            let h = match twice {
+                true => a.forward(&a.forward(x)),
+                false => a.forward(x),
+            };
+            b.forward(&h).square().mean(Kind::Float)
+        })
+    }
+}
+
 #[test]
 fn a_unit_checkpointed_in_part_and_run_twice_trains_like_the_plain_one() {
     let _serial = serial();
@@ -623,32 +646,12 @@ fn a_unit_checkpointed_in_part_and_run_twice_trains_like_the_plain_one() {
     // freed (SIGSEGV); at stages 0-2 the first run's part was reduced on
     // its own, a sum in another order than the plain unit's (until
     // late on 2026-11-28). Now the unit waits for every recompute it holds.
-    let model = |checkpointed: bool, twice: bool| {
-        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
-            let p = vs.root() / "a";
-            let inner = Tanh(nn::linear(&p / "inner", 3, 3, Default::default()));
-            let inner: Box<dyn Module> = match checkpointed {
-                true => Box::new(Checkpointed::new(inner)),
-                false => Box::new(inner),
-            };
-            let outer = Tanh(nn::linear(&p / "outer", 3, 3, Default::default()));
-            let a = ShardedModule::new(plan, &p, Partly(inner, outer));
-            let b = tanh_unit(vs, plan, "b", 3, 1, false);
-            Box::new(move |x| {
-                let h = match twice {
-                    true => a.forward(&a.forward(x)),
-                    false => a.forward(x),
-                };
-                b.forward(&h).square().mean(Kind::Float)
-            })
-        }
-    };
     for twice in [false, true] {
         for stage in [0u8, 1, 2, 3] {
             // The same bits, gathers and reductions as the plain unit.
             assert_eq!(
-                train_units(stage, model(true, twice)),
-                train_units(stage, model(false, twice)),
+                train_units(stage, partly(true, twice)),
+                train_units(stage, partly(false, twice)),
                 "stage {stage}, run twice: {twice}"
             );
         }

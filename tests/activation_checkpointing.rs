@@ -4,7 +4,9 @@
 //! back as errors; a frozen module after a frozen input runs once; and a
 //! GPT with checkpointed blocks trains to the same bits as the plain one at
 //! every stage, with the same gathers at stage 3, also with a frozen
-//! prefix (which backward neither recomputes nor gathers).
+//! prefix (which backward neither recomputes nor gathers); and units whose
+//! checkpoints run more than once per backward (shared layers, checkpointed
+//! whole or in part) train as the plain ones, reduced once per backward.
 //!
 //! The tests run one at a time ([`common::serial`]): a recompute puts
 //! libtorch's process-global RNG state back, which can land between another
@@ -539,8 +541,8 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     // recompute read the unit freed (SIGSEGV) until 2026-11-28, and the
     // second run's gradients were taken for another backward's (after a
     // plain loss.backward(), a micro-step more). The unit is reduced once
-    // per backward, as the plain one (until late on 2026-11-28 once per run, and
-    // at stage 3 gathered again for the second run's backward).
+    // per backward, as the plain one (until late on 2026-11-28 once per
+    // run, and at stage 3 gathered again for the second run's backward).
     let shared = |checkpointed: bool| {
         move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
             let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);

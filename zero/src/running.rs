@@ -109,12 +109,14 @@ impl SegmentTrack {
     /// The segment's graph exists: each engine holds the reductions of
     /// `units` until it ends.
     pub(crate) fn begin(&self, units: Vec<UnitsOf>) {
+        // Held here first: what an engine is told, the drop undoes.
+        let Ok(mut held) = self.units.lock() else {
+            return;
+        };
         for (hook, us) in &units {
             hook.segment_begins(us);
         }
-        if let Ok(mut held) = self.units.lock() {
-            *held = Some(units);
-        }
+        *held = Some(units);
     }
 
     /// A backward recomputed the segment and accumulated its gradients.

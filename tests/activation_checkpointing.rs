@@ -695,3 +695,58 @@ fn a_checkpoint_around_several_units_trains_like_the_plain_units_at_every_stage(
         assert_eq!(train_units(stage, row(true)).0, want, "stage {stage}");
     }
 }
+
+#[test]
+fn saliency_maps_and_a_gradient_penalty_through_shared_checkpointed_units_train_alike() {
+    let _serial = serial();
+    // Shared units (run twice), checkpointed whole or in part, under a
+    // saliency map (whose recomputes accumulate nothing, and whose
+    // backward frees a stage-3 unit at its input's gradient) and a
+    // gradient penalty: stage 3 must gather the unit again for the first
+    // run's recompute, and the saliency maps and the training equal the
+    // plain units' (to rounding: the second order sums in another order).
+    let shared = |checkpointed: bool, partial: bool| {
+        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+            if partial {
+                return partly(checkpointed, true)(vs, plan);
+            }
+            let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
+            let b = tanh_unit(vs, plan, "b", 3, 1, false);
+            Box::new(move |x| {
+                b.forward(&a.forward(&a.forward(x)))
+                    .square()
+                    .mean(Kind::Float)
+            })
+        }
+    };
+    for partial in [false, true] {
+        let run = |stage: u8, checkpointed: bool| {
+            on_ranks(WORLD, |r| {
+                let (vs, plan, loss) = units(shared(checkpointed, partial));
+                let e = engine_at(stage, &vs, &plan, &r);
+                let mut sal = vec![];
+                for k in 0..3 {
+                    let x = small_input(r.rank(), 10 + k).set_requires_grad(true);
+                    let g = Tensor::run_backward(&[loss(&x)], &[&x], false, false);
+                    sal.push(values(&g[0]));
+                    let x = small_input(r.rank(), k).set_requires_grad(true);
+                    e.backward(&common::with_gradient_penalty(&loss(&x), &x))
+                        .unwrap();
+                    e.step().unwrap();
+                }
+                (sal, e.gathered_params().unwrap())
+            })
+            .swap_remove(0)
+        };
+        let want = run(0, false);
+        for stage in [0u8, 3] {
+            let got = run(stage, true);
+            for (g, w) in got.0.iter().zip(&want.0) {
+                assert_close(g, w, &format!("partial {partial} stage {stage} saliency"));
+            }
+            for ((n, g), (_, w)) in got.1.iter().zip(&want.1) {
+                assert_close(g, w, &format!("partial {partial} stage {stage} {n}"));
+            }
+        }
+    }
+}

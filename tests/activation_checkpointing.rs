@@ -490,6 +490,67 @@ fn train_units(
     .swap_remove(0)
 }
 
+/// Saliency maps and rank 0's parameters after training (see
+/// [`train_with_saliency`]).
+type WithSaliency = (Vec<Vec<f32>>, common::Params);
+
+/// Trains the model `build` makes 3 steps at `stage`, each step after a
+/// saliency map (the input's gradient only) and with a gradient penalty
+/// (WGAN-GP: the input's gradient with create_graph, and the engine's
+/// backward of the loss plus a function of it): the saliency maps and rank
+/// 0's parameters. Each saliency map's backward leaves the model state as
+/// it found it (stage 3 frees each unit it gathered).
+fn train_with_saliency(
+    stage: u8,
+    build: impl Fn() -> (nn::VarStore, ShardPlan, Loss) + Sync,
+) -> WithSaliency {
+    let input = |rank: usize, k: usize| small_input(rank, k).set_requires_grad(true);
+    on_ranks(WORLD, |r| {
+        let (vs, plan, loss) = build();
+        let e = engine_at(stage, &vs, &plan, &r);
+        let mut saliency = Vec::new();
+        for k in 0..3 {
+            let held = e.model_state_bytes().unwrap();
+            let x = input(r.rank(), 10 + k);
+            let g = Tensor::run_backward(&[loss(&x)], &[&x], false, false);
+            saliency.push(values(&g[0]));
+            assert_eq!(e.model_state_bytes().unwrap(), held, "stage {stage}");
+            let x = input(r.rank(), k);
+            e.backward(&common::with_gradient_penalty(&loss(&x), &x))
+                .unwrap();
+            e.step().unwrap();
+        }
+        (saliency, e.gathered_params().unwrap())
+    })
+    .swap_remove(0)
+}
+
+/// Asserts that two [`train_with_saliency`] runs agree but for rounding:
+/// through checkpoints the second-order terms sum in another order.
+fn assert_alike(got: &WithSaliency, want: &WithSaliency, what: &str) {
+    for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+        assert_close(g, w, &format!("{what}: saliency {k}"));
+    }
+    assert_eq!(names(&got.1), names(&want.1), "{what}");
+    for ((name, g), (_, w)) in got.1.iter().zip(&want.1) {
+        assert_close(g, w, &format!("{what}: {name}"));
+    }
+}
+
+/// Unit `a` (3 -> 3, checkpointed or not) run twice, then unit `b`
+/// (3 -> 1): shared layers. The loss is the mean square.
+fn shared_unit(checkpointed: bool) -> impl Fn(&nn::VarStore, &ShardPlan) -> Loss + Sync {
+    move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
+        let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
+        let b = tanh_unit(vs, plan, "b", 3, 1, false);
+        Box::new(move |x| {
+            b.forward(&a.forward(&a.forward(x)))
+                .square()
+                .mean(Kind::Float)
+        })
+    }
+}
+
 #[test]
 fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike_at_every_stage() {
     let _serial = serial();
@@ -497,39 +558,10 @@ fn input_gradients_and_a_gradient_penalty_through_checkpointed_units_train_alike
     // gradient penalty (WGAN-GP): the input's gradient with create_graph,
     // and the engine's backward of the loss plus a function of it. Stage
     // 3 frees each unit after the saliency map's backward.
-    let input = |rank: usize, k: usize| small_input(rank, k).set_requires_grad(true);
-    let run = |stage: u8, checkpointed: bool| {
-        on_ranks(WORLD, |r| {
-            let (vs, plan, loss) = two_units(checkpointed);
-            let e = engine_at(stage, &vs, &plan, &r);
-            let mut saliency = Vec::new();
-            for k in 0..3 {
-                let held = e.model_state_bytes().unwrap();
-                let x = input(r.rank(), 10 + k);
-                let g = Tensor::run_backward(&[loss(&x)], &[&x], false, false);
-                saliency.push(values(&g[0]));
-                assert_eq!(e.model_state_bytes().unwrap(), held, "stage {stage}");
-                let x = input(r.rank(), k);
-                e.backward(&common::with_gradient_penalty(&loss(&x), &x))
-                    .unwrap();
-                e.step().unwrap();
-            }
-            (saliency, e.gathered_params().unwrap())
-        })
-        .swap_remove(0)
-    };
-    let want = run(0, false);
+    let want = train_with_saliency(0, || two_units(false));
     for stage in [0u8, 1, 2, 3] {
-        let got = run(stage, true);
-        // The second-order terms sum in another order than without the
-        // checkpoints: equal but for rounding.
-        for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
-            assert_close(g, w, &format!("stage {stage}: saliency {k}"));
-        }
-        assert_eq!(names(&got.1), names(&want.1));
-        for ((name, g), (_, w)) in got.1.iter().zip(&want.1) {
-            assert_close(g, w, &format!("stage {stage}: {name}"));
-        }
+        let got = train_with_saliency(stage, || two_units(true));
+        assert_alike(&got, &want, &format!("stage {stage}"));
     }
 }
 
@@ -543,21 +575,10 @@ fn a_checkpointed_unit_run_twice_in_one_forward_trains_like_the_plain_one() {
     // plain loss.backward(), a micro-step more). The unit is reduced once
     // per backward, as the plain one (until late on 2026-11-28 once per
     // run, and at stage 3 gathered again for the second run's backward).
-    let shared = |checkpointed: bool| {
-        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
-            let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
-            let b = tanh_unit(vs, plan, "b", 3, 1, false);
-            Box::new(move |x| {
-                b.forward(&a.forward(&a.forward(x)))
-                    .square()
-                    .mean(Kind::Float)
-            })
-        }
-    };
     for stage in [0u8, 1, 2, 3] {
         assert_eq!(
-            train_units(stage, shared(true)),
-            train_units(stage, shared(false)),
+            train_units(stage, shared_unit(true)),
+            train_units(stage, shared_unit(false)),
             "stage {stage}"
         );
     }
@@ -705,48 +726,15 @@ fn saliency_maps_and_a_gradient_penalty_through_shared_checkpointed_units_train_
     // gradient penalty: stage 3 must gather the unit again for the first
     // run's recompute, and the saliency maps and the training equal the
     // plain units' (to rounding: the second order sums in another order).
-    let shared = |checkpointed: bool, partial: bool| {
-        move |vs: &nn::VarStore, plan: &ShardPlan| -> Loss {
-            if partial {
-                return partly(checkpointed, true)(vs, plan);
-            }
-            let a = tanh_unit(vs, plan, "a", 3, 3, checkpointed);
-            let b = tanh_unit(vs, plan, "b", 3, 1, false);
-            Box::new(move |x| {
-                b.forward(&a.forward(&a.forward(x)))
-                    .square()
-                    .mean(Kind::Float)
-            })
-        }
-    };
     for partial in [false, true] {
-        let run = |stage: u8, checkpointed: bool| {
-            on_ranks(WORLD, |r| {
-                let (vs, plan, loss) = units(shared(checkpointed, partial));
-                let e = engine_at(stage, &vs, &plan, &r);
-                let mut sal = vec![];
-                for k in 0..3 {
-                    let x = small_input(r.rank(), 10 + k).set_requires_grad(true);
-                    let g = Tensor::run_backward(&[loss(&x)], &[&x], false, false);
-                    sal.push(values(&g[0]));
-                    let x = small_input(r.rank(), k).set_requires_grad(true);
-                    e.backward(&common::with_gradient_penalty(&loss(&x), &x))
-                        .unwrap();
-                    e.step().unwrap();
-                }
-                (sal, e.gathered_params().unwrap())
-            })
-            .swap_remove(0)
+        let build = |checkpointed: bool| match partial {
+            true => units(partly(checkpointed, true)),
+            false => units(shared_unit(checkpointed)),
         };
-        let want = run(0, false);
+        let want = train_with_saliency(0, || build(false));
         for stage in [0u8, 3] {
-            let got = run(stage, true);
-            for (g, w) in got.0.iter().zip(&want.0) {
-                assert_close(g, w, &format!("partial {partial} stage {stage} saliency"));
-            }
-            for ((n, g), (_, w)) in got.1.iter().zip(&want.1) {
-                assert_close(g, w, &format!("partial {partial} stage {stage} {n}"));
-            }
+            let got = train_with_saliency(stage, || build(true));
+            assert_alike(&got, &want, &format!("in part: {partial}, stage {stage}"));
         }
     }
 }

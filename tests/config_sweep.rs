@@ -5,13 +5,14 @@
 //! NVMe) and a program (accumulation steps, clipping, bf16 or fp16,
 //! frozen parts, checkpointed blocks, parameter rules, a warm-up, plain or
 //! engine backwards, a model run twice per micro-step, evaluation forwards
-//! between, a resume from a checkpoint after the first step), and trains
-//! the test GPT under it on 2 ranks, or on 4 in MiCS or hpZ pairs. It must
+//! between), and trains the test GPT under it on 2 or 3 ranks, or on 4 in
+//! MiCS or hpZ pairs; a quarter of the cases save a checkpoint after the
+//! first step and go on from it at another stage (one of the same
+//! results), other settings and 2 or 3 ranks (pairs keep theirs). It must
 //! end with the same losses, skipped steps and parameters, to the bit, as
-//! the same program at stage 0 with DeepSpeed's defaults (stage 1 against
-//! stage 1: it sums the micro-steps before reducing them, another order
-//! than stage 0's; on 4 ranks against the same stage and grouping with the
-//! defaults: pairs sum in another order than 4 ranks).
+//! the same program at stage 0 with DeepSpeed's defaults on the same
+//! ranks (see [`Leg::reference`] for the two exceptions; the reference
+//! resumes too when the ranks change, as its data does).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together (case 187 of seed 1: the stage-3 root's small
@@ -60,13 +61,41 @@ impl Draw {
     }
 }
 
-/// What a case's program does (the same at the stage it tests and at
-/// the reference's).
-#[derive(Debug)]
-struct Program {
-    /// Ranks (threads), and the `zero_optimization` keys that group them.
+/// Where a run trains from some step on: the stage, its
+/// `zero_optimization` settings, and the ranks (threads) with the keys
+/// that group them.
+#[derive(Debug, Clone)]
+struct Leg {
+    stage: u8,
+    zero: String,
     world: usize,
     grouping: &'static str,
+}
+
+impl Leg {
+    /// The reference for this leg: stage 0 with DeepSpeed's defaults on the
+    /// same ranks (stage 1 with gas > 1 against stage 1: it sums the
+    /// micro-steps before reducing them, another order than stage 0's;
+    /// groups of 4 ranks against the same stage and grouping: pairs sum in
+    /// another order than 4 ranks).
+    fn reference(&self, gas: usize) -> Self {
+        let stage = match self.stage {
+            _ if !self.grouping.is_empty() => self.stage,
+            1 if gas > 1 => 1,
+            _ => 0,
+        };
+        Self {
+            stage,
+            zero: String::new(),
+            ..self.clone()
+        }
+    }
+}
+
+/// What a case's program does (the same in the tested run and in the
+/// reference).
+#[derive(Debug)]
+struct Program {
     gas: usize,
     clip: f64,
     /// The config's top-level blocks (bf16 or fp16, a warm-up scheduler).
@@ -82,48 +111,56 @@ struct Program {
     /// Before each micro-step, 1: a forward under `no_grad`; 2: one with
     /// autograd on whose output is dropped.
     eval: usize,
-    /// After the first step, save a checkpoint and go on from it with a
-    /// fresh model and engine (the tested run only).
-    resume: bool,
 }
 
-/// Trains `p` at `stage` with `zero` (and `p.grouping`) in
-/// `zero_optimization`, resuming from a checkpoint in `resume_from` after
-/// the first step if given: rank 0's parameters (sorted by name),
-/// per-micro-step losses and the steps fp16 skipped.
+/// Trains `p` in `first`, and if `then` is given, saves a checkpoint in
+/// `dir` after the first step and goes on from it in `then` with a fresh
+/// model and engine: rank 0's parameters (sorted by name), per-micro-step
+/// losses and the steps fp16 skipped.
 fn train(
     p: &Program,
-    stage: u8,
-    zero: &str,
-    resume_from: Option<&std::path::Path>,
+    first: &Leg,
+    then: Option<&Leg>,
+    dir: &std::path::Path,
 ) -> (Params, Vec<f64>, u64) {
-    let zero = format!("{zero}{}", p.grouping);
-    let cfg = config_zero(stage, p.gas, p.clip, &p.top, &zero);
-    let out = on_ranks(p.world, |mut r| {
+    let Some(then) = then else {
+        return leg(p, first, None, 0..STEPS, None);
+    };
+    let (_, mut losses, _) = leg(p, first, None, 0..1, Some(dir));
+    let (params, more, skipped) = leg(p, then, Some(dir), 1..STEPS, None);
+    losses.extend(more);
+    (params, losses, skipped)
+}
+
+/// Trains `p` in `l` for `steps`, from the checkpoint in `load` if given,
+/// saving one in `save` at the end if given: as [`train`].
+fn leg(
+    p: &Program,
+    l: &Leg,
+    load: Option<&std::path::Path>,
+    steps: std::ops::Range<usize>,
+    save: Option<&std::path::Path>,
+) -> (Params, Vec<f64>, u64) {
+    let zero = format!("{}{}", l.zero, l.grouping);
+    let cfg = config_zero(l.stage, p.gas, p.clip, &p.top, &zero);
+    let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
         let new = match p.checkpointed {
             true => Gpt::new_checkpointed,
             false => Gpt::new,
         };
-        let mut build = || {
-            let (vs, plan, gpt) = built(&GPT, new);
-            freeze(&vs, p.frozen);
-            if p.no_decay_vectors {
-                plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
-                    .unwrap();
-            }
-            let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
-            (vs, gpt, e)
-        };
-        let (mut _vs, mut gpt, mut e) = build();
+        let (vs, plan, gpt) = built(&GPT, new);
+        freeze(&vs, p.frozen);
+        if p.no_decay_vectors {
+            plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
+                .unwrap();
+        }
+        let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
+        if let Some(dir) = load {
+            e.load_checkpoint(dir, Some("resume")).unwrap();
+        }
         let mut losses = Vec::new();
-        for step in 0..STEPS {
-            if let (1, Some(dir)) = (step, resume_from) {
-                e.save_checkpoint(dir, "resume").unwrap();
-                drop(e);
-                (_vs, gpt, e) = build();
-                e.load_checkpoint(dir, Some("resume")).unwrap();
-            }
+        for step in steps.clone() {
             for k in 0..p.gas {
                 let t = tokens(step, k, rank, p.gas);
                 match p.eval {
@@ -144,6 +181,9 @@ fn train(
                 e.step().unwrap();
             }
         }
+        if let Some(dir) = save {
+            e.save_checkpoint(dir, "resume").unwrap();
+        }
         let mut params = e.gathered_params().unwrap();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         (params, losses, e.skipped_steps())
@@ -157,10 +197,13 @@ fn train(
     out.into_iter().next().unwrap()
 }
 
-/// Case `i`'s stage, settings and program; `dir` holds its swap files.
-fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) {
-    let stage = *d.one(&[&1u8, &2, &3, &3]);
+/// Settings of `stage` for case `i` (the `what` run: its swap files go
+/// in folders of that name).
+fn settings(d: &mut Draw, dir: &std::path::Path, i: usize, stage: u8, what: &str) -> String {
     let mut zero = String::new();
+    if stage == 0 {
+        return zero;
+    }
     zero += d.one(&["", r#""overlap_comm": false,"#, r#""overlap_comm": true,"#]);
     zero += d.one(&[
         "",
@@ -184,7 +227,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
         ]);
         match *d.one(&[&0, &0, &1, &2]) {
             1 => zero += r#""offload_param": {"device": "cpu"},"#,
-            2 => zero += &nvme_params(&swap_dir(dir, i, "params")),
+            2 => zero += &nvme_params(&swap_dir(dir, i, &format!("{what}-params"))),
             _ => {}
         }
     } else {
@@ -192,9 +235,17 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
     }
     match *d.one(&[&0, &0, &1, &2]) {
         1 => zero += r#""offload_optimizer": {"device": "cpu"},"#,
-        2 => zero += &nvme(&swap_dir(dir, i, "optimizer")).1,
+        2 => zero += &nvme(&swap_dir(dir, i, &format!("{what}-optimizer"))).1,
         _ => {}
     }
+    zero
+}
+
+/// Case `i`'s first leg, program, and the leg it resumes in if any;
+/// `dir` holds its swap files.
+fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<Leg>) {
+    let stage = *d.one(&[&1u8, &2, &3, &3]);
+    let zero = settings(d, dir, i, stage, "first");
     let mut top = String::new();
     let fp16 = match *d.one(&[&0, &0, &0, &1, &2]) {
         1 => {
@@ -212,15 +263,38 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
     if d.flag(2) {
         top += r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},"#;
     }
-    let (world, grouping) = match *d.one(&[&0, &0, &0, &1, &2]) {
+    let (world, grouping) = match *d.one(&[&0, &0, &0, &1, &2, &3]) {
         1 => (4, r#""mics_shard_size": 2,"#),
         2 if stage == 3 => (4, r#""zero_hpz_partition_size": 2,"#),
+        3 => (3, ""),
         _ => (2, ""),
     };
-    let program = Program {
+    let first = Leg {
+        stage,
+        zero,
         world,
         grouping,
-        gas: *d.one(&[&1, &2, &3]),
+    };
+    let gas = *d.one(&[&1, &2, &3]);
+    // A checkpoint loads at any stage and world size: go on at one whose
+    // results are the same (stage 1 with gas > 1 stays; groups of 4 ranks
+    // keep their stage and grouping), on 2 or 3 ranks.
+    let then = d.flag(4).then(|| {
+        let (stage, world) = match (grouping, stage) {
+            ("", 1) if gas > 1 => (1, *d.one(&[&2, &3])),
+            ("", _) if gas > 1 => (*d.one(&[&0u8, &2, &3]), *d.one(&[&2, &3])),
+            ("", _) => (*d.one(&[&0u8, &1, &2, &3]), *d.one(&[&2, &3])),
+            _ => (stage, world),
+        };
+        Leg {
+            stage,
+            zero: settings(d, dir, i, stage, "resumed"),
+            world,
+            grouping,
+        }
+    });
+    let program = Program {
+        gas,
         clip: *d.one(&[&0.0, &0.5]),
         top,
         frozen: d.one(FROZEN),
@@ -230,9 +304,8 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (u8, String, Program) 
         bare: *d.one(&[&0, &1, &2]) * usize::from(!fp16),
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
-        resume: d.flag(4),
     };
-    (stage, zero, program)
+    (first, program, then)
 }
 
 /// A fresh folder for case `i`'s `what` swap files.
@@ -276,20 +349,28 @@ fn random_settings_that_must_not_change_results_change_none() {
     let dir = Scratch::new();
     let mut d = Draw::new(seed);
     for i in 0..cases.max(only.map_or(0, |c| c + 1)) {
-        let (stage, zero, program) = draw(&mut d, &dir.0, i);
+        let (first, program, then) = draw(&mut d, &dir.0, i);
         if only.is_some_and(|c| c != i) {
             continue;
         }
-        let case = format!("seed {seed}, case {i}: stage {stage}, {zero} {program:?}");
+        let case = format!("seed {seed}, case {i}: {first:?} then {then:?}, {program:?}");
         eprintln!("{case}");
-        let resume = swap_dir(&dir.0, i, "checkpoint");
-        let got = train(&program, stage, &zero, program.resume.then_some(&*resume));
-        let reference = match (stage, program.world) {
-            (1, _) => 1,
-            (_, 2) => 0,
-            _ => stage,
-        };
-        let want = train(&program, reference, "", None);
+        let got = train(
+            &program,
+            &first,
+            then.as_ref(),
+            &swap_dir(&dir.0, i, "checkpoint"),
+        );
+        // The reference resumes too if the world changes (its data does).
+        let reference = then
+            .filter(|t| t.world != first.world)
+            .map(|t| t.reference(program.gas));
+        let want = train(
+            &program,
+            &first.reference(program.gas),
+            reference.as_ref(),
+            &swap_dir(&dir.0, i, "reference-checkpoint"),
+        );
         assert_eq!(got.1, want.1, "{case}: losses");
         assert_eq!(got.2, want.2, "{case}: steps skipped");
         let names = |p: &Params| p.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();

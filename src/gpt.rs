@@ -167,11 +167,20 @@ impl Gpt {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_skipping(tokens, &[])
+    }
+
+    /// As [`Gpt::forward`], the blocks numbered in `skipped` left out (their
+    /// input goes on as their output), as LayerDrop does: their units do
+    /// not run, and no gradient reaches them.
+    pub fn forward_skipping(&self, tokens: &Tensor, skipped: &[usize]) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(1);
         let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
         let mut x = self.wte.forward(tokens) + self.wpe.forward(&pos);
-        for b in &self.blocks {
-            x = b.forward(&x);
+        for (i, b) in self.blocks.iter().enumerate() {
+            if !skipped.contains(&i) {
+                x = b.forward(&x);
+            }
         }
         self.head.forward(&self.ln_f.forward(&x))
     }
@@ -179,9 +188,14 @@ impl Gpt {
     /// Mean next-token cross-entropy of `tokens[:, :-1]` predicting
     /// `tokens[:, 1:]`, computed in fp32 whatever the model's dtype.
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        self.loss_skipping(tokens, &[])
+    }
+
+    /// As [`Gpt::loss`], through [`Gpt::forward_skipping`].
+    pub fn loss_skipping(&self, tokens: &Tensor, skipped: &[usize]) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(2);
         let (x, y) = (tokens.narrow(1, 0, t - 1), tokens.narrow(1, 1, t - 1));
-        let logits = self.forward(&x).to_kind(Kind::Float);
+        let logits = self.forward_skipping(&x, skipped).to_kind(Kind::Float);
         logits
             .view([-1, self.cfg.vocab])
             .cross_entropy_for_logits(&y.reshape([-1]))

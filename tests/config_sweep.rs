@@ -3,9 +3,9 @@
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
 //! NVMe) and a program (accumulation steps, clipping, bf16 or fp16,
-//! frozen parts, checkpointed blocks, parameter rules, a warm-up, plain or
+//! frozen parts, checkpointed blocks, parameter rules, a scheduler, plain or
 //! engine backwards, a model run twice per micro-step, evaluation forwards
-//! between), and trains the test GPT under it on 2 or 3 ranks, or on 4 in
+//! between, blocks left out), and trains the test GPT under it on 2 or 3 ranks, or on 4 in
 //! MiCS or hpZ pairs; a quarter of the cases save a checkpoint after the
 //! first step and go on from it at another stage (one of the same
 //! results), other settings and 2 or 3 ranks (pairs keep theirs). It must
@@ -111,6 +111,21 @@ struct Program {
     /// Before each micro-step, 1: a forward under `no_grad`; 2: one with
     /// autograd on whose output is dropped.
     eval: usize,
+    /// Blocks left out (the same on every rank), 1: the second block in
+    /// every other micro-step; 2: the first block throughout the second
+    /// step (its unit gets no gradient for a whole step).
+    skip: usize,
+}
+
+impl Program {
+    /// The blocks micro-step `k` of `step` leaves out.
+    fn skipped(&self, step: usize, k: usize) -> &'static [usize] {
+        match self.skip {
+            1 if (step * self.gas + k) % 2 == 1 => &[1],
+            2 if step == 1 => &[0],
+            _ => &[],
+        }
+    }
 }
 
 /// Trains `p` in `first`, and if `then` is given, saves a checkpoint in
@@ -163,14 +178,16 @@ fn leg(
         for step in steps.clone() {
             for k in 0..p.gas {
                 let t = tokens(step, k, rank, p.gas);
+                let skipped = p.skipped(step, k);
+                let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
                 match p.eval {
-                    1 => drop(tch::no_grad(|| gpt.loss(&t.flip([1])))),
-                    2 => drop(gpt.loss(&t.flip([1]))),
+                    1 => drop(tch::no_grad(|| loss_of(&t.flip([1])))),
+                    2 => drop(loss_of(&t.flip([1]))),
                     _ => {}
                 }
                 let loss = match p.twice {
-                    true => (gpt.loss(&t) + gpt.loss(&t.flip([0]))) * 0.5,
-                    false => gpt.loss(&t),
+                    true => (loss_of(&t) + loss_of(&t.flip([0]))) * 0.5,
+                    false => loss_of(&t),
                 };
                 losses.push(loss.double_value(&[]));
                 if p.bare == 1 || (p.bare == 2 && (step + k) % 2 == 0) {
@@ -260,9 +277,16 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         }
         _ => false,
     };
-    if d.flag(2) {
-        top += r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},"#;
-    }
+    // Schedulers keep state a resume must restore (OneCycle's cycles
+    // Adam's beta1 as well).
+    top += d.one(&[
+        "",
+        "",
+        r#""scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},"#,
+        r#""scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1, "total_num_steps": 4}},"#,
+        r#""scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1, "total_num_steps": 4}},"#,
+        r#""scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 1}},"#,
+    ]);
     let (world, grouping) = match *d.one(&[&0, &0, &0, &1, &2, &3]) {
         1 => (4, r#""mics_shard_size": 2,"#),
         2 if stage == 3 => (4, r#""zero_hpz_partition_size": 2,"#),
@@ -304,6 +328,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         bare: *d.one(&[&0, &1, &2]) * usize::from(!fp16),
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
+        skip: *d.one(&[&0, &0, &1, &2]),
     };
     (first, program, then)
 }

@@ -243,20 +243,46 @@ fn a_checkpoint_between_accumulation_boundaries_resumes_exactly() {
         let resumed = run(&Phase::new(stage, two, 3..6).load(&dir, Some("mid")));
         assert_bits(&format!("stage {stage}"), &resumed.params, &straight.params);
         // ...but it cannot be resharded: the gradients are per rank. Not
-        // to another world, another stage, or both.
+        // to another world, another stage, both, or (stage 3) other units;
+        // the error says which.
         let other = if stage == 1 { 3 } else { 1 };
-        for (s, batches) in [
-            (stage, Batches::OneOfTwo),
-            (other, two),
-            (0, Batches::OneOfTwo),
-        ] {
-            let err = try_run(&Phase::new(s, batches, 0..0).load(&dir, Some("mid")), &GPT)
-                .remove(0)
-                .err()
-                .unwrap();
+        let world = "saved on a mesh of 1 x 2 ranks (replicas x shard group), loading on 1 x 1";
+        let mut cases = vec![
+            (stage, Batches::OneOfTwo, "", world.to_string()),
+            (
+                other,
+                two,
+                "",
+                format!("saved at stage {stage}, loading at stage {other}"),
+            ),
+            (
+                0,
+                Batches::OneOfTwo,
+                "",
+                format!("saved at stage {stage}, loading at stage 0"),
+            ),
+        ];
+        if stage == 3 {
+            // Parameters of at most 100 elements (biases, norms) move from
+            // their blocks to the root unit (by default, 1e5, whole units
+            // persist and nothing moves).
+            let small_to_root = r#""stage3_param_persistence_threshold": 100,"#;
+            cases.push((
+                3,
+                two,
+                small_to_root,
+                "another stage3_param_persistence_threshold".into(),
+            ));
+        }
+        for (s, batches, zero, why) in cases {
+            let p = Phase {
+                zero,
+                ..Phase::new(s, batches, 0..0).load(&dir, Some("mid"))
+            };
+            let err = try_run(&p, &GPT).remove(0).err().unwrap().to_string();
             assert!(
-                err.to_string().contains("between accumulation boundaries"),
-                "stage {stage} -> {s}: {err}"
+                err.contains("between accumulation boundaries") && err.contains(&why),
+                "stage {stage} -> {s} {zero}: {err}"
             );
         }
         let _ = std::fs::remove_dir_all(&dir);
@@ -1001,6 +1027,70 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let _ = std::fs::remove_dir_all(&swap_dir);
+}
+
+#[test]
+fn each_replica_of_a_hybrid_stage_1_job_resumes_its_own_accumulated_gradients() {
+    let _serial = serial();
+    // Stage 1 sums each rank's micro-steps locally until the boundary, so
+    // the two replicas' sums differ. Until 2026-11-29 only the first
+    // replica's were saved and the second resumed with them: silently
+    // other parameters after the next step.
+    let cfg = config_zero(1, 2, 0.5, "", r#""mics_shard_size": 2,"#);
+    let dir = tmp("hybrid-mid");
+    let train = |micros: std::ops::Range<usize>, load: bool, save: bool| {
+        on_ranks(4, |r| {
+            let (vs, plan, gpt) = model();
+            let mesh = r.mesh(2).unwrap();
+            let e = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+            if load {
+                e.load_checkpoint(&dir, Some("mid")).unwrap();
+            }
+            for m in micros.clone() {
+                e.backward(&gpt.loss(&tokens(m / 2, m % 2, r.rank(), 2)))
+                    .unwrap();
+                e.step().unwrap();
+            }
+            if save {
+                e.save_checkpoint(&dir, "mid").unwrap();
+            }
+            e.gathered_params().unwrap()
+        })
+        .remove(0)
+    };
+    let straight = train(0..6, false, false);
+    // After the first micro-step of step 1.
+    train(0..3, false, true);
+    let own = dir
+        .join("mid")
+        .join("grads-replica-00001-rank-00001-of-00002.safetensors");
+    assert!(own.is_file(), "{} is not there", own.display());
+    let resumed = train(3..6, true, false);
+    assert_bits("hybrid stage 1 between boundaries", &resumed, &straight);
+    // On a plain 2-rank world the second replica's sums would be lost.
+    let plain = Phase::new(1, Batches::Two { gas: 2 }, 0..0).load(&dir, Some("mid"));
+    let err = try_run(&plain, &GPT).remove(0).err().unwrap().to_string();
+    assert!(
+        err.contains("saved on a mesh of 2 x 2 ranks (replicas x shard group), loading on 1 x 2"),
+        "{err}"
+    );
+    // A replica's file gone: every rank's load fails, naming it.
+    std::fs::remove_file(&own).unwrap();
+    let errs = on_ranks(4, |r| {
+        let (vs, plan, _) = model();
+        let mesh = r.mesh(2).unwrap();
+        let e = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+        e.load_checkpoint(&dir, Some("mid"))
+            .unwrap_err()
+            .to_string()
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains(&format!("{} is missing", own.display())),
+            "rank {rank}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

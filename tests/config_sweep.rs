@@ -70,6 +70,8 @@ struct Leg {
     zero: String,
     world: usize,
     grouping: &'static str,
+    /// The micro-step it takes over at (0 for a run's first leg).
+    from: usize,
 }
 
 impl Leg {
@@ -129,7 +131,7 @@ impl Program {
 }
 
 /// Trains `p` in `first`, and if `then` is given, saves a checkpoint in
-/// `dir` after the first step and goes on from it in `then` with a fresh
+/// `dir` before `then.from` and goes on from it in `then` with a fresh
 /// model and engine: rank 0's parameters (sorted by name), per-micro-step
 /// losses and the steps fp16 skipped.
 fn train(
@@ -138,22 +140,24 @@ fn train(
     then: Option<&Leg>,
     dir: &std::path::Path,
 ) -> (Params, Vec<f64>, u64) {
+    let end = STEPS * p.gas;
     let Some(then) = then else {
-        return leg(p, first, None, 0..STEPS, None);
+        return leg(p, first, None, 0..end, None);
     };
-    let (_, mut losses, _) = leg(p, first, None, 0..1, Some(dir));
-    let (params, more, skipped) = leg(p, then, Some(dir), 1..STEPS, None);
+    let (_, mut losses, _) = leg(p, first, None, 0..then.from, Some(dir));
+    let (params, more, skipped) = leg(p, then, Some(dir), then.from..end, None);
     losses.extend(more);
     (params, losses, skipped)
 }
 
-/// Trains `p` in `l` for `steps`, from the checkpoint in `load` if given,
-/// saving one in `save` at the end if given: as [`train`].
+/// Trains `p` in `l` for the micro-steps `micro`, from the checkpoint in
+/// `load` if given, saving one in `save` at the end if given: as
+/// [`train`].
 fn leg(
     p: &Program,
     l: &Leg,
     load: Option<&std::path::Path>,
-    steps: std::ops::Range<usize>,
+    micro: std::ops::Range<usize>,
     save: Option<&std::path::Path>,
 ) -> (Params, Vec<f64>, u64) {
     let zero = format!("{}{}", l.zero, l.grouping);
@@ -175,28 +179,27 @@ fn leg(
             e.load_checkpoint(dir, Some("resume")).unwrap();
         }
         let mut losses = Vec::new();
-        for step in steps.clone() {
-            for k in 0..p.gas {
-                let t = tokens(step, k, rank, p.gas);
-                let skipped = p.skipped(step, k);
-                let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
-                match p.eval {
-                    1 => drop(tch::no_grad(|| loss_of(&t.flip([1])))),
-                    2 => drop(loss_of(&t.flip([1]))),
-                    _ => {}
-                }
-                let loss = match p.twice {
-                    true => (loss_of(&t) + loss_of(&t.flip([0]))) * 0.5,
-                    false => loss_of(&t),
-                };
-                losses.push(loss.double_value(&[]));
-                if p.bare == 1 || (p.bare == 2 && (step + k) % 2 == 0) {
-                    loss.backward();
-                } else {
-                    e.backward(&loss).unwrap();
-                }
-                e.step().unwrap();
+        for m in micro.clone() {
+            let (step, k) = (m / p.gas, m % p.gas);
+            let t = tokens(step, k, rank, p.gas);
+            let skipped = p.skipped(step, k);
+            let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
+            match p.eval {
+                1 => drop(tch::no_grad(|| loss_of(&t.flip([1])))),
+                2 => drop(loss_of(&t.flip([1]))),
+                _ => {}
             }
+            let loss = match p.twice {
+                true => (loss_of(&t) + loss_of(&t.flip([0]))) * 0.5,
+                false => loss_of(&t),
+            };
+            losses.push(loss.double_value(&[]));
+            if p.bare == 1 || (p.bare == 2 && (step + k) % 2 == 0) {
+                loss.backward();
+            } else {
+                e.backward(&loss).unwrap();
+            }
+            e.step().unwrap();
         }
         if let Some(dir) = save {
             e.save_checkpoint(dir, "resume").unwrap();
@@ -298,23 +301,34 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         zero,
         world,
         grouping,
+        from: 0,
     };
     let gas = *d.one(&[&1, &2, &3]);
-    // A checkpoint loads at any stage and world size: go on at one whose
-    // results are the same (stage 1 with gas > 1 stays; groups of 4 ranks
-    // keep their stage and grouping), on 2 or 3 ranks.
+    // A checkpoint saved at an accumulation boundary loads at any stage
+    // and world size: go on at one whose results are the same (stage 1
+    // with gas > 1 stays; groups of 4 ranks keep their stage and
+    // grouping), on 2 or 3 ranks. One saved between boundaries (with its
+    // gradients) loads at its own stage, ranks and units only (stage 3's
+    // persistence threshold moves small parameters between units).
     let then = d.flag(4).then(|| {
+        let between = gas > 1 && d.flag(3);
         let (stage, world) = match (grouping, stage) {
+            _ if between => (stage, world),
             ("", 1) if gas > 1 => (1, *d.one(&[&2, &3])),
             ("", _) if gas > 1 => (*d.one(&[&0u8, &2, &3]), *d.one(&[&2, &3])),
             ("", _) => (*d.one(&[&0u8, &1, &2, &3]), *d.one(&[&2, &3])),
             _ => (stage, world),
         };
+        let mut zero = settings(d, dir, i, stage, "resumed");
+        if between {
+            zero = zero.replace(persistence(&zero), "") + persistence(&first.zero);
+        }
         Leg {
             stage,
-            zero: settings(d, dir, i, stage, "resumed"),
+            zero,
             world,
             grouping,
+            from: gas + usize::from(between),
         }
     });
     let program = Program {
@@ -331,6 +345,16 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         skip: *d.one(&[&0, &0, &1, &2]),
     };
     (first, program, then)
+}
+
+/// The `stage3_param_persistence_threshold` entry of `zero` settings, or
+/// "".
+fn persistence(zero: &str) -> &str {
+    let Some(at) = zero.find(r#""stage3_param_persistence_threshold""#) else {
+        return "";
+    };
+    let len = zero[at..].find(',').map_or(zero.len() - at, |e| e + 1);
+    &zero[at..at + len]
 }
 
 /// A fresh folder for case `i`'s `what` swap files.

@@ -108,6 +108,11 @@ pub struct Meta {
     pub units: Vec<UnitMeta>,
     /// The rank files, in rank order.
     pub files: Vec<String>,
+    /// The gradient files of replicas after the first, replica-major
+    /// (hybrid stage 1 saved between boundaries: each replica's own
+    /// accumulated gradients; the first replica's are in the rank files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replica_grad_files: Vec<String>,
     /// The frozen variables in [`FROZEN_FILE`]; `None` in checkpoints
     /// written before zrt saved them (loading one leaves them as they are).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -168,6 +173,12 @@ impl Meta {
 /// The file name of rank `rank`'s shards in a world of `world`.
 pub(crate) fn rank_file_name(rank: usize, world: usize) -> String {
     format!("rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// The file of replica `replica`'s accumulated gradients on shard rank
+/// `rank` of `world` (see [`Meta::replica_grad_files`]).
+pub(crate) fn replica_grads_file_name(replica: usize, rank: usize, world: usize) -> String {
+    format!("grads-replica-{replica:05}-rank-{rank:05}-of-{world:05}.safetensors")
 }
 
 /// The tag to load (`tag`, or the one `DIR/latest` names) and its directory.
@@ -375,6 +386,7 @@ mod tests {
                 slots: vec![slot("a", 0, 5), slot("b", 5, 3)],
             }],
             files: vec![rank_file_name(0, 2), rank_file_name(1, 2)],
+            replica_grad_files: Vec::new(),
             frozen: None,
             no_weight_decay: None,
             lr_scales: None,

@@ -10,7 +10,18 @@
 //! DIR/TAG/rank-00000-of-00002.safetensors    one per rank: its shards of the fp32
 //! ...                                        master, Adam's m and v, its RNG state
 //! DIR/TAG/frozen.safetensors                 rank 0: the frozen variables, whole
+//! DIR/TAG/grads-replica-00001-rank-00000-of-00002.safetensors
+//!                                            hybrid stage 1 saved between boundaries:
+//!                                            replica 1's own accumulated gradients
 //! ```
+//!
+//! A checkpoint saved between accumulation boundaries also holds each
+//! rank's accumulated gradients (in its rank file), laid out for the
+//! engine that saved it: it loads only at the same stage, on the same mesh
+//! and with the same units, and the error says which of them differs.
+//! Under hybrid sharding one shard group writes the rank files; at stage 1,
+//! whose ranks sum their micro-steps locally until the boundary, every
+//! other replica writes its own gradients to a file of its own.
 //!
 //! Frozen variables are the model's tensors that do not train
 //! (`requires_grad` false: frozen parameters, buffers such as running
@@ -44,4 +55,4 @@ pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 
 pub(crate) use files::write_atomic;
-pub(crate) use meta::{rank_file_name, resolve_tag, Locator};
+pub(crate) use meta::{rank_file_name, replica_grads_file_name, resolve_tag, Locator};

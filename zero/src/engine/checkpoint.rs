@@ -24,59 +24,60 @@ use crate::checkpoint::files::{
     f32_bytes, json_with_crc, sync_dir, Planned, RankFile, Sink, TensorWriter,
 };
 use crate::checkpoint::{
-    rank_file_name, resolve_tag, write_atomic, CheckpointError, FrozenMeta, Locator, Meta,
-    SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
+    rank_file_name, replica_grads_file_name, resolve_tag, write_atomic, CheckpointError,
+    FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
 };
 use crate::{glue, EngineError};
 
-/// One unit's state as read from a checkpoint, for this rank's range.
-struct LoadedUnit {
-    state: OwnedState,
-    grad: Option<Vec<f32>>,
+/// Reads elements `need` of unit `u`'s state (zero moments for
+/// `ModuleOnly`) from the files `read_checkpoint` checked.
+fn read_state(
+    loc: &mut Locator,
+    u: &super::Unit,
+    need: Range<usize>,
+    what: What,
+) -> Result<OwnedState, CheckpointError> {
+    let n = need.len();
+    let mut state = OwnedState {
+        master: vec![0.0; n],
+        m: vec![0.0; n],
+        v: vec![0.0; n],
+    };
+    for (s, elems, dst) in u.layout.pieces(need) {
+        loc.read_param(
+            &s.name,
+            "master",
+            elems.clone(),
+            &mut state.master[dst.clone()],
+        )?;
+        if what == What::Everything {
+            loc.read_param(&s.name, "m", elems.clone(), &mut state.m[dst.clone()])?;
+            loc.read_param(&s.name, "v", elems, &mut state.v[dst])?;
+        }
+    }
+    Ok(state)
 }
 
-impl LoadedUnit {
-    /// Reads elements `need` of unit `u`'s state (zero moments and no
-    /// gradients for `ModuleOnly`) from the files `read_checkpoint`
-    /// checked.
-    fn read(
-        loc: &mut Locator,
-        u: &super::Unit,
-        need: Range<usize>,
-        rank: usize,
-        grads_saved: bool,
-        what: What,
-    ) -> Result<Self, CheckpointError> {
-        let n = need.len();
-        let mut lu = LoadedUnit {
-            state: OwnedState {
-                master: vec![0.0; n],
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-            },
-            grad: None,
-        };
-        for (s, elems, dst) in u.layout.pieces(need) {
-            loc.read_param(
-                &s.name,
-                "master",
-                elems.clone(),
-                &mut lu.state.master[dst.clone()],
-            )?;
-            if what == What::Everything {
-                loc.read_param(&s.name, "m", elems.clone(), &mut lu.state.m[dst.clone()])?;
-                loc.read_param(&s.name, "v", elems, &mut lu.state.v[dst])?;
-            }
-        }
-        if grads_saved && what == What::Everything {
-            let f = loc.file(rank)?;
-            let name = format!("{}/grad", u.name);
-            let mut g = vec![0.0; f.f32_len(&name)?];
-            f.read_f32(&name, 0..g.len(), &mut g)?;
-            lu.grad = Some(g);
-        }
-        Ok(lu)
+/// The name of unit `unit`'s accumulated gradient in a rank file or a
+/// replica's gradient file.
+fn grad_name(unit: &str) -> String {
+    format!("{unit}/grad")
+}
+
+/// Unit `unit`'s accumulated gradient from `f`, which must hold `len`
+/// elements of it.
+fn read_grad(f: &RankFile, unit: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
+    let name = grad_name(unit);
+    let n = f.f32_len(&name)?;
+    if n != len {
+        return Err(CheckpointError::format(
+            f.path(),
+            format!("`{name}` holds {n} elements, this engine accumulates {len}"),
+        ));
     }
+    let mut g = vec![0.0; n];
+    f.read_f32(&name, 0..n, &mut g)?;
+    Ok(g)
 }
 
 /// What a load applies.
@@ -95,6 +96,10 @@ struct Loaded {
     /// The rank files, checked; each unit reads its part in `apply`.
     loc: Locator,
     rng: Option<Vec<u8>>,
+    /// This replica's own gradient file (hybrid stage 1 saved between
+    /// boundaries, replicas after the first); `None`: gradients, if saved,
+    /// are in this rank's file.
+    replica_grads: Option<RankFile>,
     /// The frozen variables' values (`None`: the checkpoint predates them).
     frozen: Option<frozen::Values>,
 }
@@ -151,6 +156,46 @@ fn check_tag(tag: &str) -> Result<(), CheckpointError> {
 
 fn io<T>(op: &'static str, path: &Path, r: std::io::Result<T>) -> Result<T, CheckpointError> {
     r.map_err(|e| CheckpointError::io(op, path, e))
+}
+
+/// What keeps a checkpoint saved between accumulation boundaries
+/// (`meta`) from loading into an engine at `stage` on `mesh` (replicate,
+/// shard sizes) with `st`'s units: its accumulated gradients are laid out
+/// for the engine that saved them. `None` if nothing does.
+fn mid_step_differs(meta: &Meta, st: &State, stage: u8, mesh: (usize, usize)) -> Option<String> {
+    if meta.stage != stage {
+        return Some(format!(
+            "saved at stage {}, loading at stage {stage}",
+            meta.stage
+        ));
+    }
+    if meta.mesh != mesh {
+        let (a, b) = (meta.mesh, mesh);
+        return Some(format!(
+            "saved on a mesh of {} x {} ranks (replicas x shard group), loading on {} x {}",
+            a.0, a.1, b.0, b.1
+        ));
+    }
+    let saved: Vec<_> = meta.units.iter().map(|u| (&*u.name, u.padded)).collect();
+    let here: Vec<_> = st
+        .units
+        .iter()
+        .map(|u| (&*u.name, u.layout.padded))
+        .collect();
+    if saved != here {
+        let show = |v: &[(&str, usize)]| {
+            v.iter()
+                .map(|(n, p)| format!("{n} ({p})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Some(format!(
+            "its units (elements) were {}, here they are {} (another ShardedModule wrapping, or at stage 3 another stage3_param_persistence_threshold)",
+            show(&saved),
+            show(&here)
+        ));
+    }
+    None
 }
 
 impl<G: ProcessGroup + 'static> Engine<G> {
@@ -284,7 +329,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     Ok(rngs) => self.write_rank_file(&st, &staging, rngs).map(|()| f),
                     Err(e) => Err(e.clone()),
                 },
-                (false, Ok(f)) => Ok(f),
+                (false, Ok(f)) => match self.replicas_keep_own_grads(&st) {
+                    true => self.write_replica_grads(&st, &staging).map(|()| f),
+                    false => Ok(f),
+                },
             };
             if rank == 0 {
                 if let Ok(f) = r {
@@ -374,7 +422,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             if pending {
                 let g = sh.g.len() as i64;
-                plan.push(Planned::new(&format!("{}/grad", u.name), Dtype::F32, &[g]));
+                plan.push(Planned::new(&grad_name(&u.name), Dtype::F32, &[g]));
             }
         }
         for (j, rng) in rngs.iter().enumerate() {
@@ -394,11 +442,46 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
             w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
             if pending {
-                w.write(&format!("{}/grad", u.name), f32_bytes(&sh.g))?;
+                w.write(&grad_name(&u.name), f32_bytes(&sh.g))?;
             }
         }
         for (j, rng) in rngs.iter().enumerate() {
             w.write(&rng_name(j), rng)?;
+        }
+        w.finish()
+    }
+
+    /// Whether each replica must save its own accumulated gradients: stage
+    /// 1 under hybrid sharding between accumulation boundaries. Stage 1
+    /// sums each rank's micro-steps locally until the boundary, so the
+    /// replicas' sums differ; the other stages average every micro-step
+    /// across the replicas, which then hold the same gradients.
+    fn replicas_keep_own_grads(&self, st: &State) -> bool {
+        let i = &*self.inner;
+        st.micro != st.boundary_at && i.stage == 1 && i.replicate.is_some()
+    }
+
+    /// A replica after the first writes its accumulated gradients (see
+    /// [`Engine::replicas_keep_own_grads`]) to a file of its own.
+    fn write_replica_grads(&self, st: &State, dir: &Path) -> Result<(), CheckpointError> {
+        let i = &*self.inner;
+        let (rank, world) = (i.group.rank(), i.group.size());
+        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
+        let plan: Vec<_> = st
+            .units
+            .iter()
+            .zip(&st.shards)
+            .map(|(u, sh)| Planned::new(&grad_name(&u.name), Dtype::F32, &[sh.g.len() as i64]))
+            .collect();
+        let meta = HashMap::from([
+            ("rank".to_string(), rank.to_string()),
+            ("world".to_string(), world.to_string()),
+            ("replica".to_string(), replica.to_string()),
+        ]);
+        let path = dir.join(replica_grads_file_name(replica, rank, world));
+        let mut w = TensorWriter::create(&path, &plan, meta)?;
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            w.write(&grad_name(&u.name), f32_bytes(&sh.g))?;
         }
         w.finish()
     }
@@ -458,6 +541,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 })
                 .collect(),
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
+            replica_grad_files: match self.replicas_keep_own_grads(st) {
+                true => {
+                    let replicas = i.replicate.as_ref().map_or(1, |r| r.size());
+                    (1..replicas)
+                        .flat_map(|j| (0..world).map(move |r| replica_grads_file_name(j, r, world)))
+                        .collect()
+                }
+                false => Vec::new(),
+            },
             frozen: Some(frozen),
             no_weight_decay: Some(i.settings.excluded()),
             lr_scales: Some(i.settings.lr_scales()),
@@ -549,7 +641,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.broken = broken;
             pending?;
         }
-        let read = self.read_checkpoint(dir.as_ref(), tag);
+        let read = self.read_checkpoint(dir.as_ref(), tag, what);
         let loaded = self.agree(read, "load")?;
         self.same_checkpoint(dir, &loaded)?;
         let tag = loaded.tag.clone();
@@ -617,7 +709,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
     }
 
-    fn read_checkpoint(&self, dir: &Path, tag: Option<&str>) -> Result<Loaded, CheckpointError> {
+    /// Reads and verifies the checkpoint for a load of `what` (the
+    /// accumulated gradients only for `Everything`).
+    fn read_checkpoint(
+        &self,
+        dir: &Path,
+        tag: Option<&str>,
+        what: What,
+    ) -> Result<Loaded, CheckpointError> {
         let i = &*self.inner;
         let (rank, world) = (i.group.rank(), i.group.size());
         let (tag, tag_dir) = resolve_tag(dir, tag)?;
@@ -640,25 +739,55 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 None
             }
         };
-        for f in &meta.files {
+        for f in meta.files.iter().chain(&meta.replica_grad_files) {
             let p = tag_dir.join(f);
             if !p.is_file() {
                 return Err(CheckpointError::Missing { path: p });
             }
         }
-        let same_layout = meta.world == world
-            && meta.units.len() == st.units.len()
-            && meta
-                .units
-                .iter()
-                .zip(&st.units)
-                .all(|(m, u)| m.name == u.name && m.padded == u.layout.padded);
-        if meta.grads_saved && !(same_layout && meta.stage == i.stage) {
-            return Err(CheckpointError::Incompatible(format!(
-                "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, on {} ranks at stage {}; such a checkpoint loads only on the same world size and stage. To reshard, save right after a step() at an accumulation boundary",
-                meta.micro_steps, meta.boundary_at, meta.world, meta.stage
-            )));
+        let replicas = i.replicate.as_ref().map_or(1, |r| r.size());
+        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
+        // A module-only load reads the parameters alone.
+        let grads = meta.grads_saved && what == What::Everything;
+        if grads {
+            if let Some(differs) = mid_step_differs(&meta, &st, i.stage, (replicas, world)) {
+                return Err(CheckpointError::Incompatible(format!(
+                    "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, which load only into the engine that accumulated them: {differs}. Load it with the same stage, mesh and ShardedModule wrapping, or save right after a step() at an accumulation boundary, which loads anywhere",
+                    meta.micro_steps, meta.boundary_at
+                )));
+            }
         }
+        // Hybrid stage 1: replicas after the first read their own sums.
+        let replica_grads = match grads && meta.stage == 1 && replica > 0 {
+            true => {
+                let name = replica_grads_file_name(replica, rank, world);
+                if !meta.replica_grad_files.contains(&name) {
+                    return Err(CheckpointError::Incompatible(format!(
+                        "it was saved between accumulation boundaries at stage 1 under hybrid sharding by a zrt that kept only the first replica's gradients (no `{name}`), so replica {replica} cannot resume its own; load one saved right after a step() at an accumulation boundary"
+                    )));
+                }
+                let path = tag_dir.join(&name);
+                let f = RankFile::open(&path)?;
+                let whose = (f.meta("replica")?, f.meta("rank")?, f.meta("world")?);
+                if whose
+                    != (
+                        &*replica.to_string(),
+                        &*rank.to_string(),
+                        &*world.to_string(),
+                    )
+                {
+                    return Err(CheckpointError::format(
+                        path,
+                        format!(
+                            "it holds replica {} rank {} of {}, expected replica {replica} rank {rank} of {world}",
+                            whose.0, whose.1, whose.2
+                        ),
+                    ));
+                }
+                Some(f)
+            }
+            false => None,
+        };
         // Everything a unit will read is checked now (its files mapped and
         // verified, every range present), and read only when the unit's
         // turn comes in `apply`: one unit's state in memory at a time.
@@ -670,13 +799,28 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     loc.check_param(&s.name, what, elems.clone())?;
                 }
             }
-            if meta.grads_saved {
-                loc.file(rank)?.f32_len(&format!("{}/grad", u.name))?;
+        }
+        if grads {
+            for (u, sh) in st.units.iter().zip(&st.shards) {
+                let f = match &replica_grads {
+                    Some(f) => f,
+                    None => loc.file(rank)?,
+                };
+                let n = f.f32_len(&grad_name(&u.name))?;
+                if n != sh.g.len() {
+                    return Err(CheckpointError::format(
+                        f.path(),
+                        format!(
+                            "`{}` holds {n} elements, this engine accumulates {}",
+                            grad_name(&u.name),
+                            sh.g.len()
+                        ),
+                    ));
+                }
             }
         }
         // Replica j resumes replica j's stream when the checkpoint has it
         // (saved on a mesh with that many replicas), else replica 0's.
-        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
         let rng = match rank < meta.world {
             true => {
                 let f = loc.file(rank)?;
@@ -695,6 +839,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             meta,
             loc,
             rng,
+            replica_grads,
             frozen,
         })
     }
@@ -708,11 +853,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut loc = l.loc;
         for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
             let need = i.own_range(u);
-            let lu = LoadedUnit::read(&mut loc, u, need.clone(), rank, l.meta.grads_saved, what)?;
-            i.install(u, sh, k, need, lu.state)?;
-            match lu.grad {
-                Some(g) if g.len() == sh.g.len() => sh.g = g,
-                _ => sh.g.fill(0.0),
+            let state = read_state(&mut loc, u, need.clone(), what)?;
+            i.install(u, sh, k, need, state)?;
+            // `read_checkpoint` checked that every saved gradient is there
+            // and of this engine's length.
+            let saved = match (&l.replica_grads, l.meta.grads_saved) {
+                _ if what == What::ModuleOnly => None,
+                (Some(f), true) => Some(f),
+                (None, true) => Some(loc.file(rank)?),
+                (_, false) => None,
+            };
+            match saved {
+                Some(f) => sh.g = read_grad(f, &u.name, sh.g.len())?,
+                None => sh.g.fill(0.0),
             }
             sh.reduced = Vec::new();
         }

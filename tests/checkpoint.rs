@@ -1065,6 +1065,12 @@ fn each_replica_of_a_hybrid_stage_1_job_resumes_its_own_accumulated_gradients() 
         .join("mid")
         .join("grads-replica-00001-rank-00001-of-00002.safetensors");
     assert!(own.is_file(), "{} is not there", own.display());
+    let text = zrt::zero::checkpoint::inspect(&dir, Some("mid")).unwrap();
+    assert!(
+        text.contains("grads-replica-00001-rank-00001-of-00002.safetensors")
+            && !text.contains("missing"),
+        "{text}"
+    );
     let resumed = train(3..6, true, false);
     assert_bits("hybrid stage 1 between boundaries", &resumed, &straight);
     // On a plain 2-rank world the second replica's sums would be lost.

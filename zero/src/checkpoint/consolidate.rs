@@ -182,7 +182,12 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
     }
     let mut bad = 0;
     let frozen_file = (!frozen.is_empty()).then(|| FROZEN_FILE.to_string());
-    for f in meta.files.iter().chain(&frozen_file) {
+    for f in meta
+        .files
+        .iter()
+        .chain(&meta.replica_grad_files)
+        .chain(&frozen_file)
+    {
         let path = tag_dir.join(f);
         let size = std::fs::metadata(&path).map(|m| m.len()).ok();
         let status = match RankFile::open(&path) {

@@ -3,16 +3,18 @@
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
 //! NVMe) and a program (accumulation steps, clipping, bf16 or fp16,
-//! frozen parts, checkpointed blocks, parameter rules, a scheduler, plain or
-//! engine backwards, a model run twice per micro-step, evaluation forwards
-//! between, blocks left out), and trains the test GPT under it on 2 or 3 ranks, or on 4 in
-//! MiCS or hpZ pairs; a quarter of the cases save a checkpoint after the
-//! first step and go on from it at another stage (one of the same
-//! results), other settings and 2 or 3 ranks (pairs keep theirs). It must
-//! end with the same losses, skipped steps and parameters, to the bit, as
-//! the same program at stage 0 with DeepSpeed's defaults on the same
-//! ranks (see [`Leg::reference`] for the two exceptions; the reference
-//! resumes too when the ranks change, as its data does).
+//! frozen parts, checkpointed blocks, parameter rules, a scheduler, plain
+//! or engine backwards, a model run twice per micro-step, evaluation
+//! forwards between, blocks left out), and trains the test GPT under it on
+//! 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the cases save
+//! a checkpoint after the first step and go on from it at another stage,
+//! other settings, 2 or 3 ranks and another gas (pairs keep their ranks),
+//! or save it between accumulation boundaries and go on with other
+//! settings. It must end with the same losses, skipped steps and
+//! parameters, to the bit, as the same program at stage 0 with DeepSpeed's
+//! defaults on the same ranks (see [`reference_stage`] for the two
+//! exceptions; the reference resumes too where the ranks or gas change, as
+//! its data does).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together (case 187 of seed 1: the stage-3 root's small
@@ -62,35 +64,46 @@ impl Draw {
 }
 
 /// Where a run trains from some step on: the stage, its
-/// `zero_optimization` settings, and the ranks (threads) with the keys
-/// that group them.
+/// `zero_optimization` settings, the ranks (threads) with the keys that
+/// group them, and the accumulation steps.
 #[derive(Debug, Clone)]
 struct Leg {
     stage: u8,
     zero: String,
     world: usize,
     grouping: &'static str,
-    /// The micro-step it takes over at (0 for a run's first leg).
-    from: usize,
+    gas: usize,
+    /// The step and micro-step it takes over at ((0, 0) for a run's first
+    /// leg).
+    from: (usize, usize),
+}
+
+/// The stage whose results a leg at `stage` with `grouping` and `gas`
+/// must equal: stage 0 with DeepSpeed's defaults on the same ranks (stage
+/// 1 with gas > 1 against stage 1: it sums the micro-steps before reducing
+/// them, another order than stage 0's; groups of 4 ranks against the same
+/// stage and grouping: pairs sum in another order than 4 ranks).
+fn reference_stage(stage: u8, grouping: &str, gas: usize) -> u8 {
+    match stage {
+        _ if !grouping.is_empty() => stage,
+        1 if gas > 1 => 1,
+        _ => 0,
+    }
 }
 
 impl Leg {
-    /// The reference for this leg: stage 0 with DeepSpeed's defaults on the
-    /// same ranks (stage 1 with gas > 1 against stage 1: it sums the
-    /// micro-steps before reducing them, another order than stage 0's;
-    /// groups of 4 ranks against the same stage and grouping: pairs sum in
-    /// another order than 4 ranks).
-    fn reference(&self, gas: usize) -> Self {
-        let stage = match self.stage {
-            _ if !self.grouping.is_empty() => self.stage,
-            1 if gas > 1 => 1,
-            _ => 0,
-        };
+    /// The reference for this leg (see [`reference_stage`]).
+    fn reference(&self) -> Self {
         Self {
-            stage,
+            stage: reference_stage(self.stage, self.grouping, self.gas),
             zero: String::new(),
             ..self.clone()
         }
+    }
+
+    /// Its first micro-step, counted in its own accumulation steps.
+    fn start(&self) -> usize {
+        self.from.0 * self.gas + self.from.1
     }
 }
 
@@ -98,7 +111,6 @@ impl Leg {
 /// reference).
 #[derive(Debug)]
 struct Program {
-    gas: usize,
     clip: f64,
     /// The config's top-level blocks (bf16 or fp16, a warm-up scheduler).
     top: String,
@@ -123,7 +135,7 @@ impl Program {
     /// The blocks micro-step `k` of `step` leaves out.
     fn skipped(&self, step: usize, k: usize) -> &'static [usize] {
         match self.skip {
-            1 if (step * self.gas + k) % 2 == 1 => &[1],
+            1 if (step + k) % 2 == 1 => &[1],
             2 if step == 1 => &[0],
             _ => &[],
         }
@@ -140,12 +152,13 @@ fn train(
     then: Option<&Leg>,
     dir: &std::path::Path,
 ) -> (Params, Vec<f64>, u64) {
-    let end = STEPS * p.gas;
     let Some(then) = then else {
-        return leg(p, first, None, 0..end, None);
+        return leg(p, first, None, 0..STEPS * first.gas, None);
     };
-    let (_, mut losses, _) = leg(p, first, None, 0..then.from, Some(dir));
-    let (params, more, skipped) = leg(p, then, Some(dir), then.from..end, None);
+    let until = then.from.0 * first.gas + then.from.1;
+    let (_, mut losses, _) = leg(p, first, None, 0..until, Some(dir));
+    let micro = then.start()..STEPS * then.gas;
+    let (params, more, skipped) = leg(p, then, Some(dir), micro, None);
     losses.extend(more);
     (params, losses, skipped)
 }
@@ -161,7 +174,7 @@ fn leg(
     save: Option<&std::path::Path>,
 ) -> (Params, Vec<f64>, u64) {
     let zero = format!("{}{}", l.zero, l.grouping);
-    let cfg = config_zero(l.stage, p.gas, p.clip, &p.top, &zero);
+    let cfg = config_zero(l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
         let new = match p.checkpointed {
@@ -180,8 +193,8 @@ fn leg(
         }
         let mut losses = Vec::new();
         for m in micro.clone() {
-            let (step, k) = (m / p.gas, m % p.gas);
-            let t = tokens(step, k, rank, p.gas);
+            let (step, k) = (m / l.gas, m % l.gas);
+            let t = tokens(step, k, rank, l.gas);
             let skipped = p.skipped(step, k);
             let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
             match p.eval {
@@ -296,29 +309,37 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         3 => (3, ""),
         _ => (2, ""),
     };
+    let gas = *d.one(&[&1, &2, &3]);
     let first = Leg {
         stage,
         zero,
         world,
         grouping,
-        from: 0,
+        gas,
+        from: (0, 0),
     };
-    let gas = *d.one(&[&1, &2, &3]);
-    // A checkpoint saved at an accumulation boundary loads at any stage
-    // and world size: go on at one whose results are the same (stage 1
-    // with gas > 1 stays; groups of 4 ranks keep their stage and
-    // grouping), on 2 or 3 ranks. One saved between boundaries (with its
+    // A checkpoint saved at the accumulation boundary after the first step
+    // loads at any stage, world size and gas (groups of 4 ranks keep
+    // theirs). The reference goes on from a checkpoint too where the data
+    // changes (other ranks or gas); where it goes on straight, the stage
+    // must have its reference's. One saved between boundaries (with its
     // gradients) loads at its own stage, ranks and units only (stage 3's
     // persistence threshold moves small parameters between units).
     let then = d.flag(4).then(|| {
         let between = gas > 1 && d.flag(3);
-        let (stage, world) = match (grouping, stage) {
-            _ if between => (stage, world),
-            ("", 1) if gas > 1 => (1, *d.one(&[&2, &3])),
-            ("", _) if gas > 1 => (*d.one(&[&0u8, &2, &3]), *d.one(&[&2, &3])),
-            ("", _) => (*d.one(&[&0u8, &1, &2, &3]), *d.one(&[&2, &3])),
-            _ => (stage, world),
+        let (mut stage, world, gas) = match grouping {
+            _ if between => (stage, world, gas),
+            "" => (
+                *d.one(&[&0u8, &1, &2, &3]),
+                *d.one(&[&2, &3]),
+                *d.one(&[&gas, &gas, &1, &2, &3]),
+            ),
+            _ => (stage, world, *d.one(&[&first.gas, &first.gas, &1, &2])),
         };
+        let straight = (world, gas) == (first.world, first.gas);
+        if straight && reference_stage(stage, grouping, gas) != first.reference().stage {
+            stage = first.stage;
+        }
         let mut zero = settings(d, dir, i, stage, "resumed");
         if between {
             zero = zero.replace(persistence(&zero), "") + persistence(&first.zero);
@@ -328,11 +349,11 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             zero,
             world,
             grouping,
-            from: gas + usize::from(between),
+            gas,
+            from: (1, usize::from(between)),
         }
     });
     let program = Program {
-        gas,
         clip: *d.one(&[&0.0, &0.5]),
         top,
         frozen: d.one(FROZEN),
@@ -410,13 +431,14 @@ fn random_settings_that_must_not_change_results_change_none() {
             then.as_ref(),
             &swap_dir(&dir.0, i, "checkpoint"),
         );
-        // The reference resumes too if the world changes (its data does).
+        // The reference resumes too if the ranks or gas change (its data
+        // does).
         let reference = then
-            .filter(|t| t.world != first.world)
-            .map(|t| t.reference(program.gas));
+            .filter(|t| (t.world, t.gas) != (first.world, first.gas))
+            .map(|t| t.reference());
         let want = train(
             &program,
-            &first.reference(program.gas),
+            &first.reference(),
             reference.as_ref(),
             &swap_dir(&dir.0, i, "reference-checkpoint"),
         );

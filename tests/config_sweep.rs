@@ -5,7 +5,8 @@
 //! NVMe) and a program (accumulation steps, clipping, bf16 or fp16,
 //! frozen parts, checkpointed blocks, parameter rules, a scheduler, plain
 //! or engine backwards, a model run twice per micro-step, evaluation
-//! forwards between, blocks left out), and trains the test GPT under it on
+//! forwards between, blocks left out, parameters changed or read in
+//! `with_full_params`), and trains the test GPT under it on
 //! 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the cases save
 //! a checkpoint after the first step and go on from it at another stage,
 //! other settings, 2 or 3 ranks and another gas (pairs keep their ranks),
@@ -129,6 +130,11 @@ struct Program {
     /// every other micro-step; 2: the first block throughout the second
     /// step (its unit gets no gradient for a whole step).
     skip: usize,
+    /// Before the last step, inside `with_full_params` (DeepSpeed's
+    /// `GatheredParameters`), 1: halve the head's weight and add to the
+    /// final norm's bias (a root parameter), which training must go on
+    /// from; 2: an evaluation forward.
+    full_params: usize,
 }
 
 impl Program {
@@ -195,6 +201,20 @@ fn leg(
         for m in micro.clone() {
             let (step, k) = (m / l.gas, m % l.gas);
             let t = tokens(step, k, rank, l.gas);
+            if (step, k) == (STEPS - 1, 0) {
+                let vars = vs.variables();
+                match p.full_params {
+                    1 => e.with_full_params(|| {
+                        tch::no_grad(|| {
+                            let _ = vars["head.weight"].shallow_clone().g_mul_scalar_(0.5);
+                            let _ = vars["ln_f.bias"].shallow_clone().g_add_scalar_(0.25);
+                        })
+                    }),
+                    2 => e.with_full_params(|| drop(tch::no_grad(|| gpt.loss(&t.flip([1]))))),
+                    _ => Ok(()),
+                }
+                .unwrap();
+            }
             let skipped = p.skipped(step, k);
             let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
             match p.eval {
@@ -364,6 +384,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
         skip: *d.one(&[&0, &0, &1, &2]),
+        full_params: *d.one(&[&0, &0, &1, &2]),
     };
     (first, program, then)
 }

@@ -64,9 +64,9 @@ fn grad_name(unit: &str) -> String {
     format!("{unit}/grad")
 }
 
-/// Unit `unit`'s accumulated gradient from `f`, which must hold `len`
-/// elements of it.
-fn read_grad(f: &RankFile, unit: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
+/// Checks that `f` holds unit `unit`'s accumulated gradient of `len`
+/// elements.
+fn check_grad(f: &RankFile, unit: &str, len: usize) -> Result<(), CheckpointError> {
     let name = grad_name(unit);
     let n = f.f32_len(&name)?;
     if n != len {
@@ -75,8 +75,14 @@ fn read_grad(f: &RankFile, unit: &str, len: usize) -> Result<Vec<f32>, Checkpoin
             format!("`{name}` holds {n} elements, this engine accumulates {len}"),
         ));
     }
-    let mut g = vec![0.0; n];
-    f.read_f32(&name, 0..n, &mut g)?;
+    Ok(())
+}
+
+/// Unit `unit`'s accumulated gradient of `len` elements from `f`.
+fn read_grad(f: &RankFile, unit: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
+    check_grad(f, unit, len)?;
+    let mut g = vec![0.0; len];
+    f.read_f32(&grad_name(unit), 0..len, &mut g)?;
     Ok(g)
 }
 
@@ -806,17 +812,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     Some(f) => f,
                     None => loc.file(rank)?,
                 };
-                let n = f.f32_len(&grad_name(&u.name))?;
-                if n != sh.g.len() {
-                    return Err(CheckpointError::format(
-                        f.path(),
-                        format!(
-                            "`{}` holds {n} elements, this engine accumulates {}",
-                            grad_name(&u.name),
-                            sh.g.len()
-                        ),
-                    ));
-                }
+                check_grad(f, &u.name, sh.g.len())?;
             }
         }
         // Replica j resumes replica j's stream when the checkpoint has it

@@ -9,14 +9,12 @@
 //! changed or read in `with_full_params`), and trains the test GPT under
 //! it on 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the
 //! cases save a checkpoint after the first step and go on from it at
-//! another stage,
-//! other settings, 2 or 3 ranks and another gas (pairs keep their ranks),
-//! or save it between accumulation boundaries and go on with other
-//! settings. It must end with the same losses, skipped steps and
-//! parameters, to the bit, as the same program at stage 0 with DeepSpeed's
-//! defaults on the same ranks (see [`reference_stage`] for the two
-//! exceptions; the reference resumes too where the ranks or gas change, as
-//! its data does).
+//! another stage, other settings, ranks, grouping and gas, or save it
+//! between accumulation boundaries and go on with other settings. It must
+//! end with the same losses, skipped steps and parameters, to the bit, as
+//! the same program at stage 0 with DeepSpeed's defaults on the same ranks
+//! (see [`reference_stage`] for the two exceptions; the reference resumes
+//! too where the ranks, grouping or gas change).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together: the stage-3 root's small parameters reduced
@@ -117,7 +115,8 @@ impl Leg {
 #[derive(Debug)]
 struct Program {
     clip: f64,
-    /// The config's top-level blocks (bf16 or fp16, a warm-up scheduler).
+    /// The config's top-level blocks (bf16 or fp16, 16-bit reductions, a
+    /// scheduler).
     top: String,
     frozen: &'static [&'static str],
     checkpointed: bool,
@@ -298,6 +297,17 @@ fn settings(d: &mut Draw, dir: &std::path::Path, i: usize, stage: u8, what: &str
     zero
 }
 
+/// Ranks for a leg at `stage` and the `zero_optimization` keys that group
+/// them: 2 or 3, or 4 in MiCS pairs (stages 1-3) or hpZ pairs (stage 3).
+fn ranks(d: &mut Draw, stage: u8) -> (usize, &'static str) {
+    match *d.one(&[&0, &0, &0, &1, &2, &3]) {
+        1 if stage > 0 => (4, r#""mics_shard_size": 2,"#),
+        2 if stage == 3 => (4, r#""zero_hpz_partition_size": 2,"#),
+        3 => (3, ""),
+        _ => (2, ""),
+    }
+}
+
 /// Case `i`'s first leg, program, and the leg it resumes in if any;
 /// `dir` holds its swap files.
 fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<Leg>) {
@@ -333,12 +343,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         r#""scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1, "total_num_steps": 4}},"#,
         r#""scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 1}},"#,
     ]);
-    let (world, grouping) = match *d.one(&[&0, &0, &0, &1, &2, &3]) {
-        1 => (4, r#""mics_shard_size": 2,"#),
-        2 if stage == 3 => (4, r#""zero_hpz_partition_size": 2,"#),
-        3 => (3, ""),
-        _ => (2, ""),
-    };
+    let (world, grouping) = ranks(d, stage);
     let gas = *d.one(&[&1, &2, &3]);
     let first = Leg {
         stage,
@@ -349,24 +354,24 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         from: (0, 0),
     };
     // A checkpoint saved at the accumulation boundary after the first step
-    // loads at any stage, world size and gas (groups of 4 ranks keep
-    // theirs). The reference goes on from a checkpoint too where the data
-    // changes (other ranks or gas); where it goes on straight, the stage
-    // must have its reference's. One saved between boundaries (with its
-    // gradients) loads at its own stage, ranks and units only (stage 3's
-    // persistence threshold moves small parameters between units).
+    // loads at any stage, on any ranks and mesh, with any gas. The
+    // reference goes on from a checkpoint too where the data or its
+    // reference stage's grouping changes (other ranks, grouping or gas);
+    // where it goes on straight, the stage must have its reference's. One
+    // saved between boundaries (with its gradients) loads at its own
+    // stage, mesh and units only (stage 3's persistence threshold moves
+    // small parameters between units).
     let then = d.flag(4).then(|| {
         let between = gas > 1 && d.flag(3);
-        let (mut stage, world, gas) = match grouping {
-            _ if between => (stage, world, gas),
-            "" => (
-                *d.one(&[&0u8, &1, &2, &3]),
-                *d.one(&[&2, &3]),
-                *d.one(&[&gas, &gas, &1, &2, &3]),
-            ),
-            _ => (stage, world, *d.one(&[&first.gas, &first.gas, &1, &2])),
+        let (mut stage, world, grouping, gas) = match between {
+            true => (stage, world, grouping, gas),
+            false => {
+                let stage = *d.one(&[&0u8, &1, &2, &3]);
+                let (world, grouping) = ranks(d, stage);
+                (stage, world, grouping, *d.one(&[&gas, &gas, &1, &2, &3]))
+            }
         };
-        let straight = (world, gas) == (first.world, first.gas);
+        let straight = (world, grouping, gas) == (first.world, first.grouping, first.gas);
         if straight && reference_stage(stage, grouping, gas) != first.reference().stage {
             stage = first.stage;
         }
@@ -462,10 +467,9 @@ fn random_settings_that_must_not_change_results_change_none() {
             then.as_ref(),
             &swap_dir(&dir.0, i, "checkpoint"),
         );
-        // The reference resumes too if the ranks or gas change (its data
-        // does).
+        // The reference resumes too if the ranks, grouping or gas change.
         let reference = then
-            .filter(|t| (t.world, t.gas) != (first.world, first.gas))
+            .filter(|t| (t.world, t.grouping, t.gas) != (first.world, first.grouping, first.gas))
             .map(|t| t.reference());
         let want = train(
             &program,

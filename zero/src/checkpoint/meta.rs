@@ -102,7 +102,8 @@ pub struct Meta {
     /// The fp16 loss scaler, if any.
     pub loss_scaler: Option<ScalerMeta>,
     /// Whether rank files hold accumulated gradients (saved between
-    /// accumulation boundaries): then only the same world and stage load it.
+    /// accumulation boundaries): then only an engine at the same stage, on
+    /// the same mesh and with the same units loads it.
     pub grads_saved: bool,
     /// Units in flat order.
     pub units: Vec<UnitMeta>,

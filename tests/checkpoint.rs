@@ -15,8 +15,9 @@ use common::{
     tokens, Params, GPT,
 };
 use tch::{Kind, Tensor};
+use zrt::collectives::local::{LocalGroup, LocalRank};
 use zrt::collectives::{ProcessGroup, ReduceOp};
-use zrt::gpt::GptConfig;
+use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{AutoHints, CheckpointError, Config, Engine, EngineError};
 
 /// Which micro-batch a rank trains on at global micro-step `m`.
@@ -1029,6 +1030,16 @@ fn optimizer_state_offloaded_to_nvme_saves_and_loads_exactly() {
     let _ = std::fs::remove_dir_all(&swap_dir);
 }
 
+/// The test GPT (its VarStore, which must outlive the engine) and its
+/// engine under `cfg` on rank `r` of a 4-rank in-process world, in 2
+/// replicas of shard groups of 2.
+fn hybrid(cfg: &Config, r: &LocalRank) -> (tch::nn::VarStore, Gpt, Engine<LocalGroup>) {
+    let (vs, plan, gpt) = model();
+    let mesh = r.mesh(2).unwrap();
+    let e = Engine::new_hybrid(&vs, &plan, cfg, mesh, &AutoHints::default()).unwrap();
+    (vs, gpt, e)
+}
+
 #[test]
 fn each_replica_of_a_hybrid_stage_1_job_resumes_its_own_accumulated_gradients() {
     let _serial = serial();
@@ -1040,9 +1051,7 @@ fn each_replica_of_a_hybrid_stage_1_job_resumes_its_own_accumulated_gradients() 
     let dir = tmp("hybrid-mid");
     let train = |micros: std::ops::Range<usize>, load: bool, save: bool| {
         on_ranks(4, |r| {
-            let (vs, plan, gpt) = model();
-            let mesh = r.mesh(2).unwrap();
-            let e = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+            let (_vs, gpt, e) = hybrid(&cfg, &r);
             if load {
                 e.load_checkpoint(&dir, Some("mid")).unwrap();
             }
@@ -1083,9 +1092,7 @@ fn each_replica_of_a_hybrid_stage_1_job_resumes_its_own_accumulated_gradients() 
     // A replica's file gone: every rank's load fails, naming it.
     std::fs::remove_file(&own).unwrap();
     let errs = on_ranks(4, |r| {
-        let (vs, plan, _) = model();
-        let mesh = r.mesh(2).unwrap();
-        let e = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+        let (_vs, _, e) = hybrid(&cfg, &r);
         e.load_checkpoint(&dir, Some("mid"))
             .unwrap_err()
             .to_string()
@@ -1106,9 +1113,7 @@ fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
     let dir = tmp("hybrid");
     let cfg = config_zero(3, 1, 0.5, "", r#""mics_shard_size": 2,"#);
     let saved: Vec<Params> = on_ranks(4, |r| {
-        let (vs, plan, gpt) = model();
-        let mesh = r.mesh(2).unwrap();
-        let engine = Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap();
+        let (_vs, gpt, engine) = hybrid(&cfg, &r);
         for step in 0..2 {
             engine
                 .backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
@@ -1133,10 +1138,7 @@ fn a_hybrid_sharded_checkpoint_loads_on_a_plain_world() {
     let gone = tmp("hybrid-gone");
     std::fs::write(gone.join("latest"), "h\n").unwrap();
     let errs = on_ranks(4, |r| {
-        let (vs, plan, _) = model();
-        let engine =
-            Engine::new_hybrid(&vs, &plan, &cfg, r.mesh(2).unwrap(), &AutoHints::default())
-                .unwrap();
+        let (_vs, _, engine) = hybrid(&cfg, &r);
         let from = if r.rank() < 2 { &dir } else { &gone };
         engine.load_checkpoint(from, None).unwrap_err().to_string()
     });

@@ -182,6 +182,62 @@ pub(crate) fn replica_grads_file_name(replica: usize, rank: usize, world: usize)
     format!("grads-replica-{replica:05}-rank-{rank:05}-of-{world:05}.safetensors")
 }
 
+/// Whose a rank file or a replica's gradient file is, as its header
+/// records it: a file copied from another rank or checkpoint has a valid
+/// checksum but the wrong contents, and the header says so.
+pub(crate) struct Whose {
+    /// The replica (replica gradient files only).
+    pub(crate) replica: Option<usize>,
+    /// The rank in the shard group.
+    pub(crate) rank: usize,
+    /// The shard group's size.
+    pub(crate) world: usize,
+}
+
+impl Whose {
+    /// The header entries a writer records.
+    pub(crate) fn header(&self) -> HashMap<String, String> {
+        let mut h = HashMap::from([
+            ("rank".to_string(), self.rank.to_string()),
+            ("world".to_string(), self.world.to_string()),
+        ]);
+        if let Some(j) = self.replica {
+            h.insert("replica".to_string(), j.to_string());
+        }
+        h
+    }
+
+    /// Checks that `f`'s header names this file.
+    pub(crate) fn check(&self, f: &RankFile) -> Result<(), CheckpointError> {
+        let replica = match self.replica {
+            Some(_) => Some(f.meta("replica")?),
+            None => None,
+        };
+        let (r, w) = (f.meta("rank")?, f.meta("world")?);
+        let says = describe(replica, r, w);
+        let want = describe(
+            self.replica.map(|j| j.to_string()).as_deref(),
+            &self.rank.to_string(),
+            &self.world.to_string(),
+        );
+        if says != want {
+            return Err(CheckpointError::format(
+                f.path(),
+                format!("it holds {says}, expected {want}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// "rank R of W", "replica J rank R of W" with a replica.
+fn describe(replica: Option<&str>, rank: &str, world: &str) -> String {
+    match replica {
+        Some(j) => format!("replica {j} rank {rank} of {world}"),
+        None => format!("rank {rank} of {world}"),
+    }
+}
+
 /// The tag to load (`tag`, or the one `DIR/latest` names) and its directory.
 pub(crate) fn resolve_tag(
     dir: &Path,
@@ -270,18 +326,12 @@ impl Locator {
             })?;
             let path = self.dir.join(name);
             let f = RankFile::open(&path)?;
-            // A file copied from another rank or checkpoint has a valid
-            // checksum but the wrong contents: its header says whose it is.
-            let (r, w) = (f.meta("rank")?, f.meta("world")?);
-            if r != rank.to_string() || w != self.world.to_string() {
-                return Err(CheckpointError::format(
-                    path,
-                    format!(
-                        "it holds rank {r} of {w}, expected rank {rank} of {}",
-                        self.world
-                    ),
-                ));
-            }
+            let whose = Whose {
+                replica: None,
+                rank,
+                world: self.world,
+            };
+            whose.check(&f)?;
             self.open.insert(rank, f);
         }
         Ok(&self.open[&rank])

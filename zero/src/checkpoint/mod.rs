@@ -55,4 +55,4 @@ pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 
 pub(crate) use files::write_atomic;
-pub(crate) use meta::{rank_file_name, replica_grads_file_name, resolve_tag, Locator};
+pub(crate) use meta::{rank_file_name, replica_grads_file_name, resolve_tag, Locator, Whose};

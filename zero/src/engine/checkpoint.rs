@@ -25,7 +25,7 @@ use crate::checkpoint::files::{
 };
 use crate::checkpoint::{
     rank_file_name, replica_grads_file_name, resolve_tag, write_atomic, CheckpointError,
-    FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE,
+    FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, Whose, FORMAT, FROZEN_FILE,
 };
 use crate::{glue, EngineError};
 
@@ -298,7 +298,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         // Under hybrid sharding one shard group (replica 0) writes; world
         // rank 0 (its shard rank 0) also writes meta.json and commits.
-        let writer = i.replicate.as_ref().is_none_or(|r| r.rank() == 0);
+        let writer = i.replica() == 0;
         // Every replica's RNG state goes to the writer: replicas draw
         // different dropout masks, and each must resume its own stream.
         let rngs = self.replica_rngs()?;
@@ -434,10 +434,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         for (j, rng) in rngs.iter().enumerate() {
             plan.push(Planned::new(&rng_name(j), Dtype::U8, &[rng.len() as i64]));
         }
-        let meta = HashMap::from([
-            ("rank".to_string(), rank.to_string()),
-            ("world".to_string(), world.to_string()),
-        ]);
+        let meta = Whose {
+            replica: None,
+            rank,
+            world,
+        }
+        .header();
         let path = dir.join(rank_file_name(rank, world));
         let mut w = TensorWriter::create(&path, &plan, meta)?;
         for (k, (u, sh)) in st.units.iter().zip(&st.shards).enumerate() {
@@ -471,19 +473,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// [`Engine::replicas_keep_own_grads`]) to a file of its own.
     fn write_replica_grads(&self, st: &State, dir: &Path) -> Result<(), CheckpointError> {
         let i = &*self.inner;
-        let (rank, world) = (i.group.rank(), i.group.size());
-        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
+        let (rank, world, replica) = (i.group.rank(), i.group.size(), i.replica());
         let plan: Vec<_> = st
             .units
             .iter()
             .zip(&st.shards)
             .map(|(u, sh)| Planned::new(&grad_name(&u.name), Dtype::F32, &[sh.g.len() as i64]))
             .collect();
-        let meta = HashMap::from([
-            ("rank".to_string(), rank.to_string()),
-            ("world".to_string(), world.to_string()),
-            ("replica".to_string(), replica.to_string()),
-        ]);
+        let meta = Whose {
+            replica: Some(replica),
+            rank,
+            world,
+        }
+        .header();
         let path = dir.join(replica_grads_file_name(replica, rank, world));
         let mut w = TensorWriter::create(&path, &plan, meta)?;
         for (u, sh) in st.units.iter().zip(&st.shards) {
@@ -510,7 +512,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             zrt_version: env!("CARGO_PKG_VERSION").into(),
             tag: tag.into(),
             world,
-            mesh: (i.replicate.as_ref().map_or(1, |r| r.size()), world),
+            mesh: i.mesh(),
             stage: i.stage,
             compute: match i.compute {
                 Compute::F32 => "fp32",
@@ -549,7 +551,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             files: (0..world).map(|r| rank_file_name(r, world)).collect(),
             replica_grad_files: match self.replicas_keep_own_grads(st) {
                 true => {
-                    let replicas = i.replicate.as_ref().map_or(1, |r| r.size());
+                    let replicas = i.mesh().0;
                     (1..replicas)
                         .flat_map(|j| (0..world).map(move |r| replica_grads_file_name(j, r, world)))
                         .collect()
@@ -751,12 +753,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 return Err(CheckpointError::Missing { path: p });
             }
         }
-        let replicas = i.replicate.as_ref().map_or(1, |r| r.size());
-        let replica = i.replicate.as_ref().map_or(0, |r| r.rank());
+        let replica = i.replica();
         // A module-only load reads the parameters alone.
         let grads = meta.grads_saved && what == What::Everything;
         if grads {
-            if let Some(differs) = mid_step_differs(&meta, &st, i.stage, (replicas, world)) {
+            if let Some(differs) = mid_step_differs(&meta, &st, i.stage, i.mesh()) {
                 return Err(CheckpointError::Incompatible(format!(
                     "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, which load only into the engine that accumulated them: {differs}. Load it with the same stage, mesh and ShardedModule wrapping, or save right after a step() at an accumulation boundary, which loads anywhere",
                     meta.micro_steps, meta.boundary_at
@@ -772,24 +773,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         "it was saved between accumulation boundaries at stage 1 under hybrid sharding by a zrt that kept only the first replica's gradients (no `{name}`), so replica {replica} cannot resume its own; load one saved right after a step() at an accumulation boundary"
                     )));
                 }
-                let path = tag_dir.join(&name);
-                let f = RankFile::open(&path)?;
-                let whose = (f.meta("replica")?, f.meta("rank")?, f.meta("world")?);
-                if whose
-                    != (
-                        &*replica.to_string(),
-                        &*rank.to_string(),
-                        &*world.to_string(),
-                    )
-                {
-                    return Err(CheckpointError::format(
-                        path,
-                        format!(
-                            "it holds replica {} rank {} of {}, expected replica {replica} rank {rank} of {world}",
-                            whose.0, whose.1, whose.2
-                        ),
-                    ));
-                }
+                let f = RankFile::open(&tag_dir.join(&name))?;
+                let whose = Whose {
+                    replica: Some(replica),
+                    rank,
+                    world,
+                };
+                whose.check(&f)?;
                 Some(f)
             }
             false => None,

@@ -511,6 +511,19 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         u.layout.shard(self.group.rank())
     }
 
+    /// The mesh as (replicas, shard group size): 1 replica without hybrid
+    /// sharding.
+    fn mesh(&self) -> (usize, usize) {
+        let replicas = self.replicate.as_ref().map_or(1, |r| r.size());
+        (replicas, self.group.size())
+    }
+
+    /// This rank's replica: its rank in the replicate group (0 without
+    /// hybrid sharding).
+    fn replica(&self) -> usize {
+        self.replicate.as_ref().map_or(0, |r| r.rank())
+    }
+
     /// The range of unit `u`'s flat buffer this rank keeps optimizer state
     /// for: its shard, everything at stage 0 (which steps the whole buffer
     /// on every rank).

@@ -102,12 +102,39 @@ struct Loaded {
     /// The rank files, checked; each unit reads its part in `apply`.
     loc: Locator,
     rng: Option<Vec<u8>>,
-    /// This replica's own gradient file (hybrid stage 1 saved between
-    /// boundaries, replicas after the first); `None`: gradients, if saved,
-    /// are in this rank's file.
-    replica_grads: Option<RankFile>,
+    /// Where this rank's accumulated gradients come from.
+    grads: Grads,
     /// The frozen variables' values (`None`: the checkpoint predates them).
     frozen: Option<frozen::Values>,
+}
+
+/// Where a load takes this rank's accumulated gradients from: decided
+/// once, in `read_checkpoint`, which checks them there, and `apply`
+/// reads them there.
+enum Grads {
+    /// None were saved (a checkpoint at a boundary), or the load is of the
+    /// module only: they start from zero.
+    Zero,
+    /// This rank's rank file.
+    Rank,
+    /// This replica's own file: hybrid stage 1 saved between boundaries,
+    /// a replica after the first (its local sums are not the first's).
+    Replica(RankFile),
+}
+
+impl Grads {
+    /// The file holding this rank's gradients (`None`: zero them).
+    fn file<'a>(
+        &'a self,
+        loc: &'a mut Locator,
+        rank: usize,
+    ) -> Result<Option<&'a RankFile>, CheckpointError> {
+        match self {
+            Grads::Zero => Ok(None),
+            Grads::Rank => loc.file(rank).map(Some),
+            Grads::Replica(f) => Ok(Some(f)),
+        }
+    }
 }
 
 /// What each world rank read, from its (meta.json CRC, step, path): one
@@ -765,8 +792,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         // Hybrid stage 1: replicas after the first read their own sums.
-        let replica_grads = match grads && meta.stage == 1 && replica > 0 {
-            true => {
+        let grads = match (grads, meta.stage == 1 && replica > 0) {
+            (false, _) => Grads::Zero,
+            (true, false) => Grads::Rank,
+            (true, true) => {
                 let name = replica_grads_file_name(replica, rank, world);
                 if !meta.replica_grad_files.contains(&name) {
                     return Err(CheckpointError::Incompatible(format!(
@@ -780,9 +809,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     world,
                 };
                 whose.check(&f)?;
-                Some(f)
+                Grads::Replica(f)
             }
-            false => None,
         };
         // Everything a unit will read is checked now (its files mapped and
         // verified, every range present), and read only when the unit's
@@ -796,12 +824,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 }
             }
         }
-        if grads {
-            for (u, sh) in st.units.iter().zip(&st.shards) {
-                let f = match &replica_grads {
-                    Some(f) => f,
-                    None => loc.file(rank)?,
-                };
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            if let Some(f) = grads.file(&mut loc, rank)? {
                 check_grad(f, &u.name, sh.g.len())?;
             }
         }
@@ -825,7 +849,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             meta,
             loc,
             rng,
-            replica_grads,
+            grads,
             frozen,
         })
     }
@@ -843,13 +867,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             i.install(u, sh, k, need, state)?;
             // `read_checkpoint` checked that every saved gradient is there
             // and of this engine's length.
-            let saved = match (&l.replica_grads, l.meta.grads_saved) {
-                _ if what == What::ModuleOnly => None,
-                (Some(f), true) => Some(f),
-                (None, true) => Some(loc.file(rank)?),
-                (_, false) => None,
-            };
-            match saved {
+            match l.grads.file(&mut loc, rank)? {
                 Some(f) => sh.g = read_grad(f, &u.name, sh.g.len())?,
                 None => sh.g.fill(0.0),
             }

@@ -454,6 +454,81 @@ fn units_run_in_different_orders_are_an_error_naming_them() {
     }
 }
 
+#[test]
+fn a_unit_skipped_on_some_ranks_trains_at_stages_0_to_2_when_declared_and_is_named_at_stage_3() {
+    // Rank 1 leaves unit b out of its forward (its input to c is a's
+    // output cut to b's width) in the first micro-step of each step; with
+    // `Extra::TimesZero` it runs b there too, its output times zero added
+    // (in the same place, so its gradients, zero, complete b at the same
+    // point of backward as on rank 0; adding 0 x b's parameters to the
+    // loss instead completes b first, which puts the reductions out of
+    // step as surely as leaving b out).
+    let run = |stage: u8, declared: Option<Extra>| {
+        on_ranks(WORLD, |r| {
+            let t = tiny();
+            if declared == Some(Extra::Declared) {
+                t.plan
+                    .unused_on_some_ranks(|name, _| name.starts_with("b."))
+                    .unwrap();
+            }
+            let e = engine_for(&t, &config(stage, 2), &r);
+            for k in 0..4 {
+                let x = input(r.rank(), k);
+                let h = t.a.forward(&x);
+                let skip = r.rank() == 1 && k % 2 == 0;
+                let h = match (skip, declared) {
+                    (true, Some(Extra::TimesZero)) => h.narrow(1, 0, 4) + t.b.forward(&h) * 0.0,
+                    (true, _) => h.narrow(1, 0, 4),
+                    (false, _) => t.b.forward(&h),
+                };
+                let loss = t.c.forward(&h).square().mean(Kind::Float);
+                e.backward(&loss).map_err(|e| e.to_string())?;
+                e.step().map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(e.gathered_params().unwrap())
+        })
+    };
+    // Declared, stage 0 trains as if rank 1 used b times zero, to the bit.
+    let reference = run(0, Some(Extra::TimesZero));
+    assert_eq!(run(0, Some(Extra::Declared)), reference);
+    let reference = reference[0].as_ref().unwrap();
+    for stage in [1u8, 2] {
+        let got = run(stage, Some(Extra::Declared));
+        for (rank, g) in got.iter().enumerate() {
+            let g = g.as_ref().unwrap();
+            for ((n, a), (_, b)) in g.iter().zip(reference) {
+                let worst = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    worst < 1e-6,
+                    "stage {stage} rank {rank} {n}: off by {worst}"
+                );
+            }
+        }
+    }
+    // Undeclared, stage 2 names the parameters rank 1 lacks.
+    for e in run(2, None) {
+        let e = e.unwrap_err();
+        assert!(
+            e.starts_with("gradient reductions out of step across ranks"),
+            "{e}"
+        );
+        assert!(e.contains("ShardPlan::unused_on_some_ranks"), "{e}");
+    }
+    // Stage 3 gathers b for its backward on rank 0 where rank 1 gathers a.
+    for e in run(3, Some(Extra::Declared)) {
+        let e = e.unwrap_err();
+        assert!(
+            e.starts_with("ranks ran units in different orders: rank 0 runs the backward of `b`, rank 1 runs the backward of `a`")
+                && e.contains("trains at stages 0-2 with those units declared in ShardPlan::unused_on_some_ranks"),
+            "{e}"
+        );
+    }
+}
+
 /// The error of building `t`'s engine under `cfg` on `group`, which must
 /// be [`EngineError::RanksDiffer`].
 fn differs(t: &Tiny, cfg: &Config, group: LocalGroup) -> String {
@@ -534,6 +609,29 @@ fn ranks_scaling_learning_rates_differently_are_refused_naming_them() {
             "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
              variable `b.bias`: rank 1 has [4] Float (trained, learning rate x0.5), rank 0 has [4] Float (trained, learning rate x0.25); \
              variable `b.weight`"
+        ),
+        "{}",
+        errs[0]
+    );
+}
+
+#[test]
+fn ranks_declaring_different_parameters_unused_on_some_ranks_are_refused_naming_them() {
+    // Rank 0 would reduce c during backward and rank 1 at its end.
+    let errs = on_ranks(WORLD, |r| {
+        let t = tiny();
+        if r.rank() == 1 {
+            t.plan
+                .unused_on_some_ranks(|name, _| name == "c.bias")
+                .unwrap();
+        }
+        differs(&t, &config(2, 1), group(&r))
+    });
+    assert_eq!(errs[0], errs[1], "every rank says the same");
+    assert!(
+        errs[0].starts_with(
+            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
+             variable `c.bias`: rank 1 has [1] Float (trained, unused on some ranks), rank 0 has [1] Float (trained). "
         ),
         "{}",
         errs[0]
@@ -1334,7 +1432,7 @@ fn assert_named_uneven(got: &[Result<(), (usize, String)>], what: &str, at: Opti
         assert!(
             e.starts_with(&format!(
                 "gradient reductions out of step across ranks: {what}"
-            )) && e.contains("Use every trained parameter in every rank's loss"),
+            )) && e.contains("Declare such parameters with ShardPlan::unused_on_some_ranks"),
             "rank {rank}: {e}"
         );
     }
@@ -1373,6 +1471,63 @@ fn a_parameter_only_some_ranks_use_is_named_when_it_puts_reductions_out_of_step(
         let waiting = config_plus(stage, 2, "", r#""overlap_comm": false,"#);
         let got = train_with_extra_on_rank_0_under(waiting, 4, 0);
         assert_named_uneven(&got, what, None);
+    }
+}
+
+/// How rank 1 leaves `c.extra` out of its loss, where rank 0 uses it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Extra {
+    /// Declared with `ShardPlan::unused_on_some_ranks`, absent from rank
+    /// 1's loss.
+    Declared,
+    /// In rank 1's loss times zero: the gradient it gets is zero, and the
+    /// unit completes at the same point on both ranks.
+    TimesZero,
+}
+
+/// Trains the tiny model with `c.extra` in rank 0's loss (rank 1's as
+/// `extra` says) for 4 micro-steps under `cfg`: every rank's parameters.
+fn train_with_extra_on_rank_0_only(cfg: &Config, extra: Extra) -> Vec<Params> {
+    on_ranks(WORLD, |r| {
+        let t = tiny();
+        let p = extra_param(&t, "c");
+        if extra == Extra::Declared {
+            t.plan
+                .unused_on_some_ranks(|name, _| name == "c.extra")
+                .unwrap();
+        }
+        let e = engine_for(&t, cfg, &r);
+        for k in 0..4 {
+            let loss = t.loss(&input(r.rank(), k));
+            let loss = match (r.rank(), extra) {
+                (0, _) => loss + p.sum(Kind::Float) * 0.1,
+                (_, Extra::TimesZero) => loss + p.sum(Kind::Float) * 0.0,
+                (_, Extra::Declared) => loss,
+            };
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+        }
+        e.gathered_params().unwrap()
+    })
+}
+
+#[test]
+fn a_parameter_declared_unused_on_some_ranks_trains_as_if_they_used_it_times_zero() {
+    // Rank 1's loss leaves `c.extra` out; declared, its unit is reduced at
+    // the end of backward on both ranks, with zeros for rank 1's part:
+    // the run equals one where rank 1 adds 0 x extra (every stage, with
+    // and without overlap_comm, gas 1 and 2).
+    for stage in [0u8, 1, 2, 3] {
+        for (gas, plus) in [(1, ""), (2, ""), (2, r#""overlap_comm": false,"#)] {
+            let cfg = config_plus(stage, gas, "", plus);
+            let got = train_with_extra_on_rank_0_only(&cfg, Extra::Declared);
+            let want = train_with_extra_on_rank_0_only(&cfg, Extra::TimesZero);
+            assert_eq!(got, want, "stage {stage}, gas {gas} {plus}");
+            // Rank 0's gradient reached the parameter: it moved off its
+            // ones further than weight decay alone would take it.
+            let extra = &got[0].iter().find(|(n, _)| n == "c.extra").unwrap().1;
+            assert!(extra.iter().all(|&x| x < 0.99), "{extra:?}");
+        }
     }
 }
 

@@ -37,9 +37,10 @@ pub(crate) trait UnitHook: Send + Sync {
     fn segment_dropped(&self, units: &[usize]);
 }
 
-/// The program's rule for which trainable parameters weight decay leaves
-/// out, given each one's VarStore name and shape.
-pub(crate) type DecayRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
+/// A program's yes-or-no rule over trainable parameters, given each one's
+/// VarStore name and shape (which ones weight decay leaves out, which ones
+/// some ranks may not use).
+pub(crate) type NameRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
 
 /// The program's rule for what each trainable parameter's learning rate is
 /// multiplied by, given its VarStore name and shape.
@@ -55,9 +56,11 @@ pub(crate) struct PlanInner {
     /// tensors the first owns.
     pub(crate) claimed: std::sync::atomic::AtomicBool,
     /// Set by [`ShardPlan::exclude_from_weight_decay`].
-    pub(crate) no_decay: Mutex<Option<Arc<DecayRule>>>,
+    pub(crate) no_decay: Mutex<Option<Arc<NameRule>>>,
     /// Set by [`ShardPlan::scale_learning_rate`].
     pub(crate) lr_scale: Mutex<Option<Arc<LrRule>>>,
+    /// Set by [`ShardPlan::unused_on_some_ranks`].
+    pub(crate) uneven: Mutex<Option<Arc<NameRule>>>,
 }
 
 impl PlanInner {
@@ -201,6 +204,60 @@ impl ShardPlan {
         self.lr_rule().map_or(1.0, |r| r(name, shape))
     }
 
+    /// Declares the trainable parameters for which `may_be_unused(name,
+    /// shape)` is true as ones that some ranks' losses may leave out while
+    /// others use them: a block that rank-dependent LayerDrop skips, the
+    /// experts a rank's tokens never reach, a head only some ranks'
+    /// batches train. The units holding them are reduced at the end of
+    /// every backward, on every rank in the same order, with zeros for
+    /// the gradients a rank's loss did not reach; the others are reduced
+    /// during backward as before. PyTorch's DDP asks for
+    /// `find_unused_parameters=True` for this.
+    ///
+    /// Without it each unit is reduced as soon as all its parameters have
+    /// their gradients, so such a parameter completes its unit at
+    /// different points of backward on different ranks, and the ranks'
+    /// reductions go out of step: the engine stops with an error naming
+    /// the parameter (never mixing one unit's gradients with another's).
+    /// Stage 1 accumulates locally during backward and needs it not.
+    ///
+    /// A unit declared so keeps its gradients (and at stage 3 its gathered
+    /// parameters) until the end of backward, where its reduction no
+    /// longer overlaps compute: declare the parameters that need it, not
+    /// all. At stage 3 a rank must still run every unit's forward (each
+    /// forward gathers the unit with every rank of its group): a
+    /// parameter unused within a unit that runs is handled, a unit skipped
+    /// on some ranks is an error naming the units the ranks ran.
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// // Blocks h.4 to h.7 are skipped at random, differently per rank.
+    /// plan.unused_on_some_ranks(|name, _shape| {
+    ///     let block = name.strip_prefix("h.").and_then(|r| r.split('.').next());
+    ///     block.and_then(|b| b.parse::<u32>().ok()).is_some_and(|i| i >= 4)
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// Call it before building the engine, on every rank alike (the engine
+    /// checks that ranks agree).
+    pub fn unused_on_some_ranks(
+        &self,
+        may_be_unused: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        self.set_rule(
+            "unused_on_some_ranks",
+            &self.inner.uneven,
+            Arc::new(may_be_unused),
+        )
+    }
+
+    /// Whether [`Self::unused_on_some_ranks`] declared the parameter `name`
+    /// of `shape` (none is without it).
+    pub fn is_unused_on_some_ranks(&self, name: &str, shape: &[i64]) -> bool {
+        self.uneven_rule().is_some_and(|r| r(name, shape))
+    }
+
     /// Puts `rule` in `slot`, unless an engine was already built from the
     /// plan (it read the rules then): `what` names the caller.
     fn set_rule<R: ?Sized>(
@@ -223,7 +280,7 @@ impl ShardPlan {
 
     /// The rule [`Self::exclude_from_weight_decay`] set, if any: the engine
     /// reads it once, so its agreement check and its layout see one rule.
-    pub(crate) fn decay_rule(&self) -> Option<Arc<DecayRule>> {
+    pub(crate) fn decay_rule(&self) -> Option<Arc<NameRule>> {
         self.inner.no_decay.lock().ok().and_then(|r| r.clone())
     }
 
@@ -231,6 +288,12 @@ impl ShardPlan {
     /// [`Self::decay_rule`]).
     pub(crate) fn lr_rule(&self) -> Option<Arc<LrRule>> {
         self.inner.lr_scale.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// The rule [`Self::unused_on_some_ranks`] set, if any (read once, as
+    /// [`Self::decay_rule`]).
+    pub(crate) fn uneven_rule(&self) -> Option<Arc<NameRule>> {
+        self.inner.uneven.lock().ok().and_then(|r| r.clone())
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -1,8 +1,9 @@
-//! Optimizer settings by parameter: which parameters the program left out
-//! of weight decay ([`ShardPlan::exclude_from_weight_decay`]) and whose
-//! learning rate it scales ([`ShardPlan::scale_learning_rate`]), where
-//! they lie in a unit's flat buffer, and how a range of the buffer splits
-//! into runs of elements the optimizer treats alike.
+//! Settings by parameter: which parameters the program left out of weight
+//! decay ([`ShardPlan::exclude_from_weight_decay`]), whose learning rate it
+//! scales ([`ShardPlan::scale_learning_rate`]) and which ones some ranks
+//! may not use ([`ShardPlan::unused_on_some_ranks`]); where the optimizer's
+//! lie in a unit's flat buffer, and how a range of the buffer splits into
+//! runs of elements the optimizer treats alike.
 //!
 //! DeepSpeed and PyTorch get this from the optimizer's parameter groups. A
 //! flat buffer mixes parameters of every group, so the Adam kernel runs
@@ -12,6 +13,7 @@
 //!
 //! [`ShardPlan::exclude_from_weight_decay`]: crate::ShardPlan::exclude_from_weight_decay
 //! [`ShardPlan::scale_learning_rate`]: crate::ShardPlan::scale_learning_rate
+//! [`ShardPlan::unused_on_some_ranks`]: crate::ShardPlan::unused_on_some_ranks
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -21,21 +23,34 @@ use zrt_kernels::{AdamConfig, ComputeCopy};
 use crate::flat::FlatLayout;
 use crate::{EngineError, ShardPlan};
 
-/// How the optimizer treats one parameter.
+/// How the optimizer (and the gradients' reduction) treats one parameter.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Setting {
     /// Whether `optimizer.params.weight_decay` applies to it.
     pub(super) decays: bool,
     /// What the schedule's learning rate is multiplied by for it.
     pub(super) lr_scale: f64,
+    /// Some ranks' losses may not use it: its unit is reduced at the end
+    /// of backward.
+    pub(super) uneven: bool,
 }
 
 impl Setting {
-    /// What a parameter no rule names gets: decay, the schedule's rate.
+    /// What a parameter no rule names gets: decay, the schedule's rate,
+    /// used by every rank.
     pub(super) const PLAIN: Setting = Setting {
         decays: true,
         lr_scale: 1.0,
+        uneven: false,
     };
+
+    /// What of it the optimizer sees (the reduction's part left plain).
+    fn optimizer(self) -> Setting {
+        Setting {
+            uneven: false,
+            ..self
+        }
+    }
 
     /// `base` (this step's settings) as this parameter gets them.
     pub(super) fn adam(&self, base: &AdamConfig) -> AdamConfig {
@@ -55,6 +70,9 @@ impl Setting {
         if self.lr_scale != 1.0 {
             role.push_str(&format!(", learning rate x{}", self.lr_scale));
         }
+        if self.uneven {
+            role.push_str(", unused on some ranks");
+        }
         role
     }
 }
@@ -70,6 +88,7 @@ impl Settings {
     /// The settings `plan`'s rules give the trainable variables of `vs`.
     pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore) -> Self {
         let (no_decay, lr_scale) = (plan.decay_rule(), plan.lr_rule());
+        let uneven = plan.uneven_rule();
         let mut out = BTreeMap::new();
         for (name, t) in vs.variables() {
             if !t.requires_grad() {
@@ -79,6 +98,7 @@ impl Settings {
             let this = Setting {
                 decays: !no_decay.as_ref().is_some_and(|r| r(&name, &shape)),
                 lr_scale: lr_scale.as_ref().map_or(1.0, |r| r(&name, &shape)),
+                uneven: uneven.as_ref().is_some_and(|r| r(&name, &shape)),
             };
             if this != Setting::PLAIN {
                 out.insert(name, this);
@@ -139,7 +159,7 @@ pub(super) fn special_ranges(
     slots.sort_by_key(|s| s.offset);
     let mut out: Vec<(Range<usize>, Setting)> = Vec::new();
     for (i, s) in slots.iter().enumerate() {
-        let this = setting(&s.name);
+        let this = setting(&s.name).optimizer();
         let end = slots.get(i + 1).map_or(layout.padded, |n| n.offset);
         // A parameter of no elements shares its offset with the next.
         if this == Setting::PLAIN || end == s.offset {
@@ -300,6 +320,7 @@ mod tests {
     const OUT: Setting = Setting {
         decays: false,
         lr_scale: 1.0,
+        ..Setting::PLAIN
     };
 
     /// `runs` with each run's setting as whether it decays.
@@ -344,6 +365,7 @@ mod tests {
         let half = Setting {
             decays: true,
             lr_scale: 0.5,
+            ..Setting::PLAIN
         };
         let special = [(2..4, OUT), (4..6, half), (8..9, half)];
         assert_eq!(
@@ -370,6 +392,7 @@ mod tests {
         let both = Setting {
             decays: false,
             lr_scale: 0.5,
+            ..Setting::PLAIN
         };
         let a = both.adam(&base);
         assert_eq!((a.lr, a.weight_decay, a.beta2), (0.125, 0.0, base.beta2));
@@ -406,8 +429,33 @@ mod tests {
         let c = Setting {
             decays: false,
             lr_scale: 0.5,
+            ..Setting::PLAIN
         };
         assert_eq!((s.get("c"), s.get("frozen")), (c, Setting::PLAIN));
+    }
+
+    #[test]
+    fn a_parameter_unused_on_some_ranks_is_named_so_and_left_plain_for_the_optimizer() {
+        let plan = ShardPlan::new();
+        plan.unused_on_some_ranks(|name, _| name == "b").unwrap();
+        plan.scale_learning_rate(|name, _| if name == "c" { 0.5 } else { 1.0 })
+            .unwrap();
+        let s = Settings::of(&plan, &store(&["a", "b", "c"]));
+        let b = s.get("b");
+        assert!(b.uneven && !s.get("a").uneven && !s.get("c").uneven);
+        assert_eq!(b.role(), "trained, unused on some ranks");
+        // The optimizer treats it plainly: no run of its own.
+        let layout = FlatLayout::new(
+            vec![
+                ("a".into(), vec![2]),
+                ("b".into(), vec![2]),
+                ("c".into(), vec![2]),
+            ],
+            1,
+        );
+        let special = special_ranges(&layout, |n| s.get(n));
+        assert_eq!(special.len(), 1, "{special:?}");
+        assert_eq!(special[0].1.lr_scale, 0.5);
     }
 
     #[test]
@@ -500,6 +548,7 @@ mod tests {
         let half = Setting {
             decays: false,
             lr_scale: 0.5,
+            ..Setting::PLAIN
         };
         assert_eq!(
             special_ranges(&layout, |n| match n {
@@ -524,10 +573,12 @@ mod tests {
         let half = Setting {
             decays: false,
             lr_scale: 0.5,
+            ..Setting::PLAIN
         };
         let faster = Setting {
             decays: true,
             lr_scale: 2.0,
+            ..Setting::PLAIN
         };
         let s = Settings(
             [("z", OUT), ("y", half), ("x", faster)]

@@ -117,6 +117,10 @@ struct Unit {
     /// ([`ShardPlan::exclude_from_weight_decay`],
     /// [`ShardPlan::scale_learning_rate`]).
     special: Vec<(std::ops::Range<usize>, groups::Setting)>,
+    /// Some ranks' losses may not use some of its parameters
+    /// ([`ShardPlan::unused_on_some_ranks`]): reduced at the end of
+    /// backward, never from a gradient hook.
+    uneven: bool,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -1324,9 +1328,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let special = groups::special_ranges(&layout, setting);
+            let uneven = layout.slots.iter().any(|s| setting(&s.name).uneven);
             units.push(Unit {
                 name,
                 special,
+                uneven,
                 layout,
                 params: ts,
                 flat,
@@ -1345,6 +1351,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if scaled > 0 {
             tracing::info!(
                 "the learning rate of {scaled} of {all} trained parameters is scaled (ShardPlan::scale_learning_rate)"
+            );
+        }
+        let uneven: Vec<&str> = (units.iter())
+            .filter(|u| u.uneven)
+            .map(|u| u.name.as_str())
+            .collect();
+        if !uneven.is_empty() && stage != 1 {
+            tracing::info!(
+                "units {} are reduced at the end of each backward (ShardPlan::unused_on_some_ranks)",
+                uneven.join(", ")
             );
         }
         let mut shards = Vec::new();

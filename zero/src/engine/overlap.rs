@@ -590,8 +590,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Unit `k` has its whole gradient for this backward: issue its
     /// reduction (and at stage 3 free it), waiting for it under
-    /// `overlap_comm: false`.
+    /// `overlap_comm: false`. A unit some ranks may not use waits for the
+    /// end of backward ([`Self::end_backward`] reduces it there): on a rank
+    /// whose loss left part of it out it is complete only then, and every
+    /// rank must reduce it at the same point.
     fn launch_complete(&self, st: &mut State, k: usize) {
+        if st.units[k].uneven {
+            return;
+        }
         st.prog.counts.during_backward += 1;
         let overlap = self.cfg.config.zero.overlap_comm;
         let done = self
@@ -1393,7 +1399,7 @@ fn explain_uneven(what: &str, without: &[String]) -> EngineError {
         format!("on this rank no gradient reached {}", without.join(", "))
     };
     EngineError::UnevenGradients(format!(
-        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Use every trained parameter in every rank's loss (adding 0.0 * p.sum() is enough) or freeze it"
+        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (their units are then reduced at the end of backward, on every rank alike), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
     ))
 }
 

@@ -5,8 +5,10 @@
 //! NVMe) and a program (accumulation steps, clipping, bf16 or fp16 with
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
-//! micro-step, evaluation forwards between, blocks left out, parameters
-//! changed or read in `with_full_params`), and trains the test GPT under
+//! micro-step, evaluation forwards between, blocks left out on every rank
+//! or, at stages 1-2, on some ranks only (declared with
+//! `ShardPlan::unused_on_some_ranks`), parameters changed or read in
+//! `with_full_params`), and trains the test GPT under
 //! it on 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the
 //! cases save a checkpoint after the first step and go on from it at
 //! another stage, other settings, ranks, grouping and gas, or save it
@@ -129,10 +131,14 @@ struct Program {
     /// Before each micro-step, 1: a forward under `no_grad`; 2: one with
     /// autograd on whose output is dropped.
     eval: usize,
-    /// Blocks left out (the same on every rank), 1: the second block in
-    /// every other micro-step; 2: the first block throughout the second
-    /// step (its unit gets no gradient for a whole step).
+    /// Blocks left out, 1: the second block in every other micro-step; 2:
+    /// the first block throughout the second step (its unit gets no
+    /// gradient for a whole step); 3: a block that depends on the rank
+    /// (stages 0-2 only: stage 3 gathers each unit with every rank).
     skip: usize,
+    /// The blocks are declared with `ShardPlan::unused_on_some_ranks`
+    /// (always for `skip` 3): reduced at the end of backward.
+    declared: bool,
     /// Before the last step, inside `with_full_params` (DeepSpeed's
     /// `GatheredParameters`), 1: halve the head's weight and add to the
     /// final norm's bias (a root parameter), which training must go on
@@ -141,11 +147,12 @@ struct Program {
 }
 
 impl Program {
-    /// The blocks micro-step `k` of `step` leaves out.
-    fn skipped(&self, step: usize, k: usize) -> &'static [usize] {
+    /// The blocks micro-step `k` of `step` leaves out on `rank`.
+    fn skipped(&self, step: usize, k: usize, rank: usize) -> &'static [usize] {
         match self.skip {
             1 if (step + k) % 2 == 1 => &[1],
             2 if step == 1 => &[0],
+            3 => [&[0][..], &[1], &[]][(step + k + rank) % 3],
             _ => &[],
         }
     }
@@ -196,6 +203,10 @@ fn leg(
             plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
                 .unwrap();
         }
+        if p.declared {
+            plan.unused_on_some_ranks(|name, _| name.starts_with("h."))
+                .unwrap();
+        }
         let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
         if let Some(dir) = load {
             e.load_checkpoint(dir, Some("resume")).unwrap();
@@ -218,7 +229,7 @@ fn leg(
                 }
                 .unwrap();
             }
-            let skipped = p.skipped(step, k);
+            let skipped = p.skipped(step, k, rank);
             let loss_of = |t: &tch::Tensor| gpt.loss_skipping(t, skipped);
             match p.eval {
                 1 => drop(tch::no_grad(|| loss_of(&t.flip([1])))),
@@ -388,6 +399,13 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             from: (1, usize::from(between)),
         }
     });
+    // Stage 3 gathers every unit with every rank: blocks left out on some
+    // ranks only are for stages 0-2.
+    let stage_3 = first.stage == 3 || then.as_ref().is_some_and(|t| t.stage == 3);
+    let skip = match *d.one(&[&0, &0, &1, &2, &3]) {
+        3 if stage_3 => 1,
+        s => s,
+    };
     let program = Program {
         clip: *d.one(&[&0.0, &0.5]),
         top,
@@ -398,7 +416,8 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         bare: *d.one(&[&0, &1, &2]) * usize::from(!fp16),
         twice: d.flag(3),
         eval: *d.one(&[&0, &0, &1, &2]),
-        skip: *d.one(&[&0, &0, &1, &2]),
+        skip,
+        declared: d.flag(3) || skip == 3,
         full_params: *d.one(&[&0, &0, &1, &2]),
     };
     (first, program, then)

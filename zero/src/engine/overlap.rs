@@ -9,6 +9,10 @@
 //!   `Engine::backward` waits for the reductions at its end, in issue order.
 //!   Every parameter in use produces its gradient through nodes that have
 //!   all run when its accumulation hook fires, so freeing then is safe.
+//!   Units the program declared some ranks may not use
+//!   ([`crate::ShardPlan::unused_on_some_ranks`]) wait for the end of
+//!   backward instead, where every rank reduces them in unit order (and
+//!   stage 3 frees them).
 //! * **Prefetch (stage 3).** When a unit is needed, the gather of the next
 //!   one (forward) or the previous one (backward), in the order the last
 //!   forward ran them ([`RunOrder`]), is issued right away and only waited

@@ -6,7 +6,7 @@
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
-//! or, at stages 1-2, on some ranks only (declared with
+//! or on some ranks only (declared with
 //! `ShardPlan::unused_on_some_ranks`), parameters changed or read in
 //! `with_full_params`), and trains the test GPT under
 //! it on 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the
@@ -133,8 +133,7 @@ struct Program {
     eval: usize,
     /// Blocks left out, 1: the second block in every other micro-step; 2:
     /// the first block throughout the second step (its unit gets no
-    /// gradient for a whole step); 3: a block that depends on the rank
-    /// (stages 0-2 only: stage 3 gathers each unit with every rank).
+    /// gradient for a whole step); 3: a block that depends on the rank.
     skip: usize,
     /// The blocks are declared with `ShardPlan::unused_on_some_ranks`
     /// (always for `skip` 3): reduced at the end of backward.
@@ -399,13 +398,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             from: (1, usize::from(between)),
         }
     });
-    // Stage 3 gathers every unit with every rank: blocks left out on some
-    // ranks only are for stages 0-2.
-    let stage_3 = first.stage == 3 || then.as_ref().is_some_and(|t| t.stage == 3);
-    let skip = match *d.one(&[&0, &0, &1, &2, &3]) {
-        3 if stage_3 => 1,
-        s => s,
-    };
+    let skip = *d.one(&[&0, &0, &1, &2, &3]);
     let program = Program {
         clip: *d.one(&[&0.0, &0.5]),
         top,

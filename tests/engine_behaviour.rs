@@ -455,7 +455,7 @@ fn units_run_in_different_orders_are_an_error_naming_them() {
 }
 
 #[test]
-fn a_unit_skipped_on_some_ranks_trains_at_stages_0_to_2_when_declared_and_is_named_at_stage_3() {
+fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     // Rank 1 leaves unit b out of its forward (its input to c is a's
     // output cut to b's width) in the first micro-step of each step; with
     // `Extra::TimesZero` it runs b there too, its output times zero added
@@ -492,7 +492,7 @@ fn a_unit_skipped_on_some_ranks_trains_at_stages_0_to_2_when_declared_and_is_nam
     let reference = run(0, Some(Extra::TimesZero));
     assert_eq!(run(0, Some(Extra::Declared)), reference);
     let reference = reference[0].as_ref().unwrap();
-    for stage in [1u8, 2] {
+    for stage in [1u8, 2, 3] {
         let got = run(stage, Some(Extra::Declared));
         for (rank, g) in got.iter().enumerate() {
             let g = g.as_ref().unwrap();
@@ -518,12 +518,13 @@ fn a_unit_skipped_on_some_ranks_trains_at_stages_0_to_2_when_declared_and_is_nam
         );
         assert!(e.contains("ShardPlan::unused_on_some_ranks"), "{e}");
     }
-    // Stage 3 gathers b for its backward on rank 0 where rank 1 gathers a.
-    for e in run(3, Some(Extra::Declared)) {
+    // Undeclared, stage 3 gathers b for its backward on rank 0 where
+    // rank 1 gathers a (declared, b stays gathered).
+    for e in run(3, None) {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("ranks ran units in different orders: rank 0 runs the backward of `b`, rank 1 runs the backward of `a`")
-                && e.contains("trains at stages 0-2 with those units declared in ShardPlan::unused_on_some_ranks"),
+                && e.contains("declares them with ShardPlan::unused_on_some_ranks, and stage 3 then keeps them gathered"),
             "{e}"
         );
     }

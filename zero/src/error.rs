@@ -27,7 +27,7 @@ pub enum EngineError {
     #[error("sharding plan: {0}")]
     Plan(String),
     /// The ranks ran units in different orders.
-    #[error("ranks ran units in different orders: {0}; at stage 3 every rank must run the same units in the same order, as each unit's forward gathers it with every rank of its group (a model that leaves units out on some ranks, as rank-dependent LayerDrop does, trains at stages 0-2 with those units declared in ShardPlan::unused_on_some_ranks)")]
+    #[error("ranks ran units in different orders: {0}; at stage 3 every rank must run the same units in the same order, as each unit's forward gathers it with every rank of its group (a model that leaves units out on some ranks, as rank-dependent LayerDrop does, declares them with ShardPlan::unused_on_some_ranks, and stage 3 then keeps them gathered)")]
     UnitOrder(String),
     /// Ranks reduced gradients in different orders because a parameter got
     /// a gradient on some ranks and not on others.

@@ -221,13 +221,12 @@ impl ShardPlan {
     /// the parameter (never mixing one unit's gradients with another's).
     /// Stage 1 accumulates locally during backward and needs it not.
     ///
-    /// A unit declared so keeps its gradients (and at stage 3 its gathered
-    /// parameters) until the end of backward, where its reduction no
-    /// longer overlaps compute: declare the parameters that need it, not
-    /// all. At stage 3 a rank must still run every unit's forward (each
-    /// forward gathers the unit with every rank of its group): a
-    /// parameter unused within a unit that runs is handled, a unit skipped
-    /// on some ranks is an error naming the units the ranks ran.
+    /// A unit declared so keeps its gradients until the end of backward,
+    /// where its reduction no longer overlaps compute, and at stage 3 it
+    /// stays gathered, as the root does (its forward must not gather: a
+    /// rank that skips it would meet the others' gather with its next
+    /// unit's), so its parameters take the memory stage 2 gives them.
+    /// Declare the parameters that need it, not all.
     ///
     /// ```no_run
     /// # let plan = zrt_zero::ShardPlan::new();

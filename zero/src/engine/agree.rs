@@ -135,10 +135,10 @@ impl Terms {
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, v) in vars {
-            let role = if !v.requires_grad() {
-                "frozen".to_string()
-            } else {
-                treated(&name).role()
+            let role = match (v.requires_grad(), treated(&name)) {
+                (false, s) if s.uneven => "frozen, unused on some ranks".to_string(),
+                (false, _) => "frozen".to_string(),
+                (true, s) => s.role(),
             };
             put(
                 &format!("variable `{name}`"),

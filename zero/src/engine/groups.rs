@@ -78,23 +78,34 @@ impl Setting {
 }
 
 /// How the optimizer treats each trainable parameter that a rule of the
-/// plan names, by VarStore name. Built once when the engine is built, each
+/// plan names, by VarStore name, and which frozen ones some ranks may not
+/// use (stage 3 gathers a unit's frozen part too). Built once when the engine is built, each
 /// rule asked once per parameter, so the ranks' agreement check, the
 /// layout and checkpoints see the same answers.
 #[derive(Debug, Default)]
 pub(super) struct Settings(BTreeMap<String, Setting>);
 
 impl Settings {
-    /// The settings `plan`'s rules give the trainable variables of `vs`.
+    /// The settings `plan`'s rules give the variables of `vs` (the frozen
+    /// ones are asked [`ShardPlan::unused_on_some_ranks`]'s rule only).
+    ///
+    /// [`ShardPlan::unused_on_some_ranks`]: crate::ShardPlan::unused_on_some_ranks
     pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore) -> Self {
         let (no_decay, lr_scale) = (plan.decay_rule(), plan.lr_rule());
         let uneven = plan.uneven_rule();
         let mut out = BTreeMap::new();
         for (name, t) in vs.variables() {
+            let shape = t.size();
             if !t.requires_grad() {
+                if uneven.as_ref().is_some_and(|r| r(&name, &shape)) {
+                    let this = Setting {
+                        uneven: true,
+                        ..Setting::PLAIN
+                    };
+                    out.insert(name, this);
+                }
                 continue;
             }
-            let shape = t.size();
             let this = Setting {
                 decays: !no_decay.as_ref().is_some_and(|r| r(&name, &shape)),
                 lr_scale: lr_scale.as_ref().map_or(1.0, |r| r(&name, &shape)),
@@ -437,13 +448,16 @@ mod tests {
     #[test]
     fn a_parameter_unused_on_some_ranks_is_named_so_and_left_plain_for_the_optimizer() {
         let plan = ShardPlan::new();
-        plan.unused_on_some_ranks(|name, _| name == "b").unwrap();
+        plan.unused_on_some_ranks(|name, _| name == "b" || name == "frozen")
+            .unwrap();
         plan.scale_learning_rate(|name, _| if name == "c" { 0.5 } else { 1.0 })
             .unwrap();
         let s = Settings::of(&plan, &store(&["a", "b", "c"]));
         let b = s.get("b");
         assert!(b.uneven && !s.get("a").uneven && !s.get("c").uneven);
         assert_eq!(b.role(), "trained, unused on some ranks");
+        // Frozen ones are asked too: stage 3 gathers them with their unit.
+        assert!(s.get("frozen").uneven);
         // The optimizer treats it plainly: no run of its own.
         let layout = FlatLayout::new(
             vec![

@@ -870,6 +870,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// memory, so autograd computes garbage instead of reading freed storage.
     fn make_live(&self, unit: usize, forward: bool) {
         let mut st = self.st.lock();
+        if st.units[unit].uneven {
+            // Gathered throughout, and not in the run order: whether it
+            // runs differs across ranks, and the prefetches that follow the
+            // order must not.
+            return;
+        }
         if forward && !st.prog.in_backward() {
             st.prog.order.forward_starts(unit);
         }
@@ -1313,6 +1319,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             ));
         };
         let (world, rank) = (group.size(), group.rank());
+        // Frozen variables some ranks may not use.
+        let frozen_declared: Vec<String> = (vs.variables().into_iter())
+            .filter(|(n, t)| !t.requires_grad() && setting(n).uneven)
+            .map(|(n, _)| n)
+            .collect();
         let mut units = Vec::new();
         let mut masters = Vec::new();
         for (i, params) in groups.into_iter().enumerate() {
@@ -1328,7 +1339,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let (master, flat, ts) =
                 rank0_flat(&layout, &by_name, compute, &group, replicate.as_ref())?;
             let special = groups::special_ranges(&layout, setting);
-            let uneven = layout.slots.iter().any(|s| setting(&s.name).uneven);
+            // Its frozen variables count too (stage 3 gathers them with
+            // it); the root holds no frozen part.
+            let frozen_uneven = i < prefixes.len()
+                && frozen_declared
+                    .iter()
+                    .any(|n| n.starts_with(&format!("{name}.")));
+            let uneven = frozen_uneven || layout.slots.iter().any(|s| setting(&s.name).uneven);
             units.push(Unit {
                 name,
                 special,
@@ -1358,8 +1375,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(|u| u.name.as_str())
             .collect();
         if !uneven.is_empty() && stage != 1 {
+            let gathered = match stage {
+                3 => " and stay gathered",
+                _ => "",
+            };
             tracing::info!(
-                "units {} are reduced at the end of each backward (ShardPlan::unused_on_some_ranks)",
+                "units {} are reduced at the end of each backward{gathered} (ShardPlan::unused_on_some_ranks)",
                 uneven.join(", ")
             );
         }
@@ -1413,20 +1434,23 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let unit = units
                 .iter()
                 .position(|u| u.name != "<root>" && name.starts_with(&format!("{}.", u.name)));
-            if let Some(k) = unit {
+            // A unit some ranks may not run stays gathered whole.
+            if let Some(k) = unit.filter(|&k| !units[k].uneven) {
                 frozen_of[k].push(name.clone());
             }
         }
         frozen_of.iter_mut().for_each(|f| f.sort());
         // A unit stays gathered when all it would shard is small (a LoRA
         // block's adapters under the threshold do not keep its frozen base
-        // gathered).
+        // gathered), and when some ranks may not run it: its forward must
+        // not gather, or the ranks that skip it would meet the others'
+        // gather with their next unit's.
         let persistent: Vec<bool> = units
             .iter()
             .zip(&frozen_of)
             .map(|(u, f)| {
                 let small = u.layout.slots.iter().all(|s| s.numel <= threshold);
-                stage == 3 && (u.name == "<root>" || (small && f.is_empty()))
+                stage == 3 && (u.name == "<root>" || u.uneven || (small && f.is_empty()))
             })
             .collect();
         for (u, take) in units.iter_mut().zip(frozen_of) {

@@ -499,3 +499,42 @@ fn random_settings_that_must_not_change_results_change_none() {
         }
     }
 }
+
+#[test]
+fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
+    // Found by the sweep (2026-11-29): at stage 3 a backward the program
+    // starts with `loss.backward()` is known to the engine from its first
+    // parameter gradient. Rank 0 ran the checkpointed, trainable block 1,
+    // whose recompute accumulated one before the embedding's re-gather;
+    // rank 1 ran only the frozen block 0, whose recompute accumulates
+    // none, so it announced that re-gather as a forward's, and both ranks
+    // were told they made different engine calls.
+    let _serial = serial();
+    let dir = Scratch::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let p = Program {
+        clip: 0.0,
+        top: String::new(),
+        frozen: &["h.0."],
+        checkpointed: true,
+        no_decay_vectors: false,
+        bare: 1,
+        twice: true,
+        eval: 0,
+        skip: 3,
+        declared: true,
+        full_params: 0,
+    };
+    let first = Leg {
+        stage: 3,
+        zero: r#""stage3_prefetch_bucket_size": 500, "stage3_param_persistence_threshold": 100,"#
+            .into(),
+        world: 2,
+        grouping: "",
+        gas: 1,
+        from: (0, 0),
+    };
+    let got = train(&p, &first, None, &dir.0);
+    let want = train(&p, &first.reference(), None, &dir.0);
+    assert_eq!(got, want);
+}

@@ -869,6 +869,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// error (kept for the next engine call) the parameters get zeroed
     /// memory, so autograd computes garbage instead of reading freed storage.
     fn make_live(&self, unit: usize, forward: bool) {
+        let in_autograd = !forward || matches!(glue::backward_id(), Ok(Some(_)));
         let mut st = self.st.lock();
         if st.units[unit].uneven {
             // Gathered throughout, and not in the run order: whether it
@@ -876,7 +877,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // order must not.
             return;
         }
-        if forward && !st.prog.in_backward() {
+        // A recompute inside a backward is not the model's run order.
+        if forward && !st.prog.in_backward() && !in_autograd {
             st.prog.order.forward_starts(unit);
         }
         if !forward && st.error.is_none() {
@@ -890,6 +892,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // `gather` does nothing for a unit still gathered (the first
         // forward, or the unit forward ran last); the next unit's prefetch
         // starts all the same.
+        st.prog.in_autograd = in_autograd;
         let failed = match st.error.is_some() {
             // After an error the ranks are out of step: no more collectives.
             true => None,
@@ -899,6 +902,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 .err()
                 .map(|e| self.explain_failure(&mut st, e)),
         };
+        st.prog.in_autograd = false;
         if !st.gathered[unit] {
             let u = &st.units[unit];
             if glue::realloc_storage(&u.flat, u.layout.padded * self.compute.bytes()).is_ok() {
@@ -1002,8 +1006,10 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         // forward is the first one backward needs, right after the loss:
         // freeing it would gather it again at once, with nothing to overlap
         // the gather. A first forward does not know yet which unit runs
-        // last, so it keeps the latest and frees the one before.
-        if first {
+        // last, so it keeps the latest and frees the one before. Not a
+        // unit some ranks may not run: the ranks would free at different
+        // points, and gather again at different points.
+        if first && !st.units[unit].uneven {
             if let Some(prev) = st.held.take().filter(|&p| st.gathered[p]) {
                 i.free_after_forward(&mut st, prev, true, true);
             }

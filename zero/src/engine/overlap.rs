@@ -320,6 +320,13 @@ pub(super) struct Progress {
     foreign_of: Option<(u64, u64)>,
     /// Per unit, the parameters whose gradient that backward still owes.
     foreign_ready: Vec<usize>,
+    /// The gather under way is for a libtorch backward running on this
+    /// thread (a unit re-gathered from its output's gradient hook, or a
+    /// checkpointed segment's recompute): a backward's gather even before
+    /// the first parameter gradient has told the engine that a backward
+    /// the program started with `loss.backward()` is under way (ranks
+    /// that skip different units learn that at different points).
+    pub(super) in_autograd: bool,
     /// `overlap_comm: false`: reductions a hook found announced unevenly
     /// (the ranks' names for it, the units some rank reduced), named when
     /// the error is returned, after backward ran on (see
@@ -485,6 +492,7 @@ impl Progress {
             backward_id: None,
             order: RunOrder::default(),
             uneven_later: None,
+            in_autograd: false,
             foreign_of: None,
             foreign_ready: Vec::new(),
         }
@@ -1363,7 +1371,7 @@ fn drop_reductions(st: &mut State) {
 
 /// What a gather announces: one for backward, or any other.
 fn gather_kind(st: &State) -> Kind {
-    match st.prog.in_backward() {
+    match st.prog.in_backward() || st.prog.in_autograd {
         true => Kind::BackwardGather,
         false => Kind::Gather,
     }

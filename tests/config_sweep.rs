@@ -23,7 +23,10 @@
 //! before their checkpointed blocks' last recompute (fixed on 2026-11-28;
 //! `activation_checkpointing` has its own test now), and a hybrid stage-1
 //! checkpoint saved between boundaries that gave every replica the first
-//! one's gradients (fixed on 2026-11-29; `checkpoint` has its own test).
+//! one's gradients (fixed on 2026-11-29; `checkpoint` has its own test),
+//! and stage-3 ranks that skip different blocks in a `loss.backward()`
+//! told they made different engine calls (fixed on 2026-11-29; pinned
+//! below).
 //! Case numbers change whenever the draws do.
 //! CI runs the first 24 cases of seed 1 (about 20 s);
 //! `ZRT_SWEEP_SEED=7 ZRT_SWEEP_CASES=200 cargo test --test rng_state

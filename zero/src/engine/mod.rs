@@ -117,9 +117,10 @@ struct Unit {
     /// ([`ShardPlan::exclude_from_weight_decay`],
     /// [`ShardPlan::scale_learning_rate`]).
     special: Vec<(std::ops::Range<usize>, groups::Setting)>,
-    /// Some ranks' losses may not use some of its parameters
-    /// ([`ShardPlan::unused_on_some_ranks`]): reduced at the end of
-    /// backward, never from a gradient hook.
+    /// Some ranks' losses may not use some of its parameters, trainable
+    /// or frozen ([`ShardPlan::unused_on_some_ranks`]): reduced at the end
+    /// of backward, never from a gradient hook; at stage 3 gathered
+    /// throughout and left out of the run order.
     uneven: bool,
     params: Vec<Tensor>,
     flat: Tensor,

@@ -42,6 +42,9 @@ struct Args {
     /// Recompute every block's activations in backward
     /// (`--checkpoint-activations`).
     checkpoint: bool,
+    /// The chance that a block is left out of a micro-batch's forward
+    /// (`--layerdrop`), drawn on each rank apart.
+    layerdrop: f64,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -95,6 +98,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--checkpoint-activations",
         "",
         "recompute every block's activations in backward instead of keeping them (less memory, one more block forward per step)",
+    ),
+    (
+        "--layerdrop",
+        "P",
+        "leave each block out of a micro-batch's forward with chance P, drawn on each rank apart (LayerDrop; the blocks are declared with ShardPlan::unused_on_some_ranks)",
     ),
     ("--help", "", "print this and exit"),
 ];
@@ -197,7 +205,31 @@ fn parse_args() -> Result<Option<Args>> {
         resume: opts.contains_key("--resume"),
         freeze_mlp: opts.contains_key("--freeze-mlp"),
         checkpoint: opts.contains_key("--checkpoint-activations"),
+        layerdrop: match get("--layerdrop") {
+            None => 0.0,
+            Some(v) => match v.parse::<f64>() {
+                Ok(p) if (0.0..1.0).contains(&p) => p,
+                _ => bail!("--layerdrop takes a chance from 0 up to (not including) 1, got `{v}`"),
+            },
+        },
     }))
+}
+
+/// The blocks (of `layers`) LayerDrop leaves out of the micro-batch of
+/// `seed` (the batch's own seed, so a resumed run leaves out the same),
+/// each with chance `p`.
+fn dropped(p: f64, layers: i64, seed: u64) -> Vec<usize> {
+    (0..layers as u64)
+        .filter(|&i| {
+            // splitmix64 of (seed, block): an even draw in [0, 1).
+            let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i + 1);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 11) as f64 / (1u64 << 53) as f64) < p
+        })
+        .map(|i| i as usize)
+        .collect()
 }
 
 /// Every regular file under `dir` whose name passes `keep`, sorted.
@@ -317,6 +349,11 @@ fn main() -> Result<()> {
             }
         }
     }
+    if a.layerdrop > 0.0 {
+        // Each rank leaves out its own blocks: their units are reduced at
+        // the end of backward (and stay gathered at stage 3).
+        plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
+    }
     let cfg = Config::from_file(&a.config)?;
     let hints = AutoHints {
         hidden_size: Some(a.gpt.d_model as u64),
@@ -421,15 +458,16 @@ fn main() -> Result<()> {
     }
     let (mut first_train, mut last_train, mut last_val) = (f64::NAN, f64::NAN, v0);
     let t0 = Instant::now();
+    // LayerDrop: block runs this rank left out, of those it could run.
+    let (mut left_out, mut runs) = (0usize, 0usize);
     for step in start..=a.steps {
         let mut sum = 0.0;
         for k in 0..gas {
-            let loss = gpt.loss(&batch(
-                train,
-                micro,
-                a.gpt.seq + 1,
-                ((step * gas + k) * n as u64) + rank as u64,
-            )?);
+            let seed = ((step * gas + k) * n as u64) + rank as u64;
+            let skipped = dropped(a.layerdrop, a.gpt.layers, seed);
+            left_out += skipped.len();
+            runs += a.gpt.layers as usize;
+            let loss = gpt.loss_skipping(&batch(train, micro, a.gpt.seq + 1, seed)?, &skipped);
             sum += loss.double_value(&[]);
             engine.backward(&loss)?;
             engine.step()?;
@@ -487,6 +525,10 @@ fn main() -> Result<()> {
         .wait()?
         .1;
     let state = engine.model_state_bytes()? as f64 / (1 << 20) as f64;
+    let left_out = world
+        .all_gather(vec![left_out as f64], Vec::new())
+        .wait()?
+        .1;
     if rank == 0 {
         println!(
             "done: {} steps in {secs:.1} s, {:.0} tokens/s",
@@ -494,6 +536,15 @@ fn main() -> Result<()> {
             tokens_per_step * (a.steps + 1).saturating_sub(start) as f64 / secs
         );
         println!("train loss {first_train:.4} -> {last_train:.4}; validation loss {v0:.4} -> {last_val:.4}");
+        if a.layerdrop > 0.0 {
+            let each: Vec<String> = (left_out.iter().enumerate())
+                .map(|(r, k)| format!("rank {r} left out {k}"))
+                .collect();
+            println!(
+                "LayerDrop: of {runs} block runs per rank, {}",
+                each.join(", ")
+            );
+        }
         println!(
             "peak RSS per rank (MiB): {}; model state on rank 0: {state:.2} MiB",
             rss.iter()

@@ -883,6 +883,33 @@ fn main_job_straight_and_resumed(name: &str, args: &[&str]) -> (Params, Params, 
 }
 
 #[test]
+fn the_main_job_with_layerdrop_on_each_rank_apart_trains_and_resumes_to_the_same_bits() {
+    // Each rank leaves out its own blocks (ZeRO-3, 2 processes): the
+    // declared blocks stay gathered and are reduced at the end of
+    // backward; a resumed run draws the same blocks.
+    let _serial = serial();
+    let args = ["--layerdrop", "0.5", "--layers", "2"];
+    let (straight, resumed, said) = main_job_straight_and_resumed("layerdrop", &args);
+    assert_bits("2 + 2 steps with LayerDrop against 4", &straight, &resumed);
+    // "LayerDrop: of 4 block runs per rank, rank 0 left out 0, rank 1 ..."
+    let line = said
+        .lines()
+        .find(|l| l.contains("LayerDrop: of 4 block runs"));
+    let left_out: Vec<usize> = line
+        .map(|l| {
+            l.split("left out ")
+                .skip(1)
+                .filter_map(|r| r.split(',').next()?.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        left_out.len() == 2 && left_out.iter().sum::<usize>() > 0,
+        "{said}"
+    );
+}
+
+#[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
     let _serial = serial();
     let (straight, resumed, _) = main_job_straight_and_resumed("processes", &[]);

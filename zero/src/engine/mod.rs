@@ -1377,6 +1377,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 "the learning rate of {scaled} of {all} trained parameters is scaled (ShardPlan::scale_learning_rate)"
             );
         }
+        // Every checkpointed segment holds the root of moved parameters
+        // (see `segments`), so a segment some ranks skip would hold it on
+        // some ranks only: it is reduced at the end of backward too.
+        if let Some(root) = root_of_moved.filter(|_| units.iter().any(|u| u.uneven)) {
+            if let Some(u) = units.get_mut(root) {
+                u.uneven = true;
+            }
+        }
         let uneven: Vec<&str> = (units.iter())
             .filter(|u| u.uneven)
             .map(|u| u.name.as_str())

@@ -570,72 +570,60 @@ fn ranks_built_from_different_models_or_configs_are_refused_naming_each_differen
     );
 }
 
-#[test]
-fn ranks_leaving_different_parameters_out_of_weight_decay_are_refused_naming_them() {
-    // Trained apart with no collective out of line, had they not compared.
+/// Builds the tiny model's engine on every rank after `rules(plan, rank)`
+/// set the plan's rules: every rank must be refused alike, the error
+/// starting with the ranks' difference and then `differences`.
+fn assert_rules_refused(rules: impl Fn(&ShardPlan, usize) + Sync, differences: &str) {
     let errs = on_ranks(WORLD, |r| {
         let t = tiny();
-        if r.rank() == 1 {
-            t.plan
-                .exclude_from_weight_decay(|name, _| name.ends_with(".bias"))
-                .unwrap();
-        }
+        rules(&t.plan, r.rank());
         differs(&t, &config(2, 1), group(&r))
     });
     assert_eq!(errs[0], errs[1], "every rank says the same");
-    assert!(
-        errs[0].starts_with(
-            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
-             variable `a.bias`: rank 1 has [5] Float (trained, no weight decay), rank 0 has [5] Float (trained); \
-             variable `b.bias`"
-        ),
-        "{}",
-        errs[0]
+    let want = format!(
+        "ranks built their engines from different models or configs: rank 1 differs from rank 0 in {differences}"
+    );
+    assert!(errs[0].starts_with(&want), "{}", errs[0]);
+}
+
+#[test]
+fn ranks_leaving_different_parameters_out_of_weight_decay_are_refused_naming_them() {
+    // Trained apart with no collective out of line, had they not compared.
+    assert_rules_refused(
+        |plan, rank| {
+            if rank == 1 {
+                plan.exclude_from_weight_decay(|name, _| name.ends_with(".bias"))
+                    .unwrap();
+            }
+        },
+        "variable `a.bias`: rank 1 has [5] Float (trained, no weight decay), rank 0 has [5] Float (trained); \
+         variable `b.bias`",
     );
 }
 
 #[test]
 fn ranks_scaling_learning_rates_differently_are_refused_naming_them() {
-    let errs = on_ranks(WORLD, |r| {
-        let t = tiny();
-        let scale = if r.rank() == 1 { 0.5 } else { 0.25 };
-        t.plan
-            .scale_learning_rate(move |name, _| if name.starts_with("b.") { scale } else { 1.0 })
-            .unwrap();
-        differs(&t, &config(2, 1), group(&r))
-    });
-    assert_eq!(errs[0], errs[1], "every rank says the same");
-    assert!(
-        errs[0].starts_with(
-            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
-             variable `b.bias`: rank 1 has [4] Float (trained, learning rate x0.5), rank 0 has [4] Float (trained, learning rate x0.25); \
-             variable `b.weight`"
-        ),
-        "{}",
-        errs[0]
+    assert_rules_refused(
+        |plan, rank| {
+            let scale = if rank == 1 { 0.5 } else { 0.25 };
+            plan.scale_learning_rate(move |name, _| if name.starts_with("b.") { scale } else { 1.0 })
+                .unwrap();
+        },
+        "variable `b.bias`: rank 1 has [4] Float (trained, learning rate x0.5), rank 0 has [4] Float (trained, learning rate x0.25); \
+         variable `b.weight`",
     );
 }
 
 #[test]
 fn ranks_declaring_different_parameters_unused_on_some_ranks_are_refused_naming_them() {
     // Rank 0 would reduce c during backward and rank 1 at its end.
-    let errs = on_ranks(WORLD, |r| {
-        let t = tiny();
-        if r.rank() == 1 {
-            t.plan
-                .unused_on_some_ranks(|name, _| name == "c.bias")
-                .unwrap();
-        }
-        differs(&t, &config(2, 1), group(&r))
-    });
-    assert_eq!(errs[0], errs[1], "every rank says the same");
-    assert!(
-        errs[0].starts_with(
-            "ranks built their engines from different models or configs: rank 1 differs from rank 0 in \
-             variable `c.bias`: rank 1 has [1] Float (trained, unused on some ranks), rank 0 has [1] Float (trained). "
-        ),
-        "{}",
-        errs[0]
+    assert_rules_refused(
+        |plan, rank| {
+            if rank == 1 {
+                plan.unused_on_some_ranks(|name, _| name == "c.bias").unwrap();
+            }
+        },
+        "variable `c.bias`: rank 1 has [1] Float (trained, unused on some ranks), rank 0 has [1] Float (trained). ",
     );
 }
 

@@ -509,14 +509,17 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
             }
         }
     }
-    // Undeclared, stage 2 names the parameters rank 1 lacks.
-    for e in run(2, None) {
+    // Undeclared, stage 2 names the parameters rank 1 lacks, and how to
+    // declare them.
+    for (rank, e) in run(2, None).into_iter().enumerate() {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("gradient reductions out of step across ranks"),
             "{e}"
         );
         assert!(e.contains("ShardPlan::unused_on_some_ranks"), "{e}");
+        let lacks = "no gradient reached `b.bias` (unit `b`), `b.weight` (unit `b`) (to declare them: `plan.unused_on_some_ranks(|name, _| name.starts_with(\"b.\"))?`)";
+        assert_eq!(e.contains(lacks), rank == 1, "rank {rank}: {e}");
     }
     // Undeclared, stage 3 gathers b for its backward on rank 0 where
     // rank 1 gathers a (declared, b stays gathered).
@@ -1427,7 +1430,9 @@ fn assert_named_uneven(got: &[Result<(), (usize, String)>], what: &str, at: Opti
     }
     let e1 = error(1);
     assert!(
-        e1.contains("on this rank no gradient reached `c.extra` (unit `c`)"),
+        e1.contains(
+            "on this rank no gradient reached `c.extra` (unit `c`) (to declare them: `plan.unused_on_some_ranks(|name, _| name.starts_with(\"c.\"))?`)"
+        ),
         "{e1}"
     );
     let e0 = error(0);

@@ -969,7 +969,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         .iter()
                         .zip(&u.params)
                         .filter(|(_, t)| !t.grad().defined())
-                        .map(|(s, _)| format!("`{}` (unit `{}`)", s.name, u.name)),
+                        .map(|(s, _)| (s.name.clone(), u.name.clone())),
                 );
                 self.launch_reduce(st, k, free)?;
             }
@@ -1380,7 +1380,7 @@ fn gather_kind(st: &State) -> Kind {
 /// The parameters of `units` without a gradient on this rank (so far in
 /// this backward), named for [`explain_uneven`]. A unit this rank has
 /// reduced had all of them (and its gradients have moved to its buffer).
-fn without_gradient(st: &State, units: &[usize]) -> Vec<String> {
+fn without_gradient(st: &State, units: &[usize]) -> Vec<(String, String)> {
     let mut seen = std::collections::BTreeSet::new();
     units
         .iter()
@@ -1392,7 +1392,7 @@ fn without_gradient(st: &State, units: &[usize]) -> Vec<String> {
                 .iter()
                 .zip(&u.params)
                 .filter(|(_, t)| !t.grad().defined())
-                .map(|(s, _)| format!("`{}` (unit `{}`)", s.name, u.name))
+                .map(|(s, _)| (s.name.clone(), u.name.clone()))
         })
         .collect()
 }
@@ -1403,16 +1403,43 @@ fn without_gradient(st: &State, units: &[usize]) -> Vec<String> {
 /// ranks' losses use and others' do not leaves a unit incomplete on some
 /// ranks, those ranks reduce it only at the end of backward: the ranks
 /// announce their reductions in different orders.
-fn explain_uneven(what: &str, without: &[String]) -> EngineError {
+fn explain_uneven(what: &str, without: &[(String, String)]) -> EngineError {
     let here = if without.is_empty() {
         "every parameter got a gradient on this rank; the other ranks' errors name theirs"
             .to_string()
     } else {
-        format!("on this rank no gradient reached {}", without.join(", "))
+        let named: Vec<String> = (without.iter())
+            .map(|(p, u)| format!("`{p}` (unit `{u}`)"))
+            .collect();
+        format!(
+            "on this rank no gradient reached {} (to declare them: `{}`)",
+            named.join(", "),
+            declaration(without)
+        )
     };
     EngineError::UnevenGradients(format!(
         "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (their units are then reduced at the end of backward, on every rank alike), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
     ))
+}
+
+/// The `ShardPlan::unused_on_some_ranks` call that declares the
+/// parameters `without` (name, unit): a wrapped unit by its prefix, the
+/// root's parameters by name.
+fn declaration(without: &[(String, String)]) -> String {
+    let mut tests: Vec<String> = Vec::new();
+    for (p, u) in without {
+        let test = match u.as_str() {
+            "<root>" => format!("name == \"{p}\""),
+            _ => format!("name.starts_with(\"{u}.\")"),
+        };
+        if !tests.contains(&test) {
+            tests.push(test);
+        }
+    }
+    format!(
+        "plan.unused_on_some_ranks(|name, _| {})?",
+        tests.join(" || ")
+    )
 }
 
 /// With `fill`, makes the gathered `full` the memory of `flat` (`padded`
@@ -1446,7 +1473,7 @@ fn install<T: Copy + Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use super::{Disagreement, Kind, RunOrder, UnitIds, Why};
+    use super::{declaration, Disagreement, Kind, RunOrder, UnitIds, Why};
     use zrt_collectives::{local, ProcessGroup};
 
     /// Each of two ranks announces (kind, unit); what rank 0 makes of it.
@@ -1565,6 +1592,16 @@ mod tests {
             e.starts_with("ranks out of step: this rank announced the gradient reduction of unit `a` to its 2 ranks, and another rank made a different collective call here")
                 && e.contains("rank 0 called all_gather(i64 x 2) but rank 1 called all_gather(i64 x 3)"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn the_declaration_suggested_names_wrapped_units_by_prefix_and_the_roots_parameters_by_name() {
+        let without = [("ln_f.bias", "<root>"), ("h.0.a", "h.0"), ("h.0.b", "h.0")]
+            .map(|(p, u)| (p.to_string(), u.to_string()));
+        assert_eq!(
+            declaration(&without),
+            r#"plan.unused_on_some_ranks(|name, _| name == "ln_f.bias" || name.starts_with("h.0."))?"#
         );
     }
 

@@ -37,9 +37,9 @@ pub(crate) trait UnitHook: Send + Sync {
     fn segment_dropped(&self, units: &[usize]);
 }
 
-/// A program's yes-or-no rule over trainable parameters, given each one's
-/// VarStore name and shape (which ones weight decay leaves out, which ones
-/// some ranks may not use).
+/// A program's yes-or-no rule over parameters, given each one's VarStore
+/// name and shape (which trainable ones weight decay leaves out, which
+/// ones some ranks may not use).
 pub(crate) type NameRule = dyn Fn(&str, &[i64]) -> bool + Send + Sync;
 
 /// The program's rule for what each trainable parameter's learning rate is
@@ -204,9 +204,10 @@ impl ShardPlan {
         self.lr_rule().map_or(1.0, |r| r(name, shape))
     }
 
-    /// Declares the trainable parameters for which `may_be_unused(name,
-    /// shape)` is true as ones that some ranks' losses may leave out while
-    /// others use them: a block that rank-dependent LayerDrop skips, the
+    /// Declares the parameters for which `may_be_unused(name, shape)` is
+    /// true as ones that some ranks' losses may leave out while others use
+    /// them (trainable ones, and frozen ones, which stage 3 gathers with
+    /// their unit): a block that rank-dependent LayerDrop skips, the
     /// experts a rank's tokens never reach, a head only some ranks'
     /// batches train. The units holding them are reduced at the end of
     /// every backward, on every rank in the same order, with zeros for

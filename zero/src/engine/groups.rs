@@ -79,9 +79,9 @@ impl Setting {
 
 /// How the optimizer treats each trainable parameter that a rule of the
 /// plan names, by VarStore name, and which frozen ones some ranks may not
-/// use (stage 3 gathers a unit's frozen part too). Built once when the engine is built, each
-/// rule asked once per parameter, so the ranks' agreement check, the
-/// layout and checkpoints see the same answers.
+/// use (stage 3 gathers a unit's frozen part too). Built once when the
+/// engine is built, each rule asked once per parameter, so the ranks'
+/// agreement check, the layout and checkpoints see the same answers.
 #[derive(Debug, Default)]
 pub(super) struct Settings(BTreeMap<String, Setting>);
 

@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, Device, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
-use zrt::gpt::{Gpt, GptConfig};
+use zrt::gpt::{layerdrop, Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 struct Args {
@@ -213,23 +213,6 @@ fn parse_args() -> Result<Option<Args>> {
             },
         },
     }))
-}
-
-/// The blocks (of `layers`) LayerDrop leaves out of the micro-batch of
-/// `seed` (the batch's own seed, so a resumed run leaves out the same),
-/// each with chance `p`.
-fn dropped(p: f64, layers: i64, seed: u64) -> Vec<usize> {
-    (0..layers as u64)
-        .filter(|&i| {
-            // splitmix64 of (seed, block): an even draw in [0, 1).
-            let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i + 1);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 11) as f64 / (1u64 << 53) as f64) < p
-        })
-        .map(|i| i as usize)
-        .collect()
 }
 
 /// Every regular file under `dir` whose name passes `keep`, sorted.
@@ -464,7 +447,7 @@ fn main() -> Result<()> {
         let mut sum = 0.0;
         for k in 0..gas {
             let seed = ((step * gas + k) * n as u64) + rank as u64;
-            let skipped = dropped(a.layerdrop, a.gpt.layers, seed);
+            let skipped = layerdrop(a.layerdrop, a.gpt.layers, seed);
             left_out += skipped.len();
             runs += a.gpt.layers as usize;
             let loss = gpt.loss_skipping(&batch(train, micro, a.gpt.seq + 1, seed)?, &skipped);

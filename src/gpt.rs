@@ -201,3 +201,44 @@ impl Gpt {
             .cross_entropy_for_logits(&y.reshape([-1]))
     }
 }
+
+/// The blocks (of `layers`) LayerDrop leaves out of the micro-batch drawn
+/// from `seed`, each with chance `p`: a pure function of its arguments, so
+/// a resumed run, or a peer in another language, leaves out the same ones
+/// (the main job's `--layerdrop`, `zrt bench train --layerdrop`; the
+/// benchmark's Python peer computes it the same way). Ranks that draw
+/// from different seeds leave out different blocks: declare the blocks
+/// with [`ShardPlan::unused_on_some_ranks`].
+pub fn layerdrop(p: f64, layers: i64, seed: u64) -> Vec<usize> {
+    (0..layers.max(0) as u64)
+        .filter(|&i| {
+            // splitmix64 of (seed, block): an even draw in [0, 1).
+            let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i + 1);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 11) as f64 / (1u64 << 53) as f64) < p
+        })
+        .map(|i| i as usize)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layerdrop;
+
+    #[test]
+    fn layerdrop_draws_the_blocks_the_python_peer_draws() {
+        // Computed by bench/peers/train_peer.py's `dropped` (the same
+        // splitmix64): each seed's draws for blocks 0 and 1 are
+        // 0: (0.34, 0.86), 5: (0.71, 0.31), 7: (0.94, 0.92), 11: (0.01, 0.17).
+        let at_half = |seed| layerdrop(0.5, 2, seed);
+        assert_eq!(at_half(0), [0]);
+        assert_eq!(at_half(5), [1]);
+        assert_eq!(at_half(7), [] as [usize; 0]);
+        assert_eq!(at_half(11), [0, 1]);
+        assert_eq!(layerdrop(0.0, 8, 11), [] as [usize; 0]);
+        assert_eq!(layerdrop(0.9, 2, 7), [] as [usize; 0]);
+        assert_eq!(layerdrop(0.95, 2, 7), [0, 1]);
+    }
+}

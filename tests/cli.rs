@@ -731,3 +731,48 @@ fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+            .args(["--stages", "3", "--rounds", "1", "--steps", "2"])
+            .args(extra)
+            .env("ZRT_BACKEND", "shm")
+            .env("ZRT_PYTHON", "/bin/false")
+            .output()
+            .unwrap()
+    };
+    let row = |o: &std::process::Output| -> serde_json::Value {
+        assert!(o.status.success(), "{}", common::printed(o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        serde_json::from_str(out.lines().next().unwrap()).unwrap()
+    };
+    // At the warm-up step rank 0 leaves block 0 out and rank 1 runs both
+    // (`layerdrop` of seeds 0 and 1): undeclared, their reductions would
+    // go out of step and the ranks fail.
+    let dropped = row(&bench(&["--json", "--layerdrop", "0.5"]));
+    assert_eq!(dropped["layerdrop"], 0.5, "{dropped}");
+    assert_eq!(row(&bench(&["--json"]))["layerdrop"], 0.0);
+    // The peers: DDP alone (FSDP2 and DeepSpeed cannot skip a module on
+    // some ranks), which this "Python" fails.
+    let o = bench(&["--peer", "--layerdrop", "0.5"]);
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(err.contains("peer ddp on tiny failed"), "{err}");
+    assert!(
+        !err.contains("fsdp2") && !out.contains("fsdp2"),
+        "{out}{err}"
+    );
+    assert!(out.contains("LayerDrop 0.5: each block left out"), "{out}");
+    let o = bench(&["--layerdrop", "1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("`1` is not a chance from 0 up to (not including) 1"),
+        "{err}"
+    );
+}

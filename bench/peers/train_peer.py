@@ -3,13 +3,17 @@ FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
 with gloo, one thread per rank.
 
 Started by zrt as WORLD_SIZE processes with the torchrun environment.
-argv: mode size micro steps [freeze_mlp [checkpoint]], where mode is one of
+argv: mode size micro steps [freeze_mlp [checkpoint [layerdrop]]], where mode is one of
 ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
 deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
 (the optimizer then holds the rest); checkpoint 1 recomputes every block's
 activations in backward (each block wrapped in `checkpoint_wrapper`, the
 non-reentrant `torch.utils.checkpoint`, before `fully_shard` or DDP, as
-torchtitan applies it: FSDP2's per-block hooks stay outside the recompute).
+torchtitan applies it: FSDP2's per-block hooks stay outside the recompute);
+layerdrop P leaves each block out of a step's forward with chance P, drawn
+on each rank apart exactly as zrt::gpt::layerdrop draws (ddp only, with
+find_unused_parameters=True: FSDP2 and DeepSpeed cannot train a module
+some ranks skip).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -27,6 +31,9 @@ import torch.nn.functional as F
 mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
 checkpoint = len(sys.argv) > 6 and sys.argv[6] == "1"
+layerdrop = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
+if layerdrop > 0 and mode != "ddp":
+    sys.exit(f"layerdrop needs the ddp mode, not {mode}")
 SIZES = {
     "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
     "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
@@ -60,13 +67,30 @@ class Gpt(nn.Module):
         self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
-    def forward(self, tokens):
+    def forward(self, tokens, skipped=()):
         x, y = tokens[:, :-1], tokens[:, 1:]
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-        for b in self.h:
-            h = b(h)
+        for i, b in enumerate(self.h):
+            if i not in skipped:
+                h = b(h)
         logits = self.head(self.ln_f(h)).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+M64 = (1 << 64) - 1
+
+
+def dropped(p, layers, seed):
+    """The blocks zrt::gpt::layerdrop leaves out (the same splitmix64)."""
+    out = []
+    for i in range(layers):
+        z = ((seed * 0x9E3779B97F4A7C15) & M64) ^ (i + 1)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        z ^= z >> 31
+        if (z >> 11) / float(1 << 53) < p:
+            out.append(i)
+    return out
 
 
 def reply(obj):
@@ -99,14 +123,14 @@ if mode.startswith("deepspeed"):
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=cfg)
 
-    def step(batch):
+    def step(batch, skipped):
         loss = engine(batch)
         engine.backward(loss)
         engine.step()
 else:
     dist.init_process_group("gloo")
     if mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=layerdrop > 0)
     elif mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -118,9 +142,9 @@ else:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
 
-    def step(batch):
+    def step(batch, skipped):
         opt.zero_grad(set_to_none=True)
-        loss = model(batch)
+        loss = model(batch, skipped)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
@@ -131,7 +155,7 @@ for s in range(steps + 1):
     batch = torch.randint(c["vocab"], (micro, c["seq"] + 1))
     dist.barrier()
     t0 = time.perf_counter()
-    step(batch)
+    step(batch, dropped(layerdrop, c["layers"], s * world + int(os.environ["RANK"])))
     if s > 0:
         times.append(time.perf_counter() - t0)
 t = torch.tensor(times, dtype=torch.float64)

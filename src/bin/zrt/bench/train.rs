@@ -13,7 +13,7 @@ use tch::{nn, Device, Kind, Tensor};
 use super::{median, peer, run_ranks};
 use crate::estimate::model_state_bytes;
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
-use zrt::gpt::{Gpt, GptConfig};
+use zrt::gpt::{layerdrop, Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 /// Options of `zrt bench train`.
@@ -55,6 +55,15 @@ pub struct TrainArgs {
     /// recompute.
     #[arg(long)]
     checkpoint_activations: bool,
+    /// Leave each block out of a step's forward with this chance, drawn on
+    /// each rank apart (`zrt::gpt::layerdrop`, the same draws in zrt and
+    /// the peer): zrt declares the blocks with
+    /// `ShardPlan::unused_on_some_ranks`, the peer is DDP with
+    /// `find_unused_parameters=True` (FSDP2 and DeepSpeed have no way to
+    /// train a module some ranks skip, and are left out). MFU counts every
+    /// block.
+    #[arg(long, default_value_t = 0.0, value_parser = chance)]
+    layerdrop: f64,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
     /// in elements (DeepSpeed's default: 5e8). Several are interleaved like
     /// the stages: `5e8,5e5` shows what small buckets (which also bound the
@@ -94,6 +103,18 @@ pub struct TrainRankArgs {
     checkpoint_activations: bool,
     #[arg(long, default_value_t = 5e8)]
     reduce_bucket_size: f64,
+    #[arg(long, default_value_t = 0.0)]
+    layerdrop: f64,
+}
+
+/// A chance from 0 up to (not including) 1 (`--layerdrop`).
+fn chance(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+        _ => Err(format!(
+            "`{s}` is not a chance from 0 up to (not including) 1"
+        )),
+    }
 }
 
 fn gpt(size: &str) -> Result<GptConfig> {
@@ -159,6 +180,9 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         Gpt::new(&vs.root(), &plan, &c)
     };
     let frozen = if a.freeze_mlp { freeze_mlp(&vs) } else { 0 };
+    if a.layerdrop > 0.0 {
+        plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
+    }
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}}}}}"#,
@@ -173,7 +197,9 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     for s in 0..=a.steps {
         let before = stats();
         let t = Instant::now();
-        engine.backward(&model.loss(&batch()))?;
+        // Each rank its own draws, as the peer makes them.
+        let skipped = layerdrop(a.layerdrop, c.layers, (s * n + rank) as u64);
+        engine.backward(&model.loss_skipping(&batch(), &skipped))?;
         engine.step()?;
         let dt = t.elapsed().as_secs_f64();
         if s > 0 {
@@ -247,6 +273,8 @@ fn run_rank(
         &a.steps.to_string(),
         "--reduce-bucket-size",
         &bucket.to_string(),
+        "--layerdrop",
+        &a.layerdrop.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -339,6 +367,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             .iter()
             .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
             .filter(|(_, p)| deepspeed_missing.is_none() || !p.starts_with("deepspeed"))
+            // Only DDP trains a module some ranks skip.
+            .filter(|(_, p)| a.layerdrop == 0.0 || *p == "ddp")
             .collect()
     } else {
         Vec::new()
@@ -368,6 +398,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 a.steps.to_string(),
                 (a.freeze_mlp as u8).to_string(),
                 (a.checkpoint_activations as u8).to_string(),
+                a.layerdrop.to_string(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -389,7 +420,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let several_backends = a.backends.len() > 1;
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}{}",
             a.micro,
             a.backends.join(" and "),
             if several_backends { "s" } else { "" },
@@ -403,6 +434,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             match a.checkpoint_activations {
                 true => "; every block's activations recomputed in backward (MFU counts model FLOPs, not the recompute)",
                 false => "",
+            },
+            match a.layerdrop > 0.0 {
+                true => format!("; LayerDrop {}: each block left out with that chance, drawn on each rank apart (zrt: ShardPlan::unused_on_some_ranks; DDP: find_unused_parameters; MFU counts every block)", a.layerdrop),
+                false => String::new(),
             }
         );
         println!(
@@ -505,6 +540,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                     "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
                     "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
                     "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
+                    "layerdrop": a.layerdrop,
                 })
             );
         } else {
@@ -548,7 +584,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             println!(
                 "{}",
                 json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss,
-                    "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations})
+                    "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
+                    "layerdrop": a.layerdrop})
             );
         } else {
             println!(
@@ -571,6 +608,22 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 "plots: {}/step_time.png, {}/memory.png",
                 dir.display(),
                 dir.display()
+            );
+        }
+    }
+    if !a.json && a.peer && a.layerdrop > 0.0 {
+        // FSDP2 has no rows to compare with: DDP, per stage.
+        for ((size, world, stage, bucket, backend), rows) in configs.iter().zip(&samples) {
+            let ddp = peer_rows(size, "ddp");
+            if *world != 2 || *bucket != a.reduce_bucket_sizes[0] || ddp.is_empty() {
+                continue;
+            }
+            println!(
+                "{size} ZeRO-{stage}, 2 ranks{}, LayerDrop {}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
+                tag(backend),
+                a.layerdrop,
+                median_time(ddp) / median_time(rows),
+                max_rss(ddp) / max_rss(rows)
             );
         }
     }

@@ -768,6 +768,7 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
         !err.contains("fsdp2") && !out.contains("fsdp2"),
         "{out}{err}"
     );
+    assert!(!err.contains("DeepSpeed's rows are left out"), "{err}");
     assert!(out.contains("LayerDrop 0.5: each block left out"), "{out}");
     let o = bench(&["--layerdrop", "1"]);
     let err = String::from_utf8_lossy(&o.stderr);

@@ -352,7 +352,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     }
     // DeepSpeed is optional in the venv: without it its peers are left out
     // with one line, not a traceback per peer and round and rows of NaN.
-    let deepspeed_missing = match a.peer {
+    // (Under --layerdrop there are no DeepSpeed rows to leave out.)
+    let deepspeed_missing = match a.peer && a.layerdrop == 0.0 {
         true => peer::import_fails(&peer::venv_python(), "deepspeed"),
         false => None,
     };

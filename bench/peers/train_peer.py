@@ -12,8 +12,8 @@ non-reentrant `torch.utils.checkpoint`, before `fully_shard` or DDP, as
 torchtitan applies it: FSDP2's per-block hooks stay outside the recompute);
 layerdrop P leaves each block out of a step's forward with chance P, drawn
 on each rank apart exactly as zrt::gpt::layerdrop draws (ddp only, with
-find_unused_parameters=True: FSDP2 and DeepSpeed cannot train a module
-some ranks skip).
+find_unused_parameters=True, PyTorch's option for it: FSDP2 and DeepSpeed
+have none).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """

@@ -59,9 +59,8 @@ pub struct TrainArgs {
     /// each rank apart (`zrt::gpt::layerdrop`, the same draws in zrt and
     /// the peer): zrt declares the blocks with
     /// `ShardPlan::unused_on_some_ranks`, the peer is DDP with
-    /// `find_unused_parameters=True` (FSDP2 and DeepSpeed have no way to
-    /// train a module some ranks skip, and are left out). MFU counts every
-    /// block.
+    /// `find_unused_parameters=True`, PyTorch's option for it (FSDP2 and
+    /// DeepSpeed have none, and are left out). MFU counts every block.
     #[arg(long, default_value_t = 0.0, value_parser = chance)]
     layerdrop: f64,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,

@@ -782,8 +782,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let replica = i.replica();
         // A module-only load reads the parameters alone.
-        let grads = meta.grads_saved && what == What::Everything;
-        if grads {
+        let load_grads = meta.grads_saved && what == What::Everything;
+        if load_grads {
             if let Some(differs) = mid_step_differs(&meta, &st, i.stage, i.mesh()) {
                 return Err(CheckpointError::Incompatible(format!(
                     "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, which load only into the engine that accumulated them: {differs}. Load it with the same stage, mesh and ShardedModule wrapping, or save right after a step() at an accumulation boundary, which loads anywhere",
@@ -792,7 +792,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         // Hybrid stage 1: replicas after the first read their own sums.
-        let grads = match (grads, meta.stage == 1 && replica > 0) {
+        let grads = match (load_grads, meta.stage == 1 && replica > 0) {
             (false, _) => Grads::Zero,
             (true, false) => Grads::Rank,
             (true, true) => {

@@ -333,8 +333,9 @@ fn main() -> Result<()> {
         }
     }
     if a.layerdrop > 0.0 {
-        // Each rank leaves out its own blocks: their units are reduced at
-        // the end of backward (and stay gathered at stage 3).
+        // Each rank leaves out its own blocks: every rank reduces the
+        // units in one agreed order (at stage 3 the blocks at the end of
+        // backward, and they stay gathered).
         plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
     }
     let cfg = Config::from_file(&a.config)?;

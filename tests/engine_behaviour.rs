@@ -485,16 +485,32 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
                 e.backward(&loss).map_err(|e| e.to_string())?;
                 e.step().map_err(|e| e.to_string())?;
             }
-            Ok::<_, String>(e.gathered_params().unwrap())
+            let during = e.overlap_counts().during_backward;
+            Ok::<_, String>((e.gathered_params().unwrap(), during))
         })
     };
+    let params = |got: Vec<Result<(_, u64), String>>| -> Vec<_> {
+        got.into_iter().map(|g| g.map(|(p, _)| p)).collect()
+    };
     // Declared, stage 0 trains as if rank 1 used b times zero, to the bit.
-    let reference = run(0, Some(Extra::TimesZero));
-    assert_eq!(run(0, Some(Extra::Declared)), reference);
+    let reference = params(run(0, Some(Extra::TimesZero)));
+    assert_eq!(params(run(0, Some(Extra::Declared))), reference);
     let reference = reference[0].as_ref().unwrap();
-    for stage in [1u8, 2, 3] {
+    for stage in [0u8, 1, 2, 3] {
         let got = run(stage, Some(Extra::Declared));
-        for (rank, g) in got.iter().enumerate() {
+        // Units reduced from backward's hooks on each rank, of 3 x 4: the
+        // first backward leaves b to its end (no launch order agreed
+        // yet); from the second on, stages 0 and 2 reduce b in its turn,
+        // at once where the walk from the loss finds it unreached (rank 1,
+        // micro-step 2); stages 1 and 3 leave it to the end throughout.
+        let during: Vec<u64> = got.iter().map(|g| g.as_ref().unwrap().1).collect();
+        let want = if matches!(stage, 0 | 2) {
+            2 + 3 * 3
+        } else {
+            2 * 4
+        };
+        assert_eq!(during, [want; 2], "stage {stage}");
+        for (rank, g) in params(got).iter().enumerate() {
             let g = g.as_ref().unwrap();
             for ((n, a), (_, b)) in g.iter().zip(reference) {
                 let worst = a
@@ -511,7 +527,7 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     }
     // Undeclared, stage 2 names the parameters rank 1 lacks, and how to
     // declare them.
-    for (rank, e) in run(2, None).into_iter().enumerate() {
+    for (rank, e) in params(run(2, None)).into_iter().enumerate() {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("gradient reductions out of step across ranks"),
@@ -523,13 +539,58 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     }
     // Undeclared, stage 3 gathers b for its backward on rank 0 where
     // rank 1 gathers a (declared, b stays gathered).
-    for e in run(3, None) {
+    for e in params(run(3, None)) {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("ranks ran units in different orders: rank 0 runs the backward of `b`, rank 1 runs the backward of `a`")
                 && e.contains("declares them with ShardPlan::unused_on_some_ranks, and stage 3 then keeps them gathered"),
             "{e}"
         );
+    }
+}
+
+#[test]
+fn a_declared_unit_a_foreign_checkpoint_hides_from_the_walk_is_refused_not_lost() {
+    // Stages 0 and 2 count a declared unit whole at once when the walk
+    // from the loss does not reach it. A checkpoint the engine does not
+    // track (glue::checkpoint straight, not Checkpointed) hides b's
+    // parameters from that walk, then its recompute accumulates them
+    // after b was reduced with zeros: every rank stops, naming it.
+    for stage in [0u8, 2] {
+        let got = on_ranks(WORLD, |r| {
+            let t = tiny();
+            t.plan
+                .unused_on_some_ranks(|name, _| name.starts_with("b."))
+                .unwrap();
+            let e = engine_for(&t, &config(stage, 1), &r);
+            let v = t.vs.variables();
+            let (w, bias) = (v["b.weight"].shallow_clone(), v["b.bias"].shallow_clone());
+            for k in 0..2 {
+                let h = t.a.forward(&input(r.rank(), k));
+                // The first backward agrees the order; the second walks.
+                let h = match k {
+                    0 => t.b.forward(&h),
+                    _ => {
+                        let (w, bias) = (w.shallow_clone(), bias.shallow_clone());
+                        glue::checkpoint(&[&h], move |x| Ok(x[0].linear(&w, Some(&bias)))).unwrap()
+                    }
+                };
+                let loss = t.c.forward(&h).square().mean(Kind::Float);
+                e.backward(&loss).map_err(|e| (k, e.to_string()))?;
+                e.step().map_err(|e| (k, e.to_string()))?;
+            }
+            Ok::<_, (usize, String)>(())
+        });
+        for g in got {
+            let (k, e) = g.unwrap_err();
+            assert_eq!(k, 1, "stage {stage}: {e}");
+            assert!(
+                e.starts_with("accumulated gradients unusable: parameter `b.")
+                    && e.contains("did not find")
+                    && e.contains("Checkpointed"),
+                "stage {stage}: {e}"
+            );
+        }
     }
 }
 

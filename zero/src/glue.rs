@@ -386,16 +386,19 @@ pub fn tensor_impl(t: &Tensor) -> Result<usize, GlueError> {
 
 /// The leaves (as [`tensor_impl`] addresses) backward from `t` would
 /// accumulate into, not looking past `stop`'s history: with `stop` a
-/// module's input and `t` its output, the parameters the module used.
-pub fn graph_leaves(t: &Tensor, stop: &Tensor) -> Result<Vec<usize>, GlueError> {
+/// module's input and `t` its output, the parameters the module used; with
+/// no `stop` and `t` a loss, every parameter its backward will reach
+/// (but for those a checkpointed segment hides until its recompute).
+pub fn graph_leaves(t: &Tensor, stop: Option<&Tensor>) -> Result<Vec<usize>, GlueError> {
+    let stop = stop.map_or(std::ptr::null(), |s| s.as_ptr());
     let mut cap = 64;
     loop {
         let mut out: Vec<*const std::ffi::c_void> = vec![std::ptr::null(); cap];
         let mut len = 0usize;
-        // SAFETY: both tensors are live; `out` has `cap` writable slots and
-        // the C side writes at most that many.
+        // SAFETY: `t` and `stop` (or null) are live; `out` has `cap`
+        // writable slots and the C side writes at most that many.
         check("graph_leaves", unsafe {
-            ffi::zrt_graph_leaves(t.as_ptr(), stop.as_ptr(), out.as_mut_ptr(), cap, &mut len)
+            ffi::zrt_graph_leaves(t.as_ptr(), stop, out.as_mut_ptr(), cap, &mut len)
         })?;
         if len <= cap {
             return Ok(out[..len].iter().map(|&p| p as usize).collect());

@@ -209,11 +209,17 @@ impl ShardPlan {
     /// them (trainable ones, and frozen ones, which stage 3 gathers with
     /// their unit): a block that rank-dependent LayerDrop skips, the
     /// experts a rank's tokens never reach, a head only some ranks'
-    /// batches train. The units holding them are reduced at the end of
-    /// every backward, on every rank in the same order, with zeros for
-    /// the gradients a rank's loss did not reach; the others are reduced
-    /// during backward as before. PyTorch's DDP asks for
-    /// `find_unused_parameters=True` for this.
+    /// batches train. The units holding them are reduced with zeros for
+    /// the gradients a rank's loss did not reach, and every rank reduces
+    /// the units in the same order. At stages 0 and 2 that is one order
+    /// the ranks agree at the end of the first backward (the order they
+    /// found units whole in), each unit reduced during backward once it
+    /// and those before it in that order are whole, and a unit counted
+    /// whole at once when a walk of the autograd graph from the loss
+    /// (`engine.backward(loss)`) does not reach its missing parameters, as
+    /// DDP's `find_unused_parameters=True` does; in the first backward,
+    /// and at stage 3 (whose backward gathers too) always, declared units
+    /// are reduced at the end of backward.
     ///
     /// Without it each unit is reduced as soon as all its parameters have
     /// their gradients, so such a parameter completes its unit at
@@ -222,12 +228,17 @@ impl ShardPlan {
     /// the parameter (never mixing one unit's gradients with another's).
     /// Stage 1 accumulates locally during backward and needs it not.
     ///
-    /// A unit declared so keeps its gradients until the end of backward,
-    /// where its reduction no longer overlaps compute, and at stage 3 it
-    /// stays gathered, as the root does (its forward must not gather: a
-    /// rank that skips it would meet the others' gather with its next
-    /// unit's), so its parameters take the memory stage 2 gives them.
-    /// Declare the parameters that need it, not all.
+    /// What it costs: a unit a rank never finds whole holds back the
+    /// units after it in the order until the end of backward, on that
+    /// rank (a parameter its loss reaches yet gives no gradient; one a
+    /// checkpointed segment hides from the walk until its recompute; in a
+    /// bare `loss.backward()`, which has no loss to walk from, any its
+    /// loss left out). At stage 3 a declared unit is reduced after
+    /// backward, with nothing to overlap, and stays gathered, as the root
+    /// does (its forward must not gather: a rank that skips it would meet
+    /// the others' gather with its next unit's), so its parameters take
+    /// the memory stage 2 gives them. Declare the parameters that need
+    /// it, not all.
     ///
     /// ```no_run
     /// # let plan = zrt_zero::ShardPlan::new();

@@ -71,6 +71,7 @@ mod frozen;
 mod frozen_shards;
 mod full_params;
 mod groups;
+mod launch_order;
 mod loss_scale;
 mod offload;
 mod overlap;
@@ -118,9 +119,10 @@ struct Unit {
     /// [`ShardPlan::scale_learning_rate`]).
     special: Vec<(std::ops::Range<usize>, groups::Setting)>,
     /// Some ranks' losses may not use some of its parameters, trainable
-    /// or frozen ([`ShardPlan::unused_on_some_ranks`]): reduced at the end
-    /// of backward, never from a gradient hook; at stage 3 gathered
-    /// throughout and left out of the run order.
+    /// or frozen ([`ShardPlan::unused_on_some_ranks`]): at stages 0 and 2
+    /// reduced in the order the ranks agree (see `launch_order`), at the
+    /// end of the first backward until there is one; at stage 3 at the
+    /// end of backward, gathered throughout and left out of the run order.
     uneven: bool,
     params: Vec<Tensor>,
     flat: Tensor,
@@ -812,7 +814,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         x: &Tensor,
         y: &Tensor,
     ) -> Result<(), EngineError> {
-        for leaf in glue::graph_leaves(y, x)? {
+        for leaf in glue::graph_leaves(y, Some(x))? {
             if let Some((owner, name)) = self.owners.get(&leaf) {
                 if *owner != unit && !overlap::stays_gathered(st, *owner) {
                     return Err(EngineError::Plan(format!(
@@ -1390,12 +1392,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(|u| u.name.as_str())
             .collect();
         if !uneven.is_empty() && stage != 1 {
-            let gathered = match stage {
-                3 => " and stay gathered",
-                _ => "",
+            let when = match stage {
+                3 => "at the end of each backward and stay gathered",
+                _ => "in one order the ranks agree at the end of the first backward (at its end until then)",
             };
             tracing::info!(
-                "units {} are reduced at the end of each backward{gathered} (ShardPlan::unused_on_some_ranks)",
+                "units {} are reduced {when} (ShardPlan::unused_on_some_ranks)",
                 uneven.join(", ")
             );
         }
@@ -1699,6 +1701,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let started = {
             let mut st = i.st.lock();
             i.begin_backward(&mut st);
+            i.skip_unreached(&mut st, loss)?;
             st.timing.backward_starts()
         };
         let ran = {

@@ -9,10 +9,14 @@
 //!   `Engine::backward` waits for the reductions at its end, in issue order.
 //!   Every parameter in use produces its gradient through nodes that have
 //!   all run when its accumulation hook fires, so freeing then is safe.
-//!   Units the program declared some ranks may not use
-//!   ([`crate::ShardPlan::unused_on_some_ranks`]) wait for the end of
-//!   backward instead, where every rank reduces them in unit order (and
-//!   stage 3 frees them).
+//!   When the program declared units some ranks may not use
+//!   ([`crate::ShardPlan::unused_on_some_ranks`]), stages 0 and 2 reduce
+//!   every unit in one order the ranks agree ([`LaunchOrder`]), each once
+//!   it and those before it are whole, a unit the walk from the loss does
+//!   not reach counting as whole at once; until that order is agreed
+//!   (the first backward), and at stage 3, declared units wait for the
+//!   end of backward instead, where every rank reduces them in unit order
+//!   (and stage 3 frees them).
 //! * **Prefetch (stage 3).** When a unit is needed, the gather of the next
 //!   one (forward) or the previous one (backward), in the order the last
 //!   forward ran them ([`RunOrder`]), is issued right away and only waited
@@ -32,6 +36,7 @@ use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{cast, reduce};
 
 use super::elems::Elems;
+pub(super) use super::launch_order::LaunchOrder;
 use super::offload::ReadAhead;
 use super::pool::Pool;
 use super::timing::waiting;
@@ -284,6 +289,18 @@ pub(super) struct Progress {
     /// Units whose gradients this backward has taken (all true outside an
     /// engine backward, so hooks of a bare `loss.backward()` do nothing).
     launched: Vec<bool>,
+    /// The order every rank reduces the units in, once agreed (see
+    /// [`LaunchOrder`]).
+    pub(super) order_agreed: Option<LaunchOrder>,
+    /// Units with their whole gradient this backward, waiting for their
+    /// turn in the agreed order.
+    complete: Vec<bool>,
+    /// Units in the order their gradients became whole this backward
+    /// (what the ranks agree the launch order from).
+    completed: Vec<usize>,
+    /// Per unit, the parameters the walk from the loss did not reach,
+    /// counted as having their (zero) gradient before backward ran.
+    unreached: Vec<Vec<usize>>,
     /// Reductions in issue order: (unit, range of its gradient buffer the
     /// result adds to, the reduction, elements of the buffer it holds).
     inflight: Vec<(usize, std::ops::Range<usize>, Reduce, usize)>,
@@ -458,6 +475,8 @@ impl Progress {
         self.seen[k].clear();
         self.seen[k].resize(params, false);
         self.launched[k] = params == 0;
+        self.complete[k] = false;
+        self.unreached[k].clear();
     }
 
     /// Parameter `j` of unit `k` accumulated its gradient: whether each of
@@ -481,6 +500,10 @@ impl Progress {
             ready: vec![0; units],
             seen: vec![Vec::new(); units],
             launched: vec![true; units],
+            order_agreed: None,
+            complete: vec![false; units],
+            completed: Vec::new(),
+            unreached: vec![Vec::new(); units],
             inflight: Vec::new(),
             inflight_elems: 0,
             replicating: Vec::new(),
@@ -512,6 +535,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.order.complete();
         st.prog.added.clear();
         st.prog.uneven_later = None;
+        st.prog.completed.clear();
+        if let Some(o) = &mut st.prog.order_agreed {
+            o.next = 0;
+        }
         for (k, u) in st.units.iter().enumerate() {
             st.prog.arm(k, u.params.len());
         }
@@ -551,6 +578,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// naming it rather than this call blocking).
     pub(super) fn abort_backward(&self, st: &mut State) {
         st.prog.launched.fill(true);
+        st.prog.unreached.iter_mut().for_each(Vec::clear);
         drop_reductions(st);
     }
 
@@ -573,6 +601,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 return;
             }
         };
+        if st.prog.unreached[k].contains(&j) {
+            // Not reached from the loss, yet here: the unit may have been
+            // reduced with zeros already. Only a graph built during
+            // backward (a checkpoint other than zrt's, whose segments hold
+            // their units) could do this; stop rather than lose it.
+            let name = st.units[k]
+                .layout
+                .slots
+                .get(j)
+                .map_or("?", |s| s.name.as_str());
+            st.error = Some(EngineError::GradientsLost(format!(
+                "parameter `{name}` of unit `{}` received a gradient that the walk of the autograd graph from the loss did not find, so its unit (declared with ShardPlan::unused_on_some_ranks) may have been reduced without it; checkpoint with zrt's Checkpointed, which the engine knows to wait for",
+                st.units[k].name
+            )));
+            return;
+        }
         let again = id.is_some() && id == st.prog.backward_id;
         st.prog.backward_id = id;
         if st.prog.launched[k] && again {
@@ -602,14 +646,83 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Unit `k` has its whole gradient for this backward: issue its
     /// reduction (and at stage 3 free it), waiting for it under
-    /// `overlap_comm: false`. A unit some ranks may not use waits for the
-    /// end of backward ([`Self::end_backward`] reduces it there): on a rank
-    /// whose loss left part of it out it is complete only then, and every
-    /// rank must reduce it at the same point.
+    /// `overlap_comm: false`. Once the ranks agreed a launch order (see
+    /// [`LaunchOrder`]) it waits for its turn in it. Before that, a unit
+    /// some ranks may not use waits for the end of backward
+    /// ([`Self::end_backward`] reduces it there): on a rank whose loss left
+    /// part of it out it is complete only then, and every rank must reduce
+    /// it at the same point.
     fn launch_complete(&self, st: &mut State, k: usize) {
+        if !st.prog.completed.contains(&k) {
+            st.prog.completed.push(k);
+        }
+        if st.prog.order_agreed.is_some() {
+            st.prog.complete[k] = true;
+            self.launch_in_turn(st);
+            return;
+        }
         if st.units[k].uneven {
             return;
         }
+        self.launch_now(st, k);
+    }
+
+    /// Launches the units whose turn in the agreed order has come and
+    /// whose gradients are whole, up to the first that is not.
+    fn launch_in_turn(&self, st: &mut State) {
+        while st.error.is_none() {
+            let Some(o) = &st.prog.order_agreed else {
+                return;
+            };
+            let Some(&k) = o.order.get(o.next) else {
+                return;
+            };
+            if !st.prog.launched[k] {
+                if !st.prog.complete[k] {
+                    return;
+                }
+                self.launch_now(st, k);
+            }
+            if let Some(o) = &mut st.prog.order_agreed {
+                o.next += 1;
+            }
+        }
+    }
+
+    /// Parameters of units some ranks may not use that backward from
+    /// `loss` will not reach count as having their (zero) gradient before
+    /// it runs, so such units are reduced in their turn instead of at the
+    /// end (DDP's `find_unused_parameters` walks the graph the same way).
+    /// Only once the launch order is agreed (every rank reduces in it,
+    /// whenever each finds a unit whole), and not for units a checkpointed
+    /// segment holds: its recompute builds the graph that reaches them
+    /// during backward.
+    pub(super) fn skip_unreached(&self, st: &mut State, loss: &Tensor) -> Result<(), EngineError> {
+        if st.prog.order_agreed.is_none() {
+            return Ok(());
+        }
+        let reached: std::collections::HashSet<usize> =
+            glue::graph_leaves(loss, None)?.into_iter().collect();
+        for k in 0..st.units.len() {
+            if !st.units[k].uneven || st.prog.launched[k] || self.segments.held(k) > 0 {
+                continue;
+            }
+            for j in 0..st.units[k].params.len() {
+                if !reached.contains(&glue::tensor_impl(&st.units[k].params[j])?) {
+                    st.prog.unreached[k].push(j);
+                    st.prog.see(k, j);
+                }
+            }
+            if st.prog.ready[k] == 0 {
+                self.launch_complete(st, k);
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues unit `k`'s reduction from backward (see
+    /// [`Self::launch_complete`]).
+    fn launch_now(&self, st: &mut State, k: usize) {
         st.prog.counts.during_backward += 1;
         let overlap = self.cfg.config.zero.overlap_comm;
         let done = self
@@ -960,7 +1073,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn end_backward(&self, st: &mut State, free: bool) -> Result<(), EngineError> {
         // Parameters left without a gradient, for the error below.
         let mut without = Vec::new();
-        for k in 0..st.units.len() {
+        // In the agreed order once there is one (units no hook completed
+        // come after the others), by index before.
+        let order = match &st.prog.order_agreed {
+            Some(o) => o.order.clone(),
+            None => (0..st.units.len()).collect(),
+        };
+        st.prog.unreached.iter_mut().for_each(Vec::clear);
+        for k in order {
             if !st.prog.launched[k] {
                 let u = &st.units[k];
                 without.extend(
@@ -999,11 +1119,52 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 self.free_if_gathered(st, k)?;
             }
         }
+        if st.prog.order_agreed.is_none() && self.agrees_launch_order(st) {
+            self.agree_launch_order(st)?;
+        }
         // Forwards whose backward did not run (evaluation with autograd on)
         // count no more.
         st.awaiting_input_grad.fill(0);
         st.prog.bare = false;
         st.micro += 1;
+        Ok(())
+    }
+
+    /// Whether this engine reduces in an order the ranks agree (see
+    /// [`LaunchOrder`]): some units are declared unused on some ranks, and
+    /// backward issues no collective but reductions (stages 0 and 2;
+    /// stage 3's backward gathers too, whose places among the reductions
+    /// would still differ, so it reduces such units at the end of backward;
+    /// stage 1 communicates nothing in backward).
+    fn agrees_launch_order(&self, st: &State) -> bool {
+        matches!(self.stage, 0 | 2) && st.units.iter().any(|u| u.uneven)
+    }
+
+    /// Agrees the launch order from the order each rank found units whole
+    /// in this backward: gathered over the group, then (hybrid sharding)
+    /// over the replicate group, so every rank of the world merges the
+    /// same sequences.
+    fn agree_launch_order(&self, st: &mut State) -> Result<(), EngineError> {
+        let units = st.units.len();
+        let mine = LaunchOrder::encode(&st.prog.completed, units);
+        let gather = |st: &mut State, g: &G, v: Vec<i64>| {
+            waiting(&mut st.timing, || g.all_gather(v, Vec::new()).wait()).map(|(_, all)| all)
+        };
+        let mut all = gather(st, &self.group, mine)?;
+        if let Some(r) = &self.replicate {
+            all = gather(st, r, all)?;
+        }
+        let agreed = LaunchOrder::merge(&LaunchOrder::decode(&all, units), units);
+        let names: Vec<&str> = agreed
+            .order
+            .iter()
+            .map(|&k| st.units[k].name.as_str())
+            .collect();
+        tracing::debug!(
+            "units declared unused on some ranks: from here every rank reduces the units in the order {}",
+            names.join(", ")
+        );
+        st.prog.order_agreed = Some(agreed);
         Ok(())
     }
 
@@ -1418,7 +1579,7 @@ fn explain_uneven(what: &str, without: &[(String, String)]) -> EngineError {
         )
     };
     EngineError::UnevenGradients(format!(
-        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (their units are then reduced at the end of backward, on every rank alike), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
+        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (every rank then reduces the units in one agreed order, or at stage 3 at the end of backward), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
     ))
 }
 

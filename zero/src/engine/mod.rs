@@ -1701,7 +1701,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let started = {
             let mut st = i.st.lock();
             i.begin_backward(&mut st);
-            i.skip_unreached(&mut st, loss)?;
+            if let Err(e) = i.skip_unreached(&mut st, loss) {
+                // Disarm, so later hooks are not taken for this backward's.
+                i.abort_backward(&mut st);
+                return Err(e);
+            }
             st.timing.backward_starts()
         };
         let ran = {

@@ -502,14 +502,17 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
         // first backward leaves b to its end (no launch order agreed
         // yet); from the second on, stages 0 and 2 reduce b in its turn,
         // at once where the walk from the loss finds it unreached (rank 1,
-        // micro-step 2); stages 1 and 3 leave it to the end throughout.
+        // micro-step 2); stage 3 leaves it to the end throughout; stage 1,
+        // which only adds to local sums in backward, takes each unit as it
+        // completes (rank 1's b, unused in micro-steps 0 and 2, at the end
+        // of those).
         let during: Vec<u64> = got.iter().map(|g| g.as_ref().unwrap().1).collect();
-        let want = if matches!(stage, 0 | 2) {
-            2 + 3 * 3
-        } else {
-            2 * 4
+        let want = match stage {
+            0 | 2 => [2 + 3 * 3; 2],
+            1 => [3 * 4, 3 * 4 - 2],
+            _ => [2 * 4; 2],
         };
-        assert_eq!(during, [want; 2], "stage {stage}");
+        assert_eq!(during, want, "stage {stage}");
         for (rank, g) in params(got).iter().enumerate() {
             let g = g.as_ref().unwrap();
             for ((n, a), (_, b)) in g.iter().zip(reference) {

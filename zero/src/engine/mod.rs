@@ -122,7 +122,9 @@ struct Unit {
     /// or frozen ([`ShardPlan::unused_on_some_ranks`]): at stages 0 and 2
     /// reduced in the order the ranks agree (see `launch_order`), at the
     /// end of the first backward until there is one; at stage 3 at the
-    /// end of backward, gathered throughout and left out of the run order.
+    /// end of backward, gathered throughout and left out of the run order
+    /// (stage 1, which communicates nothing in backward, takes it as any
+    /// unit).
     uneven: bool,
     params: Vec<Tensor>,
     flat: Tensor,

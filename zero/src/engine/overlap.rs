@@ -651,7 +651,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// some ranks may not use waits for the end of backward
     /// ([`Self::end_backward`] reduces it there): on a rank whose loss left
     /// part of it out it is complete only then, and every rank must reduce
-    /// it at the same point.
+    /// it at the same point. Not at stage 1, whose backward only adds to
+    /// local sums, in any order.
     fn launch_complete(&self, st: &mut State, k: usize) {
         if !st.prog.completed.contains(&k) {
             st.prog.completed.push(k);
@@ -661,7 +662,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             self.launch_in_turn(st);
             return;
         }
-        if st.units[k].uneven {
+        if st.units[k].uneven && self.stage != 1 {
             return;
         }
         self.launch_now(st, k);

@@ -558,8 +558,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if trained.peek().is_none() {
             return; // every parameter frozen: nothing to reach
         }
-        let reached = trained
-            .any(|(k, u)| st.prog.launched[k] || u.params.iter().any(|t| t.grad().defined()));
+        // A unit launched because the walk from the loss reached none of
+        // its parameters (see `skip_unreached`) was not reached.
+        let reached = trained.any(|(k, u)| {
+            let walked_past = st.prog.unreached[k].len() == u.params.len();
+            (st.prog.launched[k] && !walked_past) || u.params.iter().any(|t| t.grad().defined())
+        });
         if !reached
             && !self
                 .told_untouched

@@ -463,7 +463,8 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     // point of backward as on rank 0; adding 0 x b's parameters to the
     // loss instead completes b first, which puts the reductions out of
     // step as surely as leaving b out).
-    let run = |stage: u8, declared: Option<Extra>| {
+    // `bare`: the program's own `loss.backward()`.
+    let run = |stage: u8, declared: Option<Extra>, bare: bool| {
         on_ranks(WORLD, |r| {
             let t = tiny();
             if declared == Some(Extra::Declared) {
@@ -482,7 +483,10 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
                     (false, _) => t.b.forward(&h),
                 };
                 let loss = t.c.forward(&h).square().mean(Kind::Float);
-                e.backward(&loss).map_err(|e| e.to_string())?;
+                match bare {
+                    true => loss.f_backward().map_err(|e| e.to_string())?,
+                    false => e.backward(&loss).map_err(|e| e.to_string())?,
+                }
                 e.step().map_err(|e| e.to_string())?;
             }
             let during = e.overlap_counts().during_backward;
@@ -493,11 +497,25 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
         got.into_iter().map(|g| g.map(|(p, _)| p)).collect()
     };
     // Declared, stage 0 trains as if rank 1 used b times zero, to the bit.
-    let reference = params(run(0, Some(Extra::TimesZero)));
-    assert_eq!(params(run(0, Some(Extra::Declared))), reference);
+    let reference = params(run(0, Some(Extra::TimesZero), false));
+    assert_eq!(params(run(0, Some(Extra::Declared), false)), reference);
     let reference = reference[0].as_ref().unwrap();
+    // `what` trained as the reference did, on every rank.
+    let assert_close = |what: &str, got: Vec<Result<(Params, u64), String>>| {
+        for (rank, g) in params(got).iter().enumerate() {
+            let g = g.as_ref().unwrap();
+            for ((n, a), (_, b)) in g.iter().zip(reference) {
+                let worst = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 1e-6, "{what} rank {rank} {n}: off by {worst}");
+            }
+        }
+    };
     for stage in [0u8, 1, 2, 3] {
-        let got = run(stage, Some(Extra::Declared));
+        let got = run(stage, Some(Extra::Declared), false);
         // Units reduced from backward's hooks on each rank, of 3 x 4: the
         // first backward leaves b to its end (no launch order agreed
         // yet); from the second on, stages 0 and 2 reduce b in its turn,
@@ -513,24 +531,20 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
             _ => [2 * 4; 2],
         };
         assert_eq!(during, want, "stage {stage}");
-        for (rank, g) in params(got).iter().enumerate() {
-            let g = g.as_ref().unwrap();
-            for ((n, a), (_, b)) in g.iter().zip(reference) {
-                let worst = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                assert!(
-                    worst < 1e-6,
-                    "stage {stage} rank {rank} {n}: off by {worst}"
-                );
-            }
-        }
+        assert_close(&format!("stage {stage}"), got);
     }
+    // A bare `loss.backward()` gives no loss to walk from: rank 1's b,
+    // left out of micro-steps 0 and 2, is never whole there and holds
+    // back a, after it in the order, to the end of micro-step 2 (the
+    // first backward defers b on both ranks anyway). Slower, not out of
+    // step: the same training.
+    let got = run(2, Some(Extra::Declared), true);
+    let during: Vec<u64> = got.iter().map(|g| g.as_ref().unwrap().1).collect();
+    assert_eq!(during, [2 + 3 * 3, 2 + 3 + 1 + 3], "bare");
+    assert_close("bare", got);
     // Undeclared, stage 2 names the parameters rank 1 lacks, and how to
     // declare them.
-    for (rank, e) in params(run(2, None)).into_iter().enumerate() {
+    for (rank, e) in params(run(2, None, false)).into_iter().enumerate() {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("gradient reductions out of step across ranks"),
@@ -542,7 +556,7 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     }
     // Undeclared, stage 3 gathers b for its backward on rank 0 where
     // rank 1 gathers a (declared, b stays gathered).
-    for e in params(run(3, None)) {
+    for e in params(run(3, None, false)) {
         let e = e.unwrap_err();
         assert!(
             e.starts_with("ranks ran units in different orders: rank 0 runs the backward of `b`, rank 1 runs the backward of `a`")

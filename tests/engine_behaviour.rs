@@ -572,7 +572,8 @@ fn a_declared_unit_a_foreign_checkpoint_hides_from_the_walk_is_refused_not_lost(
     // from the loss does not reach it. A checkpoint the engine does not
     // track (glue::checkpoint straight, not Checkpointed) hides b's
     // parameters from that walk, then its recompute accumulates them
-    // after b was reduced with zeros: every rank stops, naming it.
+    // after b was reduced with zeros: a rank that does so stops, naming
+    // it (here both ranks do).
     for stage in [0u8, 2] {
         let got = on_ranks(WORLD, |r| {
             let t = tiny();

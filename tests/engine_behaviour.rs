@@ -496,6 +496,10 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     let params = |got: Vec<Result<(_, u64), String>>| -> Vec<_> {
         got.into_iter().map(|g| g.map(|(p, _)| p)).collect()
     };
+    // Each rank's reductions issued from backward's hooks.
+    let during = |got: &[Result<(Params, u64), String>]| -> Vec<u64> {
+        got.iter().map(|g| g.as_ref().unwrap().1).collect()
+    };
     // Declared, stage 0 trains as if rank 1 used b times zero, to the bit.
     let reference = params(run(0, Some(Extra::TimesZero), false));
     assert_eq!(params(run(0, Some(Extra::Declared), false)), reference);
@@ -524,13 +528,12 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
         // which only adds to local sums in backward, takes each unit as it
         // completes (rank 1's b, unused in micro-steps 0 and 2, at the end
         // of those).
-        let during: Vec<u64> = got.iter().map(|g| g.as_ref().unwrap().1).collect();
         let want = match stage {
             0 | 2 => [2 + 3 * 3; 2],
             1 => [3 * 4, 3 * 4 - 2],
             _ => [2 * 4; 2],
         };
-        assert_eq!(during, want, "stage {stage}");
+        assert_eq!(during(&got), want, "stage {stage}");
         assert_close(&format!("stage {stage}"), got);
     }
     // A bare `loss.backward()` gives no loss to walk from: rank 1's b,
@@ -539,8 +542,7 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     // first backward defers b on both ranks anyway). Slower, not out of
     // step: the same training.
     let got = run(2, Some(Extra::Declared), true);
-    let during: Vec<u64> = got.iter().map(|g| g.as_ref().unwrap().1).collect();
-    assert_eq!(during, [2 + 3 * 3, 2 + 3 + 1 + 3], "bare");
+    assert_eq!(during(&got), [2 + 3 * 3, 2 + 3 + 1 + 3], "bare");
     assert_close("bare", got);
     // Undeclared, stage 2 names the parameters rank 1 lacks, and how to
     // declare them.

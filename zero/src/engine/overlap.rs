@@ -658,13 +658,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// it at the same point. Not at stage 1, whose backward only adds to
     /// local sums, in any order.
     fn launch_complete(&self, st: &mut State, k: usize) {
-        if !st.prog.completed.contains(&k) {
-            st.prog.completed.push(k);
-        }
         if st.prog.order_agreed.is_some() {
             st.prog.complete[k] = true;
             self.launch_in_turn(st);
             return;
+        }
+        // What this rank brings to the order the ranks will agree (only
+        // an engine that agrees one needs it).
+        if self.agrees_launch_order(st) && !st.prog.completed.contains(&k) {
+            st.prog.completed.push(k);
         }
         if st.units[k].uneven && self.stage != 1 {
             return;

@@ -541,3 +541,46 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
     let want = train(&p, &first.reference(), None, &dir.0);
     assert_eq!(got, want);
 }
+
+#[test]
+fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
+    // Found by the sweep (seed 8, 2026-11-29): stage 2 on 4 ranks in
+    // shard groups of 2, `overlap_comm: false`, blocks declared and left
+    // out by rank, `loss.backward()`. Once the launch order was agreed, a
+    // rank whose blocks were all whole reduced each from a hook and waited
+    // for it there (its replicate-group average issued at once), while its
+    // replica in the other shard group, whose skipped block only the end
+    // of a bare backward finds whole (no loss to walk from), reduced that
+    // block and the units after it there before waiting for any: the
+    // replicate group met an announcement on one rank and an average on
+    // the other.
+    let _serial = serial();
+    let dir = Scratch::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let p = Program {
+        clip: 0.0,
+        top: String::new(),
+        frozen: &[],
+        checkpointed: false,
+        no_decay_vectors: false,
+        bare: 1,
+        twice: false,
+        eval: 0,
+        skip: 3,
+        declared: true,
+        full_params: 0,
+    };
+    let first = Leg {
+        stage: 2,
+        zero: r#""overlap_comm": false,"#.into(),
+        world: 4,
+        grouping: r#""mics_shard_size": 2,"#,
+        gas: 1,
+        from: (0, 0),
+    };
+    // The reference overlaps (the default): the same reductions in the
+    // same order, so the same bits.
+    let got = train(&p, &first, None, &dir.0);
+    let want = train(&p, &first.reference(), None, &dir.0);
+    assert_eq!(got, want);
+}

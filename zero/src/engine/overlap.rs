@@ -1099,23 +1099,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         .map(|(s, _)| (s.name.clone(), u.name.clone())),
                 );
                 self.launch_reduce(st, k, free)?;
+                // As a hook does under `overlap_comm: false` (`launch_now`):
+                // under hybrid sharding a unit's replicate-group average is
+                // issued when its reduction is waited for, so a unit one
+                // replica reduces from a hook and another here must be
+                // waited for at the same point in both, or the replicate
+                // group's calls interleave differently.
+                if !self.cfg.config.zero.overlap_comm {
+                    self.settle_reductions(st, &without)?;
+                }
             }
         }
-        for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
-            // A mismatch here is `OutOfStep` (another engine call) or a
-            // peer's checkpoint agreement, left for `checkpoint_on_a_peer`.
-            check_announced(st, k, works, |_, d| {
-                d.error(
-                    |names| explain_uneven(&names, &without),
-                    |names, _| explain_uneven(&names, &without),
-                )
-            })?;
-        }
-        st.prog.inflight_elems = 0;
-        for (k, range, r, _) in std::mem::take(&mut st.prog.inflight) {
-            self.finish_reduction(st, k, range, r)?;
-        }
-        self.finish_replicas(st)?;
+        self.settle_reductions(st, &without)?;
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
         st.secondary.iter_mut().for_each(|s| *s = None);
@@ -1135,6 +1130,33 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.prog.bare = false;
         st.micro += 1;
         Ok(())
+    }
+
+    /// Waits for every reduction issued so far, in issue order, and adds
+    /// them to the gradient shards (under hybrid sharding through their
+    /// replicate-group averages). `without` names the parameters this rank
+    /// has no gradient for, for the error when the ranks announced
+    /// different units.
+    fn settle_reductions(
+        &self,
+        st: &mut State,
+        without: &[(String, String)],
+    ) -> Result<(), EngineError> {
+        for (k, works) in std::mem::take(&mut st.prog.reduce_ids) {
+            // A mismatch here is `OutOfStep` (another engine call) or a
+            // peer's checkpoint agreement, left for `checkpoint_on_a_peer`.
+            check_announced(st, k, works, |_, d| {
+                d.error(
+                    |names| explain_uneven(&names, without),
+                    |names, _| explain_uneven(&names, without),
+                )
+            })?;
+        }
+        st.prog.inflight_elems = 0;
+        for (k, range, r, _) in std::mem::take(&mut st.prog.inflight) {
+            self.finish_reduction(st, k, range, r)?;
+        }
+        self.finish_replicas(st)
     }
 
     /// Whether this engine reduces in an order the ranks agree (see

@@ -755,6 +755,24 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
     let dropped = row(&bench(&["--json", "--layerdrop", "0.5"]));
     assert_eq!(dropped["layerdrop"], 0.5, "{dropped}");
     assert_eq!(row(&bench(&["--json"]))["layerdrop"], 0.0);
+    assert_eq!(dropped["layerdrop_same"], false, "{dropped}");
+    // Every rank leaving out rank 0's blocks (equal work) trains as well.
+    let same = row(&bench(&[
+        "--json",
+        "--layerdrop",
+        "0.5",
+        "--layerdrop-same",
+    ]));
+    assert_eq!(same["layerdrop_same"], true, "{same}");
+    let o = bench(&["--layerdrop-same"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains(
+                "--layerdrop-same makes the ranks leave out the same blocks: give the chance too"
+            ),
+        "{err}"
+    );
     // The peers: DDP alone (FSDP2 and DeepSpeed cannot skip a module on
     // some ranks), which this "Python" fails.
     let o = bench(&["--peer", "--layerdrop", "0.5"]);

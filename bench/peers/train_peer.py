@@ -3,7 +3,7 @@ FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
 with gloo, one thread per rank.
 
 Started by zrt as WORLD_SIZE processes with the torchrun environment.
-argv: mode size micro steps [freeze_mlp [checkpoint [layerdrop]]], where mode is one of
+argv: mode size micro steps [freeze_mlp [checkpoint [layerdrop [same]]]], where mode is one of
 ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
 deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
 (the optimizer then holds the rest); checkpoint 1 recomputes every block's
@@ -13,7 +13,7 @@ torchtitan applies it: FSDP2's per-block hooks stay outside the recompute);
 layerdrop P leaves each block out of a step's forward with chance P, drawn
 on each rank apart exactly as zrt::gpt::layerdrop draws (ddp only, with
 find_unused_parameters=True, PyTorch's option for it: FSDP2 and DeepSpeed
-have none).
+have none); same 1 has every rank leave out rank 0's draws.
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -32,6 +32,7 @@ mode, size, micro, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.a
 freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
 checkpoint = len(sys.argv) > 6 and sys.argv[6] == "1"
 layerdrop = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
+drawer = 0 if len(sys.argv) > 8 and sys.argv[8] == "1" else int(os.environ["RANK"])
 if layerdrop > 0 and mode != "ddp":
     sys.exit(f"layerdrop needs the ddp mode, not {mode}")
 SIZES = {
@@ -155,7 +156,7 @@ for s in range(steps + 1):
     batch = torch.randint(c["vocab"], (micro, c["seq"] + 1))
     dist.barrier()
     t0 = time.perf_counter()
-    step(batch, dropped(layerdrop, c["layers"], s * world + int(os.environ["RANK"])))
+    step(batch, dropped(layerdrop, c["layers"], s * world + drawer))
     if s > 0:
         times.append(time.perf_counter() - t0)
 t = torch.tensor(times, dtype=torch.float64)

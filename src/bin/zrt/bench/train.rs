@@ -63,6 +63,13 @@ pub struct TrainArgs {
     /// DeepSpeed have none, and are left out). MFU counts every block.
     #[arg(long, default_value_t = 0.0, value_parser = chance)]
     layerdrop: f64,
+    /// With `--layerdrop`: every rank leaves out the same blocks (rank 0's
+    /// draws), in zrt and the peer, so the ranks' work is equal. zrt still
+    /// declares the blocks; the time waited then shows what the
+    /// declaration costs by itself, and the difference from a run without
+    /// this flag what the ranks' unequal work costs.
+    #[arg(long)]
+    layerdrop_same: bool,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
     /// in elements (DeepSpeed's default: 5e8). Several are interleaved like
     /// the stages: `5e8,5e5` shows what small buckets (which also bound the
@@ -104,6 +111,8 @@ pub struct TrainRankArgs {
     reduce_bucket_size: f64,
     #[arg(long, default_value_t = 0.0)]
     layerdrop: f64,
+    #[arg(long)]
+    layerdrop_same: bool,
 }
 
 /// A chance from 0 up to (not including) 1 (`--layerdrop`).
@@ -196,8 +205,9 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     for s in 0..=a.steps {
         let before = stats();
         let t = Instant::now();
-        // Each rank its own draws, as the peer makes them.
-        let skipped = layerdrop(a.layerdrop, c.layers, (s * n + rank) as u64);
+        // Each rank its own draws (or rank 0's), as the peer makes them.
+        let drawer = if a.layerdrop_same { 0 } else { rank };
+        let skipped = layerdrop(a.layerdrop, c.layers, (s * n + drawer) as u64);
         engine.backward(&model.loss_skipping(&batch(), &skipped))?;
         engine.step()?;
         let dt = t.elapsed().as_secs_f64();
@@ -278,6 +288,7 @@ fn run_rank(
     .iter()
     .map(|s| s.to_string())
     .chain(a.freeze_mlp.then(|| "--freeze-mlp".to_string()))
+    .chain(a.layerdrop_same.then(|| "--layerdrop-same".to_string()))
     .chain(
         a.checkpoint_activations
             .then(|| "--checkpoint-activations".to_string()),
@@ -323,6 +334,9 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let me = std::env::current_exe()?;
     if a.reduce_bucket_sizes.is_empty() {
         bail!("--reduce-bucket-sizes is empty: give at least one size, e.g. 5e8");
+    }
+    if a.layerdrop_same && a.layerdrop == 0.0 {
+        bail!("--layerdrop-same makes the ranks leave out the same blocks: give the chance too, e.g. --layerdrop 0.2");
     }
     if let Some(b) = a
         .reduce_bucket_sizes
@@ -399,6 +413,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 (a.freeze_mlp as u8).to_string(),
                 (a.checkpoint_activations as u8).to_string(),
                 a.layerdrop.to_string(),
+                (a.layerdrop_same as u8).to_string(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -436,7 +451,14 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 false => "",
             },
             match a.layerdrop > 0.0 {
-                true => format!("; LayerDrop {}: each block left out with that chance, drawn on each rank apart (zrt: ShardPlan::unused_on_some_ranks; DDP: find_unused_parameters; MFU counts every block)", a.layerdrop),
+                true => format!(
+                    "; LayerDrop {}: each block left out with that chance, {} (zrt: ShardPlan::unused_on_some_ranks; DDP: find_unused_parameters; MFU counts every block)",
+                    a.layerdrop,
+                    match a.layerdrop_same {
+                        true => "the same blocks on every rank",
+                        false => "drawn on each rank apart",
+                    }
+                ),
                 false => String::new(),
             }
         );
@@ -540,7 +562,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                     "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
                     "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
                     "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
-                    "layerdrop": a.layerdrop,
+                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same,
                 })
             );
         } else {
@@ -585,7 +607,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 "{}",
                 json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss,
                     "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
-                    "layerdrop": a.layerdrop})
+                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same})
             );
         } else {
             println!(
@@ -619,9 +641,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 continue;
             }
             println!(
-                "{size} ZeRO-{stage}, 2 ranks{}, LayerDrop {}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
+                "{size} ZeRO-{stage}, 2 ranks{}, LayerDrop {}{}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
                 tag(backend),
                 a.layerdrop,
+                if a.layerdrop_same { " (same blocks)" } else { "" },
                 median_time(ddp) / median_time(rows),
                 max_rss(ddp) / max_rss(rows)
             );

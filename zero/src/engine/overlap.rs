@@ -1078,36 +1078,36 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// accumulates the results. With `free`, stage 3 frees what the backward
     /// gathered (not when a new backward is already under way).
     pub(super) fn end_backward(&self, st: &mut State, free: bool) -> Result<(), EngineError> {
-        // Parameters left without a gradient, for the error below.
-        let mut without = Vec::new();
         // In the agreed order once there is one (units no hook completed
         // come after the others), by index before.
-        let order = match &st.prog.order_agreed {
+        let order: Vec<usize> = match &st.prog.order_agreed {
             Some(o) => o.order.clone(),
             None => (0..st.units.len()).collect(),
         };
+        let left: Vec<usize> = order
+            .into_iter()
+            .filter(|&k| !st.prog.launched[k])
+            .collect();
+        // Parameters left without a gradient, for the error below (named
+        // before any launch clears the gradients).
+        let without: Vec<(String, String)> = (left.iter().map(|&k| &st.units[k]))
+            .flat_map(|u| {
+                (u.layout.slots.iter().zip(&u.params))
+                    .filter(|(_, t)| !t.grad().defined())
+                    .map(|(s, _)| (s.name.clone(), u.name.clone()))
+            })
+            .collect();
         st.prog.unreached.iter_mut().for_each(Vec::clear);
-        for k in order {
-            if !st.prog.launched[k] {
-                let u = &st.units[k];
-                without.extend(
-                    u.layout
-                        .slots
-                        .iter()
-                        .zip(&u.params)
-                        .filter(|(_, t)| !t.grad().defined())
-                        .map(|(s, _)| (s.name.clone(), u.name.clone())),
-                );
-                self.launch_reduce(st, k, free)?;
-                // As a hook does under `overlap_comm: false` (`launch_now`):
-                // under hybrid sharding a unit's replicate-group average is
-                // issued when its reduction is waited for, so a unit one
-                // replica reduces from a hook and another here must be
-                // waited for at the same point in both, or the replicate
-                // group's calls interleave differently.
-                if !self.cfg.config.zero.overlap_comm {
-                    self.settle_reductions(st, &without)?;
-                }
+        for k in left {
+            self.launch_reduce(st, k, free)?;
+            // As a hook does under `overlap_comm: false` (`launch_now`):
+            // under hybrid sharding a unit's replicate-group average is
+            // issued when its reduction is waited for, so a unit one
+            // replica reduces from a hook and another here must be waited
+            // for at the same point in both, or the replicate group's
+            // calls interleave differently.
+            if !self.cfg.config.zero.overlap_comm {
+                self.settle_reductions(st, &without)?;
             }
         }
         self.settle_reductions(st, &without)?;

@@ -65,9 +65,9 @@ pub struct TrainArgs {
     layerdrop: f64,
     /// With `--layerdrop`: every rank leaves out the same blocks (rank 0's
     /// draws), in zrt and the peer, so the ranks' work is equal. zrt still
-    /// declares the blocks; the time waited then shows what the
-    /// declaration costs by itself, and the difference from a run without
-    /// this flag what the ranks' unequal work costs.
+    /// declares the blocks; the time waited is then what is left with
+    /// equal work, and its difference from a run without this flag what
+    /// the ranks' unequal work costs.
     #[arg(long)]
     layerdrop_same: bool,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,

@@ -507,15 +507,11 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
     // `what` trained as the reference did, on every rank.
     let assert_close = |what: &str, got: Vec<Result<(Params, u64), String>>| {
         for (rank, g) in params(got).iter().enumerate() {
-            let g = g.as_ref().unwrap();
-            for ((n, a), (_, b)) in g.iter().zip(reference) {
-                let worst = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                assert!(worst < 1e-6, "{what} rank {rank} {n}: off by {worst}");
-            }
+            assert_params_close(
+                &format!("{what} rank {rank}"),
+                g.as_ref().unwrap(),
+                reference,
+            );
         }
     };
     for stage in [0u8, 1, 2, 3] {
@@ -1402,16 +1398,7 @@ fn frozen_parameters_are_rank_0s_and_stay_while_the_rest_trains_alike_in_every_s
                 "stage {stage}: rank 0's frozen weight, untouched"
             );
         }
-        assert_eq!(got.len(), reference.len(), "stage {stage}");
-        for ((n, a), (m, b)) in got.iter().zip(&reference) {
-            assert_eq!(n, m);
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            assert!(worst < 1e-6, "stage {stage} {n}: off by {worst}");
-        }
+        assert_params_close(&format!("stage {stage}"), &got, &reference);
         // It did train.
         let a0 = &got.iter().find(|(n, _)| n == "a.weight").unwrap().1;
         let init = Vec::<f32>::try_from(&tiny().vs.variables()["a.weight"].flatten(0, -1)).unwrap();
@@ -1437,16 +1424,20 @@ fn a_parameter_no_loss_uses_trains_like_the_reference_in_every_stage() {
     let reference = run(0);
     assert!(reference.iter().any(|(n, _)| n == "a.extra"));
     for stage in [1u8, 2, 3] {
-        let got = run(stage);
-        assert_eq!(got.len(), reference.len());
-        for ((n, a), (_, b)) in got.iter().zip(&reference) {
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            assert!(worst < 1e-6, "stage {stage} {n}: off by {worst}");
-        }
+        assert_params_close(&format!("stage {stage}"), &run(stage), &reference);
+    }
+}
+
+/// Asserts that `got` holds `want`'s parameters, by name, each element
+/// within 1e-6 (`what` says whose).
+fn assert_params_close(what: &str, got: &Params, want: &Params) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for ((n, a), (m, b)) in got.iter().zip(want) {
+        assert_eq!(n, m, "{what}");
+        let worst = (a.iter().zip(b))
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-6, "{what} {n}: off by {worst}");
     }
 }
 

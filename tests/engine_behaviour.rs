@@ -705,6 +705,16 @@ fn ranks_declaring_different_parameters_unused_on_some_ranks_are_refused_naming_
         },
         "variable `c.bias`: rank 1 has [1] Float (trained, unused on some ranks), rank 0 has [1] Float (trained). ",
     );
+    // The same for the declaration of units every rank runs.
+    assert_rules_refused(
+        |plan, rank| {
+            if rank == 0 {
+                plan.partly_unused_on_some_ranks(|name, _| name == "c.bias")
+                    .unwrap();
+            }
+        },
+        "variable `c.bias`: rank 1 has [1] Float (trained), rank 0 has [1] Float (trained, unused on some ranks in a unit every rank runs). ",
+    );
 }
 
 #[test]

@@ -14,4 +14,5 @@ mod common;
 mod activation_checkpointing;
 mod checkpoint;
 mod config_sweep;
+mod experts;
 mod frozen_shards;

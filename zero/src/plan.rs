@@ -61,6 +61,8 @@ pub(crate) struct PlanInner {
     pub(crate) lr_scale: Mutex<Option<Arc<LrRule>>>,
     /// Set by [`ShardPlan::unused_on_some_ranks`].
     pub(crate) uneven: Mutex<Option<Arc<NameRule>>>,
+    /// Set by [`ShardPlan::partly_unused_on_some_ranks`].
+    pub(crate) partial: Mutex<Option<Arc<NameRule>>>,
 }
 
 impl PlanInner {
@@ -207,9 +209,11 @@ impl ShardPlan {
     /// Declares the parameters for which `may_be_unused(name, shape)` is
     /// true as ones that some ranks' losses may leave out while others use
     /// them (trainable ones, and frozen ones, which stage 3 gathers with
-    /// their unit): a block that rank-dependent LayerDrop skips, the
-    /// experts a rank's tokens never reach, a head only some ranks'
-    /// batches train. The units holding them are reduced with zeros for
+    /// their unit): a block that rank-dependent LayerDrop skips, a head
+    /// only some ranks' batches train (for experts a rank's tokens never
+    /// reach, in a layer every rank runs,
+    /// [`Self::partly_unused_on_some_ranks`] keeps stage 3's memory). The
+    /// units holding them are reduced with zeros for
     /// the gradients a rank's loss did not reach, and every rank reduces
     /// the units in the same order. At stages 0 and 2 that is one order
     /// the ranks agree at the end of the first backward (the order they
@@ -269,6 +273,62 @@ impl ShardPlan {
         self.uneven_rule().is_some_and(|r| r(name, shape))
     }
 
+    /// Declares the trainable parameters for which `may_be_unused(name,
+    /// shape)` is true as ones some ranks' losses may leave out **in units
+    /// every rank runs**: the experts of a mixture-of-experts layer that
+    /// some ranks' tokens never reach, where the layer (router and experts
+    /// in one [`ShardedModule`]) runs on every rank and an expert without
+    /// tokens is skipped. Stages 0-2 treat them as
+    /// [`Self::unused_on_some_ranks`] does. Stage 3 gathers and frees such a
+    /// unit like any other (its forward and the gathers of its backward
+    /// happen on every rank, at the same point) and reduces it, with zeros
+    /// for the gradients this rank's loss did not reach, at a point every
+    /// rank reaches at the same place: when the backward of the unit
+    /// before it in forward order begins (or at the end of backward, for
+    /// the first unit). Its parameters then take stage 3's memory, where
+    /// [`Self::unused_on_some_ranks`] keeps the whole unit gathered.
+    ///
+    /// That point is sound because libtorch's autograd engine runs a
+    /// parameter's gradient accumulation before any node that was created
+    /// earlier in forward: by the time the backward of the unit before
+    /// begins, every gradient this unit's backward gives has been
+    /// accumulated. A gradient that still arrives later (a unit run more
+    /// than once in one forward, each run checkpointed) stops the engine
+    /// with [`EngineError::GradientsLost`] rather than being dropped.
+    ///
+    /// A rank that skips such a unit altogether (its forward does not run)
+    /// breaks the contract: the ranks' gathers then differ, and the engine
+    /// stops naming the unit each rank gathers. Declare those with
+    /// [`Self::unused_on_some_ranks`].
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// // Every rank runs moe.0 and moe.1; the experts some ranks' tokens
+    /// // never reach get no gradient there.
+    /// plan.partly_unused_on_some_ranks(|name, _shape| name.contains(".experts."))?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// Call it before building the engine, on every rank alike (the engine
+    /// checks that ranks agree). A parameter both rules name is taken as
+    /// [`Self::unused_on_some_ranks`] declares it.
+    pub fn partly_unused_on_some_ranks(
+        &self,
+        may_be_unused: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        self.set_rule(
+            "partly_unused_on_some_ranks",
+            &self.inner.partial,
+            Arc::new(may_be_unused),
+        )
+    }
+
+    /// Whether [`Self::partly_unused_on_some_ranks`] declared the parameter
+    /// `name` of `shape` (none is without it).
+    pub fn is_partly_unused_on_some_ranks(&self, name: &str, shape: &[i64]) -> bool {
+        self.partial_rule().is_some_and(|r| r(name, shape))
+    }
+
     /// Puts `rule` in `slot`, unless an engine was already built from the
     /// plan (it read the rules then): `what` names the caller.
     fn set_rule<R: ?Sized>(
@@ -305,6 +365,12 @@ impl ShardPlan {
     /// [`Self::decay_rule`]).
     pub(crate) fn uneven_rule(&self) -> Option<Arc<NameRule>> {
         self.inner.uneven.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// The rule [`Self::partly_unused_on_some_ranks`] set, if any (read
+    /// once, as [`Self::decay_rule`]).
+    pub(crate) fn partial_rule(&self) -> Option<Arc<NameRule>> {
+        self.inner.partial.lock().ok().and_then(|r| r.clone())
     }
 
     /// The units' VarStore prefixes, in registration order.

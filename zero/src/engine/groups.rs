@@ -33,6 +33,11 @@ pub(super) struct Setting {
     /// Some ranks' losses may not use it: its unit is reduced at the end
     /// of backward.
     pub(super) uneven: bool,
+    /// Some ranks' losses may not use it, in a unit every rank runs
+    /// ([`ShardPlan::partly_unused_on_some_ranks`]).
+    ///
+    /// [`ShardPlan::partly_unused_on_some_ranks`]: crate::ShardPlan::partly_unused_on_some_ranks
+    pub(super) partial: bool,
 }
 
 impl Setting {
@@ -42,12 +47,14 @@ impl Setting {
         decays: true,
         lr_scale: 1.0,
         uneven: false,
+        partial: false,
     };
 
     /// What of it the optimizer sees (the reduction's part left plain).
     fn optimizer(self) -> Setting {
         Setting {
             uneven: false,
+            partial: false,
             ..self
         }
     }
@@ -72,6 +79,8 @@ impl Setting {
         }
         if self.uneven {
             role.push_str(", unused on some ranks");
+        } else if self.partial {
+            role.push_str(", unused on some ranks in a unit every rank runs");
         }
         role
     }
@@ -92,7 +101,7 @@ impl Settings {
     /// [`ShardPlan::unused_on_some_ranks`]: crate::ShardPlan::unused_on_some_ranks
     pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore) -> Self {
         let (no_decay, lr_scale) = (plan.decay_rule(), plan.lr_rule());
-        let uneven = plan.uneven_rule();
+        let (uneven, partial) = (plan.uneven_rule(), plan.partial_rule());
         let mut out = BTreeMap::new();
         for (name, t) in vs.variables() {
             let shape = t.size();
@@ -110,6 +119,7 @@ impl Settings {
                 decays: !no_decay.as_ref().is_some_and(|r| r(&name, &shape)),
                 lr_scale: lr_scale.as_ref().map_or(1.0, |r| r(&name, &shape)),
                 uneven: uneven.as_ref().is_some_and(|r| r(&name, &shape)),
+                partial: partial.as_ref().is_some_and(|r| r(&name, &shape)),
             };
             if this != Setting::PLAIN {
                 out.insert(name, this);

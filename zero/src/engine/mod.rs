@@ -126,6 +126,13 @@ struct Unit {
     /// (stage 1, which communicates nothing in backward, takes it as any
     /// unit).
     uneven: bool,
+    /// Stage 3 only: some ranks' losses may not use some of its trainable
+    /// parameters, but every rank runs it
+    /// ([`ShardPlan::partly_unused_on_some_ranks`]; other stages take such
+    /// a unit as `uneven`): gathered and freed like any unit, reduced when
+    /// the backward of the unit before it begins (see
+    /// `overlap::Inner::reduce_partial_units`), or at the end of backward.
+    partial: bool,
     params: Vec<Tensor>,
     flat: Tensor,
     frozen: Option<frozen_shards::Part>,
@@ -894,6 +901,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.error.get_or_insert(e);
             }
         }
+        if !forward && st.error.is_none() {
+            // Before this unit's gather, as every rank does.
+            self.reduce_partial_units(&mut st, unit);
+        }
         // `gather` does nothing for a unit still gathered (the first
         // forward, or the unit forward ran last); the next unit's prefetch
         // starts all the same.
@@ -966,6 +977,10 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         let mut st = i.st.lock();
         if !y.requires_grad() && !st.prog.in_backward() {
             st.prog.order.without_backward(unit);
+        }
+        // Not a recompute (inside a backward): that is the same run's.
+        if st.units[unit].partial && y.requires_grad() && matches!(glue::backward_id(), Ok(None)) {
+            i.partial_forward(&mut st, unit);
         }
         // The first forward through a unit checks which parameters it
         // used: one owned by another unit (tied weights) is read after its
@@ -1357,10 +1372,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     .iter()
                     .any(|n| n.starts_with(&format!("{name}.")));
             let uneven = frozen_uneven || layout.slots.iter().any(|s| setting(&s.name).uneven);
+            let partial = !uneven && layout.slots.iter().any(|s| setting(&s.name).partial);
             units.push(Unit {
                 name,
                 special,
                 uneven,
+                partial,
                 layout,
                 params: ts,
                 flat,
@@ -1387,7 +1404,24 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if let Some(root) = root_of_moved.filter(|_| units.iter().any(|u| u.uneven)) {
             if let Some(u) = units.get_mut(root) {
                 u.uneven = true;
+                u.partial = false;
             }
+        }
+        // Below stage 3 a unit every rank runs but some ranks' losses use
+        // only part of is reduced as one some ranks skip: backward gathers
+        // nothing there, so the agreed order serves it as well.
+        for u in units.iter_mut().filter(|u| u.partial && stage != 3) {
+            (u.uneven, u.partial) = (true, false);
+        }
+        let partial: Vec<&str> = (units.iter())
+            .filter(|u| u.partial)
+            .map(|u| u.name.as_str())
+            .collect();
+        if !partial.is_empty() {
+            tracing::info!(
+                "units {} are gathered and freed like the others and reduced when the backward of the unit before each begins (ShardPlan::partly_unused_on_some_ranks)",
+                partial.join(", ")
+            );
         }
         let uneven: Vec<&str> = (units.iter())
             .filter(|u| u.uneven)

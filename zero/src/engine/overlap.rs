@@ -16,7 +16,11 @@
 //!   not reach counting as whole at once; until that order is agreed
 //!   (the first backward), and at stage 3, declared units wait for the
 //!   end of backward instead, where every rank reduces them in unit order
-//!   (and stage 3 frees them).
+//!   (and stage 3 frees them). Stage 3 reduces a unit every rank runs
+//!   but some ranks' losses use only part of
+//!   ([`crate::ShardPlan::partly_unused_on_some_ranks`]) when the
+//!   backward of the unit before it begins
+//!   ([`Inner::reduce_partial_units`]).
 //! * **Prefetch (stage 3).** When a unit is needed, the gather of the next
 //!   one (forward) or the previous one (backward), in the order the last
 //!   forward ran them ([`RunOrder`]), is issued right away and only waited
@@ -349,6 +353,17 @@ pub(super) struct Progress {
     /// the error is returned, after backward ran on (see
     /// [`uneven_after_backward`]).
     uneven_later: Option<(String, Vec<usize>)>,
+    /// Stage 3, units every rank runs that some ranks' losses use only
+    /// part of ([`crate::ShardPlan::partly_unused_on_some_ranks`]): per
+    /// unit, the runs of forwards since the last backward whose backward
+    /// is still to come (a unit run twice is reduced after its first run's
+    /// backward, the last).
+    partial_runs: Vec<usize>,
+    /// Such units whose last backward has begun, with that backward's id
+    /// ([`glue::backward_id`]), reduced when the next unit's backward
+    /// begins (see [`Inner::reduce_partial_units`]); one of a backward
+    /// that ended since is dropped (that end reduced it).
+    partial_due: Vec<(usize, Option<i64>)>,
 }
 
 /// The order the units' forwards ran in, recorded as they run (FSDP2
@@ -515,6 +530,8 @@ impl Progress {
             backward_id: None,
             order: RunOrder::default(),
             uneven_later: None,
+            partial_runs: vec![0; units],
+            partial_due: Vec::new(),
             in_autograd: false,
             foreign_of: None,
             foreign_ready: Vec::new(),
@@ -582,6 +599,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// naming it rather than this call blocking).
     pub(super) fn abort_backward(&self, st: &mut State) {
         st.prog.launched.fill(true);
+        st.prog.partial_runs.fill(0);
+        st.prog.partial_due.clear();
         st.prog.unreached.iter_mut().for_each(Vec::clear);
         drop_reductions(st);
     }
@@ -623,6 +642,20 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         let again = id.is_some() && id == st.prog.backward_id;
         st.prog.backward_id = id;
+        if st.prog.launched[k] && again && st.units[k].partial {
+            // Reduced when the backward of the unit before it began: every
+            // gradient of its backward should have been accumulated by then.
+            let name = st.units[k]
+                .layout
+                .slots
+                .get(j)
+                .map_or("?", |s| s.name.as_str());
+            st.error = Some(EngineError::GradientsLost(format!(
+                "parameter `{name}` of unit `{}` (declared with ShardPlan::partly_unused_on_some_ranks) received a gradient after the unit was reduced, when the backward of the unit before it began (does another unit's forward use this parameter too, or did the unit's forward run inside a backward?); declare it with ShardPlan::unused_on_some_ranks instead, whose units are reduced at the end of backward",
+                st.units[k].name
+            )));
+            return;
+        }
         if st.prog.launched[k] && again {
             // This backward already took the unit's gradients: a
             // checkpointed unit run more than once in one forward, whose
@@ -668,10 +701,64 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if self.agrees_launch_order(st) && !st.prog.completed.contains(&k) {
             st.prog.completed.push(k);
         }
-        if st.units[k].uneven && self.stage != 1 {
+        if (st.units[k].uneven || st.units[k].partial) && self.stage != 1 {
             return;
         }
         self.launch_now(st, k);
+    }
+
+    /// Stage 3: unit `k`, one every rank runs that some ranks' losses use
+    /// only part of, ran a forward whose output needs a gradient (outside
+    /// backward: not a recompute): one more backward of it to come before
+    /// it is reduced.
+    pub(super) fn partial_forward(&self, st: &mut State, k: usize) {
+        st.prog.partial_runs[k] += 1;
+    }
+
+    /// Stage 3: the backward of `unit` begins (its output's gradient is
+    /// ready, before its gather). Units every rank runs that some ranks'
+    /// losses use only part of, whose last backward began before, are
+    /// reduced now: every rank reaches this point at the same place in
+    /// its collectives (stage 3 runs the same units in the same order on
+    /// every rank), and libtorch has accumulated every gradient their
+    /// backward gives by now (its autograd engine runs the nodes created
+    /// later in forward, and gradient accumulations, before this unit's).
+    /// Where one rank's loss reached only part of such a unit, the rest
+    /// counts as zeros. Not one a checkpointed segment still holds (its
+    /// recompute may add to it; the ranks' segments are alike): a later
+    /// unit's backward, or the end of backward, reduces it.
+    pub(super) fn reduce_partial_units(&self, st: &mut State, unit: usize) {
+        if foreign::other_than(self.id).is_some() {
+            return; // another engine's backward: these gradients are dropped
+        }
+        let now = match glue::backward_id() {
+            Ok(id) => id,
+            Err(e) => {
+                st.error = Some(e.into());
+                return;
+            }
+        };
+        st.prog.partial_due.retain(|&(_, id)| id == now);
+        let due: Vec<usize> = (st.prog.partial_due.iter())
+            .map(|&(k, _)| k)
+            .filter(|&k| k != unit && self.segments.held(k) == 0)
+            .collect();
+        st.prog.partial_due.retain(|(k, _)| !due.contains(k));
+        for k in due {
+            // Not armed: a bare `loss.backward()` this rank has not seen a
+            // gradient of yet (every rank that has reduces it here, and the
+            // announcement check names the difference).
+            if !st.prog.launched[k] && st.error.is_none() {
+                self.launch_now(st, k);
+            }
+        }
+        if st.units[unit].partial {
+            let left = st.prog.partial_runs[unit].saturating_sub(1);
+            st.prog.partial_runs[unit] = left;
+            if left == 0 && !st.prog.partial_due.iter().any(|&(k, _)| k == unit) {
+                st.prog.partial_due.push((unit, now));
+            }
+        }
     }
 
     /// Launches the units whose turn in the agreed order has come and
@@ -818,8 +905,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         if st.prog.bare {
             // Units may already be gathered for the backward now starting:
-            // finish the reductions, free nothing.
+            // finish the reductions, free nothing. Its forward's runs were
+            // counted before, and its first units' backward may have begun.
+            let runs = st.prog.partial_runs.clone();
             self.end_backward(st, false)?;
+            st.prog.partial_runs = runs;
         }
         self.begin_backward(st);
         st.prog.bare = true;
@@ -1127,6 +1217,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // Forwards whose backward did not run (evaluation with autograd on)
         // count no more.
         st.awaiting_input_grad.fill(0);
+        // (`partial_due` is kept: the hooks of a bare backward that this
+        // end was called from may have filled it already; what is left of
+        // this one is dropped when next read.)
+        st.prog.partial_runs.fill(0);
         st.prog.bare = false;
         st.micro += 1;
         Ok(())
@@ -1608,7 +1702,7 @@ fn explain_uneven(what: &str, without: &[(String, String)]) -> EngineError {
         )
     };
     EngineError::UnevenGradients(format!(
-        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (every rank then reduces the units in one agreed order, or at stage 3 at the end of backward), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
+        "{what}. A unit's gradients are reduced as soon as all its parameters have one, so a parameter that some ranks' losses use and others' do not puts the reductions in different orders: {here}. Declare such parameters with ShardPlan::unused_on_some_ranks (every rank then reduces the units in one agreed order, or at stage 3 at the end of backward) or, when every rank runs their unit and only some of its parameters get no gradient (experts some ranks' tokens never reach), with ShardPlan::partly_unused_on_some_ranks (at stage 3 the unit is then sharded as the others are), freeze them, or run what uses them on every rank, its output times zero where it must not count (adding 0.0 * p.sum() to the loss instead gives a zero gradient at another point of backward, which can leave the order as uneven)"
     ))
 }
 

@@ -6,6 +6,8 @@
 //! learned position embeddings, an untied head. Initialization is tch's
 //! defaults, so a fixed `tch::manual_seed` gives the same model everywhere.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -37,6 +39,8 @@ pub struct Block {
     fc: nn::Linear,
     out: nn::Linear,
     heads: i64,
+    /// Whether the MLP (`ln2`, `fc`, `out`) is left out ([`Gpt::leave_out_mlp`]).
+    mlp_left_out: AtomicBool,
 }
 
 impl Block {
@@ -61,6 +65,7 @@ impl Block {
             fc: nn::linear(p / "fc", d, 4 * d, Default::default()),
             out: nn::linear(p / "out", 4 * d, d, Default::default()),
             heads: c.heads,
+            mlp_left_out: AtomicBool::new(false),
         }
     }
 }
@@ -81,6 +86,9 @@ impl Module for Block {
         let x = x + self
             .proj
             .forward(&a.transpose(1, 2).contiguous().view([b, t, d]));
+        if self.mlp_left_out.load(Ordering::Relaxed) {
+            return x;
+        }
         let m = self
             .out
             .forward(&self.fc.forward(&self.ln2.forward(&x)).gelu("none"));
@@ -162,6 +170,25 @@ impl Gpt {
                 nn::linear(&head, cfg.d_model, cfg.vocab, Default::default()),
             ),
             cfg: *cfg,
+        }
+    }
+
+    /// Leaves the MLP of block `i` (`h.{i}.ln2`, `.fc`, `.out`) out of its
+    /// forwards from now on (`true`), or puts it back: the block still
+    /// runs, and its MLP's parameters get no gradient, as a
+    /// mixture-of-experts layer's experts that no token reached. A rank
+    /// that leaves out MLPs others run trains with them declared by
+    /// [`ShardPlan::partly_unused_on_some_ranks`]. Set it while no
+    /// backward is to come (a checkpointed block's recompute reads it
+    /// again). Nothing for a block `i` the model lacks.
+    pub fn leave_out_mlp(&self, i: usize, out: bool) {
+        let Some(b) = self.blocks.get(i) else {
+            return;
+        };
+        let set = |b: &Block| b.mlp_left_out.store(out, Ordering::Relaxed);
+        match b.inner() {
+            Run::Plain(b) => set(b),
+            Run::Checkpointed(b) => b.with_inner(set),
         }
     }
 

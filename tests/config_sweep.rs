@@ -7,7 +7,9 @@
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
 //! or on some ranks only (declared with
-//! `ShardPlan::unused_on_some_ranks`), parameters changed or read in
+//! `ShardPlan::unused_on_some_ranks`), a block's MLP left out on some
+//! ranks only (declared with `ShardPlan::partly_unused_on_some_ranks`),
+//! parameters changed or read in
 //! `with_full_params`), and trains the test GPT under
 //! it on 2 or 3 ranks, or on 4 in MiCS or hpZ pairs. A quarter of the
 //! cases save a checkpoint after the first step and go on from it at
@@ -141,6 +143,9 @@ struct Program {
     /// The blocks are declared with `ShardPlan::unused_on_some_ranks`
     /// (always for `skip` 3): reduced at the end of backward.
     declared: bool,
+    /// Each rank leaves out the MLP of block `rank % 2` (the block runs),
+    /// declared with `ShardPlan::partly_unused_on_some_ranks`.
+    mlp_left_out: bool,
     /// Before the last step, inside `with_full_params` (DeepSpeed's
     /// `GatheredParameters`), 1: halve the head's weight and add to the
     /// final norm's bias (a root parameter), which training must go on
@@ -208,6 +213,13 @@ fn leg(
         if p.declared {
             plan.unused_on_some_ranks(|name, _| name.starts_with("h."))
                 .unwrap();
+        }
+        if p.mlp_left_out {
+            gpt.leave_out_mlp(rank % 2, true);
+            plan.partly_unused_on_some_ranks(|name, _| {
+                [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
+            })
+            .unwrap();
         }
         let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
         if let Some(dir) = load {
@@ -415,6 +427,8 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         skip,
         declared: d.flag(3) || skip == 3,
         full_params: *d.one(&[&0, &0, &1, &2]),
+        // Drawn last: the cases drawn before it stay what they were.
+        mlp_left_out: d.flag(4),
     };
     (first, program, then)
 }
@@ -546,6 +560,7 @@ impl Program {
             eval: 0,
             skip: 3,
             declared: true,
+            mlp_left_out: false,
             full_params: 0,
         }
     }

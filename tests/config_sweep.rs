@@ -427,8 +427,9 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         skip,
         declared: d.flag(3) || skip == 3,
         full_params: *d.one(&[&0, &0, &1, &2]),
-        // Drawn last: the cases drawn before it stay what they were.
-        mlp_left_out: d.flag(4),
+        // From a stream of its own, so that every other draw of this case
+        // and the next ones stays what it was before this was added.
+        mlp_left_out: Draw(d.0.rotate_left(17) | 1).flag(4),
     };
     (first, program, then)
 }

@@ -231,16 +231,28 @@ struct Run {
     m1_freed: bool,
 }
 
+/// How a run's micro-steps go backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Backward {
+    /// `engine.backward(&loss)`, then `engine.step()`.
+    Engine,
+    /// The program's own `loss.backward()`, then `engine.step()`.
+    Bare,
+    /// `loss.backward()`, `engine.step()` only after the last micro-step of
+    /// each accumulation: the next backward ends the one before, and its
+    /// hooks have begun when it does.
+    BareStepAtBoundary,
+}
+
 /// Trains the model 4 micro-steps under `cfg` on every rank, idle experts
-/// as `idle`, declared as `declared`, each backward the engine's or (`bare`)
-/// the program's own `loss.backward()`.
+/// as `idle`, declared as `declared`, going backward as `backward` says.
 fn train(
     cfg: &Config,
     idle: Idle,
     declared: Declared,
-    bare: bool,
+    backward: Backward,
 ) -> Vec<Result<Run, EngineError>> {
-    train_shaped(cfg, idle, declared, bare, Shape::default())
+    train_shaped(cfg, idle, declared, backward, Shape::default())
 }
 
 /// [`train`] with `m1` run as `shape` says.
@@ -248,7 +260,7 @@ fn train_shaped(
     cfg: &Config,
     idle: Idle,
     declared: Declared,
-    bare: bool,
+    backward: Backward,
     shape: Shape,
 ) -> Vec<Result<Run, EngineError>> {
     on_ranks(WORLD, |r| {
@@ -262,11 +274,14 @@ fn train_shaped(
         let steps = || -> Result<(), EngineError> {
             for k in 0..4 {
                 let loss = m.loss(&small_input(r.rank(), k), r.rank());
-                match bare {
-                    true => loss.backward(),
-                    false => e.backward(&loss)?,
+                match backward {
+                    Backward::Engine => e.backward(&loss)?,
+                    _ => loss.backward(),
                 }
-                e.step()?;
+                let boundary = (k + 1) % e.config().batch.gas as usize == 0;
+                if backward != Backward::BareStepAtBoundary || boundary {
+                    e.step()?;
+                }
             }
             Ok(())
         };
@@ -296,16 +311,17 @@ fn experts_some_ranks_never_reach_train_as_if_they_ran_on_no_tokens() {
     // stage 3 with bare backwards too (their gradients are divided by the
     // accumulation steps after backward, so they are compared with bare
     // runs).
+    use Backward::*;
     for stage in [0u8, 1, 2, 3] {
         for (gas, zero) in [(1, ""), (2, ""), (2, r#""overlap_comm": false,"#)] {
             let cfg = config(stage, gas, zero);
-            for bare in [false, true] {
-                if bare && stage != 3 {
+            for backward in [Engine, Bare, BareStepAtBoundary] {
+                if backward != Engine && (stage != 3 || gas == 1) {
                     continue;
                 }
-                let got = ok(train(&cfg, Idle::Skipped, Declared::Partly, bare));
-                let want = ok(train(&cfg, Idle::RunOnNothing, Declared::Not, bare));
-                let what = format!("stage {stage}, gas {gas} {zero} bare {bare}");
+                let got = ok(train(&cfg, Idle::Skipped, Declared::Partly, backward));
+                let want = ok(train(&cfg, Idle::RunOnNothing, Declared::Not, backward));
+                let what = format!("stage {stage}, gas {gas} {zero} {backward:?}");
                 assert_eq!(params(&got), params(&want), "{what}");
                 // Rank 0's tokens alone reach expert 0: it trained.
                 let (_, start) = initial("m1.experts.0.weight");
@@ -335,9 +351,24 @@ fn initial(name: &str) -> (String, Vec<f32>) {
 fn at_stage_3_declared_experts_are_sharded_and_reduced_during_backward_not_kept_gathered() {
     let _serial = serial();
     let cfg = config(3, 1, "");
-    let partly = ok(train(&cfg, Idle::Skipped, Declared::Partly, false));
-    let unused = ok(train(&cfg, Idle::Skipped, Declared::Unused, false));
-    let plain = ok(train(&cfg, Idle::RunOnNothing, Declared::Not, false));
+    let partly = ok(train(
+        &cfg,
+        Idle::Skipped,
+        Declared::Partly,
+        Backward::Engine,
+    ));
+    let unused = ok(train(
+        &cfg,
+        Idle::Skipped,
+        Declared::Unused,
+        Backward::Engine,
+    ));
+    let plain = ok(train(
+        &cfg,
+        Idle::RunOnNothing,
+        Declared::Not,
+        Backward::Engine,
+    ));
     // Both declarations train alike...
     assert_eq!(params(&partly), params(&unused));
     for r in 0..WORLD {
@@ -359,7 +390,12 @@ fn experts_some_ranks_never_reach_undeclared_at_stage_3_are_named_with_the_decla
     let _serial = serial();
     // Rank 0 finds m1 whole during backward and reduces it; rank 1 never
     // does. The error says which declaration mends it.
-    let got = train(&config(3, 1, ""), Idle::Skipped, Declared::Not, false);
+    let got = train(
+        &config(3, 1, ""),
+        Idle::Skipped,
+        Declared::Not,
+        Backward::Engine,
+    );
     for (rank, r) in got.iter().enumerate() {
         let e = r
             .as_ref()
@@ -421,12 +457,18 @@ fn checkpointed_experts_and_experts_run_twice_train_as_if_they_ran_on_no_tokens(
         ..Shape::default()
     };
     for shape in [checkpointed, twice, both] {
-        for (stage, gas, bare) in [(3u8, 1, false), (3, 2, true), (2, 2, false)] {
+        let cases = [
+            (3u8, 1, Backward::Engine),
+            (3, 2, Backward::Bare),
+            (3, 2, Backward::BareStepAtBoundary),
+            (2, 2, Backward::Engine),
+        ];
+        for (stage, gas, backward) in cases {
             let cfg = config(stage, gas, "");
-            let run = |idle, declared| ok(train_shaped(&cfg, idle, declared, bare, shape));
+            let run = |idle, declared| ok(train_shaped(&cfg, idle, declared, backward, shape));
             let got = run(Idle::Skipped, Declared::Partly);
             let want = run(Idle::RunOnNothing, Declared::Not);
-            let what = format!("{shape:?}, stage {stage}, gas {gas}, bare {bare}");
+            let what = format!("{shape:?}, stage {stage}, gas {gas}, {backward:?}");
             assert_eq!(params(&got), params(&want), "{what}");
             if stage == 3 {
                 assert!(got.iter().all(|r| r.m1_freed), "{what}");

@@ -31,6 +31,10 @@ struct Moe {
     rank: usize,
     /// How an expert without tokens is treated.
     idle: Idle,
+    /// No token goes to any expert (all dropped, as a full capacity
+    /// would drop them): the layer passes its input on, and none of its
+    /// parameters gets a gradient.
+    routes_nothing: bool,
 }
 
 /// What a layer does with an expert none of this rank's tokens reach.
@@ -54,14 +58,16 @@ impl Moe {
             experts,
             rank,
             idle,
+            routes_nothing: false,
         }
     }
 
-    /// The expert token `i` of this rank goes to.
-    fn route(&self, i: usize) -> usize {
+    /// The expert token `i` of this rank goes to, if any.
+    fn route(&self, i: usize) -> Option<usize> {
         match self.rank {
-            0 => i % EXPERTS,
-            _ => 1 + i % 2,
+            _ if self.routes_nothing => None,
+            0 => Some(i % EXPERTS),
+            _ => Some(1 + i % 2),
         }
     }
 }
@@ -69,10 +75,13 @@ impl Moe {
 impl Module for Moe {
     fn forward(&self, x: &Tensor) -> Tensor {
         let gate = self.router.forward(x).softmax(-1, Kind::Float);
-        let mut y = x.shallow_clone();
+        // A new tensor even when no token is routed: the layer's output
+        // must not be its input on some ranks (its backward would begin
+        // at its input's gradient there, another point of backward).
+        let mut y = x.zeros_like();
         for (e, expert) in self.experts.iter().enumerate() {
             let idx: Vec<i64> = (0..x.size()[0] as usize)
-                .filter(|&i| self.route(i) == e)
+                .filter(|&i| self.route(i) == Some(e))
                 .map(|i| i as i64)
                 .collect();
             if idx.is_empty() && self.idle == Idle::Skipped {
@@ -83,7 +92,7 @@ impl Module for Moe {
             let out = expert.forward(&x.index_select(0, &idx)) * w;
             y = y.index_add(0, &idx, &out);
         }
-        y
+        x + y
     }
 }
 
@@ -114,6 +123,13 @@ struct Shape {
     twice: bool,
     /// Left out of rank 1's forward (a misuse of the declaration).
     skipped_on_rank_1: bool,
+    /// Rank 1 routes no token to any expert of `m1`, and `b` and `c` are
+    /// frozen: on rank 1 a backward reaches no parameter before `m1`'s
+    /// turn to be reduced comes.
+    nothing_reached_on_rank_1: bool,
+    /// Before each micro-step, the input's gradient by a backward that
+    /// accumulates no parameter's (`torch.autograd.grad(loss, x)`).
+    input_gradient_first: bool,
 }
 
 /// Units `m0` (a layer on the 3-wide input: the first unit, whose
@@ -149,7 +165,8 @@ impl Model {
             Moe::new(&(&root / "m0"), 3, rank, idle),
         );
         let a = linear_unit(&vs, &plan, "a", 3, 8);
-        let m1 = Moe::new(&(&root / "m1"), 8, rank, idle);
+        let mut m1 = Moe::new(&(&root / "m1"), 8, rank, idle);
+        m1.routes_nothing = shape.nothing_reached_on_rank_1 && rank == 1;
         let m1 = match shape.checkpointed {
             true => Layer::Checkpointed(Checkpointed::new(m1)),
             false => Layer::Plain(m1),
@@ -265,6 +282,9 @@ fn train_shaped(
 ) -> Vec<Result<Run, EngineError>> {
     on_ranks(WORLD, |r| {
         let m = Model::shaped(r.rank(), idle, shape);
+        if shape.nothing_reached_on_rank_1 {
+            common::freeze(&m.vs, &["b.", "c."]);
+        }
         match declared {
             Declared::Not => {}
             Declared::Partly => m.plan.partly_unused_on_some_ranks(experts).unwrap(),
@@ -273,6 +293,15 @@ fn train_shaped(
         let e: Engine<_> = engine_of(&m.vs, &m.plan, cfg, &r);
         let steps = || -> Result<(), EngineError> {
             for k in 0..4 {
+                if shape.input_gradient_first {
+                    let x = small_input(r.rank(), 10 + k).set_requires_grad(true);
+                    drop(Tensor::run_backward(
+                        &[m.loss(&x, r.rank())],
+                        &[&x],
+                        false,
+                        false,
+                    ));
+                }
                 let loss = m.loss(&small_input(r.rank(), k), r.rank());
                 match backward {
                     Backward::Engine => e.backward(&loss)?,
@@ -474,5 +503,57 @@ fn checkpointed_experts_and_experts_run_twice_train_as_if_they_ran_on_no_tokens(
                 assert!(got.iter().all(|r| r.m1_freed), "{what}");
             }
         }
+    }
+}
+
+#[test]
+fn a_bare_backward_that_reaches_nothing_on_one_rank_before_a_layer_is_reduced_begins_there() {
+    // On rank 1 the first gradient of a `loss.backward()` would come after
+    // `m1`'s reduction (when `a`'s backward begins): the backward begins
+    // at that reduction instead, as it began on rank 0 at m1's first
+    // gradient, and the ranks reduce alike.
+    let _serial = serial();
+    let shape = Shape {
+        nothing_reached_on_rank_1: true,
+        ..Shape::default()
+    };
+    for (gas, backward) in [(1, Backward::Bare), (2, Backward::BareStepAtBoundary)] {
+        let cfg = config(3, gas, "");
+        let run = |idle, declared| ok(train_shaped(&cfg, idle, declared, backward, shape));
+        let got = run(Idle::Skipped, Declared::Partly);
+        let want = run(Idle::RunOnNothing, Declared::Not);
+        assert_eq!(params(&got), params(&want), "gas {gas}, {backward:?}");
+    }
+}
+
+#[test]
+fn an_input_gradient_through_declared_layers_leaves_training_as_it_was() {
+    // Its backward passes the layers' gradient hooks too, but accumulates
+    // no parameter gradient: it must not begin a micro-step (reducing
+    // zeros) where a reduction falls due on a rank.
+    let _serial = serial();
+    let probed = Shape {
+        input_gradient_first: true,
+        nothing_reached_on_rank_1: true,
+        ..Shape::default()
+    };
+    let plain = Shape {
+        nothing_reached_on_rank_1: true,
+        ..Shape::default()
+    };
+    for backward in [Backward::Engine, Backward::Bare] {
+        let cfg = config(3, 1, "");
+        let run = |shape| {
+            ok(train_shaped(
+                &cfg,
+                Idle::Skipped,
+                Declared::Partly,
+                backward,
+                shape,
+            ))
+        };
+        let (got, want) = (run(probed), run(plain));
+        assert_eq!(params(&got), params(&want), "{backward:?}");
+        assert!(got.iter().all(|r| r.m1_freed), "{backward:?}");
     }
 }

@@ -299,7 +299,11 @@ impl ShardPlan {
     /// A rank that skips such a unit altogether (its forward does not run)
     /// breaks the contract: the ranks' gathers then differ, and the engine
     /// stops naming the unit each rank gathers. Declare those with
-    /// [`Self::unused_on_some_ranks`].
+    /// [`Self::unused_on_some_ranks`]. So does a forward that returns its
+    /// input itself, or an output that needs no gradient, on some ranks
+    /// only (all tokens dropped): its backward then begins at another
+    /// point, or not at all, there. Return a new tensor that depends on
+    /// the input (`x + y`, `y` the experts' sum, zeros when none ran).
     ///
     /// ```no_run
     /// # let plan = zrt_zero::ShardPlan::new();

@@ -744,10 +744,27 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             .filter(|&k| k != unit && self.segments.held(k) == 0)
             .collect();
         st.prog.partial_due.retain(|(k, _)| !due.contains(k));
+        if due.iter().any(|&k| st.prog.launched[k]) {
+            // Not armed: a bare `loss.backward()` whose loss reached no
+            // parameter of the units backward went through so far on this
+            // rank (where another rank's may have, and reduces them now).
+            // It begins here, as a gradient would have begun it; unless it
+            // accumulates into no parameter at all
+            // (`torch.autograd.grad(loss, x)`), which reduces nothing.
+            let begun = self.accumulates(st).and_then(|yes| match yes {
+                true => self.begin_bare(st).map(|()| true),
+                false => Ok(false),
+            });
+            match begun {
+                Ok(true) => st.prog.backward_id = now,
+                Ok(false) => {}
+                Err(e) => {
+                    st.error = Some(e);
+                    return;
+                }
+            }
+        }
         for k in due {
-            // Not armed: a bare `loss.backward()` this rank has not seen a
-            // gradient of yet (every rank that has reduces it here, and the
-            // announcement check names the difference).
             if !st.prog.launched[k] && st.error.is_none() {
                 self.launch_now(st, k);
             }
@@ -759,6 +776,17 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.prog.partial_due.push((unit, now));
             }
         }
+    }
+
+    /// Whether the backward running on this thread accumulates a gradient
+    /// into any parameter of this engine's.
+    fn accumulates(&self, st: &State) -> Result<bool, EngineError> {
+        for t in st.units.iter().flat_map(|u| &u.params) {
+            if glue::will_accumulate(t)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Launches the units whose turn in the agreed order has come and

@@ -35,6 +35,9 @@ struct Moe {
     /// would drop them): the layer passes its input on, and none of its
     /// parameters gets a gradient.
     routes_nothing: bool,
+    /// When no expert ran, the layer returns its input itself (which the
+    /// declaration does not allow), not `x + 0`.
+    identity_when_idle: bool,
 }
 
 /// What a layer does with an expert none of this rank's tokens reach.
@@ -59,6 +62,7 @@ impl Moe {
             rank,
             idle,
             routes_nothing: false,
+            identity_when_idle: false,
         }
     }
 
@@ -79,6 +83,7 @@ impl Module for Moe {
         // must not be its input on some ranks (its backward would begin
         // at its input's gradient there, another point of backward).
         let mut y = x.zeros_like();
+        let mut ran = false;
         for (e, expert) in self.experts.iter().enumerate() {
             let idx: Vec<i64> = (0..x.size()[0] as usize)
                 .filter(|&i| self.route(i) == Some(e))
@@ -91,8 +96,12 @@ impl Module for Moe {
             let w = gate.index_select(0, &idx).select(1, e as i64).unsqueeze(1);
             let out = expert.forward(&x.index_select(0, &idx)) * w;
             y = y.index_add(0, &idx, &out);
+            ran = true;
         }
-        x + y
+        match ran || !self.identity_when_idle {
+            true => x + y,
+            false => x.shallow_clone(),
+        }
     }
 }
 
@@ -130,6 +139,9 @@ struct Shape {
     /// Before each micro-step, the input's gradient by a backward that
     /// accumulates no parameter's (`torch.autograd.grad(loss, x)`).
     input_gradient_first: bool,
+    /// With `nothing_reached_on_rank_1`, rank 1's `m1` returns its input
+    /// itself.
+    identity_on_rank_1: bool,
 }
 
 /// Units `m0` (a layer on the 3-wide input: the first unit, whose
@@ -167,6 +179,7 @@ impl Model {
         let a = linear_unit(&vs, &plan, "a", 3, 8);
         let mut m1 = Moe::new(&(&root / "m1"), 8, rank, idle);
         m1.routes_nothing = shape.nothing_reached_on_rank_1 && rank == 1;
+        m1.identity_when_idle = shape.identity_on_rank_1;
         let m1 = match shape.checkpointed {
             true => Layer::Checkpointed(Checkpointed::new(m1)),
             false => Layer::Plain(m1),
@@ -556,4 +569,34 @@ fn an_input_gradient_through_declared_layers_leaves_training_as_it_was() {
         assert_eq!(params(&got), params(&want), "{backward:?}");
         assert!(got.iter().all(|r| r.m1_freed), "{backward:?}");
     }
+}
+
+#[test]
+fn a_declared_layer_that_returns_its_input_itself_is_named() {
+    // Rank 1 routes no token through `m1`, which then hands its input on
+    // as its output: its backward would begin at another point there.
+    let _serial = serial();
+    let shape = Shape {
+        nothing_reached_on_rank_1: true,
+        identity_on_rank_1: true,
+        ..Shape::default()
+    };
+    let got = train_shaped(
+        &config(3, 1, ""),
+        Idle::Skipped,
+        Declared::Partly,
+        Backward::Engine,
+        shape,
+    );
+    let e = got[1]
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    assert!(
+        e.contains("unit `m1` (declared with ShardPlan::partly_unused_on_some_ranks) returned its input itself"),
+        "{e}"
+    );
+    // Rank 0 is stopped too, by whatever its next collective meets.
+    assert!(got[0].is_err());
 }

@@ -981,6 +981,23 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
         // Not a recompute (inside a backward): that is the same run's.
         if st.units[unit].partial && y.requires_grad() && matches!(glue::backward_id(), Ok(None)) {
             i.partial_forward(&mut st, unit);
+            // Its backward would begin at its input's gradient, elsewhere
+            // than on a rank where it computed something: say so here
+            // rather than let the ranks' gathers go out of step.
+            let same = glue::tensor_impl(x).and_then(|a| Ok(a == glue::tensor_impl(y)?));
+            match same {
+                Ok(false) => {}
+                Ok(true) => {
+                    let e = EngineError::Plan(format!(
+                        "unit `{}` (declared with ShardPlan::partly_unused_on_some_ranks) returned its input itself: its backward must begin at the same point on every rank, at its own output's gradient. Return a new tensor that depends on the input (`x + y`, `y` zeros when no expert ran), or declare its parameters with ShardPlan::unused_on_some_ranks if some ranks skip it",
+                        st.units[unit].name
+                    ));
+                    st.error.get_or_insert(e);
+                }
+                Err(e) => {
+                    st.error.get_or_insert(e.into());
+                }
+            }
         }
         // The first forward through a unit checks which parameters it
         // used: one owned by another unit (tied weights) is read after its

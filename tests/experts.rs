@@ -158,6 +158,17 @@ struct Model {
     shape: Shape,
 }
 
+impl Shape {
+    /// Rank 1 reaches no parameter of `m1` or after it
+    /// ([`Shape::nothing_reached_on_rank_1`]).
+    fn nothing_on_rank_1() -> Self {
+        Self {
+            nothing_reached_on_rank_1: true,
+            ..Self::default()
+        }
+    }
+}
+
 impl Model {
     /// Built with known values (index-based), the same on every rank.
     fn new(rank: usize, idle: Idle) -> Self {
@@ -338,6 +349,24 @@ fn train_shaped(
     })
 }
 
+/// Trains with idle experts skipped and declared, and with them run on
+/// zero tokens undeclared, and asserts the two end alike: the first run.
+fn trains_as_run_on_nothing(cfg: &Config, backward: Backward, shape: Shape) -> Vec<Run> {
+    let run = |idle, declared| ok(train_shaped(cfg, idle, declared, backward, shape));
+    let got = run(Idle::Skipped, Declared::Partly);
+    let want = run(Idle::RunOnNothing, Declared::Not);
+    assert_eq!(params(&got), params(&want), "{backward:?}, {shape:?}");
+    got
+}
+
+/// What a run failed with ("" if it did not fail).
+fn error_of<T>(r: &Result<T, EngineError>) -> String {
+    r.as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default()
+}
+
 fn ok(runs: Vec<Result<Run, EngineError>>) -> Vec<Run> {
     runs.into_iter().map(|r| r.unwrap()).collect()
 }
@@ -361,10 +390,8 @@ fn experts_some_ranks_never_reach_train_as_if_they_ran_on_no_tokens() {
                 if backward != Engine && (stage != 3 || gas == 1) {
                     continue;
                 }
-                let got = ok(train(&cfg, Idle::Skipped, Declared::Partly, backward));
-                let want = ok(train(&cfg, Idle::RunOnNothing, Declared::Not, backward));
+                let got = trains_as_run_on_nothing(&cfg, backward, Shape::default());
                 let what = format!("stage {stage}, gas {gas} {zero} {backward:?}");
-                assert_eq!(params(&got), params(&want), "{what}");
                 // Rank 0's tokens alone reach expert 0: it trained.
                 let (_, start) = initial("m1.experts.0.weight");
                 let moved = &got[0]
@@ -439,11 +466,7 @@ fn experts_some_ranks_never_reach_undeclared_at_stage_3_are_named_with_the_decla
         Backward::Engine,
     );
     for (rank, r) in got.iter().enumerate() {
-        let e = r
-            .as_ref()
-            .err()
-            .map(ToString::to_string)
-            .unwrap_or_default();
+        let e = error_of(r);
         assert!(
             e.contains("ShardPlan::partly_unused_on_some_ranks"),
             "rank {rank}: {e}"
@@ -466,11 +489,7 @@ fn a_rank_that_skips_a_partly_unused_unit_at_stage_3_is_told_to_declare_it_unuse
         e.backward(&loss).and_then(|()| e.step().map(|_| ()))
     });
     for (rank, r) in got.iter().enumerate() {
-        let e = r
-            .as_ref()
-            .err()
-            .map(ToString::to_string)
-            .unwrap_or_default();
+        let e = error_of(r);
         assert!(
             e.contains("ranks ran units in different orders")
                 && e.contains("declares them with ShardPlan::unused_on_some_ranks"),
@@ -506,12 +525,8 @@ fn checkpointed_experts_and_experts_run_twice_train_as_if_they_ran_on_no_tokens(
             (2, 2, Backward::Engine),
         ];
         for (stage, gas, backward) in cases {
-            let cfg = config(stage, gas, "");
-            let run = |idle, declared| ok(train_shaped(&cfg, idle, declared, backward, shape));
-            let got = run(Idle::Skipped, Declared::Partly);
-            let want = run(Idle::RunOnNothing, Declared::Not);
+            let got = trains_as_run_on_nothing(&config(stage, gas, ""), backward, shape);
             let what = format!("{shape:?}, stage {stage}, gas {gas}, {backward:?}");
-            assert_eq!(params(&got), params(&want), "{what}");
             if stage == 3 {
                 assert!(got.iter().all(|r| r.m1_freed), "{what}");
             }
@@ -526,16 +541,9 @@ fn a_bare_backward_that_reaches_nothing_on_one_rank_before_a_layer_is_reduced_be
     // at that reduction instead, as it began on rank 0 at m1's first
     // gradient, and the ranks reduce alike.
     let _serial = serial();
-    let shape = Shape {
-        nothing_reached_on_rank_1: true,
-        ..Shape::default()
-    };
+    let shape = Shape::nothing_on_rank_1();
     for (gas, backward) in [(1, Backward::Bare), (2, Backward::BareStepAtBoundary)] {
-        let cfg = config(3, gas, "");
-        let run = |idle, declared| ok(train_shaped(&cfg, idle, declared, backward, shape));
-        let got = run(Idle::Skipped, Declared::Partly);
-        let want = run(Idle::RunOnNothing, Declared::Not);
-        assert_eq!(params(&got), params(&want), "gas {gas}, {backward:?}");
+        trains_as_run_on_nothing(&config(3, gas, ""), backward, shape);
     }
 }
 
@@ -545,14 +553,10 @@ fn an_input_gradient_through_declared_layers_leaves_training_as_it_was() {
     // no parameter gradient: it must not begin a micro-step (reducing
     // zeros) where a reduction falls due on a rank.
     let _serial = serial();
+    let plain = Shape::nothing_on_rank_1();
     let probed = Shape {
         input_gradient_first: true,
-        nothing_reached_on_rank_1: true,
-        ..Shape::default()
-    };
-    let plain = Shape {
-        nothing_reached_on_rank_1: true,
-        ..Shape::default()
+        ..plain
     };
     for backward in [Backward::Engine, Backward::Bare] {
         let cfg = config(3, 1, "");
@@ -577,9 +581,8 @@ fn a_declared_layer_that_returns_its_input_itself_is_named() {
     // as its output: its backward would begin at another point there.
     let _serial = serial();
     let shape = Shape {
-        nothing_reached_on_rank_1: true,
         identity_on_rank_1: true,
-        ..Shape::default()
+        ..Shape::nothing_on_rank_1()
     };
     let got = train_shaped(
         &config(3, 1, ""),
@@ -588,11 +591,7 @@ fn a_declared_layer_that_returns_its_input_itself_is_named() {
         Backward::Engine,
         shape,
     );
-    let e = got[1]
-        .as_ref()
-        .err()
-        .map(ToString::to_string)
-        .unwrap_or_default();
+    let e = error_of(&got[1]);
     assert!(
         e.contains("unit `m1` (declared with ShardPlan::partly_unused_on_some_ranks) returned its input itself"),
         "{e}"

@@ -139,6 +139,11 @@ struct Unit {
 }
 
 impl Unit {
+    /// The VarStore name of its trained parameter `j` ("?" past the last).
+    fn param_name(&self, j: usize) -> &str {
+        self.layout.slots.get(j).map_or("?", |s| s.name.as_str())
+    }
+
     /// Elements a gather of the unit brings in (trainable and frozen).
     fn gathered_len(&self) -> usize {
         self.layout.padded + self.frozen.as_ref().map_or(0, |p| p.padded())

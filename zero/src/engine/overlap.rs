@@ -629,11 +629,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // reduced with zeros already. Only a graph built during
             // backward (a checkpoint other than zrt's, whose segments hold
             // their units) could do this; stop rather than lose it.
-            let name = st.units[k]
-                .layout
-                .slots
-                .get(j)
-                .map_or("?", |s| s.name.as_str());
+            let name = st.units[k].param_name(j);
             st.error = Some(EngineError::GradientsLost(format!(
                 "parameter `{name}` of unit `{}` received a gradient that the walk of the autograd graph from the loss did not find, so its unit (declared with ShardPlan::unused_on_some_ranks) may have been reduced without it; checkpoint with zrt's Checkpointed, which the engine knows to wait for",
                 st.units[k].name
@@ -645,11 +641,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if st.prog.launched[k] && again && st.units[k].partial {
             // Reduced when the backward of the unit before it began: every
             // gradient of its backward should have been accumulated by then.
-            let name = st.units[k]
-                .layout
-                .slots
-                .get(j)
-                .map_or("?", |s| s.name.as_str());
+            let name = st.units[k].param_name(j);
             st.error = Some(EngineError::GradientsLost(format!(
                 "parameter `{name}` of unit `{}` (declared with ShardPlan::partly_unused_on_some_ranks) received a gradient after the unit was reduced, when the backward of the unit before it began (does another unit's forward use this parameter too, or did the unit's forward run inside a backward?); declare it with ShardPlan::unused_on_some_ranks instead, whose units are reduced at the end of backward",
                 st.units[k].name

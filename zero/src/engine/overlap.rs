@@ -720,6 +720,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// recompute may add to it; the ranks' segments are alike): a later
     /// unit's backward, or the end of backward, reduces it.
     pub(super) fn reduce_partial_units(&self, st: &mut State, unit: usize) {
+        if st.prog.partial_due.is_empty() && !st.units[unit].partial {
+            return; // (every backward of a model without such units)
+        }
         if foreign::other_than(self.id).is_some() {
             return; // another engine's backward: these gradients are dropped
         }

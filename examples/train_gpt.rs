@@ -45,6 +45,10 @@ struct Args {
     /// The chance that a block is left out of a micro-batch's forward
     /// (`--layerdrop`), drawn on each rank apart.
     layerdrop: f64,
+    /// The chance that a block's MLP is left out of a micro-batch's
+    /// forward, the block running (`--mlp-drop`), drawn on each rank
+    /// apart: experts that a rank's tokens did not reach, as it were.
+    mlp_drop: f64,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -104,6 +108,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "P",
         "leave each block out of a micro-batch's forward with chance P, drawn on each rank apart (LayerDrop; the blocks are declared with ShardPlan::unused_on_some_ranks)",
     ),
+    (
+        "--mlp-drop",
+        "P",
+        "leave each block's MLP out of a micro-batch's forward with chance P, drawn on each rank apart, the block running (as experts no token reached; declared with ShardPlan::partly_unused_on_some_ranks, which stage 3 keeps sharded)",
+    ),
     ("--help", "", "print this and exit"),
 ];
 
@@ -161,6 +170,16 @@ fn parse_args() -> Result<Option<Args>> {
         }
         Ok(v)
     };
+    // A chance from 0 up to (not including) 1; 0 when not given.
+    let chance = |name: &str| -> Result<f64> {
+        match get(name) {
+            None => Ok(0.0),
+            Some(v) => match v.parse::<f64>() {
+                Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+                _ => bail!("{name} takes a chance from 0 up to (not including) 1, got `{v}`"),
+            },
+        }
+    };
     let gpt = GptConfig {
         vocab: 256,
         d_model: num("--d-model", 256, 1)?,
@@ -205,13 +224,8 @@ fn parse_args() -> Result<Option<Args>> {
         resume: opts.contains_key("--resume"),
         freeze_mlp: opts.contains_key("--freeze-mlp"),
         checkpoint: opts.contains_key("--checkpoint-activations"),
-        layerdrop: match get("--layerdrop") {
-            None => 0.0,
-            Some(v) => match v.parse::<f64>() {
-                Ok(p) if (0.0..1.0).contains(&p) => p,
-                _ => bail!("--layerdrop takes a chance from 0 up to (not including) 1, got `{v}`"),
-            },
-        },
+        layerdrop: chance("--layerdrop")?,
+        mlp_drop: chance("--mlp-drop")?,
     }))
 }
 
@@ -338,6 +352,14 @@ fn main() -> Result<()> {
         // backward, and they stay gathered).
         plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
     }
+    if a.mlp_drop > 0.0 {
+        // Each rank leaves out its own blocks' MLPs, the blocks running:
+        // stage 3 gathers and frees the blocks as without it, and reduces
+        // each when the backward of the unit before it begins.
+        plan.partly_unused_on_some_ranks(|name, _| {
+            name.starts_with("h.") && [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
+        })?;
+    }
     let cfg = Config::from_file(&a.config)?;
     let hints = AutoHints {
         hidden_size: Some(a.gpt.d_model as u64),
@@ -442,8 +464,9 @@ fn main() -> Result<()> {
     }
     let (mut first_train, mut last_train, mut last_val) = (f64::NAN, f64::NAN, v0);
     let t0 = Instant::now();
-    // LayerDrop: block runs this rank left out, of those it could run.
-    let (mut left_out, mut runs) = (0usize, 0usize);
+    // LayerDrop: block runs this rank left out, of those it could run;
+    // MLP drop: MLPs this rank left out.
+    let (mut left_out, mut runs, mut mlps_out) = (0usize, 0usize, 0usize);
     for step in start..=a.steps {
         let mut sum = 0.0;
         for k in 0..gas {
@@ -451,10 +474,20 @@ fn main() -> Result<()> {
             let skipped = layerdrop(a.layerdrop, a.gpt.layers, seed);
             left_out += skipped.len();
             runs += a.gpt.layers as usize;
+            // Another stream than LayerDrop's (the seed's high bit).
+            let mlps = layerdrop(a.mlp_drop, a.gpt.layers, seed | 1 << 63);
+            for i in 0..a.gpt.layers as usize {
+                gpt.leave_out_mlp(i, mlps.contains(&i));
+            }
+            mlps_out += mlps.len();
             let loss = gpt.loss_skipping(&batch(train, micro, a.gpt.seq + 1, seed)?, &skipped);
             sum += loss.double_value(&[]);
             engine.backward(&loss)?;
             engine.step()?;
+            // Evaluation runs every MLP.
+            for &i in &mlps {
+                gpt.leave_out_mlp(i, false);
+            }
         }
         let loss = world
             .all_reduce(vec![sum / gas as f64], ReduceOp::Avg)
@@ -513,6 +546,10 @@ fn main() -> Result<()> {
         .all_gather(vec![left_out as f64], Vec::new())
         .wait()?
         .1;
+    let mlps_out = world
+        .all_gather(vec![mlps_out as f64], Vec::new())
+        .wait()?
+        .1;
     if rank == 0 {
         println!(
             "done: {} steps in {secs:.1} s, {:.0} tokens/s",
@@ -528,6 +565,12 @@ fn main() -> Result<()> {
                 "LayerDrop: of {runs} block runs per rank, {}",
                 each.join(", ")
             );
+        }
+        if a.mlp_drop > 0.0 {
+            let each: Vec<String> = (mlps_out.iter().enumerate())
+                .map(|(r, k)| format!("rank {r} left out {k}"))
+                .collect();
+            println!("MLP drop: of {runs} MLP runs per rank, {}", each.join(", "));
         }
         println!(
             "peak RSS per rank (MiB): {}; model state on rank 0: {state:.2} MiB",

@@ -910,6 +910,37 @@ fn the_main_job_with_layerdrop_on_each_rank_apart_trains_and_resumes_to_the_same
 }
 
 #[test]
+fn the_main_job_with_mlps_left_out_on_each_rank_apart_trains_and_resumes_to_the_same_bits() {
+    // Each rank leaves out its own blocks' MLPs, the blocks running
+    // (ZeRO-3, 2 processes): declared with partly_unused_on_some_ranks,
+    // the blocks are gathered and freed as without it, and reduced when
+    // the backward of the unit before each begins; a resumed run draws
+    // the same MLPs.
+    let _serial = serial();
+    let args = ["--mlp-drop", "0.5", "--layers", "2"];
+    let (straight, resumed, said) = main_job_straight_and_resumed("mlp-drop", &args);
+    assert_bits(
+        "2 + 2 steps with MLPs left out against 4",
+        &straight,
+        &resumed,
+    );
+    // "MLP drop: of 4 MLP runs per rank, rank 0 left out 2, rank 1 ..."
+    let line = said.lines().find(|l| l.contains("MLP drop: of 4 MLP runs"));
+    let left_out: Vec<usize> = line
+        .map(|l| {
+            l.split("left out ")
+                .skip(1)
+                .filter_map(|r| r.split(',').next()?.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        left_out.len() == 2 && left_out.iter().sum::<usize>() > 0,
+        "{said}"
+    );
+}
+
+#[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
     let _serial = serial();
     let (straight, resumed, _) = main_job_straight_and_resumed("processes", &[]);

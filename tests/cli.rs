@@ -498,6 +498,11 @@ fn the_main_job_refuses_an_option_it_does_not_know_and_lists_them_on_help() {
     );
     let (ok, out) = run(&["--save-dir"]);
     assert!(!ok && out.contains("--save-dir needs a value"), "{out}");
+    for chance in ["--layerdrop", "--mlp-drop"] {
+        let (ok, out) = run(&[chance, "1"]);
+        let want = format!("{chance} takes a chance from 0 up to (not including) 1, got `1`");
+        assert!(!ok && out.contains(&want), "{out}");
+    }
     let (ok, out) = run(&["--help"]);
     assert!(
         ok && out.contains("--eval-every N") && out.contains("--resume"),

@@ -311,7 +311,15 @@ fn train_shaped(
         }
         match declared {
             Declared::Not => {}
-            Declared::Partly => m.plan.partly_unused_on_some_ranks(experts).unwrap(),
+            Declared::Partly => {
+                m.plan.partly_unused_on_some_ranks(experts).unwrap();
+                assert!(m
+                    .plan
+                    .is_partly_unused_on_some_ranks("m1.experts.3.bias", &[8]));
+                assert!(!m
+                    .plan
+                    .is_partly_unused_on_some_ranks("m1.router.bias", &[4]));
+            }
             Declared::Unused => m.plan.unused_on_some_ranks(experts).unwrap(),
         }
         let e: Engine<_> = engine_of(&m.vs, &m.plan, cfg, &r);

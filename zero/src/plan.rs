@@ -292,9 +292,11 @@ impl ShardPlan {
     /// parameter's gradient accumulation before any node that was created
     /// earlier in forward: by the time the backward of the unit before
     /// begins, every gradient this unit's backward gives has been
-    /// accumulated. A gradient that still arrives later (a unit run more
-    /// than once in one forward, each run checkpointed) stops the engine
-    /// with [`EngineError::GradientsLost`] rather than being dropped.
+    /// accumulated (a unit run more than once in one forward is reduced
+    /// after its first run's backward). A gradient that still arrives
+    /// later (another unit's forward used its parameter, say) stops the
+    /// engine with [`EngineError::GradientsLost`] rather than being
+    /// dropped.
     ///
     /// A rank that skips such a unit altogether (its forward does not run)
     /// breaks the contract: the ranks' gathers then differ, and the engine

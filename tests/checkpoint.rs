@@ -882,6 +882,20 @@ fn main_job_straight_and_resumed(name: &str, args: &[&str]) -> (Params, Params, 
     (straight, resumed, said)
 }
 
+/// What each rank left out by the main job's line that starts `what`
+/// ("LayerDrop: of 4 block runs per rank, rank 0 left out 0, rank 1 left
+/// out 2"); empty without the line.
+fn left_out_per_rank(said: &str, what: &str) -> Vec<usize> {
+    let line = said.lines().find(|l| l.contains(what));
+    line.map(|l| {
+        l.split("left out ")
+            .skip(1)
+            .filter_map(|r| r.split(',').next()?.trim().parse().ok())
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
 #[test]
 fn the_main_job_with_layerdrop_on_each_rank_apart_trains_and_resumes_to_the_same_bits() {
     // Each rank leaves out its own blocks (ZeRO-3, 2 processes): the
@@ -891,18 +905,7 @@ fn the_main_job_with_layerdrop_on_each_rank_apart_trains_and_resumes_to_the_same
     let args = ["--layerdrop", "0.5", "--layers", "2"];
     let (straight, resumed, said) = main_job_straight_and_resumed("layerdrop", &args);
     assert_bits("2 + 2 steps with LayerDrop against 4", &straight, &resumed);
-    // "LayerDrop: of 4 block runs per rank, rank 0 left out 0, rank 1 ..."
-    let line = said
-        .lines()
-        .find(|l| l.contains("LayerDrop: of 4 block runs"));
-    let left_out: Vec<usize> = line
-        .map(|l| {
-            l.split("left out ")
-                .skip(1)
-                .filter_map(|r| r.split(',').next()?.trim().parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
+    let left_out = left_out_per_rank(&said, "LayerDrop: of 4 block runs");
     assert!(
         left_out.len() == 2 && left_out.iter().sum::<usize>() > 0,
         "{said}"
@@ -924,16 +927,7 @@ fn the_main_job_with_mlps_left_out_on_each_rank_apart_trains_and_resumes_to_the_
         &straight,
         &resumed,
     );
-    // "MLP drop: of 4 MLP runs per rank, rank 0 left out 2, rank 1 ..."
-    let line = said.lines().find(|l| l.contains("MLP drop: of 4 MLP runs"));
-    let left_out: Vec<usize> = line
-        .map(|l| {
-            l.split("left out ")
-                .skip(1)
-                .filter_map(|r| r.split(',').next()?.trim().parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
+    let left_out = left_out_per_rank(&said, "MLP drop: of 4 MLP runs");
     assert!(
         left_out.len() == 2 && left_out.iter().sum::<usize>() > 0,
         "{said}"

@@ -737,23 +737,63 @@ fn bench_train_measures_each_bucket_size_and_refuses_a_fraction() {
     );
 }
 
+/// `zrt bench train` of the tiny model, ZeRO-3 on 2 ranks, one round of
+/// two steps, with `extra`; a peer's "Python" fails.
+fn bench_tiny_stage_3(extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+        .args(["--stages", "3", "--rounds", "1", "--steps", "2"])
+        .args(extra)
+        .env("ZRT_BACKEND", "shm")
+        .env("ZRT_PYTHON", "/bin/false")
+        .output()
+        .unwrap()
+}
+
+/// The first `--json` row of a bench that succeeded.
+fn first_row(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", common::printed(o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(out.lines().next().unwrap()).unwrap()
+}
+
+/// [`bench_tiny_stage_3`] with `--peer` and `extra`: the peers are DDP
+/// alone (which this "Python" fails), DeepSpeed's not even looked for.
+/// Its stdout.
+fn with_ddp_peer_alone(extra: &[&str]) -> String {
+    let o = bench_tiny_stage_3(&[&["--peer"], extra].concat());
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(err.contains("peer ddp on tiny failed"), "{err}");
+    assert!(
+        !err.contains("fsdp2") && !out.contains("fsdp2"),
+        "{out}{err}"
+    );
+    assert!(!err.contains("DeepSpeed's rows are left out"), "{err}");
+    out.into_owned()
+}
+
+#[test]
+fn bench_train_with_mlps_left_out_declares_them_and_runs_only_the_ddp_peer() {
+    // At the second step rank 0 leaves out both blocks' MLPs and rank 1
+    // none (`layerdrop` at 0.5 of seeds 2 and 3 with bit 63 set), the
+    // blocks running: undeclared, their reductions would go out of step.
+    let dropped = first_row(&bench_tiny_stage_3(&["--json", "--mlp-drop", "0.5"]));
+    assert_eq!(dropped["mlp_drop"], 0.5, "{dropped}");
+    assert_eq!(first_row(&bench_tiny_stage_3(&["--json"]))["mlp_drop"], 0.0);
+    let out = with_ddp_peer_alone(&["--mlp-drop", "0.5"]);
+    assert!(
+        out.contains("MLP drop 0.5: each block's MLP left out"),
+        "{out}"
+    );
+}
+
 #[test]
 fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
-    let bench = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
-            .args(["--stages", "3", "--rounds", "1", "--steps", "2"])
-            .args(extra)
-            .env("ZRT_BACKEND", "shm")
-            .env("ZRT_PYTHON", "/bin/false")
-            .output()
-            .unwrap()
-    };
-    let row = |o: &std::process::Output| -> serde_json::Value {
-        assert!(o.status.success(), "{}", common::printed(o));
-        let out = String::from_utf8_lossy(&o.stdout);
-        serde_json::from_str(out.lines().next().unwrap()).unwrap()
-    };
+    let (bench, row) = (bench_tiny_stage_3, first_row);
     // At the warm-up step rank 0 leaves block 0 out and rank 1 runs both
     // (`layerdrop` of seeds 0 and 1): undeclared, their reductions would
     // go out of step and the ranks fail.
@@ -779,19 +819,8 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
         "{err}"
     );
     // The peers: DDP alone (FSDP2 and DeepSpeed cannot skip a module on
-    // some ranks), which this "Python" fails.
-    let o = bench(&["--peer", "--layerdrop", "0.5"]);
-    assert!(o.status.success(), "{}", common::printed(&o));
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(err.contains("peer ddp on tiny failed"), "{err}");
-    assert!(
-        !err.contains("fsdp2") && !out.contains("fsdp2"),
-        "{out}{err}"
-    );
-    assert!(!err.contains("DeepSpeed's rows are left out"), "{err}");
+    // some ranks).
+    let out = with_ddp_peer_alone(&["--layerdrop", "0.5"]);
     assert!(out.contains("LayerDrop 0.5: each block left out"), "{out}");
     let o = bench(&["--layerdrop", "1"]);
     let err = String::from_utf8_lossy(&o.stderr);

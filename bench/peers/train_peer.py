@@ -3,7 +3,7 @@ FSDP2 (`fully_shard` per block, then the root) or DeepSpeed ZeRO, on CPU
 with gloo, one thread per rank.
 
 Started by zrt as WORLD_SIZE processes with the torchrun environment.
-argv: mode size micro steps [freeze_mlp [checkpoint [layerdrop [same]]]], where mode is one of
+argv: mode size micro steps [freeze_mlp [checkpoint [layerdrop [same [mlp_drop]]]]], where mode is one of
 ddp, fsdp2_zero3, fsdp2_zero2, deepspeed_zero1, deepspeed_zero2,
 deepspeed_zero3; freeze_mlp 1 freezes every block's fc and out weights
 (the optimizer then holds the rest); checkpoint 1 recomputes every block's
@@ -13,7 +13,10 @@ torchtitan applies it: FSDP2's per-block hooks stay outside the recompute);
 layerdrop P leaves each block out of a step's forward with chance P, drawn
 on each rank apart exactly as zrt::gpt::layerdrop draws (ddp only, with
 find_unused_parameters=True, PyTorch's option for it: FSDP2 and DeepSpeed
-have none); same 1 has every rank leave out rank 0's draws.
+have none); same 1 has every rank leave out rank 0's draws; mlp_drop P
+leaves each block's MLP out with chance P, the block running, drawn as
+zrt draws it (the seed's high bit set; ddp only: FSDP2 aborts on it, see
+fsdp2_partly_unused.py).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -33,8 +36,10 @@ freeze_mlp = len(sys.argv) > 5 and sys.argv[5] == "1"
 checkpoint = len(sys.argv) > 6 and sys.argv[6] == "1"
 layerdrop = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
 drawer = 0 if len(sys.argv) > 8 and sys.argv[8] == "1" else int(os.environ["RANK"])
-if layerdrop > 0 and mode != "ddp":
-    sys.exit(f"layerdrop needs the ddp mode, not {mode}")
+mlp_drop = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
+uneven = layerdrop > 0 or mlp_drop > 0
+if uneven and mode != "ddp":
+    sys.exit(f"layerdrop and mlp_drop need the ddp mode, not {mode}")
 SIZES = {
     "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
     "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
@@ -52,12 +57,15 @@ class Block(nn.Module):
         self.proj = nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.heads = heads
+        self.mlp_left_out = False
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        if self.mlp_left_out:
+            return x
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -68,10 +76,12 @@ class Gpt(nn.Module):
         self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
-    def forward(self, tokens, skipped=()):
+    def forward(self, tokens, skipped=(), mlps_out=()):
         x, y = tokens[:, :-1], tokens[:, 1:]
         h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
         for i, b in enumerate(self.h):
+            # On the block itself, inside a checkpoint_wrapper if any.
+            getattr(b, "_checkpoint_wrapped_module", b).mlp_left_out = i in mlps_out
             if i not in skipped:
                 h = b(h)
         logits = self.head(self.ln_f(h)).float()
@@ -124,14 +134,14 @@ if mode.startswith("deepspeed"):
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=cfg)
 
-    def step(batch, skipped):
+    def step(batch, skipped, mlps_out):
         loss = engine(batch)
         engine.backward(loss)
         engine.step()
 else:
     dist.init_process_group("gloo")
     if mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=layerdrop > 0)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=uneven)
     elif mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -143,9 +153,9 @@ else:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
 
-    def step(batch, skipped):
+    def step(batch, skipped, mlps_out):
         opt.zero_grad(set_to_none=True)
-        loss = model(batch, skipped)
+        loss = model(batch, skipped, mlps_out)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
@@ -156,7 +166,8 @@ for s in range(steps + 1):
     batch = torch.randint(c["vocab"], (micro, c["seq"] + 1))
     dist.barrier()
     t0 = time.perf_counter()
-    step(batch, dropped(layerdrop, c["layers"], s * world + drawer))
+    seed = s * world + drawer
+    step(batch, dropped(layerdrop, c["layers"], seed), dropped(mlp_drop, c["layers"], seed | 1 << 63))
     if s > 0:
         times.append(time.perf_counter() - t0)
 t = torch.tensor(times, dtype=torch.float64)

@@ -70,6 +70,16 @@ pub struct TrainArgs {
     /// the ranks' unequal work costs.
     #[arg(long)]
     layerdrop_same: bool,
+    /// Leave each block's MLP out of a step's forward with this chance,
+    /// the block running, drawn on each rank apart (the same draws in zrt
+    /// and the peer): experts no token reached, as it were. zrt declares
+    /// the MLPs with `ShardPlan::partly_unused_on_some_ranks` (stage 3
+    /// keeps them sharded); the peer is DDP with
+    /// `find_unused_parameters=True` (FSDP2 aborts on such a model:
+    /// `bench/peers/fsdp2_partly_unused.py`; DeepSpeed is left out too).
+    /// MFU counts every MLP.
+    #[arg(long, default_value_t = 0.0, value_parser = chance)]
+    mlp_drop: f64,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
     /// in elements (DeepSpeed's default: 5e8). Several are interleaved like
     /// the stages: `5e8,5e5` shows what small buckets (which also bound the
@@ -113,6 +123,8 @@ pub struct TrainRankArgs {
     layerdrop: f64,
     #[arg(long)]
     layerdrop_same: bool,
+    #[arg(long, default_value_t = 0.0)]
+    mlp_drop: f64,
 }
 
 /// A chance from 0 up to (not including) 1 (`--layerdrop`).
@@ -191,6 +203,11 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     if a.layerdrop > 0.0 {
         plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
     }
+    if a.mlp_drop > 0.0 {
+        plan.partly_unused_on_some_ranks(|name, _| {
+            name.starts_with("h.") && [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
+        })?;
+    }
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}}}}}"#,
@@ -207,7 +224,13 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         let t = Instant::now();
         // Each rank its own draws (or rank 0's), as the peer makes them.
         let drawer = if a.layerdrop_same { 0 } else { rank };
-        let skipped = layerdrop(a.layerdrop, c.layers, (s * n + drawer) as u64);
+        let seed = (s * n + drawer) as u64;
+        let skipped = layerdrop(a.layerdrop, c.layers, seed);
+        // The MLPs' draws: another stream (the seed's high bit).
+        let mlps = layerdrop(a.mlp_drop, c.layers, seed | 1 << 63);
+        for i in 0..c.layers as usize {
+            model.leave_out_mlp(i, mlps.contains(&i));
+        }
         engine.backward(&model.loss_skipping(&batch(), &skipped))?;
         engine.step()?;
         let dt = t.elapsed().as_secs_f64();
@@ -284,6 +307,8 @@ fn run_rank(
         &bucket.to_string(),
         "--layerdrop",
         &a.layerdrop.to_string(),
+        "--mlp-drop",
+        &a.mlp_drop.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -365,8 +390,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     }
     // DeepSpeed is optional in the venv: without it its peers are left out
     // with one line, not a traceback per peer and round and rows of NaN.
-    // (Under --layerdrop there are no DeepSpeed rows to leave out.)
-    let deepspeed_missing = match a.peer && a.layerdrop == 0.0 {
+    // (Under --layerdrop or --mlp-drop there are no DeepSpeed rows to
+    // leave out.)
+    let uneven = a.layerdrop > 0.0 || a.mlp_drop > 0.0;
+    let deepspeed_missing = match a.peer && !uneven {
         true => peer::import_fails(&peer::venv_python(), "deepspeed"),
         false => None,
     };
@@ -381,8 +408,8 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             .iter()
             .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
             .filter(|(_, p)| deepspeed_missing.is_none() || !p.starts_with("deepspeed"))
-            // Only DDP trains a module some ranks skip.
-            .filter(|(_, p)| a.layerdrop == 0.0 || *p == "ddp")
+            // Only DDP trains a module some ranks skip, or use in part.
+            .filter(|(_, p)| !uneven || *p == "ddp")
             .collect()
     } else {
         Vec::new()
@@ -414,6 +441,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 (a.checkpoint_activations as u8).to_string(),
                 a.layerdrop.to_string(),
                 (a.layerdrop_same as u8).to_string(),
+                a.mlp_drop.to_string(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -435,7 +463,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let several_backends = a.backends.len() > 1;
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}{}",
+            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}{}{}",
             a.micro,
             a.backends.join(" and "),
             if several_backends { "s" } else { "" },
@@ -458,6 +486,13 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                         true => "the same blocks on every rank",
                         false => "drawn on each rank apart",
                     }
+                ),
+                false => String::new(),
+            },
+            match a.mlp_drop > 0.0 {
+                true => format!(
+                    "; MLP drop {}: each block's MLP left out with that chance, the block running, drawn on each rank apart (zrt: ShardPlan::partly_unused_on_some_ranks; DDP: find_unused_parameters; MFU counts every MLP)",
+                    a.mlp_drop
                 ),
                 false => String::new(),
             }
@@ -562,7 +597,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                     "ratio_step_time_vs_fsdp2": opt(vs(fsdp)),
                     "ratio_step_time_vs_ddp": opt(vs("ddp")), "ratio_rss_vs_fsdp2": opt(rss_vs),
                     "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
-                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same,
+                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same, "mlp_drop": a.mlp_drop,
                 })
             );
         } else {
@@ -607,7 +642,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 "{}",
                 json!({"bench": "train", "model": size, "world": 2, "impl": mode, "seconds_per_step": t, "tokens_per_s": tokens / t, "peak_rss_bytes": rss,
                     "freeze_mlp": a.freeze_mlp, "checkpoint_activations": a.checkpoint_activations,
-                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same})
+                    "layerdrop": a.layerdrop, "layerdrop_same": a.layerdrop_same, "mlp_drop": a.mlp_drop})
             );
         } else {
             println!(
@@ -633,18 +668,29 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             );
         }
     }
-    if !a.json && a.peer && a.layerdrop > 0.0 {
+    if !a.json && a.peer && uneven {
         // FSDP2 has no rows to compare with: DDP, per stage.
         for ((size, world, stage, bucket, backend), rows) in configs.iter().zip(&samples) {
             let ddp = peer_rows(size, "ddp");
             if *world != 2 || *bucket != a.reduce_bucket_sizes[0] || ddp.is_empty() {
                 continue;
             }
+            let mut what = Vec::new();
+            if a.layerdrop > 0.0 {
+                let same = if a.layerdrop_same {
+                    " (same blocks)"
+                } else {
+                    ""
+                };
+                what.push(format!("LayerDrop {}{same}", a.layerdrop));
+            }
+            if a.mlp_drop > 0.0 {
+                what.push(format!("MLP drop {}", a.mlp_drop));
+            }
             println!(
-                "{size} ZeRO-{stage}, 2 ranks{}, LayerDrop {}{}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
+                "{size} ZeRO-{stage}, 2 ranks{}, {}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
                 tag(backend),
-                a.layerdrop,
-                if a.layerdrop_same { " (same blocks)" } else { "" },
+                what.join(", "),
                 median_time(ddp) / median_time(rows),
                 max_rss(ddp) / max_rss(rows)
             );

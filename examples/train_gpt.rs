@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, Device, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
-use zrt::gpt::{layerdrop, Gpt, GptConfig};
+use zrt::gpt::{is_mlp_param, layerdrop, Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 struct Args {
@@ -356,9 +356,7 @@ fn main() -> Result<()> {
         // Each rank leaves out its own blocks' MLPs, the blocks running:
         // stage 3 gathers and frees the blocks as without it, and reduces
         // each when the backward of the unit before it begins.
-        plan.partly_unused_on_some_ranks(|name, _| {
-            name.starts_with("h.") && [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
-        })?;
+        plan.partly_unused_on_some_ranks(|name, _| is_mlp_param(name))?;
     }
     let cfg = Config::from_file(&a.config)?;
     let hints = AutoHints {
@@ -476,18 +474,14 @@ fn main() -> Result<()> {
             runs += a.gpt.layers as usize;
             // Another stream than LayerDrop's (the seed's high bit).
             let mlps = layerdrop(a.mlp_drop, a.gpt.layers, seed | 1 << 63);
-            for i in 0..a.gpt.layers as usize {
-                gpt.leave_out_mlp(i, mlps.contains(&i));
-            }
+            gpt.leave_out_mlps(&mlps);
             mlps_out += mlps.len();
             let loss = gpt.loss_skipping(&batch(train, micro, a.gpt.seq + 1, seed)?, &skipped);
             sum += loss.double_value(&[]);
             engine.backward(&loss)?;
             engine.step()?;
             // Evaluation runs every MLP.
-            for &i in &mlps {
-                gpt.leave_out_mlp(i, false);
-            }
+            gpt.leave_out_mlps(&[]);
         }
         let loss = world
             .all_reduce(vec![sum / gas as f64], ReduceOp::Avg)

@@ -14,6 +14,13 @@ use tch::{Kind, Tensor};
 use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
+/// Whether the VarStore name `name` is a parameter of a block's MLP (what
+/// [`Gpt::leave_out_mlp`] leaves out: `h.{i}.ln2`, `.fc`, `.out`): the
+/// rule to declare them with [`ShardPlan::partly_unused_on_some_ranks`].
+pub fn is_mlp_param(name: &str) -> bool {
+    name.starts_with("h.") && [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
+}
+
 /// Sizes of a [`Gpt`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
@@ -192,6 +199,14 @@ impl Gpt {
         }
     }
 
+    /// [`Gpt::leave_out_mlp`] for every block: the MLPs of the blocks
+    /// numbered in `which` are left out, the others put back.
+    pub fn leave_out_mlps(&self, which: &[usize]) {
+        for i in 0..self.blocks.len() {
+            self.leave_out_mlp(i, which.contains(&i));
+        }
+    }
+
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         self.forward_skipping(tokens, &[])
@@ -252,7 +267,23 @@ pub fn layerdrop(p: f64, layers: i64, seed: u64) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::layerdrop;
+    use super::{is_mlp_param, layerdrop};
+
+    #[test]
+    fn an_mlp_parameter_is_a_blocks_ln2_fc_or_out() {
+        for name in ["h.0.ln2.weight", "h.11.fc.bias", "h.3.out.weight"] {
+            assert!(is_mlp_param(name), "{name}");
+        }
+        for name in [
+            "h.0.ln1.weight",
+            "h.2.qkv.weight",
+            "h.1.proj.bias",
+            "head.weight",
+            "ln_f.bias",
+        ] {
+            assert!(!is_mlp_param(name), "{name}");
+        }
+    }
 
     #[test]
     fn layerdrop_draws_the_blocks_the_python_peer_draws() {

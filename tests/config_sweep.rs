@@ -216,10 +216,8 @@ fn leg(
         }
         if p.mlp_left_out {
             gpt.leave_out_mlp(rank % 2, true);
-            plan.partly_unused_on_some_ranks(|name, _| {
-                [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
-            })
-            .unwrap();
+            plan.partly_unused_on_some_ranks(|name, _| zrt::gpt::is_mlp_param(name))
+                .unwrap();
         }
         let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
         if let Some(dir) = load {

@@ -13,7 +13,7 @@ use tch::{nn, Device, Kind, Tensor};
 use super::{median, peer, run_ranks};
 use crate::estimate::model_state_bytes;
 use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
-use zrt::gpt::{layerdrop, Gpt, GptConfig};
+use zrt::gpt::{is_mlp_param, layerdrop, Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 /// Options of `zrt bench train`.
@@ -204,9 +204,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         plan.unused_on_some_ranks(|name, _| name.starts_with("h."))?;
     }
     if a.mlp_drop > 0.0 {
-        plan.partly_unused_on_some_ranks(|name, _| {
-            name.starts_with("h.") && [".ln2.", ".fc.", ".out."].iter().any(|m| name.contains(m))
-        })?;
+        plan.partly_unused_on_some_ranks(|name, _| is_mlp_param(name))?;
     }
     let cfg = Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
@@ -227,10 +225,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
         let seed = (s * n + drawer) as u64;
         let skipped = layerdrop(a.layerdrop, c.layers, seed);
         // The MLPs' draws: another stream (the seed's high bit).
-        let mlps = layerdrop(a.mlp_drop, c.layers, seed | 1 << 63);
-        for i in 0..c.layers as usize {
-            model.leave_out_mlp(i, mlps.contains(&i));
-        }
+        model.leave_out_mlps(&layerdrop(a.mlp_drop, c.layers, seed | 1 << 63));
         engine.backward(&model.loss_skipping(&batch(), &skipped))?;
         engine.step()?;
         let dt = t.elapsed().as_secs_f64();

@@ -373,6 +373,19 @@ pub fn will_accumulate(t: &Tensor) -> Result<bool, GlueError> {
     Ok(out != 0)
 }
 
+/// Whether the backward running on this thread accumulates into any of
+/// `ts` ([`will_accumulate`] of each, stopping at the first that does).
+pub fn will_accumulate_any<'a>(
+    ts: impl IntoIterator<Item = &'a Tensor>,
+) -> Result<bool, GlueError> {
+    for t in ts {
+        if will_accumulate(t)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The address of the `TensorImpl` behind `t`: the identity autograd's
 /// leaves have (a `shallow_clone` shares it).
 pub fn tensor_impl(t: &Tensor) -> Result<usize, GlueError> {

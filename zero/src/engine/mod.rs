@@ -854,17 +854,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// parameters again; the end of the backward frees them.
     fn input_grad_ready(&self, unit: usize) {
         let mut st = self.st.lock();
-        let needed = glue::graph_kept().and_then(|kept| {
-            if kept {
-                return Ok(true);
-            }
-            for t in &st.units[unit].params {
-                if glue::will_accumulate(t)? {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
-        });
+        let needed = glue::graph_kept()
+            .and_then(|kept| Ok(kept || glue::will_accumulate_any(&st.units[unit].params)?));
         match needed {
             Ok(true) => return,
             Ok(false) => {}

@@ -746,10 +746,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // It begins here, as a gradient would have begun it; unless it
             // accumulates into no parameter at all
             // (`torch.autograd.grad(loss, x)`), which reduces nothing.
-            let begun = self.accumulates(st).and_then(|yes| match yes {
-                true => self.begin_bare(st).map(|()| true),
-                false => Ok(false),
-            });
+            let params = st.units.iter().flat_map(|u| &u.params);
+            let begun = match glue::will_accumulate_any(params) {
+                Ok(true) => self.begin_bare(st).map(|()| true),
+                Ok(false) => Ok(false),
+                Err(e) => Err(e.into()),
+            };
             match begun {
                 Ok(true) => st.prog.backward_id = now,
                 Ok(false) => {}
@@ -771,17 +773,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.prog.partial_due.push((unit, now));
             }
         }
-    }
-
-    /// Whether the backward running on this thread accumulates a gradient
-    /// into any parameter of this engine's.
-    fn accumulates(&self, st: &State) -> Result<bool, EngineError> {
-        for t in st.units.iter().flat_map(|u| &u.params) {
-            if glue::will_accumulate(t)? {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     /// Launches the units whose turn in the agreed order has come and

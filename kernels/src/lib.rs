@@ -3,8 +3,9 @@
 //! The per-element math of a ZeRO step, on flat slices, with no libtorch in
 //! the library: fused Adam/AdamW ([`adam`]), the helpers around it ([`reduce`]:
 //! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
-//! in place) and f32 <-> bf16/f16 casts bit-identical to libtorch's
-//! ([`cast`]).
+//! in place), f32 <-> bf16/f16 casts bit-identical to libtorch's
+//! ([`cast`]) and the block-wise int8 packing of quantized weight gathers
+//! ([`quant`]).
 //!
 //! ## How it is fast
 //!
@@ -39,6 +40,7 @@ pub mod cast;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+pub mod quant;
 pub mod reduce;
 pub mod simd;
 mod threads;

@@ -1,0 +1,278 @@
+//! Block-wise int8 quantization of weights for ZeRO++'s quantized gathers
+//! (qwZ, `zero_quantized_weights`): each rank packs its shard into a
+//! quarter of its f32 bytes (half of bf16's), the ranks all-gather the
+//! packed bytes, and every rank unpacks the whole into its compute dtype.
+//!
+//! A shard of `n` elements packs into [`packed_len`]`(n)` bytes: one f32
+//! scale (little-endian) per group of [`GROUP`] elements, then the `n`
+//! signed 8-bit codes. A group's scale is its largest magnitude over 127;
+//! an element's code is `round_ties_even(x * 127 / max)`, so the largest
+//! value of each group comes back exactly (up to the compute dtype's
+//! rounding) and every other within half a step (`max / 254`). Symmetric,
+//! as DeepSpeed's qwZ: no zero point.
+//!
+//! Non-finite values are not hidden: a group holding an inf or NaN gets a
+//! NaN scale, and every element of it unpacks as NaN.
+//!
+//! Deterministic and the same on every vector level (no FMA contraction),
+//! so every rank unpacks the same bits.
+
+use half::{bf16, f16};
+
+use crate::cast::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
+use crate::error::same_len;
+use crate::KernelError;
+
+/// Elements per quantization group (one scale each). DeepSpeed's qwZ picks
+/// groups of a few thousand elements too; a power of two keeps a shard's
+/// groups aligned whatever its length.
+pub const GROUP: usize = 2048;
+
+/// Bytes a shard of `n` elements packs into: a 4-byte scale per group, a
+/// byte per element.
+pub fn packed_len(n: usize) -> usize {
+    4 * n.div_ceil(GROUP) + n
+}
+
+/// An element type a gather can be quantized from and unpacked into.
+pub trait Quantizable: Copy {
+    /// The value as f32 (exact for every implementor).
+    fn to_f32(self) -> f32;
+    /// `x` in this type, rounded to nearest even (libtorch's casts).
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Quantizable for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Quantizable for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_bits(f32_to_bf16_bits(x))
+    }
+}
+
+impl Quantizable for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_bits(f32_to_f16_bits(x))
+    }
+}
+
+/// Packs `src` into `dst` ([`packed_len`]`(src.len())` bytes).
+pub fn quantize<T: Quantizable>(src: &[T], dst: &mut [u8]) -> Result<(), KernelError> {
+    same_len("dst", dst.len(), "packed_len(src)", packed_len(src.len()))?;
+    let (scales, codes) = dst.split_at_mut(4 * src.len().div_ceil(GROUP));
+    for ((x, q), s) in src
+        .chunks(GROUP)
+        .zip(codes.chunks_mut(GROUP))
+        .zip(scales.chunks_mut(4))
+    {
+        // Largest magnitude, and whether every value is finite (a NaN
+        // would vanish from a plain `max`).
+        let mut max = 0f32;
+        let mut finite = true;
+        for v in x {
+            let a = v.to_f32().abs();
+            finite &= a.is_finite();
+            max = max.max(a);
+        }
+        let scale = match finite {
+            true => max / 127.0,
+            false => f32::NAN,
+        };
+        s.copy_from_slice(&scale.to_le_bytes());
+        if !(finite && max > 0.0) {
+            q.fill(0);
+            continue;
+        }
+        let inv = 127.0 / max;
+        for (q, v) in q.iter_mut().zip(x) {
+            // |x * inv| <= 127 up to rounding, so the clamp only guards
+            // the last ulp; the cast then cannot saturate.
+            *q = (v.to_f32() * inv).round_ties_even().clamp(-127.0, 127.0) as i8 as u8;
+        }
+    }
+    Ok(())
+}
+
+/// Unpacks `src` (a shard packed by [`quantize`]) into `dst`.
+pub fn dequantize<T: Quantizable>(src: &[u8], dst: &mut [T]) -> Result<(), KernelError> {
+    same_len("src", src.len(), "packed_len(dst)", packed_len(dst.len()))?;
+    let (scales, codes) = src.split_at(4 * dst.len().div_ceil(GROUP));
+    for ((x, q), s) in dst
+        .chunks_mut(GROUP)
+        .zip(codes.chunks(GROUP))
+        .zip(scales.chunks(4))
+    {
+        let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        for (x, &q) in x.iter_mut().zip(q) {
+            *x = T::from_f32(f32::from(q as i8) * scale);
+        }
+    }
+    Ok(())
+}
+
+/// Unpacks `world` packed shards of `n` elements each, laid end to end in
+/// `src` (an all-gather of [`quantize`]'s output), into `dst` (`world * n`
+/// elements, rank-major).
+pub fn dequantize_gathered<T: Quantizable>(
+    src: &[u8],
+    n: usize,
+    dst: &mut [T],
+) -> Result<(), KernelError> {
+    let world = dst.len().checked_div(n).unwrap_or(0);
+    same_len("dst", dst.len(), "world * n", world * n)?;
+    same_len(
+        "src",
+        src.len(),
+        "world * packed_len(n)",
+        world * packed_len(n),
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    for (s, d) in src.chunks(packed_len(n)).zip(dst.chunks_mut(n)) {
+        dequantize(s, d)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group's codes and scale computed the slow way, element by element.
+    fn naive(x: &[f32]) -> (f32, Vec<i8>) {
+        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let q = x
+            .iter()
+            .map(|v| match max {
+                0.0 => 0,
+                _ => (v * (127.0 / max)).round_ties_even() as i8,
+            })
+            .collect();
+        (max / 127.0, q)
+    }
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3 * (1 + i / GROUP) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn packs_scales_then_codes_per_group() {
+        let n = 2 * GROUP + 37;
+        let x = values(n);
+        let mut p = vec![0u8; packed_len(n)];
+        quantize(&x, &mut p).unwrap();
+        assert_eq!(p.len(), 12 + n);
+        for (g, chunk) in x.chunks(GROUP).enumerate() {
+            let (scale, q) = naive(chunk);
+            let got = f32::from_le_bytes(p[4 * g..4 * g + 4].try_into().unwrap());
+            assert_eq!(got.to_bits(), scale.to_bits(), "group {g}");
+            let codes = &p[12 + g * GROUP..12 + g * GROUP + chunk.len()];
+            assert_eq!(codes.iter().map(|&c| c as i8).collect::<Vec<_>>(), q);
+        }
+    }
+
+    #[test]
+    fn unpacks_within_half_a_step_and_the_largest_exactly() {
+        let n = GROUP + 100;
+        let x = values(n);
+        let mut p = vec![0u8; packed_len(n)];
+        quantize(&x, &mut p).unwrap();
+        let mut y = vec![0f32; n];
+        dequantize(&p, &mut y).unwrap();
+        for chunk in [0..GROUP, GROUP..n] {
+            let max = x[chunk.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
+            for i in chunk {
+                assert!((x[i] - y[i]).abs() <= max / 254.0 * 1.0001, "{i}");
+                if x[i].abs() == max {
+                    assert!((x[i] - y[i]).abs() <= max * 1e-6, "{i}");
+                }
+            }
+        }
+        // bf16 out: the f32 result rounded.
+        let mut b = vec![bf16::ZERO; n];
+        dequantize(&p, &mut b).unwrap();
+        for (b, y) in b.iter().zip(&y) {
+            assert_eq!(b.to_bits(), f32_to_bf16_bits(*y));
+        }
+    }
+
+    #[test]
+    fn zeros_and_non_finite_groups() {
+        let mut x = vec![0f32; 2 * GROUP];
+        x[GROUP + 3] = f32::NAN;
+        x[GROUP + 4] = 1.0;
+        let mut p = vec![0u8; packed_len(x.len())];
+        quantize(&x, &mut p).unwrap();
+        let mut y = vec![1f32; x.len()];
+        dequantize(&p, &mut y).unwrap();
+        assert!(y[..GROUP].iter().all(|v| *v == 0.0));
+        assert!(
+            y[GROUP..].iter().all(|v| v.is_nan()),
+            "a NaN poisons its group"
+        );
+        x[GROUP + 3] = f32::INFINITY;
+        quantize(&x, &mut p).unwrap();
+        dequantize(&p, &mut y).unwrap();
+        assert!(y[GROUP..].iter().all(|v| v.is_nan()), "so does an inf");
+    }
+
+    #[test]
+    fn gathered_shards_unpack_rank_by_rank() {
+        let n = 48;
+        let shards: Vec<Vec<f16>> = (0..3)
+            .map(|r| {
+                values(n)
+                    .iter()
+                    .map(|v| f16::from_f32(v * (r + 1) as f32))
+                    .collect()
+            })
+            .collect();
+        let mut gathered = Vec::new();
+        for s in &shards {
+            let mut p = vec![0u8; packed_len(n)];
+            quantize(s, &mut p).unwrap();
+            gathered.extend(p);
+        }
+        let mut all = vec![f16::ZERO; 3 * n];
+        dequantize_gathered(&gathered, n, &mut all).unwrap();
+        for (r, s) in shards.iter().enumerate() {
+            let mut one = vec![f16::ZERO; n];
+            let mut p = vec![0u8; packed_len(n)];
+            quantize(s, &mut p).unwrap();
+            dequantize(&p, &mut one).unwrap();
+            assert_eq!(&all[r * n..(r + 1) * n], &one[..]);
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_are_refused() {
+        let mut p = vec![0u8; packed_len(10) - 1];
+        assert!(matches!(
+            quantize(&[0f32; 10], &mut p),
+            Err(KernelError::LengthMismatch { name: "dst", .. })
+        ));
+        assert!(dequantize_gathered(&[0u8; 10], 4, &mut [0f32; 6]).is_err());
+    }
+}

@@ -19,4 +19,5 @@ mod kernels_vs_libtorch;
 mod launch;
 mod learning_rate;
 mod offload;
+mod quantized_weights;
 mod two_engines;

@@ -94,6 +94,7 @@ pub(crate) const ZERO: &[&str] = &[
     "max_live_parameters",
     "mics_shard_size",
     "zero_hpz_partition_size",
+    "zero_quantized_weights",
     "offload_optimizer",
     "offload_param",
 ];
@@ -122,7 +123,6 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",
     "use_all_reduce_for_fetch_params",
-    "zero_quantized_weights",
     "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients",
     "zeropp_loco_param",
@@ -217,14 +217,9 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "zrt's checkpoints load on any world size anyway",
     ),
     (
-        "zero_quantized_weights",
-        AsZrt::Bool(false),
-        "zrt gathers weights unquantized",
-    ),
-    (
         "zero_quantized_nontrainable_weights",
         AsZrt::Bool(false),
-        "zrt gathers weights unquantized",
+        "zrt keeps frozen weights unquantized and gathers them so (`zero_quantized_weights` quantizes the trainable ones' gathers)",
     ),
     (
         "zero_quantized_gradients",

@@ -312,6 +312,12 @@ pub struct ZeroConfig {
     pub mics_shard_size: Option<u64>,
     /// ZeRO++ hpZ: secondary parameter shard inside groups of this many ranks.
     pub zero_hpz_partition_size: u64,
+    /// ZeRO++ qwZ: stage 3 gathers trainable parameters for forward and
+    /// backward as int8 codes with a scale per 2048 elements
+    /// ([`zrt_kernels::quant`]) instead of in the compute dtype. The fp32
+    /// master, the optimizer, checkpoints and `with_full_params` stay
+    /// exact; what forward and backward compute with is rounded.
+    pub zero_quantized_weights: bool,
     /// `offload_optimizer`.
     pub offload_optimizer: Option<OffloadConfig>,
     /// `offload_param`.

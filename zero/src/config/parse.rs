@@ -956,6 +956,10 @@ impl P {
                 _ => {}
             }
         }
+        let quantized = self.bool_or(z, path, "zero_quantized_weights", false);
+        if quantized && stage < 3 {
+            self.warnings.push(format!("`zero_optimization.zero_quantized_weights` = true has no effect at stage {stage}: only stage 3 gathers weights for forward and backward (DeepSpeed ignores it there too); the updated shards are gathered unquantized"));
+        }
         ZeroConfig {
             stage: stage.min(3) as u8,
             reduce_bucket_size: self.u64_setting(z, path, "reduce_bucket_size", 500_000_000),
@@ -970,6 +974,7 @@ impl P {
             stage3_max_reuse_distance: self.u64_or(z, path, &reuse, 1_000_000_000),
             mics_shard_size: mics,
             zero_hpz_partition_size: self.u64_or(z, path, "zero_hpz_partition_size", 1).max(1),
+            zero_quantized_weights: quantized,
             offload_optimizer,
             offload_param,
         }

@@ -131,6 +131,10 @@ impl Terms {
             &zero("zero_hpz_partition_size"),
             z.zero_hpz_partition_size.to_string(),
         );
+        put(
+            &zero("zero_quantized_weights"),
+            z.zero_quantized_weights.to_string(),
+        );
         put("units (ShardPlan)", plan.units().join(", "));
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));

@@ -92,7 +92,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         i.drain_prefetch(&mut st)?;
         for k in 0..st.units.len() {
-            i.gather(&mut st, k)?;
+            i.gather(&mut st, k, true)?;
         }
         Ok(())
     }

@@ -233,6 +233,9 @@ struct State {
     /// parameters moved out of larger units, and units made only of
     /// parameters of at most `stage3_param_persistence_threshold` elements).
     persistent: Vec<bool>,
+    /// Stage 3, `zero_quantized_weights`: units whose gathered values were
+    /// unpacked from int8 (not the true ones `with_full_params` gives).
+    quantized: Vec<bool>,
     /// hpZ secondary copies, per unit, between its forward and backward.
     secondary: Vec<Option<overlap::Secondary>>,
     /// Units whose first forward has been checked for parameters of other
@@ -764,6 +767,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             glue::free_storage(&p.flat)?;
         }
         st.gathered[i] = false;
+        st.quantized[i] = false;
         Ok(())
     }
 
@@ -775,6 +779,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             glue::free_storage_to_zeros(&p.flat)?;
         }
         st.gathered[i] = false;
+        st.quantized[i] = false;
         st.zeroed += 1;
         Ok(())
     }
@@ -909,7 +914,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // After an error the ranks are out of step: no more collectives.
             true => None,
             false => self
-                .gather(&mut st, unit)
+                .gather(&mut st, unit, false)
                 .and_then(|()| self.prefetch_after(&mut st, unit, forward))
                 .err()
                 .map(|e| self.explain_failure(&mut st, e)),
@@ -1599,6 +1604,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 prog: overlap::Progress::new(n),
                 timing: timing::Timing::new(),
                 persistent,
+                quantized: vec![false; n],
                 secondary: (0..n).map(|_| None).collect(),
                 checked: vec![false; n],
                 zeroed: 0,

@@ -37,12 +37,12 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use tch::Tensor;
 use zrt_collectives::{chunk_range, ProcessGroup, ReduceOp, Work};
-use zrt_kernels::{cast, reduce};
+use zrt_kernels::{cast, quant, reduce};
 
 use super::elems::Elems;
 pub(super) use super::launch_order::LaunchOrder;
 use super::offload::ReadAhead;
-use super::pool::Pool;
+use super::pool::{Pool, Pools};
 use super::timing::waiting;
 use super::{elems, foreign, Compute, CopyShard, Inner, State, Unit};
 use crate::{glue, EngineError};
@@ -133,6 +133,84 @@ pub(super) enum Fetch {
     F32(Work<(Vec<f32>, Vec<f32>)>),
     Bf16(Work<(Vec<bf16>, Vec<bf16>)>),
     F16(Work<(Vec<f16>, Vec<f16>)>),
+    /// ZeRO++ qwZ: every rank's shard of `.1` elements packed as int8
+    /// codes and scales ([`quant`]). The shard itself never left its unit.
+    Packed(Work<(Vec<u8>, Vec<u8>)>, usize),
+}
+
+impl Fetch {
+    /// Waits for the gather and, with `fill`, makes the whole (unpacked
+    /// into `compute`'s dtype when packed) `flat`'s storage. Gives back
+    /// this rank's part, unless it never left (packed).
+    fn land(
+        self,
+        what: (&str, &str),
+        (flat, padded): (&Tensor, usize),
+        fill: bool,
+        pools: &Pools,
+        compute: Compute,
+    ) -> Result<Option<Elems>, EngineError> {
+        Ok(Some(match self {
+            Fetch::F32(w) => {
+                let (mine, full) = w.wait()?;
+                install(what, flat, padded, full, fill, &pools.f32)?;
+                Elems::F32(mine)
+            }
+            Fetch::Bf16(w) => {
+                let (mine, full) = w.wait()?;
+                install(what, flat, padded, full, fill, &pools.bf16)?;
+                Elems::Bf16(mine)
+            }
+            Fetch::F16(w) => {
+                let (mine, full) = w.wait()?;
+                install(what, flat, padded, full, fill, &pools.f16)?;
+                Elems::F16(mine)
+            }
+            Fetch::Packed(w, n) => {
+                let packed = w.wait()?.1;
+                if fill {
+                    match compute {
+                        Compute::F32 => unpack(what, (flat, padded), &packed, n, &pools.f32)?,
+                        Compute::Bf16 => unpack(what, (flat, padded), &packed, n, &pools.bf16)?,
+                        Compute::F16 => unpack(what, (flat, padded), &packed, n, &pools.f16)?,
+                    }
+                }
+                return Ok(None);
+            }
+        }))
+    }
+}
+
+/// `shard` packed for a qwZ gather, and its length.
+fn pack<T: quant::Quantizable>(shard: &[T]) -> Result<(Vec<u8>, usize), EngineError> {
+    let mut packed = vec![0u8; quant::packed_len(shard.len())];
+    quant::quantize(shard, &mut packed)?;
+    Ok((packed, shard.len()))
+}
+
+/// Unpacks a qwZ gather of shards of `n` elements into a pooled buffer
+/// that becomes `flat`'s storage.
+fn unpack<T: quant::Quantizable + Send + 'static>(
+    what: (&str, &str),
+    (flat, padded): (&Tensor, usize),
+    packed: &[u8],
+    n: usize,
+    pool: &Arc<Pool<T>>,
+) -> Result<(), EngineError> {
+    let want = padded
+        .checked_div(n)
+        .map_or(0, |ranks| ranks * quant::packed_len(n));
+    if packed.len() != want {
+        return Err(EngineError::Plan(format!(
+            "unit `{}`{} gathered {} packed bytes, not the {want} of its layout's {padded} elements: did every rank build the same model?",
+            what.0,
+            what.1,
+            packed.len(),
+        )));
+    }
+    let mut full = pool.take(padded, T::from_f32(0.0));
+    quant::dequantize_gathered(packed, n, &mut full)?;
+    install(what, flat, padded, full, true, pool)
 }
 
 /// What every rank of a group announced before a unit's collective (an
@@ -456,6 +534,9 @@ pub struct OverlapCounts {
     pub on_demand: u64,
     /// Gathers issued ahead that nothing used (stage 3): wasted traffic.
     pub unused: u64,
+    /// ZeRO++ qwZ: unit gathers sent as int8 codes and scales
+    /// (`zero_quantized_weights`).
+    pub quantized_gathers: u64,
     /// `offload_param`: sharded frozen parameters the parameter swap had
     /// read ahead when their unit's gather was issued (rather than read
     /// then).
@@ -1329,11 +1410,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         e
     }
 
-    /// Issues the unit-order check and the gather of unit `i`'s shard.
-    pub(super) fn issue_gather(&self, st: &mut State, i: usize) -> Result<Prefetch, EngineError> {
+    /// Issues the unit-order check and the gather of unit `i`'s shard:
+    /// packed as int8 under `zero_quantized_weights` unless `exact`
+    /// (`with_full_params` and `unshard` hand out the true values).
+    pub(super) fn issue_gather(
+        &self,
+        st: &mut State,
+        i: usize,
+        exact: bool,
+    ) -> Result<Prefetch, EngineError> {
+        let quantized = self.cfg.config.zero.zero_quantized_weights;
         // hpZ: a unit with a secondary copy is gathered inside the (smaller,
-        // closer) hpZ group from it.
-        if let (Some(h), Some(sec)) = (&self.hpz, st.secondary[i].take()) {
+        // closer) hpZ group from it (not for `exact`: under qwZ the copy
+        // holds values unpacked from int8).
+        let secondary = match (&self.hpz, exact && quantized) {
+            (Some(h), false) => st.secondary[i].take().map(|sec| (h, sec)),
+            _ => None,
+        };
+        if let Some((h, sec)) = secondary {
             st.prog.counts.hpz_gathers += 1;
             self.delay();
             let kind = gather_kind(st);
@@ -1366,6 +1460,22 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         self.page_in(sh, i, ReadAhead::Gather(next))?;
         self.delay();
         let g = &self.group;
+        if quantized && !exact {
+            st.prog.counts.quantized_gathers += 1;
+            // The shard stays: what goes out is its packed copy.
+            let (mine, n) = match &sh.copy {
+                CopyShard::Bf16(v) => pack(v)?,
+                CopyShard::F16(v) => pack(v)?,
+                CopyShard::None => pack(&sh.master)?,
+            };
+            return Ok(Prefetch {
+                ids,
+                kind,
+                data: Fetch::Packed(g.all_gather(mine, Vec::new()), n),
+                secondary: false,
+                frozen: self.issue_frozen(st, i)?,
+            });
+        }
         let data = match &mut sh.copy {
             CopyShard::Bf16(v) => Fetch::Bf16(
                 g.all_gather(std::mem::take(v), self.pools.bf16.take(padded, bf16::ZERO)),
@@ -1442,75 +1552,61 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }));
         }
         let (u, sh) = (&mut st.units[i], &mut st.shards[i]);
+        let (pools, compute) = (&self.pools, self.compute);
         if let (Some((f, from_shard)), Some(part)) = (p.frozen, u.frozen.as_mut()) {
             let what = (u.name.as_str(), "'s frozen parameters");
-            let (flat, padded) = (&part.flat, part.layout.padded);
-            let mine = match f {
-                Fetch::F32(w) => {
-                    let (mine, full) = w.wait()?;
-                    install(what, flat, padded, full, fill, &self.pools.f32)?;
-                    Elems::F32(mine)
-                }
-                Fetch::Bf16(w) => {
-                    let (mine, full) = w.wait()?;
-                    install(what, flat, padded, full, fill, &self.pools.bf16)?;
-                    Elems::Bf16(mine)
-                }
-                Fetch::F16(w) => {
-                    let (mine, full) = w.wait()?;
-                    install(what, flat, padded, full, fill, &self.pools.f16)?;
-                    Elems::F16(mine)
-                }
-            };
-            if from_shard {
+            let to = (&part.flat, part.layout.padded);
+            if let (Some(mine), true) = (f.land(what, to, fill, pools, compute)?, from_shard) {
                 part.give_back(mine);
             }
         }
         let what = (u.name.as_str(), "");
-        let (flat, padded) = (&u.flat, u.layout.padded);
+        let packed = matches!(p.data, Fetch::Packed(..));
         // With `fill`, the gathered buffer becomes the unit's storage: no
         // copy, and it returns to the pool when the unit is freed.
-        match p.data {
-            Fetch::F32(w) => {
-                let (mine, full) = w.wait()?;
-                install(what, flat, padded, full, fill, &self.pools.f32)?;
-                if !p.secondary {
-                    sh.master = mine;
-                }
-            }
-            Fetch::Bf16(w) => {
-                let (mine, full) = w.wait()?;
-                install(what, flat, padded, full, fill, &self.pools.bf16)?;
-                if !p.secondary {
-                    sh.copy = CopyShard::Bf16(mine);
-                }
-            }
-            Fetch::F16(w) => {
-                let (mine, full) = w.wait()?;
-                install(what, flat, padded, full, fill, &self.pools.f16)?;
-                if !p.secondary {
-                    sh.copy = CopyShard::F16(mine);
-                }
-            }
+        let mine = p
+            .data
+            .land(what, (&u.flat, u.layout.padded), fill, pools, compute)?;
+        match mine {
+            _ if p.secondary => {}
+            Some(Elems::F32(v)) => sh.master = v,
+            Some(Elems::Bf16(v)) => sh.copy = CopyShard::Bf16(v),
+            Some(Elems::F16(v)) => sh.copy = CopyShard::F16(v),
+            None => {}
         }
+        if fill {
+            st.quantized[i] = packed;
+        }
+        let sh = &mut st.shards[i];
         self.page_out(sh, i, false)?;
         st.timing.waited(t.elapsed());
         Ok(())
     }
 
-    /// Stage 3: gathers unit `i` (from its prefetch if one was issued).
-    pub(super) fn gather(&self, st: &mut State, i: usize) -> Result<(), EngineError> {
+    /// Stage 3: gathers unit `i` (from its prefetch if one was issued);
+    /// `exact`: with its true values, never packed as int8 (a unit that
+    /// holds unpacked ones is gathered again).
+    pub(super) fn gather(&self, st: &mut State, i: usize, exact: bool) -> Result<(), EngineError> {
+        if exact && st.quantized[i] {
+            self.release(st, i)?;
+        }
         if st.gathered[i] {
             return Ok(());
         }
         let p = match st.prog.prefetch[i].take() {
+            Some(p) if exact && matches!(p.data, Fetch::Packed(..)) => {
+                st.prog.counts.unused += 1;
+                self.finish_gather(st, i, p, false)?;
+                st.prog.counts.on_demand += 1;
+                self.issue_gather(st, i, true)?
+            }
             Some(p) => {
                 st.prog.counts.prefetched += 1;
                 p
             }
             None => {
                 st.prog.counts.on_demand += 1;
-                self.issue_gather(st, i)?
+                self.issue_gather(st, i, exact)?
             }
         };
         self.finish_gather(st, i, p, true)?;
@@ -1548,7 +1644,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         {
             return Ok(());
         }
-        st.prog.prefetch[next] = Some(self.issue_gather(st, next)?);
+        st.prog.prefetch[next] = Some(self.issue_gather(st, next, false)?);
         Ok(())
     }
 

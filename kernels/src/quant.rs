@@ -19,8 +19,9 @@
 
 use half::{bf16, f16};
 
-use crate::cast::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
+use crate::cast;
 use crate::error::same_len;
+use crate::simd::multiversion;
 use crate::KernelError;
 
 /// Elements per quantization group (one scale each). DeepSpeed's qwZ picks
@@ -35,78 +36,104 @@ pub fn packed_len(n: usize) -> usize {
 }
 
 /// An element type a gather can be quantized from and unpacked into.
-pub trait Quantizable: Copy {
-    /// The value as f32 (exact for every implementor).
-    fn to_f32(self) -> f32;
-    /// `x` in this type, rounded to nearest even (libtorch's casts).
-    fn from_f32(x: f32) -> Self;
+pub trait Quantizable: Copy + Default {
+    /// `src` as f32 (exact), in `buf` (of `src`'s length) unless it is
+    /// f32 already.
+    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
+    /// `src` into `dst`, rounded to nearest even as libtorch's casts.
+    fn narrow(src: &[f32], dst: &mut [Self]);
 }
 
 impl Quantizable for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
+    fn widen<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
+        src
     }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
     }
 }
 
+// The casts cannot fail here: every caller passes equal lengths.
 impl Quantizable for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16_bits_to_f32(self.to_bits())
+    fn widen<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> &'a [f32] {
+        let _ = cast::bf16_to_f32(src, buf);
+        buf
     }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        bf16::from_bits(f32_to_bf16_bits(x))
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        let _ = cast::f32_to_bf16(src, dst);
     }
 }
 
 impl Quantizable for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16_bits_to_f32(self.to_bits())
+    fn widen<'a>(src: &'a [f16], buf: &'a mut [f32]) -> &'a [f32] {
+        let _ = cast::f16_to_f32(src, buf);
+        buf
     }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        f16::from_bits(f32_to_f16_bits(x))
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        let _ = cast::f32_to_f16(src, dst);
     }
 }
+
+/// Adding and taking away 1.5 x 2^23 rounds an f32 of magnitude below 2^22
+/// to the nearest integer, ties to even (the FPU's own rounding), in two
+/// instructions every x86-64 vector level has: `round_ties_even` needs
+/// SSE4.1, which the baseline build lacks, and is a call per element there.
+const ROUND: f32 = 12_582_912.0;
+
+/// The largest `|x|`'s bits: for non-negative floats the integer order is
+/// the float order, and inf and NaN sort above every finite value, so one
+/// integer maximum (which vectorizes, where `f32::max` does not) gives the
+/// group's magnitude and whether it is finite.
+#[inline(always)]
+fn max_abs_bits_body(x: &[f32]) -> u32 {
+    x.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF))
+}
+
+/// Codes of `x` at `inv` codes per unit.
+#[inline(always)]
+fn codes_body(x: &[f32], inv: f32, q: &mut [u8]) {
+    for (q, v) in q.iter_mut().zip(x) {
+        // |x * inv| <= 127 up to rounding, so the clamp only guards the
+        // last ulp; the casts then cannot saturate.
+        let y = ((v * inv).clamp(-127.0, 127.0) + ROUND) - ROUND;
+        // SAFETY: `y` is a whole number in [-127, 127] (`inv` is finite:
+        // the caller packs only finite groups with a non-zero maximum).
+        *q = unsafe { y.to_int_unchecked::<i32>() } as i8 as u8;
+    }
+}
+
+/// Values of codes `q` at `scale` each.
+#[inline(always)]
+fn values_body(q: &[u8], scale: f32, x: &mut [f32]) {
+    for (x, &q) in x.iter_mut().zip(q) {
+        *x = f32::from(q as i8) * scale;
+    }
+}
+
+multiversion!(fn max_abs_bits(x: &[f32]) -> u32 => max_abs_bits_body);
+multiversion!(fn codes(x: &[f32], inv: f32, q: &mut [u8]) => codes_body);
+multiversion!(fn values(q: &[u8], scale: f32, x: &mut [f32]) => values_body);
 
 /// Packs `src` into `dst` ([`packed_len`]`(src.len())` bytes).
 pub fn quantize<T: Quantizable>(src: &[T], dst: &mut [u8]) -> Result<(), KernelError> {
     same_len("dst", dst.len(), "packed_len(src)", packed_len(src.len()))?;
-    let (scales, codes) = dst.split_at_mut(4 * src.len().div_ceil(GROUP));
+    let (scales, codes_out) = dst.split_at_mut(4 * src.len().div_ceil(GROUP));
+    let mut buf = vec![0f32; GROUP.min(src.len())];
     for ((x, q), s) in src
         .chunks(GROUP)
-        .zip(codes.chunks_mut(GROUP))
+        .zip(codes_out.chunks_mut(GROUP))
         .zip(scales.chunks_mut(4))
     {
-        // Largest magnitude, and whether every value is finite (a NaN
-        // would vanish from a plain `max`).
-        let mut max = 0f32;
-        let mut finite = true;
-        for v in x {
-            let a = v.to_f32().abs();
-            finite &= a.is_finite();
-            max = max.max(a);
-        }
-        let scale = match finite {
+        let x = T::widen(x, &mut buf[..x.len()]);
+        let max = f32::from_bits(max_abs_bits(x));
+        let scale = match max.is_finite() {
             true => max / 127.0,
             false => f32::NAN,
         };
         s.copy_from_slice(&scale.to_le_bytes());
-        if !(finite && max > 0.0) {
-            q.fill(0);
-            continue;
-        }
-        let inv = 127.0 / max;
-        for (q, v) in q.iter_mut().zip(x) {
-            // |x * inv| <= 127 up to rounding, so the clamp only guards
-            // the last ulp; the cast then cannot saturate.
-            *q = (v.to_f32() * inv).round_ties_even().clamp(-127.0, 127.0) as i8 as u8;
+        match max.is_finite() && max > 0.0 {
+            true => codes(x, 127.0 / max, q),
+            false => q.fill(0),
         }
     }
     Ok(())
@@ -115,16 +142,17 @@ pub fn quantize<T: Quantizable>(src: &[T], dst: &mut [u8]) -> Result<(), KernelE
 /// Unpacks `src` (a shard packed by [`quantize`]) into `dst`.
 pub fn dequantize<T: Quantizable>(src: &[u8], dst: &mut [T]) -> Result<(), KernelError> {
     same_len("src", src.len(), "packed_len(dst)", packed_len(dst.len()))?;
-    let (scales, codes) = src.split_at(4 * dst.len().div_ceil(GROUP));
+    let (scales, codes_in) = src.split_at(4 * dst.len().div_ceil(GROUP));
+    let mut buf = vec![0f32; GROUP.min(dst.len())];
     for ((x, q), s) in dst
         .chunks_mut(GROUP)
-        .zip(codes.chunks(GROUP))
+        .zip(codes_in.chunks(GROUP))
         .zip(scales.chunks(4))
     {
         let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        for (x, &q) in x.iter_mut().zip(q) {
-            *x = T::from_f32(f32::from(q as i8) * scale);
-        }
+        let b = &mut buf[..x.len()];
+        values(q, scale, b);
+        T::narrow(b, x);
     }
     Ok(())
 }
@@ -157,6 +185,7 @@ pub fn dequantize_gathered<T: Quantizable>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cast::f32_to_bf16_bits;
 
     /// A group's codes and scale computed the slow way, element by element.
     fn naive(x: &[f32]) -> (f32, Vec<i8>) {

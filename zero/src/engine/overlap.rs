@@ -208,7 +208,7 @@ fn unpack<T: quant::Quantizable + Send + 'static>(
             packed.len(),
         )));
     }
-    let mut full = pool.take(padded, T::from_f32(0.0));
+    let mut full = pool.take(padded, T::default());
     quant::dequantize_gathered(packed, n, &mut full)?;
     install(what, flat, padded, full, true, pool)
 }

@@ -161,11 +161,13 @@ fn a_forward_computes_with_each_ranks_shard_packed_in_int8() {
 
 /// Rank 0's losses, the final master parameters and rank 0's count of
 /// packed gathers, training the test GPT at stage 3 under `zero` (with
-/// `extra` at the top level) on 2 ranks.
-fn gpt_run(extra: &str, zero: &str) -> (Vec<f64>, Params, u64) {
+/// `extra` at the top level) on 2 ranks, the variables under `frozen`
+/// frozen.
+fn gpt_run(extra: &str, zero: &str, frozen: &[&str]) -> (Vec<f64>, Params, u64) {
     let cfg = config_zero(3, 1, 0.5, extra, zero);
     let out = on_ranks(2, |r| {
         let (vs, plan, gpt) = model();
+        common::freeze(&vs, frozen);
         let e = engine_of(&vs, &plan, &cfg, &r);
         let losses = train_losses(&gpt, &e, r.rank(), 5);
         let params = e.gathered_params().unwrap();
@@ -176,9 +178,12 @@ fn gpt_run(extra: &str, zero: &str) -> (Vec<f64>, Params, u64) {
 
 #[test]
 fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
-    for extra in ["", r#""bf16": {"enabled": true},"#] {
-        let (plain_losses, plain, none) = gpt_run(extra, PLAIN);
-        let (losses, params, packed) = gpt_run(extra, QWZ);
+    let bf16 = r#""bf16": {"enabled": true},"#;
+    // The last: a unit of frozen parameters only (packs nothing; its
+    // frozen part is gathered unpacked).
+    for (extra, frozen) in [("", &[][..]), (bf16, &[]), ("", &["h.1."])] {
+        let (plain_losses, plain, none) = gpt_run(extra, PLAIN, frozen);
+        let (losses, params, packed) = gpt_run(extra, QWZ, frozen);
         assert_eq!(none, 0, "{extra}");
         // Every unit but the root, in each forward and each backward that
         // re-gathers it: at least one per unit per step.
@@ -193,7 +198,11 @@ fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
         // The gather sources paged in from NVMe: packed alike.
         let swap = std::env::temp_dir().join(format!("zrt-qwz-{}", std::process::id()));
         std::fs::create_dir_all(&swap).unwrap();
-        let swapped = gpt_run(extra, &format!("{QWZ} {}", common::nvme_params(&swap)));
+        let swapped = gpt_run(
+            extra,
+            &format!("{QWZ} {}", common::nvme_params(&swap)),
+            frozen,
+        );
         let _ = std::fs::remove_dir_all(&swap);
         assert_eq!(swapped, (losses, params, packed), "{extra}: offload_param");
     }

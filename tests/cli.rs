@@ -829,3 +829,20 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
         "{err}"
     );
 }
+
+#[test]
+fn config_check_says_when_stage_3_gathers_int8() {
+    let line = "qwZ              forward and backward gathers packed as int8";
+    for (on, name) in [(true, "qwz-on"), (false, "qwz-off")] {
+        let f = config_file(
+            name,
+            &format!(
+                r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, "zero_quantized_weights": {on}}}}}"#
+            ),
+        );
+        let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+        let _ = std::fs::remove_file(&f);
+        assert!(ok, "{out}");
+        assert_eq!(out.contains(line), on, "{out}");
+    }
+}

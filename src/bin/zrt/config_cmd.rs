@@ -214,6 +214,9 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             show(z.stage3_param_persistence_threshold),
             z.stage3_max_live_parameters,
         );
+        if z.zero_quantized_weights {
+            println!("  qwZ              forward and backward gathers packed as int8 (a scale per 2048 elements)");
+        }
     }
     println!(
         "  sharding         {}; hpZ partition {}",

@@ -191,6 +191,36 @@ fn resuming_is_bit_identical_to_training_straight_through_for_every_stage() {
 }
 
 #[test]
+fn a_stage_3_run_gathering_int8_resumes_to_the_same_bits() {
+    // qwZ packs each rank's shard as it is at each gather: a checkpoint
+    // holds the shards exactly, so a resumed run packs the same codes.
+    let _serial = serial();
+    let two = Batches::Two { gas: 1 };
+    let plain = r#""stage3_param_persistence_threshold": 0,"#;
+    let qwz = r#""stage3_param_persistence_threshold": 0, "zero_quantized_weights": true,"#;
+    let phase = |zero, micros| Phase {
+        zero,
+        ..Phase::new(3, two, micros)
+    };
+    let dir = tmp("qwz");
+    let straight = run(&phase(qwz, 0..4));
+    run(&phase(qwz, 0..2).save(&dir, "step2"));
+    let resumed = run(&phase(qwz, 2..4).load(&dir, None));
+    assert_eq!(resumed.losses, straight.losses[2..]);
+    assert_bits(
+        "qwZ, 2 + 2 steps against 4",
+        &resumed.params,
+        &straight.params,
+    );
+    let unpacked = run(&phase(plain, 0..4));
+    assert_ne!(
+        unpacked.params, straight.params,
+        "the packed path was taken"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_scheduled_run_resumes_where_its_schedule_was() {
     let _serial = serial();
     // OneCycle moves the rate and beta1 every step (up over 2 steps, down

@@ -204,7 +204,16 @@ fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
             frozen,
         );
         let _ = std::fs::remove_dir_all(&swap);
-        assert_eq!(swapped, (losses, params, packed), "{extra}: offload_param");
+        assert_eq!(
+            swapped,
+            (losses.clone(), params.clone(), packed),
+            "{extra}: offload_param"
+        );
+        // Packing depends on the shards only: not on when the gathers go
+        // out (no prefetch, gradients waited for in small buckets).
+        let late = r#""overlap_comm": false, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0,"#;
+        let (l, p, _) = gpt_run(extra, &format!("{QWZ} {late}"), frozen);
+        assert_eq!((l, p), (losses, params), "{extra}: other settings");
     }
 }
 

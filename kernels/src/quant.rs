@@ -96,9 +96,23 @@ fn codes_body(x: &[f32], inv: f32, q: &mut [u8]) {
         // |x * inv| <= 127 up to rounding, so the clamp only guards the
         // last ulp; the casts then cannot saturate.
         let y = ((v * inv).clamp(-127.0, 127.0) + ROUND) - ROUND;
-        // SAFETY: `y` is a whole number in [-127, 127] (`inv` is finite:
-        // the caller packs only finite groups with a non-zero maximum).
+        // SAFETY: `y` is a whole number in [-127, 127]: the caller passes
+        // a finite `inv` for a group of finite values at most 127 / `inv`
+        // in magnitude, so `v * inv` is finite.
         *q = unsafe { y.to_int_unchecked::<i32>() } as i8 as u8;
+    }
+}
+
+/// Codes of a group whose `inv` would overflow, by division (slower, and
+/// as rare as weights below 4e-37); a scale that underflowed to 0 (every
+/// value below about 2e-43) gives zeros.
+fn tiny_codes(x: &[f32], scale: f32, q: &mut [u8]) {
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = match scale > 0.0 {
+            // `as` saturates and takes NaN to 0: no precondition here.
+            true => (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8 as u8,
+            false => 0,
+        };
     }
 }
 
@@ -131,9 +145,11 @@ pub fn quantize<T: Quantizable>(src: &[T], dst: &mut [u8]) -> Result<(), KernelE
             false => f32::NAN,
         };
         s.copy_from_slice(&scale.to_le_bytes());
-        match max.is_finite() && max > 0.0 {
-            true => codes(x, 127.0 / max, q),
-            false => q.fill(0),
+        match (max.is_finite() && max > 0.0, 127.0 / max) {
+            (true, inv) if inv.is_finite() => codes(x, inv, q),
+            // A largest magnitude below about 4e-37: 127 / max overflows.
+            (true, _) => tiny_codes(x, scale, q),
+            (false, _) => q.fill(0),
         }
     }
     Ok(())
@@ -265,6 +281,25 @@ mod tests {
         quantize(&x, &mut p).unwrap();
         dequantize(&p, &mut y).unwrap();
         assert!(y[GROUP..].iter().all(|v| v.is_nan()), "so does an inf");
+    }
+
+    #[test]
+    fn tiny_groups_pack_by_division_and_vanishing_ones_as_zeros() {
+        for max in [1e-38f32, 3e-40, 1e-45] {
+            let x: Vec<f32> = (0..100).map(|i| max * (i as f32 - 50.0) / 50.0).collect();
+            let mut p = vec![0u8; packed_len(x.len())];
+            quantize(&x, &mut p).unwrap();
+            let mut y = vec![1f32; x.len()];
+            dequantize(&p, &mut y).unwrap();
+            for (a, b) in x.iter().zip(&y) {
+                assert!(b.is_finite(), "{max}");
+                // Half a step, plus the subnormal scale's own rounding.
+                assert!(
+                    (a - b).abs() <= max / 254.0 * 1.01 + 2.0 * f32::from_bits(1) * 127.0,
+                    "{max}: {a} vs {b}"
+                );
+            }
+        }
     }
 
     #[test]

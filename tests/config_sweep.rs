@@ -18,7 +18,10 @@
 //! end with the same losses, skipped steps and parameters, to the bit, as
 //! the same program at stage 0 with DeepSpeed's defaults on the same ranks
 //! (see [`reference_stage`] for the two exceptions; the reference resumes
-//! too where the ranks, grouping or gas change).
+//! too where the ranks, grouping or gas change). A third of the stage-3
+//! cases that do not resume gather packed as int8 (ZeRO++ qwZ), whose
+//! reference is stage 3 packing with DeepSpeed's defaults
+//! ([`Leg::reference`]).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together: the stage-3 root's small parameters reduced
@@ -86,6 +89,9 @@ struct Leg {
     /// The step and micro-step it takes over at ((0, 0) for a run's first
     /// leg).
     from: (usize, usize),
+    /// ZeRO++ qwZ: stage 3 gathers packed as int8
+    /// (`zero_quantized_weights`).
+    qwz: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -102,12 +108,22 @@ fn reference_stage(stage: u8, grouping: &str, gas: usize) -> u8 {
 }
 
 impl Leg {
-    /// The reference for this leg (see [`reference_stage`]).
+    /// The reference for this leg (see [`reference_stage`]). Packed
+    /// gathers round what forward and backward compute with, so a qwZ
+    /// leg's reference is stage 3 packing too, with DeepSpeed's defaults
+    /// but for the persistence threshold (it decides which units are
+    /// packed): only the packing's inputs, the shards, must match.
     fn reference(&self) -> Self {
-        Self {
-            stage: reference_stage(self.stage, self.grouping, self.gas),
-            zero: String::new(),
-            ..self.clone()
+        match self.qwz {
+            true => Self {
+                zero: persistence(&self.zero).to_string(),
+                ..self.clone()
+            },
+            false => Self {
+                stage: reference_stage(self.stage, self.grouping, self.gas),
+                zero: String::new(),
+                ..self.clone()
+            },
         }
     }
 
@@ -196,7 +212,11 @@ fn leg(
     micro: std::ops::Range<usize>,
     save: Option<&std::path::Path>,
 ) -> (Params, Vec<f64>, u64) {
-    let zero = format!("{}{}", l.zero, l.grouping);
+    let qwz = match l.qwz {
+        true => r#""zero_quantized_weights": true,"#,
+        false => "",
+    };
+    let zero = format!("{}{}{qwz}", l.zero, l.grouping);
     let cfg = config_zero(l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
@@ -368,13 +388,14 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
     ]);
     let (world, grouping) = ranks(d, stage);
     let gas = *d.one(&[&1, &2, &3]);
-    let first = Leg {
+    let mut first = Leg {
         stage,
         zero,
         world,
         grouping,
         gas,
         from: (0, 0),
+        qwz: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -409,6 +430,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             grouping,
             gas,
             from: (1, usize::from(between)),
+            qwz: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -429,6 +451,14 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         // and the next ones stays what it was before this was added.
         mlp_left_out: Draw(d.0.rotate_left(17) | 1).flag(4),
     };
+    // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
+    // stage-3 cases that do not resume (a resume moves the shards, so the
+    // packing) and are not in MiCS groups (they shard, so pack, within
+    // the group; hpZ pairs re-gather what the world packed).
+    first.qwz = stage == 3
+        && then.is_none()
+        && !first.grouping.contains("mics")
+        && Draw(d.0.rotate_left(41) | 1).flag(3);
     (first, program, then)
 }
 
@@ -539,6 +569,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         grouping: "",
         gas: 1,
         from: (0, 0),
+        qwz: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -594,6 +625,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         grouping: r#""mics_shard_size": 2,"#,
         gas: 1,
         from: (0, 0),
+        qwz: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

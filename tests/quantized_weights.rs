@@ -217,16 +217,18 @@ fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
     }
 }
 
-/// The final master parameters of the test GPT on 4 ranks at stage 3
-/// under `zero`, and rank 0's (hpZ re-gathers, packed gathers).
-fn four_ranks(zero: &str) -> (Params, (u64, u64)) {
+/// Rank 0's losses, the final master parameters and rank 0's (hpZ
+/// re-gathers, packed gathers), training the test GPT on 4 ranks at stage
+/// 3 under `zero`.
+fn four_ranks(zero: &str) -> (Vec<f64>, Params, (u64, u64)) {
     let cfg = config_zero(3, 1, 0.5, "", zero);
     let out = on_ranks(4, |mut r| {
         let (vs, plan, gpt) = model();
         let engine = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
-        train_losses(&gpt, &engine, r.rank() % 2, 3);
+        let losses = train_losses(&gpt, &engine, r.rank() % 2, 3);
         let c = engine.overlap_counts();
         (
+            losses,
             engine.gathered_params().unwrap(),
             (c.hpz_gathers, c.quantized_gathers),
         )
@@ -239,15 +241,30 @@ fn hpz_regathers_what_a_packed_gather_would_give() {
     // hpZ keeps each rank's part of the unpacked unit after forward and
     // re-gathers it in its pair for backward: the values a packed gather
     // of the shards would give again, so the two train to the same bits.
-    let (packed, (hpz0, q0)) = four_ranks(QWZ);
+    let (_, packed, (hpz0, q0)) = four_ranks(QWZ);
     let hpz_cfg = format!(r#"{QWZ} "zero_hpz_partition_size": 2,"#);
-    let (with_hpz, (hpz1, q1)) = four_ranks(&hpz_cfg);
+    let (_, with_hpz, (hpz1, q1)) = four_ranks(&hpz_cfg);
     assert_eq!(hpz0, 0);
     assert!(
         hpz1 > 0 && q1 < q0,
         "hpZ serves backward: {hpz1} / {q1} vs {q0}"
     );
     assert_eq!(with_hpz, packed);
+}
+
+#[test]
+fn mics_groups_pack_their_own_shards() {
+    // Under MiCS each pair shards (and packs) the unit on its own: the
+    // run tracks MiCS unpacked, and packs.
+    let mics = r#""mics_shard_size": 2,"#;
+    let (plain_losses, plain, (_, none)) = four_ranks(&format!("{PLAIN} {mics}"));
+    let (losses, params, (_, packed)) = four_ranks(&format!("{QWZ} {mics}"));
+    assert_eq!(none, 0);
+    assert!(packed > 0);
+    assert_ne!(params, plain, "the packed path must be taken");
+    for (s, (a, b)) in losses.iter().zip(&plain_losses).enumerate() {
+        assert!((a - b).abs() <= 1e-2 * b.abs(), "step {s}: {a} vs {b}");
+    }
 }
 
 #[test]

@@ -179,9 +179,10 @@ fn gpt_run(extra: &str, zero: &str, frozen: &[&str]) -> (Vec<f64>, Params, u64) 
 #[test]
 fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
     let bf16 = r#""bf16": {"enabled": true},"#;
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 8},"#;
     // The last: a unit of frozen parameters only (packs nothing; its
     // frozen part is gathered unpacked).
-    for (extra, frozen) in [("", &[][..]), (bf16, &[]), ("", &["h.1."])] {
+    for (extra, frozen) in [("", &[][..]), (bf16, &[]), (fp16, &[]), ("", &["h.1."])] {
         let (plain_losses, plain, none) = gpt_run(extra, PLAIN, frozen);
         let (losses, params, packed) = gpt_run(extra, QWZ, frozen);
         assert_eq!(none, 0, "{extra}");

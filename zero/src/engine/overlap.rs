@@ -1561,7 +1561,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         let what = (u.name.as_str(), "");
-        let packed = matches!(p.data, Fetch::Packed(..));
+        // Unpacked values: gathered packed, or re-gathered (hpZ) from the
+        // secondary copy of a unit forward gathered packed.
+        let packed = matches!(p.data, Fetch::Packed(..))
+            || (p.secondary && self.cfg.config.zero.zero_quantized_weights);
         // With `fill`, the gathered buffer becomes the unit's storage: no
         // copy, and it returns to the pool when the unit is freed.
         let mine = p

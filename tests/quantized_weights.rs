@@ -114,18 +114,22 @@ fn a_forward_computes_with_each_ranks_shard_packed_in_int8() {
             let y = unit.forward(&x);
             let forward = seen.lock().unwrap().clone();
             engine.backward(&y.to_kind(Kind::Float)).unwrap();
-            let backward = seen.lock().unwrap().clone();
-            // Inside with_full_params: the true values, gathered again.
+            // Inside with_full_params: the true values, gathered again,
+            // and a forward there computes with them (were it to gather
+            // packed, the unit's values would look changed when `f`
+            // returns, and be written back into the master).
             let mut whole = Vec::new();
             engine
                 .with_full_params(|| {
                     whole = Vec::<f32>::try_from(vs.variables()["probe.w"].to_kind(Kind::Float))
-                        .unwrap()
+                        .unwrap();
+                    tch::no_grad(|| drop(unit.forward(&x)));
                 })
                 .unwrap();
+            let inside = seen.lock().unwrap().clone();
             let master = engine.gathered_params().unwrap();
             let counts = engine.overlap_counts();
-            (forward, backward, whole, master, counts.quantized_gathers)
+            (forward, inside, whole, master, counts.quantized_gathers)
         });
         let w = weight();
         let want = unpacked(&w, 2, bf16);
@@ -136,11 +140,10 @@ fn a_forward_computes_with_each_ranks_shard_packed_in_int8() {
                 .collect(),
             false => w.clone(),
         };
-        for (rank, (forward, backward, whole, master, quantized)) in out.into_iter().enumerate() {
+        for (rank, (forward, inside, whole, master, quantized)) in out.into_iter().enumerate() {
             let what = format!("rank {rank}, bf16 {bf16}");
             assert_eq!(forward, want, "{what}: forward's weight");
-            // The probe's forward ran once: backward used what it saved.
-            assert_eq!(backward, want, "{what}");
+            assert_eq!(inside, whole, "{what}: a forward inside with_full_params");
             assert_ne!(
                 forward, rounded,
                 "{what}: the packed values differ from the true ones"

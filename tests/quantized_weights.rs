@@ -28,7 +28,7 @@ const N: i64 = 5000;
 #[derive(Debug)]
 struct Probe {
     w: Tensor,
-    seen: Arc<Mutex<Vec<f32>>>,
+    seen: Seen,
 }
 
 impl Module for Probe {
@@ -49,7 +49,8 @@ fn weight() -> Vec<f32> {
 
 /// What a gather packed as int8 gives back: the weight padded to equal
 /// shards of a multiple of 16 elements each (the flat layout's rule),
-/// each shard rounded through its `dtype` and packed on its own.
+/// each shard rounded to bf16 first when `bf16` (the compute copy stage 3
+/// gathers from) and packed on its own.
 fn unpacked(w: &[f32], ranks: usize, bf16: bool) -> Vec<f32> {
     let n = w.len().div_ceil(16 * ranks) * 16;
     let mut padded = w.to_vec();

@@ -37,40 +37,42 @@ pub fn packed_len(n: usize) -> usize {
 
 /// An element type a gather can be quantized from and unpacked into.
 pub trait Quantizable: Copy + Default {
-    /// `src` as f32 (exact), in `buf` (of `src`'s length) unless it is
-    /// f32 already.
-    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
-    /// `src` into `dst`, rounded to nearest even as libtorch's casts.
-    fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `src` as f32 (exact), in `buf` unless it is f32 already; `buf`
+    /// must have `src`'s length.
+    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> Result<&'a [f32], KernelError>;
+    /// `src` into `dst` (of `src`'s length), rounded to nearest even as
+    /// libtorch's casts.
+    fn narrow(src: &[f32], dst: &mut [Self]) -> Result<(), KernelError>;
 }
 
 impl Quantizable for f32 {
-    fn widen<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
-        src
+    fn widen<'a>(src: &'a [f32], _: &'a mut [f32]) -> Result<&'a [f32], KernelError> {
+        Ok(src)
     }
-    fn narrow(src: &[f32], dst: &mut [f32]) {
+    fn narrow(src: &[f32], dst: &mut [f32]) -> Result<(), KernelError> {
+        same_len("dst", dst.len(), "src", src.len())?;
         dst.copy_from_slice(src);
+        Ok(())
     }
 }
 
-// The casts cannot fail here: every caller passes equal lengths.
 impl Quantizable for bf16 {
-    fn widen<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> &'a [f32] {
-        let _ = cast::bf16_to_f32(src, buf);
-        buf
+    fn widen<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> Result<&'a [f32], KernelError> {
+        cast::bf16_to_f32(src, buf)?;
+        Ok(buf)
     }
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        let _ = cast::f32_to_bf16(src, dst);
+    fn narrow(src: &[f32], dst: &mut [bf16]) -> Result<(), KernelError> {
+        cast::f32_to_bf16(src, dst)
     }
 }
 
 impl Quantizable for f16 {
-    fn widen<'a>(src: &'a [f16], buf: &'a mut [f32]) -> &'a [f32] {
-        let _ = cast::f16_to_f32(src, buf);
-        buf
+    fn widen<'a>(src: &'a [f16], buf: &'a mut [f32]) -> Result<&'a [f32], KernelError> {
+        cast::f16_to_f32(src, buf)?;
+        Ok(buf)
     }
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        let _ = cast::f32_to_f16(src, dst);
+    fn narrow(src: &[f32], dst: &mut [f16]) -> Result<(), KernelError> {
+        cast::f32_to_f16(src, dst)
     }
 }
 
@@ -138,7 +140,7 @@ pub fn quantize<T: Quantizable>(src: &[T], dst: &mut [u8]) -> Result<(), KernelE
         .zip(codes_out.chunks_mut(GROUP))
         .zip(scales.chunks_mut(4))
     {
-        let x = T::widen(x, &mut buf[..x.len()]);
+        let x = T::widen(x, &mut buf[..x.len()])?;
         let max = f32::from_bits(max_abs_bits(x));
         let scale = match max.is_finite() {
             true => max / 127.0,
@@ -168,7 +170,7 @@ pub fn dequantize<T: Quantizable>(src: &[u8], dst: &mut [T]) -> Result<(), Kerne
         let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
         let b = &mut buf[..x.len()];
         values(q, scale, b);
-        T::narrow(b, x);
+        T::narrow(b, x)?;
     }
     Ok(())
 }
@@ -338,5 +340,9 @@ mod tests {
             Err(KernelError::LengthMismatch { name: "dst", .. })
         ));
         assert!(dequantize_gathered(&[0u8; 10], 4, &mut [0f32; 6]).is_err());
+        // The element conversions, public, check too.
+        assert!(f32::narrow(&[0.0; 3], &mut [0.0; 2]).is_err());
+        assert!(bf16::narrow(&[0.0; 3], &mut [bf16::ZERO; 2]).is_err());
+        assert!(f16::widen(&[f16::ZERO; 3], &mut [0.0; 2]).is_err());
     }
 }

@@ -452,9 +452,10 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         mlp_left_out: Draw(d.0.rotate_left(17) | 1).flag(4),
     };
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
-    // stage-3 cases that do not resume (a resume moves the shards, so the
-    // packing) and are not in MiCS groups (they shard, so pack, within
-    // the group; hpZ pairs re-gather what the world packed).
+    // stage-3 cases that do not resume (a resume may go on at another
+    // stage, world or grouping, which packs other shards or none: no one
+    // reference) and are not in MiCS groups (each group packs its own
+    // shards; hpZ pairs re-gather what the world packed).
     first.qwz = stage == 3
         && then.is_none()
         && !first.grouping.contains("mics")

@@ -1460,7 +1460,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         self.page_in(sh, i, ReadAhead::Gather(next))?;
         self.delay();
         let g = &self.group;
-        if quantized && !exact {
+        let data = if quantized && !exact {
             st.prog.counts.quantized_gathers += 1;
             // The shard stays: what goes out is its packed copy.
             let (mine, n) = match &sh.copy {
@@ -1468,25 +1468,20 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 CopyShard::F16(v) => pack(v)?,
                 CopyShard::None => pack(&sh.master)?,
             };
-            return Ok(Prefetch {
-                ids,
-                kind,
-                data: Fetch::Packed(g.all_gather(mine, Vec::new()), n),
-                secondary: false,
-                frozen: self.issue_frozen(st, i)?,
-            });
-        }
-        let data = match &mut sh.copy {
-            CopyShard::Bf16(v) => Fetch::Bf16(
-                g.all_gather(std::mem::take(v), self.pools.bf16.take(padded, bf16::ZERO)),
-            ),
-            CopyShard::F16(v) => {
-                Fetch::F16(g.all_gather(std::mem::take(v), self.pools.f16.take(padded, f16::ZERO)))
+            Fetch::Packed(g.all_gather(mine, Vec::new()), n)
+        } else {
+            match &mut sh.copy {
+                CopyShard::Bf16(v) => Fetch::Bf16(
+                    g.all_gather(std::mem::take(v), self.pools.bf16.take(padded, bf16::ZERO)),
+                ),
+                CopyShard::F16(v) => Fetch::F16(
+                    g.all_gather(std::mem::take(v), self.pools.f16.take(padded, f16::ZERO)),
+                ),
+                CopyShard::None => Fetch::F32(g.all_gather(
+                    std::mem::take(&mut sh.master),
+                    self.pools.f32.take(padded, 0.0),
+                )),
             }
-            CopyShard::None => Fetch::F32(g.all_gather(
-                std::mem::take(&mut sh.master),
-                self.pools.f32.take(padded, 0.0),
-            )),
         };
         Ok(Prefetch {
             ids,

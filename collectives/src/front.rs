@@ -85,6 +85,15 @@ pub(crate) trait Transport: Send + Sync + 'static {
         input: &[T],
         out: &mut Vec<T>,
     ) -> Result<(), CommError>;
+    /// Sends chunk `p` ([`chunk_range`](crate::chunk_range)) of `input` to
+    /// rank `p`; `out` (resized) receives every rank's chunk of this rank,
+    /// in rank order.
+    fn all_to_all<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError>;
     /// Copies `root`'s `buf` into every rank's.
     fn broadcast<T: Element>(
         &self,
@@ -307,6 +316,19 @@ impl<X: Transport> Front<X> {
         })
     }
 
+    pub(crate) fn all_to_all<T: Element>(
+        &self,
+        input: Vec<T>,
+        mut out: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let d = desc::<T>(OpKind::AllToAll, input.len());
+        self.run(d, move |g| {
+            g.all_to_all(&d, &input, &mut out)?;
+            let (s, r) = (bytes_of::<T>(input.len()), bytes_of::<T>(out.len()));
+            Ok(((input, out), s, r))
+        })
+    }
+
     pub(crate) fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         let d = desc::<T>(OpKind::Broadcast { root }, buf.len());
         if root >= self.size() {
@@ -409,6 +431,13 @@ macro_rules! forward_process_group {
             ) -> $crate::Work<(Vec<T>, Vec<T>)> {
                 self.front.all_gather($crate::OpKind::AllGatherV, input, out)
             }
+            fn all_to_all<T: $crate::Element>(
+                &self,
+                input: Vec<T>,
+                out: Vec<T>,
+            ) -> $crate::Work<(Vec<T>, Vec<T>)> {
+                self.front.all_to_all(input, out)
+            }
             fn broadcast<T: $crate::Element>(&self, buf: Vec<T>, root: usize) -> $crate::Work<Vec<T>> {
                 self.front.broadcast(buf, root)
             }
@@ -474,6 +503,14 @@ mod tests {
             Ok(())
         }
         fn all_gather<T: Element>(
+            &self,
+            _: &OpDesc,
+            _: &[T],
+            _: &mut Vec<T>,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn all_to_all<T: Element>(
             &self,
             _: &OpDesc,
             _: &[T],

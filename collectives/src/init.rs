@@ -188,6 +188,9 @@ impl ProcessGroup for Group {
     fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
         each!(self, g => g.all_gather_in_place(buf))
     }
+    fn all_to_all<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        each!(self, g => g.all_to_all(input, out))
+    }
     fn reduce_scatter_in_place<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         each!(self, g => g.reduce_scatter_in_place(buf, op))
     }

@@ -487,6 +487,21 @@ impl ProcessGroup for LocalGroup {
         self.gather(desc, part, buf).map(|(_, buf)| buf)
     }
 
+    fn all_to_all<T: Element>(&self, input: Vec<T>, mut out: Vec<T>) -> Work<(Vec<T>, Vec<T>)> {
+        let desc = OpDesc::new(OpKind::AllToAll, Some(T::DTYPE), input.len());
+        let (rank, n) = (self.rank, self.size());
+        self.collective(desc, input, move |parts| {
+            // Agreement made every input as long: every rank's chunk
+            // `rank` is the same range.
+            out.clear();
+            for p in parts {
+                out.extend_from_slice(&p[chunk_range(p.len(), n, rank)]);
+            }
+            let got = bytes_of::<T>(out.len());
+            ((parts[rank].clone(), out), got)
+        })
+    }
+
     fn broadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         let desc = OpDesc::new(OpKind::Broadcast { root }, Some(T::DTYPE), buf.len());
         if root >= self.size() {

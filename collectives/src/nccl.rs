@@ -216,6 +216,53 @@ impl NcclGroup {
             .map_err(|e| nccl_err(&self.name, "all_gather", e))
     }
 
+    /// all_to_all (enqueued): chunk `p` of `input` goes to group rank
+    /// `p`, and chunk `q` of `out` receives rank `q`'s chunk of this rank.
+    /// Both hold group size x chunk elements (callers pad: NCCL has no
+    /// uneven split without per-rank counts). One NCCL group of a send and
+    /// a receive per rank, this rank included.
+    pub fn all_to_all<T: NcclType>(
+        &self,
+        input: &DeviceBuf<T>,
+        out: &mut DeviceBuf<T>,
+    ) -> Result<(), CommError> {
+        let n = self.world_ranks.len();
+        if input.len != out.len || input.len % n != 0 {
+            return Err(CommError::Invalid {
+                group: self.name.clone(),
+                call: "all_to_all".into(),
+                why: format!(
+                    "input ({}) and output ({}) must be equally long, a multiple of the group size {n}",
+                    input.len, out.len
+                ),
+            });
+        }
+        let m = input.len / n;
+        let size = std::mem::size_of::<T>() as u64;
+        // Chunk `p` of a borrowed buffer: a borrowed buffer too.
+        let chunk = |b: &DeviceBuf<T>, p: usize| DeviceBuf::<T> {
+            ptr: b.ptr + (p * m) as u64 * size,
+            len: m,
+            stream: b.stream.clone(),
+            _t: PhantomData,
+        };
+        let err = |call: &str, e| nccl_err(&self.name, call, e);
+        cudarc::nccl::result::group_start().map_err(|e| err("ncclGroupStart", e))?;
+        // The group is ended whatever happened inside it, so a failed send
+        // does not leave this thread's NCCL group open.
+        let inside = (0..n).try_for_each(|p| {
+            self.comm
+                .send(&chunk(input, p), p as i32)
+                .map_err(|e| err("ncclSend", e))?;
+            self.comm
+                .recv(&mut chunk(out, p), p as i32)
+                .map(|_| ())
+                .map_err(|e| err("ncclRecv", e))
+        });
+        let end = cudarc::nccl::result::group_end().map_err(|e| err("ncclGroupEnd", e));
+        inside.and(end.map(|_| ()))
+    }
+
     /// In-place broadcast from group rank `root` (enqueued).
     pub fn broadcast<T: NcclType>(
         &self,

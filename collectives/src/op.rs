@@ -52,6 +52,9 @@ pub enum OpKind {
     },
     /// `alloc_symmetric`: every rank allocates its buffer of a symmetric set.
     AllocSymmetric,
+    /// `all_to_all`: every rank's input has the same length; its
+    /// [`chunk_range`] `p` goes to rank `p`.
+    AllToAll,
 }
 
 impl OpKind {
@@ -68,6 +71,7 @@ impl OpKind {
             OpKind::Send { .. } => "send",
             OpKind::Recv { .. } => "recv",
             OpKind::AllocSymmetric => "alloc_symmetric",
+            OpKind::AllToAll => "all_to_all",
         }
     }
 }
@@ -169,6 +173,7 @@ impl OpDesc {
             OpKind::AllocSymmetric => (8, 0),
             OpKind::AllGatherV => (9, 0),
             OpKind::AllGatherInPlace => (10, 0),
+            OpKind::AllToAll => (11, 0),
         };
         let dt = self
             .dtype
@@ -193,6 +198,7 @@ impl OpDesc {
             8 => OpKind::AllocSymmetric,
             9 => OpKind::AllGatherV,
             10 => OpKind::AllGatherInPlace,
+            11 => OpKind::AllToAll,
             _ => return None,
         };
         let dtype = match w[1] & 0xFFFF_FFFF {
@@ -228,7 +234,8 @@ impl fmt::Display for OpDesc {
             | OpKind::AllGatherV
             | OpKind::AllGatherInPlace
             | OpKind::Barrier
-            | OpKind::AllocSymmetric => {
+            | OpKind::AllocSymmetric
+            | OpKind::AllToAll => {
                 write!(f, "{}({dt})", self.kind.name())
             }
         }?;
@@ -297,6 +304,15 @@ pub trait ProcessGroup: Send + Sync {
     /// on entry; on return it holds every rank's part. Backends that can
     /// skip copying this rank's own part (shm) do.
     fn all_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>>;
+
+    /// Every rank sends each rank its own piece of `input`: the
+    /// [`chunk_range`] `p` of `input` goes to rank `p`, and `out` (resized,
+    /// its allocation reused) receives, in rank order, every rank's chunk
+    /// `self.rank()`. `input` has the same length on every rank.
+    /// Returns `(input, out)`. (`torch.distributed.all_to_all_single`
+    /// without split sizes; a length the group does not divide splits as
+    /// `reduce_scatter`'s does.)
+    fn all_to_all<T: Element>(&self, input: Vec<T>, out: Vec<T>) -> Work<(Vec<T>, Vec<T>)>;
 
     /// [`ProcessGroup::reduce_scatter`] in place: reduces `buf` (same
     /// length on every rank); on return this rank's part ([`chunk_range`])
@@ -416,6 +432,7 @@ mod tests {
             OpKind::AllocSymmetric,
             OpKind::AllGatherV,
             OpKind::AllGatherInPlace,
+            OpKind::AllToAll,
         ];
         for kind in all {
             for dtype in [None, Some(DType::BF16), Some(DType::U8)] {

@@ -794,6 +794,75 @@ impl Inner {
 }
 
 impl Inner {
+    /// all_to_all a window at a time, as [`Inner::gather`] moves its parts:
+    /// each round, this rank stages its window of every peer's chunk in
+    /// its slot (the slot cut in `n` windows, peer `p`'s at `p`), arrives,
+    /// copies its own chunk's window into `out` meanwhile, and after the
+    /// barrier reads window `me` of every peer's slot into that peer's
+    /// place in `out`. Two buffers along the ring, for gather's reason.
+    fn exchange_chunks<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        let deadline = crate::work::deadline_in(self.m.timeout);
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me, len) = (self.n(), self.m.me, input.len());
+        // Agreement made every rank's input as long: chunk `p` is the same
+        // range on every rank.
+        let parts: Vec<std::ops::Range<usize>> = (0..n).map(|p| chunk_range(len, n, p)).collect();
+        let m = parts[me].len();
+        out.truncate(n * m);
+        out.resize(n * m, T::ZERO);
+        let w = self.window::<T>(n, 2);
+        let rounds = parts[0].len().div_ceil(w);
+        let ring = self.claim::<T>(&mut st, rounds, 2);
+        let nt = st.stores.streaming(rounds);
+        let stream = bytes_of::<T>(n * m) >= stream_min_dest_bytes();
+        let window = |p: usize, j: usize| {
+            let s = (parts[p].start + j * w).min(parts[p].end);
+            s..(s + w).min(parts[p].end)
+        };
+        let mut took = Measured::default();
+        for j in 0..rounds {
+            let h = ring.at(j);
+            let t = Instant::now();
+            let mut bytes = 0;
+            for p in (0..n).filter(|&p| p != me) {
+                let r = window(p, j);
+                bytes += bytes_of::<T>(r.len());
+                // SAFETY: only rank `me` writes its own ring; round j's
+                // buffer was last read in round j - 2 at the latest, whose
+                // readers have all arrived at round j - 1's barrier, which
+                // this rank passed.
+                copy_to_slot(
+                    unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) },
+                    &input[r],
+                    nt,
+                );
+            }
+            took.wrote(t, bytes);
+            let e = self.arrive(&mut st);
+            // Where a window of chunk `me` goes in `out`, from rank `q`.
+            let r = window(me, j);
+            let at = |q: usize| q * m + r.start - parts[me].start..q * m + r.end - parts[me].start;
+            copy_streaming(&mut out[at(me)], &input[r.clone()], stream);
+            self.wait_all(desc, deadline, e)?;
+            let t = Instant::now();
+            for q in (0..n).filter(|&q| q != me) {
+                // SAFETY: rank q's buffer of this round, complete (it
+                // arrived after staging it), read after the barrier.
+                let src = unsafe { self.seg.slot::<T>(q, h + me * w, r.len()) };
+                copy_streaming(&mut out[at(q)], src, stream);
+            }
+            took.read(t, (n - 1) * bytes_of::<T>(r.len()));
+        }
+        self.learn(&mut st, rounds, nt, &took);
+        Ok(())
+    }
+
     /// Allocates this rank's buffer of symmetric allocation `desc.buffer`
     /// and maps every peer's. In two phases, each ending at a barrier with
     /// every rank's outcome in its status word, so a rank that fails fails
@@ -1332,6 +1401,14 @@ impl Transport for Inner {
         out: &mut Vec<T>,
     ) -> Result<(), CommError> {
         self.gather(desc, Some(input), out)
+    }
+    fn all_to_all<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        self.exchange_chunks(desc, input, out)
     }
     fn broadcast<T: Element>(
         &self,

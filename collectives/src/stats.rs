@@ -10,7 +10,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::OpKind;
 
-const KINDS: usize = 8;
+const KINDS: usize = 9;
 
 fn index(k: &OpKind) -> usize {
     match k {
@@ -23,6 +23,7 @@ fn index(k: &OpKind) -> usize {
         OpKind::Send { .. } => 5,
         OpKind::Recv { .. } => 6,
         OpKind::AllocSymmetric => 7,
+        OpKind::AllToAll => 8,
     }
 }
 
@@ -35,6 +36,7 @@ const NAMES: [&str; KINDS] = [
     "send",
     "recv",
     "alloc_symmetric",
+    "all_to_all",
 ];
 
 #[derive(Default)]

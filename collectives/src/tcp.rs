@@ -723,6 +723,40 @@ impl Transport for Inner {
         self.gather(desc, Some(input), out)
     }
 
+    /// One exchange: each peer's chunk of `input` goes straight out of
+    /// `input`, each peer's chunk of this rank straight into its place in
+    /// `out`.
+    fn all_to_all<T: Element>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: &mut Vec<T>,
+    ) -> Result<(), CommError> {
+        let deadline = crate::work::deadline_in(self.m.timeout);
+        let mut st = self.state.lock();
+        self.agree(&mut st, desc, deadline)?;
+        let (n, me) = (self.n(), self.m.me);
+        let mine = chunk_range(input.len(), n, me);
+        let m = mine.len();
+        out.truncate(n * m);
+        out.resize(n * m, T::ZERO);
+        out[me * m..(me + 1) * m].copy_from_slice(&input[mine]);
+        let outs: Vec<&[u8]> = (0..n)
+            .map(|p| match p == me {
+                true => &[][..],
+                false => as_bytes(&input[chunk_range(input.len(), n, p)]),
+            })
+            .collect();
+        let mut into: Vec<&mut [u8]> = as_bytes_mut(out)
+            .chunks_mut((m * std::mem::size_of::<T>()).max(1))
+            .enumerate()
+            .map(|(p, c)| if p == me { &mut [][..] } else { c })
+            .collect();
+        // `chunks_mut` yields nothing for an empty `out`.
+        into.resize_with(n, || &mut [][..]);
+        self.exchange(desc, deadline, &outs, &mut into)
+    }
+
     fn broadcast<T: Element>(
         &self,
         desc: &OpDesc,

@@ -508,6 +508,20 @@ fn rank_main() {
             {
                 wrong.push("all_gather");
             }
+            // all_to_all of 2 MiB + 4 B per rank (streamed destinations on
+            // shm; many windows either way): rank q's chunk `me` from each q.
+            let whole = n * (1 << 19) + 1;
+            let input: Vec<f32> = (0..whole).map(|i| common::val(me, i) as f32).collect();
+            let (_, got) = g.all_to_all(input, Vec::new()).wait().unwrap();
+            let expect: Vec<f32> = (0..n)
+                .flat_map(|q| {
+                    zrt_collectives::chunk_range(whole, n, me)
+                        .map(move |i| common::val(q, i) as f32)
+                })
+                .collect();
+            if got != expect {
+                wrong.push("all_to_all");
+            }
             let from_last = (0..len)
                 .map(|i| common::val(n - 1, i) as f32)
                 .collect::<Vec<f32>>();

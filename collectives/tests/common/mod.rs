@@ -158,6 +158,22 @@ pub fn check_ops<T: Make, G: ProcessGroup>(g: &G) {
             "{:?} all_gather_v world {world} len {len} rank {me}",
             T::DTYPE
         );
+        // all_to_all: rank q's chunk `me` from every rank q, into a
+        // reused buffer of another length holding sentinels.
+        let (back, got) = g
+            .all_to_all(input.clone(), vec![T::make(99); len + 3])
+            .wait()
+            .unwrap();
+        assert_eq!(back, input);
+        let want: Vec<T> = (0..world)
+            .flat_map(|q| chunk_range(len, world, me).map(move |i| T::make(val(q, i))))
+            .collect();
+        assert_eq!(
+            got,
+            want,
+            "{:?} all_to_all world {world} len {len} rank {me}",
+            T::DTYPE
+        );
         let root = world - 1;
         let b: Vec<T> = if me == root {
             input.clone()

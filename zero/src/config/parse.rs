@@ -821,7 +821,7 @@ impl P {
                     "`comms_logger.prof_ops` names `{name}`, which zrt never issues: nothing of it to log"
                 )),
                 None => self.problems.push(format!(
-                    "`comms_logger.prof_ops` names {v}, not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, broadcast, barrier, send and recv (DeepSpeed's names, such as all_gather_into_tensor, are taken too)"
+                    "`comms_logger.prof_ops` names {v}, not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, send and recv (DeepSpeed's names, such as all_gather_into_tensor, are taken too)"
                 )),
             }
         }

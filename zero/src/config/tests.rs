@@ -1290,9 +1290,9 @@ fn comms_logger_takes_deepspeeds_op_names_and_says_what_it_cannot_log() {
     assert!(!c.comms_logger.enabled && !c.comms_logger.logs("all_reduce"));
     // prof_ops by DeepSpeed's names, mapped to zrt's; one zrt never issues.
     let c = cfg(r#"{"enabled": true, "verbose": true, "prof_all": false,
-        "prof_ops": ["all_gather_into_tensor", "reduce_scatter_tensor", "isend", "all_to_all_single"]}"#)
+        "prof_ops": ["all_gather_into_tensor", "reduce_scatter_tensor", "isend", "all_to_all_single", "gather"]}"#)
     .unwrap();
-    let ops = ["all_gather", "reduce_scatter", "send"]
+    let ops = ["all_gather", "reduce_scatter", "send", "all_to_all"]
         .map(String::from)
         .to_vec();
     assert_eq!(c.comms_logger.ops, Some(ops));
@@ -1301,7 +1301,7 @@ fn comms_logger_takes_deepspeeds_op_names_and_says_what_it_cannot_log() {
     );
     assert_eq!(
         c.warnings,
-        ["`comms_logger.prof_ops` names `all_to_all_single`, which zrt never issues: nothing of it to log"]
+        ["`comms_logger.prof_ops` names `gather`, which zrt never issues: nothing of it to log"]
     );
     // prof_ops beside prof_all true, nothing selected, debug: said.
     for (block, want) in [
@@ -1315,7 +1315,7 @@ fn comms_logger_takes_deepspeeds_op_names_and_says_what_it_cannot_log() {
         .unwrap_err()
         .to_string();
     for want in [
-        "`comms_logger.prof_ops` names \"allreduce\", not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, broadcast, barrier, send and recv",
+        "`comms_logger.prof_ops` names \"allreduce\", not a communication operation: zrt's are all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, send and recv",
         "`comms_logger.prof_ops` names 3, not a communication operation",
         "unknown key `comms_logger.verbos`; did you mean `comms_logger.verbose`?",
     ] {

@@ -73,7 +73,9 @@ fn bus_factor(op: &str, n: usize) -> Option<f64> {
     let n = n.max(1) as f64;
     match op {
         "all_reduce" => Some(2.0 * (n - 1.0) / n),
-        "reduce_scatter" | "all_gather" => Some((n - 1.0) / n),
+        // An all_to_all moves (n - 1) / n of each rank's input, as
+        // nccl-tests' alltoall counts it.
+        "reduce_scatter" | "all_gather" | "all_to_all" => Some((n - 1.0) / n),
         "broadcast" | "send" | "recv" => Some(1.0),
         _ => None,
     }

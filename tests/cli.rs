@@ -831,18 +831,20 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
 }
 
 #[test]
-fn config_check_says_when_stage_3_gathers_int8() {
-    let line = "qwZ              forward and backward gathers packed as int8";
-    for (on, name) in [(true, "qwz-on"), (false, "qwz-off")] {
+fn config_check_says_when_stage_3_gathers_or_reduces_int8() {
+    let qwz = "qwZ              forward and backward gathers packed as int8";
+    let qgz = "qgZ              gradient reduce-scatters packed as int8";
+    for (w, g) in [(true, false), (false, true), (false, false)] {
+        let name = format!("qwz-{w}-qgz-{g}");
         let f = config_file(
-            name,
+            &name,
             &format!(
-                r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, "zero_quantized_weights": {on}}}}}"#
+                r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, "zero_quantized_weights": {w}, "zero_quantized_gradients": {g}}}}}"#
             ),
         );
         let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
         let _ = std::fs::remove_file(&f);
         assert!(ok, "{out}");
-        assert_eq!(out.contains(line), on, "{out}");
+        assert_eq!((out.contains(qwz), out.contains(qgz)), (w, g), "{out}");
     }
 }

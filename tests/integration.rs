@@ -19,5 +19,6 @@ mod kernels_vs_libtorch;
 mod launch;
 mod learning_rate;
 mod offload;
+mod quantized_gradients;
 mod quantized_weights;
 mod two_engines;

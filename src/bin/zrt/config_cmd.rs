@@ -217,6 +217,9 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         if z.zero_quantized_weights {
             println!("  qwZ              forward and backward gathers packed as int8 (a scale per 2048 elements)");
         }
+        if z.zero_quantized_gradients {
+            println!("  qgZ              gradient reduce-scatters packed as int8 (a scale per 2048 elements), one all_to_all each");
+        }
     }
     println!(
         "  sharding         {}; hpZ partition {}",

@@ -95,6 +95,7 @@ pub(crate) const ZERO: &[&str] = &[
     "mics_shard_size",
     "zero_hpz_partition_size",
     "zero_quantized_weights",
+    "zero_quantized_gradients",
     "offload_optimizer",
     "offload_param",
 ];
@@ -124,7 +125,6 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "stage3_use_all_reduce_for_fetch_params",
     "use_all_reduce_for_fetch_params",
     "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
     "zeropp_loco_param",
     "mics_hierarchical_params_gather",
     "memory_efficient_linear",
@@ -220,11 +220,6 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "zero_quantized_nontrainable_weights",
         AsZrt::Bool(false),
         "zrt keeps frozen weights unquantized and gathers them so (`zero_quantized_weights` quantizes the trainable ones' gathers)",
-    ),
-    (
-        "zero_quantized_gradients",
-        AsZrt::Bool(false),
-        "zrt reduces gradients unquantized (fp32)",
     ),
     (
         "stage3_use_all_reduce_for_fetch_params",

@@ -318,6 +318,13 @@ pub struct ZeroConfig {
     /// master, the optimizer, checkpoints and `with_full_params` stay
     /// exact; what forward and backward compute with is rounded.
     pub zero_quantized_weights: bool,
+    /// ZeRO++ qgZ: stage 3 reduce-scatters gradients as int8 codes with a
+    /// scale per 2048 elements: each rank packs every rank's piece of its
+    /// gradient bucket, one all_to_all delivers each rank the pieces of
+    /// its shard, and the rank unpacks and averages them in fp32. A
+    /// quarter of an fp32 reduce-scatter's bytes; the gradients are
+    /// rounded once, before the sum.
+    pub zero_quantized_gradients: bool,
     /// `offload_optimizer`.
     pub offload_optimizer: Option<OffloadConfig>,
     /// `offload_param`.

@@ -960,6 +960,10 @@ impl P {
         if quantized && stage < 3 {
             self.warnings.push(format!("`zero_optimization.zero_quantized_weights` = true has no effect at stage {stage}: only stage 3 gathers weights for forward and backward (DeepSpeed ignores it there too); the updated shards are gathered unquantized"));
         }
+        let quantized_grads = self.bool_or(z, path, "zero_quantized_gradients", false);
+        if quantized_grads && stage < 3 {
+            self.warnings.push(format!("`zero_optimization.zero_quantized_gradients` = true has no effect at stage {stage}: zrt quantizes stage 3's gradient reductions only (as DeepSpeed's ZeRO++); gradients are reduced unquantized"));
+        }
         ZeroConfig {
             stage: stage.min(3) as u8,
             reduce_bucket_size: self.u64_setting(z, path, "reduce_bucket_size", 500_000_000),
@@ -975,6 +979,7 @@ impl P {
             mics_shard_size: mics,
             zero_hpz_partition_size: self.u64_or(z, path, "zero_hpz_partition_size", 1).max(1),
             zero_quantized_weights: quantized,
+            zero_quantized_gradients: quantized_grads,
             offload_optimizer,
             offload_param,
         }
@@ -1067,6 +1072,12 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         p.warnings.push(format!(
             "OneCycle cycles Adam's beta1 between `cycle_max_mom` and `cycle_min_mom` and sets beta2 to 0.99, as DeepSpeed does: `optimizer.params.betas` {:?} is not used; set `scheduler.params.cycle_momentum` to false to keep it",
             cfg.optimizer.betas
+        ));
+    }
+    if cfg.zero.stage == 3 && cfg.zero.zero_quantized_gradients && !cfg.fp32_grad_reduce {
+        p.warnings.push(format!(
+            "`communication_data_type` {:?} has no effect with `zero_optimization.zero_quantized_gradients`: stage 3's gradients are reduced as int8 codes and summed in fp32",
+            reduce_dtype.as_deref().unwrap_or_default()
         ));
     }
     if cfg.gradient_clipping < 0.0 {

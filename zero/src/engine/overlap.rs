@@ -60,6 +60,14 @@ pub(super) enum Reduce {
     ScatterBf16(Work<(Vec<bf16>, Vec<bf16>)>),
     AllF16(Work<Vec<f16>>),
     ScatterF16(Work<(Vec<f16>, Vec<f16>)>),
+    /// ZeRO++ qgZ (`zero_quantized_gradients`): every rank's packed piece
+    /// of this rank's part (an all_to_all), `n` elements from each of
+    /// `ranks` ranks; unpacked and averaged in rank order when waited for.
+    Quantized {
+        work: Work<(Vec<u8>, Vec<u8>)>,
+        n: usize,
+        ranks: usize,
+    },
 }
 
 /// A finished reduction: the result is `buf[range]`.
@@ -102,6 +110,24 @@ impl Reduce {
             Reduce::ScatterBf16(w) => whole(widen(&w.wait()?.1, cast::bf16_to_f32)?),
             Reduce::AllF16(w) => whole(widen(&w.wait()?, cast::f16_to_f32)?),
             Reduce::ScatterF16(w) => whole(widen(&w.wait()?.1, cast::f16_to_f32)?),
+            Reduce::Quantized { work, n, ranks } => {
+                let (_, packed) = work.wait()?;
+                let mut all = vec![0f32; ranks * n];
+                // Checks the length: a peer that packed another length
+                // could only get here past the call agreement by a bug.
+                quant::dequantize_gathered(&packed, n, &mut all)?;
+                let (sum, rest) = all.split_at_mut(n);
+                // In rank order, as every backend's reduce_scatter sums.
+                for part in rest.chunks_exact(n.max(1)) {
+                    sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
+                }
+                let k = ranks.max(1) as f32;
+                sum.iter_mut().for_each(|s| *s /= k);
+                Reduced {
+                    buf: all,
+                    range: 0..n,
+                }
+            }
         })
     }
 }
@@ -537,6 +563,9 @@ pub struct OverlapCounts {
     /// ZeRO++ qwZ: unit gathers sent as int8 codes and scales
     /// (`zero_quantized_weights`).
     pub quantized_gathers: u64,
+    /// ZeRO++ qgZ: gradient buckets reduced as int8 codes and scales
+    /// through an all_to_all (`zero_quantized_gradients`).
+    pub quantized_reductions: u64,
     /// `offload_param`: sharded frozen parameters the parameter swap had
     /// read ahead when their unit's gather was issued (rather than read
     /// then).
@@ -1065,6 +1094,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 self.group.size()
             };
             for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
+                if matches!(r, Reduce::Quantized { .. }) {
+                    st.prog.counts.quantized_reductions += 1;
+                }
                 // A bucket's buffer: its range of every rank's shard.
                 let elems = range.len() * n;
                 st.prog.inflight_elems += elems;
@@ -1231,6 +1263,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// it (`communication_data_type`), in the 16-bit compute dtype.
     pub(super) fn issue_reduce(&self, full: Vec<f32>, all: bool) -> Result<Reduce, EngineError> {
         let g = &self.group;
+        if !all && self.stage == 3 && self.cfg.config.zero.zero_quantized_gradients {
+            // ZeRO++ qgZ: each rank's piece of `full` (rank-major, a
+            // multiple of the group size) packed on its own, so that the
+            // all_to_all hands every rank its pieces, one scale per 2048
+            // elements of each.
+            let (ranks, n) = (g.size(), full.len() / g.size());
+            let per = quant::packed_len(n);
+            let mut packed = vec![0u8; ranks * per];
+            for (x, q) in full
+                .chunks_exact(n.max(1))
+                .zip(packed.chunks_exact_mut(per.max(1)))
+            {
+                quant::quantize(x, q)?;
+            }
+            self.pools.f32.give(full);
+            let work = g.all_to_all(packed, Vec::new());
+            return Ok(Reduce::Quantized { work, n, ranks });
+        }
         Ok(match (self.reduce_16, self.compute) {
             (true, Compute::Bf16) => {
                 let mut h = vec![bf16::ZERO; full.len()];

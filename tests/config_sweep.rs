@@ -92,6 +92,9 @@ struct Leg {
     /// ZeRO++ qwZ: stage 3 gathers packed as int8
     /// (`zero_quantized_weights`).
     qwz: bool,
+    /// ZeRO++ qgZ: stage 3 reduces packed as int8
+    /// (`zero_quantized_gradients`).
+    qgz: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -112,11 +115,18 @@ impl Leg {
     /// gathers round what forward and backward compute with, so a qwZ
     /// leg's reference is stage 3 packing too, with DeepSpeed's defaults
     /// but for the persistence threshold (it decides which units are
-    /// packed): only the packing's inputs, the shards, must match.
+    /// packed): only the packing's inputs, the shards, must match. A qgZ
+    /// leg's reference packs its reductions too, with the same persistence
+    /// threshold and bucket size (which decide what each packed piece
+    /// holds).
     fn reference(&self) -> Self {
-        match self.qwz {
+        match self.qwz || self.qgz {
             true => Self {
-                zero: persistence(&self.zero).to_string(),
+                zero: persistence(&self.zero).to_string()
+                    + &match self.qgz {
+                        true => setting(&self.zero, "reduce_bucket_size"),
+                        false => "",
+                    },
                 ..self.clone()
             },
             false => Self {
@@ -216,7 +226,11 @@ fn leg(
         true => r#""zero_quantized_weights": true,"#,
         false => "",
     };
-    let zero = format!("{}{}{qwz}", l.zero, l.grouping);
+    let qgz = match l.qgz {
+        true => r#""zero_quantized_gradients": true,"#,
+        false => "",
+    };
+    let zero = format!("{}{}{qwz}{qgz}", l.zero, l.grouping);
     let cfg = config_zero(l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
@@ -396,6 +410,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         gas,
         from: (0, 0),
         qwz: false,
+        qgz: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -431,6 +446,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             gas,
             from: (1, usize::from(between)),
             qwz: false,
+            qgz: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -460,13 +476,21 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         && then.is_none()
         && !first.grouping.contains("mics")
         && Draw(d.0.rotate_left(41) | 1).flag(3);
+    // ZeRO++ qgZ likewise, MiCS groups included (each group reduces its
+    // own pieces; the reference has the same groups).
+    first.qgz = stage == 3 && then.is_none() && Draw(d.0.rotate_left(53) | 1).flag(3);
     (first, program, then)
 }
 
 /// The `stage3_param_persistence_threshold` entry of `zero` settings, or
 /// "".
 fn persistence(zero: &str) -> &str {
-    let Some(at) = zero.find(r#""stage3_param_persistence_threshold""#) else {
+    setting(zero, "stage3_param_persistence_threshold")
+}
+
+/// The `key` entry of `zero` settings (with its comma), or "".
+fn setting<'a>(zero: &'a str, key: &str) -> &'a str {
+    let Some(at) = zero.find(&format!("\"{key}\"")) else {
         return "";
     };
     let len = zero[at..].find(',').map_or(zero.len() - at, |e| e + 1);
@@ -571,6 +595,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         gas: 1,
         from: (0, 0),
         qwz: false,
+        qgz: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -627,6 +652,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         gas: 1,
         from: (0, 0),
         qwz: false,
+        qgz: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

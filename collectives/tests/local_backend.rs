@@ -375,6 +375,40 @@ fn same_collective_with_other_sizes_or_dtypes_names_both() {
 }
 
 #[test]
+fn all_to_all_inputs_of_other_lengths_or_another_op_name_both_calls() {
+    // Every rank's input is cut alike: one of another length would send
+    // pieces its peers do not expect.
+    let lengths = run(2, Duration::from_secs(120), |r| {
+        let input = vec![0u8; 8 + r.rank()];
+        let e = r.world().all_to_all(input, Vec::new()).wait().unwrap_err();
+        e.to_string()
+    });
+    for e in lengths {
+        assert!(
+            e.contains("all_to_all(u8 x 8)") && e.contains("all_to_all(u8 x 9)"),
+            "{e}"
+        );
+    }
+    let ops = run(2, Duration::from_secs(120), |r| {
+        let g = r.world();
+        let e = match r.rank() {
+            0 => g.all_to_all(vec![0f32; 6], Vec::new()).wait().map(|_| ()),
+            _ => g
+                .reduce_scatter(vec![0f32; 6], Vec::new(), ReduceOp::Avg)
+                .wait()
+                .map(|_| ()),
+        };
+        e.unwrap_err().to_string()
+    });
+    for e in ops {
+        assert!(
+            e.contains("all_to_all(f32 x 6)") && e.contains("reduce_scatter(f32 x 6, Avg)"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn gathers_of_other_lengths_name_both_calls_unless_they_are_all_gather_v() {
     // all_gather parts must agree in length; in place, the whole buffers;
     // and a gather never pairs with a gather of another kind.

@@ -409,7 +409,8 @@ fn the_collectives_bench_prints_every_row_with_its_limits() {
             "reduce_scatter_in_place",
             "all_gather_in_place",
             "reduce_scatter_symmetric",
-            "all_gather_symmetric"
+            "all_gather_symmetric",
+            "all_to_all"
         ]
     );
     let two_cpus = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);

@@ -31,10 +31,12 @@ for mib in sizes:
     n = mib * (1 << 20) // 4
     full = torch.ones(n)
     part = torch.ones(n // world)
+    other = torch.ones(n)
     ops = {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: reduce_scatter(part, full),
         "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "all_to_all": lambda: dist.all_to_all_single(other, full),
     }
     for name, op in ops.items():
         # Untimed warm-up, as many as zrt's ranks run (WARMUP there).

@@ -117,7 +117,9 @@ impl Reduce {
                 // could only get here past the call agreement by a bug.
                 quant::dequantize_gathered(&packed, n, &mut all)?;
                 let (sum, rest) = all.split_at_mut(n);
-                // In rank order, as every backend's reduce_scatter sums.
+                // In rank order and in f32, on every backend alike (the
+                // backends' reduce_scatter sums f32 in f64: this is not
+                // that sum of the unpacked values, nor meant to be).
                 for part in rest.chunks_exact(n.max(1)) {
                     sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
                 }
@@ -1260,7 +1262,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// Issues the averaging of `full` over the group: an all-reduce
     /// (`all`) or a reduce-scatter, in fp32 or, when the config asks for
-    /// it (`communication_data_type`), in the 16-bit compute dtype.
+    /// it (`communication_data_type`), in the 16-bit compute dtype; at
+    /// stage 3 under `zero_quantized_gradients`, as an all_to_all of
+    /// int8 pieces ([`Reduce::Quantized`]).
     pub(super) fn issue_reduce(&self, full: Vec<f32>, all: bool) -> Result<Reduce, EngineError> {
         let g = &self.group;
         if !all && self.stage == 3 && self.cfg.config.zero.zero_quantized_gradients {

@@ -1,11 +1,11 @@
-//! `zrt bench collectives`: all_reduce, reduce_scatter and all_gather on 2
-//! ranks of the shared-memory backend, against torch.distributed's gloo (the
+//! `zrt bench collectives`: all_reduce, reduce_scatter, all_gather and
+//! all_to_all on 2 ranks of the shared-memory backend, against torch.distributed's gloo (the
 //! peer) and single-core memcpy (the limit), all measured in the same run.
 //!
 //! Conventions are nccl-tests': `algbw = S / t` with S the full buffer
-//! (all_reduce's buffer, reduce_scatter's input, all_gather's output);
-//! `busbw = algbw * 2(n-1)/n` for all_reduce and `algbw * (n-1)/n` for the
-//! other two. The limit is memcpy's `S / t` for the same S on one core.
+//! (all_reduce's buffer, reduce_scatter's input, all_gather's output,
+//! all_to_all's input); `busbw = algbw * 2(n-1)/n` for all_reduce and
+//! `algbw * (n-1)/n` for the others. The limit is memcpy's `S / t` for the same S on one core.
 //! Beside it the run measures both cores copying at once (a line above the
 //! table; `memcpy_two_cores_gb_per_s` in the JSON): what the memory system
 //! gives the pair of ranks together, on which the rows on private buffers
@@ -22,7 +22,7 @@ use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 /// buffer from `alloc_symmetric`, which peers read where it is) are
 /// compared with gloo's out-of-place op of the same kind (its script has
 /// neither variant).
-const OPS: [&str; 7] = [
+const OPS: [&str; 8] = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
@@ -30,6 +30,7 @@ const OPS: [&str; 7] = [
     "all_gather_in_place",
     "reduce_scatter_symmetric",
     "all_gather_symmetric",
+    "all_to_all",
 ];
 const RANKS: usize = 2;
 
@@ -84,6 +85,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
         let len = mib * (1 << 20) / 4;
         let mut full = vec![1f32; len];
         let mut part = vec![1f32; len / n];
+        let mut other = vec![1f32; len];
         let mut sym = g.alloc_symmetric::<f32>(len).wait()?;
         sym.fill(1.0);
         for op in OPS {
@@ -104,6 +106,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
                         sym = g.reduce_scatter_symmetric(sym, ReduceOp::Sum).wait()?
                     }
                     "all_gather_symmetric" => sym = g.all_gather_symmetric(sym).wait()?,
+                    "all_to_all" => (full, other) = g.all_to_all(full, other).wait()?,
                     _ => full = g.all_gather_in_place(full).wait()?,
                 }
                 if it >= WARMUP {
@@ -137,11 +140,12 @@ fn collect(into: &mut std::collections::HashMap<(String, usize), Vec<f64>>, v: &
 }
 
 /// Bytes the ranks hold at once for a size of `mib` MiB: each rank's full
-/// buffer, its part and its symmetric buffer (gloo's ranks, which run
-/// between zrt's, hold about as much; the staging slots are small).
+/// buffer, its part, all_to_all's output and its symmetric buffer (gloo's
+/// ranks, which run between zrt's, hold about as much; the staging slots
+/// are small).
 fn peak_bytes(mib: usize) -> Option<u64> {
     let s = (mib as u64).checked_mul(1 << 20)?;
-    let per_rank = s.checked_mul(2)?.checked_add(s / RANKS as u64)?;
+    let per_rank = s.checked_mul(3)?.checked_add(s / RANKS as u64)?;
     per_rank.checked_mul(RANKS as u64)
 }
 
@@ -313,10 +317,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_peak_is_each_ranks_full_buffer_part_and_symmetric_buffer() {
-        // 2 ranks x (1 MiB + 0.5 MiB + 1 MiB).
-        assert_eq!(peak_bytes(1), Some(5 << 20));
-        assert_eq!(peak_bytes(128), Some(640 << 20));
+    fn the_peak_is_each_ranks_full_buffer_part_output_and_symmetric_buffer() {
+        // 2 ranks x (1 MiB + 0.5 MiB + 1 MiB + 1 MiB).
+        assert_eq!(peak_bytes(1), Some(7 << 20));
+        assert_eq!(peak_bytes(128), Some(896 << 20));
         assert_eq!(peak_bytes(usize::MAX), None);
     }
 }

@@ -123,7 +123,7 @@ impl Leg {
         match self.qwz || self.qgz {
             true => Self {
                 zero: persistence(&self.zero).to_string()
-                    + &match self.qgz {
+                    + match self.qgz {
                         true => setting(&self.zero, "reduce_bucket_size"),
                         false => "",
                     },

@@ -796,10 +796,14 @@ impl Inner {
 impl Inner {
     /// all_to_all a window at a time, as [`Inner::gather`] moves its parts:
     /// each round, this rank stages its window of every peer's chunk in
-    /// its slot (the slot cut in `n` windows, peer `p`'s at `p`), arrives,
-    /// copies its own chunk's window into `out` meanwhile, and after the
-    /// barrier reads window `me` of every peer's slot into that peer's
-    /// place in `out`. Two buffers along the ring, for gather's reason.
+    /// its slot (cut in `n - 1` windows, one per peer: its own chunk is
+    /// never staged, so on 2 ranks a window is as long as a gather's),
+    /// arrives, copies its own chunk's window into `out` meanwhile, and
+    /// after the barrier reads its window from every peer's slot into
+    /// that peer's place in `out`. Two buffers along the ring, for
+    /// gather's reason. It takes 1.2-1.3x an all_gather of the same
+    /// output at 16-128 MiB on 2 ranks: it reads its whole input from
+    /// memory, where a gather reads its part.
     fn exchange_chunks<T: Element>(
         &self,
         desc: &OpDesc,
@@ -816,11 +820,14 @@ impl Inner {
         let m = parts[me].len();
         out.truncate(n * m);
         out.resize(n * m, T::ZERO);
-        let w = self.window::<T>(n, 2);
+        let w = self.window::<T>(n - 1, 2);
         let rounds = parts[0].len().div_ceil(w);
         let ring = self.claim::<T>(&mut st, rounds, 2);
         let nt = st.stores.streaming(rounds);
         let stream = bytes_of::<T>(n * m) >= stream_min_dest_bytes();
+        // Where rank `from` stages its window for rank `to` (`to != from`):
+        // the peers in rank order, `from` left out.
+        let at_of = |to: usize, from: usize| (to - usize::from(to > from)) * w;
         let window = |p: usize, j: usize| {
             let s = (parts[p].start + j * w).min(parts[p].end);
             s..(s + w).min(parts[p].end)
@@ -838,7 +845,7 @@ impl Inner {
                 // readers have all arrived at round j - 1's barrier, which
                 // this rank passed.
                 copy_to_slot(
-                    unsafe { self.seg.slot::<T>(me, h + p * w, r.len()) },
+                    unsafe { self.seg.slot::<T>(me, h + at_of(p, me), r.len()) },
                     &input[r],
                     nt,
                 );
@@ -854,7 +861,7 @@ impl Inner {
             for q in (0..n).filter(|&q| q != me) {
                 // SAFETY: rank q's buffer of this round, complete (it
                 // arrived after staging it), read after the barrier.
-                let src = unsafe { self.seg.slot::<T>(q, h + me * w, r.len()) };
+                let src = unsafe { self.seg.slot::<T>(q, h + at_of(me, q), r.len()) };
                 copy_streaming(&mut out[at(q)], src, stream);
             }
             took.read(t, (n - 1) * bytes_of::<T>(r.len()));

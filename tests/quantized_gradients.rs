@@ -122,14 +122,8 @@ fn a_reduced_shard_is_each_ranks_piece_packed_in_int8_and_averaged() {
 /// `extra` at the top level) on 2 ranks.
 fn gpt_run(extra: &str, zero: &str) -> (Vec<f64>, Params, u64) {
     let cfg = config_zero(3, 1, 0.5, extra, zero);
-    let out = on_ranks(2, |r| {
-        let (vs, plan, gpt) = model();
-        let e = engine_of(&vs, &plan, &cfg, &r);
-        let losses = train_losses(&gpt, &e, r.rank(), 5);
-        let params = e.gathered_params().unwrap();
-        (losses, params, e.overlap_counts().quantized_reductions)
-    });
-    out.into_iter().next().unwrap()
+    let (losses, params, counts) = common::train_world(&cfg, &[], 5);
+    (losses, params, counts.quantized_reductions)
 }
 
 fn assert_tracks(losses: &[f64], plain: &[f64], what: &str) {
@@ -202,13 +196,8 @@ fn an_overflow_packed_into_a_reduction_still_skips_the_step() {
 /// test GPT on 4 ranks at stage 3 under `zero`.
 fn four_ranks(zero: &str) -> (Vec<f64>, u64) {
     let cfg = config_zero(3, 1, 0.5, "", zero);
-    let out = on_ranks(4, |mut r| {
-        let (vs, plan, gpt) = model();
-        let engine = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
-        let losses = train_losses(&gpt, &engine, r.rank() % 2, 3);
-        (losses, engine.overlap_counts().quantized_reductions)
-    });
-    out.into_iter().next().unwrap()
+    let (losses, _, counts) = common::train_grouped(4, &cfg, 3);
+    (losses, counts.quantized_reductions)
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::common;
 
-use common::{config_zero, engine_of, model, on_ranks, seeded, train_losses, Params};
+use common::{config_zero, engine_of, model, on_ranks, seeded, Params};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zrt::kernels::quant;
@@ -169,15 +169,8 @@ fn a_forward_computes_with_each_ranks_shard_packed_in_int8() {
 /// frozen.
 fn gpt_run(extra: &str, zero: &str, frozen: &[&str]) -> (Vec<f64>, Params, u64) {
     let cfg = config_zero(3, 1, 0.5, extra, zero);
-    let out = on_ranks(2, |r| {
-        let (vs, plan, gpt) = model();
-        common::freeze(&vs, frozen);
-        let e = engine_of(&vs, &plan, &cfg, &r);
-        let losses = train_losses(&gpt, &e, r.rank(), 5);
-        let params = e.gathered_params().unwrap();
-        (losses, params, e.overlap_counts().quantized_gathers)
-    });
-    out.into_iter().next().unwrap()
+    let (losses, params, counts) = common::train_world(&cfg, frozen, 5);
+    (losses, params, counts.quantized_gathers)
 }
 
 #[test]
@@ -227,18 +220,8 @@ fn stage_3_with_packed_gathers_tracks_the_unquantized_run() {
 /// 3 under `zero`.
 fn four_ranks(zero: &str) -> (Vec<f64>, Params, (u64, u64)) {
     let cfg = config_zero(3, 1, 0.5, "", zero);
-    let out = on_ranks(4, |mut r| {
-        let (vs, plan, gpt) = model();
-        let engine = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
-        let losses = train_losses(&gpt, &engine, r.rank() % 2, 3);
-        let c = engine.overlap_counts();
-        (
-            losses,
-            engine.gathered_params().unwrap(),
-            (c.hpz_gathers, c.quantized_gathers),
-        )
-    });
-    out.into_iter().next().unwrap()
+    let (losses, params, c) = common::train_grouped(4, &cfg, 3);
+    (losses, params, (c.hpz_gathers, c.quantized_gathers))
 }
 
 #[test]

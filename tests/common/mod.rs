@@ -291,3 +291,34 @@ pub fn train_losses<G: zrt::collectives::ProcessGroup + 'static>(
         })
         .collect()
 }
+
+/// What a training run of the GPT ends with on rank 0: its losses, the
+/// master parameters and its overlap counts.
+pub type Trained = (Vec<f64>, Params, zrt::zero::OverlapCounts);
+
+/// Trains the GPT `steps` steps under `cfg` on the in-process world of
+/// [`WORLD`] ranks ([`engine_of`]), the variables under `frozen` frozen.
+pub fn train_world(cfg: &Config, frozen: &[&str], steps: usize) -> Trained {
+    let out = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        freeze(&vs, frozen);
+        let e = engine_of(&vs, &plan, cfg, &r);
+        let losses = train_losses(&gpt, &e, r.rank(), steps);
+        (losses, e.gathered_params().unwrap(), e.overlap_counts())
+    });
+    out.into_iter().next().unwrap()
+}
+
+/// Trains the GPT `steps` steps under `cfg` on `ranks` in-process ranks,
+/// in the groups the config asks for (`Engine::from_config`: MiCS, hpZ),
+/// rank r on [`WORLD`]-rank data of rank `r % WORLD` (replicas alike).
+pub fn train_grouped(ranks: usize, cfg: &Config, steps: usize) -> Trained {
+    let out = on_ranks(ranks, |mut r| {
+        let (vs, plan, gpt) = model();
+        let hints = AutoHints::default();
+        let e = Engine::from_config(&vs, &plan, cfg, &mut r, &hints).unwrap();
+        let losses = train_losses(&gpt, &e, r.rank() % WORLD, steps);
+        (losses, e.gathered_params().unwrap(), e.overlap_counts())
+    });
+    out.into_iter().next().unwrap()
+}

@@ -8,8 +8,8 @@
 //!
 //! - [`ProcessGroup`] is the interface every backend implements: `all_reduce`
 //!   (sum, avg, max, min), `reduce_scatter`, `all_gather`, `all_to_all`,
-//!   `broadcast`, `barrier`, `send`/`recv`, over owned typed buffers (`Vec<T>` for every
-//!   [`Element`]: f32, bf16, f16, f64, i64, u8).
+//!   `broadcast`, `barrier`, `send`/`recv`, over owned typed buffers
+//!   (`Vec<T>` for every [`Element`]: f32, bf16, f16, f64, i64, u8).
 //! - Every call returns at once with a [`Work`] handle; the operation runs on
 //!   the group's communication worker, in the order calls were issued, so
 //!   compute goes on meanwhile. `wait` has a timeout ([`default_timeout`]:

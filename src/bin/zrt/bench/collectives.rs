@@ -1,11 +1,13 @@
 //! `zrt bench collectives`: all_reduce, reduce_scatter, all_gather and
-//! all_to_all on 2 ranks of the shared-memory backend, against torch.distributed's gloo (the
-//! peer) and single-core memcpy (the limit), all measured in the same run.
+//! all_to_all on 2 ranks of the shared-memory backend, against
+//! torch.distributed's gloo (the peer) and single-core memcpy (the limit),
+//! all measured in the same run.
 //!
 //! Conventions are nccl-tests': `algbw = S / t` with S the full buffer
 //! (all_reduce's buffer, reduce_scatter's input, all_gather's output,
 //! all_to_all's input); `busbw = algbw * 2(n-1)/n` for all_reduce and
-//! `algbw * (n-1)/n` for the others. The limit is memcpy's `S / t` for the same S on one core.
+//! `algbw * (n-1)/n` for the others. The limit is memcpy's `S / t` for the
+//! same S on one core.
 //! Beside it the run measures both cores copying at once (a line above the
 //! table; `memcpy_two_cores_gb_per_s` in the JSON): what the memory system
 //! gives the pair of ranks together, on which the rows on private buffers

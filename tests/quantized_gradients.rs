@@ -110,9 +110,11 @@ fn a_reduced_shard_is_each_ranks_piece_packed_in_int8_and_averaged() {
                 .collect();
             assert_ne!(shard, exact, "rank {me}: the packed path must be taken");
             let err = shard.iter().zip(&exact).map(|(a, b)| (a - b).abs());
-            // Half a code step of the largest group scale (6 x 2 / 127),
-            // per rank, averaged.
-            assert!(err.fold(0f32, f32::max) <= 12.0 / 127.0 / 2.0 + 1e-6);
+            // Each rank's piece is off by at most half a code step of its
+            // group's scale; |g| <= 5 x 2 makes that at most 5 / 127, and
+            // the average of two such at most as much.
+            let worst = err.fold(0f32, f32::max);
+            assert!(worst <= 5.0 / 127.0 + 1e-6, "rank {me}: off by {worst}");
         }
     }
 }

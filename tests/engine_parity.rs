@@ -892,6 +892,10 @@ fn rank_main() {
             let mesh = dist.mesh(2).unwrap();
             Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap()
         }
+        "zeropp" => {
+            let g = dist.new_group(&[0, 1]).unwrap();
+            Engine::new(&vs, &plan, &zeropp(), g, &AutoHints::default()).unwrap()
+        }
         _ => {
             let g = dist.new_group(&[0, 1]).unwrap();
             Engine::new(&vs, &plan, &config(3, 1, 0.5), g, &AutoHints::default()).unwrap()
@@ -980,6 +984,44 @@ fn stage_3_and_hybrid_sharding_as_processes_on_tcp_match_shm_and_the_reference()
         launch(4, "hybrid", "tcp"),
         run_reference_hybrid(0.5),
     );
+}
+
+/// Stage 3 with ZeRO++'s packed gathers and packed reductions (qwZ,
+/// qgZ), every unit packed.
+fn zeropp() -> Config {
+    config_zero(
+        3,
+        1,
+        0.5,
+        "",
+        r#""zero_quantized_weights": true, "zero_quantized_gradients": true,"#,
+    )
+}
+
+/// Packed gathers and reductions as processes: on shm and on tcp the
+/// same bits as on threads (the all_to_all and all_gather of the packed
+/// bytes move them; every rank unpacks and sums alike).
+#[test]
+fn zeropp_as_processes_on_shm_and_tcp_trains_as_on_threads() {
+    let threads = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &zeropp(), g, &AutoHints::default()).unwrap();
+        let losses = train_steps(&e, &gpt, r.rank(), r.world());
+        let mut params = e.gathered_params().unwrap();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        (losses, params, e.overlap_counts().quantized_reductions)
+    });
+    let (losses, params, packed) = threads.into_iter().next().unwrap();
+    assert!(packed > 0, "the packed reductions must run");
+    for backend in ["shm", "tcp"] {
+        let (l, p) = launch(2, "zeropp", backend);
+        assert_eq!(l, losses, "{backend}: losses");
+        assert!(
+            p == params,
+            "{backend}: parameters differ from the threads' run"
+        );
+    }
 }
 
 #[test]

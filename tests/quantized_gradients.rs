@@ -128,6 +128,7 @@ fn gpt_run(extra: &str, zero: &str) -> (Vec<f64>, Params, u64) {
     (losses, params, counts.quantized_reductions)
 }
 
+/// Each step's loss within 1% of the unquantized run's.
 fn assert_tracks(losses: &[f64], plain: &[f64], what: &str) {
     assert_eq!(losses.len(), plain.len());
     for (s, (a, b)) in losses.iter().zip(plain).enumerate() {

@@ -267,3 +267,89 @@ fn the_key_is_warned_about_below_stage_3_and_ranks_must_agree_on_it() {
         assert!(e.contains("zero_quantized_gradients"), "{e}");
     }
 }
+
+/// A unit of a large parameter (`a`: 100 elements near 1, its gradient
+/// 100) beside a small one (`b`: 3000 elements near 0.01, its gradient
+/// the input, near 0.01): the forward records `b` as it computes with it.
+#[derive(Debug)]
+struct Pair {
+    a: Tensor,
+    b: Tensor,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<f32>>>,
+}
+
+impl Module for Pair {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        *self.seen.lock().unwrap() = Vec::<f32>::try_from(&self.b).unwrap();
+        (&self.a * 100.0).sum(Kind::Float) + (x * &self.b).sum(Kind::Float)
+    }
+}
+
+/// Small values: `scale` x a pattern in [-1, 1], shifted by `r`.
+fn small(r: usize, scale: f32) -> Vec<f32> {
+    (0..3000)
+        .map(|i| ((i as f32 * 0.13 + r as f32).sin()) * scale)
+        .collect()
+}
+
+#[test]
+fn a_small_parameter_beside_a_large_one_keeps_its_own_scales() {
+    // Groups are cut at every parameter's bounds, gathers (qwZ) and
+    // reductions (qgZ) alike: `b` is packed with scales of its own, so it
+    // comes back within half a step of its own largest value. Sharing a
+    // group with `a` (as when groups ran over the flat buffer), its values
+    // would round to a step of 1 / 127 (weights) or 100 / 127 (gradients).
+    let both = format!(r#"{QGZ} "zero_quantized_weights": true,"#);
+    let cfg = config_zero(3, 1, 0.0, "", &both);
+    let out = on_ranks(2, |r| {
+        let (vs, plan, unit, seen) = seeded(|| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let plan = ShardPlan::new();
+            let p = vs.root() / "pair";
+            let a = p.var_copy("a", &Tensor::ones([100], (Kind::Float, Device::Cpu)));
+            let b = p.var_copy("b", &Tensor::from_slice(&small(9, 0.01)));
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let unit = ShardedModule::new(
+                &plan,
+                &p,
+                Pair {
+                    a,
+                    b,
+                    seen: seen.clone(),
+                },
+            );
+            (vs, plan, unit, seen)
+        });
+        let engine = engine_of(&vs, &plan, &cfg, &r);
+        let x = Tensor::from_slice(&small(r.rank(), 0.01));
+        engine.backward(&unit.forward(&x)).unwrap();
+        let forward = seen.lock().unwrap().clone();
+        (forward, engine.grad_buffer(0).unwrap())
+    });
+    // Layout: a at 0..100, b at 112..3112 (aligned to 16), shards of 1568.
+    let (shard, b_at) = (1568, 112);
+    let truth = small(9, 0.01);
+    for (me, (forward, grads)) in out.into_iter().enumerate() {
+        let worst = forward.iter().zip(&truth).map(|(a, b)| (a - b).abs());
+        let worst = worst.fold(0f32, f32::max);
+        assert!(
+            worst <= 0.01 / 254.0 * 1.001,
+            "rank {me}: b off by {worst} in forward"
+        );
+        assert_ne!(forward, truth, "rank {me}: b must be packed");
+        // This rank's part of b's gradient against the true average.
+        let mut worst = 0f32;
+        for (k, g) in grads.iter().enumerate() {
+            let at = me * shard + k;
+            if (b_at..b_at + 3000).contains(&at) {
+                let i = at - b_at;
+                let avg = (small(0, 0.01)[i] + small(1, 0.01)[i]) / 2.0;
+                worst = worst.max((g - avg).abs());
+            }
+        }
+        assert!(
+            worst <= 0.01 / 254.0 * 1.001,
+            "rank {me}: b's gradient off by {worst}"
+        );
+    }
+}

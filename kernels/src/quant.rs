@@ -1,11 +1,16 @@
-//! Block-wise int8 quantization of weights for ZeRO++'s quantized gathers
-//! (qwZ, `zero_quantized_weights`): each rank packs its shard into a
-//! quarter of its f32 bytes (half of bf16's), the ranks all-gather the
-//! packed bytes, and every rank unpacks the whole into its compute dtype.
+//! Block-wise int8 quantization for ZeRO++: qwZ's gathers
+//! (`zero_quantized_weights`: each rank packs its shard into a quarter of
+//! its f32 bytes, half of bf16's, the ranks all-gather the packed bytes
+//! and every rank unpacks the whole into its compute dtype) and qgZ's
+//! reductions (`zero_quantized_gradients`: each rank packs every rank's
+//! piece of a gradient bucket, an all_to_all delivers them, and each rank
+//! unpacks and sums the pieces of its own part).
 //!
-//! A shard of `n` elements packs into [`packed_len`]`(n)` bytes: one f32
-//! scale (little-endian) per group of [`GROUP`] elements, then the `n`
-//! signed 8-bit codes. A group's scale is its largest magnitude over 127;
+//! The engine cuts a buffer at every parameter's start and end and packs
+//! each segment on its own ([`quantize_cut`]), so no scale spans two
+//! parameters. A segment of `n` elements packs into [`packed_len`]`(n)`
+//! bytes: one f32 scale (little-endian) per group of [`GROUP`] elements,
+//! then the `n` signed 8-bit codes. A group's scale is its largest magnitude over 127;
 //! an element's code is `round_ties_even(x * 127 / max)`, so the largest
 //! magnitude of each group comes back to within an ulp or two (then the
 //! compute dtype's rounding) and every other value within half a step
@@ -175,27 +180,57 @@ pub fn dequantize<T: Quantizable>(src: &[u8], dst: &mut [T]) -> Result<(), Kerne
     Ok(())
 }
 
-/// Unpacks `world` packed shards of `n` elements each, laid end to end in
-/// `src` (an all-gather of [`quantize`]'s output), into `dst` (`world * n`
-/// elements, rank-major).
-pub fn dequantize_gathered<T: Quantizable>(
+/// Bytes a buffer cut in segments of the lengths `cuts` packs into by
+/// [`quantize_cut`]: each segment's [`packed_len`].
+pub fn packed_len_cut(cuts: &[usize]) -> usize {
+    cuts.iter().map(|&c| packed_len(c)).sum()
+}
+
+/// Packs `src`, cut in segments of the lengths `cuts` (which sum to its
+/// length), each segment as [`quantize`] packs a buffer, one after the
+/// other: groups restart at every cut, so no scale spans two segments
+/// (the engine cuts at every parameter's start and end, so a parameter
+/// with large values never sets a neighbour's scale).
+pub fn quantize_cut<T: Quantizable>(
+    src: &[T],
+    cuts: &[usize],
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
+    same_len("src", src.len(), "sum of cuts", cuts.iter().sum())?;
+    same_len(
+        "dst",
+        dst.len(),
+        "packed_len_cut(cuts)",
+        packed_len_cut(cuts),
+    )?;
+    let (mut at, mut to) = (0, 0);
+    for &c in cuts {
+        let p = packed_len(c);
+        quantize(&src[at..at + c], &mut dst[to..to + p])?;
+        (at, to) = (at + c, to + p);
+    }
+    Ok(())
+}
+
+/// Unpacks `src` (packed by [`quantize_cut`] with the same `cuts`) into
+/// `dst`.
+pub fn dequantize_cut<T: Quantizable>(
     src: &[u8],
-    n: usize,
+    cuts: &[usize],
     dst: &mut [T],
 ) -> Result<(), KernelError> {
-    let world = dst.len().checked_div(n).unwrap_or(0);
-    same_len("dst", dst.len(), "world * n", world * n)?;
+    same_len("dst", dst.len(), "sum of cuts", cuts.iter().sum())?;
     same_len(
         "src",
         src.len(),
-        "world * packed_len(n)",
-        world * packed_len(n),
+        "packed_len_cut(cuts)",
+        packed_len_cut(cuts),
     )?;
-    if n == 0 {
-        return Ok(());
-    }
-    for (s, d) in src.chunks(packed_len(n)).zip(dst.chunks_mut(n)) {
-        dequantize(s, d)?;
+    let (mut at, mut from) = (0, 0);
+    for &c in cuts {
+        let p = packed_len(c);
+        dequantize(&src[from..from + p], &mut dst[at..at + c])?;
+        (at, from) = (at + c, from + p);
     }
     Ok(())
 }
@@ -222,6 +257,44 @@ mod tests {
         (0..n)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3 * (1 + i / GROUP) as f32)
             .collect()
+    }
+
+    #[test]
+    fn cut_buffers_pack_each_segment_on_its_own() {
+        // Large values then small ones: cut between them, the small ones
+        // keep their own scale; uncut, they share the large ones' group.
+        let mut x = vec![1.0f32; 100];
+        x.extend((0..3000).map(|i| ((i % 17) as f32 - 8.0) * 1e-3));
+        let cuts = [100, 3000];
+        let mut p = vec![0u8; packed_len_cut(&cuts)];
+        assert_eq!(p.len(), packed_len(100) + packed_len(3000));
+        quantize_cut(&x, &cuts, &mut p).unwrap();
+        let mut whole = vec![0u8; packed_len(3000)];
+        quantize(&x[100..], &mut whole).unwrap();
+        assert_eq!(
+            &p[packed_len(100)..],
+            &whole[..],
+            "the second segment alone"
+        );
+        let mut y = vec![0f32; x.len()];
+        dequantize_cut(&p, &cuts, &mut y).unwrap();
+        let worst = |y: &[f32]| {
+            (100..3100)
+                .map(|i| (x[i] - y[i]).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(worst(&y) <= 8e-3 / 254.0 * 1.0001, "{}", worst(&y));
+        let mut uncut = vec![0u8; packed_len(x.len())];
+        quantize(&x, &mut uncut).unwrap();
+        dequantize(&uncut, &mut y).unwrap();
+        assert!(worst(&y) > 1e-3, "uncut, the small values round to zero");
+        // One segment is the plain format; cuts that do not sum to the
+        // length are refused.
+        let mut one = vec![0u8; packed_len(x.len())];
+        quantize_cut(&x, &[x.len()], &mut one).unwrap();
+        assert_eq!(one, uncut);
+        assert!(quantize_cut(&x, &[100], &mut p).is_err());
+        assert!(dequantize_cut(&p, &[100, 2999], &mut y).is_err());
     }
 
     #[test]
@@ -305,7 +378,7 @@ mod tests {
     }
 
     #[test]
-    fn gathered_shards_unpack_rank_by_rank() {
+    fn cut_f16_buffers_unpack_segment_by_segment() {
         let n = 48;
         let shards: Vec<Vec<f16>> = (0..3)
             .map(|r| {
@@ -315,14 +388,11 @@ mod tests {
                     .collect()
             })
             .collect();
-        let mut gathered = Vec::new();
-        for s in &shards {
-            let mut p = vec![0u8; packed_len(n)];
-            quantize(s, &mut p).unwrap();
-            gathered.extend(p);
-        }
+        let whole: Vec<f16> = shards.concat();
+        let mut packed = vec![0u8; packed_len_cut(&[n; 3])];
+        quantize_cut(&whole, &[n; 3], &mut packed).unwrap();
         let mut all = vec![f16::ZERO; 3 * n];
-        dequantize_gathered(&gathered, n, &mut all).unwrap();
+        dequantize_cut(&packed, &[n; 3], &mut all).unwrap();
         for (r, s) in shards.iter().enumerate() {
             let mut one = vec![f16::ZERO; n];
             let mut p = vec![0u8; packed_len(n)];
@@ -339,7 +409,7 @@ mod tests {
             quantize(&[0f32; 10], &mut p),
             Err(KernelError::LengthMismatch { name: "dst", .. })
         ));
-        assert!(dequantize_gathered(&[0u8; 10], 4, &mut [0f32; 6]).is_err());
+        assert!(dequantize_cut(&[0u8; 10], &[4, 2], &mut [0f32; 6]).is_err());
         // The element conversions, public, check too.
         assert!(f32::narrow(&[0.0; 3], &mut [0.0; 2]).is_err());
         assert!(bf16::narrow(&[0.0; 3], &mut [bf16::ZERO; 2]).is_err());

@@ -98,6 +98,22 @@ impl FlatLayout {
             })
         })
     }
+
+    /// `range` of the flat buffer cut at every parameter's start and end
+    /// (padding and alignment gaps become segments of their own): the
+    /// lengths of the segments, in order, summing to `range.len()`. ZeRO++
+    /// packs each segment on its own, so that no quantization scale spans
+    /// two parameters.
+    pub fn segments(&self, range: Range<usize>) -> Vec<usize> {
+        let mut at: Vec<usize> = (self.slots.iter())
+            .flat_map(|s| [s.offset, s.offset + s.numel])
+            .filter(|b| range.contains(b))
+            .chain([range.start, range.end])
+            .collect();
+        at.sort_unstable();
+        at.dedup();
+        at.windows(2).map(|w| w[1] - w[0]).collect()
+    }
 }
 
 #[cfg(test)]
@@ -128,5 +144,11 @@ mod tests {
         assert_eq!(names(16..32), vec![("b.weight", 0..15, 0..15)]);
         assert_eq!(names(20..40), vec![("b.weight", 4..15, 0..11)]);
         assert!(names(32..48).is_empty());
+        // Cut at a.bias's end (7), b.weight's start (16) and end (31).
+        assert_eq!(l.segments(0..48), [7, 9, 15, 17]);
+        assert_eq!(l.segments(l.shard(1)), [15, 1]);
+        assert_eq!(l.segments(20..40), [11, 9]);
+        assert_eq!(l.segments(32..48), [16]);
+        assert!(l.segments(5..5).is_empty());
     }
 }

@@ -215,10 +215,10 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             z.stage3_max_live_parameters,
         );
         if z.zero_quantized_weights {
-            println!("  qwZ              forward and backward gathers packed as int8 (a scale per 2048 elements)");
+            println!("  qwZ              forward and backward gathers packed as int8 (a scale per 2048 elements or fewer, of one parameter)");
         }
         if z.zero_quantized_gradients {
-            println!("  qgZ              gradient reduce-scatters packed as int8 (a scale per 2048 elements), one all_to_all each");
+            println!("  qgZ              gradient reduce-scatters packed as int8 (a scale per 2048 elements or fewer, of one parameter), one all_to_all each");
         }
     }
     println!(

@@ -313,13 +313,13 @@ pub struct ZeroConfig {
     /// ZeRO++ hpZ: secondary parameter shard inside groups of this many ranks.
     pub zero_hpz_partition_size: u64,
     /// ZeRO++ qwZ: stage 3 gathers trainable parameters for forward and
-    /// backward as int8 codes with a scale per 2048 elements
-    /// ([`zrt_kernels::quant`]) instead of in the compute dtype. The fp32
+    /// backward as int8 codes with a scale per 2048 elements or fewer, of
+    /// one parameter ([`zrt_kernels::quant`]) instead of in the compute dtype. The fp32
     /// master, the optimizer, checkpoints and `with_full_params` stay
     /// exact; what forward and backward compute with is rounded.
     pub zero_quantized_weights: bool,
     /// ZeRO++ qgZ: stage 3 reduce-scatters gradients as int8 codes with a
-    /// scale per 2048 elements: each rank packs every rank's piece of its
+    /// scale per 2048 elements or fewer, of one parameter: each rank packs every rank's piece of its
     /// gradient bucket, one all_to_all delivers each rank the pieces of
     /// its shard, and the rank unpacks and averages them in fp32. A
     /// quarter of an fp32 reduce-scatter's bytes; the gradients are

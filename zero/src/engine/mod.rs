@@ -1833,7 +1833,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 // The accumulation buffer comes back from a single fp32
                 // reduce-scatter: reuse it rather than allocate it per step.
                 let mut spare = None;
-                for (range, r) in i.reduce_in_buckets(full, false)? {
+                for (range, r) in i.reduce_in_buckets(full, false, None)? {
                     let red = r.wait()?;
                     reduced[range].copy_from_slice(&i.across_replicas(&red)?);
                     spare = Some(red.buf).filter(|v| v.len() == n);

@@ -45,6 +45,7 @@ use super::offload::ReadAhead;
 use super::pool::{Pool, Pools};
 use super::timing::waiting;
 use super::{elems, foreign, Compute, CopyShard, Inner, State, Unit};
+use crate::flat::FlatLayout;
 use crate::{glue, EngineError};
 
 /// A reduction in flight.
@@ -61,11 +62,13 @@ pub(super) enum Reduce {
     AllF16(Work<Vec<f16>>),
     ScatterF16(Work<(Vec<f16>, Vec<f16>)>),
     /// ZeRO++ qgZ (`zero_quantized_gradients`): every rank's packed piece
-    /// of this rank's part (an all_to_all), `n` elements from each of
-    /// `ranks` ranks; unpacked and averaged in rank order when waited for.
+    /// of this rank's part (an all_to_all of `chunk` bytes per rank), cut
+    /// as `cuts` says, from each of `ranks` ranks; unpacked and averaged
+    /// in rank order when waited for.
     Quantized {
         work: Work<(Vec<u8>, Vec<u8>)>,
-        n: usize,
+        cuts: Vec<usize>,
+        chunk: usize,
         ranks: usize,
     },
 }
@@ -110,12 +113,26 @@ impl Reduce {
             Reduce::ScatterBf16(w) => whole(widen(&w.wait()?.1, cast::bf16_to_f32)?),
             Reduce::AllF16(w) => whole(widen(&w.wait()?, cast::f16_to_f32)?),
             Reduce::ScatterF16(w) => whole(widen(&w.wait()?.1, cast::f16_to_f32)?),
-            Reduce::Quantized { work, n, ranks } => {
+            Reduce::Quantized {
+                work,
+                cuts,
+                chunk,
+                ranks,
+            } => {
                 let (_, packed) = work.wait()?;
+                let (n, used) = (cuts.iter().sum::<usize>(), quant::packed_len_cut(&cuts));
+                // Past the call agreement only a bug could make these differ.
+                if packed.len() != ranks * chunk || used > chunk {
+                    return Err(EngineError::Plan(format!(
+                        "a packed gradient reduction received {} bytes, not {ranks} pieces of {chunk} holding {used} each (this is a bug in zrt)",
+                        packed.len()
+                    )));
+                }
                 let mut all = vec![0f32; ranks * n];
-                // Checks the length: a peer that packed another length
-                // could only get here past the call agreement by a bug.
-                quant::dequantize_gathered(&packed, n, &mut all)?;
+                for (q, x) in all.chunks_exact_mut(n.max(1)).enumerate() {
+                    let at = q * chunk;
+                    quant::dequantize_cut(&packed[at..at + used], &cuts, x)?;
+                }
                 let (sum, rest) = all.split_at_mut(n);
                 // In rank order and in f32, on every backend alike (the
                 // backends' reduce_scatter sums f32 in f64: this is not
@@ -161,9 +178,12 @@ pub(super) enum Fetch {
     F32(Work<(Vec<f32>, Vec<f32>)>),
     Bf16(Work<(Vec<bf16>, Vec<bf16>)>),
     F16(Work<(Vec<f16>, Vec<f16>)>),
-    /// ZeRO++ qwZ: every rank's shard of `.1` elements packed as int8
-    /// codes and scales ([`quant`]). The shard itself never left its unit.
-    Packed(Work<(Vec<u8>, Vec<u8>)>, usize),
+    /// ZeRO++ qwZ: every rank's shard packed as int8 codes and scales
+    /// ([`quant::quantize_cut`]), cut at its parameters' bounds: `.1`
+    /// holds each rank's cuts, in rank order (the packed lengths differ
+    /// by rank, so the gather is an all_gather_v). The shard itself never
+    /// left its unit.
+    Packed(Work<(Vec<u8>, Vec<u8>)>, Vec<Vec<usize>>),
 }
 
 impl Fetch {
@@ -194,13 +214,14 @@ impl Fetch {
                 install(what, flat, padded, full, fill, &pools.f16)?;
                 Elems::F16(mine)
             }
-            Fetch::Packed(w, n) => {
+            Fetch::Packed(w, cuts) => {
                 let packed = w.wait()?.1;
                 if fill {
+                    let to = (flat, padded);
                     match compute {
-                        Compute::F32 => unpack(what, (flat, padded), &packed, n, &pools.f32)?,
-                        Compute::Bf16 => unpack(what, (flat, padded), &packed, n, &pools.bf16)?,
-                        Compute::F16 => unpack(what, (flat, padded), &packed, n, &pools.f16)?,
+                        Compute::F32 => unpack(what, to, &packed, &cuts, &pools.f32)?,
+                        Compute::Bf16 => unpack(what, to, &packed, &cuts, &pools.bf16)?,
+                        Compute::F16 => unpack(what, to, &packed, &cuts, &pools.f16)?,
                     }
                 }
                 return Ok(None);
@@ -209,26 +230,25 @@ impl Fetch {
     }
 }
 
-/// `shard` packed for a qwZ gather, and its length.
-fn pack<T: quant::Quantizable>(shard: &[T]) -> Result<(Vec<u8>, usize), EngineError> {
-    let mut packed = vec![0u8; quant::packed_len(shard.len())];
-    quant::quantize(shard, &mut packed)?;
-    Ok((packed, shard.len()))
+/// `shard` packed for a qwZ gather, cut as `cuts` says.
+fn pack<T: quant::Quantizable>(shard: &[T], cuts: &[usize]) -> Result<Vec<u8>, EngineError> {
+    let mut packed = vec![0u8; quant::packed_len_cut(cuts)];
+    quant::quantize_cut(shard, cuts, &mut packed)?;
+    Ok(packed)
 }
 
-/// Unpacks a qwZ gather of shards of `n` elements into a pooled buffer
-/// that becomes `flat`'s storage.
+/// Unpacks a qwZ gather of every rank's shard, cut as `cuts` says for
+/// each, into a pooled buffer that becomes `flat`'s storage.
 fn unpack<T: quant::Quantizable + Send + 'static>(
     what: (&str, &str),
     (flat, padded): (&Tensor, usize),
     packed: &[u8],
-    n: usize,
+    cuts: &[Vec<usize>],
     pool: &Arc<Pool<T>>,
 ) -> Result<(), EngineError> {
-    let want = padded
-        .checked_div(n)
-        .map_or(0, |ranks| ranks * quant::packed_len(n));
-    if packed.len() != want {
+    let want: usize = cuts.iter().map(|c| quant::packed_len_cut(c)).sum();
+    let elems: usize = cuts.iter().flatten().sum();
+    if packed.len() != want || elems != padded {
         return Err(EngineError::Plan(format!(
             "unit `{}`{} gathered {} packed bytes, not the {want} of its layout's {padded} elements: did every rank build the same model?",
             what.0,
@@ -237,7 +257,12 @@ fn unpack<T: quant::Quantizable + Send + 'static>(
         )));
     }
     let mut full = pool.take(padded, T::default());
-    quant::dequantize_gathered(packed, n, &mut full)?;
+    let (mut at, mut from) = (0, 0);
+    for c in cuts {
+        let (n, p) = (c.iter().sum::<usize>(), quant::packed_len_cut(c));
+        quant::dequantize_cut(&packed[from..from + p], c, &mut full[at..at + n])?;
+        (at, from) = (at + n, from + p);
+    }
     install(what, flat, padded, full, true, pool)
 }
 
@@ -1095,7 +1120,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             } else {
                 self.group.size()
             };
-            for (range, r) in self.reduce_in_buckets(full, self.stage == 0)? {
+            let layout = &st.units[k].layout;
+            for (range, r) in self.reduce_in_buckets(full, self.stage == 0, Some(layout))? {
                 if matches!(r, Reduce::Quantized { .. }) {
                     st.prog.counts.quantized_reductions += 1;
                 }
@@ -1226,6 +1252,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         &self,
         full: Vec<f32>,
         all: bool,
+        layout: Option<&FlatLayout>,
     ) -> Result<Vec<(std::ops::Range<usize>, Reduce)>, EngineError> {
         let bucket = self.reduce_bucket();
         let n = self.group.size();
@@ -1234,14 +1261,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if len <= bucket {
             self.delay();
             let range = if all { 0..len } else { 0..len / n };
-            out.push((range, self.issue_reduce(full, all)?));
+            let cut = layout.map(|l| (l, range.clone()));
+            out.push((range, self.issue_reduce(full, all, cut)?));
             return Ok(out);
         }
         if all {
             for a in (0..len).step_by(bucket) {
                 let r = a..(a + bucket).min(len);
                 self.delay();
-                out.push((r.clone(), self.issue_reduce(full[r].to_vec(), true)?));
+                out.push((r.clone(), self.issue_reduce(full[r].to_vec(), true, None)?));
             }
             return Ok(out);
         }
@@ -1255,7 +1283,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 staged.extend_from_slice(&full[p * shard + r.start..p * shard + r.end]);
             }
             self.delay();
-            out.push((r, self.issue_reduce(staged, false)?));
+            let cut = layout.map(|l| (l, r.clone()));
+            out.push((r, self.issue_reduce(staged, false, cut)?));
         }
         Ok(out)
     }
@@ -1264,26 +1293,50 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// (`all`) or a reduce-scatter, in fp32 or, when the config asks for
     /// it (`communication_data_type`), in the 16-bit compute dtype; at
     /// stage 3 under `zero_quantized_gradients`, as an all_to_all of
-    /// int8 pieces ([`Reduce::Quantized`]).
-    pub(super) fn issue_reduce(&self, full: Vec<f32>, all: bool) -> Result<Reduce, EngineError> {
+    /// int8 pieces ([`Reduce::Quantized`]), each piece cut at the
+    /// parameters' bounds of `cut`'s layout (`cut`: the unit's layout and
+    /// the range of each rank's shard the pieces hold).
+    pub(super) fn issue_reduce(
+        &self,
+        full: Vec<f32>,
+        all: bool,
+        cut: Option<(&FlatLayout, std::ops::Range<usize>)>,
+    ) -> Result<Reduce, EngineError> {
         let g = &self.group;
         if !all && self.stage == 3 && self.cfg.config.zero.zero_quantized_gradients {
             // ZeRO++ qgZ: each rank's piece of `full` (rank-major, a
-            // multiple of the group size) packed on its own, so that the
-            // all_to_all hands every rank its pieces, one scale per 2048
-            // elements of each.
+            // multiple of the group size) packed on its own, cut at its
+            // parameters' bounds, so that the all_to_all hands every rank
+            // its pieces and no scale spans two parameters. The pieces'
+            // packed lengths differ (their cuts do): each goes in a chunk
+            // of the longest one's length.
             let (ranks, n) = (g.size(), full.len() / g.size());
-            let per = quant::packed_len(n);
-            let mut packed = vec![0u8; ranks * per];
-            for (x, q) in full
-                .chunks_exact(n.max(1))
-                .zip(packed.chunks_exact_mut(per.max(1)))
-            {
-                quant::quantize(x, q)?;
+            let cuts: Vec<Vec<usize>> = (0..ranks)
+                .map(|p| match &cut {
+                    Some((l, r)) => {
+                        let at = p * l.shard_len();
+                        l.segments(at + r.start..at + r.end)
+                    }
+                    // Not a unit's buffer: one segment.
+                    None => vec![n],
+                })
+                .collect();
+            let chunk = cuts.iter().map(|c| quant::packed_len_cut(c)).max();
+            let chunk = chunk.unwrap_or(0);
+            let mut packed = vec![0u8; ranks * chunk];
+            for (p, c) in cuts.iter().enumerate() {
+                let (at, used) = (p * chunk, quant::packed_len_cut(c));
+                quant::quantize_cut(&full[p * n..(p + 1) * n], c, &mut packed[at..at + used])?;
             }
             self.pools.f32.give(full);
             let work = g.all_to_all(packed, Vec::new());
-            return Ok(Reduce::Quantized { work, n, ranks });
+            let cuts = cuts.into_iter().nth(g.rank()).unwrap_or_default();
+            return Ok(Reduce::Quantized {
+                work,
+                cuts,
+                chunk,
+                ranks,
+            });
         }
         Ok(match (self.reduce_16, self.compute) {
             (true, Compute::Bf16) => {
@@ -1516,13 +1569,19 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let g = &self.group;
         let data = if quantized && !exact {
             st.prog.counts.quantized_gathers += 1;
-            // The shard stays: what goes out is its packed copy.
-            let (mine, n) = match &sh.copy {
-                CopyShard::Bf16(v) => pack(v)?,
-                CopyShard::F16(v) => pack(v)?,
-                CopyShard::None => pack(&sh.master)?,
+            // The shard stays: what goes out is its packed copy, cut at its
+            // parameters' bounds (every rank knows every rank's cuts).
+            let layout = &st.units[i].layout;
+            let cuts: Vec<Vec<usize>> = (0..g.size())
+                .map(|r| layout.segments(layout.shard(r)))
+                .collect();
+            let mine = cuts.get(g.rank()).map_or(&[][..], |c| c);
+            let mine = match &sh.copy {
+                CopyShard::Bf16(v) => pack(v, mine)?,
+                CopyShard::F16(v) => pack(v, mine)?,
+                CopyShard::None => pack(&sh.master, mine)?,
             };
-            Fetch::Packed(g.all_gather(mine, Vec::new()), n)
+            Fetch::Packed(g.all_gather_v(mine, Vec::new()), cuts)
         } else {
             match &mut sh.copy {
                 CopyShard::Bf16(v) => Fetch::Bf16(

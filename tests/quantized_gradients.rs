@@ -1,6 +1,7 @@
 //! ZeRO++ qgZ (`zero_quantized_gradients`): stage 3 reduce-scatters each
 //! gradient bucket as every rank's piece of it packed into int8 codes with
-//! a scale per 2048 elements, sent by one all_to_all; each rank unpacks
+//! a scale per 2048 elements or fewer (cut at every parameter's bounds),
+//! sent by one all_to_all; each rank unpacks
 //! the pieces of its shard and averages them in fp32, in rank order. The
 //! reduced shard is pinned exactly (per bucket); training tracks the
 //! unquantized run, alone and with qwZ, hpZ and MiCS.

@@ -1,6 +1,8 @@
 //! ZeRO++ qwZ (`zero_quantized_weights`): stage 3 gathers each unit for
 //! forward and backward as every rank's shard packed into int8 codes with
-//! a scale per 2048 elements. What a forward computes with is pinned
+//! a scale per 2048 elements or fewer (groups also restart at every
+//! parameter's bounds: `quantized_gradients.rs` tests that with a unit of
+//! two parameters). What a forward computes with is pinned
 //! exactly (each rank's shard packed and unpacked, in rank order); the
 //! fp32 master, `with_full_params` and checkpoints keep the true values;
 //! training tracks the unquantized run; hpZ's re-gathers from the

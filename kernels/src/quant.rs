@@ -10,8 +10,9 @@
 //! each segment on its own ([`quantize_cut`]), so no scale spans two
 //! parameters. A segment of `n` elements packs into [`packed_len`]`(n)`
 //! bytes: one f32 scale (little-endian) per group of [`GROUP`] elements,
-//! then the `n` signed 8-bit codes. A group's scale is its largest magnitude over 127;
-//! an element's code is `round_ties_even(x * 127 / max)`, so the largest
+//! then the `n` signed 8-bit codes. A group's scale is its largest
+//! magnitude over 127; an element's code is `round_ties_even(x * 127 /
+//! max)`, so the largest
 //! magnitude of each group comes back to within an ulp or two (then the
 //! compute dtype's rounding) and every other value within half a step
 //! (`max / 254`). Symmetric, as DeepSpeed's qwZ: no zero point.

@@ -1825,7 +1825,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let st = &mut *guard;
         // Stage 1 reduces the accumulated full gradients only now.
         if i.stage == 1 {
-            for sh in st.shards.iter_mut() {
+            for (sh, u) in st.shards.iter_mut().zip(&st.units) {
                 i.delay();
                 let full = std::mem::take(&mut sh.g);
                 let n = full.len();
@@ -1833,7 +1833,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 // The accumulation buffer comes back from a single fp32
                 // reduce-scatter: reuse it rather than allocate it per step.
                 let mut spare = None;
-                for (range, r) in i.reduce_in_buckets(full, false, None)? {
+                for (range, r) in i.reduce_in_buckets(full, false, &u.layout)? {
                     let red = r.wait()?;
                     reduced[range].copy_from_slice(&i.across_replicas(&red)?);
                     spare = Some(red.buf).filter(|v| v.len() == n);

@@ -1121,7 +1121,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 self.group.size()
             };
             let layout = &st.units[k].layout;
-            for (range, r) in self.reduce_in_buckets(full, self.stage == 0, Some(layout))? {
+            for (range, r) in self.reduce_in_buckets(full, self.stage == 0, layout)? {
                 if matches!(r, Reduce::Quantized { .. }) {
                     st.prog.counts.quantized_reductions += 1;
                 }
@@ -1252,7 +1252,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         &self,
         full: Vec<f32>,
         all: bool,
-        layout: Option<&FlatLayout>,
+        layout: &FlatLayout,
     ) -> Result<Vec<(std::ops::Range<usize>, Reduce)>, EngineError> {
         let bucket = self.reduce_bucket();
         let n = self.group.size();
@@ -1261,15 +1261,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if len <= bucket {
             self.delay();
             let range = if all { 0..len } else { 0..len / n };
-            let cut = layout.map(|l| (l, range.clone()));
-            out.push((range, self.issue_reduce(full, all, cut)?));
+            let cut = (!all).then(|| (layout, range.clone()));
+            out.push((range, self.issue_reduce(full, cut)?));
             return Ok(out);
         }
         if all {
             for a in (0..len).step_by(bucket) {
                 let r = a..(a + bucket).min(len);
                 self.delay();
-                out.push((r.clone(), self.issue_reduce(full[r].to_vec(), true, None)?));
+                out.push((r.clone(), self.issue_reduce(full[r].to_vec(), None)?));
             }
             return Ok(out);
         }
@@ -1283,14 +1283,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 staged.extend_from_slice(&full[p * shard + r.start..p * shard + r.end]);
             }
             self.delay();
-            let cut = layout.map(|l| (l, r.clone()));
-            out.push((r, self.issue_reduce(staged, false, cut)?));
+            out.push((r.clone(), self.issue_reduce(staged, Some((layout, r)))?));
         }
         Ok(out)
     }
 
     /// Issues the averaging of `full` over the group: an all-reduce
-    /// (`all`) or a reduce-scatter, in fp32 or, when the config asks for
+    /// (`cut` None) or a reduce-scatter, in fp32 or, when the config asks for
     /// it (`communication_data_type`), in the 16-bit compute dtype; at
     /// stage 3 under `zero_quantized_gradients`, as an all_to_all of
     /// int8 pieces ([`Reduce::Quantized`]), each piece cut at the
@@ -1299,11 +1298,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn issue_reduce(
         &self,
         full: Vec<f32>,
-        all: bool,
         cut: Option<(&FlatLayout, std::ops::Range<usize>)>,
     ) -> Result<Reduce, EngineError> {
         let g = &self.group;
-        if !all && self.stage == 3 && self.cfg.config.zero.zero_quantized_gradients {
+        let all = cut.is_none();
+        let qgz = self.stage == 3 && self.cfg.config.zero.zero_quantized_gradients;
+        if let Some((l, r)) = cut.filter(|_| qgz) {
             // ZeRO++ qgZ: each rank's piece of `full` (rank-major, a
             // multiple of the group size) packed on its own, cut at its
             // parameters' bounds, so that the all_to_all hands every rank
@@ -1312,13 +1312,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // of the longest one's length.
             let (ranks, n) = (g.size(), full.len() / g.size());
             let cuts: Vec<Vec<usize>> = (0..ranks)
-                .map(|p| match &cut {
-                    Some((l, r)) => {
-                        let at = p * l.shard_len();
-                        l.segments(at + r.start..at + r.end)
-                    }
-                    // Not a unit's buffer: one segment.
-                    None => vec![n],
+                .map(|p| {
+                    let at = p * l.shard_len();
+                    l.segments(at + r.start..at + r.end)
                 })
                 .collect();
             let chunk = cuts.iter().map(|c| quant::packed_len_cut(c)).max();

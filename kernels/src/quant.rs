@@ -416,4 +416,40 @@ mod tests {
         assert!(bf16::narrow(&[0.0; 3], &mut [bf16::ZERO; 2]).is_err());
         assert!(f16::widen(&[f16::ZERO; 3], &mut [0.0; 2]).is_err());
     }
+
+    /// What the engine's packed frozen shards rely on to resume to the
+    /// same bits from a checkpoint of their unpacked fp32 values: packing
+    /// them again gives the same bytes. The scale `max / 127` survives
+    /// `127 * scale / 127` (checked here for every 997th normal `max` below
+    /// 2^127; all of them once, by hand, on 2026-11-29), and the codes are
+    /// whole numbers scaled back.
+    #[test]
+    fn packing_unpacked_fp32_values_again_gives_the_same_bytes() {
+        let mut bits: u32 = 0x0080_0000;
+        while bits < 0x7f00_0000 {
+            let max = f32::from_bits(bits);
+            let scale = max / 127.0;
+            assert_eq!((127.0 * scale) / 127.0, scale, "max {max:e}");
+            bits += 997;
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for _ in 0..2000 {
+            let magnitude = 10f32.powf(next() * 60.0 - 30.0);
+            let n = 1 + (next() * 3000.0) as usize;
+            let x: Vec<f32> = (0..n).map(|_| (2.0 * next() - 1.0) * magnitude).collect();
+            let mut packed = vec![0u8; packed_len(n)];
+            quantize(&x, &mut packed).unwrap();
+            let mut back = vec![0f32; n];
+            dequantize(&packed, &mut back).unwrap();
+            let mut again = vec![0u8; packed_len(n)];
+            quantize(&back, &mut again).unwrap();
+            assert_eq!(again, packed, "{n} values near {magnitude:e}");
+        }
+    }
 }

@@ -832,20 +832,29 @@ fn bench_train_with_layerdrop_declares_the_blocks_and_runs_only_the_ddp_peer() {
 }
 
 #[test]
-fn config_check_says_when_stage_3_gathers_or_reduces_int8() {
+fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
     let qwz = "qwZ              forward and backward gathers packed as int8";
     let qgz = "qgZ              gradient reduce-scatters packed as int8";
-    for (w, g) in [(true, false), (false, true), (false, false)] {
-        let name = format!("qwz-{w}-qgz-{g}");
+    let frozen = "frozen weights   sharded frozen parameters held and gathered as int8";
+    for (w, g, n) in [
+        (true, false, false),
+        (false, true, false),
+        (false, false, true),
+        (false, false, false),
+    ] {
+        let name = format!("qwz-{w}-qgz-{g}-frozen-{n}");
         let f = config_file(
             &name,
             &format!(
-                r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, "zero_quantized_weights": {w}, "zero_quantized_gradients": {g}}}}}"#
+                r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3, "zero_quantized_weights": {w}, "zero_quantized_gradients": {g}, "zero_quantized_nontrainable_weights": {n}}}}}"#
             ),
         );
         let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
         let _ = std::fs::remove_file(&f);
         assert!(ok, "{out}");
-        assert_eq!((out.contains(qwz), out.contains(qgz)), (w, g), "{out}");
+        let said = (out.contains(qwz), out.contains(qgz), out.contains(frozen));
+        assert_eq!(said, (w, g, n), "{out}");
+        // Implemented: no warning that it is ignored.
+        assert!(!out.contains("does not implement"), "{out}");
     }
 }

@@ -25,7 +25,7 @@ use zrt::zero::{glue, AutoHints, Config, Engine};
 /// train), all of the last block (a frozen unit backward passes through)
 /// and every other block's `fc` and `out` weights (the biggest tensors of
 /// the GPT; the rest trains, as LoRA adapters would).
-fn is_frozen(name: &str) -> bool {
+pub(crate) fn is_frozen(name: &str) -> bool {
     let mlp = name.ends_with(".fc.weight") || name.ends_with(".out.weight");
     name.starts_with("wte.") || name.starts_with("h.1.") || (name.starts_with("h.") && mlp)
 }
@@ -46,7 +46,7 @@ fn frozen_model_by(
 
 /// As [`frozen_model_by`], the frozen base cast to `base` first (a LoRA
 /// base loaded in bf16).
-fn frozen_model_in(
+pub(crate) fn frozen_model_in(
     rank: usize,
     frozen: fn(&str) -> bool,
     base: Kind,
@@ -74,12 +74,12 @@ fn base() -> HashMap<String, Vec<f32>> {
         .collect()
 }
 
-fn values(t: &Tensor) -> Vec<f32> {
+pub(crate) fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(&t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
 }
 
 /// The frozen base as the engine holds it, gathered (a collective).
-fn gathered_base<G: ProcessGroup + 'static>(
+pub(crate) fn gathered_base<G: ProcessGroup + 'static>(
     e: &Engine<G>,
     vs: &nn::VarStore,
     frozen: fn(&str) -> bool,
@@ -96,12 +96,12 @@ fn gathered_base<G: ProcessGroup + 'static>(
 
 /// What a run left: rank 0's trained parameters and losses, and every
 /// rank's gathered frozen base.
-struct Run {
-    params: Params,
-    losses: Vec<f64>,
-    bases: Vec<HashMap<String, (Kind, Vec<f32>)>>,
+pub(crate) struct Run {
+    pub(crate) params: Params,
+    pub(crate) losses: Vec<f64>,
+    pub(crate) bases: Vec<HashMap<String, (Kind, Vec<f32>)>>,
     /// Bytes rank 0 sent in all-gathers over the engine's group in training.
-    world_gathered: u64,
+    pub(crate) world_gathered: u64,
 }
 
 /// Trains 3 steps on `world` ranks under `cfg` (`from_config`, so hpZ
@@ -116,9 +116,21 @@ fn run_by(cfg: &Config, world: usize, frozen: fn(&str) -> bool) -> Run {
 }
 
 /// As [`run_by`], the frozen base cast to `base` first.
-fn run_in(cfg: &Config, world: usize, frozen: fn(&str) -> bool, base: Kind) -> Run {
+pub(crate) fn run_in(cfg: &Config, world: usize, frozen: fn(&str) -> bool, base: Kind) -> Run {
+    run_model(cfg, world, frozen, |rank| {
+        frozen_model_in(rank, frozen, base)
+    })
+}
+
+/// As [`run_in`], each rank's model made by `make` (given the rank).
+pub(crate) fn run_model(
+    cfg: &Config,
+    world: usize,
+    frozen: fn(&str) -> bool,
+    make: impl Fn(usize) -> (nn::VarStore, zrt::zero::ShardPlan, zrt::gpt::Gpt) + Sync,
+) -> Run {
     let out = on_ranks(world, |mut r: LocalRank| {
-        let (vs, plan, gpt) = frozen_model_in(r.rank(), frozen, base);
+        let (vs, plan, gpt) = make(r.rank());
         let e = Engine::from_config(&vs, &plan, cfg, &mut r, &AutoHints::default()).unwrap();
         let losses = train_losses(&gpt, &e, r.rank(), 3);
         let gathered = e
@@ -146,7 +158,7 @@ fn run_in(cfg: &Config, world: usize, frozen: fn(&str) -> bool, base: Kind) -> R
     }
 }
 
-fn cfg(stage: u8, extra: &str, zero: &str) -> Config {
+pub(crate) fn cfg(stage: u8, extra: &str, zero: &str) -> Config {
     let zero = format!(r#"{zero} "stage3_param_persistence_threshold": 0,"#);
     config_zero(stage, 1, 0.5, extra, &zero)
 }
@@ -227,7 +239,7 @@ fn shard_len(vs: &nn::VarStore, names: &[String], world: usize) -> usize {
 /// Per unit of `e`: whether it is the root, and the elements of each
 /// rank's shard of its trainable and of its frozen parameters on
 /// [`WORLD`] ranks (the root has no frozen ones: asserted).
-fn unit_shards<G: ProcessGroup + 'static>(
+pub(crate) fn unit_shards<G: ProcessGroup + 'static>(
     e: &Engine<G>,
     vs: &nn::VarStore,
 ) -> Vec<(bool, usize, usize)> {

@@ -16,3 +16,4 @@ mod checkpoint;
 mod config_sweep;
 mod experts;
 mod frozen_shards;
+mod quantized_frozen;

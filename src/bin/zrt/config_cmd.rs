@@ -220,6 +220,9 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         if z.zero_quantized_gradients {
             println!("  qgZ              gradient reduce-scatters packed as int8 (a scale per 2048 elements or fewer, of one parameter), one all_to_all each");
         }
+        if z.zero_quantized_nontrainable_weights {
+            println!("  frozen weights   sharded frozen parameters held and gathered as int8 (a scale per 2048 elements or fewer, of one parameter)");
+        }
     }
     println!(
         "  sharding         {}; hpZ partition {}",

@@ -96,6 +96,7 @@ pub(crate) const ZERO: &[&str] = &[
     "zero_hpz_partition_size",
     "zero_quantized_weights",
     "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights",
     "offload_optimizer",
     "offload_param",
 ];
@@ -124,7 +125,6 @@ pub(crate) const ZERO_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",
     "use_all_reduce_for_fetch_params",
-    "zero_quantized_nontrainable_weights",
     "zeropp_loco_param",
     "mics_hierarchical_params_gather",
     "memory_efficient_linear",
@@ -215,11 +215,6 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "elastic_checkpoint",
         AsZrt::Bool(false),
         "zrt's checkpoints load on any world size anyway",
-    ),
-    (
-        "zero_quantized_nontrainable_weights",
-        AsZrt::Bool(false),
-        "zrt keeps frozen weights unquantized and gathers them so (`zero_quantized_weights` quantizes the trainable ones' gathers)",
     ),
     (
         "stage3_use_all_reduce_for_fetch_params",

@@ -325,6 +325,14 @@ pub struct ZeroConfig {
     /// quarter of an fp32 reduce-scatter's bytes; the gradients are
     /// rounded once, before the sum.
     pub zero_quantized_gradients: bool,
+    /// Stage 3 holds each rank's shard of the frozen parameters it shards
+    /// (those `requires_grad` false inside a unit: a LoRA model's base) as
+    /// int8 codes with a scale per 2048 elements or fewer, of one
+    /// parameter, and gathers them so: a quarter of an fp32 shard's
+    /// memory, half of a 16-bit one's. Lossy by design: forward, backward,
+    /// `with_full_params`, checkpoints and exports all see the unpacked
+    /// values (the true ones are dropped when the engine is built).
+    pub zero_quantized_nontrainable_weights: bool,
     /// `offload_optimizer`.
     pub offload_optimizer: Option<OffloadConfig>,
     /// `offload_param`.

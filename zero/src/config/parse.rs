@@ -964,6 +964,10 @@ impl P {
         if quantized_grads && stage < 3 {
             self.warnings.push(format!("`zero_optimization.zero_quantized_gradients` = true has no effect at stage {stage}: zrt quantizes stage 3's gradient reductions only (as DeepSpeed's ZeRO++); gradients are reduced unquantized"));
         }
+        let quantized_frozen = self.bool_or(z, path, "zero_quantized_nontrainable_weights", false);
+        if quantized_frozen && stage < 3 {
+            self.warnings.push(format!("`zero_optimization.zero_quantized_nontrainable_weights` = true has no effect at stage {stage}: only stage 3 shards frozen parameters (DeepSpeed ignores it there too); they stay replicated and unquantized"));
+        }
         ZeroConfig {
             stage: stage.min(3) as u8,
             reduce_bucket_size: self.u64_setting(z, path, "reduce_bucket_size", 500_000_000),
@@ -980,6 +984,7 @@ impl P {
             zero_hpz_partition_size: self.u64_or(z, path, "zero_hpz_partition_size", 1).max(1),
             zero_quantized_weights: quantized,
             zero_quantized_gradients: quantized_grads,
+            zero_quantized_nontrainable_weights: quantized_frozen,
             offload_optimizer,
             offload_param,
         }

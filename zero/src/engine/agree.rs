@@ -139,6 +139,10 @@ impl Terms {
             &zero("zero_quantized_gradients"),
             z.zero_quantized_gradients.to_string(),
         );
+        put(
+            &zero("zero_quantized_nontrainable_weights"),
+            z.zero_quantized_nontrainable_weights.to_string(),
+        );
         put("units (ShardPlan)", plan.units().join(", "));
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));

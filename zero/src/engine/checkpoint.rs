@@ -902,7 +902,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             st.frozen.restore(v)?;
             for u in &mut st.units {
                 if let (Some(p), Some(f)) = (&mut u.frozen, &v.file) {
-                    p.load(f, rank)?;
+                    p.load(f)?;
                 }
             }
         }

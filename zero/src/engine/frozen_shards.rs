@@ -17,6 +17,17 @@
 //! a swap file of their own (they do not train, so a gather reads them and
 //! nothing writes them back; only a load or `with_full_params` does), read
 //! ahead with the unit's trainable shard.
+//!
+//! With `zero_quantized_nontrainable_weights` the shard is held as int8
+//! codes and scales ([`quant::quantize_cut`], groups cut at every
+//! parameter's bounds, as qwZ's gathers are) and gathered so, every rank
+//! unpacking the whole into the buffer: the true values are dropped once
+//! the shard is packed, and everything after (forward, backward,
+//! `with_full_params`, checkpoints) sees the unpacked ones. Packing
+//! unpacked fp32 values again gives the same bytes (the scale `max / 127`
+//! survives `127 * scale / 127` for every normal `max` below 2^127, and
+//! the codes are whole numbers), so a checkpoint holding them in fp32
+//! resumes to the same bits.
 
 use std::sync::Arc;
 
@@ -24,11 +35,13 @@ use half::{bf16, f16};
 use safetensors::Dtype;
 use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
-use zrt_kernels::cast;
+use zrt_kernels::{cast, quant};
 
 use super::elems::Elems;
 use super::frozen::dtype_of;
-use super::offload::{read_words, FrozenSwap};
+use super::offload::{read_words, recast, FrozenSwap};
+use super::overlap::{pack, unpack_all, Fetch};
+use super::pool::Pools;
 use super::Compute;
 use crate::checkpoint::files::RankFile;
 use crate::flat::FlatLayout;
@@ -37,6 +50,8 @@ use crate::EngineError;
 /// One unit's frozen parameters: views (`set_data`) into `flat`, which has
 /// storage only while the unit is gathered, and this rank's shard of it.
 pub(super) struct Part {
+    /// The unit's name (for errors).
+    unit: String,
     pub(super) layout: FlatLayout,
     pub(super) params: Vec<Tensor>,
     pub(super) flat: Tensor,
@@ -44,12 +59,51 @@ pub(super) struct Part {
     /// checkpoint holds it in (F32, BF16 or F16; the buffer may be
     /// narrower).
     pub(super) saved: Vec<Dtype>,
-    /// Empty while a gather has it (it comes back with the gathered unit)
-    /// and while it lives in `swap`.
-    shard: Elems,
+    /// Empty while a gather has it (it comes back with the gathered unit;
+    /// a packed one never leaves) and while it lives in `swap`.
+    shard: Held,
+    /// `zero_quantized_nontrainable_weights`: every rank's cuts of its
+    /// shard (its parameters' bounds), in rank order; `None`: unpacked.
+    cuts: Option<Vec<Vec<usize>>>,
+    /// This rank's place in the shard group.
+    rank: usize,
     compute: Compute,
     /// `offload_param`: the swap file holding the shard, and its region.
     swap: Option<(Arc<FrozenSwap>, usize)>,
+}
+
+/// How a rank holds its shard of a unit's frozen parameters.
+#[derive(Clone)]
+enum Held {
+    /// In the compute dtype.
+    Exact(Elems),
+    /// `zero_quantized_nontrainable_weights`: packed as
+    /// [`quant::quantize_cut`] packs it, cut at the parameters' bounds.
+    Packed(Vec<u8>),
+}
+
+impl Held {
+    fn bytes(&self) -> usize {
+        match self {
+            Held::Exact(e) => e.bytes(),
+            Held::Packed(b) => b.len(),
+        }
+    }
+
+    /// The held bytes as f32-sized words, what the swap holds (a packed
+    /// shard's last word padded with zero bytes; none are today: its
+    /// scales take 4 bytes and its codes one per element of a shard whose
+    /// length is a multiple of 16).
+    fn words(&self) -> Vec<f32> {
+        match self {
+            Held::Exact(e) => e.words(),
+            Held::Packed(b) => {
+                let mut padded = b.clone();
+                padded.resize(b.len().next_multiple_of(4), 0);
+                recast(&padded)
+            }
+        }
+    }
 }
 
 impl Part {
@@ -57,13 +111,17 @@ impl Part {
     /// unit) over: world rank 0's values
     /// become everyone's (across `replicate` first, then inside `group`),
     /// the variables become views of a flat buffer of `compute`'s dtype,
-    /// and this rank keeps its shard of it. The buffer stays full until
-    /// the engine frees the unit. A collective.
+    /// and this rank keeps its shard of it, packed as int8 with `packed`.
+    /// The buffer stays full (with the true values) until the engine frees
+    /// the unit, which it does before it returns: the first forward
+    /// gathers, packed. A collective.
     pub(super) fn new<G: ProcessGroup>(
+        unit: &str,
         vars: Vec<(String, Tensor)>,
         compute: Compute,
         group: &G,
         replicate: Option<&G>,
+        packed: bool,
     ) -> Result<Self, EngineError> {
         let layout = FlatLayout::new(
             vars.iter().map(|(n, t)| (n.clone(), t.size())).collect(),
@@ -84,17 +142,33 @@ impl Part {
         // Widened to fp32 on the way (exact), narrowed back into the buffer.
         let (values, flat, params) =
             super::rank0_flat(&layout, &by_name, compute, group, replicate)?;
+        let cuts: Option<Vec<Vec<usize>>> = packed.then(|| {
+            (0..group.size())
+                .map(|r| layout.segments(layout.shard(r)))
+                .collect()
+        });
         let mut part = Self {
+            unit: unit.to_string(),
             layout,
             params,
             flat,
             saved,
-            shard: Elems::empty(compute),
+            shard: Held::Exact(Elems::empty(compute)),
+            cuts,
+            rank: group.rank(),
             compute,
             swap: None,
         };
-        part.set(&values[part.layout.shard(group.rank())])?;
+        part.set(&values[part.layout.shard(part.rank)])?;
         Ok(part)
+    }
+
+    /// This rank's cuts of its shard, when packed.
+    fn my_cuts(&self) -> Option<&[usize]> {
+        self.cuts
+            .as_ref()
+            .and_then(|c| c.get(self.rank))
+            .map(Vec::as_slice)
     }
 
     /// Elements gathered with the unit.
@@ -108,38 +182,46 @@ impl Part {
     }
 
     /// Makes `mine` (fp32, this rank's shard of the padded buffer) its
-    /// values, in the compute dtype (written to the swap if it lives
-    /// there). The buffer, if gathered, keeps its old values until the unit
-    /// is gathered again.
+    /// values, in the compute dtype or packed (written to the swap if it
+    /// lives there). The buffer, if gathered, keeps its old values until
+    /// the unit is gathered again.
     pub(super) fn set(&mut self, mine: &[f32]) -> Result<(), EngineError> {
-        let held = match self.compute {
-            Compute::F32 => Elems::F32(mine.to_vec()),
-            Compute::Bf16 => {
+        let held = match (self.my_cuts(), self.compute) {
+            (Some(cuts), _) => Held::Packed(pack(mine, cuts)?),
+            (None, Compute::F32) => Held::Exact(Elems::F32(mine.to_vec())),
+            (None, Compute::Bf16) => {
                 let mut v = vec![bf16::ZERO; mine.len()];
                 cast::f32_to_bf16(mine, &mut v)?;
-                Elems::Bf16(v)
+                Held::Exact(Elems::Bf16(v))
             }
-            Compute::F16 => {
+            (None, Compute::F16) => {
                 let mut v = vec![f16::ZERO; mine.len()];
                 cast::f32_to_f16(mine, &mut v)?;
-                Elems::F16(v)
+                Held::Exact(Elems::F16(v))
             }
         };
         self.hold(held)
     }
 
     /// Makes this rank's range of the gathered buffer, which
-    /// `with_full_params` saw changed, its shard.
-    pub(super) fn keep_gathered(&mut self, rank: usize) -> Result<(), EngineError> {
-        let range = self.layout.shard(rank);
+    /// `with_full_params` saw changed, its shard (packed again, when
+    /// packed).
+    pub(super) fn keep_gathered(&mut self) -> Result<(), EngineError> {
+        let range = self.layout.shard(self.rank);
         // SAFETY: the buffer is gathered (the caller fingerprinted it), read
         // under the engine's state lock.
         let mine = unsafe { Elems::of_flat(&self.flat, self.layout.padded, self.compute, range) };
-        self.hold(mine)
+        let held = match (self.my_cuts(), mine) {
+            (None, mine) => Held::Exact(mine),
+            (Some(cuts), Elems::F32(v)) => Held::Packed(pack(&v, cuts)?),
+            (Some(cuts), Elems::Bf16(v)) => Held::Packed(pack(&v, cuts)?),
+            (Some(cuts), Elems::F16(v)) => Held::Packed(pack(&v, cuts)?),
+        };
+        self.hold(held)
     }
 
     /// Keeps `held` as the shard (in the swap if it lives there).
-    fn hold(&mut self, held: Elems) -> Result<(), EngineError> {
+    fn hold(&mut self, held: Held) -> Result<(), EngineError> {
         match &self.swap {
             Some((swap, k)) => swap.write(*k, &held.words())?,
             None => self.shard = held,
@@ -147,24 +229,57 @@ impl Part {
         Ok(())
     }
 
-    /// This rank's shard, for a gather (from the swap if it lives there:
-    /// `ahead` when the parameter swap read it ahead, else read now);
-    /// [`Part::give_back`] returns it.
-    pub(super) fn take_shard(&mut self, ahead: Option<Vec<f32>>) -> Result<Elems, EngineError> {
-        match (&self.swap, ahead) {
-            (Some(_), Some(words)) => Ok(Elems::from_words(words, self.compute)),
-            (Some(_), None) => self.copy_shard(),
-            (None, _) => Ok(std::mem::replace(
-                &mut self.shard,
-                Elems::empty(self.compute),
-            )),
+    /// Issues the all-gather of this rank's shard over `g` (from the swap
+    /// if it lives there: `ahead` when the parameter swap read it ahead,
+    /// else read now), and whether the shard went with it (then
+    /// [`Part::give_back`] returns it): an unpacked one goes (a copy of
+    /// the whole unit is made from it), a packed one is copied (a
+    /// quarter or half of that, and the gather returns no shard).
+    pub(super) fn gather<G: ProcessGroup>(
+        &mut self,
+        g: &G,
+        pools: &Pools,
+        ahead: Option<Vec<f32>>,
+    ) -> Result<(Fetch, bool), EngineError> {
+        let held = match (&self.swap, ahead) {
+            (Some(_), Some(words)) => self.held_of_words(words),
+            (Some(_), None) => self.copy_shard()?,
+            (None, _) if self.cuts.is_some() => self.shard.clone(),
+            (None, _) => {
+                std::mem::replace(&mut self.shard, Held::Exact(Elems::empty(self.compute)))
+            }
+        };
+        Ok(match held {
+            Held::Exact(e) => (e.gather(g, self.layout.padded, pools), true),
+            Held::Packed(b) => (
+                Fetch::Packed(g.all_gather_v(b, Vec::new()), self.all_cuts().to_vec()),
+                false,
+            ),
+        })
+    }
+
+    /// Every rank's cuts (none unless packed: a packed gather unpacked
+    /// with none fails its length check).
+    fn all_cuts(&self) -> &[Vec<usize>] {
+        self.cuts.as_deref().unwrap_or_default()
+    }
+
+    /// The swap's words back as what [`Held::words`] wrote.
+    fn held_of_words(&self, words: Vec<f32>) -> Held {
+        match self.my_cuts() {
+            Some(cuts) => {
+                let mut b: Vec<u8> = recast(&words);
+                b.truncate(quant::packed_len_cut(cuts));
+                Held::Packed(b)
+            }
+            None => Held::Exact(Elems::from_words(words, self.compute)),
         }
     }
 
     /// A copy of this rank's shard (read from the swap if it lives there).
-    fn copy_shard(&self) -> Result<Elems, EngineError> {
+    fn copy_shard(&self) -> Result<Held, EngineError> {
         Ok(match &self.swap {
-            Some((swap, k)) => Elems::from_words(read_words(&swap.swap, *k)?, self.compute),
+            Some((swap, k)) => self.held_of_words(read_words(&swap.swap, *k)?),
             None => self.shard.clone(),
         })
     }
@@ -173,13 +288,13 @@ impl Part {
     /// frozen values do not change).
     pub(super) fn give_back(&mut self, shard: Elems) {
         if self.swap.is_none() {
-            self.shard = shard;
+            self.shard = Held::Exact(shard);
         }
     }
 
     /// Moves the shard into region `k` of `swap` (`offload_param`).
     pub(super) fn offload(&mut self, swap: Arc<FrozenSwap>, k: usize) -> Result<(), EngineError> {
-        let held = self.take_shard(None)?;
+        let held = std::mem::replace(&mut self.shard, Held::Exact(Elems::empty(self.compute)));
         swap.write(k, &held.words())?;
         self.swap = Some((swap, k));
         Ok(())
@@ -187,15 +302,18 @@ impl Part {
 
     /// Words (f32-sized) of this rank's shard: what the swap holds.
     pub(super) fn shard_words(&self) -> usize {
-        self.layout.shard_len() * self.compute.bytes() / 4
+        match self.my_cuts() {
+            Some(cuts) => quant::packed_len_cut(cuts).div_ceil(4),
+            None => self.layout.shard_len() * self.compute.bytes() / 4,
+        }
     }
 
     /// Takes this rank's shard of a checkpoint's values from `file` (its
     /// frozen file, which [`super::frozen::Frozen::read`] checked holds
     /// every one in its saved dtype and shape), reading only the shard's
     /// elements: no rank holds the whole frozen base to load it.
-    pub(super) fn load(&mut self, file: &RankFile, rank: usize) -> Result<(), EngineError> {
-        let range = self.layout.shard(rank);
+    pub(super) fn load(&mut self, file: &RankFile) -> Result<(), EngineError> {
+        let range = self.layout.shard(self.rank);
         let mut mine = vec![0f32; range.len()];
         for (s, elems, dst) in self.layout.pieces(range) {
             file.read_widened(&s.name, elems, &mut mine[dst])?;
@@ -204,22 +322,29 @@ impl Part {
     }
 
     /// The whole padded buffer widened to fp32 (each parameter at its
-    /// slot's offset): what checkpoints and exports write. All-gathers the
-    /// shards (a collective over `group`), so it works whether or not the
-    /// unit is gathered.
+    /// slot's offset; unpacked, when packed): what checkpoints and exports
+    /// write. All-gathers the shards (a collective over `group`), so it
+    /// works whether or not the unit is gathered.
     pub(super) fn whole<G: ProcessGroup>(&self, group: &G) -> Result<Vec<f32>, EngineError> {
         let full: Vec<f32> = match self.copy_shard()? {
-            Elems::F32(v) => group.all_gather(v, Vec::new()).wait()?.1,
-            Elems::Bf16(v) => {
+            Held::Exact(Elems::F32(v)) => group.all_gather(v, Vec::new()).wait()?.1,
+            Held::Exact(Elems::Bf16(v)) => {
                 let h = group.all_gather(v, Vec::new()).wait()?.1;
                 let mut w = vec![0f32; h.len()];
                 cast::bf16_to_f32(&h, &mut w)?;
                 w
             }
-            Elems::F16(v) => {
+            Held::Exact(Elems::F16(v)) => {
                 let h = group.all_gather(v, Vec::new()).wait()?.1;
                 let mut w = vec![0f32; h.len()];
                 cast::f16_to_f32(&h, &mut w)?;
+                w
+            }
+            Held::Packed(b) => {
+                let packed = group.all_gather_v(b, Vec::new()).wait()?.1;
+                let mut w = vec![0f32; self.layout.padded];
+                let what = (self.unit.as_str(), "'s frozen parameters");
+                unpack_all(what, &packed, self.all_cuts(), &mut w)?;
                 w
             }
         };

@@ -217,7 +217,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let (units, shards) = (&mut st.units, &mut st.shards);
         let u = &mut units[k];
         if let Some(p) = &mut u.frozen {
-            p.keep_gathered(self.group.rank())?;
+            p.keep_gathered()?;
         }
         self.install(u, &mut shards[k], k, need, state)
     }

@@ -1533,11 +1533,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .filter_map(|n| all_vars.remove_entry(n))
                 .collect();
             u.frozen = Some(frozen_shards::Part::new(
+                &u.name,
                 vars,
                 compute,
                 &group,
                 replicate.as_ref(),
+                cfg.config.zero.zero_quantized_nontrainable_weights,
             )?);
+        }
+        if stage == 3
+            && cfg.config.zero.zero_quantized_nontrainable_weights
+            && units.iter().all(|u| u.frozen.is_none())
+        {
+            tracing::warn!("`zero_optimization.zero_quantized_nontrainable_weights` = true, but no frozen parameter is sharded, so none is quantized: stage 3 shards frozen fp32 or compute-dtype parameters of more than `stage3_param_persistence_threshold` elements inside wrapped blocks (not the root's)");
         }
         let mut owners = std::collections::HashMap::new();
         for (k, u) in units.iter().enumerate() {

@@ -231,7 +231,10 @@ impl Fetch {
 }
 
 /// `shard` packed for a qwZ gather, cut as `cuts` says.
-fn pack<T: quant::Quantizable>(shard: &[T], cuts: &[usize]) -> Result<Vec<u8>, EngineError> {
+pub(super) fn pack<T: quant::Quantizable>(
+    shard: &[T],
+    cuts: &[usize],
+) -> Result<Vec<u8>, EngineError> {
     let mut packed = vec![0u8; quant::packed_len_cut(cuts)];
     quant::quantize_cut(shard, cuts, &mut packed)?;
     Ok(packed)
@@ -246,8 +249,23 @@ fn unpack<T: quant::Quantizable + Send + 'static>(
     cuts: &[Vec<usize>],
     pool: &Arc<Pool<T>>,
 ) -> Result<(), EngineError> {
+    let mut full = pool.take(padded, T::default());
+    unpack_all(what, packed, cuts, &mut full)?;
+    install(what, flat, padded, full, true, pool)
+}
+
+/// Unpacks every rank's packed shard (laid end to end in `packed`, in rank
+/// order), cut as `cuts` says for each, into `full`, the whole padded
+/// buffer.
+pub(super) fn unpack_all<T: quant::Quantizable>(
+    what: (&str, &str),
+    packed: &[u8],
+    cuts: &[Vec<usize>],
+    full: &mut [T],
+) -> Result<(), EngineError> {
     let want: usize = cuts.iter().map(|c| quant::packed_len_cut(c)).sum();
     let elems: usize = cuts.iter().flatten().sum();
+    let padded = full.len();
     if packed.len() != want || elems != padded {
         return Err(EngineError::Plan(format!(
             "unit `{}`{} gathered {} packed bytes, not the {want} of its layout's {padded} elements: did every rank build the same model?",
@@ -256,14 +274,13 @@ fn unpack<T: quant::Quantizable + Send + 'static>(
             packed.len(),
         )));
     }
-    let mut full = pool.take(padded, T::default());
     let (mut at, mut from) = (0, 0);
     for c in cuts {
         let (n, p) = (c.iter().sum::<usize>(), quant::packed_len_cut(c));
         quant::dequantize_cut(&packed[from..from + p], c, &mut full[at..at + n])?;
         (at, from) = (at + n, from + p);
     }
-    install(what, flat, padded, full, true, pool)
+    Ok(())
 }
 
 /// What every rank of a group announced before a unit's collective (an
@@ -1609,12 +1626,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         let ahead = self.pswap.as_ref().and_then(|ps| ps.frozen_ahead(i));
         st.prog.counts.frozen_read_ahead += u64::from(ahead.is_some());
-        let shard = p.take_shard(ahead)?;
         self.delay();
-        Ok(Some((
-            shard.gather(&self.group, p.padded(), &self.pools),
-            true,
-        )))
+        Ok(Some(p.gather(&self.group, &self.pools, ahead)?))
     }
 
     /// hpZ: before unit `i` is freed after forward, keeps this rank's part

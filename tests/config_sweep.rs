@@ -19,9 +19,11 @@
 //! the same program at stage 0 with DeepSpeed's defaults on the same ranks
 //! (see [`reference_stage`] for the two exceptions; the reference resumes
 //! too where the ranks, grouping or gas change). A third of the stage-3
-//! cases that do not resume gather packed as int8 (ZeRO++ qwZ), whose
-//! reference is stage 3 packing with DeepSpeed's defaults
-//! ([`Leg::reference`]).
+//! cases that do not resume gather packed as int8 (ZeRO++ qwZ), a third
+//! reduce packed (qgZ) and a third of those with a frozen part hold its
+//! shards packed (`zero_quantized_nontrainable_weights`), each drawn on
+//! its own; their reference is stage 3 packing the same, with DeepSpeed's
+//! defaults for the rest ([`Leg::reference`]).
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together: the stage-3 root's small parameters reduced
@@ -95,6 +97,9 @@ struct Leg {
     /// ZeRO++ qgZ: stage 3 reduces packed as int8
     /// (`zero_quantized_gradients`).
     qgz: bool,
+    /// Stage 3 holds its frozen shards packed as int8
+    /// (`zero_quantized_nontrainable_weights`).
+    qfrozen: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -118,9 +123,10 @@ impl Leg {
     /// packed): only the packing's inputs, the shards, must match. A qgZ
     /// leg's reference packs its reductions too, with the same persistence
     /// threshold and bucket size (which decide what each packed piece
-    /// holds).
+    /// holds). A leg packing its frozen shards likewise (the threshold
+    /// decides which are sharded, so packed).
     fn reference(&self) -> Self {
-        match self.qwz || self.qgz {
+        match self.qwz || self.qgz || self.qfrozen {
             true => Self {
                 zero: persistence(&self.zero).to_string()
                     + match self.qgz {
@@ -230,7 +236,11 @@ fn leg(
         true => r#""zero_quantized_gradients": true,"#,
         false => "",
     };
-    let zero = format!("{}{}{qwz}{qgz}", l.zero, l.grouping);
+    let qfrozen = match l.qfrozen {
+        true => r#""zero_quantized_nontrainable_weights": true,"#,
+        false => "",
+    };
+    let zero = format!("{}{}{qwz}{qgz}{qfrozen}", l.zero, l.grouping);
     let cfg = config_zero(l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
@@ -411,6 +421,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         from: (0, 0),
         qwz: false,
         qgz: false,
+        qfrozen: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -447,6 +458,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             from: (1, usize::from(between)),
             qwz: false,
             qgz: false,
+            qfrozen: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -479,6 +491,12 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
     // ZeRO++ qgZ likewise, MiCS groups included (each group reduces its
     // own pieces; the reference has the same groups).
     first.qgz = stage == 3 && then.is_none() && Draw(d.0.rotate_left(53) | 1).flag(3);
+    // Packed frozen shards likewise, in cases with a frozen part (each
+    // MiCS group packs its own shards; the reference has the same groups).
+    first.qfrozen = stage == 3
+        && then.is_none()
+        && !program.frozen.is_empty()
+        && Draw(d.0.rotate_left(29) | 1).flag(3);
     (first, program, then)
 }
 
@@ -596,6 +614,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         from: (0, 0),
         qwz: false,
         qgz: false,
+        qfrozen: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -653,6 +672,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         from: (0, 0),
         qwz: false,
         qgz: false,
+        qfrozen: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

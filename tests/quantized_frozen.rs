@@ -339,4 +339,30 @@ fn the_key_is_warned_about_below_stage_3_and_ranks_must_agree_on_it() {
         let e = e.expect("refused");
         assert!(e.contains("zero_quantized_nontrainable_weights"), "{e}");
     }
+    // With nothing to pack (DeepSpeed's persistence threshold keeps every
+    // frozen parameter of the test GPT whole; nothing frozen at all), the
+    // build says so; with something packed, it does not.
+    let nothing = "no frozen parameter is sharded, so none is quantized";
+    for (zero, frozen, warned) in [
+        ("", true, true),
+        (r#""stage3_param_persistence_threshold": 0,"#, false, true),
+        (r#""stage3_param_persistence_threshold": 0,"#, true, false),
+    ] {
+        let logs = on_ranks(WORLD, |r| {
+            let (vs, plan, _) = match frozen {
+                true => frozen_model_in(r.rank(), is_frozen, Kind::Float),
+                false => model(),
+            };
+            let cfg = config_zero(3, 1, 0.0, "", &format!("{KEY} {zero}"));
+            let g = r.new_group(&[0, 1]).unwrap();
+            common::with_logs(|| Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap()).1
+        });
+        for log in logs {
+            assert_eq!(
+                log.contains(nothing),
+                warned,
+                "{zero} frozen {frozen}: {log}"
+            );
+        }
+    }
 }

@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{model, on_ranks, tokens, train_losses, Params, LR, WD, WORLD};
+use common::{freeze, model, on_ranks, tokens, train_losses, Params, LR, WD, WORLD};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zrt::collectives::{local, ProcessGroup};
@@ -893,6 +893,7 @@ fn rank_main() {
             Engine::new_hybrid(&vs, &plan, &cfg, mesh, &AutoHints::default()).unwrap()
         }
         "zeropp" => {
+            freeze(&vs, ZEROPP_FROZEN);
             let g = dist.new_group(&[0, 1]).unwrap();
             Engine::new(&vs, &plan, &zeropp(), g, &AutoHints::default()).unwrap()
         }
@@ -941,14 +942,20 @@ fn launch(n: usize, case: &str, backend: &str) -> (Vec<f64>, Params) {
         .split_whitespace()
         .map(|x| x.parse().unwrap())
         .collect();
-    let mut params: Params = Tensor::read_safetensors(&out)
+    (losses, read_export(&out))
+}
+
+/// The parameters (frozen ones too) of an export `save_16bit_model`
+/// wrote, sorted by name; removes the file.
+fn read_export(out: &std::path::Path) -> Params {
+    let mut params: Params = Tensor::read_safetensors(out)
         .unwrap()
         .into_iter()
         .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
         .collect();
     params.sort_by(|a, b| a.0.cmp(&b.0));
-    let _ = std::fs::remove_file(&out);
-    (losses, params)
+    let _ = std::fs::remove_file(out);
+    params
 }
 
 #[test]
@@ -994,26 +1001,37 @@ fn zeropp() -> Config {
         1,
         0.5,
         "",
-        r#""zero_quantized_weights": true, "zero_quantized_gradients": true,"#,
+        r#""zero_quantized_weights": true, "zero_quantized_gradients": true,
+            "zero_quantized_nontrainable_weights": true,"#,
     )
 }
 
-/// Packed gathers and reductions as processes: on shm and on tcp the
-/// same bits as on threads (the all_to_all and all_gather of the packed
-/// bytes move them; every rank unpacks and sums alike).
+/// What [`zeropp`] trains with frozen (its shards held packed).
+const ZEROPP_FROZEN: &[&str] = &["h.1."];
+
+/// Packed gathers, reductions and frozen shards as processes: on shm and
+/// on tcp the same bits as on threads (the all_to_all and all_gather of
+/// the packed bytes move them; every rank unpacks and sums alike).
 #[test]
 fn zeropp_as_processes_on_shm_and_tcp_trains_as_on_threads() {
+    let out = std::env::temp_dir().join(format!(
+        "zrt-parity-{}-zeropp.safetensors",
+        std::process::id()
+    ));
     let threads = on_ranks(WORLD, |r| {
         let (vs, plan, gpt) = model();
+        freeze(&vs, ZEROPP_FROZEN);
         let g = r.new_group(&[0, 1]).unwrap();
         let e = Engine::new(&vs, &plan, &zeropp(), g, &AutoHints::default()).unwrap();
         let losses = train_steps(&e, &gpt, r.rank(), r.world());
-        let mut params = e.gathered_params().unwrap();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        (losses, params, e.overlap_counts().quantized_reductions)
+        // The export holds the frozen parameters (unpacked) too.
+        e.save_16bit_model(&out).unwrap();
+        (losses, e.overlap_counts().quantized_reductions)
     });
-    let (losses, params, packed) = threads.into_iter().next().unwrap();
+    let (losses, packed) = threads.into_iter().next().unwrap();
     assert!(packed > 0, "the packed reductions must run");
+    let params = read_export(&out);
+    assert!(params.iter().any(|(n, _)| n.starts_with(ZEROPP_FROZEN[0])));
     for backend in ["shm", "tcp"] {
         let (l, p) = launch(2, "zeropp", backend);
         assert_eq!(l, losses, "{backend}: losses");

@@ -1545,7 +1545,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             && cfg.config.zero.zero_quantized_nontrainable_weights
             && units.iter().all(|u| u.frozen.is_none())
         {
-            tracing::warn!("`zero_optimization.zero_quantized_nontrainable_weights` = true, but no frozen parameter is sharded, so none is quantized: stage 3 shards frozen fp32 or compute-dtype parameters of more than `stage3_param_persistence_threshold` elements inside wrapped blocks (not the root's)");
+            tracing::warn!("`zero_optimization.zero_quantized_nontrainable_weights` = true, but no frozen parameter is sharded, so none is quantized: stage 3 shards frozen fp32 or compute-dtype parameters of more than `stage3_param_persistence_threshold` elements inside wrapped blocks that every rank runs (not the root's)");
         }
         let mut owners = std::collections::HashMap::new();
         for (k, u) in units.iter().enumerate() {

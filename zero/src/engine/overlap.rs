@@ -230,7 +230,8 @@ impl Fetch {
     }
 }
 
-/// `shard` packed for a qwZ gather, cut as `cuts` says.
+/// `shard` packed (for a qwZ gather, or as a frozen shard held packed),
+/// cut as `cuts` says.
 pub(super) fn pack<T: quant::Quantizable>(
     shard: &[T],
     cuts: &[usize],

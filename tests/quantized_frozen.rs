@@ -5,8 +5,9 @@
 //! replaced by exactly what each rank's shard packs and unpacks to (fp32,
 //! bf16 training of an fp32 base, a bf16 base; with the parameter swap;
 //! under hpZ and MiCS), the bytes a rank holds, checkpoints that hold the
-//! unpacked values and resume to the same bits, and the key's warning
-//! below stage 3 and the ranks' agreement on it. Run one at a time
+//! unpacked values and resume to the same bits, a change made in
+//! `with_full_params` packed again, the key's warnings (below stage 3;
+//! nothing to pack) and the ranks' agreement on it. Run one at a time
 //! ([`common::serial`]), as [`crate::frozen_shards`]'s tests.
 
 use crate::common;

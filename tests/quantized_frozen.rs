@@ -250,16 +250,23 @@ fn a_rank_holds_its_frozen_shards_as_codes_and_scales() {
 #[test]
 fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_bits() {
     let _serial = serial();
-    for extra in ["", BF16] {
+    // An fp32 base (saved in fp32) under fp32 and bf16 training, and a bf16
+    // base (saved in bf16) under bf16 training.
+    let cases = [
+        ("", Kind::Float, Kind::Float),
+        (BF16, Kind::BFloat16, Kind::Float),
+        (BF16, Kind::BFloat16, Kind::BFloat16),
+    ];
+    for (extra, kind, base_kind) in cases {
+        let what = format!("{extra} base {base_kind:?}");
         let dir = std::env::temp_dir().join(format!(
-            "zrt-qfrozen-ckpt-{}-{}",
+            "zrt-qfrozen-ckpt-{}-{kind:?}-{base_kind:?}",
             std::process::id(),
-            extra.is_empty()
         ));
-        let unpacked = packed_base(WORLD, Kind::Float);
+        let unpacked = packed_base(WORLD, base_kind);
         let at3 = cfg(3, extra, KEY);
         let straight = on_ranks(WORLD, |r| {
-            let (vs, plan, gpt) = frozen_model_in(r.rank(), is_frozen, Kind::Float);
+            let (vs, plan, gpt) = frozen_model_in(r.rank(), is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
             train_losses(&gpt, &e, r.rank(), 1);
@@ -269,21 +276,25 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             e.step().unwrap();
             (loss.double_value(&[]), e.gathered_params().unwrap())
         });
-        // The checkpoint holds the unpacked values, in fp32 (the dtype the
-        // model made the base in).
+        // The checkpoint holds the unpacked values, in the dtype the model
+        // made the base in.
         let saved: HashMap<String, Tensor> =
             Tensor::read_safetensors(dir.join("mid").join("frozen.safetensors"))
                 .unwrap()
                 .into_iter()
                 .collect();
         for (n, v) in &unpacked {
-            assert_eq!(saved[n].kind(), Kind::Float, "{n}");
-            assert_eq!(&values(&saved[n]), v, "{extra}: {n} saved unpacked");
+            assert_eq!(saved[n].kind(), base_kind, "{what}: {n}");
+            let want = values(&Tensor::from_slice(v).to_kind(base_kind));
+            assert_eq!(values(&saved[n]), want, "{what}: {n} saved unpacked");
         }
-        // Loaded into another base: packing the unpacked fp32 values again
-        // gives the same codes and scales, so the next step is the same.
+        // Loaded into another base: packing the saved values again gives
+        // the same codes and scales, so the next step is the same. (fp32:
+        // `max / 127` survives `127 * scale / 127`; a bf16 base's largest
+        // magnitude is a bf16 value, which its unpacked 127 codes give back
+        // exactly, and the other codes are off by at most a quarter.)
         let resumed = on_ranks(WORLD, |r| {
-            let (vs, plan, gpt) = frozen_model_in(1, is_frozen, Kind::Float);
+            let (vs, plan, gpt) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
             e.load_checkpoint(&dir, Some("mid")).unwrap();
@@ -292,15 +303,15 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             e.step().unwrap();
             (loss.double_value(&[]), e.gathered_params().unwrap())
         });
-        assert_eq!(resumed, straight, "{extra}");
+        assert_eq!(resumed, straight, "{what}");
         // Stage 2 (replicated, nothing packed) loads the unpacked values.
         on_ranks(WORLD, |r| {
-            let (vs, plan, _) = frozen_model_in(1, is_frozen, Kind::Float);
+            let (vs, plan, _) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
-            let e = Engine::new(&vs, &plan, &cfg(2, "", ""), g, &AutoHints::default()).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg(2, extra, ""), g, &AutoHints::default()).unwrap();
             e.load_checkpoint(&dir, Some("mid")).unwrap();
             let base = gathered_base(&e, &vs, is_frozen);
-            assert_bases(&[base], &unpacked, Kind::Float, "stage 2");
+            assert_bases(&[base], &unpacked, kind, &format!("stage 2, {what}"));
         });
         let _ = std::fs::remove_dir_all(&dir);
     }

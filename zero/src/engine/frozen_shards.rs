@@ -24,10 +24,12 @@
 //! unpacking the whole into the buffer: the true values are dropped once
 //! the shard is packed, and everything after (forward, backward,
 //! `with_full_params`, checkpoints) sees the unpacked ones. Packing
-//! unpacked fp32 values again gives the same bytes (the scale `max / 127`
-//! survives `127 * scale / 127` for every normal `max` below 2^127, and
-//! the codes are whole numbers), so a checkpoint holding them in fp32
-//! resumes to the same bits.
+//! unpacked values again gives the same bytes, so a checkpoint resumes to
+//! the same bits: in fp32 the scale `max / 127` survives `127 * scale /
+//! 127` for every normal `max` below 2^127 and the codes are whole
+//! numbers; a bf16 base is saved in bf16, and its largest magnitude, a
+//! bf16 value, comes back exactly from its 127 code while bf16's rounding
+//! moves the other codes by at most a quarter.
 
 use std::sync::Arc;
 

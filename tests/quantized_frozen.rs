@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use common::{config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, WORLD};
 use tch::{Kind, Tensor};
 use zrt::kernels::quant;
+use zrt::zero::checkpoint::{inspect, Meta};
 use zrt::zero::flat::FlatLayout;
 use zrt::zero::{AutoHints, Config, Engine};
 
@@ -288,6 +289,19 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             let want = values(&Tensor::from_slice(v).to_kind(base_kind));
             assert_eq!(values(&saved[n]), want, "{what}: {n} saved unpacked");
         }
+        // Its meta marks them, and `zrt ckpt inspect` says so.
+        let meta = Meta::read(&dir.join("mid")).unwrap();
+        let frozen = meta.frozen.unwrap();
+        let marked: Vec<&str> = frozen
+            .iter()
+            .filter(|f| f.quantized)
+            .map(|f| f.name.as_str())
+            .collect();
+        assert_eq!(marked.len(), unpacked.len(), "{what}: {marked:?}");
+        assert!(marked.iter().all(|n| unpacked.contains_key(*n)));
+        let text = inspect(&dir, Some("mid")).unwrap();
+        let line = format!("{} of them unpacked from int8", unpacked.len());
+        assert!(text.contains(&line), "{text}");
         // Loaded into another base: packing the saved values again gives
         // the same codes and scales, so the next step is the same. (fp32:
         // `max / 127` survives `127 * scale / 127`; a bf16 base's largest
@@ -297,7 +311,9 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             let (vs, plan, gpt) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
-            e.load_checkpoint(&dir, Some("mid")).unwrap();
+            // A run that packs them too resumes quietly.
+            let (_, logs) = common::with_logs(|| e.load_checkpoint(&dir, Some("mid")).unwrap());
+            assert!(!logs.contains("unpacked from int8"), "{logs}");
             let loss = gpt.loss(&tokens(1, 0, r.rank(), 1));
             e.backward(&loss).unwrap();
             e.step().unwrap();
@@ -309,7 +325,14 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             let (vs, plan, _) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &cfg(2, extra, ""), g, &AutoHints::default()).unwrap();
-            e.load_checkpoint(&dir, Some("mid")).unwrap();
+            // Rounded values into parameters held exactly: said, once.
+            let (_, logs) = common::with_logs(|| e.load_checkpoint(&dir, Some("mid")).unwrap());
+            let said = format!("{} frozen parameter(s) in checkpoint", unpacked.len());
+            assert!(
+                logs.contains(&said) && logs.contains("unpacked from int8"),
+                "{logs}"
+            );
+            assert_eq!(logs.matches("unpacked from int8").count(), 1, "{logs}");
             let base = gathered_base(&e, &vs, is_frozen);
             assert_bases(&[base], &unpacked, kind, &format!("stage 2, {what}"));
         });

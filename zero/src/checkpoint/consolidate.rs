@@ -159,6 +159,13 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
             "  {} frozen variables, {n} elements (rank 0's, in {FROZEN_FILE})",
             frozen.len()
         );
+        let packed = frozen.iter().filter(|f| f.quantized).count();
+        if packed > 0 {
+            let _ = writeln!(
+                s,
+                "    {packed} of them unpacked from int8 (`zero_quantized_nontrainable_weights`): rounded values, not the base's true ones"
+            );
+        }
     }
     if let Some(names) = meta.no_weight_decay.as_deref().filter(|n| !n.is_empty()) {
         let _ = writeln!(

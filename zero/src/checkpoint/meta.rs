@@ -39,6 +39,14 @@ pub struct FrozenMeta {
     pub dtype: safetensors::Dtype,
     /// Its shape.
     pub shape: Vec<i64>,
+    /// Its values were unpacked from int8 codes and scales (stage 3 held
+    /// its shard packed: `zero_quantized_nontrainable_weights`): rounded,
+    /// the true ones dropped when that run began. It says how the saving
+    /// run held them: one that loaded them and held them exactly saves
+    /// them unmarked (it was told when it loaded them). Absent (false) in
+    /// checkpoints written before zrt recorded it, whose runs packed none.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub quantized: bool,
 }
 
 /// One unit's flat layout as saved.

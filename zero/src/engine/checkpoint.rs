@@ -9,7 +9,7 @@
 //! as they are applied, so a load never holds a rank's whole state) and
 //! the ranks have checked that they all read the same checkpoint.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -765,6 +765,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     true => None,
                     false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
                 };
+                // Rounded values going into parameters this run holds
+                // exactly: say so once (resuming a packing run is silent).
+                let packed = packed_frozen(&st);
+                let rounded = saved
+                    .iter()
+                    .filter(|s| s.quantized && !packed.contains(s.name.as_str()))
+                    .count();
+                if rounded > 0 {
+                    tracing::warn!("{rounded} frozen parameter(s) in checkpoint {} hold values unpacked from int8 (its run set `zero_optimization.zero_quantized_nontrainable_weights`): they load as saved, rounded, not as the base's true values", tag_dir.display());
+                }
                 Some(st.frozen.read(saved, f)?)
             }
             None => {
@@ -980,7 +990,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut sink = Sink::open(write && !plan.is_empty(), &path, &plan, meta);
         self.stream_frozen(st, None, &mut sink).map_err(gathering)?;
         sink.finish()?;
-        Ok(Frozen::metas(&plan))
+        let mut metas = Frozen::metas(&plan);
+        // Which of them a stage-3 unit held packed: their saved values are
+        // the unpacked ones (`zrt ckpt inspect` says so; a run that does
+        // not pack them is told when it loads them).
+        let packed = packed_frozen(st);
+        for m in &mut metas {
+            m.quantized = packed.contains(m.name.as_str());
+        }
+        Ok(metas)
     }
 
     /// Writes the frozen variables to `sink` as [`frozen_plan`] lists
@@ -1026,6 +1044,16 @@ fn sharded_dtype(saved: Dtype, float: Option<tch::Kind>) -> Dtype {
         Some(_) => file_dtype(float),
         None => saved,
     }
+}
+
+/// The frozen parameters this engine holds packed as int8
+/// (`zero_quantized_nontrainable_weights`).
+fn packed_frozen(st: &State) -> HashSet<&str> {
+    st.units
+        .iter()
+        .filter_map(|u| u.frozen.as_ref().filter(|p| p.packed()))
+        .flat_map(|p| p.layout.slots.iter().map(|s| s.name.as_str()))
+        .collect()
 }
 
 /// The frozen tensors a model file holds, in the order

@@ -165,6 +165,7 @@ impl Frozen {
                 name: p.name.clone(),
                 dtype: p.dtype,
                 shape: p.shape.iter().map(|&d| d as i64).collect(),
+                quantized: false,
             })
             .collect();
         m.sort_by(|a, b| a.name.cmp(&b.name));

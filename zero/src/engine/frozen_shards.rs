@@ -165,6 +165,12 @@ impl Part {
         Ok(part)
     }
 
+    /// Whether the shard is held packed
+    /// (`zero_quantized_nontrainable_weights`).
+    pub(super) fn packed(&self) -> bool {
+        self.cuts.is_some()
+    }
+
     /// This rank's cuts of its shard, when packed.
     fn my_cuts(&self) -> Option<&[usize]> {
         self.cuts

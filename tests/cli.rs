@@ -294,6 +294,34 @@ fn estimate_prints_the_design_formula() {
         out.contains("stage 0:      74.77 MiB") && out.contains("stage 3:      37.38 MiB"),
         "{out}"
     );
+    // A LoRA model: 1 GiB-worth of bf16 frozen base (2^29 parameters)
+    // beside 2^20 trainable ones on 2 ranks; at stage 3 the base's shard
+    // is 512 MiB in bf16, 256.5 MiB packed, beside 9 MiB of trainable
+    // state.
+    for (packed, stage3) in [(false, "521.00 MiB"), (true, "265.50 MiB")] {
+        let mut args = vec![
+            "estimate",
+            "--params",
+            "1048576",
+            "--world",
+            "2",
+            "--frozen",
+            "536870912",
+        ];
+        if packed {
+            args.push("--quantize-frozen");
+        }
+        let (ok, out) = zrt(&args);
+        assert!(ok, "{out}");
+        assert!(
+            out.contains(&format!("stage 3: {stage3:>14}")) && out.contains("stage 2:"),
+            "{out}"
+        );
+        // Below stage 3 the base is whole on every rank: 1 GiB more.
+        assert!(out.contains("stage 0:       1.02 GiB"), "{out}");
+    }
+    let (ok, out) = zrt(&["estimate", "--params", "1e9", "--world", "2", "--frozen=-1"]);
+    assert!(!ok && out.contains("--frozen must be a count"), "{out}");
     for (params, world) in [
         ("0", "2"),
         ("-1e9", "2"),

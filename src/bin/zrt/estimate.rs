@@ -1,6 +1,8 @@
 //! `zrt estimate`: model-state bytes per rank for each ZeRO stage (Adam,
 //! fp32 master, m and v): what zrt holds, and in mixed precision also
-//! DESIGN.md's table, whose gradients are 16-bit.
+//! DESIGN.md's table, whose gradients are 16-bit. Frozen parameters (a
+//! LoRA model's base: `--frozen`) add their values alone, sharded at
+//! stage 3 and packed as int8 with `--quantize-frozen`.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -17,6 +19,32 @@ pub struct EstimateArgs {
     /// Compute dtype: fp32, bf16 or fp16.
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// Frozen parameters besides `--params` (a LoRA model's base): no
+    /// gradient nor optimizer state, their values only.
+    #[arg(long, default_value_t = 0.0)]
+    frozen: f64,
+    /// Stage 3 holds the frozen shards as int8
+    /// (`zero_quantized_nontrainable_weights`).
+    #[arg(long)]
+    quantize_frozen: bool,
+}
+
+/// Bytes per element of a frozen shard packed as int8: a code each and a
+/// 4-byte scale per 2048 (more where a parameter's bounds cut a group
+/// short: a few per parameter, left out).
+const PACKED_BYTES: f64 = 1.0 + 4.0 / 2048.0;
+
+/// Bytes per rank `f` frozen parameters take at `stage` on `n` shards in
+/// `c`-byte compute params: whole on every rank below stage 3, sharded
+/// at stage 3 (packed with `quantized`). Stage 3 shards those of more
+/// than `stage3_param_persistence_threshold` elements inside wrapped
+/// blocks; this counts them all so.
+pub fn frozen_bytes(stage: u8, f: f64, n: f64, c: f64, quantized: bool) -> f64 {
+    match (stage, quantized) {
+        (0..=2, _) => c * f,
+        (_, false) => c * f / n,
+        (_, true) => PACKED_BYTES * f / n,
+    }
 }
 
 /// Bytes per rank zrt holds for `psi` parameters on `n` shards at
@@ -62,19 +90,33 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if a.world == 0 || !a.params.is_finite() || a.params <= 0.0 {
         bail!("--params and --world must be positive numbers (e.g. --params 7e9 --world 8)");
     }
+    if !a.frozen.is_finite() || a.frozen < 0.0 {
+        bail!("--frozen must be a count of parameters, 0 or more (e.g. --frozen 7e9)");
+    }
     println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
+    if a.frozen > 0.0 {
+        println!(
+            "with {:.3e} frozen params (values only; stage 3 shards them{})",
+            a.frozen,
+            match a.quantize_frozen {
+                true => " as int8 codes and scales",
+                false => "",
+            }
+        );
+    }
     let mixed = c != 4.0;
     if mixed {
         println!("             {:>14}  {:>14}", "zrt", "16-bit grads");
     }
     for stage in 0..=3u8 {
         let (psi, n) = (a.params, a.world as f64);
-        let b = model_state_bytes(stage, psi, n, c);
+        let frozen = frozen_bytes(stage, a.frozen, n, c, a.quantize_frozen);
+        let b = model_state_bytes(stage, psi, n, c) + frozen;
         match mixed {
             true => println!(
                 "  stage {stage}: {:>14}  {:>14}",
                 human(b),
-                human(table_bytes(stage, psi, n, c))
+                human(table_bytes(stage, psi, n, c) + frozen)
             ),
             false => println!("  stage {stage}: {:>14}", human(b)),
         }
@@ -119,6 +161,16 @@ mod tests {
         assert_eq!(model_state_bytes(1, 1.0, 2.0, 2.0), 12.0);
         assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0), 10.0);
         assert_eq!(model_state_bytes(3, 1.0, 2.0, 2.0), 9.0);
+    }
+
+    #[test]
+    fn frozen_parameters_hold_their_values_only() {
+        // Replicated below stage 3, sharded at 3, packed: a byte and a
+        // 2048th of a scale each.
+        assert_eq!(frozen_bytes(2, 8.0, 4.0, 2.0, true), 16.0);
+        assert_eq!(frozen_bytes(3, 8.0, 4.0, 2.0, false), 4.0);
+        assert_eq!(frozen_bytes(3, 8.0, 4.0, 4.0, false), 8.0);
+        assert_eq!(frozen_bytes(3, 2048.0, 2.0, 2.0, true), 1026.0);
     }
 
     #[test]

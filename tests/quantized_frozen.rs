@@ -45,19 +45,8 @@ fn packed_base(ranks: usize, base: Kind) -> HashMap<String, Vec<f32>> {
 /// `frozen` (every frozen parameter's values, by name) as stage 3 holds it
 /// with the key over a shard group of `ranks` (see [`packed_base`]).
 fn packed(frozen: &HashMap<String, Vec<f32>>, ranks: usize) -> HashMap<String, Vec<f32>> {
-    let (vs, plan, _) = model();
-    let vars = vs.variables();
     let mut out = HashMap::new();
-    for unit in plan.units() {
-        let names: Vec<(String, Vec<i64>)> = vars
-            .iter()
-            .filter(|(n, _)| is_frozen(n) && n.starts_with(&format!("{unit}.")))
-            .map(|(n, t)| (n.clone(), t.size()))
-            .collect();
-        if names.is_empty() {
-            continue;
-        }
-        let layout = FlatLayout::new(names, ranks);
+    for layout in frozen_layouts(ranks) {
         let mut flat = vec![0f32; layout.padded];
         for s in &layout.slots {
             flat[s.offset..s.offset + s.numel].copy_from_slice(&frozen[&s.name]);
@@ -77,6 +66,24 @@ fn packed(frozen: &HashMap<String, Vec<f32>>, ranks: usize) -> HashMap<String, V
     }
     assert!(!out.is_empty());
     out
+}
+
+/// Each unit's frozen parameters laid out flat over a shard group of
+/// `ranks`, as the engine lays them out (units without any left out).
+fn frozen_layouts(ranks: usize) -> Vec<FlatLayout> {
+    let (vs, plan, _) = model();
+    let vars = vs.variables();
+    plan.units()
+        .iter()
+        .map(|unit| {
+            vars.iter()
+                .filter(|(n, _)| is_frozen(n) && n.starts_with(&format!("{unit}.")))
+                .map(|(n, t)| (n.clone(), t.size()))
+                .collect::<Vec<_>>()
+        })
+        .filter(|names| !names.is_empty())
+        .map(|names| FlatLayout::new(names, ranks))
+        .collect()
 }
 
 /// The test GPT with its frozen base replaced by `base` (fp32) on every
@@ -218,19 +225,10 @@ fn a_rank_holds_its_frozen_shards_as_codes_and_scales() {
             // and_nothing_more`, but a frozen shard holds this rank's
             // packed bytes: a scale (4 bytes) per 2048 elements or fewer
             // of one parameter and a byte an element.
-            let vars = vs.variables();
-            let mut packed = 0;
-            for unit in plan.units() {
-                let names: Vec<(String, Vec<i64>)> = vars
-                    .iter()
-                    .filter(|(n, _)| is_frozen(n) && n.starts_with(&format!("{unit}.")))
-                    .map(|(n, t)| (n.clone(), t.size()))
-                    .collect();
-                if !names.is_empty() {
-                    let layout = FlatLayout::new(names, WORLD);
-                    packed += quant::packed_len_cut(&layout.segments(layout.shard(r.rank())));
-                }
-            }
+            let packed: usize = frozen_layouts(WORLD)
+                .iter()
+                .map(|l| quant::packed_len_cut(&l.segments(l.shard(r.rank()))))
+                .sum();
             let units = unit_shards(&e, &vs);
             let exact: usize = units.iter().map(|u| word * u.2).sum();
             let trainable: usize = units
@@ -362,18 +360,11 @@ fn the_key_is_warned_about_below_stage_3_and_ranks_must_agree_on_it() {
     assert!(c.zero.zero_quantized_nontrainable_weights);
     // One rank holding its frozen shards packed and one not would gather
     // different lengths: refused at build, naming the key.
-    let errors = on_ranks(WORLD, |r| {
-        let (vs, plan, _) = frozen_model_in(r.rank(), is_frozen, Kind::Float);
-        let cfg = config_zero(3, 1, 0.0, "", [KEY, ""][r.rank()]);
-        let g = r.new_group(&[0, 1]).unwrap();
-        Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
-            .err()
-            .map(|e| e.to_string())
+    let key = "zero_quantized_nontrainable_weights";
+    common::refused_unless_agreed([KEY, ""], key, |rank| {
+        let (vs, plan, _) = frozen_model_in(rank, is_frozen, Kind::Float);
+        (vs, plan)
     });
-    for e in errors {
-        let e = e.expect("refused");
-        assert!(e.contains("zero_quantized_nontrainable_weights"), "{e}");
-    }
     // With nothing to pack (DeepSpeed's persistence threshold keeps every
     // frozen parameter of the test GPT whole; nothing frozen at all), the
     // build says so; with something packed, it does not.

@@ -12,7 +12,7 @@ use common::{config_zero, engine_of, model, on_ranks, seeded, train_losses, Para
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zrt::kernels::quant;
-use zrt::zero::{AutoHints, Config, Engine, ShardPlan, ShardedModule};
+use zrt::zero::{Config, ShardPlan, ShardedModule};
 
 const QGZ: &str = r#""zero_quantized_gradients": true, "stage3_param_persistence_threshold": 0,"#;
 const PLAIN: &str = r#""stage3_param_persistence_threshold": 0,"#;
@@ -255,18 +255,10 @@ fn the_key_is_warned_about_below_stage_3_and_ranks_must_agree_on_it() {
     assert!(c.warnings.iter().any(|w| w == said), "{:?}", c.warnings);
     // One rank packing its reductions and one not would issue different
     // collectives: refused at build, naming the key.
-    let errors = on_ranks(2, |r| {
-        let cfg = config_zero(3, 1, 0.0, "", [QGZ, PLAIN][r.rank()]);
+    common::refused_unless_agreed([QGZ, PLAIN], "zero_quantized_gradients", |_| {
         let (vs, plan, _) = model();
-        let g = r.new_group(&[0, 1]).unwrap();
-        Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
-            .err()
-            .map(|e| e.to_string())
+        (vs, plan)
     });
-    for e in errors {
-        let e = e.expect("refused");
-        assert!(e.contains("zero_quantized_gradients"), "{e}");
-    }
 }
 
 /// A unit of a large parameter (`a`: 100 elements near 1, its gradient

@@ -16,7 +16,7 @@ use common::{config_zero, engine_of, model, on_ranks, seeded, Params};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zrt::kernels::quant;
-use zrt::zero::{AutoHints, Config, Engine, ShardPlan, ShardedModule};
+use zrt::zero::{Config, ShardPlan, ShardedModule};
 
 const QWZ: &str = r#""zero_quantized_weights": true, "stage3_param_persistence_threshold": 0,"#;
 const PLAIN: &str = r#""stage3_param_persistence_threshold": 0,"#;
@@ -285,16 +285,8 @@ fn the_key_is_warned_about_below_stage_3_and_ranks_must_agree_on_it() {
     assert!(c.zero.zero_quantized_weights);
     // One rank packing its gathers and one not would exchange buffers of
     // different sizes: refused at build, naming the key.
-    let errors = on_ranks(2, |r| {
-        let cfg = config_zero(3, 1, 0.0, "", [QWZ, PLAIN][r.rank()]);
+    common::refused_unless_agreed([QWZ, PLAIN], "zero_quantized_weights", |_| {
         let (vs, plan, _) = model();
-        let g = r.new_group(&[0, 1]).unwrap();
-        Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
-            .err()
-            .map(|e| e.to_string())
+        (vs, plan)
     });
-    for e in errors {
-        let e = e.expect("refused");
-        assert!(e.contains("zero_quantized_weights"), "{e}");
-    }
 }

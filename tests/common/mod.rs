@@ -186,6 +186,29 @@ pub fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalRank) -> T + Sync) -> Vec<T> 
     })
 }
 
+/// Builds an engine on 2 ranks (threads), rank `r` on `make(r)`'s model
+/// under `zero[r]` (stage 3 `zero_optimization` settings) and asserts
+/// both builds are refused with an error naming `key`: ranks that
+/// disagree on a setting that changes their collectives.
+pub fn refused_unless_agreed(
+    zero: [&str; 2],
+    key: &str,
+    make: impl Fn(usize) -> (nn::VarStore, ShardPlan) + Sync,
+) {
+    let errors = on_ranks(2, |r| {
+        let cfg = config_zero(3, 1, 0.0, "", zero[r.rank()]);
+        let (vs, plan) = make(r.rank());
+        let g = r.new_group(&[0, 1]).unwrap();
+        Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
+            .err()
+            .map(|e| e.to_string())
+    });
+    for e in errors {
+        let e = e.expect("refused");
+        assert!(e.contains(key), "{e}");
+    }
+}
+
 /// The engine for `vs` and `plan` under `cfg` on rank `r`'s world group
 /// (every rank of its in-process world).
 pub fn engine_of(

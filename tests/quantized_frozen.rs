@@ -249,12 +249,14 @@ fn a_rank_holds_its_frozen_shards_as_codes_and_scales() {
 #[test]
 fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_bits() {
     let _serial = serial();
-    // An fp32 base (saved in fp32) under fp32 and bf16 training, and a bf16
-    // base (saved in bf16) under bf16 training.
+    // An fp32 base (saved in fp32) under fp32 and bf16 training, and a
+    // 16-bit base (saved so) under training in its dtype.
+    let fp16 = r#""fp16": {"enabled": true},"#;
     let cases = [
         ("", Kind::Float, Kind::Float),
         (BF16, Kind::BFloat16, Kind::Float),
         (BF16, Kind::BFloat16, Kind::BFloat16),
+        (fp16, Kind::Half, Kind::Half),
     ];
     for (extra, kind, base_kind) in cases {
         let what = format!("{extra} base {base_kind:?}");
@@ -302,9 +304,10 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
         assert!(text.contains(&line), "{text}");
         // Loaded into another base: packing the saved values again gives
         // the same codes and scales, so the next step is the same. (fp32:
-        // `max / 127` survives `127 * scale / 127`; a bf16 base's largest
-        // magnitude is a bf16 value, which its unpacked 127 codes give back
-        // exactly, and the other codes are off by at most a quarter.)
+        // `max / 127` survives `127 * scale / 127`; a 16-bit base's largest
+        // magnitude is a value of its dtype, which its unpacked 127 codes
+        // give back exactly, and the other codes are off by at most a
+        // quarter.)
         let resumed = on_ranks(WORLD, |r| {
             let (vs, plan, gpt) = frozen_model_in(1, is_frozen, base_kind);
             let g = r.new_group(&[0, 1]).unwrap();

@@ -27,9 +27,9 @@
 //! unpacked values again gives the same bytes, so a checkpoint resumes to
 //! the same bits: in fp32 the scale `max / 127` survives `127 * scale /
 //! 127` for every normal `max` below 2^127 and the codes are whole
-//! numbers; a bf16 base is saved in bf16, and its largest magnitude, a
-//! bf16 value, comes back exactly from its 127 code while bf16's rounding
-//! moves the other codes by at most a quarter.
+//! numbers; a 16-bit base is saved in its dtype, and its largest
+//! magnitude, a value of that dtype, comes back exactly from its 127 code
+//! while the dtype's rounding moves the other codes by at most a quarter.
 
 use std::sync::Arc;
 

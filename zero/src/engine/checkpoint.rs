@@ -765,6 +765,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     true => None,
                     false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
                 };
+                let values = st.frozen.read(saved, f)?;
                 // Rounded values going into parameters this run holds
                 // exactly: say so once (resuming a packing run is silent).
                 let packed = packed_frozen(&st);
@@ -775,7 +776,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 if rounded > 0 {
                     tracing::warn!("{rounded} frozen parameter(s) in checkpoint {} hold values unpacked from int8 (its run set `zero_optimization.zero_quantized_nontrainable_weights`): they load as saved, rounded, not as the base's true values", tag_dir.display());
                 }
-                Some(st.frozen.read(saved, f)?)
+                Some(values)
             }
             None => {
                 if !st.frozen.is_empty() {

@@ -231,6 +231,9 @@ fn a_rank_holds_its_frozen_shards_as_codes_and_scales() {
                 .sum();
             let units = unit_shards(&e, &vs);
             let exact: usize = units.iter().map(|u| word * u.2).sum();
+            // Per element of a trainable shard: fp32 master, m, v and
+            // gradient (16 bytes; in bf16 its 16-bit copy besides: 18);
+            // the root stays gathered.
             let trainable: usize = units
                 .iter()
                 .map(|&(root, t, _)| (20 - word) * t + if root { word * t * WORLD } else { 0 })

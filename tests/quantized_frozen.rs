@@ -227,7 +227,7 @@ fn a_rank_holds_its_frozen_shards_as_codes_and_scales() {
             // of one parameter and a byte an element.
             let packed: usize = frozen_layouts(WORLD)
                 .iter()
-                .map(|l| quant::packed_len_cut(&l.segments(l.shard(r.rank()))))
+                .map(|l| quant::packed_len_cut(&l.shard_segments()[r.rank()]))
                 .sum();
             let units = unit_shards(&e, &vs);
             let exact: usize = units.iter().map(|u| word * u.2).sum();

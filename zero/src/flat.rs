@@ -114,6 +114,14 @@ impl FlatLayout {
         at.dedup();
         at.windows(2).map(|w| w[1] - w[0]).collect()
     }
+
+    /// Every shard's [`FlatLayout::segments`], in shard order: how each
+    /// rank packs its shard, which every rank must know to unpack them all.
+    pub fn shard_segments(&self) -> Vec<Vec<usize>> {
+        (0..self.shards)
+            .map(|r| self.segments(self.shard(r)))
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -150,5 +158,6 @@ mod tests {
         assert_eq!(l.segments(20..40), [11, 9]);
         assert_eq!(l.segments(32..48), [16]);
         assert!(l.segments(5..5).is_empty());
+        assert_eq!(l.shard_segments(), [vec![7, 9], vec![15, 1], vec![16]]);
     }
 }

@@ -144,11 +144,7 @@ impl Part {
         // Widened to fp32 on the way (exact), narrowed back into the buffer.
         let (values, flat, params) =
             super::rank0_flat(&layout, &by_name, compute, group, replicate)?;
-        let cuts: Option<Vec<Vec<usize>>> = packed.then(|| {
-            (0..group.size())
-                .map(|r| layout.segments(layout.shard(r)))
-                .collect()
-        });
+        let cuts = packed.then(|| layout.shard_segments());
         let mut part = Self {
             unit: unit.to_string(),
             layout,

@@ -1585,10 +1585,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             st.prog.counts.quantized_gathers += 1;
             // The shard stays: what goes out is its packed copy, cut at its
             // parameters' bounds (every rank knows every rank's cuts).
-            let layout = &st.units[i].layout;
-            let cuts: Vec<Vec<usize>> = (0..g.size())
-                .map(|r| layout.segments(layout.shard(r)))
-                .collect();
+            let cuts = st.units[i].layout.shard_segments();
             let mine = cuts.get(g.rank()).map_or(&[][..], |c| c);
             let mine = match &sh.copy {
                 CopyShard::Bf16(v) => pack(v, mine)?,

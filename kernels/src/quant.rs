@@ -12,10 +12,10 @@
 //! bytes: one f32 scale (little-endian) per group of [`GROUP`] elements,
 //! then the `n` signed 8-bit codes. A group's scale is its largest
 //! magnitude over 127; an element's code is `round_ties_even(x * 127 /
-//! max)`, so the largest
-//! magnitude of each group comes back to within an ulp or two (then the
-//! compute dtype's rounding) and every other value within half a step
-//! (`max / 254`). Symmetric, as DeepSpeed's qwZ: no zero point.
+//! max)`, so the largest magnitude of each group comes back to within an
+//! ulp or two (then the compute dtype's rounding) and every other value
+//! within half a step (`max / 254`). Symmetric, as DeepSpeed's qwZ: no
+//! zero point.
 //!
 //! Non-finite values are not hidden: a group holding an inf or NaN gets a
 //! NaN scale, and every element of it unpacks as NaN.

@@ -275,12 +275,9 @@ pub(super) fn unpack_all<T: quant::Quantizable>(
             packed.len(),
         )));
     }
-    let (mut at, mut from) = (0, 0);
-    for c in cuts {
-        let (n, p) = (c.iter().sum::<usize>(), quant::packed_len_cut(c));
-        quant::dequantize_cut(&packed[from..from + p], c, &mut full[at..at + n])?;
-        (at, from) = (at + n, from + p);
-    }
+    // The ranks' packed shards laid end to end are one buffer cut at all
+    // of their cuts.
+    quant::dequantize_cut(packed, &cuts.concat(), full)?;
     Ok(())
 }
 

@@ -994,7 +994,7 @@ fn stage_3_and_hybrid_sharding_as_processes_on_tcp_match_shm_and_the_reference()
 }
 
 /// Stage 3 with ZeRO++'s packed gathers and packed reductions (qwZ,
-/// qgZ), every unit packed.
+/// qgZ), every unit packed, and frozen shards held packed.
 fn zeropp() -> Config {
     config_zero(
         3,

@@ -320,8 +320,30 @@ fn estimate_prints_the_design_formula() {
         // Below stage 3 the base is whole on every rank: 1 GiB more.
         assert!(out.contains("stage 0:       1.02 GiB"), "{out}");
     }
+    // Lion keeps one moment: 4 bytes per parameter less, 14 GiB at stage
+    // 0 (12 in the table) and 14/4 at stage 3.
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--params",
+        "1073741824",
+        "--world",
+        "4",
+        "--optimizer",
+        "Lion",
+    ]);
+    assert!(
+        ok && out.contains("bf16 compute, Lion:")
+            && out.contains("stage 0:      14.00 GiB       12.00 GiB")
+            && out.contains("stage 3:       3.50 GiB        3.00 GiB"),
+        "{out}"
+    );
     let (ok, out) = zrt(&["estimate", "--params", "1e9", "--world", "2", "--frozen=-1"]);
     assert!(!ok && out.contains("--frozen must be a count"), "{out}");
+    let (ok, out) = zrt(&["estimate", "--params=1e9", "--world=2", "--optimizer=sgd"]);
+    assert!(
+        !ok && out.contains("--optimizer must be adam, adamw or lion, got sgd"),
+        "{out}"
+    );
     for (params, world) in [
         ("0", "2"),
         ("-1e9", "2"),

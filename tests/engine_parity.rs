@@ -275,6 +275,46 @@ fn run_reference_full(
     schedule: Option<&Schedule>,
     rules: Rules,
 ) -> (Vec<f64>, Params) {
+    run_reference_opt(stage, gas, clip, schedule, rules, false)
+}
+
+/// Lion's step (DeepSpeed's, sign(0) = 0) at [`LR`], [`WD`], betas (0.9,
+/// 0.999), on every variable from its `.grad()`, in f32 with the
+/// kernel's fused multiply-adds: the reference's part that libtorch has
+/// no optimizer for.
+fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>) {
+    let (b1, b2) = (0.9f64, 0.999f64);
+    let (lr, decay) = (LR as f32, (1.0 - LR * WD) as f32);
+    moments.resize_with(vars.len(), Vec::new);
+    tch::no_grad(|| {
+        for ((_, v), m) in vars.iter().zip(moments.iter_mut()) {
+            let flat = |t: &Tensor| Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap();
+            let (mut p, g) = (flat(&v.detach()), flat(&v.grad()));
+            m.resize(p.len(), 0.0);
+            for i in 0..p.len() {
+                let c = g[i].mul_add((1.0 - b1) as f32, m[i] * b1 as f32);
+                let sign = if c == 0.0 { 0.0 } else { c.signum() };
+                p[i] = p[i] * decay - lr * sign;
+                m[i] = g[i].mul_add((1.0 - b2) as f32, m[i] * b2 as f32);
+            }
+            v.detach()
+                .copy_(&Tensor::from_slice(&p).view(v.size().as_slice()));
+        }
+    });
+}
+
+/// As `run_reference_full`, stepping with [`lion_update`] instead of
+/// AdamW when `lion` (every parameter in one group, no schedule).
+fn run_reference_opt(
+    stage: u8,
+    gas: usize,
+    clip: f64,
+    schedule: Option<&Schedule>,
+    rules: Rules,
+    lion: bool,
+) -> (Vec<f64>, Params) {
+    assert!(!lion || (schedule.is_none() && rules == Rules::Plain));
+    let mut moments = Vec::new();
     let (vs, _plan, gpt) = model();
     // Group 0 is the plain one.
     let mut groups = vec![(true, 1.0)];
@@ -402,7 +442,10 @@ fn run_reference_full(
             set_lr(&mut opt, s.lrs[step]);
             opt.set_momentum(s.beta1s[step]);
         }
-        opt.step();
+        match lion {
+            true => lion_update(&vars, &mut moments),
+            false => opt.step(),
+        }
         losses.push(loss_sum / (gas * WORLD) as f64);
     }
     let mut params: Params = vs
@@ -464,6 +507,26 @@ fn stages_0_to_3_match_the_unsharded_reference() {
                     (reference.0.clone(), reference.1.clone()),
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
+    for (gas, clip) in [(1, 0.0), (2, 0.5)] {
+        for stage in 0..=3u8 {
+            let reference = run_reference_opt(stage, gas, clip, None, Rules::Plain, true);
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = common::config_of("Lion", stage, gas, clip, "", zero);
+            let run = run_engine_with(cfg, gas);
+            if clip > 0.0 {
+                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
+            }
+            compare(
+                &format!("Lion stage {stage} gas {gas} clip {clip}"),
+                (run.losses, run.params),
+                reference,
+            );
         }
     }
 }

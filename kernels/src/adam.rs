@@ -33,7 +33,7 @@ use crate::{KernelError, Threads};
 
 /// Elements per cache block: the block's p, g, m, v (32 KiB) stay in L1/L2
 /// while the compute-dtype copy is written from them.
-const BLOCK: usize = 1024;
+pub(crate) const BLOCK: usize = 1024;
 
 /// Elements the update walks between software prefetches: two 64-byte lines
 /// of each array.
@@ -211,10 +211,49 @@ fn update<const L2: bool>(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: 
 }
 
 /// Compute-copy destination as raw bits, so one range function serves both.
-enum CopyBits<'a> {
+pub(crate) enum CopyBits<'a> {
     None,
     Bf16(&'a mut [u16]),
     F16(&'a mut [u16]),
+}
+
+impl<'a> CopyBits<'a> {
+    /// Checks the destination's length against the shard's `n` and views
+    /// it as bits.
+    pub(crate) fn of(copy: ComputeCopy<'a>, n: usize) -> Result<Self, KernelError> {
+        Ok(match copy {
+            ComputeCopy::None => CopyBits::None,
+            ComputeCopy::Bf16(d) => {
+                same_len("compute copy", d.len(), "p", n)?;
+                CopyBits::Bf16(bf16_bits_mut(d))
+            }
+            ComputeCopy::F16(d) => {
+                same_len("compute copy", d.len(), "p", n)?;
+                CopyBits::F16(f16_bits_mut(d))
+            }
+        })
+    }
+
+    /// Writes the updated parameters `p`, which start at element `at` of
+    /// the range, into the destination (a block still in cache).
+    #[inline(always)]
+    pub(crate) fn write(&mut self, at: usize, p: &[f32]) {
+        match self {
+            CopyBits::None => {}
+            CopyBits::Bf16(d) => {
+                let d = &mut d[at..at + p.len()];
+                for i in 0..p.len() {
+                    d[i] = crate::cast::f32_to_bf16_bits(p[i]);
+                }
+            }
+            CopyBits::F16(d) => {
+                let d = &mut d[at..at + p.len()];
+                for i in 0..p.len() {
+                    d[i] = crate::cast::f32_to_f16_bits(p[i]);
+                }
+            }
+        }
+    }
 }
 
 /// Prefetches the [`STEP`] elements at `at` of every stream (each `n` long)
@@ -273,21 +312,7 @@ fn range_body(
             }
             s = e;
         }
-        match &mut copy {
-            CopyBits::None => {}
-            CopyBits::Bf16(d) => {
-                let d = &mut d[start..end];
-                for i in 0..pb.len() {
-                    d[i] = crate::cast::f32_to_bf16_bits(pb[i]);
-                }
-            }
-            CopyBits::F16(d) => {
-                let d = &mut d[start..end];
-                for i in 0..pb.len() {
-                    d[i] = crate::cast::f32_to_f16_bits(pb[i]);
-                }
-            }
-        }
+        copy.write(start, pb);
         start = end;
     }
 }
@@ -315,17 +340,7 @@ pub fn adam_step(
     same_len("g", g.len(), "p", n)?;
     same_len("m", m.len(), "p", n)?;
     same_len("v", v.len(), "p", n)?;
-    let copy = match copy {
-        ComputeCopy::None => CopyBits::None,
-        ComputeCopy::Bf16(d) => {
-            same_len("compute copy", d.len(), "p", n)?;
-            CopyBits::Bf16(bf16_bits_mut(d))
-        }
-        ComputeCopy::F16(d) => {
-            same_len("compute copy", d.len(), "p", n)?;
-            CopyBits::F16(f16_bits_mut(d))
-        }
-    };
+    let copy = CopyBits::of(copy, n)?;
     let Some(cs) = threads.chunk_len(n) else {
         adam_range(&c, p, g, m, v, copy);
         return Ok(());
@@ -609,7 +624,7 @@ mod tests {
         let e = adam_step(&pool, &cfg, 1, 1.0, shard, ComputeCopy::None).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "invalid Adam setting `betas[1]` = 1: must be in [0, 1)"
+            "invalid optimizer setting `betas[1]` = 1: must be in [0, 1)"
         );
         let shard = AdamShard {
             p: &mut p,

@@ -16,8 +16,18 @@ pub enum KernelError {
         /// That slice's length.
         want: usize,
     },
+    /// A slice the kernel has no use for was given elements.
+    #[error("slice `{name}` has {got} elements but must be empty: {why}")]
+    NotEmpty {
+        /// The slice.
+        name: &'static str,
+        /// Its length.
+        got: usize,
+        /// Why the kernel has no use for it.
+        why: &'static str,
+    },
     /// A hyper-parameter outside its domain.
-    #[error("invalid Adam setting `{name}` = {value}: {why}")]
+    #[error("invalid optimizer setting `{name}` = {value}: {why}")]
     BadSetting {
         /// The setting, named as in the DeepSpeed config.
         name: &'static str,

@@ -144,9 +144,22 @@ pub fn config_with(stage: u8, gas: usize, clip: f64, extra: &str) -> Config {
 /// As [`config_with`]; `zero` is spliced into `zero_optimization` (e.g. an
 /// `offload_optimizer` block, with a trailing comma).
 pub fn config_zero(stage: u8, gas: usize, clip: f64, extra: &str, zero: &str) -> Config {
+    config_of("AdamW", stage, gas, clip, extra, zero)
+}
+
+/// As [`config_zero`], with `optimizer` ("AdamW", "Lion", ...) at [`LR`],
+/// [`WD`].
+pub fn config_of(
+    optimizer: &str,
+    stage: u8,
+    gas: usize,
+    clip: f64,
+    extra: &str,
+    zero: &str,
+) -> Config {
     Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
-            "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
+            "optimizer": {{"type": "{optimizer}", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
             {extra}
             "gradient_clipping": {clip}, "zero_optimization": {{{zero} "stage": {stage}}}}}"#
     ))

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
-use zrt::zero::config::{OffloadDevice, Precision, Setting};
+use zrt::zero::config::{OffloadDevice, OptimizerKind, Precision, Setting};
 use zrt::zero::{AutoHints, Config, ConfigError};
 
 /// `zrt config` subcommands.
@@ -148,17 +148,26 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         r.batch.train, r.batch.micro, r.batch.gas, r.world
     );
     let o = &c.optimizer;
-    println!(
-        "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
-        o.kind,
-        show(o.lr),
-        o.betas.0,
-        o.betas.1,
-        o.eps,
-        show(o.weight_decay),
-        if o.adam_w_mode { "decoupled" } else { "L2" },
-        o.bias_correction
-    );
+    match o.kind {
+        OptimizerKind::Lion => println!(
+            "  optimizer        Lion lr {} betas ({}, {}) weight_decay {} (decoupled decay; one moment, no second)",
+            show(o.lr),
+            o.betas.0,
+            o.betas.1,
+            show(o.weight_decay),
+        ),
+        _ => println!(
+            "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
+            o.kind,
+            show(o.lr),
+            o.betas.0,
+            o.betas.1,
+            o.eps,
+            show(o.weight_decay),
+            if o.adam_w_mode { "decoupled" } else { "L2" },
+            o.bias_correction
+        ),
+    }
     match &c.scheduler {
         Some(sched) => println!("  scheduler        {sched:?}"),
         None => println!("  scheduler        none (the learning rate stays at lr)"),

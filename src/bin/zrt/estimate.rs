@@ -1,5 +1,5 @@
-//! `zrt estimate`: model-state bytes per rank for each ZeRO stage (Adam,
-//! fp32 master, m and v): what zrt holds, and in mixed precision also
+//! `zrt estimate`: model-state bytes per rank for each ZeRO stage (fp32
+//! master, Adam's m and v or Lion's m): what zrt holds, and in mixed precision also
 //! DESIGN.md's table, whose gradients are 16-bit. Frozen parameters (a
 //! LoRA model's base: `--frozen`) add their values alone, sharded at
 //! stage 3 and packed as int8 with `--quantize-frozen`.
@@ -27,6 +27,10 @@ pub struct EstimateArgs {
     /// (`zero_quantized_nontrainable_weights`).
     #[arg(long)]
     quantize_frozen: bool,
+    /// The optimizer (`optimizer.type`): adam and adamw keep two fp32
+    /// moments per trained parameter, lion one.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
 }
 
 /// Bytes per element of a frozen shard packed as int8: a code each and a
@@ -48,24 +52,25 @@ pub fn frozen_bytes(stage: u8, f: f64, n: f64, c: f64, quantized: bool) -> f64 {
 }
 
 /// Bytes per rank zrt holds for `psi` parameters on `n` shards at
-/// `stage`, with `c`-byte compute params (2 for bf16/fp16, 4 for fp32).
+/// `stage`, with `c`-byte compute params (2 for bf16/fp16, 4 for fp32) and
+/// an optimizer keeping `moments` fp32 moments (Adam 2, Lion 1).
 /// Gradients are fp32 whatever the compute dtype (DESIGN.md "Numerics"),
 /// so mixed precision holds 2 bytes per parameter more than DESIGN.md's
 /// table (DeepSpeed's, with 16-bit gradients): see [`table_bytes`].
-pub fn model_state_bytes(stage: u8, psi: f64, n: f64, c: f64) -> f64 {
-    // fp32 master, m, v: 12 bytes; in fp32 training the master is the params.
-    let (p, g, opt) = if c == 4.0 {
-        (4.0, 4.0, 8.0)
-    } else {
-        (c, 4.0, 12.0)
-    };
-    by_stage(stage, psi, n, (p, g, opt))
+pub fn model_state_bytes(stage: u8, psi: f64, n: f64, c: f64, moments: f64) -> f64 {
+    by_stage(stage, psi, n, (c, 4.0, optimizer_bytes(c, moments)))
 }
 
 /// DESIGN.md's table: gradients in the compute dtype.
-pub fn table_bytes(stage: u8, psi: f64, n: f64, c: f64) -> f64 {
-    let opt = if c == 4.0 { 8.0 } else { 12.0 };
-    by_stage(stage, psi, n, (c, c, opt))
+pub fn table_bytes(stage: u8, psi: f64, n: f64, c: f64, moments: f64) -> f64 {
+    by_stage(stage, psi, n, (c, c, optimizer_bytes(c, moments)))
+}
+
+/// Optimizer-state bytes per parameter: the fp32 moments and, in mixed
+/// precision, the fp32 master (in fp32 training the master is the params).
+fn optimizer_bytes(c: f64, moments: f64) -> f64 {
+    let master = if c == 4.0 { 0.0 } else { 4.0 };
+    master + 4.0 * moments
 }
 
 /// Which of params, grads and optimizer state (bytes per parameter) each
@@ -93,7 +98,12 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if !a.frozen.is_finite() || a.frozen < 0.0 {
         bail!("--frozen must be a count of parameters, 0 or more (e.g. --frozen 7e9)");
     }
-    println!("{:.3e} params, {} ranks, {} compute, Adam: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
+    let (optimizer, moments) = match a.optimizer.to_ascii_lowercase().as_str() {
+        "adam" | "adamw" => ("Adam", 2.0),
+        "lion" => ("Lion", 1.0),
+        other => bail!("--optimizer must be adam, adamw or lion, got {other}"),
+    };
+    println!("{:.3e} params, {} ranks, {} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
     if a.frozen > 0.0 {
         println!(
             "with {:.3e} frozen params (values only; stage 3 shards them{})",
@@ -111,12 +121,12 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     for stage in 0..=3u8 {
         let (psi, n) = (a.params, a.world as f64);
         let frozen = frozen_bytes(stage, a.frozen, n, c, a.quantize_frozen);
-        let b = model_state_bytes(stage, psi, n, c) + frozen;
+        let b = model_state_bytes(stage, psi, n, c, moments) + frozen;
         match mixed {
             true => println!(
                 "  stage {stage}: {:>14}  {:>14}",
                 human(b),
-                human(table_bytes(stage, psi, n, c) + frozen)
+                human(table_bytes(stage, psi, n, c, moments) + frozen)
             ),
             false => println!("  stage {stage}: {:>14}", human(b)),
         }
@@ -145,22 +155,27 @@ mod tests {
     #[test]
     fn matches_the_design_table() {
         // Mixed precision: 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N.
-        assert_eq!(table_bytes(0, 1.0, 4.0, 2.0), 16.0);
-        assert_eq!(table_bytes(1, 1.0, 4.0, 2.0), 4.0 + 3.0);
-        assert_eq!(table_bytes(2, 1.0, 4.0, 2.0), 2.0 + 3.5);
-        assert_eq!(table_bytes(3, 1.0, 4.0, 2.0), 4.0);
+        assert_eq!(table_bytes(0, 1.0, 4.0, 2.0, 2.0), 16.0);
+        assert_eq!(table_bytes(1, 1.0, 4.0, 2.0, 2.0), 4.0 + 3.0);
+        assert_eq!(table_bytes(2, 1.0, 4.0, 2.0, 2.0), 2.0 + 3.5);
+        assert_eq!(table_bytes(3, 1.0, 4.0, 2.0, 2.0), 4.0);
         // fp32: params are the master copy: 16 Psi as well, 4-byte grads.
-        assert_eq!(table_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
-        assert_eq!(model_state_bytes(2, 1.0, 2.0, 4.0), 4.0 + 6.0);
+        assert_eq!(table_bytes(2, 1.0, 2.0, 4.0, 2.0), 4.0 + 6.0);
+        assert_eq!(model_state_bytes(2, 1.0, 2.0, 4.0, 2.0), 4.0 + 6.0);
     }
 
     #[test]
     fn mixed_precision_counts_fp32_gradients() {
         // What tests/engine_behaviour.rs measures the engine holding in bf16.
-        assert_eq!(model_state_bytes(0, 1.0, 2.0, 2.0), 18.0);
-        assert_eq!(model_state_bytes(1, 1.0, 2.0, 2.0), 12.0);
-        assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0), 10.0);
-        assert_eq!(model_state_bytes(3, 1.0, 2.0, 2.0), 9.0);
+        assert_eq!(model_state_bytes(0, 1.0, 2.0, 2.0, 2.0), 18.0);
+        assert_eq!(model_state_bytes(1, 1.0, 2.0, 2.0, 2.0), 12.0);
+        assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0, 2.0), 10.0);
+        assert_eq!(model_state_bytes(3, 1.0, 2.0, 2.0, 2.0), 9.0);
+        // Lion's one moment: 4 bytes less per parameter, sharded with the
+        // optimizer state (stage 0: all of it; stage 2 on 2 ranks: half).
+        assert_eq!(model_state_bytes(0, 1.0, 2.0, 2.0, 1.0), 14.0);
+        assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0, 1.0), 8.0);
+        assert_eq!(model_state_bytes(0, 1.0, 2.0, 4.0, 1.0), 12.0);
     }
 
     #[test]

@@ -34,13 +34,37 @@ pub struct ConfigError {
     pub warnings: Vec<String>,
 }
 
-/// Which Adam.
+/// Which optimizer (`optimizer.type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerKind {
     /// Adam; decoupled decay only if `adam_w_mode` is set.
     Adam,
     /// AdamW (decoupled weight decay).
     AdamW,
+    /// Lion: one moment (half of Adam's state), the sign of an
+    /// interpolation of it and the gradient as the update, decoupled decay
+    /// (`zrt_kernels::lion`). Reads `lr`, `betas` and `weight_decay` only.
+    Lion,
+}
+
+impl OptimizerKind {
+    /// How many fp32 moments per trained element the optimizer keeps:
+    /// Adam's m and v, Lion's m.
+    pub fn moments(self) -> usize {
+        match self {
+            OptimizerKind::Adam | OptimizerKind::AdamW => 2,
+            OptimizerKind::Lion => 1,
+        }
+    }
+
+    /// The name DeepSpeed's `optimizer.type` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Adam => "Adam",
+            OptimizerKind::AdamW => "AdamW",
+            OptimizerKind::Lion => "Lion",
+        }
+    }
 }
 
 /// `optimizer`.
@@ -56,8 +80,8 @@ pub struct OptimizerConfig {
     pub eps: f64,
     /// `params.weight_decay`.
     pub weight_decay: Setting<f64>,
-    /// Decoupled decay (AdamW, or Adam with `adam_w_mode: true`; DeepSpeed's
-    /// Adam defaults to true).
+    /// Decoupled decay (AdamW, Lion, or Adam with `adam_w_mode: true`;
+    /// DeepSpeed's Adam defaults to true).
     pub adam_w_mode: bool,
     /// `params.bias_correction`.
     pub bias_correction: bool,

@@ -260,6 +260,15 @@ impl P {
     }
 
     fn optimizer(&mut self, top: &Map<String, Value>) -> OptimizerConfig {
+        /// `optimizer.params` keys of Adam's that mean nothing to Lion.
+        const ADAM_ONLY: [&str; 6] = [
+            "eps",
+            "adam_w_mode",
+            "bias_correction",
+            "torch_adam",
+            "amsgrad",
+            "fused",
+        ];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -283,9 +292,10 @@ impl P {
         {
             Some("adam") | None => OptimizerKind::Adam,
             Some("adamw") => OptimizerKind::AdamW,
+            Some("lion") => OptimizerKind::Lion,
             Some(other) => {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{other}\" is not supported by zrt: use \"Adam\" or \"AdamW\""
+                    "`optimizer.type` \"{other}\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\""
                 ));
                 OptimizerKind::Adam
             }
@@ -301,6 +311,15 @@ impl P {
             }
         };
         let path = "optimizer.params";
+        if kind == OptimizerKind::Lion {
+            // DeepSpeed hands these to FusedLion as keyword arguments it
+            // does not take, and fails; zrt names them instead.
+            for key in ADAM_ONLY.iter().filter(|k| p.contains_key(**k)) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is an Adam setting that Lion does not take (Lion keeps one moment and no second, has no eps, and always decouples its weight decay): remove it, or use \"AdamW\""
+                ));
+            }
+        }
         self.keys(
             p,
             path,
@@ -348,8 +367,7 @@ impl P {
             }
         }
         // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true).
-        let adam_w_mode =
-            kind == OptimizerKind::AdamW || self.bool_or(p, path, "adam_w_mode", true);
+        let adam_w_mode = kind != OptimizerKind::Adam || self.bool_or(p, path, "adam_w_mode", true);
         OptimizerConfig {
             kind,
             lr: self.f64_setting(p, path, "lr", 1e-3),

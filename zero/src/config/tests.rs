@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\" or \"AdamW\"",
+        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -645,6 +645,36 @@ fn numbers_are_whole_where_counts_are_meant_and_strings_are_auto_only() {
         ),
     ] {
         assert_eq!(problems(json), [want], "{json}");
+    }
+}
+
+#[test]
+fn lion_reads_lr_betas_and_weight_decay_and_refuses_adams_settings() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}}"#,
+    )
+    .unwrap();
+    let o = &c.optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Lion);
+    assert_eq!(
+        (o.lr.value(), o.betas, o.weight_decay.value()),
+        (Some(1e-4), (0.95, 0.98), Some(0.1))
+    );
+    assert!(o.adam_w_mode, "Lion's decay is decoupled");
+    assert_eq!(o.kind.moments(), 1);
+    // DeepSpeed's FusedLion takes no eps, adam_w_mode, ...: it fails on
+    // them; zrt names each.
+    let p = problems(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "lion", "params": {"lr": 1e-4, "eps": 1e-8, "amsgrad": false}}}"#,
+    );
+    assert_eq!(p.len(), 2, "{p:?}");
+    for key in ["eps", "amsgrad"] {
+        assert!(
+            p.iter().any(|x| x.starts_with(&format!(
+                "`optimizer.params.{key}` is an Adam setting that Lion does not take"
+            )) && x.ends_with("remove it, or use \"AdamW\"")),
+            "{key}: {p:?}"
+        );
     }
 }
 

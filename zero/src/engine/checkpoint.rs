@@ -30,18 +30,20 @@ use crate::checkpoint::{
 use crate::{glue, EngineError};
 
 /// Reads elements `need` of unit `u`'s state (zero moments for
-/// `ModuleOnly`) from the files `read_checkpoint` checked.
+/// `ModuleOnly`) from the files `read_checkpoint` checked; `moments` is
+/// how many this run's optimizer keeps (Lion's `v` stays empty).
 fn read_state(
     loc: &mut Locator,
     u: &super::Unit,
     need: Range<usize>,
     what: What,
+    moments: usize,
 ) -> Result<OwnedState, CheckpointError> {
     let n = need.len();
     let mut state = OwnedState {
         master: vec![0.0; n],
         m: vec![0.0; n],
-        v: vec![0.0; n],
+        v: vec![0.0; if moments == 2 { n } else { 0 }],
     };
     for (s, elems, dst) in u.layout.pieces(need) {
         loc.read_param(
@@ -52,10 +54,43 @@ fn read_state(
         )?;
         if what == What::Everything {
             loc.read_param(&s.name, "m", elems.clone(), &mut state.m[dst.clone()])?;
-            loc.read_param(&s.name, "v", elems, &mut state.v[dst])?;
+            if moments == 2 {
+                loc.read_param(&s.name, "v", elems, &mut state.v[dst])?;
+            }
         }
     }
     Ok(state)
+}
+
+/// What an optimizer keeping `moments` moments holds per element, in words.
+fn moments_held(moments: usize) -> &'static str {
+    match moments {
+        2 => "two moments, m and v",
+        _ => "one moment, m",
+    }
+}
+
+/// The tensors of a parameter's state that a rank file holds: the master
+/// and the moments of an optimizer keeping `moments` of them.
+fn state_parts(moments: usize) -> &'static [&'static str] {
+    match moments {
+        2 => &["master", "m", "v"],
+        _ => &["master", "m"],
+    }
+}
+
+/// The optimizer a checkpoint's run used, as `optimizer.type` names it
+/// (every checkpoint records it in its resolved config).
+fn saved_optimizer(meta: &Meta) -> &str {
+    meta.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
+}
+
+/// How many moments the rank files of a run with `optimizer` hold.
+fn saved_moments(optimizer: &str) -> usize {
+    match optimizer {
+        "Lion" => 1,
+        _ => 2,
+    }
 }
 
 /// The name of unit `unit`'s accumulated gradient in a rank file or a
@@ -446,7 +481,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut plan = Vec::new();
         for (u, sh) in st.units.iter().zip(&st.shards) {
             let n = u.layout.shard(rank).len() as i64;
-            for part in ["master", "m", "v"] {
+            for part in state_parts(i.cfg.config.optimizer.kind.moments()) {
                 plan.push(Planned::new(
                     &format!("{}/{part}", u.name),
                     Dtype::F32,
@@ -475,7 +510,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
             w.write(&format!("{}/master", u.name), f32_bytes(&state.master))?;
             w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
-            w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
+            if !state.v.is_empty() {
+                w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
+            }
             if pending {
                 w.write(&grad_name(&u.name), f32_bytes(&sh.g))?;
             }
@@ -596,7 +633,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 "gradient_accumulation_steps": i.cfg.batch.gas,
                 "gradient_clipping": c.gradient_clipping,
                 "optimizer": {
-                    "type": format!("{:?}", c.optimizer.kind),
+                    "type": c.optimizer.kind.name(),
                     "lr": c.optimizer.lr.value(),
                     "betas": [c.optimizer.betas.0, c.optimizer.betas.1],
                     "eps": c.optimizer.eps,
@@ -826,11 +863,27 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // Everything a unit will read is checked now (its files mapped and
         // verified, every range present), and read only when the unit's
         // turn comes in `apply`: one unit's state in memory at a time.
+        let kind = i.cfg.config.optimizer.kind;
+        let saved = saved_optimizer(&meta);
+        if what == What::Everything && saved_moments(saved) != kind.moments() {
+            return Err(CheckpointError::Incompatible(format!(
+                "its run trained with {saved}, whose optimizer state ({}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, or set `optimizer.type` to \"{saved}\"",
+                moments_held(saved_moments(saved)),
+                kind.name(),
+                moments_held(kind.moments()),
+                kind.name(),
+            )));
+        }
+        // A module-only load reads the masters alone.
+        let parts = match what {
+            What::Everything => state_parts(kind.moments()),
+            What::ModuleOnly => &["master"][..],
+        };
         let mut loc = Locator::new(&meta, &tag_dir);
         for u in &st.units {
             let need = i.own_range(u);
             for (s, elems, _) in u.layout.pieces(need) {
-                for what in ["master", "m", "v"] {
+                for what in parts {
                     loc.check_param(&s.name, what, elems.clone())?;
                 }
             }
@@ -874,7 +927,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut loc = l.loc;
         for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
             let need = i.own_range(u);
-            let state = read_state(&mut loc, u, need.clone(), what)?;
+            let moments = i.cfg.config.optimizer.kind.moments();
+            let state = read_state(&mut loc, u, need.clone(), what, moments)?;
             i.install(u, sh, k, need, state)?;
             // `read_checkpoint` checked that every saved gradient is there
             // and of this engine's length.

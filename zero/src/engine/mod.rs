@@ -52,9 +52,9 @@ use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
-use zrt_kernels::{adam_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
+use zrt_kernels::{adam_step, lion_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
 
-use crate::config::{ConfigError, Precision, Setting};
+use crate::config::{ConfigError, OptimizerKind, Precision, Setting};
 use crate::flat::FlatLayout;
 use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::{betas_at, lr_at};
@@ -609,7 +609,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
             None if self.stage == 0 => (
                 Cow::Borrowed(&sh.m[range.clone()]),
-                Cow::Borrowed(&sh.v[range]),
+                // Empty under Lion, whatever the range.
+                Cow::Borrowed(sh.v.get(range).unwrap_or_default()),
             ),
             None => (
                 Cow::Borrowed(sh.m.as_slice()),
@@ -664,15 +665,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             ),
         };
         if u.special.is_empty() {
-            adam_step(
-                &self.threads,
-                up.adam,
-                up.step,
-                up.scale,
-                AdamShard { p, g, m, v },
-                copy,
-            )?;
-            return Ok(());
+            return self.optimizer_step(up, up.adam, AdamShard { p, g, m, v }, copy);
         }
         // Parameters left out of weight decay or with a scaled learning
         // rate: one kernel call per run of elements treated alike.
@@ -684,19 +677,31 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             let (v1, v2) = std::mem::take(&mut v).split_at_mut(len);
             let (c1, c2) = groups::split_copy(std::mem::take(&mut copy), len);
             (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
-            adam_step(
-                &self.threads,
-                &setting.adam(up.adam),
-                up.step,
-                up.scale,
-                AdamShard {
-                    p: p1,
-                    g: g1,
-                    m: m1,
-                    v: v1,
-                },
-                c1,
-            )?;
+            let shard = AdamShard {
+                p: p1,
+                g: g1,
+                m: m1,
+                v: v1,
+            };
+            self.optimizer_step(up, &setting.adam(up.adam), shard, c1)?;
+        }
+        Ok(())
+    }
+
+    /// The config's optimizer over one run of elements treated alike
+    /// (`cfg`: this step's settings as those parameters get them).
+    fn optimizer_step(
+        &self,
+        up: &Update<'_>,
+        cfg: &AdamConfig,
+        s: AdamShard<'_>,
+        copy: ComputeCopy<'_>,
+    ) -> Result<(), EngineError> {
+        match self.cfg.config.optimizer.kind {
+            OptimizerKind::Adam | OptimizerKind::AdamW => {
+                adam_step(&self.threads, cfg, up.step, up.scale, s, copy)?
+            }
+            OptimizerKind::Lion => lion_step(&self.threads, cfg, up.scale, s, copy)?,
         }
         Ok(())
     }
@@ -1475,10 +1480,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 _ => CopyShard::None,
             };
             let g_len = if stage <= 1 { full } else { part };
+            // Lion keeps no second moment: its `v` stays empty everywhere.
+            let v_len = if c.optimizer.kind.moments() == 2 {
+                opt_len
+            } else {
+                0
+            };
             shards.push(Shard {
                 master,
                 m: vec![0.0; opt_len],
-                v: vec![0.0; opt_len],
+                v: vec![0.0; v_len],
                 g: vec![0.0; g_len],
                 reduced: Vec::new(),
                 copy,

@@ -86,7 +86,7 @@ pub(super) fn swap_out(
             chunk_bytes: cfg.config.aio.block_size as usize,
             direct: true,
         },
-        2 + usize::from(with_master),
+        cfg.config.optimizer.kind.moments() + usize::from(with_master),
         &shards.iter().map(|s| s.m.len()).collect::<Vec<_>>(),
     )?;
     for (k, sh) in shards.iter_mut().enumerate() {
@@ -95,7 +95,10 @@ pub(super) fn swap_out(
             arrays.push(&sh.master);
         }
         arrays.push(&sh.m);
-        arrays.push(&sh.v);
+        // Lion's `v` is empty and has no array in the swap.
+        if cfg.config.optimizer.kind.moments() == 2 {
+            arrays.push(&sh.v);
+        }
         swap.write_region(k, &arrays)?;
         if with_master {
             sh.master = Vec::new();
@@ -161,19 +164,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 } else {
                     (&mut master[r.clone()], arrays)
                 };
-                let (m, v) = mv.split_at_mut(1);
-                self.adam_on(
-                    u,
-                    r,
-                    AdamShard {
-                        p,
-                        g,
-                        m: &mut *m[0],
-                        v: &mut *v[0],
-                    },
-                    copy,
-                    up,
-                )?;
+                // Adam's m and v, or Lion's m alone.
+                let (m, v) = match mv {
+                    [m, v] => (&mut **m, &mut **v),
+                    [m, ..] => (&mut **m, &mut [][..]),
+                    // Never: the swap was made with one array per moment
+                    // (the kernel would name the empty `m`).
+                    [] => (&mut [][..], &mut [][..]),
+                };
+                self.adam_on(u, r, AdamShard { p, g, m, v }, copy, up)?;
                 if last {
                     self.page_out(sh, k, true)?;
                 }
@@ -186,10 +185,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn swapped_state(&self, swap: &Swap, k: usize) -> Result<UnitState, EngineError> {
         let n = swap.region_len(k);
         let with_master = swaps_master(self.compute);
-        let mut arrays = vec![vec![0f32; n]; 2 + usize::from(with_master)];
+        let moments = self.cfg.config.optimizer.kind.moments();
+        let mut arrays = vec![vec![0f32; n]; moments + usize::from(with_master)];
         let mut refs: Vec<&mut [f32]> = arrays.iter_mut().map(Vec::as_mut_slice).collect();
         swap.read_region(k, &mut refs)?;
-        let v = arrays.pop().unwrap_or_default();
+        // Lion's `v` is empty: the swap holds no array for it.
+        let v = match moments {
+            2 => arrays.pop().unwrap_or_default(),
+            _ => Vec::new(),
+        };
         let m = arrays.pop().unwrap_or_default();
         Ok(UnitState {
             master: arrays.pop(),
@@ -213,7 +217,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             arrays.push(master);
         }
         arrays.push(m);
-        arrays.push(v);
+        if self.cfg.config.optimizer.kind.moments() == 2 {
+            arrays.push(v);
+        }
         swap.write_region(k, &arrays)?;
         Ok(())
     }

@@ -539,7 +539,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         let mfu = flops / (peak * n);
         let rss = max_rss(rows);
         let state = median(&get("model_state_bytes"));
-        let formula = model_state_bytes(*stage, params, n, 4.0);
+        let formula = model_state_bytes(*stage, params, n, 4.0, 2.0);
         let comm = median(&get("comm_elements_per_step"));
         // Elements that must cross ranks per step by ZeRO's accounting: 2 Psi
         // (stages 0-2) or 3 Psi (stage 3), times (n-1)/n; none alone.

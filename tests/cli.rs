@@ -908,3 +908,26 @@ fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
         assert!(!out.contains("does not implement"), "{out}");
     }
 }
+
+#[test]
+fn config_check_shows_lions_settings_and_refuses_adams() {
+    let f = config_file(
+        "lion",
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    let _ = std::fs::remove_file(&f);
+    assert!(ok, "{out}");
+    let line = "optimizer        Lion lr 0.0001 betas (0.9, 0.99) weight_decay 0.1 (decoupled decay; one moment, no second)";
+    assert!(out.contains(line), "{out}");
+    let f = config_file(
+        "lion-eps",
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Lion", "params": {"eps": 1e-8}}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    let _ = std::fs::remove_file(&f);
+    assert!(
+        !ok && out.contains("`optimizer.params.eps` is an Adam setting that Lion does not take"),
+        "{out}"
+    );
+}

@@ -2,7 +2,7 @@
 //! result: each case draws a stage (1-3), the settings of that stage
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
-//! NVMe) and a program (accumulation steps, clipping, bf16 or fp16 with
+//! NVMe) and a program (AdamW or Lion, accumulation steps, clipping, bf16 or fp16 with
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
@@ -42,9 +42,7 @@
 
 use crate::common;
 
-use common::{
-    built, config_zero, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT,
-};
+use common::{built, config_of, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT};
 use zrt::gpt::Gpt;
 use zrt::zero::{AutoHints, Engine};
 
@@ -183,6 +181,9 @@ struct Program {
     /// final norm's bias (a root parameter), which training must go on
     /// from; 2: an evaluation forward.
     full_params: usize,
+    /// `optimizer.type`: "AdamW", or "Lion" (one moment: its own state
+    /// layout in memory, swaps and checkpoints).
+    optimizer: &'static str,
 }
 
 impl Program {
@@ -241,7 +242,7 @@ fn leg(
         false => "",
     };
     let zero = format!("{}{}{qwz}{qgz}{qfrozen}", l.zero, l.grouping);
-    let cfg = config_zero(l.stage, l.gas, p.clip, &p.top, &zero);
+    let cfg = config_of(p.optimizer, l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
         let new = match p.checkpointed {
@@ -478,6 +479,10 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         // From a stream of its own, so that every other draw of this case
         // and the next ones stays what it was before this was added.
         mlp_left_out: Draw(d.0.rotate_left(17) | 1).flag(4),
+        optimizer: match Draw(d.0.rotate_left(7) | 1).flag(4) {
+            true => "Lion",
+            false => "AdamW",
+        },
     };
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another
@@ -637,6 +642,7 @@ impl Program {
             declared: true,
             mlp_left_out: false,
             full_params: 0,
+            optimizer: "AdamW",
         }
     }
 }

@@ -279,15 +279,17 @@ fn run_reference_full(
 }
 
 /// Lion's step (DeepSpeed's, sign(0) = 0) at [`LR`], [`WD`], betas (0.9,
-/// 0.999), on every variable from its `.grad()`, in f32 with the
-/// kernel's fused multiply-adds: the reference's part that libtorch has
-/// no optimizer for.
-fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>) {
+/// 0.999), on every variable from its `.grad()`, its decay and rate as
+/// `rules` give them, in f32 with the kernel's fused multiply-adds: the
+/// reference's part that libtorch has no optimizer for.
+fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>, rules: Rules) {
     let (b1, b2) = (0.9f64, 0.999f64);
-    let (lr, decay) = (LR as f32, (1.0 - LR * WD) as f32);
     moments.resize_with(vars.len(), Vec::new);
     tch::no_grad(|| {
-        for ((_, v), m) in vars.iter().zip(moments.iter_mut()) {
+        for ((name, v), m) in vars.iter().zip(moments.iter_mut()) {
+            let lr = LR * rules.lr_scale(name);
+            let wd = if rules.decays(&v.size()) { WD } else { 0.0 };
+            let (lr, decay) = (lr as f32, (1.0 - lr * wd) as f32);
             let flat = |t: &Tensor| Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap();
             let (mut p, g) = (flat(&v.detach()), flat(&v.grad()));
             m.resize(p.len(), 0.0);
@@ -304,7 +306,7 @@ fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>) {
 }
 
 /// As `run_reference_full`, stepping with [`lion_update`] instead of
-/// AdamW when `lion` (every parameter in one group, no schedule).
+/// AdamW when `lion` (no schedule).
 fn run_reference_opt(
     stage: u8,
     gas: usize,
@@ -313,7 +315,7 @@ fn run_reference_opt(
     rules: Rules,
     lion: bool,
 ) -> (Vec<f64>, Params) {
-    assert!(!lion || (schedule.is_none() && rules == Rules::Plain));
+    assert!(!lion || schedule.is_none());
     let mut moments = Vec::new();
     let (vs, _plan, gpt) = model();
     // Group 0 is the plain one.
@@ -443,7 +445,7 @@ fn run_reference_opt(
             opt.set_momentum(s.beta1s[step]);
         }
         match lion {
-            true => lion_update(&vars, &mut moments),
+            true => lion_update(&vars, &mut moments, rules),
             false => opt.step(),
         }
         losses.push(loss_sum / (gas * WORLD) as f64);
@@ -513,17 +515,18 @@ fn stages_0_to_3_match_the_unsharded_reference() {
 
 #[test]
 fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
-    for (gas, clip) in [(1, 0.0), (2, 0.5)] {
+    // The parameter rules' runs of elements treated alike too.
+    for (gas, clip, rules) in [(1, 0.0, Rules::Plain), (2, 0.5, Rules::Scaled)] {
         for stage in 0..=3u8 {
-            let reference = run_reference_opt(stage, gas, clip, None, Rules::Plain, true);
+            let reference = run_reference_opt(stage, gas, clip, None, rules, true);
             let zero = r#""stage3_param_persistence_threshold": 0,"#;
             let cfg = common::config_of("Lion", stage, gas, clip, "", zero);
-            let run = run_engine_with(cfg, gas);
+            let run = run_engine_full(cfg, gas, Bare::None, rules);
             if clip > 0.0 {
                 assert!(run.norms[0].unwrap() > clip, "clipping must be active");
             }
             compare(
-                &format!("Lion stage {stage} gas {gas} clip {clip}"),
+                &format!("Lion stage {stage} gas {gas} clip {clip} {rules:?}"),
                 (run.losses, run.params),
                 reference,
             );

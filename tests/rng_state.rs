@@ -16,4 +16,5 @@ mod checkpoint;
 mod config_sweep;
 mod experts;
 mod frozen_shards;
+mod lion;
 mod quantized_frozen;

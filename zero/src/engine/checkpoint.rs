@@ -510,7 +510,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
             w.write(&format!("{}/master", u.name), f32_bytes(&state.master))?;
             w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
-            if !state.v.is_empty() {
+            // Lion keeps no `v` (an empty one is still Adam's, of a unit
+            // with no trainable element on this rank).
+            if i.cfg.config.optimizer.kind.moments() == 2 {
                 w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
             }
             if pending {

@@ -609,8 +609,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
             None if self.stage == 0 => (
                 Cow::Borrowed(&sh.m[range.clone()]),
-                // Empty under Lion, whatever the range.
-                Cow::Borrowed(sh.v.get(range).unwrap_or_default()),
+                // Lion's is empty, whatever the range.
+                match self.cfg.config.optimizer.kind.moments() {
+                    2 => Cow::Borrowed(&sh.v[range]),
+                    _ => Cow::Borrowed(&[][..]),
+                },
             ),
             None => (
                 Cow::Borrowed(sh.m.as_slice()),
@@ -674,7 +677,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             let (p1, p2) = std::mem::take(&mut p).split_at_mut(len);
             let (g1, g2) = g.split_at(len);
             let (m1, m2) = std::mem::take(&mut m).split_at_mut(len);
-            let (v1, v2) = std::mem::take(&mut v).split_at_mut(len);
+            // Lion's `v` is empty: nothing to split.
+            let (v1, v2) = match v.is_empty() {
+                true => (&mut [][..], &mut [][..]),
+                false => std::mem::take(&mut v).split_at_mut(len),
+            };
             let (c1, c2) = groups::split_copy(std::mem::take(&mut copy), len);
             (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
             let shard = AdamShard {

@@ -1,0 +1,198 @@
+//! `optimizer.type: "Lion"`: one moment per trained element where Adam
+//! keeps two. (Its parity with an unsharded reference at stages 0-3 is in
+//! `engine_parity`.) Asserted here: bf16 stages and the NVMe swaps (the
+//! optimizer's, holding the master and m or m alone, and the parameters')
+//! train to the bits of the in-memory run; a rank holds 4 bytes per
+//! element of its optimizer range less than under AdamW, in memory and in
+//! the swap file; checkpoints hold no `v`, resume to the same bits, and
+//! a full load of the other optimizer's state is refused by name while a
+//! module-only load takes the parameters. Checkpoint loads restore the
+//! RNG, so these run one at a time ([`common::serial`]).
+
+use crate::common;
+
+use common::{config_of, nvme, nvme_params, on_ranks, serial, tokens, train_losses, train_world};
+use zrt::zero::{Config, Engine};
+
+const BF16: &str = r#""bf16": {"enabled": true},"#;
+/// Stage 3 shards every unit of the test GPT (all are under the default
+/// persistence threshold).
+const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
+
+fn lion(stage: u8, extra: &str, zero: &str) -> Config {
+    config_of("Lion", stage, 1, 0.0, extra, &format!("{SHARD_ALL} {zero}"))
+}
+
+/// A fresh folder under the temp dir for one test's files.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zrt-lion-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
+    let _serial = serial();
+    let steps = 4;
+    let dir = scratch("swap");
+    let (aio, off) = nvme(&dir);
+    // bf16: the swap holds the fp32 master and m; fp32: m alone (the
+    // master is the parameters), paged through the parameter swap too.
+    for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
+        let memory = train_world(&lion(stages[0], extra, ""), &[], steps);
+        for &stage in stages {
+            let run = train_world(&lion(stage, extra, ""), &[], steps);
+            assert_eq!(
+                (&run.0, &run.1),
+                (&memory.0, &memory.1),
+                "{extra} stage {stage}"
+            );
+        }
+        let swapped = format!("{off} {}", nvme_params(&dir));
+        let run = train_world(&lion(3, &format!("{extra} {aio}"), &swapped), &[], steps);
+        assert_eq!(
+            (&run.0, &run.1),
+            (&memory.0, &memory.1),
+            "{extra} stage 3, swapped"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_holds_one_moment_in_memory_and_in_the_swap_file() {
+    let _serial = serial();
+    let dir = scratch("bytes");
+    let (aio, off) = nvme(&dir);
+    for stage in [0u8, 2, 3] {
+        // (model-state bytes, optimizer-range elements, swap file bytes)
+        let held = |optimizer: &str, extra: &str, zero: &str| {
+            on_ranks(common::WORLD, |r| {
+                let (vs, plan, gpt) = common::model();
+                let cfg = config_of(
+                    optimizer,
+                    stage,
+                    1,
+                    0.0,
+                    extra,
+                    &format!("{SHARD_ALL} {zero}"),
+                );
+                let (e, logs) = common::with_logs_at(tracing::Level::INFO, || {
+                    common::engine_of(&vs, &plan, &cfg, &r)
+                });
+                train_losses(&gpt, &e, r.rank(), 1);
+                // The gradient buffers are the optimizer range at stages 0
+                // (the whole model), 2 and 3 (the shards).
+                let range: usize = (0..).map_while(|u| e.grad_buffer(u)).map(|g| g.len()).sum();
+                let file = logs
+                    .lines()
+                    .find(|l| l.contains("optimizer state offloaded to NVMe"))
+                    .and_then(|l| l.split(" bytes=").nth(1))
+                    .and_then(|s| s.split_whitespace().next())
+                    .map(|b| b.parse::<u64>().unwrap());
+                (e.model_state_bytes().unwrap(), range, file)
+            })
+            .remove(0)
+        };
+        let (adam, range, _) = held("AdamW", "", "");
+        let (lion, _, _) = held("Lion", "", "");
+        assert_eq!(adam - lion, 4 * range, "stage {stage}");
+        if stage == 3 {
+            let (_, _, adam) = held("AdamW", &aio, &off);
+            let (_, _, lion) = held("Lion", &aio, &off);
+            // fp32: the swap holds m and v, or m alone.
+            let (adam, lion) = (adam.unwrap(), lion.unwrap());
+            assert!(lion > 0 && adam == 2 * lion, "{adam} vs {lion}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The tensor names in `dir/tag`'s rank files.
+fn saved_names(dir: &std::path::Path, tag: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for f in std::fs::read_dir(dir.join(tag)).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("rank-") {
+            names.extend(
+                tch::Tensor::read_safetensors(&p)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(n, _)| n),
+            );
+        }
+    }
+    names
+}
+
+#[test]
+fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
+    let _serial = serial();
+    let dir = scratch("ckpt");
+    let swap = scratch("ckpt-swap");
+    let (aio, off) = nvme(&swap);
+    let (at3, adam) = (
+        lion(3, BF16, ""),
+        config_of("AdamW", 3, 1, 0.0, BF16, SHARD_ALL),
+    );
+    // The master and m in the swap file: saved from it and loaded into it.
+    let swapped = lion(3, &format!("{BF16} {aio}"), &off);
+    // (the next step's loss, the parameters after it)
+    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
+        let loss = gpt.loss(&tokens(1, 0, rank, 1));
+        e.backward(&loss).unwrap();
+        e.step().unwrap();
+        (loss.double_value(&[]), e.gathered_params().unwrap())
+    };
+    let straight = on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &swapped, &r);
+        train_losses(&gpt, &e, r.rank(), 1);
+        e.save_checkpoint(&dir, "lion").unwrap();
+        next_step(&e, &gpt, r.rank())
+    });
+    let names = saved_names(&dir, "lion");
+    assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
+    assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
+    for cfg in [&at3, &swapped] {
+        let resumed = on_ranks(common::WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let e = common::engine_of(&vs, &plan, cfg, &r);
+            e.load_checkpoint(&dir, Some("lion")).unwrap();
+            next_step(&e, &gpt, r.rank())
+        });
+        assert_eq!(resumed, straight);
+    }
+    // An AdamW run refuses Lion's state, and loads its parameters alone.
+    on_ranks(common::WORLD, |r| {
+        let (vs, plan, _) = common::model();
+        let e = common::engine_of(&vs, &plan, &adam, &r);
+        let err = e
+            .load_checkpoint(&dir, Some("lion"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "its run trained with Lion, whose optimizer state (one moment, m) is not AdamW's (two moments, m and v)",
+            "load_checkpoint_module_only",
+            "set `optimizer.type` to \"Lion\"",
+        ] {
+            assert!(err.contains(want), "{want:?} in {err}");
+        }
+        e.load_checkpoint_module_only(&dir, Some("lion")).unwrap();
+        e.save_checkpoint(&dir, "adam").unwrap();
+    });
+    // ... and a Lion run refuses AdamW's.
+    on_ranks(common::WORLD, |r| {
+        let (vs, plan, _) = common::model();
+        let e = common::engine_of(&vs, &plan, &at3, &r);
+        let err = e
+            .load_checkpoint(&dir, Some("adam"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("its run trained with AdamW, whose optimizer state (two moments, m and v) is not Lion's (one moment, m)"), "{err}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&swap);
+}

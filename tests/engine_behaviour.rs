@@ -1715,7 +1715,7 @@ fn one_cycles_momentum_decay_stops_every_rank_where_beta1_reaches_1() {
         e.backward(&t.loss(&input(r.rank(), 3))).unwrap();
         let err = e.step().unwrap_err().to_string();
         assert!(
-            err.contains("OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to 1.35 at step 4: Adam needs beta1 in [0, 1)"),
+            err.contains("OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to 1.35 at step 4: AdamW needs beta1 in [0, 1)"),
             "{err}"
         );
         // Refused before anything moved.

@@ -156,6 +156,11 @@ fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
     let names = saved_names(&dir, "lion");
     assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
     assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
+    let text = zrt::zero::checkpoint::inspect(&dir, Some("lion")).unwrap();
+    assert!(
+        text.contains("ZeRO stage 3, compute bf16, optimizer Lion"),
+        "{text}"
+    );
     for cfg in [&at3, &swapped] {
         let resumed = on_ranks(common::WORLD, |r| {
             let (vs, plan, gpt) = common::model();

@@ -115,8 +115,13 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
     );
     let _ = writeln!(
         s,
-        "  world {} (mesh {} x {}), ZeRO stage {}, compute {}",
-        meta.world, meta.mesh.0, meta.mesh.1, meta.stage, meta.compute
+        "  world {} (mesh {} x {}), ZeRO stage {}, compute {}, optimizer {}",
+        meta.world,
+        meta.mesh.0,
+        meta.mesh.1,
+        meta.stage,
+        meta.compute,
+        meta.optimizer()
     );
     let _ = writeln!(
         s,

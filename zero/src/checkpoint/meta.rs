@@ -173,6 +173,13 @@ impl Meta {
         Ok(meta)
     }
 
+    /// The optimizer its run trained with, as `optimizer.type` names it
+    /// ("Adam", "AdamW" or "Lion": every checkpoint records it in its
+    /// resolved config), which decides the moments its rank files hold.
+    pub fn optimizer(&self) -> &str {
+        self.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
+    }
+
     /// Every parameter as (name, shape), in flat order.
     pub fn params(&self) -> impl Iterator<Item = &SlotMeta> {
         self.units.iter().flat_map(|u| &u.slots)

@@ -591,7 +591,7 @@ impl P {
             ] {
                 if !(0.0..1.0).contains(&m) {
                     self.problems.push(format!(
-                        "`{path}.{key}` must be in [0, 1) (it becomes Adam's beta1), got {m}"
+                        "`{path}.{key}` must be in [0, 1) (it becomes the optimizer's beta1), got {m}"
                     ));
                 }
             }
@@ -602,7 +602,7 @@ impl P {
                 // refuses that step rather than diverge).
                 let past = (d as f64 * (1.0 / max - 1.0) / rate).ceil();
                 self.warnings.push(format!(
-                    "`{path}.decay_mom_rate` {rate} raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about {past} steps after the cycle's {} steps, and the engine stops there; Adam needs beta1 < 1",
+                    "`{path}.decay_mom_rate` {rate} raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about {past} steps after the cycle's {} steps, and the engine stops there; Adam and Lion need beta1 < 1",
                     first + second
                 ));
             }

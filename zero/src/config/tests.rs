@@ -810,8 +810,8 @@ fn one_cycle_takes_deepspeeds_defaults_and_says_what_it_does_to_the_betas() {
             "`scheduler.params.cycle_min_lr` is required by OneCycle (DeepSpeed has no default either)",
             "`scheduler.params.cycle_max_lr` is required by OneCycle (DeepSpeed has no default either)",
             "`scheduler.params.cycle_first_step_size` must be at least 1 for OneCycle",
-            "`scheduler.params.cycle_min_mom` must be in [0, 1) (it becomes Adam's beta1), got 1",
-            "`scheduler.params.cycle_max_mom` must be in [0, 1) (it becomes Adam's beta1), got -0.1",
+            "`scheduler.params.cycle_min_mom` must be in [0, 1) (it becomes the optimizer's beta1), got 1",
+            "`scheduler.params.cycle_max_mom` must be in [0, 1) (it becomes the optimizer's beta1), got -0.1",
         ]
     );
     // Momenta are not Adam's while they do not cycle.
@@ -828,7 +828,7 @@ fn one_cycle_takes_deepspeeds_defaults_and_says_what_it_does_to_the_betas() {
     .unwrap();
     assert_eq!(
         decays.warnings[0],
-        "`scheduler.params.decay_mom_rate` 0.01 raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about 250 steps after the cycle's 10 steps, and the engine stops there; Adam needs beta1 < 1"
+        "`scheduler.params.decay_mom_rate` 0.01 raises beta1 after the cycle (OneCycle multiplies `cycle_max_mom` by 1 + rate x iterations / `decay_step_size`, as DeepSpeed does): it reaches 1 about 250 steps after the cycle's 10 steps, and the engine stops there; Adam and Lion need beta1 < 1"
     );
 }
 

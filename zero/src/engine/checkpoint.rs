@@ -79,12 +79,6 @@ fn state_parts(moments: usize) -> &'static [&'static str] {
     }
 }
 
-/// The optimizer a checkpoint's run used, as `optimizer.type` names it
-/// (every checkpoint records it in its resolved config).
-fn saved_optimizer(meta: &Meta) -> &str {
-    meta.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
-}
-
 /// How many moments the rank files of a run with `optimizer` hold.
 fn saved_moments(optimizer: &str) -> usize {
     match optimizer {
@@ -481,7 +475,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut plan = Vec::new();
         for (u, sh) in st.units.iter().zip(&st.shards) {
             let n = u.layout.shard(rank).len() as i64;
-            for part in state_parts(i.cfg.config.optimizer.kind.moments()) {
+            for part in state_parts(i.moments()) {
                 plan.push(Planned::new(
                     &format!("{}/{part}", u.name),
                     Dtype::F32,
@@ -512,7 +506,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
             // Lion keeps no `v` (an empty one is still Adam's, of a unit
             // with no trainable element on this rank).
-            if i.cfg.config.optimizer.kind.moments() == 2 {
+            if i.moments() == 2 {
                 w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
             }
             if pending {
@@ -866,7 +860,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // verified, every range present), and read only when the unit's
         // turn comes in `apply`: one unit's state in memory at a time.
         let kind = i.cfg.config.optimizer.kind;
-        let saved = saved_optimizer(&meta);
+        let saved = meta.optimizer();
         if what == What::Everything && saved_moments(saved) != kind.moments() {
             return Err(CheckpointError::Incompatible(format!(
                 "its run trained with {saved}, whose optimizer state ({}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, or set `optimizer.type` to \"{saved}\"",
@@ -929,8 +923,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut loc = l.loc;
         for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
             let need = i.own_range(u);
-            let moments = i.cfg.config.optimizer.kind.moments();
-            let state = read_state(&mut loc, u, need.clone(), what, moments)?;
+            let state = read_state(&mut loc, u, need.clone(), what, i.moments())?;
             i.install(u, sh, k, need, state)?;
             // `read_checkpoint` checked that every saved gradient is there
             // and of this engine's length.

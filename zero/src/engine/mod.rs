@@ -531,6 +531,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         (st.step + st.skipped) * self.cfg.batch.train
     }
 
+    /// How many fp32 moments per element of its range the optimizer keeps:
+    /// Adam's m and v (2), Lion's m (1; every `v` stays empty).
+    fn moments(&self) -> usize {
+        self.cfg.config.optimizer.kind.moments()
+    }
+
     fn shard_range(&self, u: &Unit) -> std::ops::Range<usize> {
         u.layout.shard(self.group.rank())
     }
@@ -610,7 +616,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             None if self.stage == 0 => (
                 Cow::Borrowed(&sh.m[range.clone()]),
                 // Lion's is empty, whatever the range.
-                match self.cfg.config.optimizer.kind.moments() {
+                match self.moments() {
                     2 => Cow::Borrowed(&sh.v[range]),
                     _ => Cow::Borrowed(&[][..]),
                 },
@@ -678,9 +684,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             let (g1, g2) = g.split_at(len);
             let (m1, m2) = std::mem::take(&mut m).split_at_mut(len);
             // Lion's `v` is empty: nothing to split.
-            let (v1, v2) = match v.is_empty() {
-                true => (&mut [][..], &mut [][..]),
-                false => std::mem::take(&mut v).split_at_mut(len),
+            let (v1, v2) = match self.moments() {
+                2 => std::mem::take(&mut v).split_at_mut(len),
+                _ => (&mut [][..], &mut [][..]),
             };
             let (c1, c2) = groups::split_copy(std::mem::take(&mut copy), len);
             (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
@@ -1962,8 +1968,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // config refuses such betas otherwise); every rank stops here.
             return Err(ConfigError {
                 problems: vec![format!(
-                    "OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to {beta1} at step {}: Adam needs beta1 in [0, 1); lower decay_mom_rate, raise decay_step_size, or set decay_mom_rate to 0",
-                    st.step + 1
+                    "OneCycle's `scheduler.params.decay_mom_rate` has moved beta1 to {beta1} at step {}: {} needs beta1 in [0, 1); lower decay_mom_rate, raise decay_step_size, or set decay_mom_rate to 0",
+                    st.step + 1,
+                    c.optimizer.kind.name(),
                 )],
                 ..Default::default()
             }

@@ -185,7 +185,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     pub(super) fn swapped_state(&self, swap: &Swap, k: usize) -> Result<UnitState, EngineError> {
         let n = swap.region_len(k);
         let with_master = swaps_master(self.compute);
-        let moments = self.cfg.config.optimizer.kind.moments();
+        let moments = self.moments();
         let mut arrays = vec![vec![0f32; n]; moments + usize::from(with_master)];
         let mut refs: Vec<&mut [f32]> = arrays.iter_mut().map(Vec::as_mut_slice).collect();
         swap.read_region(k, &mut refs)?;
@@ -217,7 +217,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             arrays.push(master);
         }
         arrays.push(m);
-        if self.cfg.config.optimizer.kind.moments() == 2 {
+        if self.moments() == 2 {
             arrays.push(v);
         }
         swap.write_region(k, &arrays)?;

@@ -37,14 +37,14 @@ pub(crate) const BLOCK: usize = 1024;
 
 /// Elements the update walks between software prefetches: two 64-byte lines
 /// of each array.
-const STEP: usize = 32;
+pub(crate) const STEP: usize = 32;
 
 /// How far ahead (elements, 2 KiB per array) the update prefetches p, g, m
 /// and v. One core alone cannot keep enough misses in flight for four
 /// streams with the hardware prefetcher only: measured on this project's
 /// 2-core EPYC, 50M params, 1 thread, this distance gave +7-10% (256 and
 /// 768 less, issuing a whole block's prefetches at once -30%).
-const PREFETCH_AHEAD: usize = 512;
+pub(crate) const PREFETCH_AHEAD: usize = 512;
 
 /// Adam hyper-parameters, named as in DeepSpeed's `optimizer.params`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -259,7 +259,7 @@ impl<'a> CopyBits<'a> {
 /// Prefetches the [`STEP`] elements at `at` of every stream (each `n` long)
 /// into L1; nothing past the end. A hint only: no memory is read or written.
 #[inline(always)]
-fn prefetch(streams: &[*const f32; 4], n: usize, at: usize) {
+pub(crate) fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

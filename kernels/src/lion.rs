@@ -24,7 +24,9 @@
 
 use rayon::prelude::*;
 
-use crate::adam::{AdamConfig, AdamShard, ComputeCopy, CopyBits, BLOCK};
+use crate::adam::{
+    prefetch, AdamConfig, AdamShard, ComputeCopy, CopyBits, BLOCK, PREFETCH_AHEAD, STEP,
+};
 use crate::error::same_len;
 use crate::simd::multiversion;
 use crate::{KernelError, Threads};
@@ -73,17 +75,26 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
 }
 
 /// One thread's contiguous range, in cache blocks, each block's compute
-/// copy written while it is in cache.
+/// copy written while it is in cache; within a block in steps, with
+/// software prefetch ahead as Adam's, memory-bound as it is (`zrt bench
+/// adam`, 1 thread, 50M params: a Lion step took 0.83-0.85 of zrt's AdamW
+/// step's time without it, 0.77-0.79 with it).
 #[inline(always)]
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
     let n = p.len();
+    let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];
     let mut copy = copy;
     let mut start = 0;
     while start < n {
         let end = (start + BLOCK).min(n);
-        let pb = &mut p[start..end];
-        update(c, pb, &g[start..end], &mut m[start..end]);
-        copy.write(start, pb);
+        let mut s = start;
+        while s < end {
+            let e = (s + STEP).min(end);
+            prefetch(&streams, n, s + PREFETCH_AHEAD);
+            update(c, &mut p[s..e], &g[s..e], &mut m[s..e]);
+            s = e;
+        }
+        copy.write(start, &p[start..end]);
         start = end;
     }
 }

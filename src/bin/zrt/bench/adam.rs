@@ -1,6 +1,9 @@
 //! `zrt bench adam`: the fused AdamW step on one shard, against PyTorch's
 //! fused AdamW and DeepSpeed's CPUAdam (the optimizer behind ZeRO-Offload),
 //! and against memory-copy bandwidth measured in the same run (the limit).
+//! zrt's Lion step on the same shard is timed in the same rounds (no peer
+//! has one: torch 2.13 has no Lion, DeepSpeed's needs its CUDA or CPU
+//! build), against the limit and the peers' AdamW.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -8,10 +11,13 @@ use serde_json::{json, Value};
 
 use super::peer::Peer;
 use super::{copy_bandwidth, median, time_each};
-use zrt::kernels::{adam_step, AdamConfig, AdamShard, ComputeCopy, Threads};
+use zrt::kernels::{adam_step, lion_step, AdamConfig, AdamShard, ComputeCopy, Threads};
 
 /// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v.
 const BYTES_PER_PARAM: f64 = 28.0;
+
+/// Bytes a Lion step moves per parameter: read p, g, m; write p, m.
+const LION_BYTES_PER_PARAM: f64 = 20.0;
 
 /// Options of `zrt bench adam`.
 #[derive(Args, Debug)]
@@ -39,6 +45,7 @@ pub struct AdamArgs {
 #[derive(Default)]
 struct Samples {
     zrt: Vec<f64>,
+    lion: Vec<f64>,
     torch: Vec<f64>,
     deepspeed: Vec<f64>,
     copy_gbs: Vec<f64>,
@@ -127,6 +134,18 @@ pub fn run(args: &AdamArgs) -> Result<()> {
             };
             zrt_step(); // warm-up: page faults, pool wake-up
             s.zrt.extend(time_each(args.steps, zrt_step));
+            // Lion on the same p, g and m (timing only: the values stay
+            // finite, each step moves p by lr).
+            let lion = || {
+                let shard = AdamShard {
+                    p: &mut p,
+                    g: &g,
+                    m: &mut m,
+                    v: &mut [],
+                };
+                lion_step(pool, &cfg, 1.0, shard, ComputeCopy::None).expect("valid Lion arguments");
+            };
+            s.lion.extend(time_each(args.steps, lion));
             if let Some(peer) = peer.as_mut() {
                 s.torch
                     .extend(peer_times(peer, "torch_fused", t, args.steps)?);
@@ -143,11 +162,12 @@ pub fn run(args: &AdamArgs) -> Result<()> {
 
     if !args.json {
         println!(
-            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param",
+            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for zrt Lion, whose vs-peer is against the peers' AdamW)",
             n as f64 / 1e6,
             args.rounds,
             args.steps,
-            BYTES_PER_PARAM
+            BYTES_PER_PARAM,
+            LION_BYTES_PER_PARAM
         );
         println!(
             "{:<22} {:>7} {:>10} {:>12} {:>8} {:>10} {:>13} {:>13}",
@@ -174,11 +194,15 @@ pub fn run(args: &AdamArgs) -> Result<()> {
             .map(|p| p.1)
             .filter(|x| x.is_finite())
             .fold(f64::NAN, f64::min);
-        let mut rows = vec![("zrt", zrt_s)];
-        rows.extend(peers.iter().filter(|p| p.1.is_finite()).copied());
-        for (name, secs) in rows {
+        let mut rows = vec![("zrt", zrt_s, BYTES_PER_PARAM)];
+        rows.extend(
+            (peers.iter().filter(|p| p.1.is_finite()))
+                .map(|&(name, secs)| (name, secs, BYTES_PER_PARAM)),
+        );
+        rows.push(("zrt Lion", median(&s.lion), LION_BYTES_PER_PARAM));
+        for (name, secs, bytes) in rows {
             let mps = n as f64 / secs / 1e6;
-            let gbs = BYTES_PER_PARAM * n as f64 / secs / 1e9;
+            let gbs = bytes * n as f64 / secs / 1e9;
             let vs_limit = gbs / limit;
             let vs_peer = best_peer / secs;
             if args.json {

@@ -337,7 +337,8 @@ impl P {
             &[],
             false,
         );
-        if self.bool_or(p, path, "amsgrad", false) {
+        // (Lion's block was refused the key above.)
+        if kind != OptimizerKind::Lion && self.bool_or(p, path, "amsgrad", false) {
             self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
         }
         let betas = match p.get("betas") {

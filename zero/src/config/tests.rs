@@ -665,7 +665,7 @@ fn lion_reads_lr_betas_and_weight_decay_and_refuses_adams_settings() {
     // DeepSpeed's FusedLion takes no eps, adam_w_mode, ...: it fails on
     // them; zrt names each.
     let p = problems(
-        r#"{"train_batch_size": 8, "optimizer": {"type": "lion", "params": {"lr": 1e-4, "eps": 1e-8, "amsgrad": false}}}"#,
+        r#"{"train_batch_size": 8, "optimizer": {"type": "lion", "params": {"lr": 1e-4, "eps": 1e-8, "amsgrad": true}}}"#,
     );
     assert_eq!(p.len(), 2, "{p:?}");
     for key in ["eps", "amsgrad"] {

@@ -20,12 +20,20 @@ use std::collections::HashMap;
 use common::{config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, WORLD};
 use tch::{Kind, Tensor};
 use zrt::kernels::quant;
-use zrt::zero::checkpoint::{inspect, Meta};
+use zrt::zero::checkpoint::{consolidate, inspect, ExportDtype, Meta, ROUNDED_KEY};
 use zrt::zero::flat::FlatLayout;
 use zrt::zero::{AutoHints, Config, Engine};
 
 const KEY: &str = r#""zero_quantized_nontrainable_weights": true,"#;
 const BF16: &str = r#""bf16": {"enabled": true},"#;
+
+/// The `__metadata__` of safetensors file `path` (its header's JSON).
+fn metadata(path: &std::path::Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    header["__metadata__"].clone()
+}
 
 /// The frozen base as stage 3 holds it with the key over a shard group of
 /// `ranks`: per unit, its frozen parameters (of the base cast to `base`)
@@ -275,6 +283,7 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
             let e = Engine::new(&vs, &plan, &at3, g, &AutoHints::default()).unwrap();
             train_losses(&gpt, &e, r.rank(), 1);
             e.save_checkpoint(&dir, "mid").unwrap();
+            e.save_16bit_model(dir.join("model.safetensors")).unwrap();
             let loss = gpt.loss(&tokens(1, 0, r.rank(), 1));
             e.backward(&loss).unwrap();
             e.step().unwrap();
@@ -305,6 +314,16 @@ fn a_packed_frozen_base_checkpoints_its_unpacked_values_and_resumes_to_the_same_
         let text = inspect(&dir, Some("mid")).unwrap();
         let line = format!("{} of them unpacked from int8", unpacked.len());
         assert!(text.contains(&line), "{text}");
+        // So do the model exports' metadata: the engine's and one
+        // consolidated from the checkpoint.
+        let out = dir.join("consolidated.safetensors");
+        consolidate(&dir, Some("mid"), &out, ExportDtype::F32).unwrap();
+        let mut names: Vec<&str> = unpacked.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        for file in [dir.join("model.safetensors"), out] {
+            let marked = metadata(&file)[ROUNDED_KEY].as_str().map(str::to_string);
+            assert_eq!(marked, Some(names.join(",")), "{what}: {}", file.display());
+        }
         // Loaded into another base: packing the saved values again gives
         // the same codes and scales, so the next step is the same. (fp32:
         // `max / 127` survives `127 * scale / 127`; a 16-bit base's largest

@@ -56,8 +56,11 @@ pub fn consolidate(
         )
         .collect();
     // One tensor in memory at a time, whatever the model's size.
-    let pt = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let mut w = TensorWriter::create(out, &plan, pt)?;
+    let rounded = frozen
+        .iter()
+        .filter(|f| f.quantized)
+        .map(|f| f.name.as_str());
+    let mut w = TensorWriter::create(out, &plan, export_metadata(rounded))?;
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;
@@ -80,6 +83,26 @@ pub fn consolidate(
     }
     w.finish()?;
     Ok(plan.len())
+}
+
+/// The safetensors metadata key of a model export naming the frozen
+/// tensors whose values were unpacked from int8
+/// (`zero_quantized_nontrainable_weights`): rounded, not the base's true
+/// values. Comma-separated names, sorted; absent when there are none.
+pub const ROUNDED_KEY: &str = "zrt_int8_rounded";
+
+/// A model export's safetensors metadata: `format: pt`, and the frozen
+/// tensors among `rounded` (see [`ROUNDED_KEY`]).
+pub(crate) fn export_metadata<'a>(
+    rounded: impl IntoIterator<Item = &'a str>,
+) -> HashMap<String, String> {
+    let mut names: Vec<&str> = rounded.into_iter().collect();
+    names.sort_unstable();
+    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    if !names.is_empty() {
+        meta.insert(ROUNDED_KEY.to_string(), names.join(","));
+    }
+    meta
 }
 
 /// `v` as little-endian bytes of `dtype` (F32, BF16 or F16; 16-bit rounded
@@ -246,4 +269,18 @@ fn partial_saves(dir: &Path) -> Vec<String> {
         .collect();
     found.sort();
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exports_metadata_names_its_rounded_tensors_sorted_and_only_them() {
+        let none = export_metadata([]);
+        assert_eq!(none.len(), 1);
+        assert_eq!(none["format"], "pt");
+        let some = export_metadata(["h.1.fc.weight", "h.0.fc.weight"]);
+        assert_eq!(some[ROUNDED_KEY], "h.0.fc.weight,h.1.fc.weight");
+    }
 }

@@ -50,7 +50,7 @@ mod error;
 pub(crate) mod files;
 pub(crate) mod meta;
 
-pub use consolidate::{consolidate, inspect, ExportDtype};
+pub use consolidate::{consolidate, inspect, ExportDtype, ROUNDED_KEY};
 pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 

@@ -19,7 +19,7 @@ use zrt_collectives::ProcessGroup;
 use super::frozen::{self, Frozen};
 use super::groups;
 use super::{Compute, Engine, OwnedState, Scaler, State};
-use crate::checkpoint::consolidate::encode;
+use crate::checkpoint::consolidate::{encode, export_metadata};
 use crate::checkpoint::files::{
     f32_bytes, json_with_crc, sync_dir, Planned, RankFile, Sink, TensorWriter,
 };
@@ -994,7 +994,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             plan.extend(frozen_plan(&st, Some(float))?);
             plan
         };
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        // Frozen values a stage-3 unit holds packed are exported unpacked:
+        // the file's metadata names them.
+        let meta = export_metadata(packed_frozen(&i.st.lock()));
         let mut sink = Sink::open(i.group.rank() == 0, path, &plan, meta);
         let units = i.st.lock().units.len();
         for k in 0..units {

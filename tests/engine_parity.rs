@@ -2,7 +2,8 @@
 //! accumulation 1, 2 x clipping off, on, world 2 (ranks as threads).
 //!
 //! The reference is plain tch with libtorch's own `clip_grad_norm` and
-//! `AdamW`. It computes each rank's micro-batch gradient in one process and
+//! `AdamW` (Lion, which libtorch lacks, is stepped by [`lion_update`]:
+//! the formula in f32, element by element). It computes each rank's micro-batch gradient in one process and
 //! averages them in the order the collectives do (f64, rank order, one
 //! rounding), accumulating micro-steps as each stage does (stage 1 sums
 //! locally first). That isolates what the engine does (sharding, gathering,

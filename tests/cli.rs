@@ -339,6 +339,37 @@ fn estimate_prints_the_design_formula() {
     );
     let (ok, out) = zrt(&["estimate", "--params", "1e9", "--world", "2", "--frozen=-1"]);
     assert!(!ok && out.contains("--frozen must be a count"), "{out}");
+    // A DeepSpeed config gives the dtype, optimizer and stage: bf16 Lion
+    // at stage 2 is the first Lion case's rows, stage 2 marked.
+    let f = config_file(
+        "estimate",
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "Lion"}, "zero_optimization": {"stage": 2}}"#,
+    );
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--params",
+        "1073741824",
+        "--world",
+        "4",
+        "--config",
+        &f,
+    ]);
+    assert!(
+        ok && out.contains("bf16 compute, Lion:")
+            && out.contains("stage 0:      14.00 GiB       12.00 GiB\n")
+            && out.contains("stage 2:       5.00 GiB        4.50 GiB  <- the config's stage"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--params=1e9",
+        "--world=2",
+        "--config",
+        &f,
+        "--dtype=fp32",
+    ]);
+    let _ = std::fs::remove_file(&f);
+    assert!(!ok && out.contains("cannot be used with"), "{out}");
     let (ok, out) = zrt(&["estimate", "--params=1e9", "--world=2", "--optimizer=sgd"]);
     assert!(
         !ok && out.contains("--optimizer must be adam, adamw or lion, got sgd"),

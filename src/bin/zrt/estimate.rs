@@ -16,9 +16,9 @@ pub struct EstimateArgs {
     /// Ranks the model is sharded over.
     #[arg(long)]
     world: u64,
-    /// Compute dtype: fp32, bf16 or fp16.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    /// Compute dtype: fp32, bf16 or fp16 (default bf16, or the config's).
+    #[arg(long, conflicts_with = "config")]
+    dtype: Option<String>,
     /// Frozen parameters besides `--params` (a LoRA model's base): no
     /// gradient nor optimizer state, their values only.
     #[arg(long, default_value_t = 0.0)]
@@ -28,9 +28,32 @@ pub struct EstimateArgs {
     #[arg(long)]
     quantize_frozen: bool,
     /// The optimizer (`optimizer.type`): adam and adamw keep two fp32
-    /// moments per trained parameter, lion one.
-    #[arg(long, default_value = "adam")]
-    optimizer: String,
+    /// moments per trained parameter, lion one (default adam, or the
+    /// config's).
+    #[arg(long, conflicts_with = "config")]
+    optimizer: Option<String>,
+    /// A DeepSpeed config to take the dtype, the optimizer and
+    /// `zero_quantized_nontrainable_weights` from; its stage's row is
+    /// marked.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+}
+
+/// What `--config` decides: (dtype, optimizer, frozen shards packed, stage).
+fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
+    use zrt::zero::config::{OptimizerKind, Precision};
+    let c = zrt::zero::Config::from_file(path)?;
+    let dtype = match c.precision {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 { .. } => "bf16",
+        _ => "fp16",
+    };
+    let optimizer = match c.optimizer.kind {
+        OptimizerKind::Lion => "lion",
+        _ => "adam",
+    };
+    let packed = c.zero.zero_quantized_nontrainable_weights;
+    Ok((dtype.into(), optimizer.into(), packed, c.zero.stage))
 }
 
 /// Bytes per element of a frozen shard packed as int8: a code each and a
@@ -86,7 +109,19 @@ fn by_stage(stage: u8, psi: f64, n: f64, (p, g, opt): (f64, f64, f64)) -> f64 {
 
 /// Runs `zrt estimate`.
 pub fn run(a: &EstimateArgs) -> Result<()> {
-    let c = match a.dtype.as_str() {
+    let (dtype, optimizer, quantize_frozen, marked) = match &a.config {
+        Some(path) => {
+            let (d, o, q, stage) = from_config(path)?;
+            (d, o, q || a.quantize_frozen, Some(stage))
+        }
+        None => (
+            a.dtype.clone().unwrap_or_else(|| "bf16".into()),
+            a.optimizer.clone().unwrap_or_else(|| "adam".into()),
+            a.quantize_frozen,
+            None,
+        ),
+    };
+    let c = match dtype.as_str() {
         "fp32" => 4.0,
         "bf16" | "fp16" => 2.0,
         other => bail!("--dtype must be fp32, bf16 or fp16, got {other}"),
@@ -98,17 +133,17 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if !a.frozen.is_finite() || a.frozen < 0.0 {
         bail!("--frozen must be a count of parameters, 0 or more (e.g. --frozen 7e9)");
     }
-    let (optimizer, moments) = match a.optimizer.to_ascii_lowercase().as_str() {
+    let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
         "lion" => ("Lion", 1.0),
         other => bail!("--optimizer must be adam, adamw or lion, got {other}"),
     };
-    println!("{:.3e} params, {} ranks, {} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world, a.dtype);
+    println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);
     if a.frozen > 0.0 {
         println!(
             "with {:.3e} frozen params (values only; stage 3 shards them{})",
             a.frozen,
-            match a.quantize_frozen {
+            match quantize_frozen {
                 true => " as int8 codes and scales",
                 false => "",
             }
@@ -120,19 +155,23 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     }
     for stage in 0..=3u8 {
         let (psi, n) = (a.params, a.world as f64);
-        let frozen = frozen_bytes(stage, a.frozen, n, c, a.quantize_frozen);
+        let frozen = frozen_bytes(stage, a.frozen, n, c, quantize_frozen);
+        let mark = match marked == Some(stage) {
+            true => "  <- the config's stage",
+            false => "",
+        };
         let b = model_state_bytes(stage, psi, n, c, moments) + frozen;
         match mixed {
             true => println!(
-                "  stage {stage}: {:>14}  {:>14}",
+                "  stage {stage}: {:>14}  {:>14}{mark}",
                 human(b),
                 human(table_bytes(stage, psi, n, c, moments) + frozen)
             ),
-            false => println!("  stage {stage}: {:>14}", human(b)),
+            false => println!("  stage {stage}: {:>14}{mark}", human(b)),
         }
     }
     if mixed {
-        println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {}", a.dtype);
+        println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
     Ok(())
 }

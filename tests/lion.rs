@@ -41,7 +41,7 @@ fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
     // master is the parameters), paged through the parameter swap too.
     for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
         let memory = train_world(&lion(stages[0], extra, ""), &[], steps);
-        for &stage in stages {
+        for &stage in &stages[1..] {
             let run = train_world(&lion(stage, extra, ""), &[], steps);
             assert_eq!(
                 (&run.0, &run.1),

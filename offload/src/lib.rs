@@ -5,13 +5,14 @@
 //! `offload_optimizer: {"device": "nvme"}` does.
 //!
 //! A swap file holds, for each *region* (one unit's shard), a few f32
-//! *arrays* of equal length (Adam's m and v or Lion's m, and the fp32 master when it is
-//! not the parameters themselves), cut into chunks. [`Swap::stream`] runs a
-//! caller's function over every chunk of every region while a reader thread
-//! reads the next chunks ahead and a writer thread writes finished ones
-//! behind, through `buffer_count` fixed, page-aligned buffers: the optimizer
-//! works on one buffer while others are on the disk, and resident memory is
-//! `buffer_count x chunk bytes` whatever the model size.
+//! *arrays* of equal length (Adam's m and v or Lion's m, and the fp32
+//! master when it is not the parameters themselves), cut into chunks.
+//! [`Swap::stream`] runs a caller's function over every chunk of every
+//! region while a reader thread reads the next chunks ahead and a writer
+//! thread writes finished ones behind, through `buffer_count` fixed,
+//! page-aligned buffers: the optimizer works on one buffer while others
+//! are on the disk, and resident memory is `buffer_count x chunk bytes`
+//! whatever the model size.
 //!
 //! ## Why O_DIRECT and threads, not io_uring
 //!

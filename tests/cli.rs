@@ -320,46 +320,37 @@ fn estimate_prints_the_design_formula() {
         // Below stage 3 the base is whole on every rank: 1 GiB more.
         assert!(out.contains("stage 0:       1.02 GiB"), "{out}");
     }
-    // Lion keeps one moment: 4 bytes per parameter less, 14 GiB at stage
-    // 0 (12 in the table) and 14/4 at stage 3.
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--params",
-        "1073741824",
-        "--world",
-        "4",
-        "--optimizer",
-        "Lion",
-    ]);
-    assert!(
-        ok && out.contains("bf16 compute, Lion:")
-            && out.contains("stage 0:      14.00 GiB       12.00 GiB")
-            && out.contains("stage 3:       3.50 GiB        3.00 GiB"),
-        "{out}"
-    );
     let (ok, out) = zrt(&["estimate", "--params", "1e9", "--world", "2", "--frozen=-1"]);
     assert!(!ok && out.contains("--frozen must be a count"), "{out}");
-    // A DeepSpeed config gives the dtype, optimizer and stage: bf16 Lion
-    // at stage 2 is the first Lion case's rows, stage 2 marked.
+    // Lion keeps one moment: 4 bytes per parameter less, 14 GiB at stage
+    // 0 (12 in the table), 5 at stage 2 and 14/4 at stage 3; asked for,
+    // or from a DeepSpeed config (bf16, Lion, stage 2: its row marked).
     let f = config_file(
         "estimate",
         r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "Lion"}, "zero_optimization": {"stage": 2}}"#,
     );
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--params",
-        "1073741824",
-        "--world",
-        "4",
-        "--config",
-        &f,
-    ]);
-    assert!(
-        ok && out.contains("bf16 compute, Lion:")
-            && out.contains("stage 0:      14.00 GiB       12.00 GiB\n")
-            && out.contains("stage 2:       5.00 GiB        4.50 GiB  <- the config's stage"),
-        "{out}"
-    );
+    for (how, mark) in [
+        (["--optimizer", "Lion"], ""),
+        (["--config", f.as_str()], "  <- the config's stage"),
+    ] {
+        let args = [
+            "estimate",
+            "--params",
+            "1073741824",
+            "--world",
+            "4",
+            how[0],
+            how[1],
+        ];
+        let (ok, out) = zrt(&args);
+        assert!(
+            ok && out.contains("bf16 compute, Lion:")
+                && out.contains("stage 0:      14.00 GiB       12.00 GiB\n")
+                && out.contains(&format!("stage 2:       5.00 GiB        4.50 GiB{mark}\n"))
+                && out.contains("stage 3:       3.50 GiB        3.00 GiB\n"),
+            "{how:?}: {out}"
+        );
+    }
     let (ok, out) = zrt(&[
         "estimate",
         "--params=1e9",

@@ -57,6 +57,17 @@ impl OptimizerKind {
         }
     }
 
+    /// The optimizer `optimizer.type` names (any case: DeepSpeed compares
+    /// lower-cased names); `None` for one zrt does not implement.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "adam" => Some(OptimizerKind::Adam),
+            "adamw" => Some(OptimizerKind::AdamW),
+            "lion" => Some(OptimizerKind::Lion),
+            _ => None,
+        }
+    }
+
     /// The name DeepSpeed's `optimizer.type` gives it.
     pub fn name(self) -> &'static str {
         match self {

@@ -285,20 +285,15 @@ impl P {
             return default;
         };
         self.keys(o, "optimizer", &["type", "params"], &[], false);
-        let kind = match self
-            .string(o, "optimizer", "type")
-            .map(|t| t.to_ascii_lowercase())
-            .as_deref()
-        {
-            Some("adam") | None => OptimizerKind::Adam,
-            Some("adamw") => OptimizerKind::AdamW,
-            Some("lion") => OptimizerKind::Lion,
-            Some(other) => {
+        let kind = match self.string(o, "optimizer", "type") {
+            None => OptimizerKind::Adam,
+            Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{other}\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\""
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\"",
+                    t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
-            }
+            }),
         };
         let empty = Map::new();
         let p = match o.get("params") {

@@ -27,6 +27,7 @@ use crate::checkpoint::{
     rank_file_name, replica_grads_file_name, resolve_tag, write_atomic, CheckpointError,
     FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, Whose, FORMAT, FROZEN_FILE,
 };
+use crate::config::OptimizerKind;
 use crate::{glue, EngineError};
 
 /// Reads elements `need` of unit `u`'s state (zero moments for
@@ -79,12 +80,11 @@ fn state_parts(moments: usize) -> &'static [&'static str] {
     }
 }
 
-/// How many moments the rank files of a run with `optimizer` hold.
+/// How many moments the rank files of a run with `optimizer` hold (an
+/// optimizer zrt does not know: Adam's two, which every checkpoint from
+/// before Lion holds).
 fn saved_moments(optimizer: &str) -> usize {
-    match optimizer {
-        "Lion" => 1,
-        _ => 2,
-    }
+    OptimizerKind::from_name(optimizer).map_or(2, OptimizerKind::moments)
 }
 
 /// The name of unit `unit`'s accumulated gradient in a rank file or a
@@ -983,7 +983,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // Every rank lays the file out (the same way, so a refused variable
         // fails on all of them before any gather), rank 0 writes it as the
         // gathers come: one unit's parameters at a time, never the model.
-        let plan = {
+        let (plan, meta) = {
             let st = i.st.lock();
             let mut plan: Vec<Planned> = st
                 .units
@@ -992,11 +992,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .map(|s| Planned::new(&s.name, dtype, &s.shape))
                 .collect();
             plan.extend(frozen_plan(&st, Some(float))?);
-            plan
+            // Frozen values a stage-3 unit holds packed are exported
+            // unpacked: the file's metadata names them.
+            (plan, export_metadata(packed_frozen(&st)))
         };
-        // Frozen values a stage-3 unit holds packed are exported unpacked:
-        // the file's metadata names them.
-        let meta = export_metadata(packed_frozen(&i.st.lock()));
         let mut sink = Sink::open(i.group.rank() == 0, path, &plan, meta);
         let units = i.st.lock().units.len();
         for k in 0..units {

@@ -234,6 +234,22 @@ impl<'a> CopyBits<'a> {
         })
     }
 
+    /// The destination's first `at` elements and the rest (both `None`
+    /// when there is no copy), for a range split between threads.
+    pub(crate) fn split_at(self, at: usize) -> (Self, Self) {
+        match self {
+            CopyBits::None => (CopyBits::None, CopyBits::None),
+            CopyBits::Bf16(d) => {
+                let (a, b) = d.split_at_mut(at);
+                (CopyBits::Bf16(a), CopyBits::Bf16(b))
+            }
+            CopyBits::F16(d) => {
+                let (a, b) = d.split_at_mut(at);
+                (CopyBits::F16(a), CopyBits::F16(b))
+            }
+        }
+    }
+
     /// Writes the updated parameters `p`, which start at element `at` of
     /// the range, into the destination (a block still in cache).
     #[inline(always)]

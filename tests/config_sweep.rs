@@ -2,7 +2,7 @@
 //! result: each case draws a stage (1-3), the settings of that stage
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
-//! NVMe) and a program (AdamW or Lion, accumulation steps, clipping, bf16 or fp16 with
+//! NVMe) and a program (AdamW, Lion or SGD, accumulation steps, clipping, bf16 or fp16 with
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
@@ -42,7 +42,9 @@
 
 use crate::common;
 
-use common::{built, config_of, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT};
+use common::{
+    built, config_params, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT,
+};
 use zrt::gpt::Gpt;
 use zrt::zero::{AutoHints, Engine};
 
@@ -181,9 +183,11 @@ struct Program {
     /// final norm's bias (a root parameter), which training must go on
     /// from; 2: an evaluation forward.
     full_params: usize,
-    /// `optimizer.type`: "AdamW", or "Lion" (one moment: its own state
-    /// layout in memory, swaps and checkpoints).
+    /// `optimizer.type`: "AdamW", "Lion" or "SGD" (one moment or none:
+    /// their own state layouts in memory, swaps and checkpoints).
     optimizer: &'static str,
+    /// Its params past lr and weight decay (SGD's momentum, or none).
+    params: &'static str,
 }
 
 impl Program {
@@ -242,7 +246,7 @@ fn leg(
         false => "",
     };
     let zero = format!("{}{}{qwz}{qgz}{qfrozen}", l.zero, l.grouping);
-    let cfg = config_of(p.optimizer, l.stage, l.gas, p.clip, &p.top, &zero);
+    let cfg = config_params(p.optimizer, p.params, l.stage, l.gas, p.clip, &p.top, &zero);
     let out = on_ranks(l.world, |mut r| {
         let rank = r.rank();
         let new = match p.checkpointed {
@@ -463,7 +467,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
-    let program = Program {
+    let mut program = Program {
         clip: *d.one(&[&0.0, &0.5]),
         top,
         frozen: d.one(FROZEN),
@@ -483,7 +487,20 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             true => "Lion",
             false => "AdamW",
         },
+        params: "",
     };
+    // SGD in a quarter of the others, with momentum or without (no state
+    // at all), from a stream of its own too.
+    let mut sgd = Draw(d.0.rotate_left(29) | 1);
+    if program.optimizer == "AdamW" && sgd.flag(4) {
+        program.optimizer = "SGD";
+        const MOMENTA: [&str; 3] = [
+            "",
+            r#", "momentum": 0.9"#,
+            r#", "momentum": 0.8, "nesterov": true"#,
+        ];
+        program.params = *sgd.one(&[&MOMENTA[0], &MOMENTA[1], &MOMENTA[2]]);
+    }
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another
     // stage, world or grouping, which packs other shards or none: no one
@@ -643,6 +660,7 @@ impl Program {
             mlp_left_out: false,
             full_params: 0,
             optimizer: "AdamW",
+            params: "",
         }
     }
 }

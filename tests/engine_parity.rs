@@ -276,7 +276,16 @@ fn run_reference_full(
     schedule: Option<&Schedule>,
     rules: Rules,
 ) -> (Vec<f64>, Params) {
-    run_reference_opt(stage, gas, clip, schedule, rules, false)
+    run_reference_opt(stage, gas, clip, schedule, rules, RefOpt::AdamW)
+}
+
+/// The reference's optimizer: libtorch's AdamW, [`lion_update`], or
+/// libtorch's SGD with these settings (its `wd` replaced by [`WD`]).
+#[derive(Clone, Copy)]
+enum RefOpt {
+    AdamW,
+    Lion,
+    Sgd(nn::Sgd),
 }
 
 /// Lion's step (DeepSpeed's, sign(0) = 0) at [`LR`], [`WD`], betas (0.9,
@@ -306,17 +315,17 @@ fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>, rules: Ru
     });
 }
 
-/// As `run_reference_full`, stepping with [`lion_update`] instead of
-/// AdamW when `lion` (no schedule).
+/// As `run_reference_full`, stepping with `ref_opt` (a schedule with
+/// AdamW only).
 fn run_reference_opt(
     stage: u8,
     gas: usize,
     clip: f64,
     schedule: Option<&Schedule>,
     rules: Rules,
-    lion: bool,
+    ref_opt: RefOpt,
 ) -> (Vec<f64>, Params) {
-    assert!(!lion || schedule.is_none());
+    assert!(matches!(ref_opt, RefOpt::AdamW) || schedule.is_none());
     let mut moments = Vec::new();
     let (vs, _plan, gpt) = model();
     // Group 0 is the plain one.
@@ -345,9 +354,10 @@ fn run_reference_opt(
             };
         }
     }
-    let mut opt = match schedule {
-        None => adamw(&vs),
-        Some(s) => nn::AdamW {
+    let mut opt = match (schedule, ref_opt) {
+        (_, RefOpt::Sgd(sgd)) => nn::Sgd { wd: WD, ..sgd }.build(&vs, LR).unwrap(),
+        (None, _) => adamw(&vs),
+        (Some(s), _) => nn::AdamW {
             beta2: s.beta2,
             ..adamw_settings()
         }
@@ -445,9 +455,9 @@ fn run_reference_opt(
             set_lr(&mut opt, s.lrs[step]);
             opt.set_momentum(s.beta1s[step]);
         }
-        match lion {
-            true => lion_update(&vars, &mut moments, rules),
-            false => opt.step(),
+        match ref_opt {
+            RefOpt::Lion => lion_update(&vars, &mut moments, rules),
+            RefOpt::AdamW | RefOpt::Sgd(_) => opt.step(),
         }
         losses.push(loss_sum / (gas * WORLD) as f64);
     }
@@ -519,7 +529,7 @@ fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
     // The parameter rules' runs of elements treated alike too.
     for (gas, clip, rules) in [(1, 0.0, Rules::Plain), (2, 0.5, Rules::Scaled)] {
         for stage in 0..=3u8 {
-            let reference = run_reference_opt(stage, gas, clip, None, rules, true);
+            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Lion);
             let zero = r#""stage3_param_persistence_threshold": 0,"#;
             let cfg = common::config_of("Lion", stage, gas, clip, "", zero);
             let run = run_engine_full(cfg, gas, Bare::None, rules);
@@ -528,6 +538,56 @@ fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
             }
             compare(
                 &format!("Lion stage {stage} gas {gas} clip {clip} {rules:?}"),
+                (run.losses, run.params),
+                reference,
+            );
+        }
+    }
+}
+
+#[test]
+fn sgd_at_stages_0_to_3_matches_libtorchs_sgd() {
+    // torch.optim.SGD's settings, each case a different path of the
+    // kernel: no state, momentum with dampening (whose first step must not
+    // damp), Nesterov; the parameter rules' runs and clipping with gas 2.
+    let plain = nn::Sgd::default();
+    let damped = nn::Sgd {
+        momentum: 0.9,
+        dampening: 0.5,
+        ..plain
+    };
+    let nesterov = nn::Sgd {
+        momentum: 0.9,
+        nesterov: true,
+        ..plain
+    };
+    for (sgd, params, gas, clip, rules) in [
+        (plain, "", 1, 0.0, Rules::Plain),
+        (
+            damped,
+            r#", "momentum": 0.9, "dampening": 0.5"#,
+            2,
+            0.5,
+            Rules::Scaled,
+        ),
+        (
+            nesterov,
+            r#", "momentum": 0.9, "nesterov": true"#,
+            1,
+            0.0,
+            Rules::NoDecayVectors,
+        ),
+    ] {
+        for stage in 0..=3u8 {
+            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Sgd(sgd));
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = common::config_params("SGD", params, stage, gas, clip, "", zero);
+            let run = run_engine_full(cfg, gas, Bare::None, rules);
+            if clip > 0.0 {
+                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
+            }
+            compare(
+                &format!("SGD{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
                 (run.losses, run.params),
                 reference,
             );

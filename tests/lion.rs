@@ -23,12 +23,9 @@ fn lion(stage: u8, extra: &str, zero: &str) -> Config {
     config_of("Lion", stage, 1, 0.0, extra, &format!("{SHARD_ALL} {zero}"))
 }
 
-/// A fresh folder under the temp dir for one test's files.
+/// A fresh folder under the temp dir for one of this file's tests.
 fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("zrt-lion-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch(&format!("lion-{name}"))
 }
 
 #[test]
@@ -109,24 +106,6 @@ fn a_rank_holds_one_moment_in_memory_and_in_the_swap_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The tensor names in `dir/tag`'s rank files.
-fn saved_names(dir: &std::path::Path, tag: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    for f in std::fs::read_dir(dir.join(tag)).unwrap() {
-        let p = f.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("rank-") {
-            names.extend(
-                tch::Tensor::read_safetensors(&p)
-                    .unwrap()
-                    .into_iter()
-                    .map(|(n, _)| n),
-            );
-        }
-    }
-    names
-}
-
 #[test]
 fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
     let _serial = serial();
@@ -153,7 +132,7 @@ fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
         e.save_checkpoint(&dir, "lion").unwrap();
         next_step(&e, &gpt, r.rank())
     });
-    let names = saved_names(&dir, "lion");
+    let names = common::saved_names(&dir, "lion");
     assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
     assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
     let text = zrt::zero::checkpoint::inspect(&dir, Some("lion")).unwrap();

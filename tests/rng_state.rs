@@ -18,3 +18,4 @@ mod experts;
 mod frozen_shards;
 mod lion;
 mod quantized_frozen;
+mod sgd;

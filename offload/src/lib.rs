@@ -5,7 +5,7 @@
 //! `offload_optimizer: {"device": "nvme"}` does.
 //!
 //! A swap file holds, for each *region* (one unit's shard), a few f32
-//! *arrays* of equal length (Adam's m and v or Lion's m, and the fp32
+//! *arrays* of equal length (Adam's m and v, Lion's m or SGD's buffer, and the fp32
 //! master when it is not the parameters themselves), cut into chunks.
 //! [`Swap::stream`] runs a caller's function over every chunk of every
 //! region while a reader thread reads the next chunks ahead and a writer

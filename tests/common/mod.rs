@@ -157,9 +157,23 @@ pub fn config_of(
     extra: &str,
     zero: &str,
 ) -> Config {
+    config_params(optimizer, "", stage, gas, clip, extra, zero)
+}
+
+/// As [`config_of`], with `params` (`, "key": value` pairs) after the
+/// optimizer's lr and weight decay.
+pub fn config_params(
+    optimizer: &str,
+    params: &str,
+    stage: u8,
+    gas: usize,
+    clip: f64,
+    extra: &str,
+    zero: &str,
+) -> Config {
     Config::from_json(&format!(
         r#"{{"train_micro_batch_size_per_gpu": {MICRO}, "gradient_accumulation_steps": {gas},
-            "optimizer": {{"type": "{optimizer}", "params": {{"lr": {LR}, "weight_decay": {WD}}}}},
+            "optimizer": {{"type": "{optimizer}", "params": {{"lr": {LR}, "weight_decay": {WD}{params}}}}},
             {extra}
             "gradient_clipping": {clip}, "zero_optimization": {{{zero} "stage": {stage}}}}}"#
     ))
@@ -357,4 +371,31 @@ pub fn train_grouped(ranks: usize, cfg: &Config, steps: usize) -> Trained {
         (losses, e.gathered_params().unwrap(), e.overlap_counts())
     });
     out.into_iter().next().unwrap()
+}
+
+/// A fresh, empty folder `zrt-{name}-{pid}` under the temp dir for one
+/// test's files.
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zrt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The tensor names in checkpoint `dir/tag`'s rank files.
+pub fn saved_names(dir: &std::path::Path, tag: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for f in std::fs::read_dir(dir.join(tag)).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("rank-") {
+            names.extend(
+                tch::Tensor::read_safetensors(&p)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(n, _)| n),
+            );
+        }
+    }
+    names
 }

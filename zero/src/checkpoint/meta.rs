@@ -174,10 +174,17 @@ impl Meta {
     }
 
     /// The optimizer its run trained with, as `optimizer.type` names it
-    /// ("Adam", "AdamW" or "Lion": every checkpoint records it in its
+    /// ("Adam", "AdamW", "Lion" or "SGD": every checkpoint records it in its
     /// resolved config), which decides the moments its rank files hold.
     pub fn optimizer(&self) -> &str {
         self.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
+    }
+
+    /// SGD's momentum as its run set it (0 when not recorded: every other
+    /// optimizer's, and a run without momentum), which decides whether
+    /// its rank files hold a momentum buffer.
+    pub fn sgd_momentum(&self) -> f64 {
+        self.config["optimizer"]["momentum"].as_f64().unwrap_or(0.0)
     }
 
     /// Every parameter as (name, shape), in flat order.

@@ -45,16 +45,36 @@ pub enum OptimizerKind {
     /// interpolation of it and the gradient as the update, decoupled decay
     /// (`zrt_kernels::lion`). Reads `lr`, `betas` and `weight_decay` only.
     Lion,
+    /// `torch.optim.SGD` (which DeepSpeed builds for a type it has no
+    /// kernel of its own for): a momentum buffer when `momentum > 0`, no
+    /// state at all otherwise; coupled (L2) weight decay
+    /// (`zrt_kernels::sgd`).
+    Sgd,
 }
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
-    /// Adam's m and v, Lion's m.
-    pub fn moments(self) -> usize {
+    /// Adam's m and v, Lion's m, SGD's momentum buffer if it has momentum
+    /// (`momentum > 0`).
+    pub fn moments(self, momentum: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW => 2,
             OptimizerKind::Lion => 1,
+            OptimizerKind::Sgd => usize::from(momentum),
         }
+    }
+
+    /// Whether a checkpoint of `other`'s state is this optimizer's state
+    /// too: Adam's and AdamW's moments are the same quantities, every
+    /// other pair's are not (Lion's m and SGD's buffer are both one
+    /// moment, but not the same one).
+    pub fn same_state(self, other: Self) -> bool {
+        let family = |k| match k {
+            OptimizerKind::Adam | OptimizerKind::AdamW => 0,
+            OptimizerKind::Lion => 1,
+            OptimizerKind::Sgd => 2,
+        };
+        family(self) == family(other)
     }
 
     /// The optimizer `optimizer.type` names (any case: DeepSpeed compares
@@ -64,6 +84,7 @@ impl OptimizerKind {
             "adam" => Some(OptimizerKind::Adam),
             "adamw" => Some(OptimizerKind::AdamW),
             "lion" => Some(OptimizerKind::Lion),
+            "sgd" => Some(OptimizerKind::Sgd),
             _ => None,
         }
     }
@@ -74,6 +95,7 @@ impl OptimizerKind {
             OptimizerKind::Adam => "Adam",
             OptimizerKind::AdamW => "AdamW",
             OptimizerKind::Lion => "Lion",
+            OptimizerKind::Sgd => "SGD",
         }
     }
 }
@@ -96,6 +118,22 @@ pub struct OptimizerConfig {
     pub adam_w_mode: bool,
     /// `params.bias_correction`.
     pub bias_correction: bool,
+    /// SGD's `params.momentum` (0: no momentum buffer; 0 for the others).
+    pub momentum: f64,
+    /// SGD's `params.dampening`.
+    pub dampening: f64,
+    /// SGD's `params.nesterov`.
+    pub nesterov: bool,
+    /// SGD's `params.maximize`.
+    pub maximize: bool,
+}
+
+impl OptimizerConfig {
+    /// How many fp32 moments per trained element it keeps (2 for Adam, 1
+    /// for Lion, 1 or 0 for SGD with or without momentum).
+    pub fn moments(&self) -> usize {
+        self.kind.moments(self.momentum > 0.0)
+    }
 }
 
 /// `scheduler`.

@@ -269,6 +269,10 @@ impl P {
             "amsgrad",
             "fused",
         ];
+        /// `torch.optim.SGD`'s keys that no other optimizer takes
+        /// (`maximize`, `foreach` and `differentiable` are torch's Adam's
+        /// too, but not DeepSpeed's FusedAdam's, so still unknown there).
+        const SGD_ONLY: [&str; 3] = ["momentum", "dampening", "nesterov"];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -277,6 +281,10 @@ impl P {
             weight_decay: Setting::Value(0.0),
             adam_w_mode: true,
             bias_correction: true,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            maximize: false,
         };
         let Some(o) = self.object(top, "optimizer") else {
             self.warnings.push(
@@ -289,7 +297,7 @@ impl P {
             None => OptimizerKind::Adam,
             Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\"",
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\" or \"SGD\"",
                     t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
@@ -306,34 +314,60 @@ impl P {
             }
         };
         let path = "optimizer.params";
-        if kind == OptimizerKind::Lion {
-            // DeepSpeed hands these to FusedLion as keyword arguments it
-            // does not take, and fails; zrt names them instead.
-            for key in ADAM_ONLY.iter().filter(|k| p.contains_key(**k)) {
+        // DeepSpeed hands the params to the optimizer as keyword arguments,
+        // and fails on one it does not take; zrt names them instead.
+        let present = |keys: &[&'static str]| -> Vec<&'static str> {
+            keys.iter()
+                .copied()
+                .filter(|k| p.contains_key(*k))
+                .collect()
+        };
+        match kind {
+            OptimizerKind::Lion => {
+                for key in present(&ADAM_ONLY) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that Lion does not take (Lion keeps one moment and no second, has no eps, and always decouples its weight decay): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
+            OptimizerKind::Sgd => {
+                for key in present(&ADAM_ONLY).into_iter().chain(present(&["betas"])) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that SGD does not take (torch.optim.SGD has momentum, dampening, nesterov and weight_decay): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
+            OptimizerKind::Adam | OptimizerKind::AdamW => {}
+        }
+        if kind != OptimizerKind::Sgd {
+            for key in present(&SGD_ONLY) {
                 self.problems.push(format!(
-                    "`{path}.{key}` is an Adam setting that Lion does not take (Lion keeps one moment and no second, has no eps, and always decouples its weight decay): remove it, or use \"AdamW\""
+                    "`{path}.{key}` is an SGD setting that {} does not take (its momentum is `betas[0]`): remove it, or use \"SGD\"",
+                    kind.name()
                 ));
             }
         }
-        self.keys(
-            p,
-            path,
-            &[
-                "lr",
-                "betas",
-                "eps",
-                "weight_decay",
-                "adam_w_mode",
-                "bias_correction",
-                "torch_adam",
-                "amsgrad",
-                "fused",
-            ],
-            &[],
-            false,
-        );
-        // (Lion's block was refused the key above.)
-        if kind != OptimizerKind::Lion && self.bool_or(p, path, "amsgrad", false) {
+        let mut known = vec![
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "adam_w_mode",
+            "bias_correction",
+            "torch_adam",
+            "amsgrad",
+            "fused",
+        ];
+        known.extend(SGD_ONLY);
+        if kind == OptimizerKind::Sgd {
+            // torch's own implementation choices: zrt has one.
+            known.extend(["maximize", "foreach", "differentiable"]);
+        }
+        self.keys(p, path, &known, &[], false);
+        // (Lion's and SGD's blocks were refused the key above.)
+        if matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW)
+            && self.bool_or(p, path, "amsgrad", false)
+        {
             self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
         }
         let betas = match p.get("betas") {
@@ -362,8 +396,41 @@ impl P {
                 ));
             }
         }
-        // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true).
-        let adam_w_mode = kind != OptimizerKind::Adam || self.bool_or(p, path, "adam_w_mode", true);
+        // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true);
+        // SGD's decay is torch's, coupled.
+        let adam_w_mode = match kind {
+            OptimizerKind::Adam => self.bool_or(p, path, "adam_w_mode", true),
+            OptimizerKind::AdamW | OptimizerKind::Lion => true,
+            OptimizerKind::Sgd => false,
+        };
+        let sgd = kind == OptimizerKind::Sgd;
+        let momentum = if sgd {
+            self.f64_or(p, path, "momentum", 0.0)
+        } else {
+            0.0
+        };
+        let dampening = if sgd {
+            self.f64_or(p, path, "dampening", 0.0)
+        } else {
+            0.0
+        };
+        let nesterov = sgd && self.bool_or(p, path, "nesterov", false);
+        if !(momentum >= 0.0 && momentum.is_finite()) {
+            self.problems.push(format!(
+                "`{path}.momentum` must be finite and >= 0, got {momentum}"
+            ));
+        }
+        if !dampening.is_finite() {
+            self.problems.push(format!(
+                "`{path}.dampening` must be finite, got {dampening}"
+            ));
+        }
+        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+            // torch.optim.SGD's own refusal.
+            self.problems.push(format!(
+                "`{path}.nesterov` needs momentum > 0 and dampening 0 (got momentum {momentum}, dampening {dampening}): set momentum, drop dampening, or set nesterov to false"
+            ));
+        }
         OptimizerConfig {
             kind,
             lr: self.f64_setting(p, path, "lr", 1e-3),
@@ -372,10 +439,18 @@ impl P {
             weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
             adam_w_mode,
             bias_correction: self.bool_or(p, path, "bias_correction", true),
+            momentum,
+            dampening,
+            nesterov,
+            maximize: sgd && self.bool_or(p, path, "maximize", false),
         }
     }
 
-    fn scheduler(&mut self, top: &Map<String, Value>) -> Option<SchedulerConfig> {
+    fn scheduler(
+        &mut self,
+        top: &Map<String, Value>,
+        optimizer: OptimizerKind,
+    ) -> Option<SchedulerConfig> {
         let o = self.object(top, "scheduler")?;
         self.keys(o, "scheduler", &["type", "params"], &[], false);
         let empty = Map::new();
@@ -469,7 +544,7 @@ impl P {
                     warmup_type: warmup_type(),
                 }
             }
-            "OneCycle" => self.one_cycle(p, path),
+            "OneCycle" => self.one_cycle(p, path, optimizer),
             "LRRangeTest" => self.lr_range_test(p, path),
             other => {
                 self.problems.push(format!(
@@ -536,7 +611,12 @@ impl P {
 
     /// DeepSpeed's `OneCycle`, with its defaults; `cycle_min_lr` and
     /// `cycle_max_lr` have none there and are required here.
-    fn one_cycle(&mut self, p: &Map<String, Value>, path: &str) -> SchedulerConfig {
+    fn one_cycle(
+        &mut self,
+        p: &Map<String, Value>,
+        path: &str,
+        optimizer: OptimizerKind,
+    ) -> SchedulerConfig {
         self.keys(
             p,
             path,
@@ -575,7 +655,15 @@ impl P {
         let second = self.u64_or(p, path, "cycle_second_step_size", first);
         let first_stairs = self.u64_or(p, path, "cycle_first_stair_count", 0);
         let decay_step_size = self.u64_or(p, path, "decay_step_size", 0);
-        let cycle_momentum = self.bool_or(p, path, "cycle_momentum", true);
+        let mut cycle_momentum = self.bool_or(p, path, "cycle_momentum", true);
+        if cycle_momentum && optimizer == OptimizerKind::Sgd {
+            // DeepSpeed's OneCycle turns its momentum off, with a warning,
+            // for an optimizer without betas.
+            self.warnings.push(format!(
+                "OneCycle cycles momentum as the optimizer's betas, which SGD has not: `{path}.cycle_momentum` is off (as DeepSpeed turns it off), SGD's `momentum` stays as set; set cycle_momentum to false to silence this"
+            ));
+            cycle_momentum = false;
+        }
         let cycle_min_mom = self.f64_or(p, path, "cycle_min_mom", 0.8);
         let cycle_max_mom = self.f64_or(p, path, "cycle_max_mom", 0.9);
         let decay_mom_rate = self.f64_or(p, path, "decay_mom_rate", 0.0);
@@ -1059,7 +1147,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
     let micro_batch = p.batch(&top, "train_micro_batch_size_per_gpu");
     let gradient_accumulation_steps = p.batch(&top, "gradient_accumulation_steps");
     let optimizer = p.optimizer(&top);
-    let scheduler = p.scheduler(&top);
+    let scheduler = p.scheduler(&top, optimizer.kind);
     let (precision, precision_auto) = p.precision(&top);
     let cfg = Config {
         train_batch_size,

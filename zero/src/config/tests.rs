@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\", \"AdamW\" or \"Lion\"",
+        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\" or \"SGD\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -661,7 +661,7 @@ fn lion_reads_lr_betas_and_weight_decay_and_refuses_adams_settings() {
         (Some(1e-4), (0.95, 0.98), Some(0.1))
     );
     assert!(o.adam_w_mode, "Lion's decay is decoupled");
-    assert_eq!(o.kind.moments(), 1);
+    assert_eq!(o.moments(), 1);
     // DeepSpeed's FusedLion takes no eps, adam_w_mode, ...: it fails on
     // them; zrt names each.
     let p = problems(
@@ -676,6 +676,79 @@ fn lion_reads_lr_betas_and_weight_decay_and_refuses_adams_settings() {
             "{key}: {p:?}"
         );
     }
+}
+
+#[test]
+fn sgd_reads_torchs_settings_and_refuses_adams() {
+    let sgd = |params: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "SGD", "params": {{"lr": 0.1{params}}}}}}}"#
+        ))
+    };
+    let c = sgd(r#", "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-4, "maximize": true, "foreach": false"#).unwrap();
+    let o = &c.optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Sgd);
+    assert_eq!(
+        (
+            o.lr.value(),
+            o.momentum,
+            o.dampening,
+            o.weight_decay.value()
+        ),
+        (Some(0.1), 0.9, 0.1, Some(1e-4))
+    );
+    assert!(o.maximize && !o.nesterov);
+    assert!(!o.adam_w_mode, "SGD's decay is coupled, as torch's");
+    assert_eq!(o.moments(), 1);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    // torch's default momentum is 0: no state at all.
+    assert_eq!(sgd("").unwrap().optimizer.moments(), 0);
+    // torch.optim.SGD takes no betas or eps, and needs momentum and no
+    // dampening for Nesterov; Adam takes no momentum.
+    for (params, want) in [
+        (
+            r#", "betas": [0.9, 0.99], "eps": 1e-8"#,
+            vec![
+                "`optimizer.params.eps` is an Adam setting that SGD does not take (torch.optim.SGD has momentum, dampening, nesterov and weight_decay): remove it, or use \"AdamW\"",
+                "`optimizer.params.betas` is an Adam setting that SGD does not take (torch.optim.SGD has momentum, dampening, nesterov and weight_decay): remove it, or use \"AdamW\"",
+            ],
+        ),
+        (
+            r#", "nesterov": true, "momentum": 0.9, "dampening": 0.1"#,
+            vec!["`optimizer.params.nesterov` needs momentum > 0 and dampening 0 (got momentum 0.9, dampening 0.1): set momentum, drop dampening, or set nesterov to false"],
+        ),
+        (
+            r#", "momentum": -0.5"#,
+            vec!["`optimizer.params.momentum` must be finite and >= 0, got -0.5"],
+        ),
+    ] {
+        assert_eq!(sgd(params).unwrap_err().problems, want, "{params}");
+    }
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}"#
+        ),
+        ["`optimizer.params.momentum` is an SGD setting that AdamW does not take (its momentum is `betas[0]`): remove it, or use \"SGD\""]
+    );
+    // OneCycle cycles betas, which SGD has not: DeepSpeed turns the
+    // momentum cycle off, and so does zrt, saying so (and not that the
+    // betas are unused).
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_min_mom": 1.5}}}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        c.scheduler,
+        Some(SchedulerConfig::OneCycle {
+            cycle_momentum: false,
+            ..
+        })
+    ));
+    assert_eq!(
+        c.warnings,
+        ["OneCycle cycles momentum as the optimizer's betas, which SGD has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off), SGD's `momentum` stays as set; set cycle_momentum to false to silence this"]
+    );
 }
 
 #[test]

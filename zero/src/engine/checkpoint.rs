@@ -32,7 +32,8 @@ use crate::{glue, EngineError};
 
 /// Reads elements `need` of unit `u`'s state (zero moments for
 /// `ModuleOnly`) from the files `read_checkpoint` checked; `moments` is
-/// how many this run's optimizer keeps (Lion's `v` stays empty).
+/// how many this run's optimizer keeps (Lion's and SGD's `v` stays empty,
+/// and the `m` of SGD without momentum).
 fn read_state(
     loc: &mut Locator,
     u: &super::Unit,
@@ -43,7 +44,7 @@ fn read_state(
     let n = need.len();
     let mut state = OwnedState {
         master: vec![0.0; n],
-        m: vec![0.0; n],
+        m: vec![0.0; if moments >= 1 { n } else { 0 }],
         v: vec![0.0; if moments == 2 { n } else { 0 }],
     };
     for (s, elems, dst) in u.layout.pieces(need) {
@@ -53,7 +54,7 @@ fn read_state(
             elems.clone(),
             &mut state.master[dst.clone()],
         )?;
-        if what == What::Everything {
+        if what == What::Everything && moments >= 1 {
             loc.read_param(&s.name, "m", elems.clone(), &mut state.m[dst.clone()])?;
             if moments == 2 {
                 loc.read_param(&s.name, "v", elems, &mut state.v[dst])?;
@@ -67,7 +68,8 @@ fn read_state(
 fn moments_held(moments: usize) -> &'static str {
     match moments {
         2 => "two moments, m and v",
-        _ => "one moment, m",
+        1 => "one moment, m",
+        _ => "no moment",
     }
 }
 
@@ -76,15 +78,18 @@ fn moments_held(moments: usize) -> &'static str {
 fn state_parts(moments: usize) -> &'static [&'static str] {
     match moments {
         2 => &["master", "m", "v"],
-        _ => &["master", "m"],
+        1 => &["master", "m"],
+        _ => &["master"],
     }
 }
 
-/// How many moments the rank files of a run with `optimizer` hold (an
-/// optimizer zrt does not know: Adam's two, which every checkpoint from
-/// before Lion holds).
-fn saved_moments(optimizer: &str) -> usize {
-    OptimizerKind::from_name(optimizer).map_or(2, OptimizerKind::moments)
+/// The optimizer a checkpoint's run trained with and how many moments its
+/// rank files hold (an optimizer zrt does not know: Adam's two, which
+/// every checkpoint from before Lion holds; SGD's buffer if its recorded
+/// momentum is above 0).
+fn saved_optimizer(meta: &Meta) -> (OptimizerKind, usize) {
+    let kind = OptimizerKind::from_name(meta.optimizer()).unwrap_or(OptimizerKind::Adam);
+    (kind, kind.moments(meta.sgd_momentum() > 0.0))
 }
 
 /// The name of unit `unit`'s accumulated gradient in a rank file or a
@@ -503,9 +508,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .shard_state(st, k)
                 .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
             w.write(&format!("{}/master", u.name), f32_bytes(&state.master))?;
-            w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
-            // Lion keeps no `v` (an empty one is still Adam's, of a unit
-            // with no trainable element on this rank).
+            // Lion and SGD keep no `v`, SGD without momentum no `m` (an
+            // empty one is still Adam's, of a unit with no trainable
+            // element on this rank).
+            if i.moments() >= 1 {
+                w.write(&format!("{}/m", u.name), f32_bytes(&state.m))?;
+            }
             if i.moments() == 2 {
                 w.write(&format!("{}/v", u.name), f32_bytes(&state.v))?;
             }
@@ -636,6 +644,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "weight_decay": c.optimizer.weight_decay.value(),
                     "adam_w_mode": c.optimizer.adam_w_mode,
                     "bias_correction": c.optimizer.bias_correction,
+                    "momentum": c.optimizer.momentum,
+                    "dampening": c.optimizer.dampening,
+                    "nesterov": c.optimizer.nesterov,
+                    "maximize": c.optimizer.maximize,
                 },
                 "precision": format!("{:?}", c.precision),
                 "scheduler": format!("{:?}", c.scheduler),
@@ -861,18 +873,28 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // turn comes in `apply`: one unit's state in memory at a time.
         let kind = i.cfg.config.optimizer.kind;
         let saved = meta.optimizer();
-        if what == What::Everything && saved_moments(saved) != kind.moments() {
+        let (saved_kind, held) = saved_optimizer(&meta);
+        if what == What::Everything && (!kind.same_state(saved_kind) || held != i.moments()) {
+            // SGD with and without momentum: the same optimizer, whose
+            // setting decides the state.
+            let mend = match kind.same_state(saved_kind) {
+                true => format!(
+                    "or set `optimizer.params.momentum` to the saved run's {}",
+                    meta.sgd_momentum()
+                ),
+                false => format!("or set `optimizer.type` to \"{saved}\""),
+            };
             return Err(CheckpointError::Incompatible(format!(
-                "its run trained with {saved}, whose optimizer state ({}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, or set `optimizer.type` to \"{saved}\"",
-                moments_held(saved_moments(saved)),
+                "its run trained with {saved}, whose optimizer state ({}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, {mend}",
+                moments_held(held),
                 kind.name(),
-                moments_held(kind.moments()),
+                moments_held(i.moments()),
                 kind.name(),
             )));
         }
         // A module-only load reads the masters alone.
         let parts = match what {
-            What::Everything => state_parts(kind.moments()),
+            What::Everything => state_parts(i.moments()),
             What::ModuleOnly => &["master"][..],
         };
         let mut loc = Locator::new(&meta, &tag_dir);

@@ -52,7 +52,9 @@ use half::{bf16, f16};
 use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
-use zrt_kernels::{adam_step, lion_step, reduce, AdamConfig, AdamShard, ComputeCopy, Threads};
+use zrt_kernels::{
+    adam_step, lion_step, reduce, sgd_step, AdamConfig, AdamShard, ComputeCopy, SgdConfig, Threads,
+};
 
 use crate::config::{ConfigError, OptimizerKind, Precision, Setting};
 use crate::flat::FlatLayout;
@@ -532,9 +534,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// How many fp32 moments per element of its range the optimizer keeps:
-    /// Adam's m and v (2), Lion's m (1; every `v` stays empty).
+    /// Adam's m and v (2), Lion's m or SGD's momentum buffer (1; every `v`
+    /// stays empty), none for SGD without momentum (`m` empty too).
     fn moments(&self) -> usize {
-        self.cfg.config.optimizer.kind.moments()
+        self.cfg.config.optimizer.moments()
     }
 
     fn shard_range(&self, u: &Unit) -> std::ops::Range<usize> {
@@ -613,14 +616,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         let (m, v) = match swapped {
             Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
-            None if self.stage == 0 => (
-                Cow::Borrowed(&sh.m[range.clone()]),
-                // Lion's is empty, whatever the range.
-                match self.moments() {
-                    2 => Cow::Borrowed(&sh.v[range]),
-                    _ => Cow::Borrowed(&[][..]),
-                },
-            ),
+            None if self.stage == 0 => {
+                // Lion's and SGD's `v` is empty, whatever the range, and so
+                // is the `m` of SGD without momentum.
+                let moment = |held: bool, a: &'a [f32]| match held {
+                    true => Cow::Borrowed(&a[range.clone()]),
+                    false => Cow::Borrowed(&[][..]),
+                };
+                let moments = self.moments();
+                (moment(moments >= 1, &sh.m), moment(moments == 2, &sh.v))
+            }
             None => (
                 Cow::Borrowed(sh.m.as_slice()),
                 Cow::Borrowed(sh.v.as_slice()),
@@ -682,11 +687,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         for (len, setting) in groups::runs(whole, &u.special) {
             let (p1, p2) = std::mem::take(&mut p).split_at_mut(len);
             let (g1, g2) = g.split_at(len);
-            let (m1, m2) = std::mem::take(&mut m).split_at_mut(len);
-            // Lion's `v` is empty: nothing to split.
-            let (v1, v2) = match self.moments() {
-                2 => std::mem::take(&mut v).split_at_mut(len),
-                _ => (&mut [][..], &mut [][..]),
+            // Lion's and SGD's `v` is empty, and so is the `m` of SGD
+            // without momentum: nothing to split.
+            let moments = self.moments();
+            let (m1, m2) = match moments >= 1 {
+                true => std::mem::take(&mut m).split_at_mut(len),
+                false => (&mut [][..], &mut [][..]),
+            };
+            let (v1, v2) = match moments == 2 {
+                true => std::mem::take(&mut v).split_at_mut(len),
+                false => (&mut [][..], &mut [][..]),
             };
             let (c1, c2) = groups::split_copy(std::mem::take(&mut copy), len);
             (p, g, m, v, copy) = (p2, g2, m2, v2, c2);
@@ -715,6 +725,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 adam_step(&self.threads, cfg, up.step, up.scale, s, copy)?
             }
             OptimizerKind::Lion => lion_step(&self.threads, cfg, up.scale, s, copy)?,
+            OptimizerKind::Sgd => {
+                let o = &self.cfg.config.optimizer;
+                let sgd = SgdConfig {
+                    lr: cfg.lr,
+                    momentum: o.momentum,
+                    dampening: o.dampening,
+                    weight_decay: cfg.weight_decay,
+                    nesterov: o.nesterov,
+                    maximize: o.maximize,
+                };
+                sgd_step(&self.threads, &sgd, up.step == 1, up.scale, s, copy)?
+            }
         }
         Ok(())
     }
@@ -1493,15 +1515,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 _ => CopyShard::None,
             };
             let g_len = if stage <= 1 { full } else { part };
-            // Lion keeps no second moment: its `v` stays empty everywhere.
-            let v_len = if c.optimizer.kind.moments() == 2 {
-                opt_len
-            } else {
-                0
-            };
+            // Lion and SGD keep no second moment: their `v` stays empty
+            // everywhere, and SGD without momentum keeps no `m` either.
+            let len_of = |held: bool| if held { opt_len } else { 0 };
+            let moments = c.optimizer.moments();
+            let v_len = len_of(moments == 2);
             shards.push(Shard {
                 master,
-                m: vec![0.0; opt_len],
+                m: vec![0.0; len_of(moments >= 1)],
                 v: vec![0.0; v_len],
                 g: vec![0.0; g_len],
                 reduced: Vec::new(),
@@ -2012,7 +2033,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                         copy,
                     } = sh;
                     let g: &[f32] = if stage1 { reduced } else { g };
-                    let r = 0..m.len();
+                    // (`m` is empty under SGD without momentum.)
+                    let r = 0..i.own_range(u).len();
                     i.adam_on(u, r, AdamShard { p: master, g, m, v }, copy, &up)?;
                     i.page_out(sh, k, true)?;
                 }

@@ -78,6 +78,26 @@ pub(super) fn swap_out(
     };
     let dir = PathBuf::from(o.nvme_path.clone().unwrap_or_default());
     let with_master = swaps_master(compute);
+    let moments = cfg.config.optimizer.moments();
+    if moments + usize::from(with_master) == 0 {
+        // SGD without momentum in fp32 keeps no optimizer state at all:
+        // its master is the flat tensor itself.
+        tracing::warn!(
+            "`zero_optimization.offload_optimizer` has nothing to offload: SGD without momentum keeps no optimizer state, and fp32 training's master is the parameters themselves; no swap file is made"
+        );
+        return Ok(None);
+    }
+    // Every array of a unit is its optimizer range long: the master when
+    // it is swapped (it is still in memory here), else the momentum.
+    let lens: Vec<usize> = (shards.iter())
+        .map(|s| {
+            if with_master {
+                s.master.len()
+            } else {
+                s.m.len()
+            }
+        })
+        .collect();
     let swap = Swap::create(
         &SwapConfig {
             dir,
@@ -86,17 +106,20 @@ pub(super) fn swap_out(
             chunk_bytes: cfg.config.aio.block_size as usize,
             direct: true,
         },
-        cfg.config.optimizer.kind.moments() + usize::from(with_master),
-        &shards.iter().map(|s| s.m.len()).collect::<Vec<_>>(),
+        moments + usize::from(with_master),
+        &lens,
     )?;
     for (k, sh) in shards.iter_mut().enumerate() {
         let mut arrays: Vec<&[f32]> = Vec::new();
         if with_master {
             arrays.push(&sh.master);
         }
-        arrays.push(&sh.m);
-        // Lion's `v` is empty and has no array in the swap.
-        if cfg.config.optimizer.kind.moments() == 2 {
+        // Lion's and SGD's `v` is empty and has no array in the swap, nor
+        // has the `m` of SGD without momentum.
+        if moments >= 1 {
+            arrays.push(&sh.m);
+        }
+        if moments == 2 {
             arrays.push(&sh.v);
         }
         swap.write_region(k, &arrays)?;
@@ -125,7 +148,7 @@ pub(super) struct UnitState {
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
-    /// The Adam step of every unit, streamed through the swap.
+    /// The optimizer step of every unit, streamed through the swap.
     pub(super) fn adam_swapped(
         &self,
         swap: &Swap,
@@ -164,12 +187,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 } else {
                     (&mut master[r.clone()], arrays)
                 };
-                // Adam's m and v, or Lion's m alone.
+                // Adam's m and v, Lion's or SGD's m alone, or nothing
+                // (SGD without momentum): one array per moment.
                 let (m, v) = match mv {
                     [m, v] => (&mut **m, &mut **v),
                     [m, ..] => (&mut **m, &mut [][..]),
-                    // Never: the swap was made with one array per moment
-                    // (the kernel would name the empty `m`).
                     [] => (&mut [][..], &mut [][..]),
                 };
                 self.adam_on(u, r, AdamShard { p, g, m, v }, copy, up)?;
@@ -189,12 +211,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let mut arrays = vec![vec![0f32; n]; moments + usize::from(with_master)];
         let mut refs: Vec<&mut [f32]> = arrays.iter_mut().map(Vec::as_mut_slice).collect();
         swap.read_region(k, &mut refs)?;
-        // Lion's `v` is empty: the swap holds no array for it.
-        let v = match moments {
-            2 => arrays.pop().unwrap_or_default(),
-            _ => Vec::new(),
+        // Lion's and SGD's `v` is empty: the swap holds no array for it,
+        // nor for the `m` of SGD without momentum.
+        let mut pop = |held: bool| match held {
+            true => arrays.pop().unwrap_or_default(),
+            false => Vec::new(),
         };
-        let m = arrays.pop().unwrap_or_default();
+        let v = pop(moments == 2);
+        let m = pop(moments >= 1);
         Ok(UnitState {
             master: arrays.pop(),
             m,
@@ -216,8 +240,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if swaps_master(self.compute) {
             arrays.push(master);
         }
-        arrays.push(m);
-        if self.moments() == 2 {
+        let moments = self.moments();
+        if moments >= 1 {
+            arrays.push(m);
+        }
+        if moments == 2 {
             arrays.push(v);
         }
         swap.write_region(k, &arrays)?;

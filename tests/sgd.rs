@@ -1,0 +1,177 @@
+//! `optimizer.type: "SGD"`: torch.optim.SGD, whose state is a momentum
+//! buffer with momentum and nothing at all without. (Its parity with
+//! libtorch's SGD at stages 0-3 is in `engine_parity`.) Asserted here:
+//! bf16 stages and the NVMe swaps (the optimizer's holding master and
+//! buffer, the master alone, or nothing to hold) train to the bits of the
+//! in-memory run; a rank holds 4 or 8 bytes per element of its optimizer
+//! range less than under AdamW, in memory and in the swap file;
+//! checkpoints hold the buffer or no moment, resume to the same bits, and
+//! a full load of another optimizer's state, or of SGD's with another
+//! momentum, is refused by name. Checkpoint loads restore the RNG, so
+//! these run one at a time ([`common::serial`]).
+
+use crate::common;
+
+use common::{config_params, nvme, nvme_params, on_ranks, serial, tokens, train_losses};
+use zrt::zero::{Config, Engine};
+
+const BF16: &str = r#""bf16": {"enabled": true},"#;
+/// Stage 3 shards every unit of the test GPT.
+const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
+/// The optimizer params of SGD with momentum (without: none past lr and
+/// weight decay, torch's default momentum 0).
+const MOMENTUM: &str = r#", "momentum": 0.9, "dampening": 0.1"#;
+
+fn sgd(params: &str, stage: u8, extra: &str, zero: &str) -> Config {
+    let zero = format!("{SHARD_ALL} {zero}");
+    config_params("SGD", params, stage, 1, 0.0, extra, &zero)
+}
+
+#[test]
+fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
+    let _serial = serial();
+    let steps = 4;
+    let dir = common::scratch("sgd-swap");
+    let (aio, off) = nvme(&dir);
+    for params in ["", MOMENTUM] {
+        // bf16: the swap holds the fp32 master and the buffer, or the
+        // master alone; fp32: the buffer alone, or nothing to offload.
+        for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
+            let memory = common::train_world(&sgd(params, stages[0], extra, ""), &[], steps);
+            for &stage in &stages[1..] {
+                let run = common::train_world(&sgd(params, stage, extra, ""), &[], steps);
+                assert_eq!(
+                    (&run.0, &run.1),
+                    (&memory.0, &memory.1),
+                    "{params} {extra} {stage}"
+                );
+            }
+            let swapped = format!("{off} {}", nvme_params(&dir));
+            let cfg = sgd(params, 3, &format!("{extra} {aio}"), &swapped);
+            let run = common::train_world(&cfg, &[], steps);
+            assert_eq!(
+                (&run.0, &run.1),
+                (&memory.0, &memory.1),
+                "{params} {extra} swapped"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_holds_one_moment_or_none_in_memory_and_in_the_swap_file() {
+    let _serial = serial();
+    let dir = common::scratch("sgd-bytes");
+    let (aio, off) = nvme(&dir);
+    for stage in [0u8, 2, 3] {
+        // (model-state bytes, optimizer-range elements, swap file bytes,
+        // the engine's log)
+        let held = |optimizer: &str, params: &str, extra: &str, zero: &str| {
+            on_ranks(common::WORLD, |r| {
+                let (vs, plan, gpt) = common::model();
+                let zero = format!("{SHARD_ALL} {zero}");
+                let cfg = config_params(optimizer, params, stage, 1, 0.0, extra, &zero);
+                let (e, logs) = common::with_logs_at(tracing::Level::INFO, || {
+                    common::engine_of(&vs, &plan, &cfg, &r)
+                });
+                train_losses(&gpt, &e, r.rank(), 1);
+                // The gradient buffers are the optimizer range at stages 0
+                // (the whole model), 2 and 3 (the shards).
+                let range: usize = (0..).map_while(|u| e.grad_buffer(u)).map(|g| g.len()).sum();
+                let file = logs
+                    .lines()
+                    .find(|l| l.contains("optimizer state offloaded to NVMe"))
+                    .and_then(|l| l.split(" bytes=").nth(1))
+                    .and_then(|s| s.split_whitespace().next())
+                    .map(|b| b.parse::<u64>().unwrap());
+                (e.model_state_bytes().unwrap(), range, file, logs)
+            })
+            .remove(0)
+        };
+        let (adam, range, ..) = held("AdamW", "", "", "");
+        let (momentum, ..) = held("SGD", MOMENTUM, "", "");
+        let (plain, ..) = held("SGD", "", "", "");
+        assert_eq!(adam - momentum, 4 * range, "stage {stage}");
+        assert_eq!(adam - plain, 8 * range, "stage {stage}");
+        if stage == 3 {
+            // bf16: the swap holds master, m and v; master and buffer; or
+            // the master alone.
+            let bf16 = format!("{BF16} {aio}");
+            let adam = held("AdamW", "", &bf16, &off).2.unwrap();
+            let momentum = held("SGD", MOMENTUM, &bf16, &off).2.unwrap();
+            let plain = held("SGD", "", &bf16, &off).2.unwrap();
+            assert!(plain > 0 && adam == 3 * plain && momentum == 2 * plain);
+            // fp32 without momentum: no swap file at all, and a warning.
+            let (.., file, logs) = held("SGD", "", &aio, &off);
+            assert_eq!(file, None);
+            assert!(logs.contains("`zero_optimization.offload_optimizer` has nothing to offload: SGD without momentum keeps no optimizer state"), "{logs}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_others() {
+    let _serial = serial();
+    let dir = common::scratch("sgd-ckpt");
+    let swap = common::scratch("sgd-ckpt-swap");
+    let (aio, off) = nvme(&swap);
+    // (the next step's loss, the parameters after it)
+    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
+        let loss = gpt.loss(&tokens(1, 0, rank, 1));
+        e.backward(&loss).unwrap();
+        e.step().unwrap();
+        (loss.double_value(&[]), e.gathered_params().unwrap())
+    };
+    for (tag, params) in [("plain", ""), ("momentum", MOMENTUM)] {
+        let at3 = sgd(params, 3, BF16, "");
+        // Saved from the swap file and loaded into it.
+        let swapped = sgd(params, 3, &format!("{BF16} {aio}"), &off);
+        let straight = on_ranks(common::WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let e = common::engine_of(&vs, &plan, &swapped, &r);
+            train_losses(&gpt, &e, r.rank(), 2);
+            e.save_checkpoint(&dir, tag).unwrap();
+            next_step(&e, &gpt, r.rank())
+        });
+        let names = common::saved_names(&dir, tag);
+        assert!(names.iter().any(|n| n.ends_with("/master")), "{names:?}");
+        let has_m = names.iter().any(|n| n.ends_with("/m"));
+        assert_eq!(has_m, !params.is_empty(), "{names:?}");
+        assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
+        let text = zrt::zero::checkpoint::inspect(&dir, Some(tag)).unwrap();
+        assert!(text.contains("compute bf16, optimizer SGD"), "{text}");
+        for cfg in [&at3, &swapped] {
+            let resumed = on_ranks(common::WORLD, |r| {
+                let (vs, plan, gpt) = common::model();
+                let e = common::engine_of(&vs, &plan, cfg, &r);
+                e.load_checkpoint(&dir, Some(tag)).unwrap();
+                next_step(&e, &gpt, r.rank())
+            });
+            assert_eq!(resumed, straight, "{tag}");
+        }
+    }
+    // Refused: another optimizer's state (Lion's one moment is not SGD's
+    // buffer), or SGD's with another momentum; the parameters still load.
+    let refused = [
+        ("AdamW", "", "momentum", "its run trained with SGD, whose optimizer state (one moment, m) is not AdamW's (two moments, m and v)", "set `optimizer.type` to \"SGD\""),
+        ("Lion", "", "momentum", "its run trained with SGD, whose optimizer state (one moment, m) is not Lion's (one moment, m)", "set `optimizer.type` to \"SGD\""),
+        ("SGD", MOMENTUM, "plain", "its run trained with SGD, whose optimizer state (no moment) is not SGD's (one moment, m)", "set `optimizer.params.momentum` to the saved run's 0"),
+        ("SGD", "", "momentum", "its run trained with SGD, whose optimizer state (one moment, m) is not SGD's (no moment)", "set `optimizer.params.momentum` to the saved run's 0.9"),
+    ];
+    for (optimizer, params, tag, what, mend) in refused {
+        on_ranks(common::WORLD, |r| {
+            let (vs, plan, _) = common::model();
+            let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
+            let e = common::engine_of(&vs, &plan, &cfg, &r);
+            let err = e.load_checkpoint(&dir, Some(tag)).unwrap_err().to_string();
+            for want in [what, "load_checkpoint_module_only", mend] {
+                assert!(err.contains(want), "{want:?} in {err}");
+            }
+            e.load_checkpoint_module_only(&dir, Some(tag)).unwrap();
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&swap);
+}

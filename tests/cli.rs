@@ -361,9 +361,43 @@ fn estimate_prints_the_design_formula() {
     ]);
     let _ = std::fs::remove_file(&f);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let (ok, out) = zrt(&["estimate", "--params=1e9", "--world=2", "--optimizer=sgd"]);
+    // SGD without momentum keeps no moment: 8 bytes per parameter less
+    // than Adam (the master, the parameters and the gradients are left);
+    // with momentum, Lion's.
+    let f = config_file(
+        "estimate-sgd",
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}"#,
+    );
+    for how in [["--optimizer", "sgd"], ["--config", f.as_str()]] {
+        let args = [
+            "estimate",
+            "--params",
+            "1073741824",
+            "--world",
+            "4",
+            how[0],
+            how[1],
+        ];
+        let (ok, out) = zrt(&args);
+        assert!(
+            ok && out.contains("bf16 compute, SGD without momentum:")
+                && out.contains("stage 0:      10.00 GiB        8.00 GiB")
+                && out.contains("stage 3:       2.50 GiB        2.00 GiB\n"),
+            "{how:?}: {out}"
+        );
+    }
+    let _ = std::fs::remove_file(&f);
+    let args = [
+        "estimate",
+        "--params=1073741824",
+        "--world=4",
+        "--optimizer=sgd-momentum",
+    ];
+    let (ok, out) = zrt(&args);
+    assert!(ok && out.contains("stage 0:      14.00 GiB"), "{out}");
+    let (ok, out) = zrt(&["estimate", "--params=1e9", "--world=2", "--optimizer=lamb"]);
     assert!(
-        !ok && out.contains("--optimizer must be adam, adamw or lion, got sgd"),
+        !ok && out.contains("--optimizer must be adam, adamw, lion, sgd-momentum or sgd, got lamb"),
         "{out}"
     );
     for (params, world) in [
@@ -929,6 +963,29 @@ fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
         // Implemented: no warning that it is ignored.
         assert!(!out.contains("does not implement"), "{out}");
     }
+}
+
+#[test]
+fn config_check_shows_sgds_settings_and_refuses_adams() {
+    let f = config_file(
+        "sgd",
+        r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true, "weight_decay": 1e-4}}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    let _ = std::fs::remove_file(&f);
+    assert!(ok, "{out}");
+    let line = "optimizer        SGD lr 0.1 momentum 0.9 dampening 0 nesterov true maximize false weight_decay 0.0001 (L2 decay; one momentum buffer)";
+    assert!(out.contains(line), "{out}");
+    let f = config_file(
+        "sgd-betas",
+        r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+    let _ = std::fs::remove_file(&f);
+    assert!(
+        !ok && out.contains("`optimizer.params.betas` is an Adam setting that SGD does not take"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -156,7 +156,20 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             o.betas.1,
             show(o.weight_decay),
         ),
-        _ => println!(
+        OptimizerKind::Sgd => println!(
+            "  optimizer        SGD lr {} momentum {} dampening {} nesterov {} maximize {} weight_decay {} (L2 decay; {})",
+            show(o.lr),
+            o.momentum,
+            o.dampening,
+            o.nesterov,
+            o.maximize,
+            show(o.weight_decay),
+            match o.moments() {
+                0 => "no optimizer state",
+                _ => "one momentum buffer",
+            }
+        ),
+        OptimizerKind::Adam | OptimizerKind::AdamW => println!(
             "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
             o.kind,
             show(o.lr),

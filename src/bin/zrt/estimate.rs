@@ -1,5 +1,5 @@
 //! `zrt estimate`: model-state bytes per rank for each ZeRO stage (fp32
-//! master, Adam's m and v or Lion's m): what zrt holds, and in mixed precision also
+//! master, Adam's m and v, Lion's m or SGD's momentum buffer): what zrt holds, and in mixed precision also
 //! DESIGN.md's table, whose gradients are 16-bit. Frozen parameters (a
 //! LoRA model's base: `--frozen`) add their values alone, sharded at
 //! stage 3 and packed as int8 with `--quantize-frozen`.
@@ -28,8 +28,9 @@ pub struct EstimateArgs {
     #[arg(long)]
     quantize_frozen: bool,
     /// The optimizer (`optimizer.type`): adam and adamw keep two fp32
-    /// moments per trained parameter, lion one (default adam, or the
-    /// config's).
+    /// moments per trained parameter, lion and sgd-momentum (SGD with
+    /// `momentum` above 0) one, sgd (torch's default, no momentum) none
+    /// (default adam, or the config's).
     #[arg(long, conflicts_with = "config")]
     optimizer: Option<String>,
     /// A DeepSpeed config to take the dtype, the optimizer and
@@ -50,7 +51,9 @@ fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
     };
     let optimizer = match c.optimizer.kind {
         OptimizerKind::Lion => "lion",
-        _ => "adam",
+        OptimizerKind::Sgd if c.optimizer.momentum > 0.0 => "sgd-momentum",
+        OptimizerKind::Sgd => "sgd",
+        OptimizerKind::Adam | OptimizerKind::AdamW => "adam",
     };
     let packed = c.zero.zero_quantized_nontrainable_weights;
     Ok((dtype.into(), optimizer.into(), packed, c.zero.stage))
@@ -76,7 +79,8 @@ pub fn frozen_bytes(stage: u8, f: f64, n: f64, c: f64, quantized: bool) -> f64 {
 
 /// Bytes per rank zrt holds for `psi` parameters on `n` shards at
 /// `stage`, with `c`-byte compute params (2 for bf16/fp16, 4 for fp32) and
-/// an optimizer keeping `moments` fp32 moments (Adam 2, Lion 1).
+/// an optimizer keeping `moments` fp32 moments (Adam 2, Lion 1, SGD 1 or
+/// 0).
 /// Gradients are fp32 whatever the compute dtype (DESIGN.md "Numerics"),
 /// so mixed precision holds 2 bytes per parameter more than DESIGN.md's
 /// table (DeepSpeed's, with 16-bit gradients): see [`table_bytes`].
@@ -136,7 +140,9 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
         "lion" => ("Lion", 1.0),
-        other => bail!("--optimizer must be adam, adamw or lion, got {other}"),
+        "sgd-momentum" => ("SGD with momentum", 1.0),
+        "sgd" => ("SGD without momentum", 0.0),
+        other => bail!("--optimizer must be adam, adamw, lion, sgd-momentum or sgd, got {other}"),
     };
     println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);
     if a.frozen > 0.0 {
@@ -215,6 +221,9 @@ mod tests {
         assert_eq!(model_state_bytes(0, 1.0, 2.0, 2.0, 1.0), 14.0);
         assert_eq!(model_state_bytes(2, 1.0, 2.0, 2.0, 1.0), 8.0);
         assert_eq!(model_state_bytes(0, 1.0, 2.0, 4.0, 1.0), 12.0);
+        // SGD without momentum in fp32: the parameters and gradients alone.
+        assert_eq!(model_state_bytes(0, 1.0, 2.0, 4.0, 0.0), 8.0);
+        assert_eq!(model_state_bytes(3, 1.0, 2.0, 2.0, 0.0), 5.0);
     }
 
     #[test]

@@ -1,11 +1,12 @@
-"""Peer for `zrt bench adam`: PyTorch's fused AdamW and DeepSpeed's CPUAdam.
+"""Peer for `zrt bench adam`: PyTorch's fused AdamW and DeepSpeed's CPUAdam,
+and PyTorch's fused SGD (momentum 0.9) for zrt's SGD row.
 
 A long-lived process so zrt and the peers can be interleaved round by round
 without paying for `import torch` each time. Protocol, one JSON object a line:
 Every protocol line starts with "@@zrt " (libraries such as DeepSpeed log to
 stdout; zrt passes any other line through to its stderr).
   start:   prints {"ready": true, "deepspeed": <bool>, "deepspeed_error": <str>}
-  request: {"impl": "torch_fused" | "deepspeed", "threads": T, "steps": K}
+  request: {"impl": "torch_fused" | "torch_fused_sgd" | "deepspeed", "threads": T, "steps": K}
   reply:   {"times": [seconds of each of K steps]}   (after one warm-up step)
 """
 import json
@@ -35,6 +36,10 @@ def optimizer(impl):
     if impl not in opts:
         if impl == "torch_fused":
             opts[impl] = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
+        elif impl == "torch_fused_sgd":
+            opts[impl] = torch.optim.SGD(
+                [param], lr=1e-3, momentum=0.9, weight_decay=0.01, fused=True
+            )
         else:
             raise ValueError(f"unknown impl {impl}")
     return opts[impl]

@@ -3,7 +3,8 @@
 //! and against memory-copy bandwidth measured in the same run (the limit).
 //! zrt's Lion step on the same shard is timed in the same rounds (no peer
 //! has one: torch 2.13 has no Lion, DeepSpeed's needs its CUDA or CPU
-//! build), against the limit and the peers' AdamW.
+//! build), against the limit and the peers' AdamW; and zrt's SGD with
+//! momentum against PyTorch's fused SGD.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -11,12 +12,15 @@ use serde_json::{json, Value};
 
 use super::peer::Peer;
 use super::{copy_bandwidth, median, time_each};
-use zrt::kernels::{adam_step, lion_step, AdamConfig, AdamShard, ComputeCopy, Threads};
+use zrt::kernels::{
+    adam_step, lion_step, sgd_step, AdamConfig, AdamShard, ComputeCopy, SgdConfig, Threads,
+};
 
 /// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v.
 const BYTES_PER_PARAM: f64 = 28.0;
 
-/// Bytes a Lion step moves per parameter: read p, g, m; write p, m.
+/// Bytes a Lion step, or SGD's with momentum, moves per parameter: read p,
+/// g, m; write p, m.
 const LION_BYTES_PER_PARAM: f64 = 20.0;
 
 /// Options of `zrt bench adam`.
@@ -46,7 +50,9 @@ pub struct AdamArgs {
 struct Samples {
     zrt: Vec<f64>,
     lion: Vec<f64>,
+    sgd: Vec<f64>,
     torch: Vec<f64>,
+    torch_sgd: Vec<f64>,
     deepspeed: Vec<f64>,
     copy_gbs: Vec<f64>,
 }
@@ -66,11 +72,12 @@ fn copy_bytes(n: usize) -> usize {
 
 /// Bytes held at once for `n` parameters: zrt's p, g, m, v (16 each), the
 /// limit's source and destination, and with `peer` the peer process's
-/// parameter, gradient (and its temporary) and two optimizers' m and v.
+/// parameter, gradient (and its temporary), two optimizers' m and v and
+/// SGD's momentum buffer.
 fn peak_bytes(n: usize, peer: bool) -> Option<u64> {
     let copy = 2 * copy_bytes(n) as u64;
     let n = n as u64;
-    let peer = if peer { n.checked_mul(28)? } else { 0 };
+    let peer = if peer { n.checked_mul(32)? } else { 0 };
     n.checked_mul(16)?.checked_add(copy)?.checked_add(peer)
 }
 
@@ -146,9 +153,30 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                 lion_step(pool, &cfg, 1.0, shard, ComputeCopy::None).expect("valid Lion arguments");
             };
             s.lion.extend(time_each(args.steps, lion));
+            // SGD with momentum on the same p, g and m: the settings the
+            // peer's fused SGD steps with.
+            let sgd_cfg = SgdConfig {
+                lr: 1e-3,
+                momentum: 0.9,
+                weight_decay: 0.01,
+                ..SgdConfig::default()
+            };
+            let sgd = || {
+                let shard = AdamShard {
+                    p: &mut p,
+                    g: &g,
+                    m: &mut m,
+                    v: &mut [],
+                };
+                sgd_step(pool, &sgd_cfg, false, 1.0, shard, ComputeCopy::None)
+                    .expect("valid SGD arguments");
+            };
+            s.sgd.extend(time_each(args.steps, sgd));
             if let Some(peer) = peer.as_mut() {
                 s.torch
                     .extend(peer_times(peer, "torch_fused", t, args.steps)?);
+                s.torch_sgd
+                    .extend(peer_times(peer, "torch_fused_sgd", t, args.steps)?);
                 if deepspeed {
                     s.deepspeed
                         .extend(peer_times(peer, "deepspeed", t, args.steps)?);
@@ -162,7 +190,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
 
     if !args.json {
         println!(
-            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for zrt Lion, whose vs-peer is against the peers' AdamW)",
+            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for Lion and SGD with momentum; zrt Lion's vs-peer is against the peers' AdamW, zrt SGD's against torch's fused SGD)",
             n as f64 / 1e6,
             args.rounds,
             args.steps,
@@ -194,17 +222,29 @@ pub fn run(args: &AdamArgs) -> Result<()> {
             .map(|p| p.1)
             .filter(|x| x.is_finite())
             .fold(f64::NAN, f64::min);
-        let mut rows = vec![("zrt", zrt_s, BYTES_PER_PARAM)];
+        // (row, seconds a step, bytes a parameter, the peer's seconds)
+        let mut rows = vec![("zrt", zrt_s, BYTES_PER_PARAM, best_peer)];
         rows.extend(
             (peers.iter().filter(|p| p.1.is_finite()))
-                .map(|&(name, secs)| (name, secs, BYTES_PER_PARAM)),
+                .map(|&(name, secs)| (name, secs, BYTES_PER_PARAM, best_peer)),
         );
-        rows.push(("zrt Lion", median(&s.lion), LION_BYTES_PER_PARAM));
-        for (name, secs, bytes) in rows {
+        let torch_sgd = median(&s.torch_sgd);
+        rows.push(("zrt Lion", median(&s.lion), LION_BYTES_PER_PARAM, best_peer));
+        rows.push(("zrt SGD", median(&s.sgd), LION_BYTES_PER_PARAM, torch_sgd));
+        if torch_sgd.is_finite() {
+            let row = (
+                "torch fused SGD",
+                torch_sgd,
+                LION_BYTES_PER_PARAM,
+                torch_sgd,
+            );
+            rows.push(row);
+        }
+        for (name, secs, bytes, peer_secs) in rows {
             let mps = n as f64 / secs / 1e6;
             let gbs = bytes * n as f64 / secs / 1e9;
             let vs_limit = gbs / limit;
-            let vs_peer = best_peer / secs;
+            let vs_peer = peer_secs / secs;
             if args.json {
                 println!(
                     "{}",
@@ -244,8 +284,9 @@ mod tests {
         assert_eq!(copy_bytes(1000), 14_000);
         assert_eq!(copy_bytes(1 << 30), 1 << 30);
         assert_eq!(peak_bytes(1000, false), Some(16_000 + 28_000));
-        // The peer: its parameter, gradient, temporary and two m and v.
-        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 28_000));
+        // The peer: its parameter, gradient, temporary, two m and v and
+        // SGD's buffer.
+        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 32_000));
         // The limit's copy stops at 1 GiB.
         assert_eq!(peak_bytes(1 << 30, false), Some((16u64 << 30) + (2 << 30)));
         assert_eq!(peak_bytes(usize::MAX, false), None);

@@ -66,6 +66,11 @@ impl Terms {
             "optimizer.params.bias_correction",
             o.bias_correction.to_string(),
         );
+        // SGD's: whether a rank keeps a momentum buffer hangs on them.
+        put("optimizer.params.momentum", format!("{:?}", o.momentum));
+        put("optimizer.params.dampening", format!("{:?}", o.dampening));
+        put("optimizer.params.nesterov", o.nesterov.to_string());
+        put("optimizer.params.maximize", o.maximize.to_string());
         put(
             "scheduler",
             c.scheduler

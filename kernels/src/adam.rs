@@ -33,18 +33,18 @@ use crate::{KernelError, Threads};
 
 /// Elements per cache block: the block's p, g, m, v (32 KiB) stay in L1/L2
 /// while the compute-dtype copy is written from them.
-pub(crate) const BLOCK: usize = 1024;
+const BLOCK: usize = 1024;
 
 /// Elements the update walks between software prefetches: two 64-byte lines
 /// of each array.
-pub(crate) const STEP: usize = 32;
+const STEP: usize = 32;
 
 /// How far ahead (elements, 2 KiB per array) the update prefetches p, g, m
 /// and v. One core alone cannot keep enough misses in flight for four
 /// streams with the hardware prefetcher only: measured on this project's
 /// 2-core EPYC, 50M params, 1 thread, this distance gave +7-10% (256 and
 /// 768 less, issuing a whole block's prefetches at once -30%).
-pub(crate) const PREFETCH_AHEAD: usize = 512;
+const PREFETCH_AHEAD: usize = 512;
 
 /// Adam hyper-parameters, named as in DeepSpeed's `optimizer.params`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -275,7 +275,7 @@ impl<'a> CopyBits<'a> {
 /// Prefetches the [`STEP`] elements at `at` of every stream (each `n` long)
 /// into L1; nothing past the end. A hint only: no memory is read or written.
 #[inline(always)]
-pub(crate) fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: usize) {
+fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -293,8 +293,38 @@ pub(crate) fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: 
     let _ = (streams, n, at);
 }
 
-/// One thread's contiguous range, walked in cache blocks and, within a
-/// block, in [`STEP`]s with software prefetch [`PREFETCH_AHEAD`] ahead.
+/// Walks one thread's range of `p` in cache blocks of [`BLOCK`] and, within
+/// a block, in [`STEP`]s, asking for every stream's lines
+/// [`PREFETCH_AHEAD`] ahead (`streams`: the arrays the update reads, `p`'s
+/// among them, each as long as `p`): `f(p[r], r)` updates the elements
+/// `r`, and each block's compute copy is written while it is in cache.
+/// Adam, Lion and SGD share it; it must inline into each dispatch level's
+/// body for the update to vectorize there.
+#[inline(always)]
+pub(crate) fn in_blocks<const N: usize>(
+    p: &mut [f32],
+    streams: [*const f32; N],
+    mut copy: CopyBits<'_>,
+    mut f: impl FnMut(&mut [f32], std::ops::Range<usize>),
+) {
+    let n = p.len();
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let mut s = start;
+        while s < end {
+            let e = (s + STEP).min(end);
+            prefetch(&streams, n, s + PREFETCH_AHEAD);
+            f(&mut p[s..e], s..e);
+            s = e;
+        }
+        copy.write(start, &p[start..end]);
+        start = end;
+    }
+}
+
+/// One thread's contiguous range, in cache blocks with software prefetch
+/// ([`in_blocks`]).
 #[inline(always)]
 fn range_body(
     c: &Coef,
@@ -304,33 +334,15 @@ fn range_body(
     v: &mut [f32],
     copy: CopyBits<'_>,
 ) {
-    let n = p.len();
     let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr()];
-    let mut copy = copy;
-    let mut start = 0;
-    while start < n {
-        let end = (start + BLOCK).min(n);
-        let (pb, gb, mb, vb) = (
-            &mut p[start..end],
-            &g[start..end],
-            &mut m[start..end],
-            &mut v[start..end],
-        );
-        let mut s = 0;
-        while s < pb.len() {
-            let e = (s + STEP).min(pb.len());
-            prefetch(&streams, n, start + s + PREFETCH_AHEAD);
-            let (ps, gs, ms, vs) = (&mut pb[s..e], &gb[s..e], &mut mb[s..e], &mut vb[s..e]);
-            if c.l2 != 0.0 {
-                update::<true>(c, ps, gs, ms, vs);
-            } else {
-                update::<false>(c, ps, gs, ms, vs);
-            }
-            s = e;
+    in_blocks(p, streams, copy, |ps, r| {
+        let (gs, ms, vs) = (&g[r.clone()], &mut m[r.clone()], &mut v[r]);
+        if c.l2 != 0.0 {
+            update::<true>(c, ps, gs, ms, vs);
+        } else {
+            update::<false>(c, ps, gs, ms, vs);
         }
-        copy.write(start, pb);
-        start = end;
-    }
+    });
 }
 
 multiversion!(fn adam_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], copy: CopyBits<'_>) => range_body);

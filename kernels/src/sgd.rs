@@ -21,7 +21,7 @@
 
 use rayon::prelude::*;
 
-use crate::adam::{prefetch, AdamShard, ComputeCopy, CopyBits, BLOCK, PREFETCH_AHEAD, STEP};
+use crate::adam::{in_blocks, AdamShard, ComputeCopy, CopyBits};
 use crate::error::same_len;
 use crate::simd::multiversion;
 use crate::{KernelError, Threads};
@@ -163,32 +163,19 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
     }
 }
 
-/// One thread's contiguous range in cache blocks, each block's compute copy
+/// One thread's contiguous range in cache blocks ([`in_blocks`]), each block's compute copy
 /// written while it is in cache; software prefetch as Adam's (SGD streams
 /// two or three arrays and is as memory-bound).
 #[inline(always)]
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
-    let n = p.len();
-    let with_m = !m.is_empty();
-    let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];
-    let mut copy = copy;
-    let mut start = 0;
-    while start < n {
-        let end = (start + BLOCK).min(n);
-        let mut s = start;
-        while s < end {
-            let e = (s + STEP).min(end);
-            if with_m {
-                prefetch(&streams, n, s + PREFETCH_AHEAD);
-                update(c, &mut p[s..e], &g[s..e], &mut m[s..e]);
-            } else {
-                prefetch(&[streams[0], streams[1]], n, s + PREFETCH_AHEAD);
-                update(c, &mut p[s..e], &g[s..e], &mut []);
-            }
-            s = e;
-        }
-        copy.write(start, &p[start..end]);
-        start = end;
+    if m.is_empty() {
+        let streams = [p.as_ptr(), g.as_ptr()];
+        in_blocks(p, streams, copy, |ps, r| update(c, ps, &g[r], &mut []));
+    } else {
+        let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];
+        in_blocks(p, streams, copy, |ps, r| {
+            update(c, ps, &g[r.clone()], &mut m[r])
+        });
     }
 }
 

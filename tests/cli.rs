@@ -966,47 +966,36 @@ fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
 }
 
 #[test]
-fn config_check_shows_sgds_settings_and_refuses_adams() {
-    let f = config_file(
-        "sgd",
-        r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true, "weight_decay": 1e-4}}}"#,
-    );
-    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
-    let _ = std::fs::remove_file(&f);
-    assert!(ok, "{out}");
-    let line = "optimizer        SGD lr 0.1 momentum 0.9 dampening 0 nesterov true maximize false weight_decay 0.0001 (L2 decay; one momentum buffer)";
-    assert!(out.contains(line), "{out}");
-    let f = config_file(
-        "sgd-betas",
-        r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}"#,
-    );
-    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
-    let _ = std::fs::remove_file(&f);
-    assert!(
-        !ok && out.contains("`optimizer.params.betas` is an Adam setting that SGD does not take"),
-        "{out}"
-    );
-}
-
-#[test]
-fn config_check_shows_lions_settings_and_refuses_adams() {
-    let f = config_file(
-        "lion",
-        r#"{"train_batch_size": 8, "optimizer": {"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}}}"#,
-    );
-    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
-    let _ = std::fs::remove_file(&f);
-    assert!(ok, "{out}");
-    let line = "optimizer        Lion lr 0.0001 betas (0.9, 0.99) weight_decay 0.1 (decoupled decay; one moment, no second)";
-    assert!(out.contains(line), "{out}");
-    let f = config_file(
-        "lion-eps",
-        r#"{"train_batch_size": 8, "optimizer": {"type": "Lion", "params": {"eps": 1e-8}}}"#,
-    );
-    let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
-    let _ = std::fs::remove_file(&f);
-    assert!(
-        !ok && out.contains("`optimizer.params.eps` is an Adam setting that Lion does not take"),
-        "{out}"
-    );
+fn config_check_shows_lions_and_sgds_settings_and_refuses_adams() {
+    // (name, params, the optimizer's line; a block with an Adam setting,
+    // what is said of it)
+    let cases = [
+        (
+            "Lion",
+            r#""lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1"#,
+            "optimizer        Lion lr 0.0001 betas (0.9, 0.99) weight_decay 0.1 (decoupled decay; one moment, no second)",
+            r#""eps": 1e-8"#,
+            "`optimizer.params.eps` is an Adam setting that Lion does not take",
+        ),
+        (
+            "SGD",
+            r#""lr": 0.1, "momentum": 0.9, "nesterov": true, "weight_decay": 1e-4"#,
+            "optimizer        SGD lr 0.1 momentum 0.9 dampening 0 nesterov true maximize false weight_decay 0.0001 (L2 decay; one momentum buffer)",
+            r#""betas": [0.9, 0.99]"#,
+            "`optimizer.params.betas` is an Adam setting that SGD does not take",
+        ),
+    ];
+    for (name, params, line, adams, refused) in cases {
+        for (params, ok_and_said) in [(params, (true, line)), (adams, (false, refused))] {
+            let f = config_file(
+                name,
+                &format!(
+                    r#"{{"train_batch_size": 8, "optimizer": {{"type": "{name}", "params": {{{params}}}}}}}"#
+                ),
+            );
+            let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+            let _ = std::fs::remove_file(&f);
+            assert!(ok == ok_and_said.0 && out.contains(ok_and_said.1), "{out}");
+        }
+    }
 }

@@ -63,43 +63,16 @@ fn a_rank_holds_one_moment_in_memory_and_in_the_swap_file() {
     let dir = scratch("bytes");
     let (aio, off) = nvme(&dir);
     for stage in [0u8, 2, 3] {
-        // (model-state bytes, optimizer-range elements, swap file bytes)
-        let held = |optimizer: &str, extra: &str, zero: &str| {
-            on_ranks(common::WORLD, |r| {
-                let (vs, plan, gpt) = common::model();
-                let cfg = config_of(
-                    optimizer,
-                    stage,
-                    1,
-                    0.0,
-                    extra,
-                    &format!("{SHARD_ALL} {zero}"),
-                );
-                let (e, logs) = common::with_logs_at(tracing::Level::INFO, || {
-                    common::engine_of(&vs, &plan, &cfg, &r)
-                });
-                train_losses(&gpt, &e, r.rank(), 1);
-                // The gradient buffers are the optimizer range at stages 0
-                // (the whole model), 2 and 3 (the shards).
-                let range: usize = (0..).map_while(|u| e.grad_buffer(u)).map(|g| g.len()).sum();
-                let file = logs
-                    .lines()
-                    .find(|l| l.contains("optimizer state offloaded to NVMe"))
-                    .and_then(|l| l.split(" bytes=").nth(1))
-                    .and_then(|s| s.split_whitespace().next())
-                    .map(|b| b.parse::<u64>().unwrap());
-                (e.model_state_bytes().unwrap(), range, file)
-            })
-            .remove(0)
+        let held = |optimizer, extra: &str, zero: &str| {
+            common::state_held(optimizer, "", stage, extra, zero)
         };
-        let (adam, range, _) = held("AdamW", "", "");
-        let (lion, _, _) = held("Lion", "", "");
+        let (adam, range, ..) = held("AdamW", "", "");
+        let (lion, ..) = held("Lion", "", "");
         assert_eq!(adam - lion, 4 * range, "stage {stage}");
         if stage == 3 {
-            let (_, _, adam) = held("AdamW", &aio, &off);
-            let (_, _, lion) = held("Lion", &aio, &off);
             // fp32: the swap holds m and v, or m alone.
-            let (adam, lion) = (adam.unwrap(), lion.unwrap());
+            let adam = held("AdamW", &aio, &off).2.unwrap();
+            let lion = held("Lion", &aio, &off).2.unwrap();
             assert!(lion > 0 && adam == 2 * lion, "{adam} vs {lion}");
         }
     }

@@ -65,29 +65,8 @@ fn a_rank_holds_one_moment_or_none_in_memory_and_in_the_swap_file() {
     let dir = common::scratch("sgd-bytes");
     let (aio, off) = nvme(&dir);
     for stage in [0u8, 2, 3] {
-        // (model-state bytes, optimizer-range elements, swap file bytes,
-        // the engine's log)
-        let held = |optimizer: &str, params: &str, extra: &str, zero: &str| {
-            on_ranks(common::WORLD, |r| {
-                let (vs, plan, gpt) = common::model();
-                let zero = format!("{SHARD_ALL} {zero}");
-                let cfg = config_params(optimizer, params, stage, 1, 0.0, extra, &zero);
-                let (e, logs) = common::with_logs_at(tracing::Level::INFO, || {
-                    common::engine_of(&vs, &plan, &cfg, &r)
-                });
-                train_losses(&gpt, &e, r.rank(), 1);
-                // The gradient buffers are the optimizer range at stages 0
-                // (the whole model), 2 and 3 (the shards).
-                let range: usize = (0..).map_while(|u| e.grad_buffer(u)).map(|g| g.len()).sum();
-                let file = logs
-                    .lines()
-                    .find(|l| l.contains("optimizer state offloaded to NVMe"))
-                    .and_then(|l| l.split(" bytes=").nth(1))
-                    .and_then(|s| s.split_whitespace().next())
-                    .map(|b| b.parse::<u64>().unwrap());
-                (e.model_state_bytes().unwrap(), range, file, logs)
-            })
-            .remove(0)
+        let held = |optimizer, params, extra: &str, zero: &str| {
+            common::state_held(optimizer, params, stage, extra, zero)
         };
         let (adam, range, ..) = held("AdamW", "", "", "");
         let (momentum, ..) = held("SGD", MOMENTUM, "", "");

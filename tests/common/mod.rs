@@ -399,3 +399,36 @@ pub fn saved_names(dir: &std::path::Path, tag: &str) -> Vec<String> {
     }
     names
 }
+
+/// What rank 0 of [`WORLD`] holds after one step of the GPT under
+/// `optimizer` (with `params` past lr and weight decay) at `stage`, every
+/// stage-3 unit sharded, `extra` at the top of the config and `zero` in
+/// `zero_optimization`: (model-state bytes, the elements of its optimizer
+/// range, the optimizer swap file's bytes if one was made, the engine's
+/// log at INFO).
+pub fn state_held(
+    optimizer: &str,
+    params: &str,
+    stage: u8,
+    extra: &str,
+    zero: &str,
+) -> (usize, usize, Option<u64>, String) {
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let zero = format!(r#""stage3_param_persistence_threshold": 0, {zero}"#);
+        let cfg = config_params(optimizer, params, stage, 1, 0.0, extra, &zero);
+        let (e, logs) = with_logs_at(tracing::Level::INFO, || engine_of(&vs, &plan, &cfg, &r));
+        train_losses(&gpt, &e, r.rank(), 1);
+        // The gradient buffers are the optimizer range at stages 0 (the
+        // whole model), 2 and 3 (the shards).
+        let range: usize = (0..).map_while(|u| e.grad_buffer(u)).map(|g| g.len()).sum();
+        let file = logs
+            .lines()
+            .find(|l| l.contains("optimizer state offloaded to NVMe"))
+            .and_then(|l| l.split(" bytes=").nth(1))
+            .and_then(|s| s.split_whitespace().next())
+            .map(|b| b.parse::<u64>().unwrap());
+        (e.model_state_bytes().unwrap(), range, file, logs)
+    })
+    .remove(0)
+}

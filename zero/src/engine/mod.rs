@@ -498,6 +498,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 c.optimizer.betas,
                 st.step.saturating_sub(1),
             ),
+            momentum: (c.optimizer.kind == OptimizerKind::Sgd).then_some(c.optimizer.momentum),
             norm,
             loss_scale: st.scaler.as_ref().map(|s| s.scale),
         };
@@ -2119,6 +2120,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Adam's (beta1, beta2) the last step used (before the first step:
     /// the ones it will use): the configured betas, or under OneCycle with
     /// `cycle_momentum` the cycled beta1 and 0.99 (DeepSpeed's `get_mom`).
+    /// Under SGD, which has no betas, the config's (unused) betas: its
+    /// momentum is `Config::optimizer.momentum`, which no schedule moves.
     pub fn betas(&self) -> (f64, f64) {
         let step = self.inner.st.lock().step;
         let c = &self.inner.cfg.config;

@@ -11,6 +11,8 @@ pub(super) struct Progress {
     pub(super) lr: f64,
     /// Adam's betas of the last applied step (DeepSpeed's `mom`).
     pub(super) betas: (f64, f64),
+    /// SGD's momentum, which the line says instead of betas SGD has not.
+    pub(super) momentum: Option<f64>,
     /// This boundary's gradient norm before clipping; `None` when it was
     /// skipped (no norm is taken then).
     pub(super) norm: Option<f64>,
@@ -26,13 +28,15 @@ pub(super) fn line(every: u64, p: &Progress) -> Option<String> {
     if every == 0 || p.boundaries == 0 || p.boundaries % every != 0 {
         return None;
     }
+    let mom = match p.momentum {
+        Some(m) => sig6(m),
+        None => format!("({}, {})", sig6(p.betas.0), sig6(p.betas.1)),
+    };
     let mut s = format!(
-        "step={}, skipped={}, lr={}, mom=({}, {})",
+        "step={}, skipped={}, lr={}, mom={mom}",
         p.boundaries,
         p.skipped,
         sig6(p.lr),
-        sig6(p.betas.0),
-        sig6(p.betas.1)
     );
     match p.norm {
         Some(n) => s.push_str(&format!(", grad_norm={}", sig6(n))),
@@ -79,6 +83,7 @@ mod tests {
             skipped: 1,
             lr: 0.001,
             betas: (0.9, 0.999),
+            momentum: None,
             norm,
             loss_scale,
         }
@@ -125,6 +130,14 @@ mod tests {
             Some(
                 "step=4, skipped=1, lr=0.001, mom=(0.9, 0.999), grad_norm=none (step skipped), loss_scale=32768"
             )
+        );
+        let sgd = Progress {
+            momentum: Some(0.9),
+            ..at(4, Some(0.25), None)
+        };
+        assert_eq!(
+            line(2, &sgd).as_deref(),
+            Some("step=4, skipped=1, lr=0.001, mom=0.9, grad_norm=0.25")
         );
     }
 }

@@ -136,9 +136,14 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
         "  written by zrt {}, format {}",
         meta.zrt_version, meta.format
     );
+    // SGD's state hangs on its momentum: say which it kept.
+    let momentum = match meta.optimizer().eq_ignore_ascii_case("sgd") {
+        true => format!(" (momentum {})", meta.sgd_momentum()),
+        false => String::new(),
+    };
     let _ = writeln!(
         s,
-        "  world {} (mesh {} x {}), ZeRO stage {}, compute {}, optimizer {}",
+        "  world {} (mesh {} x {}), ZeRO stage {}, compute {}, optimizer {}{momentum}",
         meta.world,
         meta.mesh.0,
         meta.mesh.1,

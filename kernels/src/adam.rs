@@ -24,27 +24,11 @@
 //! FMA the `mul_add` calls fall back to libm (correct, much slower).
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
-use crate::cast::{bf16_bits_mut, f16_bits_mut};
 use crate::error::same_len;
 use crate::simd::multiversion;
+use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
-
-/// Elements per cache block: the block's p, g, m, v (32 KiB) stay in L1/L2
-/// while the compute-dtype copy is written from them.
-const BLOCK: usize = 1024;
-
-/// Elements the update walks between software prefetches: two 64-byte lines
-/// of each array.
-const STEP: usize = 32;
-
-/// How far ahead (elements, 2 KiB per array) the update prefetches p, g, m
-/// and v. One core alone cannot keep enough misses in flight for four
-/// streams with the hardware prefetcher only: measured on this project's
-/// 2-core EPYC, 50M params, 1 thread, this distance gave +7-10% (256 and
-/// 768 less, issuing a whole block's prefetches at once -30%).
-const PREFETCH_AHEAD: usize = 512;
 
 /// Adam hyper-parameters, named as in DeepSpeed's `optimizer.params`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -210,119 +194,6 @@ fn update<const L2: bool>(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: 
     }
 }
 
-/// Compute-copy destination as raw bits, so one range function serves both.
-pub(crate) enum CopyBits<'a> {
-    None,
-    Bf16(&'a mut [u16]),
-    F16(&'a mut [u16]),
-}
-
-impl<'a> CopyBits<'a> {
-    /// Checks the destination's length against the shard's `n` and views
-    /// it as bits.
-    pub(crate) fn of(copy: ComputeCopy<'a>, n: usize) -> Result<Self, KernelError> {
-        Ok(match copy {
-            ComputeCopy::None => CopyBits::None,
-            ComputeCopy::Bf16(d) => {
-                same_len("compute copy", d.len(), "p", n)?;
-                CopyBits::Bf16(bf16_bits_mut(d))
-            }
-            ComputeCopy::F16(d) => {
-                same_len("compute copy", d.len(), "p", n)?;
-                CopyBits::F16(f16_bits_mut(d))
-            }
-        })
-    }
-
-    /// The destination's first `at` elements and the rest (both `None`
-    /// when there is no copy), for a range split between threads.
-    pub(crate) fn split_at(self, at: usize) -> (Self, Self) {
-        match self {
-            CopyBits::None => (CopyBits::None, CopyBits::None),
-            CopyBits::Bf16(d) => {
-                let (a, b) = d.split_at_mut(at);
-                (CopyBits::Bf16(a), CopyBits::Bf16(b))
-            }
-            CopyBits::F16(d) => {
-                let (a, b) = d.split_at_mut(at);
-                (CopyBits::F16(a), CopyBits::F16(b))
-            }
-        }
-    }
-
-    /// Writes the updated parameters `p`, which start at element `at` of
-    /// the range, into the destination (a block still in cache).
-    #[inline(always)]
-    pub(crate) fn write(&mut self, at: usize, p: &[f32]) {
-        match self {
-            CopyBits::None => {}
-            CopyBits::Bf16(d) => {
-                let d = &mut d[at..at + p.len()];
-                for i in 0..p.len() {
-                    d[i] = crate::cast::f32_to_bf16_bits(p[i]);
-                }
-            }
-            CopyBits::F16(d) => {
-                let d = &mut d[at..at + p.len()];
-                for i in 0..p.len() {
-                    d[i] = crate::cast::f32_to_f16_bits(p[i]);
-                }
-            }
-        }
-    }
-}
-
-/// Prefetches the [`STEP`] elements at `at` of every stream (each `n` long)
-/// into L1; nothing past the end. A hint only: no memory is read or written.
-#[inline(always)]
-fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for line in [at, at + STEP / 2] {
-            if line < n {
-                for &s in streams {
-                    // SAFETY: `line < n`, so the address is inside the slice
-                    // `s` points into; prefetch never faults or writes.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(s.add(line).cast::<i8>()) };
-                }
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (streams, n, at);
-}
-
-/// Walks one thread's range of `p` in cache blocks of [`BLOCK`] and, within
-/// a block, in [`STEP`]s, asking for every stream's lines
-/// [`PREFETCH_AHEAD`] ahead (`streams`: the arrays the update reads, `p`'s
-/// among them, each as long as `p`): `f(p[r], r)` updates the elements
-/// `r`, and each block's compute copy is written while it is in cache.
-/// Adam, Lion and SGD share it; it must inline into each dispatch level's
-/// body for the update to vectorize there.
-#[inline(always)]
-pub(crate) fn in_blocks<const N: usize>(
-    p: &mut [f32],
-    streams: [*const f32; N],
-    mut copy: CopyBits<'_>,
-    mut f: impl FnMut(&mut [f32], std::ops::Range<usize>),
-) {
-    let n = p.len();
-    let mut start = 0;
-    while start < n {
-        let end = (start + BLOCK).min(n);
-        let mut s = start;
-        while s < end {
-            let e = (s + STEP).min(end);
-            prefetch(&streams, n, s + PREFETCH_AHEAD);
-            f(&mut p[s..e], s..e);
-            s = e;
-        }
-        copy.write(start, &p[start..end]);
-        start = end;
-    }
-}
-
 /// One thread's contiguous range, in cache blocks with software prefetch
 /// ([`in_blocks`]).
 #[inline(always)]
@@ -369,27 +240,8 @@ pub fn adam_step(
     same_len("m", m.len(), "p", n)?;
     same_len("v", v.len(), "p", n)?;
     let copy = CopyBits::of(copy, n)?;
-    let Some(cs) = threads.chunk_len(n) else {
-        adam_range(&c, p, g, m, v, copy);
-        return Ok(());
-    };
-    threads.install(|| {
-        let chunks = p
-            .par_chunks_mut(cs)
-            .zip(g.par_chunks(cs))
-            .zip(m.par_chunks_mut(cs))
-            .zip(v.par_chunks_mut(cs));
-        match copy {
-            CopyBits::None => {
-                chunks.for_each(|(((p, g), m), v)| adam_range(&c, p, g, m, v, CopyBits::None))
-            }
-            CopyBits::Bf16(d) => chunks
-                .zip(d.par_chunks_mut(cs))
-                .for_each(|((((p, g), m), v), d)| adam_range(&c, p, g, m, v, CopyBits::Bf16(d))),
-            CopyBits::F16(d) => chunks
-                .zip(d.par_chunks_mut(cs))
-                .for_each(|((((p, g), m), v), d)| adam_range(&c, p, g, m, v, CopyBits::F16(d))),
-        }
+    for_each_range(threads, p, g, [m, v], copy, |p, g, [m, v], copy| {
+        adam_range(&c, p, g, m, v, copy)
     });
     Ok(())
 }

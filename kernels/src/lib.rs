@@ -21,8 +21,10 @@
 //!   in-memory training must agree to the bit on different machines.
 //! - **Threads over contiguous ranges.** A [`Threads`] pool (rayon, sized by
 //!   the caller, default: available cores) splits a shard into one range per
-//!   thread, aligned to 64 elements. Nothing is allocated per call.
-//! - **One pass over memory.** Adam walks the shard in L1-sized blocks; the
+//!   thread, aligned to 64 elements. The only allocation per call is the
+//!   list of those ranges (one entry per thread), none on one thread.
+//! - **One pass over memory.** Each optimizer walks the shard in L1-sized
+//!   blocks (`walk.rs`, which Adam, Lion and SGD share); the
 //!   optional compute-dtype copy of the updated parameters is written from
 //!   the block while it is still in cache, so p, g, m, v are read once and
 //!   p, m, v (and the copy) written once.
@@ -46,6 +48,7 @@ pub mod reduce;
 pub mod sgd;
 pub mod simd;
 mod threads;
+mod walk;
 
 pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
 pub use error::KernelError;

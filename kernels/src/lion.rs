@@ -22,11 +22,10 @@
 //! parameter's update is a multiply and an add, rounded apart. Every
 //! dispatch level and thread count gives the same bits.
 
-use rayon::prelude::*;
-
-use crate::adam::{in_blocks, AdamConfig, AdamShard, ComputeCopy, CopyBits};
+use crate::adam::{AdamConfig, AdamShard, ComputeCopy};
 use crate::error::same_len;
 use crate::simd::multiversion;
+use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
 
 /// Per-call scalars, rounded to f32 once.
@@ -117,26 +116,8 @@ pub fn lion_step(
         });
     }
     let copy = CopyBits::of(copy, n)?;
-    let Some(cs) = threads.chunk_len(n) else {
-        lion_range(&c, p, g, m, copy);
-        return Ok(());
-    };
-    threads.install(|| {
-        let chunks = p
-            .par_chunks_mut(cs)
-            .zip(g.par_chunks(cs))
-            .zip(m.par_chunks_mut(cs));
-        match copy {
-            CopyBits::None => {
-                chunks.for_each(|((p, g), m)| lion_range(&c, p, g, m, CopyBits::None))
-            }
-            CopyBits::Bf16(d) => chunks
-                .zip(d.par_chunks_mut(cs))
-                .for_each(|(((p, g), m), d)| lion_range(&c, p, g, m, CopyBits::Bf16(d))),
-            CopyBits::F16(d) => chunks
-                .zip(d.par_chunks_mut(cs))
-                .for_each(|(((p, g), m), d)| lion_range(&c, p, g, m, CopyBits::F16(d))),
-        }
+    for_each_range(threads, p, g, [m], copy, |p, g, [m], copy| {
+        lion_range(&c, p, g, m, copy)
     });
     Ok(())
 }

@@ -19,11 +19,10 @@
 //! computes it; `mul_` then `add_` is a rounded product and a fused
 //! multiply-add. Every dispatch level and thread count gives the same bits.
 
-use rayon::prelude::*;
-
-use crate::adam::{in_blocks, AdamShard, ComputeCopy, CopyBits};
+use crate::adam::{AdamShard, ComputeCopy};
 use crate::error::same_len;
 use crate::simd::multiversion;
+use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
 
 /// SGD's hyper-parameters for one step (`torch.optim.SGD`'s, same names).
@@ -219,29 +218,9 @@ pub fn sgd_step(
         });
     }
     let copy = CopyBits::of(copy, n)?;
-    let Some(cs) = threads.chunk_len(n) else {
-        sgd_range(&c, p, g, m, copy);
-        return Ok(());
-    };
-    // One job per thread's range; `m` is split only when SGD keeps it.
-    let mut jobs = Vec::with_capacity(n.div_ceil(cs));
-    let (mut p, mut g, mut m, mut copy) = (p, g, m, copy);
-    while !p.is_empty() {
-        let k = cs.min(p.len());
-        let (p1, p2) = std::mem::take(&mut p).split_at_mut(k);
-        let (g1, g2) = g.split_at(k);
-        let (m1, m2) = if m.is_empty() {
-            (&mut [][..], &mut [][..])
-        } else {
-            std::mem::take(&mut m).split_at_mut(k)
-        };
-        let (c1, c2) = copy.split_at(k);
-        jobs.push((p1, g1, m1, c1));
-        (p, g, m, copy) = (p2, g2, m2, c2);
-    }
-    threads.install(|| {
-        jobs.into_par_iter()
-            .for_each(|(p, g, m, copy)| sgd_range(&c, p, g, m, copy))
+    // Without momentum `m` is empty, and stays so in every thread's range.
+    for_each_range(threads, p, g, [m], copy, |p, g, [m], copy| {
+        sgd_range(&c, p, g, m, copy)
     });
     Ok(())
 }

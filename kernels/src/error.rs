@@ -64,3 +64,11 @@ pub(crate) fn same_len(
         })
     }
 }
+
+/// Checks that a slice the kernel has no use for is empty (`why` says why).
+pub(crate) fn empty(name: &'static str, got: usize, why: &'static str) -> Result<(), KernelError> {
+    match got {
+        0 => Ok(()),
+        _ => Err(KernelError::NotEmpty { name, got, why }),
+    }
+}

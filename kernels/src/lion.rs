@@ -23,7 +23,7 @@
 //! dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamConfig, AdamShard, ComputeCopy};
-use crate::error::same_len;
+use crate::error::{empty, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -108,13 +108,7 @@ pub fn lion_step(
     let n = p.len();
     same_len("g", g.len(), "p", n)?;
     same_len("m", m.len(), "p", n)?;
-    if !v.is_empty() {
-        return Err(KernelError::NotEmpty {
-            name: "v",
-            got: v.len(),
-            why: "Lion keeps no second moment",
-        });
-    }
+    empty("v", v.len(), "Lion keeps no second moment")?;
     let copy = CopyBits::of(copy, n)?;
     for_each_range(threads, p, g, [m], copy, |p, g, [m], copy| {
         lion_range(&c, p, g, m, copy)

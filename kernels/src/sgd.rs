@@ -20,7 +20,7 @@
 //! multiply-add. Every dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamShard, ComputeCopy};
-use crate::error::same_len;
+use crate::error::{empty, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -201,22 +201,11 @@ pub fn sgd_step(
     let AdamShard { p, g, m, v } = shard;
     let n = p.len();
     same_len("g", g.len(), "p", n)?;
-    if cfg.momentum > 0.0 {
-        same_len("m", m.len(), "p", n)?;
-    } else if !m.is_empty() {
-        return Err(KernelError::NotEmpty {
-            name: "m",
-            got: m.len(),
-            why: "SGD without momentum keeps no state",
-        });
+    match cfg.momentum > 0.0 {
+        true => same_len("m", m.len(), "p", n)?,
+        false => empty("m", m.len(), "SGD without momentum keeps no state")?,
     }
-    if !v.is_empty() {
-        return Err(KernelError::NotEmpty {
-            name: "v",
-            got: v.len(),
-            why: "SGD keeps no second moment",
-        });
-    }
+    empty("v", v.len(), "SGD keeps no second moment")?;
     let copy = CopyBits::of(copy, n)?;
     // Without momentum `m` is empty, and stays so in every thread's range.
     for_each_range(threads, p, g, [m], copy, |p, g, [m], copy| {

@@ -206,14 +206,20 @@ fn range_body(
     copy: CopyBits<'_>,
 ) {
     let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr()];
-    in_blocks(p, streams, copy, |ps, r| {
-        let (gs, ms, vs) = (&g[r.clone()], &mut m[r.clone()], &mut v[r]);
-        if c.l2 != 0.0 {
-            update::<true>(c, ps, gs, ms, vs);
-        } else {
-            update::<false>(c, ps, gs, ms, vs);
-        }
-    });
+    in_blocks(
+        p,
+        streams,
+        copy,
+        #[inline(always)]
+        |ps, r| {
+            let (gs, ms, vs) = (&g[r.clone()], &mut m[r.clone()], &mut v[r]);
+            if c.l2 != 0.0 {
+                update::<true>(c, ps, gs, ms, vs);
+            } else {
+                update::<false>(c, ps, gs, ms, vs);
+            }
+        },
+    );
 }
 
 multiversion!(fn adam_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], copy: CopyBits<'_>) => range_body);

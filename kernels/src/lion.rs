@@ -79,9 +79,13 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
 #[inline(always)]
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
     let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];
-    in_blocks(p, streams, copy, |ps, r| {
-        update(c, ps, &g[r.clone()], &mut m[r])
-    });
+    in_blocks(
+        p,
+        streams,
+        copy,
+        #[inline(always)]
+        |ps, r| update(c, ps, &g[r.clone()], &mut m[r]),
+    );
 }
 
 multiversion!(fn lion_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) => range_body);

@@ -169,12 +169,22 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
     if m.is_empty() {
         let streams = [p.as_ptr(), g.as_ptr()];
-        in_blocks(p, streams, copy, |ps, r| update(c, ps, &g[r], &mut []));
+        in_blocks(
+            p,
+            streams,
+            copy,
+            #[inline(always)]
+            |ps, r| update(c, ps, &g[r], &mut []),
+        );
     } else {
         let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];
-        in_blocks(p, streams, copy, |ps, r| {
-            update(c, ps, &g[r.clone()], &mut m[r])
-        });
+        in_blocks(
+            p,
+            streams,
+            copy,
+            #[inline(always)]
+            |ps, r| update(c, ps, &g[r.clone()], &mut m[r]),
+        );
     }
 }
 

@@ -71,11 +71,11 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
     }
 }
 
-/// One thread's contiguous range in cache blocks ([`in_blocks`]), each block's compute
-/// copy written while it is in cache; within a block in steps, with
-/// software prefetch ahead as Adam's, memory-bound as it is (`zrt bench
-/// adam`, 1 thread, 50M params: a Lion step took 0.83-0.85 of zrt's AdamW
-/// step's time without it, 0.77-0.79 with it).
+/// One thread's contiguous range in cache blocks ([`in_blocks`]), each
+/// block's compute copy written while it is in cache; within a block in
+/// steps, with software prefetch ahead as Adam's, memory-bound as it is
+/// (`zrt bench adam`, 1 thread, 50M params: a Lion step took 0.83-0.85 of
+/// zrt's AdamW step's time without it, 0.77-0.79 with it).
 #[inline(always)]
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
     let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr()];

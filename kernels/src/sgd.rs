@@ -162,9 +162,9 @@ fn update(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32]) {
     }
 }
 
-/// One thread's contiguous range in cache blocks ([`in_blocks`]), each block's compute copy
-/// written while it is in cache; software prefetch as Adam's (SGD streams
-/// two or three arrays and is as memory-bound).
+/// One thread's contiguous range in cache blocks ([`in_blocks`]), each
+/// block's compute copy written while it is in cache; software prefetch as
+/// Adam's (SGD streams two or three arrays and is as memory-bound).
 #[inline(always)]
 fn range_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], copy: CopyBits<'_>) {
     if m.is_empty() {

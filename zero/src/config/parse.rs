@@ -342,7 +342,7 @@ impl P {
         if kind != OptimizerKind::Sgd {
             for key in present(&SGD_ONLY) {
                 self.problems.push(format!(
-                    "`{path}.{key}` is an SGD setting that {} does not take (its momentum is `betas[0]`): remove it, or use \"SGD\"",
+                    "`{path}.{key}` is an SGD setting that {} does not take (its moments decay by `betas`): remove it, or use \"SGD\"",
                     kind.name()
                 ));
             }

@@ -728,7 +728,7 @@ fn sgd_reads_torchs_settings_and_refuses_adams() {
         problems(
             r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}"#
         ),
-        ["`optimizer.params.momentum` is an SGD setting that AdamW does not take (its momentum is `betas[0]`): remove it, or use \"SGD\""]
+        ["`optimizer.params.momentum` is an SGD setting that AdamW does not take (its moments decay by `betas`): remove it, or use \"SGD\""]
     );
     // OneCycle cycles betas, which SGD has not: DeepSpeed turns the
     // momentum cycle off, and so does zrt, saying so (and not that the

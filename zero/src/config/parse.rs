@@ -389,8 +389,9 @@ impl P {
                 default.betas
             }
         };
+        // (SGD's block was refused its betas above: said once.)
         for (i, b) in [betas.0, betas.1].iter().enumerate() {
-            if !(0.0..1.0).contains(b) {
+            if kind != OptimizerKind::Sgd && !(0.0..1.0).contains(b) {
                 self.problems.push(format!(
                     "`optimizer.params.betas[{i}]` must be in [0, 1), got {b}"
                 ));

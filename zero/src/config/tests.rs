@@ -707,7 +707,7 @@ fn sgd_reads_torchs_settings_and_refuses_adams() {
     // dampening for Nesterov; Adam takes no momentum.
     for (params, want) in [
         (
-            r#", "betas": [0.9, 0.99], "eps": 1e-8"#,
+            r#", "betas": [0.9, 1.5], "eps": 1e-8"#,
             vec![
                 "`optimizer.params.eps` is an Adam setting that SGD does not take (torch.optim.SGD has momentum, dampening, nesterov and weight_decay): remove it, or use \"AdamW\"",
                 "`optimizer.params.betas` is an Adam setting that SGD does not take (torch.optim.SGD has momentum, dampening, nesterov and weight_decay): remove it, or use \"AdamW\"",

@@ -1,7 +1,7 @@
 //! # zrt-kernels
 //!
 //! The per-element math of a ZeRO step, on flat slices, with no libtorch in
-//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]) and SGD ([`sgd`]), the helpers around it ([`reduce`]:
+//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]) and LAMB ([`lamb`]), the helpers around it ([`reduce`]:
 //! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
 //! in place), f32 <-> bf16/f16 casts bit-identical to libtorch's
 //! ([`cast`]) and the block-wise int8 packing of quantized weight gathers
@@ -42,6 +42,7 @@ pub mod cast;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+pub mod lamb;
 pub mod lion;
 pub mod quant;
 pub mod reduce;
@@ -52,6 +53,7 @@ mod walk;
 
 pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
 pub use error::KernelError;
+pub use lamb::{lamb_apply, lamb_moments, LambConfig};
 pub use lion::lion_step;
 pub use sgd::{sgd_step, SgdConfig};
 pub use threads::Threads;

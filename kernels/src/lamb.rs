@@ -1,0 +1,468 @@
+//! LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning") as
+//! DeepSpeed's `FusedLamb` computes it, in the three passes its trust ratio
+//! needs:
+//!
+//! ```text
+//! g  = grad * grad_scale                       (1/loss_scale x clip coefficient)
+//! m  = beta1 * m + (1 - beta1) * g             [lamb_moments]
+//! v  = beta2 * v + (1 - beta2) * g * g
+//! u  = m / (sqrt(v) + eps) + weight_decay * p  (eps_inside_sqrt: m / sqrt(v + eps))
+//! w2 = sum p^2, u2 = sum u^2 over one whole parameter tensor
+//! r  = clamp(sqrt(w2) / sqrt(u2), min_coeff, max_coeff), 1 if either is 0   [lamb_trust]
+//! p  = p - step_size * r * u                   [lamb_apply]
+//! ```
+//!
+//! with `step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)` under bias
+//! correction, else `lr`: DeepSpeed corrects the step, not the moments, so
+//! the trust ratio sees the uncorrected update (and the decay term is
+//! scaled with it). Its defaults: `max_coeff` 10, `min_coeff` 0.01.
+//!
+//! The norms are of whole parameters, which a ZeRO shard cuts: the caller
+//! sums each parameter's squares over the pieces a rank holds (with
+//! [`reduce::sum_of_squares`](crate::reduce::sum_of_squares), deterministic),
+//! adds the ranks' partial sums, and only then applies. `u` lives in a
+//! scratch array between the passes. Every dispatch level and thread count
+//! gives the same bits.
+
+use crate::adam::ComputeCopy;
+use crate::error::same_len;
+use crate::simd::multiversion;
+use crate::walk::{for_each_range, in_blocks, CopyBits};
+use crate::{KernelError, Threads};
+
+/// LAMB's hyper-parameters (DeepSpeed's `FusedLamb` names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LambConfig {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// `betas[0]`.
+    pub beta1: f64,
+    /// `betas[1]`.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Added to the update as `weight_decay * p`, inside the trust ratio.
+    pub weight_decay: f64,
+    /// Correct the step size for the moments' bias.
+    pub bias_correction: bool,
+    /// The trust ratio's upper clamp.
+    pub max_coeff: f64,
+    /// The trust ratio's lower clamp.
+    pub min_coeff: f64,
+    /// `eps` inside the square root (`m / sqrt(v + eps)`).
+    pub eps_inside_sqrt: bool,
+}
+
+impl Default for LambConfig {
+    /// DeepSpeed's `FusedLamb` defaults.
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+            eps_inside_sqrt: false,
+        }
+    }
+}
+
+impl LambConfig {
+    /// Checks every setting is in its domain.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
+        if !(self.lr >= 0.0 && self.lr.is_finite()) {
+            return bad("lr", self.lr, "must be finite and >= 0");
+        }
+        if !(0.0..1.0).contains(&self.beta1) {
+            return bad("betas[0]", self.beta1, "must be in [0, 1)");
+        }
+        if !(0.0..1.0).contains(&self.beta2) {
+            return bad("betas[1]", self.beta2, "must be in [0, 1)");
+        }
+        if !(self.eps >= 0.0 && self.eps.is_finite()) {
+            return bad("eps", self.eps, "must be finite and >= 0");
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad("weight_decay", self.weight_decay, "must be finite and >= 0");
+        }
+        if !(self.min_coeff >= 0.0 && self.min_coeff.is_finite()) {
+            return bad("min_coeff", self.min_coeff, "must be finite and >= 0");
+        }
+        if !(self.max_coeff >= self.min_coeff && self.max_coeff.is_finite()) {
+            return bad(
+                "max_coeff",
+                self.max_coeff,
+                "must be finite and >= min_coeff",
+            );
+        }
+        Ok(())
+    }
+
+    /// The step size of step `step` (1-based): bias correction applied to
+    /// the step, as DeepSpeed does.
+    pub fn step_size(&self, step: u64) -> f64 {
+        if !self.bias_correction {
+            return self.lr;
+        }
+        let t = step.min(i32::MAX as u64) as i32;
+        self.lr * (1.0 - self.beta2.powi(t)).sqrt() / (1.0 - self.beta1.powi(t))
+    }
+
+    /// The trust ratio of a parameter whose squares sum to `w2` and whose
+    /// update's squares sum to `u2` (over the whole parameter).
+    pub fn trust(&self, w2: f64, u2: f64) -> f64 {
+        let (w, u) = (w2.sqrt(), u2.sqrt());
+        if w == 0.0 || u == 0.0 {
+            return 1.0;
+        }
+        // A NaN ratio stays NaN (clamp would keep it too, but say so).
+        (w / u).clamp(self.min_coeff, self.max_coeff)
+    }
+}
+
+/// Pass one's scalars, rounded to f32 once.
+#[derive(Debug, Clone, Copy)]
+struct Coef {
+    scale: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    eps_inside_sqrt: bool,
+    weight_decay: f32,
+}
+
+#[inline(always)]
+fn moments(c: &Coef, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) {
+    let n = u.len();
+    let (p, g, m, v) = (&p[..n], &g[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let gi = g[i] * c.scale;
+        let mi = gi.mul_add(c.one_minus_beta1, m[i] * c.beta1);
+        let vi = (gi * gi).mul_add(c.one_minus_beta2, v[i] * c.beta2);
+        let denom = if c.eps_inside_sqrt {
+            (vi + c.eps).sqrt()
+        } else {
+            vi.sqrt() + c.eps
+        };
+        u[i] = p[i].mul_add(c.weight_decay, mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+/// Pass one over one thread's range: `p` is read only (it is the walk's
+/// first stream); `u` is written.
+#[inline(always)]
+fn moments_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) {
+    let streams = [p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr()];
+    in_blocks(
+        p,
+        streams,
+        CopyBits::None,
+        #[inline(always)]
+        |ps, r| {
+            let (gs, ms, vs) = (&g[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
+            moments(c, ps, gs, ms, vs, &mut u[r])
+        },
+    );
+}
+
+multiversion!(fn moments_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) => moments_body);
+
+/// Pass one: updates `m` and `v` from the gradients `g` (times
+/// `grad_scale`) and writes LAMB's update direction into `u`. `p` is not
+/// changed (it is `&mut` only to walk with the others). All five slices
+/// have one length.
+#[allow(clippy::too_many_arguments)]
+pub fn lamb_moments(
+    threads: &Threads,
+    cfg: &LambConfig,
+    grad_scale: f32,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    u: &mut [f32],
+) -> Result<(), KernelError> {
+    cfg.validate()?;
+    let n = p.len();
+    for (name, len) in [
+        ("g", g.len()),
+        ("m", m.len()),
+        ("v", v.len()),
+        ("u", u.len()),
+    ] {
+        same_len(name, len, "p", n)?;
+    }
+    let c = Coef {
+        scale: grad_scale,
+        beta1: cfg.beta1 as f32,
+        one_minus_beta1: (1.0 - cfg.beta1) as f32,
+        beta2: cfg.beta2 as f32,
+        one_minus_beta2: (1.0 - cfg.beta2) as f32,
+        eps: cfg.eps as f32,
+        eps_inside_sqrt: cfg.eps_inside_sqrt,
+        weight_decay: cfg.weight_decay as f32,
+    };
+    for_each_range(
+        threads,
+        p,
+        g,
+        [m, v, u],
+        CopyBits::None,
+        |p, g, [m, v, u], _| moments_range(&c, p, g, m, v, u),
+    );
+    Ok(())
+}
+
+#[inline(always)]
+fn apply_body(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) {
+    let streams = [p.as_ptr(), u.as_ptr()];
+    in_blocks(
+        p,
+        streams,
+        copy,
+        #[inline(always)]
+        |ps, r| {
+            let us = &u[r];
+            for i in 0..ps.len() {
+                ps[i] = us[i].mul_add(neg_step, ps[i]);
+            }
+        },
+    );
+}
+
+multiversion!(fn apply_range(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) => apply_body);
+
+/// Pass three: `p -= step * u` (`step`: the step size times this
+/// parameter's trust ratio, [`LambConfig::trust`]), and the compute copy of
+/// the updated `p`.
+pub fn lamb_apply(
+    threads: &Threads,
+    step: f64,
+    p: &mut [f32],
+    u: &[f32],
+    copy: ComputeCopy<'_>,
+) -> Result<(), KernelError> {
+    same_len("u", u.len(), "p", p.len())?;
+    let copy = CopyBits::of(copy, p.len())?;
+    let neg_step = -step as f32;
+    for_each_range(threads, p, u, [], copy, |p, u, [], copy| {
+        apply_range(neg_step, p, u, copy)
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+    use crate::reduce::sum_of_squares;
+
+    /// The module doc's formula in f64 over one parameter, `steps` steps,
+    /// step `t`'s gradient `g x (1 + t/10)`.
+    fn reference(cfg: &LambConfig, steps: u64, p: &mut [f64], g: &[f64]) -> Vec<f64> {
+        let n = p.len();
+        let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+        let mut ratios = Vec::new();
+        for t in 1..=steps {
+            let mut u = vec![0.0; n];
+            for i in 0..n {
+                let gi = g[i] * (1.0 + 0.1 * t as f64);
+                m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * gi;
+                v[i] = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * gi * gi;
+                let denom = match cfg.eps_inside_sqrt {
+                    true => (v[i] + cfg.eps).sqrt(),
+                    false => v[i].sqrt() + cfg.eps,
+                };
+                u[i] = m[i] / denom + cfg.weight_decay * p[i];
+            }
+            let w2: f64 = p.iter().map(|x| x * x).sum();
+            let u2: f64 = u.iter().map(|x| x * x).sum();
+            let r = cfg.trust(w2, u2);
+            ratios.push(r);
+            for i in 0..n {
+                p[i] -= cfg.step_size(t) * r * u[i];
+            }
+        }
+        ratios
+    }
+
+    fn start(n: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+        let p = (0..n)
+            .map(|i| scale * ((i * 37 % 101) as f32 - 50.0) / 30.0)
+            .collect();
+        let g = (0..n)
+            .map(|i| ((i * 53 % 97) as f32 - 48.5) / 40.0)
+            .collect();
+        (p, g)
+    }
+
+    /// `steps` steps of the three passes over one parameter on `threads`
+    /// threads: (p, m, v, the trust ratios).
+    fn run(threads: usize, cfg: &LambConfig, n: usize, scale: f32, steps: u64) -> [Vec<f32>; 3] {
+        let pool = Threads::new(threads).unwrap();
+        let (mut p, g) = start(n, scale);
+        let (mut m, mut v, mut u) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        for t in 1..=steps {
+            let gs = 1.0 + 0.1 * t as f32;
+            lamb_moments(&pool, cfg, gs, &mut p, &g, &mut m, &mut v, &mut u).unwrap();
+            let w2 = sum_of_squares(&pool, &p);
+            let u2 = sum_of_squares(&pool, &u);
+            let step = cfg.step_size(t) * cfg.trust(w2, u2);
+            lamb_apply(&pool, step, &mut p, &u, ComputeCopy::None).unwrap();
+        }
+        [p, m, v]
+    }
+
+    #[test]
+    fn matches_f64_reference_and_clamps_the_trust_ratio() {
+        let cfg = LambConfig {
+            lr: 1e-2,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        // Parameters of size ~1 (ratio inside the clamps), ~1000 (clamped
+        // to max_coeff) and ~1e-4 (clamped to min_coeff).
+        for (scale, clamped) in [(1.0f32, None), (1000.0, Some(10.0)), (1e-4, Some(0.01))] {
+            let n = 1000;
+            let [p, ..] = run(1, &cfg, n, scale, 5);
+            let (p0, g) = start(n, scale);
+            let mut rp: Vec<f64> = p0.iter().map(|&x| x as f64).collect();
+            let rg: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+            let ratios = reference(&cfg, 5, &mut rp, &rg);
+            if let Some(c) = clamped {
+                assert!(ratios.iter().all(|&r| r == c), "{scale}: {ratios:?}");
+            } else {
+                assert!(ratios.iter().all(|&r| r > 0.01 && r < 10.0), "{ratios:?}");
+            }
+            for i in 0..n {
+                let tol = 1e-5 * rp[i].abs().max(scale as f64);
+                assert!(
+                    (p[i] as f64 - rp[i]).abs() <= tol,
+                    "{scale} p[{i}]: {} vs {}",
+                    p[i],
+                    rp[i]
+                );
+            }
+        }
+        // eps inside the square root, no bias correction.
+        let inside = LambConfig {
+            eps: 1e-4,
+            eps_inside_sqrt: true,
+            bias_correction: false,
+            ..cfg
+        };
+        let [p, ..] = run(1, &inside, 500, 1.0, 3);
+        let (p0, g) = start(500, 1.0);
+        let mut rp: Vec<f64> = p0.iter().map(|&x| x as f64).collect();
+        let rg: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+        reference(&inside, 3, &mut rp, &rg);
+        for i in 0..500 {
+            assert!(
+                (p[i] as f64 - rp[i]).abs() <= 1e-5 * rp[i].abs().max(1.0),
+                "p[{i}]"
+            );
+        }
+    }
+
+    #[test]
+    fn a_zero_norm_gives_a_ratio_of_one() {
+        let cfg = LambConfig::default();
+        assert_eq!(cfg.trust(0.0, 4.0), 1.0);
+        assert_eq!(cfg.trust(4.0, 0.0), 1.0);
+        assert_eq!(cfg.trust(4.0, 1.0), 2.0);
+        assert_eq!(cfg.trust(1e6, 1.0), 10.0);
+        assert_eq!(cfg.trust(1.0, 1e6), 0.01);
+        assert!(cfg.trust(f64::NAN, 1.0).is_nan());
+    }
+
+    #[test]
+    fn threads_and_dispatch_levels_do_not_change_a_bit() {
+        let cfg = LambConfig {
+            lr: 3e-3,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let n = 100_003;
+        let one = run(1, &cfg, n, 1.0, 3);
+        let three = run(3, &cfg, n, 1.0, 3);
+        for k in 0..3 {
+            assert_eq!(bits(&one[k]), bits(&three[k]), "array {k}");
+        }
+        let c = Coef {
+            scale: 0.7,
+            beta1: 0.9,
+            one_minus_beta1: 0.1,
+            beta2: 0.999,
+            one_minus_beta2: 0.001,
+            eps: 1e-8,
+            eps_inside_sqrt: false,
+            weight_decay: 0.01,
+        };
+        let (p0, g) = start(4099, 1.0);
+        let m0: Vec<f32> = g.iter().map(|x| -x * 0.3).collect();
+        let v0: Vec<f32> = g.iter().map(|x| x * x * 0.5).collect();
+        let (mut p1, mut m1, mut v1, mut u1) =
+            (p0.clone(), m0.clone(), v0.clone(), vec![0.0; 4099]);
+        let (mut p2, mut m2, mut v2, mut u2) = (p0, m0, v0, vec![0.0; 4099]);
+        // `*_body` is compiled for baseline x86-64; `*_range` runs the
+        // widest level this CPU has.
+        moments_body(&c, &mut p1, &g, &mut m1, &mut v1, &mut u1);
+        moments_range(&c, &mut p2, &g, &mut m2, &mut v2, &mut u2);
+        assert_eq!(
+            (bits(&m1), bits(&v1), bits(&u1)),
+            (bits(&m2), bits(&v2), bits(&u2))
+        );
+        let (mut b1, mut b2) = (vec![0u16; 4099], vec![0u16; 4099]);
+        apply_body(-0.01, &mut p1, &u1, CopyBits::Bf16(&mut b1));
+        apply_range(-0.01, &mut p2, &u2, CopyBits::Bf16(&mut b2));
+        assert_eq!(bits(&p1), bits(&p2));
+        assert_eq!(b1, b2);
+    }
+
+    #[test]
+    fn compute_copy_is_the_cast_and_bad_settings_are_refused() {
+        let pool = Threads::new(2).unwrap();
+        let (mut p, u) = start(70_001, 1.0);
+        let mut b = vec![bf16::ZERO; p.len()];
+        lamb_apply(&pool, 0.01, &mut p, &u, ComputeCopy::Bf16(&mut b)).unwrap();
+        for i in 0..p.len() {
+            assert_eq!(b[i].to_bits(), crate::cast::f32_to_bf16_bits(p[i]), "{i}");
+        }
+        let cfg = LambConfig {
+            max_coeff: 0.001,
+            ..Default::default()
+        };
+        let (mut p, g) = start(4, 1.0);
+        let (mut m, mut v, mut u) = (vec![0.0; 4], vec![0.0; 4], vec![0.0; 4]);
+        let e = lamb_moments(&pool, &cfg, 1.0, &mut p, &g, &mut m, &mut v, &mut u).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid optimizer setting `max_coeff` = 0.001: must be finite and >= min_coeff"
+        );
+        let e = lamb_moments(
+            &pool,
+            &LambConfig::default(),
+            1.0,
+            &mut p,
+            &g,
+            &mut m,
+            &mut v,
+            &mut [],
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "slice `u` has 0 elements but `p` has 4: every slice of one shard must have the same length"
+        );
+    }
+}

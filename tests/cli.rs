@@ -395,9 +395,16 @@ fn estimate_prints_the_design_formula() {
     ];
     let (ok, out) = zrt(&args);
     assert!(ok && out.contains("stage 0:      14.00 GiB"), "{out}");
-    let (ok, out) = zrt(&["estimate", "--params=1e9", "--world=2", "--optimizer=lamb"]);
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--params=1e9",
+        "--world=2",
+        "--optimizer=adagrad",
+    ]);
     assert!(
-        !ok && out.contains("--optimizer must be adam, adamw, lion, sgd-momentum or sgd, got lamb"),
+        !ok && out.contains(
+            "--optimizer must be adam, adamw, lamb, lion, sgd-momentum or sgd, got adagrad"
+        ),
         "{out}"
     );
     for (params, world) in [
@@ -966,7 +973,7 @@ fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
 }
 
 #[test]
-fn config_check_shows_lions_and_sgds_settings_and_refuses_adams() {
+fn config_check_shows_lions_sgds_and_lambs_settings_and_refuses_adams() {
     // (name, params, the optimizer's line; a block with an Adam setting,
     // what is said of it)
     let cases = [
@@ -985,7 +992,14 @@ fn config_check_shows_lions_and_sgds_settings_and_refuses_adams() {
             "`optimizer.params.betas` is an Adam setting that SGD does not take",
         ),
     ];
-    for (name, params, line, adams, refused) in cases {
+    let lamb = (
+        "Lamb",
+        r#""lr": 1e-3, "weight_decay": 0.01, "max_coeff": 0.3"#,
+        "optimizer        Lamb lr 0.001 betas (0.9, 0.999) eps 0.00000001 weight_decay 0.01 (in the update) bias_correction true trust ratio in [0.01, 0.3]",
+        r#""adam_w_mode": true"#,
+        "`optimizer.params.adam_w_mode` is an Adam setting that Lamb does not take",
+    );
+    for (name, params, line, adams, refused) in cases.into_iter().chain([lamb]) {
         for (params, ok_and_said) in [(params, (true, line)), (adams, (false, refused))] {
             let f = config_file(
                 name,

@@ -286,6 +286,7 @@ enum RefOpt {
     AdamW,
     Lion,
     Sgd(nn::Sgd),
+    Lamb,
 }
 
 /// Lion's step (DeepSpeed's, sign(0) = 0) at [`LR`], [`WD`], betas (0.9,
@@ -315,6 +316,51 @@ fn lion_update(vars: &[(String, Tensor)], moments: &mut Vec<Vec<f32>>, rules: Ru
     });
 }
 
+/// DeepSpeed's FusedLamb step `t` (1-based) at [`LR`], [`WD`], betas
+/// (0.9, 0.999), eps 1e-8, trust ratio clamped to [0.01, 10], on every
+/// variable whole, its decay and rate as `rules` give them: the kernel's
+/// f32 operations, the norms in f64 over the whole tensor (what the engine
+/// must assemble from the shards).
+fn lamb_update(
+    vars: &[(String, Tensor)],
+    state: &mut Vec<(Vec<f32>, Vec<f32>)>,
+    rules: Rules,
+    t: u64,
+) {
+    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+    state.resize_with(vars.len(), Default::default);
+    tch::no_grad(|| {
+        for ((name, var), (m, v)) in vars.iter().zip(state.iter_mut()) {
+            let lr = LR * rules.lr_scale(name);
+            let wd = if rules.decays(&var.size()) { WD } else { 0.0 } as f32;
+            let flat = |t: &Tensor| Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap();
+            let (mut p, g) = (flat(&var.detach()), flat(&var.grad()));
+            m.resize(p.len(), 0.0);
+            v.resize(p.len(), 0.0);
+            let mut u = vec![0f32; p.len()];
+            for i in 0..p.len() {
+                m[i] = g[i].mul_add((1.0 - b1) as f32, m[i] * b1 as f32);
+                v[i] = (g[i] * g[i]).mul_add((1.0 - b2) as f32, v[i] * b2 as f32);
+                u[i] = p[i].mul_add(wd, m[i] / (v[i].sqrt() + eps as f32));
+            }
+            let sq = |x: &[f32]| x.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
+            let (wn, un) = (sq(&p), sq(&u));
+            let trust = if wn == 0.0 || un == 0.0 {
+                1.0
+            } else {
+                (wn / un).clamp(0.01, 10.0)
+            };
+            let ti = t as i32;
+            let step = lr * (1.0 - b2.powi(ti)).sqrt() / (1.0 - b1.powi(ti)) * trust;
+            for i in 0..p.len() {
+                p[i] = u[i].mul_add(-step as f32, p[i]);
+            }
+            var.detach()
+                .copy_(&Tensor::from_slice(&p).view(var.size().as_slice()));
+        }
+    });
+}
+
 /// As `run_reference_full`, stepping with `ref_opt` (a schedule with
 /// AdamW only).
 fn run_reference_opt(
@@ -327,6 +373,7 @@ fn run_reference_opt(
 ) -> (Vec<f64>, Params) {
     assert!(matches!(ref_opt, RefOpt::AdamW) || schedule.is_none());
     let mut moments = Vec::new();
+    let mut lamb_state = Vec::new();
     let (vs, _plan, gpt) = model();
     // Group 0 is the plain one.
     let mut groups = vec![(true, 1.0)];
@@ -457,6 +504,7 @@ fn run_reference_opt(
         }
         match ref_opt {
             RefOpt::Lion => lion_update(&vars, &mut moments, rules),
+            RefOpt::Lamb => lamb_update(&vars, &mut lamb_state, rules, step as u64 + 1),
             RefOpt::AdamW | RefOpt::Sgd(_) => opt.step(),
         }
         losses.push(loss_sum / (gas * WORLD) as f64);
@@ -538,6 +586,29 @@ fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
             }
             compare(
                 &format!("Lion stage {stage} gas {gas} clip {clip} {rules:?}"),
+                (run.losses, run.params),
+                reference,
+            );
+        }
+    }
+}
+
+#[test]
+fn lamb_at_stages_0_to_3_matches_the_unsharded_reference() {
+    // The engine sums each parameter's norms over the shards that cut it;
+    // the reference takes them over the whole tensor. With the parameter
+    // rules (decay left out, scaled rates), clipping and gas 2 too.
+    for (gas, clip, rules) in [(1, 0.0, Rules::Plain), (2, 0.5, Rules::Scaled)] {
+        for stage in 0..=3u8 {
+            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Lamb);
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = common::config_of("Lamb", stage, gas, clip, "", zero);
+            let run = run_engine_full(cfg, gas, Bare::None, rules);
+            if clip > 0.0 {
+                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
+            }
+            compare(
+                &format!("Lamb stage {stage} gas {gas} clip {clip} {rules:?}"),
                 (run.losses, run.params),
                 reference,
             );

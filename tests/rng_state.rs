@@ -16,6 +16,7 @@ mod checkpoint;
 mod config_sweep;
 mod experts;
 mod frozen_shards;
+mod lamb;
 mod lion;
 mod quantized_frozen;
 mod sgd;

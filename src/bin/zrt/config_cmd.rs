@@ -169,6 +169,18 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
                 _ => "one momentum buffer",
             }
         ),
+        OptimizerKind::Lamb => println!(
+            "  optimizer        Lamb lr {} betas ({}, {}) eps {}{} weight_decay {} (in the update) bias_correction {} trust ratio in [{}, {}]",
+            show(o.lr),
+            o.betas.0,
+            o.betas.1,
+            o.eps,
+            if o.eps_inside_sqrt { " (inside the square root)" } else { "" },
+            show(o.weight_decay),
+            o.bias_correction,
+            o.min_coeff,
+            o.max_coeff,
+        ),
         OptimizerKind::Adam | OptimizerKind::AdamW => println!(
             "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
             o.kind,

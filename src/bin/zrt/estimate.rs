@@ -27,7 +27,7 @@ pub struct EstimateArgs {
     /// (`zero_quantized_nontrainable_weights`).
     #[arg(long)]
     quantize_frozen: bool,
-    /// The optimizer (`optimizer.type`): adam and adamw keep two fp32
+    /// The optimizer (`optimizer.type`): adam, adamw and lamb keep two fp32
     /// moments per trained parameter, lion and sgd-momentum (SGD with
     /// `momentum` above 0) one, sgd (torch's default, no momentum) none
     /// (default adam, or the config's).
@@ -53,6 +53,7 @@ fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
         OptimizerKind::Lion => "lion",
         OptimizerKind::Sgd if c.optimizer.momentum > 0.0 => "sgd-momentum",
         OptimizerKind::Sgd => "sgd",
+        OptimizerKind::Lamb => "lamb",
         OptimizerKind::Adam | OptimizerKind::AdamW => "adam",
     };
     let packed = c.zero.zero_quantized_nontrainable_weights;
@@ -139,10 +140,13 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     }
     let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
+        "lamb" => ("Lamb", 2.0),
         "lion" => ("Lion", 1.0),
         "sgd-momentum" => ("SGD with momentum", 1.0),
         "sgd" => ("SGD without momentum", 0.0),
-        other => bail!("--optimizer must be adam, adamw, lion, sgd-momentum or sgd, got {other}"),
+        other => {
+            bail!("--optimizer must be adam, adamw, lamb, lion, sgd-momentum or sgd, got {other}")
+        }
     };
     println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);
     if a.frozen > 0.0 {

@@ -50,6 +50,11 @@ pub enum OptimizerKind {
     /// state at all otherwise; coupled (L2) weight decay
     /// (`zrt_kernels::sgd`).
     Sgd,
+    /// LAMB, DeepSpeed's `FusedLamb`: Adam's m and v, and each
+    /// parameter's step scaled by its trust ratio (the norm of the whole
+    /// parameter over that of its update), which the engine sums across
+    /// the shards that cut it (`zrt_kernels::lamb`).
+    Lamb,
 }
 
 impl OptimizerKind {
@@ -58,19 +63,19 @@ impl OptimizerKind {
     /// (`momentum > 0`).
     pub fn moments(self, momentum: bool) -> usize {
         match self {
-            OptimizerKind::Adam | OptimizerKind::AdamW => 2,
+            OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
             OptimizerKind::Lion => 1,
             OptimizerKind::Sgd => usize::from(momentum),
         }
     }
 
     /// Whether a checkpoint of `other`'s state is this optimizer's state
-    /// too: Adam's and AdamW's moments are the same quantities, every
-    /// other pair's are not (Lion's m and SGD's buffer are both one
-    /// moment, but not the same one).
+    /// too: Adam's, AdamW's and LAMB's m and v are the same averages of
+    /// the gradient and its square; every other pair's are not (Lion's m
+    /// and SGD's buffer are both one moment, but not the same one).
     pub fn same_state(self, other: Self) -> bool {
         let family = |k| match k {
-            OptimizerKind::Adam | OptimizerKind::AdamW => 0,
+            OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 0,
             OptimizerKind::Lion => 1,
             OptimizerKind::Sgd => 2,
         };
@@ -85,6 +90,7 @@ impl OptimizerKind {
             "adamw" => Some(OptimizerKind::AdamW),
             "lion" => Some(OptimizerKind::Lion),
             "sgd" => Some(OptimizerKind::Sgd),
+            "lamb" => Some(OptimizerKind::Lamb),
             _ => None,
         }
     }
@@ -96,6 +102,7 @@ impl OptimizerKind {
             OptimizerKind::AdamW => "AdamW",
             OptimizerKind::Lion => "Lion",
             OptimizerKind::Sgd => "SGD",
+            OptimizerKind::Lamb => "Lamb",
         }
     }
 }
@@ -126,6 +133,12 @@ pub struct OptimizerConfig {
     pub nesterov: bool,
     /// SGD's `params.maximize`.
     pub maximize: bool,
+    /// LAMB's `params.max_coeff`: the trust ratio's upper clamp.
+    pub max_coeff: f64,
+    /// LAMB's `params.min_coeff`: the trust ratio's lower clamp.
+    pub min_coeff: f64,
+    /// LAMB's `params.eps_inside_sqrt`.
+    pub eps_inside_sqrt: bool,
 }
 
 impl OptimizerConfig {

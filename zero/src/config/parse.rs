@@ -273,6 +273,8 @@ impl P {
         /// (`maximize`, `foreach` and `differentiable` are torch's Adam's
         /// too, but not DeepSpeed's FusedAdam's, so still unknown there).
         const SGD_ONLY: [&str; 3] = ["momentum", "dampening", "nesterov"];
+        /// DeepSpeed's `FusedLamb`'s keys that no other optimizer takes.
+        const LAMB_ONLY: [&str; 4] = ["max_coeff", "min_coeff", "eps_inside_sqrt", "max_grad_norm"];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -285,6 +287,9 @@ impl P {
             dampening: 0.0,
             nesterov: false,
             maximize: false,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+            eps_inside_sqrt: false,
         };
         let Some(o) = self.object(top, "optimizer") else {
             self.warnings.push(
@@ -297,7 +302,7 @@ impl P {
             None => OptimizerKind::Adam,
             Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\" or \"SGD\"",
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\" or \"Lamb\"",
                     t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
@@ -337,7 +342,24 @@ impl P {
                     ));
                 }
             }
+            OptimizerKind::Lamb => {
+                // FusedLamb takes eps, betas and bias_correction, not
+                // these.
+                for key in present(&["adam_w_mode", "torch_adam", "fused"]) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that Lamb does not take (DeepSpeed's FusedLamb adds its weight decay to the update, inside the trust ratio): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
             OptimizerKind::Adam | OptimizerKind::AdamW => {}
+        }
+        if kind != OptimizerKind::Lamb {
+            for key in present(&LAMB_ONLY) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is a Lamb setting that {} does not take: remove it, or use \"Lamb\"",
+                    kind.name()
+                ));
+            }
         }
         if kind != OptimizerKind::Sgd {
             for key in present(&SGD_ONLY) {
@@ -359,14 +381,18 @@ impl P {
             "fused",
         ];
         known.extend(SGD_ONLY);
+        known.extend(LAMB_ONLY);
         if kind == OptimizerKind::Sgd {
             // torch's own implementation choices: zrt has one.
             known.extend(["maximize", "foreach", "differentiable"]);
         }
         self.keys(p, path, &known, &[], false);
-        // (Lion's and SGD's blocks were refused the key above.)
-        if matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW)
-            && self.bool_or(p, path, "amsgrad", false)
+        // (Lion's and SGD's blocks were refused the key above; FusedLamb
+        // refuses amsgrad too.)
+        if matches!(
+            kind,
+            OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb
+        ) && self.bool_or(p, path, "amsgrad", false)
         {
             self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
         }
@@ -401,9 +427,26 @@ impl P {
         // SGD's decay is torch's, coupled.
         let adam_w_mode = match kind {
             OptimizerKind::Adam => self.bool_or(p, path, "adam_w_mode", true),
-            OptimizerKind::AdamW | OptimizerKind::Lion => true,
+            OptimizerKind::AdamW | OptimizerKind::Lion | OptimizerKind::Lamb => true,
             OptimizerKind::Sgd => false,
         };
+        let lamb = kind == OptimizerKind::Lamb;
+        let lamb_f64 = |me: &mut Self, key: &str, default: f64| match lamb {
+            true => me.f64_or(p, path, key, default),
+            false => default,
+        };
+        let max_coeff = lamb_f64(self, "max_coeff", 10.0);
+        let min_coeff = lamb_f64(self, "min_coeff", 0.01);
+        if !(min_coeff >= 0.0 && max_coeff >= min_coeff && max_coeff.is_finite()) {
+            self.problems.push(format!(
+                "`{path}.min_coeff` and `max_coeff` must be 0 <= min_coeff <= max_coeff, finite, got {min_coeff} and {max_coeff}"
+            ));
+        }
+        if lamb_f64(self, "max_grad_norm", 0.0) != 0.0 {
+            self.problems.push(format!(
+                "`{path}.max_grad_norm` is FusedLamb's old clipping, which zrt does not implement: set `gradient_clipping` instead"
+            ));
+        }
         let sgd = kind == OptimizerKind::Sgd;
         let momentum = if sgd {
             self.f64_or(p, path, "momentum", 0.0)
@@ -444,6 +487,9 @@ impl P {
             dampening,
             nesterov,
             maximize: sgd && self.bool_or(p, path, "maximize", false),
+            max_coeff,
+            min_coeff,
+            eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),
         }
     }
 

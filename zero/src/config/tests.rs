@@ -174,7 +174,7 @@ fn a_key_given_twice_is_an_error_naming_it() {
 #[test]
 fn every_problem_is_reported_at_once() {
     let e = Config::from_json(
-        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Lamb"},
+        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Adagrad"},
             "zero_optimization": {"stage": 4, "bogus": 1}, "gradient_clipping": -1}"#,
     )
     .unwrap_err();
@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"lamb\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\" or \"SGD\"",
+        "`optimizer.type` \"adagrad\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\" or \"Lamb\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -749,6 +749,44 @@ fn sgd_reads_torchs_settings_and_refuses_adams() {
         c.warnings,
         ["OneCycle cycles momentum as the optimizer's betas, which SGD has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off), SGD's `momentum` stays as set; set cycle_momentum to false to silence this"]
     );
+}
+
+#[test]
+fn lamb_reads_fused_lambs_settings_and_refuses_the_rest() {
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "betas": [0.9, 0.98], "weight_decay": 0.01, "bias_correction": false, "max_coeff": 0.3, "min_coeff": 0.01, "eps_inside_sqrt": true, "max_grad_norm": 0}}}"#,
+    )
+    .unwrap();
+    let o = &c.optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Lamb);
+    assert_eq!((o.max_coeff, o.min_coeff), (0.3, 0.01));
+    assert!(o.eps_inside_sqrt && !o.bias_correction);
+    assert_eq!(o.moments(), 2);
+    // Adam's and AdamW's moments are LAMB's; Lion's and SGD's are not.
+    use crate::config::OptimizerKind::*;
+    assert!(Lamb.same_state(AdamW) && Lamb.same_state(Adam));
+    assert!(!Lamb.same_state(Lion) && !Lamb.same_state(Sgd));
+    for (json, want) in [
+        (
+            r#"{"type": "Lamb", "params": {"adam_w_mode": true}}"#,
+            "`optimizer.params.adam_w_mode` is an Adam setting that Lamb does not take (DeepSpeed's FusedLamb adds its weight decay to the update, inside the trust ratio): remove it, or use \"AdamW\"",
+        ),
+        (
+            r#"{"type": "Lamb", "params": {"max_grad_norm": 1.0}}"#,
+            "`optimizer.params.max_grad_norm` is FusedLamb's old clipping, which zrt does not implement: set `gradient_clipping` instead",
+        ),
+        (
+            r#"{"type": "Lamb", "params": {"min_coeff": 2, "max_coeff": 1}}"#,
+            "`optimizer.params.min_coeff` and `max_coeff` must be 0 <= min_coeff <= max_coeff, finite, got 2 and 1",
+        ),
+        (
+            r#"{"type": "AdamW", "params": {"max_coeff": 10}}"#,
+            "`optimizer.params.max_coeff` is a Lamb setting that AdamW does not take: remove it, or use \"Lamb\"",
+        ),
+    ] {
+        let json = format!(r#"{{"train_batch_size": 8, "optimizer": {json}}}"#);
+        assert_eq!(problems(&json), [want], "{json}");
+    }
 }
 
 #[test]

@@ -71,6 +71,13 @@ impl Terms {
         put("optimizer.params.dampening", format!("{:?}", o.dampening));
         put("optimizer.params.nesterov", o.nesterov.to_string());
         put("optimizer.params.maximize", o.maximize.to_string());
+        // LAMB's.
+        put("optimizer.params.max_coeff", format!("{:?}", o.max_coeff));
+        put("optimizer.params.min_coeff", format!("{:?}", o.min_coeff));
+        put(
+            "optimizer.params.eps_inside_sqrt",
+            o.eps_inside_sqrt.to_string(),
+        );
         put(
             "scheduler",
             c.scheduler

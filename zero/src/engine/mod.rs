@@ -73,6 +73,7 @@ mod frozen;
 mod frozen_shards;
 mod full_params;
 mod groups;
+mod lamb;
 mod launch_order;
 mod loss_scale;
 mod offload;
@@ -635,31 +636,34 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(ShardState { master, m, v })
     }
 
-    /// Adam over elements `r` of this rank's optimizer range of unit `u`
-    /// (its shard; the whole buffer at stage 0). `s.p` is the fp32 master of
-    /// those elements wherever it lives (empty when the flat tensor is the
-    /// master: fp32, stages 0-2); `s.g`, `s.m`, `s.v` are those elements.
-    /// The compute copy written is the flat tensor's range (stages 0-2) or
-    /// the range of the shard the next forward gathers (3).
-    fn adam_on(
-        &self,
-        u: &Unit,
-        r: std::ops::Range<usize>,
-        s: AdamShard<'_>,
-        copy: &mut CopyShard,
-        up: &Update<'_>,
-    ) -> Result<(), EngineError> {
-        let padded = u.layout.padded;
+    /// Elements `r` of unit `u`'s optimizer range as offsets in its whole
+    /// flat buffer (the shard's start added above stage 0).
+    fn whole(&self, u: &Unit, r: std::ops::Range<usize>) -> std::ops::Range<usize> {
         let base = if self.stage == 0 {
             0
         } else {
             self.shard_range(u).start
         };
-        let whole = base + r.start..base + r.end;
-        let AdamShard { p: master, g, m, v } = s;
+        base + r.start..base + r.end
+    }
+
+    /// What the optimizer updates for elements `r` of unit `u`'s optimizer
+    /// range, and where the compute copy of those elements goes: the flat
+    /// tensor itself in fp32 at stages 0-2 (no copy), else `master` (the
+    /// fp32 master of those elements), copied into the flat tensor's range
+    /// (stages 0-2) or the range of the shard the next forward gathers (3).
+    fn target<'a>(
+        &self,
+        u: &'a Unit,
+        r: std::ops::Range<usize>,
+        master: &'a mut [f32],
+        copy: &'a mut CopyShard,
+    ) -> (&'a mut [f32], ComputeCopy<'a>) {
+        let padded = u.layout.padded;
+        let whole = self.whole(u, r.clone());
         // SAFETY: the engine's flat tensors of the compute dtype, under the
         // state lock; no forward or backward runs during a step.
-        let (p, copy): (&mut [f32], ComputeCopy<'_>) = match (self.compute, self.stage) {
+        match (self.compute, self.stage) {
             (Compute::F32, 0..=2) => (
                 &mut (unsafe { elems::<f32>(&u.flat, padded) })[whole.clone()],
                 ComputeCopy::None,
@@ -678,7 +682,26 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 master,
                 ComputeCopy::F16(&mut (unsafe { elems::<f16>(&u.flat, padded) })[whole.clone()]),
             ),
-        };
+        }
+    }
+
+    /// Adam over elements `r` of this rank's optimizer range of unit `u`
+    /// (its shard; the whole buffer at stage 0). `s.p` is the fp32 master of
+    /// those elements wherever it lives (empty when the flat tensor is the
+    /// master: fp32, stages 0-2); `s.g`, `s.m`, `s.v` are those elements.
+    /// The compute copy written is the flat tensor's range (stages 0-2) or
+    /// the range of the shard the next forward gathers (3).
+    fn adam_on(
+        &self,
+        u: &Unit,
+        r: std::ops::Range<usize>,
+        s: AdamShard<'_>,
+        copy: &mut CopyShard,
+        up: &Update<'_>,
+    ) -> Result<(), EngineError> {
+        let whole = self.whole(u, r.clone());
+        let AdamShard { p: master, g, m, v } = s;
+        let (p, copy) = self.target(u, r, master, copy);
         if u.special.is_empty() {
             return self.optimizer_step(up, up.adam, AdamShard { p, g, m, v }, copy);
         }
@@ -737,6 +760,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     maximize: o.maximize,
                 };
                 sgd_step(&self.threads, &sgd, up.step == 1, up.scale, s, copy)?
+            }
+            // Its trust ratios need every unit's first pass and an
+            // all-reduce before any update: `lamb::step` runs it whole.
+            OptimizerKind::Lamb => {
+                return Err(EngineError::Unsupported(
+                    "LAMB steps through the engine's lamb::step, not one range at a time".into(),
+                ))
             }
         }
         Ok(())
@@ -2021,6 +2051,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             scale,
         };
         match &i.swap {
+            // (Refused with any NVMe offload at build.)
+            None if c.optimizer.kind == OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
             Some(swap) => i.adam_swapped(swap, st, &up, stage1)?,
             None => {
                 for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {

@@ -40,6 +40,12 @@ pub(super) fn check(cfg: &Resolved, stage: u8) -> Result<(), EngineError> {
             false => Err(zrt_offload::OffloadError::NoDirectory { path }),
         }
     };
+    let lamb = cfg.config.optimizer.kind == crate::config::OptimizerKind::Lamb;
+    if lamb && (nvme(&z.offload_optimizer).is_some() || nvme(&z.offload_param).is_some()) {
+        return Err(EngineError::Unsupported(
+            "LAMB with NVMe offload: its trust ratios need two passes over every unit's state with an all-reduce between them, which zrt does not stream through the swap; remove offload_optimizer / offload_param, or use \"AdamW\"".into(),
+        ));
+    }
     if let Some(o) = nvme(&z.offload_optimizer) {
         if stage == 0 {
             return Err(EngineError::Unsupported(

@@ -1,0 +1,125 @@
+//! `optimizer.type: "Lamb"`: Adam's moments, each parameter's step scaled
+//! by its trust ratio, whose norms the engine sums over the shards that
+//! cut the parameter. (Its parity with an unsharded reference at stages
+//! 0-3 is in `engine_parity`.) Asserted here: a run repeats itself to the
+//! bit; stages agree within rounding (a parameter a shard cuts has its
+//! squares added in another order, in f64, which the step's rounding to
+//! f32 hides nearly always: this model's stages agree to the bit, which
+//! is not promised); checkpoints resume to the bits of the straight run and load
+//! AdamW's state (the same moments) but not Lion's; the NVMe swaps are
+//! refused by name. Checkpoint loads restore the RNG, so these run one at
+//! a time ([`common::serial`]).
+
+use crate::common;
+
+use common::{config_of, nvme, nvme_params, on_ranks, serial, tokens, train_losses, train_world};
+use zrt::zero::{Config, Engine};
+
+const BF16: &str = r#""bf16": {"enabled": true},"#;
+/// Stage 3 shards every unit of the test GPT.
+const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
+
+fn lamb(stage: u8, extra: &str, zero: &str) -> Config {
+    config_of("Lamb", stage, 1, 0.0, extra, &format!("{SHARD_ALL} {zero}"))
+}
+
+#[test]
+fn a_run_repeats_to_the_bit_and_stages_agree_within_rounding() {
+    let _serial = serial();
+    let steps = 4;
+    let zero = train_world(&lamb(0, BF16, ""), &[], steps);
+    for stage in 1..=3u8 {
+        let run = train_world(&lamb(stage, BF16, ""), &[], steps);
+        assert_eq!(
+            run,
+            train_world(&lamb(stage, BF16, ""), &[], steps),
+            "stage {stage}"
+        );
+        for ((name, a), (_, b)) in run.1.iter().zip(&zero.1) {
+            for (x, y) in a.iter().zip(b) {
+                // bf16 parameters: a rounding apart at most.
+                assert!(
+                    (x - y).abs() <= 1e-2 * y.abs().max(0.1),
+                    "stage {stage} {name}: {x} vs {y}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_to_the_same_bits_and_takes_adamws_moments_not_lions() {
+    let _serial = serial();
+    let dir = common::scratch("lamb-ckpt");
+    let at3 = lamb(3, BF16, "");
+    // (the next step's loss, the parameters after it)
+    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
+        let loss = gpt.loss(&tokens(1, 0, rank, 1));
+        e.backward(&loss).unwrap();
+        e.step().unwrap();
+        (loss.double_value(&[]), e.gathered_params().unwrap())
+    };
+    let straight = on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &at3, &r);
+        train_losses(&gpt, &e, r.rank(), 2);
+        e.save_checkpoint(&dir, "lamb").unwrap();
+        next_step(&e, &gpt, r.rank())
+    });
+    let names = common::saved_names(&dir, "lamb");
+    assert!(names.iter().any(|n| n.ends_with("/v")), "{names:?}");
+    let resumed = on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &at3, &r);
+        e.load_checkpoint(&dir, Some("lamb")).unwrap();
+        next_step(&e, &gpt, r.rank())
+    });
+    assert_eq!(resumed, straight);
+    // AdamW's m and v are LAMB's: a full load; Lion's m is not.
+    for (optimizer, loads) in [("AdamW", true), ("Lion", false)] {
+        on_ranks(common::WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let cfg = config_of(optimizer, 3, 1, 0.0, BF16, SHARD_ALL);
+            let e = common::engine_of(&vs, &plan, &cfg, &r);
+            train_losses(&gpt, &e, r.rank(), 1);
+            e.save_checkpoint(&dir, optimizer).unwrap();
+        });
+        on_ranks(common::WORLD, |r| {
+            let (vs, plan, _) = common::model();
+            let e = common::engine_of(&vs, &plan, &at3, &r);
+            match e.load_checkpoint(&dir, Some(optimizer)) {
+                Ok(_) => assert!(loads, "{optimizer}"),
+                Err(err) => {
+                    let err = err.to_string();
+                    let want = "its run trained with Lion, whose optimizer state (one moment, m) is not Lamb's (two moments, m and v)";
+                    assert!(!loads && err.contains(want), "{err}");
+                }
+            }
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn nvme_offload_is_refused_by_name() {
+    let dir = common::scratch("lamb-nvme");
+    let (aio, off) = nvme(&dir);
+    for zero in [off, nvme_params(&dir)] {
+        let cfg = lamb(3, &aio, &zero);
+        let errors = on_ranks(common::WORLD, |r| {
+            let (vs, plan, _) = common::model();
+            let g = r.new_group(&[0, 1]).unwrap();
+            Engine::new(&vs, &plan, &cfg, g, &zrt::zero::AutoHints::default())
+                .err()
+                .map(|e| e.to_string())
+        });
+        for e in errors {
+            let e = e.expect("refused");
+            assert!(
+                e.contains("LAMB with NVMe offload: its trust ratios need two passes"),
+                "{e}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

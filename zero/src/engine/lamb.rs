@@ -1,0 +1,142 @@
+//! LAMB's step (`optimizer.type: "Lamb"`, DeepSpeed's `FusedLamb`): each
+//! parameter's update is scaled by its trust ratio, the norm of the whole
+//! parameter over the norm of its update. A shard cuts parameters, so no
+//! rank can take those norms alone. Every unit's first pass updates m and
+//! v and writes the update into a scratch buffer; each rank sums, per
+//! parameter, the squares of the pieces it holds; one all-reduce over the
+//! shard group (f64, in rank order: the same bits on every backend and
+//! every rank) gives every rank the whole parameters' sums; the second
+//! pass applies the scaled updates and writes the compute copy. Stage 0
+//! holds every parameter whole and needs no all-reduce; under hybrid
+//! sharding the replicas compute alike. The scratch is one unit's
+//! optimizer range of fp32 per unit until the step ends.
+//!
+//! The NVMe swaps are refused with LAMB (`offload::check`): its two
+//! passes would stream every unit's state twice.
+
+use std::ops::Range;
+
+use zrt_collectives::{ProcessGroup, ReduceOp};
+use zrt_kernels::{lamb_apply, lamb_moments, reduce, ComputeCopy, LambConfig};
+
+use super::{groups, Inner, Shard, State, Unit, Update};
+use crate::EngineError;
+
+/// `c`'s elements `r`, reborrowed.
+fn sub_copy<'b>(c: &'b mut ComputeCopy<'_>, r: Range<usize>) -> ComputeCopy<'b> {
+    match c {
+        ComputeCopy::None => ComputeCopy::None,
+        ComputeCopy::Bf16(d) => ComputeCopy::Bf16(&mut d[r]),
+        ComputeCopy::F16(d) => ComputeCopy::F16(&mut d[r]),
+    }
+}
+
+impl<G: ProcessGroup + 'static> Inner<G> {
+    /// This step's LAMB settings for a parameter treated as `setting` says
+    /// (its weight decay, its learning-rate scale).
+    fn lamb_config(&self, up: &Update<'_>, setting: groups::Setting) -> LambConfig {
+        let o = &self.cfg.config.optimizer;
+        let a = setting.adam(up.adam);
+        LambConfig {
+            lr: a.lr,
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: o.eps,
+            weight_decay: a.weight_decay,
+            bias_correction: o.bias_correction,
+            max_coeff: o.max_coeff,
+            min_coeff: o.min_coeff,
+            eps_inside_sqrt: o.eps_inside_sqrt,
+        }
+    }
+
+    /// The parameters of unit `u` that this rank's optimizer range holds
+    /// a piece of: (the parameter's index in the unit, its setting, the
+    /// piece's elements in the range).
+    fn lamb_pieces(&self, u: &Unit) -> Vec<(usize, groups::Setting, Range<usize>)> {
+        let whole = self.whole(u, 0..self.own_range(u).len());
+        (u.layout.pieces(whole))
+            .map(|(s, _, dst)| {
+                let j = u.layout.slots.iter().position(|x| std::ptr::eq(x, s));
+                (j.unwrap_or_default(), self.settings.get(&s.name), dst)
+            })
+            .collect()
+    }
+
+    /// One LAMB step over every unit (see the module doc).
+    pub(super) fn lamb_step(
+        &self,
+        st: &mut State,
+        up: &Update<'_>,
+        stage1: bool,
+    ) -> Result<(), EngineError> {
+        let State { units, shards, .. } = st;
+        // Each unit's first parameter's place in `sums` (two per parameter).
+        let first: Vec<usize> = (units.iter())
+            .scan(0, |at, u| {
+                let here = *at;
+                *at += u.layout.slots.len();
+                Some(here)
+            })
+            .collect();
+        let total = units.iter().map(|u| u.layout.slots.len()).sum::<usize>();
+        let mut sums = vec![0f64; 2 * total];
+        let mut updates = Vec::with_capacity(units.len());
+        for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
+            let r = 0..self.own_range(u).len();
+            let Shard {
+                master,
+                m,
+                v,
+                g,
+                reduced,
+                copy,
+                ..
+            } = sh;
+            let g: &[f32] = if stage1 { reduced } else { g };
+            let (p, _) = self.target(u, r.clone(), master, copy);
+            let mut upd = vec![0f32; r.len()];
+            // Padding and alignment gaps are no parameter's: their m, v
+            // and update stay zero.
+            for (j, setting, d) in self.lamb_pieces(u) {
+                let cfg = self.lamb_config(up, setting);
+                lamb_moments(
+                    &self.threads,
+                    &cfg,
+                    up.scale,
+                    &mut p[d.clone()],
+                    &g[d.clone()],
+                    &mut m[d.clone()],
+                    &mut v[d.clone()],
+                    &mut upd[d.clone()],
+                )?;
+                let at = 2 * (first[k] + j);
+                sums[at] += reduce::sum_of_squares(&self.threads, &p[d.clone()]);
+                sums[at + 1] += reduce::sum_of_squares(&self.threads, &upd[d]);
+            }
+            updates.push(upd);
+        }
+        if self.stage > 0 {
+            // Every rank's pieces of every parameter, added in rank order.
+            sums = self.group.all_reduce(sums, ReduceOp::Sum).wait()?;
+        }
+        for (k, ((u, sh), upd)) in units
+            .iter()
+            .zip(shards.iter_mut())
+            .zip(&updates)
+            .enumerate()
+        {
+            let r = 0..self.own_range(u).len();
+            let Shard { master, copy, .. } = sh;
+            let (p, mut copy) = self.target(u, r, master, copy);
+            for (j, setting, d) in self.lamb_pieces(u) {
+                let cfg = self.lamb_config(up, setting);
+                let at = 2 * (first[k] + j);
+                let step = cfg.step_size(up.step) * cfg.trust(sums[at], sums[at + 1]);
+                let c = sub_copy(&mut copy, d.clone());
+                lamb_apply(&self.threads, step, &mut p[d.clone()], &upd[d], c)?;
+            }
+        }
+        Ok(())
+    }
+}

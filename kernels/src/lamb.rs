@@ -20,9 +20,11 @@
 //! The norms are of whole parameters, which a ZeRO shard cuts: the caller
 //! sums each parameter's squares over the pieces a rank holds (with
 //! [`reduce::sum_of_squares`](crate::reduce::sum_of_squares), deterministic),
-//! adds the ranks' partial sums, and only then applies. `u` lives in a
-//! scratch array between the passes. Every dispatch level and thread count
-//! gives the same bits.
+//! adds the ranks' partial sums, and only then applies. Between the
+//! passes `u` need not be kept: [`lamb_direction`] computes it again from
+//! `p` and the updated moments, to the same bits, so a caller's scratch is
+//! one parameter long rather than the whole shard. Every dispatch level
+//! and thread count gives the same bits.
 
 use crate::adam::ComputeCopy;
 use crate::error::same_len;
@@ -137,6 +139,35 @@ struct Coef {
     weight_decay: f32,
 }
 
+impl Coef {
+    fn new(cfg: &LambConfig, grad_scale: f32) -> Result<Self, KernelError> {
+        cfg.validate()?;
+        Ok(Coef {
+            scale: grad_scale,
+            beta1: cfg.beta1 as f32,
+            one_minus_beta1: (1.0 - cfg.beta1) as f32,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            eps: cfg.eps as f32,
+            eps_inside_sqrt: cfg.eps_inside_sqrt,
+            weight_decay: cfg.weight_decay as f32,
+        })
+    }
+
+    /// The update direction of an element from its parameter and its
+    /// updated moments: pass one computes it, and [`lamb_direction`] again
+    /// before pass three, to the same bits.
+    #[inline(always)]
+    fn direction(&self, p: f32, m: f32, v: f32) -> f32 {
+        let denom = if self.eps_inside_sqrt {
+            (v + self.eps).sqrt()
+        } else {
+            v.sqrt() + self.eps
+        };
+        p.mul_add(self.weight_decay, m / denom)
+    }
+}
+
 #[inline(always)]
 fn moments(c: &Coef, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) {
     let n = u.len();
@@ -145,14 +176,18 @@ fn moments(c: &Coef, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut
         let gi = g[i] * c.scale;
         let mi = gi.mul_add(c.one_minus_beta1, m[i] * c.beta1);
         let vi = (gi * gi).mul_add(c.one_minus_beta2, v[i] * c.beta2);
-        let denom = if c.eps_inside_sqrt {
-            (vi + c.eps).sqrt()
-        } else {
-            vi.sqrt() + c.eps
-        };
-        u[i] = p[i].mul_add(c.weight_decay, mi / denom);
+        u[i] = c.direction(p[i], mi, vi);
         m[i] = mi;
         v[i] = vi;
+    }
+}
+
+#[inline(always)]
+fn direction(c: &Coef, p: &[f32], m: &[f32], v: &[f32], u: &mut [f32]) {
+    let n = u.len();
+    let (p, m, v) = (&p[..n], &m[..n], &v[..n]);
+    for i in 0..n {
+        u[i] = c.direction(p[i], m[i], v[i]);
     }
 }
 
@@ -175,6 +210,22 @@ fn moments_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]
 
 multiversion!(fn moments_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) => moments_body);
 
+/// The direction again over one thread's range (`m` in the walk's second
+/// place).
+#[inline(always)]
+fn direction_body(c: &Coef, p: &mut [f32], m: &[f32], v: &mut [f32], u: &mut [f32]) {
+    let streams = [p.as_ptr(), m.as_ptr(), v.as_ptr()];
+    in_blocks(
+        p,
+        streams,
+        CopyBits::None,
+        #[inline(always)]
+        |ps, r| direction(c, ps, &m[r.clone()], &v[r.clone()], &mut u[r]),
+    );
+}
+
+multiversion!(fn direction_range(c: &Coef, p: &mut [f32], m: &[f32], v: &mut [f32], u: &mut [f32]) => direction_body);
+
 /// Pass one: updates `m` and `v` from the gradients `g` (times
 /// `grad_scale`) and writes LAMB's update direction into `u`. `p` is not
 /// changed (it is `&mut` only to walk with the others). All five slices
@@ -190,7 +241,7 @@ pub fn lamb_moments(
     v: &mut [f32],
     u: &mut [f32],
 ) -> Result<(), KernelError> {
-    cfg.validate()?;
+    let c = Coef::new(cfg, grad_scale)?;
     let n = p.len();
     for (name, len) in [
         ("g", g.len()),
@@ -200,16 +251,6 @@ pub fn lamb_moments(
     ] {
         same_len(name, len, "p", n)?;
     }
-    let c = Coef {
-        scale: grad_scale,
-        beta1: cfg.beta1 as f32,
-        one_minus_beta1: (1.0 - cfg.beta1) as f32,
-        beta2: cfg.beta2 as f32,
-        one_minus_beta2: (1.0 - cfg.beta2) as f32,
-        eps: cfg.eps as f32,
-        eps_inside_sqrt: cfg.eps_inside_sqrt,
-        weight_decay: cfg.weight_decay as f32,
-    };
     for_each_range(
         threads,
         p,
@@ -218,6 +259,29 @@ pub fn lamb_moments(
         CopyBits::None,
         |p, g, [m, v, u], _| moments_range(&c, p, g, m, v, u),
     );
+    Ok(())
+}
+
+/// Pass one's update direction again, from `p` and the moments pass one
+/// left (`u`'s bits equal what [`lamb_moments`] wrote while `p` has not
+/// changed): the engine keeps one parameter's worth of scratch rather than
+/// every update until the trust ratios are known. `p` is not changed.
+pub fn lamb_direction(
+    threads: &Threads,
+    cfg: &LambConfig,
+    p: &mut [f32],
+    m: &[f32],
+    v: &mut [f32],
+    u: &mut [f32],
+) -> Result<(), KernelError> {
+    let c = Coef::new(cfg, 1.0)?;
+    let n = p.len();
+    for (name, len) in [("m", m.len()), ("v", v.len()), ("u", u.len())] {
+        same_len(name, len, "p", n)?;
+    }
+    for_each_range(threads, p, m, [v, u], CopyBits::None, |p, m, [v, u], _| {
+        direction_range(&c, p, m, v, u)
+    });
     Ok(())
 }
 
@@ -370,6 +434,34 @@ mod tests {
                 (p[i] as f64 - rp[i]).abs() <= 1e-5 * rp[i].abs().max(1.0),
                 "p[{i}]"
             );
+        }
+    }
+
+    #[test]
+    fn the_direction_again_has_pass_ones_bits() {
+        let pool = Threads::new(2).unwrap();
+        for cfg in [
+            LambConfig {
+                weight_decay: 0.01,
+                ..Default::default()
+            },
+            LambConfig {
+                eps: 1e-3,
+                eps_inside_sqrt: true,
+                ..Default::default()
+            },
+        ] {
+            let (mut p, g) = start(70_001, 1.0);
+            let n = p.len();
+            let (mut m, mut v, mut u) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            for t in 0..3 {
+                let gs = 1.0 + t as f32;
+                lamb_moments(&pool, &cfg, gs, &mut p, &g, &mut m, &mut v, &mut u).unwrap();
+            }
+            let mut again = vec![0.0; n];
+            lamb_direction(&pool, &cfg, &mut p, &m, &mut v, &mut again).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&u), bits(&again), "{cfg:?}");
         }
     }
 

@@ -6,10 +6,11 @@
 //! parameter, the squares of the pieces it holds; one all-reduce over the
 //! shard group (f64, in rank order: the same bits on every backend and
 //! every rank) gives every rank the whole parameters' sums; the second
-//! pass applies the scaled updates and writes the compute copy. Stage 0
-//! holds every parameter whole and needs no all-reduce; under hybrid
-//! sharding the replicas compute alike. The scratch is one unit's
-//! optimizer range of fp32 per unit until the step ends.
+//! pass computes each update again (to the same bits) and applies it
+//! scaled, writing the compute copy. Stage 0 holds every parameter whole
+//! and needs no all-reduce; under hybrid sharding the replicas compute
+//! alike. The only scratch is one fp32 buffer as long as the largest piece
+//! of a parameter this rank holds, reused.
 //!
 //! The NVMe swaps are refused with LAMB (`offload::check`): its two
 //! passes would stream every unit's state twice.
@@ -17,7 +18,7 @@
 use std::ops::Range;
 
 use zrt_collectives::{ProcessGroup, ReduceOp};
-use zrt_kernels::{lamb_apply, lamb_moments, reduce, ComputeCopy, LambConfig};
+use zrt_kernels::{lamb_apply, lamb_direction, lamb_moments, reduce, ComputeCopy, LambConfig};
 
 use super::{groups, Inner, Shard, State, Unit, Update};
 use crate::EngineError;
@@ -81,7 +82,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             .collect();
         let total = units.iter().map(|u| u.layout.slots.len()).sum::<usize>();
         let mut sums = vec![0f64; 2 * total];
-        let mut updates = Vec::with_capacity(units.len());
+        let pieces: Vec<_> = units.iter().map(|u| self.lamb_pieces(u)).collect();
+        let longest = (pieces.iter().flatten())
+            .map(|(_, _, d)| d.len())
+            .max()
+            .unwrap_or(0);
+        let mut scratch = vec![0f32; longest];
         for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
             let r = 0..self.own_range(u).len();
             let Shard {
@@ -94,47 +100,47 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 ..
             } = sh;
             let g: &[f32] = if stage1 { reduced } else { g };
-            let (p, _) = self.target(u, r.clone(), master, copy);
-            let mut upd = vec![0f32; r.len()];
-            // Padding and alignment gaps are no parameter's: their m, v
-            // and update stay zero.
-            for (j, setting, d) in self.lamb_pieces(u) {
-                let cfg = self.lamb_config(up, setting);
+            let (p, _) = self.target(u, r, master, copy);
+            // Padding and alignment gaps are no parameter's: their m and v
+            // stay zero.
+            for (j, setting, d) in &pieces[k] {
+                let cfg = self.lamb_config(up, *setting);
+                let upd = &mut scratch[..d.len()];
+                let (pd, md, vd) = (&mut p[d.clone()], &mut m[d.clone()], &mut v[d.clone()]);
                 lamb_moments(
                     &self.threads,
                     &cfg,
                     up.scale,
-                    &mut p[d.clone()],
+                    pd,
                     &g[d.clone()],
-                    &mut m[d.clone()],
-                    &mut v[d.clone()],
-                    &mut upd[d.clone()],
+                    md,
+                    vd,
+                    upd,
                 )?;
                 let at = 2 * (first[k] + j);
-                sums[at] += reduce::sum_of_squares(&self.threads, &p[d.clone()]);
-                sums[at + 1] += reduce::sum_of_squares(&self.threads, &upd[d]);
+                sums[at] += reduce::sum_of_squares(&self.threads, pd);
+                sums[at + 1] += reduce::sum_of_squares(&self.threads, upd);
             }
-            updates.push(upd);
         }
         if self.stage > 0 {
             // Every rank's pieces of every parameter, added in rank order.
             sums = self.group.all_reduce(sums, ReduceOp::Sum).wait()?;
         }
-        for (k, ((u, sh), upd)) in units
-            .iter()
-            .zip(shards.iter_mut())
-            .zip(&updates)
-            .enumerate()
-        {
+        for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
             let r = 0..self.own_range(u).len();
-            let Shard { master, copy, .. } = sh;
+            let Shard {
+                master, m, v, copy, ..
+            } = sh;
             let (p, mut copy) = self.target(u, r, master, copy);
-            for (j, setting, d) in self.lamb_pieces(u) {
-                let cfg = self.lamb_config(up, setting);
+            for (j, setting, d) in &pieces[k] {
+                let cfg = self.lamb_config(up, *setting);
                 let at = 2 * (first[k] + j);
                 let step = cfg.step_size(up.step) * cfg.trust(sums[at], sums[at + 1]);
-                let c = sub_copy(&mut copy, d.clone());
-                lamb_apply(&self.threads, step, &mut p[d.clone()], &upd[d], c)?;
+                // The update pass one summed, computed again to its bits.
+                let upd = &mut scratch[..d.len()];
+                let (pd, md, vd) = (&mut p[d.clone()], &m[d.clone()], &mut v[d.clone()]);
+                lamb_direction(&self.threads, &cfg, pd, md, vd, upd)?;
+                lamb_apply(&self.threads, step, pd, upd, sub_copy(&mut copy, d.clone()))?;
             }
         }
         Ok(())

@@ -48,6 +48,18 @@ fn a_run_repeats_to_the_bit_and_stages_agree_within_rounding() {
 }
 
 #[test]
+fn hybrid_sharding_sums_the_norms_over_the_shard_group() {
+    // Four ranks in MiCS pairs, replicas on the same data: the two-rank
+    // run's training, the norms summed inside each pair only.
+    let _serial = serial();
+    let pairs = lamb(3, BF16, r#""mics_shard_size": 2,"#);
+    let hybrid = common::train_grouped(4, &pairs, 3);
+    let two = train_world(&lamb(3, BF16, ""), &[], 3);
+    assert_eq!(hybrid.0, two.0);
+    assert_eq!(hybrid.1, two.1);
+}
+
+#[test]
 fn a_checkpoint_resumes_to_the_same_bits_and_takes_adamws_moments_not_lions() {
     let _serial = serial();
     let dir = common::scratch("lamb-ckpt");

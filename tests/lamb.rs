@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{config_of, nvme, nvme_params, on_ranks, serial, tokens, train_losses, train_world};
+use common::{config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world};
 use zrt::zero::{Config, Engine};
 
 const BF16: &str = r#""bf16": {"enabled": true},"#;
@@ -64,19 +64,12 @@ fn a_checkpoint_resumes_to_the_same_bits_and_takes_adamws_moments_not_lions() {
     let _serial = serial();
     let dir = common::scratch("lamb-ckpt");
     let at3 = lamb(3, BF16, "");
-    // (the next step's loss, the parameters after it)
-    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
-        let loss = gpt.loss(&tokens(1, 0, rank, 1));
-        e.backward(&loss).unwrap();
-        e.step().unwrap();
-        (loss.double_value(&[]), e.gathered_params().unwrap())
-    };
     let straight = on_ranks(common::WORLD, |r| {
         let (vs, plan, gpt) = common::model();
         let e = common::engine_of(&vs, &plan, &at3, &r);
         train_losses(&gpt, &e, r.rank(), 2);
         e.save_checkpoint(&dir, "lamb").unwrap();
-        next_step(&e, &gpt, r.rank())
+        common::next_step(&e, &gpt, r.rank())
     });
     let names = common::saved_names(&dir, "lamb");
     assert!(names.iter().any(|n| n.ends_with("/v")), "{names:?}");
@@ -84,7 +77,7 @@ fn a_checkpoint_resumes_to_the_same_bits_and_takes_adamws_moments_not_lions() {
         let (vs, plan, gpt) = common::model();
         let e = common::engine_of(&vs, &plan, &at3, &r);
         e.load_checkpoint(&dir, Some("lamb")).unwrap();
-        next_step(&e, &gpt, r.rank())
+        common::next_step(&e, &gpt, r.rank())
     });
     assert_eq!(resumed, straight);
     // AdamW's m and v are LAMB's: a full load; Lion's m is not.

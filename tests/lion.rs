@@ -11,8 +11,8 @@
 
 use crate::common;
 
-use common::{config_of, nvme, nvme_params, on_ranks, serial, tokens, train_losses, train_world};
-use zrt::zero::{Config, Engine};
+use common::{config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world};
+use zrt::zero::Config;
 
 const BF16: &str = r#""bf16": {"enabled": true},"#;
 /// Stage 3 shards every unit of the test GPT (all are under the default
@@ -91,19 +91,12 @@ fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
     );
     // The master and m in the swap file: saved from it and loaded into it.
     let swapped = lion(3, &format!("{BF16} {aio}"), &off);
-    // (the next step's loss, the parameters after it)
-    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
-        let loss = gpt.loss(&tokens(1, 0, rank, 1));
-        e.backward(&loss).unwrap();
-        e.step().unwrap();
-        (loss.double_value(&[]), e.gathered_params().unwrap())
-    };
     let straight = on_ranks(common::WORLD, |r| {
         let (vs, plan, gpt) = common::model();
         let e = common::engine_of(&vs, &plan, &swapped, &r);
         train_losses(&gpt, &e, r.rank(), 1);
         e.save_checkpoint(&dir, "lion").unwrap();
-        next_step(&e, &gpt, r.rank())
+        common::next_step(&e, &gpt, r.rank())
     });
     let names = common::saved_names(&dir, "lion");
     assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
@@ -118,7 +111,7 @@ fn a_checkpoint_holds_one_moment_resumes_to_the_same_bits_and_is_not_adams() {
             let (vs, plan, gpt) = common::model();
             let e = common::engine_of(&vs, &plan, cfg, &r);
             e.load_checkpoint(&dir, Some("lion")).unwrap();
-            next_step(&e, &gpt, r.rank())
+            common::next_step(&e, &gpt, r.rank())
         });
         assert_eq!(resumed, straight);
     }

@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, on_ranks, serial, tokens, train_losses};
+use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses};
 use zrt::zero::{Config, Engine};
 
 const BF16: &str = r#""bf16": {"enabled": true},"#;
@@ -96,13 +96,6 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
     let dir = common::scratch("sgd-ckpt");
     let swap = common::scratch("sgd-ckpt-swap");
     let (aio, off) = nvme(&swap);
-    // (the next step's loss, the parameters after it)
-    let next_step = |e: &Engine<_>, gpt: &zrt::gpt::Gpt, rank: usize| {
-        let loss = gpt.loss(&tokens(1, 0, rank, 1));
-        e.backward(&loss).unwrap();
-        e.step().unwrap();
-        (loss.double_value(&[]), e.gathered_params().unwrap())
-    };
     for (tag, params) in [("plain", ""), ("momentum", MOMENTUM)] {
         let at3 = sgd(params, 3, BF16, "");
         // Saved from the swap file and loaded into it.
@@ -112,7 +105,7 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
             let e = common::engine_of(&vs, &plan, &swapped, &r);
             train_losses(&gpt, &e, r.rank(), 2);
             e.save_checkpoint(&dir, tag).unwrap();
-            next_step(&e, &gpt, r.rank())
+            common::next_step(&e, &gpt, r.rank())
         });
         let names = common::saved_names(&dir, tag);
         assert!(names.iter().any(|n| n.ends_with("/master")), "{names:?}");
@@ -128,7 +121,7 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
                 let (vs, plan, gpt) = common::model();
                 let e = common::engine_of(&vs, &plan, cfg, &r);
                 e.load_checkpoint(&dir, Some(tag)).unwrap();
-                next_step(&e, &gpt, r.rank())
+                common::next_step(&e, &gpt, r.rank())
             });
             assert_eq!(resumed, straight, "{tag}");
         }

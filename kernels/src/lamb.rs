@@ -26,7 +26,7 @@
 //! one parameter long rather than the whole shard. Every dispatch level
 //! and thread count gives the same bits.
 
-use crate::adam::ComputeCopy;
+use crate::adam::{AdamConfig, ComputeCopy};
 use crate::error::same_len;
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
@@ -75,22 +75,18 @@ impl Default for LambConfig {
 impl LambConfig {
     /// Checks every setting is in its domain.
     pub fn validate(&self) -> Result<(), KernelError> {
+        // The settings it shares with Adam, checked as Adam's are.
+        AdamConfig {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            adam_w_mode: true,
+            bias_correction: self.bias_correction,
+        }
+        .validate()?;
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        if !(self.lr >= 0.0 && self.lr.is_finite()) {
-            return bad("lr", self.lr, "must be finite and >= 0");
-        }
-        if !(0.0..1.0).contains(&self.beta1) {
-            return bad("betas[0]", self.beta1, "must be in [0, 1)");
-        }
-        if !(0.0..1.0).contains(&self.beta2) {
-            return bad("betas[1]", self.beta2, "must be in [0, 1)");
-        }
-        if !(self.eps >= 0.0 && self.eps.is_finite()) {
-            return bad("eps", self.eps, "must be finite and >= 0");
-        }
-        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            return bad("weight_decay", self.weight_decay, "must be finite and >= 0");
-        }
         if !(self.min_coeff >= 0.0 && self.min_coeff.is_finite()) {
             return bad("min_coeff", self.min_coeff, "must be finite and >= 0");
         }

@@ -432,3 +432,17 @@ pub fn state_held(
     })
     .remove(0)
 }
+
+/// One more step of the GPT on rank `rank`'s micro-batch of step 1 (no
+/// accumulation): the loss, and the parameters after it. What a test that
+/// resumes a checkpoint compares with the run that saved it.
+pub fn next_step<G: zrt::collectives::ProcessGroup + 'static>(
+    e: &Engine<G>,
+    gpt: &Gpt,
+    rank: usize,
+) -> (f64, Params) {
+    let loss = gpt.loss(&tokens(1, 0, rank, 1));
+    e.backward(&loss).unwrap();
+    e.step().unwrap();
+    (loss.double_value(&[]), e.gathered_params().unwrap())
+}

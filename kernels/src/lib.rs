@@ -24,7 +24,7 @@
 //!   thread, aligned to 64 elements. The only allocation per call is the
 //!   list of those ranges (one entry per thread), none on one thread.
 //! - **One pass over memory.** Each optimizer walks the shard in L1-sized
-//!   blocks (`walk.rs`, which Adam, Lion and SGD share); the
+//!   blocks (`walk.rs`, which every optimizer shares); the
 //!   optional compute-dtype copy of the updated parameters is written from
 //!   the block while it is still in cache, so p, g, m, v are read once and
 //!   p, m, v (and the copy) written once.

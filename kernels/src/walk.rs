@@ -1,8 +1,8 @@
 //! How a kernel walks a shard: each thread's contiguous range
 //! ([`for_each_range`]), within it cache blocks whose compute-dtype copy is
 //! written while they are in cache, and within a block steps with software
-//! prefetch ahead of every array ([`in_blocks`]). Adam, Lion and SGD share
-//! it; only their per-element updates differ.
+//! prefetch ahead of every array ([`in_blocks`]). Adam, Lion, SGD and LAMB
+//! share it; only their per-element updates differ.
 
 use rayon::prelude::*;
 
@@ -114,8 +114,10 @@ fn prefetch<const N: usize>(streams: &[*const f32; N], n: usize, at: usize) {
 /// [`PREFETCH_AHEAD`] ahead (`streams`: the arrays the update reads, `p`'s
 /// among them, each as long as `p`): `f(p[r], r)` updates the elements
 /// `r`, and each block's compute copy is written while it is in cache.
-/// Adam, Lion and SGD share it; it must inline into each dispatch level's
-/// body for the update to vectorize there.
+/// It must inline into each dispatch level's body for the update to
+/// vectorize there, and so must `f`: mark the closure `#[inline(always)]`
+/// (without it Adam's ran as scalar code in the AVX-512 body, 2.7x slower,
+/// with every test green; only `zrt bench adam` shows it).
 #[inline(always)]
 pub(crate) fn in_blocks<const N: usize>(
     p: &mut [f32],
@@ -143,7 +145,7 @@ pub(crate) fn in_blocks<const N: usize>(
 /// the pool has one thread or the shard is small, else once per thread's
 /// contiguous range ([`Threads::chunk_len`]), every array cut at the same
 /// points. An empty moment (one the optimizer does not keep) stays empty
-/// in every range. Adam, Lion and SGD share it.
+/// in every range. The callers check the lengths first (`same_len`).
 pub(crate) fn for_each_range<const K: usize>(
     threads: &Threads,
     p: &mut [f32],

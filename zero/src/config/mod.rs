@@ -59,8 +59,8 @@ pub enum OptimizerKind {
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
-    /// Adam's m and v, Lion's m, SGD's momentum buffer if it has momentum
-    /// (`momentum > 0`).
+    /// Adam's and LAMB's m and v, Lion's m, SGD's momentum buffer if it has
+    /// momentum (`momentum > 0`).
     pub fn moments(self, momentum: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
@@ -142,8 +142,8 @@ pub struct OptimizerConfig {
 }
 
 impl OptimizerConfig {
-    /// How many fp32 moments per trained element it keeps (2 for Adam, 1
-    /// for Lion, 1 or 0 for SGD with or without momentum).
+    /// How many fp32 moments per trained element it keeps (2 for Adam and
+    /// LAMB, 1 for Lion, 1 or 0 for SGD with or without momentum).
     pub fn moments(&self) -> usize {
         self.kind.moments(self.momentum > 0.0)
     }

@@ -536,8 +536,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// How many fp32 moments per element of its range the optimizer keeps:
-    /// Adam's m and v (2), Lion's m or SGD's momentum buffer (1; every `v`
-    /// stays empty), none for SGD without momentum (`m` empty too).
+    /// Adam's and LAMB's m and v (2), Lion's m or SGD's momentum buffer (1;
+    /// every `v` stays empty), none for SGD without momentum (`m` empty
+    /// too).
     fn moments(&self) -> usize {
         self.cfg.config.optimizer.moments()
     }

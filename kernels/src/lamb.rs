@@ -32,21 +32,15 @@ use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
 
-/// LAMB's hyper-parameters (DeepSpeed's `FusedLamb` names).
+/// LAMB's hyper-parameters (DeepSpeed's `FusedLamb` names): Adam's, and
+/// the trust ratio's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LambConfig {
-    /// Learning rate of this step.
-    pub lr: f64,
-    /// `betas[0]`.
-    pub beta1: f64,
-    /// `betas[1]`.
-    pub beta2: f64,
-    /// Added to the denominator.
-    pub eps: f64,
-    /// Added to the update as `weight_decay * p`, inside the trust ratio.
-    pub weight_decay: f64,
-    /// Correct the step size for the moments' bias.
-    pub bias_correction: bool,
+    /// `lr`, `betas`, `eps`, `weight_decay` (added to the update as
+    /// `weight_decay * p`, inside the trust ratio) and `bias_correction`
+    /// (of the step size), as Adam's are named and checked; its
+    /// `adam_w_mode` means nothing to LAMB.
+    pub adam: AdamConfig,
     /// The trust ratio's upper clamp.
     pub max_coeff: f64,
     /// The trust ratio's lower clamp.
@@ -56,15 +50,10 @@ pub struct LambConfig {
 }
 
 impl Default for LambConfig {
-    /// DeepSpeed's `FusedLamb` defaults.
+    /// DeepSpeed's `FusedLamb` defaults (Adam's are FusedAdam's, the same).
     fn default() -> Self {
         Self {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            bias_correction: true,
+            adam: AdamConfig::default(),
             max_coeff: 10.0,
             min_coeff: 0.01,
             eps_inside_sqrt: false,
@@ -75,17 +64,7 @@ impl Default for LambConfig {
 impl LambConfig {
     /// Checks every setting is in its domain.
     pub fn validate(&self) -> Result<(), KernelError> {
-        // The settings it shares with Adam, checked as Adam's are.
-        AdamConfig {
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            adam_w_mode: true,
-            bias_correction: self.bias_correction,
-        }
-        .validate()?;
+        self.adam.validate()?;
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
         if !(self.min_coeff >= 0.0 && self.min_coeff.is_finite()) {
             return bad("min_coeff", self.min_coeff, "must be finite and >= 0");
@@ -103,11 +82,12 @@ impl LambConfig {
     /// The step size of step `step` (1-based): bias correction applied to
     /// the step, as DeepSpeed does.
     pub fn step_size(&self, step: u64) -> f64 {
-        if !self.bias_correction {
-            return self.lr;
+        let a = &self.adam;
+        if !a.bias_correction {
+            return a.lr;
         }
         let t = step.min(i32::MAX as u64) as i32;
-        self.lr * (1.0 - self.beta2.powi(t)).sqrt() / (1.0 - self.beta1.powi(t))
+        a.lr * (1.0 - a.beta2.powi(t)).sqrt() / (1.0 - a.beta1.powi(t))
     }
 
     /// The trust ratio of a parameter whose squares sum to `w2` and whose
@@ -138,15 +118,16 @@ struct Coef {
 impl Coef {
     fn new(cfg: &LambConfig, grad_scale: f32) -> Result<Self, KernelError> {
         cfg.validate()?;
+        let a = &cfg.adam;
         Ok(Coef {
             scale: grad_scale,
-            beta1: cfg.beta1 as f32,
-            one_minus_beta1: (1.0 - cfg.beta1) as f32,
-            beta2: cfg.beta2 as f32,
-            one_minus_beta2: (1.0 - cfg.beta2) as f32,
-            eps: cfg.eps as f32,
+            beta1: a.beta1 as f32,
+            one_minus_beta1: (1.0 - a.beta1) as f32,
+            beta2: a.beta2 as f32,
+            one_minus_beta2: (1.0 - a.beta2) as f32,
+            eps: a.eps as f32,
             eps_inside_sqrt: cfg.eps_inside_sqrt,
-            weight_decay: cfg.weight_decay as f32,
+            weight_decay: a.weight_decay as f32,
         })
     }
 
@@ -336,13 +317,14 @@ mod tests {
             let mut u = vec![0.0; n];
             for i in 0..n {
                 let gi = g[i] * (1.0 + 0.1 * t as f64);
-                m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * gi;
-                v[i] = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * gi * gi;
+                let a = &cfg.adam;
+                m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * gi;
+                v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * gi * gi;
                 let denom = match cfg.eps_inside_sqrt {
-                    true => (v[i] + cfg.eps).sqrt(),
-                    false => v[i].sqrt() + cfg.eps,
+                    true => (v[i] + a.eps).sqrt(),
+                    false => v[i].sqrt() + a.eps,
                 };
-                u[i] = m[i] / denom + cfg.weight_decay * p[i];
+                u[i] = m[i] / denom + a.weight_decay * p[i];
             }
             let w2: f64 = p.iter().map(|x| x * x).sum();
             let u2: f64 = u.iter().map(|x| x * x).sum();
@@ -385,8 +367,11 @@ mod tests {
     #[test]
     fn matches_f64_reference_and_clamps_the_trust_ratio() {
         let cfg = LambConfig {
-            lr: 1e-2,
-            weight_decay: 0.01,
+            adam: AdamConfig {
+                lr: 1e-2,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
             ..Default::default()
         };
         // Parameters of size ~1 (ratio inside the clamps), ~1000 (clamped
@@ -415,9 +400,12 @@ mod tests {
         }
         // eps inside the square root, no bias correction.
         let inside = LambConfig {
-            eps: 1e-4,
+            adam: AdamConfig {
+                eps: 1e-4,
+                bias_correction: false,
+                ..cfg.adam
+            },
             eps_inside_sqrt: true,
-            bias_correction: false,
             ..cfg
         };
         let [p, ..] = run(1, &inside, 500, 1.0, 3);
@@ -438,11 +426,17 @@ mod tests {
         let pool = Threads::new(2).unwrap();
         for cfg in [
             LambConfig {
-                weight_decay: 0.01,
+                adam: AdamConfig {
+                    weight_decay: 0.01,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             LambConfig {
-                eps: 1e-3,
+                adam: AdamConfig {
+                    eps: 1e-3,
+                    ..Default::default()
+                },
                 eps_inside_sqrt: true,
                 ..Default::default()
             },
@@ -475,8 +469,11 @@ mod tests {
     #[test]
     fn threads_and_dispatch_levels_do_not_change_a_bit() {
         let cfg = LambConfig {
-            lr: 3e-3,
-            weight_decay: 0.01,
+            adam: AdamConfig {
+                lr: 3e-3,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -37,14 +37,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// (its weight decay, its learning-rate scale).
     fn lamb_config(&self, up: &Update<'_>, setting: groups::Setting) -> LambConfig {
         let o = &self.cfg.config.optimizer;
-        let a = setting.adam(up.adam);
         LambConfig {
-            lr: a.lr,
-            beta1: a.beta1,
-            beta2: a.beta2,
-            eps: o.eps,
-            weight_decay: a.weight_decay,
-            bias_correction: o.bias_correction,
+            adam: setting.adam(up.adam),
             max_coeff: o.max_coeff,
             min_coeff: o.min_coeff,
             eps_inside_sqrt: o.eps_inside_sqrt,

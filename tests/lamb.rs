@@ -13,7 +13,7 @@
 use crate::common;
 
 use common::{config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world};
-use zrt::zero::{Config, Engine};
+use zrt::zero::Config;
 
 const BF16: &str = r#""bf16": {"enabled": true},"#;
 /// Stage 3 shards every unit of the test GPT.
@@ -111,20 +111,8 @@ fn nvme_offload_is_refused_by_name() {
     let (aio, off) = nvme(&dir);
     for zero in [off, nvme_params(&dir)] {
         let cfg = lamb(3, &aio, &zero);
-        let errors = on_ranks(common::WORLD, |r| {
-            let (vs, plan, _) = common::model();
-            let g = r.new_group(&[0, 1]).unwrap();
-            Engine::new(&vs, &plan, &cfg, g, &zrt::zero::AutoHints::default())
-                .err()
-                .map(|e| e.to_string())
-        });
-        for e in errors {
-            let e = e.expect("refused");
-            assert!(
-                e.contains("LAMB with NVMe offload: its trust ratios need two passes"),
-                "{e}"
-            );
-        }
+        let want = "LAMB with NVMe offload: its trust ratios need two passes";
+        common::refused_on_every_rank(|_| cfg.clone(), common::gpt_plan, want);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

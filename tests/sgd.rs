@@ -13,7 +13,7 @@
 use crate::common;
 
 use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses};
-use zrt::zero::{Config, Engine};
+use zrt::zero::Config;
 
 const BF16: &str = r#""bf16": {"enabled": true},"#;
 /// Stage 3 shards every unit of the test GPT.
@@ -154,18 +154,7 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
 fn ranks_given_different_momenta_refuse_to_build_naming_it() {
     // One rank would keep a buffer and step with it, the other not: their
     // shards would drift apart with no error anywhere.
-    let errors = on_ranks(common::WORLD, |r| {
-        let (vs, plan, _) = common::model();
-        let params = if r.rank() == 0 { MOMENTUM } else { "" };
-        let cfg = sgd(params, 2, "", "");
-        let g = r.new_group(&[0, 1]).unwrap();
-        Engine::new(&vs, &plan, &cfg, g, &zrt::zero::AutoHints::default())
-            .err()
-            .map(|e| e.to_string())
-    });
-    for e in errors {
-        let e = e.expect("refused");
-        let want = "rank 1 differs from rank 0 in optimizer.params.momentum: rank 1 has 0.0, rank 0 has 0.9; optimizer.params.dampening: rank 1 has 0.0, rank 0 has 0.1.";
-        assert!(e.contains(want), "{e}");
-    }
+    let cfg = |rank| sgd(if rank == 0 { MOMENTUM } else { "" }, 2, "", "");
+    let want = "rank 1 differs from rank 0 in optimizer.params.momentum: rank 1 has 0.0, rank 0 has 0.9; optimizer.params.dampening: rank 1 has 0.0, rank 0 has 0.1.";
+    common::refused_on_every_rank(cfg, common::gpt_plan, want);
 }

@@ -222,8 +222,20 @@ pub fn refused_unless_agreed(
     key: &str,
     make: impl Fn(usize) -> (nn::VarStore, ShardPlan) + Sync,
 ) {
+    let cfg = |rank: usize| config_zero(3, 1, 0.0, "", zero[rank]);
+    refused_on_every_rank(cfg, make, key);
+}
+
+/// Builds an engine on 2 ranks (threads), rank `r` on `make(r)`'s model
+/// under `cfg(r)`, and asserts every rank's build is refused with an
+/// error containing `want`.
+pub fn refused_on_every_rank(
+    cfg: impl Fn(usize) -> Config + Sync,
+    make: impl Fn(usize) -> (nn::VarStore, ShardPlan) + Sync,
+    want: &str,
+) {
     let errors = on_ranks(2, |r| {
-        let cfg = config_zero(3, 1, 0.0, "", zero[r.rank()]);
+        let cfg = cfg(r.rank());
         let (vs, plan) = make(r.rank());
         let g = r.new_group(&[0, 1]).unwrap();
         Engine::new(&vs, &plan, &cfg, g, &AutoHints::default())
@@ -232,8 +244,14 @@ pub fn refused_unless_agreed(
     });
     for e in errors {
         let e = e.expect("refused");
-        assert!(e.contains(key), "{e}");
+        assert!(e.contains(want), "{e}");
     }
+}
+
+/// The test GPT's variables and plan, for [`refused_on_every_rank`].
+pub fn gpt_plan(_rank: usize) -> (nn::VarStore, ShardPlan) {
+    let (vs, plan, _) = model();
+    (vs, plan)
 }
 
 /// The engine for `vs` and `plan` under `cfg` on rank `r`'s world group

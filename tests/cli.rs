@@ -322,6 +322,18 @@ fn estimate_prints_the_design_formula() {
     }
     let (ok, out) = zrt(&["estimate", "--params", "1e9", "--world", "2", "--frozen=-1"]);
     assert!(!ok && out.contains("--frozen must be a count"), "{out}");
+    // 2^30 parameters on 4 ranks, as `how` ([flag, value]) says.
+    let on_1gib = |how: [&str; 2]| {
+        zrt(&[
+            "estimate",
+            "--params",
+            "1073741824",
+            "--world",
+            "4",
+            how[0],
+            how[1],
+        ])
+    };
     // Lion keeps one moment: 4 bytes per parameter less, 14 GiB at stage
     // 0 (12 in the table), 5 at stage 2 and 14/4 at stage 3; asked for,
     // or from a DeepSpeed config (bf16, Lion, stage 2: its row marked).
@@ -333,16 +345,7 @@ fn estimate_prints_the_design_formula() {
         (["--optimizer", "Lion"], ""),
         (["--config", f.as_str()], "  <- the config's stage"),
     ] {
-        let args = [
-            "estimate",
-            "--params",
-            "1073741824",
-            "--world",
-            "4",
-            how[0],
-            how[1],
-        ];
-        let (ok, out) = zrt(&args);
+        let (ok, out) = on_1gib(how);
         assert!(
             ok && out.contains("bf16 compute, Lion:")
                 && out.contains("stage 0:      14.00 GiB       12.00 GiB\n")
@@ -369,16 +372,7 @@ fn estimate_prints_the_design_formula() {
         r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}"#,
     );
     for how in [["--optimizer", "sgd"], ["--config", f.as_str()]] {
-        let args = [
-            "estimate",
-            "--params",
-            "1073741824",
-            "--world",
-            "4",
-            how[0],
-            how[1],
-        ];
-        let (ok, out) = zrt(&args);
+        let (ok, out) = on_1gib(how);
         assert!(
             ok && out.contains("bf16 compute, SGD without momentum:")
                 && out.contains("stage 0:      10.00 GiB        8.00 GiB")
@@ -387,13 +381,7 @@ fn estimate_prints_the_design_formula() {
         );
     }
     let _ = std::fs::remove_file(&f);
-    let args = [
-        "estimate",
-        "--params=1073741824",
-        "--world=4",
-        "--optimizer=sgd-momentum",
-    ];
-    let (ok, out) = zrt(&args);
+    let (ok, out) = on_1gib(["--optimizer", "sgd-momentum"]);
     assert!(ok && out.contains("stage 0:      14.00 GiB"), "{out}");
     let (ok, out) = zrt(&[
         "estimate",

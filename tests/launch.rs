@@ -400,10 +400,11 @@ fn node(port: u16, rank: usize, nproc: usize) -> std::process::Child {
         .unwrap()
 }
 
-/// A port nothing listens on, for a store the test's launchers start.
+/// A port nothing listens on, for a store the test's launchers start:
+/// below the ephemeral range, as `zrt launch` picks one, so no listener a
+/// concurrent test binds to port 0 can take it before the launchers do.
 fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    zrt::collectives::store::free_store_port("127.0.0.1").unwrap()
 }
 
 #[test]

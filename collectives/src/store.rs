@@ -573,11 +573,12 @@ mod tests {
 
     #[test]
     fn a_rank_waiting_for_the_store_says_so_until_it_comes() {
-        // A port nobody serves yet.
-        let addr = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        // A port nobody serves yet, below the ephemeral range so that no
+        // other test's listener on port 0 takes it during the wait.
+        let addr: std::net::SocketAddr =
+            format!("127.0.0.1:{}", free_store_port("127.0.0.1").unwrap())
+                .parse()
+                .unwrap();
         let ms = Duration::from_millis;
         let serving = std::thread::spawn(move || {
             std::thread::sleep(ms(450));
@@ -753,10 +754,11 @@ mod tests {
 
     #[test]
     fn a_rank_waits_for_the_store_to_come_up_and_no_longer_than_its_timeout() {
-        let unused = || {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            format!("127.0.0.1:{}", l.local_addr().unwrap().port())
-        };
+        // A port below the ephemeral range, as `zrt launch` picks: one
+        // probed with `bind(:0)` could be taken during the wait below by
+        // another test's listener on port 0 (CI once saw this client reach
+        // such a store and be refused its token).
+        let unused = || format!("127.0.0.1:{}", free_store_port("127.0.0.1").unwrap());
         let addr = unused();
         // Rank 0 is not serving yet: the others retry until it does.
         let a = addr.clone();
@@ -816,10 +818,7 @@ mod tests {
     fn a_port_in_use_is_skipped_and_a_foreign_address_is_named() {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let busy = taken.local_addr().unwrap().port();
-        let free = {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        let free = free_store_port("127.0.0.1").unwrap();
         assert_eq!(
             first_free_port("127.0.0.1", [busy, free].into_iter()).unwrap(),
             free

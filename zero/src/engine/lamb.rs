@@ -12,15 +12,22 @@
 //! alike. The only scratch is one fp32 buffer as long as the largest piece
 //! of a parameter this rank holds, reused.
 //!
-//! The NVMe swaps are refused with LAMB (`offload::check`): its two
-//! passes would stream every unit's state twice.
+//! Both passes walk the state wherever it lives (`Inner::each_state`):
+//! with the NVMe swaps each streams every unit's state through the swap
+//! once, so a LAMB step reads the swap file twice and writes it twice
+//! (Adam's: once each). The swap's chunks cut parameters, and a piece's
+//! sums are then added chunk by chunk, in another order than in memory:
+//! like the stages, LAMB with the swaps agrees with LAMB in memory within
+//! rounding, not to the bit.
 
 use std::ops::Range;
 
 use zrt_collectives::{ProcessGroup, ReduceOp};
-use zrt_kernels::{lamb_apply, lamb_direction, lamb_moments, reduce, ComputeCopy, LambConfig};
+use zrt_kernels::{
+    lamb_apply, lamb_direction, lamb_moments, reduce, AdamShard, ComputeCopy, LambConfig,
+};
 
-use super::{groups, Inner, Shard, State, Unit, Update};
+use super::{groups, Inner, State, Unit, Update};
 use crate::EngineError;
 
 /// `c`'s elements `r`, reborrowed.
@@ -65,40 +72,30 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         up: &Update<'_>,
         stage1: bool,
     ) -> Result<(), EngineError> {
-        let State { units, shards, .. } = st;
         // Each unit's first parameter's place in `sums` (two per parameter).
-        let first: Vec<usize> = (units.iter())
+        let first: Vec<usize> = (st.units.iter())
             .scan(0, |at, u| {
                 let here = *at;
                 *at += u.layout.slots.len();
                 Some(here)
             })
             .collect();
-        let total = units.iter().map(|u| u.layout.slots.len()).sum::<usize>();
+        let total = st.units.iter().map(|u| u.layout.slots.len()).sum::<usize>();
         let mut sums = vec![0f64; 2 * total];
-        let pieces: Vec<_> = units.iter().map(|u| self.lamb_pieces(u)).collect();
+        let pieces: Vec<_> = st.units.iter().map(|u| self.lamb_pieces(u)).collect();
         let longest = (pieces.iter().flatten())
             .map(|(_, _, d)| d.len())
             .max()
             .unwrap_or(0);
         let mut scratch = vec![0f32; longest];
-        for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
-            let r = 0..self.own_range(u).len();
-            let Shard {
-                master,
-                m,
-                v,
-                g,
-                reduced,
-                copy,
-                ..
-            } = sh;
-            let g: &[f32] = if stage1 { reduced } else { g };
-            let (p, _) = self.target(u, r, master, copy);
-            // Padding and alignment gaps are no parameter's: their m and v
-            // stay zero.
-            for (j, setting, d) in &pieces[k] {
-                let cfg = self.lamb_config(up, *setting);
+        // Pass one: new moments, and each parameter's sums over this
+        // rank's pieces. Padding and alignment gaps are no parameter's:
+        // their m and v stay zero.
+        self.each_state(st, stage1, false, |k, u, r, s, copy| {
+            let AdamShard { p: master, g, m, v } = s;
+            let (p, _) = self.target(u, r.clone(), master, copy);
+            for (j, setting, d) in within(&pieces[k], &r) {
+                let cfg = self.lamb_config(up, setting);
                 let upd = &mut scratch[..d.len()];
                 let (pd, md, vd) = (&mut p[d.clone()], &mut m[d.clone()], &mut v[d.clone()]);
                 lamb_moments(
@@ -115,19 +112,21 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 sums[at] += reduce::sum_of_squares(&self.threads, pd);
                 sums[at + 1] += reduce::sum_of_squares(&self.threads, upd);
             }
-        }
+            Ok(())
+        })?;
         if self.stage > 0 {
             // Every rank's pieces of every parameter, added in rank order.
             sums = self.group.all_reduce(sums, ReduceOp::Sum).wait()?;
         }
-        for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
-            let r = 0..self.own_range(u).len();
-            let Shard {
-                master, m, v, copy, ..
-            } = sh;
-            let (p, mut copy) = self.target(u, r, master, copy);
-            for (j, setting, d) in &pieces[k] {
-                let cfg = self.lamb_config(up, *setting);
+        // Pass two: each update again, scaled by its parameter's trust
+        // ratio, into the parameters and their compute copy.
+        self.each_state(st, stage1, true, |k, u, r, s, copy| {
+            let AdamShard {
+                p: master, m, v, ..
+            } = s;
+            let (p, mut copy) = self.target(u, r.clone(), master, copy);
+            for (j, setting, d) in within(&pieces[k], &r) {
+                let cfg = self.lamb_config(up, setting);
                 let at = 2 * (first[k] + j);
                 let step = cfg.step_size(up.step) * cfg.trust(sums[at], sums[at + 1]);
                 // The update pass one summed, computed again to its bits.
@@ -136,7 +135,21 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 lamb_direction(&self.threads, &cfg, pd, md, vd, upd)?;
                 lamb_apply(&self.threads, step, pd, upd, sub_copy(&mut copy, d.clone()))?;
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
+}
+
+/// The parts of `pieces` (a unit's, as [`Inner::lamb_pieces`] gives them)
+/// within elements `r` of the optimizer range, as offsets from `r.start`:
+/// the swap streams a unit in chunks that may cut a piece.
+fn within<'p>(
+    pieces: &'p [(usize, groups::Setting, Range<usize>)],
+    r: &Range<usize>,
+) -> impl Iterator<Item = (usize, groups::Setting, Range<usize>)> + 'p {
+    let r = r.clone();
+    pieces.iter().filter_map(move |(j, setting, d)| {
+        let (lo, hi) = (d.start.max(r.start), d.end.min(r.end));
+        (lo < hi).then(|| (*j, *setting, lo - r.start..hi - r.start))
+    })
 }

@@ -2051,28 +2051,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             step: st.step,
             scale,
         };
-        match &i.swap {
-            // (Refused with any NVMe offload at build.)
-            None if c.optimizer.kind == OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
-            Some(swap) => i.adam_swapped(swap, st, &up, stage1)?,
-            None => {
-                for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
-                    i.page_in(sh, k, ReadAhead::Update)?;
-                    let Shard {
-                        master,
-                        m,
-                        v,
-                        g,
-                        reduced,
-                        copy,
-                    } = sh;
-                    let g: &[f32] = if stage1 { reduced } else { g };
-                    // (`m` is empty under SGD without momentum.)
-                    let r = 0..i.own_range(u).len();
-                    i.adam_on(u, r, AdamShard { p: master, g, m, v }, copy, &up)?;
-                    i.page_out(sh, k, true)?;
-                }
-            }
+        match c.optimizer.kind {
+            OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
+            _ => i.each_state(st, stage1, true, |_, u, r, s, copy| {
+                i.adam_on(u, r, s, copy, &up)
+            })?,
         }
         let t = std::time::Instant::now();
         i.share_shards(st)?;

@@ -7,15 +7,17 @@
 //! as DeepSpeed keeps the compute parameters on the device). The step
 //! streams every unit's state through the swap's buffers with the same
 //! kernel and the same element ranges as in memory, so the result is
-//! bit-identical to no offload.
+//! bit-identical to no offload (LAMB's, which streams the state twice, is
+//! within rounding of it: `lamb.rs` says why).
 
+use std::ops::Range;
 use std::path::PathBuf;
 
 use zrt_collectives::ProcessGroup;
 use zrt_kernels::AdamShard;
 use zrt_offload::{Swap, SwapConfig};
 
-use super::{Compute, CopyShard, Inner, Shard, State, Unit, Update};
+use super::{Compute, CopyShard, Inner, Shard, State, Unit};
 use crate::config::OffloadDevice;
 use crate::{EngineError, Resolved};
 
@@ -40,12 +42,6 @@ pub(super) fn check(cfg: &Resolved, stage: u8) -> Result<(), EngineError> {
             false => Err(zrt_offload::OffloadError::NoDirectory { path }),
         }
     };
-    let lamb = cfg.config.optimizer.kind == crate::config::OptimizerKind::Lamb;
-    if lamb && (nvme(&z.offload_optimizer).is_some() || nvme(&z.offload_param).is_some()) {
-        return Err(EngineError::Unsupported(
-            "LAMB with NVMe offload: its trust ratios need two passes over every unit's state with an all-reduce between them, which zrt does not stream through the swap; remove offload_optimizer / offload_param, or use \"AdamW\"".into(),
-        ));
-    }
     if let Some(o) = nvme(&z.offload_optimizer) {
         if stage == 0 {
             return Err(EngineError::Unsupported(
@@ -154,21 +150,53 @@ pub(super) struct UnitState {
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
-    /// The optimizer step of every unit, streamed through the swap.
-    pub(super) fn adam_swapped(
+    /// Runs `f` over this rank's optimizer state wherever it lives: each
+    /// unit whole when the state is in memory, chunk by chunk through the
+    /// swap's stream (read ahead, written behind) when it is offloaded.
+    /// `f` gets the unit's index, the unit, elements `r` of its optimizer
+    /// range and their state, indexed from `r.start`: `p` the fp32 master
+    /// where it lives apart from the flat tensor (empty when the flat
+    /// tensor is the master: fp32, stages 0-2), the gradient, the moments
+    /// (an empty slice for each the optimizer has not); and the unit's
+    /// compute-copy shard. Stage 3's parameter swap pages each unit in
+    /// before its first elements and out after its last, writing it back
+    /// when the walk `updates` parameters.
+    pub(super) fn each_state(
         &self,
-        swap: &Swap,
         st: &mut State,
-        up: &Update<'_>,
         stage1: bool,
+        updates: bool,
+        mut f: impl FnMut(
+            usize,
+            &Unit,
+            Range<usize>,
+            AdamShard<'_>,
+            &mut CopyShard,
+        ) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
-        let with_master = swaps_master(self.compute);
         let State { units, shards, .. } = st;
+        let Some(swap) = &self.swap else {
+            for (k, (u, sh)) in units.iter().zip(shards.iter_mut()).enumerate() {
+                self.page_in(sh, k, ReadAhead::Update)?;
+                let Shard {
+                    master,
+                    m,
+                    v,
+                    g,
+                    reduced,
+                    copy,
+                } = sh;
+                let g: &[f32] = if stage1 { reduced } else { g };
+                let r = 0..self.own_range(u).len();
+                f(k, u, r, AdamShard { p: master, g, m, v }, copy)?;
+                self.page_out(sh, k, updates)?;
+            }
+            return Ok(());
+        };
+        let with_master = swaps_master(self.compute);
         swap.stream(
             |k, r, arrays: &mut [&mut [f32]]| -> Result<(), EngineError> {
                 let (u, sh) = (&units[k], &mut shards[k]);
-                // Stage-3 parameter offload: the unit's shard comes in for
-                // its first chunk and goes back, updated, after its last.
                 if r.start == 0 {
                     self.page_in(sh, k, ReadAhead::Update)?;
                 }
@@ -200,9 +228,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     [m, ..] => (&mut **m, &mut [][..]),
                     [] => (&mut [][..], &mut [][..]),
                 };
-                self.adam_on(u, r, AdamShard { p, g, m, v }, copy, up)?;
+                f(k, u, r, AdamShard { p, g, m, v }, copy)?;
                 if last {
-                    self.page_out(sh, k, true)?;
+                    self.page_out(sh, k, updates)?;
                 }
                 Ok(())
             },

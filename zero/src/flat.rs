@@ -86,11 +86,22 @@ impl FlatLayout {
         &self,
         range: Range<usize>,
     ) -> impl Iterator<Item = (&Slot, Range<usize>, Range<usize>)> {
-        self.slots.iter().filter_map(move |s| {
+        self.indexed_pieces(range)
+            .map(|(_, s, own, dst)| (s, own, dst))
+    }
+
+    /// [`FlatLayout::pieces`], each with its parameter's index in
+    /// [`FlatLayout::slots`] first (LAMB keeps its sums by that index).
+    pub fn indexed_pieces(
+        &self,
+        range: Range<usize>,
+    ) -> impl Iterator<Item = (usize, &Slot, Range<usize>, Range<usize>)> {
+        self.slots.iter().enumerate().filter_map(move |(j, s)| {
             let lo = range.start.max(s.offset);
             let hi = range.end.min(s.offset + s.numel);
             (lo < hi).then(|| {
                 (
+                    j,
                     s,
                     lo - s.offset..hi - s.offset,
                     lo - range.start..hi - range.start,
@@ -152,6 +163,12 @@ mod tests {
         assert_eq!(names(16..32), vec![("b.weight", 0..15, 0..15)]);
         assert_eq!(names(20..40), vec![("b.weight", 4..15, 0..11)]);
         assert!(names(32..48).is_empty());
+        // The same pieces, each after its index in `slots`.
+        let indexed: Vec<_> = l
+            .indexed_pieces(5..20)
+            .map(|(j, s, ..)| (j, s.offset))
+            .collect();
+        assert_eq!(indexed, [(0, 0), (1, 16)]);
         // Cut at a.bias's end (7), b.weight's start (16) and end (31).
         assert_eq!(l.segments(0..48), [7, 9, 15, 17]);
         assert_eq!(l.segments(l.shard(1)), [15, 1]);

@@ -57,11 +57,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// piece's elements in the range).
     fn lamb_pieces(&self, u: &Unit) -> Vec<(usize, groups::Setting, Range<usize>)> {
         let whole = self.whole(u, 0..self.own_range(u).len());
-        (u.layout.pieces(whole))
-            .map(|(s, _, dst)| {
-                let j = u.layout.slots.iter().position(|x| std::ptr::eq(x, s));
-                (j.unwrap_or_default(), self.settings.get(&s.name), dst)
-            })
+        (u.layout.indexed_pieces(whole))
+            .map(|(j, s, _, dst)| (j, self.settings.get(&s.name), dst))
             .collect()
     }
 

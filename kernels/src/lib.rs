@@ -1,7 +1,7 @@
 //! # zrt-kernels
 //!
 //! The per-element math of a ZeRO step, on flat slices, with no libtorch in
-//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]) and LAMB ([`lamb`]), the helpers around it ([`reduce`]:
+//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]), LAMB ([`lamb`]) and Adagrad ([`adagrad`]), the helpers around it ([`reduce`]:
 //! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
 //! in place), f32 <-> bf16/f16 casts bit-identical to libtorch's
 //! ([`cast`]) and the block-wise int8 packing of quantized weight gathers
@@ -37,6 +37,7 @@
 //! The CUDA version of Adam (NVRTC through cudarc, behind the `cuda` feature)
 //! is compiled in CI and has **never run on a GPU**.
 
+pub mod adagrad;
 pub mod adam;
 pub mod cast;
 #[cfg(feature = "cuda")]
@@ -51,6 +52,7 @@ pub mod simd;
 mod threads;
 mod walk;
 
+pub use adagrad::{adagrad_step, AdagradConfig};
 pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
 pub use error::KernelError;
 pub use lamb::{lamb_apply, lamb_direction, lamb_moments, LambConfig};

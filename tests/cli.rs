@@ -381,17 +381,27 @@ fn estimate_prints_the_design_formula() {
         );
     }
     let _ = std::fs::remove_file(&f);
-    let (ok, out) = on_1gib(["--optimizer", "sgd-momentum"]);
-    assert!(ok && out.contains("stage 0:      14.00 GiB"), "{out}");
+    // SGD's momentum buffer and Adagrad's sum: one moment, as Lion's.
+    for (optimizer, said) in [
+        ("sgd-momentum", "SGD with momentum"),
+        ("adagrad", "Adagrad"),
+    ] {
+        let (ok, out) = on_1gib(["--optimizer", optimizer]);
+        assert!(
+            ok && out.contains(&format!("bf16 compute, {said}:"))
+                && out.contains("stage 0:      14.00 GiB"),
+            "{out}"
+        );
+    }
     let (ok, out) = zrt(&[
         "estimate",
         "--params=1e9",
         "--world=2",
-        "--optimizer=adagrad",
+        "--optimizer=rmsprop",
     ]);
     assert!(
         !ok && out.contains(
-            "--optimizer must be adam, adamw, lamb, lion, sgd-momentum or sgd, got adagrad"
+            "--optimizer must be adam, adamw, lamb, lion, adagrad, sgd-momentum or sgd, got rmsprop"
         ),
         "{out}"
     );
@@ -961,7 +971,7 @@ fn config_check_says_when_stage_3_gathers_reduces_or_holds_int8() {
 }
 
 #[test]
-fn config_check_shows_lions_sgds_and_lambs_settings_and_refuses_adams() {
+fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
     // (name, params, the optimizer's line; a block with an Adam setting,
     // what is said of it)
     let cases = [
@@ -978,6 +988,13 @@ fn config_check_shows_lions_sgds_and_lambs_settings_and_refuses_adams() {
             "optimizer        SGD lr 0.1 momentum 0.9 dampening 0 nesterov true maximize false weight_decay 0.0001 (L2 decay; one momentum buffer)",
             r#""betas": [0.9, 0.99]"#,
             "`optimizer.params.betas` is an Adam setting that SGD does not take",
+        ),
+        (
+            "Adagrad",
+            r#""lr": 0.1, "lr_decay": 0.01, "weight_decay": 1e-4"#,
+            "optimizer        Adagrad lr 0.1 lr_decay 0.01 eps 0.0000000001 maximize false weight_decay 0.0001 (L2 decay; one sum of squares)",
+            r#""betas": [0.9, 0.99]"#,
+            "`optimizer.params.betas` is an Adam setting that Adagrad does not take",
         ),
     ];
     let lamb = (

@@ -279,14 +279,50 @@ fn run_reference_full(
     run_reference_opt(stage, gas, clip, schedule, rules, RefOpt::AdamW)
 }
 
-/// The reference's optimizer: libtorch's AdamW, [`lion_update`], or
-/// libtorch's SGD with these settings (its `wd` replaced by [`WD`]).
+/// The reference's optimizer: libtorch's AdamW, [`lion_update`],
+/// libtorch's SGD with these settings (its `wd` replaced by [`WD`]),
+/// [`lamb_update`], or [`adagrad_update`] with this `lr_decay`.
 #[derive(Clone, Copy)]
 enum RefOpt {
     AdamW,
     Lion,
     Sgd(nn::Sgd),
     Lamb,
+    Adagrad { lr_decay: f64 },
+}
+
+/// torch.optim.Adagrad's step `t` (1-based, its single-tensor path, the
+/// one it takes on CPU) at [`LR`], [`WD`], `lr_decay`, eps 1e-10, on every
+/// variable from its `.grad()`, its decay and rate as `rules` give them,
+/// through libtorch's own operations: the decay added to the gradient,
+/// `sum.addcmul_(g, g)`, `sum.sqrt() + eps`, `p.addcdiv_(-clr * g, std)`
+/// (tch's addcdiv_ takes no value; libtorch's kernel multiplies by it
+/// first too).
+fn adagrad_update(
+    vars: &[(String, Tensor)],
+    sums: &mut Vec<Tensor>,
+    rules: Rules,
+    lr_decay: f64,
+    t: u64,
+) {
+    tch::no_grad(|| {
+        for (k, (name, var)) in vars.iter().enumerate() {
+            if sums.len() <= k {
+                sums.push(var.detach().zeros_like());
+            }
+            let lr = LR * rules.lr_scale(name);
+            let wd = if rules.decays(&var.size()) { WD } else { 0.0 };
+            let clr = lr / (1.0 + (t - 1) as f64 * lr_decay);
+            let mut p = var.detach();
+            let mut g = var.grad();
+            if wd != 0.0 {
+                g = &g + &p * wd;
+            }
+            let _ = sums[k].addcmul_(&g, &g);
+            let std = sums[k].sqrt() + 1e-10;
+            let _ = p.addcdiv_(&(&g * -clr), &std);
+        }
+    });
 }
 
 /// Lion's step (DeepSpeed's, sign(0) = 0) at [`LR`], [`WD`], betas (0.9,
@@ -374,6 +410,7 @@ fn run_reference_opt(
     assert!(matches!(ref_opt, RefOpt::AdamW) || schedule.is_none());
     let mut moments = Vec::new();
     let mut lamb_state = Vec::new();
+    let mut sums = Vec::new();
     let (vs, _plan, gpt) = model();
     // Group 0 is the plain one.
     let mut groups = vec![(true, 1.0)];
@@ -505,6 +542,9 @@ fn run_reference_opt(
         match ref_opt {
             RefOpt::Lion => lion_update(&vars, &mut moments, rules),
             RefOpt::Lamb => lamb_update(&vars, &mut lamb_state, rules, step as u64 + 1),
+            RefOpt::Adagrad { lr_decay } => {
+                adagrad_update(&vars, &mut sums, rules, lr_decay, step as u64 + 1)
+            }
             RefOpt::AdamW | RefOpt::Sgd(_) => opt.step(),
         }
         losses.push(loss_sum / (gas * WORLD) as f64);
@@ -659,6 +699,32 @@ fn sgd_at_stages_0_to_3_matches_libtorchs_sgd() {
             }
             compare(
                 &format!("SGD{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
+                (run.losses, run.params),
+                reference,
+            );
+        }
+    }
+}
+
+#[test]
+fn adagrad_at_stages_0_to_3_matches_libtorchs_operations() {
+    // Plain; and a decaying rate with the parameter rules' runs, clipping
+    // and gas 2.
+    for (params, lr_decay, gas, clip, rules) in [
+        ("", 0.0, 1, 0.0, Rules::Plain),
+        (r#", "lr_decay": 0.5"#, 0.5, 2, 0.5, Rules::Scaled),
+    ] {
+        for stage in 0..=3u8 {
+            let opt = RefOpt::Adagrad { lr_decay };
+            let reference = run_reference_opt(stage, gas, clip, None, rules, opt);
+            let zero = r#""stage3_param_persistence_threshold": 0,"#;
+            let cfg = common::config_params("Adagrad", params, stage, gas, clip, "", zero);
+            let run = run_engine_full(cfg, gas, Bare::None, rules);
+            if clip > 0.0 {
+                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
+            }
+            compare(
+                &format!("Adagrad{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
                 (run.losses, run.params),
                 reference,
             );

@@ -12,6 +12,7 @@
 mod common;
 
 mod activation_checkpointing;
+mod adagrad;
 mod checkpoint;
 mod config_sweep;
 mod experts;

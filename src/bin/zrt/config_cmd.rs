@@ -181,6 +181,14 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             o.min_coeff,
             o.max_coeff,
         ),
+        OptimizerKind::Adagrad => println!(
+            "  optimizer        Adagrad lr {} lr_decay {} eps {} maximize {} weight_decay {} (L2 decay; one sum of squares)",
+            show(o.lr),
+            o.lr_decay,
+            o.eps,
+            o.maximize,
+            show(o.weight_decay),
+        ),
         OptimizerKind::Adam | OptimizerKind::AdamW => println!(
             "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
             o.kind,

@@ -28,8 +28,8 @@ pub struct EstimateArgs {
     #[arg(long)]
     quantize_frozen: bool,
     /// The optimizer (`optimizer.type`): adam, adamw and lamb keep two fp32
-    /// moments per trained parameter, lion and sgd-momentum (SGD with
-    /// `momentum` above 0) one, sgd (torch's default, no momentum) none
+    /// moments per trained parameter, lion, adagrad and sgd-momentum (SGD
+    /// with `momentum` above 0) one, sgd (torch's default, no momentum) none
     /// (default adam, or the config's).
     #[arg(long, conflicts_with = "config")]
     optimizer: Option<String>,
@@ -54,6 +54,7 @@ fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
         OptimizerKind::Sgd if c.optimizer.momentum > 0.0 => "sgd-momentum",
         OptimizerKind::Sgd => "sgd",
         OptimizerKind::Lamb => "lamb",
+        OptimizerKind::Adagrad => "adagrad",
         OptimizerKind::Adam | OptimizerKind::AdamW => "adam",
     };
     let packed = c.zero.zero_quantized_nontrainable_weights;
@@ -142,10 +143,11 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         "adam" | "adamw" => ("Adam", 2.0),
         "lamb" => ("Lamb", 2.0),
         "lion" => ("Lion", 1.0),
+        "adagrad" => ("Adagrad", 1.0),
         "sgd-momentum" => ("SGD with momentum", 1.0),
         "sgd" => ("SGD without momentum", 0.0),
         other => {
-            bail!("--optimizer must be adam, adamw, lamb, lion, sgd-momentum or sgd, got {other}")
+            bail!("--optimizer must be adam, adamw, lamb, lion, adagrad, sgd-momentum or sgd, got {other}")
         }
     };
     println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);

@@ -55,29 +55,37 @@ pub enum OptimizerKind {
     /// parameter over that of its update), which the engine sums across
     /// the shards that cut it (`zrt_kernels::lamb`).
     Lamb,
+    /// `torch.optim.Adagrad` (DeepSpeed's `"Adagrad"`; its
+    /// `DeepSpeedCPUAdagrad` is the same update without `lr_decay`): one
+    /// moment, the sum of the squared gradients, each element's rate the
+    /// learning rate over its root; coupled (L2) weight decay
+    /// (`zrt_kernels::adagrad`).
+    Adagrad,
 }
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
-    /// Adam's and LAMB's m and v, Lion's m, SGD's momentum buffer if it has
-    /// momentum (`momentum > 0`).
+    /// Adam's and LAMB's m and v, Lion's m, Adagrad's sum of squares,
+    /// SGD's momentum buffer if it has momentum (`momentum > 0`).
     pub fn moments(self, momentum: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
-            OptimizerKind::Lion => 1,
+            OptimizerKind::Lion | OptimizerKind::Adagrad => 1,
             OptimizerKind::Sgd => usize::from(momentum),
         }
     }
 
     /// Whether a checkpoint of `other`'s state is this optimizer's state
     /// too: Adam's, AdamW's and LAMB's m and v are the same averages of
-    /// the gradient and its square; every other pair's are not (Lion's m
-    /// and SGD's buffer are both one moment, but not the same one).
+    /// the gradient and its square; every other pair's are not (Lion's m,
+    /// SGD's buffer and Adagrad's sum are each one moment, but not the
+    /// same one).
     pub fn same_state(self, other: Self) -> bool {
         let family = |k| match k {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 0,
             OptimizerKind::Lion => 1,
             OptimizerKind::Sgd => 2,
+            OptimizerKind::Adagrad => 3,
         };
         family(self) == family(other)
     }
@@ -91,6 +99,7 @@ impl OptimizerKind {
             "lion" => Some(OptimizerKind::Lion),
             "sgd" => Some(OptimizerKind::Sgd),
             "lamb" => Some(OptimizerKind::Lamb),
+            "adagrad" => Some(OptimizerKind::Adagrad),
             _ => None,
         }
     }
@@ -103,6 +112,7 @@ impl OptimizerKind {
             OptimizerKind::Lion => "Lion",
             OptimizerKind::Sgd => "SGD",
             OptimizerKind::Lamb => "Lamb",
+            OptimizerKind::Adagrad => "Adagrad",
         }
     }
 }
@@ -131,8 +141,10 @@ pub struct OptimizerConfig {
     pub dampening: f64,
     /// SGD's `params.nesterov`.
     pub nesterov: bool,
-    /// SGD's `params.maximize`.
+    /// SGD's and Adagrad's `params.maximize`.
     pub maximize: bool,
+    /// Adagrad's `params.lr_decay` (0 for the others).
+    pub lr_decay: f64,
     /// LAMB's `params.max_coeff`: the trust ratio's upper clamp.
     pub max_coeff: f64,
     /// LAMB's `params.min_coeff`: the trust ratio's lower clamp.
@@ -143,7 +155,8 @@ pub struct OptimizerConfig {
 
 impl OptimizerConfig {
     /// How many fp32 moments per trained element it keeps (2 for Adam and
-    /// LAMB, 1 for Lion, 1 or 0 for SGD with or without momentum).
+    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD with or without
+    /// momentum).
     pub fn moments(&self) -> usize {
         self.kind.moments(self.momentum > 0.0)
     }

@@ -275,6 +275,8 @@ impl P {
         const SGD_ONLY: [&str; 3] = ["momentum", "dampening", "nesterov"];
         /// DeepSpeed's `FusedLamb`'s keys that no other optimizer takes.
         const LAMB_ONLY: [&str; 4] = ["max_coeff", "min_coeff", "eps_inside_sqrt", "max_grad_norm"];
+        /// `torch.optim.Adagrad`'s keys that no other optimizer takes.
+        const ADAGRAD_ONLY: [&str; 2] = ["lr_decay", "initial_accumulator_value"];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -287,6 +289,7 @@ impl P {
             dampening: 0.0,
             nesterov: false,
             maximize: false,
+            lr_decay: 0.0,
             max_coeff: 10.0,
             min_coeff: 0.01,
             eps_inside_sqrt: false,
@@ -302,7 +305,7 @@ impl P {
             None => OptimizerKind::Adam,
             Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\" or \"Lamb\"",
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\" or \"Adagrad\"",
                     t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
@@ -351,6 +354,16 @@ impl P {
                     ));
                 }
             }
+            OptimizerKind::Adagrad => {
+                // torch's Adagrad takes eps, and DeepSpeed's CPU Adagrad
+                // an amsgrad (false), but neither these.
+                let adam = ["adam_w_mode", "bias_correction", "torch_adam", "betas"];
+                for key in present(&adam) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that Adagrad does not take (torch.optim.Adagrad has lr_decay, weight_decay, eps and initial_accumulator_value): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
             OptimizerKind::Adam | OptimizerKind::AdamW => {}
         }
         if kind != OptimizerKind::Lamb {
@@ -361,10 +374,22 @@ impl P {
                 ));
             }
         }
+        if kind != OptimizerKind::Adagrad {
+            for key in present(&ADAGRAD_ONLY) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is an Adagrad setting that {} does not take: remove it, or use \"Adagrad\"",
+                    kind.name()
+                ));
+            }
+        }
         if kind != OptimizerKind::Sgd {
+            let why = match kind {
+                OptimizerKind::Adagrad => "it keeps a sum of squares, no momentum",
+                _ => "its moments decay by `betas`",
+            };
             for key in present(&SGD_ONLY) {
                 self.problems.push(format!(
-                    "`{path}.{key}` is an SGD setting that {} does not take (its moments decay by `betas`): remove it, or use \"SGD\"",
+                    "`{path}.{key}` is an SGD setting that {} does not take ({why}): remove it, or use \"SGD\"",
                     kind.name()
                 ));
             }
@@ -382,16 +407,20 @@ impl P {
         ];
         known.extend(SGD_ONLY);
         known.extend(LAMB_ONLY);
-        if kind == OptimizerKind::Sgd {
+        known.extend(ADAGRAD_ONLY);
+        if matches!(kind, OptimizerKind::Sgd | OptimizerKind::Adagrad) {
             // torch's own implementation choices: zrt has one.
             known.extend(["maximize", "foreach", "differentiable"]);
         }
         self.keys(p, path, &known, &[], false);
         // (Lion's and SGD's blocks were refused the key above; FusedLamb
-        // refuses amsgrad too.)
+        // and DeepSpeed's CPU Adagrad refuse amsgrad too.)
         if matches!(
             kind,
-            OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb
+            OptimizerKind::Adam
+                | OptimizerKind::AdamW
+                | OptimizerKind::Lamb
+                | OptimizerKind::Adagrad
         ) && self.bool_or(p, path, "amsgrad", false)
         {
             self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
@@ -415,21 +444,38 @@ impl P {
                 default.betas
             }
         };
-        // (SGD's block was refused its betas above: said once.)
+        // (SGD's and Adagrad's blocks were refused their betas above: said
+        // once.)
+        let has_betas = !matches!(kind, OptimizerKind::Sgd | OptimizerKind::Adagrad);
         for (i, b) in [betas.0, betas.1].iter().enumerate() {
-            if kind != OptimizerKind::Sgd && !(0.0..1.0).contains(b) {
+            if has_betas && !(0.0..1.0).contains(b) {
                 self.problems.push(format!(
                     "`optimizer.params.betas[{i}]` must be in [0, 1), got {b}"
                 ));
             }
         }
         // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true);
-        // SGD's decay is torch's, coupled.
+        // SGD's and Adagrad's decay is torch's, coupled.
         let adam_w_mode = match kind {
             OptimizerKind::Adam => self.bool_or(p, path, "adam_w_mode", true),
             OptimizerKind::AdamW | OptimizerKind::Lion | OptimizerKind::Lamb => true,
-            OptimizerKind::Sgd => false,
+            OptimizerKind::Sgd | OptimizerKind::Adagrad => false,
         };
+        let adagrad = kind == OptimizerKind::Adagrad;
+        let lr_decay = match adagrad {
+            true => self.f64_or(p, path, "lr_decay", 0.0),
+            false => 0.0,
+        };
+        if !(lr_decay >= 0.0 && lr_decay.is_finite()) {
+            self.problems.push(format!(
+                "`{path}.lr_decay` must be finite and >= 0, got {lr_decay}"
+            ));
+        }
+        if adagrad && self.f64_or(p, path, "initial_accumulator_value", 0.0) != 0.0 {
+            self.problems.push(format!(
+                "`{path}.initial_accumulator_value` other than 0 is not implemented by zrt (its Adagrad starts the sum of squares at 0, as DeepSpeed's CPU Adagrad does): remove it or set it to 0"
+            ));
+        }
         let lamb = kind == OptimizerKind::Lamb;
         let lamb_f64 = |me: &mut Self, key: &str, default: f64| match lamb {
             true => me.f64_or(p, path, key, default),
@@ -477,16 +523,18 @@ impl P {
         }
         OptimizerConfig {
             kind,
-            lr: self.f64_setting(p, path, "lr", 1e-3),
+            // torch's Adagrad's defaults; FusedAdam's for the others.
+            lr: self.f64_setting(p, path, "lr", if adagrad { 1e-2 } else { 1e-3 }),
             betas,
-            eps: self.f64_auto(p, path, "eps", 1e-8),
+            eps: self.f64_auto(p, path, "eps", if adagrad { 1e-10 } else { 1e-8 }),
             weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
             adam_w_mode,
             bias_correction: self.bool_or(p, path, "bias_correction", true),
             momentum,
             dampening,
             nesterov,
-            maximize: sgd && self.bool_or(p, path, "maximize", false),
+            maximize: (sgd || adagrad) && self.bool_or(p, path, "maximize", false),
+            lr_decay,
             max_coeff,
             min_coeff,
             eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),
@@ -703,11 +751,16 @@ impl P {
         let first_stairs = self.u64_or(p, path, "cycle_first_stair_count", 0);
         let decay_step_size = self.u64_or(p, path, "decay_step_size", 0);
         let mut cycle_momentum = self.bool_or(p, path, "cycle_momentum", true);
-        if cycle_momentum && optimizer == OptimizerKind::Sgd {
+        if cycle_momentum && matches!(optimizer, OptimizerKind::Sgd | OptimizerKind::Adagrad) {
             // DeepSpeed's OneCycle turns its momentum off, with a warning,
             // for an optimizer without betas.
+            let kept = match optimizer {
+                OptimizerKind::Sgd => ", SGD's `momentum` stays as set",
+                _ => "",
+            };
             self.warnings.push(format!(
-                "OneCycle cycles momentum as the optimizer's betas, which SGD has not: `{path}.cycle_momentum` is off (as DeepSpeed turns it off), SGD's `momentum` stays as set; set cycle_momentum to false to silence this"
+                "OneCycle cycles momentum as the optimizer's betas, which {} has not: `{path}.cycle_momentum` is off (as DeepSpeed turns it off){kept}; set cycle_momentum to false to silence this",
+                optimizer.name()
             ));
             cycle_momentum = false;
         }

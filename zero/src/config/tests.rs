@@ -174,7 +174,7 @@ fn a_key_given_twice_is_an_error_naming_it() {
 #[test]
 fn every_problem_is_reported_at_once() {
     let e = Config::from_json(
-        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Adagrad"},
+        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "RMSprop"},
             "zero_optimization": {"stage": 4, "bogus": 1}, "gradient_clipping": -1}"#,
     )
     .unwrap_err();
@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"adagrad\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\" or \"Lamb\"",
+        "`optimizer.type` \"rmsprop\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\" or \"Adagrad\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -748,6 +748,73 @@ fn sgd_reads_torchs_settings_and_refuses_adams() {
     assert_eq!(
         c.warnings,
         ["OneCycle cycles momentum as the optimizer's betas, which SGD has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off), SGD's `momentum` stays as set; set cycle_momentum to false to silence this"]
+    );
+}
+
+#[test]
+fn adagrad_reads_torchs_settings_and_refuses_adams() {
+    let adagrad = |params: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "Adagrad", "params": {{"weight_decay": 1e-4{params}}}}}}}"#
+        ))
+    };
+    // torch's defaults: lr 1e-2, eps 1e-10 (FusedAdam's are 1e-3, 1e-8).
+    let o = adagrad("").unwrap().optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Adagrad);
+    assert_eq!(
+        (o.lr.value(), o.eps, o.lr_decay, o.weight_decay.value()),
+        (Some(1e-2), 1e-10, 0.0, Some(1e-4))
+    );
+    assert!(!o.adam_w_mode, "Adagrad's decay is coupled, as torch's");
+    assert!(!o.maximize);
+    assert_eq!(o.moments(), 1);
+    let c = adagrad(r#", "lr": 0.1, "lr_decay": 0.01, "eps": 1e-8, "initial_accumulator_value": 0, "maximize": true, "foreach": null, "amsgrad": false"#).unwrap();
+    let o = &c.optimizer;
+    assert_eq!((o.lr.value(), o.lr_decay, o.eps), (Some(0.1), 0.01, 1e-8));
+    assert!(o.maximize);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    for (params, want) in [
+        (
+            r#", "betas": [0.9, 0.999], "bias_correction": true"#,
+            vec![
+                "`optimizer.params.bias_correction` is an Adam setting that Adagrad does not take (torch.optim.Adagrad has lr_decay, weight_decay, eps and initial_accumulator_value): remove it, or use \"AdamW\"",
+                "`optimizer.params.betas` is an Adam setting that Adagrad does not take (torch.optim.Adagrad has lr_decay, weight_decay, eps and initial_accumulator_value): remove it, or use \"AdamW\"",
+            ],
+        ),
+        (
+            r#", "initial_accumulator_value": 0.1"#,
+            vec!["`optimizer.params.initial_accumulator_value` other than 0 is not implemented by zrt (its Adagrad starts the sum of squares at 0, as DeepSpeed's CPU Adagrad does): remove it or set it to 0"],
+        ),
+        (
+            r#", "lr_decay": -1"#,
+            vec!["`optimizer.params.lr_decay` must be finite and >= 0, got -1"],
+        ),
+        (
+            r#", "amsgrad": true"#,
+            vec!["`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false"],
+        ),
+        (
+            r#", "momentum": 0.9"#,
+            vec!["`optimizer.params.momentum` is an SGD setting that Adagrad does not take (it keeps a sum of squares, no momentum): remove it, or use \"SGD\""],
+        ),
+    ] {
+        assert_eq!(adagrad(params).unwrap_err().problems, want, "{params}");
+    }
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr_decay": 0.1}}}"#
+        ),
+        ["`optimizer.params.lr_decay` is an Adagrad setting that AdamW does not take: remove it, or use \"Adagrad\""]
+    );
+    // OneCycle's momentum cycle: off, as for SGD.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "Adagrad"},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.warnings,
+        ["OneCycle cycles momentum as the optimizer's betas, which Adagrad has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off); set cycle_momentum to false to silence this"]
     );
 }
 

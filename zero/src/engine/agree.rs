@@ -78,6 +78,8 @@ impl Terms {
             "optimizer.params.eps_inside_sqrt",
             o.eps_inside_sqrt.to_string(),
         );
+        // Adagrad's.
+        put("optimizer.params.lr_decay", format!("{:?}", o.lr_decay));
         put(
             "scheduler",
             c.scheduler

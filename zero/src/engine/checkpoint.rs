@@ -651,6 +651,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "max_coeff": c.optimizer.max_coeff,
                     "min_coeff": c.optimizer.min_coeff,
                     "eps_inside_sqrt": c.optimizer.eps_inside_sqrt,
+                    "lr_decay": c.optimizer.lr_decay,
                 },
                 "precision": format!("{:?}", c.precision),
                 "scheduler": format!("{:?}", c.scheduler),

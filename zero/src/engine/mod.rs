@@ -53,7 +53,8 @@ use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{
-    adam_step, lion_step, reduce, sgd_step, AdamConfig, AdamShard, ComputeCopy, SgdConfig, Threads,
+    adagrad_step, adam_step, lion_step, reduce, sgd_step, AdagradConfig, AdamConfig, AdamShard,
+    ComputeCopy, SgdConfig, Threads,
 };
 
 use crate::config::{ConfigError, OptimizerKind, Precision, Setting};
@@ -499,7 +500,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 c.optimizer.betas,
                 st.step.saturating_sub(1),
             ),
-            momentum: (c.optimizer.kind == OptimizerKind::Sgd).then_some(c.optimizer.momentum),
+            momentum: match c.optimizer.kind {
+                OptimizerKind::Sgd => Some(c.optimizer.momentum),
+                OptimizerKind::Adagrad => Some(0.0),
+                _ => None,
+            },
             norm,
             loss_scale: st.scaler.as_ref().map(|s| s.scale),
         };
@@ -761,6 +766,17 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     maximize: o.maximize,
                 };
                 sgd_step(&self.threads, &sgd, up.step == 1, up.scale, s, copy)?
+            }
+            OptimizerKind::Adagrad => {
+                let o = &self.cfg.config.optimizer;
+                let adagrad = AdagradConfig {
+                    lr: cfg.lr,
+                    lr_decay: o.lr_decay,
+                    weight_decay: cfg.weight_decay,
+                    eps: cfg.eps,
+                    maximize: o.maximize,
+                };
+                adagrad_step(&self.threads, &adagrad, up.step, up.scale, s, copy)?
             }
             // Its trust ratios need every unit's first pass and an
             // all-reduce before any update: `lamb::step` runs it whole.

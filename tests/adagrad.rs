@@ -1,0 +1,138 @@
+//! `optimizer.type: "Adagrad"`: torch.optim.Adagrad, whose state is one
+//! sum of squared gradients. (Its parity with libtorch's operations at
+//! stages 0-3 is in `engine_parity`.) Asserted here: bf16 stages and the
+//! NVMe swaps train to the bits of the in-memory run; a rank holds 4 bytes
+//! per element of its optimizer range less than under AdamW, in memory
+//! and in the swap file; checkpoints hold the sum, resume to the same bits
+//! (`lr_decay` goes on from the saved step), and a full load of another
+//! optimizer's one-moment state is refused by name; ranks given different
+//! `lr_decay` refuse to build. Checkpoint loads restore the RNG, so these
+//! run one at a time ([`common::serial`]).
+
+use crate::common;
+
+use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses};
+use zrt::zero::Config;
+
+const BF16: &str = r#""bf16": {"enabled": true},"#;
+/// Stage 3 shards every unit of the test GPT.
+const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
+/// A rate that decays by step, which a resumed run must go on with.
+const DECAY: &str = r#", "lr_decay": 0.5"#;
+
+fn adagrad(stage: u8, extra: &str, zero: &str) -> Config {
+    let zero = format!("{SHARD_ALL} {zero}");
+    config_params("Adagrad", DECAY, stage, 1, 0.0, extra, &zero)
+}
+
+#[test]
+fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
+    let _serial = serial();
+    let steps = 4;
+    let dir = common::scratch("adagrad-swap");
+    let (aio, off) = nvme(&dir);
+    // bf16: the swap holds the fp32 master and the sum; fp32: the sum.
+    for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
+        let memory = common::train_world(&adagrad(stages[0], extra, ""), &[], steps);
+        for &stage in &stages[1..] {
+            let run = common::train_world(&adagrad(stage, extra, ""), &[], steps);
+            assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{extra} {stage}");
+        }
+        let swapped = format!("{off} {}", nvme_params(&dir));
+        let cfg = adagrad(3, &format!("{extra} {aio}"), &swapped);
+        let run = common::train_world(&cfg, &[], steps);
+        assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{extra} swapped");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_holds_one_sum_in_memory_and_in_the_swap_file() {
+    let _serial = serial();
+    let dir = common::scratch("adagrad-bytes");
+    let (aio, off) = nvme(&dir);
+    for stage in [0u8, 2, 3] {
+        let held = |optimizer, extra: &str, zero: &str| {
+            common::state_held(optimizer, "", stage, extra, zero)
+        };
+        let (adam, range, ..) = held("AdamW", "", "");
+        let (sum, ..) = held("Adagrad", "", "");
+        assert_eq!(adam - sum, 4 * range, "stage {stage}");
+        if stage == 3 {
+            // bf16: the swap holds master, m and v, or master and the sum.
+            let bf16 = format!("{BF16} {aio}");
+            let adam = held("AdamW", &bf16, &off).2.unwrap();
+            let sum = held("Adagrad", &bf16, &off).2.unwrap();
+            assert!(sum > 0 && 2 * adam == 3 * sum, "{adam} {sum}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_holds_the_sum_resumes_to_the_same_bits_and_is_refused_by_others() {
+    let _serial = serial();
+    let dir = common::scratch("adagrad-ckpt");
+    let swap = common::scratch("adagrad-ckpt-swap");
+    let (aio, off) = nvme(&swap);
+    let at3 = adagrad(3, BF16, "");
+    // Saved from the swap file and loaded into it.
+    let swapped = adagrad(3, &format!("{BF16} {aio}"), &off);
+    let straight = on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &swapped, &r);
+        train_losses(&gpt, &e, r.rank(), 2);
+        e.save_checkpoint(&dir, "adagrad").unwrap();
+        common::next_step(&e, &gpt, r.rank())
+    });
+    let names = common::saved_names(&dir, "adagrad");
+    assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
+    assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
+    let text = zrt::zero::checkpoint::inspect(&dir, Some("adagrad")).unwrap();
+    assert!(text.contains("compute bf16, optimizer Adagrad\n"), "{text}");
+    for cfg in [&at3, &swapped] {
+        let resumed = on_ranks(common::WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let e = common::engine_of(&vs, &plan, cfg, &r);
+            e.load_checkpoint(&dir, Some("adagrad")).unwrap();
+            common::next_step(&e, &gpt, r.rank())
+        });
+        assert_eq!(resumed, straight);
+    }
+    // Lion's m and SGD's buffer are one moment each too, but not a sum of
+    // squares: refused, the parameters still load.
+    for (optimizer, params) in [("Lion", ""), ("SGD", r#", "momentum": 0.9"#)] {
+        on_ranks(common::WORLD, |r| {
+            let (vs, plan, _) = common::model();
+            let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
+            let e = common::engine_of(&vs, &plan, &cfg, &r);
+            let err = e
+                .load_checkpoint(&dir, Some("adagrad"))
+                .unwrap_err()
+                .to_string();
+            let what = format!("its run trained with Adagrad, whose optimizer state (one moment, m) is not {optimizer}'s (one moment, m)");
+            for want in [
+                &what[..],
+                "load_checkpoint_module_only",
+                "set `optimizer.type` to \"Adagrad\"",
+            ] {
+                assert!(err.contains(want), "{want:?} in {err}");
+            }
+            e.load_checkpoint_module_only(&dir, Some("adagrad"))
+                .unwrap();
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+#[test]
+fn ranks_given_different_rate_decays_refuse_to_build_naming_it() {
+    let cfg = |rank| {
+        let params = if rank == 0 { DECAY } else { "" };
+        config_params("Adagrad", params, 2, 1, 0.0, "", SHARD_ALL)
+    };
+    let want =
+        "rank 1 differs from rank 0 in optimizer.params.lr_decay: rank 1 has 0.0, rank 0 has 0.5.";
+    common::refused_on_every_rank(cfg, common::gpt_plan, want);
+}

@@ -1,12 +1,14 @@
 """Peer for `zrt bench adam`: PyTorch's fused AdamW and DeepSpeed's CPUAdam,
-and PyTorch's fused SGD (momentum 0.9) for zrt's SGD row.
+PyTorch's fused SGD (momentum 0.9) for zrt's SGD row and its fused Adagrad
+for zrt's Adagrad row.
 
 A long-lived process so zrt and the peers can be interleaved round by round
 without paying for `import torch` each time. Protocol, one JSON object a line:
 Every protocol line starts with "@@zrt " (libraries such as DeepSpeed log to
 stdout; zrt passes any other line through to its stderr).
   start:   prints {"ready": true, "deepspeed": <bool>, "deepspeed_error": <str>}
-  request: {"impl": "torch_fused" | "torch_fused_sgd" | "deepspeed", "threads": T, "steps": K}
+  request: {"impl": "torch_fused" | "torch_fused_sgd" | "torch_fused_adagrad" | "deepspeed",
+            "threads": T, "steps": K}
   reply:   {"times": [seconds of each of K steps]}   (after one warm-up step)
 """
 import json
@@ -40,6 +42,8 @@ def optimizer(impl):
             opts[impl] = torch.optim.SGD(
                 [param], lr=1e-3, momentum=0.9, weight_decay=0.01, fused=True
             )
+        elif impl == "torch_fused_adagrad":
+            opts[impl] = torch.optim.Adagrad([param], lr=1e-2, weight_decay=0.01, fused=True)
         else:
             raise ValueError(f"unknown impl {impl}")
     return opts[impl]

@@ -3,8 +3,9 @@
 //! and against memory-copy bandwidth measured in the same run (the limit).
 //! zrt's Lion step on the same shard is timed in the same rounds (no peer
 //! has one: torch 2.13 has no Lion, DeepSpeed's needs its CUDA or CPU
-//! build), against the limit and the peers' AdamW; and zrt's SGD with
-//! momentum against PyTorch's fused SGD.
+//! build), against the limit and the peers' AdamW; zrt's SGD with
+//! momentum against PyTorch's fused SGD, and zrt's Adagrad against
+//! PyTorch's fused Adagrad.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -13,14 +14,15 @@ use serde_json::{json, Value};
 use super::peer::Peer;
 use super::{copy_bandwidth, median, time_each};
 use zrt::kernels::{
-    adam_step, lion_step, sgd_step, AdamConfig, AdamShard, ComputeCopy, SgdConfig, Threads,
+    adagrad_step, adam_step, lion_step, sgd_step, AdagradConfig, AdamConfig, AdamShard,
+    ComputeCopy, SgdConfig, Threads,
 };
 
 /// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v.
 const BYTES_PER_PARAM: f64 = 28.0;
 
-/// Bytes a Lion step, or SGD's with momentum, moves per parameter: read p,
-/// g, m; write p, m.
+/// Bytes a Lion step, SGD's with momentum or Adagrad's, moves per
+/// parameter: read p, g, m (Adagrad's sum); write p, m.
 const LION_BYTES_PER_PARAM: f64 = 20.0;
 
 /// Options of `zrt bench adam`.
@@ -51,8 +53,10 @@ struct Samples {
     zrt: Vec<f64>,
     lion: Vec<f64>,
     sgd: Vec<f64>,
+    adagrad: Vec<f64>,
     torch: Vec<f64>,
     torch_sgd: Vec<f64>,
+    torch_adagrad: Vec<f64>,
     deepspeed: Vec<f64>,
     copy_gbs: Vec<f64>,
 }
@@ -72,12 +76,12 @@ fn copy_bytes(n: usize) -> usize {
 
 /// Bytes held at once for `n` parameters: zrt's p, g, m, v (16 each), the
 /// limit's source and destination, and with `peer` the peer process's
-/// parameter, gradient (and its temporary), two optimizers' m and v and
-/// SGD's momentum buffer.
+/// parameter, gradient (and its temporary), two optimizers' m and v,
+/// SGD's momentum buffer and Adagrad's sum.
 fn peak_bytes(n: usize, peer: bool) -> Option<u64> {
     let copy = 2 * copy_bytes(n) as u64;
     let n = n as u64;
-    let peer = if peer { n.checked_mul(32)? } else { 0 };
+    let peer = if peer { n.checked_mul(36)? } else { 0 };
     n.checked_mul(16)?.checked_add(copy)?.checked_add(peer)
 }
 
@@ -172,11 +176,31 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                     .expect("valid SGD arguments");
             };
             s.sgd.extend(time_each(args.steps, sgd));
+            // Adagrad on the same p and g, Adam's v as its sum (both stay
+            // non-negative, so neither step meets a NaN): the settings the
+            // peer's fused Adagrad steps with.
+            let adagrad_cfg = AdagradConfig {
+                weight_decay: 0.01,
+                ..AdagradConfig::default()
+            };
+            let adagrad = || {
+                let shard = AdamShard {
+                    p: &mut p,
+                    g: &g,
+                    m: &mut v,
+                    v: &mut [],
+                };
+                adagrad_step(pool, &adagrad_cfg, 1, 1.0, shard, ComputeCopy::None)
+                    .expect("valid Adagrad arguments");
+            };
+            s.adagrad.extend(time_each(args.steps, adagrad));
             if let Some(peer) = peer.as_mut() {
                 s.torch
                     .extend(peer_times(peer, "torch_fused", t, args.steps)?);
                 s.torch_sgd
                     .extend(peer_times(peer, "torch_fused_sgd", t, args.steps)?);
+                s.torch_adagrad
+                    .extend(peer_times(peer, "torch_fused_adagrad", t, args.steps)?);
                 if deepspeed {
                     s.deepspeed
                         .extend(peer_times(peer, "deepspeed", t, args.steps)?);
@@ -190,7 +214,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
 
     if !args.json {
         println!(
-            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for Lion and SGD with momentum; zrt Lion's vs-peer is against the peers' AdamW, zrt SGD's against torch's fused SGD)",
+            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for Lion, SGD with momentum and Adagrad; zrt Lion's vs-peer is against the peers' AdamW, zrt SGD's and Adagrad's against torch's fused ones)",
             n as f64 / 1e6,
             args.rounds,
             args.steps,
@@ -228,17 +252,23 @@ pub fn run(args: &AdamArgs) -> Result<()> {
             (peers.iter().filter(|p| p.1.is_finite()))
                 .map(|&(name, secs)| (name, secs, BYTES_PER_PARAM, best_peer)),
         );
-        let torch_sgd = median(&s.torch_sgd);
         rows.push(("zrt Lion", median(&s.lion), LION_BYTES_PER_PARAM, best_peer));
-        rows.push(("zrt SGD", median(&s.sgd), LION_BYTES_PER_PARAM, torch_sgd));
-        if torch_sgd.is_finite() {
-            let row = (
-                "torch fused SGD",
-                torch_sgd,
-                LION_BYTES_PER_PARAM,
-                torch_sgd,
-            );
-            rows.push(row);
+        // zrt's SGD and Adagrad, each with torch's fused one when it ran.
+        let pairs = [
+            ("zrt SGD", &s.sgd, "torch fused SGD", &s.torch_sgd),
+            (
+                "zrt Adagrad",
+                &s.adagrad,
+                "torch fused Adagrad",
+                &s.torch_adagrad,
+            ),
+        ];
+        for (ours, times, theirs, peer_times) in pairs {
+            let peer = median(peer_times);
+            rows.push((ours, median(times), LION_BYTES_PER_PARAM, peer));
+            if peer.is_finite() {
+                rows.push((theirs, peer, LION_BYTES_PER_PARAM, peer));
+            }
         }
         for (name, secs, bytes, peer_secs) in rows {
             let mps = n as f64 / secs / 1e6;
@@ -284,9 +314,9 @@ mod tests {
         assert_eq!(copy_bytes(1000), 14_000);
         assert_eq!(copy_bytes(1 << 30), 1 << 30);
         assert_eq!(peak_bytes(1000, false), Some(16_000 + 28_000));
-        // The peer: its parameter, gradient, temporary, two m and v and
-        // SGD's buffer.
-        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 32_000));
+        // The peer: its parameter, gradient, temporary, two m and v,
+        // SGD's buffer and Adagrad's sum.
+        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 36_000));
         // The limit's copy stops at 1 GiB.
         assert_eq!(peak_bytes(1 << 30, false), Some((16u64 << 30) + (2 << 30)));
         assert_eq!(peak_bytes(usize::MAX, false), None);

@@ -173,6 +173,7 @@ mod tests {
     use half::bf16;
 
     use super::*;
+    use crate::test_data::{bits, start};
 
     /// The module doc's formula in f64, step `t`'s gradient `g x (1 + t/10)`.
     fn reference(cfg: &AdagradConfig, steps: u64, p: &mut [f64], g: &[f64], s: &mut [f64]) {
@@ -188,16 +189,6 @@ mod tests {
                 p[i] -= clr * gi / (s[i].sqrt() + cfg.eps);
             }
         }
-    }
-
-    fn start(n: usize) -> (Vec<f32>, Vec<f32>) {
-        let p = (0..n)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0)
-            .collect();
-        let g = (0..n)
-            .map(|i| ((i * 53 % 97) as f32 - 48.5) / 40.0)
-            .collect();
-        (p, g)
     }
 
     fn run(threads: usize, cfg: &AdagradConfig, n: usize, steps: u64) -> (Vec<f32>, Vec<f32>) {
@@ -287,7 +278,6 @@ mod tests {
 
     #[test]
     fn threads_and_dispatch_levels_do_not_change_a_bit() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for cfg in configs() {
             let n = 100_003;
             let one = run(1, &cfg, n, 3);

@@ -306,6 +306,7 @@ mod tests {
 
     use super::*;
     use crate::reduce::sum_of_squares;
+    use crate::test_data::bits;
 
     /// The module doc's formula in f64 over one parameter, `steps` steps,
     /// step `t`'s gradient `g x (1 + t/10)`.
@@ -450,7 +451,6 @@ mod tests {
             }
             let mut again = vec![0.0; n];
             lamb_direction(&pool, &cfg, &mut p, &m, &mut v, &mut again).unwrap();
-            let bits = |x: &[f32]| x.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&u), bits(&again), "{cfg:?}");
         }
     }
@@ -476,7 +476,6 @@ mod tests {
             },
             ..Default::default()
         };
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let n = 100_003;
         let one = run(1, &cfg, n, 1.0, 3);
         let three = run(3, &cfg, n, 1.0, 3);

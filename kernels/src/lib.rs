@@ -49,6 +49,8 @@ pub mod quant;
 pub mod reduce;
 pub mod sgd;
 pub mod simd;
+#[cfg(test)]
+mod test_data;
 mod threads;
 mod walk;
 

@@ -125,6 +125,7 @@ mod tests {
     use half::bf16;
 
     use super::*;
+    use crate::test_data::bits;
 
     /// The module doc's formula in f64, sign(0) = 0.
     fn reference(cfg: &AdamConfig, steps: u64, p: &mut [f64], g: &[f64], m: &mut [f64]) {
@@ -228,7 +229,6 @@ mod tests {
         let n = 100_003;
         let one = run(1, &cfg, n, 3);
         let three = run(3, &cfg, n, 3);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&one.0), bits(&three.0));
         assert_eq!(bits(&one.1), bits(&three.1));
         // `range_body` called directly is compiled for baseline x86-64;

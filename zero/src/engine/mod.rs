@@ -779,10 +779,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 adagrad_step(&self.threads, &adagrad, up.step, up.scale, s, copy)?
             }
             // Its trust ratios need every unit's first pass and an
-            // all-reduce before any update: `lamb::step` runs it whole.
+            // all-reduce before any update: `Inner::lamb_step` runs it whole.
             OptimizerKind::Lamb => {
                 return Err(EngineError::Unsupported(
-                    "LAMB steps through the engine's lamb::step, not one range at a time".into(),
+                    "LAMB steps through the engine's lamb_step (lamb.rs), not one range at a time".into(),
                 ))
             }
         }

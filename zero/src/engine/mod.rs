@@ -782,7 +782,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             // all-reduce before any update: `Inner::lamb_step` runs it whole.
             OptimizerKind::Lamb => {
                 return Err(EngineError::Unsupported(
-                    "LAMB steps through the engine's lamb_step (lamb.rs), not one range at a time".into(),
+                    "LAMB steps through the engine's lamb_step (lamb.rs), not one range at a time"
+                        .into(),
                 ))
             }
         }

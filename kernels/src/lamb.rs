@@ -8,8 +8,8 @@
 //! v  = beta2 * v + (1 - beta2) * g * g
 //! u  = m / (sqrt(v) + eps) + weight_decay * p  (eps_inside_sqrt: m / sqrt(v + eps))
 //! w2 = sum p^2, u2 = sum u^2 over one whole parameter tensor
-//! r  = clamp(sqrt(w2) / sqrt(u2), min_coeff, max_coeff), 1 if either is 0   [lamb_trust]
-//! p  = p - step_size * r * u                   [lamb_apply]
+//! r  = clamp(sqrt(w2) / sqrt(u2), min_coeff, max_coeff), 1 if either is 0   [LambConfig::trust]
+//! p  = p - step_size * r * u                   [lamb_update, or lamb_apply of a kept u]
 //! ```
 //!
 //! with `step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)` under bias
@@ -21,10 +21,11 @@
 //! sums each parameter's squares over the pieces a rank holds (with
 //! [`reduce::sum_of_squares`](crate::reduce::sum_of_squares), deterministic),
 //! adds the ranks' partial sums, and only then applies. Between the
-//! passes `u` need not be kept: [`lamb_direction`] computes it again from
-//! `p` and the updated moments, to the same bits, so a caller's scratch is
-//! one parameter long rather than the whole shard. Every dispatch level
-//! and thread count gives the same bits.
+//! passes `u` need not be kept: [`lamb_update`] computes it again from `p`
+//! and the updated moments, to the same bits, and applies it in the same
+//! pass, so a caller's scratch is pass one's, one parameter long, rather
+//! than the whole shard ([`lamb_apply`] applies a `u` a caller kept).
+//! Every dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamConfig, ComputeCopy};
 use crate::error::same_len;
@@ -132,7 +133,7 @@ impl Coef {
     }
 
     /// The update direction of an element from its parameter and its
-    /// updated moments: pass one computes it, and [`lamb_direction`] again
+    /// updated moments: pass one computes it, and [`lamb_update`] again
     /// before pass three, to the same bits.
     #[inline(always)]
     fn direction(&self, p: f32, m: f32, v: f32) -> f32 {
@@ -159,12 +160,13 @@ fn moments(c: &Coef, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut
     }
 }
 
+/// `p -= step * u` with `u` computed again from `p` and the moments.
 #[inline(always)]
-fn direction(c: &Coef, p: &[f32], m: &[f32], v: &[f32], u: &mut [f32]) {
-    let n = u.len();
-    let (p, m, v) = (&p[..n], &m[..n], &v[..n]);
+fn update(c: &Coef, neg_step: f32, p: &mut [f32], m: &[f32], v: &[f32]) {
+    let n = p.len();
+    let (m, v) = (&m[..n], &v[..n]);
     for i in 0..n {
-        u[i] = c.direction(p[i], m[i], v[i]);
+        p[i] = c.direction(p[i], m[i], v[i]).mul_add(neg_step, p[i]);
     }
 }
 
@@ -186,22 +188,6 @@ fn moments_body(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]
 }
 
 multiversion!(fn moments_range(c: &Coef, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) => moments_body);
-
-/// The direction again over one thread's range (`m` in the walk's second
-/// place).
-#[inline(always)]
-fn direction_body(c: &Coef, p: &mut [f32], m: &[f32], v: &mut [f32], u: &mut [f32]) {
-    let streams = [p.as_ptr(), m.as_ptr(), v.as_ptr()];
-    in_blocks(
-        p,
-        streams,
-        CopyBits::None,
-        #[inline(always)]
-        |ps, r| direction(c, ps, &m[r.clone()], &v[r.clone()], &mut u[r]),
-    );
-}
-
-multiversion!(fn direction_range(c: &Coef, p: &mut [f32], m: &[f32], v: &mut [f32], u: &mut [f32]) => direction_body);
 
 /// Pass one: updates `m` and `v` from the gradients `g` (times
 /// `grad_scale`) and writes LAMB's update direction into `u`. `p` is not
@@ -239,25 +225,54 @@ pub fn lamb_moments(
     Ok(())
 }
 
-/// Pass one's update direction again, from `p` and the moments pass one
-/// left (`u`'s bits equal what [`lamb_moments`] wrote while `p` has not
-/// changed): the engine keeps one parameter's worth of scratch rather than
-/// every update until the trust ratios are known. `p` is not changed.
-pub fn lamb_direction(
-    threads: &Threads,
-    cfg: &LambConfig,
+/// Passes two and three over one thread's range (`m` in the walk's
+/// second place), the compute copy written from each block.
+#[inline(always)]
+fn update_body(
+    c: &Coef,
+    neg_step: f32,
     p: &mut [f32],
     m: &[f32],
     v: &mut [f32],
-    u: &mut [f32],
+    copy: CopyBits<'_>,
+) {
+    let streams = [p.as_ptr(), m.as_ptr(), v.as_ptr()];
+    in_blocks(
+        p,
+        streams,
+        copy,
+        #[inline(always)]
+        |ps, r| update(c, neg_step, ps, &m[r.clone()], &v[r]),
+    );
+}
+
+multiversion!(fn update_range(c: &Coef, neg_step: f32, p: &mut [f32], m: &[f32], v: &mut [f32], copy: CopyBits<'_>) => update_body);
+
+/// Passes two and three in one: `p -= step * u` (`step`: the step size
+/// times this parameter's trust ratio, [`LambConfig::trust`]), with `u`
+/// computed again from `p` and the moments [`lamb_moments`] left (the
+/// bits it wrote, while `p` has not changed), and the compute copy of the
+/// updated `p`. The engine keeps no update between the passes, and reads
+/// `p`, `m`, `v` once for both. `v` is not changed (`&mut` only to walk
+/// with the others).
+pub fn lamb_update(
+    threads: &Threads,
+    cfg: &LambConfig,
+    step: f64,
+    p: &mut [f32],
+    m: &[f32],
+    v: &mut [f32],
+    copy: ComputeCopy<'_>,
 ) -> Result<(), KernelError> {
     let c = Coef::new(cfg, 1.0)?;
     let n = p.len();
-    for (name, len) in [("m", m.len()), ("v", v.len()), ("u", u.len())] {
+    for (name, len) in [("m", m.len()), ("v", v.len())] {
         same_len(name, len, "p", n)?;
     }
-    for_each_range(threads, p, m, [v, u], CopyBits::None, |p, m, [v, u], _| {
-        direction_range(&c, p, m, v, u)
+    let copy = CopyBits::of(copy, n)?;
+    let neg_step = -step as f32;
+    for_each_range(threads, p, m, [v], copy, |p, m, [v], copy| {
+        update_range(&c, neg_step, p, m, v, copy)
     });
     Ok(())
 }
@@ -281,9 +296,10 @@ fn apply_body(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) {
 
 multiversion!(fn apply_range(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) => apply_body);
 
-/// Pass three: `p -= step * u` (`step`: the step size times this
-/// parameter's trust ratio, [`LambConfig::trust`]), and the compute copy of
-/// the updated `p`.
+/// `p -= step * u` for a `u` the caller kept from [`lamb_moments`]
+/// (`step`: the step size times this parameter's trust ratio,
+/// [`LambConfig::trust`]), and the compute copy of the updated `p`:
+/// [`lamb_update`]'s result, to the bit, for a caller with the scratch.
 pub fn lamb_apply(
     threads: &Threads,
     step: f64,
@@ -423,7 +439,9 @@ mod tests {
     }
 
     #[test]
-    fn the_direction_again_has_pass_ones_bits() {
+    fn the_update_pass_applies_pass_ones_direction_to_the_bit() {
+        // Computed again from p and the moments, the direction is pass
+        // one's, so the fused pass equals applying the kept `u`.
         let pool = Threads::new(2).unwrap();
         for cfg in [
             LambConfig {
@@ -449,9 +467,23 @@ mod tests {
                 let gs = 1.0 + t as f32;
                 lamb_moments(&pool, &cfg, gs, &mut p, &g, &mut m, &mut v, &mut u).unwrap();
             }
-            let mut again = vec![0.0; n];
-            lamb_direction(&pool, &cfg, &mut p, &m, &mut v, &mut again).unwrap();
-            assert_eq!(bits(&u), bits(&again), "{cfg:?}");
+            let (mut kept, mut b1) = (p.clone(), vec![bf16::ZERO; n]);
+            lamb_apply(&pool, 0.003, &mut kept, &u, ComputeCopy::Bf16(&mut b1)).unwrap();
+            let v0 = v.clone();
+            let mut b2 = vec![bf16::ZERO; n];
+            lamb_update(
+                &pool,
+                &cfg,
+                0.003,
+                &mut p,
+                &m,
+                &mut v,
+                ComputeCopy::Bf16(&mut b2),
+            )
+            .unwrap();
+            assert_eq!(bits(&p), bits(&kept), "{cfg:?}");
+            assert_eq!(b1, b2, "{cfg:?}");
+            assert_eq!(bits(&v), bits(&v0), "v is read only");
         }
     }
 
@@ -509,6 +541,10 @@ mod tests {
         let (mut b1, mut b2) = (vec![0u16; 4099], vec![0u16; 4099]);
         apply_body(-0.01, &mut p1, &u1, CopyBits::Bf16(&mut b1));
         apply_range(-0.01, &mut p2, &u2, CopyBits::Bf16(&mut b2));
+        assert_eq!(bits(&p1), bits(&p2));
+        assert_eq!(b1, b2);
+        update_body(&c, -0.01, &mut p1, &m1, &mut v1, CopyBits::Bf16(&mut b1));
+        update_range(&c, -0.01, &mut p2, &m2, &mut v2, CopyBits::Bf16(&mut b2));
         assert_eq!(bits(&p1), bits(&p2));
         assert_eq!(b1, b2);
     }

@@ -23,9 +23,7 @@
 use std::ops::Range;
 
 use zrt_collectives::{ProcessGroup, ReduceOp};
-use zrt_kernels::{
-    lamb_apply, lamb_direction, lamb_moments, reduce, AdamShard, ComputeCopy, LambConfig,
-};
+use zrt_kernels::{lamb_moments, lamb_update, reduce, AdamShard, ComputeCopy, LambConfig};
 
 use super::{groups, Inner, State, Unit, Update};
 use crate::EngineError;
@@ -126,11 +124,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 let cfg = self.lamb_config(up, setting);
                 let at = 2 * (first[k] + j);
                 let step = cfg.step_size(up.step) * cfg.trust(sums[at], sums[at + 1]);
-                // The update pass one summed, computed again to its bits.
-                let upd = &mut scratch[..d.len()];
+                // The update pass one summed, computed again to its bits
+                // and applied in the same pass.
                 let (pd, md, vd) = (&mut p[d.clone()], &m[d.clone()], &mut v[d.clone()]);
-                lamb_direction(&self.threads, &cfg, pd, md, vd, upd)?;
-                lamb_apply(&self.threads, step, pd, upd, sub_copy(&mut copy, d.clone()))?;
+                let copy = sub_copy(&mut copy, d.clone());
+                lamb_update(&self.threads, &cfg, step, pd, md, vd, copy)?;
             }
             Ok(())
         })

@@ -612,24 +612,38 @@ fn stages_0_to_3_match_the_unsharded_reference() {
     }
 }
 
+/// `optimizer` (with `params` past lr and weight decay) at stages 0-3,
+/// every unit sharded, against the unsharded reference stepping with
+/// `ref_opt`; with `clip` above 0 the clipping must be active.
+fn stages_match_the_reference(
+    optimizer: &str,
+    params: &str,
+    gas: usize,
+    clip: f64,
+    rules: Rules,
+    ref_opt: RefOpt,
+) {
+    for stage in 0..=3u8 {
+        let reference = run_reference_opt(stage, gas, clip, None, rules, ref_opt);
+        let zero = r#""stage3_param_persistence_threshold": 0,"#;
+        let cfg = common::config_params(optimizer, params, stage, gas, clip, "", zero);
+        let run = run_engine_full(cfg, gas, Bare::None, rules);
+        if clip > 0.0 {
+            assert!(run.norms[0].unwrap() > clip, "clipping must be active");
+        }
+        compare(
+            &format!("{optimizer}{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
+            (run.losses, run.params),
+            reference,
+        );
+    }
+}
+
 #[test]
 fn lion_at_stages_0_to_3_matches_the_unsharded_reference() {
     // The parameter rules' runs of elements treated alike too.
     for (gas, clip, rules) in [(1, 0.0, Rules::Plain), (2, 0.5, Rules::Scaled)] {
-        for stage in 0..=3u8 {
-            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Lion);
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = common::config_of("Lion", stage, gas, clip, "", zero);
-            let run = run_engine_full(cfg, gas, Bare::None, rules);
-            if clip > 0.0 {
-                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
-            }
-            compare(
-                &format!("Lion stage {stage} gas {gas} clip {clip} {rules:?}"),
-                (run.losses, run.params),
-                reference,
-            );
-        }
+        stages_match_the_reference("Lion", "", gas, clip, rules, RefOpt::Lion);
     }
 }
 
@@ -639,20 +653,7 @@ fn lamb_at_stages_0_to_3_matches_the_unsharded_reference() {
     // the reference takes them over the whole tensor. With the parameter
     // rules (decay left out, scaled rates), clipping and gas 2 too.
     for (gas, clip, rules) in [(1, 0.0, Rules::Plain), (2, 0.5, Rules::Scaled)] {
-        for stage in 0..=3u8 {
-            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Lamb);
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = common::config_of("Lamb", stage, gas, clip, "", zero);
-            let run = run_engine_full(cfg, gas, Bare::None, rules);
-            if clip > 0.0 {
-                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
-            }
-            compare(
-                &format!("Lamb stage {stage} gas {gas} clip {clip} {rules:?}"),
-                (run.losses, run.params),
-                reference,
-            );
-        }
+        stages_match_the_reference("Lamb", "", gas, clip, rules, RefOpt::Lamb);
     }
 }
 
@@ -689,20 +690,7 @@ fn sgd_at_stages_0_to_3_matches_libtorchs_sgd() {
             Rules::NoDecayVectors,
         ),
     ] {
-        for stage in 0..=3u8 {
-            let reference = run_reference_opt(stage, gas, clip, None, rules, RefOpt::Sgd(sgd));
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = common::config_params("SGD", params, stage, gas, clip, "", zero);
-            let run = run_engine_full(cfg, gas, Bare::None, rules);
-            if clip > 0.0 {
-                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
-            }
-            compare(
-                &format!("SGD{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
-                (run.losses, run.params),
-                reference,
-            );
-        }
+        stages_match_the_reference("SGD", params, gas, clip, rules, RefOpt::Sgd(sgd));
     }
 }
 
@@ -714,21 +702,8 @@ fn adagrad_at_stages_0_to_3_matches_libtorchs_operations() {
         ("", 0.0, 1, 0.0, Rules::Plain),
         (r#", "lr_decay": 0.5"#, 0.5, 2, 0.5, Rules::Scaled),
     ] {
-        for stage in 0..=3u8 {
-            let opt = RefOpt::Adagrad { lr_decay };
-            let reference = run_reference_opt(stage, gas, clip, None, rules, opt);
-            let zero = r#""stage3_param_persistence_threshold": 0,"#;
-            let cfg = common::config_params("Adagrad", params, stage, gas, clip, "", zero);
-            let run = run_engine_full(cfg, gas, Bare::None, rules);
-            if clip > 0.0 {
-                assert!(run.norms[0].unwrap() > clip, "clipping must be active");
-            }
-            compare(
-                &format!("Adagrad{params} stage {stage} gas {gas} clip {clip} {rules:?}"),
-                (run.losses, run.params),
-                reference,
-            );
-        }
+        let opt = RefOpt::Adagrad { lr_decay };
+        stages_match_the_reference("Adagrad", params, gas, clip, rules, opt);
     }
 }
 

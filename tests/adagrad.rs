@@ -11,12 +11,9 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses};
+use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
-const BF16: &str = r#""bf16": {"enabled": true},"#;
-/// Stage 3 shards every unit of the test GPT.
-const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
 /// A rate that decays by step, which a resumed run must go on with.
 const DECAY: &str = r#", "lr_decay": 0.5"#;
 

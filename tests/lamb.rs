@@ -12,12 +12,10 @@
 
 use crate::common;
 
-use common::{config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world};
+use common::{
+    config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world, BF16, SHARD_ALL,
+};
 use zrt::zero::Config;
-
-const BF16: &str = r#""bf16": {"enabled": true},"#;
-/// Stage 3 shards every unit of the test GPT.
-const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
 
 fn lamb(stage: u8, extra: &str, zero: &str) -> Config {
     config_of("Lamb", stage, 1, 0.0, extra, &format!("{SHARD_ALL} {zero}"))

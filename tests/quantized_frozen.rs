@@ -17,7 +17,9 @@ use crate::frozen_shards::{
 
 use std::collections::HashMap;
 
-use common::{config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, WORLD};
+use common::{
+    config_zero, model, nvme_params, on_ranks, serial, tokens, train_losses, BF16, WORLD,
+};
 use tch::{Kind, Tensor};
 use zrt::kernels::quant;
 use zrt::zero::checkpoint::{consolidate, inspect, ExportDtype, Meta, ROUNDED_KEY};
@@ -25,7 +27,6 @@ use zrt::zero::flat::FlatLayout;
 use zrt::zero::{AutoHints, Config, Engine};
 
 const KEY: &str = r#""zero_quantized_nontrainable_weights": true,"#;
-const BF16: &str = r#""bf16": {"enabled": true},"#;
 
 /// The `__metadata__` of safetensors file `path` (its header's JSON).
 fn metadata(path: &std::path::Path) -> serde_json::Value {

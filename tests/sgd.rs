@@ -12,12 +12,9 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses};
+use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
-const BF16: &str = r#""bf16": {"enabled": true},"#;
-/// Stage 3 shards every unit of the test GPT.
-const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
 /// The optimizer params of SGD with momentum (without: none past lr and
 /// weight decay, torch's default momentum 0).
 const MOMENTUM: &str = r#", "momentum": 0.9, "dampening": 0.1"#;

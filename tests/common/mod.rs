@@ -18,6 +18,11 @@ pub const GPT: GptConfig = GptConfig {
 };
 pub const MICRO: i64 = 2;
 pub const WORLD: usize = 2;
+/// The config block that trains in bf16.
+pub const BF16: &str = r#""bf16": {"enabled": true},"#;
+/// A `zero_optimization` setting under which stage 3 shards every unit of
+/// the test GPT (all are under the default persistence threshold).
+pub const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;
 pub const LR: f64 = 1e-2;
 pub const WD: f64 = 0.01;
 

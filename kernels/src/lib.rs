@@ -1,7 +1,7 @@
 //! # zrt-kernels
 //!
 //! The per-element math of a ZeRO step, on flat slices, with no libtorch in
-//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]), LAMB ([`lamb`]) and Adagrad ([`adagrad`]), the helpers around it ([`reduce`]:
+//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]), LAMB ([`lamb`]), Adagrad ([`adagrad`]) and RMSprop ([`rmsprop`]), the helpers around it ([`reduce`]:
 //! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
 //! in place), f32 <-> bf16/f16 casts bit-identical to libtorch's
 //! ([`cast`]) and the block-wise int8 packing of quantized weight gathers
@@ -47,6 +47,7 @@ pub mod lamb;
 pub mod lion;
 pub mod quant;
 pub mod reduce;
+pub mod rmsprop;
 pub mod sgd;
 pub mod simd;
 #[cfg(test)]
@@ -59,5 +60,6 @@ pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
 pub use error::KernelError;
 pub use lamb::{lamb_apply, lamb_moments, lamb_update, LambConfig};
 pub use lion::lion_step;
+pub use rmsprop::{rmsprop_step, RmspropConfig};
 pub use sgd::{sgd_step, SgdConfig};
 pub use threads::Threads;

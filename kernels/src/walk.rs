@@ -1,8 +1,8 @@
 //! How a kernel walks a shard: each thread's contiguous range
 //! ([`for_each_range`]), within it cache blocks whose compute-dtype copy is
 //! written while they are in cache, and within a block steps with software
-//! prefetch ahead of every array ([`in_blocks`]). Adam, Lion, SGD, LAMB
-//! and Adagrad share it; only their per-element updates differ.
+//! prefetch ahead of every array ([`in_blocks`]). Adam, Lion, SGD, LAMB,
+//! Adagrad and RMSprop share it; only their per-element updates differ.
 
 use rayon::prelude::*;
 

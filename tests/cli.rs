@@ -397,11 +397,11 @@ fn estimate_prints_the_design_formula() {
         "estimate",
         "--params=1e9",
         "--world=2",
-        "--optimizer=rmsprop",
+        "--optimizer=adadelta",
     ]);
     assert!(
         !ok && out.contains(
-            "--optimizer must be adam, adamw, lamb, lion, adagrad, sgd-momentum or sgd, got rmsprop"
+            "--optimizer must be adam, adamw, lamb, rmsprop-momentum, lion, adagrad, rmsprop, sgd-momentum or sgd, got adadelta"
         ),
         "{out}"
     );

@@ -189,6 +189,19 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             o.maximize,
             show(o.weight_decay),
         ),
+        OptimizerKind::Rmsprop => println!(
+            "  optimizer        RMSprop lr {} alpha {} eps {} momentum {} maximize {} weight_decay {} (L2 decay; {})",
+            show(o.lr),
+            o.alpha,
+            o.eps,
+            o.momentum,
+            o.maximize,
+            show(o.weight_decay),
+            match o.moments() {
+                1 => "a square average",
+                _ => "a square average and a momentum buffer",
+            }
+        ),
         OptimizerKind::Adam | OptimizerKind::AdamW => println!(
             "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
             o.kind,

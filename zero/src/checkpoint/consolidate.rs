@@ -136,9 +136,10 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
         "  written by zrt {}, format {}",
         meta.zrt_version, meta.format
     );
-    // SGD's state hangs on its momentum: say which it kept.
-    let momentum = match meta.optimizer().eq_ignore_ascii_case("sgd") {
-        true => format!(" (momentum {})", meta.sgd_momentum()),
+    // SGD's and RMSprop's state hang on their momentum: say which it kept.
+    let with_momentum = ["sgd", "rmsprop"].map(|k| meta.optimizer().eq_ignore_ascii_case(k));
+    let momentum = match with_momentum.contains(&true) {
+        true => format!(" (momentum {})", meta.momentum()),
         false => String::new(),
     };
     let _ = writeln!(

@@ -180,10 +180,10 @@ impl Meta {
         self.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
     }
 
-    /// SGD's momentum as its run set it (0 when not recorded: every other
-    /// optimizer's, and a run without momentum), which decides whether
-    /// its rank files hold a momentum buffer.
-    pub fn sgd_momentum(&self) -> f64 {
+    /// SGD's or RMSprop's momentum as its run set it (0 when not recorded:
+    /// every other optimizer's, and a run without momentum), which decides
+    /// whether its rank files hold a momentum buffer.
+    pub fn momentum(&self) -> f64 {
         self.config["optimizer"]["momentum"].as_f64().unwrap_or(0.0)
     }
 

@@ -61,17 +61,24 @@ pub enum OptimizerKind {
     /// learning rate over its root; coupled (L2) weight decay
     /// (`zrt_kernels::adagrad`).
     Adagrad,
+    /// `torch.optim.RMSprop` (DeepSpeed's `"RMSprop"`, which it hands to
+    /// `torch.optim`): the square average of the gradient, and a momentum
+    /// buffer when `momentum > 0`; coupled (L2) weight decay; `centered`
+    /// is not implemented (`zrt_kernels::rmsprop`).
+    Rmsprop,
 }
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
     /// Adam's and LAMB's m and v, Lion's m, Adagrad's sum of squares,
-    /// SGD's momentum buffer if it has momentum (`momentum > 0`).
+    /// RMSprop's square average, and SGD's and RMSprop's momentum buffer if
+    /// they have momentum (`momentum > 0`).
     pub fn moments(self, momentum: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
             OptimizerKind::Lion | OptimizerKind::Adagrad => 1,
             OptimizerKind::Sgd => usize::from(momentum),
+            OptimizerKind::Rmsprop => 1 + usize::from(momentum),
         }
     }
 
@@ -79,13 +86,15 @@ impl OptimizerKind {
     /// too: Adam's, AdamW's and LAMB's m and v are the same averages of
     /// the gradient and its square; every other pair's are not (Lion's m,
     /// SGD's buffer and Adagrad's sum are each one moment, but not the
-    /// same one).
+    /// same one; RMSprop's square average is Adam's v without its bias
+    /// correction, kept in another array).
     pub fn same_state(self, other: Self) -> bool {
         let family = |k| match k {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 0,
             OptimizerKind::Lion => 1,
             OptimizerKind::Sgd => 2,
             OptimizerKind::Adagrad => 3,
+            OptimizerKind::Rmsprop => 4,
         };
         family(self) == family(other)
     }
@@ -100,6 +109,7 @@ impl OptimizerKind {
             "sgd" => Some(OptimizerKind::Sgd),
             "lamb" => Some(OptimizerKind::Lamb),
             "adagrad" => Some(OptimizerKind::Adagrad),
+            "rmsprop" => Some(OptimizerKind::Rmsprop),
             _ => None,
         }
     }
@@ -113,6 +123,7 @@ impl OptimizerKind {
             OptimizerKind::Sgd => "SGD",
             OptimizerKind::Lamb => "Lamb",
             OptimizerKind::Adagrad => "Adagrad",
+            OptimizerKind::Rmsprop => "RMSprop",
         }
     }
 }
@@ -135,16 +146,20 @@ pub struct OptimizerConfig {
     pub adam_w_mode: bool,
     /// `params.bias_correction`.
     pub bias_correction: bool,
-    /// SGD's `params.momentum` (0: no momentum buffer; 0 for the others).
+    /// SGD's and RMSprop's `params.momentum` (0: no momentum buffer; 0 for
+    /// the others).
     pub momentum: f64,
     /// SGD's `params.dampening`.
     pub dampening: f64,
     /// SGD's `params.nesterov`.
     pub nesterov: bool,
-    /// SGD's and Adagrad's `params.maximize`.
+    /// SGD's, Adagrad's and RMSprop's `params.maximize`.
     pub maximize: bool,
     /// Adagrad's `params.lr_decay` (0 for the others).
     pub lr_decay: f64,
+    /// RMSprop's `params.alpha`: the share of the old square average kept
+    /// each step (torch's default 0.99; unused by the others).
+    pub alpha: f64,
     /// LAMB's `params.max_coeff`: the trust ratio's upper clamp.
     pub max_coeff: f64,
     /// LAMB's `params.min_coeff`: the trust ratio's lower clamp.
@@ -155,8 +170,8 @@ pub struct OptimizerConfig {
 
 impl OptimizerConfig {
     /// How many fp32 moments per trained element it keeps (2 for Adam and
-    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD with or without
-    /// momentum).
+    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD and 2 or 1 for RMSprop
+    /// with or without momentum).
     pub fn moments(&self) -> usize {
         self.kind.moments(self.momentum > 0.0)
     }

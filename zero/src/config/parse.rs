@@ -277,6 +277,9 @@ impl P {
         const LAMB_ONLY: [&str; 4] = ["max_coeff", "min_coeff", "eps_inside_sqrt", "max_grad_norm"];
         /// `torch.optim.Adagrad`'s keys that no other optimizer takes.
         const ADAGRAD_ONLY: [&str; 2] = ["lr_decay", "initial_accumulator_value"];
+        /// `torch.optim.RMSprop`'s keys that no other optimizer takes (its
+        /// `momentum` is SGD's too).
+        const RMSPROP_ONLY: [&str; 2] = ["alpha", "centered"];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -290,6 +293,7 @@ impl P {
             nesterov: false,
             maximize: false,
             lr_decay: 0.0,
+            alpha: 0.99,
             max_coeff: 10.0,
             min_coeff: 0.01,
             eps_inside_sqrt: false,
@@ -305,7 +309,7 @@ impl P {
             None => OptimizerKind::Adam,
             Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\" or \"Adagrad\"",
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\" or \"RMSprop\"",
                     t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
@@ -364,6 +368,22 @@ impl P {
                     ));
                 }
             }
+            OptimizerKind::Rmsprop => {
+                // torch's RMSprop takes eps, and none of these.
+                let adam = [
+                    "adam_w_mode",
+                    "bias_correction",
+                    "torch_adam",
+                    "amsgrad",
+                    "fused",
+                    "betas",
+                ];
+                for key in present(&adam) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that RMSprop does not take (torch.optim.RMSprop has alpha, eps, momentum and weight_decay): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
             OptimizerKind::Adam | OptimizerKind::AdamW => {}
         }
         if kind != OptimizerKind::Lamb {
@@ -382,12 +402,26 @@ impl P {
                 ));
             }
         }
+        if kind != OptimizerKind::Rmsprop {
+            for key in present(&RMSPROP_ONLY) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is an RMSprop setting that {} does not take: remove it, or use \"RMSprop\"",
+                    kind.name()
+                ));
+            }
+        }
         if kind != OptimizerKind::Sgd {
             let why = match kind {
                 OptimizerKind::Adagrad => "it keeps a sum of squares, no momentum",
+                OptimizerKind::Rmsprop => "its momentum buffer is neither damped nor Nesterov's",
                 _ => "its moments decay by `betas`",
             };
-            for key in present(&SGD_ONLY) {
+            // RMSprop has a momentum of its own.
+            let refused = match kind {
+                OptimizerKind::Rmsprop => &SGD_ONLY[1..],
+                _ => &SGD_ONLY[..],
+            };
+            for key in present(refused) {
                 self.problems.push(format!(
                     "`{path}.{key}` is an SGD setting that {} does not take ({why}): remove it, or use \"SGD\"",
                     kind.name()
@@ -408,9 +442,17 @@ impl P {
         known.extend(SGD_ONLY);
         known.extend(LAMB_ONLY);
         known.extend(ADAGRAD_ONLY);
-        if matches!(kind, OptimizerKind::Sgd | OptimizerKind::Adagrad) {
+        known.extend(RMSPROP_ONLY);
+        let torch_optim = matches!(
+            kind,
+            OptimizerKind::Sgd | OptimizerKind::Adagrad | OptimizerKind::Rmsprop
+        );
+        if torch_optim {
             // torch's own implementation choices: zrt has one.
             known.extend(["maximize", "foreach", "differentiable"]);
+        }
+        if kind == OptimizerKind::Rmsprop {
+            known.push("capturable");
         }
         self.keys(p, path, &known, &[], false);
         // (Lion's and SGD's blocks were refused the key above; FusedLamb
@@ -444,9 +486,8 @@ impl P {
                 default.betas
             }
         };
-        // (SGD's and Adagrad's blocks were refused their betas above: said
-        // once.)
-        let has_betas = !matches!(kind, OptimizerKind::Sgd | OptimizerKind::Adagrad);
+        // (torch.optim's blocks were refused their betas above: said once.)
+        let has_betas = !torch_optim;
         for (i, b) in [betas.0, betas.1].iter().enumerate() {
             if has_betas && !(0.0..1.0).contains(b) {
                 self.problems.push(format!(
@@ -455,11 +496,11 @@ impl P {
             }
         }
         // DeepSpeed's Adam defaults to decoupled decay (adam_w_mode = true);
-        // SGD's and Adagrad's decay is torch's, coupled.
+        // torch.optim's decay (SGD's, Adagrad's, RMSprop's) is coupled.
         let adam_w_mode = match kind {
             OptimizerKind::Adam => self.bool_or(p, path, "adam_w_mode", true),
             OptimizerKind::AdamW | OptimizerKind::Lion | OptimizerKind::Lamb => true,
-            OptimizerKind::Sgd | OptimizerKind::Adagrad => false,
+            OptimizerKind::Sgd | OptimizerKind::Adagrad | OptimizerKind::Rmsprop => false,
         };
         let adagrad = kind == OptimizerKind::Adagrad;
         let lr_decay = match adagrad {
@@ -493,8 +534,22 @@ impl P {
                 "`{path}.max_grad_norm` is FusedLamb's old clipping, which zrt does not implement: set `gradient_clipping` instead"
             ));
         }
+        let rmsprop = kind == OptimizerKind::Rmsprop;
+        let alpha = match rmsprop {
+            true => self.f64_or(p, path, "alpha", 0.99),
+            false => 0.99,
+        };
+        if !(0.0..=1.0).contains(&alpha) {
+            self.problems
+                .push(format!("`{path}.alpha` must be in [0, 1], got {alpha}"));
+        }
+        if rmsprop && self.bool_or(p, path, "centered", false) {
+            self.problems.push(format!(
+                "`{path}.centered` is not implemented by zrt: it keeps a third array per parameter (the gradient's average) where zrt's RMSprop keeps the square average and the momentum buffer; remove it or set it to false"
+            ));
+        }
         let sgd = kind == OptimizerKind::Sgd;
-        let momentum = if sgd {
+        let momentum = if sgd || rmsprop {
             self.f64_or(p, path, "momentum", 0.0)
         } else {
             0.0
@@ -523,8 +578,9 @@ impl P {
         }
         OptimizerConfig {
             kind,
-            // torch's Adagrad's defaults; FusedAdam's for the others.
-            lr: self.f64_setting(p, path, "lr", if adagrad { 1e-2 } else { 1e-3 }),
+            // torch's Adagrad's and RMSprop's defaults; FusedAdam's for the
+            // others.
+            lr: self.f64_setting(p, path, "lr", if adagrad || rmsprop { 1e-2 } else { 1e-3 }),
             betas,
             eps: self.f64_auto(p, path, "eps", if adagrad { 1e-10 } else { 1e-8 }),
             weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
@@ -533,8 +589,9 @@ impl P {
             momentum,
             dampening,
             nesterov,
-            maximize: (sgd || adagrad) && self.bool_or(p, path, "maximize", false),
+            maximize: torch_optim && self.bool_or(p, path, "maximize", false),
             lr_decay,
+            alpha,
             max_coeff,
             min_coeff,
             eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),
@@ -751,7 +808,12 @@ impl P {
         let first_stairs = self.u64_or(p, path, "cycle_first_stair_count", 0);
         let decay_step_size = self.u64_or(p, path, "decay_step_size", 0);
         let mut cycle_momentum = self.bool_or(p, path, "cycle_momentum", true);
-        if cycle_momentum && matches!(optimizer, OptimizerKind::Sgd | OptimizerKind::Adagrad) {
+        if cycle_momentum
+            && matches!(
+                optimizer,
+                OptimizerKind::Sgd | OptimizerKind::Adagrad | OptimizerKind::Rmsprop
+            )
+        {
             // DeepSpeed's OneCycle turns its momentum off, with a warning,
             // for an optimizer without betas.
             let kept = match optimizer {

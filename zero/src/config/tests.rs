@@ -174,7 +174,7 @@ fn a_key_given_twice_is_an_error_naming_it() {
 #[test]
 fn every_problem_is_reported_at_once() {
     let e = Config::from_json(
-        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "RMSprop"},
+        r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "optimizer": {"type": "Adadelta"},
             "zero_optimization": {"stage": 4, "bogus": 1}, "gradient_clipping": -1}"#,
     )
     .unwrap_err();
@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"rmsprop\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\" or \"Adagrad\"",
+        "`optimizer.type` \"adadelta\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\" or \"RMSprop\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -815,6 +815,83 @@ fn adagrad_reads_torchs_settings_and_refuses_adams() {
     assert_eq!(
         c.warnings,
         ["OneCycle cycles momentum as the optimizer's betas, which Adagrad has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off); set cycle_momentum to false to silence this"]
+    );
+}
+
+#[test]
+fn rmsprop_reads_torchs_settings_and_refuses_the_rest() {
+    let rmsprop = |params: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "RMSprop", "params": {{"weight_decay": 1e-4{params}}}}}}}"#
+        ))
+    };
+    // torch's defaults: lr 1e-2, alpha 0.99, eps 1e-8, no momentum.
+    let o = rmsprop("").unwrap().optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Rmsprop);
+    assert_eq!(
+        (
+            o.lr.value(),
+            o.alpha,
+            o.eps,
+            o.momentum,
+            o.weight_decay.value()
+        ),
+        (Some(1e-2), 0.99, 1e-8, 0.0, Some(1e-4))
+    );
+    assert!(!o.adam_w_mode, "RMSprop's decay is coupled, as torch's");
+    assert!(!o.maximize);
+    assert_eq!(o.moments(), 1, "the square average alone");
+    let c = rmsprop(r#", "lr": 0.1, "alpha": 0.9, "eps": 1e-6, "momentum": 0.5, "centered": false, "maximize": true, "foreach": null, "capturable": false, "differentiable": false"#).unwrap();
+    let o = &c.optimizer;
+    assert_eq!(
+        (o.lr.value(), o.alpha, o.eps, o.momentum),
+        (Some(0.1), 0.9, 1e-6, 0.5)
+    );
+    assert!(o.maximize);
+    assert_eq!(o.moments(), 2, "the square average and the momentum buffer");
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    for (params, want) in [
+        (
+            r#", "betas": [0.9, 0.999], "amsgrad": false"#,
+            vec![
+                "`optimizer.params.amsgrad` is an Adam setting that RMSprop does not take (torch.optim.RMSprop has alpha, eps, momentum and weight_decay): remove it, or use \"AdamW\"",
+                "`optimizer.params.betas` is an Adam setting that RMSprop does not take (torch.optim.RMSprop has alpha, eps, momentum and weight_decay): remove it, or use \"AdamW\"",
+            ],
+        ),
+        (
+            r#", "centered": true"#,
+            vec!["`optimizer.params.centered` is not implemented by zrt: it keeps a third array per parameter (the gradient's average) where zrt's RMSprop keeps the square average and the momentum buffer; remove it or set it to false"],
+        ),
+        (
+            r#", "alpha": 1.5"#,
+            vec!["`optimizer.params.alpha` must be in [0, 1], got 1.5"],
+        ),
+        (
+            r#", "momentum": -0.1"#,
+            vec!["`optimizer.params.momentum` must be finite and >= 0, got -0.1"],
+        ),
+        (
+            r#", "nesterov": true"#,
+            vec!["`optimizer.params.nesterov` is an SGD setting that RMSprop does not take (its momentum buffer is neither damped nor Nesterov's): remove it, or use \"SGD\""],
+        ),
+    ] {
+        assert_eq!(rmsprop(params).unwrap_err().problems, want, "{params}");
+    }
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"alpha": 0.9, "momentum": 0.9}}}"#
+        ),
+        ["`optimizer.params.alpha` is an RMSprop setting that SGD does not take: remove it, or use \"RMSprop\""]
+    );
+    // OneCycle's momentum cycle: off, as for SGD.
+    let c = Config::from_json(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "rmsprop"},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.warnings,
+        ["OneCycle cycles momentum as the optimizer's betas, which RMSprop has not: `scheduler.params.cycle_momentum` is off (as DeepSpeed turns it off); set cycle_momentum to false to silence this"]
     );
 }
 

@@ -66,7 +66,8 @@ impl Terms {
             "optimizer.params.bias_correction",
             o.bias_correction.to_string(),
         );
-        // SGD's: whether a rank keeps a momentum buffer hangs on them.
+        // SGD's (momentum RMSprop's too): whether a rank keeps a momentum
+        // buffer hangs on them.
         put("optimizer.params.momentum", format!("{:?}", o.momentum));
         put("optimizer.params.dampening", format!("{:?}", o.dampening));
         put("optimizer.params.nesterov", o.nesterov.to_string());
@@ -80,6 +81,8 @@ impl Terms {
         );
         // Adagrad's.
         put("optimizer.params.lr_decay", format!("{:?}", o.lr_decay));
+        // RMSprop's.
+        put("optimizer.params.alpha", format!("{:?}", o.alpha));
         put(
             "scheduler",
             c.scheduler

@@ -32,8 +32,9 @@ use crate::{glue, EngineError};
 
 /// Reads elements `need` of unit `u`'s state (zero moments for
 /// `ModuleOnly`) from the files `read_checkpoint` checked; `moments` is
-/// how many this run's optimizer keeps (Lion's and SGD's `v` stays empty,
-/// and the `m` of SGD without momentum).
+/// how many this run's optimizer keeps (the `v` of Lion, Adagrad, SGD and
+/// RMSprop without momentum stays empty, and the `m` of SGD without
+/// momentum).
 fn read_state(
     loc: &mut Locator,
     u: &super::Unit,
@@ -85,11 +86,11 @@ fn state_parts(moments: usize) -> &'static [&'static str] {
 
 /// The optimizer a checkpoint's run trained with and how many moments its
 /// rank files hold (an optimizer zrt does not know: Adam's two, which
-/// every checkpoint from before Lion holds; SGD's buffer if its recorded
-/// momentum is above 0).
+/// every checkpoint from before Lion holds; SGD's and RMSprop's buffer if
+/// its recorded momentum is above 0).
 fn saved_optimizer(meta: &Meta) -> (OptimizerKind, usize) {
     let kind = OptimizerKind::from_name(meta.optimizer()).unwrap_or(OptimizerKind::Adam);
-    (kind, kind.moments(meta.sgd_momentum() > 0.0))
+    (kind, kind.moments(meta.momentum() > 0.0))
 }
 
 /// The name of unit `unit`'s accumulated gradient in a rank file or a
@@ -508,7 +509,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .shard_state(st, k)
                 .map_err(|e| CheckpointError::format(&path, e.to_string()))?;
             w.write(&format!("{}/master", u.name), f32_bytes(&state.master))?;
-            // Lion and SGD keep no `v`, SGD without momentum no `m` (an
+            // Lion, Adagrad, SGD and RMSprop without momentum keep no
+            // `v`, SGD without momentum no `m` either (an
             // empty one is still Adam's, of a unit with no trainable
             // element on this rank).
             if i.moments() >= 1 {
@@ -652,6 +654,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "min_coeff": c.optimizer.min_coeff,
                     "eps_inside_sqrt": c.optimizer.eps_inside_sqrt,
                     "lr_decay": c.optimizer.lr_decay,
+                    "alpha": c.optimizer.alpha,
                 },
                 "precision": format!("{:?}", c.precision),
                 "scheduler": format!("{:?}", c.scheduler),
@@ -879,12 +882,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let saved = meta.optimizer();
         let (saved_kind, held) = saved_optimizer(&meta);
         if what == What::Everything && (!kind.same_state(saved_kind) || held != i.moments()) {
-            // SGD with and without momentum: the same optimizer, whose
-            // setting decides the state.
+            // SGD or RMSprop with and without momentum: the same
+            // optimizer, whose setting decides the state.
             let mend = match kind.same_state(saved_kind) {
                 true => format!(
                     "or set `optimizer.params.momentum` to the saved run's {}",
-                    meta.sgd_momentum()
+                    meta.momentum()
                 ),
                 false => format!("or set `optimizer.type` to \"{saved}\""),
             };

@@ -53,8 +53,8 @@ use parking_lot::Mutex;
 use tch::{nn, Device, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{
-    adagrad_step, adam_step, lion_step, reduce, sgd_step, AdagradConfig, AdamConfig, AdamShard,
-    ComputeCopy, SgdConfig, Threads,
+    adagrad_step, adam_step, lion_step, reduce, rmsprop_step, sgd_step, AdagradConfig, AdamConfig,
+    AdamShard, ComputeCopy, RmspropConfig, SgdConfig, Threads,
 };
 
 use crate::config::{ConfigError, OptimizerKind, Precision, Setting};
@@ -501,7 +501,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 st.step.saturating_sub(1),
             ),
             momentum: match c.optimizer.kind {
-                OptimizerKind::Sgd => Some(c.optimizer.momentum),
+                OptimizerKind::Sgd | OptimizerKind::Rmsprop => Some(c.optimizer.momentum),
                 OptimizerKind::Adagrad => Some(0.0),
                 _ => None,
             },
@@ -541,9 +541,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// How many fp32 moments per element of its range the optimizer keeps:
-    /// Adam's and LAMB's m and v (2), Lion's m or SGD's momentum buffer (1;
-    /// every `v` stays empty), none for SGD without momentum (`m` empty
-    /// too).
+    /// Adam's and LAMB's m and v, RMSprop's square average and momentum
+    /// buffer (2), Lion's m, Adagrad's sum, SGD's momentum buffer or
+    /// RMSprop's square average without momentum (1; every `v` stays
+    /// empty), none for SGD without momentum (`m` empty too).
     fn moments(&self) -> usize {
         self.cfg.config.optimizer.moments()
     }
@@ -777,6 +778,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     maximize: o.maximize,
                 };
                 adagrad_step(&self.threads, &adagrad, up.step, up.scale, s, copy)?
+            }
+            OptimizerKind::Rmsprop => {
+                let o = &self.cfg.config.optimizer;
+                let rmsprop = RmspropConfig {
+                    lr: cfg.lr,
+                    alpha: o.alpha,
+                    eps: cfg.eps,
+                    weight_decay: cfg.weight_decay,
+                    momentum: o.momentum,
+                    maximize: o.maximize,
+                };
+                rmsprop_step(&self.threads, &rmsprop, up.scale, s, copy)?
             }
             // Its trust ratios need every unit's first pass and an
             // all-reduce before any update: `Inner::lamb_step` runs it whole.

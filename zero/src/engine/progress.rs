@@ -11,8 +11,8 @@ pub(super) struct Progress {
     pub(super) lr: f64,
     /// Adam's betas of the last applied step (DeepSpeed's `mom`).
     pub(super) betas: (f64, f64),
-    /// SGD's momentum (Adagrad's: 0), which the line says instead of
-    /// betas neither has.
+    /// SGD's or RMSprop's momentum (Adagrad's: 0), which the line says
+    /// instead of betas none of them has.
     pub(super) momentum: Option<f64>,
     /// This boundary's gradient norm before clipping; `None` when it was
     /// skipped (no norm is taken then).

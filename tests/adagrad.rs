@@ -11,7 +11,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses, BF16, SHARD_ALL};
+use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 /// A rate that decays by step, which a resumed run must go on with.
@@ -75,49 +75,19 @@ fn a_checkpoint_holds_the_sum_resumes_to_the_same_bits_and_is_refused_by_others(
     let at3 = adagrad(3, BF16, "");
     // Saved from the swap file and loaded into it.
     let swapped = adagrad(3, &format!("{BF16} {aio}"), &off);
-    let straight = on_ranks(common::WORLD, |r| {
-        let (vs, plan, gpt) = common::model();
-        let e = common::engine_of(&vs, &plan, &swapped, &r);
-        train_losses(&gpt, &e, r.rank(), 2);
-        e.save_checkpoint(&dir, "adagrad").unwrap();
-        common::next_step(&e, &gpt, r.rank())
-    });
-    let names = common::saved_names(&dir, "adagrad");
+    let names = common::resumes_to_the_same_bits(&dir, "adagrad", &swapped, &[&at3, &swapped]);
     assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
     assert!(!names.iter().any(|n| n.ends_with("/v")), "{names:?}");
     let text = zrt::zero::checkpoint::inspect(&dir, Some("adagrad")).unwrap();
     assert!(text.contains("compute bf16, optimizer Adagrad\n"), "{text}");
-    for cfg in [&at3, &swapped] {
-        let resumed = on_ranks(common::WORLD, |r| {
-            let (vs, plan, gpt) = common::model();
-            let e = common::engine_of(&vs, &plan, cfg, &r);
-            e.load_checkpoint(&dir, Some("adagrad")).unwrap();
-            common::next_step(&e, &gpt, r.rank())
-        });
-        assert_eq!(resumed, straight);
-    }
     // Lion's m and SGD's buffer are one moment each too, but not a sum of
     // squares: refused, the parameters still load.
     for (optimizer, params) in [("Lion", ""), ("SGD", r#", "momentum": 0.9"#)] {
-        on_ranks(common::WORLD, |r| {
-            let (vs, plan, _) = common::model();
-            let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
-            let e = common::engine_of(&vs, &plan, &cfg, &r);
-            let err = e
-                .load_checkpoint(&dir, Some("adagrad"))
-                .unwrap_err()
-                .to_string();
-            let what = format!("its run trained with Adagrad, whose optimizer state (one moment, m) is not {optimizer}'s (one moment, m)");
-            for want in [
-                &what[..],
-                "load_checkpoint_module_only",
-                "set `optimizer.type` to \"Adagrad\"",
-            ] {
-                assert!(err.contains(want), "{want:?} in {err}");
-            }
-            e.load_checkpoint_module_only(&dir, Some("adagrad"))
-                .unwrap();
-        });
+        let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
+        let what = format!("its run trained with Adagrad, whose optimizer state (one moment, m) is not {optimizer}'s (one moment, m)");
+        let mend = "set `optimizer.type` to \"Adagrad\"";
+        let wants = [&what[..], "load_checkpoint_module_only", mend];
+        common::full_load_refused(&dir, "adagrad", &cfg, &wants);
     }
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&swap);

@@ -20,4 +20,5 @@ mod frozen_shards;
 mod lamb;
 mod lion;
 mod quantized_frozen;
+mod rmsprop;
 mod sgd;

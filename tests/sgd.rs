@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, on_ranks, serial, train_losses, BF16, SHARD_ALL};
+use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 /// The optimizer params of SGD with momentum (without: none past lr and
@@ -97,14 +97,7 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
         let at3 = sgd(params, 3, BF16, "");
         // Saved from the swap file and loaded into it.
         let swapped = sgd(params, 3, &format!("{BF16} {aio}"), &off);
-        let straight = on_ranks(common::WORLD, |r| {
-            let (vs, plan, gpt) = common::model();
-            let e = common::engine_of(&vs, &plan, &swapped, &r);
-            train_losses(&gpt, &e, r.rank(), 2);
-            e.save_checkpoint(&dir, tag).unwrap();
-            common::next_step(&e, &gpt, r.rank())
-        });
-        let names = common::saved_names(&dir, tag);
+        let names = common::resumes_to_the_same_bits(&dir, tag, &swapped, &[&at3, &swapped]);
         assert!(names.iter().any(|n| n.ends_with("/master")), "{names:?}");
         let has_m = names.iter().any(|n| n.ends_with("/m"));
         assert_eq!(has_m, !params.is_empty(), "{names:?}");
@@ -113,15 +106,6 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
         let momentum = if params.is_empty() { 0.0 } else { 0.9 };
         let said = format!("compute bf16, optimizer SGD (momentum {momentum})\n");
         assert!(text.contains(&said), "{text}");
-        for cfg in [&at3, &swapped] {
-            let resumed = on_ranks(common::WORLD, |r| {
-                let (vs, plan, gpt) = common::model();
-                let e = common::engine_of(&vs, &plan, cfg, &r);
-                e.load_checkpoint(&dir, Some(tag)).unwrap();
-                common::next_step(&e, &gpt, r.rank())
-            });
-            assert_eq!(resumed, straight, "{tag}");
-        }
     }
     // Refused: another optimizer's state (Lion's one moment is not SGD's
     // buffer), or SGD's with another momentum; the parameters still load.
@@ -132,16 +116,9 @@ fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_other
         ("SGD", "", "momentum", "its run trained with SGD, whose optimizer state (one moment, m) is not SGD's (no moment)", "set `optimizer.params.momentum` to the saved run's 0.9"),
     ];
     for (optimizer, params, tag, what, mend) in refused {
-        on_ranks(common::WORLD, |r| {
-            let (vs, plan, _) = common::model();
-            let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
-            let e = common::engine_of(&vs, &plan, &cfg, &r);
-            let err = e.load_checkpoint(&dir, Some(tag)).unwrap_err().to_string();
-            for want in [what, "load_checkpoint_module_only", mend] {
-                assert!(err.contains(want), "{want:?} in {err}");
-            }
-            e.load_checkpoint_module_only(&dir, Some(tag)).unwrap();
-        });
+        let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
+        let wants = [what, "load_checkpoint_module_only", mend];
+        common::full_load_refused(&dir, tag, &cfg, &wants);
     }
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&swap);

@@ -469,3 +469,47 @@ pub fn next_step<G: zrt::collectives::ProcessGroup + 'static>(
     e.step().unwrap();
     (loss.double_value(&[]), e.gathered_params().unwrap())
 }
+
+/// Trains `saved_from` two steps on [`WORLD`] ranks and saves checkpoint
+/// `dir/tag`; then each config of `into` loads it on fresh ranks, whose
+/// next step must equal the saving run's to the bit. The saved tensors'
+/// names, for the test to check what the state held.
+pub fn resumes_to_the_same_bits(
+    dir: &std::path::Path,
+    tag: &str,
+    saved_from: &Config,
+    into: &[&Config],
+) -> Vec<String> {
+    let straight = on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = model();
+        let e = engine_of(&vs, &plan, saved_from, &r);
+        train_losses(&gpt, &e, r.rank(), 2);
+        e.save_checkpoint(dir, tag).unwrap();
+        next_step(&e, &gpt, r.rank())
+    });
+    for cfg in into {
+        let resumed = on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = model();
+            let e = engine_of(&vs, &plan, cfg, &r);
+            e.load_checkpoint(dir, Some(tag)).unwrap();
+            next_step(&e, &gpt, r.rank())
+        });
+        assert_eq!(resumed, straight, "{tag}");
+    }
+    saved_names(dir, tag)
+}
+
+/// A full load of checkpoint `dir/tag` into an engine of `cfg` is refused
+/// on every rank, its error holding each of `wants`; a module-only load of
+/// it (the parameters alone) succeeds.
+pub fn full_load_refused(dir: &std::path::Path, tag: &str, cfg: &Config, wants: &[&str]) {
+    on_ranks(WORLD, |r| {
+        let (vs, plan, _) = model();
+        let e = engine_of(&vs, &plan, cfg, &r);
+        let err = e.load_checkpoint(dir, Some(tag)).unwrap_err().to_string();
+        for want in wants {
+            assert!(err.contains(want), "{want:?} in {err}");
+        }
+        e.load_checkpoint_module_only(dir, Some(tag)).unwrap();
+    });
+}

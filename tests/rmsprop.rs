@@ -1,0 +1,130 @@
+//! `optimizer.type: "RMSprop"`: torch.optim.RMSprop, whose state is the
+//! square average of the gradient and, with momentum, a momentum buffer.
+//! (Its parity with libtorch's operations at stages 0-3 is in
+//! `engine_parity`.) Asserted here: bf16 stages and the NVMe swaps train
+//! to the bits of the in-memory run, with and without momentum; a rank
+//! holds AdamW's bytes with momentum and 4 bytes per element of its
+//! optimizer range less without, in memory and in the swap file;
+//! checkpoints hold the square average (m) and the buffer (v), resume to
+//! the same bits, and a full load by another optimizer or by RMSprop with
+//! another momentum is refused by name; ranks given different `alpha`
+//! refuse to build. Checkpoint loads restore the RNG, so these run one at
+//! a time ([`common::serial`]).
+
+use crate::common;
+
+use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
+use zrt::zero::Config;
+
+/// RMSprop with a momentum buffer and another alpha (without: torch's
+/// defaults past lr and weight decay, alpha 0.99, no momentum).
+const MOMENTUM: &str = r#", "alpha": 0.9, "momentum": 0.9"#;
+
+fn rmsprop(params: &str, stage: u8, extra: &str, zero: &str) -> Config {
+    let zero = format!("{SHARD_ALL} {zero}");
+    config_params("RMSprop", params, stage, 1, 0.0, extra, &zero)
+}
+
+#[test]
+fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
+    let _serial = serial();
+    let steps = 4;
+    let dir = common::scratch("rmsprop-swap");
+    let (aio, off) = nvme(&dir);
+    // bf16: the swap holds the fp32 master and the moments; fp32: the
+    // moments.
+    for params in ["", MOMENTUM] {
+        for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
+            let memory = common::train_world(&rmsprop(params, stages[0], extra, ""), &[], steps);
+            for &stage in &stages[1..] {
+                let run = common::train_world(&rmsprop(params, stage, extra, ""), &[], steps);
+                let what = format!("{params} {extra} {stage}");
+                assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what}");
+            }
+            let swapped = format!("{off} {}", nvme_params(&dir));
+            let cfg = rmsprop(params, 3, &format!("{extra} {aio}"), &swapped);
+            let run = common::train_world(&cfg, &[], steps);
+            let what = format!("{params} {extra} swapped");
+            assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_holds_one_or_two_moments_in_memory_and_in_the_swap_file() {
+    let _serial = serial();
+    let dir = common::scratch("rmsprop-bytes");
+    let (aio, off) = nvme(&dir);
+    for stage in [0u8, 2, 3] {
+        let held = |optimizer, params, extra: &str, zero: &str| {
+            common::state_held(optimizer, params, stage, extra, zero)
+        };
+        let (adam, range, ..) = held("AdamW", "", "", "");
+        let (plain, ..) = held("RMSprop", "", "", "");
+        let (momentum, ..) = held("RMSprop", MOMENTUM, "", "");
+        assert_eq!(adam - plain, 4 * range, "stage {stage}");
+        assert_eq!(adam, momentum, "stage {stage}");
+        if stage == 3 {
+            // bf16: the swap holds master and two moments, or master and
+            // the square average.
+            let bf16 = format!("{BF16} {aio}");
+            let adam = held("AdamW", "", &bf16, &off).2.unwrap();
+            let plain = held("RMSprop", "", &bf16, &off).2.unwrap();
+            let momentum = held("RMSprop", MOMENTUM, &bf16, &off).2.unwrap();
+            assert!(plain > 0 && 2 * adam == 3 * plain, "{adam} {plain}");
+            assert_eq!(momentum, adam);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_holds_its_state_resumes_to_the_same_bits_and_is_refused_by_others() {
+    let _serial = serial();
+    let dir = common::scratch("rmsprop-ckpt");
+    let swap = common::scratch("rmsprop-ckpt-swap");
+    let (aio, off) = nvme(&swap);
+    for (tag, params) in [("plain", ""), ("momentum", MOMENTUM)] {
+        let at3 = rmsprop(params, 3, BF16, "");
+        // Saved from the swap file and loaded into it.
+        let swapped = rmsprop(params, 3, &format!("{BF16} {aio}"), &off);
+        let names = common::resumes_to_the_same_bits(&dir, tag, &swapped, &[&at3, &swapped]);
+        assert!(names.iter().any(|n| n.ends_with("/m")), "{names:?}");
+        let has_v = names.iter().any(|n| n.ends_with("/v"));
+        assert_eq!(has_v, !params.is_empty(), "{names:?}");
+        let text = zrt::zero::checkpoint::inspect(&dir, Some(tag)).unwrap();
+        let momentum = if params.is_empty() { 0.0 } else { 0.9 };
+        let said = format!("compute bf16, optimizer RMSprop (momentum {momentum})\n");
+        assert!(text.contains(&said), "{text}");
+    }
+    // Refused: another optimizer's state (AdamW's m and v are not the
+    // square average and the buffer; Adagrad's one moment is a sum), or
+    // RMSprop's with another momentum; the parameters still load.
+    let other = "set `optimizer.type` to \"RMSprop\"";
+    let refused = [
+        ("AdamW", "", "momentum", "its run trained with RMSprop, whose optimizer state (two moments, m and v) is not AdamW's (two moments, m and v)", other),
+        ("Adagrad", "", "plain", "its run trained with RMSprop, whose optimizer state (one moment, m) is not Adagrad's (one moment, m)", other),
+        ("RMSprop", MOMENTUM, "plain", "its run trained with RMSprop, whose optimizer state (one moment, m) is not RMSprop's (two moments, m and v)", "set `optimizer.params.momentum` to the saved run's 0"),
+        ("RMSprop", "", "momentum", "its run trained with RMSprop, whose optimizer state (two moments, m and v) is not RMSprop's (one moment, m)", "set `optimizer.params.momentum` to the saved run's 0.9"),
+    ];
+    for (optimizer, params, tag, what, mend) in refused {
+        let cfg = config_params(optimizer, params, 3, 1, 0.0, BF16, SHARD_ALL);
+        let wants = [what, "load_checkpoint_module_only", mend];
+        common::full_load_refused(&dir, tag, &cfg, &wants);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+#[test]
+fn ranks_given_different_alphas_refuse_to_build_naming_it() {
+    // Their square averages would drift apart with no error anywhere.
+    let cfg = |rank| {
+        let params = if rank == 0 { r#", "alpha": 0.9"# } else { "" };
+        rmsprop(params, 2, "", "")
+    };
+    let want =
+        "rank 1 differs from rank 0 in optimizer.params.alpha: rank 1 has 0.99, rank 0 has 0.9.";
+    common::refused_on_every_rank(cfg, common::gpt_plan, want);
+}

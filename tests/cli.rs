@@ -381,10 +381,12 @@ fn estimate_prints_the_design_formula() {
         );
     }
     let _ = std::fs::remove_file(&f);
-    // SGD's momentum buffer and Adagrad's sum: one moment, as Lion's.
+    // SGD's momentum buffer, Adagrad's sum and RMSprop's square average:
+    // one moment, as Lion's; RMSprop with momentum two, as Adam.
     for (optimizer, said) in [
         ("sgd-momentum", "SGD with momentum"),
         ("adagrad", "Adagrad"),
+        ("rmsprop", "RMSprop without momentum"),
     ] {
         let (ok, out) = on_1gib(["--optimizer", optimizer]);
         assert!(
@@ -393,6 +395,22 @@ fn estimate_prints_the_design_formula() {
             "{out}"
         );
     }
+    let f = config_file(
+        "estimate-rmsprop",
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "RMSprop", "params": {"momentum": 0.9}}}"#,
+    );
+    for how in [
+        ["--optimizer", "rmsprop-momentum"],
+        ["--config", f.as_str()],
+    ] {
+        let (ok, out) = on_1gib(how);
+        assert!(
+            ok && out.contains("bf16 compute, RMSprop with momentum:")
+                && out.contains("stage 0:      18.00 GiB"),
+            "{how:?}: {out}"
+        );
+    }
+    let _ = std::fs::remove_file(&f);
     let (ok, out) = zrt(&[
         "estimate",
         "--params=1e9",
@@ -995,6 +1013,13 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
             "optimizer        Adagrad lr 0.1 lr_decay 0.01 eps 0.0000000001 maximize false weight_decay 0.0001 (L2 decay; one sum of squares)",
             r#""betas": [0.9, 0.99]"#,
             "`optimizer.params.betas` is an Adam setting that Adagrad does not take",
+        ),
+        (
+            "RMSprop",
+            r#""lr": 0.01, "alpha": 0.9, "momentum": 0.5, "weight_decay": 1e-4"#,
+            "optimizer        RMSprop lr 0.01 alpha 0.9 eps 0.00000001 momentum 0.5 maximize false weight_decay 0.0001 (L2 decay; a square average and a momentum buffer)",
+            r#""amsgrad": false"#,
+            "`optimizer.params.amsgrad` is an Adam setting that RMSprop does not take",
         ),
     ];
     let lamb = (

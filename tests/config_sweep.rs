@@ -2,7 +2,7 @@
 //! result: each case draws a stage (1-3), the settings of that stage
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
-//! NVMe) and a program (AdamW, Lion, SGD or Adagrad, accumulation steps, clipping, bf16 or fp16 with
+//! NVMe) and a program (AdamW, Lion, SGD, Adagrad or RMSprop, accumulation steps, clipping, bf16 or fp16 with
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
@@ -183,11 +183,12 @@ struct Program {
     /// final norm's bias (a root parameter), which training must go on
     /// from; 2: an evaluation forward.
     full_params: usize,
-    /// `optimizer.type`: "AdamW", "Lion", "SGD" or "Adagrad" (one moment
-    /// or none: their own state layouts in memory, swaps and checkpoints).
+    /// `optimizer.type`: "AdamW", "Lion", "SGD", "Adagrad" or "RMSprop"
+    /// (two moments, one or none: their own state layouts in memory, swaps
+    /// and checkpoints).
     optimizer: &'static str,
     /// Its params past lr and weight decay (SGD's momentum, Adagrad's
-    /// `lr_decay`, or none).
+    /// `lr_decay`, RMSprop's alpha and momentum, or none).
     params: &'static str,
 }
 
@@ -508,6 +509,14 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
     if program.optimizer == "AdamW" && adagrad.flag(5) {
         program.optimizer = "Adagrad";
         program.params = *adagrad.one(&[&"", &r#", "lr_decay": 0.1"#]);
+    }
+    // RMSprop (the square average, and a momentum buffer or not) in a
+    // sixth of those left, likewise.
+    let mut rmsprop = Draw(d.0.rotate_left(47) | 1);
+    if program.optimizer == "AdamW" && rmsprop.flag(6) {
+        program.optimizer = "RMSprop";
+        const SETTINGS: [&str; 2] = ["", r#", "alpha": 0.9, "momentum": 0.9"#];
+        program.params = *rmsprop.one(&[&SETTINGS[0], &SETTINGS[1]]);
     }
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another

@@ -1,13 +1,15 @@
 """Peer for `zrt bench adam`: PyTorch's fused AdamW and DeepSpeed's CPUAdam,
-PyTorch's fused SGD (momentum 0.9) for zrt's SGD row and its fused Adagrad
-for zrt's Adagrad row.
+PyTorch's fused SGD (momentum 0.9) for zrt's SGD row, its fused Adagrad
+for zrt's Adagrad row, and its RMSprop (momentum 0.9; foreach, as torch has
+no fused RMSprop) for zrt's RMSprop row.
 
 A long-lived process so zrt and the peers can be interleaved round by round
 without paying for `import torch` each time. Protocol, one JSON object a line:
 Every protocol line starts with "@@zrt " (libraries such as DeepSpeed log to
 stdout; zrt passes any other line through to its stderr).
   start:   prints {"ready": true, "deepspeed": <bool>, "deepspeed_error": <str>}
-  request: {"impl": "torch_fused" | "torch_fused_sgd" | "torch_fused_adagrad" | "deepspeed",
+  request: {"impl": "torch_fused" | "torch_fused_sgd" | "torch_fused_adagrad"
+                    | "torch_rmsprop" | "deepspeed",
             "threads": T, "steps": K}
   reply:   {"times": [seconds of each of K steps]}   (after one warm-up step)
 """
@@ -44,6 +46,10 @@ def optimizer(impl):
             )
         elif impl == "torch_fused_adagrad":
             opts[impl] = torch.optim.Adagrad([param], lr=1e-2, weight_decay=0.01, fused=True)
+        elif impl == "torch_rmsprop":
+            opts[impl] = torch.optim.RMSprop(
+                [param], lr=1e-2, momentum=0.9, weight_decay=0.01, foreach=True
+            )
         else:
             raise ValueError(f"unknown impl {impl}")
     return opts[impl]

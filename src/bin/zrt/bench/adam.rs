@@ -4,8 +4,9 @@
 //! zrt's Lion step on the same shard is timed in the same rounds (no peer
 //! has one: torch 2.13 has no Lion, DeepSpeed's needs its CUDA or CPU
 //! build), against the limit and the peers' AdamW; zrt's SGD with
-//! momentum against PyTorch's fused SGD, and zrt's Adagrad against
-//! PyTorch's fused Adagrad.
+//! momentum against PyTorch's fused SGD, zrt's Adagrad against PyTorch's
+//! fused Adagrad, and zrt's RMSprop with momentum against PyTorch's
+//! RMSprop (its `foreach` path: torch 2.13 has no fused RMSprop).
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -14,11 +15,12 @@ use serde_json::{json, Value};
 use super::peer::Peer;
 use super::{copy_bandwidth, median, time_each};
 use zrt::kernels::{
-    adagrad_step, adam_step, lion_step, sgd_step, AdagradConfig, AdamConfig, AdamShard,
-    ComputeCopy, SgdConfig, Threads,
+    adagrad_step, adam_step, lion_step, rmsprop_step, sgd_step, AdagradConfig, AdamConfig,
+    AdamShard, ComputeCopy, RmspropConfig, SgdConfig, Threads,
 };
 
-/// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v.
+/// Bytes an Adam step moves per parameter: read p, g, m, v; write p, m, v
+/// (RMSprop's with momentum too: its square average and buffer).
 const BYTES_PER_PARAM: f64 = 28.0;
 
 /// Bytes a Lion step, SGD's with momentum or Adagrad's, moves per
@@ -54,9 +56,11 @@ struct Samples {
     lion: Vec<f64>,
     sgd: Vec<f64>,
     adagrad: Vec<f64>,
+    rmsprop: Vec<f64>,
     torch: Vec<f64>,
     torch_sgd: Vec<f64>,
     torch_adagrad: Vec<f64>,
+    torch_rmsprop: Vec<f64>,
     deepspeed: Vec<f64>,
     copy_gbs: Vec<f64>,
 }
@@ -77,11 +81,12 @@ fn copy_bytes(n: usize) -> usize {
 /// Bytes held at once for `n` parameters: zrt's p, g, m, v (16 each), the
 /// limit's source and destination, and with `peer` the peer process's
 /// parameter, gradient (and its temporary), two optimizers' m and v,
-/// SGD's momentum buffer and Adagrad's sum.
+/// SGD's momentum buffer, Adagrad's sum and RMSprop's square average and
+/// buffer.
 fn peak_bytes(n: usize, peer: bool) -> Option<u64> {
     let copy = 2 * copy_bytes(n) as u64;
     let n = n as u64;
-    let peer = if peer { n.checked_mul(36)? } else { 0 };
+    let peer = if peer { n.checked_mul(44)? } else { 0 };
     n.checked_mul(16)?.checked_add(copy)?.checked_add(peer)
 }
 
@@ -194,6 +199,25 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                     .expect("valid Adagrad arguments");
             };
             s.adagrad.extend(time_each(args.steps, adagrad));
+            // RMSprop with momentum on the same p and g, v as its square
+            // average (non-negative) and m as its buffer: the settings the
+            // peer's RMSprop steps with.
+            let rmsprop_cfg = RmspropConfig {
+                momentum: 0.9,
+                weight_decay: 0.01,
+                ..RmspropConfig::default()
+            };
+            let rmsprop = || {
+                let shard = AdamShard {
+                    p: &mut p,
+                    g: &g,
+                    m: &mut v,
+                    v: &mut m,
+                };
+                rmsprop_step(pool, &rmsprop_cfg, 1.0, shard, ComputeCopy::None)
+                    .expect("valid RMSprop arguments");
+            };
+            s.rmsprop.extend(time_each(args.steps, rmsprop));
             if let Some(peer) = peer.as_mut() {
                 s.torch
                     .extend(peer_times(peer, "torch_fused", t, args.steps)?);
@@ -201,6 +225,8 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                     .extend(peer_times(peer, "torch_fused_sgd", t, args.steps)?);
                 s.torch_adagrad
                     .extend(peer_times(peer, "torch_fused_adagrad", t, args.steps)?);
+                s.torch_rmsprop
+                    .extend(peer_times(peer, "torch_rmsprop", t, args.steps)?);
                 if deepspeed {
                     s.deepspeed
                         .extend(peer_times(peer, "deepspeed", t, args.steps)?);
@@ -214,7 +240,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
 
     if !args.json {
         println!(
-            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for Lion, SGD with momentum and Adagrad; zrt Lion's vs-peer is against the peers' AdamW, zrt SGD's and Adagrad's against torch's fused ones)",
+            "AdamW on {:.0}M params, {} rounds x {} steps, medians; GB/s counts {} bytes/param ({} for Lion, SGD with momentum and Adagrad; zrt Lion's vs-peer is against the peers' AdamW, zrt SGD's and Adagrad's against torch's fused ones, zrt RMSprop's against torch's foreach one)",
             n as f64 / 1e6,
             args.rounds,
             args.steps,
@@ -253,7 +279,7 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                 .map(|&(name, secs)| (name, secs, BYTES_PER_PARAM, best_peer)),
         );
         rows.push(("zrt Lion", median(&s.lion), LION_BYTES_PER_PARAM, best_peer));
-        // zrt's SGD and Adagrad, each with torch's fused one when it ran.
+        // zrt's SGD, Adagrad and RMSprop, each with torch's when it ran.
         let pairs = [
             ("zrt SGD", &s.sgd, "torch fused SGD", &s.torch_sgd),
             (
@@ -262,12 +288,22 @@ pub fn run(args: &AdamArgs) -> Result<()> {
                 "torch fused Adagrad",
                 &s.torch_adagrad,
             ),
+            (
+                "zrt RMSprop",
+                &s.rmsprop,
+                "torch RMSprop foreach",
+                &s.torch_rmsprop,
+            ),
         ];
         for (ours, times, theirs, peer_times) in pairs {
             let peer = median(peer_times);
-            rows.push((ours, median(times), LION_BYTES_PER_PARAM, peer));
+            let bytes = match ours {
+                "zrt RMSprop" => BYTES_PER_PARAM,
+                _ => LION_BYTES_PER_PARAM,
+            };
+            rows.push((ours, median(times), bytes, peer));
             if peer.is_finite() {
-                rows.push((theirs, peer, LION_BYTES_PER_PARAM, peer));
+                rows.push((theirs, peer, bytes, peer));
             }
         }
         for (name, secs, bytes, peer_secs) in rows {
@@ -315,8 +351,8 @@ mod tests {
         assert_eq!(copy_bytes(1 << 30), 1 << 30);
         assert_eq!(peak_bytes(1000, false), Some(16_000 + 28_000));
         // The peer: its parameter, gradient, temporary, two m and v,
-        // SGD's buffer and Adagrad's sum.
-        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 36_000));
+        // SGD's buffer, Adagrad's sum, RMSprop's square average and buffer.
+        assert_eq!(peak_bytes(1000, true), Some(16_000 + 28_000 + 44_000));
         // The limit's copy stops at 1 GiB.
         assert_eq!(peak_bytes(1 << 30, false), Some((16u64 << 30) + (2 << 30)));
         assert_eq!(peak_bytes(usize::MAX, false), None);

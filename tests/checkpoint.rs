@@ -1728,6 +1728,52 @@ fn ranks_given_different_tags_load_nothing_and_name_what_each_read() {
 }
 
 #[test]
+fn ranks_saving_under_different_tags_write_nothing_and_name_each_tag() {
+    // Before, rank 1 wrote into a staging directory of its own tag that
+    // rank 0 never committed: an error about a missing directory, or, where
+    // a failed save had left that staging directory behind, a file written
+    // into it and rank 0's checkpoint committed without rank 1's shards.
+    let _serial = serial();
+    let dir = tmp("save-different-tags");
+    std::fs::create_dir_all(dir.join(".b.partial")).unwrap();
+    let cfg = config_zero(3, 1, 0.0, "", "");
+    let out = on_ranks(2, |r| {
+        let (vs, plan, _) = model();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let err = e.save_checkpoint(&dir, ["a", "b"][r.rank()]).unwrap_err();
+        // The engine goes on: the same tag everywhere saves.
+        e.save_checkpoint(&dir, "same").unwrap();
+        err
+    });
+    for e in out {
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                EngineError::Checkpoint(CheckpointError::DifferentTags(_))
+            ),
+            "{text}"
+        );
+        assert!(
+            text.starts_with("ranks saved under different tags: rank 0 saved under `a`; rank 1 saved under `b`; nothing was written"),
+            "{text}"
+        );
+    }
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, [".b.partial", "latest", "same"]);
+    assert_eq!(
+        std::fs::read_dir(dir.join(".b.partial")).unwrap().count(),
+        0
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_save_only_rank_0_calls_is_named_as_a_collective() {
     let _serial = serial();
     let dir = tmp("rank-0-only");

@@ -71,6 +71,11 @@ pub enum CheckpointError {
     /// "ranks R read PATH (step S)". Nothing was loaded.
     #[error("ranks read different checkpoints: {}; nothing was loaded: every rank must load the same tag from the same directory (on several nodes, one they share)", .0.join("; "))]
     NotTheSame(Vec<String>),
+    /// Ranks saved under different tags (each "ranks R saved under `TAG`"):
+    /// their files would have gone to different directories, none of them
+    /// a whole checkpoint. Nothing was written.
+    #[error("ranks saved under different tags: {}; nothing was written: every rank must save under the same tag (DeepSpeed's `checkpoint.tag_validation` check, which zrt always makes)", .0.join("; "))]
+    DifferentTags(Vec<String>),
     /// Other ranks failed while this one succeeded; nothing was committed.
     #[error("rank(s) {ranks:?} failed to {what} the checkpoint (their own errors say why); nothing was committed, the previous checkpoint is intact")]
     Peers {

@@ -20,6 +20,15 @@ pub(crate) const TOP: &[&str] = &[
     "csv_monitor",
     "tensorboard",
     "comms_logger",
+    "checkpoint",
+];
+
+/// Keys of `checkpoint` (DeepSpeed's checkpoint options).
+pub(crate) const CHECKPOINT: &[&str] = &[
+    "tag_validation",
+    "load_universal",
+    "use_node_local_storage",
+    "parallel_write",
 ];
 
 /// Keys of the monitor blocks zrt writes (`csv_monitor`, `tensorboard`).
@@ -62,7 +71,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "activation_checkpointing",
     "amp",
     "autotuning",
-    "checkpoint",
     "comet",
     "compression_training",
     "data_efficiency",
@@ -268,11 +276,6 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "zrt reduces each bucket in one collective",
     ),
     // Top-level keys.
-    (
-        "checkpoint",
-        AsZrt::Never,
-        "in zrt every rank must load the same tag (an error otherwise, as DeepSpeed's `tag_validation: \"Fail\"`), every checkpoint loads on any world size or stage (no `load_universal` conversion), and each rank writes its own file under the directory given",
-    ),
     (
         "dump_state",
         AsZrt::Bool(false),

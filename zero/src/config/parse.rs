@@ -1055,6 +1055,48 @@ impl P {
         enabled.then(|| std::path::Path::new(&path).join(job))
     }
 
+    /// `checkpoint`: DeepSpeed's checkpoint options. None changes what zrt
+    /// does; each is checked, and one asking for something zrt does not do
+    /// says what it does instead.
+    fn checkpoint(&mut self, top: &Map<String, Value>) {
+        let key = "checkpoint";
+        let Some(c) = self.object(top, key) else {
+            return;
+        };
+        self.keys(c, key, keys::CHECKPOINT, &[], true);
+        if let Some(mode) = self.string(c, key, "tag_validation") {
+            // DeepSpeed upper-cases it, and refuses any other mode.
+            match mode.to_ascii_lowercase().as_str() {
+                "fail" => {}
+                "warn" | "ignore" => self.warnings.push(format!(
+                    "`checkpoint.tag_validation` = \"{mode}\" is not what zrt does: it fails a save whose ranks give different tags, as \"Fail\" does (their files would go to different directories, none of them a whole checkpoint)"
+                )),
+                _ => self.problems.push(format!(
+                    "`checkpoint.tag_validation` must be \"Ignore\", \"Warn\" or \"Fail\", got \"{mode}\""
+                )),
+            }
+        }
+        if self.bool_or(c, key, "load_universal", false) {
+            self.warnings.push("`checkpoint.load_universal` = true is not needed: zrt's checkpoints load on any world size and stage as saved (DeepSpeed's universal checkpoint folders are not a format zrt reads)".into());
+        }
+        if self.bool_or(c, key, "use_node_local_storage", false) {
+            self.warnings.push("`checkpoint.use_node_local_storage` = true is not implemented by zrt; it is ignored: rank 0 commits one checkpoint directory, which on several nodes must be storage every rank shares (a rank that cannot write into it fails the save, naming itself)".into());
+        }
+        let path = "checkpoint.parallel_write";
+        match c.get("parallel_write") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(w)) => {
+                self.keys(w, path, &["pipeline_stage"], &[], true);
+                if self.bool_or(w, path, "pipeline_stage", false) {
+                    self.warnings.push("`checkpoint.parallel_write.pipeline_stage` = true has no effect: zrt has no pipeline stages, and every rank writes its own file already".into());
+                }
+            }
+            Some(v) => self
+                .problems
+                .push(format!("`{path}` must be an object, got {v}")),
+        }
+    }
+
     /// `comms_logger`, its `prof_ops` mapped to zrt's operation names.
     fn comms_logger(&mut self, top: &Map<String, Value>) -> CommsLoggerConfig {
         let key = "comms_logger";
@@ -1311,6 +1353,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
     let optimizer = p.optimizer(&top);
     let scheduler = p.scheduler(&top, optimizer.kind);
     let (precision, precision_auto) = p.precision(&top);
+    p.checkpoint(&top);
     let cfg = Config {
         train_batch_size,
         micro_batch,

@@ -562,7 +562,8 @@ fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn()
         );
     }
     for w in [
-        "`checkpoint` is a DeepSpeed setting zrt does not implement; it is ignored: in zrt every rank must load the same tag",
+        "`checkpoint.tag_validation` = \"Warn\" is not what zrt does: it fails a save whose ranks give different tags, as \"Fail\" does",
+
         "`zero_optimization.offload_optimizer.ratio` = 0.5 is not honoured by zrt",
         "`zero_optimization.offload_optimizer.fast_init` = true is not honoured by zrt",
         "`zero_optimization.offload_param.max_in_cpu` = 1000000.0 is not honoured by zrt",
@@ -578,6 +579,38 @@ fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn()
     // warning for "cpu" (its device warning says it), none for the
     // permission to bring an optimizer (zrt takes none).
     assert_eq!(loud.warnings.len(), 16, "{:?}", loud.warnings);
+}
+
+#[test]
+fn the_checkpoint_block_is_checked_and_says_what_zrt_does_instead() {
+    let with = |block: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW"}}, "checkpoint": {block}}}"#
+        ))
+    };
+    // What zrt does anyway: silent (DeepSpeed upper-cases the mode).
+    let quiet = with(r#"{"tag_validation": "fail", "load_universal": false, "use_node_local_storage": false, "parallel_write": {"pipeline_stage": false}}"#).unwrap();
+    assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    let loud = with(r#"{"tag_validation": "Ignore", "load_universal": true, "use_node_local_storage": true, "parallel_write": {"pipeline_stage": true}}"#).unwrap();
+    assert_eq!(
+        loud.warnings,
+        [
+            "`checkpoint.tag_validation` = \"Ignore\" is not what zrt does: it fails a save whose ranks give different tags, as \"Fail\" does (their files would go to different directories, none of them a whole checkpoint)",
+            "`checkpoint.load_universal` = true is not needed: zrt's checkpoints load on any world size and stage as saved (DeepSpeed's universal checkpoint folders are not a format zrt reads)",
+            "`checkpoint.use_node_local_storage` = true is not implemented by zrt; it is ignored: rank 0 commits one checkpoint directory, which on several nodes must be storage every rank shares (a rank that cannot write into it fails the save, naming itself)",
+            "`checkpoint.parallel_write.pipeline_stage` = true has no effect: zrt has no pipeline stages, and every rank writes its own file already",
+        ]
+    );
+    assert_eq!(
+        with(r#"{"tag_validation": "Strict", "tag_validaton": 1, "parallel_write": true}"#)
+            .unwrap_err()
+            .problems,
+        [
+            "unknown key `checkpoint.tag_validaton`; did you mean `checkpoint.tag_validation`?",
+            "`checkpoint.tag_validation` must be \"Ignore\", \"Warn\" or \"Fail\", got \"Strict\"",
+            "`checkpoint.parallel_write` must be an object, got true",
+        ]
+    );
 }
 
 #[test]

@@ -379,6 +379,15 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             Ok(())
         };
         self.agree(made, "save")?;
+        // Every rank is saving now (the agreement above is the one
+        // collective a training rank would be named by): check they save
+        // the same tag, before anything is written.
+        if let Err(e) = self.same_tag(tag) {
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            return Err(e);
+        }
         // 2. Every rank writes its file; rank 0 also meta.json.
         let wrote = {
             let mut st = i.st.lock();
@@ -794,6 +803,47 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(|(&(crc, step, _), p)| (crc, step, String::from_utf8_lossy(&p).into_owned()))
             .collect();
         Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
+    }
+
+    /// Checks that every rank of the world saves under `tag`. Ranks given
+    /// other tags would write their files into other staging directories
+    /// (rank 0 commits its own: a checkpoint missing ranks, or, where a
+    /// failed save left another tag's staging behind, files written into
+    /// it that no one commits). When they differ, every rank fails naming
+    /// each rank's tag.
+    fn same_tag(&self, tag: &str) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        let mine = vec![i64::from(crc32fast::hash(tag.as_bytes())), tag.len() as i64];
+        let what = || "this rank compared the tag it saves under with the other ranks'".to_string();
+        let all = super::agree::world_gather(&i.group, i.replicate.as_ref(), mine, false, what)?;
+        if all.chunks(2).all(|c| c == &all[..2]) {
+            return Ok(());
+        }
+        let lens: Vec<usize> = all.chunks(2).map(|c| c[1] as usize).collect();
+        let tags = super::agree::world_parts(
+            &i.group,
+            i.replicate.as_ref(),
+            tag.as_bytes().to_vec(),
+            &lens,
+            what,
+        )?;
+        // (tag, the ranks saving under it), in rank order of first use.
+        let mut seen: Vec<(String, Vec<String>)> = Vec::new();
+        for (r, t) in tags.iter().enumerate() {
+            let t = String::from_utf8_lossy(t).into_owned();
+            match seen.iter_mut().find(|(x, _)| *x == t) {
+                Some((_, rs)) => rs.push(r.to_string()),
+                None => seen.push((t, vec![r.to_string()])),
+            }
+        }
+        let each = seen
+            .into_iter()
+            .map(|(t, rs)| {
+                let s = if rs.len() > 1 { "s" } else { "" };
+                format!("rank{s} {} saved under `{t}`", rs.join(", "))
+            })
+            .collect();
+        Err(CheckpointError::DifferentTags(each).into())
     }
 
     /// Reads and verifies the checkpoint for a load of `what` (the

@@ -1,12 +1,14 @@
 //! `optimizer.type: "Adagrad"`: torch.optim.Adagrad, whose state is one
 //! sum of squared gradients. (Its parity with libtorch's operations at
 //! stages 0-3 is in `engine_parity`.) Asserted here: bf16 stages and the
-//! NVMe swaps train to the bits of the in-memory run; a rank holds 4 bytes
-//! per element of its optimizer range less than under AdamW, in memory
-//! and in the swap file; checkpoints hold the sum, resume to the same bits
-//! (`lr_decay` goes on from the saved step), and a full load of another
-//! optimizer's one-moment state is refused by name; ranks given different
-//! `lr_decay` refuse to build. Checkpoint loads restore the RNG, so these
+//! NVMe swaps train to the bits of the in-memory run, the sums starting at
+//! an `initial_accumulator_value`; a rank holds 4 bytes per element of its
+//! optimizer range less than under AdamW, in memory and in the swap file;
+//! checkpoints hold the sum, resume to the same bits (`lr_decay` goes on
+//! from the saved step), a module-only load starts the sums at their
+//! initial value again, and a full load of another optimizer's one-moment
+//! state is refused by name; ranks given different `lr_decay` refuse to
+//! build. Checkpoint loads restore the RNG, so these
 //! run one at a time ([`common::serial`]).
 
 use crate::common;
@@ -17,9 +19,12 @@ use zrt::zero::Config;
 /// A rate that decays by step, which a resumed run must go on with.
 const DECAY: &str = r#", "lr_decay": 0.5"#;
 
+/// [`DECAY`], and sums that start above 0 (in memory and in the swap).
+const SETTINGS: &str = r#", "lr_decay": 0.5, "initial_accumulator_value": 0.1"#;
+
 fn adagrad(stage: u8, extra: &str, zero: &str) -> Config {
     let zero = format!("{SHARD_ALL} {zero}");
-    config_params("Adagrad", DECAY, stage, 1, 0.0, extra, &zero)
+    config_params("Adagrad", SETTINGS, stage, 1, 0.0, extra, &zero)
 }
 
 #[test]
@@ -91,6 +96,38 @@ fn a_checkpoint_holds_the_sum_resumes_to_the_same_bits_and_is_refused_by_others(
     }
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&swap);
+}
+
+#[test]
+fn a_module_only_load_starts_the_sums_at_their_initial_value() {
+    // Its parameters loaded into a fresh engine train as the same
+    // parameters put into the model before the engine: both sums start at
+    // 0.1, not at the saved sums nor at 0.
+    let _serial = serial();
+    let dir = common::scratch("adagrad-module-only");
+    let cfg = adagrad(2, "", "");
+    let saved = common::on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &cfg, &r);
+        common::train_losses(&gpt, &e, r.rank(), 2);
+        e.save_checkpoint(&dir, "pre").unwrap();
+        e.gathered_params().unwrap()
+    })
+    .remove(0);
+    let loaded = common::on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        let e = common::engine_of(&vs, &plan, &cfg, &r);
+        e.load_checkpoint_module_only(&dir, None).unwrap();
+        common::next_step(&e, &gpt, r.rank())
+    });
+    let built = common::on_ranks(common::WORLD, |r| {
+        let (vs, plan, gpt) = common::model();
+        common::put_params(&vs, &saved);
+        let e = common::engine_of(&vs, &plan, &cfg, &r);
+        common::next_step(&e, &gpt, r.rank())
+    });
+    assert_eq!(loaded, built);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

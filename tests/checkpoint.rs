@@ -1828,14 +1828,7 @@ fn fine_tune((stage, extra, zero): (u8, &str, &str), steps: usize, start: Start)
     on_ranks(2, |r| {
         let (vs, plan, gpt) = model();
         if let Start::Weights(init) = start {
-            let mut vars = vs.variables();
-            tch::no_grad(|| {
-                for (name, values) in init {
-                    let t = vars.get_mut(name).unwrap();
-                    t.f_copy_(&Tensor::from_slice(values).view(t.size().as_slice()))
-                        .unwrap();
-                }
-            });
+            common::put_params(&vs, init);
         }
         let world = r.new_group(&[0, 1]).unwrap();
         let e = Engine::new(&vs, &plan, &cfg, world, &AutoHints::default()).unwrap();

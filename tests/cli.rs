@@ -1010,7 +1010,7 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
         (
             "Adagrad",
             r#""lr": 0.1, "lr_decay": 0.01, "weight_decay": 1e-4"#,
-            "optimizer        Adagrad lr 0.1 lr_decay 0.01 eps 0.0000000001 maximize false weight_decay 0.0001 (L2 decay; one sum of squares)",
+            "optimizer        Adagrad lr 0.1 lr_decay 0.01 eps 0.0000000001 initial_accumulator_value 0 maximize false weight_decay 0.0001 (L2 decay; one sum of squares)",
             r#""betas": [0.9, 0.99]"#,
             "`optimizer.params.betas` is an Adam setting that Adagrad does not take",
         ),

@@ -188,7 +188,8 @@ struct Program {
     /// and checkpoints).
     optimizer: &'static str,
     /// Its params past lr and weight decay (SGD's momentum, Adagrad's
-    /// `lr_decay`, RMSprop's alpha and momentum, or none).
+    /// `lr_decay` or `initial_accumulator_value`, RMSprop's alpha and
+    /// momentum, or none).
     params: &'static str,
 }
 
@@ -504,11 +505,17 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         program.params = *sgd.one(&[&MOMENTA[0], &MOMENTA[1], &MOMENTA[2]]);
     }
     // Adagrad (one sum of squares; a rate decaying by step, which a
-    // resume goes on with) in a fifth of those left, likewise.
+    // resume goes on with, or sums starting above 0) in a fifth of those
+    // left, likewise.
     let mut adagrad = Draw(d.0.rotate_left(37) | 1);
     if program.optimizer == "AdamW" && adagrad.flag(5) {
         program.optimizer = "Adagrad";
-        program.params = *adagrad.one(&[&"", &r#", "lr_decay": 0.1"#]);
+        const SETTINGS: [&str; 3] = [
+            "",
+            r#", "lr_decay": 0.1"#,
+            r#", "initial_accumulator_value": 0.1"#,
+        ];
+        program.params = *adagrad.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
     }
     // RMSprop (the square average, and a momentum buffer or not) in a
     // sixth of those left, likewise.

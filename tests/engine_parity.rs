@@ -281,7 +281,8 @@ fn run_reference_full(
 
 /// The reference's optimizer: libtorch's AdamW, [`lion_update`],
 /// libtorch's SGD with these settings (its `wd` replaced by [`WD`]),
-/// [`lamb_update`], [`adagrad_update`] with this `lr_decay`, or
+/// [`lamb_update`], [`adagrad_update`] with this `lr_decay` and sums
+/// starting at `init`, or
 /// [`rmsprop_update`] with these settings (`wd` ignored: [`WD`]).
 #[derive(Clone, Copy)]
 enum RefOpt {
@@ -290,11 +291,12 @@ enum RefOpt {
     Sgd(nn::Sgd),
     RmsProp(nn::RmsProp),
     Lamb,
-    Adagrad { lr_decay: f64 },
+    Adagrad { lr_decay: f64, init: f64 },
 }
 
 /// torch.optim.Adagrad's step `t` (1-based, its single-tensor path, the
-/// one it takes on CPU) at [`LR`], [`WD`], `lr_decay`, eps 1e-10, on every
+/// one it takes on CPU) at [`LR`], [`WD`], `lr_decay`, eps 1e-10, the sums
+/// starting at `init` (its `initial_accumulator_value`), on every
 /// variable from its `.grad()`, its decay and rate as `rules` give them,
 /// through libtorch's own operations: the decay added to the gradient,
 /// `sum.addcmul_(g, g)`, `sum.sqrt() + eps`, `p.addcdiv_(-clr * g, std)`
@@ -304,13 +306,13 @@ fn adagrad_update(
     vars: &[(String, Tensor)],
     sums: &mut Vec<Tensor>,
     rules: Rules,
-    lr_decay: f64,
+    (lr_decay, init): (f64, f64),
     t: u64,
 ) {
     tch::no_grad(|| {
         for (k, (name, var)) in vars.iter().enumerate() {
             if sums.len() <= k {
-                sums.push(var.detach().zeros_like());
+                sums.push(var.detach().full_like(init));
             }
             let lr = LR * rules.lr_scale(name);
             let wd = if rules.decays(&var.size()) { WD } else { 0.0 };
@@ -593,8 +595,8 @@ fn run_reference_opt(
         match ref_opt {
             RefOpt::Lion => lion_update(&vars, &mut moments, rules),
             RefOpt::Lamb => lamb_update(&vars, &mut lamb_state, rules, step as u64 + 1),
-            RefOpt::Adagrad { lr_decay } => {
-                adagrad_update(&vars, &mut sums, rules, lr_decay, step as u64 + 1)
+            RefOpt::Adagrad { lr_decay, init } => {
+                adagrad_update(&vars, &mut sums, rules, (lr_decay, init), step as u64 + 1)
             }
             RefOpt::RmsProp(rms) => rmsprop_update(&vars, &mut rms_state, rms, rules),
             RefOpt::AdamW | RefOpt::Sgd(_) => opt.step(),
@@ -748,13 +750,15 @@ fn sgd_at_stages_0_to_3_matches_libtorchs_sgd() {
 
 #[test]
 fn adagrad_at_stages_0_to_3_matches_libtorchs_operations() {
-    // Plain; and a decaying rate with the parameter rules' runs, clipping
-    // and gas 2.
-    for (params, lr_decay, gas, clip, rules) in [
-        ("", 0.0, 1, 0.0, Rules::Plain),
-        (r#", "lr_decay": 0.5"#, 0.5, 2, 0.5, Rules::Scaled),
+    // Plain; a decaying rate with the parameter rules' runs, clipping and
+    // gas 2; sums starting above 0.
+    let init = r#", "initial_accumulator_value": 0.1"#;
+    for (params, lr_decay, init, gas, clip, rules) in [
+        ("", 0.0, 0.0, 1, 0.0, Rules::Plain),
+        (r#", "lr_decay": 0.5"#, 0.5, 0.0, 2, 0.5, Rules::Scaled),
+        (init, 0.0, 0.1, 1, 0.0, Rules::NoDecayVectors),
     ] {
-        let opt = RefOpt::Adagrad { lr_decay };
+        let opt = RefOpt::Adagrad { lr_decay, init };
         stages_match_the_reference("Adagrad", params, gas, clip, rules, opt);
     }
 }

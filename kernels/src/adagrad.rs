@@ -7,7 +7,7 @@
 //! g   = grad * grad_scale                 (1/loss_scale x clip coefficient)
 //! g   = -g                                (maximize)
 //! g   = g + weight_decay * p              (L2: coupled, as torch's)
-//! s   = s + g * g                         (the sum of squares, from 0)
+//! s   = s + g * g                         (the sum of squares, from its initial value)
 //! clr = lr / (1 + (step - 1) * lr_decay)
 //! p   = p - clr * g / (sqrt(s) + eps)
 //! ```
@@ -29,7 +29,8 @@ use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
 
 /// Adagrad's hyper-parameters (`torch.optim.Adagrad`'s, same names; its
-/// `initial_accumulator_value` is 0: the sum starts empty).
+/// `initial_accumulator_value` is where the caller's sum starts, which the
+/// kernel only adds to).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdagradConfig {
     /// Learning rate before `lr_decay`.

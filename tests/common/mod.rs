@@ -513,3 +513,17 @@ pub fn full_load_refused(dir: &std::path::Path, tag: &str, cfg: &Config, wants: 
         e.load_checkpoint_module_only(dir, Some(tag)).unwrap();
     });
 }
+
+/// Copies `params` (as `Engine::gathered_params` gives them) into the
+/// VarStore's variables of the same names: weights loaded before the
+/// engine is built, as a program loads pretrained ones.
+pub fn put_params(vs: &nn::VarStore, params: &Params) {
+    let mut vars = vs.variables();
+    tch::no_grad(|| {
+        for (name, values) in params {
+            let t = vars.get_mut(name).unwrap();
+            t.f_copy_(&Tensor::from_slice(values).view(t.size().as_slice()))
+                .unwrap();
+        }
+    });
+}

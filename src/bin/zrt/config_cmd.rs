@@ -182,10 +182,11 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             o.max_coeff,
         ),
         OptimizerKind::Adagrad => println!(
-            "  optimizer        Adagrad lr {} lr_decay {} eps {} maximize {} weight_decay {} (L2 decay; one sum of squares)",
+            "  optimizer        Adagrad lr {} lr_decay {} eps {} initial_accumulator_value {} maximize {} weight_decay {} (L2 decay; one sum of squares)",
             show(o.lr),
             o.lr_decay,
             o.eps,
+            o.initial_accumulator_value,
             o.maximize,
             show(o.weight_decay),
         ),

@@ -157,6 +157,9 @@ pub struct OptimizerConfig {
     pub maximize: bool,
     /// Adagrad's `params.lr_decay` (0 for the others).
     pub lr_decay: f64,
+    /// Adagrad's `params.initial_accumulator_value`: where its sum of
+    /// squares starts (0 for the others).
+    pub initial_accumulator_value: f64,
     /// RMSprop's `params.alpha`: the share of the old square average kept
     /// each step (torch's default 0.99; unused by the others).
     pub alpha: f64,
@@ -174,6 +177,16 @@ impl OptimizerConfig {
     /// with or without momentum).
     pub fn moments(&self) -> usize {
         self.kind.moments(self.momentum > 0.0)
+    }
+
+    /// The value every element of the first moment (`m`) starts at, in a
+    /// new engine and after a module-only load: Adagrad's
+    /// `initial_accumulator_value`, 0 for every other optimizer.
+    pub fn initial_m(&self) -> f32 {
+        match self.kind {
+            OptimizerKind::Adagrad => self.initial_accumulator_value as f32,
+            _ => 0.0,
+        }
     }
 }
 

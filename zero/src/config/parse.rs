@@ -293,6 +293,7 @@ impl P {
             nesterov: false,
             maximize: false,
             lr_decay: 0.0,
+            initial_accumulator_value: 0.0,
             alpha: 0.99,
             max_coeff: 10.0,
             min_coeff: 0.01,
@@ -512,9 +513,14 @@ impl P {
                 "`{path}.lr_decay` must be finite and >= 0, got {lr_decay}"
             ));
         }
-        if adagrad && self.f64_or(p, path, "initial_accumulator_value", 0.0) != 0.0 {
+        let initial_accumulator_value = match adagrad {
+            true => self.f64_or(p, path, "initial_accumulator_value", 0.0),
+            false => 0.0,
+        };
+        if !(initial_accumulator_value >= 0.0 && initial_accumulator_value.is_finite()) {
+            // torch's own check, plus finiteness.
             self.problems.push(format!(
-                "`{path}.initial_accumulator_value` other than 0 is not implemented by zrt (its Adagrad starts the sum of squares at 0, as DeepSpeed's CPU Adagrad does): remove it or set it to 0"
+                "`{path}.initial_accumulator_value` must be finite and >= 0, got {initial_accumulator_value}"
             ));
         }
         let lamb = kind == OptimizerKind::Lamb;
@@ -591,6 +597,7 @@ impl P {
             nesterov,
             maximize: torch_optim && self.bool_or(p, path, "maximize", false),
             lr_decay,
+            initial_accumulator_value,
             alpha,
             max_coeff,
             min_coeff,

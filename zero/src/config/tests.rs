@@ -801,9 +801,11 @@ fn adagrad_reads_torchs_settings_and_refuses_adams() {
     assert!(!o.adam_w_mode, "Adagrad's decay is coupled, as torch's");
     assert!(!o.maximize);
     assert_eq!(o.moments(), 1);
-    let c = adagrad(r#", "lr": 0.1, "lr_decay": 0.01, "eps": 1e-8, "initial_accumulator_value": 0, "maximize": true, "foreach": null, "amsgrad": false"#).unwrap();
+    assert_eq!((o.initial_accumulator_value, o.initial_m()), (0.0, 0.0));
+    let c = adagrad(r#", "lr": 0.1, "lr_decay": 0.01, "eps": 1e-8, "initial_accumulator_value": 0.25, "maximize": true, "foreach": null, "amsgrad": false"#).unwrap();
     let o = &c.optimizer;
     assert_eq!((o.lr.value(), o.lr_decay, o.eps), (Some(0.1), 0.01, 1e-8));
+    assert_eq!((o.initial_accumulator_value, o.initial_m()), (0.25, 0.25));
     assert!(o.maximize);
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     for (params, want) in [
@@ -815,8 +817,8 @@ fn adagrad_reads_torchs_settings_and_refuses_adams() {
             ],
         ),
         (
-            r#", "initial_accumulator_value": 0.1"#,
-            vec!["`optimizer.params.initial_accumulator_value` other than 0 is not implemented by zrt (its Adagrad starts the sum of squares at 0, as DeepSpeed's CPU Adagrad does): remove it or set it to 0"],
+            r#", "initial_accumulator_value": -0.1"#,
+            vec!["`optimizer.params.initial_accumulator_value` must be finite and >= 0, got -0.1"],
         ),
         (
             r#", "lr_decay": -1"#,

@@ -81,6 +81,10 @@ impl Terms {
         );
         // Adagrad's.
         put("optimizer.params.lr_decay", format!("{:?}", o.lr_decay));
+        put(
+            "optimizer.params.initial_accumulator_value",
+            format!("{:?}", o.initial_accumulator_value),
+        );
         // RMSprop's.
         put("optimizer.params.alpha", format!("{:?}", o.alpha));
         put(

@@ -663,6 +663,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "min_coeff": c.optimizer.min_coeff,
                     "eps_inside_sqrt": c.optimizer.eps_inside_sqrt,
                     "lr_decay": c.optimizer.lr_decay,
+                    "initial_accumulator_value": c.optimizer.initial_accumulator_value,
                     "alpha": c.optimizer.alpha,
                 },
                 "precision": format!("{:?}", c.precision),
@@ -1002,7 +1003,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut loc = l.loc;
         for (k, (u, sh)) in st.units.iter().zip(st.shards.iter_mut()).enumerate() {
             let need = i.own_range(u);
-            let state = read_state(&mut loc, u, need.clone(), what, i.moments())?;
+            let mut state = read_state(&mut loc, u, need.clone(), what, i.moments())?;
+            if what == What::ModuleOnly {
+                // Moments start afresh, as in a new engine (Adagrad's sum
+                // at its initial_accumulator_value).
+                state.m.fill(i.cfg.config.optimizer.initial_m());
+            }
             i.install(u, sh, k, need, state)?;
             // `read_checkpoint` checked that every saved gradient is there
             // and of this engine's length.

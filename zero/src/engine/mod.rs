@@ -1584,7 +1584,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let v_len = len_of(moments == 2);
             shards.push(Shard {
                 master,
-                m: vec![0.0; len_of(moments >= 1)],
+                // Adagrad's sum starts at its initial_accumulator_value.
+                m: vec![c.optimizer.initial_m(); len_of(moments >= 1)],
                 v: vec![0.0; v_len],
                 g: vec![0.0; g_len],
                 reduced: Vec::new(),

@@ -275,6 +275,30 @@ impl Swap {
             .map_err(|e| OffloadError::io("write", &self.path, &e))
     }
 
+    /// Writes back the arrays of a slot that `write` flags: the whole slot
+    /// in one write when it flags every array; else each flagged array's
+    /// piece (contiguous and 4 KiB-aligned in the file, as
+    /// [`Swap::read_array`] reads it); nothing when it flags none.
+    fn write_slot_arrays(
+        &self,
+        r: usize,
+        c: usize,
+        buf: &AlignedBuf,
+        write: &[bool],
+    ) -> Result<(), OffloadError> {
+        if write.iter().all(|&w| w) {
+            return self.write_slot(r, c, buf);
+        }
+        let piece = self.chunk * 4;
+        for (a, _) in write.iter().enumerate().filter(|(_, &w)| w) {
+            let bytes = &buf.bytes()[a * piece..(a + 1) * piece];
+            self.file
+                .write_all_at(bytes, self.slot_offset(r, c) + (a * piece) as u64)
+                .map_err(|e| OffloadError::io("write", &self.path, &e))?;
+        }
+        Ok(())
+    }
+
     fn check(&self, r: usize, lens: impl Iterator<Item = usize>) -> Result<(), OffloadError> {
         let region = self
             .regions
@@ -371,8 +395,29 @@ impl Swap {
     /// it are on disk.
     pub fn stream<E: From<OffloadError>>(
         &self,
+        f: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.stream_writing(&vec![true; self.arrays], f)
+    }
+
+    /// [`Swap::stream`] writing back only the arrays `write` flags (one
+    /// flag per array): a pass that reads some arrays and changes others
+    /// (LAMB's two passes) writes what it changed, and one that changes
+    /// none writes nothing. What `f` does to an unflagged array's chunk is
+    /// not kept.
+    pub fn stream_writing<E: From<OffloadError>>(
+        &self,
+        write: &[bool],
         mut f: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<(), E>,
     ) -> Result<(), E> {
+        if write.len() != self.arrays {
+            return Err(OffloadError::Shape(format!(
+                "{} write-back flags for a swap of {} arrays",
+                write.len(),
+                self.arrays
+            ))
+            .into());
+        }
         let items: Vec<(usize, usize)> = (0..self.regions.len())
             .flat_map(|r| (0..self.regions[r].chunks).map(move |c| (r, c)))
             .collect();
@@ -405,7 +450,7 @@ impl Swap {
             });
             let writer = s.spawn(move || -> Result<(), OffloadError> {
                 for (r, c, b) in wr_rx.iter() {
-                    let res = self.write_slot(r, c, &b);
+                    let res = self.write_slot_arrays(r, c, &b, write);
                     let _ = free_tx.send(b);
                     res?;
                 }
@@ -597,6 +642,45 @@ mod tests {
             drop(swap);
             assert!(!path.exists(), "removed on drop");
         }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_stream_writes_back_only_the_arrays_it_flags() {
+        let d = dir("write-back");
+        let lens = [1500, 3000];
+        let swap = Swap::create(&cfg(&d, 2), 3, &lens).unwrap();
+        let start = |r: usize, a: usize| vec![(r * 10 + a) as f32; lens[r]];
+        for r in 0..lens.len() {
+            let arrays: Vec<Vec<f32>> = (0..3).map(|a| start(r, a)).collect();
+            let refs: Vec<&[f32]> = arrays.iter().map(Vec::as_slice).collect();
+            swap.write_region(r, &refs).unwrap();
+        }
+        let negate =
+            |_: usize, _: Range<usize>, arrays: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+                arrays
+                    .iter_mut()
+                    .for_each(|a| a.iter_mut().for_each(|x| *x = -*x));
+                Ok(())
+            };
+        // Every array is changed; only array 1 is kept, then none.
+        swap.stream_writing(&[false, true, false], negate).unwrap();
+        swap.stream_writing(&[false, false, false], negate).unwrap();
+        for (r, &n) in lens.iter().enumerate() {
+            for a in 0..3 {
+                let mut one = vec![0f32; n];
+                swap.read_array(r, a, &mut one).unwrap();
+                let sign = if a == 1 { -1.0 } else { 1.0 };
+                let want: Vec<f32> = start(r, a).iter().map(|x| sign * x).collect();
+                assert_eq!(one, want, "region {r} array {a}");
+            }
+        }
+        let err = swap.stream_writing(&[true], negate).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            OffloadError::Shape("1 write-back flags for a swap of 3 arrays".into()).to_string()
+        );
+        drop(swap);
         let _ = std::fs::remove_dir_all(&d);
     }
 

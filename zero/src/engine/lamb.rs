@@ -14,8 +14,10 @@
 //!
 //! Both passes walk the state wherever it lives (`Inner::each_state`):
 //! with the NVMe swaps each streams every unit's state through the swap
-//! once, so a LAMB step reads the swap file twice and writes it twice
-//! (Adam's: once each). The swap's chunks cut parameters, and a piece's
+//! once, so a LAMB step reads the swap file twice (Adam's: once) and
+//! writes what each pass changed: the moments after the first, the
+//! master (swapped under bf16/fp16; none in fp32) after the second, as
+//! much in all as Adam's one write. The swap's chunks cut parameters, and a piece's
 //! sums are then added chunk by chunk, in another order than in memory:
 //! like the stages, LAMB with the swaps agrees with LAMB in memory within
 //! rounding, not to the bit.
@@ -25,6 +27,7 @@ use std::ops::Range;
 use zrt_collectives::{ProcessGroup, ReduceOp};
 use zrt_kernels::{lamb_moments, lamb_update, reduce, AdamShard, ComputeCopy, LambConfig};
 
+use super::offload::Writes;
 use super::{groups, Inner, State, Unit, Update};
 use crate::EngineError;
 
@@ -86,7 +89,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // Pass one: new moments, and each parameter's sums over this
         // rank's pieces. Padding and alignment gaps are no parameter's:
         // their m and v stay zero.
-        self.each_state(st, stage1, false, |k, u, r, s, copy| {
+        let moments = Writes {
+            params: false,
+            moments: true,
+        };
+        self.each_state(st, stage1, moments, |k, u, r, s, copy| {
             let AdamShard { p: master, g, m, v } = s;
             let (p, _) = self.target(u, r.clone(), master, copy);
             for (j, setting, d) in within(&pieces[k], &r) {
@@ -115,7 +122,11 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         // Pass two: each update again, scaled by its parameter's trust
         // ratio, into the parameters and their compute copy.
-        self.each_state(st, stage1, true, |k, u, r, s, copy| {
+        let params = Writes {
+            params: true,
+            moments: false,
+        };
+        self.each_state(st, stage1, params, |k, u, r, s, copy| {
             let AdamShard {
                 p: master, m, v, ..
             } = s;

@@ -63,7 +63,7 @@ use crate::plan::{check_prefixes, ShardPlan, UnitHook};
 use crate::schedule::{betas_at, lr_at};
 use crate::{glue, AutoHints, Config, EngineError, Resolved};
 use loss_scale::Scaler;
-use offload::ReadAhead;
+use offload::{ReadAhead, Writes};
 
 mod agree;
 mod checkpoint;
@@ -2084,7 +2084,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         };
         match c.optimizer.kind {
             OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
-            _ => i.each_state(st, stage1, true, |_, u, r, s, copy| {
+            _ => i.each_state(st, stage1, Writes::ALL, |_, u, r, s, copy| {
                 i.adam_on(u, r, s, copy, &up)
             })?,
         }

@@ -149,6 +149,27 @@ pub(super) struct UnitState {
     pub v: Vec<f32>,
 }
 
+/// What a walk over the optimizer state ([`Inner::each_state`]) changes,
+/// and so what goes back to the swaps after it: an optimizer's step
+/// changes both; LAMB's first pass the moments alone, its second the
+/// parameters alone.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Writes {
+    /// The parameters: the fp32 master (in the optimizer swap under
+    /// bf16/fp16) and stage 3's parameter swap.
+    pub params: bool,
+    /// The moments.
+    pub moments: bool,
+}
+
+impl Writes {
+    /// An optimizer step: parameters and moments.
+    pub const ALL: Writes = Writes {
+        params: true,
+        moments: true,
+    };
+}
+
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Runs `f` over this rank's optimizer state wherever it lives: each
     /// unit whole when the state is in memory, chunk by chunk through the
@@ -159,13 +180,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// tensor is the master: fp32, stages 0-2), the gradient, the moments
     /// (an empty slice for each the optimizer has not); and the unit's
     /// compute-copy shard. Stage 3's parameter swap pages each unit in
-    /// before its first elements and out after its last, writing it back
-    /// when the walk `updates` parameters.
+    /// before its first elements and out after its last. What `writes`
+    /// says the walk changes goes back to the swaps, nothing else (an
+    /// array of the optimizer swap it does not flag is read, never
+    /// written).
     pub(super) fn each_state(
         &self,
         st: &mut State,
         stage1: bool,
-        updates: bool,
+        writes: Writes,
         mut f: impl FnMut(
             usize,
             &Unit,
@@ -189,12 +212,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 let g: &[f32] = if stage1 { reduced } else { g };
                 let r = 0..self.own_range(u).len();
                 f(k, u, r, AdamShard { p: master, g, m, v }, copy)?;
-                self.page_out(sh, k, updates)?;
+                self.page_out(sh, k, writes.params)?;
             }
             return Ok(());
         };
         let with_master = swaps_master(self.compute);
-        swap.stream(
+        // The swap's arrays: the master if it is swapped, then each moment.
+        let mut flags = vec![writes.params; usize::from(with_master)];
+        flags.resize(flags.len() + self.moments(), writes.moments);
+        swap.stream_writing(
+            &flags,
             |k, r, arrays: &mut [&mut [f32]]| -> Result<(), EngineError> {
                 let (u, sh) = (&units[k], &mut shards[k]);
                 if r.start == 0 {
@@ -230,7 +257,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 };
                 f(k, u, r, AdamShard { p, g, m, v }, copy)?;
                 if last {
-                    self.page_out(sh, k, updates)?;
+                    self.page_out(sh, k, writes.params)?;
                 }
                 Ok(())
             },

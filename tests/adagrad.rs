@@ -13,7 +13,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
+use common::{config_params, nvme, serial, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 /// A rate that decays by step, which a resumed run must go on with.
@@ -30,21 +30,8 @@ fn adagrad(stage: u8, extra: &str, zero: &str) -> Config {
 #[test]
 fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
     let _serial = serial();
-    let steps = 4;
     let dir = common::scratch("adagrad-swap");
-    let (aio, off) = nvme(&dir);
-    // bf16: the swap holds the fp32 master and the sum; fp32: the sum.
-    for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
-        let memory = common::train_world(&adagrad(stages[0], extra, ""), &[], steps);
-        for &stage in &stages[1..] {
-            let run = common::train_world(&adagrad(stage, extra, ""), &[], steps);
-            assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{extra} {stage}");
-        }
-        let swapped = format!("{off} {}", nvme_params(&dir));
-        let cfg = adagrad(3, &format!("{extra} {aio}"), &swapped);
-        let run = common::train_world(&cfg, &[], steps);
-        assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{extra} swapped");
-    }
+    common::stages_and_swaps_train_alike("Adagrad", SETTINGS, &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

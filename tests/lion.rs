@@ -11,9 +11,7 @@
 
 use crate::common;
 
-use common::{
-    config_of, nvme, nvme_params, on_ranks, serial, train_losses, train_world, BF16, SHARD_ALL,
-};
+use common::{config_of, nvme, on_ranks, serial, train_losses, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 fn lion(stage: u8, extra: &str, zero: &str) -> Config {
@@ -28,29 +26,8 @@ fn scratch(name: &str) -> std::path::PathBuf {
 #[test]
 fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
     let _serial = serial();
-    let steps = 4;
     let dir = scratch("swap");
-    let (aio, off) = nvme(&dir);
-    // bf16: the swap holds the fp32 master and m; fp32: m alone (the
-    // master is the parameters), paged through the parameter swap too.
-    for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
-        let memory = train_world(&lion(stages[0], extra, ""), &[], steps);
-        for &stage in &stages[1..] {
-            let run = train_world(&lion(stage, extra, ""), &[], steps);
-            assert_eq!(
-                (&run.0, &run.1),
-                (&memory.0, &memory.1),
-                "{extra} stage {stage}"
-            );
-        }
-        let swapped = format!("{off} {}", nvme_params(&dir));
-        let run = train_world(&lion(3, &format!("{extra} {aio}"), &swapped), &[], steps);
-        assert_eq!(
-            (&run.0, &run.1),
-            (&memory.0, &memory.1),
-            "{extra} stage 3, swapped"
-        );
-    }
+    common::stages_and_swaps_train_alike("Lion", "", &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -13,7 +13,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
+use common::{config_params, nvme, serial, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 /// RMSprop with a momentum buffer and another alpha (without: torch's
@@ -28,25 +28,9 @@ fn rmsprop(params: &str, stage: u8, extra: &str, zero: &str) -> Config {
 #[test]
 fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
     let _serial = serial();
-    let steps = 4;
     let dir = common::scratch("rmsprop-swap");
-    let (aio, off) = nvme(&dir);
-    // bf16: the swap holds the fp32 master and the moments; fp32: the
-    // moments.
     for params in ["", MOMENTUM] {
-        for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
-            let memory = common::train_world(&rmsprop(params, stages[0], extra, ""), &[], steps);
-            for &stage in &stages[1..] {
-                let run = common::train_world(&rmsprop(params, stage, extra, ""), &[], steps);
-                let what = format!("{params} {extra} {stage}");
-                assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what}");
-            }
-            let swapped = format!("{off} {}", nvme_params(&dir));
-            let cfg = rmsprop(params, 3, &format!("{extra} {aio}"), &swapped);
-            let run = common::train_world(&cfg, &[], steps);
-            let what = format!("{params} {extra} swapped");
-            assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what}");
-        }
+        common::stages_and_swaps_train_alike("RMSprop", params, &dir);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

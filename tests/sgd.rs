@@ -12,7 +12,7 @@
 
 use crate::common;
 
-use common::{config_params, nvme, nvme_params, serial, BF16, SHARD_ALL};
+use common::{config_params, nvme, serial, BF16, SHARD_ALL};
 use zrt::zero::Config;
 
 /// The optimizer params of SGD with momentum (without: none past lr and
@@ -27,31 +27,11 @@ fn sgd(params: &str, stage: u8, extra: &str, zero: &str) -> Config {
 #[test]
 fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
     let _serial = serial();
-    let steps = 4;
     let dir = common::scratch("sgd-swap");
-    let (aio, off) = nvme(&dir);
+    // Without momentum the bf16 swap holds the master alone, and fp32
+    // has nothing to offload.
     for params in ["", MOMENTUM] {
-        // bf16: the swap holds the fp32 master and the buffer, or the
-        // master alone; fp32: the buffer alone, or nothing to offload.
-        for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
-            let memory = common::train_world(&sgd(params, stages[0], extra, ""), &[], steps);
-            for &stage in &stages[1..] {
-                let run = common::train_world(&sgd(params, stage, extra, ""), &[], steps);
-                assert_eq!(
-                    (&run.0, &run.1),
-                    (&memory.0, &memory.1),
-                    "{params} {extra} {stage}"
-                );
-            }
-            let swapped = format!("{off} {}", nvme_params(&dir));
-            let cfg = sgd(params, 3, &format!("{extra} {aio}"), &swapped);
-            let run = common::train_world(&cfg, &[], steps);
-            assert_eq!(
-                (&run.0, &run.1),
-                (&memory.0, &memory.1),
-                "{params} {extra} swapped"
-            );
-        }
+        common::stages_and_swaps_train_alike("SGD", params, &dir);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -527,3 +527,33 @@ pub fn put_params(vs: &nn::VarStore, params: &Params) {
         }
     });
 }
+
+/// `optimizer` with `params` past lr and weight decay, every stage-3 unit
+/// sharded, 4 steps: in bf16 stages 1-3 train to the bits of stage 0; and
+/// stage 3 with the optimizer and parameter swaps on NVMe (in `dir`)
+/// trains to the bits of stage 3 in memory, in bf16 (the optimizer swap
+/// holds the fp32 master and the moments) and in fp32 (the moments alone:
+/// the master is the parameters, paged through the parameter swap).
+pub fn stages_and_swaps_train_alike(optimizer: &str, params: &str, dir: &std::path::Path) {
+    let steps = 4;
+    let (aio, off) = nvme(dir);
+    let cfg = |stage, extra: &str, zero: &str| {
+        let zero = format!("{SHARD_ALL} {zero}");
+        config_params(optimizer, params, stage, 1, 0.0, extra, &zero)
+    };
+    for (extra, stages) in [(BF16, &[0u8, 1, 2, 3][..]), ("", &[3][..])] {
+        let memory = train_world(&cfg(stages[0], extra, ""), &[], steps);
+        let what = format!("{optimizer}{params} {extra}");
+        for &stage in &stages[1..] {
+            let run = train_world(&cfg(stage, extra, ""), &[], steps);
+            assert_eq!(
+                (&run.0, &run.1),
+                (&memory.0, &memory.1),
+                "{what} stage {stage}"
+            );
+        }
+        let swapped = format!("{off} {}", nvme_params(dir));
+        let run = train_world(&cfg(3, &format!("{extra} {aio}"), &swapped), &[], steps);
+        assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what} swapped");
+    }
+}

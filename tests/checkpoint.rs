@@ -1731,8 +1731,9 @@ fn ranks_given_different_tags_load_nothing_and_name_what_each_read() {
 fn ranks_saving_under_different_tags_write_nothing_and_name_each_tag() {
     // Before, rank 1 wrote into a staging directory of its own tag that
     // rank 0 never committed: an error about a missing directory, or, where
-    // a failed save had left that staging directory behind, a file written
-    // into it and rank 0's checkpoint committed without rank 1's shards.
+    // a failed save had left that staging directory behind (`.b.partial`,
+    // as staging directories were named then), a file written into it and
+    // rank 0's checkpoint committed without rank 1's shards.
     let _serial = serial();
     let dir = tmp("save-different-tags");
     std::fs::create_dir_all(dir.join(".b.partial")).unwrap();
@@ -1771,6 +1772,49 @@ fn ranks_saving_under_different_tags_write_nothing_and_name_each_tag() {
         0
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ranks_saving_to_different_directories_commit_nothing_and_say_so() {
+    // Rank 1's directory is not rank 0's (another path; on several nodes,
+    // storage that is not shared): before, it wrote into a staging folder
+    // of its own directory where one was left, and rank 0 committed a
+    // checkpoint without its shards, both saves returning Ok.
+    let _serial = serial();
+    let dirs = [tmp("save-dir-0"), tmp("save-dir-1")];
+    std::fs::create_dir_all(&dirs[1]).unwrap();
+    let cfg = config_zero(3, 1, 0.0, "", "");
+    let out = on_ranks(2, |r| {
+        let (vs, plan, _) = model();
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+        let err = e.save_checkpoint(&dirs[r.rank()], "a").unwrap_err();
+        // The engine goes on: one directory saves.
+        e.save_checkpoint(&dirs[0], "b").unwrap();
+        err.to_string()
+    });
+    assert_eq!(
+        out[1],
+        format!("this rank does not see the staging folder rank 0 made for this save in {}: every rank must save to the same directory, on several nodes one they share; nothing was committed", dirs[1].display())
+    );
+    assert!(
+        out[0].starts_with("rank(s) [1] failed to save the checkpoint"),
+        "{}",
+        out[0]
+    );
+    let names = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&dirs[0]), ["b", "latest"]);
+    assert!(names(&dirs[1]).is_empty());
+    for d in dirs {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 #[test]

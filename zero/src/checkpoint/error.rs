@@ -76,6 +76,10 @@ pub enum CheckpointError {
     /// a whole checkpoint. Nothing was written.
     #[error("ranks saved under different tags: {}; nothing was written: every rank must save under the same tag (DeepSpeed's `checkpoint.tag_validation` check, which zrt always makes)", .0.join("; "))]
     DifferentTags(Vec<String>),
+    /// This rank does not see the staging directory rank 0 made in its
+    /// checkpoint directory: another directory, or storage rank 0's is not.
+    #[error("this rank does not see the staging folder rank 0 made for this save in {0}: every rank must save to the same directory, on several nodes one they share; nothing was committed")]
+    NotShared(PathBuf),
     /// Other ranks failed while this one succeeded; nothing was committed.
     #[error("rank(s) {ranks:?} failed to {what} the checkpoint (their own errors say why); nothing was committed, the previous checkpoint is intact")]
     Peers {

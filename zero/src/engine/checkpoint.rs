@@ -215,6 +215,29 @@ fn called_by_every_rank(what: &str, e: EngineError) -> EngineError {
     }
 }
 
+/// A name for one save's staging directory that no earlier save used:
+/// the time in nanoseconds and the process id, mixed.
+fn save_token() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 40)
+}
+
+/// Removes the staging directories earlier saves of `tag` left in `dir`
+/// (a crash, or a failure its cleanup could not finish).
+fn remove_stagings(dir: &Path, tag: &str) {
+    let prefix = format!(".{tag}.partial");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return; // no directory yet: nothing left behind
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 fn check_tag(tag: &str) -> Result<(), CheckpointError> {
     if tag.is_empty() || tag.contains('/') || tag.starts_with('.') || tag == "latest" {
         return Err(CheckpointError::BadTag(tag.to_string()));
@@ -365,11 +388,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // different dropout masks, and each must resume its own stream.
         let rngs = self.replica_rngs()?;
         let rank = if writer { i.group.rank() } else { usize::MAX };
-        let staging = dir.join(format!(".{tag}.partial"));
         let target = dir.join(tag);
-        // 1. Rank 0 makes an empty staging directory for everyone.
+        // 1. Rank 0 makes an empty staging directory for everyone, named
+        // for this save: a staging directory a failed save left behind
+        // (removed here, but on another rank's storage perhaps not) never
+        // takes this save's files.
+        let token = match rank {
+            0 => save_token(),
+            _ => 0,
+        };
+        let staging_of = |token: u64| dir.join(format!(".{tag}.partial-{token:016x}"));
         let made = if rank == 0 {
-            let _ = std::fs::remove_dir_all(&staging);
+            remove_stagings(dir, tag);
+            let staging = staging_of(token);
             io(
                 "create directory",
                 &staging,
@@ -379,15 +410,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             Ok(())
         };
         self.agree(made, "save")?;
-        // Every rank is saving now (the agreement above is the one
-        // collective a training rank would be named by): check they save
-        // the same tag, before anything is written.
-        if let Err(e) = self.same_tag(tag) {
+        let cleanup = |e| {
             if rank == 0 {
-                let _ = std::fs::remove_dir_all(&staging);
+                let _ = std::fs::remove_dir_all(staging_of(token));
             }
-            return Err(e);
-        }
+            e
+        };
+        // Every rank is saving now (the agreement above is where a rank
+        // still training meets the save): check they save the same tag,
+        // and learn rank 0's staging directory, before anything is written.
+        let token = self.same_tag(tag, token).map_err(cleanup)?;
+        let staging = staging_of(token);
+        // Every rank must see it: a rank given another directory, or on a
+        // node whose storage is not rank 0's, would write where rank 0
+        // never commits.
+        let sees = match staging.is_dir() {
+            true => Ok(()),
+            false => Err(CheckpointError::NotShared(dir.to_path_buf())),
+        };
+        self.agree(sees, "save").map_err(cleanup)?;
         // 2. Every rank writes its file; rank 0 also meta.json.
         let wrote = {
             let mut st = i.st.lock();
@@ -806,21 +847,25 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
     }
 
-    /// Checks that every rank of the world saves under `tag`. Ranks given
-    /// other tags would write their files into other staging directories
-    /// (rank 0 commits its own: a checkpoint missing ranks, or, where a
-    /// failed save left another tag's staging behind, files written into
-    /// it that no one commits). When they differ, every rank fails naming
-    /// each rank's tag.
-    fn same_tag(&self, tag: &str) -> Result<(), EngineError> {
+    /// Checks that every rank of the world saves under `tag`, and returns
+    /// world rank 0's `token` (its staging directory's name; the others
+    /// give 0). Ranks given other tags would write their files into other
+    /// staging directories, which rank 0 never commits. When they differ,
+    /// every rank fails naming each rank's tag.
+    fn same_tag(&self, tag: &str, token: u64) -> Result<u64, EngineError> {
         let i = &*self.inner;
-        let mine = vec![i64::from(crc32fast::hash(tag.as_bytes())), tag.len() as i64];
+        let mine = vec![
+            i64::from(crc32fast::hash(tag.as_bytes())),
+            tag.len() as i64,
+            token as i64,
+        ];
         let what = || "this rank compared the tag it saves under with the other ranks'".to_string();
         let all = super::agree::world_gather(&i.group, i.replicate.as_ref(), mine, false, what)?;
-        if all.chunks(2).all(|c| c == &all[..2]) {
-            return Ok(());
+        // World rank 0 is the first part.
+        if all.chunks(3).all(|c| c[..2] == all[..2]) {
+            return Ok(all[2] as u64);
         }
-        let lens: Vec<usize> = all.chunks(2).map(|c| c[1] as usize).collect();
+        let lens: Vec<usize> = all.chunks(3).map(|c| c[1] as usize).collect();
         let tags = super::agree::world_parts(
             &i.group,
             i.replicate.as_ref(),

@@ -1895,6 +1895,57 @@ fn fine_tune((stage, extra, zero): (u8, &str, &str), steps: usize, start: Start)
 }
 
 #[test]
+fn a_module_only_load_into_an_engine_that_has_stepped_starts_its_optimizer_afresh() {
+    // The step after the load equals a new engine's first step from the
+    // same parameters: the moments and the step count they go by start
+    // again. Before, the count went on from the engine's own step: Adam's
+    // bias correction of step 3 on zero moments (a tenth of the update),
+    // SGD's dampened first buffer, Adagrad's rate decayed twice.
+    let _serial = serial();
+    let dir = tmp("module-only-stepped");
+    run(&Phase::new(3, Batches::Two { gas: 1 }, 0..3).save(&dir, "pre"));
+    let optimizers = [
+        ("AdamW", ""),
+        ("SGD", r#", "momentum": 0.9, "dampening": 0.5"#),
+        ("Adagrad", r#", "lr_decay": 0.5"#),
+        ("Lamb", ""),
+    ];
+    for (optimizer, params) in optimizers {
+        let cfg = common::config_params(optimizer, params, 2, 1, 0.0, "", "");
+        let after = |trained: usize| {
+            on_ranks(2, |r| {
+                let (vs, plan, gpt) = model();
+                let e = common::engine_of(&vs, &plan, &cfg, &r);
+                common::train_losses(&gpt, &e, r.rank(), trained);
+                e.load_checkpoint_module_only(&dir, Some("pre")).unwrap();
+                common::next_step(&e, &gpt, r.rank())
+            })
+        };
+        assert_eq!(after(2), after(0), "{optimizer}");
+    }
+    // A checkpoint saved after such a load keeps the count its moments go
+    // by (1 here), not the engine's (3): a full load resumes to the bit.
+    let cfg = config_zero(2, 1, 0.0, "", "");
+    let straight = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        let e = common::engine_of(&vs, &plan, &cfg, &r);
+        common::train_losses(&gpt, &e, r.rank(), 2);
+        e.load_checkpoint_module_only(&dir, Some("pre")).unwrap();
+        common::next_step(&e, &gpt, r.rank());
+        e.save_checkpoint(&dir, "tuned").unwrap();
+        common::next_step(&e, &gpt, r.rank())
+    });
+    let resumed = on_ranks(2, |r| {
+        let (vs, plan, gpt) = model();
+        let e = common::engine_of(&vs, &plan, &cfg, &r);
+        e.load_checkpoint(&dir, Some("tuned")).unwrap();
+        common::next_step(&e, &gpt, r.rank())
+    });
+    assert_eq!(resumed, straight);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_module_only_load_fine_tunes_like_weights_loaded_before_the_engine() {
     let _serial = serial();
     let dir = tmp("module-only");

@@ -94,6 +94,13 @@ pub struct Meta {
     pub compute: String,
     /// Optimizer steps taken.
     pub global_step: u64,
+    /// Steps taken since the optimizer state started (the engine's
+    /// building, or a module-only load, which starts the moments afresh):
+    /// what bias correction and the other per-state step counts go on
+    /// from. `None` in checkpoints of zrt before 2026-11-30, whose state
+    /// always started with the engine: `global_step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_step: Option<u64>,
     /// Micro-steps (`backward` calls) taken.
     pub micro_steps: u64,
     /// The micro-step of the last accumulation boundary handled.
@@ -445,6 +452,7 @@ mod tests {
             stage: 3,
             compute: "fp32".into(),
             global_step: 1,
+            optimizer_step: None,
             micro_steps: 1,
             boundary_at: 1,
             skipped_steps: 0,

@@ -641,6 +641,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             .into(),
             global_step: st.step,
+            optimizer_step: Some(st.opt_step),
             micro_steps: st.micro,
             boundary_at: st.boundary_at,
             skipped_steps: st.skipped,
@@ -749,9 +750,12 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// `load_checkpoint(.., load_module_only=True)`. The parameters (fp32
     /// masters, their compute copies and the frozen variables) take the
     /// saved values, on any world size or stage as with
-    /// [`Engine::load_checkpoint`]; everything else stays this engine's:
-    /// Adam's moments start from zero, and the step count, learning-rate
-    /// schedule, loss scaler and random generator are not touched, and
+    /// [`Engine::load_checkpoint`]; the optimizer starts afresh, as a new
+    /// one would (Adam's moments at zero, Adagrad's sums at their initial
+    /// value, and the step count that bias correction, SGD's first step and
+    /// Adagrad's rate decay go by at 0); the engine's step count,
+    /// learning-rate schedule, loss scaler and random generator are not
+    /// touched, and
     /// gradients accumulated since the last step are dropped (call it
     /// before training, or right after a `step`). Returns the tag and the
     /// client state saved with it.
@@ -1068,6 +1072,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if what == What::Everything {
             let m = &l.meta;
             st.step = m.global_step;
+            st.opt_step = m.optimizer_step.unwrap_or(m.global_step);
             st.micro = m.micro_steps;
             st.boundary_at = m.boundary_at;
             st.step_called_at = m.micro_steps;
@@ -1087,6 +1092,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             if let Some(rng) = &l.rng {
                 glue::set_cpu_rng_state(rng)?;
             }
+        } else {
+            // The moments start afresh, and their step count with them;
+            // the schedules go on from the engine's own step.
+            st.opt_step = 0;
         }
         if let Some(v) = &l.frozen {
             st.frozen.restore(v)?;

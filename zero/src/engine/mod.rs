@@ -212,6 +212,12 @@ struct State {
     /// (`Engine::is_gradient_accumulation_boundary`).
     step_called_at: u64,
     step: u64,
+    /// Steps applied since the optimizer's state started: in a new engine,
+    /// or at a module-only load, which starts the moments afresh. Adam's
+    /// and LAMB's bias correction, SGD's first step and Adagrad's rate
+    /// decay count from it, as torch's optimizers count a fresh state's
+    /// `step`; the schedules go on from `step`. A full load restores it.
+    opt_step: u64,
     skipped: u64,
     norm: Option<f64>,
     lr: f64,
@@ -1709,6 +1715,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 boundary_at: 0,
                 step_called_at: 0,
                 step: 0,
+                opt_step: 0,
                 skipped: 0,
                 norm: None,
                 lr,
@@ -2064,6 +2071,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .lr_set
             .unwrap_or_else(|| lr_at(c.scheduler.as_ref(), base, st.step));
         st.step += 1;
+        st.opt_step += 1;
         let adam = AdamConfig {
             lr: st.lr,
             beta1,
@@ -2079,7 +2087,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let scale = (coef / loss_scale) as f32;
         let up = Update {
             adam: &adam,
-            step: st.step,
+            step: st.opt_step,
             scale,
         };
         match c.optimizer.kind {

@@ -1942,6 +1942,11 @@ fn a_module_only_load_into_an_engine_that_has_stepped_starts_its_optimizer_afres
         common::next_step(&e, &gpt, r.rank())
     });
     assert_eq!(resumed, straight);
+    let shown = zrt::zero::checkpoint::inspect(&dir, Some("tuned")).unwrap();
+    assert!(
+        shown.contains("  step 3 (optimizer step 1), micro-step 3,"),
+        "{shown}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -154,8 +154,13 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
     );
     let _ = writeln!(
         s,
-        "  step {}, micro-step {}, skipped {}, lr {:.3e}{}{}",
+        "  step {}{}, micro-step {}, skipped {}, lr {:.3e}{}{}",
         meta.global_step,
+        // A module-only load restarted the optimizer's own count.
+        match meta.optimizer_step {
+            Some(o) if o != meta.global_step => format!(" (optimizer step {o})"),
+            _ => String::new(),
+        },
         meta.micro_steps,
         meta.skipped_steps,
         meta.lr,

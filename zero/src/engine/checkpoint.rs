@@ -225,14 +225,24 @@ fn save_token() -> u64 {
 }
 
 /// Removes the staging directories earlier saves of `tag` left in `dir`
-/// (a crash, or a failure its cleanup could not finish).
+/// (a crash, or a failure its cleanup could not finish): `.TAG.partial`
+/// (as zrt named them before) and `.TAG.partial-<16 hex digits>`, not
+/// another tag's that happens to start alike.
 fn remove_stagings(dir: &Path, tag: &str) {
     let prefix = format!(".{tag}.partial");
     let Ok(entries) = std::fs::read_dir(dir) else {
         return; // no directory yet: nothing left behind
     };
     for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let ours = match name.strip_prefix(&prefix) {
+            Some("") => true,
+            Some(rest) => rest
+                .strip_prefix('-')
+                .is_some_and(|t| t.len() == 16 && t.bytes().all(|b| b.is_ascii_hexdigit())),
+            None => false,
+        };
+        if ours {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -1329,7 +1339,40 @@ fn check_model(st: &State, meta: &Meta) -> Result<(), CheckpointError> {
 
 #[cfg(test)]
 mod tests {
-    use super::what_each_read;
+    use super::{remove_stagings, what_each_read};
+
+    #[test]
+    fn a_save_removes_its_tags_stale_staging_folders_and_no_others() {
+        let dir = std::env::temp_dir().join(format!("zrt-stagings-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let names = [
+            ".a.partial",
+            ".a.partial-0123456789abcdef",
+            ".a.partial-x.partial-0123456789abcdef",
+            ".a.partial-0123",
+            ".ab.partial",
+            "a",
+        ];
+        for n in names {
+            std::fs::create_dir_all(dir.join(n)).unwrap();
+        }
+        remove_stagings(&dir, "a");
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".a.partial-0123",
+                ".a.partial-x.partial-0123456789abcdef",
+                ".ab.partial",
+                "a"
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn each_checkpoint_read_is_named_once_with_its_ranks_and_a_crc_where_paths_agree() {

@@ -17,10 +17,10 @@
 //! once, so a LAMB step reads the swap file twice (Adam's: once) and
 //! writes what each pass changed: the moments after the first, the
 //! master (swapped under bf16/fp16; none in fp32) after the second, as
-//! much in all as Adam's one write. The swap's chunks cut parameters, and a piece's
-//! sums are then added chunk by chunk, in another order than in memory:
-//! like the stages, LAMB with the swaps agrees with LAMB in memory within
-//! rounding, not to the bit.
+//! much in all as Adam's one write. The swap's chunks cut parameters,
+//! and a piece's sums are then added chunk by chunk, in another order
+//! than in memory: like the stages, LAMB with the swaps agrees with LAMB
+//! in memory within rounding, not to the bit.
 
 use std::ops::Range;
 

@@ -399,13 +399,14 @@ fn estimate_prints_the_design_formula() {
         "estimate-rmsprop",
         r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "RMSprop", "params": {"momentum": 0.9}}}"#,
     );
-    for how in [
-        ["--optimizer", "rmsprop-momentum"],
-        ["--config", f.as_str()],
+    for (how, said) in [
+        (["--optimizer", "rmsprop-momentum"], "RMSprop with momentum"),
+        (["--optimizer", "rmsprop-centered"], "RMSprop centered"),
+        (["--config", f.as_str()], "RMSprop with momentum"),
     ] {
         let (ok, out) = on_1gib(how);
         assert!(
-            ok && out.contains("bf16 compute, RMSprop with momentum:")
+            ok && out.contains(&format!("bf16 compute, {said}:"))
                 && out.contains("stage 0:      18.00 GiB"),
             "{how:?}: {out}"
         );
@@ -419,7 +420,7 @@ fn estimate_prints_the_design_formula() {
     ]);
     assert!(
         !ok && out.contains(
-            "--optimizer must be adam, adamw, lamb, rmsprop-momentum, lion, adagrad, rmsprop, sgd-momentum or sgd, got adadelta"
+            "--optimizer must be adam, adamw, lamb, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got adadelta"
         ),
         "{out}"
     );
@@ -1017,7 +1018,7 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
         (
             "RMSprop",
             r#""lr": 0.01, "alpha": 0.9, "momentum": 0.5, "weight_decay": 1e-4"#,
-            "optimizer        RMSprop lr 0.01 alpha 0.9 eps 0.00000001 momentum 0.5 maximize false weight_decay 0.0001 (L2 decay; a square average and a momentum buffer)",
+            "optimizer        RMSprop lr 0.01 alpha 0.9 eps 0.00000001 momentum 0.5 centered false maximize false weight_decay 0.0001 (L2 decay; a square average and a momentum buffer)",
             r#""amsgrad": false"#,
             "`optimizer.params.amsgrad` is an Adam setting that RMSprop does not take",
         ),

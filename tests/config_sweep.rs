@@ -189,7 +189,7 @@ struct Program {
     optimizer: &'static str,
     /// Its params past lr and weight decay (SGD's momentum, Adagrad's
     /// `lr_decay` or `initial_accumulator_value`, RMSprop's alpha and
-    /// momentum, or none).
+    /// momentum or centering, or none).
     params: &'static str,
 }
 
@@ -517,13 +517,17 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         ];
         program.params = *adagrad.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
     }
-    // RMSprop (the square average, and a momentum buffer or not) in a
-    // sixth of those left, likewise.
+    // RMSprop (the square average, and a momentum buffer, the gradient's
+    // average or neither) in a sixth of those left, likewise.
     let mut rmsprop = Draw(d.0.rotate_left(47) | 1);
     if program.optimizer == "AdamW" && rmsprop.flag(6) {
         program.optimizer = "RMSprop";
-        const SETTINGS: [&str; 2] = ["", r#", "alpha": 0.9, "momentum": 0.9"#];
-        program.params = *rmsprop.one(&[&SETTINGS[0], &SETTINGS[1]]);
+        const SETTINGS: [&str; 3] = [
+            "",
+            r#", "alpha": 0.9, "momentum": 0.9"#,
+            r#", "centered": true"#,
+        ];
+        program.params = *rmsprop.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
     }
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another

@@ -333,9 +333,10 @@ fn adagrad_update(
 /// CPU) with `rms`'s alpha, eps and momentum at [`LR`], [`WD`], on every
 /// variable from its `.grad()`, its decay and rate as `rules` give them,
 /// through libtorch's operations as torch orders them: the decay added
-/// to the gradient, `s.mul_(alpha).addcmul_(g, g, 1 - alpha)`, the root
-/// of `s` plus eps, then `b.mul_(momentum).addcdiv_(g, avg)` and
-/// `p.add_(b, -lr)`, or `p.addcdiv_(g, avg, -lr)`. tch's `add`, `addcmul_` and `addcdiv_`
+/// to the gradient, `s.mul_(alpha).addcmul_(g, g, 1 - alpha)` (centered:
+/// `b.lerp_(g, 1 - alpha)`, `s.addcmul(b, b, -1)`), the root of that plus
+/// eps, then `b.mul_(momentum).addcdiv_(g, avg)` and `p.add_(b, -lr)`, or
+/// `p.addcdiv_(g, avg, -lr)`. tch's `add`, `addcmul_` and `addcdiv_`
 /// take no scalar: `addcmul` by a one-element tensor is the same fused
 /// multiply-add, and the products are formed first, as libtorch's kernels
 /// form them. The root is the f64 root rounded once (correctly rounded,
@@ -366,7 +367,17 @@ fn rmsprop_update(
             let _ = s
                 .g_mul_scalar_(rms.alpha)
                 .addcmul_(&(&g * (1.0 - rms.alpha)), &g);
-            let avg = s.to_kind(Kind::Double).sqrt().to_kind(Kind::Float) + rms.eps;
+            // Centered: `b` is the gradient's average, and the root is of
+            // `s.addcmul(b, b, value = -1)`.
+            let mean_square = match rms.centered {
+                true => s.addcmul(&-b.lerp_(&g, 1.0 - rms.alpha), b),
+                false => s.shallow_clone(),
+            };
+            let root = mean_square
+                .to_kind(Kind::Double)
+                .sqrt()
+                .to_kind(Kind::Float);
+            let avg = root + rms.eps;
             if rms.momentum > 0.0 {
                 let _ = b.g_mul_scalar_(rms.momentum).addcdiv_(&g, &avg);
                 let _ = p.addcmul_(b, &scalar(-lr));
@@ -767,12 +778,16 @@ fn adagrad_at_stages_0_to_3_matches_libtorchs_operations() {
 fn rmsprop_at_stages_0_to_3_matches_libtorchs_operations() {
     // torch.optim.RMSprop's settings, each case a path of the kernel: the
     // square average alone; with a momentum buffer, another alpha and
-    // eps, the parameter rules' runs and clipping with gas 2.
+    // eps, the parameter rules' runs and clipping with gas 2; centered.
     let plain = nn::RmsProp::default();
     let momentum = nn::RmsProp {
         alpha: 0.9,
         eps: 1e-6,
         momentum: 0.9,
+        ..plain
+    };
+    let centered = nn::RmsProp {
+        centered: true,
         ..plain
     };
     for (rms, params, gas, clip, rules) in [
@@ -783,6 +798,13 @@ fn rmsprop_at_stages_0_to_3_matches_libtorchs_operations() {
             2,
             0.5,
             Rules::Scaled,
+        ),
+        (
+            centered,
+            r#", "centered": true"#,
+            1,
+            0.0,
+            Rules::NoDecayVectors,
         ),
     ] {
         stages_match_the_reference("RMSprop", params, gas, clip, rules, RefOpt::RmsProp(rms));

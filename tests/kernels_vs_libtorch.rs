@@ -189,13 +189,19 @@ fn rmsprop_matches_libtorchs_rmsprop() {
     // by at most 2.5e-7). (Its square averages equal zrt's to the bit; tch
     // does not show an optimizer's state, so the kernel's own tests check
     // how they round.) A slip in the formula misses by far more.
-    for (momentum, weight_decay, alpha) in [(0.0, 0.0, 0.99), (0.9, 0.01, 0.9)] {
+    let cases = [
+        (0.0, 0.0, 0.99, false),
+        (0.9, 0.01, 0.9, false),
+        (0.0, 0.01, 0.99, true),
+    ];
+    for (momentum, weight_decay, alpha, centered) in cases {
         let cfg = RmspropConfig {
             lr: 0.01,
             alpha,
             eps: 1e-6,
             weight_decay,
             momentum,
+            centered,
             maximize: false,
         };
         for &n in &[1usize, 17, 1_000, 100_003] {
@@ -208,7 +214,7 @@ fn rmsprop_matches_libtorchs_rmsprop() {
                 eps: cfg.eps,
                 wd: weight_decay,
                 momentum,
-                centered: false,
+                centered,
             }
             .build(&vs, cfg.lr)
             .unwrap();
@@ -221,7 +227,7 @@ fn rmsprop_matches_libtorchs_rmsprop() {
             for threads in [1, 2] {
                 let pool = Threads::new(threads).unwrap();
                 let (mut p, mut s) = (p0.clone(), vec![0.0; n]);
-                let mut b = vec![0.0; if momentum > 0.0 { n } else { 0 }];
+                let mut b = vec![0.0; if momentum > 0.0 || centered { n } else { 0 }];
                 for g in &grads {
                     let shard = AdamShard {
                         p: &mut p,

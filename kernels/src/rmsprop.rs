@@ -8,21 +8,24 @@
 //! g = g + weight_decay * p                (L2: coupled, as torch's)
 //! s = alpha * s + (1 - alpha) * g * g     (the square average, from 0)
 //! a = sqrt(s) + eps
+//! c = c + (1 - alpha) * (g - c);  a = sqrt(s - c * c) + eps   (centered)
 //! b = momentum * b + g / a;  p = p - lr * b      (momentum > 0)
 //! p = p - lr * g / a                             (momentum == 0)
 //! ```
 //!
-//! The square average is kept in the shard's `m`, the momentum buffer (when
-//! `momentum > 0`) in `v`; without momentum `v` is empty. torch's
-//! `centered` variant needs a third array (the gradient's average), which
-//! zrt's flat state does not have: it is refused by the config.
+//! The square average is kept in the shard's `m`; `v` holds the momentum
+//! buffer (when `momentum > 0`) or, `centered`, the gradient's average
+//! `c`, and is empty otherwise. torch's centered variant with momentum
+//! keeps both, a third array zrt's flat state does not have: refused.
 //!
 //! The operations round as libtorch's CPU kernels do in torch's
 //! single-tensor RMSprop (measured here, operation by operation):
 //! `mul_(alpha)` a rounded product, then `addcmul_(g, g, 1 - alpha)` one
 //! fused multiply-add of `(1 - alpha) * g` by `g`; `add(p, wd)` and
 //! `add_(b, -lr)` one fused multiply-add each; `addcdiv_` the product by its
-//! value, the quotient, then the sum. The square root is IEEE's, correctly
+//! value, the quotient, then the sum; `lerp_(g, w)` one fused multiply-add,
+//! `w * (g - c) + c` for `w < 0.5` and `(w - 1) * (g - c) + g` above, and
+//! `addcmul(c, c, -1)` the fused `-c * c + s`. The square root is IEEE's, correctly
 //! rounded; libtorch's CPU `sqrt` is one ulp off for about 0.5% of inputs,
 //! so the square averages equal libtorch's to the bit and the parameters
 //! within rounding (`tests/kernels_vs_libtorch.rs`). Every dispatch level
@@ -34,8 +37,7 @@ use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
 
-/// RMSprop's hyper-parameters (`torch.optim.RMSprop`'s, same names;
-/// `centered` is not one: see the module doc).
+/// RMSprop's hyper-parameters (`torch.optim.RMSprop`'s, same names).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RmspropConfig {
     /// Learning rate of this step.
@@ -48,6 +50,10 @@ pub struct RmspropConfig {
     pub weight_decay: f64,
     /// Momentum factor; 0 keeps no momentum buffer.
     pub momentum: f64,
+    /// Divide by the root of the gradient's variance (the square average
+    /// less the squared average gradient) instead of its mean square;
+    /// needs `momentum == 0` here (see the module doc).
+    pub centered: bool,
     /// Ascend the objective instead of descending it.
     pub maximize: bool,
 }
@@ -62,6 +68,7 @@ impl Default for RmspropConfig {
             eps: 1e-8,
             weight_decay: 0.0,
             momentum: 0.0,
+            centered: false,
             maximize: false,
         }
     }
@@ -86,6 +93,13 @@ impl RmspropConfig {
         if !(0.0..=1.0).contains(&self.alpha) {
             return bad("alpha", self.alpha, "must be in [0, 1]");
         }
+        if self.centered && self.momentum > 0.0 {
+            return bad(
+                "momentum",
+                self.momentum,
+                "must be 0 when centered: centered RMSprop with momentum keeps three arrays per parameter",
+            );
+        }
         Ok(())
     }
 }
@@ -102,6 +116,10 @@ struct Coef {
     eps: f32,
     momentum: f32,
     neg_lr: f32,
+    centered: bool,
+    /// `lerp_`'s weight (`1 - alpha`) as it computes with it: the weight
+    /// below 0.5, else the weight less 1 (see the module doc).
+    lerp: f32,
 }
 
 impl Coef {
@@ -119,38 +137,59 @@ impl Coef {
             eps: cfg.eps as f32,
             momentum: cfg.momentum as f32,
             neg_lr: -cfg.lr as f32,
+            centered: cfg.centered,
+            lerp: match ((1.0 - cfg.alpha) as f32).abs() < 0.5 {
+                true => (1.0 - cfg.alpha) as f32,
+                false => (1.0 - cfg.alpha) as f32 - 1.0,
+            },
         })
+    }
+
+    /// `c.lerp_(g, 1 - alpha)` as libtorch computes it.
+    #[inline(always)]
+    fn lerp(&self, c: f32, g: f32) -> f32 {
+        let base = if self.lerp >= 0.0 { c } else { g };
+        self.lerp.mul_add(g - c, base)
     }
 }
 
-/// The update over equal-length slices (`b` as long as `p`, or empty
-/// without momentum), straight loops LLVM vectorizes.
+/// The update over equal-length slices (`b`, the momentum buffer or the
+/// centered average, as long as `p`, or empty), straight loops LLVM
+/// vectorizes.
 #[inline(always)]
 fn update(c: &Coef, p: &mut [f32], g: &[f32], s: &mut [f32], b: &mut [f32]) {
     let n = p.len();
     let (g, s) = (&g[..n], &mut s[..n]);
-    // The gradient with its scale and decay, the new square average, and
-    // the denominator.
+    // The gradient with its scale and decay, and the new square average.
     let step = |p: f32, g: f32, s: f32| {
         let mut g = g * c.scale;
         if c.weight_decay != 0.0 {
             g = p.mul_add(c.weight_decay, g);
         }
-        let s = (c.one_minus_alpha * g).mul_add(g, s * c.alpha);
-        (g, s, s.sqrt() + c.eps)
+        (g, (c.one_minus_alpha * g).mul_add(g, s * c.alpha))
     };
     if b.is_empty() {
         for i in 0..n {
-            let (gi, si, a) = step(p[i], g[i], s[i]);
-            p[i] += (c.neg_lr * gi) / a;
+            let (gi, si) = step(p[i], g[i], s[i]);
+            p[i] += (c.neg_lr * gi) / (si.sqrt() + c.eps);
             s[i] = si;
         }
         return;
     }
     let b = &mut b[..n];
+    if c.centered {
+        for i in 0..n {
+            let (gi, si) = step(p[i], g[i], s[i]);
+            let ci = c.lerp(b[i], gi);
+            p[i] += (c.neg_lr * gi) / ((-ci).mul_add(ci, si).sqrt() + c.eps);
+            s[i] = si;
+            b[i] = ci;
+        }
+        return;
+    }
     for i in 0..n {
-        let (gi, si, a) = step(p[i], g[i], s[i]);
-        let bi = b[i] * c.momentum + gi / a;
+        let (gi, si) = step(p[i], g[i], s[i]);
+        let bi = b[i] * c.momentum + gi / (si.sqrt() + c.eps);
         p[i] = bi.mul_add(c.neg_lr, p[i]);
         s[i] = si;
         b[i] = bi;
@@ -194,7 +233,8 @@ multiversion!(fn rmsprop_range(c: &Coef, p: &mut [f32], g: &[f32], s: &mut [f32]
 /// One RMSprop step over a shard, in one pass over memory.
 ///
 /// `shard.m` is the square average, as long as `p`; `shard.v` the momentum
-/// buffer, as long as `p` when `cfg.momentum > 0` and empty when it is 0.
+/// buffer (`cfg.momentum > 0`) or the gradient's average (`cfg.centered`),
+/// as long as `p`, and empty when there is neither.
 /// `grad_scale` multiplies every gradient first (`clip_coef /
 /// loss_scale`). With a [`ComputeCopy`] destination, the updated
 /// parameters are also written there in bf16/f16.
@@ -210,9 +250,13 @@ pub fn rmsprop_step(
     let n = p.len();
     same_len("g", g.len(), "p", n)?;
     same_len("m", m.len(), "p", n)?;
-    match cfg.momentum > 0.0 {
+    match cfg.momentum > 0.0 || cfg.centered {
         true => same_len("v", v.len(), "p", n)?,
-        false => empty("v", v.len(), "RMSprop without momentum keeps no buffer")?,
+        false => empty(
+            "v",
+            v.len(),
+            "RMSprop without momentum, not centered, keeps no second array",
+        )?,
     }
     let copy = CopyBits::of(copy, n)?;
     // Without momentum `v` is empty, and stays so in every thread's range.
@@ -231,16 +275,22 @@ mod tests {
 
     /// The module doc's formula in f64, step `t`'s gradient `g x (1 + t/10)`.
     fn reference(cfg: &RmspropConfig, steps: u64, p: &mut [f64], g: &[f64]) -> Vec<f64> {
-        let (mut s, mut b) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+        let n = p.len();
+        let (mut s, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         for t in 1..=steps {
-            for i in 0..p.len() {
+            for i in 0..n {
                 let mut gi = g[i] * (1.0 + 0.1 * t as f64);
                 if cfg.maximize {
                     gi = -gi;
                 }
                 gi += cfg.weight_decay * p[i];
                 s[i] = cfg.alpha * s[i] + (1.0 - cfg.alpha) * gi * gi;
-                let d = gi / (s[i].sqrt() + cfg.eps);
+                c[i] += (1.0 - cfg.alpha) * (gi - c[i]);
+                let mean_square = match cfg.centered {
+                    true => s[i] - c[i] * c[i],
+                    false => s[i],
+                };
+                let d = gi / (mean_square.sqrt() + cfg.eps);
                 b[i] = cfg.momentum * b[i] + d;
                 p[i] -= cfg.lr * if cfg.momentum > 0.0 { b[i] } else { d };
             }
@@ -253,7 +303,8 @@ mod tests {
         let pool = Threads::new(threads).unwrap();
         let (mut p, g) = start(n);
         let mut s = vec![0.0; n];
-        let mut b = vec![0.0; if cfg.momentum > 0.0 { n } else { 0 }];
+        let second = cfg.momentum > 0.0 || cfg.centered;
+        let mut b = vec![0.0; if second { n } else { 0 }];
         for t in 1..=steps {
             let shard = AdamShard {
                 p: &mut p,
@@ -283,6 +334,14 @@ mod tests {
             RmspropConfig {
                 momentum: 0.9,
                 eps: 1e-3,
+                ..base
+            },
+            // (A fast alpha would make `s - c c` cancel to its rounding
+            // over these slowly changing gradients, in f32 as against f64;
+            // its first step is checked to the bit below.)
+            RmspropConfig {
+                centered: true,
+                weight_decay: 0.01,
                 ..base
             },
         ]
@@ -344,6 +403,42 @@ mod tests {
     }
 
     #[test]
+    fn the_centered_first_step_rounds_as_libtorchs_operations() {
+        // From zero averages: c = lerp(0, g, w), whose two formulas meet
+        // at w = 0.5, and a = sqrt(s - c c) + eps.
+        for alpha in [0.9, 0.3] {
+            let cfg = RmspropConfig {
+                lr: 0.1,
+                alpha,
+                centered: true,
+                ..Default::default()
+            };
+            let pool = Threads::new(1).unwrap();
+            let (mut p, g) = start(8);
+            let p0 = p.clone();
+            let (mut s, mut c) = (vec![0.0; 8], vec![0.0; 8]);
+            let shard = AdamShard {
+                p: &mut p,
+                g: &g,
+                m: &mut s,
+                v: &mut c,
+            };
+            rmsprop_step(&pool, &cfg, 1.0, shard, ComputeCopy::None).unwrap();
+            let w = (1.0 - alpha) as f32;
+            for i in 0..8 {
+                let si = (w * g[i]).mul_add(g[i], 0.0);
+                let ci = match w < 0.5 {
+                    true => w.mul_add(g[i], 0.0),
+                    false => (w - 1.0).mul_add(g[i], g[i]),
+                };
+                assert_eq!((s[i], c[i]), (si, ci), "alpha {alpha}, {i}");
+                let a = (-ci).mul_add(ci, si).sqrt() + 1e-8;
+                assert_eq!(p[i], p0[i] + (-0.1f32 * g[i]) / a, "alpha {alpha}, {i}");
+            }
+        }
+    }
+
+    #[test]
     fn threads_and_dispatch_levels_do_not_change_a_bit() {
         for cfg in configs() {
             let n = 100_003;
@@ -356,7 +451,7 @@ mod tests {
             let c = Coef::new(&cfg, 0.7).unwrap();
             let (p0, g) = start(4099);
             let s0: Vec<f32> = g.iter().map(|x| x * x * 0.3).collect();
-            let b0 = match cfg.momentum > 0.0 {
+            let b0 = match cfg.momentum > 0.0 || cfg.centered {
                 true => g.iter().map(|x| x * 0.2).collect(),
                 false => Vec::new(),
             };
@@ -424,7 +519,7 @@ mod tests {
         let plain = RmspropConfig::default();
         assert_eq!(
             step(&plain, &mut p, &mut s, &mut [0.0; 4]),
-            "slice `v` has 4 elements but must be empty: RMSprop without momentum keeps no buffer"
+            "slice `v` has 4 elements but must be empty: RMSprop without momentum, not centered, keeps no second array"
         );
         let momentum = RmspropConfig {
             momentum: 0.9,
@@ -441,6 +536,14 @@ mod tests {
         assert_eq!(
             step(&alpha, &mut p, &mut s, &mut []),
             "invalid optimizer setting `alpha` = 1.5: must be in [0, 1]"
+        );
+        let both = RmspropConfig {
+            centered: true,
+            ..momentum
+        };
+        assert_eq!(
+            step(&both, &mut p, &mut s, &mut [0.0; 4]),
+            "invalid optimizer setting `momentum` = 0.9: must be 0 when centered: centered RMSprop with momentum keeps three arrays per parameter"
         );
     }
 }

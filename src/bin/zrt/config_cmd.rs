@@ -191,16 +191,18 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             show(o.weight_decay),
         ),
         OptimizerKind::Rmsprop => println!(
-            "  optimizer        RMSprop lr {} alpha {} eps {} momentum {} maximize {} weight_decay {} (L2 decay; {})",
+            "  optimizer        RMSprop lr {} alpha {} eps {} momentum {} centered {} maximize {} weight_decay {} (L2 decay; {})",
             show(o.lr),
             o.alpha,
             o.eps,
             o.momentum,
+            o.centered,
             o.maximize,
             show(o.weight_decay),
-            match o.moments() {
-                1 => "a square average",
-                _ => "a square average and a momentum buffer",
+            match (o.moments(), o.centered) {
+                (1, _) => "a square average",
+                (_, true) => "a square average and the gradient's average",
+                (_, false) => "a square average and a momentum buffer",
             }
         ),
         OptimizerKind::Adam | OptimizerKind::AdamW => println!(

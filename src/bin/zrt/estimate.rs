@@ -27,9 +27,9 @@ pub struct EstimateArgs {
     /// (`zero_quantized_nontrainable_weights`).
     #[arg(long)]
     quantize_frozen: bool,
-    /// The optimizer (`optimizer.type`): adam, adamw, lamb and
-    /// rmsprop-momentum (RMSprop with `momentum` above 0) keep two fp32
-    /// moments per trained parameter, lion, adagrad, rmsprop and
+    /// The optimizer (`optimizer.type`): adam, adamw, lamb,
+    /// rmsprop-momentum (RMSprop with `momentum` above 0) and
+    /// rmsprop-centered keep two fp32 moments per trained parameter, lion, adagrad, rmsprop and
     /// sgd-momentum (SGD with `momentum` above 0) one, sgd (torch's
     /// default, no momentum) none (default adam, or the config's).
     #[arg(long, conflicts_with = "config")]
@@ -57,6 +57,7 @@ fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
         OptimizerKind::Lamb => "lamb",
         OptimizerKind::Adagrad => "adagrad",
         OptimizerKind::Rmsprop if c.optimizer.momentum > 0.0 => "rmsprop-momentum",
+        OptimizerKind::Rmsprop if c.optimizer.centered => "rmsprop-centered",
         OptimizerKind::Rmsprop => "rmsprop",
         OptimizerKind::Adam | OptimizerKind::AdamW => "adam",
     };
@@ -148,11 +149,12 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         "lion" => ("Lion", 1.0),
         "adagrad" => ("Adagrad", 1.0),
         "rmsprop-momentum" => ("RMSprop with momentum", 2.0),
+        "rmsprop-centered" => ("RMSprop centered", 2.0),
         "rmsprop" => ("RMSprop without momentum", 1.0),
         "sgd-momentum" => ("SGD with momentum", 1.0),
         "sgd" => ("SGD without momentum", 0.0),
         other => {
-            bail!("--optimizer must be adam, adamw, lamb, rmsprop-momentum, lion, adagrad, rmsprop, sgd-momentum or sgd, got {other}")
+            bail!("--optimizer must be adam, adamw, lamb, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got {other}")
         }
     };
     println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);

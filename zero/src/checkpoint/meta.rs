@@ -194,6 +194,14 @@ impl Meta {
         self.config["optimizer"]["momentum"].as_f64().unwrap_or(0.0)
     }
 
+    /// Whether its run's RMSprop was centered (its rank files then hold the
+    /// gradient's average as `v`); false when not recorded.
+    pub fn centered(&self) -> bool {
+        self.config["optimizer"]["centered"]
+            .as_bool()
+            .unwrap_or(false)
+    }
+
     /// Every parameter as (name, shape), in flat order.
     pub fn params(&self) -> impl Iterator<Item = &SlotMeta> {
         self.units.iter().flat_map(|u| &u.slots)

@@ -63,22 +63,23 @@ pub enum OptimizerKind {
     Adagrad,
     /// `torch.optim.RMSprop` (DeepSpeed's `"RMSprop"`, which it hands to
     /// `torch.optim`): the square average of the gradient, and a momentum
-    /// buffer when `momentum > 0`; coupled (L2) weight decay; `centered`
-    /// is not implemented (`zrt_kernels::rmsprop`).
+    /// buffer when `momentum > 0` or the gradient's average when
+    /// `centered` (not both); coupled (L2) weight decay
+    /// (`zrt_kernels::rmsprop`).
     Rmsprop,
 }
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
     /// Adam's and LAMB's m and v, Lion's m, Adagrad's sum of squares,
-    /// RMSprop's square average, and SGD's and RMSprop's momentum buffer if
-    /// they have momentum (`momentum > 0`).
-    pub fn moments(self, momentum: bool) -> usize {
+    /// RMSprop's square average, and the `buffer` SGD keeps with momentum
+    /// and RMSprop with momentum or centered (its gradient's average).
+    pub fn moments(self, buffer: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
             OptimizerKind::Lion | OptimizerKind::Adagrad => 1,
-            OptimizerKind::Sgd => usize::from(momentum),
-            OptimizerKind::Rmsprop => 1 + usize::from(momentum),
+            OptimizerKind::Sgd => usize::from(buffer),
+            OptimizerKind::Rmsprop => 1 + usize::from(buffer),
         }
     }
 
@@ -163,6 +164,9 @@ pub struct OptimizerConfig {
     /// RMSprop's `params.alpha`: the share of the old square average kept
     /// each step (torch's default 0.99; unused by the others).
     pub alpha: f64,
+    /// RMSprop's `params.centered`: divide by the root of the gradient's
+    /// variance, which keeps the gradient's average.
+    pub centered: bool,
     /// LAMB's `params.max_coeff`: the trust ratio's upper clamp.
     pub max_coeff: f64,
     /// LAMB's `params.min_coeff`: the trust ratio's lower clamp.
@@ -173,10 +177,10 @@ pub struct OptimizerConfig {
 
 impl OptimizerConfig {
     /// How many fp32 moments per trained element it keeps (2 for Adam and
-    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD and 2 or 1 for RMSprop
-    /// with or without momentum).
+    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD with or without
+    /// momentum, 2 or 1 for RMSprop with or without momentum or centered).
     pub fn moments(&self) -> usize {
-        self.kind.moments(self.momentum > 0.0)
+        self.kind.moments(self.momentum > 0.0 || self.centered)
     }
 
     /// The value every element of the first moment (`m`) starts at, in a

@@ -295,6 +295,7 @@ impl P {
             lr_decay: 0.0,
             initial_accumulator_value: 0.0,
             alpha: 0.99,
+            centered: false,
             max_coeff: 10.0,
             min_coeff: 0.01,
             eps_inside_sqrt: false,
@@ -549,11 +550,7 @@ impl P {
             self.problems
                 .push(format!("`{path}.alpha` must be in [0, 1], got {alpha}"));
         }
-        if rmsprop && self.bool_or(p, path, "centered", false) {
-            self.problems.push(format!(
-                "`{path}.centered` is not implemented by zrt: it keeps a third array per parameter (the gradient's average) where zrt's RMSprop keeps the square average and the momentum buffer; remove it or set it to false"
-            ));
-        }
+        let centered = rmsprop && self.bool_or(p, path, "centered", false);
         let sgd = kind == OptimizerKind::Sgd;
         let momentum = if sgd || rmsprop {
             self.f64_or(p, path, "momentum", 0.0)
@@ -574,6 +571,11 @@ impl P {
         if !dampening.is_finite() {
             self.problems.push(format!(
                 "`{path}.dampening` must be finite, got {dampening}"
+            ));
+        }
+        if centered && momentum > 0.0 {
+            self.problems.push(format!(
+                "`{path}.centered` with `momentum` above 0 is not implemented by zrt: it keeps a third array per parameter (the gradient's average and the momentum buffer, beside the square average), which zrt's flat state does not have; set centered to false or momentum to 0"
             ));
         }
         if nesterov && (momentum <= 0.0 || dampening != 0.0) {
@@ -599,6 +601,7 @@ impl P {
             lr_decay,
             initial_accumulator_value,
             alpha,
+            centered,
             max_coeff,
             min_coeff,
             eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),

@@ -885,6 +885,13 @@ fn rmsprop_reads_torchs_settings_and_refuses_the_rest() {
     assert!(o.maximize);
     assert_eq!(o.moments(), 2, "the square average and the momentum buffer");
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let o = rmsprop(r#", "centered": true"#).unwrap().optimizer;
+    assert!(o.centered);
+    assert_eq!(
+        o.moments(),
+        2,
+        "the square average and the gradient's average"
+    );
     for (params, want) in [
         (
             r#", "betas": [0.9, 0.999], "amsgrad": false"#,
@@ -894,8 +901,8 @@ fn rmsprop_reads_torchs_settings_and_refuses_the_rest() {
             ],
         ),
         (
-            r#", "centered": true"#,
-            vec!["`optimizer.params.centered` is not implemented by zrt: it keeps a third array per parameter (the gradient's average) where zrt's RMSprop keeps the square average and the momentum buffer; remove it or set it to false"],
+            r#", "centered": true, "momentum": 0.9"#,
+            vec!["`optimizer.params.centered` with `momentum` above 0 is not implemented by zrt: it keeps a third array per parameter (the gradient's average and the momentum buffer, beside the square average), which zrt's flat state does not have; set centered to false or momentum to 0"],
         ),
         (
             r#", "alpha": 1.5"#,

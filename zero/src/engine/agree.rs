@@ -87,6 +87,7 @@ impl Terms {
         );
         // RMSprop's.
         put("optimizer.params.alpha", format!("{:?}", o.alpha));
+        put("optimizer.params.centered", o.centered.to_string());
         put(
             "scheduler",
             c.scheduler

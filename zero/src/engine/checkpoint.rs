@@ -90,7 +90,7 @@ fn state_parts(moments: usize) -> &'static [&'static str] {
 /// its recorded momentum is above 0).
 fn saved_optimizer(meta: &Meta) -> (OptimizerKind, usize) {
     let kind = OptimizerKind::from_name(meta.optimizer()).unwrap_or(OptimizerKind::Adam);
-    (kind, kind.moments(meta.momentum() > 0.0))
+    (kind, kind.moments(meta.momentum() > 0.0 || meta.centered()))
 }
 
 /// The name of unit `unit`'s accumulated gradient in a rank file or a
@@ -717,6 +717,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "lr_decay": c.optimizer.lr_decay,
                     "initial_accumulator_value": c.optimizer.initial_accumulator_value,
                     "alpha": c.optimizer.alpha,
+                    "centered": c.optimizer.centered,
                 },
                 "precision": format!("{:?}", c.precision),
                 "scheduler": format!("{:?}", c.scheduler),
@@ -991,21 +992,42 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let kind = i.cfg.config.optimizer.kind;
         let saved = meta.optimizer();
         let (saved_kind, held) = saved_optimizer(&meta);
-        if what == What::Everything && (!kind.same_state(saved_kind) || held != i.moments()) {
-            // SGD or RMSprop with and without momentum: the same
-            // optimizer, whose setting decides the state.
-            let mend = match kind.same_state(saved_kind) {
-                true => format!(
+        // RMSprop's `v` is the momentum buffer, or, centered, the
+        // gradient's average: as many moments, not the same.
+        let centered = i.cfg.config.optimizer.centered;
+        let centered_differs = kind == OptimizerKind::Rmsprop && meta.centered() != centered;
+        let differs = !kind.same_state(saved_kind) || held != i.moments() || centered_differs;
+        if what == What::Everything && differs {
+            // SGD or RMSprop with and without momentum (or centered): the
+            // same optimizer, whose settings decide the state.
+            let mend = match (kind.same_state(saved_kind), centered_differs) {
+                (true, true) => format!(
+                    "or set `optimizer.params.centered` to the saved run's {}",
+                    meta.centered()
+                ),
+                (true, false) => format!(
                     "or set `optimizer.params.momentum` to the saved run's {}",
                     meta.momentum()
                 ),
-                false => format!("or set `optimizer.type` to \"{saved}\""),
+                (false, _) => format!("or set `optimizer.type` to \"{saved}\""),
+            };
+            let state = |moments, centered| match (moments, centered) {
+                (2, true) if kind == OptimizerKind::Rmsprop => {
+                    "two moments, m and v: the square average and the gradient's average"
+                }
+                (2, false) if kind == OptimizerKind::Rmsprop => {
+                    "two moments, m and v: the square average and the momentum buffer"
+                }
+                (n, _) => moments_held(n),
+            };
+            let saved_state = match kind.same_state(saved_kind) {
+                true => state(held, meta.centered()),
+                false => moments_held(held),
             };
             return Err(CheckpointError::Incompatible(format!(
-                "its run trained with {saved}, whose optimizer state ({}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, {mend}",
-                moments_held(held),
+                "its run trained with {saved}, whose optimizer state ({saved_state}) is not {}'s ({}). Load it with load_checkpoint_module_only to start {} from its parameters with zero moments, {mend}",
                 kind.name(),
-                moments_held(i.moments()),
+                state(i.moments(), centered),
                 kind.name(),
             )));
         }

@@ -793,6 +793,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     eps: cfg.eps,
                     weight_decay: cfg.weight_decay,
                     momentum: o.momentum,
+                    centered: o.centered,
                     maximize: o.maximize,
                 };
                 rmsprop_step(&self.threads, &rmsprop, up.scale, s, copy)?

@@ -9,7 +9,7 @@
 //! u  = m / (sqrt(v) + eps) + weight_decay * p  (eps_inside_sqrt: m / sqrt(v + eps))
 //! w2 = sum p^2, u2 = sum u^2 over one whole parameter tensor
 //! r  = clamp(sqrt(w2) / sqrt(u2), min_coeff, max_coeff), 1 if either is 0   [LambConfig::trust]
-//! p  = p - step_size * r * u                   [lamb_update, or lamb_apply of a kept u]
+//! p  = p - step_size * r * u                   [lamb_update]
 //! ```
 //!
 //! with `step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)` under bias
@@ -24,7 +24,7 @@
 //! passes `u` need not be kept: [`lamb_update`] computes it again from `p`
 //! and the updated moments, to the same bits, and applies it in the same
 //! pass, so a caller's scratch is pass one's, one parameter long, rather
-//! than the whole shard ([`lamb_apply`] applies a `u` a caller kept).
+//! than the whole shard.
 //! Every dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamConfig, ComputeCopy};
@@ -277,45 +277,6 @@ pub fn lamb_update(
     Ok(())
 }
 
-#[inline(always)]
-fn apply_body(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) {
-    let streams = [p.as_ptr(), u.as_ptr()];
-    in_blocks(
-        p,
-        streams,
-        copy,
-        #[inline(always)]
-        |ps, r| {
-            let us = &u[r];
-            for i in 0..ps.len() {
-                ps[i] = us[i].mul_add(neg_step, ps[i]);
-            }
-        },
-    );
-}
-
-multiversion!(fn apply_range(neg_step: f32, p: &mut [f32], u: &[f32], copy: CopyBits<'_>) => apply_body);
-
-/// `p -= step * u` for a `u` the caller kept from [`lamb_moments`]
-/// (`step`: the step size times this parameter's trust ratio,
-/// [`LambConfig::trust`]), and the compute copy of the updated `p`:
-/// [`lamb_update`]'s result, to the bit, for a caller with the scratch.
-pub fn lamb_apply(
-    threads: &Threads,
-    step: f64,
-    p: &mut [f32],
-    u: &[f32],
-    copy: ComputeCopy<'_>,
-) -> Result<(), KernelError> {
-    same_len("u", u.len(), "p", p.len())?;
-    let copy = CopyBits::of(copy, p.len())?;
-    let neg_step = -step as f32;
-    for_each_range(threads, p, u, [], copy, |p, u, [], copy| {
-        apply_range(neg_step, p, u, copy)
-    });
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use half::bf16;
@@ -376,7 +337,8 @@ mod tests {
             let w2 = sum_of_squares(&pool, &p);
             let u2 = sum_of_squares(&pool, &u);
             let step = cfg.step_size(t) * cfg.trust(w2, u2);
-            lamb_apply(&pool, step, &mut p, &u, ComputeCopy::None).unwrap();
+            let copy = ComputeCopy::None;
+            lamb_update(&pool, cfg, step, &mut p, &m, &mut v, copy).unwrap();
         }
         [p, m, v]
     }
@@ -467,8 +429,10 @@ mod tests {
                 let gs = 1.0 + t as f32;
                 lamb_moments(&pool, &cfg, gs, &mut p, &g, &mut m, &mut v, &mut u).unwrap();
             }
-            let (mut kept, mut b1) = (p.clone(), vec![bf16::ZERO; n]);
-            lamb_apply(&pool, 0.003, &mut kept, &u, ComputeCopy::Bf16(&mut b1)).unwrap();
+            // `p -= step * u` with the kept `u`, one fused multiply-add.
+            let kept: Vec<f32> = (p.iter().zip(&u))
+                .map(|(p, u)| u.mul_add(-0.003f64 as f32, *p))
+                .collect();
             let v0 = v.clone();
             let mut b2 = vec![bf16::ZERO; n];
             lamb_update(
@@ -482,7 +446,12 @@ mod tests {
             )
             .unwrap();
             assert_eq!(bits(&p), bits(&kept), "{cfg:?}");
-            assert_eq!(b1, b2, "{cfg:?}");
+            // The compute copy is the cast of the updated parameters, on
+            // every thread's range.
+            for i in 0..n {
+                let cast = crate::cast::f32_to_bf16_bits(p[i]);
+                assert_eq!(b2[i].to_bits(), cast, "{cfg:?} {i}");
+            }
             assert_eq!(bits(&v), bits(&v0), "v is read only");
         }
     }
@@ -539,10 +508,6 @@ mod tests {
             (bits(&m2), bits(&v2), bits(&u2))
         );
         let (mut b1, mut b2) = (vec![0u16; 4099], vec![0u16; 4099]);
-        apply_body(-0.01, &mut p1, &u1, CopyBits::Bf16(&mut b1));
-        apply_range(-0.01, &mut p2, &u2, CopyBits::Bf16(&mut b2));
-        assert_eq!(bits(&p1), bits(&p2));
-        assert_eq!(b1, b2);
         update_body(&c, -0.01, &mut p1, &m1, &mut v1, CopyBits::Bf16(&mut b1));
         update_range(&c, -0.01, &mut p2, &m2, &mut v2, CopyBits::Bf16(&mut b2));
         assert_eq!(bits(&p1), bits(&p2));
@@ -550,14 +515,9 @@ mod tests {
     }
 
     #[test]
-    fn compute_copy_is_the_cast_and_bad_settings_are_refused() {
+    fn bad_settings_and_shapes_are_refused() {
+        // (The compute copy's cast is checked with the update pass above.)
         let pool = Threads::new(2).unwrap();
-        let (mut p, u) = start(70_001, 1.0);
-        let mut b = vec![bf16::ZERO; p.len()];
-        lamb_apply(&pool, 0.01, &mut p, &u, ComputeCopy::Bf16(&mut b)).unwrap();
-        for i in 0..p.len() {
-            assert_eq!(b[i].to_bits(), crate::cast::f32_to_bf16_bits(p[i]), "{i}");
-        }
         let cfg = LambConfig {
             max_coeff: 0.001,
             ..Default::default()

@@ -58,7 +58,7 @@ mod walk;
 pub use adagrad::{adagrad_step, AdagradConfig};
 pub use adam::{adam_step, AdamConfig, AdamShard, ComputeCopy};
 pub use error::KernelError;
-pub use lamb::{lamb_apply, lamb_moments, lamb_update, LambConfig};
+pub use lamb::{lamb_moments, lamb_update, LambConfig};
 pub use lion::lion_step;
 pub use rmsprop::{rmsprop_step, RmspropConfig};
 pub use sgd::{sgd_step, SgdConfig};

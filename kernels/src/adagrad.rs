@@ -23,7 +23,7 @@
 //! dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamShard, ComputeCopy};
-use crate::error::{empty, same_len};
+use crate::error::{empty, non_negative, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -62,18 +62,12 @@ impl AdagradConfig {
     /// Checks every setting is in its domain (torch's own checks, plus
     /// finiteness).
     pub fn validate(&self) -> Result<(), KernelError> {
-        let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        for (name, value) in [
+        non_negative(&[
             ("lr", self.lr),
             ("lr_decay", self.lr_decay),
             ("weight_decay", self.weight_decay),
             ("eps", self.eps),
-        ] {
-            if !(value >= 0.0 && value.is_finite()) {
-                return bad(name, value, "must be finite and >= 0");
-            }
-        }
-        Ok(())
+        ])
     }
 
     /// The learning rate of step `step` (1-based), `lr_decay` applied.

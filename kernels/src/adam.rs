@@ -25,7 +25,7 @@
 
 use half::{bf16, f16};
 
-use crate::error::same_len;
+use crate::error::{non_negative, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -68,22 +68,14 @@ impl AdamConfig {
     /// Checks every setting's domain, naming the first bad one.
     pub fn validate(&self) -> Result<(), KernelError> {
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        if !(self.lr >= 0.0 && self.lr.is_finite()) {
-            return bad("lr", self.lr, "must be finite and >= 0");
-        }
+        non_negative(&[("lr", self.lr)])?;
         if !(0.0..1.0).contains(&self.beta1) {
             return bad("betas[0]", self.beta1, "must be in [0, 1)");
         }
         if !(0.0..1.0).contains(&self.beta2) {
             return bad("betas[1]", self.beta2, "must be in [0, 1)");
         }
-        if !(self.eps >= 0.0 && self.eps.is_finite()) {
-            return bad("eps", self.eps, "must be finite and >= 0");
-        }
-        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            return bad("weight_decay", self.weight_decay, "must be finite and >= 0");
-        }
-        Ok(())
+        non_negative(&[("eps", self.eps), ("weight_decay", self.weight_decay)])
     }
 }
 

@@ -72,3 +72,20 @@ pub(crate) fn empty(name: &'static str, got: usize, why: &'static str) -> Result
         _ => Err(KernelError::NotEmpty { name, got, why }),
     }
 }
+
+/// Checks that each of `settings` (name, value) is finite and not below 0,
+/// in order, naming the first that is not: the domain every optimizer's
+/// rate, decay, eps and momentum share.
+pub(crate) fn non_negative(settings: &[(&'static str, f64)]) -> Result<(), KernelError> {
+    match settings
+        .iter()
+        .find(|(_, value)| !(*value >= 0.0 && value.is_finite()))
+    {
+        Some(&(name, value)) => Err(KernelError::BadSetting {
+            name,
+            value,
+            why: "must be finite and >= 0",
+        }),
+        None => Ok(()),
+    }
+}

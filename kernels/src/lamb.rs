@@ -28,7 +28,7 @@
 //! Every dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamConfig, ComputeCopy};
-use crate::error::same_len;
+use crate::error::{non_negative, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -67,9 +67,7 @@ impl LambConfig {
     pub fn validate(&self) -> Result<(), KernelError> {
         self.adam.validate()?;
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        if !(self.min_coeff >= 0.0 && self.min_coeff.is_finite()) {
-            return bad("min_coeff", self.min_coeff, "must be finite and >= 0");
-        }
+        non_negative(&[("min_coeff", self.min_coeff)])?;
         if !(self.max_coeff >= self.min_coeff && self.max_coeff.is_finite()) {
             return bad(
                 "max_coeff",

@@ -32,7 +32,7 @@
 //! and thread count gives the same bits.
 
 use crate::adam::{AdamShard, ComputeCopy};
-use crate::error::{empty, same_len};
+use crate::error::{empty, non_negative, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -80,16 +80,12 @@ impl RmspropConfig {
     /// negative and the root of a negative average NaN).
     pub fn validate(&self) -> Result<(), KernelError> {
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        for (name, value) in [
+        non_negative(&[
             ("lr", self.lr),
             ("eps", self.eps),
             ("weight_decay", self.weight_decay),
             ("momentum", self.momentum),
-        ] {
-            if !(value >= 0.0 && value.is_finite()) {
-                return bad(name, value, "must be finite and >= 0");
-            }
-        }
+        ])?;
         if !(0.0..=1.0).contains(&self.alpha) {
             return bad("alpha", self.alpha, "must be in [0, 1]");
         }

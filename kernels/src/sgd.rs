@@ -20,7 +20,7 @@
 //! multiply-add. Every dispatch level and thread count gives the same bits.
 
 use crate::adam::{AdamShard, ComputeCopy};
-use crate::error::{empty, same_len};
+use crate::error::{empty, non_negative, same_len};
 use crate::simd::multiversion;
 use crate::walk::{for_each_range, in_blocks, CopyBits};
 use crate::{KernelError, Threads};
@@ -61,18 +61,11 @@ impl SgdConfig {
     /// finiteness).
     pub fn validate(&self) -> Result<(), KernelError> {
         let bad = |name, value, why| Err(KernelError::BadSetting { name, value, why });
-        if !(self.lr >= 0.0 && self.lr.is_finite()) {
-            return bad("lr", self.lr, "must be finite and >= 0");
-        }
-        if !(self.momentum >= 0.0 && self.momentum.is_finite()) {
-            return bad("momentum", self.momentum, "must be finite and >= 0");
-        }
+        non_negative(&[("lr", self.lr), ("momentum", self.momentum)])?;
         if !self.dampening.is_finite() {
             return bad("dampening", self.dampening, "must be finite");
         }
-        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            return bad("weight_decay", self.weight_decay, "must be finite and >= 0");
-        }
+        non_negative(&[("weight_decay", self.weight_decay)])?;
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             return bad(
                 "nesterov",

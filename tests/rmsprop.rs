@@ -42,27 +42,8 @@ fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
 fn a_rank_holds_one_or_two_moments_in_memory_and_in_the_swap_file() {
     let _serial = serial();
     let dir = common::scratch("rmsprop-bytes");
-    let (aio, off) = nvme(&dir);
-    for stage in [0u8, 2, 3] {
-        let held = |optimizer, params, extra: &str, zero: &str| {
-            common::state_held(optimizer, params, stage, extra, zero)
-        };
-        let (adam, range, ..) = held("AdamW", "", "", "");
-        let (plain, ..) = held("RMSprop", "", "", "");
-        let (momentum, ..) = held("RMSprop", MOMENTUM, "", "");
-        let (centered, ..) = held("RMSprop", CENTERED, "", "");
-        assert_eq!(adam - plain, 4 * range, "stage {stage}");
-        assert_eq!((momentum, centered), (adam, adam), "stage {stage}");
-        if stage == 3 {
-            // bf16: the swap holds master and two moments, or master and
-            // the square average.
-            let bf16 = format!("{BF16} {aio}");
-            let adam = held("AdamW", "", &bf16, &off).2.unwrap();
-            let plain = held("RMSprop", "", &bf16, &off).2.unwrap();
-            let momentum = held("RMSprop", MOMENTUM, &bf16, &off).2.unwrap();
-            assert!(plain > 0 && 2 * adam == 3 * plain, "{adam} {plain}");
-            assert_eq!(momentum, adam);
-        }
+    for (params, moments) in [("", 1), (MOMENTUM, 2), (CENTERED, 2)] {
+        common::holds_moments("RMSprop", params, moments, &dir);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -40,30 +40,14 @@ fn bf16_stages_and_the_nvme_swaps_train_to_the_bits_of_memory() {
 fn a_rank_holds_one_moment_or_none_in_memory_and_in_the_swap_file() {
     let _serial = serial();
     let dir = common::scratch("sgd-bytes");
-    let (aio, off) = nvme(&dir);
-    for stage in [0u8, 2, 3] {
-        let held = |optimizer, params, extra: &str, zero: &str| {
-            common::state_held(optimizer, params, stage, extra, zero)
-        };
-        let (adam, range, ..) = held("AdamW", "", "", "");
-        let (momentum, ..) = held("SGD", MOMENTUM, "", "");
-        let (plain, ..) = held("SGD", "", "", "");
-        assert_eq!(adam - momentum, 4 * range, "stage {stage}");
-        assert_eq!(adam - plain, 8 * range, "stage {stage}");
-        if stage == 3 {
-            // bf16: the swap holds master, m and v; master and buffer; or
-            // the master alone.
-            let bf16 = format!("{BF16} {aio}");
-            let adam = held("AdamW", "", &bf16, &off).2.unwrap();
-            let momentum = held("SGD", MOMENTUM, &bf16, &off).2.unwrap();
-            let plain = held("SGD", "", &bf16, &off).2.unwrap();
-            assert!(plain > 0 && adam == 3 * plain && momentum == 2 * plain);
-            // fp32 without momentum: no swap file at all, and a warning.
-            let (.., file, logs) = held("SGD", "", &aio, &off);
-            assert_eq!(file, None);
-            assert!(logs.contains("`zero_optimization.offload_optimizer` has nothing to offload: SGD without momentum keeps no optimizer state"), "{logs}");
-        }
+    for (params, moments) in [(MOMENTUM, 1), ("", 0)] {
+        common::holds_moments("SGD", params, moments, &dir);
     }
+    // fp32 without momentum: no swap file at all, and a warning.
+    let (aio, off) = nvme(&dir);
+    let (.., file, logs) = common::state_held("SGD", "", 3, &aio, &off);
+    assert_eq!(file, None);
+    assert!(logs.contains("`zero_optimization.offload_optimizer` has nothing to offload: SGD without momentum keeps no optimizer state"), "{logs}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -255,7 +255,8 @@ pub fn rmsprop_step(
         )?,
     }
     let copy = CopyBits::of(copy, n)?;
-    // Without momentum `v` is empty, and stays so in every thread's range.
+    // Without momentum or centering `v` is empty, and stays so in every
+    // thread's range.
     for_each_range(threads, p, g, [m, v], copy, |p, g, [s, b], copy| {
         rmsprop_range(&c, p, g, s, b, copy)
     });

@@ -557,3 +557,36 @@ pub fn stages_and_swaps_train_alike(optimizer: &str, params: &str, dir: &std::pa
         assert_eq!((&run.0, &run.1), (&memory.0, &memory.1), "{what} swapped");
     }
 }
+
+/// What a rank holds under `optimizer` with `params`, which keeps
+/// `moments` fp32 moments, against AdamW's two: at stages 0, 2 and 3, 4
+/// bytes less per element of its optimizer range for each moment fewer;
+/// at stage 3 in bf16, an optimizer swap file (in `dir`) in proportion to
+/// the arrays it holds (the master and the moments, against the master, m
+/// and v).
+pub fn holds_moments(optimizer: &str, params: &str, moments: usize, dir: &std::path::Path) {
+    let (aio, off) = nvme(dir);
+    let what = format!("{optimizer}{params}");
+    for stage in [0u8, 2, 3] {
+        let held = |optimizer, params, extra: &str, zero: &str| {
+            state_held(optimizer, params, stage, extra, zero)
+        };
+        let (adam, range, ..) = held("AdamW", "", "", "");
+        let (mine, ..) = held(optimizer, params, "", "");
+        assert_eq!(
+            adam - mine,
+            4 * (2 - moments) * range,
+            "{what} stage {stage}"
+        );
+        if stage == 3 {
+            let bf16 = format!("{BF16} {aio}");
+            let adam = held("AdamW", "", &bf16, &off).2.unwrap();
+            let mine = held(optimizer, params, &bf16, &off).2.unwrap();
+            let arrays = 1 + moments as u64;
+            assert!(
+                mine > 0 && arrays * adam == 3 * mine,
+                "{what}: {adam} {mine}"
+            );
+        }
+    }
+}

@@ -294,11 +294,34 @@ enum RefOpt {
     Adagrad { lr_decay: f64, init: f64 },
 }
 
+/// torch.optim's coupled-decay loop, without grad: `step(k, p, g, lr)` on
+/// every variable `k`, with its parameter, its gradient with the L2 decay
+/// [`WD`] added (where `rules` decay it) as torch's `grad.add(p, alpha =
+/// wd)` adds it, one fused multiply-add (tch's `add` takes no alpha:
+/// `addcmul` by a one-element tensor is the same operation), and its rate
+/// ([`LR`] scaled as `rules` say).
+fn coupled_steps(
+    vars: &[(String, Tensor)],
+    rules: Rules,
+    mut step: impl FnMut(usize, Tensor, Tensor, f64),
+) {
+    tch::no_grad(|| {
+        for (k, (name, var)) in vars.iter().enumerate() {
+            let p = var.detach();
+            let mut g = var.grad();
+            if rules.decays(&var.size()) {
+                g = g.addcmul(&p, &Tensor::from(WD as f32));
+            }
+            step(k, p, g, LR * rules.lr_scale(name));
+        }
+    });
+}
+
 /// torch.optim.Adagrad's step `t` (1-based, its single-tensor path, the
 /// one it takes on CPU) at [`LR`], [`WD`], `lr_decay`, eps 1e-10, the sums
 /// starting at `init` (its `initial_accumulator_value`), on every
-/// variable from its `.grad()`, its decay and rate as `rules` give them,
-/// through libtorch's own operations: the decay added to the gradient,
+/// variable from its `.grad()`, its decay and rate as `rules` give them
+/// ([`coupled_steps`]), through libtorch's own operations:
 /// `sum.addcmul_(g, g)`, `sum.sqrt() + eps`, `p.addcdiv_(-clr * g, std)`
 /// (tch's addcdiv_ takes no value; libtorch's kernel multiplies by it
 /// first too).
@@ -309,31 +332,22 @@ fn adagrad_update(
     (lr_decay, init): (f64, f64),
     t: u64,
 ) {
-    tch::no_grad(|| {
-        for (k, (name, var)) in vars.iter().enumerate() {
-            if sums.len() <= k {
-                sums.push(var.detach().full_like(init));
-            }
-            let lr = LR * rules.lr_scale(name);
-            let wd = if rules.decays(&var.size()) { WD } else { 0.0 };
-            let clr = lr / (1.0 + (t - 1) as f64 * lr_decay);
-            let mut p = var.detach();
-            let mut g = var.grad();
-            if wd != 0.0 {
-                g = &g + &p * wd;
-            }
-            let _ = sums[k].addcmul_(&g, &g);
-            let std = sums[k].sqrt() + 1e-10;
-            let _ = p.addcdiv_(&(&g * -clr), &std);
+    coupled_steps(vars, rules, |k, mut p, g, lr| {
+        if sums.len() <= k {
+            sums.push(p.full_like(init));
         }
+        let clr = lr / (1.0 + (t - 1) as f64 * lr_decay);
+        let _ = sums[k].addcmul_(&g, &g);
+        let std = sums[k].sqrt() + 1e-10;
+        let _ = p.addcdiv_(&(&g * -clr), &std);
     });
 }
 
 /// torch.optim.RMSprop's step (its single-tensor path, the one it takes on
 /// CPU) with `rms`'s alpha, eps and momentum at [`LR`], [`WD`], on every
-/// variable from its `.grad()`, its decay and rate as `rules` give them,
-/// through libtorch's operations as torch orders them: the decay added
-/// to the gradient, `s.mul_(alpha).addcmul_(g, g, 1 - alpha)` (centered:
+/// variable from its `.grad()`, its decay and rate as `rules` give them
+/// ([`coupled_steps`]), through libtorch's operations as torch orders
+/// them: `s.mul_(alpha).addcmul_(g, g, 1 - alpha)` (centered:
 /// `b.lerp_(g, 1 - alpha)`, `s.addcmul(b, b, -1)`), the root of that plus
 /// eps, then `b.mul_(momentum).addcdiv_(g, avg)` and `p.add_(b, -lr)`, or
 /// `p.addcdiv_(g, avg, -lr)`. tch's `add`, `addcmul_` and `addcdiv_`
@@ -350,40 +364,30 @@ fn rmsprop_update(
     rms: nn::RmsProp,
     rules: Rules,
 ) {
-    let scalar = |x: f64| Tensor::from(x as f32);
-    tch::no_grad(|| {
-        for (k, (name, var)) in vars.iter().enumerate() {
-            if state.len() <= k {
-                state.push([var.detach().zeros_like(), var.detach().zeros_like()]);
-            }
-            let [s, b] = &mut state[k];
-            let lr = LR * rules.lr_scale(name);
-            let wd = if rules.decays(&var.size()) { WD } else { 0.0 };
-            let mut p = var.detach();
-            let mut g = var.grad();
-            if wd != 0.0 {
-                g = g.addcmul(&p, &scalar(wd));
-            }
-            let _ = s
-                .g_mul_scalar_(rms.alpha)
-                .addcmul_(&(&g * (1.0 - rms.alpha)), &g);
-            // Centered: `b` is the gradient's average, and the root is of
-            // `s.addcmul(b, b, value = -1)`.
-            let mean_square = match rms.centered {
-                true => s.addcmul(&-b.lerp_(&g, 1.0 - rms.alpha), b),
-                false => s.shallow_clone(),
-            };
-            let root = mean_square
-                .to_kind(Kind::Double)
-                .sqrt()
-                .to_kind(Kind::Float);
-            let avg = root + rms.eps;
-            if rms.momentum > 0.0 {
-                let _ = b.g_mul_scalar_(rms.momentum).addcdiv_(&g, &avg);
-                let _ = p.addcmul_(b, &scalar(-lr));
-            } else {
-                let _ = p.addcdiv_(&(&g * -lr), &avg);
-            }
+    coupled_steps(vars, rules, |k, mut p, g, lr| {
+        if state.len() <= k {
+            state.push([p.zeros_like(), p.zeros_like()]);
+        }
+        let [s, b] = &mut state[k];
+        let _ = s
+            .g_mul_scalar_(rms.alpha)
+            .addcmul_(&(&g * (1.0 - rms.alpha)), &g);
+        // Centered: `b` is the gradient's average, and the root is of
+        // `s.addcmul(b, b, value = -1)`.
+        let mean_square = match rms.centered {
+            true => s.addcmul(&-b.lerp_(&g, 1.0 - rms.alpha), b),
+            false => s.shallow_clone(),
+        };
+        let root = mean_square
+            .to_kind(Kind::Double)
+            .sqrt()
+            .to_kind(Kind::Float);
+        let avg = root + rms.eps;
+        if rms.momentum > 0.0 {
+            let _ = b.g_mul_scalar_(rms.momentum).addcdiv_(&g, &avg);
+            let _ = p.addcmul_(b, &Tensor::from(-lr as f32));
+        } else {
+            let _ = p.addcdiv_(&(&g * -lr), &avg);
         }
     });
 }

@@ -177,25 +177,38 @@ impl Grads {
 /// together; the CRC is shown where one path and step hold different
 /// contents (the same directory on two nodes' own disks).
 fn what_each_read(reads: &[(u64, u64, String)]) -> Vec<String> {
-    // (CRC, path and step, the ranks that read it).
-    let mut seen: Vec<(u64, String, Vec<usize>)> = Vec::new();
-    for (r, (crc, step, path)) in reads.iter().enumerate() {
-        let it = format!("{path} (step {step}");
-        match seen.iter_mut().find(|(c, x, _)| c == crc && *x == it) {
-            Some((_, _, rs)) => rs.push(r),
-            None => seen.push((*crc, it, vec![r])),
-        }
-    }
-    let shared = |it: &str| seen.iter().filter(|(_, x, _)| x == it).count() > 1;
+    // (CRC, path and step), and the ranks that read it.
+    let keys = reads
+        .iter()
+        .map(|(crc, step, path)| (*crc, format!("{path} (step {step}")));
+    let seen = by_rank(keys);
+    let shared = |it: &str| seen.iter().filter(|((_, x), _)| x == it).count() > 1;
     seen.iter()
-        .map(|(crc, it, rs)| {
-            let rs: Vec<String> = rs.iter().map(usize::to_string).collect();
-            let s = if rs.len() > 1 { "s" } else { "" };
+        .map(|((crc, it), ranks)| {
             let crc = match shared(it) {
                 true => format!(", meta.json crc {crc:08x}"),
                 false => String::new(),
             };
-            format!("rank{s} {} read {it}{crc})", rs.join(", "))
+            format!("{ranks} read {it}{crc})")
+        })
+        .collect()
+}
+
+/// Groups the ranks (their index in `values`) by the value each gave, in
+/// the order of each value's first rank: (value, "rank 2" or "ranks 0,
+/// 1"), for an error naming what every rank did.
+fn by_rank<T: PartialEq>(values: impl IntoIterator<Item = T>) -> Vec<(T, String)> {
+    let mut seen: Vec<(T, Vec<String>)> = Vec::new();
+    for (r, v) in values.into_iter().enumerate() {
+        match seen.iter_mut().find(|(x, _)| *x == v) {
+            Some((_, rs)) => rs.push(r.to_string()),
+            None => seen.push((v, vec![r.to_string()])),
+        }
+    }
+    (seen.into_iter())
+        .map(|(v, rs)| {
+            let s = if rs.len() > 1 { "s" } else { "" };
+            (v, format!("rank{s} {}", rs.join(", ")))
         })
         .collect()
 }
@@ -888,21 +901,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             &lens,
             what,
         )?;
-        // (tag, the ranks saving under it), in rank order of first use.
-        let mut seen: Vec<(String, Vec<String>)> = Vec::new();
-        for (r, t) in tags.iter().enumerate() {
-            let t = String::from_utf8_lossy(t).into_owned();
-            match seen.iter_mut().find(|(x, _)| *x == t) {
-                Some((_, rs)) => rs.push(r.to_string()),
-                None => seen.push((t, vec![r.to_string()])),
-            }
-        }
-        let each = seen
+        let each = by_rank(tags.iter().map(|t| String::from_utf8_lossy(t).into_owned()))
             .into_iter()
-            .map(|(t, rs)| {
-                let s = if rs.len() > 1 { "s" } else { "" };
-                format!("rank{s} {} saved under `{t}`", rs.join(", "))
-            })
+            .map(|(t, ranks)| format!("{ranks} saved under `{t}`"))
             .collect();
         Err(CheckpointError::DifferentTags(each).into())
     }

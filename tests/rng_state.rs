@@ -19,6 +19,7 @@ mod experts;
 mod frozen_shards;
 mod lamb;
 mod lion;
+mod muon;
 mod quantized_frozen;
 mod rmsprop;
 mod sgd;

@@ -63,6 +63,8 @@ pub(crate) struct PlanInner {
     pub(crate) uneven: Mutex<Option<Arc<NameRule>>>,
     /// Set by [`ShardPlan::partly_unused_on_some_ranks`].
     pub(crate) partial: Mutex<Option<Arc<NameRule>>>,
+    /// Set by [`ShardPlan::use_muon`].
+    pub(crate) muon: Mutex<Option<Arc<NameRule>>>,
 }
 
 impl PlanInner {
@@ -377,6 +379,50 @@ impl ShardPlan {
     /// once, as [`Self::decay_rule`]).
     pub(crate) fn partial_rule(&self) -> Option<Arc<NameRule>> {
         self.inner.partial.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// Chooses which trainable parameters Muon's half of
+    /// `optimizer.type: "Muon"` steps (the rest step by its AdamW):
+    /// those for which `muon(name, shape)` is true, DeepSpeed's
+    /// `param.use_muon`. Each must have at least two dimensions (a
+    /// convolution's are taken as `[shape[0], the rest]`), refused when
+    /// the engine is built otherwise.
+    ///
+    /// Without it Muon takes the hidden weight matrices, by name as most
+    /// Muon recipes choose them: every parameter of two or more
+    /// dimensions except the embeddings and the head (a part of the name
+    /// that contains `embed`, or is `wte`, `wpe`, `head` or `lm_head`);
+    /// those, norms and biases go to AdamW, as Muon's authors split them.
+    /// A model that names them otherwise says so:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// // Llama's: `tok_embeddings` is caught by `embed`, `output` is not.
+    /// plan.use_muon(|name, shape| {
+    ///     shape.len() >= 2 && !name.contains("embed") && !name.starts_with("output.")
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// The engine logs how many parameters each half takes when it is
+    /// built.
+    ///
+    /// Call it before building the engine, on every rank alike (the engine
+    /// checks that ranks agree). Any other optimizer ignores it. The rule
+    /// is the program's and the checkpoint's both: a checkpoint records
+    /// which parameters Muon stepped, and a full load into a run whose
+    /// rule differs is refused (their momentum is not AdamW's).
+    pub fn use_muon(
+        &self,
+        muon: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        self.set_rule("use_muon", &self.inner.muon, Arc::new(muon))
+    }
+
+    /// The rule [`Self::use_muon`] set, if any (read once, as
+    /// [`Self::decay_rule`]).
+    pub(crate) fn muon_rule(&self) -> Option<Arc<NameRule>> {
+        self.inner.muon.lock().ok().and_then(|r| r.clone())
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -205,6 +205,19 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
                 (_, false) => "a square average and a momentum buffer",
             }
         ),
+        OptimizerKind::Muon => println!(
+            "  optimizer        Muon lr {} momentum {} nesterov {} ns_steps {} adjust_lr_fn {} weight_decay {} (decoupled); AdamW lr {} betas ({}, {}) eps {} for what Muon does not take",
+            show(o.lr),
+            o.momentum,
+            o.nesterov,
+            o.ns_steps,
+            if o.match_rms_adamw { "match_rms_adamw" } else { "original" },
+            show(o.weight_decay),
+            o.adam_lr.map_or_else(|| show(o.lr), |r| r.to_string()),
+            o.betas.0,
+            o.betas.1,
+            o.eps,
+        ),
         OptimizerKind::Adam | OptimizerKind::AdamW => println!(
             "  optimizer        {:?} lr {} betas ({}, {}) eps {} weight_decay {} ({} decay) bias_correction {}",
             o.kind,

@@ -27,7 +27,8 @@ pub struct EstimateArgs {
     /// (`zero_quantized_nontrainable_weights`).
     #[arg(long)]
     quantize_frozen: bool,
-    /// The optimizer (`optimizer.type`): adam, adamw, lamb,
+    /// The optimizer (`optimizer.type`): adam, adamw, lamb, muon (whose
+    /// flat state keeps AdamW's two for its matrices too),
     /// rmsprop-momentum (RMSprop with `momentum` above 0) and
     /// rmsprop-centered keep two fp32 moments per trained parameter, lion, adagrad, rmsprop and
     /// sgd-momentum (SGD with `momentum` above 0) one, sgd (torch's
@@ -60,6 +61,7 @@ fn from_config(path: &std::path::Path) -> Result<(String, String, bool, u8)> {
         OptimizerKind::Rmsprop if c.optimizer.centered => "rmsprop-centered",
         OptimizerKind::Rmsprop => "rmsprop",
         OptimizerKind::Adam | OptimizerKind::AdamW => "adam",
+        OptimizerKind::Muon => "muon",
     };
     let packed = c.zero.zero_quantized_nontrainable_weights;
     Ok((dtype.into(), optimizer.into(), packed, c.zero.stage))
@@ -146,6 +148,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
         "lamb" => ("Lamb", 2.0),
+        "muon" => ("Muon (AdamW's bytes: its matrices' v is kept, zero)", 2.0),
         "lion" => ("Lion", 1.0),
         "adagrad" => ("Adagrad", 1.0),
         "rmsprop-momentum" => ("RMSprop with momentum", 2.0),
@@ -154,7 +157,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         "sgd-momentum" => ("SGD with momentum", 1.0),
         "sgd" => ("SGD without momentum", 0.0),
         other => {
-            bail!("--optimizer must be adam, adamw, lamb, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got {other}")
+            bail!("--optimizer must be adam, adamw, lamb, muon, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got {other}")
         }
     };
     println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);

@@ -138,10 +138,12 @@ pub fn inspect(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError>
     );
     // SGD's and RMSprop's state hang on their momentum: say which it kept.
     let with_momentum = ["sgd", "rmsprop"].map(|k| meta.optimizer().eq_ignore_ascii_case(k));
-    let momentum = match with_momentum.contains(&true) {
-        true if meta.centered() => format!(" (momentum {}, centered)", meta.momentum()),
-        true => format!(" (momentum {})", meta.momentum()),
-        false => String::new(),
+    // Muon's state hangs on which parameters it stepped.
+    let momentum = match (with_momentum.contains(&true), &meta.muon) {
+        (true, _) if meta.centered() => format!(" (momentum {}, centered)", meta.momentum()),
+        (true, _) => format!(" (momentum {})", meta.momentum()),
+        (false, Some(muon)) => format!(" ({} parameter(s) by Muon, the rest by AdamW)", muon.len()),
+        (false, None) => String::new(),
     };
     let _ = writeln!(
         s,

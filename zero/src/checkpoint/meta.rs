@@ -144,6 +144,11 @@ pub struct Meta {
     /// recorded them (whose runs scaled none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr_scales: Option<std::collections::BTreeMap<String, f64>>,
+    /// The parameters Muon's half stepped
+    /// ([`ShardPlan::use_muon`](crate::ShardPlan::use_muon)), sorted;
+    /// `None` for every other optimizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub muon: Option<Vec<String>>,
     /// The resolved config (the settings that shape training).
     pub config: serde_json::Value,
     /// What the program saved with the checkpoint (DeepSpeed's
@@ -187,9 +192,10 @@ impl Meta {
         self.config["optimizer"]["type"].as_str().unwrap_or("AdamW")
     }
 
-    /// SGD's or RMSprop's momentum as its run set it (0 when not recorded:
-    /// every other optimizer's, and a run without momentum), which decides
-    /// whether its rank files hold a momentum buffer.
+    /// SGD's, RMSprop's or Muon's momentum as its run set it (0 when not
+    /// recorded: every other optimizer's, and a run without momentum),
+    /// which decides whether SGD's and RMSprop's rank files hold a
+    /// momentum buffer.
     pub fn momentum(&self) -> f64 {
         self.config["optimizer"]["momentum"].as_f64().unwrap_or(0.0)
     }
@@ -479,6 +485,7 @@ mod tests {
             frozen: None,
             no_weight_decay: None,
             lr_scales: None,
+            muon: None,
             config: serde_json::Value::Null,
             client_state: serde_json::Value::Null,
         }

@@ -67,6 +67,16 @@ pub enum OptimizerKind {
     /// `centered` (not both); coupled (L2) weight decay
     /// (`zrt_kernels::rmsprop`).
     Rmsprop,
+    /// Muon with an auxiliary AdamW (DeepSpeed's `"Muon"`, its
+    /// `MuonWithAuxAdam`; `torch.optim.Muon`'s update): the 2-D weights of
+    /// wrapped blocks (or those [`ShardPlan::use_muon`] names) keep a
+    /// momentum buffer and step by its orthogonalization over the whole
+    /// matrix (a Newton-Schulz iteration the engine runs on gathered
+    /// matrices); every other parameter steps by AdamW. Decoupled decay
+    /// for both.
+    ///
+    /// [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
+    Muon,
 }
 
 impl OptimizerKind {
@@ -77,6 +87,9 @@ impl OptimizerKind {
     pub fn moments(self, buffer: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
+            // The AdamW half's m and v; the Muon half's buffer is in m (its
+            // v stays zero: the flat state has one layout for every element).
+            OptimizerKind::Muon => 2,
             OptimizerKind::Lion | OptimizerKind::Adagrad => 1,
             OptimizerKind::Sgd => usize::from(buffer),
             OptimizerKind::Rmsprop => 1 + usize::from(buffer),
@@ -96,6 +109,7 @@ impl OptimizerKind {
             OptimizerKind::Sgd => 2,
             OptimizerKind::Adagrad => 3,
             OptimizerKind::Rmsprop => 4,
+            OptimizerKind::Muon => 5,
         };
         family(self) == family(other)
     }
@@ -111,6 +125,7 @@ impl OptimizerKind {
             "lamb" => Some(OptimizerKind::Lamb),
             "adagrad" => Some(OptimizerKind::Adagrad),
             "rmsprop" => Some(OptimizerKind::Rmsprop),
+            "muon" => Some(OptimizerKind::Muon),
             _ => None,
         }
     }
@@ -125,6 +140,7 @@ impl OptimizerKind {
             OptimizerKind::Lamb => "Lamb",
             OptimizerKind::Adagrad => "Adagrad",
             OptimizerKind::Rmsprop => "RMSprop",
+            OptimizerKind::Muon => "Muon",
         }
     }
 }
@@ -147,12 +163,12 @@ pub struct OptimizerConfig {
     pub adam_w_mode: bool,
     /// `params.bias_correction`.
     pub bias_correction: bool,
-    /// SGD's and RMSprop's `params.momentum` (0: no momentum buffer; 0 for
-    /// the others).
+    /// SGD's, RMSprop's and Muon's `params.momentum` (SGD's and RMSprop's
+    /// 0: no momentum buffer; Muon's 0.95; 0 for the others).
     pub momentum: f64,
     /// SGD's `params.dampening`.
     pub dampening: f64,
-    /// SGD's `params.nesterov`.
+    /// SGD's and Muon's `params.nesterov` (Muon's default: true).
     pub nesterov: bool,
     /// SGD's, Adagrad's and RMSprop's `params.maximize`.
     pub maximize: bool,
@@ -173,6 +189,16 @@ pub struct OptimizerConfig {
     pub min_coeff: f64,
     /// LAMB's `params.eps_inside_sqrt`.
     pub eps_inside_sqrt: bool,
+    /// Muon's `params.adam_lr`: the auxiliary AdamW's rate, when it is not
+    /// `lr` (the Muon half's, which `muon_lr` sets too). A scheduler moves
+    /// both rates alike, keeping their ratio. `None` for the others.
+    pub adam_lr: Option<f64>,
+    /// Muon's `params.ns_steps`: Newton-Schulz iterations (5).
+    pub ns_steps: u32,
+    /// Muon's `params.adjust_lr_fn` = `"match_rms_adamw"`: each matrix's
+    /// rate times `0.2 sqrt(max(rows, cols))` (Moonshot's), instead of
+    /// `sqrt(max(1, rows / cols))` (Keller Jordan's, the default).
+    pub match_rms_adamw: bool,
 }
 
 impl OptimizerConfig {

@@ -280,6 +280,15 @@ impl P {
         /// `torch.optim.RMSprop`'s keys that no other optimizer takes (its
         /// `momentum` is SGD's too).
         const RMSPROP_ONLY: [&str; 2] = ["alpha", "centered"];
+        /// DeepSpeed's Muon's and `torch.optim.Muon`'s keys that no other
+        /// optimizer takes (`momentum` and `nesterov` are SGD's too).
+        const MUON_ONLY: [&str; 5] = [
+            "muon_lr",
+            "adam_lr",
+            "ns_method",
+            "ns_steps",
+            "adjust_lr_fn",
+        ];
         let default = OptimizerConfig {
             kind: OptimizerKind::AdamW,
             lr: Setting::Value(1e-3),
@@ -299,6 +308,9 @@ impl P {
             max_coeff: 10.0,
             min_coeff: 0.01,
             eps_inside_sqrt: false,
+            adam_lr: None,
+            ns_steps: 5,
+            match_rms_adamw: false,
         };
         let Some(o) = self.object(top, "optimizer") else {
             self.warnings.push(
@@ -311,7 +323,7 @@ impl P {
             None => OptimizerKind::Adam,
             Some(t) => OptimizerKind::from_name(&t).unwrap_or_else(|| {
                 self.problems.push(format!(
-                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\" or \"RMSprop\"",
+                    "`optimizer.type` \"{}\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\", \"RMSprop\" or \"Muon\"",
                     t.to_ascii_lowercase()
                 ));
                 OptimizerKind::Adam
@@ -386,7 +398,24 @@ impl P {
                     ));
                 }
             }
+            OptimizerKind::Muon => {
+                // DeepSpeed's Muon hands its AdamW half lr, betas, eps and
+                // weight_decay only.
+                for key in present(&ADAM_ONLY[1..]) {
+                    self.problems.push(format!(
+                        "`{path}.{key}` is an Adam setting that Muon does not take (its AdamW half has betas, eps, weight_decay and adam_lr): remove it, or use \"AdamW\""
+                    ));
+                }
+            }
             OptimizerKind::Adam | OptimizerKind::AdamW => {}
+        }
+        if kind != OptimizerKind::Muon {
+            for key in present(&MUON_ONLY) {
+                self.problems.push(format!(
+                    "`{path}.{key}` is a Muon setting that {} does not take: remove it, or use \"Muon\"",
+                    kind.name()
+                ));
+            }
         }
         if kind != OptimizerKind::Lamb {
             for key in present(&LAMB_ONLY) {
@@ -416,11 +445,13 @@ impl P {
             let why = match kind {
                 OptimizerKind::Adagrad => "it keeps a sum of squares, no momentum",
                 OptimizerKind::Rmsprop => "its momentum buffer is neither damped nor Nesterov's",
+                OptimizerKind::Muon => "its momentum buffer is not damped",
                 _ => "its moments decay by `betas`",
             };
-            // RMSprop has a momentum of its own.
-            let refused = match kind {
+            // RMSprop has a momentum of its own, Muon a Nesterov's too.
+            let refused: &[&str] = match kind {
                 OptimizerKind::Rmsprop => &SGD_ONLY[1..],
+                OptimizerKind::Muon => &["dampening"],
                 _ => &SGD_ONLY[..],
             };
             for key in present(refused) {
@@ -445,6 +476,7 @@ impl P {
         known.extend(LAMB_ONLY);
         known.extend(ADAGRAD_ONLY);
         known.extend(RMSPROP_ONLY);
+        known.extend(MUON_ONLY);
         let torch_optim = matches!(
             kind,
             OptimizerKind::Sgd | OptimizerKind::Adagrad | OptimizerKind::Rmsprop
@@ -469,9 +501,12 @@ impl P {
         {
             self.problems.push("`optimizer.params.amsgrad` is not implemented by zrt: remove it or set it to false".into());
         }
+        let muon = kind == OptimizerKind::Muon;
+        // DeepSpeed's Muon gives its AdamW half betas (0.9, 0.95).
+        let default_betas = if muon { (0.9, 0.95) } else { default.betas };
         let betas = match p.get("betas") {
-            None => default.betas,
-            Some(_) if self.noted_auto(p, path, "betas") => default.betas,
+            None => default_betas,
+            Some(_) if self.noted_auto(p, path, "betas") => default_betas,
             Some(Value::Array(a)) if a.len() == 2 => {
                 let b1 = self
                     .number(&a[0], "optimizer.params.betas[0]")
@@ -485,7 +520,7 @@ impl P {
                 self.problems.push(format!(
                     "`optimizer.params.betas` must be [beta1, beta2], got {v}"
                 ));
-                default.betas
+                default_betas
             }
         };
         // (torch.optim's blocks were refused their betas above: said once.)
@@ -501,7 +536,10 @@ impl P {
         // torch.optim's decay (SGD's, Adagrad's, RMSprop's) is coupled.
         let adam_w_mode = match kind {
             OptimizerKind::Adam => self.bool_or(p, path, "adam_w_mode", true),
-            OptimizerKind::AdamW | OptimizerKind::Lion | OptimizerKind::Lamb => true,
+            OptimizerKind::AdamW
+            | OptimizerKind::Lion
+            | OptimizerKind::Lamb
+            | OptimizerKind::Muon => true,
             OptimizerKind::Sgd | OptimizerKind::Adagrad | OptimizerKind::Rmsprop => false,
         };
         let adagrad = kind == OptimizerKind::Adagrad;
@@ -554,15 +592,26 @@ impl P {
         let sgd = kind == OptimizerKind::Sgd;
         let momentum = if sgd || rmsprop {
             self.f64_or(p, path, "momentum", 0.0)
+        } else if muon {
+            self.f64_or(p, path, "momentum", 0.95)
         } else {
             0.0
         };
+        if muon && !(0.0..1.0).contains(&momentum) {
+            self.problems.push(format!(
+                "`{path}.momentum` must be in [0, 1) for Muon (the share of the old buffer kept each step; 0.95 is usual), got {momentum}"
+            ));
+        }
         let dampening = if sgd {
             self.f64_or(p, path, "dampening", 0.0)
         } else {
             0.0
         };
-        let nesterov = sgd && self.bool_or(p, path, "nesterov", false);
+        let nesterov = match kind {
+            OptimizerKind::Sgd => self.bool_or(p, path, "nesterov", false),
+            OptimizerKind::Muon => self.bool_or(p, path, "nesterov", true),
+            _ => false,
+        };
         if !(momentum >= 0.0 && momentum.is_finite()) {
             self.problems.push(format!(
                 "`{path}.momentum` must be finite and >= 0, got {momentum}"
@@ -578,19 +627,30 @@ impl P {
                 "`{path}.centered` with `momentum` above 0 is not implemented by zrt: it keeps a third array per parameter (the gradient's average and the momentum buffer, beside the square average), which zrt's flat state does not have; set centered to false or momentum to 0"
             ));
         }
-        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+        if sgd && nesterov && (momentum <= 0.0 || dampening != 0.0) {
             // torch.optim.SGD's own refusal.
             self.problems.push(format!(
                 "`{path}.nesterov` needs momentum > 0 and dampening 0 (got momentum {momentum}, dampening {dampening}): set momentum, drop dampening, or set nesterov to false"
             ));
         }
-        OptimizerConfig {
-            kind,
+        let (lr, adam_lr) = match muon {
+            true => self.muon_rates(p, path),
             // torch's Adagrad's and RMSprop's defaults; FusedAdam's for the
             // others.
-            lr: self.f64_setting(p, path, "lr", if adagrad || rmsprop { 1e-2 } else { 1e-3 }),
+            false => {
+                let lr = if adagrad || rmsprop { 1e-2 } else { 1e-3 };
+                (self.f64_setting(p, path, "lr", lr), None)
+            }
+        };
+        let (ns_steps, match_rms_adamw) = match muon {
+            true => self.muon_iteration(p, path),
+            false => (default.ns_steps, false),
+        };
+        OptimizerConfig {
+            kind,
+            lr,
             betas,
-            eps: self.f64_auto(p, path, "eps", if adagrad { 1e-10 } else { 1e-8 }),
+            eps: self.f64_auto(p, path, "eps", if adagrad || muon { 1e-10 } else { 1e-8 }),
             weight_decay: self.f64_setting(p, path, "weight_decay", 0.0),
             adam_w_mode,
             bias_correction: self.bool_or(p, path, "bias_correction", true),
@@ -605,7 +665,77 @@ impl P {
             max_coeff,
             min_coeff,
             eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),
+            adam_lr,
+            ns_steps,
+            match_rms_adamw,
         }
+    }
+
+    /// Muon's two rates as DeepSpeed gives its two parameter groups: the
+    /// Muon half `muon_lr`, else `lr`, else 0.02; the AdamW half
+    /// `adam_lr`, else `lr`, else 3e-4 (`None`: the Muon half's, when
+    /// `lr` alone sets both).
+    fn muon_rates(&mut self, p: &Map<String, Value>, path: &str) -> (Setting<f64>, Option<f64>) {
+        let own = |me: &mut Self, key: &str| match p.contains_key(key) {
+            true => Some(me.f64_or(p, path, key, 0.0)),
+            false => None,
+        };
+        let (muon_lr, adam_lr) = (own(self, "muon_lr"), own(self, "adam_lr"));
+        let has_lr = p.contains_key("lr");
+        let lr = match muon_lr {
+            Some(r) => Setting::Value(r),
+            None => self.f64_setting(p, path, "lr", 0.02),
+        };
+        let adam = match (adam_lr, has_lr, muon_lr) {
+            (Some(r), _, _) => Some(r),
+            // `lr` sets both; with `muon_lr` too, it is the AdamW half's.
+            (None, true, None) => None,
+            (None, true, Some(_)) => match self.f64_setting(p, path, "lr", 0.02) {
+                Setting::Value(r) => Some(r),
+                Setting::Auto => None,
+            },
+            (None, false, _) => Some(3e-4),
+        };
+        for (key, r) in [("muon_lr", muon_lr), ("adam_lr", adam)] {
+            if let Some(r) = r.filter(|r| !(*r >= 0.0 && r.is_finite())) {
+                self.problems
+                    .push(format!("`{path}.{key}` must be finite and >= 0, got {r}"));
+            }
+        }
+        (lr, adam)
+    }
+
+    /// Muon's Newton-Schulz settings: `ns_steps` (5), `adjust_lr_fn`
+    /// (whether it is `"match_rms_adamw"`), and `ns_method`, of which zrt
+    /// runs `"standard"` whatever it says.
+    fn muon_iteration(&mut self, p: &Map<String, Value>, path: &str) -> (u32, bool) {
+        let steps = self.u64_or(p, path, "ns_steps", 5);
+        if !(1..100).contains(&steps) {
+            // torch.optim.Muon refuses 100 and more.
+            self.problems.push(format!(
+                "`{path}.ns_steps` must be from 1 to 99 (Newton-Schulz iterations; 5 is usual), got {steps}"
+            ));
+        }
+        let adjust = match self.string(p, path, "adjust_lr_fn").as_deref() {
+            None | Some("original") => false,
+            Some("match_rms_adamw") => true,
+            Some(other) => {
+                self.problems.push(format!(
+                    "`{path}.adjust_lr_fn` must be \"original\" (each matrix's rate times sqrt(max(1, rows / cols))) or \"match_rms_adamw\" (times 0.2 sqrt(max(rows, cols))), got \"{other}\""
+                ));
+                false
+            }
+        };
+        match self.string(p, path, "ns_method").as_deref() {
+            None | Some("standard") => {}
+            Some("gram") => self.warnings.push(format!(
+                "`{path}.ns_method` = \"gram\": zrt runs the standard Newton-Schulz iteration (torch.optim.Muon's), which gives the same orthogonalization with more multiplications on wide matrices; set \"standard\" to silence this"
+            )),
+            Some(other) => self.problems.push(format!(
+                "`{path}.ns_method` must be \"standard\" or \"gram\", got \"{other}\""
+            )),
+        }
+        (steps.clamp(1, 99) as u32, adjust)
     }
 
     fn scheduler(

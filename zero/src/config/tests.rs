@@ -185,7 +185,7 @@ fn every_problem_is_reported_at_once() {
     );
     for want in [
         "`fp16.enabled` and `bf16.enabled` are both true",
-        "`optimizer.type` \"adadelta\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\" or \"RMSprop\"",
+        "`optimizer.type` \"adadelta\" is not supported by zrt: use \"Adam\", \"AdamW\", \"Lion\", \"SGD\", \"Lamb\", \"Adagrad\", \"RMSprop\" or \"Muon\"",
         "`zero_optimization.stage` must be 0, 1, 2 or 3, got 4",
         "unknown key `zero_optimization.bogus`",
         "`gradient_clipping` must be >= 0",
@@ -1654,5 +1654,95 @@ fn comms_logger_takes_deepspeeds_op_names_and_says_what_it_cannot_log() {
     assert!(
         e.contains("`comms_logger.prof_ops` must be a list of operation names, got \"all_reduce\""),
         "{e}"
+    );
+}
+
+#[test]
+fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
+    let muon = |params: &str| {
+        Config::from_json(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "Muon", "params": {{"weight_decay": 0.1{params}}}}}}}"#
+        ))
+    };
+    // DeepSpeed's defaults: Muon at 0.02 with momentum 0.95 (Nesterov's),
+    // its AdamW at 3e-4 with betas (0.9, 0.95) and eps 1e-10.
+    let o = muon("").unwrap().optimizer;
+    assert_eq!(o.kind, crate::config::OptimizerKind::Muon);
+    assert_eq!(
+        (
+            o.lr.value(),
+            o.adam_lr,
+            o.momentum,
+            o.betas,
+            o.eps,
+            o.ns_steps
+        ),
+        (Some(0.02), Some(3e-4), 0.95, (0.9, 0.95), 1e-10, 5)
+    );
+    assert!(o.nesterov && o.adam_w_mode && !o.match_rms_adamw);
+    assert_eq!(o.moments(), 2, "AdamW's m and v; Muon's buffer in m");
+    // `lr` alone sets both halves; `muon_lr` and `adam_lr` each their own
+    // (with `muon_lr`, `lr` is the AdamW half's, as DeepSpeed hands it).
+    for (params, lr, adam) in [
+        (r#", "lr": 0.01"#, 0.01, None),
+        (r#", "lr": 0.01, "adam_lr": 0.001"#, 0.01, Some(0.001)),
+        (r#", "lr": 0.01, "muon_lr": 0.05"#, 0.05, Some(0.01)),
+        (r#", "muon_lr": 0.05"#, 0.05, Some(3e-4)),
+        (r#", "muon_lr": 0.05, "adam_lr": 0.002"#, 0.05, Some(0.002)),
+    ] {
+        let o = muon(params).unwrap().optimizer;
+        assert_eq!((o.lr.value(), o.adam_lr), (Some(lr), adam), "{params}");
+    }
+    let c = muon(
+        r#", "momentum": 0.9, "nesterov": false, "ns_steps": 3, "adjust_lr_fn": "match_rms_adamw", "ns_method": "standard", "betas": [0.8, 0.9], "eps": 1e-8"#,
+    )
+    .unwrap();
+    let o = &c.optimizer;
+    assert_eq!(
+        (o.momentum, o.ns_steps, o.betas, o.eps),
+        (0.9, 3, (0.8, 0.9), 1e-8)
+    );
+    assert!(!o.nesterov && o.match_rms_adamw);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    // DeepSpeed's newer default iteration: the same result, said once.
+    let c = muon(r#", "ns_method": "gram""#).unwrap();
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert!(c.warnings[0].contains("zrt runs the standard Newton-Schulz iteration"));
+    for (params, want) in [
+        (
+            r#", "adam_w_mode": true, "dampening": 0.1"#,
+            vec![
+                "`optimizer.params.adam_w_mode` is an Adam setting that Muon does not take (its AdamW half has betas, eps, weight_decay and adam_lr): remove it, or use \"AdamW\"",
+                "`optimizer.params.dampening` is an SGD setting that Muon does not take (its momentum buffer is not damped): remove it, or use \"SGD\"",
+            ],
+        ),
+        (
+            r#", "momentum": 1.0"#,
+            vec!["`optimizer.params.momentum` must be in [0, 1) for Muon (the share of the old buffer kept each step; 0.95 is usual), got 1"],
+        ),
+        (
+            r#", "ns_steps": 0"#,
+            vec!["`optimizer.params.ns_steps` must be from 1 to 99 (Newton-Schulz iterations; 5 is usual), got 0"],
+        ),
+        (
+            r#", "adjust_lr_fn": "spectral""#,
+            vec!["`optimizer.params.adjust_lr_fn` must be \"original\" (each matrix's rate times sqrt(max(1, rows / cols))) or \"match_rms_adamw\" (times 0.2 sqrt(max(rows, cols))), got \"spectral\""],
+        ),
+        (
+            r#", "ns_method": "svd""#,
+            vec!["`optimizer.params.ns_method` must be \"standard\" or \"gram\", got \"svd\""],
+        ),
+        (
+            r#", "adam_lr": -1"#,
+            vec!["`optimizer.params.adam_lr` must be finite and >= 0, got -1"],
+        ),
+    ] {
+        assert_eq!(muon(params).unwrap_err().problems, want, "{params}");
+    }
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"muon_lr": 0.02}}}"#
+        ),
+        ["`optimizer.params.muon_lr` is a Muon setting that AdamW does not take: remove it, or use \"Muon\""]
     );
 }

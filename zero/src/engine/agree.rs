@@ -88,6 +88,16 @@ impl Terms {
         // RMSprop's.
         put("optimizer.params.alpha", format!("{:?}", o.alpha));
         put("optimizer.params.centered", o.centered.to_string());
+        // Muon's.
+        put("optimizer.params.adam_lr", format!("{:?}", o.adam_lr));
+        put("optimizer.params.ns_steps", o.ns_steps.to_string());
+        put(
+            "optimizer.params.adjust_lr_fn",
+            match o.match_rms_adamw {
+                true => "match_rms_adamw".into(),
+                false => "original".to_string(),
+            },
+        );
         put(
             "scheduler",
             c.scheduler

@@ -705,6 +705,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             frozen: Some(frozen),
             no_weight_decay: Some(i.settings.excluded()),
             lr_scales: Some(i.settings.lr_scales()),
+            muon: (c.optimizer.kind == OptimizerKind::Muon).then(|| i.settings.muon()),
             client_state: client_state.clone(),
             config: serde_json::json!({
                 "zero_optimization": {"stage": c.zero.stage},
@@ -731,6 +732,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "initial_accumulator_value": c.optimizer.initial_accumulator_value,
                     "alpha": c.optimizer.alpha,
                     "centered": c.optimizer.centered,
+                    "adam_lr": c.optimizer.adam_lr,
+                    "ns_steps": c.optimizer.ns_steps,
+                    "match_rms_adamw": c.optimizer.match_rms_adamw,
                 },
                 "precision": format!("{:?}", c.precision),
                 "scheduler": format!("{:?}", c.scheduler),
@@ -1031,6 +1035,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 state(i.moments(), centered),
                 kind.name(),
             )));
+        }
+        if what == What::Everything && kind == OptimizerKind::Muon {
+            let saved = meta.muon.clone().unwrap_or_default();
+            if let Some(change) = groups::muon_changed(&saved, &i.settings.muon()) {
+                return Err(CheckpointError::Incompatible(format!(
+                    "{change}: a Muon parameter's saved m is its momentum buffer, an AdamW one's its first moment, and neither reads as the other. Give ShardPlan::use_muon the saved run's rule, or load it with load_checkpoint_module_only to start the optimizer from its parameters with zero moments"
+                )));
+            }
         }
         // A module-only load reads the masters alone.
         let parts = match what {

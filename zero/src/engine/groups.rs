@@ -38,6 +38,11 @@ pub(super) struct Setting {
     ///
     /// [`ShardPlan::partly_unused_on_some_ranks`]: crate::ShardPlan::partly_unused_on_some_ranks
     pub(super) partial: bool,
+    /// Muon's half steps it (`optimizer.type: "Muon"`,
+    /// [`ShardPlan::use_muon`]); false under every other optimizer.
+    ///
+    /// [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
+    pub(super) muon: bool,
 }
 
 impl Setting {
@@ -48,6 +53,7 @@ impl Setting {
         lr_scale: 1.0,
         uneven: false,
         partial: false,
+        muon: false,
     };
 
     /// What of it the optimizer sees (the reduction's part left plain).
@@ -77,6 +83,9 @@ impl Setting {
         if self.lr_scale != 1.0 {
             role.push_str(&format!(", learning rate x{}", self.lr_scale));
         }
+        if self.muon {
+            role.push_str(", Muon");
+        }
         if self.uneven {
             role.push_str(", unused on some ranks");
         } else if self.partial {
@@ -92,17 +101,22 @@ impl Setting {
 /// engine is built, each rule asked once per parameter, so the ranks'
 /// agreement check, the layout and checkpoints see the same answers.
 #[derive(Debug, Default)]
-pub(super) struct Settings(BTreeMap<String, Setting>);
+pub(super) struct Settings(BTreeMap<String, Setting>, Vec<(String, Vec<i64>)>);
 
 impl Settings {
     /// The settings `plan`'s rules give the variables of `vs` (the frozen
-    /// ones are asked [`ShardPlan::unused_on_some_ranks`]'s rule only).
+    /// ones are asked [`ShardPlan::unused_on_some_ranks`]'s rule only);
+    /// with `muon` (the optimizer is Muon) also which ones Muon steps:
+    /// [`ShardPlan::use_muon`]'s, else [`hidden_matrix`]'s.
     ///
     /// [`ShardPlan::unused_on_some_ranks`]: crate::ShardPlan::unused_on_some_ranks
-    pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore) -> Self {
+    /// [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
+    pub(super) fn of(plan: &ShardPlan, vs: &tch::nn::VarStore, muon: bool) -> Self {
         let (no_decay, lr_scale) = (plan.decay_rule(), plan.lr_rule());
         let (uneven, partial) = (plan.uneven_rule(), plan.partial_rule());
+        let muon_rule = plan.muon_rule();
         let mut out = BTreeMap::new();
+        let mut flat = Vec::new();
         for (name, t) in vs.variables() {
             let shape = t.size();
             if !t.requires_grad() {
@@ -120,12 +134,28 @@ impl Settings {
                 lr_scale: lr_scale.as_ref().map_or(1.0, |r| r(&name, &shape)),
                 uneven: uneven.as_ref().is_some_and(|r| r(&name, &shape)),
                 partial: partial.as_ref().is_some_and(|r| r(&name, &shape)),
+                muon: muon
+                    && match &muon_rule {
+                        Some(r) => r(&name, &shape),
+                        None => hidden_matrix(&name, &shape),
+                    },
             };
+            if this.muon && shape.len() < 2 {
+                flat.push((name.clone(), shape.clone()));
+            }
             if this != Setting::PLAIN {
                 out.insert(name, this);
             }
         }
-        Self(out)
+        Self(out, flat)
+    }
+
+    /// The parameters Muon steps, sorted (what a checkpoint records).
+    pub(super) fn muon(&self) -> Vec<String> {
+        (self.0.iter())
+            .filter(|(_, s)| s.muon)
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     /// How the optimizer treats the parameter `name`.
@@ -155,6 +185,11 @@ impl Settings {
     /// Refuses a learning-rate scale that is not a finite number of at
     /// least zero, naming the first parameter (by name) given one.
     pub(super) fn check(&self) -> Result<(), EngineError> {
+        if let Some((name, shape)) = self.1.first() {
+            return Err(EngineError::Plan(format!(
+                "ShardPlan::use_muon chose `{name}` of shape {shape:?} for Muon, which orthogonalizes matrices: a Muon parameter needs at least two dimensions; leave it to the AdamW half (the rule's answer false)"
+            )));
+        }
         for (name, s) in &self.0 {
             let s = s.lr_scale;
             if !(s.is_finite() && s >= 0.0) {
@@ -165,6 +200,21 @@ impl Settings {
         }
         Ok(())
     }
+}
+
+/// Muon's default choice ([`ShardPlan::use_muon`] says it): a parameter
+/// of two or more dimensions that is not an embedding or the head, by
+/// the names models give those (a part of the name containing `embed`,
+/// or one that is `wte`, `wpe`, `head` or `lm_head`), the split Muon's
+/// authors, nanochat and most Muon recipes make by name.
+///
+/// [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
+pub(super) fn hidden_matrix(name: &str, shape: &[i64]) -> bool {
+    let outer = |part: &str| {
+        part.to_ascii_lowercase().contains("embed")
+            || ["wte", "wpe", "head", "lm_head"].contains(&part)
+    };
+    shape.len() >= 2 && !name.split('.').any(outer)
 }
 
 /// The element ranges of `layout`'s flat buffer whose parameters are not
@@ -226,6 +276,31 @@ pub(super) fn changed(saved: &[String], now: &[String]) -> Option<String> {
         now.len(),
         some_of(&quoted(now, saved)),
         some_of(&quoted(saved, now)),
+    ))
+}
+
+/// Why a Muon checkpoint's state does not fit this engine's: `None` when
+/// Muon stepped the same parameters in the checkpoint's run (`saved`) as
+/// in this one (`now`, both sorted), else what differs, naming them. A
+/// Muon parameter's `m` is its momentum buffer and its `v` zero; AdamW's
+/// are its moments: one read as the other would train on the wrong
+/// state, so a full load refuses it.
+pub(super) fn muon_changed(saved: &[String], now: &[String]) -> Option<String> {
+    if saved == now {
+        return None;
+    }
+    let only = |names: &[String], other: &[String]| -> Vec<String> {
+        (names.iter())
+            .filter(|n| other.binary_search(n).is_err())
+            .map(|n| format!("`{n}`"))
+            .collect()
+    };
+    Some(format!(
+        "Muon stepped {} parameter(s) in the checkpoint's run and steps {} in this one (Muon's now, AdamW's then: {}; AdamW's now, Muon's then: {})",
+        saved.len(),
+        now.len(),
+        some_of(&only(now, saved)),
+        some_of(&only(saved, now)),
     ))
 }
 
@@ -309,6 +384,27 @@ mod tests {
 
     fn names(n: &[&str]) -> Vec<String> {
         n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn muon_by_default_takes_matrices_but_not_embeddings_or_heads() {
+        for (name, shape, muon) in [
+            ("h.0.qkv.weight", &[96i64, 32][..], true),
+            ("layers.3.conv.weight", &[8, 3, 3, 3], true),
+            ("h.0.ln1.weight", &[32], false),
+            ("h.0.qkv.bias", &[96], false),
+            ("wte.weight", &[64, 32], false),
+            ("wpe.weight", &[16, 32], false),
+            ("head.weight", &[64, 32], false),
+            ("lm_head.weight", &[64, 32], false),
+            ("model.embed_tokens.weight", &[64, 32], false),
+            ("bert.embeddings.word_embeddings.weight", &[64, 32], false),
+            ("tok_Embeddings.weight", &[64, 32], false),
+            // A head of attention is no model head.
+            ("h.0.attn.heads.weight", &[32, 32], true),
+        ] {
+            assert_eq!(hidden_matrix(name, shape), muon, "{name}");
+        }
     }
 
     #[test]
@@ -437,12 +533,12 @@ mod tests {
     fn settings_hold_what_the_rules_give_each_trained_parameter() {
         let plan = ShardPlan::new();
         let vs = store(&["a", "b", "c"]);
-        assert!(Settings::of(&plan, &vs).0.is_empty());
+        assert!(Settings::of(&plan, &vs, false).0.is_empty());
         plan.exclude_from_weight_decay(|name, shape| name != "a" && shape == [2])
             .unwrap();
         plan.scale_learning_rate(|name, _| if name == "c" { 0.5 } else { 1.0 })
             .unwrap();
-        let s = Settings::of(&plan, &vs);
+        let s = Settings::of(&plan, &vs, false);
         // Plain ones are not kept; frozen ones are not asked about.
         assert_eq!(s.0.keys().collect::<Vec<_>>(), ["b", "c"]);
         assert_eq!(s.get("a"), Setting::PLAIN);
@@ -462,7 +558,7 @@ mod tests {
             .unwrap();
         plan.scale_learning_rate(|name, _| if name == "c" { 0.5 } else { 1.0 })
             .unwrap();
-        let s = Settings::of(&plan, &store(&["a", "b", "c"]));
+        let s = Settings::of(&plan, &store(&["a", "b", "c"]), false);
         let b = s.get("b");
         assert!(b.uneven && !s.get("a").uneven && !s.get("c").uneven);
         assert_eq!(b.role(), "trained, unused on some ranks");
@@ -492,8 +588,10 @@ mod tests {
             _ => 1.0,
         })
         .unwrap();
-        assert!(Settings::of(&plan, &store(&["c", "d"])).check().is_ok());
-        let e = Settings::of(&plan, &store(&["b", "c"]))
+        assert!(Settings::of(&plan, &store(&["c", "d"]), false)
+            .check()
+            .is_ok());
+        let e = Settings::of(&plan, &store(&["b", "c"]), false)
             .check()
             .unwrap_err();
         assert!(
@@ -502,7 +600,7 @@ mod tests {
             ),
             "{e}"
         );
-        let e = Settings::of(&plan, &store(&["b", "a"]))
+        let e = Settings::of(&plan, &store(&["b", "a"]), false)
             .check()
             .unwrap_err();
         assert!(e.to_string().contains("gave `a` the scale NaN"), "{e}");
@@ -608,6 +706,7 @@ mod tests {
             [("z", OUT), ("y", half), ("x", faster)]
                 .map(|(n, s)| (n.to_string(), s))
                 .into(),
+            Vec::new(),
         );
         assert_eq!(s.excluded(), ["y", "z"]);
         assert_eq!(

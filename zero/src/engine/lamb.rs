@@ -32,7 +32,7 @@ use super::{groups, Inner, State, Unit, Update};
 use crate::EngineError;
 
 /// `c`'s elements `r`, reborrowed.
-fn sub_copy<'b>(c: &'b mut ComputeCopy<'_>, r: Range<usize>) -> ComputeCopy<'b> {
+pub(super) fn sub_copy<'b>(c: &'b mut ComputeCopy<'_>, r: Range<usize>) -> ComputeCopy<'b> {
     match c {
         ComputeCopy::None => ComputeCopy::None,
         ComputeCopy::Bf16(d) => ComputeCopy::Bf16(&mut d[r]),
@@ -55,8 +55,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
 
     /// The parameters of unit `u` that this rank's optimizer range holds
     /// a piece of: (the parameter's index in the unit, its setting, the
-    /// piece's elements in the range).
-    fn lamb_pieces(&self, u: &Unit) -> Vec<(usize, groups::Setting, Range<usize>)> {
+    /// piece's elements in the range). LAMB's and Muon's steps walk them.
+    pub(super) fn own_pieces(&self, u: &Unit) -> Vec<(usize, groups::Setting, Range<usize>)> {
         let whole = self.whole(u, 0..self.own_range(u).len());
         (u.layout.indexed_pieces(whole))
             .map(|(j, s, _, dst)| (j, self.settings.get(&s.name), dst))
@@ -80,7 +80,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             .collect();
         let total = st.units.iter().map(|u| u.layout.slots.len()).sum::<usize>();
         let mut sums = vec![0f64; 2 * total];
-        let pieces: Vec<_> = st.units.iter().map(|u| self.lamb_pieces(u)).collect();
+        let pieces: Vec<_> = st.units.iter().map(|u| self.own_pieces(u)).collect();
         let longest = (pieces.iter().flatten())
             .map(|(_, _, d)| d.len())
             .max()
@@ -146,10 +146,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 }
 
-/// The parts of `pieces` (a unit's, as [`Inner::lamb_pieces`] gives them)
+/// The parts of `pieces` (a unit's, as [`Inner::own_pieces`] gives them)
 /// within elements `r` of the optimizer range, as offsets from `r.start`:
 /// the swap streams a unit in chunks that may cut a piece.
-fn within<'p>(
+pub(super) fn within<'p>(
     pieces: &'p [(usize, groups::Setting, Range<usize>)],
     r: &Range<usize>,
 ) -> impl Iterator<Item = (usize, groups::Setting, Range<usize>)> + 'p {

@@ -77,6 +77,7 @@ mod groups;
 mod lamb;
 mod launch_order;
 mod loss_scale;
+mod muon;
 mod offload;
 mod overlap;
 mod pool;
@@ -806,6 +807,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         .into(),
                 ))
             }
+            // Its orthogonalization needs every matrix whole.
+            OptimizerKind::Muon => {
+                return Err(EngineError::Unsupported(
+                    "Muon steps through the engine's muon_step (muon.rs), not one range at a time"
+                        .into(),
+                ))
+            }
         }
         Ok(())
     }
@@ -1323,7 +1331,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let cfg = config.resolve((group.size() * replicas) as u64, hints)?;
         // The plan's optimizer rules, asked once per parameter: the ranks
         // agree on the answers the layout and checkpoints then use.
-        let settings = groups::Settings::of(plan, vs);
+        let muon = config.optimizer.kind == OptimizerKind::Muon;
+        let settings = groups::Settings::of(plan, vs, muon);
         let setting = |name: &str| settings.get(name);
         // First, so that the checks below, which a config that differs on
         // one rank fails there alone, meet ranks that agree; and before
@@ -1336,6 +1345,23 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         )?;
         // After the agreement: ranks that agree on the scales fail alike.
         settings.check()?;
+        if muon && is_first_rank(&group, replicate.as_ref()) {
+            // Which half takes what: the rule's answers, shown once.
+            let (mut by_muon, mut by_adam) = ((0, 0), (0, 0));
+            for (name, t) in vs.variables() {
+                if t.requires_grad() {
+                    let half = match settings.get(&name).muon {
+                        true => &mut by_muon,
+                        false => &mut by_adam,
+                    };
+                    *half = (half.0 + 1, half.1 + t.numel());
+                }
+            }
+            tracing::info!(
+                "Muon steps {} parameter(s) ({} elements), AdamW the other {} ({} elements); ShardPlan::use_muon chooses otherwise",
+                by_muon.0, by_muon.1, by_adam.0, by_adam.1
+            );
+        }
         // The first rank writes the monitors; opened before the plan is
         // claimed, so a bad output_path fails before anything is laid out.
         let monitor = match is_first_rank(&group, replicate.as_ref()) {
@@ -2093,6 +2119,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         };
         match c.optimizer.kind {
             OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
+            OptimizerKind::Muon => i.muon_step(st, &up, stage1)?,
             _ => i.each_state(st, stage1, Writes::ALL, |_, u, r, s, copy| {
                 i.adam_on(u, r, s, copy, &up)
             })?,

@@ -1,0 +1,330 @@
+//! Muon's step (`optimizer.type: "Muon"`, DeepSpeed's `MuonWithAuxAdam`
+//! with `torch.optim.Muon`'s update): the parameters the plan gives Muon
+//! (the hidden 2-D weights, [`ShardPlan::use_muon`]) step by their
+//! momentum orthogonalized over the whole matrix; the others by AdamW.
+//!
+//! A shard cuts matrices, and the orthogonalization (a Newton-Schulz
+//! iteration of matrix products) needs each one whole. Three parts, as
+//! DeepSpeed's and Moonlight's distributed Muon do it:
+//!
+//! 1. every rank updates the momentum of the Muon pieces it holds and
+//!    writes, beside it, what the iteration runs on (Nesterov's mix),
+//!    element by element (`zrt_kernels::muon_momentum`);
+//! 2. per unit, an all-gather over the shard group gives every rank the
+//!    unit's matrices whole; each matrix has one owner in the group (over
+//!    all units, the costliest first, each to the least busy rank: a
+//!    model of one matrix per unit spreads its work too), which runs the
+//!    iteration through libtorch in bf16, as torch does, and writes the
+//!    result into a zero buffer of the unit's length; a reduce-scatter
+//!    (sum) hands every rank its shard of the results: each element is
+//!    one owner's value plus zeros, exact, the same bits on every rank and
+//!    every backend;
+//! 3. every rank applies its shard: Muon's pieces by decay and the
+//!    orthogonalized update (`zrt_kernels::muon_apply`), the others by
+//!    AdamW (its rate `adam_lr`, kept in ratio to the schedule's).
+//!
+//! Stage 0 holds every matrix whole and runs every iteration itself, with
+//! no collective; under hybrid sharding the replicas compute alike. The
+//! iteration's cost is that of a few forward passes through the matrices
+//! (five iterations, each three matrix products); the owners split it
+//! across the shard group.
+//!
+//! Both element-wise passes walk the state wherever it lives
+//! (`Inner::each_state`): with the NVMe swaps, the first writes back the
+//! moments only, the second everything. The Muon half's `v` is never
+//! read or written (zero): the flat state keeps two moments for every
+//! element, so Muon holds what AdamW holds (DeepSpeed's Muon saves the
+//! second moment of its matrices; zrt does not yet).
+//!
+//! [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
+
+use std::ops::Range;
+
+use tch::{Kind, Tensor};
+use zrt_collectives::{ProcessGroup, ReduceOp};
+use zrt_kernels::{adam_step, muon_apply, muon_momentum, AdamShard, MuonConfig};
+
+use super::lamb::{sub_copy, within};
+use super::offload::Writes;
+use super::{gather_whole, out_of_step, Inner, State, Unit, Update};
+use crate::EngineError;
+
+/// `torch.optim.Muon`'s Newton-Schulz coefficients (a, b, c): a quintic
+/// tuned for the slope at zero (Keller Jordan's).
+const NS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
+
+/// What the iteration clamps the matrix's norm to from below before
+/// dividing by it (torch's `eps`).
+const NS_EPS: f64 = 1e-7;
+
+/// The matrix Muon sees of a parameter of `shape`: its first dimension by
+/// the rest (a convolution's filters flattened, as DeepSpeed does).
+pub(super) fn matrix(shape: &[i64]) -> (i64, i64) {
+    let rows = shape.first().copied().unwrap_or(1);
+    (rows, shape.iter().skip(1).product())
+}
+
+/// The orthogonalization of the `rows` x `cols` matrix `u` (row-major):
+/// `steps` Newton-Schulz iterations in bf16, libtorch's operations in
+/// `torch.optim.Muon`'s order (a wide matrix's form; a tall one is
+/// transposed in and out), returned in fp32.
+pub(super) fn orthogonalize(
+    u: &[f32],
+    rows: i64,
+    cols: i64,
+    steps: u32,
+) -> Result<Vec<f32>, EngineError> {
+    let torch =
+        |e: tch::TchError| EngineError::Torch(format!("Muon's Newton-Schulz iteration: {e}"));
+    let (a, b, c) = NS;
+    let g = Tensor::f_from_slice(u).map_err(torch)?;
+    let g = g.f_view([rows, cols]).map_err(torch)?;
+    let mut x = g.f_to_kind(Kind::BFloat16).map_err(torch)?;
+    let tall = rows > cols;
+    if tall {
+        x = x.f_tr().map_err(torch)?;
+    }
+    let norm = x
+        .f_norm()
+        .map_err(torch)?
+        .f_clamp_min(NS_EPS)
+        .map_err(torch)?;
+    x = x.f_div(&norm).map_err(torch)?;
+    for _ in 0..steps {
+        // addmm's beta and alpha, through the batched form tch exposes.
+        let x3 = x.f_unsqueeze(0).map_err(torch)?;
+        let gram = x3
+            .f_matmul(&x3.f_transpose(1, 2).map_err(torch)?)
+            .map_err(torch)?;
+        let poly = gram.f_baddbmm(&gram, &gram, b, c).map_err(torch)?;
+        x = (x3.f_baddbmm(&poly, &x3, a, 1.0).map_err(torch)?)
+            .f_squeeze_dim(0)
+            .map_err(torch)?;
+    }
+    if tall {
+        x = x.f_tr().map_err(torch)?;
+    }
+    let out = x
+        .f_to_kind(Kind::Float)
+        .map_err(torch)?
+        .f_contiguous()
+        .map_err(torch)?;
+    let mut v = vec![0f32; u.len()];
+    out.f_copy_data(&mut v, u.len()).map_err(torch)?;
+    Ok(v)
+}
+
+/// Which of `ranks` ranks orthogonalizes each matrix, given each one's
+/// cost: the costliest first, each to the rank with the least so far
+/// (ties to the lower rank; equal costs keep their order), the same answer
+/// on every rank.
+pub(super) fn owners(costs: &[f64], ranks: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&i, &j| costs[j].total_cmp(&costs[i]).then(i.cmp(&j)));
+    let (mut load, mut owner) = (vec![0f64; ranks.max(1)], vec![0; costs.len()]);
+    for i in order {
+        let r = (0..load.len())
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .unwrap_or(0);
+        load[r] += costs[i];
+        owner[i] = r;
+    }
+    owner
+}
+
+impl<G: ProcessGroup + 'static> Inner<G> {
+    /// What Muon multiplies a matrix's rate by (torch's `adjust_lr_fn`).
+    fn muon_adjust(&self, rows: i64, cols: i64) -> f64 {
+        let (r, c) = (rows as f64, cols as f64);
+        match self.cfg.config.optimizer.match_rms_adamw {
+            true => 0.2 * r.max(c).sqrt(),
+            false => (r / c).max(1.0).sqrt(),
+        }
+    }
+
+    /// What the AdamW half's rate is to the schedule's (Muon's).
+    fn adam_ratio(&self) -> f64 {
+        let o = &self.cfg.config.optimizer;
+        let base = o.lr.value().unwrap_or(1e-3);
+        match o.adam_lr {
+            Some(r) if base > 0.0 => r / base,
+            Some(_) => 0.0,
+            None => 1.0,
+        }
+    }
+
+    /// Unit `u`'s Muon parameters: (index in the unit, its elements in the
+    /// unit's flat buffer, its matrix), in layout order. Every rank sees
+    /// the same list, whichever pieces it holds.
+    fn muon_matrices(&self, u: &Unit) -> Vec<(usize, Range<usize>, (i64, i64))> {
+        (u.layout.slots.iter().enumerate())
+            .filter(|(_, s)| s.numel > 0 && self.settings.get(&s.name).muon)
+            .map(|(j, s)| (j, s.offset..s.offset + s.numel, matrix(&s.shape)))
+            .collect()
+    }
+
+    /// One Muon step over every unit (see the module doc).
+    pub(super) fn muon_step(
+        &self,
+        st: &mut State,
+        up: &Update<'_>,
+        stage1: bool,
+    ) -> Result<(), EngineError> {
+        let o = &self.cfg.config.optimizer;
+        let momentum = MuonConfig {
+            momentum: o.momentum,
+            nesterov: o.nesterov,
+        };
+        let pieces: Vec<_> = st.units.iter().map(|u| self.own_pieces(u)).collect();
+        let matrices: Vec<_> = st.units.iter().map(|u| self.muon_matrices(u)).collect();
+        // Part one: the momentum, and what the iteration runs on, over
+        // this rank's optimizer range of every unit that has matrices.
+        let mut mixed: Vec<Vec<f32>> = (st.units.iter().zip(&matrices))
+            .map(|(u, ms)| match ms.is_empty() {
+                true => Vec::new(),
+                false => vec![0f32; self.own_range(u).len()],
+            })
+            .collect();
+        let moments = Writes {
+            params: false,
+            moments: true,
+        };
+        self.each_state(st, stage1, moments, |k, _, r, s, _| {
+            let AdamShard { g, m, .. } = s;
+            for (_, setting, d) in within(&pieces[k], &r) {
+                if setting.muon {
+                    let out = &mut mixed[k][r.start + d.start..r.start + d.end];
+                    muon_momentum(&momentum, up.scale, &g[d.clone()], &mut m[d], out)?;
+                }
+            }
+            Ok(())
+        })?;
+        // Part two: each unit's matrices whole, each orthogonalized by its
+        // owner, and this rank's shard of the results.
+        let (ranks, me) = match self.stage {
+            0 => (1, 0),
+            _ => (self.group.size(), self.group.rank()),
+        };
+        // Owners over every unit's matrices at once: a model of one matrix
+        // per unit still spreads the work.
+        let costs: Vec<f64> = (matrices.iter().flatten())
+            .map(|(_, e, (r, c))| e.len() as f64 * (*r).min(*c) as f64)
+            .collect();
+        let mut owner = owners(&costs, ranks).into_iter();
+        let mut orthogonal: Vec<Vec<f32>> = Vec::with_capacity(st.units.len());
+        for (k, u) in st.units.iter().enumerate() {
+            let ms = &matrices[k];
+            let mine = std::mem::take(&mut mixed[k]);
+            if ms.is_empty() {
+                orthogonal.push(Vec::new());
+                continue;
+            }
+            let padded = u.layout.padded;
+            let whole = match self.stage {
+                0 => mine,
+                _ => gather_whole(&self.group, mine, padded)?.1,
+            };
+            let mut out = vec![0f32; padded];
+            for ((_, e, (rows, cols)), who) in ms.iter().zip(owner.by_ref()) {
+                if who == me {
+                    let x = orthogonalize(&whole[e.clone()], *rows, *cols, o.ns_steps)?;
+                    out[e.clone()].copy_from_slice(&x);
+                }
+            }
+            let shard = match self.stage {
+                0 => out,
+                _ => {
+                    let what = || {
+                        format!("this rank reduce-scattered unit {k}'s Muon updates ({padded} elements)")
+                    };
+                    (self.group.reduce_scatter(out, Vec::new(), ReduceOp::Sum))
+                        .wait()
+                        .map_err(|e| out_of_step(e, what))?
+                        .1
+                }
+            };
+            orthogonal.push(shard);
+        }
+        // Part three: every piece's update, into the parameters and their
+        // compute copy.
+        let ratio = self.adam_ratio();
+        self.each_state(st, stage1, Writes::ALL, |k, u, r, s, copy| {
+            let AdamShard { p: master, g, m, v } = s;
+            let (p, mut copy) = self.target(u, r.clone(), master, copy);
+            for (j, setting, d) in within(&pieces[k], &r) {
+                let cfg = setting.adam(up.adam);
+                let cp = sub_copy(&mut copy, d.clone());
+                if setting.muon {
+                    let (rows, cols) = matrix(&u.layout.slots[j].shape);
+                    let adjusted = cfg.lr * self.muon_adjust(rows, cols);
+                    let o = &orthogonal[k][r.start + d.start..r.start + d.end];
+                    muon_apply(cfg.lr, cfg.weight_decay, adjusted, &mut p[d], o, cp)?;
+                } else {
+                    let adam = zrt_kernels::AdamConfig {
+                        lr: cfg.lr * ratio,
+                        ..cfg
+                    };
+                    let shard = AdamShard {
+                        p: &mut p[d.clone()],
+                        g: &g[d.clone()],
+                        m: &mut m[d.clone()],
+                        v: &mut v[d],
+                    };
+                    adam_step(&self.threads, &adam, up.step, up.scale, shard, cp)?;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_balance_the_costliest_first() {
+        assert_eq!(owners(&[1.0, 5.0, 3.0, 3.0], 2), vec![0, 0, 1, 1]);
+        assert_eq!(owners(&[2.0, 2.0, 2.0], 1), vec![0, 0, 0]);
+        assert_eq!(owners(&[], 3), Vec::<usize>::new());
+        assert_eq!(owners(&[4.0, 1.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn convolutions_flatten_to_their_first_dimension_by_the_rest() {
+        assert_eq!(matrix(&[8, 3, 3, 3]), (8, 27));
+        assert_eq!(matrix(&[4, 6]), (4, 6));
+    }
+
+    #[test]
+    fn the_iteration_makes_a_matrix_nearly_orthogonal_either_way_round() {
+        // A wide and a tall matrix: singular values near 1 afterwards
+        // (the quintic leaves them in about [0.7, 1.2]).
+        for (rows, cols) in [(6i64, 10i64), (10, 6)] {
+            let u: Vec<f32> = (0..rows * cols)
+                .map(|i| {
+                    ((i * 37 % 29) as f32 - 14.0) * 0.1
+                        + if i % (cols + 1) == 0 { 2.0 } else { 0.0 }
+                })
+                .collect();
+            let x = orthogonalize(&u, rows, cols, 5).unwrap();
+            let t = Tensor::from_slice(&x)
+                .view([rows, cols])
+                .to_kind(Kind::Double);
+            // The singular values: roots of the smaller Gram matrix's
+            // eigenvalues.
+            let gram = match rows <= cols {
+                true => t.matmul(&t.tr()),
+                false => t.tr().matmul(&t),
+            };
+            let ev: Vec<f64> = Vec::try_from(&gram.linalg_eigvalsh("L")).unwrap();
+            assert_eq!(ev.len() as i64, rows.min(cols));
+            for s in ev.into_iter().map(f64::sqrt) {
+                assert!(
+                    (0.6..1.3).contains(&s),
+                    "singular value {s} of {rows}x{cols}"
+                );
+            }
+        }
+    }
+}

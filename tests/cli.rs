@@ -412,6 +412,20 @@ fn estimate_prints_the_design_formula() {
         );
     }
     let _ = std::fs::remove_file(&f);
+    // Muon's flat state keeps AdamW's two moments for every element.
+    let f = config_file(
+        "estimate-muon",
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "Muon"}}"#,
+    );
+    for how in [["--optimizer", "muon"], ["--config", f.as_str()]] {
+        let (ok, out) = on_1gib(how);
+        assert!(
+            ok && out.contains("bf16 compute, Muon (AdamW's bytes: its matrices' v is kept, zero):")
+                && out.contains("stage 0:      18.00 GiB"),
+            "{how:?}: {out}"
+        );
+    }
+    let _ = std::fs::remove_file(&f);
     let (ok, out) = zrt(&[
         "estimate",
         "--params=1e9",
@@ -420,7 +434,7 @@ fn estimate_prints_the_design_formula() {
     ]);
     assert!(
         !ok && out.contains(
-            "--optimizer must be adam, adamw, lamb, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got adadelta"
+            "--optimizer must be adam, adamw, lamb, muon, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got adadelta"
         ),
         "{out}"
     );
@@ -1023,6 +1037,13 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
             "`optimizer.params.amsgrad` is an Adam setting that RMSprop does not take",
         ),
     ];
+    let muon = (
+        "Muon",
+        r#""muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01"#,
+        "optimizer        Muon lr 0.02 momentum 0.95 nesterov true ns_steps 5 adjust_lr_fn original weight_decay 0.01 (decoupled); AdamW lr 0.003 betas (0.9, 0.95) eps 0.0000000001 for what Muon does not take",
+        r#""fused": true"#,
+        "`optimizer.params.fused` is an Adam setting that Muon does not take",
+    );
     let lamb = (
         "Lamb",
         r#""lr": 1e-3, "weight_decay": 0.01, "max_coeff": 0.3"#,
@@ -1030,7 +1051,7 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
         r#""adam_w_mode": true"#,
         "`optimizer.params.adam_w_mode` is an Adam setting that Lamb does not take",
     );
-    for (name, params, line, adams, refused) in cases.into_iter().chain([lamb]) {
+    for (name, params, line, adams, refused) in cases.into_iter().chain([lamb, muon]) {
         for (params, ok_and_said) in [(params, (true, line)), (adams, (false, refused))] {
             let f = config_file(
                 name,

@@ -2,7 +2,7 @@
 //! result: each case draws a stage (1-3), the settings of that stage
 //! (overlap, bucket sizes, prefetch and live-parameter bounds, the
 //! persistence threshold, optimizer and parameter offload to memory or
-//! NVMe) and a program (AdamW, Lion, SGD, Adagrad or RMSprop, accumulation steps, clipping, bf16 or fp16 with
+//! NVMe) and a program (AdamW, Lion, SGD, Adagrad, RMSprop or Muon, accumulation steps, clipping, bf16 or fp16 with
 //! 16-bit reductions or not, frozen parts, checkpointed blocks, parameter
 //! rules, a scheduler, plain or engine backwards, a model run twice per
 //! micro-step, evaluation forwards between, blocks left out on every rank
@@ -183,13 +183,14 @@ struct Program {
     /// final norm's bias (a root parameter), which training must go on
     /// from; 2: an evaluation forward.
     full_params: usize,
-    /// `optimizer.type`: "AdamW", "Lion", "SGD", "Adagrad" or "RMSprop"
-    /// (two moments, one or none: their own state layouts in memory, swaps
-    /// and checkpoints).
+    /// `optimizer.type`: "AdamW", "Lion", "SGD", "Adagrad", "RMSprop" or
+    /// "Muon" (two moments, one or none: their own state layouts in
+    /// memory, swaps and checkpoints; Muon's matrices gathered whole).
     optimizer: &'static str,
     /// Its params past lr and weight decay (SGD's momentum, Adagrad's
     /// `lr_decay` or `initial_accumulator_value`, RMSprop's alpha and
-    /// momentum or centering, or none).
+    /// momentum or centering, Muon's Nesterov, AdamW rate, adjustment and
+    /// momentum, or none).
     params: &'static str,
 }
 
@@ -528,6 +529,18 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             r#", "centered": true"#,
         ];
         program.params = *rmsprop.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
+    }
+    // Muon (its matrices' momentum orthogonalized whole, the rest by
+    // AdamW) in a seventh of those left, likewise.
+    let mut muon = Draw(d.0.rotate_left(59) | 1);
+    if program.optimizer == "AdamW" && muon.flag(7) {
+        program.optimizer = "Muon";
+        const SETTINGS: [&str; 3] = [
+            "",
+            r#", "nesterov": false, "adam_lr": 0.003"#,
+            r#", "adjust_lr_fn": "match_rms_adamw", "momentum": 0.9"#,
+        ];
+        program.params = *muon.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
     }
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another

@@ -369,3 +369,15 @@ fn the_plans_rule_chooses_muons_parameters_and_ranks_must_agree_on_it() {
     let want = "rank 1 differs from rank 0 in variable `a.weight`: rank 1 has [8, 3] Float (trained), rank 0 has [8, 3] Float (trained, Muon)";
     common::refused_on_every_rank(|_| toy_config(2, "", 0.0), plan, want);
 }
+
+#[test]
+fn hybrid_sharding_orthogonalizes_inside_each_shard_group() {
+    // Four ranks in MiCS pairs and in hpZ pairs, replicas on the same
+    // data: the two-rank run's training, to the bit.
+    let _serial = serial();
+    let two = common::train_world(&muon("", 3, BF16, ""), &[], 3);
+    for grouping in [r#""mics_shard_size": 2,"#, r#""zero_hpz_partition_size": 2,"#] {
+        let four = common::train_grouped(4, &muon("", 3, BF16, grouping), 3);
+        assert_eq!((&four.0, &four.1), (&two.0, &two.1), "{grouping}");
+    }
+}

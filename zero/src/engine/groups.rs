@@ -1,7 +1,8 @@
 //! Settings by parameter: which parameters the program left out of weight
 //! decay ([`ShardPlan::exclude_from_weight_decay`]), whose learning rate it
-//! scales ([`ShardPlan::scale_learning_rate`]) and which ones some ranks
-//! may not use ([`ShardPlan::unused_on_some_ranks`]); where the optimizer's
+//! scales ([`ShardPlan::scale_learning_rate`]), which ones some ranks
+//! may not use ([`ShardPlan::unused_on_some_ranks`]) and which Muon steps
+//! ([`ShardPlan::use_muon`]); where the optimizer's
 //! lie in a unit's flat buffer, and how a range of the buffer splits into
 //! runs of elements the optimizer treats alike.
 //!
@@ -14,6 +15,7 @@
 //! [`ShardPlan::exclude_from_weight_decay`]: crate::ShardPlan::exclude_from_weight_decay
 //! [`ShardPlan::scale_learning_rate`]: crate::ShardPlan::scale_learning_rate
 //! [`ShardPlan::unused_on_some_ranks`]: crate::ShardPlan::unused_on_some_ranks
+//! [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -100,6 +102,8 @@ impl Setting {
 /// use (stage 3 gathers a unit's frozen part too). Built once when the
 /// engine is built, each rule asked once per parameter, so the ranks'
 /// agreement check, the layout and checkpoints see the same answers.
+/// Beside them, the parameters of fewer than two dimensions the Muon rule
+/// chose, with their shapes, for [`Settings::check`] to refuse.
 #[derive(Debug, Default)]
 pub(super) struct Settings(BTreeMap<String, Setting>, Vec<(String, Vec<i64>)>);
 
@@ -182,8 +186,9 @@ impl Settings {
             .collect()
     }
 
-    /// Refuses a learning-rate scale that is not a finite number of at
-    /// least zero, naming the first parameter (by name) given one.
+    /// Refuses a Muon parameter of fewer than two dimensions, and a
+    /// learning-rate scale that is not a finite number of at least zero,
+    /// naming the first parameter (by name) given one.
     pub(super) fn check(&self) -> Result<(), EngineError> {
         if let Some((name, shape)) = self.1.first() {
             return Err(EngineError::Plan(format!(

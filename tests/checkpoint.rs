@@ -741,14 +741,6 @@ fn the_rng_state_is_restored_and_bad_tags_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The libtorch venv's Python (`.libtorch` links into its site-packages).
-fn venv_python() -> PathBuf {
-    let torch = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join(".libtorch"))
-        .expect(".libtorch: run `cargo xtask setup`");
-    // <venv>/lib/pythonX.Y/site-packages/torch
-    torch.ancestors().nth(4).unwrap().join("bin").join("python")
-}
-
 #[test]
 fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
     let _serial = serial();
@@ -787,16 +779,7 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
         out.display(),
         trained.params.len()
     );
-    let py = std::process::Command::new(venv_python())
-        .args(["-c", &script])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
-    let got: f64 = String::from_utf8_lossy(&py.stdout).trim().parse().unwrap();
+    let got: f64 = common::python(&script).trim().parse().unwrap();
     assert!(
         (got - want).abs() <= 1e-9 * want.abs().max(1.0),
         "python sum {got}, ours {want}"

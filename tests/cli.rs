@@ -420,7 +420,8 @@ fn estimate_prints_the_design_formula() {
     for how in [["--optimizer", "muon"], ["--config", f.as_str()]] {
         let (ok, out) = on_1gib(how);
         assert!(
-            ok && out.contains("bf16 compute, Muon (AdamW's bytes: its matrices' v is kept, zero):")
+            ok && out
+                .contains("bf16 compute, Muon (AdamW's bytes: its matrices' v is kept, zero):")
                 && out.contains("stage 0:      18.00 GiB"),
             "{how:?}: {out}"
         );

@@ -12,21 +12,11 @@
 //! module-only load takes the parameters. Checkpoint loads restore the
 //! RNG, so these run one at a time ([`common::serial`]).
 
-use std::path::{Path, PathBuf};
-
 use crate::common;
 
 use common::{config_params, on_ranks, serial, small_input, BF16, SHARD_ALL, WORLD};
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan, ShardedModule};
-
-/// The libtorch venv's Python (`.libtorch` links into its site-packages).
-fn venv_python() -> PathBuf {
-    let torch = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join(".libtorch"))
-        .expect(".libtorch: run `cargo xtask setup`");
-    // <venv>/lib/pythonX.Y/site-packages/torch
-    torch.ancestors().nth(4).unwrap().join("bin").join("python")
-}
 
 /// Two linear units, 3 -> 8 (a tall weight) and 8 -> 6 (a wide one), with
 /// known values; the loss is the mean square of `b(tanh(a(x)))`.
@@ -118,16 +108,7 @@ fn python_muon(
         \x20   o1.step(); o2.step()\n\
         for n, p in sorted(P.items()):\n\
         \x20   print(n, ' '.join(repr(x) for x in p.detach().flatten().tolist()))\n";
-    let py = std::process::Command::new(venv_python())
-        .args(["-c", &script])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
-    String::from_utf8_lossy(&py.stdout)
+    common::python(&script)
         .lines()
         .map(|l| {
             let mut it = l.split(' ');
@@ -376,7 +357,10 @@ fn hybrid_sharding_orthogonalizes_inside_each_shard_group() {
     // data: the two-rank run's training, to the bit.
     let _serial = serial();
     let two = common::train_world(&muon("", 3, BF16, ""), &[], 3);
-    for grouping in [r#""mics_shard_size": 2,"#, r#""zero_hpz_partition_size": 2,"#] {
+    for grouping in [
+        r#""mics_shard_size": 2,"#,
+        r#""zero_hpz_partition_size": 2,"#,
+    ] {
         let four = common::train_grouped(4, &muon("", 3, BF16, grouping), 3);
         assert_eq!((&four.0, &four.1), (&two.0, &two.1), "{grouping}");
     }

@@ -590,3 +590,21 @@ pub fn holds_moments(optimizer: &str, params: &str, moments: usize, dir: &std::p
         }
     }
 }
+
+/// Runs `script` in the libtorch venv's Python (`.libtorch` links into
+/// its site-packages: `<venv>/lib/pythonX.Y/site-packages/torch`) and
+/// returns what it printed; a script that fails fails the test with its
+/// stderr.
+pub fn python(script: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let torch =
+        std::fs::canonicalize(root.join(".libtorch")).expect(".libtorch: run `cargo xtask setup`");
+    let exe = torch.ancestors().nth(4).unwrap().join("bin").join("python");
+    let py = std::process::Command::new(exe)
+        .args(["-c", script])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&py.stderr);
+    assert!(py.status.success(), "{stderr}");
+    String::from_utf8_lossy(&py.stdout).into_owned()
+}

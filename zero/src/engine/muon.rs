@@ -23,8 +23,10 @@
 //!    orthogonalized update (`zrt_kernels::muon_apply`), the others by
 //!    AdamW (its rate `adam_lr`, kept in ratio to the schedule's).
 //!
-//! Stage 0 holds every matrix whole and runs every iteration itself, with
-//! no collective; under hybrid sharding the replicas compute alike. The
+//! Stage 0 holds every matrix whole: its owners split the iterations as
+//! well, and an all-reduce (sum, one value plus zeros) of each unit's
+//! results replaces the reduce-scatter, as Keller Jordan's DDP Muon
+//! splits them; under hybrid sharding the replicas compute alike. The
 //! iteration's cost is that of a few forward passes through the matrices
 //! (five iterations, each three matrix products); the owners split it
 //! across the shard group.
@@ -201,10 +203,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         })?;
         // Part two: each unit's matrices whole, each orthogonalized by its
         // owner, and this rank's shard of the results.
-        let (ranks, me) = match self.stage {
-            0 => (1, 0),
-            _ => (self.group.size(), self.group.rank()),
-        };
+        let (ranks, me) = (self.group.size(), self.group.rank());
         // Owners over every unit's matrices at once: a model of one matrix
         // per unit still spreads the work.
         let costs: Vec<f64> = (matrices.iter().flatten())
@@ -231,15 +230,19 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     out[e.clone()].copy_from_slice(&x);
                 }
             }
-            let shard = match self.stage {
-                0 => out,
+            let what = |op: &str| {
+                let op = op.to_string();
+                move || format!("this rank {op} unit {k}'s Muon updates ({padded} elements)")
+            };
+            let shard = match (self.stage, ranks) {
+                (_, 1) => out,
+                // Every rank holds every matrix: each gets every result.
+                (0, _) => (self.group.all_reduce(out, ReduceOp::Sum).wait())
+                    .map_err(|e| out_of_step(e, what("all-reduced")))?,
                 _ => {
-                    let what = || {
-                        format!("this rank reduce-scattered unit {k}'s Muon updates ({padded} elements)")
-                    };
                     (self.group.reduce_scatter(out, Vec::new(), ReduceOp::Sum))
                         .wait()
-                        .map_err(|e| out_of_step(e, what))?
+                        .map_err(|e| out_of_step(e, what("reduce-scattered")))?
                         .1
                 }
             };

@@ -373,3 +373,52 @@ fn without_overlap_comm_backward_holds_no_gradients_in_flight() {
         mib(&on)
     );
 }
+
+#[test]
+fn a_muon_step_holds_a_unit_or_so_beyond_adamws_not_a_copy_of_the_state() {
+    // Muon gathers each unit's matrices whole to orthogonalize them: one
+    // unit at a time, the rest of its work in the gradients' place. (A
+    // first version kept two shard-sized buffers for every unit through
+    // the step: the optimizer state's size again.)
+    let zero = r#""stage3_param_persistence_threshold": 0,"#;
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let gate = Barrier::new(2);
+    let step_peak = |optimizer: &str| {
+        let cfg = common::config_of(optimizer, 3, 1, 1.0, "", zero);
+        let out = on_ranks(2, |r| {
+            let (vs, plan, gpt) = model_of(&BIG);
+            let model: usize = vs.variables().values().map(|t| t.numel() * 4).sum();
+            let g = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, g, &AutoHints::default()).unwrap();
+            let mut peak = 0;
+            for _ in 0..2 {
+                e.backward(&gpt.loss(&tokens(r.rank()))).unwrap();
+                peak = peak.max(peak_of(r.rank(), &gate, || {
+                    e.step().unwrap();
+                }));
+            }
+            (model, peak)
+        });
+        out[0]
+    };
+    let (model, adamw) = step_peak("AdamW");
+    let (_, muon) = step_peak("Muon");
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "model {:.1} MiB a rank; step() heap peaks (both ranks): AdamW {:.1} MiB, Muon {:.1} MiB",
+        mib(model),
+        mib(adamw),
+        mib(muon)
+    );
+    // A block is a sixteenth of the model; each rank holds a gathered
+    // unit and its results (two blocks), and its share of each (one):
+    // 6 blocks both ranks on 2026-11-30 (the first version: over 30).
+    let block = model / 16;
+    assert!(
+        muon <= adamw + 10 * block,
+        "Muon's step held {:.1} MiB at its peak (both ranks), AdamW's {:.1}, a block is {:.1}",
+        mib(muon),
+        mib(adamw),
+        mib(block)
+    );
+}

@@ -11,7 +11,7 @@
 //! ```text
 //! g = grad * grad_scale                  (1/loss_scale x clip coefficient)
 //! m = m.lerp(g, 1 - momentum)            muon_momentum
-//! u = nesterov ? g.lerp(m, momentum) : m
+//! u = nesterov ? g.lerp(m, momentum) : m   (in g's place)
 //!        ... O = NS(u of the whole matrix), in the engine ...
 //! p = p * (1 - lr * weight_decay)        muon_apply
 //! p = p - adjusted_lr * O
@@ -55,28 +55,27 @@ fn lerp(w: f32, start: f32, end: f32) -> f32 {
     w.mul_add(end - start, base)
 }
 
-/// Muon's first half: the momentum buffer `m` takes the scaled gradient
-/// (`m.lerp_(g, 1 - momentum)`), and `update` receives what the
-/// orthogonalization is to run on: with Nesterov the gradient moved toward
-/// the new buffer (`g.lerp(m, momentum)`), else the buffer. `g`, `m` and
-/// `update` have one length.
+/// Muon's first half, in place: the momentum buffer `m` takes the scaled
+/// gradient (`m.lerp_(g, 1 - momentum)`), and `g` is replaced by what the
+/// orthogonalization is to run on: with Nesterov the gradient moved
+/// toward the new buffer (`g.lerp(m, momentum)`), else the buffer. (The
+/// engine's gradient is spent once read, and holds no second copy.) `g`
+/// and `m` have one length.
 pub fn muon_momentum(
     cfg: &MuonConfig,
     grad_scale: f32,
-    g: &[f32],
+    g: &mut [f32],
     m: &mut [f32],
-    update: &mut [f32],
 ) -> Result<(), KernelError> {
     non_negative(&[("momentum", cfg.momentum)])?;
     let n = g.len();
     same_len("m", m.len(), "g", n)?;
-    same_len("update", update.len(), "g", n)?;
     let (take, toward) = (lerp_weight(1.0 - cfg.momentum), lerp_weight(cfg.momentum));
     for i in 0..n {
         let gi = g[i] * grad_scale;
         let mi = lerp(take, m[i], gi);
         m[i] = mi;
-        update[i] = match cfg.nesterov {
+        g[i] = match cfg.nesterov {
             true => lerp(toward, gi, mi),
             false => mi,
         };
@@ -137,8 +136,8 @@ mod tests {
                 momentum: 0.95,
                 nesterov,
             };
-            let (mut m, mut u) = (m0.clone(), vec![0f32; 64]);
-            muon_momentum(&cfg, 0.5, &g, &mut m, &mut u).unwrap();
+            let (mut m, mut u) = (m0.clone(), g.clone());
+            muon_momentum(&cfg, 0.5, &mut u, &mut m).unwrap();
             for i in 0..64 {
                 let gi = g[i] * 0.5;
                 // The buffer: 0.05 < 0.5, the first formula, one fma.
@@ -180,15 +179,15 @@ mod tests {
             momentum: 0.9,
             nesterov: true,
         };
-        let (g, mut m, mut u) = (vec![0f32; 4], vec![0f32; 3], vec![0f32; 4]);
-        let e = muon_momentum(&cfg, 1.0, &g, &mut m, &mut u).unwrap_err();
+        let (mut g, mut m) = (vec![0f32; 4], vec![0f32; 3]);
+        let e = muon_momentum(&cfg, 1.0, &mut g, &mut m).unwrap_err();
         assert!(e.to_string().contains("`m`"), "{e}");
         let bad = MuonConfig {
             momentum: -0.5,
             ..cfg
         };
         let mut m = vec![0f32; 4];
-        let e = muon_momentum(&bad, 1.0, &g, &mut m, &mut u).unwrap_err();
+        let e = muon_momentum(&bad, 1.0, &mut g, &mut m).unwrap_err();
         assert!(e.to_string().contains("momentum"), "{e}");
         let mut p = vec![0f32; 4];
         let e = muon_apply(0.1, 0.0, 0.1, &mut p, &[0.0; 5], ComputeCopy::None).unwrap_err();

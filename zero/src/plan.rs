@@ -384,9 +384,12 @@ impl ShardPlan {
     /// Chooses which trainable parameters Muon's half of
     /// `optimizer.type: "Muon"` steps (the rest step by its AdamW):
     /// those for which `muon(name, shape)` is true, DeepSpeed's
-    /// `param.use_muon`. Each must have at least two dimensions (a
-    /// convolution's are taken as `[shape[0], the rest]`), refused when
-    /// the engine is built otherwise.
+    /// `param.use_muon`. Each must have at least two dimensions, refused
+    /// when the engine is built otherwise. One of more is taken as the
+    /// matrix `[shape[0], the rest]`, right for a convolution's filters;
+    /// experts stacked in one parameter (`[experts, out, in]`) would be
+    /// orthogonalized as one matrix, not each apart (DeepSpeed's expert
+    /// groups): leave those to AdamW, or keep each expert a parameter.
     ///
     /// Without it Muon takes the hidden weight matrices, by name as most
     /// Muon recipes choose them: every parameter of two or more

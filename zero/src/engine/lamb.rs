@@ -25,9 +25,9 @@
 use std::ops::Range;
 
 use zrt_collectives::{ProcessGroup, ReduceOp};
-use zrt_kernels::{lamb_moments, lamb_update, reduce, AdamShard, ComputeCopy, LambConfig};
+use zrt_kernels::{lamb_moments, lamb_update, reduce, ComputeCopy, LambConfig};
 
-use super::offload::Writes;
+use super::offload::{StateRange, Writes};
 use super::{groups, Inner, State, Unit, Update};
 use crate::EngineError;
 
@@ -94,7 +94,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             moments: true,
         };
         self.each_state(st, stage1, moments, |k, u, r, s, copy| {
-            let AdamShard { p: master, g, m, v } = s;
+            let StateRange { p: master, g, m, v } = s;
             let (p, _) = self.target(u, r.clone(), master, copy);
             for (j, setting, d) in within(&pieces[k], &r) {
                 let cfg = self.lamb_config(up, setting);
@@ -127,7 +127,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             moments: false,
         };
         self.each_state(st, stage1, params, |k, u, r, s, copy| {
-            let AdamShard {
+            let StateRange {
                 p: master, m, v, ..
             } = s;
             let (p, mut copy) = self.target(u, r.clone(), master, copy);

@@ -2121,7 +2121,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             OptimizerKind::Lamb => i.lamb_step(st, &up, stage1)?,
             OptimizerKind::Muon => i.muon_step(st, &up, stage1)?,
             _ => i.each_state(st, stage1, Writes::ALL, |_, u, r, s, copy| {
-                i.adam_on(u, r, s, copy, &up)
+                i.adam_on(u, r, s.adam(), copy, &up)
             })?,
         }
         let t = std::time::Instant::now();

@@ -8,17 +8,18 @@
 //! DeepSpeed's and Moonlight's distributed Muon do it:
 //!
 //! 1. every rank updates the momentum of the Muon pieces it holds and
-//!    writes, beside it, what the iteration runs on (Nesterov's mix),
-//!    element by element (`zrt_kernels::muon_momentum`);
+//!    writes what the iteration runs on (Nesterov's mix) in the place of
+//!    their gradient, spent once read, element by element
+//!    (`zrt_kernels::muon_momentum`);
 //! 2. per unit, an all-gather over the shard group gives every rank the
 //!    unit's matrices whole; each matrix has one owner in the group (over
 //!    all units, the costliest first, each to the least busy rank: a
 //!    model of one matrix per unit spreads its work too), which runs the
 //!    iteration through libtorch in bf16, as torch does, and writes the
 //!    result into a zero buffer of the unit's length; a reduce-scatter
-//!    (sum) hands every rank its shard of the results: each element is
-//!    one owner's value plus zeros, exact, the same bits on every rank and
-//!    every backend;
+//!    (sum) hands every rank its shard of the results, again into the
+//!    gradient's place: each element is one owner's value plus zeros,
+//!    exact, the same bits on every rank and every backend;
 //! 3. every rank applies its shard: Muon's pieces by decay and the
 //!    orthogonalized update (`zrt_kernels::muon_apply`), the others by
 //!    AdamW (its rate `adam_lr`, kept in ratio to the schedule's).
@@ -33,7 +34,10 @@
 //!
 //! Both element-wise passes walk the state wherever it lives
 //! (`Inner::each_state`): with the NVMe swaps, the first writes back the
-//! moments only, the second everything. The Muon half's `v` is never
+//! moments only, the second everything. Beyond the state, the step holds
+//! one unit's buffers at a time (the gathered unit and its results, fp32,
+//! and this rank's share of them): the gradient buffers carry the rest.
+//! The Muon half's `v` is never
 //! read or written (zero): the flat state keeps two moments for every
 //! element, so Muon holds what AdamW holds (DeepSpeed's Muon saves the
 //! second moment of its matrices; zrt does not yet).
@@ -47,7 +51,7 @@ use zrt_collectives::{ProcessGroup, ReduceOp};
 use zrt_kernels::{adam_step, muon_apply, muon_momentum, AdamShard, MuonConfig};
 
 use super::lamb::{sub_copy, within};
-use super::offload::Writes;
+use super::offload::{StateRange, Writes};
 use super::{gather_whole, out_of_step, Inner, State, Unit, Update};
 use crate::EngineError;
 
@@ -179,30 +183,24 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         let pieces: Vec<_> = st.units.iter().map(|u| self.own_pieces(u)).collect();
         let matrices: Vec<_> = st.units.iter().map(|u| self.muon_matrices(u)).collect();
-        // Part one: the momentum, and what the iteration runs on, over
-        // this rank's optimizer range of every unit that has matrices.
-        let mut mixed: Vec<Vec<f32>> = (st.units.iter().zip(&matrices))
-            .map(|(u, ms)| match ms.is_empty() {
-                true => Vec::new(),
-                false => vec![0f32; self.own_range(u).len()],
-            })
-            .collect();
+        // Part one: the momentum, and in the gradient's place what the
+        // iteration runs on, over this rank's pieces of the matrices.
         let moments = Writes {
             params: false,
             moments: true,
         };
         self.each_state(st, stage1, moments, |k, _, r, s, _| {
-            let AdamShard { g, m, .. } = s;
+            let StateRange { g, m, .. } = s;
             for (_, setting, d) in within(&pieces[k], &r) {
                 if setting.muon {
-                    let out = &mut mixed[k][r.start + d.start..r.start + d.end];
-                    muon_momentum(&momentum, up.scale, &g[d.clone()], &mut m[d], out)?;
+                    muon_momentum(&momentum, up.scale, &mut g[d.clone()], &mut m[d])?;
                 }
             }
             Ok(())
         })?;
         // Part two: each unit's matrices whole, each orthogonalized by its
-        // owner, and this rank's shard of the results.
+        // owner, and this rank's part of the results, again in the
+        // gradient's place. One unit's buffers at a time.
         let (ranks, me) = (self.group.size(), self.group.rank());
         // Owners over every unit's matrices at once: a model of one matrix
         // per unit still spreads the work.
@@ -210,31 +208,37 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             .map(|(_, e, (r, c))| e.len() as f64 * (*r).min(*c) as f64)
             .collect();
         let mut owner = owners(&costs, ranks).into_iter();
-        let mut orthogonal: Vec<Vec<f32>> = Vec::with_capacity(st.units.len());
         for (k, u) in st.units.iter().enumerate() {
             let ms = &matrices[k];
-            let mine = std::mem::take(&mut mixed[k]);
             if ms.is_empty() {
-                orthogonal.push(Vec::new());
                 continue;
             }
+            let sh = &mut st.shards[k];
+            let g = if stage1 { &mut sh.reduced } else { &mut sh.g };
             let padded = u.layout.padded;
-            let whole = match self.stage {
-                0 => mine,
-                _ => gather_whole(&self.group, mine, padded)?.1,
-            };
             let mut out = vec![0f32; padded];
-            for ((_, e, (rows, cols)), who) in ms.iter().zip(owner.by_ref()) {
-                if who == me {
-                    let x = orthogonalize(&whole[e.clone()], *rows, *cols, o.ns_steps)?;
-                    out[e.clone()].copy_from_slice(&x);
+            {
+                // The gathered unit lives until its matrices are done.
+                let gathered;
+                let whole: &[f32] = match self.stage {
+                    0 => g,
+                    _ => {
+                        gathered = gather_whole(&self.group, g.clone(), padded)?.1;
+                        &gathered
+                    }
+                };
+                for ((_, e, (rows, cols)), who) in ms.iter().zip(owner.by_ref()) {
+                    if who == me {
+                        let x = orthogonalize(&whole[e.clone()], *rows, *cols, o.ns_steps)?;
+                        out[e.clone()].copy_from_slice(&x);
+                    }
                 }
             }
             let what = |op: &str| {
                 let op = op.to_string();
                 move || format!("this rank {op} unit {k}'s Muon updates ({padded} elements)")
             };
-            let shard = match (self.stage, ranks) {
+            let mine = match (self.stage, ranks) {
                 (_, 1) => out,
                 // Every rank holds every matrix: each gets every result.
                 (0, _) => (self.group.all_reduce(out, ReduceOp::Sum).wait())
@@ -246,13 +250,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         .1
                 }
             };
-            orthogonal.push(shard);
+            for (_, setting, d) in &pieces[k] {
+                if setting.muon {
+                    g[d.clone()].copy_from_slice(&mine[d.clone()]);
+                }
+            }
         }
         // Part three: every piece's update, into the parameters and their
-        // compute copy.
+        // compute copy: the matrices' from the gradient's place, AdamW's
+        // from the gradient.
         let ratio = self.adam_ratio();
         self.each_state(st, stage1, Writes::ALL, |k, u, r, s, copy| {
-            let AdamShard { p: master, g, m, v } = s;
+            let StateRange { p: master, g, m, v } = s;
             let (p, mut copy) = self.target(u, r.clone(), master, copy);
             for (j, setting, d) in within(&pieces[k], &r) {
                 let cfg = setting.adam(up.adam);
@@ -260,8 +269,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 if setting.muon {
                     let (rows, cols) = matrix(&u.layout.slots[j].shape);
                     let adjusted = cfg.lr * self.muon_adjust(rows, cols);
-                    let o = &orthogonal[k][r.start + d.start..r.start + d.end];
-                    muon_apply(cfg.lr, cfg.weight_decay, adjusted, &mut p[d], o, cp)?;
+                    muon_apply(
+                        cfg.lr,
+                        cfg.weight_decay,
+                        adjusted,
+                        &mut p[d.clone()],
+                        &g[d],
+                        cp,
+                    )?;
                 } else {
                     let adam = zrt_kernels::AdamConfig {
                         lr: cfg.lr * ratio,

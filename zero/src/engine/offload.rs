@@ -170,6 +170,31 @@ impl Writes {
     };
 }
 
+/// A range of one unit's optimizer state, as a walk
+/// ([`Inner::each_state`]) hands it out: the fp32 master where it lives
+/// apart from the flat tensor (empty when the flat tensor is the master),
+/// the reduced gradient, which a walk may overwrite (Muon's passes leave
+/// their intermediate results there: the gradient is spent once the step
+/// has read it), and the moments (empty for each the optimizer has not).
+pub(super) struct StateRange<'a> {
+    pub p: &'a mut [f32],
+    pub g: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
+impl<'a> StateRange<'a> {
+    /// The same range as the kernels take it (the gradient read-only).
+    pub(super) fn adam(self) -> AdamShard<'a> {
+        AdamShard {
+            p: self.p,
+            g: self.g,
+            m: self.m,
+            v: self.v,
+        }
+    }
+}
+
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Runs `f` over this rank's optimizer state wherever it lives: each
     /// unit whole when the state is in memory, chunk by chunk through the
@@ -193,7 +218,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             usize,
             &Unit,
             Range<usize>,
-            AdamShard<'_>,
+            StateRange<'_>,
             &mut CopyShard,
         ) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
@@ -209,9 +234,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     reduced,
                     copy,
                 } = sh;
-                let g: &[f32] = if stage1 { reduced } else { g };
+                let g: &mut [f32] = if stage1 { reduced } else { g };
                 let r = 0..self.own_range(u).len();
-                f(k, u, r, AdamShard { p: master, g, m, v }, copy)?;
+                f(k, u, r, StateRange { p: master, g, m, v }, copy)?;
                 self.page_out(sh, k, writes.params)?;
             }
             return Ok(());
@@ -235,10 +260,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     copy,
                     ..
                 } = sh;
-                let g: &[f32] = if stage1 {
-                    &reduced[r.clone()]
+                let g: &mut [f32] = if stage1 {
+                    &mut reduced[r.clone()]
                 } else {
-                    &g[r.clone()]
+                    &mut g[r.clone()]
                 };
                 let (p, mv): (&mut [f32], &mut [&mut [f32]]) = if with_master {
                     let (p, mv) = arrays.split_at_mut(1);
@@ -255,7 +280,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     [m, ..] => (&mut **m, &mut [][..]),
                     [] => (&mut [][..], &mut [][..]),
                 };
-                f(k, u, r, AdamShard { p, g, m, v }, copy)?;
+                f(k, u, r, StateRange { p, g, m, v }, copy)?;
                 if last {
                     self.page_out(sh, k, writes.params)?;
                 }

@@ -811,6 +811,36 @@ fn bench_train_leaves_out_peers_it_cannot_run_and_says_so_once() {
 }
 
 #[test]
+fn bench_train_with_muon_measures_ddp_with_torchs_muon_alone() {
+    // FSDP2's shards would each orthogonalize a piece of a matrix:
+    // DDP with torch.optim.Muon is the peer that runs Muon.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "train", "--sizes", "tiny", "--worlds", "2"])
+        .args(["--stages", "3", "--rounds", "1", "--steps", "1", "--peer"])
+        .args(["--optimizer", "muon"])
+        .env("ZRT_BACKEND", "shm")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", common::printed(&o));
+    assert!(
+        out.starts_with("fp32 Muon (the blocks' matrices) and AdamW"),
+        "{out}"
+    );
+    assert!(
+        out.contains("tiny       2 zrt zero3") && out.contains("tiny       2 ddp"),
+        "{out}"
+    );
+    assert!(!out.contains("fsdp2") && !out.contains("failed"), "{out}");
+    assert!(
+        out.contains(
+            "tiny ZeRO-3, 2 ranks, Muon: DDP (torch.optim.Muon and AdamW) / zrt step time"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
 fn bench_train_runs_its_ranks_on_each_backend_it_is_given() {
     // ZRT_BACKEND says shm: the flag decides, and each row says what its
     // ranks ran on.

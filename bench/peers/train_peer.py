@@ -16,7 +16,13 @@ find_unused_parameters=True, PyTorch's option for it: FSDP2 and DeepSpeed
 have none); same 1 has every rank leave out rank 0's draws; mlp_drop P
 leaves each block's MLP out with chance P, the block running, drawn as
 zrt draws it (the seed's high bit set; ddp only: FSDP2 aborts on it, see
-fsdp2_partly_unused.py).
+fsdp2_partly_unused.py); optimizer muon (argv 10; adamw otherwise) steps
+the parameters zrt's default rule gives Muon (2+ dimensions, no part of
+the name containing `embed` or being wte, wpe, head, lm_head) by
+torch.optim.Muon (lr 0.02, weight decay 0.01) and the rest by AdamW (lr
+1e-4, betas (0.9, 0.95), eps 1e-10, weight decay 0.01), as zrt's Muon
+config there does (ddp only: FSDP2's shards would each orthogonalize a
+piece of a matrix).
 Rank 0 prints one protocol line:
   @@zrt {"times": [...], "rss": [per-rank peak RSS bytes]}
 """
@@ -37,9 +43,12 @@ checkpoint = len(sys.argv) > 6 and sys.argv[6] == "1"
 layerdrop = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
 drawer = 0 if len(sys.argv) > 8 and sys.argv[8] == "1" else int(os.environ["RANK"])
 mlp_drop = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
+optimizer = sys.argv[10] if len(sys.argv) > 10 else "adamw"
 uneven = layerdrop > 0 or mlp_drop > 0
 if uneven and mode != "ddp":
     sys.exit(f"layerdrop and mlp_drop need the ddp mode, not {mode}")
+if optimizer == "muon" and mode != "ddp":
+    sys.exit(f"muon needs the ddp mode, not {mode}")
 SIZES = {
     "base": dict(vocab=8192, d=512, layers=8, heads=8, seq=256),
     "large": dict(vocab=8192, d=768, layers=12, heads=12, seq=256),
@@ -151,14 +160,30 @@ else:
         for b in model.h:
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if optimizer == "muon":
+
+        def hidden_matrix(name, p):
+            outer = lambda part: "embed" in part.lower() or part in ("wte", "wpe", "head", "lm_head")
+            return p.ndim >= 2 and not any(outer(part) for part in name.split("."))
+
+        matrices = [p for n, p in trained if hidden_matrix(n, p)]
+        rest = [p for n, p in trained if not hidden_matrix(n, p)]
+        opts = [
+            torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
+            torch.optim.AdamW(rest, lr=1e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.01),
+        ]
+    else:
+        opts = [torch.optim.AdamW([p for _, p in trained], lr=1e-4, weight_decay=0.01)]
 
     def step(batch, skipped, mlps_out):
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss = model(batch, skipped, mlps_out)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)
+        for opt in opts:
+            opt.step()
 
 
 times = []

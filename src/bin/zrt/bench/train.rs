@@ -80,6 +80,15 @@ pub struct TrainArgs {
     /// MFU counts every MLP.
     #[arg(long, default_value_t = 0.0, value_parser = chance)]
     mlp_drop: f64,
+    /// The optimizer: adamw (lr 1e-4), or muon: Muon for the blocks'
+    /// matrices (0.02, momentum 0.95, Nesterov's), AdamW for the rest
+    /// (1e-4, betas (0.9, 0.95), eps 1e-10), weight decay 0.01 both. With
+    /// muon the peer is DDP with `torch.optim.Muon` and `AdamW` over the
+    /// same split (FSDP2's shards would each orthogonalize a piece of a
+    /// matrix, which is not Muon; DeepSpeed is left out). MFU counts the
+    /// model's FLOPs, not the Newton-Schulz iterations.
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "muon"])]
+    optimizer: String,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
     /// in elements (DeepSpeed's default: 5e8). Several are interleaved like
     /// the stages: `5e8,5e5` shows what small buckets (which also bound the
@@ -125,6 +134,8 @@ pub struct TrainRankArgs {
     layerdrop_same: bool,
     #[arg(long, default_value_t = 0.0)]
     mlp_drop: f64,
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
 }
 
 /// A chance from 0 up to (not including) 1 (`--layerdrop`).
@@ -206,8 +217,14 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     if a.mlp_drop > 0.0 {
         plan.partly_unused_on_some_ranks(|name, _| is_mlp_param(name))?;
     }
+    let optimizer = match a.optimizer.as_str() {
+        "muon" => {
+            r#"{"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-4, "weight_decay": 0.01}}"#
+        }
+        _ => r#"{"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}"#,
+    };
     let cfg = Config::from_json(&format!(
-        r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
+        r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {optimizer},
             "gradient_clipping": 1.0, "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}}}}}"#,
         a.micro, a.stage, a.reduce_bucket_size
     ))?;
@@ -304,6 +321,8 @@ fn run_rank(
         &a.layerdrop.to_string(),
         "--mlp-drop",
         &a.mlp_drop.to_string(),
+        "--optimizer",
+        &a.optimizer,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -388,7 +407,10 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     // (Under --layerdrop or --mlp-drop there are no DeepSpeed rows to
     // leave out.)
     let uneven = a.layerdrop > 0.0 || a.mlp_drop > 0.0;
-    let deepspeed_missing = match a.peer && !uneven {
+    let muon = a.optimizer == "muon";
+    // The runs whose only peer is DDP.
+    let ddp_only = uneven || muon;
+    let deepspeed_missing = match a.peer && !ddp_only {
         true => peer::import_fails(&peer::venv_python(), "deepspeed"),
         false => None,
     };
@@ -403,8 +425,9 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             .iter()
             .flat_map(|s| PEERS.iter().map(move |p| (s.clone(), *p)))
             .filter(|(_, p)| deepspeed_missing.is_none() || !p.starts_with("deepspeed"))
-            // Only DDP trains a module some ranks skip, or use in part.
-            .filter(|(_, p)| !uneven || *p == "ddp")
+            // Only DDP trains a module some ranks skip, or use in part,
+            // or runs Muon over whole matrices.
+            .filter(|(_, p)| !ddp_only || *p == "ddp")
             .collect()
     } else {
         Vec::new()
@@ -437,6 +460,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
                 a.layerdrop.to_string(),
                 (a.layerdrop_same as u8).to_string(),
                 a.mlp_drop.to_string(),
+                a.optimizer.clone(),
             ];
             match run_ranks(&peer::venv_python(), &args, 2, &[]) {
                 Ok(v) => peer_samples[k].push(v),
@@ -458,7 +482,11 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     let several_backends = a.backends.len() > 1;
     if !a.json {
         println!(
-            "fp32 AdamW, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}{}{}",
+            "fp32 {}, micro-batch {} per rank, 1 thread per rank, {} backend{}; medians of {} rounds x {} steps; matmul peak {:.1} GFLOP/s per core{}{}{}{}",
+            match muon {
+                true => "Muon (the blocks' matrices) and AdamW (the rest; MFU leaves out the Newton-Schulz FLOPs)",
+                false => "AdamW",
+            },
             a.micro,
             a.backends.join(" and "),
             if several_backends { "s" } else { "" },
@@ -663,7 +691,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             );
         }
     }
-    if !a.json && a.peer && uneven {
+    if !a.json && a.peer && ddp_only {
         // FSDP2 has no rows to compare with: DDP, per stage.
         for ((size, world, stage, bucket, backend), rows) in configs.iter().zip(&samples) {
             let ddp = peer_rows(size, "ddp");
@@ -682,8 +710,16 @@ pub fn run(a: &TrainArgs) -> Result<()> {
             if a.mlp_drop > 0.0 {
                 what.push(format!("MLP drop {}", a.mlp_drop));
             }
+            if muon {
+                what.push("Muon".to_string());
+            }
+            let peer = match (uneven, muon) {
+                (true, true) => "DDP (find_unused_parameters, torch.optim.Muon)",
+                (true, false) => "DDP (find_unused_parameters)",
+                _ => "DDP (torch.optim.Muon and AdamW)",
+            };
             println!(
-                "{size} ZeRO-{stage}, 2 ranks{}, {}: DDP (find_unused_parameters) / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
+                "{size} ZeRO-{stage}, 2 ranks{}, {}: {peer} / zrt step time {:.2}x, peak RSS {:.2}x (higher is better for zrt)",
                 tag(backend),
                 what.join(", "),
                 median_time(ddp) / median_time(rows),

@@ -120,22 +120,38 @@ pub(super) fn orthogonalize(
     Ok(v)
 }
 
-/// Which of `ranks` ranks orthogonalizes each matrix, given each one's
-/// cost: the costliest first, each to the rank with the least so far
-/// (ties to the lower rank; equal costs keep their order), the same answer
-/// on every rank.
-pub(super) fn owners(costs: &[f64], ranks: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..costs.len()).collect();
-    order.sort_by(|&i, &j| costs[j].total_cmp(&costs[i]).then(i.cmp(&j)));
-    let (mut load, mut owner) = (vec![0f64; ranks.max(1)], vec![0; costs.len()]);
-    for i in order {
-        let r = (0..load.len())
-            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
-            .unwrap_or(0);
-        load[r] += costs[i];
-        owner[i] = r;
-    }
-    owner
+/// Which of `ranks` ranks orthogonalizes each matrix of each unit, given
+/// each one's cost: unit by unit, the costliest first, each to the rank
+/// with the least of that unit's work so far, then the least over the
+/// units before (then the lower rank); the same answer on every rank.
+/// Balanced within each unit, because a unit's results are reduced before
+/// the next unit's matrices begin (a rank with less of a unit waits for
+/// the others there); across units, so that units of one matrix each
+/// take turns.
+pub(super) fn owners(units: &[Vec<f64>], ranks: usize) -> Vec<Vec<usize>> {
+    let mut total = vec![0f64; ranks.max(1)];
+    (units.iter())
+        .map(|costs| {
+            let mut order: Vec<usize> = (0..costs.len()).collect();
+            order.sort_by(|&i, &j| costs[j].total_cmp(&costs[i]).then(i.cmp(&j)));
+            let (mut here, mut owner) = (vec![0f64; total.len()], vec![0; costs.len()]);
+            for i in order {
+                let key = |r: usize| (here[r], total[r], r);
+                let r = (0..here.len())
+                    .min_by(|&a, &b| {
+                        let (x, y) = (key(a), key(b));
+                        x.0.total_cmp(&y.0)
+                            .then(x.1.total_cmp(&y.1))
+                            .then(x.2.cmp(&y.2))
+                    })
+                    .unwrap_or(0);
+                here[r] += costs[i];
+                total[r] += costs[i];
+                owner[i] = r;
+            }
+            owner
+        })
+        .collect()
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
@@ -202,12 +218,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // owner, and this rank's part of the results, again in the
         // gradient's place. One unit's buffers at a time.
         let (ranks, me) = (self.group.size(), self.group.rank());
-        // Owners over every unit's matrices at once: a model of one matrix
-        // per unit still spreads the work.
-        let costs: Vec<f64> = (matrices.iter().flatten())
-            .map(|(_, e, (r, c))| e.len() as f64 * (*r).min(*c) as f64)
+        // A matrix's iterations cost its elements times its smaller side.
+        let costs: Vec<Vec<f64>> = (matrices.iter())
+            .map(|ms| (ms.iter()).map(|(_, e, (r, c))| e.len() as f64 * (*r).min(*c) as f64))
+            .map(Iterator::collect)
             .collect();
-        let mut owner = owners(&costs, ranks).into_iter();
+        let owner = owners(&costs, ranks);
         for (k, u) in st.units.iter().enumerate() {
             let ms = &matrices[k];
             if ms.is_empty() {
@@ -227,7 +243,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         &gathered
                     }
                 };
-                for ((_, e, (rows, cols)), who) in ms.iter().zip(owner.by_ref()) {
+                for ((_, e, (rows, cols)), &who) in ms.iter().zip(&owner[k]) {
                     if who == me {
                         let x = orthogonalize(&whole[e.clone()], *rows, *cols, o.ns_steps)?;
                         out[e.clone()].copy_from_slice(&x);
@@ -301,11 +317,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn owners_balance_the_costliest_first() {
-        assert_eq!(owners(&[1.0, 5.0, 3.0, 3.0], 2), vec![0, 0, 1, 1]);
-        assert_eq!(owners(&[2.0, 2.0, 2.0], 1), vec![0, 0, 0]);
-        assert_eq!(owners(&[], 3), Vec::<usize>::new());
-        assert_eq!(owners(&[4.0, 1.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1, 1]);
+    fn owners_balance_each_unit_and_take_turns_across_units() {
+        let one = |costs: &[f64], ranks| owners(&[costs.to_vec()], ranks).remove(0);
+        assert_eq!(one(&[1.0, 5.0, 3.0, 3.0], 2), vec![0, 0, 1, 1]);
+        assert_eq!(one(&[2.0, 2.0, 2.0], 1), vec![0, 0, 0]);
+        assert_eq!(one(&[], 3), Vec::<usize>::new());
+        assert_eq!(one(&[4.0, 1.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1, 1]);
+        // One matrix a unit: turns.
+        let singles = vec![vec![2.0]; 4];
+        assert_eq!(
+            owners(&singles, 2),
+            vec![vec![0], vec![1], vec![0], vec![1]]
+        );
+        // A GPT block (fc, out, proj, qkv): each unit split as evenly as
+        // its sizes allow, the odd share alternating.
+        let block = vec![4.0, 4.0, 1.0, 3.0];
+        let got = owners(&[block.clone(), block], 2);
+        assert_eq!(got, vec![vec![0, 1, 1, 0], vec![1, 0, 0, 1]]);
     }
 
     #[test]

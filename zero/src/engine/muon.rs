@@ -12,9 +12,9 @@
 //!    their gradient, spent once read, element by element
 //!    (`zrt_kernels::muon_momentum`);
 //! 2. per unit, an all-gather over the shard group gives every rank the
-//!    unit's matrices whole; each matrix has one owner in the group (over
-//!    all units, the costliest first, each to the least busy rank: a
-//!    model of one matrix per unit spreads its work too), which runs the
+//!    unit's matrices whole; each matrix has one owner in the group
+//!    ([`owners`]: each unit split as evenly as its sizes allow, units of
+//!    one matrix taking turns), which runs the
 //!    iteration through libtorch in bf16, as torch does, and writes the
 //!    result into a zero buffer of the unit's length; a reduce-scatter
 //!    (sum) hands every rank its shard of the results, again into the

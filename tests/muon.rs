@@ -5,9 +5,10 @@
 //! as Python's `torch.optim.Muon` and `torch.optim.AdamW` do on one
 //! process over both ranks' batches, with Nesterov and without, with
 //! both rate adjustments and a separate AdamW rate; the stages and the
-//! NVMe swaps train the GPT to the bits of the in-memory run; the plan's
-//! rule chooses the parameters, and one of fewer than two dimensions is
-//! refused; checkpoints resume to the same bits, and a full load by
+//! NVMe swaps train the GPT to the bits of the in-memory run, and MiCS
+//! and hpZ pairs to the bits of two ranks; the plan's rule chooses the
+//! parameters, one of fewer than two dimensions is refused and ranks
+//! must agree on it; checkpoints resume to the same bits, and a full load by
 //! AdamW, or by Muon over other parameters, is refused by name while a
 //! module-only load takes the parameters. Checkpoint loads restore the
 //! RNG, so these run one at a time ([`common::serial`]).

@@ -1,7 +1,8 @@
 //! # zrt-kernels
 //!
 //! The per-element math of a ZeRO step, on flat slices, with no libtorch in
-//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]), LAMB ([`lamb`]), Adagrad ([`adagrad`]) and RMSprop ([`rmsprop`]), the helpers around it ([`reduce`]:
+//! the library: fused Adam/AdamW ([`adam`]), Lion ([`lion`]), SGD ([`sgd`]), LAMB ([`lamb`]), Adagrad ([`adagrad`]) and RMSprop ([`rmsprop`]), Muon's element-wise halves ([`muon`]: plain loops on the caller's thread,
+//! as its step's time is the Newton-Schulz iterations the engine runs), the helpers around it ([`reduce`]:
 //! sum of squares for the global norm, any-inf-or-nan for fp16 overflow, scale
 //! in place), f32 <-> bf16/f16 casts bit-identical to libtorch's
 //! ([`cast`]) and the block-wise int8 packing of quantized weight gathers

@@ -81,9 +81,10 @@ pub enum OptimizerKind {
 
 impl OptimizerKind {
     /// How many fp32 moments per trained element the optimizer keeps:
-    /// Adam's and LAMB's m and v, Lion's m, Adagrad's sum of squares,
-    /// RMSprop's square average, and the `buffer` SGD keeps with momentum
-    /// and RMSprop with momentum or centered (its gradient's average).
+    /// Adam's, LAMB's and Muon's m and v (a Muon matrix's momentum in m,
+    /// its v unused), Lion's m, Adagrad's sum of squares, RMSprop's square
+    /// average, and the `buffer` SGD keeps with momentum and RMSprop with
+    /// momentum or centered (its gradient's average).
     pub fn moments(self, buffer: bool) -> usize {
         match self {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 2,
@@ -101,7 +102,8 @@ impl OptimizerKind {
     /// the gradient and its square; every other pair's are not (Lion's m,
     /// SGD's buffer and Adagrad's sum are each one moment, but not the
     /// same one; RMSprop's square average is Adam's v without its bias
-    /// correction, kept in another array).
+    /// correction, kept in another array; Muon's m is a momentum where its
+    /// matrices are, AdamW's elsewhere).
     pub fn same_state(self, other: Self) -> bool {
         let family = |k| match k {
             OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Lamb => 0,
@@ -202,9 +204,10 @@ pub struct OptimizerConfig {
 }
 
 impl OptimizerConfig {
-    /// How many fp32 moments per trained element it keeps (2 for Adam and
-    /// LAMB, 1 for Lion and Adagrad, 1 or 0 for SGD with or without
-    /// momentum, 2 or 1 for RMSprop with or without momentum or centered).
+    /// How many fp32 moments per trained element it keeps (2 for Adam,
+    /// LAMB and Muon, 1 for Lion and Adagrad, 1 or 0 for SGD with or
+    /// without momentum, 2 or 1 for RMSprop with or without momentum or
+    /// centered).
     pub fn moments(&self) -> usize {
         self.kind.moments(self.momentum > 0.0 || self.centered)
     }

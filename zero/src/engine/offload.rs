@@ -177,9 +177,13 @@ impl Writes {
 /// their intermediate results there: the gradient is spent once the step
 /// has read it), and the moments (empty for each the optimizer has not).
 pub(super) struct StateRange<'a> {
+    /// The fp32 master (empty when the flat tensor is the master).
     pub p: &'a mut [f32],
+    /// The reduced gradient.
     pub g: &'a mut [f32],
+    /// The first moment (empty for an optimizer with none).
     pub m: &'a mut [f32],
+    /// The second moment (empty for an optimizer with none).
     pub v: &'a mut [f32],
 }
 

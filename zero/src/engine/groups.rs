@@ -268,20 +268,21 @@ pub(super) fn changed(saved: &[String], now: &[String]) -> Option<String> {
     if saved == now {
         return None;
     }
-    let quoted = |names: &[String], other: &[String]| -> Vec<String> {
-        names
-            .iter()
-            .filter(|n| other.binary_search(n).is_err())
-            .map(|n| format!("`{n}`"))
-            .collect()
-    };
     Some(format!(
         "the checkpoint's run left {} parameter(s) out of weight decay, this engine's plan leaves out {}: from here on weight decay follows the plan (now left out: {}; now decayed: {}). If that is not meant, give the plan the rule the run had (ShardPlan::exclude_from_weight_decay)",
         saved.len(),
         now.len(),
-        some_of(&quoted(now, saved)),
-        some_of(&quoted(saved, now)),
+        some_of(&only_in(now, saved)),
+        some_of(&only_in(saved, now)),
     ))
+}
+
+/// The names of `names` not in `other` (sorted), each in backticks.
+fn only_in(names: &[String], other: &[String]) -> Vec<String> {
+    (names.iter())
+        .filter(|n| other.binary_search(n).is_err())
+        .map(|n| format!("`{n}`"))
+        .collect()
 }
 
 /// Why a Muon checkpoint's state does not fit this engine's: `None` when
@@ -294,18 +295,12 @@ pub(super) fn muon_changed(saved: &[String], now: &[String]) -> Option<String> {
     if saved == now {
         return None;
     }
-    let only = |names: &[String], other: &[String]| -> Vec<String> {
-        (names.iter())
-            .filter(|n| other.binary_search(n).is_err())
-            .map(|n| format!("`{n}`"))
-            .collect()
-    };
     Some(format!(
         "Muon stepped {} parameter(s) in the checkpoint's run and steps {} in this one (Muon's now, AdamW's then: {}; AdamW's now, Muon's then: {})",
         saved.len(),
         now.len(),
-        some_of(&only(now, saved)),
-        some_of(&only(saved, now)),
+        some_of(&only_in(now, saved)),
+        some_of(&only_in(saved, now)),
     ))
 }
 

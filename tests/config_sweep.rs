@@ -493,54 +493,29 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         },
         params: "",
     };
-    // SGD in a quarter of the others, with momentum or without (no state
-    // at all), from a stream of its own too.
-    let mut sgd = Draw(d.0.rotate_left(29) | 1);
-    if program.optimizer == "AdamW" && sgd.flag(4) {
-        program.optimizer = "SGD";
-        const MOMENTA: [&str; 3] = [
-            "",
-            r#", "momentum": 0.9"#,
-            r#", "momentum": 0.8, "nesterov": true"#,
-        ];
-        program.params = *sgd.one(&[&MOMENTA[0], &MOMENTA[1], &MOMENTA[2]]);
-    }
-    // Adagrad (one sum of squares; a rate decaying by step, which a
-    // resume goes on with, or sums starting above 0) in a fifth of those
-    // left, likewise.
-    let mut adagrad = Draw(d.0.rotate_left(37) | 1);
-    if program.optimizer == "AdamW" && adagrad.flag(5) {
-        program.optimizer = "Adagrad";
-        const SETTINGS: [&str; 3] = [
-            "",
-            r#", "lr_decay": 0.1"#,
-            r#", "initial_accumulator_value": 0.1"#,
-        ];
-        program.params = *adagrad.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
-    }
-    // RMSprop (the square average, and a momentum buffer, the gradient's
-    // average or neither) in a sixth of those left, likewise.
-    let mut rmsprop = Draw(d.0.rotate_left(47) | 1);
-    if program.optimizer == "AdamW" && rmsprop.flag(6) {
-        program.optimizer = "RMSprop";
-        const SETTINGS: [&str; 3] = [
-            "",
-            r#", "alpha": 0.9, "momentum": 0.9"#,
-            r#", "centered": true"#,
-        ];
-        program.params = *rmsprop.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
-    }
-    // Muon (its matrices' momentum orthogonalized whole, the rest by
-    // AdamW) in a seventh of those left, likewise.
-    let mut muon = Draw(d.0.rotate_left(59) | 1);
-    if program.optimizer == "AdamW" && muon.flag(7) {
-        program.optimizer = "Muon";
-        const SETTINGS: [&str; 3] = [
-            "",
-            r#", "nesterov": false, "adam_lr": 0.003"#,
-            r#", "adjust_lr_fn": "match_rms_adamw", "momentum": 0.9"#,
-        ];
-        program.params = *muon.one(&[&SETTINGS[0], &SETTINGS[1], &SETTINGS[2]]);
+    // Each in that share of the cases still AdamW's, from a stream of its
+    // own (so that adding one changes none of the draws before it), with
+    // one of its settings past lr and weight decay.
+    #[rustfmt::skip]
+    const OTHERS: [(&str, u32, usize, [&str; 3]); 4] = [
+        // SGD with momentum or without (no state at all), a quarter.
+        ("SGD", 29, 4, ["", r#", "momentum": 0.9"#, r#", "momentum": 0.8, "nesterov": true"#]),
+        // Adagrad (one sum of squares; a rate decaying by step, which a
+        // resume goes on with, or sums starting above 0), a fifth.
+        ("Adagrad", 37, 5, ["", r#", "lr_decay": 0.1"#, r#", "initial_accumulator_value": 0.1"#]),
+        // RMSprop (the square average, and a momentum buffer, the
+        // gradient's average or neither), a sixth.
+        ("RMSprop", 47, 6, ["", r#", "alpha": 0.9, "momentum": 0.9"#, r#", "centered": true"#]),
+        // Muon (its matrices' momentum orthogonalized whole, the rest by
+        // AdamW), a seventh.
+        ("Muon", 59, 7, ["", r#", "nesterov": false, "adam_lr": 0.003"#, r#", "adjust_lr_fn": "match_rms_adamw", "momentum": 0.9"#]),
+    ];
+    for (optimizer, stream, odds, settings) in OTHERS {
+        let mut draw = Draw(d.0.rotate_left(stream) | 1);
+        if program.optimizer == "AdamW" && draw.flag(odds) {
+            program.optimizer = optimizer;
+            program.params = *draw.one(&[&settings[0], &settings[1], &settings[2]]);
+        }
     }
     // ZeRO++ qwZ, drawn from a stream of its own too, in a third of the
     // stage-3 cases that do not resume (a resume may go on at another

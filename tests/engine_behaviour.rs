@@ -33,15 +33,7 @@ fn tiny() -> Tiny {
     let plan = ShardPlan::new();
     let mk = |name: &str, i: i64, o: i64| linear_unit(&vs, &plan, name, i, o);
     let (a, b, c) = (mk("a", 3, 5), mk("b", 5, 4), mk("c", 4, 1));
-    tch::no_grad(|| {
-        let mut names: Vec<_> = vs.variables().into_iter().collect();
-        names.sort_by(|x, y| x.0.cmp(&y.0));
-        for (k, (_, t)) in names.into_iter().enumerate() {
-            let n = t.numel() as i64;
-            let v = (Tensor::arange(n, (Kind::Float, Device::Cpu)) + k as f64).sin() * 0.5;
-            t.shallow_clone().copy_(&v.view(t.size().as_slice()));
-        }
-    });
+    common::known_values(&vs, 1.0, 0.5);
     Tiny { vs, plan, a, b, c }
 }
 

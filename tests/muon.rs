@@ -35,15 +35,7 @@ fn toy() -> Toy {
     let plan = ShardPlan::new();
     let a = common::linear_unit(&vs, &plan, "a", 3, 8);
     let b = common::linear_unit(&vs, &plan, "b", 8, 6);
-    tch::no_grad(|| {
-        let mut vars: Vec<_> = vs.variables().into_iter().collect();
-        vars.sort_by(|x, y| x.0.cmp(&y.0));
-        for (k, (_, t)) in vars.into_iter().enumerate() {
-            let n = t.numel() as i64;
-            let v = (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.7 + k as f64).sin() * 0.5;
-            t.shallow_clone().copy_(&v.view(t.size().as_slice()));
-        }
-    });
+    common::known_values(&vs, 0.7, 0.5);
     Toy { vs, plan, a, b }
 }
 

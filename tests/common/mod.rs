@@ -94,6 +94,22 @@ pub fn linear_unit(
     zrt::zero::ShardedModule::new(plan, &p, nn::linear(&p, i, o, Default::default()))
 }
 
+/// Gives every variable of `vs` known values: the `k`-th by name, its
+/// element `i`, `sin(i * step + k) * amplitude` (small tests' models,
+/// the same on every rank without a seed).
+pub fn known_values(vs: &nn::VarStore, step: f64, amplitude: f64) {
+    tch::no_grad(|| {
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|x, y| x.0.cmp(&y.0));
+        for (k, (_, t)) in vars.into_iter().enumerate() {
+            let n = t.numel() as i64;
+            let v =
+                (Tensor::arange(n, (Kind::Float, Device::Cpu)) * step + k as f64).sin() * amplitude;
+            t.shallow_clone().copy_(&v.view(t.size().as_slice()));
+        }
+    });
+}
+
 /// [`GPT`] from seed 0.
 pub fn model() -> (nn::VarStore, ShardPlan, Gpt) {
     model_of(&GPT)

@@ -412,20 +412,33 @@ fn estimate_prints_the_design_formula() {
         );
     }
     let _ = std::fs::remove_file(&f);
-    // Muon's flat state keeps AdamW's two moments for every element.
+    // Muon keeps one moment for its matrices (90% of the parameters
+    // unless told), AdamW's two for the rest: 18 GiB less 4 bytes for
+    // each matrix element at stage 0.
     let f = config_file(
         "estimate-muon",
         r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "optimizer": {"type": "Muon"}}"#,
     );
-    for how in [["--optimizer", "muon"], ["--config", f.as_str()]] {
-        let (ok, out) = on_1gib(how);
+    let muon = |how: &[&str]| {
+        let mut args = vec!["estimate", "--params", "1073741824", "--world", "4"];
+        args.extend(how);
+        zrt(&args)
+    };
+    for (how, share, stage0) in [
+        (&["--optimizer", "muon"][..], "90", "14.40 GiB"),
+        (&["--config", f.as_str()], "90", "14.40 GiB"),
+        (&["--config", &f, "--muon-share", "0.5"], "50", "16.00 GiB"),
+        (&["--optimizer", "muon", "--muon-share=1"], "100", "14.00 GiB"),
+    ] {
+        let (ok, out) = muon(how);
+        let said = format!("bf16 compute, Muon over {share}% of the parameters (one moment for those, AdamW's two for the rest):");
         assert!(
-            ok && out
-                .contains("bf16 compute, Muon (AdamW's bytes: its matrices' v is kept, zero):")
-                && out.contains("stage 0:      18.00 GiB"),
+            ok && out.contains(&said) && out.contains(&format!("stage 0:      {stage0}")),
             "{how:?}: {out}"
         );
     }
+    let (ok, out) = muon(&["--optimizer", "muon", "--muon-share", "1.5"]);
+    assert!(!ok && out.contains("--muon-share is a share"), "{out}");
     let _ = std::fs::remove_file(&f);
     let (ok, out) = zrt(&[
         "estimate",

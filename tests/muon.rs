@@ -8,7 +8,8 @@
 //! NVMe swaps train the GPT to the bits of the in-memory run, and MiCS
 //! and hpZ pairs to the bits of two ranks; the plan's rule chooses the
 //! parameters, one of fewer than two dimensions is refused and ranks
-//! must agree on it; checkpoints resume to the same bits, and a full load by
+//! must agree on it; the matrices keep no second moment in memory;
+//! checkpoints resume to the same bits, and a full load by
 //! AdamW, or by Muon over other parameters, is refused by name while a
 //! module-only load takes the parameters. Checkpoint loads restore the
 //! RNG, so these run one at a time ([`common::serial`]).
@@ -221,6 +222,54 @@ fn two_ranks_at_every_stage_train_as_torchs_muon_and_adamw_on_one_process() {
     }
 }
 
+/// The toy's model-state bytes under `optimizer` at `stage` (`extra`:
+/// more top-level keys, `zero`: more `zero_optimization` keys), summed
+/// over [`WORLD`] ranks, after a step.
+fn toy_state_bytes(optimizer: &str, stage: u8, extra: &str, zero: &str) -> usize {
+    let cfg = Config::from_json(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": 4, {extra}
+            "optimizer": {{"type": "{optimizer}", "params": {{}}}},
+            "zero_optimization": {{{zero} "stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
+    ))
+    .unwrap();
+    (on_ranks(WORLD, |r| {
+        let t = toy();
+        let g = r.new_group(&(0..WORLD).collect::<Vec<_>>()).unwrap();
+        let e = Engine::new(&t.vs, &t.plan, &cfg, g, &AutoHints::default()).unwrap();
+        e.backward(&t.loss(&small_input(r.rank(), 0))).unwrap();
+        e.step().unwrap();
+        let muon = if optimizer == "Muon" { 24 + 48 } else { 0 };
+        assert_eq!(e.num_muon_params(), muon, "{optimizer}");
+        e.model_state_bytes().unwrap()
+    }))
+    .into_iter()
+    .sum()
+}
+
+#[test]
+fn the_matrices_keep_no_second_moment_in_memory_and_the_swap_keeps_it_whole() {
+    // The toy's matrices: a.weight (8 x 3) and b.weight (6 x 8).
+    let matrices = 24 + 48;
+    for stage in 0..=3 {
+        let (adamw, muon) = (
+            toy_state_bytes("AdamW", stage, "", ""),
+            toy_state_bytes("Muon", stage, "", ""),
+        );
+        // Stage 0 holds every matrix on every rank, the others once.
+        let copies = if stage == 0 { WORLD } else { 1 };
+        assert_eq!(adamw - muon, 4 * matrices * copies, "stage {stage}");
+    }
+    // The NVMe swap's arrays keep every element: nothing of `v` is in
+    // memory under either optimizer, and the two hold alike.
+    let dir = common::scratch("muon-v-swap");
+    let (aio, off) = common::nvme(&dir);
+    assert_eq!(
+        toy_state_bytes("AdamW", 3, &aio, &off),
+        toy_state_bytes("Muon", 3, &aio, &off)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Muon (`params` past lr and weight decay) for the test GPT at `stage`,
 /// every stage-3 unit sharded.
 fn muon(params: &str, stage: u8, extra: &str, zero: &str) -> Config {
@@ -257,6 +306,9 @@ fn a_checkpoint_records_muons_parameters_resumes_to_the_same_bits_and_is_refused
     let at3 = muon("", 3, BF16, "");
     let swapped = muon("", 3, &format!("{BF16} {aio}"), &off);
     common::resumes_to_the_same_bits(&dir, "a", &swapped, &[&at3, &swapped]);
+    // From memory, where `v` is packed, into the swap and other stages.
+    let (at0, at2) = (muon("", 0, BF16, ""), muon("", 2, BF16, ""));
+    common::resumes_to_the_same_bits(&dir, "b", &at3, &[&swapped, &at0, &at2]);
     // The default rule: the blocks' matrices, not the embeddings (`wte`,
     // `wpe`) nor the head, though `wte` and `head` are wrapped units, nor
     // any norm or bias.

@@ -27,14 +27,19 @@ pub struct EstimateArgs {
     /// (`zero_quantized_nontrainable_weights`).
     #[arg(long)]
     quantize_frozen: bool,
-    /// The optimizer (`optimizer.type`): adam, adamw, lamb, muon (whose
-    /// flat state keeps AdamW's two for its matrices too),
+    /// The optimizer (`optimizer.type`): adam, adamw, lamb, muon (AdamW's
+    /// two moments, one for the share `--muon-share` of matrices),
     /// rmsprop-momentum (RMSprop with `momentum` above 0) and
     /// rmsprop-centered keep two fp32 moments per trained parameter, lion, adagrad, rmsprop and
     /// sgd-momentum (SGD with `momentum` above 0) one, sgd (torch's
     /// default, no momentum) none (default adam, or the config's).
     #[arg(long, conflicts_with = "config")]
     optimizer: Option<String>,
+    /// With Muon: the share of the trained parameters it steps (the
+    /// hidden matrices; the engine logs it, `Engine::num_muon_params`),
+    /// whose second moment is not kept in memory.
+    #[arg(long, default_value_t = 0.9)]
+    muon_share: f64,
     /// A DeepSpeed config to take the dtype, the optimizer and
     /// `zero_quantized_nontrainable_weights` from; its stage's row is
     /// marked.
@@ -145,10 +150,17 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if !a.frozen.is_finite() || a.frozen < 0.0 {
         bail!("--frozen must be a count of parameters, 0 or more (e.g. --frozen 7e9)");
     }
+    if !(0.0..=1.0).contains(&a.muon_share) {
+        bail!("--muon-share is a share of the parameters, from 0 to 1 (e.g. --muon-share 0.9)");
+    }
+    let muon = format!(
+        "Muon over {}% of the parameters (one moment for those, AdamW's two for the rest)",
+        (a.muon_share * 1000.0).round() / 10.0
+    );
     let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
         "lamb" => ("Lamb", 2.0),
-        "muon" => ("Muon (AdamW's bytes: its matrices' v is kept, zero)", 2.0),
+        "muon" => (muon.as_str(), 2.0 - a.muon_share),
         "lion" => ("Lion", 1.0),
         "adagrad" => ("Adagrad", 1.0),
         "rmsprop-momentum" => ("RMSprop with momentum", 2.0),

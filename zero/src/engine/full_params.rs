@@ -279,8 +279,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         Ok(())
     }
 
-    /// Installs `s`, this rank's state over elements `need` of unit `k`:
-    /// the master and moments (in memory or the swap) and the compute
+    /// Installs `s`, this rank's state over elements `need` of unit `k`
+    /// (its whole optimizer range, the `v` of every element): the master
+    /// and moments (in memory, `v` packed, or the swap) and the compute
     /// copy this rank writes, as the optimizer would after a step.
     pub(super) fn install(
         &self,
@@ -317,7 +318,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             Some(swap) => self.swap_in(swap, k, &s.master, &s.m, &s.v)?,
             None => {
                 sh.m = s.m;
-                sh.v = s.v;
+                sh.v = sh.v_layout.pack(s.v);
             }
         }
         // Empty when the master lives in the flat tensor or the swap.

@@ -94,7 +94,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             moments: true,
         };
         self.each_state(st, stage1, moments, |k, u, r, s, copy| {
-            let StateRange { p: master, g, m, v } = s;
+            let StateRange {
+                p: master, g, m, v, ..
+            } = s;
             let (p, _) = self.target(u, r.clone(), master, copy);
             for (j, setting, d) in within(&pieces[k], &r) {
                 let cfg = self.lamb_config(up, setting);

@@ -84,6 +84,7 @@ mod pool;
 mod progress;
 mod segments;
 mod timing;
+mod v_layout;
 
 pub use comms_log::{CommsRow, CommsSummary};
 pub use overlap::OverlapCounts;
@@ -169,7 +170,10 @@ struct Shard {
     /// stages 0-2); the full buffer (16-bit stage 0) or this rank's shard.
     master: Vec<f32>,
     m: Vec<f32>,
+    /// The second moment, packed as `v_layout` says (Muon's matrices'
+    /// left out, in memory).
     v: Vec<f32>,
+    v_layout: v_layout::VLayout,
     /// Accumulated gradients: full (stages 0, 1) or this rank's shard.
     g: Vec<f32>,
     /// Stage 1: this step's reduced gradient shard.
@@ -630,22 +634,27 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
             _ => Cow::Borrowed(sh.master.as_slice()),
         };
+        // The whole `v` of the optimizer range (Muon's packed one
+        // unpacked, zeros where its matrices lie).
+        let v: Cow<'a, [f32]> = match sh.v_layout.unpack(&sh.v, self.own_range(u).len()) {
+            Some(v) => Cow::Owned(v),
+            None => Cow::Borrowed(&sh.v),
+        };
         let (m, v) = match swapped {
             Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
             None if self.stage == 0 => {
                 // Lion's and SGD's `v` is empty, whatever the range, and so
                 // is the `m` of SGD without momentum.
-                let moment = |held: bool, a: &'a [f32]| match held {
-                    true => Cow::Borrowed(&a[range.clone()]),
-                    false => Cow::Borrowed(&[][..]),
+                let moment = |held: bool, a: Cow<'a, [f32]>| match (held, a) {
+                    (true, Cow::Borrowed(a)) => Cow::Borrowed(&a[range.clone()]),
+                    (true, Cow::Owned(a)) => Cow::Owned(a[range.clone()].to_vec()),
+                    (false, _) => Cow::Borrowed(&[][..]),
                 };
                 let moments = self.moments();
-                (moment(moments >= 1, &sh.m), moment(moments == 2, &sh.v))
+                let m = Cow::Borrowed(sh.m.as_slice());
+                (moment(moments >= 1, m), moment(moments == 2, v))
             }
-            None => (
-                Cow::Borrowed(sh.m.as_slice()),
-                Cow::Borrowed(sh.v.as_slice()),
-            ),
+            None => (Cow::Borrowed(sh.m.as_slice()), v),
         };
         Ok(ShardState { master, m, v })
     }
@@ -1602,10 +1611,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             let copy = match (compute, stage) {
                 // SAFETY: the flat tensor was just filled with this dtype.
                 (Compute::Bf16, 3) => {
-                    CopyShard::Bf16(unsafe { elems::<bf16>(&u.flat, full) }[range].to_vec())
+                    CopyShard::Bf16(unsafe { elems::<bf16>(&u.flat, full) }[range.clone()].to_vec())
                 }
                 (Compute::F16, 3) => {
-                    CopyShard::F16(unsafe { elems::<f16>(&u.flat, full) }[range].to_vec())
+                    CopyShard::F16(unsafe { elems::<f16>(&u.flat, full) }[range.clone()].to_vec())
                 }
                 _ => CopyShard::None,
             };
@@ -1614,12 +1623,24 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // everywhere, and SGD without momentum keeps no `m` either.
             let len_of = |held: bool| if held { opt_len } else { 0 };
             let moments = c.optimizer.moments();
-            let v_len = len_of(moments == 2);
+            // Muon's matrices keep no `v` in memory (the NVMe swap's
+            // arrays keep the whole range).
+            let opt = if stage == 0 { 0..full } else { range.clone() };
+            let v_layout = match muon && !offload::swaps_optimizer(&cfg) {
+                true => v_layout::VLayout::without(
+                    (u.layout.indexed_pieces(opt))
+                        .filter(|(_, s, _, _)| settings.get(&s.name).muon)
+                        .map(|(_, _, _, dst)| dst),
+                ),
+                false => v_layout::VLayout::default(),
+            };
+            let v_len = v_layout.kept(len_of(moments == 2));
             shards.push(Shard {
                 master,
                 // Adagrad's sum starts at its initial_accumulator_value.
                 m: vec![c.optimizer.initial_m(); len_of(moments >= 1)],
                 v: vec![0.0; v_len],
+                v_layout,
                 g: vec![0.0; g_len],
                 reduced: Vec::new(),
                 copy,
@@ -2359,6 +2380,19 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .units
             .iter()
             .map(|u| u.layout.numel)
+            .sum()
+    }
+
+    /// Elements of the parameters Muon steps (0 under any other
+    /// optimizer): their second moment is not kept in memory, 4 bytes
+    /// each less than AdamW's state.
+    pub fn num_muon_params(&self) -> usize {
+        let i = &*self.inner;
+        let st = i.st.lock();
+        (st.units.iter())
+            .flat_map(|u| &u.layout.slots)
+            .filter(|s| i.settings.get(&s.name).muon)
+            .map(|s| s.numel)
             .sum()
     }
 

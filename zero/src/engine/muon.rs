@@ -37,10 +37,11 @@
 //! moments only, the second everything. Beyond the state, the step holds
 //! one unit's buffers at a time (the gathered unit and its results, fp32,
 //! and this rank's share of them): the gradient buffers carry the rest.
-//! The Muon half's `v` is never
-//! read or written (zero): the flat state keeps two moments for every
-//! element, so Muon holds what AdamW holds (DeepSpeed's Muon saves the
-//! second moment of its matrices; zrt does not yet).
+//! The matrices keep no `v`: in memory each unit's `v` is packed, AdamW's
+//! pieces alone ([`VLayout`]), as DeepSpeed's Muon keeps none for them;
+//! checkpoints and the NVMe swap keep the whole range, zeros there.
+//!
+//! [`VLayout`]: super::v_layout::VLayout
 //!
 //! [`ShardPlan::use_muon`]: crate::ShardPlan::use_muon
 
@@ -277,7 +278,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // from the gradient.
         let ratio = self.adam_ratio();
         self.each_state(st, stage1, Writes::ALL, |k, u, r, s, copy| {
-            let StateRange { p: master, g, m, v } = s;
+            let StateRange {
+                p: master,
+                g,
+                m,
+                v,
+                v_layout,
+            } = s;
             let (p, mut copy) = self.target(u, r.clone(), master, copy);
             for (j, setting, d) in within(&pieces[k], &r) {
                 let cfg = setting.adam(up.adam);
@@ -302,7 +309,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         p: &mut p[d.clone()],
                         g: &g[d.clone()],
                         m: &mut m[d.clone()],
-                        v: &mut v[d],
+                        v: &mut v[v_layout.at(d)],
                     };
                     adam_step(&self.threads, &adam, up.step, up.scale, shard, cp)?;
                 }

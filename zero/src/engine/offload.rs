@@ -17,6 +17,7 @@ use zrt_collectives::ProcessGroup;
 use zrt_kernels::AdamShard;
 use zrt_offload::{Swap, SwapConfig};
 
+use super::v_layout::{VLayout, WHOLE};
 use super::{Compute, CopyShard, Inner, Shard, State, Unit};
 use crate::config::OffloadDevice;
 use crate::{EngineError, Resolved};
@@ -61,6 +62,17 @@ pub(super) fn check(cfg: &Resolved, stage: u8) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// The config's `offload_optimizer` when it asks for NVMe.
+fn nvme_optimizer(cfg: &Resolved) -> Option<&crate::config::OffloadConfig> {
+    (cfg.config.zero.offload_optimizer.as_ref()).filter(|o| o.device == OffloadDevice::Nvme)
+}
+
+/// Whether the optimizer state goes to an NVMe swap (whose arrays keep
+/// every element of the optimizer range: Muon's `v` is not packed there).
+pub(super) fn swaps_optimizer(cfg: &Resolved) -> bool {
+    nvme_optimizer(cfg).is_some()
+}
+
 /// Moves every shard's optimizer state into a new swap file when the config
 /// asks for NVMe offload (checked by [`check`]); `None` otherwise.
 pub(super) fn swap_out(
@@ -69,13 +81,7 @@ pub(super) fn swap_out(
     rank: usize,
     shards: &mut [Shard],
 ) -> Result<Option<Swap>, EngineError> {
-    let Some(o) = cfg
-        .config
-        .zero
-        .offload_optimizer
-        .as_ref()
-        .filter(|o| o.device == OffloadDevice::Nvme)
-    else {
+    let Some(o) = nvme_optimizer(cfg) else {
         return Ok(None);
     };
     let dir = PathBuf::from(o.nvme_path.clone().unwrap_or_default());
@@ -183,13 +189,18 @@ pub(super) struct StateRange<'a> {
     pub g: &'a mut [f32],
     /// The first moment (empty for an optimizer with none).
     pub m: &'a mut [f32],
-    /// The second moment (empty for an optimizer with none).
+    /// The second moment (empty for an optimizer with none), packed as
+    /// `v_layout` says: [`VLayout::at`] finds a piece's.
     pub v: &'a mut [f32],
+    /// Which elements `v` keeps (in memory, Muon's matrices' are left
+    /// out; the swap's chunks keep every one).
+    pub v_layout: &'a VLayout,
 }
 
 impl<'a> StateRange<'a> {
     /// The same range as the kernels take it (the gradient read-only).
     pub(super) fn adam(self) -> AdamShard<'a> {
+        debug_assert!(self.v_layout.is_whole(), "Adam's v is never packed");
         AdamShard {
             p: self.p,
             g: self.g,
@@ -234,13 +245,21 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     master,
                     m,
                     v,
+                    v_layout,
                     g,
                     reduced,
                     copy,
                 } = sh;
                 let g: &mut [f32] = if stage1 { reduced } else { g };
                 let r = 0..self.own_range(u).len();
-                f(k, u, r, StateRange { p: master, g, m, v }, copy)?;
+                let s = StateRange {
+                    p: master,
+                    g,
+                    m,
+                    v,
+                    v_layout,
+                };
+                f(k, u, r, s, copy)?;
                 self.page_out(sh, k, writes.params)?;
             }
             return Ok(());
@@ -284,7 +303,14 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     [m, ..] => (&mut **m, &mut [][..]),
                     [] => (&mut [][..], &mut [][..]),
                 };
-                f(k, u, r, StateRange { p, g, m, v }, copy)?;
+                let s = StateRange {
+                    p,
+                    g,
+                    m,
+                    v,
+                    v_layout: &WHOLE,
+                };
+                f(k, u, r, s, copy)?;
                 if last {
                     self.page_out(sh, k, writes.params)?;
                 }

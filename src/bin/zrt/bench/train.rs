@@ -86,7 +86,8 @@ pub struct TrainArgs {
     /// muon the peer is DDP with `torch.optim.Muon` and `AdamW` over the
     /// same split (FSDP2's shards would each orthogonalize a piece of a
     /// matrix, which is not Muon; DeepSpeed is left out). MFU counts the
-    /// model's FLOPs, not the Newton-Schulz iterations.
+    /// model's FLOPs, not the Newton-Schulz iterations; the memory
+    /// formula counts one moment for Muon's matrices.
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "muon"])]
     optimizer: String,
     /// `zero_optimization.reduce_bucket_size`s to measure every stage with,
@@ -269,6 +270,7 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
             "@@zrt {}",
             json!({
                 "times": t, "rss": rss, "model_state_bytes": state, "params": engine.num_params(), "frozen": frozen,
+                "muon_params": engine.num_muon_params(),
                 "backend": backend,
                 "comm_seconds_per_step": comm_s / a.steps as f64, "comm_elements_per_step": comm_elems / a.steps as f64,
                 "comm_wait_seconds_per_step": wait_s / a.steps as f64,
@@ -567,7 +569,11 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         let mfu = flops / (peak * n);
         let rss = max_rss(rows);
         let state = median(&get("model_state_bytes"));
-        let formula = model_state_bytes(*stage, params, n, 4.0, 2.0);
+        // Muon's matrices keep one moment, the rest AdamW's two.
+        let muon = (rows.first())
+            .and_then(|r| r["muon_params"].as_f64())
+            .unwrap_or(0.0);
+        let formula = model_state_bytes(*stage, params, n, 4.0, 2.0 - muon / params);
         let comm = median(&get("comm_elements_per_step"));
         // Elements that must cross ranks per step by ZeRO's accounting: 2 Psi
         // (stages 0-2) or 3 Psi (stage 3), times (n-1)/n; none alone.

@@ -1,0 +1,128 @@
+//! Which elements of a unit's optimizer range its in-memory second moment
+//! (`v`) keeps. Every optimizer but Muon keeps `v` for all of them or for
+//! none; Muon's matrices step by a momentum alone, so under Muon the
+//! in-memory `v` leaves out their pieces (the *holes*) and keeps AdamW's
+//! elements only, packed in order, as DeepSpeed's Muon keeps no second
+//! moment for them. Everything else that holds a `v` keeps the whole
+//! range: checkpoints (zeros in the holes: a file is the same whatever
+//! the run held), the NVMe swap (its arrays are all the range's length)
+//! and [`OwnedState`](super::OwnedState).
+
+use std::ops::Range;
+
+/// The holes of one unit's in-memory `v`: sorted, disjoint ranges of its
+/// optimizer range whose second moment is not kept. None: `v` is the
+/// whole range (or empty, for an optimizer without one).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct VLayout {
+    holes: Vec<Range<usize>>,
+}
+
+/// The layout that keeps every element (the swap's chunks, every
+/// optimizer but Muon).
+pub(super) static WHOLE: VLayout = VLayout { holes: Vec::new() };
+
+impl VLayout {
+    /// A layout leaving out `holes` (ranges of the optimizer range, in
+    /// any order; empty ones are dropped, touching ones kept apart).
+    pub(super) fn without(holes: impl IntoIterator<Item = Range<usize>>) -> VLayout {
+        let mut holes: Vec<_> = holes.into_iter().filter(|h| !h.is_empty()).collect();
+        holes.sort_by_key(|h| h.start);
+        VLayout { holes }
+    }
+
+    /// Whether every element is kept.
+    pub(super) fn is_whole(&self) -> bool {
+        self.holes.is_empty()
+    }
+
+    /// How many of `len` elements the packed `v` keeps.
+    pub(super) fn kept(&self, len: usize) -> usize {
+        len - self.holes.iter().map(|h| h.len()).sum::<usize>()
+    }
+
+    /// Where elements `d` of the optimizer range (no hole's) lie in the
+    /// packed `v`.
+    pub(super) fn at(&self, d: Range<usize>) -> Range<usize> {
+        debug_assert!(
+            self.holes.iter().all(|h| h.end <= d.start || d.end <= h.start),
+            "{d:?} overlaps a hole of {:?}",
+            self.holes
+        );
+        let before: usize = (self.holes.iter())
+            .take_while(|h| h.end <= d.start)
+            .map(|h| h.len())
+            .sum();
+        d.start - before..d.end - before
+    }
+
+    /// The packed `v` of `full`, a `v` over the whole optimizer range.
+    pub(super) fn pack(&self, full: Vec<f32>) -> Vec<f32> {
+        if self.is_whole() {
+            return full;
+        }
+        let mut out = Vec::with_capacity(self.kept(full.len()));
+        let mut at = 0;
+        for h in &self.holes {
+            out.extend_from_slice(&full[at..h.start]);
+            at = h.end;
+        }
+        out.extend_from_slice(&full[at..]);
+        out
+    }
+
+    /// The `v` over the whole optimizer range (`len` elements) of the
+    /// packed `packed`: zeros in the holes. `None` when nothing is left
+    /// out (`packed` is already that, or empty for an optimizer without
+    /// a `v`).
+    pub(super) fn unpack(&self, packed: &[f32], len: usize) -> Option<Vec<f32>> {
+        if self.is_whole() {
+            return None;
+        }
+        let mut out = vec![0f32; len];
+        let (mut from, mut at) = (0, 0);
+        for h in self.holes.iter().chain(std::iter::once(&(len..len))) {
+            let n = h.start - at;
+            out[at..h.start].copy_from_slice(&packed[from..from + n]);
+            from += n;
+            at = h.end;
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packs_and_unpacks_around_the_holes() {
+        let l = VLayout::without([6..8, 1..3, 4..4]);
+        assert_eq!(l.kept(10), 6);
+        let full: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let packed = l.pack(full);
+        assert_eq!(packed, vec![0.0, 3.0, 4.0, 5.0, 8.0, 9.0]);
+        assert_eq!(
+            l.unpack(&packed, 10).unwrap(),
+            vec![0.0, 0.0, 0.0, 3.0, 4.0, 5.0, 0.0, 0.0, 8.0, 9.0]
+        );
+        assert_eq!(l.at(0..1), 0..1);
+        assert_eq!(l.at(3..6), 1..4);
+        assert_eq!(l.at(8..10), 4..6);
+        // Holes at both ends.
+        let l = VLayout::without([0..2, 3..5]);
+        assert_eq!(l.pack(vec![1.0, 2.0, 3.0, 4.0, 5.0]), vec![3.0]);
+        assert_eq!(l.unpack(&[3.0], 5).unwrap(), vec![0.0, 0.0, 3.0, 0.0, 0.0]);
+        assert_eq!(l.at(2..3), 0..1);
+    }
+
+    #[test]
+    fn the_whole_layout_changes_nothing() {
+        assert!(WHOLE.is_whole());
+        assert_eq!(WHOLE.pack(vec![1.0, 2.0]), vec![1.0, 2.0]);
+        assert_eq!(WHOLE.unpack(&[1.0, 2.0], 2), None);
+        assert_eq!(WHOLE.at(3..5), 3..5);
+        assert_eq!(WHOLE.kept(7), 7);
+        assert!(VLayout::without([2..2]).is_whole());
+    }
+}

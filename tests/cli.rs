@@ -428,7 +428,11 @@ fn estimate_prints_the_design_formula() {
         (&["--optimizer", "muon"][..], "90", "14.40 GiB"),
         (&["--config", f.as_str()], "90", "14.40 GiB"),
         (&["--config", &f, "--muon-share", "0.5"], "50", "16.00 GiB"),
-        (&["--optimizer", "muon", "--muon-share=1"], "100", "14.00 GiB"),
+        (
+            &["--optimizer", "muon", "--muon-share=1"],
+            "100",
+            "14.00 GiB",
+        ),
     ] {
         let (ok, out) = muon(how);
         let said = format!("bf16 compute, Muon over {share}% of the parameters (one moment for those, AdamW's two for the rest):");

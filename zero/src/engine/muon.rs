@@ -226,10 +226,20 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // The owned matrices whole (a copy only where they were gathered),
         // then their results.
         let mut mine: Vec<Option<Vec<f32>>> = vec![None; ms.len()];
-        for (i, ((j, e, _), &who)) in ms.iter().zip(owner).enumerate() {
-            if !gather {
-                continue;
-            }
+        // What came back of matrix `e` is the matrix, or a peer made
+        // another call here.
+        let whole = |got: Vec<f32>, e: &Range<usize>, what: &dyn Fn() -> String| match got.len()
+            == e.len()
+        {
+            true => Ok(got),
+            false => Err(EngineError::OutOfStep(format!(
+                "{} and got {}",
+                what(),
+                got.len()
+            ))),
+        };
+        let gathered = ms.iter().zip(owner).enumerate().filter(|_| gather);
+        for (i, ((j, e, _), &who)) in gathered {
             let (local, _) = piece(e);
             let what = || {
                 format!(
@@ -238,24 +248,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                     e.len()
                 )
             };
-            let (_, whole) = (self.group.all_gather_v(g[local].to_vec(), Vec::new()))
+            let (_, got) = (self.group.all_gather_v(g[local].to_vec(), Vec::new()))
                 .wait()
                 .map_err(|err| out_of_step(err, what))?;
-            if whole.len() != e.len() {
-                return Err(EngineError::OutOfStep(format!(
-                    "{} and got {}",
-                    what(),
-                    whole.len()
-                )));
-            }
+            let got = whole(got, e, &what)?;
             if who == me {
-                mine[i] = Some(whole);
+                mine[i] = Some(got);
             }
         }
         for (i, ((_, e, (rows, cols)), &who)) in ms.iter().zip(owner).enumerate() {
             if who == me {
                 let x = match &mine[i] {
-                    Some(whole) => orthogonalize(whole, *rows, *cols, steps)?,
+                    Some(m) => orthogonalize(m, *rows, *cols, steps)?,
                     None => orthogonalize(&g[piece(e).0], *rows, *cols, steps)?,
                 };
                 mine[i] = Some(x);
@@ -274,7 +278,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                         )
                     };
                     let buf = x.unwrap_or_else(|| vec![0f32; e.len()]);
-                    (self.group.broadcast(buf, who).wait()).map_err(|err| out_of_step(err, what))?
+                    let got = (self.group.broadcast(buf, who).wait())
+                        .map_err(|err| out_of_step(err, what))?;
+                    whole(got, e, &what)?
                 }
             };
             g[local].copy_from_slice(&result[within]);

@@ -45,7 +45,9 @@ impl VLayout {
     /// packed `v`.
     pub(super) fn at(&self, d: Range<usize>) -> Range<usize> {
         debug_assert!(
-            self.holes.iter().all(|h| h.end <= d.start || d.end <= h.start),
+            self.holes
+                .iter()
+                .all(|h| h.end <= d.start || d.end <= h.start),
             "{d:?} overlaps a hole of {:?}",
             self.holes
         );

@@ -443,6 +443,11 @@ fn estimate_prints_the_design_formula() {
     }
     let (ok, out) = muon(&["--optimizer", "muon", "--muon-share", "1.5"]);
     assert!(!ok && out.contains("--muon-share is a share"), "{out}");
+    let (ok, out) = muon(&["--optimizer", "lion", "--muon-share", "0.5"]);
+    assert!(
+        !ok && out.contains("--muon-share is for Muon, and the optimizer is lion"),
+        "{out}"
+    );
     let _ = std::fs::remove_file(&f);
     let (ok, out) = zrt(&[
         "estimate",

@@ -37,9 +37,10 @@ pub struct EstimateArgs {
     optimizer: Option<String>,
     /// With Muon: the share of the trained parameters it steps (the
     /// hidden matrices; the engine logs it, `Engine::num_muon_params`),
-    /// whose second moment is not kept in memory.
-    #[arg(long, default_value_t = 0.9)]
-    muon_share: f64,
+    /// whose second moment is not kept in memory (default 0.9; the main
+    /// job's GPT: 0.96).
+    #[arg(long)]
+    muon_share: Option<f64>,
     /// A DeepSpeed config to take the dtype, the optimizer and
     /// `zero_quantized_nontrainable_weights` from; its stage's row is
     /// marked.
@@ -150,17 +151,21 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if !a.frozen.is_finite() || a.frozen < 0.0 {
         bail!("--frozen must be a count of parameters, 0 or more (e.g. --frozen 7e9)");
     }
-    if !(0.0..=1.0).contains(&a.muon_share) {
+    let share = a.muon_share.unwrap_or(0.9);
+    if !(0.0..=1.0).contains(&share) {
         bail!("--muon-share is a share of the parameters, from 0 to 1 (e.g. --muon-share 0.9)");
+    }
+    if a.muon_share.is_some() && !optimizer.eq_ignore_ascii_case("muon") {
+        bail!("--muon-share is for Muon, and the optimizer is {optimizer}: give --optimizer muon (or a config whose optimizer.type is \"Muon\"), or leave --muon-share out");
     }
     let muon = format!(
         "Muon over {}% of the parameters (one moment for those, AdamW's two for the rest)",
-        (a.muon_share * 1000.0).round() / 10.0
+        (share * 1000.0).round() / 10.0
     );
     let (optimizer, moments) = match optimizer.to_ascii_lowercase().as_str() {
         "adam" | "adamw" => ("Adam", 2.0),
         "lamb" => ("Lamb", 2.0),
-        "muon" => (muon.as_str(), 2.0 - a.muon_share),
+        "muon" => (muon.as_str(), 2.0 - share),
         "lion" => ("Lion", 1.0),
         "adagrad" => ("Adagrad", 1.0),
         "rmsprop-momentum" => ("RMSprop with momentum", 2.0),

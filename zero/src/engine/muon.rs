@@ -228,15 +228,12 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let mut mine: Vec<Option<Vec<f32>>> = vec![None; ms.len()];
         // What came back of matrix `e` is the matrix, or a peer made
         // another call here.
-        let whole = |got: Vec<f32>, e: &Range<usize>, what: &dyn Fn() -> String| match got.len()
-            == e.len()
-        {
-            true => Ok(got),
-            false => Err(EngineError::OutOfStep(format!(
-                "{} and got {}",
-                what(),
-                got.len()
-            ))),
+        let whole = |got: Vec<f32>, e: &Range<usize>, what: &dyn Fn() -> String| {
+            if got.len() == e.len() {
+                return Ok(got);
+            }
+            let why = format!("{} and got {}", what(), got.len());
+            Err(EngineError::OutOfStep(why))
         };
         let gathered = ms.iter().zip(owner).enumerate().filter(|_| gather);
         for (i, ((j, e, _), &who)) in gathered {

@@ -1093,7 +1093,7 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
     let muon = (
         "Muon",
         r#""muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01"#,
-        "optimizer        Muon lr 0.02 momentum 0.95 nesterov true ns_steps 5 adjust_lr_fn original weight_decay 0.01 (decoupled); AdamW lr 0.003 betas (0.9, 0.95) eps 0.0000000001 for what Muon does not take",
+        "optimizer        Muon lr 0.02 momentum 0.95 nesterov true ns_steps 5 ns_coefficients (3.4445, -4.775, 2.0315) adjust_lr_fn original weight_decay 0.01 (decoupled); AdamW lr 0.003 betas (0.9, 0.95) eps 0.0000000001 for what Muon does not take",
         r#""fused": true"#,
         "`optimizer.params.fused` is an Adam setting that Muon does not take",
     );

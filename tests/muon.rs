@@ -185,6 +185,13 @@ fn two_ranks_at_every_stage_train_as_torchs_muon_and_adamw_on_one_process() {
             "lr=0.002, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.05",
             0.0,
         ),
+        // The cubic iteration of the original Newton-Schulz.
+        (
+            r#""ns_coefficients": [1.5, -0.5, 0.0], "ns_steps": 8"#,
+            "lr=0.02, weight_decay=0.0, ns_coefficients=(1.5, -0.5, 0.0), ns_steps=8",
+            "lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0",
+            0.0,
+        ),
     ];
     let muon = ["a.weight", "b.weight"];
     for (params, muon_args, adam_args, clip) in cases {

@@ -206,11 +206,12 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             }
         ),
         OptimizerKind::Muon => println!(
-            "  optimizer        Muon lr {} momentum {} nesterov {} ns_steps {} adjust_lr_fn {} weight_decay {} (decoupled); AdamW lr {} betas ({}, {}) eps {} for what Muon does not take",
+            "  optimizer        Muon lr {} momentum {} nesterov {} ns_steps {} ns_coefficients {:?} adjust_lr_fn {} weight_decay {} (decoupled); AdamW lr {} betas ({}, {}) eps {} for what Muon does not take",
             show(o.lr),
             o.momentum,
             o.nesterov,
             o.ns_steps,
+            o.ns_coefficients,
             if o.match_rms_adamw { "match_rms_adamw" } else { "original" },
             show(o.weight_decay),
             o.adam_lr.map_or_else(|| show(o.lr), |r| r.to_string()),

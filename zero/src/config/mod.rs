@@ -147,6 +147,11 @@ impl OptimizerKind {
     }
 }
 
+/// `torch.optim.Muon`'s Newton-Schulz coefficients (a, b, c), the
+/// default of `ns_coefficients`: a quintic tuned for the slope at zero
+/// (Keller Jordan's).
+pub const NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
+
 /// `optimizer`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OptimizerConfig {
@@ -197,6 +202,10 @@ pub struct OptimizerConfig {
     pub adam_lr: Option<f64>,
     /// Muon's `params.ns_steps`: Newton-Schulz iterations (5).
     pub ns_steps: u32,
+    /// Muon's `params.ns_coefficients` (torch.optim.Muon's): the
+    /// iteration's quintic `a x + b x^3 + c x^5`, as (a, b, c); Keller
+    /// Jordan's (3.4445, -4.775, 2.0315) by default.
+    pub ns_coefficients: (f64, f64, f64),
     /// Muon's `params.adjust_lr_fn` = `"match_rms_adamw"`: each matrix's
     /// rate times `0.2 sqrt(max(rows, cols))` (Moonshot's), instead of
     /// `sqrt(max(1, rows / cols))` (Keller Jordan's, the default).

@@ -6,7 +6,7 @@ use super::keys::{self, closest};
 use super::{
     AioConfig, AutoHints, Batch, CommsLoggerConfig, Config, ConfigError, LossScaleConfig,
     MonitorConfig, OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerKind, Precision,
-    Resolved, SchedulerConfig, ZeroConfig,
+    Resolved, SchedulerConfig, ZeroConfig, NS_COEFFICIENTS,
 };
 
 /// A value that may be `"auto"` (resolved by [`Config::resolve`]).
@@ -282,11 +282,12 @@ impl P {
         const RMSPROP_ONLY: [&str; 2] = ["alpha", "centered"];
         /// DeepSpeed's Muon's and `torch.optim.Muon`'s keys that no other
         /// optimizer takes (`momentum` and `nesterov` are SGD's too).
-        const MUON_ONLY: [&str; 5] = [
+        const MUON_ONLY: [&str; 6] = [
             "muon_lr",
             "adam_lr",
             "ns_method",
             "ns_steps",
+            "ns_coefficients",
             "adjust_lr_fn",
         ];
         let default = OptimizerConfig {
@@ -310,6 +311,7 @@ impl P {
             eps_inside_sqrt: false,
             adam_lr: None,
             ns_steps: 5,
+            ns_coefficients: NS_COEFFICIENTS,
             match_rms_adamw: false,
         };
         let Some(o) = self.object(top, "optimizer") else {
@@ -642,9 +644,9 @@ impl P {
                 (self.f64_setting(p, path, "lr", lr), None)
             }
         };
-        let (ns_steps, match_rms_adamw) = match muon {
+        let (ns_steps, ns_coefficients, match_rms_adamw) = match muon {
             true => self.muon_iteration(p, path),
-            false => (default.ns_steps, false),
+            false => (default.ns_steps, NS_COEFFICIENTS, false),
         };
         OptimizerConfig {
             kind,
@@ -667,6 +669,7 @@ impl P {
             eps_inside_sqrt: lamb && self.bool_or(p, path, "eps_inside_sqrt", false),
             adam_lr,
             ns_steps,
+            ns_coefficients,
             match_rms_adamw,
         }
     }
@@ -705,10 +708,14 @@ impl P {
         (lr, adam)
     }
 
-    /// Muon's Newton-Schulz settings: `ns_steps` (5), `adjust_lr_fn`
-    /// (whether it is `"match_rms_adamw"`), and `ns_method`, of which zrt
-    /// runs `"standard"` whatever it says.
-    fn muon_iteration(&mut self, p: &Map<String, Value>, path: &str) -> (u32, bool) {
+    /// Muon's Newton-Schulz settings: `ns_steps` (5), `ns_coefficients`
+    /// (torch's), `adjust_lr_fn` (whether it is `"match_rms_adamw"`), and
+    /// `ns_method`, of which zrt runs `"standard"` whatever it says.
+    fn muon_iteration(
+        &mut self,
+        p: &Map<String, Value>,
+        path: &str,
+    ) -> (u32, (f64, f64, f64), bool) {
         let steps = self.u64_or(p, path, "ns_steps", 5);
         if !(1..100).contains(&steps) {
             // torch.optim.Muon refuses 100 and more.
@@ -735,7 +742,23 @@ impl P {
                 "`{path}.ns_method` must be \"standard\" or \"gram\", got \"{other}\""
             )),
         }
-        (steps.clamp(1, 99) as u32, adjust)
+        let coefficients = match p.get("ns_coefficients") {
+            None => NS_COEFFICIENTS,
+            Some(Value::Array(a))
+                if a.len() == 3 && a.iter().all(|x| x.as_f64().is_some_and(f64::is_finite)) =>
+            {
+                let x: Vec<f64> = a.iter().filter_map(Value::as_f64).collect();
+                (x[0], x[1], x[2])
+            }
+            Some(v) => {
+                let (a, b, c) = NS_COEFFICIENTS;
+                self.problems.push(format!(
+                    "`{path}.ns_coefficients` must be three finite numbers [a, b, c], the iteration's a x + b x^3 + c x^5 (torch's default [{a}, {b}, {c}]), got {v}"
+                ));
+                NS_COEFFICIENTS
+            }
+        };
+        (steps.clamp(1, 99) as u32, coefficients, adjust)
     }
 
     fn scheduler(

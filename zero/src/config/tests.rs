@@ -1679,6 +1679,7 @@ fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
         ),
         (Some(0.02), Some(3e-4), 0.95, (0.9, 0.95), 1e-10, 5)
     );
+    assert_eq!(o.ns_coefficients, (3.4445, -4.775, 2.0315));
     assert!(o.nesterov && o.adam_w_mode && !o.match_rms_adamw);
     assert_eq!(o.moments(), 2, "AdamW's m and v; Muon's buffer in m");
     // `lr` alone sets both halves; `muon_lr` and `adam_lr` each their own
@@ -1694,13 +1695,13 @@ fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
         assert_eq!((o.lr.value(), o.adam_lr), (Some(lr), adam), "{params}");
     }
     let c = muon(
-        r#", "momentum": 0.9, "nesterov": false, "ns_steps": 3, "adjust_lr_fn": "match_rms_adamw", "ns_method": "standard", "betas": [0.8, 0.9], "eps": 1e-8"#,
+        r#", "momentum": 0.9, "nesterov": false, "ns_steps": 3, "adjust_lr_fn": "match_rms_adamw", "ns_method": "standard", "betas": [0.8, 0.9], "eps": 1e-8, "ns_coefficients": [2, -1.5, 0.5]"#,
     )
     .unwrap();
     let o = &c.optimizer;
     assert_eq!(
-        (o.momentum, o.ns_steps, o.betas, o.eps),
-        (0.9, 3, (0.8, 0.9), 1e-8)
+        (o.momentum, o.ns_steps, o.betas, o.eps, o.ns_coefficients),
+        (0.9, 3, (0.8, 0.9), 1e-8, (2.0, -1.5, 0.5))
     );
     assert!(!o.nesterov && o.match_rms_adamw);
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
@@ -1736,6 +1737,14 @@ fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
             r#", "adam_lr": -1"#,
             vec!["`optimizer.params.adam_lr` must be finite and >= 0, got -1"],
         ),
+        (
+            r#", "ns_coefficients": [3.4, -4.7]"#,
+            vec!["`optimizer.params.ns_coefficients` must be three finite numbers [a, b, c], the iteration's a x + b x^3 + c x^5 (torch's default [3.4445, -4.775, 2.0315]), got [3.4,-4.7]"],
+        ),
+        (
+            r#", "ns_coefficients": [3.4, "b", 2]"#,
+            vec!["`optimizer.params.ns_coefficients` must be three finite numbers [a, b, c], the iteration's a x + b x^3 + c x^5 (torch's default [3.4445, -4.775, 2.0315]), got [3.4,\"b\",2]"],
+        ),
     ] {
         assert_eq!(muon(params).unwrap_err().problems, want, "{params}");
     }
@@ -1744,5 +1753,11 @@ fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
             r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"muon_lr": 0.02}}}"#
         ),
         ["`optimizer.params.muon_lr` is a Muon setting that AdamW does not take: remove it, or use \"Muon\""]
+    );
+    assert_eq!(
+        problems(
+            r#"{"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"ns_coefficients": [1, 2, 3]}}}"#
+        ),
+        ["`optimizer.params.ns_coefficients` is a Muon setting that SGD does not take: remove it, or use \"Muon\""]
     );
 }

@@ -92,6 +92,10 @@ impl Terms {
         put("optimizer.params.adam_lr", format!("{:?}", o.adam_lr));
         put("optimizer.params.ns_steps", o.ns_steps.to_string());
         put(
+            "optimizer.params.ns_coefficients",
+            format!("{:?}", o.ns_coefficients),
+        );
+        put(
             "optimizer.params.adjust_lr_fn",
             match o.match_rms_adamw {
                 true => "match_rms_adamw".into(),

@@ -734,6 +734,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     "centered": c.optimizer.centered,
                     "adam_lr": c.optimizer.adam_lr,
                     "ns_steps": c.optimizer.ns_steps,
+                    "ns_coefficients": c.optimizer.ns_coefficients,
                     "match_rms_adamw": c.optimizer.match_rms_adamw,
                 },
                 "precision": format!("{:?}", c.precision),

@@ -62,10 +62,6 @@ use super::offload::{StateRange, Writes};
 use super::{out_of_step, Inner, State, Unit, Update};
 use crate::EngineError;
 
-/// `torch.optim.Muon`'s Newton-Schulz coefficients (a, b, c): a quintic
-/// tuned for the slope at zero (Keller Jordan's).
-const NS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
-
 /// What the iteration clamps the matrix's norm to from below before
 /// dividing by it (torch's `eps`).
 const NS_EPS: f64 = 1e-7;
@@ -78,7 +74,8 @@ pub(super) fn matrix(shape: &[i64]) -> (i64, i64) {
 }
 
 /// The orthogonalization of the `rows` x `cols` matrix `u` (row-major):
-/// `steps` Newton-Schulz iterations in bf16, libtorch's operations in
+/// `steps` Newton-Schulz iterations of the quintic `(a, b, c)` in bf16,
+/// libtorch's operations in
 /// `torch.optim.Muon`'s order (a wide matrix's form; a tall one is
 /// transposed in and out), returned in fp32.
 pub(super) fn orthogonalize(
@@ -86,10 +83,10 @@ pub(super) fn orthogonalize(
     rows: i64,
     cols: i64,
     steps: u32,
+    (a, b, c): (f64, f64, f64),
 ) -> Result<Vec<f32>, EngineError> {
     let torch =
         |e: tch::TchError| EngineError::Torch(format!("Muon's Newton-Schulz iteration: {e}"));
-    let (a, b, c) = NS;
     let g = Tensor::f_from_slice(u).map_err(torch)?;
     let g = g.f_view([rows, cols]).map_err(torch)?;
     let mut x = g.f_to_kind(Kind::BFloat16).map_err(torch)?;
@@ -209,7 +206,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         owner: &[usize],
     ) -> Result<(), EngineError> {
         let (ranks, me) = (self.group.size(), self.group.rank());
-        let steps = self.cfg.config.optimizer.ns_steps;
+        let o = &self.cfg.config.optimizer;
+        let (steps, abc) = (o.ns_steps, o.ns_coefficients);
         let name = |j: usize| u.layout.slots[j].name.as_str();
         // This rank's piece of matrix `e` (maybe none): where it lies in
         // `g`, and in the matrix.
@@ -256,8 +254,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         for (i, ((_, e, (rows, cols)), &who)) in ms.iter().zip(owner).enumerate() {
             if who == me {
                 let x = match &mine[i] {
-                    Some(m) => orthogonalize(m, *rows, *cols, steps)?,
-                    None => orthogonalize(&g[piece(e).0], *rows, *cols, steps)?,
+                    Some(m) => orthogonalize(m, *rows, *cols, steps, abc)?,
+                    None => orthogonalize(&g[piece(e).0], *rows, *cols, steps, abc)?,
                 };
                 mine[i] = Some(x);
             }
@@ -418,7 +416,7 @@ mod tests {
                         + if i % (cols + 1) == 0 { 2.0 } else { 0.0 }
                 })
                 .collect();
-            let x = orthogonalize(&u, rows, cols, 5).unwrap();
+            let x = orthogonalize(&u, rows, cols, 5, crate::config::NS_COEFFICIENTS).unwrap();
             let t = Tensor::from_slice(&x)
                 .view([rows, cols])
                 .to_kind(Kind::Double);

@@ -316,6 +316,8 @@ fn a_checkpoint_records_muons_parameters_resumes_to_the_same_bits_and_is_refused
     // From memory, where `v` is packed, into the swap and other stages.
     let (at0, at2) = (muon("", 0, BF16, ""), muon("", 2, BF16, ""));
     common::resumes_to_the_same_bits(&dir, "b", &at3, &[&swapped, &at0, &at2]);
+    // From stage 0, whose packed `v` spans the whole unit, into stage 3.
+    common::resumes_to_the_same_bits(&dir, "c", &at0, &[&at3]);
     // The default rule: the blocks' matrices, not the embeddings (`wte`,
     // `wpe`) nor the head, though `wte` and `head` are wrapped units, nor
     // any norm or bias.

@@ -634,27 +634,29 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
             _ => Cow::Borrowed(sh.master.as_slice()),
         };
-        // The whole `v` of the optimizer range (Muon's packed one
-        // unpacked, zeros where its matrices lie).
-        let v: Cow<'a, [f32]> = match sh.v_layout.unpack(&sh.v, self.own_range(u).len()) {
-            Some(v) => Cow::Owned(v),
-            None => Cow::Borrowed(&sh.v),
-        };
         let (m, v) = match swapped {
             Some(s) => (Cow::Owned(s.m), Cow::Owned(s.v)),
-            None if self.stage == 0 => {
-                // Lion's and SGD's `v` is empty, whatever the range, and so
-                // is the `m` of SGD without momentum.
-                let moment = |held: bool, a: Cow<'a, [f32]>| match (held, a) {
-                    (true, Cow::Borrowed(a)) => Cow::Borrowed(&a[range.clone()]),
-                    (true, Cow::Owned(a)) => Cow::Owned(a[range.clone()].to_vec()),
-                    (false, _) => Cow::Borrowed(&[][..]),
+            None => {
+                // Stage 0 keeps the whole unit's moments: this rank's range
+                // of them. Lion's and SGD's `v` is empty, whatever the
+                // range, and so is the `m` of SGD without momentum.
+                let mine = match self.stage {
+                    0 => range.clone(),
+                    _ => 0..self.own_range(u).len(),
                 };
                 let moments = self.moments();
-                let m = Cow::Borrowed(sh.m.as_slice());
-                (moment(moments >= 1, m), moment(moments == 2, v))
+                let m = match moments >= 1 {
+                    true => Cow::Borrowed(&sh.m[mine.clone()]),
+                    false => Cow::Borrowed(&[][..]),
+                };
+                // Muon's packed `v` unpacked, zeros where its matrices lie.
+                let v = match (moments == 2, sh.v_layout.unpack(&sh.v, mine.clone())) {
+                    (false, _) => Cow::Borrowed(&[][..]),
+                    (true, Some(v)) => Cow::Owned(v),
+                    (true, None) => Cow::Borrowed(&sh.v[mine]),
+                };
+                (m, v)
             }
-            None => (Cow::Borrowed(sh.m.as_slice()), v),
         };
         Ok(ShardState { master, m, v })
     }
@@ -2390,9 +2392,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let i = &*self.inner;
         let st = i.st.lock();
         (st.units.iter())
-            .flat_map(|u| &u.layout.slots)
-            .filter(|s| i.settings.get(&s.name).muon)
-            .map(|s| s.numel)
+            .flat_map(|u| i.muon_matrices(u))
+            .map(|(_, elems, _)| elems.len())
             .sum()
     }
 

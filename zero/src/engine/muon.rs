@@ -182,7 +182,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// Unit `u`'s Muon parameters: (index in the unit, its elements in the
     /// unit's flat buffer, its matrix), in layout order. Every rank sees
     /// the same list, whichever pieces it holds.
-    fn muon_matrices(&self, u: &Unit) -> Vec<(usize, Range<usize>, (i64, i64))> {
+    pub(super) fn muon_matrices(&self, u: &Unit) -> Vec<(usize, Range<usize>, (i64, i64))> {
         (u.layout.slots.iter().enumerate())
             .filter(|(_, s)| s.numel > 0 && self.settings.get(&s.name).muon)
             .map(|(j, s)| (j, s.offset..s.offset + s.numel, matrix(&s.shape)))

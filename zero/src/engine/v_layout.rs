@@ -73,20 +73,25 @@ impl VLayout {
         out
     }
 
-    /// The `v` over the whole optimizer range (`len` elements) of the
+    /// The `v` over elements `range` of the optimizer range, of the
     /// packed `packed`: zeros in the holes. `None` when nothing is left
-    /// out (`packed` is already that, or empty for an optimizer without
-    /// a `v`).
-    pub(super) fn unpack(&self, packed: &[f32], len: usize) -> Option<Vec<f32>> {
+    /// out (`packed[range]` is already that, or `packed` is empty for an
+    /// optimizer without a `v`).
+    pub(super) fn unpack(&self, packed: &[f32], range: Range<usize>) -> Option<Vec<f32>> {
         if self.is_whole() {
             return None;
         }
-        let mut out = vec![0f32; len];
+        let mut out = vec![0f32; range.len()];
+        // Each kept run [at, stop) of the range lies at `from` in `packed`.
         let (mut from, mut at) = (0, 0);
-        for h in self.holes.iter().chain(std::iter::once(&(len..len))) {
-            let n = h.start - at;
-            out[at..h.start].copy_from_slice(&packed[from..from + n]);
-            from += n;
+        let past = range.end.max(self.holes.last().map_or(0, |h| h.end));
+        for h in self.holes.iter().chain(std::iter::once(&(past..past))) {
+            let (lo, hi) = (at.max(range.start), h.start.min(range.end));
+            if lo < hi {
+                let src = from + lo - at..from + hi - at;
+                out[lo - range.start..hi - range.start].copy_from_slice(&packed[src]);
+            }
+            from += h.start - at;
             at = h.end;
         }
         Some(out)
@@ -105,16 +110,27 @@ mod tests {
         let packed = l.pack(full);
         assert_eq!(packed, vec![0.0, 3.0, 4.0, 5.0, 8.0, 9.0]);
         assert_eq!(
-            l.unpack(&packed, 10).unwrap(),
+            l.unpack(&packed, 0..10).unwrap(),
             vec![0.0, 0.0, 0.0, 3.0, 4.0, 5.0, 0.0, 0.0, 8.0, 9.0]
         );
+        // A range of it (stage 0's rank range): the same values.
+        assert_eq!(
+            l.unpack(&packed, 2..7).unwrap(),
+            vec![0.0, 3.0, 4.0, 5.0, 0.0]
+        );
+        assert_eq!(l.unpack(&packed, 7..10).unwrap(), vec![0.0, 8.0, 9.0]);
+        assert_eq!(l.unpack(&packed, 4..4).unwrap(), Vec::<f32>::new());
         assert_eq!(l.at(0..1), 0..1);
         assert_eq!(l.at(3..6), 1..4);
         assert_eq!(l.at(8..10), 4..6);
         // Holes at both ends.
         let l = VLayout::without([0..2, 3..5]);
         assert_eq!(l.pack(vec![1.0, 2.0, 3.0, 4.0, 5.0]), vec![3.0]);
-        assert_eq!(l.unpack(&[3.0], 5).unwrap(), vec![0.0, 0.0, 3.0, 0.0, 0.0]);
+        assert_eq!(
+            l.unpack(&[3.0], 0..5).unwrap(),
+            vec![0.0, 0.0, 3.0, 0.0, 0.0]
+        );
+        assert_eq!(l.unpack(&[3.0], 1..3).unwrap(), vec![0.0, 3.0]);
         assert_eq!(l.at(2..3), 0..1);
     }
 
@@ -122,7 +138,7 @@ mod tests {
     fn the_whole_layout_changes_nothing() {
         assert!(WHOLE.is_whole());
         assert_eq!(WHOLE.pack(vec![1.0, 2.0]), vec![1.0, 2.0]);
-        assert_eq!(WHOLE.unpack(&[1.0, 2.0], 2), None);
+        assert_eq!(WHOLE.unpack(&[1.0, 2.0], 0..2), None);
         assert_eq!(WHOLE.at(3..5), 3..5);
         assert_eq!(WHOLE.kept(7), 7);
         assert!(VLayout::without([2..2, 5..5]).is_whole());

@@ -17,6 +17,7 @@
 mod duplicates;
 mod keys;
 mod parse;
+mod resolve;
 
 use std::path::Path;
 
@@ -647,7 +648,7 @@ impl Config {
     /// Applies the batch rule for a data-parallel world of `world` ranks and
     /// resolves every `"auto"` from `hints`; lists every problem at once.
     pub fn resolve(&self, world: u64, hints: &AutoHints) -> Result<Resolved, ConfigError> {
-        parse::resolve(self, world, hints)
+        resolve::resolve(self, world, hints)
     }
 }
 

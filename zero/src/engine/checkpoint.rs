@@ -922,49 +922,73 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         what: What,
     ) -> Result<Loaded, CheckpointError> {
         let i = &*self.inner;
-        let (rank, world) = (i.group.rank(), i.group.size());
+        let rank = i.group.rank();
         let (tag, tag_dir) = resolve_tag(dir, tag)?;
         let meta = Meta::read(&tag_dir)?;
         let st = i.st.lock();
         check_model(&st, &meta)?;
-        let frozen = match &meta.frozen {
-            Some(saved) => {
-                // Written only when there is something to hold.
-                let f = match saved.is_empty() {
-                    true => None,
-                    false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
-                };
-                let values = st.frozen.read(saved, f)?;
-                // Rounded values going into parameters this run holds
-                // exactly: say so once (resuming a packing run is silent).
-                let packed = packed_frozen(&st);
-                let rounded = saved
-                    .iter()
-                    .filter(|s| s.quantized && !packed.contains(s.name.as_str()))
-                    .count();
-                if rounded > 0 {
-                    tracing::warn!("{rounded} frozen parameter(s) in checkpoint {} hold values unpacked from int8 (its run set `zero_optimization.zero_quantized_nontrainable_weights`): they load as saved, rounded, not as the base's true values", tag_dir.display());
-                }
-                Some(values)
-            }
-            None => {
-                if !st.frozen.is_empty() {
-                    tracing::warn!("the checkpoint was written before zrt saved frozen variables (requires_grad false): they keep their current values");
-                }
-                None
-            }
-        };
+        let frozen = frozen_values(&st, &meta, &tag_dir)?;
         for f in meta.files.iter().chain(&meta.replica_grad_files) {
             let p = tag_dir.join(f);
             if !p.is_file() {
                 return Err(CheckpointError::Missing { path: p });
             }
         }
+        let grads = self.grads_to_load(&st, &meta, &tag_dir, what)?;
+        if what == What::Everything {
+            self.check_optimizer(&meta)?;
+        }
+        // Everything a unit will read is checked now (its files mapped and
+        // verified, every range present), and read only when the unit's
+        // turn comes in `apply`: one unit's state in memory at a time.
+        // A module-only load reads the masters alone.
+        let parts = match what {
+            What::Everything => state_parts(i.moments()),
+            What::ModuleOnly => &["master"][..],
+        };
+        let mut loc = Locator::new(&meta, &tag_dir);
+        for u in &st.units {
+            let need = i.own_range(u);
+            for (s, elems, _) in u.layout.pieces(need) {
+                for what in parts {
+                    loc.check_param(&s.name, what, elems.clone())?;
+                }
+            }
+        }
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            if let Some(f) = grads.file(&mut loc, rank)? {
+                check_grad(f, &u.name, sh.g.len())?;
+            }
+        }
+        let rng = rng_stream(&mut loc, &meta, rank, i.replica())?;
+        Ok(Loaded {
+            tag,
+            meta,
+            loc,
+            rng,
+            grads,
+            frozen,
+        })
+    }
+
+    /// Where this rank's accumulated gradients come from: none (a
+    /// checkpoint at a boundary, or a module-only load), its rank file,
+    /// or under hybrid stage 1 its replica's own; a checkpoint saved
+    /// between boundaries that this engine cannot resume is refused.
+    fn grads_to_load(
+        &self,
+        st: &State,
+        meta: &Meta,
+        tag_dir: &Path,
+        what: What,
+    ) -> Result<Grads, CheckpointError> {
+        let i = &*self.inner;
+        let (rank, world) = (i.group.rank(), i.group.size());
         let replica = i.replica();
         // A module-only load reads the parameters alone.
         let load_grads = meta.grads_saved && what == What::Everything;
         if load_grads {
-            if let Some(differs) = mid_step_differs(&meta, &st, i.stage, i.mesh()) {
+            if let Some(differs) = mid_step_differs(meta, st, i.stage, i.mesh()) {
                 return Err(CheckpointError::Incompatible(format!(
                     "it was saved between accumulation boundaries (micro-step {}, last boundary at {}), with its gradients, which load only into the engine that accumulated them: {differs}. Load it with the same stage, mesh and ShardedModule wrapping, or save right after a step() at an accumulation boundary, which loads anywhere",
                     meta.micro_steps, meta.boundary_at
@@ -972,7 +996,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
         }
         // Hybrid stage 1: replicas after the first read their own sums.
-        let grads = match (load_grads, meta.stage == 1 && replica > 0) {
+        Ok(match (load_grads, meta.stage == 1 && replica > 0) {
             (false, _) => Grads::Zero,
             (true, false) => Grads::Rank,
             (true, true) => {
@@ -991,19 +1015,23 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 whose.check(&f)?;
                 Grads::Replica(f)
             }
-        };
-        // Everything a unit will read is checked now (its files mapped and
-        // verified, every range present), and read only when the unit's
-        // turn comes in `apply`: one unit's state in memory at a time.
+        })
+    }
+
+    /// Refuses a checkpoint whose optimizer state this engine's optimizer
+    /// cannot take (another optimizer's, other moments, or Muon's
+    /// matrices chosen otherwise), naming the setting that would take it.
+    fn check_optimizer(&self, meta: &Meta) -> Result<(), CheckpointError> {
+        let i = &*self.inner;
         let kind = i.cfg.config.optimizer.kind;
         let saved = meta.optimizer();
-        let (saved_kind, held) = saved_optimizer(&meta);
+        let (saved_kind, held) = saved_optimizer(meta);
         // RMSprop's `v` is the momentum buffer, or, centered, the
         // gradient's average: as many moments, not the same.
         let centered = i.cfg.config.optimizer.centered;
         let centered_differs = kind == OptimizerKind::Rmsprop && meta.centered() != centered;
         let differs = !kind.same_state(saved_kind) || held != i.moments() || centered_differs;
-        if what == What::Everything && differs {
+        if differs {
             // SGD or RMSprop with and without momentum (or centered): the
             // same optimizer, whose settings decide the state.
             let mend = match (kind.same_state(saved_kind), centered_differs) {
@@ -1037,7 +1065,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 kind.name(),
             )));
         }
-        if what == What::Everything && kind == OptimizerKind::Muon {
+        if kind == OptimizerKind::Muon {
             let saved = meta.muon.clone().unwrap_or_default();
             if let Some(change) = groups::muon_changed(&saved, &i.settings.muon()) {
                 return Err(CheckpointError::Incompatible(format!(
@@ -1045,48 +1073,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 )));
             }
         }
-        // A module-only load reads the masters alone.
-        let parts = match what {
-            What::Everything => state_parts(i.moments()),
-            What::ModuleOnly => &["master"][..],
-        };
-        let mut loc = Locator::new(&meta, &tag_dir);
-        for u in &st.units {
-            let need = i.own_range(u);
-            for (s, elems, _) in u.layout.pieces(need) {
-                for what in parts {
-                    loc.check_param(&s.name, what, elems.clone())?;
-                }
-            }
-        }
-        for (u, sh) in st.units.iter().zip(&st.shards) {
-            if let Some(f) = grads.file(&mut loc, rank)? {
-                check_grad(f, &u.name, sh.g.len())?;
-            }
-        }
-        // Replica j resumes replica j's stream when the checkpoint has it
-        // (saved on a mesh with that many replicas), else replica 0's.
-        let rng = match rank < meta.world {
-            true => {
-                let f = loc.file(rank)?;
-                let own = (replica > 0)
-                    .then(|| f.bytes(&format!("rng/replica{replica}")).ok())
-                    .flatten();
-                Some(match own {
-                    Some((_, b)) => b.to_vec(),
-                    None => f.bytes("rng")?.1.to_vec(),
-                })
-            }
-            false => None,
-        };
-        Ok(Loaded {
-            tag,
-            meta,
-            loc,
-            rng,
-            grads,
-            frozen,
-        })
+        Ok(())
     }
 
     fn apply(&self, l: Loaded, what: What) -> Result<(), EngineError> {
@@ -1370,6 +1357,68 @@ fn check_model(st: &State, meta: &Meta) -> Result<(), CheckpointError> {
         missing,
         unexpected,
         misshaped,
+    })
+}
+
+/// The frozen variables' values a checkpoint holds, read into this
+/// run's layout (`None`: the checkpoint predates them, and they keep
+/// their values, with a warning).
+fn frozen_values(
+    st: &State,
+    meta: &Meta,
+    tag_dir: &Path,
+) -> Result<Option<frozen::Values>, CheckpointError> {
+    Ok(match &meta.frozen {
+        Some(saved) => {
+            // Written only when there is something to hold.
+            let f = match saved.is_empty() {
+                true => None,
+                false => Some(RankFile::open(&tag_dir.join(FROZEN_FILE))?),
+            };
+            let values = st.frozen.read(saved, f)?;
+            // Rounded values going into parameters this run holds
+            // exactly: say so once (resuming a packing run is silent).
+            let packed = packed_frozen(st);
+            let rounded = saved
+                .iter()
+                .filter(|s| s.quantized && !packed.contains(s.name.as_str()))
+                .count();
+            if rounded > 0 {
+                tracing::warn!("{rounded} frozen parameter(s) in checkpoint {} hold values unpacked from int8 (its run set `zero_optimization.zero_quantized_nontrainable_weights`): they load as saved, rounded, not as the base's true values", tag_dir.display());
+            }
+            Some(values)
+        }
+        None => {
+            if !st.frozen.is_empty() {
+                tracing::warn!("the checkpoint was written before zrt saved frozen variables (requires_grad false): they keep their current values");
+            }
+            None
+        }
+    })
+}
+
+/// The random-number stream rank `rank` of replica `replica` resumes
+/// (`None`: a rank the saved world did not have).
+fn rng_stream(
+    loc: &mut Locator,
+    meta: &Meta,
+    rank: usize,
+    replica: usize,
+) -> Result<Option<Vec<u8>>, CheckpointError> {
+    // Replica j resumes replica j's stream when the checkpoint has it
+    // (saved on a mesh with that many replicas), else replica 0's.
+    Ok(match rank < meta.world {
+        true => {
+            let f = loc.file(rank)?;
+            let own = (replica > 0)
+                .then(|| f.bytes(&format!("rng/replica{replica}")).ok())
+                .flatten();
+            Some(match own {
+                Some((_, b)) => b.to_vec(),
+                None => f.bytes("rng")?.1.to_vec(),
+            })
+        }
+        false => None,
     })
 }
 

@@ -38,6 +38,36 @@ fn config_check_prints_a_shared_fixture_resolved() {
         out.contains("fp16 compute, fp32 master, loss scale dynamic (initial 2^16"),
         "{out}"
     );
+    assert!(
+        out.contains("reductions       reduce-scatter of every micro-step's gradients during backward, 4 a step"),
+        "{out}"
+    );
+}
+
+#[test]
+fn config_check_says_when_each_stage_reduces_under_accumulation() {
+    // Stage 0 all-reduces every micro-step, where DeepSpeed's waits for
+    // the boundary: said, with the stage that does as DeepSpeed's.
+    let cases = [
+        (0, 4, "all-reduce of every micro-step's gradients during backward, 4 a step (DeepSpeed's stage 0 reduces once, at the boundary, as zrt's stage 1 does)"),
+        (0, 1, "all-reduce of the gradients during backward, once a step"),
+        (1, 4, "reduce-scatter in step(), once a step (the 4 micro-steps summed locally first)"),
+        (1, 1, "reduce-scatter in step(), once a step"),
+        (3, 2, "reduce-scatter of every micro-step's gradients during backward, 2 a step"),
+    ];
+    for (stage, gas, want) in cases {
+        let json = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": {gas}, "zero_optimization": {{"stage": {stage}}}}}"#
+        );
+        let f = config_file(&format!("reductions-{stage}-{gas}"), &json);
+        let (ok, out) = zrt(&["config", "check", &f, "--world", "2"]);
+        std::fs::remove_file(&f).unwrap();
+        assert!(ok, "{out}");
+        assert!(
+            out.contains(&format!("reductions       {want}\n")),
+            "stage {stage} gas {gas}: {out}"
+        );
+    }
 }
 
 #[test]

@@ -271,6 +271,7 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
     );
     let z = &c.zero;
     println!("  zero stage       {}", z.stage);
+    println!("  reductions       {}", reductions(z.stage, r.batch.gas));
     // Only what zrt acts on: allgather_bucket_size, contiguous_gradients
     // and stage3_max_reuse_distance change nothing here (the config warns
     // when they ask for something else).
@@ -349,4 +350,23 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         println!("  warning: {w}");
     }
     Ok(())
+}
+
+/// When a stage reduces the gradients, under `gas` accumulation steps:
+/// stage 0 every micro-step, as stages 2 and 3 do, which DeepSpeed's
+/// stage 0 does not (docs/choices.md, "Stage 0 reduces every
+/// micro-step").
+fn reductions(stage: u8, gas: u64) -> String {
+    let op = if stage == 0 {
+        "all-reduce"
+    } else {
+        "reduce-scatter"
+    };
+    match (stage, gas) {
+        (1, 1) => "reduce-scatter in step(), once a step".into(),
+        (1, n) => format!("reduce-scatter in step(), once a step (the {n} micro-steps summed locally first)"),
+        (_, 1) => format!("{op} of the gradients during backward, once a step"),
+        (0, n) => format!("all-reduce of every micro-step's gradients during backward, {n} a step (DeepSpeed's stage 0 reduces once, at the boundary, as zrt's stage 1 does)"),
+        (_, n) => format!("{op} of every micro-step's gradients during backward, {n} a step"),
+    }
 }

@@ -117,18 +117,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         )?;
         log_rules(&settings, &units);
         settle_uneven(&mut units, root_of_moved, stage);
+        // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
+        // keep every element's).
+        let pack_muon = muon && !offload::swaps_optimizer(&cfg);
         let mut shards: Vec<Shard> = (units.iter().zip(masters))
             .map(|(u, master)| {
-                let muon = muon && !offload::swaps_optimizer(&cfg);
-                new_shard(
-                    u,
-                    master,
-                    &cfg.config,
-                    compute,
-                    group.rank(),
-                    muon,
-                    &settings,
-                )
+                let (rank, c) = (group.rank(), &cfg.config);
+                new_shard(u, master, c, compute, rank, pack_muon, &settings)
             })
             .collect();
         let frozen_part = FrozenPart {

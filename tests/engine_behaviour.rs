@@ -2003,6 +2003,27 @@ fn bf16_check_grad_overflow_skips_a_step_with_inf_gradients_on_every_rank() {
 }
 
 #[test]
+fn stage_0_under_accumulation_says_it_reduces_every_micro_step_where_deepspeeds_waits() {
+    // DeepSpeed's stage 0 all-reduces at the accumulation boundary only,
+    // zrt's every micro-step (docs/choices.md): the first rank says so
+    // when the engine is built, and only then.
+    let line = "stage 0 all-reduces each micro-step's gradients during backward (2 a step)";
+    for (stage, gas, said) in [(0, 2, true), (0, 1, false), (1, 2, false)] {
+        let cfg = config_plus(stage, gas, "", "");
+        let logs = on_ranks(WORLD, |r| {
+            common::with_logs_at(tracing::Level::INFO, || drop(tiny_engine(&cfg, &r))).1
+        });
+        assert_eq!(
+            logs[0].contains(line),
+            said,
+            "stage {stage} gas {gas}: {}",
+            logs[0]
+        );
+        assert!(!logs[1].contains("stage 0 all-reduces"), "{}", logs[1]);
+    }
+}
+
+#[test]
 fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
     // Five boundaries, the second skipped (rank 1's gradient is infinite):
     // with `steps_per_print` 2 rank 0 logs boundaries 2 (the skipped one)

@@ -85,6 +85,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let stage = c.zero.stage;
         offload::check(&cfg, stage)?;
+        if stage == 0 && cfg.batch.gas > 1 && cfg.world > 1 && first {
+            // Where zrt parts from DeepSpeed without an error to show it
+            // (docs/choices.md, "Stage 0 reduces every micro-step").
+            tracing::info!(
+                "stage 0 all-reduces each micro-step's gradients during backward ({} a step); DeepSpeed's stage 0 reduces once, at the accumulation boundary, as zrt's stage 1 does",
+                cfg.batch.gas
+            );
+        }
         let prefixes = plan.units();
         check_prefixes(&prefixes)?;
         // Stage 3, `stage3_param_persistence_threshold`: parameters of at

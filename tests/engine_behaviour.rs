@@ -513,12 +513,12 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
         // yet); from the second on, stages 0 and 2 reduce b in its turn,
         // at once where the walk from the loss finds it unreached (rank 1,
         // micro-step 2); stage 3 leaves it to the end throughout; stage 1,
-        // which only adds to local sums in backward, takes each unit as it
-        // completes (rank 1's b, unused in micro-steps 0 and 2, at the end
-        // of those).
+        // whose first backward only adds to local sums, takes each unit as
+        // it completes there (rank 1's b at its end), then as stages 0
+        // and 2 do.
         let want = match stage {
             0 | 2 => [2 + 3 * 3; 2],
-            1 => [3 * 4, 3 * 4 - 2],
+            1 => [3 * 4, 2 + 3 * 3],
             _ => [2 * 4; 2],
         };
         assert_eq!(during(&got), want, "stage {stage}");
@@ -554,6 +554,111 @@ fn a_unit_skipped_on_some_ranks_trains_when_declared_and_is_named_when_not() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn stage_1_reduces_in_the_boundary_backward_in_the_order_the_ranks_agreed() {
+    // Stage 1 reduce-scatters a step's accumulated gradients from the
+    // hooks of the backward that ends the accumulation, as DeepSpeed's
+    // does, once the first backward has agreed the order of the units
+    // (before that, and at gas 1 in the first step, `step()` reduces
+    // them). Rank 1 leaves b out of the boundary micro-steps after the
+    // first step, undeclared (stage 1 never needed the declaration): b is
+    // then whole only at the end of its backward, and holds a back there,
+    // so both ranks still reduce c, b, a. `zero`: how b takes part in
+    // rank 1's skipped micro-steps (in the same place, its output times
+    // zero, or not at all).
+    let run = |gas: usize, times_zero: bool| {
+        on_ranks(WORLD, |r| {
+            let (t, e) = tiny_engine(&config(1, gas), &r);
+            let scatters = || -> u64 {
+                let all = e.group().stats().by_size();
+                (all.iter().filter(|s| s.op == "reduce_scatter"))
+                    .map(|s| s.calls)
+                    .sum()
+            };
+            let mut seen = Vec::new();
+            for k in 0..6 {
+                let h = t.a.forward(&input(r.rank(), k));
+                let skip = r.rank() == 1 && k >= gas && (k + 1) % gas == 0;
+                let h = match (skip, times_zero) {
+                    (true, true) => h.narrow(1, 0, 4) + t.b.forward(&h) * 0.0,
+                    (true, false) => h.narrow(1, 0, 4),
+                    (false, _) => t.b.forward(&h),
+                };
+                let loss = t.c.forward(&h).square().mean(Kind::Float);
+                let before = scatters();
+                e.backward(&loss).unwrap();
+                let backward = scatters();
+                e.step().unwrap();
+                seen.push((backward - before, scatters() - backward));
+            }
+            (e.gathered_params().unwrap(), seen)
+        })
+    };
+    for gas in [1, 2] {
+        let got = run(gas, false);
+        // Reduce-scatters (one per unit) in backward and in step().
+        let want: Vec<(u64, u64)> = (0..6)
+            .map(|k| match (k + 1) % gas == 0 {
+                false => (0, 0),
+                true if k == 0 => (0, 3),
+                true => (3, 0),
+            })
+            .collect();
+        for (rank, (_, seen)) in got.iter().enumerate() {
+            assert_eq!(seen, &want, "gas {gas} rank {rank}");
+        }
+        // Leaving b out trains as running it times zero, to the bit.
+        let zero = run(gas, true);
+        for (rank, ((p, _), (q, _))) in got.iter().zip(&zero).enumerate() {
+            assert_eq!(p, q, "gas {gas} rank {rank}");
+        }
+        assert_eq!(got[0].0, got[1].0, "gas {gas}");
+    }
+}
+
+#[test]
+fn a_stage_1_checkpoint_between_the_boundary_backward_and_its_step_resumes_exactly() {
+    // The boundary's backward has reduced the step's gradients when a
+    // save comes before its `step()`: the checkpoint still holds the
+    // accumulated sums (the reduction ran on a copy), and an engine that
+    // loads it there, fresh or in its own window with other sums reduced
+    // already, steps with the loaded ones.
+    let dir = common::scratch("stage1-window");
+    let cfg = config(1, 2);
+    // Two steps of micro-batches `from..`, saving in the second step's
+    // window (`save`), or loading there (`load`).
+    let run = |r: &local::LocalRank, from: usize, save: bool, load: bool| {
+        let (t, e) = tiny_engine(&cfg, r);
+        for k in 0..4 {
+            e.backward(&t.loss(&input(r.rank(), from + k))).unwrap();
+            if k == 3 && save {
+                e.save_checkpoint(&dir, "window").unwrap();
+            }
+            if k == 3 && load {
+                e.load_checkpoint(&dir, Some("window")).unwrap();
+            }
+            assert_eq!(e.step().unwrap(), k % 2 == 1, "micro-step {k}");
+        }
+        e.gathered_params().unwrap()
+    };
+    let got = on_ranks(WORLD, |r| {
+        let saved = run(&r, 10, true, false);
+        let other = run(&r, 0, false, false);
+        let loaded = run(&r, 0, false, true);
+        let (_, e) = tiny_engine(&cfg, &r);
+        e.load_checkpoint(&dir, Some("window")).unwrap();
+        assert!(e.step().unwrap());
+        (saved, other, loaded, e.gathered_params().unwrap())
+    });
+    for (rank, (saved, other, loaded, resumed)) in got.iter().enumerate() {
+        assert_eq!(loaded, saved, "rank {rank}: loaded in the window");
+        assert_eq!(resumed, saved, "rank {rank}: resumed");
+        // The check can fail: the two runs' batches step apart.
+        assert_ne!(other, saved, "rank {rank}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -198,6 +198,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 loss_sum: None,
                 error: None,
                 broken: None,
+                reduced_in_backward: false,
                 prog: overlap::Progress::new(n),
                 timing: timing::Timing::new(),
                 persistent,

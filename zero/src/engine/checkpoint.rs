@@ -1100,8 +1100,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             sh.reduced = Vec::new();
         }
-        // Every unit's accumulated gradient was just replaced.
+        // Every unit's accumulated gradient was just replaced: a boundary
+        // backward's reduction of the old ones serves no step.
         st.broken = None;
+        st.reduced_in_backward = false;
         if what == What::Everything {
             let m = &l.meta;
             st.step = m.global_step;

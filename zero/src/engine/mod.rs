@@ -6,7 +6,7 @@
 //! | stage | between steps, per rank | each micro-step | at the boundary |
 //! |---|---|---|---|
 //! | 0 | full params, master, m, v, grads | all_reduce(avg) grads | Adam on everything |
-//! | 1 | full params and grads, shard of master, m, v | accumulate grads locally | reduce_scatter grads, Adam on the shard, all_gather params |
+//! | 1 | full params and grads, shard of master, m, v | accumulate grads locally; the boundary's backward reduce_scatters the sums | Adam on the shard, all_gather params |
 //! | 2 | full params, shard of master, grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, all_gather params |
 //! | 3 | shard of master, grads, m, v | reduce_scatter(avg) into the grad shard | Adam on the shard, free the gathered params |
 //!
@@ -242,6 +242,11 @@ struct State {
     /// every call that checks pending errors returns it (all but a load,
     /// which replaces them, and the weight-only reads).
     broken: Option<String>,
+    /// Stage 1: the boundary's backward reduced the step's accumulated
+    /// gradients into the shards' `reduced` (see
+    /// `Inner::stage1_reduces_now`), so `step()` does not reduce them
+    /// again. Cleared by the step and by a load, which replaces them.
+    reduced_in_backward: bool,
     /// Reductions and gathers in flight (see `overlap`).
     prog: overlap::Progress,
     /// Where the current step's time goes.

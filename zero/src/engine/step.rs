@@ -1,6 +1,7 @@
 //! The optimizer step at a gradient-accumulation boundary
 //! ([`Engine::step`]), in its order: stage 1's reduction of the
-//! accumulated gradients, the overflow check every rank agrees on, the
+//! accumulated gradients (unless the boundary's backward reduced them),
+//! the overflow check every rank agrees on, the
 //! global norm and clipping, this step's hyperparameters, the optimizer
 //! over each rank's ranges (Adam and the element-wise optimizers here,
 //! range by range; LAMB and Muon whole, in `lamb` and `muon`), and the
@@ -51,7 +52,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let log = i.cfg.config.wall_clock_breakdown;
         guard.boundary_at = guard.micro;
         let st = &mut *guard;
-        if i.stage == 1 {
+        let reduced = std::mem::take(&mut st.reduced_in_backward);
+        if i.stage == 1 && !reduced {
             i.reduce_stage1(st)?;
         }
         let stage1 = i.stage == 1;
@@ -94,8 +96,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
 }
 
 impl<G: ProcessGroup + 'static> Inner<G> {
-    /// Stage 1 reduces the accumulated full gradients only now, into each
-    /// shard's `reduced`.
+    /// Stage 1 reduces the accumulated full gradients now, into each
+    /// shard's `reduced`, when the boundary's backward did not (the first
+    /// step's, before the ranks agreed an order; or a load replaced the
+    /// sums since): unit by unit, in the units' order.
     fn reduce_stage1(&self, st: &mut State) -> Result<(), EngineError> {
         for (sh, u) in st.shards.iter_mut().zip(&st.units) {
             self.delay();

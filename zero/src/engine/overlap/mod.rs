@@ -460,8 +460,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// some ranks may not use waits for the end of backward
     /// ([`Self::end_backward`] reduces it there): on a rank whose loss left
     /// part of it out it is complete only then, and every rank must reduce
-    /// it at the same point. Not at stage 1, whose backward only adds to
-    /// local sums, in any order.
+    /// it at the same point. Not at stage 1, whose first backward only
+    /// adds to local sums, in any order (it reduces in `step()`, see
+    /// `stage1_reduces_now`).
     fn launch_complete(&self, st: &mut State, k: usize) {
         if st.prog.order_agreed.is_some() {
             st.prog.complete[k] = true;
@@ -748,6 +749,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             }
         }
         self.settle_reductions(st, &without)?;
+        // Asked before the order is agreed below: the first backward, which
+        // agrees it, reduced nothing.
+        st.reduced_in_backward = self.stage1_reduces_now(st);
         self.drain_prefetch(st)?;
         // hpZ copies serve one backward (the parameters change at the step).
         st.secondary.iter_mut().for_each(|s| *s = None);
@@ -774,13 +778,16 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     }
 
     /// Whether this engine reduces in an order the ranks agree (see
-    /// [`LaunchOrder`]): some units are declared unused on some ranks, and
-    /// backward issues no collective but reductions (stages 0 and 2;
-    /// stage 3's backward gathers too, whose places among the reductions
-    /// would still differ, so it reduces such units at the end of backward;
-    /// stage 1 communicates nothing in backward).
+    /// [`LaunchOrder`]): stage 1 always (its boundary backward reduces in
+    /// that order, whatever each rank's loss reached: nothing declares the
+    /// parameters some ranks leave out, as stage 1 never needed it while
+    /// it reduced in `step()`), stages 0 and 2 when some units are
+    /// declared unused on some ranks (their backward issues no collective
+    /// but reductions; stage 3's backward gathers too, whose places among
+    /// the reductions would still differ, so it reduces such units at the
+    /// end of backward).
     fn agrees_launch_order(&self, st: &State) -> bool {
-        matches!(self.stage, 0 | 2) && st.units.iter().any(|u| u.uneven)
+        self.stage == 1 || (matches!(self.stage, 0 | 2) && st.units.iter().any(|u| u.uneven))
     }
 
     /// Agrees the launch order from the order each rank found units whole

@@ -166,49 +166,85 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if self.stage == 1 {
             reduce::accumulate(&self.threads, &mut st.shards[k].g, &full)?;
             st.prog.added.push(k);
-            self.pools.f32.give(full);
-        } else {
-            // Name the unit to the peers first, as gathers do: units reduced
-            // in different orders (a parameter only some ranks' losses use
-            // completes a unit early on some ranks) would otherwise sum
-            // same-sized buffers of different units into silent garbage.
-            self.delay();
-            let mut ids = vec![UnitIds::issue(&self.group, Kind::Reduce, k)];
-            if let Some(r) = &self.replicate {
-                ids.push(UnitIds::issue(r, Kind::Reduce, k));
-            }
-            st.prog.reduce_ids.push((k, ids));
-            let n = if self.stage == 0 {
-                1
+            if self.stage1_reduces_now(st) {
+                // The boundary's backward: reduce the step's sum now, from
+                // a copy, so that the sum stays whole until `step()` (a
+                // checkpoint saved before it holds it; a load replaces it).
+                full.copy_from_slice(&st.shards[k].g);
+                let shard = full.len() / self.group.size();
+                st.shards[k].reduced = vec![0.0; shard];
+                self.issue_unit_reduction(st, k, full)?;
             } else {
-                self.group.size()
-            };
-            let layout = &st.units[k].layout;
-            for (range, r) in self.reduce_in_buckets(full, self.stage == 0, layout)? {
-                if matches!(r, Reduce::Quantized { .. }) {
-                    st.prog.counts.quantized_reductions += 1;
-                }
-                // A bucket's buffer: its range of every rank's shard.
-                let elems = range.len() * n;
-                st.prog.inflight_elems += elems;
-                st.prog.inflight.push((k, range, r, elems));
+                self.pools.f32.give(full);
             }
-            // DeepSpeed keeps two buckets of `reduce_bucket_size` elements
-            // of gradients in flight; here units wait for their reductions,
-            // oldest first, once the buffers in flight exceed that (the
-            // newest always stays in flight, to overlap what backward does
-            // next). Otherwise every unit's full gradient would be alive at
-            // the end of backward: the whole model's, in fp32, on each rank.
-            let bound = self.reduce_bucket().saturating_mul(2);
-            while st.prog.inflight_elems > bound
-                && st.prog.reduce_ids.first().is_some_and(|(u, _)| *u != k)
-            {
-                self.retire_oldest(st)?;
-            }
+        } else {
+            self.issue_unit_reduction(st, k, full)?;
         }
         st.prog.launched[k] = true;
         if free {
             self.free_if_gathered(st, k)?;
+        }
+        Ok(())
+    }
+
+    /// Whether stage 1 reduces in this backward, each unit in its turn
+    /// once its gradients are whole, rather than in `step()`: this
+    /// backward ends the accumulation (DeepSpeed's stage 1 reduces from
+    /// its hooks at the boundary too) and the ranks have agreed the order
+    /// they reduce the units in (at the end of the first backward, see
+    /// `agrees_launch_order`), so a unit one rank's loss leaves out holds
+    /// back the later ones there rather than reordering its reductions.
+    pub(in crate::engine) fn stage1_reduces_now(&self, st: &State) -> bool {
+        self.stage == 1
+            && (st.micro + 1) % self.cfg.batch.gas == 0
+            && st.prog.order_agreed.is_some()
+    }
+
+    /// Issues the reduction of unit `k`'s gradient buffer `full` (an
+    /// all-reduce at stage 0, reduce-scatters above), holding it in flight
+    /// and retiring the oldest units' reductions past two buckets.
+    fn issue_unit_reduction(
+        &self,
+        st: &mut State,
+        k: usize,
+        full: Vec<f32>,
+    ) -> Result<(), EngineError> {
+        // Name the unit to the peers first, as gathers do: units reduced
+        // in different orders (a parameter only some ranks' losses use
+        // completes a unit early on some ranks) would otherwise sum
+        // same-sized buffers of different units into silent garbage.
+        self.delay();
+        let mut ids = vec![UnitIds::issue(&self.group, Kind::Reduce, k)];
+        if let Some(r) = &self.replicate {
+            ids.push(UnitIds::issue(r, Kind::Reduce, k));
+        }
+        st.prog.reduce_ids.push((k, ids));
+        let n = if self.stage == 0 {
+            1
+        } else {
+            self.group.size()
+        };
+        let layout = &st.units[k].layout;
+        for (range, r) in self.reduce_in_buckets(full, self.stage == 0, layout)? {
+            if matches!(r, Reduce::Quantized { .. }) {
+                st.prog.counts.quantized_reductions += 1;
+            }
+            // A bucket's buffer: its range of every rank's shard.
+            let elems = range.len() * n;
+            st.prog.inflight_elems += elems;
+            st.prog.inflight.push((k, range, r, elems));
+        }
+        // DeepSpeed keeps two buckets of `reduce_bucket_size` elements
+        // of gradients in flight; here units wait for their reductions,
+        // oldest first, once the buffers in flight exceed that (the
+        // newest always stays in flight, to overlap what backward does
+        // next). Otherwise every unit's full gradient would be alive at
+        // the end of backward: the whole model's, in fp32, on each rank.
+        let bound = self.reduce_bucket().saturating_mul(2);
+        while st.prog.inflight_elems > bound
+            && st.prog.reduce_ids.first().is_some_and(|(u, _)| *u != k)
+        {
+            self.retire_oldest(st)?;
         }
         Ok(())
     }
@@ -278,10 +314,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         let red = waiting(&mut st.timing, || r.wait())?;
         match self.replicate_average(red.values()) {
             Some(w) => st.prog.replicating.push((k, range, w)),
-            None => {
-                reduce::accumulate(&self.threads, &mut st.shards[k].g[range], red.values())?;
-                st.prog.added.push(k);
-            }
+            None => self.add_reduced(st, k, range, red.values())?,
         }
         // A whole unit's gradient buffer (a reduce-scatter's input, or
         // stage 0's all-reduced buffer; not a bucket) serves the next
@@ -297,9 +330,39 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     fn finish_replicas(&self, st: &mut State) -> Result<(), EngineError> {
         for (k, range, w) in std::mem::take(&mut st.prog.replicating) {
             let v = waiting(&mut st.timing, || w.wait())?;
-            reduce::accumulate(&self.threads, &mut st.shards[k].g[range], &v)?;
-            st.prog.added.push(k);
+            self.add_reduced(st, k, range, &v)?;
         }
+        Ok(())
+    }
+
+    /// Puts a reduced piece of unit `k`'s gradient into `range` of its
+    /// shard: added to the accumulated shard (stages 2 and 3; stage 0's
+    /// range is the whole buffer), or at stage 1 written to the step's
+    /// reduced shard (the step's whole sum was reduced).
+    fn add_reduced(
+        &self,
+        st: &mut State,
+        k: usize,
+        range: std::ops::Range<usize>,
+        v: &[f32],
+    ) -> Result<(), EngineError> {
+        let sh = &mut st.shards[k];
+        if self.stage == 1 {
+            // The ranks announced this reduction, built alike (see
+            // `agree`): only a bug could make the lengths differ.
+            let Some(dst) = sh.reduced.get_mut(range).filter(|d| d.len() == v.len()) else {
+                return Err(EngineError::Plan(format!(
+                    "a reduced piece of {} gradients does not fit unit `{}`'s reduced shard of {} (this is a bug in zrt)",
+                    v.len(),
+                    st.units[k].name,
+                    sh.reduced.len()
+                )));
+            };
+            dst.copy_from_slice(v);
+        } else {
+            reduce::accumulate(&self.threads, &mut sh.g[range], v)?;
+        }
+        st.prog.added.push(k);
         Ok(())
     }
 

@@ -51,8 +51,8 @@ fn config_check_says_when_each_stage_reduces_under_accumulation() {
     let cases = [
         (0, 4, "all-reduce of every micro-step's gradients during backward, 4 a step (DeepSpeed's stage 0 reduces once, at the boundary, as zrt's stage 1 does)"),
         (0, 1, "all-reduce of the gradients during backward, once a step"),
-        (1, 4, "reduce-scatter in step(), once a step (the 4 micro-steps summed locally first)"),
-        (1, 1, "reduce-scatter in step(), once a step"),
+        (1, 4, "reduce-scatter of the 4 micro-steps' local sums during the last one's backward, once a step"),
+        (1, 1, "reduce-scatter of the gradients during backward, once a step"),
         (3, 2, "reduce-scatter of every micro-step's gradients during backward, 2 a step"),
     ];
     for (stage, gas, want) in cases {

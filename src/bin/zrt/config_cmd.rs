@@ -353,9 +353,9 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
 }
 
 /// When a stage reduces the gradients, under `gas` accumulation steps:
-/// stage 0 every micro-step, as stages 2 and 3 do, which DeepSpeed's
-/// stage 0 does not (docs/choices.md, "Stage 0 reduces every
-/// micro-step").
+/// stage 1 once, the sums during the last micro-step's backward; stage 0
+/// every micro-step, as stages 2 and 3 do, which DeepSpeed's stage 0 does
+/// not (docs/choices.md, "Stage 0 reduces every micro-step").
 fn reductions(stage: u8, gas: u64) -> String {
     let op = if stage == 0 {
         "all-reduce"
@@ -363,8 +363,7 @@ fn reductions(stage: u8, gas: u64) -> String {
         "reduce-scatter"
     };
     match (stage, gas) {
-        (1, 1) => "reduce-scatter in step(), once a step".into(),
-        (1, n) => format!("reduce-scatter in step(), once a step (the {n} micro-steps summed locally first)"),
+        (1, n) if n > 1 => format!("reduce-scatter of the {n} micro-steps' local sums during the last one's backward, once a step"),
         (_, 1) => format!("{op} of the gradients during backward, once a step"),
         (0, n) => format!("all-reduce of every micro-step's gradients during backward, {n} a step (DeepSpeed's stage 0 reduces once, at the boundary, as zrt's stage 1 does)"),
         (_, n) => format!("{op} of every micro-step's gradients during backward, {n} a step"),

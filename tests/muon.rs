@@ -277,6 +277,58 @@ fn the_matrices_keep_no_second_moment_in_memory_and_the_swap_keeps_it_whole() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn the_nvme_swap_moves_no_second_moment_of_chunks_only_matrices_hold() {
+    let _serial = serial();
+    // Stage 3 in bf16: the swap holds the master, m and v (three arrays of
+    // 4 KiB per 1024-element chunk). AdamW's step streams it once, reading
+    // and writing every byte; Muon's twice (its momentum, then the
+    // update), leaving out the 4 KiB of `v` of every chunk that only the
+    // blocks' matrices fill.
+    let dir = common::scratch("muon-swap-io");
+    let (aio, off) = common::nvme(&dir);
+    let per_step = |optimizer: &str| {
+        let cfg = config_params(
+            optimizer,
+            "",
+            3,
+            1,
+            0.0,
+            &format!("{BF16} {aio}"),
+            &format!("{SHARD_ALL} {off}"),
+        );
+        on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = common::model();
+            let e = common::engine_of(&vs, &plan, &cfg, &r);
+            common::train_losses(&gpt, &e, r.rank(), 1);
+            let before = e.optimizer_swap_io().unwrap();
+            common::train_losses(&gpt, &e, r.rank(), 1);
+            let (read, written) = e.optimizer_swap_io().unwrap();
+            (read - before.0, written - before.1, e.offloaded_bytes())
+        })
+    };
+    for (rank, ((read, written, file), (m_read, m_written, m_file))) in per_step("AdamW")
+        .into_iter()
+        .zip(per_step("Muon"))
+        .enumerate()
+    {
+        assert_eq!((read, written), (file, file), "AdamW rank {rank}");
+        assert_eq!(m_file, file, "rank {rank}");
+        // Chunks the matrices fill: v's 4 KiB, twice read and once (the
+        // momentum pass writes m and v back, the update all three) twice
+        // written; one chunk of v in three at most.
+        let skipped = 2 * file - m_read;
+        assert!(
+            skipped > 0 && skipped % (2 * 4096) == 0,
+            "rank {rank}: {skipped}"
+        );
+        assert!(skipped <= 2 * file / 3, "rank {rank}: {skipped} of {file}");
+        let v = file / 3;
+        assert_eq!(m_written, (v * 2 + file) - skipped, "rank {rank}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Muon (`params` past lr and weight decay) for the test GPT at `stage`,
 /// every stage-3 unit sharded.
 fn muon(params: &str, stage: u8, extra: &str, zero: &str) -> Config {

@@ -12,7 +12,10 @@
 //! thread writes finished ones behind, through `buffer_count` fixed,
 //! page-aligned buffers: the optimizer works on one buffer while others
 //! are on the disk, and resident memory is `buffer_count x chunk bytes`
-//! whatever the model size.
+//! whatever the model size. A region may declare chunks whose last array
+//! is zero and stays so ([`Swap::keep_last_zero`]: Muon's matrices keep
+//! no second moment): streams then move the other arrays alone, one
+//! contiguous, aligned request still.
 //!
 //! ## Why O_DIRECT and threads, not io_uring
 //!

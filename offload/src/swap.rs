@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crossbeam_channel::bounded;
 
@@ -33,6 +34,9 @@ struct Region {
     start: u64,
     len: usize,
     chunks: usize,
+    /// Per chunk: the last array's piece is zeros and stays so (see
+    /// [`Swap::keep_last_zero`]); empty: none is.
+    zero_last: Vec<bool>,
 }
 
 /// A rank's optimizer-state swap file: regions of `arrays` f32 arrays each,
@@ -48,6 +52,9 @@ pub struct Swap {
     bufs: pool::Pool,
     bytes: u64,
     direct: bool,
+    /// Bytes read from and written to the file so far.
+    read: AtomicU64,
+    written: AtomicU64,
 }
 
 /// The swap's idle buffers, kept between streams (no allocation per step).
@@ -138,6 +145,7 @@ impl Swap {
                 start: at,
                 len,
                 chunks,
+                zero_last: Vec::new(),
             });
             at = (chunks as u64)
                 .checked_mul(slot)
@@ -203,7 +211,44 @@ impl Swap {
             bufs: pool::Pool::new(),
             bytes: at,
             direct,
+            read: AtomicU64::new(0),
+            written: AtomicU64::new(0),
         })
+    }
+
+    /// Declares that in region `r` the last array is zero wherever
+    /// `zero(elements)` says so of a chunk's elements, and stays so: the
+    /// streams neither read (their buffers hold zeros there) nor write
+    /// that piece, and [`Swap::write_region`] writes zeros there whatever
+    /// it is given. Muon's matrices keep no second moment: for them a
+    /// stream moves the master and the momentum alone.
+    pub fn keep_last_zero(
+        &mut self,
+        r: usize,
+        zero: impl Fn(Range<usize>) -> bool,
+    ) -> Result<(), OffloadError> {
+        let chunks = self
+            .regions
+            .get(r)
+            .ok_or_else(|| OffloadError::Shape(format!("no region {r}")))?
+            .chunks;
+        let flags: Vec<bool> = (0..chunks).map(|c| zero(self.chunk_range(r, c))).collect();
+        self.regions[r].zero_last = flags;
+        Ok(())
+    }
+
+    /// Bytes read from the file and written to it so far (what the
+    /// optimizer's offload costs in I/O).
+    pub fn io_bytes(&self) -> (u64, u64) {
+        (
+            self.read.load(Ordering::Relaxed),
+            self.written.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether chunk `c` of region `r` keeps its last array zero.
+    fn zero_last(&self, r: usize, c: usize) -> bool {
+        self.regions[r].zero_last.get(c).copied().unwrap_or(false)
     }
 
     /// The swap file.
@@ -244,8 +289,16 @@ impl Swap {
         a..(a + self.chunk).min(self.regions[r].len)
     }
 
+    /// Reads a slot; of a chunk that keeps its last array zero, the
+    /// other arrays (a prefix of the slot, 4 KiB-aligned) and zeros.
     fn read_slot(&self, r: usize, c: usize, buf: &mut AlignedBuf) -> Result<(), OffloadError> {
-        self.read_exact_at(buf.bytes_mut(), self.slot_offset(r, c))
+        let piece = self.chunk * 4;
+        let used = match self.zero_last(r, c) {
+            true => (self.arrays - 1) * piece,
+            false => self.arrays * piece,
+        };
+        buf.bytes_mut()[used..].fill(0);
+        self.read_exact_at(&mut buf.bytes_mut()[..used], self.slot_offset(r, c))
     }
 
     /// Fills `b` from byte `offset`; an end of file first is a short read.
@@ -266,19 +319,28 @@ impl Swap {
                 Err(e) => return Err(OffloadError::io("read", &self.path, &e)),
             }
         }
+        self.read.fetch_add(b.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes `b` at byte `offset`.
+    fn write_all_at(&self, b: &[u8], offset: u64) -> Result<(), OffloadError> {
+        self.file
+            .write_all_at(b, offset)
+            .map_err(|e| OffloadError::io("write", &self.path, &e))?;
+        self.written.fetch_add(b.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
     fn write_slot(&self, r: usize, c: usize, buf: &AlignedBuf) -> Result<(), OffloadError> {
-        self.file
-            .write_all_at(buf.bytes(), self.slot_offset(r, c))
-            .map_err(|e| OffloadError::io("write", &self.path, &e))
+        self.write_all_at(buf.bytes(), self.slot_offset(r, c))
     }
 
-    /// Writes back the arrays of a slot that `write` flags: the whole slot
-    /// in one write when it flags every array; else each flagged array's
-    /// piece (contiguous and 4 KiB-aligned in the file, as
-    /// [`Swap::read_array`] reads it); nothing when it flags none.
+    /// Writes back the arrays of a slot that `write` flags, but not a last
+    /// array the chunk keeps zero: each run of neighbouring arrays in one
+    /// write (the whole slot when every array goes back; each piece is
+    /// contiguous and 4 KiB-aligned in the file, as [`Swap::read_array`]
+    /// reads it); nothing when none does.
     fn write_slot_arrays(
         &self,
         r: usize,
@@ -286,15 +348,21 @@ impl Swap {
         buf: &AlignedBuf,
         write: &[bool],
     ) -> Result<(), OffloadError> {
-        if write.iter().all(|&w| w) {
-            return self.write_slot(r, c, buf);
-        }
+        let zero_last = self.zero_last(r, c);
+        let goes = |a: usize| write[a] && !(zero_last && a + 1 == self.arrays);
         let piece = self.chunk * 4;
-        for (a, _) in write.iter().enumerate().filter(|(_, &w)| w) {
-            let bytes = &buf.bytes()[a * piece..(a + 1) * piece];
-            self.file
-                .write_all_at(bytes, self.slot_offset(r, c) + (a * piece) as u64)
-                .map_err(|e| OffloadError::io("write", &self.path, &e))?;
+        let mut a = 0;
+        while a < self.arrays {
+            if !goes(a) {
+                a += 1;
+                continue;
+            }
+            let from = a;
+            while a < self.arrays && goes(a) {
+                a += 1;
+            }
+            let bytes = &buf.bytes()[from * piece..a * piece];
+            self.write_all_at(bytes, self.slot_offset(r, c) + (from * piece) as u64)?;
         }
         Ok(())
     }
@@ -315,7 +383,8 @@ impl Swap {
     }
 
     /// Writes region `r`'s arrays (one slice per array, each the region's
-    /// length), synchronously.
+    /// length), synchronously; zeros where the region keeps its last array
+    /// zero ([`Swap::keep_last_zero`]).
     pub fn write_region(&self, r: usize, arrays: &[&[f32]]) -> Result<(), OffloadError> {
         self.check(r, arrays.iter().map(|a| a.len()))?;
         let mut bufs = self.bufs.take(1, self.slot_len());
@@ -324,8 +393,13 @@ impl Swap {
             for c in 0..self.regions[r].chunks {
                 let range = self.chunk_range(r, c);
                 let s = buf.as_mut_slice();
+                let zero_last = self.zero_last(r, c);
                 for (a, src) in arrays.iter().enumerate() {
                     let dst = &mut s[a * self.chunk..(a + 1) * self.chunk];
+                    if zero_last && a + 1 == self.arrays {
+                        dst.fill(0.0);
+                        continue;
+                    }
                     dst[..range.len()].copy_from_slice(&src[range.clone()]);
                     dst[range.len()..].fill(0.0);
                 }
@@ -680,6 +754,61 @@ mod tests {
             err.to_string(),
             OffloadError::Shape("1 write-back flags for a swap of 3 arrays".into()).to_string()
         );
+        drop(swap);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_last_array_kept_zero_is_neither_read_nor_written_and_stays_zero() {
+        let d = dir("zero-last");
+        // Chunks of 1024 elements; region 0's three chunks: [0, 1024)
+        // zero, [1024, 2048) not, [2048, 2500) zero. Region 1: none.
+        let lens = [2500, 1500];
+        let mut swap = Swap::create(&cfg(&d, 2), 3, &lens).unwrap();
+        swap.keep_last_zero(0, |r| r.start != 1024).unwrap();
+        assert!(swap.keep_last_zero(2, |_| true).is_err());
+        let start = |r: usize, a: usize| vec![(r * 10 + a + 1) as f32; lens[r]];
+        for r in 0..lens.len() {
+            let arrays: Vec<Vec<f32>> = (0..3).map(|a| start(r, a)).collect();
+            let refs: Vec<&[f32]> = arrays.iter().map(Vec::as_slice).collect();
+            swap.write_region(r, &refs).unwrap();
+        }
+        // The zero chunks' last array holds zeros whatever was written,
+        // the streams hand out zeros there, and what a pass writes there
+        // is dropped.
+        let zero = |r: usize, i: usize| r == 0 && !(1024..2048).contains(&i);
+        let want = |r: usize, a: usize, sign: f32| -> Vec<f32> {
+            (start(r, a).iter().enumerate())
+                .map(|(i, x)| if a == 2 && zero(r, i) { 0.0 } else { sign * x })
+                .collect()
+        };
+        let before = swap.io_bytes();
+        swap.stream(
+            |r, range, arrays: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+                for (a, part) in arrays.iter_mut().enumerate() {
+                    assert_eq!(&part[..], &want(r, a, 1.0)[range.clone()], "{r} {a}");
+                    part.iter_mut().for_each(|x| *x = -*x - 1.0);
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+        let (read, written) = swap.io_bytes();
+        // 5 chunks of 3 x 4 KiB, 2 of them without their last 4 KiB.
+        let moved = (5 * 3 - 2) * 4096;
+        assert_eq!((read - before.0, written - before.1), (moved, moved));
+        for (r, &n) in lens.iter().enumerate() {
+            for a in 0..3 {
+                let mut one = vec![0f32; n];
+                swap.read_array(r, a, &mut one).unwrap();
+                let got: Vec<f32> = want(r, a, 1.0)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| if a == 2 && zero(r, i) { 0.0 } else { -x - 1.0 })
+                    .collect();
+                assert_eq!(one, got, "region {r} array {a}");
+            }
+        }
         drop(swap);
         let _ = std::fs::remove_dir_all(&d);
     }

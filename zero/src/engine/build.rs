@@ -145,7 +145,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             persistent,
         } = frozen_part.shard(vs, &mut units, stage, &group, replicate.as_ref())?;
         let owners = owners_of(&units)?;
-        let swap = offload::swap_out(&cfg, compute, group.rank(), &mut shards)?;
+        // Muon's matrices' `v`, zeros the NVMe swap need not move.
+        let zero_v: Vec<_> = match muon {
+            true => (units.iter())
+                .map(|u| muon_holes(u, stage, group.rank(), &settings))
+                .collect(),
+            false => Vec::new(),
+        };
+        let swap = offload::swap_out(&cfg, compute, group.rank(), &mut shards, &zero_v)?;
         let pswap = offload::params_out(&cfg, group.rank(), &mut shards, &mut units)?;
         let n = units.len();
         // What the first step will use (a warm-up's start, not the base).
@@ -547,13 +554,8 @@ fn new_shard(
     // everywhere, and SGD without momentum keeps no `m` either.
     let len_of = |held: bool| if held { opt_len } else { 0 };
     let moments = c.optimizer.moments();
-    let opt = if stage == 0 { 0..full } else { range };
     let v_layout = match pack_muon {
-        true => v_layout::VLayout::without(
-            (u.layout.indexed_pieces(opt))
-                .filter(|(_, s, _, _)| settings.get(&s.name).muon)
-                .map(|(_, _, _, dst)| dst),
-        ),
+        true => muon_holes(u, stage, rank, settings),
         false => v_layout::VLayout::default(),
     };
     let v_len = v_layout.kept(len_of(moments == 2));
@@ -567,6 +569,20 @@ fn new_shard(
         reduced: Vec::new(),
         copy,
     }
+}
+
+/// The pieces of unit `u`'s optimizer range on `rank` that Muon steps
+/// (its matrices: no second moment), as holes of a `v`.
+fn muon_holes(u: &Unit, stage: u8, rank: usize, settings: &groups::Settings) -> v_layout::VLayout {
+    let opt = match stage {
+        0 => 0..u.layout.padded,
+        _ => u.layout.shard(rank),
+    };
+    v_layout::VLayout::without(
+        (u.layout.indexed_pieces(opt))
+            .filter(|(_, s, _, _)| settings.get(&s.name).muon)
+            .map(|(_, _, _, dst)| dst),
+    )
 }
 
 /// How stage 3 shards the frozen parameters of its units.

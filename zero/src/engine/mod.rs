@@ -1468,6 +1468,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.inner.swap.as_ref().map_or(0, |s| s.file_bytes()) + self.inner.pswap_bytes()
     }
 
+    /// Bytes this rank's optimizer swap file has been read and written so
+    /// far (`None` without NVMe optimizer offload): the I/O a step costs,
+    /// for benchmarks and tests.
+    pub fn optimizer_swap_io(&self) -> Option<(u64, u64)> {
+        self.inner.swap.as_ref().map(|s| s.io_bytes())
+    }
+
     /// Elements of real parameters (without padding) in every unit.
     pub fn num_params(&self) -> usize {
         self.inner

@@ -45,7 +45,9 @@
 //! the base GPT, at two more units in flight: not kept.)
 //! The matrices keep no `v`: in memory each unit's `v` is packed, AdamW's
 //! pieces alone ([`VLayout`]), as DeepSpeed's Muon keeps none for them;
-//! checkpoints and the NVMe swap keep the whole range, zeros there.
+//! checkpoints and the NVMe swap keep the whole range, zeros there (the
+//! swap's streams neither read nor write a chunk's `v` that only
+//! matrices fill: `VLayout::covers`).
 //!
 //! [`VLayout`]: super::v_layout::VLayout
 //!

@@ -75,11 +75,15 @@ pub(super) fn swaps_optimizer(cfg: &Resolved) -> bool {
 
 /// Moves every shard's optimizer state into a new swap file when the config
 /// asks for NVMe offload (checked by [`check`]); `None` otherwise.
+/// `zero_v`: per unit, the elements whose `v` is always zero (Muon's
+/// matrices; empty for other optimizers), which the swap's chunks they
+/// cover neither read nor write.
 pub(super) fn swap_out(
     cfg: &Resolved,
     compute: Compute,
     rank: usize,
     shards: &mut [Shard],
+    zero_v: &[VLayout],
 ) -> Result<Option<Swap>, EngineError> {
     let Some(o) = nvme_optimizer(cfg) else {
         return Ok(None);
@@ -106,7 +110,7 @@ pub(super) fn swap_out(
             }
         })
         .collect();
-    let swap = Swap::create(
+    let mut swap = Swap::create(
         &SwapConfig {
             dir,
             rank,
@@ -117,6 +121,12 @@ pub(super) fn swap_out(
         moments + usize::from(with_master),
         &lens,
     )?;
+    if moments == 2 {
+        // `v` is the last array.
+        for (k, holes) in zero_v.iter().enumerate() {
+            swap.keep_last_zero(k, |r| holes.covers(r))?;
+        }
+    }
     for (k, sh) in shards.iter_mut().enumerate() {
         let mut arrays: Vec<&[f32]> = Vec::new();
         if with_master {

@@ -5,8 +5,9 @@
 //! elements only, packed in order, as DeepSpeed's Muon keeps no second
 //! moment for them. Everything else that holds a `v` keeps the whole
 //! range: checkpoints (zeros in the holes: a file is the same whatever
-//! the run held), the NVMe swap (its arrays are all the range's length)
-//! and [`OwnedState`](super::OwnedState).
+//! the run held), the NVMe swap (its arrays are all the range's length,
+//! but it neither reads nor writes a chunk's `v` that holes cover:
+//! [`VLayout::covers`]) and [`OwnedState`](super::OwnedState).
 
 use std::ops::Range;
 
@@ -34,6 +35,19 @@ impl VLayout {
     /// Whether every element is kept.
     pub(super) fn is_whole(&self) -> bool {
         self.holes.is_empty()
+    }
+
+    /// Whether every element of `r` lies in a hole (holes that touch
+    /// count as one): the NVMe swap neither reads nor writes the second
+    /// moment of a chunk so covered.
+    pub(super) fn covers(&self, r: Range<usize>) -> bool {
+        let mut at = r.start;
+        for h in &self.holes {
+            if h.start <= at && at < h.end {
+                at = h.end;
+            }
+        }
+        at >= r.end
     }
 
     /// How many of `len` elements the packed `v` keeps.
@@ -132,6 +146,18 @@ mod tests {
         );
         assert_eq!(l.unpack(&[3.0], 1..3).unwrap(), vec![0.0, 3.0]);
         assert_eq!(l.at(2..3), 0..1);
+    }
+
+    #[test]
+    fn a_range_is_covered_when_holes_fill_every_element_of_it() {
+        // Touching holes count as one; a kept element between breaks it.
+        let l = VLayout::without([4..8, 0..4, 9..12]);
+        let covered: Vec<bool> = [0..8, 2..6, 5..5, 0..9, 7..10, 9..12, 10..13]
+            .into_iter()
+            .map(|r| l.covers(r))
+            .collect();
+        assert_eq!(covered, [true, true, true, false, false, true, false]);
+        assert!(!WHOLE.covers(0..1) && WHOLE.covers(3..3));
     }
 
     #[test]

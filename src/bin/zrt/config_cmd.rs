@@ -1,9 +1,11 @@
 //! `zrt config check FILE [--world N]`: the resolved config, or every problem.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{Args, Subcommand};
-use zrt::zero::config::{OffloadDevice, OptimizerKind, Precision, Setting};
-use zrt::zero::{AutoHints, Config, ConfigError};
+use zrt::zero::config::{
+    OffloadDevice, OptimizerConfig, OptimizerKind, Precision, Setting, ZeroConfig,
+};
+use zrt::zero::{AutoHints, Config, ConfigError, Resolved};
 
 /// `zrt config` subcommands.
 #[derive(Subcommand, Debug)]
@@ -63,6 +65,7 @@ fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
     Ok((num(a)?, num(b)?))
 }
 
+/// A setting as the config gives it: its value, or `auto`.
 fn show<T: std::fmt::Debug + Copy>(s: Setting<T>) -> String {
     match s {
         Setting::Value(v) => format!("{v:?}"),
@@ -108,6 +111,31 @@ fn owed_flags(e: &ConfigError) -> String {
 /// Runs `zrt config ...`.
 pub fn run(cmd: &ConfigCmd) -> Result<()> {
     let ConfigCmd::Check(a) = cmd;
+    let r = checked(a)?;
+    let c = &r.config;
+    println!("{}: OK for a world of {}", a.file.display(), r.world);
+    println!(
+        "  batch            train {} = micro {} x gas {} x world {}",
+        r.batch.train, r.batch.micro, r.batch.gas, r.world
+    );
+    print_optimizer(&c.optimizer);
+    match &c.scheduler {
+        Some(sched) => println!("  scheduler        {sched:?}"),
+        None => println!("  scheduler        none (the learning rate stays at lr)"),
+    }
+    print_precision(c);
+    print_zero(&c.zero, r.batch.gas);
+    print_observers(c);
+    for w in &c.warnings {
+        println!("  warning: {w}");
+    }
+    Ok(())
+}
+
+/// The config of `a.file`, resolved with the flags' values for its
+/// `"auto"`s, or every problem at once (with the flags that would give
+/// what it owes).
+fn checked(a: &CheckArgs) -> Result<Resolved> {
     let hints = AutoHints {
         hidden_size: a.hidden,
         micro_batch: a.micro,
@@ -130,24 +158,18 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::new(), || {
             Config::check(&text, a.world, &hints)
         });
-    let r = match checked {
-        Ok(r) => r,
-        Err(e) => {
-            let warned: String = e
-                .warnings
-                .iter()
-                .map(|w| format!("\n  warning: {w}"))
-                .collect();
-            bail!("{}: {e}{}{warned}", a.file.display(), owed_flags(&e))
-        }
-    };
-    let c = &r.config;
-    println!("{}: OK for a world of {}", a.file.display(), r.world);
-    println!(
-        "  batch            train {} = micro {} x gas {} x world {}",
-        r.batch.train, r.batch.micro, r.batch.gas, r.world
-    );
-    let o = &c.optimizer;
+    checked.map_err(|e| {
+        let warned: String = e
+            .warnings
+            .iter()
+            .map(|w| format!("\n  warning: {w}"))
+            .collect();
+        anyhow::anyhow!("{}: {e}{}{warned}", a.file.display(), owed_flags(&e))
+    })
+}
+
+/// The optimizer line: its settings, and what state it keeps.
+fn print_optimizer(o: &OptimizerConfig) {
     match o.kind {
         OptimizerKind::Lion => println!(
             "  optimizer        Lion lr {} betas ({}, {}) weight_decay {} (decoupled decay; one moment, no second)",
@@ -231,10 +253,10 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             o.bias_correction
         ),
     }
-    match &c.scheduler {
-        Some(sched) => println!("  scheduler        {sched:?}"),
-        None => println!("  scheduler        none (the learning rate stays at lr)"),
-    }
+}
+
+/// The precision and clipping lines.
+fn print_precision(c: &Config) {
     let prec = match &c.precision {
         Precision::Fp32 => "fp32".to_string(),
         Precision::Bf16 {
@@ -269,9 +291,13 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
             "off".into()
         }
     );
-    let z = &c.zero;
+}
+
+/// The ZeRO lines: stage, reductions, buckets, stage 3's settings,
+/// sharding and offload.
+fn print_zero(z: &ZeroConfig, gas: u64) {
     println!("  zero stage       {}", z.stage);
-    println!("  reductions       {}", reductions(z.stage, r.batch.gas));
+    println!("  reductions       {}", reductions(z.stage, gas));
     // Only what zrt acts on: allgather_bucket_size, contiguous_gradients
     // and stage3_max_reuse_distance change nothing here (the config warns
     // when they ask for something else).
@@ -319,6 +345,10 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         off(&z.offload_optimizer),
         off(&z.offload_param)
     );
+}
+
+/// The monitors and the comms logger.
+fn print_observers(c: &Config) {
     let monitors: Vec<String> = [
         ("csv_monitor", &c.monitor.csv),
         ("tensorboard", &c.monitor.tensorboard),
@@ -346,10 +376,6 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         ""
     };
     println!("  comms logger     {logged}{each}");
-    for w in &c.warnings {
-        println!("  warning: {w}");
-    }
-    Ok(())
 }
 
 /// When a stage reduces the gradients, under `gas` accumulation steps:

@@ -497,7 +497,7 @@ impl Inner {
     /// slot: nothing anyone reads yet), so that copy overlaps the peers'
     /// arrival instead of delaying its own. The rounds' buffers are
     /// therefore thirds of a slot, at least three along the ring
-    /// ([`Inner::buf_at`]): round j + 1's staging writes a buffer that
+    /// ([`ring_bufs`]): round j + 1's staging writes a buffer that
     /// round j - 2 read at the latest, and every reader of it has arrived
     /// at round j - 1's barrier, which this rank has passed (the next
     /// operation's agreement barrier protects the last rounds).

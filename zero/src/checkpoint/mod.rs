@@ -43,7 +43,7 @@
 //! any element from whichever rank's file holds it: that is how a
 //! checkpoint saved on one world size or stage loads on another (DeepSpeed's
 //! universal checkpoint, without a conversion step), and how
-//! [`consolidate`] rebuilds the model's original tensors offline.
+//! [`consolidate()`] rebuilds the model's original tensors offline.
 
 pub(crate) mod consolidate;
 mod error;

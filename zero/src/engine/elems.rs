@@ -29,7 +29,7 @@ impl Elems {
     /// `padded` elements.
     ///
     /// # Safety
-    /// As [`elems`]: `flat` has storage for `padded` elements of that dtype
+    /// As [`elems()`]: `flat` has storage for `padded` elements of that dtype
     /// and nothing writes it meanwhile (the engine's state lock).
     pub(super) unsafe fn of_flat(
         flat: &Tensor,

@@ -814,6 +814,94 @@ mod tests {
     }
 
     #[test]
+    fn random_zero_chunks_and_write_flags_keep_what_a_model_of_the_file_says() {
+        // Against a plain model of the arrays: random region lengths,
+        // random chunks keeping the last array zero, and passes that
+        // change every array but write back a random subset of them.
+        let d = dir("zero-last-random");
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for case in 0..12 {
+            let arrays = 2 + next(2) as usize;
+            let lens: Vec<usize> = (0..1 + next(3)).map(|_| next(4000) as usize).collect();
+            let mut swap = Swap::create(&cfg(&d, 1 + next(3) as usize), arrays, &lens).unwrap();
+            // Per region, which chunks (of 1024) keep the last array zero.
+            let zero: Vec<Vec<bool>> = (lens.iter())
+                .map(|n| (0..n.div_ceil(1024)).map(|_| next(2) == 0).collect())
+                .collect();
+            for (r, z) in zero.iter().enumerate() {
+                let z = z.clone();
+                swap.keep_last_zero(r, move |e| z[e.start / 1024]).unwrap();
+            }
+            let is_zero = |r: usize, a: usize, i: usize| a + 1 == arrays && zero[r][i / 1024];
+            let mut model: Vec<Vec<Vec<f32>>> = (lens.iter().enumerate())
+                .map(|(r, &n)| {
+                    (0..arrays)
+                        .map(|a| {
+                            (0..n)
+                                .map(|i| (r * 1_000_000 + a * 10_000 + i) as f32)
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            for (r, arrays) in model.iter().enumerate() {
+                let refs: Vec<&[f32]> = arrays.iter().map(Vec::as_slice).collect();
+                swap.write_region(r, &refs).unwrap();
+            }
+            for (r, region) in model.iter_mut().enumerate() {
+                for (a, array) in region.iter_mut().enumerate() {
+                    for (i, x) in array.iter_mut().enumerate() {
+                        if is_zero(r, a, i) {
+                            *x = 0.0;
+                        }
+                    }
+                }
+            }
+            for pass in 0..3 {
+                let write: Vec<bool> = (0..arrays).map(|_| next(2) == 0).collect();
+                let add = (pass + 1) as f32;
+                swap.stream_writing(
+                    &write,
+                    |r, range, parts: &mut [&mut [f32]]| -> Result<(), OffloadError> {
+                        for (a, part) in parts.iter_mut().enumerate() {
+                            assert_eq!(&part[..], &model[r][a][range.clone()], "case {case}");
+                            part.iter_mut().for_each(|x| *x += add);
+                        }
+                        Ok(())
+                    },
+                )
+                .unwrap();
+                for (r, region) in model.iter_mut().enumerate() {
+                    for (a, array) in region.iter_mut().enumerate() {
+                        for (i, x) in array.iter_mut().enumerate() {
+                            if write[a] && !is_zero(r, a, i) {
+                                *x += add;
+                            }
+                        }
+                    }
+                }
+                for (r, &n) in lens.iter().enumerate() {
+                    let mut out = vec![vec![0f32; n]; arrays];
+                    let mut refs: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+                    swap.read_region(r, &mut refs).unwrap();
+                    assert_eq!(out, model[r], "case {case} pass {pass} region {r}");
+                    // The file itself, where streams skip the zero pieces.
+                    let mut last = vec![0f32; n];
+                    swap.read_array(r, arrays - 1, &mut last).unwrap();
+                    assert_eq!(last, model[r][arrays - 1], "case {case} pass {pass}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
     fn the_swap_says_whether_it_bypasses_the_page_cache() {
         let d = dir("direct");
         // Whether this filesystem takes O_DIRECT at all (tmpfs does not).

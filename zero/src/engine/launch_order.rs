@@ -1,5 +1,7 @@
 //! The order every rank reduces the units in when some ranks' losses may
-//! leave some out ([`crate::ShardPlan::unused_on_some_ranks`]).
+//! leave some out ([`crate::ShardPlan::unused_on_some_ranks`]), and at
+//! stage 1 always (its boundary backward reduces in it, declared units or
+//! not).
 //!
 //! Each unit is reduced from a hook once its gradients are whole, so its
 //! reduction overlaps the backward of the units before it. That is safe as

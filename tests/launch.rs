@@ -21,7 +21,7 @@ fn text(o: &std::process::Output) -> String {
 fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
     let o = zrt()
         .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
-        .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${#ZRT_TOKEN}; echo err >&2")
+        .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${#ZRT_TOKEN} $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS; echo err >&2")
         .output()
         .unwrap();
     let t = text(&o);
@@ -29,7 +29,7 @@ fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
     for r in 0..3 {
         // A 32-hex-digit token was generated and passed.
         assert!(
-            t.contains(&format!("[rank {r}] env {r} 3 {r} 3 127.0.0.1 32")),
+            t.contains(&format!("[rank {r}] env {r} 3 {r} 3 127.0.0.1 32 0 0")),
             "{t}"
         );
         assert!(t.contains(&format!("[rank {r}] err")), "{t}");
@@ -163,7 +163,8 @@ fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
     );
     assert_eq!(o.status.code(), Some(7));
     assert!(
-        text(&o).contains("zrt launch: rank 1 exited with code 7; stopping the other 2 rank(s)"),
+        text(&o).contains("zrt launch: rank 1 exited with code 7; stopping the other 2 rank(s)")
+            && !text(&o).contains("restart"),
         "{}",
         text(&o)
     );
@@ -181,6 +182,156 @@ fn a_failing_rank_stops_the_others_and_its_code_is_the_launchers() {
         ) && !t.contains("out-of-memory"),
         "{t}"
     );
+}
+
+/// The lines `[rank R] attempt A port P` a restart test's ranks printed,
+/// as (attempt, rank, port).
+fn attempts(t: &str) -> Vec<(u32, usize, u16)> {
+    let mut seen: Vec<(u32, usize, u16)> = t
+        .lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w[..] {
+                ["[rank", r, "attempt", a, "port", p] => Some((
+                    a.parse().ok()?,
+                    r.trim_end_matches(']').parse().ok()?,
+                    p.parse().ok()?,
+                )),
+                _ => None,
+            }
+        })
+        .collect();
+    seen.sort();
+    seen
+}
+
+/// Runs `f` with the path (in shell syntax) of a file one rank of each
+/// attempt touches once it has said its line, so that its peer fails only
+/// then: `up$TORCHELASTIC_RESTART_COUNT` in a fresh folder.
+fn with_handshake<R>(name: &str, f: impl FnOnce(&str) -> R) -> R {
+    let dir = std::env::temp_dir().join(format!("zrt-launch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = f(&format!("{}/up$TORCHELASTIC_RESTART_COUNT", dir.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+/// Shell that waits (at most 30 s) for the file `up`.
+fn wait_for(up: &str) -> String {
+    format!("i=0; while [ ! -e \"{up}\" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done")
+}
+
+#[test]
+fn a_failed_job_starts_again_whole_while_max_restarts_allows() {
+    // Rank 1 fails on the first two attempts, rank 0 waiting meanwhile;
+    // the third attempt succeeds, and so does the launcher.
+    let t0 = Instant::now();
+    let o = with_handshake("restarts", |up| {
+        zrt()
+            .args(["launch", "--nproc-per-node", "2", "--max-restarts", "3"])
+            .args(["--", "sh", "-c"])
+            .arg(format!(
+                "echo attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT; \
+                 [ $TORCHELASTIC_MAX_RESTARTS = 3 ] || exit 9; \
+                 if [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then \
+                   if [ $RANK = 1 ]; then {}; exit 3; fi; touch \"{up}\"; sleep 60; fi",
+                wait_for(up)
+            ))
+            .output()
+            .unwrap()
+    });
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let seen = attempts(&t);
+    let who: Vec<(u32, usize)> = seen.iter().map(|&(a, r, _)| (a, r)).collect();
+    assert_eq!(who, [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], "{t}");
+    // Each attempt meets at a rendezvous of its own.
+    let ports: std::collections::BTreeSet<u16> = seen.iter().map(|&(_, _, p)| p).collect();
+    assert_eq!(ports.len(), 3, "{t}");
+    for n in 1..=2 {
+        assert!(
+            t.contains(&format!(
+                "zrt launch: restarting every rank (restart {n} of 3; the ranks see TORCHELASTIC_RESTART_COUNT={n}"
+            )),
+            "{t}"
+        );
+    }
+    assert_eq!(
+        t.matches("zrt launch: rank 1 exited with code 3; stopping the other 1 rank(s)")
+            .count(),
+        2,
+        "{t}"
+    );
+    assert!(!t.contains("restart 3 of 3"), "{t}");
+}
+
+#[test]
+fn a_job_that_keeps_failing_exits_with_its_code_once_the_restarts_run_out() {
+    let o = with_handshake("no-restarts-left", |up| {
+        zrt()
+            .args(["launch", "--nproc-per-node", "2", "--max-restarts", "2"])
+            .args(["--", "sh", "-c"])
+            .arg(format!(
+                "echo attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT; \
+                 if [ $RANK = 0 ]; then {}; exit 5; fi; touch \"{up}\"; sleep 60",
+                wait_for(up)
+            ))
+            .output()
+            .unwrap()
+    });
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(5), "{t}");
+    let who: Vec<(u32, usize)> = attempts(&t).iter().map(|&(a, r, _)| (a, r)).collect();
+    assert_eq!(who, [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], "{t}");
+    assert!(
+        t.contains("restart 2 of 2")
+            && t.trim_end().ends_with(
+                "zrt launch: no restarts left (--max-restarts 2 used); exiting with code 5"
+            ),
+        "{t}"
+    );
+}
+
+#[test]
+fn ctrl_c_ends_a_job_that_may_restart() {
+    // The launcher's own signal is the user's decision, not a rank's
+    // failure: no attempt follows it.
+    let mut child = zrt()
+        .args(["launch", "--nproc-per-node", "2", "--max-restarts", "3"])
+        .args(["--", "sh", "-c"])
+        .arg("echo attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT; sleep 60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Signalled once both ranks run (they said so), not at a guessed time.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut said = String::new();
+    while attempts(&said).len() < 2 {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut out, &mut line).unwrap() == 0 {
+            break;
+        }
+        said.push_str(&line);
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    std::io::Read::read_to_string(&mut out, &mut said).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let t = format!("{said}{}", text(&o));
+    assert_eq!(o.status.code(), Some(130), "{t}");
+    assert!(
+        t.contains("got signal 2, forwarding it to every rank") && !t.contains("restarting"),
+        "{t}"
+    );
+    let who: Vec<(u32, usize)> = attempts(&t).iter().map(|&(a, r, _)| (a, r)).collect();
+    assert_eq!(who, [(0, 0), (0, 1)], "{t}");
 }
 
 /// Runs two ranks under `zrt launch LAUNCH_ARGS` where rank `failing.0`
@@ -409,7 +560,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn bad_arguments_are_refused_with_the_fix() {
-    let cases: [(&[&str], &[&str]); 9] = [
+    let cases: [(&[&str], &[&str]); 10] = [
         (
             &[
                 "--nproc-per-node",
@@ -475,6 +626,24 @@ fn bad_arguments_are_refused_with_the_fix() {
         (
             &["--nproc-per-node", "1", "--grace", "NaN", "--", "true"],
             &["--grace NaN must be a number of seconds, 0 or more"],
+        ),
+        // Refused before the token is asked for: the restarts are the
+        // mistake to mend first.
+        (
+            &[
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--max-restarts",
+                "1",
+                "--",
+                "true",
+            ],
+            &[
+                "--max-restarts restarts the ranks of a one-node job only",
+                "run with --max-restarts 0 and restart the whole job from its checkpoints",
+            ],
         ),
     ];
     for (args, want) in cases {

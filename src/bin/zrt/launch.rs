@@ -7,8 +7,10 @@
 //! ranks run in their own process group: Ctrl-C reaches the launcher once and
 //! is forwarded to every rank. When a rank exits non-zero, the others are
 //! stopped (SIGTERM, then SIGKILL after a grace period) and the launcher
-//! exits with that rank's code, naming it. Ranks also get the PyTorch
-//! wheel's NCCL on LD_LIBRARY_PATH (see `nccl_dir`).
+//! exits with that rank's code, naming it, unless `--max-restarts` lets it
+//! start every rank again (a one-node job; each attempt with a fresh
+//! rendezvous and TORCHELASTIC_RESTART_COUNT, as torchrun's). Ranks also
+//! get the PyTorch wheel's NCCL on LD_LIBRARY_PATH (see `nccl_dir`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -41,6 +43,12 @@ pub struct LaunchArgs {
     /// Seconds ranks get to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
+    /// Times every rank is started again after one fails (torchrun's
+    /// `--max-restarts`; one-node jobs only). Each attempt gets a fresh
+    /// rendezvous, and the ranks see the attempt in
+    /// TORCHELASTIC_RESTART_COUNT (0 for the first).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
     /// The program and its arguments, after `--`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, num_args = 1..)]
     program: Vec<String>,
@@ -271,141 +279,216 @@ fn code_of(st: std::process::ExitStatus) -> i32 {
     st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
 
-/// Runs the job; returns the launcher's exit code.
-pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
-    if a.nproc_per_node == 0 || a.nnodes == 0 {
-        bail!("--nproc-per-node and --nnodes must be at least 1");
-    }
-    if a.node_rank >= a.nnodes {
-        bail!(
-            "--node-rank {} must be below --nnodes {}",
-            a.node_rank,
-            a.nnodes
-        );
-    }
-    let Some(world) = a.nnodes.checked_mul(a.nproc_per_node) else {
-        bail!(
-            "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
-            a.nnodes,
-            a.nproc_per_node
-        );
-    };
-    // Port 0 would have rank 0's store listen on a port the kernel picks,
-    // which no other rank could know: they would wait out the timeout.
-    if a.master_port == Some(0) {
-        bail!("--master-port 0 names no port the ranks could meet on: give a port from 1 to 65535, or leave it out on one node for a free one");
-    }
-    let grace = match Duration::try_from_secs_f64(a.grace) {
-        Ok(g) => g,
-        Err(_) => bail!(
-            "--grace {} must be a number of seconds, 0 or more (how long ranks get between SIGTERM and SIGKILL)",
-            a.grace
-        ),
-    };
-    let token = match std::env::var("ZRT_TOKEN") {
-        Ok(t) if !t.is_empty() => t,
-        _ if a.nnodes > 1 => bail!(
-            "a job on several nodes needs the same ZRT_TOKEN on every node: export ZRT_TOKEN=<random hex> on each before `zrt launch`"
-        ),
-        _ => random_token()?,
-    };
-    let port = match a.master_port {
-        Some(p) => p,
-        None if a.nnodes == 1 => zrt::collectives::store::free_store_port(&a.master_addr)?,
-        None => 29500,
-    };
-    let ld_path = nccl_dir().map(|d| {
-        let mut p = d.into_os_string();
-        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-            p.push(":");
-            p.push(old);
+/// What every attempt of a job shares, worked out from the arguments once.
+struct Job<'a> {
+    a: &'a LaunchArgs,
+    world: usize,
+    grace: Duration,
+    /// The user's ZRT_TOKEN; `None`: a fresh one for each attempt.
+    token: Option<String>,
+    /// The port asked for, or a multi-node job's default; `None`: a free
+    /// one for each attempt.
+    port: Option<u16>,
+    /// The ranks' LD_LIBRARY_PATH, when the wheel's NCCL goes on it.
+    ld_path: Option<std::ffi::OsString>,
+    /// OMP_NUM_THREADS for each rank, when the user set none.
+    omp_threads: Option<(usize, usize)>,
+}
+
+impl<'a> Job<'a> {
+    /// Checks the arguments and the environment: every mistake is refused
+    /// here, before a rank starts.
+    fn checked(a: &'a LaunchArgs) -> Result<Self> {
+        if a.nproc_per_node == 0 || a.nnodes == 0 {
+            bail!("--nproc-per-node and --nnodes must be at least 1");
         }
-        p
-    });
-    // SAFETY: installing a handler that only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
-    let omp_threads = omp_threads(
-        // Empty is unset to OpenMP too.
-        std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty()),
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-        a.nproc_per_node,
-    );
-    if let Some((threads, cores)) = omp_threads {
-        eprintln!(
-            "zrt launch: OMP_NUM_THREADS is not set: each rank gets {threads} thread(s), \
-             this node's {cores} core(s) shared by {} ranks; set OMP_NUM_THREADS to choose",
-            a.nproc_per_node
+        if a.node_rank >= a.nnodes {
+            bail!(
+                "--node-rank {} must be below --nnodes {}",
+                a.node_rank,
+                a.nnodes
+            );
+        }
+        let Some(world) = a.nnodes.checked_mul(a.nproc_per_node) else {
+            bail!(
+                "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
+                a.nnodes,
+                a.nproc_per_node
+            );
+        };
+        // Port 0 would have rank 0's store listen on a port the kernel picks,
+        // which no other rank could know: they would wait out the timeout.
+        if a.master_port == Some(0) {
+            bail!("--master-port 0 names no port the ranks could meet on: give a port from 1 to 65535, or leave it out on one node for a free one");
+        }
+        // Each node's launcher would restart its own ranks, on its own
+        // count, into a rendezvous the others may have left or not reached
+        // yet: torchrun's elastic agent agrees each round across nodes,
+        // which zrt launch has no counterpart of.
+        if a.max_restarts > 0 && a.nnodes > 1 {
+            bail!(
+                "--max-restarts restarts the ranks of a one-node job only: launchers on {} nodes would each restart their own ranks with nothing to agree the new attempt between them; run with --max-restarts 0 and restart the whole job from its checkpoints (every node's launcher again)",
+                a.nnodes
+            );
+        }
+        let grace = match Duration::try_from_secs_f64(a.grace) {
+            Ok(g) => g,
+            Err(_) => bail!(
+                "--grace {} must be a number of seconds, 0 or more (how long ranks get between SIGTERM and SIGKILL)",
+                a.grace
+            ),
+        };
+        let token = match std::env::var("ZRT_TOKEN") {
+            Ok(t) if !t.is_empty() => Some(t),
+            _ if a.nnodes > 1 => bail!(
+                "a job on several nodes needs the same ZRT_TOKEN on every node: export ZRT_TOKEN=<random hex> on each before `zrt launch`"
+            ),
+            _ => None,
+        };
+        let port = match a.master_port {
+            Some(p) => Some(p),
+            None if a.nnodes == 1 => None,
+            None => Some(29500),
+        };
+        let ld_path = nccl_dir().map(|d| {
+            let mut p = d.into_os_string();
+            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+                p.push(":");
+                p.push(old);
+            }
+            p
+        });
+        let omp_threads = omp_threads(
+            // Empty is unset to OpenMP too.
+            std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty()),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            a.nproc_per_node,
         );
+        Ok(Self {
+            a,
+            world,
+            grace,
+            token,
+            port,
+            ld_path,
+            omp_threads,
+        })
     }
-    // Read before any rank starts, so a rank the OOM killer takes can be
-    // told from one killed by hand.
-    let oom_before = oom_kills();
-    let mut children = Vec::new();
-    let mut groups: Vec<libc::pid_t> = Vec::new();
-    let mut pumps = Vec::new();
+}
+
+/// One attempt's ranks: the processes, the process groups they lead, and
+/// the threads copying their output.
+struct Ranks {
+    children: Vec<(usize, Child)>,
+    groups: Vec<libc::pid_t>,
+    pumps: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Starts this node's ranks for attempt `restart` (0 for the first) of the
+/// job; a rank that cannot start stops those already started.
+fn start(job: &Job, restart: u32) -> Result<Ranks> {
+    let a = job.a;
+    // A fresh rendezvous for each attempt: nothing of an earlier one's
+    // store (its port, its token) is met again.
+    let token = match &job.token {
+        Some(t) => t.clone(),
+        None => random_token()?,
+    };
+    let port = match job.port {
+        Some(p) => p,
+        None => zrt::collectives::store::free_store_port(&a.master_addr)?,
+    };
+    let mut r = Ranks {
+        children: Vec::new(),
+        groups: Vec::new(),
+        pumps: Vec::new(),
+    };
     for local in 0..a.nproc_per_node {
         let rank = a.node_rank * a.nproc_per_node + local;
         let mut cmd = Command::new(&a.program[0]);
         cmd.args(&a.program[1..])
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
+            .env("WORLD_SIZE", job.world.to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("ZRT_TOKEN", &token)
+            // torchrun's names, which programs read to tell a restart.
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Own process group: a terminal's Ctrl-C reaches only the launcher,
             // which forwards it exactly once.
             .process_group(0);
-        if let Some(p) = &ld_path {
+        if let Some(p) = &job.ld_path {
             cmd.env("LD_LIBRARY_PATH", p);
         }
-        if let Some((threads, _)) = omp_threads {
+        if let Some((threads, _)) = job.omp_threads {
             cmd.env("OMP_NUM_THREADS", threads.to_string());
         }
         die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                stop_all(&mut children, libc::SIGTERM, grace);
+                stop_all(&mut r.children, libc::SIGTERM, job.grace);
                 bail!("cannot start `{}` for rank {rank}: {e}", a.program[0]);
             }
         };
-        groups.push(child.id() as libc::pid_t);
+        r.groups.push(child.id() as libc::pid_t);
         if let Some(o) = child.stdout.take() {
-            pumps.push(pump(rank, o, false));
+            r.pumps.push(pump(rank, o, false));
         }
         if let Some(e) = child.stderr.take() {
-            pumps.push(pump(rank, e, true));
+            r.pumps.push(pump(rank, e, true));
         }
-        children.push((rank, child));
+        r.children.push((rank, child));
     }
+    Ok(r)
+}
 
-    let mut failed: Option<(usize, i32)> = None;
+/// How an attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// Every rank exited with code 0.
+    Done,
+    /// The launcher got `signal` and passed it on.
+    Signalled(i32),
+    /// `rank` was the first to fail, with `code` (128 + the signal that
+    /// killed it).
+    Failed { rank: usize, code: i32 },
+}
+
+/// Waits for an attempt's ranks: when one fails (or the launcher gets a
+/// signal) the others are stopped. Returns once every rank and everything
+/// they started is gone and their output is copied out.
+fn supervise(mut r: Ranks, grace: Duration) -> Result<Ended> {
+    // Read before waiting, so a rank the OOM killer takes can be told from
+    // one killed by hand (the ranks are only just started).
+    let oom_before = oom_kills();
+    let mut ended = Ended::Done;
     // Whether the failure named is the OOM killer's.
     let mut named_oom = false;
-    while !children.is_empty() {
+    while !r.children.is_empty() {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("zrt launch: got signal {sig}, forwarding it to every rank");
-            stop_all(&mut children, sig, grace);
-            failed.get_or_insert((usize::MAX, 128 + sig));
+            stop_all(&mut r.children, sig, grace);
+            if ended == Ended::Done {
+                ended = Ended::Signalled(sig);
+            }
             break;
         }
         let mut i = 0;
-        while i < children.len() {
-            match children[i].1.try_wait() {
+        while i < r.children.len() {
+            match r.children[i].1.try_wait() {
                 Ok(Some(st)) => {
-                    let (rank, _) = children.remove(i);
+                    let (rank, _) = r.children.remove(i);
                     let code = code_of(st);
-                    if code != 0 && failed.is_none() {
-                        failed = Some((rank, code));
+                    if code != 0 && ended == Ended::Done {
+                        ended = Ended::Failed { rank, code };
                         let oom = oom_kills_since(oom_before, oom_kills());
                         named_oom = st.signal().is_some_and(|s| oom_took(s, oom));
                         let how = match st.signal() {
@@ -414,17 +497,17 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                         };
                         eprintln!(
                             "zrt launch: rank {rank} {how}; stopping the other {} rank(s)",
-                            children.len()
+                            r.children.len()
                         );
-                        stop_all(&mut children, libc::SIGTERM, grace);
+                        stop_all(&mut r.children, libc::SIGTERM, grace);
                     }
                 }
                 Ok(None) => i += 1,
                 Err(e) => {
                     // The ranks lead their own process groups: a launcher that
                     // returned here without stopping them would orphan them.
-                    let rank = children[i].0;
-                    stop_all(&mut children, libc::SIGTERM, grace);
+                    let rank = r.children[i].0;
+                    stop_all(&mut r.children, libc::SIGTERM, grace);
                     bail!("waiting for rank {rank}: {e}; stopped every rank");
                 }
             }
@@ -433,27 +516,71 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     }
     // The job's processes end with the job: anything a rank left running in
     // its process group would otherwise keep its output pipe (and us) open.
-    for pg in groups {
+    for pg in r.groups {
         // SAFETY: kill(2) on process groups our children led; an empty group is ESRCH.
         unsafe { libc::kill(-pg, libc::SIGKILL) };
     }
-    for p in pumps {
+    for p in r.pumps {
         let _ = p.join();
     }
     // A rank the OOM killer took may not be the one named above: its peers
     // can fail first (a collective naming the dead rank), or it may have
     // been a child process of a rank.
     let oom = oom_kills_since(oom_before, oom_kills());
-    if oom > 0 && failed.is_some() && !named_oom {
+    if oom > 0 && ended != Ended::Done && !named_oom {
         eprintln!(
             "zrt launch: the kernel's out-of-memory killer killed {oom} process(es) on this \
              node while the job ran; if they were the job's, {OOM_FIX}"
         );
     }
-    Ok(match failed {
-        None => ExitCode::SUCCESS,
-        Some((_, code)) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-    })
+    Ok(ended)
+}
+
+/// Runs the job, restarting every rank after a failure while
+/// `--max-restarts` allows; returns the launcher's exit code.
+pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
+    let job = Job::checked(a)?;
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    if let Some((threads, cores)) = job.omp_threads {
+        eprintln!(
+            "zrt launch: OMP_NUM_THREADS is not set: each rank gets {threads} thread(s), \
+             this node's {cores} core(s) shared by {} ranks; set OMP_NUM_THREADS to choose",
+            a.nproc_per_node
+        );
+    }
+    let mut restart = 0;
+    loop {
+        let ended = supervise(start(&job, restart)?, job.grace)?;
+        let code = match ended {
+            Ended::Done => return Ok(ExitCode::SUCCESS),
+            Ended::Signalled(sig) => 128 + sig,
+            Ended::Failed { code, .. } => code,
+        };
+        // A signal to the launcher (Ctrl-C, a scheduler's SIGTERM) ends the
+        // job, even one that arrived while the ranks were being stopped.
+        let signalled = SIGNAL.load(Ordering::SeqCst) != 0;
+        if let (Ended::Failed { .. }, false) = (ended, signalled) {
+            if restart < a.max_restarts {
+                restart += 1;
+                eprintln!(
+                    "zrt launch: restarting every rank (restart {restart} of {}; the ranks see TORCHELASTIC_RESTART_COUNT={restart}: a program that loads its latest checkpoint goes on from there)",
+                    a.max_restarts
+                );
+                continue;
+            }
+            if a.max_restarts > 0 {
+                eprintln!(
+                    "zrt launch: no restarts left (--max-restarts {} used); exiting with code {code}",
+                    a.max_restarts
+                );
+            }
+        }
+        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+    }
 }
 
 #[cfg(test)]

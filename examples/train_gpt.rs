@@ -49,6 +49,9 @@ struct Args {
     /// forward, the block running (`--mlp-drop`), drawn on each rank
     /// apart: experts that a rank's tokens did not reach, as it were.
     mlp_drop: f64,
+    /// The step at whose start the last rank exits on the job's first
+    /// attempt (`--fail-at`), as a crashed rank would.
+    fail_at: Option<u64>,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -112,6 +115,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--mlp-drop",
         "P",
         "leave each block's MLP out of a micro-batch's forward with chance P, drawn on each rank apart, the block running (as experts no token reached; declared with ShardPlan::partly_unused_on_some_ranks, which stage 3 keeps sharded)",
+    ),
+    (
+        "--fail-at",
+        "N",
+        "on the job's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), the last rank exits with code 3 at the start of step N, as a crashed rank would: to see `zrt launch --max-restarts` and --resume go on from the latest checkpoint",
     ),
     ("--help", "", "print this and exit"),
 ];
@@ -226,6 +234,10 @@ fn parse_args() -> Result<Option<Args>> {
         checkpoint: opts.contains_key("--checkpoint-activations"),
         layerdrop: chance("--layerdrop")?,
         mlp_drop: chance("--mlp-drop")?,
+        fail_at: match get("--fail-at") {
+            None => None,
+            Some(_) => Some(num("--fail-at", 1, 1)? as u64),
+        },
     }))
 }
 
@@ -279,6 +291,12 @@ fn corpus(dir: Option<&Path>) -> Result<(Vec<u8>, String)> {
             .collect::<Vec<_>>()
             .join(", ")
     )
+}
+
+/// Whether this is the job's first attempt: `zrt launch --max-restarts`
+/// (as torchrun) counts restarts in TORCHELASTIC_RESTART_COUNT.
+fn first_attempt() -> bool {
+    std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c.trim() == "0")
 }
 
 /// `n` windows of `len` bytes from `data` (longer than `len`), chosen by
@@ -466,6 +484,13 @@ fn main() -> Result<()> {
     // MLP drop: MLPs this rank left out.
     let (mut left_out, mut runs, mut mlps_out) = (0usize, 0usize, 0usize);
     for step in start..=a.steps {
+        if a.fail_at == Some(step) && rank + 1 == n && first_attempt() {
+            eprintln!(
+                "rank {rank} exits at the start of step {step} on purpose (--fail-at {step}; the job's first attempt)"
+            );
+            // No unwinding, no destructors: as a process that crashed.
+            std::process::exit(3);
+        }
         let mut sum = 0.0;
         for k in 0..gas {
             let seed = ((step * gas + k) * n as u64) + rank as u64;

@@ -835,10 +835,18 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
 /// `zrt launch` of the main job on 2 processes (shm backend) with `args`;
 /// what it printed.
 fn train_gpt(args: &[&str]) -> String {
+    train_gpt_launched(&[], args)
+}
+
+/// `zrt launch LAUNCH_ARGS` of the main job on 2 processes (shm backend)
+/// with `args`; what it printed.
+fn train_gpt_launched(launch_args: &[&str], args: &[&str]) -> String {
     let example = common::example("train_gpt");
     let o = common::output_elsewhere(
         std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["launch", "--nproc-per-node", "2", "--"])
+            .args(["launch", "--nproc-per-node", "2"])
+            .args(launch_args)
+            .arg("--")
             .arg(example)
             .args([
                 "--layers",
@@ -858,6 +866,24 @@ fn train_gpt(args: &[&str]) -> String {
     text
 }
 
+/// The weights of the main job's checkpoint `step4` in `d`, by name.
+fn step4_weights(d: &Path) -> Params {
+    // The header's metadata map has no fixed order: compare the tensors.
+    let out = d.join("model.safetensors");
+    zrt::zero::checkpoint::consolidate(
+        d,
+        Some("step4"),
+        &out,
+        zrt::zero::checkpoint::ExportDtype::F32,
+    )
+    .unwrap();
+    let mut t = Tensor::read_safetensors(&out).unwrap();
+    t.sort_by(|x, y| x.0.cmp(&y.0));
+    t.into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
+        .collect::<Params>()
+}
+
 /// The main job with `args` for 4 steps, and for 2 then 2 more with
 /// `--resume`, in fresh processes; both runs' final weights, and what the
 /// resumed run printed.
@@ -868,23 +894,7 @@ fn main_job_straight_and_resumed(name: &str, args: &[&str]) -> (Params, Params, 
     train_gpt(&[args, &["--steps", "4", "--save-dir", a_s]].concat());
     train_gpt(&[args, &["--steps", "2", "--save-dir", b_s]].concat());
     let said = train_gpt(&[args, &["--steps", "4", "--save-dir", b_s, "--resume"]].concat());
-    // The header's metadata map has no fixed order: compare the tensors.
-    let export = |d: &Path| {
-        let out = d.join("model.safetensors");
-        zrt::zero::checkpoint::consolidate(
-            d,
-            Some("step4"),
-            &out,
-            zrt::zero::checkpoint::ExportDtype::F32,
-        )
-        .unwrap();
-        let mut t = Tensor::read_safetensors(&out).unwrap();
-        t.sort_by(|x, y| x.0.cmp(&y.0));
-        t.into_iter()
-            .map(|(n, t)| (n, Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap()))
-            .collect::<Params>()
-    };
-    let (straight, resumed) = (export(&a), export(&b));
+    let (straight, resumed) = (step4_weights(&a), step4_weights(&b));
     // Resumed again with nothing left to do: it says so and trains nothing.
     let again = train_gpt(&[args, &["--steps", "4", "--save-dir", b_s, "--resume"]].concat());
     assert!(
@@ -944,6 +954,53 @@ fn the_main_job_with_mlps_left_out_on_each_rank_apart_trains_and_resumes_to_the_
     assert!(
         left_out.len() == 2 && left_out.iter().sum::<usize>() > 0,
         "{said}"
+    );
+}
+
+#[test]
+fn the_main_job_restarted_by_the_launcher_after_a_rank_fails_ends_with_the_same_bits() {
+    // Rank 1 exits at the start of step 4 on the first attempt, after the
+    // checkpoint of step 2; `zrt launch --max-restarts 1` starts both ranks
+    // again, which resume from it and train steps 3 and 4 once more.
+    let _serial = serial();
+    let dir = tmp("restarted");
+    let (a, b) = (dir.join("straight"), dir.join("restarted"));
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    train_gpt(&["--steps", "4", "--save-dir", a_s]);
+    let said = train_gpt_launched(
+        &["--max-restarts", "1"],
+        &[
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--save-dir",
+            b_s,
+            "--resume",
+            "--fail-at",
+            "4",
+        ],
+    );
+    for line in [
+        "[rank 1] rank 1 exits at the start of step 4 on purpose (--fail-at 4",
+        "zrt launch: rank 1 exited with code 3; stopping the other 1 rank(s)",
+        "zrt launch: restarting every rank (restart 1 of 1",
+        &format!("resumed from {b_s} (tag step2) at step 2"),
+    ] {
+        assert!(said.contains(line), "{line}: {said}");
+    }
+    assert_eq!(
+        said.matches("exits at the start of step").count(),
+        1,
+        "{said}"
+    );
+    let (straight, restarted) = (step4_weights(&a), step4_weights(&b));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!straight.is_empty());
+    assert_bits(
+        "4 steps, rank 1 failing at the start of step 4 and the job restarted, against 4",
+        &restarted,
+        &straight,
     );
 }
 

@@ -299,6 +299,61 @@ fn a_job_that_keeps_failing_exits_with_its_code_once_the_restarts_run_out() {
 }
 
 #[test]
+fn log_dir_keeps_each_attempts_output_of_each_rank() {
+    let logs = std::env::temp_dir().join(format!("zrt-launch-logs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&logs);
+    let o = with_handshake("log-dir-handshake", |up| {
+        zrt()
+            .args(["launch", "--nproc-per-node", "2", "--max-restarts", "1"])
+            .arg("--log-dir")
+            .arg(&logs)
+            .args(["--", "sh", "-c"])
+            .arg(format!(
+                "echo out $RANK $TORCHELASTIC_RESTART_COUNT; echo err $RANK >&2; \
+                 if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+                   if [ $RANK = 1 ]; then {}; exit 4; fi; touch \"{up}\"; sleep 60; fi",
+                wait_for(up)
+            ))
+            .output()
+            .unwrap()
+    });
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    // The console keeps its prefixed lines; the files hold the ranks' own.
+    assert!(
+        t.contains("[rank 1] out 1 0") && t.contains("[rank 1] out 1 1"),
+        "{t}"
+    );
+    for attempt in 0..2 {
+        for rank in 0..2 {
+            let d = logs.join(format!("attempt_{attempt}/rank_{rank}"));
+            let read = |f: &str| std::fs::read_to_string(d.join(f)).unwrap();
+            assert_eq!(read("stdout.log"), format!("out {rank} {attempt}\n"), "{t}");
+            assert_eq!(read("stderr.log"), format!("err {rank}\n"), "{t}");
+        }
+    }
+    // A folder that cannot be made: refused before any rank starts.
+    let file = logs.join("attempt_0/rank_0/stdout.log");
+    let o = zrt()
+        .args(["launch", "--nproc-per-node", "1", "--log-dir"])
+        .arg(&file)
+        .args(["--", "sh", "-c", "echo started"])
+        .output()
+        .unwrap();
+    let t = text(&o);
+    let _ = std::fs::remove_dir_all(&logs);
+    assert!(
+        !o.status.success()
+            && t.contains(&format!(
+                "--log-dir: cannot make {}/attempt_0/rank_0",
+                file.display()
+            ))
+            && !t.contains("started"),
+        "{t}"
+    );
+}
+
+#[test]
 fn ctrl_c_ends_a_job_that_may_restart() {
     // The launcher's own signal is the user's decision, not a rank's
     // failure: no attempt follows it.

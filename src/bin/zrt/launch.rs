@@ -49,6 +49,11 @@ pub struct LaunchArgs {
     /// TORCHELASTIC_RESTART_COUNT (0 for the first).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
+    /// Also write each rank's output, unprefixed, to
+    /// `DIR/attempt_N/rank_R/{stdout,stderr}.log` (torchrun's `--log-dir`),
+    /// one folder per attempt so a restart keeps the failure's logs.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<std::path::PathBuf>,
     /// The program and its arguments, after `--`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, num_args = 1..)]
     program: Vec<String>,
@@ -94,7 +99,8 @@ fn nccl_dir() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
-/// Copies `from` to our stdout/stderr line by line, prefixed with the rank.
+/// Copies `from` to our stdout/stderr line by line, prefixed with the rank,
+/// and to `log` (`--log-dir`) as the rank wrote it.
 ///
 /// Each prefixed line goes out in one `write`: `writeln!` on (unbuffered)
 /// stderr writes the prefix, the rank and the text separately, and when
@@ -104,6 +110,7 @@ fn pump(
     rank: usize,
     from: impl std::io::Read + Send + 'static,
     to_stderr: bool,
+    mut log: Option<std::fs::File>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = format!("[rank {rank}] ");
@@ -119,8 +126,41 @@ fn pump(
             } else {
                 write_line(&mut std::io::stdout().lock(), &out)
             };
+            // Written line by line, unbuffered: what a rank said before the
+            // launcher itself was killed is in the file.
+            if let Some(f) = &mut log {
+                if f.write_all(&out[prefix.len()..]).is_err() {
+                    // A full disk ends the copy to the file, not the job.
+                    log = None;
+                }
+            }
         }
     })
+}
+
+/// The files `--log-dir` has rank `rank`'s stdout and stderr written to on
+/// attempt `restart`: `DIR/attempt_N/rank_R/{stdout,stderr}.log`, replacing
+/// what an earlier job left there.
+fn log_files(dir: &std::path::Path, restart: u32, rank: usize) -> Result<[std::fs::File; 2]> {
+    let d = dir
+        .join(format!("attempt_{restart}"))
+        .join(format!("rank_{rank}"));
+    std::fs::create_dir_all(&d).with_context(|| {
+        format!(
+            "--log-dir: cannot make {} for rank {rank}'s output; give a folder this user can write to",
+            d.display()
+        )
+    })?;
+    let open = |name: &str| {
+        let p = d.join(name);
+        std::fs::File::create(&p).with_context(|| {
+            format!(
+                "--log-dir: cannot write {}; give a folder this user can write to",
+                p.display()
+            )
+        })
+    };
+    Ok([open("stdout.log")?, open("stderr.log")?])
 }
 
 /// Writes one whole line and flushes it, so it is not split across writes.
@@ -398,13 +438,23 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
         Some(p) => p,
         None => zrt::collectives::store::free_store_port(&a.master_addr)?,
     };
+    let ranks =
+        || (0..a.nproc_per_node).map(|local| (local, a.node_rank * a.nproc_per_node + local));
+    // Every log file made before any rank starts: a folder that cannot be
+    // written stops the job with no rank to stop.
+    let mut logs = Vec::new();
+    for (_, rank) in ranks() {
+        logs.push(match &a.log_dir {
+            Some(d) => log_files(d, restart, rank)?.map(Some),
+            None => [None, None],
+        });
+    }
     let mut r = Ranks {
         children: Vec::new(),
         groups: Vec::new(),
         pumps: Vec::new(),
     };
-    for local in 0..a.nproc_per_node {
-        let rank = a.node_rank * a.nproc_per_node + local;
+    for ((local, rank), [out_log, err_log]) in ranks().zip(logs) {
         let mut cmd = Command::new(&a.program[0]);
         cmd.args(&a.program[1..])
             .env("RANK", rank.to_string())
@@ -439,10 +489,10 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
         };
         r.groups.push(child.id() as libc::pid_t);
         if let Some(o) = child.stdout.take() {
-            r.pumps.push(pump(rank, o, false));
+            r.pumps.push(pump(rank, o, false, out_log));
         }
         if let Some(e) = child.stderr.take() {
-            r.pumps.push(pump(rank, e, true));
+            r.pumps.push(pump(rank, e, true, err_log));
         }
         r.children.push((rank, child));
     }

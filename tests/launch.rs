@@ -566,6 +566,121 @@ fn launchers_on_two_nodes_make_one_job() {
 }
 
 #[test]
+fn launchers_on_two_nodes_restart_the_job_together() {
+    // Node 1's rank fails at once on the first attempt, while node 0's
+    // waits for it to join: node 0's launcher stops its rank on node 1's
+    // report, and both start the second attempt, whose ranks meet at a
+    // fresh store on the same port and run the benchmark.
+    let port = free_port();
+    let script = "echo attempt $TORCHELASTIC_RESTART_COUNT; \
+                  if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi; exec \"$@\"";
+    let bench = [env!("CARGO_BIN_EXE_zrt")];
+    let restarts = ["--max-restarts", "2"];
+    let t0 = Instant::now();
+    let (a, b) = (
+        node_running(port, 0, 1, &restarts, &bench, script),
+        node_running(port, 1, 1, &restarts, &bench, script),
+    );
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (ta, tb) = (text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+    assert_eq!(ta.matches("[rank 0] @@zrt {\"results\"").count(), 1, "{ta}");
+    assert!(
+        ta.contains("zrt launch: node 1's rank 1 failed (code 3); stopping this node's 1 rank(s)"),
+        "{ta}"
+    );
+    assert!(tb.contains("zrt launch: rank 1 exited with code 3"), "{tb}");
+    for t in [&ta, &tb] {
+        assert!(t.contains("restarting every rank (restart 1 of 2"), "{t}");
+        assert!(!t.contains("restart 2 of 2"), "{t}");
+    }
+    // Rank 0 may be stopped before it says anything on the first attempt.
+    for (t, r, attempt) in [(&ta, 0, 1), (&tb, 1, 0), (&tb, 1, 1)] {
+        assert!(t.contains(&format!("[rank {r}] attempt {attempt}")), "{t}");
+    }
+}
+
+#[test]
+fn launchers_on_two_nodes_run_out_of_restarts_together() {
+    let port = free_port();
+    let script = "if [ $RANK = 0 ]; then exit 6; fi; exec \"$@\"";
+    let bench = [env!("CARGO_BIN_EXE_zrt")];
+    let restarts = ["--max-restarts", "1"];
+    let (a, b) = (
+        node_running(port, 0, 1, &restarts, &bench, script),
+        node_running(port, 1, 1, &restarts, &bench, script),
+    );
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    for o in [&a, &b] {
+        let t = text(o);
+        // Node 1 ends with node 0's rank's code, which it never saw.
+        assert_eq!(o.status.code(), Some(6), "{t}");
+        assert!(
+            t.contains("restart 1 of 1")
+                && t.contains(
+                    "zrt launch: no restarts left (--max-restarts 1 used); exiting with code 6"
+                ),
+            "{t}"
+        );
+    }
+}
+
+#[test]
+fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-int-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!("touch \"{}/up$RANK\"; sleep 60", dir.display());
+    let restarts = ["--max-restarts", "3"];
+    let (a, b) = (
+        node_running(port, 0, 1, &restarts, &[], &script),
+        node_running(port, 1, 1, &restarts, &[], &script),
+    );
+    let t0 = Instant::now();
+    while !(dir.join("up0").exists() && dir.join("up1").exists()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(b.id() as libc::pid_t, libc::SIGINT) };
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ta, tb) = (text(&a), text(&b));
+    assert_eq!(b.status.code(), Some(130), "{tb}");
+    assert_eq!(a.status.code(), Some(130), "{ta}");
+    assert!(
+        ta.contains("zrt launch: node 1's launcher got signal 2; stopping this node's 1 rank(s)"),
+        "{ta}"
+    );
+    for t in [&ta, &tb] {
+        assert!(!t.contains("restarting"), "{t}");
+    }
+}
+
+#[test]
+fn launchers_given_different_restarts_stop_naming_both() {
+    let port = free_port();
+    let (a, b) = (
+        node_running(port, 0, 1, &["--max-restarts", "1"], &["true"], ""),
+        node_running(port, 1, 1, &["--max-restarts", "2"], &["true"], ""),
+    );
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    for o in [&a, &b] {
+        let t = text(o);
+        assert!(!o.status.success(), "{t}");
+        assert!(
+            t.contains("node 1's launcher was given --nproc-per-node 1 --max-restarts 2, node 0's --nproc-per-node 1 --max-restarts 1: give every node's launcher the same"),
+            "{t}"
+        );
+    }
+}
+
+#[test]
 fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
     // Node 0's launcher is told one rank per node, node 1's two: rank 0
     // runs a world of 2, ranks 2 and 3 a world of 4, and rank 0 waited out
@@ -590,12 +705,31 @@ fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
 /// Node `rank` of a two-node job at `port` on this host, starting `nproc`
 /// ranks of the collectives benchmark over tcp (60 s timeout).
 fn node(port: u16, rank: usize, nproc: usize) -> std::process::Child {
-    zrt()
-        .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+    node_running(port, rank, nproc, &[], &[env!("CARGO_BIN_EXE_zrt")], "")
+}
+
+/// Node `rank` of a two-node job at `port` on this host, with
+/// `launch_args`, starting `nproc` ranks of `program`; each rank runs
+/// `sh -c SCRIPT` first when `script` is given, the program being `"$@"`
+/// there (tcp backend, 60 s timeout).
+fn node_running(
+    port: u16,
+    rank: usize,
+    nproc: usize,
+    launch_args: &[&str],
+    program: &[&str],
+    script: &str,
+) -> std::process::Child {
+    let mut c = zrt();
+    c.args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
         .args(["--nproc-per-node", &nproc.to_string()])
         .args(["--master-addr", "127.0.0.1"])
-        .args(["--master-port", &port.to_string(), "--"])
-        .arg(env!("CARGO_BIN_EXE_zrt"))
+        .args(launch_args)
+        .args(["--master-port", &port.to_string(), "--"]);
+    if !script.is_empty() {
+        c.args(["sh", "-c", script, "sh"]);
+    }
+    c.args(program)
         .args(["bench", "collectives-rank", "--sizes", "1", "--iters", "1"])
         .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
         .env("ZRT_BACKEND", "tcp")
@@ -682,8 +816,8 @@ fn bad_arguments_are_refused_with_the_fix() {
             &["--nproc-per-node", "1", "--grace", "NaN", "--", "true"],
             &["--grace NaN must be a number of seconds, 0 or more"],
         ),
-        // Refused before the token is asked for: the restarts are the
-        // mistake to mend first.
+        // Refused before the token is asked for: the port is the mistake
+        // to mend first.
         (
             &[
                 "--nproc-per-node",
@@ -692,13 +826,12 @@ fn bad_arguments_are_refused_with_the_fix() {
                 "2",
                 "--max-restarts",
                 "1",
+                "--master-port",
+                "65535",
                 "--",
                 "true",
             ],
-            &[
-                "--max-restarts restarts the ranks of a one-node job only",
-                "run with --max-restarts 0 and restart the whole job from its checkpoints",
-            ],
+            &["--master-port 65535 leaves no port above it for the launchers' own store"],
         ),
     ];
     for (args, want) in cases {

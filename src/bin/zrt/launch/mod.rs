@@ -8,8 +8,9 @@
 //! is forwarded to every rank. When a rank exits non-zero, the others are
 //! stopped (SIGTERM, then SIGKILL after a grace period) and the launcher
 //! exits with that rank's code, naming it, unless `--max-restarts` lets it
-//! start every rank again (a one-node job; each attempt with a fresh
-//! rendezvous and TORCHELASTIC_RESTART_COUNT, as torchrun's). Ranks also
+//! start every rank again (each attempt with a fresh rendezvous and
+//! TORCHELASTIC_RESTART_COUNT, as torchrun's; on several nodes the
+//! launchers restart together, see `agents`). Ranks also
 //! get the PyTorch wheel's NCCL on LD_LIBRARY_PATH (see `nccl_dir`).
 
 use std::io::{BufRead, BufReader, Write};
@@ -20,6 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+
+mod agents;
+use agents::{Agents, Failure};
 
 /// Options of `zrt launch`.
 #[derive(Args, Debug)]
@@ -44,7 +48,8 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
     /// Times every rank is started again after one fails (torchrun's
-    /// `--max-restarts`; one-node jobs only). Each attempt gets a fresh
+    /// `--max-restarts`; on several nodes every launcher restarts, meeting
+    /// at node 0's on MASTER_PORT + 1). Each attempt gets a fresh
     /// rendezvous, and the ranks see the attempt in
     /// TORCHELASTIC_RESTART_COUNT (0 for the first).
     #[arg(long, default_value_t = 0)]
@@ -64,6 +69,11 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
     SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+/// Whether the launcher got a signal (Ctrl-C, a scheduler's SIGTERM).
+fn signalled() -> bool {
+    SIGNAL.load(Ordering::SeqCst) != 0
 }
 
 fn random_token() -> Result<String> {
@@ -361,15 +371,10 @@ impl<'a> Job<'a> {
         if a.master_port == Some(0) {
             bail!("--master-port 0 names no port the ranks could meet on: give a port from 1 to 65535, or leave it out on one node for a free one");
         }
-        // Each node's launcher would restart its own ranks, on its own
-        // count, into a rendezvous the others may have left or not reached
-        // yet: torchrun's elastic agent agrees each round across nodes,
-        // which zrt launch has no counterpart of.
-        if a.max_restarts > 0 && a.nnodes > 1 {
-            bail!(
-                "--max-restarts restarts the ranks of a one-node job only: launchers on {} nodes would each restart their own ranks with nothing to agree the new attempt between them; run with --max-restarts 0 and restart the whole job from its checkpoints (every node's launcher again)",
-                a.nnodes
-            );
+        // Launchers on several nodes that may restart meet at a store of
+        // their own, on the port above the ranks' (see `agents`).
+        if a.master_port == Some(u16::MAX) && a.nnodes > 1 && a.max_restarts > 0 {
+            bail!("--master-port 65535 leaves no port above it for the launchers' own store, which a job on several nodes with --max-restarts needs (MASTER_PORT + 1): give a lower port");
         }
         let grace = match Duration::try_from_secs_f64(a.grace) {
             Ok(g) => g,
@@ -390,6 +395,7 @@ impl<'a> Job<'a> {
             None if a.nnodes == 1 => None,
             None => Some(29500),
         };
+
         let ld_path = nccl_dir().map(|d| {
             let mut p = d.into_os_string();
             if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -500,8 +506,11 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
 }
 
 /// How an attempt ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Ended {
+    /// Another node's launcher reported this failure; this node's ranks
+    /// were stopped for it.
+    PeerFailed(Failure),
     /// Every rank exited with code 0.
     Done,
     /// The launcher got `signal` and passed it on.
@@ -512,9 +521,14 @@ enum Ended {
 }
 
 /// Waits for an attempt's ranks: when one fails (or the launcher gets a
-/// signal) the others are stopped. Returns once every rank and everything
-/// they started is gone and their output is copied out.
-fn supervise(mut r: Ranks, grace: Duration) -> Result<Ended> {
+/// signal, or `peer` reports another node's failure) the others are
+/// stopped. Returns once every rank and everything they started is gone
+/// and their output is copied out.
+fn supervise(
+    mut r: Ranks,
+    grace: Duration,
+    peer: &mut dyn FnMut() -> Result<Option<Failure>>,
+) -> Result<Ended> {
     // Read before waiting, so a rank the OOM killer takes can be told from
     // one killed by hand (the ranks are only just started).
     let oom_before = oom_kills();
@@ -529,6 +543,27 @@ fn supervise(mut r: Ranks, grace: Duration) -> Result<Ended> {
             if ended == Ended::Done {
                 ended = Ended::Signalled(sig);
             }
+            break;
+        }
+        let theirs = match peer() {
+            Ok(f) => f,
+            Err(e) => {
+                // The launchers' store is gone with node 0's launcher: the
+                // job cannot go on as one.
+                stop_all(&mut r.children, libc::SIGTERM, grace);
+                return Err(
+                    e.context("watching the other nodes' launchers; stopped this node's ranks")
+                );
+            }
+        };
+        if let (Some(f), Ended::Done) = (theirs, &ended) {
+            eprintln!(
+                "zrt launch: {}; stopping this node's {} rank(s)",
+                f.what,
+                r.children.len()
+            );
+            stop_all(&mut r.children, libc::SIGTERM, grace);
+            ended = Ended::PeerFailed(f);
             break;
         }
         let mut i = 0;
@@ -602,18 +637,40 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             a.nproc_per_node
         );
     }
+    // Launchers on several nodes restart together, or not at all.
+    let agents = match (a.nnodes > 1 && a.max_restarts > 0, job.port, &job.token) {
+        (true, Some(port), Some(token)) => Some(Agents::join(
+            &a.master_addr,
+            port + 1,
+            token,
+            a.node_rank,
+            a.nnodes,
+            &format!(
+                "--nproc-per-node {} --max-restarts {}",
+                a.nproc_per_node, a.max_restarts
+            ),
+        )?),
+        _ => None,
+    };
     let mut restart = 0;
     loop {
-        let ended = supervise(start(&job, restart)?, job.grace)?;
-        let code = match ended {
-            Ended::Done => return Ok(ExitCode::SUCCESS),
-            Ended::Signalled(sig) => 128 + sig,
-            Ended::Failed { code, .. } => code,
+        if let Some(ag) = &agents {
+            ag.ready(restart)?;
+        }
+        let mut peer = || match &agents {
+            Some(ag) => ag.failure(restart),
+            None => Ok(None),
         };
-        // A signal to the launcher (Ctrl-C, a scheduler's SIGTERM) ends the
+        let ended = supervise(start(&job, restart)?, job.grace, &mut peer)?;
+        let Some(failure) = outcome(a, agents.as_ref(), restart, ended)? else {
+            if let Some(ag) = agents {
+                ag.leave();
+            }
+            return Ok(ExitCode::SUCCESS);
+        };
+        // A signal to a launcher (Ctrl-C, a scheduler's SIGTERM) ends the
         // job, even one that arrived while the ranks were being stopped.
-        let signalled = SIGNAL.load(Ordering::SeqCst) != 0;
-        if let (Ended::Failed { .. }, false) = (ended, signalled) {
+        if !failure.stop && !signalled() {
             if restart < a.max_restarts {
                 restart += 1;
                 eprintln!(
@@ -624,12 +681,46 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             }
             if a.max_restarts > 0 {
                 eprintln!(
-                    "zrt launch: no restarts left (--max-restarts {} used); exiting with code {code}",
-                    a.max_restarts
+                    "zrt launch: no restarts left (--max-restarts {} used); exiting with code {}",
+                    a.max_restarts, failure.code
                 );
             }
         }
-        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+        if let Some(ag) = agents {
+            ag.leave();
+        }
+        return Ok(ExitCode::from(u8::try_from(failure.code).unwrap_or(1)));
+    }
+}
+
+/// How attempt `restart` of the job ended for every node, from how it
+/// ended here (`None`: well). With several nodes' launchers, the first
+/// failure any of them reported, so that all restart, or end, alike.
+fn outcome(
+    a: &LaunchArgs,
+    agents: Option<&Agents>,
+    restart: u32,
+    ended: Ended,
+) -> Result<Option<Failure>> {
+    let node = a.node_rank;
+    let mine = match ended {
+        Ended::Done => None,
+        Ended::PeerFailed(f) => return Ok(Some(f)),
+        Ended::Signalled(sig) => Some(Failure {
+            code: 128 + sig,
+            stop: true,
+            what: format!("node {node}'s launcher got signal {sig}"),
+        }),
+        Ended::Failed { rank, code } => Some(Failure {
+            code,
+            stop: false,
+            what: format!("node {node}'s rank {rank} failed (code {code})"),
+        }),
+    };
+    match (agents, mine) {
+        (None, mine) => Ok(mine),
+        (Some(ag), None) => ag.finish(restart),
+        (Some(ag), Some(f)) => ag.report(restart, f).map(Some),
     }
 }
 

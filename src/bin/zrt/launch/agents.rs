@@ -1,0 +1,258 @@
+//! The launchers of a job on several nodes, restarting it together
+//! (`--max-restarts` with `--nnodes` above 1): torchrun's elastic agents,
+//! reduced to what a fixed set of nodes needs.
+//!
+//! Node 0's launcher serves a store of its own on `MASTER_PORT + 1`
+//! (rank 0 serves the ranks' store on `MASTER_PORT`, afresh each attempt);
+//! every launcher connects to it with the job's token. Each attempt is a
+//! round: every launcher waits until all are ready (their previous ranks
+//! stopped, so no rank of the new round can meet the old round's store),
+//! starts its ranks, and while they run watches the round's failure
+//! record. The first launcher whose ranks fail writes it; the others stop
+//! their ranks on seeing it, and all of them start the next round or, with
+//! no restarts left (or after a signal to a launcher, which ends the job),
+//! exit with the failed rank's code. A launcher that ends early is seen
+//! through its connection closing, never waited for.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use zrt::collectives::store::{StoreClient, StoreServer};
+
+/// How often a waiting launcher looks at the store again.
+const POLL: Duration = Duration::from_millis(50);
+
+/// How long node 0's launcher keeps its store up at the end for the other
+/// launchers to read the last round's outcome.
+const LINGER: Duration = Duration::from_secs(10);
+
+/// Why a round ended early, as every launcher reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Failure {
+    /// The exit code the launchers end with if they do not restart.
+    pub code: i32,
+    /// A signal to a launcher: the job ends, no restart.
+    pub stop: bool,
+    /// What happened, naming the node and rank ("node 1's rank 3 exited
+    /// with code 1").
+    pub what: String,
+}
+
+impl Failure {
+    fn encode(&self) -> Vec<u8> {
+        format!("{}\t{}\t{}", self.code, u8::from(self.stop), self.what).into_bytes()
+    }
+
+    fn decode(b: &[u8]) -> Result<Self> {
+        let s = String::from_utf8_lossy(b);
+        let mut it = s.splitn(3, '\t');
+        let (Some(code), Some(stop), Some(what)) = (it.next(), it.next(), it.next()) else {
+            bail!("the launchers' store holds a malformed failure record `{s}`");
+        };
+        Ok(Self {
+            code: code.parse().context("a failure record's code")?,
+            stop: stop == "1",
+            what: what.to_string(),
+        })
+    }
+}
+
+/// This launcher's place among the job's launchers.
+pub(super) struct Agents {
+    client: StoreClient,
+    /// Node 0's: the store every launcher meets at.
+    server: Option<StoreServer>,
+    node: usize,
+    nnodes: usize,
+    timeout: Duration,
+}
+
+impl Agents {
+    /// Meets the other nodes' launchers at `addr:port` (node 0 serves it),
+    /// checking that they were given the same `settings` (the arguments
+    /// every node must agree on, as text).
+    pub(super) fn join(
+        addr: &str,
+        port: u16,
+        token: &str,
+        node: usize,
+        nnodes: usize,
+        settings: &str,
+    ) -> Result<Self> {
+        let timeout = zrt::collectives::default_timeout();
+        let at = format!("{addr}:{port}");
+        let server = match node {
+            0 => Some(StoreServer::serve(&at, token).with_context(|| {
+                format!("node 0's launcher serving the launchers' store on {at} (MASTER_PORT + 1)")
+            })?),
+            _ => None,
+        };
+        let client = StoreClient::connect(&at, token, timeout).with_context(|| {
+            format!("joining the launchers' store on {at} (node 0's launcher serves it on MASTER_PORT + 1)")
+        })?;
+        client.set_on_close(&gone(node))?;
+        let agents = Self {
+            client,
+            server,
+            node,
+            nnodes,
+            timeout,
+        };
+        match node {
+            0 => agents.client.set("agent/settings", settings.as_bytes())?,
+            _ => {
+                let theirs = agents.wait("node 0's settings", |c| {
+                    Ok(c.get_within("agent/settings", Duration::ZERO)?)
+                })?;
+                let theirs = String::from_utf8_lossy(&theirs);
+                if theirs != settings {
+                    // Node 0 is told too, rather than waiting for a round
+                    // that will not start.
+                    let what = format!(
+                        "node {node}'s launcher was given {settings}, node 0's {theirs}: give every node's launcher the same --nproc-per-node and --max-restarts"
+                    );
+                    agents.client.set("agent/refused", what.as_bytes())?;
+                    bail!("{what}");
+                }
+            }
+        }
+        Ok(agents)
+    }
+
+    /// Waits until every launcher is ready for round `round` (its previous
+    /// ranks gone).
+    pub(super) fn ready(&self, round: u32) -> Result<()> {
+        let key = format!("agent/ready/{round}");
+        self.client.add(&key, 1)?;
+        self.wait(
+            &format!("every node's launcher to be ready for attempt {round}"),
+            |c| Ok((c.add(&key, 0)? >= self.nnodes as i64).then_some(())),
+        )
+    }
+
+    /// The failure record of round `round`, if a launcher wrote one.
+    pub(super) fn failure(&self, round: u32) -> Result<Option<Failure>> {
+        match self
+            .client
+            .get_within(&format!("agent/failed/{round}"), Duration::ZERO)?
+        {
+            Some(b) => Ok(Some(Failure::decode(&b)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Reports this node's failure in round `round`; returns the round's
+    /// record, which is another node's when that one was first.
+    pub(super) fn report(&self, round: u32, f: Failure) -> Result<Failure> {
+        if self.client.add(&format!("agent/failures/{round}"), 1)? == 1 {
+            self.client
+                .set(&format!("agent/failed/{round}"), &f.encode())?;
+            return Ok(f);
+        }
+        self.wait("the first failure's record", |c| {
+            Ok(c.get_within(&format!("agent/failed/{round}"), Duration::ZERO)?)
+        })
+        .and_then(|b| Failure::decode(&b))
+    }
+
+    /// Once this node's ranks of round `round` all ended well: waits for
+    /// the other nodes' to, `None`, or for the round's failure record.
+    pub(super) fn finish(&self, round: u32) -> Result<Option<Failure>> {
+        let key = format!("agent/done/{round}");
+        self.client.add(&key, 1)?;
+        self.wait(
+            &format!("the other nodes' ranks of attempt {round} to end"),
+            |c| {
+                if c.add(&key, 0)? >= self.nnodes as i64 {
+                    return Ok(Some(None));
+                }
+                Ok(self.failure(round)?.map(Some))
+            },
+        )
+    }
+
+    /// The end of this launcher's part. Node 0 keeps its store up until
+    /// the others have left (at most [`LINGER`]), so that each reads the
+    /// last round's outcome.
+    pub(super) fn leave(self) {
+        if self.server.is_none() {
+            return;
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < LINGER {
+            let left = (1..self.nnodes).all(|k| {
+                matches!(
+                    self.client.get_within(&gone(k), Duration::ZERO),
+                    Ok(Some(_)) | Err(_)
+                )
+            });
+            if left {
+                break;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Polls `done` until it gives a value; fails when another launcher
+    /// ends, a launcher refused the job, this launcher gets a signal, or
+    /// the timeout passes.
+    fn wait<T>(
+        &self,
+        what: &str,
+        mut done: impl FnMut(&StoreClient) -> Result<Option<T>>,
+    ) -> Result<T> {
+        let deadline = zrt::collectives::deadline_in(self.timeout);
+        loop {
+            if let Some(v) = done(&self.client)? {
+                return Ok(v);
+            }
+            if let Some(why) = self.client.get_within("agent/refused", Duration::ZERO)? {
+                bail!("{}", String::from_utf8_lossy(&why));
+            }
+            for k in (0..self.nnodes).filter(|&k| k != self.node) {
+                if self.client.get_within(&gone(k), Duration::ZERO)?.is_some() {
+                    bail!(
+                        "node {k}'s launcher ended (it exited, was stopped or died) while this one waited for {what}: every node's launcher runs until the job ends; its own output says why"
+                    );
+                }
+            }
+            if super::signalled() {
+                bail!("got a signal while waiting for {what}");
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "waited {:.0} s for {what} (ZRT_TIMEOUT): is every node's launcher running, with the same --master-addr and --master-port?",
+                    self.timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// The key node `k`'s launcher's connection sets when it closes.
+fn gone(k: usize) -> String {
+    format!("agent/gone/{k}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_records_read_back_as_written() {
+        let f = Failure {
+            code: 137,
+            stop: false,
+            what: "node 1's rank 3 was killed by signal 9\twith a tab".into(),
+        };
+        assert_eq!(Failure::decode(&f.encode()).unwrap(), f);
+        let s = Failure {
+            code: 130,
+            stop: true,
+            what: "node 0's launcher got signal 2".into(),
+        };
+        assert_eq!(Failure::decode(&s.encode()).unwrap(), s);
+        assert!(Failure::decode(b"nonsense").is_err());
+    }
+}

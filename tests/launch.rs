@@ -663,6 +663,48 @@ fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
 }
 
 #[test]
+fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
+    // Node 1's launcher is killed outright (its rank dies with it); node
+    // 0's rank fails, as a rank whose peer died does, and node 0's
+    // launcher, waiting for every launcher before the next attempt, names
+    // the one that is gone rather than wait for it.
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "touch \"{0}/up$RANK\"; while [ ! -e \"{0}/fail\" ]; do sleep 0.02; done; exit 1",
+        dir.display()
+    );
+    let restarts = ["--max-restarts", "3"];
+    let (a, mut b) = (
+        node_running(port, 0, 1, &restarts, &[], &script),
+        node_running(port, 1, 1, &restarts, &[], &script),
+    );
+    let t0 = Instant::now();
+    while !(dir.join("up0").exists() && dir.join("up1").exists()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    b.kill().unwrap();
+    let _ = b.wait();
+    std::fs::write(dir.join("fail"), "").unwrap();
+    let t1 = Instant::now();
+    let o = a.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
+    assert!(
+        t.contains("node 1's launcher ended (it exited, was stopped or died) while this one waited for every node's launcher to be ready for attempt 1"),
+        "{t}"
+    );
+}
+
+#[test]
 fn launchers_given_different_restarts_stop_naming_both() {
     let port = free_port();
     let (a, b) = (

@@ -101,7 +101,7 @@ impl Agents {
         match node {
             0 => agents.client.set("agent/settings", settings.as_bytes())?,
             _ => {
-                let theirs = agents.wait("node 0's settings", |c| {
+                let theirs = agents.wait("node 0's settings", true, |c| {
                     Ok(c.get_within("agent/settings", Duration::ZERO)?)
                 })?;
                 let theirs = String::from_utf8_lossy(&theirs);
@@ -126,6 +126,7 @@ impl Agents {
         self.client.add(&key, 1)?;
         self.wait(
             &format!("every node's launcher to be ready for attempt {round}"),
+            true,
             |c| Ok((c.add(&key, 0)? >= self.nnodes as i64).then_some(())),
         )
     }
@@ -149,19 +150,23 @@ impl Agents {
                 .set(&format!("agent/failed/{round}"), &f.encode())?;
             return Ok(f);
         }
-        self.wait("the first failure's record", |c| {
+        self.wait("the first failure's record", true, |c| {
             Ok(c.get_within(&format!("agent/failed/{round}"), Duration::ZERO)?)
         })
         .and_then(|b| Failure::decode(&b))
     }
 
     /// Once this node's ranks of round `round` all ended well: waits for
-    /// the other nodes' to, `None`, or for the round's failure record.
+    /// the other nodes' to, `None`, or for the round's failure record. No
+    /// timeout: their ranks may train for hours yet (a rank 0 that
+    /// evaluates and exports alone at the end); a launcher that ends
+    /// without saying so is seen by its connection closing.
     pub(super) fn finish(&self, round: u32) -> Result<Option<Failure>> {
         let key = format!("agent/done/{round}");
         self.client.add(&key, 1)?;
         self.wait(
             &format!("the other nodes' ranks of attempt {round} to end"),
+            false,
             |c| {
                 if c.add(&key, 0)? >= self.nnodes as i64 {
                     return Ok(Some(None));
@@ -194,11 +199,12 @@ impl Agents {
     }
 
     /// Polls `done` until it gives a value; fails when another launcher
-    /// ends, a launcher refused the job, this launcher gets a signal, or
-    /// the timeout passes.
+    /// ends, a launcher refused the job, this launcher gets a signal, or,
+    /// if `timed`, the timeout passes.
     fn wait<T>(
         &self,
         what: &str,
+        timed: bool,
         mut done: impl FnMut(&StoreClient) -> Result<Option<T>>,
     ) -> Result<T> {
         let deadline = zrt::collectives::deadline_in(self.timeout);
@@ -219,7 +225,7 @@ impl Agents {
             if super::signalled() {
                 bail!("got a signal while waiting for {what}");
             }
-            if Instant::now() >= deadline {
+            if timed && Instant::now() >= deadline {
                 bail!(
                     "waited {:.0} s for {what} (ZRT_TIMEOUT): is every node's launcher running, with the same --master-addr and --master-port?",
                     self.timeout.as_secs_f64()

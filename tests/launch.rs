@@ -705,6 +705,47 @@ fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
 }
 
 #[test]
+fn a_second_launcher_given_a_node_rank_in_use_is_refused_alone() {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-twice-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The job's ranks run until the test has seen the second launcher go.
+    let script = format!(
+        "touch \"{0}/up$RANK\"; while [ ! -e \"{0}/go\" ]; do sleep 0.02; done",
+        dir.display()
+    );
+    let restarts = ["--max-restarts", "1"];
+    let (a, b) = (
+        node_running(port, 0, 1, &restarts, &[], &script),
+        node_running(port, 1, 1, &restarts, &[], &script),
+    );
+    let t0 = Instant::now();
+    while !(dir.join("up0").exists() && dir.join("up1").exists()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = node_running(port, 1, 1, &restarts, &[], &script)
+        .wait_with_output()
+        .unwrap();
+    std::fs::write(dir.join("go"), "").unwrap();
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&c);
+    assert!(
+        !c.status.success()
+            && t.contains("another launcher already runs node 1 of this job (--node-rank 1)"),
+        "{t}"
+    );
+    for o in [&a, &b] {
+        assert!(o.status.success(), "{}", text(o));
+    }
+}
+
+#[test]
 fn launchers_given_different_restarts_stop_naming_both() {
     let port = free_port();
     let (a, b) = (
@@ -716,7 +757,7 @@ fn launchers_given_different_restarts_stop_naming_both() {
         let t = text(o);
         assert!(!o.status.success(), "{t}");
         assert!(
-            t.contains("node 1's launcher was given --nproc-per-node 1 --max-restarts 2, node 0's --nproc-per-node 1 --max-restarts 1: give every node's launcher the same"),
+            t.contains("node 1's launcher was given --nnodes 2 --nproc-per-node 1 --max-restarts 2, node 0's --nnodes 2 --nproc-per-node 1 --max-restarts 1: give every node's launcher the same"),
             "{t}"
         );
     }

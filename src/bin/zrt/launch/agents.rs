@@ -90,6 +90,14 @@ impl Agents {
         let client = StoreClient::connect(&at, token, timeout).with_context(|| {
             format!("joining the launchers' store on {at} (node 0's launcher serves it on MASTER_PORT + 1)")
         })?;
+        // Claimed before the connection's end counts as this node's: a
+        // second launcher given the same node rank leaves alone, without
+        // making the first look gone, and the job goes on.
+        if client.add(&format!("agent/node/{node}"), 1)? > 1 {
+            bail!(
+                "another launcher already runs node {node} of this job (--node-rank {node}): give each node's launcher its own, 0 to --nnodes - 1"
+            );
+        }
         client.set_on_close(&gone(node))?;
         let agents = Self {
             client,
@@ -109,7 +117,7 @@ impl Agents {
                     // Node 0 is told too, rather than waiting for a round
                     // that will not start.
                     let what = format!(
-                        "node {node}'s launcher was given {settings}, node 0's {theirs}: give every node's launcher the same --nproc-per-node and --max-restarts"
+                        "node {node}'s launcher was given {settings}, node 0's {theirs}: give every node's launcher the same --nnodes, --nproc-per-node and --max-restarts"
                     );
                     agents.client.set("agent/refused", what.as_bytes())?;
                     bail!("{what}");

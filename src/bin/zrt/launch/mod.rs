@@ -646,8 +646,8 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             a.node_rank,
             a.nnodes,
             &format!(
-                "--nproc-per-node {} --max-restarts {}",
-                a.nproc_per_node, a.max_restarts
+                "--nnodes {} --nproc-per-node {} --max-restarts {}",
+                a.nnodes, a.nproc_per_node, a.max_restarts
             ),
         )?),
         _ => None,

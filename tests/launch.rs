@@ -626,17 +626,28 @@ fn launchers_on_two_nodes_run_out_of_restarts_together() {
     }
 }
 
-#[test]
-fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
+/// A two-node job at a fresh port with `launch_args`, whose ranks each
+/// touch `$DIR/up$RANK` and then run the shell `then`; returned once both
+/// ranks are up: the folder `$DIR` (the test removes it), the port and the
+/// two launchers.
+fn two_nodes_up(
+    name: &str,
+    launch_args: &[&str],
+    then: &str,
+) -> (
+    std::path::PathBuf,
+    u16,
+    std::process::Child,
+    std::process::Child,
+) {
     let port = free_port();
-    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-int-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let script = format!("touch \"{}/up$RANK\"; sleep 60", dir.display());
-    let restarts = ["--max-restarts", "3"];
+    let script = format!("DIR=\"{}\"; touch \"$DIR/up$RANK\"; {then}", dir.display());
     let (a, b) = (
-        node_running(port, 0, 1, &restarts, &[], &script),
-        node_running(port, 1, 1, &restarts, &[], &script),
+        node_running(port, 0, 1, launch_args, &[], &script),
+        node_running(port, 1, 1, launch_args, &[], &script),
     );
     let t0 = Instant::now();
     while !(dir.join("up0").exists() && dir.join("up1").exists()) {
@@ -646,6 +657,12 @@ fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    (dir, port, a, b)
+}
+
+#[test]
+fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
+    let (dir, _, a, b) = two_nodes_up("int", &["--max-restarts", "3"], "sleep 60");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(b.id() as libc::pid_t, libc::SIGINT) };
     let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
@@ -668,27 +685,8 @@ fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
     // 0's rank fails, as a rank whose peer died does, and node 0's
     // launcher, waiting for every launcher before the next attempt, names
     // the one that is gone rather than wait for it.
-    let port = free_port();
-    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-kill-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = format!(
-        "touch \"{0}/up$RANK\"; while [ ! -e \"{0}/fail\" ]; do sleep 0.02; done; exit 1",
-        dir.display()
-    );
-    let restarts = ["--max-restarts", "3"];
-    let (a, mut b) = (
-        node_running(port, 0, 1, &restarts, &[], &script),
-        node_running(port, 1, 1, &restarts, &[], &script),
-    );
-    let t0 = Instant::now();
-    while !(dir.join("up0").exists() && dir.join("up1").exists()) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the ranks never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let then = "while [ ! -e \"$DIR/fail\" ]; do sleep 0.02; done; exit 1";
+    let (dir, _, a, mut b) = two_nodes_up("kill", &["--max-restarts", "3"], then);
     b.kill().unwrap();
     let _ = b.wait();
     std::fs::write(dir.join("fail"), "").unwrap();
@@ -706,29 +704,11 @@ fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
 
 #[test]
 fn a_second_launcher_given_a_node_rank_in_use_is_refused_alone() {
-    let port = free_port();
-    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-twice-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
     // The job's ranks run until the test has seen the second launcher go.
-    let script = format!(
-        "touch \"{0}/up$RANK\"; while [ ! -e \"{0}/go\" ]; do sleep 0.02; done",
-        dir.display()
-    );
+    let then = "while [ ! -e \"$DIR/go\" ]; do sleep 0.02; done";
     let restarts = ["--max-restarts", "1"];
-    let (a, b) = (
-        node_running(port, 0, 1, &restarts, &[], &script),
-        node_running(port, 1, 1, &restarts, &[], &script),
-    );
-    let t0 = Instant::now();
-    while !(dir.join("up0").exists() && dir.join("up1").exists()) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the ranks never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let c = node_running(port, 1, 1, &restarts, &[], &script)
+    let (dir, port, a, b) = two_nodes_up("twice", &restarts, then);
+    let c = node_running(port, 1, 1, &restarts, &[], "true")
         .wait_with_output()
         .unwrap();
     std::fs::write(dir.join("go"), "").unwrap();

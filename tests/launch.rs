@@ -21,7 +21,7 @@ fn text(o: &std::process::Output) -> String {
 fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
     let o = zrt()
         .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c"])
-        .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${#ZRT_TOKEN} $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS; echo err >&2")
+        .arg("echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${#ZRT_TOKEN} $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $GROUP_RANK $GROUP_WORLD_SIZE; echo err >&2")
         .output()
         .unwrap();
     let t = text(&o);
@@ -29,7 +29,7 @@ fn every_rank_gets_the_contract_and_its_lines_are_prefixed() {
     for r in 0..3 {
         // A 32-hex-digit token was generated and passed.
         assert!(
-            t.contains(&format!("[rank {r}] env {r} 3 {r} 3 127.0.0.1 32 0 0")),
+            t.contains(&format!("[rank {r}] env {r} 3 {r} 3 127.0.0.1 32 0 0 0 1")),
             "{t}"
         );
         assert!(t.contains(&format!("[rank {r}] err")), "{t}");
@@ -105,7 +105,7 @@ fn a_second_nodes_ranks_come_after_the_first_nodes_on_port_29500() {
             "--",
             "sh",
             "-c",
-            "echo env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT",
+            "echo env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT $GROUP_RANK $GROUP_WORLD_SIZE",
         ])
         .env("ZRT_TOKEN", "shared-secret")
         .output()
@@ -113,7 +113,7 @@ fn a_second_nodes_ranks_come_after_the_first_nodes_on_port_29500() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(
-        t.contains("[rank 2] env 2 6 0 29500") && t.contains("[rank 3] env 3 6 1 29500"),
+        t.contains("[rank 2] env 2 6 0 29500 1 3") && t.contains("[rank 3] env 3 6 1 29500 1 3"),
         "{t}"
     );
 }

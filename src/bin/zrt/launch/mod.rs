@@ -470,9 +470,12 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
             .env("MASTER_ADDR", &a.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("ZRT_TOKEN", &token)
-            // torchrun's names, which programs read to tell a restart.
+            // torchrun's names, which programs read to tell a restart and
+            // which node they are on.
             .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

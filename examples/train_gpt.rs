@@ -12,7 +12,9 @@
 //! At the end it saves a sharded checkpoint (tag `stepN`) to
 //! `target/train_gpt-checkpoints` (`--save-dir DIR`, `--no-save`,
 //! `--save-every N`); `--resume` first loads the latest one there and goes
-//! on from its step. `zrt ckpt consolidate DIR model.safetensors` turns it
+//! on from its step. SIGTERM or Ctrl-C (which `zrt launch` forwards to
+//! every rank) stops the job after the step in progress, every rank alike,
+//! and saves that step's checkpoint. `zrt ckpt consolidate DIR model.safetensors` turns it
 //! into one file of the model's weights.
 
 use std::path::{Path, PathBuf};
@@ -293,6 +295,24 @@ fn corpus(dir: Option<&Path>) -> Result<(Vec<u8>, String)> {
     )
 }
 
+/// The signal that asked the job to stop (0: none yet).
+static STOP: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    STOP.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Has SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C; `zrt
+/// launch` forwards both to every rank) end the job after the step in
+/// progress, with a checkpoint, instead of killing the rank mid-step.
+fn stop_on_signals() {
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+    }
+}
+
 /// Whether this is the job's first attempt: `zrt launch --max-restarts`
 /// (as torchrun) counts restarts in TORCHELASTIC_RESTART_COUNT.
 fn first_attempt() -> bool {
@@ -329,6 +349,7 @@ fn main() -> Result<()> {
         return Ok(());
     };
     tch::set_num_threads(1);
+    stop_on_signals();
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
     let (rank, n) = (dist.env().rank, dist.env().world_size);
     let (text, source) = corpus(a.corpus.as_deref())?;
@@ -483,6 +504,8 @@ fn main() -> Result<()> {
     // LayerDrop: block runs this rank left out, of those it could run;
     // MLP drop: MLPs this rank left out.
     let (mut left_out, mut runs, mut mlps_out) = (0usize, 0usize, 0usize);
+    // The last step run: `a.steps`, unless a signal stopped the job.
+    let mut end = a.steps;
     for step in start..=a.steps {
         if a.fail_at == Some(step) && rank + 1 == n && first_attempt() {
             eprintln!(
@@ -508,9 +531,13 @@ fn main() -> Result<()> {
             // Evaluation runs every MLP.
             gpt.leave_out_mlps(&[]);
         }
-        let loss = world
-            .all_reduce(vec![sum / gas as f64], ReduceOp::Avg)
-            .wait()?[0];
+        // The step's loss, and whether a signal reached any rank: every
+        // rank reads the same answer, so all of them stop after this step.
+        let signalled = f64::from(STOP.load(std::sync::atomic::Ordering::SeqCst) != 0);
+        let both = world
+            .all_reduce(vec![sum / gas as f64, signalled], ReduceOp::Avg)
+            .wait()?;
+        let (loss, stop) = (both[0], both[1] > 0.0);
         if step == start {
             first_train = loss;
         }
@@ -522,6 +549,19 @@ fn main() -> Result<()> {
                 "loss {loss:.4} lr {:.2e} {tps:.0} tok/s",
                 engine.lr()
             ));
+        }
+        if stop && step < a.steps {
+            end = step;
+            if rank == 0 {
+                let line = format!(
+                    "a signal reached the job: stopping after step {step} (train loss {loss:.4}); `--resume` goes on from its checkpoint"
+                );
+                match &bar {
+                    Some(b) => b.println(line),
+                    None => println!("{line}"),
+                }
+            }
+            break;
         }
         if a.save_every > 0 && step % a.save_every == 0 && step != a.steps {
             save(step)?;
@@ -551,7 +591,11 @@ fn main() -> Result<()> {
     if engine.config().config.comms_logger.enabled {
         engine.log_comms_summary();
     }
-    save(a.steps)?;
+    save(end)?;
+    if end < a.steps {
+        // Stopped early: the summary below is of a whole run.
+        return Ok(());
+    }
     let secs = t0.elapsed().as_secs_f64();
     let rss = world
         .all_gather(

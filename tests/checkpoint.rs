@@ -841,29 +841,72 @@ fn train_gpt(args: &[&str]) -> String {
 /// `zrt launch LAUNCH_ARGS` of the main job on 2 processes (shm backend)
 /// with `args`; what it printed.
 fn train_gpt_launched(launch_args: &[&str], args: &[&str]) -> String {
-    let example = common::example("train_gpt");
-    let o = common::output_elsewhere(
-        std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["launch", "--nproc-per-node", "2"])
-            .args(launch_args)
-            .arg("--")
-            .arg(example)
-            .args([
-                "--layers",
-                "1",
-                "--d-model",
-                "32",
-                "--heads",
-                "2",
-                "--seq",
-                "32",
-            ])
-            .args(["--eval-every", "100"])
-            .args(args),
-    );
+    let o = common::output_elsewhere(&mut main_job(launch_args, args));
     let text = common::printed(&o);
     assert!(o.status.success(), "{text}");
     text
+}
+
+/// `zrt launch LAUNCH_ARGS` of the main job on 2 processes (shm backend),
+/// a model of one small block, with `args`.
+fn main_job(launch_args: &[&str], args: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"));
+    c.args(["launch", "--nproc-per-node", "2"])
+        .args(launch_args)
+        .arg("--")
+        .arg(common::example("train_gpt"))
+        .args(["--layers", "1", "--d-model", "32", "--heads", "2"])
+        .args(["--seq", "32", "--eval-every", "100"])
+        .args(args);
+    c
+}
+
+#[test]
+fn the_main_job_stopped_by_a_signal_saves_the_step_it_ended_and_resumes_from_it() {
+    // A scheduler's SIGTERM to the launcher, forwarded to each rank: the
+    // ranks agree to stop after the step in progress and save it.
+    let _serial = serial();
+    let (dir, cwd) = (tmp("signalled"), tmp("signalled-cwd"));
+    let d = dir.to_str().unwrap();
+    let mut child = main_job(&[], &["--steps", "100000", "--save-dir", d])
+        .current_dir(&cwd)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Signalled once training has begun, not at a guessed time.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("step    0  validation loss") {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut out, &mut line).unwrap() == 0 {
+            break;
+        }
+        said.push_str(&line);
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    std::io::Read::read_to_string(&mut out, &mut said).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let said = format!("{said}{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(143), "{said}");
+    let step: u64 = said
+        .split("stopping after step ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(
+        step >= 1 && said.contains(&format!("checkpoint saved to {d}/step{step} ")),
+        "{said}"
+    );
+    let next = (step + 2).to_string();
+    let again = train_gpt(&["--steps", &next, "--save-dir", d, "--resume"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&cwd);
+    assert!(
+        again.contains(&format!("resumed from {d} (tag step{step}) at step {step}")),
+        "{again}"
+    );
 }
 
 /// The weights of the main job's checkpoint `step4` in `d`, by name.

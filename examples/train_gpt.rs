@@ -451,8 +451,8 @@ fn main() -> Result<()> {
     };
     let mut start = 1;
     if let (true, Some(dir)) = (a.resume, &a.save_dir) {
-        if dir.join("latest").exists() {
-            let (tag, saved) = engine.load_checkpoint_with(dir, None)?;
+        // The latest checkpoint there, if any (every rank must see the same).
+        if let Some((tag, saved)) = engine.resume_from(dir)? {
             // The loop's own position, saved with the checkpoint: steps an
             // fp16 overflow skipped were steps of this loop too (their
             // batches were drawn), though not optimizer steps.

@@ -1811,6 +1811,66 @@ fn ranks_given_different_tags_load_nothing_and_name_what_each_read() {
 }
 
 #[test]
+fn resume_from_loads_the_latest_or_nothing_and_names_ranks_that_disagree() {
+    // What a restarted program calls first: the latest checkpoint if the
+    // directory has one, a fresh start if not, and an error on every rank
+    // when only some ranks find one (a directory they do not share).
+    let _serial = serial();
+    let (dir, empty) = (tmp("resume-from"), tmp("resume-from-empty"));
+    run(&Phase::new(3, Batches::Two { gas: 1 }, 0..2).save(&dir, "b"));
+    let saved = run(&Phase::new(3, Batches::Two { gas: 1 }, 0..2)).params;
+    // Two ranks, and 2 x 2 under hybrid sharding; the even ranks see the
+    // checkpoint in the mixed case, the odd ones an empty folder.
+    for (world, zero) in [(2, ""), (4, r#""mics_shard_size": 2,"#)] {
+        let cfg = config_zero(3, 1, 0.5, "", zero);
+        let out = on_ranks(world, |r| {
+            let (vs, plan, _) = model_of(&GPT);
+            let hints = AutoHints::default();
+            let e = match world {
+                2 => Engine::new(&vs, &plan, &cfg, r.new_group(&[0, 1]).unwrap(), &hints),
+                _ => Engine::new_hybrid(&vs, &plan, &cfg, r.mesh(2).unwrap(), &hints),
+            }
+            .unwrap();
+            let before = e.gathered_params().unwrap();
+            let fresh = e.resume_from(&empty).unwrap().is_none();
+            let untouched = before == e.gathered_params().unwrap();
+            let mine = if r.rank() % 2 == 0 { &dir } else { &empty };
+            let mixed = e.resume_from(mine).unwrap_err().to_string();
+            let still = before == e.gathered_params().unwrap();
+            let resumed = e.resume_from(&dir).unwrap().map(|(tag, _)| tag);
+            let mut params = e.gathered_params().unwrap();
+            params.sort_by(|a, b| a.0.cmp(&b.0));
+            (
+                fresh && untouched,
+                mixed,
+                still,
+                resumed,
+                e.global_step(),
+                params,
+            )
+        });
+        let (even, odd) = match world {
+            2 => ("0", "1"),
+            _ => ("0, 2", "1, 3"),
+        };
+        for (rank, (fresh, mixed, still, resumed, step, params)) in out.into_iter().enumerate() {
+            let mine = if rank % 2 == 0 { &dir } else { &empty };
+            let want = format!(
+                "ranks read different checkpoints: rank(s) {even} found one; rank(s) {odd} found none (in {}, as this rank sees it); nothing was loaded",
+                mine.display()
+            );
+            assert!(fresh, "a directory with no checkpoint loads nothing");
+            assert!(mixed.starts_with(&want), "{want}\n{mixed}");
+            assert!(still, "a refused resume changed the parameters");
+            assert_eq!((resumed.as_deref(), step), (Some("b"), 2));
+            assert_bits("resumed from the latest", &params, &saved);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&empty);
+}
+
+#[test]
 fn ranks_saving_under_different_tags_write_nothing_and_name_each_tag() {
     // Before, rank 1 wrote into a staging directory of its own tag that
     // rank 0 never committed: an error about a missing directory, or, where

@@ -774,6 +774,66 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map_err(|e| called_by_every_rank("load_checkpoint", e))
     }
 
+    /// The latest checkpoint in `dir`, loaded as
+    /// [`Engine::load_checkpoint_with`] loads it (its tag and client
+    /// state), or `None` when `dir` holds none yet (no `DIR/latest`; the
+    /// engine is untouched): what a program that may have been started
+    /// again (`zrt launch --max-restarts`, a scheduler's requeue) calls
+    /// before training, to go on from where the job stopped or start
+    /// afresh. A collective. Ranks that disagree on whether there is one
+    /// (a directory some ranks do not see) all get an error naming them,
+    /// and nothing loads: a rank starting afresh beside ranks that resumed
+    /// would train another model unsaid.
+    pub fn resume_from(
+        &self,
+        dir: impl AsRef<Path>,
+    ) -> Result<Option<(String, serde_json::Value)>, EngineError> {
+        let dir = dir.as_ref();
+        let seen = self
+            .each_ranks(dir.join("latest").exists())
+            .map_err(|e| called_by_every_rank("resume_from", e))?;
+        if seen.iter().all(|&s| !s) {
+            return Ok(None);
+        }
+        if seen.iter().all(|&s| s) {
+            return self.load_checkpoint_with(dir, None).map(Some);
+        }
+        let ranks = |want: bool| {
+            let r: Vec<String> = (seen.iter().enumerate())
+                .filter(|(_, &s)| s == want)
+                .map(|(r, _)| r.to_string())
+                .collect();
+            format!("rank(s) {}", r.join(", "))
+        };
+        // Each rank knows only its own path (the same string may name
+        // another disk on another node).
+        Err(CheckpointError::NotTheSame(vec![
+            format!("{} found one", ranks(true)),
+            format!(
+                "{} found none (in {}, as this rank sees it)",
+                ranks(false),
+                dir.display()
+            ),
+        ])
+        .into())
+    }
+
+    /// Every world rank's `flag`, in world rank order (under hybrid
+    /// sharding shard group g holds ranks g*S .. g*S+S-1).
+    fn each_ranks(&self, flag: bool) -> Result<Vec<bool>, EngineError> {
+        // `CHECKPOINT_AGREEMENT`'s signature (all_gather of u8 x 1): a
+        // peer in training that meets it is named as checkpointing, which
+        // this rank is.
+        let (_, flags) = (self.inner.group)
+            .all_gather(vec![u8::from(flag)], Vec::new())
+            .wait()?;
+        let flags = match &self.inner.replicate {
+            Some(r) => r.all_gather(flags, Vec::new()).wait()?.1,
+            None => flags,
+        };
+        Ok(flags.into_iter().map(|f| f != 0).collect())
+    }
+
     /// Loads only the model from checkpoint `DIR/TAG` (a collective), for
     /// fine-tuning from a pre-training run: DeepSpeed's
     /// `load_checkpoint(.., load_module_only=True)`. The parameters (fp32

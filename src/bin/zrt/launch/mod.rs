@@ -716,7 +716,9 @@ fn outcome(
         }),
         Ended::Failed { rank, code } => Some(Failure {
             code,
-            stop: false,
+            // A signal that came while its peers were being stopped ends
+            // every node's job too.
+            stop: signalled(),
             what: format!("node {node}'s rank {rank} failed (code {code})"),
         }),
     };

@@ -14,8 +14,8 @@
 //! `--save-every N`); `--resume` first loads the latest one there and goes
 //! on from its step. SIGTERM or Ctrl-C (which `zrt launch` forwards to
 //! every rank) stops the job after the step in progress, every rank alike,
-//! and saves that step's checkpoint. `zrt ckpt consolidate DIR model.safetensors` turns it
-//! into one file of the model's weights.
+//! and saves that step's checkpoint. `zrt ckpt consolidate DIR
+//! model.safetensors` turns one into a file of the model's weights.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -553,8 +553,12 @@ fn main() -> Result<()> {
         if stop && step < a.steps {
             end = step;
             if rank == 0 {
+                let then = match a.save_dir {
+                    Some(_) => "`--resume` goes on from its checkpoint",
+                    None => "--no-save: nothing is kept",
+                };
                 let line = format!(
-                    "a signal reached the job: stopping after step {step} (train loss {loss:.4}); `--resume` goes on from its checkpoint"
+                    "a signal reached the job: stopping after step {step} (train loss {loss:.4}); {then}"
                 );
                 match &bar {
                     Some(b) => b.println(line),

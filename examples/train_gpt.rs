@@ -295,24 +295,6 @@ fn corpus(dir: Option<&Path>) -> Result<(Vec<u8>, String)> {
     )
 }
 
-/// The signal that asked the job to stop (0: none yet).
-static STOP: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    STOP.store(sig, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Has SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C; `zrt
-/// launch` forwards both to every rank) end the job after the step in
-/// progress, with a checkpoint, instead of killing the rank mid-step.
-fn stop_on_signals() {
-    // SAFETY: installing a handler that only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-    }
-}
-
 /// Whether this is the job's first attempt: `zrt launch --max-restarts`
 /// (as torchrun) counts restarts in TORCHELASTIC_RESTART_COUNT.
 fn first_attempt() -> bool {
@@ -349,7 +331,8 @@ fn main() -> Result<()> {
         return Ok(());
     };
     tch::set_num_threads(1);
-    stop_on_signals();
+    // A scheduler's SIGTERM or Ctrl-C ends the job after a step, saved.
+    zrt::stop::on_signals();
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
     let (rank, n) = (dist.env().rank, dist.env().world_size);
     let (text, source) = corpus(a.corpus.as_deref())?;
@@ -533,7 +516,8 @@ fn main() -> Result<()> {
         }
         // The step's loss, and whether a signal reached any rank: every
         // rank reads the same answer, so all of them stop after this step.
-        let signalled = f64::from(STOP.load(std::sync::atomic::Ordering::SeqCst) != 0);
+        // (`zrt::stop::any_rank` asks the same in a collective of its own.)
+        let signalled = f64::from(zrt::stop::requested().is_some());
         let both = world
             .all_reduce(vec![sum / gas as f64, signalled], ReduceOp::Avg)
             .wait()?;

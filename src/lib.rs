@@ -10,7 +10,9 @@
 //! - [`zero`]: flat buffers, stages 1-3, `ShardedModule`, engine, config.
 //!
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
-//! the main job, the benchmarks and the parity tests.
+//! the main job, the benchmarks and the parity tests. [`stop`] ends a
+//! training loop after a step, with a checkpoint, when the job is asked to
+//! stop (a scheduler's SIGTERM, Ctrl-C).
 //!
 //! # Training with ZeRO
 //!
@@ -53,6 +55,7 @@
 //! and checkpoints.
 
 pub mod gpt;
+pub mod stop;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where
 /// /proc is not available: what the main job and `zrt bench train` report.

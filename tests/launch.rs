@@ -269,6 +269,11 @@ fn a_failed_job_starts_again_whole_while_max_restarts_allows() {
         "{t}"
     );
     assert!(!t.contains("restart 3 of 3"), "{t}");
+    assert!(
+        t.trim_end()
+            .ends_with("zrt launch: every rank ended well after 2 restart(s)"),
+        "{t}"
+    );
 }
 
 #[test]
@@ -594,6 +599,10 @@ fn launchers_on_two_nodes_restart_the_job_together() {
     for t in [&ta, &tb] {
         assert!(t.contains("restarting every rank (restart 1 of 2"), "{t}");
         assert!(!t.contains("restart 2 of 2"), "{t}");
+        assert!(
+            t.contains("zrt launch: every rank ended well after 1 restart(s)"),
+            "{t}"
+        );
     }
     // Rank 0 may be stopped before it says anything on the first attempt.
     for (t, r, attempt) in [(&ta, 0, 1), (&tb, 1, 0), (&tb, 1, 1)] {

@@ -666,6 +666,10 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         };
         let ended = supervise(start(&job, restart)?, job.grace, &mut peer)?;
         let Some(failure) = outcome(a, agents.as_ref(), restart, ended)? else {
+            if restart > 0 {
+                // The failures above did not end the job: say so last.
+                eprintln!("zrt launch: every rank ended well after {restart} restart(s)");
+            }
             if let Some(ag) = agents {
                 ag.leave();
             }

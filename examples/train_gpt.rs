@@ -37,6 +37,9 @@ struct Args {
     save_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only at the end).
     save_every: u64,
+    /// How many of the newest checkpoints to keep (`--keep-last`; all
+    /// when `None`).
+    keep_last: Option<std::num::NonZeroUsize>,
     /// Load the latest checkpoint in `save_dir` first, if there is one.
     resume: bool,
     /// Freeze every block's MLP weights (`--freeze-mlp`).
@@ -91,6 +94,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--save-every",
         "N",
         "steps between checkpoints (default: 0, only at the end)",
+    ),
+    (
+        "--keep-last",
+        "N",
+        "after each save, remove the checkpoints in the save directory but the N newest (default: keep all)",
     ),
     ("--no-save", "", "save no checkpoint"),
     (
@@ -231,6 +239,10 @@ fn parse_args() -> Result<Option<Args>> {
             )),
         },
         save_every: num("--save-every", 0, 0)? as u64,
+        keep_last: match get("--keep-last") {
+            None => None,
+            Some(_) => std::num::NonZeroUsize::new(num("--keep-last", 1, 1)? as usize),
+        },
         resume: opts.contains_key("--resume"),
         freeze_mlp: opts.contains_key("--freeze-mlp"),
         checkpoint: opts.contains_key("--checkpoint-activations"),
@@ -473,6 +485,16 @@ fn main() -> Result<()> {
                     path.display(),
                     dir.display()
                 );
+                // Every rank's save has returned: it is committed.
+                if let Some(keep) = a.keep_last {
+                    let removed = zrt::zero::checkpoint::keep_latest(dir, keep)?;
+                    if !removed.is_empty() {
+                        println!(
+                            "removed older checkpoint(s) {} (--keep-last {keep})",
+                            removed.join(", ")
+                        );
+                    }
+                }
             }
         }
         Ok(())

@@ -1048,6 +1048,46 @@ fn the_main_job_restarted_by_the_launcher_after_a_rank_fails_ends_with_the_same_
 }
 
 #[test]
+fn the_main_job_keeps_its_newest_checkpoints_by_step_with_keep_last() {
+    // Ten saves, two kept: by step (by name `step10` would come before
+    // `step9` and be removed); what is not a committed checkpoint stays.
+    let _serial = serial();
+    let dir = tmp("keep-last");
+    let d = dir.to_str().unwrap();
+    let staging = ".step99.partial-0123456789abcdef";
+    for other in [staging, "notes"] {
+        std::fs::create_dir_all(dir.join(other)).unwrap();
+    }
+    let said = train_gpt(&[
+        "--steps",
+        "10",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "2",
+        "--save-dir",
+        d,
+    ]);
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [staging, "latest", "notes", "step10", "step9"],
+        "{said}"
+    );
+    assert!(
+        said.contains("removed older checkpoint(s) step8 (--keep-last 2)"),
+        "{said}"
+    );
+    let again = train_gpt(&["--steps", "11", "--save-dir", d, "--resume"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(again.contains("(tag step10) at step 10"), "{again}");
+}
+
+#[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
     let _serial = serial();
     let (straight, resumed, _) = main_job_straight_and_resumed("processes", &[]);

@@ -49,10 +49,12 @@ pub(crate) mod consolidate;
 mod error;
 pub(crate) mod files;
 pub(crate) mod meta;
+mod prune;
 
 pub use consolidate::{consolidate, inspect, ExportDtype, ROUNDED_KEY};
 pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
+pub use prune::keep_latest;
 
 pub(crate) use files::write_atomic;
 pub(crate) use meta::{rank_file_name, replica_grads_file_name, resolve_tag, Locator, Whose};

@@ -486,14 +486,17 @@ fn main() -> Result<()> {
                     dir.display()
                 );
                 // Every rank's save has returned: it is committed.
-                if let Some(keep) = a.keep_last {
-                    let removed = zrt::zero::checkpoint::keep_latest(dir, keep)?;
-                    if !removed.is_empty() {
-                        println!(
-                            "removed older checkpoint(s) {} (--keep-last {keep})",
-                            removed.join(", ")
-                        );
-                    }
+                // Pruning that fails costs disk, not the run: said, not fatal.
+                match a
+                    .keep_last
+                    .map(|k| zrt::zero::checkpoint::keep_latest(dir, k))
+                {
+                    Some(Ok(removed)) if !removed.is_empty() => println!(
+                        "removed older checkpoint(s) {} (--keep-last)",
+                        removed.join(", ")
+                    ),
+                    Some(Err(e)) => eprintln!("--keep-last: {e}; training goes on"),
+                    _ => {}
                 }
             }
         }

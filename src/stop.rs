@@ -9,6 +9,12 @@
 //! next step's collectives), saves, and returns. The launcher's `--grace`
 //! (5 s by default) bounds how long it may take before SIGKILL.
 //!
+//! The launcher also sends SIGTERM to the other ranks when one fails. A
+//! rank that only notes it runs on to its next collective, which then
+//! fails naming the dead peer (within seconds): its end comes a little
+//! later than at once, and a step longer than `--grace` is cut short by
+//! SIGKILL as before.
+//!
 //! ```no_run
 //! # fn run(
 //! #     engine: &zrt::zero::Engine<zrt::collectives::Group>,

@@ -868,28 +868,13 @@ fn the_main_job_stopped_by_a_signal_saves_the_step_it_ended_and_resumes_from_it(
     let _serial = serial();
     let (dir, cwd) = (tmp("signalled"), tmp("signalled-cwd"));
     let d = dir.to_str().unwrap();
-    let mut child = main_job(&[], &["--steps", "100000", "--save-dir", d])
-        .current_dir(&cwd)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Signalled once training has begun, not at a guessed time.
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut said = String::new();
-    while !said.contains("step    0  validation loss") {
-        let mut line = String::new();
-        if std::io::BufRead::read_line(&mut out, &mut line).unwrap() == 0 {
-            break;
-        }
-        said.push_str(&line);
-    }
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    std::io::Read::read_to_string(&mut out, &mut said).unwrap();
-    let o = child.wait_with_output().unwrap();
-    let said = format!("{said}{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(o.status.code(), Some(143), "{said}");
+    // Signalled once training has begun.
+    let (said, status) = common::signalled_when(
+        main_job(&[], &["--steps", "100000", "--save-dir", d]).current_dir(&cwd),
+        libc::SIGTERM,
+        |said| said.contains("step    0  validation loss"),
+    );
+    assert_eq!(status.code(), Some(143), "{said}");
     let step: u64 = said
         .split("stopping after step ")
         .nth(1)

@@ -362,30 +362,16 @@ fn log_dir_keeps_each_attempts_output_of_each_rank() {
 fn ctrl_c_ends_a_job_that_may_restart() {
     // The launcher's own signal is the user's decision, not a rank's
     // failure: no attempt follows it.
-    let mut child = zrt()
-        .args(["launch", "--nproc-per-node", "2", "--max-restarts", "3"])
-        .args(["--", "sh", "-c"])
-        .arg("echo attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT; sleep 60")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Signalled once both ranks run (they said so), not at a guessed time.
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut said = String::new();
-    while attempts(&said).len() < 2 {
-        let mut line = String::new();
-        if std::io::BufRead::read_line(&mut out, &mut line).unwrap() == 0 {
-            break;
-        }
-        said.push_str(&line);
-    }
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    std::io::Read::read_to_string(&mut out, &mut said).unwrap();
-    let o = child.wait_with_output().unwrap();
-    let t = format!("{said}{}", text(&o));
-    assert_eq!(o.status.code(), Some(130), "{t}");
+    // Signalled once both ranks run (they said so).
+    let (t, status) = crate::common::signalled_when(
+        zrt()
+            .args(["launch", "--nproc-per-node", "2", "--max-restarts", "3"])
+            .args(["--", "sh", "-c"])
+            .arg("echo attempt $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT; sleep 60"),
+        libc::SIGINT,
+        |said| attempts(said).len() >= 2,
+    );
+    assert_eq!(status.code(), Some(130), "{t}");
     assert!(
         t.contains("got signal 2, forwarding it to every rank") && !t.contains("restarting"),
         "{t}"

@@ -363,6 +363,37 @@ pub fn printed(o: &std::process::Output) -> String {
     )
 }
 
+/// Runs `cmd` (stdout and stderr piped) and sends it `sig` once what it
+/// printed on stdout so far passes `ready` (not at a guessed time); its
+/// output, stdout first, and how it ended.
+pub fn signalled_when(
+    cmd: &mut std::process::Command,
+    sig: libc::c_int,
+    ready: impl Fn(&str) -> bool,
+) -> (String, std::process::ExitStatus) {
+    use std::io::{BufRead, Read};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut said = String::new();
+    while !ready(&said) {
+        let mut line = String::new();
+        if out.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        said.push_str(&line);
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+    out.read_to_string(&mut said).unwrap();
+    let o = child.wait_with_output().unwrap();
+    said.push_str(&String::from_utf8_lossy(&o.stderr));
+    (said, o.status)
+}
+
 /// Trains `steps` steps of the GPT on this rank's micro-batches
 /// ([`tokens`], no accumulation): the losses.
 pub fn train_losses<G: zrt::collectives::ProcessGroup + 'static>(

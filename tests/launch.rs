@@ -90,31 +90,35 @@ fn an_empty_zrt_token_is_replaced_on_one_node() {
 #[test]
 fn a_second_nodes_ranks_come_after_the_first_nodes_on_port_29500() {
     // Launchers of a job on several nodes must agree on the port without
-    // talking: the default is torchrun's, not a free port each picks.
-    let o = zrt()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "3",
-            "--node-rank",
-            "1",
-        ])
-        .args([
-            "--",
-            "sh",
-            "-c",
-            "echo env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT $GROUP_RANK $GROUP_WORLD_SIZE",
-        ])
-        .env("ZRT_TOKEN", "shared-secret")
-        .output()
-        .unwrap();
-    let t = text(&o);
-    assert!(o.status.success(), "{t}");
+    // talking: the default is torchrun's, not a free port each picks (the
+    // launchers meet on the port above it).
+    let [a, b] =
+        [0, 1].map(|node| {
+            zrt()
+            .args(["launch", "--nproc-per-node", "2", "--nnodes", "2"])
+            .args(["--node-rank", &node.to_string(), "--master-addr", "127.0.0.1"])
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "echo env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT $GROUP_RANK $GROUP_WORLD_SIZE",
+            ])
+            .env("ZRT_TOKEN", "shared-secret")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+        });
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (ta, tb) = (text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
     assert!(
-        t.contains("[rank 2] env 2 6 0 29500 1 3") && t.contains("[rank 3] env 3 6 1 29500 1 3"),
-        "{t}"
+        ta.contains("[rank 0] env 0 4 0 29500 0 2") && ta.contains("[rank 1] env 1 4 1 29500 0 2"),
+        "{ta}"
+    );
+    assert!(
+        tb.contains("[rank 2] env 2 4 0 29500 1 2") && tb.contains("[rank 3] env 3 4 1 29500 1 2"),
+        "{tb}"
     );
 }
 
@@ -675,16 +679,52 @@ fn a_signal_to_one_nodes_launcher_ends_every_node_without_restarting() {
 }
 
 #[test]
-fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
-    // Node 1's launcher is killed outright (its rank dies with it); node
-    // 0's rank fails, as a rank whose peer died does, and node 0's
-    // launcher, waiting for every launcher before the next attempt, names
-    // the one that is gone rather than wait for it.
-    let then = "while [ ! -e \"$DIR/fail\" ]; do sleep 0.02; done; exit 1";
-    let (dir, _, a, mut b) = two_nodes_up("kill", &["--max-restarts", "3"], then);
+fn a_launcher_that_dies_ends_the_other_nodes_job_at_once_naming_it() {
+    // Node 1's launcher is killed outright (its rank dies with it) while
+    // node 0's rank sleeps, as a rank waiting for its peers in a
+    // rendezvous would until its timeout: node 0's launcher stops it and
+    // ends the job, restarts or not (they would need node 1).
+    let (dir, _, a, mut b) = two_nodes_up("kill", &["--max-restarts", "3"], "sleep 60");
     b.kill().unwrap();
     let _ = b.wait();
-    std::fs::write(dir.join("fail"), "").unwrap();
+    let t1 = Instant::now();
+    let o = a.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
+    assert!(
+        t.contains("zrt launch: node 1's launcher ended (it exited, was stopped or died) while the ranks of attempt 0 ran: every node's launcher runs until the job ends; its own output says why; stopping this node's 1 rank(s)"),
+        "{t}"
+    );
+    assert!(!t.contains("restarting"), "{t}");
+}
+
+#[test]
+fn a_launcher_that_dies_while_the_others_wait_for_its_ranks_is_named() {
+    // Node 0's rank ends well; node 1's launcher is killed while node 0's
+    // waits for node 1's rank to end (once node 0's launcher has reaped
+    // its rank: before, it would still be watching its ranks run).
+    let then = "echo $$ > \"$DIR/pid$RANK\"; if [ $RANK = 1 ]; then sleep 60; fi";
+    let (dir, _, a, mut b) = two_nodes_up("finish", &[], then);
+    let t0 = Instant::now();
+    let pid0 = loop {
+        let pid = std::fs::read_to_string(dir.join("pid0")).unwrap_or_default();
+        if let Ok(pid) = pid.trim().parse::<u32>() {
+            break pid;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "no pid from rank 0");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    while std::path::Path::new(&format!("/proc/{pid0}")).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "rank 0 never reaped"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    b.kill().unwrap();
+    let _ = b.wait();
     let t1 = Instant::now();
     let o = a.wait_with_output().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -692,9 +732,71 @@ fn a_launcher_that_dies_ends_the_other_nodes_job_naming_it() {
     assert!(!o.status.success(), "{t}");
     assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
     assert!(
-        t.contains("node 1's launcher ended (it exited, was stopped or died) while this one waited for every node's launcher to be ready for attempt 1"),
+        t.contains("node 1's launcher ended (it exited, was stopped or died) while this one waited for the other nodes' ranks of attempt 0 to end"),
         "{t}"
     );
+}
+
+#[test]
+fn a_node_whose_program_cannot_start_ends_the_job_on_every_node() {
+    // Each node in turn is given a program that does not exist, while the
+    // other's rank sleeps as one waiting for its peers would: that node's
+    // launcher says why to the others, which stop their ranks and end too.
+    for bad in [0, 1] {
+        let port = free_port();
+        let missing = "/nonexistent/zrt-test-program";
+        let t0 = Instant::now();
+        let [a, b] = [0, 1].map(|n| match n == bad {
+            true => node_running(port, n, 1, &["--max-restarts", "2"], &[missing], ""),
+            false => node_running(port, n, 1, &["--max-restarts", "2"], &[], "sleep 60"),
+        });
+        let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+        assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        let (bad_o, good_o) = match bad {
+            0 => (a, b),
+            _ => (b, a),
+        };
+        let (tb, tg) = (text(&bad_o), text(&good_o));
+        assert!(!bad_o.status.success(), "{tb}");
+        assert!(
+            tb.contains(&format!("cannot start `{missing}` for rank {bad}")),
+            "{tb}"
+        );
+        assert_eq!(good_o.status.code(), Some(1), "{tg}");
+        assert!(
+            tg.contains(&format!(
+                "zrt launch: node {bad}'s launcher could not start its ranks (cannot start `{missing}` for rank {bad}: "
+            )) && tg.contains("stopping this node's 1 rank(s)"),
+            "{tg}"
+        );
+        for t in [&tb, &tg] {
+            assert!(!t.contains("restarting"), "{t}");
+        }
+    }
+}
+
+#[test]
+fn a_failing_rank_on_one_node_stops_every_node_with_its_code() {
+    // No restarts: node 0's rank would sleep on, as one whose peer died
+    // outside any collective does; its launcher stops it on node 1's
+    // report and ends with node 1's rank's code, naming it.
+    let port = free_port();
+    let script = "if [ $RANK = 1 ]; then exit 5; fi; sleep 60";
+    let t1 = Instant::now();
+    let [a, b] = [0, 1].map(|n| node_running(port, n, 1, &[], &[], script));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
+    let (ta, tb) = (text(&a), text(&b));
+    assert_eq!(a.status.code(), Some(5), "{ta}");
+    assert_eq!(b.status.code(), Some(5), "{tb}");
+    assert!(
+        ta.contains("zrt launch: node 1's rank 1 failed (code 5); stopping this node's 1 rank(s)"),
+        "{ta}"
+    );
+    assert!(tb.contains("zrt launch: rank 1 exited with code 5"), "{tb}");
+    for t in [&ta, &tb] {
+        assert!(!t.contains("no restarts left"), "{t}");
+    }
 }
 
 #[test]
@@ -741,8 +843,11 @@ fn launchers_given_different_restarts_stop_naming_both() {
 #[test]
 fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
     // Node 0's launcher is told one rank per node, node 1's two: rank 0
-    // runs a world of 2, ranks 2 and 3 a world of 4, and rank 0 waited out
-    // its whole timeout for a rank 1 that never comes.
+    // would run a world of 2, ranks 2 and 3 a world of 4, and rank 0 once
+    // waited out its whole timeout for a rank 1 that never came. The
+    // launchers compare their settings before starting any rank (the
+    // ranks' own check, for ranks other launchers start, is
+    // `rendezvous`'s).
     let port = free_port();
     let t = Instant::now();
     let (a, b) = (node(port, 0, 1), node(port, 1, 2));
@@ -752,10 +857,10 @@ fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
         let t = text(o);
         assert!(!o.status.success(), "{t}");
         assert!(
-            t.contains("rank 0 was started with WORLD_SIZE=2 and rank ")
-                && t.contains(" with WORLD_SIZE=4: give every node's launcher the same --nnodes and --nproc-per-node"),
+            t.contains("node 1's launcher was given --nnodes 2 --nproc-per-node 2 --max-restarts 0, node 0's --nnodes 2 --nproc-per-node 1 --max-restarts 0: give every node's launcher the same --nnodes, --nproc-per-node and --max-restarts"),
             "{t}"
         );
+        assert!(!t.contains("[rank "), "no rank started: {t}");
     }
     assert!(took < Duration::from_secs(30), "{took:?}");
 }
@@ -882,8 +987,6 @@ fn bad_arguments_are_refused_with_the_fix() {
                 "1",
                 "--nnodes",
                 "2",
-                "--max-restarts",
-                "1",
                 "--master-port",
                 "65535",
                 "--",

@@ -44,6 +44,7 @@ const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_DEL: u8 = 4;
 const OP_ON_CLOSE: u8 = 5;
+const OP_COUNT_ON_CLOSE: u8 = 6;
 
 /// How often [`StoreClient::await_key`] looks at the keys that end a wait.
 const POLL: Duration = Duration::from_millis(100);
@@ -274,15 +275,29 @@ fn serve_conn(mut c: TcpStream, table: &Table, token: &[u8]) {
     while let Ok(()) = serve_one(&mut c, table, &mut on_close) {}
     if !on_close.is_empty() {
         let mut map = table.map.lock();
-        for k in on_close {
-            map.insert(k, Vec::new());
+        for (k, count) in on_close {
+            let v = match count {
+                false => Vec::new(),
+                true => counter(map.get(&k)).wrapping_add(1).to_le_bytes().to_vec(),
+            };
+            map.insert(k, v);
         }
         drop(map);
         table.changed.notify_all();
     }
 }
 
-fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut Vec<String>) -> std::io::Result<()> {
+/// The integer an `ADD` keeps at a key (0 for none or anything else).
+fn counter(v: Option<&Vec<u8>>) -> i64 {
+    v.and_then(|v| v.as_slice().try_into().ok())
+        .map_or(0, i64::from_le_bytes)
+}
+
+/// What a connection's end does to each key it registered: set it empty
+/// (`false`) or add 1 to it (`true`).
+type OnClose = Vec<(String, bool)>;
+
+fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut OnClose) -> std::io::Result<()> {
     let mut head = [0u8; 5];
     c.read_exact(&mut head)?;
     let klen = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
@@ -324,11 +339,7 @@ fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut Vec<String>) -> st
         OP_ADD => {
             let delta = read_u64(c)? as i64;
             let mut map = table.map.lock();
-            let cur = map
-                .get(&key)
-                .and_then(|v| v.as_slice().try_into().ok())
-                .map_or(0, i64::from_le_bytes);
-            let new = cur.wrapping_add(delta);
+            let new = counter(map.get(&key)).wrapping_add(delta);
             map.insert(key, new.to_le_bytes().to_vec());
             drop(map);
             table.changed.notify_all();
@@ -340,12 +351,12 @@ fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut Vec<String>) -> st
             table.map.lock().remove(&key);
             c.write_all(&[0])
         }
-        OP_ON_CLOSE => {
+        OP_ON_CLOSE | OP_COUNT_ON_CLOSE => {
             // Bounded like everything a connection can make the server keep.
             if on_close.len() >= 16 {
                 return Err(std::io::Error::other("too many ON_CLOSE keys"));
             }
-            on_close.push(key);
+            on_close.push((key, head[0] == OP_COUNT_ON_CLOSE));
             c.write_all(&[0])
         }
         _ => Err(std::io::Error::other("unknown op")),
@@ -514,6 +525,15 @@ impl StoreClient {
         self.request(OP_ON_CLOSE, key, &[], Some(0)).map(|_| ())
     }
 
+    /// Makes the server add 1 to the integer at `key` (as [`Self::add`])
+    /// once this connection ends, however it ends: one key that counts the
+    /// connections gone, which a watcher reads in one request however many
+    /// peers it watches.
+    pub fn count_on_close(&self, key: &str) -> Result<(), CommError> {
+        self.request(OP_COUNT_ON_CLOSE, key, &[], Some(0))
+            .map(|_| ())
+    }
+
     /// [`StoreClient::await_key`], calling `still` with the time waited
     /// whenever `waits` has a report due meanwhile (an error from it ends
     /// the wait).
@@ -670,6 +690,40 @@ mod tests {
             c.set_on_close(&format!("k{i}")).unwrap();
         }
         assert!(c.set_on_close("k16").is_err());
+    }
+
+    #[test]
+    fn connections_that_end_are_counted_at_a_key() {
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let addr = srv.addr().to_string();
+        let t = Duration::from_secs(5);
+        let watcher = StoreClient::connect(&addr, "tok", t).unwrap();
+        let peers: Vec<_> = (0..3)
+            .map(|_| {
+                let c = StoreClient::connect(&addr, "tok", t).unwrap();
+                c.count_on_close("gone").unwrap();
+                c
+            })
+            .collect();
+        assert_eq!(watcher.add("gone", 0).unwrap(), 0);
+        let mut peers = peers.into_iter();
+        for n in 1..=2 {
+            drop(peers.next());
+            let t0 = Instant::now();
+            while watcher.add("gone", 0).unwrap() < n {
+                assert!(t0.elapsed() < t, "connection {n}'s end never counted");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(watcher.add("gone", 0).unwrap(), n);
+        }
+        // A count the server keeps adds to what ADD put there.
+        watcher.add("gone", 10).unwrap();
+        drop(peers.next());
+        let t0 = Instant::now();
+        while watcher.add("gone", 0).unwrap() != 13 {
+            assert!(t0.elapsed() < t, "the last end never counted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The launchers of a job on several nodes, restarting it together
-//! (`--max-restarts` with `--nnodes` above 1): torchrun's elastic agents,
-//! reduced to what a fixed set of nodes needs.
+//! The launchers of a job on several nodes (`--nnodes` above 1), which
+//! stop, restart and end it together: torchrun's elastic agents, reduced
+//! to what a fixed set of nodes needs.
 //!
 //! Node 0's launcher serves a store of its own on `MASTER_PORT + 1`
 //! (rank 0 serves the ranks' store on `MASTER_PORT`, afresh each attempt);
@@ -11,8 +11,10 @@
 //! record. The first launcher whose ranks fail writes it; the others stop
 //! their ranks on seeing it, and all of them start the next round or, with
 //! no restarts left (or after a signal to a launcher, which ends the job),
-//! exit with the failed rank's code. A launcher that ends early is seen
-//! through its connection closing, never waited for.
+//! exit with the failed rank's code. A launcher that ends early (it could
+//! not start its ranks, or it died) is seen through its connection
+//! closing, which the store counts at one key the others poll, and is
+//! never waited for.
 
 use std::time::{Duration, Instant};
 
@@ -99,6 +101,7 @@ impl Agents {
             );
         }
         client.set_on_close(&gone(node))?;
+        client.count_on_close(GONE)?;
         let agents = Self {
             client,
             server,
@@ -150,6 +153,43 @@ impl Agents {
         }
     }
 
+    /// What stops this node's ranks of round `round` early: the round's
+    /// failure record, or a launcher that ended without writing one (the
+    /// ranks on its node are gone with it, and the job cannot go on
+    /// without them). Two requests, however many nodes.
+    pub(super) fn watch(&self, round: u32) -> Result<Option<Failure>> {
+        if let Some(f) = self.failure(round)? {
+            return Ok(Some(f));
+        }
+        if self.client.add(GONE, 0)? == 0 {
+            return Ok(None);
+        }
+        // Read again: a launcher that wrote the record and then left (its
+        // job over, with no restarts left) is not the cause.
+        if let Some(f) = self.failure(round)? {
+            return Ok(Some(f));
+        }
+        Ok(Some(Failure {
+            code: 1,
+            stop: true,
+            what: format!(
+                "{} ended (it exited, was stopped or died) while the ranks of attempt {round} ran: every node's launcher runs until the job ends; its own output says why",
+                self.gone_one()?
+            ),
+        }))
+    }
+
+    /// Names a launcher whose connection ended ("node 2's launcher"), once
+    /// the count of them is above 0.
+    fn gone_one(&self) -> Result<String> {
+        for k in (0..self.nnodes).filter(|&k| k != self.node) {
+            if self.client.get_within(&gone(k), Duration::ZERO)?.is_some() {
+                return Ok(format!("node {k}'s launcher"));
+            }
+        }
+        Ok("another node's launcher".to_string())
+    }
+
     /// Reports this node's failure in round `round`; returns the round's
     /// record, which is another node's when that one was first.
     pub(super) fn report(&self, round: u32, f: Failure) -> Result<Failure> {
@@ -193,12 +233,10 @@ impl Agents {
         }
         let t0 = Instant::now();
         while t0.elapsed() < LINGER {
-            let left = (1..self.nnodes).all(|k| {
-                matches!(
-                    self.client.get_within(&gone(k), Duration::ZERO),
-                    Ok(Some(_)) | Err(_)
-                )
-            });
+            let left = self
+                .client
+                .add(GONE, 0)
+                .map_or(true, |n| n >= self.nnodes as i64 - 1);
             if left {
                 break;
             }
@@ -223,12 +261,11 @@ impl Agents {
             if let Some(why) = self.client.get_within("agent/refused", Duration::ZERO)? {
                 bail!("{}", String::from_utf8_lossy(&why));
             }
-            for k in (0..self.nnodes).filter(|&k| k != self.node) {
-                if self.client.get_within(&gone(k), Duration::ZERO)?.is_some() {
-                    bail!(
-                        "node {k}'s launcher ended (it exited, was stopped or died) while this one waited for {what}: every node's launcher runs until the job ends; its own output says why"
-                    );
-                }
+            if self.client.add(GONE, 0)? > 0 {
+                bail!(
+                    "{} ended (it exited, was stopped or died) while this one waited for {what}: every node's launcher runs until the job ends; its own output says why",
+                    self.gone_one()?
+                );
             }
             if super::signalled() {
                 bail!("got a signal while waiting for {what}");
@@ -243,6 +280,9 @@ impl Agents {
         }
     }
 }
+
+/// The count of launchers whose connection closed.
+const GONE: &str = "agent/gone_count";
 
 /// The key node `k`'s launcher's connection sets when it closes.
 fn gone(k: usize) -> String {

@@ -9,8 +9,8 @@
 //! stopped (SIGTERM, then SIGKILL after a grace period) and the launcher
 //! exits with that rank's code, naming it, unless `--max-restarts` lets it
 //! start every rank again (each attempt with a fresh rendezvous and
-//! TORCHELASTIC_RESTART_COUNT, as torchrun's; on several nodes the
-//! launchers restart together, see `agents`). Ranks also
+//! TORCHELASTIC_RESTART_COUNT, as torchrun's). On several nodes the
+//! launchers stop, restart and end the job together, see `agents`. Ranks also
 //! get the PyTorch wheel's NCCL on LD_LIBRARY_PATH (see `nccl_dir`).
 
 use std::io::{BufRead, BufReader, Write};
@@ -41,15 +41,15 @@ pub struct LaunchArgs {
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
     /// Its port (default: a free port below the ephemeral range for
-    /// single-node jobs, 29500 otherwise).
+    /// single-node jobs, 29500 otherwise). On several nodes node 0's
+    /// launcher also serves the launchers on the port above it.
     #[arg(long)]
     master_port: Option<u16>,
     /// Seconds ranks get to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
     /// Times every rank is started again after one fails (torchrun's
-    /// `--max-restarts`; on several nodes every launcher restarts, meeting
-    /// at node 0's on MASTER_PORT + 1). Each attempt gets a fresh
+    /// `--max-restarts`; on several nodes every launcher restarts). Each attempt gets a fresh
     /// rendezvous, and the ranks see the attempt in
     /// TORCHELASTIC_RESTART_COUNT (0 for the first).
     #[arg(long, default_value_t = 0)]
@@ -371,10 +371,10 @@ impl<'a> Job<'a> {
         if a.master_port == Some(0) {
             bail!("--master-port 0 names no port the ranks could meet on: give a port from 1 to 65535, or leave it out on one node for a free one");
         }
-        // Launchers on several nodes that may restart meet at a store of
-        // their own, on the port above the ranks' (see `agents`).
-        if a.master_port == Some(u16::MAX) && a.nnodes > 1 && a.max_restarts > 0 {
-            bail!("--master-port 65535 leaves no port above it for the launchers' own store, which a job on several nodes with --max-restarts needs (MASTER_PORT + 1): give a lower port");
+        // Launchers on several nodes meet at a store of their own, on the
+        // port above the ranks' (see `agents`).
+        if a.master_port == Some(u16::MAX) && a.nnodes > 1 {
+            bail!("--master-port 65535 leaves no port above it for the launchers' own store, which a job on several nodes needs (MASTER_PORT + 1): give a lower port");
         }
         let grace = match Duration::try_from_secs_f64(a.grace) {
             Ok(g) => g,
@@ -640,8 +640,11 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             a.nproc_per_node
         );
     }
-    // Launchers on several nodes restart together, or not at all.
-    let agents = match (a.nnodes > 1 && a.max_restarts > 0, job.port, &job.token) {
+    // Launchers on several nodes stop, restart and end their ranks
+    // together: a failure on one node ends every node's attempt at once
+    // (not when the others' collectives notice), and every launcher exits
+    // with the failed rank's code.
+    let mut agents = match (a.nnodes > 1, job.port, &job.token) {
         (true, Some(port), Some(token)) => Some(Agents::join(
             &a.master_addr,
             port + 1,
@@ -660,11 +663,36 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         if let Some(ag) = &agents {
             ag.ready(restart)?;
         }
+        let ranks = match start(&job, restart) {
+            Ok(r) => r,
+            Err(e) => {
+                let Some(ag) = agents.take() else {
+                    return Err(e);
+                };
+                // Said to the other nodes, whose ranks would otherwise wait
+                // for this node's until their timeout. A program that does
+                // not start will not on a restart either: the job ends.
+                let f = Failure {
+                    code: 1,
+                    stop: true,
+                    what: format!(
+                        "node {}'s launcher could not start its ranks ({e:#})",
+                        a.node_rank
+                    ),
+                };
+                if let Err(e2) = ag.report(restart, f) {
+                    tracing::debug!("telling the other launchers: {e2:#}");
+                }
+                // Node 0's store stays up until the others have read it.
+                ag.leave();
+                return Err(e);
+            }
+        };
         let mut peer = || match &agents {
-            Some(ag) => ag.failure(restart),
+            Some(ag) => ag.watch(restart),
             None => Ok(None),
         };
-        let ended = supervise(start(&job, restart)?, job.grace, &mut peer)?;
+        let ended = supervise(ranks, job.grace, &mut peer)?;
         let Some(failure) = outcome(a, agents.as_ref(), restart, ended)? else {
             if restart > 0 {
                 // The failures above did not end the job: say so last.

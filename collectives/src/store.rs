@@ -11,7 +11,8 @@
 //! Wire format, all integers little-endian: a request is `op: u8`,
 //! `key_len: u32`, key bytes, then per op: SET `len: u64` + value; GET
 //! `timeout_ms: u64`; ADD `delta: i64`; DEL nothing; ON_CLOSE nothing (the
-//! server sets `key`, empty, once this connection ends). A reply is
+//! server sets `key`, empty, once this connection ends); COUNT_ON_CLOSE
+//! nothing (the server adds 1 to the integer at `key` then). A reply is
 //! `status: u8` (0 ok, 1 timed out) then, for GET, `len: u64` + value, for
 //! ADD `i64`.
 //!
@@ -19,6 +20,11 @@
 //! rank exited, died, or dropped its `Dist`), so a rank waiting for a peer's
 //! step of a rendezvous or a group's join stops waiting at once, naming it,
 //! instead of waiting out its timeout.
+//!
+//! A client waits for each reply at most its timeout (`ZRT_TIMEOUT`) beyond
+//! what the request itself asked the server to wait: a store whose host
+//! vanished without closing the connection (power lost, network cut) is
+//! an error naming it, never a hang.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -45,6 +51,11 @@ const OP_ADD: u8 = 3;
 const OP_DEL: u8 = 4;
 const OP_ON_CLOSE: u8 = 5;
 const OP_COUNT_ON_CLOSE: u8 = 6;
+
+/// The least a client waits for a reply beyond the wait it asked for,
+/// whatever its timeout: a job run with a short `ZRT_TIMEOUT` on a loaded
+/// host must not take a slow reply for a lost store.
+const MIN_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How often [`StoreClient::await_key`] looks at the keys that end a wait.
 const POLL: Duration = Duration::from_millis(100);
@@ -367,6 +378,8 @@ fn serve_one(c: &mut TcpStream, table: &Table, on_close: &mut OnClose) -> std::i
 pub struct StoreClient {
     conn: Mutex<TcpStream>,
     addr: String,
+    /// How long a reply may take beyond the wait a request asks for.
+    patience: Duration,
 }
 
 impl StoreClient {
@@ -434,38 +447,70 @@ impl StoreClient {
         Ok(Self {
             conn: Mutex::new(c),
             addr: addr.to_string(),
+            patience: timeout.max(MIN_PATIENCE),
         })
     }
 
+    /// The same client, waiting `patience` for each reply (tests of a
+    /// store that stops answering).
+    #[cfg(test)]
+    fn with_patience(mut self, patience: Duration) -> Self {
+        self.patience = patience;
+        self
+    }
+
+    /// Sends one request and reads its reply, which the server may hold for
+    /// `wait` (a GET's); `reply_len` is the reply's fixed length, `None`
+    /// for one that gives its length.
     fn request(
         &self,
         op: u8,
         key: &str,
         body: &[u8],
         reply_len: Option<usize>,
+        wait: Duration,
     ) -> Result<Option<Vec<u8>>, CommError> {
         let mut c = self.conn.lock();
         let mut msg = vec![op];
         msg.extend_from_slice(&(key.len() as u32).to_le_bytes());
         msg.extend_from_slice(key.as_bytes());
         msg.extend_from_slice(body);
-        let lost = |e: std::io::Error| {
-            io(
-                &format!("lost the rendezvous store at {} (rank 0 gone?)", self.addr),
-                e,
-            )
+        let patience = self.patience;
+        let lost = |c: &TcpStream, e: std::io::Error| {
+            use std::io::ErrorKind::{TimedOut, WouldBlock};
+            if !matches!(e.kind(), WouldBlock | TimedOut) {
+                return io(
+                    &format!("lost the rendezvous store at {} (rank 0 gone?)", self.addr),
+                    e,
+                );
+            }
+            // A reply that comes later would be read as the next one's:
+            // the connection is done with.
+            let _ = c.shutdown(Shutdown::Both);
+            err(format!(
+                "the rendezvous store at {} did not answer within {:.0} s (ZRT_TIMEOUT): its host is gone or cut off from this one",
+                self.addr,
+                patience.as_secs_f64()
+            ))
         };
-        c.write_all(&msg).map_err(lost)?;
-        let mut status = [0u8; 1];
-        c.read_exact(&mut status).map_err(lost)?;
-        if status[0] == 1 {
-            return Ok(None);
-        }
-        let n = match reply_len {
-            Some(n) => n,
-            None => read_u64(&mut c).map_err(lost)? as usize,
+        c.set_write_timeout(Some(patience))
+            .and_then(|()| c.set_read_timeout(Some(wait.saturating_add(patience))))
+            .map_err(|e| io("setting the store connection's timeouts", e))?;
+        let mut reply = || -> std::io::Result<Option<Vec<u8>>> {
+            c.write_all(&msg)?;
+            let mut status = [0u8; 1];
+            c.read_exact(&mut status)?;
+            if status[0] == 1 {
+                return Ok(None);
+            }
+            let n = match reply_len {
+                Some(n) => n,
+                None => read_u64(&mut c)? as usize,
+            };
+            read_exact(&mut c, n).map(Some)
         };
-        read_exact(&mut c, n).map(Some).map_err(lost)
+        let r = reply();
+        r.map_err(|e| lost(&c, e))
     }
 
     /// The local address of this connection: the IP this host uses to reach
@@ -482,7 +527,8 @@ impl StoreClient {
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
         let mut body = (value.len() as u64).to_le_bytes().to_vec();
         body.extend_from_slice(value);
-        self.request(OP_SET, key, &body, Some(0)).map(|_| ())
+        self.request(OP_SET, key, &body, Some(0), Duration::ZERO)
+            .map(|_| ())
     }
 
     /// Waits for `key` to exist (at most `timeout`) and returns its value.
@@ -499,13 +545,13 @@ impl StoreClient {
     /// within `timeout` (zero: whether it exists now).
     pub fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
         let body = (timeout.as_millis() as u64).to_le_bytes();
-        self.request(OP_GET, key, &body, None)
+        self.request(OP_GET, key, &body, None, timeout)
     }
 
     /// Adds `delta` to the integer at `key` (0 if absent); returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
         let v = self
-            .request(OP_ADD, key, &delta.to_le_bytes(), Some(8))?
+            .request(OP_ADD, key, &delta.to_le_bytes(), Some(8), Duration::ZERO)?
             .unwrap_or_default();
         Ok(i64::from_le_bytes(
             v.as_slice()
@@ -516,13 +562,15 @@ impl StoreClient {
 
     /// Removes `key`.
     pub fn delete(&self, key: &str) -> Result<(), CommError> {
-        self.request(OP_DEL, key, &[], Some(0)).map(|_| ())
+        self.request(OP_DEL, key, &[], Some(0), Duration::ZERO)
+            .map(|_| ())
     }
 
     /// Makes the server set `key` (empty) once this connection ends, however
     /// it ends: a killed process's connection ends too.
     pub fn set_on_close(&self, key: &str) -> Result<(), CommError> {
-        self.request(OP_ON_CLOSE, key, &[], Some(0)).map(|_| ())
+        self.request(OP_ON_CLOSE, key, &[], Some(0), Duration::ZERO)
+            .map(|_| ())
     }
 
     /// Makes the server add 1 to the integer at `key` (as [`Self::add`])
@@ -530,7 +578,7 @@ impl StoreClient {
     /// connections gone, which a watcher reads in one request however many
     /// peers it watches.
     pub fn count_on_close(&self, key: &str) -> Result<(), CommError> {
-        self.request(OP_COUNT_ON_CLOSE, key, &[], Some(0))
+        self.request(OP_COUNT_ON_CLOSE, key, &[], Some(0), Duration::ZERO)
             .map(|_| ())
     }
 
@@ -690,6 +738,69 @@ mod tests {
             c.set_on_close(&format!("k{i}")).unwrap();
         }
         assert!(c.set_on_close("k16").is_err());
+    }
+
+    #[test]
+    fn a_store_that_stops_answering_is_an_error_naming_it_not_a_hang() {
+        // A store whose host is cut off: it took the hello, then never
+        // answers (and never closes the connection).
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let silent = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut len = [0u8; 4];
+            c.read_exact(&mut len).unwrap();
+            read_exact(&mut c, u32::from_le_bytes(len) as usize).unwrap();
+            c.write_all(&[0]).unwrap();
+            // Holds the connection until the client shuts it.
+            let mut sink = Vec::new();
+            let _ = c.read_to_end(&mut sink);
+        });
+        let patience = Duration::from_secs(1);
+        let c = StoreClient::connect(&addr, "tok", patience)
+            .unwrap()
+            .with_patience(patience);
+        for (wait, request) in [(Duration::ZERO, "add"), (Duration::from_millis(300), "get")] {
+            let t0 = Instant::now();
+            let e = match request {
+                "add" => c.add("k", 1).unwrap_err(),
+                _ => c.get_within("k", wait).unwrap_err(),
+            };
+            let took = t0.elapsed();
+            let e = e.to_string();
+            match request {
+                // The first request waits out its patience beyond the
+                // wait it asked for...
+                "add" => {
+                    assert!(
+                        e.contains(&format!("the rendezvous store at {addr} did not answer within 1 s (ZRT_TIMEOUT): its host is gone or cut off")),
+                        "{e}"
+                    );
+                    assert!(
+                        took >= patience && took < Duration::from_secs(5),
+                        "{took:?}"
+                    );
+                }
+                // ... and the connection is done with after it.
+                _ => {
+                    assert!(e.contains("lost the rendezvous store"), "{e}");
+                    assert!(took < patience, "{took:?}");
+                }
+            }
+        }
+        drop(c);
+        silent.join().unwrap();
+        // A GET's own wait is not cut short by the patience.
+        let srv = StoreServer::serve("127.0.0.1:0", "tok").unwrap();
+        let c = StoreClient::connect(&srv.addr().to_string(), "tok", patience)
+            .unwrap()
+            .with_patience(patience);
+        let t0 = Instant::now();
+        assert_eq!(
+            c.get_within("k", Duration::from_millis(1500)).unwrap(),
+            None
+        );
+        assert!(t0.elapsed() >= Duration::from_millis(1500));
     }
 
     #[test]

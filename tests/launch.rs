@@ -910,6 +910,182 @@ fn free_port() -> u16 {
     zrt::collectives::store::free_store_port("127.0.0.1").unwrap()
 }
 
+/// A folder holding a hostfile of `hosts` and a stand-in for ssh that
+/// runs the remote command here, through a shell as sshd does (after
+/// `before`, shell run with the host in `$host`); and `zrt launch
+/// --hostfile` on it at a fresh port, tcp between the ranks. The test
+/// removes the folder.
+fn hostfile_job(name: &str, hosts: &str, before: &str) -> (std::path::PathBuf, Command) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("zrt-hostfile-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ssh = dir.join("fake-ssh");
+    std::fs::write(
+        &ssh,
+        format!("#!/bin/sh\nhost=$1; shift\n{before}\nexec sh -c \"$*\"\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ssh, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.join("hosts"), hosts).unwrap();
+    let mut c = zrt();
+    c.args(["launch", "--hostfile"])
+        .arg(dir.join("hosts"))
+        .args(["--master-port", &free_port().to_string()])
+        .env("ZRT_SSH", &ssh)
+        .env("ZRT_BACKEND", "tcp")
+        .env("ZRT_TIMEOUT", "60");
+    (dir, c)
+}
+
+#[test]
+fn a_hostfile_starts_every_nodes_launcher_from_one_command() {
+    // The second host is reached through the stand-in ssh: its ranks get
+    // the contract, the token (never on a command line), the program's
+    // words as given, and the passed-on environment; then the
+    // collectives benchmark's ranks meet over tcp across the two nodes.
+    let (dir, mut c) = hostfile_job(
+        "one",
+        "# the job\n127.0.0.1 slots=2\nnode-b slots=2  # second\n",
+        "echo \"ssh to $host\" >&2",
+    );
+    let o = c
+        .args(["--", "sh", "-c"])
+        .arg(
+            "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $MASTER_ADDR ${#ZRT_TOKEN} $ZRT_PASSED [$0] [$1]\"; shift; exec \"$@\"",
+        )
+        .args(["it's a b", "$HOME `x`", env!("CARGO_BIN_EXE_zrt")])
+        .args(["bench", "collectives-rank", "--sizes", "1", "--iters", "1"])
+        .env("ZRT_PASSED", "yes it is")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("ssh to node-b"), "{t}");
+    for (rank, local, node) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
+        let want = format!(
+            "[rank {rank}] env {rank} 4 {local} {node} 127.0.0.1 32 yes it is [it's a b] [$HOME `x`]"
+        );
+        assert!(t.contains(&want), "{want}\n{t}");
+    }
+    assert_eq!(t.matches("[rank 0] @@zrt {\"results\"").count(), 1, "{t}");
+}
+
+#[test]
+fn a_host_ssh_cannot_reach_ends_the_job_naming_it() {
+    // ssh exits 255 for a host it cannot reach, before that node's
+    // launcher ever joins: the head's ranks, which would wait for that
+    // node's in their rendezvous, are stopped, and the host is named.
+    let (dir, mut c) = hostfile_job(
+        "unreachable",
+        "127.0.0.1 slots=1\nnode-b slots=1\n",
+        "echo \"ssh: connect to host $host port 22: No route to host\" >&2; exit 255",
+    );
+    let t0 = Instant::now();
+    let o = c.args(["--", "sleep", "60"]).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    assert!(
+        t.contains("ssh: connect to host node-b port 22: No route to host"),
+        "{t}"
+    );
+    assert!(
+        t.contains("node 1's launcher on node-b, started over ssh, ended with code 255 before joining the job"),
+        "{t}"
+    );
+}
+
+#[test]
+fn ctrl_c_to_a_hostfiles_launcher_ends_every_nodes_ranks() {
+    // The remote rank records its pid; after a Ctrl-C to the head
+    // launcher (whose terminal it is), no rank runs on either node.
+    let (dir, mut c) = hostfile_job("int", "127.0.0.1 slots=1\nnode-b slots=1\n", "");
+    let pids = dir.join("pids");
+    std::fs::create_dir_all(&pids).unwrap();
+    c.args(["--", "sh", "-c"]).arg(format!(
+        "echo $$ > {}/$RANK; echo up; sleep 60",
+        pids.display()
+    ));
+    let (t, status) = crate::common::signalled_when(&mut c, libc::SIGINT, |said| {
+        said.contains("[rank 0] up") && said.contains("[rank 1] up")
+    });
+    let ranks: Vec<i32> = (0..2)
+        .map(|r| {
+            std::fs::read_to_string(pids.join(r.to_string()))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status.code(), Some(130), "{t}");
+    assert!(
+        t.contains("zrt launch: node 0's launcher got signal 2; stopping this node's 1 rank(s)"),
+        "{t}"
+    );
+    for pid in ranks {
+        assert!(!runs(pid), "rank pid {pid} still runs\n{t}");
+    }
+}
+
+#[test]
+fn a_rank_failing_on_a_remote_node_gives_the_head_its_code() {
+    let (dir, mut c) = hostfile_job("code", "127.0.0.1 slots=1\nnode-b slots=1\n", "");
+    let o = c
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "if [ $RANK = 1 ]; then exit 7; fi; sleep 60",
+        ])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(7), "{t}");
+    assert!(
+        t.contains("zrt launch: node 1's rank 1 failed (code 7); stopping this node's 1 rank(s)"),
+        "{t}"
+    );
+}
+
+#[test]
+fn hostfile_mistakes_are_refused_before_any_node_starts() {
+    let (dir, _) = hostfile_job("bad", "192.0.2.1 slots=1\nnode-b slots=1\n", "");
+    let hosts = dir.join("hosts").display().to_string();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--hostfile", &hosts, "--", "true"],
+            "192.0.2.1, is not this machine (",
+        ),
+        (
+            &["--hostfile", "/nonexistent/hosts", "--", "true"],
+            "reading the hostfile /nonexistent/hosts",
+        ),
+        (
+            &["--hostfile", &hosts, "--nnodes", "2", "--", "true"],
+            "cannot be used with",
+        ),
+        (&["--", "true"], "--nproc-per-node N is needed"),
+    ];
+    for (args, want) in cases {
+        let o = zrt()
+            .arg("launch")
+            .args(args)
+            .env("ZRT_SSH", "/nonexistent/ssh")
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert!(!o.status.success() && t.contains(want), "{args:?}: {t}");
+        assert!(!t.contains("[rank"), "{t}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_arguments_are_refused_with_the_fix() {
     let cases: [(&[&str], &[&str]); 10] = [

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use zrt::collectives::store::{StoreClient, StoreServer};
 
+use super::hosts::Remotes;
+
 /// How often a waiting launcher looks at the store again.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -67,6 +69,8 @@ pub(super) struct Agents {
     node: usize,
     nnodes: usize,
     timeout: Duration,
+    /// The launchers of a hostfile's other nodes, which node 0's started.
+    remotes: Option<Remotes>,
 }
 
 impl Agents {
@@ -108,6 +112,7 @@ impl Agents {
             node,
             nnodes,
             timeout,
+            remotes: None,
         };
         match node {
             0 => agents.client.set("agent/settings", settings.as_bytes())?,
@@ -128,6 +133,26 @@ impl Agents {
             }
         }
         Ok(agents)
+    }
+
+    /// Watches `remotes` too: one whose ssh fails before its launcher
+    /// joins ends every wait, naming it.
+    pub(super) fn watch_remotes(&mut self, remotes: Remotes) {
+        self.remotes = Some(remotes);
+    }
+
+    /// Fails naming a remote launcher that could not join (see
+    /// [`Remotes::check`]).
+    fn remotes_ok(&self) -> Result<()> {
+        match &self.remotes {
+            None => Ok(()),
+            Some(r) => r.check(|k| {
+                Ok(self
+                    .client
+                    .get_within(&format!("agent/node/{k}"), Duration::ZERO)?
+                    .is_some())
+            }),
+        }
     }
 
     /// Waits until every launcher is ready for round `round` (its previous
@@ -161,6 +186,7 @@ impl Agents {
         if let Some(f) = self.failure(round)? {
             return Ok(Some(f));
         }
+        self.remotes_ok()?;
         if self.client.add(GONE, 0)? == 0 {
             return Ok(None);
         }
@@ -227,10 +253,11 @@ impl Agents {
     /// The end of this launcher's part. Node 0 keeps its store up until
     /// the others have left (at most [`LINGER`]), so that each reads the
     /// last round's outcome.
-    pub(super) fn leave(self) {
+    pub(super) fn leave(mut self) {
         if self.server.is_none() {
             return;
         }
+        let remotes = self.remotes.take();
         let t0 = Instant::now();
         while t0.elapsed() < LINGER {
             let left = self
@@ -241,6 +268,9 @@ impl Agents {
                 break;
             }
             std::thread::sleep(POLL);
+        }
+        if let Some(r) = remotes {
+            r.finish(LINGER);
         }
     }
 
@@ -258,6 +288,7 @@ impl Agents {
             if let Some(v) = done(&self.client)? {
                 return Ok(v);
             }
+            self.remotes_ok()?;
             if let Some(why) = self.client.get_within("agent/refused", Duration::ZERO)? {
                 bail!("{}", String::from_utf8_lossy(&why));
             }

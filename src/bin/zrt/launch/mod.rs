@@ -23,23 +23,32 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 mod agents;
+mod hosts;
 use agents::{Agents, Failure};
 
 /// Options of `zrt launch`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// Ranks to start on this node.
+    /// Ranks to start on this node (on every node; with --hostfile, its
+    /// slots by default).
     #[arg(long)]
-    nproc_per_node: usize,
+    nproc_per_node: Option<usize>,
+    /// Start a job on several nodes from this one: DeepSpeed's hostfile,
+    /// one `HOST slots=N` line per node, this machine first. Node k's
+    /// launcher is started on host k over ssh (`ZRT_SSH`, `ssh` by
+    /// default), in this directory, with this zrt's path.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["nnodes", "node_rank"])]
+    hostfile: Option<std::path::PathBuf>,
     /// Nodes in the job.
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
     /// This node's index (0-based).
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Address rank 0 serves the rendezvous store on.
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: String,
+    /// Address rank 0 serves the rendezvous store on (default 127.0.0.1;
+    /// with --hostfile, its first host).
+    #[arg(long)]
+    master_addr: Option<String>,
     /// Its port (default: a free port below the ephemeral range for
     /// single-node jobs, 29500 otherwise). On several nodes node 0's
     /// launcher also serves the launchers on the port above it.
@@ -62,6 +71,22 @@ pub struct LaunchArgs {
     /// The program and its arguments, after `--`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, num_args = 1..)]
     program: Vec<String>,
+    /// The job's token when this launcher made it for other nodes'
+    /// (--hostfile); else ZRT_TOKEN's.
+    #[arg(skip)]
+    token: Option<String>,
+}
+
+impl LaunchArgs {
+    /// Ranks per node (0 when not given: refused by `Job::checked`).
+    fn nproc(&self) -> usize {
+        self.nproc_per_node.unwrap_or(0)
+    }
+
+    /// The address rank 0 (and node 0's launcher) serves its store on.
+    fn master_addr(&self) -> &str {
+        self.master_addr.as_deref().unwrap_or("127.0.0.1")
+    }
 }
 
 /// The signal the launcher received (0: none), set by the handler.
@@ -109,21 +134,21 @@ fn nccl_dir() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
-/// Copies `from` to our stdout/stderr line by line, prefixed with the rank,
-/// and to `log` (`--log-dir`) as the rank wrote it.
+/// Copies `from` to our stdout/stderr line by line, each after `prefix`
+/// (`[rank R] `; nothing for a remote launcher's, whose ranks' lines have
+/// theirs), and to `log` (`--log-dir`) as the rank wrote it.
 ///
 /// Each prefixed line goes out in one `write`: `writeln!` on (unbuffered)
 /// stderr writes the prefix, the rank and the text separately, and when
 /// both streams are one file (`2>&1`) another rank's line landed between
 /// the pieces.
 fn pump(
-    rank: usize,
+    prefix: String,
     from: impl std::io::Read + Send + 'static,
     to_stderr: bool,
     mut log: Option<std::fs::File>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        let prefix = format!("[rank {rank}] ");
         let mut out = Vec::new();
         for line in BufReader::new(from).split(b'\n') {
             let Ok(line) = line else { break };
@@ -349,7 +374,10 @@ impl<'a> Job<'a> {
     /// Checks the arguments and the environment: every mistake is refused
     /// here, before a rank starts.
     fn checked(a: &'a LaunchArgs) -> Result<Self> {
-        if a.nproc_per_node == 0 || a.nnodes == 0 {
+        if a.nproc_per_node.is_none() {
+            bail!("--nproc-per-node N is needed: the ranks to start on each node (or --hostfile FILE, whose slots give it)");
+        }
+        if a.nproc() == 0 || a.nnodes == 0 {
             bail!("--nproc-per-node and --nnodes must be at least 1");
         }
         if a.node_rank >= a.nnodes {
@@ -359,11 +387,11 @@ impl<'a> Job<'a> {
                 a.nnodes
             );
         }
-        let Some(world) = a.nnodes.checked_mul(a.nproc_per_node) else {
+        let Some(world) = a.nnodes.checked_mul(a.nproc()) else {
             bail!(
                 "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
                 a.nnodes,
-                a.nproc_per_node
+                a.nproc()
             );
         };
         // Port 0 would have rank 0's store listen on a port the kernel picks,
@@ -383,8 +411,9 @@ impl<'a> Job<'a> {
                 a.grace
             ),
         };
-        let token = match std::env::var("ZRT_TOKEN") {
-            Ok(t) if !t.is_empty() => Some(t),
+        let token = a.token.clone().or_else(|| std::env::var("ZRT_TOKEN").ok());
+        let token = match token {
+            Some(t) if !t.is_empty() => Some(t),
             _ if a.nnodes > 1 => bail!(
                 "a job on several nodes needs the same ZRT_TOKEN on every node: export ZRT_TOKEN=<random hex> on each before `zrt launch`"
             ),
@@ -408,7 +437,7 @@ impl<'a> Job<'a> {
             // Empty is unset to OpenMP too.
             std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty()),
             std::thread::available_parallelism().map_or(1, |n| n.get()),
-            a.nproc_per_node,
+            a.nproc(),
         );
         Ok(Self {
             a,
@@ -442,10 +471,9 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
     };
     let port = match job.port {
         Some(p) => p,
-        None => zrt::collectives::store::free_store_port(&a.master_addr)?,
+        None => zrt::collectives::store::free_store_port(a.master_addr())?,
     };
-    let ranks =
-        || (0..a.nproc_per_node).map(|local| (local, a.node_rank * a.nproc_per_node + local));
+    let ranks = || (0..a.nproc()).map(|local| (local, a.node_rank * a.nproc() + local));
     // Every log file made before any rank starts: a folder that cannot be
     // written stops the job with no rank to stop.
     let mut logs = Vec::new();
@@ -466,8 +494,8 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", job.world.to_string())
             .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
-            .env("MASTER_ADDR", &a.master_addr)
+            .env("LOCAL_WORLD_SIZE", a.nproc().to_string())
+            .env("MASTER_ADDR", a.master_addr())
             .env("MASTER_PORT", port.to_string())
             .env("ZRT_TOKEN", &token)
             // torchrun's names, which programs read to tell a restart and
@@ -498,10 +526,12 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
         };
         r.groups.push(child.id() as libc::pid_t);
         if let Some(o) = child.stdout.take() {
-            r.pumps.push(pump(rank, o, false, out_log));
+            r.pumps
+                .push(pump(format!("[rank {rank}] "), o, false, out_log));
         }
         if let Some(e) = child.stderr.take() {
-            r.pumps.push(pump(rank, e, true, err_log));
+            r.pumps
+                .push(pump(format!("[rank {rank}] "), e, true, err_log));
         }
         r.children.push((rank, child));
     }
@@ -627,6 +657,15 @@ fn supervise(
 /// Runs the job, restarting every rank after a failure while
 /// `--max-restarts` allows; returns the launcher's exit code.
 pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
+    let from_hostfile;
+    let (a, hosts) = match &a.hostfile {
+        Some(f) => {
+            let (args, hosts) = hosts::resolve(a, f)?;
+            from_hostfile = args;
+            (&from_hostfile, hosts)
+        }
+        None => (a, Vec::new()),
+    };
     let job = Job::checked(a)?;
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
@@ -637,7 +676,7 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         eprintln!(
             "zrt launch: OMP_NUM_THREADS is not set: each rank gets {threads} thread(s), \
              this node's {cores} core(s) shared by {} ranks; set OMP_NUM_THREADS to choose",
-            a.nproc_per_node
+            a.nproc()
         );
     }
     // Launchers on several nodes stop, restart and end their ranks
@@ -646,18 +685,27 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     // with the failed rank's code.
     let mut agents = match (a.nnodes > 1, job.port, &job.token) {
         (true, Some(port), Some(token)) => Some(Agents::join(
-            &a.master_addr,
+            a.master_addr(),
             port + 1,
             token,
             a.node_rank,
             a.nnodes,
             &format!(
                 "--nnodes {} --nproc-per-node {} --max-restarts {}",
-                a.nnodes, a.nproc_per_node, a.max_restarts
+                a.nnodes,
+                a.nproc(),
+                a.max_restarts
             ),
         )?),
         _ => None,
     };
+    // The other nodes of a hostfile, started once this launcher serves
+    // the store they meet at.
+    if let (Some(ag), Some(port), Some(token)) = (agents.as_mut(), job.port, &job.token) {
+        if hosts.len() > 1 {
+            ag.watch_remotes(hosts::Remotes::start(a, &hosts, port, token)?);
+        }
+    }
     let mut restart = 0;
     loop {
         if let Some(ag) = &agents {

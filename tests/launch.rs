@@ -865,6 +865,239 @@ fn launchers_given_different_sizes_stop_at_once_naming_the_mistake() {
     assert!(took < Duration::from_secs(30), "{took:?}");
 }
 
+/// An elastic node's launcher (`--nnodes 1:2`, `--last-call 0.5`) at
+/// `port`, named `rank`, with `launch_args`, one rank running
+/// `sh -c SCRIPT` (ranks see each other's files only).
+fn elastic_node(
+    port: u16,
+    rank: usize,
+    nnodes: &str,
+    launch_args: &[&str],
+    script: &str,
+) -> std::process::Child {
+    zrt()
+        .args([
+            "launch",
+            "--nnodes",
+            nnodes,
+            "--node-rank",
+            &rank.to_string(),
+        ])
+        .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
+        .args(["--master-port", &port.to_string(), "--last-call", "0.5"])
+        .args(launch_args)
+        .args(["--", "sh", "-c", script])
+        .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+        .env("ZRT_TIMEOUT", "30")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The shell line an elastic test's ranks say first.
+const SAY_PLACE: &str = "echo \"at $TORCHELASTIC_RESTART_COUNT world $WORLD_SIZE rank $RANK group $GROUP_RANK/$GROUP_WORLD_SIZE\"";
+
+/// Waits until `f` exists (a rank's handshake), at most 30 s.
+fn wait_for_file(f: &std::path::Path) {
+    let t0 = Instant::now();
+    while !f.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} never came",
+            f.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_elastic_job_starts_with_the_nodes_it_has_and_restarts_when_one_joins() {
+    // Node 0 starts alone (1 of 1:2 after the last call); node 1 comes
+    // later: node 0's rank is stopped and both start the next attempt
+    // as a world of 2, with no restart used (--max-restarts 0).
+    let dir = std::env::temp_dir().join(format!("zrt-elastic-join-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "{SAY_PLACE}; if [ $WORLD_SIZE = 1 ]; then touch {}/alone; sleep 60; fi",
+        dir.display()
+    );
+    let port = free_port();
+    let a = elastic_node(port, 0, "1:2", &[], &script);
+    wait_for_file(&dir.join("alone"));
+    let b = elastic_node(port, 1, "1:2", &[], &script);
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ta, tb) = (text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
+    assert!(
+        ta.contains("[rank 0] at 0 world 1 rank 0 group 0/1"),
+        "{ta}"
+    );
+    assert!(
+        ta.contains("zrt launch: a node's launcher waits to join the job; every node starts attempt 1 with it"),
+        "{ta}"
+    );
+    assert!(
+        ta.contains("[rank 0] at 0 world 2 rank 0 group 0/2"),
+        "{ta}"
+    );
+    assert!(
+        tb.contains("[rank 1] at 0 world 2 rank 1 group 1/2"),
+        "{tb}"
+    );
+    for t in [&ta, &tb] {
+        assert!(
+            !t.contains("restarting every rank") && !t.contains("restart(s)"),
+            "{t}"
+        );
+    }
+    assert!(
+        tb.contains("zrt launch: the job runs attempt 0; this node waits to join attempt 1"),
+        "{tb}"
+    );
+}
+
+#[test]
+fn an_elastic_job_goes_on_without_a_node_that_dies_and_takes_it_back() {
+    // Two nodes run; node 1's launcher is killed outright: node 0
+    // restarts alone (a restart used), then node 1 comes back (a new
+    // launcher, the same --node-rank) and both run the third attempt.
+    let dir = std::env::temp_dir().join(format!("zrt-elastic-back-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.display();
+    let script = format!(
+        "{SAY_PLACE}; case $TORCHELASTIC_RESTART_COUNT/$WORLD_SIZE in \
+           0/2) touch {d}/two$RANK; sleep 60;; \
+           1/1) touch {d}/alone; sleep 60;; esac"
+    );
+    let restarts = ["--max-restarts", "1"];
+    let port = free_port();
+    let a = elastic_node(port, 0, "1:2", &restarts, &script);
+    let mut b = elastic_node(port, 1, "1:2", &restarts, &script);
+    wait_for_file(&dir.join("two0"));
+    wait_for_file(&dir.join("two1"));
+    b.kill().unwrap();
+    let _ = b.wait();
+    wait_for_file(&dir.join("alone"));
+    let c = elastic_node(port, 1, "1:2", &restarts, &script);
+    let (a, c) = (a.wait_with_output().unwrap(), c.wait_with_output().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ta, tc) = (text(&a), text(&c));
+    assert!(a.status.success() && c.status.success(), "{ta}\n{tc}");
+    let said: Vec<&str> = ta
+        .lines()
+        .filter(|l| l.starts_with("[rank 0] at "))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "[rank 0] at 0 world 2 rank 0 group 0/2",
+            "[rank 0] at 1 world 1 rank 0 group 0/1",
+            "[rank 0] at 1 world 2 rank 0 group 0/2"
+        ],
+        "{ta}"
+    );
+    assert!(
+        ta.contains("node 1's launcher ended (it exited, was stopped or died) while the ranks of attempt 0 ran: the others go on without it while at least 1 node(s) remain"),
+        "{ta}"
+    );
+    assert!(ta.contains("restarting every rank (restart 1 of 1"), "{ta}");
+    assert!(
+        tc.contains("[rank 1] at 1 world 2 rank 1 group 1/2"),
+        "{tc}"
+    );
+    for t in [&ta, &tc] {
+        assert!(
+            t.contains("every rank ended well after 1 restart(s)"),
+            "{t}"
+        );
+    }
+}
+
+#[test]
+fn an_elastic_jobs_spare_node_waits_and_is_told_when_the_job_ends() {
+    // 1:2 with three launchers: the first two run, the third waits as a
+    // spare without restarting them, and ends when the job does.
+    let dir = std::env::temp_dir().join(format!("zrt-elastic-spare-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.display();
+    let script =
+        format!("{SAY_PLACE}; touch {d}/up$GROUP_RANK; while [ ! -e {d}/go ]; do sleep 0.02; done");
+    let port = free_port();
+    let a = elastic_node(port, 0, "1:2", &[], &script);
+    wait_for_file(&dir.join("up0"));
+    let b = elastic_node(port, 1, "1:2", &[], &script);
+    wait_for_file(&dir.join("up1"));
+    let mut spare = elastic_node(port, 2, "1:2", &[], &script);
+    // Once the spare says it waits, it has joined: the running nodes poll
+    // for it every 20 ms (a restart would show in node 0's lines).
+    let mut err = std::io::BufReader::new(spare.stderr.take().unwrap());
+    let mut ts = String::new();
+    while !ts.contains("this node waits to join attempt 2") {
+        let n = std::io::BufRead::read_line(&mut err, &mut ts).unwrap();
+        assert!(n > 0, "the spare ended: {ts}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(dir.join("go"), "").unwrap();
+    std::io::Read::read_to_string(&mut err, &mut ts).unwrap();
+    let (a, b, spare) = (
+        a.wait_with_output().unwrap(),
+        b.wait_with_output().unwrap(),
+        spare.wait_with_output().unwrap(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ta, tb) = (text(&a), text(&b));
+    ts.push_str(&text(&spare));
+    assert!(
+        a.status.success() && b.status.success() && spare.status.success(),
+        "{ta}\n{tb}\n{ts}"
+    );
+    assert_eq!(ta.matches("[rank 0] at ").count(), 2, "{ta}");
+    assert!(
+        ta.contains("[rank 0] at 0 world 2 rank 0 group 0/2"),
+        "{ta}"
+    );
+    assert!(!ts.contains("[rank"), "the spare never ran: {ts}");
+    assert!(
+        ts.contains("the job ended before this node could join it"),
+        "{ts}"
+    );
+}
+
+#[test]
+fn an_elastic_job_short_of_its_minimum_says_whom_it_waits_for() {
+    let t0 = Instant::now();
+    let o = zrt()
+        .args(["launch", "--nnodes", "2:3", "--nproc-per-node", "1"])
+        .args(["--master-port", &free_port().to_string(), "--", "true"])
+        .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+        .env("ZRT_TIMEOUT", "2")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert!(
+        t.contains("waited 2 s for at least 2 node(s)' launchers to join attempt 0 (ZRT_TIMEOUT)"),
+        "{t}"
+    );
+    let o = zrt()
+        .args(["launch", "--nnodes", "1:2", "--nproc-per-node", "1"])
+        .args(["--last-call=-1", "--", "true"])
+        .env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("--last-call -1 must be a number of seconds, 0 or more"),
+        "{t}"
+    );
+}
+
 /// Node `rank` of a two-node job at `port` on this host, starting `nproc`
 /// ranks of the collectives benchmark over tcp (60 s timeout).
 fn node(port: u16, rank: usize, nproc: usize) -> std::process::Child {

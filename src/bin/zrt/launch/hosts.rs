@@ -102,7 +102,7 @@ pub(super) fn resolve(a: &LaunchArgs, file: &std::path::Path) -> Result<(LaunchA
         }
     }
     let mut r = a.clone();
-    r.nnodes = hosts.len();
+    r.nnodes = super::Nodes::fixed(hosts.len());
     r.node_rank = 0;
     r.nproc_per_node = a.nproc_per_node.or(Some(hosts[0].slots));
     r.master_addr = a

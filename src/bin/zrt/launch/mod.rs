@@ -24,7 +24,7 @@ use clap::Args;
 
 mod agents;
 mod hosts;
-use agents::{Agents, Failure};
+use agents::{Agents, Elastic, Failure, Place};
 
 /// Options of `zrt launch`.
 #[derive(Args, Debug, Clone)]
@@ -39,12 +39,21 @@ pub struct LaunchArgs {
     /// default), in this directory, with this zrt's path.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["nnodes", "node_rank"])]
     hostfile: Option<std::path::PathBuf>,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index (0-based).
+    /// Nodes in the job: N, or torchrun's MIN:MAX for an elastic job,
+    /// which starts with as many nodes as have come (at least MIN),
+    /// restarts with nodes that come later, and goes on without nodes
+    /// that go (see `agents`).
+    #[arg(long, default_value = "1", value_parser = parse_nodes)]
+    nnodes: Nodes,
+    /// This node's index (0-based); in an elastic job a name unique to
+    /// the node (0 for the one at MASTER_ADDR, which serves the
+    /// launchers), its place in each attempt being the order it joined.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
+    /// An elastic job's attempt starts once MAX nodes have joined, or
+    /// this many seconds after MIN had (torchrun's `last_call_timeout`).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    last_call: f64,
     /// Address rank 0 serves the rendezvous store on (default 127.0.0.1;
     /// with --hostfile, its first host).
     #[arg(long)]
@@ -75,6 +84,49 @@ pub struct LaunchArgs {
     /// (--hostfile); else ZRT_TOKEN's.
     #[arg(skip)]
     token: Option<String>,
+}
+
+/// `--nnodes`: N (`min == max`), or an elastic job's `MIN:MAX`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Nodes {
+    min: usize,
+    max: usize,
+}
+
+impl Nodes {
+    /// A fixed count.
+    fn fixed(n: usize) -> Self {
+        Self { min: n, max: n }
+    }
+}
+
+impl std::fmt::Display for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.min == self.max {
+            true => write!(f, "{}", self.max),
+            false => write!(f, "{}:{}", self.min, self.max),
+        }
+    }
+}
+
+/// Parses `--nnodes N` or `--nnodes MIN:MAX`.
+fn parse_nodes(s: &str) -> std::result::Result<Nodes, String> {
+    let n = |t: &str| {
+        t.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{s}` is not N or MIN:MAX (whole numbers of nodes)"))
+    };
+    let nodes = match s.split_once(':') {
+        None => Nodes::fixed(n(s)?),
+        Some((lo, hi)) => Nodes {
+            min: n(lo)?,
+            max: n(hi)?,
+        },
+    };
+    if nodes.min > nodes.max {
+        return Err(format!("`{s}`: MIN is above MAX"));
+    }
+    Ok(nodes)
 }
 
 impl LaunchArgs {
@@ -357,7 +409,6 @@ fn code_of(st: std::process::ExitStatus) -> i32 {
 /// What every attempt of a job shares, worked out from the arguments once.
 struct Job<'a> {
     a: &'a LaunchArgs,
-    world: usize,
     grace: Duration,
     /// The user's ZRT_TOKEN; `None`: a fresh one for each attempt.
     token: Option<String>,
@@ -377,23 +428,30 @@ impl<'a> Job<'a> {
         if a.nproc_per_node.is_none() {
             bail!("--nproc-per-node N is needed: the ranks to start on each node (or --hostfile FILE, whose slots give it)");
         }
-        if a.nproc() == 0 || a.nnodes == 0 {
+        if a.nproc() == 0 || a.nnodes.min == 0 {
             bail!("--nproc-per-node and --nnodes must be at least 1");
         }
-        if a.node_rank >= a.nnodes {
+        // An elastic job's node ranks are names, not places.
+        if a.node_rank >= a.nnodes.max && a.nnodes.min == a.nnodes.max {
             bail!(
                 "--node-rank {} must be below --nnodes {}",
                 a.node_rank,
-                a.nnodes
+                a.nnodes.max
             );
         }
-        let Some(world) = a.nnodes.checked_mul(a.nproc()) else {
+        if !(a.last_call >= 0.0 && a.last_call.is_finite()) {
+            bail!(
+                "--last-call {} must be a number of seconds, 0 or more",
+                a.last_call
+            );
+        }
+        if a.nnodes.max.checked_mul(a.nproc()).is_none() {
             bail!(
                 "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
-                a.nnodes,
+                a.nnodes.max,
                 a.nproc()
             );
-        };
+        }
         // Port 0 would have rank 0's store listen on a port the kernel picks,
         // which no other rank could know: they would wait out the timeout.
         if a.master_port == Some(0) {
@@ -401,7 +459,7 @@ impl<'a> Job<'a> {
         }
         // Launchers on several nodes meet at a store of their own, on the
         // port above the ranks' (see `agents`).
-        if a.master_port == Some(u16::MAX) && a.nnodes > 1 {
+        if a.master_port == Some(u16::MAX) && a.nnodes.max > 1 {
             bail!("--master-port 65535 leaves no port above it for the launchers' own store, which a job on several nodes needs (MASTER_PORT + 1): give a lower port");
         }
         let grace = match Duration::try_from_secs_f64(a.grace) {
@@ -414,14 +472,14 @@ impl<'a> Job<'a> {
         let token = a.token.clone().or_else(|| std::env::var("ZRT_TOKEN").ok());
         let token = match token {
             Some(t) if !t.is_empty() => Some(t),
-            _ if a.nnodes > 1 => bail!(
+            _ if a.nnodes.max > 1 => bail!(
                 "a job on several nodes needs the same ZRT_TOKEN on every node: export ZRT_TOKEN=<random hex> on each before `zrt launch`"
             ),
             _ => None,
         };
         let port = match a.master_port {
             Some(p) => Some(p),
-            None if a.nnodes == 1 => None,
+            None if a.nnodes.max == 1 => None,
             None => Some(29500),
         };
 
@@ -441,7 +499,6 @@ impl<'a> Job<'a> {
         );
         Ok(Self {
             a,
-            world,
             grace,
             token,
             port,
@@ -459,9 +516,9 @@ struct Ranks {
     pumps: Vec<std::thread::JoinHandle<()>>,
 }
 
-/// Starts this node's ranks for attempt `restart` (0 for the first) of the
-/// job; a rank that cannot start stops those already started.
-fn start(job: &Job, restart: u32) -> Result<Ranks> {
+/// Starts this node's ranks for its place `at` in an attempt of the job;
+/// a rank that cannot start stops those already started.
+fn start(job: &Job, at: Place) -> Result<Ranks> {
     let a = job.a;
     // A fresh rendezvous for each attempt: nothing of an earlier one's
     // store (its port, its token) is met again.
@@ -473,13 +530,13 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
         Some(p) => p,
         None => zrt::collectives::store::free_store_port(a.master_addr())?,
     };
-    let ranks = || (0..a.nproc()).map(|local| (local, a.node_rank * a.nproc() + local));
+    let ranks = || (0..a.nproc()).map(|local| (local, at.node * a.nproc() + local));
     // Every log file made before any rank starts: a folder that cannot be
     // written stops the job with no rank to stop.
     let mut logs = Vec::new();
     for (_, rank) in ranks() {
         logs.push(match &a.log_dir {
-            Some(d) => log_files(d, restart, rank)?.map(Some),
+            Some(d) => log_files(d, at.round, rank)?.map(Some),
             None => [None, None],
         });
     }
@@ -492,7 +549,7 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
         let mut cmd = Command::new(&a.program[0]);
         cmd.args(&a.program[1..])
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", job.world.to_string())
+            .env("WORLD_SIZE", (at.nnodes * a.nproc()).to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", a.nproc().to_string())
             .env("MASTER_ADDR", a.master_addr())
@@ -500,10 +557,10 @@ fn start(job: &Job, restart: u32) -> Result<Ranks> {
             .env("ZRT_TOKEN", &token)
             // torchrun's names, which programs read to tell a restart and
             // which node they are on.
-            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", at.restarts.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", a.max_restarts.to_string())
-            .env("GROUP_RANK", a.node_rank.to_string())
-            .env("GROUP_WORLD_SIZE", a.nnodes.to_string())
+            .env("GROUP_RANK", at.node.to_string())
+            .env("GROUP_WORLD_SIZE", at.nnodes.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -683,13 +740,19 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     // together: a failure on one node ends every node's attempt at once
     // (not when the others' collectives notice), and every launcher exits
     // with the failed rank's code.
-    let mut agents = match (a.nnodes > 1, job.port, &job.token) {
+    let elastic = (a.nnodes.min < a.nnodes.max).then(|| Elastic {
+        min: a.nnodes.min,
+        max: a.nnodes.max,
+        last_call: Duration::from_secs_f64(a.last_call),
+    });
+    let mut agents = match (a.nnodes.max > 1, job.port, &job.token) {
         (true, Some(port), Some(token)) => Some(Agents::join(
             a.master_addr(),
             port + 1,
             token,
             a.node_rank,
-            a.nnodes,
+            a.nnodes.max,
+            elastic,
             &format!(
                 "--nnodes {} --nproc-per-node {} --max-restarts {}",
                 a.nnodes,
@@ -706,12 +769,28 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             ag.watch_remotes(hosts::Remotes::start(a, &hosts, port, token)?);
         }
     }
-    let mut restart = 0;
+    // Restarts used, for a job on one node (several nodes' launchers
+    // keep the count in their store).
+    let mut used = 0;
+    let mut round = 0;
     loop {
-        if let Some(ag) = &agents {
-            ag.ready(restart)?;
-        }
-        let ranks = match start(&job, restart) {
+        let at = match agents.as_mut() {
+            None => Place {
+                round,
+                node: 0,
+                nnodes: 1,
+                restarts: used,
+            },
+            Some(ag) => match ag.ready(round)? {
+                Some(at) => at,
+                None => {
+                    eprintln!("zrt launch: the job ended before this node could join it");
+                    return Ok(ExitCode::SUCCESS);
+                }
+            },
+        };
+        round = at.round;
+        let ranks = match start(&job, at) {
             Ok(r) => r,
             Err(e) => {
                 let Some(ag) = agents.take() else {
@@ -720,15 +799,15 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
                 // Said to the other nodes, whose ranks would otherwise wait
                 // for this node's until their timeout. A program that does
                 // not start will not on a restart either: the job ends.
-                let f = Failure {
-                    code: 1,
-                    stop: true,
-                    what: format!(
+                let f = Failure::new(
+                    1,
+                    true,
+                    format!(
                         "node {}'s launcher could not start its ranks ({e:#})",
                         a.node_rank
                     ),
-                };
-                if let Err(e2) = ag.report(restart, f) {
+                );
+                if let Err(e2) = ag.report(round, f) {
                     tracing::debug!("telling the other launchers: {e2:#}");
                 }
                 // Node 0's store stays up until the others have read it.
@@ -737,14 +816,17 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
             }
         };
         let mut peer = || match &agents {
-            Some(ag) => ag.watch(restart),
+            Some(ag) => ag.watch(round),
             None => Ok(None),
         };
         let ended = supervise(ranks, job.grace, &mut peer)?;
-        let Some(failure) = outcome(a, agents.as_ref(), restart, ended)? else {
-            if restart > 0 {
+        let Some(failure) = outcome(a, agents.as_ref(), round, ended)? else {
+            if at.restarts > 0 {
                 // The failures above did not end the job: say so last.
-                eprintln!("zrt launch: every rank ended well after {restart} restart(s)");
+                eprintln!(
+                    "zrt launch: every rank ended well after {} restart(s)",
+                    at.restarts
+                );
             }
             if let Some(ag) = agents {
                 ag.leave();
@@ -754,10 +836,22 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         // A signal to a launcher (Ctrl-C, a scheduler's SIGTERM) ends the
         // job, even one that arrived while the ranks were being stopped.
         if !failure.stop && !signalled() {
-            if restart < a.max_restarts {
-                restart += 1;
+            if failure.rejoin {
+                round += 1;
                 eprintln!(
-                    "zrt launch: restarting every rank (restart {restart} of {}; the ranks see TORCHELASTIC_RESTART_COUNT={restart}: a program that loads its latest checkpoint goes on from there)",
+                    "zrt launch: {}; every node starts attempt {round} with it",
+                    failure.what
+                );
+                continue;
+            }
+            used = match &agents {
+                Some(ag) => ag.restarts_used()?,
+                None => used + 1,
+            };
+            if used <= a.max_restarts {
+                round += 1;
+                eprintln!(
+                    "zrt launch: restarting every rank (restart {used} of {}; the ranks see TORCHELASTIC_RESTART_COUNT={used}: a program that loads its latest checkpoint goes on from there)",
                     a.max_restarts
                 );
                 continue;
@@ -789,18 +883,18 @@ fn outcome(
     let mine = match ended {
         Ended::Done => None,
         Ended::PeerFailed(f) => return Ok(Some(f)),
-        Ended::Signalled(sig) => Some(Failure {
-            code: 128 + sig,
-            stop: true,
-            what: format!("node {node}'s launcher got signal {sig}"),
-        }),
-        Ended::Failed { rank, code } => Some(Failure {
+        Ended::Signalled(sig) => Some(Failure::new(
+            128 + sig,
+            true,
+            format!("node {node}'s launcher got signal {sig}"),
+        )),
+        // A signal that came while its peers were being stopped ends
+        // every node's job too.
+        Ended::Failed { rank, code } => Some(Failure::new(
             code,
-            // A signal that came while its peers were being stopped ends
-            // every node's job too.
-            stop: signalled(),
-            what: format!("node {node}'s rank {rank} failed (code {code})"),
-        }),
+            signalled(),
+            format!("node {node}'s rank {rank} failed (code {code})"),
+        )),
     };
     match (agents, mine) {
         (None, mine) => Ok(mine),
@@ -812,6 +906,23 @@ fn outcome(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nnodes_reads_n_or_min_max_and_refuses_the_rest() {
+        assert_eq!(parse_nodes("3"), Ok(Nodes::fixed(3)));
+        assert_eq!(parse_nodes("1:4"), Ok(Nodes { min: 1, max: 4 }));
+        assert_eq!(parse_nodes("2:2"), Ok(Nodes::fixed(2)));
+        assert_eq!(Nodes::fixed(3).to_string(), "3");
+        assert_eq!(Nodes { min: 1, max: 4 }.to_string(), "1:4");
+        for (bad, want) in [
+            ("3:2", "`3:2`: MIN is above MAX"),
+            ("a", "`a` is not N or MIN:MAX (whole numbers of nodes)"),
+            ("1:", "`1:` is not N or MIN:MAX (whole numbers of nodes)"),
+            ("-1", "`-1` is not N or MIN:MAX (whole numbers of nodes)"),
+        ] {
+            assert_eq!(parse_nodes(bad).unwrap_err(), want, "{bad}");
+        }
+    }
 
     #[test]
     fn a_rank_killed_by_a_signal_is_described_by_its_name_and_the_oom_killer() {

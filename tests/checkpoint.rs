@@ -850,10 +850,23 @@ fn train_gpt_launched(launch_args: &[&str], args: &[&str]) -> String {
 /// `zrt launch LAUNCH_ARGS` of the main job on 2 processes (shm backend),
 /// a model of one small block, with `args`.
 fn main_job(launch_args: &[&str], args: &[&str]) -> std::process::Command {
+    main_job_on(2, launch_args, &[], args)
+}
+
+/// `zrt launch --nproc-per-node NPROC LAUNCH_ARGS -- WRAP train_gpt ARGS`:
+/// the main job (a model of one small block), its ranks' program run by
+/// `wrap` when given.
+fn main_job_on(
+    nproc: usize,
+    launch_args: &[&str],
+    wrap: &[&str],
+    args: &[&str],
+) -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"));
-    c.args(["launch", "--nproc-per-node", "2"])
+    c.args(["launch", "--nproc-per-node", &nproc.to_string()])
         .args(launch_args)
         .arg("--")
+        .args(wrap)
         .arg(common::example("train_gpt"))
         .args(["--layers", "1", "--d-model", "32", "--heads", "2"])
         .args(["--seq", "32", "--eval-every", "100"])
@@ -1029,6 +1042,104 @@ fn the_main_job_restarted_by_the_launcher_after_a_rank_fails_ends_with_the_same_
         "4 steps, rank 1 failing at the start of step 4 and the job restarted, against 4",
         &restarted,
         &straight,
+    );
+}
+
+#[test]
+fn the_main_job_goes_on_alone_when_an_elastic_jobs_other_node_dies() {
+    // Two launchers of an elastic job (`--nnodes 1:2`), one rank each.
+    // Node 1's rank exits at the start of step 4 (--fail-at 4) and kills
+    // its own launcher as it goes, as a node lost outright would be: node
+    // 0 restarts alone after the last call and resumes from step 2's
+    // checkpoint, written by 2 ranks, on 1. It ends with the bits of 2
+    // steps on 2 ranks then 2 on 1.
+    let _serial = serial();
+    let dir = tmp("elastic");
+    let (a, b) = (dir.join("reference"), dir.join("elastic"));
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    train_gpt(&["--steps", "2", "--save-dir", a_s]);
+    let o = common::output_elsewhere(&mut main_job_on(
+        1,
+        &[],
+        &[],
+        &["--steps", "4", "--save-dir", a_s, "--resume"],
+    ));
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let port = zrt::collectives::store::free_store_port("127.0.0.1")
+        .unwrap()
+        .to_string();
+    let node = |rank: &str, wrap: &[&str]| {
+        let elastic = [
+            "--nnodes",
+            "1:2",
+            "--node-rank",
+            rank,
+            "--master-port",
+            &port,
+            "--last-call",
+            "2",
+            "--max-restarts",
+            "1",
+        ];
+        let args = [
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--save-dir",
+            b_s,
+            "--resume",
+            "--fail-at",
+            "4",
+        ];
+        let mut c = main_job_on(1, &elastic, wrap, &args);
+        c.env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let cwd = tmp("elastic-cwd");
+    let first = node("0", &[]).current_dir(&cwd).spawn().unwrap();
+    let lost = [
+        "sh",
+        "-c",
+        "\"$0\" \"$@\"; c=$?; [ $c = 3 ] && kill -9 $PPID; exit $c",
+    ];
+    let second = node("1", &lost).current_dir(&cwd).spawn().unwrap();
+    let (first, second) = (
+        first.wait_with_output().unwrap(),
+        second.wait_with_output().unwrap(),
+    );
+    let said = common::printed(&first);
+    assert!(
+        first.status.success(),
+        "{said}\n{}",
+        common::printed(&second)
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        second.status.signal(),
+        Some(libc::SIGKILL),
+        "{}",
+        common::printed(&second)
+    );
+    for line in [
+        "[rank 0] zrt train_gpt: 2 ranks",
+        "zrt launch: restarting every rank (restart 1 of 1",
+        "[rank 0] zrt train_gpt: 1 ranks",
+        &format!("resumed from {b_s} (tag step2) at step 2"),
+        "zrt launch: every rank ended well after 1 restart(s)",
+    ] {
+        assert!(said.contains(line), "{line}: {said}");
+    }
+    let (reference, elastic) = (step4_weights(&a), step4_weights(&b));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&cwd);
+    assert!(!reference.is_empty());
+    assert_bits(
+        "2 steps on 2 ranks, then node 1 lost and 2 steps alone, against the same by hand",
+        &elastic,
+        &reference,
     );
 }
 

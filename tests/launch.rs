@@ -1085,6 +1085,26 @@ fn an_elastic_job_short_of_its_minimum_says_whom_it_waits_for() {
         t.contains("waited 2 s for at least 2 node(s)' launchers to join attempt 0 (ZRT_TIMEOUT)"),
         "{t}"
     );
+    // Two launchers both left at --node-rank 0: the second cannot serve
+    // and is told what elastic node ranks are.
+    let dir = std::env::temp_dir().join(format!("zrt-elastic-twice-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let first = format!("touch {}/up; sleep 5", dir.display());
+    let a = elastic_node(port, 0, "1:2", &[], &first);
+    wait_for_file(&dir.join("up"));
+    let o = elastic_node(port, 0, "1:2", &[], "true")
+        .wait_with_output()
+        .unwrap();
+    let t = text(&o);
+    let _ = a.wait_with_output();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        !o.status.success()
+            && t.contains("in an elastic job give --node-rank 0 to the launcher at MASTER_ADDR only, and each other one a number of its own"),
+        "{t}"
+    );
     let o = zrt()
         .args(["launch", "--nnodes", "1:2", "--nproc-per-node", "1"])
         .args(["--last-call=-1", "--", "true"])

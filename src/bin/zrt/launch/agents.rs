@@ -36,6 +36,10 @@ use super::hosts::Remotes;
 /// How often a waiting launcher looks at the store again.
 const POLL: Duration = Duration::from_millis(50);
 
+/// How long node 0 waits for a launcher that counted itself into an
+/// elastic round to give its name.
+const NAMED_WITHIN: Duration = Duration::from_secs(5);
+
 /// How long node 0's launcher keeps its store up at the end for the other
 /// launchers to read the last round's outcome.
 const LINGER: Duration = Duration::from_secs(10);
@@ -147,7 +151,13 @@ impl Agents {
         let at = format!("{addr}:{port}");
         let server = match node {
             0 => Some(StoreServer::serve(&at, token).with_context(|| {
-                format!("node 0's launcher serving the launchers' store on {at} (MASTER_PORT + 1)")
+                let hint = match elastic {
+                    // Every launcher of an elastic job left at the default
+                    // --node-rank 0 tries to serve.
+                    Some(_) => "; in an elastic job give --node-rank 0 to the launcher at MASTER_ADDR only, and each other one a number of its own",
+                    None => "",
+                };
+                format!("node 0's launcher serving the launchers' store on {at} (MASTER_PORT + 1){hint}")
             })?),
             _ => None,
         };
@@ -229,8 +239,8 @@ impl Agents {
     /// launcher may be placed in a later round (this one was full), or
     /// told the job is over.
     pub(super) fn ready(&mut self, round: u32) -> Result<Option<Place>> {
-        let restarts = self.restarts_used()?;
         let Some(el) = self.elastic else {
+            let restarts = self.restarts_used()?;
             let key = format!("agent/ready/{round}");
             self.client.add(&key, 1)?;
             self.wait(
@@ -316,9 +326,12 @@ impl Agents {
             )?;
             let mut members = vec![self.node];
             for j in 1..=n {
-                let b = self.wait("a joining launcher's name", true, |c| {
-                    Ok(c.get_within(&format!("agent/round/{round}/member/{j}"), Duration::ZERO)?)
-                })?;
+                // Each launcher names itself right after counting itself
+                // in; one that died in between is left out.
+                let key = format!("agent/round/{round}/member/{j}");
+                let Some(b) = self.client.get_within(&key, NAMED_WITHIN)? else {
+                    continue;
+                };
                 let m: usize = String::from_utf8_lossy(&b)
                     .parse()
                     .context("a joining launcher's name")?;

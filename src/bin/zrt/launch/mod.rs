@@ -410,6 +410,8 @@ fn code_of(st: std::process::ExitStatus) -> i32 {
 struct Job<'a> {
     a: &'a LaunchArgs,
     grace: Duration,
+    /// `--last-call`.
+    last_call: Duration,
     /// The user's ZRT_TOKEN; `None`: a fresh one for each attempt.
     token: Option<String>,
     /// The port asked for, or a multi-node job's default; `None`: a free
@@ -439,12 +441,12 @@ impl<'a> Job<'a> {
                 a.nnodes.max
             );
         }
-        if !(a.last_call >= 0.0 && a.last_call.is_finite()) {
+        let Ok(last_call) = Duration::try_from_secs_f64(a.last_call) else {
             bail!(
                 "--last-call {} must be a number of seconds, 0 or more",
                 a.last_call
             );
-        }
+        };
         if a.nnodes.max.checked_mul(a.nproc()).is_none() {
             bail!(
                 "--nnodes {} x --nproc-per-node {} ranks is more than this machine can count",
@@ -500,6 +502,7 @@ impl<'a> Job<'a> {
         Ok(Self {
             a,
             grace,
+            last_call,
             token,
             port,
             ld_path,
@@ -740,10 +743,10 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
     // together: a failure on one node ends every node's attempt at once
     // (not when the others' collectives notice), and every launcher exits
     // with the failed rank's code.
-    let elastic = (a.nnodes.min < a.nnodes.max).then(|| Elastic {
+    let elastic = (a.nnodes.min < a.nnodes.max).then_some(Elastic {
         min: a.nnodes.min,
         max: a.nnodes.max,
-        last_call: Duration::from_secs_f64(a.last_call),
+        last_call: job.last_call,
     });
     let mut agents = match (a.nnodes.max > 1, job.port, &job.token) {
         (true, Some(port), Some(token)) => Some(Agents::join(

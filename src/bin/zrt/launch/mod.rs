@@ -42,7 +42,7 @@ pub struct LaunchArgs {
     /// Nodes in the job: N, or torchrun's MIN:MAX for an elastic job,
     /// which starts with as many nodes as have come (at least MIN),
     /// restarts with nodes that come later, and goes on without nodes
-    /// that go (see `agents`).
+    /// that go (node 0, at MASTER_ADDR, stays).
     #[arg(long, default_value = "1", value_parser = parse_nodes)]
     nnodes: Nodes,
     /// This node's index (0-based); in an elastic job a name unique to
@@ -67,9 +67,10 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
     /// Times every rank is started again after one fails (torchrun's
-    /// `--max-restarts`; on several nodes every launcher restarts). Each attempt gets a fresh
-    /// rendezvous, and the ranks see the attempt in
-    /// TORCHELASTIC_RESTART_COUNT (0 for the first).
+    /// `--max-restarts`; on several nodes every launcher restarts). Each
+    /// attempt gets a fresh rendezvous, and the ranks see the restarts
+    /// used in TORCHELASTIC_RESTART_COUNT (0 at first; an elastic job's
+    /// node joining uses none).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
     /// Also write each rank's output, unprefixed, to

@@ -1156,11 +1156,17 @@ fn node_running(
         .unwrap()
 }
 
-/// A port nothing listens on, for a store the test's launchers start:
+/// A port nothing listens on, nor on the port above (the launchers' own
+/// store on several nodes), for a store the test's launchers start:
 /// below the ephemeral range, as `zrt launch` picks one, so no listener a
 /// concurrent test binds to port 0 can take it before the launchers do.
 fn free_port() -> u16 {
-    zrt::collectives::store::free_store_port("127.0.0.1").unwrap()
+    loop {
+        let p = zrt::collectives::store::free_store_port("127.0.0.1").unwrap();
+        if std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
 }
 
 /// A folder holding a hostfile of `hosts` and a stand-in for ssh that

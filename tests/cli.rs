@@ -45,6 +45,30 @@ fn config_check_prints_a_shared_fixture_resolved() {
 }
 
 #[test]
+fn config_check_resolves_an_elastic_batch_for_the_world_and_lists_the_worlds() {
+    let f = config_file(
+        "elastic",
+        r#"{"elasticity": {"enabled": true, "max_train_batch_size": 100, "micro_batch_sizes": [4], "max_gpus": 8}}"#,
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "3"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("batch            train 96 = micro 4 x gas 8 x world 3"),
+        "{out}"
+    );
+    assert!(
+        out.contains("elasticity       the same global batch on worlds [1, 2, 3, 4, 6, 8]"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&["config", "check", &f, "--world", "5"]);
+    let _ = std::fs::remove_file(&f);
+    assert!(
+        !ok && out.contains("which a world of 5 rank(s) cannot split"),
+        "{out}"
+    );
+}
+
+#[test]
 fn config_check_says_when_each_stage_reduces_under_accumulation() {
     // Stage 0 all-reduces every micro-step, where DeepSpeed's waits for
     // the boundary: said, with the stage that does as DeepSpeed's.

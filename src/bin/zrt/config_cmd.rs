@@ -118,6 +118,14 @@ pub fn run(cmd: &ConfigCmd) -> Result<()> {
         "  batch            train {} = micro {} x gas {} x world {}",
         r.batch.train, r.batch.micro, r.batch.gas, r.world
     );
+    if let Some(e) = &c.elasticity {
+        // Which worlds an elastic job (`zrt launch --nnodes MIN:MAX`) may
+        // run on with this same global batch.
+        println!(
+            "  elasticity       the same global batch on worlds {:?}",
+            e.global_batch().1
+        );
+    }
     print_optimizer(&c.optimizer);
     match &c.scheduler {
         Some(sched) => println!("  scheduler        {sched:?}"),

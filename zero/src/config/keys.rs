@@ -21,6 +21,22 @@ pub(crate) const TOP: &[&str] = &[
     "tensorboard",
     "comms_logger",
     "checkpoint",
+    "elasticity",
+];
+
+/// Keys of `elasticity` (DeepSpeed's, version 0.1 and 0.2's two more).
+pub(crate) const ELASTICITY: &[&str] = &[
+    "enabled",
+    "max_train_batch_size",
+    "micro_batch_sizes",
+    "min_gpus",
+    "max_gpus",
+    "min_time",
+    "prefer_larger_batch",
+    "ignore_non_elastic_batch_info",
+    "version",
+    "model_parallel_size",
+    "num_gpus_per_node",
 ];
 
 /// Keys of `checkpoint` (DeepSpeed's checkpoint options).
@@ -75,7 +91,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "compression_training",
     "data_efficiency",
     "dump_state",
-    "elasticity",
     "flops_profiler",
     "gradient_predivide_factor",
     "memory_breakdown",

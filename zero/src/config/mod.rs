@@ -15,12 +15,14 @@
 //! optimizer values from the program), each resolved value logged.
 
 mod duplicates;
+mod elasticity;
 mod keys;
 mod parse;
 mod resolve;
 
 use std::path::Path;
 
+pub use elasticity::ElasticityConfig;
 pub use parse::Setting;
 
 /// Every problem found in a config; the message lists them all.
@@ -574,6 +576,9 @@ pub struct Config {
     pub monitor: MonitorConfig,
     /// `comms_logger`.
     pub comms_logger: CommsLoggerConfig,
+    /// `elasticity`, when enabled: the batch keys then come from it, the
+    /// same global batch on every world size it suits.
+    pub elasticity: Option<ElasticityConfig>,
     /// Everything zrt read but will not honour, or mapped from a deprecated key.
     pub warnings: Vec<String>,
     /// Keys whose values [`Config::resolve`] fills: those given as `"auto"`

@@ -94,6 +94,48 @@ fn batch(
     Some(b)
 }
 
+/// The batch `elasticity` chooses for `world`. Batch keys given beside
+/// it are refused, as DeepSpeed refuses them (it would ignore them), unless
+/// `ignore_non_elastic_batch_info` says to ignore them.
+fn elastic_batch(
+    e: &super::ElasticityConfig,
+    c: &Config,
+    world: u64,
+    problems: &mut Vec<String>,
+) -> Option<Batch> {
+    let given: Vec<&str> = [
+        ("train_batch_size", c.train_batch_size),
+        ("train_micro_batch_size_per_gpu", c.micro_batch),
+        ("gradient_accumulation_steps", c.gradient_accumulation_steps),
+    ]
+    .into_iter()
+    .filter(|(_, s)| *s != Setting::Value(None))
+    .map(|(k, _)| k)
+    .collect();
+    if !given.is_empty() && !e.ignore_non_elastic_batch_info {
+        problems.push(format!(
+            "`elasticity` is enabled, which chooses the batch, and {} given too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true to have them ignored",
+            given.iter().map(|k| format!("`{k}` is")).collect::<Vec<_>>().join(" and ")
+        ));
+        return None;
+    }
+    match e.batch_for(world) {
+        Ok(b) => {
+            tracing::info!(
+                "elasticity: global batch {} on {world} rank(s): micro-batch {} x {} accumulation steps",
+                b.train,
+                b.micro,
+                b.gas
+            );
+            Some(b)
+        }
+        Err(why) => {
+            problems.push(why);
+            None
+        }
+    }
+}
+
 /// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
 /// The program's value for `"auto"` key `name`, logged; or a problem
 /// naming what the program did not give (`rule`) and the [`AutoHints`]
@@ -317,47 +359,55 @@ pub(super) fn resolve(
         }
     }
     fill_from_program(&mut c, hints, &mut problems);
-    // A batch key's hint comes from the program's micro-batch (the
-    // train batch is micro x gas x world).
-    let b = |s: Setting<Option<u64>>, name: &str, hint: Option<u64>, problems: &mut Vec<String>| {
-        match s {
-            Setting::Value(v) => v,
-            Setting::Auto => {
-                let rule = ("value for it", "micro_batch");
-                auto(name, hint.map(|h| h as f64), rule, problems).map(|v| v as u64)
+    let resolved = match c.elasticity.clone() {
+        Some(e) => elastic_batch(&e, &c, world, &mut problems),
+        None => {
+            // A batch key's hint comes from the program's micro-batch (the
+            // train batch is micro x gas x world).
+            let b = |s: Setting<Option<u64>>,
+                     name: &str,
+                     hint: Option<u64>,
+                     problems: &mut Vec<String>| {
+                match s {
+                    Setting::Value(v) => v,
+                    Setting::Auto => {
+                        let rule = ("value for it", "micro_batch");
+                        auto(name, hint.map(|h| h as f64), rule, problems).map(|v| v as u64)
+                    }
+                }
+            };
+            let mut micro = b(
+                c.micro_batch,
+                "train_micro_batch_size_per_gpu",
+                hints.micro_batch,
+                &mut problems,
+            );
+            if micro.is_none() && c.train_batch_size == Setting::Value(None) {
+                // No batch keys at all (a template): the program's micro-batch, as
+                // Hugging Face's integration fills them.
+                if let Some(m) = hints.micro_batch {
+                    tracing::info!(
+                    "config: no batch keys; train_micro_batch_size_per_gpu {m} from the program"
+                );
+                    micro = Some(m);
+                }
             }
+            let gas = b(
+                c.gradient_accumulation_steps,
+                "gradient_accumulation_steps",
+                hints.gradient_accumulation_steps.or(Some(1)),
+                &mut problems,
+            );
+            let train_hint = micro.zip(gas).map(|(m, g)| m * g * world);
+            let train = b(
+                c.train_batch_size,
+                "train_batch_size",
+                train_hint,
+                &mut problems,
+            );
+            batch(train, micro, gas, world, &mut problems)
         }
     };
-    let mut micro = b(
-        c.micro_batch,
-        "train_micro_batch_size_per_gpu",
-        hints.micro_batch,
-        &mut problems,
-    );
-    if micro.is_none() && c.train_batch_size == Setting::Value(None) {
-        // No batch keys at all (a template): the program's micro-batch, as
-        // Hugging Face's integration fills them.
-        if let Some(m) = hints.micro_batch {
-            tracing::info!(
-                "config: no batch keys; train_micro_batch_size_per_gpu {m} from the program"
-            );
-            micro = Some(m);
-        }
-    }
-    let gas = b(
-        c.gradient_accumulation_steps,
-        "gradient_accumulation_steps",
-        hints.gradient_accumulation_steps.or(Some(1)),
-        &mut problems,
-    );
-    let train_hint = micro.zip(gas).map(|(m, g)| m * g * world);
-    let train = b(
-        c.train_batch_size,
-        "train_batch_size",
-        train_hint,
-        &mut problems,
-    );
-    let resolved = batch(train, micro, gas, world, &mut problems);
     if let Some(s) = c.zero.mics_shard_size {
         if world % s != 0 {
             problems.push(format!(

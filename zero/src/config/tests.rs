@@ -1761,3 +1761,96 @@ fn muon_reads_deepspeeds_and_torchs_settings_and_refuses_the_rest() {
         ["`optimizer.params.ns_coefficients` is a Muon setting that SGD does not take: remove it, or use \"Muon\""]
     );
 }
+
+#[test]
+fn elasticity_keeps_one_global_batch_on_every_world_it_suits() {
+    let c = Config::from_json(
+        r#"{"elasticity": {"enabled": true, "max_train_batch_size": 2000,
+            "micro_batch_sizes": [2, 4, 6], "min_gpus": 1, "max_gpus": 10000,
+            "min_time": 20, "version": 0.1}}"#,
+    )
+    .unwrap();
+    // Each rank's share of 1680 by the largest of 6, 4, 2 dividing it:
+    // 560 on 3 ranks is no multiple of 6.
+    for (world, micro, gas) in [(1, 6, 280), (2, 6, 140), (3, 4, 140), (8, 6, 35)] {
+        let b = c.resolve(world, &AutoHints::default()).unwrap().batch;
+        assert_eq!(
+            (b.train, b.micro, b.gas),
+            (1680, micro, gas),
+            "world {world}"
+        );
+    }
+    let e = c
+        .resolve(16, &AutoHints::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "`elasticity` gives a global batch of 1680, which a world of 16 rank(s) cannot split"
+        ),
+        "{e}"
+    );
+    // A disabled block changes nothing, and is no unknown key.
+    let off =
+        Config::from_json(r#"{"train_batch_size": 8, "elasticity": {"enabled": false}}"#).unwrap();
+    assert!(
+        off.elasticity.is_none() && !off.warnings.iter().any(|w| w.contains("elasticity")),
+        "{:?}",
+        off.warnings
+    );
+    assert_eq!(
+        off.resolve(2, &AutoHints::default()).unwrap().batch.micro,
+        4
+    );
+}
+
+#[test]
+fn elasticity_refuses_batch_keys_beside_it_unless_told_to_ignore_them() {
+    let block =
+        r#""elasticity": {"enabled": true, "max_train_batch_size": 100, "micro_batch_sizes": [4]}"#;
+    let c = Config::from_json(&format!(
+        r#"{{"train_batch_size": 32, "gradient_accumulation_steps": "auto", {block}}}"#
+    ))
+    .unwrap();
+    let e = c.resolve(2, &AutoHints::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("`elasticity` is enabled, which chooses the batch, and `train_batch_size` is and `gradient_accumulation_steps` is given too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true"),
+        "{e}"
+    );
+    let ignored = block.replace("[4]}", "[4], \"ignore_non_elastic_batch_info\": true}");
+    let c = Config::from_json(&format!(r#"{{"train_batch_size": 32, {ignored}}}"#)).unwrap();
+    let b = c.resolve(2, &AutoHints::default()).unwrap().batch;
+    assert_eq!((b.train, b.micro, b.gas), (96, 4, 12));
+}
+
+#[test]
+fn elasticity_mistakes_name_the_key() {
+    for (block, want) in [
+        (
+            r#"{"enabled": true, "version": 0.2}"#,
+            "`elasticity.version` 0.2 is not implemented",
+        ),
+        (
+            r#"{"enabled": true, "micro_batch_sizes": []}"#,
+            "`elasticity.micro_batch_sizes` must list micro-batch sizes of at least 1",
+        ),
+        (
+            r#"{"enabled": true, "micro_batch_sizes": 4}"#,
+            "`elasticity.micro_batch_sizes` must be a list",
+        ),
+        (
+            r#"{"enabled": true, "max_train_batch_size": 4, "micro_batch_sizes": [2, 8]}"#,
+            "holds 8, above `max_train_batch_size` 4",
+        ),
+        (
+            r#"{"enabled": true, "min_gpus": 4, "max_gpus": 2}"#,
+            "must hold 1 <= min_gpus <= max_gpus",
+        ),
+        (r#"{"enabled": true, "max_gpu": 2}"#, "max_gpus"),
+    ] {
+        let e = Config::from_json(&format!(r#"{{"elasticity": {block}}}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{block}: {e}");
+    }
+}

@@ -7,8 +7,8 @@ use serde_json::{Map, Value};
 
 use super::keys::{self, closest};
 use super::{
-    AioConfig, CommsLoggerConfig, Config, ConfigError, LossScaleConfig, MonitorConfig,
-    OffloadConfig, OffloadDevice, Precision, SchedulerConfig, ZeroConfig,
+    AioConfig, CommsLoggerConfig, Config, ConfigError, ElasticityConfig, LossScaleConfig,
+    MonitorConfig, OffloadConfig, OffloadDevice, Precision, SchedulerConfig, ZeroConfig,
 };
 
 mod optimizer;
@@ -416,6 +416,83 @@ impl P {
         enabled.then(|| std::path::Path::new(&path).join(job))
     }
 
+    /// `elasticity`: the block when `enabled`, checked as DeepSpeed checks
+    /// it (its version 0.1; 0.2's node-granular rule is refused).
+    fn elasticity(&mut self, top: &Map<String, Value>) -> Option<ElasticityConfig> {
+        let key = "elasticity";
+        let e = self.object(top, key)?;
+        self.keys(e, key, keys::ELASTICITY, &[], true);
+        if !self.bool_or(e, key, "enabled", false) {
+            return None;
+        }
+        let version = self.f64_or(e, key, "version", 0.1);
+        if version != 0.1 {
+            self.problems.push(format!(
+                "`elasticity.version` {version} is not implemented: zrt chooses the batch by DeepSpeed's version 0.1 (per rank; 0.2 chooses per node, for model parallelism zrt does not have); set \"version\": 0.1"
+            ));
+        }
+        for k in ["model_parallel_size", "num_gpus_per_node"] {
+            if e.contains_key(k) && version == 0.1 {
+                self.warnings.push(format!(
+                    "`elasticity.{k}` belongs to DeepSpeed's version 0.2; version 0.1 does not read it"
+                ));
+            }
+        }
+        let max_train_batch_size = self.u64_or(e, key, "max_train_batch_size", 2000);
+        let micro_batch_sizes = match e.get("micro_batch_sizes") {
+            None | Some(Value::Null) => vec![2, 4, 6],
+            Some(Value::Array(a)) => {
+                let path = "elasticity.micro_batch_sizes";
+                let sizes: Vec<u64> = a.iter().filter_map(|v| self.uint(v, path)).collect();
+                if sizes.is_empty() || sizes.contains(&0) {
+                    self.problems.push(format!(
+                        "`{path}` must list micro-batch sizes of at least 1, got {}",
+                        Value::Array(a.clone())
+                    ));
+                    return None;
+                }
+                sizes
+            }
+            Some(v) => {
+                self.problems.push(format!(
+                    "`elasticity.micro_batch_sizes` must be a list of micro-batch sizes, got {v}"
+                ));
+                return None;
+            }
+        };
+        if let Some(m) = micro_batch_sizes
+            .iter()
+            .find(|&&m| m > max_train_batch_size)
+        {
+            self.problems.push(format!(
+                "`elasticity.micro_batch_sizes` holds {m}, above `max_train_batch_size` {max_train_batch_size}: every micro-batch must fit in the largest global batch"
+            ));
+        }
+        let min_gpus = self.u64_or(e, key, "min_gpus", 1);
+        let max_gpus = self.u64_or(e, key, "max_gpus", 10000);
+        if min_gpus == 0 || min_gpus > max_gpus {
+            self.problems.push(format!(
+                "`elasticity.min_gpus` {min_gpus} and `max_gpus` {max_gpus} must hold 1 <= min_gpus <= max_gpus"
+            ));
+        }
+        // For the scheduler that scales the job, which zrt's launcher
+        // leaves to the user.
+        let _ = self.f64_or(e, key, "min_time", 0.0);
+        Some(ElasticityConfig {
+            max_train_batch_size,
+            micro_batch_sizes,
+            min_gpus,
+            max_gpus,
+            prefer_larger_batch: self.bool_or(e, key, "prefer_larger_batch", true),
+            ignore_non_elastic_batch_info: self.bool_or(
+                e,
+                key,
+                "ignore_non_elastic_batch_info",
+                false,
+            ),
+        })
+    }
+
     /// `checkpoint`: DeepSpeed's checkpoint options. None changes what zrt
     /// does; each is checked, and one asking for something zrt does not do
     /// says what it does instead.
@@ -733,6 +810,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
             tensorboard: p.monitor(&top, "tensorboard"),
         },
         comms_logger: p.comms_logger(&top),
+        elasticity: p.elasticity(&top),
         warnings: Vec::new(),
         unresolved: Vec::new(),
         precision_auto,

@@ -1051,18 +1051,30 @@ fn the_main_job_goes_on_alone_when_an_elastic_jobs_other_node_dies() {
     // Node 1's rank exits at the start of step 4 (--fail-at 4) and kills
     // its own launcher as it goes, as a node lost outright would be: node
     // 0 restarts alone after the last call and resumes from step 2's
-    // checkpoint, written by 2 ranks, on 1. It ends with the bits of 2
-    // steps on 2 ranks then 2 on 1.
+    // checkpoint, written by 2 ranks, on 1. Its config's `elasticity`
+    // keeps the global batch at 16 (8 x 1 on 2 ranks, 8 x 2 on 1). It
+    // ends with the bits of 2 steps on 2 ranks then 2 on 1.
     let _serial = serial();
     let dir = tmp("elastic");
     let (a, b) = (dir.join("reference"), dir.join("elastic"));
     let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
-    train_gpt(&["--steps", "2", "--save-dir", a_s]);
+    let config = dir.join("elastic.json");
+    std::fs::write(
+        &config,
+        r#"{"elasticity": {"enabled": true, "max_train_batch_size": 16,
+              "micro_batch_sizes": [4, 8], "max_gpus": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+    .unwrap();
+    let cfg = ["--config", config.to_str().unwrap()];
+    train_gpt(&[&cfg[..], &["--steps", "2", "--save-dir", a_s]].concat());
     let o = common::output_elsewhere(&mut main_job_on(
         1,
         &[],
         &[],
-        &["--steps", "4", "--save-dir", a_s, "--resume"],
+        &[&cfg[..], &["--steps", "4", "--save-dir", a_s, "--resume"]].concat(),
     ));
     assert!(o.status.success(), "{}", common::printed(&o));
     let port = zrt::collectives::store::free_store_port("127.0.0.1")
@@ -1092,7 +1104,7 @@ fn the_main_job_goes_on_alone_when_an_elastic_jobs_other_node_dies() {
             "--fail-at",
             "4",
         ];
-        let mut c = main_job_on(1, &elastic, wrap, &args);
+        let mut c = main_job_on(1, &elastic, wrap, &[&cfg[..], &args[..]].concat());
         c.env("ZRT_TOKEN", "0123456789abcdef0123456789abcdef")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
@@ -1125,8 +1137,10 @@ fn the_main_job_goes_on_alone_when_an_elastic_jobs_other_node_dies() {
     );
     for line in [
         "[rank 0] zrt train_gpt: 2 ranks",
+        "[rank 0] batch 16 sequences of 32 bytes per step (8 per rank x 1 accumulation x 2 ranks)",
         "zrt launch: restarting every rank (restart 1 of 1",
         "[rank 0] zrt train_gpt: 1 ranks",
+        "[rank 0] batch 16 sequences of 32 bytes per step (8 per rank x 2 accumulation x 1 ranks)",
         &format!("resumed from {b_s} (tag step2) at step 2"),
         "zrt launch: every rank ended well after 1 restart(s)",
     ] {

@@ -3,6 +3,15 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A fresh empty folder for one test (`zrt-NAME-PID` in the temp
+/// directory); the test removes it.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zrt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 fn zrt() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_zrt"));
     c.env_remove("ZRT_TOKEN");
@@ -213,9 +222,7 @@ fn attempts(t: &str) -> Vec<(u32, usize, u16)> {
 /// attempt touches once it has said its line, so that its peer fails only
 /// then: `up$TORCHELASTIC_RESTART_COUNT` in a fresh folder.
 fn with_handshake<R>(name: &str, f: impl FnOnce(&str) -> R) -> R {
-    let dir = std::env::temp_dir().join(format!("zrt-launch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch(&format!("launch-{name}"));
     let r = f(&format!("{}/up$TORCHELASTIC_RESTART_COUNT", dir.display()));
     let _ = std::fs::remove_dir_all(&dir);
     r
@@ -640,9 +647,7 @@ fn two_nodes_up(
     std::process::Child,
 ) {
     let port = free_port();
-    let dir = std::env::temp_dir().join(format!("zrt-launch-agents-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch(&format!("launch-agents-{name}"));
     let script = format!("DIR=\"{}\"; touch \"$DIR/up$RANK\"; {then}", dir.display());
     let (a, b) = (
         node_running(port, 0, 1, launch_args, &[], &script),
@@ -916,9 +921,7 @@ fn an_elastic_job_starts_with_the_nodes_it_has_and_restarts_when_one_joins() {
     // Node 0 starts alone (1 of 1:2 after the last call); node 1 comes
     // later: node 0's rank is stopped and both start the next attempt
     // as a world of 2, with no restart used (--max-restarts 0).
-    let dir = std::env::temp_dir().join(format!("zrt-elastic-join-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("elastic-join");
     let script = format!(
         "{SAY_PLACE}; if [ $WORLD_SIZE = 1 ]; then touch {}/alone; sleep 60; fi",
         dir.display()
@@ -964,9 +967,7 @@ fn an_elastic_job_goes_on_without_a_node_that_dies_and_takes_it_back() {
     // Two nodes run; node 1's launcher is killed outright: node 0
     // restarts alone (a restart used), then node 1 comes back (a new
     // launcher, the same --node-rank) and both run the third attempt.
-    let dir = std::env::temp_dir().join(format!("zrt-elastic-back-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("elastic-back");
     let d = dir.display();
     let script = format!(
         "{SAY_PLACE}; case $TORCHELASTIC_RESTART_COUNT/$WORLD_SIZE in \
@@ -1021,9 +1022,7 @@ fn an_elastic_job_goes_on_without_a_node_that_dies_and_takes_it_back() {
 fn an_elastic_jobs_spare_node_waits_and_is_told_when_the_job_ends() {
     // 1:2 with three launchers: the first two run, the third waits as a
     // spare without restarting them, and ends when the job does.
-    let dir = std::env::temp_dir().join(format!("zrt-elastic-spare-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("elastic-spare");
     let d = dir.display();
     let script =
         format!("{SAY_PLACE}; touch {d}/up$GROUP_RANK; while [ ! -e {d}/go ]; do sleep 0.02; done");
@@ -1087,9 +1086,7 @@ fn an_elastic_job_short_of_its_minimum_says_whom_it_waits_for() {
     );
     // Two launchers both left at --node-rank 0: the second cannot serve
     // and is told what elastic node ranks are.
-    let dir = std::env::temp_dir().join(format!("zrt-elastic-twice-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("elastic-twice");
     let port = free_port();
     let first = format!("touch {}/up; sleep 5", dir.display());
     let a = elastic_node(port, 0, "1:2", &[], &first);
@@ -1176,9 +1173,7 @@ fn free_port() -> u16 {
 /// removes the folder.
 fn hostfile_job(name: &str, hosts: &str, before: &str) -> (std::path::PathBuf, Command) {
     use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join(format!("zrt-hostfile-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch(&format!("hostfile-{name}"));
     let ssh = dir.join("fake-ssh");
     std::fs::write(
         &ssh,

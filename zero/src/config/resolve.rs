@@ -113,9 +113,10 @@ fn elastic_batch(
     .map(|(k, _)| k)
     .collect();
     if !given.is_empty() && !e.ignore_non_elastic_batch_info {
+        let keys: Vec<String> = given.iter().map(|k| format!("`{k}`")).collect();
         problems.push(format!(
-            "`elasticity` is enabled, which chooses the batch, and {} given too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true to have them ignored",
-            given.iter().map(|k| format!("`{k}` is")).collect::<Vec<_>>().join(" and ")
+            "`elasticity` is enabled, which chooses the batch, and the config gives {} too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true to have them ignored",
+            keys.join(", ")
         ));
         return None;
     }
@@ -136,7 +137,52 @@ fn elastic_batch(
     }
 }
 
-/// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
+/// The batch from the config's batch keys (`"auto"` ones from the
+/// program's [`AutoHints`]) by DeepSpeed's rule.
+fn batch_keys(
+    c: &Config,
+    hints: &AutoHints,
+    world: u64,
+    problems: &mut Vec<String>,
+) -> Option<Batch> {
+    // A batch key's hint comes from the program's micro-batch (the
+    // train batch is micro x gas x world).
+    let b = |s: Setting<Option<u64>>, name: &str, hint: Option<u64>, problems: &mut Vec<String>| {
+        match s {
+            Setting::Value(v) => v,
+            Setting::Auto => {
+                let rule = ("value for it", "micro_batch");
+                auto(name, hint.map(|h| h as f64), rule, problems).map(|v| v as u64)
+            }
+        }
+    };
+    let mut micro = b(
+        c.micro_batch,
+        "train_micro_batch_size_per_gpu",
+        hints.micro_batch,
+        problems,
+    );
+    if micro.is_none() && c.train_batch_size == Setting::Value(None) {
+        // No batch keys at all (a template): the program's micro-batch, as
+        // Hugging Face's integration fills them.
+        if let Some(m) = hints.micro_batch {
+            tracing::info!(
+                "config: no batch keys; train_micro_batch_size_per_gpu {m} from the program"
+            );
+            micro = Some(m);
+        }
+    }
+    let gas = b(
+        c.gradient_accumulation_steps,
+        "gradient_accumulation_steps",
+        hints.gradient_accumulation_steps.or(Some(1)),
+        problems,
+    );
+    let train_hint = micro.zip(gas).map(|(m, g)| m * g * world);
+    let train = b(c.train_batch_size, "train_batch_size", train_hint, problems);
+    batch(train, micro, gas, world, problems)
+}
+
 /// The program's value for `"auto"` key `name`, logged; or a problem
 /// naming what the program did not give (`rule`) and the [`AutoHints`]
 /// field that gives it (`field`; `zrt config check` maps it to its flag).
@@ -298,6 +344,7 @@ fn set_param(s: &mut SchedulerConfig, param: &str, v: f64) {
     }
 }
 
+/// Resolves `"auto"` and the batch rule (see [`Config::resolve`]).
 pub(super) fn resolve(
     cfg: &Config,
     world: u64,
@@ -359,54 +406,9 @@ pub(super) fn resolve(
         }
     }
     fill_from_program(&mut c, hints, &mut problems);
-    let resolved = match c.elasticity.clone() {
-        Some(e) => elastic_batch(&e, &c, world, &mut problems),
-        None => {
-            // A batch key's hint comes from the program's micro-batch (the
-            // train batch is micro x gas x world).
-            let b = |s: Setting<Option<u64>>,
-                     name: &str,
-                     hint: Option<u64>,
-                     problems: &mut Vec<String>| {
-                match s {
-                    Setting::Value(v) => v,
-                    Setting::Auto => {
-                        let rule = ("value for it", "micro_batch");
-                        auto(name, hint.map(|h| h as f64), rule, problems).map(|v| v as u64)
-                    }
-                }
-            };
-            let mut micro = b(
-                c.micro_batch,
-                "train_micro_batch_size_per_gpu",
-                hints.micro_batch,
-                &mut problems,
-            );
-            if micro.is_none() && c.train_batch_size == Setting::Value(None) {
-                // No batch keys at all (a template): the program's micro-batch, as
-                // Hugging Face's integration fills them.
-                if let Some(m) = hints.micro_batch {
-                    tracing::info!(
-                    "config: no batch keys; train_micro_batch_size_per_gpu {m} from the program"
-                );
-                    micro = Some(m);
-                }
-            }
-            let gas = b(
-                c.gradient_accumulation_steps,
-                "gradient_accumulation_steps",
-                hints.gradient_accumulation_steps.or(Some(1)),
-                &mut problems,
-            );
-            let train_hint = micro.zip(gas).map(|(m, g)| m * g * world);
-            let train = b(
-                c.train_batch_size,
-                "train_batch_size",
-                train_hint,
-                &mut problems,
-            );
-            batch(train, micro, gas, world, &mut problems)
-        }
+    let resolved = match &c.elasticity {
+        Some(e) => elastic_batch(e, &c, world, &mut problems),
+        None => batch_keys(&c, hints, world, &mut problems),
     };
     if let Some(s) = c.zero.mics_shard_size {
         if world % s != 0 {

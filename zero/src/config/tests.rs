@@ -1814,7 +1814,7 @@ fn elasticity_refuses_batch_keys_beside_it_unless_told_to_ignore_them() {
     .unwrap();
     let e = c.resolve(2, &AutoHints::default()).unwrap_err().to_string();
     assert!(
-        e.contains("`elasticity` is enabled, which chooses the batch, and `train_batch_size` is and `gradient_accumulation_steps` is given too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true"),
+        e.contains("`elasticity` is enabled, which chooses the batch, and the config gives `train_batch_size`, `gradient_accumulation_steps` too: remove them, or set `elasticity.ignore_non_elastic_batch_info` to true"),
         "{e}"
     );
     let ignored = block.replace("[4]}", "[4], \"ignore_non_elastic_batch_info\": true}");

@@ -870,7 +870,13 @@ pub fn run(a: &LaunchArgs) -> Result<ExitCode> {
         if let Some(ag) = agents {
             ag.leave();
         }
-        return Ok(ExitCode::from(u8::try_from(failure.code).unwrap_or(1)));
+        // A signal that came as every node restarted for a node joining
+        // (a record with no failed rank's code) is the launcher's code.
+        let code = match (failure.code, SIGNAL.load(Ordering::SeqCst)) {
+            (0, sig) if sig != 0 => 128 + sig,
+            (code, _) => code,
+        };
+        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
     }
 }
 

@@ -382,9 +382,11 @@ impl Agents {
     }
 
     /// What stops this node's ranks of round `round` early: the round's
-    /// failure record, or a launcher that ended without writing one (the
-    /// ranks on its node are gone with it, and the job cannot go on
-    /// without them). Two requests, however many nodes.
+    /// failure record; in an elastic job with room, a launcher waiting to
+    /// join; or a launcher of the round that ended without writing a
+    /// record (the ranks on its node are gone with it: a fixed job ends,
+    /// an elastic one restarts without it). Two requests while nothing
+    /// happens (three in an elastic job), however many nodes.
     pub(super) fn watch(&self, round: u32) -> Result<Option<Failure>> {
         if let Some(f) = self.failure(round)? {
             return Ok(Some(f));

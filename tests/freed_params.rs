@@ -48,6 +48,7 @@ fn saving_a_freed_stage_3_model_names_the_problem_and_the_fix() {
     match std::env::var(CHILD).as_deref() {
         Ok("overflow") => return overflow_after_a_free(),
         Ok("plain") => return fault_under_a_plain_handler(),
+        Ok("released") => return forward_before_the_engine(),
         Ok(path) => {
             let (vs, _e) = freed_model();
             eprintln!("saving");
@@ -120,6 +121,40 @@ fn fault_under_a_plain_handler() {
     // never mapped), which is the point.
     let v = unsafe { std::ptr::read_volatile(8 as *const u8) };
     eprintln!("read {v}");
+}
+
+/// A rank other than the first of a plan under
+/// `ShardPlan::weights_on_first_rank_only` runs the model before any
+/// engine gave it weights.
+fn forward_before_the_engine() {
+    let (_vs, _plan, gpt) = common::seeded(|| {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let plan = zrt::zero::ShardPlan::new();
+        plan.weights_on_first_rank_only(&vs, 1).unwrap();
+        let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
+        (vs, plan, gpt)
+    });
+    eprintln!("forward");
+    let loss = gpt.loss(&tokens(0, 0, 1, 1));
+    // Not reached when the forward stops the process as it should.
+    eprintln!("loss {}", loss.double_value(&[]));
+}
+
+#[test]
+fn a_forward_before_the_engine_on_a_rank_that_released_its_weights_says_why() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let (err, status) = child("released");
+    assert!(err.contains("forward"), "{err}");
+    assert!(!err.contains("loss "), "{err}");
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{err}");
+    for words in [
+        "under ShardPlan::weights_on_first_rank_only, every weight has no memory",
+        "load pretrained weights on rank 0 only",
+    ] {
+        assert!(err.contains(words), "`{words}` not in:\n{err}");
+    }
 }
 
 #[test]

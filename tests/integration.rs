@@ -13,6 +13,7 @@ mod common;
 mod cli;
 mod engine_behaviour;
 mod engine_parity;
+mod first_rank_weights;
 mod freed_params;
 mod full_params;
 mod kernels_vs_libtorch;

@@ -175,6 +175,24 @@ fn free_to(t: &Tensor, zeros: bool) -> Result<(), GlueError> {
     })
 }
 
+/// Whether `t`'s storage was freed ([`free_storage`] or
+/// [`free_storage_to_zeros`]) and has no memory.
+pub fn is_freed(t: &Tensor) -> Result<bool, GlueError> {
+    Ok(freed::guarded(storage(t)?.1 as usize))
+}
+
+/// Gives a freed storage back as much fresh, uninitialised memory as it
+/// had (refill it before anything reads it); a no-op on one that was not
+/// freed. Returns whether it was.
+pub fn realloc_if_freed(t: &Tensor) -> Result<bool, GlueError> {
+    let (n, data) = storage(t)?;
+    if !freed::guarded(data as usize) {
+        return Ok(false);
+    }
+    realloc_storage(t, n)?;
+    Ok(true)
+}
+
 /// Gives `t`'s storage `nbytes` of fresh, uninitialised memory from its own
 /// allocator and device. Refill it (e.g. `copy_`) before anything reads it.
 pub fn realloc_storage(t: &Tensor, nbytes: usize) -> Result<(), GlueError> {

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod config;
 mod engine;
 mod error;
+mod first_rank;
 pub mod flat;
 pub mod glue;
 pub mod monitor;

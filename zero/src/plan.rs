@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
+use crate::first_rank::Release;
 use crate::running::Running;
 use crate::EngineError;
 
@@ -65,9 +66,22 @@ pub(crate) struct PlanInner {
     pub(crate) partial: Mutex<Option<Arc<NameRule>>>,
     /// Set by [`ShardPlan::use_muon`].
     pub(crate) muon: Mutex<Option<Arc<NameRule>>>,
+    /// Set by [`ShardPlan::weights_on_first_rank_only`] on the other ranks.
+    pub(crate) release: Mutex<Option<Release>>,
 }
 
 impl PlanInner {
+    /// On a rank other than the first of a plan under
+    /// [`ShardPlan::weights_on_first_rank_only`], releases every variable
+    /// made so far; a no-op otherwise.
+    pub(crate) fn release_made_so_far(&self) {
+        if let Ok(r) = self.release.lock() {
+            if let Some(r) = r.as_ref() {
+                r.release_made_so_far();
+            }
+        }
+    }
+
     /// The hook of the engine built from this plan, if one is (cloned, so
     /// that no lock is held while it gathers or frees).
     fn engine_hook(&self) -> Option<Arc<dyn UnitHook>> {
@@ -345,6 +359,16 @@ impl ShardPlan {
         slot: &Mutex<Option<Arc<R>>>,
         rule: Arc<R>,
     ) -> Result<(), EngineError> {
+        self.set_rule_slot(what, slot, Some(rule))
+    }
+
+    /// Sets `slot` to `value` unless an engine was built from the plan.
+    fn set_rule_slot<R>(
+        &self,
+        what: &str,
+        slot: &Mutex<Option<R>>,
+        value: Option<R>,
+    ) -> Result<(), EngineError> {
         if self.inner.claimed.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(EngineError::Plan(format!(
                 "{what} was called after the engine was built from this plan: call it before Engine::from_config (or new, new_hybrid, new_hpz)"
@@ -353,7 +377,7 @@ impl ShardPlan {
         let mut slot = slot
             .lock()
             .map_err(|_| EngineError::Plan("the plan's lock was poisoned".into()))?;
-        *slot = Some(rule);
+        *slot = value;
         Ok(())
     }
 
@@ -428,6 +452,46 @@ impl ShardPlan {
         self.inner.muon.lock().ok().and_then(|r| r.clone())
     }
 
+    /// Makes every rank but the first hold no memory for the model's
+    /// weights while it is built: on those ranks each
+    /// [`ShardedModule::new`] gives back the memory of every variable of
+    /// `vs` made so far (the block just built, and what came before it),
+    /// and the engine, once built, gives each rank world rank 0's values
+    /// (which it does anyway: the first rank's weights are the model's).
+    /// Building then holds one block on those ranks instead of the whole
+    /// model, so N ranks on one host hold one model while they build
+    /// rather than N (FSDP's meta-device initialisation with
+    /// `sync_module_states`; Accelerate's `cpu_ram_efficient_loading`).
+    ///
+    /// `rank` is this process's world rank (`dist.world().rank()`, RANK
+    /// in the environment); on rank 0 this does nothing. Call it on every
+    /// rank before the model is built:
+    ///
+    /// ```no_run
+    /// # use zrt_collectives::ProcessGroup;
+    /// # fn f(dist: &zrt_collectives::Dist) -> Result<(), zrt_zero::EngineError> {
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let plan = zrt_zero::ShardPlan::new();
+    /// plan.weights_on_first_rank_only(&vs, dist.world().rank())?;
+    /// // build the model into `vs`, its blocks in ShardedModule::new;
+    /// // pretrained weights are loaded on rank 0 only
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Until the engine is built the other ranks' weights have no memory:
+    /// reading or writing one there (a forward, `vs.load`, printing a
+    /// weight) stops the process with an explanation rather than
+    /// computing on nothing. Load pretrained weights on rank 0 only. The
+    /// ranks' results are the bits of a run without it.
+    pub fn weights_on_first_rank_only(
+        &self,
+        vs: &nn::VarStore,
+        rank: usize,
+    ) -> Result<(), EngineError> {
+        let release = (rank != 0).then(|| Release::of(vs));
+        self.set_rule_slot("weights_on_first_rank_only", &self.inner.release, release)
+    }
+
     /// The units' VarStore prefixes, in registration order.
     pub fn units(&self) -> Vec<String> {
         self.inner
@@ -458,6 +522,7 @@ impl<M> ShardedModule<M> {
     /// of `plan`. Wrap in the order the units run in forward.
     pub fn new(plan: &ShardPlan, path: &nn::Path, inner: M) -> Self {
         let prefix = path.components().collect::<Vec<_>>().join(".");
+        plan.inner.release_made_so_far();
         let unit = match plan.inner.prefixes.lock() {
             Ok(mut p) => {
                 p.push(prefix);

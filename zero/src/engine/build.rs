@@ -105,35 +105,44 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             false => None,
         };
         check_kinds(&by_unit, compute)?;
+        frozen::check_dtypes(vs)?;
         // The checks a user can mend are behind: from here the parameters
         // are laid out. A build that fails later (a peer that died, a full
         // drive) leaves the plan free again when the claim drops, and the
-        // parameters rank 0's values in the compute dtype.
+        // parameters rank 0's values in the compute dtype; but for stage
+        // 3's units without an NVMe swap, which the layout frees as it
+        // goes (a peer that died is all that fails there, and ends the
+        // job).
         let Some(claim) = plan.inner.claim() else {
             return Err(EngineError::Plan(
                 "this plan already drives another engine: drop that one first (after engine.unshard() at stage 3, so that the parameters hold their values), or build one plan per model".into(),
             ));
         };
-        let (mut units, masters) = lay_out(
+        // What the model made after its last block (a final norm, a
+        // head), so that the layout's buffers add to one unit on ranks
+        // that hold no weights.
+        plan.inner.release_made_so_far();
+        // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
+        // keep every element's).
+        let pack_muon = muon && !offload::swaps_optimizer(&cfg);
+        let shard_of = |u: &Unit, master: Vec<f32>| {
+            let (rank, c) = (group.rank(), &cfg.config);
+            new_shard(u, master, c, compute, rank, pack_muon, &settings)
+        };
+        let (mut units, mut shards) = lay_out(
             vs,
             by_unit,
             &prefixes,
             &settings,
             compute,
-            &group,
-            replicate.as_ref(),
+            (&group, replicate.as_ref()),
+            // Not with an NVMe swap: a drive too full fails the build
+            // after the layout, and the next try must find every value.
+            (stage == 3 && !offload::swaps_any(&cfg)).then_some(threshold),
+            shard_of,
         )?;
         log_rules(&settings, &units);
         settle_uneven(&mut units, root_of_moved, stage);
-        // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
-        // keep every element's).
-        let pack_muon = muon && !offload::swaps_optimizer(&cfg);
-        let mut shards: Vec<Shard> = (units.iter().zip(masters))
-            .map(|(u, master)| {
-                let (rank, c) = (group.rank(), &cfg.config);
-                new_shard(u, master, c, compute, rank, pack_muon, &settings)
-            })
-            .collect();
         let frozen_part = FrozenPart {
             threshold,
             compute,
@@ -404,16 +413,26 @@ fn check_kinds(by_unit: &[Vec<Named>], compute: Compute) -> Result<(), EngineErr
 
 /// Each unit laid out flat, its parameters made views of its flat
 /// tensor, with world rank 0's values (a collective); and each unit's
-/// fp32 values (the master, before it is cut to this rank's shard).
+/// optimizer-side shard, `shard_of` its fp32 values.
+///
+/// One unit at a time, so that building holds the model plus one unit,
+/// not two copies of it: each unit's whole fp32 values are cut to this
+/// rank's shard before the next unit is laid out, and at stage 3
+/// (`stage3_threshold` given) a unit the stage frees between steps is
+/// freed at once. Until 2026-12-01 every unit's whole fp32 values and
+/// gathered buffer were held to the end of the build: 2.2 times the
+/// model's bytes at its peak on every rank (`docs/status.md`).
+#[allow(clippy::too_many_arguments)]
 fn lay_out<G: ProcessGroup>(
     vs: &nn::VarStore,
     by_unit: Vec<Vec<Named>>,
     prefixes: &[String],
     settings: &groups::Settings,
     compute: Compute,
-    group: &G,
-    replicate: Option<&G>,
-) -> Result<(Vec<Unit>, Vec<Vec<f32>>), EngineError> {
+    (group, replicate): (&G, Option<&G>),
+    stage3_threshold: Option<usize>,
+    shard_of: impl Fn(&Unit, Vec<f32>) -> Shard,
+) -> Result<(Vec<Unit>, Vec<Shard>), EngineError> {
     let setting = |name: &str| settings.get(name);
     // Frozen variables some ranks may not use.
     let frozen_declared: Vec<String> = (vs.variables().into_iter())
@@ -421,7 +440,7 @@ fn lay_out<G: ProcessGroup>(
         .map(|(n, _)| n)
         .collect();
     let mut units = Vec::new();
-    let mut masters = Vec::new();
+    let mut shards = Vec::new();
     for (i, params) in by_unit.into_iter().enumerate() {
         if params.is_empty() && i == prefixes.len() {
             continue; // an empty root
@@ -442,7 +461,7 @@ fn lay_out<G: ProcessGroup>(
                 .any(|n| n.starts_with(&format!("{name}.")));
         let uneven = frozen_uneven || layout.slots.iter().any(|s| setting(&s.name).uneven);
         let partial = !uneven && layout.slots.iter().any(|s| setting(&s.name).partial);
-        units.push(Unit {
+        let unit = Unit {
             name,
             special,
             uneven,
@@ -451,10 +470,23 @@ fn lay_out<G: ProcessGroup>(
             params: ts,
             flat,
             frozen: None,
-        });
-        masters.push(master);
+        };
+        shards.push(shard_of(&unit, master));
+        if stage3_threshold.is_some_and(|t| freed_between_steps(&unit, i == prefixes.len(), t)) {
+            glue::free_storage(&unit.flat)?;
+            crate::first_rank::give_back_to_the_system();
+        }
+        units.push(unit);
     }
-    Ok((units, masters))
+    Ok((units, shards))
+}
+
+/// Whether stage 3 surely frees unit `u` between steps, whatever its
+/// frozen part: not the root, not one some ranks may skip, and holding a
+/// parameter above the persistence threshold `threshold` (a subset of
+/// what [`FrozenPart::shard`] decides, which the build checks).
+fn freed_between_steps(u: &Unit, root: bool, threshold: usize) -> bool {
+    !root && !u.uneven && u.layout.slots.iter().any(|s| s.numel > threshold)
 }
 
 /// Says how many parameters the plan's weight-decay and learning-rate
@@ -644,7 +676,12 @@ impl FrozenPart {
                 stage == 3 && (u.name == "<root>" || u.uneven || (small && f.is_empty()))
             })
             .collect();
-        for (u, take) in units.iter_mut().zip(frozen_of) {
+        // `lay_out` freed at once the units it was sure of: all of them
+        // are freed between steps.
+        debug_assert!(units.iter().zip(&persistent).all(|(u, &keep)| {
+            !(stage == 3 && keep && freed_between_steps(u, u.name == "<root>", threshold))
+        }));
+        for ((u, take), &keep) in units.iter_mut().zip(frozen_of).zip(&persistent) {
             if take.is_empty() {
                 continue;
             }
@@ -652,14 +689,19 @@ impl FrozenPart {
                 .iter()
                 .filter_map(|n| all_vars.remove_entry(n))
                 .collect();
-            u.frozen = Some(frozen_shards::Part::new(
+            let part = frozen_shards::Part::new(
                 &u.name,
                 vars,
                 self.compute,
                 group,
                 replicate,
                 self.quantize,
-            )?);
+            )?;
+            // One unit's frozen buffer at a time, as `lay_out` does.
+            if !keep {
+                glue::free_storage(&part.flat)?;
+            }
+            u.frozen = Some(part);
         }
         if stage == 3 && self.quantize && units.iter().all(|u| u.frozen.is_none()) {
             tracing::warn!("`zero_optimization.zero_quantized_nontrainable_weights` = true, but no frozen parameter is sharded, so none is quantized: stage 3 shards frozen fp32 or compute-dtype parameters of more than `stage3_param_persistence_threshold` elements inside wrapped blocks that every rank runs (not the root's)");

@@ -67,7 +67,17 @@ impl Frozen {
                 && t.kind() == Kind::Float
                 && params.contains(&crate::glue::tensor_impl(t)?)
             {
-                let cast = t.f_to_kind(compute)?;
+                // Released while the model was built
+                // (`weights_on_first_rank_only`): still without memory,
+                // in the new dtype, for `sync` to fill.
+                let cast = match crate::glue::is_freed(t)? {
+                    true => {
+                        let empty = Tensor::f_empty(t.size(), (compute, t.device()))?;
+                        crate::glue::free_storage(&empty)?;
+                        empty
+                    }
+                    false => t.f_to_kind(compute)?,
+                };
                 t.set_data(&cast);
                 widened.insert(name.clone());
             }
@@ -286,6 +296,8 @@ fn raw(name: &str, t: &Tensor) -> Result<(Kind, Vec<i64>, Vec<u8>), EngineError>
 /// Overwrites `t` with `bytes` of `kind` in `shape`.
 fn assign(t: &Tensor, bytes: &[u8], shape: &[i64], kind: Kind) -> Result<(), EngineError> {
     let v = from_bytes(bytes, shape, kind).map_err(EngineError::Unsupported)?;
+    // Released while the model was built (`weights_on_first_rank_only`).
+    crate::glue::realloc_if_freed(t)?;
     tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
     Ok(())
 }
@@ -302,6 +314,22 @@ fn from_bytes(bytes: &[u8], shape: &[i64], kind: Kind) -> Result<Tensor, String>
         ));
     }
     Tensor::f_from_data_size(bytes, shape, kind).map_err(|e| e.to_string())
+}
+
+/// Refuses a frozen variable (or buffer) of `vs` no checkpoint can hold,
+/// before the engine lays anything out: [`Frozen::sync`] and the stage-3
+/// frozen parts would refuse it later, when stage 3 has freed units a
+/// second build could not read.
+pub(super) fn check_dtypes(vs: &tch::nn::VarStore) -> Result<(), EngineError> {
+    let mut vars: Vec<(String, Tensor)> = (vs.variables().into_iter())
+        .filter(|(_, t)| !t.requires_grad())
+        .collect();
+    // The first by name, as every rank names the same one.
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, t) in &vars {
+        dtype_of(name, t.f_kind()?)?;
+    }
+    Ok(())
 }
 
 /// The safetensors dtype of `kind`, or why a variable of that kind cannot

@@ -371,8 +371,18 @@ fn rank0_flat<G: ProcessGroup>(
             .ok_or_else(|| EngineError::Plan(format!("no variable `{name}` to lay out")))
     };
     let mut values = vec![0f32; layout.padded];
+    // Every other rank's values are replaced by world rank 0's below: a
+    // variable released while the model was built
+    // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
+    // first rank's must be: a freed one there stops the process, saying
+    // why, as any read of a freed weight does).
+    let root = group.rank() == 0 && replicate.is_none_or(|r| r.rank() == 0);
     for s in &layout.slots {
-        let v = Vec::<f32>::try_from(&var(&s.name)?.detach().f_contiguous()?.f_flatten(0, -1)?)?;
+        let t = var(&s.name)?;
+        if !root && glue::is_freed(t)? {
+            continue;
+        }
+        let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
         values[s.offset..s.offset + s.numel].copy_from_slice(&v);
     }
     let values = match replicate {

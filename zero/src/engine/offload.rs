@@ -73,6 +73,14 @@ pub(super) fn swaps_optimizer(cfg: &Resolved) -> bool {
     nvme_optimizer(cfg).is_some()
 }
 
+/// Whether anything goes to an NVMe swap (the optimizer state, or stage
+/// 3's parameter shards): the build then makes files on a drive that may
+/// be too full, after the parameters are laid out.
+pub(super) fn swaps_any(cfg: &Resolved) -> bool {
+    let params = cfg.config.zero.offload_param.as_ref();
+    swaps_optimizer(cfg) || params.is_some_and(|o| o.device == OffloadDevice::Nvme)
+}
+
 /// Moves every shard's optimizer state into a new swap file when the config
 /// asks for NVMe offload (checked by [`check`]); `None` otherwise.
 /// `zero_v`: per unit, the elements whose `v` is always zero (Muon's

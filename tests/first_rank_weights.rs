@@ -1,0 +1,88 @@
+//! `ShardPlan::weights_on_first_rank_only`: ranks other than the first
+//! give back their weights' memory as each block is wrapped, and the
+//! engine gives them the first rank's values. Each rank of a run so made
+//! must end with the bits of a run without it, frozen variables (whole
+//! in the root, sharded in a unit at stage 3) included.
+
+use crate::common;
+
+use common::{config_zero, engine_of, freeze, on_ranks, seeded, train_losses, train_world};
+use common::{BF16, GPT, SHARD_ALL, WORLD};
+use tch::{nn, Device};
+use zrt::gpt::Gpt;
+use zrt::zero::{glue, ShardPlan};
+
+/// Frozen: `wpe` stays whole in the root (the engine copies rank 0's
+/// bytes into it), `h.1.fc` is a unit's frozen part at stage 3.
+const FROZEN: &[&str] = &["wpe", "h.1.fc"];
+
+#[test]
+fn ranks_but_the_first_hold_no_weights_until_the_engine_and_train_to_the_same_bits() {
+    let steps = 3;
+    for (stage, extra, zero) in [
+        (0, "", ""),
+        (2, "", ""),
+        (3, "", SHARD_ALL),
+        (3, BF16, SHARD_ALL),
+    ] {
+        let what = format!("stage {stage} {extra}");
+        let cfg = config_zero(stage, 1, 1.0, extra, zero);
+        let (want_losses, want_params, _) = train_world(&cfg, FROZEN, steps);
+        let ranks = on_ranks(WORLD, |r| {
+            let (vs, plan, gpt) = seeded(|| {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let plan = ShardPlan::new();
+                plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
+                let gpt = Gpt::new(&vs.root(), &plan, &GPT);
+                (vs, plan, gpt)
+            });
+            // Every variable of the GPT is made before its last wrapped
+            // module (the head), so the other ranks hold none of them.
+            let held: Vec<(String, usize)> = (vs.variables().into_iter())
+                .map(|(n, t)| (n, glue::storage_nbytes(&t).unwrap()))
+                .collect();
+            freeze(&vs, FROZEN);
+            let e = engine_of(&vs, &plan, &cfg, &r);
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (held, losses, e.gathered_params().unwrap())
+        });
+        for (rank, (held, losses, params)) in ranks.into_iter().enumerate() {
+            assert!(held.len() > 10, "{what}: {held:?}");
+            for (name, bytes) in held {
+                match rank {
+                    0 => assert!(bytes > 0, "{what}: rank 0's `{name}` was released"),
+                    _ => assert_eq!(bytes, 0, "{what}: rank {rank} holds `{name}`"),
+                }
+            }
+            // The losses are this rank's own micro-batches': rank 0's are
+            // the reference's.
+            if rank == 0 {
+                assert_eq!(losses, want_losses, "{what}");
+            }
+            assert_eq!(params.len(), want_params.len(), "{what}");
+            for ((n, v), (wn, w)) in params.iter().zip(&want_params) {
+                assert_eq!(n, wn, "{what}");
+                let same = v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{what}: rank {rank}'s `{n}` differs from the run without it"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_rule_is_refused_once_an_engine_holds_the_plan() {
+    let cfg = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    on_ranks(WORLD, |r| {
+        let (vs, plan, _gpt) = common::model();
+        let _e = engine_of(&vs, &plan, &cfg, &r);
+        let err = plan.weights_on_first_rank_only(&vs, r.rank()).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("weights_on_first_rank_only was called after the engine was built"),
+            "{err}"
+        );
+    });
+}

@@ -366,6 +366,10 @@ fn main() -> Result<()> {
     tch::manual_seed(1234);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
+    // Ranks but the first hold no weights while the model is built (the
+    // engine gives them rank 0's): N ranks on one host hold one model
+    // while they build, not N.
+    plan.weights_on_first_rank_only(&vs, rank)?;
     let gpt = match a.checkpoint {
         true => Gpt::new_checkpointed(&vs.root(), &plan, &a.gpt),
         false => Gpt::new(&vs.root(), &plan, &a.gpt),

@@ -86,3 +86,41 @@ fn the_rule_is_refused_once_an_engine_holds_the_plan() {
         );
     });
 }
+
+#[test]
+fn pretrained_weights_loaded_on_rank_0_alone_reach_every_rank() {
+    // The recipe the rule's docs give: the other ranks release their
+    // weights, rank 0 alone loads the file, the engine spreads it.
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let file = common::scratch("first-rank-load").join("model.safetensors");
+    on_ranks(WORLD, |r| {
+        let (_vs, plan, gpt) = common::model();
+        let e = engine_of(&_vs, &plan, &cfg, &r);
+        train_losses(&gpt, &e, r.rank(), 2);
+        e.save_16bit_model(&file).unwrap();
+    });
+    let want: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(&file).unwrap();
+    let ranks = on_ranks(WORLD, |r| {
+        let (mut vs, plan, _gpt) = seeded(|| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let plan = ShardPlan::new();
+            plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
+            let gpt = Gpt::new(&vs.root(), &plan, &GPT);
+            (vs, plan, gpt)
+        });
+        if r.rank() == 0 {
+            vs.load(&file).unwrap();
+        }
+        let e = engine_of(&vs, &plan, &cfg, &r);
+        e.gathered_params().unwrap()
+    });
+    let _ = std::fs::remove_dir_all(file.parent().unwrap());
+    for (rank, params) in ranks.into_iter().enumerate() {
+        assert_eq!(params.len(), want.len(), "rank {rank}");
+        for (name, v) in params {
+            let (_, t) = want.iter().find(|(n, _)| *n == name).unwrap();
+            let w = Vec::<f32>::try_from(&t.flatten(0, -1)).unwrap();
+            assert!(v == w, "rank {rank}'s `{name}` is not the file's");
+        }
+    }
+}

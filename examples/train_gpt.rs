@@ -57,6 +57,9 @@ struct Args {
     /// The step at whose start the last rank exits on the job's first
     /// attempt (`--fail-at`), as a crashed rank would.
     fail_at: Option<u64>,
+    /// Every rank builds the whole model (`--weights-on-every-rank`), as
+    /// without `ShardPlan::weights_on_first_rank_only`.
+    weights_on_every_rank: bool,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -130,6 +133,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--fail-at",
         "N",
         "on the job's first attempt (TORCHELASTIC_RESTART_COUNT 0 or unset), the last rank exits with code 3 at the start of step N, as a crashed rank would: to see `zrt launch --max-restarts` and --resume go on from the latest checkpoint",
+    ),
+    (
+        "--weights-on-every-rank",
+        "",
+        "every rank builds the whole model, as without ShardPlan::weights_on_first_rank_only (to compare what building peaks at)",
     ),
     ("--help", "", "print this and exit"),
 ];
@@ -248,6 +256,7 @@ fn parse_args() -> Result<Option<Args>> {
         checkpoint: opts.contains_key("--checkpoint-activations"),
         layerdrop: chance("--layerdrop")?,
         mlp_drop: chance("--mlp-drop")?,
+        weights_on_every_rank: opts.contains_key("--weights-on-every-rank"),
         fail_at: match get("--fail-at") {
             None => None,
             Some(_) => Some(num("--fail-at", 1, 1)? as u64),
@@ -369,7 +378,9 @@ fn main() -> Result<()> {
     // Ranks but the first hold no weights while the model is built (the
     // engine gives them rank 0's): N ranks on one host hold one model
     // while they build, not N.
-    plan.weights_on_first_rank_only(&vs, rank)?;
+    if !a.weights_on_every_rank {
+        plan.weights_on_first_rank_only(&vs, rank)?;
+    }
     let gpt = match a.checkpoint {
         true => Gpt::new_checkpointed(&vs.root(), &plan, &a.gpt),
         false => Gpt::new(&vs.root(), &plan, &a.gpt),
@@ -431,6 +442,26 @@ fn main() -> Result<()> {
     // Losses and memory are averaged and listed over the whole world (under
     // hybrid sharding the engine's own group is one shard group).
     let world = dist.world();
+    // What building the model and the engine peaked at, before training
+    // adds its own (the peak so far is the build's).
+    let built_rss = world
+        .all_gather(
+            vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64],
+            Vec::new(),
+        )
+        .wait()?
+        .1;
+    if rank == 0 {
+        let each: Vec<String> = built_rss.iter().map(|m| format!("{m:.0}")).collect();
+        let how = match a.weights_on_every_rank {
+            true => "every rank building the whole model",
+            false => "ranks but the first holding no weights while it is built",
+        };
+        println!(
+            "built: peak RSS per rank (MiB): {} ({how})",
+            each.join(", ")
+        );
+    }
     let eval = || -> Result<f64> {
         // Each rank a share of fixed validation windows; averaged.
         let windows = batch(val, 16, a.gpt.seq + 1, 1_000_000 + rank as u64)?;

@@ -73,6 +73,42 @@ fn ranks_but_the_first_hold_no_weights_until_the_engine_and_train_to_the_same_bi
 }
 
 #[test]
+fn under_hybrid_sharding_world_rank_0_gives_every_replica_its_weights() {
+    // 4 ranks, shard groups of 2: world rank 2 is its shard group's rank
+    // 0 but not the world's, and takes rank 0's values across replicas.
+    let cfg = config_zero(
+        3,
+        1,
+        1.0,
+        "",
+        &format!(r#"{SHARD_ALL} "mics_shard_size": 2,"#),
+    );
+    let (want_losses, want_params, _) = common::train_grouped(4, &cfg, 2);
+    let ranks = on_ranks(4, |mut r| {
+        let (vs, plan, gpt) = seeded(|| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let plan = ShardPlan::new();
+            plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
+            let gpt = Gpt::new(&vs.root(), &plan, &GPT);
+            (vs, plan, gpt)
+        });
+        let hints = zrt::zero::AutoHints::default();
+        let e = zrt::zero::Engine::from_config(&vs, &plan, &cfg, &mut r, &hints).unwrap();
+        let losses = train_losses(&gpt, &e, r.rank() % WORLD, 2);
+        (losses, e.gathered_params().unwrap())
+    });
+    for (rank, (losses, params)) in ranks.into_iter().enumerate() {
+        if rank == 0 {
+            assert_eq!(losses, want_losses);
+        }
+        assert!(
+            params == want_params,
+            "rank {rank} differs from the run without the rule"
+        );
+    }
+}
+
+#[test]
 fn the_rule_is_refused_once_an_engine_holds_the_plan() {
     let cfg = config_zero(3, 1, 0.0, "", SHARD_ALL);
     on_ranks(WORLD, |r| {

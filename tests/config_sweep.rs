@@ -23,7 +23,10 @@
 //! reduce packed (qgZ) and a third of those with a frozen part hold its
 //! shards packed (`zero_quantized_nontrainable_weights`), each drawn on
 //! its own; their reference is stage 3 packing the same, with DeepSpeed's
-//! defaults for the rest ([`Leg::reference`]).
+//! defaults for the rest ([`Leg::reference`]). A third of the legs build
+//! the model with the ranks but the first holding no weights
+//! (`ShardPlan::weights_on_first_rank_only`), drawn apart too; never a
+//! reference.
 //!
 //! The tests elsewhere pin each setting alone; the sweep finds what
 //! several do together: the stage-3 root's small parameters reduced
@@ -43,7 +46,7 @@
 use crate::common;
 
 use common::{
-    built, config_params, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT,
+    built_on, config_params, freeze, nvme, nvme_params, on_ranks, serial, tokens, Params, GPT,
 };
 use zrt::gpt::Gpt;
 use zrt::zero::{AutoHints, Engine};
@@ -100,6 +103,10 @@ struct Leg {
     /// Stage 3 holds its frozen shards packed as int8
     /// (`zero_quantized_nontrainable_weights`).
     qfrozen: bool,
+    /// Ranks but the first build the model under
+    /// `ShardPlan::weights_on_first_rank_only` (holding no weights until
+    /// the engine gives them rank 0's); never in a reference.
+    released: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -133,11 +140,13 @@ impl Leg {
                         true => setting(&self.zero, "reduce_bucket_size"),
                         false => "",
                     },
+                released: false,
                 ..self.clone()
             },
             false => Self {
                 stage: reference_stage(self.stage, self.grouping, self.gas),
                 zero: String::new(),
+                released: false,
                 ..self.clone()
             },
         }
@@ -257,7 +266,7 @@ fn leg(
             true => Gpt::new_checkpointed,
             false => Gpt::new,
         };
-        let (vs, plan, gpt) = built(&GPT, new);
+        let (vs, plan, gpt) = built_on(&GPT, new, l.released.then_some(rank));
         freeze(&vs, p.frozen);
         if p.no_decay_vectors {
             plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
@@ -431,6 +440,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         qwz: false,
         qgz: false,
         qfrozen: false,
+        released: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -468,6 +478,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             qwz: false,
             qgz: false,
             qfrozen: false,
+            released: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -535,6 +546,13 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         && then.is_none()
         && !program.frozen.is_empty()
         && Draw(d.0.rotate_left(29) | 1).flag(3);
+    // Ranks but the first building without their weights, in any leg
+    // (drawn apart, as the packings are, so the cases stay the same).
+    first.released = Draw(d.0.rotate_left(17) | 1).flag(3);
+    let then = then.map(|t| Leg {
+        released: Draw(d.0.rotate_left(11) | 1).flag(3),
+        ..t
+    });
     (first, program, then)
 }
 
@@ -653,6 +671,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         qwz: false,
         qgz: false,
         qfrozen: false,
+        released: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -713,6 +732,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         qwz: false,
         qgz: false,
         qfrozen: false,
+        released: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

@@ -6,11 +6,10 @@
 
 use crate::common;
 
-use common::{config_zero, engine_of, freeze, on_ranks, seeded, train_losses, train_world};
+use common::{built_on, config_zero, engine_of, freeze, on_ranks, train_losses, train_world};
 use common::{BF16, GPT, SHARD_ALL, WORLD};
-use tch::{nn, Device};
 use zrt::gpt::Gpt;
-use zrt::zero::{glue, ShardPlan};
+use zrt::zero::glue;
 
 /// Frozen: `wpe` stays whole in the root (the engine copies rank 0's
 /// bytes into it), `h.1.fc` is a unit's frozen part at stage 3.
@@ -29,13 +28,7 @@ fn ranks_but_the_first_hold_no_weights_until_the_engine_and_train_to_the_same_bi
         let cfg = config_zero(stage, 1, 1.0, extra, zero);
         let (want_losses, want_params, _) = train_world(&cfg, FROZEN, steps);
         let ranks = on_ranks(WORLD, |r| {
-            let (vs, plan, gpt) = seeded(|| {
-                let vs = nn::VarStore::new(Device::Cpu);
-                let plan = ShardPlan::new();
-                plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
-                let gpt = Gpt::new(&vs.root(), &plan, &GPT);
-                (vs, plan, gpt)
-            });
+            let (vs, plan, gpt) = built_on(&GPT, Gpt::new, Some(r.rank()));
             // Every variable of the GPT is made before its last wrapped
             // module (the head), so the other ranks hold none of them.
             let held: Vec<(String, usize)> = (vs.variables().into_iter())
@@ -85,13 +78,7 @@ fn under_hybrid_sharding_world_rank_0_gives_every_replica_its_weights() {
     );
     let (want_losses, want_params, _) = common::train_grouped(4, &cfg, 2);
     let ranks = on_ranks(4, |mut r| {
-        let (vs, plan, gpt) = seeded(|| {
-            let vs = nn::VarStore::new(Device::Cpu);
-            let plan = ShardPlan::new();
-            plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
-            let gpt = Gpt::new(&vs.root(), &plan, &GPT);
-            (vs, plan, gpt)
-        });
+        let (vs, plan, gpt) = built_on(&GPT, Gpt::new, Some(r.rank()));
         let hints = zrt::zero::AutoHints::default();
         let e = zrt::zero::Engine::from_config(&vs, &plan, &cfg, &mut r, &hints).unwrap();
         let losses = train_losses(&gpt, &e, r.rank() % WORLD, 2);
@@ -137,13 +124,7 @@ fn pretrained_weights_loaded_on_rank_0_alone_reach_every_rank() {
     });
     let want: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(&file).unwrap();
     let ranks = on_ranks(WORLD, |r| {
-        let (mut vs, plan, _gpt) = seeded(|| {
-            let vs = nn::VarStore::new(Device::Cpu);
-            let plan = ShardPlan::new();
-            plan.weights_on_first_rank_only(&vs, r.rank()).unwrap();
-            let gpt = Gpt::new(&vs.root(), &plan, &GPT);
-            (vs, plan, gpt)
-        });
+        let (mut vs, plan, _gpt) = built_on(&GPT, Gpt::new, Some(r.rank()));
         if r.rank() == 0 {
             vs.load(&file).unwrap();
         }

@@ -127,13 +127,7 @@ fn fault_under_a_plain_handler() {
 /// `ShardPlan::weights_on_first_rank_only` runs the model before any
 /// engine gave it weights.
 fn forward_before_the_engine() {
-    let (_vs, _plan, gpt) = common::seeded(|| {
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        let plan = zrt::zero::ShardPlan::new();
-        plan.weights_on_first_rank_only(&vs, 1).unwrap();
-        let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
-        (vs, plan, gpt)
-    });
+    let (_vs, _plan, gpt) = common::built_on(&common::GPT, zrt::gpt::Gpt::new, Some(1));
     eprintln!("forward");
     let loss = gpt.loss(&tokens(0, 0, 1, 1));
     // Not reached when the forward stops the process as it should.

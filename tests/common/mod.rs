@@ -68,6 +68,17 @@ pub fn built(
     cfg: &GptConfig,
     new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
 ) -> (nn::VarStore, ShardPlan, Gpt) {
+    built_on(cfg, new, None)
+}
+
+/// As [`built`]; with `released: Some(rank)`, built by world rank `rank`
+/// under `ShardPlan::weights_on_first_rank_only` (a rank but the first
+/// then holds no weights until its engine is built).
+pub fn built_on(
+    cfg: &GptConfig,
+    new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
+    released: Option<usize>,
+) -> (nn::VarStore, ShardPlan, Gpt) {
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
     // One intra-op thread: libtorch's reductions then sum in one order
     // whichever thread runs them, so engine and reference see the same bits.
@@ -75,6 +86,9 @@ pub fn built(
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
+    if let Some(rank) = released {
+        plan.weights_on_first_rank_only(&vs, rank).unwrap();
+    }
     let gpt = new(&vs.root(), &plan, cfg);
     (vs, plan, gpt)
 }

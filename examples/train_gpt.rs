@@ -442,15 +442,14 @@ fn main() -> Result<()> {
     // Losses and memory are averaged and listed over the whole world (under
     // hybrid sharding the engine's own group is one shard group).
     let world = dist.world();
+    // Every rank's peak RSS so far, in MiB.
+    let peak_rss = || -> Result<Vec<f64>> {
+        let mine = vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64];
+        Ok(world.all_gather(mine, Vec::new()).wait()?.1)
+    };
     // What building the model and the engine peaked at, before training
     // adds its own (the peak so far is the build's).
-    let built_rss = world
-        .all_gather(
-            vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64],
-            Vec::new(),
-        )
-        .wait()?
-        .1;
+    let built_rss = peak_rss()?;
     if rank == 0 {
         let each: Vec<String> = built_rss.iter().map(|m| format!("{m:.0}")).collect();
         let how = match a.weights_on_every_rank {
@@ -645,13 +644,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let secs = t0.elapsed().as_secs_f64();
-    let rss = world
-        .all_gather(
-            vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64],
-            Vec::new(),
-        )
-        .wait()?
-        .1;
+    let rss = peak_rss()?;
     let state = engine.model_state_bytes()? as f64 / (1 << 20) as f64;
     let left_out = world
         .all_gather(vec![left_out as f64], Vec::new())

@@ -53,7 +53,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use parking_lot::Mutex;
-use tch::{nn, Device, Kind, Tensor};
+use tch::{nn, Kind, Tensor};
 use zrt_collectives::{CommError, DeviceMesh, Element, Groups, ProcessGroup, ReduceOp, Work};
 use zrt_kernels::{AdamConfig, Threads};
 
@@ -390,8 +390,9 @@ fn rank0_flat<G: ProcessGroup>(
         None => values,
     };
     let values = group.broadcast(values, 0).wait()?;
-    let flat = Tensor::f_zeros([layout.padded as i64], (compute.kind(), Device::Cpu))?;
-    tch::no_grad(|| flat.shallow_clone().f_copy_(&Tensor::from_slice(&values)))?;
+    // One copy of the unit beside `values` (to_kind keeps an fp32 tensor
+    // as it is), where zeros filled from a copy were two.
+    let flat = tch::no_grad(|| Tensor::f_from_slice(&values)?.f_to_kind(compute.kind()))?;
     let mut views = Vec::with_capacity(layout.slots.len());
     for s in &layout.slots {
         let mut t = var(&s.name)?.shallow_clone();

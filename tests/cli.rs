@@ -338,6 +338,21 @@ fn estimate_prints_the_design_formula() {
             && out.contains("accumulates gradients in fp32"),
         "{out}"
     );
+    // Building: every weight in fp32, 4 GiB, less than stage 3's 4.5 on
+    // 4 ranks: no remark.
+    assert!(
+        out.contains("building the model: 4.00 GiB on every rank (its weights in fp32")
+            && !out.contains("more than stage 3 holds"),
+        "{out}"
+    );
+    // On 8 ranks stage 3 holds 2.25 GiB: building is the peak.
+    let (ok, out) = zrt(&["estimate", "--params", "1073741824", "--world", "8"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("building the model: 4.00 GiB on every rank")
+            && out.contains("ShardPlan::weights_on_first_rank_only (the other ranks hold one block); more than stage 3 holds"),
+        "{out}"
+    );
     // The main job's 4.9M-parameter GPT on 2 ranks in fp32: the stages
     // differ (they all printed 0.04 GiB before).
     let (ok, out) = zrt(&[

@@ -2,7 +2,8 @@
 //! master, Adam's m and v, Lion's m or SGD's momentum buffer): what zrt holds, and in mixed precision also
 //! DESIGN.md's table, whose gradients are 16-bit. Frozen parameters (a
 //! LoRA model's base: `--frozen`) add their values alone, sharded at
-//! stage 3 and packed as int8 with `--quantize-frozen`.
+//! stage 3 and packed as int8 with `--quantize-frozen`. And what building
+//! the model holds before an engine shards it.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -212,7 +213,25 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if mixed {
         println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
+    let built = build_bytes(a.params, a.frozen);
+    let stage3 = model_state_bytes(3, a.params, a.world as f64, c, moments)
+        + frozen_bytes(3, a.frozen, a.world as f64, c, quantize_frozen);
+    println!(
+        "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block){}",
+        human(built),
+        match built > stage3 {
+            true => "; more than stage 3 holds",
+            false => "",
+        }
+    );
     Ok(())
+}
+
+/// What a rank holds once it has built the whole model: every weight in
+/// fp32, trained (`psi`) and frozen (`frozen`) alike, before an engine
+/// shards any.
+pub fn build_bytes(psi: f64, frozen: f64) -> f64 {
+    4.0 * (psi + frozen)
 }
 
 /// `b` bytes in GiB, or in MiB below one GiB (small models would show
@@ -267,6 +286,12 @@ mod tests {
         assert_eq!(frozen_bytes(3, 8.0, 4.0, 2.0, false), 4.0);
         assert_eq!(frozen_bytes(3, 8.0, 4.0, 4.0, false), 8.0);
         assert_eq!(frozen_bytes(3, 2048.0, 2.0, 2.0, true), 1026.0);
+    }
+
+    #[test]
+    fn building_holds_every_weight_in_fp32() {
+        assert_eq!(build_bytes(7e9, 0.0), 28e9);
+        assert_eq!(build_bytes(1e9, 3e9), 16e9);
     }
 
     #[test]

@@ -1019,6 +1019,69 @@ fn an_elastic_job_goes_on_without_a_node_that_dies_and_takes_it_back() {
 }
 
 #[test]
+fn a_node_joining_after_another_nodes_ranks_finished_restarts_nobody() {
+    // 1:3: node 0 starts alone, node 1 joins (both restart as a world of
+    // 2); node 0's rank then ends well while node 1's still runs. Node 2
+    // arriving now must not restart the job, whose finished ranks would
+    // run again: it waits, and is told when the job ends.
+    let dir = scratch("elastic-late");
+    let d = dir.display();
+    let script = format!(
+        "{SAY_PLACE}; case $WORLD_SIZE/$GROUP_RANK in \
+           1/*) touch {d}/alone; sleep 60;; \
+           2/0) touch {d}/done0;; \
+           *) touch {d}/up$GROUP_RANK; while [ ! -e {d}/go ]; do sleep 0.02; done;; esac"
+    );
+    let port = free_port();
+    let a = elastic_node(port, 0, "1:3", &[], &script);
+    wait_for_file(&dir.join("alone"));
+    let b = elastic_node(port, 1, "1:3", &[], &script);
+    wait_for_file(&dir.join("done0"));
+    wait_for_file(&dir.join("up1"));
+    let mut late = elastic_node(port, 2, "1:3", &[], &script);
+    let mut err = std::io::BufReader::new(late.stderr.take().unwrap());
+    let mut tl = String::new();
+    while !tl.contains("this node waits to join attempt 2") {
+        let n = std::io::BufRead::read_line(&mut err, &mut tl).unwrap();
+        assert!(n > 0, "the late node ended: {tl}");
+    }
+    // Node 1 polls for a waiting launcher every 20 ms: a restart would
+    // show in its lines.
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(dir.join("go"), "").unwrap();
+    std::io::Read::read_to_string(&mut err, &mut tl).unwrap();
+    let (a, b, late) = (
+        a.wait_with_output().unwrap(),
+        b.wait_with_output().unwrap(),
+        late.wait_with_output().unwrap(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ta, tb) = (text(&a), text(&b));
+    tl.push_str(&text(&late));
+    assert!(
+        a.status.success() && b.status.success() && late.status.success(),
+        "{ta}\n{tb}\n{tl}"
+    );
+    let said: Vec<&str> = (ta.lines())
+        .filter(|l| l.starts_with("[rank 0] at "))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "[rank 0] at 0 world 1 rank 0 group 0/1",
+            "[rank 0] at 0 world 2 rank 0 group 0/2"
+        ],
+        "{ta}"
+    );
+    assert_eq!(tb.matches("[rank 1] at ").count(), 1, "{tb}");
+    assert!(!tl.contains("[rank"), "the late node never ran: {tl}");
+    assert!(
+        tl.contains("the job ended before this node could join it"),
+        "{tl}"
+    );
+}
+
+#[test]
 fn an_elastic_jobs_spare_node_waits_and_is_told_when_the_job_ends() {
     // 1:2 with three launchers: the first two run, the third waits as a
     // spare without restarting them, and ends when the job does.

@@ -464,8 +464,10 @@ impl ShardPlan {
     /// `sync_module_states`; Accelerate's `cpu_ram_efficient_loading`).
     ///
     /// `rank` is this process's world rank (`dist.world().rank()`, RANK
-    /// in the environment); on rank 0 this does nothing. Call it on every
-    /// rank before the model is built:
+    /// in the environment); on rank 0 this does nothing. An engine built
+    /// over a group of some ranks (`Engine::new`) takes the weights of
+    /// that group's first rank: pass the rank in that group. Call it on
+    /// every rank before the model is built:
     ///
     /// ```no_run
     /// # use zrt_collectives::ProcessGroup;

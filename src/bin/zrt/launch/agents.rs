@@ -386,19 +386,24 @@ impl Agents {
     /// join; or a launcher of the round that ended without writing a
     /// record (the ranks on its node are gone with it: a fixed job ends,
     /// an elastic one restarts without it). Two requests while nothing
-    /// happens (three in an elastic job), however many nodes.
+    /// happens (three in an elastic job, four while a launcher waits),
+    /// however many nodes.
     pub(super) fn watch(&self, round: u32) -> Result<Option<Failure>> {
         if let Some(f) = self.failure(round)? {
             return Ok(Some(f));
         }
         self.remotes_ok()?;
         // A launcher waiting while the round has room for it (one beyond
-        // MAX is a spare, taken when a member goes).
+        // MAX is a spare, taken when a member goes), unless a node's ranks
+        // of the round already ended well: the job is ending, and
+        // restarting would run those ranks again (the waiter is told when
+        // it ends, as a spare is). Until 2026-12-01 it restarted them.
         if self.elastic.is_some_and(|el| self.members.len() < el.max)
             && self
                 .client
                 .add(&format!("agent/round/{}/count", round + 1), 0)?
                 > 0
+            && self.client.add(&format!("agent/done/{round}"), 0)? == 0
         {
             let f = Failure {
                 code: 0,

@@ -141,3 +141,31 @@ fn pretrained_weights_loaded_on_rank_0_alone_reach_every_rank() {
         }
     }
 }
+
+#[test]
+fn a_frozen_dtype_no_checkpoint_holds_is_refused_before_anything_is_laid_out() {
+    // Stage 3 frees each unit as it lays it out: a refusal after that
+    // would leave a model the next build cannot read. So the build checks
+    // the frozen variables' dtypes first, and a mended model builds.
+    let cfg = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    let (vs, plan, gpt) = common::model();
+    let z = tch::Tensor::zeros([2], (tch::Kind::ComplexFloat, tch::Device::Cpu));
+    let mut odd = vs.root().add("odd", z, false);
+    let err = common::solo_engine(&vs, &plan, &cfg)
+        .err()
+        .expect("refused");
+    let err = err.to_string();
+    assert!(
+        err.contains("frozen variable `odd` is ComplexFloat, which checkpoints cannot hold"),
+        "{err}"
+    );
+    for (name, t) in vs.variables() {
+        assert!(glue::storage_nbytes(&t).unwrap() > 0, "`{name}` was freed");
+    }
+    odd.set_data(&tch::Tensor::zeros(
+        [2],
+        (tch::Kind::Float, tch::Device::Cpu),
+    ));
+    let e = common::solo_engine(&vs, &plan, &cfg).unwrap();
+    train_losses(&gpt, &e, 0, 1);
+}

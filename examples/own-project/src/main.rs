@@ -67,6 +67,9 @@ fn main() -> anyhow::Result<()> {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
+    // Ranks but the first hold no weights while the model is built (the
+    // engine gives them rank 0's): load pretrained weights on rank 0 only.
+    plan.weights_on_first_rank_only(&vs, rank)?;
     let root = vs.root();
     let blocks: Vec<ShardedModule<Block>> = (0..4)
         .map(|i| {

@@ -2,9 +2,13 @@
 //! siblings), in the order its steps must run: the ranks' agreement, then
 //! every check a user can mend (nothing is laid out yet, so a refused
 //! build leaves the model and its plan as they were), then each unit's
-//! flat buffer with its parameters as views into it, this rank's shards
-//! of the optimizer state, stage 3's frozen shards, the swaps, and the
-//! hooks that reduce a unit's gradients as soon as they are all in.
+//! flat buffer with its parameters as views into it and this rank's
+//! shards of its optimizer state, one unit at a time (stage 3 frees each
+//! as it goes, so building holds the model and one unit), stage 3's
+//! frozen shards, the swaps, and the hooks that reduce a unit's
+//! gradients as soon as they are all in. Ranks that built their model
+//! under `ShardPlan::weights_on_first_rank_only` hold no weights until
+//! this gives them rank 0's.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -2196,6 +2196,51 @@ fn steps_per_print_logs_progress_on_the_first_rank_counting_skipped_steps() {
 }
 
 #[test]
+fn memory_breakdown_logs_what_the_first_rank_holds_with_each_progress_line() {
+    // DeepSpeed's `memory_breakdown`: once the engine is built and with
+    // every progress line (here boundaries 2 and 4 of 4), on rank 0 only;
+    // the model state it names is `model_state_bytes`'.
+    for on in [true, false] {
+        let top = format!(r#""steps_per_print": 2, "memory_breakdown": {on},"#);
+        let cfg = config_plus(3, 1, &top, "");
+        on_ranks(WORLD, |r| {
+            let ((t, e), logs) =
+                common::with_logs_at(tracing::Level::INFO, || tiny_engine(&cfg, &r));
+            let ((), more) = common::with_logs_at(tracing::Level::INFO, || {
+                for k in 0..4 {
+                    e.backward(&t.loss(&input(r.rank(), k))).unwrap();
+                    e.step().unwrap();
+                }
+            });
+            let said: Vec<&str> = (logs.lines().chain(more.lines()))
+                .filter_map(|l| l.split_once("memory ").map(|(_, rest)| rest))
+                .collect();
+            if !on || r.rank() != 0 {
+                assert!(said.is_empty(), "rank {}, {on}: {logs}{more}", r.rank());
+                return;
+            }
+            let state = format!(
+                "; model state {:.1} MiB, reuse pools ",
+                e.model_state_bytes().unwrap() as f64 / (1u64 << 20) as f64
+            );
+            let whens: Vec<&str> = said.iter().map(|l| l.split(':').next().unwrap()).collect();
+            assert_eq!(
+                whens,
+                ["after building the engine", "at step 2", "at step 4"],
+                "{logs}{more}"
+            );
+            for l in &said {
+                assert!(
+                    l.contains(": resident ") && l.contains(" MiB (peak "),
+                    "{l}"
+                );
+            }
+            assert!(said[2].contains(&state), "{} lacks {state}", said[2]);
+        });
+    }
+}
+
+#[test]
 fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress_and_the_comms_table() {
     // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
     // but not of its replicate group {0, 2}; only world rank 0 logs (the

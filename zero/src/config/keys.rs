@@ -13,6 +13,7 @@ pub(crate) const TOP: &[&str] = &[
     "gradient_clipping",
     "steps_per_print",
     "wall_clock_breakdown",
+    "memory_breakdown",
     "zero_optimization",
     "communication_data_type",
     "data_types",
@@ -93,7 +94,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "dump_state",
     "flops_profiler",
     "gradient_predivide_factor",
-    "memory_breakdown",
     "pipeline",
     "prescale_gradients",
     "seq_parallel_communication_data_type",
@@ -295,11 +295,6 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "dump_state",
         AsZrt::Bool(false),
         "zrt prints no engine state at start (`zrt config check` prints the config as resolved)",
-    ),
-    (
-        "memory_breakdown",
-        AsZrt::Bool(false),
-        "zrt logs no memory breakdown (`engine.model_state_bytes()` counts what it holds)",
     ),
     (
         "sparse_gradients",

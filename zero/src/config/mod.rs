@@ -565,6 +565,10 @@ pub struct Config {
     pub steps_per_print: u64,
     /// `wall_clock_breakdown`.
     pub wall_clock_breakdown: bool,
+    /// `memory_breakdown`: the first rank logs its resident set, model
+    /// state and reuse pools once the engine is built and with each
+    /// progress line.
+    pub memory_breakdown: bool,
     /// Reduce and accumulate gradients in fp32 (the default; `communication_data_type`
     /// or `data_types.grad_accum_dtype` can ask for the compute dtype).
     pub fp32_grad_reduce: bool,

@@ -253,6 +253,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             for i in 0..n {
                 inner.free_if_gathered(&mut st, i)?;
             }
+            if inner.cfg.config.memory_breakdown && first {
+                inner.log_memory(&st, "after building the engine");
+            }
         }
         hook_gradients(&inner)?;
         let hook: Arc<dyn UnitHook> = Arc::new(Hook {

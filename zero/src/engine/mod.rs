@@ -78,6 +78,7 @@ mod groups;
 mod lamb;
 mod launch_order;
 mod loss_scale;
+mod memory;
 mod muon;
 mod offload;
 mod overlap;
@@ -503,6 +504,33 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         is_first_rank(&self.group, self.replicate.as_ref())
     }
 
+    /// [`Engine::model_state_bytes`] of state `st`.
+    fn state_bytes(&self, st: &State) -> Result<usize, EngineError> {
+        let mut b = self.swap.as_ref().map_or(0, |s| s.resident_bytes()) + self.pswap_resident();
+        for (u, sh) in st.units.iter().zip(&st.shards) {
+            b += glue::storage_nbytes(&u.flat)?;
+            if let Some(p) = &u.frozen {
+                b += p.bytes()?;
+            }
+            b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
+            b += match &sh.copy {
+                CopyShard::None => 0,
+                CopyShard::Bf16(c) => 2 * c.len(),
+                CopyShard::F16(c) => 2 * c.len(),
+            };
+        }
+        Ok(b)
+    }
+
+    /// `memory_breakdown`: logs what this rank holds `when` (the caller
+    /// is the first rank).
+    fn log_memory(&self, st: &State, when: &str) {
+        match self.state_bytes(st) {
+            Ok(b) => tracing::info!("{}", memory::line(when, b, self.pools.bytes())),
+            Err(e) => tracing::warn!("memory_breakdown: cannot count the model state: {e}"),
+        }
+    }
+
     /// The groups the engine communicates on, by role (`comms_logger`).
     fn comm_groups(&self) -> Vec<(&'static str, &G)> {
         comms_log::groups(&self.group, self.replicate.as_ref(), self.hpz.as_ref())
@@ -539,6 +567,9 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         };
         if let Some(line) = progress::line(c.steps_per_print, &p) {
             tracing::info!("{line}");
+            if c.memory_breakdown {
+                self.log_memory(st, &format!("at step {}", p.boundaries));
+            }
         }
         if let Some(m) = self.monitor.lock().as_mut() {
             let samples = self.global_samples(st);
@@ -1447,22 +1478,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// [`Engine::offloaded_bytes`]). Compare with DESIGN.md's table, which
     /// counts trainable parameters only.
     pub fn model_state_bytes(&self) -> Result<usize, EngineError> {
-        let st = self.inner.st.lock();
-        let mut b = self.inner.swap.as_ref().map_or(0, |s| s.resident_bytes())
-            + self.inner.pswap_resident();
-        for (u, sh) in st.units.iter().zip(&st.shards) {
-            b += glue::storage_nbytes(&u.flat)?;
-            if let Some(p) = &u.frozen {
-                b += p.bytes()?;
-            }
-            b += 4 * (sh.master.len() + sh.m.len() + sh.v.len() + sh.g.len());
-            b += match &sh.copy {
-                CopyShard::None => 0,
-                CopyShard::Bf16(c) => 2 * c.len(),
-                CopyShard::F16(c) => 2 * c.len(),
-            };
-        }
-        Ok(b)
+        self.inner.state_bytes(&self.inner.st.lock())
     }
 
     /// Bytes of gather and gradient buffers kept for reuse (at most two per

@@ -1018,6 +1018,41 @@ fn an_elastic_job_goes_on_without_a_node_that_dies_and_takes_it_back() {
     }
 }
 
+/// Once `waiter`, a third elastic launcher, says it waits to join attempt
+/// 2, gives the running nodes `a` and `b` time to restart for it if they
+/// would (they poll every 20 ms: a restart would show in their lines),
+/// lets their ranks end (`dir/go`), checks that all three launchers ended
+/// well and returns what each said (`dir` removed).
+fn with_a_waiter(
+    a: std::process::Child,
+    b: std::process::Child,
+    mut waiter: std::process::Child,
+    dir: &std::path::Path,
+) -> (String, String, String) {
+    let mut err = std::io::BufReader::new(waiter.stderr.take().unwrap());
+    let mut tw = String::new();
+    while !tw.contains("this node waits to join attempt 2") {
+        let n = std::io::BufRead::read_line(&mut err, &mut tw).unwrap();
+        assert!(n > 0, "the waiting node ended: {tw}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(dir.join("go"), "").unwrap();
+    std::io::Read::read_to_string(&mut err, &mut tw).unwrap();
+    let (a, b, waiter) = (
+        a.wait_with_output().unwrap(),
+        b.wait_with_output().unwrap(),
+        waiter.wait_with_output().unwrap(),
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let (ta, tb) = (text(&a), text(&b));
+    tw.push_str(&text(&waiter));
+    assert!(
+        a.status.success() && b.status.success() && waiter.status.success(),
+        "{ta}\n{tb}\n{tw}"
+    );
+    (ta, tb, tw)
+}
+
 #[test]
 fn a_node_joining_after_another_nodes_ranks_finished_restarts_nobody() {
     // 1:3: node 0 starts alone, node 1 joins (both restart as a world of
@@ -1038,30 +1073,8 @@ fn a_node_joining_after_another_nodes_ranks_finished_restarts_nobody() {
     let b = elastic_node(port, 1, "1:3", &[], &script);
     wait_for_file(&dir.join("done0"));
     wait_for_file(&dir.join("up1"));
-    let mut late = elastic_node(port, 2, "1:3", &[], &script);
-    let mut err = std::io::BufReader::new(late.stderr.take().unwrap());
-    let mut tl = String::new();
-    while !tl.contains("this node waits to join attempt 2") {
-        let n = std::io::BufRead::read_line(&mut err, &mut tl).unwrap();
-        assert!(n > 0, "the late node ended: {tl}");
-    }
-    // Node 1 polls for a waiting launcher every 20 ms: a restart would
-    // show in its lines.
-    std::thread::sleep(Duration::from_millis(300));
-    std::fs::write(dir.join("go"), "").unwrap();
-    std::io::Read::read_to_string(&mut err, &mut tl).unwrap();
-    let (a, b, late) = (
-        a.wait_with_output().unwrap(),
-        b.wait_with_output().unwrap(),
-        late.wait_with_output().unwrap(),
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    let (ta, tb) = (text(&a), text(&b));
-    tl.push_str(&text(&late));
-    assert!(
-        a.status.success() && b.status.success() && late.status.success(),
-        "{ta}\n{tb}\n{tl}"
-    );
+    let late = elastic_node(port, 2, "1:3", &[], &script);
+    let (ta, tb, tl) = with_a_waiter(a, b, late, &dir);
     let said: Vec<&str> = (ta.lines())
         .filter(|l| l.starts_with("[rank 0] at "))
         .collect();
@@ -1094,30 +1107,8 @@ fn an_elastic_jobs_spare_node_waits_and_is_told_when_the_job_ends() {
     wait_for_file(&dir.join("up0"));
     let b = elastic_node(port, 1, "1:2", &[], &script);
     wait_for_file(&dir.join("up1"));
-    let mut spare = elastic_node(port, 2, "1:2", &[], &script);
-    // Once the spare says it waits, it has joined: the running nodes poll
-    // for it every 20 ms (a restart would show in node 0's lines).
-    let mut err = std::io::BufReader::new(spare.stderr.take().unwrap());
-    let mut ts = String::new();
-    while !ts.contains("this node waits to join attempt 2") {
-        let n = std::io::BufRead::read_line(&mut err, &mut ts).unwrap();
-        assert!(n > 0, "the spare ended: {ts}");
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    std::fs::write(dir.join("go"), "").unwrap();
-    std::io::Read::read_to_string(&mut err, &mut ts).unwrap();
-    let (a, b, spare) = (
-        a.wait_with_output().unwrap(),
-        b.wait_with_output().unwrap(),
-        spare.wait_with_output().unwrap(),
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    let (ta, tb) = (text(&a), text(&b));
-    ts.push_str(&text(&spare));
-    assert!(
-        a.status.success() && b.status.success() && spare.status.success(),
-        "{ta}\n{tb}\n{ts}"
-    );
+    let spare = elastic_node(port, 2, "1:2", &[], &script);
+    let (ta, _, ts) = with_a_waiter(a, b, spare, &dir);
     assert_eq!(ta.matches("[rank 0] at ").count(), 2, "{ta}");
     assert!(
         ta.contains("[rank 0] at 0 world 2 rank 0 group 0/2"),

@@ -60,15 +60,7 @@ pub mod stop;
 /// This process's peak resident set size in bytes (VmHWM), NaN where
 /// /proc is not available: what the main job and `zrt bench train` report.
 pub fn peak_rss_bytes() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|k| k.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb * 1024.0)
+    zrt_zero::resident_bytes().1.unwrap_or(f64::NAN)
 }
 
 /// What [`init_logging`] shows when `RUST_LOG` is not set: warnings and

@@ -23,7 +23,9 @@ pub mod schedule;
 
 pub use checkpoint::CheckpointError;
 pub use config::{AutoHints, Config, ConfigError, Resolved};
-pub use engine::{CommsRow, CommsSummary, Engine, MasterShard, OverlapCounts, StepBreakdown};
+pub use engine::{
+    resident_bytes, CommsRow, CommsSummary, Engine, MasterShard, OverlapCounts, StepBreakdown,
+};
 pub use error::EngineError;
 pub use glue::GlueError;
 pub use plan::{ShardPlan, ShardedModule};

@@ -100,11 +100,11 @@ impl Frozen {
         // Only world rank 0's bytes are kept; every other rank sends a
         // buffer of the right length and takes the result (so a large frozen
         // model is copied out once, on rank 0, and never written back there).
-        let root = group.rank() == 0 && replicate.is_none_or(|r| r.rank() == 0);
+        // Every rank refused a dtype no checkpoint holds before anything
+        // was laid out (`check_dtypes`).
+        let root = super::is_first_rank(group, replicate);
         for (name, t) in &self.vars {
             let kind = t.f_kind()?;
-            // Checked on every rank, so all refuse the same variable.
-            dtype_of(name, kind)?;
             let shape = t.size();
             let bytes = match root {
                 true => raw(name, t)?.2,
@@ -317,8 +317,8 @@ fn from_bytes(bytes: &[u8], shape: &[i64], kind: Kind) -> Result<Tensor, String>
 }
 
 /// Refuses a frozen variable (or buffer) of `vs` no checkpoint can hold,
-/// before the engine lays anything out: [`Frozen::sync`] and the stage-3
-/// frozen parts would refuse it later, when stage 3 has freed units a
+/// on every rank, before the engine lays anything out: refused later
+/// (by the stage-3 frozen parts, say), stage 3 would have freed units a
 /// second build could not read.
 pub(super) fn check_dtypes(vs: &tch::nn::VarStore) -> Result<(), EngineError> {
     let mut vars: Vec<(String, Tensor)> = (vs.variables().into_iter())

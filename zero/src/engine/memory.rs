@@ -3,9 +3,10 @@
 //! reports its GPU's allocator and the host's virtual memory; a CPU
 //! rank's memory is its resident set, which the kernel reports.
 
-/// This process's resident set and its peak, in bytes (VmRSS, VmHWM;
-/// `None` where /proc does not say).
-fn resident() -> (Option<f64>, Option<f64>) {
+/// This process's resident set now and at its peak, in bytes (VmRSS,
+/// VmHWM; `None` where /proc does not say): what `memory_breakdown` logs,
+/// and what the main job and `zrt bench train` report as peak RSS.
+pub fn resident_bytes() -> (Option<f64>, Option<f64>) {
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
         return (None, None);
     };
@@ -24,7 +25,7 @@ fn resident() -> (Option<f64>, Option<f64>) {
 /// its reuse pools.
 pub(super) fn line(when: &str, model_state: usize, pooled: usize) -> String {
     let mib = |b: f64| format!("{:.1} MiB", b / (1u64 << 20) as f64);
-    let (now, peak) = resident();
+    let (now, peak) = resident_bytes();
     let rss = match (now, peak) {
         (Some(n), Some(p)) => format!("resident {} (peak {})", mib(n), mib(p)),
         _ => "resident set unknown (no /proc/self/status)".to_string(),

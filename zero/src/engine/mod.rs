@@ -79,6 +79,7 @@ mod lamb;
 mod launch_order;
 mod loss_scale;
 mod memory;
+pub use memory::resident_bytes;
 mod muon;
 mod offload;
 mod overlap;
@@ -377,7 +378,7 @@ fn rank0_flat<G: ProcessGroup>(
     // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
     // first rank's must be: a freed one there stops the process, saying
     // why, as any read of a freed weight does).
-    let root = group.rank() == 0 && replicate.is_none_or(|r| r.rank() == 0);
+    let root = is_first_rank(group, replicate);
     for s in &layout.slots {
         let t = var(&s.name)?;
         if !root && glue::is_freed(t)? {

@@ -42,6 +42,8 @@ struct Args {
     keep_last: Option<std::num::NonZeroUsize>,
     /// Load the latest checkpoint in `save_dir` first, if there is one.
     resume: bool,
+    /// A whole-model weights file to start from (`--init-from`).
+    init_from: Option<PathBuf>,
     /// Freeze every block's MLP weights (`--freeze-mlp`).
     freeze_mlp: bool,
     /// Recompute every block's activations in backward
@@ -108,6 +110,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "--resume",
         "",
         "first load the latest checkpoint in the save directory",
+    ),
+    (
+        "--init-from",
+        "FILE",
+        "start from the weights in FILE (safetensors under the model's names: `zrt ckpt consolidate`'s output, save_16bit_model's), each rank reading its own shard of them into the built engine; a checkpoint --resume finds comes after it",
     ),
     (
         "--freeze-mlp",
@@ -252,6 +259,7 @@ fn parse_args() -> Result<Option<Args>> {
             Some(_) => std::num::NonZeroUsize::new(num("--keep-last", 1, 1)? as usize),
         },
         resume: opts.contains_key("--resume"),
+        init_from: get("--init-from").map(PathBuf::from),
         freeze_mlp: opts.contains_key("--freeze-mlp"),
         checkpoint: opts.contains_key("--checkpoint-activations"),
         layerdrop: chance("--layerdrop")?,
@@ -478,6 +486,17 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    if let Some(file) = &a.init_from {
+        // Every rank reads its own shard of the file: none holds the model.
+        let loaded = engine.load_weights(file, true)?;
+        if rank == 0 {
+            println!(
+                "initialised from {} ({} tensors)",
+                file.display(),
+                loaded.loaded
+            );
+        }
+    }
     let mut start = 1;
     if let (true, Some(dir)) = (a.resume, &a.save_dir) {
         // The latest checkpoint there, if any (every rank must see the same).

@@ -19,6 +19,7 @@ mod full_params;
 mod kernels_vs_libtorch;
 mod launch;
 mod learning_rate;
+mod load_weights;
 mod offload;
 mod quantized_gradients;
 mod quantized_weights;

@@ -24,7 +24,8 @@ pub mod schedule;
 pub use checkpoint::CheckpointError;
 pub use config::{AutoHints, Config, ConfigError, Resolved};
 pub use engine::{
-    resident_bytes, CommsRow, CommsSummary, Engine, MasterShard, OverlapCounts, StepBreakdown,
+    resident_bytes, CommsRow, CommsSummary, Engine, LoadedWeights, MasterShard, OverlapCounts,
+    StepBreakdown,
 };
 pub use error::EngineError;
 pub use glue::GlueError;

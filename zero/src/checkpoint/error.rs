@@ -80,14 +80,48 @@ pub enum CheckpointError {
     /// checkpoint directory: another directory, or storage rank 0's is not.
     #[error("this rank does not see the staging folder rank 0 made for this save in {0}: every rank must save to the same directory, on several nodes one they share; nothing was committed")]
     NotShared(PathBuf),
-    /// Other ranks failed while this one succeeded; nothing was committed.
-    #[error("rank(s) {ranks:?} failed to {what} the checkpoint (their own errors say why); nothing was committed, the previous checkpoint is intact")]
+    /// Other ranks failed while this one succeeded; nothing was committed
+    /// (a save) or changed (a load).
+    #[error(
+        "rank(s) {ranks:?} failed to {what} (their own errors say why); {}",
+        peers_outcome(what)
+    )]
     Peers {
         /// The ranks that failed.
         ranks: Vec<usize>,
-        /// "save" or "load".
+        /// What they failed to do: "save the checkpoint", "load the
+        /// checkpoint", "write the model file", "load the weights file".
         what: &'static str,
     },
+    /// A whole-model weights file (`Engine::load_weights`) could not be
+    /// opened or is not safetensors.
+    #[error("cannot load weights from {}: {msg}; pass a safetensors file of the model's weights (save_16bit_model's, `zrt ckpt consolidate`'s, VarStore::save's)", path.display())]
+    Weights {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A whole-model weights file does not hold this model's tensors.
+    #[error("the weights file {} does not match the model: {}; {}", path.display(), model_diff(missing, unexpected, misshaped), weights_mend(misshaped, *strict))]
+    WeightsMismatch {
+        /// The file.
+        path: PathBuf,
+        /// Variables of this model the file does not have.
+        missing: Vec<String>,
+        /// Tensors in the file this model does not have.
+        unexpected: Vec<String>,
+        /// Tensors of another shape or a dtype that cannot be read into
+        /// the variable: "name: file BF16 [..], model Int64 [..]".
+        misshaped: Vec<String>,
+        /// Whether the load asked for every variable and nothing else.
+        strict: bool,
+    },
+    /// Ranks read different weights files (each "ranks R read PATH (N
+    /// bytes"), told apart by their headers and lengths. Nothing was
+    /// loaded.
+    #[error("ranks read different weights files: {}; nothing was loaded: every rank must load the same file (on several nodes, one they share or identical copies)", .0.join("; "))]
+    DifferentWeights(Vec<String>),
 }
 
 impl CheckpointError {
@@ -117,7 +151,13 @@ fn io_hint(msg: &str) -> &'static str {
     }
 }
 
-fn model_diff(missing: &[String], unexpected: &[String], misshaped: &[String]) -> String {
+/// The names of a model mismatch in words: up to eight of each kind
+/// ("missing 10: a, b, ... and 2 more; unexpected 1: c").
+pub(crate) fn model_diff(
+    missing: &[String],
+    unexpected: &[String],
+    misshaped: &[String],
+) -> String {
     let mut parts = Vec::new();
     let list = |what: &str, v: &[String]| {
         let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
@@ -138,6 +178,23 @@ fn model_diff(missing: &[String], unexpected: &[String], misshaped: &[String]) -
         parts.push(list("mis-shaped", misshaped));
     }
     parts.join("; ")
+}
+
+/// What a [`CheckpointError::Peers`] left as it was.
+fn peers_outcome(what: &str) -> &'static str {
+    match what.starts_with("load") {
+        true => "nothing was loaded",
+        false => "nothing was committed, the previous checkpoint is intact",
+    }
+}
+
+/// How to mend a [`CheckpointError::WeightsMismatch`].
+fn weights_mend(misshaped: &[String], strict: bool) -> &'static str {
+    match (misshaped.is_empty(), strict) {
+        (false, _) => "a tensor of another shape is another model's (or another configuration of it): load the file the model was made for",
+        (true, true) => "names are the model's VarStore names; to load a file holding part of the model (a pretrained base under a new head), load it with strict = false: variables it lacks keep their values, tensors the model lacks are skipped",
+        (true, false) => "names are the model's VarStore names",
+    }
 }
 
 fn no_latest(dir: &std::path::Path, exists: bool, tags: &[String]) -> String {

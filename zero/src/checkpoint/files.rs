@@ -397,15 +397,45 @@ pub(crate) fn read_json(path: &Path) -> Result<String, CheckpointError> {
 pub(crate) struct RankFile {
     path: PathBuf,
     bytes: memmap2::Mmap,
-    /// name -> (dtype, byte range in `bytes`)
-    tensors: HashMap<String, (Dtype, Range<usize>)>,
+    /// name -> (dtype, byte range in `bytes`, shape)
+    tensors: HashMap<String, (Dtype, Range<usize>, Vec<usize>)>,
     meta: HashMap<String, String>,
+    /// Where the data starts: 8 bytes of length, then the header.
+    data_start: usize,
 }
 
 impl RankFile {
     /// Maps and verifies `path`.
     pub(crate) fn open(path: &Path) -> Result<Self, CheckpointError> {
-        let bytes = map(path)?;
+        let f = Self::parse(path, map(path)?)?;
+        match f.meta.contains_key(CRC_KEY) {
+            true => f.verified(),
+            false => Err(CheckpointError::format(path, "no zrt_crc32 in its header")),
+        }
+    }
+
+    /// Maps a whole-model weights file: any safetensors file (zrt's
+    /// exports, tch's `VarStore::save`, Hugging Face's), verified against
+    /// its CRC-32 when zrt wrote one into it. The errors are
+    /// [`CheckpointError::Weights`].
+    pub(crate) fn open_weights(path: &Path) -> Result<Self, CheckpointError> {
+        let weights = |msg: String| CheckpointError::Weights {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let bytes = map(path).map_err(|e| match e {
+            CheckpointError::Missing { .. } => weights("no such file".into()),
+            e => weights(e.to_string()),
+        })?;
+        let f = Self::parse(path, bytes).map_err(|e| weights(e.to_string()))?;
+        match f.meta.contains_key(CRC_KEY) {
+            true => f.verified(),
+            false => Ok(f),
+        }
+    }
+
+    /// `bytes` (`path`'s) read as safetensors: its header, unverified.
+    fn parse(path: &Path, bytes: memmap2::Mmap) -> Result<Self, CheckpointError> {
         let (n, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
             CheckpointError::format(
                 path,
@@ -414,37 +444,71 @@ impl RankFile {
         })?;
         let start = 8 + n;
         let meta = header.metadata().clone().unwrap_or_default();
-        let tensors: HashMap<String, (Dtype, Range<usize>)> = header
+        let tensors: HashMap<String, (Dtype, Range<usize>, Vec<usize>)> = header
             .tensors()
             .into_iter()
             .map(|(k, info)| {
                 let (a, b) = info.data_offsets;
-                (k, (info.dtype, start + a..start + b))
+                (k, (info.dtype, start + a..start + b, info.shape.clone()))
             })
             .collect();
-        let expected = meta
-            .get(CRC_KEY)
-            .and_then(|s| u32::from_str_radix(s, 16).ok())
-            .ok_or_else(|| CheckpointError::format(path, "no zrt_crc32 in its header"))?;
-        let found = crc_of(
-            tensors
-                .iter()
-                .map(|(k, (_, r))| (k.as_str(), &bytes[r.clone()]))
-                .collect(),
-        );
-        if found != expected {
-            return Err(CheckpointError::Checksum {
-                path: path.to_path_buf(),
-                expected,
-                found,
-            });
+        // The header's offsets are checked against the file's length.
+        if tensors.values().any(|(_, r, _)| r.end > bytes.len()) {
+            return Err(CheckpointError::format(
+                path,
+                "its header places tensors past its end: the file is truncated",
+            ));
         }
         Ok(Self {
             path: path.to_path_buf(),
             bytes,
             tensors,
             meta,
+            data_start: start,
         })
+    }
+
+    /// Self, once its tensors' CRC-32 is the one its header records.
+    fn verified(self) -> Result<Self, CheckpointError> {
+        let expected = self
+            .meta
+            .get(CRC_KEY)
+            .and_then(|s| u32::from_str_radix(s, 16).ok())
+            .ok_or_else(|| CheckpointError::format(&self.path, "bad zrt_crc32 in its header"))?;
+        let found = crc_of(
+            (self.tensors.iter())
+                .map(|(k, (_, r, _))| (k.as_str(), &self.bytes[r.clone()]))
+                .collect(),
+        );
+        if found != expected {
+            return Err(CheckpointError::Checksum {
+                path: self.path,
+                expected,
+                found,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Every tensor's name, dtype, shape and length in bytes.
+    pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], usize)> {
+        (self.tensors.iter()).map(|(k, (d, r, s))| (k.as_str(), *d, s.as_slice(), r.len()))
+    }
+
+    /// A CRC-32 of the file's header (names, dtypes, shapes, offsets,
+    /// metadata, zrt's checksum of the data) and of the first and last 64
+    /// KiB of its data, and the file's length: what tells two ranks' files
+    /// apart without reading all their data (two files of one model
+    /// written without zrt's checksum have the same header).
+    pub(crate) fn identity(&self) -> (u32, usize) {
+        const SAMPLE: usize = 64 << 10;
+        let len = self.bytes.len();
+        let head = &self.bytes[..(self.data_start + SAMPLE).min(len)];
+        let tail = &self.bytes[len.saturating_sub(SAMPLE).max(self.data_start)..];
+        let mut h = crc32fast::Hasher::new();
+        h.update(head);
+        h.update(tail);
+        (h.finalize(), len)
     }
 
     /// The header metadata (string map).
@@ -462,7 +526,7 @@ impl RankFile {
 
     /// The raw bytes of tensor `name` and its dtype.
     pub(crate) fn bytes(&self, name: &str) -> Result<(Dtype, &[u8]), CheckpointError> {
-        let (dtype, r) = self
+        let (dtype, r, _) = self
             .tensors
             .get(name)
             .ok_or_else(|| CheckpointError::format(&self.path, format!("no tensor `{name}`")))?;

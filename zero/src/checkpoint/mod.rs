@@ -52,6 +52,7 @@ pub(crate) mod meta;
 mod prune;
 
 pub use consolidate::{consolidate, inspect, ExportDtype, ROUNDED_KEY};
+pub(crate) use error::model_diff;
 pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 pub use prune::keep_latest;

@@ -172,21 +172,39 @@ impl Grads {
     }
 }
 
-/// What each world rank read, from its (meta.json CRC, step, path): one
-/// phrase per distinct checkpoint, ranks that read the same one named
-/// together; the CRC is shown where one path and step hold different
-/// contents (the same directory on two nodes' own disks).
-fn what_each_read(reads: &[(u64, u64, String)]) -> Vec<String> {
-    // (CRC, path and step), and the ranks that read it.
-    let keys = reads
-        .iter()
-        .map(|(crc, step, path)| (*crc, format!("{path} (step {step}")));
+/// How ranks' reads are told apart and named: by a CRC-32 of what each
+/// read (the checkpoint's meta.json, a weights file's header) and a number
+/// worth showing (the step, the file's length).
+#[derive(Clone, Copy)]
+pub(super) struct Reads {
+    /// The number in words: "step 5", "1024 bytes".
+    pub(super) detail: fn(u64) -> String,
+    /// What the CRC is of: "meta.json crc".
+    pub(super) crc_of: &'static str,
+    /// The error naming what each rank read.
+    pub(super) error: fn(Vec<String>) -> CheckpointError,
+}
+
+/// A checkpoint's reads.
+const CHECKPOINT_READS: Reads = Reads {
+    detail: |step| format!("step {step}"),
+    crc_of: "meta.json crc",
+    error: CheckpointError::NotTheSame,
+};
+
+/// What each world rank read, from its (CRC, detail, path): one phrase
+/// per distinct read, ranks that read the same named together; the CRC is
+/// shown where one path and detail hold different contents (the same
+/// directory on two nodes' own disks).
+fn what_each_read(reads: &[(u64, u64, String)], how: Reads) -> Vec<String> {
+    // (CRC, path and detail), and the ranks that read it.
+    let keys = (reads.iter()).map(|(crc, n, path)| (*crc, format!("{path} ({}", (how.detail)(*n))));
     let seen = by_rank(keys);
     let shared = |it: &str| seen.iter().filter(|((_, x), _)| x == it).count() > 1;
     seen.iter()
         .map(|((crc, it), ranks)| {
             let crc = match shared(it) {
-                true => format!(", meta.json crc {crc:08x}"),
+                true => format!(", {} {crc:08x}", how.crc_of),
                 false => String::new(),
             };
             format!("{ranks} read {it}{crc})")
@@ -316,7 +334,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Turns this rank's outcome of one phase into every rank's: an error
     /// anywhere is an error everywhere (this rank's own, or one naming the
     /// ranks that failed).
-    fn agree<T>(
+    pub(super) fn agree<T>(
         &self,
         local: Result<T, CheckpointError>,
         what: &'static str,
@@ -432,7 +450,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         } else {
             Ok(())
         };
-        self.agree(made, "save")?;
+        self.agree(made, "save the checkpoint")?;
         let cleanup = |e| {
             if rank == 0 {
                 let _ = std::fs::remove_dir_all(staging_of(token));
@@ -451,7 +469,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             true => Ok(()),
             false => Err(CheckpointError::NotShared(dir.to_path_buf())),
         };
-        self.agree(sees, "save").map_err(cleanup)?;
+        self.agree(sees, "save the checkpoint").map_err(cleanup)?;
         // 2. Every rank writes its file; rank 0 also meta.json.
         let wrote = {
             let mut st = i.st.lock();
@@ -484,7 +502,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             }
             r.map(drop)
         };
-        if let Err(e) = self.agree(wrote, "save") {
+        if let Err(e) = self.agree(wrote, "save the checkpoint") {
             if rank == 0 {
                 let _ = std::fs::remove_dir_all(&staging);
             }
@@ -496,7 +514,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         } else {
             Ok(())
         };
-        self.agree(committed, "save")?;
+        self.agree(committed, "save the checkpoint")?;
         tracing::info!(dir = %target.display(), "checkpoint saved");
         Ok(target)
     }
@@ -857,23 +875,26 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map_err(|e| called_by_every_rank("load_checkpoint_module_only", e))
     }
 
+    /// Fails with an error a collective left pending, as every engine
+    /// call does, but not with the one of gradients a failed backward
+    /// left unusable: a load is the way out of those (it replaces them).
+    pub(super) fn pending_error_but_broken(&self) -> Result<(), EngineError> {
+        let mut st = self.inner.st.lock();
+        let broken = st.broken.take();
+        let pending = self.take_error(&mut st);
+        st.broken = broken;
+        pending
+    }
+
     fn load_inner(
         &self,
         dir: &Path,
         tag: Option<&str>,
         what: What,
     ) -> Result<(String, serde_json::Value), EngineError> {
-        {
-            let mut st = self.inner.st.lock();
-            // A load is the way out of gradients a failed backward left
-            // unusable: it replaces them.
-            let broken = st.broken.take();
-            let pending = self.take_error(&mut st);
-            st.broken = broken;
-            pending?;
-        }
+        self.pending_error_but_broken()?;
         let read = self.read_checkpoint(dir.as_ref(), tag, what);
-        let loaded = self.agree(read, "load")?;
+        let loaded = self.agree(read, "load the checkpoint")?;
         self.same_checkpoint(dir, &loaded)?;
         let tag = loaded.tag.clone();
         let client_state = loaded.meta.client_state.clone();
@@ -899,23 +920,34 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// shards of different steps without an error. When they differ,
     /// every rank fails naming what each read, before anything is applied.
     fn same_checkpoint(&self, dir: &Path, loaded: &Loaded) -> Result<(), EngineError> {
-        let i = &*self.inner;
         let path = dir.join(&loaded.tag);
         let meta = serde_json::to_vec(&loaded.meta)
             .map_err(|e| CheckpointError::format(path.join("meta.json"), e.to_string()))?;
+        let crc = crc32fast::hash(&meta);
         let path = path.display().to_string();
-        // Per rank: CRC-32, step, the path's length.
-        let mine = vec![
-            i64::from(crc32fast::hash(&meta)),
-            loaded.meta.global_step as i64,
-            path.len() as i64,
-        ];
-        let what = || "this rank compared the checkpoint it read with the other ranks'".to_string();
+        self.read_the_same(crc, loaded.meta.global_step, path, CHECKPOINT_READS)
+    }
+
+    /// Checks that every rank of the world read the same thing, by the
+    /// CRC-32 `crc` of what this rank read at `path` and a number `n`
+    /// worth showing (`how` names them). When they differ, every rank
+    /// fails naming what each read, before anything is applied.
+    pub(super) fn read_the_same(
+        &self,
+        crc: u32,
+        n: u64,
+        path: String,
+        how: Reads,
+    ) -> Result<(), EngineError> {
+        let i = &*self.inner;
+        // Per rank: CRC-32, the number, the path's length.
+        let mine = vec![i64::from(crc), n as i64, path.len() as i64];
+        let what = || "this rank compared what it read with the other ranks'".to_string();
         let all = super::agree::world_gather(&i.group, i.replicate.as_ref(), mine, false, what)?;
         let each: Vec<(u64, u64, usize)> = all
             .chunks(3)
             .map(|c| match c {
-                &[crc, step, len] => (crc as u64, step as u64, len as usize),
+                &[crc, n, len] => (crc as u64, n as u64, len as usize),
                 _ => (0, 0, 0),
             })
             .collect();
@@ -935,9 +967,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let reads: Vec<_> = each
             .iter()
             .zip(paths)
-            .map(|(&(crc, step, _), p)| (crc, step, String::from_utf8_lossy(&p).into_owned()))
+            .map(|(&(crc, n, _), p)| (crc, n, String::from_utf8_lossy(&p).into_owned()))
             .collect();
-        Err(CheckpointError::NotTheSame(what_each_read(&reads)).into())
+        Err((how.error)(what_each_read(&reads, how)).into())
     }
 
     /// Checks that every rank of the world saves under `tag`, and returns
@@ -1251,7 +1283,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             i.drain_prefetch(&mut st)?;
             self.stream_frozen(&st, Some(float), &mut sink)?;
         }
-        self.agree(sink.finish(), "save")
+        self.agree(sink.finish(), "write the model file")
     }
 }
 
@@ -1531,7 +1563,7 @@ mod tests {
             r(3, 2, "d/b"),
         ];
         assert_eq!(
-            what_each_read(&reads),
+            what_each_read(&reads, super::CHECKPOINT_READS),
             [
                 "ranks 0, 2 read d/a (step 1)",
                 "rank 1 read d/b (step 2, meta.json crc 00000002)",

@@ -276,6 +276,44 @@ impl Frozen {
         Ok(())
     }
 
+    /// Every frozen variable as a whole-model weights file holds it: name,
+    /// shape, kind, and whether stage 3 holds it sharded (in a unit's
+    /// frozen part, which reads it from the file widened to fp32).
+    pub(super) fn wanted(&self) -> Vec<(String, Vec<i64>, Kind, bool)> {
+        let whole = (self.vars.iter()).map(|(n, t)| (n.clone(), t.size(), t.kind(), false));
+        let sharded = (self.sharded.iter()).map(|(n, s, d)| {
+            (
+                n.clone(),
+                s.clone(),
+                kind_of(*d).unwrap_or(Kind::Float),
+                true,
+            )
+        });
+        whole.chain(sharded).collect()
+    }
+
+    /// Copies into the variables every rank holds whole those of them a
+    /// weights file holds (`has`; checked to be of their shapes, and of
+    /// their kind unless both are floating-point), cast from the file's
+    /// dtype to the variable's, one at a time.
+    pub(super) fn load_weights(
+        &self,
+        file: &RankFile,
+        has: &std::collections::HashSet<String>,
+    ) -> Result<(), EngineError> {
+        for (name, t) in self.vars.iter().filter(|(n, _)| has.contains(n)) {
+            let (dtype, bytes) = file.bytes(name)?;
+            let kind = kind_of(dtype).ok_or_else(|| {
+                CheckpointError::format(file.path(), format!("`{name}` is {dtype:?}"))
+            })?;
+            let v = from_bytes(bytes, &t.size(), kind)
+                .map_err(|e| CheckpointError::format(file.path(), format!("`{name}`: {e}")))?;
+            crate::glue::realloc_if_freed(t)?;
+            tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
+        }
+        Ok(())
+    }
+
     /// Whether the model has none.
     pub(super) fn is_empty(&self) -> bool {
         self.vars.is_empty() && self.sharded.is_empty()
@@ -355,7 +393,7 @@ pub(super) fn dtype_of(name: &str, kind: Kind) -> Result<Dtype, EngineError> {
 }
 
 /// The tch kind of a safetensors dtype [`dtype_of`] produces.
-fn kind_of(d: Dtype) -> Option<Kind> {
+pub(super) fn kind_of(d: Dtype) -> Option<Kind> {
     Some(match d {
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,

@@ -89,10 +89,12 @@ mod segments;
 mod step;
 mod timing;
 mod v_layout;
+mod weights;
 
 pub use comms_log::{CommsRow, CommsSummary};
 pub use overlap::OverlapCounts;
 pub use timing::StepBreakdown;
+pub use weights::LoadedWeights;
 
 /// The dtype of the parameters forward and backward run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,421 @@
+//! `Engine::load_weights`: a whole-model safetensors file loaded into a
+//! built engine, each rank reading its own range. A run that loads it so
+//! must end with the bits of a run whose VarStore held the same values
+//! before its engine was built, on any stage and world size; what the
+//! file does not match is refused on every rank, naming it, and changes
+//! nothing.
+
+use std::path::{Path, PathBuf};
+
+use crate::common;
+
+use common::{config_zero, freeze, model, on_ranks, scratch, train_losses};
+use common::{Params, BF16, SHARD_ALL};
+use tch::{Kind, Tensor};
+use zrt::collectives::local::LocalGroup;
+use zrt::zero::{Config, Engine, LoadedWeights};
+
+/// Frozen: `wpe` stays whole in the root, `h.1.fc` is a unit's frozen
+/// part at stage 3.
+const FROZEN: &[&str] = &["wpe", "h.1.fc"];
+
+/// The engine of the test GPT (seed 0, `FROZEN` frozen) on `world` ranks.
+fn gpt_engine(
+    r: &zrt::collectives::local::LocalRank,
+    world: usize,
+    cfg: &Config,
+    before: impl FnOnce(&mut tch::nn::VarStore),
+) -> (Engine<LocalGroup>, zrt::gpt::Gpt) {
+    let (mut vs, plan, gpt) = model();
+    before(&mut vs);
+    freeze(&vs, FROZEN);
+    let group = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
+    let hints = zrt::zero::AutoHints::default();
+    (Engine::new(&vs, &plan, cfg, group, &hints).unwrap(), gpt)
+}
+
+/// A file of the test GPT's weights after 2 steps at stage 3 on 2 ranks
+/// (fp32, or bf16 values with `BF16`), frozen variables included: every
+/// variable set to known values first, so that none is what seed 0 gives
+/// it (the frozen ones train not).
+fn trained_file(dir: &Path, extra: &str) -> PathBuf {
+    let file = dir.join(format!("trained{}.safetensors", extra.len()));
+    let cfg = config_zero(3, 1, 1.0, extra, SHARD_ALL);
+    on_ranks(2, |r| {
+        let (e, gpt) = gpt_engine(&r, 2, &cfg, |vs| common::known_values(vs, 0.3, 0.1));
+        train_losses(&gpt, &e, r.rank(), 2);
+        e.save_16bit_model(&file).unwrap();
+    });
+    file
+}
+
+/// The file's tensors by name, widened to f32.
+fn file_values(file: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<(String, Vec<f32>)> = (Tensor::read_safetensors(file).unwrap().into_iter())
+        .map(|(n, t)| {
+            let w = t.to_kind(Kind::Float).flatten(0, -1);
+            (n, Vec::<f32>::try_from(&w).unwrap())
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Asserts `got` and `want` hold the same names and bits.
+fn same_bits(got: &Params, want: &Params, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for ((n, v), (wn, w)) in got.iter().zip(want) {
+        assert_eq!(n, wn, "{what}");
+        let same = v.len() == w.len() && v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}: `{n}` differs");
+    }
+}
+
+/// Asserts every parameter of `params` holds the file's values exactly.
+fn holds_the_file(params: &Params, file: &[(String, Vec<f32>)], what: &str) {
+    for (name, v) in params {
+        let (_, w) = (file.iter().find(|(n, _)| n == name))
+            .unwrap_or_else(|| panic!("{what}: `{name}` not in the file"));
+        let same = v.len() == w.len() && v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}: `{name}` does not hold the file's values");
+    }
+}
+
+#[test]
+fn a_file_loaded_into_a_built_engine_trains_as_one_loaded_into_the_model_before_it() {
+    let dir = scratch("load-weights-parity");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    let steps = 3;
+    // Stage 3 with the optimizer's and the parameters' swaps on NVMe: in
+    // bf16 the swap holds the master, in fp32 the parameter swap does.
+    let swaps = dir.join("swaps");
+    std::fs::create_dir_all(&swaps).unwrap();
+    let (aio, off) = common::nvme(&swaps);
+    let swapped = format!("{SHARD_ALL} {off} {}", common::nvme_params(&swaps));
+    let bf16_aio = format!("{BF16} {aio}");
+    for (stage, world, extra, zero) in [
+        (0, 3, "", SHARD_ALL),
+        (1, 2, "", SHARD_ALL),
+        (2, 3, "", SHARD_ALL),
+        (3, 3, "", SHARD_ALL),
+        (3, 2, BF16, SHARD_ALL),
+        (3, 2, &aio[..], &swapped[..]),
+        (3, 3, &bf16_aio[..], &swapped[..]),
+    ] {
+        let what = format!("stage {stage} on {world} ranks {extra} {zero}");
+        let cfg = config_zero(stage, 1, 1.0, extra, zero);
+        // The reference: the VarStore takes the file before the engine.
+        let want = on_ranks(world, |r| {
+            let (e, gpt) = gpt_engine(&r, world, &cfg, |vs| vs.load(&file).unwrap());
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (losses, e.gathered_params().unwrap())
+        });
+        // Loaded after 2 steps of its own: the optimizer starts afresh.
+        let got = on_ranks(world, |r| {
+            let (e, gpt) = gpt_engine(&r, world, &cfg, |_| {});
+            train_losses(&gpt, &e, r.rank(), 2);
+            let report = e.load_weights(&file, true).unwrap();
+            let loaded = e.gathered_params().unwrap();
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (report, loaded, losses, e.gathered_params().unwrap())
+        });
+        for (rank, ((report, loaded, losses, params), (want_losses, want_params))) in
+            got.into_iter().zip(want).enumerate()
+        {
+            let what = format!("{what}, rank {rank}");
+            // Every variable of the model, trainable and frozen.
+            assert_eq!(
+                report,
+                LoadedWeights {
+                    loaded: values.len(),
+                    missing: vec![],
+                    unexpected: vec![],
+                },
+                "{what}"
+            );
+            if !extra.contains("bf16") {
+                holds_the_file(&loaded, &values, &what);
+            }
+            assert_eq!(losses, want_losses, "{what}");
+            same_bits(&params, &want_params, &what);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_16_bit_export_loads_widened_and_a_file_tch_wrote_loads_without_a_checksum() {
+    let dir = scratch("load-weights-kinds");
+    let bf16 = trained_file(&dir, BF16);
+    let values = file_values(&bf16);
+    // tch's own writer: no zrt_crc32 in the header.
+    let plain = dir.join("tch.safetensors");
+    let (vs, _, _) = model();
+    common::known_values(&vs, 0.5, 0.25);
+    vs.save(&plain).unwrap();
+    let tch_values = file_values(&plain);
+    let cfg = config_zero(2, 1, 1.0, "", "");
+    let got = on_ranks(2, |r| {
+        let (e, _) = gpt_engine(&r, 2, &cfg, |_| {});
+        e.load_weights(&bf16, true).unwrap();
+        let from_bf16 = e.gathered_params().unwrap();
+        e.load_weights(&plain, true).unwrap();
+        (from_bf16, e.gathered_params().unwrap())
+    });
+    for (from_bf16, from_tch) in got {
+        // Every value a bf16 one, read exactly.
+        holds_the_file(&from_bf16, &values, "bf16 export");
+        assert!(values
+            .iter()
+            .all(|(_, v)| v.iter().all(|x| x.to_bits() & 0xffff == 0)));
+        holds_the_file(&from_tch, &tch_values, "tch's file");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Writes `tensors` as a safetensors file `dir/name`.
+fn write(dir: &Path, name: &str, tensors: &[(String, Tensor)]) -> PathBuf {
+    let path = dir.join(name);
+    Tensor::write_safetensors(tensors, &path).unwrap();
+    path
+}
+
+/// The test GPT's variables, as its VarStore names them, sorted.
+fn gpt_tensors() -> Vec<(String, Tensor)> {
+    let (vs, _, _) = model();
+    let mut v: Vec<(String, Tensor)> = (vs.variables().into_iter())
+        .map(|(n, t)| (n, t.detach().copy()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Another handle on each of `v`'s tensors (their storage shared).
+fn handles(v: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    v.iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
+}
+
+/// Loads `file` (rank r: `files[r]`) under `cfg` on 2 ranks: each rank's
+/// error text, and whether its parameters are still those it was built
+/// with.
+fn refusals(cfg: &Config, files: [&Path; 2], strict: bool) -> Vec<(String, bool)> {
+    on_ranks(2, |r| {
+        let (e, _) = gpt_engine(&r, 2, cfg, |_| {});
+        let before = e.gathered_params().unwrap();
+        let err = e.load_weights(files[r.rank()], strict).unwrap_err();
+        (err.to_string(), e.gathered_params().unwrap() == before)
+    })
+}
+
+#[test]
+fn what_the_file_does_not_match_is_refused_on_every_rank_and_changes_nothing() {
+    let dir = scratch("load-weights-refused");
+    let all = gpt_tensors();
+    let names: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let lacking = write(&dir, "lacking.safetensors", &all[1..]);
+    let mut more = handles(&all);
+    more.push((
+        "extra.bias".into(),
+        Tensor::zeros([3], (Kind::Float, tch::Device::Cpu)),
+    ));
+    let more = write(&dir, "more.safetensors", &more);
+    // `names[1]` is h.0.fc's weight (2-D), `names[2]` a layer norm's bias.
+    let mut wrong = handles(&all);
+    wrong[1].1 = wrong[1].1.flatten(0, -1);
+    wrong[2].1 = wrong[2].1.to_kind(Kind::Int64);
+    let wrong = write(&dir, "wrong.safetensors", &wrong);
+    let none = write(
+        &dir,
+        "none.safetensors",
+        &[(
+            "x".into(),
+            Tensor::ones([1], (Kind::Float, tch::Device::Cpu)),
+        )],
+    );
+    let absent = dir.join("absent.safetensors");
+    let other = write(&dir, "other.safetensors", &all);
+    let mut shifted = handles(&all);
+    shifted[0].1 = &shifted[0].1 + 1.0;
+    let shifted = write(&dir, "shifted.safetensors", &shifted);
+    // A stage-3 unit's frozen part (h.1.fc's weight and bias) half there.
+    let half_frozen: Vec<(String, Tensor)> = (handles(&all).into_iter())
+        .filter(|(n, _)| n != "h.1.fc.bias")
+        .collect();
+    let half_frozen = write(&dir, "half-frozen.safetensors", &half_frozen);
+    let cases: Vec<([&Path; 2], bool, Vec<String>)> = vec![
+        (
+            [&lacking, &lacking],
+            true,
+            vec![
+                format!(
+                    "the weights file {} does not match the model: missing 1: {}",
+                    lacking.display(),
+                    names[0]
+                ),
+                "load it with strict = false".into(),
+            ],
+        ),
+        (
+            [&more, &more],
+            true,
+            vec![
+                "unexpected 1: extra.bias".into(),
+                "load it with strict = false".into(),
+            ],
+        ),
+        (
+            [&wrong, &wrong],
+            false,
+            vec![
+                format!(
+                    "mis-shaped 2: {}: file F32 [4096], model Float [128, 32]",
+                    names[1]
+                ),
+                format!("{}: file I64 [32], model Float [32]", names[2]),
+                "is another model's".into(),
+            ],
+        ),
+        ([&none, &none], false, vec!["unexpected 1: x".into()]),
+        (
+            [&half_frozen, &half_frozen],
+            false,
+            vec!["it lacks frozen h.1.fc.bias of unit `h.1`".into()],
+        ),
+    ];
+    for (files, strict, wants) in cases {
+        for (rank, (err, unchanged)) in refusals(&cfg, files, strict).into_iter().enumerate() {
+            for want in &wants {
+                assert!(
+                    err.contains(want.as_str()),
+                    "rank {rank}: {err}\nwants: {want}"
+                );
+            }
+            assert!(unchanged, "rank {rank} changed: {err}");
+        }
+    }
+    // A rank without the file: it says why, the other that it failed.
+    let each = refusals(&cfg, [&other, &absent], true);
+    assert!(
+        each[0].0.starts_with("rank(s) [1] failed to load the weights file (their own errors say why); nothing was loaded"),
+        "{}",
+        each[0].0
+    );
+    assert!(
+        each[1].0.contains(&format!(
+            "cannot load weights from {}: no such file",
+            absent.display()
+        )),
+        "{}",
+        each[1].0
+    );
+    // Ranks given different files, each loadable alone.
+    let each = refusals(&cfg, [&other, &shifted], true);
+    let len = std::fs::metadata(&other).unwrap().len();
+    for (err, unchanged) in each {
+        let want = format!(
+            "ranks read different weights files: rank 0 read {} ({len} bytes); rank 1 read {} ({len} bytes); nothing was loaded",
+            other.display(),
+            shifted.display()
+        );
+        assert!(err.contains(&want), "{err}");
+        assert!(unchanged, "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_partial_load_keeps_what_the_file_lacks_and_skips_what_the_model_lacks() {
+    let dir = scratch("load-weights-partial");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    // The file without its first variable, with one the model lacks.
+    let (gone, _) = values[0].clone();
+    let mut part: Vec<(String, Tensor)> = (values[1..].iter())
+        .map(|(n, v)| (n.clone(), Tensor::from_slice(v)))
+        .collect();
+    let shapes = gpt_tensors();
+    for (n, t) in &mut part {
+        let (_, s) = shapes.iter().find(|(m, _)| m == n).unwrap();
+        *t = t.view(s.size().as_slice());
+    }
+    part.push((
+        "head.extra".into(),
+        Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)),
+    ));
+    let part = write(&dir, "part.safetensors", &part);
+    // In memory, and with the bf16 run's master in the optimizer's swap.
+    let (aio, off) = common::nvme(&dir);
+    for cfg in [
+        config_zero(3, 1, 1.0, "", SHARD_ALL),
+        config_zero(2, 1, 1.0, &format!("{BF16} {aio}"), &off),
+    ] {
+        partly_loaded(&cfg, &part, &values, &gone);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn under_hybrid_sharding_every_replica_reads_its_own_shard() {
+    let dir = scratch("load-weights-hybrid");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    let cfg = config_zero(
+        3,
+        1,
+        1.0,
+        "",
+        &format!(r#"{SHARD_ALL} "mics_shard_size": 2,"#),
+    );
+    let ranks = on_ranks(4, |mut r| {
+        let (vs, plan, _) = model();
+        freeze(&vs, FROZEN);
+        let hints = zrt::zero::AutoHints::default();
+        let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &hints).unwrap();
+        e.load_weights(&file, true).unwrap();
+        e.gathered_params().unwrap()
+    });
+    for (rank, params) in ranks.iter().enumerate() {
+        holds_the_file(params, &values, &format!("rank {rank}"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Loads `part` (the file's `values` but `gone`, and one tensor the model
+/// lacks) under `cfg` on 2 ranks, not strictly: `gone` keeps its value,
+/// every other parameter takes the file's.
+fn partly_loaded(cfg: &Config, part: &Path, values: &[(String, Vec<f32>)], gone: &str) {
+    let ranks = on_ranks(2, |r| {
+        let (e, _) = gpt_engine(&r, 2, cfg, |_| {});
+        let before = e.gathered_params().unwrap();
+        let (report, logs) = common::with_logs(|| e.load_weights(part, false).unwrap());
+        (report, logs, before, e.gathered_params().unwrap())
+    });
+    for (rank, (report, logs, before, after)) in ranks.into_iter().enumerate() {
+        assert_eq!(
+            report,
+            LoadedWeights {
+                loaded: values.len() - 1,
+                missing: vec![gone.to_string()],
+                unexpected: vec!["head.extra".into()],
+            },
+            "rank {rank}"
+        );
+        if rank == 0 {
+            assert!(
+                logs.contains(&format!("missing 1: {gone}; unexpected 1: head.extra")),
+                "{logs}"
+            );
+        }
+        for (name, v) in &after {
+            let want = match name == gone {
+                true => &before.iter().find(|(n, _)| n == name).unwrap().1,
+                false => &values.iter().find(|(n, _)| n == name).unwrap().1,
+            };
+            assert!(v == want, "rank {rank}: `{name}`");
+        }
+    }
+}

@@ -15,7 +15,9 @@
 //! on from its step. SIGTERM or Ctrl-C (which `zrt launch` forwards to
 //! every rank) stops the job after the step in progress, every rank alike,
 //! and saves that step's checkpoint. `zrt ckpt consolidate DIR
-//! model.safetensors` turns one into a file of the model's weights.
+//! model.safetensors` turns one into a file of the model's weights, which
+//! `--init-from model.safetensors` starts another run from (each rank
+//! reading its own shard of it, `Engine::load_weights`).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

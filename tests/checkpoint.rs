@@ -1197,6 +1197,62 @@ fn the_main_job_keeps_its_newest_checkpoints_by_step_with_keep_last() {
     assert!(again.contains("(tag step10) at step 10"), "{again}");
 }
 
+/// The validation loss the main job printed on its line for `step`.
+fn validation_at(said: &str, step: u64) -> &str {
+    let line = (said.lines())
+        .find(|l| l.contains(&format!("step {step:4}  ")) && l.contains("validation loss"))
+        .unwrap_or_else(|| panic!("no validation at step {step}: {said}"));
+    let after = line.split("validation loss ").nth(1).unwrap_or_default();
+    after.split_whitespace().next().unwrap_or_default()
+}
+
+#[test]
+fn the_main_job_started_from_a_consolidated_file_starts_where_its_run_ended() {
+    // Trained 2 steps, consolidated, loaded by a fresh job (each rank its
+    // own shard of the file): it starts with the weights the first ended
+    // with, so its first validation loss is the first's last.
+    let _serial = serial();
+    let dir = tmp("init-from");
+    let d = dir.to_str().unwrap();
+    let first = train_gpt(&["--steps", "2", "--save-dir", d]);
+    let file = dir.join("model.safetensors");
+    zrt::zero::checkpoint::consolidate(
+        &dir,
+        Some("step2"),
+        &file,
+        zrt::zero::checkpoint::ExportDtype::F32,
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let second = train_gpt(&["--init-from", f, "--steps", "2", "--no-save"]);
+    assert!(
+        second.contains(&format!("initialised from {f} (")),
+        "{second}"
+    );
+    assert_eq!(
+        validation_at(&second, 0),
+        validation_at(&first, 2),
+        "{first}\n{second}"
+    );
+    // The file of another model is refused on every rank, naming it.
+    let o = common::output_elsewhere(&mut main_job(
+        &[],
+        &[
+            "--init-from",
+            f,
+            "--d-model",
+            "16",
+            "--steps",
+            "1",
+            "--no-save",
+        ],
+    ));
+    let said = common::printed(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!o.status.success(), "{said}");
+    assert!(said.contains("does not match the model"), "{said}");
+}
+
 #[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
     let _serial = serial();

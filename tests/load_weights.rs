@@ -297,6 +297,17 @@ fn what_the_file_does_not_match_is_refused_on_every_rank_and_changes_nothing() {
             assert!(unchanged, "rank {rank} changed: {err}");
         }
     }
+    // A byte of zrt's own file flipped: its checksum, on every rank.
+    let flipped = trained_file(&dir, "");
+    let mut bytes = std::fs::read(&flipped).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::write(&flipped, bytes).unwrap();
+    for (err, unchanged) in refusals(&cfg, [&flipped, &flipped], true) {
+        let want = format!("checksum mismatch in {}", flipped.display());
+        assert!(err.contains(&want), "{err}");
+        assert!(unchanged, "{err}");
+    }
     // A rank without the file: it says why, the other that it failed.
     let each = refusals(&cfg, [&other, &absent], true);
     assert!(

@@ -429,9 +429,38 @@ impl RankFile {
         })?;
         let f = Self::parse(path, bytes).map_err(|e| weights(e.to_string()))?;
         match f.meta.contains_key(CRC_KEY) {
-            true => f.verified(),
+            true => f.verified_by_reading(),
             false => Ok(f),
         }
+    }
+
+    /// [`RankFile::verified`], the data read through a small buffer
+    /// instead of the mapping: every rank checks a whole-model file of
+    /// which it keeps a part, and pages touched through a mapping count
+    /// in the rank's resident set (and its peak) for as long as it is
+    /// mapped, as if each rank held the model.
+    fn verified_by_reading(self) -> Result<Self, CheckpointError> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut order: Vec<(&str, &Range<usize>)> = (self.tensors.iter())
+            .map(|(k, (_, r, _))| (k.as_str(), r))
+            .collect();
+        order.sort_by(|a, b| a.0.cmp(b.0));
+        let io = |e| CheckpointError::io("read", &self.path, e);
+        let mut f = std::fs::File::open(&self.path).map_err(io)?;
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        for (name, r) in order {
+            h.update(name.as_bytes());
+            f.seek(SeekFrom::Start(r.start as u64)).map_err(io)?;
+            let mut left = r.len();
+            while left > 0 {
+                let n = left.min(buf.len());
+                f.read_exact(&mut buf[..n]).map_err(io)?;
+                h.update(&buf[..n]);
+                left -= n;
+            }
+        }
+        self.if_crc_is(h.finalize())
     }
 
     /// `bytes` (`path`'s) read as safetensors: its header, unverified.
@@ -468,26 +497,30 @@ impl RankFile {
         })
     }
 
-    /// Self, once its tensors' CRC-32 is the one its header records.
-    fn verified(self) -> Result<Self, CheckpointError> {
-        let expected = self
-            .meta
-            .get(CRC_KEY)
+    /// Self, if `found` (a CRC-32 of its tensors as [`crc_of`] takes
+    /// them) is the one its header records.
+    fn if_crc_is(self, found: u32) -> Result<Self, CheckpointError> {
+        let expected = (self.meta.get(CRC_KEY))
             .and_then(|s| u32::from_str_radix(s, 16).ok())
             .ok_or_else(|| CheckpointError::format(&self.path, "bad zrt_crc32 in its header"))?;
+        match found == expected {
+            true => Ok(self),
+            false => Err(CheckpointError::Checksum {
+                path: self.path,
+                expected,
+                found,
+            }),
+        }
+    }
+
+    /// Self, once its tensors' CRC-32 is the one its header records.
+    fn verified(self) -> Result<Self, CheckpointError> {
         let found = crc_of(
             (self.tensors.iter())
                 .map(|(k, (_, r, _))| (k.as_str(), &self.bytes[r.clone()]))
                 .collect(),
         );
-        if found != expected {
-            return Err(CheckpointError::Checksum {
-                path: self.path,
-                expected,
-                found,
-            });
-        }
-        Ok(self)
+        self.if_crc_is(found)
     }
 
     /// Every tensor's name, dtype, shape and length in bytes.

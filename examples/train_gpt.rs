@@ -491,11 +491,14 @@ fn main() -> Result<()> {
     if let Some(file) = &a.init_from {
         // Every rank reads its own shard of the file: none holds the model.
         let loaded = engine.load_weights(file, true)?;
+        let rss = peak_rss()?;
         if rank == 0 {
+            let each: Vec<String> = rss.iter().map(|m| format!("{m:.0}")).collect();
             println!(
-                "initialised from {} ({} tensors)",
+                "initialised from {} ({} tensors); peak RSS per rank (MiB): {}",
                 file.display(),
-                loaded.loaded
+                loaded.loaded,
+                each.join(", ")
             );
         }
     }

@@ -260,6 +260,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             i.install(u, sh, k, need, state)?;
             sh.g.fill(0.0);
             sh.reduced = Vec::new();
+            // The unit's old master and moments, freed, would otherwise
+            // stay resident in glibc's heap (measured: 30-50 MiB a rank
+            // on the main job's 101M-parameter GPT at 4 ranks).
+            crate::first_rank::give_back_to_the_system();
         }
         st.broken = None;
         st.reduced_in_backward = false;

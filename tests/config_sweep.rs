@@ -107,6 +107,10 @@ struct Leg {
     /// `ShardPlan::weights_on_first_rank_only` (holding no weights until
     /// the engine gives them rank 0's); never in a reference.
     released: bool,
+    /// A first leg takes the program's `init` weights with
+    /// `Engine::load_weights` once its engine is built (not in its
+    /// VarStore before); never in a reference.
+    loads_weights: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -141,12 +145,14 @@ impl Leg {
                         false => "",
                     },
                 released: false,
+                loads_weights: false,
                 ..self.clone()
             },
             false => Self {
                 stage: reference_stage(self.stage, self.grouping, self.gas),
                 zero: String::new(),
                 released: false,
+                loads_weights: false,
                 ..self.clone()
             },
         }
@@ -201,6 +207,10 @@ struct Program {
     /// momentum or centering, Muon's Nesterov, AdamW rate, adjustment and
     /// momentum, or none).
     params: &'static str,
+    /// A weights file (every variable at known values) the first leg
+    /// starts from: loaded into its VarStore before the engine, or into
+    /// the engine (`Leg::loads_weights`).
+    init: Option<std::path::PathBuf>,
 }
 
 impl Program {
@@ -266,7 +276,15 @@ fn leg(
             true => Gpt::new_checkpointed,
             false => Gpt::new,
         };
-        let (vs, plan, gpt) = built_on(&GPT, new, l.released.then_some(rank));
+        let (mut vs, plan, gpt) = built_on(&GPT, new, l.released.then_some(rank));
+        // The first leg's weights from the file: into the VarStore (rank 0
+        // alone when the others released theirs), or into the engine below.
+        let init = p.init.as_ref().filter(|_| load.is_none());
+        if let (Some(f), false) = (init, l.loads_weights) {
+            if !l.released || rank == 0 {
+                vs.load(f).unwrap();
+            }
+        }
         freeze(&vs, p.frozen);
         if p.no_decay_vectors {
             plan.exclude_from_weight_decay(|_, shape| shape.len() < 2)
@@ -284,6 +302,9 @@ fn leg(
         let e = Engine::from_config(&vs, &plan, &cfg, &mut r, &AutoHints::default()).unwrap();
         if let Some(dir) = load {
             e.load_checkpoint(dir, Some("resume")).unwrap();
+        }
+        if let (Some(f), true) = (init, l.loads_weights) {
+            e.load_weights(f, true).unwrap();
         }
         let mut losses = Vec::new();
         for m in micro.clone() {
@@ -441,6 +462,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         qgz: false,
         qfrozen: false,
         released: false,
+        loads_weights: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -479,6 +501,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             qgz: false,
             qfrozen: false,
             released: false,
+            loads_weights: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -503,6 +526,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             false => "AdamW",
         },
         params: "",
+        init: None,
     };
     // Each in that share of the cases still AdamW's, from a stream of its
     // own (so that adding one changes none of the draws before it), with
@@ -553,6 +577,11 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         released: Draw(d.0.rotate_left(11) | 1).flag(3),
         ..t
     });
+    // Starting from a weights file loaded into the built engine, against
+    // a reference whose VarStore took it: a third of the cases, drawn
+    // apart.
+    first.loads_weights = Draw(d.0.rotate_left(23) | 1).flag(3);
+    program.init = (first.loads_weights).then(|| dir.join(format!("init-{i}.safetensors")));
     (first, program, then)
 }
 
@@ -618,6 +647,12 @@ fn random_settings_that_must_not_change_results_change_none() {
         }
         let case = format!("seed {seed}, case {i}: {first:?} then {then:?}, {program:?}");
         eprintln!("{case}");
+        if let Some(f) = &program.init {
+            std::fs::create_dir_all(&dir.0).unwrap();
+            let (vs, _, _) = common::model();
+            common::known_values(&vs, 0.7, 0.2);
+            vs.save(f).unwrap();
+        }
         let got = train(
             &program,
             &first,
@@ -672,6 +707,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         qgz: false,
         qfrozen: false,
         released: false,
+        loads_weights: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -696,6 +732,7 @@ impl Program {
             full_params: 0,
             optimizer: "AdamW",
             params: "",
+            init: None,
         }
     }
 }
@@ -733,6 +770,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         qgz: false,
         qfrozen: false,
         released: false,
+        loads_weights: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

@@ -16,8 +16,8 @@
 //! every rank) stops the job after the step in progress, every rank alike,
 //! and saves that step's checkpoint. `zrt ckpt consolidate DIR
 //! model.safetensors` turns one into a file of the model's weights, which
-//! `--init-from model.safetensors` starts another run from (each rank
-//! reading its own shard of it, `Engine::load_weights`).
+//! `--init-from model.safetensors` starts another run from (no rank
+//! holding the model: `ShardPlan::weights_from_file`).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -116,7 +116,7 @@ const OPTIONS: &[(&str, &str, &str)] = &[
     (
         "--init-from",
         "FILE",
-        "start from the weights in FILE (safetensors under the model's names: `zrt ckpt consolidate`'s output, save_16bit_model's), each rank reading its own shard of them into the built engine; a checkpoint --resume finds comes after it",
+        "start from the weights in FILE (safetensors under the model's names: `zrt ckpt consolidate`'s output, save_16bit_model's): no rank holds the model, the engine loads each rank's shard of FILE as it is built (ShardPlan::weights_from_file; with --weights-on-every-rank, Engine::load_weights into the built engine); a checkpoint --resume finds comes after it",
     ),
     (
         "--freeze-mlp",
@@ -387,9 +387,12 @@ fn main() -> Result<()> {
     let plan = ShardPlan::new();
     // Ranks but the first hold no weights while the model is built (the
     // engine gives them rank 0's): N ranks on one host hold one model
-    // while they build, not N.
-    if !a.weights_on_every_rank {
-        plan.weights_on_first_rank_only(&vs, rank)?;
+    // while they build, not N. Started from a file, no rank holds them:
+    // the engine loads each rank's shard of the file once it is built.
+    match (&a.init_from, a.weights_on_every_rank) {
+        (_, true) => {}
+        (Some(file), false) => plan.weights_from_file(&vs, file)?,
+        (None, false) => plan.weights_on_first_rank_only(&vs, rank)?,
     }
     let gpt = match a.checkpoint {
         true => Gpt::new_checkpointed(&vs.root(), &plan, &a.gpt),
@@ -462,9 +465,10 @@ fn main() -> Result<()> {
     let built_rss = peak_rss()?;
     if rank == 0 {
         let each: Vec<String> = built_rss.iter().map(|m| format!("{m:.0}")).collect();
-        let how = match a.weights_on_every_rank {
-            true => "every rank building the whole model",
-            false => "ranks but the first holding no weights while it is built",
+        let how = match (a.weights_on_every_rank, &a.init_from) {
+            (true, _) => "every rank building the whole model",
+            (false, Some(_)) => "no rank holding the weights: each loaded its shard of the file",
+            (false, None) => "ranks but the first holding no weights while it is built",
         };
         println!(
             "built: peak RSS per rank (MiB): {} ({how})",
@@ -488,19 +492,26 @@ fn main() -> Result<()> {
     } else {
         None
     };
-    if let Some(file) = &a.init_from {
-        // Every rank reads its own shard of the file: none holds the model.
-        let loaded = engine.load_weights(file, true)?;
-        let rss = peak_rss()?;
-        if rank == 0 {
-            let each: Vec<String> = rss.iter().map(|m| format!("{m:.0}")).collect();
-            println!(
-                "initialised from {} ({} tensors); peak RSS per rank (MiB): {}",
-                file.display(),
-                loaded.loaded,
-                each.join(", ")
-            );
+    match (&a.init_from, a.weights_on_every_rank) {
+        (Some(file), true) => {
+            // Into the built engine, each rank reading its own shard.
+            let loaded = engine.load_weights(file, true)?;
+            let rss = peak_rss()?;
+            if rank == 0 {
+                let each: Vec<String> = rss.iter().map(|m| format!("{m:.0}")).collect();
+                println!(
+                    "initialised from {} ({} tensors, into the built engine); peak RSS per rank (MiB): {}",
+                    file.display(),
+                    loaded.loaded,
+                    each.join(", ")
+                );
+            }
         }
+        (Some(file), false) if rank == 0 => println!(
+            "initialised from {} (while the engine was built: ShardPlan::weights_from_file)",
+            file.display()
+        ),
+        _ => {}
     }
     let mut start = 1;
     if let (true, Some(dir)) = (a.resume, &a.save_dir) {

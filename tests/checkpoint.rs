@@ -1209,8 +1209,9 @@ fn validation_at(said: &str, step: u64) -> &str {
 #[test]
 fn the_main_job_started_from_a_consolidated_file_starts_where_its_run_ended() {
     // Trained 2 steps, consolidated, loaded by a fresh job (each rank its
-    // own shard of the file): it starts with the weights the first ended
-    // with, so its first validation loss is the first's last.
+    // own shard of the file, no rank the model): it starts with the
+    // weights the first ended with, so its first validation loss is the
+    // first's last.
     let _serial = serial();
     let dir = tmp("init-from");
     let d = dir.to_str().unwrap();
@@ -1224,16 +1225,20 @@ fn the_main_job_started_from_a_consolidated_file_starts_where_its_run_ended() {
     )
     .unwrap();
     let f = file.to_str().unwrap();
-    let second = train_gpt(&["--init-from", f, "--steps", "2", "--no-save"]);
-    assert!(
-        second.contains(&format!("initialised from {f} (")),
-        "{second}"
-    );
-    assert_eq!(
-        validation_at(&second, 0),
-        validation_at(&first, 2),
-        "{first}\n{second}"
-    );
+    // Built holding no weights (ShardPlan::weights_from_file), and every
+    // rank building the model and loading the file into the built engine.
+    for how in [&[][..], &["--weights-on-every-rank"]] {
+        let second = train_gpt(&[how, &["--init-from", f, "--steps", "2", "--no-save"]].concat());
+        assert!(
+            second.contains(&format!("initialised from {f} (")),
+            "{second}"
+        );
+        assert_eq!(
+            validation_at(&second, 0),
+            validation_at(&first, 2),
+            "{first}\n{second}"
+        );
+    }
     // The file of another model is refused on every rank, naming it.
     let o = common::output_elsewhere(&mut main_job(
         &[],

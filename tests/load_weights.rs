@@ -430,3 +430,107 @@ fn partly_loaded(cfg: &Config, part: &Path, values: &[(String, Vec<f32>)], gone:
         }
     }
 }
+
+/// The test GPT built under `ShardPlan::weights_from_file(file)` (seed 0,
+/// which the file's values replace): each variable's bytes held once it
+/// is built, by name.
+fn built_from_file(
+    file: &Path,
+) -> (
+    tch::nn::VarStore,
+    zrt::zero::ShardPlan,
+    zrt::gpt::Gpt,
+    Vec<(String, usize)>,
+) {
+    let (vs, plan, gpt) = common::seeded(|| {
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let plan = zrt::zero::ShardPlan::new();
+        plan.weights_from_file(&vs, file).unwrap();
+        let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
+        (vs, plan, gpt)
+    });
+    let held = (vs.variables().into_iter())
+        .map(|(n, t)| (n, zrt::zero::glue::storage_nbytes(&t).unwrap()))
+        .collect();
+    (vs, plan, gpt, held)
+}
+
+#[test]
+fn a_model_built_from_a_file_is_held_by_no_rank_and_trains_as_one_loaded_before() {
+    let dir = scratch("weights-from-file");
+    let file = trained_file(&dir, "");
+    let steps = 3;
+    for (stage, world, extra, zero) in [
+        (0, 2, "", SHARD_ALL),
+        (2, 3, "", SHARD_ALL),
+        (3, 3, "", SHARD_ALL),
+        (3, 2, BF16, SHARD_ALL),
+    ] {
+        let what = format!("stage {stage} on {world} ranks {extra}");
+        let cfg = config_zero(stage, 1, 1.0, extra, zero);
+        let want = on_ranks(world, |r| {
+            let (e, gpt) = gpt_engine(&r, world, &cfg, |vs| vs.load(&file).unwrap());
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (losses, e.gathered_params().unwrap())
+        });
+        let got = on_ranks(world, |r| {
+            let (vs, plan, gpt, held) = built_from_file(&file);
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
+            let hints = zrt::zero::AutoHints::default();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (held, losses, e.gathered_params().unwrap())
+        });
+        for (rank, ((held, losses, params), (want_losses, want_params))) in
+            got.into_iter().zip(want).enumerate()
+        {
+            let what = format!("{what}, rank {rank}");
+            assert!(held.len() > 10, "{what}: {held:?}");
+            for (name, bytes) in held {
+                assert_eq!(bytes, 0, "{what}: `{name}` held while built");
+            }
+            assert_eq!(losses, want_losses, "{what}");
+            same_bits(&params, &want_params, &what);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_build_from_a_file_is_refused_where_the_file_or_a_rank_differs() {
+    let dir = scratch("weights-from-file-refused");
+    let all = gpt_tensors();
+    let lacking = write(&dir, "lacking.safetensors", &handles(&all[1..]));
+    let whole = write(&dir, "whole.safetensors", &all);
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    // rank r: Some(file) under the rule, None without it.
+    let build = |files: [Option<&Path>; 2]| {
+        on_ranks(2, |r| {
+            let (vs, plan, _) = match files[r.rank()] {
+                Some(f) => {
+                    let (vs, plan, gpt, _) = built_from_file(f);
+                    (vs, plan, gpt)
+                }
+                None => model(),
+            };
+            let group = r.new_group(&[0, 1]).unwrap();
+            let hints = zrt::zero::AutoHints::default();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints);
+            e.err().map(|e| e.to_string()).unwrap_or_default()
+        })
+    };
+    for err in build([Some(&lacking), Some(&lacking)]) {
+        let want = format!(
+            "the weights file {} does not match the model: missing 1: {}",
+            lacking.display(),
+            all[0].0
+        );
+        assert!(err.contains(&want), "{err}");
+    }
+    for err in build([Some(&whole), None]) {
+        assert!(err.contains("ShardPlan::weights_from_file"), "{err}");
+        assert!(err.contains(&whole.display().to_string()), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -17,17 +17,39 @@ use tch::nn;
 
 use crate::glue;
 
-/// The variables of a VarStore a rank other than the first releases.
+/// The variables of a VarStore a rank releases: a rank other than the
+/// first under `weights_on_first_rank_only`, every rank under
+/// `weights_from_file`.
 pub(crate) struct Release {
     vars: Arc<Mutex<nn::Variables>>,
+    /// `weights_from_file`'s file, whose values the engine loads once
+    /// built (no rank's are read).
+    file: Option<std::path::PathBuf>,
 }
 
 impl Release {
-    /// Releases `vs`'s variables on this rank from now on.
+    /// Releases `vs`'s variables on this rank from now on; the engine
+    /// takes the first rank's values.
     pub(crate) fn of(vs: &nn::VarStore) -> Self {
         Self {
             vars: vs.variables_.clone(),
+            file: None,
         }
+    }
+
+    /// Releases `vs`'s variables on this rank from now on; the engine
+    /// loads `file`'s values.
+    pub(crate) fn from_file(vs: &nn::VarStore, file: std::path::PathBuf) -> Self {
+        Self {
+            vars: vs.variables_.clone(),
+            file: Some(file),
+        }
+    }
+
+    /// The file the engine loads the weights from, under
+    /// `weights_from_file`.
+    pub(crate) fn file(&self) -> Option<&std::path::Path> {
+        self.file.as_deref()
     }
 
     /// Gives back the memory of every variable made so far, which then
@@ -51,7 +73,11 @@ impl Release {
             match glue::free_storage(&t) {
                 Ok(()) => released = true,
                 Err(e) => {
-                    tracing::warn!("weights_on_first_rank_only: `{name}` keeps its memory: {e}")
+                    let rule = match self.file {
+                        Some(_) => "weights_from_file",
+                        None => "weights_on_first_rank_only",
+                    };
+                    tracing::warn!("{rule}: `{name}` keeps its memory: {e}")
                 }
             }
         }

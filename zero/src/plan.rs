@@ -66,7 +66,8 @@ pub(crate) struct PlanInner {
     pub(crate) partial: Mutex<Option<Arc<NameRule>>>,
     /// Set by [`ShardPlan::use_muon`].
     pub(crate) muon: Mutex<Option<Arc<NameRule>>>,
-    /// Set by [`ShardPlan::weights_on_first_rank_only`] on the other ranks.
+    /// Set by [`ShardPlan::weights_on_first_rank_only`] on the other
+    /// ranks, by [`ShardPlan::weights_from_file`] on every rank.
     pub(crate) release: Mutex<Option<Release>>,
 }
 
@@ -80,6 +81,12 @@ impl PlanInner {
                 r.release_made_so_far();
             }
         }
+    }
+
+    /// The file [`ShardPlan::weights_from_file`] named, if it was called.
+    pub(crate) fn weights_file(&self) -> Option<std::path::PathBuf> {
+        let r = self.release.lock().ok()?;
+        r.as_ref()?.file().map(std::path::Path::to_path_buf)
     }
 
     /// The hook of the engine built from this plan, if one is (cloned, so
@@ -492,6 +499,37 @@ impl ShardPlan {
     ) -> Result<(), EngineError> {
         let release = (rank != 0).then(|| Release::of(vs));
         self.set_rule_slot("weights_on_first_rank_only", &self.inner.release, release)
+    }
+
+    /// Makes no rank hold the model's weights, the first included: each
+    /// [`ShardedModule::new`] gives back the memory of every variable of
+    /// `vs` made so far, the engine lays the model out without reading a
+    /// value, and once built loads `file` into itself
+    /// ([`Engine::load_weights`](crate::Engine::load_weights), strict),
+    /// each rank reading only its own range. Building and loading then
+    /// hold one block and this rank's shards, never the model: a model
+    /// too big for any one rank's memory is built and loaded (DeepSpeed's
+    /// `zero.Init` with a checkpoint loaded into it; FSDP2's meta-device
+    /// initialisation with `set_model_state_dict` from a full state dict,
+    /// `broadcast_from_rank0` not needed).
+    ///
+    /// `file` is a safetensors file of every variable under the model's
+    /// VarStore names ([`Engine::save_16bit_model`](crate::Engine::save_16bit_model)'s,
+    /// `zrt ckpt consolidate`'s, tch's `VarStore::save`), which every
+    /// rank must see; every rank calls this, with the same file (the
+    /// engine's build refuses ranks that differ). The initial values the
+    /// model's layers draw are never used. Until the engine is built no
+    /// weight has memory on any rank: reading or writing one (a forward,
+    /// `vs.load`) stops the process with an explanation. A file that does
+    /// not hold every variable, in its shape, fails the engine's build
+    /// naming what differs; so does a file only some ranks can read.
+    pub fn weights_from_file(
+        &self,
+        vs: &nn::VarStore,
+        file: impl AsRef<std::path::Path>,
+    ) -> Result<(), EngineError> {
+        let release = Release::from_file(vs, file.as_ref().to_path_buf());
+        self.set_rule_slot("weights_from_file", &self.inner.release, Some(release))
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -180,6 +180,13 @@ impl Terms {
             z.zero_quantized_nontrainable_weights.to_string(),
         );
         put("units (ShardPlan)", plan.units().join(", "));
+        // Every rank loads the file, or none does (they would lay the
+        // model out with different collectives).
+        let file = plan.inner.weights_file();
+        put(
+            "ShardPlan::weights_from_file",
+            file.map_or_else(|| "no file".into(), |f| f.display().to_string()),
+        );
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, v) in vars {

@@ -23,7 +23,7 @@ use super::loss_scale::Scaler;
 use super::{
     agree, comms_log, elems, foreign, frozen, frozen_shards, groups, is_first_rank, offload,
     overlap, pool, rank0_flat, segments, timing, v_layout, Compute, CopyShard, Engine, Hook, Inner,
-    Shard, State, Unit,
+    Shard, Source, State, Unit,
 };
 use crate::config::{OptimizerKind, Precision};
 use crate::flat::FlatLayout;
@@ -126,6 +126,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // head), so that the layout's buffers add to one unit on ranks
         // that hold no weights.
         plan.inner.release_made_so_far();
+        // `weights_from_file`: no rank's values are read; the file is
+        // loaded once the engine is built.
+        let file = plan.inner.weights_file();
+        let source = match file {
+            Some(_) => Source::File,
+            None => Source::FirstRank,
+        };
         // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
         // keep every element's).
         let pack_muon = muon && !offload::swaps_optimizer(&cfg);
@@ -140,6 +147,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             &settings,
             compute,
             (&group, replicate.as_ref()),
+            source,
             // Not with an NVMe swap: a drive too full fails the build
             // after the layout, and the next try must find every value.
             (stage == 3 && !offload::swaps_any(&cfg)).then_some(threshold),
@@ -151,6 +159,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             threshold,
             compute,
             quantize: c.zero.zero_quantized_nontrainable_weights,
+            source,
         };
         let Unsharded {
             whole,
@@ -189,7 +198,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .map(|(s, d)| (s.name.clone(), s.shape.clone(), *d))
             .collect();
         let frozen = frozen::Frozen::of(whole, sharded, &params, compute.kind())?;
-        frozen.sync(&group, replicate.as_ref())?;
+        frozen.sync(&group, replicate.as_ref(), source)?;
         let inner = Arc::new(Inner {
             group,
             replicate,
@@ -269,10 +278,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         if c.enabled && c.verbose && inner.first_rank() {
             comms_log::observe(&inner.comm_groups(), c);
         }
-        Ok(Self {
+        let engine = Self {
             inner,
             _plan: claim,
-        })
+        };
+        if let Some(file) = file {
+            engine.load_weights(&file, true)?;
+        }
+        Ok(engine)
     }
 }
 
@@ -437,6 +450,7 @@ fn lay_out<G: ProcessGroup>(
     settings: &groups::Settings,
     compute: Compute,
     (group, replicate): (&G, Option<&G>),
+    source: Source,
     stage3_threshold: Option<usize>,
     shard_of: impl Fn(&Unit, Vec<f32>) -> Shard,
 ) -> Result<(Vec<Unit>, Vec<Shard>), EngineError> {
@@ -458,7 +472,8 @@ fn lay_out<G: ProcessGroup>(
             group.size(),
         );
         let by_name: HashMap<String, Tensor> = params.into_iter().collect();
-        let (master, flat, ts) = rank0_flat(&layout, &by_name, compute, group, replicate)?;
+        let (master, flat, ts) =
+            rank0_flat(&layout, &by_name, compute, (group, replicate), source)?;
         let special = groups::special_ranges(&layout, setting);
         // Its frozen variables count too (stage 3 gathers them with
         // it); the root holds no frozen part.
@@ -632,6 +647,8 @@ struct FrozenPart {
     compute: Compute,
     /// `zero_quantized_nontrainable_weights`: kept as int8.
     quantize: bool,
+    /// Where the values come from.
+    source: Source,
 }
 
 impl FrozenPart {
@@ -700,6 +717,7 @@ impl FrozenPart {
                 &u.name,
                 vars,
                 self.compute,
+                self.source,
                 group,
                 replicate,
                 self.quantize,

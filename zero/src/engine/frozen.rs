@@ -96,7 +96,19 @@ impl Frozen {
         &self,
         group: &G,
         replicate: Option<&G>,
+        source: super::Source,
     ) -> Result<(), EngineError> {
+        if source == super::Source::File {
+            // No rank's values: memory (zeros) for the file's, which the
+            // build loads next.
+            for (_, t) in &self.vars {
+                if crate::glue::is_freed(t)? {
+                    crate::glue::realloc_if_freed(t)?;
+                    drop(tch::no_grad(|| t.shallow_clone().f_zero_())?);
+                }
+            }
+            return Ok(());
+        }
         // Only world rank 0's bytes are kept; every other rank sends a
         // buffer of the right length and takes the result (so a large frozen
         // model is copied out once, on rank 0, and never written back there).

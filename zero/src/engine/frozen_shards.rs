@@ -110,7 +110,8 @@ impl Held {
 
 impl Part {
     /// Takes `vars` (fp32 or `compute`'s dtype, [`shardable`], under one
-    /// unit) over: world rank 0's values
+    /// unit) over: world rank 0's values (zeros from `source` File, until
+    /// the file is loaded)
     /// become everyone's (across `replicate` first, then inside `group`),
     /// the variables become views of a flat buffer of `compute`'s dtype,
     /// and this rank keeps its shard of it, packed as int8 with `packed`.
@@ -121,6 +122,7 @@ impl Part {
         unit: &str,
         vars: Vec<(String, Tensor)>,
         compute: Compute,
+        source: super::Source,
         group: &G,
         replicate: Option<&G>,
         packed: bool,
@@ -143,7 +145,7 @@ impl Part {
             .collect::<Result<_, _>>()?;
         // Widened to fp32 on the way (exact), narrowed back into the buffer.
         let (values, flat, params) =
-            super::rank0_flat(&layout, &by_name, compute, group, replicate)?;
+            super::rank0_flat(&layout, &by_name, compute, (group, replicate), source)?;
         let cuts = packed.then(|| layout.shard_segments());
         let mut part = Self {
             unit: unit.to_string(),

@@ -358,17 +358,28 @@ unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
     std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n)
 }
 
+/// Where an engine's build takes the weights' values from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Source {
+    /// World rank 0's variables, everyone's (`sync_module_states`).
+    FirstRank,
+    /// No rank's: the layout holds zeros until the build ends by loading
+    /// `ShardPlan::weights_from_file`'s file.
+    File,
+}
+
 /// The fp32 values of `vars` (fp32 tensors) laid out flat over `layout`,
 /// world rank 0's on every rank: across replicas first, then inside the
-/// shard group (whose rank 0 then holds them). Returns them, a new flat
-/// tensor of `compute`'s dtype holding them, and the variables made views
+/// shard group (whose rank 0 then holds them); zeros, with no
+/// collective, from [`Source::File`]. Returns them, a new flat tensor of
+/// `compute`'s dtype holding them, and the variables made views
 /// (`set_data`) of their slots, in slot order. A collective.
 fn rank0_flat<G: ProcessGroup>(
     layout: &FlatLayout,
     vars: &std::collections::HashMap<String, Tensor>,
     compute: Compute,
-    group: &G,
-    replicate: Option<&G>,
+    (group, replicate): (&G, Option<&G>),
+    source: Source,
 ) -> Result<(Vec<f32>, Tensor, Vec<Tensor>), EngineError> {
     let var = |name: &str| {
         vars.get(name)
@@ -380,7 +391,7 @@ fn rank0_flat<G: ProcessGroup>(
     // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
     // first rank's must be: a freed one there stops the process, saying
     // why, as any read of a freed weight does).
-    let root = is_first_rank(group, replicate);
+    let root = is_first_rank(group, replicate) && source == Source::FirstRank;
     for s in &layout.slots {
         let t = var(&s.name)?;
         if !root && glue::is_freed(t)? {
@@ -389,11 +400,14 @@ fn rank0_flat<G: ProcessGroup>(
         let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
         values[s.offset..s.offset + s.numel].copy_from_slice(&v);
     }
-    let values = match replicate {
-        Some(r) => r.broadcast(values, 0).wait()?,
-        None => values,
+    let values = match (replicate, source) {
+        (Some(r), Source::FirstRank) => r.broadcast(values, 0).wait()?,
+        _ => values,
     };
-    let values = group.broadcast(values, 0).wait()?;
+    let values = match source {
+        Source::FirstRank => group.broadcast(values, 0).wait()?,
+        Source::File => values,
+    };
     // One copy of the unit beside `values` (to_kind keeps an fp32 tensor
     // as it is), where zeros filled from a copy were two.
     let flat = tch::no_grad(|| Tensor::f_from_slice(&values)?.f_to_kind(compute.kind()))?;

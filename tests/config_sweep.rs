@@ -111,6 +111,9 @@ struct Leg {
     /// `Engine::load_weights` once its engine is built (not in its
     /// VarStore before); never in a reference.
     loads_weights: bool,
+    /// With `loads_weights`: the engine's build loads them, no rank
+    /// having held the model (`ShardPlan::weights_from_file`).
+    from_file: bool,
 }
 
 /// The stage whose results a leg at `stage` with `grouping` and `gas`
@@ -146,6 +149,7 @@ impl Leg {
                     },
                 released: false,
                 loads_weights: false,
+                from_file: false,
                 ..self.clone()
             },
             false => Self {
@@ -153,6 +157,7 @@ impl Leg {
                 zero: String::new(),
                 released: false,
                 loads_weights: false,
+                from_file: false,
                 ..self.clone()
             },
         }
@@ -276,10 +281,20 @@ fn leg(
             true => Gpt::new_checkpointed,
             false => Gpt::new,
         };
-        let (mut vs, plan, gpt) = built_on(&GPT, new, l.released.then_some(rank));
         // The first leg's weights from the file: into the VarStore (rank 0
-        // alone when the others released theirs), or into the engine below.
+        // alone when the others released theirs), into the engine below,
+        // or by the engine's build, no rank holding the model.
         let init = p.init.as_ref().filter(|_| load.is_none());
+        let (mut vs, plan, gpt) = match (init, l.from_file) {
+            (Some(f), true) => common::seeded(|| {
+                let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+                let plan = zrt::zero::ShardPlan::new();
+                plan.weights_from_file(&vs, f).unwrap();
+                let gpt = new(&vs.root(), &plan, &GPT);
+                (vs, plan, gpt)
+            }),
+            _ => built_on(&GPT, new, l.released.then_some(rank)),
+        };
         if let (Some(f), false) = (init, l.loads_weights) {
             if !l.released || rank == 0 {
                 vs.load(f).unwrap();
@@ -303,7 +318,7 @@ fn leg(
         if let Some(dir) = load {
             e.load_checkpoint(dir, Some("resume")).unwrap();
         }
-        if let (Some(f), true) = (init, l.loads_weights) {
+        if let (Some(f), true, false) = (init, l.loads_weights, l.from_file) {
             e.load_weights(f, true).unwrap();
         }
         let mut losses = Vec::new();
@@ -463,6 +478,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         qfrozen: false,
         released: false,
         loads_weights: false,
+        from_file: false,
     };
     // A checkpoint saved at the accumulation boundary after the first step
     // loads at any stage, on any ranks and mesh, with any gas. The
@@ -502,6 +518,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             qfrozen: false,
             released: false,
             loads_weights: false,
+            from_file: false,
         }
     });
     let skip = *d.one(&[&0, &0, &1, &2, &3]);
@@ -581,6 +598,8 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
     // a reference whose VarStore took it: a third of the cases, drawn
     // apart.
     first.loads_weights = Draw(d.0.rotate_left(23) | 1).flag(3);
+    // Half of those by the engine's build, no rank holding the model.
+    first.from_file = first.loads_weights && Draw(d.0.rotate_left(43) | 1).flag(2);
     program.init = (first.loads_weights).then(|| dir.join(format!("init-{i}.safetensors")));
     (first, program, then)
 }
@@ -708,6 +727,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         qfrozen: false,
         released: false,
         loads_weights: false,
+        from_file: false,
     };
     trains_as_its_reference(&p, &first);
 }
@@ -771,6 +791,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         qfrozen: false,
         released: false,
         loads_weights: false,
+        from_file: false,
     };
     // The reference overlaps (the default): the same reductions in the
     // same order, so the same bits.

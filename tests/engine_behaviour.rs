@@ -2241,6 +2241,68 @@ fn memory_breakdown_logs_what_the_first_rank_holds_with_each_progress_line() {
 }
 
 #[test]
+fn dump_state_logs_the_engine_and_each_units_layout_on_the_first_rank() {
+    // DeepSpeed's `dump_state`: once, when the engine is built, on rank 0
+    // only; each unit's line names its parameters, elements and this
+    // rank's shard, which `master_shard` reports too.
+    for on in [true, false] {
+        let cfg = common::config_zero(
+            3,
+            1,
+            0.0,
+            &format!(r#""dump_state": {on},"#),
+            common::SHARD_ALL,
+        );
+        on_ranks(WORLD, |r| {
+            let (vs, plan, _) = common::model();
+            common::freeze(&vs, &["h.1.fc"]);
+            let (e, logs) = common::with_logs_at(tracing::Level::INFO, || {
+                common::engine_of(&vs, &plan, &cfg, &r)
+            });
+            let said: Vec<&str> = (logs.lines())
+                .filter(|l| l.contains("engine state: ") || l.contains(" unit `"))
+                .collect();
+            if !on || r.rank() != 0 {
+                assert!(said.is_empty(), "rank {}, {on}: {logs}", r.rank());
+                return;
+            }
+            let names = e.unit_names();
+            assert_eq!(said.len(), 1 + names.len(), "{logs}");
+            let batch = e.config().batch;
+            assert!(
+                said[0].contains(&format!(
+                    "engine state: ZeRO stage 3, 1 replica(s) x shard groups of 2, fp32 compute; batch {} = {} per rank x 1 accumulation x 2 ranks; optimizer AdamW at lr 0.01; {} unit(s)",
+                    batch.train, batch.micro, names.len()
+                )),
+                "{}",
+                said[0]
+            );
+            for (k, (name, line)) in names.iter().zip(&said[1..]).enumerate() {
+                let (master, range) = e.master_shard(k).unwrap().unwrap();
+                assert_eq!(master.len(), range.len());
+                let want = format!(
+                    "unit `{name}`: {} parameter(s), ",
+                    (vs.variables().keys())
+                        .filter(|n| {
+                            n.strip_prefix(name.as_str())
+                                .is_some_and(|r| r.starts_with('.'))
+                                && !n.starts_with("h.1.fc")
+                        })
+                        .count()
+                );
+                let shard = format!("this rank's shard {}..{}", range.start, range.end);
+                if name != "<root>" {
+                    assert!(line.contains(&want), "{line} lacks {want}");
+                }
+                assert!(line.contains(&shard), "{line} lacks {shard}");
+                let frozen = line.contains("; frozen part 2 parameter(s), ");
+                assert_eq!(frozen, name == "h.1", "{line}");
+            }
+        });
+    }
+}
+
+#[test]
 fn under_hybrid_sharding_only_the_jobs_first_rank_logs_progress_and_the_comms_table() {
     // Shard groups {0, 1} and {2, 3}: rank 2 is rank 0 of its shard group
     // but not of its replicate group {0, 2}; only world rank 0 logs (the

@@ -14,6 +14,7 @@ pub(crate) const TOP: &[&str] = &[
     "steps_per_print",
     "wall_clock_breakdown",
     "memory_breakdown",
+    "dump_state",
     "zero_optimization",
     "communication_data_type",
     "data_types",
@@ -91,7 +92,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "comet",
     "compression_training",
     "data_efficiency",
-    "dump_state",
     "flops_profiler",
     "gradient_predivide_factor",
     "pipeline",
@@ -291,11 +291,6 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
         "zrt reduces each bucket in one collective",
     ),
     // Top-level keys.
-    (
-        "dump_state",
-        AsZrt::Bool(false),
-        "zrt prints no engine state at start (`zrt config check` prints the config as resolved)",
-    ),
     (
         "sparse_gradients",
         AsZrt::Bool(false),

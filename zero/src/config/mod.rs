@@ -569,6 +569,9 @@ pub struct Config {
     /// state and reuse pools once the engine is built and with each
     /// progress line.
     pub memory_breakdown: bool,
+    /// `dump_state`: the first rank logs the engine's state (its world,
+    /// batch, optimizer and each unit's layout) once it is built.
+    pub dump_state: bool,
     /// Reduce and accumulate gradients in fp32 (the default; `communication_data_type`
     /// or `data_types.grad_accum_dtype` can ask for the compute dtype).
     pub fp32_grad_reduce: bool,

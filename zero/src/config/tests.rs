@@ -521,7 +521,6 @@ fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn()
     )
     .unwrap();
     for (key, does) in [
-        ("dump_state` = true", "no engine state"),
         ("sparse_gradients` = true", "every gradient dense"),
         (
             "zero_force_ds_cpu_optimizer` = false",
@@ -574,11 +573,13 @@ fn more_of_deepspeeds_defaults_spelled_out_pass_silently_and_other_values_warn()
             loud.warnings
         );
     }
-    // The nine above, those five, and "cpu" offload's own; no pin_memory
+    // The eight above, those five, and "cpu" offload's own; no pin_memory
     // warning for "cpu" (its device warning says it), none for the
     // permission to bring an optimizer (zrt takes none), none for
-    // `memory_breakdown` (zrt logs one since 2026-12-01).
-    assert_eq!(loud.warnings.len(), 15, "{:?}", loud.warnings);
+    // `memory_breakdown` and `dump_state` (zrt logs both since
+    // 2026-12-01).
+    assert_eq!(loud.warnings.len(), 14, "{:?}", loud.warnings);
+    assert!(loud.dump_state && !quiet.dump_state);
 }
 
 #[test]

@@ -265,6 +265,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             if inner.cfg.config.memory_breakdown && first {
                 inner.log_memory(&st, "after building the engine");
             }
+            if inner.cfg.config.dump_state && first {
+                for line in inner.state_lines(&st) {
+                    tracing::info!("{line}");
+                }
+            }
         }
         hook_gradients(&inner)?;
         let hook: Arc<dyn UnitHook> = Arc::new(Hook {

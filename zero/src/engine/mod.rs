@@ -86,6 +86,7 @@ mod overlap;
 mod pool;
 mod progress;
 mod segments;
+mod state_dump;
 mod step;
 mod timing;
 mod v_layout;

@@ -803,6 +803,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
         steps_per_print: p.u64_or(&top, "", "steps_per_print", 10),
         wall_clock_breakdown: p.bool_or(&top, "", "wall_clock_breakdown", false),
         memory_breakdown: p.bool_or(&top, "", "memory_breakdown", false),
+        dump_state: p.bool_or(&top, "", "dump_state", false),
         fp32_grad_reduce,
         zero: p.zero(&top),
         aio: p.aio(&top),

@@ -61,6 +61,17 @@ fn file_values(file: &Path) -> Vec<(String, Vec<f32>)> {
     v
 }
 
+/// The reference of a load: on `world` ranks, the VarStore takes `file`
+/// before the engine is built, which trains `steps` steps; each rank's
+/// losses and parameters.
+fn loaded_before(file: &Path, world: usize, cfg: &Config, steps: usize) -> Vec<(Vec<f64>, Params)> {
+    on_ranks(world, |r| {
+        let (e, gpt) = gpt_engine(&r, world, cfg, |vs| vs.load(file).unwrap());
+        let losses = train_losses(&gpt, &e, r.rank(), steps);
+        (losses, e.gathered_params().unwrap())
+    })
+}
+
 /// Asserts `got` and `want` hold the same names and bits.
 fn same_bits(got: &Params, want: &Params, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
@@ -105,12 +116,7 @@ fn a_file_loaded_into_a_built_engine_trains_as_one_loaded_into_the_model_before_
     ] {
         let what = format!("stage {stage} on {world} ranks {extra} {zero}");
         let cfg = config_zero(stage, 1, 1.0, extra, zero);
-        // The reference: the VarStore takes the file before the engine.
-        let want = on_ranks(world, |r| {
-            let (e, gpt) = gpt_engine(&r, world, &cfg, |vs| vs.load(&file).unwrap());
-            let losses = train_losses(&gpt, &e, r.rank(), steps);
-            (losses, e.gathered_params().unwrap())
-        });
+        let want = loaded_before(&file, world, &cfg, steps);
         // Loaded after 2 steps of its own: the optimizer starts afresh.
         let got = on_ranks(world, |r| {
             let (e, gpt) = gpt_engine(&r, world, &cfg, |_| {});
@@ -468,11 +474,7 @@ fn a_model_built_from_a_file_is_held_by_no_rank_and_trains_as_one_loaded_before(
     ] {
         let what = format!("stage {stage} on {world} ranks {extra}");
         let cfg = config_zero(stage, 1, 1.0, extra, zero);
-        let want = on_ranks(world, |r| {
-            let (e, gpt) = gpt_engine(&r, world, &cfg, |vs| vs.load(&file).unwrap());
-            let losses = train_losses(&gpt, &e, r.rank(), steps);
-            (losses, e.gathered_params().unwrap())
-        });
+        let want = loaded_before(&file, world, &cfg, steps);
         let got = on_ranks(world, |r| {
             let (vs, plan, gpt, held) = built_from_file(&file);
             freeze(&vs, FROZEN);
@@ -533,4 +535,36 @@ fn a_build_from_a_file_is_refused_where_the_file_or_a_rank_differs() {
         assert!(err.contains(&whole.display().to_string()), "{err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_load_only_rank_0_calls_is_named_as_a_collective() {
+    // The usual mistake: loading under `if rank == 0` while the others
+    // go on training.
+    let dir = scratch("load-weights-rank-0-only");
+    let file = write(&dir, "whole.safetensors", &gpt_tensors());
+    let cfg = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    let out = on_ranks(2, |r| {
+        let (e, gpt) = gpt_engine(&r, 2, &cfg, |_| {});
+        match r.rank() {
+            0 => e.load_weights(&file, true).err().map(|e| e.to_string()),
+            _ => {
+                let trained = (|| {
+                    e.backward(&gpt.loss(&common::tokens(0, 0, 1, 1)))?;
+                    e.step()
+                })();
+                trained.err().map(|e| e.to_string())
+            }
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let (loader, trainer) = (out[0].clone().unwrap(), out[1].clone().unwrap());
+    assert!(
+        loader.contains("load_weights is a collective: every rank calls it"),
+        "{loader}"
+    );
+    assert!(
+        trainer.contains("another rank is saving or loading a checkpoint while this one trains"),
+        "{trainer}"
+    );
 }

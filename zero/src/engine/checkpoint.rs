@@ -234,7 +234,7 @@ fn by_rank<T: PartialEq>(values: impl IntoIterator<Item = T>) -> Vec<(T, String)
 /// A save or load whose collectives met another call, a rank that left or
 /// a timeout: most often not every rank called it. Says so, keeping the
 /// collectives' own words.
-fn called_by_every_rank(what: &str, e: EngineError) -> EngineError {
+pub(super) fn called_by_every_rank(what: &str, e: EngineError) -> EngineError {
     use zrt_collectives::CommError as C;
     match e {
         EngineError::Comm(c @ (C::Mismatch { .. } | C::RankDied { .. } | C::Timeout { .. })) => {

@@ -117,7 +117,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         path: impl AsRef<Path>,
         strict: bool,
     ) -> Result<LoadedWeights, EngineError> {
-        let path = path.as_ref();
+        self.load_weights_inner(path.as_ref(), strict)
+            .map_err(|e| super::checkpoint::called_by_every_rank("load_weights", e))
+    }
+
+    fn load_weights_inner(&self, path: &Path, strict: bool) -> Result<LoadedWeights, EngineError> {
         self.pending_error_but_broken()?;
         let checked = self.check_weights(path, strict);
         let checked = self.agree(checked, "load the weights file")?;

@@ -507,13 +507,19 @@ impl Agents {
                 if self.elastic.is_none() {
                     return Ok(None);
                 }
-                Ok(self.lost()?.map(|who| {
-                    Some(Failure::new(
-                        1,
-                        false,
-                        format!("{who} ended (it exited, was stopped or died) before its ranks of attempt {round} did"),
-                    ))
-                }))
+                let Some(who) = self.lost()? else {
+                    return Ok(None);
+                };
+                // A launcher counts itself done before it leaves: one that
+                // left since the count above was read may have.
+                if c.add(&key, 0)? >= self.members.len() as i64 {
+                    return Ok(Some(None));
+                }
+                Ok(Some(Some(Failure::new(
+                    1,
+                    false,
+                    format!("{who} ended (it exited, was stopped or died) before its ranks of attempt {round} did"),
+                ))))
             },
         )?;
         // The round's record: this one if it is the first.
@@ -564,6 +570,13 @@ impl Agents {
             }
             if self.elastic.is_none() {
                 if let Some(who) = self.lost()? {
+                    // What it waited for may have come just before the
+                    // launcher left (one that finished its part counts
+                    // itself done, then ends): until stop 76 a job whose
+                    // other node finished between the two reads failed.
+                    if let Some(v) = done(&self.client)? {
+                        return Ok(v);
+                    }
                     bail!(
                         "{who} ended (it exited, was stopped or died) while this one waited for {what}: every node's launcher runs until the job ends; its own output says why"
                     );

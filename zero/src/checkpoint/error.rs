@@ -118,8 +118,8 @@ pub enum CheckpointError {
         strict: bool,
     },
     /// Ranks read different weights files (each "ranks R read PATH (N
-    /// bytes"), told apart by their headers and lengths. Nothing was
-    /// loaded.
+    /// bytes"), told apart by their lengths and a CRC-32 of their headers
+    /// and of the ends of their data. Nothing was loaded.
     #[error("ranks read different weights files: {}; nothing was loaded: every rank must load the same file (on several nodes, one they share or identical copies)", .0.join("; "))]
     DifferentWeights(Vec<String>),
 }

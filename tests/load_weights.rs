@@ -3,7 +3,8 @@
 //! must end with the bits of a run whose VarStore held the same values
 //! before its engine was built, on any stage and world size; what the
 //! file does not match is refused on every rank, naming it, and changes
-//! nothing.
+//! nothing. `ShardPlan::weights_from_file` builds the model on no rank
+//! and loads the file as the engine is built: the same bits again.
 
 use std::path::{Path, PathBuf};
 
@@ -37,7 +38,7 @@ fn gpt_engine(
 /// A file of the test GPT's weights after 2 steps at stage 3 on 2 ranks
 /// (fp32, or bf16 values with `BF16`), frozen variables included: every
 /// variable set to known values first, so that none is what seed 0 gives
-/// it (the frozen ones train not).
+/// it (the frozen ones do not train).
 fn trained_file(dir: &Path, extra: &str) -> PathBuf {
     let file = dir.join(format!("trained{}.safetensors", extra.len()));
     let cfg = config_zero(3, 1, 1.0, extra, SHARD_ALL);

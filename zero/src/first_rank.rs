@@ -10,6 +10,10 @@
 //! `sync_module_states` and Hugging Face Accelerate's
 //! `cpu_ram_efficient_loading` arrange in Python. What N ranks on one
 //! host hold while the model is built falls from N models to one.
+//!
+//! [`ShardPlan::weights_from_file`](crate::ShardPlan::weights_from_file)
+//! releases on every rank, the first too: the engine then reads no
+//! rank's values and loads a file instead.
 
 use std::sync::{Arc, Mutex};
 

@@ -455,25 +455,26 @@ fn main() -> Result<()> {
     // Losses and memory are averaged and listed over the whole world (under
     // hybrid sharding the engine's own group is one shard group).
     let world = dist.world();
-    // Every rank's peak RSS so far, in MiB.
-    let peak_rss = || -> Result<Vec<f64>> {
+    // Every rank's peak RSS so far, in MiB, as a list to print.
+    let peak_rss = || -> Result<String> {
         let mine = vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64];
-        Ok(world.all_gather(mine, Vec::new()).wait()?.1)
+        let each = world.all_gather(mine, Vec::new()).wait()?.1;
+        Ok(each
+            .iter()
+            .map(|m| format!("{m:.0}"))
+            .collect::<Vec<_>>()
+            .join(", "))
     };
     // What building the model and the engine peaked at, before training
     // adds its own (the peak so far is the build's).
     let built_rss = peak_rss()?;
     if rank == 0 {
-        let each: Vec<String> = built_rss.iter().map(|m| format!("{m:.0}")).collect();
         let how = match (a.weights_on_every_rank, &a.init_from) {
             (true, _) => "every rank building the whole model",
             (false, Some(_)) => "no rank holding the weights: each loaded its shard of the file",
             (false, None) => "ranks but the first holding no weights while it is built",
         };
-        println!(
-            "built: peak RSS per rank (MiB): {} ({how})",
-            each.join(", ")
-        );
+        println!("built: peak RSS per rank (MiB): {built_rss} ({how})");
     }
     let eval = || -> Result<f64> {
         // Each rank a share of fixed validation windows; averaged.
@@ -498,12 +499,10 @@ fn main() -> Result<()> {
             let loaded = engine.load_weights(file, true)?;
             let rss = peak_rss()?;
             if rank == 0 {
-                let each: Vec<String> = rss.iter().map(|m| format!("{m:.0}")).collect();
                 println!(
-                    "initialised from {} ({} tensors, into the built engine); peak RSS per rank (MiB): {}",
+                    "initialised from {} ({} tensors, into the built engine); peak RSS per rank (MiB): {rss}",
                     file.display(),
                     loaded.loaded,
-                    each.join(", ")
                 );
             }
         }
@@ -711,13 +710,7 @@ fn main() -> Result<()> {
                 .collect();
             println!("MLP drop: of {runs} MLP runs per rank, {}", each.join(", "));
         }
-        println!(
-            "peak RSS per rank (MiB): {}; model state on rank 0: {state:.2} MiB",
-            rss.iter()
-                .map(|r| format!("{r:.0}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        println!("peak RSS per rank (MiB): {rss}; model state on rank 0: {state:.2} MiB");
         if let Some(dir) = &engine.config().config.monitor.tensorboard {
             let logdir = (dir.parent())
                 .filter(|p| !p.as_os_str().is_empty())

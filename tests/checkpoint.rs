@@ -11,8 +11,8 @@ use crate::common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, serial, solo_engine,
-    tokens, Params, GPT,
+    assert_bits, config_with, config_zero, model, model_of, nvme, nvme_params, on_ranks, serial,
+    solo_engine, tokens, Params, GPT,
 };
 use tch::{Kind, Tensor};
 use zrt::collectives::local::{LocalGroup, LocalRank};
@@ -144,15 +144,6 @@ fn tmp(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn assert_bits(what: &str, a: &Params, b: &Params) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for ((na, x), (nb, y)) in a.iter().zip(b) {
-        assert_eq!(na, nb, "{what}");
-        let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
-        assert!(same, "{what}: {na} differs");
-    }
 }
 
 fn assert_close(what: &str, a: &Params, b: &Params, tol: f64) {

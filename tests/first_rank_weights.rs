@@ -52,16 +52,8 @@ fn ranks_but_the_first_hold_no_weights_until_the_engine_and_train_to_the_same_bi
             if rank == 0 {
                 assert_eq!(losses, want_losses, "{what}");
             }
-            assert_eq!(params.len(), want_params.len(), "{what}");
-            for ((n, v), (wn, w)) in params.iter().zip(&want_params) {
-                assert_eq!(n, wn, "{what}");
-                let same =
-                    v.len() == w.len() && v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{what}: rank {rank}'s `{n}` differs from the run without it"
-                );
-            }
+            let what = format!("{what}: rank {rank} against the run without it");
+            common::assert_bits(&what, &params, &want_params);
         }
     }
 }

@@ -73,23 +73,15 @@ fn loaded_before(file: &Path, world: usize, cfg: &Config, steps: usize) -> Vec<(
     })
 }
 
-/// Asserts `got` and `want` hold the same names and bits.
-fn same_bits(got: &Params, want: &Params, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for ((n, v), (wn, w)) in got.iter().zip(want) {
-        assert_eq!(n, wn, "{what}");
-        let same = v.len() == w.len() && v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{what}: `{n}` differs");
-    }
-}
-
 /// Asserts every parameter of `params` holds the file's values exactly.
 fn holds_the_file(params: &Params, file: &[(String, Vec<f32>)], what: &str) {
     for (name, v) in params {
         let (_, w) = (file.iter().find(|(n, _)| n == name))
             .unwrap_or_else(|| panic!("{what}: `{name}` not in the file"));
-        let same = v.len() == w.len() && v.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{what}: `{name}` does not hold the file's values");
+        assert!(
+            common::bits_equal(v, w),
+            "{what}: `{name}` does not hold the file's values"
+        );
     }
 }
 
@@ -145,7 +137,7 @@ fn a_file_loaded_into_a_built_engine_trains_as_one_loaded_into_the_model_before_
                 holds_the_file(&loaded, &values, &what);
             }
             assert_eq!(losses, want_losses, "{what}");
-            same_bits(&params, &want_params, &what);
+            common::assert_bits(&what, &params, &want_params);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -494,7 +486,7 @@ fn a_model_built_from_a_file_is_held_by_no_rank_and_trains_as_one_loaded_before(
                 assert_eq!(bytes, 0, "{what}: `{name}` held while built");
             }
             assert_eq!(losses, want_losses, "{what}");
-            same_bits(&params, &want_params, &what);
+            common::assert_bits(&what, &params, &want_params);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

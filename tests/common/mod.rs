@@ -575,6 +575,21 @@ pub fn full_load_refused(dir: &std::path::Path, tag: &str, cfg: &Config, wants: 
     });
 }
 
+/// Whether `a` and `b` hold the same values to the bit (NaNs alike).
+pub fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
+/// Asserts `a` and `b` hold the same parameters, by name and in order,
+/// to the bit.
+pub fn assert_bits(what: &str, a: &Params, b: &Params) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((na, x), (nb, y)) in a.iter().zip(b) {
+        assert_eq!(na, nb, "{what}");
+        assert!(bits_equal(x, y), "{what}: {na} differs");
+    }
+}
+
 /// Copies `params` (as `Engine::gathered_params` gives them) into the
 /// VarStore's variables of the same names: weights loaded before the
 /// engine is built, as a program loads pretrained ones.

@@ -42,12 +42,7 @@ fn read_state(
     what: What,
     moments: usize,
 ) -> Result<OwnedState, CheckpointError> {
-    let n = need.len();
-    let mut state = OwnedState {
-        master: vec![0.0; n],
-        m: vec![0.0; if moments >= 1 { n } else { 0 }],
-        v: vec![0.0; if moments == 2 { n } else { 0 }],
-    };
+    let mut state = OwnedState::afresh(vec![0.0; need.len()], moments, 0.0);
     for (s, elems, dst) in u.layout.pieces(need) {
         loc.read_param(
             &s.name,

@@ -318,10 +318,8 @@ impl Frozen {
             let kind = kind_of(dtype).ok_or_else(|| {
                 CheckpointError::format(file.path(), format!("`{name}` is {dtype:?}"))
             })?;
-            let v = from_bytes(bytes, &t.size(), kind)
-                .map_err(|e| CheckpointError::format(file.path(), format!("`{name}`: {e}")))?;
-            crate::glue::realloc_if_freed(t)?;
-            tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
+            // `copy_` casts from the file's kind to the variable's.
+            assign(t, bytes, &t.size(), kind)?;
         }
         Ok(())
     }

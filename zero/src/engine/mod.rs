@@ -204,6 +204,21 @@ struct OwnedState {
     v: Vec<f32>,
 }
 
+impl OwnedState {
+    /// `master` with the moments of an optimizer keeping `moments` of
+    /// them as a new one starts them: `m` at `initial_m` (Adagrad's
+    /// `initial_accumulator_value`, else 0), `v` at 0; the `v` of one
+    /// keeping one moment and both of one keeping none are empty.
+    fn afresh(master: Vec<f32>, moments: usize, initial_m: f32) -> Self {
+        let n = master.len();
+        Self {
+            master,
+            m: vec![initial_m; if moments >= 1 { n } else { 0 }],
+            v: vec![0.0; if moments == 2 { n } else { 0 }],
+        }
+    }
+}
+
 /// What one optimizer step applies to every range it updates.
 struct Update<'a> {
     adam: &'a AdamConfig,

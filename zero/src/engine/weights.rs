@@ -254,12 +254,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                     c.file.read_widened(&s.name, elems, &mut master[dst])?;
                 }
             }
-            let n = need.len();
-            let state = OwnedState {
-                master,
-                m: vec![initial_m; if moments >= 1 { n } else { 0 }],
-                v: vec![0.0; if moments == 2 { n } else { 0 }],
-            };
+            let state = OwnedState::afresh(master, moments, initial_m);
             let (u, sh) = (&st.units[k], &mut st.shards[k]);
             i.install(u, sh, k, need, state)?;
             sh.g.fill(0.0);

@@ -64,6 +64,10 @@ struct Args {
     /// Every rank builds the whole model (`--weights-on-every-rank`), as
     /// without `ShardPlan::weights_on_first_rank_only`.
     weights_on_every_rank: bool,
+    /// The first rank writes the model to this directory as it is built
+    /// rather than holding it (`--build-on-disk`,
+    /// `ShardPlan::weights_on_disk_while_built`).
+    build_on_disk: Option<PathBuf>,
 }
 
 /// The options: name, what follows it (empty for a switch), what it does.
@@ -148,6 +152,11 @@ const OPTIONS: &[(&str, &str, &str)] = &[
         "",
         "every rank builds the whole model, as without ShardPlan::weights_on_first_rank_only (to compare what building peaks at)",
     ),
+    (
+        "--build-on-disk",
+        "DIR",
+        "the first rank writes each block to an unnamed file in DIR as the model is built instead of holding the model, so no rank holds it while building (ShardPlan::weights_on_disk_while_built); not with --init-from, which holds none either, or --weights-on-every-rank",
+    ),
     ("--help", "", "print this and exit"),
 ];
 
@@ -222,6 +231,14 @@ fn parse_args() -> Result<Option<Args>> {
         heads: num("--heads", 8, 1)?,
         seq: num("--seq", 128, 1)?,
     };
+    if let (Some(_), Some(other)) = (
+        get("--build-on-disk"),
+        ["--init-from", "--weights-on-every-rank"]
+            .into_iter()
+            .find(|o| opts.contains_key(*o)),
+    ) {
+        bail!("--build-on-disk and {other} ask for two ways of building the model: drop one (--init-from already builds with no rank holding the model)");
+    }
     if gpt.d_model % gpt.heads != 0 {
         bail!(
             "--heads {} must divide --d-model {}",
@@ -267,6 +284,7 @@ fn parse_args() -> Result<Option<Args>> {
         layerdrop: chance("--layerdrop")?,
         mlp_drop: chance("--mlp-drop")?,
         weights_on_every_rank: opts.contains_key("--weights-on-every-rank"),
+        build_on_disk: get("--build-on-disk").map(PathBuf::from),
         fail_at: match get("--fail-at") {
             None => None,
             Some(_) => Some(num("--fail-at", 1, 1)? as u64),
@@ -388,11 +406,13 @@ fn main() -> Result<()> {
     // Ranks but the first hold no weights while the model is built (the
     // engine gives them rank 0's): N ranks on one host hold one model
     // while they build, not N. Started from a file, no rank holds them:
-    // the engine loads each rank's shard of the file once it is built.
-    match (&a.init_from, a.weights_on_every_rank) {
-        (_, true) => {}
-        (Some(file), false) => plan.weights_from_file(&vs, file)?,
-        (None, false) => plan.weights_on_first_rank_only(&vs, rank)?,
+    // the engine loads each rank's shard of the file once it is built;
+    // with --build-on-disk rank 0 holds them on disk.
+    match (&a.init_from, a.weights_on_every_rank, &a.build_on_disk) {
+        (_, true, _) => {}
+        (Some(file), false, _) => plan.weights_from_file(&vs, file)?,
+        (None, false, Some(dir)) => plan.weights_on_disk_while_built(&vs, rank, dir)?,
+        (None, false, None) => plan.weights_on_first_rank_only(&vs, rank)?,
     }
     let gpt = match a.checkpoint {
         true => Gpt::new_checkpointed(&vs.root(), &plan, &a.gpt),
@@ -469,10 +489,13 @@ fn main() -> Result<()> {
     // adds its own (the peak so far is the build's).
     let built_rss = peak_rss()?;
     if rank == 0 {
-        let how = match (a.weights_on_every_rank, &a.init_from) {
-            (true, _) => "every rank building the whole model",
-            (false, Some(_)) => "no rank holding the weights: each loaded its shard of the file",
-            (false, None) => "ranks but the first holding no weights while it is built",
+        let how = match (a.weights_on_every_rank, &a.init_from, &a.build_on_disk) {
+            (true, _, _) => "every rank building the whole model",
+            (false, Some(_), _) => "no rank holding the weights: each loaded its shard of the file",
+            (false, None, Some(_)) => {
+                "no rank holding the weights: the first wrote them to disk as it built"
+            }
+            (false, None, None) => "ranks but the first holding no weights while it is built",
         };
         println!("built: peak RSS per rank (MiB): {built_rss} ({how})");
     }

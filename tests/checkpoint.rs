@@ -1250,6 +1250,47 @@ fn the_main_job_started_from_a_consolidated_file_starts_where_its_run_ended() {
 }
 
 #[test]
+fn the_main_job_built_on_disk_trains_as_it_does_built_on_rank_0() {
+    // `--build-on-disk DIR`: rank 0 writes the model to DIR as it is made
+    // rather than holding it; the run is the run without it, and DIR is
+    // left as it was.
+    let _serial = serial();
+    let dir = tmp("build-on-disk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap();
+    let args = ["--steps", "2", "--eval-every", "1", "--no-save"];
+    let held = train_gpt(&args);
+    let on_disk = train_gpt(&[&args[..], &["--build-on-disk", d]].concat());
+    let left = std::fs::read_dir(&dir).unwrap().count();
+    assert!(
+        on_disk.contains("the first wrote them to disk as it built"),
+        "{on_disk}"
+    );
+    for step in [0, 1, 2] {
+        assert_eq!(
+            validation_at(&on_disk, step),
+            validation_at(&held, step),
+            "{held}\n{on_disk}"
+        );
+    }
+    // Two ways of building at once are refused, naming both.
+    let o = common::output_elsewhere(&mut main_job(
+        &[],
+        &["--build-on-disk", d, "--weights-on-every-rank", "--no-save"],
+    ));
+    let said = common::printed(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(left, 0);
+    assert!(!o.status.success(), "{said}");
+    assert!(
+        said.contains(
+            "--build-on-disk and --weights-on-every-rank ask for two ways of building the model"
+        ),
+        "{said}"
+    );
+}
+
+#[test]
 fn the_main_job_resumed_in_fresh_processes_ends_with_the_same_bits() {
     let _serial = serial();
     let (straight, resumed, _) = main_job_straight_and_resumed("processes", &[]);

@@ -350,7 +350,7 @@ fn estimate_prints_the_design_formula() {
     assert!(ok, "{out}");
     assert!(
         out.contains("building the model: 4.00 GiB on every rank")
-            && out.contains("ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file); more than stage 3 holds"),
+            && out.contains("ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made); more than stage 3 holds"),
         "{out}"
     );
     // The main job's 4.9M-parameter GPT on 2 ranks in fp32: the stages

@@ -107,6 +107,9 @@ struct Leg {
     /// `ShardPlan::weights_on_first_rank_only` (holding no weights until
     /// the engine gives them rank 0's); never in a reference.
     released: bool,
+    /// With `released`: the first rank too, writing the model to disk as
+    /// it is made (`ShardPlan::weights_on_disk_while_built`).
+    on_disk: bool,
     /// A first leg takes the program's `init` weights with
     /// `Engine::load_weights` once its engine is built (not in its
     /// VarStore before); never in a reference.
@@ -148,6 +151,7 @@ impl Leg {
                         false => "",
                     },
                 released: false,
+                on_disk: false,
                 loads_weights: false,
                 from_file: false,
                 ..self.clone()
@@ -156,6 +160,7 @@ impl Leg {
                 stage: reference_stage(self.stage, self.grouping, self.gas),
                 zero: String::new(),
                 released: false,
+                on_disk: false,
                 loads_weights: false,
                 from_file: false,
                 ..self.clone()
@@ -292,6 +297,10 @@ fn leg(
                 plan.weights_from_file(&vs, f).unwrap();
                 let gpt = new(&vs.root(), &plan, &GPT);
                 (vs, plan, gpt)
+            }),
+            _ if l.on_disk => common::built_by(&GPT, new, |vs, plan| {
+                let dir = std::env::temp_dir();
+                plan.weights_on_disk_while_built(vs, rank, dir).unwrap()
             }),
             _ => built_on(&GPT, new, l.released.then_some(rank)),
         };
@@ -477,6 +486,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
         qgz: false,
         qfrozen: false,
         released: false,
+        on_disk: false,
         loads_weights: false,
         from_file: false,
     };
@@ -517,6 +527,7 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
             qgz: false,
             qfrozen: false,
             released: false,
+            on_disk: false,
             loads_weights: false,
             from_file: false,
         }
@@ -590,9 +601,15 @@ fn draw(d: &mut Draw, dir: &std::path::Path, i: usize) -> (Leg, Program, Option<
     // Ranks but the first building without their weights, in any leg
     // (drawn apart, as the packings are, so the cases stay the same).
     first.released = Draw(d.0.rotate_left(17) | 1).flag(3);
-    let then = then.map(|t| Leg {
-        released: Draw(d.0.rotate_left(11) | 1).flag(3),
-        ..t
+    // Half of those with the first rank's weights on disk.
+    first.on_disk = first.released && Draw(d.0.rotate_left(31) | 1).flag(2);
+    let then = then.map(|t| {
+        let released = Draw(d.0.rotate_left(11) | 1).flag(3);
+        Leg {
+            released,
+            on_disk: released && Draw(d.0.rotate_left(13) | 1).flag(2),
+            ..t
+        }
     });
     // Starting from a weights file loaded into the built engine, against
     // a reference whose VarStore took it: a third of the cases, drawn
@@ -726,6 +743,7 @@ fn a_bare_backward_gathers_alike_on_ranks_that_skip_different_blocks() {
         qgz: false,
         qfrozen: false,
         released: false,
+        on_disk: false,
         loads_weights: false,
         from_file: false,
     };
@@ -790,6 +808,7 @@ fn hybrid_replicas_that_skip_different_blocks_wait_for_reductions_alike() {
         qgz: false,
         qfrozen: false,
         released: false,
+        on_disk: false,
         loads_weights: false,
         from_file: false,
     };

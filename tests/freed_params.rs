@@ -144,7 +144,7 @@ fn a_forward_before_the_engine_on_a_rank_that_released_its_weights_says_why() {
     assert!(!err.contains("loss "), "{err}");
     assert_eq!(status.signal(), Some(libc::SIGSEGV), "{err}");
     for words in [
-        "under ShardPlan::weights_on_first_rank_only (on every rank under ShardPlan::weights_from_file), every weight has no memory",
+        "under ShardPlan::weights_on_first_rank_only (on every rank under ShardPlan::weights_from_file and weights_on_disk_while_built), every weight has no memory",
         "load pretrained weights on rank 0 only",
     ] {
         assert!(err.contains(words), "`{words}` not in:\n{err}");

@@ -79,6 +79,20 @@ pub fn built_on(
     new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
     released: Option<usize>,
 ) -> (nn::VarStore, ShardPlan, Gpt) {
+    built_by(cfg, new, |vs, plan| {
+        if let Some(rank) = released {
+            plan.weights_on_first_rank_only(vs, rank).unwrap();
+        }
+    })
+}
+
+/// As [`built`], with `rule` applied to the VarStore and plan before
+/// the model is made (a `ShardPlan` rule on how it is built).
+pub fn built_by(
+    cfg: &GptConfig,
+    new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
+    rule: impl FnOnce(&nn::VarStore, &ShardPlan),
+) -> (nn::VarStore, ShardPlan, Gpt) {
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
     // One intra-op thread: libtorch's reductions then sum in one order
     // whichever thread runs them, so engine and reference see the same bits.
@@ -86,9 +100,7 @@ pub fn built_on(
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    if let Some(rank) = released {
-        plan.weights_on_first_rank_only(&vs, rank).unwrap();
-    }
+    rule(&vs, &plan);
     let gpt = new(&vs.root(), &plan, cfg);
     (vs, plan, gpt)
 }

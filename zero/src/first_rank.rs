@@ -14,12 +14,16 @@
 //! [`ShardPlan::weights_from_file`](crate::ShardPlan::weights_from_file)
 //! releases on every rank, the first too: the engine then reads no
 //! rank's values and loads a file instead.
+//! [`ShardPlan::weights_on_disk_while_built`](crate::ShardPlan::weights_on_disk_while_built)
+//! releases on the first rank too, after writing each variable to a
+//! file the build reads it back from ([`crate::spill`]).
 
 use std::sync::{Arc, Mutex};
 
 use tch::nn;
 
 use crate::glue;
+use crate::spill::Spill;
 
 /// The variables of a VarStore a rank releases: a rank other than the
 /// first under `weights_on_first_rank_only`, every rank under
@@ -29,6 +33,10 @@ pub(crate) struct Release {
     /// `weights_from_file`'s file, whose values the engine loads once
     /// built (no rank's are read).
     file: Option<std::path::PathBuf>,
+    /// `weights_on_disk_while_built`'s file on the first rank, where each
+    /// variable goes before its memory is given back (the engine's build
+    /// reads it from there); dropped once the engine is built.
+    pub(crate) spill: Option<Arc<Spill>>,
 }
 
 impl Release {
@@ -38,6 +46,17 @@ impl Release {
         Self {
             vars: vs.variables_.clone(),
             file: None,
+            spill: None,
+        }
+    }
+
+    /// Releases `vs`'s variables on the first rank from now on, each
+    /// written to `spill` first; the engine takes its values from there.
+    pub(crate) fn spilled(vs: &nn::VarStore, spill: Spill) -> Self {
+        Self {
+            vars: vs.variables_.clone(),
+            file: None,
+            spill: Some(Arc::new(spill)),
         }
     }
 
@@ -47,6 +66,7 @@ impl Release {
         Self {
             vars: vs.variables_.clone(),
             file: Some(file),
+            spill: None,
         }
     }
 
@@ -74,12 +94,17 @@ impl Release {
             if t.numel() == 0 || glue::is_freed(&t).unwrap_or(true) {
                 continue;
             }
+            // What could not be written keeps its values (said once).
+            if self.spill.as_ref().is_some_and(|s| !s.write(&name, &t)) {
+                continue;
+            }
             match glue::free_storage(&t) {
                 Ok(()) => released = true,
                 Err(e) => {
-                    let rule = match self.file {
-                        Some(_) => "weights_from_file",
-                        None => "weights_on_first_rank_only",
+                    let rule = match (&self.file, &self.spill) {
+                        (Some(_), _) => "weights_from_file",
+                        (None, Some(_)) => "weights_on_disk_while_built",
+                        (None, None) => "weights_on_first_rank_only",
                     };
                     tracing::warn!("{rule}: `{name}` keeps its memory: {e}")
                 }

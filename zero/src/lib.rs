@@ -20,6 +20,7 @@ pub mod monitor;
 mod plan;
 mod running;
 pub mod schedule;
+mod spill;
 
 pub use checkpoint::CheckpointError;
 pub use config::{AutoHints, Config, ConfigError, Resolved};

@@ -67,14 +67,16 @@ pub(crate) struct PlanInner {
     /// Set by [`ShardPlan::use_muon`].
     pub(crate) muon: Mutex<Option<Arc<NameRule>>>,
     /// Set by [`ShardPlan::weights_on_first_rank_only`] on the other
-    /// ranks, by [`ShardPlan::weights_from_file`] on every rank.
+    /// ranks, by [`ShardPlan::weights_from_file`] and
+    /// [`ShardPlan::weights_on_disk_while_built`] on every rank.
     pub(crate) release: Mutex<Option<Release>>,
 }
 
 impl PlanInner {
     /// On a rank other than the first of a plan under
-    /// [`ShardPlan::weights_on_first_rank_only`], releases every variable
-    /// made so far; a no-op otherwise.
+    /// [`ShardPlan::weights_on_first_rank_only`], and on every rank under
+    /// `weights_from_file` and `weights_on_disk_while_built`, releases
+    /// every variable made so far; a no-op otherwise.
     pub(crate) fn release_made_so_far(&self) {
         if let Ok(r) = self.release.lock() {
             if let Some(r) = r.as_ref() {
@@ -87,6 +89,24 @@ impl PlanInner {
     pub(crate) fn weights_file(&self) -> Option<std::path::PathBuf> {
         let r = self.release.lock().ok()?;
         r.as_ref()?.file().map(std::path::Path::to_path_buf)
+    }
+
+    /// The first rank's file under
+    /// [`ShardPlan::weights_on_disk_while_built`], if it has one.
+    pub(crate) fn spill(&self) -> Option<Arc<crate::spill::Spill>> {
+        let r = self.release.lock().ok()?;
+        r.as_ref()?.spill.clone()
+    }
+
+    /// Closes the first rank's file under
+    /// [`ShardPlan::weights_on_disk_while_built`] (the engine is built,
+    /// and no longer reads it): its disk space goes back.
+    pub(crate) fn drop_spill(&self) {
+        if let Ok(mut r) = self.release.lock() {
+            if let Some(r) = r.as_mut() {
+                r.spill = None;
+            }
+        }
     }
 
     /// The hook of the engine built from this plan, if one is (cloned, so
@@ -499,6 +519,45 @@ impl ShardPlan {
     ) -> Result<(), EngineError> {
         let release = (rank != 0).then(|| Release::of(vs));
         self.set_rule_slot("weights_on_first_rank_only", &self.inner.release, release)
+    }
+
+    /// As [`Self::weights_on_first_rank_only`], and the first rank holds
+    /// no weights either: as each block is wrapped it writes the
+    /// variables made so far to a file in `dir` and gives their memory
+    /// back, and the engine's build reads each unit's back from there
+    /// just before it spreads them. Building then holds about one block
+    /// on every rank, never the model: a fresh model too big for any one
+    /// rank's memory is built (DeepSpeed's `zero.Init` with
+    /// `remote_device="nvme"`). The cost is writing the model to `dir`
+    /// once and reading it once, on the first rank.
+    ///
+    /// `rank` is this process's world rank, as for
+    /// `weights_on_first_rank_only` (on the other ranks this is that
+    /// rule; `dir` is not touched there). `dir` must exist and be
+    /// writable by the first rank, on a disk with room for the model's
+    /// weights in the dtypes they are made in (a tmpfs holds its files
+    /// in memory, which defeats the purpose). The file has no name from
+    /// the moment it is made, so a run that stops, however it stops,
+    /// leaves nothing in `dir`; it closes once the engine is built. A
+    /// write that fails (a full disk) is said once, and from then on the
+    /// first rank keeps what the model makes, as under
+    /// `weights_on_first_rank_only`. Until the engine is built no weight
+    /// has memory on any rank: reading or writing one (a forward,
+    /// `vs.load`) stops the process with an explanation; to start from
+    /// pretrained weights use [`Self::weights_from_file`]. The ranks'
+    /// results are the bits of a run without it.
+    pub fn weights_on_disk_while_built(
+        &self,
+        vs: &nn::VarStore,
+        rank: usize,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<(), EngineError> {
+        let release = match rank {
+            0 => Release::spilled(vs, crate::spill::Spill::create(dir.as_ref())?),
+            _ => Release::of(vs),
+        };
+        let rule = "weights_on_disk_while_built";
+        self.set_rule_slot(rule, &self.inner.release, Some(release))
     }
 
     /// Makes no rank hold the model's weights, the first included: each

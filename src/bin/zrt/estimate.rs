@@ -217,7 +217,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     let stage3 = model_state_bytes(3, a.params, a.world as f64, c, moments)
         + frozen_bytes(3, a.frozen, a.world as f64, c, quantize_frozen);
     println!(
-        "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file){}",
+        "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made){}",
         human(built),
         match built > stage3 {
             true => "; more than stage 3 holds",

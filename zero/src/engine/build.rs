@@ -129,9 +129,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // `weights_from_file`: no rank's values are read; the file is
         // loaded once the engine is built.
         let file = plan.inner.weights_file();
+        // `weights_on_disk_while_built`'s file, on the first rank.
+        let spill = plan.inner.spill();
         let source = match file {
             Some(_) => Source::File,
-            None => Source::FirstRank,
+            None => Source::FirstRank(spill.as_deref()),
         };
         // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
         // keep every element's).
@@ -199,6 +201,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             .collect();
         let frozen = frozen::Frozen::of(whole, sharded, &params, compute.kind())?;
         frozen.sync(&group, replicate.as_ref(), source)?;
+        // Every value is read: the spill's disk space goes back.
+        drop(spill);
+        plan.inner.drop_spill();
         let inner = Arc::new(Inner {
             group,
             replicate,
@@ -455,7 +460,7 @@ fn lay_out<G: ProcessGroup>(
     settings: &groups::Settings,
     compute: Compute,
     (group, replicate): (&G, Option<&G>),
-    source: Source,
+    source: Source<'_>,
     stage3_threshold: Option<usize>,
     shard_of: impl Fn(&Unit, Vec<f32>) -> Shard,
 ) -> Result<(Vec<Unit>, Vec<Shard>), EngineError> {
@@ -645,7 +650,7 @@ fn muon_holes(u: &Unit, stage: u8, rank: usize, settings: &groups::Settings) -> 
 }
 
 /// How stage 3 shards the frozen parameters of its units.
-struct FrozenPart {
+struct FrozenPart<'a> {
     /// `stage3_param_persistence_threshold`: parameters of at most this
     /// many elements stay whole.
     threshold: usize,
@@ -653,10 +658,10 @@ struct FrozenPart {
     /// `zero_quantized_nontrainable_weights`: kept as int8.
     quantize: bool,
     /// Where the values come from.
-    source: Source,
+    source: Source<'a>,
 }
 
-impl FrozenPart {
+impl FrozenPart<'_> {
     /// Stage 3 shards the frozen parameters of its units too (not the
     /// root's): fp32 or compute-dtype ones of more than `threshold`
     /// elements, each into its unit's frozen part (a collective).

@@ -96,9 +96,9 @@ impl Frozen {
         &self,
         group: &G,
         replicate: Option<&G>,
-        source: super::Source,
+        source: super::Source<'_>,
     ) -> Result<(), EngineError> {
-        if source == super::Source::File {
+        if let super::Source::File = source {
             // No rank's values: memory (zeros) for the file's, which the
             // build loads next.
             for (_, t) in &self.vars {
@@ -118,6 +118,9 @@ impl Frozen {
         for (name, t) in &self.vars {
             let kind = t.f_kind()?;
             let shape = t.size();
+            if let (true, super::Source::FirstRank(Some(spill))) = (root, source) {
+                spill.restore(name, t)?;
+            }
             let bytes = match root {
                 true => raw(name, t)?.2,
                 false => vec![0u8; t.numel() * kind.elt_size_in_bytes()],

@@ -122,7 +122,7 @@ impl Part {
         unit: &str,
         vars: Vec<(String, Tensor)>,
         compute: Compute,
-        source: super::Source,
+        source: super::Source<'_>,
         group: &G,
         replicate: Option<&G>,
         packed: bool,

@@ -375,10 +375,12 @@ unsafe fn elems<T>(t: &Tensor, n: usize) -> &mut [T] {
 }
 
 /// Where an engine's build takes the weights' values from.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Source {
-    /// World rank 0's variables, everyone's (`sync_module_states`).
-    FirstRank,
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// World rank 0's variables, everyone's (`sync_module_states`); read
+    /// back from its spill first where it wrote them there
+    /// (`ShardPlan::weights_on_disk_while_built`).
+    FirstRank(Option<&'a crate::spill::Spill>),
     /// No rank's: the layout holds zeros until the build ends by loading
     /// `ShardPlan::weights_from_file`'s file.
     File,
@@ -395,7 +397,7 @@ fn rank0_flat<G: ProcessGroup>(
     vars: &std::collections::HashMap<String, Tensor>,
     compute: Compute,
     (group, replicate): (&G, Option<&G>),
-    source: Source,
+    source: Source<'_>,
 ) -> Result<(Vec<f32>, Tensor, Vec<Tensor>), EngineError> {
     let var = |name: &str| {
         vars.get(name)
@@ -407,21 +409,28 @@ fn rank0_flat<G: ProcessGroup>(
     // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
     // first rank's must be: a freed one there stops the process, saying
     // why, as any read of a freed weight does).
-    let root = is_first_rank(group, replicate) && source == Source::FirstRank;
+    let root = is_first_rank(group, replicate) && matches!(source, Source::FirstRank(_));
     for s in &layout.slots {
         let t = var(&s.name)?;
         if !root && glue::is_freed(t)? {
             continue;
         }
+        let slot = &mut values[s.offset..s.offset + s.numel];
+        if let (true, Source::FirstRank(Some(spill))) = (root, source) {
+            // Straight into the layout: the view below is its memory.
+            if spill.read_f32(&s.name, slot)? {
+                continue;
+            }
+        }
         let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
-        values[s.offset..s.offset + s.numel].copy_from_slice(&v);
+        slot.copy_from_slice(&v);
     }
     let values = match (replicate, source) {
-        (Some(r), Source::FirstRank) => r.broadcast(values, 0).wait()?,
+        (Some(r), Source::FirstRank(_)) => r.broadcast(values, 0).wait()?,
         _ => values,
     };
     let values = match source {
-        Source::FirstRank => group.broadcast(values, 0).wait()?,
+        Source::FirstRank(_) => group.broadcast(values, 0).wait()?,
         Source::File => values,
     };
     // One copy of the unit beside `values` (to_kind keeps an fp32 tensor

@@ -120,7 +120,7 @@ const OPTIONS: &[(&str, &str, &str)] = &[
     (
         "--init-from",
         "FILE",
-        "start from the weights in FILE (safetensors under the model's names: `zrt ckpt consolidate`'s output, save_16bit_model's): no rank holds the model, the engine loads each rank's shard of FILE as it is built (ShardPlan::weights_from_file; with --weights-on-every-rank, Engine::load_weights into the built engine); a checkpoint --resume finds comes after it",
+        "start from the weights in FILE (safetensors under the model's names: `zrt ckpt consolidate`'s output, save_16bit_model's; or a sharded checkpoint's model.safetensors.index.json, or its directory): no rank holds the model, the engine loads each rank's shard of FILE as it is built (ShardPlan::weights_from_file; with --weights-on-every-rank, Engine::load_weights into the built engine); a checkpoint --resume finds comes after it",
     ),
     (
         "--freeze-mlp",

@@ -569,3 +569,107 @@ fn a_load_only_rank_0_calls_is_named_as_a_collective() {
         "{trainer}"
     );
 }
+
+/// Writes `tensors` as a sharded checkpoint in `dir`: `parts` files
+/// (`model-0000k-of-0000n.safetensors`, the tensors dealt round) and
+/// their index, `model.safetensors.index.json`, with `extra` tensors in
+/// the files (by file number) that the index does not place there.
+fn write_sharded(
+    dir: &Path,
+    tensors: &[(String, Tensor)],
+    parts: usize,
+    extra: &[(usize, String, Tensor)],
+) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let name = |k: usize| format!("model-{:05}-of-{parts:05}.safetensors", k + 1);
+    let mut map = serde_json::Map::new();
+    for k in 0..parts {
+        let mut mine: Vec<(String, Tensor)> = (tensors.iter().enumerate())
+            .filter(|(i, _)| i % parts == k)
+            .map(|(_, (n, t))| (n.clone(), t.shallow_clone()))
+            .collect();
+        for (n, _) in &mine {
+            map.insert(n.clone(), name(k).into());
+        }
+        (extra.iter().filter(|(f, ..)| *f == k))
+            .for_each(|(_, n, t)| mine.push((n.clone(), t.shallow_clone())));
+        write(dir, &name(k), &mine);
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    let path = dir.join("model.safetensors.index.json");
+    std::fs::write(&path, index.to_string()).unwrap();
+    path
+}
+
+#[test]
+fn a_sharded_checkpoint_loads_through_its_index_or_its_directory() {
+    // Hugging Face's layout for a model too big for one file: several
+    // safetensors files and an index naming each tensor's file.
+    let dir = scratch("load-weights-sharded");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    let mut tensors = Tensor::read_safetensors(&file).unwrap();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    // A stale copy of a tensor in a file the index does not place it in:
+    // the index decides.
+    let (stale, t) = &tensors[0];
+    let wrong = vec![(1, stale.clone(), t.ones_like())];
+    let sharded = dir.join("sharded");
+    let index = write_sharded(&sharded, &tensors, 3, &wrong);
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let got = on_ranks(2, |r| {
+        let (e, _) = gpt_engine(&r, 2, &cfg, |_| {});
+        let by_index = e.load_weights(&index, true).unwrap();
+        let from_index = e.gathered_params().unwrap();
+        // A directory: its index.
+        let (e2, _) = gpt_engine(&r, 2, &cfg, |_| {});
+        e2.load_weights(&sharded, true).unwrap();
+        (by_index, from_index, e2.gathered_params().unwrap())
+    });
+    for (report, from_index, from_dir) in got {
+        assert_eq!((report.missing.len(), report.unexpected.len()), (0, 0));
+        assert_eq!(report.loaded, values.len());
+        holds_the_file(&from_index, &values, "through the index");
+        holds_the_file(&from_dir, &values, "through the directory");
+    }
+    // Built from it by no rank, as from one file.
+    let built = on_ranks(2, |r| {
+        let (vs, plan, _gpt, held) = built_from_file(&sharded);
+        freeze(&vs, FROZEN);
+        let group = r.new_group(&[0, 1]).unwrap();
+        let hints = zrt::zero::AutoHints::default();
+        let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+        (held, e.gathered_params().unwrap())
+    });
+    for (held, params) in built {
+        assert!(held.iter().all(|(_, b)| *b == 0), "{held:?}");
+        holds_the_file(&params, &values, "built from the directory");
+    }
+    // What is refused, on every rank, naming the fault.
+    let missing_part = dir.join("missing-part");
+    write_sharded(&missing_part, &tensors, 2, &[]);
+    std::fs::remove_file(missing_part.join("model-00002-of-00002.safetensors")).unwrap();
+    let misplaced = dir.join("misplaced");
+    let idx = write_sharded(&misplaced, &tensors, 2, &[]);
+    let text = std::fs::read_to_string(&idx).unwrap();
+    let moved = format!(r#""{stale}":"model-00002-of-00002.safetensors""#);
+    assert!(text.contains(&format!(r#""{stale}":"model-00001-of-00002.safetensors""#)));
+    std::fs::write(
+        &idx,
+        text.replace(&moved.replace("00002-of", "00001-of"), &moved),
+    )
+    .unwrap();
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    for (path, says) in [
+        (missing_part.clone(), "model-00002-of-00002.safetensors: no such file".to_string()),
+        (misplaced.clone(), format!("its weight_map places `{stale}` in model-00002-of-00002.safetensors, which does not hold it")),
+        (empty.clone(), "a directory holding neither model.safetensors.index.json (a sharded checkpoint's index) nor model.safetensors".to_string()),
+    ] {
+        for (err, unchanged) in refusals(&cfg, [&path, &path], true) {
+            assert!(err.contains(&says), "{err}");
+            assert!(unchanged, "{err}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

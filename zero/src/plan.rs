@@ -574,8 +574,10 @@ impl ShardPlan {
     ///
     /// `file` is a safetensors file of every variable under the model's
     /// VarStore names ([`Engine::save_16bit_model`](crate::Engine::save_16bit_model)'s,
-    /// `zrt ckpt consolidate`'s, tch's `VarStore::save`), which every
-    /// rank must see; every rank calls this, with the same file (the
+    /// `zrt ckpt consolidate`'s, tch's `VarStore::save`), or a model in
+    /// several files as `load_weights` takes one (a sharded checkpoint's
+    /// index, or its directory), which every rank must see; every rank
+    /// calls this, with the same file (the
     /// engine's build refuses ranks that differ). The initial values the
     /// model's layers draw are never used. Until the engine is built no
     /// weight has memory on any rank: reading or writing one (a forward,

@@ -388,6 +388,30 @@ pub(crate) fn read_json(path: &Path) -> Result<String, CheckpointError> {
     Ok(body.to_string())
 }
 
+/// What holds tensors that read widened to fp32: a checkpoint's rank
+/// file, a whole-model weights file or several.
+pub(crate) trait ReadWidened {
+    /// Copies elements `range` of tensor `name`, an F32, BF16 or F16
+    /// one, into `dst`, widened to fp32 (exactly).
+    fn read_widened(
+        &self,
+        name: &str,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<(), CheckpointError>;
+}
+
+impl ReadWidened for RankFile {
+    fn read_widened(
+        &self,
+        name: &str,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        RankFile::read_widened(self, name, range, dst)
+    }
+}
+
 /// One rank's safetensors file, mapped and verified against its CRC-32.
 ///
 /// Mapped rather than read: a rank takes only its part of a file (its

@@ -50,6 +50,7 @@ mod error;
 pub(crate) mod files;
 pub(crate) mod meta;
 mod prune;
+pub(crate) mod weights_files;
 
 pub use consolidate::{consolidate, inspect, ExportDtype, ROUNDED_KEY};
 pub(crate) use error::model_diff;

@@ -16,6 +16,7 @@ use tch::{Kind, Tensor};
 use zrt_collectives::ProcessGroup;
 
 use crate::checkpoint::files::{Planned, RankFile, Sink};
+use crate::checkpoint::weights_files::WeightsFiles;
 use crate::checkpoint::{CheckpointError, FrozenMeta};
 use crate::EngineError;
 
@@ -313,14 +314,15 @@ impl Frozen {
     /// dtype to the variable's, one at a time.
     pub(super) fn load_weights(
         &self,
-        file: &RankFile,
+        file: &WeightsFiles,
         has: &std::collections::HashSet<String>,
     ) -> Result<(), EngineError> {
         for (name, t) in self.vars.iter().filter(|(n, _)| has.contains(n)) {
             let (dtype, bytes) = file.bytes(name)?;
-            let kind = kind_of(dtype).ok_or_else(|| {
-                CheckpointError::format(file.path(), format!("`{name}` is {dtype:?}"))
-            })?;
+            let Some(kind) = kind_of(dtype) else {
+                let path = file.file_of(name)?.path();
+                return Err(CheckpointError::format(path, format!("`{name}` is {dtype:?}")).into());
+            };
             // `copy_` casts from the file's kind to the variable's.
             assign(t, bytes, &t.size(), kind)?;
         }

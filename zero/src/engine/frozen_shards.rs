@@ -45,7 +45,7 @@ use super::offload::{read_words, recast, FrozenSwap};
 use super::overlap::{pack, unpack_all, Fetch};
 use super::pool::Pools;
 use super::Compute;
-use crate::checkpoint::files::RankFile;
+use crate::checkpoint::files::ReadWidened;
 use crate::flat::FlatLayout;
 use crate::EngineError;
 
@@ -318,7 +318,7 @@ impl Part {
     /// frozen file, which [`super::frozen::Frozen::read`] checked holds
     /// every one in its saved dtype and shape), reading only the shard's
     /// elements: no rank holds the whole frozen base to load it.
-    pub(super) fn load(&mut self, file: &RankFile) -> Result<(), EngineError> {
+    pub(super) fn load(&mut self, file: &impl ReadWidened) -> Result<(), EngineError> {
         let range = self.layout.shard(self.rank);
         let mut mine = vec![0f32; range.len()];
         for (s, elems, dst) in self.layout.pieces(range) {

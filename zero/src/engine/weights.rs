@@ -4,7 +4,8 @@
 //!
 //! The file is any safetensors file under the model's VarStore names:
 //! [`Engine::save_16bit_model`]'s export, `zrt ckpt consolidate`'s output,
-//! tch's `VarStore::save`, a converted Hugging Face checkpoint. Each rank
+//! tch's `VarStore::save`, a converted Hugging Face checkpoint, or several
+//! under a sharded checkpoint's index ([`WeightsFiles`]). Each rank
 //! maps it and reads only the elements of its own range of each unit (and
 //! of its shard of stage 3's frozen parameters), widened to fp32; the
 //! variables every rank holds whole it reads whole. Like a checkpoint
@@ -22,7 +23,8 @@ use zrt_collectives::ProcessGroup;
 
 use super::checkpoint::Reads;
 use super::{elems, frozen, Compute, Engine, OwnedState, State};
-use crate::checkpoint::files::RankFile;
+use crate::checkpoint::files::ReadWidened;
+use crate::checkpoint::weights_files::WeightsFiles;
 use crate::checkpoint::CheckpointError;
 use crate::EngineError;
 
@@ -76,7 +78,7 @@ impl Accepts {
 /// A file checked against the model on this rank: what the apply phase
 /// reads, and the report.
 struct Checked {
-    file: RankFile,
+    file: WeightsFiles,
     /// The model's variables the file holds (their values will be read).
     has: HashSet<String>,
     report: LoadedWeights,
@@ -93,7 +95,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     ///
     /// The file is safetensors under the model's VarStore names
     /// ([`Engine::save_16bit_model`]'s, `zrt ckpt consolidate`'s, tch's
-    /// `VarStore::save`); F32, BF16 and F16 tensors load into
+    /// `VarStore::save`). A model in several files loads from its index
+    /// (Hugging Face's `model.safetensors.index.json`, whose `weight_map`
+    /// names each tensor's file, the files beside it), and `path` may be
+    /// a directory holding that index or a `model.safetensors`. F32, BF16 and F16 tensors load into
     /// parameters, widened exactly (a 16-bit export loads as its values),
     /// and frozen variables take their own kind (a floating-point one
     /// from any float dtype). A zrt file's CRC-32 is checked.
@@ -144,7 +149,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Maps the file and checks it against the model: names, shapes,
     /// dtypes and byte lengths, without reading a value.
     fn check_weights(&self, path: &Path, strict: bool) -> Result<Checked, CheckpointError> {
-        let file = RankFile::open_weights(path)?;
+        let file = WeightsFiles::open(path)?;
         let st = self.inner.st.lock();
         let in_file: HashMap<&str, (Dtype, &[usize], usize)> = (file.tensors())
             .map(|(n, d, s, len)| (n, (d, s, len)))

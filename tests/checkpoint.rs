@@ -775,6 +775,43 @@ fn zrt_ckpt_consolidates_for_python_torch_and_inspects() {
         (got - want).abs() <= 1e-9 * want.abs().max(1.0),
         "python sum {got}, ours {want}"
     );
+    // Sharded as zero_to_fp32.py --max_shard_size writes it: Python
+    // reads every tensor from the file the index names, the same bits
+    // as the single file's.
+    let sharded = dir.join("sharded");
+    let o = std::process::Command::new(zrt)
+        .args(["ckpt", "consolidate"])
+        .arg(&dir)
+        .arg(&sharded)
+        .args(["--dtype", "bf16", "--max-shard-size", "20KB"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let files = std::fs::read_dir(&sharded).unwrap().count() - 1;
+    assert!(files > 2, "{said}");
+    assert!(
+        said.contains(&format!("tensors to {} ({files} files)", sharded.display())),
+        "{said}"
+    );
+    let script = format!(
+        "import json, os\n\
+         from safetensors.torch import load_file\n\
+         import torch\n\
+         d = r'{}'\n\
+         index = json.load(open(os.path.join(d, 'model.safetensors.index.json')))\n\
+         whole = load_file(r'{}')\n\
+         files = {{f: load_file(os.path.join(d, f)) for f in set(index['weight_map'].values())}}\n\
+         assert sorted(index['weight_map']) == sorted(whole), 'names'\n\
+         for n, f in index['weight_map'].items():\n\
+         \x20   assert torch.equal(files[f][n], whole[n]), n\n\
+         assert all(os.path.getsize(os.path.join(d, f)) < 20000 + 4096 for f in files)\n\
+         assert index['metadata']['total_size'] == sum(t.numel() * t.element_size() for t in whole.values())\n\
+         print(len(files))\n",
+        sharded.display(),
+        out.display(),
+    );
+    assert_eq!(common::python(&script).trim(), files.to_string());
     // inspect: text and a clear failure on a damaged file.
     let inspect = || {
         std::process::Command::new(zrt)

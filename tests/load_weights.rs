@@ -673,3 +673,60 @@ fn a_sharded_checkpoint_loads_through_its_index_or_its_directory() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_sharded_16_bit_export_loads_as_the_single_file_does() {
+    // save_16bit_model_sharded: files of at most a limit and their index
+    // (one file and no index when the model fits, an earlier export's
+    // files in its directory removed), read back through the
+    // directory to the bits of save_16bit_model's one file.
+    let dir = scratch("save-sharded");
+    let cfg = config_zero(3, 1, 1.0, BF16, SHARD_ALL);
+    let (one, many, fits) = (
+        dir.join("one.safetensors"),
+        dir.join("many"),
+        dir.join("fits"),
+    );
+    on_ranks(2, |r| {
+        let (e, gpt) = gpt_engine(&r, 2, &cfg, |vs| common::known_values(vs, 0.3, 0.1));
+        train_losses(&gpt, &e, r.rank(), 1);
+        e.save_16bit_model(&one).unwrap();
+        e.save_16bit_model_sharded(&many, 1 << 30).unwrap();
+        e.save_16bit_model_sharded(&many, 10_000).unwrap();
+        // Over an export in more files: they go.
+        e.save_16bit_model_sharded(&fits, 3_000).unwrap();
+        e.save_16bit_model_sharded(&fits, 1 << 30).unwrap();
+    });
+    let values = file_values(&one);
+    let mut names: Vec<String> = (std::fs::read_dir(&many).unwrap().flatten())
+        .map(|f| f.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let parts = names.len() - 1;
+    assert!(parts > 2, "{names:?}");
+    assert_eq!(names[parts], "model.safetensors.index.json");
+    for (k, name) in names[..parts].iter().enumerate() {
+        assert_eq!(
+            *name,
+            format!("model-{:05}-of-{parts:05}.safetensors", k + 1)
+        );
+        // At most the limit of tensors, but a larger tensor alone.
+        let t = Tensor::read_safetensors(many.join(name)).unwrap();
+        let bytes: usize = t.iter().map(|(_, t)| t.numel() * 2).sum();
+        assert!(bytes <= 10_000 || t.len() == 1, "{name}: {bytes} bytes");
+    }
+    let single: Vec<String> = (std::fs::read_dir(&fits).unwrap().flatten())
+        .map(|f| f.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(single, ["model.safetensors"]);
+    assert_eq!(file_values(&fits.join("model.safetensors")), values);
+    let got = on_ranks(2, |r| {
+        let (e, _) = gpt_engine(&r, 2, &cfg, |_| {});
+        e.load_weights(&many, true).unwrap();
+        e.gathered_params().unwrap()
+    });
+    for params in got {
+        holds_the_file(&params, &values, "the sharded export");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,8 +8,9 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 
-use super::files::{f32_bytes, Planned, RankFile, TensorWriter};
+use super::files::{f32_bytes, Planned, RankFile};
 use super::meta::{resolve_tag, Locator, Meta, FROZEN_FILE};
+use super::sharded_out::ModelWriter;
 use super::CheckpointError;
 
 /// The dtype of a consolidated export.
@@ -30,6 +31,33 @@ pub fn consolidate(
     dir: &Path,
     tag: Option<&str>,
     out: &Path,
+    dtype: ExportDtype,
+) -> Result<usize, CheckpointError> {
+    consolidate_to(dir, tag, out, None, dtype)
+}
+
+/// As [`consolidate`], into the directory `out` as Hugging Face's
+/// sharded checkpoint (DeepSpeed's `zero_to_fp32.py --max_shard_size`):
+/// files of at most `max_shard_bytes` bytes of tensors each (a larger
+/// tensor alone in its own), `model-0000k-of-0000n.safetensors`, and
+/// their index `model.safetensors.index.json`; a model that fits in one
+/// is `model.safetensors`, with no index.
+/// [`Engine::load_weights`](crate::Engine::load_weights) reads either.
+pub fn consolidate_sharded(
+    dir: &Path,
+    tag: Option<&str>,
+    out: &Path,
+    dtype: ExportDtype,
+    max_shard_bytes: u64,
+) -> Result<usize, CheckpointError> {
+    consolidate_to(dir, tag, out, Some(max_shard_bytes), dtype)
+}
+
+fn consolidate_to(
+    dir: &Path,
+    tag: Option<&str>,
+    out: &Path,
+    max_shard_bytes: Option<u64>,
     dtype: ExportDtype,
 ) -> Result<usize, CheckpointError> {
     let (_, tag_dir) = resolve_tag(dir, tag)?;
@@ -60,7 +88,8 @@ pub fn consolidate(
         .iter()
         .filter(|f| f.quantized)
         .map(|f| f.name.as_str());
-    let mut w = TensorWriter::create(out, &plan, export_metadata(rounded))?;
+    let header = export_metadata(rounded);
+    let mut w = ModelWriter::create(out, max_shard_bytes, &plan, header)?;
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;

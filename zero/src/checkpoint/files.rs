@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors};
 
+use super::sharded_out::ModelWriter;
 use super::CheckpointError;
 
 #[cfg(target_endian = "big")]
@@ -93,7 +94,8 @@ impl Planned {
         }
     }
 
-    fn bytes(&self) -> Option<usize> {
+    /// Its length in bytes (`None` past `usize`).
+    pub(crate) fn bytes(&self) -> Option<usize> {
         self.shape
             .iter()
             .try_fold(self.dtype.size(), |n, &d| n.checked_mul(d))
@@ -268,22 +270,24 @@ pub(crate) enum Sink {
     /// This rank does not write.
     Skip,
     /// This rank writes.
-    Writing(TensorWriter),
+    Writing(ModelWriter),
     /// This rank was writing and failed.
     Failed(CheckpointError),
 }
 
 impl Sink {
-    /// A writer of `plan` to `path` when `write`, else [`Sink::Skip`].
+    /// A writer of `plan` to `path` when `write`, else [`Sink::Skip`]:
+    /// one file, or with a largest file's bytes a directory of them
+    /// ([`ModelWriter::create`]).
     pub(crate) fn open(
         write: bool,
-        path: &Path,
+        (path, max_shard_bytes): (&Path, Option<u64>),
         plan: &[Planned],
         meta: HashMap<String, String>,
     ) -> Self {
         match write {
             false => Self::Skip,
-            true => match TensorWriter::create(path, plan, meta) {
+            true => match ModelWriter::create(path, max_shard_bytes, plan, meta) {
                 Ok(w) => Self::Writing(w),
                 Err(e) => Self::Failed(e),
             },
@@ -763,14 +767,14 @@ mod tests {
             .unwrap();
         assert!(e.to_string().contains("tensor name `z` twice"), "{e}");
         // A sink keeps the first error and finishes with it.
-        let mut sink = Sink::open(true, &path, &plan(), HashMap::new());
+        let mut sink = Sink::open(true, (&path, None), &plan(), HashMap::new());
         assert!(sink.wants());
         sink.write("m", &[0; 8]);
         assert!(!sink.wants());
         sink.write("z", &[0; 24]);
         let e = sink.finish().unwrap_err().to_string();
         assert!(e.contains("tensor `m` (8 bytes)"), "{e}");
-        assert!(Sink::open(false, &path, &plan(), HashMap::new())
+        assert!(Sink::open(false, (&path, None), &plan(), HashMap::new())
             .finish()
             .is_ok());
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);

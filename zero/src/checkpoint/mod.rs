@@ -50,9 +50,10 @@ mod error;
 pub(crate) mod files;
 pub(crate) mod meta;
 mod prune;
+pub(crate) mod sharded_out;
 pub(crate) mod weights_files;
 
-pub use consolidate::{consolidate, inspect, ExportDtype, ROUNDED_KEY};
+pub use consolidate::{consolidate, consolidate_sharded, inspect, ExportDtype, ROUNDED_KEY};
 pub(crate) use error::model_diff;
 pub use error::CheckpointError;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};

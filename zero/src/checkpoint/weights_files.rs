@@ -21,7 +21,7 @@ use super::CheckpointError;
 /// The name Hugging Face gives a sharded checkpoint's index.
 pub(crate) const INDEX: &str = "model.safetensors.index.json";
 /// The name Hugging Face gives an unsharded checkpoint.
-const SINGLE: &str = "model.safetensors";
+pub(crate) const SINGLE: &str = "model.safetensors";
 
 /// One or more mapped safetensors files holding a model's tensors, each
 /// tensor in one of them.

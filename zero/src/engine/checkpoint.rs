@@ -1237,8 +1237,31 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// parameters are gathered one unit at a time and rank 0 writes each
     /// as it comes, so no rank holds the whole model.
     pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
+        self.save_16bit_model_to(path.as_ref(), None)
+    }
+
+    /// As [`Engine::save_16bit_model`], into the directory `dir` as
+    /// Hugging Face's sharded checkpoint (`save_pretrained` with
+    /// `max_shard_size`): files of at most `max_shard_bytes` bytes of
+    /// tensors each (a larger tensor alone in its own),
+    /// `model-0000k-of-0000n.safetensors`, and their index
+    /// `model.safetensors.index.json`; a model that fits in one file is
+    /// `model.safetensors`, with no index. [`Engine::load_weights`] reads
+    /// either. A collective, as `save_16bit_model`.
+    pub fn save_16bit_model_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        max_shard_bytes: u64,
+    ) -> Result<(), EngineError> {
+        self.save_16bit_model_to(dir.as_ref(), Some(max_shard_bytes))
+    }
+
+    fn save_16bit_model_to(
+        &self,
+        path: &Path,
+        max_shard_bytes: Option<u64>,
+    ) -> Result<(), EngineError> {
         let i = &*self.inner;
-        let path = path.as_ref();
         let float = i.compute.kind();
         let dtype = file_dtype(Some(float));
         // Every rank lays the file out (the same way, so a refused variable
@@ -1257,7 +1280,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // unpacked: the file's metadata names them.
             (plan, export_metadata(packed_frozen(&st)))
         };
-        let mut sink = Sink::open(i.group.rank() == 0, path, &plan, meta);
+        let out = (path, max_shard_bytes);
+        let mut sink = Sink::open(i.group.rank() == 0, out, &plan, meta);
         let units = i.st.lock().units.len();
         for k in 0..units {
             let Some(full) = self.whole_master(k)? else {
@@ -1299,7 +1323,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let plan = frozen_plan(st, None).map_err(gathering)?;
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let path = dir.join(FROZEN_FILE);
-        let mut sink = Sink::open(write && !plan.is_empty(), &path, &plan, meta);
+        let mut sink = Sink::open(write && !plan.is_empty(), (&path, None), &plan, meta);
         self.stream_frozen(st, None, &mut sink).map_err(gathering)?;
         sink.finish()?;
         let mut metas = Frozen::metas(&plan);

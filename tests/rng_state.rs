@@ -16,6 +16,7 @@ mod adagrad;
 mod checkpoint;
 mod config_sweep;
 mod experts;
+mod flops_profiler;
 mod frozen_shards;
 mod lamb;
 mod lion;

@@ -16,6 +16,7 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("csrc/glue.cpp")
+        .file("csrc/flops.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

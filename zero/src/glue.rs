@@ -12,7 +12,9 @@
 
 use std::ffi::{c_char, CStr};
 
+mod flops;
 mod freed;
+pub use flops::{count_macs, macs_counted};
 
 use tch::Tensor;
 

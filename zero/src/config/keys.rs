@@ -22,6 +22,7 @@ pub(crate) const TOP: &[&str] = &[
     "csv_monitor",
     "tensorboard",
     "comms_logger",
+    "flops_profiler",
     "checkpoint",
     "elasticity",
 ];
@@ -51,6 +52,17 @@ pub(crate) const CHECKPOINT: &[&str] = &[
 
 /// Keys of the monitor blocks zrt writes (`csv_monitor`, `tensorboard`).
 pub(crate) const MONITOR: &[&str] = &["enabled", "output_path", "job_name"];
+
+/// Keys of `flops_profiler`.
+pub(crate) const FLOPS_PROFILER: &[&str] = &[
+    "enabled",
+    "recompute_fwd_factor",
+    "profile_step",
+    "module_depth",
+    "top_modules",
+    "detailed",
+    "output_file",
+];
 
 /// Keys of `comms_logger`.
 pub(crate) const COMMS_LOGGER: &[&str] = &["enabled", "verbose", "prof_all", "prof_ops", "debug"];
@@ -92,7 +104,6 @@ pub(crate) const TOP_KNOWN_UNIMPLEMENTED: &[&str] = &[
     "comet",
     "compression_training",
     "data_efficiency",
-    "flops_profiler",
     "gradient_predivide_factor",
     "pipeline",
     "prescale_gradients",

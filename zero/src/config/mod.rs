@@ -447,6 +447,44 @@ impl CommsLoggerConfig {
     }
 }
 
+/// DeepSpeed's `flops_profiler`: at one step, the first rank reports
+/// the forward's multiply-accumulates (matrix products, counted as
+/// libtorch runs them), the step's forward, backward and optimizer
+/// latencies and the FLOPS they make, per rank, and each unit's share.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlopsProfilerConfig {
+    /// `enabled`.
+    pub enabled: bool,
+    /// `profile_step` (default 1): the step profiled is the one that runs
+    /// once this many have ended (DeepSpeed's `global_steps ==
+    /// profile_step`).
+    pub profile_step: u64,
+    /// `recompute_fwd_factor` (default 0): the share of the forward that
+    /// backward computes again (activation checkpointing), counted in the
+    /// backward's flops.
+    pub recompute_fwd_factor: f64,
+    /// `top_modules` (default 1): how many units the summary names, by
+    /// multiply-accumulates and by forward latency.
+    pub top_modules: u64,
+    /// `detailed` (default true): a line for every unit.
+    pub detailed: bool,
+    /// `output_file`: where the report goes instead of the log.
+    pub output_file: Option<std::path::PathBuf>,
+}
+
+impl Default for FlopsProfilerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            profile_step: 1,
+            recompute_fwd_factor: 0.0,
+            top_modules: 1,
+            detailed: true,
+            output_file: None,
+        }
+    }
+}
+
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZeroConfig {
@@ -583,6 +621,8 @@ pub struct Config {
     pub monitor: MonitorConfig,
     /// `comms_logger`.
     pub comms_logger: CommsLoggerConfig,
+    /// `flops_profiler`.
+    pub flops_profiler: FlopsProfilerConfig,
     /// `elasticity`, when enabled: the batch keys then come from it, the
     /// same global batch on every world size it suits.
     pub elasticity: Option<ElasticityConfig>,

@@ -369,11 +369,13 @@ fn hybrid_sizes_must_divide_the_world() {
 
 #[test]
 fn known_but_unimplemented_keys_warn_and_nvme_needs_a_path() {
-    let c = Config::from_json(r#"{"train_batch_size": 8, "activation_checkpointing": {}, "flops_profiler": {"enabled": true}}"#).unwrap();
+    let c = Config::from_json(r#"{"train_batch_size": 8, "activation_checkpointing": {}, "sparse_attention": {"mode": "fixed"}}"#).unwrap();
     assert!(c.warnings.iter().any(|w| w.starts_with("`activation_checkpointing` is a DeepSpeed setting zrt does not implement; it is ignored: it tunes DeepSpeed's own checkpointing") && w.contains("zrt::zero::activation::Checkpointed")), "{:?}", c.warnings);
     assert!(
-        c.warnings.iter().any(|w| w
-            == "`flops_profiler` is a DeepSpeed setting zrt does not implement yet; it is ignored"),
+        c.warnings.iter().any(|w| {
+            w
+            == "`sparse_attention` is a DeepSpeed setting zrt does not implement yet; it is ignored"
+        }),
         "{:?}",
         c.warnings
     );
@@ -1853,5 +1855,53 @@ fn elasticity_mistakes_name_the_key() {
             .unwrap_err()
             .to_string();
         assert!(e.contains(want), "{block}: {e}");
+    }
+}
+
+#[test]
+fn flops_profiler_reads_deepspeeds_block_and_refuses_what_it_cannot_mean() {
+    let base = r#""train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}"#;
+    let of = |block: &str| Config::from_json(&format!(r#"{{{base}, "flops_profiler": {block}}}"#));
+    // DeepSpeed's documented block, its defaults spelled out.
+    let c = of(r#"{"enabled": true, "recompute_fwd_factor": 0.0, "profile_step": 1, "module_depth": -1, "top_modules": 1, "detailed": true, "output_file": null}"#).unwrap();
+    assert_eq!(
+        c.flops_profiler,
+        FlopsProfilerConfig {
+            enabled: true,
+            ..Default::default()
+        }
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let c = of(r#"{"enabled": true, "profile_step": 5, "top_modules": 3, "detailed": false, "output_file": "flops.txt", "recompute_fwd_factor": 1.0, "module_depth": 2}"#).unwrap();
+    let want = FlopsProfilerConfig {
+        enabled: true,
+        profile_step: 5,
+        recompute_fwd_factor: 1.0,
+        top_modules: 3,
+        detailed: false,
+        output_file: Some("flops.txt".into()),
+    };
+    assert_eq!(c.flops_profiler, want);
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w
+                .starts_with("`flops_profiler.module_depth` = 2: zrt profiles the model's units")),
+        "{:?}",
+        c.warnings
+    );
+    assert_eq!(
+        Config::from_json(&format!("{{{base}}}"))
+            .unwrap()
+            .flops_profiler,
+        FlopsProfilerConfig::default()
+    );
+    for (block, says) in [
+        (r#"{"enabled": true, "recompute_fwd_factor": -1}"#, "`flops_profiler.recompute_fwd_factor` is the share of the forward that backward computes again, at least 0, got -1"),
+        (r#"{"enabled": true, "module_depth": "all"}"#, "`flops_profiler.module_depth` must be a whole number (-1: every depth), got \"all\""),
+        (r#"{"enabled": true, "profile_steps": 2}"#, "profile_step"),
+    ] {
+        let err = of(block).unwrap_err().to_string();
+        assert!(err.contains(says), "{block}: {err}");
     }
 }

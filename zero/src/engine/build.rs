@@ -259,6 +259,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             told_foreign: Default::default(),
             told_untouched: Default::default(),
             segments: segments::Segments::new(n, root_of_moved),
+            flops: Mutex::new(None),
         });
         {
             let mut st = inner.st.lock();
@@ -270,6 +271,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             if inner.cfg.config.memory_breakdown && first {
                 inner.log_memory(&st, "after building the engine");
             }
+            // `flops_profiler.profile_step` 0: the first step.
+            inner.flops_step_ended(&st);
             if inner.cfg.config.dump_state && first {
                 for line in inner.state_lines(&st) {
                     tracing::info!("{line}");

@@ -70,6 +70,7 @@ mod build;
 mod checkpoint;
 mod comms_log;
 mod elems;
+mod flops;
 mod foreign;
 mod frozen;
 mod frozen_shards;
@@ -345,6 +346,9 @@ struct Inner<G> {
     told_untouched: std::sync::atomic::AtomicBool,
     /// The checkpointed segments each unit's reduction waits for.
     segments: segments::Segments,
+    /// `flops_profiler`, on the first rank: the profile of the step under
+    /// way, while it is profiled (taken after `st`, never before it).
+    flops: Mutex<Option<flops::FlopsProfile>>,
 }
 
 /// The training engine of one rank. See the module docs for what each
@@ -965,16 +969,23 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
     }
 
     fn before_forward(&self, unit: usize) {
-        match self.inner.upgrade() {
-            Some(i) if i.stage == 3 => i.make_live(unit, true),
-            _ => {}
+        let Some(i) = self.inner.upgrade() else {
+            return;
+        };
+        i.flops_unit(unit, true);
+        if i.stage == 3 {
+            i.make_live(unit, true);
         }
     }
 
     fn after_forward(&self, unit: usize, x: &Tensor, y: &Tensor) {
-        let Some(i) = self.inner.upgrade().filter(|i| i.stage == 3) else {
+        let Some(i) = self.inner.upgrade() else {
             return;
         };
+        i.flops_unit(unit, false);
+        if i.stage != 3 {
+            return;
+        }
         let mut st = i.st.lock();
         if !y.requires_grad() && !st.prog.in_backward() {
             st.prog.order.without_backward(unit);
@@ -1295,6 +1306,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 i.abort_backward(&mut st);
                 return Err(e);
             }
+            i.flops_phase(false);
             st.timing.backward_starts()
         };
         let ran = {
@@ -1325,6 +1337,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         ended?;
         st.timing.backward_ends(started);
+        i.flops_phase(true);
         Ok(())
     }
 

@@ -89,6 +89,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         }
         let step = st.step;
         st.timing.step_ends(started, log, step);
+        i.flops_step_ended(st);
         let loss = st.loss_sum.take().map(|(sum, n)| sum / n as f64);
         i.report_progress(st, Some(norm), loss);
         Ok(true)
@@ -173,6 +174,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         st.skipped += 1;
         let step = st.step;
         st.timing.step_ends(started, log, step);
+        self.flops_step_ended(st);
         // Every rank saw the same overflow: all fail together here.
         updated?;
         tracing::warn!(

@@ -7,8 +7,9 @@ use serde_json::{Map, Value};
 
 use super::keys::{self, closest};
 use super::{
-    AioConfig, CommsLoggerConfig, Config, ConfigError, ElasticityConfig, LossScaleConfig,
-    MonitorConfig, OffloadConfig, OffloadDevice, Precision, SchedulerConfig, ZeroConfig,
+    AioConfig, CommsLoggerConfig, Config, ConfigError, ElasticityConfig, FlopsProfilerConfig,
+    LossScaleConfig, MonitorConfig, OffloadConfig, OffloadDevice, Precision, SchedulerConfig,
+    ZeroConfig,
 };
 
 mod optimizer;
@@ -588,6 +589,51 @@ impl P {
         }
     }
 
+    /// `flops_profiler`.
+    fn flops_profiler(&mut self, top: &Map<String, Value>) -> FlopsProfilerConfig {
+        let key = "flops_profiler";
+        let d = FlopsProfilerConfig::default();
+        let Some(m) = self.object(top, key) else {
+            return d;
+        };
+        self.keys(m, key, keys::FLOPS_PROFILER, &[], true);
+        let enabled = self.bool_or(m, key, "enabled", false);
+        let recompute_fwd_factor = self.f64_or(m, key, "recompute_fwd_factor", 0.0);
+        if recompute_fwd_factor < 0.0 {
+            self.problems.push(format!(
+                "`flops_profiler.recompute_fwd_factor` is the share of the forward that backward computes again, at least 0, got {recompute_fwd_factor}"
+            ));
+        }
+        match m.get("module_depth") {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_i64() {
+                Some(-1 | 1) => {}
+                Some(n) if n >= -1 => {
+                    if enabled {
+                        self.warnings.push(format!("`flops_profiler.module_depth` = {n}: zrt profiles the model's units (its wrapped blocks and the root), one level below the model; every depth shows them"));
+                    }
+                }
+                _ => self.problems.push(format!(
+                    "`flops_profiler.module_depth` must be a whole number (-1: every depth), got {v}"
+                )),
+            },
+        }
+        let output_file = match m.get("output_file") {
+            None | Some(Value::Null) => None,
+            Some(_) => self
+                .string(m, key, "output_file")
+                .map(std::path::PathBuf::from),
+        };
+        FlopsProfilerConfig {
+            enabled,
+            profile_step: self.u64_or(m, key, "profile_step", d.profile_step),
+            recompute_fwd_factor,
+            top_modules: self.u64_or(m, key, "top_modules", d.top_modules),
+            detailed: self.bool_or(m, key, "detailed", d.detailed),
+            output_file,
+        }
+    }
+
     fn aio(&mut self, top: &Map<String, Value>) -> AioConfig {
         let empty = Map::new();
         let a = self.object(top, "aio").unwrap_or(&empty);
@@ -812,6 +858,7 @@ pub(super) fn parse_all(text: &str) -> Result<(Config, Vec<String>), ConfigError
             tensorboard: p.monitor(&top, "tensorboard"),
         },
         comms_logger: p.comms_logger(&top),
+        flops_profiler: p.flops_profiler(&top),
         elasticity: p.elasticity(&top),
         warnings: Vec::new(),
         unresolved: Vec::new(),

@@ -101,7 +101,11 @@ impl FlopsProfile {
 
 impl Drop for FlopsProfile {
     fn drop(&mut self) {
-        // An engine dropped mid-profile leaves the thread not counting.
+        // An engine dropped mid-profile, on the thread that counts (where
+        // programs drop their engines), leaves it not counting. Dropped
+        // on another thread, the counting thread goes on counting (and
+        // every operator call in the process through the callback): the
+        // flag is that thread's own.
         let _ = glue::count_macs(false);
     }
 }

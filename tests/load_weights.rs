@@ -730,3 +730,113 @@ fn a_sharded_16_bit_export_loads_as_the_single_file_does() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_files_own_names_load_through_the_plans_rename_rule() {
+    // Hugging Face's layout: every name under `model.`, and a tensor this
+    // model has not (`lm_head.weight`), which the rule skips.
+    let dir = scratch("load-weights-renamed");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    let mut theirs: Vec<(String, Tensor)> = (Tensor::read_safetensors(&file).unwrap().into_iter())
+        .map(|(n, t)| (format!("model.{n}"), t))
+        .collect();
+    theirs.push((
+        "lm_head.weight".into(),
+        Tensor::ones([4, 4], (Kind::Float, tch::Device::Cpu)),
+    ));
+    let hf = write(&dir, "hf.safetensors", &theirs);
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let strip = |name: &str| {
+        let name = name.strip_prefix("model.").unwrap_or(name);
+        (!name.starts_with("lm_head.")).then(|| name.to_string())
+    };
+    // Into a built engine and by the build, no rank holding the model.
+    let got = on_ranks(2, |r| {
+        let (vs, plan, _) = model();
+        plan.rename_weights(strip).unwrap();
+        freeze(&vs, FROZEN);
+        let group = r.new_group(&[0, 1]).unwrap();
+        let hints = zrt::zero::AutoHints::default();
+        let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+        let report = e.load_weights(&hf, true).unwrap();
+        let into = e.gathered_params().unwrap();
+        drop(e);
+        let (vs, plan, _gpt) = common::seeded(|| {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let plan = zrt::zero::ShardPlan::new();
+            plan.rename_weights(strip).unwrap();
+            plan.weights_from_file(&vs, &hf).unwrap();
+            let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
+            (vs, plan, gpt)
+        });
+        freeze(&vs, FROZEN);
+        let group = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+        (report, into, e.gathered_params().unwrap())
+    });
+    for (report, into, built) in got {
+        assert_eq!(
+            report,
+            LoadedWeights {
+                loaded: values.len(),
+                ..Default::default()
+            }
+        );
+        holds_the_file(&into, &values, "renamed into the engine");
+        holds_the_file(&built, &values, "renamed by the build");
+    }
+    // Without the rule the names are another model's; a rule giving two
+    // tensors one name, or ranks whose rules differ, are refused.
+    let plain = refusals(&cfg, [&hf, &hf], true);
+    assert!(
+        plain[0]
+            .0
+            .contains("ShardPlan::rename_weights maps a file's own names to them"),
+        "{}",
+        plain[0].0
+    );
+    let said = on_ranks(2, |r| {
+        let (vs, plan, _) = model();
+        match r.rank() {
+            0 => plan
+                .rename_weights(|_| Some("wte.weight".to_string()))
+                .unwrap(),
+            _ => plan.rename_weights(strip).unwrap(),
+        }
+        freeze(&vs, FROZEN);
+        let group = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, group, &zrt::zero::AutoHints::default()).unwrap();
+        let twice = e.load_weights(&hf, true).unwrap_err().to_string();
+        (twice, e.gathered_params().unwrap())
+    });
+    assert!(
+        said[0]
+            .0
+            .contains("the plan's rename_weights rule names both"),
+        "{}",
+        said[0].0
+    );
+    assert!(
+        said[1].0.contains("failed to load the weights file"),
+        "{}",
+        said[1].0
+    );
+    let differ = on_ranks(2, |r| {
+        let (vs, plan, _) = model();
+        match r.rank() {
+            0 => plan.rename_weights(strip).unwrap(),
+            _ => plan
+                .rename_weights(move |n| strip(n).filter(|n| n != "h.0.fc.bias"))
+                .unwrap(),
+        }
+        freeze(&vs, FROZEN);
+        let group = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg, group, &zrt::zero::AutoHints::default()).unwrap();
+        e.load_weights(&hf, false).unwrap_err().to_string()
+    });
+    for err in differ {
+        assert!(err.contains("read different"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
+use crate::checkpoint::weights_files::Rename;
 use crate::first_rank::Release;
 use crate::running::Running;
 use crate::EngineError;
@@ -70,6 +71,8 @@ pub(crate) struct PlanInner {
     /// ranks, by [`ShardPlan::weights_from_file`] and
     /// [`ShardPlan::weights_on_disk_while_built`] on every rank.
     pub(crate) release: Mutex<Option<Release>>,
+    /// Set by [`ShardPlan::rename_weights`].
+    pub(crate) rename: Mutex<Option<Arc<Rename>>>,
 }
 
 impl PlanInner {
@@ -142,6 +145,11 @@ impl Drop for Claim {
 }
 
 impl Claim {
+    /// The rule [`ShardPlan::rename_weights`] set, if any.
+    pub(crate) fn rename_rule(&self) -> Option<Arc<Rename>> {
+        self.0.rename.lock().ok().and_then(|r| r.clone())
+    }
+
     /// Installs the hook of the engine that holds the claim.
     pub(crate) fn set_hook(&self, hook: Arc<dyn UnitHook>) {
         if let Ok(mut h) = self.0.hook.write() {
@@ -591,6 +599,39 @@ impl ShardPlan {
     ) -> Result<(), EngineError> {
         let release = Release::from_file(vs, file.as_ref().to_path_buf());
         self.set_rule_slot("weights_from_file", &self.inner.release, Some(release))
+    }
+
+    /// Names the tensors of weights files in this model, for
+    /// [`Engine::load_weights`](crate::Engine::load_weights) and
+    /// [`Self::weights_from_file`]: `rule(name in the file)` is the
+    /// VarStore name the tensor loads into, or `None` to leave the tensor
+    /// out (as if the file did not hold it). A checkpoint whose names are
+    /// not the model's, Hugging Face's `model.` prefix, say, loads
+    /// without being rewritten:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.rename_weights(|name| {
+    ///     let name = name.strip_prefix("model.").unwrap_or(name);
+    ///     (!name.starts_with("lm_head.")).then(|| name.to_string())
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// A strict load still wants every variable of the model, now by the
+    /// names the rule gives, and refuses tensors whose names the rule
+    /// gives that the model lacks; two tensors given one name are
+    /// refused. Call it before building the engine, on every rank alike:
+    /// a load on ranks whose rules name different tensors is refused as
+    /// one of different files. Shapes and dtypes are the file's: the rule
+    /// does not transpose (a Conv1D checkpoint's `[in, out]` weights stay
+    /// refused by a linear's `[out, in]`).
+    pub fn rename_weights(
+        &self,
+        rule: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        let rule: Arc<Rename> = Arc::new(rule);
+        self.set_rule_slot("rename_weights", &self.inner.rename, Some(rule))
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -192,8 +192,8 @@ fn peers_outcome(what: &str) -> &'static str {
 fn weights_mend(misshaped: &[String], strict: bool) -> &'static str {
     match (misshaped.is_empty(), strict) {
         (false, _) => "a tensor of another shape is another model's (or another configuration of it), and parameters load from F32, BF16 or F16 tensors, other variables from their own kind: load the file the model was made for",
-        (true, true) => "names are the model's VarStore names; to load a file holding part of the model (a pretrained base under a new head), load it with strict = false: variables it lacks keep their values, tensors the model lacks are skipped",
-        (true, false) => "names are the model's VarStore names",
+        (true, true) => "names are the model's VarStore names (ShardPlan::rename_weights maps a file's own names to them); to load a file holding part of the model (a pretrained base under a new head), load it with strict = false: variables it lacks keep their values, tensors the model lacks are skipped",
+        (true, false) => "names are the model's VarStore names (ShardPlan::rename_weights maps a file's own names to them)",
     }
 }
 

@@ -551,6 +551,11 @@ impl RankFile {
         self.if_crc_is(found)
     }
 
+    /// Tensor `name`'s dtype, shape and length in bytes, if it has one.
+    pub(crate) fn tensor(&self, name: &str) -> Option<(Dtype, &[usize], usize)> {
+        (self.tensors.get(name)).map(|(d, r, s)| (*d, s.as_slice(), r.len()))
+    }
+
     /// Every tensor's name, dtype, shape and length in bytes.
     pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], usize)> {
         (self.tensors.iter()).map(|(k, (d, r, s))| (k.as_str(), *d, s.as_slice(), r.len()))

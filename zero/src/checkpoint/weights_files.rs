@@ -23,12 +23,22 @@ pub(crate) const INDEX: &str = "model.safetensors.index.json";
 /// The name Hugging Face gives an unsharded checkpoint.
 pub(crate) const SINGLE: &str = "model.safetensors";
 
+/// A rule naming a weights file's tensors in the model: the VarStore name
+/// for a tensor's name in the file, or `None` to skip it
+/// ([`ShardPlan::rename_weights`](crate::ShardPlan::rename_weights)).
+pub(crate) type Rename = dyn Fn(&str) -> Option<String> + Send + Sync;
+
 /// One or more mapped safetensors files holding a model's tensors, each
 /// tensor in one of them.
 pub(crate) struct WeightsFiles {
     files: Vec<RankFile>,
-    /// Each tensor's file (an index into `files`).
-    owner: HashMap<String, usize>,
+    /// Each tensor by the model's name for it: its file (an index into
+    /// `files`) and its name there.
+    owner: HashMap<String, (usize, String)>,
+    /// A CRC-32 of the names a rename rule gave (`None` without one), so
+    /// that ranks whose rules differ do not pass for ranks reading the
+    /// same thing.
+    renamed: Option<u32>,
 }
 
 impl WeightsFiles {
@@ -36,10 +46,12 @@ impl WeightsFiles {
     /// safetensors files beside it; or a directory holding
     /// `model.safetensors.index.json` or else `model.safetensors`. Every
     /// file is checked as [`RankFile::open_weights`] checks one, and
-    /// every tensor the index names must be in the file it names. Errors
-    /// are [`CheckpointError::Weights`] naming `path` (and the file at
+    /// every tensor the index names must be in the file it names. With
+    /// `rename`, each tensor goes by the name it gives (skipped when it
+    /// gives none); two tensors given one name are refused. Errors are
+    /// [`CheckpointError::Weights`] naming `path` (and the file at
     /// fault).
-    pub(crate) fn open(path: &Path) -> Result<Self, CheckpointError> {
+    pub(crate) fn open(path: &Path, rename: Option<&Rename>) -> Result<Self, CheckpointError> {
         let refuse = |msg: String| CheckpointError::Weights {
             path: path.to_path_buf(),
             msg,
@@ -56,57 +68,88 @@ impl WeightsFiles {
                     ))
                 })?,
         };
-        if path.extension().is_none_or(|e| e != "json") {
-            let file = RankFile::open_weights(&path)?;
-            let owner = file.tensors().map(|(n, ..)| (n.to_string(), 0)).collect();
-            return Ok(Self {
-                files: vec![file],
-                owner,
-            });
-        }
-        let map = weight_map(&path).map_err(&refuse)?;
-        let dir = path.parent().unwrap_or(Path::new("."));
-        // Each file once, in name order (what `identity` hashes).
-        let mut names: Vec<&String> = map.values().collect();
-        names.sort();
-        names.dedup();
-        let mut files = Vec::with_capacity(names.len());
-        let mut at = HashMap::new();
-        for name in names {
-            if Path::new(name).components().count() != 1 {
+        // (file, name in the file) of every tensor.
+        let (files, placed) = match path.extension().is_some_and(|e| e == "json") {
+            false => {
+                let file = RankFile::open_weights(&path)?;
+                let placed: Vec<(usize, String)> =
+                    file.tensors().map(|(n, ..)| (0, n.to_string())).collect();
+                (vec![file], placed)
+            }
+            true => {
+                let map = weight_map(&path).map_err(&refuse)?;
+                let dir = path.parent().unwrap_or(Path::new("."));
+                // Each file once, in name order (what `identity` hashes).
+                let mut names: Vec<&String> = map.values().collect();
+                names.sort();
+                names.dedup();
+                let mut files = Vec::with_capacity(names.len());
+                let mut at = HashMap::new();
+                for name in names {
+                    if Path::new(name).components().count() != 1 {
+                        return Err(refuse(format!(
+                            "its weight_map names `{name}`, not a file beside the index"
+                        )));
+                    }
+                    at.insert(name.clone(), files.len());
+                    files.push(RankFile::open_weights(&dir.join(name))?);
+                }
+                let mut placed = Vec::with_capacity(map.len());
+                for (tensor, file) in map {
+                    let k = at[&file];
+                    if files[k].tensor(&tensor).is_none() {
+                        return Err(refuse(format!(
+                            "its weight_map places `{tensor}` in {file}, which does not hold it: the index and its files are from different checkpoints"
+                        )));
+                    }
+                    placed.push((k, tensor));
+                }
+                (files, placed)
+            }
+        };
+        let mut owner: HashMap<String, (usize, String)> = HashMap::with_capacity(placed.len());
+        let mut given = Vec::new();
+        for (k, in_file) in placed {
+            let model = match rename {
+                None => in_file.clone(),
+                Some(rule) => match rule(&in_file) {
+                    Some(m) => m,
+                    None => continue,
+                },
+            };
+            if let Some((_, other)) = owner.get(&model) {
                 return Err(refuse(format!(
-                    "its weight_map names `{name}`, not a file beside the index"
+                    "the plan's rename_weights rule names both `{other}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)"
                 )));
             }
-            at.insert(name.clone(), files.len());
-            files.push(RankFile::open_weights(&dir.join(name))?);
+            given.push(format!("{in_file}\u{0}{model}"));
+            owner.insert(model, (k, in_file));
         }
-        let mut owner = HashMap::with_capacity(map.len());
-        for (tensor, file) in map {
-            let k = at[&file];
-            if !files[k].tensors().any(|(n, ..)| n == tensor) {
-                return Err(refuse(format!(
-                    "its weight_map places `{tensor}` in {file}, which does not hold it: the index and its files are from different checkpoints"
-                )));
-            }
-            owner.insert(tensor, k);
-        }
-        Ok(Self { files, owner })
+        let renamed = rename.map(|_| {
+            given.sort();
+            crc32fast::hash(given.join("\u{1}").as_bytes())
+        });
+        Ok(Self {
+            files,
+            owner,
+            renamed,
+        })
     }
 
-    /// The tensors, each from the file it is in: name, dtype, shape and
+    /// The tensors, by the model's names for them: name, dtype, shape and
     /// length in bytes.
     pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], usize)> {
-        (self.files.iter().enumerate())
-            .flat_map(|(k, f)| f.tensors().map(move |t| (k, t)))
-            .filter(|(k, (n, ..))| self.owner.get(*n) == Some(k))
-            .map(|(_, t)| t)
+        (self.owner.iter()).filter_map(|(model, (k, in_file))| {
+            let (d, s, len) = self.files.get(*k)?.tensor(in_file)?;
+            Some((model.as_str(), d, s, len))
+        })
     }
 
     /// What tells two ranks' checkpoints apart without reading their data
-    /// ([`RankFile::identity`] of each file, in order), and their length.
+    /// ([`RankFile::identity`] of each file, in order, and the names a
+    /// rename rule gave), and their length.
     pub(crate) fn identity(&self) -> (u32, usize) {
-        if let [one] = self.files.as_slice() {
+        if let ([one], None) = (self.files.as_slice(), self.renamed) {
             return one.identity();
         }
         let mut h = crc32fast::Hasher::new();
@@ -117,13 +160,17 @@ impl WeightsFiles {
             h.update(&(n as u64).to_le_bytes());
             len += n;
         }
+        if let Some(r) = self.renamed {
+            h.update(&r.to_le_bytes());
+        }
         (h.finalize(), len)
     }
 
-    /// The file tensor `name` is in.
-    pub(crate) fn file_of(&self, name: &str) -> Result<&RankFile, CheckpointError> {
-        match self.owner.get(name).and_then(|&k| self.files.get(k)) {
-            Some(file) => Ok(file),
+    /// The file tensor `name` (the model's name) is in, and its name
+    /// there.
+    pub(crate) fn file_of(&self, name: &str) -> Result<(&RankFile, &str), CheckpointError> {
+        match (self.owner.get(name)).and_then(|(k, f)| Some((self.files.get(*k)?, f.as_str()))) {
+            Some(found) => Ok(found),
             None => {
                 let first = self.files.first().map_or(Path::new(""), |f| f.path());
                 Err(CheckpointError::format(
@@ -136,7 +183,8 @@ impl WeightsFiles {
 
     /// [`RankFile::bytes`] from the file tensor `name` is in.
     pub(crate) fn bytes(&self, name: &str) -> Result<(Dtype, &[u8]), CheckpointError> {
-        self.file_of(name)?.bytes(name)
+        let (file, in_file) = self.file_of(name)?;
+        file.bytes(in_file)
     }
 }
 
@@ -148,7 +196,8 @@ impl ReadWidened for WeightsFiles {
         range: Range<usize>,
         dst: &mut [f32],
     ) -> Result<(), CheckpointError> {
-        self.file_of(name)?.read_widened(name, range, dst)
+        let (file, in_file) = self.file_of(name)?;
+        file.read_widened(in_file, range, dst)
     }
 }
 
@@ -198,7 +247,7 @@ mod tests {
         ] {
             std::fs::write(&index, text).unwrap();
             for path in [&index, &dir] {
-                let err = WeightsFiles::open(path).err().unwrap().to_string();
+                let err = WeightsFiles::open(path, None).err().unwrap().to_string();
                 assert!(err.contains(says), "{text}: {err}");
                 assert!(err.contains(&path.display().to_string()), "{err}");
             }

@@ -320,7 +320,7 @@ impl Frozen {
         for (name, t) in self.vars.iter().filter(|(n, _)| has.contains(n)) {
             let (dtype, bytes) = file.bytes(name)?;
             let Some(kind) = kind_of(dtype) else {
-                let path = file.file_of(name)?.path();
+                let path = file.file_of(name)?.0.path();
                 return Err(CheckpointError::format(path, format!("`{name}` is {dtype:?}")).into());
             };
             // `copy_` casts from the file's kind to the variable's.

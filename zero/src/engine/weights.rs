@@ -149,7 +149,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Maps the file and checks it against the model: names, shapes,
     /// dtypes and byte lengths, without reading a value.
     fn check_weights(&self, path: &Path, strict: bool) -> Result<Checked, CheckpointError> {
-        let file = WeightsFiles::open(path)?;
+        let rename = self._plan.rename_rule();
+        let file = WeightsFiles::open(path, rename.as_deref())?;
         let st = self.inner.st.lock();
         let in_file: HashMap<&str, (Dtype, &[usize], usize)> = (file.tensors())
             .map(|(n, d, s, len)| (n, (d, s, len)))

@@ -1,6 +1,6 @@
 //! A model export in several files: Hugging Face's sharded checkpoint
-//! layout, which `transformers`, `accelerate` and
-//! [`Engine::load_weights`](crate::Engine::load_weights) read.
+//! layout, the one `transformers` and `accelerate` load (not run here)
+//! and [`Engine::load_weights`](crate::Engine::load_weights) reads.
 //!
 //! DeepSpeed's `zero_to_fp32.py --max_shard_size` writes the same: the
 //! tensors in order, a new file started whenever the next tensor would

@@ -25,55 +25,45 @@ use tch::nn;
 use crate::glue;
 use crate::spill::Spill;
 
-/// The variables of a VarStore a rank releases: a rank other than the
-/// first under `weights_on_first_rank_only`, every rank under
-/// `weights_from_file`.
-pub(crate) struct Release {
-    vars: Arc<Mutex<nn::Variables>>,
-    /// `weights_from_file`'s file, whose values the engine loads once
-    /// built (no rank's are read).
-    file: Option<std::path::PathBuf>,
+/// Where the engine takes the values of the variables a rank released.
+pub(crate) enum Values {
+    /// The first rank's (`weights_on_first_rank_only`).
+    FirstRank,
+    /// `weights_from_file`'s file, which the engine loads once built (no
+    /// rank's are read).
+    File(std::path::PathBuf),
     /// `weights_on_disk_while_built`'s file on the first rank, where each
     /// variable goes before its memory is given back (the engine's build
-    /// reads it from there); dropped once the engine is built.
-    pub(crate) spill: Option<Arc<Spill>>,
+    /// reads it from there); closed once the engine is built, when the
+    /// first rank's values are the engine's own.
+    Spill(Arc<Spill>),
+}
+
+/// The variables of a VarStore a rank releases: a rank other than the
+/// first under `weights_on_first_rank_only`, every rank under
+/// `weights_from_file` and `weights_on_disk_while_built`.
+pub(crate) struct Release {
+    vars: Arc<Mutex<nn::Variables>>,
+    pub(crate) values: Values,
 }
 
 impl Release {
     /// Releases `vs`'s variables on this rank from now on; the engine
-    /// takes the first rank's values.
-    pub(crate) fn of(vs: &nn::VarStore) -> Self {
+    /// takes their values from `values`.
+    pub(crate) fn of(vs: &nn::VarStore, values: Values) -> Self {
         Self {
             vars: vs.variables_.clone(),
-            file: None,
-            spill: None,
+            values,
         }
     }
 
-    /// Releases `vs`'s variables on the first rank from now on, each
-    /// written to `spill` first; the engine takes its values from there.
-    pub(crate) fn spilled(vs: &nn::VarStore, spill: Spill) -> Self {
-        Self {
-            vars: vs.variables_.clone(),
-            file: None,
-            spill: Some(Arc::new(spill)),
+    /// The rule that released them, for messages.
+    fn rule(&self) -> &'static str {
+        match self.values {
+            Values::FirstRank => "weights_on_first_rank_only",
+            Values::File(_) => "weights_from_file",
+            Values::Spill(_) => "weights_on_disk_while_built",
         }
-    }
-
-    /// Releases `vs`'s variables on this rank from now on; the engine
-    /// loads `file`'s values.
-    pub(crate) fn from_file(vs: &nn::VarStore, file: std::path::PathBuf) -> Self {
-        Self {
-            vars: vs.variables_.clone(),
-            file: Some(file),
-            spill: None,
-        }
-    }
-
-    /// The file the engine loads the weights from, under
-    /// `weights_from_file`.
-    pub(crate) fn file(&self) -> Option<&std::path::Path> {
-        self.file.as_deref()
     }
 
     /// Gives back the memory of every variable made so far, which then
@@ -95,19 +85,14 @@ impl Release {
                 continue;
             }
             // What could not be written keeps its values (said once).
-            if self.spill.as_ref().is_some_and(|s| !s.write(&name, &t)) {
-                continue;
+            if let Values::Spill(s) = &self.values {
+                if !s.write(&name, &t) {
+                    continue;
+                }
             }
             match glue::free_storage(&t) {
                 Ok(()) => released = true,
-                Err(e) => {
-                    let rule = match (&self.file, &self.spill) {
-                        (Some(_), _) => "weights_from_file",
-                        (None, Some(_)) => "weights_on_disk_while_built",
-                        (None, None) => "weights_on_first_rank_only",
-                    };
-                    tracing::warn!("{rule}: `{name}` keeps its memory: {e}")
-                }
+                Err(e) => tracing::warn!("{}: `{name}` keeps its memory: {e}", self.rule()),
             }
         }
         if released {

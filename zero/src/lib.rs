@@ -31,3 +31,13 @@ pub use engine::{
 pub use error::EngineError;
 pub use glue::GlueError;
 pub use plan::{ShardPlan, ShardedModule};
+
+/// A fresh empty directory for one unit test (`zrt-{name}-{pid}` under
+/// the system's temporary directory).
+#[cfg(test)]
+pub(crate) fn test_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("zrt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

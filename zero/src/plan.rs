@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use tch::{nn, Tensor};
 
 use crate::checkpoint::weights_files::Rename;
-use crate::first_rank::Release;
+use crate::first_rank::{Release, Values};
 use crate::running::Running;
 use crate::EngineError;
 
@@ -91,14 +91,20 @@ impl PlanInner {
     /// The file [`ShardPlan::weights_from_file`] named, if it was called.
     pub(crate) fn weights_file(&self) -> Option<std::path::PathBuf> {
         let r = self.release.lock().ok()?;
-        r.as_ref()?.file().map(std::path::Path::to_path_buf)
+        match &r.as_ref()?.values {
+            Values::File(f) => Some(f.clone()),
+            _ => None,
+        }
     }
 
     /// The first rank's file under
     /// [`ShardPlan::weights_on_disk_while_built`], if it has one.
     pub(crate) fn spill(&self) -> Option<Arc<crate::spill::Spill>> {
         let r = self.release.lock().ok()?;
-        r.as_ref()?.spill.clone()
+        match &r.as_ref()?.values {
+            Values::Spill(s) => Some(s.clone()),
+            _ => None,
+        }
     }
 
     /// Closes the first rank's file under
@@ -106,8 +112,8 @@ impl PlanInner {
     /// and no longer reads it): its disk space goes back.
     pub(crate) fn drop_spill(&self) {
         if let Ok(mut r) = self.release.lock() {
-            if let Some(r) = r.as_mut() {
-                r.spill = None;
+            if let Some(r) = r.as_mut().filter(|r| matches!(r.values, Values::Spill(_))) {
+                r.values = Values::FirstRank;
             }
         }
     }
@@ -525,7 +531,7 @@ impl ShardPlan {
         vs: &nn::VarStore,
         rank: usize,
     ) -> Result<(), EngineError> {
-        let release = (rank != 0).then(|| Release::of(vs));
+        let release = (rank != 0).then(|| Release::of(vs, Values::FirstRank));
         self.set_rule_slot("weights_on_first_rank_only", &self.inner.release, release)
     }
 
@@ -561,8 +567,11 @@ impl ShardPlan {
         dir: impl AsRef<std::path::Path>,
     ) -> Result<(), EngineError> {
         let release = match rank {
-            0 => Release::spilled(vs, crate::spill::Spill::create(dir.as_ref())?),
-            _ => Release::of(vs),
+            0 => {
+                let spill = crate::spill::Spill::create(dir.as_ref())?;
+                Release::of(vs, Values::Spill(Arc::new(spill)))
+            }
+            _ => Release::of(vs, Values::FirstRank),
         };
         let rule = "weights_on_disk_while_built";
         self.set_rule_slot(rule, &self.inner.release, Some(release))
@@ -597,7 +606,7 @@ impl ShardPlan {
         vs: &nn::VarStore,
         file: impl AsRef<std::path::Path>,
     ) -> Result<(), EngineError> {
-        let release = Release::from_file(vs, file.as_ref().to_path_buf());
+        let release = Release::of(vs, Values::File(file.as_ref().to_path_buf()));
         self.set_rule_slot("weights_from_file", &self.inner.release, Some(release))
     }
 

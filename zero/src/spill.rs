@@ -203,16 +203,9 @@ impl Spill {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("zrt-spill-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     #[test]
     fn a_written_variable_comes_back_in_its_new_dtype_and_the_file_has_no_name() {
-        let dir = scratch("back");
+        let dir = crate::test_dir("spill-back");
         let spill = Spill::create(&dir).unwrap();
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
         let w = Tensor::from_slice(&[1.0f32, 2.5, -3.0, 1.0 + 1.0 / 256.0]).view([2, 2]);

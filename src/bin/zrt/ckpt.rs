@@ -101,25 +101,17 @@ pub fn run(cmd: &CkptCmd) -> Result<()> {
                 Dtype::Bf16 => ExportDtype::Bf16,
             };
             let tag = tag.as_deref();
-            let n = match max_shard_size {
-                None => consolidate(dir, tag, out, dtype)?,
-                Some(max) => consolidate_sharded(dir, tag, out, dtype, *max)?,
-            };
-            let files = match max_shard_size {
-                None => String::new(),
-                Some(_) => format!(" ({} files)", files_in(out)),
+            let (n, files) = match max_shard_size {
+                None => (consolidate(dir, tag, out, dtype)?, String::new()),
+                Some(max) => {
+                    let (n, files) = consolidate_sharded(dir, tag, out, dtype, *max)?;
+                    (n, format!(" ({files} files)"))
+                }
             };
             println!("wrote {n} tensors to {}{files}", out.display());
         }
     }
     Ok(())
-}
-
-/// How many safetensors files the directory `dir` holds.
-fn files_in(dir: &std::path::Path) -> usize {
-    (std::fs::read_dir(dir).into_iter().flatten().flatten())
-        .filter(|f| f.path().extension().is_some_and(|e| e == "safetensors"))
-        .count()
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ pub fn consolidate(
     out: &Path,
     dtype: ExportDtype,
 ) -> Result<usize, CheckpointError> {
-    consolidate_to(dir, tag, out, None, dtype)
+    Ok(consolidate_to(dir, tag, out, None, dtype)?.0)
 }
 
 /// As [`consolidate`], into the directory `out` as Hugging Face's
@@ -43,13 +43,14 @@ pub fn consolidate(
 /// their index `model.safetensors.index.json`; a model that fits in one
 /// is `model.safetensors`, with no index.
 /// [`Engine::load_weights`](crate::Engine::load_weights) reads either.
+/// Returns the number of tensors and of files written.
 pub fn consolidate_sharded(
     dir: &Path,
     tag: Option<&str>,
     out: &Path,
     dtype: ExportDtype,
     max_shard_bytes: u64,
-) -> Result<usize, CheckpointError> {
+) -> Result<(usize, usize), CheckpointError> {
     consolidate_to(dir, tag, out, Some(max_shard_bytes), dtype)
 }
 
@@ -59,7 +60,7 @@ fn consolidate_to(
     out: &Path,
     max_shard_bytes: Option<u64>,
     dtype: ExportDtype,
-) -> Result<usize, CheckpointError> {
+) -> Result<(usize, usize), CheckpointError> {
     let (_, tag_dir) = resolve_tag(dir, tag)?;
     let meta = Meta::read(&tag_dir)?;
     let mut loc = Locator::new(&meta, &tag_dir);
@@ -110,8 +111,9 @@ fn consolidate_to(
             }
         }
     }
+    let files = w.files();
     w.finish()?;
-    Ok(plan.len())
+    Ok((plan.len(), files))
 }
 
 /// The safetensors metadata key of a model export naming the frozen

@@ -412,7 +412,28 @@ impl ReadWidened for RankFile {
         range: Range<usize>,
         dst: &mut [f32],
     ) -> Result<(), CheckpointError> {
-        RankFile::read_widened(self, name, range, dst)
+        let (dtype, b) = self.bytes(name)?;
+        let mut widen = |f: fn(u16) -> f32| -> Result<(), CheckpointError> {
+            if range.start > range.end || range.end * 2 > b.len() || dst.len() != range.len() {
+                return Err(CheckpointError::format(
+                    &self.path,
+                    format!(
+                        "tensor `{name}` does not cover {range:?} into {}",
+                        dst.len()
+                    ),
+                ));
+            }
+            let src = b[range.start * 2..range.end * 2].chunks_exact(2);
+            for (d, c) in dst.iter_mut().zip(src) {
+                *d = f(u16::from_le_bytes([c[0], c[1]]));
+            }
+            Ok(())
+        };
+        match dtype {
+            Dtype::BF16 => widen(|h| half::bf16::from_bits(h).to_f32()),
+            Dtype::F16 => widen(|h| half::f16::from_bits(h).to_f32()),
+            _ => self.read_f32(name, range.clone(), dst),
+        }
     }
 }
 
@@ -633,38 +654,6 @@ impl RankFile {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
         Ok(())
-    }
-
-    /// Copies elements `range` of tensor `name`, an F32, BF16 or F16 one,
-    /// into `dst`, widened to fp32 (exactly).
-    pub(crate) fn read_widened(
-        &self,
-        name: &str,
-        range: Range<usize>,
-        dst: &mut [f32],
-    ) -> Result<(), CheckpointError> {
-        let (dtype, b) = self.bytes(name)?;
-        let mut widen = |f: fn(u16) -> f32| -> Result<(), CheckpointError> {
-            if range.start > range.end || range.end * 2 > b.len() || dst.len() != range.len() {
-                return Err(CheckpointError::format(
-                    &self.path,
-                    format!(
-                        "tensor `{name}` does not cover {range:?} into {}",
-                        dst.len()
-                    ),
-                ));
-            }
-            let src = b[range.start * 2..range.end * 2].chunks_exact(2);
-            for (d, c) in dst.iter_mut().zip(src) {
-                *d = f(u16::from_le_bytes([c[0], c[1]]));
-            }
-            Ok(())
-        };
-        match dtype {
-            Dtype::BF16 => widen(|h| half::bf16::from_bits(h).to_f32()),
-            Dtype::F16 => widen(|h| half::f16::from_bits(h).to_f32()),
-            _ => self.read_f32(name, range.clone(), dst),
-        }
     }
 
     /// Elements of the f32 tensor `name`.

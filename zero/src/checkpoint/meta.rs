@@ -443,10 +443,7 @@ mod tests {
 
     /// A fresh empty directory for one test.
     fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("zrt-meta-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+        crate::test_dir(&format!("meta-{name}"))
     }
 
     /// Two ranks, one unit `u` of 8 elements: `a` (5) then `b` (3).

@@ -50,6 +50,14 @@ impl ModelWriter {
         }
     }
 
+    /// How many safetensors files it writes.
+    pub(crate) fn files(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Sharded(w) => w.parts.len(),
+        }
+    }
+
     /// Checks every tensor was written and makes the export durable
     /// under its names (the index last).
     pub(crate) fn finish(self) -> Result<(), CheckpointError> {

@@ -229,8 +229,7 @@ mod tests {
 
     #[test]
     fn an_index_that_is_not_one_is_refused_naming_what_it_lacks() {
-        let dir = std::env::temp_dir().join(format!("zrt-weights-index-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::test_dir("weights-index");
         let index = dir.join(INDEX);
         for (text, says) in [
             ("{", "not JSON"),

@@ -840,3 +840,145 @@ fn a_files_own_names_load_through_the_plans_rename_rule() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Which of the test GPT's tensors a transposing checkpoint stores
+/// transposed: every matrix (the square attention output's too, whose
+/// shape cannot tell).
+fn is_matrix(name: &str) -> bool {
+    name.ends_with(".weight") && !name.contains("ln")
+}
+
+#[test]
+fn matrices_stored_transposed_load_through_the_plans_transpose_rule() {
+    // GPT-2's layout: its Conv1D keeps `[in, out]` where a linear keeps
+    // `[out, in]`. Every matrix transposed, the frozen ones too (`wpe`
+    // held whole, `h.1.fc` a stage-3 unit's sharded frozen part), in fp32
+    // and in bf16.
+    let dir = scratch("load-weights-transposed");
+    let file = trained_file(&dir, "");
+    let ours = Tensor::read_safetensors(&file).unwrap();
+    let square = (ours.iter())
+        .filter(|(n, t)| is_matrix(n) && t.size()[0] == t.size()[1])
+        .count();
+    assert!(square > 0, "no square matrix to tell a transpose by value");
+    // In `kind`, or its values widened to fp32 with `Kind::Float`.
+    let write_as = |kind: Kind, widened: Kind, transposed: bool| {
+        let v: Vec<(String, Tensor)> = (ours.iter())
+            .map(|(n, t)| {
+                let t = t.to_kind(kind).to_kind(widened);
+                assert!(!is_matrix(n) || t.dim() == 2, "{n}");
+                let t = match transposed && is_matrix(n) {
+                    true => t.tr().contiguous(),
+                    false => t,
+                };
+                (n.clone(), t)
+            })
+            .collect();
+        write(
+            &dir,
+            &format!("{kind:?}{widened:?}{transposed}.safetensors"),
+            &v,
+        )
+    };
+    let steps = 2;
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let hints = zrt::zero::AutoHints::default();
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let what = format!("{kind:?}");
+        let (plain, theirs) = (
+            write_as(kind, Kind::Float, false),
+            write_as(kind, kind, true),
+        );
+        let want = loaded_before(&plain, 2, &cfg, steps);
+        // Into a built engine, and by the build with no rank holding the
+        // model; each trains as the plain file loaded into the VarStore.
+        let got = on_ranks(2, |r| {
+            let (vs, plan, gpt) = model();
+            plan.transpose_weights(is_matrix).unwrap();
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+            let report = e.load_weights(&theirs, true).unwrap();
+            let into = (
+                train_losses(&gpt, &e, r.rank(), steps),
+                e.gathered_params().unwrap(),
+            );
+            let wpe = Vec::<f32>::try_from(vs.variables()["wpe.weight"].flatten(0, -1));
+            drop(e);
+            let (vs, plan, gpt, _) = built_from_file(&theirs);
+            plan.transpose_weights(is_matrix).unwrap();
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+            let built = (
+                train_losses(&gpt, &e, r.rank(), steps),
+                e.gathered_params().unwrap(),
+            );
+            (
+                report.missing.len() + report.unexpected.len(),
+                into,
+                built,
+                wpe.unwrap(),
+            )
+        });
+        let plain_wpe = (file_values(&plain).into_iter())
+            .find(|(n, _)| n == "wpe.weight")
+            .unwrap()
+            .1;
+        for (rank, ((mismatched, into, built, wpe), (losses, params))) in
+            got.into_iter().zip(want).enumerate()
+        {
+            let what = format!("{what}, rank {rank}");
+            assert_eq!(mismatched, 0, "{what}");
+            for (how, (l, p)) in [("into the engine", into), ("by the build", built)] {
+                assert_eq!(l, losses, "{what} {how}");
+                common::assert_bits(&format!("{what} {how}"), &p, &params);
+            }
+            assert!(common::bits_equal(&wpe, &plain_wpe), "{what}: frozen wpe");
+        }
+    }
+    // Without the rule a matrix stored transposed is refused, the fix
+    // named (a square one cannot be told: the file does not say); a rule
+    // naming a vector is refused; ranks whose rules differ on a square
+    // matrix only are refused as ranks reading different files.
+    let theirs = write_as(Kind::Float, Kind::Float, true);
+    let plain = refusals(&cfg, [&theirs, &theirs], true);
+    for (err, unchanged) in &plain {
+        assert!(
+            err.contains("h.0.fc.weight: file F32 [32, 128], model Float [128, 32] (its transpose: ShardPlan::transpose_weights reads it so)"),
+            "{err}"
+        );
+        assert!(unchanged, "{err}");
+    }
+    let with = |rule: fn(&str) -> bool, rank_1: fn(&str) -> bool| {
+        on_ranks(2, |r| {
+            let (vs, plan, _) = model();
+            match r.rank() {
+                0 => plan.transpose_weights(rule).unwrap(),
+                _ => plan.transpose_weights(rank_1).unwrap(),
+            }
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+            let before = e.gathered_params().unwrap();
+            let err = e.load_weights(&theirs, true).unwrap_err().to_string();
+            (err, e.gathered_params().unwrap() == before)
+        })
+    };
+    let every: fn(&str) -> bool = |_| true;
+    for (err, unchanged) in with(every, every) {
+        assert!(
+            err.contains("the plan's transpose_weights rule names `")
+                && err.contains("only a matrix (2 dimensions) reads transposed"),
+            "{err}"
+        );
+        assert!(unchanged, "{err}");
+    }
+    let not_proj: fn(&str) -> bool = |n| is_matrix(n) && !n.ends_with(".proj.weight");
+    let differ = with(is_matrix, not_proj);
+    for (err, unchanged) in differ {
+        assert!(err.contains("read different"), "{err}");
+        assert!(unchanged, "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

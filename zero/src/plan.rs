@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
-use crate::checkpoint::weights_files::Rename;
+use crate::checkpoint::weights_files::{NameRules, Rename, Transpose};
 use crate::first_rank::{Release, Values};
 use crate::running::Running;
 use crate::EngineError;
@@ -73,6 +73,8 @@ pub(crate) struct PlanInner {
     pub(crate) release: Mutex<Option<Release>>,
     /// Set by [`ShardPlan::rename_weights`].
     pub(crate) rename: Mutex<Option<Arc<Rename>>>,
+    /// Set by [`ShardPlan::transpose_weights`].
+    pub(crate) transpose: Mutex<Option<Arc<Transpose>>>,
 }
 
 impl PlanInner {
@@ -151,9 +153,13 @@ impl Drop for Claim {
 }
 
 impl Claim {
-    /// The rule [`ShardPlan::rename_weights`] set, if any.
-    pub(crate) fn rename_rule(&self) -> Option<Arc<Rename>> {
-        self.0.rename.lock().ok().and_then(|r| r.clone())
+    /// The rules [`ShardPlan::rename_weights`] and
+    /// [`ShardPlan::transpose_weights`] set.
+    pub(crate) fn weight_rules(&self) -> NameRules {
+        NameRules {
+            rename: self.0.rename.lock().ok().and_then(|r| r.clone()),
+            transpose: self.0.transpose.lock().ok().and_then(|r| r.clone()),
+        }
     }
 
     /// Installs the hook of the engine that holds the claim.
@@ -632,15 +638,50 @@ impl ShardPlan {
     /// gives that the model lacks; two tensors given one name are
     /// refused. Call it before building the engine, on every rank alike:
     /// a load on ranks whose rules name different tensors is refused as
-    /// one of different files. Shapes and dtypes are the file's: the rule
-    /// does not transpose (a Conv1D checkpoint's `[in, out]` weights stay
-    /// refused by a linear's `[out, in]`).
+    /// one of different files. Shapes and dtypes are the file's; a matrix
+    /// stored transposed loads under [`Self::transpose_weights`].
     pub fn rename_weights(
         &self,
         rule: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
     ) -> Result<(), EngineError> {
         let rule: Arc<Rename> = Arc::new(rule);
         self.set_rule_slot("rename_weights", &self.inner.rename, Some(rule))
+    }
+
+    /// Says which matrices of weights files are stored transposed, for
+    /// [`Engine::load_weights`](crate::Engine::load_weights) and
+    /// [`Self::weights_from_file`]: `rule(name)`, given a tensor's name in
+    /// the model (after [`Self::rename_weights`]' rule), is true for a
+    /// tensor the file holds as `[cols, rows]` where the model's variable
+    /// is `[rows, cols]`. Hugging Face's GPT-2 keeps its attention and MLP
+    /// weights so (its Conv1D is `[in, out]`, a tch `nn::linear`'s weight
+    /// `[out, in]`):
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.transpose_weights(|name| {
+    ///     ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
+    ///         .iter()
+    ///         .any(|w| name.ends_with(w))
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// Each rank reads its own range of such a matrix element by element
+    /// from the mapped file, as it reads any other's (no rank makes a
+    /// transposed copy of a parameter; a frozen variable every rank holds
+    /// whole is transposed as it is copied in). A tensor the rule names
+    /// must be a matrix in the file, or the load is refused naming it. Call
+    /// it before building the engine, on every rank alike: ranks whose
+    /// rules differ are refused as ranks reading different files (a
+    /// square matrix read transposed on one rank only would have every
+    /// shape right).
+    pub fn transpose_weights(
+        &self,
+        rule: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        let rule: Arc<Transpose> = Arc::new(rule);
+        self.set_rule_slot("transpose_weights", &self.inner.transpose, Some(rule))
     }
 
     /// The units' VarStore prefixes, in registration order.

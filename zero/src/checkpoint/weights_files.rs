@@ -8,10 +8,17 @@
 //! `max_shard_size`, `transformers`' and `accelerate`'s loaders read the
 //! same). Each file is mapped as a lone one is; a tensor is read from the
 //! file the index places it in.
+//!
+//! The plan's rules ([`NameRules`]) name the file's tensors in the model
+//! and say which it holds transposed: a matrix stored `[in, out]`, as
+//! GPT-2's Conv1D stores it, is read element by element into a linear's
+//! `[out, in]`, straight from the mapped file, with no transposed copy.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 use safetensors::Dtype;
 
@@ -28,17 +35,43 @@ pub(crate) const SINGLE: &str = "model.safetensors";
 /// ([`ShardPlan::rename_weights`](crate::ShardPlan::rename_weights)).
 pub(crate) type Rename = dyn Fn(&str) -> Option<String> + Send + Sync;
 
+/// A rule saying, of each tensor by the model's name for it, whether the
+/// file holds it transposed
+/// ([`ShardPlan::transpose_weights`](crate::ShardPlan::transpose_weights)).
+pub(crate) type Transpose = dyn Fn(&str) -> bool + Send + Sync;
+
+/// The plan's rules for reading a weights file into the model.
+#[derive(Clone, Default)]
+pub(crate) struct NameRules {
+    /// The file's names to the model's.
+    pub(crate) rename: Option<Arc<Rename>>,
+    /// Which tensors (by the model's names) the file holds transposed.
+    pub(crate) transpose: Option<Arc<Transpose>>,
+}
+
+/// Where one of the model's tensors is.
+struct Entry {
+    /// Its file, an index into `files`.
+    file: usize,
+    /// Its name there.
+    name: String,
+    /// Its shape in the model when the file holds it transposed (the
+    /// file's `[rows, cols]` as `[cols, rows]`).
+    transposed: Option<Vec<usize>>,
+}
+
 /// One or more mapped safetensors files holding a model's tensors, each
 /// tensor in one of them.
 pub(crate) struct WeightsFiles {
     files: Vec<RankFile>,
-    /// Each tensor by the model's name for it: its file (an index into
-    /// `files`) and its name there.
-    owner: HashMap<String, (usize, String)>,
-    /// A CRC-32 of the names a rename rule gave (`None` without one), so
-    /// that ranks whose rules differ do not pass for ranks reading the
-    /// same thing.
-    renamed: Option<u32>,
+    /// Each tensor by the model's name for it.
+    owner: HashMap<String, Entry>,
+    /// A CRC-32 of what the plan's rules made of the file (each tensor's
+    /// name in the model and whether it is transposed; `None` without a
+    /// rule), so that ranks whose rules differ do not pass for ranks
+    /// reading the same thing: a square matrix read transposed on one
+    /// rank only has every shape right.
+    ruled: Option<u32>,
 }
 
 impl WeightsFiles {
@@ -46,12 +79,13 @@ impl WeightsFiles {
     /// safetensors files beside it; or a directory holding
     /// `model.safetensors.index.json` or else `model.safetensors`. Every
     /// file is checked as [`RankFile::open_weights`] checks one, and
-    /// every tensor the index names must be in the file it names. With
-    /// `rename`, each tensor goes by the name it gives (skipped when it
-    /// gives none); two tensors given one name are refused. Errors are
+    /// every tensor the index names must be in the file it names. Under
+    /// `rules.rename`, each tensor goes by the name it gives (skipped when
+    /// it gives none); two tensors given one name are refused. A tensor
+    /// `rules.transpose` names must be a matrix. Errors are
     /// [`CheckpointError::Weights`] naming `path` (and the file at
     /// fault).
-    pub(crate) fn open(path: &Path, rename: Option<&Rename>) -> Result<Self, CheckpointError> {
+    pub(crate) fn open(path: &Path, rules: &NameRules) -> Result<Self, CheckpointError> {
         let refuse = |msg: String| CheckpointError::Weights {
             path: path.to_path_buf(),
             msg,
@@ -107,49 +141,73 @@ impl WeightsFiles {
                 (files, placed)
             }
         };
-        let mut owner: HashMap<String, (usize, String)> = HashMap::with_capacity(placed.len());
+        let mut owner: HashMap<String, Entry> = HashMap::with_capacity(placed.len());
         let mut given = Vec::new();
-        for (k, in_file) in placed {
-            let model = match rename {
+        for (file, in_file) in placed {
+            let model = match &rules.rename {
                 None => in_file.clone(),
                 Some(rule) => match rule(&in_file) {
                     Some(m) => m,
                     None => continue,
                 },
             };
-            if let Some((_, other)) = owner.get(&model) {
+            if let Some(other) = owner.get(&model) {
                 return Err(refuse(format!(
-                    "the plan's rename_weights rule names both `{other}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)"
+                    "the plan's rename_weights rule names both `{}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)",
+                    other.name
                 )));
             }
-            given.push(format!("{in_file}\u{0}{model}"));
-            owner.insert(model, (k, in_file));
+            let transposed = match rules.transpose.as_ref().is_some_and(|t| t(&model)) {
+                false => None,
+                true => match files[file].tensor(&in_file).map(|(_, s, _)| s) {
+                    Some(&[rows, cols]) => Some(vec![cols, rows]),
+                    shape => {
+                        return Err(refuse(format!(
+                            "the plan's transpose_weights rule names `{model}`, which the file holds with shape {:?}: only a matrix (2 dimensions) reads transposed; leave it out of the rule",
+                            shape.unwrap_or_default()
+                        )))
+                    }
+                },
+            };
+            given.push(format!(
+                "{in_file}\u{0}{model}\u{0}{}",
+                transposed.is_some()
+            ));
+            let name = in_file;
+            owner.insert(
+                model,
+                Entry {
+                    file,
+                    name,
+                    transposed,
+                },
+            );
         }
-        let renamed = rename.map(|_| {
+        let ruled = (rules.rename.is_some() || rules.transpose.is_some()).then(|| {
             given.sort();
             crc32fast::hash(given.join("\u{1}").as_bytes())
         });
         Ok(Self {
             files,
             owner,
-            renamed,
+            ruled,
         })
     }
 
-    /// The tensors, by the model's names for them: name, dtype, shape and
-    /// length in bytes.
+    /// The tensors, by the model's names for them: name, dtype, shape (in
+    /// the model: a transposed one's reversed) and length in bytes.
     pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize], usize)> {
-        (self.owner.iter()).filter_map(|(model, (k, in_file))| {
-            let (d, s, len) = self.files.get(*k)?.tensor(in_file)?;
-            Some((model.as_str(), d, s, len))
+        (self.owner.iter()).filter_map(|(model, e)| {
+            let (d, s, len) = self.files.get(e.file)?.tensor(&e.name)?;
+            Some((model.as_str(), d, e.transposed.as_deref().unwrap_or(s), len))
         })
     }
 
     /// What tells two ranks' checkpoints apart without reading their data
-    /// ([`RankFile::identity`] of each file, in order, and the names a
-    /// rename rule gave), and their length.
+    /// ([`RankFile::identity`] of each file, in order, and what the plan's
+    /// rules made of it), and their length.
     pub(crate) fn identity(&self) -> (u32, usize) {
-        if let ([one], None) = (self.files.as_slice(), self.renamed) {
+        if let ([one], None) = (self.files.as_slice(), self.ruled) {
             return one.identity();
         }
         let mut h = crc32fast::Hasher::new();
@@ -160,16 +218,15 @@ impl WeightsFiles {
             h.update(&(n as u64).to_le_bytes());
             len += n;
         }
-        if let Some(r) = self.renamed {
+        if let Some(r) = self.ruled {
             h.update(&r.to_le_bytes());
         }
         (h.finalize(), len)
     }
 
-    /// The file tensor `name` (the model's name) is in, and its name
-    /// there.
-    pub(crate) fn file_of(&self, name: &str) -> Result<(&RankFile, &str), CheckpointError> {
-        match (self.owner.get(name)).and_then(|(k, f)| Some((self.files.get(*k)?, f.as_str()))) {
+    /// The file tensor `name` (the model's name) is in, and its entry.
+    fn entry(&self, name: &str) -> Result<(&RankFile, &Entry), CheckpointError> {
+        match (self.owner.get(name)).and_then(|e| Some((self.files.get(e.file)?, e))) {
             Some(found) => Ok(found),
             None => {
                 let first = self.files.first().map_or(Path::new(""), |f| f.path());
@@ -181,23 +238,103 @@ impl WeightsFiles {
         }
     }
 
-    /// [`RankFile::bytes`] from the file tensor `name` is in.
-    pub(crate) fn bytes(&self, name: &str) -> Result<(Dtype, &[u8]), CheckpointError> {
-        let (file, in_file) = self.file_of(name)?;
-        file.bytes(in_file)
+    /// The file tensor `name` (the model's name) is in, and its name
+    /// there.
+    pub(crate) fn file_of(&self, name: &str) -> Result<(&RankFile, &str), CheckpointError> {
+        self.entry(name).map(|(f, e)| (f, e.name.as_str()))
+    }
+
+    /// Tensor `name`'s dtype and bytes in the model's layout: the file's
+    /// own (mapped), or a transposed tensor's transposed into a copy.
+    pub(crate) fn bytes(&self, name: &str) -> Result<(Dtype, Cow<'_, [u8]>), CheckpointError> {
+        let (file, e) = self.entry(name)?;
+        let (dtype, b) = file.bytes(&e.name)?;
+        let Some(shape) = &e.transposed else {
+            return Ok((dtype, Cow::Borrowed(b)));
+        };
+        let size = dtype.size();
+        let at = Transposed::of(file, name, shape, b.len() / size.max(1))?;
+        let mut out = Vec::with_capacity(b.len());
+        for i in 0..b.len() / size.max(1) {
+            out.extend_from_slice(&b[at.index(i) * size..][..size]);
+        }
+        Ok((dtype, Cow::Owned(out)))
+    }
+}
+
+/// A matrix the file holds transposed, as the model reads it: `[rows,
+/// cols]` in the model, `[cols, rows]` in the file.
+struct Transposed {
+    rows: usize,
+    cols: usize,
+}
+
+impl Transposed {
+    /// Tensor `name`'s (of `file`, `numel` elements there) model `shape`,
+    /// checked to cover it.
+    fn of(
+        file: &RankFile,
+        name: &str,
+        shape: &[usize],
+        numel: usize,
+    ) -> Result<Self, CheckpointError> {
+        match shape {
+            &[rows, cols] if rows * cols == numel => Ok(Self { rows, cols }),
+            _ => Err(CheckpointError::format(
+                file.path(),
+                format!("tensor `{name}` does not hold {shape:?} elements"),
+            )),
+        }
+    }
+
+    /// Where the model's element `i` is in the file: the model's `(r, c)`
+    /// is the file's `(c, r)`.
+    fn index(&self, i: usize) -> usize {
+        (i % self.cols) * self.rows + i / self.cols
     }
 }
 
 impl ReadWidened for WeightsFiles {
-    /// [`RankFile::read_widened`] from the file tensor `name` is in.
+    /// [`RankFile::read_widened`] from the file tensor `name` is in; a
+    /// transposed one element by element, from the mapped file.
     fn read_widened(
         &self,
         name: &str,
         range: Range<usize>,
         dst: &mut [f32],
     ) -> Result<(), CheckpointError> {
-        let (file, in_file) = self.file_of(name)?;
-        file.read_widened(in_file, range, dst)
+        let (file, e) = self.entry(name)?;
+        let Some(shape) = &e.transposed else {
+            return file.read_widened(&e.name, range, dst);
+        };
+        let (dtype, b) = file.bytes(&e.name)?;
+        let widen: fn(&[u8]) -> f32 = match dtype {
+            Dtype::F32 => |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            Dtype::BF16 => |c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+            Dtype::F16 => |c| half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            _ => {
+                return Err(CheckpointError::format(
+                    file.path(),
+                    format!("tensor `{}` is {dtype:?}, not F32, BF16 or F16", e.name),
+                ))
+            }
+        };
+        let size = dtype.size();
+        let at = Transposed::of(file, name, shape, b.len() / size)?;
+        if range.start > range.end || range.end > b.len() / size || dst.len() != range.len() {
+            return Err(CheckpointError::format(
+                file.path(),
+                format!(
+                    "tensor `{}` does not cover {range:?} into {}",
+                    e.name,
+                    dst.len()
+                ),
+            ));
+        }
+        for (d, i) in dst.iter_mut().zip(range) {
+            *d = widen(&b[at.index(i) * size..][..size]);
+        }
+        Ok(())
     }
 }
 
@@ -246,7 +383,10 @@ mod tests {
         ] {
             std::fs::write(&index, text).unwrap();
             for path in [&index, &dir] {
-                let err = WeightsFiles::open(path, None).err().unwrap().to_string();
+                let err = WeightsFiles::open(path, &NameRules::default())
+                    .err()
+                    .unwrap()
+                    .to_string();
                 assert!(err.contains(says), "{text}: {err}");
                 assert!(err.contains(&path.display().to_string()), "{err}");
             }

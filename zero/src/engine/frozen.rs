@@ -324,7 +324,7 @@ impl Frozen {
                 return Err(CheckpointError::format(path, format!("`{name}` is {dtype:?}")).into());
             };
             // `copy_` casts from the file's kind to the variable's.
-            assign(t, bytes, &t.size(), kind)?;
+            assign(t, &bytes, &t.size(), kind)?;
         }
         Ok(())
     }

@@ -149,8 +149,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// Maps the file and checks it against the model: names, shapes,
     /// dtypes and byte lengths, without reading a value.
     fn check_weights(&self, path: &Path, strict: bool) -> Result<Checked, CheckpointError> {
-        let rename = self._plan.rename_rule();
-        let file = WeightsFiles::open(path, rename.as_deref())?;
+        let file = WeightsFiles::open(path, &self._plan.weight_rules())?;
         let st = self.inner.st.lock();
         let in_file: HashMap<&str, (Dtype, &[usize], usize)> = (file.tensors())
             .map(|(n, d, s, len)| (n, (d, s, len)))
@@ -189,8 +188,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 && fshape.iter().zip(&shape).all(|(&a, &b)| a as i64 == b);
             let numel: usize = fshape.iter().product();
             if !same_shape || !reads.takes(dtype) || bytes != numel * dtype.size() {
+                // A matrix of the model's shape reversed is most likely
+                // one stored transposed (GPT-2's Conv1D).
+                let transposed = matches!((fshape, shape.as_slice()),
+                    (&[a, b], &[c, d]) if a as i64 == d && b as i64 == c && a != b);
+                let hint = match transposed {
+                    true => " (its transpose: ShardPlan::transpose_weights reads it so)",
+                    false => "",
+                };
                 misshaped.push(format!(
-                    "{name}: file {dtype:?} {fshape:?}, model {kind:?} {shape:?}"
+                    "{name}: file {dtype:?} {fshape:?}, model {kind:?} {shape:?}{hint}"
                 ));
                 continue;
             }

@@ -10,7 +10,9 @@
 //! - [`zero`]: flat buffers, stages 1-3, `ShardedModule`, engine, config.
 //!
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
-//! the main job, the benchmarks and the parity tests. [`stop`] ends a
+//! the main job, the benchmarks and the parity tests; [`gpt2`] is GPT-2
+//! as Hugging Face lays it out, which a pretrained checkpoint loads into
+//! under any stage. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
 //! stop (a scheduler's SIGTERM, Ctrl-C).
 //!
@@ -55,6 +57,7 @@
 //! and checkpoints.
 
 pub mod gpt;
+pub mod gpt2;
 pub mod stop;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where

@@ -16,6 +16,7 @@ mod engine_parity;
 mod first_rank_weights;
 mod freed_params;
 mod full_params;
+mod gpt2_from_hf;
 mod kernels_vs_libtorch;
 mod launch;
 mod learning_rate;

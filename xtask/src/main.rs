@@ -13,6 +13,9 @@ use anyhow::{bail, Context, Result};
 const TORCH_VERSION: &str = "2.13.0";
 /// The Python safetensors the checkpoint tests read zrt's exports with.
 const SAFETENSORS_VERSION: &str = "0.5.3";
+/// The `transformers` whose GPT-2 the Hugging Face tests compare with (the
+/// last 4.x: 5.x would pull a newer safetensors).
+const TRANSFORMERS_VERSION: &str = "4.57.6";
 
 const USAGE: &str = "\
 usage: cargo xtask <command> [args...]
@@ -164,7 +167,7 @@ fn setup(root: &Path) -> Result<PathBuf> {
             torch_dir.display()
         );
     }
-    ensure_safetensors(&cache)?;
+    ensure_python_packages(&cache)?;
     link_libtorch(root, &torch_dir)?;
     Ok(torch_dir)
 }
@@ -187,11 +190,11 @@ fn install_torch(cache: &Path) -> Result<()> {
         }
     }
     eprintln!("xtask: installing torch=={TORCH_VERSION} from PyPI (about a minute, about 5 GB; once per machine)");
-    pip_install(cache, &format!("torch=={TORCH_VERSION}"))
+    pip_install(cache, &[&format!("torch=={TORCH_VERSION}")])
 }
 
-/// `pip install SPEC` into the venv, quietly.
-fn pip_install(cache: &Path, spec: &str) -> Result<()> {
+/// `pip install SPECS` into the venv, quietly.
+fn pip_install(cache: &Path, specs: &[&str]) -> Result<()> {
     let st = Command::new(venv_python(cache))
         .args([
             "-m",
@@ -199,30 +202,55 @@ fn pip_install(cache: &Path, spec: &str) -> Result<()> {
             "install",
             "--disable-pip-version-check",
             "--quiet",
-            spec,
         ])
+        .args(specs)
         .status()
         .context("running pip")?;
     if !st.success() {
-        bail!("`pip install {spec}` failed (see pip's output above); pip must reach PyPI");
+        let specs = specs.join(" ");
+        bail!("`pip install {specs}` failed (see pip's output above); pip must reach PyPI");
     }
     Ok(())
 }
 
-/// The Python `safetensors` package in the same venv: the checkpoint tests
-/// load zrt's consolidated weights with it, as a Python user would. Small
-/// (one wheel, about a second); installed once.
-fn ensure_safetensors(cache: &Path) -> Result<()> {
+/// The Python packages the tests compare with, in the same venv, each
+/// installed once: `safetensors` (the checkpoint tests load zrt's
+/// consolidated weights with it, as a Python user would; one wheel) and
+/// `transformers` (its GPT-2 writes the checkpoint `tests/gpt2_from_hf.rs`
+/// loads and computes the logits and losses zrt's must match; about 15
+/// wheels, 10 seconds). Each pins safetensors, so neither moves it.
+fn ensure_python_packages(cache: &Path) -> Result<()> {
     let python = venv_python(cache);
-    let have = Command::new(&python)
-        .args(["-c", "import safetensors"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if have {
-        return Ok(());
+    let safetensors = format!("safetensors=={SAFETENSORS_VERSION}");
+    let transformers = format!("transformers=={TRANSFORMERS_VERSION}");
+    for (module, version, specs) in [
+        (
+            "safetensors",
+            SAFETENSORS_VERSION,
+            vec![safetensors.as_str()],
+        ),
+        (
+            "transformers",
+            TRANSFORMERS_VERSION,
+            vec![transformers.as_str(), safetensors.as_str()],
+        ),
+    ] {
+        let have = Command::new(&python)
+            .args([
+                "-c",
+                &format!("import {module}; print({module}.__version__)"),
+            ])
+            .output()
+            .is_ok_and(|o| {
+                o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == version
+            });
+        if have {
+            continue;
+        }
+        eprintln!("xtask: installing {} into the venv", specs.join(" "));
+        pip_install(cache, &specs)?;
     }
-    eprintln!("xtask: installing safetensors=={SAFETENSORS_VERSION} into the venv");
-    pip_install(cache, &format!("safetensors=={SAFETENSORS_VERSION}"))
+    Ok(())
 }
 
 fn which(name: &str) -> Option<PathBuf> {

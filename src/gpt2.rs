@@ -1,0 +1,418 @@
+//! GPT-2 as Hugging Face's `transformers` lays it out, in tch, its blocks
+//! wrapped in [`ShardedModule`]: a pretrained checkpoint (`save_pretrained`'s
+//! directory, sharded or not) loads into it under any ZeRO stage without a
+//! rank holding the whole model.
+//!
+//! Hugging Face keeps GPT-2's attention and MLP weights in its `Conv1D`
+//! layout, `[in, out]`, where a tch `nn::linear` keeps `[out, in]`, and
+//! names everything under `transformer.` with the head tied to the token
+//! embedding. [`hf_weight_rules`] tells a plan all three, so the file
+//! loads as it is:
+//!
+//! ```no_run
+//! use zrt::gpt2::{hf_weight_rules, Gpt2, Gpt2Config};
+//! use zrt::zero::ShardPlan;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::path::Path::new("gpt2"); // config.json, model*.safetensors
+//! let cfg = Gpt2Config::from_hf_dir(dir)?;
+//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let plan = ShardPlan::new();
+//! hf_weight_rules(&plan)?;
+//! plan.weights_from_file(&vs, dir)?; // no rank holds the model while it is built
+//! let model = Gpt2::new(&vs.root(), &plan, &cfg);
+//! // Engine::from_config(&vs, &plan, ...) loads each rank's shard of the file.
+//! # let _ = model; Ok(()) }
+//! ```
+//!
+//! The forward is GPT-2's in evaluation (no dropout: zrt's engines train
+//! without it here, and a fine-tune that wants it adds it): pre-norm
+//! blocks, causal attention, `gelu_new` (GELU's tanh form), the head
+//! tied to `wte`. Its logits match `transformers`' to float rounding
+//! (`tests/gpt2_from_hf.rs`).
+
+use std::path::Path;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::zero::{EngineError, ShardPlan, ShardedModule};
+
+/// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gpt2Config {
+    /// `vocab_size`.
+    pub vocab: i64,
+    /// `n_positions`: the longest sequence.
+    pub positions: i64,
+    /// `n_embd`: the model's width.
+    pub width: i64,
+    /// `n_layer`: blocks.
+    pub layers: i64,
+    /// `n_head`: attention heads (must divide `width`).
+    pub heads: i64,
+    /// `n_inner`: the MLP's width (`None`: 4 x `width`).
+    pub inner: Option<i64>,
+    /// `layer_norm_epsilon`.
+    pub eps: f64,
+}
+
+/// Why a `config.json` is not a GPT-2 this module can build.
+#[derive(Debug, thiserror::Error)]
+pub enum Gpt2ConfigError {
+    /// The file could not be read or parsed.
+    #[error("{path}: {msg}")]
+    Read {
+        /// The config file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        msg: String,
+    },
+    /// A field is missing, of the wrong type, or asks for what this
+    /// model does not do.
+    #[error("{path}: {msg}")]
+    Field {
+        /// The config file.
+        path: std::path::PathBuf,
+        /// Which field and why.
+        msg: String,
+    },
+}
+
+impl Gpt2Config {
+    /// Reads `dir/config.json` (or `dir` itself, a `config.json`), as
+    /// `transformers`' `save_pretrained` writes it: its `model_type` must
+    /// be `gpt2`, and the sizes are its `n_*` fields. Activations other
+    /// than `gelu_new` and a head not tied to the embedding are refused,
+    /// naming the field: this model computes neither.
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, Gpt2ConfigError> {
+        let dir = dir.as_ref();
+        let path = match dir.is_dir() {
+            true => dir.join("config.json"),
+            false => dir.to_path_buf(),
+        };
+        let read = |msg: String| Gpt2ConfigError::Read {
+            path: path.clone(),
+            msg,
+        };
+        let field = |msg: String| Gpt2ConfigError::Field {
+            path: path.clone(),
+            msg,
+        };
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| read(format!("not JSON ({e})")))?;
+        let get = |key: &str| json.get(key).filter(|v| !v.is_null());
+        match get("model_type").and_then(|v| v.as_str()) {
+            Some("gpt2") => {}
+            other => {
+                return Err(field(format!(
+                    "model_type is {other:?}, not \"gpt2\": this is another architecture's config"
+                )))
+            }
+        }
+        let size = |key: &str| {
+            get(key)
+                .and_then(|v| v.as_i64())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| field(format!("`{key}` is missing or not a positive integer")))
+        };
+        let act = get("activation_function").and_then(|v| v.as_str());
+        if act.is_some_and(|a| a != "gelu_new") {
+            return Err(field(format!(
+                "activation_function {act:?}: this GPT-2 computes gelu_new only"
+            )));
+        }
+        if get("tie_word_embeddings").and_then(|v| v.as_bool()) == Some(false) {
+            return Err(field(
+                "tie_word_embeddings is false: this GPT-2's head is the token embedding".into(),
+            ));
+        }
+        let cfg = Self {
+            vocab: size("vocab_size")?,
+            positions: size("n_positions")?,
+            width: size("n_embd")?,
+            layers: size("n_layer")?,
+            heads: size("n_head")?,
+            inner: match get("n_inner") {
+                None => None,
+                Some(_) => Some(size("n_inner")?),
+            },
+            eps: get("layer_norm_epsilon")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(1e-5),
+        };
+        if cfg.width % cfg.heads != 0 {
+            return Err(field(format!(
+                "n_head {} does not divide n_embd {}",
+                cfg.heads, cfg.width
+            )));
+        }
+        Ok(cfg)
+    }
+}
+
+/// Whether `name` (a [`Gpt2`] VarStore name) is a matrix Hugging Face
+/// stores in its `Conv1D` layout, `[in, out]`.
+pub fn is_conv1d_weight(name: &str) -> bool {
+    [
+        "attn.c_attn.weight",
+        "attn.c_proj.weight",
+        "mlp.c_fc.weight",
+        "mlp.c_proj.weight",
+    ]
+    .iter()
+    .any(|w| name.ends_with(w))
+}
+
+/// The [`Gpt2`] VarStore name of a tensor of a Hugging Face GPT-2
+/// checkpoint, or `None` for what it does not load: the tied head
+/// (`lm_head.weight`, the token embedding again) and the attention mask
+/// buffers older checkpoints hold (`attn.bias`, `attn.masked_bias`).
+pub fn hf_name(name: &str) -> Option<String> {
+    let name = name.strip_prefix("transformer.").unwrap_or(name);
+    let skipped = name.starts_with("lm_head.")
+        || name.ends_with(".attn.bias")
+        || name.ends_with(".attn.masked_bias");
+    (!skipped).then(|| name.to_string())
+}
+
+/// Sets `plan`'s rules for a Hugging Face GPT-2 checkpoint:
+/// [`hf_name`] renames, [`is_conv1d_weight`] transposes. Call it on every
+/// rank before the engine is built.
+pub fn hf_weight_rules(plan: &ShardPlan) -> Result<(), EngineError> {
+    plan.rename_weights(hf_name)?;
+    plan.transpose_weights(is_conv1d_weight)
+}
+
+/// GPT-2's causal self-attention.
+#[derive(Debug)]
+struct Attention {
+    c_attn: nn::Linear,
+    c_proj: nn::Linear,
+    heads: i64,
+}
+
+/// GPT-2's MLP.
+#[derive(Debug)]
+struct Mlp {
+    c_fc: nn::Linear,
+    c_proj: nn::Linear,
+}
+
+/// One GPT-2 block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+#[derive(Debug)]
+pub struct Block {
+    ln_1: nn::LayerNorm,
+    attn: Attention,
+    ln_2: nn::LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn new(p: &nn::Path, c: &Gpt2Config) -> Self {
+        let d = c.width;
+        let inner = c.inner.unwrap_or(4 * d);
+        let ln = |name: &str| {
+            let cfg = nn::LayerNormConfig {
+                eps: c.eps,
+                ..Default::default()
+            };
+            nn::layer_norm(p / name, vec![d], cfg)
+        };
+        let (a, m) = (p / "attn", p / "mlp");
+        Self {
+            ln_1: ln("ln_1"),
+            attn: Attention {
+                c_attn: nn::linear(&a / "c_attn", d, 3 * d, Default::default()),
+                c_proj: nn::linear(&a / "c_proj", d, d, Default::default()),
+                heads: c.heads,
+            },
+            ln_2: ln("ln_2"),
+            mlp: Mlp {
+                c_fc: nn::linear(&m / "c_fc", d, inner, Default::default()),
+                c_proj: nn::linear(&m / "c_proj", inner, d, Default::default()),
+            },
+        }
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, d) = x.size3().unwrap_or((1, 1, 1));
+        let h = self.attn.heads;
+        let qkv = self
+            .attn
+            .c_attn
+            .forward(&self.ln_1.forward(x))
+            .view([b, t, 3, h, d / h])
+            .permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        let a = Tensor::scaled_dot_product_attention::<Tensor>(
+            &q, &k, &v, None, 0.0, true, None, false,
+        );
+        let x = x + self
+            .attn
+            .c_proj
+            .forward(&a.transpose(1, 2).contiguous().view([b, t, d]));
+        let m = (self.mlp.c_fc.forward(&self.ln_2.forward(&x))).gelu("tanh");
+        &x + self.mlp.c_proj.forward(&m)
+    }
+}
+
+/// GPT-2 with a language-modelling head (`GPT2LMHeadModel`): token and
+/// position embeddings and the final norm in the root unit (the token
+/// embedding is the head too), each block a unit.
+#[derive(Debug)]
+pub struct Gpt2 {
+    wte: nn::Embedding,
+    wpe: nn::Embedding,
+    blocks: Vec<ShardedModule<Block>>,
+    ln_f: nn::LayerNorm,
+    cfg: Gpt2Config,
+}
+
+impl Gpt2 {
+    /// Builds the model under `p` with Hugging Face's names without their
+    /// `transformer.` prefix (`wte`, `wpe`, `h.0.attn.c_attn`, ...,
+    /// `ln_f`), each block (`h.0`, `h.1`, ...) a unit of `plan`. Values
+    /// are tch's initialisation: a pretrained model's come from its file
+    /// ([`hf_weight_rules`]).
+    pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
+        // The root's variables first: a plan that releases the model's
+        // memory as it is built (`weights_from_file`) releases what was
+        // made before each `ShardedModule::new`, and would leave anything
+        // made after the last block held until the engine is built.
+        let ln_cfg = nn::LayerNormConfig {
+            eps: cfg.eps,
+            ..Default::default()
+        };
+        let wte = nn::embedding(p / "wte", cfg.vocab, cfg.width, Default::default());
+        let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
+        let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.width], ln_cfg);
+        let blocks = (0..cfg.layers)
+            .map(|i| {
+                let bp = p / "h" / i;
+                let block = Block::new(&bp, cfg);
+                ShardedModule::new(plan, &bp, block)
+            })
+            .collect();
+        Self {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            cfg: *cfg,
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let t = tokens.size().get(1).copied().unwrap_or(1);
+        let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
+        let mut x = self.wte.forward(tokens) + self.wpe.forward(&pos);
+        for b in &self.blocks {
+            x = b.forward(&x);
+        }
+        self.ln_f.forward(&x).matmul(&self.wte.ws.tr())
+    }
+
+    /// `GPT2LMHeadModel`'s loss with `labels = tokens`: the mean
+    /// cross-entropy of the logits at positions `..seq-1` predicting
+    /// tokens `1..`, in fp32.
+    pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        let t = tokens.size().get(1).copied().unwrap_or(2);
+        let logits = self.forward(tokens).narrow(1, 0, t - 1);
+        let y = tokens.narrow(1, 1, t - 1);
+        (logits.to_kind(Kind::Float).reshape([-1, self.cfg.vocab]))
+            .cross_entropy_for_logits(&y.reshape([-1]))
+    }
+
+    /// The sizes it was built with.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hugging_faces_names_map_to_the_models_and_its_conv1d_matrices_transpose() {
+        for (hf, ours) in [
+            (
+                "transformer.h.0.attn.c_attn.weight",
+                Some("h.0.attn.c_attn.weight"),
+            ),
+            ("h.11.mlp.c_proj.bias", Some("h.11.mlp.c_proj.bias")),
+            ("transformer.wte.weight", Some("wte.weight")),
+            ("lm_head.weight", None),
+            ("h.0.attn.bias", None),
+            ("transformer.h.3.attn.masked_bias", None),
+        ] {
+            assert_eq!(hf_name(hf).as_deref(), ours, "{hf}");
+        }
+        for (name, conv) in [
+            ("h.0.attn.c_attn.weight", true),
+            ("h.0.attn.c_proj.weight", true),
+            ("h.1.mlp.c_fc.weight", true),
+            ("h.1.mlp.c_proj.weight", true),
+            ("h.1.mlp.c_proj.bias", false),
+            ("wte.weight", false),
+            ("h.0.ln_1.weight", false),
+        ] {
+            assert_eq!(is_conv1d_weight(name), conv, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_config_that_is_not_gpt2s_is_refused_naming_the_field() {
+        let dir = std::env::temp_dir().join(format!("zrt-gpt2-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": null, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05}"#;
+        std::fs::write(dir.join("config.json"), good).unwrap();
+        let cfg = Gpt2Config::from_hf_dir(&dir).unwrap();
+        assert_eq!(
+            cfg,
+            Gpt2Config {
+                vocab: 50257,
+                positions: 1024,
+                width: 768,
+                layers: 12,
+                heads: 12,
+                inner: None,
+                eps: 1e-5
+            }
+        );
+        for (from, to, says) in [
+            (r#""gpt2""#, r#""llama""#, "model_type is Some(\"llama\")"),
+            (
+                r#""n_head": 12"#,
+                r#""n_head": 7"#,
+                "n_head 7 does not divide n_embd 768",
+            ),
+            (
+                r#""n_layer": 12"#,
+                r#""n_layer": "12""#,
+                "`n_layer` is missing",
+            ),
+            (
+                r#""gelu_new""#,
+                r#""relu""#,
+                "activation_function Some(\"relu\")",
+            ),
+            (
+                r#""n_inner": null"#,
+                r#""tie_word_embeddings": false"#,
+                "tie_word_embeddings is false",
+            ),
+        ] {
+            std::fs::write(dir.join("config.json"), good.replace(from, to)).unwrap();
+            let err = Gpt2Config::from_hf_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains(says) && err.contains("config.json"), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -36,7 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::zero::{EngineError, ShardPlan, ShardedModule};
+use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -151,6 +151,25 @@ impl Gpt2Config {
         }
         Ok(cfg)
     }
+
+    /// The `config.json` `transformers` reads this model from: its sizes
+    /// in GPT-2's fields, `gelu_new`, the head tied.
+    pub fn to_hf_json(&self) -> String {
+        let json = serde_json::json!({
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": self.vocab,
+            "n_positions": self.positions,
+            "n_embd": self.width,
+            "n_layer": self.layers,
+            "n_head": self.heads,
+            "n_inner": self.inner,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": self.eps,
+            "tie_word_embeddings": true,
+        });
+        format!("{json:#}\n")
+    }
 }
 
 /// Whether `name` (a [`Gpt2`] VarStore name) is a matrix Hugging Face
@@ -184,6 +203,19 @@ pub fn hf_name(name: &str) -> Option<String> {
 pub fn hf_weight_rules(plan: &ShardPlan) -> Result<(), EngineError> {
     plan.rename_weights(hf_name)?;
     plan.transpose_weights(is_conv1d_weight)
+}
+
+/// Hugging Face's layout for an export of a [`Gpt2`]
+/// ([`Engine::save_16bit_model_as`](crate::zero::Engine::save_16bit_model_as)):
+/// names under `transformer.`, the Conv1D matrices transposed back to
+/// `[in, out]`, and `cfg`'s `config.json` beside them, so that
+/// `transformers`' `GPT2LMHeadModel.from_pretrained(dir)` loads it (the
+/// tied head is not written, as `save_pretrained` does not).
+pub fn hf_export_layout(cfg: &Gpt2Config) -> ExportLayout {
+    ExportLayout::new()
+        .rename(|n| format!("transformer.{n}"))
+        .transpose(is_conv1d_weight)
+        .with_file("config.json", cfg.to_hf_json())
 }
 
 /// GPT-2's causal self-attention.
@@ -374,6 +406,9 @@ mod tests {
         let good = r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": null, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05}"#;
         std::fs::write(dir.join("config.json"), good).unwrap();
         let cfg = Gpt2Config::from_hf_dir(&dir).unwrap();
+        // What it writes reads back the same.
+        std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+        assert_eq!(Gpt2Config::from_hf_dir(dir.join("ours.json")).unwrap(), cfg);
         assert_eq!(
             cfg,
             Gpt2Config {

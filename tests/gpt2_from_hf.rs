@@ -5,7 +5,9 @@
 //! computes: the same logits, and over three AdamW steps on two ranks the
 //! same losses, to float rounding (the two are different code over the
 //! same libtorch: `transformers`' GELU is written out in Python, its
-//! attention masks where ours is causal).
+//! attention masks where ours is causal). The model it trained, exported
+//! in Hugging Face's layout, loads in `transformers` and computes zrt's
+//! losses.
 
 use std::path::Path;
 
@@ -13,7 +15,7 @@ use crate::common;
 
 use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::Tensor;
-use zrt::gpt2::{hf_weight_rules, Gpt2, Gpt2Config};
+use zrt::gpt2::{hf_export_layout, hf_weight_rules, Gpt2, Gpt2Config};
 use zrt::zero::{AutoHints, Engine, ShardPlan};
 
 const STEPS: i64 = 3;
@@ -54,6 +56,31 @@ save_file({{"tokens": tokens, "logits": logits.contiguous(),
         dir = dir.display()
     );
     common::python(&script);
+}
+
+/// The losses `transformers` computes on each rank's first batch with the
+/// model exported at `tuned` (refusing an export with missing or
+/// unexpected tensors).
+fn tuned_losses(dir: &Path, tuned: &Path) -> Vec<f64> {
+    let script = format!(
+        r#"
+import torch
+from transformers import GPT2LMHeadModel
+from safetensors.torch import load_file
+m, info = GPT2LMHeadModel.from_pretrained("{tuned}", output_loading_info=True)
+bad = {{k: v for k, v in info.items() if v}}
+assert not bad, bad
+tokens = load_file("{dir}/reference.safetensors")["tokens"]
+with torch.no_grad():
+    for r in range(2):
+        print(m(tokens[0, r], labels=tokens[0, r]).loss.item())
+"#,
+        tuned = tuned.display(),
+        dir = dir.display()
+    );
+    (common::python(&script).lines())
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
 }
 
 #[test]
@@ -115,9 +142,20 @@ fn a_transformers_gpt2_checkpoint_loads_under_zero_3_and_trains_as_transformers_
                     loss.double_value(&[])
                 })
                 .collect();
-            (held, first, losses)
+            // The trained model, exported for transformers in files of at
+            // most 100 kB, and its losses on each rank's first batch.
+            let tuned = dir.join(format!("tuned{stage}"));
+            e.save_16bit_model_as(&tuned, Some(100_000), &hf_export_layout(&cfg))
+                .unwrap();
+            let after = tch::no_grad(|| model.loss(&batch(0)).double_value(&[]));
+            (held, first, losses, after)
         });
-        for (rank, (held, first, got)) in got.into_iter().enumerate() {
+        let tuned = dir.join(format!("tuned{stage}"));
+        for f in ["model.safetensors.index.json", "config.json"] {
+            assert!(tuned.join(f).is_file(), "stage {stage}: no {f}");
+        }
+        let theirs = tuned_losses(&dir, &tuned);
+        for (rank, (held, first, got, after)) in got.into_iter().enumerate() {
             let what = format!("stage {stage}, rank {rank}");
             assert_eq!(held, 0, "{what}: the model was held while built");
             let want_logits = logits.get(rank as i64);
@@ -141,6 +179,15 @@ fn a_transformers_gpt2_checkpoint_loads_under_zero_3_and_trains_as_transformers_
             // Training moved the losses (each step's batch is the same):
             // the comparison saw AdamW's steps.
             assert!(got[STEPS as usize - 1] < got[0] - 1e-3, "{what}: {got:?}");
+            let t = theirs[rank];
+            assert!(
+                (after - t).abs() < 1e-5 * t.abs(),
+                "{what}: exported, transformers computes {t}, zrt {after}"
+            );
+            assert!(
+                (after - got[0]).abs() > 1e-3,
+                "{what}: the export is the trained model"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

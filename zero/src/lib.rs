@@ -22,7 +22,7 @@ mod running;
 pub mod schedule;
 mod spill;
 
-pub use checkpoint::CheckpointError;
+pub use checkpoint::{CheckpointError, ExportLayout};
 pub use config::{AutoHints, Config, ConfigError, Resolved};
 pub use engine::{
     resident_bytes, CommsRow, CommsSummary, Engine, LoadedWeights, MasterShard, OverlapCounts,

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors};
 
+use super::export_layout::OutNames;
 use super::sharded_out::ModelWriter;
 use super::CheckpointError;
 
@@ -269,8 +270,10 @@ impl Drop for TensorWriter {
 pub(crate) enum Sink {
     /// This rank does not write.
     Skip,
-    /// This rank writes.
-    Writing(ModelWriter),
+    /// This rank writes, each tensor under its name in the file and in
+    /// its layout there (an [`ExportLayout`](super::ExportLayout)'s) when
+    /// given.
+    Writing(ModelWriter, Option<OutNames>),
     /// This rank was writing and failed.
     Failed(CheckpointError),
 }
@@ -288,21 +291,37 @@ impl Sink {
         match write {
             false => Self::Skip,
             true => match ModelWriter::create(path, max_shard_bytes, plan, meta) {
-                Ok(w) => Self::Writing(w),
+                Ok(w) => Self::Writing(w, None),
                 Err(e) => Self::Failed(e),
             },
         }
     }
 
-    /// Whether it takes values (so that the others need not encode them).
-    pub(crate) fn wants(&self) -> bool {
-        matches!(self, Self::Writing(_))
+    /// Writes each tensor as `names` says (opened with the plan `names`
+    /// came with).
+    pub(crate) fn named(self, names: OutNames) -> Self {
+        match self {
+            Self::Writing(w, _) => Self::Writing(w, Some(names)),
+            other => other,
+        }
     }
 
-    /// Writes the next tensor, or keeps the error.
+    /// Whether it takes values (so that the others need not encode them).
+    pub(crate) fn wants(&self) -> bool {
+        matches!(self, Self::Writing(..))
+    }
+
+    /// Writes the next tensor (`name` the model's), or keeps the error.
     pub(crate) fn write(&mut self, name: &str, data: &[u8]) {
-        if let Self::Writing(w) = self {
-            if let Err(e) = w.write(name, data) {
+        if let Self::Writing(w, names) = self {
+            let written = match names {
+                None => w.write(name, data),
+                Some(n) => {
+                    let (name, data) = n.map(name, data);
+                    w.write(name, &data)
+                }
+            };
+            if let Err(e) = written {
                 *self = Self::Failed(e);
             }
         }
@@ -319,7 +338,7 @@ impl Sink {
     pub(crate) fn finish(self) -> Result<(), CheckpointError> {
         match self {
             Self::Skip => Ok(()),
-            Self::Writing(w) => w.finish(),
+            Self::Writing(w, _) => w.finish(),
             Self::Failed(e) => Err(e),
         }
     }

@@ -47,6 +47,7 @@
 
 pub(crate) mod consolidate;
 mod error;
+pub(crate) mod export_layout;
 pub(crate) mod files;
 pub(crate) mod meta;
 mod prune;
@@ -56,6 +57,7 @@ pub(crate) mod weights_files;
 pub use consolidate::{consolidate, consolidate_sharded, inspect, ExportDtype, ROUNDED_KEY};
 pub(crate) use error::model_diff;
 pub use error::CheckpointError;
+pub use export_layout::ExportLayout;
 pub use meta::{FrozenMeta, Meta, SlotMeta, UnitMeta, FORMAT, FROZEN_FILE};
 pub use prune::keep_latest;
 

@@ -25,7 +25,7 @@ use crate::checkpoint::files::{
 };
 use crate::checkpoint::{
     rank_file_name, replica_grads_file_name, resolve_tag, write_atomic, CheckpointError,
-    FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, Whose, FORMAT, FROZEN_FILE,
+    ExportLayout, FrozenMeta, Locator, Meta, SlotMeta, UnitMeta, Whose, FORMAT, FROZEN_FILE,
 };
 use crate::config::OptimizerKind;
 use crate::{glue, EngineError};
@@ -1237,7 +1237,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// parameters are gathered one unit at a time and rank 0 writes each
     /// as it comes, so no rank holds the whole model.
     pub fn save_16bit_model(&self, path: impl AsRef<Path>) -> Result<(), EngineError> {
-        self.save_16bit_model_to(path.as_ref(), None)
+        self.save_16bit_model_as(path, None, &ExportLayout::new())
     }
 
     /// As [`Engine::save_16bit_model`], into the directory `dir` as
@@ -1253,14 +1253,38 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         dir: impl AsRef<Path>,
         max_shard_bytes: u64,
     ) -> Result<(), EngineError> {
-        self.save_16bit_model_to(dir.as_ref(), Some(max_shard_bytes))
+        self.save_16bit_model_as(dir, Some(max_shard_bytes), &ExportLayout::new())
     }
 
-    fn save_16bit_model_to(
+    /// As [`Engine::save_16bit_model`] (`max_shard_bytes` `None`: one file
+    /// at `path`) or [`Engine::save_16bit_model_sharded`] (`Some`: a
+    /// directory), each tensor named and laid out as `layout` says: a
+    /// model whose VarStore is not the file's consumer's, written in that
+    /// program's names and layout. A fine-tuned GPT-2 for `transformers`:
+    ///
+    /// ```no_run
+    /// # fn f(engine: &zrt_zero::Engine<zrt_collectives::local::LocalGroup>) -> Result<(), zrt_zero::EngineError> {
+    /// use zrt_zero::ExportLayout;
+    /// let conv1d = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
+    /// let layout = ExportLayout::new()
+    ///     .rename(|n| format!("transformer.{n}"))
+    ///     .transpose(move |n| conv1d.iter().any(|w| n.ends_with(w)));
+    /// engine.save_16bit_model_as("gpt2-tuned", Some(5 << 30), &layout)?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A layout giving two tensors one name, transposing one that is not
+    /// a matrix, or naming a path for a file, is refused on every rank
+    /// before anything is gathered; a file that cannot be written fails
+    /// every rank's call. A transposed matrix is transposed on the writing rank,
+    /// one tensor at a time.
+    pub fn save_16bit_model_as(
         &self,
-        path: &Path,
+        path: impl AsRef<Path>,
         max_shard_bytes: Option<u64>,
+        layout: &ExportLayout,
     ) -> Result<(), EngineError> {
+        let path = path.as_ref();
         let i = &*self.inner;
         let float = i.compute.kind();
         let dtype = file_dtype(Some(float));
@@ -1280,8 +1304,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // unpacked: the file's metadata names them.
             (plan, export_metadata(packed_frozen(&st)))
         };
+        let (plan, names) = layout.apply(&plan, path)?;
         let out = (path, max_shard_bytes);
-        let mut sink = Sink::open(i.group.rank() == 0, out, &plan, meta);
+        let mut sink = Sink::open(i.group.rank() == 0, out, &plan, meta).named(names);
         let units = i.st.lock().units.len();
         for k in 0..units {
             let Some(full) = self.whole_master(k)? else {
@@ -1302,7 +1327,11 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             i.drain_prefetch(&mut st)?;
             self.stream_frozen(&st, Some(float), &mut sink)?;
         }
-        self.agree(sink.finish(), "write the model file")
+        let written = sink.finish().and_then(|()| match i.group.rank() {
+            0 => layout.write_files(path, max_shard_bytes.is_some()),
+            _ => Ok(()),
+        });
+        self.agree(written, "write the model file")
     }
 }
 

@@ -1,0 +1,215 @@
+//! How a model export names and lays out its tensors when the file is for
+//! another program: [`ExportLayout`], the reverse of the plan's
+//! `rename_weights` and `transpose_weights` (a fine-tuned GPT-2 written
+//! back in Hugging Face's names and Conv1D layout, for `transformers`'
+//! `from_pretrained`).
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use super::files::{write_atomic, Planned};
+use super::CheckpointError;
+
+/// A rule naming each of the model's tensors in the file.
+type RenameOut = dyn Fn(&str) -> String + Send + Sync;
+/// A rule saying which matrices the file holds transposed.
+type TransposeOut = dyn Fn(&str) -> bool + Send + Sync;
+
+/// How [`Engine::save_16bit_model_as`](crate::Engine::save_16bit_model_as)
+/// writes each of the model's tensors: under which name, and whether a
+/// matrix is written transposed (`[cols, rows]` for the model's `[rows,
+/// cols]`), and which files go with them (a `config.json`). The default
+/// writes the tensors as the model has them, and nothing else.
+#[derive(Default)]
+pub struct ExportLayout {
+    rename: Option<Box<RenameOut>>,
+    transpose: Option<Box<TransposeOut>>,
+    /// (file name, contents) written beside the tensors.
+    files: Vec<(String, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for ExportLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportLayout")
+            .field("renames", &self.rename.is_some())
+            .field("transposes", &self.transpose.is_some())
+            .field(
+                "files",
+                &self.files.iter().map(|f| &f.0).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl ExportLayout {
+    /// The model's own names and layout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Writes the model's tensor `name` as `rule(name)`. Two tensors
+    /// given one name are refused.
+    pub fn rename(mut self, rule: impl Fn(&str) -> String + Send + Sync + 'static) -> Self {
+        self.rename = Some(Box::new(rule));
+        self
+    }
+
+    /// Writes the matrices `rule` is true of (given the model's names)
+    /// transposed. A tensor it names that is not a matrix is refused.
+    pub fn transpose(mut self, rule: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.transpose = Some(Box::new(rule));
+        self
+    }
+
+    /// Writes a file `name` holding `contents` beside the tensors (in the
+    /// export's directory, or the directory of its one file), once they
+    /// are written, as the rank writing them writes them (under a
+    /// temporary name, then renamed): `transformers` wants the model's
+    /// `config.json` there. `name` must be a file name, not a path.
+    pub fn with_file(mut self, name: impl Into<String>, contents: impl Into<Vec<u8>>) -> Self {
+        self.files.push((name.into(), contents.into()));
+        self
+    }
+
+    /// Writes the [`Self::with_file`] files for the export at `out` (one
+    /// file when not `sharded`).
+    pub(crate) fn write_files(&self, out: &Path, sharded: bool) -> Result<(), CheckpointError> {
+        let dir = match sharded {
+            true => out,
+            false => out.parent().unwrap_or(Path::new(".")),
+        };
+        for (name, contents) in &self.files {
+            write_atomic(&dir.join(name), contents)?;
+        }
+        Ok(())
+    }
+
+    /// `plan` (the model's names and shapes) as the file holds it, and
+    /// what turns each tensor's values into the file's; errors name
+    /// `out`. The same on every rank, so a refusal is every rank's before
+    /// anything is gathered.
+    pub(crate) fn apply(
+        &self,
+        plan: &[Planned],
+        out: &Path,
+    ) -> Result<(Vec<Planned>, OutNames), CheckpointError> {
+        let refuse = |msg: String| CheckpointError::Weights {
+            path: out.to_path_buf(),
+            msg,
+        };
+        for (name, _) in &self.files {
+            if Path::new(name).components().count() != 1 || name == ".." {
+                return Err(refuse(format!(
+                    "the export layout's file `{name}` is not a file name: name a file to write beside the tensors"
+                )));
+            }
+        }
+        let mut names = HashMap::with_capacity(plan.len());
+        let mut taken = HashSet::with_capacity(plan.len());
+        let mut mapped = Vec::with_capacity(plan.len());
+        for p in plan {
+            let name = self
+                .rename
+                .as_ref()
+                .map_or_else(|| p.name.clone(), |r| r(&p.name));
+            if !taken.insert(name.clone()) {
+                return Err(refuse(format!(
+                    "the export layout names two of the model's tensors `{name}` (one is `{}`): give each a name of its own",
+                    p.name
+                )));
+            }
+            let transposed = match self.transpose.as_ref().is_some_and(|t| t(&p.name)) {
+                false => None,
+                true => match p.shape.as_slice() {
+                    &[rows, cols] => Some((rows, cols, p.dtype.size())),
+                    shape => {
+                        return Err(refuse(format!(
+                            "the export layout transposes `{}`, of shape {shape:?}: only a matrix (2 dimensions) transposes",
+                            p.name
+                        )))
+                    }
+                },
+            };
+            let shape = match transposed {
+                Some((rows, cols, _)) => vec![cols, rows],
+                None => p.shape.clone(),
+            };
+            mapped.push(Planned {
+                name: name.clone(),
+                dtype: p.dtype,
+                shape,
+            });
+            names.insert(p.name.clone(), (name, transposed));
+        }
+        Ok((mapped, OutNames(names)))
+    }
+}
+
+/// Each of the model's tensors' name in the file, and for one written
+/// transposed its `(rows, cols, element bytes)` in the model.
+pub(crate) struct OutNames(HashMap<String, (String, Option<(usize, usize, usize)>)>);
+
+impl OutNames {
+    /// Tensor `name`'s name in the file and its bytes as the file holds
+    /// them (`data` is the model's layout); a name it does not know goes
+    /// as it is.
+    pub(crate) fn map<'a>(&'a self, name: &'a str, data: &'a [u8]) -> (&'a str, Cow<'a, [u8]>) {
+        match self.0.get(name) {
+            None => (name, Cow::Borrowed(data)),
+            Some((out, None)) => (out.as_str(), Cow::Borrowed(data)),
+            Some((out, Some((rows, cols, size)))) => {
+                let (rows, cols, size) = (*rows, *cols, *size);
+                let mut t = Vec::with_capacity(data.len());
+                // The file's element j, (c, r) of [cols, rows], is the
+                // model's (r, c).
+                for j in 0..(data.len() / size.max(1)).min(rows * cols) {
+                    let i = (j % rows) * cols + j / rows;
+                    t.extend_from_slice(&data[i * size..][..size]);
+                }
+                (out.as_str(), Cow::Owned(t))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::Dtype;
+
+    #[test]
+    fn a_layout_renames_and_transposes_and_refuses_what_it_cannot_write() {
+        let plan = [
+            Planned::new("a.w", Dtype::F32, &[2, 3]),
+            Planned::new("a.b", Dtype::F32, &[3]),
+        ];
+        let out = Path::new("/x/out");
+        let layout = ExportLayout::new()
+            .rename(|n| format!("m.{n}"))
+            .transpose(|n| n.ends_with(".w"));
+        let (mapped, names) = layout.apply(&plan, out).unwrap();
+        let shapes: Vec<(&str, &[usize])> = (mapped.iter())
+            .map(|p| (p.name.as_str(), p.shape.as_slice()))
+            .collect();
+        assert_eq!(shapes, [("m.a.w", &[3, 2][..]), ("m.a.b", &[3][..])]);
+        // [[1, 2, 3], [4, 5, 6]] is written [[1, 4], [2, 5], [3, 6]].
+        let w: Vec<u8> = (1..=6u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let (name, t) = names.map("a.w", &w);
+        let got: Vec<f32> = (t.chunks_exact(4))
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!((name, got), ("m.a.w", vec![1., 4., 2., 5., 3., 6.]));
+        let (name, b) = names.map("a.b", &w[..12]);
+        assert_eq!((name, &b[..]), ("m.a.b", &w[..12]));
+        let twice = ExportLayout::new().rename(|_| "same".into());
+        let err = twice.apply(&plan, out).err().unwrap().to_string();
+        assert!(
+            err.contains("names two of the model's tensors `same`") && err.contains("/x/out"),
+            "{err}"
+        );
+        let vector = ExportLayout::new().transpose(|_| true);
+        let err = vector.apply(&plan, out).err().unwrap().to_string();
+        assert!(err.contains("transposes `a.b`, of shape [3]"), "{err}");
+    }
+}

@@ -122,7 +122,11 @@ impl ExportLayout {
             let transposed = match self.transpose.as_ref().is_some_and(|t| t(&p.name)) {
                 false => None,
                 true => match p.shape.as_slice() {
-                    &[rows, cols] => Some((rows, cols, p.dtype.size())),
+                    &[rows, cols] => Some(Matrix {
+                        rows,
+                        cols,
+                        size: p.dtype.size(),
+                    }),
                     shape => {
                         return Err(refuse(format!(
                             "the export layout transposes `{}`, of shape {shape:?}: only a matrix (2 dimensions) transposes",
@@ -132,7 +136,7 @@ impl ExportLayout {
                 },
             };
             let shape = match transposed {
-                Some((rows, cols, _)) => vec![cols, rows],
+                Some(m) => vec![m.cols, m.rows],
                 None => p.shape.clone(),
             };
             mapped.push(Planned {
@@ -146,9 +150,18 @@ impl ExportLayout {
     }
 }
 
-/// Each of the model's tensors' name in the file, and for one written
-/// transposed its `(rows, cols, element bytes)` in the model.
-pub(crate) struct OutNames(HashMap<String, (String, Option<(usize, usize, usize)>)>);
+/// A matrix written transposed: its shape in the model and the bytes of
+/// an element.
+#[derive(Clone, Copy)]
+struct Matrix {
+    rows: usize,
+    cols: usize,
+    size: usize,
+}
+
+/// Each of the model's tensors' name in the file, and the shape of one
+/// written transposed.
+pub(crate) struct OutNames(HashMap<String, (String, Option<Matrix>)>);
 
 impl OutNames {
     /// Tensor `name`'s name in the file and its bytes as the file holds
@@ -158,8 +171,8 @@ impl OutNames {
         match self.0.get(name) {
             None => (name, Cow::Borrowed(data)),
             Some((out, None)) => (out.as_str(), Cow::Borrowed(data)),
-            Some((out, Some((rows, cols, size)))) => {
-                let (rows, cols, size) = (*rows, *cols, *size);
+            Some((out, Some(m))) => {
+                let Matrix { rows, cols, size } = *m;
                 let mut t = Vec::with_capacity(data.len());
                 // The file's element j, (c, r) of [cols, rows], is the
                 // model's (r, c).

@@ -36,6 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use crate::hf::{HfConfigError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
@@ -57,94 +58,32 @@ pub struct Gpt2Config {
     pub eps: f64,
 }
 
-/// Why a `config.json` is not a GPT-2 this module can build.
-#[derive(Debug, thiserror::Error)]
-pub enum Gpt2ConfigError {
-    /// The file could not be read or parsed.
-    #[error("{path}: {msg}")]
-    Read {
-        /// The config file.
-        path: std::path::PathBuf,
-        /// What went wrong.
-        msg: String,
-    },
-    /// A field is missing, of the wrong type, or asks for what this
-    /// model does not do.
-    #[error("{path}: {msg}")]
-    Field {
-        /// The config file.
-        path: std::path::PathBuf,
-        /// Which field and why.
-        msg: String,
-    },
-}
-
 impl Gpt2Config {
     /// Reads `dir/config.json` (or `dir` itself, a `config.json`), as
     /// `transformers`' `save_pretrained` writes it: its `model_type` must
     /// be `gpt2`, and the sizes are its `n_*` fields. Activations other
     /// than `gelu_new` and a head not tied to the embedding are refused,
     /// naming the field: this model computes neither.
-    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, Gpt2ConfigError> {
-        let dir = dir.as_ref();
-        let path = match dir.is_dir() {
-            true => dir.join("config.json"),
-            false => dir.to_path_buf(),
-        };
-        let read = |msg: String| Gpt2ConfigError::Read {
-            path: path.clone(),
-            msg,
-        };
-        let field = |msg: String| Gpt2ConfigError::Field {
-            path: path.clone(),
-            msg,
-        };
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| read(format!("not JSON ({e})")))?;
-        let get = |key: &str| json.get(key).filter(|v| !v.is_null());
-        match get("model_type").and_then(|v| v.as_str()) {
-            Some("gpt2") => {}
-            other => {
-                return Err(field(format!(
-                    "model_type is {other:?}, not \"gpt2\": this is another architecture's config"
-                )))
-            }
-        }
-        let size = |key: &str| {
-            get(key)
-                .and_then(|v| v.as_i64())
-                .filter(|&n| n > 0)
-                .ok_or_else(|| field(format!("`{key}` is missing or not a positive integer")))
-        };
-        let act = get("activation_function").and_then(|v| v.as_str());
-        if act.is_some_and(|a| a != "gelu_new") {
-            return Err(field(format!(
-                "activation_function {act:?}: this GPT-2 computes gelu_new only"
-            )));
-        }
-        if get("tie_word_embeddings").and_then(|v| v.as_bool()) == Some(false) {
-            return Err(field(
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfConfigError> {
+        let j = HfJson::read(dir.as_ref(), "gpt2")?;
+        let why = "this GPT-2 computes gelu_new only";
+        j.only("activation_function", "gelu_new", why)?;
+        if !j.flag_or("tie_word_embeddings", true)? {
+            return Err(j.field(
                 "tie_word_embeddings is false: this GPT-2's head is the token embedding".into(),
             ));
         }
         let cfg = Self {
-            vocab: size("vocab_size")?,
-            positions: size("n_positions")?,
-            width: size("n_embd")?,
-            layers: size("n_layer")?,
-            heads: size("n_head")?,
-            inner: match get("n_inner") {
-                None => None,
-                Some(_) => Some(size("n_inner")?),
-            },
-            eps: get("layer_norm_epsilon")
-                .and_then(|v| v.as_f64())
-                .unwrap_or(1e-5),
+            vocab: j.size("vocab_size")?,
+            positions: j.size("n_positions")?,
+            width: j.size("n_embd")?,
+            layers: j.size("n_layer")?,
+            heads: j.size("n_head")?,
+            inner: j.size_or_none("n_inner")?,
+            eps: j.number_or("layer_norm_epsilon", 1e-5)?,
         };
         if cfg.width % cfg.heads != 0 {
-            return Err(field(format!(
+            return Err(j.field(format!(
                 "n_head {} does not divide n_embd {}",
                 cfg.heads, cfg.width
             )));
@@ -350,15 +289,10 @@ impl Gpt2 {
         self.ln_f.forward(&x).matmul(&self.wte.ws.tr())
     }
 
-    /// `GPT2LMHeadModel`'s loss with `labels = tokens`: the mean
-    /// cross-entropy of the logits at positions `..seq-1` predicting
-    /// tokens `1..`, in fp32.
+    /// `GPT2LMHeadModel`'s loss with `labels = tokens`
+    /// ([`crate::hf::causal_lm_loss`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        let t = tokens.size().get(1).copied().unwrap_or(2);
-        let logits = self.forward(tokens).narrow(1, 0, t - 1);
-        let y = tokens.narrow(1, 1, t - 1);
-        (logits.to_kind(Kind::Float).reshape([-1, self.cfg.vocab]))
-            .cross_entropy_for_logits(&y.reshape([-1]))
+        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
     }
 
     /// The sizes it was built with.
@@ -433,11 +367,7 @@ mod tests {
                 r#""n_layer": "12""#,
                 "`n_layer` is missing",
             ),
-            (
-                r#""gelu_new""#,
-                r#""relu""#,
-                "activation_function Some(\"relu\")",
-            ),
+            (r#""gelu_new""#, r#""relu""#, "activation_function \"relu\""),
             (
                 r#""n_inner": null"#,
                 r#""tie_word_embeddings": false"#,

@@ -58,6 +58,8 @@
 
 pub mod gpt;
 pub mod gpt2;
+pub mod hf;
+pub mod llama;
 pub mod stop;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where

@@ -1,0 +1,462 @@
+//! Llama as Hugging Face's `transformers` lays it out
+//! (`LlamaForCausalLM`), in tch, its decoder layers wrapped in
+//! [`ShardedModule`]: a `save_pretrained` checkpoint loads into it under
+//! any ZeRO stage without a rank holding the whole model, and a
+//! fine-tuned one is written back for `from_pretrained`.
+//!
+//! Its VarStore names are Hugging Face's own (`model.embed_tokens`,
+//! `model.layers.0.self_attn.q_proj`, ..., `model.norm`, `lm_head`) and
+//! its matrices are `nn.Linear`'s, so a file loads as it is
+//! ([`hf_weight_rules`] only skips what the model does not hold):
+//!
+//! ```no_run
+//! use zrt::llama::{hf_weight_rules, Llama, LlamaConfig};
+//! use zrt::zero::ShardPlan;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::path::Path::new("llama"); // config.json, model*.safetensors
+//! let cfg = LlamaConfig::from_hf_dir(dir)?;
+//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let plan = ShardPlan::new();
+//! hf_weight_rules(&plan, &cfg)?;
+//! plan.weights_from_file(&vs, dir)?; // no rank holds the model while it is built
+//! let model = Llama::new(&vs.root(), &plan, &cfg);
+//! // Engine::from_config(&vs, &plan, ...) loads each rank's shard of the file.
+//! # let _ = model; Ok(()) }
+//! ```
+//!
+//! The forward is `transformers`' in evaluation: RMSNorm computed in
+//! fp32, rotary position embeddings (the default kind: `rope_scaling`
+//! is refused) with cosines and sines computed in fp32, grouped-query
+//! causal attention, a SiLU-gated MLP. Its logits match `transformers'`
+//! to float rounding (`tests/from_hf.rs`).
+
+use std::path::Path;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::hf::{HfConfigError, HfJson};
+use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
+
+/// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaConfig {
+    /// `vocab_size`.
+    pub vocab: i64,
+    /// `hidden_size`: the model's width.
+    pub hidden: i64,
+    /// `intermediate_size`: the MLP's width.
+    pub intermediate: i64,
+    /// `num_hidden_layers`.
+    pub layers: i64,
+    /// `num_attention_heads`.
+    pub heads: i64,
+    /// `num_key_value_heads` (fewer than `heads`: grouped-query
+    /// attention; it must divide `heads`).
+    pub kv_heads: i64,
+    /// `head_dim` (`hidden / heads` unless the config says).
+    pub head_dim: i64,
+    /// `rms_norm_eps`.
+    pub eps: f64,
+    /// `rope_theta`.
+    pub rope_theta: f64,
+    /// `max_position_embeddings` (kept for the exported config; the
+    /// forward takes any length).
+    pub positions: i64,
+    /// `attention_bias`: the four attention projections have biases.
+    pub attention_bias: bool,
+    /// `mlp_bias`: the three MLP projections have biases.
+    pub mlp_bias: bool,
+    /// `tie_word_embeddings`: the head is the token embedding.
+    pub tied: bool,
+}
+
+impl LlamaConfig {
+    /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
+    /// `save_pretrained` writes it: `model_type` `llama`, `hidden_act`
+    /// `silu`, no `rope_scaling` (Llama 3.1's and the other scaled kinds
+    /// are refused, naming the field: this model computes the default
+    /// rotary embedding only).
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfConfigError> {
+        let j = HfJson::read(dir.as_ref(), "llama")?;
+        j.only("hidden_act", "silu", "this Llama computes silu only")?;
+        if let Some(v) = j.get("rope_scaling") {
+            return Err(j.field(format!(
+                "rope_scaling {v}: this Llama computes the default rotary embedding only (no scaling)"
+            )));
+        }
+        if j.number_or("partial_rotary_factor", 1.0)? != 1.0 {
+            return Err(j.field(
+                "partial_rotary_factor: this Llama rotates every dimension of a head".into(),
+            ));
+        }
+        let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
+        let kv_heads = j.size_or_none("num_key_value_heads")?.unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(j.field(format!(
+                "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
+            )));
+        }
+        let head_dim = match j.size_or_none("head_dim")? {
+            Some(d) => d,
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(j.field(format!(
+                    "num_attention_heads {heads} does not divide hidden_size {hidden} (and no head_dim)"
+                )))
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(j.field(format!(
+                "head_dim {head_dim} is odd: rotary embeddings turn pairs"
+            )));
+        }
+        Ok(Self {
+            vocab: j.size("vocab_size")?,
+            hidden,
+            intermediate: j.size("intermediate_size")?,
+            layers: j.size("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            eps: j.number_or("rms_norm_eps", 1e-6)?,
+            rope_theta: j.number_or("rope_theta", 10000.0)?,
+            positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
+            attention_bias: j.flag_or("attention_bias", false)?,
+            mlp_bias: j.flag_or("mlp_bias", false)?,
+            tied: j.flag_or("tie_word_embeddings", false)?,
+        })
+    }
+
+    /// The `config.json` `transformers` reads this model from.
+    pub fn to_hf_json(&self) -> String {
+        let json = serde_json::json!({
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "max_position_embeddings": self.positions,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tied,
+        });
+        format!("{json:#}\n")
+    }
+}
+
+/// The [`Llama`] VarStore name of a tensor of a Hugging Face Llama
+/// checkpoint (its own), or `None` for what the model does not hold:
+/// older checkpoints' rotary buffers (`rotary_emb.inv_freq`) and, when
+/// the head is tied, a written-out `lm_head.weight`.
+pub fn hf_name(name: &str, tied: bool) -> Option<String> {
+    let skipped = name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
+    (!skipped).then(|| name.to_string())
+}
+
+/// Sets `plan`'s rename rule for a Hugging Face Llama checkpoint
+/// ([`hf_name`]). Call it on every rank before the engine is built.
+pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
+    let tied = cfg.tied;
+    plan.rename_weights(move |n| hf_name(n, tied))
+}
+
+/// Hugging Face's layout for an export of a [`Llama`]
+/// ([`Engine::save_16bit_model_as`](crate::zero::Engine::save_16bit_model_as)):
+/// its own names, and `cfg`'s `config.json` beside them, so that
+/// `LlamaForCausalLM.from_pretrained(dir)` loads it.
+pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
+    ExportLayout::new().with_file("config.json", cfg.to_hf_json())
+}
+
+/// Llama's RMSNorm: `weight * x / sqrt(mean(x^2) + eps)`, the statistic in
+/// fp32.
+#[derive(Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: nn::Path, width: i64, eps: f64) -> Self {
+        Self {
+            weight: p.ones("weight", &[width]),
+            eps,
+        }
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x.to_kind(Kind::Float);
+        let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+        let h = h * (var + self.eps).rsqrt();
+        &self.weight * h.to_kind(x.kind())
+    }
+}
+
+/// A linear layer with or without bias.
+fn linear(p: &nn::Path, i: i64, o: i64, bias: bool) -> nn::Linear {
+    let cfg = nn::LinearConfig {
+        bias,
+        ..Default::default()
+    };
+    nn::linear(p, i, o, cfg)
+}
+
+/// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
+/// mlp(post_attention_layernorm(x))`.
+#[derive(Debug)]
+pub struct Layer {
+    input_layernorm: RmsNorm,
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: nn::Linear,
+    up_proj: nn::Linear,
+    down_proj: nn::Linear,
+    cfg: LlamaConfig,
+}
+
+impl Layer {
+    fn new(p: &nn::Path, c: &LlamaConfig) -> Self {
+        let (a, m) = (p / "self_attn", p / "mlp");
+        let (d, hd, ab, mb) = (c.hidden, c.head_dim, c.attention_bias, c.mlp_bias);
+        Self {
+            input_layernorm: RmsNorm::new(p / "input_layernorm", d, c.eps),
+            q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, ab),
+            k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, ab),
+            v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, ab),
+            o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, ab),
+            post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c.eps),
+            gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
+            up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+            down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
+            cfg: *c,
+        }
+    }
+}
+
+/// Rotary position embedding of `x` `[batch, heads, seq, head_dim]`:
+/// `x * cos + rotate_half(x) * sin`, `rotate_half` turning the second half
+/// of each head's dimensions before the first (`transformers`'
+/// convention), the angles computed in fp32.
+fn rope(x: &Tensor, theta: f64) -> Tensor {
+    let (t, hd) = (x.size()[2], x.size()[3]);
+    let opts = (Kind::Float, x.device());
+    let exponents = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, x.device()))
+        .to_kind(Kind::Float)
+        / hd as f64;
+    let inv_freq = Tensor::pow_scalar(theta, &exponents).reciprocal();
+    let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    let (cos, sin) = (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()));
+    let (x1, x2) = (x.narrow(-1, 0, hd / 2), x.narrow(-1, hd / 2, hd / 2));
+    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+    x * cos + rotated * sin
+}
+
+impl Module for Layer {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
+        let c = &self.cfg;
+        let h = self.input_layernorm.forward(x);
+        let heads = |proj: &nn::Linear, n: i64| {
+            proj.forward(&h).view([b, t, n, c.head_dim]).transpose(1, 2)
+        };
+        let q = rope(&heads(&self.q_proj, c.heads), c.rope_theta);
+        let k = rope(&heads(&self.k_proj, c.kv_heads), c.rope_theta);
+        let v = heads(&self.v_proj, c.kv_heads);
+        let grouped = c.kv_heads != c.heads;
+        let a = Tensor::scaled_dot_product_attention::<Tensor>(
+            &q, &k, &v, None, 0.0, true, None, grouped,
+        );
+        let a = a
+            .transpose(1, 2)
+            .contiguous()
+            .view([b, t, c.heads * c.head_dim]);
+        let x = x + self.o_proj.forward(&a);
+        let h = self.post_attention_layernorm.forward(&x);
+        let m = self.gate_proj.forward(&h).silu() * self.up_proj.forward(&h);
+        &x + self.down_proj.forward(&m)
+    }
+}
+
+/// The token embedding, and the head when it is its own matrix.
+#[derive(Debug)]
+enum Ends {
+    /// The head is the embedding (in the root unit, used at both ends).
+    Tied(nn::Embedding),
+    /// Each its own unit.
+    Apart {
+        embed: ShardedModule<nn::Embedding>,
+        head: ShardedModule<nn::Linear>,
+    },
+}
+
+/// Llama with a language-modelling head (`LlamaForCausalLM`).
+#[derive(Debug)]
+pub struct Llama {
+    ends: Ends,
+    layers: Vec<ShardedModule<Layer>>,
+    norm: RmsNorm,
+    cfg: LlamaConfig,
+}
+
+impl Llama {
+    /// Builds the model under `p` with Hugging Face's names, each decoder
+    /// layer (`model.layers.0`, ...) a unit of `plan`; the token
+    /// embedding and an untied head are units of their own (the two
+    /// largest matrices), a tied one and the final norm form the root.
+    /// Values are tch's initialisation (the norms' weights one): a
+    /// pretrained model's come from its file.
+    pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
+        let m = p / "model";
+        // The root's variables before the first unit: a plan releasing
+        // the model as it is built (`weights_from_file`) releases what
+        // was made before each `ShardedModule::new`, and would leave a
+        // root made after the last one held until the engine is built.
+        let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg.eps);
+        let embed_path = &m / "embed_tokens";
+        let embed = nn::embedding(&embed_path, cfg.vocab, cfg.hidden, Default::default());
+        let embed = match cfg.tied {
+            true => Err(embed),
+            false => Ok(ShardedModule::new(plan, &embed_path, embed)),
+        };
+        let layers = (0..cfg.layers)
+            .map(|i| {
+                let lp = &m / "layers" / i;
+                ShardedModule::new(plan, &lp, Layer::new(&lp, cfg))
+            })
+            .collect();
+        let ends = match embed {
+            Err(tied) => Ends::Tied(tied),
+            Ok(embed) => {
+                let hp = p / "lm_head";
+                let head = linear(&hp, cfg.hidden, cfg.vocab, false);
+                let head = ShardedModule::new(plan, &hp, head);
+                Ends::Apart { embed, head }
+            }
+        };
+        Self {
+            ends,
+            layers,
+            norm,
+            cfg: *cfg,
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let mut x = match &self.ends {
+            Ends::Tied(e) => e.forward(tokens),
+            Ends::Apart { embed, .. } => embed.forward(tokens),
+        };
+        for l in &self.layers {
+            x = l.forward(&x);
+        }
+        let x = self.norm.forward(&x);
+        match &self.ends {
+            Ends::Tied(e) => x.matmul(&e.ws.tr()),
+            Ends::Apart { head, .. } => head.forward(&x),
+        }
+    }
+
+    /// `LlamaForCausalLM`'s loss with `labels = tokens`
+    /// ([`crate::hf::causal_lm_loss`]).
+    pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
+    }
+
+    /// The sizes it was built with.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoints_names_are_the_models_but_what_it_does_not_hold() {
+        for (name, tied, ours) in [
+            ("model.layers.0.self_attn.q_proj.weight", false, true),
+            ("lm_head.weight", false, true),
+            ("lm_head.weight", true, false),
+            ("model.layers.3.self_attn.rotary_emb.inv_freq", false, false),
+        ] {
+            let want = ours.then(|| name.to_string());
+            assert_eq!(hf_name(name, tied), want, "{name} tied {tied}");
+        }
+    }
+
+    #[test]
+    fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
+        let dir = std::env::temp_dir().join(format!("zrt-llama-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": null, "max_position_embeddings": 131072, "tie_word_embeddings": true}"#;
+        std::fs::write(dir.join("config.json"), good).unwrap();
+        let cfg = LlamaConfig::from_hf_dir(&dir).unwrap();
+        let want = LlamaConfig {
+            vocab: 128256,
+            hidden: 2048,
+            intermediate: 8192,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            eps: 1e-5,
+            rope_theta: 500000.0,
+            positions: 131072,
+            attention_bias: false,
+            mlp_bias: false,
+            tied: true,
+        };
+        assert_eq!(cfg, want);
+        std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+        assert_eq!(
+            LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+            cfg
+        );
+        for (from, to, says) in [
+            (
+                r#""llama""#,
+                r#""mistral""#,
+                "model_type is Some(\"mistral\")",
+            ),
+            (
+                r#""rope_scaling": null"#,
+                r#""rope_scaling": {"rope_type": "llama3", "factor": 32.0}"#,
+                "rope_scaling {",
+            ),
+            (r#""silu""#, r#""gelu""#, "hidden_act \"gelu\""),
+            (
+                r#""num_key_value_heads": 8"#,
+                r#""num_key_value_heads": 5"#,
+                "num_key_value_heads 5 does not divide num_attention_heads 32",
+            ),
+            (
+                r#""tie_word_embeddings": true"#,
+                r#""tie_word_embeddings": "yes""#,
+                "`tie_word_embeddings` is \"yes\", not true or false",
+            ),
+        ] {
+            std::fs::write(dir.join("config.json"), good.replace(from, to)).unwrap();
+            let err = LlamaConfig::from_hf_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains(says) && err.contains("config.json"), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

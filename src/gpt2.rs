@@ -29,7 +29,7 @@
 //! without it here, and a fine-tune that wants it adds it): pre-norm
 //! blocks, causal attention, `gelu_new` (GELU's tanh form), the head
 //! tied to `wte`. Its logits match `transformers`' to float rounding
-//! (`tests/gpt2_from_hf.rs`).
+//! (`tests/from_hf.rs`).
 
 use std::path::Path;
 

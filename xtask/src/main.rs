@@ -216,8 +216,9 @@ fn pip_install(cache: &Path, specs: &[&str]) -> Result<()> {
 /// The Python packages the tests compare with, in the same venv, each
 /// installed once: `safetensors` (the checkpoint tests load zrt's
 /// consolidated weights with it, as a Python user would; one wheel) and
-/// `transformers` (its GPT-2 writes the checkpoint `tests/gpt2_from_hf.rs`
-/// loads and computes the logits and losses zrt's must match; about 15
+/// `transformers` (its GPT-2 and Llama write the checkpoints
+/// `tests/from_hf.rs` loads and compute the logits and losses zrt's must
+/// match, and it reads zrt's exports back; about 15
 /// wheels, 10 seconds). Each pins safetensors, so neither moves it.
 fn ensure_python_packages(cache: &Path) -> Result<()> {
     let python = venv_python(cache);

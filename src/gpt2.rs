@@ -36,7 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::hf::{HfConfigError, HfJson};
+use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
@@ -64,8 +64,8 @@ impl Gpt2Config {
     /// be `gpt2`, and the sizes are its `n_*` fields. Activations other
     /// than `gelu_new` and a head not tied to the embedding are refused,
     /// naming the field: this model computes neither.
-    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfConfigError> {
-        let j = HfJson::read(dir.as_ref(), "gpt2")?;
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
+        let j = HfJson::read(dir.as_ref(), Some("gpt2"))?;
         let why = "this GPT-2 computes gelu_new only";
         j.only("activation_function", "gelu_new", why)?;
         if !j.flag_or("tie_word_embeddings", true)? {

@@ -1,14 +1,23 @@
-//! What the Hugging Face model layouts ([`crate::gpt2`], [`crate::llama`])
-//! share: reading a `config.json` as `transformers`' `save_pretrained`
-//! writes it, and its errors.
+//! Hugging Face checkpoints: [`HfModel::from_pretrained`] builds the
+//! model a `save_pretrained` directory holds (one of the layouts
+//! [`crate::gpt2`] and [`crate::llama`] build, chosen by its
+//! `config.json`) with no rank holding its weights, as `transformers`'
+//! `AutoModelForCausalLM.from_pretrained` chooses the class; and what
+//! those layouts share (reading a `config.json`, the loss, the errors).
 
 use std::path::{Path, PathBuf};
 
+use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-/// Why a `config.json` is not a model this crate can build.
+use crate::gpt2::{Gpt2, Gpt2Config};
+use crate::llama::{Llama, LlamaConfig};
+use crate::zero::{EngineError, ExportLayout, ShardPlan};
+
+/// Why a Hugging Face checkpoint cannot be built: its `config.json` is
+/// not a model this crate builds, or the plan refused its rules.
 #[derive(Debug, thiserror::Error)]
-pub enum HfConfigError {
+pub enum HfError {
     /// The file could not be read or parsed.
     #[error("{path}: {msg}")]
     Read {
@@ -26,6 +35,76 @@ pub enum HfConfigError {
         /// Which field and why.
         msg: String,
     },
+    /// The plan refused the checkpoint's rules (it was already given
+    /// another weights rule, or an engine was built from it).
+    #[error(transparent)]
+    Plan(#[from] EngineError),
+}
+
+/// A causal language model of one of the layouts this crate builds.
+#[derive(Debug)]
+pub enum HfModel {
+    /// `model_type` `gpt2`.
+    Gpt2(Gpt2),
+    /// `model_type` `llama`.
+    Llama(Llama),
+}
+
+impl HfModel {
+    /// Builds the model of the `save_pretrained` directory `dir` on `vs`
+    /// and `plan` (its `config.json` names the layout), its weights to
+    /// come from the directory's files as the engine is built
+    /// ([`ShardPlan::weights_from_file`]: no rank holds the model while
+    /// it is built), and the layout its export goes back in. Call it on
+    /// every rank, on a fresh VarStore and plan, before the engine.
+    pub fn from_pretrained(
+        vs: &VarStore,
+        plan: &ShardPlan,
+        dir: impl AsRef<Path>,
+    ) -> Result<(Self, ExportLayout), HfError> {
+        let dir = dir.as_ref();
+        let config = HfJson::read(dir, None)?;
+        match config.model_type().as_deref() {
+            Some("gpt2") => {
+                let cfg = Gpt2Config::from_hf_dir(dir)?;
+                crate::gpt2::hf_weight_rules(plan)?;
+                plan.weights_from_file(vs, dir)?;
+                let model = Self::Gpt2(Gpt2::new(&vs.root(), plan, &cfg));
+                Ok((model, crate::gpt2::hf_export_layout(&cfg)))
+            }
+            Some("llama") => {
+                let cfg = LlamaConfig::from_hf_dir(dir)?;
+                crate::llama::hf_weight_rules(plan, &cfg)?;
+                plan.weights_from_file(vs, dir)?;
+                let model = Self::Llama(Llama::new(&vs.root(), plan, &cfg));
+                Ok((model, crate::llama::hf_export_layout(&cfg)))
+            }
+            other => Err(config.field(format!(
+                "model_type {other:?}: zrt builds \"gpt2\" and \"llama\" checkpoints"
+            ))),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        match self {
+            Self::Gpt2(m) => m.forward(tokens),
+            Self::Llama(m) => m.forward(tokens),
+        }
+    }
+
+    /// The causal-LM loss with `labels = tokens` ([`causal_lm_loss`]).
+    pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        causal_lm_loss(&self.forward(tokens), tokens)
+    }
+
+    /// The vocabulary's size.
+    pub fn vocab(&self) -> i64 {
+        match self {
+            Self::Gpt2(m) => m.config().vocab,
+            Self::Llama(m) => m.config().vocab,
+        }
+    }
 }
 
 /// A parsed `config.json`, its fields read with errors naming them.
@@ -36,13 +115,13 @@ pub(crate) struct HfJson {
 
 impl HfJson {
     /// Reads `dir/config.json`, or `dir` itself when it is a file, and
-    /// checks its `model_type` is `model_type`.
-    pub(crate) fn read(dir: &Path, model_type: &str) -> Result<Self, HfConfigError> {
+    /// checks its `model_type` is `model_type` when given.
+    pub(crate) fn read(dir: &Path, model_type: Option<&str>) -> Result<Self, HfError> {
         let path = match dir.is_dir() {
             true => dir.join("config.json"),
             false => dir.to_path_buf(),
         };
-        let read = |msg: String| HfConfigError::Read {
+        let read = |msg: String| HfError::Read {
             path: path.clone(),
             msg,
         };
@@ -50,17 +129,25 @@ impl HfJson {
             std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
         let json = serde_json::from_str(&text).map_err(|e| read(format!("not JSON ({e})")))?;
         let me = Self { path, json };
-        match me.get("model_type").and_then(|v| v.as_str()) {
-            Some(t) if t == model_type => Ok(me),
-            other => Err(me.field(format!(
-                "model_type is {other:?}, not \"{model_type}\": this is another architecture's config"
+        match (me.model_type(), model_type) {
+            (_, None) => Ok(me),
+            (Some(t), Some(want)) if t == want => Ok(me),
+            (other, Some(want)) => Err(me.field(format!(
+                "model_type is {other:?}, not \"{want}\": this is another architecture's config"
             ))),
         }
     }
 
-    /// A [`HfConfigError::Field`] saying `msg`.
-    pub(crate) fn field(&self, msg: String) -> HfConfigError {
-        HfConfigError::Field {
+    /// Its `model_type`.
+    pub(crate) fn model_type(&self) -> Option<String> {
+        self.get("model_type")
+            .and_then(|v| v.as_str())
+            .map(String::from)
+    }
+
+    /// A [`HfError::Field`] saying `msg`.
+    pub(crate) fn field(&self, msg: String) -> HfError {
+        HfError::Field {
             path: self.path.clone(),
             msg,
         }
@@ -72,7 +159,7 @@ impl HfJson {
     }
 
     /// Field `key`, a positive integer.
-    pub(crate) fn size(&self, key: &str) -> Result<i64, HfConfigError> {
+    pub(crate) fn size(&self, key: &str) -> Result<i64, HfError> {
         self.get(key)
             .and_then(|v| v.as_i64())
             .filter(|&n| n > 0)
@@ -80,7 +167,7 @@ impl HfJson {
     }
 
     /// Field `key`, a positive integer, or `None` when absent or null.
-    pub(crate) fn size_or_none(&self, key: &str) -> Result<Option<i64>, HfConfigError> {
+    pub(crate) fn size_or_none(&self, key: &str) -> Result<Option<i64>, HfError> {
         match self.get(key) {
             None => Ok(None),
             Some(_) => self.size(key).map(Some),
@@ -88,7 +175,7 @@ impl HfJson {
     }
 
     /// Field `key`, a number, or `default` when absent or null.
-    pub(crate) fn number_or(&self, key: &str, default: f64) -> Result<f64, HfConfigError> {
+    pub(crate) fn number_or(&self, key: &str, default: f64) -> Result<f64, HfError> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -98,7 +185,7 @@ impl HfJson {
     }
 
     /// Field `key`, a boolean, or `default` when absent or null.
-    pub(crate) fn flag_or(&self, key: &str, default: bool) -> Result<bool, HfConfigError> {
+    pub(crate) fn flag_or(&self, key: &str, default: bool) -> Result<bool, HfError> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -108,7 +195,7 @@ impl HfJson {
     }
 
     /// Refuses field `key` unless absent or `want` (a string).
-    pub(crate) fn only(&self, key: &str, want: &str, why: &str) -> Result<(), HfConfigError> {
+    pub(crate) fn only(&self, key: &str, want: &str, why: &str) -> Result<(), HfError> {
         match self.get(key) {
             Some(v) if v.as_str() != Some(want) => Err(self.field(format!("{key} {v}: {why}"))),
             _ => Ok(()),

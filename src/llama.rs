@@ -36,7 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::hf::{HfConfigError, HfJson};
+use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields.
@@ -78,8 +78,8 @@ impl LlamaConfig {
     /// `silu`, no `rope_scaling` (Llama 3.1's and the other scaled kinds
     /// are refused, naming the field: this model computes the default
     /// rotary embedding only).
-    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfConfigError> {
-        let j = HfJson::read(dir.as_ref(), "llama")?;
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
+        let j = HfJson::read(dir.as_ref(), Some("llama"))?;
         j.only("hidden_act", "silu", "this Llama computes silu only")?;
         if let Some(v) = j.get("rope_scaling") {
             return Err(j.field(format!(

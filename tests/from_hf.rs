@@ -17,65 +17,17 @@ use crate::common;
 use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::nn::VarStore;
 use tch::Tensor;
-use zrt::gpt2::{Gpt2, Gpt2Config};
-use zrt::llama::{Llama, LlamaConfig};
+use zrt::hf::HfModel;
 use zrt::zero::{AutoHints, Engine, ExportLayout, ShardPlan};
 
 const STEPS: i64 = 3;
 const SEQ: i64 = 16;
 
-/// A causal language model as the test runs it.
-trait Lm {
-    fn forward(&self, tokens: &Tensor) -> Tensor;
-    fn loss(&self, tokens: &Tensor) -> Tensor;
-}
-
-impl Lm for Gpt2 {
-    fn forward(&self, tokens: &Tensor) -> Tensor {
-        Gpt2::forward(self, tokens)
-    }
-    fn loss(&self, tokens: &Tensor) -> Tensor {
-        Gpt2::loss(self, tokens)
-    }
-}
-
-impl Lm for Llama {
-    fn forward(&self, tokens: &Tensor) -> Tensor {
-        Llama::forward(self, tokens)
-    }
-    fn loss(&self, tokens: &Tensor) -> Tensor {
-        Llama::loss(self, tokens)
-    }
-}
-
-/// What builds a model of a layout: sets the plan's rules for the
-/// checkpoint in `hf` and builds the model on `vs` from its config; the
-/// model, and the layout of its export.
-type Build = fn(&VarStore, &ShardPlan, &Path) -> (Box<dyn Lm>, ExportLayout);
-
-/// A layout under test.
+/// A layout under test: Python importing its config class as `C` and
+/// its model class as `M`, and the config's arguments.
 struct Case {
     name: &'static str,
-    /// Python importing the config class as `C` and the model class as
-    /// `M`, and the config's arguments.
     python: (&'static str, &'static str),
-    build: Build,
-}
-
-fn gpt2(vs: &VarStore, plan: &ShardPlan, hf: &Path) -> (Box<dyn Lm>, ExportLayout) {
-    let cfg = Gpt2Config::from_hf_dir(hf).unwrap();
-    zrt::gpt2::hf_weight_rules(plan).unwrap();
-    plan.weights_from_file(vs, hf).unwrap();
-    let model = Gpt2::new(&vs.root(), plan, &cfg);
-    (Box::new(model), zrt::gpt2::hf_export_layout(&cfg))
-}
-
-fn llama(vs: &VarStore, plan: &ShardPlan, hf: &Path) -> (Box<dyn Lm>, ExportLayout) {
-    let cfg = LlamaConfig::from_hf_dir(hf).unwrap();
-    zrt::llama::hf_weight_rules(plan, &cfg).unwrap();
-    plan.weights_from_file(vs, hf).unwrap();
-    let model = Llama::new(&vs.root(), plan, &cfg);
-    (Box::new(model), zrt::llama::hf_export_layout(&cfg))
 }
 
 const CASES: &[Case] = &[
@@ -85,7 +37,6 @@ const CASES: &[Case] = &[
             "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
             "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
         ),
-        build: gpt2,
     },
     // Grouped-query attention (2 key-value heads for 4), the head apart.
     Case {
@@ -94,7 +45,6 @@ const CASES: &[Case] = &[
             "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
         ),
-        build: llama,
     },
     // The head tied, biases everywhere, a head_dim of its own, another theta.
     Case {
@@ -103,7 +53,6 @@ const CASES: &[Case] = &[
             "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=500000.0",
         ),
-        build: llama,
     },
 ];
 
@@ -206,7 +155,7 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
             let got = on_ranks(2, |r| {
                 let vs = VarStore::new(tch::Device::Cpu);
                 let plan = ShardPlan::new();
-                let (model, layout) = (case.build)(&vs, &plan, &hf);
+                let (model, layout) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
                 let held: usize = (vs.variables().values())
                     .map(|t| zrt::zero::glue::storage_nbytes(t).unwrap())
                     .sum();
@@ -229,15 +178,39 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
                 // of at most 100 kB, and its losses on the first batch.
                 e.save_16bit_model_as(&tuned, Some(100_000), &layout)
                     .unwrap();
+                // What an export cannot write is refused on every rank
+                // before anything is gathered, and nothing is written.
+                let never = dir.join(format!("never{stage}"));
+                let refused = [
+                    e.save_16bit_model_as(&never, Some(0), &ExportLayout::new()),
+                    e.save_16bit_model_as(
+                        &never,
+                        None,
+                        &ExportLayout::new().rename(|_| "one".into()),
+                    ),
+                    e.save_16bit_model_as(&never, None, &ExportLayout::new().transpose(|_| true)),
+                ]
+                .map(|r| r.unwrap_err().to_string());
                 let after = tch::no_grad(|| model.loss(&batch(0)).double_value(&[]));
-                (held, first, losses, after)
+                (held, first, losses, after, refused)
             });
+            assert!(!dir.join(format!("never{stage}")).exists(), "{what}");
             for f in ["model.safetensors.index.json", "config.json"] {
                 assert!(tuned.join(f).is_file(), "{what}: no {f}");
             }
             let theirs = tuned_losses(case, &dir, &tuned);
-            for (rank, (held, first, got, after)) in got.into_iter().enumerate() {
+            for (rank, (held, first, got, after, refused)) in got.into_iter().enumerate() {
                 let what = format!("{what}, rank {rank}");
+                for (err, says) in refused.iter().zip([
+                    "files of at most 0 bytes",
+                    "the export layout names two of the model's tensors `one`",
+                    "only a matrix (2 dimensions) transposes",
+                ]) {
+                    assert!(
+                        err.contains("cannot export the model to") && err.contains(says),
+                        "{what}: {err}"
+                    );
+                }
                 assert_eq!(held, 0, "{what}: the model was held while built");
                 let want_logits = logits.get(rank as i64);
                 assert_eq!(first.len(), want_logits.numel(), "{what}");
@@ -273,4 +246,96 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// `zrt launch --nproc-per-node 2 -- finetune_hf ARGS`, run to its end:
+/// whether it succeeded, and what it printed.
+fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"));
+    c.args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(common::example("finetune_hf"))
+        .args(args);
+    let out = common::output_elsewhere(&mut c);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
+#[test]
+fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() {
+    let _serial = common::serial();
+    let case = &CASES[1];
+    let dir = scratch("finetune-hf");
+    reference(case, &dir);
+    let (hf, tuned) = (dir.join("hf"), dir.join("tuned"));
+    // Tokens as nanoGPT's train.bin holds them (u16), below the
+    // vocabulary, and a file with one past it.
+    let ids = |n: u32, past: bool| -> Vec<u8> {
+        (0..n)
+            .map(|i| match past && i == n / 2 {
+                true => 96u16,
+                false => (i.wrapping_mul(2_654_435_761) >> 7) as u16 % 96,
+            })
+            .flat_map(u16::to_le_bytes)
+            .collect()
+    };
+    let (data, bad) = (dir.join("train.bin"), dir.join("bad.bin"));
+    std::fs::write(&data, ids(4096, false)).unwrap();
+    std::fs::write(&bad, ids(4096, true)).unwrap();
+    let ds = dir.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+    .unwrap();
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let run = |data: &Path| {
+        finetune(&[
+            os("--model"),
+            hf.as_os_str(),
+            os("--data"),
+            data.as_os_str(),
+            os("--config"),
+            ds.as_os_str(),
+            os("--seq"),
+            os("16"),
+            os("--steps"),
+            os("4"),
+            os("--print-every"),
+            os("1"),
+            os("--out"),
+            tuned.as_os_str(),
+            os("--max-shard-mb"),
+            os("0.05"),
+        ])
+    };
+    let (ok, said) = run(&bad);
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("token 2048 is 96, past the model's vocabulary of 96"),
+        "{said}"
+    );
+    let (ok, said) = run(&data);
+    assert!(ok, "{said}");
+    for step in 0..4 {
+        assert!(said.contains(&format!("step {step:>5}  loss ")), "{said}");
+    }
+    // In files of at most 50 kB, read back by transformers as a model
+    // the steps changed.
+    assert!(count(&tuned, "safetensors") > 4, "{said}");
+    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
+    let before = &want.iter().find(|(k, _)| k == "losses").unwrap().1;
+    for (rank, t) in tuned_losses(case, &dir, &tuned).into_iter().enumerate() {
+        let b = before.double_value(&[0, rank as i64]);
+        assert!(
+            t.is_finite() && (t - b).abs() > 1e-4,
+            "rank {rank}: {t} {b}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

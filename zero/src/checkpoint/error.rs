@@ -102,6 +102,16 @@ pub enum CheckpointError {
         /// What is wrong with it.
         msg: String,
     },
+    /// A model export (`Engine::save_16bit_model_as` and its kin, `zrt
+    /// ckpt consolidate`) was asked for what it cannot write: nothing was
+    /// written.
+    #[error("cannot export the model to {}: {msg}; nothing was written", path.display())]
+    Export {
+        /// Where the export was to go.
+        path: PathBuf,
+        /// What cannot be written, and how to mend it.
+        msg: String,
+    },
     /// A whole-model weights file does not hold this model's tensors.
     #[error("the weights file {} does not match the model: {}; {}", path.display(), model_diff(missing, unexpected, misshaped), weights_mend(misshaped, *strict))]
     WeightsMismatch {

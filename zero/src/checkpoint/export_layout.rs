@@ -94,7 +94,7 @@ impl ExportLayout {
         plan: &[Planned],
         out: &Path,
     ) -> Result<(Vec<Planned>, OutNames), CheckpointError> {
-        let refuse = |msg: String| CheckpointError::Weights {
+        let refuse = |msg: String| CheckpointError::Export {
             path: out.to_path_buf(),
             msg,
         };
@@ -224,5 +224,13 @@ mod tests {
         let vector = ExportLayout::new().transpose(|_| true);
         let err = vector.apply(&plan, out).err().unwrap().to_string();
         assert!(err.contains("transposes `a.b`, of shape [3]"), "{err}");
+        for name in ["../config.json", "a/b.json", "/etc/x"] {
+            let path = ExportLayout::new().with_file(name, "{}");
+            let err = path.apply(&plan, out).err().unwrap().to_string();
+            assert!(
+                err.contains(&format!("file `{name}` is not a file name")),
+                "{err}"
+            );
+        }
     }
 }

@@ -87,10 +87,11 @@ impl ShardedWriter {
         meta: HashMap<String, String>,
     ) -> Result<Self, CheckpointError> {
         if max == 0 {
-            return Err(CheckpointError::format(
-                dir,
-                "a largest file of 0 bytes: give the most bytes of tensors a file may hold",
-            ));
+            return Err(CheckpointError::Export {
+                path: dir.to_path_buf(),
+                msg: "a largest file of 0 bytes: give the most bytes of tensors a file may hold"
+                    .into(),
+            });
         }
         std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io("create", dir, e))?;
         let groups = split(plan, max)?;

@@ -1285,6 +1285,16 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         layout: &ExportLayout,
     ) -> Result<(), EngineError> {
         let path = path.as_ref();
+        if max_shard_bytes == Some(0) {
+            // Refused on every rank here, before any gather: the writer
+            // would refuse it on the writing rank only.
+            return Err(CheckpointError::Export {
+                path: path.to_path_buf(),
+                msg: "files of at most 0 bytes: give the most bytes of tensors a file may hold"
+                    .into(),
+            }
+            .into());
+        }
         let i = &*self.inner;
         let float = i.compute.kind();
         let dtype = file_dtype(Some(float));

@@ -1,0 +1,173 @@
+//! Fine-tunes a Hugging Face checkpoint (GPT-2 or Llama, as
+//! `save_pretrained` wrote it) across ranks with ZeRO, and writes the
+//! result back in its own layout for `transformers`:
+//!
+//! ```sh
+//! cargo build --release --example finetune_hf --bin zrt
+//! target/release/zrt launch --nproc-per-node 4 -- target/release/examples/finetune_hf \
+//!     --model path/to/llama --data train.bin --seq 512 --steps 1000 --out tuned
+//! ```
+//!
+//! No rank holds the model while it is built: each rank builds it
+//! without memory and the engine loads each rank's shard of the
+//! checkpoint's files ([`HfModel::from_pretrained`]). The data is a flat
+//! file of token ids already tokenized, little-endian `u16` (nanoGPT's
+//! `train.bin`) or with `--u32` `u32`; each rank reads its own windows
+//! of `--seq + 1` tokens from it. The DeepSpeed config is
+//! `examples/ds_finetune.json` unless `--config` names another. The
+//! export (`--out`) is `config.json` and safetensors files of at most
+//! `--max-shard-mb` MB, which `AutoModelForCausalLM.from_pretrained`
+//! reads.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use tch::{nn, Device, Kind, Tensor};
+use zrt::collectives::init_from_env;
+use zrt::hf::HfModel;
+use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+
+/// Fine-tunes a Hugging Face GPT-2 or Llama checkpoint with ZeRO (run it
+/// under `zrt launch`).
+#[derive(Parser)]
+struct Args {
+    /// The checkpoint: a `save_pretrained` directory (`config.json` and
+    /// `model.safetensors` or its index).
+    #[arg(long)]
+    model: PathBuf,
+    /// Training tokens: a flat file of little-endian token ids.
+    #[arg(long)]
+    data: PathBuf,
+    /// The ids are `u32` (a vocabulary past 65536), not `u16`.
+    #[arg(long)]
+    u32: bool,
+    /// The DeepSpeed config.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ds_finetune.json"))]
+    config: PathBuf,
+    /// Tokens a sequence predicts (each window holds one more).
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Where the fine-tuned model is written, in the checkpoint's layout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The largest safetensors file of the export, in MB (fractions too).
+    #[arg(long, default_value_t = 5000.0)]
+    max_shard_mb: f64,
+    /// Steps between the first rank's loss lines.
+    #[arg(long, default_value_t = 10)]
+    print_every: u64,
+}
+
+/// The token ids of `path`, each below `vocab`.
+fn tokens(path: &std::path::Path, wide: bool, vocab: i64) -> Result<Vec<i64>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let width = if wide { 4 } else { 2 };
+    if bytes.len() % width != 0 {
+        bail!(
+            "{}: {} bytes is not a whole number of {width}-byte token ids (is it {}?)",
+            path.display(),
+            bytes.len(),
+            if wide {
+                "u16: drop --u32"
+            } else {
+                "u32: pass --u32"
+            }
+        );
+    }
+    let ids: Vec<i64> = bytes
+        .chunks_exact(width)
+        .map(|c| match wide {
+            true => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+            false => u16::from_le_bytes([c[0], c[1]]) as i64,
+        })
+        .collect();
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t >= vocab) {
+        bail!(
+            "{}: token {i} is {id}, past the model's vocabulary of {vocab}: data tokenized for another model{}",
+            path.display(),
+            if wide { "" } else { " (or u32 ids read as u16: pass --u32)" }
+        );
+    }
+    Ok(ids)
+}
+
+/// The window of `len` tokens micro-batch `(step, micro, rank, row)`
+/// starts at: a splitmix64 draw, the same for a run however it is
+/// resumed.
+fn start(key: [u64; 4], room: usize) -> usize {
+    let mut z = key.iter().fold(0x9E37_79B9_7F4A_7C15u64, |h, &k| {
+        (h ^ k).wrapping_mul(0xBF58_476D_1CE4_E5B9)
+    });
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) % room as u64) as usize
+}
+
+fn main() -> Result<()> {
+    zrt::init_logging();
+    let a = Args::parse();
+    tch::set_num_threads(1);
+    let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
+    let rank = dist.env().rank;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, layout) = HfModel::from_pretrained(&vs, &plan, &a.model)?;
+    let data = tokens(&a.data, a.u32, model.vocab())?;
+    if data.len() <= a.seq + 1 {
+        bail!(
+            "{} holds {} tokens: fewer than one window of --seq {} + 1",
+            a.data.display(),
+            data.len(),
+            a.seq
+        );
+    }
+    let cfg = Config::from_file(&a.config)?;
+    let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &AutoHints::default())?;
+    let batch = engine.config().batch;
+    if rank == 0 {
+        println!(
+            "zrt finetune_hf: {} ({:.2}M params) on {} ranks, ZeRO stage {}, {} tokens of data",
+            a.model.display(),
+            engine.num_params() as f64 / 1e6,
+            dist.env().world_size,
+            engine.config().config.zero.stage,
+            data.len()
+        );
+    }
+    let room = data.len() - a.seq - 1;
+    for step in 0..a.steps {
+        let mut loss_sum = 0.0;
+        for micro in 0..batch.gas {
+            let rows: Vec<i64> = (0..batch.micro)
+                .flat_map(|row| {
+                    let at = start([step, micro, rank as u64, row], room);
+                    data[at..at + a.seq + 1].iter().copied()
+                })
+                .collect();
+            let x = Tensor::from_slice(&rows).view([batch.micro as i64, a.seq as i64 + 1]);
+            let loss = model.loss(&x);
+            engine.backward(&loss)?;
+            loss_sum += loss.to_kind(Kind::Double).double_value(&[]);
+            engine.step()?;
+        }
+        if rank == 0 && (step % a.print_every == 0 || step + 1 == a.steps) {
+            let mean = loss_sum / batch.gas as f64;
+            println!("step {step:>5}  loss {mean:.4}  lr {:.3e}", engine.lr());
+        }
+    }
+    if let Some(out) = &a.out {
+        let max = (a.max_shard_mb * 1e6) as u64;
+        engine.save_16bit_model_as(out, Some(max), &layout)?;
+        if rank == 0 {
+            println!(
+                "wrote {} (transformers: from_pretrained on it)",
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}

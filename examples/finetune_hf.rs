@@ -25,7 +25,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::init_from_env;
-use zrt::hf::HfModel;
+use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 /// Fine-tunes a Hugging Face GPT-2 or Llama checkpoint with ZeRO (run it
@@ -57,6 +57,9 @@ struct Args {
     /// The largest safetensors file of the export, in MB (fractions too).
     #[arg(long, default_value_t = 5000.0)]
     max_shard_mb: f64,
+    /// Recompute every block's activations in backward (less memory).
+    #[arg(long)]
+    checkpoint_activations: bool,
     /// Steps between the first rank's loss lines.
     #[arg(long, default_value_t = 10)]
     print_every: u64,
@@ -115,7 +118,10 @@ fn main() -> Result<()> {
     let rank = dist.env().rank;
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let (model, layout) = HfModel::from_pretrained(&vs, &plan, &a.model)?;
+    let options = HfOptions {
+        checkpoint_activations: a.checkpoint_activations,
+    };
+    let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     let data = tokens(&a.data, a.u32, model.vocab())?;
     if data.len() <= a.seq + 1 {
         bail!(

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::zero::activation::Checkpointed;
+use crate::blocks::Run;
 use crate::zero::{ShardPlan, ShardedModule};
 
 /// Whether the VarStore name `name` is a parameter of a block's MLP (what
@@ -103,29 +103,12 @@ impl Module for Block {
     }
 }
 
-/// A block as the model runs it: plain, or with its activations
-/// recomputed in backward.
-#[derive(Debug)]
-enum Run {
-    Plain(Box<Block>),
-    Checkpointed(Checkpointed<Block>),
-}
-
-impl Module for Run {
-    fn forward(&self, x: &Tensor) -> Tensor {
-        match self {
-            Run::Plain(b) => b.forward(x),
-            Run::Checkpointed(b) => b.forward(x),
-        }
-    }
-}
-
 /// The model: token and position embeddings, blocks, final norm, head.
 #[derive(Debug)]
 pub struct Gpt {
     wte: ShardedModule<nn::Embedding>,
     wpe: nn::Embedding,
-    blocks: Vec<ShardedModule<Run>>,
+    blocks: Vec<ShardedModule<Run<Block>>>,
     ln_f: nn::LayerNorm,
     head: ShardedModule<nn::Linear>,
     cfg: GptConfig,
@@ -152,11 +135,7 @@ impl Gpt {
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                let block = Block::new(&bp, cfg);
-                let run = match checkpointed {
-                    true => Run::Checkpointed(Checkpointed::new(block)),
-                    false => Run::Plain(Box::new(block)),
-                };
+                let run = Run::new(Block::new(&bp, cfg), checkpointed);
                 ShardedModule::new(plan, &bp, run)
             })
             .collect();
@@ -192,11 +171,8 @@ impl Gpt {
         let Some(b) = self.blocks.get(i) else {
             return;
         };
-        let set = |b: &Block| b.mlp_left_out.store(out, Ordering::Relaxed);
-        match b.inner() {
-            Run::Plain(b) => set(b),
-            Run::Checkpointed(b) => b.with_inner(set),
-        }
+        b.inner()
+            .with_inner(|b| b.mlp_left_out.store(out, Ordering::Relaxed));
     }
 
     /// [`Gpt::leave_out_mlp`] for every block: the MLPs of the blocks

@@ -36,6 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use crate::blocks::Run;
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -239,7 +240,7 @@ impl Module for Block {
 pub struct Gpt2 {
     wte: nn::Embedding,
     wpe: nn::Embedding,
-    blocks: Vec<ShardedModule<Block>>,
+    blocks: Vec<ShardedModule<Run<Block>>>,
     ln_f: nn::LayerNorm,
     cfg: Gpt2Config,
 }
@@ -251,6 +252,17 @@ impl Gpt2 {
     /// are tch's initialisation: a pretrained model's come from its file
     /// ([`hf_weight_rules`]).
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
+        Self::build(p, plan, cfg, false)
+    }
+
+    /// As [`Gpt2::new`], every block's activations recomputed in
+    /// backward (`transformers`' `gradient_checkpointing_enable()`): the
+    /// same results, less memory, one more block forward per backward.
+    pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
+        Self::build(p, plan, cfg, true)
+    }
+
+    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config, checkpointed: bool) -> Self {
         // The root's variables first: a plan that releases the model's
         // memory as it is built (`weights_from_file`) releases what was
         // made before each `ShardedModule::new`, and would leave anything
@@ -265,8 +277,8 @@ impl Gpt2 {
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                let block = Block::new(&bp, cfg);
-                ShardedModule::new(plan, &bp, block)
+                let run = Run::new(Block::new(&bp, cfg), checkpointed);
+                ShardedModule::new(plan, &bp, run)
             })
             .collect();
         Self {

@@ -41,6 +41,14 @@ pub enum HfError {
     Plan(#[from] EngineError),
 }
 
+/// How [`HfModel::from_pretrained_with`] builds a model.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HfOptions {
+    /// Recompute every block's activations in backward, keeping only its
+    /// input (`transformers`' `gradient_checkpointing_enable()`).
+    pub checkpoint_activations: bool,
+}
+
 /// A causal language model of one of the layouts this crate builds.
 #[derive(Debug)]
 pub enum HfModel {
@@ -62,21 +70,40 @@ impl HfModel {
         plan: &ShardPlan,
         dir: impl AsRef<Path>,
     ) -> Result<(Self, ExportLayout), HfError> {
+        Self::from_pretrained_with(vs, plan, dir, &HfOptions::default())
+    }
+
+    /// As [`HfModel::from_pretrained`], built as `options` say.
+    pub fn from_pretrained_with(
+        vs: &VarStore,
+        plan: &ShardPlan,
+        dir: impl AsRef<Path>,
+        options: &HfOptions,
+    ) -> Result<(Self, ExportLayout), HfError> {
         let dir = dir.as_ref();
+        let recompute = options.checkpoint_activations;
         let config = HfJson::read(dir, None)?;
         match config.model_type().as_deref() {
             Some("gpt2") => {
                 let cfg = Gpt2Config::from_hf_dir(dir)?;
                 crate::gpt2::hf_weight_rules(plan)?;
                 plan.weights_from_file(vs, dir)?;
-                let model = Self::Gpt2(Gpt2::new(&vs.root(), plan, &cfg));
+                let model = match recompute {
+                    true => Gpt2::new_checkpointed(&vs.root(), plan, &cfg),
+                    false => Gpt2::new(&vs.root(), plan, &cfg),
+                };
+                let model = Self::Gpt2(model);
                 Ok((model, crate::gpt2::hf_export_layout(&cfg)))
             }
             Some("llama") => {
                 let cfg = LlamaConfig::from_hf_dir(dir)?;
                 crate::llama::hf_weight_rules(plan, &cfg)?;
                 plan.weights_from_file(vs, dir)?;
-                let model = Self::Llama(Llama::new(&vs.root(), plan, &cfg));
+                let model = match recompute {
+                    true => Llama::new_checkpointed(&vs.root(), plan, &cfg),
+                    false => Llama::new(&vs.root(), plan, &cfg),
+                };
+                let model = Self::Llama(model);
                 Ok((model, crate::llama::hf_export_layout(&cfg)))
             }
             other => Err(config.field(format!(

@@ -56,6 +56,7 @@
 //! activation checkpointing, reading stage 3's parameters, hybrid sharding
 //! and checkpoints.
 
+mod blocks;
 pub mod gpt;
 pub mod gpt2;
 pub mod hf;

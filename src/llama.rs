@@ -36,6 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use crate::blocks::Run;
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -309,7 +310,7 @@ enum Ends {
 #[derive(Debug)]
 pub struct Llama {
     ends: Ends,
-    layers: Vec<ShardedModule<Layer>>,
+    layers: Vec<ShardedModule<Run<Layer>>>,
     norm: RmsNorm,
     cfg: LlamaConfig,
 }
@@ -322,6 +323,17 @@ impl Llama {
     /// Values are tch's initialisation (the norms' weights one): a
     /// pretrained model's come from its file.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
+        Self::build(p, plan, cfg, false)
+    }
+
+    /// As [`Llama::new`], every decoder layer's activations recomputed in
+    /// backward (`transformers`' `gradient_checkpointing_enable()`): the
+    /// same results, less memory, one more layer forward per backward.
+    pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
+        Self::build(p, plan, cfg, true)
+    }
+
+    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig, checkpointed: bool) -> Self {
         let m = p / "model";
         // The root's variables before the first unit: a plan releasing
         // the model as it is built (`weights_from_file`) releases what
@@ -337,7 +349,8 @@ impl Llama {
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
-                ShardedModule::new(plan, &lp, Layer::new(&lp, cfg))
+                let run = Run::new(Layer::new(&lp, cfg), checkpointed);
+                ShardedModule::new(plan, &lp, run)
             })
             .collect();
         let ends = match embed {

@@ -17,7 +17,7 @@ use crate::common;
 use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::nn::VarStore;
 use tch::Tensor;
-use zrt::hf::HfModel;
+use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Engine, ExportLayout, ShardPlan};
 
 const STEPS: i64 = 3;
@@ -148,14 +148,19 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
                     .collect()
             })
             .collect();
-        for stage in [0, 3] {
-            let what = format!("{} at stage {stage}", case.name);
+        // Stage 3 also with every block's activations recomputed.
+        for (stage, recompute) in [(0, false), (3, false), (3, true)] {
+            let what = format!("{} at stage {stage}, recompute {recompute}", case.name);
             let ds = config_zero(stage, 1, 0.0, "", SHARD_ALL);
-            let tuned = dir.join(format!("tuned{stage}"));
+            let tuned = dir.join(format!("tuned{stage}{recompute}"));
+            let options = HfOptions {
+                checkpoint_activations: recompute,
+            };
             let got = on_ranks(2, |r| {
                 let vs = VarStore::new(tch::Device::Cpu);
                 let plan = ShardPlan::new();
-                let (model, layout) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+                let (model, layout) =
+                    HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap();
                 let held: usize = (vs.variables().values())
                     .map(|t| zrt::zero::glue::storage_nbytes(t).unwrap())
                     .sum();
@@ -180,7 +185,7 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
                     .unwrap();
                 // What an export cannot write is refused on every rank
                 // before anything is gathered, and nothing is written.
-                let never = dir.join(format!("never{stage}"));
+                let never = dir.join(format!("never{stage}{recompute}"));
                 let refused = [
                     e.save_16bit_model_as(&never, Some(0), &ExportLayout::new()),
                     e.save_16bit_model_as(
@@ -194,7 +199,10 @@ fn transformers_checkpoints_load_under_zero_train_as_transformers_does_and_go_ba
                 let after = tch::no_grad(|| model.loss(&batch(0)).double_value(&[]));
                 (held, first, losses, after, refused)
             });
-            assert!(!dir.join(format!("never{stage}")).exists(), "{what}");
+            assert!(
+                !dir.join(format!("never{stage}{recompute}")).exists(),
+                "{what}"
+            );
             for f in ["model.safetensors.index.json", "config.json"] {
                 assert!(tuned.join(f).is_file(), "{what}: no {f}");
             }
@@ -312,6 +320,7 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
             tuned.as_os_str(),
             os("--max-shard-mb"),
             os("0.05"),
+            os("--checkpoint-activations"),
         ])
     };
     let (ok, said) = run(&bad);

@@ -1,0 +1,42 @@
+//! A block as a model of this crate runs it: plain, or with its
+//! activations recomputed in backward ([`Checkpointed`]), chosen when the
+//! model is built.
+
+use tch::nn::Module;
+use tch::Tensor;
+
+use crate::zero::activation::Checkpointed;
+
+/// A block, plain or checkpointed.
+#[derive(Debug)]
+pub(crate) enum Run<B: Module + 'static> {
+    Plain(Box<B>),
+    Checkpointed(Checkpointed<B>),
+}
+
+impl<B: Module + 'static> Run<B> {
+    /// `block`, checkpointed when `checkpointed`.
+    pub(crate) fn new(block: B, checkpointed: bool) -> Self {
+        match checkpointed {
+            true => Run::Checkpointed(Checkpointed::new(block)),
+            false => Run::Plain(Box::new(block)),
+        }
+    }
+
+    /// Runs `f` on the block.
+    pub(crate) fn with_inner<R>(&self, f: impl FnOnce(&B) -> R) -> R {
+        match self {
+            Run::Plain(b) => f(b),
+            Run::Checkpointed(b) => b.with_inner(f),
+        }
+    }
+}
+
+impl<B: Module + 'static> Module for Run<B> {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Run::Plain(b) => b.forward(x),
+            Run::Checkpointed(b) => b.forward(x),
+        }
+    }
+}

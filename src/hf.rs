@@ -54,7 +54,7 @@ pub struct HfOptions {
 pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`.
+    /// `model_type` `llama`, `mistral` or `qwen2`.
     Llama(Llama),
 }
 
@@ -95,7 +95,7 @@ impl HfModel {
                 let model = Self::Gpt2(model);
                 Ok((model, crate::gpt2::hf_export_layout(&cfg)))
             }
-            Some("llama") => {
+            Some("llama" | "mistral" | "qwen2") => {
                 let cfg = LlamaConfig::from_hf_dir(dir)?;
                 crate::llama::hf_weight_rules(plan, &cfg)?;
                 plan.weights_from_file(vs, dir)?;
@@ -107,7 +107,7 @@ impl HfModel {
                 Ok((model, crate::llama::hf_export_layout(&cfg)))
             }
             other => Err(config.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\" and \"llama\" checkpoints"
+                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints"
             ))),
         }
     }

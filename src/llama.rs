@@ -40,9 +40,81 @@ use crate::blocks::Run;
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
-/// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields.
+/// Which of Hugging Face's Llama-shaped models a checkpoint is: the
+/// same layers, names and matrices, told apart by `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `llama` (`LlamaForCausalLM`): Llama 1-3.
+    Llama,
+    /// `mistral` (`MistralForCausalLM`): Llama's layers, attention in a
+    /// sliding window when its config gives one.
+    Mistral,
+    /// `qwen2` (`Qwen2ForCausalLM`): Llama's layers, biases on the query,
+    /// key and value projections.
+    Qwen2,
+}
+
+impl Family {
+    /// Its `model_type`, or `None` for another.
+    pub fn of(model_type: &str) -> Option<Self> {
+        match model_type {
+            "llama" => Some(Self::Llama),
+            "mistral" => Some(Self::Mistral),
+            "qwen2" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// Its `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+
+    /// Its `transformers` class.
+    fn architecture(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// How the rotary embedding's frequencies are scaled: the config's
+/// `rope_scaling`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// None: `rope_theta`'s frequencies.
+    None,
+    /// `"linear"`: every frequency divided by `factor`.
+    Linear {
+        /// `factor`.
+        factor: f64,
+    },
+    /// `"llama3"` (Llama 3.1 and 3.2): long wavelengths divided by
+    /// `factor`, short ones kept, those between interpolated.
+    Llama3 {
+        /// `factor`.
+        factor: f64,
+        /// `low_freq_factor`.
+        low_freq_factor: f64,
+        /// `high_freq_factor`.
+        high_freq_factor: f64,
+        /// `original_max_position_embeddings`.
+        original_positions: f64,
+    },
+}
+
+/// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields (and
+/// Mistral's and Qwen2's).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LlamaConfig {
+    /// Which model it is.
+    pub family: Family,
     /// `vocab_size`.
     pub vocab: i64,
     /// `hidden_size`: the model's width.
@@ -62,31 +134,41 @@ pub struct LlamaConfig {
     pub eps: f64,
     /// `rope_theta`.
     pub rope_theta: f64,
+    /// `rope_scaling`.
+    pub rope_scaling: RopeScaling,
     /// `max_position_embeddings` (kept for the exported config; the
     /// forward takes any length).
     pub positions: i64,
-    /// `attention_bias`: the four attention projections have biases.
-    pub attention_bias: bool,
+    /// The query, key and value projections have biases (Llama's
+    /// `attention_bias`, always for Qwen2).
+    pub qkv_bias: bool,
+    /// The output projection has a bias (Llama's `attention_bias`).
+    pub o_bias: bool,
     /// `mlp_bias`: the three MLP projections have biases.
     pub mlp_bias: bool,
+    /// Mistral's `sliding_window`: a token attends to itself and the
+    /// `w - 1` before it only.
+    pub sliding_window: Option<i64>,
     /// `tie_word_embeddings`: the head is the token embedding.
     pub tied: bool,
 }
 
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
-    /// `save_pretrained` writes it: `model_type` `llama`, `hidden_act`
-    /// `silu`, no `rope_scaling` (Llama 3.1's and the other scaled kinds
-    /// are refused, naming the field: this model computes the default
-    /// rotary embedding only).
+    /// `save_pretrained` writes it: `model_type` `llama`, `mistral` or
+    /// `qwen2`, `hidden_act` `silu`, `rope_scaling` none, `linear` or
+    /// `llama3`. What this model does not compute is refused naming the
+    /// field: other rope scalings (`dynamic`, `yarn`, ...), a partial
+    /// rotary factor, Qwen2's sliding-window layers.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
-        let j = HfJson::read(dir.as_ref(), Some("llama"))?;
-        j.only("hidden_act", "silu", "this Llama computes silu only")?;
-        if let Some(v) = j.get("rope_scaling") {
+        let j = HfJson::read(dir.as_ref(), None)?;
+        let family = j.model_type();
+        let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
-                "rope_scaling {v}: this Llama computes the default rotary embedding only (no scaling)"
+                "model_type {family:?}: a Llama is \"llama\", \"mistral\" or \"qwen2\""
             )));
-        }
+        };
+        j.only("hidden_act", "silu", "this Llama computes silu only")?;
         if j.number_or("partial_rotary_factor", 1.0)? != 1.0 {
             return Err(j.field(
                 "partial_rotary_factor: this Llama rotates every dimension of a head".into(),
@@ -113,7 +195,17 @@ impl LlamaConfig {
                 "head_dim {head_dim} is odd: rotary embeddings turn pairs"
             )));
         }
+        let attention_bias = j.flag_or("attention_bias", false)?;
+        let sliding_window = match family {
+            Family::Mistral => j.size_or_none("sliding_window")?,
+            Family::Qwen2 if j.flag_or("use_sliding_window", false)? => return Err(j.field(
+                "use_sliding_window true: this Llama computes Qwen2's full-attention layers only"
+                    .into(),
+            )),
+            _ => None,
+        };
         Ok(Self {
+            family,
             vocab: j.size("vocab_size")?,
             hidden,
             intermediate: j.size("intermediate_size")?,
@@ -123,18 +215,39 @@ impl LlamaConfig {
             head_dim,
             eps: j.number_or("rms_norm_eps", 1e-6)?,
             rope_theta: j.number_or("rope_theta", 10000.0)?,
+            rope_scaling: rope_scaling(&j)?,
             positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
-            attention_bias: j.flag_or("attention_bias", false)?,
+            qkv_bias: attention_bias || family == Family::Qwen2,
+            o_bias: attention_bias,
             mlp_bias: j.flag_or("mlp_bias", false)?,
+            sliding_window,
             tied: j.flag_or("tie_word_embeddings", false)?,
         })
     }
 
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
-        let json = serde_json::json!({
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::None => serde_json::Value::Null,
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_positions,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_positions,
+            }),
+        };
+        let mut json = serde_json::json!({
+            "model_type": self.family.model_type(),
+            "architectures": [self.family.architecture()],
             "vocab_size": self.vocab,
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
@@ -145,13 +258,52 @@ impl LlamaConfig {
             "hidden_act": "silu",
             "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": null,
+            "rope_scaling": rope_scaling,
             "max_position_embeddings": self.positions,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": self.tied,
         });
+        let extra = match self.family {
+            Family::Llama => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+            }),
+            Family::Mistral => serde_json::json!({"sliding_window": self.sliding_window}),
+            Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
+        };
+        if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
+            all.extend(extra.clone());
+        }
         format!("{json:#}\n")
+    }
+}
+
+/// The config's `rope_scaling`: none, or a kind this model computes.
+fn rope_scaling(j: &HfJson) -> Result<RopeScaling, HfError> {
+    let Some(v) = j.get("rope_scaling") else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
+    let num = |key: &str| {
+        (v.get(key).and_then(|n| n.as_f64())).ok_or_else(|| {
+            j.field(format!(
+                "rope_scaling {v}: its `{key}` is missing or not a number"
+            ))
+        })
+    };
+    match kind {
+        Some("default") => Ok(RopeScaling::None),
+        Some("linear") => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        Some("llama3") => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_positions: num("original_max_position_embeddings")?,
+        }),
+        _ => Err(j.field(format!(
+            "rope_scaling {v}: this Llama computes the \"linear\" and \"llama3\" kinds only"
+        ))),
     }
 }
 
@@ -227,24 +379,57 @@ pub struct Layer {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
+    /// The rotary embedding's inverse frequencies ([`inv_freq`]).
+    inv_freq: Tensor,
     cfg: LlamaConfig,
 }
 
 impl Layer {
     fn new(p: &nn::Path, c: &LlamaConfig) -> Self {
         let (a, m) = (p / "self_attn", p / "mlp");
-        let (d, hd, ab, mb) = (c.hidden, c.head_dim, c.attention_bias, c.mlp_bias);
+        let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
         Self {
             input_layernorm: RmsNorm::new(p / "input_layernorm", d, c.eps),
-            q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, ab),
-            k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, ab),
-            v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, ab),
-            o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, ab),
+            q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, qkv),
+            k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
+            v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
+            o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
             post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c.eps),
             gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
             up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
+            inv_freq: inv_freq(c, p.device()),
             cfg: *c,
+        }
+    }
+}
+
+/// The rotary embedding's inverse frequencies, `[head_dim / 2]` in fp32,
+/// computed as `transformers` computes them (each operation in its
+/// order, so that the angles are its to the bit): `theta^(-2i/d)`, scaled
+/// as `rope_scaling` says.
+fn inv_freq(c: &LlamaConfig, device: tch::Device) -> Tensor {
+    let hd = c.head_dim;
+    let exponents =
+        Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
+    let inv = Tensor::pow_scalar(c.rope_theta, &exponents).reciprocal();
+    match c.rope_scaling {
+        RopeScaling::None => inv,
+        RopeScaling::Linear { factor } => inv / factor,
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_positions: old,
+        } => {
+            let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
+            let long = wavelen.gt(old / low);
+            let scaled = (&inv / factor).where_self(&long, &inv);
+            let smooth = (wavelen.reciprocal() * old - low) / (high - low);
+            let smoothed = (smooth.neg() + 1.0) * &scaled / factor + &smooth * &scaled;
+            let short = wavelen.lt(old / high);
+            let medium = short.logical_not().logical_and(&long.logical_not());
+            smoothed.where_self(&medium, &scaled)
         }
     }
 }
@@ -252,14 +437,10 @@ impl Layer {
 /// Rotary position embedding of `x` `[batch, heads, seq, head_dim]`:
 /// `x * cos + rotate_half(x) * sin`, `rotate_half` turning the second half
 /// of each head's dimensions before the first (`transformers`'
-/// convention), the angles computed in fp32.
-fn rope(x: &Tensor, theta: f64) -> Tensor {
+/// convention), the angles computed in fp32 from `inv_freq`.
+fn rope(x: &Tensor, inv_freq: &Tensor) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
     let opts = (Kind::Float, x.device());
-    let exponents = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, x.device()))
-        .to_kind(Kind::Float)
-        / hd as f64;
-    let inv_freq = Tensor::pow_scalar(theta, &exponents).reciprocal();
     let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     let (cos, sin) = (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()));
@@ -276,13 +457,20 @@ impl Module for Layer {
         let heads = |proj: &nn::Linear, n: i64| {
             proj.forward(&h).view([b, t, n, c.head_dim]).transpose(1, 2)
         };
-        let q = rope(&heads(&self.q_proj, c.heads), c.rope_theta);
-        let k = rope(&heads(&self.k_proj, c.kv_heads), c.rope_theta);
+        let q = rope(&heads(&self.q_proj, c.heads), &self.inv_freq);
+        let k = rope(&heads(&self.k_proj, c.kv_heads), &self.inv_freq);
         let v = heads(&self.v_proj, c.kv_heads);
         let grouped = c.kv_heads != c.heads;
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, 0.0, true, None, grouped,
-        );
+        // Within a sliding window shorter than the sequence, a token sees
+        // itself and the `w - 1` before it; else every earlier token.
+        let window = c.sliding_window.filter(|&w| w < t).map(|w| {
+            let i = Tensor::arange(t, (Kind::Int64, x.device()));
+            let back = i.unsqueeze(1) - i.unsqueeze(0);
+            back.ge(0).logical_and(&back.lt(w))
+        });
+        let causal = window.is_none();
+        let a =
+            Tensor::scaled_dot_product_attention(&q, &k, &v, window, 0.0, causal, None, grouped);
         let a = a
             .transpose(1, 2)
             .contiguous()
@@ -419,10 +607,12 @@ mod tests {
     fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         let dir = std::env::temp_dir().join(format!("zrt-llama-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let good = r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": null, "max_position_embeddings": 131072, "tie_word_embeddings": true}"#;
+        // Llama 3.2 1B's config.json.
+        let good = r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "max_position_embeddings": 131072, "tie_word_embeddings": true}"#;
         std::fs::write(dir.join("config.json"), good).unwrap();
         let cfg = LlamaConfig::from_hf_dir(&dir).unwrap();
         let want = LlamaConfig {
+            family: Family::Llama,
             vocab: 128256,
             hidden: 2048,
             intermediate: 8192,
@@ -432,9 +622,17 @@ mod tests {
             head_dim: 64,
             eps: 1e-5,
             rope_theta: 500000.0,
+            rope_scaling: RopeScaling::Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_positions: 8192.0,
+            },
             positions: 131072,
-            attention_bias: false,
+            qkv_bias: false,
+            o_bias: false,
             mlp_bias: false,
+            sliding_window: None,
             tied: true,
         };
         assert_eq!(cfg, want);
@@ -443,16 +641,41 @@ mod tests {
             LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
             cfg
         );
+        // Qwen2 has biases on q, k and v; Mistral a sliding window.
+        let qwen = good.replace(r#""llama""#, r#""qwen2""#);
+        std::fs::write(dir.join("config.json"), &qwen).unwrap();
+        let q = LlamaConfig::from_hf_dir(&dir).unwrap();
+        assert_eq!(
+            (q.family, q.qkv_bias, q.o_bias),
+            (Family::Qwen2, true, false)
+        );
+        let mistral = good.replace(r#""llama""#, r#""mistral", "sliding_window": 4096"#);
+        std::fs::write(dir.join("config.json"), &mistral).unwrap();
+        let m = LlamaConfig::from_hf_dir(&dir).unwrap();
+        assert_eq!((m.family, m.sliding_window), (Family::Mistral, Some(4096)));
+        for cfg in [q, m] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
+        }
         for (from, to, says) in [
+            (r#""llama""#, r#""gemma""#, "model_type Some(\"gemma\")"),
             (
-                r#""llama""#,
-                r#""mistral""#,
-                "model_type is Some(\"mistral\")",
+                r#""high_freq_factor": 4.0, "#,
+                "",
+                "its `high_freq_factor` is missing",
             ),
             (
-                r#""rope_scaling": null"#,
-                r#""rope_scaling": {"rope_type": "llama3", "factor": 32.0}"#,
-                "rope_scaling {",
+                r#""rope_scaling": {"#,
+                r#""rope_scaling": {"rope_type": "yarn"}, "was": {"#,
+                "computes the \"linear\" and \"llama3\" kinds only",
+            ),
+            (
+                r#""llama""#,
+                r#""qwen2", "use_sliding_window": true"#,
+                "use_sliding_window true",
             ),
             (r#""silu""#, r#""gelu""#, "hidden_act \"gelu\""),
             (

@@ -54,6 +54,31 @@ const CASES: &[Case] = &[
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=500000.0",
         ),
     },
+    // Llama 3.1's rope scaling, its wavelengths in all three of its
+    // regimes (kept, interpolated, divided).
+    Case {
+        name: "llama3-scaled",
+        python: (
+            "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 64}",
+        ),
+    },
+    // Mistral with a sliding window shorter than the sequence.
+    Case {
+        name: "mistral",
+        python: (
+            "from transformers import MistralConfig as C, MistralForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5",
+        ),
+    },
+    // Qwen2: biases on q, k and v only, the head tied.
+    Case {
+        name: "qwen2",
+        python: (
+            "from transformers import Qwen2Config as C, Qwen2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True",
+        ),
+    },
 ];
 
 /// Writes the case's seeded model (every parameter moved off its
@@ -142,6 +167,21 @@ fn a_llama_checkpoint_loads_under_zero_trains_as_transformers_does_and_goes_back
 #[test]
 fn a_tied_llama_with_biases_loads_under_zero_trains_as_transformers_does_and_goes_back() {
     parity(&CASES[2]);
+}
+
+#[test]
+fn a_llama_3_1_checkpoint_with_scaled_rotary_embeddings_trains_as_transformers_does() {
+    parity(&CASES[3]);
+}
+
+#[test]
+fn a_mistral_checkpoint_with_a_sliding_window_trains_as_transformers_does() {
+    parity(&CASES[4]);
+}
+
+#[test]
+fn a_qwen2_checkpoint_trains_as_transformers_does() {
+    parity(&CASES[5]);
 }
 
 /// The case's checkpoint, as `transformers` wrote it, loaded and trained

@@ -213,8 +213,9 @@ fn parity(case: &Case) {
         (3, true, "", 1e-5),
         (3, false, common::BF16, 2e-2),
     ] {
+        let dtype = if extra.is_empty() { "fp32" } else { "bf16" };
         let what = format!(
-            "{} at stage {stage}, recompute {recompute}, {extra}",
+            "{} at stage {stage}, recompute {recompute}, {dtype}",
             case.name
         );
         let ds = config_zero(stage, 1, 0.0, extra, SHARD_ALL);

@@ -124,9 +124,9 @@ impl Gpt {
     }
 
     /// As [`Gpt::new`], every block's activations recomputed in backward
-    /// ([`Checkpointed`] inside each block's `ShardedModule`): the same
-    /// parameters and results, less memory, one more block forward per
-    /// backward.
+    /// ([`Checkpointed`](crate::zero::activation::Checkpointed) inside
+    /// each block's `ShardedModule`): the same parameters and results,
+    /// less memory, one more block forward per backward.
     pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &GptConfig) -> Self {
         Self::build(p, plan, cfg, true)
     }

@@ -49,6 +49,28 @@ pub struct HfOptions {
     pub checkpoint_activations: bool,
 }
 
+/// The layout an export of the model `config` describes goes back in
+/// (`config` a `config.json` or the directory holding it): GPT-2's
+/// ([`crate::gpt2::hf_export_layout`]) or the Llama family's
+/// ([`crate::llama::hf_export_layout`]), the config beside the tensors.
+/// What `zrt ckpt consolidate --hf-config` writes a checkpoint in.
+pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> {
+    let config = config.as_ref();
+    let j = HfJson::read(config, None)?;
+    match j.model_type().as_deref() {
+        Some("gpt2") => Ok(crate::gpt2::hf_export_layout(&Gpt2Config::from_hf_dir(
+            config,
+        )?)),
+        Some("llama" | "mistral" | "qwen2") => Ok(crate::llama::hf_export_layout(
+            &LlamaConfig::from_hf_dir(config)?,
+        )),
+        other => Err(j.field(format!("model_type {other:?}: {BUILT}"))),
+    }
+}
+
+/// The `model_type`s this crate builds.
+const BUILT: &str = "zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints";
+
 /// A causal language model of one of the layouts this crate builds.
 #[derive(Debug)]
 pub enum HfModel {
@@ -106,9 +128,7 @@ impl HfModel {
                 let model = Self::Llama(model);
                 Ok((model, crate::llama::hf_export_layout(&cfg)))
             }
-            other => Err(config.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints"
-            ))),
+            other => Err(config.field(format!("model_type {other:?}: {BUILT}"))),
         }
     }
 

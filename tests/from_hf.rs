@@ -221,6 +221,7 @@ fn parity(name: &str) {
         );
         let ds = config_zero(stage, 1, 0.0, extra, SHARD_ALL);
         let run = format!("{stage}{recompute}{}", extra.len());
+        let checkpointed = stage == 3 && !recompute && extra.is_empty();
         let tuned = dir.join(format!("tuned{run}"));
         let options = HfOptions {
             checkpoint_activations: recompute,
@@ -250,6 +251,10 @@ fn parity(name: &str) {
             // of at most 100 kB, and its losses on the first batch.
             e.save_16bit_model_as(&tuned, Some(100_000), &layout)
                 .unwrap();
+            // And, in fp32 at stage 3, a checkpoint to consolidate.
+            if checkpointed {
+                e.save_checkpoint(dir.join("ckpt"), "t").unwrap();
+            }
             // What an export cannot write is refused on every rank
             // before anything is gathered, and nothing is written.
             let never = dir.join(format!("never{run}"));
@@ -267,6 +272,24 @@ fn parity(name: &str) {
             assert!(tuned.join(f).is_file(), "{what}: no {f}");
         }
         let theirs = tuned_losses(case, &dir, &tuned);
+        if checkpointed {
+            // The checkpoint, consolidated offline in the layout of the
+            // config, reads in transformers as the export does.
+            let hf_out = dir.join("consolidated");
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+                .args(["ckpt", "consolidate"])
+                .args([dir.join("ckpt"), hf_out.clone()])
+                .arg("--hf-config")
+                .arg(hf.join("config.json"))
+                .args(["--max-shard-size", "60KB"])
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{what}: {said}");
+            assert!(count(&hf_out, "safetensors") > 1, "{what}");
+            let consolidated = tuned_losses(case, &dir, &hf_out);
+            assert_eq!(consolidated, theirs, "{what}: consolidated");
+        }
         for (rank, (held, first, got, after, refused)) in got.into_iter().enumerate() {
             let what = format!("{what}, rank {rank}");
             for (err, says) in refused.iter().zip([

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Subcommand, ValueEnum};
-use zrt::zero::checkpoint::{consolidate, consolidate_sharded, inspect, ExportDtype};
+use zrt::zero::checkpoint::{
+    consolidate, consolidate_as, consolidate_sharded, inspect, ExportDtype,
+};
 
 /// `zrt ckpt` subcommands.
 #[derive(Subcommand, Debug)]
@@ -36,6 +38,13 @@ pub enum CkptCmd {
         /// `5GB` (1e9 bytes each), `500MB`, `2GiB`, or a number of bytes.
         #[arg(long, value_parser = parse_size)]
         max_shard_size: Option<u64>,
+        /// Write OUT as a directory `transformers`' `from_pretrained`
+        /// reads: in the Hugging Face layout of the model this
+        /// `config.json` describes (GPT-2: names under `transformer.`,
+        /// its Conv1D matrices transposed; Llama, Mistral, Qwen2: their
+        /// own), the config beside the tensors.
+        #[arg(long)]
+        hf_config: Option<PathBuf>,
     },
 }
 
@@ -95,17 +104,29 @@ pub fn run(cmd: &CkptCmd) -> Result<()> {
             tag,
             dtype,
             max_shard_size,
+            hf_config,
         } => {
             let dtype = match dtype {
                 Dtype::Fp32 => ExportDtype::F32,
                 Dtype::Bf16 => ExportDtype::Bf16,
             };
             let tag = tag.as_deref();
-            let (n, files) = match max_shard_size {
-                None => (consolidate(dir, tag, out, dtype)?, String::new()),
-                Some(max) => {
+            let (n, files) = match (max_shard_size, hf_config) {
+                (None, None) => (consolidate(dir, tag, out, dtype)?, String::new()),
+                (Some(max), None) => {
                     let (n, files) = consolidate_sharded(dir, tag, out, dtype, *max)?;
                     (n, format!(" ({files} files)"))
+                }
+                (max, Some(config)) => {
+                    // A directory, as from_pretrained reads one: one
+                    // `model.safetensors` unless a file size is given.
+                    let max = max.unwrap_or(u64::MAX);
+                    let layout = zrt::hf::export_layout(config)?;
+                    let (n, files) = consolidate_as(dir, tag, out, dtype, Some(max), &layout)?;
+                    (
+                        n,
+                        format!(" ({files} files and config.json, Hugging Face's layout)"),
+                    )
                 }
             };
             println!("wrote {n} tensors to {}{files}", out.display());

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 
+use super::export_layout::ExportLayout;
 use super::files::{f32_bytes, Planned, RankFile};
 use super::meta::{resolve_tag, Locator, Meta, FROZEN_FILE};
 use super::sharded_out::ModelWriter;
@@ -33,7 +34,7 @@ pub fn consolidate(
     out: &Path,
     dtype: ExportDtype,
 ) -> Result<usize, CheckpointError> {
-    Ok(consolidate_to(dir, tag, out, None, dtype)?.0)
+    Ok(consolidate_as(dir, tag, out, dtype, None, &ExportLayout::new())?.0)
 }
 
 /// As [`consolidate`], into the directory `out` as Hugging Face's
@@ -51,15 +52,26 @@ pub fn consolidate_sharded(
     dtype: ExportDtype,
     max_shard_bytes: u64,
 ) -> Result<(usize, usize), CheckpointError> {
-    consolidate_to(dir, tag, out, Some(max_shard_bytes), dtype)
+    let layout = ExportLayout::new();
+    consolidate_as(dir, tag, out, dtype, Some(max_shard_bytes), &layout)
 }
 
-fn consolidate_to(
+/// As [`consolidate`] (`max_shard_bytes` `None`: one file `out`) or
+/// [`consolidate_sharded`] (`Some`: a directory), each tensor named and
+/// laid out as `layout` says and its files written beside them, as
+/// [`Engine::save_16bit_model_as`](crate::Engine::save_16bit_model_as)
+/// writes an export: a checkpoint of a Hugging Face model written back
+/// in its layout, for `from_pretrained`. A layout that cannot be
+/// written (two tensors under one name, a vector transposed) is refused
+/// before anything is written. Returns the number of tensors and of
+/// files written.
+pub fn consolidate_as(
     dir: &Path,
     tag: Option<&str>,
     out: &Path,
-    max_shard_bytes: Option<u64>,
     dtype: ExportDtype,
+    max_shard_bytes: Option<u64>,
+    layout: &ExportLayout,
 ) -> Result<(usize, usize), CheckpointError> {
     let (_, tag_dir) = resolve_tag(dir, tag)?;
     let meta = Meta::read(&tag_dir)?;
@@ -90,11 +102,17 @@ fn consolidate_to(
         .filter(|f| f.quantized)
         .map(|f| f.name.as_str());
     let header = export_metadata(rounded);
+    let (plan, names) = layout.apply(&plan, out)?;
     let mut w = ModelWriter::create(out, max_shard_bytes, &plan, header)?;
+    // Each tensor under its name in the file, in its layout there.
+    let mut write = |name: &str, data: &[u8]| {
+        let (name, data) = names.map(name, data);
+        w.write(name, &data)
+    };
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;
-        w.write(&s.name, &encode(&v, dt))?;
+        write(&s.name, &encode(&v, dt))?;
     }
     if let Some(file) = &file {
         for f in frozen {
@@ -105,14 +123,15 @@ fn consolidate_to(
                         .chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                         .collect();
-                    w.write(&f.name, &encode(&v, dt))?;
+                    write(&f.name, &encode(&v, dt))?;
                 }
-                _ => w.write(&f.name, bytes)?,
+                _ => write(&f.name, bytes)?,
             }
         }
     }
     let files = w.files();
     w.finish()?;
+    layout.write_files(out, max_shard_bytes.is_some())?;
     Ok((plan.len(), files))
 }
 

@@ -54,7 +54,9 @@ mod prune;
 pub(crate) mod sharded_out;
 pub(crate) mod weights_files;
 
-pub use consolidate::{consolidate, consolidate_sharded, inspect, ExportDtype, ROUNDED_KEY};
+pub use consolidate::{
+    consolidate, consolidate_as, consolidate_sharded, inspect, ExportDtype, ROUNDED_KEY,
+};
 pub(crate) use error::model_diff;
 pub use error::CheckpointError;
 pub use export_layout::ExportLayout;

@@ -97,8 +97,19 @@ impl WeightsFiles {
                 .map(|f| path.join(f))
                 .find(|p| p.is_file())
                 .ok_or_else(|| {
+                    // Older Hugging Face checkpoints are pickles, which
+                    // zrt does not read (unpickling runs code).
+                    let pickled = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+                        .into_iter()
+                        .find(|f| path.join(f).is_file());
+                    let hint = match pickled {
+                        Some(f) => format!(
+                            "; it holds {f}, a pickled PyTorch checkpoint zrt does not read: convert it once with transformers, AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out) (safetensors by default)"
+                        ),
+                        None => String::new(),
+                    };
                     refuse(format!(
-                        "a directory holding neither {INDEX} (a sharded checkpoint's index) nor {SINGLE}; name the file to load"
+                        "a directory holding neither {INDEX} (a sharded checkpoint's index) nor {SINGLE}; name the file to load{hint}"
                     ))
                 })?,
         };
@@ -391,6 +402,23 @@ mod tests {
                 assert!(err.contains(&path.display().to_string()), "{err}");
             }
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_directory_of_a_pickled_checkpoint_is_refused_naming_the_conversion() {
+        let dir = crate::test_dir("weights-pickled");
+        std::fs::write(dir.join("pytorch_model.bin"), b"not read").unwrap();
+        let err = WeightsFiles::open(&dir, &NameRules::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("nor model.safetensors")
+                && err.contains("it holds pytorch_model.bin, a pickled PyTorch checkpoint")
+                && err.contains("save_pretrained(out)"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

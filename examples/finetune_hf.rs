@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
-use zrt::collectives::init_from_env;
+use zrt::collectives::{init_from_env, ProcessGroup};
 use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
@@ -134,6 +134,15 @@ fn main() -> Result<()> {
     let cfg = Config::from_file(&a.config)?;
     let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &AutoHints::default())?;
     let batch = engine.config().batch;
+    // Every rank's peak resident memory so far, in MiB, as a list.
+    let world = dist.world();
+    let peak_rss = || -> Result<String> {
+        let mine = vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64];
+        let each = world.all_gather(mine, Vec::new()).wait()?.1;
+        let each: Vec<String> = each.iter().map(|m| format!("{m:.0}")).collect();
+        Ok(each.join(", "))
+    };
+    let built = peak_rss()?;
     if rank == 0 {
         println!(
             "zrt finetune_hf: {} ({:.2}M params) on {} ranks, ZeRO stage {}, {} tokens of data",
@@ -143,6 +152,7 @@ fn main() -> Result<()> {
             engine.config().config.zero.stage,
             data.len()
         );
+        println!("built: peak RSS per rank (MiB): {built} (no rank holding the weights)");
     }
     let room = data.len() - a.seq - 1;
     for step in 0..a.steps {
@@ -164,6 +174,10 @@ fn main() -> Result<()> {
             let mean = loss_sum / batch.gas as f64;
             println!("step {step:>5}  loss {mean:.4}  lr {:.3e}", engine.lr());
         }
+    }
+    let trained = peak_rss()?;
+    if rank == 0 {
+        println!("trained: peak RSS per rank (MiB): {trained}");
     }
     if let Some(out) = &a.out {
         let max = (a.max_shard_mb * 1e6) as u64;

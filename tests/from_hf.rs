@@ -421,6 +421,12 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     for step in 0..4 {
         assert!(said.contains(&format!("step {step:>5}  loss ")), "{said}");
     }
+    for line in [
+        "built: peak RSS per rank (MiB): ",
+        "trained: peak RSS per rank (MiB): ",
+    ] {
+        assert!(said.contains(line), "{said}");
+    }
     // In files of at most 50 kB, read back by transformers as a model
     // the steps changed.
     assert!(count(&tuned, "safetensors") > 4, "{said}");

@@ -1,8 +1,9 @@
 //! Llama as Hugging Face's `transformers` lays it out
-//! (`LlamaForCausalLM`), in tch, its decoder layers wrapped in
-//! [`ShardedModule`]: a `save_pretrained` checkpoint loads into it under
-//! any ZeRO stage without a rank holding the whole model, and a
-//! fine-tuned one is written back for `from_pretrained`.
+//! (`LlamaForCausalLM`, and Mistral's and Qwen2's, the same layers: see
+//! [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
+//! a `save_pretrained` checkpoint loads into it under any ZeRO stage
+//! without a rank holding the whole model, and a fine-tuned one is
+//! written back for `from_pretrained`.
 //!
 //! Its VarStore names are Hugging Face's own (`model.embed_tokens`,
 //! `model.layers.0.self_attn.q_proj`, ..., `model.norm`, `lm_head`) and
@@ -26,10 +27,11 @@
 //! ```
 //!
 //! The forward is `transformers`' in evaluation: RMSNorm computed in
-//! fp32, rotary position embeddings (the default kind: `rope_scaling`
-//! is refused) with cosines and sines computed in fp32, grouped-query
-//! causal attention, a SiLU-gated MLP. Its logits match `transformers'`
-//! to float rounding (`tests/from_hf.rs`).
+//! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
+//! `linear` and `llama3` kinds) with cosines and sines computed in fp32,
+//! grouped-query causal attention (in Mistral's sliding window when it
+//! has one), a SiLU-gated MLP. Its logits match `transformers`' to the
+//! bit here (`tests/from_hf.rs`).
 
 use std::path::Path;
 

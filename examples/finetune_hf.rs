@@ -132,7 +132,13 @@ fn main() -> Result<()> {
         );
     }
     let cfg = Config::from_file(&a.config)?;
-    let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &AutoHints::default())?;
+    // Hugging Face's `"auto"` bucket sizes and thresholds derive from
+    // the model's width, as its Trainer fills them in.
+    let hints = AutoHints {
+        hidden_size: Some(model.hidden_size() as u64),
+        ..Default::default()
+    };
+    let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &hints)?;
     let batch = engine.config().batch;
     // Every rank's peak resident memory so far, in MiB, as a list.
     let world = dist.world();

@@ -40,3 +40,23 @@ impl<B: Module + 'static> Module for Run<B> {
         }
     }
 }
+
+/// A token embedding that is the model's head too (`tie_word_embeddings`),
+/// as one module so that it can be one unit run twice a forward: on
+/// token ids (an integer tensor) it looks them up, on hidden states it
+/// gives their logits (`x @ weight^T`). Stage 3 then shards the tied
+/// matrix, usually the model's largest, and gathers it for each of its
+/// two uses, where left in the root unit it would stay whole on every
+/// rank (a unit run twice is reduced once, after its first run's
+/// backward).
+#[derive(Debug)]
+pub(crate) struct TiedEmbedding(pub(crate) tch::nn::Embedding);
+
+impl Module for TiedEmbedding {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match x.is_floating_point() {
+            true => x.matmul(&self.0.ws.tr()),
+            false => self.0.forward(x),
+        }
+    }
+}

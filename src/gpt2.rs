@@ -36,7 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::Run;
+use crate::blocks::{Run, TiedEmbedding};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -233,12 +233,12 @@ impl Module for Block {
     }
 }
 
-/// GPT-2 with a language-modelling head (`GPT2LMHeadModel`): token and
-/// position embeddings and the final norm in the root unit (the token
-/// embedding is the head too), each block a unit.
+/// GPT-2 with a language-modelling head (`GPT2LMHeadModel`): the token
+/// embedding a unit, run twice (it is the head too), each block a unit,
+/// the position embedding and the final norm the root.
 #[derive(Debug)]
 pub struct Gpt2 {
-    wte: nn::Embedding,
+    wte: ShardedModule<TiedEmbedding>,
     wpe: nn::Embedding,
     blocks: Vec<ShardedModule<Run<Block>>>,
     ln_f: nn::LayerNorm,
@@ -248,7 +248,8 @@ pub struct Gpt2 {
 impl Gpt2 {
     /// Builds the model under `p` with Hugging Face's names without their
     /// `transformer.` prefix (`wte`, `wpe`, `h.0.attn.c_attn`, ...,
-    /// `ln_f`), each block (`h.0`, `h.1`, ...) a unit of `plan`. Values
+    /// `ln_f`), the token embedding (`wte`, the head too) and each block
+    /// (`h.0`, `h.1`, ...) a unit of `plan`. Values
     /// are tch's initialisation: a pretrained model's come from its file
     /// ([`hf_weight_rules`]).
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
@@ -271,9 +272,11 @@ impl Gpt2 {
             eps: cfg.eps,
             ..Default::default()
         };
-        let wte = nn::embedding(p / "wte", cfg.vocab, cfg.width, Default::default());
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
         let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.width], ln_cfg);
+        let wte_path = p / "wte";
+        let wte = nn::embedding(&wte_path, cfg.vocab, cfg.width, Default::default());
+        let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
@@ -298,7 +301,7 @@ impl Gpt2 {
         for b in &self.blocks {
             x = b.forward(&x);
         }
-        self.ln_f.forward(&x).matmul(&self.wte.ws.tr())
+        self.wte.forward(&self.ln_f.forward(&x))
     }
 
     /// `GPT2LMHeadModel`'s loss with `labels = tokens`

@@ -145,6 +145,16 @@ impl HfModel {
         causal_lm_loss(&self.forward(tokens), tokens)
     }
 
+    /// The model's width (`n_embd`, `hidden_size`): what DeepSpeed's
+    /// `"auto"` bucket sizes and thresholds derive from
+    /// ([`AutoHints::hidden_size`](crate::zero::AutoHints)).
+    pub fn hidden_size(&self) -> i64 {
+        match self {
+            Self::Gpt2(m) => m.config().width,
+            Self::Llama(m) => m.config().hidden,
+        }
+    }
+
     /// The vocabulary's size.
     pub fn vocab(&self) -> i64 {
         match self {

@@ -38,7 +38,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::Run;
+use crate::blocks::{Run, TiedEmbedding};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -487,8 +487,8 @@ impl Module for Layer {
 /// The token embedding, and the head when it is its own matrix.
 #[derive(Debug)]
 enum Ends {
-    /// The head is the embedding (in the root unit, used at both ends).
-    Tied(nn::Embedding),
+    /// The head is the embedding: one unit, run at both ends.
+    Tied(ShardedModule<TiedEmbedding>),
     /// Each its own unit.
     Apart {
         embed: ShardedModule<nn::Embedding>,
@@ -508,8 +508,9 @@ pub struct Llama {
 impl Llama {
     /// Builds the model under `p` with Hugging Face's names, each decoder
     /// layer (`model.layers.0`, ...) a unit of `plan`; the token
-    /// embedding and an untied head are units of their own (the two
-    /// largest matrices), a tied one and the final norm form the root.
+    /// embedding (the head too when tied, run at both ends) and an untied
+    /// head are units of their own (the largest matrices), the final norm
+    /// forms the root.
     /// Values are tch's initialisation (the norms' weights one): a
     /// pretrained model's come from its file.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
@@ -533,7 +534,7 @@ impl Llama {
         let embed_path = &m / "embed_tokens";
         let embed = nn::embedding(&embed_path, cfg.vocab, cfg.hidden, Default::default());
         let embed = match cfg.tied {
-            true => Err(embed),
+            true => Err(ShardedModule::new(plan, &embed_path, TiedEmbedding(embed))),
             false => Ok(ShardedModule::new(plan, &embed_path, embed)),
         };
         let layers = (0..cfg.layers)
@@ -571,7 +572,7 @@ impl Llama {
         }
         let x = self.norm.forward(&x);
         match &self.ends {
-            Ends::Tied(e) => x.matmul(&e.ws.tr()),
+            Ends::Tied(e) => e.forward(&x),
             Ends::Apart { head, .. } => head.forward(&x),
         }
     }

@@ -65,37 +65,64 @@ struct Args {
     print_every: u64,
 }
 
-/// The token ids of `path`, each below `vocab`.
-fn tokens(path: &std::path::Path, wide: bool, vocab: i64) -> Result<Vec<i64>> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let width = if wide { 4 } else { 2 };
-    if bytes.len() % width != 0 {
-        bail!(
-            "{}: {} bytes is not a whole number of {width}-byte token ids (is it {}?)",
-            path.display(),
-            bytes.len(),
-            if wide {
-                "u16: drop --u32"
-            } else {
-                "u32: pass --u32"
-            }
-        );
+/// The token ids of a data file, mapped (a corpus of billions of tokens
+/// is read window by window, never whole into memory).
+struct Tokens {
+    bytes: memmap2::Mmap,
+    /// Bytes an id takes: 2 (u16) or 4 (u32).
+    width: usize,
+}
+
+impl Tokens {
+    /// Maps `path` and checks every id is below `vocab` (one pass over
+    /// the file, so that data tokenized for another model is refused
+    /// before training, not at the step that first reads a bad id).
+    fn open(path: &std::path::Path, wide: bool, vocab: i64) -> Result<Self> {
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: the data file is read, never written, while mapped.
+        let bytes = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("mapping {}", path.display()))?;
+        let width = if wide { 4 } else { 2 };
+        if bytes.len() % width != 0 {
+            bail!(
+                "{}: {} bytes is not a whole number of {width}-byte token ids (is it {}?)",
+                path.display(),
+                bytes.len(),
+                if wide {
+                    "u16: drop --u32"
+                } else {
+                    "u32: pass --u32"
+                }
+            );
+        }
+        let t = Self { bytes, width };
+        if let Some((i, id)) = (0..t.len())
+            .map(|i| (i, t.id(i)))
+            .find(|&(_, id)| id >= vocab)
+        {
+            bail!(
+                "{}: token {i} is {id}, past the model's vocabulary of {vocab}: data tokenized for another model{}",
+                path.display(),
+                if wide { "" } else { " (or u32 ids read as u16: pass --u32)" }
+            );
+        }
+        Ok(t)
     }
-    let ids: Vec<i64> = bytes
-        .chunks_exact(width)
-        .map(|c| match wide {
-            true => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
-            false => u16::from_le_bytes([c[0], c[1]]) as i64,
-        })
-        .collect();
-    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t >= vocab) {
-        bail!(
-            "{}: token {i} is {id}, past the model's vocabulary of {vocab}: data tokenized for another model{}",
-            path.display(),
-            if wide { "" } else { " (or u32 ids read as u16: pass --u32)" }
-        );
+
+    /// How many ids it holds.
+    fn len(&self) -> usize {
+        self.bytes.len() / self.width
     }
-    Ok(ids)
+
+    /// Id `i`.
+    fn id(&self, i: usize) -> i64 {
+        let c = &self.bytes[i * self.width..(i + 1) * self.width];
+        match self.width {
+            4 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+            _ => u16::from_le_bytes([c[0], c[1]]) as i64,
+        }
+    }
 }
 
 /// The window of `len` tokens micro-batch `(step, micro, rank, row)`
@@ -122,7 +149,7 @@ fn main() -> Result<()> {
         checkpoint_activations: a.checkpoint_activations,
     };
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
-    let data = tokens(&a.data, a.u32, model.vocab())?;
+    let data = Tokens::open(&a.data, a.u32, model.vocab())?;
     if data.len() <= a.seq + 1 {
         bail!(
             "{} holds {} tokens: fewer than one window of --seq {} + 1",
@@ -167,7 +194,7 @@ fn main() -> Result<()> {
             let rows: Vec<i64> = (0..batch.micro)
                 .flat_map(|row| {
                     let at = start([step, micro, rank as u64, row], room);
-                    data[at..at + a.seq + 1].iter().copied()
+                    (at..at + a.seq + 1).map(|i| data.id(i))
                 })
                 .collect();
             let x = Tensor::from_slice(&rows).view([batch.micro as i64, a.seq as i64 + 1]);

@@ -22,6 +22,25 @@ fn config_file(name: &str, json: &str) -> String {
 }
 
 #[test]
+fn the_fine_tuning_examples_config_resolves_its_auto_values_from_the_hidden_size() {
+    // Hugging Face's "auto": the example passes the model's width, as
+    // `--hidden` does here; without it each "auto" is named.
+    let f = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ds_finetune.json");
+    let (ok, out) = zrt(&["config", "check", f, "--hidden", "896", "--world", "4"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("buckets          reduce 802816 (elements)")
+            && out.contains("prefetch 722534 persistence < 8960"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&["config", "check", f, "--world", "4"]);
+    assert!(
+        !ok && out.contains("\"auto\" but the program gave no hidden size"),
+        "{out}"
+    );
+}
+
+#[test]
 fn config_check_prints_a_shared_fixture_resolved() {
     let f = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -1276,8 +1276,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     /// A layout giving two tensors one name, transposing one that is not
     /// a matrix, or naming a path for a file, is refused on every rank
     /// before anything is gathered; a file that cannot be written fails
-    /// every rank's call. A transposed matrix is transposed on the writing rank,
-    /// one tensor at a time.
+    /// every rank's call. A transposed matrix is transposed on the
+    /// writing rank, one tensor at a time.
     pub fn save_16bit_model_as(
         &self,
         path: impl AsRef<Path>,

@@ -11,7 +11,7 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
 use crate::gpt2::{Gpt2, Gpt2Config};
-use crate::llama::{Llama, LlamaConfig};
+use crate::llama::{Family, Llama, LlamaConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Why a Hugging Face checkpoint cannot be built: its `config.json` is
@@ -49,27 +49,43 @@ pub struct HfOptions {
     pub checkpoint_activations: bool,
 }
 
+/// The configuration of a checkpoint of a layout this crate builds.
+enum Layout {
+    Gpt2(Gpt2Config),
+    Llama(LlamaConfig),
+}
+
+impl Layout {
+    /// Reads `config` (a `config.json` or the directory holding it),
+    /// choosing the layout by its `model_type`.
+    fn read(config: &Path) -> Result<Self, HfError> {
+        let j = HfJson::read(config, None)?;
+        match j.model_type().as_deref() {
+            Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_hf_dir(config)?)),
+            Some(t) if Family::of(t).is_some() => Ok(Self::Llama(LlamaConfig::from_hf_dir(config)?)),
+            other => Err(j.field(format!(
+                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints"
+            ))),
+        }
+    }
+
+    /// The layout its export goes back in.
+    fn export(&self) -> ExportLayout {
+        match self {
+            Self::Gpt2(c) => crate::gpt2::hf_export_layout(c),
+            Self::Llama(c) => crate::llama::hf_export_layout(c),
+        }
+    }
+}
+
 /// The layout an export of the model `config` describes goes back in
 /// (`config` a `config.json` or the directory holding it): GPT-2's
 /// ([`crate::gpt2::hf_export_layout`]) or the Llama family's
 /// ([`crate::llama::hf_export_layout`]), the config beside the tensors.
 /// What `zrt ckpt consolidate --hf-config` writes a checkpoint in.
 pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> {
-    let config = config.as_ref();
-    let j = HfJson::read(config, None)?;
-    match j.model_type().as_deref() {
-        Some("gpt2") => Ok(crate::gpt2::hf_export_layout(&Gpt2Config::from_hf_dir(
-            config,
-        )?)),
-        Some("llama" | "mistral" | "qwen2") => Ok(crate::llama::hf_export_layout(
-            &LlamaConfig::from_hf_dir(config)?,
-        )),
-        other => Err(j.field(format!("model_type {other:?}: {BUILT}"))),
-    }
+    Ok(Layout::read(config.as_ref())?.export())
 }
-
-/// The `model_type`s this crate builds.
-const BUILT: &str = "zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints";
 
 /// A causal language model of one of the layouts this crate builds.
 #[derive(Debug)]
@@ -103,33 +119,20 @@ impl HfModel {
         options: &HfOptions,
     ) -> Result<(Self, ExportLayout), HfError> {
         let dir = dir.as_ref();
-        let recompute = options.checkpoint_activations;
-        let config = HfJson::read(dir, None)?;
-        match config.model_type().as_deref() {
-            Some("gpt2") => {
-                let cfg = Gpt2Config::from_hf_dir(dir)?;
-                crate::gpt2::hf_weight_rules(plan)?;
-                plan.weights_from_file(vs, dir)?;
-                let model = match recompute {
-                    true => Gpt2::new_checkpointed(&vs.root(), plan, &cfg),
-                    false => Gpt2::new(&vs.root(), plan, &cfg),
-                };
-                let model = Self::Gpt2(model);
-                Ok((model, crate::gpt2::hf_export_layout(&cfg)))
-            }
-            Some("llama" | "mistral" | "qwen2") => {
-                let cfg = LlamaConfig::from_hf_dir(dir)?;
-                crate::llama::hf_weight_rules(plan, &cfg)?;
-                plan.weights_from_file(vs, dir)?;
-                let model = match recompute {
-                    true => Llama::new_checkpointed(&vs.root(), plan, &cfg),
-                    false => Llama::new(&vs.root(), plan, &cfg),
-                };
-                let model = Self::Llama(model);
-                Ok((model, crate::llama::hf_export_layout(&cfg)))
-            }
-            other => Err(config.field(format!("model_type {other:?}: {BUILT}"))),
+        let layout = Layout::read(dir)?;
+        match &layout {
+            Layout::Gpt2(_) => crate::gpt2::hf_weight_rules(plan)?,
+            Layout::Llama(c) => crate::llama::hf_weight_rules(plan, c)?,
         }
+        plan.weights_from_file(vs, dir)?;
+        let (root, recompute) = (vs.root(), options.checkpoint_activations);
+        let model = match (&layout, recompute) {
+            (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),
+            (Layout::Gpt2(c), true) => Self::Gpt2(Gpt2::new_checkpointed(&root, plan, c)),
+            (Layout::Llama(c), false) => Self::Llama(Llama::new(&root, plan, c)),
+            (Layout::Llama(c), true) => Self::Llama(Llama::new_checkpointed(&root, plan, c)),
+        };
+        Ok((model, layout.export()))
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).

@@ -17,7 +17,9 @@
 //! `examples/ds_finetune.json` unless `--config` names another. The
 //! export (`--out`) is `config.json` and safetensors files of at most
 //! `--max-shard-mb` MB, which `AutoModelForCausalLM.from_pretrained`
-//! reads.
+//! reads. With `--save-dir` it checkpoints (every `--save-every` steps
+//! and at the end), and a run started again goes on from the latest
+//! checkpoint there, reading the windows the first run would have read.
 
 use std::path::PathBuf;
 
@@ -60,6 +62,13 @@ struct Args {
     /// Recompute every block's activations in backward (less memory).
     #[arg(long)]
     checkpoint_activations: bool,
+    /// Where checkpoints go (`save_checkpoint`, tag `stepN`); a run given
+    /// one goes on from the latest there, if any (`resume_from`).
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    save_every: u64,
     /// Steps between the first rank's loss lines.
     #[arg(long, default_value_t = 10)]
     print_every: u64,
@@ -128,7 +137,7 @@ impl Tokens {
 /// The window of `len` tokens micro-batch `(step, micro, rank, row)`
 /// starts at: a splitmix64 draw, the same for a run however it is
 /// resumed.
-fn start(key: [u64; 4], room: usize) -> usize {
+fn window_start(key: [u64; 4], room: usize) -> usize {
     let mut z = key.iter().fold(0x9E37_79B9_7F4A_7C15u64, |h, &k| {
         (h ^ k).wrapping_mul(0xBF58_476D_1CE4_E5B9)
     });
@@ -188,12 +197,37 @@ fn main() -> Result<()> {
         println!("built: peak RSS per rank (MiB): {built} (no rank holding the weights)");
     }
     let room = data.len() - a.seq - 1;
-    for step in 0..a.steps {
+    // Go on from the latest checkpoint, if the run was started before.
+    let mut first = 0;
+    if let Some(dir) = &a.save_dir {
+        if let Some((tag, saved)) = engine.resume_from(dir)? {
+            first = saved["steps"].as_u64().unwrap_or(engine.global_step());
+            if rank == 0 {
+                println!(
+                    "resumed from {} (tag {tag}) after {first} steps",
+                    dir.display()
+                );
+            }
+        }
+    }
+    let save = |done: u64| -> Result<()> {
+        if let Some(dir) = &a.save_dir {
+            let state = serde_json::json!({ "steps": done });
+            let path = engine.save_checkpoint_with(dir, &format!("step{done}"), &state)?;
+            if rank == 0 {
+                println!("checkpoint saved to {}", path.display());
+            }
+        }
+        Ok(())
+    };
+    // Each step's windows are drawn from its number: a resumed run reads
+    // what the run it goes on from would have read.
+    for step in first..a.steps {
         let mut loss_sum = 0.0;
         for micro in 0..batch.gas {
             let rows: Vec<i64> = (0..batch.micro)
                 .flat_map(|row| {
-                    let at = start([step, micro, rank as u64, row], room);
+                    let at = window_start([step, micro, rank as u64, row], room);
                     (at..at + a.seq + 1).map(|i| data.id(i))
                 })
                 .collect();
@@ -205,8 +239,15 @@ fn main() -> Result<()> {
         }
         if rank == 0 && (step % a.print_every == 0 || step + 1 == a.steps) {
             let mean = loss_sum / batch.gas as f64;
-            println!("step {step:>5}  loss {mean:.4}  lr {:.3e}", engine.lr());
+            println!("step {step:>5}  loss {mean:.6}  lr {:.3e}", engine.lr());
         }
+        let done = step + 1;
+        if a.save_every > 0 && done % a.save_every == 0 && done < a.steps {
+            save(done)?;
+        }
+    }
+    if first < a.steps {
+        save(a.steps)?;
     }
     let trained = peak_rss()?;
     if rank == 0 {

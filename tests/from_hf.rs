@@ -389,8 +389,9 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     )
     .unwrap();
     let os = |s: &'static str| std::ffi::OsStr::new(s);
-    let run = |data: &Path| {
-        finetune(&[
+    // `steps` steps on `data`, with `more` options.
+    let run = |data: &Path, steps: &'static str, more: &[&std::ffi::OsStr]| {
+        let mut args = vec![
             os("--model"),
             hf.as_os_str(),
             os("--data"),
@@ -400,23 +401,23 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
             os("--seq"),
             os("16"),
             os("--steps"),
-            os("4"),
+            os(steps),
             os("--print-every"),
             os("1"),
-            os("--out"),
-            tuned.as_os_str(),
             os("--max-shard-mb"),
             os("0.05"),
             os("--checkpoint-activations"),
-        ])
+        ];
+        args.extend_from_slice(more);
+        finetune(&args)
     };
-    let (ok, said) = run(&bad);
+    let (ok, said) = run(&bad, "4", &[]);
     assert!(!ok, "{said}");
     assert!(
         said.contains("token 2048 is 96, past the model's vocabulary of 96"),
         "{said}"
     );
-    let (ok, said) = run(&data);
+    let (ok, said) = run(&data, "4", &[os("--out"), tuned.as_os_str()]);
     assert!(ok, "{said}");
     for step in 0..4 {
         assert!(said.contains(&format!("step {step:>5}  loss ")), "{said}");
@@ -439,5 +440,44 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
             "rank {rank}: {t} {b}"
         );
     }
+    // Stopped after 2 steps with a checkpoint and started again: it goes
+    // on from it and ends with the straight run's losses and export, to
+    // the bit.
+    let (ck, split) = (dir.join("ck"), dir.join("split"));
+    let (ok, first) = run(&data, "2", &[os("--save-dir"), ck.as_os_str()]);
+    assert!(ok && first.contains("checkpoint saved to"), "{first}");
+    let more = [
+        os("--save-dir"),
+        ck.as_os_str(),
+        os("--out"),
+        split.as_os_str(),
+    ];
+    let (ok, then) = run(&data, "4", &more);
+    assert!(ok && then.contains("after 2 steps"), "{then}");
+    let line = |said: &str, step: u32| {
+        let at = format!("step {step:>5}  loss ");
+        said.lines().find(|l| l.contains(&at)).map(String::from)
+    };
+    for step in [2, 3] {
+        assert!(line(&then, step).is_some(), "{then}");
+        assert_eq!(line(&then, step), line(&said, step), "step {step}");
+    }
+    assert!(line(&then, 1).is_none(), "{then}");
+    let files = |d: &Path| {
+        let mut f: Vec<(String, Vec<u8>)> = (std::fs::read_dir(d).unwrap())
+            .map(|e| e.unwrap().path())
+            .map(|p| {
+                (
+                    p.display()
+                        .to_string()
+                        .replace(&d.display().to_string(), ""),
+                    std::fs::read(&p).unwrap(),
+                )
+            })
+            .collect();
+        f.sort();
+        f
+    };
+    assert!(files(&split) == files(&tuned), "the resumed export differs");
     let _ = std::fs::remove_dir_all(&dir);
 }

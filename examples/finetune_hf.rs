@@ -149,6 +149,16 @@ fn window_start(key: [u64; 4], room: usize) -> usize {
 fn main() -> Result<()> {
     zrt::init_logging();
     let a = Args::parse();
+    // Refused before anything is built, not after training.
+    if a.max_shard_mb.is_nan() || a.max_shard_mb <= 0.0 {
+        bail!(
+            "--max-shard-mb {} is no file size: give a positive number of MB (5000 is 5 GB)",
+            a.max_shard_mb
+        );
+    }
+    if a.print_every == 0 {
+        bail!("--print-every 0: give the number of steps between loss lines (1 for every step)");
+    }
     tch::set_num_threads(1);
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
     let rank = dist.env().rank;

@@ -411,6 +411,18 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         args.extend_from_slice(more);
         finetune(&args)
     };
+    // Options that could only fail at the end are refused at the start.
+    for (opt, says) in [
+        ("--max-shard-mb", "--max-shard-mb 0 is no file size"),
+        ("--print-every", "--print-every 0: give the number of steps"),
+    ] {
+        let o = std::process::Command::new(common::example("finetune_hf"))
+            .args(["--model", "m", "--data", "d", opt, "0"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && said.contains(says), "{said}");
+    }
     let (ok, said) = run(&bad, "4", &[]);
     assert!(!ok, "{said}");
     assert!(

@@ -41,6 +41,22 @@ impl<B: Module + 'static> Module for Run<B> {
     }
 }
 
+/// Causal self-attention over a fused projection `qkv` `[batch, seq, 3 *
+/// width]` (queries, keys, values, each `heads` heads), before the output
+/// projection: `[batch, seq, width]`. The main job's GPT and GPT-2 lay
+/// their projections out alike.
+pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64) -> Tensor {
+    let (b, t, d3) = qkv.size3().unwrap_or((1, 1, 3));
+    let d = d3 / 3;
+    let qkv = qkv
+        .view([b, t, 3, heads, d / heads])
+        .permute([2, 0, 3, 1, 4]);
+    let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+    let a =
+        Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false);
+    a.transpose(1, 2).contiguous().view([b, t, d])
+}
+
 /// A token embedding that is the model's head too (`tie_word_embeddings`),
 /// as one module so that it can be one unit run twice a forward: on
 /// token ids (an integer tensor) it looks them up, on hidden states it

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::Run;
+use crate::blocks::{fused_causal_attention, Run};
 use crate::zero::{ShardPlan, ShardedModule};
 
 /// Whether the VarStore name `name` is a parameter of a block's MLP (what
@@ -79,20 +79,8 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, t, d) = x.size3().unwrap_or((1, 1, 1));
-        let h = self.heads;
-        let qkv = self
-            .qkv
-            .forward(&self.ln1.forward(x))
-            .view([b, t, 3, h, d / h])
-            .permute([2, 0, 3, 1, 4]);
-        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, 0.0, true, None, false,
-        );
-        let x = x + self
-            .proj
-            .forward(&a.transpose(1, 2).contiguous().view([b, t, d]));
+        let qkv = self.qkv.forward(&self.ln1.forward(x));
+        let x = x + self.proj.forward(&fused_causal_attention(&qkv, self.heads));
         if self.mlp_left_out.load(Ordering::Relaxed) {
             return x;
         }

@@ -36,7 +36,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{Run, TiedEmbedding};
+use crate::blocks::{fused_causal_attention, Run, TiedEmbedding};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -212,22 +212,9 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, t, d) = x.size3().unwrap_or((1, 1, 1));
-        let h = self.attn.heads;
-        let qkv = self
-            .attn
-            .c_attn
-            .forward(&self.ln_1.forward(x))
-            .view([b, t, 3, h, d / h])
-            .permute([2, 0, 3, 1, 4]);
-        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, 0.0, true, None, false,
-        );
-        let x = x + self
-            .attn
-            .c_proj
-            .forward(&a.transpose(1, 2).contiguous().view([b, t, d]));
+        let qkv = self.attn.c_attn.forward(&self.ln_1.forward(x));
+        let a = fused_causal_attention(&qkv, self.attn.heads);
+        let x = x + self.attn.c_proj.forward(&a);
         let m = (self.mlp.c_fc.forward(&self.ln_2.forward(&x))).gelu("tanh");
         &x + self.mlp.c_proj.forward(&m)
     }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
-use crate::checkpoint::weights_files::{NameRules, Rename, Transpose};
+use crate::checkpoint::weights_files::{NameRules, Rename, TransposeRule};
 use crate::first_rank::{Release, Values};
 use crate::running::Running;
 use crate::EngineError;
@@ -74,7 +74,7 @@ pub(crate) struct PlanInner {
     /// Set by [`ShardPlan::rename_weights`].
     pub(crate) rename: Mutex<Option<Arc<Rename>>>,
     /// Set by [`ShardPlan::transpose_weights`].
-    pub(crate) transpose: Mutex<Option<Arc<Transpose>>>,
+    pub(crate) transpose: Mutex<Option<Arc<TransposeRule>>>,
 }
 
 impl PlanInner {
@@ -680,7 +680,7 @@ impl ShardPlan {
         &self,
         rule: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Result<(), EngineError> {
-        let rule: Arc<Transpose> = Arc::new(rule);
+        let rule: Arc<TransposeRule> = Arc::new(rule);
         self.set_rule_slot("transpose_weights", &self.inner.transpose, Some(rule))
     }
 

@@ -102,13 +102,10 @@ pub fn consolidate_as(
         .filter(|f| f.quantized)
         .map(|f| f.name.as_str());
     let header = export_metadata(rounded);
-    let (plan, names) = layout.apply(&plan, out)?;
+    let (plan, names) = layout.apply(&plan, out, max_shard_bytes)?;
     let mut w = ModelWriter::create(out, max_shard_bytes, &plan, header)?;
     // Each tensor under its name in the file, in its layout there.
-    let mut write = |name: &str, data: &[u8]| {
-        let (name, data) = names.map(name, data);
-        w.write(name, &data)
-    };
+    let mut write = |name: &str, data: &[u8]| names.write(&mut w, name, data);
     for s in meta.params() {
         let mut v = vec![0f32; s.numel];
         loc.read_param(&s.name, "master", 0..s.numel, &mut v)?;

@@ -9,6 +9,8 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::files::{write_atomic, Planned};
+use super::sharded_out::ModelWriter;
+use super::transpose::Transpose;
 use super::CheckpointError;
 
 /// A rule naming each of the model's tensors in the file.
@@ -86,18 +88,25 @@ impl ExportLayout {
     }
 
     /// `plan` (the model's names and shapes) as the file holds it, and
-    /// what turns each tensor's values into the file's; errors name
-    /// `out`. The same on every rank, so a refusal is every rank's before
-    /// anything is gathered.
+    /// what turns each tensor's values into the file's, for an export at
+    /// `out` in files of at most `max_shard_bytes` (one file when `None`);
+    /// errors name `out`. The same on every rank, so a refusal is every
+    /// rank's before anything is gathered.
     pub(crate) fn apply(
         &self,
         plan: &[Planned],
         out: &Path,
+        max_shard_bytes: Option<u64>,
     ) -> Result<(Vec<Planned>, OutNames), CheckpointError> {
         let refuse = |msg: String| CheckpointError::Export {
             path: out.to_path_buf(),
             msg,
         };
+        if max_shard_bytes == Some(0) {
+            return Err(refuse(
+                "files of at most 0 bytes: give the most bytes of tensors a file may hold".into(),
+            ));
+        }
         for (name, _) in &self.files {
             if Path::new(name).components().count() != 1 || name == ".." {
                 return Err(refuse(format!(
@@ -122,11 +131,7 @@ impl ExportLayout {
             let transposed = match self.transpose.as_ref().is_some_and(|t| t(&p.name)) {
                 false => None,
                 true => match p.shape.as_slice() {
-                    &[rows, cols] => Some(Matrix {
-                        rows,
-                        cols,
-                        size: p.dtype.size(),
-                    }),
+                    &[rows, cols] => Some((Transpose { rows, cols }, p.dtype.size())),
                     shape => {
                         return Err(refuse(format!(
                             "the export layout transposes `{}`, of shape {shape:?}: only a matrix (2 dimensions) transposes",
@@ -136,7 +141,7 @@ impl ExportLayout {
                 },
             };
             let shape = match transposed {
-                Some(m) => vec![m.cols, m.rows],
+                Some((t, _)) => vec![t.cols, t.rows],
                 None => p.shape.clone(),
             };
             mapped.push(Planned {
@@ -150,39 +155,32 @@ impl ExportLayout {
     }
 }
 
-/// A matrix written transposed: its shape in the model and the bytes of
-/// an element.
-#[derive(Clone, Copy)]
-struct Matrix {
-    rows: usize,
-    cols: usize,
-    size: usize,
-}
-
-/// Each of the model's tensors' name in the file, and the shape of one
-/// written transposed.
-pub(crate) struct OutNames(HashMap<String, (String, Option<Matrix>)>);
+/// Each of the model's tensors' name in the file, and for one written
+/// transposed its transpose and the bytes of an element.
+pub(crate) struct OutNames(HashMap<String, (String, Option<(Transpose, usize)>)>);
 
 impl OutNames {
     /// Tensor `name`'s name in the file and its bytes as the file holds
     /// them (`data` is the model's layout); a name it does not know goes
     /// as it is.
-    pub(crate) fn map<'a>(&'a self, name: &'a str, data: &'a [u8]) -> (&'a str, Cow<'a, [u8]>) {
+    fn map<'a>(&'a self, name: &'a str, data: &'a [u8]) -> (&'a str, Cow<'a, [u8]>) {
         match self.0.get(name) {
             None => (name, Cow::Borrowed(data)),
             Some((out, None)) => (out.as_str(), Cow::Borrowed(data)),
-            Some((out, Some(m))) => {
-                let Matrix { rows, cols, size } = *m;
-                let mut t = Vec::with_capacity(data.len());
-                // The file's element j, (c, r) of [cols, rows], is the
-                // model's (r, c).
-                for j in 0..(data.len() / size.max(1)).min(rows * cols) {
-                    let i = (j % rows) * cols + j / rows;
-                    t.extend_from_slice(&data[i * size..][..size]);
-                }
-                (out.as_str(), Cow::Owned(t))
-            }
+            Some((out, Some((t, size)))) => (out.as_str(), Cow::Owned(t.copy(data, *size))),
         }
+    }
+
+    /// Writes the model's tensor `name` (its bytes `data`) to `w` under
+    /// its name in the file, in its layout there.
+    pub(crate) fn write(
+        &self,
+        w: &mut ModelWriter,
+        name: &str,
+        data: &[u8],
+    ) -> Result<(), CheckpointError> {
+        let (name, data) = self.map(name, data);
+        w.write(name, &data)
     }
 }
 
@@ -201,7 +199,7 @@ mod tests {
         let layout = ExportLayout::new()
             .rename(|n| format!("m.{n}"))
             .transpose(|n| n.ends_with(".w"));
-        let (mapped, names) = layout.apply(&plan, out).unwrap();
+        let (mapped, names) = layout.apply(&plan, out, None).unwrap();
         let shapes: Vec<(&str, &[usize])> = (mapped.iter())
             .map(|p| (p.name.as_str(), p.shape.as_slice()))
             .collect();
@@ -216,17 +214,20 @@ mod tests {
         let (name, b) = names.map("a.b", &w[..12]);
         assert_eq!((name, &b[..]), ("m.a.b", &w[..12]));
         let twice = ExportLayout::new().rename(|_| "same".into());
-        let err = twice.apply(&plan, out).err().unwrap().to_string();
+        let err = twice.apply(&plan, out, None).err().unwrap().to_string();
         assert!(
             err.contains("names two of the model's tensors `same`") && err.contains("/x/out"),
             "{err}"
         );
         let vector = ExportLayout::new().transpose(|_| true);
-        let err = vector.apply(&plan, out).err().unwrap().to_string();
+        let err = vector.apply(&plan, out, None).err().unwrap().to_string();
         assert!(err.contains("transposes `a.b`, of shape [3]"), "{err}");
+        let none = ExportLayout::new().apply(&plan, out, Some(0));
+        let err = none.err().unwrap().to_string();
+        assert!(err.contains("files of at most 0 bytes"), "{err}");
         for name in ["../config.json", "a/b.json", "/etc/x"] {
             let path = ExportLayout::new().with_file(name, "{}");
-            let err = path.apply(&plan, out).err().unwrap().to_string();
+            let err = path.apply(&plan, out, None).err().unwrap().to_string();
             assert!(
                 err.contains(&format!("file `{name}` is not a file name")),
                 "{err}"

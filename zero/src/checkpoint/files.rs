@@ -316,10 +316,7 @@ impl Sink {
         if let Self::Writing(w, names) = self {
             let written = match names {
                 None => w.write(name, data),
-                Some(n) => {
-                    let (name, data) = n.map(name, data);
-                    w.write(name, &data)
-                }
+                Some(n) => n.write(w, name, data),
             };
             if let Err(e) = written {
                 *self = Self::Failed(e);

@@ -52,6 +52,7 @@ pub(crate) mod files;
 pub(crate) mod meta;
 mod prune;
 pub(crate) mod sharded_out;
+pub(crate) mod transpose;
 pub(crate) mod weights_files;
 
 pub use consolidate::{

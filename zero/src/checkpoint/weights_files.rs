@@ -23,6 +23,7 @@ use std::sync::Arc;
 use safetensors::Dtype;
 
 use super::files::{RankFile, ReadWidened};
+use super::transpose::Transpose;
 use super::CheckpointError;
 
 /// The name Hugging Face gives a sharded checkpoint's index.
@@ -38,7 +39,7 @@ pub(crate) type Rename = dyn Fn(&str) -> Option<String> + Send + Sync;
 /// A rule saying, of each tensor by the model's name for it, whether the
 /// file holds it transposed
 /// ([`ShardPlan::transpose_weights`](crate::ShardPlan::transpose_weights)).
-pub(crate) type Transpose = dyn Fn(&str) -> bool + Send + Sync;
+pub(crate) type TransposeRule = dyn Fn(&str) -> bool + Send + Sync;
 
 /// The plan's rules for reading a weights file into the model.
 #[derive(Clone, Default)]
@@ -46,7 +47,7 @@ pub(crate) struct NameRules {
     /// The file's names to the model's.
     pub(crate) rename: Option<Arc<Rename>>,
     /// Which tensors (by the model's names) the file holds transposed.
-    pub(crate) transpose: Option<Arc<Transpose>>,
+    pub(crate) transpose: Option<Arc<TransposeRule>>,
 }
 
 /// Where one of the model's tensors is.
@@ -264,44 +265,29 @@ impl WeightsFiles {
             return Ok((dtype, Cow::Borrowed(b)));
         };
         let size = dtype.size();
-        let at = Transposed::of(file, name, shape, b.len() / size.max(1))?;
-        let mut out = Vec::with_capacity(b.len());
-        for i in 0..b.len() / size.max(1) {
-            out.extend_from_slice(&b[at.index(i) * size..][..size]);
-        }
-        Ok((dtype, Cow::Owned(out)))
+        let t = transpose_of(file, name, shape, b.len() / size.max(1))?;
+        Ok((dtype, Cow::Owned(t.copy(b, size))))
     }
 }
 
-/// A matrix the file holds transposed, as the model reads it: `[rows,
-/// cols]` in the model, `[cols, rows]` in the file.
-struct Transposed {
-    rows: usize,
-    cols: usize,
-}
-
-impl Transposed {
-    /// Tensor `name`'s (of `file`, `numel` elements there) model `shape`,
-    /// checked to cover it.
-    fn of(
-        file: &RankFile,
-        name: &str,
-        shape: &[usize],
-        numel: usize,
-    ) -> Result<Self, CheckpointError> {
-        match shape {
-            &[rows, cols] if rows * cols == numel => Ok(Self { rows, cols }),
-            _ => Err(CheckpointError::format(
-                file.path(),
-                format!("tensor `{name}` does not hold {shape:?} elements"),
-            )),
-        }
-    }
-
-    /// Where the model's element `i` is in the file: the model's `(r, c)`
-    /// is the file's `(c, r)`.
-    fn index(&self, i: usize) -> usize {
-        (i % self.cols) * self.rows + i / self.cols
+/// The transpose the model reads of tensor `name` of `file` (`numel`
+/// elements there), whose shape in the model is `shape`: the file holds
+/// the matrix `[shape[1], shape[0]]`. Checked to cover it.
+fn transpose_of(
+    file: &RankFile,
+    name: &str,
+    shape: &[usize],
+    numel: usize,
+) -> Result<Transpose, CheckpointError> {
+    match shape {
+        &[rows, cols] if rows * cols == numel => Ok(Transpose {
+            rows: cols,
+            cols: rows,
+        }),
+        _ => Err(CheckpointError::format(
+            file.path(),
+            format!("tensor `{name}` does not hold {shape:?} elements"),
+        )),
     }
 }
 
@@ -331,7 +317,7 @@ impl ReadWidened for WeightsFiles {
             }
         };
         let size = dtype.size();
-        let at = Transposed::of(file, name, shape, b.len() / size)?;
+        let t = transpose_of(file, name, shape, b.len() / size)?;
         if range.start > range.end || range.end > b.len() / size || dst.len() != range.len() {
             return Err(CheckpointError::format(
                 file.path(),
@@ -343,7 +329,7 @@ impl ReadWidened for WeightsFiles {
             ));
         }
         for (d, i) in dst.iter_mut().zip(range) {
-            *d = widen(&b[at.index(i) * size..][..size]);
+            *d = widen(&b[t.source(i) * size..][..size]);
         }
         Ok(())
     }

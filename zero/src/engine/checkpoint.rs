@@ -1285,16 +1285,6 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         layout: &ExportLayout,
     ) -> Result<(), EngineError> {
         let path = path.as_ref();
-        if max_shard_bytes == Some(0) {
-            // Refused on every rank here, before any gather: the writer
-            // would refuse it on the writing rank only.
-            return Err(CheckpointError::Export {
-                path: path.to_path_buf(),
-                msg: "files of at most 0 bytes: give the most bytes of tensors a file may hold"
-                    .into(),
-            }
-            .into());
-        }
         let i = &*self.inner;
         let float = i.compute.kind();
         let dtype = file_dtype(Some(float));
@@ -1314,7 +1304,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             // unpacked: the file's metadata names them.
             (plan, export_metadata(packed_frozen(&st)))
         };
-        let (plan, names) = layout.apply(&plan, path)?;
+        let (plan, names) = layout.apply(&plan, path, max_shard_bytes)?;
         let out = (path, max_shard_bytes);
         let mut sink = Sink::open(i.group.rank() == 0, out, &plan, meta).named(names);
         let units = i.st.lock().units.len();

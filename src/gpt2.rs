@@ -66,7 +66,11 @@ impl Gpt2Config {
     /// than `gelu_new` and a head not tied to the embedding are refused,
     /// naming the field: this model computes neither.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
-        let j = HfJson::read(dir.as_ref(), Some("gpt2"))?;
+        Self::from_json(&HfJson::read(dir.as_ref(), Some("gpt2"))?)
+    }
+
+    /// As [`Gpt2Config::from_hf_dir`], from a config already read.
+    pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
         let why = "this GPT-2 computes gelu_new only";
         j.only("activation_function", "gelu_new", why)?;
         if !j.flag_or("tie_word_embeddings", true)? {

@@ -61,8 +61,8 @@ impl Layout {
     fn read(config: &Path) -> Result<Self, HfError> {
         let j = HfJson::read(config, None)?;
         match j.model_type().as_deref() {
-            Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_hf_dir(config)?)),
-            Some(t) if Family::of(t).is_some() => Ok(Self::Llama(LlamaConfig::from_hf_dir(config)?)),
+            Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_json(&j)?)),
+            Some(t) if Family::of(t).is_some() => Ok(Self::Llama(LlamaConfig::from_json(&j)?)),
             other => Err(j.field(format!(
                 "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints"
             ))),

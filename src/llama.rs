@@ -163,7 +163,11 @@ impl LlamaConfig {
     /// field: other rope scalings (`dynamic`, `yarn`, ...), a partial
     /// rotary factor, Qwen2's sliding-window layers.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
-        let j = HfJson::read(dir.as_ref(), None)?;
+        Self::from_json(&HfJson::read(dir.as_ref(), None)?)
+    }
+
+    /// As [`LlamaConfig::from_hf_dir`], from a config already read.
+    pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
@@ -217,7 +221,7 @@ impl LlamaConfig {
             head_dim,
             eps: j.number_or("rms_norm_eps", 1e-6)?,
             rope_theta: j.number_or("rope_theta", 10000.0)?,
-            rope_scaling: rope_scaling(&j)?,
+            rope_scaling: rope_scaling(j)?,
             positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,

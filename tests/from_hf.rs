@@ -475,17 +475,11 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         assert_eq!(line(&then, step), line(&said, step), "step {step}");
     }
     assert!(line(&then, 1).is_none(), "{then}");
+    // Each file of an export by name, with its bytes.
     let files = |d: &Path| {
-        let mut f: Vec<(String, Vec<u8>)> = (std::fs::read_dir(d).unwrap())
-            .map(|e| e.unwrap().path())
-            .map(|p| {
-                (
-                    p.display()
-                        .to_string()
-                        .replace(&d.display().to_string(), ""),
-                    std::fs::read(&p).unwrap(),
-                )
-            })
+        let mut f: Vec<(std::ffi::OsString, Vec<u8>)> = (std::fs::read_dir(d).unwrap())
+            .map(|e| e.unwrap())
+            .map(|e| (e.file_name(), std::fs::read(e.path()).unwrap()))
             .collect();
         f.sort();
         f

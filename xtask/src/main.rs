@@ -218,40 +218,41 @@ fn pip_install(cache: &Path, specs: &[&str]) -> Result<()> {
 /// consolidated weights with it, as a Python user would; one wheel) and
 /// `transformers` (its GPT-2 and Llama write the checkpoints
 /// `tests/from_hf.rs` loads and compute the logits and losses zrt's must
-/// match, and it reads zrt's exports back; about 15
-/// wheels, 10 seconds). Each pins safetensors, so neither moves it.
+/// match, and it reads zrt's exports back; about 15 wheels, 10 seconds).
 fn ensure_python_packages(cache: &Path) -> Result<()> {
-    let python = venv_python(cache);
-    let safetensors = format!("safetensors=={SAFETENSORS_VERSION}");
-    let transformers = format!("transformers=={TRANSFORMERS_VERSION}");
-    for (module, version, specs) in [
-        (
-            "safetensors",
-            SAFETENSORS_VERSION,
-            vec![safetensors.as_str()],
-        ),
-        (
-            "transformers",
-            TRANSFORMERS_VERSION,
-            vec![transformers.as_str(), safetensors.as_str()],
-        ),
-    ] {
-        let have = Command::new(&python)
-            .args([
-                "-c",
-                &format!("import {module}; print({module}.__version__)"),
-            ])
-            .output()
-            .is_ok_and(|o| {
-                o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == version
-            });
-        if have {
-            continue;
-        }
-        eprintln!("xtask: installing {} into the venv", specs.join(" "));
-        pip_install(cache, &specs)?;
+    let want = [
+        ("safetensors", SAFETENSORS_VERSION),
+        ("transformers", TRANSFORMERS_VERSION),
+    ];
+    // One interpreter start reading the installed versions from the
+    // packages' metadata: every xtask command runs this, and importing
+    // transformers to ask it costs two seconds.
+    let script = "import importlib.metadata as m, sys\nfor p in sys.argv[1:]:\n    try: print(m.version(p))\n    except m.PackageNotFoundError: print()";
+    let have: Vec<String> = Command::new(venv_python(cache))
+        .args(["-c", script])
+        .args(want.map(|(p, _)| p))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    let missing: Vec<String> = (want.iter().enumerate())
+        .filter(|(k, (_, v))| have.get(*k).map(String::as_str) != Some(*v))
+        .map(|(_, (p, v))| format!("{p}=={v}"))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    eprintln!("xtask: installing {} into the venv", missing.join(" "));
+    // Every pin in one pip call, so that neither moves the other's
+    // (transformers alone would take a newer safetensors).
+    let specs: Vec<String> = want.iter().map(|(p, v)| format!("{p}=={v}")).collect();
+    pip_install(cache, &specs.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 fn which(name: &str) -> Option<PathBuf> {

@@ -57,6 +57,20 @@ pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64) -> Tensor {
     a.transpose(1, 2).contiguous().view([b, t, d])
 }
 
+/// A token embedding `[vocab, width]` under `p` whose backward gives a
+/// sparse gradient: the looked-up rows, which the engine adds straight
+/// into its flat gradient buffer. A dense one is a second vocabulary-sized
+/// matrix, mostly zeros, alive until the unit's gradients are reduced
+/// (with a 152k vocabulary and width 512, 297 MiB a rank, and a third
+/// when it is tied to the head and libtorch sums the two).
+pub(crate) fn token_embedding(p: &tch::nn::Path, vocab: i64, width: i64) -> tch::nn::Embedding {
+    let sparse = tch::nn::EmbeddingConfig {
+        sparse: true,
+        ..Default::default()
+    };
+    tch::nn::embedding(p, vocab, width, sparse)
+}
+
 /// A token embedding that is the model's head too (`tie_word_embeddings`),
 /// as one module so that it can be one unit run twice a forward: on
 /// token ids (an integer tensor) it looks them up, on hidden states it

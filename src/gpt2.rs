@@ -30,13 +30,19 @@
 //! blocks, causal attention, `gelu_new` (GELU's tanh form), the head
 //! tied to `wte`. Its logits match `transformers`' to float rounding
 //! (`tests/from_hf.rs`).
+//!
+//! The token embedding's gradient is sparse (`embedding(.., sparse =
+//! true)`: the rows looked up), which zrt's engine adds straight into its
+//! flat gradient buffer, never a dense vocabulary-sized matrix of its own;
+//! tch's `nn::Optimizer` takes dense gradients only, so train the model
+//! with the engine (any stage, one rank too).
 
 use std::path::Path;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{fused_causal_attention, Run, TiedEmbedding};
+use crate::blocks::{fused_causal_attention, token_embedding, Run, TiedEmbedding};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -266,7 +272,7 @@ impl Gpt2 {
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
         let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.width], ln_cfg);
         let wte_path = p / "wte";
-        let wte = nn::embedding(&wte_path, cfg.vocab, cfg.width, Default::default());
+        let wte = token_embedding(&wte_path, cfg.vocab, cfg.width);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let blocks = (0..cfg.layers)
             .map(|i| {

@@ -32,13 +32,19 @@
 //! grouped-query causal attention (in Mistral's sliding window when it
 //! has one), a SiLU-gated MLP. Its logits match `transformers`' to the
 //! bit here (`tests/from_hf.rs`).
+//!
+//! The token embedding's gradient is sparse (`embedding(.., sparse =
+//! true)`: the rows looked up), which zrt's engine adds straight into its
+//! flat gradient buffer, never a dense vocabulary-sized matrix of its own;
+//! tch's `nn::Optimizer` takes dense gradients only, so train the model
+//! with the engine (any stage, one rank too).
 
 use std::path::Path;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{Run, TiedEmbedding};
+use crate::blocks::{token_embedding, Run, TiedEmbedding};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -536,7 +542,7 @@ impl Llama {
         // root made after the last one held until the engine is built.
         let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg.eps);
         let embed_path = &m / "embed_tokens";
-        let embed = nn::embedding(&embed_path, cfg.vocab, cfg.hidden, Default::default());
+        let embed = token_embedding(&embed_path, cfg.vocab, cfg.hidden);
         let embed = match cfg.tied {
             true => Err(ShardedModule::new(plan, &embed_path, TiedEmbedding(embed))),
             false => Ok(ShardedModule::new(plan, &embed_path, embed)),

@@ -24,4 +24,5 @@ mod load_weights;
 mod offload;
 mod quantized_gradients;
 mod quantized_weights;
+mod sparse_gradients;
 mod two_engines;

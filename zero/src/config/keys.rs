@@ -305,7 +305,7 @@ pub(crate) const SAME_AS_ZRT: &[(&str, AsZrt, &str)] = &[
     (
         "sparse_gradients",
         AsZrt::Bool(false),
-        "zrt reduces every gradient dense",
+        "zrt takes sparse gradients (embedding(.., sparse = true)), adds their rows into its flat buffers and reduces every gradient dense",
     ),
     (
         "zero_force_ds_cpu_optimizer",

@@ -29,7 +29,10 @@
 //! outside every wrapped module, and those under
 //! `stage3_param_persistence_threshold`) stays gathered, as FSDP2's root
 //! does. Gradients are copied out of `.grad` and `.grad` is dropped, so they
-//! are never held twice. A unit is gathered straight into a buffer that then
+//! are never held twice; a sparse one (`embedding(.., sparse = true)`'s
+//! rows) is added into the unit's gradient buffer row by row, and a unit
+//! is freed before that buffer is taken, so the pool hands its gathered
+//! buffer over as the gradient buffer. A unit is gathered straight into a buffer that then
 //! becomes its storage (the glue's adopt, no copy); freeing the unit hands
 //! the buffer to a small pool the next gather (or gradient buffer) of that
 //! size takes it from, already paged in.

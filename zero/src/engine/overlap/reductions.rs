@@ -129,6 +129,34 @@ pub(super) fn drop_reductions(st: &mut State) {
     st.prog.reduce_ids.clear();
 }
 
+/// Adds a sparse gradient (`embedding(.., sparse = true)`'s looked-up
+/// rows, in any dtype, duplicates not summed yet) into `dst`, the
+/// parameter's slot of a unit's fp32 gradient buffer, shaped `dims`: the
+/// rows go straight into the flat buffer, so a vocabulary-sized parameter's
+/// gradient is never also a dense matrix of its own.
+fn add_sparse(dst: &mut [f32], dims: &[i64], g: &tch::Tensor) -> Result<(), tch::TchError> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let mut strides = vec![1i64; dims.len()];
+    for i in (1..dims.len()).rev() {
+        strides[i - 1] = strides[i] * dims[i];
+    }
+    // SAFETY: `dst` holds the slot's `numel` f32s, row-major in `dims`,
+    // and stays borrowed mutably while the view (dropped below) writes it.
+    let mut view = unsafe {
+        tch::Tensor::f_from_blob(
+            dst.as_mut_ptr() as *const u8,
+            dims,
+            &strides,
+            tch::Kind::Float,
+            tch::Device::Cpu,
+        )?
+    };
+    let _ = view.f_add_(&g.f_to_kind(tch::Kind::Float)?)?;
+    Ok(())
+}
+
 impl<G: ProcessGroup + 'static> Inner<G> {
     /// Takes unit `k`'s gradients and issues their reduction.
     pub(in crate::engine) fn launch_reduce(
@@ -137,6 +165,13 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         k: usize,
         free: bool,
     ) -> Result<(), EngineError> {
+        if free {
+            // Before the gradient buffer is taken: the gathered parameters'
+            // buffer, the same size in fp32, goes back to the pool and
+            // becomes it, rather than the two (and the gradients) being
+            // alive at once.
+            self.free_if_gathered(st, k)?;
+        }
         let u = &st.units[k];
         // A kept buffer (already paged in) with stale contents: every element
         // is written below, gradients where they exist and zeros elsewhere.
@@ -146,7 +181,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             full[written..slot.offset].fill(0.0);
             let dst = &mut full[slot.offset..slot.offset + slot.numel];
             let g = t.grad();
-            if g.defined() {
+            if g.defined() && g.is_sparse() {
+                dst.fill(0.0);
+                add_sparse(dst, &t.size(), &g)?;
+            } else if g.defined() {
                 // Widened to fp32 before any reduction.
                 let g = g.f_to_kind(tch::Kind::Float)?.f_contiguous()?;
                 // SAFETY: a contiguous f32 tensor of `numel` elements.
@@ -181,9 +219,6 @@ impl<G: ProcessGroup + 'static> Inner<G> {
             self.issue_unit_reduction(st, k, full)?;
         }
         st.prog.launched[k] = true;
-        if free {
-            self.free_if_gathered(st, k)?;
-        }
         Ok(())
     }
 

@@ -72,6 +72,16 @@ struct Args {
     /// Steps between the first rank's loss lines.
     #[arg(long, default_value_t = 10)]
     print_every: u64,
+    /// Train without the model's dropout (GPT-2's `*_pdrop`, Llama's
+    /// `attention_dropout`), which is on otherwise, as in Hugging Face's
+    /// `Trainer`.
+    #[arg(long)]
+    no_dropout: bool,
+    /// libtorch's seed (dropout's masks), the same on every rank; a run
+    /// that goes on from a checkpoint takes the generator's state saved
+    /// there.
+    #[arg(long, default_value_t = 42)]
+    seed: i64,
 }
 
 /// The token ids of a data file, mapped (a corpus of billions of tokens
@@ -168,6 +178,8 @@ fn main() -> Result<()> {
         checkpoint_activations: a.checkpoint_activations,
     };
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
+    model.set_training(!a.no_dropout);
+    tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
     if data.len() <= a.seq + 1 {
         bail!(

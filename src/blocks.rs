@@ -2,6 +2,9 @@
 //! activations recomputed in backward ([`Checkpointed`]), chosen when the
 //! model is built.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use tch::nn::Module;
 use tch::Tensor;
 
@@ -41,19 +44,58 @@ impl<B: Module + 'static> Module for Run<B> {
     }
 }
 
+/// Whether a model trains with dropout (PyTorch's `model.train()` and
+/// `model.eval()`): one switch its modules share, off until set, as a
+/// model `from_pretrained` returns is in evaluation.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Training(Arc<AtomicBool>);
+
+impl Training {
+    /// Turns dropout on or off.
+    pub(crate) fn set(&self, on: bool) {
+        self.0.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether dropout is on.
+    pub(crate) fn on(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// `x` with each element zeroed at rate `p` and the others scaled by
+    /// `1 / (1 - p)` when training (`nn.Dropout`, drawing from libtorch's
+    /// generator as it does), `x` itself otherwise.
+    pub(crate) fn dropout(&self, x: Tensor, p: f64) -> Tensor {
+        match p > 0.0 && self.on() {
+            true => x.dropout(p, true),
+            false => x,
+        }
+    }
+
+    /// The attention's dropout rate: `p` when training, else 0.
+    pub(crate) fn attention(&self, p: f64) -> f64 {
+        if self.on() {
+            p
+        } else {
+            0.0
+        }
+    }
+}
+
 /// Causal self-attention over a fused projection `qkv` `[batch, seq, 3 *
 /// width]` (queries, keys, values, each `heads` heads), before the output
 /// projection: `[batch, seq, width]`. The main job's GPT and GPT-2 lay
-/// their projections out alike.
-pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64) -> Tensor {
+/// their projections out alike. `dropout`: the rate at which attention
+/// weights are dropped (0 but in training).
+pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64, dropout: f64) -> Tensor {
     let (b, t, d3) = qkv.size3().unwrap_or((1, 1, 3));
     let d = d3 / 3;
     let qkv = qkv
         .view([b, t, 3, heads, d / heads])
         .permute([2, 0, 3, 1, 4]);
     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-    let a =
-        Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false);
+    let a = Tensor::scaled_dot_product_attention::<Tensor>(
+        &q, &k, &v, None, dropout, true, None, false,
+    );
     a.transpose(1, 2).contiguous().view([b, t, d])
 }
 

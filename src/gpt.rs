@@ -80,7 +80,9 @@ impl Block {
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
         let qkv = self.qkv.forward(&self.ln1.forward(x));
-        let x = x + self.proj.forward(&fused_causal_attention(&qkv, self.heads));
+        let x = x + self
+            .proj
+            .forward(&fused_causal_attention(&qkv, self.heads, 0.0));
         if self.mlp_left_out.load(Ordering::Relaxed) {
             return x;
         }

@@ -25,8 +25,9 @@
 //! # let _ = model; Ok(()) }
 //! ```
 //!
-//! The forward is GPT-2's in evaluation (no dropout: zrt's engines train
-//! without it here, and a fine-tune that wants it adds it): pre-norm
+//! The forward is GPT-2's (in evaluation until [`Gpt2::set_training`]
+//! turns its dropout on, where it draws the masks `transformers` draws
+//! from the same seed): pre-norm
 //! blocks, causal attention, `gelu_new` (GELU's tanh form), the head
 //! tied to `wte`. Its logits match `transformers`' to float rounding
 //! (`tests/from_hf.rs`).
@@ -42,7 +43,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{fused_causal_attention, token_embedding, Run, TiedEmbedding};
+use crate::blocks::{fused_causal_attention, token_embedding, Run, TiedEmbedding, Training};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -63,6 +64,13 @@ pub struct Gpt2Config {
     pub inner: Option<i64>,
     /// `layer_norm_epsilon`.
     pub eps: f64,
+    /// `embd_pdrop`: dropout on the embeddings' sum, when training.
+    pub embd_dropout: f64,
+    /// `attn_pdrop`: dropout on the attention weights, when training.
+    pub attn_dropout: f64,
+    /// `resid_pdrop`: dropout on each block's two outputs before they are
+    /// added to the residual stream, when training.
+    pub resid_dropout: f64,
 }
 
 impl Gpt2Config {
@@ -92,6 +100,10 @@ impl Gpt2Config {
             heads: j.size("n_head")?,
             inner: j.size_or_none("n_inner")?,
             eps: j.number_or("layer_norm_epsilon", 1e-5)?,
+            // `GPT2Config`'s defaults.
+            embd_dropout: j.rate_or("embd_pdrop", 0.1)?,
+            attn_dropout: j.rate_or("attn_pdrop", 0.1)?,
+            resid_dropout: j.rate_or("resid_pdrop", 0.1)?,
         };
         if cfg.width % cfg.heads != 0 {
             return Err(j.field(format!(
@@ -116,6 +128,9 @@ impl Gpt2Config {
             "n_inner": self.inner,
             "activation_function": "gelu_new",
             "layer_norm_epsilon": self.eps,
+            "embd_pdrop": self.embd_dropout,
+            "attn_pdrop": self.attn_dropout,
+            "resid_pdrop": self.resid_dropout,
             "tie_word_embeddings": true,
         });
         format!("{json:#}\n")
@@ -183,17 +198,20 @@ struct Mlp {
     c_proj: nn::Linear,
 }
 
-/// One GPT-2 block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+/// One GPT-2 block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`
+/// (each term dropped out at `resid_pdrop` when training).
 #[derive(Debug)]
 pub struct Block {
     ln_1: nn::LayerNorm,
     attn: Attention,
     ln_2: nn::LayerNorm,
     mlp: Mlp,
+    training: Training,
+    cfg: Gpt2Config,
 }
 
 impl Block {
-    fn new(p: &nn::Path, c: &Gpt2Config) -> Self {
+    fn new(p: &nn::Path, c: &Gpt2Config, training: &Training) -> Self {
         let d = c.width;
         let inner = c.inner.unwrap_or(4 * d);
         let ln = |name: &str| {
@@ -216,17 +234,23 @@ impl Block {
                 c_fc: nn::linear(&m / "c_fc", d, inner, Default::default()),
                 c_proj: nn::linear(&m / "c_proj", inner, d, Default::default()),
             },
+            training: training.clone(),
+            cfg: *c,
         }
     }
 }
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
+        // Dropped out in `transformers`' order (attention weights, the
+        // attention's output, the MLP's), so that seeded alike both draw
+        // the same masks.
+        let (t, c) = (&self.training, &self.cfg);
         let qkv = self.attn.c_attn.forward(&self.ln_1.forward(x));
-        let a = fused_causal_attention(&qkv, self.attn.heads);
-        let x = x + self.attn.c_proj.forward(&a);
+        let a = fused_causal_attention(&qkv, self.attn.heads, t.attention(c.attn_dropout));
+        let x = x + t.dropout(self.attn.c_proj.forward(&a), c.resid_dropout);
         let m = (self.mlp.c_fc.forward(&self.ln_2.forward(&x))).gelu("tanh");
-        &x + self.mlp.c_proj.forward(&m)
+        &x + t.dropout(self.mlp.c_proj.forward(&m), c.resid_dropout)
     }
 }
 
@@ -239,6 +263,7 @@ pub struct Gpt2 {
     wpe: nn::Embedding,
     blocks: Vec<ShardedModule<Run<Block>>>,
     ln_f: nn::LayerNorm,
+    training: Training,
     cfg: Gpt2Config,
 }
 
@@ -274,10 +299,11 @@ impl Gpt2 {
         let wte_path = p / "wte";
         let wte = token_embedding(&wte_path, cfg.vocab, cfg.width);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
+        let training = Training::default();
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                let run = Run::new(Block::new(&bp, cfg), checkpointed);
+                let run = Run::new(Block::new(&bp, cfg, &training), checkpointed);
                 ShardedModule::new(plan, &bp, run)
             })
             .collect();
@@ -286,15 +312,25 @@ impl Gpt2 {
             wpe,
             blocks,
             ln_f,
+            training,
             cfg: *cfg,
         }
+    }
+
+    /// Turns dropout on (`embd_pdrop`, `attn_pdrop`, `resid_pdrop`) or
+    /// off: PyTorch's `model.train()` and `model.eval()`. Off when built,
+    /// as `from_pretrained` returns a model in evaluation; Hugging Face's
+    /// `Trainer` turns it on to train.
+    pub fn set_training(&self, on: bool) {
+        self.training.set(on);
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(1);
         let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
-        let mut x = self.wte.forward(tokens) + self.wpe.forward(&pos);
+        let x = self.wte.forward(tokens) + self.wpe.forward(&pos);
+        let mut x = self.training.dropout(x, self.cfg.embd_dropout);
         for b in &self.blocks {
             x = b.forward(&x);
         }
@@ -352,9 +388,19 @@ mod tests {
         let good = r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": null, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05}"#;
         std::fs::write(dir.join("config.json"), good).unwrap();
         let cfg = Gpt2Config::from_hf_dir(&dir).unwrap();
-        // What it writes reads back the same.
+        // What it writes reads back the same (dropout rates too).
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
         assert_eq!(Gpt2Config::from_hf_dir(dir.join("ours.json")).unwrap(), cfg);
+        let other = Gpt2Config {
+            embd_dropout: 0.0,
+            resid_dropout: 0.25,
+            ..cfg
+        };
+        std::fs::write(dir.join("ours.json"), other.to_hf_json()).unwrap();
+        assert_eq!(
+            Gpt2Config::from_hf_dir(dir.join("ours.json")).unwrap(),
+            other
+        );
         assert_eq!(
             cfg,
             Gpt2Config {
@@ -364,7 +410,10 @@ mod tests {
                 layers: 12,
                 heads: 12,
                 inner: None,
-                eps: 1e-5
+                eps: 1e-5,
+                embd_dropout: 0.1,
+                attn_dropout: 0.1,
+                resid_dropout: 0.1,
             }
         );
         for (from, to, says) in [
@@ -384,6 +433,11 @@ mod tests {
                 r#""n_inner": null"#,
                 r#""tie_word_embeddings": false"#,
                 "tie_word_embeddings is false",
+            ),
+            (
+                r#""n_inner": null"#,
+                r#""attn_pdrop": 1.0"#,
+                "`attn_pdrop` is 1, not a dropout rate in [0, 1)",
             ),
         ] {
             std::fs::write(dir.join("config.json"), good.replace(from, to)).unwrap();

@@ -148,6 +148,18 @@ impl HfModel {
         causal_lm_loss(&self.forward(tokens), tokens)
     }
 
+    /// Turns the model's dropout on or off (PyTorch's `model.train()` and
+    /// `model.eval()`); off when built, as `from_pretrained` returns a
+    /// model in evaluation. GPT-2 drops out at its `*_pdrop` rates (0.1
+    /// unless its config says), Llama, Mistral and Qwen2 at
+    /// `attention_dropout` (0 in their releases).
+    pub fn set_training(&self, on: bool) {
+        match self {
+            Self::Gpt2(m) => m.set_training(on),
+            Self::Llama(m) => m.set_training(on),
+        }
+    }
+
     /// The model's width (`n_embd`, `hidden_size`): what DeepSpeed's
     /// `"auto"` bucket sizes and thresholds derive from
     /// ([`AutoHints::hidden_size`](crate::zero::AutoHints)).
@@ -241,6 +253,16 @@ impl HfJson {
             Some(v) => v
                 .as_f64()
                 .ok_or_else(|| self.field(format!("`{key}` is {v}, not a number"))),
+        }
+    }
+
+    /// Field `key`, a dropout rate in [0, 1), or `default` when absent
+    /// or null.
+    pub(crate) fn rate_or(&self, key: &str, default: f64) -> Result<f64, HfError> {
+        let p = self.number_or(key, default)?;
+        match (0.0..1.0).contains(&p) {
+            true => Ok(p),
+            false => Err(self.field(format!("`{key}` is {p}, not a dropout rate in [0, 1)"))),
         }
     }
 

@@ -26,7 +26,9 @@
 //! # let _ = model; Ok(()) }
 //! ```
 //!
-//! The forward is `transformers`' in evaluation: RMSNorm computed in
+//! The forward is `transformers`' (in evaluation until
+//! [`Llama::set_training`] turns its attention dropout on, where it draws
+//! the masks `transformers` draws from the same seed): RMSNorm computed in
 //! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
 //! `linear` and `llama3` kinds) with cosines and sines computed in fp32,
 //! grouped-query causal attention (in Mistral's sliding window when it
@@ -44,7 +46,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{token_embedding, Run, TiedEmbedding};
+use crate::blocks::{token_embedding, Run, TiedEmbedding, Training};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -159,6 +161,9 @@ pub struct LlamaConfig {
     pub sliding_window: Option<i64>,
     /// `tie_word_embeddings`: the head is the token embedding.
     pub tied: bool,
+    /// `attention_dropout`: dropout on the attention weights, when
+    /// training (0 in every released Llama, Mistral and Qwen2).
+    pub attention_dropout: f64,
 }
 
 impl LlamaConfig {
@@ -234,6 +239,7 @@ impl LlamaConfig {
             mlp_bias: j.flag_or("mlp_bias", false)?,
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", false)?,
+            attention_dropout: j.rate_or("attention_dropout", 0.0)?,
         })
     }
 
@@ -273,6 +279,7 @@ impl LlamaConfig {
             "rope_scaling": rope_scaling,
             "max_position_embeddings": self.positions,
             "tie_word_embeddings": self.tied,
+            "attention_dropout": self.attention_dropout,
         });
         let extra = match self.family {
             Family::Llama => serde_json::json!({
@@ -393,11 +400,12 @@ pub struct Layer {
     down_proj: nn::Linear,
     /// The rotary embedding's inverse frequencies ([`inv_freq`]).
     inv_freq: Tensor,
+    training: Training,
     cfg: LlamaConfig,
 }
 
 impl Layer {
-    fn new(p: &nn::Path, c: &LlamaConfig) -> Self {
+    fn new(p: &nn::Path, c: &LlamaConfig, training: &Training) -> Self {
         let (a, m) = (p / "self_attn", p / "mlp");
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
         Self {
@@ -411,6 +419,7 @@ impl Layer {
             up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
             inv_freq: inv_freq(c, p.device()),
+            training: training.clone(),
             cfg: *c,
         }
     }
@@ -481,8 +490,10 @@ impl Module for Layer {
             back.ge(0).logical_and(&back.lt(w))
         });
         let causal = window.is_none();
-        let a =
-            Tensor::scaled_dot_product_attention(&q, &k, &v, window, 0.0, causal, None, grouped);
+        let dropout = self.training.attention(c.attention_dropout);
+        let a = Tensor::scaled_dot_product_attention(
+            &q, &k, &v, window, dropout, causal, None, grouped,
+        );
         let a = a
             .transpose(1, 2)
             .contiguous()
@@ -512,6 +523,7 @@ pub struct Llama {
     ends: Ends,
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: RmsNorm,
+    training: Training,
     cfg: LlamaConfig,
 }
 
@@ -547,10 +559,11 @@ impl Llama {
             true => Err(ShardedModule::new(plan, &embed_path, TiedEmbedding(embed))),
             false => Ok(ShardedModule::new(plan, &embed_path, embed)),
         };
+        let training = Training::default();
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
-                let run = Run::new(Layer::new(&lp, cfg), checkpointed);
+                let run = Run::new(Layer::new(&lp, cfg, &training), checkpointed);
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
@@ -567,8 +580,16 @@ impl Llama {
             ends,
             layers,
             norm,
+            training,
             cfg: *cfg,
         }
+    }
+
+    /// Turns dropout (`attention_dropout`) on or off: PyTorch's
+    /// `model.train()` and `model.eval()`. Off when built, as
+    /// `from_pretrained` returns a model in evaluation.
+    pub fn set_training(&self, on: bool) {
+        self.training.set(on);
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
@@ -647,6 +668,7 @@ mod tests {
             mlp_bias: false,
             sliding_window: None,
             tied: true,
+            attention_dropout: 0.0,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();

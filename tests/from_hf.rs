@@ -366,6 +366,14 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     let dir = scratch("finetune-hf");
     reference(case, &dir);
     let (hf, tuned) = (dir.join("hf"), dir.join("tuned"));
+    // With attention dropout, which the example trains with unless told
+    // not to: a run that goes on from a checkpoint must draw the masks
+    // the straight run drew.
+    let config = hf.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let dropping = text.replace(r#""attention_dropout": 0.0"#, r#""attention_dropout": 0.2"#);
+    assert_ne!(text, dropping, "{text}");
+    std::fs::write(&config, dropping).unwrap();
     // Tokens as nanoGPT's train.bin holds them (u16), below the
     // vocabulary, and a file with one past it.
     let ids = |n: u32, past: bool| -> Vec<u8> {
@@ -475,6 +483,11 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         assert_eq!(line(&then, step), line(&said, step), "step {step}");
     }
     assert!(line(&then, 1).is_none(), "{then}");
+    // The dropout was on: without it the first loss is another.
+    let (ok, plain) = run(&data, "1", &[os("--no-dropout")]);
+    assert!(ok, "{plain}");
+    assert!(line(&plain, 0).is_some(), "{plain}");
+    assert_ne!(line(&plain, 0), line(&said, 0), "no dropout in the example");
     // Each file of an export by name, with its bytes.
     let files = |d: &Path| {
         let mut f: Vec<(std::ffi::OsString, Vec<u8>)> = (std::fs::read_dir(d).unwrap())

@@ -15,6 +15,7 @@ mod activation_checkpointing;
 mod adagrad;
 mod checkpoint;
 mod config_sweep;
+mod dropout;
 mod experts;
 mod flops_profiler;
 mod frozen_shards;

@@ -1,0 +1,137 @@
+//! Dropout in the Hugging Face models: off until `set_training(true)`,
+//! and then the masks `transformers` draws from the same seed, in its
+//! forward and through training, activations recomputed or not. Here,
+//! not in the integration binary, because it seeds libtorch's
+//! process-global generator and draws from it (see this binary's doc).
+
+use std::path::Path;
+
+use tch::nn::VarStore;
+use tch::Tensor;
+use zrt::hf::{HfModel, HfOptions};
+use zrt::zero::ShardPlan;
+
+use crate::common::{self, config_zero, scratch, solo_engine, LR, MICRO, SHARD_ALL, WD};
+
+const STEPS: i64 = 3;
+const SEQ: i64 = 16;
+
+/// Writes `transformers`' seeded model (`import` gives the config class
+/// as `C` and the model's as `M`, `args` the config's arguments) into
+/// `dir/hf`, and into `dir/reference.safetensors` a batch of tokens, its
+/// logits in evaluation, its logits in training from seed 7, and the
+/// losses of AdamW's steps on it in training from seed 8.
+fn reference(import: &str, args: &str, dir: &Path) {
+    common::python(&format!(
+        r#"
+import torch
+{import}
+from safetensors.torch import save_file
+torch.manual_seed(0)
+m = M(C({args}))
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+m.save_pretrained("{dir}/hf")
+tokens = torch.randint(0, 96, ({MICRO}, {SEQ}))
+m.eval()
+with torch.no_grad():
+    evaluated = m(tokens).logits
+m.train()
+torch.manual_seed(7)
+with torch.no_grad():
+    dropped = m(tokens).logits
+opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})
+torch.manual_seed(8)
+losses = []
+for s in range({STEPS}):
+    loss = m(tokens, labels=tokens).loss
+    losses.append(loss.detach())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+save_file({{"tokens": tokens, "evaluated": evaluated, "dropped": dropped,
+           "losses": torch.stack(losses).double()}}, "{dir}/reference.safetensors")
+"#,
+        dir = dir.display()
+    ));
+}
+
+/// The checkpoint `transformers` writes from `args`, in zrt on one rank
+/// at stage 0 and at stage 3 recomputing every block: its logits in
+/// evaluation and in training, and its training losses, against
+/// `transformers`' within `tol` (relative to the logits' scale, the
+/// losses').
+fn dropout_parity(name: &str, import: &str, args: &str, tol: f64) {
+    let dir = scratch(&format!("dropout-{name}"));
+    reference(import, args, &dir);
+    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let (tokens, losses) = (get("tokens"), get("losses"));
+    let close = |what: &str, got: &Tensor, want: &Tensor| {
+        let diff = (got - want).abs().max().double_value(&[]);
+        let scale = want.abs().max().double_value(&[]).max(1.0);
+        assert!(diff <= tol * scale, "{what}: differs by {diff}");
+    };
+    for (stage, recompute) in [(0u8, false), (3, true)] {
+        let what = format!("{name} at stage {stage}, recompute {recompute}");
+        // Seeded and drawn from alone (see the module's doc).
+        let _serial = common::serial();
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let options = HfOptions {
+            checkpoint_activations: recompute,
+        };
+        let (model, _) =
+            HfModel::from_pretrained_with(&vs, &plan, dir.join("hf"), &options).unwrap();
+        let ds = config_zero(stage, 1, 0.0, "", SHARD_ALL);
+        let e = solo_engine(&vs, &plan, &ds).unwrap();
+        let evaluated = tch::no_grad(|| model.forward(&tokens));
+        close(&format!("{what}: evaluated"), &evaluated, &get("evaluated"));
+        model.set_training(true);
+        tch::manual_seed(7);
+        let dropped = tch::no_grad(|| model.forward(&tokens));
+        close(&format!("{what}: training"), &dropped, &get("dropped"));
+        let moved = (&dropped - &evaluated).abs().max().double_value(&[]);
+        assert!(moved > 1e-2, "{what}: no dropout ({moved})");
+        tch::manual_seed(8);
+        for s in 0..STEPS {
+            let loss = model.loss(&tokens);
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+            let (got, want) = (loss.double_value(&[]), losses.double_value(&[s]));
+            assert!(
+                (got - want).abs() <= tol * want.abs(),
+                "{what}, step {s}: loss {got}, transformers {want}"
+            );
+        }
+        model.set_training(false);
+        let again = tch::no_grad(|| model.forward(&tokens));
+        let trained = (&again - &evaluated).abs().max().double_value(&[]);
+        assert!(
+            trained > 1e-3,
+            "{what}: the steps moved nothing ({trained})"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gpt2_drops_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "gpt2",
+        "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
+        "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3",
+        1e-5,
+    );
+}
+
+#[test]
+fn llama_drops_attention_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "llama",
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.25",
+        1e-5,
+    );
+}

@@ -103,8 +103,7 @@ pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64, dropout: f64) -> 
 /// sparse gradient: the looked-up rows, which the engine adds straight
 /// into its flat gradient buffer. A dense one is a second vocabulary-sized
 /// matrix, mostly zeros, alive until the unit's gradients are reduced
-/// (with a 152k vocabulary and width 512, 297 MiB a rank, and a third
-/// when it is tied to the head and libtorch sums the two).
+/// (with a 152k vocabulary and width 512, 297 MiB a rank).
 pub(crate) fn token_embedding(p: &tch::nn::Path, vocab: i64, width: i64) -> tch::nn::Embedding {
     let sparse = tch::nn::EmbeddingConfig {
         sparse: true,
@@ -126,9 +125,22 @@ pub(crate) struct TiedEmbedding(pub(crate) tch::nn::Embedding);
 
 impl Module for TiedEmbedding {
     fn forward(&self, x: &Tensor) -> Tensor {
-        match x.is_floating_point() {
-            true => x.matmul(&self.0.ws.tr()),
-            false => self.0.forward(x),
+        if !x.is_floating_point() {
+            return self.0.forward(x);
         }
+        // The head's gradient goes to the matrix's `.grad` as soon as its
+        // backward has it, so that the lookup's sparse rows, at the end of
+        // backward, are added into it in place: through the matrix itself
+        // libtorch would hold the head's gradient until then and sum the
+        // two into a third vocabulary-sized matrix.
+        let ws = &self.0.ws;
+        let w = match ws.requires_grad() {
+            true => crate::zero::glue::grad_alias(ws).unwrap_or_else(|e| {
+                tracing::warn!("tied embedding: {e}; its head's gradient waits for the lookup's");
+                ws.shallow_clone()
+            }),
+            false => ws.shallow_clone(),
+        };
+        x.matmul(&w.tr())
     }
 }

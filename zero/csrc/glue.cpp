@@ -353,6 +353,49 @@ char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
   }
 }
 
+// Moves the gradient accumulated into a `zrt_grad_alias` leaf into its
+// target's `.grad` (adds it when the target has one), leaving the alias
+// with none.
+struct MoveGradInto : torch::autograd::PostAccumulateGradHook {
+  torch::Tensor target;
+  explicit MoveGradInto(torch::Tensor t) : target(std::move(t)) {}
+  void operator()(const torch::autograd::Variable &alias) override {
+    torch::Tensor g = alias.grad();
+    if (!g.defined()) {
+      return;
+    }
+    alias.mutable_grad() = at::Tensor();
+    torch::Tensor &dst = target.mutable_grad();
+    if (!dst.defined()) {
+      dst = std::move(g);
+    } else if (dst.is_sparse() && !g.is_sparse()) {
+      dst = g.add_(dst);  // a sparse sum cannot hold a dense one: g takes it
+    } else {
+      dst.add_(g);
+    }
+  }
+};
+
+// A new leaf over `t`'s storage (its values, its version counter), that
+// requires grad, whose gradient each backward moves into `t`'s `.grad`
+// as soon as it is accumulated. A use of `t` through it hands its
+// gradient over at once, where uses of `t` itself wait in libtorch's input
+// buffer for each other and are summed into a new tensor. The caller owns
+// `*out` (tch frees it).
+char *zrt_grad_alias(const torch::Tensor *t, torch::Tensor **out) {
+  try {
+    if (!t->requires_grad() || !t->is_leaf()) {
+      return to_error("a gradient alias needs a leaf that requires grad");
+    }
+    torch::Tensor alias = t->detach().requires_grad_(true);
+    torch::autograd::impl::set_post_acc_grad_hooks(alias, std::make_unique<MoveGradInto>(*t));
+    *out = new torch::Tensor(std::move(alias));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
 // Drops a tensor's `.grad` (tch has no setter): the engine copies gradients
 // into its flat buffers and must not keep a second full copy alive.
 char *zrt_clear_grad(torch::Tensor *t) {

@@ -81,6 +81,7 @@ mod ffi {
         pub fn zrt_cpu_rng_get(out: *mut u8, cap: usize, len: *mut usize) -> *mut c_char;
         pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+        pub fn zrt_grad_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn zrt_checkpoint(
             inputs: *const *mut C_tensor,
             n: usize,
@@ -274,6 +275,25 @@ pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
     // heap `torch::Tensor*` that the returned `Tensor` owns and frees.
     check("untracked_alias", unsafe {
         ffi::zrt_untracked_alias(t.as_ptr(), &mut out)
+    })?;
+    // SAFETY: non-null on success, ownership transferred to tch.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// A new leaf over `t`'s values (a leaf that requires grad) whose
+/// gradient, each time backward accumulates it, is moved into `t`'s
+/// `.grad` (added to it when it has one). A use of `t` through the alias
+/// hands its gradient over at once; uses of `t` itself wait for each other
+/// in libtorch's input buffer and are summed into a new tensor. A tied
+/// embedding's head uses its matrix so: the head's gradient is `t`'s
+/// `.grad` when the lookup's sparse rows arrive, and they are added into
+/// it in place, where they would have been summed into a third matrix.
+pub fn grad_alias(t: &Tensor) -> Result<Tensor, GlueError> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: `t.as_ptr()` is live for the call; on success `out` is a fresh
+    // heap `torch::Tensor*` that the returned `Tensor` owns and frees.
+    check("grad_alias", unsafe {
+        ffi::zrt_grad_alias(t.as_ptr(), &mut out)
     })?;
     // SAFETY: non-null on success, ownership transferred to tch.
     Ok(unsafe { Tensor::from_ptr(out) })
@@ -556,4 +576,69 @@ pub fn checkpoint_with(
     })?;
     // SAFETY: on success `out` is a fresh handle this side owns.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    /// `w` used by a head (`x @ w^T`, through a gradient alias or not) and
+    /// a sparse lookup of `ids`, the lookup built first when `lookup_first`
+    /// (autograd runs the later-built term's backward first); the loss's
+    /// gradient in `w.grad`, and whether the alias kept any.
+    fn grad_of(alias: bool, lookup_first: bool) -> (Tensor, bool) {
+        let w = Tensor::arange(12, (Kind::Float, Device::Cpu))
+            .view([4, 3])
+            .sin()
+            .set_requires_grad(true);
+        let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 0.25, 1.5, -0.5]).view([2, 3]);
+        let ids = Tensor::from_slice(&[1i64, 3, 1]);
+        let a = match alias {
+            true => grad_alias(&w).unwrap(),
+            false => w.shallow_clone(),
+        };
+        let head = || (x.matmul(&a.tr())).square().sum(Kind::Float);
+        let lookup = || {
+            Tensor::embedding(&w, &ids, -1, false, true)
+                .cos()
+                .sum(Kind::Float)
+        };
+        match lookup_first {
+            // The lookup's sparse rows reach `w.grad` first, then the
+            // head's dense gradient is added to them (a new dense sum).
+            false => (head() + lookup()).backward(),
+            // The head's gradient is `w.grad` first (a tied embedding's
+            // order), the rows added into it in place.
+            true => (lookup() + head()).backward(),
+        }
+        let kept = a.grad().defined() && alias;
+        (w.grad(), kept)
+    }
+
+    #[test]
+    fn a_gradient_alias_moves_its_gradient_into_its_target() {
+        let (want, _) = grad_of(false, false);
+        assert!(!want.is_sparse());
+        for lookup_first in [false, true] {
+            let (got, kept) = grad_of(true, lookup_first);
+            assert!(!kept, "the alias kept its gradient");
+            let got = got.to_dense(None, false);
+            let diff = (&got - &want).abs().max().double_value(&[]);
+            assert!(diff < 1e-6, "lookup first {lookup_first}: {diff}");
+        }
+        // Only through the alias: its gradient is the target's.
+        let w = Tensor::ones([2, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let a = grad_alias(&w).unwrap();
+        (&a * 3.0).sum(Kind::Float).backward();
+        assert_eq!(
+            Vec::<f32>::try_from(w.grad().flatten(0, -1)).unwrap(),
+            vec![3.0; 4]
+        );
+        assert!(!a.grad().defined());
+        // A tensor that does not train has no gradient to move.
+        let frozen = Tensor::ones([2], (Kind::Float, Device::Cpu));
+        let err = grad_alias(&frozen).unwrap_err().to_string();
+        assert!(err.contains("needs a leaf that requires grad"), "{err}");
+    }
 }

@@ -288,7 +288,16 @@ fn parity(name: &str) {
             assert!(out.status.success(), "{what}: {said}");
             assert!(count(&hf_out, "safetensors") > 1, "{what}");
             let consolidated = tuned_losses(case, &dir, &hf_out);
-            assert_eq!(consolidated, theirs, "{what}: consolidated");
+            // The same weights; two transformers processes computed the
+            // losses (once in some twenty runs they differed, the values
+            // not recorded: float noise is allowed, a step's change not).
+            assert_eq!(consolidated.len(), theirs.len(), "{what}");
+            for (c, t) in consolidated.iter().zip(&theirs) {
+                assert!(
+                    (c - t).abs() <= 1e-6 * t.abs(),
+                    "{what}: consolidated {consolidated:?}, export {theirs:?}"
+                );
+            }
         }
         for (rank, (held, first, got, after, refused)) in got.into_iter().enumerate() {
             let what = format!("{what}, rank {rank}");

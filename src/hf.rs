@@ -64,7 +64,7 @@ impl Layout {
             Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_json(&j)?)),
             Some(t) if Family::of(t).is_some() => Ok(Self::Llama(LlamaConfig::from_json(&j)?)),
             other => Err(j.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\" and \"qwen2\" checkpoints"
+                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\" and \"qwen3\" checkpoints"
             ))),
         }
     }
@@ -92,7 +92,7 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`, `mistral` or `qwen2`.
+    /// `model_type` `llama`, `mistral`, `qwen2` or `qwen3`.
     Llama(Llama),
 }
 
@@ -151,7 +151,7 @@ impl HfModel {
     /// Turns the model's dropout on or off (PyTorch's `model.train()` and
     /// `model.eval()`); off when built, as `from_pretrained` returns a
     /// model in evaluation. GPT-2 drops out at its `*_pdrop` rates (0.1
-    /// unless its config says), Llama, Mistral and Qwen2 at
+    /// unless its config says), Llama, Mistral and Qwen at
     /// `attention_dropout` (0 in their releases).
     pub fn set_training(&self, on: bool) {
         match self {

@@ -1,5 +1,5 @@
 //! Llama as Hugging Face's `transformers` lays it out
-//! (`LlamaForCausalLM`, and Mistral's and Qwen2's, the same layers: see
+//! (`LlamaForCausalLM`, and Mistral's, Qwen2's and Qwen3's, the same layers: see
 //! [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
 //! without a rank holding the whole model, and a fine-tuned one is
@@ -62,6 +62,9 @@ pub enum Family {
     /// `qwen2` (`Qwen2ForCausalLM`): Llama's layers, biases on the query,
     /// key and value projections.
     Qwen2,
+    /// `qwen3` (`Qwen3ForCausalLM`): Llama's layers, each head's queries
+    /// and keys RMS-normalised before the rotation (`q_norm`, `k_norm`).
+    Qwen3,
 }
 
 impl Family {
@@ -71,6 +74,7 @@ impl Family {
             "llama" => Some(Self::Llama),
             "mistral" => Some(Self::Mistral),
             "qwen2" => Some(Self::Qwen2),
+            "qwen3" => Some(Self::Qwen3),
             _ => None,
         }
     }
@@ -81,6 +85,7 @@ impl Family {
             Self::Llama => "llama",
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 
@@ -90,6 +95,7 @@ impl Family {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 }
@@ -162,17 +168,21 @@ pub struct LlamaConfig {
     /// `tie_word_embeddings`: the head is the token embedding.
     pub tied: bool,
     /// `attention_dropout`: dropout on the attention weights, when
-    /// training (0 in every released Llama, Mistral and Qwen2).
+    /// training (0 in every released Llama, Mistral and Qwen).
     pub attention_dropout: f64,
+    /// Each head's queries and keys are RMS-normalised (over the head's
+    /// width, with weights of their own) before the rotation: Qwen3's
+    /// `q_norm` and `k_norm`.
+    pub qk_norm: bool,
 }
 
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
-    /// `save_pretrained` writes it: `model_type` `llama`, `mistral` or
-    /// `qwen2`, `hidden_act` `silu`, `rope_scaling` none, `linear` or
-    /// `llama3`. What this model does not compute is refused naming the
-    /// field: other rope scalings (`dynamic`, `yarn`, ...), a partial
-    /// rotary factor, Qwen2's sliding-window layers.
+    /// `save_pretrained` writes it: `model_type` `llama`, `mistral`,
+    /// `qwen2` or `qwen3`, `hidden_act` `silu`, `rope_scaling` none,
+    /// `linear` or `llama3`. What this model does not compute is refused
+    /// naming the field: other rope scalings (`dynamic`, `yarn`, ...), a
+    /// partial rotary factor, Qwen's sliding-window layers.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         Self::from_json(&HfJson::read(dir.as_ref(), None)?)
     }
@@ -215,12 +225,30 @@ impl LlamaConfig {
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
             Family::Mistral => j.size_or_none("sliding_window")?,
-            Family::Qwen2 if j.flag_or("use_sliding_window", false)? => return Err(j.field(
-                "use_sliding_window true: this Llama computes Qwen2's full-attention layers only"
-                    .into(),
-            )),
+            Family::Qwen2 | Family::Qwen3 if j.flag_or("use_sliding_window", false)? => {
+                return Err(j.field(
+                    "use_sliding_window true: this Llama computes Qwen's full-attention layers only"
+                        .into(),
+                ))
+            }
             _ => None,
         };
+        // Per-layer attention kinds (newer configs write them all out):
+        // every layer the same, full or the model's one window.
+        let kinds = j.get("layer_types").and_then(|v| v.as_array());
+        let window_kind = match family {
+            Family::Mistral if sliding_window.is_some() => "sliding_attention",
+            _ => "full_attention",
+        };
+        if let Some(other) = kinds
+            .into_iter()
+            .flatten()
+            .find(|k| k.as_str() != Some(window_kind))
+        {
+            return Err(j.field(format!(
+                "layer_types holds {other}: this Llama computes every layer's attention alike ({window_kind:?})"
+            )));
+        }
         Ok(Self {
             family,
             vocab: j.size("vocab_size")?,
@@ -240,6 +268,7 @@ impl LlamaConfig {
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", false)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
+            qk_norm: family == Family::Qwen3,
         })
     }
 
@@ -288,6 +317,10 @@ impl LlamaConfig {
             }),
             Family::Mistral => serde_json::json!({"sliding_window": self.sliding_window}),
             Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
+            Family::Qwen3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "use_sliding_window": false,
+            }),
         };
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
@@ -398,6 +431,8 @@ pub struct Layer {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
+    /// Qwen3's per-head query and key norms.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     /// The rotary embedding's inverse frequencies ([`inv_freq`]).
     inv_freq: Tensor,
     training: Training,
@@ -418,6 +453,10 @@ impl Layer {
             gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
             up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
+            qk_norm: c.qk_norm.then(|| {
+                let norm = |n: &str| RmsNorm::new(&a / n, hd, c.eps);
+                (norm("q_norm"), norm("k_norm"))
+            }),
             inv_freq: inv_freq(c, p.device()),
             training: training.clone(),
             cfg: *c,
@@ -475,12 +514,21 @@ impl Module for Layer {
         let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let c = &self.cfg;
         let h = self.input_layernorm.forward(x);
-        let heads = |proj: &nn::Linear, n: i64| {
-            proj.forward(&h).view([b, t, n, c.head_dim]).transpose(1, 2)
+        let heads = |proj: &nn::Linear, n: i64, norm: Option<&RmsNorm>| {
+            let x = proj.forward(&h).view([b, t, n, c.head_dim]);
+            let x = match norm {
+                Some(norm) => norm.forward(&x),
+                None => x,
+            };
+            x.transpose(1, 2)
         };
-        let q = rope(&heads(&self.q_proj, c.heads), &self.inv_freq);
-        let k = rope(&heads(&self.k_proj, c.kv_heads), &self.inv_freq);
-        let v = heads(&self.v_proj, c.kv_heads);
+        let (qn, kn) = match &self.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        let q = rope(&heads(&self.q_proj, c.heads, qn), &self.inv_freq);
+        let k = rope(&heads(&self.k_proj, c.kv_heads, kn), &self.inv_freq);
+        let v = heads(&self.v_proj, c.kv_heads, None);
         let grouped = c.kv_heads != c.heads;
         // Within a sliding window shorter than the sequence, a token sees
         // itself and the `w - 1` before it; else every earlier token.
@@ -669,6 +717,7 @@ mod tests {
             sliding_window: None,
             tied: true,
             attention_dropout: 0.0,
+            qk_norm: false,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
@@ -688,7 +737,20 @@ mod tests {
         std::fs::write(dir.join("config.json"), &mistral).unwrap();
         let m = LlamaConfig::from_hf_dir(&dir).unwrap();
         assert_eq!((m.family, m.sliding_window), (Family::Mistral, Some(4096)));
-        for cfg in [q, m] {
+        // Qwen3 normalises queries and keys, biases only when
+        // attention_bias; layer_types all full attention is every layer's.
+        let full = r#""full_attention", "full_attention""#;
+        let qwen3 = good.replace(
+            r#""llama""#,
+            &format!(r#""qwen3", "attention_bias": true, "layer_types": [{full}]"#),
+        );
+        std::fs::write(dir.join("config.json"), &qwen3).unwrap();
+        let q3 = LlamaConfig::from_hf_dir(&dir).unwrap();
+        assert_eq!(
+            (q3.family, q3.qk_norm, q3.qkv_bias, q3.o_bias),
+            (Family::Qwen3, true, true, true)
+        );
+        for cfg in [q, m, q3] {
             std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
             assert_eq!(
                 LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
@@ -711,6 +773,11 @@ mod tests {
                 r#""llama""#,
                 r#""qwen2", "use_sliding_window": true"#,
                 "use_sliding_window true",
+            ),
+            (
+                r#""llama""#,
+                r#""qwen3", "layer_types": ["full_attention", "sliding_attention"]"#,
+                "layer_types holds \"sliding_attention\"",
             ),
             (r#""silu""#, r#""gelu""#, "hidden_act \"gelu\""),
             (

@@ -22,17 +22,9 @@ const SEQ: i64 = 16;
 /// logits in evaluation, its logits in training from seed 7, and the
 /// losses of AdamW's steps on it in training from seed 8.
 fn reference(import: &str, args: &str, dir: &Path) {
+    let model = common::hf_seeded_model(import, args, dir, "");
     common::python(&format!(
-        r#"
-import torch
-{import}
-from safetensors.torch import save_file
-torch.manual_seed(0)
-m = M(C({args}))
-with torch.no_grad():
-    for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
-m.save_pretrained("{dir}/hf")
+        r#"{model}
 tokens = torch.randint(0, 96, ({MICRO}, {SEQ}))
 m.eval()
 with torch.no_grad():

@@ -79,6 +79,15 @@ const CASES: &[Case] = &[
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True",
         ),
     },
+    // Qwen3: each head's queries and keys normalised, a head_dim of its
+    // own, the head tied.
+    Case {
+        name: "qwen3",
+        python: (
+            "from transformers import Qwen3Config as C, Qwen3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True",
+        ),
+    },
 ];
 
 /// Writes the case's seeded model (every parameter moved off its
@@ -91,17 +100,9 @@ const CASES: &[Case] = &[
 /// while AdamW trains it on the two ranks' batches.
 fn reference(case: &Case, dir: &Path) {
     let (import, args) = case.python;
+    let model = common::hf_seeded_model(import, args, dir, r#", max_shard_size="100KB""#);
     let script = format!(
-        r#"
-import torch
-{import}
-from safetensors.torch import save_file
-torch.manual_seed(0)
-m = M(C({args}))
-with torch.no_grad():
-    for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
-m.save_pretrained("{dir}/hf", max_shard_size="100KB")
+        r#"{model}
 tokens = torch.randint(0, 96, (1, 2, {MICRO}, {SEQ})).repeat({STEPS}, 1, 1, 1)
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})
 logits, losses = [], []
@@ -177,6 +178,11 @@ fn a_llama_3_1_checkpoint_with_scaled_rotary_embeddings_trains_as_transformers_d
 #[test]
 fn a_mistral_checkpoint_with_a_sliding_window_trains_as_transformers_does() {
     parity("mistral");
+}
+
+#[test]
+fn a_qwen3_checkpoint_trains_as_transformers_does() {
+    parity("qwen3");
 }
 
 #[test]

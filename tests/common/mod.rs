@@ -679,6 +679,30 @@ pub fn holds_moments(optimizer: &str, params: &str, moments: usize, dir: &std::p
     }
 }
 
+/// The start of a Python script that builds `transformers`' model from
+/// seed 0 (`import` gives the config class as `C` and the model's as `M`,
+/// `args` the config's arguments), moves every parameter off its
+/// initialisation (so that no bias or norm is at zero or one) and writes
+/// it with `save_pretrained` into `dir/hf` (`save` more arguments, e.g.
+/// `, max_shard_size="100KB"`): `m` is the model, `torch` and
+/// `save_file` are imported.
+pub fn hf_seeded_model(import: &str, args: &str, dir: &std::path::Path, save: &str) -> String {
+    format!(
+        r#"
+import torch
+{import}
+from safetensors.torch import save_file
+torch.manual_seed(0)
+m = M(C({args}))
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+m.save_pretrained("{dir}/hf"{save})
+"#,
+        dir = dir.display()
+    )
+}
+
 /// Runs `script` in the libtorch venv's Python (`.libtorch` links into
 /// its site-packages: `<venv>/lib/pythonX.Y/site-packages/torch`) and
 /// returns what it printed; a script that fails fails the test with its

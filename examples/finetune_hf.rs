@@ -20,6 +20,8 @@
 //! reads. With `--save-dir` it checkpoints (every `--save-every` steps
 //! and at the end), and a run started again goes on from the latest
 //! checkpoint there, reading the windows the first run would have read.
+//! With `--eval-data` the first rank prints the mean loss of held-out
+//! windows before training, every `--eval-every` steps and at the end.
 
 use std::path::PathBuf;
 
@@ -82,6 +84,19 @@ struct Args {
     /// there.
     #[arg(long, default_value_t = 42)]
     seed: i64,
+    /// Held-out token ids, as `--data` holds them: the first rank prints
+    /// their mean loss and perplexity before training, every
+    /// `--eval-every` steps and at the end (dropout off meanwhile).
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Steps between evaluations (0: before training and at the end).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
+    /// Windows of `--seq + 1` tokens each rank evaluates: the held-out
+    /// file's, one after another, rank by rank (wrapping around a short
+    /// file).
+    #[arg(long, default_value_t = 8)]
+    eval_windows: usize,
 }
 
 /// The token ids of a data file, mapped (a corpus of billions of tokens
@@ -169,6 +184,9 @@ fn main() -> Result<()> {
     if a.print_every == 0 {
         bail!("--print-every 0: give the number of steps between loss lines (1 for every step)");
     }
+    if a.eval_windows == 0 {
+        bail!("--eval-windows 0: give the windows each rank evaluates (8 by default)");
+    }
     tch::set_num_threads(1);
     let mut dist = init_from_env().context("joining the job (start ranks with `zrt launch`)")?;
     let rank = dist.env().rank;
@@ -181,6 +199,21 @@ fn main() -> Result<()> {
     model.set_training(!a.no_dropout);
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
+    let held_out = match &a.eval_data {
+        Some(path) => {
+            let t = Tokens::open(path, a.u32, model.vocab())?;
+            if t.len() < a.seq + 1 {
+                bail!(
+                    "{} holds {} tokens: fewer than one window of --seq {} + 1",
+                    path.display(),
+                    t.len(),
+                    a.seq
+                );
+            }
+            Some(t)
+        }
+        None => None,
+    };
     if data.len() <= a.seq + 1 {
         bail!(
             "{} holds {} tokens: fewer than one window of --seq {} + 1",
@@ -242,6 +275,45 @@ fn main() -> Result<()> {
         }
         Ok(())
     };
+    // The held-out windows' mean loss over every rank, in evaluation
+    // (no dropout, no gradient: it draws nothing from the generator, so
+    // training goes on as it would have without it).
+    let len = a.seq + 1;
+    let evaluate = |held_out: &Tokens| -> Result<f64> {
+        model.set_training(false);
+        let whole = held_out.len() / len;
+        let windows: Vec<usize> = (0..a.eval_windows)
+            .map(|i| (rank * a.eval_windows + i) % whole)
+            .collect();
+        let mut sum = 0.0;
+        for chunk in windows.chunks(batch.micro.max(1) as usize) {
+            let rows: Vec<i64> = (chunk.iter())
+                .flat_map(|&w| (w * len..(w + 1) * len).map(|i| held_out.id(i)))
+                .collect();
+            let x = Tensor::from_slice(&rows).view([chunk.len() as i64, len as i64]);
+            let loss = tch::no_grad(|| model.loss(&x)).to_kind(Kind::Double);
+            sum += loss.double_value(&[]) * chunk.len() as f64;
+        }
+        model.set_training(!a.no_dropout);
+        let mine = vec![sum / a.eval_windows as f64];
+        let each = world.all_gather(mine, Vec::new()).wait()?.1;
+        Ok(each.iter().sum::<f64>() / each.len() as f64)
+    };
+    let eval_at = |done: u64| -> Result<()> {
+        if let Some(held_out) = &held_out {
+            let loss = evaluate(held_out)?;
+            if rank == 0 {
+                println!(
+                    "eval  after {done:>5} steps  loss {loss:.6}  ppl {:.3}",
+                    loss.exp()
+                );
+            }
+        }
+        Ok(())
+    };
+    if first < a.steps {
+        eval_at(first)?;
+    }
     // Each step's windows are drawn from its number: a resumed run reads
     // what the run it goes on from would have read.
     for step in first..a.steps {
@@ -264,11 +336,15 @@ fn main() -> Result<()> {
             println!("step {step:>5}  loss {mean:.6}  lr {:.3e}", engine.lr());
         }
         let done = step + 1;
+        if a.eval_every > 0 && done % a.eval_every == 0 && done < a.steps {
+            eval_at(done)?;
+        }
         if a.save_every > 0 && done % a.save_every == 0 && done < a.steps {
             save(done)?;
         }
     }
     if first < a.steps {
+        eval_at(a.steps)?;
         save(a.steps)?;
     }
     let trained = peak_rss()?;

@@ -402,6 +402,8 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     };
     let (data, bad) = (dir.join("train.bin"), dir.join("bad.bin"));
     std::fs::write(&data, ids(4096, false)).unwrap();
+    let held_out = dir.join("val.bin");
+    std::fs::write(&held_out, &ids(300, false)[200..]).unwrap();
     std::fs::write(&bad, ids(4096, true)).unwrap();
     let ds = dir.join("ds.json");
     std::fs::write(
@@ -430,6 +432,10 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
             os("--max-shard-mb"),
             os("0.05"),
             os("--checkpoint-activations"),
+            os("--eval-data"),
+            held_out.as_os_str(),
+            os("--eval-every"),
+            os("2"),
         ];
         args.extend_from_slice(more);
         finetune(&args)
@@ -438,6 +444,7 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     for (opt, says) in [
         ("--max-shard-mb", "--max-shard-mb 0 is no file size"),
         ("--print-every", "--print-every 0: give the number of steps"),
+        ("--eval-windows", "--eval-windows 0: give the windows"),
     ] {
         let o = std::process::Command::new(common::example("finetune_hf"))
             .args(["--model", "m", "--data", "d", opt, "0"])
@@ -457,6 +464,18 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     for step in 0..4 {
         assert!(said.contains(&format!("step {step:>5}  loss ")), "{said}");
     }
+    // Held-out losses before training, every 2 steps and at the end,
+    // falling as the model learns (the held-out ids follow the training
+    // ids' rule).
+    let evals: Vec<f64> = (said.lines())
+        .filter_map(|l| l.split_once("eval  after "))
+        .map(|(_, rest)| {
+            let loss = rest.split("loss ").nth(1).unwrap();
+            loss.split_whitespace().next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(evals.len(), 3, "{said}");
+    assert!(evals[2] < evals[0], "{said}");
     for line in [
         "built: peak RSS per rank (MiB): ",
         "trained: peak RSS per rank (MiB): ",
@@ -496,6 +515,16 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     for step in [2, 3] {
         assert!(line(&then, step).is_some(), "{then}");
         assert_eq!(line(&then, step), line(&said, step), "step {step}");
+    }
+    // Evaluations draw nothing from the generator: the resumed run's
+    // (after 2 and 4 steps) are the straight run's.
+    let eval = |said: &str, done: u32| {
+        let at = format!("eval  after {done:>5} steps");
+        said.lines().find(|l| l.contains(&at)).map(String::from)
+    };
+    for done in [2, 4] {
+        assert!(eval(&then, done).is_some(), "{then}");
+        assert_eq!(eval(&then, done), eval(&said, done), "eval after {done}");
     }
     assert!(line(&then, 1).is_none(), "{then}");
     // The dropout was on: without it the first loss is another.

@@ -114,6 +114,20 @@ impl Gpt2Config {
         Ok(cfg)
     }
 
+    /// The parameters of each unit a [`Gpt2`] wraps, by its name (`wte`,
+    /// the head too; `h.0`, ...), and last the root's (`wpe`, `ln_f`)
+    /// under `""`: counted from the sizes, nothing built.
+    pub fn unit_params(&self) -> Vec<(String, u64)> {
+        let (v, p, d) = (self.vocab as u64, self.positions as u64, self.width as u64);
+        let i = self.inner.unwrap_or(4 * self.width) as u64;
+        // Two layer norms, the fused qkv and output projections, the MLP.
+        let block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * i + i) + (i * d + d);
+        let mut units = vec![("wte".to_string(), v * d)];
+        units.extend((0..self.layers).map(|l| (format!("h.{l}"), block)));
+        units.push((String::new(), p * d + 2 * d));
+        units
+    }
+
     /// The `config.json` `transformers` reads this model from: its sizes
     /// in GPT-2's fields, `gelu_new`, the head tied.
     pub fn to_hf_json(&self) -> String {
@@ -445,5 +459,34 @@ mod tests {
             assert!(err.contains(says) && err.contains("config.json"), "{err}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn unit_params_count_what_the_built_model_holds() {
+        let base = Gpt2Config {
+            vocab: 96,
+            positions: 32,
+            width: 64,
+            layers: 2,
+            heads: 4,
+            inner: None,
+            eps: 1e-5,
+            embd_dropout: 0.0,
+            attn_dropout: 0.0,
+            resid_dropout: 0.0,
+        };
+        for cfg in [
+            base,
+            Gpt2Config {
+                inner: Some(100),
+                ..base
+            },
+        ] {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let _model = Gpt2::new(&vs.root(), &ShardPlan::new(), &cfg);
+            let units = cfg.unit_params();
+            let held = crate::llama::tests::held_by_unit(&vs, &units);
+            assert_eq!(held, units, "{cfg:?}");
+        }
     }
 }

@@ -87,6 +87,17 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
     Ok(Layout::read(config.as_ref())?.export())
 }
 
+/// The parameters of each unit the model of `config` (a `config.json`
+/// or the directory holding it) is built in, by name, the root's last
+/// under `""` ([`Gpt2Config::unit_params`], [`LlamaConfig::unit_params`]):
+/// what `zrt estimate --hf-config` sizes a run by, nothing built.
+pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
+    Ok(match Layout::read(config.as_ref())? {
+        Layout::Gpt2(c) => c.unit_params(),
+        Layout::Llama(c) => c.unit_params(),
+    })
+}
+
 /// A causal language model of one of the layouts this crate builds.
 #[derive(Debug)]
 pub enum HfModel {

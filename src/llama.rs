@@ -272,6 +272,33 @@ impl LlamaConfig {
         })
     }
 
+    /// The parameters of each unit a [`Llama`] wraps, by its name
+    /// (`model.embed_tokens`, the head too when tied; `model.layers.0`,
+    /// ...; `lm_head` when untied), and last the root's (`model.norm`)
+    /// under `""`: counted from the sizes, nothing built.
+    pub fn unit_params(&self) -> Vec<(String, u64)> {
+        let (v, d, hd) = (self.vocab as u64, self.hidden as u64, self.head_dim as u64);
+        let (q, kv, i) = (
+            self.heads as u64 * hd,
+            self.kv_heads as u64 * hd,
+            self.intermediate as u64,
+        );
+        let bias = |on: bool, n: u64| if on { n } else { 0 };
+        let attention = (d * q + bias(self.qkv_bias, q))
+            + 2 * (d * kv + bias(self.qkv_bias, kv))
+            + (q * d + bias(self.o_bias, d))
+            + bias(self.qk_norm, 2 * hd);
+        let mlp = 2 * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
+        let layer = 2 * d + attention + mlp;
+        let mut units = vec![("model.embed_tokens".to_string(), v * d)];
+        units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer)));
+        if !self.tied {
+            units.push(("lm_head".to_string(), v * d));
+        }
+        units.push((String::new(), d));
+        units
+    }
+
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
         let rope_scaling = match self.rope_scaling {
@@ -669,7 +696,7 @@ impl Llama {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -796,5 +823,72 @@ mod tests {
             assert!(err.contains(says) && err.contains("config.json"), "{err}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Each unit's parameters as the built model holds them (variables
+    /// under the unit's name; the root's those under none).
+    pub(crate) fn held_by_unit(vs: &nn::VarStore, units: &[(String, u64)]) -> Vec<(String, u64)> {
+        let vars = vs.variables();
+        let under = |v: &str, u: &str| !u.is_empty() && v.starts_with(&format!("{u}."));
+        (units.iter())
+            .map(|(u, _)| {
+                let n = (vars.iter())
+                    .filter(|(v, _)| match u.is_empty() {
+                        true => !units.iter().any(|(w, _)| under(v, w)),
+                        false => under(v, u),
+                    })
+                    .map(|(_, t)| t.numel() as u64)
+                    .sum();
+                (u.clone(), n)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn unit_params_count_what_the_built_model_holds() {
+        let base = LlamaConfig {
+            family: Family::Llama,
+            vocab: 96,
+            hidden: 64,
+            intermediate: 160,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            positions: 64,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            sliding_window: None,
+            tied: false,
+            attention_dropout: 0.0,
+            qk_norm: false,
+        };
+        let variants = [
+            base,
+            LlamaConfig {
+                tied: true,
+                qkv_bias: true,
+                o_bias: true,
+                mlp_bias: true,
+                head_dim: 8,
+                ..base
+            },
+            LlamaConfig {
+                family: Family::Qwen3,
+                qk_norm: true,
+                tied: true,
+                ..base
+            },
+        ];
+        for cfg in variants {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);
+            let units = cfg.unit_params();
+            assert_eq!(held_by_unit(&vs, &units), units, "{cfg:?}");
+        }
     }
 }

@@ -1206,3 +1206,57 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
         }
     }
 }
+
+#[test]
+fn estimate_counts_a_hugging_face_configs_parameters() {
+    let dir = common::scratch("cli-estimate-hf");
+    // Llama 3.2 1B (tied) and Qwen2.5 0.5B (tied, q/k/v biases), as
+    // their config.json files spell them; the counts are their
+    // safetensors files' (Qwen's checked here against a model
+    // transformers wrote from that config).
+    for (name, json, params, largest) in [
+        (
+            "llama",
+            r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true}"#,
+            "1235814400 params in 17 units",
+            "the largest, `model.embed_tokens` (262668288 params), adds up to 1.96 GiB",
+        ),
+        (
+            "qwen",
+            r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": true, "use_sliding_window": false}"#,
+            "494032768 params in 25 units",
+            "the largest, `model.embed_tokens` (136134656 params), adds up to 1.01 GiB",
+        ),
+    ] {
+        let config = dir.join(format!("{name}.json"));
+        std::fs::write(&config, json).unwrap();
+        let config = config.to_str().unwrap();
+        let (ok, out) = zrt(&["estimate", "--hf-config", config, "--world", "8"]);
+        assert!(ok && out.contains(params) && out.contains(largest), "{out}");
+    }
+    // Either the count or the config, not both; a config zrt does not
+    // build is refused naming its model_type.
+    let llama = dir.join("llama.json");
+    let llama = llama.to_str().unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        llama,
+        "--params",
+        "5",
+        "--world",
+        "2",
+    ]);
+    assert!(!ok && out.contains("cannot be used with"), "{out}");
+    let gemma = dir.join("gemma.json");
+    std::fs::write(&gemma, r#"{"model_type": "gemma"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        gemma.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
+    assert!(!ok && out.contains("model_type Some(\"gemma\")"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,8 +12,18 @@ use clap::Args;
 #[derive(Args, Debug)]
 pub struct EstimateArgs {
     /// Parameters in the model (5e9 is fine).
+    #[arg(
+        long,
+        required_unless_present = "hf_config",
+        conflicts_with = "hf_config"
+    )]
+    params: Option<f64>,
+    /// A Hugging Face checkpoint's `config.json` (or its directory) of a
+    /// model zrt builds (GPT-2, Llama, Mistral, Qwen2, Qwen3): its
+    /// parameters are counted from it, and the largest unit stage 3
+    /// gathers is named.
     #[arg(long)]
-    params: f64,
+    hf_config: Option<std::path::PathBuf>,
     /// Ranks the model is sharded over.
     #[arg(long)]
     world: u64,
@@ -126,8 +136,29 @@ fn by_stage(stage: u8, psi: f64, n: f64, (p, g, opt): (f64, f64, f64)) -> f64 {
     }
 }
 
+/// The parameters `--params` gives or `--hf-config`'s model holds, and
+/// for the latter its largest unit (name, parameters).
+fn params_of(a: &EstimateArgs) -> Result<(f64, Option<(String, u64)>)> {
+    let Some(path) = &a.hf_config else {
+        return Ok((a.params.unwrap_or(f64::NAN), None));
+    };
+    let units = zrt::hf::unit_params(path)?;
+    let total: u64 = units.iter().map(|(_, n)| n).sum();
+    let largest = (units.iter())
+        .filter(|(name, _)| !name.is_empty())
+        .max_by_key(|(_, n)| *n)
+        .cloned();
+    println!(
+        "{}: {total} params in {} units and the root",
+        path.display(),
+        units.len() - 1
+    );
+    Ok((total as f64, largest))
+}
+
 /// Runs `zrt estimate`.
 pub fn run(a: &EstimateArgs) -> Result<()> {
+    let (params, largest) = params_of(a)?;
     let (dtype, optimizer, quantize_frozen, marked) = match &a.config {
         Some(path) => {
             let (d, o, q, stage) = from_config(path)?;
@@ -146,7 +177,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         other => bail!("--dtype must be fp32, bf16 or fp16, got {other}"),
     };
     // NaN and infinity are not a count of parameters.
-    if a.world == 0 || !a.params.is_finite() || a.params <= 0.0 {
+    if a.world == 0 || !params.is_finite() || params <= 0.0 {
         bail!("--params and --world must be positive numbers (e.g. --params 7e9 --world 8)");
     }
     if !a.frozen.is_finite() || a.frozen < 0.0 {
@@ -178,7 +209,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             bail!("--optimizer must be adam, adamw, lamb, muon, rmsprop-momentum, rmsprop-centered, lion, adagrad, rmsprop, sgd-momentum or sgd, got {other}")
         }
     };
-    println!("{:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.params, a.world);
+    println!("{params:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.world);
     if a.frozen > 0.0 {
         println!(
             "with {:.3e} frozen params (values only; stage 3 shards them{})",
@@ -194,7 +225,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         println!("             {:>14}  {:>14}", "zrt", "16-bit grads");
     }
     for stage in 0..=3u8 {
-        let (psi, n) = (a.params, a.world as f64);
+        let (psi, n) = (params, a.world as f64);
         let frozen = frozen_bytes(stage, a.frozen, n, c, quantize_frozen);
         let mark = match marked == Some(stage) {
             true => "  <- the config's stage",
@@ -213,8 +244,17 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if mixed {
         println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
-    let built = build_bytes(a.params, a.frozen);
-    let stage3 = model_state_bytes(3, a.params, a.world as f64, c, moments)
+    if let Some((name, n)) = largest {
+        // Gathered values and their gradient in the compute dtype, and
+        // the fp32 buffer the gradient is reduced from.
+        let peak = (2.0 * c + 4.0) * n as f64;
+        println!(
+            "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params), adds up to {} at its backward (its gathered values, their gradient, the fp32 buffer it is reduced from), besides activations",
+            human(peak)
+        );
+    }
+    let built = build_bytes(params, a.frozen);
+    let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
         + frozen_bytes(3, a.frozen, a.world as f64, c, quantize_frozen);
     println!(
         "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made){}",

@@ -138,12 +138,19 @@ fn add_sparse(dst: &mut [f32], dims: &[i64], g: &tch::Tensor) -> Result<(), tch:
     if dst.is_empty() {
         return Ok(());
     }
+    if dims.iter().product::<i64>() != dst.len() as i64 {
+        return Err(tch::TchError::Shape(format!(
+            "a sparse gradient of shape {dims:?} for a slot of {} elements (this is a bug in zrt)",
+            dst.len()
+        )));
+    }
     let mut strides = vec![1i64; dims.len()];
     for i in (1..dims.len()).rev() {
         strides[i - 1] = strides[i] * dims[i];
     }
-    // SAFETY: `dst` holds the slot's `numel` f32s, row-major in `dims`,
-    // and stays borrowed mutably while the view (dropped below) writes it.
+    // SAFETY: `dst` holds exactly the `dims` elements (checked above), as
+    // f32 row-major, and stays borrowed mutably while the view (dropped
+    // below) writes it.
     let mut view = unsafe {
         tch::Tensor::f_from_blob(
             dst.as_mut_ptr() as *const u8,

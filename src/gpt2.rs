@@ -191,10 +191,14 @@ pub fn hf_weight_rules(plan: &ShardPlan) -> Result<(), EngineError> {
 /// `transformers`' `GPT2LMHeadModel.from_pretrained(dir)` loads it (the
 /// tied head is not written, as `save_pretrained` does not).
 pub fn hf_export_layout(cfg: &Gpt2Config) -> ExportLayout {
+    tensor_layout().with_file("config.json", cfg.to_hf_json())
+}
+
+/// [`hf_export_layout`]'s names and transposes, no files.
+pub(crate) fn tensor_layout() -> ExportLayout {
     ExportLayout::new()
         .rename(|n| format!("transformer.{n}"))
         .transpose(is_conv1d_weight)
-        .with_file("config.json", cfg.to_hf_json())
 }
 
 /// GPT-2's causal self-attention.

@@ -49,6 +49,25 @@ pub struct HfOptions {
     pub checkpoint_activations: bool,
 }
 
+/// The files of a checkpoint's directory an export of it carries besides
+/// `config.json` (written verbatim): its tokenizer's and generation
+/// settings, so that the export loads in `transformers` and its
+/// tokenizer as the original does. Weights and anything else stay.
+const CARRIED: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
 /// The configuration of a checkpoint of a layout this crate builds.
 enum Layout {
     Gpt2(Gpt2Config),
@@ -58,33 +77,53 @@ enum Layout {
 impl Layout {
     /// Reads `config` (a `config.json` or the directory holding it),
     /// choosing the layout by its `model_type`.
-    fn read(config: &Path) -> Result<Self, HfError> {
+    /// The config itself comes back too, for [`Layout::export`].
+    fn read(config: &Path) -> Result<(Self, HfJson), HfError> {
         let j = HfJson::read(config, None)?;
-        match j.model_type().as_deref() {
-            Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_json(&j)?)),
-            Some(t) if Family::of(t).is_some() => Ok(Self::Llama(LlamaConfig::from_json(&j)?)),
-            other => Err(j.field(format!(
+        let layout = match j.model_type().as_deref() {
+            Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
+            Some(t) if Family::of(t).is_some() => Self::Llama(LlamaConfig::from_json(&j)?),
+            other => return Err(j.field(format!(
                 "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\" and \"qwen3\" checkpoints"
             ))),
-        }
+        };
+        Ok((layout, j))
     }
 
-    /// The layout its export goes back in.
-    fn export(&self) -> ExportLayout {
-        match self {
-            Self::Gpt2(c) => crate::gpt2::hf_export_layout(c),
-            Self::Llama(c) => crate::llama::hf_export_layout(c),
+    /// The layout its export goes back in: the tensors as the checkpoint
+    /// names and lays them out, its `config.json` verbatim (every field
+    /// `transformers` and generation read: token ids, dtype, ...) and
+    /// the [`CARRIED`] files beside it.
+    fn export(&self, source: &HfJson) -> Result<ExportLayout, HfError> {
+        let tensors = match self {
+            Self::Gpt2(_) => crate::gpt2::tensor_layout(),
+            Self::Llama(_) => ExportLayout::new(),
+        };
+        let mut layout = tensors.with_file("config.json", source.text.clone());
+        let dir = source.path.parent().unwrap_or(Path::new(""));
+        for name in CARRIED {
+            let path = dir.join(name);
+            if path.is_file() {
+                let bytes = std::fs::read(&path).map_err(|e| HfError::Read {
+                    path: path.clone(),
+                    msg: format!("cannot read it for the export: {e}"),
+                })?;
+                layout = layout.with_file(*name, bytes);
+            }
         }
+        Ok(layout)
     }
 }
 
 /// The layout an export of the model `config` describes goes back in
 /// (`config` a `config.json` or the directory holding it): GPT-2's
-/// ([`crate::gpt2::hf_export_layout`]) or the Llama family's
-/// ([`crate::llama::hf_export_layout`]), the config beside the tensors.
-/// What `zrt ckpt consolidate --hf-config` writes a checkpoint in.
+/// names and Conv1D matrices or the Llama family's, with the config
+/// verbatim beside the tensors and the tokenizer's and generation files
+/// found beside it. What `zrt ckpt consolidate --hf-config` writes a
+/// checkpoint in.
 pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> {
-    Ok(Layout::read(config.as_ref())?.export())
+    let (layout, source) = Layout::read(config.as_ref())?;
+    layout.export(&source)
 }
 
 /// The parameters of each unit the model of `config` (a `config.json`
@@ -92,7 +131,7 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 /// under `""` ([`Gpt2Config::unit_params`], [`LlamaConfig::unit_params`]):
 /// what `zrt estimate --hf-config` sizes a run by, nothing built.
 pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
-    Ok(match Layout::read(config.as_ref())? {
+    Ok(match Layout::read(config.as_ref())?.0 {
         Layout::Gpt2(c) => c.unit_params(),
         Layout::Llama(c) => c.unit_params(),
     })
@@ -112,8 +151,11 @@ impl HfModel {
     /// and `plan` (its `config.json` names the layout), its weights to
     /// come from the directory's files as the engine is built
     /// ([`ShardPlan::weights_from_file`]: no rank holds the model while
-    /// it is built), and the layout its export goes back in. Call it on
-    /// every rank, on a fresh VarStore and plan, before the engine.
+    /// it is built), and the layout its export goes back in (the
+    /// checkpoint's names, its `config.json` verbatim and its tokenizer's
+    /// and generation files: a directory `transformers` and its tokenizer
+    /// load as they load `dir`). Call it on every rank, on a fresh
+    /// VarStore and plan, before the engine.
     pub fn from_pretrained(
         vs: &VarStore,
         plan: &ShardPlan,
@@ -130,7 +172,7 @@ impl HfModel {
         options: &HfOptions,
     ) -> Result<(Self, ExportLayout), HfError> {
         let dir = dir.as_ref();
-        let layout = Layout::read(dir)?;
+        let (layout, source) = Layout::read(dir)?;
         match &layout {
             Layout::Gpt2(_) => crate::gpt2::hf_weight_rules(plan)?,
             Layout::Llama(c) => crate::llama::hf_weight_rules(plan, c)?,
@@ -143,7 +185,7 @@ impl HfModel {
             (Layout::Llama(c), false) => Self::Llama(Llama::new(&root, plan, c)),
             (Layout::Llama(c), true) => Self::Llama(Llama::new_checkpointed(&root, plan, c)),
         };
-        Ok((model, layout.export()))
+        Ok((model, layout.export(&source)?))
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
@@ -193,6 +235,8 @@ impl HfModel {
 /// A parsed `config.json`, its fields read with errors naming them.
 pub(crate) struct HfJson {
     path: PathBuf,
+    /// The file as read (an export writes it back verbatim).
+    text: String,
     json: serde_json::Value,
 }
 
@@ -211,7 +255,7 @@ impl HfJson {
         let text =
             std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
         let json = serde_json::from_str(&text).map_err(|e| read(format!("not JSON ({e})")))?;
-        let me = Self { path, json };
+        let me = Self { path, text, json };
         match (me.model_type(), model_type) {
             (_, None) => Ok(me),
             (Some(t), Some(want)) if t == want => Ok(me),

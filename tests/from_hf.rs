@@ -199,6 +199,31 @@ fn parity(name: &str) {
     reference(case, &dir);
     let hf = dir.join("hf");
     assert!(count(&hf, "safetensors") > 1, "{}: one file", case.name);
+    // A tokenizer's files (one binary) beside the checkpoint, which its
+    // exports carry, and files they do not.
+    let carried = [
+        "tokenizer.json",
+        "tokenizer.model",
+        "generation_config.json",
+    ];
+    std::fs::write(hf.join("tokenizer.json"), r#"{"model": {"type": "BPE"}}"#).unwrap();
+    std::fs::write(hf.join("tokenizer.model"), [0u8, 159, 146, 150, 255]).unwrap();
+    std::fs::write(hf.join("README.md"), "# a model card").unwrap();
+    std::fs::write(hf.join("training_args.bin"), [1u8, 2, 3]).unwrap();
+    // The original's files, byte for byte, in an export of it: its
+    // config.json verbatim (token ids and all) and the carried ones.
+    let same_files = |what: &str, out: &Path| {
+        for f in carried.iter().chain(&["config.json"]) {
+            let (a, b) = (
+                std::fs::read(hf.join(f)).unwrap(),
+                std::fs::read(out.join(f)),
+            );
+            assert!(b.is_ok_and(|b| b == a), "{what}: {f} not carried");
+        }
+        for f in ["README.md", "training_args.bin"] {
+            assert!(!out.join(f).exists(), "{what}: {f} carried");
+        }
+    };
     let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
     let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let (tokens, logits, losses) = (get("tokens"), get("logits"), get("losses"));
@@ -274,9 +299,11 @@ fn parity(name: &str) {
             (held, first, losses, after, refused)
         });
         assert!(!dir.join(format!("never{run}")).exists(), "{what}");
-        for f in ["model.safetensors.index.json", "config.json"] {
-            assert!(tuned.join(f).is_file(), "{what}: no {f}");
-        }
+        assert!(
+            tuned.join("model.safetensors.index.json").is_file(),
+            "{what}"
+        );
+        same_files(&what, &tuned);
         let theirs = tuned_losses(case, &dir, &tuned);
         if checkpointed {
             // The checkpoint, consolidated offline in the layout of the
@@ -293,6 +320,7 @@ fn parity(name: &str) {
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "{what}: {said}");
             assert!(count(&hf_out, "safetensors") > 1, "{what}");
+            same_files(&format!("{what}, consolidated"), &hf_out);
             let consolidated = tuned_losses(case, &dir, &hf_out);
             // The same weights; two transformers processes computed the
             // losses (once in some twenty runs they differed, the values

@@ -536,20 +536,16 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     ];
     let (ok, then) = run(&data, "4", &more);
     assert!(ok && then.contains("after 2 steps"), "{then}");
-    let line = |said: &str, step: u32| {
-        let at = format!("step {step:>5}  loss ");
-        said.lines().find(|l| l.contains(&at)).map(String::from)
-    };
+    // The first line of `said` holding `at`.
+    let found = |said: &str, at: String| said.lines().find(|l| l.contains(&at)).map(String::from);
+    let line = |said: &str, step: u32| found(said, format!("step {step:>5}  loss "));
     for step in [2, 3] {
         assert!(line(&then, step).is_some(), "{then}");
         assert_eq!(line(&then, step), line(&said, step), "step {step}");
     }
     // Evaluations draw nothing from the generator: the resumed run's
     // (after 2 and 4 steps) are the straight run's.
-    let eval = |said: &str, done: u32| {
-        let at = format!("eval  after {done:>5} steps");
-        said.lines().find(|l| l.contains(&at)).map(String::from)
-    };
+    let eval = |said: &str, done: u32| found(said, format!("eval  after {done:>5} steps"));
     for done in [2, 4] {
         assert!(eval(&then, done).is_some(), "{then}");
         assert_eq!(eval(&then, done), eval(&said, done), "eval after {done}");

@@ -270,12 +270,22 @@ pub fn adopt_storage<T: Copy + Send + 'static>(
 /// `_unsafe_preserve_version_counter`; it is only sound because the refill
 /// restores exactly the values the saved views held.
 pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
+    made_from("untracked_alias", t, ffi::zrt_untracked_alias)
+}
+
+/// A glue function that makes a new tensor from `t` into `*out`.
+type MakeFrom = unsafe extern "C" fn(
+    *const torch_sys::C_tensor,
+    *mut *mut torch_sys::C_tensor,
+) -> *mut std::ffi::c_char;
+
+/// Calls `make` (named `what` in its error) on `t` and owns the tensor
+/// it makes.
+fn made_from(what: &'static str, t: &Tensor, make: MakeFrom) -> Result<Tensor, GlueError> {
     let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: `t.as_ptr()` is live for the call; on success `out` is a fresh
     // heap `torch::Tensor*` that the returned `Tensor` owns and frees.
-    check("untracked_alias", unsafe {
-        ffi::zrt_untracked_alias(t.as_ptr(), &mut out)
-    })?;
+    check(what, unsafe { make(t.as_ptr(), &mut out) })?;
     // SAFETY: non-null on success, ownership transferred to tch.
     Ok(unsafe { Tensor::from_ptr(out) })
 }
@@ -289,14 +299,7 @@ pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
 /// `.grad` when the lookup's sparse rows arrive, and they are added into
 /// it in place, where they would have been summed into a third matrix.
 pub fn grad_alias(t: &Tensor) -> Result<Tensor, GlueError> {
-    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
-    // SAFETY: `t.as_ptr()` is live for the call; on success `out` is a fresh
-    // heap `torch::Tensor*` that the returned `Tensor` owns and frees.
-    check("grad_alias", unsafe {
-        ffi::zrt_grad_alias(t.as_ptr(), &mut out)
-    })?;
-    // SAFETY: non-null on success, ownership transferred to tch.
-    Ok(unsafe { Tensor::from_ptr(out) })
+    made_from("grad_alias", t, ffi::zrt_grad_alias)
 }
 
 /// The state of libtorch's default CPU generator (`torch.get_rng_state()`).

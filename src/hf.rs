@@ -92,14 +92,17 @@ impl Layout {
 
     /// The layout its export goes back in: the tensors as the checkpoint
     /// names and lays them out, its `config.json` verbatim (every field
-    /// `transformers` and generation read: token ids, dtype, ...) and
+    /// `transformers` and generation read: token ids, rope details, ...)
+    /// but for its dtype, which says the export's ([`config_in`]), and
     /// the [`CARRIED`] files beside it.
     fn export(&self, source: &HfJson) -> Result<ExportLayout, HfError> {
         let tensors = match self {
             Self::Gpt2(_) => crate::gpt2::tensor_layout(),
             Self::Llama(_) => ExportLayout::new(),
         };
-        let mut layout = tensors.with_file("config.json", source.text.clone());
+        let text = source.text.clone();
+        let mut layout =
+            tensors.with_file_for_dtype("config.json", move |dtype| config_in(&text, dtype));
         let dir = source.path.parent().unwrap_or(Path::new(""));
         for name in CARRIED {
             let path = dir.join(name);
@@ -112,6 +115,31 @@ impl Layout {
             }
         }
         Ok(layout)
+    }
+}
+
+/// The config `text` (a `config.json`) of an export whose tensors are
+/// `dtype` (PyTorch's name): verbatim when its `dtype` (and the older
+/// `torch_dtype`) already say so or are absent, else with them saying
+/// `dtype`, every other field as it was (keys sorted, as
+/// `save_pretrained` writes them). `transformers` loads a model in its
+/// config's dtype (`dtype="auto"`): a bf16 checkpoint fine-tuned in fp32
+/// and exported in fp32 would load rounded to bf16 again, and one
+/// exported in bf16 from an fp32 original would load in fp32.
+fn config_in(text: &str, dtype: &str) -> Vec<u8> {
+    let Ok(serde_json::Value::Object(mut json)) = serde_json::from_str(text) else {
+        return text.as_bytes().to_vec();
+    };
+    let mut changed = false;
+    for key in ["dtype", "torch_dtype"] {
+        if let Some(v) = json.get_mut(key).filter(|v| v.is_string()) {
+            changed |= v.as_str() != Some(dtype);
+            *v = dtype.into();
+        }
+    }
+    match changed {
+        false => text.as_bytes().to_vec(),
+        true => format!("{:#}\n", serde_json::Value::Object(json)).into_bytes(),
     }
 }
 
@@ -352,4 +380,38 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
         .to_kind(Kind::Float)
         .reshape([-1, vocab]))
     .cross_entropy_for_logits(&y.reshape([-1]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exports_config_says_the_dtype_its_tensors_are_written_in() {
+        let text =
+            "{\n  \"vocab_size\": 96,\n  \"dtype\": \"bfloat16\",\n  \"rms_norm_eps\": 1e-05\n}\n";
+        let bytes = |t: &str| t.as_bytes().to_vec();
+        // Its own dtype: verbatim, spacing, order and number spellings.
+        assert_eq!(config_in(text, "bfloat16"), bytes(text));
+        // Another: that field changes, and nothing else.
+        let json = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+        let got = json(&config_in(text, "float32"));
+        let mut want = json(text.as_bytes());
+        want["dtype"] = "float32".into();
+        assert_eq!(got, want);
+        // The older key, or both, alike; none: verbatim.
+        let older = text.replace("\"dtype\"", "\"torch_dtype\"");
+        assert_eq!(
+            json(&config_in(&older, "float16"))["torch_dtype"],
+            "float16"
+        );
+        let both = text.replace("{\n", "{\n  \"torch_dtype\": \"bfloat16\",\n");
+        let got = json(&config_in(&both, "float32"));
+        assert_eq!(
+            (&got["dtype"], &got["torch_dtype"]),
+            (&"float32".into(), &"float32".into())
+        );
+        let none = "{\"vocab_size\": 96}";
+        assert_eq!(config_in(none, "float32"), bytes(none));
+    }
 }

@@ -211,14 +211,29 @@ fn parity(name: &str) {
     std::fs::write(hf.join("README.md"), "# a model card").unwrap();
     std::fs::write(hf.join("training_args.bin"), [1u8, 2, 3]).unwrap();
     // The original's files, byte for byte, in an export of it: its
-    // config.json verbatim (token ids and all) and the carried ones.
-    let same_files = |what: &str, out: &Path| {
+    // config.json verbatim (token ids and all) when the export is in its
+    // dtype (fp32), else every field the same but the dtype, and the
+    // carried ones.
+    let json = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+    let same_files = |what: &str, out: &Path, dtype: &str| {
         for f in carried.iter().chain(&["config.json"]) {
             let (a, b) = (
                 std::fs::read(hf.join(f)).unwrap(),
                 std::fs::read(out.join(f)),
             );
-            assert!(b.is_ok_and(|b| b == a), "{what}: {f} not carried");
+            let b = b.unwrap_or_else(|e| panic!("{what}: {f} not carried: {e}"));
+            match (*f, dtype) {
+                ("config.json", "float32") => assert_eq!(json(&a)["dtype"], "float32"),
+                ("config.json", _) => {
+                    let (mut a, b) = (json(&a), json(&b));
+                    assert_eq!(b["dtype"], dtype, "{what}");
+                    a["dtype"] = dtype.into();
+                    assert_eq!(a, b, "{what}: config.json");
+                    continue;
+                }
+                _ => {}
+            }
+            assert!(b == a, "{what}: {f} not carried");
         }
         for f in ["README.md", "training_args.bin"] {
             assert!(!out.join(f).exists(), "{what}: {f} carried");
@@ -303,7 +318,12 @@ fn parity(name: &str) {
             tuned.join("model.safetensors.index.json").is_file(),
             "{what}"
         );
-        same_files(&what, &tuned);
+        let exported = if extra.is_empty() {
+            "float32"
+        } else {
+            "bfloat16"
+        };
+        same_files(&what, &tuned, exported);
         let theirs = tuned_losses(case, &dir, &tuned);
         if checkpointed {
             // The checkpoint, consolidated offline in the layout of the
@@ -320,7 +340,7 @@ fn parity(name: &str) {
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "{what}: {said}");
             assert!(count(&hf_out, "safetensors") > 1, "{what}");
-            same_files(&format!("{what}, consolidated"), &hf_out);
+            same_files(&format!("{what}, consolidated"), &hf_out, "float32");
             let consolidated = tuned_losses(case, &dir, &hf_out);
             // The same weights; two transformers processes computed the
             // losses (once in some twenty runs they differed, the values

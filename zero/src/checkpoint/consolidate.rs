@@ -128,7 +128,7 @@ pub fn consolidate_as(
     }
     let files = w.files();
     w.finish()?;
-    layout.write_files(out, max_shard_bytes.is_some())?;
+    layout.write_files(out, max_shard_bytes.is_some(), dt)?;
     Ok((plan.len(), files))
 }
 

@@ -8,6 +8,8 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+use safetensors::Dtype;
+
 use super::files::{write_atomic, Planned};
 use super::sharded_out::ModelWriter;
 use super::transpose::Transpose;
@@ -17,6 +19,16 @@ use super::CheckpointError;
 type RenameOut = dyn Fn(&str) -> String + Send + Sync;
 /// A rule saying which matrices the file holds transposed.
 type TransposeOut = dyn Fn(&str) -> bool + Send + Sync;
+/// A file's contents made for the dtype the tensors are written in.
+type MadeFor = dyn Fn(&str) -> Vec<u8> + Send + Sync;
+
+/// What a file written beside the tensors holds.
+enum Contents {
+    /// These bytes.
+    Bytes(Vec<u8>),
+    /// What the rule makes of the tensors' dtype (PyTorch's name).
+    ForDtype(Box<MadeFor>),
+}
 
 /// How [`Engine::save_16bit_model_as`](crate::Engine::save_16bit_model_as)
 /// writes each of the model's tensors: under which name, and whether a
@@ -28,7 +40,7 @@ pub struct ExportLayout {
     rename: Option<Box<RenameOut>>,
     transpose: Option<Box<TransposeOut>>,
     /// (file name, contents) written beside the tensors.
-    files: Vec<(String, Vec<u8>)>,
+    files: Vec<(String, Contents)>,
 }
 
 impl std::fmt::Debug for ExportLayout {
@@ -70,19 +82,48 @@ impl ExportLayout {
     /// temporary name, then renamed): `transformers` wants the model's
     /// `config.json` there. `name` must be a file name, not a path.
     pub fn with_file(mut self, name: impl Into<String>, contents: impl Into<Vec<u8>>) -> Self {
-        self.files.push((name.into(), contents.into()));
+        self.files
+            .push((name.into(), Contents::Bytes(contents.into())));
+        self
+    }
+
+    /// As [`Self::with_file`], the contents made by `make` from the dtype
+    /// the export's tensors are written in, as PyTorch names it
+    /// (`"float32"`, `"bfloat16"`, `"float16"`): a `config.json` whose
+    /// `dtype` must say what the file holds, since `transformers` loads a
+    /// model in it (`dtype="auto"`).
+    pub fn with_file_for_dtype(
+        mut self,
+        name: impl Into<String>,
+        make: impl Fn(&str) -> Vec<u8> + Send + Sync + 'static,
+    ) -> Self {
+        let make: Box<MadeFor> = Box::new(make);
+        self.files.push((name.into(), Contents::ForDtype(make)));
         self
     }
 
     /// Writes the [`Self::with_file`] files for the export at `out` (one
-    /// file when not `sharded`).
-    pub(crate) fn write_files(&self, out: &Path, sharded: bool) -> Result<(), CheckpointError> {
+    /// file when not `sharded`) whose tensors are written in `dtype`.
+    pub(crate) fn write_files(
+        &self,
+        out: &Path,
+        sharded: bool,
+        dtype: Dtype,
+    ) -> Result<(), CheckpointError> {
         let dir = match sharded {
             true => out,
             false => out.parent().unwrap_or(Path::new(".")),
         };
         for (name, contents) in &self.files {
-            write_atomic(&dir.join(name), contents)?;
+            let made;
+            let bytes = match contents {
+                Contents::Bytes(b) => b,
+                Contents::ForDtype(make) => {
+                    made = make(torch_name(dtype));
+                    &made
+                }
+            };
+            write_atomic(&dir.join(name), bytes)?;
         }
         Ok(())
     }
@@ -155,6 +196,20 @@ impl ExportLayout {
     }
 }
 
+/// PyTorch's name of `dtype` (`torch.bfloat16` is `"bfloat16"`), as
+/// Hugging Face configs write it.
+fn torch_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::BF16 => "bfloat16",
+        Dtype::F16 => "float16",
+        Dtype::F64 => "float64",
+        Dtype::I8 => "int8",
+        Dtype::U8 => "uint8",
+        Dtype::I64 => "int64",
+        _ => "float32",
+    }
+}
+
 /// Each of the model's tensors' name in the file, and for one written
 /// transposed its transpose and the bytes of an element.
 pub(crate) struct OutNames(HashMap<String, (String, Option<(Transpose, usize)>)>);
@@ -187,7 +242,6 @@ impl OutNames {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use safetensors::Dtype;
 
     #[test]
     fn a_layout_renames_and_transposes_and_refuses_what_it_cannot_write() {
@@ -233,5 +287,33 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn files_are_written_beside_the_tensors_made_for_their_dtype() {
+        let dir = std::env::temp_dir().join(format!("zrt-export-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let layout = ExportLayout::new()
+            .with_file("a.txt", "fixed")
+            .with_file_for_dtype("config.json", |d| format!("in {d}").into_bytes());
+        for (dtype, name) in [
+            (Dtype::F32, "float32"),
+            (Dtype::BF16, "bfloat16"),
+            (Dtype::F16, "float16"),
+        ] {
+            // A directory (sharded) gets them inside; one file beside it.
+            layout.write_files(&dir, true, dtype).unwrap();
+            std::fs::create_dir_all(dir.join("sub")).unwrap();
+            layout
+                .write_files(&dir.join("sub").join("model.safetensors"), false, dtype)
+                .unwrap();
+            for d in [dir.clone(), dir.join("sub")] {
+                let read = |f: &str| std::fs::read_to_string(d.join(f)).unwrap();
+                assert_eq!(read("a.txt"), "fixed");
+                assert_eq!(read("config.json"), format!("in {name}"));
+            }
+            let _ = std::fs::remove_dir_all(dir.join("sub"));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

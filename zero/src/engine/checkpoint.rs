@@ -1328,7 +1328,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             self.stream_frozen(&st, Some(float), &mut sink)?;
         }
         let written = sink.finish().and_then(|()| match i.group.rank() {
-            0 => layout.write_files(path, max_shard_bytes.is_some()),
+            0 => layout.write_files(path, max_shard_bytes.is_some(), dtype),
             _ => Ok(()),
         });
         self.agree(written, "write the model file")

@@ -103,10 +103,19 @@ pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64, dropout: f64) -> 
 /// sparse gradient: the looked-up rows, which the engine adds straight
 /// into its flat gradient buffer. A dense one is a second vocabulary-sized
 /// matrix, mostly zeros, alive until the unit's gradients are reduced
-/// (with a 152k vocabulary and width 512, 297 MiB a rank).
-pub(crate) fn token_embedding(p: &tch::nn::Path, vocab: i64, width: i64) -> tch::nn::Embedding {
+/// (with a 152k vocabulary and width 512, 297 MiB a rank). Row
+/// `padding` gets no gradient from the lookup (`nn.Embedding`'s
+/// `padding_idx`, which `transformers` sets to the config's
+/// `pad_token_id`).
+pub(crate) fn token_embedding(
+    p: &tch::nn::Path,
+    vocab: i64,
+    width: i64,
+    padding: Option<i64>,
+) -> tch::nn::Embedding {
     let sparse = tch::nn::EmbeddingConfig {
         sparse: true,
+        padding_idx: padding.unwrap_or(-1),
         ..Default::default()
     };
     tch::nn::embedding(p, vocab, width, sparse)

@@ -315,7 +315,7 @@ impl Gpt2 {
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
         let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.width], ln_cfg);
         let wte_path = p / "wte";
-        let wte = token_embedding(&wte_path, cfg.vocab, cfg.width);
+        let wte = token_embedding(&wte_path, cfg.vocab, cfg.width, None);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let training = Training::default();
         let blocks = (0..cfg.layers)

@@ -84,7 +84,7 @@ impl Layout {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some(t) if Family::of(t).is_some() => Self::Llama(LlamaConfig::from_json(&j)?),
             other => return Err(j.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\" and \"qwen3\" checkpoints"
+                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\" and \"gemma3_text\" checkpoints"
             ))),
         };
         Ok((layout, j))
@@ -170,7 +170,8 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`, `mistral`, `qwen2` or `qwen3`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`,
+    /// `gemma2` or `gemma3_text`.
     Llama(Llama),
 }
 
@@ -336,6 +337,24 @@ impl HfJson {
             Some(v) => v
                 .as_f64()
                 .ok_or_else(|| self.field(format!("`{key}` is {v}, not a number"))),
+        }
+    }
+
+    /// Field `key`, a number; `None` when null, `default` when absent
+    /// (a `transformers` config whose default is a number and `None`
+    /// turns the feature off).
+    pub(crate) fn number_or_null(
+        &self,
+        key: &str,
+        default: Option<f64>,
+    ) -> Result<Option<f64>, HfError> {
+        match self.json.get(key) {
+            None => Ok(default),
+            Some(v) if v.is_null() => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.field(format!("`{key}` is {v}, not a number or null"))),
         }
     }
 

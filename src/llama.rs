@@ -1,6 +1,6 @@
 //! Llama as Hugging Face's `transformers` lays it out
-//! (`LlamaForCausalLM`, and Mistral's, Qwen2's and Qwen3's, the same layers: see
-//! [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
+//! (`LlamaForCausalLM`, and Mistral's, Qwen2's, Qwen3's and Gemma 1-3's,
+//! the same layers with variations: see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
 //! without a rank holding the whole model, and a fine-tuned one is
 //! written back for `from_pretrained`.
@@ -32,8 +32,10 @@
 //! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
 //! `linear` and `llama3` kinds) with cosines and sines computed in fp32,
 //! grouped-query causal attention (in Mistral's sliding window when it
-//! has one), a SiLU-gated MLP. Its logits match `transformers`' to the
-//! bit here (`tests/from_hf.rs`).
+//! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
+//! MLP; Gemma's norms offset from one, its embeddings scaled, Gemma 2's
+//! soft caps. Llama's logits match `transformers`' to the bit here, every
+//! family's three AdamW steps its losses (`tests/from_hf.rs`).
 //!
 //! The token embedding's gradient is sparse (`embedding(.., sparse =
 //! true)`: the rows looked up), which zrt's engine adds straight into its
@@ -65,6 +67,22 @@ pub enum Family {
     /// `qwen3` (`Qwen3ForCausalLM`): Llama's layers, each head's queries
     /// and keys RMS-normalised before the rotation (`q_norm`, `k_norm`).
     Qwen3,
+    /// `gemma` (`GemmaForCausalLM`): Llama's layers, RMSNorm weights as
+    /// offsets from one (`x * (1 + w)`, in fp32), the embeddings scaled
+    /// by the width's square root, a GELU-gated MLP, the head tied.
+    Gemma,
+    /// `gemma2` (`Gemma2ForCausalLM`): Gemma's, each sublayer's output
+    /// normalised too (`post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`), every
+    /// other layer in a sliding window, attention scores and logits
+    /// soft-capped (`tanh(s / cap) * cap`), scores scaled by
+    /// `query_pre_attn_scalar`.
+    Gemma2,
+    /// `gemma3_text` (`Gemma3ForCausalLM`, Gemma 3 1B and 270M):
+    /// Gemma 2's layers without the caps, queries and keys normalised as
+    /// Qwen3's, every sixth layer global and the others in a window with
+    /// rotary embeddings of their own base (`rope_local_base_freq`).
+    Gemma3,
 }
 
 impl Family {
@@ -75,6 +93,9 @@ impl Family {
             "mistral" => Some(Self::Mistral),
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
+            "gemma" => Some(Self::Gemma),
+            "gemma2" => Some(Self::Gemma2),
+            "gemma3_text" => Some(Self::Gemma3),
             _ => None,
         }
     }
@@ -86,6 +107,9 @@ impl Family {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma => "gemma",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
         }
     }
 
@@ -96,6 +120,71 @@ impl Family {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Gemma => "GemmaForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+
+    /// Gemma's: norms as offsets from one, the embeddings scaled.
+    fn gemma(self) -> bool {
+        matches!(self, Self::Gemma | Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// Each sublayer's output normalised before the residual (Gemma 2
+    /// and 3), the MLP's input by a norm of its own.
+    fn sandwich(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// The config field naming the MLP's activation: Gemma 2 and 3 read
+    /// `hidden_activation`, the others `hidden_act` (Gemma's too, in
+    /// `transformers` 4.57).
+    fn activation_key(self) -> &'static str {
+        match self {
+            Self::Gemma2 | Self::Gemma3 => "hidden_activation",
+            _ => "hidden_act",
+        }
+    }
+}
+
+/// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
+/// config's `hidden_act` (Gemma 2's and 3's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `"silu"` (Llama, Mistral, Qwen).
+    Silu,
+    /// `"gelu"`: the exact GELU.
+    Gelu,
+    /// `"gelu_pytorch_tanh"`: GELU's tanh approximation (Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The activation `transformers` names `name`, or `None`.
+    fn of(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu" => Some(Self::Gelu),
+            "gelu_pytorch_tanh" => Some(Self::GeluTanh),
+            _ => None,
+        }
+    }
+
+    /// Its `transformers` name.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::Gelu => "gelu",
+            Self::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+
+    fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Silu => x.silu(),
+            Self::Gelu => x.gelu("none"),
+            Self::GeluTanh => x.gelu("tanh"),
         }
     }
 }
@@ -172,17 +261,45 @@ pub struct LlamaConfig {
     pub attention_dropout: f64,
     /// Each head's queries and keys are RMS-normalised (over the head's
     /// width, with weights of their own) before the rotation: Qwen3's
-    /// `q_norm` and `k_norm`.
+    /// and Gemma 3's `q_norm` and `k_norm`.
     pub qk_norm: bool,
+    /// The MLP's activation (`hidden_act`).
+    pub activation: Activation,
+    /// `pad_token_id`: the embedding's row that gets no gradient from
+    /// the lookup (`transformers` makes it `nn.Embedding`'s
+    /// `padding_idx`).
+    pub pad_token: Option<i64>,
+    /// Gemma 2's and 3's `query_pre_attn_scalar`: attention scores are
+    /// scaled by its inverse square root, not the head width's.
+    pub query_scalar: Option<f64>,
+    /// Gemma 2's `attn_logit_softcapping`: attention scores become
+    /// `tanh(s / cap) * cap` before the mask and softmax.
+    pub attn_softcap: Option<f64>,
+    /// Gemma 2's `final_logit_softcapping`: logits become `tanh(l / cap)
+    /// * cap`.
+    pub final_softcap: Option<f64>,
+    /// With a `sliding_window`, every `n`-th layer (the `n`-th, the
+    /// `2n`-th, ...) attends to every earlier token and the others in the
+    /// window (Gemma 2: 2, Gemma 3: 6, from `layer_types`); `None`: every
+    /// layer alike.
+    pub full_every: Option<i64>,
+    /// Gemma 3's `rope_local_base_freq`: the windowed layers' rotary
+    /// base, their frequencies unscaled (the global layers' are
+    /// `rope_theta`'s, scaled as `rope_scaling` says).
+    pub local_rope_theta: Option<f64>,
 }
 
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` `llama`, `mistral`,
-    /// `qwen2` or `qwen3`, `hidden_act` `silu`, `rope_scaling` none,
-    /// `linear` or `llama3`. What this model does not compute is refused
-    /// naming the field: other rope scalings (`dynamic`, `yarn`, ...), a
-    /// partial rotary factor, Qwen's sliding-window layers.
+    /// `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3_text`, `hidden_act`
+    /// `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling` none,
+    /// `linear` or `llama3`; a field left out takes the default of the
+    /// family's `transformers` config class. What this model does not
+    /// compute is refused naming the field: other rope scalings
+    /// (`dynamic`, `yarn`, ...), a partial rotary factor, windowed layers
+    /// in any order but every `n`-th global (Qwen's), Gemma 3's
+    /// bidirectional attention.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         Self::from_json(&HfJson::read(dir.as_ref(), None)?)
     }
@@ -192,13 +309,29 @@ impl LlamaConfig {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
-                "model_type {family:?}: a Llama is \"llama\", \"mistral\" or \"qwen2\""
+                "model_type {family:?}: a Llama is \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\" or \"gemma3_text\""
             )));
         };
-        j.only("hidden_act", "silu", "this Llama computes silu only")?;
+        let gemma = family.gemma();
+        let key = family.activation_key();
+        let activation = match j.get(key) {
+            None if gemma => Activation::GeluTanh,
+            None => Activation::Silu,
+            Some(v) => v.as_str().and_then(Activation::of).ok_or_else(|| {
+                j.field(format!(
+                    "{key} {v}: this Llama computes \"silu\", \"gelu\" and \"gelu_pytorch_tanh\""
+                ))
+            })?,
+        };
         if j.number_or("partial_rotary_factor", 1.0)? != 1.0 {
             return Err(j.field(
                 "partial_rotary_factor: this Llama rotates every dimension of a head".into(),
+            ));
+        }
+        if j.flag_or("use_bidirectional_attention", false)? {
+            return Err(j.field(
+                "use_bidirectional_attention true: this Llama computes causal attention only"
+                    .into(),
             ));
         }
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
@@ -210,6 +343,7 @@ impl LlamaConfig {
         }
         let head_dim = match j.size_or_none("head_dim")? {
             Some(d) => d,
+            None if gemma => 256,
             None if hidden % heads == 0 => hidden / heads,
             None => {
                 return Err(j.field(format!(
@@ -225,6 +359,7 @@ impl LlamaConfig {
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
             Family::Mistral => j.size_or_none("sliding_window")?,
+            Family::Gemma2 | Family::Gemma3 => j.size_or_none("sliding_window")?.or(Some(4096)),
             Family::Qwen2 | Family::Qwen3 if j.flag_or("use_sliding_window", false)? => {
                 return Err(j.field(
                     "use_sliding_window true: this Llama computes Qwen's full-attention layers only"
@@ -233,25 +368,23 @@ impl LlamaConfig {
             }
             _ => None,
         };
-        // Per-layer attention kinds (newer configs write them all out):
-        // every layer the same, full or the model's one window.
-        let kinds = j.get("layer_types").and_then(|v| v.as_array());
-        let window_kind = match family {
-            Family::Mistral if sliding_window.is_some() => "sliding_attention",
-            _ => "full_attention",
-        };
-        if let Some(other) = kinds
-            .into_iter()
-            .flatten()
-            .find(|k| k.as_str() != Some(window_kind))
-        {
-            return Err(j.field(format!(
-                "layer_types holds {other}: this Llama computes every layer's attention alike ({window_kind:?})"
-            )));
-        }
+        let full_every = full_every(j, family, sliding_window)?;
+        let vocab = j.size("vocab_size")?;
+        let pad_token =
+            match j.get("pad_token_id") {
+                None => None,
+                Some(v) => Some(v.as_i64().filter(|p| (0..vocab).contains(p)).ok_or_else(
+                    || {
+                        j.field(format!(
+                            "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
+                        ))
+                    },
+                )?),
+            };
+        let sandwich = family.sandwich();
         Ok(Self {
             family,
-            vocab: j.size("vocab_size")?,
+            vocab,
             hidden,
             intermediate: j.size("intermediate_size")?,
             layers: j.size("num_hidden_layers")?,
@@ -259,17 +392,54 @@ impl LlamaConfig {
             kv_heads,
             head_dim,
             eps: j.number_or("rms_norm_eps", 1e-6)?,
-            rope_theta: j.number_or("rope_theta", 10000.0)?,
+            rope_theta: j.number_or(
+                "rope_theta",
+                if family == Family::Gemma3 {
+                    1e6
+                } else {
+                    10000.0
+                },
+            )?,
             rope_scaling: rope_scaling(j)?,
             positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
             mlp_bias: j.flag_or("mlp_bias", false)?,
             sliding_window,
-            tied: j.flag_or("tie_word_embeddings", false)?,
+            tied: j.flag_or("tie_word_embeddings", gemma)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            activation,
+            pad_token,
+            query_scalar: match sandwich {
+                true => Some(j.number_or("query_pre_attn_scalar", 256.0)?),
+                false => None,
+            },
+            attn_softcap: match family {
+                Family::Gemma2 => j.number_or_null("attn_logit_softcapping", Some(50.0))?,
+                Family::Gemma3 => j.number_or_null("attn_logit_softcapping", None)?,
+                _ => None,
+            },
+            final_softcap: match family {
+                Family::Gemma2 => j.number_or_null("final_logit_softcapping", Some(30.0))?,
+                Family::Gemma3 => j.number_or_null("final_logit_softcapping", None)?,
+                _ => None,
+            },
+            full_every,
+            local_rope_theta: match family {
+                Family::Gemma3 => Some(j.number_or("rope_local_base_freq", 10000.0)?),
+                _ => None,
+            },
         })
+    }
+
+    /// Layer `l`'s sliding window: `None` when it attends to every
+    /// earlier token.
+    pub fn window(&self, l: i64) -> Option<i64> {
+        match self.full_every {
+            Some(n) if (l + 1) % n == 0 => None,
+            _ => self.sliding_window,
+        }
     }
 
     /// The parameters of each unit a [`Llama`] wraps, by its name
@@ -289,7 +459,8 @@ impl LlamaConfig {
             + (q * d + bias(self.o_bias, d))
             + bias(self.qk_norm, 2 * hd);
         let mlp = 2 * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
-        let layer = 2 * d + attention + mlp;
+        let norms = if self.family.sandwich() { 4 } else { 2 };
+        let layer = norms * d + attention + mlp;
         let mut units = vec![("model.embed_tokens".to_string(), v * d)];
         units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer)));
         if !self.tied {
@@ -329,7 +500,8 @@ impl LlamaConfig {
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            self.family.activation_key(): self.activation.name(),
+            "pad_token_id": self.pad_token,
             "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": rope_scaling,
@@ -348,12 +520,81 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "use_sliding_window": false,
             }),
+            Family::Gemma => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Gemma2 | Family::Gemma3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+                "query_pre_attn_scalar": self.query_scalar,
+                "attn_logit_softcapping": self.attn_softcap,
+                "final_logit_softcapping": self.final_softcap,
+                "rope_local_base_freq": self.local_rope_theta,
+            }),
         };
+        if self.full_every.is_some() {
+            let kinds: Vec<&str> = (0..self.layers)
+                .map(|l| match self.window(l) {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            json["layer_types"] = kinds.into();
+        }
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
         format!("{json:#}\n")
     }
+}
+
+/// Which layers attend to every earlier token when the model has a
+/// sliding window ([`LlamaConfig::full_every`]): read from `layer_types`
+/// when the config lists them, else the family's (Gemma 2: every other
+/// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
+fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
+    let default = match family {
+        Family::Gemma2 => Some(2),
+        Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
+        _ => None,
+    };
+    let Some(v) = j.get("layer_types") else {
+        return Ok(default);
+    };
+    let list = v.as_array().map(|kinds| {
+        (kinds.iter())
+            .map(|k| match k.as_str() {
+                Some("full_attention") => Some(true),
+                Some("sliding_attention") => Some(false),
+                _ => None,
+            })
+            .collect::<Option<Vec<bool>>>()
+    });
+    let Some(Some(full)) = list else {
+        return Err(j.field(format!(
+            "layer_types {v}: a list of \"full_attention\" and \"sliding_attention\""
+        )));
+    };
+    let layers = j.size("num_hidden_layers")?;
+    if full.len() as i64 != layers {
+        return Err(j.field(format!(
+            "layer_types lists {} layers, num_hidden_layers is {layers}",
+            full.len()
+        )));
+    }
+    // The first global layer's position is the period; every layer
+    // sliding has none.
+    let every = full.iter().position(|&f| f).map(|i| i as i64 + 1);
+    let global = |l: usize| every.is_some_and(|n| (l as i64 + 1) % n == 0);
+    if full.iter().enumerate().any(|(l, &f)| f != global(l)) {
+        return Err(j.field(format!(
+            "layer_types {v}: this Llama computes every n-th layer's attention full and the others' in the window"
+        )));
+    }
+    if every != Some(1) && window.is_none() {
+        return Err(j.field(format!(
+            "layer_types {v} has sliding_attention layers and no sliding_window"
+        )));
+    }
+    Ok(every)
 }
 
 /// The config's `rope_scaling`: none, or a kind this model computes.
@@ -411,18 +652,26 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 }
 
 /// Llama's RMSNorm: `weight * x / sqrt(mean(x^2) + eps)`, the statistic in
-/// fp32.
+/// fp32; Gemma's (`offset`): `x / sqrt(mean(x^2) + eps) * (1 + weight)`,
+/// all of it in fp32 (its weights are offsets from one, zero when new).
 #[derive(Debug)]
 struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    offset: bool,
 }
 
 impl RmsNorm {
-    fn new(p: nn::Path, width: i64, eps: f64) -> Self {
+    fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
+        let offset = c.family.gemma();
+        let weight = match offset {
+            true => p.zeros("weight", &[width]),
+            false => p.ones("weight", &[width]),
+        };
         Self {
-            weight: p.ones("weight", &[width]),
-            eps,
+            weight,
+            eps: c.eps,
+            offset,
         }
     }
 }
@@ -432,7 +681,10 @@ impl Module for RmsNorm {
         let h = x.to_kind(Kind::Float);
         let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
         let h = h * (var + self.eps).rsqrt();
-        &self.weight * h.to_kind(x.kind())
+        match self.offset {
+            true => (h * (self.weight.to_kind(Kind::Float) + 1.0)).to_kind(x.kind()),
+            false => &self.weight * h.to_kind(x.kind()),
+        }
     }
 }
 
@@ -458,33 +710,53 @@ pub struct Layer {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
-    /// Qwen3's per-head query and key norms.
+    /// Qwen3's and Gemma 3's per-head query and key norms.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Gemma 2's and 3's norms before and after the MLP (with them,
+    /// `post_attention_layernorm` normalises the attention's output).
+    feedforward_norms: Option<(RmsNorm, RmsNorm)>,
     /// The rotary embedding's inverse frequencies ([`inv_freq`]).
     inv_freq: Tensor,
+    /// Its sliding window ([`LlamaConfig::window`]).
+    window: Option<i64>,
     training: Training,
     cfg: LlamaConfig,
 }
 
 impl Layer {
-    fn new(p: &nn::Path, c: &LlamaConfig, training: &Training) -> Self {
+    /// Decoder layer `l` under `p`.
+    fn new(p: &nn::Path, l: i64, c: &LlamaConfig, training: &Training) -> Self {
         let (a, m) = (p / "self_attn", p / "mlp");
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
+        let window = c.window(l);
+        // Gemma 3's windowed layers turn at a base of their own, unscaled.
+        let rope = match (window, c.local_rope_theta) {
+            (Some(_), Some(theta)) => (theta, RopeScaling::None),
+            _ => (c.rope_theta, c.rope_scaling),
+        };
         Self {
-            input_layernorm: RmsNorm::new(p / "input_layernorm", d, c.eps),
+            input_layernorm: RmsNorm::new(p / "input_layernorm", d, c),
             q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, qkv),
             k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
             v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
             o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
-            post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c.eps),
+            post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c),
             gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
             up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
             qk_norm: c.qk_norm.then(|| {
-                let norm = |n: &str| RmsNorm::new(&a / n, hd, c.eps);
+                let norm = |n: &str| RmsNorm::new(&a / n, hd, c);
                 (norm("q_norm"), norm("k_norm"))
             }),
-            inv_freq: inv_freq(c, p.device()),
+            feedforward_norms: c.family.sandwich().then(|| {
+                let norm = |n: &str| RmsNorm::new(p / n, d, c);
+                (
+                    norm("pre_feedforward_layernorm"),
+                    norm("post_feedforward_layernorm"),
+                )
+            }),
+            inv_freq: inv_freq(c.head_dim, rope.0, rope.1, p.device()),
+            window,
             training: training.clone(),
             cfg: *c,
         }
@@ -494,13 +766,12 @@ impl Layer {
 /// The rotary embedding's inverse frequencies, `[head_dim / 2]` in fp32,
 /// computed as `transformers` computes them (each operation in its
 /// order, so that the angles are its to the bit): `theta^(-2i/d)`, scaled
-/// as `rope_scaling` says.
-fn inv_freq(c: &LlamaConfig, device: tch::Device) -> Tensor {
-    let hd = c.head_dim;
+/// as `scaling` says.
+fn inv_freq(hd: i64, theta: f64, scaling: RopeScaling, device: tch::Device) -> Tensor {
     let exponents =
         Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
-    let inv = Tensor::pow_scalar(c.rope_theta, &exponents).reciprocal();
-    match c.rope_scaling {
+    let inv = Tensor::pow_scalar(theta, &exponents).reciprocal();
+    match scaling {
         RopeScaling::None => inv,
         RopeScaling::Linear { factor } => inv / factor,
         RopeScaling::Llama3 {
@@ -556,27 +827,75 @@ impl Module for Layer {
         let q = rope(&heads(&self.q_proj, c.heads, qn), &self.inv_freq);
         let k = rope(&heads(&self.k_proj, c.kv_heads, kn), &self.inv_freq);
         let v = heads(&self.v_proj, c.kv_heads, None);
-        let grouped = c.kv_heads != c.heads;
-        // Within a sliding window shorter than the sequence, a token sees
-        // itself and the `w - 1` before it; else every earlier token.
-        let window = c.sliding_window.filter(|&w| w < t).map(|w| {
-            let i = Tensor::arange(t, (Kind::Int64, x.device()));
-            let back = i.unsqueeze(1) - i.unsqueeze(0);
-            back.ge(0).logical_and(&back.lt(w))
-        });
-        let causal = window.is_none();
-        let dropout = self.training.attention(c.attention_dropout);
-        let a = Tensor::scaled_dot_product_attention(
-            &q, &k, &v, window, dropout, causal, None, grouped,
-        );
+        let a = self.attention(&q, &k, &v);
         let a = a
             .transpose(1, 2)
             .contiguous()
             .view([b, t, c.heads * c.head_dim]);
-        let x = x + self.o_proj.forward(&a);
-        let h = self.post_attention_layernorm.forward(&x);
-        let m = self.gate_proj.forward(&h).silu() * self.up_proj.forward(&h);
-        &x + self.down_proj.forward(&m)
+        let a = self.o_proj.forward(&a);
+        // Gemma 2 and 3 normalise each sublayer's output, and the MLP's
+        // input with a norm of its own.
+        let (x, h) = match &self.feedforward_norms {
+            None => {
+                let x = x + a;
+                let h = self.post_attention_layernorm.forward(&x);
+                (x, h)
+            }
+            Some((pre, _)) => {
+                let x = x + self.post_attention_layernorm.forward(&a);
+                let h = pre.forward(&x);
+                (x, h)
+            }
+        };
+        let m = c.activation.apply(&self.gate_proj.forward(&h)) * self.up_proj.forward(&h);
+        let m = self.down_proj.forward(&m);
+        match &self.feedforward_norms {
+            None => &x + m,
+            Some((_, post)) => &x + post.forward(&m),
+        }
+    }
+}
+
+impl Layer {
+    /// Causal grouped-query attention of `q` `[batch, heads, seq, hd]`
+    /// over `k` and `v` (`kv_heads` heads), in the layer's window,
+    /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
+    /// scores are soft-capped (Gemma 2), `transformers`' eager attention
+    /// operation for operation (the fused kernel cannot cap them).
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let c = &self.cfg;
+        let t = q.size()[2];
+        // Within a sliding window shorter than the sequence, a token sees
+        // itself and the `w - 1` before it; else every earlier token.
+        let visible = |w: i64| {
+            let i = Tensor::arange(t, (Kind::Int64, q.device()));
+            let back = i.unsqueeze(1) - i.unsqueeze(0);
+            back.ge(0).logical_and(&back.lt(w))
+        };
+        let dropout = self.training.attention(c.attention_dropout);
+        let scale = c.query_scalar.map(|s| s.powf(-0.5));
+        let Some(cap) = c.attn_softcap else {
+            let window = self.window.filter(|&w| w < t).map(visible);
+            let causal = window.is_none();
+            let grouped = c.kv_heads != c.heads;
+            return Tensor::scaled_dot_product_attention(
+                q, k, v, window, dropout, causal, scale, grouped,
+            );
+        };
+        let groups = c.heads / c.kv_heads;
+        let (k, v) = (
+            k.repeat_interleave_self_int(groups, 1, None),
+            v.repeat_interleave_self_int(groups, 1, None),
+        );
+        let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
+        let scores = q.matmul(&k.transpose(2, 3)) * scale;
+        let scores = (scores / cap).tanh() * cap;
+        let visible = visible(self.window.unwrap_or(t + 1));
+        let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+        let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
+        self.training
+            .dropout(weights, c.attention_dropout)
+            .matmul(&v)
     }
 }
 
@@ -627,9 +946,9 @@ impl Llama {
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
-        let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg.eps);
+        let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg);
         let embed_path = &m / "embed_tokens";
-        let embed = token_embedding(&embed_path, cfg.vocab, cfg.hidden);
+        let embed = token_embedding(&embed_path, cfg.vocab, cfg.hidden, cfg.pad_token);
         let embed = match cfg.tied {
             true => Err(ShardedModule::new(plan, &embed_path, TiedEmbedding(embed))),
             false => Ok(ShardedModule::new(plan, &embed_path, embed)),
@@ -638,7 +957,7 @@ impl Llama {
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
-                let run = Run::new(Layer::new(&lp, cfg, &training), checkpointed);
+                let run = Run::new(Layer::new(&lp, i, cfg, &training), checkpointed);
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
@@ -669,17 +988,31 @@ impl Llama {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        let mut x = match &self.ends {
+        let embedded = match &self.ends {
             Ends::Tied(e) => e.forward(tokens),
             Ends::Apart { embed, .. } => embed.forward(tokens),
+        };
+        let mut x = match self.cfg.family.gemma() {
+            false => embedded,
+            true => {
+                // The width's square root in the embeddings' dtype, as
+                // `transformers` rounds it (to 55.5 for 3072 in bf16).
+                let root = Tensor::from((self.cfg.hidden as f64).sqrt() as f32);
+                let root = root.to_kind(embedded.kind()).to_device(embedded.device());
+                embedded * root
+            }
         };
         for l in &self.layers {
             x = l.forward(&x);
         }
         let x = self.norm.forward(&x);
-        match &self.ends {
+        let logits = match &self.ends {
             Ends::Tied(e) => e.forward(&x),
             Ends::Apart { head, .. } => head.forward(&x),
+        };
+        match self.cfg.final_softcap {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
         }
     }
 
@@ -745,6 +1078,13 @@ pub(crate) mod tests {
             tied: true,
             attention_dropout: 0.0,
             qk_norm: false,
+            activation: Activation::Silu,
+            pad_token: None,
+            query_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
+            full_every: None,
+            local_rope_theta: None,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
@@ -766,7 +1106,7 @@ pub(crate) mod tests {
         assert_eq!((m.family, m.sliding_window), (Family::Mistral, Some(4096)));
         // Qwen3 normalises queries and keys, biases only when
         // attention_bias; layer_types all full attention is every layer's.
-        let full = r#""full_attention", "full_attention""#;
+        let full = vec![r#""full_attention""#; 16].join(", ");
         let qwen3 = good.replace(
             r#""llama""#,
             &format!(r#""qwen3", "attention_bias": true, "layer_types": [{full}]"#),
@@ -784,8 +1124,10 @@ pub(crate) mod tests {
                 cfg
             );
         }
+        let full_sliding = r#""full_attention", "sliding_attention""#;
+        let sliding_full = r#""sliding_attention", "full_attention""#;
         for (from, to, says) in [
-            (r#""llama""#, r#""gemma""#, "model_type Some(\"gemma\")"),
+            (r#""llama""#, r#""gemma4""#, "model_type Some(\"gemma4\")"),
             (
                 r#""high_freq_factor": 4.0, "#,
                 "",
@@ -803,10 +1145,36 @@ pub(crate) mod tests {
             ),
             (
                 r#""llama""#,
-                r#""qwen3", "layer_types": ["full_attention", "sliding_attention"]"#,
-                "layer_types holds \"sliding_attention\"",
+                &format!(
+                    r#""qwen3", "layer_types": [{}]"#,
+                    [full_sliding; 8].join(", ")
+                ),
+                "every n-th layer's attention full",
             ),
-            (r#""silu""#, r#""gelu""#, "hidden_act \"gelu\""),
+            (
+                r#""llama""#,
+                &format!(
+                    r#""qwen3", "layer_types": [{}]"#,
+                    [sliding_full; 8].join(", ")
+                ),
+                "has sliding_attention layers and no sliding_window",
+            ),
+            (
+                r#""llama""#,
+                r#""llama", "layer_types": ["full_attention"]"#,
+                "layer_types lists 1 layers, num_hidden_layers is 16",
+            ),
+            (r#""silu""#, r#""relu""#, "hidden_act \"relu\""),
+            (
+                r#""llama""#,
+                r#""llama", "pad_token_id": 128256"#,
+                "pad_token_id 128256 is not a token id",
+            ),
+            (
+                r#""llama""#,
+                r#""gemma3_text", "use_bidirectional_attention": true"#,
+                "use_bidirectional_attention true",
+            ),
             (
                 r#""num_key_value_heads": 8"#,
                 r#""num_key_value_heads": 5"#,
@@ -822,6 +1190,87 @@ pub(crate) mod tests {
             let err = LlamaConfig::from_hf_dir(&dir).unwrap_err().to_string();
             assert!(err.contains(says) && err.contains("config.json"), "{err}");
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn gemma_configs_are_read_as_transformers_reads_them_and_counted() {
+        let dir = std::env::temp_dir().join(format!("zrt-gemma-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Gemma 2 2B's and Gemma 3 1B's config.json; their parameter
+        // counts are transformers' (2614341888, 999885952).
+        let gemma2 = r#"{"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000}"#;
+        let gemma3 = r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106], "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144}"#;
+        let read = |text: &str| {
+            std::fs::write(dir.join("config.json"), text).unwrap();
+            LlamaConfig::from_hf_dir(&dir)
+        };
+        let g2 = read(gemma2).unwrap();
+        assert_eq!(
+            (g2.family, g2.activation, g2.pad_token, g2.tied, g2.head_dim),
+            (Family::Gemma2, Activation::GeluTanh, Some(0), true, 256)
+        );
+        assert_eq!(
+            (g2.query_scalar, g2.attn_softcap, g2.final_softcap),
+            (Some(256.0), Some(50.0), Some(30.0))
+        );
+        assert_eq!((g2.sliding_window, g2.full_every), (Some(4096), Some(2)));
+        assert_eq!((g2.window(0), g2.window(1)), (Some(4096), None));
+        let g3 = read(gemma3).unwrap();
+        assert_eq!(
+            (g3.family, g3.qk_norm, g3.attn_softcap, g3.final_softcap),
+            (Family::Gemma3, true, None, None)
+        );
+        assert_eq!(
+            (g3.rope_theta, g3.local_rope_theta, g3.full_every),
+            (1e6, Some(10000.0), Some(6))
+        );
+        let globals: Vec<i64> = (0..26).filter(|&l| g3.window(l).is_none()).collect();
+        assert_eq!(globals, [5, 11, 17, 23]);
+        let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+        assert_eq!((total(&g2), total(&g3)), (2614341888, 999885952));
+        // Left out: the family's defaults (Gemma: tied, head_dim 256,
+        // the tanh GELU; Gemma 2: the caps, a window, every other layer).
+        let bare = r#"{"model_type": "gemma2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}"#;
+        let b = read(bare).unwrap();
+        assert_eq!(
+            (
+                b.tied,
+                b.head_dim,
+                b.activation,
+                b.sliding_window,
+                b.full_every
+            ),
+            (true, 256, Activation::GeluTanh, Some(4096), Some(2))
+        );
+        assert_eq!((b.attn_softcap, b.final_softcap), (Some(50.0), Some(30.0)));
+        // Gemma reads hidden_act (exact GELU in Gemma 1's releases), its
+        // sequels hidden_activation.
+        let g1 = read(
+            &bare
+                .replace("gemma2", "gemma")
+                .replace("{", r#"{"hidden_act": "gelu", "#),
+        )
+        .unwrap();
+        assert_eq!(
+            (g1.activation, g1.full_every, g1.sliding_window),
+            (Activation::Gelu, None, None)
+        );
+        // What the model writes it reads back.
+        for cfg in [g1, g2, g3, b] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
+        }
+        // Windowed layers in another order than every n-th global.
+        let odd = gemma3.replace(
+            r#""sliding_window_pattern": 6"#,
+            r#""num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention", "full_attention"]"#,
+        ).replace(r#""num_hidden_layers": 26, "#, "");
+        let err = read(&odd).unwrap_err().to_string();
+        assert!(err.contains("every n-th layer's attention full"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -866,6 +1315,13 @@ pub(crate) mod tests {
             tied: false,
             attention_dropout: 0.0,
             qk_norm: false,
+            activation: Activation::Silu,
+            pad_token: None,
+            query_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
+            full_every: None,
+            local_rope_theta: None,
         };
         let variants = [
             base,
@@ -879,6 +1335,17 @@ pub(crate) mod tests {
             },
             LlamaConfig {
                 family: Family::Qwen3,
+                qk_norm: true,
+                tied: true,
+                ..base
+            },
+            LlamaConfig {
+                family: Family::Gemma2,
+                tied: true,
+                ..base
+            },
+            LlamaConfig {
+                family: Family::Gemma3,
                 qk_norm: true,
                 tied: true,
                 ..base

@@ -1227,6 +1227,14 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
             "494032768 params in 25 units",
             "the largest, `model.embed_tokens` (136134656 params), adds up to 1.01 GiB",
         ),
+        // Gemma 3 1B (tied, four norms a layer, query and key norms): its
+        // count is transformers' for this config.
+        (
+            "gemma3",
+            r#"{"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "attn_logit_softcapping": null, "final_logit_softcapping": null, "pad_token_id": 0, "max_position_embeddings": 32768}"#,
+            "999885952 params in 27 units",
+            "the largest, `model.embed_tokens` (301989888 params), adds up to 2.25 GiB",
+        ),
     ] {
         let config = dir.join(format!("{name}.json"));
         std::fs::write(&config, json).unwrap();
@@ -1248,15 +1256,15 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let gemma = dir.join("gemma.json");
-    std::fs::write(&gemma, r#"{"model_type": "gemma"}"#).unwrap();
+    let phi = dir.join("phi3.json");
+    std::fs::write(&phi, r#"{"model_type": "phi3"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        gemma.to_str().unwrap(),
+        phi.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(!ok && out.contains("model_type Some(\"gemma\")"), "{out}");
+    assert!(!ok && out.contains("model_type Some(\"phi3\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,10 +24,12 @@ const STEPS: i64 = 3;
 const SEQ: i64 = 16;
 
 /// A layout under test: Python importing its config class as `C` and
-/// its model class as `M`, and the config's arguments.
+/// its model class as `M`, and the config's arguments; `load`, what
+/// `from_pretrained` is given besides the directory.
 struct Case {
     name: &'static str,
     python: (&'static str, &'static str),
+    load: &'static str,
 }
 
 const CASES: &[Case] = &[
@@ -37,6 +39,7 @@ const CASES: &[Case] = &[
             "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
             "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
         ),
+        load: "",
     },
     // Grouped-query attention (2 key-value heads for 4), the head apart.
     Case {
@@ -45,6 +48,7 @@ const CASES: &[Case] = &[
             "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
         ),
+        load: "",
     },
     // The head tied, biases everywhere, a head_dim of its own, another theta.
     Case {
@@ -53,6 +57,7 @@ const CASES: &[Case] = &[
             "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=500000.0",
         ),
+        load: "",
     },
     // Llama 3.1's rope scaling, its wavelengths in all three of its
     // regimes (kept, interpolated, divided).
@@ -62,6 +67,7 @@ const CASES: &[Case] = &[
             "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 64}",
         ),
+        load: "",
     },
     // Mistral with a sliding window shorter than the sequence.
     Case {
@@ -70,6 +76,7 @@ const CASES: &[Case] = &[
             "from transformers import MistralConfig as C, MistralForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5",
         ),
+        load: "",
     },
     // Qwen2: biases on q, k and v only, the head tied.
     Case {
@@ -78,6 +85,40 @@ const CASES: &[Case] = &[
             "from transformers import Qwen2Config as C, Qwen2ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True",
         ),
+        load: "",
+    },
+    // Gemma: norms offset from one, scaled embeddings, the exact GELU of
+    // its releases' `hidden_act`, the head tied, row 0 (`pad_token_id`)
+    // of the embedding left out of the lookup's gradient.
+    Case {
+        name: "gemma",
+        python: (
+            "from transformers import GemmaConfig as C, GemmaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, hidden_act='gelu'",
+        ),
+        load: "",
+    },
+    // Gemma 2: sublayers' outputs normalised, a window on the first layer
+    // and not the second, caps tight enough to matter, scores scaled by
+    // query_pre_attn_scalar. transformers caps the scores in its eager
+    // attention only (its sdpa path leaves them uncapped).
+    Case {
+        name: "gemma2",
+        python: (
+            "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=2.0, attn_implementation='eager'",
+        ),
+        load: ", attn_implementation='eager'",
+    },
+    // Gemma 3: queries and keys normalised, the windowed layers' rotary
+    // base their own and the global one's scaled.
+    Case {
+        name: "gemma3",
+        python: (
+            "from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, layer_types=['sliding_attention', 'full_attention', 'sliding_attention'], query_pre_attn_scalar=24, rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={'rope_type': 'linear', 'factor': 2.0}",
+        ),
+        load: "",
     },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
@@ -87,6 +128,7 @@ const CASES: &[Case] = &[
             "from transformers import Qwen3Config as C, Qwen3ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True",
         ),
+        load: "",
     },
 ];
 
@@ -131,7 +173,7 @@ fn tuned_losses(case: &Case, dir: &Path, tuned: &Path) -> Vec<f64> {
 import torch
 {import}
 from safetensors.torch import load_file
-m, info = M.from_pretrained("{tuned}", output_loading_info=True)
+m, info = M.from_pretrained("{tuned}", output_loading_info=True{load})
 bad = {{k: v for k, v in info.items() if v}}
 assert not bad, bad
 tokens = load_file("{dir}/reference.safetensors")["tokens"]
@@ -140,6 +182,7 @@ with torch.no_grad():
         print(m(tokens[0, r], labels=tokens[0, r]).loss.item())
 "#,
         import = case.python.0,
+        load = case.load,
         tuned = tuned.display(),
         dir = dir.display()
     );
@@ -178,6 +221,21 @@ fn a_llama_3_1_checkpoint_with_scaled_rotary_embeddings_trains_as_transformers_d
 #[test]
 fn a_mistral_checkpoint_with_a_sliding_window_trains_as_transformers_does() {
     parity("mistral");
+}
+
+#[test]
+fn a_gemma_checkpoint_trains_as_transformers_does() {
+    parity("gemma");
+}
+
+#[test]
+fn a_gemma2_checkpoint_with_soft_caps_and_windowed_layers_trains_as_transformers_does() {
+    parity("gemma2");
+}
+
+#[test]
+fn a_gemma3_checkpoint_with_local_and_global_layers_trains_as_transformers_does() {
+    parity("gemma3");
 }
 
 #[test]

@@ -84,7 +84,7 @@ impl Layout {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some(t) if Family::of(t).is_some() => Self::Llama(LlamaConfig::from_json(&j)?),
             other => return Err(j.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\" and \"gemma3_text\" checkpoints"
+                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\" and \"phi3\" checkpoints"
             ))),
         };
         Ok((layout, j))
@@ -171,7 +171,7 @@ pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
     /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`,
-    /// `gemma2` or `gemma3_text`.
+    /// `gemma2`, `gemma3_text` or `phi3`.
     Llama(Llama),
 }
 
@@ -307,6 +307,11 @@ impl HfJson {
             path: self.path.clone(),
             msg,
         }
+    }
+
+    /// Whether the config has field `key` (null too).
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.json.get(key).is_some()
     }
 
     /// Field `key`, unless absent or null.

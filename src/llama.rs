@@ -83,6 +83,12 @@ pub enum Family {
     /// Qwen3's, every sixth layer global and the others in a window with
     /// rotary embeddings of their own base (`rope_local_base_freq`).
     Gemma3,
+    /// `phi3` (`Phi3ForCausalLM`: Phi-3, Phi-4): Llama's layers with the
+    /// query, key and value projections one matrix (`qkv_proj`) and the
+    /// gate and up projections one (`gate_up_proj`), rotary embeddings
+    /// on a part of each head (`partial_rotary_factor`), dropout on each
+    /// sublayer's output (`resid_pdrop`).
+    Phi3,
 }
 
 impl Family {
@@ -96,6 +102,7 @@ impl Family {
             "gemma" => Some(Self::Gemma),
             "gemma2" => Some(Self::Gemma2),
             "gemma3_text" => Some(Self::Gemma3),
+            "phi3" => Some(Self::Phi3),
             _ => None,
         }
     }
@@ -110,6 +117,7 @@ impl Family {
             Self::Gemma => "gemma",
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -123,6 +131,7 @@ impl Family {
             Self::Gemma => "GemmaForCausalLM",
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -287,6 +296,13 @@ pub struct LlamaConfig {
     /// base, their frequencies unscaled (the global layers' are
     /// `rope_theta`'s, scaled as `rope_scaling` says).
     pub local_rope_theta: Option<f64>,
+    /// Phi-3's `partial_rotary_factor`: the share of each head's
+    /// dimensions the rotary embedding turns, the first ones
+    /// ([`LlamaConfig::rotary_dim`]); 1 for the other families.
+    pub partial_rotary: f64,
+    /// Phi-3's `resid_pdrop`: dropout on each sublayer's output, when
+    /// training.
+    pub resid_dropout: f64,
 }
 
 impl LlamaConfig {
@@ -309,7 +325,7 @@ impl LlamaConfig {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
-                "model_type {family:?}: a Llama is \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\" or \"gemma3_text\""
+                "model_type {family:?}: a Llama is \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\" or \"phi3\""
             )));
         };
         let gemma = family.gemma();
@@ -323,10 +339,12 @@ impl LlamaConfig {
                 ))
             })?,
         };
-        if j.number_or("partial_rotary_factor", 1.0)? != 1.0 {
-            return Err(j.field(
-                "partial_rotary_factor: this Llama rotates every dimension of a head".into(),
-            ));
+        let partial = j.number_or("partial_rotary_factor", 1.0)?;
+        if partial != 1.0 && family != Family::Phi3 {
+            return Err(j.field(format!(
+                "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
+                family.model_type()
+            )));
         }
         if j.flag_or("use_bidirectional_attention", false)? {
             return Err(j.field(
@@ -351,14 +369,15 @@ impl LlamaConfig {
                 )))
             }
         };
-        if head_dim % 2 != 0 {
+        let rotary_dim = rotary_dim(head_dim, partial);
+        if rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim {
             return Err(j.field(format!(
-                "head_dim {head_dim} is odd: rotary embeddings turn pairs"
+                "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
             )));
         }
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
-            Family::Mistral => j.size_or_none("sliding_window")?,
+            Family::Mistral | Family::Phi3 => j.size_or_none("sliding_window")?,
             Family::Gemma2 | Family::Gemma3 => j.size_or_none("sliding_window")?.or(Some(4096)),
             Family::Qwen2 | Family::Qwen3 if j.flag_or("use_sliding_window", false)? => {
                 return Err(j.field(
@@ -370,17 +389,21 @@ impl LlamaConfig {
         };
         let full_every = full_every(j, family, sliding_window)?;
         let vocab = j.size("vocab_size")?;
-        let pad_token =
-            match j.get("pad_token_id") {
-                None => None,
-                Some(v) => Some(v.as_i64().filter(|p| (0..vocab).contains(p)).ok_or_else(
-                    || {
-                        j.field(format!(
-                            "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
-                        ))
-                    },
-                )?),
-            };
+        let bad_pad = |v: &serde_json::Value| {
+            j.field(format!(
+                "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
+            ))
+        };
+        let pad_token = match j.get("pad_token_id") {
+            // Phi-3's config class pads with 32000 unless told.
+            None if family == Family::Phi3 && !j.has("pad_token_id") => Some(32000),
+            None => None,
+            Some(v) => Some(
+                v.as_i64()
+                    .filter(|p| (0..vocab).contains(p))
+                    .ok_or_else(|| bad_pad(v))?,
+            ),
+        };
         let sandwich = family.sandwich();
         Ok(Self {
             family,
@@ -391,7 +414,10 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            eps: j.number_or("rms_norm_eps", 1e-6)?,
+            eps: j.number_or(
+                "rms_norm_eps",
+                if family == Family::Phi3 { 1e-5 } else { 1e-6 },
+            )?,
             rope_theta: j.number_or(
                 "rope_theta",
                 if family == Family::Gemma3 {
@@ -430,7 +456,18 @@ impl LlamaConfig {
                 Family::Gemma3 => Some(j.number_or("rope_local_base_freq", 10000.0)?),
                 _ => None,
             },
+            partial_rotary: partial,
+            resid_dropout: match family {
+                Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
+                _ => 0.0,
+            },
         })
+    }
+
+    /// The dimensions of each head the rotary embedding turns: `head_dim`
+    /// times `partial_rotary_factor`, truncated as `transformers` does.
+    pub fn rotary_dim(&self) -> i64 {
+        rotary_dim(self.head_dim, self.partial_rotary)
     }
 
     /// Layer `l`'s sliding window: `None` when it attends to every
@@ -521,6 +558,11 @@ impl LlamaConfig {
                 "use_sliding_window": false,
             }),
             Family::Gemma => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Phi3 => serde_json::json!({
+                "sliding_window": self.sliding_window,
+                "partial_rotary_factor": self.partial_rotary,
+                "resid_pdrop": self.resid_dropout,
+            }),
             Family::Gemma2 | Family::Gemma3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
@@ -544,6 +586,12 @@ impl LlamaConfig {
         }
         format!("{json:#}\n")
     }
+}
+
+/// The dimensions of a head of `head_dim` the rotary embedding turns
+/// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
+fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
+    (head_dim as f64 * partial) as i64
 }
 
 /// Which layers attend to every earlier token when the model has a
@@ -702,13 +750,10 @@ fn linear(p: &nn::Path, i: i64, o: i64, bias: bool) -> nn::Linear {
 #[derive(Debug)]
 pub struct Layer {
     input_layernorm: RmsNorm,
-    q_proj: nn::Linear,
-    k_proj: nn::Linear,
-    v_proj: nn::Linear,
+    qkv: Qkv,
     o_proj: nn::Linear,
     post_attention_layernorm: RmsNorm,
-    gate_proj: nn::Linear,
-    up_proj: nn::Linear,
+    gate_up: GateUp,
     down_proj: nn::Linear,
     /// Qwen3's and Gemma 3's per-head query and key norms.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -721,6 +766,29 @@ pub struct Layer {
     window: Option<i64>,
     training: Training,
     cfg: LlamaConfig,
+}
+
+/// The query, key and value projections: three matrices, or Phi-3's
+/// one (`qkv_proj`, their rows one after the other).
+#[derive(Debug)]
+enum Qkv {
+    Apart {
+        q_proj: nn::Linear,
+        k_proj: nn::Linear,
+        v_proj: nn::Linear,
+    },
+    Fused(nn::Linear),
+}
+
+/// The MLP's gate and up projections: two matrices, or Phi-3's one
+/// (`gate_up_proj`, the gate's rows first).
+#[derive(Debug)]
+enum GateUp {
+    Apart {
+        gate_proj: nn::Linear,
+        up_proj: nn::Linear,
+    },
+    Fused(nn::Linear),
 }
 
 impl Layer {
@@ -736,13 +804,28 @@ impl Layer {
         };
         Self {
             input_layernorm: RmsNorm::new(p / "input_layernorm", d, c),
-            q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, qkv),
-            k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
-            v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
+            qkv: match c.family {
+                Family::Phi3 => {
+                    let rows = (c.heads + 2 * c.kv_heads) * hd;
+                    Qkv::Fused(linear(&(&a / "qkv_proj"), d, rows, qkv))
+                }
+                _ => Qkv::Apart {
+                    q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, qkv),
+                    k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
+                    v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
+                },
+            },
             o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
             post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c),
-            gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
-            up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+            gate_up: match c.family {
+                Family::Phi3 => {
+                    GateUp::Fused(linear(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
+                }
+                _ => GateUp::Apart {
+                    gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
+                    up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+                },
+            },
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
             qk_norm: c.qk_norm.then(|| {
                 let norm = |n: &str| RmsNorm::new(&a / n, hd, c);
@@ -755,7 +838,7 @@ impl Layer {
                     norm("post_feedforward_layernorm"),
                 )
             }),
-            inv_freq: inv_freq(c.head_dim, rope.0, rope.1, p.device()),
+            inv_freq: inv_freq(c.rotary_dim(), rope.0, rope.1, p.device()),
             window,
             training: training.clone(),
             cfg: *c,
@@ -763,10 +846,10 @@ impl Layer {
     }
 }
 
-/// The rotary embedding's inverse frequencies, `[head_dim / 2]` in fp32,
-/// computed as `transformers` computes them (each operation in its
-/// order, so that the angles are its to the bit): `theta^(-2i/d)`, scaled
-/// as `scaling` says.
+/// The rotary embedding's inverse frequencies, `[hd / 2]` in fp32 (`hd`
+/// the dimensions it turns), computed as `transformers` computes them
+/// (each operation in its order, so that the angles are its to the bit):
+/// `theta^(-2i/hd)`, scaled as `scaling` says.
 fn inv_freq(hd: i64, theta: f64, scaling: RopeScaling, device: tch::Device) -> Tensor {
     let exponents =
         Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
@@ -795,16 +878,30 @@ fn inv_freq(hd: i64, theta: f64, scaling: RopeScaling, device: tch::Device) -> T
 /// Rotary position embedding of `x` `[batch, heads, seq, head_dim]`:
 /// `x * cos + rotate_half(x) * sin`, `rotate_half` turning the second half
 /// of each head's dimensions before the first (`transformers`'
-/// convention), the angles computed in fp32 from `inv_freq`.
+/// convention), the angles computed in fp32 from `inv_freq`. Only the
+/// first `2 * inv_freq.len()` dimensions turn (all but under Phi-3's
+/// `partial_rotary_factor`); the rest pass as they are.
 fn rope(x: &Tensor, inv_freq: &Tensor) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
+    let rd = 2 * inv_freq.size()[0];
     let opts = (Kind::Float, x.device());
     let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     let (cos, sin) = (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()));
-    let (x1, x2) = (x.narrow(-1, 0, hd / 2), x.narrow(-1, hd / 2, hd / 2));
+    let turned = match rd < hd {
+        true => x.narrow(-1, 0, rd),
+        false => x.shallow_clone(),
+    };
+    let (x1, x2) = (
+        turned.narrow(-1, 0, rd / 2),
+        turned.narrow(-1, rd / 2, rd / 2),
+    );
     let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
-    x * cos + rotated * sin
+    let turned = turned * cos + rotated * sin;
+    match rd < hd {
+        true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
+        false => turned,
+    }
 }
 
 impl Module for Layer {
@@ -812,8 +909,24 @@ impl Module for Layer {
         let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let c = &self.cfg;
         let h = self.input_layernorm.forward(x);
-        let heads = |proj: &nn::Linear, n: i64, norm: Option<&RmsNorm>| {
-            let x = proj.forward(&h).view([b, t, n, c.head_dim]);
+        let (q, k, v) = match &self.qkv {
+            Qkv::Apart {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
+            Qkv::Fused(qkv) => {
+                let qkv = qkv.forward(&h);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                (
+                    qkv.narrow(-1, 0, q),
+                    qkv.narrow(-1, q, kv),
+                    qkv.narrow(-1, q + kv, kv),
+                )
+            }
+        };
+        let heads = |x: Tensor, n: i64, norm: Option<&RmsNorm>| {
+            let x = x.view([b, t, n, c.head_dim]);
             let x = match norm {
                 Some(norm) => norm.forward(&x),
                 None => x,
@@ -824,15 +937,17 @@ impl Module for Layer {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
-        let q = rope(&heads(&self.q_proj, c.heads, qn), &self.inv_freq);
-        let k = rope(&heads(&self.k_proj, c.kv_heads, kn), &self.inv_freq);
-        let v = heads(&self.v_proj, c.kv_heads, None);
+        let q = rope(&heads(q, c.heads, qn), &self.inv_freq);
+        let k = rope(&heads(k, c.kv_heads, kn), &self.inv_freq);
+        let v = heads(v, c.kv_heads, None);
         let a = self.attention(&q, &k, &v);
         let a = a
             .transpose(1, 2)
             .contiguous()
             .view([b, t, c.heads * c.head_dim]);
-        let a = self.o_proj.forward(&a);
+        let a = self
+            .training
+            .dropout(self.o_proj.forward(&a), c.resid_dropout);
         // Gemma 2 and 3 normalise each sublayer's output, and the MLP's
         // input with a norm of its own.
         let (x, h) = match &self.feedforward_norms {
@@ -847,8 +962,18 @@ impl Module for Layer {
                 (x, h)
             }
         };
-        let m = c.activation.apply(&self.gate_proj.forward(&h)) * self.up_proj.forward(&h);
-        let m = self.down_proj.forward(&m);
+        let (gate, up) = match &self.gate_up {
+            GateUp::Apart { gate_proj, up_proj } => (gate_proj.forward(&h), up_proj.forward(&h)),
+            GateUp::Fused(gate_up) => {
+                let both = gate_up.forward(&h);
+                let i = c.intermediate;
+                (both.narrow(-1, 0, i), both.narrow(-1, i, i))
+            }
+        };
+        let m = c.activation.apply(&gate) * up;
+        let m = self
+            .training
+            .dropout(self.down_proj.forward(&m), c.resid_dropout);
         match &self.feedforward_norms {
             None => &x + m,
             Some((_, post)) => &x + post.forward(&m),
@@ -1085,6 +1210,8 @@ pub(crate) mod tests {
             final_softcap: None,
             full_every: None,
             local_rope_theta: None,
+            partial_rotary: 1.0,
+            resid_dropout: 0.0,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
@@ -1274,6 +1401,67 @@ pub(crate) mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn a_phi3_config_is_read_as_transformers_reads_it_and_counted() {
+        let dir = std::env::temp_dir().join(format!("zrt-phi3-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Phi-3-mini-4k-instruct's config.json; 3821079552 parameters as
+        // transformers builds it.
+        let phi3 = r#"{"architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 32064}"#;
+        let read = |text: &str| {
+            std::fs::write(dir.join("config.json"), text).unwrap();
+            LlamaConfig::from_hf_dir(&dir)
+        };
+        let c = read(phi3).unwrap();
+        assert_eq!(
+            (
+                c.family,
+                c.pad_token,
+                c.sliding_window,
+                c.rotary_dim(),
+                c.eps
+            ),
+            (Family::Phi3, Some(32000), Some(2047), 96, 1e-5)
+        );
+        let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+        assert_eq!(total, 3821079552);
+        // Phi-4-mini's part of each head turns; its longrope is refused.
+        let partial = phi3.replace(
+            r#""resid_pdrop": 0.0"#,
+            r#""resid_pdrop": 0.1, "partial_rotary_factor": 0.75"#,
+        );
+        let p = read(&partial).unwrap();
+        assert_eq!((p.rotary_dim(), p.resid_dropout), (72, 0.1));
+        for cfg in [c, p] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
+        }
+        for (from, to, says) in [
+            (
+                r#""rope_scaling": null"#,
+                r#""rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}"#,
+                "computes the \"linear\" and \"llama3\" kinds only",
+            ),
+            (
+                r#""resid_pdrop": 0.0"#,
+                r#""partial_rotary_factor": 0.7"#,
+                "is 67 dimensions: rotary embeddings turn pairs",
+            ),
+            (
+                r#""model_type": "phi3""#,
+                r#""model_type": "llama", "partial_rotary_factor": 0.5"#,
+                "partial_rotary_factor 0.5: this llama rotates every dimension",
+            ),
+        ] {
+            let err = read(&phi3.replace(from, to)).unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Each unit's parameters as the built model holds them (variables
     /// under the unit's name; the root's those under none).
     pub(crate) fn held_by_unit(vs: &nn::VarStore, units: &[(String, u64)]) -> Vec<(String, u64)> {
@@ -1322,6 +1510,8 @@ pub(crate) mod tests {
             final_softcap: None,
             full_every: None,
             local_rope_theta: None,
+            partial_rotary: 1.0,
+            resid_dropout: 0.0,
         };
         let variants = [
             base,
@@ -1348,6 +1538,11 @@ pub(crate) mod tests {
                 family: Family::Gemma3,
                 qk_norm: true,
                 tied: true,
+                ..base
+            },
+            LlamaConfig {
+                family: Family::Phi3,
+                partial_rotary: 0.75,
                 ..base
             },
         ];

@@ -127,3 +127,23 @@ fn llama_drops_attention_out_as_transformers_does_once_training() {
         1e-5,
     );
 }
+
+#[test]
+fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "phi3",
+        "from transformers import Phi3Config as C, Phi3ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=64, pad_token_id=95, resid_pdrop=0.2, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
+#[test]
+fn gemma2_drops_capped_attention_out_as_transformers_eager_does_once_training() {
+    dropout_parity(
+        "gemma2",
+        "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, attn_logit_softcapping=1.5, final_logit_softcapping=2.0, attention_dropout=0.25, attn_implementation='eager'",
+        1e-5,
+    );
+}

@@ -120,6 +120,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Phi-3: fused q/k/v and gate/up matrices, half of each head turned,
+    // a window shorter than the sequence, a pad row of its own.
+    Case {
+        name: "phi3",
+        python: (
+            "from transformers import Phi3Config as C, Phi3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=64, pad_token_id=95, partial_rotary_factor=0.5, sliding_window=6",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -236,6 +246,11 @@ fn a_gemma2_checkpoint_with_soft_caps_and_windowed_layers_trains_as_transformers
 #[test]
 fn a_gemma3_checkpoint_with_local_and_global_layers_trains_as_transformers_does() {
     parity("gemma3");
+}
+
+#[test]
+fn a_phi3_checkpoint_with_fused_projections_trains_as_transformers_does() {
+    parity("phi3");
 }
 
 #[test]

@@ -1256,15 +1256,18 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let phi = dir.join("phi3.json");
-    std::fs::write(&phi, r#"{"model_type": "phi3"}"#).unwrap();
+    let neox = dir.join("gpt_neox.json");
+    std::fs::write(&neox, r#"{"model_type": "gpt_neox"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        phi.to_str().unwrap(),
+        neox.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(!ok && out.contains("model_type Some(\"phi3\")"), "{out}");
+    assert!(
+        !ok && out.contains("model_type Some(\"gpt_neox\")"),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -30,7 +30,8 @@
 //! [`Llama::set_training`] turns its attention dropout on, where it draws
 //! the masks `transformers` draws from the same seed): RMSNorm computed in
 //! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
-//! `linear` and `llama3` kinds) with cosines and sines computed in fp32,
+//! `linear`, `llama3` and `longrope` kinds) with cosines and sines
+//! computed in fp32,
 //! grouped-query causal attention (in Mistral's sliding window when it
 //! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
 //! MLP; Gemma's norms offset from one, its embeddings scaled, Gemma 2's
@@ -200,7 +201,7 @@ impl Activation {
 
 /// How the rotary embedding's frequencies are scaled: the config's
 /// `rope_scaling`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// None: `rope_theta`'s frequencies.
     None,
@@ -221,11 +222,29 @@ pub enum RopeScaling {
         /// `original_max_position_embeddings`.
         original_positions: f64,
     },
+    /// `"longrope"` (Phi-3.5, Phi-4-mini, Phi-3's 128k releases): each
+    /// frequency divided by its own factor, from `short_factor` for a
+    /// sequence up to `original_positions` long and from `long_factor`
+    /// beyond, the cosines and sines multiplied by `attention_factor`.
+    LongRope {
+        /// `short_factor`: one a rotated pair.
+        short: Vec<f64>,
+        /// `long_factor`: one a rotated pair.
+        long: Vec<f64>,
+        /// `original_max_position_embeddings` (a top-level field; else
+        /// `max_position_embeddings`).
+        original_positions: i64,
+        /// `attention_factor`, or as `transformers` derives it from the
+        /// context's growth `f = max_position_embeddings /
+        /// original_max_position_embeddings` (or `factor`):
+        /// `sqrt(1 + ln f / ln original)`, 1 when `f <= 1`.
+        attention_factor: f64,
+    },
 }
 
 /// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields (and
-/// Mistral's and Qwen2's).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// those of the other [`Family`] members).
+#[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
     /// Which model it is.
     pub family: Family,
@@ -308,14 +327,14 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` `llama`, `mistral`,
-    /// `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3_text`, `hidden_act`
-    /// `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling` none,
-    /// `linear` or `llama3`; a field left out takes the default of the
-    /// family's `transformers` config class. What this model does not
-    /// compute is refused naming the field: other rope scalings
-    /// (`dynamic`, `yarn`, ...), a partial rotary factor, windowed layers
-    /// in any order but every `n`-th global (Qwen's), Gemma 3's
-    /// bidirectional attention.
+    /// `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text` or `phi3`,
+    /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
+    /// none, `linear`, `llama3` or `longrope`; a field left out takes the
+    /// default of the family's `transformers` config class. What this
+    /// model does not compute is refused naming the field: other rope
+    /// scalings (`dynamic`, `yarn`, ...), a partial rotary factor but
+    /// Phi-3's, windowed layers in any order but every `n`-th global
+    /// (Qwen's), Gemma 3's bidirectional attention.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         Self::from_json(&HfJson::read(dir.as_ref(), None)?)
     }
@@ -426,7 +445,7 @@ impl LlamaConfig {
                     10000.0
                 },
             )?,
-            rope_scaling: rope_scaling(j)?,
+            rope_scaling: rope_scaling(j, family, rotary_dim)?,
             positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
@@ -509,7 +528,7 @@ impl LlamaConfig {
 
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
-        let rope_scaling = match self.rope_scaling {
+        let rope_scaling = match &self.rope_scaling {
             RopeScaling::None => serde_json::Value::Null,
             RopeScaling::Linear { factor } => {
                 serde_json::json!({"rope_type": "linear", "factor": factor})
@@ -525,6 +544,21 @@ impl LlamaConfig {
                 "low_freq_factor": low_freq_factor,
                 "high_freq_factor": high_freq_factor,
                 "original_max_position_embeddings": original_positions,
+            }),
+            // Phi-3's config class takes exactly these three keys.
+            RopeScaling::LongRope { short, long, .. } if self.family == Family::Phi3 => {
+                serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long})
+            }
+            RopeScaling::LongRope {
+                short,
+                long,
+                attention_factor,
+                ..
+            } => serde_json::json!({
+                "rope_type": "longrope",
+                "short_factor": short,
+                "long_factor": long,
+                "attention_factor": attention_factor,
             }),
         };
         let mut json = serde_json::json!({
@@ -572,6 +606,12 @@ impl LlamaConfig {
                 "rope_local_base_freq": self.local_rope_theta,
             }),
         };
+        if let RopeScaling::LongRope {
+            original_positions, ..
+        } = &self.rope_scaling
+        {
+            json["original_max_position_embeddings"] = (*original_positions).into();
+        }
         if self.full_every.is_some() {
             let kinds: Vec<&str> = (0..self.layers)
                 .map(|l| match self.window(l) {
@@ -645,8 +685,10 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
     Ok(every)
 }
 
-/// The config's `rope_scaling`: none, or a kind this model computes.
-fn rope_scaling(j: &HfJson) -> Result<RopeScaling, HfError> {
+/// The config's `rope_scaling`: none, or a kind this model computes
+/// (`rotary_dim` the dimensions of a head it turns). Phi-3's config
+/// class reads `"su"` and `"yarn"` as `"longrope"`.
+fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScaling, HfError> {
     let Some(v) = j.get("rope_scaling") else {
         return Ok(RopeScaling::None);
     };
@@ -669,10 +711,59 @@ fn rope_scaling(j: &HfJson) -> Result<RopeScaling, HfError> {
             high_freq_factor: num("high_freq_factor")?,
             original_positions: num("original_max_position_embeddings")?,
         }),
+        Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
+        Some("yarn") if family == Family::Phi3 => long_rope(j, v, rotary_dim),
         _ => Err(j.field(format!(
-            "rope_scaling {v}: this Llama computes the \"linear\" and \"llama3\" kinds only"
+            "rope_scaling {v}: this Llama computes the \"linear\", \"llama3\" and \"longrope\" kinds only"
         ))),
     }
+}
+
+/// The `"longrope"` scaling `v` of a config whose heads turn
+/// `rotary_dim` dimensions ([`RopeScaling::LongRope`]), read as
+/// `transformers` reads it.
+fn long_rope(j: &HfJson, v: &serde_json::Value, rotary_dim: i64) -> Result<RopeScaling, HfError> {
+    let pairs = (rotary_dim / 2) as usize;
+    let factors = |key: &str| {
+        let list = v
+            .get(key)
+            .and_then(|l| l.as_array())
+            .and_then(|l| l.iter().map(|n| n.as_f64()).collect::<Option<Vec<f64>>>());
+        match list {
+            Some(l) if l.len() == pairs => Ok(l),
+            Some(l) => Err(j.field(format!(
+                "rope_scaling: its `{key}` has {} numbers, one for each of the {pairs} pairs a head turns",
+                l.len()
+            ))),
+            None => Err(j.field(format!(
+                "rope_scaling: its `{key}` is missing or not a list of numbers"
+            ))),
+        }
+    };
+    let (short, long) = (factors("short_factor")?, factors("long_factor")?);
+    let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048);
+    // Phi-3 keeps the pretrained length beside the extended one, and
+    // their ratio is the growth; else `factor` says it.
+    let (original_positions, growth) = match j.size_or_none("original_max_position_embeddings")? {
+        Some(o) => (o, Some(positions as f64 / o as f64)),
+        None => (positions, v.get("factor").and_then(|f| f.as_f64())),
+    };
+    let attention_factor = match (v.get("attention_factor").and_then(|a| a.as_f64()), growth) {
+        (Some(a), _) => a,
+        (None, Some(f)) if f <= 1.0 => 1.0,
+        (None, Some(f)) => (1.0 + f.ln() / (original_positions as f64).ln()).sqrt(),
+        (None, None) => {
+            return Err(j.field(
+                "rope_scaling longrope: give `attention_factor`, `factor` or a top-level `original_max_position_embeddings`".into(),
+            ))
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short,
+        long,
+        original_positions,
+        attention_factor,
+    })
 }
 
 /// The [`Llama`] VarStore name of a tensor of a Hugging Face Llama
@@ -760,8 +851,8 @@ pub struct Layer {
     /// Gemma 2's and 3's norms before and after the MLP (with them,
     /// `post_attention_layernorm` normalises the attention's output).
     feedforward_norms: Option<(RmsNorm, RmsNorm)>,
-    /// The rotary embedding's inverse frequencies ([`inv_freq`]).
-    inv_freq: Tensor,
+    /// Its rotary embedding.
+    rotary: Rotary,
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
     training: Training,
@@ -800,7 +891,7 @@ impl Layer {
         // Gemma 3's windowed layers turn at a base of their own, unscaled.
         let rope = match (window, c.local_rope_theta) {
             (Some(_), Some(theta)) => (theta, RopeScaling::None),
-            _ => (c.rope_theta, c.rope_scaling),
+            _ => (c.rope_theta, c.rope_scaling.clone()),
         };
         Self {
             input_layernorm: RmsNorm::new(p / "input_layernorm", d, c),
@@ -838,24 +929,92 @@ impl Layer {
                     norm("post_feedforward_layernorm"),
                 )
             }),
-            inv_freq: inv_freq(c.rotary_dim(), rope.0, rope.1, p.device()),
+            rotary: Rotary::new(c.rotary_dim(), rope.0, &rope.1, p.device()),
             window,
             training: training.clone(),
-            cfg: *c,
+            cfg: c.clone(),
         }
     }
 }
 
-/// The rotary embedding's inverse frequencies, `[hd / 2]` in fp32 (`hd`
-/// the dimensions it turns), computed as `transformers` computes them
-/// (each operation in its order, so that the angles are its to the bit):
-/// `theta^(-2i/hd)`, scaled as `scaling` says.
-fn inv_freq(hd: i64, theta: f64, scaling: RopeScaling, device: tch::Device) -> Tensor {
+/// A layer's rotary embedding: its inverse frequencies, and under
+/// LongRoPE those for a sequence longer than the pretrained one and the
+/// factor on the cosines and sines.
+#[derive(Debug)]
+struct Rotary {
+    inv_freq: Tensor,
+    /// LongRoPE's `long_factor` frequencies, and the longest sequence
+    /// `inv_freq` is for.
+    long: Option<(Tensor, i64)>,
+    /// The cosines' and sines' factor (LongRoPE's `attention_factor`).
+    scale: f64,
+}
+
+impl Rotary {
+    /// Turning `hd` dimensions at base `theta`, scaled as `scaling` says.
+    fn new(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> Self {
+        let long = match scaling {
+            RopeScaling::LongRope {
+                long,
+                original_positions,
+                ..
+            } => Some((
+                divided(&base_powers(hd, theta, device), long),
+                *original_positions,
+            )),
+            _ => None,
+        };
+        let scale = match scaling {
+            RopeScaling::LongRope {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        };
+        Self {
+            inv_freq: inv_freq(hd, theta, scaling, device),
+            long,
+            scale,
+        }
+    }
+
+    /// The inverse frequencies for a sequence of `t` tokens.
+    fn inv_freq(&self, t: i64) -> &Tensor {
+        match &self.long {
+            Some((long, original)) if t > *original => long,
+            _ => &self.inv_freq,
+        }
+    }
+}
+
+/// `theta^(2i/hd)` for each pair `i` a head of `hd` rotated dimensions
+/// turns, `[hd / 2]` in fp32, as `transformers` computes it (each
+/// operation in its order, so that the angles are its to the bit).
+fn base_powers(hd: i64, theta: f64, device: tch::Device) -> Tensor {
     let exponents =
         Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
-    let inv = Tensor::pow_scalar(theta, &exponents).reciprocal();
-    match scaling {
-        RopeScaling::None => inv,
+    Tensor::pow_scalar(theta, &exponents)
+}
+
+/// LongRoPE's inverse frequencies: `1 / (factors * powers)`.
+fn divided(powers: &Tensor, factors: &[f64]) -> Tensor {
+    let factors = Tensor::from_slice(factors)
+        .to_kind(Kind::Float)
+        .to_device(powers.device());
+    (factors * powers).reciprocal()
+}
+
+/// The rotary embedding's inverse frequencies, `[hd / 2]` in fp32 (`hd`
+/// the dimensions it turns), computed as `transformers` computes them:
+/// `theta^(-2i/hd)`, scaled as `scaling` says (LongRoPE's for a sequence
+/// up to the pretrained length).
+fn inv_freq(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> Tensor {
+    let powers = base_powers(hd, theta, device);
+    if let RopeScaling::LongRope { short, .. } = scaling {
+        return divided(&powers, short);
+    }
+    let inv = powers.reciprocal();
+    match *scaling {
+        RopeScaling::None | RopeScaling::LongRope { .. } => inv,
         RopeScaling::Linear { factor } => inv / factor,
         RopeScaling::Llama3 {
             factor,
@@ -878,16 +1037,23 @@ fn inv_freq(hd: i64, theta: f64, scaling: RopeScaling, device: tch::Device) -> T
 /// Rotary position embedding of `x` `[batch, heads, seq, head_dim]`:
 /// `x * cos + rotate_half(x) * sin`, `rotate_half` turning the second half
 /// of each head's dimensions before the first (`transformers`'
-/// convention), the angles computed in fp32 from `inv_freq`. Only the
-/// first `2 * inv_freq.len()` dimensions turn (all but under Phi-3's
-/// `partial_rotary_factor`); the rest pass as they are.
-fn rope(x: &Tensor, inv_freq: &Tensor) -> Tensor {
+/// convention), the angles computed in fp32 from the rotary's inverse
+/// frequencies for the sequence's length (and its cosines and sines
+/// scaled by its factor, in fp32). Only the first `2 * inv_freq.len()`
+/// dimensions turn (all but under Phi-3's `partial_rotary_factor`); the
+/// rest pass as they are.
+fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
+    let inv_freq = rotary.inv_freq(t);
     let rd = 2 * inv_freq.size()[0];
     let opts = (Kind::Float, x.device());
     let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
-    let (cos, sin) = (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()));
+    let (cos, sin) = match rotary.scale {
+        1.0 => (emb.cos(), emb.sin()),
+        s => (emb.cos() * s, emb.sin() * s),
+    };
+    let (cos, sin) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
     let turned = match rd < hd {
         true => x.narrow(-1, 0, rd),
         false => x.shallow_clone(),
@@ -937,8 +1103,8 @@ impl Module for Layer {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
-        let q = rope(&heads(q, c.heads, qn), &self.inv_freq);
-        let k = rope(&heads(k, c.kv_heads, kn), &self.inv_freq);
+        let q = rope(&heads(q, c.heads, qn), &self.rotary);
+        let k = rope(&heads(k, c.kv_heads, kn), &self.rotary);
         let v = heads(v, c.kv_heads, None);
         let a = self.attention(&q, &k, &v);
         let a = a
@@ -1100,7 +1266,7 @@ impl Llama {
             layers,
             norm,
             training,
-            cfg: *cfg,
+            cfg: cfg.clone(),
         }
     }
 
@@ -1263,7 +1429,7 @@ pub(crate) mod tests {
             (
                 r#""rope_scaling": {"#,
                 r#""rope_scaling": {"rope_type": "yarn"}, "was": {"#,
-                "computes the \"linear\" and \"llama3\" kinds only",
+                "computes the \"linear\", \"llama3\" and \"longrope\" kinds only",
             ),
             (
                 r#""llama""#,
@@ -1432,7 +1598,36 @@ pub(crate) mod tests {
         );
         let p = read(&partial).unwrap();
         assert_eq!((p.rotary_dim(), p.resid_dropout), (72, 0.1));
-        for cfg in [c, p] {
+        // Phi-3.5-mini's LongRoPE (its 48 factors each), its context 32
+        // times the pretrained 4096: the cosines' factor is
+        // sqrt(1 + ln 32 / ln 4096). Phi-3's class reads "su" as it.
+        let (short, long): (Vec<f64>, Vec<f64>) = (0..48)
+            .map(|i| (1.0 + i as f64 / 100.0, 1.0 + i as f64))
+            .unzip();
+        let longrope = format!(
+            r#""rope_scaling": {{"type": "su", "short_factor": {short:?}, "long_factor": {long:?}}}, "max_position_embeddings": 131072"#
+        );
+        let l = read(
+            &phi3
+                .replace(r#""rope_scaling": null"#, &longrope)
+                .replace(r#""max_position_embeddings": 4096, "#, ""),
+        )
+        .unwrap();
+        let want = RopeScaling::LongRope {
+            short,
+            long,
+            original_positions: 4096,
+            attention_factor: (1.0 + 32f64.ln() / 4096f64.ln()).sqrt(),
+        };
+        assert_eq!(l.rope_scaling, want);
+        let RopeScaling::LongRope {
+            attention_factor, ..
+        } = want
+        else {
+            unreachable!()
+        };
+        assert!((attention_factor - 1.1902380714238083).abs() < 1e-15);
+        for cfg in [c, p, l] {
             std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
             assert_eq!(
                 LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
@@ -1443,7 +1638,7 @@ pub(crate) mod tests {
             (
                 r#""rope_scaling": null"#,
                 r#""rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}"#,
-                "computes the \"linear\" and \"llama3\" kinds only",
+                "its `short_factor` has 1 numbers, one for each of the 48 pairs a head turns",
             ),
             (
                 r#""resid_pdrop": 0.0"#,
@@ -1514,36 +1709,36 @@ pub(crate) mod tests {
             resid_dropout: 0.0,
         };
         let variants = [
-            base,
+            base.clone(),
             LlamaConfig {
                 tied: true,
                 qkv_bias: true,
                 o_bias: true,
                 mlp_bias: true,
                 head_dim: 8,
-                ..base
+                ..base.clone()
             },
             LlamaConfig {
                 family: Family::Qwen3,
                 qk_norm: true,
                 tied: true,
-                ..base
+                ..base.clone()
             },
             LlamaConfig {
                 family: Family::Gemma2,
                 tied: true,
-                ..base
+                ..base.clone()
             },
             LlamaConfig {
                 family: Family::Gemma3,
                 qk_norm: true,
                 tied: true,
-                ..base
+                ..base.clone()
             },
             LlamaConfig {
                 family: Family::Phi3,
                 partial_rotary: 0.75,
-                ..base
+                ..base.clone()
             },
         ];
         for cfg in variants {

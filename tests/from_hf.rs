@@ -121,12 +121,24 @@ const CASES: &[Case] = &[
         load: "",
     },
     // Phi-3: fused q/k/v and gate/up matrices, half of each head turned,
-    // a window shorter than the sequence, a pad row of its own.
+    // a window shorter than the sequence, a pad row of its own; LongRoPE
+    // on a context twice the pretrained one, the sequence within the
+    // pretrained length (its short factors, cosines scaled by 1.08).
     Case {
         name: "phi3",
         python: (
             "from transformers import Phi3Config as C, Phi3ForCausalLM as M",
-            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=64, pad_token_id=95, partial_rotary_factor=0.5, sliding_window=6",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=64, pad_token_id=95, partial_rotary_factor=0.5, sliding_window=6, rope_scaling={'type': 'longrope', 'short_factor': [1.0, 1.3, 2.1, 3.7], 'long_factor': [1.5, 4.0, 9.5, 20.0]}",
+        ),
+        load: "",
+    },
+    // Phi-3 with a sequence past the pretrained length: LongRoPE's long
+    // factors, cosines scaled by sqrt(2).
+    Case {
+        name: "phi3-long",
+        python: (
+            "from transformers import Phi3Config as C, Phi3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, original_max_position_embeddings=8, pad_token_id=0, rope_scaling={'type': 'longrope', 'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], 'long_factor': [1.5, 2.5, 4.0, 6.5, 9.0, 12.0, 16.0, 20.0]}",
         ),
         load: "",
     },
@@ -251,6 +263,11 @@ fn a_gemma3_checkpoint_with_local_and_global_layers_trains_as_transformers_does(
 #[test]
 fn a_phi3_checkpoint_with_fused_projections_trains_as_transformers_does() {
     parity("phi3");
+}
+
+#[test]
+fn a_phi3_checkpoint_past_its_pretrained_length_turns_by_longropes_long_factors() {
+    parity("phi3-long");
 }
 
 #[test]

@@ -71,7 +71,7 @@ const CARRIED: &[&str] = &[
 /// The configuration of a checkpoint of a layout this crate builds.
 enum Layout {
     Gpt2(Gpt2Config),
-    Llama(LlamaConfig),
+    Llama(Box<LlamaConfig>),
 }
 
 impl Layout {
@@ -82,10 +82,15 @@ impl Layout {
         let j = HfJson::read(config, None)?;
         let layout = match j.model_type().as_deref() {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
-            Some(t) if Family::of(t).is_some() => Self::Llama(LlamaConfig::from_json(&j)?),
-            other => return Err(j.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\", \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\" and \"phi3\" checkpoints"
-            ))),
+            Some(t) if Family::of(t).is_some() => {
+                Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
+            }
+            other => {
+                return Err(j.field(format!(
+                "model_type {other:?}: zrt builds \"gpt2\" and the Llama family's checkpoints ({})",
+                crate::llama::Family::model_types()
+            )))
+            }
         };
         Ok((layout, j))
     }
@@ -170,8 +175,9 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`,
-    /// `gemma2`, `gemma3_text` or `phi3`.
+    /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `qwen2`,
+    /// `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`, `granite`,
+    /// `olmo2`, `olmo3`, `smollm3`).
     Llama(Llama),
 }
 

@@ -1,6 +1,7 @@
 //! Llama as Hugging Face's `transformers` lays it out
-//! (`LlamaForCausalLM`, and Mistral's, Qwen2's, Qwen3's and Gemma 1-3's,
-//! the same layers with variations: see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
+//! (`LlamaForCausalLM`, and Mistral's, Qwen2's, Qwen3's, Gemma 1-3's,
+//! Phi-3's, Granite's, OLMo 2's and 3's and SmolLM3's, the same layers
+//! with variations: see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
 //! without a rank holding the whole model, and a fine-tuned one is
 //! written back for `from_pretrained`.
@@ -90,9 +91,49 @@ pub enum Family {
     /// on a part of each head (`partial_rotary_factor`), dropout on each
     /// sublayer's output (`resid_pdrop`).
     Phi3,
+    /// `granite` (`GraniteForCausalLM`, IBM's Granite 3): Llama's layers,
+    /// the embeddings, each sublayer's output, the attention scores and
+    /// the logits scaled by the config's multipliers.
+    Granite,
+    /// `olmo2` (`Olmo2ForCausalLM`): Llama's layers normalised after
+    /// each sublayer instead of before (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), queries and keys RMS-normalised
+    /// over the whole projection before the heads are split.
+    Olmo2,
+    /// `olmo3` (`Olmo3ForCausalLM`): OLMo 2's layers, all but every
+    /// fourth in a sliding window, whose rotary embeddings are unscaled.
+    Olmo3,
+    /// `smollm3` (`SmolLM3ForCausalLM`): Llama's layers, every fourth
+    /// without rotary embeddings (`no_rope_layers`).
+    SmolLm3,
 }
 
 impl Family {
+    /// Every family, in the order the docs list them.
+    pub const ALL: [Family; 12] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Gemma,
+        Self::Gemma2,
+        Self::Gemma3,
+        Self::Phi3,
+        Self::Granite,
+        Self::Olmo2,
+        Self::Olmo3,
+        Self::SmolLm3,
+    ];
+
+    /// Every family's `model_type`, quoted, comma-separated: what an
+    /// error naming another lists.
+    pub fn model_types() -> String {
+        let quoted: Vec<String> = (Self::ALL.iter())
+            .map(|f| format!("{:?}", f.model_type()))
+            .collect();
+        quoted.join(", ")
+    }
+
     /// Its `model_type`, or `None` for another.
     pub fn of(model_type: &str) -> Option<Self> {
         match model_type {
@@ -104,6 +145,10 @@ impl Family {
             "gemma2" => Some(Self::Gemma2),
             "gemma3_text" => Some(Self::Gemma3),
             "phi3" => Some(Self::Phi3),
+            "granite" => Some(Self::Granite),
+            "olmo2" => Some(Self::Olmo2),
+            "olmo3" => Some(Self::Olmo3),
+            "smollm3" => Some(Self::SmolLm3),
             _ => None,
         }
     }
@@ -119,6 +164,10 @@ impl Family {
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
             Self::Phi3 => "phi3",
+            Self::Granite => "granite",
+            Self::Olmo2 => "olmo2",
+            Self::Olmo3 => "olmo3",
+            Self::SmolLm3 => "smollm3",
         }
     }
 
@@ -133,6 +182,10 @@ impl Family {
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
+            Self::Granite => "GraniteForCausalLM",
+            Self::Olmo2 => "Olmo2ForCausalLM",
+            Self::Olmo3 => "Olmo3ForCausalLM",
+            Self::SmolLm3 => "SmolLM3ForCausalLM",
         }
     }
 
@@ -145,6 +198,24 @@ impl Family {
     /// and 3), the MLP's input by a norm of its own.
     fn sandwich(self) -> bool {
         matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// OLMo's: each sublayer's output normalised, not its input; the
+    /// norms multiply by their weights in fp32; queries and keys
+    /// normalised over the whole projection.
+    fn olmo(self) -> bool {
+        matches!(self, Self::Olmo2 | Self::Olmo3)
+    }
+
+    /// The config class's `pad_token_id` when a config leaves it out.
+    fn default_pad(self) -> Option<i64> {
+        match self {
+            Self::Gemma | Self::Gemma2 | Self::Gemma3 => Some(0),
+            Self::Phi3 => Some(32000),
+            Self::Olmo2 | Self::Olmo3 => Some(1),
+            Self::SmolLm3 => Some(128004),
+            _ => None,
+        }
     }
 
     /// The config field naming the MLP's activation: Gemma 2 and 3 read
@@ -322,12 +393,25 @@ pub struct LlamaConfig {
     /// Phi-3's `resid_pdrop`: dropout on each sublayer's output, when
     /// training.
     pub resid_dropout: f64,
+    /// Granite's `embedding_multiplier`: the embeddings' factor.
+    pub embedding_multiplier: f64,
+    /// Granite's `residual_multiplier`: each sublayer's output's factor
+    /// before it joins the residual.
+    pub residual_multiplier: f64,
+    /// Granite's `attention_multiplier`: the attention scores' factor
+    /// (the head width's inverse square root unless given).
+    pub attention_multiplier: Option<f64>,
+    /// Granite's `logits_scaling`: the logits are divided by it.
+    pub logits_scaling: f64,
+    /// SmolLM3's `no_rope_layers`: for each layer, whether it turns its
+    /// queries and keys (the others attend without positions); `None`:
+    /// every layer turns.
+    pub rope_layers: Option<Vec<bool>>,
 }
 
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
-    /// `save_pretrained` writes it: `model_type` `llama`, `mistral`,
-    /// `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text` or `phi3`,
+    /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
     /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
     /// none, `linear`, `llama3` or `longrope`; a field left out takes the
     /// default of the family's `transformers` config class. What this
@@ -344,7 +428,8 @@ impl LlamaConfig {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
-                "model_type {family:?}: a Llama is \"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\" or \"phi3\""
+                "model_type {family:?}: a Llama is one of {}",
+                Family::model_types()
             )));
         };
         let gemma = family.gemma();
@@ -397,12 +482,16 @@ impl LlamaConfig {
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
             Family::Mistral | Family::Phi3 => j.size_or_none("sliding_window")?,
-            Family::Gemma2 | Family::Gemma3 => j.size_or_none("sliding_window")?.or(Some(4096)),
-            Family::Qwen2 | Family::Qwen3 if j.flag_or("use_sliding_window", false)? => {
-                return Err(j.field(
-                    "use_sliding_window true: this Llama computes Qwen's full-attention layers only"
-                        .into(),
-                ))
+            Family::Gemma2 | Family::Gemma3 | Family::Olmo3 => {
+                j.size_or_none("sliding_window")?.or(Some(4096))
+            }
+            Family::Qwen2 | Family::Qwen3 | Family::SmolLm3
+                if j.flag_or("use_sliding_window", false)? =>
+            {
+                return Err(j.field(format!(
+                    "use_sliding_window true: this Llama computes {}'s full-attention layers only",
+                    family.model_type()
+                )))
             }
             _ => None,
         };
@@ -414,16 +503,32 @@ impl LlamaConfig {
             ))
         };
         let pad_token = match j.get("pad_token_id") {
-            // Phi-3's config class pads with 32000 unless told.
-            None if family == Family::Phi3 && !j.has("pad_token_id") => Some(32000),
+            // Left out, the config class's default (Gemma's 0, ...).
+            None if !j.has("pad_token_id") => family.default_pad().map(serde_json::Value::from),
+            None => None,
+            Some(v) => Some(v.clone()),
+        };
+        let pad_token = match pad_token {
             None => None,
             Some(v) => Some(
                 v.as_i64()
                     .filter(|p| (0..vocab).contains(p))
-                    .ok_or_else(|| bad_pad(v))?,
+                    .ok_or_else(|| bad_pad(&v))?,
             ),
         };
         let sandwich = family.sandwich();
+        let rope_theta = j.number_or(
+            "rope_theta",
+            match family {
+                Family::Gemma3 => 1e6,
+                Family::SmolLm3 => 2e6,
+                _ => 10000.0,
+            },
+        )?;
+        let granite = |key: &str| match family {
+            Family::Granite => j.number_or(key, 1.0),
+            _ => Ok(1.0),
+        };
         Ok(Self {
             family,
             vocab,
@@ -435,25 +540,21 @@ impl LlamaConfig {
             head_dim,
             eps: j.number_or(
                 "rms_norm_eps",
-                if family == Family::Phi3 { 1e-5 } else { 1e-6 },
-            )?,
-            rope_theta: j.number_or(
-                "rope_theta",
-                if family == Family::Gemma3 {
-                    1e6
-                } else {
-                    10000.0
+                match family {
+                    Family::Phi3 | Family::Olmo2 | Family::Olmo3 => 1e-5,
+                    _ => 1e-6,
                 },
             )?,
+            rope_theta,
             rope_scaling: rope_scaling(j, family, rotary_dim)?,
             positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
             mlp_bias: j.flag_or("mlp_bias", false)?,
             sliding_window,
-            tied: j.flag_or("tie_word_embeddings", gemma)?,
+            tied: j.flag_or("tie_word_embeddings", gemma || family == Family::SmolLm3)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3) || family.olmo(),
             activation,
             pad_token,
             query_scalar: match sandwich {
@@ -473,12 +574,25 @@ impl LlamaConfig {
             full_every,
             local_rope_theta: match family {
                 Family::Gemma3 => Some(j.number_or("rope_local_base_freq", 10000.0)?),
+                // OLMo 3's windowed layers turn unscaled.
+                Family::Olmo3 => Some(rope_theta),
                 _ => None,
             },
             partial_rotary: partial,
             resid_dropout: match family {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 _ => 0.0,
+            },
+            embedding_multiplier: granite("embedding_multiplier")?,
+            residual_multiplier: granite("residual_multiplier")?,
+            attention_multiplier: match family {
+                Family::Granite => Some(granite("attention_multiplier")?),
+                _ => None,
+            },
+            logits_scaling: granite("logits_scaling")?,
+            rope_layers: match family {
+                Family::SmolLm3 => Some(rope_layers(j)?),
+                _ => None,
             },
         })
     }
@@ -513,7 +627,11 @@ impl LlamaConfig {
         let attention = (d * q + bias(self.qkv_bias, q))
             + 2 * (d * kv + bias(self.qkv_bias, kv))
             + (q * d + bias(self.o_bias, d))
-            + bias(self.qk_norm, 2 * hd);
+            + match self.family.olmo() {
+                // OLMo's normalise the whole projections, the others a head.
+                true => bias(self.qk_norm, q + kv),
+                false => bias(self.qk_norm, 2 * hd),
+            };
         let mlp = 2 * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         let norms = if self.family.sandwich() { 4 } else { 2 };
         let layer = norms * d + attention + mlp;
@@ -597,6 +715,27 @@ impl LlamaConfig {
                 "partial_rotary_factor": self.partial_rotary,
                 "resid_pdrop": self.resid_dropout,
             }),
+            Family::Granite => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "embedding_multiplier": self.embedding_multiplier,
+                "residual_multiplier": self.residual_multiplier,
+                "attention_multiplier": self.attention_multiplier,
+                "logits_scaling": self.logits_scaling,
+            }),
+            Family::Olmo2 => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Olmo3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+            }),
+            Family::SmolLm3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "use_sliding_window": false,
+                "no_rope_layers": self.rope_layers.as_ref().map(|l| {
+                    l.iter().map(|&r| i64::from(r)).collect::<Vec<_>>()
+                }),
+            }),
             Family::Gemma2 | Family::Gemma3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
@@ -628,6 +767,31 @@ impl LlamaConfig {
     }
 }
 
+/// SmolLM3's `no_rope_layers` (1: the layer turns, 0: it does not), or
+/// every `no_rope_layer_interval`-th layer (4 unless it says) without.
+fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
+    let layers = j.size("num_hidden_layers")?;
+    let Some(v) = j.get("no_rope_layers") else {
+        let every = j.size_or_none("no_rope_layer_interval")?.unwrap_or(4);
+        return Ok((0..layers).map(|l| (l + 1) % every != 0).collect());
+    };
+    let list = v.as_array().and_then(|l| {
+        l.iter()
+            .map(|n| match n.as_i64() {
+                Some(0) => Some(false),
+                Some(1) => Some(true),
+                _ => None,
+            })
+            .collect::<Option<Vec<bool>>>()
+    });
+    match list {
+        Some(l) if l.len() as i64 == layers => Ok(l),
+        _ => Err(j.field(format!(
+            "no_rope_layers {v}: one 1 (turns) or 0 (does not) for each of the {layers} layers"
+        ))),
+    }
+}
+
 /// The dimensions of a head of `head_dim` the rotary embedding turns
 /// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
 fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
@@ -641,6 +805,7 @@ fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
     let default = match family {
         Family::Gemma2 => Some(2),
+        Family::Olmo3 => Some(4),
         Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
         _ => None,
     };
@@ -790,27 +955,43 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
     ExportLayout::new().with_file("config.json", cfg.to_hf_json())
 }
 
-/// Llama's RMSNorm: `weight * x / sqrt(mean(x^2) + eps)`, the statistic in
-/// fp32; Gemma's (`offset`): `x / sqrt(mean(x^2) + eps) * (1 + weight)`,
-/// all of it in fp32 (its weights are offsets from one, zero when new).
+/// An RMSNorm, `x / sqrt(mean(x^2) + eps)` in fp32 times its weights,
+/// as the family multiplies them ([`NormWeights`]).
 #[derive(Debug)]
 struct RmsNorm {
     weight: Tensor,
     eps: f64,
-    offset: bool,
+    weights: NormWeights,
+}
+
+/// How an RMSNorm's weights multiply the normalised values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormWeights {
+    /// Llama's: the values cast back to the input's dtype, then times
+    /// the weights.
+    Llama,
+    /// Gemma's: times `1 + weight` in fp32, then cast (its weights are
+    /// offsets from one, zero when new).
+    Offset,
+    /// OLMo's: times the weights in fp32, then cast.
+    Fp32,
 }
 
 impl RmsNorm {
     fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
-        let offset = c.family.gemma();
-        let weight = match offset {
-            true => p.zeros("weight", &[width]),
-            false => p.ones("weight", &[width]),
+        let weights = match c.family {
+            f if f.gemma() => NormWeights::Offset,
+            f if f.olmo() => NormWeights::Fp32,
+            _ => NormWeights::Llama,
+        };
+        let weight = match weights {
+            NormWeights::Offset => p.zeros("weight", &[width]),
+            _ => p.ones("weight", &[width]),
         };
         Self {
             weight,
             eps: c.eps,
-            offset,
+            weights,
         }
     }
 }
@@ -820,9 +1001,97 @@ impl Module for RmsNorm {
         let h = x.to_kind(Kind::Float);
         let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
         let h = h * (var + self.eps).rsqrt();
-        match self.offset {
-            true => (h * (self.weight.to_kind(Kind::Float) + 1.0)).to_kind(x.kind()),
-            false => &self.weight * h.to_kind(x.kind()),
+        match self.weights {
+            NormWeights::Llama => &self.weight * h.to_kind(x.kind()),
+            NormWeights::Offset => (h * (self.weight.to_kind(Kind::Float) + 1.0)).to_kind(x.kind()),
+            NormWeights::Fp32 => (self.weight.to_kind(Kind::Float) * h).to_kind(x.kind()),
+        }
+    }
+}
+
+/// Where a decoder layer normalises: its norms, by position.
+#[derive(Debug)]
+enum Norms {
+    /// Llama's: each sublayer's input (`input_layernorm` before the
+    /// attention, `post_attention_layernorm` before the MLP).
+    Pre { input: RmsNorm, before_mlp: RmsNorm },
+    /// Gemma 2's and 3's: each sublayer's input and output
+    /// (`input_layernorm`, `post_attention_layernorm` on the attention's
+    /// output, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    Sandwich {
+        input: RmsNorm,
+        after_attention: RmsNorm,
+        before_mlp: RmsNorm,
+        after_mlp: RmsNorm,
+    },
+    /// OLMo's: each sublayer's output only (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    Post {
+        after_attention: RmsNorm,
+        after_mlp: RmsNorm,
+    },
+}
+
+impl Norms {
+    /// The family's norms of the layer under `p`, of width `d`.
+    fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
+        let norm = |n: &str| RmsNorm::new(p / n, d, c);
+        match c.family {
+            f if f.sandwich() => Self::Sandwich {
+                input: norm("input_layernorm"),
+                after_attention: norm("post_attention_layernorm"),
+                before_mlp: norm("pre_feedforward_layernorm"),
+                after_mlp: norm("post_feedforward_layernorm"),
+            },
+            f if f.olmo() => Self::Post {
+                after_attention: norm("post_attention_layernorm"),
+                after_mlp: norm("post_feedforward_layernorm"),
+            },
+            _ => Self::Pre {
+                input: norm("input_layernorm"),
+                before_mlp: norm("post_attention_layernorm"),
+            },
+        }
+    }
+
+    /// The attention's input: `x`, normalised unless OLMo's.
+    fn attention_input(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Pre { input, .. } | Self::Sandwich { input, .. } => input.forward(x),
+            Self::Post { .. } => x.shallow_clone(),
+        }
+    }
+
+    /// The attention's output `a`, normalised when the family does.
+    fn attention_output(&self, a: Tensor) -> Tensor {
+        match self {
+            Self::Pre { .. } => a,
+            Self::Sandwich {
+                after_attention, ..
+            }
+            | Self::Post {
+                after_attention, ..
+            } => after_attention.forward(&a),
+        }
+    }
+
+    /// The MLP's input: `x`, normalised unless OLMo's.
+    fn mlp_input(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
+                before_mlp.forward(x)
+            }
+            Self::Post { .. } => x.shallow_clone(),
+        }
+    }
+
+    /// The MLP's output `m`, normalised when the family does.
+    fn mlp_output(&self, m: Tensor) -> Tensor {
+        match self {
+            Self::Pre { .. } => m,
+            Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
+                after_mlp.forward(&m)
+            }
         }
     }
 }
@@ -837,22 +1106,20 @@ fn linear(p: &nn::Path, i: i64, o: i64, bias: bool) -> nn::Linear {
 }
 
 /// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
-/// mlp(post_attention_layernorm(x))`.
+/// mlp(post_attention_layernorm(x))` (or normalised where the family
+/// does: [`Norms`]).
 #[derive(Debug)]
 pub struct Layer {
-    input_layernorm: RmsNorm,
+    norms: Norms,
     qkv: Qkv,
     o_proj: nn::Linear,
-    post_attention_layernorm: RmsNorm,
     gate_up: GateUp,
     down_proj: nn::Linear,
-    /// Qwen3's and Gemma 3's per-head query and key norms.
+    /// Qwen3's and Gemma 3's per-head query and key norms, OLMo's over
+    /// the whole projections.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
-    /// Gemma 2's and 3's norms before and after the MLP (with them,
-    /// `post_attention_layernorm` normalises the attention's output).
-    feedforward_norms: Option<(RmsNorm, RmsNorm)>,
-    /// Its rotary embedding.
-    rotary: Rotary,
+    /// Its rotary embedding, `None` for SmolLM3's layers without.
+    rotary: Option<Rotary>,
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
     training: Training,
@@ -893,8 +1160,14 @@ impl Layer {
             (Some(_), Some(theta)) => (theta, RopeScaling::None),
             _ => (c.rope_theta, c.rope_scaling.clone()),
         };
+        // OLMo normalises whole projections, the others each head.
+        let (q_width, k_width) = match c.family.olmo() {
+            true => (c.heads * hd, c.kv_heads * hd),
+            false => (hd, hd),
+        };
+        let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
         Self {
-            input_layernorm: RmsNorm::new(p / "input_layernorm", d, c),
+            norms: Norms::new(p, d, c),
             qkv: match c.family {
                 Family::Phi3 => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
@@ -907,7 +1180,6 @@ impl Layer {
                 },
             },
             o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
-            post_attention_layernorm: RmsNorm::new(p / "post_attention_layernorm", d, c),
             gate_up: match c.family {
                 Family::Phi3 => {
                     GateUp::Fused(linear(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
@@ -919,17 +1191,12 @@ impl Layer {
             },
             down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
             qk_norm: c.qk_norm.then(|| {
-                let norm = |n: &str| RmsNorm::new(&a / n, hd, c);
-                (norm("q_norm"), norm("k_norm"))
-            }),
-            feedforward_norms: c.family.sandwich().then(|| {
-                let norm = |n: &str| RmsNorm::new(p / n, d, c);
                 (
-                    norm("pre_feedforward_layernorm"),
-                    norm("post_feedforward_layernorm"),
+                    RmsNorm::new(&a / "q_norm", q_width, c),
+                    RmsNorm::new(&a / "k_norm", k_width, c),
                 )
             }),
-            rotary: Rotary::new(c.rotary_dim(), rope.0, &rope.1, p.device()),
+            rotary: turns.then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, p.device())),
             window,
             training: training.clone(),
             cfg: c.clone(),
@@ -1074,7 +1341,7 @@ impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
         let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let c = &self.cfg;
-        let h = self.input_layernorm.forward(x);
+        let h = self.norms.attention_input(x);
         let (q, k, v) = match &self.qkv {
             Qkv::Apart {
                 q_proj,
@@ -1091,20 +1358,26 @@ impl Module for Layer {
                 )
             }
         };
+        // Normalised over the projection before the heads are split
+        // (OLMo), or over each head after.
+        let whole = c.family.olmo();
         let heads = |x: Tensor, n: i64, norm: Option<&RmsNorm>| {
+            let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
+            let x = if whole { normed(x) } else { x };
             let x = x.view([b, t, n, c.head_dim]);
-            let x = match norm {
-                Some(norm) => norm.forward(&x),
-                None => x,
-            };
+            let x = if whole { x } else { normed(x) };
             x.transpose(1, 2)
         };
         let (qn, kn) = match &self.qk_norm {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
-        let q = rope(&heads(q, c.heads, qn), &self.rotary);
-        let k = rope(&heads(k, c.kv_heads, kn), &self.rotary);
+        let turned = |x: Tensor| match &self.rotary {
+            Some(rotary) => rope(&x, rotary),
+            None => x,
+        };
+        let q = turned(heads(q, c.heads, qn));
+        let k = turned(heads(k, c.kv_heads, kn));
         let v = heads(v, c.kv_heads, None);
         let a = self.attention(&q, &k, &v);
         let a = a
@@ -1114,20 +1387,8 @@ impl Module for Layer {
         let a = self
             .training
             .dropout(self.o_proj.forward(&a), c.resid_dropout);
-        // Gemma 2 and 3 normalise each sublayer's output, and the MLP's
-        // input with a norm of its own.
-        let (x, h) = match &self.feedforward_norms {
-            None => {
-                let x = x + a;
-                let h = self.post_attention_layernorm.forward(&x);
-                (x, h)
-            }
-            Some((pre, _)) => {
-                let x = x + self.post_attention_layernorm.forward(&a);
-                let h = pre.forward(&x);
-                (x, h)
-            }
-        };
+        let x = x + self.residual(self.norms.attention_output(a));
+        let h = self.norms.mlp_input(&x);
         let (gate, up) = match &self.gate_up {
             GateUp::Apart { gate_proj, up_proj } => (gate_proj.forward(&h), up_proj.forward(&h)),
             GateUp::Fused(gate_up) => {
@@ -1140,14 +1401,20 @@ impl Module for Layer {
         let m = self
             .training
             .dropout(self.down_proj.forward(&m), c.resid_dropout);
-        match &self.feedforward_norms {
-            None => &x + m,
-            Some((_, post)) => &x + post.forward(&m),
-        }
+        &x + self.residual(self.norms.mlp_output(m))
     }
 }
 
 impl Layer {
+    /// A sublayer's output `y` as it joins the residual: times Granite's
+    /// `residual_multiplier`.
+    fn residual(&self, y: Tensor) -> Tensor {
+        match self.cfg.residual_multiplier {
+            1.0 => y,
+            m => y * m,
+        }
+    }
+
     /// Causal grouped-query attention of `q` `[batch, heads, seq, hd]`
     /// over `k` and `v` (`kv_heads` heads), in the layer's window,
     /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
@@ -1164,7 +1431,7 @@ impl Layer {
             back.ge(0).logical_and(&back.lt(w))
         };
         let dropout = self.training.attention(c.attention_dropout);
-        let scale = c.query_scalar.map(|s| s.powf(-0.5));
+        let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         let Some(cap) = c.attn_softcap else {
             let window = self.window.filter(|&w| w < t).map(visible);
             let causal = window.is_none();
@@ -1283,9 +1550,10 @@ impl Llama {
             Ends::Tied(e) => e.forward(tokens),
             Ends::Apart { embed, .. } => embed.forward(tokens),
         };
-        let mut x = match self.cfg.family.gemma() {
-            false => embedded,
-            true => {
+        let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
+            (false, 1.0) => embedded,
+            (false, m) => embedded * m,
+            (true, _) => {
                 // The width's square root in the embeddings' dtype, as
                 // `transformers` rounds it (to 55.5 for 3072 in bf16).
                 let root = Tensor::from((self.cfg.hidden as f64).sqrt() as f32);
@@ -1300,6 +1568,10 @@ impl Llama {
         let logits = match &self.ends {
             Ends::Tied(e) => e.forward(&x),
             Ends::Apart { head, .. } => head.forward(&x),
+        };
+        let logits = match self.cfg.logits_scaling {
+            1.0 => logits,
+            s => logits / s,
         };
         match self.cfg.final_softcap {
             Some(cap) => (logits / cap).tanh() * cap,
@@ -1378,6 +1650,11 @@ pub(crate) mod tests {
             local_rope_theta: None,
             partial_rotary: 1.0,
             resid_dropout: 0.0,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            attention_multiplier: None,
+            logits_scaling: 1.0,
+            rope_layers: None,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
@@ -1657,6 +1934,92 @@ pub(crate) mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn granite_olmo2_and_smollm3_configs_are_read_and_counted() {
+        let dir = std::env::temp_dir().join(format!("zrt-more-configs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Granite 3 2B's, OLMo 2 1B's and SmolLM3 3B's shapes; the counts
+        // are transformers' for these configs.
+        let granite = r#"{"model_type": "granite", "vocab_size": 49155, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 10000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": true, "attention_bias": false, "mlp_bias": false, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0, "pad_token_id": 0}"#;
+        let olmo2 = r#"{"model_type": "olmo2", "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 500000, "max_position_embeddings": 4096, "tie_word_embeddings": false, "attention_bias": false, "pad_token_id": 100277}"#;
+        let smollm3 = r#"{"model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 5000000.0, "max_position_embeddings": 65536, "tie_word_embeddings": true, "pad_token_id": 128004, "no_rope_layer_interval": 4, "use_sliding_window": false}"#;
+        let read = |text: &str| {
+            std::fs::write(dir.join("config.json"), text).unwrap();
+            LlamaConfig::from_hf_dir(&dir)
+        };
+        let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+        let g = read(granite).unwrap();
+        assert_eq!(
+            (g.embedding_multiplier, g.residual_multiplier),
+            (12.0, 0.22)
+        );
+        assert_eq!(
+            (g.attention_multiplier, g.logits_scaling),
+            (Some(0.015625), 8.0)
+        );
+        let o = read(olmo2).unwrap();
+        assert_eq!(
+            (o.family, o.qk_norm, o.pad_token),
+            (Family::Olmo2, true, Some(100277))
+        );
+        let sm = read(smollm3).unwrap();
+        let turning: Vec<bool> = sm
+            .rope_layers
+            .clone()
+            .unwrap()
+            .into_iter()
+            .take(8)
+            .collect();
+        assert_eq!(turning, [true, true, true, false, true, true, true, false]);
+        assert_eq!(
+            (total(&g), total(&o), total(&sm)),
+            (2533531648, 1484916736, 3075098624)
+        );
+        // OLMo 3 leaves its windows to the defaults: 4096, every fourth
+        // layer global, the windowed ones turning at the same base
+        // unscaled.
+        let o3 = read(&olmo2.replace("olmo2", "olmo3")).unwrap();
+        assert_eq!(
+            (o3.sliding_window, o3.full_every, o3.local_rope_theta),
+            (Some(4096), Some(4), Some(500000.0))
+        );
+        for cfg in [g, o, o3, sm] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
+        }
+        for (text, says) in [
+            (
+                smollm3.replace(
+                    r#""no_rope_layer_interval": 4"#,
+                    r#""no_rope_layers": [1, 0]"#,
+                ),
+                "no_rope_layers [1,0]: one 1 (turns) or 0 (does not) for each of the 36 layers",
+            ),
+            (
+                smollm3.replace(
+                    r#""use_sliding_window": false"#,
+                    r#""use_sliding_window": true"#,
+                ),
+                "use_sliding_window true: this Llama computes smollm3's full-attention layers only",
+            ),
+            (olmo2.replace(r#", "pad_token_id": 100277"#, ""), ""),
+        ] {
+            let got = read(&text);
+            match says.is_empty() {
+                // Left out, OLMo's config class pads with 1.
+                true => assert_eq!(got.unwrap().pad_token, Some(1)),
+                false => {
+                    let err = got.unwrap_err().to_string();
+                    assert!(err.contains(says), "{err}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Each unit's parameters as the built model holds them (variables
     /// under the unit's name; the root's those under none).
     pub(crate) fn held_by_unit(vs: &nn::VarStore, units: &[(String, u64)]) -> Vec<(String, u64)> {
@@ -1707,6 +2070,11 @@ pub(crate) mod tests {
             local_rope_theta: None,
             partial_rotary: 1.0,
             resid_dropout: 0.0,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            attention_multiplier: None,
+            logits_scaling: 1.0,
+            rope_layers: None,
         };
         let variants = [
             base.clone(),
@@ -1738,6 +2106,17 @@ pub(crate) mod tests {
             LlamaConfig {
                 family: Family::Phi3,
                 partial_rotary: 0.75,
+                ..base.clone()
+            },
+            LlamaConfig {
+                family: Family::Olmo2,
+                qk_norm: true,
+                ..base.clone()
+            },
+            LlamaConfig {
+                family: Family::Granite,
+                tied: true,
+                rope_layers: Some(vec![true, false]),
                 ..base.clone()
             },
         ];

@@ -142,6 +142,45 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Granite: the embeddings, sublayer outputs, scores and logits
+    // scaled by Granite 3's multipliers, the head tied.
+    Case {
+        name: "granite",
+        python: (
+            "from transformers import GraniteConfig as C, GraniteForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0",
+        ),
+        load: "",
+    },
+    // OLMo 2: sublayer outputs normalised, not inputs; queries and keys
+    // normalised over the whole projection; pad row 1.
+    Case {
+        name: "olmo2",
+        python: (
+            "from transformers import Olmo2Config as C, Olmo2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        ),
+        load: "",
+    },
+    // OLMo 3: a windowed layer (its rotary unscaled) before a global one
+    // (scaled).
+    Case {
+        name: "olmo3",
+        python: (
+            "from transformers import Olmo3Config as C, Olmo3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, layer_types=['sliding_attention', 'full_attention'], rope_scaling={'rope_type': 'linear', 'factor': 2.0}",
+        ),
+        load: "",
+    },
+    // SmolLM3: the second layer without rotary embeddings, the head tied.
+    Case {
+        name: "smollm3",
+        python: (
+            "from transformers import SmolLM3Config as C, SmolLM3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=3, no_rope_layer_interval=2, tie_word_embeddings=True",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -268,6 +307,26 @@ fn a_phi3_checkpoint_with_fused_projections_trains_as_transformers_does() {
 #[test]
 fn a_phi3_checkpoint_past_its_pretrained_length_turns_by_longropes_long_factors() {
     parity("phi3-long");
+}
+
+#[test]
+fn a_granite_checkpoint_with_its_multipliers_trains_as_transformers_does() {
+    parity("granite");
+}
+
+#[test]
+fn an_olmo2_checkpoint_normalising_outputs_trains_as_transformers_does() {
+    parity("olmo2");
+}
+
+#[test]
+fn an_olmo3_checkpoint_with_windowed_layers_trains_as_transformers_does() {
+    parity("olmo3");
+}
+
+#[test]
+fn a_smollm3_checkpoint_with_layers_without_rotary_trains_as_transformers_does() {
+    parity("smollm3");
 }
 
 #[test]

@@ -1107,7 +1107,7 @@ fn linear(p: &nn::Path, i: i64, o: i64, bias: bool) -> nn::Linear {
 
 /// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
 /// mlp(post_attention_layernorm(x))` (or normalised where the family
-/// does: [`Norms`]).
+/// does: around each sublayer for Gemma 2 and 3, after it for OLMo).
 #[derive(Debug)]
 pub struct Layer {
     norms: Norms,

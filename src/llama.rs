@@ -31,7 +31,7 @@
 //! [`Llama::set_training`] turns its attention dropout on, where it draws
 //! the masks `transformers` draws from the same seed): RMSNorm computed in
 //! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
-//! `linear`, `llama3` and `longrope` kinds) with cosines and sines
+//! `linear`, `llama3`, `longrope` and `yarn` kinds) with cosines and sines
 //! computed in fp32,
 //! grouped-query causal attention (in Mistral's sliding window when it
 //! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
@@ -311,6 +311,29 @@ pub enum RopeScaling {
         /// `sqrt(1 + ln f / ln original)`, 1 when `f <= 1`.
         attention_factor: f64,
     },
+    /// `"yarn"` (Qwen's and SmolLM3's long-context configs): frequencies
+    /// that turn fewer than `beta_slow` times over the pretrained length
+    /// divided by `factor`, those turning more than `beta_fast` times
+    /// kept, a linear ramp between; the cosines and sines multiplied by
+    /// `attention_factor`.
+    Yarn {
+        /// `factor`.
+        factor: f64,
+        /// `original_max_position_embeddings` (of `rope_scaling`, else
+        /// `max_position_embeddings`).
+        original_positions: f64,
+        /// `beta_fast` (32 unless given).
+        beta_fast: f64,
+        /// `beta_slow` (1 unless given).
+        beta_slow: f64,
+        /// `truncate` (true unless given): the ramp's ends rounded out
+        /// to whole dimensions.
+        truncate: bool,
+        /// `attention_factor`, or `0.1 ln(factor) + 1` (DeepSeek's
+        /// `mscale` and `mscale_all_dim` when both are given: their
+        /// ratio).
+        attention_factor: f64,
+    },
 }
 
 /// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields (and
@@ -350,17 +373,18 @@ pub struct LlamaConfig {
     pub o_bias: bool,
     /// `mlp_bias`: the three MLP projections have biases.
     pub mlp_bias: bool,
-    /// Mistral's `sliding_window`: a token attends to itself and the
-    /// `w - 1` before it only.
+    /// `sliding_window` (Mistral's, Phi-3's, Gemma 2's and 3's, OLMo
+    /// 3's): a token attends to itself and the `w - 1` before it only, on
+    /// every layer or as [`LlamaConfig::full_every`] says.
     pub sliding_window: Option<i64>,
     /// `tie_word_embeddings`: the head is the token embedding.
     pub tied: bool,
     /// `attention_dropout`: dropout on the attention weights, when
     /// training (0 in every released Llama, Mistral and Qwen).
     pub attention_dropout: f64,
-    /// Each head's queries and keys are RMS-normalised (over the head's
-    /// width, with weights of their own) before the rotation: Qwen3's
-    /// and Gemma 3's `q_norm` and `k_norm`.
+    /// Queries and keys are RMS-normalised, with weights of their own,
+    /// before the rotation: `q_norm` and `k_norm`, over each head's width
+    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3).
     pub qk_norm: bool,
     /// The MLP's activation (`hidden_act`).
     pub activation: Activation,
@@ -413,10 +437,10 @@ impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
     /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
-    /// none, `linear`, `llama3` or `longrope`; a field left out takes the
+    /// none, `linear`, `llama3`, `longrope` or `yarn`; a field left out takes the
     /// default of the family's `transformers` config class. What this
     /// model does not compute is refused naming the field: other rope
-    /// scalings (`dynamic`, `yarn`, ...), a partial rotary factor but
+    /// scalings (`dynamic`, ...), a partial rotary factor but
     /// Phi-3's, windowed layers in any order but every `n`-th global
     /// (Qwen's), Gemma 3's bidirectional attention.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
@@ -678,6 +702,22 @@ impl LlamaConfig {
                 "long_factor": long,
                 "attention_factor": attention_factor,
             }),
+            RopeScaling::Yarn {
+                factor,
+                original_positions,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => serde_json::json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_positions,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+                "attention_factor": attention_factor,
+            }),
         };
         let mut json = serde_json::json!({
             "model_type": self.family.model_type(),
@@ -878,10 +918,68 @@ fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScali
         }),
         Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
         Some("yarn") if family == Family::Phi3 => long_rope(j, v, rotary_dim),
+        Some("yarn") => yarn(j, v),
         _ => Err(j.field(format!(
-            "rope_scaling {v}: this Llama computes the \"linear\", \"llama3\" and \"longrope\" kinds only"
+            "rope_scaling {v}: this Llama computes the \"linear\", \"llama3\", \"longrope\" and \"yarn\" kinds only"
         ))),
     }
+}
+
+/// The `"yarn"` scaling `v` ([`RopeScaling::Yarn`]), read as
+/// `transformers` reads it.
+fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
+    let num = |key: &str| v.get(key).filter(|n| !n.is_null());
+    let number = |key: &str, default: f64| match num(key) {
+        None => Ok(default),
+        Some(n) => n
+            .as_f64()
+            .ok_or_else(|| j.field(format!("rope_scaling {v}: its `{key}` is not a number"))),
+    };
+    let factor = match num("factor").and_then(|f| f.as_f64()) {
+        Some(f) => f,
+        None => {
+            return Err(j.field(format!(
+                "rope_scaling {v}: its `factor` is missing or not a number"
+            )))
+        }
+    };
+    let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048) as f64;
+    // transformers' `get_mscale`.
+    let mscale = |scale: f64, m: f64| match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * scale.ln() + 1.0,
+    };
+    let attention_factor = match (
+        num("attention_factor"),
+        num("mscale"),
+        num("mscale_all_dim"),
+    ) {
+        (Some(_), _, _) => number("attention_factor", 1.0)?,
+        (None, Some(_), Some(_)) => {
+            let (m, all) = (number("mscale", 1.0)?, number("mscale_all_dim", 1.0)?);
+            match m != 0.0 && all != 0.0 {
+                true => mscale(factor, m) / mscale(factor, all),
+                false => mscale(factor, 1.0),
+            }
+        }
+        _ => mscale(factor, 1.0),
+    };
+    let truncate = match num("truncate") {
+        None => true,
+        Some(t) => t.as_bool().ok_or_else(|| {
+            j.field(format!(
+                "rope_scaling {v}: its `truncate` is not true or false"
+            ))
+        })?,
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_positions: number("original_max_position_embeddings", positions)?,
+        beta_fast: number("beta_fast", 32.0)?,
+        beta_slow: number("beta_slow", 1.0)?,
+        truncate,
+        attention_factor,
+    })
 }
 
 /// The `"longrope"` scaling `v` of a config whose heads turn
@@ -1234,6 +1332,9 @@ impl Rotary {
         let scale = match scaling {
             RopeScaling::LongRope {
                 attention_factor, ..
+            }
+            | RopeScaling::Yarn {
+                attention_factor, ..
             } => *attention_factor,
             _ => 1.0,
         };
@@ -1279,9 +1380,28 @@ fn inv_freq(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> 
     if let RopeScaling::LongRope { short, .. } = scaling {
         return divided(&powers, short);
     }
+    if let RopeScaling::Yarn {
+        factor,
+        original_positions,
+        beta_fast,
+        beta_slow,
+        truncate,
+        ..
+    } = *scaling
+    {
+        return yarn_inv_freq(
+            &powers,
+            hd,
+            theta,
+            factor,
+            original_positions,
+            (beta_fast, beta_slow),
+            truncate,
+        );
+    }
     let inv = powers.reciprocal();
     match *scaling {
-        RopeScaling::None | RopeScaling::LongRope { .. } => inv,
+        RopeScaling::None | RopeScaling::LongRope { .. } | RopeScaling::Yarn { .. } => inv,
         RopeScaling::Linear { factor } => inv / factor,
         RopeScaling::Llama3 {
             factor,
@@ -1299,6 +1419,40 @@ fn inv_freq(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> 
             smoothed.where_self(&medium, &scaled)
         }
     }
+}
+
+/// YaRN's inverse frequencies from `powers` ([`base_powers`] of `hd`
+/// dimensions at base `theta`), operation for operation as
+/// `transformers` computes them: the pairs that turn fewer than
+/// `beta_slow` times over `original` positions interpolated (divided by
+/// `factor`), those turning more than `beta_fast` times kept, a linear
+/// ramp over the dimensions between.
+fn yarn_inv_freq(
+    powers: &Tensor,
+    hd: i64,
+    theta: f64,
+    factor: f64,
+    original: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    truncate: bool,
+) -> Tensor {
+    let dim = hd as f64;
+    // The dimension at which a frequency turns `rotations` times.
+    let at = |rotations: f64| {
+        (dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln())
+    };
+    let (low, high) = match truncate {
+        true => (at(beta_fast).floor(), at(beta_slow).ceil()),
+        false => (at(beta_fast), at(beta_slow)),
+    };
+    let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+    let high = if low == high { high + 0.001 } else { high };
+    let ramp = ((Tensor::arange(hd / 2, (Kind::Float, powers.device())) - low) / (high - low))
+        .clamp(0.0, 1.0);
+    let kept = ramp.neg() + 1.0;
+    let interpolated = (powers * factor).reciprocal();
+    let extrapolated = powers.reciprocal();
+    interpolated * (kept.neg() + 1.0) + extrapolated * kept
 }
 
 /// Rotary position embedding of `x` `[batch, heads, seq, head_dim]`:
@@ -1705,8 +1859,13 @@ pub(crate) mod tests {
             ),
             (
                 r#""rope_scaling": {"#,
+                r#""rope_scaling": {"rope_type": "dynamic"}, "was": {"#,
+                "computes the \"linear\", \"llama3\", \"longrope\" and \"yarn\" kinds only",
+            ),
+            (
+                r#""rope_scaling": {"#,
                 r#""rope_scaling": {"rope_type": "yarn"}, "was": {"#,
-                "computes the \"linear\", \"llama3\" and \"longrope\" kinds only",
+                "its `factor` is missing or not a number",
             ),
             (
                 r#""llama""#,
@@ -2016,6 +2175,59 @@ pub(crate) mod tests {
                     assert!(err.contains(says), "{err}");
                 }
             }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn yarn_is_read_as_transformers_reads_it() {
+        let dir = std::env::temp_dir().join(format!("zrt-yarn-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.
+        let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}"#;
+        let read = |text: &str| {
+            std::fs::write(dir.join("config.json"), text).unwrap();
+            LlamaConfig::from_hf_dir(&dir)
+        };
+        let c = read(qwen3).unwrap();
+        let want = RopeScaling::Yarn {
+            factor: 4.0,
+            original_positions: 32768.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+        };
+        assert_eq!(c.rope_scaling, want);
+        // DeepSeek's mscale pair: their ratio; given, the factor itself.
+        let m = read(&qwen3.replace(
+            r#""factor": 4.0"#,
+            r#""factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16"#,
+        ))
+        .unwrap();
+        let RopeScaling::Yarn {
+            attention_factor,
+            beta_fast,
+            ..
+        } = m.rope_scaling.clone()
+        else {
+            panic!("{:?}", m.rope_scaling)
+        };
+        assert_eq!((attention_factor, beta_fast), (1.0, 16.0));
+        let a = read(&qwen3.replace(
+            r#""factor": 4.0"#,
+            r#""factor": 4.0, "attention_factor": 0.8"#,
+        ))
+        .unwrap();
+        assert!(
+            matches!(a.rope_scaling, RopeScaling::Yarn { attention_factor, .. } if attention_factor == 0.8)
+        );
+        for cfg in [c, m, a] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

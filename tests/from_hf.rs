@@ -181,6 +181,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Qwen2 with YaRN (Qwen's long-context recipe), its ramp across the
+    // middle of the head's pairs.
+    Case {
+        name: "qwen2-yarn",
+        python: (
+            "from transformers import Qwen2Config as C, Qwen2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=100.0, rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 1024}",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -327,6 +337,11 @@ fn an_olmo3_checkpoint_with_windowed_layers_trains_as_transformers_does() {
 #[test]
 fn a_smollm3_checkpoint_with_layers_without_rotary_trains_as_transformers_does() {
     parity("smollm3");
+}
+
+#[test]
+fn a_qwen2_checkpoint_with_yarn_trains_as_transformers_does() {
+    parity("qwen2-yarn");
 }
 
 #[test]

@@ -86,10 +86,9 @@ impl Layout {
                 Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
             }
             other => {
-                return Err(j.field(format!(
-                "model_type {other:?}: zrt builds \"gpt2\" and the Llama family's checkpoints ({})",
-                crate::llama::Family::model_types()
-            )))
+                let known = Family::model_types();
+                let msg = format!("model_type {other:?}: zrt builds \"gpt2\" and {known}");
+                return Err(j.field(msg));
             }
         };
         Ok((layout, j))

@@ -403,8 +403,8 @@ pub struct LlamaConfig {
     pub final_softcap: Option<f64>,
     /// With a `sliding_window`, every `n`-th layer (the `n`-th, the
     /// `2n`-th, ...) attends to every earlier token and the others in the
-    /// window (Gemma 2: 2, Gemma 3: 6, from `layer_types`); `None`: every
-    /// layer alike.
+    /// window (Gemma 2: 2, Gemma 3: 6, OLMo 3: 4, from `layer_types`);
+    /// `None`: every layer alike.
     pub full_every: Option<i64>,
     /// Gemma 3's `rope_local_base_freq`: the windowed layers' rotary
     /// base, their frequencies unscaled (the global layers' are
@@ -437,10 +437,10 @@ impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
     /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
-    /// none, `linear`, `llama3`, `longrope` or `yarn`; a field left out takes the
-    /// default of the family's `transformers` config class. What this
-    /// model does not compute is refused naming the field: other rope
-    /// scalings (`dynamic`, ...), a partial rotary factor but
+    /// none, `linear`, `llama3`, `longrope` or `yarn`; a field left out
+    /// takes the default of the family's `transformers` config class.
+    /// What this model does not compute is refused naming the field:
+    /// other rope scalings (`dynamic`, ...), a partial rotary factor but
     /// Phi-3's, windowed layers in any order but every `n`-th global
     /// (Qwen's), Gemma 3's bidirectional attention.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
@@ -521,25 +521,7 @@ impl LlamaConfig {
         };
         let full_every = full_every(j, family, sliding_window)?;
         let vocab = j.size("vocab_size")?;
-        let bad_pad = |v: &serde_json::Value| {
-            j.field(format!(
-                "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
-            ))
-        };
-        let pad_token = match j.get("pad_token_id") {
-            // Left out, the config class's default (Gemma's 0, ...).
-            None if !j.has("pad_token_id") => family.default_pad().map(serde_json::Value::from),
-            None => None,
-            Some(v) => Some(v.clone()),
-        };
-        let pad_token = match pad_token {
-            None => None,
-            Some(v) => Some(
-                v.as_i64()
-                    .filter(|p| (0..vocab).contains(p))
-                    .ok_or_else(|| bad_pad(&v))?,
-            ),
-        };
+        let pad_token = pad_token(j, family, vocab)?;
         let sandwich = family.sandwich();
         let rope_theta = j.number_or(
             "rope_theta",
@@ -836,6 +818,25 @@ fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
 /// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
 fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
     (head_dim as f64 * partial) as i64
+}
+
+/// The config's `pad_token_id` (the family's config class's default
+/// when left out: Gemma's 0, ...), a token id of the `vocab`, or none.
+fn pad_token(j: &HfJson, family: Family, vocab: i64) -> Result<Option<i64>, HfError> {
+    let v = match j.get("pad_token_id") {
+        None if !j.has("pad_token_id") => family.default_pad().map(serde_json::Value::from),
+        None => None,
+        Some(v) => Some(v.clone()),
+    };
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    match v.as_i64().filter(|p| (0..vocab).contains(p)) {
+        Some(p) => Ok(Some(p)),
+        None => Err(j.field(format!(
+            "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
+        ))),
+    }
 }
 
 /// Which layers attend to every earlier token when the model has a
@@ -1253,7 +1254,8 @@ impl Layer {
         let (a, m) = (p / "self_attn", p / "mlp");
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
         let window = c.window(l);
-        // Gemma 3's windowed layers turn at a base of their own, unscaled.
+        // Gemma 3's and OLMo 3's windowed layers turn unscaled (Gemma 3's
+        // at a base of their own).
         let rope = match (window, c.local_rope_theta) {
             (Some(_), Some(theta)) => (theta, RopeScaling::None),
             _ => (c.rope_theta, c.rope_scaling.clone()),
@@ -1311,7 +1313,8 @@ struct Rotary {
     /// LongRoPE's `long_factor` frequencies, and the longest sequence
     /// `inv_freq` is for.
     long: Option<(Tensor, i64)>,
-    /// The cosines' and sines' factor (LongRoPE's `attention_factor`).
+    /// The cosines' and sines' factor (LongRoPE's and YaRN's
+    /// `attention_factor`).
     scale: f64,
 }
 

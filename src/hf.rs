@@ -176,7 +176,7 @@ pub enum HfModel {
     Gpt2(Gpt2),
     /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `qwen2`,
     /// `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`, `granite`,
-    /// `olmo2`, `olmo3`, `smollm3`).
+    /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `qwen3_moe`).
     Llama(Llama),
 }
 

@@ -1,7 +1,8 @@
 //! Llama as Hugging Face's `transformers` lays it out
 //! (`LlamaForCausalLM`, and Mistral's, Qwen2's, Qwen3's, Gemma 1-3's,
-//! Phi-3's, Granite's, OLMo 2's and 3's and SmolLM3's, the same layers
-//! with variations: see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
+//! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, and the mixtures of
+//! experts Mixtral's and Qwen3-MoE's, the same layers with variations:
+//! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
 //! without a rank holding the whole model, and a fine-tuned one is
 //! written back for `from_pretrained`.
@@ -106,11 +107,19 @@ pub enum Family {
     /// `smollm3` (`SmolLM3ForCausalLM`): Llama's layers, every fourth
     /// without rotary embeddings (`no_rope_layers`).
     SmolLm3,
+    /// `mixtral` (`MixtralForCausalLM`): Mistral's layers with a sparse
+    /// mixture of experts for the MLP (`block_sparse_moe`: a router,
+    /// experts `w1`/`w3`/`w2`), each token through its top `k`.
+    Mixtral,
+    /// `qwen3_moe` (`Qwen3MoeForCausalLM`): Qwen3's layers with a sparse
+    /// mixture of experts for the MLP (`mlp.gate`, `mlp.experts.N`), the
+    /// top `k` weights renormalised when `norm_topk_prob`.
+    Qwen3Moe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 14] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
@@ -123,6 +132,8 @@ impl Family {
         Self::Olmo2,
         Self::Olmo3,
         Self::SmolLm3,
+        Self::Mixtral,
+        Self::Qwen3Moe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -149,6 +160,8 @@ impl Family {
             "olmo2" => Some(Self::Olmo2),
             "olmo3" => Some(Self::Olmo3),
             "smollm3" => Some(Self::SmolLm3),
+            "mixtral" => Some(Self::Mixtral),
+            "qwen3_moe" => Some(Self::Qwen3Moe),
             _ => None,
         }
     }
@@ -168,6 +181,8 @@ impl Family {
             Self::Olmo2 => "olmo2",
             Self::Olmo3 => "olmo3",
             Self::SmolLm3 => "smollm3",
+            Self::Mixtral => "mixtral",
+            Self::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -186,6 +201,8 @@ impl Family {
             Self::Olmo2 => "Olmo2ForCausalLM",
             Self::Olmo3 => "Olmo3ForCausalLM",
             Self::SmolLm3 => "SmolLM3ForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -227,6 +244,30 @@ impl Family {
             _ => "hidden_act",
         }
     }
+}
+
+/// A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE):
+/// a router scores `experts` per token, each token goes through its top
+/// `top_k` experts, their outputs summed weighted by the router's
+/// softmax (renormalised over the `k` when `normalize`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// `num_local_experts` (Mixtral), `num_experts` (Qwen3-MoE).
+    pub experts: i64,
+    /// `num_experts_per_tok`.
+    pub top_k: i64,
+    /// Each expert's MLP width (`intermediate_size` for Mixtral,
+    /// `moe_intermediate_size` for Qwen3-MoE).
+    pub intermediate: i64,
+    /// The top `k` weights divided by their sum (Mixtral always;
+    /// Qwen3-MoE's `norm_topk_prob`).
+    pub normalize: bool,
+    /// Qwen3-MoE's `decoder_sparse_step`: layer `l` has experts when
+    /// `(l + 1) % step == 0` and it is not in `dense_layers`.
+    pub sparse_step: i64,
+    /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP
+    /// (`intermediate_size` wide).
+    pub dense_layers: Vec<i64>,
 }
 
 /// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
@@ -431,6 +472,8 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
+    /// Mixtral's and Qwen3-MoE's experts in place of the MLP.
+    pub moe: Option<MoeConfig>,
 }
 
 impl LlamaConfig {
@@ -505,11 +548,11 @@ impl LlamaConfig {
         }
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
-            Family::Mistral | Family::Phi3 => j.size_or_none("sliding_window")?,
+            Family::Mistral | Family::Phi3 | Family::Mixtral => j.size_or_none("sliding_window")?,
             Family::Gemma2 | Family::Gemma3 | Family::Olmo3 => {
                 j.size_or_none("sliding_window")?.or(Some(4096))
             }
-            Family::Qwen2 | Family::Qwen3 | Family::SmolLm3
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
                 if j.flag_or("use_sliding_window", false)? =>
             {
                 return Err(j.field(format!(
@@ -560,7 +603,8 @@ impl LlamaConfig {
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", gemma || family == Family::SmolLm3)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3) || family.olmo(),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+                || family.olmo(),
             activation,
             pad_token,
             query_scalar: match sandwich {
@@ -600,6 +644,7 @@ impl LlamaConfig {
                 Family::SmolLm3 => Some(rope_layers(j)?),
                 _ => None,
             },
+            moe: moe(j, family)?,
         })
     }
 
@@ -607,6 +652,13 @@ impl LlamaConfig {
     /// times `partial_rotary_factor`, truncated as `transformers` does.
     pub fn rotary_dim(&self) -> i64 {
         rotary_dim(self.head_dim, self.partial_rotary)
+    }
+
+    /// Whether layer `l`'s MLP is a mixture of experts.
+    pub fn moe_layer(&self, l: i64) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| (l + 1) % m.sparse_step == 0 && !m.dense_layers.contains(&l))
     }
 
     /// Layer `l`'s sliding window: `None` when it attends to every
@@ -639,10 +691,18 @@ impl LlamaConfig {
                 false => bias(self.qk_norm, 2 * hd),
             };
         let mlp = 2 * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
+        // A router and each expert's three matrices.
+        let experts = (self.moe.as_ref()).map_or(0, |m| {
+            let (e, w) = (m.experts as u64, m.intermediate as u64);
+            d * e + e * 3 * d * w
+        });
         let norms = if self.family.sandwich() { 4 } else { 2 };
-        let layer = norms * d + attention + mlp;
+        let layer = |l: i64| {
+            let mlp = if self.moe_layer(l) { experts } else { mlp };
+            norms * d + attention + mlp
+        };
         let mut units = vec![("model.embed_tokens".to_string(), v * d)];
-        units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer)));
+        units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer(l))));
         if !self.tied {
             units.push(("lm_head".to_string(), v * d));
         }
@@ -750,6 +810,23 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
             }),
+            Family::Mixtral => serde_json::json!({
+                "sliding_window": self.sliding_window,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
+            }),
+            Family::Qwen3Moe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "use_sliding_window": false,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "moe_intermediate_size": self.moe.as_ref().map(|m| m.intermediate),
+                "norm_topk_prob": self.moe.as_ref().map(|m| m.normalize),
+                "decoder_sparse_step": self.moe.as_ref().map(|m| m.sparse_step),
+                "mlp_only_layers": self.moe.as_ref().map(|m| m.dense_layers.clone()),
+                "output_router_logits": false,
+            }),
             Family::SmolLm3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
@@ -787,6 +864,60 @@ impl LlamaConfig {
         }
         format!("{json:#}\n")
     }
+}
+
+/// Mixtral's and Qwen3-MoE's experts ([`MoeConfig`]), `None` for the
+/// other families. The router's load-balancing loss (`output_router_logits`)
+/// and Mixtral's router jitter are refused: zrt's loss is the language
+/// model's alone.
+fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
+    let (experts_key, width_key, normalize) = match family {
+        Family::Mixtral => ("num_local_experts", "intermediate_size", true),
+        Family::Qwen3Moe => (
+            "num_experts",
+            "moe_intermediate_size",
+            j.flag_or("norm_topk_prob", false)?,
+        ),
+        _ => return Ok(None),
+    };
+    if j.flag_or("output_router_logits", false)? {
+        return Err(j.field(
+            "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss".into(),
+        ));
+    }
+    if j.number_or("router_jitter_noise", 0.0)? != 0.0 {
+        return Err(j.field(
+            "router_jitter_noise: zrt's routers take the hidden states as they are".into(),
+        ));
+    }
+    let defaults = match family {
+        Family::Mixtral => (8, 2),
+        _ => (128, 8),
+    };
+    let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
+    let top_k = j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1);
+    if top_k > experts {
+        return Err(j.field(format!(
+            "num_experts_per_tok {top_k} is more than the {experts} experts"
+        )));
+    }
+    let dense_layers = match j.get("mlp_only_layers") {
+        None => Vec::new(),
+        Some(v) => (v.as_array())
+            .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
+            .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
+    };
+    Ok(Some(MoeConfig {
+        experts,
+        top_k,
+        intermediate: match family {
+            Family::Mixtral => j.size(width_key)?,
+            _ => j.size_or_none(width_key)?.unwrap_or(768),
+        },
+        normalize,
+        sparse_step: j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
+        dense_layers,
+    }))
 }
 
 /// SmolLM3's `no_rope_layers` (1: the layer turns, 0: it does not), or
@@ -1040,10 +1171,17 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
 }
 
 /// Sets `plan`'s rename rule for a Hugging Face Llama checkpoint
-/// ([`hf_name`]). Call it on every rank before the engine is built.
+/// ([`hf_name`]), and for a mixture of experts declares the experts'
+/// parameters [`ShardPlan::partly_unused_on_some_ranks`]. Call it on
+/// every rank before the engine is built.
 pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
     let tied = cfg.tied;
-    plan.rename_weights(move |n| hf_name(n, tied))
+    plan.rename_weights(move |n| hf_name(n, tied))?;
+    // An expert no token of a rank chose gets no gradient there.
+    if cfg.moe.is_some() {
+        plan.partly_unused_on_some_ranks(|name, _| name.contains(".experts."))?;
+    }
+    Ok(())
 }
 
 /// Hugging Face's layout for an export of a [`Llama`]
@@ -1212,8 +1350,7 @@ pub struct Layer {
     norms: Norms,
     qkv: Qkv,
     o_proj: nn::Linear,
-    gate_up: GateUp,
-    down_proj: nn::Linear,
+    mlp: Mlp,
     /// Qwen3's and Gemma 3's per-head query and key norms, OLMo's over
     /// the whole projections.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -1248,6 +1385,88 @@ enum GateUp {
     Fused(nn::Linear),
 }
 
+/// A layer's MLP: dense, or a mixture of experts.
+#[derive(Debug)]
+enum Mlp {
+    Dense {
+        gate_up: GateUp,
+        down_proj: nn::Linear,
+    },
+    Experts(Experts),
+}
+
+/// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
+/// each expert's gate, up and down matrices.
+#[derive(Debug)]
+struct Experts {
+    router: nn::Linear,
+    experts: Vec<[nn::Linear; 3]>,
+    top_k: i64,
+    normalize: bool,
+}
+
+impl Experts {
+    /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
+    /// named as the family names them.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, family: Family) -> Self {
+        let names = match family {
+            Family::Mixtral => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let w = m.intermediate;
+        let experts = (0..m.experts)
+            .map(|e| {
+                let ep = p / "experts" / e;
+                [
+                    linear(&(&ep / names[0]), d, w, false),
+                    linear(&(&ep / names[1]), d, w, false),
+                    linear(&(&ep / names[2]), w, d, false),
+                ]
+            })
+            .collect();
+        Self {
+            router: linear(&(p / "gate"), d, m.experts, false),
+            experts,
+            top_k: m.top_k,
+            normalize: m.normalize,
+        }
+    }
+
+    /// `h` `[batch, seq, d]` through each token's top experts, as
+    /// `transformers`' sparse blocks compute it: the routing softmax in
+    /// fp32, the experts in order, each on its tokens only, their
+    /// weighted outputs added into the result in that order. An expert no
+    /// token chose runs on nothing, and its parameters get no gradient
+    /// (the plan declares them: [`hf_weight_rules`]).
+    fn forward(&self, h: &Tensor, act: Activation) -> Tensor {
+        let (b, t, d) = h.size3().unwrap_or((1, 1, 1));
+        let h = h.view([-1, d]);
+        let probs = self.router.forward(&h).softmax(1, Kind::Float);
+        let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
+        let weights = match self.normalize {
+            true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
+            false => weights,
+        };
+        let weights = weights.to_kind(h.kind());
+        let mut out = Tensor::zeros([b * t, d], (h.kind(), h.device()));
+        // [experts, k, tokens]: which of each token's k slots chose it.
+        let mask = chosen.one_hot(self.experts.len() as i64).permute([2, 1, 0]);
+        for (e, [gate, up, down]) in self.experts.iter().enumerate() {
+            let hits = mask.get(e as i64).nonzero();
+            if hits.size()[0] == 0 {
+                continue;
+            }
+            let (slot, token) = (hits.select(1, 0), hits.select(1, 1));
+            let x = h.index_select(0, &token);
+            let y = down.forward(&(act.apply(&gate.forward(&x)) * up.forward(&x)));
+            let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
+            let y = y * w.unsqueeze(-1);
+            let _ = out.index_add_(0, &token, &y.to_kind(h.kind()));
+        }
+        out.view([b, t, d])
+    }
+}
+
 impl Layer {
     /// Decoder layer `l` under `p`.
     fn new(p: &nn::Path, l: i64, c: &LlamaConfig, training: &Training) -> Self {
@@ -1280,16 +1499,27 @@ impl Layer {
                 },
             },
             o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
-            gate_up: match c.family {
-                Family::Phi3 => {
-                    GateUp::Fused(linear(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
+            mlp: match (&c.moe, c.moe_layer(l)) {
+                (Some(moe), true) => {
+                    let under = match c.family {
+                        Family::Mixtral => p / "block_sparse_moe",
+                        _ => m,
+                    };
+                    Mlp::Experts(Experts::new(&under, d, moe, c.family))
                 }
-                _ => GateUp::Apart {
-                    gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
-                    up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+                _ => Mlp::Dense {
+                    gate_up: match c.family {
+                        Family::Phi3 => {
+                            GateUp::Fused(linear(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
+                        }
+                        _ => GateUp::Apart {
+                            gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
+                            up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+                        },
+                    },
+                    down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
                 },
             },
-            down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
             qk_norm: c.qk_norm.then(|| {
                 (
                     RmsNorm::new(&a / "q_norm", q_width, c),
@@ -1546,18 +1776,24 @@ impl Module for Layer {
             .dropout(self.o_proj.forward(&a), c.resid_dropout);
         let x = x + self.residual(self.norms.attention_output(a));
         let h = self.norms.mlp_input(&x);
-        let (gate, up) = match &self.gate_up {
-            GateUp::Apart { gate_proj, up_proj } => (gate_proj.forward(&h), up_proj.forward(&h)),
-            GateUp::Fused(gate_up) => {
-                let both = gate_up.forward(&h);
-                let i = c.intermediate;
-                (both.narrow(-1, 0, i), both.narrow(-1, i, i))
+        let m = match &self.mlp {
+            Mlp::Dense { gate_up, down_proj } => {
+                let (gate, up) = match gate_up {
+                    GateUp::Apart { gate_proj, up_proj } => {
+                        (gate_proj.forward(&h), up_proj.forward(&h))
+                    }
+                    GateUp::Fused(gate_up) => {
+                        let both = gate_up.forward(&h);
+                        let i = c.intermediate;
+                        (both.narrow(-1, 0, i), both.narrow(-1, i, i))
+                    }
+                };
+                let m = c.activation.apply(&gate) * up;
+                self.training
+                    .dropout(down_proj.forward(&m), c.resid_dropout)
             }
+            Mlp::Experts(experts) => experts.forward(&h, c.activation),
         };
-        let m = c.activation.apply(&gate) * up;
-        let m = self
-            .training
-            .dropout(self.down_proj.forward(&m), c.resid_dropout);
         &x + self.residual(self.norms.mlp_output(m))
     }
 }
@@ -1633,7 +1869,9 @@ pub struct Llama {
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: RmsNorm,
     training: Training,
-    cfg: LlamaConfig,
+    /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
+    /// variants stay alike in size.
+    cfg: Box<LlamaConfig>,
 }
 
 impl Llama {
@@ -1690,7 +1928,7 @@ impl Llama {
             layers,
             norm,
             training,
-            cfg: cfg.clone(),
+            cfg: Box::new(cfg.clone()),
         }
     }
 
@@ -1812,6 +2050,7 @@ pub(crate) mod tests {
             attention_multiplier: None,
             logits_scaling: 1.0,
             rope_layers: None,
+            moe: None,
         };
         assert_eq!(cfg, want);
         std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
@@ -2235,6 +2474,69 @@ pub(crate) mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn mixture_of_experts_configs_are_read_and_counted() {
+        let dir = std::env::temp_dir().join(format!("zrt-moe-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Mixtral 8x7B's and Qwen3-30B-A3B's shapes; the counts are
+        // transformers' for these configs.
+        let mixtral = r#"{"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": false, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": null, "output_router_logits": false, "router_aux_loss_coef": 0.02}"#;
+        let qwen3_moe = r#"{"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": false, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": false}"#;
+        let read = |text: &str| {
+            std::fs::write(dir.join("config.json"), text).unwrap();
+            LlamaConfig::from_hf_dir(&dir)
+        };
+        let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+        let m = read(mixtral).unwrap();
+        let q = read(qwen3_moe).unwrap();
+        assert_eq!((total(&m), total(&q)), (46702792704, 30532122624));
+        let want = MoeConfig {
+            experts: 128,
+            top_k: 8,
+            intermediate: 768,
+            normalize: true,
+            sparse_step: 1,
+            dense_layers: vec![],
+        };
+        assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
+        // Dense layers where Qwen3-MoE says.
+        let d =
+            read(&qwen3_moe.replace(r#""mlp_only_layers": []"#, r#""mlp_only_layers": [0, 47]"#))
+                .unwrap();
+        assert_eq!(
+            (d.moe_layer(0), d.moe_layer(1), d.moe_layer(47)),
+            (false, true, false)
+        );
+        for cfg in [m, q, d] {
+            std::fs::write(dir.join("ours.json"), cfg.to_hf_json()).unwrap();
+            assert_eq!(
+                LlamaConfig::from_hf_dir(dir.join("ours.json")).unwrap(),
+                cfg
+            );
+        }
+        for (from, to, says) in [
+            (
+                r#""output_router_logits": false"#,
+                r#""output_router_logits": true"#,
+                "does not add the router's load-balancing loss",
+            ),
+            (
+                r#""router_aux_loss_coef": 0.02"#,
+                r#""router_jitter_noise": 0.01"#,
+                "router_jitter_noise",
+            ),
+            (
+                r#""num_experts_per_tok": 2"#,
+                r#""num_experts_per_tok": 9"#,
+                "num_experts_per_tok 9 is more than the 8 experts",
+            ),
+        ] {
+            let err = read(&mixtral.replace(from, to)).unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Each unit's parameters as the built model holds them (variables
     /// under the unit's name; the root's those under none).
     pub(crate) fn held_by_unit(vs: &nn::VarStore, units: &[(String, u64)]) -> Vec<(String, u64)> {
@@ -2290,6 +2592,7 @@ pub(crate) mod tests {
             attention_multiplier: None,
             logits_scaling: 1.0,
             rope_layers: None,
+            moe: None,
         };
         let variants = [
             base.clone(),
@@ -2332,6 +2635,31 @@ pub(crate) mod tests {
                 family: Family::Granite,
                 tied: true,
                 rope_layers: Some(vec![true, false]),
+                ..base.clone()
+            },
+            LlamaConfig {
+                family: Family::Qwen3Moe,
+                qk_norm: true,
+                moe: Some(MoeConfig {
+                    experts: 4,
+                    top_k: 2,
+                    intermediate: 24,
+                    normalize: true,
+                    sparse_step: 1,
+                    dense_layers: vec![1],
+                }),
+                ..base.clone()
+            },
+            LlamaConfig {
+                family: Family::Mixtral,
+                moe: Some(MoeConfig {
+                    experts: 3,
+                    top_k: 1,
+                    intermediate: 40,
+                    normalize: true,
+                    sparse_step: 1,
+                    dense_layers: vec![],
+                }),
                 ..base.clone()
             },
         ];

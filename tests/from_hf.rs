@@ -191,6 +191,25 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Mixtral: four experts, each token through two, renormalised.
+    Case {
+        name: "mixtral",
+        python: (
+            "from transformers import MixtralConfig as C, MixtralForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2",
+        ),
+        load: "",
+    },
+    // Qwen3-MoE: experts on the first layer, a dense MLP on the second
+    // (mlp_only_layers), the top weights renormalised.
+    Case {
+        name: "qwen3-moe",
+        python: (
+            "from transformers import Qwen3MoeConfig as C, Qwen3MoeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -342,6 +361,16 @@ fn a_smollm3_checkpoint_with_layers_without_rotary_trains_as_transformers_does()
 #[test]
 fn a_qwen2_checkpoint_with_yarn_trains_as_transformers_does() {
     parity("qwen2-yarn");
+}
+
+#[test]
+fn a_mixtral_checkpoint_routes_its_tokens_as_transformers_does() {
+    parity("mixtral");
+}
+
+#[test]
+fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
+    parity("qwen3-moe");
 }
 
 #[test]

@@ -447,9 +447,9 @@ pub struct LlamaConfig {
     /// window (Gemma 2: 2, Gemma 3: 6, OLMo 3: 4, from `layer_types`);
     /// `None`: every layer alike.
     pub full_every: Option<i64>,
-    /// Gemma 3's `rope_local_base_freq`: the windowed layers' rotary
-    /// base, their frequencies unscaled (the global layers' are
-    /// `rope_theta`'s, scaled as `rope_scaling` says).
+    /// The windowed layers' rotary base, their frequencies unscaled
+    /// (Gemma 3's `rope_local_base_freq`; OLMo 3's `rope_theta`): the
+    /// global layers' are `rope_theta`'s, scaled as `rope_scaling` says.
     pub local_rope_theta: Option<f64>,
     /// Phi-3's `partial_rotary_factor`: the share of each head's
     /// dimensions the rotary embedding turns, the first ones

@@ -2,7 +2,9 @@
 //! in several files through an index) load into zrt's models of their
 //! layouts (`zrt::gpt2`: names under `transformer.`, Conv1D matrices
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
-//! rotary embeddings, tied and untied heads, biases) under ZeRO with no
+//! rotary embeddings and their scalings, tied and untied heads, biases,
+//! and each family's variations: Mistral, Qwen, Gemma, Phi-3, Granite,
+//! OLMo, SmolLM3, Mixtral and Qwen3-MoE) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
 //! on two ranks the same losses, to float rounding (the two are different

@@ -196,16 +196,14 @@ impl ExportLayout {
     }
 }
 
-/// PyTorch's name of `dtype` (`torch.bfloat16` is `"bfloat16"`), as
-/// Hugging Face configs write it.
+/// PyTorch's name of an export's `dtype` (`torch.bfloat16` is
+/// `"bfloat16"`), as Hugging Face configs write it.
 fn torch_name(dtype: Dtype) -> &'static str {
     match dtype {
         Dtype::BF16 => "bfloat16",
         Dtype::F16 => "float16",
-        Dtype::F64 => "float64",
-        Dtype::I8 => "int8",
-        Dtype::U8 => "uint8",
-        Dtype::I64 => "int64",
+        // An export writes its trained tensors in f32, bf16 or f16: no
+        // other dtype is an export's.
         _ => "float32",
     }
 }

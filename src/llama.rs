@@ -882,13 +882,14 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     };
     if j.flag_or("output_router_logits", false)? {
         return Err(j.field(
-            "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss".into(),
+            "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss (set it to false)".into(),
         ));
     }
-    if j.number_or("router_jitter_noise", 0.0)? != 0.0 {
-        return Err(j.field(
-            "router_jitter_noise: zrt's routers take the hidden states as they are".into(),
-        ));
+    let jitter = j.number_or("router_jitter_noise", 0.0)?;
+    if jitter != 0.0 {
+        return Err(j.field(format!(
+            "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are (set it to 0)"
+        )));
     }
     let defaults = match family {
         Family::Mixtral => (8, 2),

@@ -1031,13 +1031,7 @@ fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScali
         return Ok(RopeScaling::None);
     };
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
-    let num = |key: &str| {
-        (v.get(key).and_then(|n| n.as_f64())).ok_or_else(|| {
-            j.field(format!(
-                "rope_scaling {v}: its `{key}` is missing or not a number"
-            ))
-        })
-    };
+    let num = |key: &str| scaling_number(j, v, key);
     match kind {
         Some("default") => Ok(RopeScaling::None),
         Some("linear") => Ok(RopeScaling::Linear {
@@ -1058,24 +1052,24 @@ fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScali
     }
 }
 
+/// Field `key` of the config's `rope_scaling` `v`, a number.
+fn scaling_number(j: &HfJson, v: &serde_json::Value, key: &str) -> Result<f64, HfError> {
+    (v.get(key).and_then(|n| n.as_f64())).ok_or_else(|| {
+        j.field(format!(
+            "rope_scaling {v}: its `{key}` is missing or not a number"
+        ))
+    })
+}
+
 /// The `"yarn"` scaling `v` ([`RopeScaling::Yarn`]), read as
 /// `transformers` reads it.
 fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
     let num = |key: &str| v.get(key).filter(|n| !n.is_null());
     let number = |key: &str, default: f64| match num(key) {
         None => Ok(default),
-        Some(n) => n
-            .as_f64()
-            .ok_or_else(|| j.field(format!("rope_scaling {v}: its `{key}` is not a number"))),
+        Some(_) => scaling_number(j, v, key),
     };
-    let factor = match num("factor").and_then(|f| f.as_f64()) {
-        Some(f) => f,
-        None => {
-            return Err(j.field(format!(
-                "rope_scaling {v}: its `factor` is missing or not a number"
-            )))
-        }
-    };
+    let factor = scaling_number(j, v, "factor")?;
     let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048) as f64;
     // transformers' `get_mscale`.
     let mscale = |scale: f64, m: f64| match scale <= 1.0 {
@@ -1552,15 +1546,13 @@ struct Rotary {
 impl Rotary {
     /// Turning `hd` dimensions at base `theta`, scaled as `scaling` says.
     fn new(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> Self {
+        let powers = base_powers(hd, theta, device);
         let long = match scaling {
             RopeScaling::LongRope {
                 long,
                 original_positions,
                 ..
-            } => Some((
-                divided(&base_powers(hd, theta, device), long),
-                *original_positions,
-            )),
+            } => Some((divided(&powers, long), *original_positions)),
             _ => None,
         };
         let scale = match scaling {
@@ -1573,7 +1565,7 @@ impl Rotary {
             _ => 1.0,
         };
         Self {
-            inv_freq: inv_freq(hd, theta, scaling, device),
+            inv_freq: inv_freq(&powers, hd, theta, scaling),
             long,
             scale,
         }
@@ -1606,43 +1598,22 @@ fn divided(powers: &Tensor, factors: &[f64]) -> Tensor {
 }
 
 /// The rotary embedding's inverse frequencies, `[hd / 2]` in fp32 (`hd`
-/// the dimensions it turns), computed as `transformers` computes them:
-/// `theta^(-2i/hd)`, scaled as `scaling` says (LongRoPE's for a sequence
-/// up to the pretrained length).
-fn inv_freq(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> Tensor {
-    let powers = base_powers(hd, theta, device);
-    if let RopeScaling::LongRope { short, .. } = scaling {
-        return divided(&powers, short);
-    }
-    if let RopeScaling::Yarn {
-        factor,
-        original_positions,
-        beta_fast,
-        beta_slow,
-        truncate,
-        ..
-    } = *scaling
-    {
-        return yarn_inv_freq(
-            &powers,
-            hd,
-            theta,
-            factor,
-            original_positions,
-            (beta_fast, beta_slow),
-            truncate,
-        );
-    }
-    let inv = powers.reciprocal();
-    match *scaling {
-        RopeScaling::None | RopeScaling::LongRope { .. } | RopeScaling::Yarn { .. } => inv,
-        RopeScaling::Linear { factor } => inv / factor,
+/// the dimensions it turns, `powers` their [`base_powers`] at `theta`),
+/// computed as `transformers` computes them: `theta^(-2i/hd)`, scaled as
+/// `scaling` says (LongRoPE's for a sequence up to the pretrained
+/// length).
+fn inv_freq(powers: &Tensor, hd: i64, theta: f64, scaling: &RopeScaling) -> Tensor {
+    match scaling {
+        RopeScaling::None => powers.reciprocal(),
+        RopeScaling::Linear { factor } => powers.reciprocal() / *factor,
         RopeScaling::Llama3 {
             factor,
             low_freq_factor: low,
             high_freq_factor: high,
             original_positions: old,
         } => {
+            let (factor, low, high, old) = (*factor, *low, *high, *old);
+            let inv = powers.reciprocal();
             let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
             let long = wavelen.gt(old / low);
             let scaled = (&inv / factor).where_self(&long, &inv);
@@ -1652,6 +1623,23 @@ fn inv_freq(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> 
             let medium = short.logical_not().logical_and(&long.logical_not());
             smoothed.where_self(&medium, &scaled)
         }
+        RopeScaling::LongRope { short, .. } => divided(powers, short),
+        RopeScaling::Yarn {
+            factor,
+            original_positions,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => yarn_inv_freq(
+            powers,
+            hd,
+            theta,
+            *factor,
+            *original_positions,
+            (*beta_fast, *beta_slow),
+            *truncate,
+        ),
     }
 }
 

@@ -283,6 +283,20 @@ with torch.no_grad():
         .collect()
 }
 
+/// Asserts that `got` are the export's losses `theirs`: the same weights,
+/// the losses computed by two transformers processes (once in some
+/// twenty runs they differed, the values not recorded: float noise is
+/// allowed, a step's change not), to 1e-6 relative.
+fn same_losses(what: &str, got: &[f64], theirs: &[f64]) {
+    assert_eq!(got.len(), theirs.len(), "{what}");
+    for (g, t) in got.iter().zip(theirs) {
+        assert!(
+            (g - t).abs() <= 1e-6 * t.abs(),
+            "{what}: {got:?}, the export's {theirs:?}"
+        );
+    }
+}
+
 /// The files of a checkpoint directory with extension `ext`.
 fn count(dir: &Path, ext: &str) -> usize {
     (std::fs::read_dir(dir).unwrap())
@@ -541,13 +555,7 @@ fn parity(name: &str) {
             }
             std::fs::write(ours.join("config.json"), &got[0].5).unwrap();
             let again = tuned_losses(case, &dir, &ours);
-            assert_eq!(again.len(), theirs.len(), "{what}");
-            for (a, t) in again.iter().zip(&theirs) {
-                assert!(
-                    (a - t).abs() <= 1e-6 * t.abs(),
-                    "{what}: under zrt's config.json {again:?}, the checkpoint's {theirs:?}"
-                );
-            }
+            same_losses(&format!("{what}, under zrt's config.json"), &again, &theirs);
         }
         if checkpointed {
             // The checkpoint, consolidated offline in the layout of the
@@ -566,16 +574,7 @@ fn parity(name: &str) {
             assert!(count(&hf_out, "safetensors") > 1, "{what}");
             same_files(&format!("{what}, consolidated"), &hf_out, "float32");
             let consolidated = tuned_losses(case, &dir, &hf_out);
-            // The same weights; two transformers processes computed the
-            // losses (once in some twenty runs they differed, the values
-            // not recorded: float noise is allowed, a step's change not).
-            assert_eq!(consolidated.len(), theirs.len(), "{what}");
-            for (c, t) in consolidated.iter().zip(&theirs) {
-                assert!(
-                    (c - t).abs() <= 1e-6 * t.abs(),
-                    "{what}: consolidated {consolidated:?}, export {theirs:?}"
-                );
-            }
+            same_losses(&format!("{what}, consolidated"), &consolidated, &theirs);
         }
         for (rank, (held, first, got, after, refused, _)) in got.into_iter().enumerate() {
             let what = format!("{what}, rank {rank}");

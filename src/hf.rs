@@ -340,6 +340,20 @@ impl HfJson {
         }
     }
 
+    /// Field `key`, a positive integer; `None` when null, `default` when
+    /// absent (a config class's default, which null overrides).
+    pub(crate) fn size_or_null(
+        &self,
+        key: &str,
+        default: Option<i64>,
+    ) -> Result<Option<i64>, HfError> {
+        match self.json.get(key) {
+            None => Ok(default),
+            Some(v) if v.is_null() => Ok(None),
+            Some(_) => self.size(key).map(Some),
+        }
+    }
+
     /// Field `key`, a number, or `default` when absent or null.
     pub(crate) fn number_or(&self, key: &str, default: f64) -> Result<f64, HfError> {
         match self.get(key) {

@@ -224,14 +224,102 @@ impl Family {
         matches!(self, Self::Olmo2 | Self::Olmo3)
     }
 
-    /// The config class's `pad_token_id` when a config leaves it out.
-    fn default_pad(self) -> Option<i64> {
+    /// What its `transformers` config class (4.57) gives the fields a
+    /// config leaves out: one table, so a family's defaults read
+    /// together and are checked against the classes' own
+    /// (`tests/from_hf.rs`).
+    fn defaults(self) -> Defaults {
+        const LLAMA: Defaults = Defaults {
+            eps: 1e-6,
+            rope_theta: 10000.0,
+            kv_heads: None,
+            head_dim: None,
+            window: None,
+            tied: false,
+            pad: None,
+            activation: Activation::Silu,
+            positions: 2048,
+        };
+        const GEMMA: Defaults = Defaults {
+            head_dim: Some(256),
+            tied: true,
+            pad: Some(0),
+            activation: Activation::GeluTanh,
+            positions: 8192,
+            ..LLAMA
+        };
         match self {
-            Self::Gemma | Self::Gemma2 | Self::Gemma3 => Some(0),
-            Self::Phi3 => Some(32000),
-            Self::Olmo2 | Self::Olmo3 => Some(1),
-            Self::SmolLm3 => Some(128004),
-            _ => None,
+            Self::Llama | Self::Granite => LLAMA,
+            Self::Mistral => Defaults {
+                kv_heads: Some(8),
+                window: Some(4096),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Qwen2 => Defaults {
+                kv_heads: Some(32),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Qwen3 => Defaults {
+                kv_heads: Some(32),
+                head_dim: Some(128),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Gemma => Defaults {
+                kv_heads: Some(16),
+                ..GEMMA
+            },
+            Self::Gemma2 => Defaults {
+                kv_heads: Some(4),
+                window: Some(4096),
+                ..GEMMA
+            },
+            Self::Gemma3 => Defaults {
+                rope_theta: 1e6,
+                kv_heads: Some(4),
+                window: Some(4096),
+                positions: 131072,
+                ..GEMMA
+            },
+            Self::Phi3 => Defaults {
+                eps: 1e-5,
+                pad: Some(32000),
+                positions: 4096,
+                ..LLAMA
+            },
+            Self::Olmo2 => Defaults {
+                eps: 1e-5,
+                pad: Some(1),
+                ..LLAMA
+            },
+            Self::Olmo3 => Defaults {
+                eps: 1e-5,
+                window: Some(4096),
+                pad: Some(1),
+                ..LLAMA
+            },
+            Self::SmolLm3 => Defaults {
+                rope_theta: 2e6,
+                kv_heads: Some(4),
+                tied: true,
+                pad: Some(128004),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Mixtral => Defaults {
+                eps: 1e-5,
+                rope_theta: 1e6,
+                kv_heads: Some(8),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Qwen3Moe => Defaults {
+                kv_heads: Some(4),
+                positions: 32768,
+                ..LLAMA
+            },
         }
     }
 
@@ -244,6 +332,31 @@ impl Family {
             _ => "hidden_act",
         }
     }
+}
+
+/// A [`Family`]'s config class's value for each field a config leaves
+/// out (present and null is another thing: `sliding_window: null` turns
+/// the window off).
+#[derive(Debug, Clone, Copy)]
+struct Defaults {
+    /// `rms_norm_eps`.
+    eps: f64,
+    /// `rope_theta`.
+    rope_theta: f64,
+    /// `num_key_value_heads`; `None`: `num_attention_heads`.
+    kv_heads: Option<i64>,
+    /// `head_dim`; `None`: `hidden_size / num_attention_heads`.
+    head_dim: Option<i64>,
+    /// `sliding_window`, for the families that read one.
+    window: Option<i64>,
+    /// `tie_word_embeddings`.
+    tied: bool,
+    /// `pad_token_id`.
+    pad: Option<i64>,
+    /// `hidden_act` (Gemma 2's and 3's `hidden_activation`).
+    activation: Activation,
+    /// `max_position_embeddings`.
+    positions: i64,
 }
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE):
@@ -499,11 +612,10 @@ impl LlamaConfig {
                 Family::model_types()
             )));
         };
-        let gemma = family.gemma();
+        let defaults = family.defaults();
         let key = family.activation_key();
         let activation = match j.get(key) {
-            None if gemma => Activation::GeluTanh,
-            None => Activation::Silu,
+            None => defaults.activation,
             Some(v) => v.as_str().and_then(Activation::of).ok_or_else(|| {
                 j.field(format!(
                     "{key} {v}: this Llama computes \"silu\", \"gelu\" and \"gelu_pytorch_tanh\""
@@ -524,15 +636,15 @@ impl LlamaConfig {
             ));
         }
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
-        let kv_heads = j.size_or_none("num_key_value_heads")?.unwrap_or(heads);
+        // Left out, the class's default; null, as many as the heads.
+        let kv_heads = (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads);
         if heads % kv_heads != 0 {
             return Err(j.field(format!(
                 "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
             )));
         }
-        let head_dim = match j.size_or_none("head_dim")? {
+        let head_dim = match j.size_or_null("head_dim", defaults.head_dim)? {
             Some(d) => d,
-            None if gemma => 256,
             None if hidden % heads == 0 => hidden / heads,
             None => {
                 return Err(j.field(format!(
@@ -548,10 +660,12 @@ impl LlamaConfig {
         }
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
-            Family::Mistral | Family::Phi3 | Family::Mixtral => j.size_or_none("sliding_window")?,
-            Family::Gemma2 | Family::Gemma3 | Family::Olmo3 => {
-                j.size_or_none("sliding_window")?.or(Some(4096))
-            }
+            Family::Mistral
+            | Family::Phi3
+            | Family::Mixtral
+            | Family::Gemma2
+            | Family::Gemma3
+            | Family::Olmo3 => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
                 if j.flag_or("use_sliding_window", false)? =>
             {
@@ -566,14 +680,7 @@ impl LlamaConfig {
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, family, vocab)?;
         let sandwich = family.sandwich();
-        let rope_theta = j.number_or(
-            "rope_theta",
-            match family {
-                Family::Gemma3 => 1e6,
-                Family::SmolLm3 => 2e6,
-                _ => 10000.0,
-            },
-        )?;
+        let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
         let granite = |key: &str| match family {
             Family::Granite => j.number_or(key, 1.0),
             _ => Ok(1.0),
@@ -587,21 +694,15 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            eps: j.number_or(
-                "rms_norm_eps",
-                match family {
-                    Family::Phi3 | Family::Olmo2 | Family::Olmo3 => 1e-5,
-                    _ => 1e-6,
-                },
-            )?,
+            eps: j.number_or("rms_norm_eps", defaults.eps)?,
             rope_theta,
             rope_scaling: rope_scaling(j, family, rotary_dim)?,
-            positions: j.size_or_none("max_position_embeddings")?.unwrap_or(2048),
+            positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
             mlp_bias: j.flag_or("mlp_bias", false)?,
             sliding_window,
-            tied: j.flag_or("tie_word_embeddings", gemma || family == Family::SmolLm3)?,
+            tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
             qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
                 || family.olmo(),
@@ -956,7 +1057,7 @@ fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
 /// when left out: Gemma's 0, ...), a token id of the `vocab`, or none.
 fn pad_token(j: &HfJson, family: Family, vocab: i64) -> Result<Option<i64>, HfError> {
     let v = match j.get("pad_token_id") {
-        None if !j.has("pad_token_id") => family.default_pad().map(serde_json::Value::from),
+        None if !j.has("pad_token_id") => family.defaults().pad.map(serde_json::Value::from),
         None => None,
         Some(v) => Some(v.clone()),
     };
@@ -2218,11 +2319,12 @@ pub(crate) mod tests {
         );
         assert_eq!((b.attn_softcap, b.final_softcap), (Some(50.0), Some(30.0)));
         // Gemma reads hidden_act (exact GELU in Gemma 1's releases), its
-        // sequels hidden_activation.
+        // sequels hidden_activation (its class's 16 key-value heads would
+        // not divide these 4 heads: given).
         let g1 = read(
             &bare
                 .replace("gemma2", "gemma")
-                .replace("{", r#"{"hidden_act": "gelu", "#),
+                .replace("{", r#"{"hidden_act": "gelu", "num_key_value_heads": 1, "#),
         )
         .unwrap();
         assert_eq!(

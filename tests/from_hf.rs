@@ -811,3 +811,52 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     assert!(files(&split) == files(&tuned), "the resumed export differs");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A config that gives only the sizes zrt requires reads, in every
+/// family, as that family's `transformers` config class reads it: the
+/// config zrt writes back from what it read (every default it took
+/// spelled out) loads in `transformers` as the same config.
+#[test]
+fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
+    let dir = scratch("hf-defaults");
+    for family in zrt::llama::Family::ALL {
+        let mt = family.model_type();
+        let given = dir.join(mt).join("given");
+        let read = dir.join(mt).join("read");
+        std::fs::create_dir_all(&given).unwrap();
+        std::fs::create_dir_all(&read).unwrap();
+        // 32 heads: every class's default key-value heads divide them;
+        // a vocabulary holding every default pad token.
+        let config = format!(
+            r#"{{"model_type": "{mt}", "vocab_size": 130000, "hidden_size": 128,
+                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}}"#
+        );
+        std::fs::write(given.join("config.json"), config).unwrap();
+        let cfg = zrt::llama::LlamaConfig::from_hf_dir(&given).unwrap();
+        std::fs::write(read.join("config.json"), cfg.to_hf_json()).unwrap();
+    }
+    let script = format!(
+        r#"
+import os
+from transformers import AutoConfig
+root = "{dir}"
+ignore = {{"architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}}
+bad = []
+for mt in sorted(os.listdir(root)):
+    given = AutoConfig.from_pretrained(os.path.join(root, mt, "given")).to_dict()
+    read = AutoConfig.from_pretrained(os.path.join(root, mt, "read")).to_dict()
+    # A class without a head_dim (or with None) computes it from the sizes.
+    given["head_dim"] = given.get("head_dim") or given["hidden_size"] // given["num_attention_heads"]
+    # A field the class does not have is None to it (zrt writes
+    # rope_scaling: null for every family).
+    for k in sorted((set(given) | set(read)) - ignore):
+        if given.get(k) != read.get(k):
+            bad.append(f"{{mt}}: {{k}} {{given.get(k)!r}}, zrt read {{read.get(k)!r}}")
+print("\n".join(bad))
+"#,
+        dir = dir.display()
+    );
+    let bad = common::python(&script);
+    assert!(bad.trim().is_empty(), "{bad}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

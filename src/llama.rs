@@ -32,7 +32,7 @@
 //! [`Llama::set_training`] turns its attention dropout on, where it draws
 //! the masks `transformers` draws from the same seed): RMSNorm computed in
 //! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
-//! `linear`, `llama3`, `longrope` and `yarn` kinds) with cosines and sines
+//! `linear`, `dynamic`, `llama3`, `longrope` and `yarn` kinds) with cosines and sines
 //! computed in fp32,
 //! grouped-query causal attention (in Mistral's sliding window when it
 //! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
@@ -435,6 +435,16 @@ pub enum RopeScaling {
         /// `factor`.
         factor: f64,
     },
+    /// `"dynamic"` (dynamic NTK): for a sequence of `n` tokens longer
+    /// than `max_position_embeddings` `m`, the base grows to
+    /// `rope_theta * (factor * n / m - (factor - 1))^(d / (d - 2))` (`d`
+    /// the dimensions turned). As `transformers` does, a model keeps
+    /// the longest such sequence's frequencies for the sequences after
+    /// it, until one no longer than `m` comes (whose are `rope_theta`'s).
+    Dynamic {
+        /// `factor`.
+        factor: f64,
+    },
     /// `"llama3"` (Llama 3.1 and 3.2): long wavelengths divided by
     /// `factor`, short ones kept, those between interpolated.
     Llama3 {
@@ -593,10 +603,11 @@ impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
     /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
-    /// none, `linear`, `llama3`, `longrope` or `yarn`; a field left out
-    /// takes the default of the family's `transformers` config class.
-    /// What this model does not compute is refused naming the field:
-    /// other rope scalings (`dynamic`, ...), a partial rotary factor but
+    /// none, `linear`, `dynamic`, `llama3`, `longrope` or `yarn` (Phi-3's
+    /// `longrope` only); a field left out takes the default of the
+    /// family's `transformers` config class. What this model does not
+    /// compute is refused naming the field: other rope scalings, a
+    /// partial rotary factor but
     /// Phi-3's, windowed layers in any order but every `n`-th global
     /// (Qwen's), Gemma 3's bidirectional attention.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
@@ -817,6 +828,9 @@ impl LlamaConfig {
             RopeScaling::None => serde_json::Value::Null,
             RopeScaling::Linear { factor } => {
                 serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Dynamic { factor } => {
+                serde_json::json!({"rope_type": "dynamic", "factor": factor})
             }
             RopeScaling::Llama3 {
                 factor,
@@ -1133,22 +1147,32 @@ fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScali
     };
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
     let num = |key: &str| scaling_number(j, v, key);
+    let phi3 = family == Family::Phi3;
     match kind {
         Some("default") => Ok(RopeScaling::None),
-        Some("linear") => Ok(RopeScaling::Linear {
+        Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
+        Some("yarn") if phi3 => long_rope(j, v, rotary_dim),
+        // Phi-3's config class refuses every other kind.
+        Some("linear") if !phi3 => Ok(RopeScaling::Linear {
             factor: num("factor")?,
         }),
-        Some("llama3") => Ok(RopeScaling::Llama3 {
+        Some("dynamic") if !phi3 => Ok(RopeScaling::Dynamic {
+            factor: num("factor")?,
+        }),
+        Some("llama3") if !phi3 => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
             original_positions: num("original_max_position_embeddings")?,
         }),
-        Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
-        Some("yarn") if family == Family::Phi3 => long_rope(j, v, rotary_dim),
         Some("yarn") => yarn(j, v),
         _ => Err(j.field(format!(
-            "rope_scaling {v}: this Llama computes the \"linear\", \"llama3\", \"longrope\" and \"yarn\" kinds only"
+            "rope_scaling {v}: this {} computes the {} kinds only",
+            family.model_type(),
+            match phi3 {
+                true => "\"longrope\" (\"su\", \"yarn\")",
+                false => "\"linear\", \"dynamic\", \"llama3\", \"longrope\" and \"yarn\"",
+            }
         ))),
     }
 }
@@ -1622,7 +1646,8 @@ impl Layer {
                     RmsNorm::new(&a / "k_norm", k_width, c),
                 )
             }),
-            rotary: turns.then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, p.device())),
+            rotary: turns
+                .then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device())),
             window,
             training: training.clone(),
             cfg: c.clone(),
@@ -1642,11 +1667,67 @@ struct Rotary {
     /// The cosines' and sines' factor (LongRoPE's and YaRN's
     /// `attention_factor`).
     scale: f64,
+    /// Under the `dynamic` scaling, the frequencies of the longest
+    /// sequence seen.
+    dynamic: Option<Dynamic>,
+}
+
+/// The `dynamic` scaling's state, `transformers`' own (its rotary
+/// embedding's `max_seq_len_cached`): a sequence longer than the longest
+/// seen past `positions` computes its frequencies, which the sequences
+/// after it use until one shorter than `positions` comes. Each layer
+/// keeps its own; every layer sees the same lengths, so they agree.
+#[derive(Debug)]
+struct Dynamic {
+    factor: f64,
+    positions: i64,
+    hd: i64,
+    theta: f64,
+    /// The longest length seen since the last reset and its frequencies
+    /// (`None`: the unscaled ones, for up to `positions` tokens).
+    seen: parking_lot::Mutex<(i64, Option<Tensor>)>,
+}
+
+impl Dynamic {
+    /// The inverse frequencies for a sequence of `t` tokens, the
+    /// unscaled ones being `unscaled`.
+    fn inv_freq(&self, t: i64, unscaled: &Tensor) -> Tensor {
+        let mut seen = self.seen.lock();
+        if t > seen.0 {
+            *seen = (t, Some(self.grown(t, unscaled.device())));
+        }
+        if t < self.positions && seen.0 > self.positions {
+            *seen = (self.positions, None);
+        }
+        seen.1.as_ref().unwrap_or(unscaled).shallow_clone()
+    }
+
+    /// The frequencies for `t` tokens past `positions`, operation for
+    /// operation as `transformers` computes them from a length held in a
+    /// tensor (the base in fp32, not in Python's doubles).
+    fn grown(&self, t: i64, device: tch::Device) -> Tensor {
+        let (f, d) = (self.factor, self.hd as f64);
+        let n = Tensor::from_slice(&[t]).to_device(device).squeeze();
+        let base = ((n * f) / self.positions as f64 - (f - 1.0)).pow_tensor_scalar(d / (d - 2.0))
+            * self.theta;
+        let exponents = Tensor::arange_start_step(0, self.hd, 2, (Kind::Int64, device))
+            .to_kind(Kind::Float)
+            / d;
+        base.pow(&exponents).reciprocal()
+    }
 }
 
 impl Rotary {
-    /// Turning `hd` dimensions at base `theta`, scaled as `scaling` says.
-    fn new(hd: i64, theta: f64, scaling: &RopeScaling, device: tch::Device) -> Self {
+    /// Turning `hd` dimensions at base `theta`, scaled as `scaling` says
+    /// (`positions`, `max_position_embeddings`, is what the `dynamic`
+    /// scaling grows past).
+    fn new(
+        hd: i64,
+        theta: f64,
+        scaling: &RopeScaling,
+        positions: i64,
+        device: tch::Device,
+    ) -> Self {
         let powers = base_powers(hd, theta, device);
         let long = match scaling {
             RopeScaling::LongRope {
@@ -1665,18 +1746,30 @@ impl Rotary {
             } => *attention_factor,
             _ => 1.0,
         };
+        let dynamic = match scaling {
+            RopeScaling::Dynamic { factor } => Some(Dynamic {
+                factor: *factor,
+                positions,
+                hd,
+                theta,
+                seen: parking_lot::Mutex::new((positions, None)),
+            }),
+            _ => None,
+        };
         Self {
-            inv_freq: inv_freq(&powers, hd, theta, scaling),
+            inv_freq: inv_freq(&powers, hd, theta, scaling, positions),
             long,
             scale,
+            dynamic,
         }
     }
 
     /// The inverse frequencies for a sequence of `t` tokens.
-    fn inv_freq(&self, t: i64) -> &Tensor {
-        match &self.long {
-            Some((long, original)) if t > *original => long,
-            _ => &self.inv_freq,
+    fn inv_freq(&self, t: i64) -> Tensor {
+        match (&self.long, &self.dynamic) {
+            (Some((long, original)), _) if t > *original => long.shallow_clone(),
+            (_, Some(dynamic)) => dynamic.inv_freq(t, &self.inv_freq),
+            _ => self.inv_freq.shallow_clone(),
         }
     }
 }
@@ -1703,10 +1796,18 @@ fn divided(powers: &Tensor, factors: &[f64]) -> Tensor {
 /// computed as `transformers` computes them: `theta^(-2i/hd)`, scaled as
 /// `scaling` says (LongRoPE's for a sequence up to the pretrained
 /// length).
-fn inv_freq(powers: &Tensor, hd: i64, theta: f64, scaling: &RopeScaling) -> Tensor {
+fn inv_freq(powers: &Tensor, hd: i64, theta: f64, scaling: &RopeScaling, positions: i64) -> Tensor {
     match scaling {
         RopeScaling::None => powers.reciprocal(),
         RopeScaling::Linear { factor } => powers.reciprocal() / *factor,
+        // Up to `max_position_embeddings` `m` tokens: the base grown by
+        // `factor * m / m - (factor - 1)` in Python's doubles, as
+        // `transformers` initialises it (1, or an ulp from it).
+        RopeScaling::Dynamic { factor } => {
+            let m = positions as f64;
+            let grown = (factor * m / m - (factor - 1.0)).powf(hd as f64 / (hd as f64 - 2.0));
+            base_powers(hd, theta * grown, powers.device()).reciprocal()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor: low,
@@ -1788,7 +1889,7 @@ fn yarn_inv_freq(
 /// rest pass as they are.
 fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
-    let inv_freq = rotary.inv_freq(t);
+    let inv_freq = &rotary.inv_freq(t);
     let rd = 2 * inv_freq.size()[0];
     let opts = (Kind::Float, x.device());
     let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
@@ -2198,7 +2299,14 @@ pub(crate) mod tests {
             (q3.family, q3.qk_norm, q3.qkv_bias, q3.o_bias),
             (Family::Qwen3, true, true, true)
         );
-        dir.round_trips([q, m, q3]);
+        let dynamic = dir
+            .read(&good.replace(
+                r#""rope_scaling": {"#,
+                r#""rope_scaling": {"rope_type": "dynamic", "factor": 4.0}, "was": {"#,
+            ))
+            .unwrap();
+        assert_eq!(dynamic.rope_scaling, RopeScaling::Dynamic { factor: 4.0 });
+        dir.round_trips([q, m, q3, dynamic]);
         let full_sliding = r#""full_attention", "sliding_attention""#;
         let sliding_full = r#""sliding_attention", "full_attention""#;
         for (from, to, says) in [
@@ -2210,8 +2318,13 @@ pub(crate) mod tests {
             ),
             (
                 r#""rope_scaling": {"#,
-                r#""rope_scaling": {"rope_type": "dynamic"}, "was": {"#,
-                "computes the \"linear\", \"llama3\", \"longrope\" and \"yarn\" kinds only",
+                r#""rope_scaling": {"rope_type": "ntk-by-parts"}, "was": {"#,
+                "this llama computes the \"linear\", \"dynamic\", \"llama3\", \"longrope\" and \"yarn\" kinds only",
+            ),
+            (
+                r#""llama""#,
+                r#""phi3""#,
+                "this phi3 computes the \"longrope\" (\"su\", \"yarn\") kinds only",
             ),
             (
                 r#""rope_scaling": {"#,

@@ -860,3 +860,64 @@ print("\n".join(bad))
     assert!(bad.trim().is_empty(), "{bad}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Llama's `dynamic` rope scaling computes `transformers`' logits for
+/// sequences of changing length, past `max_position_embeddings` (8) and
+/// within it: the base grown for the longest sequence seen, kept for a
+/// shorter one after it while that is not shorter than 8 (10 after 12;
+/// 8 after 16), and the unscaled base again for one shorter (6).
+#[test]
+fn a_llama_with_dynamic_rope_scaling_computes_transformers_logits_as_lengths_change() {
+    const LENGTHS: [i64; 7] = [12, 10, 6, 10, 16, 8, 4];
+    let dir = scratch("hf-dynamic");
+    let model = common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, \
+         rope_scaling={'rope_type': 'dynamic', 'factor': 2.5}",
+        &dir,
+        "",
+    );
+    common::python(&format!(
+        r#"{model}
+m.eval()
+tokens = torch.randint(0, 96, (1, 16))
+out = {{"tokens": tokens}}
+with torch.no_grad():
+    for i, n in enumerate({LENGTHS:?}):
+        out[f"logits{{i}}"] = m(tokens[:, :n]).logits.contiguous()
+save_file(out, "{dir}/reference.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let tokens = Vec::<i64>::try_from(get("tokens").flatten(0, -1)).unwrap();
+    let hf = dir.join("hf");
+    let got = on_ranks(1, |r| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+        let group = r.new_group(&[0]).unwrap();
+        let ds = config_zero(0, 1, 0.0, "", "");
+        let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        (LENGTHS.iter())
+            .map(|&n| {
+                let x = Tensor::from_slice(&tokens[..n as usize]).view([1, n]);
+                let logits = tch::no_grad(|| model.forward(&x));
+                Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+            })
+            .collect::<Vec<_>>()
+    })
+    .remove(0);
+    for (i, (n, got)) in LENGTHS.iter().zip(got).enumerate() {
+        let want = get(&format!("logits{i}"));
+        let got = Tensor::from_slice(&got).view_as(&want);
+        let diff = (&got - &want).abs().max().double_value(&[]);
+        assert!(
+            diff < 1e-5,
+            "forward {i} ({n} tokens): logits differ by {diff}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,6 +6,7 @@
 //!
 //! ```sh
 //! cargo build --release --example finetune_hf --bin zrt
+//! target/release/zrt tokenize --tokenizer path/to/llama --out train.bin --eos corpus.jsonl
 //! target/release/zrt launch --nproc-per-node 4 -- target/release/examples/finetune_hf \
 //!     --model path/to/llama --data train.bin --seq 512 --steps 1000 --out tuned
 //! ```
@@ -14,7 +15,8 @@
 //! without memory and the engine loads each rank's shard of the
 //! checkpoint's files ([`HfModel::from_pretrained`]). The data is a flat
 //! file of token ids already tokenized, little-endian `u16` (nanoGPT's
-//! `train.bin`) or with `--u32` `u32`; each rank reads its own windows
+//! `train.bin`) or with `--u32` `u32`, as `zrt tokenize` writes it from
+//! text with the checkpoint's tokenizer ([`zrt::tokenize`]); each rank reads its own windows
 //! of `--seq + 1` tokens from it. The DeepSpeed config is
 //! `examples/ds_finetune.json` unless `--config` names another. The
 //! export (`--out`) is `config.json` and safetensors files of at most

@@ -12,7 +12,8 @@
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
 //! the main job, the benchmarks and the parity tests; [`gpt2`] is GPT-2
 //! as Hugging Face lays it out, which a pretrained checkpoint loads into
-//! under any stage. [`stop`] ends a
+//! under any stage; [`tokenize`] turns text into the token files the
+//! examples train on, with a checkpoint's own tokenizer. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
 //! stop (a scheduler's SIGTERM, Ctrl-C).
 //!
@@ -62,6 +63,7 @@ pub mod gpt2;
 pub mod hf;
 pub mod llama;
 pub mod stop;
+pub mod tokenize;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where
 /// /proc is not available: what the main job and `zrt bench train` report.

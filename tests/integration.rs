@@ -25,4 +25,5 @@ mod offload;
 mod quantized_gradients;
 mod quantized_weights;
 mod sparse_gradients;
+mod tokenize;
 mod two_engines;

@@ -1,11 +1,12 @@
 //! The `zrt` command line: launch ranks, run benchmarks, inspect checkpoints
-//! and configs, estimate memory.
+//! and configs, estimate memory, tokenize text.
 
 mod bench;
 mod ckpt;
 mod config_cmd;
 mod estimate;
 mod launch;
+mod tokenize_cmd;
 
 use std::process::ExitCode;
 
@@ -42,6 +43,10 @@ enum Cmd {
     },
     /// Estimate model-state memory per rank for each ZeRO stage.
     Estimate(estimate::EstimateArgs),
+    /// Tokenize text with a checkpoint's tokenizer into the id file the examples train on.
+    ///
+    /// Example: zrt tokenize --tokenizer llama --out train.bin --eos corpus.jsonl
+    Tokenize(tokenize_cmd::TokenizeArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -91,6 +96,7 @@ fn main() -> ExitCode {
         Cmd::Ckpt { which } => ckpt::run(&which),
         Cmd::Config { which } => config_cmd::run(&which),
         Cmd::Estimate(a) => estimate::run(&a),
+        Cmd::Tokenize(a) => tokenize_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

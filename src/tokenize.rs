@@ -1,0 +1,353 @@
+//! Text to the flat token files the examples train on, with a
+//! checkpoint's own tokenizer: no Python in the loop.
+//!
+//! [`tokenize_files`] reads a Hugging Face fast tokenizer (`tokenizer.json`,
+//! what `AutoTokenizer.save_pretrained` writes beside a checkpoint) with
+//! the Rust library under Python's `tokenizers`, and writes one flat file
+//! of little-endian token ids, `u16` (nanoGPT's `train.bin`) or `u32`,
+//! which `examples/finetune_hf.rs` reads. Each document becomes the ids
+//! `tokenizer(text)["input_ids"]` gives in Python (the tokenizer's special
+//! tokens added, a Llama's `<s>` or `<|begin_of_text|>` before it; no
+//! truncation, whatever the file says), and with
+//! [`TokenizeOptions::eos`] its end-of-text token after it (nanoGPT's
+//! convention); the documents follow one another, as `run_clm.py`
+//! concatenates them before cutting windows.
+//!
+//! A document is a whole `.txt` file, or the `text` field (or
+//! [`TokenizeOptions::field`]) of each line of a `.jsonl` file (a
+//! dataset's dump: `Dataset.to_json`). The file is written beside its
+//! name and renamed into place at the end, so an error leaves no file
+//! half written.
+//!
+//! ```no_run
+//! use zrt::tokenize::{tokenize_files, TokenizeOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let opts = TokenizeOptions { eos: true, ..TokenizeOptions::default() };
+//! let done = tokenize_files("llama".as_ref(), &["corpus.jsonl".into()], "train.bin".as_ref(), &opts)?;
+//! println!("{} documents, {} tokens", done.documents, done.tokens);
+//! # Ok(()) }
+//! ```
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use tokenizers::Tokenizer;
+
+/// Documents encoded at a time from a `.jsonl` file (in parallel, on
+/// `tokenizers`' threads): enough to keep two cores busy, few enough
+/// that a batch's text and ids stay small.
+const BATCH: usize = 1024;
+
+/// How [`tokenize_files`] writes its documents.
+#[derive(Debug, Clone)]
+pub struct TokenizeOptions {
+    /// `u32` ids (a vocabulary past 65536 needs them), not `u16`.
+    pub u32: bool,
+    /// The tokenizer's end-of-text token after each document
+    /// (`tokenizer_config.json`'s `eos_token`).
+    pub eos: bool,
+    /// The field of a `.jsonl` line holding its text.
+    pub field: String,
+}
+
+impl Default for TokenizeOptions {
+    fn default() -> Self {
+        Self {
+            u32: false,
+            eos: false,
+            field: "text".into(),
+        }
+    }
+}
+
+/// What [`tokenize_files`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// Documents read.
+    pub documents: u64,
+    /// Token ids written.
+    pub tokens: u64,
+    /// The largest id the tokenizer gives, plus one: the vocabulary a
+    /// model reading the file needs.
+    pub vocab: u64,
+}
+
+/// Why [`tokenize_files`] wrote nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The tokenizer could not be read.
+    #[error("{path}: {msg}")]
+    Tokenizer {
+        /// The file or directory given.
+        path: PathBuf,
+        /// What went wrong, and the fix.
+        msg: String,
+    },
+    /// The ids do not fit in `u16`.
+    #[error("the tokenizer's ids go up to {}, past u16's 65535: pass --u32 (TokenizeOptions::u32), and --u32 to the program reading the file", vocab - 1)]
+    TooWide {
+        /// The largest id plus one.
+        vocab: u64,
+    },
+    /// An input or output file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// An input is neither `.txt` nor `.jsonl`, or a line of it is not
+    /// what it must be.
+    #[error("{path}{}: {msg}", line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// The line (from 1) of a `.jsonl` file.
+        line: Option<u64>,
+        /// What is wrong, and the fix.
+        msg: String,
+    },
+}
+
+/// Tokenizes `inputs` (`.txt` files, one document each, and `.jsonl`
+/// files, one a line) with the tokenizer at `tokenizer` (a directory
+/// holding `tokenizer.json`, or the file) into `out`, as the module
+/// docs say.
+pub fn tokenize_files(
+    tokenizer: &Path,
+    inputs: &[PathBuf],
+    out: &Path,
+    opts: &TokenizeOptions,
+) -> Result<Tokenized, TokenizeError> {
+    let tok = Tok::open(tokenizer, opts.eos)?;
+    if !opts.u32 && tok.vocab > 1 << 16 {
+        return Err(TokenizeError::TooWide { vocab: tok.vocab });
+    }
+    // Every input named before anything is read: a typo fails at once.
+    for path in inputs {
+        kind(path)?;
+    }
+    let partial = out.with_file_name(format!(
+        ".{}.partial",
+        out.file_name()
+            .map_or("out".into(), |n| n.to_string_lossy())
+    ));
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TokenizeError::Io { path, source }
+    };
+    let mut writer = Writer {
+        out: BufWriter::new(File::create(&partial).map_err(io(&partial))?),
+        path: partial.clone(),
+        wide: opts.u32,
+        done: Tokenized {
+            documents: 0,
+            tokens: 0,
+            vocab: tok.vocab,
+        },
+    };
+    let wrote = inputs
+        .iter()
+        .try_for_each(|path| match kind(path)? {
+            Kind::Text => {
+                let text = std::fs::read_to_string(path).map_err(io(path))?;
+                writer.documents(&tok, path, vec![text])
+            }
+            Kind::Lines => each_batch(path, &opts.field, |docs| writer.documents(&tok, path, docs)),
+        })
+        .and_then(|()| writer.out.flush().map_err(io(&partial)))
+        .and_then(|()| std::fs::rename(&partial, out).map_err(io(out)));
+    if wrote.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    wrote.map(|()| writer.done)
+}
+
+/// A tokenizer as Python's `tokenizer(text)` runs it, and its
+/// end-of-text id when asked for.
+struct Tok {
+    tokenizer: Tokenizer,
+    eos: Option<u32>,
+    vocab: u64,
+}
+
+impl Tok {
+    /// The tokenizer at `path` (a directory, or its `tokenizer.json`);
+    /// with `eos`, its end-of-text token from `tokenizer_config.json`.
+    fn open(path: &Path, eos: bool) -> Result<Self, TokenizeError> {
+        let err = |msg: String| TokenizeError::Tokenizer {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let (dir, file) = match path.is_dir() {
+            true => (path.to_path_buf(), path.join("tokenizer.json")),
+            false => (
+                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                path.to_path_buf(),
+            ),
+        };
+        if !file.is_file() {
+            return Err(err(format!(
+                "no {}: zrt reads fast tokenizers; in Python, AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes one beside a tokenizer.model",
+                file.display()
+            )));
+        }
+        let mut tokenizer = Tokenizer::from_file(&file).map_err(|e| err(e.to_string()))?;
+        // transformers turns both off for a call that does not ask
+        // for them, whatever the file says.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| err(e.to_string()))?;
+        tokenizer.with_padding(None);
+        let vocab = (tokenizer.get_vocab(true).values())
+            .max()
+            .map_or(0, |&m| u64::from(m) + 1);
+        let eos = match eos {
+            false => None,
+            true => Some(eos_id(&tokenizer, &dir).map_err(err)?),
+        };
+        Ok(Self {
+            tokenizer,
+            eos,
+            vocab,
+        })
+    }
+}
+
+/// The id of `tokenizer_config.json`'s `eos_token` in `dir`.
+fn eos_id(tokenizer: &Tokenizer, dir: &Path) -> Result<u32, String> {
+    let config = dir.join("tokenizer_config.json");
+    let text = std::fs::read_to_string(&config).map_err(|e| {
+        format!(
+            "{}: {e}; --eos takes the end-of-text token from it",
+            config.display()
+        )
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
+    let eos = &json["eos_token"];
+    // A string, or an AddedToken's fields.
+    let name = (eos.as_str())
+        .or_else(|| eos["content"].as_str())
+        .ok_or_else(|| {
+            format!(
+                "{}: no eos_token, which --eos appends (leave --eos out)",
+                config.display()
+            )
+        })?;
+    tokenizer
+        .token_to_id(name)
+        .ok_or_else(|| format!("eos_token {name:?} is not in the tokenizer's vocabulary"))
+}
+
+/// What an input file holds.
+enum Kind {
+    /// One document.
+    Text,
+    /// One JSON object a line.
+    Lines,
+}
+
+/// The kind of `path`, by its extension.
+fn kind(path: &Path) -> Result<Kind, TokenizeError> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("txt") => Ok(Kind::Text),
+        Some("jsonl") => Ok(Kind::Lines),
+        _ => Err(TokenizeError::Input {
+            path: path.to_path_buf(),
+            line: None,
+            msg: "neither .txt (one document) nor .jsonl (one JSON object a line): rename it"
+                .into(),
+        }),
+    }
+}
+
+/// Calls `each` with the `field` texts of `path`'s lines, [`BATCH`] at a
+/// time, in order (blank lines skipped, as `datasets` skips them).
+fn each_batch(
+    path: &Path,
+    field: &str,
+    mut each: impl FnMut(Vec<String>) -> Result<(), TokenizeError>,
+) -> Result<(), TokenizeError> {
+    let input = |line: u64, msg: String| TokenizeError::Input {
+        path: path.to_path_buf(),
+        line: Some(line),
+        msg,
+    };
+    let file = File::open(path).map_err(|source| TokenizeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut batch = Vec::with_capacity(BATCH);
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let n = i as u64 + 1;
+        let line = line.map_err(|e| input(n, e.to_string()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
+        let text = json.get(field).and_then(|t| t.as_str()).ok_or_else(|| {
+            input(
+                n,
+                format!("no string field {field:?} (--field names the one holding the text)"),
+            )
+        })?;
+        batch.push(text.to_string());
+        if batch.len() == BATCH {
+            each(std::mem::take(&mut batch))?;
+        }
+    }
+    match batch.is_empty() {
+        true => Ok(()),
+        false => each(batch),
+    }
+}
+
+/// The output file being written.
+struct Writer {
+    out: BufWriter<File>,
+    /// The file `out` writes, named in its errors.
+    path: PathBuf,
+    wide: bool,
+    done: Tokenized,
+}
+
+impl Writer {
+    /// Encodes `docs` (from `path`) and writes their ids.
+    fn documents(
+        &mut self,
+        tok: &Tok,
+        path: &Path,
+        docs: Vec<String>,
+    ) -> Result<(), TokenizeError> {
+        let encoded =
+            (tok.tokenizer.encode_batch_fast(docs, true)).map_err(|e| TokenizeError::Input {
+                path: path.to_path_buf(),
+                line: None,
+                msg: format!("the tokenizer failed: {e}"),
+            })?;
+        let mut bytes = Vec::new();
+        for e in &encoded {
+            let ids = e.get_ids().iter().chain(tok.eos.as_ref());
+            for &id in ids {
+                match self.wide {
+                    true => bytes.extend_from_slice(&id.to_le_bytes()),
+                    // Every id fits: the vocabulary was checked.
+                    false => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
+                }
+                self.done.tokens += 1;
+            }
+            self.done.documents += 1;
+        }
+        self.out
+            .write_all(&bytes)
+            .map_err(|source| TokenizeError::Io {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}

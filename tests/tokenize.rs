@@ -1,0 +1,204 @@
+//! `zrt tokenize` writes the ids `transformers`' `AutoTokenizer` gives
+//! the same text (a byte-level BPE tokenizer trained here, with a
+//! beginning-of-text token its post-processor adds and a truncation in
+//! its file that a call without one ignores), document after document,
+//! in `u16` and `u32`; what it cannot tokenize is refused naming the
+//! file, the line or the option, and leaves no file behind.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::common;
+use common::scratch;
+
+/// Runs `zrt tokenize ARGS`: whether it succeeded, and its stdout and
+/// stderr.
+fn tokenize(args: &[&std::ffi::OsStr]) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .arg("tokenize")
+        .args(args)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    (o.status.success(), said)
+}
+
+/// The files of `dir`.
+fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = (std::fs::read_dir(dir).unwrap())
+        .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn text_tokenizes_to_the_ids_transformers_gives_it() {
+    let dir = scratch("tokenize");
+    let tok = dir.join("tok");
+    let (txt, jsonl) = (dir.join("a.txt"), dir.join("b.jsonl"));
+    std::fs::write(
+        &txt,
+        "Ünïcödé, naïve café 😀 and\ttabs,  spaces\r\nand lines.\n\nThe end 123 4567.",
+    )
+    .unwrap();
+    let script = format!(
+        r#"
+import json
+from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
+from transformers import PreTrainedTokenizerFast, AutoTokenizer
+corpus = ["the quick brown fox jumps over the lazy dog " * 3, "naïve café, ünïcödé 😀", "1234567890 tabs\tand spaces"] * 20
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+tok.train_from_iterator(corpus, trainer)
+tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained("{tok}")
+# A truncation in the file, which a call that does not ask for one ignores.
+path = "{tok}/tokenizer.json"
+j = json.load(open(path))
+j["truncation"] = {{"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}}
+json.dump(j, open(path, "w"))
+docs = ["the lazy fox 😀", "", "naïve\nline\twith \"quotes\" and \\ back", "x" * 300]
+with open("{jsonl}", "w") as f:
+    for i, d in enumerate(docs):
+        f.write(json.dumps({{"id": i, "text": d}}) + "\n")
+        if i == 1:
+            f.write("\n")
+t = AutoTokenizer.from_pretrained("{tok}")
+texts = [open("{txt}", newline="").read()] + docs
+ids = [t(d)["input_ids"] for d in texts]
+assert max(len(i) for i in ids) > 4 and ids[0][0] == t.bos_token_id
+import struct
+eos = [i + [t.eos_token_id] for i in ids]
+open("{dir}/want16.bin", "wb").write(b"".join(struct.pack("<H", x) for d in eos for x in d))
+open("{dir}/want32.bin", "wb").write(b"".join(struct.pack("<I", x) for d in ids for x in d))
+print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
+"#,
+        tok = tok.display(),
+        txt = txt.display(),
+        jsonl = jsonl.display(),
+        dir = dir.display(),
+    );
+    let said = common::python(&script);
+    let n: Vec<u64> = said
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let (docs, with_eos, without, vocab) = (n[0], n[1], n[2], n[3]);
+    for (flags, want, tokens) in [
+        (&["--eos"][..], "want16.bin", with_eos),
+        (&["--u32"][..], "want32.bin", without),
+    ] {
+        let out = dir.join("got.bin");
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "--tokenizer".as_ref(),
+            tok.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ];
+        args.extend(flags.iter().map(std::ffi::OsStr::new));
+        args.extend([txt.as_os_str(), jsonl.as_os_str()]);
+        let (ok, said) = tokenize(&args);
+        assert!(ok, "{flags:?}: {said}");
+        let (got, want) = (
+            std::fs::read(&out).unwrap(),
+            std::fs::read(dir.join(want)).unwrap(),
+        );
+        assert!(
+            got == want,
+            "{flags:?}: {} bytes, transformers' {}",
+            got.len(),
+            want.len()
+        );
+        let width = if flags == ["--u32"] { "u32" } else { "u16" };
+        assert!(
+            said.contains(&format!(
+                "{tokens} tokens of {docs} documents, {width} ids (the model's vocabulary must be at least {vocab})"
+            )),
+            "{said}"
+        );
+    }
+    std::fs::remove_file(dir.join("got.bin")).unwrap();
+    let before = files(&dir);
+
+    // What cannot be tokenized is refused, and nothing is written.
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let notes = dir.join("notes.md");
+    std::fs::write(&notes, "# not text").unwrap();
+    let wide = dir.join("wide");
+    common::python(&format!(
+        r#"
+import os
+from tokenizers import Tokenizer, models
+os.makedirs("{wide}")
+Tokenizer(models.WordLevel({{f"w{{i}}": i for i in range(70000)}}, unk_token="w0")).save("{wide}/tokenizer.json")
+"#,
+        wide = wide.display()
+    ));
+    let out = dir.join("never.bin");
+    let cases: Vec<(Vec<&std::ffi::OsStr>, String)> = vec![
+        (
+            vec![tok.as_os_str(), bad.as_os_str()],
+            format!(
+                "{}:2: no string field \"text\" (--field names the one holding the text)",
+                bad.display()
+            ),
+        ),
+        (
+            vec![
+                tok.as_os_str(),
+                "--field".as_ref(),
+                "body".as_ref(),
+                bad.as_os_str(),
+            ],
+            format!("{}:1: no string field \"body\"", bad.display()),
+        ),
+        (
+            vec![tok.as_os_str(), txt.as_os_str(), notes.as_os_str()],
+            format!(
+                "{}: neither .txt (one document) nor .jsonl",
+                notes.display()
+            ),
+        ),
+        (
+            vec![dir.as_os_str(), txt.as_os_str()],
+            format!(
+                "no {}: zrt reads fast tokenizers",
+                dir.join("tokenizer.json").display()
+            ),
+        ),
+        (
+            vec![wide.as_os_str(), txt.as_os_str()],
+            "the tokenizer's ids go up to 69999, past u16's 65535: pass --u32".into(),
+        ),
+        (
+            vec![
+                wide.as_os_str(),
+                "--u32".as_ref(),
+                "--eos".as_ref(),
+                txt.as_os_str(),
+            ],
+            format!(
+                "{}: No such file",
+                wide.join("tokenizer_config.json").display()
+            ),
+        ),
+    ];
+    for (args, says) in cases {
+        let mut all: Vec<&std::ffi::OsStr> =
+            vec!["--out".as_ref(), out.as_os_str(), "--tokenizer".as_ref()];
+        all.extend(args);
+        let (ok, said) = tokenize(&all);
+        assert!(!ok && said.contains(&says), "{says}: {said}");
+        assert!(!out.exists(), "{says}: wrote {}", out.display());
+    }
+    let mut after = files(&dir);
+    after.retain(|f| !["bad.jsonl", "notes.md", "wide"].contains(&f.as_str()));
+    assert_eq!(after, before, "an error left a file behind");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -25,7 +25,9 @@
 //! and at the end), and a run started again goes on from the latest
 //! checkpoint there, reading the windows the first run would have read.
 //! With `--eval-data` the first rank prints the mean loss of held-out
-//! windows before training, every `--eval-every` steps and at the end.
+//! windows before training, every `--eval-every` steps and at the end;
+//! with `--prompt TEXT`, the text's greedy continuation before training
+//! and at the end (`HfModel::greedy`, the checkpoint's tokenizer).
 
 use std::path::PathBuf;
 
@@ -33,7 +35,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup};
-use zrt::hf::{HfModel, HfOptions};
+use zrt::hf::{eos_token_ids, HfModel, HfOptions};
+use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
 /// Fine-tunes a Hugging Face GPT-2 or Llama checkpoint with ZeRO (run it
@@ -101,6 +104,15 @@ struct Args {
     /// file).
     #[arg(long, default_value_t = 8)]
     eval_windows: usize,
+    /// Text the model continues greedily before training and at the end
+    /// (the first rank prints both): the checkpoint's `tokenizer.json`
+    /// encodes it and decodes the continuation.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Tokens a `--prompt` continuation holds at most (it stops at the
+    /// checkpoint's `eos_token_id`).
+    #[arg(long, default_value_t = 32)]
+    sample_tokens: usize,
 }
 
 /// The token ids of a data file, mapped (a corpus of billions of tokens
@@ -201,6 +213,18 @@ fn main() -> Result<()> {
     };
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     model.set_training(!a.no_dropout);
+    // The prompt's ids and what stops its continuation, read before
+    // anything trains: a checkpoint without a tokenizer fails now.
+    let prompt = match &a.prompt {
+        Some(text) => {
+            let tokenizer = HfTokenizer::open(&a.model)?;
+            let ids: Vec<i64> = (tokenizer.encode(text)?.into_iter())
+                .map(i64::from)
+                .collect();
+            Some((text, tokenizer, ids, eos_token_ids(&a.model)?))
+        }
+        None => None,
+    };
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
     let held_out = match &a.eval_data {
@@ -315,8 +339,23 @@ fn main() -> Result<()> {
         }
         Ok(())
     };
+    // The prompt's greedy continuation (every rank computes it: each
+    // forward gathers the parameters with all of them), which the
+    // first rank prints.
+    let sample_at = |done: u64| -> Result<()> {
+        if let Some((text, tokenizer, ids, stop)) = &prompt {
+            let new = model.greedy(ids, a.sample_tokens, stop)?;
+            if rank == 0 {
+                let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
+                let continued = tokenizer.decode(&new)?;
+                println!("sample after {done:>5} steps  {text:?} -> {continued:?}");
+            }
+        }
+        Ok(())
+    };
     if first < a.steps {
         eval_at(first)?;
+        sample_at(first)?;
     }
     // Each step's windows are drawn from its number: a resumed run reads
     // what the run it goes on from would have read.
@@ -349,6 +388,7 @@ fn main() -> Result<()> {
     }
     if first < a.steps {
         eval_at(a.steps)?;
+        sample_at(a.steps)?;
         save(a.steps)?;
     }
     let trained = peak_rss()?;

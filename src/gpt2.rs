@@ -343,6 +343,11 @@ impl Gpt2 {
         self.training.set(on);
     }
 
+    /// Whether dropout is on.
+    pub fn is_training(&self) -> bool {
+        self.training.on()
+    }
+
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(1);

@@ -39,6 +39,9 @@ pub enum HfError {
     /// another weights rule, or an engine was built from it).
     #[error(transparent)]
     Plan(#[from] EngineError),
+    /// A prompt [`HfModel::greedy`] cannot continue.
+    #[error("cannot continue the prompt: {0}")]
+    Prompt(String),
 }
 
 /// How [`HfModel::from_pretrained_with`] builds a model.
@@ -169,6 +172,29 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
     })
 }
 
+/// The tokens `transformers`' `generate` stops at for the checkpoint in
+/// `dir`: `generation_config.json`'s `eos_token_id` (a token id or a
+/// list, Llama 3's instruct models' two) when the file is there, else
+/// `config.json`'s; none when it says none. What [`HfModel::greedy`]'s
+/// `stop` takes.
+pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<i64>, HfError> {
+    let dir = dir.as_ref();
+    let generation = dir.join("generation_config.json");
+    let j = match generation.is_file() {
+        true => HfJson::read(&generation, None)?,
+        false => HfJson::read(dir, None)?,
+    };
+    let Some(v) = j.get("eos_token_id") else {
+        return Ok(Vec::new());
+    };
+    let ids = match (v.as_i64(), v.as_array()) {
+        (Some(id), _) => Some(vec![id]),
+        (None, Some(list)) => list.iter().map(|x| x.as_i64()).collect(),
+        _ => None,
+    };
+    ids.ok_or_else(|| j.field(format!("eos_token_id {v}: a token id or a list of them")))
+}
+
 /// A causal language model of one of the layouts this crate builds.
 #[derive(Debug)]
 pub enum HfModel {
@@ -245,6 +271,75 @@ impl HfModel {
             Self::Gpt2(m) => m.set_training(on),
             Self::Llama(m) => m.set_training(on),
         }
+    }
+
+    /// Whether dropout is on ([`HfModel::set_training`]).
+    pub fn is_training(&self) -> bool {
+        match self {
+            Self::Gpt2(m) => m.is_training(),
+            Self::Llama(m) => m.is_training(),
+        }
+    }
+
+    /// Greedy decoding, as `transformers`' `generate(do_sample=False,
+    /// use_cache=False)` computes it: up to `max_new` times, the logits
+    /// of the whole sequence so far, and the last position's largest
+    /// (the first of equals, in fp32) appended; it stops after a token of
+    /// `stop` (the model's `eos_token_id`s, say), which ends the result.
+    /// Returns the new tokens. Dropout is off while it runs (and as it
+    /// was after). No cache: the `k`-th token costs a forward over the
+    /// prompt and the `k - 1` before it, fine for a sample of a fine-tune
+    /// and slow for long outputs.
+    ///
+    /// At stage 3 each forward gathers the parameters with every rank:
+    /// call it on every rank with the same prompt (the same tokens
+    /// follow, and every rank stops together), or with no `stop` (every
+    /// rank runs `max_new` forwards). A prompt that is empty, holds an id
+    /// past the vocabulary or would outgrow GPT-2's `n_positions` is
+    /// refused before any forward, on every rank alike.
+    pub fn greedy(
+        &self,
+        prompt: &[i64],
+        max_new: usize,
+        stop: &[i64],
+    ) -> Result<Vec<i64>, HfError> {
+        let vocab = self.vocab();
+        if prompt.is_empty() {
+            return Err(HfError::Prompt(
+                "it is empty: give at least one token".into(),
+            ));
+        }
+        if let Some(id) = prompt.iter().find(|&&id| !(0..vocab).contains(&id)) {
+            return Err(HfError::Prompt(format!(
+                "token {id} is not an id of the model's vocabulary (0 to {})",
+                vocab - 1
+            )));
+        }
+        if let Self::Gpt2(m) = self {
+            let longest = m.config().positions;
+            if (prompt.len() + max_new) as i64 > longest {
+                return Err(HfError::Prompt(format!(
+                    "{} tokens and {max_new} new ones are more than GPT-2's n_positions {longest}: shorten the prompt or ask for fewer",
+                    prompt.len()
+                )));
+            }
+        }
+        let was = self.is_training();
+        self.set_training(false);
+        let mut ids = prompt.to_vec();
+        tch::no_grad(|| {
+            for _ in 0..max_new {
+                let x = Tensor::from_slice(&ids).view([1, -1]);
+                let last = self.forward(&x).select(1, -1).to_kind(tch::Kind::Float);
+                let next = last.argmax(-1, false).int64_value(&[0]);
+                ids.push(next);
+                if stop.contains(&next) {
+                    break;
+                }
+            }
+        });
+        self.set_training(was);
+        Ok(ids.split_off(prompt.len()))
     }
 
     /// The model's width (`n_embd`, `hidden_size`): what DeepSpeed's

@@ -2130,6 +2130,11 @@ impl Llama {
         self.training.set(on);
     }
 
+    /// Whether dropout is on.
+    pub fn is_training(&self) -> bool {
+        self.training.on()
+    }
+
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let embedded = match &self.ends {

@@ -122,7 +122,17 @@ pub fn tokenize_files(
     out: &Path,
     opts: &TokenizeOptions,
 ) -> Result<Tokenized, TokenizeError> {
-    let tok = Tok::open(tokenizer, opts.eos)?;
+    let tok = HfTokenizer::open(tokenizer)?;
+    let eos = match opts.eos {
+        true => Some(tok.eos().map_err(|e| match e {
+            TokenizeError::Tokenizer { path, msg } => TokenizeError::Tokenizer {
+                path,
+                msg: format!("{msg} (--eos asks for it; leave it out for none)"),
+            },
+            e => e,
+        })?),
+        false => None,
+    };
     if !opts.u32 && tok.vocab > 1 << 16 {
         return Err(TokenizeError::TooWide { vocab: tok.vocab });
     }
@@ -154,9 +164,11 @@ pub fn tokenize_files(
         .try_for_each(|path| match kind(path)? {
             Kind::Text => {
                 let text = std::fs::read_to_string(path).map_err(io(path))?;
-                writer.documents(&tok, path, vec![text])
+                writer.documents(&tok, eos, path, vec![text])
             }
-            Kind::Lines => each_batch(path, &opts.field, |docs| writer.documents(&tok, path, docs)),
+            Kind::Lines => each_batch(path, &opts.field, |docs| {
+                writer.documents(&tok, eos, path, docs)
+            }),
         })
         .and_then(|()| writer.out.flush().map_err(io(&partial)))
         .and_then(|()| std::fs::rename(&partial, out).map_err(io(out)));
@@ -166,18 +178,22 @@ pub fn tokenize_files(
     wrote.map(|()| writer.done)
 }
 
-/// A tokenizer as Python's `tokenizer(text)` runs it, and its
-/// end-of-text id when asked for.
-struct Tok {
+/// A checkpoint's fast tokenizer (`tokenizer.json`), run as Python's
+/// `tokenizer(text)` runs it: its special tokens added, no truncation
+/// nor padding whatever the file says.
+pub struct HfTokenizer {
     tokenizer: Tokenizer,
-    eos: Option<u32>,
+    /// Where `tokenizer_config.json` would be.
+    dir: PathBuf,
+    /// The given path, named in errors.
+    path: PathBuf,
     vocab: u64,
 }
 
-impl Tok {
-    /// The tokenizer at `path` (a directory, or its `tokenizer.json`);
-    /// with `eos`, its end-of-text token from `tokenizer_config.json`.
-    fn open(path: &Path, eos: bool) -> Result<Self, TokenizeError> {
+impl HfTokenizer {
+    /// The tokenizer at `path`: a checkpoint's directory (its
+    /// `tokenizer.json`), or the file.
+    pub fn open(path: &Path) -> Result<Self, TokenizeError> {
         let err = |msg: String| TokenizeError::Tokenizer {
             path: path.to_path_buf(),
             msg,
@@ -205,42 +221,74 @@ impl Tok {
         let vocab = (tokenizer.get_vocab(true).values())
             .max()
             .map_or(0, |&m| u64::from(m) + 1);
-        let eos = match eos {
-            false => None,
-            true => Some(eos_id(&tokenizer, &dir).map_err(err)?),
-        };
         Ok(Self {
             tokenizer,
-            eos,
+            dir,
+            path: path.to_path_buf(),
             vocab,
         })
     }
+
+    /// The largest id it gives, plus one.
+    pub fn vocab(&self) -> u64 {
+        self.vocab
+    }
+
+    /// The ids of `text`: `tokenizer(text)["input_ids"]`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let e = (self.tokenizer.encode_fast(text, true)).map_err(|e| self.failed(e))?;
+        Ok(e.get_ids().to_vec())
+    }
+
+    /// The text of `ids`, special tokens left out
+    /// (`tokenizer.decode(ids, skip_special_tokens=True)`).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        (self.tokenizer.decode(ids, true)).map_err(|e| self.failed(e))
+    }
+
+    /// The id of its `tokenizer_config.json`'s `eos_token`.
+    pub fn eos(&self) -> Result<u32, TokenizeError> {
+        let err = |msg: String| TokenizeError::Tokenizer {
+            path: self.path.clone(),
+            msg,
+        };
+        let config = self.dir.join("tokenizer_config.json");
+        let text = std::fs::read_to_string(&config).map_err(|e| {
+            err(format!(
+                "{}: {e}; the end-of-text token is read from it",
+                config.display()
+            ))
+        })?;
+        let json: serde_json::Value =
+            (serde_json::from_str(&text)).map_err(|e| err(format!("{}: {e}", config.display())))?;
+        let eos = &json["eos_token"];
+        // A string, or an AddedToken's fields.
+        let name = (eos.as_str())
+            .or_else(|| eos["content"].as_str())
+            .ok_or_else(|| err(format!("{}: no eos_token", config.display())))?;
+        (self.tokenizer.token_to_id(name)).ok_or_else(|| {
+            err(format!(
+                "eos_token {name:?} is not in the tokenizer's vocabulary"
+            ))
+        })
+    }
+
+    /// `tokenizers`' error `e`, as this crate's.
+    fn failed(&self, e: tokenizers::Error) -> TokenizeError {
+        TokenizeError::Tokenizer {
+            path: self.path.clone(),
+            msg: format!("the tokenizer failed: {e}"),
+        }
+    }
 }
 
-/// The id of `tokenizer_config.json`'s `eos_token` in `dir`.
-fn eos_id(tokenizer: &Tokenizer, dir: &Path) -> Result<u32, String> {
-    let config = dir.join("tokenizer_config.json");
-    let text = std::fs::read_to_string(&config).map_err(|e| {
-        format!(
-            "{}: {e}; --eos takes the end-of-text token from it",
-            config.display()
-        )
-    })?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config.display()))?;
-    let eos = &json["eos_token"];
-    // A string, or an AddedToken's fields.
-    let name = (eos.as_str())
-        .or_else(|| eos["content"].as_str())
-        .ok_or_else(|| {
-            format!(
-                "{}: no eos_token, which --eos appends (leave --eos out)",
-                config.display()
-            )
-        })?;
-    tokenizer
-        .token_to_id(name)
-        .ok_or_else(|| format!("eos_token {name:?} is not in the tokenizer's vocabulary"))
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("path", &self.path)
+            .field("vocab", &self.vocab)
+            .finish()
+    }
 }
 
 /// What an input file holds.
@@ -317,10 +365,12 @@ struct Writer {
 }
 
 impl Writer {
-    /// Encodes `docs` (from `path`) and writes their ids.
+    /// Encodes `docs` (from `path`), each followed by `eos` when given,
+    /// and writes their ids.
     fn documents(
         &mut self,
-        tok: &Tok,
+        tok: &HfTokenizer,
+        eos: Option<u32>,
         path: &Path,
         docs: Vec<String>,
     ) -> Result<(), TokenizeError> {
@@ -332,7 +382,7 @@ impl Writer {
             })?;
         let mut bytes = Vec::new();
         for e in &encoded {
-            let ids = e.get_ids().iter().chain(tok.eos.as_ref());
+            let ids = e.get_ids().iter().chain(eos.as_ref());
             for &id in ids {
                 match self.wide {
                     true => bytes.extend_from_slice(&id.to_le_bytes()),

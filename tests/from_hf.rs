@@ -660,6 +660,17 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     let dropping = text.replace(r#""attention_dropout": 0.0"#, r#""attention_dropout": 0.2"#);
     assert_ne!(text, dropping, "{text}");
     std::fs::write(&config, dropping).unwrap();
+    // A tokenizer of the 96 ids (`t0` to `t95`, split at spaces), for
+    // the prompt the run continues.
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..96).map(|i| (format!("t{i}"), i.into())).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+    });
+    std::fs::write(hf.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     // Tokens as nanoGPT's train.bin holds them (u16), below the
     // vocabulary, and a file with one past it.
     let ids = |n: u32, past: bool| -> Vec<u8> {
@@ -730,7 +741,15 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         said.contains("token 2048 is 96, past the model's vocabulary of 96"),
         "{said}"
     );
-    let (ok, said) = run(&data, "4", &[os("--out"), tuned.as_os_str()]);
+    let prompt = [
+        os("--out"),
+        tuned.as_os_str(),
+        os("--prompt"),
+        os("t5 t17 t33"),
+        os("--sample-tokens"),
+        os("6"),
+    ];
+    let (ok, said) = run(&data, "4", &prompt);
     assert!(ok, "{said}");
     for step in 0..4 {
         assert!(said.contains(&format!("step {step:>5}  loss ")), "{said}");
@@ -765,6 +784,36 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
             "rank {rank}: {t} {b}"
         );
     }
+    // The prompt continued before training and after, the latter as
+    // transformers' greedy generate continues it with the export.
+    let samples: Vec<&str> = (said.lines())
+        .filter_map(|l| l.split_once("sample after ").map(|(_, s)| s))
+        .collect();
+    assert_eq!(samples.len(), 2, "{said}");
+    assert!(
+        samples[0].starts_with("    0 steps  \"t5 t17 t33\" -> \""),
+        "{said}"
+    );
+    let theirs = common::python(&format!(
+        r#"
+{import}
+from transformers import PreTrainedTokenizerFast
+tok = PreTrainedTokenizerFast(tokenizer_file="{tuned}/tokenizer.json")
+m = M.from_pretrained("{tuned}")
+ids = tok("t5 t17 t33", return_tensors="pt").input_ids
+out = m.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+"#,
+        import = case.python.0,
+        tuned = tuned.display()
+    ));
+    let theirs = theirs.trim_end_matches('\n');
+    assert!(!theirs.is_empty(), "{said}");
+    assert_eq!(
+        samples[1],
+        format!("    4 steps  \"t5 t17 t33\" -> {theirs:?}"),
+        "{said}"
+    );
     // Stopped after 2 steps with a checkpoint and started again: it goes
     // on from it and ends with the straight run's losses and export, to
     // the bit.
@@ -920,4 +969,104 @@ save_file(out, "{dir}/reference.safetensors")
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `HfModel::greedy` continues a prompt with the tokens `transformers`'
+/// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
+/// gathering the parameters; and GPT-2), and stops where it stops on an
+/// end-of-text token; prompts it cannot continue are refused.
+#[test]
+fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
+    for (name, import, args) in [
+        (
+            "llama",
+            "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "gpt2",
+            "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
+            "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+    ] {
+        let dir = scratch(&format!("hf-greedy-{name}"));
+        // Moved six times further off the initialisation than the other
+        // tests' models: near it, greedy decoding repeats one token.
+        let model = common::hf_seeded_model(import, args, &dir, "").replace("* 0.05", "* 0.3");
+        // The first run's fifth new token stops the second.
+        let said = common::python(&format!(
+            r#"{model}
+m.eval()
+prompt = torch.tensor([[5, 17, 33, 2, 90, 41]])
+kw = dict(max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=0)
+full = m.generate(prompt, **kw)[0, 6:].tolist()
+stopped = m.generate(prompt, eos_token_id=full[4], **kw)[0, 6:].tolist()
+print(" ".join(map(str, full)))
+print(" ".join(map(str, stopped)))
+"#
+        ));
+        let lines: Vec<Vec<i64>> = (said.lines())
+            .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+            .collect();
+        let (full, stopped) = (&lines[0], &lines[1]);
+        assert_eq!(full.len(), 12, "{name}");
+        let distinct: std::collections::BTreeSet<_> = full.iter().collect();
+        assert!(distinct.len() >= 4, "{name}: {full:?} repeats itself");
+        assert!(
+            stopped.len() <= 5 && stopped.last() == Some(&full[4]),
+            "{name}"
+        );
+        let hf = dir.join("hf");
+        let got = on_ranks(2, |r| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let plan = ShardPlan::new();
+            let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+            let group = r.new_group(&[0, 1]).unwrap();
+            let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+            let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            model.set_training(true);
+            let prompt = [5, 17, 33, 2, 90, 41];
+            let runs = (
+                model.greedy(&prompt, 12, &[]).unwrap(),
+                model.greedy(&prompt, 12, &[full[4]]).unwrap(),
+                model.is_training(),
+            );
+            let refused = [
+                model.greedy(&[], 4, &[]),
+                model.greedy(&[5, 96], 4, &[]),
+                model.greedy(&prompt, 27, &[]),
+            ]
+            .map(|r| r.map_or_else(|e| e.to_string(), |ids| format!("continued: {ids:?}")));
+            (runs, refused)
+        });
+        for ((runs, refused), rank) in got.into_iter().zip(0..) {
+            let what = format!("{name}, rank {rank}");
+            assert_eq!((&runs.0, &runs.1), (full, stopped), "{what}");
+            assert!(runs.2, "{what}: dropout left off");
+            assert!(refused[0].contains("it is empty"), "{what}: {}", refused[0]);
+            assert!(
+                refused[1].contains("token 96 is not an id of the model's vocabulary (0 to 95)"),
+                "{what}: {}",
+                refused[1]
+            );
+            // GPT-2 refuses to outgrow its 32 positions; Llama goes on.
+            match name {
+                "gpt2" => assert!(
+                    refused[2]
+                        .contains("6 tokens and 27 new ones are more than GPT-2's n_positions 32"),
+                    "{what}: {}",
+                    refused[2]
+                ),
+                _ => assert!(
+                    refused[2].starts_with("continued"),
+                    "{what}: {}",
+                    refused[2]
+                ),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

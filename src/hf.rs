@@ -200,7 +200,7 @@ pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<i64>, HfError> {
 pub enum HfModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `qwen2`,
+    /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `ministral`, `qwen2`,
     /// `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`, `granite`,
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `qwen3_moe`).
     Llama(Llama),
@@ -523,6 +523,31 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generation_stops_at_generation_configs_eos_tokens_else_configs() {
+        let dir = std::env::temp_dir().join(format!("zrt-eos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |f: &str, text: &str| std::fs::write(dir.join(f), text).unwrap();
+        write("config.json", r#"{"eos_token_id": 2}"#);
+        assert_eq!(eos_token_ids(&dir).unwrap(), [2]);
+        // generation_config.json, when there, says (a list: Llama 3's
+        // instruct models'), even none.
+        write(
+            "generation_config.json",
+            r#"{"eos_token_id": [128001, 128009]}"#,
+        );
+        assert_eq!(eos_token_ids(&dir).unwrap(), [128001, 128009]);
+        write("generation_config.json", r#"{"eos_token_id": null}"#);
+        assert_eq!(eos_token_ids(&dir).unwrap(), [] as [i64; 0]);
+        write("generation_config.json", r#"{"eos_token_id": "</s>"}"#);
+        let err = eos_token_ids(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("generation_config.json: eos_token_id \"</s>\": a token id or a list"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn an_exports_config_says_the_dtype_its_tensors_are_written_in() {

@@ -1,5 +1,5 @@
 //! Llama as Hugging Face's `transformers` lays it out
-//! (`LlamaForCausalLM`, and Mistral's, Qwen2's, Qwen3's, Gemma 1-3's,
+//! (`LlamaForCausalLM`, and Mistral's, Ministral's, Qwen2's, Qwen3's, Gemma 1-3's,
 //! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, and the mixtures of
 //! experts Mixtral's and Qwen3-MoE's, the same layers with variations:
 //! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
@@ -64,6 +64,10 @@ pub enum Family {
     /// `mistral` (`MistralForCausalLM`): Llama's layers, attention in a
     /// sliding window when its config gives one.
     Mistral,
+    /// `ministral` (`MinistralForCausalLM`, Ministral 8B): Mistral's
+    /// layers, which of them attend in the window read from
+    /// `layer_types`.
+    Ministral,
     /// `qwen2` (`Qwen2ForCausalLM`): Llama's layers, biases on the query,
     /// key and value projections.
     Qwen2,
@@ -119,9 +123,10 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 14] = [
+    pub const ALL: [Family; 15] = [
         Self::Llama,
         Self::Mistral,
+        Self::Ministral,
         Self::Qwen2,
         Self::Qwen3,
         Self::Gemma,
@@ -150,6 +155,7 @@ impl Family {
         match model_type {
             "llama" => Some(Self::Llama),
             "mistral" => Some(Self::Mistral),
+            "ministral" => Some(Self::Ministral),
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
             "gemma" => Some(Self::Gemma),
@@ -171,6 +177,7 @@ impl Family {
         match self {
             Self::Llama => "llama",
             Self::Mistral => "mistral",
+            Self::Ministral => "ministral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Gemma => "gemma",
@@ -191,6 +198,7 @@ impl Family {
         match self {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
+            Self::Ministral => "MinistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Gemma => "GemmaForCausalLM",
@@ -250,7 +258,7 @@ impl Family {
         };
         match self {
             Self::Llama | Self::Granite => LLAMA,
-            Self::Mistral => Defaults {
+            Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),
                 window: Some(4096),
                 positions: 131072,
@@ -537,7 +545,7 @@ pub struct LlamaConfig {
     pub o_bias: bool,
     /// `mlp_bias`: the three MLP projections have biases.
     pub mlp_bias: bool,
-    /// `sliding_window` (Mistral's, Phi-3's, Gemma 2's and 3's, OLMo
+    /// `sliding_window` (Mistral's, Ministral's, Phi-3's, Gemma 2's and 3's, OLMo
     /// 3's): a token attends to itself and the `w - 1` before it only, on
     /// every layer or as [`LlamaConfig::full_every`] says.
     pub sliding_window: Option<i64>,
@@ -672,6 +680,7 @@ impl LlamaConfig {
         let attention_bias = j.flag_or("attention_bias", false)?;
         let sliding_window = match family {
             Family::Mistral
+            | Family::Ministral
             | Family::Phi3
             | Family::Mixtral
             | Family::Gemma2
@@ -900,7 +909,9 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
             }),
-            Family::Mistral => serde_json::json!({"sliding_window": self.sliding_window}),
+            Family::Mistral | Family::Ministral => {
+                serde_json::json!({"sliding_window": self.sliding_window})
+            }
             Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
             Family::Qwen3 => serde_json::json!({
                 "attention_bias": self.o_bias,

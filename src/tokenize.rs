@@ -136,19 +136,20 @@ pub fn tokenize_files(
     if !opts.u32 && tok.vocab > 1 << 16 {
         return Err(TokenizeError::TooWide { vocab: tok.vocab });
     }
-    // Every input named before anything is read: a typo fails at once.
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TokenizeError::Io { path, source }
+    };
+    // Every input checked before anything is read: a typo fails at once.
     for path in inputs {
         kind(path)?;
+        std::fs::metadata(path).map_err(io(path))?;
     }
     let partial = out.with_file_name(format!(
         ".{}.partial",
         out.file_name()
             .map_or("out".into(), |n| n.to_string_lossy())
     ));
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TokenizeError::Io { path, source }
-    };
     let mut writer = Writer {
         out: BufWriter::new(File::create(&partial).map_err(io(&partial))?),
         path: partial.clone(),

@@ -3,7 +3,7 @@
 //! layouts (`zrt::gpt2`: names under `transformer.`, Conv1D matrices
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
-//! and each family's variations: Mistral, Qwen, Gemma, Phi-3, Granite,
+//! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, Mixtral and Qwen3-MoE) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -77,6 +77,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import MistralConfig as C, MistralForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5",
+        ),
+        load: "",
+    },
+    // Ministral: a window shorter than the sequence on the first and
+    // third layers, the second global (`layer_types`); its head_dim
+    // given (4.57's Ministral cannot compute it).
+    Case {
+        name: "ministral",
+        python: (
+            "from transformers import MinistralConfig as C, MinistralForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, layer_types=['sliding_attention', 'full_attention', 'sliding_attention']",
         ),
         load: "",
     },
@@ -327,6 +338,11 @@ fn a_llama_3_1_checkpoint_with_scaled_rotary_embeddings_trains_as_transformers_d
 #[test]
 fn a_mistral_checkpoint_with_a_sliding_window_trains_as_transformers_does() {
     parity("mistral");
+}
+
+#[test]
+fn a_ministral_checkpoint_with_windowed_and_global_layers_trains_as_transformers_does() {
+    parity("ministral");
 }
 
 #[test]

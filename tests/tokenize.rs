@@ -128,6 +128,7 @@ print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
     // What cannot be tokenized is refused, and nothing is written.
     let bad = dir.join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let missing = dir.join("missing.txt");
     let notes = dir.join("notes.md");
     std::fs::write(&notes, "# not text").unwrap();
     let wide = dir.join("wide");
@@ -157,6 +158,10 @@ Tokenizer(models.WordLevel({{f"w{{i}}": i for i in range(70000)}}, unk_token="w0
                 bad.as_os_str(),
             ],
             format!("{}:1: no string field \"body\"", bad.display()),
+        ),
+        (
+            vec![tok.as_os_str(), txt.as_os_str(), missing.as_os_str()],
+            format!("{}: No such file", missing.display()),
         ),
         (
             vec![tok.as_os_str(), txt.as_os_str(), notes.as_os_str()],

@@ -41,8 +41,8 @@ pub enum CkptCmd {
         /// Write OUT as a directory `transformers`' `from_pretrained`
         /// reads: in the Hugging Face layout of the model this
         /// `config.json` describes (GPT-2: names under `transformer.`,
-        /// its Conv1D matrices transposed; Llama, Mistral, Qwen2: their
-        /// own), the config beside the tensors.
+        /// its Conv1D matrices transposed; the Llama family's, from
+        /// Llama to Qwen3-MoE: their own), the config beside the tensors.
         #[arg(long)]
         hf_config: Option<PathBuf>,
     },

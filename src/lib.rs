@@ -63,6 +63,7 @@ pub mod gpt2;
 pub mod hf;
 pub mod llama;
 pub mod stop;
+#[cfg(feature = "tokenize")]
 pub mod tokenize;
 
 /// This process's peak resident set size in bytes (VmHWM), NaN where

@@ -647,6 +647,7 @@ fn case(name: &str) -> &'static Case {
 
 /// `zrt launch --nproc-per-node 2 -- finetune_hf ARGS`, run to its end:
 /// whether it succeeded, and what it printed.
+#[cfg(feature = "tokenize")]
 fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"));
     c.args(["launch", "--nproc-per-node", "2", "--"])
@@ -661,6 +662,8 @@ fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
     (out.status.success(), said)
 }
 
+// The example needs the `tokenize` feature (its `--prompt`).
+#[cfg(feature = "tokenize")]
 #[test]
 fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() {
     let _serial = common::serial();

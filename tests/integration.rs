@@ -25,5 +25,6 @@ mod offload;
 mod quantized_gradients;
 mod quantized_weights;
 mod sparse_gradients;
+#[cfg(feature = "tokenize")]
 mod tokenize;
 mod two_engines;

@@ -6,6 +6,7 @@ mod ckpt;
 mod config_cmd;
 mod estimate;
 mod launch;
+#[cfg(feature = "tokenize")]
 mod tokenize_cmd;
 
 use std::process::ExitCode;
@@ -46,6 +47,7 @@ enum Cmd {
     /// Tokenize text with a checkpoint's tokenizer into the id file the examples train on.
     ///
     /// Example: zrt tokenize --tokenizer llama --out train.bin --eos corpus.jsonl
+    #[cfg(feature = "tokenize")]
     Tokenize(tokenize_cmd::TokenizeArgs),
 }
 
@@ -96,6 +98,7 @@ fn main() -> ExitCode {
         Cmd::Ckpt { which } => ckpt::run(&which),
         Cmd::Config { which } => config_cmd::run(&which),
         Cmd::Estimate(a) => estimate::run(&a),
+        #[cfg(feature = "tokenize")]
         Cmd::Tokenize(a) => tokenize_cmd::run(&a),
     };
     match result {

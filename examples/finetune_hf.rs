@@ -53,6 +53,11 @@ struct Args {
     /// The ids are `u32` (a vocabulary past 65536), not `u16`.
     #[arg(long)]
     u32: bool,
+    /// Which of `--data`'s tokens the loss counts: a byte a token, 0
+    /// for a prompt's (`zrt tokenize --completion-only` writes it as
+    /// `DATA.mask`); without it every token counts.
+    #[arg(long)]
+    mask: Option<PathBuf>,
     /// The DeepSpeed config.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ds_finetune.json"))]
     config: PathBuf,
@@ -160,6 +165,24 @@ impl Tokens {
         Ok(t)
     }
 
+    /// Maps the mask file `path` of `data`'s tokens (`tokens` of them).
+    fn mask(path: &std::path::Path, data: &std::path::Path, tokens: usize) -> Result<Self> {
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: the mask file is read, never written, while mapped.
+        let bytes = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("mapping {}", path.display()))?;
+        if bytes.len() != tokens {
+            bail!(
+                "{}: {} bytes, and {} holds {tokens} tokens: a mask has a byte a token (zrt tokenize --completion-only writes the two together)",
+                path.display(),
+                bytes.len(),
+                data.display()
+            );
+        }
+        Ok(Self { bytes, width: 1 })
+    }
+
     /// How many ids it holds.
     fn len(&self) -> usize {
         self.bytes.len() / self.width
@@ -170,7 +193,8 @@ impl Tokens {
         let c = &self.bytes[i * self.width..(i + 1) * self.width];
         match self.width {
             4 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
-            _ => u16::from_le_bytes([c[0], c[1]]) as i64,
+            2 => u16::from_le_bytes([c[0], c[1]]) as i64,
+            _ => c[0] as i64,
         }
     }
 }
@@ -227,6 +251,10 @@ fn main() -> Result<()> {
     };
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
+    let mask = match &a.mask {
+        Some(path) => Some(Tokens::mask(path, &a.data, data.len())?),
+        None => None,
+    };
     let held_out = match &a.eval_data {
         Some(path) => {
             let t = Tokens::open(path, a.u32, model.vocab())?;
@@ -278,6 +306,12 @@ fn main() -> Result<()> {
             data.len()
         );
         println!("built: peak RSS per rank (MiB): {built} (no rank holding the weights)");
+        if let Some(path) = &a.mask {
+            println!(
+                "the loss counts the tokens {} marks (a completion's, not its prompt's)",
+                path.display()
+            );
+        }
     }
     let room = data.len() - a.seq - 1;
     // Go on from the latest checkpoint, if the run was started before.
@@ -362,14 +396,22 @@ fn main() -> Result<()> {
     for step in first..a.steps {
         let mut loss_sum = 0.0;
         for micro in 0..batch.gas {
-            let rows: Vec<i64> = (0..batch.micro)
-                .flat_map(|row| {
-                    let at = window_start([step, micro, rank as u64, row], room);
-                    (at..at + a.seq + 1).map(|i| data.id(i))
-                })
-                .collect();
-            let x = Tensor::from_slice(&rows).view([batch.micro as i64, a.seq as i64 + 1]);
-            let loss = model.loss(&x);
+            // The micro-batch's windows of a file of `data`'s length.
+            let windows = |file: &Tokens| -> Tensor {
+                let ids: Vec<i64> = (0..batch.micro)
+                    .flat_map(|row| {
+                        let at = window_start([step, micro, rank as u64, row], room);
+                        (at..at + a.seq + 1).map(|i| file.id(i))
+                    })
+                    .collect();
+                Tensor::from_slice(&ids).view([batch.micro as i64, a.seq as i64 + 1])
+            };
+            let x = windows(&data);
+            let loss = match &mask {
+                // The loss over the completions' tokens only.
+                Some(mask) => model.loss_masked(&x, &windows(mask)),
+                None => model.loss(&x),
+            };
             engine.backward(&loss)?;
             loss_sum += loss.to_kind(Kind::Double).double_value(&[]);
             engine.step()?;

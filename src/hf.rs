@@ -261,6 +261,12 @@ impl HfModel {
         causal_lm_loss(&self.forward(tokens), tokens)
     }
 
+    /// The causal-LM loss over the tokens `mask` marks only
+    /// ([`causal_lm_loss_masked`]: a completion's, not its prompt's).
+    pub fn loss_masked(&self, tokens: &Tensor, mask: &Tensor) -> Tensor {
+        causal_lm_loss_masked(&self.forward(tokens), tokens, mask)
+    }
+
     /// Turns the model's dropout on or off (PyTorch's `model.train()` and
     /// `model.eval()`); off when built, as `from_pretrained` returns a
     /// model in evaluation. GPT-2 drops out at its `*_pdrop` rates (0.1
@@ -518,6 +524,25 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
         .to_kind(Kind::Float)
         .reshape([-1, vocab]))
     .cross_entropy_for_logits(&y.reshape([-1]))
+}
+
+/// As [`causal_lm_loss`], counting only the positions `mask` (`[batch,
+/// seq]`, nonzero: counted) marks: `transformers`' loss with `labels`
+/// set to -100 where `mask` is 0 (a prompt's tokens, when only the
+/// completion trains: TRL's `completion_only_loss`), the mean over the
+/// counted predictions of the whole batch. A batch with none counted
+/// gives 0 (and no gradient), where libtorch's mean over nothing would
+/// be NaN and spoil the step.
+pub fn causal_lm_loss_masked(logits: &Tensor, tokens: &Tensor, mask: &Tensor) -> Tensor {
+    let t = tokens.size().get(1).copied().unwrap_or(2);
+    let vocab = logits.size().last().copied().unwrap_or(1);
+    let counted = mask.narrow(1, 1, t - 1).ne(0);
+    let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&counted.logical_not(), -100);
+    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
+    if counted.any().int64_value(&[]) == 0 {
+        return flat.sum(Kind::Float) * 0.0;
+    }
+    flat.cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, tch::Reduction::Mean, -100, 0.0)
 }
 
 #[cfg(test)]

@@ -448,7 +448,7 @@ pub enum RopeScaling {
     /// `rope_theta * (factor * n / m - (factor - 1))^(d / (d - 2))` (`d`
     /// the dimensions turned). As `transformers` does, a model keeps
     /// the longest such sequence's frequencies for the sequences after
-    /// it, until one no longer than `m` comes (whose are `rope_theta`'s).
+    /// it, until one shorter than `m` comes (whose are `rope_theta`'s).
     Dynamic {
         /// `factor`.
         factor: f64,

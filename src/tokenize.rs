@@ -50,6 +50,13 @@ pub struct TokenizeOptions {
     pub eos: bool,
     /// The field of a `.jsonl` line holding its text.
     pub field: String,
+    /// Each `.jsonl` line is a `prompt` and its `completion` (TRL's
+    /// prompt-completion format): the document is their concatenation,
+    /// and a mask file beside the output ([`mask_path`]) says which
+    /// tokens the loss counts (1: the completion's and the end-of-text
+    /// token; 0: the prompt's, `tokenizer(prompt)`'s many first ones),
+    /// TRL's `completion_only_loss`.
+    pub completion_only: bool,
 }
 
 impl Default for TokenizeOptions {
@@ -58,8 +65,17 @@ impl Default for TokenizeOptions {
             u32: false,
             eos: false,
             field: "text".into(),
+            completion_only: false,
         }
     }
+}
+
+/// Where a completion-only output's mask goes: `out` with `.mask`
+/// added (`train.bin.mask`), one byte a token.
+pub fn mask_path(out: &Path) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(".mask");
+    PathBuf::from(name)
 }
 
 /// What [`tokenize_files`] wrote.
@@ -72,6 +88,12 @@ pub struct Tokenized {
     /// The largest id the tokenizer gives, plus one: the vocabulary a
     /// model reading the file needs.
     pub vocab: u64,
+    /// Completion-only: the tokens the mask counts.
+    pub counted: u64,
+    /// Completion-only: the documents whose tokens do not begin with
+    /// their prompt's (the tokenizer merged across the seam); their
+    /// mask still leaves out as many tokens as the prompt has, as TRL's.
+    pub merged_seams: u64,
 }
 
 /// Why [`tokenize_files`] wrote nothing.
@@ -142,41 +164,93 @@ pub fn tokenize_files(
     };
     // Every input checked before anything is read: a typo fails at once.
     for path in inputs {
-        kind(path)?;
+        if let (Kind::Text, true) = (kind(path)?, opts.completion_only) {
+            return Err(TokenizeError::Input {
+                path: path.to_path_buf(),
+                line: None,
+                msg: "a .txt file is one document without a prompt: completion-only tokenizing reads .jsonl lines holding \"prompt\" and \"completion\"".into(),
+            });
+        }
         std::fs::metadata(path).map_err(io(path))?;
     }
-    let partial = out.with_file_name(format!(
-        ".{}.partial",
-        out.file_name()
-            .map_or("out".into(), |n| n.to_string_lossy())
-    ));
+    let hidden = |path: &Path| {
+        path.with_file_name(format!(
+            ".{}.partial",
+            (path.file_name()).map_or("out".into(), |n| n.to_string_lossy())
+        ))
+    };
+    let mut files = vec![(hidden(out), out.to_path_buf())];
+    if opts.completion_only {
+        files.push((hidden(&mask_path(out)), mask_path(out)));
+    }
+    let wrote = write(&tok, eos, inputs, &files, opts);
+    if wrote.is_err() {
+        for (partial, _) in &files {
+            let _ = std::fs::remove_file(partial);
+        }
+    }
+    wrote
+}
+
+/// Writes `inputs`' ids (and, completion-only, their mask) into
+/// `files`' hidden names, and renames them into place.
+fn write(
+    tok: &HfTokenizer,
+    eos: Option<u32>,
+    inputs: &[PathBuf],
+    files: &[(PathBuf, PathBuf)],
+    opts: &TokenizeOptions,
+) -> Result<Tokenized, TokenizeError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TokenizeError::Io { path, source }
+    };
+    let mut outs = Vec::new();
+    for (partial, _) in files {
+        outs.push(BufWriter::new(File::create(partial).map_err(io(partial))?));
+    }
     let mut writer = Writer {
-        out: BufWriter::new(File::create(&partial).map_err(io(&partial))?),
-        path: partial.clone(),
+        outs,
+        paths: files.iter().map(|f| f.0.clone()).collect(),
         wide: opts.u32,
         done: Tokenized {
             documents: 0,
             tokens: 0,
             vocab: tok.vocab,
+            counted: 0,
+            merged_seams: 0,
         },
     };
-    let wrote = inputs
-        .iter()
-        .try_for_each(|path| match kind(path)? {
+    let fields = match opts.completion_only {
+        true => Fields::PromptCompletion,
+        false => Fields::Text(&opts.field),
+    };
+    for path in inputs {
+        match kind(path)? {
+            // Not under completion-only (refused before).
             Kind::Text => {
                 let text = std::fs::read_to_string(path).map_err(io(path))?;
-                writer.documents(&tok, eos, path, vec![text])
+                writer.documents(tok, eos, path, vec![Doc { prompt: None, text }])?;
             }
-            Kind::Lines => each_batch(path, &opts.field, |docs| {
-                writer.documents(&tok, eos, path, docs)
-            }),
-        })
-        .and_then(|()| writer.out.flush().map_err(io(&partial)))
-        .and_then(|()| std::fs::rename(&partial, out).map_err(io(out)));
-    if wrote.is_err() {
-        let _ = std::fs::remove_file(&partial);
+            Kind::Lines => {
+                each_batch(path, &fields, |docs| writer.documents(tok, eos, path, docs))?
+            }
+        }
     }
-    wrote.map(|()| writer.done)
+    for (out, path) in writer.outs.iter_mut().zip(&writer.paths) {
+        out.flush().map_err(io(path))?;
+    }
+    // The mask first: an output is never there without its mask.
+    for (partial, path) in files.iter().rev() {
+        std::fs::rename(partial, path).map_err(io(path))?;
+    }
+    if writer.done.merged_seams > 0 {
+        tracing::warn!(
+            documents = writer.done.merged_seams,
+            "some documents' tokens do not begin with their prompt's (the tokenizer merged across the seam); their masks leave out as many tokens as the prompt has, as TRL's do"
+        );
+    }
+    Ok(writer.done)
 }
 
 /// A checkpoint's fast tokenizer (`tokenizer.json`), run as Python's
@@ -314,12 +388,27 @@ fn kind(path: &Path) -> Result<Kind, TokenizeError> {
     }
 }
 
-/// Calls `each` with the `field` texts of `path`'s lines, [`BATCH`] at a
-/// time, in order (blank lines skipped, as `datasets` skips them).
+/// What a `.jsonl` line's document is made of.
+enum Fields<'a> {
+    /// The text of this field.
+    Text(&'a str),
+    /// Its `prompt` and `completion`.
+    PromptCompletion,
+}
+
+/// A document: its text, and under completion-only the prompt it
+/// begins with.
+struct Doc {
+    prompt: Option<String>,
+    text: String,
+}
+
+/// Calls `each` with the documents of `path`'s lines, [`BATCH`] at a
+/// time, in order (blank lines skipped).
 fn each_batch(
     path: &Path,
-    field: &str,
-    mut each: impl FnMut(Vec<String>) -> Result<(), TokenizeError>,
+    fields: &Fields,
+    mut each: impl FnMut(Vec<Doc>) -> Result<(), TokenizeError>,
 ) -> Result<(), TokenizeError> {
     let input = |line: u64, msg: String| TokenizeError::Input {
         path: path.to_path_buf(),
@@ -339,13 +428,24 @@ fn each_batch(
         }
         let json: serde_json::Value =
             serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
-        let text = json.get(field).and_then(|t| t.as_str()).ok_or_else(|| {
-            input(
-                n,
-                format!("no string field {field:?} (--field names the one holding the text)"),
-            )
-        })?;
-        batch.push(text.to_string());
+        let field = |name: &str, fix: &str| {
+            (json.get(name).and_then(|t| t.as_str()))
+                .ok_or_else(|| input(n, format!("no string field {name:?} ({fix})")))
+        };
+        batch.push(match fields {
+            Fields::Text(name) => Doc {
+                prompt: None,
+                text: field(name, "--field names the one holding the text")?.to_string(),
+            },
+            Fields::PromptCompletion => {
+                let fix = "completion-only lines hold \"prompt\" and \"completion\"";
+                let prompt = field("prompt", fix)?;
+                Doc {
+                    text: format!("{prompt}{}", field("completion", fix)?),
+                    prompt: Some(prompt.to_string()),
+                }
+            }
+        });
         if batch.len() == BATCH {
             each(std::mem::take(&mut batch))?;
         }
@@ -356,49 +456,67 @@ fn each_batch(
     }
 }
 
-/// The output file being written.
+/// The output files being written: the ids, and under completion-only
+/// the mask.
 struct Writer {
-    out: BufWriter<File>,
-    /// The file `out` writes, named in its errors.
-    path: PathBuf,
+    outs: Vec<BufWriter<File>>,
+    /// The files `outs` write, named in their errors.
+    paths: Vec<PathBuf>,
     wide: bool,
     done: Tokenized,
 }
 
 impl Writer {
     /// Encodes `docs` (from `path`), each followed by `eos` when given,
-    /// and writes their ids.
+    /// and writes their ids (and mask).
     fn documents(
         &mut self,
         tok: &HfTokenizer,
         eos: Option<u32>,
         path: &Path,
-        docs: Vec<String>,
+        docs: Vec<Doc>,
     ) -> Result<(), TokenizeError> {
-        let encoded =
-            (tok.tokenizer.encode_batch_fast(docs, true)).map_err(|e| TokenizeError::Input {
-                path: path.to_path_buf(),
-                line: None,
-                msg: format!("the tokenizer failed: {e}"),
-            })?;
-        let mut bytes = Vec::new();
-        for e in &encoded {
-            let ids = e.get_ids().iter().chain(eos.as_ref());
-            for &id in ids {
+        let failed = |e: tokenizers::Error| TokenizeError::Input {
+            path: path.to_path_buf(),
+            line: None,
+            msg: format!("the tokenizer failed: {e}"),
+        };
+        let prompts: Vec<String> = (docs.iter()).filter_map(|d| d.prompt.clone()).collect();
+        let prompts = match prompts.is_empty() {
+            true => Vec::new(),
+            false => (tok.tokenizer.encode_batch_fast(prompts, true)).map_err(failed)?,
+        };
+        let texts: Vec<String> = docs.into_iter().map(|d| d.text).collect();
+        let encoded = (tok.tokenizer.encode_batch_fast(texts, true)).map_err(failed)?;
+        let (mut bytes, mut mask) = (Vec::new(), Vec::new());
+        for (i, e) in encoded.iter().enumerate() {
+            let ids: Vec<u32> = e.get_ids().iter().chain(eos.as_ref()).copied().collect();
+            for &id in &ids {
                 match self.wide {
                     true => bytes.extend_from_slice(&id.to_le_bytes()),
                     // Every id fits: the vocabulary was checked.
                     false => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
                 }
-                self.done.tokens += 1;
             }
+            if let Some(prompt) = prompts.get(i) {
+                let p = prompt.get_ids();
+                if !ids.starts_with(p) {
+                    self.done.merged_seams += 1;
+                }
+                let left_out = p.len().min(ids.len());
+                mask.extend((0..ids.len()).map(|j| u8::from(j >= left_out)));
+                self.done.counted += (ids.len() - left_out) as u64;
+            }
+            self.done.tokens += ids.len() as u64;
             self.done.documents += 1;
         }
-        self.out
-            .write_all(&bytes)
-            .map_err(|source| TokenizeError::Io {
-                path: self.path.clone(),
+        for (out, (data, path)) in (self.outs.iter_mut()).zip([bytes, mask].iter().zip(&self.paths))
+        {
+            out.write_all(data).map_err(|source| TokenizeError::Io {
+                path: path.clone(),
                 source,
-            })
+            })?;
+        }
+        Ok(())
     }
 }

@@ -867,6 +867,37 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     assert!(ok, "{plain}");
     assert!(line(&plain, 0).is_some(), "{plain}");
     assert_ne!(line(&plain, 0), line(&said, 0), "no dropout in the example");
+    // A mask counting every token trains as no mask does (the loss
+    // over the same windows, to the bit); one counting the second half
+    // of the file's tokens only, another loss; one of another length is
+    // refused before any step.
+    let (ones, half, short) = (
+        dir.join("ones.mask"),
+        dir.join("half.mask"),
+        dir.join("short.mask"),
+    );
+    std::fs::write(&ones, vec![1u8; 4096]).unwrap();
+    std::fs::write(
+        &half,
+        (0..4096).map(|i| u8::from(i >= 2048)).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    std::fs::write(&short, vec![1u8; 4095]).unwrap();
+    let (ok, all) = run(&data, "1", &[os("--mask"), ones.as_os_str()]);
+    assert!(ok && all.contains("the loss counts the tokens"), "{all}");
+    assert_eq!(line(&all, 0), line(&said, 0), "{all}");
+    let (ok, some) = run(&data, "1", &[os("--mask"), half.as_os_str()]);
+    assert!(ok, "{some}");
+    assert!(
+        line(&some, 0).is_some() && line(&some, 0) != line(&said, 0),
+        "{some}"
+    );
+    let (ok, refused) = run(&data, "1", &[os("--mask"), short.as_os_str()]);
+    assert!(
+        !ok && refused.contains("4095 bytes, and")
+            && refused.contains("holds 4096 tokens: a mask has a byte a token"),
+        "{refused}"
+    );
     // Each file of an export by name, with its bytes.
     let files = |d: &Path| {
         let mut f: Vec<(std::ffi::OsString, Vec<u8>)> = (std::fs::read_dir(d).unwrap())
@@ -1088,4 +1119,61 @@ print(" ".join(map(str, stopped)))
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// `HfModel::loss_masked` is `transformers`' loss with the labels of the
+/// tokens the mask leaves out set to -100 (a prompt's, when only the
+/// completion trains): the mean over the counted predictions of the
+/// batch. With every token counted it is `loss`, to the bit; with none,
+/// 0 rather than NaN, and backward goes through.
+#[test]
+fn a_masked_loss_is_transformers_loss_with_the_left_out_labels_ignored() {
+    let case = case("llama");
+    let dir = scratch("hf-masked-loss");
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
+m.eval()
+tokens = torch.randint(0, 96, (2, 16))
+mask = torch.zeros(2, 16, dtype=torch.int64)
+mask[0, 5:] = 1
+mask[1, 9:12] = 1
+with torch.no_grad():
+    loss = m(tokens, labels=tokens.masked_fill(mask == 0, -100)).loss
+save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, "{dir}/masked.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let want = Tensor::read_safetensors(dir.join("masked.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let flat = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+    let (tokens, mask) = (flat(get("tokens")), flat(get("mask")));
+    let theirs = get("loss").double_value(&[0]);
+    let hf = dir.join("hf");
+    let (masked, all, plain, none) = on_ranks(1, |r| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+        let group = r.new_group(&[0]).unwrap();
+        let ds = config_zero(0, 1, 0.0, "", "");
+        let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let x = Tensor::from_slice(&tokens).view([2, 16]);
+        let m = Tensor::from_slice(&mask).view([2, 16]);
+        let value = |l: Tensor| l.double_value(&[]);
+        let masked = tch::no_grad(|| value(model.loss_masked(&x, &m)));
+        let all = tch::no_grad(|| value(model.loss_masked(&x, &m.ones_like())));
+        let plain = tch::no_grad(|| value(model.loss(&x)));
+        let none = model.loss_masked(&x, &m.zeros_like());
+        engine.backward(&none).unwrap();
+        (masked, all, plain, value(none))
+    })
+    .remove(0);
+    assert!(
+        (masked - theirs).abs() <= 1e-6 * theirs.abs(),
+        "zrt {masked}, transformers {theirs}"
+    );
+    assert_eq!(all.to_bits(), plain.to_bits(), "{all} {plain}");
+    assert!((masked - plain).abs() > 1e-3, "the mask changed nothing");
+    assert_eq!(none, 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -30,12 +30,18 @@ fn copy_out(repo: &Path) -> PathBuf {
         std::fs::copy(from.join(f), to.join(f)).unwrap();
     }
     let manifest = std::fs::read_to_string(from.join("Cargo.toml")).unwrap();
-    let ours = r#"zrt = { path = "../.." }"#;
+    let ours = r#"zrt = { path = "../..", default-features = false }"#;
     assert!(
         manifest.contains(ours),
         "the template's zrt line changed: {manifest}"
     );
-    let manifest = manifest.replace(ours, &format!("zrt = {{ path = {:?} }}", repo.display()));
+    let manifest = manifest.replace(
+        ours,
+        &format!(
+            "zrt = {{ path = {:?}, default-features = false }}",
+            repo.display()
+        ),
+    );
     std::fs::write(to.join("Cargo.toml"), manifest).unwrap();
     std::fs::copy(repo.join("Cargo.lock"), to.join("Cargo.lock")).unwrap();
     to

@@ -33,17 +33,12 @@ fn files(dir: &Path) -> Vec<String> {
     names
 }
 
-#[test]
-fn text_tokenizes_to_the_ids_transformers_gives_it() {
-    let dir = scratch("tokenize");
-    let tok = dir.join("tok");
-    let (txt, jsonl) = (dir.join("a.txt"), dir.join("b.jsonl"));
-    std::fs::write(
-        &txt,
-        "Ünïcödé, naïve café 😀 and\ttabs,  spaces\r\nand lines.\n\nThe end 123 4567.",
-    )
-    .unwrap();
-    let script = format!(
+/// Python that trains a byte-level BPE tokenizer (`<s>` added before
+/// each text, `</s>` its end-of-text token) and saves it in `tok` with
+/// `save_pretrained`, then a truncation into its file; `json` is
+/// imported.
+fn trained_tokenizer(tok: &Path) -> String {
+    format!(
         r#"
 import json
 from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
@@ -62,6 +57,23 @@ path = "{tok}/tokenizer.json"
 j = json.load(open(path))
 j["truncation"] = {{"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}}
 json.dump(j, open(path, "w"))
+"#,
+        tok = tok.display()
+    )
+}
+
+#[test]
+fn text_tokenizes_to_the_ids_transformers_gives_it() {
+    let dir = scratch("tokenize");
+    let tok = dir.join("tok");
+    let (txt, jsonl) = (dir.join("a.txt"), dir.join("b.jsonl"));
+    std::fs::write(
+        &txt,
+        "Ünïcödé, naïve café 😀 and\ttabs,  spaces\r\nand lines.\n\nThe end 123 4567.",
+    )
+    .unwrap();
+    let script = format!(
+        r#"{trained}
 docs = ["the lazy fox 😀", "", "naïve\nline\twith \"quotes\" and \\ back", "x" * 300]
 with open("{jsonl}", "w") as f:
     for i, d in enumerate(docs):
@@ -78,6 +90,7 @@ open("{dir}/want16.bin", "wb").write(b"".join(struct.pack("<H", x) for d in eos 
 open("{dir}/want32.bin", "wb").write(b"".join(struct.pack("<I", x) for d in ids for x in d))
 print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
 "#,
+        trained = trained_tokenizer(&tok),
         tok = tok.display(),
         txt = txt.display(),
         jsonl = jsonl.display(),
@@ -205,5 +218,114 @@ Tokenizer(models.WordLevel({{f"w{{i}}": i for i in range(70000)}}, unk_token="w0
     let mut after = files(&dir);
     after.retain(|f| !["bad.jsonl", "notes.md", "wide"].contains(&f.as_str()));
     assert_eq!(after, before, "an error left a file behind");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--completion-only` reads TRL's prompt-completion lines: each
+/// document is the prompt and its completion (and the end-of-text
+/// token), as `AutoTokenizer` tokenizes their concatenation, and
+/// `OUT.mask` leaves out as many tokens as `tokenizer(prompt)` has (also
+/// where the tokenizer merges across the seam, as TRL does, which it
+/// warns about); lines without the fields, and `.txt` files, are
+/// refused.
+#[test]
+fn prompt_completion_lines_tokenize_with_a_mask_of_the_completions() {
+    let dir = scratch("tokenize-completions");
+    let tok = dir.join("tok");
+    let jsonl = dir.join("sft.jsonl");
+    let script = format!(
+        r#"{trained}
+pairs = [("the lazy dog jumps", " over the fox"), ("naïve café? ", "ünïcödé 😀"), ("the qu", "ick brown fox")]
+with open("{jsonl}", "w") as f:
+    for p, c in pairs:
+        f.write(json.dumps({{"prompt": p, "completion": c}}) + "\n")
+t = AutoTokenizer.from_pretrained("{tok}")
+import struct
+ids, mask, merged = [], [], 0
+for p, c in pairs:
+    prompt, whole = t(p)["input_ids"], t(p + c)["input_ids"] + [t.eos_token_id]
+    merged += whole[:len(prompt)] != prompt
+    ids += whole
+    mask += [0] * len(prompt) + [1] * (len(whole) - len(prompt))
+open("{dir}/want.bin", "wb").write(b"".join(struct.pack("<H", x) for x in ids))
+open("{dir}/want.mask", "wb").write(bytes(mask))
+print(len(ids), sum(mask), merged)
+"#,
+        trained = trained_tokenizer(&tok),
+        tok = tok.display(),
+        jsonl = jsonl.display(),
+        dir = dir.display(),
+    );
+    let said = common::python(&script);
+    let n: Vec<u64> = said
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let (tokens, counted, merged) = (n[0], n[1], n[2]);
+    // The second and third pairs' seams merge (a prompt's last space
+    // joins the completion's first word; "qu" + "ick"): the case TRL
+    // warns of.
+    assert_eq!(merged, 2, "the test's tokenizer merges other seams");
+    let out = dir.join("sft.bin");
+    let os = std::ffi::OsStr::new;
+    let (ok, said) = tokenize(&[
+        os("--tokenizer"),
+        tok.as_os_str(),
+        os("--out"),
+        out.as_os_str(),
+        os("--eos"),
+        os("--completion-only"),
+        jsonl.as_os_str(),
+    ]);
+    assert!(ok, "{said}");
+    for (got, want) in [("sft.bin", "want.bin"), ("sft.bin.mask", "want.mask")] {
+        let (got, want) = (
+            std::fs::read(dir.join(got)).unwrap(),
+            std::fs::read(dir.join(want)).unwrap(),
+        );
+        assert!(got == want, "{said}: {got:?}, transformers' {want:?}");
+    }
+    assert!(
+        said.contains(&format!("the loss counts {counted} of the {tokens} tokens"))
+            && said.contains("documents=2")
+            && said.contains("do not begin with their prompt's"),
+        "{said}"
+    );
+    // Refused: a line without its completion, and a .txt file.
+    let (bad, txt) = (dir.join("bad.jsonl"), dir.join("a.txt"));
+    std::fs::write(
+        &bad,
+        "{\"prompt\": \"p\", \"completion\": \"c\"}\n{\"prompt\": \"p\"}\n",
+    )
+    .unwrap();
+    std::fs::write(&txt, "text").unwrap();
+    let never = dir.join("never.bin");
+    for (input, says) in [
+        (
+            &bad,
+            format!("{}:2: no string field \"completion\"", bad.display()),
+        ),
+        (
+            &txt,
+            format!(
+                "{}: a .txt file is one document without a prompt",
+                txt.display()
+            ),
+        ),
+    ] {
+        let (ok, said) = tokenize(&[
+            os("--tokenizer"),
+            tok.as_os_str(),
+            os("--out"),
+            never.as_os_str(),
+            os("--completion-only"),
+            input.as_os_str(),
+        ]);
+        assert!(!ok && said.contains(&says), "{says}: {said}");
+        assert!(
+            !never.exists() && !dir.join("never.bin.mask").exists(),
+            "{says}"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

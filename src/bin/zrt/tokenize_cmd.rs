@@ -27,8 +27,14 @@ pub struct TokenizeArgs {
     #[arg(long)]
     eos: bool,
     /// The field of each `.jsonl` line holding its text.
-    #[arg(long, default_value = "text")]
+    #[arg(long, default_value = "text", conflicts_with = "completion_only")]
     field: String,
+    /// Each `.jsonl` line holds a `prompt` and its `completion` (TRL's
+    /// format): the loss is to count the completion's tokens only, which
+    /// `OUT.mask` (a byte a token, 1: counted) says; `finetune_hf
+    /// --mask` reads it.
+    #[arg(long)]
+    completion_only: bool,
     /// The text: `.txt` files (a document each) and `.jsonl` files (a
     /// document a line), in order.
     #[arg(required = true)]
@@ -41,6 +47,7 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
         u32: a.u32,
         eos: a.eos,
         field: a.field.clone(),
+        completion_only: a.completion_only,
     };
     let done = tokenize_files(&a.tokenizer, &a.inputs, &a.out, &opts)?;
     println!(
@@ -51,5 +58,13 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
         if a.u32 { "u32" } else { "u16" },
         done.vocab
     );
+    if a.completion_only {
+        println!(
+            "{}: the loss counts {} of the {} tokens (the completions')",
+            zrt::tokenize::mask_path(&a.out).display(),
+            done.counted,
+            done.tokens
+        );
+    }
     Ok(())
 }

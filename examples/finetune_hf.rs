@@ -101,6 +101,10 @@ struct Args {
     /// `--eval-every` steps and at the end (dropout off meanwhile).
     #[arg(long)]
     eval_data: Option<PathBuf>,
+    /// Which of `--eval-data`'s tokens its loss counts, as `--mask` for
+    /// `--data` (without it every token counts).
+    #[arg(long, requires = "eval_data")]
+    eval_mask: Option<PathBuf>,
     /// Steps between evaluations (0: before training and at the end).
     #[arg(long, default_value_t = 0)]
     eval_every: u64,
@@ -120,11 +124,19 @@ struct Args {
     sample_tokens: usize,
 }
 
+/// The file at `path`, mapped.
+fn map(path: &std::path::Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: the data and mask files are read, never written, while
+    // mapped.
+    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))
+}
+
 /// The token ids of a data file, mapped (a corpus of billions of tokens
 /// is read window by window, never whole into memory).
 struct Tokens {
     bytes: memmap2::Mmap,
-    /// Bytes an id takes: 2 (u16) or 4 (u32).
+    /// Bytes an id takes: 2 (u16) or 4 (u32); 1 in a mask.
     width: usize,
 }
 
@@ -133,11 +145,7 @@ impl Tokens {
     /// the file, so that data tokenized for another model is refused
     /// before training, not at the step that first reads a bad id).
     fn open(path: &std::path::Path, wide: bool, vocab: i64) -> Result<Self> {
-        let file =
-            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: the data file is read, never written, while mapped.
-        let bytes = unsafe { memmap2::Mmap::map(&file) }
-            .with_context(|| format!("mapping {}", path.display()))?;
+        let bytes = map(path)?;
         let width = if wide { 4 } else { 2 };
         if bytes.len() % width != 0 {
             bail!(
@@ -167,11 +175,7 @@ impl Tokens {
 
     /// Maps the mask file `path` of `data`'s tokens (`tokens` of them).
     fn mask(path: &std::path::Path, data: &std::path::Path, tokens: usize) -> Result<Self> {
-        let file =
-            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: the mask file is read, never written, while mapped.
-        let bytes = unsafe { memmap2::Mmap::map(&file) }
-            .with_context(|| format!("mapping {}", path.display()))?;
+        let bytes = map(path)?;
         if bytes.len() != tokens {
             bail!(
                 "{}: {} bytes, and {} holds {tokens} tokens: a mask has a byte a token (zrt tokenize --completion-only writes the two together)",
@@ -266,7 +270,11 @@ fn main() -> Result<()> {
                     a.seq
                 );
             }
-            Some(t)
+            let mask = match &a.eval_mask {
+                Some(m) => Some(Tokens::mask(m, path, t.len())?),
+                None => None,
+            };
+            Some((t, mask))
         }
         None => None,
     };
@@ -341,7 +349,7 @@ fn main() -> Result<()> {
     // (no dropout, no gradient: it draws nothing from the generator, so
     // training goes on as it would have without it).
     let len = a.seq + 1;
-    let evaluate = |held_out: &Tokens| -> Result<f64> {
+    let evaluate = |(held_out, mask): &(Tokens, Option<Tokens>)| -> Result<f64> {
         model.set_training(false);
         let whole = held_out.len() / len;
         let windows: Vec<usize> = (0..a.eval_windows)
@@ -349,11 +357,18 @@ fn main() -> Result<()> {
             .collect();
         let mut sum = 0.0;
         for chunk in windows.chunks(batch.micro.max(1) as usize) {
-            let rows: Vec<i64> = (chunk.iter())
-                .flat_map(|&w| (w * len..(w + 1) * len).map(|i| held_out.id(i)))
-                .collect();
-            let x = Tensor::from_slice(&rows).view([chunk.len() as i64, len as i64]);
-            let loss = tch::no_grad(|| model.loss(&x)).to_kind(Kind::Double);
+            let rows = |file: &Tokens| {
+                let ids: Vec<i64> = (chunk.iter())
+                    .flat_map(|&w| (w * len..(w + 1) * len).map(|i| file.id(i)))
+                    .collect();
+                Tensor::from_slice(&ids).view([chunk.len() as i64, len as i64])
+            };
+            let x = rows(held_out);
+            let loss = tch::no_grad(|| match mask {
+                Some(mask) => model.loss_masked(&x, &rows(mask)),
+                None => model.loss(&x),
+            });
+            let loss = loss.to_kind(Kind::Double);
             sum += loss.double_value(&[]) * chunk.len() as f64;
         }
         model.set_training(!a.no_dropout);

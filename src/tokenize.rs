@@ -19,6 +19,13 @@
 //! name and renamed into place at the end, so an error leaves no file
 //! half written.
 //!
+//! With [`TokenizeOptions::completion_only`] each `.jsonl` line is TRL's
+//! `prompt` and `completion`, and a mask file beside the ids
+//! ([`mask_path`]) marks the completion's tokens, the only ones
+//! [`HfModel::loss_masked`](crate::hf::HfModel::loss_masked) counts.
+//! [`HfTokenizer`] is the tokenizer alone: encode a prompt, decode what
+//! [`HfModel::greedy`](crate::hf::HfModel::greedy) continued it with.
+//!
 //! ```no_run
 //! use zrt::tokenize::{tokenize_files, TokenizeOptions};
 //!
@@ -158,10 +165,6 @@ pub fn tokenize_files(
     if !opts.u32 && tok.vocab > 1 << 16 {
         return Err(TokenizeError::TooWide { vocab: tok.vocab });
     }
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TokenizeError::Io { path, source }
-    };
     // Every input checked before anything is read: a typo fails at once.
     for path in inputs {
         if let (Kind::Text, true) = (kind(path)?, opts.completion_only) {
@@ -201,10 +204,6 @@ fn write(
     files: &[(PathBuf, PathBuf)],
     opts: &TokenizeOptions,
 ) -> Result<Tokenized, TokenizeError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TokenizeError::Io { path, source }
-    };
     let mut outs = Vec::new();
     for (partial, _) in files {
         outs.push(BufWriter::new(File::create(partial).map_err(io(partial))?));
@@ -366,6 +365,12 @@ impl std::fmt::Debug for HfTokenizer {
     }
 }
 
+/// An I/O error on `path`, as this crate's.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TokenizeError {
+    let path = path.to_path_buf();
+    move |source| TokenizeError::Io { path, source }
+}
+
 /// What an input file holds.
 enum Kind {
     /// One document.
@@ -415,10 +420,7 @@ fn each_batch(
         line: Some(line),
         msg,
     };
-    let file = File::open(path).map_err(|source| TokenizeError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let file = File::open(path).map_err(io(path))?;
     let mut batch = Vec::with_capacity(BATCH);
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let n = i as u64 + 1;
@@ -512,10 +514,7 @@ impl Writer {
         }
         for (out, (data, path)) in (self.outs.iter_mut()).zip([bytes, mask].iter().zip(&self.paths))
         {
-            out.write_all(data).map_err(|source| TokenizeError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            out.write_all(data).map_err(io(path))?;
         }
         Ok(())
     }

@@ -883,9 +883,20 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     )
     .unwrap();
     std::fs::write(&short, vec![1u8; 4095]).unwrap();
-    let (ok, all) = run(&data, "1", &[os("--mask"), ones.as_os_str()]);
+    // And the held-out file's (200 tokens) for its loss, alike.
+    let eval_ones = dir.join("val.mask");
+    std::fs::write(&eval_ones, vec![1u8; 200]).unwrap();
+    let masks = [
+        os("--mask"),
+        ones.as_os_str(),
+        os("--eval-mask"),
+        eval_ones.as_os_str(),
+    ];
+    let (ok, all) = run(&data, "1", &masks);
     assert!(ok && all.contains("the loss counts the tokens"), "{all}");
     assert_eq!(line(&all, 0), line(&said, 0), "{all}");
+    assert!(eval(&all, 0).is_some(), "{all}");
+    assert_eq!(eval(&all, 0), eval(&said, 0), "{all}");
     let (ok, some) = run(&data, "1", &[os("--mask"), half.as_os_str()]);
     assert!(ok, "{some}");
     assert!(

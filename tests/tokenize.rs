@@ -33,6 +33,13 @@ fn files(dir: &Path) -> Vec<String> {
     names
 }
 
+/// The numbers `script` prints, run in the venv's Python.
+fn numbers(script: &str) -> Vec<u64> {
+    (common::python(script).split_whitespace())
+        .map(|w| w.parse().unwrap())
+        .collect()
+}
+
 /// Python that trains a byte-level BPE tokenizer (`<s>` added before
 /// each text, `</s>` its end-of-text token) and saves it in `tok` with
 /// `save_pretrained`, then a truncation into its file; `json` is
@@ -96,11 +103,7 @@ print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
         jsonl = jsonl.display(),
         dir = dir.display(),
     );
-    let said = common::python(&script);
-    let n: Vec<u64> = said
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
+    let n = numbers(&script);
     let (docs, with_eos, without, vocab) = (n[0], n[1], n[2], n[3]);
     for (flags, want, tokens) in [
         (&["--eos"][..], "want16.bin", with_eos),
@@ -256,11 +259,7 @@ print(len(ids), sum(mask), merged)
         jsonl = jsonl.display(),
         dir = dir.display(),
     );
-    let said = common::python(&script);
-    let n: Vec<u64> = said
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
+    let n = numbers(&script);
     let (tokens, counted, merged) = (n[0], n[1], n[2]);
     // The second and third pairs' seams merge (a prompt's last space
     // joins the completion's first word; "qu" + "ick"): the case TRL

@@ -9,6 +9,7 @@ use tch::nn::Module;
 use tch::Tensor;
 
 use crate::zero::activation::Checkpointed;
+use crate::zero::{ShardPlan, ShardedModule};
 
 /// A block, plain or checkpointed.
 #[derive(Debug)]
@@ -151,5 +152,81 @@ impl Module for TiedEmbedding {
             false => ws.shallow_clone(),
         };
         x.matmul(&w.tr())
+    }
+}
+
+/// A causal language model's two ends: the token embedding, and the
+/// head when it is its own matrix. Each is a unit of its own (they are
+/// the largest matrices); a tied one is one unit run at both ends.
+#[derive(Debug)]
+pub(crate) enum Ends {
+    /// The head is the embedding.
+    Tied(ShardedModule<TiedEmbedding>),
+    /// Each its own unit.
+    Apart {
+        embed: ShardedModule<tch::nn::Embedding>,
+        head: ShardedModule<tch::nn::Linear>,
+    },
+}
+
+/// The token embedding of [`Ends`], built, its head not yet: a model
+/// builds its layers between the two, so that the units are in the
+/// order they run.
+#[derive(Debug)]
+pub(crate) enum Embedding {
+    Tied(ShardedModule<TiedEmbedding>),
+    Apart(ShardedModule<tch::nn::Embedding>, i64, i64),
+}
+
+impl Ends {
+    /// The token embedding under `p`, a unit of `plan`
+    /// ([`token_embedding`]; the head too when `tied`).
+    pub(crate) fn embedding(
+        plan: &ShardPlan,
+        p: &tch::nn::Path,
+        vocab: i64,
+        width: i64,
+        padding: Option<i64>,
+        tied: bool,
+    ) -> Embedding {
+        let embed = token_embedding(p, vocab, width, padding);
+        match tied {
+            true => Embedding::Tied(ShardedModule::new(plan, p, TiedEmbedding(embed))),
+            false => Embedding::Apart(ShardedModule::new(plan, p, embed), vocab, width),
+        }
+    }
+
+    /// The token ids' embeddings.
+    pub(crate) fn embed(&self, tokens: &Tensor) -> Tensor {
+        match self {
+            Self::Tied(e) => e.forward(tokens),
+            Self::Apart { embed, .. } => embed.forward(tokens),
+        }
+    }
+
+    /// The hidden states' logits.
+    pub(crate) fn head(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Tied(e) => e.forward(x),
+            Self::Apart { head, .. } => head.forward(x),
+        }
+    }
+}
+
+impl Embedding {
+    /// The two ends: an untied embedding's head built under `p` (a
+    /// linear map without bias), a unit of `plan`.
+    pub(crate) fn with_head(self, plan: &ShardPlan, p: &tch::nn::Path) -> Ends {
+        match self {
+            Self::Tied(tied) => Ends::Tied(tied),
+            Self::Apart(embed, vocab, width) => {
+                let cfg = tch::nn::LinearConfig {
+                    bias: false,
+                    ..Default::default()
+                };
+                let head = ShardedModule::new(plan, p, tch::nn::linear(p, width, vocab, cfg));
+                Ends::Apart { embed, head }
+            }
+        }
     }
 }

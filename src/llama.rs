@@ -51,7 +51,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{token_embedding, Run, TiedEmbedding, Training};
+use crate::blocks::{Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -405,7 +405,7 @@ pub enum Activation {
 
 impl Activation {
     /// The activation `transformers` names `name`, or `None`.
-    fn of(name: &str) -> Option<Self> {
+    pub(crate) fn of(name: &str) -> Option<Self> {
         match name {
             "silu" | "swish" => Some(Self::Silu),
             "gelu" => Some(Self::Gelu),
@@ -415,7 +415,7 @@ impl Activation {
     }
 
     /// Its `transformers` name.
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Silu => "silu",
             Self::Gelu => "gelu",
@@ -423,7 +423,7 @@ impl Activation {
         }
     }
 
-    fn apply(self, x: &Tensor) -> Tensor {
+    pub(crate) fn apply(self, x: &Tensor) -> Tensor {
         match self {
             Self::Silu => x.silu(),
             Self::Gelu => x.gelu("none"),
@@ -506,6 +506,65 @@ pub enum RopeScaling {
         /// ratio).
         attention_factor: f64,
     },
+}
+
+impl RopeScaling {
+    /// Its `rope_scaling` in a `config.json` (null for none); `phi3`:
+    /// in the three keys Phi-3's config class takes.
+    pub(crate) fn to_json(&self, phi3: bool) -> serde_json::Value {
+        match self {
+            RopeScaling::None => serde_json::Value::Null,
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Dynamic { factor } => {
+                serde_json::json!({"rope_type": "dynamic", "factor": factor})
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_positions,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_positions,
+            }),
+            // Phi-3's config class takes exactly these three keys.
+            RopeScaling::LongRope { short, long, .. } if phi3 => {
+                serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long})
+            }
+            RopeScaling::LongRope {
+                short,
+                long,
+                attention_factor,
+                ..
+            } => serde_json::json!({
+                "rope_type": "longrope",
+                "short_factor": short,
+                "long_factor": long,
+                "attention_factor": attention_factor,
+            }),
+            RopeScaling::Yarn {
+                factor,
+                original_positions,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => serde_json::json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_positions,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+                "attention_factor": attention_factor,
+            }),
+        }
+    }
 }
 
 /// Sizes of a [`Llama`], Hugging Face's `LlamaConfig` fields (and
@@ -716,7 +775,7 @@ impl LlamaConfig {
             head_dim,
             eps: j.number_or("rms_norm_eps", defaults.eps)?,
             rope_theta,
-            rope_scaling: rope_scaling(j, family, rotary_dim)?,
+            rope_scaling: rope_scaling(j, family.model_type(), rotary_dim)?,
             positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
@@ -833,58 +892,7 @@ impl LlamaConfig {
 
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
-        let rope_scaling = match &self.rope_scaling {
-            RopeScaling::None => serde_json::Value::Null,
-            RopeScaling::Linear { factor } => {
-                serde_json::json!({"rope_type": "linear", "factor": factor})
-            }
-            RopeScaling::Dynamic { factor } => {
-                serde_json::json!({"rope_type": "dynamic", "factor": factor})
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_positions,
-            } => serde_json::json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": original_positions,
-            }),
-            // Phi-3's config class takes exactly these three keys.
-            RopeScaling::LongRope { short, long, .. } if self.family == Family::Phi3 => {
-                serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long})
-            }
-            RopeScaling::LongRope {
-                short,
-                long,
-                attention_factor,
-                ..
-            } => serde_json::json!({
-                "rope_type": "longrope",
-                "short_factor": short,
-                "long_factor": long,
-                "attention_factor": attention_factor,
-            }),
-            RopeScaling::Yarn {
-                factor,
-                original_positions,
-                beta_fast,
-                beta_slow,
-                truncate,
-                attention_factor,
-            } => serde_json::json!({
-                "rope_type": "yarn",
-                "factor": factor,
-                "original_max_position_embeddings": original_positions,
-                "beta_fast": beta_fast,
-                "beta_slow": beta_slow,
-                "truncate": truncate,
-                "attention_factor": attention_factor,
-            }),
-        };
+        let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
             "model_type": self.family.model_type(),
             "architectures": [self.family.architecture()],
@@ -1074,7 +1082,7 @@ fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
 
 /// The dimensions of a head of `head_dim` the rotary embedding turns
 /// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
-fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
+pub(crate) fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
     (head_dim as f64 * partial) as i64
 }
 
@@ -1150,15 +1158,20 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
 }
 
 /// The config's `rope_scaling`: none, or a kind this model computes
-/// (`rotary_dim` the dimensions of a head it turns). Phi-3's config
-/// class reads `"su"` and `"yarn"` as `"longrope"`.
-fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScaling, HfError> {
+/// (`rotary_dim` the dimensions of a head it turns), for a model of
+/// `model_type`. Phi-3's config class reads `"su"` and `"yarn"` as
+/// `"longrope"`.
+pub(crate) fn rope_scaling(
+    j: &HfJson,
+    model_type: &str,
+    rotary_dim: i64,
+) -> Result<RopeScaling, HfError> {
     let Some(v) = j.get("rope_scaling") else {
         return Ok(RopeScaling::None);
     };
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
     let num = |key: &str| scaling_number(j, v, key);
-    let phi3 = family == Family::Phi3;
+    let phi3 = model_type == Family::Phi3.model_type();
     match kind {
         Some("default") => Ok(RopeScaling::None),
         Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
@@ -1178,8 +1191,7 @@ fn rope_scaling(j: &HfJson, family: Family, rotary_dim: i64) -> Result<RopeScali
         }),
         Some("yarn") => yarn(j, v),
         _ => Err(j.field(format!(
-            "rope_scaling {v}: this {} computes the {} kinds only",
-            family.model_type(),
+            "rope_scaling {v}: this {model_type} computes the {} kinds only",
             match phi3 {
                 true => "\"longrope\" (\"su\", \"yarn\")",
                 false => "\"linear\", \"dynamic\", \"llama3\", \"longrope\" and \"yarn\"",
@@ -1670,7 +1682,7 @@ impl Layer {
 /// LongRoPE those for a sequence longer than the pretrained one and the
 /// factor on the cosines and sines.
 #[derive(Debug)]
-struct Rotary {
+pub(crate) struct Rotary {
     inv_freq: Tensor,
     /// LongRoPE's `long_factor` frequencies, and the longest sequence
     /// `inv_freq` is for.
@@ -1732,7 +1744,7 @@ impl Rotary {
     /// Turning `hd` dimensions at base `theta`, scaled as `scaling` says
     /// (`positions`, `max_position_embeddings`, is what the `dynamic`
     /// scaling grows past).
-    fn new(
+    pub(crate) fn new(
         hd: i64,
         theta: f64,
         scaling: &RopeScaling,
@@ -1898,7 +1910,7 @@ fn yarn_inv_freq(
 /// scaled by its factor, in fp32). Only the first `2 * inv_freq.len()`
 /// dimensions turn (all but under Phi-3's `partial_rotary_factor`); the
 /// rest pass as they are.
-fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
+pub(crate) fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
     let inv_freq = &rotary.inv_freq(t);
     let rd = 2 * inv_freq.size()[0];
@@ -2052,18 +2064,6 @@ impl Layer {
     }
 }
 
-/// The token embedding, and the head when it is its own matrix.
-#[derive(Debug)]
-enum Ends {
-    /// The head is the embedding: one unit, run at both ends.
-    Tied(ShardedModule<TiedEmbedding>),
-    /// Each its own unit.
-    Apart {
-        embed: ShardedModule<nn::Embedding>,
-        head: ShardedModule<nn::Linear>,
-    },
-}
-
 /// Llama with a language-modelling head (`LlamaForCausalLM`).
 #[derive(Debug)]
 pub struct Llama {
@@ -2102,12 +2102,14 @@ impl Llama {
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
         let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg);
-        let embed_path = &m / "embed_tokens";
-        let embed = token_embedding(&embed_path, cfg.vocab, cfg.hidden, cfg.pad_token);
-        let embed = match cfg.tied {
-            true => Err(ShardedModule::new(plan, &embed_path, TiedEmbedding(embed))),
-            false => Ok(ShardedModule::new(plan, &embed_path, embed)),
-        };
+        let embed = Ends::embedding(
+            plan,
+            &(&m / "embed_tokens"),
+            cfg.vocab,
+            cfg.hidden,
+            cfg.pad_token,
+            cfg.tied,
+        );
         let training = Training::default();
         let layers = (0..cfg.layers)
             .map(|i| {
@@ -2116,15 +2118,7 @@ impl Llama {
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
-        let ends = match embed {
-            Err(tied) => Ends::Tied(tied),
-            Ok(embed) => {
-                let hp = p / "lm_head";
-                let head = linear(&hp, cfg.hidden, cfg.vocab, false);
-                let head = ShardedModule::new(plan, &hp, head);
-                Ends::Apart { embed, head }
-            }
-        };
+        let ends = embed.with_head(plan, &(p / "lm_head"));
         Self {
             ends,
             layers,
@@ -2148,10 +2142,7 @@ impl Llama {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        let embedded = match &self.ends {
-            Ends::Tied(e) => e.forward(tokens),
-            Ends::Apart { embed, .. } => embed.forward(tokens),
-        };
+        let embedded = self.ends.embed(tokens);
         let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
             (false, 1.0) => embedded,
             (false, m) => embedded * m,
@@ -2167,10 +2158,7 @@ impl Llama {
             x = l.forward(&x);
         }
         let x = self.norm.forward(&x);
-        let logits = match &self.ends {
-            Ends::Tied(e) => e.forward(&x),
-            Ends::Apart { head, .. } => head.forward(&x),
-        };
+        let logits = self.ends.head(&x);
         let logits = match self.cfg.logits_scaling {
             1.0 => logits,
             s => logits / s,

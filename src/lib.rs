@@ -12,7 +12,8 @@
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
 //! the main job, the benchmarks and the parity tests; [`gpt2`] is GPT-2
 //! as Hugging Face lays it out, which a pretrained checkpoint loads into
-//! under any stage; [`tokenize`] turns text into the token files the
+//! under any stage, as are [`gpt_neox`] (Pythia) and [`llama`] (Llama,
+//! Mistral, Qwen, Gemma, Phi-3 and the others of its family); [`tokenize`] turns text into the token files the
 //! examples train on, with a checkpoint's own tokenizer. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
 //! stop (a scheduler's SIGTERM, Ctrl-C).
@@ -60,6 +61,7 @@
 mod blocks;
 pub mod gpt;
 pub mod gpt2;
+pub mod gpt_neox;
 pub mod hf;
 pub mod llama;
 pub mod stop;

@@ -43,6 +43,27 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GPT-NeoX as Pythia configures it: a quarter of each head turned,
+    // the sublayers side by side, biases, the head apart.
+    Case {
+        name: "gpt-neox",
+        python: (
+            "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+        ),
+        load: "",
+    },
+    // GPT-NeoX's other settings: sublayers one after the other, no
+    // attention biases, every dimension turned and scaled, the head
+    // tied, GELU's tanh form.
+    Case {
+        name: "gpt-neox-sequential",
+        python: (
+            "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=False, attention_bias=False, rotary_pct=1.0, rotary_emb_base=500.0, rope_scaling={'rope_type': 'linear', 'factor': 2.0}, tie_word_embeddings=True, hidden_act='gelu_pytorch_tanh'",
+        ),
+        load: "",
+    },
     // Grouped-query attention (2 key-value heads for 4), the head apart.
     Case {
         name: "llama",
@@ -321,6 +342,16 @@ fn a_gpt2_checkpoint_loads_under_zero_trains_as_transformers_does_and_goes_back(
 }
 
 #[test]
+fn a_pythia_like_gpt_neox_checkpoint_trains_as_transformers_does_and_goes_back() {
+    parity("gpt-neox");
+}
+
+#[test]
+fn a_tied_sequential_gpt_neox_checkpoint_trains_as_transformers_does() {
+    parity("gpt-neox-sequential");
+}
+
+#[test]
 fn a_llama_checkpoint_loads_under_zero_trains_as_transformers_does_and_goes_back() {
     parity("llama");
 }
@@ -540,6 +571,7 @@ fn parity(name: &str) {
             // built without a checkpoint's: `hf_export_layout`).
             let ours = match &model {
                 HfModel::Gpt2(m) => m.config().to_hf_json(),
+                HfModel::GptNeox(m) => m.config().to_hf_json(),
                 HfModel::Llama(m) => m.config().to_hf_json(),
             };
             (held, first, losses, after, refused, ours)
@@ -923,27 +955,31 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 }
 
 /// A config that gives only the sizes zrt requires reads, in every
-/// family, as that family's `transformers` config class reads it: the
+/// Llama family and GPT-NeoX, as its `transformers` config class reads it: the
 /// config zrt writes back from what it read (every default it took
 /// spelled out) loads in `transformers` as the same config.
 #[test]
 fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
     let dir = scratch("hf-defaults");
-    for family in zrt::llama::Family::ALL {
-        let mt = family.model_type();
+    let types = zrt::llama::Family::ALL.map(|f| f.model_type());
+    for mt in types.into_iter().chain(["gpt_neox"]) {
         let given = dir.join(mt).join("given");
         let read = dir.join(mt).join("read");
         std::fs::create_dir_all(&given).unwrap();
         std::fs::create_dir_all(&read).unwrap();
         // 32 heads: every class's default key-value heads divide them;
+        // heads 16 wide: GPT-NeoX's default quarter of one is two pairs;
         // a vocabulary holding every default pad token.
         let config = format!(
-            r#"{{"model_type": "{mt}", "vocab_size": 130000, "hidden_size": 128,
+            r#"{{"model_type": "{mt}", "vocab_size": 130000, "hidden_size": 512,
                 "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}}"#
         );
         std::fs::write(given.join("config.json"), config).unwrap();
-        let cfg = zrt::llama::LlamaConfig::from_hf_dir(&given).unwrap();
-        std::fs::write(read.join("config.json"), cfg.to_hf_json()).unwrap();
+        let ours = match mt {
+            "gpt_neox" => zrt::gpt_neox::GptNeoxConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
+            _ => zrt::llama::LlamaConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
+        };
+        std::fs::write(read.join("config.json"), ours.unwrap()).unwrap();
     }
     let script = format!(
         r#"
@@ -956,7 +992,8 @@ for mt in sorted(os.listdir(root)):
     given = AutoConfig.from_pretrained(os.path.join(root, mt, "given")).to_dict()
     read = AutoConfig.from_pretrained(os.path.join(root, mt, "read")).to_dict()
     # A class without a head_dim (or with None) computes it from the sizes.
-    given["head_dim"] = given.get("head_dim") or given["hidden_size"] // given["num_attention_heads"]
+    for c in (given, read):
+        c["head_dim"] = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
     for k in sorted((set(given) | set(read)) - ignore):

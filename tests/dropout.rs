@@ -147,3 +147,18 @@ fn gemma2_drops_capped_attention_out_as_transformers_eager_does_once_training() 
         1e-5,
     );
 }
+
+#[test]
+fn gpt_neox_drops_embeddings_attention_and_both_sublayers_out_as_transformers_does() {
+    for (name, extra) in [
+        ("gpt-neox", ""),
+        ("gpt-neox-sequential", ", use_parallel_residual=False"),
+    ] {
+        dropout_parity(
+            name,
+            "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+            &format!("vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.2, attention_dropout=0.25{extra}"),
+            1e-5,
+        );
+    }
+}

@@ -100,6 +100,25 @@ pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64, dropout: f64) -> 
     a.transpose(1, 2).contiguous().view([b, t, d])
 }
 
+/// A linear layer `i -> o` under `p`, with or without bias.
+pub(crate) fn linear(p: &tch::nn::Path, i: i64, o: i64, bias: bool) -> tch::nn::Linear {
+    let cfg = tch::nn::LinearConfig {
+        bias,
+        ..Default::default()
+    };
+    tch::nn::linear(p, i, o, cfg)
+}
+
+/// A LayerNorm over the last `width` values under `p`, with weights and
+/// biases (`nn.LayerNorm(width, eps)`).
+pub(crate) fn layer_norm(p: tch::nn::Path, width: i64, eps: f64) -> tch::nn::LayerNorm {
+    let cfg = tch::nn::LayerNormConfig {
+        eps,
+        ..Default::default()
+    };
+    tch::nn::layer_norm(p, vec![width], cfg)
+}
+
 /// A token embedding `[vocab, width]` under `p` whose backward gives a
 /// sparse gradient: the looked-up rows, which the engine adds straight
 /// into its flat gradient buffer. A dense one is a second vocabulary-sized
@@ -215,16 +234,12 @@ impl Ends {
 
 impl Embedding {
     /// The two ends: an untied embedding's head built under `p` (a
-    /// linear map without bias), a unit of `plan`.
-    pub(crate) fn with_head(self, plan: &ShardPlan, p: &tch::nn::Path) -> Ends {
+    /// linear map, with a bias when `bias`), a unit of `plan`.
+    pub(crate) fn with_head(self, plan: &ShardPlan, p: &tch::nn::Path, bias: bool) -> Ends {
         match self {
             Self::Tied(tied) => Ends::Tied(tied),
             Self::Apart(embed, vocab, width) => {
-                let cfg = tch::nn::LinearConfig {
-                    bias: false,
-                    ..Default::default()
-                };
-                let head = ShardedModule::new(plan, p, tch::nn::linear(p, width, vocab, cfg));
+                let head = ShardedModule::new(plan, p, linear(p, width, vocab, bias));
                 Ends::Apart { embed, head }
             }
         }

@@ -43,7 +43,9 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{fused_causal_attention, token_embedding, Run, TiedEmbedding, Training};
+use crate::blocks::{
+    fused_causal_attention, layer_norm, token_embedding, Run, TiedEmbedding, Training,
+};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -232,13 +234,7 @@ impl Block {
     fn new(p: &nn::Path, c: &Gpt2Config, training: &Training) -> Self {
         let d = c.width;
         let inner = c.inner.unwrap_or(4 * d);
-        let ln = |name: &str| {
-            let cfg = nn::LayerNormConfig {
-                eps: c.eps,
-                ..Default::default()
-            };
-            nn::layer_norm(p / name, vec![d], cfg)
-        };
+        let ln = |name: &str| layer_norm(p / name, d, c.eps);
         let (a, m) = (p / "attn", p / "mlp");
         Self {
             ln_1: ln("ln_1"),
@@ -308,12 +304,8 @@ impl Gpt2 {
         // memory as it is built (`weights_from_file`) releases what was
         // made before each `ShardedModule::new`, and would leave anything
         // made after the last block held until the engine is built.
-        let ln_cfg = nn::LayerNormConfig {
-            eps: cfg.eps,
-            ..Default::default()
-        };
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
-        let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.width], ln_cfg);
+        let ln_f = layer_norm(p / "ln_f", cfg.width, cfg.eps);
         let wte_path = p / "wte";
         let wte = token_embedding(&wte_path, cfg.vocab, cfg.width, None);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));

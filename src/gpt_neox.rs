@@ -43,7 +43,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{Ends, Run, Training};
+use crate::blocks::{layer_norm, linear, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::llama::{rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
@@ -98,7 +98,7 @@ impl GptNeoxConfig {
     /// out taking `GPTNeoXConfig`'s default (`rotary_pct` 0.25, a GELU,
     /// parallel residuals, biases, the head untied). What this model does
     /// not compute is refused naming the field: activations but `gelu`,
-    /// `silu` and `gelu_pytorch_tanh`, rotary dimensions that are not
+    /// `silu`, `gelu_pytorch_tanh` and `gelu_new`, rotary dimensions that are not
     /// whole pairs, the rope scalings [`crate::llama::LlamaConfig`]
     /// refuses.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
@@ -107,14 +107,7 @@ impl GptNeoxConfig {
 
     /// As [`GptNeoxConfig::from_hf_dir`], from a config already read.
     pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
-        let activation = match j.get("hidden_act") {
-            None => Activation::Gelu,
-            Some(v) => v.as_str().and_then(Activation::of).ok_or_else(|| {
-                j.field(format!(
-                    "hidden_act {v}: this GPT-NeoX computes \"gelu\", \"silu\" and \"gelu_pytorch_tanh\""
-                ))
-            })?,
-        };
+        let activation = Activation::read(j, "hidden_act", Activation::Gelu, "GPT-NeoX")?;
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
         if hidden % heads != 0 {
             return Err(j.field(format!(
@@ -265,28 +258,15 @@ impl Layer {
     /// The layer under `p`.
     fn new(p: &nn::Path, c: &GptNeoxConfig, training: &Training) -> Self {
         let (d, i) = (c.hidden, c.intermediate);
-        let ln = |name: &str| {
-            let cfg = nn::LayerNormConfig {
-                eps: c.eps,
-                ..Default::default()
-            };
-            nn::layer_norm(p / name, vec![d], cfg)
-        };
-        let linear = |p: nn::Path, i: i64, o: i64, bias: bool| {
-            let cfg = nn::LinearConfig {
-                bias,
-                ..Default::default()
-            };
-            nn::linear(p, i, o, cfg)
-        };
+        let ln = |name: &str| layer_norm(p / name, d, c.eps);
         let (a, m) = (p / "attention", p / "mlp");
         Self {
             input_layernorm: ln("input_layernorm"),
             post_attention_layernorm: ln("post_attention_layernorm"),
-            query_key_value: linear(&a / "query_key_value", d, 3 * d, c.attention_bias),
-            dense: linear(&a / "dense", d, d, c.attention_bias),
-            dense_h_to_4h: linear(&m / "dense_h_to_4h", d, i, true),
-            dense_4h_to_h: linear(&m / "dense_4h_to_h", i, d, true),
+            query_key_value: linear(&(&a / "query_key_value"), d, 3 * d, c.attention_bias),
+            dense: linear(&(&a / "dense"), d, d, c.attention_bias),
+            dense_h_to_4h: linear(&(&m / "dense_h_to_4h"), d, i, true),
+            dense_4h_to_h: linear(&(&m / "dense_4h_to_h"), i, d, true),
             rotary: Rotary::new(
                 c.rotary_dim(),
                 c.rope_theta,
@@ -385,11 +365,7 @@ impl GptNeox {
         // The root's variables before the first unit, as `Llama`'s: a
         // plan releasing the model as it is built releases what was made
         // before each `ShardedModule::new`.
-        let ln = nn::LayerNormConfig {
-            eps: cfg.eps,
-            ..Default::default()
-        };
-        let final_layer_norm = nn::layer_norm(&m / "final_layer_norm", vec![cfg.hidden], ln);
+        let final_layer_norm = layer_norm(&m / "final_layer_norm", cfg.hidden, cfg.eps);
         let embed_in = &m / "embed_in";
         // `GPTNeoXModel`'s embedding has no `padding_idx`.
         let embed = Ends::embedding(plan, &embed_in, cfg.vocab, cfg.hidden, None, cfg.tied);
@@ -402,7 +378,7 @@ impl GptNeox {
             })
             .collect();
         Self {
-            ends: embed.with_head(plan, &(p / "embed_out")),
+            ends: embed.with_head(plan, &(p / "embed_out"), false),
             layers,
             final_layer_norm,
             training,

@@ -1,6 +1,6 @@
 //! Hugging Face checkpoints: [`HfModel::from_pretrained`] builds the
 //! model a `save_pretrained` directory holds (one of the layouts
-//! [`crate::gpt2`], [`crate::gpt_neox`] and [`crate::llama`] build, chosen by its
+//! [`crate::gpt2`], [`crate::gpt_neox`], [`crate::phi`] and [`crate::llama`] build, chosen by its
 //! `config.json`) with no rank holding its weights, as `transformers`'
 //! `AutoModelForCausalLM.from_pretrained` chooses the class; and what
 //! those layouts share (reading a `config.json`, the loss, the errors).
@@ -13,6 +13,7 @@ use tch::{Kind, Tensor};
 use crate::gpt2::{Gpt2, Gpt2Config};
 use crate::gpt_neox::{GptNeox, GptNeoxConfig};
 use crate::llama::{Family, Llama, LlamaConfig};
+use crate::phi::{Phi, PhiConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Why a Hugging Face checkpoint cannot be built: its `config.json` is
@@ -76,6 +77,7 @@ const CARRIED: &[&str] = &[
 enum Layout {
     Gpt2(Gpt2Config),
     GptNeox(Box<GptNeoxConfig>),
+    Phi(Box<PhiConfig>),
     Llama(Box<LlamaConfig>),
 }
 
@@ -88,13 +90,15 @@ impl Layout {
         let layout = match j.model_type().as_deref() {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
+            Some("phi") => Self::Phi(Box::new(PhiConfig::from_json(&j)?)),
             Some(t) if Family::of(t).is_some() => {
                 Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
             }
             other => {
                 let known = Family::model_types();
-                let msg =
-                    format!("model_type {other:?}: zrt builds \"gpt2\", \"gpt_neox\" and {known}");
+                let msg = format!(
+                    "model_type {other:?}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}"
+                );
                 return Err(j.field(msg));
             }
         };
@@ -109,7 +113,7 @@ impl Layout {
     fn export(&self, source: &HfJson) -> Result<ExportLayout, HfError> {
         let tensors = match self {
             Self::Gpt2(_) => crate::gpt2::tensor_layout(),
-            Self::GptNeox(_) | Self::Llama(_) => ExportLayout::new(),
+            Self::GptNeox(_) | Self::Phi(_) | Self::Llama(_) => ExportLayout::new(),
         };
         let text = source.text.clone();
         let mut layout =
@@ -156,7 +160,7 @@ fn config_in(text: &str, dtype: &str) -> Vec<u8> {
 
 /// The layout an export of the model `config` describes goes back in
 /// (`config` a `config.json` or the directory holding it): GPT-2's
-/// names and Conv1D matrices, GPT-NeoX's or the Llama family's, with the config
+/// names and Conv1D matrices, GPT-NeoX's, Phi's or the Llama family's, with the config
 /// verbatim beside the tensors and the tokenizer's and generation files
 /// found beside it. What `zrt ckpt consolidate --hf-config` writes a
 /// checkpoint in.
@@ -168,12 +172,14 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 /// The parameters of each unit the model of `config` (a `config.json`
 /// or the directory holding it) is built in, by name, the root's last
 /// under `""` ([`Gpt2Config::unit_params`], [`GptNeoxConfig::unit_params`],
+/// [`PhiConfig::unit_params`],
 /// [`LlamaConfig::unit_params`]):
 /// what `zrt estimate --hf-config` sizes a run by, nothing built.
 pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
     Ok(match Layout::read(config.as_ref())?.0 {
         Layout::Gpt2(c) => c.unit_params(),
         Layout::GptNeox(c) => c.unit_params(),
+        Layout::Phi(c) => c.unit_params(),
         Layout::Llama(c) => c.unit_params(),
     })
 }
@@ -208,6 +214,8 @@ pub enum HfModel {
     Gpt2(Gpt2),
     /// `model_type` `gpt_neox` (Pythia, GPT-NeoX-20B).
     GptNeox(GptNeox),
+    /// `model_type` `phi` (Phi-1, Phi-1.5, Phi-2).
+    Phi(Phi),
     /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `ministral`, `qwen2`,
     /// `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`, `granite`,
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `qwen3_moe`).
@@ -244,6 +252,7 @@ impl HfModel {
         match &layout {
             Layout::Gpt2(_) => crate::gpt2::hf_weight_rules(plan)?,
             Layout::GptNeox(c) => crate::gpt_neox::hf_weight_rules(plan, c)?,
+            Layout::Phi(_) => crate::phi::hf_weight_rules(plan)?,
             Layout::Llama(c) => crate::llama::hf_weight_rules(plan, c)?,
         }
         plan.weights_from_file(vs, dir)?;
@@ -253,6 +262,8 @@ impl HfModel {
             (Layout::Gpt2(c), true) => Self::Gpt2(Gpt2::new_checkpointed(&root, plan, c)),
             (Layout::GptNeox(c), false) => Self::GptNeox(GptNeox::new(&root, plan, c)),
             (Layout::GptNeox(c), true) => Self::GptNeox(GptNeox::new_checkpointed(&root, plan, c)),
+            (Layout::Phi(c), false) => Self::Phi(Phi::new(&root, plan, c)),
+            (Layout::Phi(c), true) => Self::Phi(Phi::new_checkpointed(&root, plan, c)),
             (Layout::Llama(c), false) => Self::Llama(Llama::new(&root, plan, c)),
             (Layout::Llama(c), true) => Self::Llama(Llama::new_checkpointed(&root, plan, c)),
         };
@@ -264,6 +275,7 @@ impl HfModel {
         match self {
             Self::Gpt2(m) => m.forward(tokens),
             Self::GptNeox(m) => m.forward(tokens),
+            Self::Phi(m) => m.forward(tokens),
             Self::Llama(m) => m.forward(tokens),
         }
     }
@@ -283,12 +295,14 @@ impl HfModel {
     /// `model.eval()`); off when built, as `from_pretrained` returns a
     /// model in evaluation. GPT-2 drops out at its `*_pdrop` rates (0.1
     /// unless its config says), GPT-NeoX at `attention_dropout` and
-    /// `hidden_dropout`, Llama, Mistral and Qwen at `attention_dropout`
+    /// `hidden_dropout`, Phi at `embd_pdrop`, `resid_pdrop` and
+    /// `attention_dropout`, Llama, Mistral and Qwen at `attention_dropout`
     /// (0 in their releases).
     pub fn set_training(&self, on: bool) {
         match self {
             Self::Gpt2(m) => m.set_training(on),
             Self::GptNeox(m) => m.set_training(on),
+            Self::Phi(m) => m.set_training(on),
             Self::Llama(m) => m.set_training(on),
         }
     }
@@ -298,6 +312,7 @@ impl HfModel {
         match self {
             Self::Gpt2(m) => m.is_training(),
             Self::GptNeox(m) => m.is_training(),
+            Self::Phi(m) => m.is_training(),
             Self::Llama(m) => m.is_training(),
         }
     }
@@ -370,6 +385,7 @@ impl HfModel {
         match self {
             Self::Gpt2(m) => m.config().width,
             Self::GptNeox(m) => m.config().hidden,
+            Self::Phi(m) => m.config().hidden,
             Self::Llama(m) => m.config().hidden,
         }
     }
@@ -379,6 +395,7 @@ impl HfModel {
         match self {
             Self::Gpt2(m) => m.config().vocab,
             Self::GptNeox(m) => m.config().vocab,
+            Self::Phi(m) => m.config().vocab,
             Self::Llama(m) => m.config().vocab,
         }
     }

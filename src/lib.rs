@@ -12,7 +12,7 @@
 //! [`gpt`] is a small GPT whose blocks are `ShardedModule`s: the model of
 //! the main job, the benchmarks and the parity tests; [`gpt2`] is GPT-2
 //! as Hugging Face lays it out, which a pretrained checkpoint loads into
-//! under any stage, as are [`gpt_neox`] (Pythia) and [`llama`] (Llama,
+//! under any stage, as are [`gpt_neox`] (Pythia), [`phi`] (Phi-1 and 2) and [`llama`] (Llama,
 //! Mistral, Qwen, Gemma, Phi-3 and the others of its family); [`tokenize`] turns text into the token files the
 //! examples train on, with a checkpoint's own tokenizer. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
@@ -64,6 +64,7 @@ pub mod gpt2;
 pub mod gpt_neox;
 pub mod hf;
 pub mod llama;
+pub mod phi;
 pub mod stop;
 #[cfg(feature = "tokenize")]
 pub mod tokenize;

@@ -51,7 +51,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{Ends, Run, Training};
+use crate::blocks::{linear, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -392,26 +392,51 @@ pub struct MoeConfig {
 }
 
 /// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
-/// config's `hidden_act` (Gemma 2's and 3's `hidden_activation`).
+/// config's `hidden_act` (Gemma 2's and 3's `hidden_activation`; the
+/// MLP's only activation in GPT-NeoX and Phi).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     /// `"silu"` (Llama, Mistral, Qwen).
     Silu,
-    /// `"gelu"`: the exact GELU.
+    /// `"gelu"`: the exact GELU (Pythia).
     Gelu,
-    /// `"gelu_pytorch_tanh"`: GELU's tanh approximation (Gemma).
+    /// `"gelu_pytorch_tanh"`: GELU's tanh approximation, libtorch's
+    /// kernel (Gemma).
     GeluTanh,
+    /// `"gelu_new"`: the same approximation, written out as
+    /// `transformers`' `NewGELUActivation` computes it, operation by
+    /// operation (Phi-1 and 2), so that its rounding is theirs.
+    GeluNew,
 }
 
 impl Activation {
+    const ALL: [Self; 4] = [Self::Silu, Self::Gelu, Self::GeluTanh, Self::GeluNew];
+
     /// The activation `transformers` names `name`, or `None`.
     pub(crate) fn of(name: &str) -> Option<Self> {
         match name {
-            "silu" | "swish" => Some(Self::Silu),
-            "gelu" => Some(Self::Gelu),
-            "gelu_pytorch_tanh" => Some(Self::GeluTanh),
-            _ => None,
+            "swish" => Some(Self::Silu),
+            _ => Self::ALL.into_iter().find(|a| a.name() == name),
         }
+    }
+
+    /// The config's `key` (`hidden_act`), `default` when left out; one
+    /// this crate does not compute is refused naming the field, for a
+    /// `model` (its name in the error).
+    pub(crate) fn read(j: &HfJson, key: &str, default: Self, model: &str) -> Result<Self, HfError> {
+        let Some(v) = j.get(key) else {
+            return Ok(default);
+        };
+        v.as_str().and_then(Self::of).ok_or_else(|| {
+            let names: Vec<String> = Self::ALL
+                .iter()
+                .map(|a| format!("{:?}", a.name()))
+                .collect();
+            j.field(format!(
+                "{key} {v}: this {model} computes {}",
+                names.join(", ")
+            ))
+        })
     }
 
     /// Its `transformers` name.
@@ -420,6 +445,7 @@ impl Activation {
             Self::Silu => "silu",
             Self::Gelu => "gelu",
             Self::GeluTanh => "gelu_pytorch_tanh",
+            Self::GeluNew => "gelu_new",
         }
     }
 
@@ -428,6 +454,12 @@ impl Activation {
             Self::Silu => x.silu(),
             Self::Gelu => x.gelu("none"),
             Self::GeluTanh => x.gelu("tanh"),
+            // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+            Self::GeluNew => {
+                let inner =
+                    (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+                (x * 0.5) * (inner.tanh() + 1.0)
+            }
         }
     }
 }
@@ -669,7 +701,7 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
     /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
-    /// `hidden_act` `silu`, `gelu` or `gelu_pytorch_tanh`, `rope_scaling`
+    /// `hidden_act` `silu`, `gelu`, `gelu_pytorch_tanh` or `gelu_new`, `rope_scaling`
     /// none, `linear`, `dynamic`, `llama3`, `longrope` or `yarn` (Phi-3's
     /// `longrope` only); a field left out takes the default of the
     /// family's `transformers` config class. What this model does not
@@ -692,14 +724,7 @@ impl LlamaConfig {
         };
         let defaults = family.defaults();
         let key = family.activation_key();
-        let activation = match j.get(key) {
-            None => defaults.activation,
-            Some(v) => v.as_str().and_then(Activation::of).ok_or_else(|| {
-                j.field(format!(
-                    "{key} {v}: this Llama computes \"silu\", \"gelu\" and \"gelu_pytorch_tanh\""
-                ))
-            })?,
-        };
+        let activation = Activation::read(j, key, defaults.activation, "Llama")?;
         let partial = j.number_or("partial_rotary_factor", 1.0)?;
         if partial != 1.0 && family != Family::Phi3 {
             return Err(j.field(format!(
@@ -757,7 +782,7 @@ impl LlamaConfig {
         };
         let full_every = full_every(j, family, sliding_window)?;
         let vocab = j.size("vocab_size")?;
-        let pad_token = pad_token(j, family, vocab)?;
+        let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
         let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
         let granite = |key: &str| match family {
@@ -1086,11 +1111,15 @@ pub(crate) fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
     (head_dim as f64 * partial) as i64
 }
 
-/// The config's `pad_token_id` (the family's config class's default
-/// when left out: Gemma's 0, ...), a token id of the `vocab`, or none.
-fn pad_token(j: &HfJson, family: Family, vocab: i64) -> Result<Option<i64>, HfError> {
+/// The config's `pad_token_id` (`default`, the config class's, when
+/// left out: Gemma's 0, ...), a token id of the `vocab`, or none.
+pub(crate) fn pad_token(
+    j: &HfJson,
+    default: Option<i64>,
+    vocab: i64,
+) -> Result<Option<i64>, HfError> {
     let v = match j.get("pad_token_id") {
-        None if !j.has("pad_token_id") => family.defaults().pad.map(serde_json::Value::from),
+        None if !j.has("pad_token_id") => default.map(serde_json::Value::from),
         None => None,
         Some(v) => Some(v.clone()),
     };
@@ -1474,15 +1503,6 @@ impl Norms {
             }
         }
     }
-}
-
-/// A linear layer with or without bias.
-fn linear(p: &nn::Path, i: i64, o: i64, bias: bool) -> nn::Linear {
-    let cfg = nn::LinearConfig {
-        bias,
-        ..Default::default()
-    };
-    nn::linear(p, i, o, cfg)
 }
 
 /// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
@@ -2118,7 +2138,7 @@ impl Llama {
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
-        let ends = embed.with_head(plan, &(p / "lm_head"));
+        let ends = embed.with_head(plan, &(p / "lm_head"), false);
         Self {
             ends,
             layers,

@@ -162,3 +162,13 @@ fn gpt_neox_drops_embeddings_attention_and_both_sublayers_out_as_transformers_do
         );
     }
 }
+
+#[test]
+fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "phi",
+        "from transformers import PhiConfig as C, PhiForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, embd_pdrop=0.2, resid_pdrop=0.1, attention_dropout=0.25",
+        1e-5,
+    );
+}

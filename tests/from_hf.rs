@@ -64,6 +64,26 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Phi as Phi-2 configures it: half of each head turned, one norm a
+    // layer for both sublayers, `gelu_new`, the head's bias.
+    Case {
+        name: "phi",
+        python: (
+            "from transformers import PhiConfig as C, PhiForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+        ),
+        load: "",
+    },
+    // Phi's other settings: grouped-query attention, each head's queries
+    // and keys normalised, a quarter turned and scaled, a pad row.
+    Case {
+        name: "phi-qk-norm",
+        python: (
+            "from transformers import PhiConfig as C, PhiForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, qk_layernorm=True, partial_rotary_factor=0.25, rope_scaling={'rope_type': 'linear', 'factor': 2.0}, pad_token_id=95",
+        ),
+        load: "",
+    },
     // Grouped-query attention (2 key-value heads for 4), the head apart.
     Case {
         name: "llama",
@@ -352,6 +372,16 @@ fn a_tied_sequential_gpt_neox_checkpoint_trains_as_transformers_does() {
 }
 
 #[test]
+fn a_phi2_like_checkpoint_trains_as_transformers_does_and_goes_back() {
+    parity("phi");
+}
+
+#[test]
+fn a_phi_with_grouped_normalised_queries_and_keys_trains_as_transformers_does() {
+    parity("phi-qk-norm");
+}
+
+#[test]
 fn a_llama_checkpoint_loads_under_zero_trains_as_transformers_does_and_goes_back() {
     parity("llama");
 }
@@ -572,6 +602,7 @@ fn parity(name: &str) {
             let ours = match &model {
                 HfModel::Gpt2(m) => m.config().to_hf_json(),
                 HfModel::GptNeox(m) => m.config().to_hf_json(),
+                HfModel::Phi(m) => m.config().to_hf_json(),
                 HfModel::Llama(m) => m.config().to_hf_json(),
             };
             (held, first, losses, after, refused, ours)
@@ -955,14 +986,14 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 }
 
 /// A config that gives only the sizes zrt requires reads, in every
-/// Llama family and GPT-NeoX, as its `transformers` config class reads it: the
+/// Llama family, GPT-NeoX and Phi, as its `transformers` config class reads it: the
 /// config zrt writes back from what it read (every default it took
 /// spelled out) loads in `transformers` as the same config.
 #[test]
 fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
     let dir = scratch("hf-defaults");
     let types = zrt::llama::Family::ALL.map(|f| f.model_type());
-    for mt in types.into_iter().chain(["gpt_neox"]) {
+    for mt in types.into_iter().chain(["gpt_neox", "phi"]) {
         let given = dir.join(mt).join("given");
         let read = dir.join(mt).join("read");
         std::fs::create_dir_all(&given).unwrap();
@@ -977,6 +1008,7 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
         std::fs::write(given.join("config.json"), config).unwrap();
         let ours = match mt {
             "gpt_neox" => zrt::gpt_neox::GptNeoxConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
+            "phi" => zrt::phi::PhiConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
             _ => zrt::llama::LlamaConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
         };
         std::fs::write(read.join("config.json"), ours.unwrap()).unwrap();

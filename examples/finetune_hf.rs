@@ -1,4 +1,4 @@
-//! Fine-tunes a Hugging Face checkpoint (GPT-2, GPT-NeoX/Pythia, or Llama and its kin:
+//! Fine-tunes a Hugging Face checkpoint (GPT-2, GPT-NeoX/Pythia, Phi-1/2, or Llama and its kin:
 //! Mistral, Ministral, Qwen2/3, Gemma 1-3, Phi-3/4, Granite, OLMo 2/3, SmolLM3,
 //! Mixtral, Qwen3-MoE; as
 //! `save_pretrained` wrote it) across ranks with ZeRO, and writes the
@@ -39,7 +39,7 @@ use zrt::hf::{eos_token_ids, HfModel, HfOptions};
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
-/// Fine-tunes a Hugging Face GPT-2, GPT-NeoX or Llama checkpoint with ZeRO (run it
+/// Fine-tunes a Hugging Face GPT-2, GPT-NeoX, Phi or Llama checkpoint with ZeRO (run it
 /// under `zrt launch`).
 #[derive(Parser)]
 struct Args {

@@ -239,9 +239,18 @@ fn write(
     for (out, path) in writer.outs.iter_mut().zip(&writer.paths) {
         out.flush().map_err(io(path))?;
     }
-    // The mask first: an output is never there without its mask.
+    // The mask first: an output is never there without its mask; and a
+    // mask whose output cannot follow it is taken back, not left beside
+    // another run's output.
+    let mut moved: Vec<&PathBuf> = Vec::new();
     for (partial, path) in files.iter().rev() {
-        std::fs::rename(partial, path).map_err(io(path))?;
+        if let Err(e) = std::fs::rename(partial, path) {
+            for m in moved {
+                let _ = std::fs::remove_file(m);
+            }
+            return Err(io(path)(e));
+        }
+        moved.push(path);
     }
     if writer.done.merged_seams > 0 {
         tracing::warn!(

@@ -326,5 +326,26 @@ print(len(ids), sum(mask), merged)
             "{says}"
         );
     }
+    // An output that cannot be renamed into place (a directory there)
+    // after its mask was: the mask is taken back, nothing hidden stays.
+    let busy = dir.join("busy.bin");
+    std::fs::create_dir_all(busy.join("in")).unwrap();
+    let (ok, said) = tokenize(&[
+        os("--tokenizer"),
+        tok.as_os_str(),
+        os("--out"),
+        busy.as_os_str(),
+        os("--completion-only"),
+        jsonl.as_os_str(),
+    ]);
+    assert!(!ok && said.contains(&busy.display().to_string()), "{said}");
+    let hidden: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(
+        !dir.join("busy.bin.mask").exists() && hidden.is_empty(),
+        "{said}: {hidden:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -27,7 +27,8 @@
 //! With `--eval-data` the first rank prints the mean loss of held-out
 //! windows before training, every `--eval-every` steps and at the end;
 //! with `--prompt TEXT`, the text's greedy continuation before training
-//! and at the end (`HfModel::greedy`, the checkpoint's tokenizer).
+//! and at the end (`HfModel::greedy`, the checkpoint's tokenizer; with
+//! `--do-sample`, sampled: `HfModel::sample`).
 
 use std::path::PathBuf;
 
@@ -35,6 +36,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup};
+use zrt::generate::Sampling;
 use zrt::hf::{eos_token_ids, HfModel, HfOptions};
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
@@ -93,7 +95,8 @@ struct Args {
     no_dropout: bool,
     /// libtorch's seed (dropout's masks), the same on every rank; a run
     /// that goes on from a checkpoint takes the generator's state saved
-    /// there.
+    /// there. `--do-sample` draws from it too, with a generator of its
+    /// own (the masks stay as they are).
     #[arg(long, default_value_t = 42)]
     seed: i64,
     /// Held-out token ids, as `--data` holds them: the first rank prints
@@ -122,6 +125,23 @@ struct Args {
     /// checkpoint's `eos_token_id`).
     #[arg(long, default_value_t = 32)]
     sample_tokens: usize,
+    /// Sample the `--prompt` continuation (`generate(do_sample=True)`)
+    /// rather than decode it greedily: with the checkpoint's
+    /// `generation_config.json` settings (temperature, top-k, top-p,
+    /// repetition penalty; `transformers`' defaults without it), those
+    /// below overriding them, drawn from `--seed`.
+    #[arg(long)]
+    do_sample: bool,
+    /// With `--do-sample`: the logits' temperature.
+    #[arg(long, requires = "do_sample")]
+    temperature: Option<f64>,
+    /// With `--do-sample`: draw from the K most likely tokens (0: all).
+    #[arg(long, requires = "do_sample")]
+    top_k: Option<usize>,
+    /// With `--do-sample`: draw from the most likely tokens holding this
+    /// share of the probability (1: all).
+    #[arg(long, requires = "do_sample")]
+    top_p: Option<f64>,
 }
 
 /// The file at `path`, mapped.
@@ -252,6 +272,17 @@ fn main() -> Result<()> {
             Some((text, tokenizer, ids, eos_token_ids(&a.model)?))
         }
         None => None,
+    };
+    let sampling = match a.do_sample {
+        true => {
+            let mut s = Sampling::from_generation_config(&a.model)?;
+            s.temperature = a.temperature.unwrap_or(s.temperature);
+            s.top_k = a.top_k.unwrap_or(s.top_k);
+            s.top_p = a.top_p.unwrap_or(s.top_p);
+            s.seed = a.seed as u64;
+            Some(s)
+        }
+        false => None,
     };
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
@@ -388,12 +419,15 @@ fn main() -> Result<()> {
         }
         Ok(())
     };
-    // The prompt's greedy continuation (every rank computes it: each
-    // forward gathers the parameters with all of them), which the
-    // first rank prints.
+    // The prompt's continuation, greedy or sampled (every rank computes
+    // it: each forward gathers the parameters with all of them; sampled
+    // alike from one seed), which the first rank prints.
     let sample_at = |done: u64| -> Result<()> {
         if let Some((text, tokenizer, ids, stop)) = &prompt {
-            let new = model.greedy(ids, a.sample_tokens, stop)?;
+            let new = match &sampling {
+                Some(s) => model.sample(ids, a.sample_tokens, stop, s)?,
+                None => model.greedy(ids, a.sample_tokens, stop)?,
+            };
             if rank == 0 {
                 let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
                 let continued = tokenizer.decode(&new)?;

@@ -41,9 +41,13 @@ pub enum HfError {
     /// another weights rule, or an engine was built from it).
     #[error(transparent)]
     Plan(#[from] EngineError),
-    /// A prompt [`HfModel::greedy`] cannot continue.
+    /// A prompt [`HfModel::greedy`] or [`HfModel::sample`] cannot
+    /// continue.
     #[error("cannot continue the prompt: {0}")]
     Prompt(String),
+    /// Sampling settings [`crate::generate::Sampling`] cannot sample with.
+    #[error("cannot sample: {0}")]
+    Sampling(String),
 }
 
 /// How [`HfModel::from_pretrained_with`] builds a model.
@@ -315,67 +319,6 @@ impl HfModel {
             Self::Phi(m) => m.is_training(),
             Self::Llama(m) => m.is_training(),
         }
-    }
-
-    /// Greedy decoding, as `transformers`' `generate(do_sample=False,
-    /// use_cache=False)` computes it: up to `max_new` times, the logits
-    /// of the whole sequence so far, and the last position's largest
-    /// (the first of equals, in fp32) appended; it stops after a token of
-    /// `stop` (the model's `eos_token_id`s, say), which ends the result.
-    /// Returns the new tokens. Dropout is off while it runs (and as it
-    /// was after). No cache: the `k`-th token costs a forward over the
-    /// prompt and the `k - 1` before it, fine for a sample of a fine-tune
-    /// and slow for long outputs.
-    ///
-    /// At stage 3 each forward gathers the parameters with every rank:
-    /// call it on every rank with the same prompt (the same tokens
-    /// follow, and every rank stops together), or with no `stop` (every
-    /// rank runs `max_new` forwards). A prompt that is empty, holds an id
-    /// past the vocabulary or would outgrow GPT-2's `n_positions` is
-    /// refused before any forward, on every rank alike.
-    pub fn greedy(
-        &self,
-        prompt: &[i64],
-        max_new: usize,
-        stop: &[i64],
-    ) -> Result<Vec<i64>, HfError> {
-        let vocab = self.vocab();
-        if prompt.is_empty() {
-            return Err(HfError::Prompt(
-                "it is empty: give at least one token".into(),
-            ));
-        }
-        if let Some(id) = prompt.iter().find(|&&id| !(0..vocab).contains(&id)) {
-            return Err(HfError::Prompt(format!(
-                "token {id} is not an id of the model's vocabulary (0 to {})",
-                vocab - 1
-            )));
-        }
-        if let Self::Gpt2(m) = self {
-            let longest = m.config().positions;
-            if (prompt.len() + max_new) as i64 > longest {
-                return Err(HfError::Prompt(format!(
-                    "{} tokens and {max_new} new ones are more than GPT-2's n_positions {longest}: shorten the prompt or ask for fewer",
-                    prompt.len()
-                )));
-            }
-        }
-        let was = self.is_training();
-        self.set_training(false);
-        let mut ids = prompt.to_vec();
-        tch::no_grad(|| {
-            for _ in 0..max_new {
-                let x = Tensor::from_slice(&ids).view([1, -1]);
-                let last = self.forward(&x).select(1, -1).to_kind(tch::Kind::Float);
-                let next = last.argmax(-1, false).int64_value(&[0]);
-                ids.push(next);
-                if stop.contains(&next) {
-                    break;
-                }
-            }
-        });
-        self.set_training(was);
-        Ok(ids.split_off(prompt.len()))
     }
 
     /// The model's width (`n_embd`, `hidden_size`): what DeepSpeed's

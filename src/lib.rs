@@ -59,6 +59,7 @@
 //! and checkpoints.
 
 mod blocks;
+pub mod generate;
 pub mod gpt;
 pub mod gpt2;
 pub mod gpt_neox;

@@ -172,3 +172,33 @@ fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
         1e-5,
     );
 }
+
+/// `HfModel::sample` draws with a generator of its own: libtorch's,
+/// which the dropout masks come from, is where it was (a sample between
+/// training steps leaves the run's masks as they were).
+#[test]
+fn sampling_leaves_libtorchs_generator_as_it_was() {
+    let dir = scratch("dropout-sampling");
+    common::python(&common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        &dir,
+        "",
+    ));
+    let _serial = common::serial();
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
+    let _e = solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", SHARD_ALL)).unwrap();
+    let draw = |sample: bool| {
+        tch::manual_seed(11);
+        if sample {
+            let s = zrt::generate::Sampling::default();
+            let new = model.sample(&[1, 2, 3], 8, &[], &s).unwrap();
+            assert_eq!(new.len(), 8);
+        }
+        Vec::<f32>::try_from(Tensor::rand([16], (tch::Kind::Float, tch::Device::Cpu))).unwrap()
+    };
+    assert_eq!(draw(true), draw(false));
+    let _ = std::fs::remove_dir_all(&dir);
+}

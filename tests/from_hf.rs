@@ -19,6 +19,7 @@ use crate::common;
 use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::nn::VarStore;
 use tch::Tensor;
+use zrt::generate::Sampling;
 use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Engine, ExportLayout, ShardPlan};
 
@@ -817,6 +818,16 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         let said = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && said.contains(says), "{said}");
     }
+    // Sampling settings without --do-sample are refused.
+    let o = std::process::Command::new(common::example("finetune_hf"))
+        .args(["--model", "m", "--data", "d", "--top-p", "0.9"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && said.contains("--do-sample"),
+        "{said}"
+    );
     let (ok, said) = run(&bad, "4", &[]);
     assert!(!ok, "{said}");
     assert!(
@@ -900,8 +911,32 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     // on from it and ends with the straight run's losses and export, to
     // the bit.
     let (ck, split) = (dir.join("ck"), dir.join("split"));
-    let (ok, first) = run(&data, "2", &[os("--save-dir"), ck.as_os_str()]);
+    // Its prompt's continuation sampled: drawn with a generator of the
+    // sampler's own, it leaves the dropout masks (the losses) as the
+    // greedy run's, and the checkpoint's generator as it was.
+    let sampled = [
+        os("--save-dir"),
+        ck.as_os_str(),
+        os("--prompt"),
+        os("t5 t17 t33"),
+        os("--do-sample"),
+        os("--top-k"),
+        os("5"),
+    ];
+    let (ok, first) = run(&data, "2", &sampled);
     assert!(ok && first.contains("checkpoint saved to"), "{first}");
+    for step in [0, 1] {
+        let at = |said: &str| {
+            (said.lines())
+                .find(|l| l.contains(&format!("step {step:>5}  loss ")))
+                .map(String::from)
+        };
+        assert!(at(&first).is_some() && at(&first) == at(&said), "{first}");
+    }
+    let samples = (first.lines())
+        .filter(|l| l.contains("sample after "))
+        .count();
+    assert_eq!(samples, 2, "{first}");
     let more = [
         os("--save-dir"),
         ck.as_os_str(),
@@ -1199,6 +1234,166 @@ print(" ".join(map(str, stopped)))
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// `Sampling::distribution` is the distribution `transformers`' logits
+/// processors give (repetition penalty, temperature, top-k with ties at
+/// its edge, top-p), to the bit; `Sampling::from_generation_config`
+/// reads a `GenerationConfig`'s settings and refuses one it cannot
+/// sample with; `HfModel::sample` on 2 ranks at stage 3 draws the same
+/// tokens on both, again from the same seed, others from another, only
+/// tokens its top-k keeps, and with top-k 1 greedy decoding's.
+#[test]
+fn sampling_draws_from_the_distribution_transformers_processors_give() {
+    let dir = scratch("hf-sampling");
+    // Logits rounded to a tenth: top-k's edge falls among equals.
+    let settings = [
+        (1.0, 0, 1.0, 1.0),
+        (0.7, 0, 1.0, 1.0),
+        (1.0, 5, 1.0, 1.0),
+        (1.0, 0, 0.6, 1.0),
+        (1.3, 12, 0.9, 1.2),
+        (0.8, 50, 0.95, 0.9),
+        (1.0, 0, 1.0, 1.3),
+    ];
+    let list = (settings.iter())
+        .map(|(t, k, p, r)| format!("({t}, {k}, {p}, {r})"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    common::python(&format!(
+        r#"
+import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+torch.manual_seed(0)
+logits = (torch.randn(1, 96) * 3).round(decimals=1)
+# Seen tokens with logits of both signs (one seen twice).
+order = logits[0].argsort()
+ids = torch.cat([order[:3], order[-3:], order[:1]]).view(1, -1)
+out = {{"logits": logits, "ids": ids}}
+for i, (t, k, p, r) in enumerate([{list}]):
+    procs = LogitsProcessorList()
+    if r != 1.0: procs.append(RepetitionPenaltyLogitsProcessor(r))
+    if t != 1.0: procs.append(TemperatureLogitsWarper(t))
+    if k != 0: procs.append(TopKLogitsWarper(k))
+    if p < 1.0: procs.append(TopPLogitsWarper(p))
+    out[f"probs{{i}}"] = torch.softmax(procs(ids, logits.clone()), dim=-1)
+save_file(out, "{dir}/probs.safetensors")
+GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.8, repetition_penalty=1.05).save_pretrained("{dir}/gen")
+GenerationConfig(do_sample=True, min_p=0.1).save_pretrained("{dir}/min_p")
+"#,
+        dir = dir.display()
+    ));
+    let want = Tensor::read_safetensors(dir.join("probs.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let (logits, ids) = (
+        get("logits"),
+        Vec::<i64>::try_from(get("ids").flatten(0, -1)).unwrap(),
+    );
+    for (i, &(temperature, top_k, top_p, repetition_penalty)) in settings.iter().enumerate() {
+        let s = Sampling {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            seed: 0,
+        };
+        let got = s.distribution(&logits, &ids).unwrap();
+        let want = get(&format!("probs{i}"));
+        let diff = (&got - &want).abs().max().double_value(&[]);
+        assert_eq!(diff, 0.0, "{s:?}: differs by {diff}");
+        let kept = want.gt(0.0).sum(tch::Kind::Int64).int64_value(&[]);
+        // Top-k alone keeps k or more (ties); top-p may keep fewer.
+        let cut = top_k > 0 && top_p == 1.0;
+        assert!(
+            kept > 0 && (!cut || kept >= top_k as i64),
+            "{s:?} keeps {kept}"
+        );
+    }
+    let read = Sampling::from_generation_config(dir.join("gen")).unwrap();
+    let want = Sampling {
+        temperature: 0.6,
+        top_k: 20,
+        top_p: 0.8,
+        repetition_penalty: 1.05,
+        seed: 0,
+    };
+    assert_eq!(read, want);
+    assert_eq!(
+        Sampling::from_generation_config(&dir).unwrap(),
+        Sampling::default()
+    );
+    let err = Sampling::from_generation_config(dir.join("min_p"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("generation_config.json") && err.contains("min_p 0.1"),
+        "{err}"
+    );
+
+    let model = common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        &dir,
+        "",
+    );
+    common::python(&model.replace("* 0.05", "* 0.3"));
+    let hf = dir.join("hf");
+    let prompt = [5, 17, 33, 2, 90, 41];
+    let got = on_ranks(2, |r| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+        let group = r.new_group(&[0, 1]).unwrap();
+        let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+        let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let with = |seed: u64, top_k: usize| Sampling {
+            temperature: 1.5,
+            top_k,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed,
+        };
+        let runs = [with(1, 0), with(1, 0), with(2, 0), with(1, 1)]
+            .map(|s| model.sample(&prompt, 16, &[], &s).unwrap());
+        let greedy = model.greedy(&prompt, 16, &[]).unwrap();
+        // Each of 16 draws from the 3 most likely tokens after what came
+        // before it.
+        let top3 = model.sample(&prompt, 16, &[], &with(5, 3)).unwrap();
+        let ranked: Vec<bool> = (0..top3.len())
+            .map(|i| {
+                let seq: Vec<i64> = prompt.iter().chain(&top3[..i]).copied().collect();
+                let x = Tensor::from_slice(&seq).view([1, -1]);
+                let last = tch::no_grad(|| model.forward(&x).select(1, -1));
+                let best = last.topk(3, -1, true, true).1;
+                Vec::<i64>::try_from(best.flatten(0, -1))
+                    .unwrap()
+                    .contains(&top3[i])
+            })
+            .collect();
+        let stopped = model
+            .sample(&prompt, 16, &[runs[0][3]], &with(1, 0))
+            .unwrap();
+        (runs, greedy, ranked, stopped)
+    });
+    assert_eq!(got[0], got[1], "the ranks drew differently");
+    let (runs, greedy, ranked, stopped) = &got[0];
+    assert_eq!(runs[0].len(), 16);
+    assert_eq!(runs[0], runs[1], "the same seed drew differently");
+    assert_ne!(runs[0], runs[2], "another seed drew the same");
+    assert_eq!(&runs[3], greedy, "top-k 1 is not greedy decoding");
+    assert!(
+        ranked.iter().all(|&r| r),
+        "{ranked:?}: a token outside the top 3"
+    );
+    let distinct: std::collections::BTreeSet<_> = runs[0].iter().collect();
+    assert!(distinct.len() >= 4, "{:?} repeats itself", runs[0]);
+    let cut = runs[0].iter().position(|&t| t == runs[0][3]).unwrap();
+    assert_eq!(stopped[..], runs[0][..=cut], "stopping at a drawn token");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `HfModel::loss_masked` is `transformers`' loss with the labels of the

@@ -150,7 +150,8 @@ impl Sampling {
             scores = scores.scatter(1, &seen, &lowered);
         }
         if self.temperature != 1.0 {
-            scores = scores / self.temperature;
+            // Not in place: `scores` may be the caller's `logits` itself.
+            scores = scores.divide_scalar(self.temperature);
         }
         let vocab = scores.size().last().copied().unwrap_or(1);
         if self.top_k != 0 {

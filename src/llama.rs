@@ -51,7 +51,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{linear, Ends, Run, Training};
+use crate::blocks::{layer_norm, linear, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -119,11 +119,17 @@ pub enum Family {
     /// mixture of experts for the MLP (`mlp.gate`, `mlp.experts.N`), the
     /// top `k` weights renormalised when `norm_topk_prob`.
     Qwen3Moe,
+    /// `starcoder2` (`Starcoder2ForCausalLM`, BigCode's StarCoder2):
+    /// Llama's layers with LayerNorms (weights and biases) for the
+    /// RMSNorms, a non-gated MLP (`mlp.c_fc`, `mlp.c_proj`), biases on
+    /// every projection (`use_bias`), dropout on the embeddings and each
+    /// sublayer's output.
+    Starcoder2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 15] = [
+    pub const ALL: [Family; 16] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -139,6 +145,7 @@ impl Family {
         Self::SmolLm3,
         Self::Mixtral,
         Self::Qwen3Moe,
+        Self::Starcoder2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -152,24 +159,7 @@ impl Family {
 
     /// Its `model_type`, or `None` for another.
     pub fn of(model_type: &str) -> Option<Self> {
-        match model_type {
-            "llama" => Some(Self::Llama),
-            "mistral" => Some(Self::Mistral),
-            "ministral" => Some(Self::Ministral),
-            "qwen2" => Some(Self::Qwen2),
-            "qwen3" => Some(Self::Qwen3),
-            "gemma" => Some(Self::Gemma),
-            "gemma2" => Some(Self::Gemma2),
-            "gemma3_text" => Some(Self::Gemma3),
-            "phi3" => Some(Self::Phi3),
-            "granite" => Some(Self::Granite),
-            "olmo2" => Some(Self::Olmo2),
-            "olmo3" => Some(Self::Olmo3),
-            "smollm3" => Some(Self::SmolLm3),
-            "mixtral" => Some(Self::Mixtral),
-            "qwen3_moe" => Some(Self::Qwen3Moe),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|f| f.model_type() == model_type)
     }
 
     /// Its `model_type`.
@@ -190,6 +180,7 @@ impl Family {
             Self::SmolLm3 => "smollm3",
             Self::Mixtral => "mixtral",
             Self::Qwen3Moe => "qwen3_moe",
+            Self::Starcoder2 => "starcoder2",
         }
     }
 
@@ -211,6 +202,7 @@ impl Family {
             Self::SmolLm3 => "SmolLM3ForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Starcoder2 => "Starcoder2ForCausalLM",
         }
     }
 
@@ -223,6 +215,17 @@ impl Family {
     /// and 3), the MLP's input by a norm of its own.
     fn sandwich(self) -> bool {
         matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// StarCoder2's: LayerNorms (with biases) where the others have
+    /// RMSNorms.
+    fn layer_norm(self) -> bool {
+        self == Self::Starcoder2
+    }
+
+    /// An MLP of a gate and an up projection (all but StarCoder2's).
+    fn gated(self) -> bool {
+        self != Self::Starcoder2
     }
 
     /// OLMo's: each sublayer's output normalised, not its input; the
@@ -328,6 +331,23 @@ impl Family {
                 positions: 32768,
                 ..LLAMA
             },
+            // `PretrainedConfig`'s tied head, its class setting none.
+            Self::Starcoder2 => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(2),
+                tied: true,
+                activation: Activation::GeluTanh,
+                positions: 4096,
+                ..LLAMA
+            },
+        }
+    }
+
+    /// The config field of its norms' epsilon.
+    fn eps_key(self) -> &'static str {
+        match self {
+            Self::Starcoder2 => "norm_epsilon",
+            _ => "rms_norm_eps",
         }
     }
 
@@ -677,9 +697,12 @@ pub struct LlamaConfig {
     /// dimensions the rotary embedding turns, the first ones
     /// ([`LlamaConfig::rotary_dim`]); 1 for the other families.
     pub partial_rotary: f64,
-    /// Phi-3's `resid_pdrop`: dropout on each sublayer's output, when
-    /// training.
+    /// Phi-3's `resid_pdrop`, StarCoder2's `residual_dropout`: dropout
+    /// on each sublayer's output, when training.
     pub resid_dropout: f64,
+    /// StarCoder2's `embedding_dropout`: dropout on the embeddings, when
+    /// training.
+    pub embedding_dropout: f64,
     /// Granite's `embedding_multiplier`: the embeddings' factor.
     pub embedding_multiplier: f64,
     /// Granite's `residual_multiplier`: each sublayer's output's factor
@@ -761,7 +784,11 @@ impl LlamaConfig {
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
             )));
         }
-        let attention_bias = j.flag_or("attention_bias", false)?;
+        // StarCoder2's `use_bias` is every projection's.
+        let attention_bias = match family {
+            Family::Starcoder2 => j.flag_or("use_bias", true)?,
+            _ => j.flag_or("attention_bias", false)?,
+        };
         let sliding_window = match family {
             Family::Mistral
             | Family::Ministral
@@ -769,7 +796,8 @@ impl LlamaConfig {
             | Family::Mixtral
             | Family::Gemma2
             | Family::Gemma3
-            | Family::Olmo3 => j.size_or_null("sliding_window", defaults.window)?,
+            | Family::Olmo3
+            | Family::Starcoder2 => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
                 if j.flag_or("use_sliding_window", false)? =>
             {
@@ -798,13 +826,16 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            eps: j.number_or("rms_norm_eps", defaults.eps)?,
+            eps: j.number_or(family.eps_key(), defaults.eps)?,
             rope_theta,
             rope_scaling: rope_scaling(j, family.model_type(), rotary_dim)?,
             positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
             qkv_bias: attention_bias || family == Family::Qwen2,
             o_bias: attention_bias,
-            mlp_bias: j.flag_or("mlp_bias", false)?,
+            mlp_bias: match family {
+                Family::Starcoder2 => attention_bias,
+                _ => j.flag_or("mlp_bias", false)?,
+            },
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
@@ -836,6 +867,11 @@ impl LlamaConfig {
             partial_rotary: partial,
             resid_dropout: match family {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
+                _ => 0.0,
+            },
+            embedding_dropout: match family {
+                Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -895,23 +931,27 @@ impl LlamaConfig {
                 true => bias(self.qk_norm, q + kv),
                 false => bias(self.qk_norm, 2 * hd),
             };
-        let mlp = 2 * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
+        // Gated (gate and up), or StarCoder2's one matrix up.
+        let ups = if self.family.gated() { 2 } else { 1 };
+        let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         // A router and each expert's three matrices.
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             d * e + e * 3 * d * w
         });
         let norms = if self.family.sandwich() { 4 } else { 2 };
+        // A LayerNorm's bias beside its weights.
+        let norm = if self.family.layer_norm() { 2 * d } else { d };
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
-            norms * d + attention + mlp
+            norms * norm + attention + mlp
         };
         let mut units = vec![("model.embed_tokens".to_string(), v * d)];
         units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer(l))));
         if !self.tied {
             units.push(("lm_head".to_string(), v * d));
         }
-        units.push((String::new(), d));
+        units.push((String::new(), norm));
         units
     }
 
@@ -930,7 +970,7 @@ impl LlamaConfig {
             "head_dim": self.head_dim,
             self.family.activation_key(): self.activation.name(),
             "pad_token_id": self.pad_token,
-            "rms_norm_eps": self.eps,
+            self.family.eps_key(): self.eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": rope_scaling,
             "max_position_embeddings": self.positions,
@@ -993,6 +1033,12 @@ impl LlamaConfig {
                 "no_rope_layers": self.rope_layers.as_ref().map(|l| {
                     l.iter().map(|&r| i64::from(r)).collect::<Vec<_>>()
                 }),
+            }),
+            Family::Starcoder2 => serde_json::json!({
+                "use_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+                "residual_dropout": self.resid_dropout,
+                "embedding_dropout": self.embedding_dropout,
             }),
             Family::Gemma2 | Family::Gemma3 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -1418,33 +1464,60 @@ impl Module for RmsNorm {
     }
 }
 
+/// A layer's or the model's norm: the family's RMSNorm, or StarCoder2's
+/// LayerNorm.
+#[derive(Debug)]
+enum Norm {
+    Rms(RmsNorm),
+    Layer(nn::LayerNorm),
+}
+
+impl Norm {
+    /// The family's norm under `p`, of `width`.
+    fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
+        match c.family.layer_norm() {
+            true => Self::Layer(layer_norm(p, width, c.eps)),
+            false => Self::Rms(RmsNorm::new(p, width, c)),
+        }
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Rms(n) => n.forward(x),
+            Self::Layer(n) => n.forward(x),
+        }
+    }
+}
+
 /// Where a decoder layer normalises: its norms, by position.
 #[derive(Debug)]
 enum Norms {
     /// Llama's: each sublayer's input (`input_layernorm` before the
     /// attention, `post_attention_layernorm` before the MLP).
-    Pre { input: RmsNorm, before_mlp: RmsNorm },
+    Pre { input: Norm, before_mlp: Norm },
     /// Gemma 2's and 3's: each sublayer's input and output
     /// (`input_layernorm`, `post_attention_layernorm` on the attention's
     /// output, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
     Sandwich {
-        input: RmsNorm,
-        after_attention: RmsNorm,
-        before_mlp: RmsNorm,
-        after_mlp: RmsNorm,
+        input: Norm,
+        after_attention: Norm,
+        before_mlp: Norm,
+        after_mlp: Norm,
     },
     /// OLMo's: each sublayer's output only (`post_attention_layernorm`,
     /// `post_feedforward_layernorm`).
     Post {
-        after_attention: RmsNorm,
-        after_mlp: RmsNorm,
+        after_attention: Norm,
+        after_mlp: Norm,
     },
 }
 
 impl Norms {
     /// The family's norms of the layer under `p`, of width `d`.
     fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
-        let norm = |n: &str| RmsNorm::new(p / n, d, c);
+        let norm = |n: &str| Norm::new(p / n, d, c);
         match c.family {
             f if f.sandwich() => Self::Sandwich {
                 input: norm("input_layernorm"),
@@ -1548,12 +1621,17 @@ enum GateUp {
     Fused(nn::Linear),
 }
 
-/// A layer's MLP: dense, or a mixture of experts.
+/// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`),
+/// or a mixture of experts.
 #[derive(Debug)]
 enum Mlp {
     Dense {
         gate_up: GateUp,
         down_proj: nn::Linear,
+    },
+    Plain {
+        c_fc: nn::Linear,
+        c_proj: nn::Linear,
     },
     Experts(Experts),
 }
@@ -1670,6 +1748,10 @@ impl Layer {
                     };
                     Mlp::Experts(Experts::new(&under, d, moe, c.family))
                 }
+                _ if !c.family.gated() => Mlp::Plain {
+                    c_fc: linear(&(&m / "c_fc"), d, c.intermediate, mb),
+                    c_proj: linear(&(&m / "c_proj"), c.intermediate, d, mb),
+                },
                 _ => Mlp::Dense {
                     gate_up: match c.family {
                         Family::Phi3 => {
@@ -2026,6 +2108,10 @@ impl Module for Layer {
                 self.training
                     .dropout(down_proj.forward(&m), c.resid_dropout)
             }
+            Mlp::Plain { c_fc, c_proj } => {
+                let m = c.activation.apply(&c_fc.forward(&h));
+                self.training.dropout(c_proj.forward(&m), c.resid_dropout)
+            }
             Mlp::Experts(experts) => experts.forward(&h, c.activation),
         };
         &x + self.residual(self.norms.mlp_output(m))
@@ -2089,7 +2175,7 @@ impl Layer {
 pub struct Llama {
     ends: Ends,
     layers: Vec<ShardedModule<Run<Layer>>>,
-    norm: RmsNorm,
+    norm: Norm,
     training: Training,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
     /// variants stay alike in size.
@@ -2121,7 +2207,7 @@ impl Llama {
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
-        let norm = RmsNorm::new(&m / "norm", cfg.hidden, cfg);
+        let norm = Norm::new(&m / "norm", cfg.hidden, cfg);
         let embed = Ends::embedding(
             plan,
             &(&m / "embed_tokens"),
@@ -2174,6 +2260,7 @@ impl Llama {
                 embedded * root
             }
         };
+        x = self.training.dropout(x, self.cfg.embedding_dropout);
         for l in &self.layers {
             x = l.forward(&x);
         }
@@ -2292,6 +2379,7 @@ pub(crate) mod tests {
             local_rope_theta: None,
             partial_rotary: 1.0,
             resid_dropout: 0.0,
+            embedding_dropout: 0.0,
             embedding_multiplier: 1.0,
             residual_multiplier: 1.0,
             attention_multiplier: None,
@@ -2777,6 +2865,7 @@ pub(crate) mod tests {
             local_rope_theta: None,
             partial_rotary: 1.0,
             resid_dropout: 0.0,
+            embedding_dropout: 0.0,
             embedding_multiplier: 1.0,
             residual_multiplier: 1.0,
             attention_multiplier: None,
@@ -2850,6 +2939,13 @@ pub(crate) mod tests {
                     sparse_step: 1,
                     dense_layers: vec![],
                 }),
+                ..base.clone()
+            },
+            LlamaConfig {
+                family: Family::Starcoder2,
+                qkv_bias: true,
+                o_bias: true,
+                mlp_bias: true,
                 ..base.clone()
             },
         ];

@@ -202,3 +202,13 @@ fn sampling_leaves_libtorchs_generator_as_it_was() {
     assert_eq!(draw(true), draw(false));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn starcoder2_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "starcoder2",
+        "from transformers import Starcoder2Config as C, Starcoder2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, embedding_dropout=0.2, residual_dropout=0.1, attention_dropout=0.25",
+        1e-5,
+    );
+}

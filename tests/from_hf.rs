@@ -265,6 +265,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // StarCoder2: LayerNorms, a non-gated MLP, biases everywhere, a
+    // sliding window shorter than the sequence, the head tied.
+    Case {
+        name: "starcoder2",
+        python: (
+            "from transformers import Starcoder2Config as C, Starcoder2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -465,6 +475,11 @@ fn a_mixtral_checkpoint_routes_its_tokens_as_transformers_does() {
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
     parity("qwen3-moe");
+}
+
+#[test]
+fn a_starcoder2_checkpoint_with_layer_norms_and_a_window_trains_as_transformers_does() {
+    parity("starcoder2");
 }
 
 #[test]

@@ -1469,14 +1469,16 @@ impl Module for RmsNorm {
 #[derive(Debug)]
 enum Norm {
     Rms(RmsNorm),
-    Layer(nn::LayerNorm),
+    /// Boxed: tch's LayerNorm carries its config, three times an
+    /// RMSNorm's size.
+    Layer(Box<nn::LayerNorm>),
 }
 
 impl Norm {
     /// The family's norm under `p`, of `width`.
     fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         match c.family.layer_norm() {
-            true => Self::Layer(layer_norm(p, width, c.eps)),
+            true => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
             false => Self::Rms(RmsNorm::new(p, width, c)),
         }
     }

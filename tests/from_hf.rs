@@ -4,7 +4,8 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, Mixtral and Qwen3-MoE) under ZeRO with no
+//! OLMo, SmolLM3, StarCoder2, Mixtral and Qwen3-MoE; and GPT-NeoX and
+//! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
 //! on two ranks the same losses, to float rounding (the two are different

@@ -1,6 +1,7 @@
-//! A block as a model of this crate runs it: plain, or with its
-//! activations recomputed in backward ([`Checkpointed`]), chosen when the
-//! model is built.
+//! What the models of this crate share: a block run plain or with its
+//! activations recomputed in backward ([`Checkpointed`], chosen when the
+//! model is built), the dropout switch, the token embedding and head
+//! as units ([`Ends`]), and the layers they build alike.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -194,7 +195,11 @@ pub(crate) enum Ends {
 #[derive(Debug)]
 pub(crate) enum Embedding {
     Tied(ShardedModule<TiedEmbedding>),
-    Apart(ShardedModule<tch::nn::Embedding>, i64, i64),
+    Apart {
+        embed: ShardedModule<tch::nn::Embedding>,
+        vocab: i64,
+        width: i64,
+    },
 }
 
 impl Ends {
@@ -211,7 +216,11 @@ impl Ends {
         let embed = token_embedding(p, vocab, width, padding);
         match tied {
             true => Embedding::Tied(ShardedModule::new(plan, p, TiedEmbedding(embed))),
-            false => Embedding::Apart(ShardedModule::new(plan, p, embed), vocab, width),
+            false => Embedding::Apart {
+                embed: ShardedModule::new(plan, p, embed),
+                vocab,
+                width,
+            },
         }
     }
 
@@ -238,7 +247,11 @@ impl Embedding {
     pub(crate) fn with_head(self, plan: &ShardPlan, p: &tch::nn::Path, bias: bool) -> Ends {
         match self {
             Self::Tied(tied) => Ends::Tied(tied),
-            Self::Apart(embed, vocab, width) => {
+            Self::Apart {
+                embed,
+                vocab,
+                width,
+            } => {
                 let head = ShardedModule::new(plan, p, linear(p, width, vocab, bias));
                 Ends::Apart { embed, head }
             }

@@ -35,7 +35,7 @@
 //! [`RopeScaling`] says), causal attention, a GELU MLP with biases, and
 //! the two sublayers side by side (`x + attn(ln1(x)) + mlp(ln2(x))`,
 //! `use_parallel_residual`, as in every Pythia) or one after the other.
-//! Its logits match `transformers`' to float rounding
+//! Its logits match `transformers`' to the bit in fp32 here
 //! (`tests/from_hf.rs`).
 
 use std::path::Path;

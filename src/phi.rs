@@ -33,7 +33,7 @@
 //! LayerNorms on each head's queries and keys (`qk_layernorm`), rotary
 //! embeddings on the first `partial_rotary_factor` of each head (scaled
 //! as [`RopeScaling`] says), a `gelu_new` MLP, and a head with a bias.
-//! Its logits match `transformers`' to float rounding
+//! Its logits match `transformers`' to the bit in fp32 here
 //! (`tests/from_hf.rs`).
 
 use std::path::Path;

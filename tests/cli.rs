@@ -1235,6 +1235,21 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
             "999885952 params in 27 units",
             "the largest, `model.embed_tokens` (301989888 params), adds up to 2.25 GiB",
         ),
+        // Pythia-70M (GPT-NeoX, the head apart) and Phi-2 (the head's
+        // bias), as their repositories' config.json files spell them:
+        // transformers' counts.
+        (
+            "pythia",
+            r#"{"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu", "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 8, "num_hidden_layers": 6, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": false, "torch_dtype": "float16", "transformers_version": "4.24.0", "use_cache": true, "use_parallel_residual": true, "vocab_size": 50304}"#,
+            "70426624 params in 8 units",
+            "the largest, `embed_out` (25755648 params), adds up to 196.50 MiB",
+        ),
+        (
+            "phi2",
+            r#"{"_name_or_path": "microsoft/phi-2", "architectures": ["PhiForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 50256, "embd_pdrop": 0.0, "eos_token_id": 50256, "hidden_act": "gelu_new", "hidden_size": 2560, "initializer_range": 0.02, "intermediate_size": 10240, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048, "model_type": "phi", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "partial_rotary_factor": 0.4, "qk_layernorm": false, "resid_pdrop": 0.1, "rope_scaling": null, "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "float16", "transformers_version": "4.37.0", "use_cache": true, "vocab_size": 51200}"#,
+            "2779683840 params in 34 units",
+            "the largest, `lm_head` (131123200 params), adds up to 1000.39 MiB",
+        ),
     ] {
         let config = dir.join(format!("{name}.json"));
         std::fs::write(&config, json).unwrap();
@@ -1256,18 +1271,15 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let neox = dir.join("gpt_neox.json");
-    std::fs::write(&neox, r#"{"model_type": "gpt_neox"}"#).unwrap();
+    let falcon = dir.join("falcon.json");
+    std::fs::write(&falcon, r#"{"model_type": "falcon"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        neox.to_str().unwrap(),
+        falcon.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(
-        !ok && out.contains("model_type Some(\"gpt_neox\")"),
-        "{out}"
-    );
+    assert!(!ok && out.contains("model_type Some(\"falcon\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -923,6 +923,27 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         format!("    4 steps  \"t5 t17 t33\" -> {theirs:?}"),
         "{said}"
     );
+    // `zrt generate` continues it so from the export, in one process;
+    // sampled, a seed gives its text again.
+    let generate = |more: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["generate", "--model"])
+            .arg(&tuned)
+            .args(["--prompt", "t5 t17 t33", "--max-new-tokens", "6"])
+            .args(more)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        String::from_utf8_lossy(&o.stdout)
+            .trim_end_matches('\n')
+            .to_string()
+    };
+    assert_eq!(generate(&[]), theirs);
+    let sampled = ["--do-sample", "--temperature", "2", "--seed", "3"];
+    let drawn = generate(&sampled);
+    assert!(!drawn.is_empty());
+    assert_eq!(generate(&sampled), drawn);
     // Stopped after 2 steps with a checkpoint and started again: it goes
     // on from it and ends with the straight run's losses and export, to
     // the bit.

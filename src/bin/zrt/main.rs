@@ -1,10 +1,12 @@
 //! The `zrt` command line: launch ranks, run benchmarks, inspect checkpoints
-//! and configs, estimate memory, tokenize text.
+//! and configs, estimate memory, tokenize text, continue a prompt.
 
 mod bench;
 mod ckpt;
 mod config_cmd;
 mod estimate;
+#[cfg(feature = "tokenize")]
+mod generate_cmd;
 mod launch;
 #[cfg(feature = "tokenize")]
 mod tokenize_cmd;
@@ -49,6 +51,11 @@ enum Cmd {
     /// Example: zrt tokenize --tokenizer llama --out train.bin --eos corpus.jsonl
     #[cfg(feature = "tokenize")]
     Tokenize(tokenize_cmd::TokenizeArgs),
+    /// Continue a prompt with a Hugging Face checkpoint (a fine-tune's export), greedily or sampled.
+    ///
+    /// Example: zrt generate --model tuned --prompt "Once upon a time" --do-sample --top-p 0.9
+    #[cfg(feature = "tokenize")]
+    Generate(generate_cmd::GenerateArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -100,6 +107,8 @@ fn main() -> ExitCode {
         Cmd::Estimate(a) => estimate::run(&a),
         #[cfg(feature = "tokenize")]
         Cmd::Tokenize(a) => tokenize_cmd::run(&a),
+        #[cfg(feature = "tokenize")]
+        Cmd::Generate(a) => generate_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

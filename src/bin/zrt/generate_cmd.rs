@@ -1,0 +1,91 @@
+//! `zrt generate`: a Hugging Face checkpoint (a fine-tune's export, say)
+//! continues a prompt, greedily or sampled, in this one process
+//! ([`HfModel::greedy`], [`HfModel::sample`]).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use zrt::collectives::local;
+use zrt::generate::Sampling;
+use zrt::hf::{eos_token_ids, HfModel};
+use zrt::tokenize::HfTokenizer;
+use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+
+/// Options of `zrt generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The checkpoint: a `save_pretrained` directory (`config.json`, its
+    /// safetensors files, `tokenizer.json`), such as `finetune_hf
+    /// --out`'s.
+    #[arg(long)]
+    model: PathBuf,
+    /// The text to continue (encoded as `tokenizer(text)` encodes it,
+    /// special tokens added).
+    #[arg(long)]
+    prompt: String,
+    /// Tokens the continuation holds at most (it stops after the
+    /// checkpoint's `eos_token_id`).
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sample (`generate(do_sample=True)`) rather than decode greedily:
+    /// with the checkpoint's `generation_config.json` settings, those
+    /// below overriding them.
+    #[arg(long)]
+    do_sample: bool,
+    /// With `--do-sample`: the logits' temperature.
+    #[arg(long, requires = "do_sample")]
+    temperature: Option<f64>,
+    /// With `--do-sample`: draw from the K most likely tokens (0: all).
+    #[arg(long, requires = "do_sample")]
+    top_k: Option<usize>,
+    /// With `--do-sample`: draw from the most likely tokens holding this
+    /// share of the probability (1: all).
+    #[arg(long, requires = "do_sample")]
+    top_p: Option<f64>,
+    /// With `--do-sample`: the draws' seed.
+    #[arg(long, default_value_t = 0, requires = "do_sample")]
+    seed: u64,
+}
+
+/// Runs `zrt generate`: the model built on one rank at stage 0, every
+/// parameter frozen (no gradients, no optimizer state), its weights
+/// read from the checkpoint's files as the engine is built.
+pub fn run(a: &GenerateArgs) -> Result<()> {
+    let tokenizer = HfTokenizer::open(&a.model)?;
+    let prompt: Vec<i64> = (tokenizer.encode(&a.prompt)?.into_iter())
+        .map(i64::from)
+        .collect();
+    let stop = eos_token_ids(&a.model)?;
+    let sampling = match a.do_sample {
+        true => {
+            let mut s = Sampling::from_generation_config(&a.model)?;
+            s.temperature = a.temperature.unwrap_or(s.temperature);
+            s.top_k = a.top_k.unwrap_or(s.top_k);
+            s.top_p = a.top_p.unwrap_or(s.top_p);
+            s.seed = a.seed;
+            Some(s)
+        }
+        false => None,
+    };
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, &a.model)?;
+    for t in vs.variables().values() {
+        let _ = t.set_requires_grad(false);
+    }
+    let cfg = Config::from_json(
+        r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}"#,
+    )?;
+    let group = (local::world(1).remove(0))
+        .new_group(&[0])
+        .context("a group of this one process")?;
+    let _engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
+    let new = match &sampling {
+        Some(s) => model.sample(&prompt, a.max_new_tokens, &stop, s)?,
+        None => model.greedy(&prompt, a.max_new_tokens, &stop)?,
+    };
+    let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
+    println!("{}", tokenizer.decode(&new)?);
+    Ok(())
+}

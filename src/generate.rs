@@ -80,7 +80,8 @@ impl Sampling {
     /// The settings of the checkpoint in `dir`: its
     /// `generation_config.json`'s `temperature`, `top_k`, `top_p` and
     /// `repetition_penalty`, each `GenerationConfig`'s default when left
-    /// out, all of them without the file (seed 0: set
+    /// out and off when null (`None` there), all of them defaults without
+    /// the file (seed 0: set
     /// [`Sampling::seed`]). A file asking for what zrt does not sample
     /// with (`min_p`, `no_repeat_ngram_size`, ...) is refused naming the
     /// field, not sampled from otherwise.
@@ -99,15 +100,28 @@ impl Sampling {
                 )));
             }
         }
-        s.temperature = j.number_or("temperature", s.temperature)?;
+        // Left out, `GenerationConfig`'s default; null (`None` there),
+        // the processor off.
+        let off = |key: &str| j.has(key) && j.get(key).is_none();
+        s.temperature = match off("temperature") {
+            true => 1.0,
+            false => j.number_or("temperature", s.temperature)?,
+        };
         s.top_k = match j.get("top_k") {
+            None if off("top_k") => 0,
             None => s.top_k,
             Some(v) => (v.as_u64())
                 .and_then(|k| usize::try_from(k).ok())
                 .ok_or_else(|| j.field(format!("top_k {v}: a number of tokens, or 0")))?,
         };
-        s.top_p = j.number_or("top_p", s.top_p)?;
-        s.repetition_penalty = j.number_or("repetition_penalty", s.repetition_penalty)?;
+        s.top_p = match off("top_p") {
+            true => 1.0,
+            false => j.number_or("top_p", s.top_p)?,
+        };
+        s.repetition_penalty = match off("repetition_penalty") {
+            true => 1.0,
+            false => j.number_or("repetition_penalty", s.repetition_penalty)?,
+        };
         s.check().map_err(|e| j.field(e.to_string()))?;
         Ok(s)
     }

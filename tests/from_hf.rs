@@ -1320,6 +1320,7 @@ for i, (t, k, p, r) in enumerate([{list}]):
 save_file(out, "{dir}/probs.safetensors")
 GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.8, repetition_penalty=1.05).save_pretrained("{dir}/gen")
 GenerationConfig(do_sample=True, min_p=0.1).save_pretrained("{dir}/min_p")
+GenerationConfig(do_sample=True, top_k=None, top_p=None).save_pretrained("{dir}/none")
 "#,
         dir = dir.display()
     ));
@@ -1362,6 +1363,9 @@ GenerationConfig(do_sample=True, min_p=0.1).save_pretrained("{dir}/min_p")
         Sampling::from_generation_config(&dir).unwrap(),
         Sampling::default()
     );
+    // `None` in GenerationConfig (null in the file) turns top-k off.
+    let none = Sampling::from_generation_config(dir.join("none")).unwrap();
+    assert_eq!((none.top_k, none.top_p), (0, 1.0));
     let err = Sampling::from_generation_config(dir.join("min_p"))
         .unwrap_err()
         .to_string();

@@ -944,6 +944,8 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     let drawn = generate(&sampled);
     assert!(!drawn.is_empty());
     assert_eq!(generate(&sampled), drawn);
+    // In bf16 too (the frozen weights in the engine's compute dtype).
+    generate(&["--bf16"]);
     // Stopped after 2 steps with a checkpoint and started again: it goes
     // on from it and ends with the straight run's losses and export, to
     // the bit.

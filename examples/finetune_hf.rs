@@ -36,7 +36,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup};
-use zrt::generate::Sampling;
+use zrt::generate::SamplingArgs;
 use zrt::hf::{eos_token_ids, HfModel, HfOptions};
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
@@ -125,23 +125,10 @@ struct Args {
     /// checkpoint's `eos_token_id`).
     #[arg(long, default_value_t = 32)]
     sample_tokens: usize,
-    /// Sample the `--prompt` continuation (`generate(do_sample=True)`)
-    /// rather than decode it greedily: with the checkpoint's
-    /// `generation_config.json` settings (temperature, top-k, top-p,
-    /// repetition penalty; `transformers`' defaults without it), those
-    /// below overriding them, drawn from `--seed`.
-    #[arg(long)]
-    do_sample: bool,
-    /// With `--do-sample`: the logits' temperature.
-    #[arg(long, requires = "do_sample")]
-    temperature: Option<f64>,
-    /// With `--do-sample`: draw from the K most likely tokens (0: all).
-    #[arg(long, requires = "do_sample")]
-    top_k: Option<usize>,
-    /// With `--do-sample`: draw from the most likely tokens holding this
-    /// share of the probability (1: all).
-    #[arg(long, requires = "do_sample")]
-    top_p: Option<f64>,
+    /// How the `--prompt` continuation is picked: greedily, or sampled
+    /// (`--do-sample`, drawn from `--seed`).
+    #[command(flatten)]
+    sampling: SamplingArgs,
 }
 
 /// The file at `path`, mapped.
@@ -273,17 +260,7 @@ fn main() -> Result<()> {
         }
         None => None,
     };
-    let sampling = match a.do_sample {
-        true => {
-            let mut s = Sampling::from_generation_config(&a.model)?;
-            s.temperature = a.temperature.unwrap_or(s.temperature);
-            s.top_k = a.top_k.unwrap_or(s.top_k);
-            s.top_p = a.top_p.unwrap_or(s.top_p);
-            s.seed = a.seed as u64;
-            Some(s)
-        }
-        false => None,
-    };
+    let sampling = a.sampling.sampling(&a.model, a.seed as u64)?;
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
     let mask = match &a.mask {

@@ -258,3 +258,66 @@ impl Embedding {
         }
     }
 }
+
+/// What GPT-NeoX and Phi wrap the same way: the two ends, the layers
+/// (each a unit of the plan, run plain or checkpointed), a final
+/// LayerNorm (the root), and the dropout switch the layers share;
+/// forward is embeddings, dropout, layers, norm, head.
+#[derive(Debug)]
+pub(crate) struct Decoder<L: Module + 'static> {
+    ends: Ends,
+    layers: Vec<ShardedModule<Run<L>>>,
+    final_norm: tch::nn::LayerNorm,
+    training: Training,
+}
+
+impl<L: Module + 'static> Decoder<L> {
+    /// The decoder of the final norm and the embedding, built first (the
+    /// root's variables before the first unit: a plan releasing the
+    /// model as it is built releases what was made before each
+    /// `ShardedModule::new`), layer `i` made by `layer` under
+    /// `layers / i`, and the head under `head` (with a bias when
+    /// `biased`) unless the embedding is it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn build(
+        plan: &ShardPlan,
+        final_norm: tch::nn::LayerNorm,
+        embedding: Embedding,
+        layers: &tch::nn::Path,
+        count: i64,
+        layer: impl Fn(&tch::nn::Path, &Training) -> L,
+        checkpointed: bool,
+        (head, biased): (&tch::nn::Path, bool),
+    ) -> Self {
+        let training = Training::default();
+        let layers = (0..count)
+            .map(|i| {
+                let lp = layers / i;
+                let run = Run::new(layer(&lp, &training), checkpointed);
+                ShardedModule::new(plan, &lp, run)
+            })
+            .collect();
+        Self {
+            ends: embedding.with_head(plan, head, biased),
+            layers,
+            final_norm,
+            training,
+        }
+    }
+
+    /// The switch of the layers' dropout.
+    pub(crate) fn training(&self) -> &Training {
+        &self.training
+    }
+
+    /// Logits for token ids, the embeddings dropped out at
+    /// `embed_dropout` when training.
+    pub(crate) fn forward(&self, tokens: &Tensor, embed_dropout: f64) -> Tensor {
+        let x = self.ends.embed(tokens);
+        let mut x = self.training.dropout(x, embed_dropout);
+        for l in &self.layers {
+            x = l.forward(&x);
+        }
+        self.ends.head(&self.final_norm.forward(&x))
+    }
+}

@@ -186,6 +186,48 @@ impl Sampling {
     }
 }
 
+/// Command-line options choosing between greedy decoding and sampling
+/// (`--do-sample`, `--temperature`, `--top-k`, `--top-p`), as
+/// `zrt generate` and `examples/finetune_hf.rs` take them (flatten them
+/// into a clap parser).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// Sample (`generate(do_sample=True)`) rather than decode greedily:
+    /// with the checkpoint's `generation_config.json` settings
+    /// (temperature, top-k, top-p, repetition penalty; `transformers`'
+    /// defaults without it), those below overriding them.
+    #[arg(long)]
+    pub do_sample: bool,
+    /// With `--do-sample`: the logits' temperature.
+    #[arg(long, requires = "do_sample")]
+    pub temperature: Option<f64>,
+    /// With `--do-sample`: draw from the K most likely tokens (0: all).
+    #[arg(long, requires = "do_sample")]
+    pub top_k: Option<usize>,
+    /// With `--do-sample`: draw from the most likely tokens holding this
+    /// share of the probability (1: all).
+    #[arg(long, requires = "do_sample")]
+    pub top_p: Option<f64>,
+}
+
+impl SamplingArgs {
+    /// `None` for greedy decoding; with `--do-sample`, the settings of
+    /// the checkpoint in `dir` ([`Sampling::from_generation_config`])
+    /// with the options' overrides, drawn from `seed`.
+    pub fn sampling(&self, dir: impl AsRef<Path>, seed: u64) -> Result<Option<Sampling>, HfError> {
+        if !self.do_sample {
+            return Ok(None);
+        }
+        let mut s = Sampling::from_generation_config(dir)?;
+        s.temperature = self.temperature.unwrap_or(s.temperature);
+        s.top_k = self.top_k.unwrap_or(s.top_k);
+        s.top_p = self.top_p.unwrap_or(s.top_p);
+        s.seed = seed;
+        s.check()?;
+        Ok(Some(s))
+    }
+}
+
 /// SplitMix64: a small, well-mixed generator, enough to draw a token a
 /// step; one per [`HfModel::sample`] call.
 struct SplitMix64(u64);

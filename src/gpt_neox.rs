@@ -1,6 +1,6 @@
 //! GPT-NeoX as Hugging Face's `transformers` lays it out
 //! (`GPTNeoXForCausalLM`: EleutherAI's Pythia suite, GPT-NeoX-20B), in
-//! tch, its layers wrapped in [`ShardedModule`]: a `save_pretrained`
+//! tch, its layers wrapped in [`ShardedModule`](crate::zero::ShardedModule): a `save_pretrained`
 //! checkpoint loads into it under any ZeRO stage without a rank holding
 //! the whole model, and a fine-tuned one is written back for
 //! `from_pretrained`.
@@ -43,10 +43,10 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{layer_norm, linear, Ends, Run, Training};
+use crate::blocks::{layer_norm, linear, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
 use crate::llama::{rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
-use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
+use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`GptNeox`], Hugging Face's `GPTNeoXConfig` fields.
 #[derive(Debug, Clone, PartialEq)]
@@ -335,10 +335,7 @@ impl Module for Layer {
 /// GPT-NeoX with a language-modelling head (`GPTNeoXForCausalLM`).
 #[derive(Debug)]
 pub struct GptNeox {
-    ends: Ends,
-    layers: Vec<ShardedModule<Run<Layer>>>,
-    final_layer_norm: nn::LayerNorm,
-    training: Training,
+    decoder: Decoder<Layer>,
     cfg: GptNeoxConfig,
 }
 
@@ -362,26 +359,23 @@ impl GptNeox {
 
     fn build(p: &nn::Path, plan: &ShardPlan, cfg: &GptNeoxConfig, checkpointed: bool) -> Self {
         let m = p / "gpt_neox";
-        // The root's variables before the first unit, as `Llama`'s: a
-        // plan releasing the model as it is built releases what was made
-        // before each `ShardedModule::new`.
-        let final_layer_norm = layer_norm(&m / "final_layer_norm", cfg.hidden, cfg.eps);
+        let norm = layer_norm(&m / "final_layer_norm", cfg.hidden, cfg.eps);
         let embed_in = &m / "embed_in";
         // `GPTNeoXModel`'s embedding has no `padding_idx`.
         let embed = Ends::embedding(plan, &embed_in, cfg.vocab, cfg.hidden, None, cfg.tied);
-        let training = Training::default();
-        let layers = (0..cfg.layers)
-            .map(|i| {
-                let lp = &m / "layers" / i;
-                let run = Run::new(Layer::new(&lp, cfg, &training), checkpointed);
-                ShardedModule::new(plan, &lp, run)
-            })
-            .collect();
+        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t);
+        let (layers, head) = (&m / "layers", p / "embed_out");
         Self {
-            ends: embed.with_head(plan, &(p / "embed_out"), false),
-            layers,
-            final_layer_norm,
-            training,
+            decoder: Decoder::build(
+                plan,
+                norm,
+                embed,
+                &layers,
+                cfg.layers,
+                layer,
+                checkpointed,
+                (&head, false),
+            ),
             cfg: cfg.clone(),
         }
     }
@@ -390,22 +384,17 @@ impl GptNeox {
     /// PyTorch's `model.train()` and `model.eval()`. Off when built, as
     /// `from_pretrained` returns a model in evaluation.
     pub fn set_training(&self, on: bool) {
-        self.training.set(on);
+        self.decoder.training().set(on);
     }
 
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
-        self.training.on()
+        self.decoder.training().on()
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        let x = self.ends.embed(tokens);
-        let mut x = self.training.dropout(x, self.cfg.hidden_dropout);
-        for l in &self.layers {
-            x = l.forward(&x);
-        }
-        self.ends.head(&self.final_layer_norm.forward(&x))
+        self.decoder.forward(tokens, self.cfg.hidden_dropout)
     }
 
     /// `GPTNeoXForCausalLM`'s loss with `labels = tokens`

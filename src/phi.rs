@@ -1,6 +1,6 @@
 //! Phi as Hugging Face's `transformers` lays it out (`PhiForCausalLM`:
 //! Microsoft's Phi-1, Phi-1.5 and Phi-2), in tch, its layers wrapped in
-//! [`ShardedModule`]: a `save_pretrained` checkpoint loads into it under
+//! [`ShardedModule`](crate::zero::ShardedModule): a `save_pretrained` checkpoint loads into it under
 //! any ZeRO stage without a rank holding the whole model, and a
 //! fine-tuned one is written back for `from_pretrained`. (Phi-3 and
 //! Phi-4 are another layout, a [`crate::llama::Family`].)
@@ -41,10 +41,10 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{layer_norm, linear, Ends, Run, Training};
+use crate::blocks::{layer_norm, linear, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
 use crate::llama::{pad_token, rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
-use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
+use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`Phi`], Hugging Face's `PhiConfig` fields.
 #[derive(Debug, Clone, PartialEq)]
@@ -339,10 +339,7 @@ impl Module for Layer {
 /// Phi with a language-modelling head (`PhiForCausalLM`).
 #[derive(Debug)]
 pub struct Phi {
-    ends: Ends,
-    layers: Vec<ShardedModule<Run<Layer>>>,
-    final_layernorm: nn::LayerNorm,
-    training: Training,
+    decoder: Decoder<Layer>,
     cfg: PhiConfig,
 }
 
@@ -366,25 +363,22 @@ impl Phi {
 
     fn build(p: &nn::Path, plan: &ShardPlan, cfg: &PhiConfig, checkpointed: bool) -> Self {
         let m = p / "model";
-        // The root's variables before the first unit, as `Llama`'s: a
-        // plan releasing the model as it is built releases what was made
-        // before each `ShardedModule::new`.
-        let final_layernorm = layer_norm(&m / "final_layernorm", cfg.hidden, cfg.eps);
+        let norm = layer_norm(&m / "final_layernorm", cfg.hidden, cfg.eps);
         let embed = &m / "embed_tokens";
         let embed = Ends::embedding(plan, &embed, cfg.vocab, cfg.hidden, cfg.pad_token, false);
-        let training = Training::default();
-        let layers = (0..cfg.layers)
-            .map(|i| {
-                let lp = &m / "layers" / i;
-                let run = Run::new(Layer::new(&lp, cfg, &training), checkpointed);
-                ShardedModule::new(plan, &lp, run)
-            })
-            .collect();
+        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t);
+        let (layers, head) = (&m / "layers", p / "lm_head");
         Self {
-            ends: embed.with_head(plan, &(p / "lm_head"), true),
-            layers,
-            final_layernorm,
-            training,
+            decoder: Decoder::build(
+                plan,
+                norm,
+                embed,
+                &layers,
+                cfg.layers,
+                layer,
+                checkpointed,
+                (&head, true),
+            ),
             cfg: cfg.clone(),
         }
     }
@@ -393,22 +387,17 @@ impl Phi {
     /// on or off: PyTorch's `model.train()` and `model.eval()`. Off when
     /// built, as `from_pretrained` returns a model in evaluation.
     pub fn set_training(&self, on: bool) {
-        self.training.set(on);
+        self.decoder.training().set(on);
     }
 
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
-        self.training.on()
+        self.decoder.training().on()
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        let x = self.ends.embed(tokens);
-        let mut x = self.training.dropout(x, self.cfg.embd_dropout);
-        for l in &self.layers {
-            x = l.forward(&x);
-        }
-        self.ends.head(&self.final_layernorm.forward(&x))
+        self.decoder.forward(tokens, self.cfg.embd_dropout)
     }
 
     /// `PhiForCausalLM`'s loss with `labels = tokens`

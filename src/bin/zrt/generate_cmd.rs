@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use zrt::collectives::local;
-use zrt::generate::Sampling;
+use zrt::generate::SamplingArgs;
 use zrt::hf::{eos_token_ids, HfModel};
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
@@ -28,21 +28,9 @@ pub struct GenerateArgs {
     /// checkpoint's `eos_token_id`).
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
-    /// Sample (`generate(do_sample=True)`) rather than decode greedily:
-    /// with the checkpoint's `generation_config.json` settings, those
-    /// below overriding them.
-    #[arg(long)]
-    do_sample: bool,
-    /// With `--do-sample`: the logits' temperature.
-    #[arg(long, requires = "do_sample")]
-    temperature: Option<f64>,
-    /// With `--do-sample`: draw from the K most likely tokens (0: all).
-    #[arg(long, requires = "do_sample")]
-    top_k: Option<usize>,
-    /// With `--do-sample`: draw from the most likely tokens holding this
-    /// share of the probability (1: all).
-    #[arg(long, requires = "do_sample")]
-    top_p: Option<f64>,
+    /// Greedy, or sampled.
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// With `--do-sample`: the draws' seed.
     #[arg(long, default_value_t = 0, requires = "do_sample")]
     seed: u64,
@@ -63,17 +51,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         .map(i64::from)
         .collect();
     let stop = eos_token_ids(&a.model)?;
-    let sampling = match a.do_sample {
-        true => {
-            let mut s = Sampling::from_generation_config(&a.model)?;
-            s.temperature = a.temperature.unwrap_or(s.temperature);
-            s.top_k = a.top_k.unwrap_or(s.top_k);
-            s.top_p = a.top_p.unwrap_or(s.top_p);
-            s.seed = a.seed;
-            Some(s)
-        }
-        false => None,
-    };
+    let sampling = a.sampling.sampling(&a.model, a.seed)?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();
     let (model, _) = HfModel::from_pretrained(&vs, &plan, &a.model)?;

@@ -387,6 +387,7 @@ fn main() -> Result<()> {
     let eval_at = |done: u64| -> Result<()> {
         if let Some(held_out) = &held_out {
             let loss = evaluate(held_out)?;
+            engine.pending_error()?;
             if rank == 0 {
                 println!(
                     "eval  after {done:>5} steps  loss {loss:.6}  ppl {:.3}",
@@ -405,6 +406,9 @@ fn main() -> Result<()> {
                 Some(s) => model.sample(ids, a.sample_tokens, stop, s)?,
                 None => model.greedy(ids, a.sample_tokens, stop)?,
             };
+            // Forwards alone (as the evaluation's): a failed gather
+            // would leave zeros, not an error, in them.
+            engine.pending_error()?;
             if rank == 0 {
                 let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
                 let continued = tokenizer.decode(&new)?;

@@ -279,7 +279,10 @@ impl HfModel {
     /// At stage 3 each forward gathers the parameters with every rank:
     /// call it on every rank with the same prompt (the same tokens
     /// follow, and every rank stops together), or with no `stop` (every
-    /// rank runs `max_new` forwards). A prompt that is empty, holds an id
+    /// rank runs `max_new` forwards), and then
+    /// [`Engine::pending_error`](crate::zero::Engine::pending_error): a
+    /// gather that failed (a rank gone) leaves zeros, not an error, in
+    /// the forward. A prompt that is empty, holds an id
     /// past the vocabulary or would outgrow GPT-2's `n_positions` is
     /// refused before any forward, on every rank alike.
     pub fn greedy(

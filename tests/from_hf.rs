@@ -20,6 +20,7 @@ use crate::common;
 use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::nn::VarStore;
 use tch::Tensor;
+use zrt::collectives::local::{LocalGroup, LocalRank};
 use zrt::generate::Sampling;
 use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Engine, ExportLayout, ShardPlan};
@@ -1175,6 +1176,55 @@ save_file(out, "{dir}/reference.safetensors")
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The checkpoint at `hf` on rank `r` of 2 at stage 3, and its engine
+/// (each forward gathers the parameters with the other rank).
+fn on_two_at_stage_3(r: &LocalRank, hf: &Path) -> (HfModel, Engine<LocalGroup>) {
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, hf).unwrap();
+    let group = r.new_group(&[0, 1]).unwrap();
+    let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+    (model, engine)
+}
+
+/// A forward whose stage-3 gathers fail (here: a rank's handle on the
+/// world dropped while its group was in use, so its peer's gathers find
+/// it gone) computes on zeros and cannot fail itself:
+/// `Engine::pending_error` says so after forward-only work, on both
+/// ranks, where the generated tokens alone would look like an answer.
+#[test]
+fn generation_after_a_failed_gather_is_told_by_pending_error() {
+    let dir = scratch("hf-failed-gather");
+    common::python(&common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        &dir,
+        "",
+    ));
+    let hf = dir.join("hf");
+    let said = on_ranks(2, |r| {
+        let (model, engine) = on_two_at_stage_3(&r, &hf);
+        let fine = model.greedy(&[5, 17, 33], 4, &[]).unwrap();
+        let before = engine.pending_error().map_err(|e| e.to_string());
+        drop(r);
+        let _ = model.greedy(&[5, 17, 33], 4, &[]).unwrap();
+        (
+            fine.len(),
+            before,
+            engine.pending_error().map_err(|e| e.to_string()),
+        )
+    });
+    for (rank, (n, before, after)) in said.into_iter().enumerate() {
+        assert_eq!((n, before), (4, Ok(())), "rank {rank}");
+        let err = after.expect_err("a failed gather went unreported");
+        let gone = format!("rank {} of group `world` died or left the group", 1 - rank);
+        assert!(err.contains(&gone), "rank {rank}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `HfModel::greedy` continues a prompt with the tokens `transformers`'
 /// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
 /// gathering the parameters; and GPT-2), and stops where it stops on an
@@ -1225,12 +1275,7 @@ print(" ".join(map(str, stopped)))
         );
         let hf = dir.join("hf");
         let got = on_ranks(2, |r| {
-            let vs = VarStore::new(tch::Device::Cpu);
-            let plan = ShardPlan::new();
-            let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
-            let group = r.new_group(&[0, 1]).unwrap();
-            let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
-            let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            let (model, _engine) = on_two_at_stage_3(&r, &hf);
             model.set_training(true);
             let prompt = [5, 17, 33, 2, 90, 41];
             let runs = (
@@ -1387,12 +1432,7 @@ GenerationConfig(do_sample=True, top_k=None, top_p=None).save_pretrained("{dir}/
     let hf = dir.join("hf");
     let prompt = [5, 17, 33, 2, 90, 41];
     let got = on_ranks(2, |r| {
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
-        let group = r.new_group(&[0, 1]).unwrap();
-        let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
-        let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let (model, _engine) = on_two_at_stage_3(&r, &hf);
         let with = |seed: u64, top_k: usize| Sampling {
             temperature: 1.5,
             top_k,

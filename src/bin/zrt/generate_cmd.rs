@@ -67,11 +67,12 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let group = (local::world(1).remove(0))
         .new_group(&[0])
         .context("a group of this one process")?;
-    let _engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
+    let engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
     let new = match &sampling {
         Some(s) => model.sample(&prompt, a.max_new_tokens, &stop, s)?,
         None => model.greedy(&prompt, a.max_new_tokens, &stop)?,
     };
+    engine.pending_error()?;
     let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
     println!("{}", tokenizer.decode(&new)?);
     Ok(())

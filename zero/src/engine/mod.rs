@@ -1355,6 +1355,18 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         self.step_inner().map_err(checkpoint_on_a_peer)
     }
 
+    /// The error a forward hit since the last engine call, if any. A
+    /// stage-3 gather that fails (a rank gone, a timeout) cannot fail the
+    /// forward itself: the unit's parameters are zeros for it, and its
+    /// results are not to be trusted. Training learns of it at the next
+    /// `backward` or `step`; a program that only runs forwards
+    /// (evaluation, generation) calls this after them. This rank's
+    /// record alone: no collective.
+    pub fn pending_error(&self) -> Result<(), EngineError> {
+        let mut st = self.inner.st.lock();
+        self.take_error(&mut st)
+    }
+
     /// For tests: sleep a pseudo-random 0-2 ms (from `seed`; 0 turns it off)
     /// before every collective, to show results do not depend on timing.
     pub fn inject_delays(&self, seed: u64) {

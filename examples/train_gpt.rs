@@ -503,6 +503,9 @@ fn main() -> Result<()> {
         // Each rank a share of fixed validation windows; averaged.
         let windows = batch(val, 16, a.gpt.seq + 1, 1_000_000 + rank as u64)?;
         let l = tch::no_grad(|| gpt.loss(&windows).double_value(&[]));
+        // A forward alone: a failed gather would leave zeros in it, not
+        // an error.
+        engine.pending_error()?;
         Ok(world.all_reduce(vec![l], ReduceOp::Avg).wait()?[0])
     };
 

@@ -153,6 +153,19 @@ impl Sampling {
     /// penalty, temperature, top-k, top-p, each when on), then a softmax.
     pub fn distribution(&self, logits: &Tensor, ids: &[i64]) -> Result<Tensor, HfError> {
         self.check()?;
+        let vocab = match logits.size()[..] {
+            [1, v] if v > 0 => v,
+            ref shape => {
+                return Err(HfError::Sampling(format!(
+                    "logits of shape {shape:?}: give one row, [1, vocab]"
+                )))
+            }
+        };
+        if let Some(id) = ids.iter().find(|&&id| !(0..vocab).contains(&id)) {
+            return Err(HfError::Sampling(format!(
+                "token {id} of the sequence is not an id of the {vocab} logits"
+            )));
+        }
         let mut scores = logits.to_kind(Kind::Float);
         if self.repetition_penalty != 1.0 && !ids.is_empty() {
             let seen = Tensor::from_slice(ids)
@@ -167,7 +180,6 @@ impl Sampling {
             // Not in place: `scores` may be the caller's `logits` itself.
             scores = scores.divide_scalar(self.temperature);
         }
-        let vocab = scores.size().last().copied().unwrap_or(1);
         if self.top_k != 0 {
             let k = (self.top_k as i64).min(vocab);
             let kth = scores.topk(k, -1, true, true).0.narrow(-1, k - 1, 1);
@@ -437,6 +449,24 @@ mod tests {
                 err.starts_with("cannot sample: ") && err.contains(says),
                 "{err}"
             );
+        }
+        // Logits of another shape, and a sequence's id past them, are
+        // refused, not a libtorch panic.
+        let s = Sampling {
+            repetition_penalty: 1.2,
+            ..Default::default()
+        };
+        for (logits, ids, says) in [
+            (logits.view([3]), vec![], "logits of shape [3]"),
+            (logits.view([3, 1]), vec![], "logits of shape [3, 1]"),
+            (
+                logits.shallow_clone(),
+                vec![0, 3],
+                "token 3 of the sequence",
+            ),
+        ] {
+            let err = s.distribution(&logits, &ids).unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
         }
     }
 }

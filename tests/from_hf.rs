@@ -322,30 +322,50 @@ save_file({{"tokens": tokens, "logits": logits.contiguous(),
 }
 
 /// The losses `transformers` computes on each rank's first batch with the
-/// model exported at `tuned` (refusing an export with missing or
-/// unexpected tensors).
-fn tuned_losses(case: &Case, dir: &Path, tuned: &Path) -> Vec<f64> {
+/// model exported at each of `tuned` (refusing an export with missing or
+/// unexpected tensors), in one Python process: importing `transformers`
+/// takes four seconds, and the parity cases read seven exports each.
+fn tuned_losses(case: &Case, dir: &Path, tuned: &[&Path]) -> Vec<Vec<f64>> {
+    let dirs: Vec<String> = tuned
+        .iter()
+        .map(|t| format!("{:?}", t.display().to_string()))
+        .collect();
     let script = format!(
         r#"
 import torch
 {import}
 from safetensors.torch import load_file
-m, info = M.from_pretrained("{tuned}", output_loading_info=True{load})
-bad = {{k: v for k, v in info.items() if v}}
-assert not bad, bad
 tokens = load_file("{dir}/reference.safetensors")["tokens"]
-with torch.no_grad():
-    for r in range(2):
-        print(m(tokens[0, r], labels=tokens[0, r]).loss.item())
+for tuned in [{dirs}]:
+    m, info = M.from_pretrained(tuned, output_loading_info=True{load})
+    bad = {{k: v for k, v in info.items() if v}}
+    assert not bad, (tuned, bad)
+    with torch.no_grad():
+        print(*(m(tokens[0, r], labels=tokens[0, r]).loss.item() for r in range(2)))
 "#,
         import = case.python.0,
         load = case.load,
-        tuned = tuned.display(),
+        dirs = dirs.join(", "),
         dir = dir.display()
     );
-    (common::python(&script).lines())
-        .map(|l| l.trim().parse().unwrap())
-        .collect()
+    let losses: Vec<Vec<f64>> = (common::python(&script).lines())
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(losses.len(), tuned.len(), "{losses:?}");
+    losses
+}
+
+/// A parity run's export, which `transformers` reads after the runs: what
+/// the run was, the tolerance of its losses, the export's directory,
+/// each rank's loss of the exported model in zrt, and directories
+/// holding the same weights otherwise written (consolidated, under zrt's
+/// `config.json`), named.
+struct Export {
+    what: String,
+    tol: f64,
+    tuned: std::path::PathBuf,
+    afters: Vec<f64>,
+    same: Vec<(&'static str, std::path::PathBuf)>,
 }
 
 /// Asserts that `got` are the export's losses `theirs`: the same weights,
@@ -558,6 +578,12 @@ fn parity(name: &str) {
     // Stage 3 also with every block's activations recomputed, and in
     // bf16, whose rounding is all the tolerance allows for (against
     // transformers in fp32).
+    // What transformers is to read of each run, read in one process
+    // after the runs: the export, the export under zrt's config.json
+    // and the consolidated checkpoint; with the tolerance and each
+    // rank's loss of the export.
+    let mut exports: Vec<Export> = vec![];
+    let (ours, consolidated) = (dir.join("ours"), dir.join("consolidated"));
     for (stage, recompute, extra, tol) in [
         (0, false, "", 1e-5),
         (3, false, "", 1e-5),
@@ -636,11 +662,9 @@ fn parity(name: &str) {
             "bfloat16"
         };
         same_files(&what, &tuned, exported);
-        let theirs = tuned_losses(case, &dir, &tuned);
         if stage == 0 {
             // The same weights under the config zrt writes for the
             // family: transformers builds the same model from it.
-            let ours = dir.join("ours");
             std::fs::create_dir_all(&ours).unwrap();
             for f in std::fs::read_dir(&tuned).unwrap() {
                 let f = f.unwrap().path();
@@ -651,13 +675,11 @@ fn parity(name: &str) {
                 }
             }
             std::fs::write(ours.join("config.json"), &got[0].5).unwrap();
-            let again = tuned_losses(case, &dir, &ours);
-            same_losses(&format!("{what}, under zrt's config.json"), &again, &theirs);
         }
         if checkpointed {
             // The checkpoint, consolidated offline in the layout of the
             // config, reads in transformers as the export does.
-            let hf_out = dir.join("consolidated");
+            let hf_out = &consolidated;
             let out = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
                 .args(["ckpt", "consolidate"])
                 .args([dir.join("ckpt"), hf_out.clone()])
@@ -668,11 +690,14 @@ fn parity(name: &str) {
                 .unwrap();
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "{what}: {said}");
-            assert!(count(&hf_out, "safetensors") > 1, "{what}");
-            same_files(&format!("{what}, consolidated"), &hf_out, "float32");
-            let consolidated = tuned_losses(case, &dir, &hf_out);
-            same_losses(&format!("{what}, consolidated"), &consolidated, &theirs);
+            assert!(count(hf_out, "safetensors") > 1, "{what}");
+            same_files(&format!("{what}, consolidated"), hf_out, "float32");
         }
+        let same = [
+            (stage == 0).then(|| ("under zrt's config.json", ours.clone())),
+            checkpointed.then(|| ("consolidated", consolidated.clone())),
+        ];
+        let mut afters = vec![];
         for (rank, (held, first, got, after, refused, _)) in got.into_iter().enumerate() {
             let what = format!("{what}, rank {rank}");
             for (err, says) in refused.iter().zip([
@@ -707,15 +732,43 @@ fn parity(name: &str) {
             // Training moved the losses (each step's batch is the
             // same): the comparison saw AdamW's steps.
             assert!(got[STEPS as usize - 1] < got[0] - 1e-3, "{what}: {got:?}");
-            let t = theirs[rank];
-            assert!(
-                (after - t).abs() < tol * t.abs(),
-                "{what}: exported, transformers computes {t}, zrt {after}"
-            );
             assert!(
                 (after - got[0]).abs() > 1e-3,
                 "{what}: the export is the trained model"
             );
+            afters.push(after);
+        }
+        let same = same.into_iter().flatten().collect();
+        exports.push(Export {
+            what,
+            tol,
+            tuned,
+            afters,
+            same,
+        });
+    }
+    let read: Vec<&Path> = (exports.iter())
+        .flat_map(|e| std::iter::once(&e.tuned).chain(e.same.iter().map(|(_, p)| p)))
+        .map(|p| p.as_path())
+        .collect();
+    let mut theirs = tuned_losses(case, &dir, &read).into_iter();
+    for Export {
+        what,
+        tol,
+        afters,
+        same,
+        ..
+    } in &exports
+    {
+        let export = theirs.next().unwrap();
+        for (rank, (after, t)) in afters.iter().zip(&export).enumerate() {
+            assert!(
+                (after - t).abs() < tol * t.abs(),
+                "{what}, rank {rank}: exported, transformers computes {t}, zrt {after}"
+            );
+        }
+        for (how, _) in same {
+            same_losses(&format!("{what}, {how}"), &theirs.next().unwrap(), &export);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -887,7 +940,8 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     assert!(count(&tuned, "safetensors") > 4, "{said}");
     let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
     let before = &want.iter().find(|(k, _)| k == "losses").unwrap().1;
-    for (rank, t) in tuned_losses(case, &dir, &tuned).into_iter().enumerate() {
+    let tuned_losses = tuned_losses(case, &dir, &[&tuned]).remove(0);
+    for (rank, t) in tuned_losses.into_iter().enumerate() {
         let b = before.double_value(&[0, rank as i64]);
         assert!(
             t.is_finite() && (t - b).abs() > 1e-4,

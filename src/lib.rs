@@ -14,7 +14,9 @@
 //! as Hugging Face lays it out, which a pretrained checkpoint loads into
 //! under any stage, as are [`gpt_neox`] (Pythia), [`phi`] (Phi-1 and 2) and [`llama`] (Llama,
 //! Mistral, Qwen, Gemma, Phi-3 and the others of its family); [`tokenize`] turns text into the token files the
-//! examples train on, with a checkpoint's own tokenizer. [`stop`] ends a
+//! examples train on, with a checkpoint's own tokenizer, and
+//! [`chat_template`] renders conversations with its chat template;
+//! [`generate`] continues a prompt. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
 //! stop (a scheduler's SIGTERM, Ctrl-C).
 //!
@@ -59,6 +61,8 @@
 //! and checkpoints.
 
 mod blocks;
+#[cfg(feature = "tokenize")]
+pub mod chat_template;
 pub mod generate;
 pub mod gpt;
 pub mod gpt2;

@@ -23,6 +23,21 @@
 //! `prompt` and `completion`, and a mask file beside the ids
 //! ([`mask_path`]) marks the completion's tokens, the only ones
 //! [`HfModel::loss_masked`](crate::hf::HfModel::loss_masked) counts.
+//!
+//! Conversations are TRL's conversational formats: a line whose
+//! `messages` is a list of `{"role", "content"}` messages (when it has no
+//! text field), or, completion-only, whose `prompt` and `completion` are
+//! such lists. They are rendered with the tokenizer's chat template
+//! ([`crate::chat_template`]) and their ids are those
+//! `apply_chat_template(..., tokenize=True)` gives: the template writes
+//! the special tokens, none is added, and `eos` adds no end-of-text token
+//! after them (the template ends each turn; TRL adds none either). A
+//! conversational prompt is rendered with the assistant's turn opened
+//! (`add_generation_prompt=True`), the completion is what the whole
+//! conversation adds to it. With [`TokenizeOptions::assistant_only`] the
+//! mask marks what the template's `{% generation %}` blocks rendered (the
+//! assistant's turns: `return_assistant_tokens_mask`, TRL's
+//! `assistant_only_loss`).
 //! [`HfTokenizer`] is the tokenizer alone: encode a prompt, decode what
 //! [`HfModel::greedy`](crate::hf::HfModel::greedy) continued it with.
 //!
@@ -40,7 +55,9 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use tokenizers::Tokenizer;
+use tokenizers::{Encoding, Tokenizer};
+
+use crate::chat_template::ChatTemplate;
 
 /// Documents encoded at a time from a `.jsonl` file (in parallel, on
 /// `tokenizers`' threads): enough to keep two cores busy, few enough
@@ -62,8 +79,14 @@ pub struct TokenizeOptions {
     /// and a mask file beside the output ([`mask_path`]) says which
     /// tokens the loss counts (1: the completion's and the end-of-text
     /// token; 0: the prompt's, `tokenizer(prompt)`'s many first ones),
-    /// TRL's `completion_only_loss`.
+    /// TRL's `completion_only_loss`. Conversational lines' `prompt` and
+    /// `completion` are lists of messages (the module docs).
     pub completion_only: bool,
+    /// Each `.jsonl` line is a conversation (`messages`), and the mask
+    /// file marks the tokens its chat template's `{% generation %}`
+    /// blocks rendered, the assistant's turns (TRL's
+    /// `assistant_only_loss`); a template without such blocks is refused.
+    pub assistant_only: bool,
 }
 
 impl Default for TokenizeOptions {
@@ -73,7 +96,15 @@ impl Default for TokenizeOptions {
             eos: false,
             field: "text".into(),
             completion_only: false,
+            assistant_only: false,
         }
+    }
+}
+
+impl TokenizeOptions {
+    /// Whether a mask file is written.
+    fn masked(&self) -> bool {
+        self.completion_only || self.assistant_only
     }
 }
 
@@ -95,7 +126,7 @@ pub struct Tokenized {
     /// The largest id the tokenizer gives, plus one: the vocabulary a
     /// model reading the file needs.
     pub vocab: u64,
-    /// Completion-only: the tokens the mask counts.
+    /// Completion- or assistant-only: the tokens the mask counts.
     pub counted: u64,
     /// Completion-only: the documents whose tokens do not begin with
     /// their prompt's (the tokenizer merged across the seam); their
@@ -165,16 +196,43 @@ pub fn tokenize_files(
     if !opts.u32 && tok.vocab > 1 << 16 {
         return Err(TokenizeError::TooWide { vocab: tok.vocab });
     }
+    if opts.completion_only && opts.assistant_only {
+        return Err(TokenizeError::Input {
+            path: out.to_path_buf(),
+            line: None,
+            msg: "completion-only and assistant-only masks are two ways to choose what the loss counts: pass one".into(),
+        });
+    }
     // Every input checked before anything is read: a typo fails at once.
     for path in inputs {
-        if let (Kind::Text, true) = (kind(path)?, opts.completion_only) {
+        if let (Kind::Text, true) = (kind(path)?, opts.masked()) {
+            let msg = match opts.completion_only {
+                true => "a .txt file is one document without a prompt: completion-only tokenizing reads .jsonl lines holding \"prompt\" and \"completion\"",
+                false => "a .txt file is one document, not a conversation: assistant-only tokenizing reads .jsonl lines holding \"messages\"",
+            };
             return Err(TokenizeError::Input {
                 path: path.to_path_buf(),
                 line: None,
-                msg: "a .txt file is one document without a prompt: completion-only tokenizing reads .jsonl lines holding \"prompt\" and \"completion\"".into(),
+                msg: msg.into(),
             });
         }
         std::fs::metadata(path).map_err(io(path))?;
+    }
+    // The chat template is read when the first conversation needs it
+    // (a broken one does not stop text from tokenizing); assistant-only
+    // needs it at once.
+    let mut template = Template::Unread;
+    if opts.assistant_only {
+        let t = template.get(&tok)?.ok_or_else(|| TokenizeError::Tokenizer {
+            path: tokenizer.to_path_buf(),
+            msg: "no chat template (chat_template.jinja, or tokenizer_config.json's chat_template): assistant-only masks are what its {% generation %} blocks render".into(),
+        })?;
+        if !t.marks_generation() {
+            return Err(TokenizeError::Tokenizer {
+                path: t.path().to_path_buf(),
+                msg: "the chat template has no {% generation %} blocks, which mark the assistant's text an assistant-only mask counts: add them around each assistant turn (as TRL's assistant_only_loss asks), or use --completion-only with prompt/completion lines".into(),
+            });
+        }
     }
     let hidden = |path: &Path| {
         path.with_file_name(format!(
@@ -183,10 +241,10 @@ pub fn tokenize_files(
         ))
     };
     let mut files = vec![(hidden(out), out.to_path_buf())];
-    if opts.completion_only {
+    if opts.masked() {
         files.push((hidden(&mask_path(out)), mask_path(out)));
     }
-    let wrote = write(&tok, eos, inputs, &files, opts);
+    let wrote = write(&tok, &mut template, eos, inputs, &files, opts);
     if wrote.is_err() {
         for (partial, _) in &files {
             let _ = std::fs::remove_file(partial);
@@ -195,10 +253,11 @@ pub fn tokenize_files(
     wrote
 }
 
-/// Writes `inputs`' ids (and, completion-only, their mask) into
-/// `files`' hidden names, and renames them into place.
+/// Writes `inputs`' ids (and, completion- or assistant-only, their
+/// mask) into `files`' hidden names, and renames them into place.
 fn write(
     tok: &HfTokenizer,
+    template: &mut Template,
     eos: Option<u32>,
     inputs: &[PathBuf],
     files: &[(PathBuf, PathBuf)],
@@ -220,20 +279,26 @@ fn write(
             merged_seams: 0,
         },
     };
-    let fields = match opts.completion_only {
-        true => Fields::PromptCompletion,
-        false => Fields::Text(&opts.field),
+    let fields = match (opts.completion_only, opts.assistant_only) {
+        (true, _) => Fields::PromptCompletion,
+        (false, true) => Fields::Messages,
+        (false, false) => Fields::Text(&opts.field),
     };
     for path in inputs {
         match kind(path)? {
             // Not under completion-only (refused before).
             Kind::Text => {
                 let text = std::fs::read_to_string(path).map_err(io(path))?;
-                writer.documents(tok, eos, path, vec![Doc { prompt: None, text }])?;
+                let doc = Doc {
+                    text,
+                    chat: false,
+                    counted: Counted::All,
+                };
+                writer.documents(tok, eos, path, vec![doc])?;
             }
-            Kind::Lines => {
-                each_batch(path, &fields, |docs| writer.documents(tok, eos, path, docs))?
-            }
+            Kind::Lines => each_batch(path, &fields, tok, template, |docs| {
+                writer.documents(tok, eos, path, docs)
+            })?,
         }
     }
     for (out, path) in writer.outs.iter_mut().zip(&writer.paths) {
@@ -323,6 +388,21 @@ impl HfTokenizer {
         Ok(e.get_ids().to_vec())
     }
 
+    /// Its chat template (`chat_template.jinja` beside it, or
+    /// `tokenizer_config.json`'s), if it has one.
+    pub fn chat_template(&self) -> Result<Option<ChatTemplate>, TokenizeError> {
+        ChatTemplate::open(&self.dir)
+    }
+
+    /// The ids of a conversation rendered by its chat template
+    /// ([`ChatTemplate::render`]): `apply_chat_template(messages,
+    /// tokenize=True)`, no special token added (the template writes
+    /// them).
+    pub fn encode_rendered(&self, rendered: &str) -> Result<Vec<u32>, TokenizeError> {
+        let e = (self.tokenizer.encode_fast(rendered, false)).map_err(|e| self.failed(e))?;
+        Ok(e.get_ids().to_vec())
+    }
+
     /// The text of `ids`, special tokens left out
     /// (`tokenizer.decode(ids, skip_special_tokens=True)`).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
@@ -404,17 +484,58 @@ fn kind(path: &Path) -> Result<Kind, TokenizeError> {
 
 /// What a `.jsonl` line's document is made of.
 enum Fields<'a> {
-    /// The text of this field.
+    /// The text of this field, or a conversation (`messages`).
     Text(&'a str),
-    /// Its `prompt` and `completion`.
+    /// Its `prompt` and `completion`: texts, or lists of messages.
     PromptCompletion,
+    /// A conversation (`messages`) whose assistant turns are counted.
+    Messages,
 }
 
-/// A document: its text, and under completion-only the prompt it
-/// begins with.
+/// A document: its text, whether a chat template wrote it, and which of
+/// its tokens a mask counts.
 struct Doc {
-    prompt: Option<String>,
     text: String,
+    /// Rendered by the chat template: encoded with no special token
+    /// added and no end-of-text token after.
+    chat: bool,
+    counted: Counted,
+}
+
+/// Which of a document's tokens a mask counts.
+enum Counted {
+    /// All (no mask is written).
+    All,
+    /// Those after the tokens of this prompt, which the text begins with.
+    AfterPrompt(String),
+    /// Those of these character ranges (`{% generation %}` blocks').
+    Spans(Vec<std::ops::Range<usize>>),
+}
+
+/// The tokenizer's chat template, read when first needed.
+enum Template {
+    Unread,
+    Read(Option<Box<ChatTemplate>>),
+}
+
+impl Template {
+    /// The template, read the first time.
+    fn get(&mut self, tok: &HfTokenizer) -> Result<Option<&ChatTemplate>, TokenizeError> {
+        if let Template::Unread = self {
+            *self = Template::Read(tok.chat_template()?.map(Box::new));
+        }
+        match self {
+            Template::Read(t) => Ok(t.as_deref()),
+            Template::Unread => Ok(None),
+        }
+    }
+}
+
+/// Whether a line's `field` is a conversation: a list (TRL's
+/// `is_conversational` looks at its messages' roles too; a list of
+/// anything else is refused by the template's rendering or here).
+fn is_conversation(json: &serde_json::Value, field: &str) -> bool {
+    json.get(field).is_some_and(|v| v.is_array())
 }
 
 /// Calls `each` with the documents of `path`'s lines, [`BATCH`] at a
@@ -422,6 +543,8 @@ struct Doc {
 fn each_batch(
     path: &Path,
     fields: &Fields,
+    tok: &HfTokenizer,
+    template: &mut Template,
     mut each: impl FnMut(Vec<Doc>) -> Result<(), TokenizeError>,
 ) -> Result<(), TokenizeError> {
     let input = |line: u64, msg: String| TokenizeError::Input {
@@ -443,18 +566,81 @@ fn each_batch(
             (json.get(name).and_then(|t| t.as_str()))
                 .ok_or_else(|| input(n, format!("no string field {name:?} ({fix})")))
         };
-        batch.push(match fields {
-            Fields::Text(name) => Doc {
-                prompt: None,
-                text: field(name, "--field names the one holding the text")?.to_string(),
+        // The fields holding a conversation's messages, if the line is
+        // one, and their lists parsed again in the line's own key order
+        // (which `tojson` and `.items()` show), with the template.
+        let keys: &[&str] = match fields {
+            Fields::Text(name) if json.get(*name).is_none() => &["messages"],
+            Fields::Text(_) => &[],
+            Fields::PromptCompletion => &["prompt", "completion"],
+            Fields::Messages => &["messages"],
+        };
+        let mut chat = None;
+        if !keys.is_empty() && keys.iter().all(|k| is_conversation(&json, k)) {
+            let t = template.get(tok)?.ok_or_else(|| {
+                input(n, "a conversation, but the tokenizer has no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render it with".into())
+            })?;
+            let ordered: minijinja::Value =
+                serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
+            let mut lists = Vec::new();
+            for key in keys {
+                let list = (ordered.get_attr(key))
+                    .and_then(|l| l.try_iter().map(|i| i.collect::<Vec<_>>()))
+                    .map_err(|e| input(n, e.to_string()))?;
+                lists.push(list);
+            }
+            chat = Some((t, lists));
+        }
+        let render = |t: &ChatTemplate, messages: &[minijinja::Value], opened: bool| {
+            (t.render(&minijinja::Value::from(messages.to_vec()), opened)).map_err(|e| {
+                let at = t.path().display();
+                input(
+                    n,
+                    format!("the chat template ({at}) refused the conversation: {e}"),
+                )
+            })
+        };
+        batch.push(match (fields, &chat) {
+            (Fields::Text(_), Some((t, lists))) => Doc {
+                text: render(t, &lists[0], false)?.text,
+                chat: true,
+                counted: Counted::All,
             },
-            Fields::PromptCompletion => {
-                let fix = "completion-only lines hold \"prompt\" and \"completion\"";
+            (Fields::Text(name), None) => Doc {
+                text: field(name, "--field names the one holding the text; a conversation is a list under \"messages\"")?.to_string(),
+                chat: false,
+                counted: Counted::All,
+            },
+            // TRL's conversational prompt-completion: the prompt with the
+            // assistant's turn opened, then the whole conversation.
+            (Fields::PromptCompletion, Some((t, lists))) => {
+                let prompt = render(t, &lists[0], true)?.text;
+                Doc {
+                    text: render(t, &lists.concat(), false)?.text,
+                    chat: true,
+                    counted: Counted::AfterPrompt(prompt),
+                }
+            }
+            (Fields::PromptCompletion, None) => {
+                let fix = "completion-only lines hold \"prompt\" and \"completion\", both texts or both lists of messages";
                 let prompt = field("prompt", fix)?;
                 Doc {
                     text: format!("{prompt}{}", field("completion", fix)?),
-                    prompt: Some(prompt.to_string()),
+                    chat: false,
+                    counted: Counted::AfterPrompt(prompt.to_string()),
                 }
+            }
+            (Fields::Messages, Some((t, lists))) => {
+                let r = render(t, &lists[0], false)?;
+                Doc {
+                    text: r.text,
+                    chat: true,
+                    counted: Counted::Spans(r.generated),
+                }
+            }
+            (Fields::Messages, None) => {
+                let msg = "no list \"messages\" (assistant-only lines are conversations)";
+                return Err(input(n, msg.into()));
             }
         });
         if batch.len() == BATCH {
@@ -467,8 +653,31 @@ fn each_batch(
     }
 }
 
-/// The output files being written: the ids, and under completion-only
-/// the mask.
+/// The tokens of `e` that the character ranges `spans` cover, as
+/// `apply_chat_template(..., return_assistant_tokens_mask=True)` marks
+/// them: from the token of a range's first character to the token of its
+/// last (to the end when that is the first token or none), stopping at
+/// a range whose first character is in no token.
+fn generated_mask(e: &Encoding, spans: &[std::ops::Range<usize>]) -> Vec<u8> {
+    let n = e.get_ids().len();
+    let mut mask = vec![0u8; n];
+    for span in spans.iter().filter(|s| !s.is_empty()) {
+        let Some(start) = e.char_to_token(span.start, 0) else {
+            break;
+        };
+        let stop = match e.char_to_token(span.end - 1, 0) {
+            Some(end) if end > 0 => end + 1,
+            _ => n,
+        };
+        for m in mask.iter_mut().take(stop).skip(start) {
+            *m = 1;
+        }
+    }
+    mask
+}
+
+/// The output files being written: the ids, and under completion- or
+/// assistant-only the mask.
 struct Writer {
     outs: Vec<BufWriter<File>>,
     /// The files `outs` write, named in their errors.
@@ -492,16 +701,45 @@ impl Writer {
             line: None,
             msg: format!("the tokenizer failed: {e}"),
         };
-        let prompts: Vec<String> = (docs.iter()).filter_map(|d| d.prompt.clone()).collect();
-        let prompts = match prompts.is_empty() {
-            true => Vec::new(),
-            false => (tok.tokenizer.encode_batch_fast(prompts, true)).map_err(failed)?,
+        // Texts get the tokenizer's special tokens (`tokenizer(text)`);
+        // what a chat template wrote gets none (it wrote them).
+        let encode = |texts: Vec<(String, bool)>| -> Result<Vec<Encoding>, TokenizeError> {
+            let (chat, plain): (Vec<_>, Vec<_>) =
+                (texts.iter().enumerate()).partition(|(_, t)| t.1);
+            let strings = |v: &[(usize, &(String, bool))]| {
+                v.iter().map(|(_, t)| t.0.clone()).collect::<Vec<_>>()
+            };
+            let mut got: Vec<Option<Encoding>> = vec![None; texts.len()];
+            let plain_ids =
+                (tok.tokenizer.encode_batch_fast(strings(&plain), true)).map_err(failed)?;
+            // Character offsets: a `{% generation %}` block's range is in
+            // characters, as Python's `char_to_token` reads it.
+            let chat_ids = (tok
+                .tokenizer
+                .encode_batch_char_offsets(strings(&chat), false))
+            .map_err(failed)?;
+            for ((i, _), e) in plain
+                .iter()
+                .chain(&chat)
+                .zip(plain_ids.into_iter().chain(chat_ids))
+            {
+                got[*i] = Some(e);
+            }
+            Ok(got.into_iter().flatten().collect())
         };
-        let texts: Vec<String> = docs.into_iter().map(|d| d.text).collect();
-        let encoded = (tok.tokenizer.encode_batch_fast(texts, true)).map_err(failed)?;
+        let prompts: Vec<(String, bool)> = (docs.iter())
+            .filter_map(|d| match &d.counted {
+                Counted::AfterPrompt(p) => Some((p.clone(), d.chat)),
+                _ => None,
+            })
+            .collect();
+        let mut prompts = encode(prompts)?.into_iter();
+        let texts: Vec<(String, bool)> = docs.iter().map(|d| (d.text.clone(), d.chat)).collect();
+        let encoded = encode(texts)?;
         let (mut bytes, mut mask) = (Vec::new(), Vec::new());
-        for (i, e) in encoded.iter().enumerate() {
-            let ids: Vec<u32> = e.get_ids().iter().chain(eos.as_ref()).copied().collect();
+        for (doc, e) in docs.iter().zip(&encoded) {
+            let end = eos.filter(|_| !doc.chat);
+            let ids: Vec<u32> = e.get_ids().iter().chain(end.as_ref()).copied().collect();
             for &id in &ids {
                 match self.wide {
                     true => bytes.extend_from_slice(&id.to_le_bytes()),
@@ -509,15 +747,23 @@ impl Writer {
                     false => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
                 }
             }
-            if let Some(prompt) = prompts.get(i) {
-                let p = prompt.get_ids();
-                if !ids.starts_with(p) {
-                    self.done.merged_seams += 1;
+            let counted: Vec<u8> = match &doc.counted {
+                Counted::All => Vec::new(),
+                Counted::AfterPrompt(_) => {
+                    let prompt = prompts
+                        .next()
+                        .map(|p| p.get_ids().to_vec())
+                        .unwrap_or_default();
+                    if !ids.starts_with(&prompt) {
+                        self.done.merged_seams += 1;
+                    }
+                    let left_out = prompt.len().min(ids.len());
+                    (0..ids.len()).map(|j| u8::from(j >= left_out)).collect()
                 }
-                let left_out = p.len().min(ids.len());
-                mask.extend((0..ids.len()).map(|j| u8::from(j >= left_out)));
-                self.done.counted += (ids.len() - left_out) as u64;
-            }
+                Counted::Spans(spans) => generated_mask(e, spans),
+            };
+            self.done.counted += counted.iter().map(|&c| u64::from(c)).sum::<u64>();
+            mask.extend(counted);
             self.done.tokens += ids.len() as u64;
             self.done.documents += 1;
         }

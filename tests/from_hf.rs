@@ -824,6 +824,13 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
     });
     std::fs::write(hf.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    // A chat template in its words, which the export carries and `zrt
+    // generate --chat` renders a prompt with.
+    std::fs::write(
+        hf.join("chat_template.jinja"),
+        "{% for m in messages %}t1 {{ m.role | replace('user', 't2') | replace('system', 't3') }} {{ m.content }} t4\n{% endfor %}{% if add_generation_prompt %}t5 {% endif %}",
+    )
+    .unwrap();
     // Tokens as nanoGPT's train.bin holds them (u16), below the
     // vocabulary, and a file with one past it.
     let ids = |n: u32, past: bool| -> Vec<u8> {
@@ -995,6 +1002,27 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
             .to_string()
     };
     assert_eq!(generate(&[]), theirs);
+    // A user's message rendered with the chat template, as transformers'
+    // apply_chat_template renders and tokenizes it.
+    let chatted = common::python(&format!(
+        r#"
+{import}
+from transformers import PreTrainedTokenizerFast
+tok = PreTrainedTokenizerFast(tokenizer_file="{tuned}/tokenizer.json")
+tok.chat_template = open("{tuned}/chat_template.jinja").read()
+m = M.from_pretrained("{tuned}")
+chat = [{{"role": "system", "content": "t9 t8"}}, {{"role": "user", "content": "t5 t17 t33"}}]
+ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+assert ids.shape[1] == 12, ids
+out = m.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+"#,
+        import = case.python.0,
+        tuned = tuned.display()
+    ));
+    let chatted = chatted.trim_end_matches('\n');
+    assert_eq!(generate(&["--chat", "--system", "t9 t8"]), chatted);
+    assert_ne!(chatted, theirs, "the chat prompt changed nothing");
     let sampled = ["--do-sample", "--temperature", "2", "--seed", "3"];
     let drawn = generate(&sampled);
     assert!(!drawn.is_empty());

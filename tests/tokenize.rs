@@ -162,7 +162,7 @@ Tokenizer(models.WordLevel({{f"w{{i}}": i for i in range(70000)}}, unk_token="w0
         (
             vec![tok.as_os_str(), bad.as_os_str()],
             format!(
-                "{}:2: no string field \"text\" (--field names the one holding the text)",
+                "{}:2: no string field \"text\" (--field names the one holding the text;",
                 bad.display()
             ),
         ),
@@ -347,5 +347,241 @@ print(len(ids), sum(mask), merged)
         !dir.join("busy.bin.mask").exists() && hidden.is_empty(),
         "{said}: {hidden:?}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A ChatML template using what chat templates use: a namespace, Python's
+/// string methods, `trim`, `tojson` (a message's `meta`, key order and
+/// all), `strftime_now`, `raise_exception`, loop controls, the special
+/// tokens, indented blocks whose whitespace `trim_blocks` and
+/// `lstrip_blocks` take away, and `{% generation %}` blocks around the
+/// assistant's turns.
+const CHATML: &str = r#"{%- set ns = namespace(system=false) -%}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}
+        {%- set ns.system = true %}
+        {%- break %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- if not ns.system %}
+<|im_start|>system
+You help. Today is {{ strftime_now("%d %b %Y") }}.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+    {%- if message.role not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('roles are system, user and assistant, not ' + message.role) }}
+    {%- endif %}
+    {%- if message.role == 'assistant' %}
+<|im_start|>assistant
+{% generation %}{{ message.content | trim }}<|im_end|>{% endgeneration %}
+
+    {%- else %}
+<|im_start|>{{ message.role }}
+{{ message.content.strip() }}
+{%- if message.meta is defined %} {{ message.meta | tojson }}{% endif %}<|im_end|>
+    {% endif %}
+    {%- if loop.last %}{% continue %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"#;
+
+/// A Llama-3-like template without `{% generation %}` blocks, kept in
+/// `tokenizer_config.json` as older checkpoints keep theirs, refusing
+/// conversations whose roles do not alternate.
+const LLAMA3: &str = r#"{{- bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>
+
+{{ message['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"#;
+
+#[test]
+fn conversations_tokenize_as_apply_chat_template_gives_them() {
+    let dir = scratch("tokenize-chat");
+    let (tok, llama) = (dir.join("tok"), dir.join("llama"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("chatml.jinja"), CHATML).unwrap();
+    std::fs::write(dir.join("llama3.jinja"), LLAMA3).unwrap();
+    let (chats, pcs, convs) = (
+        dir.join("chats.jsonl"),
+        dir.join("pc.jsonl"),
+        dir.join("convs.jsonl"),
+    );
+    let script = format!(
+        r#"{trained}
+import os, struct, time
+os.environ["TZ"] = "UTC"
+time.tzset()
+t = AutoTokenizer.from_pretrained("{tok}")
+t.add_special_tokens({{"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}})
+t.chat_template = open("{dir}/chatml.jinja").read()
+t.save_pretrained("{tok}")
+t.chat_template = open("{dir}/llama3.jinja").read()
+t.save_pretrained("{llama}", save_jinja_files=False)
+t = AutoTokenizer.from_pretrained("{tok}")
+u, a, s = ({{"role": r, "content": c}} for r, c in [("user", "  hello there  "), ("assistant", "hi! 😀\n"), ("system", "be brief")])
+meta = {{"role": "user", "content": "naïve café?", "meta": {{"z": 1, "a": [1.5, None, True, "é\"q", 1e-05], "m": {{}}}}}}
+convs = [[u, a], [s, meta, {{"role": "assistant", "content": "yes"}}, {{"role": "user", "content": "the lazy fox"}}, {{"role": "assistant", "content": " jumps "}}]]
+chats = [{{"messages": convs[0]}}, {{"text": "the quick brown fox"}}, {{"id": 7, "messages": convs[1]}}]
+pcs = [{{"prompt": [u], "completion": [a]}}, {{"prompt": "the quick", "completion": " brown fox"}}, {{"prompt": convs[1][:2], "completion": convs[1][2:3]}}]
+for path, lines in [("{chats}", chats), ("{pcs}", pcs), ("{convs}", [{{"messages": c}} for c in convs])]:
+    with open(path, "w") as f:
+        for l in lines:
+            f.write(json.dumps(l, ensure_ascii=False) + "\n")
+def write(name, ids, mask=None):
+    open(f"{dir}/{{name}}.bin", "wb").write(b"".join(struct.pack("<H", x) for x in ids))
+    if mask is not None:
+        open(f"{dir}/{{name}}.mask", "wb").write(bytes(mask))
+ids = []
+for c in chats:
+    if "text" in c:
+        ids += t(c["text"])["input_ids"] + [t.eos_token_id]
+    else:
+        ids += t.apply_chat_template(c["messages"], tokenize=True)
+write("chats", ids)
+ids, mask = [], []
+for c in pcs:
+    if isinstance(c["prompt"], str):
+        p, w = t(c["prompt"])["input_ids"], t(c["prompt"] + c["completion"])["input_ids"]
+    else:
+        p = t.apply_chat_template(c["prompt"], add_generation_prompt=True, tokenize=True)
+        w = t.apply_chat_template(c["prompt"] + c["completion"], tokenize=True)
+    assert w[:len(p)] == p
+    ids += w
+    mask += [0] * len(p) + [1] * (len(w) - len(p))
+write("pc", ids, mask)
+ids, mask = [], []
+for c in convs:
+    out = t.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids += out["input_ids"]
+    mask += out["assistant_masks"]
+assert 0 < sum(mask) < len(mask)
+write("convs", ids, mask)
+l = AutoTokenizer.from_pretrained("{llama}")
+write("llama", l.apply_chat_template(convs[0], tokenize=True))
+print(int(os.path.exists("{tok}/chat_template.jinja")), int(os.path.exists("{llama}/chat_template.jinja")), sum(mask))
+"#,
+        trained = trained_tokenizer(&tok),
+        tok = tok.display(),
+        llama = llama.display(),
+        dir = dir.display(),
+        chats = chats.display(),
+        pcs = pcs.display(),
+        convs = convs.display(),
+    );
+    let n = numbers(&script);
+    // The two places transformers keeps a template.
+    assert_eq!((n[0], n[1]), (1, 0), "chat_template.jinja");
+    let os = std::ffi::OsStr::new;
+    let out = dir.join("got.bin");
+    let mask = dir.join("got.bin.mask");
+    for (tokenizer, flags, input, want) in [
+        (&tok, &["--eos"][..], &chats, "chats"),
+        (&tok, &["--completion-only"][..], &pcs, "pc"),
+        (&tok, &["--assistant-only"][..], &convs, "convs"),
+        (&llama, &[][..], &convs, "llama"),
+    ] {
+        let _ = std::fs::remove_file(&mask);
+        let mut args = vec![
+            os("--tokenizer"),
+            tokenizer.as_os_str(),
+            os("--out"),
+            out.as_os_str(),
+        ];
+        args.extend(flags.iter().map(|f| os(f)));
+        // The Llama case reads the first conversation only (the second
+        // does not alternate: below).
+        let first = dir.join("first.jsonl");
+        if want == "llama" {
+            let text = std::fs::read_to_string(input).unwrap();
+            std::fs::write(&first, text.lines().next().unwrap()).unwrap();
+            args.push(first.as_os_str());
+        } else {
+            args.push(input.as_os_str());
+        }
+        let (ok, said) = tokenize(&args);
+        assert!(ok, "{want}: {said}");
+        let got = std::fs::read(&out).unwrap();
+        let theirs = std::fs::read(dir.join(format!("{want}.bin"))).unwrap();
+        assert!(
+            got == theirs,
+            "{want}: {} bytes, transformers' {}",
+            got.len(),
+            theirs.len()
+        );
+        let masked = std::fs::read(dir.join(format!("{want}.mask")));
+        match masked {
+            Ok(theirs) => {
+                assert!(std::fs::read(&mask).unwrap() == theirs, "{want}: the mask");
+                if want == "convs" {
+                    let counted = format!("the loss counts {} of the", n[2]);
+                    assert!(
+                        said.contains(&counted) && said.contains("assistant's turns'"),
+                        "{said}"
+                    );
+                }
+            }
+            Err(_) => assert!(!mask.exists(), "{want}: a mask"),
+        }
+    }
+
+    // What a template refuses, or cannot do, is said with the line.
+    let never = dir.join("never.bin");
+    let (odd, roles) = (dir.join("odd.jsonl"), dir.join("roles.jsonl"));
+    std::fs::write(
+        &roles,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n{\"messages\": [{\"role\": \"tool\", \"content\": \"b\"}]}\n",
+    )
+    .unwrap();
+    std::fs::write(&odd, "{\"messages\": \"not a list\"}\n").unwrap();
+    let none = dir.join("none");
+    std::fs::create_dir_all(&none).unwrap();
+    std::fs::copy(tok.join("tokenizer.json"), none.join("tokenizer.json")).unwrap();
+    for (tokenizer, flag, input, says) in [
+        (
+            &tok,
+            None,
+            &roles,
+            format!("{}:2: the chat template ({}) refused the conversation: invalid operation: roles are system, user and assistant, not tool", roles.display(), tok.join("chat_template.jinja").display()),
+        ),
+        (
+            &llama,
+            None,
+            &convs,
+            format!("{}:2: the chat template ({}) refused the conversation: invalid operation: Conversation roles must alternate", convs.display(), llama.join("tokenizer_config.json").display()),
+        ),
+        (
+            &llama,
+            Some("--assistant-only"),
+            &convs,
+            "the chat template has no {% generation %} blocks".into(),
+        ),
+        (
+            &none,
+            None,
+            &convs,
+            format!("{}:1: a conversation, but the tokenizer has no chat template", convs.display()),
+        ),
+        (
+            &tok,
+            Some("--assistant-only"),
+            &chats,
+            format!("{}:2: no list \"messages\"", chats.display()),
+        ),
+        (
+            &tok,
+            None,
+            &odd,
+            format!("{}:1: no string field \"text\"", odd.display()),
+        ),
+    ] {
+        let mut args = vec![os("--tokenizer"), tokenizer.as_os_str(), os("--out"), never.as_os_str()];
+        args.extend(flag.map(os));
+        args.push(input.as_os_str());
+        let (ok, said) = tokenize(&args);
+        assert!(!ok && said.contains(&says), "{says}: {said}");
+        assert!(!never.exists() && !dir.join("never.bin.mask").exists(), "{says}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -21,9 +21,19 @@ pub struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// The text to continue (encoded as `tokenizer(text)` encodes it,
-    /// special tokens added).
+    /// special tokens added), or with `--chat` a user's message.
     #[arg(long)]
     prompt: String,
+    /// The prompt is a user's message to an instruction-tuned model:
+    /// rendered with the checkpoint's chat template with the assistant's
+    /// turn opened (`apply_chat_template([{"role": "user", "content":
+    /// PROMPT}], add_generation_prompt=True)`), no special token added
+    /// (the template writes them).
+    #[arg(long)]
+    chat: bool,
+    /// With `--chat`: a system message before the user's.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// Tokens the continuation holds at most (it stops after the
     /// checkpoint's `eos_token_id`).
     #[arg(long, default_value_t = 64)]
@@ -47,9 +57,29 @@ pub struct GenerateArgs {
 /// its weights read from the checkpoint's files as the engine is built.
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let tokenizer = HfTokenizer::open(&a.model)?;
-    let prompt: Vec<i64> = (tokenizer.encode(&a.prompt)?.into_iter())
-        .map(i64::from)
-        .collect();
+    let prompt = match a.chat {
+        false => tokenizer.encode(&a.prompt)?,
+        true => {
+            let template = tokenizer.chat_template()?.with_context(|| {
+                format!(
+                    "{}: no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render --chat's prompt with; leave --chat out to continue the text as it is",
+                    a.model.display()
+                )
+            })?;
+            let messages: Vec<(&str, &str)> = (a.system.iter())
+                .map(|s| ("system", s.as_str()))
+                .chain([("user", a.prompt.as_str())])
+                .collect();
+            let rendered = (template.render_messages(&messages, true)).map_err(|e| {
+                anyhow::anyhow!(
+                    "the chat template ({}) refused the prompt: {e}",
+                    template.path().display()
+                )
+            })?;
+            tokenizer.encode_rendered(&rendered.text)?
+        }
+    };
+    let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();
     let stop = eos_token_ids(&a.model)?;
     let sampling = a.sampling.sampling(&a.model, a.seed)?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);

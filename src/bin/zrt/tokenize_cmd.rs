@@ -23,18 +23,28 @@ pub struct TokenizeArgs {
     #[arg(long)]
     u32: bool,
     /// Append the tokenizer's end-of-text token (`eos_token`) to each
-    /// document.
+    /// document (not to a conversation: its chat template ends it).
     #[arg(long)]
     eos: bool,
-    /// The field of each `.jsonl` line holding its text.
-    #[arg(long, default_value = "text", conflicts_with = "completion_only")]
+    /// The field of each `.jsonl` line holding its text (a line without
+    /// it whose `messages` is a list of messages is a conversation,
+    /// rendered with the tokenizer's chat template).
+    #[arg(long, default_value = "text", conflicts_with_all = ["completion_only", "assistant_only"])]
     field: String,
     /// Each `.jsonl` line holds a `prompt` and its `completion` (TRL's
     /// format): the loss is to count the completion's tokens only, which
     /// `OUT.mask` (a byte a token, 1: counted) says; `finetune_hf
     /// --mask` reads it.
+    /// Lines whose `prompt` and `completion` are lists of messages are
+    /// rendered with the tokenizer's chat template.
     #[arg(long)]
     completion_only: bool,
+    /// Each `.jsonl` line is a conversation (`messages`, TRL's
+    /// conversational format): the loss is to count the assistant's
+    /// turns only, what the chat template's `{% generation %}` blocks
+    /// render (TRL's `assistant_only_loss`), which `OUT.mask` says.
+    #[arg(long, conflicts_with = "completion_only")]
+    assistant_only: bool,
     /// The text: `.txt` files (a document each) and `.jsonl` files (a
     /// document a line), in order.
     #[arg(required = true)]
@@ -48,6 +58,7 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
         eos: a.eos,
         field: a.field.clone(),
         completion_only: a.completion_only,
+        assistant_only: a.assistant_only,
     };
     let done = tokenize_files(&a.tokenizer, &a.inputs, &a.out, &opts)?;
     println!(
@@ -58,12 +69,17 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
         if a.u32 { "u32" } else { "u16" },
         done.vocab
     );
-    if a.completion_only {
+    if a.completion_only || a.assistant_only {
         println!(
-            "{}: the loss counts {} of the {} tokens (the completions')",
+            "{}: the loss counts {} of the {} tokens (the {})",
             zrt::tokenize::mask_path(&a.out).display(),
             done.counted,
-            done.tokens
+            done.tokens,
+            if a.completion_only {
+                "completions'"
+            } else {
+                "assistant's turns'"
+            }
         );
     }
     Ok(())

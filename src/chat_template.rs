@@ -1,0 +1,631 @@
+//! A checkpoint's chat template (the Jinja `transformers`'
+//! `apply_chat_template` renders), rendered in Rust with MiniJinja.
+//!
+//! [`ChatTemplate::open`] reads it where `transformers` 4.57 does: the
+//! directory's `chat_template.jinja`, else `tokenizer_config.json`'s
+//! `chat_template` (a string, or named templates of which `default` is
+//! taken). [`ChatTemplate::render`] renders a conversation in the
+//! environment `transformers` compiles it in: Jinja2's syntax with
+//! `trim_blocks` and `lstrip_blocks`, `break` and `continue`, Python's
+//! string and dict methods (`.strip()`, `.items()`, ...), `tojson` as
+//! Python's `json.dumps` writes (not HTML-escaped), `raise_exception`
+//! (the template refusing a conversation), `strftime_now` (in UTC), and
+//! the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
+//! variables. `{% generation %}` blocks, which mark the assistant's text,
+//! give the character ranges they rendered
+//! ([`Rendered::generated`]), as `return_assistant_tokens_mask` reads
+//! them.
+//!
+//! What MiniJinja renders differently from Jinja2 is said by an error,
+//! not guessed: an unknown filter or method is an error naming it. A
+//! template's text is all the data it is given; nothing is fetched.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, Value};
+
+use crate::tokenize::TokenizeError;
+
+/// Marks where a `{% generation %}` block's text begins in a rendering
+/// (a Unicode noncharacter: no text a conversation holds has it, which
+/// [`ChatTemplate::render`] checks).
+const BEGIN: char = '\u{FDD0}';
+/// Marks where it ends.
+const END: char = '\u{FDD1}';
+
+/// The special-token fields of `tokenizer_config.json` a template sees
+/// (`special_tokens_map`'s).
+const SPECIAL: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// A chat template compiled, with the special tokens it is given.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// `bos_token` and the others that are set, and
+    /// `additional_special_tokens`.
+    specials: Vec<(String, Value)>,
+    /// Whether it has `{% generation %}` blocks.
+    marks_generation: bool,
+    /// Where it was read, named in errors.
+    path: PathBuf,
+}
+
+/// A conversation rendered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The text.
+    pub text: String,
+    /// The ranges of `text`, in characters (Python's string indices), that
+    /// `{% generation %}` blocks rendered, in order.
+    pub generated: Vec<Range<usize>>,
+}
+
+impl ChatTemplate {
+    /// The chat template of the tokenizer in `dir`, or `None` if it has
+    /// none.
+    pub fn open(dir: &Path) -> Result<Option<Self>, TokenizeError> {
+        let err = |path: &Path, msg: String| TokenizeError::Tokenizer {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => {
+                (serde_json::from_str(&text)).map_err(|e| err(&config_path, e.to_string()))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => return Err(err(&config_path, e.to_string())),
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let (source, path) = match std::fs::read_to_string(&jinja) {
+            Ok(source) => (source, jinja),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match named_template(&config["chat_template"]) {
+                    Ok(Some(source)) => (source, config_path.clone()),
+                    Ok(None) => return Ok(None),
+                    Err(msg) => return Err(err(&config_path, msg)),
+                }
+            }
+            Err(e) => return Err(err(&jinja, e.to_string())),
+        };
+        let mut specials = Vec::new();
+        for key in SPECIAL {
+            if let Some(token) = token_text(&config[key]) {
+                specials.push((key.to_string(), Value::from(token)));
+            }
+        }
+        if let Some(extra) = config["additional_special_tokens"].as_array() {
+            let extra: Vec<Value> = extra
+                .iter()
+                .filter_map(token_text)
+                .map(Value::from)
+                .collect();
+            specials.push(("additional_special_tokens".into(), Value::from(extra)));
+        }
+        let (source, marks_generation) = mark_generation(&source);
+        let mut env = Environment::new();
+        // transformers' environment: Jinja2's block whitespace rules,
+        // loop controls, and its own globals and `tojson`.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat_template", source)
+            .map_err(|e| err(&path, format!("the chat template does not compile: {e:#}")))?;
+        Ok(Some(Self {
+            env,
+            specials,
+            marks_generation,
+            path,
+        }))
+    }
+
+    /// Whether it marks the assistant's text with `{% generation %}`
+    /// blocks (what an assistant-only loss needs).
+    pub fn marks_generation(&self) -> bool {
+        self.marks_generation
+    }
+
+    /// Where it was read: `chat_template.jinja` or
+    /// `tokenizer_config.json`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `messages` (a list of `{"role", "content"}` maps) rendered as
+    /// `apply_chat_template(messages, tokenize=False,
+    /// add_generation_prompt=...)` renders them; an error is the
+    /// template's (its `raise_exception` message, or what MiniJinja could
+    /// not do), as text.
+    pub fn render(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, String> {
+        if messages.kind() != ValueKind::Seq {
+            return Err("the conversation is not a list of messages".into());
+        }
+        let mut context: Vec<(String, Value)> = self.specials.clone();
+        context.extend([
+            ("messages".to_string(), messages.clone()),
+            (
+                "add_generation_prompt".into(),
+                Value::from(add_generation_prompt),
+            ),
+            ("tools".into(), Value::from(())),
+            ("documents".into(), Value::from(())),
+        ]);
+        let template = (self.env.get_template("chat_template")).map_err(|e| format!("{e:#}"))?;
+        let out = (template.render(Value::from_iter(context))).map_err(|e| describe(&e))?;
+        let mut text = String::with_capacity(out.len());
+        let (mut generated, mut open, mut at) = (Vec::new(), None, 0);
+        for c in out.chars() {
+            match (c, open) {
+                (BEGIN, None) => open = Some(at),
+                (END, Some(start)) => {
+                    generated.push(start..at);
+                    open = None;
+                }
+                (BEGIN | END, _) => {
+                    return Err(format!(
+                        "the conversation holds U+{:04X}, a Unicode noncharacter zrt marks {{% generation %}} blocks with, or the blocks nest",
+                        c as u32
+                    ))
+                }
+                _ => {
+                    text.push(c);
+                    at += 1;
+                }
+            }
+        }
+        Ok(Rendered { text, generated })
+    }
+}
+
+impl ChatTemplate {
+    /// A conversation of `(role, content)` messages rendered
+    /// ([`Self::render`]).
+    pub fn render_messages(
+        &self,
+        messages: &[(&str, &str)],
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, String> {
+        let list: Vec<Value> = (messages.iter())
+            .map(|&(role, content)| Value::from_iter([("role", role), ("content", content)]))
+            .collect();
+        self.render(&Value::from(list), add_generation_prompt)
+    }
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("path", &self.path)
+            .field("marks_generation", &self.marks_generation)
+            .finish()
+    }
+}
+
+/// A MiniJinja error with its causes, on one line.
+fn describe(e: &Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
+
+/// `tokenizer_config.json`'s `chat_template`: a string, or a list of
+/// `{"name", "template"}` of which `default` is the one taken without
+/// tools (`get_chat_template`'s choice).
+fn named_template(v: &serde_json::Value) -> Result<Option<String>, String> {
+    match v {
+        serde_json::Value::Null => Ok(None),
+        serde_json::Value::String(s) => Ok(Some(s.clone())),
+        serde_json::Value::Array(named) => {
+            let default = named.iter().find(|t| t["name"] == "default");
+            match default.and_then(|t| t["template"].as_str()) {
+                Some(s) => Ok(Some(s.to_string())),
+                None => Err("chat_template names its templates but none `default`, the one a conversation without tools takes".into()),
+            }
+        }
+        _ => Err("chat_template is neither a string nor a list of named templates".into()),
+    }
+}
+
+/// A special token's text: a string, or an AddedToken's `content`.
+fn token_text(v: &serde_json::Value) -> Option<String> {
+    (v.as_str().or_else(|| v["content"].as_str())).map(str::to_string)
+}
+
+/// `source` with each `{% generation %}` block's begin and end tags made
+/// to print [`BEGIN`] and [`END`] (MiniJinja has no such tag), and
+/// whether it had any. Each tag becomes an `if` block around the mark,
+/// so that the whitespace rules (`-`, `trim_blocks`, `lstrip_blocks`)
+/// act on the text around it as they acted on the tag.
+fn mark_generation(source: &str) -> (String, bool) {
+    let mut out = String::with_capacity(source.len());
+    let (mut rest, mut any) = (source, false);
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(close) = tag.find("%}") else {
+            out.push_str(tag);
+            return (out, any);
+        };
+        let inner = &tag[2..close];
+        let (left, inner) = match inner.strip_prefix('-') {
+            Some(i) => ("-", i),
+            None => ("", inner),
+        };
+        let (right, inner) = match inner.strip_suffix('-') {
+            Some(i) => ("-", i),
+            None => ("", inner),
+        };
+        let mark = match inner.trim() {
+            "generation" => Some(BEGIN),
+            "endgeneration" => Some(END),
+            _ => None,
+        };
+        match mark {
+            Some(m) => {
+                any = true;
+                out.push_str(&format!("{{%{left} if true %}}{m}{{% endif {right}%}}"));
+            }
+            None => out.push_str(&tag[..close + 2]),
+        }
+        rest = &tag[close + 2..];
+    }
+    out.push_str(rest);
+    (out, any)
+}
+
+/// The template's `raise_exception(message)`: it refuses the
+/// conversation.
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `tojson` as `transformers` defines it: Python's `json.dumps(x,
+/// ensure_ascii=False, indent=None, separators=None, sort_keys=False)`,
+/// those four arguments taken by name.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n.max(0) as usize)),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson's indent is a number or a string",
+                ))
+            }
+        },
+    };
+    let (item, key) = match (separators.as_deref(), &indent) {
+        (Some([item, key]), _) => (item.clone(), key.clone()),
+        (Some(_), _) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson's separators are two strings",
+            ))
+        }
+        (None, None) => (", ".into(), ": ".into()),
+        (None, Some(_)) => (",".into(), ": ".into()),
+    };
+    let dumps = Dumps {
+        ascii: ensure_ascii.unwrap_or(false),
+        indent,
+        item,
+        key,
+        sort: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    dumps.value(value, 0, &mut out)?;
+    Ok(Value::from(out))
+}
+
+/// Python's `json.dumps` settings.
+struct Dumps {
+    ascii: bool,
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort: bool,
+}
+
+impl Dumps {
+    /// Writes `v` at nesting `depth` into `out`.
+    fn value(&self, v: &Value, depth: usize, out: &mut String) -> Result<(), Error> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+            ValueKind::Number => out.push_str(&python_float(f64::try_from(v.clone())?)),
+            ValueKind::String => self.string(v.as_str().unwrap_or_default(), out),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.container(('[', ']'), items.len(), depth, out, |i, out| {
+                    self.value(&items[i], depth + 1, out)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort {
+                    keys.sort();
+                }
+                self.container(('{', '}'), keys.len(), depth, out, |i, out| {
+                    let k = &keys[i];
+                    match k.as_str() {
+                        Some(s) => self.string(s, out),
+                        None => self.string(&k.to_string(), out),
+                    }
+                    out.push_str(&self.key);
+                    self.value(&v.get_item(k)?, depth + 1, out)
+                })?;
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson cannot write a {}", v.kind()),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `n` items between `brackets`, separated and indented as
+    /// `json.dumps` does.
+    fn container(
+        &self,
+        brackets: (char, char),
+        n: usize,
+        depth: usize,
+        out: &mut String,
+        mut item: impl FnMut(usize, &mut String) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        out.push(brackets.0);
+        if n == 0 {
+            out.push(brackets.1);
+            return Ok(());
+        }
+        for i in 0..n {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            if let Some(indent) = &self.indent {
+                out.push('\n');
+                out.push_str(&indent.repeat(depth + 1));
+            }
+            item(i, out)?;
+        }
+        if let Some(indent) = &self.indent {
+            out.push('\n');
+            out.push_str(&indent.repeat(depth));
+        }
+        out.push(brackets.1);
+        Ok(())
+    }
+
+    /// A JSON string as Python writes it.
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// A float as Python's `repr` writes it: the shortest digits that read
+/// back, in exponent form below 1e-4 and from 1e16.
+fn python_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    // Rust's `{:e}` gives the shortest round-tripping digits.
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if !(-4..16).contains(&exp) {
+        return format!(
+            "{mantissa}e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        );
+    }
+    let plain = format!("{f}");
+    match plain.contains('.') {
+        true => plain,
+        false => format!("{plain}.0"),
+    }
+}
+
+/// The template's `strftime_now(format)`: the time now in UTC (Python's
+/// is local; zrt's machines run in UTC), for `%Y %m %d %y %b %B %a %A %H
+/// %M %S %j %%`; another code is refused naming it.
+fn strftime_now(format: String) -> Result<Value, Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    strftime(&format, secs).map(Value::from)
+}
+
+/// `format` of the UTC time `secs` after the Unix epoch.
+fn strftime(format: &str, secs: i64) -> Result<String, Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
+    // 1970-01-01 was a Thursday.
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let year_day = days - days_from_civil(y, 1, 1) + 1;
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('B') => out.push_str(MONTHS[m as usize - 1]),
+            Some('b') => out.push_str(&MONTHS[m as usize - 1][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('j') => out.push_str(&format!("{year_day:03}")),
+            Some('%') => out.push('%'),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: zrt does not write %{}",
+                        other.map_or(String::new(), String::from)
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The proleptic Gregorian date of day `z` after 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = (if mp < 10 { mp + 3 } else { mp - 9 }) as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// The day after 1970-01-01 of a proleptic Gregorian date (the inverse
+/// of [`civil_from_days`]).
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_the_calendars() {
+        // 2024-07-26 12:34:56 UTC, a Friday, day 208.
+        let secs = 1_721_997_296;
+        let got = strftime("%d %b %Y, %A %H:%M:%S, %j %y %B %a %m %%", secs).unwrap();
+        assert_eq!(got, "26 Jul 2024, Friday 12:34:56, 208 24 July Fri 07 %");
+        // Leap days and the epoch.
+        assert_eq!(strftime("%Y-%m-%d", 951_782_400).unwrap(), "2000-02-29");
+        assert_eq!(strftime("%Y-%m-%d %A", 0).unwrap(), "1970-01-01 Thursday");
+        let e = strftime("%Z", 0).unwrap_err().to_string();
+        assert!(e.contains("does not write %Z"), "{e}");
+    }
+
+    #[test]
+    fn floats_are_written_as_python_writes_them() {
+        for (f, py) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (1e-5, "1e-05"),
+            (0.0001, "0.0001"),
+            (1.5e16, "1.5e+16"),
+            (1e15, "1000000000000000.0"),
+            (-2.5, "-2.5"),
+            (123456789.125, "123456789.125"),
+        ] {
+            assert_eq!(python_float(f), py, "{f}");
+        }
+    }
+
+    #[test]
+    fn generation_tags_become_marks_keeping_their_whitespace_rules() {
+        let (s, any) =
+            mark_generation("a{%- generation %}b{% endgeneration -%} c{% if x %}{% endif %}");
+        assert!(any);
+        assert_eq!(
+            s,
+            "a{%- if true %}\u{FDD0}{% endif %}b{% if true %}\u{FDD1}{% endif -%} c{% if x %}{% endif %}"
+        );
+        assert_eq!(
+            mark_generation("{{ add_generation_prompt }}"),
+            ("{{ add_generation_prompt }}".into(), false)
+        );
+    }
+}

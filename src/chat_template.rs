@@ -112,16 +112,7 @@ impl ChatTemplate {
             specials.push(("additional_special_tokens".into(), Value::from(extra)));
         }
         let (source, marks_generation) = mark_generation(&source);
-        let mut env = Environment::new();
-        // transformers' environment: Jinja2's block whitespace rules,
-        // loop controls, and its own globals and `tojson`.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_template_owned("chat_template", source)
+        let env = environment(source)
             .map_err(|e| err(&path, format!("the chat template does not compile: {e:#}")))?;
         Ok(Some(Self {
             env,
@@ -215,6 +206,36 @@ impl std::fmt::Debug for ChatTemplate {
             .field("marks_generation", &self.marks_generation)
             .finish()
     }
+}
+
+/// A MiniJinja environment holding `source` as `chat_template`, set as
+/// `transformers`' `_compile_jinja_template` sets Jinja2's: its block
+/// whitespace rules, loop controls, and its own globals and `tojson`.
+/// What `{{ x }}`, `|string` and `|trim` print is Python's `str(x)`
+/// (MiniJinja's own prints `None` and `True` as Python does, but the
+/// strings inside a list in Rust's quoting): a template printing a
+/// multimodal message's parts prints `[{'type': 'text', ...}]`.
+fn environment(source: String) -> Result<Environment<'static>, Error> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", tojson);
+    env.set_formatter(|out, _, value| {
+        (out.write_str(&python_str(value))).map_err(|_| Error::from(ErrorKind::WriteFailure))
+    });
+    env.add_filter("string", |v: &Value| python_str(v));
+    env.add_filter("trim", |v: &Value, chars: Option<String>| {
+        let s = python_str(v);
+        match chars {
+            Some(chars) => s.trim_matches(|c| chars.contains(c)).to_string(),
+            None => s.trim().to_string(),
+        }
+    });
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_template_owned("chat_template", source)?;
+    Ok(env)
 }
 
 /// A MiniJinja error with its causes, on one line.
@@ -452,6 +473,103 @@ impl Dumps {
     }
 }
 
+/// `str(v)` in Python: a string as it is, nothing for undefined, else
+/// [`python_repr`].
+fn python_str(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::String => v.as_str().unwrap_or_default().to_string(),
+        _ => {
+            let mut out = String::new();
+            python_repr(v, &mut out);
+            out
+        }
+    }
+}
+
+/// `repr(v)` in Python, for the values JSON holds: `None`, `True`, numbers
+/// as Python writes them, strings quoted and escaped as `repr` does,
+/// lists and dicts of those.
+fn python_repr(v: &Value, out: &mut String) {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
+        ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+        ValueKind::Number => match f64::try_from(v.clone()) {
+            Ok(f) if f.is_nan() => out.push_str("nan"),
+            Ok(f) if f.is_infinite() => out.push_str(if f > 0.0 { "inf" } else { "-inf" }),
+            Ok(f) => out.push_str(&python_float(f)),
+            Err(_) => out.push_str(&v.to_string()),
+        },
+        ValueKind::String => python_str_repr(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in v.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out);
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in v.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out);
+                out.push_str(": ");
+                python_repr(&v.get_item(&key).unwrap_or_default(), out);
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&v.to_string()),
+    }
+}
+
+/// A string as Python's `repr` quotes it: in single quotes unless it
+/// holds one and no double quote; backslashes, the quote and what is not
+/// printable escaped.
+fn python_str_repr(s: &str, out: &mut String) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !printable(c) => match c as u32 {
+                n if n < 0x100 => out.push_str(&format!("\\x{n:02x}")),
+                n if n < 0x10000 => out.push_str(&format!("\\u{n:04x}")),
+                n => out.push_str(&format!("\\U{n:08x}")),
+            },
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+/// Whether Python's `str.isprintable` holds for `c`: not a control, format,
+/// separator (but the space) or surrogate character; the common ones
+/// listed, unassigned code points taken as printable.
+fn printable(c: char) -> bool {
+    let n = c as u32;
+    !matches!(n,
+        0..=0x1f | 0x7f..=0xa0 | 0xad | 0x600..=0x605 | 0x61c | 0x6dd | 0x70f | 0x1680 | 0x180e
+        | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x2064 | 0x2066..=0x206f | 0x3000
+        | 0xfeff | 0xfff9..=0xfffb | 0xe000..=0xf8ff | 0xf0000..)
+}
+
 /// A float as Python's `repr` writes it: the shortest digits that read
 /// back, in exponent form below 1e-4 and from 1e16.
 fn python_float(f: f64) -> String {
@@ -612,6 +730,23 @@ mod tests {
         ] {
             assert_eq!(python_float(f), py, "{f}");
         }
+    }
+
+    #[test]
+    fn values_print_as_python_prints_them() {
+        let v: Value = serde_json::from_str(
+            r#"[{"b": true, "a": null}, "it's", "say \"hi\"", "q'\"", 2, 1.5, "\u00a0\u0007\\", "é😀"]"#,
+        )
+        .unwrap();
+        let env = environment("{{ v }}|{{ v | trim }}|{{ v[1] }}|{{ v[0].a }}".into()).unwrap();
+        let out = env
+            .get_template("chat_template")
+            .unwrap()
+            .render(Value::from_iter([("v", v)]))
+            .unwrap();
+        let py =
+            r#"[{'b': True, 'a': None}, "it's", 'say "hi"', 'q\'"', 2, 1.5, '\xa0\x07\\', 'é😀']"#;
+        assert_eq!(out, format!("{py}|{py}|it's|None"));
     }
 
     #[test]

@@ -352,7 +352,8 @@ print(len(ids), sum(mask), merged)
 
 /// A ChatML template using what chat templates use: a namespace, Python's
 /// string methods, `trim`, `tojson` (a message's `meta`, key order and
-/// all), `strftime_now`, `raise_exception`, loop controls, the special
+/// all), values printed as Python prints them (a multimodal message's
+/// parts, `None`, `False`), `strftime_now`, `raise_exception`, loop controls, the special
 /// tokens, indented blocks whose whitespace `trim_blocks` and
 /// `lstrip_blocks` take away, and `{% generation %}` blocks around the
 /// assistant's turns.
@@ -378,7 +379,7 @@ You help. Today is {{ strftime_now("%d %b %Y") }}.<|im_end|>
 
     {%- else %}
 <|im_start|>{{ message.role }}
-{{ message.content.strip() }}
+{% if message.content is string %}{{ message.content.strip() }}{% else %}{{ message.content }} {{ message.content | trim }} {{ message.content[0].get('missing') }} {{ add_generation_prompt }}{% endif %}
 {%- if message.meta is defined %} {{ message.meta | tojson }}{% endif %}<|im_end|>
     {% endif %}
     {%- if loop.last %}{% continue %}{% endif %}
@@ -422,8 +423,9 @@ t.save_pretrained("{llama}", save_jinja_files=False)
 t = AutoTokenizer.from_pretrained("{tok}")
 u, a, s = ({{"role": r, "content": c}} for r, c in [("user", "  hello there  "), ("assistant", "hi! 😀\n"), ("system", "be brief")])
 meta = {{"role": "user", "content": "naïve café?", "meta": {{"z": 1, "a": [1.5, None, True, "é\"q", 1e-05], "m": {{}}}}}}
-convs = [[u, a], [s, meta, {{"role": "assistant", "content": "yes"}}, {{"role": "user", "content": "the lazy fox"}}, {{"role": "assistant", "content": " jumps "}}]]
-chats = [{{"messages": convs[0]}}, {{"text": "the quick brown fox"}}, {{"id": 7, "messages": convs[1]}}]
+parts = {{"role": "user", "content": [{{"type": "text", "text": "it's \"quoted\"\n\u00a0"}}, {{"type": "image", "n": 1.5, "ok": True, "x": None, "e": 1e-05}}]}}
+convs = [[u, a], [s, meta, {{"role": "assistant", "content": "yes"}}, {{"role": "user", "content": "the lazy fox"}}, {{"role": "assistant", "content": " jumps "}}], [parts, {{"role": "assistant", "content": "seen"}}]]
+chats = [{{"messages": convs[0]}}, {{"text": "the quick brown fox"}}, {{"id": 7, "messages": convs[1]}}, {{"messages": convs[2]}}]
 pcs = [{{"prompt": [u], "completion": [a]}}, {{"prompt": "the quick", "completion": " brown fox"}}, {{"prompt": convs[1][:2], "completion": convs[1][2:3]}}]
 for path, lines in [("{chats}", chats), ("{pcs}", pcs), ("{convs}", [{{"messages": c}} for c in convs])]:
     with open(path, "w") as f:

@@ -28,7 +28,8 @@
 //! windows before training, every `--eval-every` steps and at the end;
 //! with `--prompt TEXT`, the text's greedy continuation before training
 //! and at the end (`HfModel::greedy`, the checkpoint's tokenizer; with
-//! `--do-sample`, sampled: `HfModel::sample`).
+//! `--do-sample`, sampled: `HfModel::sample`; with `--chat`, the text
+//! is a user's message rendered with the checkpoint's chat template).
 
 use std::path::PathBuf;
 
@@ -121,6 +122,11 @@ struct Args {
     /// encodes it and decodes the continuation.
     #[arg(long)]
     prompt: Option<String>,
+    /// The `--prompt` is a user's message to an instruction-tuned
+    /// model: rendered with the checkpoint's chat template, the
+    /// assistant's turn opened (`zrt generate --chat`'s).
+    #[arg(long, requires = "prompt")]
+    chat: bool,
     /// Tokens a `--prompt` continuation holds at most (it stops at the
     /// checkpoint's `eos_token_id`).
     #[arg(long, default_value_t = 32)]
@@ -253,9 +259,11 @@ fn main() -> Result<()> {
     let prompt = match &a.prompt {
         Some(text) => {
             let tokenizer = HfTokenizer::open(&a.model)?;
-            let ids: Vec<i64> = (tokenizer.encode(text)?.into_iter())
-                .map(i64::from)
-                .collect();
+            let ids = match a.chat {
+                true => tokenizer.encode_chat(&[("user", text)])?,
+                false => tokenizer.encode(text)?,
+            };
+            let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
             Some((text, tokenizer, ids, eos_token_ids(&a.model)?))
         }
         None => None,

@@ -394,6 +394,25 @@ impl HfTokenizer {
         ChatTemplate::open(&self.dir)
     }
 
+    /// The ids of `messages` (`(role, content)`, a user's last) rendered
+    /// by its chat template with the assistant's turn opened, for a
+    /// model to answer: `apply_chat_template(messages,
+    /// add_generation_prompt=True)`.
+    pub fn encode_chat(&self, messages: &[(&str, &str)]) -> Result<Vec<u32>, TokenizeError> {
+        let err = |msg: String| TokenizeError::Tokenizer {
+            path: self.path.clone(),
+            msg,
+        };
+        let template = self.chat_template()?.ok_or_else(|| {
+            err("no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render the prompt as a conversation with; give the prompt as text".into())
+        })?;
+        let rendered = (template.render_messages(messages, true)).map_err(|e| {
+            let at = template.path().display();
+            err(format!("the chat template ({at}) refused the prompt: {e}"))
+        })?;
+        self.encode_rendered(&rendered.text)
+    }
+
     /// The ids of a conversation rendered by its chat template
     /// ([`ChatTemplate::render`]): `apply_chat_template(messages,
     /// tokenize=True)`, no special token added (the template writes

@@ -1082,11 +1082,44 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         assert_eq!(eval(&then, done), eval(&said, done), "eval after {done}");
     }
     assert!(line(&then, 1).is_none(), "{then}");
-    // The dropout was on: without it the first loss is another.
-    let (ok, plain) = run(&data, "1", &[os("--no-dropout")]);
+    // The dropout was on: without it the first loss is another. (Its
+    // prompt a user's message: before training, the checkpoint's
+    // continuation `zrt generate --chat` gives.)
+    let chat = [
+        os("--no-dropout"),
+        os("--prompt"),
+        os("t5 t17 t33"),
+        os("--chat"),
+        os("--sample-tokens"),
+        os("6"),
+    ];
+    let (ok, plain) = run(&data, "1", &chat);
     assert!(ok, "{plain}");
     assert!(line(&plain, 0).is_some(), "{plain}");
     assert_ne!(line(&plain, 0), line(&said, 0), "no dropout in the example");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args([
+            "generate",
+            "--chat",
+            "--max-new-tokens",
+            "6",
+            "--prompt",
+            "t5 t17 t33",
+            "--model",
+        ])
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let answer = String::from_utf8_lossy(&o.stdout)
+        .trim_end_matches('\n')
+        .to_string();
+    let sample = format!("sample after     0 steps  \"t5 t17 t33\" -> {answer:?}");
+    assert!(plain.contains(&sample), "{sample}: {plain}");
+    assert!(
+        !said.contains(&sample),
+        "the chat prompt changed nothing: {said}"
+    );
     // A mask counting every token trains as no mask does (the loss
     // over the same windows, to the bit); one counting the second half
     // of the file's tokens only, another loss; one of another length is

@@ -60,23 +60,11 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let prompt = match a.chat {
         false => tokenizer.encode(&a.prompt)?,
         true => {
-            let template = tokenizer.chat_template()?.with_context(|| {
-                format!(
-                    "{}: no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render --chat's prompt with; leave --chat out to continue the text as it is",
-                    a.model.display()
-                )
-            })?;
             let messages: Vec<(&str, &str)> = (a.system.iter())
                 .map(|s| ("system", s.as_str()))
                 .chain([("user", a.prompt.as_str())])
                 .collect();
-            let rendered = (template.render_messages(&messages, true)).map_err(|e| {
-                anyhow::anyhow!(
-                    "the chat template ({}) refused the prompt: {e}",
-                    template.path().display()
-                )
-            })?;
-            tokenizer.encode_rendered(&rendered.text)?
+            tokenizer.encode_chat(&messages)?
         }
     };
     let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();

@@ -182,9 +182,7 @@ impl ChatTemplate {
         }
         Ok(Rendered { text, generated })
     }
-}
 
-impl ChatTemplate {
     /// A conversation of `(role, content)` messages rendered
     /// ([`Self::render`]).
     pub fn render_messages(

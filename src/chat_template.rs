@@ -59,6 +59,17 @@ pub struct ChatTemplate {
     path: PathBuf,
 }
 
+/// A conversation the chat template did not render: its
+/// `raise_exception` message, or what MiniJinja could not do.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the chat template ({}) refused the conversation: {msg}", template.display())]
+pub struct RenderError {
+    /// Where the template was read.
+    pub template: PathBuf,
+    /// What it said.
+    pub msg: String,
+}
+
 /// A conversation rendered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendered {
@@ -136,16 +147,18 @@ impl ChatTemplate {
 
     /// `messages` (a list of `{"role", "content"}` maps) rendered as
     /// `apply_chat_template(messages, tokenize=False,
-    /// add_generation_prompt=...)` renders them; an error is the
-    /// template's (its `raise_exception` message, or what MiniJinja could
-    /// not do), as text.
+    /// add_generation_prompt=...)` renders them.
     pub fn render(
         &self,
         messages: &Value,
         add_generation_prompt: bool,
-    ) -> Result<Rendered, String> {
+    ) -> Result<Rendered, RenderError> {
+        let refused = |msg: String| RenderError {
+            template: self.path.clone(),
+            msg,
+        };
         if messages.kind() != ValueKind::Seq {
-            return Err("the conversation is not a list of messages".into());
+            return Err(refused("the conversation is not a list of messages".into()));
         }
         let mut context: Vec<(String, Value)> = self.specials.clone();
         context.extend([
@@ -157,8 +170,10 @@ impl ChatTemplate {
             ("tools".into(), Value::from(())),
             ("documents".into(), Value::from(())),
         ]);
-        let template = (self.env.get_template("chat_template")).map_err(|e| format!("{e:#}"))?;
-        let out = (template.render(Value::from_iter(context))).map_err(|e| describe(&e))?;
+        let template =
+            (self.env.get_template("chat_template")).map_err(|e| refused(describe(&e)))?;
+        let out =
+            (template.render(Value::from_iter(context))).map_err(|e| refused(describe(&e)))?;
         let mut text = String::with_capacity(out.len());
         let (mut generated, mut open, mut at) = (Vec::new(), None, 0);
         for c in out.chars() {
@@ -169,10 +184,10 @@ impl ChatTemplate {
                     open = None;
                 }
                 (BEGIN | END, _) => {
-                    return Err(format!(
+                    return Err(refused(format!(
                         "the conversation holds U+{:04X}, a Unicode noncharacter zrt marks {{% generation %}} blocks with, or the blocks nest",
                         c as u32
-                    ))
+                    )))
                 }
                 _ => {
                     text.push(c);
@@ -189,7 +204,7 @@ impl ChatTemplate {
         &self,
         messages: &[(&str, &str)],
         add_generation_prompt: bool,
-    ) -> Result<Rendered, String> {
+    ) -> Result<Rendered, RenderError> {
         let list: Vec<Value> = (messages.iter())
             .map(|&(role, content)| Value::from_iter([("role", role), ("content", content)]))
             .collect();

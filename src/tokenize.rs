@@ -406,10 +406,8 @@ impl HfTokenizer {
         let template = self.chat_template()?.ok_or_else(|| {
             err("no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render the prompt as a conversation with; give the prompt as text".into())
         })?;
-        let rendered = (template.render_messages(messages, true)).map_err(|e| {
-            let at = template.path().display();
-            err(format!("the chat template ({at}) refused the prompt: {e}"))
-        })?;
+        let rendered =
+            (template.render_messages(messages, true)).map_err(|e| err(e.to_string()))?;
         self.encode_rendered(&rendered.text)
     }
 
@@ -611,13 +609,8 @@ fn each_batch(
             chat = Some((t, lists));
         }
         let render = |t: &ChatTemplate, messages: &[minijinja::Value], opened: bool| {
-            (t.render(&minijinja::Value::from(messages.to_vec()), opened)).map_err(|e| {
-                let at = t.path().display();
-                input(
-                    n,
-                    format!("the chat template ({at}) refused the conversation: {e}"),
-                )
-            })
+            (t.render(&minijinja::Value::from(messages.to_vec()), opened))
+                .map_err(|e| input(n, e.to_string()))
         };
         batch.push(match (fields, &chat) {
             (Fields::Text(_), Some((t, lists))) => Doc {

@@ -146,11 +146,13 @@ impl ChatTemplate {
     }
 
     /// `messages` (a list of `{"role", "content"}` maps) rendered as
-    /// `apply_chat_template(messages, tokenize=False,
-    /// add_generation_prompt=...)` renders them.
+    /// `apply_chat_template(messages, tools=tools, tokenize=False,
+    /// add_generation_prompt=...)` renders them (`tools`, the functions'
+    /// JSON schemas, or none).
     pub fn render(
         &self,
         messages: &Value,
+        tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, RenderError> {
         let refused = |msg: String| RenderError {
@@ -167,7 +169,7 @@ impl ChatTemplate {
                 "add_generation_prompt".into(),
                 Value::from(add_generation_prompt),
             ),
-            ("tools".into(), Value::from(())),
+            ("tools".into(), tools.cloned().unwrap_or(Value::from(()))),
             ("documents".into(), Value::from(())),
         ]);
         let template =
@@ -208,7 +210,7 @@ impl ChatTemplate {
         let list: Vec<Value> = (messages.iter())
             .map(|&(role, content)| Value::from_iter([("role", role), ("content", content)]))
             .collect();
-        self.render(&Value::from(list), add_generation_prompt)
+        self.render(&Value::from(list), None, add_generation_prompt)
     }
 }
 

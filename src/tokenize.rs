@@ -29,7 +29,8 @@
 //! text field), or, completion-only, whose `prompt` and `completion` are
 //! such lists. They are rendered with the tokenizer's chat template
 //! ([`crate::chat_template`]) and their ids are those
-//! `apply_chat_template(..., tokenize=True)` gives: the template writes
+//! `apply_chat_template(..., tools=..., tokenize=True)` gives (`tools`,
+//! the line's, TRL's column of function schemas): the template writes
 //! the special tokens, none is added, and `eos` adds no end-of-text token
 //! after them (the template ends each turn; TRL adds none either). A
 //! conversational prompt is rendered with the assistant's turn opened
@@ -529,6 +530,15 @@ enum Counted {
     Spans(Vec<std::ops::Range<usize>>),
 }
 
+/// A `.jsonl` line's conversation: the chat template, the lists of
+/// messages of its fields (`messages`; or `prompt` and `completion`),
+/// and its `tools`.
+struct Conversation<'t> {
+    template: &'t ChatTemplate,
+    lists: Vec<Vec<minijinja::Value>>,
+    tools: Option<minijinja::Value>,
+}
+
 /// The tokenizer's chat template, read when first needed.
 enum Template {
     Unread,
@@ -599,6 +609,18 @@ fn each_batch(
             })?;
             let ordered: minijinja::Value =
                 serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
+            // TRL's `tools` column: the functions' schemas, which the
+            // template writes (Qwen's into its system turn).
+            let tools = match ordered.get_attr("tools") {
+                Ok(t) if t.kind() == minijinja::value::ValueKind::Seq => Some(t),
+                Ok(t) if t.is_undefined() || t.is_none() => None,
+                _ => {
+                    return Err(input(
+                        n,
+                        "\"tools\" is not a list of the functions' JSON schemas".into(),
+                    ))
+                }
+            };
             let mut lists = Vec::new();
             for key in keys {
                 let list = (ordered.get_attr(key))
@@ -606,15 +628,23 @@ fn each_batch(
                     .map_err(|e| input(n, e.to_string()))?;
                 lists.push(list);
             }
-            chat = Some((t, lists));
+            chat = Some(Conversation {
+                template: t,
+                lists,
+                tools,
+            });
         }
-        let render = |t: &ChatTemplate, messages: &[minijinja::Value], opened: bool| {
-            (t.render(&minijinja::Value::from(messages.to_vec()), opened))
-                .map_err(|e| input(n, e.to_string()))
+        let render = |c: &Conversation, messages: &[minijinja::Value], opened: bool| {
+            (c.template.render(
+                &minijinja::Value::from(messages.to_vec()),
+                c.tools.as_ref(),
+                opened,
+            ))
+            .map_err(|e| input(n, e.to_string()))
         };
         batch.push(match (fields, &chat) {
-            (Fields::Text(_), Some((t, lists))) => Doc {
-                text: render(t, &lists[0], false)?.text,
+            (Fields::Text(_), Some(c)) => Doc {
+                text: render(c, &c.lists[0], false)?.text,
                 chat: true,
                 counted: Counted::All,
             },
@@ -625,10 +655,10 @@ fn each_batch(
             },
             // TRL's conversational prompt-completion: the prompt with the
             // assistant's turn opened, then the whole conversation.
-            (Fields::PromptCompletion, Some((t, lists))) => {
-                let prompt = render(t, &lists[0], true)?.text;
+            (Fields::PromptCompletion, Some(c)) => {
+                let prompt = render(c, &c.lists[0], true)?.text;
                 Doc {
-                    text: render(t, &lists.concat(), false)?.text,
+                    text: render(c, &c.lists.concat(), false)?.text,
                     chat: true,
                     counted: Counted::AfterPrompt(prompt),
                 }
@@ -642,8 +672,8 @@ fn each_batch(
                     counted: Counted::AfterPrompt(prompt.to_string()),
                 }
             }
-            (Fields::Messages, Some((t, lists))) => {
-                let r = render(t, &lists[0], false)?;
+            (Fields::Messages, Some(c)) => {
+                let r = render(c, &c.lists[0], false)?;
                 Doc {
                     text: r.text,
                     chat: true,

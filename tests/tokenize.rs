@@ -350,7 +350,7 @@ print(len(ids), sum(mask), merged)
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A ChatML template using what chat templates use: a namespace, Python's
+/// A ChatML template using what chat templates use: tools' schemas, a namespace, Python's
 /// string methods, `trim`, `tojson` (a message's `meta`, key order and
 /// all), values printed as Python prints them (a multimodal message's
 /// parts, `None`, `False`), `strftime_now`, `raise_exception`, loop controls, the special
@@ -365,6 +365,11 @@ const CHATML: &str = r#"{%- set ns = namespace(system=false) -%}
     {%- endif %}
 {%- endfor %}
 {{- bos_token }}
+{%- if tools %}
+<|im_start|>tools
+{% for t in tools %}{{ t | tojson(indent=2) if loop.first else t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
 {%- if not ns.system %}
 <|im_start|>system
 You help. Today is {{ strftime_now("%d %b %Y") }}.<|im_end|>
@@ -425,8 +430,9 @@ u, a, s = ({{"role": r, "content": c}} for r, c in [("user", "  hello there  "),
 meta = {{"role": "user", "content": "naïve café?", "meta": {{"z": 1, "a": [1.5, None, True, "é\"q", 1e-05], "m": {{}}}}}}
 parts = {{"role": "user", "content": [{{"type": "text", "text": "it's \"quoted\"\n\u00a0"}}, {{"type": "image", "n": 1.5, "ok": True, "x": None, "e": 1e-05}}]}}
 convs = [[u, a], [s, meta, {{"role": "assistant", "content": "yes"}}, {{"role": "user", "content": "the lazy fox"}}, {{"role": "assistant", "content": " jumps "}}], [parts, {{"role": "assistant", "content": "seen"}}]]
-chats = [{{"messages": convs[0]}}, {{"text": "the quick brown fox"}}, {{"id": 7, "messages": convs[1]}}, {{"messages": convs[2]}}]
-pcs = [{{"prompt": [u], "completion": [a]}}, {{"prompt": "the quick", "completion": " brown fox"}}, {{"prompt": convs[1][:2], "completion": convs[1][2:3]}}]
+tools = [{{"type": "function", "function": {{"name": "add", "description": "adds é", "parameters": {{"type": "object", "properties": {{"x": {{"type": "number"}}}}, "required": ["x"]}}}}}}, {{"type": "function", "function": {{"name": "now"}}}}]
+chats = [{{"messages": convs[0]}}, {{"text": "the quick brown fox"}}, {{"id": 7, "messages": convs[1]}}, {{"messages": convs[2], "tools": tools}}]
+pcs = [{{"prompt": [u], "completion": [a], "tools": tools}}, {{"prompt": "the quick", "completion": " brown fox"}}, {{"prompt": convs[1][:2], "completion": convs[1][2:3]}}]
 for path, lines in [("{chats}", chats), ("{pcs}", pcs), ("{convs}", [{{"messages": c}} for c in convs])]:
     with open(path, "w") as f:
         for l in lines:
@@ -440,15 +446,15 @@ for c in chats:
     if "text" in c:
         ids += t(c["text"])["input_ids"] + [t.eos_token_id]
     else:
-        ids += t.apply_chat_template(c["messages"], tokenize=True)
+        ids += t.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=True)
 write("chats", ids)
 ids, mask = [], []
 for c in pcs:
     if isinstance(c["prompt"], str):
         p, w = t(c["prompt"])["input_ids"], t(c["prompt"] + c["completion"])["input_ids"]
     else:
-        p = t.apply_chat_template(c["prompt"], add_generation_prompt=True, tokenize=True)
-        w = t.apply_chat_template(c["prompt"] + c["completion"], tokenize=True)
+        p = t.apply_chat_template(c["prompt"], tools=c.get("tools"), add_generation_prompt=True, tokenize=True)
+        w = t.apply_chat_template(c["prompt"] + c["completion"], tools=c.get("tools"), tokenize=True)
     assert w[:len(p)] == p
     ids += w
     mask += [0] * len(p) + [1] * (len(w) - len(p))

@@ -71,7 +71,8 @@ pub struct TokenizeOptions {
     /// `u32` ids (a vocabulary past 65536 needs them), not `u16`.
     pub u32: bool,
     /// The tokenizer's end-of-text token after each document
-    /// (`tokenizer_config.json`'s `eos_token`).
+    /// (`tokenizer_config.json`'s `eos_token`), but a conversation, which
+    /// its chat template ends.
     pub eos: bool,
     /// The field of a `.jsonl` line holding its text.
     pub field: String,
@@ -287,7 +288,7 @@ fn write(
     };
     for path in inputs {
         match kind(path)? {
-            // Not under completion-only (refused before).
+            // Not under completion- or assistant-only (refused before).
             Kind::Text => {
                 let text = std::fs::read_to_string(path).map_err(io(path))?;
                 let doc = Doc {

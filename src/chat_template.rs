@@ -765,6 +765,23 @@ mod tests {
     }
 
     #[test]
+    fn a_config_names_its_templates_and_default_is_taken() {
+        let named = serde_json::json!([
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"}
+        ]);
+        assert_eq!(named_template(&named), Ok(Some("D".into())));
+        assert_eq!(
+            named_template(&serde_json::json!("S")),
+            Ok(Some("S".into()))
+        );
+        assert_eq!(named_template(&serde_json::Value::Null), Ok(None));
+        let e = named_template(&serde_json::json!([{"name": "rag", "template": "R"}])).unwrap_err();
+        assert!(e.contains("none `default`"), "{e}");
+        assert!(named_template(&serde_json::json!(3)).is_err());
+    }
+
+    #[test]
     fn generation_tags_become_marks_keeping_their_whitespace_rules() {
         let (s, any) =
             mark_generation("a{%- generation %}b{% endgeneration -%} c{% if x %}{% endif %}");

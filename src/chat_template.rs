@@ -9,9 +9,9 @@
 //! `trim_blocks` and `lstrip_blocks`, `break` and `continue`, Python's
 //! string and dict methods (`.strip()`, `.items()`, ...), `tojson` as
 //! Python's `json.dumps` writes (not HTML-escaped), `raise_exception`
-//! (the template refusing a conversation), `strftime_now` (in UTC), and
-//! the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
-//! variables. `{% generation %}` blocks, which mark the assistant's text,
+//! (the template refusing a conversation), `strftime_now` (in UTC), values
+//! printed as Python's `str` prints them, the tokenizer's special tokens
+//! (`bos_token`, `eos_token`, ...) as variables, and `tools` when given. `{% generation %}` blocks, which mark the assistant's text,
 //! give the character ranges they rendered
 //! ([`Rendered::generated`]), as `return_assistant_tokens_mask` reads
 //! them.

@@ -282,8 +282,9 @@ fn named_template(v: &serde_json::Value) -> Result<Option<String>, String> {
     }
 }
 
-/// A special token's text: a string, or an AddedToken's `content`.
-fn token_text(v: &serde_json::Value) -> Option<String> {
+/// A special token's text in `tokenizer_config.json`: a string, or an
+/// AddedToken's `content`.
+pub(crate) fn token_text(v: &serde_json::Value) -> Option<String> {
     (v.as_str().or_else(|| v["content"].as_str())).map(str::to_string)
 }
 

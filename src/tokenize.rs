@@ -56,9 +56,10 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use minijinja::value::ValueKind;
 use tokenizers::{Encoding, Tokenizer};
 
-use crate::chat_template::ChatTemplate;
+use crate::chat_template::{token_text, ChatTemplate};
 
 /// Documents encoded at a time from a `.jsonl` file (in parallel, on
 /// `tokenizers`' threads): enough to keep two cores busy, few enough
@@ -443,12 +444,9 @@ impl HfTokenizer {
         })?;
         let json: serde_json::Value =
             (serde_json::from_str(&text)).map_err(|e| err(format!("{}: {e}", config.display())))?;
-        let eos = &json["eos_token"];
-        // A string, or an AddedToken's fields.
-        let name = (eos.as_str())
-            .or_else(|| eos["content"].as_str())
+        let name = token_text(&json["eos_token"])
             .ok_or_else(|| err(format!("{}: no eos_token", config.display())))?;
-        (self.tokenizer.token_to_id(name)).ok_or_else(|| {
+        (self.tokenizer.token_to_id(&name)).ok_or_else(|| {
             err(format!(
                 "eos_token {name:?} is not in the tokenizer's vocabulary"
             ))
@@ -559,13 +557,6 @@ impl Template {
     }
 }
 
-/// Whether a line's `field` is a conversation: a list (TRL's
-/// `is_conversational` looks at its messages' roles too; a list of
-/// anything else is refused by the template's rendering or here).
-fn is_conversation(json: &serde_json::Value, field: &str) -> bool {
-    json.get(field).is_some_and(|v| v.is_array())
-}
-
 /// Calls `each` with the documents of `path`'s lines, [`BATCH`] at a
 /// time, in order (blank lines skipped).
 fn each_batch(
@@ -588,33 +579,38 @@ fn each_batch(
         if line.trim().is_empty() {
             continue;
         }
-        let json: serde_json::Value =
+        // In the line's own key order, which a conversation's `tojson`
+        // and `.items()` show.
+        let json: minijinja::Value =
             serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
+        let get = |name: &str| json.get_attr(name).ok().filter(|v| !v.is_undefined());
         let field = |name: &str, fix: &str| {
-            (json.get(name).and_then(|t| t.as_str()))
+            (get(name).and_then(|t| t.as_str().map(str::to_string)))
                 .ok_or_else(|| input(n, format!("no string field {name:?} ({fix})")))
         };
+        // A field is a conversation when it is a list (TRL's
+        // `is_conversational` looks at its messages' roles too; a list of
+        // anything else is refused by the template's rendering).
+        let is_conversation = |name: &str| get(name).is_some_and(|v| v.kind() == ValueKind::Seq);
         // The fields holding a conversation's messages, if the line is
-        // one, and their lists parsed again in the line's own key order
-        // (which `tojson` and `.items()` show), with the template.
+        // one, and their lists, with the template.
         let keys: &[&str] = match fields {
-            Fields::Text(name) if json.get(*name).is_none() => &["messages"],
+            Fields::Text(name) if get(name).is_none() => &["messages"],
             Fields::Text(_) => &[],
             Fields::PromptCompletion => &["prompt", "completion"],
             Fields::Messages => &["messages"],
         };
         let mut chat = None;
-        if !keys.is_empty() && keys.iter().all(|k| is_conversation(&json, k)) {
+        if !keys.is_empty() && keys.iter().all(|k| is_conversation(k)) {
             let t = template.get(tok)?.ok_or_else(|| {
                 input(n, "a conversation, but the tokenizer has no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render it with".into())
             })?;
-            let ordered: minijinja::Value =
-                serde_json::from_str(&line).map_err(|e| input(n, format!("not JSON: {e}")))?;
             // TRL's `tools` column: the functions' schemas, which the
             // template writes (Qwen's into its system turn).
-            let tools = match ordered.get_attr("tools") {
-                Ok(t) if t.kind() == minijinja::value::ValueKind::Seq => Some(t),
-                Ok(t) if t.is_undefined() || t.is_none() => None,
+            let tools = match get("tools") {
+                Some(t) if t.kind() == ValueKind::Seq => Some(t),
+                Some(t) if t.is_none() => None,
+                None => None,
                 _ => {
                     return Err(input(
                         n,
@@ -624,7 +620,7 @@ fn each_batch(
             };
             let mut lists = Vec::new();
             for key in keys {
-                let list = (ordered.get_attr(key))
+                let list = (json.get_attr(key))
                     .and_then(|l| l.try_iter().map(|i| i.collect::<Vec<_>>()))
                     .map_err(|e| input(n, e.to_string()))?;
                 lists.push(list);
@@ -650,7 +646,7 @@ fn each_batch(
                 counted: Counted::All,
             },
             (Fields::Text(name), None) => Doc {
-                text: field(name, "--field names the one holding the text; a conversation is a list under \"messages\"")?.to_string(),
+                text: field(name, "--field names the one holding the text; a conversation is a list under \"messages\"")?,
                 chat: false,
                 counted: Counted::All,
             },
@@ -670,7 +666,7 @@ fn each_batch(
                 Doc {
                     text: format!("{prompt}{}", field("completion", fix)?),
                     chat: false,
-                    counted: Counted::AfterPrompt(prompt.to_string()),
+                    counted: Counted::AfterPrompt(prompt),
                 }
             }
             (Fields::Messages, Some(c)) => {
@@ -737,7 +733,7 @@ impl Writer {
         tok: &HfTokenizer,
         eos: Option<u32>,
         path: &Path,
-        docs: Vec<Doc>,
+        mut docs: Vec<Doc>,
     ) -> Result<(), TokenizeError> {
         let failed = |e: tokenizers::Error| TokenizeError::Input {
             path: path.to_path_buf(),
@@ -747,26 +743,26 @@ impl Writer {
         // Texts get the tokenizer's special tokens (`tokenizer(text)`);
         // what a chat template wrote gets none (it wrote them).
         let encode = |texts: Vec<(String, bool)>| -> Result<Vec<Encoding>, TokenizeError> {
-            let (chat, plain): (Vec<_>, Vec<_>) =
-                (texts.iter().enumerate()).partition(|(_, t)| t.1);
-            let strings = |v: &[(usize, &(String, bool))]| {
-                v.iter().map(|(_, t)| t.0.clone()).collect::<Vec<_>>()
-            };
-            let mut got: Vec<Option<Encoding>> = vec![None; texts.len()];
-            let plain_ids =
-                (tok.tokenizer.encode_batch_fast(strings(&plain), true)).map_err(failed)?;
+            let n = texts.len();
+            let (mut chat, mut plain) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+            for (i, (text, is_chat)) in texts.into_iter().enumerate() {
+                let (at, strings) = if is_chat { &mut chat } else { &mut plain };
+                at.push(i);
+                strings.push(text);
+            }
+            let plain_ids = (tok.tokenizer.encode_batch_fast(plain.1, true)).map_err(failed)?;
             // Character offsets: a `{% generation %}` block's range is in
             // characters, as Python's `char_to_token` reads it.
-            let chat_ids = (tok
-                .tokenizer
-                .encode_batch_char_offsets(strings(&chat), false))
-            .map_err(failed)?;
-            for ((i, _), e) in plain
-                .iter()
-                .chain(&chat)
+            let chat_ids =
+                (tok.tokenizer.encode_batch_char_offsets(chat.1, false)).map_err(failed)?;
+            let mut got: Vec<Option<Encoding>> = vec![None; n];
+            for (i, e) in plain
+                .0
+                .into_iter()
+                .chain(chat.0)
                 .zip(plain_ids.into_iter().chain(chat_ids))
             {
-                got[*i] = Some(e);
+                got[i] = Some(e);
             }
             Ok(got.into_iter().flatten().collect())
         };
@@ -777,7 +773,10 @@ impl Writer {
             })
             .collect();
         let mut prompts = encode(prompts)?.into_iter();
-        let texts: Vec<(String, bool)> = docs.iter().map(|d| (d.text.clone(), d.chat)).collect();
+        // The texts moved out (the documents keep how they are counted).
+        let texts: Vec<(String, bool)> = (docs.iter_mut())
+            .map(|d| (std::mem::take(&mut d.text), d.chat))
+            .collect();
         let encoded = encode(texts)?;
         let (mut bytes, mut mask) = (Vec::new(), Vec::new());
         for (doc, e) in docs.iter().zip(&encoded) {

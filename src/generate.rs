@@ -103,10 +103,12 @@ impl Sampling {
         // Left out, `GenerationConfig`'s default; null (`None` there),
         // the processor off.
         let off = |key: &str| j.has(key) && j.get(key).is_none();
-        s.temperature = match off("temperature") {
-            true => 1.0,
-            false => j.number_or("temperature", s.temperature)?,
+        // A float processor off is its neutral value, 1.0.
+        let float = |key: &str, default: f64| match off(key) {
+            true => Ok(1.0),
+            false => j.number_or(key, default),
         };
+        s.temperature = float("temperature", s.temperature)?;
         s.top_k = match j.get("top_k") {
             None if off("top_k") => 0,
             None => s.top_k,
@@ -114,14 +116,8 @@ impl Sampling {
                 .and_then(|k| usize::try_from(k).ok())
                 .ok_or_else(|| j.field(format!("top_k {v}: a number of tokens, or 0")))?,
         };
-        s.top_p = match off("top_p") {
-            true => 1.0,
-            false => j.number_or("top_p", s.top_p)?,
-        };
-        s.repetition_penalty = match off("repetition_penalty") {
-            true => 1.0,
-            false => j.number_or("repetition_penalty", s.repetition_penalty)?,
-        };
+        s.top_p = float("top_p", s.top_p)?;
+        s.repetition_penalty = float("repetition_penalty", s.repetition_penalty)?;
         s.check().map_err(|e| j.field(e.to_string()))?;
         Ok(s)
     }

@@ -19,8 +19,9 @@
 #define NDEBUG
 #endif
 
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
-#include <torch/torch.h>
 
 #include <cstdint>
 #include <algorithm>

@@ -1,10 +1,15 @@
 // libtorch glue that tch 0.26 does not expose (see DESIGN.md, "libtorch glue").
 //
-// Every entry point takes tch's tensor handle (a `torch::Tensor*`), catches
+// Every entry point takes tch's tensor handle (a `at::Tensor*`), catches
 // every C++ exception and returns it as a heap string the Rust side frees with
 // `zrt_free_error`; a null return means success. Nothing here may throw across
 // the FFI boundary.
-#include <torch/torch.h>
+// Narrow headers, not <torch/torch.h>: the C++ frontend (nn, optim, data)
+// is not used here, and parsing it was most of this file's compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -45,11 +50,11 @@ struct PostAccHook : torch::autograd::PostAccumulateGradHook {
 // segment's parameter gradients, `drop(ctx)` when the graph that holds the
 // segment is freed; neither may unwind.
 struct Segment : torch::CustomClassHolder {
-  char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **);
+  char *(*run)(void *, at::Tensor **, size_t, at::Tensor **);
   void (*recomputed)(void *);
   void (*drop)(void *);
   void *ctx;
-  Segment(char *(*run_)(void *, torch::Tensor **, size_t, torch::Tensor **), void (*recomputed_)(void *),
+  Segment(char *(*run_)(void *, at::Tensor **, size_t, at::Tensor **), void (*recomputed_)(void *),
           void (*drop_)(void *), void *ctx_)
       : run(run_), recomputed(recomputed_), drop(drop_), ctx(ctx_) {}
   ~Segment() override { drop(ctx); }
@@ -59,25 +64,25 @@ struct Segment : torch::CustomClassHolder {
   // The output of a first run `zrt_checkpoint` already made (with its
   // graph, since dropped) and the generator's state before it; undefined
   // when `Recompute::forward` is to run the segment itself.
-  torch::Tensor first;
-  torch::Tensor first_rng;
+  at::Tensor first;
+  at::Tensor first_rng;
 
   // Runs the segment on `inputs`; throws its error.
-  torch::Tensor call(const torch::autograd::variable_list &inputs) {
+  at::Tensor call(const torch::autograd::variable_list &inputs) {
     // Owned here until `run` takes them (it wraps each as a Rust Tensor,
     // which deletes it), so an allocation that throws midway frees the
     // ones made before it.
-    std::vector<std::unique_ptr<torch::Tensor>> owned;
+    std::vector<std::unique_ptr<at::Tensor>> owned;
     owned.reserve(inputs.size());
     for (const auto &x : inputs) {
-      owned.push_back(std::make_unique<torch::Tensor>(x));
+      owned.push_back(std::make_unique<at::Tensor>(x));
     }
-    std::vector<torch::Tensor *> handles;
+    std::vector<at::Tensor *> handles;
     handles.reserve(owned.size());
     for (auto &h : owned) {
       handles.push_back(h.release());
     }
-    torch::Tensor *out = nullptr;
+    at::Tensor *out = nullptr;
     char *err = run(ctx, handles.data(), handles.size(), &out);
     if (err != nullptr) {
       std::string msg(err);
@@ -87,7 +92,7 @@ struct Segment : torch::CustomClassHolder {
     if (out == nullptr) {
       throw std::runtime_error("the checkpointed segment returned no tensor");
     }
-    torch::Tensor result = *out;
+    at::Tensor result = *out;
     delete out;
     return result;
   }
@@ -152,13 +157,13 @@ struct InRecompute {
 struct Recompute : public torch::autograd::Function<Recompute> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
                                                 c10::intrusive_ptr<Segment> segment,
-                                                const torch::Tensor & /*anchor*/,
+                                                const at::Tensor & /*anchor*/,
                                                 at::TensorList inputs) {
     // (A TensorList, not a vector: autograd counts each of its tensors as
     // an input; a vector would count as one non-tensor argument.)
     torch::autograd::variable_list xs(inputs.begin(), inputs.end());
     ctx->save_for_backward(xs);
-    torch::Tensor out;
+    at::Tensor out;
     if (segment->first.defined()) {
       ctx->saved_data["rng"] = std::move(segment->first_rng);
       out = std::move(segment->first);
@@ -204,7 +209,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     // The forward's random draws again, then the generator where it was.
     auto now = rng_state();
     set_rng_state(ctx->saved_data["rng"].toTensor());
-    torch::Tensor out;
+    at::Tensor out;
     try {
       at::AutoGradMode grad(true);
       out = segment->call(inputs);
@@ -253,7 +258,7 @@ void zrt_free_error(char *err) { std::free(err); }
 
 // The tensor's storage: its length in bytes and where its data is (a freed
 // storage's data is null or a guard, see `zrt_storage_free`).
-char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out, const void **data) {
+char *zrt_storage_nbytes(const at::Tensor *t, size_t *out, const void **data) {
   try {
     c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
     *out = s->nbytes();
@@ -274,7 +279,7 @@ char *zrt_storage_nbytes(const torch::Tensor *t, size_t *out, const void **data)
 // Without one it has no data and zero bytes. Either way it stays freed until
 // `zrt_storage_realloc` or `zrt_storage_adopt` gives it memory. The guard
 // is not owned: nothing is released when the storage lets go of it.
-char *zrt_storage_free(torch::Tensor *t, void *guard) {
+char *zrt_storage_free(at::Tensor *t, void *guard) {
   try {
     c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
     if (!s->resizable()) {
@@ -295,7 +300,7 @@ char *zrt_storage_free(torch::Tensor *t, void *guard) {
 // Gives a (freed) storage `nbytes` of fresh, uninitialised memory from its own
 // allocator, on its own device. Views keep their offsets and strides, so they
 // see the new memory once the caller refills it.
-char *zrt_storage_realloc(torch::Tensor *t, size_t nbytes) {
+char *zrt_storage_realloc(at::Tensor *t, size_t nbytes) {
   try {
     c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
     if (!s->resizable()) {
@@ -318,7 +323,7 @@ char *zrt_storage_realloc(torch::Tensor *t, size_t nbytes) {
 // re-allocated or destroyed). On error the storage is unchanged and the
 // caller still owns `ctx`. This is how a gathered buffer becomes a unit's
 // parameters without a copy.
-char *zrt_storage_adopt(torch::Tensor *t, void *data, size_t nbytes, void *ctx, void (*del)(void *)) {
+char *zrt_storage_adopt(at::Tensor *t, void *data, size_t nbytes, void *ctx, void (*del)(void *)) {
   try {
     c10::StorageImpl *s = t->storage().unsafeGetStorageImpl();
     if (!s->resizable()) {
@@ -341,12 +346,12 @@ char *zrt_storage_adopt(torch::Tensor *t, void *data, size_t nbytes, void *ctx, 
 // the gathered buffer) does not bump the version of the views autograd saved,
 // so backward accepts them — the role `_unsafe_preserve_version_counter`
 // plays in FSDP2. The caller owns `*out` (tch frees it).
-char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
+char *zrt_untracked_alias(const at::Tensor *t, at::Tensor **out) {
   try {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     at::Tensor alias = at::empty({0}, t->options());
     alias.set_(t->storage(), t->storage_offset(), t->sizes(), t->strides());
-    *out = new torch::Tensor(std::move(alias));
+    *out = new at::Tensor(std::move(alias));
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());
@@ -357,15 +362,15 @@ char *zrt_untracked_alias(const torch::Tensor *t, torch::Tensor **out) {
 // target's `.grad` (adds it when the target has one), leaving the alias
 // with none.
 struct MoveGradInto : torch::autograd::PostAccumulateGradHook {
-  torch::Tensor target;
-  explicit MoveGradInto(torch::Tensor t) : target(std::move(t)) {}
+  at::Tensor target;
+  explicit MoveGradInto(at::Tensor t) : target(std::move(t)) {}
   void operator()(const torch::autograd::Variable &alias) override {
-    torch::Tensor g = alias.grad();
+    at::Tensor g = alias.grad();
     if (!g.defined()) {
       return;
     }
     alias.mutable_grad() = at::Tensor();
-    torch::Tensor &dst = target.mutable_grad();
+    at::Tensor &dst = target.mutable_grad();
     if (!dst.defined()) {
       dst = std::move(g);
     } else if (dst.is_sparse() && !g.is_sparse()) {
@@ -382,14 +387,14 @@ struct MoveGradInto : torch::autograd::PostAccumulateGradHook {
 // gradient over at once, where uses of `t` itself wait in libtorch's input
 // buffer for each other and are summed into a new tensor. The caller owns
 // `*out` (tch frees it).
-char *zrt_grad_alias(const torch::Tensor *t, torch::Tensor **out) {
+char *zrt_grad_alias(const at::Tensor *t, at::Tensor **out) {
   try {
     if (!t->requires_grad() || !t->is_leaf()) {
       return to_error("a gradient alias needs a leaf that requires grad");
     }
-    torch::Tensor alias = t->detach().requires_grad_(true);
+    at::Tensor alias = t->detach().requires_grad_(true);
     torch::autograd::impl::set_post_acc_grad_hooks(alias, std::make_unique<MoveGradInto>(*t));
-    *out = new torch::Tensor(std::move(alias));
+    *out = new at::Tensor(std::move(alias));
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());
@@ -398,7 +403,7 @@ char *zrt_grad_alias(const torch::Tensor *t, torch::Tensor **out) {
 
 // Drops a tensor's `.grad` (tch has no setter): the engine copies gradients
 // into its flat buffers and must not keep a second full copy alive.
-char *zrt_clear_grad(torch::Tensor *t) {
+char *zrt_clear_grad(at::Tensor *t) {
   try {
     t->mutable_grad() = at::Tensor();
     return nullptr;
@@ -411,7 +416,7 @@ char *zrt_clear_grad(torch::Tensor *t) {
 // (before autograd runs the nodes that consume it), without changing the
 // gradient. `drop(ctx)` runs when autograd releases the hook (the graph is
 // freed), so the Rust side can free `ctx`. `cb` must not unwind.
-char *zrt_register_grad_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
+char *zrt_register_grad_hook(at::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
   try {
     if (!t->requires_grad()) {
       drop(ctx);
@@ -429,7 +434,7 @@ char *zrt_register_grad_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(
 // leaf `t`'s `.grad` (PyTorch's `register_post_accumulate_grad_hook`; a leaf
 // has one such slot, which this replaces). `drop(ctx)` runs when the hook is
 // replaced or the tensor dies, and on error. `cb` must not unwind.
-char *zrt_register_post_acc_hook(torch::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
+char *zrt_register_post_acc_hook(at::Tensor *t, void (*cb)(void *), void (*drop)(void *), void *ctx) {
   std::unique_ptr<PostAccHook> hook;
   try {
     hook = std::make_unique<PostAccHook>(cb, drop, ctx);
@@ -481,7 +486,7 @@ char *zrt_graph_kept(int *out) {
 // grad: its accumulator may not exist yet (a checkpointed segment's
 // recompute makes it later in the backward). PyTorch's
 // `_will_engine_execute_node`.
-char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
+char *zrt_will_accumulate(const at::Tensor *t, int *out) {
   try {
     if (runs_every_node()) {
       *out = t->requires_grad() ? 1 : 0;
@@ -502,7 +507,7 @@ char *zrt_will_accumulate(const torch::Tensor *t, int *out) {
 }
 
 // The address of the TensorImpl behind `t` (what autograd's leaves refer to).
-char *zrt_tensor_impl(const torch::Tensor *t, const void **out) {
+char *zrt_tensor_impl(const at::Tensor *t, const void **out) {
   try {
     *out = t->unsafeGetTensorImpl();
     return nullptr;
@@ -515,7 +520,7 @@ char *zrt_tensor_impl(const torch::Tensor *t, const void **out) {
 // when backpropagating from `t`, not looking past `stop`'s grad_fn (a unit's
 // input): the parameters a unit's forward used. Writes at most `cap`
 // addresses to `out` and the count found to `len`.
-char *zrt_graph_leaves(const torch::Tensor *t, const torch::Tensor *stop, const void **out, size_t cap, size_t *len) {
+char *zrt_graph_leaves(const at::Tensor *t, const at::Tensor *stop, const void **out, size_t cap, size_t *len) {
   try {
     *len = 0;
     auto root = t->grad_fn();
@@ -580,7 +585,7 @@ char *zrt_cpu_rng_get(uint8_t *out, size_t cap, size_t *len) {
 // Restores a state `zrt_cpu_rng_get` returned (libtorch validates it).
 char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
   try {
-    auto state = torch::empty({static_cast<int64_t>(len)}, torch::kUInt8);
+    auto state = at::empty({static_cast<int64_t>(len)}, at::kByte);
     std::memcpy(state.data_ptr<uint8_t>(), in, len);
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -595,9 +600,9 @@ char *zrt_cpu_rng_set(const uint8_t *in, size_t len) {
 // and `Recompute`): `*out` receives its output, whose backward recomputes
 // it. Owns `ctx` from here on: `drop(ctx)` runs when the graph is freed, at
 // once when the output needs no gradient, and on error.
-char *zrt_checkpoint(torch::Tensor *const *inputs, size_t n,
-                     char *(*run)(void *, torch::Tensor **, size_t, torch::Tensor **),
-                     void (*recomputed)(void *), void (*drop)(void *), void *ctx, torch::Tensor **out) {
+char *zrt_checkpoint(at::Tensor *const *inputs, size_t n,
+                     char *(*run)(void *, at::Tensor **, size_t, at::Tensor **),
+                     void (*recomputed)(void *), void (*drop)(void *), void *ctx, at::Tensor **out) {
   c10::intrusive_ptr<Segment> segment;
   try {
     segment = c10::make_intrusive<Segment>(run, recomputed, drop, ctx);
@@ -618,20 +623,20 @@ char *zrt_checkpoint(torch::Tensor *const *inputs, size_t n,
     // 3. The graph lives only while one block runs, as the recompute's
     // does in backward. Otherwise the output is kept, without its graph,
     // and the anchor (see `Recompute`) takes over.
-    bool any_input_grad = std::any_of(xs.begin(), xs.end(), [](const torch::Tensor &x) { return x.requires_grad(); });
-    if (!any_input_grad && torch::GradMode::is_enabled()) {
+    bool any_input_grad = std::any_of(xs.begin(), xs.end(), [](const at::Tensor &x) { return x.requires_grad(); });
+    if (!any_input_grad && at::GradMode::is_enabled()) {
       auto rng = rng_state();
       auto y = segment->call(xs);
       if (!y.requires_grad()) {
-        *out = new torch::Tensor(std::move(y));
+        *out = new at::Tensor(std::move(y));
         return nullptr;
       }
       segment->first = y.detach();
       segment->first_rng = std::move(rng);
     }
-    auto anchor = torch::empty({0}).requires_grad_(true);
+    auto anchor = at::empty({0}).requires_grad_(true);
     auto ys = Recompute::apply(std::move(segment), anchor, at::TensorList(xs));
-    *out = new torch::Tensor(ys.at(0));
+    *out = new at::Tensor(ys.at(0));
     return nullptr;
   } catch (const std::exception &e) {
     return to_error(e.what());

@@ -9,6 +9,10 @@ use zrt::collectives::local::{self, LocalGroup, LocalRank};
 use zrt::gpt::{Gpt, GptConfig};
 use zrt::zero::{AutoHints, Config, Engine, EngineError, ShardPlan};
 
+mod python;
+#[allow(unused_imports)] // binaries without a Python script
+pub use python::python;
+
 pub const GPT: GptConfig = GptConfig {
     vocab: 64,
     d_model: 32,
@@ -701,22 +705,4 @@ m.save_pretrained("{dir}/hf"{save})
 "#,
         dir = dir.display()
     )
-}
-
-/// Runs `script` in the libtorch venv's Python (`.libtorch` links into
-/// its site-packages: `<venv>/lib/pythonX.Y/site-packages/torch`) and
-/// returns what it printed; a script that fails fails the test with its
-/// stderr.
-pub fn python(script: &str) -> String {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let torch =
-        std::fs::canonicalize(root.join(".libtorch")).expect(".libtorch: run `cargo xtask setup`");
-    let exe = torch.ancestors().nth(4).unwrap().join("bin").join("python");
-    let py = std::process::Command::new(exe)
-        .args(["-c", script])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&py.stderr);
-    assert!(py.status.success(), "{stderr}");
-    String::from_utf8_lossy(&py.stdout).into_owned()
 }

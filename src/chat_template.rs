@@ -89,13 +89,7 @@ impl ChatTemplate {
             msg,
         };
         let config_path = dir.join("tokenizer_config.json");
-        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
-            Ok(text) => {
-                (serde_json::from_str(&text)).map_err(|e| err(&config_path, e.to_string()))?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(e) => return Err(err(&config_path, e.to_string())),
-        };
+        let config = tokenizer_config(dir)?;
         let jinja = dir.join("chat_template.jinja");
         let (source, path) = match std::fs::read_to_string(&jinja) {
             Ok(source) => (source, jinja),
@@ -280,6 +274,51 @@ fn named_template(v: &serde_json::Value) -> Result<Option<String>, String> {
         }
         _ => Err("chat_template is neither a string nor a list of named templates".into()),
     }
+}
+
+/// `tokenizer_config.json` in `dir` (null when there is none) with its
+/// special tokens as `transformers` 4.57's `from_pretrained` sets them: a
+/// legacy checkpoint, whose config has no `added_tokens_decoder`, has
+/// them from `special_tokens_map.json` where that file names them (its
+/// `additional_special_tokens` added to the config's list).
+pub(crate) fn tokenizer_config(dir: &Path) -> Result<serde_json::Value, TokenizeError> {
+    let read = |path: PathBuf| -> Result<serde_json::Value, TokenizeError> {
+        let err = |msg: String| TokenizeError::Tokenizer {
+            path: path.clone(),
+            msg,
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| err(e.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(serde_json::Value::Null),
+            Err(e) => Err(err(e.to_string())),
+        }
+    };
+    let mut config = read(dir.join("tokenizer_config.json"))?;
+    if config.get("added_tokens_decoder").is_some() {
+        return Ok(config);
+    }
+    let serde_json::Value::Object(map) = read(dir.join("special_tokens_map.json"))? else {
+        return Ok(config);
+    };
+    if !config.is_object() {
+        config = serde_json::Value::Object(Default::default());
+    }
+    for (key, value) in map {
+        config[&key] = match (key.as_str(), value) {
+            ("additional_special_tokens", serde_json::Value::Array(extra)) => {
+                let mut list = config[&key].as_array().cloned().unwrap_or_default();
+                for token in extra {
+                    let text = token_text(&token);
+                    if !list.iter().any(|t| token_text(t) == text) {
+                        list.push(token);
+                    }
+                }
+                serde_json::Value::Array(list)
+            }
+            (_, value) => value,
+        };
+    }
+    Ok(config)
 }
 
 /// A special token's text in `tokenizer_config.json`: a string, or an

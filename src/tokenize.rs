@@ -59,7 +59,7 @@ use std::path::{Path, PathBuf};
 use minijinja::value::ValueKind;
 use tokenizers::{Encoding, Tokenizer};
 
-use crate::chat_template::{token_text, ChatTemplate};
+use crate::chat_template::{token_text, tokenizer_config, ChatTemplate};
 
 /// Documents encoded at a time from a `.jsonl` file (in parallel, on
 /// `tokenizers`' threads): enough to keep two cores busy, few enough
@@ -429,23 +429,20 @@ impl HfTokenizer {
         (self.tokenizer.decode(ids, true)).map_err(|e| self.failed(e))
     }
 
-    /// The id of its `tokenizer_config.json`'s `eos_token`.
+    /// The id of its `tokenizer_config.json`'s `eos_token` (for a legacy
+    /// checkpoint, `special_tokens_map.json`'s, as `transformers` reads
+    /// it).
     pub fn eos(&self) -> Result<u32, TokenizeError> {
         let err = |msg: String| TokenizeError::Tokenizer {
             path: self.path.clone(),
             msg,
         };
-        let config = self.dir.join("tokenizer_config.json");
-        let text = std::fs::read_to_string(&config).map_err(|e| {
+        let name = token_text(&tokenizer_config(&self.dir)?["eos_token"]).ok_or_else(|| {
             err(format!(
-                "{}: {e}; the end-of-text token is read from it",
-                config.display()
+                "no eos_token in {} (nor in its special_tokens_map.json): the end-of-text token is read from there",
+                self.dir.join("tokenizer_config.json").display()
             ))
         })?;
-        let json: serde_json::Value =
-            (serde_json::from_str(&text)).map_err(|e| err(format!("{}: {e}", config.display())))?;
-        let name = token_text(&json["eos_token"])
-            .ok_or_else(|| err(format!("{}: no eos_token", config.display())))?;
         (self.tokenizer.token_to_id(&name)).ok_or_else(|| {
             err(format!(
                 "eos_token {name:?} is not in the tokenizer's vocabulary"

@@ -205,7 +205,7 @@ Tokenizer(models.WordLevel({{f"w{{i}}": i for i in range(70000)}}, unk_token="w0
                 txt.as_os_str(),
             ],
             format!(
-                "{}: No such file",
+                "no eos_token in {} (nor in its special_tokens_map.json)",
                 wide.join("tokenizer_config.json").display()
             ),
         ),
@@ -405,7 +405,8 @@ const LLAMA3: &str = r#"{{- bos_token }}{% for message in messages %}{% if (mess
 #[test]
 fn conversations_tokenize_as_apply_chat_template_gives_them() {
     let dir = scratch("tokenize-chat");
-    let (tok, llama) = (dir.join("tok"), dir.join("llama"));
+    let (tok, llama, legacy) = (dir.join("tok"), dir.join("llama"), dir.join("legacy"));
+    let _ = std::fs::remove_dir_all(&legacy);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("chatml.jinja"), CHATML).unwrap();
     std::fs::write(dir.join("llama3.jinja"), LLAMA3).unwrap();
@@ -468,11 +469,26 @@ assert 0 < sum(mask) < len(mask)
 write("convs", ids, mask)
 l = AutoTokenizer.from_pretrained("{llama}")
 write("llama", l.apply_chat_template(convs[0], tokenize=True))
+# A legacy checkpoint: no added_tokens_decoder in its config, whose
+# special tokens special_tokens_map.json then overrides.
+import shutil
+shutil.copytree("{llama}", "{legacy}")
+cfg = json.load(open("{legacy}/tokenizer_config.json"))
+del cfg["added_tokens_decoder"]
+cfg["bos_token"] = "</s>"
+del cfg["eos_token"]
+json.dump(cfg, open("{legacy}/tokenizer_config.json", "w"))
+g = AutoTokenizer.from_pretrained("{legacy}")
+assert (g.bos_token, g.eos_token) == ("<s>", "</s>"), (g.bos_token, g.eos_token)
+with open("{legacy}.jsonl", "w") as f:
+    f.write(json.dumps({{"text": "the lazy fox"}}) + "\n" + json.dumps({{"messages": convs[0]}}) + "\n")
+write("legacy", g("the lazy fox")["input_ids"] + [g.eos_token_id] + g.apply_chat_template(convs[0], tokenize=True))
 print(int(os.path.exists("{tok}/chat_template.jinja")), int(os.path.exists("{llama}/chat_template.jinja")), sum(mask))
 "#,
         trained = trained_tokenizer(&tok),
         tok = tok.display(),
         llama = llama.display(),
+        legacy = legacy.display(),
         dir = dir.display(),
         chats = chats.display(),
         pcs = pcs.display(),
@@ -489,6 +505,12 @@ print(int(os.path.exists("{tok}/chat_template.jinja")), int(os.path.exists("{lla
         (&tok, &["--completion-only"][..], &pcs, "pc"),
         (&tok, &["--assistant-only"][..], &convs, "convs"),
         (&llama, &[][..], &convs, "llama"),
+        (
+            &legacy,
+            &["--eos"][..],
+            &legacy.with_extension("jsonl"),
+            "legacy",
+        ),
     ] {
         let _ = std::fs::remove_file(&mask);
         let mut args = vec![

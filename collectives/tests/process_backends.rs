@@ -2,8 +2,13 @@
 //! processes: this test binary re-runs itself once per rank (the `rank_main`
 //! test, which does nothing unless `ZRT_TEST_SCENARIO` is set), with the
 //! environment `zrt launch` sets. Every scenario runs on both backends.
+//!
+//! The local backend's tests are a module of this binary
+//! (`local_backend::`), not a binary of their own: one link of the crate
+//! fewer in a fresh build. A rank process runs `rank_main` alone.
 
 mod common;
+mod local_backend;
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};

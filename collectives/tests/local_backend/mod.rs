@@ -18,7 +18,7 @@ fn run<R: Send>(size: usize, timeout: Duration, f: impl Fn(LocalRank) -> R + Syn
     })
 }
 
-mod common;
+use crate::common;
 
 #[test]
 fn every_op_dtype_and_uneven_size_on_worlds_of_1_2_3_4() {

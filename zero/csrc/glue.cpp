@@ -1,6 +1,7 @@
 // libtorch glue that tch 0.26 does not expose (see DESIGN.md, "libtorch glue").
 //
-// Every entry point takes tch's tensor handle (a `at::Tensor*`), catches
+// Every entry point takes tch's tensor handle (an `at::Tensor*`, which
+// tch's C++ calls `torch::Tensor*`: one type), catches
 // every C++ exception and returns it as a heap string the Rust side frees with
 // `zrt_free_error`; a null return means success. Nothing here may throw across
 // the FFI boundary.

@@ -193,19 +193,6 @@ impl ChatTemplate {
         }
         Ok(Rendered { text, generated })
     }
-
-    /// A conversation of `(role, content)` messages rendered
-    /// ([`Self::render`]).
-    pub fn render_messages(
-        &self,
-        messages: &[(&str, &str)],
-        add_generation_prompt: bool,
-    ) -> Result<Rendered, RenderError> {
-        let list: Vec<Value> = (messages.iter())
-            .map(|&(role, content)| Value::from_iter([("role", role), ("content", content)]))
-            .collect();
-        self.render(&Value::from(list), None, add_generation_prompt)
-    }
 }
 
 impl std::fmt::Debug for ChatTemplate {

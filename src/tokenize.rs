@@ -402,6 +402,24 @@ impl HfTokenizer {
     /// model to answer: `apply_chat_template(messages,
     /// add_generation_prompt=True)`.
     pub fn encode_chat(&self, messages: &[(&str, &str)]) -> Result<Vec<u32>, TokenizeError> {
+        let list: Vec<minijinja::Value> = (messages.iter())
+            .map(|&(role, content)| {
+                minijinja::Value::from_iter([("role", role), ("content", content)])
+            })
+            .collect();
+        self.encode_conversation(&minijinja::Value::from(list), None)
+    }
+
+    /// The ids of a conversation (a list of messages, each a map with
+    /// `role` and `content` as the template reads them; `tools` the
+    /// functions' JSON schemas) rendered by its chat template with the
+    /// assistant's turn opened: `apply_chat_template(messages,
+    /// tools=tools, add_generation_prompt=True)`.
+    pub fn encode_conversation(
+        &self,
+        messages: &minijinja::Value,
+        tools: Option<&minijinja::Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let err = |msg: String| TokenizeError::Tokenizer {
             path: self.path.clone(),
             msg,
@@ -409,8 +427,7 @@ impl HfTokenizer {
         let template = self.chat_template()?.ok_or_else(|| {
             err("no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render the prompt as a conversation with; give the prompt as text".into())
         })?;
-        let rendered =
-            (template.render_messages(messages, true)).map_err(|e| err(e.to_string()))?;
+        let rendered = (template.render(messages, tools, true)).map_err(|e| err(e.to_string()))?;
         self.encode_rendered(&rendered.text)
     }
 

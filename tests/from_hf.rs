@@ -987,12 +987,12 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     );
     // `zrt generate` continues it so from the export, in one process;
     // sampled, a seed gives its text again.
-    let generate = |more: &[&str]| {
+    let answer = |args: &[&str]| {
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
             .args(["generate", "--model"])
             .arg(&tuned)
-            .args(["--prompt", "t5 t17 t33", "--max-new-tokens", "6"])
-            .args(more)
+            .args(["--max-new-tokens", "6"])
+            .args(args)
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
@@ -1001,6 +1001,7 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
             .trim_end_matches('\n')
             .to_string()
     };
+    let generate = |more: &[&str]| answer(&[&["--prompt", "t5 t17 t33"], more].concat());
     assert_eq!(generate(&[]), theirs);
     // A user's message rendered with the chat template, as transformers'
     // apply_chat_template renders and tokenizes it.
@@ -1012,17 +1013,26 @@ tok = PreTrainedTokenizerFast(tokenizer_file="{tuned}/tokenizer.json")
 tok.chat_template = open("{tuned}/chat_template.jinja").read()
 m = M.from_pretrained("{tuned}")
 chat = [{{"role": "system", "content": "t9 t8"}}, {{"role": "user", "content": "t5 t17 t33"}}]
-ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
-assert ids.shape[1] == 12, ids
-out = m.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
-print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+turns = chat + [{{"role": "assistant", "content": "t4 t2"}}, {{"role": "user", "content": "t33 t5"}}]
+for chat, n in [(chat, 12), (turns, 22)]:
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    assert ids.shape[1] == n, ids
+    out = m.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+import json
+json.dump({{"messages": turns, "id": 3}}, open("{tuned}/../turns.json", "w"))
 "#,
         import = case.python.0,
         tuned = tuned.display()
     ));
-    let chatted = chatted.trim_end_matches('\n');
+    let (chatted, turned) = chatted.trim_end_matches('\n').split_once('\n').unwrap();
     assert_eq!(generate(&["--chat", "--system", "t9 t8"]), chatted);
     assert_ne!(chatted, theirs, "the chat prompt changed nothing");
+    // A conversation of several turns, from a file as TRL's data holds
+    // one.
+    let turns = tuned.join("../turns.json");
+    assert_eq!(answer(&["--messages", turns.to_str().unwrap()]), turned);
+    assert_ne!(turned, chatted, "the turns changed nothing");
     let sampled = ["--do-sample", "--temperature", "2", "--seed", "3"];
     let drawn = generate(&sampled);
     assert!(!drawn.is_empty());

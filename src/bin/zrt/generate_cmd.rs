@@ -22,8 +22,17 @@ pub struct GenerateArgs {
     model: PathBuf,
     /// The text to continue (encoded as `tokenizer(text)` encodes it,
     /// special tokens added), or with `--chat` a user's message.
-    #[arg(long)]
-    prompt: String,
+    #[arg(long, required_unless_present = "messages")]
+    prompt: Option<String>,
+    /// A conversation to answer, instead of `--prompt`: a JSON file
+    /// holding a list of messages (`{"role": ..., "content": ...}`), or
+    /// an object with it as `messages` (and the functions' schemas as
+    /// `tools`), as a line of TRL's conversational data holds them;
+    /// rendered with the checkpoint's chat template with the assistant's
+    /// turn opened (`apply_chat_template(messages, tools=tools,
+    /// add_generation_prompt=True)`).
+    #[arg(long, conflicts_with_all = ["prompt", "chat"])]
+    messages: Option<PathBuf>,
     /// The prompt is a user's message to an instruction-tuned model:
     /// rendered with the checkpoint's chat template with the assistant's
     /// turn opened (`apply_chat_template([{"role": "user", "content":
@@ -57,15 +66,17 @@ pub struct GenerateArgs {
 /// its weights read from the checkpoint's files as the engine is built.
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let tokenizer = HfTokenizer::open(&a.model)?;
-    let prompt = match a.chat {
-        false => tokenizer.encode(&a.prompt)?,
-        true => {
+    let prompt = match (&a.messages, a.prompt.as_deref()) {
+        (Some(path), _) => conversation(&tokenizer, path)?,
+        (None, Some(text)) if a.chat => {
             let messages: Vec<(&str, &str)> = (a.system.iter())
                 .map(|s| ("system", s.as_str()))
-                .chain([("user", a.prompt.as_str())])
+                .chain([("user", text)])
                 .collect();
             tokenizer.encode_chat(&messages)?
         }
+        (None, Some(text)) => tokenizer.encode(text)?,
+        (None, None) => anyhow::bail!("give --prompt TEXT or --messages FILE"),
     };
     let prompt: Vec<i64> = prompt.into_iter().map(i64::from).collect();
     let stop = eos_token_ids(&a.model)?;
@@ -94,4 +105,26 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let new: Vec<u32> = new.iter().map(|&id| id as u32).collect();
     println!("{}", tokenizer.decode(&new)?);
     Ok(())
+}
+
+/// The ids of `--messages`' conversation, the assistant's turn opened.
+fn conversation(tokenizer: &HfTokenizer, path: &std::path::Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--messages {}: reading it", path.display()))?;
+    // In the file's own key order, which a template's `tojson` shows.
+    let json: minijinja::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--messages {}: not JSON", path.display()))?;
+    let field = |name: &str| json.get_attr(name).ok().filter(|v| !v.is_undefined());
+    let (messages, tools) = match json.kind() {
+        minijinja::value::ValueKind::Seq => (json.clone(), None),
+        _ => match field("messages") {
+            Some(m) => (m, field("tools")),
+            None => anyhow::bail!(
+                "--messages {}: neither a list of messages nor an object with one as \"messages\"",
+                path.display()
+            ),
+        },
+    };
+    let ids = tokenizer.encode_conversation(&messages, tools.as_ref());
+    ids.with_context(|| format!("--messages {}", path.display()))
 }

@@ -26,10 +26,15 @@ use std::sync::Mutex;
 /// exits.
 const SERVER: &str = r#"
 import json, os, sys, traceback
-import torch, transformers, transformers.modeling_utils, safetensors.torch
 reply = os.fdopen(os.dup(1), "w")
+# What the imports print goes to stderr: never into a reply, nor left in
+# a buffer each child would inherit and print again.
+os.dup2(2, 1)
+import torch, transformers, transformers.modeling_utils, safetensors.torch
 for line in sys.stdin:
     req = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -79,6 +84,8 @@ fn venv_python() -> PathBuf {
     torch.ancestors().nth(4).unwrap().join("bin").join("python")
 }
 
+/// A new server (its imports done in the background while the first
+/// request waits in its pipe).
 fn start() -> Server {
     let mut child = Command::new(venv_python())
         .args(["-c", SERVER])

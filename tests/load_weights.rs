@@ -492,6 +492,93 @@ fn a_model_built_from_a_file_is_held_by_no_rank_and_trains_as_one_loaded_before(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What `fresh_weights` names in the test of it: a trainable matrix of
+/// block 0 and the frozen `wpe` (whole on every rank).
+fn is_fresh(name: &str) -> bool {
+    name.starts_with("h.0.fc.") || name == "wpe.weight"
+}
+
+#[test]
+fn variables_the_file_lacks_named_fresh_start_from_rank_0s_draw_and_the_rest_from_the_file() {
+    let dir = scratch("weights-from-file-fresh");
+    let file = trained_file(&dir, "");
+    let kept: Vec<(String, Tensor)> = (Tensor::read_safetensors(&file).unwrap().into_iter())
+        .filter(|(n, _)| !is_fresh(n))
+        .collect();
+    assert!(kept.len() + 3 == gpt_tensors().len(), "{:?}", gpt_tensors());
+    let partial = write(&dir, "partial.safetensors", &kept);
+    let steps = 3;
+    for (stage, world, extra) in [(0, 2, ""), (2, 3, ""), (3, 3, ""), (3, 2, BF16)] {
+        let what = format!("stage {stage} on {world} ranks {extra}");
+        let cfg = config_zero(stage, 1, 1.0, extra, SHARD_ALL);
+        // Seed 0's draw for the fresh variables, the file's for the rest.
+        let want = on_ranks(world, |r| {
+            let before = |vs: &mut tch::nn::VarStore| {
+                let missing = vs.load_partial(&partial).unwrap();
+                assert_eq!(missing.len(), 3, "{missing:?}");
+            };
+            let (e, gpt) = gpt_engine(&r, world, &cfg, before);
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (losses, e.gathered_params().unwrap())
+        });
+        let got = on_ranks(world, |r| {
+            // Each rank draws its own values: rank 0's must win.
+            let (vs, plan, gpt) = common::seeded(|| {
+                tch::manual_seed(r.rank() as i64);
+                let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+                let plan = zrt::zero::ShardPlan::new();
+                plan.fresh_weights(|n, _| is_fresh(n)).unwrap();
+                plan.weights_from_file(&vs, &partial).unwrap();
+                let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
+                (vs, plan, gpt)
+            });
+            let held: Vec<(String, bool)> = (vs.variables().into_iter())
+                .map(|(n, t)| (n, zrt::zero::glue::storage_nbytes(&t).unwrap() > 0))
+                .collect();
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&(0..world).collect::<Vec<_>>()).unwrap();
+            let hints = zrt::zero::AutoHints::default();
+            let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
+            let losses = train_losses(&gpt, &e, r.rank(), steps);
+            (held, losses, e.gathered_params().unwrap())
+        });
+        for (rank, ((held, losses, params), (want_losses, want_params))) in
+            got.into_iter().zip(want).enumerate()
+        {
+            let what = format!("{what}, rank {rank}");
+            for (name, has_memory) in held {
+                assert_eq!(has_memory, is_fresh(&name), "{what}: `{name}` while built");
+            }
+            assert_eq!(losses, want_losses, "{what}");
+            common::assert_bits(&what, &params, &want_params);
+        }
+    }
+    // Without the rule the file's lack is refused, naming what it lacks.
+    let refused = on_ranks(2, |r| {
+        let (vs, plan, _gpt) = common::seeded(|| {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let plan = zrt::zero::ShardPlan::new();
+            plan.weights_from_file(&vs, &partial).unwrap();
+            let gpt = zrt::gpt::Gpt::new(&vs.root(), &plan, &common::GPT);
+            (vs, plan, gpt)
+        });
+        let group = r.new_group(&[0, 1]).unwrap();
+        let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+        let hints = zrt::zero::AutoHints::default();
+        Engine::new(&vs, &plan, &cfg, group, &hints)
+            .err()
+            .map(|e| e.to_string())
+    });
+    for err in refused {
+        let err = err.unwrap_or_default();
+        assert!(
+            err.contains("h.0.fc.weight") && err.contains("wpe.weight"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_build_from_a_file_is_refused_where_the_file_or_a_rank_differs() {
     let dir = scratch("weights-from-file-refused");

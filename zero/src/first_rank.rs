@@ -72,7 +72,9 @@ impl Release {
     /// (the storage points into [`glue::free_storage`]'s guard). What
     /// cannot be released stays whole and is said (the engine overwrites
     /// it all the same).
-    pub(crate) fn release_made_so_far(&self) {
+    /// Under `weights_from_file`, the variables `fresh` names keep
+    /// theirs (the file does not hold them).
+    pub(crate) fn release_made_so_far(&self, fresh: Option<&crate::plan::NameRule>) {
         let vars: Vec<(String, tch::Tensor)> = match self.vars.lock() {
             Ok(v) => (v.named_variables.iter())
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -82,6 +84,11 @@ impl Release {
         let mut released = false;
         for (name, t) in vars {
             if t.numel() == 0 || glue::is_freed(&t).unwrap_or(true) {
+                continue;
+            }
+            let kept = matches!(self.values, Values::File(_))
+                && fresh.is_some_and(|f| f(&name, &t.size()));
+            if kept {
                 continue;
             }
             // What could not be written keeps its values (said once).

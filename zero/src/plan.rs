@@ -75,6 +75,8 @@ pub(crate) struct PlanInner {
     pub(crate) rename: Mutex<Option<Arc<Rename>>>,
     /// Set by [`ShardPlan::transpose_weights`].
     pub(crate) transpose: Mutex<Option<Arc<TransposeRule>>>,
+    /// Set by [`ShardPlan::fresh_weights`].
+    pub(crate) fresh: Mutex<Option<Arc<NameRule>>>,
 }
 
 impl PlanInner {
@@ -83,11 +85,17 @@ impl PlanInner {
     /// `weights_from_file` and `weights_on_disk_while_built`, releases
     /// every variable made so far; a no-op otherwise.
     pub(crate) fn release_made_so_far(&self) {
+        let fresh = self.fresh_rule();
         if let Ok(r) = self.release.lock() {
             if let Some(r) = r.as_ref() {
-                r.release_made_so_far();
+                r.release_made_so_far(fresh.as_deref());
             }
         }
+    }
+
+    /// The rule [`ShardPlan::fresh_weights`] set, if any.
+    pub(crate) fn fresh_rule(&self) -> Option<Arc<NameRule>> {
+        self.fresh.lock().ok().and_then(|r| r.clone())
     }
 
     /// The file [`ShardPlan::weights_from_file`] named, if it was called.
@@ -607,6 +615,8 @@ impl ShardPlan {
     /// `vs.load`) stops the process with an explanation. A file that does
     /// not hold every variable, in its shape, fails the engine's build
     /// naming what differs; so does a file only some ranks can read.
+    /// Variables the file cannot hold (a LoRA model's adapters over a
+    /// pretrained base, a new head) are named by [`Self::fresh_weights`].
     pub fn weights_from_file(
         &self,
         vs: &nn::VarStore,
@@ -614,6 +624,32 @@ impl ShardPlan {
     ) -> Result<(), EngineError> {
         let release = Release::of(vs, Values::File(file.as_ref().to_path_buf()));
         self.set_rule_slot("weights_from_file", &self.inner.release, Some(release))
+    }
+
+    /// Names the variables [`Self::weights_from_file`]'s file does not
+    /// hold, which start from the values the model drew instead (world
+    /// rank 0's, on every rank, as without a file): `rule(name, shape)`
+    /// is true of such a variable, given its VarStore name. A LoRA
+    /// model's adapters over a pretrained base, or a new head:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.fresh_weights(|name, _| name.contains(".lora_"))?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    ///
+    /// They keep their memory while the model is built (the rest is
+    /// released), and the build's load is strict about every other
+    /// variable: one the rule names that the file does hold takes the
+    /// file's values. Without `weights_from_file` the rule changes
+    /// nothing. Call it before the first [`ShardedModule::new`], on every
+    /// rank alike.
+    pub fn fresh_weights(
+        &self,
+        rule: impl Fn(&str, &[i64]) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        let rule: Arc<NameRule> = Arc::new(rule);
+        self.set_rule_slot("fresh_weights", &self.inner.fresh, Some(rule))
     }
 
     /// Names the tensors of weights files in this model, for

@@ -131,8 +131,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let file = plan.inner.weights_file();
         // `weights_on_disk_while_built`'s file, on the first rank.
         let spill = plan.inner.spill();
+        let fresh = plan.inner.fresh_rule();
         let source = match file {
-            Some(_) => Source::File,
+            Some(_) => Source::File(fresh.as_deref()),
             None => Source::FirstRank(spill.as_deref()),
         };
         // Muon's matrices keep no `v` in memory (the NVMe swap's arrays
@@ -296,7 +297,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
             _plan: claim,
         };
         if let Some(file) = file {
-            engine.load_weights(&file, true)?;
+            engine.load_weights_except(&file, fresh.as_deref())?;
         }
         Ok(engine)
     }

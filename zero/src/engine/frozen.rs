@@ -99,7 +99,7 @@ impl Frozen {
         replicate: Option<&G>,
         source: super::Source<'_>,
     ) -> Result<(), EngineError> {
-        if let super::Source::File = source {
+        if let super::Source::File(_) = source {
             // No rank's values: memory (zeros) for the file's, which the
             // build loads next.
             for (_, t) in &self.vars {
@@ -108,7 +108,6 @@ impl Frozen {
                     drop(tch::no_grad(|| t.shallow_clone().f_zero_())?);
                 }
             }
-            return Ok(());
         }
         // Only world rank 0's bytes are kept; every other rank sends a
         // buffer of the right length and takes the result (so a large frozen
@@ -119,6 +118,9 @@ impl Frozen {
         for (name, t) in &self.vars {
             let kind = t.f_kind()?;
             let shape = t.size();
+            if !source.from_rank0(name, &shape) {
+                continue;
+            }
             if let (true, super::Source::FirstRank(Some(spill))) = (root, source) {
                 spill.restore(name, t)?;
             }

@@ -389,14 +389,28 @@ enum Source<'a> {
     /// (`ShardPlan::weights_on_disk_while_built`).
     FirstRank(Option<&'a crate::spill::Spill>),
     /// No rank's: the layout holds zeros until the build ends by loading
-    /// `ShardPlan::weights_from_file`'s file.
-    File,
+    /// `ShardPlan::weights_from_file`'s file; but for the variables
+    /// `ShardPlan::fresh_weights` names (the rule), which the file does
+    /// not hold: world rank 0's, as [`Source::FirstRank`]'s.
+    File(Option<&'a crate::plan::NameRule>),
+}
+
+impl Source<'_> {
+    /// Whether the variable `name` of `shape` takes world rank 0's values
+    /// (every variable but those a file will fill).
+    fn from_rank0(&self, name: &str, shape: &[i64]) -> bool {
+        match self {
+            Source::FirstRank(_) => true,
+            Source::File(fresh) => fresh.is_some_and(|f| f(name, shape)),
+        }
+    }
 }
 
 /// The fp32 values of `vars` (fp32 tensors) laid out flat over `layout`,
 /// world rank 0's on every rank: across replicas first, then inside the
 /// shard group (whose rank 0 then holds them); zeros, with no
-/// collective, from [`Source::File`]. Returns them, a new flat tensor of
+/// collective, from [`Source::File`] (but for its fresh variables: a
+/// unit holding one is world rank 0's, the rest zeros). Returns them, a new flat tensor of
 /// `compute`'s dtype holding them, and the variables made views
 /// (`set_data`) of their slots, in slot order. A collective.
 fn rank0_flat<G: ProcessGroup>(
@@ -416,10 +430,14 @@ fn rank0_flat<G: ProcessGroup>(
     // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
     // first rank's must be: a freed one there stops the process, saying
     // why, as any read of a freed weight does).
-    let root = is_first_rank(group, replicate) && matches!(source, Source::FirstRank(_));
+    let wanted = |s: &crate::flat::Slot| source.from_rank0(&s.name, &s.shape);
+    // Agreed on every rank without a word: the rule sees names and shapes.
+    let broadcast = layout.slots.iter().any(wanted);
+    let root = is_first_rank(group, replicate) && broadcast;
     for s in &layout.slots {
         let t = var(&s.name)?;
-        if !root && glue::is_freed(t)? {
+        // A file's variable stays zero here: the file fills it.
+        if !wanted(s) || (!root && glue::is_freed(t)?) {
             continue;
         }
         let slot = &mut values[s.offset..s.offset + s.numel];
@@ -432,13 +450,13 @@ fn rank0_flat<G: ProcessGroup>(
         let v = Vec::<f32>::try_from(&t.detach().f_contiguous()?.f_flatten(0, -1)?)?;
         slot.copy_from_slice(&v);
     }
-    let values = match (replicate, source) {
-        (Some(r), Source::FirstRank(_)) => r.broadcast(values, 0).wait()?,
+    let values = match (replicate, broadcast) {
+        (Some(r), true) => r.broadcast(values, 0).wait()?,
         _ => values,
     };
-    let values = match source {
-        Source::FirstRank(_) => group.broadcast(values, 0).wait()?,
-        Source::File => values,
+    let values = match broadcast {
+        true => group.broadcast(values, 0).wait()?,
+        false => values,
     };
     // One copy of the unit beside `values` (to_kind keeps an fp32 tensor
     // as it is), where zeros filled from a copy were two.

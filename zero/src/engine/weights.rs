@@ -26,6 +26,7 @@ use super::{elems, frozen, Compute, Engine, OwnedState, State};
 use crate::checkpoint::files::ReadWidened;
 use crate::checkpoint::weights_files::WeightsFiles;
 use crate::checkpoint::CheckpointError;
+use crate::plan::NameRule;
 use crate::EngineError;
 
 /// What [`Engine::load_weights`] did, as torch's `load_state_dict`
@@ -122,13 +123,30 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         path: impl AsRef<Path>,
         strict: bool,
     ) -> Result<LoadedWeights, EngineError> {
-        self.load_weights_inner(path.as_ref(), strict)
+        self.load_weights_inner(path.as_ref(), strict, None)
             .map_err(|e| super::checkpoint::called_by_every_rank("load_weights", e))
     }
 
-    fn load_weights_inner(&self, path: &Path, strict: bool) -> Result<LoadedWeights, EngineError> {
+    /// The build's load of `ShardPlan::weights_from_file`'s file: strict
+    /// but for the variables `fresh` names (`ShardPlan::fresh_weights`),
+    /// which the file may lack and which then keep their values.
+    pub(super) fn load_weights_except(
+        &self,
+        path: &Path,
+        fresh: Option<&NameRule>,
+    ) -> Result<LoadedWeights, EngineError> {
+        self.load_weights_inner(path, true, fresh)
+            .map_err(|e| super::checkpoint::called_by_every_rank("load_weights", e))
+    }
+
+    fn load_weights_inner(
+        &self,
+        path: &Path,
+        strict: bool,
+        fresh: Option<&NameRule>,
+    ) -> Result<LoadedWeights, EngineError> {
         self.pending_error_but_broken()?;
-        let checked = self.check_weights(path, strict);
+        let checked = self.check_weights(path, strict, fresh);
         let checked = self.agree(checked, "load the weights file")?;
         let (crc, len) = checked.file.identity();
         let shown = path.display().to_string();
@@ -147,8 +165,14 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 
     /// Maps the file and checks it against the model: names, shapes,
-    /// dtypes and byte lengths, without reading a value.
-    fn check_weights(&self, path: &Path, strict: bool) -> Result<Checked, CheckpointError> {
+    /// dtypes and byte lengths, without reading a value. The variables
+    /// `fresh` names may be missing, and are not reported so.
+    fn check_weights(
+        &self,
+        path: &Path,
+        strict: bool,
+        fresh: Option<&NameRule>,
+    ) -> Result<Checked, CheckpointError> {
         let file = WeightsFiles::open(path, &self._plan.weight_rules())?;
         let st = self.inner.st.lock();
         let in_file: HashMap<&str, (Dtype, &[usize], usize)> = (file.tensors())
@@ -181,7 +205,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         for (name, shape, kind, reads) in trainable.chain(frozen) {
             model.insert(name.clone());
             let Some(&(dtype, fshape, bytes)) = in_file.get(name.as_str()) else {
-                report.missing.push(name);
+                if !fresh.is_some_and(|f| f(&name, &shape)) {
+                    report.missing.push(name);
+                }
                 continue;
             };
             let same_shape = fshape.len() == shape.len()

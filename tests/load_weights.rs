@@ -507,6 +507,7 @@ fn variables_the_file_lacks_named_fresh_start_from_rank_0s_draw_and_the_rest_fro
         .collect();
     assert!(kept.len() + 3 == gpt_tensors().len(), "{:?}", gpt_tensors());
     let partial = write(&dir, "partial.safetensors", &kept);
+    let trainable = dir.join("trainable.safetensors");
     let steps = 3;
     for (stage, world, extra) in [(0, 2, ""), (2, 3, ""), (3, 3, ""), (3, 2, BF16)] {
         let what = format!("stage {stage} on {world} ranks {extra}");
@@ -540,12 +541,23 @@ fn variables_the_file_lacks_named_fresh_start_from_rank_0s_draw_and_the_rest_fro
             let hints = zrt::zero::AutoHints::default();
             let e = Engine::new(&vs, &plan, &cfg, group, &hints).unwrap();
             let losses = train_losses(&gpt, &e, r.rank(), steps);
+            // The trainable parameters alone, as a LoRA adapter's export.
+            let only = zrt::zero::ExportLayout::new().trainable_only();
+            e.save_16bit_model_as(&trainable, None, &only).unwrap();
             (held, losses, e.gathered_params().unwrap())
         });
+        let exported = file_values(&trainable);
         for (rank, ((held, losses, params), (want_losses, want_params))) in
             got.into_iter().zip(want).enumerate()
         {
             let what = format!("{what}, rank {rank}");
+            let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+            names.sort();
+            let written: Vec<&String> = exported.iter().map(|(n, _)| n).collect();
+            assert_eq!(written, names, "{what}: the trainable-only export");
+            if extra.is_empty() {
+                holds_the_file(&params, &exported, &what);
+            }
             for (name, has_memory) in held {
                 assert_eq!(has_memory, is_fresh(&name), "{what}: `{name}` while built");
             }

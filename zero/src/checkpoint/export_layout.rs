@@ -41,6 +41,8 @@ pub struct ExportLayout {
     transpose: Option<Box<TransposeOut>>,
     /// (file name, contents) written beside the tensors.
     files: Vec<(String, Contents)>,
+    /// Set by [`ExportLayout::trainable_only`].
+    trainable_only: bool,
 }
 
 impl std::fmt::Debug for ExportLayout {
@@ -48,6 +50,7 @@ impl std::fmt::Debug for ExportLayout {
         f.debug_struct("ExportLayout")
             .field("renames", &self.rename.is_some())
             .field("transposes", &self.transpose.is_some())
+            .field("trainable_only", &self.trainable_only)
             .field(
                 "files",
                 &self.files.iter().map(|f| &f.0).collect::<Vec<_>>(),
@@ -74,6 +77,19 @@ impl ExportLayout {
     pub fn transpose(mut self, rule: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         self.transpose = Some(Box::new(rule));
         self
+    }
+
+    /// Writes the parameters that train and nothing else: no frozen
+    /// variable is gathered or written. A LoRA model's adapters over its
+    /// frozen base, as PEFT's `adapter_model.safetensors` holds them.
+    pub fn trainable_only(mut self) -> Self {
+        self.trainable_only = true;
+        self
+    }
+
+    /// Whether [`Self::trainable_only`] was set.
+    pub(crate) fn is_trainable_only(&self) -> bool {
+        self.trainable_only
     }
 
     /// Writes a file `name` holding `contents` beside the tensors (in the

@@ -1299,7 +1299,9 @@ impl<G: ProcessGroup + 'static> Engine<G> {
                 .flat_map(|u| &u.layout.slots)
                 .map(|s| Planned::new(&s.name, dtype, &s.shape))
                 .collect();
-            plan.extend(frozen_plan(&st, Some(float))?);
+            if !layout.is_trainable_only() {
+                plan.extend(frozen_plan(&st, Some(float))?);
+            }
             // Frozen values a stage-3 unit holds packed are exported
             // unpacked: the file's metadata names them.
             (plan, export_metadata(packed_frozen(&st)))
@@ -1322,7 +1324,7 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // (floating-point ones in the export's dtype, as DeepSpeed's
         // half-precision module holds them). A collective at stage 3; a
         // write error on rank 0 reaches every rank through the agreement.
-        {
+        if !layout.is_trainable_only() {
             let mut st = i.st.lock();
             i.drain_prefetch(&mut st)?;
             self.stream_frozen(&st, Some(float), &mut sink)?;

@@ -30,6 +30,8 @@
 //! and at the end (`HfModel::greedy`, the checkpoint's tokenizer; with
 //! `--do-sample`, sampled: `HfModel::sample`; with `--chat`, the text
 //! is a user's message rendered with the checkpoint's chat template).
+//! With `--lora-r R` (the Llama family) it trains LoRA adapters on the
+//! frozen base, and `--out` is PEFT's adapter directory.
 
 use std::path::PathBuf;
 
@@ -39,6 +41,7 @@ use tch::{nn, Device, Kind, Tensor};
 use zrt::collectives::{init_from_env, ProcessGroup};
 use zrt::generate::SamplingArgs;
 use zrt::hf::{eos_token_ids, HfModel, HfOptions};
+use zrt::lora::LoraConfig;
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
@@ -135,6 +138,23 @@ struct Args {
     /// (`--do-sample`, drawn from `--seed`).
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Train LoRA adapters of this rank on a frozen base (PEFT's `r`;
+    /// the Llama family's layouts): `--out` is then PEFT's adapter
+    /// directory (`adapter_model.safetensors`, `adapter_config.json`).
+    #[arg(long)]
+    lora_r: Option<i64>,
+    /// The adapters' `lora_alpha` (the update is scaled by alpha / r).
+    #[arg(long, default_value_t = 16.0, requires = "lora_r")]
+    lora_alpha: f64,
+    /// The rate at which the adapters' input is dropped in training.
+    #[arg(long, default_value_t = 0.0, requires = "lora_r")]
+    lora_dropout: f64,
+    /// The linear layers that take adapters, comma-separated (PEFT's
+    /// `target_modules`; `all-linear` for every one of the decoder
+    /// layers'). PEFT's default for Llama: the query and value
+    /// projections.
+    #[arg(long, default_value = "q_proj,v_proj", requires = "lora_r")]
+    lora_targets: String,
 }
 
 /// The file at `path`, mapped.
@@ -249,8 +269,17 @@ fn main() -> Result<()> {
     let rank = dist.env().rank;
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
+    let lora = a.lora_r.map(|r| LoraConfig {
+        dropout: a.lora_dropout,
+        ..LoraConfig::new(
+            r,
+            a.lora_alpha,
+            &a.lora_targets.split(',').collect::<Vec<_>>(),
+        )
+    });
     let options = HfOptions {
         checkpoint_activations: a.checkpoint_activations,
+        lora,
     };
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     model.set_training(!a.no_dropout);
@@ -475,15 +504,29 @@ fn main() -> Result<()> {
     if rank == 0 {
         println!("trained: peak RSS per rank (MiB): {trained}");
     }
-    if let Some(out) = &a.out {
-        let max = (a.max_shard_mb * 1e6) as u64;
-        engine.save_16bit_model_as(out, Some(max), &layout)?;
-        if rank == 0 {
-            println!(
-                "wrote {} (transformers: from_pretrained on it)",
-                out.display()
-            );
+    match (&a.out, a.lora_r) {
+        (Some(out), Some(_)) => {
+            std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+            let file = out.join("adapter_model.safetensors");
+            engine.save_16bit_model_as(&file, None, &layout)?;
+            if rank == 0 {
+                println!(
+                    "wrote {} (peft: PeftModel.from_pretrained(base, it))",
+                    out.display()
+                );
+            }
         }
+        (Some(out), None) => {
+            let max = (a.max_shard_mb * 1e6) as u64;
+            engine.save_16bit_model_as(out, Some(max), &layout)?;
+            if rank == 0 {
+                println!(
+                    "wrote {} (transformers: from_pretrained on it)",
+                    out.display()
+                );
+            }
+        }
+        (None, _) => {}
     }
     Ok(())
 }

@@ -48,14 +48,22 @@ pub enum HfError {
     /// Sampling settings [`crate::generate::Sampling`] cannot sample with.
     #[error("cannot sample: {0}")]
     Sampling(String),
+    /// LoRA settings no adapter can be built with, or a model that takes
+    /// none ([`crate::lora`]).
+    #[error("LoRA: {0}")]
+    Lora(String),
 }
 
 /// How [`HfModel::from_pretrained_with`] builds a model.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct HfOptions {
     /// Recompute every block's activations in backward, keeping only its
     /// input (`transformers`' `gradient_checkpointing_enable()`).
     pub checkpoint_activations: bool,
+    /// LoRA adapters on the linear layers the config targets, the base
+    /// frozen (PEFT's `get_peft_model(model, config)`): the Llama
+    /// family's layouts only ([`crate::lora`]).
+    pub lora: Option<crate::lora::LoraConfig>,
 }
 
 /// The files of a checkpoint's directory an export of it carries besides
@@ -244,7 +252,11 @@ impl HfModel {
         Self::from_pretrained_with(vs, plan, dir, &HfOptions::default())
     }
 
-    /// As [`HfModel::from_pretrained`], built as `options` say.
+    /// As [`HfModel::from_pretrained`], built as `options` say. With
+    /// [`HfOptions::lora`] the base loads from `dir` frozen, the adapters
+    /// start from world rank 0's draw and are all that trains, and the
+    /// layout returned is PEFT's adapter ([`crate::lora::export_layout`]:
+    /// write it to `out/adapter_model.safetensors` as one file).
     pub fn from_pretrained_with(
         vs: &VarStore,
         plan: &ShardPlan,
@@ -261,6 +273,23 @@ impl HfModel {
         }
         plan.weights_from_file(vs, dir)?;
         let (root, recompute) = (vs.root(), options.checkpoint_activations);
+        if let Some(lora) = &options.lora {
+            lora.check("HfOptions::lora")?;
+            let Layout::Llama(c) = &layout else {
+                return Err(HfError::Lora(format!(
+                    "{}: model_type {:?} takes no adapters here: zrt builds LoRA adapters on the Llama family's layouts ({}); fine-tune it whole",
+                    source.path.display(),
+                    source.model_type().unwrap_or_default(),
+                    Family::model_types()
+                )));
+            };
+            // The base loads from its checkpoint, the adapters start from
+            // world rank 0's draw.
+            plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
+            let model = Llama::with_lora(&root, plan, c, lora, recompute);
+            crate::lora::freeze_base(vs, lora)?;
+            return Ok((Self::Llama(model), crate::lora::export_layout(lora, dir)));
+        }
         let model = match (&layout, recompute) {
             (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),
             (Layout::Gpt2(c), true) => Self::Gpt2(Gpt2::new_checkpointed(&root, plan, c)),

@@ -69,6 +69,7 @@ pub mod gpt2;
 pub mod gpt_neox;
 pub mod hf;
 pub mod llama;
+pub mod lora;
 pub mod phi;
 pub mod stop;
 #[cfg(feature = "tokenize")]

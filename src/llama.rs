@@ -51,7 +51,11 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use crate::blocks::{layer_norm, linear, Ends, Run, Training};
+use crate::blocks::{layer_norm, Ends, Run, Training};
+use crate::lora::{Adapted, LoraConfig};
+
+/// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
+type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
 use crate::hf::{HfError, HfJson};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -1587,7 +1591,7 @@ impl Norms {
 pub struct Layer {
     norms: Norms,
     qkv: Qkv,
-    o_proj: nn::Linear,
+    o_proj: Adapted,
     mlp: Mlp,
     /// Qwen3's and Gemma 3's per-head query and key norms, OLMo's over
     /// the whole projections.
@@ -1605,11 +1609,11 @@ pub struct Layer {
 #[derive(Debug)]
 enum Qkv {
     Apart {
-        q_proj: nn::Linear,
-        k_proj: nn::Linear,
-        v_proj: nn::Linear,
+        q_proj: Adapted,
+        k_proj: Adapted,
+        v_proj: Adapted,
     },
-    Fused(nn::Linear),
+    Fused(Adapted),
 }
 
 /// The MLP's gate and up projections: two matrices, or Phi-3's one
@@ -1617,24 +1621,18 @@ enum Qkv {
 #[derive(Debug)]
 enum GateUp {
     Apart {
-        gate_proj: nn::Linear,
-        up_proj: nn::Linear,
+        gate_proj: Adapted,
+        up_proj: Adapted,
     },
-    Fused(nn::Linear),
+    Fused(Adapted),
 }
 
 /// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`),
 /// or a mixture of experts.
 #[derive(Debug)]
 enum Mlp {
-    Dense {
-        gate_up: GateUp,
-        down_proj: nn::Linear,
-    },
-    Plain {
-        c_fc: nn::Linear,
-        c_proj: nn::Linear,
-    },
+    Dense { gate_up: GateUp, down_proj: Adapted },
+    Plain { c_fc: Adapted, c_proj: Adapted },
     Experts(Experts),
 }
 
@@ -1642,8 +1640,8 @@ enum Mlp {
 /// each expert's gate, up and down matrices.
 #[derive(Debug)]
 struct Experts {
-    router: nn::Linear,
-    experts: Vec<[nn::Linear; 3]>,
+    router: Adapted,
+    experts: Vec<[Adapted; 3]>,
     top_k: i64,
     normalize: bool,
 }
@@ -1651,7 +1649,7 @@ struct Experts {
 impl Experts {
     /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
     /// named as the family names them.
-    fn new(p: &nn::Path, d: i64, m: &MoeConfig, family: Family) -> Self {
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, family: Family, lin: &Lin<'_>) -> Self {
         let names = match family {
             Family::Mixtral => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
@@ -1661,14 +1659,14 @@ impl Experts {
             .map(|e| {
                 let ep = p / "experts" / e;
                 [
-                    linear(&(&ep / names[0]), d, w, false),
-                    linear(&(&ep / names[1]), d, w, false),
-                    linear(&(&ep / names[2]), w, d, false),
+                    lin(&(&ep / names[0]), d, w, false),
+                    lin(&(&ep / names[1]), d, w, false),
+                    lin(&(&ep / names[2]), w, d, false),
                 ]
             })
             .collect();
         Self {
-            router: linear(&(p / "gate"), d, m.experts, false),
+            router: lin(&(p / "gate"), d, m.experts, false),
             experts,
             top_k: m.top_k,
             normalize: m.normalize,
@@ -1711,8 +1709,17 @@ impl Experts {
 }
 
 impl Layer {
-    /// Decoder layer `l` under `p`.
-    fn new(p: &nn::Path, l: i64, c: &LlamaConfig, training: &Training) -> Self {
+    /// Decoder layer `l` under `p`, its linear layers with the adapters
+    /// `lora` targets.
+    fn new(
+        p: &nn::Path,
+        l: i64,
+        c: &LlamaConfig,
+        training: &Training,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
+        let lin: &Lin<'_> = &lin;
         let (a, m) = (p / "self_attn", p / "mlp");
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
         let window = c.window(l);
@@ -1733,38 +1740,38 @@ impl Layer {
             qkv: match c.family {
                 Family::Phi3 => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
-                    Qkv::Fused(linear(&(&a / "qkv_proj"), d, rows, qkv))
+                    Qkv::Fused(lin(&(&a / "qkv_proj"), d, rows, qkv))
                 }
                 _ => Qkv::Apart {
-                    q_proj: linear(&(&a / "q_proj"), d, c.heads * hd, qkv),
-                    k_proj: linear(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
-                    v_proj: linear(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
+                    q_proj: lin(&(&a / "q_proj"), d, c.heads * hd, qkv),
+                    k_proj: lin(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
+                    v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
                 },
             },
-            o_proj: linear(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
+            o_proj: lin(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
                         Family::Mixtral => p / "block_sparse_moe",
                         _ => m,
                     };
-                    Mlp::Experts(Experts::new(&under, d, moe, c.family))
+                    Mlp::Experts(Experts::new(&under, d, moe, c.family, lin))
                 }
                 _ if !c.family.gated() => Mlp::Plain {
-                    c_fc: linear(&(&m / "c_fc"), d, c.intermediate, mb),
-                    c_proj: linear(&(&m / "c_proj"), c.intermediate, d, mb),
+                    c_fc: lin(&(&m / "c_fc"), d, c.intermediate, mb),
+                    c_proj: lin(&(&m / "c_proj"), c.intermediate, d, mb),
                 },
                 _ => Mlp::Dense {
                     gate_up: match c.family {
                         Family::Phi3 => {
-                            GateUp::Fused(linear(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
+                            GateUp::Fused(lin(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
                         }
                         _ => GateUp::Apart {
-                            gate_proj: linear(&(&m / "gate_proj"), d, c.intermediate, mb),
-                            up_proj: linear(&(&m / "up_proj"), d, c.intermediate, mb),
+                            gate_proj: lin(&(&m / "gate_proj"), d, c.intermediate, mb),
+                            up_proj: lin(&(&m / "up_proj"), d, c.intermediate, mb),
                         },
                     },
-                    down_proj: linear(&(&m / "down_proj"), c.intermediate, d, mb),
+                    down_proj: lin(&(&m / "down_proj"), c.intermediate, d, mb),
                 },
             },
             qk_norm: c.qk_norm.then(|| {
@@ -2193,17 +2200,41 @@ impl Llama {
     /// Values are tch's initialisation (the norms' weights one): a
     /// pretrained model's come from its file.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
-        Self::build(p, plan, cfg, false)
+        Self::build(p, plan, cfg, false, None)
     }
 
     /// As [`Llama::new`], every decoder layer's activations recomputed in
     /// backward (`transformers`' `gradient_checkpointing_enable()`): the
     /// same results, less memory, one more layer forward per backward.
     pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
-        Self::build(p, plan, cfg, true)
+        Self::build(p, plan, cfg, true, None)
     }
 
-    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig, checkpointed: bool) -> Self {
+    /// As [`Llama::new`] (or [`Llama::new_checkpointed`] when
+    /// `checkpointed`), each linear layer of the decoder layers that
+    /// `lora` targets with a LoRA adapter under PEFT's names
+    /// (`q_proj.lora_A.weight`, `q_proj.lora_B.weight`: [`crate::lora`]).
+    /// Everything trains until [`crate::lora::freeze_base`] freezes all
+    /// but the adapters; a base from its checkpoint wants the plan's
+    /// `fresh_weights` to name them ([`crate::hf::HfModel::from_pretrained_with`]
+    /// does all of it).
+    pub fn with_lora(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &LlamaConfig,
+        lora: &LoraConfig,
+        checkpointed: bool,
+    ) -> Self {
+        Self::build(p, plan, cfg, checkpointed, Some(lora))
+    }
+
+    fn build(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &LlamaConfig,
+        checkpointed: bool,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         let m = p / "model";
         // The root's variables before the first unit: a plan releasing
         // the model as it is built (`weights_from_file`) releases what
@@ -2222,7 +2253,8 @@ impl Llama {
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
-                let run = Run::new(Layer::new(&lp, i, cfg, &training), checkpointed);
+                let layer = Layer::new(&lp, i, cfg, &training, lora);
+                let run = Run::new(layer, checkpointed);
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();

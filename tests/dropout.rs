@@ -73,6 +73,7 @@ fn dropout_parity(name: &str, import: &str, args: &str, tol: f64) {
         let plan = ShardPlan::new();
         let options = HfOptions {
             checkpoint_activations: recompute,
+            ..Default::default()
         };
         let (model, _) =
             HfModel::from_pretrained_with(&vs, &plan, dir.join("hf"), &options).unwrap();

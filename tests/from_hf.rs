@@ -601,6 +601,7 @@ fn parity(name: &str) {
         let tuned = dir.join(format!("tuned{run}"));
         let options = HfOptions {
             checkpoint_activations: recompute,
+            ..Default::default()
         };
         let got = on_ranks(2, |r| {
             let vs = VarStore::new(tch::Device::Cpu);

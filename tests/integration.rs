@@ -21,6 +21,7 @@ mod kernels_vs_libtorch;
 mod launch;
 mod learning_rate;
 mod load_weights;
+mod lora;
 mod offload;
 mod quantized_gradients;
 mod quantized_weights;

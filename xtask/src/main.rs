@@ -16,6 +16,9 @@ const SAFETENSORS_VERSION: &str = "0.5.3";
 /// The `transformers` whose GPT-2 the Hugging Face tests compare with (the
 /// last 4.x: 5.x would pull a newer safetensors).
 const TRANSFORMERS_VERSION: &str = "4.57.6";
+/// The `peft` whose LoRA the adapter tests compare with (it loads zrt's
+/// adapters and trains its own from them).
+const PEFT_VERSION: &str = "0.18.0";
 
 const USAGE: &str = "\
 usage: cargo xtask <command> [args...]
@@ -218,11 +221,13 @@ fn pip_install(cache: &Path, specs: &[&str]) -> Result<()> {
 /// consolidated weights with it, as a Python user would; one wheel) and
 /// `transformers` (its GPT-2 and Llama write the checkpoints
 /// `tests/from_hf.rs` loads and compute the logits and losses zrt's must
-/// match, and it reads zrt's exports back; about 15 wheels, 10 seconds).
+/// match, and it reads zrt's exports back; about 15 wheels, 10 seconds),
+/// and `peft` (its LoRA reads zrt's adapters; three wheels).
 fn ensure_python_packages(cache: &Path) -> Result<()> {
     let want = [
         ("safetensors", SAFETENSORS_VERSION),
         ("transformers", TRANSFORMERS_VERSION),
+        ("peft", PEFT_VERSION),
     ];
     // One interpreter start reading the installed versions from the
     // packages' metadata: every xtask command runs this, and importing

@@ -881,14 +881,17 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// (`torch.autograd.grad(loss, x)`: saliency, adversarial examples).
     /// A backward that keeps its graph frees nothing here: another
     /// backward through the unit (a gradient penalty's) reads its
-    /// parameters again; the end of the backward frees them.
+    /// parameters again; the end of the backward frees them. A unit with
+    /// frozen parameters is freed here and not by its reduction (see
+    /// `launch_reduce`): its last gradient may come before the gradient
+    /// of its input, which its frozen matrices compute (a LoRA block's
+    /// adapters on the query and value projections are done before the
+    /// frozen key projection's input gradient).
     fn input_grad_ready(&self, unit: usize) {
         let mut st = self.st.lock();
-        let needed = glue::graph_kept()
-            .and_then(|kept| Ok(kept || glue::will_accumulate_any(&st.units[unit].params)?));
-        match needed {
-            Ok(true) => return,
+        match glue::graph_kept() {
             Ok(false) => {}
+            Ok(true) => return,
             Err(e) => {
                 st.error.get_or_insert(e.into());
                 return;
@@ -896,6 +899,15 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         let left = st.awaiting_input_grad[unit].saturating_sub(1);
         st.awaiting_input_grad[unit] = left;
+        // Gradients still to come: their reduction frees the unit.
+        match glue::will_accumulate_any(&st.units[unit].params) {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                st.error.get_or_insert(e.into());
+                return;
+            }
+        }
         if left == 0 && st.error.is_none() && st.gathered[unit] {
             if let Err(e) = self.release(&mut st, unit) {
                 st.error = Some(e);

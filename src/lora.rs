@@ -1,0 +1,324 @@
+//! LoRA adapters (Hu et al., 2021) as PEFT lays them out: a frozen
+//! pretrained linear layer `W` plus a trainable low-rank update `B A`,
+//! `y = W x + (alpha / r) B A dropout(x)`, `A` `[r, in]` drawn as PEFT
+//! draws it (uniform in `±1/sqrt(in)`), `B` `[out, r]` zeros, so a fresh
+//! adapter computes the base model's outputs exactly.
+//!
+//! [`LoraConfig`] is PEFT's `LoraConfig` (the fields of its
+//! `adapter_config.json` this crate computes with); the layers of
+//! [`crate::llama`] take adapters on the linear layers it targets when
+//! [`crate::hf::HfOptions::lora`] asks, under PEFT's names
+//! (`model.layers.0.self_attn.q_proj.lora_A.weight`): with the plan's
+//! [`ShardPlan::fresh_weights`](crate::zero::ShardPlan::fresh_weights)
+//! the base loads from its checkpoint and the adapters start from world
+//! rank 0's draw; [`freeze_base`] leaves the adapters the only
+//! parameters that train, which every ZeRO stage then shards (stage 3
+//! its frozen base too). [`export_layout`] writes them as PEFT's
+//! `adapter_model.safetensors` and `adapter_config.json`, which
+//! `PeftModel.from_pretrained(base, dir)` loads.
+
+use std::path::Path;
+
+use tch::nn::{self, Module};
+use tch::Tensor;
+
+use crate::blocks::{linear, Training};
+use crate::hf::HfError;
+use crate::zero::ExportLayout;
+
+/// PEFT's `LoraConfig`: which linear layers take adapters, of what rank,
+/// scaled how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// `r`: the adapters' rank.
+    pub r: i64,
+    /// `lora_alpha`: the update is scaled by `alpha / r` (by `alpha /
+    /// sqrt(r)` under [`Self::use_rslora`]).
+    pub alpha: f64,
+    /// `lora_dropout`: the rate at which the adapter's input is dropped
+    /// in training.
+    pub dropout: f64,
+    /// `target_modules`: the linear layers that take adapters, each a
+    /// module's name or the end of one after a dot (`q_proj` is every
+    /// layer's `self_attn.q_proj`), or `all-linear` alone: every linear
+    /// layer of the decoder layers (the head never).
+    pub target_modules: Vec<String>,
+    /// `use_rslora`: scale by `alpha / sqrt(r)` (rank-stabilised LoRA).
+    pub use_rslora: bool,
+}
+
+impl LoraConfig {
+    /// Rank `r`, `alpha`, no dropout, adapters on `targets`.
+    pub fn new(r: i64, alpha: f64, targets: &[&str]) -> Self {
+        Self {
+            r,
+            alpha,
+            dropout: 0.0,
+            target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            use_rslora: false,
+        }
+    }
+
+    /// The update's factor: `alpha / r`, or `alpha / sqrt(r)`.
+    pub fn scale(&self) -> f64 {
+        match self.use_rslora {
+            true => self.alpha / (self.r as f64).sqrt(),
+            false => self.alpha / self.r as f64,
+        }
+    }
+
+    /// Whether the linear layer `module` (its full name,
+    /// `model.layers.0.self_attn.q_proj`) takes an adapter: PEFT's
+    /// matching of `target_modules` given as a list.
+    pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| {
+            t == "all-linear"
+                || module == t
+                || module
+                    .strip_suffix(t.as_str())
+                    .is_some_and(|m| m.ends_with('.'))
+        })
+    }
+
+    /// Refuses what no adapter can be built with: a rank below 1, a
+    /// dropout rate outside `[0, 1)`, no targets, `all-linear` beside
+    /// others (PEFT takes it alone, as a string). `what` names the
+    /// settings' source in the error.
+    pub fn check(&self, what: &str) -> Result<(), HfError> {
+        let refuse = |msg: String| HfError::Lora(format!("{what}: {msg}"));
+        if self.r < 1 {
+            return Err(refuse(format!(
+                "rank r = {}: give a rank of 1 or more",
+                self.r
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(refuse(format!(
+                "lora_dropout {}: a rate in [0, 1)",
+                self.dropout
+            )));
+        }
+        let all = self.target_modules.iter().any(|t| t == "all-linear");
+        if self.target_modules.is_empty() || (all && self.target_modules.len() > 1) {
+            return Err(refuse(format!(
+                "target_modules {:?}: name the linear layers that take adapters (q_proj, v_proj, ...), or all-linear alone",
+                self.target_modules
+            )));
+        }
+        Ok(())
+    }
+
+    /// PEFT's `adapter_config.json` for these adapters on the model
+    /// `base` (its `base_model_name_or_path`): what
+    /// `PeftModel.from_pretrained` reads.
+    pub fn adapter_config_json(&self, base: &str) -> String {
+        let targets: serde_json::Value = match self.target_modules.as_slice() {
+            [all] if all == "all-linear" => all.as_str().into(),
+            list => list.into(),
+        };
+        let json = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": targets,
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+        });
+        format!("{json:#}\n")
+    }
+}
+
+/// Whether the VarStore name `name` is an adapter's (`.lora_A.` or
+/// `.lora_B.`): what [`freeze_base`] leaves trainable and the plan's
+/// `fresh_weights` names.
+pub fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.")
+}
+
+/// Freezes every variable of `vs` but the adapters (PEFT's `bias =
+/// "none"`: the base's biases and norms too); returns how many
+/// adapter matrices train, refusing a model with none (`targets`, the
+/// config's `target_modules`, matched no linear layer).
+pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError> {
+    let mut adapters = 0;
+    for (name, t) in vs.variables() {
+        match is_adapter(&name) {
+            true => adapters += 1,
+            false => drop(t.set_requires_grad(false)),
+        }
+    }
+    if adapters == 0 {
+        return Err(HfError::Lora(format!(
+            "target_modules {:?} match none of the model's linear layers: name them as the checkpoint does (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ...), or all-linear",
+            cfg.target_modules
+        )));
+    }
+    Ok(adapters)
+}
+
+/// The layout of an adapters-only export for PEFT: the trainable
+/// parameters only (the adapters, after [`freeze_base`]) under PEFT's
+/// names (`base_model.model.` before the model's), with
+/// `adapter_config.json` beside them. Write it with
+/// `engine.save_16bit_model_as(dir.join("adapter_model.safetensors"), None, &layout)`.
+pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
+    let config = cfg.adapter_config_json(&base.display().to_string());
+    ExportLayout::new()
+        .trainable_only()
+        .rename(|name| format!("base_model.model.{name}"))
+        .with_file("adapter_config.json", config)
+}
+
+/// A linear layer, with a LoRA adapter when its config targets it.
+#[derive(Debug)]
+pub(crate) struct Adapted {
+    base: nn::Linear,
+    adapter: Option<Adapter>,
+}
+
+/// `A` `[r, in]`, `B` `[out, r]`, the factor and the input's dropout.
+#[derive(Debug)]
+struct Adapter {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+    dropout: f64,
+    training: Training,
+}
+
+impl Adapted {
+    /// A linear layer `i -> o` under `p`, with or without bias, and an
+    /// adapter (`p / "lora_A"`, `p / "lora_B"`) when `lora` targets it.
+    pub(crate) fn new(
+        p: &nn::Path,
+        (i, o, bias): (i64, i64, bool),
+        lora: Option<&LoraConfig>,
+        training: &Training,
+    ) -> Self {
+        let base = linear(p, i, o, bias);
+        let name = p.components().collect::<Vec<_>>().join(".");
+        let adapter = lora.filter(|c| c.targets(&name)).map(|c| {
+            let bound = 1.0 / (i as f64).sqrt();
+            let uniform = nn::Init::Uniform {
+                lo: -bound,
+                up: bound,
+            };
+            Adapter {
+                a: (p / "lora_A").var("weight", &[c.r, i], uniform),
+                b: (p / "lora_B").var("weight", &[o, c.r], nn::Init::Const(0.0)),
+                scale: c.scale(),
+                dropout: c.dropout,
+                training: training.clone(),
+            }
+        });
+        Self { base, adapter }
+    }
+}
+
+impl Module for Adapted {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = self.base.forward(x);
+        let Some(a) = &self.adapter else {
+            return y;
+        };
+        // PEFT's order: B (A (dropout x)), times the factor, added.
+        let h = a.training.dropout(x.shallow_clone(), a.dropout);
+        let update = h
+            .linear::<&Tensor>(&a.a, None)
+            .linear::<&Tensor>(&a.b, None)
+            * a.scale;
+        y + update
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_match_as_peft_matches_a_list() {
+        let c = LoraConfig::new(4, 8.0, &["q_proj", "mlp.down_proj"]);
+        assert!(c.targets("model.layers.0.self_attn.q_proj"));
+        assert!(c.targets("q_proj"));
+        assert!(c.targets("model.layers.3.mlp.down_proj"));
+        assert!(!c.targets("model.layers.0.self_attn.qq_proj"));
+        assert!(!c.targets("model.layers.0.self_attn.k_proj"));
+        assert!(!c.targets("model.layers.0.other.down_proj"));
+        let all = LoraConfig::new(4, 8.0, &["all-linear"]);
+        assert!(all.targets("model.layers.0.mlp.experts.3.w1"));
+        assert_eq!(c.scale(), 2.0);
+        let rs = LoraConfig {
+            use_rslora: true,
+            ..c.clone()
+        };
+        assert_eq!(rs.scale(), 4.0);
+    }
+
+    #[test]
+    fn settings_no_adapter_computes_with_are_refused_naming_the_field() {
+        let base = LoraConfig::new(4, 8.0, &["q_proj"]);
+        for (bad, field) in [
+            (
+                LoraConfig {
+                    r: 0,
+                    ..base.clone()
+                },
+                "rank r = 0",
+            ),
+            (
+                LoraConfig {
+                    dropout: 1.0,
+                    ..base.clone()
+                },
+                "lora_dropout 1",
+            ),
+            (LoraConfig::new(4, 8.0, &[]), "target_modules []"),
+            (
+                LoraConfig::new(4, 8.0, &["all-linear", "q_proj"]),
+                "all-linear alone",
+            ),
+        ] {
+            let err = bad.check("--lora").unwrap_err().to_string();
+            assert!(err.contains(field) && err.contains("--lora"), "{err}");
+        }
+        assert!(base.check("--lora").is_ok());
+    }
+
+    #[test]
+    fn a_fresh_adapter_computes_the_base_layer_and_its_update_is_b_a_scaled() {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let c = LoraConfig::new(2, 6.0, &["proj"]);
+        let training = Training::default();
+        let l = Adapted::new(&(vs.root() / "proj"), (5, 3, true), Some(&c), &training);
+        let x = Tensor::randn([4, 5], (tch::Kind::Float, tch::Device::Cpu));
+        assert!(l.forward(&x).equal(&l.base.forward(&x)));
+        let names: Vec<String> = vs.variables().into_keys().collect();
+        assert!(
+            names.contains(&"proj.lora_A.weight".to_string()),
+            "{names:?}"
+        );
+        let ad = l.adapter.as_ref().unwrap();
+        tch::no_grad(|| ad.b.shallow_clone().fill_(0.5));
+        let want = l.base.forward(&x) + x.matmul(&ad.a.tr()).matmul(&ad.b.tr()) * 3.0;
+        assert!(l.forward(&x).allclose(&want, 1e-6, 1e-6, false));
+        assert_eq!(freeze_base(&vs, &c).unwrap(), 2);
+        let trainable: Vec<String> = (vs.variables().into_iter())
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(n, _)| n)
+            .collect();
+        assert!(trainable.iter().all(|n| is_adapter(n)) && trainable.len() == 2);
+        let none = LoraConfig::new(2, 6.0, &["q_proj"]);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _ = Adapted::new(&(vs.root() / "proj"), (5, 3, true), Some(&none), &training);
+        let err = freeze_base(&vs, &none).unwrap_err().to_string();
+        assert!(err.contains("match none"), "{err}");
+    }
+}

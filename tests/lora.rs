@@ -1,0 +1,228 @@
+//! LoRA adapters on a Llama checkpoint (`HfOptions::lora`): the base
+//! loads from its files frozen, held by no rank while built; the
+//! adapters, all that trains, start from rank 0's draw on every rank;
+//! exported as PEFT's adapter directory, `peft` loads them with nothing
+//! missing or unexpected, and training its own LoRA from zrt's initial
+//! adapters on the same batches gives zrt's losses, step by step, and
+//! zrt's trained adapters.
+
+use std::path::Path;
+
+use crate::common;
+
+use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
+use tch::nn::VarStore;
+use tch::Tensor;
+use zrt::hf::{HfModel, HfOptions};
+use zrt::lora::LoraConfig;
+use zrt::zero::{AutoHints, Engine, ShardPlan};
+
+const STEPS: usize = 3;
+const SEQ: i64 = 16;
+
+/// A seeded Llama with grouped-query attention, as the parity tests
+/// build it, in `dir/hf`; and each step's and rank's tokens in
+/// `dir/tokens.safetensors` (each step's the same, so that the loss falls
+/// as the adapters learn them).
+fn checkpoint(dir: &Path) {
+    let model = common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        dir,
+        r#", max_shard_size="100KB""#,
+    );
+    common::python(&format!(
+        r#"{model}
+tokens = torch.randint(0, 96, (1, 2, {MICRO}, {SEQ})).repeat({STEPS}, 1, 1, 1)
+save_file({{"tokens": tokens}}, "{dir}/tokens.safetensors")
+"#,
+        dir = dir.display()
+    ));
+}
+
+/// PEFT from zrt's initial adapters in `init` (checked to be what it
+/// loaded), AdamW as the engine's on the two ranks' batches: each step's
+/// loss on each rank, a line a step; then `ok` when its trained adapters
+/// are the ones zrt wrote to `tuned` (to float rounding).
+fn peft_run(dir: &Path, init: &Path, tuned: &Path) -> Vec<Vec<f64>> {
+    let script = format!(
+        r#"
+import torch
+from transformers import LlamaForCausalLM
+from peft import PeftModel
+from safetensors.torch import load_file
+tokens = load_file("{dir}/tokens.safetensors")["tokens"]
+base = LlamaForCausalLM.from_pretrained("{dir}/hf")
+m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
+mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
+file = load_file("{init}/adapter_model.safetensors")
+assert sorted(mine) == sorted(file), (sorted(mine), sorted(file))
+for k, v in file.items():
+    assert torch.equal(mine[k], v), k
+trains = sorted(n for n, p in m.named_parameters() if p.requires_grad)
+assert trains and all("lora_" in n for n in trains), trains
+opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr={LR}, weight_decay={WD})
+for s in range({STEPS}):
+    out = [m(input_ids=tokens[s, r], labels=tokens[s, r]) for r in range(2)]
+    print(*(o.loss.item() for o in out))
+    opt.zero_grad()
+    (sum(o.loss for o in out) / 2).backward()
+    opt.step()
+mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
+theirs = load_file("{tuned}/adapter_model.safetensors")
+assert sorted(mine) == sorted(theirs)
+for k, v in theirs.items():
+    assert torch.allclose(mine[k], v, rtol=1e-4, atol=1e-6), (k, (mine[k] - v).abs().max())
+print("ok")
+"#,
+        dir = dir.display(),
+        init = init.display(),
+        tuned = tuned.display(),
+    );
+    let out = common::python(&script);
+    let mut lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.pop(), Some("ok"), "{out}");
+    (lines.iter())
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect()
+}
+
+#[test]
+fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
+    let dir = scratch("lora-llama");
+    checkpoint(&dir);
+    let hf = dir.join("hf");
+    let tokens = Tensor::read_safetensors(dir.join("tokens.safetensors")).unwrap();
+    let tokens = &tokens[0].1;
+    // Tensors do not cross threads: each step's and rank's tokens.
+    let batches: Vec<Vec<Vec<i64>>> = (0..STEPS as i64)
+        .map(|s| {
+            (0..2)
+                .map(|r| Vec::try_from(tokens.get(s).get(r).flatten(0, -1)).unwrap())
+                .collect()
+        })
+        .collect();
+    let lora = LoraConfig::new(4, 16.0, &["q_proj", "v_proj", "down_proj"]);
+    let options = HfOptions {
+        lora: Some(lora.clone()),
+        ..Default::default()
+    };
+    for stage in [2u8, 3] {
+        let what = format!("stage {stage}");
+        let (init, tuned) = (
+            dir.join(format!("init{stage}")),
+            dir.join(format!("tuned{stage}")),
+        );
+        let ds = config_zero(stage, 1, 0.0, "", SHARD_ALL);
+        let got = on_ranks(2, |r| {
+            // Each rank draws adapters of its own: rank 0's must win.
+            tch::manual_seed(10 + r.rank() as i64);
+            let vs = VarStore::new(tch::Device::Cpu);
+            let plan = ShardPlan::new();
+            let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap();
+            let mut held: Vec<(String, bool)> = (vs.variables().into_iter())
+                .map(|(n, t)| (n, zrt::zero::glue::storage_nbytes(&t).unwrap() > 0))
+                .collect();
+            held.sort();
+            let group = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            std::fs::create_dir_all(&init).unwrap();
+            e.save_16bit_model_as(init.join("adapter_model.safetensors"), None, &layout)
+                .unwrap();
+            let rank = r.rank();
+            let batch = |s: usize| Tensor::from_slice(&batches[s][rank]).view([MICRO, SEQ]);
+            let losses: Vec<f64> = (0..STEPS)
+                .map(|s| {
+                    let loss = model.loss(&batch(s));
+                    e.backward(&loss).unwrap();
+                    e.step().unwrap();
+                    loss.double_value(&[])
+                })
+                .collect();
+            std::fs::create_dir_all(&tuned).unwrap();
+            e.save_16bit_model_as(tuned.join("adapter_model.safetensors"), None, &layout)
+                .unwrap();
+            (held, losses, e.num_params())
+        });
+        // What trains: A [4, in] and B [out, 4] on 3 projections of 2
+        // layers (q: 64 -> 64, v: 64 -> 32, down: 160 -> 64).
+        let adapters = 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64));
+        for (rank, (held, _, params)) in got.iter().enumerate() {
+            assert_eq!(*params, adapters, "{what}, rank {rank}");
+            let adapters: Vec<&String> = (held.iter())
+                .filter(|(n, _)| zrt::lora::is_adapter(n))
+                .map(|(n, _)| n)
+                .collect();
+            assert_eq!(adapters.len(), 12, "{what}: {adapters:?}");
+            for (name, has_memory) in held {
+                assert_eq!(
+                    *has_memory,
+                    zrt::lora::is_adapter(name),
+                    "{what}, rank {rank}: `{name}` while built"
+                );
+            }
+        }
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(init.join("adapter_config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["r"], 4, "{config}");
+        let theirs = peft_run(&dir, &init, &tuned);
+        assert_eq!(theirs.len(), STEPS, "{theirs:?}");
+        for (s, step) in theirs.iter().enumerate() {
+            for (rank, t) in step.iter().enumerate() {
+                let g = got[rank].1[s];
+                assert!(
+                    (g - t).abs() <= 1e-5 * t.abs(),
+                    "{what}: step {s}, rank {rank}: zrt {g}, peft {t}"
+                );
+            }
+        }
+        // The adapters learnt: the loss fell (B left zero).
+        assert!(got[0].1[STEPS - 1] < got[0].1[0], "{what}: {:?}", got[0].1);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn lora_is_refused_where_no_adapter_can_be_built() {
+    let dir = scratch("lora-refused");
+    let model = common::hf_seeded_model(
+        "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
+        "vocab_size=96, n_positions=32, n_embd=32, n_layer=1, n_head=2",
+        &dir,
+        "",
+    );
+    common::python(&model);
+    let llama = common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2",
+        &dir.join("l"),
+        "",
+    );
+    common::python(&llama);
+    let build = |sub: &str, lora: LoraConfig| {
+        let options = HfOptions {
+            lora: Some(lora),
+            ..Default::default()
+        };
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        match HfModel::from_pretrained_with(&vs, &plan, dir.join(sub), &options) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    };
+    let gpt2 = build("hf", LoraConfig::new(4, 8.0, &["c_attn"]));
+    assert!(
+        gpt2.contains("model_type \"gpt2\" takes no adapters") && gpt2.contains("\"llama\""),
+        "{gpt2}"
+    );
+    let none = build("l/hf", LoraConfig::new(4, 8.0, &["c_attn"]));
+    assert!(
+        none.contains("match none of the model's linear layers"),
+        "{none}"
+    );
+    let rank = build("l/hf", LoraConfig::new(0, 8.0, &["q_proj"]));
+    assert!(rank.contains("rank r = 0"), "{rank}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -144,7 +144,7 @@ struct Args {
     #[arg(long)]
     lora_r: Option<i64>,
     /// The adapters' `lora_alpha` (the update is scaled by alpha / r).
-    #[arg(long, default_value_t = 16.0, requires = "lora_r")]
+    #[arg(long, default_value_t = 8.0, requires = "lora_r")]
     lora_alpha: f64,
     /// The rate at which the adapters' input is dropped in training.
     #[arg(long, default_value_t = 0.0, requires = "lora_r")]

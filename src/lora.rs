@@ -148,16 +148,26 @@ pub fn is_adapter(name: &str) -> bool {
 /// config's `target_modules`, matched no linear layer).
 pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError> {
     let mut adapters = 0;
+    // The matrices' modules' last names, for the error.
+    let mut linear = std::collections::BTreeSet::new();
     for (name, t) in vs.variables() {
         match is_adapter(&name) {
             true => adapters += 1,
             false => drop(t.set_requires_grad(false)),
         }
+        let module = name
+            .strip_suffix(".weight")
+            .and_then(|m| m.rsplit('.').next());
+        if let (Some(m), 2, true) = (module, t.dim(), name.contains(".layers.")) {
+            linear.insert(m.to_string());
+        }
     }
     if adapters == 0 {
+        let names: Vec<String> = linear.into_iter().collect();
         return Err(HfError::Lora(format!(
-            "target_modules {:?} match none of the model's linear layers: name them as the checkpoint does (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ...), or all-linear",
-            cfg.target_modules
+            "target_modules {:?} match none of the model's linear layers: name some of its own ({}), or all-linear",
+            cfg.target_modules,
+            names.join(", ")
         )));
     }
     Ok(adapters)
@@ -306,7 +316,7 @@ mod tests {
             "{names:?}"
         );
         let ad = l.adapter.as_ref().unwrap();
-        tch::no_grad(|| ad.b.shallow_clone().fill_(0.5));
+        let _ = tch::no_grad(|| ad.b.shallow_clone().fill_(0.5));
         let want = l.base.forward(&x) + x.matmul(&ad.a.tr()).matmul(&ad.b.tr()) * 3.0;
         assert!(l.forward(&x).allclose(&want, 1e-6, 1e-6, false));
         assert_eq!(freeze_base(&vs, &c).unwrap(), 2);

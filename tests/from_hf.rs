@@ -783,7 +783,7 @@ fn case(name: &str) -> &'static Case {
 /// `zrt launch --nproc-per-node 2 -- finetune_hf ARGS`, run to its end:
 /// whether it succeeded, and what it printed.
 #[cfg(feature = "tokenize")]
-fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
+pub(crate) fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"));
     c.args(["launch", "--nproc-per-node", "2", "--"])
         .arg(common::example("finetune_hf"))

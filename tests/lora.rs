@@ -219,10 +219,75 @@ fn lora_is_refused_where_no_adapter_can_be_built() {
     );
     let none = build("l/hf", LoraConfig::new(4, 8.0, &["c_attn"]));
     assert!(
-        none.contains("match none of the model's linear layers"),
+        none.contains("match none of the model's linear layers: name some of its own (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"),
         "{none}"
     );
     let rank = build("l/hf", LoraConfig::new(0, 8.0, &["q_proj"]));
     assert!(rank.contains("rank r = 0"), "{rank}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_finetune_example_trains_adapters_peft_loads() {
+    let _serial = common::serial();
+    let dir = scratch("lora-finetune");
+    checkpoint(&dir);
+    let (hf, out) = (dir.join("hf"), dir.join("adapter"));
+    let ids: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16 % 96)
+        .flat_map(u16::to_le_bytes)
+        .collect();
+    let (data, ds) = (dir.join("train.bin"), dir.join("ds.json"));
+    std::fs::write(&data, ids).unwrap();
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+    .unwrap();
+    let os = std::ffi::OsStr::new;
+    let args = [
+        os("--model"),
+        hf.as_os_str(),
+        os("--data"),
+        data.as_os_str(),
+        os("--config"),
+        ds.as_os_str(),
+        os("--seq"),
+        os("16"),
+        os("--steps"),
+        os("4"),
+        os("--print-every"),
+        os("1"),
+        os("--lora-r"),
+        os("2"),
+        os("--lora-alpha"),
+        os("4"),
+        os("--lora-targets"),
+        os("all-linear"),
+        os("--out"),
+        out.as_os_str(),
+    ];
+    let (ok, said) = crate::from_hf::finetune(&args);
+    assert!(ok && said.contains("step     3  loss "), "{said}");
+    // PEFT loads it as it is, every layer's seven projections adapted,
+    // their B matrices moved off zero by the steps.
+    let theirs = common::python(&format!(
+        r#"
+from transformers import LlamaForCausalLM
+from peft import PeftModel
+from safetensors.torch import load_file
+base = LlamaForCausalLM.from_pretrained("{hf}")
+m = PeftModel.from_pretrained(base, "{out}")
+file = load_file("{out}/adapter_model.safetensors")
+mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
+assert sorted(mine) == sorted(file), (sorted(mine), sorted(file))
+print(m.peft_config["default"].r, len(file), sum(int(v.abs().sum() > 0) for k, v in file.items() if "lora_B" in k))
+"#,
+        hf = hf.display(),
+        out = out.display()
+    ));
+    assert_eq!(theirs.trim(), "2 28 14", "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -118,7 +118,7 @@ impl Frozen {
         for (name, t) in &self.vars {
             let kind = t.f_kind()?;
             let shape = t.size();
-            if !source.from_rank0(name, &shape) {
+            if !source.takes_rank0(name, &shape) {
                 continue;
             }
             if let (true, super::Source::FirstRank(Some(spill))) = (root, source) {

@@ -398,7 +398,7 @@ enum Source<'a> {
 impl Source<'_> {
     /// Whether the variable `name` of `shape` takes world rank 0's values
     /// (every variable but those a file will fill).
-    fn from_rank0(&self, name: &str, shape: &[i64]) -> bool {
+    fn takes_rank0(&self, name: &str, shape: &[i64]) -> bool {
         match self {
             Source::FirstRank(_) => true,
             Source::File(fresh) => fresh.is_some_and(|f| f(name, shape)),
@@ -430,7 +430,7 @@ fn rank0_flat<G: ProcessGroup>(
     // (`ShardPlan::weights_on_first_rank_only`) is not read there (the
     // first rank's must be: a freed one there stops the process, saying
     // why, as any read of a freed weight does).
-    let wanted = |s: &crate::flat::Slot| source.from_rank0(&s.name, &s.shape);
+    let wanted = |s: &crate::flat::Slot| source.takes_rank0(&s.name, &s.shape);
     // Agreed on every rank without a word: the rule sees names and shapes.
     let broadcast = layout.slots.iter().any(wanted);
     let root = is_first_rank(group, replicate) && broadcast;

@@ -206,6 +206,27 @@ fn a_sharded_frozen_base_trains_exactly_as_a_replicated_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Each block's attention frozen, its first norm too, the MLP training:
+/// a block's last trained gradient (its second norm's) comes before
+/// backward runs the frozen attention for the block's input gradient.
+fn is_attention(name: &str) -> bool {
+    [".ln1.", ".qkv.", ".proj."]
+        .iter()
+        .any(|p| name.contains(p))
+}
+
+#[test]
+fn a_unit_stays_gathered_until_its_frozen_matrices_gave_its_input_gradient() {
+    let _serial = serial();
+    // Freed at its last trained gradient, the block's frozen attention
+    // was read freed, stopping the process; now stage 3 trains as stage 0.
+    let reference = run_by(&cfg(0, "", ""), WORLD, is_attention);
+    let got = run_by(&cfg(3, "", ""), WORLD, is_attention);
+    assert!(reference.params.iter().all(|(n, _)| !is_attention(n)));
+    assert_eq!(got.params, reference.params);
+    assert_eq!(got.losses, reference.losses);
+}
+
 #[test]
 fn hpz_regathers_a_sharded_frozen_base_with_the_same_results() {
     let _serial = serial();

@@ -606,7 +606,12 @@ fn parity(name: &str) {
         let got = on_ranks(2, |r| {
             let vs = VarStore::new(tch::Device::Cpu);
             let plan = ShardPlan::new();
-            let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap();
+            let (model, layout) = {
+                // Its layers draw values (the file's replace them): not inside
+                // another test's seeded build.
+                let _g = common::rng_lock();
+                HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap()
+            };
             let held: usize = (vs.variables().values())
                 .map(|t| zrt::zero::glue::storage_nbytes(t).unwrap())
                 .sum();
@@ -1277,7 +1282,10 @@ save_file(out, "{dir}/reference.safetensors")
     let got = on_ranks(1, |r| {
         let vs = VarStore::new(tch::Device::Cpu);
         let plan = ShardPlan::new();
-        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+        let (model, _) = {
+            let _g = common::rng_lock();
+            HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
+        };
         let group = r.new_group(&[0]).unwrap();
         let ds = config_zero(0, 1, 0.0, "", "");
         let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
@@ -1307,7 +1315,10 @@ save_file(out, "{dir}/reference.safetensors")
 fn on_two_at_stage_3(r: &LocalRank, hf: &Path) -> (HfModel, Engine<LocalGroup>) {
     let vs = VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();
-    let (model, _) = HfModel::from_pretrained(&vs, &plan, hf).unwrap();
+    let (model, _) = {
+        let _g = common::rng_lock();
+        HfModel::from_pretrained(&vs, &plan, hf).unwrap()
+    };
     let group = r.new_group(&[0, 1]).unwrap();
     let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
     let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
@@ -1637,7 +1648,10 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
     let (masked, all, plain, none) = on_ranks(1, |r| {
         let vs = VarStore::new(tch::Device::Cpu);
         let plan = ShardPlan::new();
-        let (model, _) = HfModel::from_pretrained(&vs, &plan, &hf).unwrap();
+        let (model, _) = {
+            let _g = common::rng_lock();
+            HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
+        };
         let group = r.new_group(&[0]).unwrap();
         let ds = config_zero(0, 1, 0.0, "", "");
         let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();

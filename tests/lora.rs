@@ -115,11 +115,13 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
         );
         let ds = config_zero(stage, 1, 0.0, "", SHARD_ALL);
         let got = on_ranks(2, |r| {
-            // Each rank draws adapters of its own: rank 0's must win.
-            tch::manual_seed(10 + r.rank() as i64);
             let vs = VarStore::new(tch::Device::Cpu);
             let plan = ShardPlan::new();
-            let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap();
+            // Each rank draws adapters of its own: rank 0's must win.
+            let (model, layout) = common::seeded(|| {
+                tch::manual_seed(10 + r.rank() as i64);
+                HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap()
+            });
             let mut held: Vec<(String, bool)> = (vs.variables().into_iter())
                 .map(|(n, t)| (n, zrt::zero::glue::storage_nbytes(&t).unwrap() > 0))
                 .collect();
@@ -207,6 +209,7 @@ fn lora_is_refused_where_no_adapter_can_be_built() {
         };
         let vs = VarStore::new(tch::Device::Cpu);
         let plan = ShardPlan::new();
+        let _g = common::rng_lock();
         match HfModel::from_pretrained_with(&vs, &plan, dir.join(sub), &options) {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),

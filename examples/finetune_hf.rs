@@ -507,7 +507,7 @@ fn main() -> Result<()> {
     match (&a.out, a.lora_r) {
         (Some(out), Some(_)) => {
             std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-            let file = out.join("adapter_model.safetensors");
+            let file = out.join(zrt::lora::ADAPTER_FILE);
             engine.save_16bit_model_as(&file, None, &layout)?;
             if rank == 0 {
                 println!(

@@ -70,7 +70,7 @@ pub struct HfOptions {
 /// `config.json` (written verbatim): its tokenizer's and generation
 /// settings, so that the export loads in `transformers` and its
 /// tokenizer as the original does. Weights and anything else stay.
-const CARRIED: &[&str] = &[
+pub(crate) const CARRIED: &[&str] = &[
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",

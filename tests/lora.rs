@@ -292,5 +292,81 @@ print(m.peft_config["default"].r, len(file), sum(int(v.abs().sum() > 0) for k, v
         out = out.display()
     ));
     assert_eq!(theirs.trim(), "2 28 14", "{said}");
+    // Folded into the base by `zrt lora merge`: PEFT's merge_and_unload
+    // tensors, loaded by transformers with nothing missing, computing
+    // the adapted model's logits.
+    let merged = dir.join("merged");
+    let zrt = |args: &[&std::ffi::OsStr]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["lora", "merge", "--base"])
+            .arg(&hf)
+            .args(args)
+            .output()
+            .unwrap();
+        let said =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        (o.status.success(), said)
+    };
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        out.as_os_str(),
+        os("--out"),
+        merged.as_os_str(),
+    ]);
+    assert!(ok && said.contains("merged 14 matrices"), "{said}");
+    let theirs = common::python(&format!(
+        r#"
+import torch
+from transformers import LlamaForCausalLM
+from peft import PeftModel
+from safetensors.torch import load_file
+tokens = load_file("{dir}/tokens.safetensors")["tokens"][0, 0]
+m = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained("{hf}"), "{out}")
+with torch.no_grad():
+    adapted = m(tokens).logits
+want = m.merge_and_unload().state_dict()
+ours, info = LlamaForCausalLM.from_pretrained("{merged}", output_loading_info=True)
+assert not any(info.values()), info
+got = ours.state_dict()
+assert sorted(got) == sorted(want)
+for k in want:
+    assert torch.allclose(got[k], want[k], rtol=0, atol=1e-6), (k, (got[k] - want[k]).abs().max())
+with torch.no_grad():
+    print((ours(tokens).logits - adapted).abs().max().item())
+"#,
+        dir = dir.display(),
+        hf = hf.display(),
+        out = out.display(),
+        merged = merged.display()
+    ));
+    let diff: f64 = theirs.trim().parse().unwrap();
+    assert!(diff < 1e-4, "{theirs}");
+    // An adapter of another rank than its matrices say is refused, and
+    // writes nothing.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::copy(
+        out.join("adapter_model.safetensors"),
+        other.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+    std::fs::write(
+        other.join("adapter_config.json"),
+        config.replace("\"r\": 2", "\"r\": 3"),
+    )
+    .unwrap();
+    let never = dir.join("never");
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        other.as_os_str(),
+        os("--out"),
+        never.as_os_str(),
+    ]);
+    assert!(
+        !ok && said.contains("where rank 3 wants") && said.contains("an adapter of another model"),
+        "{said}"
+    );
+    assert!(!never.exists(), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }

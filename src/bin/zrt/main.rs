@@ -1,5 +1,6 @@
 //! The `zrt` command line: launch ranks, run benchmarks, inspect checkpoints
-//! and configs, estimate memory, tokenize text, continue a prompt.
+//! and configs, estimate memory, merge a LoRA adapter, tokenize text,
+//! continue a prompt.
 
 mod bench;
 mod ckpt;
@@ -8,6 +9,7 @@ mod estimate;
 #[cfg(feature = "tokenize")]
 mod generate_cmd;
 mod launch;
+mod lora_cmd;
 #[cfg(feature = "tokenize")]
 mod tokenize_cmd;
 
@@ -46,6 +48,11 @@ enum Cmd {
     },
     /// Estimate model-state memory per rank for each ZeRO stage.
     Estimate(estimate::EstimateArgs),
+    /// Fold a LoRA adapter into its base checkpoint (`merge --base DIR --adapter DIR --out DIR`).
+    Lora {
+        #[command(subcommand)]
+        which: lora_cmd::LoraCmd,
+    },
     /// Tokenize text with a checkpoint's tokenizer into the id file the examples train on.
     ///
     /// Example: zrt tokenize --tokenizer llama --out train.bin --eos corpus.jsonl
@@ -105,6 +112,7 @@ fn main() -> ExitCode {
         Cmd::Ckpt { which } => ckpt::run(&which),
         Cmd::Config { which } => config_cmd::run(&which),
         Cmd::Estimate(a) => estimate::run(&a),
+        Cmd::Lora { which } => lora_cmd::run(&which),
         #[cfg(feature = "tokenize")]
         Cmd::Tokenize(a) => tokenize_cmd::run(&a),
         #[cfg(feature = "tokenize")]

@@ -15,11 +15,17 @@
 //! parameters that train, which every ZeRO stage then shards (stage 3
 //! its frozen base too). [`export_layout`] writes them as PEFT's
 //! `adapter_model.safetensors` and `adapter_config.json`, which
-//! `PeftModel.from_pretrained(base, dir)` loads.
+//! `PeftModel.from_pretrained(base, dir)` loads; [`merge`] folds one into
+//! its base's files (PEFT's `merge_and_unload`), for `transformers` or
+//! `zrt generate`.
 
 use std::path::Path;
 
 use tch::nn::{self, Module};
+
+mod merge;
+
+pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
 use tch::Tensor;
 
 use crate::blocks::{linear, Training};
@@ -183,7 +189,7 @@ pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
     ExportLayout::new()
         .trainable_only()
         .rename(|name| format!("base_model.model.{name}"))
-        .with_file("adapter_config.json", config)
+        .with_file(ADAPTER_CONFIG, config)
 }
 
 /// A linear layer, with a LoRA adapter when its config targets it.

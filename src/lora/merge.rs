@@ -1,0 +1,336 @@
+//! A trained adapter folded into its base checkpoint: PEFT's
+//! `merge_and_unload()` then `save_pretrained`, done on the files (one
+//! of the base's safetensors files in memory at a time, no model built,
+//! no rank), so that the result loads and serves as a plain model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use tch::{Kind, Tensor};
+
+use super::LoraConfig;
+use crate::hf::{HfError, HfJson};
+
+/// PEFT's name of an adapter's file in its directory.
+pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+/// PEFT's name of an adapter's settings in its directory.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+
+/// The index of a base checkpoint in several files.
+const INDEX: &str = "model.safetensors.index.json";
+
+/// What [`merge`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Merged {
+    /// The matrices that took an update, by name, sorted.
+    pub matrices: Vec<String>,
+    /// The safetensors files written.
+    pub files: usize,
+}
+
+impl LoraConfig {
+    /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
+    /// refusing what this crate does not compute with (another
+    /// `peft_type`, DoRA, `fan_in_fan_out`, per-module ranks or alphas),
+    /// naming the field.
+    pub fn from_adapter_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
+        let path = dir.as_ref().join(ADAPTER_CONFIG);
+        let j = HfJson::read(&path, None)?;
+        let text = |k: &str| j.get(k).and_then(|v| v.as_str()).map(str::to_string);
+        if let Some(t) = text("peft_type").filter(|t| t != "LORA") {
+            return Err(j.field(format!("peft_type {t:?}: zrt reads LoRA adapters only")));
+        }
+        let on = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+        for key in ["use_dora", "fan_in_fan_out"] {
+            if on(key) {
+                return Err(j.field(format!(
+                    "`{key}` is true: zrt computes plain LoRA (W x + B A x scaled) only"
+                )));
+            }
+        }
+        for key in ["rank_pattern", "alpha_pattern"] {
+            if j.get(key)
+                .and_then(|v| v.as_object())
+                .is_some_and(|o| !o.is_empty())
+            {
+                return Err(j.field(format!(
+                    "`{key}` gives some modules a rank or alpha of their own: zrt takes one for all"
+                )));
+            }
+        }
+        let targets = match j.get("target_modules") {
+            Some(serde_json::Value::String(s)) => vec![s.clone()],
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| j.field("`target_modules` holds a non-string".into()))?,
+            _ => return Err(j.field("no `target_modules` list".into())),
+        };
+        let cfg = LoraConfig {
+            r: j.size("r")?,
+            alpha: j.number_or("lora_alpha", 8.0)?,
+            dropout: j.rate_or("lora_dropout", 0.0)?,
+            target_modules: targets,
+            use_rslora: on("use_rslora"),
+        };
+        cfg.check(&path.display().to_string())?;
+        Ok(cfg)
+    }
+}
+
+/// The adapter's matrices by the module they adapt: `(A, B)`.
+fn adapters(dir: &Path) -> Result<BTreeMap<String, (Tensor, Tensor)>, HfError> {
+    let path = dir.join(ADAPTER_FILE);
+    let bad = |msg: String| HfError::Read {
+        path: path.clone(),
+        msg,
+    };
+    let tensors =
+        Tensor::read_safetensors(&path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let mut a = HashMap::new();
+    let mut b = HashMap::new();
+    for (name, t) in tensors {
+        let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
+        match (module.strip_suffix(".lora_A.weight"), module.strip_suffix(".lora_B.weight")) {
+            (Some(m), _) => drop(a.insert(m.to_string(), t)),
+            (_, Some(m)) => drop(b.insert(m.to_string(), t)),
+            _ => {
+                return Err(bad(format!(
+                    "`{name}` is no LoRA matrix (`...lora_A.weight` or `...lora_B.weight`): zrt merges plain LoRA adapters"
+                )))
+            }
+        }
+    }
+    let mut pairs = BTreeMap::new();
+    for (m, at) in a {
+        let bt = b
+            .remove(&m)
+            .ok_or_else(|| bad(format!("`{m}` has lora_A and no lora_B")))?;
+        pairs.insert(m, (at, bt));
+    }
+    if let Some(m) = b.keys().next() {
+        return Err(bad(format!("`{m}` has lora_B and no lora_A")));
+    }
+    if pairs.is_empty() {
+        return Err(bad("it holds no adapter".into()));
+    }
+    Ok(pairs)
+}
+
+/// A checkpoint's safetensors files, each with its tensors' names and
+/// shapes.
+type Files = Vec<(PathBuf, Vec<(String, Vec<i64>)>)>;
+
+/// The base checkpoint's safetensors files (its index's, or its one
+/// `model.safetensors`), and the tensors each holds.
+fn base_files(base: &Path) -> Result<Files, HfError> {
+    let index = base.join(INDEX);
+    let files: Vec<PathBuf> = match index.is_file() {
+        true => {
+            let j = HfJson::read(&index, None)?;
+            let map = (j.get("weight_map").and_then(|m| m.as_object()))
+                .ok_or_else(|| j.field("no `weight_map`".into()))?;
+            let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| base.join(n)).collect()
+        }
+        false => vec![base.join("model.safetensors")],
+    };
+    files
+        .into_iter()
+        .map(|f| {
+            let names = header_names(&f)?;
+            Ok((f, names))
+        })
+        .collect()
+}
+
+/// The tensors of the safetensors file `path`, from its header: each
+/// one's name and shape.
+fn header_names(path: &Path) -> Result<Vec<(String, Vec<i64>)>, HfError> {
+    use std::io::Read;
+    let bad = |msg: String| HfError::Read {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|e| bad(format!("no safetensors header: {e}")))?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return Err(bad(format!(
+            "a header of {len} bytes: not a safetensors file"
+        )));
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| bad(format!("its header is cut short: {e}")))?;
+    let json: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("its header: {e}")))?;
+    let shape = |v: &serde_json::Value| -> Option<Vec<i64>> {
+        let dims = v.get("shape")?.as_array()?;
+        dims.iter().map(|d| d.as_i64()).collect()
+    };
+    (json.iter())
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let s = shape(v).ok_or_else(|| bad(format!("`{k}` has no shape in its header")))?;
+            Ok((k.clone(), s))
+        })
+        .collect()
+}
+
+/// Refuses the adapter `(a, b)` of rank `r` for the matrix `name` of
+/// `shape` unless A is `[r, cols]` and B `[rows, r]`.
+fn fits(name: &str, shape: &[i64], a: &Tensor, b: &Tensor, r: i64) -> Result<(), HfError> {
+    let &[rows, cols] = shape else {
+        return Err(HfError::Lora(format!(
+            "`{name}` is {shape:?}, not a matrix"
+        )));
+    };
+    if a.size() != [r, cols] || b.size() != [rows, r] {
+        return Err(HfError::Lora(format!(
+            "`{name}` is [{rows}, {cols}]; its adapter's A is {:?} and B {:?}, where rank {r} wants [{r}, {cols}] and [{rows}, {r}]: an adapter of another model",
+            a.size(),
+            b.size(),
+        )));
+    }
+    Ok(())
+}
+
+/// Writes to `out` the base checkpoint `base` (a `save_pretrained`
+/// directory) with the adapter directory `adapter` folded into it:
+/// each adapted matrix `W` becomes `W + scale B A` (PEFT's
+/// `merge_and_unload`: `B A` computed in fp32, cast to `W`'s dtype, then
+/// added), every other tensor as it was, in the base's files (its index
+/// too) with its `config.json` and the tokenizer's and generation files
+/// beside it. One base file is in memory at a time. Every adapter must
+/// find its matrix, of its shape, or nothing is written.
+pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError> {
+    let cfg = LoraConfig::from_adapter_dir(adapter)?;
+    let pairs = adapters(adapter)?;
+    let files = base_files(base)?;
+    let held: HashMap<&str, &[i64]> = (files.iter())
+        .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
+        .collect();
+    let weight = |m: &str| format!("{m}.weight");
+    let lacking: Vec<&String> = pairs
+        .keys()
+        .filter(|m| !held.contains_key(weight(m).as_str()))
+        .collect();
+    if !lacking.is_empty() {
+        return Err(HfError::Lora(format!(
+            "{}: the adapter adapts {lacking:?}, which the base {} does not hold: an adapter of another model",
+            adapter.display(),
+            base.display()
+        )));
+    }
+    // Every shape before anything is written.
+    for (m, (a, b)) in &pairs {
+        let name = weight(m);
+        fits(
+            &name,
+            held.get(name.as_str()).copied().unwrap_or(&[]),
+            a,
+            b,
+            cfg.r,
+        )?;
+    }
+    let io = |path: &Path, what: &str, e: &dyn std::fmt::Display| HfError::Read {
+        path: path.to_path_buf(),
+        msg: format!("cannot {what} it: {e}"),
+    };
+    std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
+    let scale = cfg.scale();
+    let mut matrices = Vec::new();
+    for (file, _) in &files {
+        let tensors = Tensor::read_safetensors(file).map_err(|e| io(file, "read", &e))?;
+        let mut merged = Vec::with_capacity(tensors.len());
+        for (name, w) in tensors {
+            let module = name.strip_suffix(".weight");
+            let Some((a, b)) = module.and_then(|m| pairs.get(m)) else {
+                merged.push((name, w));
+                continue;
+            };
+            fits(&name, &w.size(), a, b, cfg.r)?;
+            let delta =
+                (b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float)) * scale).to_kind(w.kind());
+            merged.push((name.clone(), w + delta));
+            matrices.push(name);
+        }
+        let name = file.file_name().unwrap_or_default();
+        let to = out.join(name);
+        Tensor::write_safetensors(&merged, &to).map_err(|e| io(&to, "write", &e))?;
+    }
+    let mut carried: Vec<&str> = vec!["config.json", INDEX];
+    carried.extend_from_slice(crate::hf::CARRIED);
+    for name in carried {
+        let from = base.join(name);
+        if from.is_file() {
+            std::fs::copy(&from, out.join(name)).map_err(|e| io(&from, "copy", &e))?;
+        }
+    }
+    matrices.sort();
+    Ok(Merged {
+        matrices,
+        files: files.len(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_adapter_config_reads_as_peft_writes_it_and_what_zrt_cannot_compute_is_refused() {
+        let dir = std::env::temp_dir().join(format!("zrt-adapter-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = LoraConfig {
+            dropout: 0.05,
+            use_rslora: true,
+            ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
+        };
+        let written = cfg.adapter_config_json("base");
+        std::fs::write(dir.join(ADAPTER_CONFIG), &written).unwrap();
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), cfg);
+        let json: serde_json::Value = serde_json::from_str(&written).unwrap();
+        for (key, value, says) in [
+            ("peft_type", serde_json::json!("IA3"), "peft_type \"IA3\""),
+            ("use_dora", serde_json::json!(true), "`use_dora` is true"),
+            (
+                "fan_in_fan_out",
+                serde_json::json!(true),
+                "`fan_in_fan_out` is true",
+            ),
+            (
+                "rank_pattern",
+                serde_json::json!({"q_proj": 4}),
+                "`rank_pattern`",
+            ),
+            ("r", serde_json::json!(0), "`r` is missing or not a positive integer"),
+            (
+                "target_modules",
+                serde_json::json!(null),
+                "no `target_modules`",
+            ),
+        ] {
+            let mut j = json.clone();
+            j[key] = value;
+            std::fs::write(dir.join(ADAPTER_CONFIG), j.to_string()).unwrap();
+            let err = LoraConfig::from_adapter_dir(&dir).unwrap_err().to_string();
+            assert!(
+                err.contains(says) && err.contains(ADAPTER_CONFIG),
+                "{key}: {err}"
+            );
+        }
+        let mut all = json.clone();
+        all["target_modules"] = "all-linear".into();
+        std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
+        let read = LoraConfig::from_adapter_dir(&dir).unwrap();
+        assert_eq!(read.target_modules, ["all-linear"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -155,6 +155,12 @@ struct Args {
     /// projections.
     #[arg(long, default_value = "q_proj,v_proj", requires = "lora_r")]
     lora_targets: String,
+    /// Go on training the LoRA adapter in this directory (PEFT's, or a
+    /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
+    /// are its `adapter_config.json`'s, its matrices the start (the
+    /// optimizer afresh).
+    #[arg(long, conflicts_with = "lora_r")]
+    lora_from: Option<PathBuf>,
 }
 
 /// The file at `path`, mapped.
@@ -269,14 +275,19 @@ fn main() -> Result<()> {
     let rank = dist.env().rank;
     let vs = nn::VarStore::new(Device::Cpu);
     let plan = ShardPlan::new();
-    let lora = a.lora_r.map(|r| LoraConfig {
-        dropout: a.lora_dropout,
-        ..LoraConfig::new(
-            r,
-            a.lora_alpha,
-            &a.lora_targets.split(',').collect::<Vec<_>>(),
-        )
-    });
+    let lora = match (&a.lora_from, a.lora_r) {
+        (Some(dir), _) => Some(LoraConfig::from_adapter_dir(dir)?),
+        (None, Some(r)) => Some(LoraConfig {
+            dropout: a.lora_dropout,
+            ..LoraConfig::new(
+                r,
+                a.lora_alpha,
+                &a.lora_targets.split(',').collect::<Vec<_>>(),
+            )
+        }),
+        (None, None) => None,
+    };
+    let adapters = lora.is_some();
     let options = HfOptions {
         checkpoint_activations: a.checkpoint_activations,
         lora,
@@ -339,6 +350,12 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let engine = Engine::from_config(&vs, &plan, &cfg, &mut dist, &hints)?;
+    if let Some(dir) = &a.lora_from {
+        let n = zrt::lora::load_adapter(&engine, dir)?;
+        if rank == 0 {
+            println!("adapter: {} matrices from {}", n, dir.display());
+        }
+    }
     let batch = engine.config().batch;
     // Every rank's peak resident memory so far, in MiB, as a list.
     let world = dist.world();
@@ -504,8 +521,8 @@ fn main() -> Result<()> {
     if rank == 0 {
         println!("trained: peak RSS per rank (MiB): {trained}");
     }
-    match (&a.out, a.lora_r) {
-        (Some(out), Some(_)) => {
+    match (&a.out, adapters) {
+        (Some(out), true) => {
             std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
             let file = out.join(zrt::lora::ADAPTER_FILE);
             engine.save_16bit_model_as(&file, None, &layout)?;
@@ -516,7 +533,7 @@ fn main() -> Result<()> {
                 );
             }
         }
-        (Some(out), None) => {
+        (Some(out), false) => {
             let max = (a.max_shard_mb * 1e6) as u64;
             engine.save_16bit_model_as(out, Some(max), &layout)?;
             if rank == 0 {

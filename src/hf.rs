@@ -284,8 +284,13 @@ impl HfModel {
                 )));
             };
             // The base loads from its checkpoint, the adapters start from
-            // world rank 0's draw.
+            // world rank 0's draw; an adapter file's names are PEFT's
+            // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
+            let tied = c.tied;
+            plan.rename_weights(move |n| {
+                crate::llama::hf_name(n.strip_prefix("base_model.model.").unwrap_or(n), tied)
+            })?;
             let model = Llama::with_lora(&root, plan, c, lora, recompute);
             crate::lora::freeze_base(vs, lora)?;
             return Ok((Self::Llama(model), crate::lora::export_layout(lora, dir)));

@@ -819,17 +819,8 @@ fn the_finetune_example_trains_a_checkpoint_under_zrt_launch_for_transformers() 
     let dropping = text.replace(r#""attention_dropout": 0.0"#, r#""attention_dropout": 0.2"#);
     assert_ne!(text, dropping, "{text}");
     std::fs::write(&config, dropping).unwrap();
-    // A tokenizer of the 96 ids (`t0` to `t95`, split at spaces), for
-    // the prompt the run continues.
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        (0..96).map(|i| (format!("t{i}"), i.into())).collect();
-    let tokenizer = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": null, "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
-    });
-    std::fs::write(hf.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    // A tokenizer of its 96 ids, for the prompt the run continues.
+    common::word_tokenizer(&hf, 96);
     // A chat template in its words, which the export carries and `zrt
     // generate --chat` renders a prompt with.
     std::fs::write(

@@ -42,8 +42,9 @@ save_file({{"tokens": tokens}}, "{dir}/tokens.safetensors")
 
 /// PEFT from zrt's initial adapters in `init` (checked to be what it
 /// loaded), AdamW as the engine's on the two ranks' batches: each step's
-/// loss on each rank, a line a step; then `ok` when its trained adapters
-/// are the ones zrt wrote to `tuned` (to float rounding).
+/// loss on each rank, a line a step, then the trained model's on the
+/// first step's batches; then `ok` when its trained adapters are the
+/// ones zrt wrote to `tuned` (to float rounding).
 fn peft_run(dir: &Path, init: &Path, tuned: &Path) -> Vec<Vec<f64>> {
     let script = format!(
         r#"
@@ -68,6 +69,8 @@ for s in range({STEPS}):
     opt.zero_grad()
     (sum(o.loss for o in out) / 2).backward()
     opt.step()
+with torch.no_grad():
+    print(*(m(input_ids=tokens[0, r], labels=tokens[0, r]).loss.item() for r in range(2)))
 mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
 theirs = load_file("{tuned}/adapter_model.safetensors")
 assert sorted(mine) == sorted(theirs)
@@ -168,8 +171,37 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
             serde_json::from_slice(&std::fs::read(init.join("adapter_config.json")).unwrap())
                 .unwrap();
         assert_eq!(config["r"], 4, "{config}");
-        let theirs = peft_run(&dir, &init, &tuned);
+        let mut theirs = peft_run(&dir, &init, &tuned);
+        let trained = theirs.pop().unwrap();
         assert_eq!(theirs.len(), STEPS, "{theirs:?}");
+        // The trained adapter, loaded into a model built from its
+        // directory's config: PEFT's trained model's losses.
+        let reloaded = on_ranks(2, |r| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let plan = ShardPlan::new();
+            let options = HfOptions {
+                lora: Some(LoraConfig::from_adapter_dir(&tuned).unwrap()),
+                ..Default::default()
+            };
+            let (model, _) = common::seeded(|| {
+                HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap()
+            });
+            let group = r.new_group(&[0, 1]).unwrap();
+            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            assert_eq!(zrt::lora::load_adapter(&e, &tuned).unwrap(), 12);
+            let batch = Tensor::from_slice(&batches[0][r.rank()]).view([MICRO, SEQ]);
+            let loss = tch::no_grad(|| model.loss(&batch)).double_value(&[]);
+            // The base's file is no adapter: refused, naming what it lacks.
+            let err = zrt::lora::load_adapter(&e, &hf).unwrap_err().to_string();
+            (loss, err)
+        });
+        for (rank, ((loss, err), t)) in reloaded.iter().zip(&trained).enumerate() {
+            assert!(
+                (loss - t).abs() <= 1e-4 * t.abs(),
+                "{what}, rank {rank}: reloaded {loss}, peft {t}"
+            );
+            assert!(err.contains("adapter_model.safetensors"), "{err}");
+        }
         for (s, step) in theirs.iter().enumerate() {
             for (rank, t) in step.iter().enumerate() {
                 let g = got[rank].1[s];
@@ -272,8 +304,37 @@ fn the_finetune_example_trains_adapters_peft_loads() {
         os("--out"),
         out.as_os_str(),
     ];
+    common::word_tokenizer(&hf, 96);
     let (ok, said) = crate::from_hf::finetune(&args);
     assert!(ok && said.contains("step     3  loss "), "{said}");
+    // Two more steps from the adapter: it starts where the run ended
+    // (its first loss the first run's last, to the printed digits, on
+    // other windows: below the first run's first).
+    let more = dir.join("more");
+    let mut again = args[..12].to_vec();
+    again.extend([
+        os("--lora-from"),
+        out.as_os_str(),
+        os("--out"),
+        more.as_os_str(),
+    ]);
+    let (ok, resumed) = crate::from_hf::finetune(&again);
+    assert!(
+        ok && resumed.contains("adapter: 28 matrices from"),
+        "{resumed}"
+    );
+    let loss = |said: &str, step: usize| -> f64 {
+        let at = said
+            .split(&format!("step {step:>5}  loss "))
+            .nth(1)
+            .unwrap();
+        at.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert!(loss(&resumed, 0) < loss(&said, 0), "{said}\n{resumed}");
+    assert!(
+        more.join("adapter_model.safetensors").is_file(),
+        "{resumed}"
+    );
     // PEFT loads it as it is, every layer's seven projections adapted,
     // their B matrices moved off zero by the steps.
     let theirs = common::python(&format!(
@@ -341,6 +402,23 @@ with torch.no_grad():
     ));
     let diff: f64 = theirs.trim().parse().unwrap();
     assert!(diff < 1e-4, "{theirs}");
+    // `zrt generate` with the adapter continues a prompt as with the
+    // merged checkpoint.
+    let generate = |model: &Path, more: &[&std::ffi::OsStr]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(["--prompt", "t5 t17 t33", "--max-new-tokens", "8"])
+            .args(more)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let adapted = generate(&hf, &[os("--adapter"), out.as_os_str()]);
+    assert_eq!(adapted, generate(&merged, &[]));
+    assert_ne!(adapted, generate(&hf, &[]));
     // An adapter of another rank than its matrices say is refused, and
     // writes nothing.
     let other = dir.join("other");

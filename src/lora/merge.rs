@@ -310,7 +310,11 @@ mod tests {
                 serde_json::json!({"q_proj": 4}),
                 "`rank_pattern`",
             ),
-            ("r", serde_json::json!(0), "`r` is missing or not a positive integer"),
+            (
+                "r",
+                serde_json::json!(0),
+                "`r` is missing or not a positive integer",
+            ),
             (
                 "target_modules",
                 serde_json::json!(null),

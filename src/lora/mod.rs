@@ -29,8 +29,9 @@ pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
 use tch::Tensor;
 
 use crate::blocks::{linear, Training};
+use crate::collectives::ProcessGroup;
 use crate::hf::HfError;
-use crate::zero::ExportLayout;
+use crate::zero::{Engine, ExportLayout};
 
 /// PEFT's `LoraConfig`: which linear layers take adapters, of what rank,
 /// scaled how.
@@ -190,6 +191,23 @@ pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
         .trainable_only()
         .rename(|name| format!("base_model.model.{name}"))
         .with_file(ADAPTER_CONFIG, config)
+}
+
+/// Loads the adapter directory `dir` (PEFT's, or `finetune_hf
+/// --lora-r`'s `--out`) into `engine`'s adapters, every other variable
+/// as it was: a model built with [`crate::hf::HfOptions::lora`] set to
+/// [`LoraConfig::from_adapter_dir`]`(dir)` then goes on from the
+/// adapter (PEFT's `PeftModel.from_pretrained(base, dir,
+/// is_trainable=True)`; the optimizer starts afresh), or generates with
+/// it. Every adapter of the model must be in the file, and nothing else;
+/// returns how many matrices it loaded. A collective.
+pub fn load_adapter<G: ProcessGroup + 'static>(
+    engine: &Engine<G>,
+    dir: impl AsRef<Path>,
+) -> Result<usize, HfError> {
+    let file = dir.as_ref().join(ADAPTER_FILE);
+    let loaded = engine.load_weights_of(&file, |name, _| is_adapter(name))?;
+    Ok(loaded.loaded)
 }
 
 /// A linear layer, with a LoRA adapter when its config targets it.

@@ -683,6 +683,21 @@ pub fn holds_moments(optimizer: &str, params: &str, moments: usize, dir: &std::p
     }
 }
 
+/// Writes `dir/tokenizer.json`: a tokenizer of `n` ids, words `t0` to
+/// `t{n-1}` split at spaces (`tokenizers`' WordLevel), for prompts the
+/// tests' small checkpoints continue.
+pub fn word_tokenizer(dir: &std::path::Path, n: usize) {
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..n).map(|i| (format!("t{i}"), i.into())).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+}
+
 /// The start of a Python script that builds `transformers`' model from
 /// seed 0 (`import` gives the config class as `C` and the model's as `M`,
 /// `args` the config's arguments), moves every parameter off its

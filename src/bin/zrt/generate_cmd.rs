@@ -8,7 +8,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use zrt::collectives::local;
 use zrt::generate::SamplingArgs;
-use zrt::hf::{eos_token_ids, HfModel};
+use zrt::hf::{eos_token_ids, HfModel, HfOptions};
+use zrt::lora::LoraConfig;
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
@@ -58,6 +59,12 @@ pub struct GenerateArgs {
     /// with `dtype=torch.bfloat16` rounds them).
     #[arg(long)]
     bf16: bool,
+    /// A LoRA adapter on the checkpoint: PEFT's directory
+    /// (`adapter_config.json`, `adapter_model.safetensors`), such as
+    /// `finetune_hf --lora-r`'s `--out` (`zrt lora merge` folds one in
+    /// for good).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 /// Runs `zrt generate`: the model built on one rank at stage 0, every
@@ -83,7 +90,14 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     let sampling = a.sampling.sampling(&a.model, a.seed)?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();
-    let (model, _) = HfModel::from_pretrained(&vs, &plan, &a.model)?;
+    let options = HfOptions {
+        lora: match &a.adapter {
+            Some(dir) => Some(LoraConfig::from_adapter_dir(dir)?),
+            None => None,
+        },
+        ..Default::default()
+    };
+    let (model, _) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     for t in vs.variables().values() {
         let _ = t.set_requires_grad(false);
     }
@@ -97,6 +111,9 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         .new_group(&[0])
         .context("a group of this one process")?;
     let engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
+    if let Some(dir) = &a.adapter {
+        zrt::lora::load_adapter(&engine, dir)?;
+    }
     let new = match &sampling {
         Some(s) => model.sample(&prompt, a.max_new_tokens, &stop, s)?,
         None => model.greedy(&prompt, a.max_new_tokens, &stop)?,

@@ -76,6 +76,21 @@ impl Accepts {
     }
 }
 
+/// Which of the model's variables a load is about.
+#[derive(Clone, Copy, Default)]
+struct Part<'a> {
+    /// Variables the file may lack, which keep their values and are not
+    /// reported missing (`ShardPlan::fresh_weights`).
+    fresh: Option<&'a NameRule>,
+    /// The variables the load is about, when not all
+    /// ([`Engine::load_weights_of`]): the others are neither read nor
+    /// reported.
+    only: Option<&'a Only>,
+}
+
+/// [`Engine::load_weights_of`]'s rule: which variables the load is about.
+type Only = dyn Fn(&str, &[i64]) -> bool;
+
 /// A file checked against the model on this rank: what the apply phase
 /// reads, and the report.
 struct Checked {
@@ -123,8 +138,27 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         path: impl AsRef<Path>,
         strict: bool,
     ) -> Result<LoadedWeights, EngineError> {
-        self.load_weights_inner(path.as_ref(), strict, None)
+        self.load_weights_inner(path.as_ref(), strict, Part::default())
             .map_err(|e| super::checkpoint::called_by_every_rank("load_weights", e))
+    }
+
+    /// As [`Engine::load_weights`] (strict), into the variables `only`
+    /// names (by VarStore name and shape) and no other: the file must
+    /// hold every one of them and nothing else, and every other variable
+    /// keeps its values. A part of a model saved apart from it: a LoRA
+    /// adapter over its base (`zrt::lora::load_adapter`), a head. The
+    /// optimizer starts afresh, as after `load_weights`. A collective.
+    pub fn load_weights_of(
+        &self,
+        path: impl AsRef<Path>,
+        only: impl Fn(&str, &[i64]) -> bool,
+    ) -> Result<LoadedWeights, EngineError> {
+        let part = Part {
+            fresh: None,
+            only: Some(&only),
+        };
+        self.load_weights_inner(path.as_ref(), true, part)
+            .map_err(|e| super::checkpoint::called_by_every_rank("load_weights_of", e))
     }
 
     /// The build's load of `ShardPlan::weights_from_file`'s file: strict
@@ -135,7 +169,8 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         path: &Path,
         fresh: Option<&NameRule>,
     ) -> Result<LoadedWeights, EngineError> {
-        self.load_weights_inner(path, true, fresh)
+        let part = Part { fresh, only: None };
+        self.load_weights_inner(path, true, part)
             .map_err(|e| super::checkpoint::called_by_every_rank("load_weights", e))
     }
 
@@ -143,10 +178,10 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         &self,
         path: &Path,
         strict: bool,
-        fresh: Option<&NameRule>,
+        part: Part<'_>,
     ) -> Result<LoadedWeights, EngineError> {
         self.pending_error_but_broken()?;
-        let checked = self.check_weights(path, strict, fresh);
+        let checked = self.check_weights(path, strict, part);
         let checked = self.agree(checked, "load the weights file")?;
         let (crc, len) = checked.file.identity();
         let shown = path.display().to_string();
@@ -165,13 +200,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
     }
 
     /// Maps the file and checks it against the model: names, shapes,
-    /// dtypes and byte lengths, without reading a value. The variables
-    /// `fresh` names may be missing, and are not reported so.
+    /// dtypes and byte lengths, without reading a value, against the
+    /// variables of `part`.
     fn check_weights(
         &self,
         path: &Path,
         strict: bool,
-        fresh: Option<&NameRule>,
+        part: Part<'_>,
     ) -> Result<Checked, CheckpointError> {
         let file = WeightsFiles::open(path, &self._plan.weight_rules())?;
         let st = self.inner.st.lock();
@@ -202,10 +237,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         let mut misshaped = Vec::new();
         let mut has = HashSet::new();
         let mut model = HashSet::new();
-        for (name, shape, kind, reads) in trainable.chain(frozen) {
+        let wanted = trainable
+            .chain(frozen)
+            .filter(|(name, shape, ..)| part.only.is_none_or(|o| o(name, shape)));
+        for (name, shape, kind, reads) in wanted {
             model.insert(name.clone());
             let Some(&(dtype, fshape, bytes)) = in_file.get(name.as_str()) else {
-                if !fresh.is_some_and(|f| f(&name, &shape)) {
+                if !part.fresh.is_some_and(|f| f(&name, &shape)) {
                     report.missing.push(name);
                 }
                 continue;

@@ -85,11 +85,11 @@ struct Part<'a> {
     /// The variables the load is about, when not all
     /// ([`Engine::load_weights_of`]): the others are neither read nor
     /// reported.
-    only: Option<&'a Only>,
+    only: Option<&'a Only<'a>>,
 }
 
 /// [`Engine::load_weights_of`]'s rule: which variables the load is about.
-type Only = dyn Fn(&str, &[i64]) -> bool;
+type Only<'a> = dyn Fn(&str, &[i64]) -> bool + 'a;
 
 /// A file checked against the model on this rank: what the apply phase
 /// reads, and the report.

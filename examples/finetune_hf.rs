@@ -292,6 +292,8 @@ fn main() -> Result<()> {
         checkpoint_activations: a.checkpoint_activations,
         lora,
     };
+    // A LoRA model's adapters are drawn (rank 0's kept): from --seed.
+    tch::manual_seed(a.seed);
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     model.set_training(!a.no_dropout);
     // The prompt's ids and what stops its continuation, read before

@@ -416,8 +416,28 @@ with torch.no_grad():
         assert!(o.status.success(), "{err}");
         String::from_utf8_lossy(&o.stdout).into_owned()
     };
-    let adapted = generate(&hf, &[os("--adapter"), out.as_os_str()]);
-    assert_eq!(adapted, generate(&merged, &[]));
+    // Scaled up a thousand times (alpha 4000) so that the text moves.
+    let loud = dir.join("loud");
+    std::fs::create_dir_all(&loud).unwrap();
+    std::fs::copy(
+        out.join("adapter_model.safetensors"),
+        loud.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+    let louder = config.replace("\"lora_alpha\": 4.0", "\"lora_alpha\": 4000.0");
+    assert_ne!(config, louder);
+    std::fs::write(loud.join("adapter_config.json"), louder).unwrap();
+    let loud_merged = dir.join("loud-merged");
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        loud.as_os_str(),
+        os("--out"),
+        loud_merged.as_os_str(),
+    ]);
+    assert!(ok, "{said}");
+    let adapted = generate(&hf, &[os("--adapter"), loud.as_os_str()]);
+    assert_eq!(adapted, generate(&loud_merged, &[]));
     assert_ne!(adapted, generate(&hf, &[]));
     // An adapter of another rank than its matrices say is refused, and
     // writes nothing.

@@ -106,15 +106,16 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
         })
         .collect();
     let lora = LoraConfig::new(4, 16.0, &["q_proj", "v_proj", "down_proj"]);
-    let options = HfOptions {
-        lora: Some(lora.clone()),
-        ..Default::default()
-    };
-    for stage in [2u8, 3] {
-        let what = format!("stage {stage}");
+    // Stage 3 also with every layer recomputed in backward.
+    for (stage, recompute) in [(2u8, false), (3, false), (3, true)] {
+        let what = format!("stage {stage}, recompute {recompute}");
+        let options = HfOptions {
+            lora: Some(lora.clone()),
+            checkpoint_activations: recompute,
+        };
         let (init, tuned) = (
-            dir.join(format!("init{stage}")),
-            dir.join(format!("tuned{stage}")),
+            dir.join(format!("init{stage}{recompute}")),
+            dir.join(format!("tuned{stage}{recompute}")),
         );
         let ds = config_zero(stage, 1, 0.0, "", SHARD_ALL);
         let got = on_ranks(2, |r| {

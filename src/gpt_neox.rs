@@ -43,9 +43,10 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{layer_norm, linear, Decoder, Ends, Training};
+use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
 use crate::llama::{rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
+use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`GptNeox`], Hugging Face's `GPTNeoXConfig` fields.
@@ -245,10 +246,10 @@ pub struct Layer {
     post_attention_layernorm: nn::LayerNorm,
     /// The queries', keys' and values' rows, head by head: each head's
     /// query, key and value rows one after the other.
-    query_key_value: nn::Linear,
-    dense: nn::Linear,
-    dense_h_to_4h: nn::Linear,
-    dense_4h_to_h: nn::Linear,
+    query_key_value: Adapted,
+    dense: Adapted,
+    dense_h_to_4h: Adapted,
+    dense_4h_to_h: Adapted,
     rotary: Rotary,
     training: Training,
     cfg: GptNeoxConfig,
@@ -256,17 +257,23 @@ pub struct Layer {
 
 impl Layer {
     /// The layer under `p`.
-    fn new(p: &nn::Path, c: &GptNeoxConfig, training: &Training) -> Self {
+    fn new(
+        p: &nn::Path,
+        c: &GptNeoxConfig,
+        training: &Training,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        let lin = |p: nn::Path, i, o, bias| Adapted::new(&p, (i, o, bias), lora, training);
         let (d, i) = (c.hidden, c.intermediate);
         let ln = |name: &str| layer_norm(p / name, d, c.eps);
         let (a, m) = (p / "attention", p / "mlp");
         Self {
             input_layernorm: ln("input_layernorm"),
             post_attention_layernorm: ln("post_attention_layernorm"),
-            query_key_value: linear(&(&a / "query_key_value"), d, 3 * d, c.attention_bias),
-            dense: linear(&(&a / "dense"), d, d, c.attention_bias),
-            dense_h_to_4h: linear(&(&m / "dense_h_to_4h"), d, i, true),
-            dense_4h_to_h: linear(&(&m / "dense_4h_to_h"), i, d, true),
+            query_key_value: lin(&a / "query_key_value", d, 3 * d, c.attention_bias),
+            dense: lin(&a / "dense", d, d, c.attention_bias),
+            dense_h_to_4h: lin(&m / "dense_h_to_4h", d, i, true),
+            dense_4h_to_h: lin(&m / "dense_4h_to_h", i, d, true),
             rotary: Rotary::new(
                 c.rotary_dim(),
                 c.rope_theta,
@@ -347,23 +354,42 @@ impl GptNeox {
     /// largest matrices), the final norm forms the root. Values are
     /// tch's initialisation: a pretrained model's come from its file.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &GptNeoxConfig) -> Self {
-        Self::build(p, plan, cfg, false)
+        Self::build(p, plan, cfg, false, None)
     }
 
     /// As [`GptNeox::new`], every layer's activations recomputed in
     /// backward (`transformers`' `gradient_checkpointing_enable()`): the
     /// same results, less memory, one more layer forward per backward.
     pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &GptNeoxConfig) -> Self {
-        Self::build(p, plan, cfg, true)
+        Self::build(p, plan, cfg, true, None)
     }
 
-    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &GptNeoxConfig, checkpointed: bool) -> Self {
+    /// As [`GptNeox::new`] (or [`GptNeox::new_checkpointed`] when
+    /// `checkpointed`), each linear layer of the layers that `lora`
+    /// targets with a LoRA adapter ([`crate::llama::Llama::with_lora`]'s).
+    pub fn with_lora(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &GptNeoxConfig,
+        lora: &LoraConfig,
+        checkpointed: bool,
+    ) -> Self {
+        Self::build(p, plan, cfg, checkpointed, Some(lora))
+    }
+
+    fn build(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &GptNeoxConfig,
+        checkpointed: bool,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         let m = p / "gpt_neox";
         let norm = layer_norm(&m / "final_layer_norm", cfg.hidden, cfg.eps);
         let embed_in = &m / "embed_in";
         // `GPTNeoXModel`'s embedding has no `padding_idx`.
         let embed = Ends::embedding(plan, &embed_in, cfg.vocab, cfg.hidden, None, cfg.tied);
-        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t);
+        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t, lora);
         let (layers, head) = (&m / "layers", p / "embed_out");
         Self {
             decoder: Decoder::build(

@@ -61,8 +61,8 @@ pub struct HfOptions {
     /// input (`transformers`' `gradient_checkpointing_enable()`).
     pub checkpoint_activations: bool,
     /// LoRA adapters on the linear layers the config targets, the base
-    /// frozen (PEFT's `get_peft_model(model, config)`): the Llama
-    /// family's layouts only ([`crate::lora`]).
+    /// frozen (PEFT's `get_peft_model(model, config)`): every layout but
+    /// GPT-2's ([`crate::lora`]).
     pub lora: Option<crate::lora::LoraConfig>,
 }
 
@@ -275,25 +275,38 @@ impl HfModel {
         let (root, recompute) = (vs.root(), options.checkpoint_activations);
         if let Some(lora) = &options.lora {
             lora.check("HfOptions::lora")?;
-            let Layout::Llama(c) = &layout else {
-                return Err(HfError::Lora(format!(
-                    "{}: model_type {:?} takes no adapters here: zrt builds LoRA adapters on the Llama family's layouts ({}); fine-tune it whole",
-                    source.path.display(),
-                    source.model_type().unwrap_or_default(),
-                    Family::model_types()
-                )));
-            };
             // The base loads from its checkpoint, the adapters start from
             // world rank 0's draw; an adapter file's names are PEFT's
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
-            let tied = c.tied;
-            plan.rename_weights(move |n| {
-                crate::llama::hf_name(n.strip_prefix("base_model.model.").unwrap_or(n), tied)
-            })?;
-            let model = Llama::with_lora(&root, plan, c, lora, recompute);
+            let peft = |n: &str| n.strip_prefix("base_model.model.").unwrap_or(n).to_string();
+            let model = match &layout {
+                Layout::Llama(c) => {
+                    let tied = c.tied;
+                    plan.rename_weights(move |n| crate::llama::hf_name(&peft(n), tied))?;
+                    Self::Llama(Llama::with_lora(&root, plan, c, lora, recompute))
+                }
+                Layout::GptNeox(c) => {
+                    let tied = c.tied;
+                    plan.rename_weights(move |n| crate::gpt_neox::hf_name(&peft(n), tied))?;
+                    Self::GptNeox(GptNeox::with_lora(&root, plan, c, lora, recompute))
+                }
+                Layout::Phi(c) => {
+                    plan.rename_weights(move |n| crate::phi::hf_name(&peft(n)))?;
+                    Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute))
+                }
+                // Its Conv1D matrices are stored transposed: PEFT adapts
+                // them with `fan_in_fan_out`, which zrt does not write.
+                Layout::Gpt2(_) => {
+                    return Err(HfError::Lora(format!(
+                        "{}: model_type \"gpt2\" takes no adapters here (its Conv1D layers want PEFT's fan_in_fan_out): zrt builds LoRA adapters on \"gpt_neox\", \"phi\" and {}; fine-tune it whole",
+                        source.path.display(),
+                        Family::model_types()
+                    )))
+                }
+            };
             crate::lora::freeze_base(vs, lora)?;
-            return Ok((Self::Llama(model), crate::lora::export_layout(lora, dir)));
+            return Ok((model, crate::lora::export_layout(lora, dir)));
         }
         let model = match (&layout, recompute) {
             (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),

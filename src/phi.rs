@@ -41,9 +41,10 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::Tensor;
 
-use crate::blocks::{layer_norm, linear, Decoder, Ends, Training};
+use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
 use crate::llama::{pad_token, rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
+use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`Phi`], Hugging Face's `PhiConfig` fields.
@@ -252,14 +253,14 @@ pub fn hf_export_layout(cfg: &PhiConfig) -> ExportLayout {
 #[derive(Debug)]
 pub struct Layer {
     input_layernorm: nn::LayerNorm,
-    q_proj: nn::Linear,
-    k_proj: nn::Linear,
-    v_proj: nn::Linear,
-    dense: nn::Linear,
+    q_proj: Adapted,
+    k_proj: Adapted,
+    v_proj: Adapted,
+    dense: Adapted,
     /// `qk_layernorm`'s norms of each head's queries and keys.
     qk_layernorm: Option<(nn::LayerNorm, nn::LayerNorm)>,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
+    fc1: Adapted,
+    fc2: Adapted,
     rotary: Rotary,
     training: Training,
     cfg: PhiConfig,
@@ -267,10 +268,10 @@ pub struct Layer {
 
 impl Layer {
     /// The layer under `p`.
-    fn new(p: &nn::Path, c: &PhiConfig, training: &Training) -> Self {
+    fn new(p: &nn::Path, c: &PhiConfig, training: &Training, lora: Option<&LoraConfig>) -> Self {
         let (d, hd) = (c.hidden, c.head_dim());
         // Every projection has a bias.
-        let biased = |p: nn::Path, i: i64, o: i64| linear(&p, i, o, true);
+        let biased = |p: nn::Path, i: i64, o: i64| Adapted::new(&p, (i, o, true), lora, training);
         let (a, m) = (p / "self_attn", p / "mlp");
         Self {
             input_layernorm: layer_norm(p / "input_layernorm", d, c.eps),
@@ -351,22 +352,41 @@ impl Phi {
     /// the root. Values are tch's initialisation: a pretrained model's
     /// come from its file.
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &PhiConfig) -> Self {
-        Self::build(p, plan, cfg, false)
+        Self::build(p, plan, cfg, false, None)
     }
 
     /// As [`Phi::new`], every layer's activations recomputed in backward
     /// (`transformers`' `gradient_checkpointing_enable()`): the same
     /// results, less memory, one more layer forward per backward.
     pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &PhiConfig) -> Self {
-        Self::build(p, plan, cfg, true)
+        Self::build(p, plan, cfg, true, None)
     }
 
-    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &PhiConfig, checkpointed: bool) -> Self {
+    /// As [`Phi::new`] (or [`Phi::new_checkpointed`] when
+    /// `checkpointed`), each linear layer of the layers that `lora`
+    /// targets with a LoRA adapter ([`crate::llama::Llama::with_lora`]'s).
+    pub fn with_lora(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &PhiConfig,
+        lora: &LoraConfig,
+        checkpointed: bool,
+    ) -> Self {
+        Self::build(p, plan, cfg, checkpointed, Some(lora))
+    }
+
+    fn build(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &PhiConfig,
+        checkpointed: bool,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         let m = p / "model";
         let norm = layer_norm(&m / "final_layernorm", cfg.hidden, cfg.eps);
         let embed = &m / "embed_tokens";
         let embed = Ends::embedding(plan, &embed, cfg.vocab, cfg.hidden, cfg.pad_token, false);
-        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t);
+        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t, lora);
         let (layers, head) = (&m / "layers", p / "lm_head");
         Self {
             decoder: Decoder::build(

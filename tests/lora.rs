@@ -1,4 +1,5 @@
-//! LoRA adapters on a Llama checkpoint (`HfOptions::lora`): the base
+//! LoRA adapters on Llama, GPT-NeoX and Phi checkpoints
+//! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
 //! exported as PEFT's adapter directory, `peft` loads them with nothing
@@ -20,17 +21,59 @@ use zrt::zero::{AutoHints, Engine, ShardPlan};
 const STEPS: usize = 3;
 const SEQ: i64 = 16;
 
-/// A seeded Llama with grouped-query attention, as the parity tests
-/// build it, in `dir/hf`; and each step's and rank's tokens in
-/// `dir/tokens.safetensors` (each step's the same, so that the loss falls
-/// as the adapters learn them).
-fn checkpoint(dir: &Path) {
-    let model = common::hf_seeded_model(
+/// A layout under test: Python importing its config class as `C` and its
+/// model class as `M`, the config's arguments, the adapters' targets, and
+/// what they hold: matrices and elements.
+struct Case {
+    python: (&'static str, &'static str),
+    targets: &'static [&'static str],
+    matrices: usize,
+    elements: usize,
+}
+
+/// A Llama with grouped-query attention, adapters on three of each
+/// layer's projections (A [4, in] and B [out, 4]: q 64 -> 64, v 64 ->
+/// 32, down 160 -> 64).
+const LLAMA: Case = Case {
+    python: (
         "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
-        dir,
-        r#", max_shard_size="100KB""#,
-    );
+    ),
+    targets: &["q_proj", "v_proj", "down_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)),
+};
+
+/// Pythia's layout: the fused query-key-value projection (64 -> 192)
+/// and the MLP's second matrix (256 -> 64).
+const GPT_NEOX: Case = Case {
+    python: (
+        "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+    ),
+    targets: &["query_key_value", "dense_4h_to_h"],
+    matrices: 8,
+    elements: 2 * 4 * ((64 + 192) + (256 + 64)),
+};
+
+/// Phi-2's layout: queries, the attention's output and the MLP's second
+/// matrix, all biased (the biases stay frozen).
+const PHI: Case = Case {
+    python: (
+        "from transformers import PhiConfig as C, PhiForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+    ),
+    targets: &["q_proj", "dense", "fc2"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
+};
+
+/// The case's seeded model, as the parity tests build it, in `dir/hf`;
+/// and each step's and rank's tokens in `dir/tokens.safetensors` (each
+/// step's the same, so that the loss falls as the adapters learn them).
+fn checkpoint(dir: &Path, case: &Case) {
+    let (import, args) = case.python;
+    let model = common::hf_seeded_model(import, args, dir, r#", max_shard_size="100KB""#);
     common::python(&format!(
         r#"{model}
 tokens = torch.randint(0, 96, (1, 2, {MICRO}, {SEQ})).repeat({STEPS}, 1, 1, 1)
@@ -45,15 +88,15 @@ save_file({{"tokens": tokens}}, "{dir}/tokens.safetensors")
 /// loss on each rank, a line a step, then the trained model's on the
 /// first step's batches; then `ok` when its trained adapters are the
 /// ones zrt wrote to `tuned` (to float rounding).
-fn peft_run(dir: &Path, init: &Path, tuned: &Path) -> Vec<Vec<f64>> {
+fn peft_run(dir: &Path, case: &Case, init: &Path, tuned: &Path) -> Vec<Vec<f64>> {
     let script = format!(
         r#"
 import torch
-from transformers import LlamaForCausalLM
+{import}
 from peft import PeftModel
 from safetensors.torch import load_file
 tokens = load_file("{dir}/tokens.safetensors")["tokens"]
-base = LlamaForCausalLM.from_pretrained("{dir}/hf")
+base = M.from_pretrained("{dir}/hf")
 m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
 mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
 file = load_file("{init}/adapter_model.safetensors")
@@ -78,6 +121,7 @@ for k, v in theirs.items():
     assert torch.allclose(mine[k], v, rtol=1e-4, atol=1e-6), (k, (mine[k] - v).abs().max())
 print("ok")
 "#,
+        import = case.python.0,
         dir = dir.display(),
         init = init.display(),
         tuned = tuned.display(),
@@ -92,8 +136,21 @@ print("ok")
 
 #[test]
 fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
-    let dir = scratch("lora-llama");
-    checkpoint(&dir);
+    // Stage 3 also with every layer recomputed in backward.
+    parity("llama", &LLAMA, &[(2, false), (3, false), (3, true)]);
+}
+
+#[test]
+fn lora_adapters_on_gpt_neox_and_phi_train_as_peft_does() {
+    parity("gpt-neox", &GPT_NEOX, &[(3, false)]);
+    parity("phi", &PHI, &[(3, false)]);
+}
+
+/// The case's adapters trained on 2 ranks at each of `runs` (stage,
+/// recompute) against PEFT's (see the module's doc).
+fn parity(name: &str, case: &Case, runs: &[(u8, bool)]) {
+    let dir = scratch(&format!("lora-{name}"));
+    checkpoint(&dir, case);
     let hf = dir.join("hf");
     let tokens = Tensor::read_safetensors(dir.join("tokens.safetensors")).unwrap();
     let tokens = &tokens[0].1;
@@ -105,10 +162,9 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
                 .collect()
         })
         .collect();
-    let lora = LoraConfig::new(4, 16.0, &["q_proj", "v_proj", "down_proj"]);
-    // Stage 3 also with every layer recomputed in backward.
-    for (stage, recompute) in [(2u8, false), (3, false), (3, true)] {
-        let what = format!("stage {stage}, recompute {recompute}");
+    let lora = LoraConfig::new(4, 16.0, case.targets);
+    for &(stage, recompute) in runs {
+        let what = format!("{name} at stage {stage}, recompute {recompute}");
         let options = HfOptions {
             lora: Some(lora.clone()),
             checkpoint_activations: recompute,
@@ -150,16 +206,14 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
                 .unwrap();
             (held, losses, e.num_params())
         });
-        // What trains: A [4, in] and B [out, 4] on 3 projections of 2
-        // layers (q: 64 -> 64, v: 64 -> 32, down: 160 -> 64).
-        let adapters = 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64));
+        // What trains: the adapters.
         for (rank, (held, _, params)) in got.iter().enumerate() {
-            assert_eq!(*params, adapters, "{what}, rank {rank}");
+            assert_eq!(*params, case.elements, "{what}, rank {rank}");
             let adapters: Vec<&String> = (held.iter())
                 .filter(|(n, _)| zrt::lora::is_adapter(n))
                 .map(|(n, _)| n)
                 .collect();
-            assert_eq!(adapters.len(), 12, "{what}: {adapters:?}");
+            assert_eq!(adapters.len(), case.matrices, "{what}: {adapters:?}");
             for (name, has_memory) in held {
                 assert_eq!(
                     *has_memory,
@@ -172,7 +226,7 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
             serde_json::from_slice(&std::fs::read(init.join("adapter_config.json")).unwrap())
                 .unwrap();
         assert_eq!(config["r"], 4, "{config}");
-        let mut theirs = peft_run(&dir, &init, &tuned);
+        let mut theirs = peft_run(&dir, case, &init, &tuned);
         let trained = theirs.pop().unwrap();
         assert_eq!(theirs.len(), STEPS, "{theirs:?}");
         // The trained adapter, loaded into a model built from its
@@ -189,7 +243,7 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
             });
             let group = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
-            assert_eq!(zrt::lora::load_adapter(&e, &tuned).unwrap(), 12);
+            assert_eq!(zrt::lora::load_adapter(&e, &tuned).unwrap(), case.matrices);
             let batch = Tensor::from_slice(&batches[0][r.rank()]).view([MICRO, SEQ]);
             let loss = tch::no_grad(|| model.loss(&batch)).double_value(&[]);
             // The base's file is no adapter: refused, naming what it lacks.
@@ -267,7 +321,7 @@ fn lora_is_refused_where_no_adapter_can_be_built() {
 fn the_finetune_example_trains_adapters_peft_loads() {
     let _serial = common::serial();
     let dir = scratch("lora-finetune");
-    checkpoint(&dir);
+    checkpoint(&dir, &LLAMA);
     let (hf, out) = (dir.join("hf"), dir.join("adapter"));
     let ids: Vec<u8> = (0..4096u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16 % 96)

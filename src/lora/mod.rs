@@ -6,7 +6,8 @@
 //!
 //! [`LoraConfig`] is PEFT's `LoraConfig` (the fields of its
 //! `adapter_config.json` this crate computes with); the layers of
-//! [`crate::llama`] take adapters on the linear layers it targets when
+//! [`crate::llama`], [`crate::gpt_neox`] and [`crate::phi`] (not
+//! [`crate::gpt2`]'s Conv1D) take adapters on the linear layers it targets when
 //! [`crate::hf::HfOptions::lora`] asks, under PEFT's names
 //! (`model.layers.0.self_attn.q_proj.lora_A.weight`): with the plan's
 //! [`ShardPlan::fresh_weights`](crate::zero::ShardPlan::fresh_weights)

@@ -30,7 +30,7 @@
 //! and at the end (`HfModel::greedy`, the checkpoint's tokenizer; with
 //! `--do-sample`, sampled: `HfModel::sample`; with `--chat`, the text
 //! is a user's message rendered with the checkpoint's chat template).
-//! With `--lora-r R` (any layout but GPT-2) it trains LoRA adapters on the
+//! With `--lora-r R` (any layout) it trains LoRA adapters on the
 //! frozen base, and `--out` is PEFT's adapter directory.
 
 use std::path::PathBuf;
@@ -139,7 +139,7 @@ struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Train LoRA adapters of this rank on a frozen base (PEFT's `r`;
-    /// every layout but GPT-2's): `--out` is then PEFT's adapter
+    /// any layout): `--out` is then PEFT's adapter
     /// directory (`adapter_model.safetensors`, `adapter_config.json`).
     #[arg(long)]
     lora_r: Option<i64>,

@@ -47,6 +47,7 @@ use crate::blocks::{
     fused_causal_attention, layer_norm, token_embedding, Run, TiedEmbedding, Training,
 };
 use crate::hf::{HfError, HfJson};
+use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
@@ -206,16 +207,16 @@ pub(crate) fn tensor_layout() -> ExportLayout {
 /// GPT-2's causal self-attention.
 #[derive(Debug)]
 struct Attention {
-    c_attn: nn::Linear,
-    c_proj: nn::Linear,
+    c_attn: Adapted,
+    c_proj: Adapted,
     heads: i64,
 }
 
 /// GPT-2's MLP.
 #[derive(Debug)]
 struct Mlp {
-    c_fc: nn::Linear,
-    c_proj: nn::Linear,
+    c_fc: Adapted,
+    c_proj: Adapted,
 }
 
 /// One GPT-2 block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`
@@ -231,7 +232,9 @@ pub struct Block {
 }
 
 impl Block {
-    fn new(p: &nn::Path, c: &Gpt2Config, training: &Training) -> Self {
+    fn new(p: &nn::Path, c: &Gpt2Config, training: &Training, lora: Option<&LoraConfig>) -> Self {
+        // Conv1D's biases, as `nn::linear`'s default.
+        let lin = |p: nn::Path, i, o| Adapted::new(&p, (i, o, true), lora, training);
         let d = c.width;
         let inner = c.inner.unwrap_or(4 * d);
         let ln = |name: &str| layer_norm(p / name, d, c.eps);
@@ -239,14 +242,14 @@ impl Block {
         Self {
             ln_1: ln("ln_1"),
             attn: Attention {
-                c_attn: nn::linear(&a / "c_attn", d, 3 * d, Default::default()),
-                c_proj: nn::linear(&a / "c_proj", d, d, Default::default()),
+                c_attn: lin(&a / "c_attn", d, 3 * d),
+                c_proj: lin(&a / "c_proj", d, d),
                 heads: c.heads,
             },
             ln_2: ln("ln_2"),
             mlp: Mlp {
-                c_fc: nn::linear(&m / "c_fc", d, inner, Default::default()),
-                c_proj: nn::linear(&m / "c_proj", inner, d, Default::default()),
+                c_fc: lin(&m / "c_fc", d, inner),
+                c_proj: lin(&m / "c_proj", inner, d),
             },
             training: training.clone(),
             cfg: *c,
@@ -289,17 +292,39 @@ impl Gpt2 {
     /// are tch's initialisation: a pretrained model's come from its file
     /// ([`hf_weight_rules`]).
     pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
-        Self::build(p, plan, cfg, false)
+        Self::build(p, plan, cfg, false, None)
     }
 
     /// As [`Gpt2::new`], every block's activations recomputed in
     /// backward (`transformers`' `gradient_checkpointing_enable()`): the
     /// same results, less memory, one more block forward per backward.
     pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config) -> Self {
-        Self::build(p, plan, cfg, true)
+        Self::build(p, plan, cfg, true, None)
     }
 
-    fn build(p: &nn::Path, plan: &ShardPlan, cfg: &Gpt2Config, checkpointed: bool) -> Self {
+    /// As [`Gpt2::new`] (or [`Gpt2::new_checkpointed`] when
+    /// `checkpointed`), each Conv1D layer of the blocks that `lora`
+    /// targets with a LoRA adapter ([`crate::llama::Llama::with_lora`]'s:
+    /// A `[r, in]` and B `[out, r]` as PEFT makes them for a Conv1D, whose
+    /// `fan_in_fan_out` touches only how [`crate::lora::merge`] adds
+    /// the update).
+    pub fn with_lora(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &Gpt2Config,
+        lora: &LoraConfig,
+        checkpointed: bool,
+    ) -> Self {
+        Self::build(p, plan, cfg, checkpointed, Some(lora))
+    }
+
+    fn build(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &Gpt2Config,
+        checkpointed: bool,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         // The root's variables first: a plan that releases the model's
         // memory as it is built (`weights_from_file`) releases what was
         // made before each `ShardedModule::new`, and would leave anything
@@ -313,7 +338,7 @@ impl Gpt2 {
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                let run = Run::new(Block::new(&bp, cfg, &training), checkpointed);
+                let run = Run::new(Block::new(&bp, cfg, &training, lora), checkpointed);
                 ShardedModule::new(plan, &bp, run)
             })
             .collect();

@@ -61,8 +61,8 @@ pub struct HfOptions {
     /// input (`transformers`' `gradient_checkpointing_enable()`).
     pub checkpoint_activations: bool,
     /// LoRA adapters on the linear layers the config targets, the base
-    /// frozen (PEFT's `get_peft_model(model, config)`): every layout but
-    /// GPT-2's ([`crate::lora`]).
+    /// frozen (PEFT's `get_peft_model(model, config)`), on any layout
+    /// ([`crate::lora`]).
     pub lora: Option<crate::lora::LoraConfig>,
 }
 
@@ -280,33 +280,42 @@ impl HfModel {
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
             let peft = |n: &str| n.strip_prefix("base_model.model.").unwrap_or(n).to_string();
-            let model = match &layout {
+            let export = crate::lora::export_layout(lora, dir);
+            let (model, export) = match &layout {
                 Layout::Llama(c) => {
                     let tied = c.tied;
                     plan.rename_weights(move |n| crate::llama::hf_name(&peft(n), tied))?;
-                    Self::Llama(Llama::with_lora(&root, plan, c, lora, recompute))
+                    let m = Llama::with_lora(&root, plan, c, lora, recompute);
+                    (Self::Llama(m), export)
                 }
                 Layout::GptNeox(c) => {
                     let tied = c.tied;
                     plan.rename_weights(move |n| crate::gpt_neox::hf_name(&peft(n), tied))?;
-                    Self::GptNeox(GptNeox::with_lora(&root, plan, c, lora, recompute))
+                    let m = GptNeox::with_lora(&root, plan, c, lora, recompute);
+                    (Self::GptNeox(m), export)
                 }
                 Layout::Phi(c) => {
                     plan.rename_weights(move |n| crate::phi::hf_name(&peft(n)))?;
-                    Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute))
+                    (
+                        Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute)),
+                        export,
+                    )
                 }
-                // Its Conv1D matrices are stored transposed: PEFT adapts
-                // them with `fan_in_fan_out`, which zrt does not write.
-                Layout::Gpt2(_) => {
-                    return Err(HfError::Lora(format!(
-                        "{}: model_type \"gpt2\" takes no adapters here (its Conv1D layers want PEFT's fan_in_fan_out): zrt builds LoRA adapters on \"gpt_neox\", \"phi\" and {}; fine-tune it whole",
-                        source.path.display(),
-                        Family::model_types()
-                    )))
+                // Its Conv1D matrices are `[in, out]` in the file: PEFT's
+                // `fan_in_fan_out`, and its names under `transformer.`.
+                Layout::Gpt2(c) => {
+                    plan.rename_weights(move |n| crate::gpt2::hf_name(&peft(n)))?;
+                    let lora = crate::lora::LoraConfig {
+                        fan_in_fan_out: true,
+                        ..lora.clone()
+                    };
+                    let m = Gpt2::with_lora(&root, plan, c, &lora, recompute);
+                    let export = crate::lora::export_layout_under(&lora, dir, "transformer.");
+                    (Self::Gpt2(m), export)
                 }
             };
             crate::lora::freeze_base(vs, lora)?;
-            return Ok((model, crate::lora::export_layout(lora, dir)));
+            return Ok((model, export));
         }
         let model = match (&layout, recompute) {
             (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),

@@ -31,8 +31,7 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, DoRA, `fan_in_fan_out`, per-module ranks or alphas),
-    /// naming the field.
+    /// `peft_type`, DoRA, per-module ranks or alphas), naming the field.
     pub fn from_adapter_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         let path = dir.as_ref().join(ADAPTER_CONFIG);
         let j = HfJson::read(&path, None)?;
@@ -41,12 +40,10 @@ impl LoraConfig {
             return Err(j.field(format!("peft_type {t:?}: zrt reads LoRA adapters only")));
         }
         let on = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-        for key in ["use_dora", "fan_in_fan_out"] {
-            if on(key) {
-                return Err(j.field(format!(
-                    "`{key}` is true: zrt computes plain LoRA (W x + B A x scaled) only"
-                )));
-            }
+        if on("use_dora") {
+            return Err(j.field(
+                "`use_dora` is true: zrt computes plain LoRA (W x + B A x scaled) only".into(),
+            ));
         }
         for key in ["rank_pattern", "alpha_pattern"] {
             if j.get(key)
@@ -73,6 +70,7 @@ impl LoraConfig {
             dropout: j.rate_or("lora_dropout", 0.0)?,
             target_modules: targets,
             use_rslora: on("use_rslora"),
+            fan_in_fan_out: on("fan_in_fan_out"),
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
@@ -184,12 +182,22 @@ fn header_names(path: &Path) -> Result<Vec<(String, Vec<i64>)>, HfError> {
 }
 
 /// Refuses the adapter `(a, b)` of rank `r` for the matrix `name` of
-/// `shape` unless A is `[r, cols]` and B `[rows, r]`.
-fn fits(name: &str, shape: &[i64], a: &Tensor, b: &Tensor, r: i64) -> Result<(), HfError> {
-    let &[rows, cols] = shape else {
-        return Err(HfError::Lora(format!(
-            "`{name}` is {shape:?}, not a matrix"
-        )));
+/// `shape` (`[in, out]` when `transposed`, a Conv1D's) unless A is
+/// `[r, in]` and B `[out, r]`.
+fn fits(
+    name: &str,
+    shape: &[i64],
+    transposed: bool,
+    (a, b): (&Tensor, &Tensor),
+    r: i64,
+) -> Result<(), HfError> {
+    let (rows, cols) = match (shape, transposed) {
+        (&[o, i], false) | (&[i, o], true) => (o, i),
+        _ => {
+            return Err(HfError::Lora(format!(
+                "`{name}` is {shape:?}, not a matrix"
+            )))
+        }
     };
     if a.size() != [r, cols] || b.size() != [rows, r] {
         return Err(HfError::Lora(format!(
@@ -203,7 +211,8 @@ fn fits(name: &str, shape: &[i64], a: &Tensor, b: &Tensor, r: i64) -> Result<(),
 
 /// Writes to `out` the base checkpoint `base` (a `save_pretrained`
 /// directory) with the adapter directory `adapter` folded into it:
-/// each adapted matrix `W` becomes `W + scale B A` (PEFT's
+/// each adapted matrix `W` becomes `W + scale B A` (its transpose for
+/// GPT-2's Conv1D matrices, `[in, out]`; PEFT's
 /// `merge_and_unload`: `B A` computed in fp32, cast to `W`'s dtype, then
 /// added), every other tensor as it was, in the base's files (its index
 /// too) with its `config.json` and the tokenizer's and generation files
@@ -228,16 +237,15 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             base.display()
         )));
     }
+    // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
+    // transposed (PEFT's `fan_in_fan_out`).
+    let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
+    let transposed = |name: &str| conv1d && crate::gpt2::is_conv1d_weight(name);
     // Every shape before anything is written.
     for (m, (a, b)) in &pairs {
         let name = weight(m);
-        fits(
-            &name,
-            held.get(name.as_str()).copied().unwrap_or(&[]),
-            a,
-            b,
-            cfg.r,
-        )?;
+        let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
+        fits(&name, shape, transposed(&name), (a, b), cfg.r)?;
     }
     let io = |path: &Path, what: &str, e: &dyn std::fmt::Display| HfError::Read {
         path: path.to_path_buf(),
@@ -255,9 +263,11 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 merged.push((name, w));
                 continue;
             };
-            fits(&name, &w.size(), a, b, cfg.r)?;
-            let delta =
-                (b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float)) * scale).to_kind(w.kind());
+            let t = transposed(&name);
+            fits(&name, &w.size(), t, (a, b), cfg.r)?;
+            let ba = b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float));
+            let ba = if t { ba.tr() } else { ba };
+            let delta = (ba * scale).to_kind(w.kind());
             merged.push((name.clone(), w + delta));
             matrices.push(name);
         }
@@ -291,6 +301,7 @@ mod tests {
         let cfg = LoraConfig {
             dropout: 0.05,
             use_rslora: true,
+            fan_in_fan_out: true,
             ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
         };
         let written = cfg.adapter_config_json("base");
@@ -300,11 +311,6 @@ mod tests {
         for (key, value, says) in [
             ("peft_type", serde_json::json!("IA3"), "peft_type \"IA3\""),
             ("use_dora", serde_json::json!(true), "`use_dora` is true"),
-            (
-                "fan_in_fan_out",
-                serde_json::json!(true),
-                "`fan_in_fan_out` is true",
-            ),
             (
                 "rank_pattern",
                 serde_json::json!({"q_proj": 4}),

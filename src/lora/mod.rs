@@ -6,8 +6,8 @@
 //!
 //! [`LoraConfig`] is PEFT's `LoraConfig` (the fields of its
 //! `adapter_config.json` this crate computes with); the layers of
-//! [`crate::llama`], [`crate::gpt_neox`] and [`crate::phi`] (not
-//! [`crate::gpt2`]'s Conv1D) take adapters on the linear layers it targets when
+//! [`crate::llama`], [`crate::gpt2`], [`crate::gpt_neox`] and
+//! [`crate::phi`] take adapters on the linear layers it targets when
 //! [`crate::hf::HfOptions::lora`] asks, under PEFT's names
 //! (`model.layers.0.self_attn.q_proj.lora_A.weight`): with the plan's
 //! [`ShardPlan::fresh_weights`](crate::zero::ShardPlan::fresh_weights)
@@ -53,6 +53,12 @@ pub struct LoraConfig {
     pub target_modules: Vec<String>,
     /// `use_rslora`: scale by `alpha / sqrt(r)` (rank-stabilised LoRA).
     pub use_rslora: bool,
+    /// `fan_in_fan_out`: the base stores its matrices `[in, out]`
+    /// (GPT-2's Conv1D), as PEFT writes it for such a model; the
+    /// adapters' shapes and forward are the same, it says how a merge
+    /// adds the update. [`crate::hf::HfModel::from_pretrained_with`]
+    /// sets it for GPT-2.
+    pub fan_in_fan_out: bool,
 }
 
 impl LoraConfig {
@@ -64,6 +70,7 @@ impl LoraConfig {
             dropout: 0.0,
             target_modules: targets.iter().map(|t| t.to_string()).collect(),
             use_rslora: false,
+            fan_in_fan_out: false,
         }
     }
 
@@ -134,7 +141,7 @@ impl LoraConfig {
             "target_modules": targets,
             "use_rslora": self.use_rslora,
             "bias": "none",
-            "fan_in_fan_out": false,
+            "fan_in_fan_out": self.fan_in_fan_out,
             "init_lora_weights": true,
             "inference_mode": true,
             "modules_to_save": null,
@@ -166,7 +173,9 @@ pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError
         let module = name
             .strip_suffix(".weight")
             .and_then(|m| m.rsplit('.').next());
-        if let (Some(m), 2, true) = (module, t.dim(), name.contains(".layers.")) {
+        // A layer's: under a numbered path (`layers.0`, `h.0`).
+        let in_layer = name.split('.').any(|c| c.parse::<usize>().is_ok());
+        if let (Some(m), 2, true) = (module, t.dim(), in_layer) {
             linear.insert(m.to_string());
         }
     }
@@ -187,10 +196,17 @@ pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError
 /// `adapter_config.json` beside them. Write it with
 /// `engine.save_16bit_model_as(dir.join("adapter_model.safetensors"), None, &layout)`.
 pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
+    export_layout_under(cfg, base, "")
+}
+
+/// As [`export_layout`], for a model whose VarStore names lack the
+/// checkpoint's `prefix` (GPT-2's `transformer.`).
+pub(crate) fn export_layout_under(cfg: &LoraConfig, base: &Path, prefix: &str) -> ExportLayout {
     let config = cfg.adapter_config_json(&base.display().to_string());
+    let prefix = format!("base_model.model.{prefix}");
     ExportLayout::new()
         .trainable_only()
-        .rename(|name| format!("base_model.model.{name}"))
+        .rename(move |name| format!("{prefix}{name}"))
         .with_file(ADAPTER_CONFIG, config)
 }
 

@@ -6,11 +6,7 @@ use std::process::Command;
 use crate::common;
 
 fn zrt(args: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .args(args)
-        .output()
-        .unwrap();
-    (o.status.success(), common::printed(&o))
+    common::zrt_cli(args)
 }
 
 /// A DeepSpeed config holding `json`, in a file of the test's own

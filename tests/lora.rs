@@ -429,15 +429,8 @@ print(m.peft_config["default"].r, len(file), sum(int(v.abs().sum() > 0) for k, v
     // the adapted model's logits.
     let merged = dir.join("merged");
     let zrt = |args: &[&std::ffi::OsStr]| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
-            .args(["lora", "merge", "--base"])
-            .arg(&hf)
-            .args(args)
-            .output()
-            .unwrap();
-        let said =
-            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-        (o.status.success(), said)
+        let merge = [os("lora"), os("merge"), os("--base"), hf.as_os_str()];
+        common::zrt_cli(merge.iter().chain(args))
     };
     let (ok, said) = zrt(&[
         os("--adapter"),

@@ -6,7 +6,6 @@
 //! file, the line or the option, and leaves no file behind.
 
 use std::path::Path;
-use std::process::Command;
 
 use crate::common;
 use common::scratch;
@@ -14,14 +13,10 @@ use common::scratch;
 /// Runs `zrt tokenize ARGS`: whether it succeeded, and its stdout and
 /// stderr.
 fn tokenize(args: &[&std::ffi::OsStr]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
-        .arg("tokenize")
-        .args(args)
-        .output()
-        .unwrap();
-    let said =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-    (o.status.success(), said)
+    let all = [std::ffi::OsStr::new("tokenize")]
+        .into_iter()
+        .chain(args.iter().copied());
+    common::zrt_cli(all)
 }
 
 /// The files of `dir`.

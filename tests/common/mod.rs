@@ -384,6 +384,16 @@ pub fn with_logs_at<R>(level: tracing::Level, f: impl FnOnce() -> R) -> (R, Stri
     (r, text)
 }
 
+/// Runs the `zrt` binary with `args`: whether it succeeded, and what it
+/// printed ([`printed`]).
+pub fn zrt_cli<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> (bool, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(args)
+        .output()
+        .unwrap();
+    (o.status.success(), printed(&o))
+}
+
 /// What a finished program printed: its stdout, then its stderr.
 pub fn printed(o: &std::process::Output) -> String {
     format!(

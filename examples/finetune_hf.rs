@@ -150,11 +150,12 @@ struct Args {
     #[arg(long, default_value_t = 0.0, requires = "lora_r")]
     lora_dropout: f64,
     /// The linear layers that take adapters, comma-separated (PEFT's
-    /// `target_modules`; `all-linear` for every one of the decoder
-    /// layers'). PEFT's default for Llama: the query and value
-    /// projections.
-    #[arg(long, default_value = "q_proj,v_proj", requires = "lora_r")]
-    lora_targets: String,
+    /// `target_modules`; `all-linear` for every one of the layers').
+    /// Without it, PEFT's default for the checkpoint's `model_type`
+    /// (`zrt::lora::default_targets`: the query and value projections
+    /// of Llama and its kin, GPT-2's `c_attn`, ...).
+    #[arg(long, requires = "lora_r")]
+    lora_targets: Option<String>,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -277,14 +278,17 @@ fn main() -> Result<()> {
     let plan = ShardPlan::new();
     let lora = match (&a.lora_from, a.lora_r) {
         (Some(dir), _) => Some(LoraConfig::from_adapter_dir(dir)?),
-        (None, Some(r)) => Some(LoraConfig {
-            dropout: a.lora_dropout,
-            ..LoraConfig::new(
-                r,
-                a.lora_alpha,
-                &a.lora_targets.split(',').collect::<Vec<_>>(),
-            )
-        }),
+        (None, Some(r)) => {
+            let targets = match &a.lora_targets {
+                Some(list) => list.split(',').map(str::to_string).collect(),
+                None => zrt::lora::default_targets(&a.model)?,
+            };
+            Some(LoraConfig {
+                dropout: a.lora_dropout,
+                target_modules: targets,
+                ..LoraConfig::new(r, a.lora_alpha, &[])
+            })
+        }
         (None, None) => None,
     };
     let adapters = lora.is_some();

@@ -150,6 +150,26 @@ impl LoraConfig {
     }
 }
 
+/// The linear layers PEFT adapts in the checkpoint `dir` when its
+/// config names none (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`,
+/// read from its `config.json`'s `model_type`): GPT-2's `c_attn`,
+/// GPT-NeoX's `query_key_value`, Phi's `q_proj`, `v_proj`, `fc1` and
+/// `fc2`, the query and value projections of the Llama family; where
+/// PEFT has none (Phi-3, Granite, OLMo 2 and 3, SmolLM3, Ministral,
+/// Qwen3-MoE, StarCoder2), zrt's choice: Phi-3's fused `qkv_proj`, the
+/// others' `q_proj` and `v_proj`.
+pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
+    let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
+    let targets: &[&str] = match j.model_type().as_deref() {
+        Some("gpt2") => &["c_attn"],
+        Some("gpt_neox") => &["query_key_value"],
+        Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
+        Some("phi3") => &["qkv_proj"],
+        _ => &["q_proj", "v_proj"],
+    };
+    Ok(targets.iter().map(|t| t.to_string()).collect())
+}
+
 /// Whether the VarStore name `name` is an adapter's (`.lora_A.` or
 /// `.lora_B.`): what [`freeze_base`] leaves trainable and the plan's
 /// `fresh_weights` names.
@@ -310,6 +330,28 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(rs.scale(), 4.0);
+    }
+
+    #[test]
+    fn default_targets_are_pefts_by_model_type() {
+        let dir = std::env::temp_dir().join(format!("zrt-lora-targets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (model_type, want) in [
+            ("gpt2", vec!["c_attn"]),
+            ("gpt_neox", vec!["query_key_value"]),
+            ("phi", vec!["q_proj", "v_proj", "fc1", "fc2"]),
+            ("phi3", vec!["qkv_proj"]),
+            ("qwen2", vec!["q_proj", "v_proj"]),
+            ("starcoder2", vec!["q_proj", "v_proj"]),
+        ] {
+            let config = format!(r#"{{"model_type": "{model_type}"}}"#);
+            std::fs::write(dir.join("config.json"), config).unwrap();
+            assert_eq!(default_targets(&dir).unwrap(), want, "{model_type}");
+        }
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let err = default_targets(&dir).unwrap_err().to_string();
+        assert!(err.contains("config.json"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

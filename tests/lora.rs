@@ -395,9 +395,42 @@ fn the_finetune_example_trains_adapters_peft_loads() {
     common::word_tokenizer(&hf, 96);
     let (ok, said) = crate::from_hf::finetune(&args);
     assert!(ok && said.contains("step     3  loss "), "{said}");
+    // Stopped after 2 steps with a checkpoint and started again: the
+    // straight run's losses and adapter, to the bit.
+    let (ck, split) = (dir.join("ck"), dir.join("split"));
+    let steps = |n: &'static str, more: &[&std::ffi::OsStr]| {
+        let mut v = args[..18].to_vec();
+        v[9] = os(n);
+        v.extend_from_slice(more);
+        crate::from_hf::finetune(&v)
+    };
+    let (ok, first) = steps("2", &[os("--save-dir"), ck.as_os_str()]);
+    assert!(ok && first.contains("checkpoint saved to"), "{first}");
+    let (ok, then) = steps(
+        "4",
+        &[
+            os("--save-dir"),
+            ck.as_os_str(),
+            os("--out"),
+            split.as_os_str(),
+        ],
+    );
+    assert!(ok && then.contains("after 2 steps"), "{then}");
+    let line = |said: &str, step: u32| {
+        let at = format!("step {step:>5}  loss ");
+        said.lines().find(|l| l.contains(&at)).map(String::from)
+    };
+    for step in [2, 3] {
+        assert!(line(&then, step).is_some(), "{then}");
+        assert_eq!(line(&then, step), line(&said, step), "step {step}");
+    }
+    let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert!(
+        adapter(&split) == adapter(&out),
+        "the resumed adapter differs"
+    );
     // Two more steps from the adapter: it starts where the run ended
-    // (its first loss the first run's last, to the printed digits, on
-    // other windows: below the first run's first).
+    // (below the first run's first loss; the optimizer starts afresh).
     let more = dir.join("more");
     let mut again = args[..12].to_vec();
     again.extend([

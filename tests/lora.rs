@@ -350,6 +350,8 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// The example and `zrt generate` need the `tokenize` feature.
+#[cfg(feature = "tokenize")]
 #[test]
 fn the_finetune_example_trains_adapters_peft_loads() {
     let _serial = common::serial();

@@ -159,27 +159,39 @@ print("ok")
 #[test]
 fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
     // Stage 3 also with every layer recomputed in backward.
-    // And in bf16 (the frozen base held in bf16 too), against PEFT in
-    // fp32: to bf16's rounding.
+    // And in bf16 (the frozen base held in bf16 too), and with the base's
+    // shards held as int8 (`zero_quantized_nontrainable_weights`), against
+    // PEFT in fp32: to their rounding.
     let runs = [
-        (2, false, false),
-        (3, false, false),
-        (3, true, false),
-        (3, false, true),
+        (2, false, Held::Fp32),
+        (3, false, Held::Fp32),
+        (3, true, Held::Fp32),
+        (3, false, Held::Bf16),
+        (3, false, Held::Int8Base),
     ];
     parity("llama", &LLAMA, &runs);
 }
 
 #[test]
 fn lora_adapters_on_gpt2_gpt_neox_and_phi_train_as_peft_does() {
-    parity("gpt2", &GPT2, &[(3, false, false)]);
-    parity("gpt-neox", &GPT_NEOX, &[(3, false, false)]);
-    parity("phi", &PHI, &[(3, false, false)]);
+    parity("gpt2", &GPT2, &[(3, false, Held::Fp32)]);
+    parity("gpt-neox", &GPT_NEOX, &[(3, false, Held::Fp32)]);
+    parity("phi", &PHI, &[(3, false, Held::Fp32)]);
+}
+
+/// How a parity run holds the model.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Fp32,
+    /// bf16 training, the frozen base in bf16 too.
+    Bf16,
+    /// fp32 training, the frozen base's stage-3 shards as int8.
+    Int8Base,
 }
 
 /// The case's adapters trained on 2 ranks at each of `runs` (stage,
-/// recompute, bf16) against PEFT's (see the module's doc).
-fn parity(name: &str, case: &Case, runs: &[(u8, bool, bool)]) {
+/// recompute, how held) against PEFT's (see the module's doc).
+fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
     let dir = scratch(&format!("lora-{name}"));
     checkpoint(&dir, case);
     let hf = dir.join("hf");
@@ -194,16 +206,19 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, bool)]) {
         })
         .collect();
     let lora = LoraConfig::new(4, 16.0, case.targets);
-    for &(stage, recompute, bf16) in runs {
-        let what = format!("{name} at stage {stage}, recompute {recompute}, bf16 {bf16}");
+    for &(stage, recompute, held) in runs {
+        let what = format!("{name} at stage {stage}, recompute {recompute}, {held:?}");
         // Losses to float rounding, or to bf16's; adapters likewise, in
         // bf16 to twice the steps' learning rate (an update whose gradient
         // bf16 rounds through zero may go the other way: PEFT's is fp32).
-        let (tol, atol, extra): (f64, f64, &str) = match bf16 {
-            false => (1e-5, 1e-6, ""),
-            true => (2e-2, 2.0 * STEPS as f64 * LR, common::BF16),
+        let rounded = (2e-2, 2.0 * STEPS as f64 * LR);
+        let int8 = format!(r#"{SHARD_ALL} "zero_quantized_nontrainable_weights": true,"#);
+        let ((tol, atol), extra, zero): ((f64, f64), &str, &str) = match held {
+            Held::Fp32 => ((1e-5, 1e-6), "", SHARD_ALL),
+            Held::Bf16 => (rounded, common::BF16, SHARD_ALL),
+            Held::Int8Base => (rounded, "", &int8),
         };
-        let run = format!("{stage}{recompute}{bf16}");
+        let run = format!("{stage}{recompute}{held:?}");
         let options = HfOptions {
             lora: Some(lora.clone()),
             checkpoint_activations: recompute,
@@ -212,7 +227,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, bool)]) {
             dir.join(format!("init{run}")),
             dir.join(format!("tuned{run}")),
         );
-        let ds = config_zero(stage, 1, 0.0, extra, SHARD_ALL);
+        let ds = config_zero(stage, 1, 0.0, extra, zero);
         let got = on_ranks(2, |r| {
             let vs = VarStore::new(tch::Device::Cpu);
             let plan = ShardPlan::new();

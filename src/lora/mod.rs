@@ -20,13 +20,13 @@
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
 //! `zrt generate`.
 
-use std::path::Path;
-
-use tch::nn::{self, Module};
-
 mod merge;
 
 pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
+
+use std::path::Path;
+
+use tch::nn::{self, Module};
 use tch::Tensor;
 
 use crate::blocks::{linear, Training};

@@ -149,6 +149,35 @@ impl ChatTemplate {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, RenderError> {
+        let ending = match add_generation_prompt {
+            true => Ending::GenerationPrompt,
+            false => Ending::Closed,
+        };
+        self.render_conversation(
+            messages,
+            &Extras {
+                tools,
+                documents: None,
+            },
+            ending,
+        )
+    }
+
+    /// As [`Self::render`], with `extras` (`tools`, and `documents` for
+    /// a retrieval template: `apply_chat_template(..., documents=...)`,
+    /// a list of `{"title", "text"}` maps) and how it ends: closed, the
+    /// assistant's turn opened, or the final message left open for the
+    /// model to go on with (`continue_final_message=True`: rendered
+    /// with the last text of the final message marked, everything after
+    /// the mark cut, and the whitespace before it too where the template
+    /// trimmed the message, as `transformers` does). A final message the
+    /// template drops is refused.
+    pub fn render_conversation(
+        &self,
+        messages: &Value,
+        extras: &Extras<'_>,
+        ending: Ending,
+    ) -> Result<Rendered, RenderError> {
         let refused = |msg: String| RenderError {
             template: self.path.clone(),
             msg,
@@ -156,16 +185,42 @@ impl ChatTemplate {
         if messages.kind() != ValueKind::Seq {
             return Err(refused("the conversation is not a list of messages".into()));
         }
+        let (messages, last_text) = match ending {
+            Ending::ContinueFinalMessage => {
+                let (marked, text) = mark_final(messages).map_err(refused)?;
+                (marked, Some(text))
+            }
+            _ => (messages.clone(), None),
+        };
+        let add_generation_prompt = ending == Ending::GenerationPrompt;
+        let none = || Value::from(());
         let mut context: Vec<(String, Value)> = self.specials.clone();
         context.extend([
-            ("messages".to_string(), messages.clone()),
+            ("messages".to_string(), messages),
             (
                 "add_generation_prompt".into(),
                 Value::from(add_generation_prompt),
             ),
-            ("tools".into(), tools.cloned().unwrap_or(Value::from(()))),
-            ("documents".into(), Value::from(())),
+            ("tools".into(), extras.tools.cloned().unwrap_or_else(none)),
+            (
+                "documents".into(),
+                extras.documents.cloned().unwrap_or_else(none),
+            ),
         ]);
+        let mut rendered = self.render_context(context)?;
+        if let Some(text) = last_text {
+            cut_at_mark(&mut rendered, &text).map_err(refused)?;
+        }
+        Ok(rendered)
+    }
+
+    /// The template rendered over `context`, its `{% generation %}`
+    /// blocks' ranges found.
+    fn render_context(&self, context: Vec<(String, Value)>) -> Result<Rendered, RenderError> {
+        let refused = |msg: String| RenderError {
+            template: self.path.clone(),
+            msg,
+        };
         let template =
             (self.env.get_template("chat_template")).map_err(|e| refused(describe(&e)))?;
         let out =
@@ -193,6 +248,111 @@ impl ChatTemplate {
         }
         Ok(Rendered { text, generated })
     }
+}
+
+/// What a conversation is rendered with besides its messages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Extras<'a> {
+    /// The functions' JSON schemas (`tools`).
+    pub tools: Option<&'a Value>,
+    /// A retrieval template's documents (`documents`: `{"title", "text"}`
+    /// maps).
+    pub documents: Option<&'a Value>,
+}
+
+/// How a rendered conversation ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// As it is (`add_generation_prompt=False`): a conversation to train on.
+    Closed,
+    /// With the assistant's turn opened (`add_generation_prompt=True`).
+    GenerationPrompt,
+    /// With the final message left open, for the model to go on with it
+    /// (`continue_final_message=True`): a reply begun for it.
+    ContinueFinalMessage,
+}
+
+/// What marks the final message's end while it renders (`transformers`'
+/// own tag).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// `messages` with [`CONTINUE_TAG`] after the final message's text (its
+/// `content`, or the last text part of a list of parts), and that text.
+fn mark_final(messages: &Value) -> Result<(Value, String), String> {
+    let items: Vec<Value> = (messages.try_iter()).map_err(|e| e.to_string())?.collect();
+    let Some((last, before)) = items.split_last() else {
+        return Err("continue_final_message: the conversation has no message to continue".into());
+    };
+    let content = last.get_attr("content").unwrap_or_default();
+    let (content, text) = match content.as_str() {
+        Some(text) => (
+            Value::from(format!("{text}{CONTINUE_TAG}")),
+            text.to_string(),
+        ),
+        None => {
+            let parts: Vec<Value> = content.try_iter().map_err(|e| e.to_string())?.collect();
+            let at = (parts.iter())
+                .rposition(|p| p.get_attr("text").is_ok_and(|t| t.as_str().is_some()));
+            let Some(at) = at else {
+                return Err(
+                    "continue_final_message: the final message has no text to continue".into(),
+                );
+            };
+            let text = parts[at]
+                .get_attr("text")
+                .ok()
+                .and_then(|t| t.as_str().map(String::from));
+            let text = text.unwrap_or_default();
+            let mut parts = parts;
+            parts[at] = with_item(
+                &parts[at],
+                "text",
+                Value::from(format!("{text}{CONTINUE_TAG}")),
+            )?;
+            (Value::from(parts), text)
+        }
+    };
+    let mut items = before.to_vec();
+    items.push(with_item(last, "content", content)?);
+    Ok((Value::from(items), text))
+}
+
+/// The map `map` with `key` set to `value`, its keys in their order.
+fn with_item(map: &Value, key: &str, value: Value) -> Result<Value, String> {
+    let keys: Vec<Value> = map.try_iter().map_err(|e| e.to_string())?.collect();
+    let pairs = keys.into_iter().map(|k| {
+        let v = match k.as_str() == Some(key) {
+            true => value.clone(),
+            false => map.get_item(&k).unwrap_or_default(),
+        };
+        (k, v)
+    });
+    Ok(Value::from_iter(pairs))
+}
+
+/// Cuts `rendered` at the last [`CONTINUE_TAG`] (and the whitespace
+/// before it when the template did not keep the tag's trailing space),
+/// refusing a rendering that dropped `text` or the tag.
+fn cut_at_mark(rendered: &mut Rendered, text: &str) -> Result<(), String> {
+    let tag = CONTINUE_TAG.trim();
+    let (Some(at), true) = (
+        rendered.text.rfind(tag),
+        rendered.text.contains(text.trim()),
+    ) else {
+        return Err("continue_final_message: the final message does not appear in the conversation the template rendered (the template drops part of it)".into());
+    };
+    let kept = match rendered.text[at..].starts_with(CONTINUE_TAG) {
+        true => &rendered.text[..at],
+        false => rendered.text[..at].trim_end(),
+    };
+    let len = kept.len();
+    rendered.text.truncate(len);
+    let chars = rendered.text.chars().count();
+    rendered.generated.retain(|r| r.start < chars);
+    for r in &mut rendered.generated {
+        r.end = r.end.min(chars);
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -821,5 +981,49 @@ mod tests {
             mark_generation("{{ add_generation_prompt }}"),
             ("{{ add_generation_prompt }}".into(), false)
         );
+    }
+}
+
+#[cfg(test)]
+mod continue_tests {
+    use super::*;
+
+    /// A template of `source`, read from a directory of its own.
+    fn template(name: &str, source: &str) -> ChatTemplate {
+        let dir = std::env::temp_dir().join(format!("zrt-continue-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), source).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+        let t = ChatTemplate::open(&dir).unwrap().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        t
+    }
+
+    #[test]
+    fn a_final_message_the_template_drops_cannot_be_continued() {
+        let messages: Value = serde_json::from_str(
+            r#"[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]"#,
+        )
+        .unwrap();
+        let roles = template("roles", "{% for m in messages %}<{{ m.role }}>{% endfor %}");
+        let err = roles
+            .render_conversation(&messages, &Extras::default(), Ending::ContinueFinalMessage)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not appear in the conversation"), "{err}");
+        let kept = template(
+            "kept",
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}",
+        );
+        let out = kept
+            .render_conversation(&messages, &Extras::default(), Ending::ContinueFinalMessage)
+            .unwrap();
+        assert_eq!(out.text, "<user>a</><assistant>b");
+        let none: Value = serde_json::from_str("[]").unwrap();
+        let err = kept
+            .render_conversation(&none, &Extras::default(), Ending::ContinueFinalMessage)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no message to continue"), "{err}");
     }
 }

@@ -59,7 +59,7 @@ use std::path::{Path, PathBuf};
 use minijinja::value::ValueKind;
 use tokenizers::{Encoding, Tokenizer};
 
-use crate::chat_template::{token_text, tokenizer_config, ChatTemplate};
+use crate::chat_template::{token_text, tokenizer_config, ChatTemplate, Ending, Extras};
 
 /// Documents encoded at a time from a `.jsonl` file (in parallel, on
 /// `tokenizers`' threads): enough to keep two cores busy, few enough
@@ -407,18 +407,22 @@ impl HfTokenizer {
                 minijinja::Value::from_iter([("role", role), ("content", content)])
             })
             .collect();
-        self.encode_conversation(&minijinja::Value::from(list), None)
+        let list = minijinja::Value::from(list);
+        self.encode_conversation(&list, &Extras::default(), Ending::GenerationPrompt)
     }
 
     /// The ids of a conversation (a list of messages, each a map with
-    /// `role` and `content` as the template reads them; `tools` the
-    /// functions' JSON schemas) rendered by its chat template with the
+    /// `role` and `content` as the template reads them; `extras`, the
+    /// functions' JSON schemas and a retrieval template's documents)
+    /// rendered by its chat template and ended as `ending` says (the
     /// assistant's turn opened: `apply_chat_template(messages,
-    /// tools=tools, add_generation_prompt=True)`.
+    /// tools=tools, documents=documents, add_generation_prompt=True)`;
+    /// or the final message left open: `continue_final_message=True`).
     pub fn encode_conversation(
         &self,
         messages: &minijinja::Value,
-        tools: Option<&minijinja::Value>,
+        extras: &Extras<'_>,
+        ending: Ending,
     ) -> Result<Vec<u32>, TokenizeError> {
         let err = |msg: String| TokenizeError::Tokenizer {
             path: self.path.clone(),
@@ -427,7 +431,8 @@ impl HfTokenizer {
         let template = self.chat_template()?.ok_or_else(|| {
             err("no chat template (chat_template.jinja, or tokenizer_config.json's chat_template) to render the prompt as a conversation with; give the prompt as text".into())
         })?;
-        let rendered = (template.render(messages, tools, true)).map_err(|e| err(e.to_string()))?;
+        let rendered = template.render_conversation(messages, extras, ending);
+        let rendered = rendered.map_err(|e| err(e.to_string()))?;
         self.encode_rendered(&rendered.text)
     }
 

@@ -609,3 +609,78 @@ print(int(os.path.exists("{tok}/chat_template.jinja")), int(os.path.exists("{lla
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A retrieval template: the documents first, then the messages, each
+/// message's text trimmed (a string) or its parts' texts as they are.
+const WITH_DOCUMENTS: &str = r#"{%- if documents %}{% for d in documents %}[{{ d.title }}] {{ d.text }}
+{% endfor %}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.content is string %}{{ m.content | trim }}{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"#;
+
+#[test]
+fn a_final_message_continued_and_documents_render_as_apply_chat_template_renders_them() {
+    use zrt::chat_template::{Ending, Extras};
+    let dir = scratch("tokenize-continue");
+    let tok = dir.join("tok");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("docs.jinja"), WITH_DOCUMENTS).unwrap();
+    // A trimmed final text (the tag's space trimmed too: cut before the
+    // whitespace), parts kept as they are (the simple cut), documents,
+    // and the assistant's turn opened after them.
+    let cases = r#"[
+        [[{"role": "user", "content": "what is the fox?"}, {"role": "assistant", "content": "  The fox is  "}], true, false],
+        [[{"role": "user", "content": "and?"}, {"role": "assistant", "content": [{"type": "text", "text": "part one "}, {"type": "image"}, {"type": "text", "text": "part two "}]}], false, false],
+        [[{"role": "user", "content": "the lazy dog"}], true, true]
+    ]"#;
+    std::fs::write(dir.join("cases.json"), cases).unwrap();
+    let script = format!(
+        r#"{trained}
+t = AutoTokenizer.from_pretrained("{tok}")
+t.add_special_tokens({{"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}})
+t.chat_template = open("{dir}/docs.jinja").read()
+t.save_pretrained("{tok}")
+docs = [{{"title": "A", "text": "the quick"}}, {{"title": "B", "text": "brown fox"}}]
+for messages, with_docs, prompt in json.load(open("{dir}/cases.json")):
+    ids = t.apply_chat_template(messages, documents=docs if with_docs else None, tokenize=True,
+                                add_generation_prompt=prompt, continue_final_message=not prompt)
+    print(" ".join(map(str, ids)))
+"#,
+        trained = trained_tokenizer(&tok),
+        tok = tok.display(),
+        dir = dir.display(),
+    );
+    let theirs = common::python(&script);
+    // (The training above prints empty lines.)
+    let theirs: Vec<Vec<u32>> = (theirs.lines())
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect();
+    let t = zrt::tokenize::HfTokenizer::open(&tok).unwrap();
+    let docs: minijinja::Value = serde_json::from_str(
+        r#"[{"title": "A", "text": "the quick"}, {"title": "B", "text": "brown fox"}]"#,
+    )
+    .unwrap();
+    let cases: Vec<(minijinja::Value, bool, bool)> = serde_json::from_str(cases).unwrap();
+    assert_eq!(cases.len(), theirs.len(), "{theirs:?}");
+    for (k, ((messages, with_docs, prompt), want)) in cases.iter().zip(&theirs).enumerate() {
+        let extras = Extras {
+            tools: None,
+            documents: with_docs.then_some(&docs),
+        };
+        let ending = match prompt {
+            true => Ending::GenerationPrompt,
+            false => Ending::ContinueFinalMessage,
+        };
+        let got = t.encode_conversation(messages, &extras, ending).unwrap();
+        assert_eq!(&got, want, "case {k}: {}", t.decode(&got).unwrap());
+    }
+    // The continued text ends the rendering: the trimmed reply, no close.
+    let (first, _, _) = &cases[0];
+    let ids = t
+        .encode_conversation(first, &Extras::default(), Ending::ContinueFinalMessage)
+        .unwrap();
+    let text = t.decode(&ids).unwrap();
+    assert!(text.ends_with("The fox is"), "{text:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use zrt::chat_template::{Ending, Extras};
 use zrt::collectives::local;
 use zrt::generate::SamplingArgs;
 use zrt::hf::{eos_token_ids, HfModel, HfOptions};
@@ -28,12 +29,18 @@ pub struct GenerateArgs {
     /// A conversation to answer, instead of `--prompt`: a JSON file
     /// holding a list of messages (`{"role": ..., "content": ...}`), or
     /// an object with it as `messages` (and the functions' schemas as
-    /// `tools`), as a line of TRL's conversational data holds them;
-    /// rendered with the checkpoint's chat template with the assistant's
-    /// turn opened (`apply_chat_template(messages, tools=tools,
+    /// `tools`, a retrieval template's documents as `documents`), as a
+    /// line of TRL's conversational data holds them; rendered with the
+    /// checkpoint's chat template with the assistant's turn opened
+    /// (`apply_chat_template(messages, tools=tools, documents=documents,
     /// add_generation_prompt=True)`).
     #[arg(long, conflicts_with_all = ["prompt", "chat"])]
     messages: Option<PathBuf>,
+    /// With `--messages`: the model goes on with the conversation's final
+    /// message (an assistant's reply begun for it) instead of opening a
+    /// new turn (`apply_chat_template(..., continue_final_message=True)`).
+    #[arg(long, requires = "messages")]
+    continue_final_message: bool,
     /// The prompt is a user's message to an instruction-tuned model:
     /// rendered with the checkpoint's chat template with the assistant's
     /// turn opened (`apply_chat_template([{"role": "user", "content":
@@ -74,7 +81,13 @@ pub struct GenerateArgs {
 pub fn run(a: &GenerateArgs) -> Result<()> {
     let tokenizer = HfTokenizer::open(&a.model)?;
     let prompt = match (&a.messages, a.prompt.as_deref()) {
-        (Some(path), _) => conversation(&tokenizer, path)?,
+        (Some(path), _) => {
+            let ending = match a.continue_final_message {
+                true => Ending::ContinueFinalMessage,
+                false => Ending::GenerationPrompt,
+            };
+            conversation(&tokenizer, path, ending)?
+        }
         (None, Some(text)) if a.chat => {
             let messages: Vec<(&str, &str)> = (a.system.iter())
                 .map(|s| ("system", s.as_str()))
@@ -124,24 +137,33 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The ids of `--messages`' conversation, the assistant's turn opened.
-fn conversation(tokenizer: &HfTokenizer, path: &std::path::Path) -> Result<Vec<u32>> {
+/// The ids of `--messages`' conversation (with the file's `tools` and
+/// `documents`), ended as `ending` says.
+fn conversation(
+    tokenizer: &HfTokenizer,
+    path: &std::path::Path,
+    ending: Ending,
+) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("--messages {}: reading it", path.display()))?;
     // In the file's own key order, which a template's `tojson` shows.
     let json: minijinja::Value = serde_json::from_str(&text)
         .with_context(|| format!("--messages {}: not JSON", path.display()))?;
     let field = |name: &str| json.get_attr(name).ok().filter(|v| !v.is_undefined());
-    let (messages, tools) = match json.kind() {
-        minijinja::value::ValueKind::Seq => (json.clone(), None),
+    let (messages, tools, documents) = match json.kind() {
+        minijinja::value::ValueKind::Seq => (json.clone(), None, None),
         _ => match field("messages") {
-            Some(m) => (m, field("tools")),
+            Some(m) => (m, field("tools"), field("documents")),
             None => anyhow::bail!(
                 "--messages {}: neither a list of messages nor an object with one as \"messages\"",
                 path.display()
             ),
         },
     };
-    let ids = tokenizer.encode_conversation(&messages, tools.as_ref());
+    let extras = Extras {
+        tools: tools.as_ref(),
+        documents: documents.as_ref(),
+    };
+    let ids = tokenizer.encode_conversation(&messages, &extras, ending);
     ids.with_context(|| format!("--messages {}", path.display()))
 }

@@ -1,8 +1,12 @@
 //! Continuing a prompt with a [`HfModel`]: greedy decoding
 //! ([`HfModel::greedy`]) and sampling ([`HfModel::sample`]), as
-//! `transformers`' `generate(use_cache=False)` computes them: a full
-//! forward for each new token (no cache: for a look at what a fine-tune
-//! learned, not for serving).
+//! `transformers`' `generate` computes them. The Llama family's layers
+//! keep each token's keys and values (a key-value cache: each new token
+//! costs a forward over itself, attending to the cache), but for rotary
+//! embeddings whose frequencies follow the length (`dynamic`, LongRoPE),
+//! which run as `generate(use_cache=False)` does; GPT-2, GPT-NeoX and
+//! Phi have no cache: a full forward for each new token (for a look at
+//! what a fine-tune learned, not for serving).
 //!
 //! Sampling draws from the distribution `transformers`' logits
 //! processors give (repetition penalty, temperature, top-k, top-p, in
@@ -280,9 +284,11 @@ impl HfModel {
     /// (the first of equals, in fp32) appended; it stops after a token of
     /// `stop` (the model's `eos_token_id`s, say), which ends the result.
     /// Returns the new tokens. Dropout is off while it runs (and as it
-    /// was after). No cache: the `k`-th token costs a forward over the
-    /// prompt and the `k - 1` before it, fine for a sample of a fine-tune
-    /// and slow for long outputs.
+    /// was after). The Llama family's `k`-th token costs a forward over
+    /// itself with a key-value cache (see the [module](crate::generate)'s
+    /// doc); the other layouts' a forward over the prompt and the `k - 1`
+    /// before it, fine for a sample of a fine-tune and slow for long
+    /// outputs.
     ///
     /// At stage 3 each forward gathers the parameters with every rank:
     /// call it on every rank with the same prompt (the same tokens
@@ -310,7 +316,7 @@ impl HfModel {
     /// new token drawn from [`Sampling::distribution`] of the last
     /// position's logits, with a generator seeded by `sampling.seed` (see
     /// the [module](crate::generate)'s doc). Otherwise as
-    /// [`HfModel::greedy`]: the same refusals, no cache, every rank
+    /// [`HfModel::greedy`]: the same refusals and cache, every rank
     /// calls it at stage 3, with the same prompt and seed (so that every
     /// rank draws the same tokens and stops together).
     pub fn sample(
@@ -364,9 +370,19 @@ impl HfModel {
         let was = self.is_training();
         self.set_training(false);
         let mut ids = prompt.to_vec();
+        // The Llama family's layers keep each token's keys and values: a
+        // forward takes the tokens after those it ran.
+        let cached = match self {
+            Self::Llama(m) => m.start_cache(),
+            _ => false,
+        };
+        let mut fed = 0;
         let done = tch::no_grad(|| {
             for _ in 0..max_new {
-                let x = Tensor::from_slice(&ids).view([1, -1]);
+                let x = Tensor::from_slice(&ids[fed..]).view([1, -1]);
+                if cached {
+                    fed = ids.len();
+                }
                 let last = self.forward(&x).select(1, -1).to_kind(Kind::Float);
                 let token = next(&last, &ids)?;
                 ids.push(token);
@@ -376,6 +392,9 @@ impl HfModel {
             }
             Ok(())
         });
+        if let Self::Llama(m) = self {
+            m.end_cache();
+        }
         self.set_training(was);
         done.map(|()| ids.split_off(prompt.len()))
     }

@@ -47,17 +47,20 @@
 //! with the engine (any stage, one rank too).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 use crate::blocks::{layer_norm, Ends, Run, Training};
+use crate::hf::{HfError, HfJson};
 use crate::lora::{Adapted, LoraConfig};
+use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
 type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
-use crate::hf::{HfError, HfJson};
-use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Which of Hugging Face's Llama-shaped models a checkpoint is: the
 /// same layers, names and matrices, told apart by `model_type`.
@@ -1601,7 +1604,20 @@ pub struct Layer {
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
     training: Training,
+    /// The generation's cache switch and length, the model's.
+    decoding: Arc<Decoding>,
+    /// While generating with a cache: the keys (turned) and values of
+    /// the tokens so far, `[batch, kv_heads, seq, hd]`.
+    kv: Mutex<Option<(Tensor, Tensor)>>,
     cfg: LlamaConfig,
+}
+
+/// Whether a generation runs with a key-value cache, and how many tokens
+/// the layers' caches hold (the next forward's first position).
+#[derive(Debug, Default)]
+struct Decoding {
+    on: AtomicBool,
+    offset: AtomicI64,
 }
 
 /// The query, key and value projections: three matrices, or Phi-3's
@@ -1715,7 +1731,7 @@ impl Layer {
         p: &nn::Path,
         l: i64,
         c: &LlamaConfig,
-        training: &Training,
+        (training, decoding): (&Training, &Arc<Decoding>),
         lora: Option<&LoraConfig>,
     ) -> Self {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
@@ -1784,6 +1800,8 @@ impl Layer {
                 .then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device())),
             window,
             training: training.clone(),
+            decoding: decoding.clone(),
+            kv: Mutex::new(None),
             cfg: c.clone(),
         }
     }
@@ -1896,6 +1914,12 @@ impl Rotary {
             scale,
             dynamic,
         }
+    }
+
+    /// Whether its frequencies are the same at every length (neither
+    /// `dynamic` nor LongRoPE's).
+    fn fixed(&self) -> bool {
+        self.long.is_none() && self.dynamic.is_none()
     }
 
     /// The inverse frequencies for a sequence of `t` tokens.
@@ -2022,11 +2046,21 @@ fn yarn_inv_freq(
 /// dimensions turn (all but under Phi-3's `partial_rotary_factor`); the
 /// rest pass as they are.
 pub(crate) fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
+    rope_from(x, rotary, 0)
+}
+
+/// As [`rope`], `x`'s positions starting at `offset` (the tokens a
+/// generation's cache holds before it).
+fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
-    let inv_freq = &rotary.inv_freq(t);
+    let inv_freq = &rotary.inv_freq(offset + t);
     let rd = 2 * inv_freq.size()[0];
     let opts = (Kind::Float, x.device());
-    let freqs = Tensor::arange(t, opts).unsqueeze(1) * inv_freq.unsqueeze(0);
+    let positions = match offset {
+        0 => Tensor::arange(t, opts),
+        o => Tensor::arange_start(o, o + t, opts),
+    };
+    let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     let (cos, sin) = match rotary.scale {
         1.0 => (emb.cos(), emb.sin()),
@@ -2084,14 +2118,24 @@ impl Module for Layer {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
+        // Generating with a cache: these tokens come after `offset`.
+        let cached = self.decoding.on.load(Ordering::Relaxed);
+        let offset = match cached {
+            true => self.decoding.offset.load(Ordering::Relaxed),
+            false => 0,
+        };
         let turned = |x: Tensor| match &self.rotary {
-            Some(rotary) => rope(&x, rotary),
+            Some(rotary) => rope_from(&x, rotary, offset),
             None => x,
         };
         let q = turned(heads(q, c.heads, qn));
         let k = turned(heads(k, c.kv_heads, kn));
         let v = heads(v, c.kv_heads, None);
-        let a = self.attention(&q, &k, &v);
+        let (k, v) = match cached {
+            true => self.remember(k, v),
+            false => (k, v),
+        };
+        let a = self.attention(&q, &k, &v, offset);
         let a = a
             .transpose(1, 2)
             .contiguous()
@@ -2128,6 +2172,18 @@ impl Module for Layer {
 }
 
 impl Layer {
+    /// The cached keys and values with `k` and `v` (this forward's)
+    /// after them, kept for the next.
+    fn remember(&self, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        let mut kv = self.kv.lock();
+        let both = match kv.take() {
+            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
+            None => (k, v),
+        };
+        *kv = Some((both.0.shallow_clone(), both.1.shallow_clone()));
+        both
+    }
+
     /// A sublayer's output `y` as it joins the residual: times Granite's
     /// `residual_multiplier`.
     fn residual(&self, y: Tensor) -> Tensor {
@@ -2142,20 +2198,32 @@ impl Layer {
     /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
     /// scores are soft-capped (Gemma 2), `transformers`' eager attention
     /// operation for operation (the fused kernel cannot cap them).
-    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, offset: i64) -> Tensor {
         let c = &self.cfg;
         let t = q.size()[2];
         // Within a sliding window shorter than the sequence, a token sees
         // itself and the `w - 1` before it; else every earlier token.
+        // Queries at `offset..offset + t` over keys from 0 (a cache's).
         let visible = |w: i64| {
-            let i = Tensor::arange(t, (Kind::Int64, q.device()));
-            let back = i.unsqueeze(1) - i.unsqueeze(0);
+            let opts = (Kind::Int64, q.device());
+            let (i, j) = match offset {
+                0 => (Tensor::arange(t, opts), Tensor::arange(t, opts)),
+                o => (
+                    Tensor::arange_start(o, o + t, opts),
+                    Tensor::arange(o + t, opts),
+                ),
+            };
+            let back = i.unsqueeze(1) - j.unsqueeze(0);
             back.ge(0).logical_and(&back.lt(w))
         };
         let dropout = self.training.attention(c.attention_dropout);
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         let Some(cap) = c.attn_softcap else {
-            let window = self.window.filter(|&w| w < t).map(visible);
+            // A cache's keys reach back past the queries: an explicit mask.
+            let window = match offset {
+                0 => self.window.filter(|&w| w < t).map(visible),
+                _ => Some(visible(self.window.unwrap_or(offset + t + 1))),
+            };
             let causal = window.is_none();
             let grouped = c.kv_heads != c.heads;
             return Tensor::scaled_dot_product_attention(
@@ -2170,7 +2238,7 @@ impl Layer {
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
         let scores = q.matmul(&k.transpose(2, 3)) * scale;
         let scores = (scores / cap).tanh() * cap;
-        let visible = visible(self.window.unwrap_or(t + 1));
+        let visible = visible(self.window.unwrap_or(offset + t + 1));
         let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
         let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
         self.training
@@ -2186,6 +2254,7 @@ pub struct Llama {
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: Norm,
     training: Training,
+    decoding: Arc<Decoding>,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
     /// variants stay alike in size.
     cfg: Box<LlamaConfig>,
@@ -2250,10 +2319,11 @@ impl Llama {
             cfg.tied,
         );
         let training = Training::default();
+        let decoding = Arc::new(Decoding::default());
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
-                let layer = Layer::new(&lp, i, cfg, &training, lora);
+                let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
                 let run = Run::new(layer, checkpointed);
                 ShardedModule::new(plan, &lp, run)
             })
@@ -2264,7 +2334,35 @@ impl Llama {
             layers,
             norm,
             training,
+            decoding,
             cfg: Box::new(cfg.clone()),
+        }
+    }
+
+    /// Starts a generation with a key-value cache, empty: each forward
+    /// then takes the tokens after those already run, which it keeps
+    /// the keys and values of. Not for rotary embeddings whose
+    /// frequencies follow the sequence's length (`dynamic`, LongRoPE: a
+    /// cache's keys were turned at another length's, where a forward over
+    /// the whole sequence turns every key at the current one); returns
+    /// whether it started. [`Llama::end_cache`] ends it.
+    pub(crate) fn start_cache(&self) -> bool {
+        let fixed = (self.layers.iter()).all(|l| {
+            (l.inner()).with_inner(|layer| layer.rotary.as_ref().is_none_or(Rotary::fixed))
+        });
+        if fixed {
+            self.end_cache();
+            self.decoding.on.store(true, Ordering::Relaxed);
+        }
+        fixed
+    }
+
+    /// Ends a generation's cache, dropping what it holds.
+    pub(crate) fn end_cache(&self) {
+        self.decoding.on.store(false, Ordering::Relaxed);
+        self.decoding.offset.store(0, Ordering::Relaxed);
+        for l in &self.layers {
+            (l.inner()).with_inner(|layer| *layer.kv.lock() = None);
         }
     }
 
@@ -2297,6 +2395,11 @@ impl Llama {
         x = self.training.dropout(x, self.cfg.embedding_dropout);
         for l in &self.layers {
             x = l.forward(&x);
+        }
+        // The caches hold these tokens now.
+        if self.decoding.on.load(Ordering::Relaxed) {
+            let t = tokens.size().last().copied().unwrap_or(0);
+            self.decoding.offset.fetch_add(t, Ordering::Relaxed);
         }
         let x = self.norm.forward(&x);
         let logits = self.ends.head(&x);

@@ -1356,7 +1356,12 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// `HfModel::greedy` continues a prompt with the tokens `transformers`'
 /// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
 /// gathering the parameters; and GPT-2), and stops where it stops on an
-/// end-of-text token; prompts it cannot continue are refused.
+/// end-of-text token; prompts it cannot continue are refused. The Llama
+/// family's continue with a key-value cache: also a Mistral whose
+/// window the sequence outgrows and a Gemma 2 (soft caps, every other
+/// layer windowed; its head untied: tied, the scaled embedding makes
+/// every continuation the prompt's last token), against `transformers`
+/// without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
     for (name, import, args) in [
@@ -1372,6 +1377,21 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
             "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "mistral",
+            "from transformers import MistralConfig as C, MistralForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             sliding_window=4, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "gemma2",
+            "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, \
+             max_position_embeddings=64, sliding_window=4, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=0, tie_word_embeddings=False",
         ),
     ] {
         let dir = scratch(&format!("hf-greedy-{name}"));

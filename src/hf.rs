@@ -48,8 +48,9 @@ pub enum HfError {
     /// Sampling settings [`crate::generate::Sampling`] cannot sample with.
     #[error("cannot sample: {0}")]
     Sampling(String),
-    /// LoRA settings no adapter can be built with, or a model that takes
-    /// none ([`crate::lora`]).
+    /// LoRA settings no adapter can be built with, targets that match
+    /// none of the model's linear layers, or an adapter that does not fit
+    /// its base ([`crate::lora`]).
     #[error("LoRA: {0}")]
     Lora(String),
 }

@@ -585,6 +585,14 @@ with torch.no_grad():
         config.replace("\"r\": 2", "\"r\": 3"),
     )
     .unwrap();
+    // Nor over its base, which would be lost.
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        out.as_os_str(),
+        os("--out"),
+        hf.as_os_str(),
+    ]);
+    assert!(!ok && said.contains("would overwrite its base"), "{said}");
     let never = dir.join("never");
     let (ok, said) = zrt(&[
         os("--adapter"),

@@ -217,8 +217,19 @@ fn fits(
 /// added), every other tensor as it was, in the base's files (its index
 /// too) with its `config.json` and the tokenizer's and generation files
 /// beside it. One base file is in memory at a time. Every adapter must
-/// find its matrix, of its shape, or nothing is written.
+/// find its matrix, of its shape, or nothing is written; `out` may not be
+/// `base` (the base would be lost).
 pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError> {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same(base, out) {
+        return Err(HfError::Lora(format!(
+            "{}: the merged checkpoint would overwrite its base: give --out another directory",
+            out.display()
+        )));
+    }
     let cfg = LoraConfig::from_adapter_dir(adapter)?;
     let pairs = adapters(adapter)?;
     let files = base_files(base)?;

@@ -281,42 +281,36 @@ impl HfModel {
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
             let peft = |n: &str| n.strip_prefix("base_model.model.").unwrap_or(n).to_string();
-            let export = crate::lora::export_layout(lora, dir);
-            let (model, export) = match &layout {
+            // GPT-2's Conv1D matrices are `[in, out]` in the file (PEFT's
+            // `fan_in_fan_out`), its names under `transformer.`.
+            let gpt2 = matches!(layout, Layout::Gpt2(_));
+            let lora = &crate::lora::LoraConfig {
+                fan_in_fan_out: gpt2 || lora.fan_in_fan_out,
+                ..lora.clone()
+            };
+            let model = match &layout {
                 Layout::Llama(c) => {
                     let tied = c.tied;
                     plan.rename_weights(move |n| crate::llama::hf_name(&peft(n), tied))?;
-                    let m = Llama::with_lora(&root, plan, c, lora, recompute);
-                    (Self::Llama(m), export)
+                    Self::Llama(Llama::with_lora(&root, plan, c, lora, recompute))
                 }
                 Layout::GptNeox(c) => {
                     let tied = c.tied;
                     plan.rename_weights(move |n| crate::gpt_neox::hf_name(&peft(n), tied))?;
-                    let m = GptNeox::with_lora(&root, plan, c, lora, recompute);
-                    (Self::GptNeox(m), export)
+                    Self::GptNeox(GptNeox::with_lora(&root, plan, c, lora, recompute))
                 }
                 Layout::Phi(c) => {
                     plan.rename_weights(move |n| crate::phi::hf_name(&peft(n)))?;
-                    (
-                        Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute)),
-                        export,
-                    )
+                    Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute))
                 }
-                // Its Conv1D matrices are `[in, out]` in the file: PEFT's
-                // `fan_in_fan_out`, and its names under `transformer.`.
                 Layout::Gpt2(c) => {
                     plan.rename_weights(move |n| crate::gpt2::hf_name(&peft(n)))?;
-                    let lora = crate::lora::LoraConfig {
-                        fan_in_fan_out: true,
-                        ..lora.clone()
-                    };
-                    let m = Gpt2::with_lora(&root, plan, c, &lora, recompute);
-                    let export = crate::lora::export_layout_under(&lora, dir, "transformer.");
-                    (Self::Gpt2(m), export)
+                    Self::Gpt2(Gpt2::with_lora(&root, plan, c, lora, recompute))
                 }
             };
             crate::lora::freeze_base(vs, lora)?;
-            return Ok((model, export));
+            let prefix = if gpt2 { "transformer." } else { "" };
+            return Ok((model, crate::lora::export_layout_under(lora, dir, prefix)));
         }
         let model = match (&layout, recompute) {
             (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),

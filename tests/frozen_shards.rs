@@ -228,6 +228,46 @@ fn a_unit_stays_gathered_until_its_frozen_matrices_gave_its_input_gradient() {
 }
 
 #[test]
+fn an_evaluation_forward_with_autograd_on_leaves_the_next_backward_freeing_frozen_units() {
+    let _serial = serial();
+    // `h.1` is frozen whole: backward frees it at its input's gradient,
+    // before `h.0`'s gradients. A forward whose graph was dropped without
+    // a backward (an evaluation that forgot no_grad) once left a count of
+    // input gradients to wait for, and `h.1` stayed gathered through the
+    // next backward: the whole frozen base gathered at once.
+    on_ranks(WORLD, |r| {
+        let (vs, plan, gpt) = frozen_model(r.rank());
+        let g = r.new_group(&[0, 1]).unwrap();
+        let e = Engine::new(&vs, &plan, &cfg(3, "", ""), g, &AutoHints::default()).unwrap();
+        let vars = vs.variables();
+        let frozen = vars["h.1.fc.weight"].shallow_clone();
+        for step in 0..3 {
+            if step > 0 {
+                // Evaluation with autograd on: the loss and its graph are
+                // dropped unused.
+                let _ = gpt.loss(&tokens(step, 1, r.rank(), 1)).double_value(&[]);
+            }
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let seen2 = seen.clone();
+            let probe = frozen.shallow_clone();
+            glue::on_grad(&vars["h.0.qkv.weight"], move || {
+                seen2
+                    .lock()
+                    .unwrap()
+                    .push(glue::storage_nbytes(&probe).unwrap());
+            })
+            .unwrap();
+            e.backward(&gpt.loss(&tokens(step, 0, r.rank(), 1)))
+                .unwrap();
+            e.step().unwrap();
+            // (Earlier steps' probes stay registered, filling their own lists.)
+            let seen = seen.lock().unwrap().clone();
+            assert_eq!(seen.last(), Some(&0), "step {step}: {seen:?}");
+        }
+    });
+}
+
+#[test]
 fn hpz_regathers_a_sharded_frozen_base_with_the_same_results() {
     let _serial = serial();
     let plain = run(&cfg(3, "", ""), 4);

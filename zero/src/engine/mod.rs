@@ -79,6 +79,7 @@ mod frozen;
 mod frozen_shards;
 mod full_params;
 mod groups;
+mod input_grads;
 mod lamb;
 mod launch_order;
 mod loss_scale;
@@ -293,9 +294,6 @@ struct State {
     /// Stage 3: the unit whose first forward ended last, kept gathered
     /// until another unit's first forward ends (see `after_forward`).
     held: Option<usize>,
-    /// Stage 3, per unit of frozen parameters only: forwards whose input
-    /// gradient backward has yet to compute (see `input_grad_ready`).
-    awaiting_input_grad: Vec<usize>,
     /// The model's tensors that do not train (not sharded).
     frozen: frozen::Frozen,
 }
@@ -312,6 +310,9 @@ struct Inner<G> {
     compute: Compute,
     threads: Threads,
     st: Mutex<State>,
+    /// Stage 3: forwards whose input gradient backward has yet to compute
+    /// (see `input_grad_ready`).
+    input_grads: Arc<input_grads::InputGrads>,
     /// Test knob: sleep a random 0-2 ms before every collective (0: off).
     delays: Mutex<u64>,
     /// NVMe offload: this rank's optimizer state (m, v, and the fp32 master
@@ -887,7 +888,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// of its input, which its frozen matrices compute (a LoRA block's
     /// adapters on the query and value projections are done before the
     /// frozen key projection's input gradient).
-    fn input_grad_ready(&self, unit: usize) {
+    fn input_grad_ready(&self, ticket: &input_grads::Ticket) {
         let mut st = self.st.lock();
         match glue::graph_kept() {
             Ok(false) => {}
@@ -897,8 +898,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
                 return;
             }
         }
-        let left = st.awaiting_input_grad[unit].saturating_sub(1);
-        st.awaiting_input_grad[unit] = left;
+        let unit = ticket.unit();
+        let left = self.input_grads.arrived(ticket);
         // Gradients still to come: their reduction frees the unit.
         match glue::will_accumulate_any(&st.units[unit].params) {
             Ok(false) => {}
@@ -1059,11 +1060,14 @@ impl<G: ProcessGroup + 'static> UnitHook for Hook<G> {
             // done (see `input_grad_ready`), the gradient of its input does
             // (it sums every consumer of the input, this unit's backward
             // too).
-            st.awaiting_input_grad[unit] += 1;
+            // The ticket lives in the hook, which autograd drops with the
+            // graph: a forward whose backward never runs (evaluation with
+            // autograd on) stops counting when its graph goes.
+            let ticket = i.input_grads.expect(unit);
             let weak = self.inner.clone();
             if let Err(e) = glue::on_grad(x, move || {
                 if let Some(i) = weak.upgrade() {
-                    i.input_grad_ready(unit);
+                    i.input_grad_ready(&ticket);
                 }
             }) {
                 st.error.get_or_insert(e.into());

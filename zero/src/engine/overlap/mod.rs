@@ -765,9 +765,8 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         if st.prog.order_agreed.is_none() && self.agrees_launch_order(st) {
             self.agree_launch_order(st)?;
         }
-        // Forwards whose backward did not run (evaluation with autograd on)
-        // count no more.
-        st.awaiting_input_grad.fill(0);
+        // Forwards whose graph outlives this backward count no more.
+        self.input_grads.reset();
         // (`partial_due` is kept: the hooks of a bare backward that this
         // end was called from may have filled it already; what is left of
         // this one is dropped when next read.)

@@ -175,7 +175,7 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         // Not while the gradient of the unit's input is still to come to
         // a unit with frozen parameters: they compute it, after the last
         // trained one's gradient perhaps (`input_grad_ready` frees it).
-        let frozen_needed = st.units[k].frozen.is_some() && st.awaiting_input_grad[k] > 0;
+        let frozen_needed = st.units[k].frozen.is_some() && self.input_grads.waiting(k) > 0;
         if free && !frozen_needed {
             // Before the gradient buffer is taken: the gathered parameters'
             // buffer, the same size in fp32, goes back to the pool and

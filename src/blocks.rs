@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tch::nn::Module;
 use tch::Tensor;
 
+use crate::kv_cache::{causal_attention, Decoding, LayerCache};
 use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
@@ -87,17 +88,25 @@ impl Training {
 /// width]` (queries, keys, values, each `heads` heads), before the output
 /// projection: `[batch, seq, width]`. The main job's GPT and GPT-2 lay
 /// their projections out alike. `dropout`: the rate at which attention
-/// weights are dropped (0 but in training).
-pub(crate) fn fused_causal_attention(qkv: &Tensor, heads: i64, dropout: f64) -> Tensor {
+/// weights are dropped (0 but in training). With a `cache`, the queries
+/// come after the tokens it holds and the keys and values join it.
+pub(crate) fn fused_causal_attention(
+    qkv: &Tensor,
+    heads: i64,
+    dropout: f64,
+    cache: Option<&LayerCache>,
+) -> Tensor {
     let (b, t, d3) = qkv.size3().unwrap_or((1, 1, 3));
     let d = d3 / 3;
     let qkv = qkv
         .view([b, t, 3, heads, d / heads])
         .permute([2, 0, 3, 1, 4]);
     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-    let a = Tensor::scaled_dot_product_attention::<Tensor>(
-        &q, &k, &v, None, dropout, true, None, false,
-    );
+    let (offset, (k, v)) = match cache {
+        Some(c) => (c.offset(), c.extend(k, v)),
+        None => (0, (k, v)),
+    };
+    let a = causal_attention(&q, &k, &v, offset, dropout, false);
     a.transpose(1, 2).contiguous().view([b, t, d])
 }
 
@@ -269,6 +278,7 @@ pub(crate) struct Decoder<L: Module + 'static> {
     layers: Vec<ShardedModule<Run<L>>>,
     final_norm: tch::nn::LayerNorm,
     training: Training,
+    decoding: Arc<Decoding>,
 }
 
 impl<L: Module + 'static> Decoder<L> {
@@ -285,15 +295,16 @@ impl<L: Module + 'static> Decoder<L> {
         embedding: Embedding,
         layers: &tch::nn::Path,
         count: i64,
-        layer: impl Fn(&tch::nn::Path, &Training) -> L,
+        layer: impl Fn(&tch::nn::Path, &Training, &Arc<Decoding>) -> L,
         checkpointed: bool,
         (head, biased): (&tch::nn::Path, bool),
     ) -> Self {
         let training = Training::default();
+        let decoding = Decoding::new();
         let layers = (0..count)
             .map(|i| {
                 let lp = layers / i;
-                let run = Run::new(layer(&lp, &training), checkpointed);
+                let run = Run::new(layer(&lp, &training, &decoding), checkpointed);
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
@@ -302,7 +313,13 @@ impl<L: Module + 'static> Decoder<L> {
             layers,
             final_norm,
             training,
+            decoding,
         }
+    }
+
+    /// Its layers' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        &self.decoding
     }
 
     /// The switch of the layers' dropout.
@@ -318,6 +335,7 @@ impl<L: Module + 'static> Decoder<L> {
         for l in &self.layers {
             x = l.forward(&x);
         }
+        self.decoding.advance(tokens);
         self.ends.head(&self.final_norm.forward(&x))
     }
 }

@@ -1,12 +1,11 @@
 //! Continuing a prompt with a [`HfModel`]: greedy decoding
 //! ([`HfModel::greedy`]) and sampling ([`HfModel::sample`]), as
-//! `transformers`' `generate` computes them. The Llama family's layers
-//! keep each token's keys and values (a key-value cache: each new token
-//! costs a forward over itself, attending to the cache), but for rotary
-//! embeddings whose frequencies follow the length (`dynamic`, LongRoPE),
-//! which run as `generate(use_cache=False)` does; GPT-2, GPT-NeoX and
-//! Phi have no cache: a full forward for each new token (for a look at
-//! what a fine-tune learned, not for serving).
+//! `transformers`' `generate` computes them. Every layout's layers keep
+//! each token's keys and values (a key-value cache, [`crate::kv_cache`]:
+//! each new token costs a forward over itself, attending to the cache),
+//! but for rotary embeddings whose frequencies follow the length
+//! (`dynamic`, LongRoPE), which run as `generate(use_cache=False)` does,
+//! a full forward for each new token.
 //!
 //! Sampling draws from the distribution `transformers`' logits
 //! processors give (repetition penalty, temperature, top-k, top-p, in
@@ -278,17 +277,26 @@ fn pick(probs: &[f32], u: f64) -> usize {
 }
 
 impl HfModel {
+    /// Its layers' key-value caches.
+    fn decoding(&self) -> &crate::kv_cache::Decoding {
+        match self {
+            Self::Gpt2(m) => m.decoding(),
+            Self::GptNeox(m) => m.decoding(),
+            Self::Phi(m) => m.decoding(),
+            Self::Llama(m) => m.decoding(),
+        }
+    }
+
     /// Greedy decoding, as `transformers`' `generate(do_sample=False,
     /// use_cache=False)` computes it: up to `max_new` times, the logits
     /// of the whole sequence so far, and the last position's largest
     /// (the first of equals, in fp32) appended; it stops after a token of
     /// `stop` (the model's `eos_token_id`s, say), which ends the result.
     /// Returns the new tokens. Dropout is off while it runs (and as it
-    /// was after). The Llama family's `k`-th token costs a forward over
-    /// itself with a key-value cache (see the [module](crate::generate)'s
-    /// doc); the other layouts' a forward over the prompt and the `k - 1`
-    /// before it, fine for a sample of a fine-tune and slow for long
-    /// outputs.
+    /// was after). The `k`-th token costs a forward over itself with a
+    /// key-value cache (see the [module](crate::generate)'s doc), or,
+    /// with a `dynamic` or LongRoPE rotary embedding, a forward over the
+    /// prompt and the `k - 1` before it.
     ///
     /// At stage 3 each forward gathers the parameters with every rank:
     /// call it on every rank with the same prompt (the same tokens
@@ -370,12 +378,9 @@ impl HfModel {
         let was = self.is_training();
         self.set_training(false);
         let mut ids = prompt.to_vec();
-        // The Llama family's layers keep each token's keys and values: a
-        // forward takes the tokens after those it ran.
-        let cached = match self {
-            Self::Llama(m) => m.start_cache(),
-            _ => false,
-        };
+        // The layers keep each token's keys and values: a forward takes
+        // the tokens after those it ran.
+        let cached = self.decoding().start();
         let mut fed = 0;
         let done = tch::no_grad(|| {
             for _ in 0..max_new {
@@ -392,9 +397,7 @@ impl HfModel {
             }
             Ok(())
         });
-        if let Self::Llama(m) = self {
-            m.end_cache();
-        }
+        self.decoding().end();
         self.set_training(was);
         done.map(|()| ids.split_off(prompt.len()))
     }

@@ -82,7 +82,7 @@ impl Module for Block {
         let qkv = self.qkv.forward(&self.ln1.forward(x));
         let x = x + self
             .proj
-            .forward(&fused_causal_attention(&qkv, self.heads, 0.0));
+            .forward(&fused_causal_attention(&qkv, self.heads, 0.0, None));
         if self.mlp_left_out.load(Ordering::Relaxed) {
             return x;
         }

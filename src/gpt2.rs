@@ -39,6 +39,7 @@
 //! with the engine (any stage, one rank too).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
@@ -47,6 +48,7 @@ use crate::blocks::{
     fused_causal_attention, layer_norm, token_embedding, Run, TiedEmbedding, Training,
 };
 use crate::hf::{HfError, HfJson};
+use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -227,12 +229,19 @@ pub struct Block {
     attn: Attention,
     ln_2: nn::LayerNorm,
     mlp: Mlp,
+    /// Its keys and values while generating with a cache.
+    cache: LayerCache,
     training: Training,
     cfg: Gpt2Config,
 }
 
 impl Block {
-    fn new(p: &nn::Path, c: &Gpt2Config, training: &Training, lora: Option<&LoraConfig>) -> Self {
+    fn new(
+        p: &nn::Path,
+        c: &Gpt2Config,
+        (training, decoding): (&Training, &Arc<Decoding>),
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         // Conv1D's biases, as `nn::linear`'s default.
         let lin = |p: nn::Path, i, o| Adapted::new(&p, (i, o, true), lora, training);
         let d = c.width;
@@ -251,6 +260,8 @@ impl Block {
                 c_fc: lin(&m / "c_fc", d, inner),
                 c_proj: lin(&m / "c_proj", inner, d),
             },
+            // Learned positions: a cache's keys never change.
+            cache: LayerCache::new(decoding, true),
             training: training.clone(),
             cfg: *c,
         }
@@ -264,7 +275,8 @@ impl Module for Block {
         // the same masks.
         let (t, c) = (&self.training, &self.cfg);
         let qkv = self.attn.c_attn.forward(&self.ln_1.forward(x));
-        let a = fused_causal_attention(&qkv, self.attn.heads, t.attention(c.attn_dropout));
+        let dropout = t.attention(c.attn_dropout);
+        let a = fused_causal_attention(&qkv, self.attn.heads, dropout, Some(&self.cache));
         let x = x + t.dropout(self.attn.c_proj.forward(&a), c.resid_dropout);
         let m = (self.mlp.c_fc.forward(&self.ln_2.forward(&x))).gelu("tanh");
         &x + t.dropout(self.mlp.c_proj.forward(&m), c.resid_dropout)
@@ -281,6 +293,7 @@ pub struct Gpt2 {
     blocks: Vec<ShardedModule<Run<Block>>>,
     ln_f: nn::LayerNorm,
     training: Training,
+    decoding: Arc<Decoding>,
     cfg: Gpt2Config,
 }
 
@@ -335,10 +348,12 @@ impl Gpt2 {
         let wte = token_embedding(&wte_path, cfg.vocab, cfg.width, None);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let training = Training::default();
+        let decoding = Decoding::new();
         let blocks = (0..cfg.layers)
             .map(|i| {
                 let bp = p / "h" / i;
-                let run = Run::new(Block::new(&bp, cfg, &training, lora), checkpointed);
+                let block = Block::new(&bp, cfg, (&training, &decoding), lora);
+                let run = Run::new(block, checkpointed);
                 ShardedModule::new(plan, &bp, run)
             })
             .collect();
@@ -348,6 +363,7 @@ impl Gpt2 {
             blocks,
             ln_f,
             training,
+            decoding,
             cfg: *cfg,
         }
     }
@@ -365,15 +381,26 @@ impl Gpt2 {
         self.training.on()
     }
 
+    /// Its blocks' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        &self.decoding
+    }
+
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(1);
-        let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
+        // Generating with a cache: these tokens come after those it holds.
+        let opts = (Kind::Int64, tokens.device());
+        let pos = match self.decoding.offset() {
+            0 => Tensor::arange(t, opts),
+            o => Tensor::arange_start(o, o + t, opts),
+        };
         let x = self.wte.forward(tokens) + self.wpe.forward(&pos);
         let mut x = self.training.dropout(x, self.cfg.embd_dropout);
         for b in &self.blocks {
             x = b.forward(&x);
         }
+        self.decoding.advance(tokens);
         self.wte.forward(&self.ln_f.forward(&x))
     }
 

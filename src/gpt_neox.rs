@@ -39,13 +39,15 @@
 //! (`tests/from_hf.rs`).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tch::nn::{self, Module};
 use tch::Tensor;
 
 use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
-use crate::llama::{rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
+use crate::kv_cache::{causal_attention, Decoding, LayerCache};
+use crate::llama::{rope_from, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
@@ -251,6 +253,8 @@ pub struct Layer {
     dense_h_to_4h: Adapted,
     dense_4h_to_h: Adapted,
     rotary: Rotary,
+    /// Its keys (turned) and values while generating with a cache.
+    cache: LayerCache,
     training: Training,
     cfg: GptNeoxConfig,
 }
@@ -260,10 +264,17 @@ impl Layer {
     fn new(
         p: &nn::Path,
         c: &GptNeoxConfig,
-        training: &Training,
+        (training, decoding): (&Training, &Arc<Decoding>),
         lora: Option<&LoraConfig>,
     ) -> Self {
         let lin = |p: nn::Path, i, o, bias| Adapted::new(&p, (i, o, bias), lora, training);
+        let rotary = Rotary::new(
+            c.rotary_dim(),
+            c.rope_theta,
+            &c.rope_scaling,
+            c.positions,
+            p.device(),
+        );
         let (d, i) = (c.hidden, c.intermediate);
         let ln = |name: &str| layer_norm(p / name, d, c.eps);
         let (a, m) = (p / "attention", p / "mlp");
@@ -274,13 +285,8 @@ impl Layer {
             dense: lin(&a / "dense", d, d, c.attention_bias),
             dense_h_to_4h: lin(&m / "dense_h_to_4h", d, i, true),
             dense_4h_to_h: lin(&m / "dense_4h_to_h", i, d, true),
-            rotary: Rotary::new(
-                c.rotary_dim(),
-                c.rope_theta,
-                &c.rope_scaling,
-                c.positions,
-                p.device(),
-            ),
+            cache: LayerCache::new(decoding, rotary.fixed()),
+            rotary,
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -302,11 +308,15 @@ impl Layer {
             qkv.narrow(-1, hd, hd),
             qkv.narrow(-1, 2 * hd, hd),
         );
-        let (q, k) = (rope(&q, &self.rotary), rope(&k, &self.rotary));
-        let dropout = t.attention(c.attention_dropout);
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, dropout, true, None, false,
+        // Generating with a cache: these tokens come after `offset`.
+        let offset = self.cache.offset();
+        let (q, k) = (
+            rope_from(&q, &self.rotary, offset),
+            rope_from(&k, &self.rotary, offset),
         );
+        let (k, v) = self.cache.extend(k, v);
+        let dropout = t.attention(c.attention_dropout);
+        let a = causal_attention(&q, &k, &v, offset, dropout, false);
         let a = a.transpose(1, 2).contiguous().view([b, s, d]);
         t.dropout(self.dense.forward(&a), c.hidden_dropout)
     }
@@ -389,7 +399,8 @@ impl GptNeox {
         let embed_in = &m / "embed_in";
         // `GPTNeoXModel`'s embedding has no `padding_idx`.
         let embed = Ends::embedding(plan, &embed_in, cfg.vocab, cfg.hidden, None, cfg.tied);
-        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t, lora);
+        let layer =
+            |lp: &nn::Path, t: &Training, d: &Arc<Decoding>| Layer::new(lp, cfg, (t, d), lora);
         let (layers, head) = (&m / "layers", p / "embed_out");
         Self {
             decoder: Decoder::build(
@@ -416,6 +427,11 @@ impl GptNeox {
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.decoder.training().on()
+    }
+
+    /// Its layers' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        self.decoder.decoding()
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).

@@ -68,6 +68,7 @@ pub mod gpt;
 pub mod gpt2;
 pub mod gpt_neox;
 pub mod hf;
+mod kv_cache;
 pub mod llama;
 pub mod lora;
 pub mod phi;

@@ -47,15 +47,14 @@
 //! with the engine (any stage, one rank too).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 use crate::blocks::{layer_norm, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
+use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -1604,20 +1603,9 @@ pub struct Layer {
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
     training: Training,
-    /// The generation's cache switch and length, the model's.
-    decoding: Arc<Decoding>,
-    /// While generating with a cache: the keys (turned) and values of
-    /// the tokens so far, `[batch, kv_heads, seq, hd]`.
-    kv: Mutex<Option<(Tensor, Tensor)>>,
+    /// Its keys (turned) and values while generating with a cache.
+    cache: LayerCache,
     cfg: LlamaConfig,
-}
-
-/// Whether a generation runs with a key-value cache, and how many tokens
-/// the layers' caches hold (the next forward's first position).
-#[derive(Debug, Default)]
-struct Decoding {
-    on: AtomicBool,
-    offset: AtomicI64,
 }
 
 /// The query, key and value projections: three matrices, or Phi-3's
@@ -1751,6 +1739,8 @@ impl Layer {
             false => (hd, hd),
         };
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
+        let rotary =
+            turns.then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device()));
         Self {
             norms: Norms::new(p, d, c),
             qkv: match c.family {
@@ -1796,12 +1786,10 @@ impl Layer {
                     RmsNorm::new(&a / "k_norm", k_width, c),
                 )
             }),
-            rotary: turns
-                .then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device())),
+            cache: LayerCache::new(decoding, rotary.as_ref().is_none_or(Rotary::fixed)),
+            rotary,
             window,
             training: training.clone(),
-            decoding: decoding.clone(),
-            kv: Mutex::new(None),
             cfg: c.clone(),
         }
     }
@@ -1918,7 +1906,7 @@ impl Rotary {
 
     /// Whether its frequencies are the same at every length (neither
     /// `dynamic` nor LongRoPE's).
-    fn fixed(&self) -> bool {
+    pub(crate) fn fixed(&self) -> bool {
         self.long.is_none() && self.dynamic.is_none()
     }
 
@@ -2044,14 +2032,9 @@ fn yarn_inv_freq(
 /// frequencies for the sequence's length (and its cosines and sines
 /// scaled by its factor, in fp32). Only the first `2 * inv_freq.len()`
 /// dimensions turn (all but under Phi-3's `partial_rotary_factor`); the
-/// rest pass as they are.
-pub(crate) fn rope(x: &Tensor, rotary: &Rotary) -> Tensor {
-    rope_from(x, rotary, 0)
-}
-
-/// As [`rope`], `x`'s positions starting at `offset` (the tokens a
-/// generation's cache holds before it).
-fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
+/// rest pass as they are. `x`'s positions start at `offset` (the tokens
+/// a generation's cache holds before it; 0 without one).
+pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
     let (t, hd) = (x.size()[2], x.size()[3]);
     let inv_freq = &rotary.inv_freq(offset + t);
     let rd = 2 * inv_freq.size()[0];
@@ -2119,11 +2102,7 @@ impl Module for Layer {
             None => (None, None),
         };
         // Generating with a cache: these tokens come after `offset`.
-        let cached = self.decoding.on.load(Ordering::Relaxed);
-        let offset = match cached {
-            true => self.decoding.offset.load(Ordering::Relaxed),
-            false => 0,
-        };
+        let offset = self.cache.offset();
         let turned = |x: Tensor| match &self.rotary {
             Some(rotary) => rope_from(&x, rotary, offset),
             None => x,
@@ -2131,10 +2110,7 @@ impl Module for Layer {
         let q = turned(heads(q, c.heads, qn));
         let k = turned(heads(k, c.kv_heads, kn));
         let v = heads(v, c.kv_heads, None);
-        let (k, v) = match cached {
-            true => self.remember(k, v),
-            false => (k, v),
-        };
+        let (k, v) = self.cache.extend(k, v);
         let a = self.attention(&q, &k, &v, offset);
         let a = a
             .transpose(1, 2)
@@ -2172,18 +2148,6 @@ impl Module for Layer {
 }
 
 impl Layer {
-    /// The cached keys and values with `k` and `v` (this forward's)
-    /// after them, kept for the next.
-    fn remember(&self, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
-        let mut kv = self.kv.lock();
-        let both = match kv.take() {
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
-            None => (k, v),
-        };
-        *kv = Some((both.0.shallow_clone(), both.1.shallow_clone()));
-        both
-    }
-
     /// A sublayer's output `y` as it joins the residual: times Granite's
     /// `residual_multiplier`.
     fn residual(&self, y: Tensor) -> Tensor {
@@ -2319,7 +2283,7 @@ impl Llama {
             cfg.tied,
         );
         let training = Training::default();
-        let decoding = Arc::new(Decoding::default());
+        let decoding = Decoding::new();
         let layers = (0..cfg.layers)
             .map(|i| {
                 let lp = &m / "layers" / i;
@@ -2339,31 +2303,9 @@ impl Llama {
         }
     }
 
-    /// Starts a generation with a key-value cache, empty: each forward
-    /// then takes the tokens after those already run, which it keeps
-    /// the keys and values of. Not for rotary embeddings whose
-    /// frequencies follow the sequence's length (`dynamic`, LongRoPE: a
-    /// cache's keys were turned at another length's, where a forward over
-    /// the whole sequence turns every key at the current one); returns
-    /// whether it started. [`Llama::end_cache`] ends it.
-    pub(crate) fn start_cache(&self) -> bool {
-        let fixed = (self.layers.iter()).all(|l| {
-            (l.inner()).with_inner(|layer| layer.rotary.as_ref().is_none_or(Rotary::fixed))
-        });
-        if fixed {
-            self.end_cache();
-            self.decoding.on.store(true, Ordering::Relaxed);
-        }
-        fixed
-    }
-
-    /// Ends a generation's cache, dropping what it holds.
-    pub(crate) fn end_cache(&self) {
-        self.decoding.on.store(false, Ordering::Relaxed);
-        self.decoding.offset.store(0, Ordering::Relaxed);
-        for l in &self.layers {
-            (l.inner()).with_inner(|layer| *layer.kv.lock() = None);
-        }
+    /// Its layers' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        &self.decoding
     }
 
     /// Turns dropout (`attention_dropout`) on or off: PyTorch's
@@ -2397,10 +2339,7 @@ impl Llama {
             x = l.forward(&x);
         }
         // The caches hold these tokens now.
-        if self.decoding.on.load(Ordering::Relaxed) {
-            let t = tokens.size().last().copied().unwrap_or(0);
-            self.decoding.offset.fetch_add(t, Ordering::Relaxed);
-        }
+        self.decoding.advance(tokens);
         let x = self.norm.forward(&x);
         let logits = self.ends.head(&x);
         let logits = match self.cfg.logits_scaling {

@@ -37,13 +37,17 @@
 //! (`tests/from_hf.rs`).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use tch::nn::{self, Module};
 use tch::Tensor;
 
 use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
-use crate::llama::{pad_token, rope, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
+use crate::kv_cache::{causal_attention, Decoding, LayerCache};
+use crate::llama::{
+    pad_token, rope_from, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary,
+};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
@@ -262,14 +266,28 @@ pub struct Layer {
     fc1: Adapted,
     fc2: Adapted,
     rotary: Rotary,
+    /// Its keys (turned) and values while generating with a cache.
+    cache: LayerCache,
     training: Training,
     cfg: PhiConfig,
 }
 
 impl Layer {
     /// The layer under `p`.
-    fn new(p: &nn::Path, c: &PhiConfig, training: &Training, lora: Option<&LoraConfig>) -> Self {
+    fn new(
+        p: &nn::Path,
+        c: &PhiConfig,
+        (training, decoding): (&Training, &Arc<Decoding>),
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         let (d, hd) = (c.hidden, c.head_dim());
+        let rotary = Rotary::new(
+            c.rotary_dim(),
+            c.rope_theta,
+            &c.rope_scaling,
+            c.positions,
+            p.device(),
+        );
         // Every projection has a bias.
         let biased = |p: nn::Path, i: i64, o: i64| Adapted::new(&p, (i, o, true), lora, training);
         let (a, m) = (p / "self_attn", p / "mlp");
@@ -287,13 +305,8 @@ impl Layer {
             }),
             fc1: biased(&m / "fc1", d, c.intermediate),
             fc2: biased(&m / "fc2", c.intermediate, d),
-            rotary: Rotary::new(
-                c.rotary_dim(),
-                c.rope_theta,
-                &c.rope_scaling,
-                c.positions,
-                p.device(),
-            ),
+            cache: LayerCache::new(decoding, rotary.fixed()),
+            rotary,
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -313,12 +326,15 @@ impl Layer {
             Some((qn, kn)) => (qn.forward(&q), kn.forward(&k)),
             None => (q, k),
         };
-        let (q, k) = (rope(&q, &self.rotary), rope(&k, &self.rotary));
-        let dropout = t.attention(c.attention_dropout);
-        let grouped = c.kv_heads != c.heads;
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, dropout, true, None, grouped,
+        // Generating with a cache: these tokens come after `offset`.
+        let offset = self.cache.offset();
+        let (q, k) = (
+            rope_from(&q, &self.rotary, offset),
+            rope_from(&k, &self.rotary, offset),
         );
+        let (k, v) = self.cache.extend(k, v);
+        let dropout = t.attention(c.attention_dropout);
+        let a = causal_attention(&q, &k, &v, offset, dropout, c.kv_heads != c.heads);
         let a = a.transpose(1, 2).contiguous().view([b, s, c.heads * hd]);
         t.dropout(self.dense.forward(&a), c.resid_dropout)
     }
@@ -386,7 +402,8 @@ impl Phi {
         let norm = layer_norm(&m / "final_layernorm", cfg.hidden, cfg.eps);
         let embed = &m / "embed_tokens";
         let embed = Ends::embedding(plan, &embed, cfg.vocab, cfg.hidden, cfg.pad_token, false);
-        let layer = |lp: &nn::Path, t: &Training| Layer::new(lp, cfg, t, lora);
+        let layer =
+            |lp: &nn::Path, t: &Training, d: &Arc<Decoding>| Layer::new(lp, cfg, (t, d), lora);
         let (layers, head) = (&m / "layers", p / "lm_head");
         Self {
             decoder: Decoder::build(
@@ -413,6 +430,11 @@ impl Phi {
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.decoder.training().on()
+    }
+
+    /// Its layers' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        self.decoder.decoding()
     }
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).

@@ -1355,9 +1355,10 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 
 /// `HfModel::greedy` continues a prompt with the tokens `transformers`'
 /// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
-/// gathering the parameters; and GPT-2), and stops where it stops on an
-/// end-of-text token; prompts it cannot continue are refused. The Llama
-/// family's continue with a key-value cache: also a Mistral whose
+/// gathering the parameters; GPT-2, GPT-NeoX with a quarter of each head
+/// turned, Phi with qk_layernorm and half turned), and stops where it
+/// stops on an end-of-text token; prompts it cannot continue are
+/// refused. Each continues with a key-value cache: also a Mistral whose
 /// window the sequence outgrows and a Gemma 2 (soft caps, every other
 /// layer windowed; its head untied: tied, the scaled embedding makes
 /// every continuation the prompt's last token), against `transformers`
@@ -1377,6 +1378,20 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
             "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "gpt_neox",
+            "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "phi",
+            "from transformers import PhiConfig as C, PhiForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, partial_rotary_factor=0.5, \
+             qk_layernorm=True, eos_token_id=None, bos_token_id=None",
         ),
         (
             "mistral",

@@ -1,0 +1,199 @@
+//! A generation's key-value cache, shared by the decoder layouts.
+//!
+//! While [`crate::hf::HfModel::greedy`] or `sample` run, each attention
+//! layer keeps the keys and values of the tokens so far, and each forward
+//! takes only the tokens after them: a new token costs a forward over
+//! itself rather than over the whole sequence (`transformers`'
+//! `use_cache=True`). A model owns one [`Decoding`]; each of its layers
+//! holds a [`LayerCache`] slot in it, so starting and ending a generation
+//! touches the model only, not every (sharded) layer.
+//!
+//! Training and plain forwards never see it: it is off unless a
+//! generation switched it on.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tch::{Kind, Tensor};
+
+/// One model's switch, the tokens its layers' caches hold, and the caches.
+#[derive(Debug, Default)]
+pub(crate) struct Decoding {
+    on: AtomicBool,
+    /// How many tokens the caches hold: the next forward's first position.
+    offset: AtomicI64,
+    /// Whether some layer cannot be cached (see [`LayerCache::new`]).
+    refused: AtomicBool,
+    /// Per layer, the keys (after any rotary turn) and values so far,
+    /// `[batch, kv_heads, seq, head_dim]`.
+    slots: Mutex<Vec<Option<(Tensor, Tensor)>>>,
+}
+
+impl Decoding {
+    /// A model's, off, no layer yet.
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Starts a generation with every cache empty, unless a layer cannot
+    /// be cached; says whether it started.
+    pub(crate) fn start(&self) -> bool {
+        if self.refused.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.end();
+        self.on.store(true, Ordering::Relaxed);
+        true
+    }
+
+    /// Ends a generation, dropping what the caches hold.
+    pub(crate) fn end(&self) {
+        self.on.store(false, Ordering::Relaxed);
+        self.offset.store(0, Ordering::Relaxed);
+        self.slots.lock().iter_mut().for_each(|s| *s = None);
+    }
+
+    /// A forward of `tokens` (`[batch, seq]`) ran through every layer:
+    /// the caches hold its tokens now.
+    pub(crate) fn advance(&self, tokens: &Tensor) {
+        if self.on.load(Ordering::Relaxed) {
+            let t = tokens.size().last().copied().unwrap_or(0);
+            self.offset.fetch_add(t, Ordering::Relaxed);
+        }
+    }
+
+    /// Where this forward's tokens start: the caches' length, 0 when no
+    /// generation runs with a cache.
+    pub(crate) fn offset(&self) -> i64 {
+        match self.on.load(Ordering::Relaxed) {
+            true => self.offset.load(Ordering::Relaxed),
+            false => 0,
+        }
+    }
+}
+
+/// One attention layer's place in its model's [`Decoding`].
+#[derive(Debug)]
+pub(crate) struct LayerCache {
+    decoding: Arc<Decoding>,
+    slot: usize,
+}
+
+impl LayerCache {
+    /// A slot in `decoding` for one layer. `cacheable` false (a rotary
+    /// embedding whose frequencies follow the sequence's length, `dynamic`
+    /// or LongRoPE: a cache's keys were turned at another length's) keeps
+    /// the whole model's generations uncached, a full forward a token.
+    pub(crate) fn new(decoding: &Arc<Decoding>, cacheable: bool) -> Self {
+        if !cacheable {
+            decoding.refused.store(true, Ordering::Relaxed);
+        }
+        let mut slots = decoding.slots.lock();
+        slots.push(None);
+        Self {
+            decoding: decoding.clone(),
+            slot: slots.len() - 1,
+        }
+    }
+
+    /// Where this forward's tokens start (see [`Decoding::offset`]).
+    pub(crate) fn offset(&self) -> i64 {
+        self.decoding.offset()
+    }
+
+    /// This forward's keys and values `[batch, kv_heads, seq, head_dim]`
+    /// with the cached ones before them, kept for the next forward; as
+    /// they are when no generation runs with a cache.
+    pub(crate) fn extend(&self, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        if !self.decoding.on.load(Ordering::Relaxed) {
+            return (k, v);
+        }
+        let mut slots = self.decoding.slots.lock();
+        let Some(slot) = slots.get_mut(self.slot) else {
+            return (k, v);
+        };
+        let both = match slot.take() {
+            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
+            None => (k, v),
+        };
+        *slot = Some((both.0.shallow_clone(), both.1.shallow_clone()));
+        both
+    }
+}
+
+/// Causal attention (libtorch's fused kernel) of queries `q` `[batch,
+/// heads, seq, hd]` at positions `offset..` over keys and values from
+/// position 0 (a cache's before this forward's): a query sees its own
+/// position and every earlier one. `grouped`: fewer key-value heads than
+/// query heads.
+pub(crate) fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    offset: i64,
+    dropout: f64,
+    grouped: bool,
+) -> Tensor {
+    let t = q.size()[2];
+    // libtorch's `is_causal` aligns the queries with the first keys, not
+    // the last: past a cache, an explicit mask (none for one query, which
+    // sees every key).
+    let mask = (offset > 0 && t > 1).then(|| {
+        let opts = (Kind::Int64, q.device());
+        let i = Tensor::arange_start(offset, offset + t, opts);
+        let j = Tensor::arange(offset + t, opts);
+        (i.unsqueeze(1) - j.unsqueeze(0)).ge(0)
+    });
+    Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, offset == 0, None, grouped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn attention_over_a_cache_is_the_full_sequences_last_rows() {
+        tch::manual_seed(0);
+        let opts = (Kind::Float, Device::Cpu);
+        let (q, k, v) = (
+            Tensor::randn([1, 2, 7, 4], opts),
+            Tensor::randn([1, 2, 7, 4], opts),
+            Tensor::randn([1, 2, 7, 4], opts),
+        );
+        let full = causal_attention(&q, &k, &v, 0, 0.0, false);
+        // The last 3 queries after 4 cached tokens, then the last alone.
+        for (offset, t) in [(4, 3), (6, 1)] {
+            let part = causal_attention(&q.narrow(2, offset, t), &k, &v, offset, 0.0, false);
+            let want = full.narrow(2, offset, t);
+            assert!(part.allclose(&want, 1e-6, 1e-6, false), "offset {offset}");
+        }
+    }
+
+    #[test]
+    fn a_layer_cache_keeps_keys_only_while_a_generation_runs() {
+        let d = Decoding::new();
+        let (a, b) = (LayerCache::new(&d, true), LayerCache::new(&d, true));
+        let kv = |n: i64| Tensor::ones([1, 1, n, 2], (Kind::Float, Device::Cpu));
+        // Off: nothing kept.
+        let (k, _) = a.extend(kv(3), kv(3));
+        assert_eq!((k.size()[2], a.offset()), (3, 0));
+        assert!(d.start());
+        assert_eq!(a.extend(kv(3), kv(3)).0.size()[2], 3);
+        assert_eq!(b.extend(kv(3), kv(3)).0.size()[2], 3);
+        d.advance(&Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu)));
+        assert_eq!(a.offset(), 3);
+        let (k, v) = a.extend(kv(1), kv(1));
+        assert_eq!((k.size()[2], v.size()[2]), (4, 4));
+        // Each layer its own slot.
+        assert_eq!(b.extend(kv(1), kv(1)).0.size()[2], 4);
+        d.end();
+        assert_eq!((a.offset(), a.extend(kv(1), kv(1)).0.size()[2]), (0, 1));
+        // A layer that cannot be cached keeps the model's generations
+        // uncached.
+        let _c = LayerCache::new(&d, false);
+        assert!(!d.start());
+        assert_eq!(a.extend(kv(2), kv(2)).0.size()[2], 2);
+    }
+}

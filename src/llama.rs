@@ -131,11 +131,20 @@ pub enum Family {
     /// every projection (`use_bias`), dropout on the embeddings and each
     /// sublayer's output.
     Starcoder2,
+    /// `stablelm` (`StableLmForCausalLM`: StableLM 3B 4E1T, StableLM 2
+    /// 1.6B, Zephyr 3B): Llama's layers with LayerNorms (weights and
+    /// biases), rotary embeddings on a quarter of each head by default
+    /// (`partial_rotary_factor`), biases on the query, key and value
+    /// projections when `use_qkv_bias`, dropout on the MLP's output
+    /// (`hidden_dropout`). Not StableLM 2 12B's per-head norms
+    /// (`qk_layernorm`) or parallel residual (`use_parallel_residual`):
+    /// refused.
+    StableLm,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 16] = [
+    pub const ALL: [Family; 17] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -152,6 +161,7 @@ impl Family {
         Self::Mixtral,
         Self::Qwen3Moe,
         Self::Starcoder2,
+        Self::StableLm,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -187,6 +197,7 @@ impl Family {
             Self::Mixtral => "mixtral",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Starcoder2 => "starcoder2",
+            Self::StableLm => "stablelm",
         }
     }
 
@@ -209,6 +220,7 @@ impl Family {
             Self::Mixtral => "MixtralForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Starcoder2 => "Starcoder2ForCausalLM",
+            Self::StableLm => "StableLmForCausalLM",
         }
     }
 
@@ -223,10 +235,10 @@ impl Family {
         matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
-    /// StarCoder2's: LayerNorms (with biases) where the others have
-    /// RMSNorms.
+    /// StarCoder2's and StableLM's: LayerNorms (with biases) where the
+    /// others have RMSNorms.
     fn layer_norm(self) -> bool {
-        self == Self::Starcoder2
+        matches!(self, Self::Starcoder2 | Self::StableLm)
     }
 
     /// An MLP of a gate and an up projection (all but StarCoder2's).
@@ -346,6 +358,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::StableLm => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(32),
+                positions: 4096,
+                ..LLAMA
+            },
         }
     }
 
@@ -353,6 +371,7 @@ impl Family {
     fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
+            Self::StableLm => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
     }
@@ -699,12 +718,14 @@ pub struct LlamaConfig {
     /// (Gemma 3's `rope_local_base_freq`; OLMo 3's `rope_theta`): the
     /// global layers' are `rope_theta`'s, scaled as `rope_scaling` says.
     pub local_rope_theta: Option<f64>,
-    /// Phi-3's `partial_rotary_factor`: the share of each head's
-    /// dimensions the rotary embedding turns, the first ones
+    /// Phi-3's and StableLM's `partial_rotary_factor`: the share of each
+    /// head's dimensions the rotary embedding turns, the first ones
     /// ([`LlamaConfig::rotary_dim`]); 1 for the other families.
     pub partial_rotary: f64,
     /// Phi-3's `resid_pdrop`, StarCoder2's `residual_dropout`: dropout
-    /// on each sublayer's output, when training.
+    /// on each sublayer's output, when training; StableLM's
+    /// `hidden_dropout`, on the MLP's output only
+    /// ([`LlamaConfig::attention_output_dropout`]).
     pub resid_dropout: f64,
     /// StarCoder2's `embedding_dropout`: dropout on the embeddings, when
     /// training.
@@ -754,8 +775,11 @@ impl LlamaConfig {
         let defaults = family.defaults();
         let key = family.activation_key();
         let activation = Activation::read(j, key, defaults.activation, "Llama")?;
-        let partial = j.number_or("partial_rotary_factor", 1.0)?;
-        if partial != 1.0 && family != Family::Phi3 {
+        let partial = match family {
+            Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
+            _ => j.number_or("partial_rotary_factor", 1.0)?,
+        };
+        if partial != 1.0 && !matches!(family, Family::Phi3 | Family::StableLm) {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
                 family.model_type()
@@ -766,6 +790,24 @@ impl LlamaConfig {
                 "use_bidirectional_attention true: this Llama computes causal attention only"
                     .into(),
             ));
+        }
+        if family == Family::StableLm {
+            for (key, what) in [
+                (
+                    "qk_layernorm",
+                    "normalises each head's queries and keys with a LayerNorm of its own",
+                ),
+                (
+                    "use_parallel_residual",
+                    "runs the attention and the MLP side by side",
+                ),
+            ] {
+                if j.flag_or(key, false)? {
+                    return Err(j.field(format!(
+                        "{key} true (StableLM 2 12B's layers, which {what}): zrt builds StableLM's sequential layers without it"
+                    )));
+                }
+            }
         }
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
         // Left out, the class's default; null, as many as the heads.
@@ -793,7 +835,14 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
+            // StableLM's output projection has none.
+            Family::StableLm => false,
             _ => j.flag_or("attention_bias", false)?,
+        };
+        let qkv_bias = match family {
+            Family::Qwen2 => true,
+            Family::StableLm => j.flag_or("use_qkv_bias", false)?,
+            _ => attention_bias,
         };
         let sliding_window = match family {
             Family::Mistral
@@ -836,7 +885,7 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling: rope_scaling(j, family.model_type(), rotary_dim)?,
             positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
-            qkv_bias: attention_bias || family == Family::Qwen2,
+            qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
                 Family::Starcoder2 => attention_bias,
@@ -874,6 +923,7 @@ impl LlamaConfig {
             resid_dropout: match family {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
+                Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -899,6 +949,16 @@ impl LlamaConfig {
     /// times `partial_rotary_factor`, truncated as `transformers` does.
     pub fn rotary_dim(&self) -> i64 {
         rotary_dim(self.head_dim, self.partial_rotary)
+    }
+
+    /// The dropout on the attention's output, when training: the
+    /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's, which
+    /// drops out the MLP's output only.
+    pub fn attention_output_dropout(&self) -> f64 {
+        match self.family {
+            Family::StableLm => 0.0,
+            _ => self.resid_dropout,
+        }
     }
 
     /// Whether layer `l`'s MLP is a mixture of experts.
@@ -1045,6 +1105,13 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
                 "residual_dropout": self.resid_dropout,
                 "embedding_dropout": self.embedding_dropout,
+            }),
+            Family::StableLm => serde_json::json!({
+                "use_qkv_bias": self.qkv_bias,
+                "qk_layernorm": false,
+                "use_parallel_residual": false,
+                "partial_rotary_factor": self.partial_rotary,
+                "hidden_dropout": self.resid_dropout,
             }),
             Family::Gemma2 | Family::Gemma3 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -2118,7 +2185,7 @@ impl Module for Layer {
             .view([b, t, c.heads * c.head_dim]);
         let a = self
             .training
-            .dropout(self.o_proj.forward(&a), c.resid_dropout);
+            .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
         let x = x + self.residual(self.norms.attention_output(a));
         let h = self.norms.mlp_input(&x);
         let m = match &self.mlp {
@@ -2795,6 +2862,39 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn stablelm_configs_are_read_and_counted_and_the_12bs_layers_refused() {
+        let dir = ConfigDir::new("stablelm-configs");
+        // StableLM 2 1.6B's config.json; the count is transformers'.
+        let two = r#"{"architectures": ["StableLmForCausalLM"], "bos_token_id": 100257, "eos_token_id": 100257, "hidden_act": "silu", "hidden_dropout": 0.0, "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632, "layer_norm_eps": 1e-05, "max_position_embeddings": 4096, "model_type": "stablelm", "num_attention_heads": 32, "num_hidden_layers": 24, "num_key_value_heads": 32, "partial_rotary_factor": 0.25, "qk_layernorm": false, "rope_scaling": null, "rope_theta": 10000, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "use_parallel_residual": false, "use_qkv_bias": true, "vocab_size": 100352}"#;
+        let c = dir.read(two).unwrap();
+        assert_eq!(
+            (c.family, c.rotary_dim(), c.qkv_bias, c.o_bias, c.mlp_bias),
+            (Family::StableLm, 16, true, false, false)
+        );
+        let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+        assert_eq!(total(&c), 1644515328);
+        // StableLM 3B 4E1T's sizes, the rest left to the class: a quarter
+        // turned, no biases but the norms'.
+        let three = r#"{"model_type": "stablelm", "vocab_size": 50304, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32, "num_attention_heads": 32}"#;
+        let t = dir.read(three).unwrap();
+        assert_eq!((t.rotary_dim(), t.kv_heads, t.qkv_bias), (20, 32, false));
+        assert_eq!(total(&t), 2795443200);
+        dir.round_trips([c, t]);
+        for key in ["qk_layernorm", "use_parallel_residual"] {
+            let text = two.replace(&format!(r#""{key}": false"#), &format!(r#""{key}": true"#));
+            let err = dir.read(&text).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("{key} true (StableLM 2 12B's layers")),
+                "{err}"
+            );
+        }
+        // Its dropout is the MLP's only.
+        let d = dir.read(&two.replace(r#""hidden_dropout": 0.0"#, r#""hidden_dropout": 0.1"#));
+        let d = d.unwrap();
+        assert_eq!((d.resid_dropout, d.attention_output_dropout()), (0.1, 0.0));
     }
 
     #[test]

@@ -277,6 +277,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // StableLM: LayerNorms, a quarter of each head turned (its class's
+    // default), biases on the query, key and value projections only,
+    // grouped keys and values.
+    Case {
+        name: "stablelm",
+        python: (
+            "from transformers import StableLmConfig as C, StableLmForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_qkv_bias=True",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -502,6 +513,11 @@ fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
 #[test]
 fn a_starcoder2_checkpoint_with_layer_norms_and_a_window_trains_as_transformers_does() {
     parity("starcoder2");
+}
+
+#[test]
+fn a_stablelm_checkpoint_with_layer_norms_and_a_quarter_turned_trains_as_transformers_does() {
+    parity("stablelm");
 }
 
 #[test]

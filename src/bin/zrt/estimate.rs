@@ -19,8 +19,8 @@ pub struct EstimateArgs {
     )]
     params: Option<f64>,
     /// A Hugging Face checkpoint's `config.json` (or its directory) of a
-    /// model zrt builds (GPT-2, GPT-NeoX, Phi, and the Llama family's sixteen
-    /// `model_type`s, from Llama to StarCoder2): its
+    /// model zrt builds (GPT-2, GPT-NeoX, Phi, and the Llama family's
+    /// seventeen `model_type`s, from Llama to StableLM): its
     /// parameters are counted from it, and the largest unit stage 3
     /// gathers is named.
     #[arg(long)]

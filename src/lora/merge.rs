@@ -31,7 +31,11 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, DoRA, per-module ranks or alphas), naming the field.
+    /// `peft_type`, DoRA, per-module ranks or alphas, adapters on some
+    /// layers only or with modules left out, trained biases, modules
+    /// saved whole, a regular expression for the targets), naming the
+    /// field: built anyway, the model would hold other adapters than the
+    /// file.
     pub fn from_adapter_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         let path = dir.as_ref().join(ADAPTER_CONFIG);
         let j = HfJson::read(&path, None)?;
@@ -55,8 +59,53 @@ impl LoraConfig {
                 )));
             }
         }
+        // Settings PEFT leaves off (null, false, empty) that change which
+        // tensors train or what they compute.
+        for (key, what) in [
+            ("layers_to_transform", "puts adapters on some layers only"),
+            (
+                "exclude_modules",
+                "leaves some targeted modules without adapters",
+            ),
+            (
+                "modules_to_save",
+                "trains whole modules beside the adapters",
+            ),
+            ("trainable_token_indices", "trains some embedding rows"),
+            ("layer_replication", "repeats layers"),
+            ("target_parameters", "adapts parameters, not modules"),
+            ("lora_bias", "gives lora_B a bias"),
+            ("use_qalora", "pools the adapters' input (QALoRA)"),
+            (
+                "alora_invocation_tokens",
+                "turns the adapters on after some tokens only (aLoRA)",
+            ),
+        ] {
+            let set = match j.get(key) {
+                None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {
+                    false
+                }
+                Some(serde_json::Value::Array(a)) => !a.is_empty(),
+                Some(_) => true,
+            };
+            if set {
+                return Err(j.field(format!(
+                    "`{key}` is set, which {what}: zrt builds plain LoRA adapters on every targeted module (leave it out, or null)"
+                )));
+            }
+        }
+        if let Some(b) = text("bias").filter(|b| b != "none") {
+            return Err(j.field(format!(
+                "`bias` is {b:?}: zrt trains the adapters only, the base's biases frozen (\"none\")"
+            )));
+        }
         let targets = match j.get("target_modules") {
-            Some(serde_json::Value::String(s)) => vec![s.clone()],
+            Some(serde_json::Value::String(s)) if s == "all-linear" => vec![s.clone()],
+            Some(serde_json::Value::String(s)) => {
+                return Err(j.field(format!(
+                    "`target_modules` is the string {s:?}, which PEFT matches as a regular expression against whole module names: zrt takes a list of module names (or all-linear)"
+                )))
+            }
             Some(serde_json::Value::Array(a)) => a
                 .iter()
                 .map(|v| v.as_str().map(str::to_string))
@@ -337,6 +386,33 @@ mod tests {
                 serde_json::json!(null),
                 "no `target_modules`",
             ),
+            (
+                "target_modules",
+                serde_json::json!(".*q_proj"),
+                "`target_modules` is the string \".*q_proj\", which PEFT matches as a regular expression",
+            ),
+            (
+                "layers_to_transform",
+                serde_json::json!([0, 1]),
+                "`layers_to_transform` is set, which puts adapters on some layers only",
+            ),
+            (
+                "layers_to_transform",
+                serde_json::json!(3),
+                "`layers_to_transform` is set",
+            ),
+            (
+                "modules_to_save",
+                serde_json::json!(["lm_head"]),
+                "`modules_to_save` is set, which trains whole modules",
+            ),
+            (
+                "exclude_modules",
+                serde_json::json!("layers.0.self_attn.q_proj"),
+                "`exclude_modules` is set",
+            ),
+            ("lora_bias", serde_json::json!(true), "`lora_bias` is set"),
+            ("bias", serde_json::json!("all"), "`bias` is \"all\""),
         ] {
             let mut j = json.clone();
             j[key] = value;
@@ -347,6 +423,19 @@ mod tests {
                 "{key}: {err}"
             );
         }
+        // What PEFT writes for settings left off reads.
+        let mut off = json.clone();
+        for key in [
+            "layers_to_transform",
+            "exclude_modules",
+            "layer_replication",
+        ] {
+            off[key] = serde_json::Value::Null;
+        }
+        off["lora_bias"] = false.into();
+        off["target_parameters"] = serde_json::json!([]);
+        std::fs::write(dir.join(ADAPTER_CONFIG), off.to_string()).unwrap();
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), cfg);
         let mut all = json.clone();
         all["target_modules"] = "all-linear".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();

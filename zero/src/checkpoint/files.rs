@@ -439,10 +439,11 @@ impl ReadWidened for RankFile {
                     ),
                 ));
             }
-            let src = b[range.start * 2..range.end * 2].chunks_exact(2);
-            for (d, c) in dst.iter_mut().zip(src) {
+            let src = &b[range.start * 2..range.end * 2];
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
                 *d = f(u16::from_le_bytes([c[0], c[1]]));
             }
+            self.forget(src);
             Ok(())
         };
         match dtype {
@@ -458,7 +459,10 @@ impl ReadWidened for RankFile {
 /// Mapped rather than read: a rank takes only its part of a file (its
 /// shard of each frozen parameter, its range of a re-cut checkpoint), and
 /// the pages it maps are the page cache's, which the kernel can drop,
-/// instead of a copy of the whole file in the rank's own memory.
+/// instead of a copy of the whole file in the rank's own memory. The
+/// widening reads ([`ReadWidened`], what weights files load through)
+/// drop the pages they copied out of the rank's resident set
+/// ([`RankFile::forget`]).
 pub(crate) struct RankFile {
     path: PathBuf,
     bytes: memmap2::Mmap,
@@ -666,10 +670,44 @@ impl RankFile {
                 ),
             ));
         }
-        for (d, c) in dst.iter_mut().zip(self.f32s(name, range)?.chunks_exact(4)) {
+        let src = self.f32s(name, range)?;
+        for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
+        self.forget(src);
         Ok(())
+    }
+
+    /// Drops the pages of `part` (bytes of this file's mapping, copied out
+    /// and not needed again) from this process's resident set. Pages read
+    /// through a mapping count in the resident set, and in its peak, for
+    /// as long as the file is mapped: a rank loading its half of a
+    /// whole-model file showed that half on top of what it keeps (177 MiB
+    /// of a 763 MiB build peak for a 124.7M-parameter model on 2 ranks).
+    /// The pages stay in the page cache; the mapping reads them again if
+    /// asked. Advice only: a refusal changes nothing and is not an error.
+    pub(crate) fn forget(&self, part: &[u8]) {
+        let base = self.bytes.as_ptr() as usize;
+        let Some(offset) = (part.as_ptr() as usize).checked_sub(base) else {
+            return;
+        };
+        if part.is_empty() || offset + part.len() > self.bytes.len() {
+            return;
+        }
+        // SAFETY: a read-only shared mapping of a file that is never
+        // changed in place (see `map`): dropping its pages keeps every
+        // byte, which the next read faults in from the file again; no
+        // reference into the mapping is invalidated.
+        let done = unsafe {
+            self.bytes.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                offset,
+                part.len(),
+            )
+        };
+        if let Err(e) = done {
+            tracing::debug!("madvise(DONTNEED) on {}: {e}", self.path.display());
+        }
     }
 
     /// Elements of the f32 tensor `name`.
@@ -744,6 +782,67 @@ mod tests {
             RankFile::open(&path),
             Err(CheckpointError::Checksum { .. })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Resident KiB of the mapping holding `addr`, from /proc/self/smaps
+    /// (this mapping's own count: other threads' memory does not move it).
+    fn mapped_kib(addr: usize) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().and_then(|r| {
+                let (a, b) = r.split_once('-')?;
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                ))
+            });
+            match range {
+                Some((a, b)) if line.contains(' ') && !line.starts_with("Rss") => {
+                    inside = (a..b).contains(&addr);
+                }
+                _ if inside && line.starts_with("Rss:") => {
+                    return line.split_whitespace().nth(1)?.parse().ok();
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn pages_read_through_the_mapping_leave_the_resident_set() {
+        let dir = std::env::temp_dir().join(format!("zrt-forget-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.safetensors");
+        // 8 MiB of f32 and 4 MiB of bf16.
+        let n = 2usize << 20;
+        let plan = vec![
+            Planned::new("f", Dtype::F32, &[n as i64]),
+            Planned::new("h", Dtype::BF16, &[n as i64]),
+        ];
+        let mut w = TensorWriter::create(&path, &plan, HashMap::new()).unwrap();
+        let f: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        w.write("f", f32_bytes(&f)).unwrap();
+        w.write("h", &vec![0x3f; 2 * n]).unwrap();
+        w.finish().unwrap();
+        let file = RankFile::open_weights(&path).unwrap();
+        let at = file.bytes.as_ptr() as usize;
+        let mut dst = vec![0f32; n];
+        file.read_widened("f", 0..n, &mut dst).unwrap();
+        assert_eq!(dst[n - 1], (n - 1) as f32);
+        file.read_widened("h", 0..n, &mut dst).unwrap();
+        assert_eq!(dst[0], half::bf16::from_bits(0x3f3f).to_f32());
+        // Read, copied out, and gone from this process's memory (but for
+        // the header's page and the pages at the ends of the ranges): not
+        // the 12 MiB read.
+        let kib = mapped_kib(at).expect("the mapping is in /proc/self/smaps");
+        assert!(kib <= 64, "{kib} KiB of the file still resident");
+        // Read again: the same values, from the page cache.
+        file.read_widened("f", 0..n, &mut dst).unwrap();
+        assert_eq!(dst[n - 1], (n - 1) as f32);
+        drop(file);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

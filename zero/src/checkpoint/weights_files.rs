@@ -331,6 +331,8 @@ impl ReadWidened for WeightsFiles {
         for (d, i) in dst.iter_mut().zip(range) {
             *d = widen(&b[t.source(i) * size..][..size]);
         }
+        // A range of the transposed matrix reads across all of it.
+        file.forget(b);
         Ok(())
     }
 }

@@ -46,8 +46,8 @@ use tch::Tensor;
 
 use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
-use crate::kv_cache::{causal_attention, Decoding, LayerCache};
-use crate::llama::{rope_from, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
+use crate::kv_cache::{Decoding, LayerCache};
+use crate::llama::{rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
@@ -308,15 +308,8 @@ impl Layer {
             qkv.narrow(-1, hd, hd),
             qkv.narrow(-1, 2 * hd, hd),
         );
-        // Generating with a cache: these tokens come after `offset`.
-        let offset = self.cache.offset();
-        let (q, k) = (
-            rope_from(&q, &self.rotary, offset),
-            rope_from(&k, &self.rotary, offset),
-        );
-        let (k, v) = self.cache.extend(k, v);
         let dropout = t.attention(c.attention_dropout);
-        let a = causal_attention(&q, &k, &v, offset, dropout, false);
+        let a = (self.cache).rotary_attention(&self.rotary, (q, k, v), dropout, false);
         let a = a.transpose(1, 2).contiguous().view([b, s, d]);
         t.dropout(self.dense.forward(&a), c.hidden_dropout)
     }

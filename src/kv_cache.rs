@@ -17,6 +17,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tch::{Kind, Tensor};
 
+use crate::llama::{rope_from, Rotary};
+
 /// One model's switch, the tokens its layers' caches hold, and the caches.
 #[derive(Debug, Default)]
 pub(crate) struct Decoding {
@@ -100,6 +102,23 @@ impl LayerCache {
     /// Where this forward's tokens start (see [`Decoding::offset`]).
     pub(crate) fn offset(&self) -> i64 {
         self.decoding.offset()
+    }
+
+    /// Causal attention of `q`, `k` and `v` (`[batch, heads, seq,
+    /// head_dim]`, not yet turned) through this cache: the queries and
+    /// keys turned by `rotary` at the positions after the cache's, the
+    /// keys and values joined to it (see [`causal_attention`]).
+    pub(crate) fn rotary_attention(
+        &self,
+        rotary: &Rotary,
+        (q, k, v): (Tensor, Tensor, Tensor),
+        dropout: f64,
+        grouped: bool,
+    ) -> Tensor {
+        let offset = self.offset();
+        let (q, k) = (rope_from(&q, rotary, offset), rope_from(&k, rotary, offset));
+        let (k, v) = self.extend(k, v);
+        causal_attention(&q, &k, &v, offset, dropout, grouped)
     }
 
     /// This forward's keys and values `[batch, kv_heads, seq, head_dim]`

@@ -44,10 +44,8 @@ use tch::Tensor;
 
 use crate::blocks::{layer_norm, Decoder, Ends, Training};
 use crate::hf::{HfError, HfJson};
-use crate::kv_cache::{causal_attention, Decoding, LayerCache};
-use crate::llama::{
-    pad_token, rope_from, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary,
-};
+use crate::kv_cache::{Decoding, LayerCache};
+use crate::llama::{pad_token, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::lora::{Adapted, LoraConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
@@ -326,15 +324,9 @@ impl Layer {
             Some((qn, kn)) => (qn.forward(&q), kn.forward(&k)),
             None => (q, k),
         };
-        // Generating with a cache: these tokens come after `offset`.
-        let offset = self.cache.offset();
-        let (q, k) = (
-            rope_from(&q, &self.rotary, offset),
-            rope_from(&k, &self.rotary, offset),
-        );
-        let (k, v) = self.cache.extend(k, v);
         let dropout = t.attention(c.attention_dropout);
-        let a = causal_attention(&q, &k, &v, offset, dropout, c.kv_heads != c.heads);
+        let grouped = c.kv_heads != c.heads;
+        let a = (self.cache).rotary_attention(&self.rotary, (q, k, v), dropout, grouped);
         let a = a.transpose(1, 2).contiguous().view([b, s, c.heads * hd]);
         t.dropout(self.dense.forward(&a), c.resid_dropout)
     }

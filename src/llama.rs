@@ -140,11 +140,19 @@ pub enum Family {
     /// (`qk_layernorm`) or parallel residual (`use_parallel_residual`):
     /// refused.
     StableLm,
+    /// `cohere` (`CohereForCausalLM`: Command R, Aya 23, Aya Expanse):
+    /// Llama's projections and gated MLP side by side after one norm
+    /// (`x + attn(n(x)) + mlp(n(x))`), its norms LayerNorms without
+    /// biases computed in fp32, rotary embeddings turning neighbouring
+    /// pairs of dimensions (in fp32), the logits times `logit_scale`,
+    /// the head tied. Not Command R+'s per-head query and key norms
+    /// (`use_qk_norm`): refused.
+    Cohere,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 17] = [
+    pub const ALL: [Family; 18] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -162,6 +170,7 @@ impl Family {
         Self::Qwen3Moe,
         Self::Starcoder2,
         Self::StableLm,
+        Self::Cohere,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -198,6 +207,7 @@ impl Family {
             Self::Qwen3Moe => "qwen3_moe",
             Self::Starcoder2 => "starcoder2",
             Self::StableLm => "stablelm",
+            Self::Cohere => "cohere",
         }
     }
 
@@ -221,6 +231,7 @@ impl Family {
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Starcoder2 => "Starcoder2ForCausalLM",
             Self::StableLm => "StableLmForCausalLM",
+            Self::Cohere => "CohereForCausalLM",
         }
     }
 
@@ -239,6 +250,11 @@ impl Family {
     /// others have RMSNorms.
     fn layer_norm(self) -> bool {
         matches!(self, Self::Starcoder2 | Self::StableLm)
+    }
+
+    /// Cohere's: the attention and the MLP side by side after one norm.
+    fn parallel(self) -> bool {
+        self == Self::Cohere
     }
 
     /// An MLP of a gate and an up projection (all but StarCoder2's).
@@ -364,6 +380,13 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Cohere => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(0),
+                positions: 8192,
+                ..LLAMA
+            },
         }
     }
 
@@ -371,7 +394,7 @@ impl Family {
     fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
-            Self::StableLm => "layer_norm_eps",
+            Self::StableLm | Self::Cohere => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
     }
@@ -740,6 +763,9 @@ pub struct LlamaConfig {
     pub attention_multiplier: Option<f64>,
     /// Granite's `logits_scaling`: the logits are divided by it.
     pub logits_scaling: f64,
+    /// Cohere's `logit_scale`: the logits are multiplied by it (1 for
+    /// the other families).
+    pub logit_scale: f64,
     /// SmolLM3's `no_rope_layers`: for each layer, whether it turns its
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
@@ -808,6 +834,11 @@ impl LlamaConfig {
                     )));
                 }
             }
+        }
+        if family == Family::Cohere && j.flag_or("use_qk_norm", false)? {
+            return Err(j.field(
+                "use_qk_norm true (Command R+'s layers, which normalise each head's queries and keys with weights of their own): zrt builds Cohere's layers without it".into(),
+            ));
         }
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
         // Left out, the class's default; null, as many as the heads.
@@ -937,6 +968,10 @@ impl LlamaConfig {
                 _ => None,
             },
             logits_scaling: granite("logits_scaling")?,
+            logit_scale: match family {
+                Family::Cohere => j.number_or("logit_scale", 0.0625)?,
+                _ => 1.0,
+            },
             rope_layers: match family {
                 Family::SmolLm3 => Some(rope_layers(j)?),
                 _ => None,
@@ -1005,7 +1040,11 @@ impl LlamaConfig {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             d * e + e * 3 * d * w
         });
-        let norms = if self.family.sandwich() { 4 } else { 2 };
+        let norms = match self.family {
+            f if f.sandwich() => 4,
+            f if f.parallel() => 1,
+            _ => 2,
+        };
         // A LayerNorm's bias beside its weights.
         let norm = if self.family.layer_norm() { 2 * d } else { d };
         let layer = |l: i64| {
@@ -1105,6 +1144,11 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
                 "residual_dropout": self.resid_dropout,
                 "embedding_dropout": self.embedding_dropout,
+            }),
+            Family::Cohere => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "logit_scale": self.logit_scale,
+                "use_qk_norm": false,
             }),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
@@ -1537,22 +1581,48 @@ impl Module for RmsNorm {
     }
 }
 
-/// A layer's or the model's norm: the family's RMSNorm, or StarCoder2's
-/// LayerNorm.
+/// Cohere's LayerNorm: no bias, `(x - mean) / sqrt(var + eps)` times
+/// its weights, all in fp32, then cast back (`CohereLayerNorm`,
+/// operation for operation).
+#[derive(Debug)]
+struct CohereNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl Module for CohereNorm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x.to_kind(Kind::Float);
+        let centred = &h - h.mean_dim(-1, true, None::<Kind>);
+        let var = centred
+            .pow_tensor_scalar(2)
+            .mean_dim(-1, true, None::<Kind>);
+        let h = centred * (var + self.eps).rsqrt();
+        (self.weight.to_kind(Kind::Float) * h).to_kind(x.kind())
+    }
+}
+
+/// A layer's or the model's norm: the family's RMSNorm, StarCoder2's
+/// and StableLM's LayerNorm, or Cohere's.
 #[derive(Debug)]
 enum Norm {
     Rms(RmsNorm),
     /// Boxed: tch's LayerNorm carries its config, three times an
     /// RMSNorm's size.
     Layer(Box<nn::LayerNorm>),
+    Cohere(CohereNorm),
 }
 
 impl Norm {
     /// The family's norm under `p`, of `width`.
     fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
-        match c.family.layer_norm() {
-            true => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
-            false => Self::Rms(RmsNorm::new(p, width, c)),
+        match c.family {
+            Family::Cohere => Self::Cohere(CohereNorm {
+                weight: p.ones("weight", &[width]),
+                eps: c.eps,
+            }),
+            f if f.layer_norm() => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
+            _ => Self::Rms(RmsNorm::new(p, width, c)),
         }
     }
 }
@@ -1562,6 +1632,7 @@ impl Module for Norm {
         match self {
             Self::Rms(n) => n.forward(x),
             Self::Layer(n) => n.forward(x),
+            Self::Cohere(n) => n.forward(x),
         }
     }
 }
@@ -1587,6 +1658,9 @@ enum Norms {
         after_attention: Norm,
         after_mlp: Norm,
     },
+    /// Cohere's: one norm, whose output the attention and the MLP both
+    /// read (`input_layernorm`).
+    Parallel { input: Norm },
 }
 
 impl Norms {
@@ -1604,6 +1678,9 @@ impl Norms {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
+            f if f.parallel() => Self::Parallel {
+                input: norm("input_layernorm"),
+            },
             _ => Self::Pre {
                 input: norm("input_layernorm"),
                 before_mlp: norm("post_attention_layernorm"),
@@ -1614,7 +1691,9 @@ impl Norms {
     /// The attention's input: `x`, normalised unless OLMo's.
     fn attention_input(&self, x: &Tensor) -> Tensor {
         match self {
-            Self::Pre { input, .. } | Self::Sandwich { input, .. } => input.forward(x),
+            Self::Pre { input, .. } | Self::Sandwich { input, .. } | Self::Parallel { input } => {
+                input.forward(x)
+            }
             Self::Post { .. } => x.shallow_clone(),
         }
     }
@@ -1622,7 +1701,7 @@ impl Norms {
     /// The attention's output `a`, normalised when the family does.
     fn attention_output(&self, a: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } => a,
+            Self::Pre { .. } | Self::Parallel { .. } => a,
             Self::Sandwich {
                 after_attention, ..
             }
@@ -1638,14 +1717,15 @@ impl Norms {
             Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
                 before_mlp.forward(x)
             }
-            Self::Post { .. } => x.shallow_clone(),
+            // (Its layer gives the MLP the attention's input instead.)
+            Self::Post { .. } | Self::Parallel { .. } => x.shallow_clone(),
         }
     }
 
     /// The MLP's output `m`, normalised when the family does.
     fn mlp_output(&self, m: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } => m,
+            Self::Pre { .. } | Self::Parallel { .. } => m,
             Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
                 after_mlp.forward(&m)
             }
@@ -1806,8 +1886,13 @@ impl Layer {
             false => (hd, hd),
         };
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
-        let rotary =
-            turns.then(|| Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device()));
+        let rotary = turns.then(|| {
+            let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
+            match c.family {
+                Family::Cohere => r.interleaved(),
+                _ => r,
+            }
+        });
         Self {
             norms: Norms::new(p, d, c),
             qkv: match c.family {
@@ -1877,6 +1962,9 @@ pub(crate) struct Rotary {
     /// Under the `dynamic` scaling, the frequencies of the longest
     /// sequence seen.
     dynamic: Option<Dynamic>,
+    /// Cohere's: neighbouring dimensions turn together (`x[2i]`,
+    /// `x[2i + 1]`), in fp32, rather than the halves of the head.
+    interleaved: bool,
 }
 
 /// The `dynamic` scaling's state, `transformers`' own (its rotary
@@ -1968,6 +2056,15 @@ impl Rotary {
             long,
             scale,
             dynamic,
+            interleaved: false,
+        }
+    }
+
+    /// As it is, turning neighbouring pairs of dimensions (Cohere's).
+    fn interleaved(self) -> Self {
+        Self {
+            interleaved: true,
+            ..self
         }
     }
 
@@ -2111,6 +2208,9 @@ pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
         o => Tensor::arange_start(o, o + t, opts),
     };
     let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
+    if rotary.interleaved {
+        return rope_interleaved(x, &freqs, rotary.scale);
+    }
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     let (cos, sin) = match rotary.scale {
         1.0 => (emb.cos(), emb.sin()),
@@ -2131,6 +2231,25 @@ pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
         true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
         false => turned,
     }
+}
+
+/// Cohere's rotary embedding of `x` `[batch, heads, seq, head_dim]` at
+/// angles `freqs` `[seq, head_dim / 2]`: each pair `(x[2i], x[2i + 1])`
+/// turned by angle `i`, in fp32 (the cosines and sines rounded to `x`'s
+/// dtype first), then cast back, as `transformers`' Cohere does.
+fn rope_interleaved(x: &Tensor, freqs: &Tensor, scale: f64) -> Tensor {
+    let emb = freqs.repeat_interleave_self_int(2, Some(-1), None);
+    let (cos, sin) = match scale {
+        1.0 => (emb.cos(), emb.sin()),
+        s => (emb.cos() * s, emb.sin() * s),
+    };
+    let rounded = |t: Tensor| t.to_kind(x.kind()).to_kind(Kind::Float);
+    let (cos, sin) = (rounded(cos), rounded(sin));
+    let h = x.to_kind(Kind::Float);
+    let last = *h.size().last().unwrap_or(&0);
+    let (even, odd) = (h.slice(-1, 0, last, 2), h.slice(-1, 1, last, 2));
+    let rotated = Tensor::stack(&[odd.neg(), even], -1).flatten(-2, -1);
+    (h * cos + rotated * sin).to_kind(x.kind())
 }
 
 impl Module for Layer {
@@ -2187,7 +2306,12 @@ impl Module for Layer {
             .training
             .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
         let x = x + self.residual(self.norms.attention_output(a));
-        let h = self.norms.mlp_input(&x);
+        // Cohere's MLP reads the attention's input (and its output joins
+        // the sum after the attention's, as there).
+        let h = match &self.norms {
+            Norms::Parallel { .. } => h,
+            _ => self.norms.mlp_input(&x),
+        };
         let m = match &self.mlp {
             Mlp::Dense { gate_up, down_proj } => {
                 let (gate, up) = match gate_up {
@@ -2413,6 +2537,10 @@ impl Llama {
             1.0 => logits,
             s => logits / s,
         };
+        let logits = match self.cfg.logit_scale {
+            1.0 => logits,
+            s => logits * s,
+        };
         match self.cfg.final_softcap {
             Some(cap) => (logits / cap).tanh() * cap,
             None => logits,
@@ -2527,6 +2655,7 @@ pub(crate) mod tests {
             residual_multiplier: 1.0,
             attention_multiplier: None,
             logits_scaling: 1.0,
+            logit_scale: 1.0,
             rope_layers: None,
             moe: None,
         };
@@ -2898,6 +3027,27 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_cohere_config_is_read_and_counted_and_command_r_plus_qk_norms_refused() {
+        let dir = ConfigDir::new("cohere-configs");
+        // Aya Expanse 8B's sizes; the count is transformers'.
+        let aya = r#"{"model_type": "cohere", "vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "logit_scale": 0.125, "rope_theta": 10000, "max_position_embeddings": 8192, "layer_norm_eps": 1e-05, "use_qk_norm": false, "attention_bias": false, "tie_word_embeddings": true}"#;
+        let c = dir.read(aya).unwrap();
+        assert_eq!(
+            (c.family, c.logit_scale, c.tied, c.pad_token),
+            (Family::Cohere, 0.125, true, Some(0))
+        );
+        let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+        assert_eq!(total, 8028033024);
+        dir.round_trips([c]);
+        let plus = aya.replace(r#""use_qk_norm": false"#, r#""use_qk_norm": true"#);
+        let err = dir.read(&plus).unwrap_err().to_string();
+        assert!(
+            err.contains("use_qk_norm true (Command R+'s layers"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn yarn_is_read_as_transformers_reads_it() {
         let dir = ConfigDir::new("yarn-config");
         // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.
@@ -3046,6 +3196,7 @@ pub(crate) mod tests {
             residual_multiplier: 1.0,
             attention_multiplier: None,
             logits_scaling: 1.0,
+            logit_scale: 1.0,
             rope_layers: None,
             moe: None,
         };

@@ -205,6 +205,16 @@ fn sampling_leaves_libtorchs_generator_as_it_was() {
 }
 
 #[test]
+fn cohere_drops_attention_weights_out_as_transformers_does() {
+    dropout_parity(
+        "cohere",
+        "from transformers import CohereConfig as C, CohereForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
+#[test]
 fn stablelm_drops_attention_weights_and_the_mlps_output_out_as_transformers_does() {
     // `hidden_dropout` drops the MLP's output, not the attention's.
     dropout_parity(

@@ -288,6 +288,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Cohere: one norm a layer (no bias, fp32) read by the attention and
+    // the MLP side by side, neighbouring dimensions turned, grouped keys
+    // and values, biases on the projections, the logits scaled by a
+    // factor that is no power of two, the head tied.
+    Case {
+        name: "cohere",
+        python: (
+            "from transformers import CohereConfig as C, CohereForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, logit_scale=0.3",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -518,6 +530,12 @@ fn a_starcoder2_checkpoint_with_layer_norms_and_a_window_trains_as_transformers_
 #[test]
 fn a_stablelm_checkpoint_with_layer_norms_and_a_quarter_turned_trains_as_transformers_does() {
     parity("stablelm");
+}
+
+#[test]
+fn a_cohere_checkpoint_with_parallel_sublayers_and_interleaved_rotary_trains_as_transformers_does()
+{
+    parity("cohere");
 }
 
 #[test]
@@ -1372,7 +1390,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// `HfModel::greedy` continues a prompt with the tokens `transformers`'
 /// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
 /// gathering the parameters; GPT-2, GPT-NeoX with a quarter of each head
-/// turned, Phi with qk_layernorm and half turned), and stops where it
+/// turned, Phi with qk_layernorm and half turned, Cohere with its
+/// neighbouring pairs turned), and stops where it
 /// stops on an end-of-text token; prompts it cannot continue are
 /// refused. Each continues with a key-value cache: also a Mistral whose
 /// window the sequence outgrows and a Gemma 2 (soft caps, every other
@@ -1408,6 +1427,13 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
              num_attention_heads=4, max_position_embeddings=64, partial_rotary_factor=0.5, \
              qk_layernorm=True, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "cohere",
+            "from transformers import CohereConfig as C, CohereForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             logit_scale=1.0, eos_token_id=None, bos_token_id=None",
         ),
         (
             "mistral",

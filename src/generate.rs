@@ -3,8 +3,9 @@
 //! `transformers`' `generate` computes them. Every layout's layers keep
 //! each token's keys and values (a key-value cache, [`crate::kv_cache`]:
 //! each new token costs a forward over itself, attending to the cache),
-//! but for rotary embeddings whose frequencies follow the length
-//! (`dynamic`, LongRoPE), which run as `generate(use_cache=False)` does,
+//! but where rotary frequencies change with the length within the
+//! generation (`dynamic` past `max_position_embeddings`, LongRoPE past
+//! its original length), which runs as `generate(use_cache=False)` does,
 //! a full forward for each new token.
 //!
 //! Sampling draws from the distribution `transformers`' logits
@@ -295,8 +296,9 @@ impl HfModel {
     /// Returns the new tokens. Dropout is off while it runs (and as it
     /// was after). The `k`-th token costs a forward over itself with a
     /// key-value cache (see the [module](crate::generate)'s doc), or,
-    /// with a `dynamic` or LongRoPE rotary embedding, a forward over the
-    /// prompt and the `k - 1` before it.
+    /// when the prompt and `max_new` tokens could outgrow the length a
+    /// `dynamic` or LongRoPE rotary embedding keeps its frequencies for,
+    /// a forward over the prompt and the `k - 1` before it.
     ///
     /// At stage 3 each forward gathers the parameters with every rank:
     /// call it on every rank with the same prompt (the same tokens
@@ -380,7 +382,7 @@ impl HfModel {
         let mut ids = prompt.to_vec();
         // The layers keep each token's keys and values: a forward takes
         // the tokens after those it ran.
-        let cached = self.decoding().start();
+        let cached = self.decoding().start((prompt.len() + max_new) as i64);
         let mut fed = 0;
         let done = tch::no_grad(|| {
             for _ in 0..max_new {

@@ -261,7 +261,7 @@ impl Block {
                 c_proj: lin(&m / "c_proj", inner, d),
             },
             // Learned positions: a cache's keys never change.
-            cache: LayerCache::new(decoding, true),
+            cache: LayerCache::new(decoding, None),
             training: training.clone(),
             cfg: *c,
         }

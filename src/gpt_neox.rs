@@ -285,7 +285,7 @@ impl Layer {
             dense: lin(&a / "dense", d, d, c.attention_bias),
             dense_h_to_4h: lin(&m / "dense_h_to_4h", d, i, true),
             dense_4h_to_h: lin(&m / "dense_4h_to_h", i, d, true),
-            cache: LayerCache::new(decoding, rotary.fixed()),
+            cache: LayerCache::new(decoding, rotary.fixed_up_to()),
             rotary,
             training: training.clone(),
             cfg: c.clone(),

@@ -20,13 +20,14 @@ use tch::{Kind, Tensor};
 use crate::llama::{rope_from, Rotary};
 
 /// One model's switch, the tokens its layers' caches hold, and the caches.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Decoding {
     on: AtomicBool,
     /// How many tokens the caches hold: the next forward's first position.
     offset: AtomicI64,
-    /// Whether some layer cannot be cached (see [`LayerCache::new`]).
-    refused: AtomicBool,
+    /// The longest sequence every layer can be cached for (see
+    /// [`LayerCache::new`]); `i64::MAX` unless a layer said less.
+    longest: AtomicI64,
     /// Per layer, the keys (after any rotary turn) and values so far,
     /// `[batch, kv_heads, seq, head_dim]`.
     slots: Mutex<Vec<Option<(Tensor, Tensor)>>>,
@@ -35,13 +36,19 @@ pub(crate) struct Decoding {
 impl Decoding {
     /// A model's, off, no layer yet.
     pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Arc::new(Self {
+            on: AtomicBool::new(false),
+            offset: AtomicI64::new(0),
+            longest: AtomicI64::new(i64::MAX),
+            slots: Mutex::new(Vec::new()),
+        })
     }
 
-    /// Starts a generation with every cache empty, unless a layer cannot
-    /// be cached; says whether it started.
-    pub(crate) fn start(&self) -> bool {
-        if self.refused.load(Ordering::Relaxed) {
+    /// Starts a generation that runs to at most `longest` tokens (the
+    /// prompt and the new ones) with every cache empty, unless some layer
+    /// cannot be cached that far; says whether it started.
+    pub(crate) fn start(&self, longest: i64) -> bool {
+        if longest > self.longest.load(Ordering::Relaxed) {
             return false;
         }
         self.end();
@@ -83,13 +90,17 @@ pub(crate) struct LayerCache {
 }
 
 impl LayerCache {
-    /// A slot in `decoding` for one layer. `cacheable` false (a rotary
-    /// embedding whose frequencies follow the sequence's length, `dynamic`
-    /// or LongRoPE: a cache's keys were turned at another length's) keeps
-    /// the whole model's generations uncached, a full forward a token.
-    pub(crate) fn new(decoding: &Arc<Decoding>, cacheable: bool) -> Self {
-        if !cacheable {
-            decoding.refused.store(true, Ordering::Relaxed);
+    /// A slot in `decoding` for one layer, which can be cached for
+    /// sequences of up to `up_to` tokens (`None`: any). A rotary embedding
+    /// whose frequencies change with the sequence's length (`dynamic`
+    /// past `max_position_embeddings`, LongRoPE past its original length)
+    /// turns every key at the current length's when it runs over the
+    /// whole sequence, while a cache's keys were turned at the lengths
+    /// they came at: a generation that may run past `up_to` goes
+    /// uncached, a full forward a token.
+    pub(crate) fn new(decoding: &Arc<Decoding>, up_to: Option<i64>) -> Self {
+        if let Some(n) = up_to {
+            decoding.longest.fetch_min(n, Ordering::Relaxed);
         }
         let mut slots = decoding.slots.lock();
         slots.push(None);
@@ -193,12 +204,12 @@ mod tests {
     #[test]
     fn a_layer_cache_keeps_keys_only_while_a_generation_runs() {
         let d = Decoding::new();
-        let (a, b) = (LayerCache::new(&d, true), LayerCache::new(&d, true));
+        let (a, b) = (LayerCache::new(&d, None), LayerCache::new(&d, None));
         let kv = |n: i64| Tensor::ones([1, 1, n, 2], (Kind::Float, Device::Cpu));
         // Off: nothing kept.
         let (k, _) = a.extend(kv(3), kv(3));
         assert_eq!((k.size()[2], a.offset()), (3, 0));
-        assert!(d.start());
+        assert!(d.start(1 << 40));
         assert_eq!(a.extend(kv(3), kv(3)).0.size()[2], 3);
         assert_eq!(b.extend(kv(3), kv(3)).0.size()[2], 3);
         d.advance(&Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu)));
@@ -209,10 +220,11 @@ mod tests {
         assert_eq!(b.extend(kv(1), kv(1)).0.size()[2], 4);
         d.end();
         assert_eq!((a.offset(), a.extend(kv(1), kv(1)).0.size()[2]), (0, 1));
-        // A layer that cannot be cached keeps the model's generations
-        // uncached.
-        let _c = LayerCache::new(&d, false);
-        assert!(!d.start());
+        // A layer that can be cached up to 16 tokens keeps longer
+        // generations uncached.
+        let _c = LayerCache::new(&d, Some(16));
+        assert!(!d.start(17));
         assert_eq!(a.extend(kv(2), kv(2)).0.size()[2], 2);
+        assert!(d.start(16));
     }
 }

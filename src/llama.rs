@@ -1938,7 +1938,7 @@ impl Layer {
                     RmsNorm::new(&a / "k_norm", k_width, c),
                 )
             }),
-            cache: LayerCache::new(decoding, rotary.as_ref().is_none_or(Rotary::fixed)),
+            cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
             window,
             training: training.clone(),
@@ -2068,10 +2068,17 @@ impl Rotary {
         }
     }
 
-    /// Whether its frequencies are the same at every length (neither
-    /// `dynamic` nor LongRoPE's).
-    pub(crate) fn fixed(&self) -> bool {
-        self.long.is_none() && self.dynamic.is_none()
+    /// Up to which sequence length its frequencies stay the same
+    /// (`None`: at every length): LongRoPE's short factors serve up to
+    /// `original_max_position_embeddings`, the `dynamic` scaling leaves
+    /// the base as it is up to `max_position_embeddings` (a sequence
+    /// shorter than it resets a base grown before).
+    pub(crate) fn fixed_up_to(&self) -> Option<i64> {
+        match (&self.long, &self.dynamic) {
+            (Some((_, original)), _) => Some(*original),
+            (_, Some(dynamic)) => Some(dynamic.positions),
+            _ => None,
+        }
     }
 
     /// The inverse frequencies for a sequence of `t` tokens.

@@ -303,7 +303,7 @@ impl Layer {
             }),
             fc1: biased(&m / "fc1", d, c.intermediate),
             fc2: biased(&m / "fc2", c.intermediate, d),
-            cache: LayerCache::new(decoding, rotary.fixed()),
+            cache: LayerCache::new(decoding, rotary.fixed_up_to()),
             rotary,
             training: training.clone(),
             cfg: c.clone(),

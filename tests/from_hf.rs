@@ -1391,7 +1391,9 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// greedy `generate` gives (a Llama on 2 ranks at stage 3, each forward
 /// gathering the parameters; GPT-2, GPT-NeoX with a quarter of each head
 /// turned, Phi with qk_layernorm and half turned, Cohere with its
-/// neighbouring pairs turned), and stops where it
+/// neighbouring pairs turned; a Phi-3 with LongRoPE and a Llama with the
+/// `dynamic` scaling, cached while the sequence stays within the length
+/// their frequencies hold for, and not past it), and stops where it
 /// stops on an end-of-text token; prompts it cannot continue are
 /// refused. Each continues with a key-value cache: also a Mistral whose
 /// window the sequence outgrows and a Gemma 2 (soft caps, every other
@@ -1427,6 +1429,24 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
              num_attention_heads=4, max_position_embeddings=64, partial_rotary_factor=0.5, \
              qk_layernorm=True, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "phi3-longrope",
+            "from transformers import Phi3Config as C, Phi3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             original_max_position_embeddings=32, pad_token_id=0, eos_token_id=None, \
+             bos_token_id=None, rope_scaling={'type': 'longrope', \
+             'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], \
+             'long_factor': [1.5, 2.5, 4.0, 6.5, 9.0, 12.0, 16.0, 20.0]}",
+        ),
+        (
+            "llama-dynamic",
+            "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, \
+             rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}, eos_token_id=None, \
+             bos_token_id=None",
         ),
         (
             "cohere",

@@ -281,7 +281,9 @@ impl HfModel {
             // world rank 0's draw; an adapter file's names are PEFT's
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
-            let peft = |n: &str| n.strip_prefix("base_model.model.").unwrap_or(n).to_string();
+            plan.rename_weights_before(|n| {
+                n.strip_prefix("base_model.model.").unwrap_or(n).to_string()
+            })?;
             // GPT-2's Conv1D matrices are `[in, out]` in the file (PEFT's
             // `fan_in_fan_out`), its names under `transformer.`.
             let gpt2 = matches!(layout, Layout::Gpt2(_));
@@ -290,24 +292,12 @@ impl HfModel {
                 ..lora.clone()
             };
             let model = match &layout {
-                Layout::Llama(c) => {
-                    let tied = c.tied;
-                    plan.rename_weights(move |n| crate::llama::hf_name(&peft(n), tied))?;
-                    Self::Llama(Llama::with_lora(&root, plan, c, lora, recompute))
-                }
+                Layout::Llama(c) => Self::Llama(Llama::with_lora(&root, plan, c, lora, recompute)),
                 Layout::GptNeox(c) => {
-                    let tied = c.tied;
-                    plan.rename_weights(move |n| crate::gpt_neox::hf_name(&peft(n), tied))?;
                     Self::GptNeox(GptNeox::with_lora(&root, plan, c, lora, recompute))
                 }
-                Layout::Phi(c) => {
-                    plan.rename_weights(move |n| crate::phi::hf_name(&peft(n)))?;
-                    Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute))
-                }
-                Layout::Gpt2(c) => {
-                    plan.rename_weights(move |n| crate::gpt2::hf_name(&peft(n)))?;
-                    Self::Gpt2(Gpt2::with_lora(&root, plan, c, lora, recompute))
-                }
+                Layout::Phi(c) => Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute)),
+                Layout::Gpt2(c) => Self::Gpt2(Gpt2::with_lora(&root, plan, c, lora, recompute)),
             };
             crate::lora::freeze_base(vs, lora)?;
             let prefix = if gpt2 { "transformer." } else { "" };

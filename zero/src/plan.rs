@@ -684,6 +684,40 @@ impl ShardPlan {
         self.set_rule_slot("rename_weights", &self.inner.rename, Some(rule))
     }
 
+    /// Puts `before` in front of the rename rule already set (or of none):
+    /// each name in a weights file goes through `before`, then through
+    /// that rule. For names with something in front of a layout's own,
+    /// which the layout's rule then reads as it is: PEFT's adapter files
+    /// put `base_model.model.` before every name, and a LoRA model reads
+    /// its base's file and its adapter's with one rule:
+    ///
+    /// ```no_run
+    /// # let plan = zrt_zero::ShardPlan::new();
+    /// plan.rename_weights(|name| Some(name.to_string()))?; // the layout's
+    /// plan.rename_weights_before(|name| {
+    ///     name.strip_prefix("base_model.model.").unwrap_or(name).to_string()
+    /// })?;
+    /// # Ok::<(), zrt_zero::EngineError>(())
+    /// ```
+    pub fn rename_weights_before(
+        &self,
+        before: impl Fn(&str) -> String + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        let then = self
+            .inner
+            .rename
+            .lock()
+            .map_err(|_| EngineError::Plan("the plan's lock was poisoned".into()))?
+            .clone();
+        self.rename_weights(move |name| {
+            let name = before(name);
+            match &then {
+                Some(rule) => rule(&name),
+                None => Some(name),
+            }
+        })
+    }
+
     /// Says which matrices of weights files are stored transposed, for
     /// [`Engine::load_weights`](crate::Engine::load_weights) and
     /// [`Self::weights_from_file`]: `rule(name)`, given a tensor's name in
@@ -824,7 +858,32 @@ pub(crate) fn check_prefixes(prefixes: &[String]) -> Result<(), EngineError> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_prefixes;
+    use super::{check_prefixes, ShardPlan};
+
+    #[test]
+    fn a_rule_put_before_the_rename_rule_runs_first_and_keeps_it() {
+        let named = |plan: &ShardPlan, n: &str| {
+            let rule = plan.inner.rename.lock().unwrap().clone().unwrap();
+            rule(n)
+        };
+        let strip = |n: &str| n.strip_prefix("base_model.model.").unwrap_or(n).to_string();
+        // Alone, it renames.
+        let plan = ShardPlan::new();
+        plan.rename_weights_before(strip).unwrap();
+        assert_eq!(named(&plan, "base_model.model.a.w").as_deref(), Some("a.w"));
+        // Before a layout's rule, which still drops what it drops.
+        let plan = ShardPlan::new();
+        plan.rename_weights(|n| (!n.ends_with("inv_freq")).then(|| format!("m.{n}")))
+            .unwrap();
+        plan.rename_weights_before(strip).unwrap();
+        for (file, model) in [
+            ("base_model.model.a.w", Some("m.a.w")),
+            ("a.w", Some("m.a.w")),
+            ("base_model.model.rotary.inv_freq", None),
+        ] {
+            assert_eq!(named(&plan, file).as_deref(), model, "{file}");
+        }
+    }
 
     #[test]
     fn units_that_overlap_are_refused_by_name() {

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-NeoX and Phi checkpoints
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi and Cohere checkpoints
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -79,6 +79,19 @@ const PHI: Case = Case {
     targets: &["q_proj", "dense", "fc2"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
+};
+
+/// Cohere's layout (its sublayers side by side after one norm, the head
+/// tied): queries (64 -> 64), values (64 -> 32) and the MLP's up
+/// projection (64 -> 160).
+const COHERE: Case = Case {
+    python: (
+        "from transformers import CohereConfig as C, CohereForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, logit_scale=0.3",
+    ),
+    targets: &["q_proj", "v_proj", "up_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
 };
 
 /// The case's seeded model, as the parity tests build it, in `dir/hf`;
@@ -173,10 +186,11 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
 }
 
 #[test]
-fn lora_adapters_on_gpt2_gpt_neox_and_phi_train_as_peft_does() {
+fn lora_adapters_on_gpt2_gpt_neox_phi_and_cohere_train_as_peft_does() {
     parity("gpt2", &GPT2, &[(3, false, Held::Fp32)]);
     parity("gpt-neox", &GPT_NEOX, &[(3, false, Held::Fp32)]);
     parity("phi", &PHI, &[(3, false, Held::Fp32)]);
+    parity("cohere", &COHERE, &[(3, false, Held::Fp32)]);
 }
 
 /// How a parity run holds the model.

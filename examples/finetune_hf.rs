@@ -156,6 +156,10 @@ struct Args {
     /// of Llama and its kin, GPT-2's `c_attn`, ...).
     #[arg(long, requires = "lora_r")]
     lora_targets: Option<String>,
+    /// DoRA (PEFT's `use_dora`): each adapted layer's rows rescaled to a
+    /// trained magnitude, starting at the base's row norms.
+    #[arg(long, requires = "lora_r")]
+    lora_dora: bool,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -286,6 +290,7 @@ fn main() -> Result<()> {
             Some(LoraConfig {
                 dropout: a.lora_dropout,
                 target_modules: targets,
+                use_dora: a.lora_dora,
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

@@ -301,6 +301,9 @@ impl HfModel {
             };
             crate::lora::freeze_base(vs, lora)?;
             let prefix = if gpt2 { "transformer." } else { "" };
+            if lora.use_dora {
+                crate::lora::init_magnitudes(vs, dir, prefix, lora.fan_in_fan_out)?;
+            }
             return Ok((model, crate::lora::export_layout_under(lora, dir, prefix)));
         }
         let model = match (&layout, recompute) {

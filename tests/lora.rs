@@ -22,11 +22,12 @@ const STEPS: usize = 3;
 const SEQ: i64 = 16;
 
 /// A layout under test: Python importing its config class as `C` and its
-/// model class as `M`, the config's arguments, the adapters' targets, and
-/// what they hold: matrices and elements.
+/// model class as `M`, the config's arguments, the adapters' targets,
+/// whether they are DoRA's, and what they hold: tensors and elements.
 struct Case {
     python: (&'static str, &'static str),
     targets: &'static [&'static str],
+    dora: bool,
     matrices: usize,
     elements: usize,
 }
@@ -40,8 +41,18 @@ const LLAMA: Case = Case {
         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
     ),
     targets: &["q_proj", "v_proj", "down_proj"],
+    dora: false,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)),
+};
+
+/// [`LLAMA`]'s adapters as DoRA's: each also a magnitude a row (q 64,
+/// v 32, down 64).
+const LLAMA_DORA: Case = Case {
+    dora: true,
+    matrices: 18,
+    elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)) + 2 * (64 + 32 + 64),
+    ..LLAMA
 };
 
 /// GPT-2's Conv1D layers (`[in, out]` in the file, PEFT's
@@ -53,8 +64,18 @@ const GPT2: Case = Case {
         "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
     ),
     targets: &["c_attn", "c_proj"],
+    dora: false,
     matrices: 12,
     elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)),
+};
+
+/// [`GPT2`]'s adapters as DoRA's (its Conv1D matrices' rows are their
+/// file's columns): a magnitude a row (192, 64, 64).
+const GPT2_DORA: Case = Case {
+    dora: true,
+    matrices: 18,
+    elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)) + 2 * (192 + 64 + 64),
+    ..GPT2
 };
 
 /// Pythia's layout: the fused query-key-value projection (64 -> 192)
@@ -65,6 +86,7 @@ const GPT_NEOX: Case = Case {
         "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
     ),
     targets: &["query_key_value", "dense_4h_to_h"],
+    dora: false,
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (256 + 64)),
 };
@@ -77,6 +99,7 @@ const PHI: Case = Case {
         "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
     ),
     targets: &["q_proj", "dense", "fc2"],
+    dora: false,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
 };
@@ -90,6 +113,7 @@ const COHERE: Case = Case {
         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, logit_scale=0.3",
     ),
     targets: &["q_proj", "v_proj", "up_proj"],
+    dora: false,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
 };
@@ -125,8 +149,17 @@ from safetensors.torch import load_file
 tokens = load_file("{dir}/tokens.safetensors")["tokens"]
 base = M.from_pretrained("{dir}/hf")
 m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
-mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
+# PEFT's state dict names DoRA's magnitudes `...lora_magnitude_vector.weight`,
+# its files `...lora_magnitude_vector`.
+named = lambda m: {{k.replace(".default", "").replace("vector.weight", "vector"): v for k, v in m.state_dict().items() if "lora_" in k}}
+mine = named(m)
 file = load_file("{init}/adapter_model.safetensors")
+if m.peft_config["default"].use_dora:
+    # Its own DoRA start from the same base: zrt's magnitudes.
+    from peft import get_peft_model, LoraConfig
+    own = named(get_peft_model(M.from_pretrained("{dir}/hf"), LoraConfig.from_pretrained("{init}")))
+    for k in (k for k in file if "magnitude" in k):
+        assert torch.allclose(own[k], file[k], rtol=0, atol=1e-6), (k, (own[k] - file[k]).abs().max())
 assert sorted(mine) == sorted(file), (sorted(mine), sorted(file))
 for k, v in file.items():
     assert torch.equal(mine[k], v.to(mine[k].dtype)), k
@@ -141,7 +174,7 @@ for s in range({STEPS}):
     opt.step()
 with torch.no_grad():
     print(*(m(input_ids=tokens[0, r], labels=tokens[0, r]).loss.item() for r in range(2)))
-mine = {{k.replace(".default", ""): v for k, v in m.state_dict().items() if "lora_" in k}}
+mine = named(m)
 theirs = load_file("{tuned}/adapter_model.safetensors")
 assert sorted(mine) == sorted(theirs)
 for k, v in theirs.items():
@@ -186,6 +219,19 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
 }
 
 #[test]
+fn dora_adapters_on_a_frozen_llama_and_gpt2_train_as_peft_does() {
+    // Their magnitudes start at PEFT's own (the base's row norms, read
+    // from its files while built), at stages 2 and 3; GPT-2's Conv1D
+    // matrices are `[in, out]` in the file.
+    parity(
+        "llama-dora",
+        &LLAMA_DORA,
+        &[(2, false, Held::Fp32), (3, false, Held::Fp32)],
+    );
+    parity("gpt2-dora", &GPT2_DORA, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn lora_adapters_on_gpt2_gpt_neox_phi_and_cohere_train_as_peft_does() {
     parity("gpt2", &GPT2, &[(3, false, Held::Fp32)]);
     parity("gpt-neox", &GPT_NEOX, &[(3, false, Held::Fp32)]);
@@ -219,7 +265,10 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
                 .collect()
         })
         .collect();
-    let lora = LoraConfig::new(4, 16.0, case.targets);
+    let lora = LoraConfig {
+        use_dora: case.dora,
+        ..LoraConfig::new(4, 16.0, case.targets)
+    };
     for &(stage, recompute, held) in runs {
         let what = format!("{name} at stage {stage}, recompute {recompute}, {held:?}");
         // Losses to float rounding, or to bf16's; adapters likewise, in

@@ -31,7 +31,7 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, DoRA, per-module ranks or alphas, adapters on some
+    /// `peft_type`, per-module ranks or alphas, adapters on some
     /// layers only or with modules left out, trained biases, modules
     /// saved whole, a regular expression for the targets), naming the
     /// field: built anyway, the model would hold other adapters than the
@@ -44,11 +44,6 @@ impl LoraConfig {
             return Err(j.field(format!("peft_type {t:?}: zrt reads LoRA adapters only")));
         }
         let on = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-        if on("use_dora") {
-            return Err(j.field(
-                "`use_dora` is true: zrt computes plain LoRA (W x + B A x scaled) only".into(),
-            ));
-        }
         for key in ["rank_pattern", "alpha_pattern"] {
             if j.get(key)
                 .and_then(|v| v.as_object())
@@ -120,6 +115,7 @@ impl LoraConfig {
             target_modules: targets,
             use_rslora: on("use_rslora"),
             fan_in_fan_out: on("fan_in_fan_out"),
+            use_dora: on("use_dora"),
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
@@ -127,7 +123,10 @@ impl LoraConfig {
 }
 
 /// The adapter's matrices by the module they adapt: `(A, B)`.
-fn adapters(dir: &Path) -> Result<BTreeMap<String, (Tensor, Tensor)>, HfError> {
+/// An adapter's matrices by module, and DoRA's magnitudes by module.
+type Adapters = (BTreeMap<String, (Tensor, Tensor)>, HashMap<String, Tensor>);
+
+fn adapters(dir: &Path) -> Result<Adapters, HfError> {
     let path = dir.join(ADAPTER_FILE);
     let bad = |msg: String| HfError::Read {
         path: path.clone(),
@@ -137,14 +136,19 @@ fn adapters(dir: &Path) -> Result<BTreeMap<String, (Tensor, Tensor)>, HfError> {
         Tensor::read_safetensors(&path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let mut a = HashMap::new();
     let mut b = HashMap::new();
+    let mut magnitudes = HashMap::new();
     for (name, t) in tensors {
         let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
+        if let Some(m) = module.strip_suffix(".lora_magnitude_vector") {
+            magnitudes.insert(m.to_string(), t);
+            continue;
+        }
         match (module.strip_suffix(".lora_A.weight"), module.strip_suffix(".lora_B.weight")) {
             (Some(m), _) => drop(a.insert(m.to_string(), t)),
             (_, Some(m)) => drop(b.insert(m.to_string(), t)),
             _ => {
                 return Err(bad(format!(
-                    "`{name}` is no LoRA matrix (`...lora_A.weight` or `...lora_B.weight`): zrt merges plain LoRA adapters"
+                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, or DoRA's `...lora_magnitude_vector`): zrt merges LoRA and DoRA adapters"
                 )))
             }
         }
@@ -162,7 +166,10 @@ fn adapters(dir: &Path) -> Result<BTreeMap<String, (Tensor, Tensor)>, HfError> {
     if pairs.is_empty() {
         return Err(bad("it holds no adapter".into()));
     }
-    Ok(pairs)
+    if let Some(m) = magnitudes.keys().find(|m| !pairs.contains_key(*m)) {
+        return Err(bad(format!("`{m}` has a magnitude vector and no lora_A")));
+    }
+    Ok((pairs, magnitudes))
 }
 
 /// A checkpoint's safetensors files, each with its tensors' names and
@@ -171,7 +178,7 @@ type Files = Vec<(PathBuf, Vec<(String, Vec<i64>)>)>;
 
 /// The base checkpoint's safetensors files (its index's, or its one
 /// `model.safetensors`), and the tensors each holds.
-fn base_files(base: &Path) -> Result<Files, HfError> {
+pub(super) fn base_files(base: &Path) -> Result<Files, HfError> {
     let index = base.join(INDEX);
     let files: Vec<PathBuf> = match index.is_file() {
         true => {
@@ -280,7 +287,18 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         )));
     }
     let cfg = LoraConfig::from_adapter_dir(adapter)?;
-    let pairs = adapters(adapter)?;
+    let (pairs, magnitudes) = adapters(adapter)?;
+    if let Some(m) = pairs
+        .keys()
+        .find(|m| cfg.use_dora != magnitudes.contains_key(*m))
+    {
+        return Err(HfError::Lora(format!(
+            "{}: `use_dora` is {} but `{m}` {} a magnitude vector: the adapter's files do not agree",
+            adapter.display(),
+            cfg.use_dora,
+            if cfg.use_dora { "lacks" } else { "has" },
+        )));
+    }
     let files = base_files(base)?;
     let held: HashMap<&str, &[i64]> = (files.iter())
         .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
@@ -328,7 +346,28 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             let ba = b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float));
             let ba = if t { ba.tr() } else { ba };
             let delta = (ba * scale).to_kind(w.kind());
-            merged.push((name.clone(), w + delta));
+            let updated = w + delta;
+            let updated = match module.and_then(|m| magnitudes.get(m)) {
+                None => updated,
+                // DoRA (PEFT's merge): each row of `W + s B A` rescaled to
+                // its magnitude.
+                Some(mag) => {
+                    let rows = if t {
+                        updated.tr()
+                    } else {
+                        updated.shallow_clone()
+                    };
+                    let norms = rows.linalg_norm(2.0, [1i64].as_slice(), false, None::<Kind>);
+                    let factor = mag.to_kind(Kind::Float) / norms.to_kind(Kind::Float);
+                    let factor = if t {
+                        factor.view([1, -1])
+                    } else {
+                        factor.view([-1, 1])
+                    };
+                    (factor * updated.to_kind(Kind::Float)).to_kind(updated.kind())
+                }
+            };
+            merged.push((name.clone(), updated));
             matrices.push(name);
         }
         let name = file.file_name().unwrap_or_default();
@@ -362,6 +401,7 @@ mod tests {
             dropout: 0.05,
             use_rslora: true,
             fan_in_fan_out: true,
+            use_dora: true,
             ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
         };
         let written = cfg.adapter_config_json("base");
@@ -370,7 +410,6 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&written).unwrap();
         for (key, value, says) in [
             ("peft_type", serde_json::json!("IA3"), "peft_type \"IA3\""),
-            ("use_dora", serde_json::json!(true), "`use_dora` is true"),
             (
                 "rank_pattern",
                 serde_json::json!({"q_proj": 4}),

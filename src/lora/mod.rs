@@ -20,14 +20,16 @@
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
 //! `zrt generate`.
 
+mod dora;
 mod merge;
 
+pub(crate) use dora::init_magnitudes;
 pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
 
 use std::path::Path;
 
 use tch::nn::{self, Module};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::blocks::{linear, Training};
 use crate::collectives::ProcessGroup;
@@ -59,6 +61,11 @@ pub struct LoraConfig {
     /// adds the update. [`crate::hf::HfModel::from_pretrained_with`]
     /// sets it for GPT-2.
     pub fan_in_fan_out: bool,
+    /// `use_dora`: weight-decomposed LoRA (DoRA): each adapted layer's
+    /// weight `W + s B A` is taken as a direction, each of its rows
+    /// rescaled to a trained magnitude (`lora_magnitude_vector`, one a
+    /// row, starting at the pretrained rows' norms), as PEFT computes it.
+    pub use_dora: bool,
 }
 
 impl LoraConfig {
@@ -71,6 +78,7 @@ impl LoraConfig {
             target_modules: targets.iter().map(|t| t.to_string()).collect(),
             use_rslora: false,
             fan_in_fan_out: false,
+            use_dora: false,
         }
     }
 
@@ -140,6 +148,7 @@ impl LoraConfig {
             "lora_dropout": self.dropout,
             "target_modules": targets,
             "use_rslora": self.use_rslora,
+            "use_dora": self.use_dora,
             "bias": "none",
             "fan_in_fan_out": self.fan_in_fan_out,
             "init_lora_weights": true,
@@ -174,7 +183,9 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// `.lora_B.`): what [`freeze_base`] leaves trainable and the plan's
 /// `fresh_weights` names.
 pub fn is_adapter(name: &str) -> bool {
-    name.contains(".lora_A.") || name.contains(".lora_B.")
+    name.contains(".lora_A.")
+        || name.contains(".lora_B.")
+        || name.ends_with(".lora_magnitude_vector")
 }
 
 /// Freezes every variable of `vs` but the adapters (PEFT's `bias =
@@ -254,11 +265,13 @@ pub(crate) struct Adapted {
     adapter: Option<Adapter>,
 }
 
-/// `A` `[r, in]`, `B` `[out, r]`, the factor and the input's dropout.
+/// `A` `[r, in]`, `B` `[out, r]`, DoRA's magnitudes `[out]`, the factor
+/// and the input's dropout.
 #[derive(Debug)]
 struct Adapter {
     a: Tensor,
     b: Tensor,
+    magnitude: Option<Tensor>,
     scale: f64,
     dropout: f64,
     training: Training,
@@ -284,6 +297,11 @@ impl Adapted {
             Adapter {
                 a: (p / "lora_A").var("weight", &[c.r, i], uniform),
                 b: (p / "lora_B").var("weight", &[o, c.r], nn::Init::Const(0.0)),
+                // Ones until the build sets the pretrained rows' norms
+                // (`init_magnitudes`).
+                magnitude: c
+                    .use_dora
+                    .then(|| p.var("lora_magnitude_vector", &[o], nn::Init::Const(1.0))),
                 scale: c.scale(),
                 dropout: c.dropout,
                 training: training.clone(),
@@ -300,12 +318,30 @@ impl Module for Adapted {
             return y;
         };
         // PEFT's order: B (A (dropout x)), times the factor, added.
+        let dropped = a.dropout > 0.0 && a.training.on();
         let h = a.training.dropout(x.shallow_clone(), a.dropout);
-        let update = h
+        let lora = h
             .linear::<&Tensor>(&a.a, None)
-            .linear::<&Tensor>(&a.b, None)
-            * a.scale;
-        y + update
+            .linear::<&Tensor>(&a.b, None);
+        let Some(m) = &a.magnitude else {
+            return y + lora * a.scale;
+        };
+        // DoRA, as PEFT's `DoraLinearLayer`: the rows of `W + s B A`
+        // (norms detached) rescaled to the magnitudes; the base's output
+        // without its bias (or, its input dropped out, the base again on
+        // the dropped input).
+        let w = self.base.ws.to_kind(x.kind());
+        let delta = tch::no_grad(|| a.b.matmul(&a.a));
+        let norm = tch::no_grad(|| {
+            (&w + delta * a.scale).linalg_norm(2.0, [1i64].as_slice(), false, None::<Kind>)
+        });
+        let factor = (m / norm).view([1, -1]);
+        let base = match (dropped, &self.base.bs) {
+            (true, _) => h.linear::<&Tensor>(&w, None),
+            (false, Some(bias)) => &y - bias,
+            (false, None) => y.shallow_clone(),
+        };
+        y + (&factor - 1.0) * base + factor * lora * a.scale
     }
 }
 

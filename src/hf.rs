@@ -256,9 +256,11 @@ impl HfModel {
 
     /// As [`HfModel::from_pretrained`], built as `options` say. With
     /// [`HfOptions::lora`] the base loads from `dir` frozen, the adapters
-    /// start from world rank 0's draw and are all that trains, and the
-    /// layout returned is PEFT's adapter ([`crate::lora::export_layout`]:
-    /// write it to `out/adapter_model.safetensors` as one file).
+    /// start from world rank 0's draw and are all that trains (DoRA's
+    /// magnitudes from the base's row norms, which it reads from `dir`'s
+    /// files), and the layout returned is PEFT's adapter
+    /// ([`crate::lora::export_layout`]: write it to
+    /// `out/adapter_model.safetensors` as one file).
     pub fn from_pretrained_with(
         vs: &VarStore,
         plan: &ShardPlan,

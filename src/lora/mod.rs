@@ -2,7 +2,11 @@
 //! pretrained linear layer `W` plus a trainable low-rank update `B A`,
 //! `y = W x + (alpha / r) B A dropout(x)`, `A` `[r, in]` drawn as PEFT
 //! draws it (uniform in `±1/sqrt(in)`), `B` `[out, r]` zeros, so a fresh
-//! adapter computes the base model's outputs exactly.
+//! adapter computes the base model's outputs exactly. With
+//! [`LoraConfig::use_dora`], DoRA (Liu et al., 2024) as PEFT computes
+//! it: each row of `W + s B A` (its norm detached) rescaled to a trained
+//! magnitude, `lora_magnitude_vector`, which starts at the base's row
+//! norms (read from the checkpoint's files while the model is built).
 //!
 //! [`LoraConfig`] is PEFT's `LoraConfig` (the fields of its
 //! `adapter_config.json` this crate computes with); the layers of

@@ -1,7 +1,7 @@
 //! Continuing a prompt with a [`HfModel`]: greedy decoding
 //! ([`HfModel::greedy`]) and sampling ([`HfModel::sample`]), as
 //! `transformers`' `generate` computes them. Every layout's layers keep
-//! each token's keys and values (a key-value cache, [`crate::kv_cache`]:
+//! each token's keys and values (a key-value cache:
 //! each new token costs a forward over itself, attending to the cache),
 //! but where rotary frequencies change with the length within the
 //! generation (`dynamic` past `max_position_embeddings`, LongRoPE past

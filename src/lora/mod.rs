@@ -183,9 +183,10 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     Ok(targets.iter().map(|t| t.to_string()).collect())
 }
 
-/// Whether the VarStore name `name` is an adapter's (`.lora_A.` or
-/// `.lora_B.`): what [`freeze_base`] leaves trainable and the plan's
-/// `fresh_weights` names.
+/// Whether the VarStore name `name` is an adapter's (`.lora_A.`,
+/// `.lora_B.`, or DoRA's `.lora_magnitude_vector`): what
+/// [`freeze_base`] leaves trainable and the plan's `fresh_weights`
+/// names.
 pub fn is_adapter(name: &str) -> bool {
     name.contains(".lora_A.")
         || name.contains(".lora_B.")

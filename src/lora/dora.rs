@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use tch::{nn, Kind, Tensor};
 
-use super::merge::base_files;
+use super::merge::{base_files, read_header};
 use crate::hf::HfError;
 
 /// Sets every `...lora_magnitude_vector` variable of `vs` to the norms of
@@ -87,30 +87,11 @@ struct Reader {
 
 impl Reader {
     fn open(path: &Path) -> Result<Self, HfError> {
-        let bad = |msg: String| HfError::Read {
-            path: path.to_path_buf(),
-            msg,
-        };
-        let mut file =
-            std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
-        let mut len = [0u8; 8];
-        file.read_exact(&mut len)
-            .map_err(|e| bad(format!("no safetensors header: {e}")))?;
-        let len = u64::from_le_bytes(len);
-        if len > 100 << 20 {
-            return Err(bad(format!(
-                "a header of {len} bytes: not a safetensors file"
-            )));
-        }
-        let mut header = vec![0u8; len as usize];
-        file.read_exact(&mut header)
-            .map_err(|e| bad(format!("its header is cut short: {e}")))?;
-        let header =
-            serde_json::from_slice(&header).map_err(|e| bad(format!("its header: {e}")))?;
+        let ((file, start), header) = read_header(path)?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
-            start: 8 + len,
+            start,
             header,
         })
     }

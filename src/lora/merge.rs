@@ -204,6 +204,34 @@ pub(super) fn base_files(base: &Path) -> Result<Files, HfError> {
 /// The tensors of the safetensors file `path`, from its header: each
 /// one's name and shape.
 fn header_names(path: &Path) -> Result<Vec<(String, Vec<i64>)>, HfError> {
+    let bad = |msg: String| HfError::Read {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let (_, json) = read_header(path)?;
+    let shape = |v: &serde_json::Value| -> Option<Vec<i64>> {
+        let dims = v.get("shape")?.as_array()?;
+        dims.iter().map(|d| d.as_i64()).collect()
+    };
+    (json.iter())
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let s = shape(v).ok_or_else(|| bad(format!("`{k}` has no shape in its header")))?;
+            Ok((k.clone(), s))
+        })
+        .collect()
+}
+
+/// The safetensors file `path` opened and its header read: the file,
+/// where its data starts, and the header's JSON object.
+pub(super) type Header = (
+    (std::fs::File, u64),
+    serde_json::Map<String, serde_json::Value>,
+);
+
+/// Opens the safetensors file `path` and reads its header ([`Header`]),
+/// refusing one that is no safetensors file.
+pub(super) fn read_header(path: &Path) -> Result<Header, HfError> {
     use std::io::Read;
     let bad = |msg: String| HfError::Read {
         path: path.to_path_buf(),
@@ -222,19 +250,8 @@ fn header_names(path: &Path) -> Result<Vec<(String, Vec<i64>)>, HfError> {
     let mut header = vec![0u8; len as usize];
     f.read_exact(&mut header)
         .map_err(|e| bad(format!("its header is cut short: {e}")))?;
-    let json: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("its header: {e}")))?;
-    let shape = |v: &serde_json::Value| -> Option<Vec<i64>> {
-        let dims = v.get("shape")?.as_array()?;
-        dims.iter().map(|d| d.as_i64()).collect()
-    };
-    (json.iter())
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(k, v)| {
-            let s = shape(v).ok_or_else(|| bad(format!("`{k}` has no shape in its header")))?;
-            Ok((k.clone(), s))
-        })
-        .collect()
+    let json = serde_json::from_slice(&header).map_err(|e| bad(format!("its header: {e}")))?;
+    Ok(((f, 8 + len), json))
 }
 
 /// Refuses the adapter `(a, b)` of rank `r` for the matrix `name` of

@@ -1713,14 +1713,16 @@ impl Norms {
         }
     }
 
-    /// The MLP's input: `x`, normalised unless OLMo's.
-    fn mlp_input(&self, x: &Tensor) -> Tensor {
+    /// The MLP's input: `x` (the residual after the attention),
+    /// normalised unless OLMo's; Cohere's reads `h`, the attention's
+    /// input.
+    fn mlp_input(&self, x: &Tensor, h: Tensor) -> Tensor {
         match self {
             Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
                 before_mlp.forward(x)
             }
-            // (Its layer gives the MLP the attention's input instead.)
-            Self::Post { .. } | Self::Parallel { .. } => x.shallow_clone(),
+            Self::Post { .. } => x.shallow_clone(),
+            Self::Parallel { .. } => h,
         }
     }
 
@@ -2316,12 +2318,9 @@ impl Module for Layer {
             .training
             .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
         let x = x + self.residual(self.norms.attention_output(a));
-        // Cohere's MLP reads the attention's input (and its output joins
-        // the sum after the attention's, as there).
-        let h = match &self.norms {
-            Norms::Parallel { .. } => h,
-            _ => self.norms.mlp_input(&x),
-        };
+        // (Cohere's MLP output joins the sum after the attention's, as
+        // there.)
+        let h = self.norms.mlp_input(&x, h);
         let m = match &self.mlp {
             Mlp::Dense { gate_up, down_proj } => {
                 let (gate, up) = match gate_up {

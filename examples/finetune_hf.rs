@@ -160,6 +160,13 @@ struct Args {
     /// trained magnitude, starting at the base's row norms.
     #[arg(long, requires = "lora_r")]
     lora_dora: bool,
+    /// Modules that train whole beside the adapters, comma-separated
+    /// (PEFT's `modules_to_save`: `lm_head`, `embed_tokens`), written
+    /// into the adapter's file. On a model whose head is its embedding,
+    /// name `embed_tokens`: the two train as one (PEFT's
+    /// `ensure_weight_tying`, which this sets).
+    #[arg(long, requires = "lora_r")]
+    lora_modules_to_save: Option<String>,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -291,6 +298,10 @@ fn main() -> Result<()> {
                 dropout: a.lora_dropout,
                 target_modules: targets,
                 use_dora: a.lora_dora,
+                modules_to_save: (a.lora_modules_to_save.iter())
+                    .flat_map(|list| list.split(',').map(str::to_string))
+                    .collect(),
+                ensure_weight_tying: a.lora_modules_to_save.is_some(),
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }
@@ -364,7 +375,7 @@ fn main() -> Result<()> {
     if let Some(dir) = &a.lora_from {
         let n = zrt::lora::load_adapter(&engine, dir)?;
         if rank == 0 {
-            println!("adapter: {} matrices from {}", n, dir.display());
+            println!("adapter: {} tensors from {}", n, dir.display());
         }
     }
     let batch = engine.config().batch;

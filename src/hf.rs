@@ -95,6 +95,18 @@ enum Layout {
 }
 
 impl Layout {
+    /// The token embedding and the head, by their checkpoint names, when
+    /// the head is the embedding (for `modules_to_save`).
+    fn tied_head(&self) -> Option<crate::lora::TiedHead<'static>> {
+        let (embedding, head) = match self {
+            Self::Gpt2(_) => ("transformer.wte", "lm_head"),
+            Self::GptNeox(c) if c.tied => ("gpt_neox.embed_in", "embed_out"),
+            Self::Llama(c) if c.tied => ("model.embed_tokens", "lm_head"),
+            Self::GptNeox(_) | Self::Llama(_) | Self::Phi(_) => return None,
+        };
+        Some(crate::lora::TiedHead { embedding, head })
+    }
+
     /// Reads `config` (a `config.json` or the directory holding it),
     /// choosing the layout by its `model_type`.
     /// The config itself comes back too, for [`Layout::export`].
@@ -301,12 +313,22 @@ impl HfModel {
                 Layout::Phi(c) => Self::Phi(Phi::with_lora(&root, plan, c, lora, recompute)),
                 Layout::Gpt2(c) => Self::Gpt2(Gpt2::with_lora(&root, plan, c, lora, recompute)),
             };
-            crate::lora::freeze_base(vs, lora)?;
             let prefix = if gpt2 { "transformer." } else { "" };
+            let tied = layout.tied_head();
+            crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
             if lora.use_dora {
                 crate::lora::init_magnitudes(vs, dir, prefix, lora.fan_in_fan_out)?;
             }
-            return Ok((model, crate::lora::export_layout_under(lora, dir, prefix)));
+            // `ensure_weight_tying` written where it ties something
+            // (PEFT warns of it elsewhere).
+            let ties =
+                tied.is_some_and(|t| !lora.saved_by(&format!("{}.weight", t.embedding)).is_empty());
+            let written = crate::lora::LoraConfig {
+                ensure_weight_tying: lora.ensure_weight_tying && ties,
+                ..lora.clone()
+            };
+            let export = crate::lora::export_layout_under(&written, dir, prefix, tied);
+            return Ok((model, export));
         }
         let model = match (&layout, recompute) {
             (Layout::Gpt2(c), false) => Self::Gpt2(Gpt2::new(&root, plan, c)),

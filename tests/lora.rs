@@ -23,12 +23,16 @@ const SEQ: i64 = 16;
 
 /// A layout under test: Python importing its config class as `C` and its
 /// model class as `M`, the config's arguments, the adapters' targets,
-/// whether they are DoRA's, and what they hold: tensors and elements.
+/// whether they are DoRA's, the modules trained whole
+/// (`modules_to_save`), and what trains: adapter tensors, saved
+/// tensors, elements.
 struct Case {
     python: (&'static str, &'static str),
     targets: &'static [&'static str],
     dora: bool,
+    saved: &'static [&'static str],
     matrices: usize,
+    whole: usize,
     elements: usize,
 }
 
@@ -42,6 +46,8 @@ const LLAMA: Case = Case {
     ),
     targets: &["q_proj", "v_proj", "down_proj"],
     dora: false,
+    saved: &[],
+    whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)),
 };
@@ -55,6 +61,28 @@ const LLAMA_DORA: Case = Case {
     ..LLAMA
 };
 
+/// [`LLAMA`] with its head and final norm trained whole
+/// (`modules_to_save`): 96 x 64 and 64 elements more.
+const LLAMA_SAVED: Case = Case {
+    saved: &["lm_head", "model.norm"],
+    whole: 2,
+    elements: LLAMA.elements + 96 * 64 + 64,
+    ..LLAMA
+};
+
+/// A Llama whose head is its token embedding, the embedding trained
+/// whole (PEFT's `ensure_weight_tying`: one tensor, the head too).
+const LLAMA_TIED_SAVED: Case = Case {
+    python: (
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True",
+    ),
+    saved: &["embed_tokens"],
+    whole: 1,
+    elements: LLAMA.elements + 96 * 64,
+    ..LLAMA
+};
+
 /// GPT-2's Conv1D layers (`[in, out]` in the file, PEFT's
 /// `fan_in_fan_out`): `c_attn` (64 -> 192) and both `c_proj`s (the
 /// attention's 64 -> 64, the MLP's 256 -> 64).
@@ -65,6 +93,8 @@ const GPT2: Case = Case {
     ),
     targets: &["c_attn", "c_proj"],
     dora: false,
+    saved: &[],
+    whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)),
 };
@@ -87,6 +117,8 @@ const GPT_NEOX: Case = Case {
     ),
     targets: &["query_key_value", "dense_4h_to_h"],
     dora: false,
+    saved: &[],
+    whole: 0,
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (256 + 64)),
 };
@@ -100,6 +132,8 @@ const PHI: Case = Case {
     ),
     targets: &["q_proj", "dense", "fc2"],
     dora: false,
+    saved: &[],
+    whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
 };
@@ -114,6 +148,8 @@ const COHERE: Case = Case {
     ),
     targets: &["q_proj", "v_proj", "up_proj"],
     dora: false,
+    saved: &[],
+    whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
 };
@@ -144,14 +180,12 @@ fn peft_run(dir: &Path, case: &Case, (init, tuned): (&Path, &Path), atol: f64) -
         r#"
 import torch
 {import}
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict as named
 from safetensors.torch import load_file
 tokens = load_file("{dir}/tokens.safetensors")["tokens"]
 base = M.from_pretrained("{dir}/hf")
 m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
-# PEFT's state dict names DoRA's magnitudes `...lora_magnitude_vector.weight`,
-# its files `...lora_magnitude_vector`.
-named = lambda m: {{k.replace(".default", "").replace("vector.weight", "vector"): v for k, v in m.state_dict().items() if "lora_" in k}}
+# What PEFT writes to its file, by the file's names.
 mine = named(m)
 file = load_file("{init}/adapter_model.safetensors")
 if m.peft_config["default"].use_dora:
@@ -167,7 +201,7 @@ assert sorted(mine) == sorted(file), (sorted(mine), sorted(file))
 for k, v in file.items():
     assert torch.equal(mine[k], v.to(mine[k].dtype)), k
 trains = sorted(n for n, p in m.named_parameters() if p.requires_grad)
-assert trains and all("lora_" in n for n in trains), trains
+assert trains and all("lora_" in n or "modules_to_save" in n for n in trains), trains
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr={LR}, weight_decay={WD})
 for s in range({STEPS}):
     out = [m(input_ids=tokens[s, r], labels=tokens[s, r]) for r in range(2)]
@@ -219,6 +253,22 @@ fn lora_adapters_on_a_frozen_llama_train_as_peft_does_and_load_in_peft() {
         (3, false, Held::Int8Base),
     ];
     parity("llama", &LLAMA, &runs);
+}
+
+#[test]
+fn modules_saved_whole_train_beside_the_adapters_as_peft_trains_them() {
+    // A head and a norm, at stages 2 and 3; a tied embedding (the head
+    // too) at stage 3, also recomputing every layer.
+    parity(
+        "llama-saved",
+        &LLAMA_SAVED,
+        &[(2, false, Held::Fp32), (3, false, Held::Fp32)],
+    );
+    parity(
+        "llama-tied-saved",
+        &LLAMA_TIED_SAVED,
+        &[(3, false, Held::Fp32), (3, true, Held::Fp32)],
+    );
 }
 
 #[test]
@@ -276,6 +326,8 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         .collect();
     let lora = LoraConfig {
         use_dora: case.dora,
+        modules_to_save: case.saved.iter().map(|m| m.to_string()).collect(),
+        ensure_weight_tying: !case.saved.is_empty(),
         ..LoraConfig::new(4, 16.0, case.targets)
     };
     for &(stage, recompute, held) in runs {
@@ -371,7 +423,8 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
             });
             let group = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
-            assert_eq!(zrt::lora::load_adapter(&e, &tuned).unwrap(), case.matrices);
+            let loaded = zrt::lora::load_adapter(&e, &tuned).unwrap();
+            assert_eq!(loaded, case.matrices + case.whole);
             let batch = Tensor::from_slice(&batches[0][r.rank()]).view([MICRO, SEQ]);
             let loss = tch::no_grad(|| model.loss(&batch)).double_value(&[]);
             // The base's file is no adapter: refused, naming what it lacks.
@@ -383,7 +436,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
                 (loss - t).abs() <= tol.max(1e-4) * t.abs(),
                 "{what}, rank {rank}: reloaded {loss}, peft {t}"
             );
-            assert!(err.contains("adapter_model.safetensors"), "{err}");
+            assert!(err.contains("adapter_config.json"), "{err}");
         }
         for (s, step) in theirs.iter().enumerate() {
             for (rank, t) in step.iter().enumerate() {
@@ -434,6 +487,29 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
     let rank = build(LoraConfig::new(0, 8.0, &["c_attn"]));
     assert!(rank.contains("rank r = 0"), "{rank}");
     assert_eq!(build(LoraConfig::new(2, 8.0, &["c_attn"])), "");
+    // Modules trained whole, named as in the checkpoint (GPT-2's under
+    // `transformer.`); its tied embedding, which PEFT would not tie to
+    // the head (it ties `embed_tokens` only), and the tied head refused.
+    let saving = |saved: &[&str]| {
+        build(LoraConfig {
+            modules_to_save: saved.iter().map(|m| m.to_string()).collect(),
+            ensure_weight_tying: true,
+            ..LoraConfig::new(2, 8.0, &["c_attn"])
+        })
+    };
+    assert_eq!(saving(&["transformer.ln_f"]), "");
+    assert_eq!(saving(&["ln_f", "h.0.mlp"]), "");
+    let wte = saving(&["wte"]);
+    assert!(
+        wte.contains("`transformer.wte` is this model's head too (tied)")
+            && wte.contains("only when it is `embed_tokens`"),
+        "{wte}"
+    );
+    let head = saving(&["lm_head"]);
+    assert!(
+        head.contains("`lm_head` is the token embedding `transformer.wte` in this model"),
+        "{head}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -530,7 +606,7 @@ fn the_finetune_example_trains_adapters_peft_loads() {
     ]);
     let (ok, resumed) = crate::from_hf::finetune(&again);
     assert!(
-        ok && resumed.contains("adapter: 28 matrices from"),
+        ok && resumed.contains("adapter: 28 tensors from"),
         "{resumed}"
     );
     let loss = |said: &str, step: usize| -> f64 {
@@ -677,5 +753,46 @@ with torch.no_grad():
         "{said}"
     );
     assert!(!never.exists(), "{said}");
+    // The head trained whole beside the adapters: written into the
+    // adapter, merged in place of the base's, and `zrt generate
+    // --adapter` computes with it as with the merged checkpoint.
+    let saved = dir.join("saved");
+    let mut with_head = args[..18].to_vec();
+    with_head[9] = os("2");
+    with_head.extend([
+        os("--lora-modules-to-save"),
+        os("lm_head"),
+        os("--out"),
+        saved.as_os_str(),
+    ]);
+    let (ok, said) = crate::from_hf::finetune(&with_head);
+    assert!(ok, "{said}");
+    let saved_merged = dir.join("saved-merged");
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        saved.as_os_str(),
+        os("--out"),
+        saved_merged.as_os_str(),
+    ]);
+    assert!(
+        ok && said.contains("merged 14 matrices and replaced 1 tensors of its modules_to_save"),
+        "{said}"
+    );
+    let head = |d: &Path| {
+        let files = std::fs::read_dir(d).unwrap().map(|f| f.unwrap().path());
+        (files.filter(|f| f.extension().is_some_and(|e| e == "safetensors")))
+            .flat_map(|f| Tensor::read_safetensors(f).unwrap())
+            .find(|(n, _)| n == "lm_head.weight")
+            .unwrap()
+            .1
+    };
+    let trained = Tensor::read_safetensors(saved.join("adapter_model.safetensors")).unwrap();
+    let trained = trained
+        .into_iter()
+        .find(|(n, _)| n == "base_model.model.lm_head.weight");
+    assert!(head(&saved_merged).equal(&trained.unwrap().1));
+    assert!(!head(&saved_merged).equal(&head(&hf)));
+    let adapted = generate(&hf, &[os("--adapter"), saved.as_os_str()]);
+    assert_eq!(adapted, generate(&saved_merged, &[]));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,6 +24,9 @@ const INDEX: &str = "model.safetensors.index.json";
 pub struct Merged {
     /// The matrices that took an update, by name, sorted.
     pub matrices: Vec<String>,
+    /// The tensors of `modules_to_save` that replaced the base's, by
+    /// name, sorted.
+    pub replaced: Vec<String>,
     /// The safetensors files written.
     pub files: usize,
 }
@@ -32,8 +35,8 @@ impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
     /// `peft_type`, per-module ranks or alphas, adapters on some
-    /// layers only or with modules left out, trained biases, modules
-    /// saved whole, a regular expression for the targets), naming the
+    /// layers only or with modules left out, trained biases, a regular
+    /// expression for the targets), naming the
     /// field: built anyway, the model would hold other adapters than the
     /// file.
     pub fn from_adapter_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
@@ -61,10 +64,6 @@ impl LoraConfig {
             (
                 "exclude_modules",
                 "leaves some targeted modules without adapters",
-            ),
-            (
-                "modules_to_save",
-                "trains whole modules beside the adapters",
             ),
             ("trainable_token_indices", "trains some embedding rows"),
             ("layer_replication", "repeats layers"),
@@ -108,6 +107,19 @@ impl LoraConfig {
                 .ok_or_else(|| j.field("`target_modules` holds a non-string".into()))?,
             _ => return Err(j.field("no `target_modules` list".into())),
         };
+        let saved = match j.get("modules_to_save") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| j.field("`modules_to_save` holds a non-string".into()))?,
+            Some(v) => {
+                return Err(j.field(format!(
+                    "`modules_to_save` is {v}: a list of module names (or null)"
+                )))
+            }
+        };
         let cfg = LoraConfig {
             r: j.size("r")?,
             alpha: j.number_or("lora_alpha", 8.0)?,
@@ -116,17 +128,28 @@ impl LoraConfig {
             use_rslora: on("use_rslora"),
             fan_in_fan_out: on("fan_in_fan_out"),
             use_dora: on("use_dora"),
+            modules_to_save: saved,
+            ensure_weight_tying: on("ensure_weight_tying"),
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
     }
 }
 
-/// The adapter's matrices by the module they adapt: `(A, B)`.
-/// An adapter's matrices by module, and DoRA's magnitudes by module.
-type Adapters = (BTreeMap<String, (Tensor, Tensor)>, HashMap<String, Tensor>);
+/// An adapter's matrices `(A, B)` by the module they adapt, DoRA's
+/// magnitudes by module, the tensors of its saved modules by name, and
+/// (with `ensure_weight_tying`) the other tensors, which must be copies
+/// of a saved one a tied base holds once (PEFT writes a saved, tied
+/// embedding as the head too).
+struct Adapters {
+    pairs: BTreeMap<String, (Tensor, Tensor)>,
+    magnitudes: HashMap<String, Tensor>,
+    whole: BTreeMap<String, Tensor>,
+    copies: BTreeMap<String, Tensor>,
+}
 
-fn adapters(dir: &Path) -> Result<Adapters, HfError> {
+/// The adapter file in `dir`, read as `cfg` describes it.
+fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     let path = dir.join(ADAPTER_FILE);
     let bad = |msg: String| HfError::Read {
         path: path.clone(),
@@ -137,6 +160,7 @@ fn adapters(dir: &Path) -> Result<Adapters, HfError> {
     let mut a = HashMap::new();
     let mut b = HashMap::new();
     let mut magnitudes = HashMap::new();
+    let (mut whole, mut copies) = (BTreeMap::new(), BTreeMap::new());
     for (name, t) in tensors {
         let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
         if let Some(m) = module.strip_suffix(".lora_magnitude_vector") {
@@ -146,9 +170,12 @@ fn adapters(dir: &Path) -> Result<Adapters, HfError> {
         match (module.strip_suffix(".lora_A.weight"), module.strip_suffix(".lora_B.weight")) {
             (Some(m), _) => drop(a.insert(m.to_string(), t)),
             (_, Some(m)) => drop(b.insert(m.to_string(), t)),
+            _ if !cfg.saved_by(module).is_empty() => drop(whole.insert(module.to_string(), t)),
+            _ if cfg.ensure_weight_tying => drop(copies.insert(module.to_string(), t)),
             _ => {
                 return Err(bad(format!(
-                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, or DoRA's `...lora_magnitude_vector`): zrt merges LoRA and DoRA adapters"
+                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, or DoRA's `...lora_magnitude_vector`) nor in a module of its `modules_to_save` {:?}: zrt merges LoRA and DoRA adapters",
+                    cfg.modules_to_save
                 )))
             }
         }
@@ -169,7 +196,12 @@ fn adapters(dir: &Path) -> Result<Adapters, HfError> {
     if let Some(m) = magnitudes.keys().find(|m| !pairs.contains_key(*m)) {
         return Err(bad(format!("`{m}` has a magnitude vector and no lora_A")));
     }
-    Ok((pairs, magnitudes))
+    Ok(Adapters {
+        pairs,
+        magnitudes,
+        whole,
+        copies,
+    })
 }
 
 /// A checkpoint's safetensors files, each with its tensors' names and
@@ -304,7 +336,12 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         )));
     }
     let cfg = LoraConfig::from_adapter_dir(adapter)?;
-    let (pairs, magnitudes) = adapters(adapter)?;
+    let Adapters {
+        pairs,
+        magnitudes,
+        whole,
+        copies,
+    } = adapters(adapter, &cfg)?;
     if let Some(m) = pairs
         .keys()
         .find(|m| cfg.use_dora != magnitudes.contains_key(*m))
@@ -332,6 +369,39 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             base.display()
         )));
     }
+    // A saved module's tensors replace the base's, of their shape.
+    let mut replacing = HashMap::new();
+    for (name, t) in &whole {
+        match held.get(name.as_str()) {
+            Some(shape) if *shape == t.size().as_slice() => drop(replacing.insert(name.as_str(), t)),
+            Some(shape) => {
+                return Err(HfError::Lora(format!(
+                    "{}: the adapter's `{name}` is {:?} and the base's {shape:?}: an adapter of another model",
+                    adapter.display(),
+                    t.size()
+                )))
+            }
+            None => {
+                return Err(HfError::Lora(format!(
+                    "{}: the adapter saves `{name}`, which the base {} does not hold: an adapter of another model",
+                    adapter.display(),
+                    base.display()
+                )))
+            }
+        }
+    }
+    // PEFT writes a saved embedding of a tied model as the head too,
+    // which the base does not hold apart: that copy is left out.
+    for (name, t) in &copies {
+        let tied = !held.contains_key(name.as_str()) && replacing.values().any(|o| o.equal(t));
+        if !tied {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter holds `{name}`, which is no LoRA matrix, nor in a module of its modules_to_save {:?}, nor a copy of one its base ties: an adapter zrt does not merge",
+                adapter.display(),
+                cfg.modules_to_save
+            )));
+        }
+    }
     // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
     // transposed (PEFT's `fan_in_fan_out`).
     let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
@@ -348,11 +418,16 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
     let scale = cfg.scale();
-    let mut matrices = Vec::new();
+    let (mut matrices, mut replaced) = (Vec::new(), Vec::new());
     for (file, _) in &files {
         let tensors = Tensor::read_safetensors(file).map_err(|e| io(file, "read", &e))?;
         let mut merged = Vec::with_capacity(tensors.len());
         for (name, w) in tensors {
+            if let Some(t) = replacing.get(name.as_str()) {
+                merged.push((name.clone(), t.to_kind(w.kind())));
+                replaced.push(name);
+                continue;
+            }
             let module = name.strip_suffix(".weight");
             let Some((a, b)) = module.and_then(|m| pairs.get(m)) else {
                 merged.push((name, w));
@@ -400,8 +475,10 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         }
     }
     matrices.sort();
+    replaced.sort();
     Ok(Merged {
         matrices,
+        replaced,
         files: files.len(),
     })
 }
@@ -419,6 +496,8 @@ mod tests {
             use_rslora: true,
             fan_in_fan_out: true,
             use_dora: true,
+            modules_to_save: vec!["embed_tokens".into(), "model.norm".into()],
+            ensure_weight_tying: true,
             ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
         };
         let written = cfg.adapter_config_json("base");
@@ -459,8 +538,18 @@ mod tests {
             ),
             (
                 "modules_to_save",
-                serde_json::json!(["lm_head"]),
-                "`modules_to_save` is set, which trains whole modules",
+                serde_json::json!("lm_head"),
+                "`modules_to_save` is \"lm_head\": a list of module names",
+            ),
+            (
+                "modules_to_save",
+                serde_json::json!(["lm_head", 3]),
+                "`modules_to_save` holds a non-string",
+            ),
+            (
+                "modules_to_save",
+                serde_json::json!([""]),
+                "modules_to_save [\"\"] holds \"\"",
             ),
             (
                 "exclude_modules",
@@ -495,8 +584,12 @@ mod tests {
         let mut all = json.clone();
         all["target_modules"] = "all-linear".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
+        all["modules_to_save"] = serde_json::Value::Null;
+        all["ensure_weight_tying"] = serde_json::Value::Null;
+        std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
         let read = LoraConfig::from_adapter_dir(&dir).unwrap();
         assert_eq!(read.target_modules, ["all-linear"]);
+        assert!(read.modules_to_save.is_empty() && !read.ensure_weight_tying);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

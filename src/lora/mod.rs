@@ -70,6 +70,18 @@ pub struct LoraConfig {
     /// rescaled to a trained magnitude (`lora_magnitude_vector`, one a
     /// row, starting at the pretrained rows' norms), as PEFT computes it.
     pub use_dora: bool,
+    /// `modules_to_save`: modules trained whole beside the adapters (a
+    /// head, the token embedding: PEFT's `ModulesToSaveWrapper`), each
+    /// matched as PEFT matches it, by the end of a module's name
+    /// (`lm_head`, `embed_tokens`, `model.norm`). Their tensors load
+    /// from the base, train in full and are written into the adapter's
+    /// file, which then replaces them in the base on a merge.
+    pub modules_to_save: Vec<String>,
+    /// `ensure_weight_tying`: on a model whose head is its token
+    /// embedding, a saved `embed_tokens` stays the head too (one tensor
+    /// trains). zrt keeps a tied head tied, so a saved embedding of such
+    /// a model needs this set (PEFT trains the two apart without it).
+    pub ensure_weight_tying: bool,
 }
 
 impl LoraConfig {
@@ -83,7 +95,22 @@ impl LoraConfig {
             use_rslora: false,
             fan_in_fan_out: false,
             use_dora: false,
+            modules_to_save: Vec::new(),
+            ensure_weight_tying: false,
         }
+    }
+
+    /// The [`Self::modules_to_save`] entries that name the module of
+    /// the variable `name` (`lm_head.weight`) or one it is inside: empty
+    /// when the variable does not train whole.
+    pub fn saved_by(&self, name: &str) -> Vec<&String> {
+        let modules = std::iter::successors(name.rsplit_once('.').map(|(m, _)| m), |m| {
+            m.rsplit_once('.').map(|(outer, _)| outer)
+        });
+        let modules: Vec<&str> = modules.collect();
+        (self.modules_to_save.iter())
+            .filter(|t| modules.iter().any(|m| m.ends_with(t.as_str())))
+            .collect()
     }
 
     /// The update's factor: `alpha / r`, or `alpha / sqrt(r)`.
@@ -132,6 +159,12 @@ impl LoraConfig {
                 self.target_modules
             )));
         }
+        if let Some(m) = self.modules_to_save.iter().find(|m| m.is_empty()) {
+            return Err(refuse(format!(
+                "modules_to_save {:?} holds {m:?}: name the modules that train whole (lm_head, embed_tokens)",
+                self.modules_to_save
+            )));
+        }
         Ok(())
     }
 
@@ -157,7 +190,11 @@ impl LoraConfig {
             "fan_in_fan_out": self.fan_in_fan_out,
             "init_lora_weights": true,
             "inference_mode": true,
-            "modules_to_save": null,
+            "modules_to_save": match self.modules_to_save.is_empty() {
+                true => serde_json::Value::Null,
+                false => self.modules_to_save.clone().into(),
+            },
+            "ensure_weight_tying": self.ensure_weight_tying,
         });
         format!("{json:#}\n")
     }
@@ -193,26 +230,90 @@ pub fn is_adapter(name: &str) -> bool {
         || name.ends_with(".lora_magnitude_vector")
 }
 
-/// Freezes every variable of `vs` but the adapters (PEFT's `bias =
-/// "none"`: the base's biases and norms too); returns how many
-/// adapter matrices train, refusing a model with none (`targets`, the
-/// config's `target_modules`, matched no linear layer).
+/// Freezes every variable of `vs` but the adapters and the modules
+/// [`LoraConfig::modules_to_save`] names (PEFT's `bias = "none"`: the
+/// base's biases and norms frozen too); returns how many adapter
+/// matrices train, refusing a model with none (`targets`, the config's
+/// `target_modules`, matched no linear layer), a saved module that
+/// matches nothing or holds an adapter.
 pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError> {
-    let mut adapters = 0;
-    // The matrices' modules' last names, for the error.
-    let mut linear = std::collections::BTreeSet::new();
-    for (name, t) in vs.variables() {
-        match is_adapter(&name) {
-            true => adapters += 1,
-            false => drop(t.set_requires_grad(false)),
+    freeze_base_under(vs, cfg, "", None)
+}
+
+/// A model whose head is its token embedding: the two modules' names
+/// in the checkpoint (`model.embed_tokens`, `lm_head`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TiedHead<'a> {
+    /// The token embedding's module.
+    pub(crate) embedding: &'a str,
+    /// The head's module, which has no variable of its own.
+    pub(crate) head: &'a str,
+}
+
+/// As [`freeze_base`], for a model whose VarStore names lack the
+/// checkpoint's `prefix` (GPT-2's `transformer.`: `modules_to_save`
+/// matches the checkpoint's names) and whose head may be `tied` to its
+/// embedding, which trains as one tensor or not at all.
+pub(crate) fn freeze_base_under(
+    vs: &nn::VarStore,
+    cfg: &LoraConfig,
+    prefix: &str,
+    tied: Option<TiedHead>,
+) -> Result<usize, HfError> {
+    let refuse = |msg: String| Err(HfError::Lora(format!("modules_to_save: {msg}")));
+    if let Some(t) = tied {
+        let saves = |module: &str| !cfg.saved_by(&format!("{module}.weight")).is_empty();
+        let embedding_saved = saves(t.embedding);
+        if saves(t.head) {
+            return refuse(format!(
+                "`{}` is the token embedding `{}` in this model (its head is tied): save `{}` with ensure_weight_tying, which trains the two as one",
+                t.head, t.embedding, t.embedding
+            ));
         }
-        let module = name
-            .strip_suffix(".weight")
-            .and_then(|m| m.rsplit('.').next());
+        if embedding_saved && !t.embedding.ends_with("embed_tokens") {
+            return refuse(format!(
+                "`{}` is this model's head too (tied), and PEFT ties a saved embedding to its head only when it is `embed_tokens`: an adapter saving it would load in PEFT with the head left as it was; zrt does not save it",
+                t.embedding
+            ));
+        }
+        if embedding_saved && !cfg.ensure_weight_tying {
+            return refuse(format!(
+                "`{}` is this model's head too (tied): set ensure_weight_tying (PEFT's, finetune_hf sets it), so that the two train as one as zrt trains them; without it PEFT trains a copy of the embedding apart from the head",
+                t.embedding
+            ));
+        }
+    }
+    let mut adapters = 0;
+    let mut adapted = std::collections::BTreeSet::new();
+    let mut saved = Vec::new();
+    let mut hit = std::collections::BTreeSet::new();
+    // The matrices' modules' last names, and the modules outside the
+    // layers, for the errors.
+    let mut linear = std::collections::BTreeSet::new();
+    let mut outside = std::collections::BTreeSet::new();
+    for (name, t) in vs.variables() {
+        let full = format!("{prefix}{name}");
+        if is_adapter(&name) {
+            adapters += 1;
+            let module = (name.split_once(".lora_")).map_or(name.as_str(), |(m, _)| {
+                m.strip_suffix(".lora_magnitude_vector").unwrap_or(m)
+            });
+            adapted.insert(format!("{prefix}{module}"));
+        } else if let by @ [_, ..] = cfg.saved_by(&full).as_slice() {
+            hit.extend(by.iter().copied());
+            saved.push(full.clone());
+        } else {
+            drop(t.set_requires_grad(false));
+        }
+        let module = full.rsplit_once('.').map_or(full.as_str(), |(m, _)| m);
         // A layer's: under a numbered path (`layers.0`, `h.0`).
         let in_layer = name.split('.').any(|c| c.parse::<usize>().is_ok());
-        if let (Some(m), 2, true) = (module, t.dim(), in_layer) {
-            linear.insert(m.to_string());
+        match in_layer {
+            true if t.dim() == 2 && name.ends_with(".weight") => {
+                linear.insert(module.rsplit('.').next().unwrap_or(module).to_string());
+            }
+            true => {}
+            false => drop(outside.insert(module.to_string())),
         }
     }
     if adapters == 0 {
@@ -223,27 +324,63 @@ pub fn freeze_base(vs: &nn::VarStore, cfg: &LoraConfig) -> Result<usize, HfError
             names.join(", ")
         )));
     }
+    if let Some(s) = saved
+        .iter()
+        .find(|s| adapted.iter().any(|a| s.starts_with(&format!("{a}."))))
+    {
+        return refuse(format!(
+            "`{s}` is in a module that also takes an adapter: a module trains whole or through an adapter, not both"
+        ));
+    }
+    if let Some(m) = cfg.modules_to_save.iter().find(|m| !hit.contains(m)) {
+        let names: Vec<String> = outside.into_iter().collect();
+        return refuse(format!(
+            "`{m}` matches no module of the model: name modules by the end of their names ({}, or a layer's)",
+            names.join(", ")
+        ));
+    }
     Ok(adapters)
 }
 
 /// The layout of an adapters-only export for PEFT: the trainable
-/// parameters only (the adapters, after [`freeze_base`]) under PEFT's
-/// names (`base_model.model.` before the model's), with
-/// `adapter_config.json` beside them. Write it with
+/// parameters only (the adapters and the saved modules, after
+/// [`freeze_base`]) under PEFT's names (`base_model.model.` before the
+/// model's), with `adapter_config.json` beside them. Write it with
 /// `engine.save_16bit_model_as(dir.join("adapter_model.safetensors"), None, &layout)`.
 pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
-    export_layout_under(cfg, base, "")
+    export_layout_under(cfg, base, "", None)
 }
 
 /// As [`export_layout`], for a model whose VarStore names lack the
-/// checkpoint's `prefix` (GPT-2's `transformer.`).
-pub(crate) fn export_layout_under(cfg: &LoraConfig, base: &Path, prefix: &str) -> ExportLayout {
+/// checkpoint's `prefix` (GPT-2's `transformer.`) and whose head may be
+/// `tied` to its embedding: a saved embedding is written as the head
+/// too, as PEFT's file holds it (and its loader wants it).
+pub(crate) fn export_layout_under(
+    cfg: &LoraConfig,
+    base: &Path,
+    prefix: &str,
+    tied: Option<TiedHead>,
+) -> ExportLayout {
     let config = cfg.adapter_config_json(&base.display().to_string());
+    // The embedding by its VarStore name, and the head by its file name.
+    let tied = tied.map(|t| {
+        let embedding = t.embedding.strip_prefix(prefix).unwrap_or(t.embedding);
+        (
+            format!("{embedding}.weight"),
+            format!("base_model.model.{}.weight", t.head),
+        )
+    });
     let prefix = format!("base_model.model.{prefix}");
-    ExportLayout::new()
+    let layout = ExportLayout::new()
         .trainable_only()
         .rename(move |name| format!("{prefix}{name}"))
-        .with_file(ADAPTER_CONFIG, config)
+        .with_file(ADAPTER_CONFIG, config);
+    match tied {
+        Some((embedding, head)) => {
+            layout.also_write(move |name| (name == embedding).then(|| head.clone()))
+        }
+        None => layout,
+    }
 }
 
 /// Loads the adapter directory `dir` (PEFT's, or `finetune_hf
@@ -252,14 +389,18 @@ pub(crate) fn export_layout_under(cfg: &LoraConfig, base: &Path, prefix: &str) -
 /// [`LoraConfig::from_adapter_dir`]`(dir)` then goes on from the
 /// adapter (PEFT's `PeftModel.from_pretrained(base, dir,
 /// is_trainable=True)`; the optimizer starts afresh), or generates with
-/// it. Every adapter of the model must be in the file, and nothing else;
-/// returns how many matrices it loaded. A collective.
+/// it. Every adapter of the model and every tensor of the modules its
+/// `adapter_config.json` saves must be in the file, and nothing else;
+/// returns how many tensors it loaded. A collective.
 pub fn load_adapter<G: ProcessGroup + 'static>(
     engine: &Engine<G>,
     dir: impl AsRef<Path>,
 ) -> Result<usize, HfError> {
+    let cfg = LoraConfig::from_adapter_dir(&dir)?;
     let file = dir.as_ref().join(ADAPTER_FILE);
-    let loaded = engine.load_weights_of(&file, |name, _| is_adapter(name))?;
+    let loaded = engine.load_weights_of(&file, |name, _| {
+        is_adapter(name) || !cfg.saved_by(name).is_empty()
+    })?;
     Ok(loaded.loaded)
 }
 
@@ -423,6 +564,69 @@ mod tests {
             assert!(err.contains(field) && err.contains("--lora"), "{err}");
         }
         assert!(base.check("--lora").is_ok());
+    }
+
+    #[test]
+    fn saved_modules_match_as_peft_matches_them_and_train_whole() {
+        let c = LoraConfig {
+            modules_to_save: vec!["lm_head".into(), "model.norm".into(), "mlp".into()],
+            ..LoraConfig::new(2, 4.0, &["q_proj"])
+        };
+        assert_eq!(c.saved_by("lm_head.weight"), ["lm_head"]);
+        assert_eq!(c.saved_by("model.norm.weight"), ["model.norm"]);
+        // By the end of any module the variable is in.
+        assert_eq!(c.saved_by("model.layers.0.mlp.up_proj.weight"), ["mlp"]);
+        assert!(c
+            .saved_by("model.layers.0.input_layernorm.weight")
+            .is_empty());
+        assert!(c.saved_by("norm.weight").is_empty());
+        // A model: an embedding, one adapted projection, a norm; the head
+        // tied to the embedding (it has no variable of its own).
+        let build = |saved: &[&str], tying: bool| {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let cfg = LoraConfig {
+                modules_to_save: saved.iter().map(|m| m.to_string()).collect(),
+                ensure_weight_tying: tying,
+                ..LoraConfig::new(2, 4.0, &["q_proj"])
+            };
+            let root = vs.root();
+            let _ = (&root / "model" / "embed_tokens").var("weight", &[10, 4], nn::Init::Const(0.));
+            let _ = (&root / "model" / "norm").var("weight", &[4], nn::Init::Const(1.));
+            let q = &root / "model" / "layers" / 0 / "self_attn" / "q_proj";
+            let _ = Adapted::new(&q, (4, 4, false), Some(&cfg), &Training::default());
+            let tied = TiedHead {
+                embedding: "model.embed_tokens",
+                head: "lm_head",
+            };
+            let got = freeze_base_under(&vs, &cfg, "", Some(tied));
+            let mut trainable: Vec<String> = (vs.variables().into_iter())
+                .filter(|(_, t)| t.requires_grad())
+                .map(|(n, _)| n)
+                .collect();
+            trainable.sort();
+            got.map(|n| (n, trainable)).map_err(|e| e.to_string())
+        };
+        let (adapters, trainable) = build(&["embed_tokens", "norm"], true).unwrap();
+        assert_eq!(adapters, 2);
+        assert_eq!(
+            trainable,
+            [
+                "model.embed_tokens.weight",
+                "model.layers.0.self_attn.q_proj.lora_A.weight",
+                "model.layers.0.self_attn.q_proj.lora_B.weight",
+                "model.norm.weight",
+            ]
+        );
+        for (saved, tying, says) in [
+            (&["embed_tokens"][..], false, "set ensure_weight_tying"),
+            (&["lm_head"], true, "`lm_head` is the token embedding `model.embed_tokens`"),
+            (&["q_proj"], true, "`model.layers.0.self_attn.q_proj.weight` is in a module that also takes an adapter"),
+            (&["self_attn"], true, "also takes an adapter"),
+            (&["nothing"], true, "`nothing` matches no module of the model: name modules by the end of their names (model.embed_tokens, model.norm, or a layer's)"),
+        ] {
+            let err = build(saved, tying).unwrap_err();
+            assert!(err.contains(says) && err.contains("modules_to_save"), "{saved:?}: {err}");
+        }
     }
 
     #[test]

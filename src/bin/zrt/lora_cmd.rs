@@ -34,8 +34,12 @@ pub fn run(cmd: &LoraCmd) -> Result<()> {
     match cmd {
         LoraCmd::Merge(a) => {
             let m = zrt::lora::merge(&a.base, &a.adapter, &a.out)?;
+            let saved = match m.replaced.len() {
+                0 => String::new(),
+                n => format!(" and replaced {n} tensors of its modules_to_save"),
+            };
             println!(
-                "merged {} matrices into {} ({} files)",
+                "merged {} matrices{saved} into {} ({} files)",
                 m.matrices.len(),
                 a.out.display(),
                 m.files

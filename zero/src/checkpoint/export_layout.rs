@@ -19,6 +19,8 @@ use super::CheckpointError;
 type RenameOut = dyn Fn(&str) -> String + Send + Sync;
 /// A rule saying which matrices the file holds transposed.
 type TransposeOut = dyn Fn(&str) -> bool + Send + Sync;
+/// A rule naming a second place in the file for some of the tensors.
+type AlsoOut = dyn Fn(&str) -> Option<String> + Send + Sync;
 /// A file's contents made for the dtype the tensors are written in.
 type MadeFor = dyn Fn(&str) -> Vec<u8> + Send + Sync;
 
@@ -39,6 +41,7 @@ enum Contents {
 pub struct ExportLayout {
     rename: Option<Box<RenameOut>>,
     transpose: Option<Box<TransposeOut>>,
+    also: Option<Box<AlsoOut>>,
     /// (file name, contents) written beside the tensors.
     files: Vec<(String, Contents)>,
     /// Set by [`ExportLayout::trainable_only`].
@@ -50,6 +53,7 @@ impl std::fmt::Debug for ExportLayout {
         f.debug_struct("ExportLayout")
             .field("renames", &self.rename.is_some())
             .field("transposes", &self.transpose.is_some())
+            .field("writes_twice", &self.also.is_some())
             .field("trainable_only", &self.trainable_only)
             .field(
                 "files",
@@ -76,6 +80,20 @@ impl ExportLayout {
     /// transposed. A tensor it names that is not a matrix is refused.
     pub fn transpose(mut self, rule: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         self.transpose = Some(Box::new(rule));
+        self
+    }
+
+    /// Writes the model's tensor `name` a second time, under
+    /// `rule(name)` (a file's name, not renamed), where that is `Some`,
+    /// right after the first (in its layout there): a tied tensor a
+    /// reader wants under both its names (PEFT's adapter file holds a
+    /// saved, tied embedding as the head too). A name already taken is
+    /// refused.
+    pub fn also_write(
+        mut self,
+        rule: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.also = Some(Box::new(rule));
         self
     }
 
@@ -201,12 +219,23 @@ impl ExportLayout {
                 Some((t, _)) => vec![t.cols, t.rows],
                 None => p.shape.clone(),
             };
-            mapped.push(Planned {
-                name: name.clone(),
-                dtype: p.dtype,
-                shape,
-            });
-            names.insert(p.name.clone(), (name, transposed));
+            let also = self.also.as_ref().and_then(|a| a(&p.name));
+            let mut out = vec![(name, transposed)];
+            out.extend(also.map(|a| (a, transposed)));
+            for (i, (name, _)) in out.iter().enumerate() {
+                if i > 0 && !taken.insert(name.clone()) {
+                    return Err(refuse(format!(
+                        "the export layout writes `{}` a second time as `{name}`, a name taken: give it a name of its own",
+                        p.name
+                    )));
+                }
+                mapped.push(Planned {
+                    name: name.clone(),
+                    dtype: p.dtype,
+                    shape: shape.clone(),
+                });
+            }
+            names.insert(p.name.clone(), out);
         }
         Ok((mapped, OutNames(names)))
     }
@@ -224,32 +253,43 @@ fn torch_name(dtype: Dtype) -> &'static str {
     }
 }
 
-/// Each of the model's tensors' name in the file, and for one written
-/// transposed its transpose and the bytes of an element.
-pub(crate) struct OutNames(HashMap<String, (String, Option<(Transpose, usize)>)>);
+/// Each of the model's tensors' names in the file (its second too, for
+/// [`ExportLayout::also_write`]), and for one written transposed its
+/// transpose and the bytes of an element.
+pub(crate) struct OutNames(HashMap<String, Vec<OutName>>);
+
+/// A name in the file, and for a tensor written transposed its
+/// transpose and the bytes of an element.
+type OutName = (String, Option<(Transpose, usize)>);
 
 impl OutNames {
-    /// Tensor `name`'s name in the file and its bytes as the file holds
-    /// them (`data` is the model's layout); a name it does not know goes
-    /// as it is.
-    fn map<'a>(&'a self, name: &'a str, data: &'a [u8]) -> (&'a str, Cow<'a, [u8]>) {
-        match self.0.get(name) {
-            None => (name, Cow::Borrowed(data)),
-            Some((out, None)) => (out.as_str(), Cow::Borrowed(data)),
-            Some((out, Some((t, size)))) => (out.as_str(), Cow::Owned(t.copy(data, *size))),
-        }
+    /// Tensor `name`'s names in the file, each with its bytes as the file
+    /// holds them (`data` is the model's layout); a name it does not know
+    /// goes as it is.
+    fn map<'a>(&'a self, name: &'a str, data: &'a [u8]) -> Vec<(&'a str, Cow<'a, [u8]>)> {
+        let Some(out) = self.0.get(name) else {
+            return vec![(name, Cow::Borrowed(data))];
+        };
+        (out.iter())
+            .map(|(out, transposed)| match transposed {
+                None => (out.as_str(), Cow::Borrowed(data)),
+                Some((t, size)) => (out.as_str(), Cow::Owned(t.copy(data, *size))),
+            })
+            .collect()
     }
 
     /// Writes the model's tensor `name` (its bytes `data`) to `w` under
-    /// its name in the file, in its layout there.
+    /// its names in the file, in its layout there.
     pub(crate) fn write(
         &self,
         w: &mut ModelWriter,
         name: &str,
         data: &[u8],
     ) -> Result<(), CheckpointError> {
-        let (name, data) = self.map(name, data);
-        w.write(name, &data)
+        for (name, data) in self.map(name, data) {
+            w.write(name, &data)?;
+        }
+        Ok(())
     }
 }
 
@@ -274,13 +314,41 @@ mod tests {
         assert_eq!(shapes, [("m.a.w", &[3, 2][..]), ("m.a.b", &[3][..])]);
         // [[1, 2, 3], [4, 5, 6]] is written [[1, 4], [2, 5], [3, 6]].
         let w: Vec<u8> = (1..=6u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
-        let (name, t) = names.map("a.w", &w);
-        let got: Vec<f32> = (t.chunks_exact(4))
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        let floats = |t: &[u8]| -> Vec<f32> {
+            (t.chunks_exact(4))
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let [(name, t)] = &names.map("a.w", &w)[..] else {
+            panic!("one name")
+        };
+        assert_eq!((*name, floats(t)), ("m.a.w", vec![1., 4., 2., 5., 3., 6.]));
+        let [(name, b)] = &names.map("a.b", &w[..12])[..] else {
+            panic!("one name")
+        };
+        assert_eq!((*name, &b[..]), ("m.a.b", &w[..12]));
+        // A second name: planned right after the first, written the same.
+        let also = ExportLayout::new()
+            .rename(|n| format!("m.{n}"))
+            .transpose(|n| n.ends_with(".w"))
+            .also_write(|n| (n == "a.w").then(|| "tied.w".to_string()));
+        let (mapped, names) = also.apply(&plan, out, None).unwrap();
+        let order: Vec<&str> = mapped.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(order, ["m.a.w", "tied.w", "m.a.b"]);
+        assert_eq!(mapped[1].shape, [3, 2]);
+        let both: Vec<(&str, Vec<f32>)> = (names.map("a.w", &w).iter())
+            .map(|(n, t)| (*n, floats(t)))
             .collect();
-        assert_eq!((name, got), ("m.a.w", vec![1., 4., 2., 5., 3., 6.]));
-        let (name, b) = names.map("a.b", &w[..12]);
-        assert_eq!((name, &b[..]), ("m.a.b", &w[..12]));
+        let want = vec![1., 4., 2., 5., 3., 6.];
+        assert_eq!(both, [("m.a.w", want.clone()), ("tied.w", want)]);
+        let taken = ExportLayout::new()
+            .rename(|n| format!("m.{n}"))
+            .also_write(|n| (n == "a.b").then(|| "m.a.w".to_string()));
+        let err = taken.apply(&plan, out, None).err().unwrap().to_string();
+        assert!(
+            err.contains("writes `a.b` a second time as `m.a.w`"),
+            "{err}"
+        );
         let twice = ExportLayout::new().rename(|_| "same".into());
         let err = twice.apply(&plan, out, None).err().unwrap().to_string();
         assert!(

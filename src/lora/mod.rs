@@ -17,8 +17,10 @@
 //! [`ShardPlan::fresh_weights`](crate::zero::ShardPlan::fresh_weights)
 //! the base loads from its checkpoint and the adapters start from world
 //! rank 0's draw; [`freeze_base`] leaves the adapters the only
-//! parameters that train, which every ZeRO stage then shards (stage 3
-//! its frozen base too). [`export_layout`] writes them as PEFT's
+//! parameters that train, with the modules
+//! [`LoraConfig::modules_to_save`] trains whole (a head, the
+//! embedding), which every ZeRO stage then shards (stage 3 its frozen
+//! base too). [`export_layout`] writes them as PEFT's
 //! `adapter_model.safetensors` and `adapter_config.json`, which
 //! `PeftModel.from_pretrained(base, dir)` loads; [`merge`] folds one into
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or

@@ -167,12 +167,38 @@ struct Args {
     /// `ensure_weight_tying`, which this sets).
     #[arg(long, requires = "lora_r")]
     lora_modules_to_save: Option<String>,
+    /// Tokens whose rows of the input embedding train beside the
+    /// adapters, comma-separated ids or tokens' texts as the checkpoint's
+    /// tokenizer holds them (`<|im_start|>,<|im_end|>`): PEFT's
+    /// `trainable_token_indices`, for a chat template's new tokens.
+    #[arg(long, requires = "lora_r")]
+    lora_trainable_tokens: Option<String>,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
     /// optimizer afresh).
     #[arg(long, conflicts_with = "lora_r")]
     lora_from: Option<PathBuf>,
+}
+
+/// The ids of `list`'s comma-separated tokens: each an id, or a token's
+/// text in the tokenizer of the checkpoint `model`.
+fn token_ids(model: &std::path::Path, list: &str) -> Result<Vec<i64>> {
+    let mut tokenizer: Option<HfTokenizer> = None;
+    let mut ids = Vec::new();
+    for t in list.split(',') {
+        if let Ok(id) = t.parse::<i64>() {
+            ids.push(id);
+            continue;
+        }
+        let k = match tokenizer.take() {
+            Some(k) => k,
+            None => HfTokenizer::open(model)?,
+        };
+        ids.push(i64::from(k.token_id(t)?));
+        tokenizer = Some(k);
+    }
+    Ok(ids)
 }
 
 /// The file at `path`, mapped.
@@ -302,6 +328,10 @@ fn main() -> Result<()> {
                     .flat_map(|list| list.split(',').map(str::to_string))
                     .collect(),
                 ensure_weight_tying: a.lora_modules_to_save.is_some(),
+                trainable_token_indices: match &a.lora_trainable_tokens {
+                    Some(list) => token_ids(&a.model, list)?,
+                    None => Vec::new(),
+                },
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

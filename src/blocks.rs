@@ -10,6 +10,7 @@ use tch::nn::Module;
 use tch::Tensor;
 
 use crate::kv_cache::{causal_attention, Decoding, LayerCache};
+use crate::lora::TrainableTokens;
 use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
@@ -136,19 +137,48 @@ pub(crate) fn layer_norm(p: tch::nn::Path, width: i64, eps: f64) -> tch::nn::Lay
 /// (with a 152k vocabulary and width 512, 297 MiB a rank). Row
 /// `padding` gets no gradient from the lookup (`nn.Embedding`'s
 /// `padding_idx`, which `transformers` sets to the config's
-/// `pad_token_id`).
+/// `pad_token_id`). The rows of the tokens `trained` train apart from
+/// the matrix (PEFT's trainable tokens, [`TrainableTokens`]).
 pub(crate) fn token_embedding(
     p: &tch::nn::Path,
-    vocab: i64,
-    width: i64,
+    (vocab, width): (i64, i64),
     padding: Option<i64>,
-) -> tch::nn::Embedding {
+    trained: &[i64],
+) -> TokenEmbedding {
     let sparse = tch::nn::EmbeddingConfig {
         sparse: true,
         padding_idx: padding.unwrap_or(-1),
         ..Default::default()
     };
-    tch::nn::embedding(p, vocab, width, sparse)
+    TokenEmbedding {
+        embed: tch::nn::embedding(p, vocab, width, sparse),
+        tokens: TrainableTokens::new(p, (vocab, width), trained),
+    }
+}
+
+/// A token embedding ([`token_embedding`]), with the rows of some tokens
+/// trained apart from it or not.
+#[derive(Debug)]
+pub(crate) struct TokenEmbedding {
+    embed: tch::nn::Embedding,
+    tokens: Option<TrainableTokens>,
+}
+
+impl TokenEmbedding {
+    /// The matrix `[vocab, width]`.
+    fn weight(&self) -> &Tensor {
+        &self.embed.ws
+    }
+}
+
+impl Module for TokenEmbedding {
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        let looked_up = self.embed.forward(ids);
+        match &self.tokens {
+            Some(t) => t.lookup(ids, looked_up),
+            None => looked_up,
+        }
+    }
 }
 
 /// A token embedding that is the model's head too (`tie_word_embeddings`),
@@ -160,7 +190,7 @@ pub(crate) fn token_embedding(
 /// rank (a unit run twice is reduced once, after its first run's
 /// backward).
 #[derive(Debug)]
-pub(crate) struct TiedEmbedding(pub(crate) tch::nn::Embedding);
+pub(crate) struct TiedEmbedding(pub(crate) TokenEmbedding);
 
 impl Module for TiedEmbedding {
     fn forward(&self, x: &Tensor) -> Tensor {
@@ -172,7 +202,7 @@ impl Module for TiedEmbedding {
         // backward, are added into it in place: through the matrix itself
         // libtorch would hold the head's gradient until then and sum the
         // two into a third vocabulary-sized matrix.
-        let ws = &self.0.ws;
+        let ws = self.0.weight();
         let w = match ws.requires_grad() {
             true => crate::zero::glue::grad_alias(ws).unwrap_or_else(|e| {
                 tracing::warn!("tied embedding: {e}; its head's gradient waits for the lookup's");
@@ -180,7 +210,11 @@ impl Module for TiedEmbedding {
             }),
             false => ws.shallow_clone(),
         };
-        x.matmul(&w.tr())
+        let logits = x.matmul(&w.tr());
+        match &self.0.tokens {
+            Some(t) => t.logits(x, logits),
+            None => logits,
+        }
     }
 }
 
@@ -193,7 +227,7 @@ pub(crate) enum Ends {
     Tied(ShardedModule<TiedEmbedding>),
     /// Each its own unit.
     Apart {
-        embed: ShardedModule<tch::nn::Embedding>,
+        embed: ShardedModule<TokenEmbedding>,
         head: ShardedModule<tch::nn::Linear>,
     },
 }
@@ -205,7 +239,7 @@ pub(crate) enum Ends {
 pub(crate) enum Embedding {
     Tied(ShardedModule<TiedEmbedding>),
     Apart {
-        embed: ShardedModule<tch::nn::Embedding>,
+        embed: ShardedModule<TokenEmbedding>,
         vocab: i64,
         width: i64,
     },
@@ -213,16 +247,17 @@ pub(crate) enum Embedding {
 
 impl Ends {
     /// The token embedding under `p`, a unit of `plan`
-    /// ([`token_embedding`]; the head too when `tied`).
+    /// ([`token_embedding`]; the head too when `tied`; the rows of
+    /// `lora`'s trainable tokens apart).
     pub(crate) fn embedding(
         plan: &ShardPlan,
         p: &tch::nn::Path,
-        vocab: i64,
-        width: i64,
-        padding: Option<i64>,
-        tied: bool,
+        (vocab, width): (i64, i64),
+        (padding, tied): (Option<i64>, bool),
+        lora: Option<&crate::lora::LoraConfig>,
     ) -> Embedding {
-        let embed = token_embedding(p, vocab, width, padding);
+        let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
+        let embed = token_embedding(p, (vocab, width), padding, trained);
         match tied {
             true => Embedding::Tied(ShardedModule::new(plan, p, TiedEmbedding(embed))),
             false => Embedding::Apart {

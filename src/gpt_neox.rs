@@ -391,7 +391,8 @@ impl GptNeox {
         let norm = layer_norm(&m / "final_layer_norm", cfg.hidden, cfg.eps);
         let embed_in = &m / "embed_in";
         // `GPTNeoXModel`'s embedding has no `padding_idx`.
-        let embed = Ends::embedding(plan, &embed_in, cfg.vocab, cfg.hidden, None, cfg.tied);
+        let dims = (cfg.vocab, cfg.hidden);
+        let embed = Ends::embedding(plan, &embed_in, dims, (None, cfg.tied), lora);
         let layer =
             |lp: &nn::Path, t: &Training, d: &Arc<Decoding>| Layer::new(lp, cfg, (t, d), lora);
         let (layers, head) = (&m / "layers", p / "embed_out");

@@ -316,9 +316,7 @@ impl HfModel {
             let prefix = if gpt2 { "transformer." } else { "" };
             let tied = layout.tied_head();
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
-            if lora.use_dora {
-                crate::lora::init_magnitudes(vs, dir, prefix, lora.fan_in_fan_out)?;
-            }
+            crate::lora::init_from_checkpoint(vs, dir, prefix, lora)?;
             // `ensure_weight_tying` written where it ties something
             // (PEFT warns of it elsewhere).
             let ties =

@@ -2477,10 +2477,9 @@ impl Llama {
         let embed = Ends::embedding(
             plan,
             &(&m / "embed_tokens"),
-            cfg.vocab,
-            cfg.hidden,
-            cfg.pad_token,
-            cfg.tied,
+            (cfg.vocab, cfg.hidden),
+            (cfg.pad_token, cfg.tied),
+            lora,
         );
         let training = Training::default();
         let decoding = Decoding::new();

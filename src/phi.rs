@@ -393,7 +393,8 @@ impl Phi {
         let m = p / "model";
         let norm = layer_norm(&m / "final_layernorm", cfg.hidden, cfg.eps);
         let embed = &m / "embed_tokens";
-        let embed = Ends::embedding(plan, &embed, cfg.vocab, cfg.hidden, cfg.pad_token, false);
+        let dims = (cfg.vocab, cfg.hidden);
+        let embed = Ends::embedding(plan, &embed, dims, (cfg.pad_token, false), lora);
         let layer =
             |lp: &nn::Path, t: &Training, d: &Arc<Decoding>| Layer::new(lp, cfg, (t, d), lora);
         let (layers, head) = (&m / "layers", p / "lm_head");

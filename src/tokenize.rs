@@ -445,6 +445,16 @@ impl HfTokenizer {
         Ok(e.get_ids().to_vec())
     }
 
+    /// The id of the token `token` (its text in the vocabulary, added
+    /// tokens too: `tokenizer.convert_tokens_to_ids(token)`), refused
+    /// when the vocabulary lacks it.
+    pub fn token_id(&self, token: &str) -> Result<u32, TokenizeError> {
+        (self.tokenizer.token_to_id(token)).ok_or_else(|| TokenizeError::Tokenizer {
+            path: self.path.clone(),
+            msg: format!("{token:?} is no token of its vocabulary: give a token's text as the vocabulary holds it (<|im_start|>), or its id"),
+        })
+    }
+
     /// The text of `ids`, special tokens left out
     /// (`tokenizer.decode(ids, skip_special_tokens=True)`).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {

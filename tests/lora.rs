@@ -24,13 +24,15 @@ const SEQ: i64 = 16;
 /// A layout under test: Python importing its config class as `C` and its
 /// model class as `M`, the config's arguments, the adapters' targets,
 /// whether they are DoRA's, the modules trained whole
-/// (`modules_to_save`), and what trains: adapter tensors, saved
+/// (`modules_to_save`), the tokens whose embedding rows train
+/// (`trainable_token_indices`), and what trains: adapter tensors, saved
 /// tensors, elements.
 struct Case {
     python: (&'static str, &'static str),
     targets: &'static [&'static str],
     dora: bool,
     saved: &'static [&'static str],
+    tokens: &'static [i64],
     matrices: usize,
     whole: usize,
     elements: usize,
@@ -47,6 +49,7 @@ const LLAMA: Case = Case {
     targets: &["q_proj", "v_proj", "down_proj"],
     dora: false,
     saved: &[],
+    tokens: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)),
@@ -83,6 +86,26 @@ const LLAMA_TIED_SAVED: Case = Case {
     ..LLAMA
 };
 
+/// [`LLAMA`] with three tokens' embedding rows trained (its head its
+/// own: the rows change the lookup alone).
+const LLAMA_TOKENS: Case = Case {
+    tokens: &[3, 7, 5],
+    matrices: 13,
+    elements: LLAMA.elements + 3 * 64,
+    ..LLAMA
+};
+
+/// [`LLAMA_TIED_SAVED`]'s model with three tokens' rows trained: the
+/// tied head computes with them too.
+const LLAMA_TIED_TOKENS: Case = Case {
+    saved: &[],
+    tokens: &[3, 7, 5],
+    matrices: 13,
+    whole: 0,
+    elements: LLAMA.elements + 3 * 64,
+    ..LLAMA_TIED_SAVED
+};
+
 /// GPT-2's Conv1D layers (`[in, out]` in the file, PEFT's
 /// `fan_in_fan_out`): `c_attn` (64 -> 192) and both `c_proj`s (the
 /// attention's 64 -> 64, the MLP's 256 -> 64).
@@ -94,6 +117,7 @@ const GPT2: Case = Case {
     targets: &["c_attn", "c_proj"],
     dora: false,
     saved: &[],
+    tokens: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)),
@@ -118,6 +142,7 @@ const GPT_NEOX: Case = Case {
     targets: &["query_key_value", "dense_4h_to_h"],
     dora: false,
     saved: &[],
+    tokens: &[],
     whole: 0,
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (256 + 64)),
@@ -133,6 +158,7 @@ const PHI: Case = Case {
     targets: &["q_proj", "dense", "fc2"],
     dora: false,
     saved: &[],
+    tokens: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
@@ -149,6 +175,7 @@ const COHERE: Case = Case {
     targets: &["q_proj", "v_proj", "up_proj"],
     dora: false,
     saved: &[],
+    tokens: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
@@ -188,11 +215,13 @@ m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
 # What PEFT writes to its file, by the file's names.
 mine = named(m)
 file = load_file("{init}/adapter_model.safetensors")
-if m.peft_config["default"].use_dora:
-    # Its own DoRA start from the same base: zrt's magnitudes.
+cfg = m.peft_config["default"]
+if cfg.use_dora or cfg.trainable_token_indices:
+    # Its own start from the same base: zrt's DoRA magnitudes and
+    # trainable tokens' rows.
     from peft import get_peft_model, LoraConfig
     own = named(get_peft_model(M.from_pretrained("{dir}/hf"), LoraConfig.from_pretrained("{init}")))
-    for k in (k for k in file if "magnitude" in k):
+    for k in (k for k in file if "magnitude" in k or "trainable_tokens" in k):
         # (A bf16 run's file holds them in bf16: to its rounding.)
         rtol = 1e-2 if file[k].dtype == torch.bfloat16 else 0
         theirs = file[k].to(own[k].dtype)
@@ -201,7 +230,7 @@ assert sorted(mine) == sorted(file), (sorted(mine), sorted(file))
 for k, v in file.items():
     assert torch.equal(mine[k], v.to(mine[k].dtype)), k
 trains = sorted(n for n, p in m.named_parameters() if p.requires_grad)
-assert trains and all("lora_" in n or "modules_to_save" in n for n in trains), trains
+assert trains and all("lora_" in n or "modules_to_save" in n or "trainable_tokens" in n for n in trains), trains
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr={LR}, weight_decay={WD})
 for s in range({STEPS}):
     out = [m(input_ids=tokens[s, r], labels=tokens[s, r]) for r in range(2)]
@@ -272,6 +301,29 @@ fn modules_saved_whole_train_beside_the_adapters_as_peft_trains_them() {
 }
 
 #[test]
+fn trainable_tokens_train_as_peft_trains_them() {
+    // An untied Llama (the rows change the lookup), a tied one (and the
+    // head's logits), also recomputing; GPT-2's tied `wte`.
+    parity(
+        "llama-tokens",
+        &LLAMA_TOKENS,
+        &[(2, false, Held::Fp32), (3, false, Held::Fp32)],
+    );
+    parity(
+        "llama-tied-tokens",
+        &LLAMA_TIED_TOKENS,
+        &[(3, false, Held::Fp32), (3, true, Held::Fp32)],
+    );
+    let gpt2 = Case {
+        tokens: &[3, 7],
+        matrices: 13,
+        elements: GPT2.elements + 2 * 64,
+        ..GPT2
+    };
+    parity("gpt2-tokens", &gpt2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn dora_adapters_on_a_frozen_llama_and_gpt2_train_as_peft_does() {
     // Their magnitudes start at PEFT's own (the base's row norms, read
     // from its files while built), at stages 2 and 3, recomputing every
@@ -328,6 +380,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         use_dora: case.dora,
         modules_to_save: case.saved.iter().map(|m| m.to_string()).collect(),
         ensure_weight_tying: !case.saved.is_empty(),
+        trainable_token_indices: case.tokens.to_vec(),
         ..LoraConfig::new(4, 16.0, case.targets)
     };
     for &(stage, recompute, held) in runs {
@@ -510,6 +563,22 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         head.contains("`lm_head` is the token embedding `transformer.wte` in this model"),
         "{head}"
     );
+    // Trainable tokens: ids the vocabulary (96) has, each once.
+    let tokens = |ids: &[i64]| {
+        build(LoraConfig {
+            trainable_token_indices: ids.to_vec(),
+            ..LoraConfig::new(2, 8.0, &["c_attn"])
+        })
+    };
+    assert_eq!(tokens(&[95, 0]), "");
+    let past = tokens(&[3, 96]);
+    assert!(
+        past.contains(
+            "`transformer.wte.weight`: row 96 asked for (trainable_token_indices), of 96"
+        ),
+        "{past}"
+    );
+    assert!(tokens(&[3, 3]).contains("name token 3 twice"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -753,15 +822,19 @@ with torch.no_grad():
         "{said}"
     );
     assert!(!never.exists(), "{said}");
-    // The head trained whole beside the adapters: written into the
-    // adapter, merged in place of the base's, and `zrt generate
-    // --adapter` computes with it as with the merged checkpoint.
+    // The head trained whole beside the adapters, and two tokens' rows
+    // of the embedding (one by its text in the tokenizer, one by id):
+    // written into the adapter, merged in place of the base's, and `zrt
+    // generate --adapter` computes with them as with the merged
+    // checkpoint.
     let saved = dir.join("saved");
     let mut with_head = args[..18].to_vec();
     with_head[9] = os("2");
     with_head.extend([
         os("--lora-modules-to-save"),
         os("lm_head"),
+        os("--lora-trainable-tokens"),
+        os("t5,17"),
         os("--out"),
         saved.as_os_str(),
     ]);
@@ -775,23 +848,34 @@ with torch.no_grad():
         saved_merged.as_os_str(),
     ]);
     assert!(
-        ok && said.contains("merged 14 matrices and replaced 1 tensors of its modules_to_save"),
+        ok && said.contains("merged 14 matrices and replaced 2 tensors"),
         "{said}"
     );
-    let head = |d: &Path| {
+    let tensor = |d: &Path, name: &str| {
         let files = std::fs::read_dir(d).unwrap().map(|f| f.unwrap().path());
         (files.filter(|f| f.extension().is_some_and(|e| e == "safetensors")))
             .flat_map(|f| Tensor::read_safetensors(f).unwrap())
-            .find(|(n, _)| n == "lm_head.weight")
+            .find(|(n, _)| n == name)
             .unwrap()
             .1
     };
-    let trained = Tensor::read_safetensors(saved.join("adapter_model.safetensors")).unwrap();
-    let trained = trained
-        .into_iter()
-        .find(|(n, _)| n == "base_model.model.lm_head.weight");
-    assert!(head(&saved_merged).equal(&trained.unwrap().1));
+    let head = |d: &Path| tensor(d, "lm_head.weight");
+    let trained = |name: &str| tensor(&saved, &format!("base_model.model.{name}"));
+    assert!(head(&saved_merged).equal(&trained("lm_head.weight")));
     assert!(!head(&saved_merged).equal(&head(&hf)));
+    // The embedding: rows 5 and 17 the trained ones, moved by the steps,
+    // the others the base's.
+    let embed = |d: &Path| tensor(d, "model.embed_tokens.weight");
+    let rows = Tensor::from_slice(&[5i64, 17]);
+    let delta = trained("model.embed_tokens.token_adapter.trainable_tokens_delta");
+    assert!(embed(&saved_merged).index_select(0, &rows).equal(&delta));
+    assert!(!embed(&hf).index_select(0, &rows).equal(&delta));
+    let others = Tensor::from_slice(&[0i64, 4, 6, 16, 18, 95]);
+    let (merged_others, base_others) = (
+        embed(&saved_merged).index_select(0, &others),
+        embed(&hf).index_select(0, &others),
+    );
+    assert!(merged_others.equal(&base_others));
     let adapted = generate(&hf, &[os("--adapter"), saved.as_os_str()]);
     assert_eq!(adapted, generate(&saved_merged, &[]));
     let _ = std::fs::remove_dir_all(&dir);

@@ -24,8 +24,8 @@ const INDEX: &str = "model.safetensors.index.json";
 pub struct Merged {
     /// The matrices that took an update, by name, sorted.
     pub matrices: Vec<String>,
-    /// The tensors of `modules_to_save` that replaced the base's, by
-    /// name, sorted.
+    /// The tensors of `modules_to_save` that replaced the base's, and
+    /// the embeddings trainable tokens' rows went into, by name, sorted.
     pub replaced: Vec<String>,
     /// The safetensors files written.
     pub files: usize,
@@ -65,7 +65,6 @@ impl LoraConfig {
                 "exclude_modules",
                 "leaves some targeted modules without adapters",
             ),
-            ("trainable_token_indices", "trains some embedding rows"),
             ("layer_replication", "repeats layers"),
             ("target_parameters", "adapts parameters, not modules"),
             ("lora_bias", "gives lora_B a bias"),
@@ -120,6 +119,19 @@ impl LoraConfig {
                 )))
             }
         };
+        let tokens = match j.get("trainable_token_indices") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_i64())
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| j.field("`trainable_token_indices` holds a non-integer".into()))?,
+            Some(v) => {
+                return Err(j.field(format!(
+                    "`trainable_token_indices` is {v}: zrt takes PEFT's list form, token ids whose rows of the input embedding train"
+                )))
+            }
+        };
         let cfg = LoraConfig {
             r: j.size("r")?,
             alpha: j.number_or("lora_alpha", 8.0)?,
@@ -130,6 +142,7 @@ impl LoraConfig {
             use_dora: on("use_dora"),
             modules_to_save: saved,
             ensure_weight_tying: on("ensure_weight_tying"),
+            trainable_token_indices: tokens,
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
@@ -137,13 +150,15 @@ impl LoraConfig {
 }
 
 /// An adapter's matrices `(A, B)` by the module they adapt, DoRA's
-/// magnitudes by module, the tensors of its saved modules by name, and
+/// magnitudes by module, trainable tokens' rows, the tensors of its saved modules by name, and
 /// (with `ensure_weight_tying`) the other tensors, which must be copies
 /// of a saved one a tied base holds once (PEFT writes a saved, tied
 /// embedding as the head too).
 struct Adapters {
     pairs: BTreeMap<String, (Tensor, Tensor)>,
     magnitudes: HashMap<String, Tensor>,
+    /// Trainable tokens' rows by the embedding they stand in.
+    rows: BTreeMap<String, Tensor>,
     whole: BTreeMap<String, Tensor>,
     copies: BTreeMap<String, Tensor>,
 }
@@ -160,11 +175,16 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     let mut a = HashMap::new();
     let mut b = HashMap::new();
     let mut magnitudes = HashMap::new();
+    let mut rows = BTreeMap::new();
     let (mut whole, mut copies) = (BTreeMap::new(), BTreeMap::new());
     for (name, t) in tensors {
         let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
         if let Some(m) = module.strip_suffix(".lora_magnitude_vector") {
             magnitudes.insert(m.to_string(), t);
+            continue;
+        }
+        if let Some(m) = module.strip_suffix(super::tokens::DELTA) {
+            rows.insert(m.trim_end_matches('.').to_string(), t);
             continue;
         }
         match (module.strip_suffix(".lora_A.weight"), module.strip_suffix(".lora_B.weight")) {
@@ -199,6 +219,7 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     Ok(Adapters {
         pairs,
         magnitudes,
+        rows,
         whole,
         copies,
     })
@@ -339,6 +360,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     let Adapters {
         pairs,
         magnitudes,
+        rows,
         whole,
         copies,
     } = adapters(adapter, &cfg)?;
@@ -390,6 +412,30 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             }
         }
     }
+    // Trainable tokens' rows go in place of their embedding's.
+    let ids = Tensor::from_slice(&cfg.trainable_token_indices);
+    let mut in_place = HashMap::new();
+    for (m, t) in &rows {
+        let name = weight(m);
+        let n = cfg.trainable_token_indices.len() as i64;
+        let fits = match held.get(name.as_str()).copied() {
+            Some(&[vocab, width]) => {
+                t.size() == [n, width]
+                    && (cfg.trainable_token_indices.iter()).all(|i| (0..vocab).contains(i))
+            }
+            _ => false,
+        };
+        if !fits {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter's trainable tokens {:?} ({:?} rows) do not fit the base's `{name}` ({:?}): an adapter of another model",
+                adapter.display(),
+                cfg.trainable_token_indices,
+                t.size(),
+                held.get(name.as_str()),
+            )));
+        }
+        in_place.insert(name, t);
+    }
     // PEFT writes a saved embedding of a tied model as the head too,
     // which the base does not hold apart: that copy is left out.
     for (name, t) in &copies {
@@ -425,6 +471,11 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         for (name, w) in tensors {
             if let Some(t) = replacing.get(name.as_str()) {
                 merged.push((name.clone(), t.to_kind(w.kind())));
+                replaced.push(name);
+                continue;
+            }
+            if let Some(t) = in_place.get(&name) {
+                merged.push((name.clone(), w.index_copy(0, &ids, &t.to_kind(w.kind()))));
                 replaced.push(name);
                 continue;
             }
@@ -498,6 +549,7 @@ mod tests {
             use_dora: true,
             modules_to_save: vec!["embed_tokens".into(), "model.norm".into()],
             ensure_weight_tying: true,
+            trainable_token_indices: vec![5, 2],
             ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
         };
         let written = cfg.adapter_config_json("base");
@@ -552,6 +604,26 @@ mod tests {
                 "modules_to_save [\"\"] holds \"\"",
             ),
             (
+                "trainable_token_indices",
+                serde_json::json!({"embed_tokens": [1, 2]}),
+                "zrt takes PEFT's list form",
+            ),
+            (
+                "trainable_token_indices",
+                serde_json::json!([1, "2"]),
+                "`trainable_token_indices` holds a non-integer",
+            ),
+            (
+                "trainable_token_indices",
+                serde_json::json!([4, 1, 4]),
+                "trainable_token_indices name token 4 twice",
+            ),
+            (
+                "trainable_token_indices",
+                serde_json::json!([-1]),
+                "token ids are 0 or more",
+            ),
+            (
                 "exclude_modules",
                 serde_json::json!("layers.0.self_attn.q_proj"),
                 "`exclude_modules` is set",
@@ -586,10 +658,12 @@ mod tests {
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
         all["modules_to_save"] = serde_json::Value::Null;
         all["ensure_weight_tying"] = serde_json::Value::Null;
+        all["trainable_token_indices"] = serde_json::Value::Null;
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
         let read = LoraConfig::from_adapter_dir(&dir).unwrap();
         assert_eq!(read.target_modules, ["all-linear"]);
         assert!(read.modules_to_save.is_empty() && !read.ensure_weight_tying);
+        assert!(read.trainable_token_indices.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

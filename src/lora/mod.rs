@@ -26,11 +26,13 @@
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
 //! `zrt generate`.
 
-mod dora;
 mod merge;
+mod start;
+mod tokens;
 
-pub(crate) use dora::init_magnitudes;
 pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
+pub(crate) use start::init_from_checkpoint;
+pub(crate) use tokens::TrainableTokens;
 
 use std::path::Path;
 
@@ -84,6 +86,12 @@ pub struct LoraConfig {
     /// trains). zrt keeps a tied head tied, so a saved embedding of such
     /// a model needs this set (PEFT trains the two apart without it).
     pub ensure_weight_tying: bool,
+    /// `trainable_token_indices` (PEFT's list form): the token ids whose
+    /// rows of the (frozen) input embedding train, standing in for the
+    /// matrix's (`token_adapter.trainable_tokens_delta`, starting at
+    /// the pretrained rows); a head tied to the embedding computes with
+    /// them too. For a chat template's new tokens.
+    pub trainable_token_indices: Vec<i64>,
 }
 
 impl LoraConfig {
@@ -99,6 +107,7 @@ impl LoraConfig {
             use_dora: false,
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
+            trainable_token_indices: Vec::new(),
         }
     }
 
@@ -161,6 +170,19 @@ impl LoraConfig {
                 self.target_modules
             )));
         }
+        let mut ids = self.trainable_token_indices.clone();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(refuse(format!(
+                "trainable_token_indices name token {} twice: name each once",
+                w[0]
+            )));
+        }
+        if let Some(i) = ids.first().filter(|&&i| i < 0) {
+            return Err(refuse(format!(
+                "trainable_token_indices name token {i}: token ids are 0 or more"
+            )));
+        }
         if let Some(m) = self.modules_to_save.iter().find(|m| m.is_empty()) {
             return Err(refuse(format!(
                 "modules_to_save {:?} holds {m:?}: name the modules that train whole (lm_head, embed_tokens)",
@@ -197,6 +219,10 @@ impl LoraConfig {
                 false => self.modules_to_save.clone().into(),
             },
             "ensure_weight_tying": self.ensure_weight_tying,
+            "trainable_token_indices": match self.trainable_token_indices.is_empty() {
+                true => serde_json::Value::Null,
+                false => self.trainable_token_indices.clone().into(),
+            },
         });
         format!("{json:#}\n")
     }
@@ -223,13 +249,25 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 }
 
 /// Whether the VarStore name `name` is an adapter's (`.lora_A.`,
-/// `.lora_B.`, or DoRA's `.lora_magnitude_vector`): what
+/// `.lora_B.`, DoRA's `.lora_magnitude_vector`, or trainable tokens'
+/// `.token_adapter.trainable_tokens_delta`): what
 /// [`freeze_base`] leaves trainable and the plan's `fresh_weights`
 /// names.
 pub fn is_adapter(name: &str) -> bool {
     name.contains(".lora_A.")
         || name.contains(".lora_B.")
         || name.ends_with(".lora_magnitude_vector")
+        || name.ends_with(tokens::DELTA)
+}
+
+/// The module the adapter variable `name` adapts.
+fn adapted_module(name: &str) -> &str {
+    let delta = name
+        .strip_suffix(tokens::DELTA)
+        .and_then(|m| m.strip_suffix('.'));
+    (name.split_once(".lora_").map(|(m, _)| m))
+        .or(delta)
+        .unwrap_or(name)
 }
 
 /// Freezes every variable of `vs` but the adapters and the modules
@@ -297,10 +335,7 @@ pub(crate) fn freeze_base_under(
         let full = format!("{prefix}{name}");
         if is_adapter(&name) {
             adapters += 1;
-            let module = (name.split_once(".lora_")).map_or(name.as_str(), |(m, _)| {
-                m.strip_suffix(".lora_magnitude_vector").unwrap_or(m)
-            });
-            adapted.insert(format!("{prefix}{module}"));
+            adapted.insert(format!("{prefix}{}", adapted_module(&name)));
         } else if let by @ [_, ..] = cfg.saved_by(&full).as_slice() {
             hit.extend(by.iter().copied());
             saved.push(full.clone());
@@ -584,7 +619,7 @@ mod tests {
         assert!(c.saved_by("norm.weight").is_empty());
         // A model: an embedding, one adapted projection, a norm; the head
         // tied to the embedding (it has no variable of its own).
-        let build = |saved: &[&str], tying: bool| {
+        let build = |saved: &[&str], tying: bool, tokens: &[i64]| {
             let vs = nn::VarStore::new(tch::Device::Cpu);
             let cfg = LoraConfig {
                 modules_to_save: saved.iter().map(|m| m.to_string()).collect(),
@@ -592,7 +627,9 @@ mod tests {
                 ..LoraConfig::new(2, 4.0, &["q_proj"])
             };
             let root = vs.root();
-            let _ = (&root / "model" / "embed_tokens").var("weight", &[10, 4], nn::Init::Const(0.));
+            let embed = &root / "model" / "embed_tokens";
+            let _ = embed.var("weight", &[10, 4], nn::Init::Const(0.));
+            let _ = TrainableTokens::new(&embed, (10, 4), tokens);
             let _ = (&root / "model" / "norm").var("weight", &[4], nn::Init::Const(1.));
             let q = &root / "model" / "layers" / 0 / "self_attn" / "q_proj";
             let _ = Adapted::new(&q, (4, 4, false), Some(&cfg), &Training::default());
@@ -608,7 +645,7 @@ mod tests {
             trainable.sort();
             got.map(|n| (n, trainable)).map_err(|e| e.to_string())
         };
-        let (adapters, trainable) = build(&["embed_tokens", "norm"], true).unwrap();
+        let (adapters, trainable) = build(&["embed_tokens", "norm"], true, &[]).unwrap();
         assert_eq!(adapters, 2);
         assert_eq!(
             trainable,
@@ -624,9 +661,13 @@ mod tests {
             (&["lm_head"], true, "`lm_head` is the token embedding `model.embed_tokens`"),
             (&["q_proj"], true, "`model.layers.0.self_attn.q_proj.weight` is in a module that also takes an adapter"),
             (&["self_attn"], true, "also takes an adapter"),
+            (&["embed_tokens", "tokens too"], true, "`model.embed_tokens.weight` is in a module that also takes an adapter"),
             (&["nothing"], true, "`nothing` matches no module of the model: name modules by the end of their names (model.embed_tokens, model.norm, or a layer's)"),
         ] {
-            let err = build(saved, tying).unwrap_err();
+            // A saved embedding some of whose rows train apart too.
+            let tokens: &[i64] = if saved.contains(&"tokens too") { &[2, 1] } else { &[] };
+            let saved: Vec<&str> = saved.iter().copied().filter(|s| *s != "tokens too").collect();
+            let err = build(&saved, tying, tokens).unwrap_err();
             assert!(err.contains(says) && err.contains("modules_to_save"), "{saved:?}: {err}");
         }
     }

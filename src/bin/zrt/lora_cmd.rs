@@ -36,7 +36,7 @@ pub fn run(cmd: &LoraCmd) -> Result<()> {
             let m = zrt::lora::merge(&a.base, &a.adapter, &a.out)?;
             let saved = match m.replaced.len() {
                 0 => String::new(),
-                n => format!(" and replaced {n} tensors of its modules_to_save"),
+                n => format!(" and replaced {n} tensors (modules_to_save, trainable tokens)"),
             };
             println!(
                 "merged {} matrices{saved} into {} ({} files)",

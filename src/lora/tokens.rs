@@ -1,0 +1,86 @@
+//! PEFT's trainable tokens (`trainable_token_indices`): some rows of a
+//! frozen token embedding train, standing in for the matrix's rows (a
+//! chat template's new tokens, without training the whole vocabulary).
+//! PEFT keeps them as `token_adapter.trainable_tokens_delta` `[n,
+//! width]` beside the embedding, starting at the pretrained rows, and
+//! computes with the matrix those rows are copied into; a head tied to
+//! the embedding computes with it too.
+//!
+//! zrt does not copy the matrix (a vocabulary-sized copy each forward):
+//! a lookup takes the trained row where a token has one, and a tied
+//! head's logits for those tokens are recomputed from the trained rows.
+//! The values are PEFT's.
+
+use tch::nn::{self, Init};
+use tch::{Kind, Tensor};
+
+/// The VarStore name's end of the trained rows.
+pub(crate) const DELTA: &str = "token_adapter.trainable_tokens_delta";
+
+/// The rows of a token embedding that train.
+#[derive(Debug)]
+pub(crate) struct TrainableTokens {
+    /// `[n, width]`, in the order of `indices`: set to the pretrained
+    /// rows while the model is built (`super::init_from_checkpoint`).
+    delta: Tensor,
+    /// `[n]`: their token ids.
+    indices: Tensor,
+    /// `[vocab]`: each token's row of `delta`, or -1.
+    slots: Tensor,
+}
+
+impl TrainableTokens {
+    /// The rows `ids` of the embedding `[vocab, width]` under `p`, or
+    /// `None` for none. An id past the vocabulary is refused when the
+    /// rows are read from the checkpoint; here it has no slot.
+    pub(crate) fn new(p: &nn::Path, (vocab, width): (i64, i64), ids: &[i64]) -> Option<Self> {
+        if ids.is_empty() {
+            return None;
+        }
+        let n = ids.len() as i64;
+        let delta =
+            (p / "token_adapter").var("trainable_tokens_delta", &[n, width], Init::Const(0.0));
+        let indices = Tensor::from_slice(ids).to_device(p.device());
+        let mut slots = Tensor::full([vocab], -1, (Kind::Int64, p.device()));
+        let known: Vec<i64> = ids
+            .iter()
+            .copied()
+            .filter(|&i| (0..vocab).contains(&i))
+            .collect();
+        let rows: Vec<i64> = (0..n)
+            .filter(|&r| (0..vocab).contains(&ids[r as usize]))
+            .collect();
+        let _ = slots.index_copy_(
+            0,
+            &Tensor::from_slice(&known).to_device(p.device()),
+            &Tensor::from_slice(&rows).to_device(p.device()),
+        );
+        Some(Self {
+            delta,
+            indices,
+            slots,
+        })
+    }
+
+    /// The embeddings `looked_up` of `ids`, each token with a trained row
+    /// taking it instead.
+    pub(crate) fn lookup(&self, ids: &Tensor, looked_up: Tensor) -> Tensor {
+        let slot = self.slots.take(ids);
+        let trained = slot.ge(0).unsqueeze(-1);
+        let mut shape = ids.size();
+        shape.push(self.delta.size()[1]);
+        let rows = self
+            .delta
+            .index_select(0, &slot.clamp_min(0).flatten(0, -1));
+        let rows = rows.view(shape.as_slice()).to_kind(looked_up.kind());
+        rows.where_self(&trained, &looked_up)
+    }
+
+    /// A tied head's `logits` (`x @ W^T`) with the trained tokens'
+    /// columns computed from their trained rows.
+    pub(crate) fn logits(&self, x: &Tensor, logits: Tensor) -> Tensor {
+        let cols = x.matmul(&self.delta.to_kind(x.kind()).tr());
+        let last = logits.dim() as i64 - 1;
+        logits.index_copy(last, &self.indices, &cols)
+    }
+}

@@ -31,7 +31,9 @@
 //! `--do-sample`, sampled: `HfModel::sample`; with `--chat`, the text
 //! is a user's message rendered with the checkpoint's chat template).
 //! With `--lora-r R` (any layout) it trains LoRA adapters on the
-//! frozen base, and `--out` is PEFT's adapter directory.
+//! frozen base (with `--lora-modules-to-save` whole modules beside them,
+//! with `--lora-trainable-tokens` some tokens' embedding rows), and
+//! `--out` is PEFT's adapter directory.
 
 use std::path::PathBuf;
 

@@ -19,8 +19,9 @@
 //! rank 0's draw; [`freeze_base`] leaves the adapters the only
 //! parameters that train, with the modules
 //! [`LoraConfig::modules_to_save`] trains whole (a head, the
-//! embedding), which every ZeRO stage then shards (stage 3 its frozen
-//! base too). [`export_layout`] writes them as PEFT's
+//! embedding) and the embedding rows of
+//! [`LoraConfig::trainable_token_indices`], which every ZeRO stage then
+//! shards (stage 3 its frozen base too). [`export_layout`] writes them as PEFT's
 //! `adapter_model.safetensors` and `adapter_config.json`, which
 //! `PeftModel.from_pretrained(base, dir)` loads; [`merge`] folds one into
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
@@ -481,7 +482,7 @@ impl Adapted {
                 a: (p / "lora_A").var("weight", &[c.r, i], uniform),
                 b: (p / "lora_B").var("weight", &[o, c.r], nn::Init::Const(0.0)),
                 // Ones until the build sets the pretrained rows' norms
-                // (`init_magnitudes`).
+                // (`init_from_checkpoint`).
                 magnitude: c
                     .use_dora
                     .then(|| p.var("lora_magnitude_vector", &[o], nn::Init::Const(1.0))),

@@ -10,7 +10,7 @@ use tch::nn::Module;
 use tch::Tensor;
 
 use crate::kv_cache::{causal_attention, Decoding, LayerCache};
-use crate::lora::TrainableTokens;
+use crate::lora::{Adapted, EmbeddingAdapter, LoraConfig, TrainableTokens};
 use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
@@ -137,30 +137,35 @@ pub(crate) fn layer_norm(p: tch::nn::Path, width: i64, eps: f64) -> tch::nn::Lay
 /// (with a 152k vocabulary and width 512, 297 MiB a rank). Row
 /// `padding` gets no gradient from the lookup (`nn.Embedding`'s
 /// `padding_idx`, which `transformers` sets to the config's
-/// `pad_token_id`). The rows of the tokens `trained` train apart from
-/// the matrix (PEFT's trainable tokens, [`TrainableTokens`]).
+/// `pad_token_id`). With `lora`, a LoRA adapter when it targets the
+/// embedding ([`EmbeddingAdapter`]), and the rows of its trainable tokens
+/// apart from the matrix ([`TrainableTokens`]).
 pub(crate) fn token_embedding(
     p: &tch::nn::Path,
     (vocab, width): (i64, i64),
     padding: Option<i64>,
-    trained: &[i64],
+    lora: Option<&crate::lora::LoraConfig>,
 ) -> TokenEmbedding {
+    let padding = padding.unwrap_or(-1);
     let sparse = tch::nn::EmbeddingConfig {
         sparse: true,
-        padding_idx: padding.unwrap_or(-1),
+        padding_idx: padding,
         ..Default::default()
     };
+    let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
     TokenEmbedding {
         embed: tch::nn::embedding(p, vocab, width, sparse),
+        adapter: EmbeddingAdapter::new(p, (vocab, width), padding, lora),
         tokens: TrainableTokens::new(p, (vocab, width), trained),
     }
 }
 
-/// A token embedding ([`token_embedding`]), with the rows of some tokens
-/// trained apart from it or not.
+/// A token embedding ([`token_embedding`]), with a LoRA adapter or not,
+/// the rows of some tokens trained apart from it or not.
 #[derive(Debug)]
 pub(crate) struct TokenEmbedding {
     embed: tch::nn::Embedding,
+    adapter: Option<EmbeddingAdapter>,
     tokens: Option<TrainableTokens>,
 }
 
@@ -174,6 +179,10 @@ impl TokenEmbedding {
 impl Module for TokenEmbedding {
     fn forward(&self, ids: &Tensor) -> Tensor {
         let looked_up = self.embed.forward(ids);
+        let looked_up = match &self.adapter {
+            Some(a) => a.add(ids, looked_up),
+            None => looked_up,
+        };
         match &self.tokens {
             Some(t) => t.lookup(ids, looked_up),
             None => looked_up,
@@ -228,7 +237,7 @@ pub(crate) enum Ends {
     /// Each its own unit.
     Apart {
         embed: ShardedModule<TokenEmbedding>,
-        head: ShardedModule<tch::nn::Linear>,
+        head: ShardedModule<Adapted>,
     },
 }
 
@@ -254,10 +263,9 @@ impl Ends {
         p: &tch::nn::Path,
         (vocab, width): (i64, i64),
         (padding, tied): (Option<i64>, bool),
-        lora: Option<&crate::lora::LoraConfig>,
+        lora: Option<&LoraConfig>,
     ) -> Embedding {
-        let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
-        let embed = token_embedding(p, (vocab, width), padding, trained);
+        let embed = token_embedding(p, (vocab, width), padding, lora);
         match tied {
             true => Embedding::Tied(ShardedModule::new(plan, p, TiedEmbedding(embed))),
             false => Embedding::Apart {
@@ -287,8 +295,15 @@ impl Ends {
 
 impl Embedding {
     /// The two ends: an untied embedding's head built under `p` (a
-    /// linear map, with a bias when `bias`), a unit of `plan`.
-    pub(crate) fn with_head(self, plan: &ShardPlan, p: &tch::nn::Path, bias: bool) -> Ends {
+    /// linear map, with a bias when `bias`; a LoRA adapter when `lora`
+    /// names it, never by `all-linear`, as PEFT's), a unit of `plan`.
+    pub(crate) fn with_head(
+        self,
+        plan: &ShardPlan,
+        p: &tch::nn::Path,
+        bias: bool,
+        (lora, training): (Option<&LoraConfig>, &Training),
+    ) -> Ends {
         match self {
             Self::Tied(tied) => Ends::Tied(tied),
             Self::Apart {
@@ -296,7 +311,10 @@ impl Embedding {
                 vocab,
                 width,
             } => {
-                let head = ShardedModule::new(plan, p, linear(p, width, vocab, bias));
+                let name = p.components().collect::<Vec<_>>().join(".");
+                let lora = lora.filter(|c| c.targets_by_name(&name));
+                let head = Adapted::new(p, (width, vocab, bias), lora, training);
+                let head = ShardedModule::new(plan, p, head);
                 Ends::Apart { embed, head }
             }
         }
@@ -322,7 +340,8 @@ impl<L: Module + 'static> Decoder<L> {
     /// model as it is built releases what was made before each
     /// `ShardedModule::new`), layer `i` made by `layer` under
     /// `layers / i`, and the head under `head` (with a bias when
-    /// `biased`) unless the embedding is it.
+    /// `biased`, an adapter when `lora` names it) unless the embedding
+    /// is it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn build(
         plan: &ShardPlan,
@@ -332,7 +351,7 @@ impl<L: Module + 'static> Decoder<L> {
         count: i64,
         layer: impl Fn(&tch::nn::Path, &Training, &Arc<Decoding>) -> L,
         checkpointed: bool,
-        (head, biased): (&tch::nn::Path, bool),
+        (head, biased, lora): (&tch::nn::Path, bool, Option<&LoraConfig>),
     ) -> Self {
         let training = Training::default();
         let decoding = Decoding::new();
@@ -344,7 +363,7 @@ impl<L: Module + 'static> Decoder<L> {
             })
             .collect();
         Self {
-            ends: embedding.with_head(plan, head, biased),
+            ends: embedding.with_head(plan, head, biased, (lora, &training)),
             layers,
             final_norm,
             training,

@@ -345,8 +345,7 @@ impl Gpt2 {
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
         let ln_f = layer_norm(p / "ln_f", cfg.width, cfg.eps);
         let wte_path = p / "wte";
-        let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
-        let wte = token_embedding(&wte_path, (cfg.vocab, cfg.width), None, trained);
+        let wte = token_embedding(&wte_path, (cfg.vocab, cfg.width), None, lora);
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let training = Training::default();
         let decoding = Decoding::new();

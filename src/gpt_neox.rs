@@ -405,7 +405,7 @@ impl GptNeox {
                 cfg.layers,
                 layer,
                 checkpointed,
-                (&head, false),
+                (&head, false, lora),
             ),
             cfg: cfg.clone(),
         }

@@ -295,9 +295,7 @@ impl HfModel {
             // world rank 0's draw; an adapter file's names are PEFT's
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
-            plan.rename_weights_before(|n| {
-                n.strip_prefix("base_model.model.").unwrap_or(n).to_string()
-            })?;
+            plan.rename_weights_before(crate::lora::base_name)?;
             // GPT-2's Conv1D matrices are `[in, out]` in the file (PEFT's
             // `fan_in_fan_out`), its names under `transformer.`.
             let gpt2 = matches!(layout, Layout::Gpt2(_));

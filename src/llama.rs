@@ -2491,7 +2491,7 @@ impl Llama {
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
-        let ends = embed.with_head(plan, &(p / "lm_head"), false);
+        let ends = embed.with_head(plan, &(p / "lm_head"), false, (lora, &training));
         Self {
             ends,
             layers,

@@ -407,7 +407,7 @@ impl Phi {
                 cfg.layers,
                 layer,
                 checkpointed,
-                (&head, true),
+                (&head, true, lora),
             ),
             cfg: cfg.clone(),
         }

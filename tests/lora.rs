@@ -106,6 +106,16 @@ const LLAMA_TIED_TOKENS: Case = Case {
     ..LLAMA_TIED_SAVED
 };
 
+/// [`LLAMA`] with adapters on its two ends too, named (PEFT's
+/// `all-linear` leaves them out): the token embedding (A `[4, 96]`, B
+/// `[64, 4]`) and the head (A `[4, 64]`, B `[96, 4]`).
+const LLAMA_ENDS: Case = Case {
+    targets: &["q_proj", "v_proj", "down_proj", "embed_tokens", "lm_head"],
+    matrices: 16,
+    elements: LLAMA.elements + 2 * (4 * 96 + 64 * 4),
+    ..LLAMA
+};
+
 /// GPT-2's Conv1D layers (`[in, out]` in the file, PEFT's
 /// `fan_in_fan_out`): `c_attn` (64 -> 192) and both `c_proj`s (the
 /// attention's 64 -> 64, the MLP's 256 -> 64).
@@ -207,12 +217,14 @@ fn peft_run(dir: &Path, case: &Case, (init, tuned): (&Path, &Path), atol: f64) -
         r#"
 import torch
 {import}
-from peft import PeftModel, get_peft_model_state_dict as named
+from peft import PeftModel, get_peft_model_state_dict
+# What PEFT writes to its file, by the file's names (without the copies
+# of adapted embeddings' and heads' matrices it writes by default).
+named = lambda m: get_peft_model_state_dict(m, save_embedding_layers=False)
 from safetensors.torch import load_file
 tokens = load_file("{dir}/tokens.safetensors")["tokens"]
 base = M.from_pretrained("{dir}/hf")
 m = PeftModel.from_pretrained(base, "{init}", is_trainable=True)
-# What PEFT writes to its file, by the file's names.
 mine = named(m)
 file = load_file("{init}/adapter_model.safetensors")
 cfg = m.peft_config["default"]
@@ -240,6 +252,8 @@ for s in range({STEPS}):
     opt.step()
 with torch.no_grad():
     print(*(m(input_ids=tokens[0, r], labels=tokens[0, r]).loss.item() for r in range(2)))
+# PEFT's own adapter directory, for zrt to load and merge.
+m.save_pretrained("{tuned}-peft")
 mine = named(m)
 theirs = load_file("{tuned}/adapter_model.safetensors")
 assert sorted(mine) == sorted(theirs)
@@ -298,6 +312,29 @@ fn modules_saved_whole_train_beside_the_adapters_as_peft_trains_them() {
         &LLAMA_TIED_SAVED,
         &[(3, false, Held::Fp32), (3, true, Held::Fp32)],
     );
+}
+
+#[test]
+fn adapters_on_the_embedding_and_head_train_as_peft_trains_them() {
+    // A Llama's embedding and head, at stages 2 and 3 (also
+    // recomputing); GPT-2's tied `wte`: the lookup adapted, the head the
+    // base's matrix.
+    parity(
+        "llama-ends",
+        &LLAMA_ENDS,
+        &[
+            (2, false, Held::Fp32),
+            (3, false, Held::Fp32),
+            (3, true, Held::Fp32),
+        ],
+    );
+    let gpt2 = Case {
+        targets: &["c_attn", "wte"],
+        matrices: 6,
+        elements: 2 * 4 * (64 + 192) + 4 * 96 + 64 * 4,
+        ..GPT2
+    };
+    parity("gpt2-wte", &gpt2, &[(3, false, Held::Fp32)]);
 }
 
 #[test]
@@ -460,6 +497,24 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         let merged = dir.join(format!("tuned{run}-merged"));
         zrt::lora::merge(&hf, &tuned, &merged).unwrap();
         let mut theirs = peft_run(&dir, case, (&init, &tuned), atol);
+        // PEFT's own directory merges as zrt's does.
+        let peft_merged = dir.join(format!("tuned{run}-peft-merged"));
+        zrt::lora::merge(&hf, &dir.join(format!("tuned{run}-peft")), &peft_merged).unwrap();
+        let read = |d: &Path| {
+            let mut all: Vec<(String, Tensor)> = (std::fs::read_dir(d).unwrap())
+                .map(|f| f.unwrap().path())
+                .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+                .flat_map(|f| Tensor::read_safetensors(f).unwrap())
+                .collect();
+            all.sort_by(|a, b| a.0.cmp(&b.0));
+            all
+        };
+        let (ours, peft_ours) = (read(&merged), read(&peft_merged));
+        assert_eq!(ours.len(), peft_ours.len(), "{what}");
+        for ((n, a), (m, b)) in ours.iter().zip(&peft_ours) {
+            assert_eq!(n, m, "{what}");
+            assert!(a.allclose(b, 1e-4, atol, false), "{what}: `{n}`");
+        }
         let trained = theirs.pop().unwrap();
         assert_eq!(theirs.len(), STEPS, "{theirs:?}");
         // The trained adapter, loaded into a model built from its
@@ -476,10 +531,18 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
             });
             let group = r.new_group(&[0, 1]).unwrap();
             let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            let batch = Tensor::from_slice(&batches[0][r.rank()]).view([MICRO, SEQ]);
+            // PEFT's own directory (with copies of the adapted ends'
+            // matrices, where it adapts them), then zrt's.
+            let _ = zrt::lora::load_adapter(&e, dir.join(format!("tuned{run}-peft"))).unwrap();
+            let peft = tch::no_grad(|| model.loss(&batch)).double_value(&[]);
             let loaded = zrt::lora::load_adapter(&e, &tuned).unwrap();
             assert_eq!(loaded, case.matrices + case.whole);
-            let batch = Tensor::from_slice(&batches[0][r.rank()]).view([MICRO, SEQ]);
             let loss = tch::no_grad(|| model.loss(&batch)).double_value(&[]);
+            assert!(
+                (peft - loss).abs() <= tol.max(1e-4) * loss.abs(),
+                "{what}: {peft} {loss}"
+            );
             // The base's file is no adapter: refused, naming what it lacks.
             let err = zrt::lora::load_adapter(&e, &hf).unwrap_err().to_string();
             (loss, err)
@@ -579,6 +642,26 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         "{past}"
     );
     assert!(tokens(&[3, 3]).contains("name token 3 twice"));
+    // An adapter on the tied head (the embedding), DoRA on the embedding,
+    // and an adapted embedding with trainable tokens.
+    let head = build(LoraConfig::new(2, 8.0, &["c_attn", "lm_head"]));
+    assert!(
+        head.contains("target_modules: `lm_head` is the token embedding `transformer.wte` in this model (its head is tied): target `transformer.wte`"),
+        "{head}"
+    );
+    let dora = build(LoraConfig {
+        use_dora: true,
+        ..LoraConfig::new(2, 8.0, &["c_attn", "wte"])
+    });
+    assert!(dora.contains("DoRA on linear layers only"), "{dora}");
+    let both = build(LoraConfig {
+        trainable_token_indices: vec![3],
+        ..LoraConfig::new(2, 8.0, &["c_attn", "wte"])
+    });
+    assert!(
+        both.contains("takes a LoRA adapter and trainable tokens both"),
+        "{both}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -157,6 +157,12 @@ impl LoraConfig {
 struct Adapters {
     pairs: BTreeMap<String, (Tensor, Tensor)>,
     magnitudes: HashMap<String, Tensor>,
+    /// The matrices of adapted token embeddings, whose update goes in
+    /// transposed (`lora_embedding_A` `[r, vocab]`).
+    embeddings: std::collections::HashSet<String>,
+    /// Copies of the base's matrices of an adapted embedding or head
+    /// (PEFT's `save_embedding_layers`), by the matrix's name.
+    base_copies: HashMap<String, Tensor>,
     /// Trainable tokens' rows by the embedding they stand in.
     rows: BTreeMap<String, Tensor>,
     whole: BTreeMap<String, Tensor>,
@@ -176,6 +182,8 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     let mut b = HashMap::new();
     let mut magnitudes = HashMap::new();
     let mut rows = BTreeMap::new();
+    let mut embeddings = std::collections::HashSet::new();
+    let mut base_copies = HashMap::new();
     let (mut whole, mut copies) = (BTreeMap::new(), BTreeMap::new());
     for (name, t) in tensors {
         let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
@@ -183,18 +191,31 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
             magnitudes.insert(m.to_string(), t);
             continue;
         }
-        if let Some(m) = module.strip_suffix(super::tokens::DELTA) {
+        if let Some(m) = module.strip_suffix(".base_layer.weight") {
+            base_copies.insert(format!("{m}.weight"), t);
+            continue;
+        }
+        if let Some(m) = module.strip_suffix(super::embedding::DELTA) {
             rows.insert(m.trim_end_matches('.').to_string(), t);
             continue;
         }
-        match (module.strip_suffix(".lora_A.weight"), module.strip_suffix(".lora_B.weight")) {
+        // A token embedding's adapter: `A` `[r, vocab]`, `B` `[width,
+        // r]`, its update `(B A)^T` as a Conv1D's.
+        let a_of = (module.strip_suffix(".lora_A.weight"))
+            .or_else(|| module.strip_suffix(".lora_embedding_A"));
+        let b_of = (module.strip_suffix(".lora_B.weight"))
+            .or_else(|| module.strip_suffix(".lora_embedding_B"));
+        if module.ends_with(".lora_embedding_A") {
+            embeddings.insert(format!("{}.weight", a_of.unwrap_or(module)));
+        }
+        match (a_of, b_of) {
             (Some(m), _) => drop(a.insert(m.to_string(), t)),
             (_, Some(m)) => drop(b.insert(m.to_string(), t)),
             _ if !cfg.saved_by(module).is_empty() => drop(whole.insert(module.to_string(), t)),
             _ if cfg.ensure_weight_tying => drop(copies.insert(module.to_string(), t)),
             _ => {
                 return Err(bad(format!(
-                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, or DoRA's `...lora_magnitude_vector`) nor in a module of its `modules_to_save` {:?}: zrt merges LoRA and DoRA adapters",
+                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, an embedding's `...lora_embedding_A`, DoRA's `...lora_magnitude_vector`) nor in a module of its `modules_to_save` {:?}: zrt merges LoRA and DoRA adapters",
                     cfg.modules_to_save
                 )))
             }
@@ -219,6 +240,8 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     Ok(Adapters {
         pairs,
         magnitudes,
+        embeddings,
+        base_copies,
         rows,
         whole,
         copies,
@@ -360,6 +383,8 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     let Adapters {
         pairs,
         magnitudes,
+        embeddings,
+        base_copies,
         rows,
         whole,
         copies,
@@ -412,6 +437,20 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             }
         }
     }
+    // Copies of the base's matrices stand in for them, of their shapes
+    // (PEFT writes them for a vocabulary it resized; zrt does not
+    // resize one).
+    for (name, t) in &base_copies {
+        if held.get(name.as_str()).copied() != Some(t.size().as_slice()) {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter holds a copy of `{name}` of {:?}, where the base {} holds {:?}: a resized vocabulary, or an adapter of another model",
+                adapter.display(),
+                t.size(),
+                base.display(),
+                held.get(name.as_str()),
+            )));
+        }
+    }
     // Trainable tokens' rows go in place of their embedding's.
     let ids = Tensor::from_slice(&cfg.trainable_token_indices);
     let mut in_place = HashMap::new();
@@ -451,7 +490,8 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
     // transposed (PEFT's `fan_in_fan_out`).
     let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
-    let transposed = |name: &str| conv1d && crate::gpt2::is_conv1d_weight(name);
+    let transposed =
+        |name: &str| (conv1d && crate::gpt2::is_conv1d_weight(name)) || embeddings.contains(name);
     // Every shape before anything is written.
     for (m, (a, b)) in &pairs {
         let name = weight(m);
@@ -479,6 +519,10 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 replaced.push(name);
                 continue;
             }
+            let w = match base_copies.get(&name) {
+                Some(copy) => copy.to_kind(w.kind()),
+                None => w,
+            };
             let module = name.strip_suffix(".weight");
             let Some((a, b)) = module.and_then(|m| pairs.get(m)) else {
                 merged.push((name, w));

@@ -27,13 +27,13 @@
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
 //! `zrt generate`.
 
+mod embedding;
 mod merge;
 mod start;
-mod tokens;
 
+pub(crate) use embedding::{EmbeddingAdapter, TrainableTokens};
 pub use merge::{merge, Merged, ADAPTER_CONFIG, ADAPTER_FILE};
 pub(crate) use start::init_from_checkpoint;
-pub(crate) use tokens::TrainableTokens;
 
 use std::path::Path;
 
@@ -137,9 +137,15 @@ impl LoraConfig {
     /// `model.layers.0.self_attn.q_proj`) takes an adapter: PEFT's
     /// matching of `target_modules` given as a list.
     pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| t == "all-linear") || self.targets_by_name(module)
+    }
+
+    /// Whether `target_modules` names the module `module` (not through
+    /// `all-linear`): how PEFT adapts a head or a token embedding, which
+    /// `all-linear` leaves out.
+    pub fn targets_by_name(&self, module: &str) -> bool {
         self.target_modules.iter().any(|t| {
-            t == "all-linear"
-                || module == t
+            module == t
                 || module
                     .strip_suffix(t.as_str())
                     .is_some_and(|m| m.ends_with('.'))
@@ -257,14 +263,16 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 pub fn is_adapter(name: &str) -> bool {
     name.contains(".lora_A.")
         || name.contains(".lora_B.")
+        || name.ends_with(".lora_embedding_A")
+        || name.ends_with(".lora_embedding_B")
         || name.ends_with(".lora_magnitude_vector")
-        || name.ends_with(tokens::DELTA)
+        || name.ends_with(embedding::DELTA)
 }
 
 /// The module the adapter variable `name` adapts.
 fn adapted_module(name: &str) -> &str {
     let delta = name
-        .strip_suffix(tokens::DELTA)
+        .strip_suffix(embedding::DELTA)
         .and_then(|m| m.strip_suffix('.'));
     (name.split_once(".lora_").map(|(m, _)| m))
         .or(delta)
@@ -302,9 +310,16 @@ pub(crate) fn freeze_base_under(
     tied: Option<TiedHead>,
 ) -> Result<usize, HfError> {
     let refuse = |msg: String| Err(HfError::Lora(format!("modules_to_save: {msg}")));
+    let refuse_targets = |msg: String| Err(HfError::Lora(format!("target_modules: {msg}")));
     if let Some(t) = tied {
         let saves = |module: &str| !cfg.saved_by(&format!("{module}.weight")).is_empty();
         let embedding_saved = saves(t.embedding);
+        if cfg.targets_by_name(t.head) {
+            return refuse_targets(format!(
+                "`{}` is the token embedding `{}` in this model (its head is tied): target `{}` for an adapter on the lookup (the tied head then computes with the base's matrix, as in PEFT)",
+                t.head, t.embedding, t.embedding
+            ));
+        }
         if saves(t.head) {
             return refuse(format!(
                 "`{}` is the token embedding `{}` in this model (its head is tied): save `{}` with ensure_weight_tying, which trains the two as one",
@@ -361,6 +376,25 @@ pub(crate) fn freeze_base_under(
             cfg.target_modules,
             names.join(", ")
         )));
+    }
+    // A token embedding with a LoRA adapter and trainable tokens, or a
+    // DoRA one (PEFT's DoRA embedding is not built here).
+    let embedded: Vec<&String> = (vs.variables().into_keys())
+        .filter(|n| n.ends_with(".lora_embedding_A"))
+        .map(|n| format!("{prefix}{}", adapted_module(&n)))
+        .filter_map(|m| adapted.get(&m))
+        .collect();
+    if let Some(m) = embedded.first() {
+        if cfg.use_dora {
+            return refuse_targets(format!(
+                "`{m}` is a token embedding, and zrt builds DoRA on linear layers only: leave it out of the targets, or use_dora off"
+            ));
+        }
+        if !cfg.trainable_token_indices.is_empty() {
+            return refuse_targets(format!(
+                "`{m}` takes a LoRA adapter and trainable tokens both: give one of them"
+            ));
+        }
     }
     if let Some(s) = saved
         .iter()
@@ -421,6 +455,18 @@ pub(crate) fn export_layout_under(
     }
 }
 
+/// The name in the base checkpoint of the adapter file's tensor `name`:
+/// PEFT's `base_model.model.` stripped, and a copy of an adapted
+/// embedding's or head's matrix (`...embed_tokens.base_layer.weight`,
+/// which PEFT writes by default when it adapts one) named as the matrix.
+pub(crate) fn base_name(name: &str) -> String {
+    let name = name.strip_prefix("base_model.model.").unwrap_or(name);
+    match name.strip_suffix(".base_layer.weight") {
+        Some(m) => format!("{m}.weight"),
+        None => name.to_string(),
+    }
+}
+
 /// Loads the adapter directory `dir` (PEFT's, or `finetune_hf
 /// --lora-r`'s `--out`) into `engine`'s adapters, every other variable
 /// as it was: a model built with [`crate::hf::HfOptions::lora`] set to
@@ -428,16 +474,28 @@ pub(crate) fn export_layout_under(
 /// adapter (PEFT's `PeftModel.from_pretrained(base, dir,
 /// is_trainable=True)`; the optimizer starts afresh), or generates with
 /// it. Every adapter of the model and every tensor of the modules its
-/// `adapter_config.json` saves must be in the file, and nothing else;
-/// returns how many tensors it loaded. A collective.
+/// `adapter_config.json` saves must be in the file, and nothing else
+/// but copies of the matrices of an adapted embedding or head (PEFT's
+/// `save_embedding_layers`), which are loaded into the base; returns how
+/// many tensors it loaded. A collective.
 pub fn load_adapter<G: ProcessGroup + 'static>(
     engine: &Engine<G>,
     dir: impl AsRef<Path>,
 ) -> Result<usize, HfError> {
     let cfg = LoraConfig::from_adapter_dir(&dir)?;
     let file = dir.as_ref().join(ADAPTER_FILE);
+    // The base's matrices the file holds copies of, by their names in
+    // the checkpoint (GPT-2's under `transformer.`).
+    let (_, header) = merge::read_header(&file)?;
+    let copies: Vec<String> = (header.keys())
+        .filter(|n| n.ends_with(".base_layer.weight"))
+        .map(|n| base_name(n))
+        .collect();
+    let copied = |name: &str| {
+        (copies.iter()).any(|c| c == name || c.strip_suffix(name).is_some_and(|p| p.ends_with('.')))
+    };
     let loaded = engine.load_weights_of(&file, |name, _| {
-        is_adapter(name) || !cfg.saved_by(name).is_empty()
+        is_adapter(name) || !cfg.saved_by(name).is_empty() || copied(name)
     })?;
     Ok(loaded.loaded)
 }

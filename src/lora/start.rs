@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 
 use tch::{nn, Kind, Tensor};
 
+use super::embedding::DELTA;
 use super::merge::{base_files, read_header};
-use super::tokens::DELTA;
 use super::LoraConfig;
 use crate::hf::HfError;
 

@@ -1,3 +1,7 @@
+//! What trains in a frozen token embedding: a LoRA adapter on it
+//! ([`EmbeddingAdapter`], PEFT's `lora_embedding_A` and `_B`), and
+//! trainable tokens ([`TrainableTokens`]).
+//!
 //! PEFT's trainable tokens (`trainable_token_indices`): some rows of a
 //! frozen token embedding train, standing in for the matrix's rows (a
 //! chat template's new tokens, without training the whole vocabulary).
@@ -13,6 +17,54 @@
 
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
+
+use super::LoraConfig;
+
+/// A LoRA adapter on a token embedding `[vocab, width]`, as PEFT's
+/// `lora.Embedding` computes it: `lora_embedding_A` `[r, vocab]` (zeros)
+/// and `lora_embedding_B` `[width, r]` (normal), the lookup's output plus
+/// `scale * A^T[ids] B^T` (no dropout; the embedding's padding row of
+/// `A^T` gets no gradient, as the lookup's).
+#[derive(Debug)]
+pub(crate) struct EmbeddingAdapter {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+    padding: i64,
+}
+
+impl EmbeddingAdapter {
+    /// The adapter of the embedding `[vocab, width]` under `p` (its
+    /// padding row `padding`, or -1), when `lora` targets it by name
+    /// (never by `all-linear`).
+    pub(crate) fn new(
+        p: &nn::Path,
+        (vocab, width): (i64, i64),
+        padding: i64,
+        lora: Option<&LoraConfig>,
+    ) -> Option<Self> {
+        let name = p.components().collect::<Vec<_>>().join(".");
+        let c = lora.filter(|c| c.targets_by_name(&name))?;
+        let normal = Init::Randn {
+            mean: 0.0,
+            stdev: 1.0,
+        };
+        Some(Self {
+            a: p.var("lora_embedding_A", &[c.r, vocab], Init::Const(0.0)),
+            b: p.var("lora_embedding_B", &[width, c.r], normal),
+            scale: c.scale(),
+            padding,
+        })
+    }
+
+    /// The embeddings `looked_up` of `ids` plus the adapter's update.
+    pub(crate) fn add(&self, ids: &Tensor, looked_up: Tensor) -> Tensor {
+        let after_a = Tensor::embedding(&self.a.tr(), ids, self.padding, false, false);
+        let update = after_a.matmul(&self.b.tr()) * self.scale;
+        let kind = looked_up.kind();
+        (looked_up + update).to_kind(kind)
+    }
+}
 
 /// The VarStore name's end of the trained rows.
 pub(crate) const DELTA: &str = "token_adapter.trainable_tokens_delta";

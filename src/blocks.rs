@@ -138,13 +138,14 @@ pub(crate) fn layer_norm(p: tch::nn::Path, width: i64, eps: f64) -> tch::nn::Lay
 /// `padding` gets no gradient from the lookup (`nn.Embedding`'s
 /// `padding_idx`, which `transformers` sets to the config's
 /// `pad_token_id`). With `lora`, a LoRA adapter when it targets the
-/// embedding ([`EmbeddingAdapter`]), and the rows of its trainable tokens
+/// embedding ([`EmbeddingAdapter`]; by its name in the checkpoint,
+/// `prefix` before `p`'s), and the rows of its trainable tokens
 /// apart from the matrix ([`TrainableTokens`]).
 pub(crate) fn token_embedding(
     p: &tch::nn::Path,
     (vocab, width): (i64, i64),
     padding: Option<i64>,
-    lora: Option<&crate::lora::LoraConfig>,
+    (lora, prefix): (Option<&LoraConfig>, &str),
 ) -> TokenEmbedding {
     let padding = padding.unwrap_or(-1);
     let sparse = tch::nn::EmbeddingConfig {
@@ -155,7 +156,7 @@ pub(crate) fn token_embedding(
     let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
     TokenEmbedding {
         embed: tch::nn::embedding(p, vocab, width, sparse),
-        adapter: EmbeddingAdapter::new(p, (vocab, width), padding, lora),
+        adapter: EmbeddingAdapter::new(p, (vocab, width), padding, (lora, prefix)),
         tokens: TrainableTokens::new(p, (vocab, width), trained),
     }
 }
@@ -265,7 +266,7 @@ impl Ends {
         (padding, tied): (Option<i64>, bool),
         lora: Option<&LoraConfig>,
     ) -> Embedding {
-        let embed = token_embedding(p, (vocab, width), padding, lora);
+        let embed = token_embedding(p, (vocab, width), padding, (lora, ""));
         match tied {
             true => Embedding::Tied(ShardedModule::new(plan, p, TiedEmbedding(embed))),
             false => Embedding::Apart {
@@ -311,7 +312,7 @@ impl Embedding {
                 vocab,
                 width,
             } => {
-                let name = p.components().collect::<Vec<_>>().join(".");
+                let name = crate::lora::module_name(p, "");
                 let lora = lora.filter(|c| c.targets_by_name(&name));
                 let head = Adapted::new(p, (width, vocab, bias), lora, training);
                 let head = ShardedModule::new(plan, p, head);

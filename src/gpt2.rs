@@ -243,7 +243,9 @@ impl Block {
         lora: Option<&LoraConfig>,
     ) -> Self {
         // Conv1D's biases, as `nn::linear`'s default.
-        let lin = |p: nn::Path, i, o| Adapted::new(&p, (i, o, true), lora, training);
+        let lin = |p: nn::Path, i, o| {
+            Adapted::new_under(&p, "transformer.", (i, o, true), lora, training)
+        };
         let d = c.width;
         let inner = c.inner.unwrap_or(4 * d);
         let ln = |name: &str| layer_norm(p / name, d, c.eps);
@@ -345,7 +347,8 @@ impl Gpt2 {
         let wpe = nn::embedding(p / "wpe", cfg.positions, cfg.width, Default::default());
         let ln_f = layer_norm(p / "ln_f", cfg.width, cfg.eps);
         let wte_path = p / "wte";
-        let wte = token_embedding(&wte_path, (cfg.vocab, cfg.width), None, lora);
+        let dims = (cfg.vocab, cfg.width);
+        let wte = token_embedding(&wte_path, dims, None, (lora, "transformer."));
         let wte = ShardedModule::new(plan, &wte_path, TiedEmbedding(wte));
         let training = Training::default();
         let decoding = Decoding::new();

@@ -23,13 +23,18 @@ const SEQ: i64 = 16;
 
 /// A layout under test: Python importing its config class as `C` and its
 /// model class as `M`, the config's arguments, the adapters' targets,
-/// whether they are DoRA's, the modules trained whole
+/// whether they are DoRA's (targets also as a pattern, some excluded),
+/// the modules trained whole
 /// (`modules_to_save`), the tokens whose embedding rows train
 /// (`trainable_token_indices`), and what trains: adapter tensors, saved
 /// tensors, elements.
 struct Case {
     python: (&'static str, &'static str),
     targets: &'static [&'static str],
+    /// `target_modules` as PEFT's regular expression, and
+    /// `exclude_modules`.
+    pattern: Option<&'static str>,
+    exclude: &'static [&'static str],
     dora: bool,
     saved: &'static [&'static str],
     tokens: &'static [i64],
@@ -50,6 +55,8 @@ const LLAMA: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    pattern: None,
+    exclude: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64)),
@@ -128,6 +135,8 @@ const GPT2: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    pattern: None,
+    exclude: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)),
@@ -153,6 +162,8 @@ const GPT_NEOX: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    pattern: None,
+    exclude: &[],
     whole: 0,
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (256 + 64)),
@@ -169,6 +180,8 @@ const PHI: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    pattern: None,
+    exclude: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (256 + 64)),
@@ -186,6 +199,8 @@ const COHERE: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    pattern: None,
+    exclude: &[],
     whole: 0,
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
@@ -338,6 +353,30 @@ fn adapters_on_the_embedding_and_head_train_as_peft_trains_them() {
 }
 
 #[test]
+fn targets_given_as_patterns_and_exclusions_train_as_peft_trains_them() {
+    // Unsloth's way of naming them, one layer's query projection left
+    // out: 10 of LLAMA's 12 matrices.
+    let llama = Case {
+        targets: &[],
+        pattern: Some(r"model\.layers\.\d+\.(self_attn|mlp)\.(q_proj|v_proj|down_proj)"),
+        exclude: &["layers.1.self_attn.q_proj"],
+        matrices: 10,
+        elements: LLAMA.elements - 2 * 4 * 64,
+        ..LLAMA
+    };
+    parity("llama-pattern", &llama, &[(3, false, Held::Fp32)]);
+    // GPT-2's names under `transformer.`, which the pattern matches.
+    let gpt2 = Case {
+        targets: &[],
+        pattern: Some(r"transformer\.h\.\d+\.attn\.c_attn"),
+        matrices: 4,
+        elements: 2 * 4 * (64 + 192),
+        ..GPT2
+    };
+    parity("gpt2-pattern", &gpt2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn trainable_tokens_train_as_peft_trains_them() {
     // An untied Llama (the rows change the lookup), a tied one (and the
     // head's logits), also recomputing; GPT-2's tied `wte`.
@@ -418,6 +457,8 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         modules_to_save: case.saved.iter().map(|m| m.to_string()).collect(),
         ensure_weight_tying: !case.saved.is_empty(),
         trainable_token_indices: case.tokens.to_vec(),
+        target_pattern: case.pattern.map(String::from),
+        exclude_modules: case.exclude.iter().map(|m| m.to_string()).collect(),
         ..LoraConfig::new(4, 16.0, case.targets)
     };
     for &(stage, recompute, held) in runs {

@@ -16,7 +16,7 @@
 //! The values are PEFT's.
 
 use tch::nn::{self, Init};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::LoraConfig;
 
@@ -36,14 +36,15 @@ pub(crate) struct EmbeddingAdapter {
 impl EmbeddingAdapter {
     /// The adapter of the embedding `[vocab, width]` under `p` (its
     /// padding row `padding`, or -1), when `lora` targets it by name
-    /// (never by `all-linear`).
+    /// (never by `all-linear`; the checkpoint's name, `prefix` before
+    /// the VarStore's).
     pub(crate) fn new(
         p: &nn::Path,
         (vocab, width): (i64, i64),
         padding: i64,
-        lora: Option<&LoraConfig>,
+        (lora, prefix): (Option<&LoraConfig>, &str),
     ) -> Option<Self> {
-        let name = p.components().collect::<Vec<_>>().join(".");
+        let name = super::module_name(p, prefix);
         let c = lora.filter(|c| c.targets_by_name(&name))?;
         let normal = Init::Randn {
             mean: 0.0,
@@ -93,20 +94,13 @@ impl TrainableTokens {
         let delta =
             (p / "token_adapter").var("trainable_tokens_delta", &[n, width], Init::Const(0.0));
         let indices = Tensor::from_slice(ids).to_device(p.device());
-        let mut slots = Tensor::full([vocab], -1, (Kind::Int64, p.device()));
-        let known: Vec<i64> = ids
-            .iter()
-            .copied()
-            .filter(|&i| (0..vocab).contains(&i))
-            .collect();
-        let rows: Vec<i64> = (0..n)
-            .filter(|&r| (0..vocab).contains(&ids[r as usize]))
-            .collect();
-        let _ = slots.index_copy_(
-            0,
-            &Tensor::from_slice(&known).to_device(p.device()),
-            &Tensor::from_slice(&rows).to_device(p.device()),
-        );
+        let mut table = vec![-1i64; vocab.max(0) as usize];
+        for (row, &id) in ids.iter().enumerate() {
+            if let Some(slot) = usize::try_from(id).ok().and_then(|i| table.get_mut(i)) {
+                *slot = row as i64;
+            }
+        }
+        let slots = Tensor::from_slice(&table).to_device(p.device());
         Some(Self {
             delta,
             indices,

@@ -61,10 +61,6 @@ impl LoraConfig {
         // tensors train or what they compute.
         for (key, what) in [
             ("layers_to_transform", "puts adapters on some layers only"),
-            (
-                "exclude_modules",
-                "leaves some targeted modules without adapters",
-            ),
             ("layer_replication", "repeats layers"),
             ("target_parameters", "adapts parameters, not modules"),
             ("lora_bias", "gives lora_B a bias"),
@@ -92,20 +88,28 @@ impl LoraConfig {
                 "`bias` is {b:?}: zrt trains the adapters only, the base's biases frozen (\"none\")"
             )));
         }
-        let targets = match j.get("target_modules") {
-            Some(serde_json::Value::String(s)) if s == "all-linear" => vec![s.clone()],
-            Some(serde_json::Value::String(s)) => {
-                return Err(j.field(format!(
-                    "`target_modules` is the string {s:?}, which PEFT matches as a regular expression against whole module names: zrt takes a list of module names (or all-linear)"
-                )))
-            }
+        // A list of names, or a string: PEFT's regular expression (or
+        // `all-linear`).
+        let names_or_pattern = |key: &str| match j.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some((Vec::new(), Some(s.clone())))),
             Some(serde_json::Value::Array(a)) => a
                 .iter()
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| j.field("`target_modules` holds a non-string".into()))?,
-            _ => return Err(j.field("no `target_modules` list".into())),
+                .map(|list| Some((list, None)))
+                .ok_or_else(|| j.field(format!("`{key}` holds a non-string"))),
+            Some(v) => Err(j.field(format!(
+                "`{key}` is {v}: a list of module names, or a regular expression"
+            ))),
         };
+        let (targets, target_pattern) = match names_or_pattern("target_modules")? {
+            Some((_, Some(all))) if all == "all-linear" => (vec![all], None),
+            Some(found) => found,
+            None => return Err(j.field("no `target_modules` list".into())),
+        };
+        let (exclude_modules, exclude_pattern) =
+            names_or_pattern("exclude_modules")?.unwrap_or_default();
         let saved = match j.get("modules_to_save") {
             None | Some(serde_json::Value::Null) => Vec::new(),
             Some(serde_json::Value::Array(a)) => a
@@ -137,6 +141,9 @@ impl LoraConfig {
             alpha: j.number_or("lora_alpha", 8.0)?,
             dropout: j.rate_or("lora_dropout", 0.0)?,
             target_modules: targets,
+            target_pattern,
+            exclude_modules,
+            exclude_pattern,
             use_rslora: on("use_rslora"),
             fan_in_fan_out: on("fan_in_fan_out"),
             use_dora: on("use_dora"),
@@ -150,10 +157,10 @@ impl LoraConfig {
 }
 
 /// An adapter's matrices `(A, B)` by the module they adapt, DoRA's
-/// magnitudes by module, trainable tokens' rows, the tensors of its saved modules by name, and
-/// (with `ensure_weight_tying`) the other tensors, which must be copies
-/// of a saved one a tied base holds once (PEFT writes a saved, tied
-/// embedding as the head too).
+/// magnitudes by module, trainable tokens' rows, the tensors of its
+/// saved modules by name, and (with `ensure_weight_tying`) the other
+/// tensors, which must be copies of a saved one a tied base holds once
+/// (PEFT writes a saved, tied embedding as the head too).
 struct Adapters {
     pairs: BTreeMap<String, (Tensor, Tensor)>,
     magnitudes: HashMap<String, Tensor>,
@@ -358,6 +365,99 @@ fn fits(
     Ok(())
 }
 
+/// A base tensor's name and its shape there.
+type Held<'a> = HashMap<&'a str, &'a [i64]>;
+
+/// What of the base the adapter's whole tensors take the place of: its
+/// saved modules' tensors (by name), and the embeddings its trainable
+/// tokens' rows go into (by the matrix's name), each checked against
+/// the base (`held`), as are its copies of the base's matrices and, for
+/// a tied base, the head's copy of a saved embedding.
+#[allow(clippy::type_complexity)]
+fn whole_tensors<'t>(
+    (adapter, base): (&Path, &Path),
+    cfg: &LoraConfig,
+    held: &Held,
+    (whole, base_copies, rows, copies): (
+        &'t BTreeMap<String, Tensor>,
+        &'t HashMap<String, Tensor>,
+        &'t BTreeMap<String, Tensor>,
+        &'t BTreeMap<String, Tensor>,
+    ),
+) -> Result<(HashMap<String, &'t Tensor>, HashMap<String, &'t Tensor>), HfError> {
+    // A saved module's tensors replace the base's, of their shape.
+    let mut replacing = HashMap::new();
+    for (name, t) in whole {
+        match held.get(name.as_str()) {
+            Some(shape) if *shape == t.size().as_slice() => drop(replacing.insert(name.clone(), t)),
+            Some(shape) => {
+                return Err(HfError::Lora(format!(
+                    "{}: the adapter's `{name}` is {:?} and the base's {shape:?}: an adapter of another model",
+                    adapter.display(),
+                    t.size()
+                )))
+            }
+            None => {
+                return Err(HfError::Lora(format!(
+                    "{}: the adapter saves `{name}`, which the base {} does not hold: an adapter of another model",
+                    adapter.display(),
+                    base.display()
+                )))
+            }
+        }
+    }
+    // Copies of the base's matrices stand in for them, of their shapes
+    // (PEFT writes them for a vocabulary it resized; zrt does not
+    // resize one).
+    for (name, t) in base_copies {
+        if held.get(name.as_str()).copied() != Some(t.size().as_slice()) {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter holds a copy of `{name}` of {:?}, where the base {} holds {:?}: a resized vocabulary, or an adapter of another model",
+                adapter.display(),
+                t.size(),
+                base.display(),
+                held.get(name.as_str()),
+            )));
+        }
+    }
+    // Trainable tokens' rows go in place of their embedding's.
+    let mut in_place = HashMap::new();
+    for (m, t) in rows {
+        let name = format!("{m}.weight");
+        let n = cfg.trainable_token_indices.len() as i64;
+        let fits = match held.get(name.as_str()).copied() {
+            Some(&[vocab, width]) => {
+                t.size() == [n, width]
+                    && (cfg.trainable_token_indices.iter()).all(|i| (0..vocab).contains(i))
+            }
+            _ => false,
+        };
+        if !fits {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter's trainable tokens {:?} ({:?} rows) do not fit the base's `{name}` ({:?}): an adapter of another model",
+                adapter.display(),
+                cfg.trainable_token_indices,
+                t.size(),
+                held.get(name.as_str()),
+            )));
+        }
+        in_place.insert(name, t);
+    }
+    // PEFT writes a saved embedding of a tied model as the head too,
+    // which the base does not hold apart: that copy is left out.
+    for (name, t) in copies {
+        let tied = !held.contains_key(name.as_str()) && replacing.values().any(|o| o.equal(t));
+        if !tied {
+            return Err(HfError::Lora(format!(
+                "{}: the adapter holds `{name}`, which is no LoRA matrix, nor in a module of its modules_to_save {:?}, nor a copy of one its base ties: an adapter zrt does not merge",
+                adapter.display(),
+                cfg.modules_to_save
+            )));
+        }
+    }
+    Ok((replacing, in_place))
+}
+
 /// Writes to `out` the base checkpoint `base` (a `save_pretrained`
 /// directory) with the adapter directory `adapter` folded into it:
 /// each adapted matrix `W` becomes `W + scale B A` (its transpose for
@@ -401,7 +501,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         )));
     }
     let files = base_files(base)?;
-    let held: HashMap<&str, &[i64]> = (files.iter())
+    let held: Held = (files.iter())
         .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
         .collect();
     let weight = |m: &str| format!("{m}.weight");
@@ -416,77 +516,13 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             base.display()
         )));
     }
-    // A saved module's tensors replace the base's, of their shape.
-    let mut replacing = HashMap::new();
-    for (name, t) in &whole {
-        match held.get(name.as_str()) {
-            Some(shape) if *shape == t.size().as_slice() => drop(replacing.insert(name.as_str(), t)),
-            Some(shape) => {
-                return Err(HfError::Lora(format!(
-                    "{}: the adapter's `{name}` is {:?} and the base's {shape:?}: an adapter of another model",
-                    adapter.display(),
-                    t.size()
-                )))
-            }
-            None => {
-                return Err(HfError::Lora(format!(
-                    "{}: the adapter saves `{name}`, which the base {} does not hold: an adapter of another model",
-                    adapter.display(),
-                    base.display()
-                )))
-            }
-        }
-    }
-    // Copies of the base's matrices stand in for them, of their shapes
-    // (PEFT writes them for a vocabulary it resized; zrt does not
-    // resize one).
-    for (name, t) in &base_copies {
-        if held.get(name.as_str()).copied() != Some(t.size().as_slice()) {
-            return Err(HfError::Lora(format!(
-                "{}: the adapter holds a copy of `{name}` of {:?}, where the base {} holds {:?}: a resized vocabulary, or an adapter of another model",
-                adapter.display(),
-                t.size(),
-                base.display(),
-                held.get(name.as_str()),
-            )));
-        }
-    }
-    // Trainable tokens' rows go in place of their embedding's.
+    let (replacing, in_place) = whole_tensors(
+        (adapter, base),
+        &cfg,
+        &held,
+        (&whole, &base_copies, &rows, &copies),
+    )?;
     let ids = Tensor::from_slice(&cfg.trainable_token_indices);
-    let mut in_place = HashMap::new();
-    for (m, t) in &rows {
-        let name = weight(m);
-        let n = cfg.trainable_token_indices.len() as i64;
-        let fits = match held.get(name.as_str()).copied() {
-            Some(&[vocab, width]) => {
-                t.size() == [n, width]
-                    && (cfg.trainable_token_indices.iter()).all(|i| (0..vocab).contains(i))
-            }
-            _ => false,
-        };
-        if !fits {
-            return Err(HfError::Lora(format!(
-                "{}: the adapter's trainable tokens {:?} ({:?} rows) do not fit the base's `{name}` ({:?}): an adapter of another model",
-                adapter.display(),
-                cfg.trainable_token_indices,
-                t.size(),
-                held.get(name.as_str()),
-            )));
-        }
-        in_place.insert(name, t);
-    }
-    // PEFT writes a saved embedding of a tied model as the head too,
-    // which the base does not hold apart: that copy is left out.
-    for (name, t) in &copies {
-        let tied = !held.contains_key(name.as_str()) && replacing.values().any(|o| o.equal(t));
-        if !tied {
-            return Err(HfError::Lora(format!(
-                "{}: the adapter holds `{name}`, which is no LoRA matrix, nor in a module of its modules_to_save {:?}, nor a copy of one its base ties: an adapter zrt does not merge",
-                adapter.display(),
-                cfg.modules_to_save
-            )));
-        }
-    }
     // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
     // transposed (PEFT's `fan_in_fan_out`).
     let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
@@ -509,7 +545,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         let tensors = Tensor::read_safetensors(file).map_err(|e| io(file, "read", &e))?;
         let mut merged = Vec::with_capacity(tensors.len());
         for (name, w) in tensors {
-            if let Some(t) = replacing.get(name.as_str()) {
+            if let Some(t) = replacing.get(&name) {
                 merged.push((name.clone(), t.to_kind(w.kind())));
                 replaced.push(name);
                 continue;
@@ -619,8 +655,13 @@ mod tests {
             ),
             (
                 "target_modules",
-                serde_json::json!(".*q_proj"),
-                "`target_modules` is the string \".*q_proj\", which PEFT matches as a regular expression",
+                serde_json::json!(".*(?<!k)_proj"),
+                "is no regular expression zrt reads",
+            ),
+            (
+                "target_modules",
+                serde_json::json!(3),
+                "`target_modules` is 3: a list of module names, or a regular expression",
             ),
             (
                 "layers_to_transform",
@@ -669,8 +710,8 @@ mod tests {
             ),
             (
                 "exclude_modules",
-                serde_json::json!("layers.0.self_attn.q_proj"),
-                "`exclude_modules` is set",
+                serde_json::json!(["q_proj", 1]),
+                "`exclude_modules` holds a non-string",
             ),
             ("lora_bias", serde_json::json!(true), "`lora_bias` is set"),
             ("bias", serde_json::json!("all"), "`bias` is \"all\""),
@@ -708,6 +749,16 @@ mod tests {
         assert_eq!(read.target_modules, ["all-linear"]);
         assert!(read.modules_to_save.is_empty() && !read.ensure_weight_tying);
         assert!(read.trainable_token_indices.is_empty());
+        // Patterns: PEFT's strings, the targets' and the exclusions'.
+        all["target_modules"] = r".*\.(q|v)_proj".into();
+        all["exclude_modules"] = r".*\.0\..*".into();
+        std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
+        let read = LoraConfig::from_adapter_dir(&dir).unwrap();
+        assert!(read.target_modules.is_empty() && read.exclude_modules.is_empty());
+        assert_eq!(read.target_pattern.as_deref(), Some(r".*\.(q|v)_proj"));
+        assert_eq!(read.exclude_pattern.as_deref(), Some(r".*\.0\..*"));
+        assert!(read.targets("model.layers.1.self_attn.v_proj"));
+        assert!(!read.targets("model.layers.0.self_attn.v_proj"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -62,6 +62,19 @@ pub struct LoraConfig {
     /// layer's `self_attn.q_proj`), or `all-linear` alone: every linear
     /// layer of the decoder layers (the head never).
     pub target_modules: Vec<String>,
+    /// `target_modules` given as a string other than `all-linear`: a
+    /// regular expression, matched as PEFT matches it against each
+    /// module's whole name (`re.fullmatch`), adapting the modules it
+    /// matches beside [`Self::target_modules`] (Unsloth writes its
+    /// adapters' targets so). Rust's `regex` syntax: Python's without
+    /// look-around and backreferences, which are refused.
+    pub target_pattern: Option<String>,
+    /// `exclude_modules`: modules left without adapters though targeted,
+    /// each a module's name or the end of one after a dot (PEFT's list).
+    pub exclude_modules: Vec<String>,
+    /// `exclude_modules` given as a string: a regular expression of the
+    /// modules left out, matched as [`Self::target_pattern`] is.
+    pub exclude_pattern: Option<String>,
     /// `use_rslora`: scale by `alpha / sqrt(r)` (rank-stabilised LoRA).
     pub use_rslora: bool,
     /// `fan_in_fan_out`: the base stores its matrices `[in, out]`
@@ -103,6 +116,9 @@ impl LoraConfig {
             alpha,
             dropout: 0.0,
             target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            target_pattern: None,
+            exclude_modules: Vec::new(),
+            exclude_pattern: None,
             use_rslora: false,
             fan_in_fan_out: false,
             use_dora: false,
@@ -137,19 +153,31 @@ impl LoraConfig {
     /// `model.layers.0.self_attn.q_proj`) takes an adapter: PEFT's
     /// matching of `target_modules` given as a list.
     pub fn targets(&self, module: &str) -> bool {
-        self.target_modules.iter().any(|t| t == "all-linear") || self.targets_by_name(module)
+        let all = self.target_modules.iter().any(|t| t == "all-linear");
+        (all && !self.excludes(module)) || self.targets_by_name(module)
     }
 
-    /// Whether `target_modules` names the module `module` (not through
-    /// `all-linear`): how PEFT adapts a head or a token embedding, which
+    /// Whether `target_modules` (or [`Self::target_pattern`]) names the
+    /// module `module`, not through `all-linear`, and no exclusion
+    /// leaves it out: how PEFT adapts a head or a token embedding, which
     /// `all-linear` leaves out.
     pub fn targets_by_name(&self, module: &str) -> bool {
-        self.target_modules.iter().any(|t| {
-            module == t
-                || module
-                    .strip_suffix(t.as_str())
-                    .is_some_and(|m| m.ends_with('.'))
-        })
+        let named = (self.target_modules.iter()).any(|t| names(t, module))
+            || self
+                .target_pattern
+                .as_deref()
+                .is_some_and(|p| fullmatch(p, module));
+        named && !self.excludes(module)
+    }
+
+    /// Whether `exclude_modules` (a list or a pattern) leaves `module`
+    /// out.
+    fn excludes(&self, module: &str) -> bool {
+        (self.exclude_modules.iter()).any(|t| names(t, module))
+            || self
+                .exclude_pattern
+                .as_deref()
+                .is_some_and(|p| fullmatch(p, module))
     }
 
     /// Refuses what no adapter can be built with: a rank below 1, a
@@ -171,11 +199,23 @@ impl LoraConfig {
             )));
         }
         let all = self.target_modules.iter().any(|t| t == "all-linear");
-        if self.target_modules.is_empty() || (all && self.target_modules.len() > 1) {
+        let none = self.target_modules.is_empty() && self.target_pattern.is_none();
+        if none || (all && (self.target_modules.len() > 1 || self.target_pattern.is_some())) {
             return Err(refuse(format!(
                 "target_modules {:?}: name the linear layers that take adapters (q_proj, v_proj, ...), or all-linear alone",
                 self.target_modules
             )));
+        }
+        for (field, p) in [
+            ("target_modules", &self.target_pattern),
+            ("exclude_modules", &self.exclude_pattern),
+        ] {
+            if let Some(Err(e)) = p.as_deref().map(whole_pattern) {
+                return Err(refuse(format!(
+                    "{field} {:?} is no regular expression zrt reads (Rust's syntax: Python's without look-around or backreferences): {e}",
+                    p.as_deref().unwrap_or_default()
+                )));
+            }
         }
         let mut ids = self.trainable_token_indices.clone();
         ids.sort_unstable();
@@ -203,9 +243,13 @@ impl LoraConfig {
     /// `base` (its `base_model_name_or_path`): what
     /// `PeftModel.from_pretrained` reads.
     pub fn adapter_config_json(&self, base: &str) -> String {
-        let targets: serde_json::Value = match self.target_modules.as_slice() {
+        let targets = match self.target_modules.as_slice() {
             [all] if all == "all-linear" => all.as_str().into(),
-            list => list.into(),
+            list => peft_field(list, self.target_pattern.as_deref()),
+        };
+        let excluded = match (self.exclude_modules.is_empty(), &self.exclude_pattern) {
+            (true, None) => serde_json::Value::Null,
+            _ => peft_field(&self.exclude_modules, self.exclude_pattern.as_deref()),
         };
         let json = serde_json::json!({
             "peft_type": "LORA",
@@ -215,6 +259,7 @@ impl LoraConfig {
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,
             "target_modules": targets,
+            "exclude_modules": excluded,
             "use_rslora": self.use_rslora,
             "use_dora": self.use_dora,
             "bias": "none",
@@ -233,6 +278,46 @@ impl LoraConfig {
         });
         format!("{json:#}\n")
     }
+}
+
+/// Whether the list entry `target` names `module`: the name, or its end
+/// after a dot (PEFT's matching of a list).
+fn names(target: &str, module: &str) -> bool {
+    module == target
+        || module
+            .strip_suffix(target)
+            .is_some_and(|m| m.ends_with('.'))
+}
+
+/// The module under `p` by its name in the checkpoint (`prefix` before
+/// the VarStore's: GPT-2's `transformer.`), as PEFT's targets match it.
+pub(crate) fn module_name(p: &nn::Path, prefix: &str) -> String {
+    format!("{prefix}{}", p.components().collect::<Vec<_>>().join("."))
+}
+
+/// A list of module names and a pattern as PEFT's one field holds them:
+/// the list, the pattern, or with both one pattern matching the
+/// pattern's modules and the list's names (each name, or its end after
+/// a dot).
+fn peft_field(list: &[String], pattern: Option<&str>) -> serde_json::Value {
+    let Some(p) = pattern else {
+        return list.into();
+    };
+    let names = list
+        .iter()
+        .map(|t| format!("|(?:.*\\.)?{}", regex::escape(t)));
+    format!("{p}{}", names.collect::<String>()).into()
+}
+
+/// `pattern` made to match whole names only (Python's `re.fullmatch`).
+fn whole_pattern(pattern: &str) -> Result<regex::Regex, regex::Error> {
+    regex::Regex::new(&format!("^(?:{pattern})$"))
+}
+
+/// Whether `pattern` matches the whole of `module`; a pattern that is no
+/// regular expression (refused by [`LoraConfig::check`]) matches nothing.
+fn fullmatch(pattern: &str, module: &str) -> bool {
+    whole_pattern(pattern).is_ok_and(|r| r.is_match(module))
 }
 
 /// The linear layers PEFT adapts in the checkpoint `dir` when its
@@ -256,7 +341,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 }
 
 /// Whether the VarStore name `name` is an adapter's (`.lora_A.`,
-/// `.lora_B.`, DoRA's `.lora_magnitude_vector`, or trainable tokens'
+/// `.lora_B.`, a token embedding's `.lora_embedding_A` and `_B`, DoRA's
+/// `.lora_magnitude_vector`, or trainable tokens'
 /// `.token_adapter.trainable_tokens_delta`): what
 /// [`freeze_base`] leaves trainable and the plan's `fresh_weights`
 /// names.
@@ -312,32 +398,7 @@ pub(crate) fn freeze_base_under(
     let refuse = |msg: String| Err(HfError::Lora(format!("modules_to_save: {msg}")));
     let refuse_targets = |msg: String| Err(HfError::Lora(format!("target_modules: {msg}")));
     if let Some(t) = tied {
-        let saves = |module: &str| !cfg.saved_by(&format!("{module}.weight")).is_empty();
-        let embedding_saved = saves(t.embedding);
-        if cfg.targets_by_name(t.head) {
-            return refuse_targets(format!(
-                "`{}` is the token embedding `{}` in this model (its head is tied): target `{}` for an adapter on the lookup (the tied head then computes with the base's matrix, as in PEFT)",
-                t.head, t.embedding, t.embedding
-            ));
-        }
-        if saves(t.head) {
-            return refuse(format!(
-                "`{}` is the token embedding `{}` in this model (its head is tied): save `{}` with ensure_weight_tying, which trains the two as one",
-                t.head, t.embedding, t.embedding
-            ));
-        }
-        if embedding_saved && !t.embedding.ends_with("embed_tokens") {
-            return refuse(format!(
-                "`{}` is this model's head too (tied), and PEFT ties a saved embedding to its head only when it is `embed_tokens`: an adapter saving it would load in PEFT with the head left as it was; zrt does not save it",
-                t.embedding
-            ));
-        }
-        if embedding_saved && !cfg.ensure_weight_tying {
-            return refuse(format!(
-                "`{}` is this model's head too (tied): set ensure_weight_tying (PEFT's, finetune_hf sets it), so that the two train as one as zrt trains them; without it PEFT trains a copy of the embedding apart from the head",
-                t.embedding
-            ));
-        }
+        refuse_on_tied(cfg, t)?;
     }
     let mut adapters = 0;
     let mut adapted = std::collections::BTreeSet::new();
@@ -371,20 +432,22 @@ pub(crate) fn freeze_base_under(
     }
     if adapters == 0 {
         let names: Vec<String> = linear.into_iter().collect();
+        let pattern = match &cfg.target_pattern {
+            Some(p) => format!(" and the pattern {p:?}"),
+            None => String::new(),
+        };
         return Err(HfError::Lora(format!(
-            "target_modules {:?} match none of the model's linear layers: name some of its own ({}), or all-linear",
+            "target_modules {:?}{pattern} match none of the model's linear layers: name some of its own ({}), or all-linear",
             cfg.target_modules,
             names.join(", ")
         )));
     }
     // A token embedding with a LoRA adapter and trainable tokens, or a
     // DoRA one (PEFT's DoRA embedding is not built here).
-    let embedded: Vec<&String> = (vs.variables().into_keys())
-        .filter(|n| n.ends_with(".lora_embedding_A"))
-        .map(|n| format!("{prefix}{}", adapted_module(&n)))
-        .filter_map(|m| adapted.get(&m))
-        .collect();
-    if let Some(m) = embedded.first() {
+    let embedded = (vs.variables().into_keys())
+        .find(|n| n.ends_with(".lora_embedding_A"))
+        .map(|n| format!("{prefix}{}", adapted_module(&n)));
+    if let Some(m) = embedded {
         if cfg.use_dora {
             return refuse_targets(format!(
                 "`{m}` is a token embedding, and zrt builds DoRA on linear layers only: leave it out of the targets, or use_dora off"
@@ -412,6 +475,41 @@ pub(crate) fn freeze_base_under(
         ));
     }
     Ok(adapters)
+}
+
+/// Refuses what `cfg` asks of a model whose head is tied to its
+/// embedding (`t`) and zrt cannot build as PEFT would: an adapter on the
+/// head, the head saved, the embedding saved but for PEFT's
+/// `ensure_weight_tying` on an `embed_tokens`.
+fn refuse_on_tied(cfg: &LoraConfig, t: TiedHead) -> Result<(), HfError> {
+    let refuse = |msg: String| Err(HfError::Lora(format!("modules_to_save: {msg}")));
+    let saves = |module: &str| !cfg.saved_by(&format!("{module}.weight")).is_empty();
+    if cfg.targets_by_name(t.head) {
+        return Err(HfError::Lora(format!(
+            "target_modules: `{}` is the token embedding `{}` in this model (its head is tied): target `{}` for an adapter on the lookup (the tied head then computes with the base's matrix, as in PEFT)",
+            t.head, t.embedding, t.embedding
+        )));
+    }
+    if saves(t.head) {
+        return refuse(format!(
+            "`{}` is the token embedding `{}` in this model (its head is tied): save `{}` with ensure_weight_tying, which trains the two as one",
+            t.head, t.embedding, t.embedding
+        ));
+    }
+    let embedding_saved = saves(t.embedding);
+    if embedding_saved && !t.embedding.ends_with("embed_tokens") {
+        return refuse(format!(
+            "`{}` is this model's head too (tied), and PEFT ties a saved embedding to its head only when it is `embed_tokens`: an adapter saving it would load in PEFT with the head left as it was; zrt does not save it",
+            t.embedding
+        ));
+    }
+    if embedding_saved && !cfg.ensure_weight_tying {
+        return refuse(format!(
+            "`{}` is this model's head too (tied): set ensure_weight_tying (PEFT's, finetune_hf sets it), so that the two train as one as zrt trains them; without it PEFT trains a copy of the embedding apart from the head",
+            t.embedding
+        ));
+    }
+    Ok(())
 }
 
 /// The layout of an adapters-only export for PEFT: the trainable
@@ -524,12 +622,25 @@ impl Adapted {
     /// adapter (`p / "lora_A"`, `p / "lora_B"`) when `lora` targets it.
     pub(crate) fn new(
         p: &nn::Path,
+        dims: (i64, i64, bool),
+        lora: Option<&LoraConfig>,
+        training: &Training,
+    ) -> Self {
+        Self::new_under(p, "", dims, lora, training)
+    }
+
+    /// As [`Adapted::new`], for a model whose VarStore names lack the
+    /// checkpoint's `prefix` (GPT-2's `transformer.`), which the
+    /// targets match (PEFT's names).
+    pub(crate) fn new_under(
+        p: &nn::Path,
+        prefix: &str,
         (i, o, bias): (i64, i64, bool),
         lora: Option<&LoraConfig>,
         training: &Training,
     ) -> Self {
         let base = linear(p, i, o, bias);
-        let name = p.components().collect::<Vec<_>>().join(".");
+        let name = module_name(p, prefix);
         let adapter = lora.filter(|c| c.targets(&name)).map(|c| {
             let bound = 1.0 / (i as f64).sqrt();
             let uniform = nn::Init::Uniform {
@@ -608,6 +719,85 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(rs.scale(), 4.0);
+    }
+
+    #[test]
+    fn patterns_and_exclusions_match_as_peft_matches_them() {
+        // Unsloth's way: one pattern, matched against whole names.
+        let c = LoraConfig {
+            target_pattern: Some(r"model\.layers\.\d+\.(self_attn|mlp)\.(q_proj|down_proj)".into()),
+            exclude_modules: vec!["layers.1.mlp.down_proj".into()],
+            ..LoraConfig::new(2, 4.0, &[])
+        };
+        assert!(c.check("cfg").is_ok());
+        assert!(c.targets("model.layers.0.self_attn.q_proj"));
+        assert!(c.targets("model.layers.12.mlp.down_proj"));
+        // Whole names only: `re.fullmatch`, not `re.search`.
+        assert!(!c.targets("base.model.layers.0.self_attn.q_proj"));
+        assert!(!c.targets("model.layers.0.self_attn.q_proj.x"));
+        assert!(!c.targets("model.layers.0.self_attn.k_proj"));
+        // Excluded by the end of its name, after a dot.
+        assert!(!c.targets("model.layers.1.mlp.down_proj"));
+        assert!(c.targets("model.layers.11.mlp.down_proj"));
+        // all-linear with an excluding pattern; a name is matched by
+        // name, never by all-linear, for the ends.
+        let all = LoraConfig {
+            exclude_pattern: Some(r".*\.0\..*".into()),
+            ..LoraConfig::new(2, 4.0, &["all-linear"])
+        };
+        assert!(all.targets("model.layers.1.mlp.up_proj"));
+        assert!(!all.targets("model.layers.0.mlp.up_proj"));
+        assert!(!all.targets_by_name("lm_head"));
+        // What PEFT's config holds: the pattern as the field's string;
+        // a list beside a pattern as one pattern matching the same names.
+        let json: serde_json::Value = serde_json::from_str(&c.adapter_config_json("b")).unwrap();
+        assert_eq!(
+            json["target_modules"],
+            c.target_pattern.clone().unwrap().as_str()
+        );
+        assert_eq!(
+            json["exclude_modules"],
+            serde_json::json!(["layers.1.mlp.down_proj"])
+        );
+        let both = LoraConfig {
+            target_modules: vec!["lm_head".into()],
+            ..c.clone()
+        };
+        let json: serde_json::Value = serde_json::from_str(&both.adapter_config_json("b")).unwrap();
+        let one = LoraConfig {
+            target_modules: vec![],
+            target_pattern: json["target_modules"].as_str().map(String::from),
+            ..c.clone()
+        };
+        for m in [
+            "lm_head",
+            "x.lm_head",
+            "model.layers.3.self_attn.q_proj",
+            "xlm_head",
+            "model.norm",
+        ] {
+            assert_eq!(one.targets(m), both.targets(m), "{m}");
+        }
+        // Look-around, which Python's re has and Rust's regex has not,
+        // and a pattern beside all-linear, are refused naming them.
+        let ahead = LoraConfig {
+            target_pattern: Some(r".*(?=q_proj)".into()),
+            ..LoraConfig::new(2, 4.0, &[])
+        };
+        let err = ahead.check("cfg").unwrap_err().to_string();
+        assert!(
+            err.contains("target_modules \".*(?=q_proj)\" is no regular expression zrt reads"),
+            "{err}"
+        );
+        let mixed = LoraConfig {
+            target_pattern: Some("q_proj".into()),
+            ..LoraConfig::new(2, 4.0, &["all-linear"])
+        };
+        assert!(mixed
+            .check("cfg")
+            .unwrap_err()
+            .to_string()
+            .contains("all-linear alone"));
     }
 
     #[test]

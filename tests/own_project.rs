@@ -16,6 +16,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -44,9 +45,38 @@ fn copy_out(repo: &Path) -> PathBuf {
     to
 }
 
+/// A manifest's dev-profile settings, each as (section, line), comments
+/// and blank lines left out.
+fn dev_profile(manifest: &str) -> BTreeSet<(String, String)> {
+    let mut section = String::new();
+    let mut settings = BTreeSet::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line.to_owned();
+        } else if section.starts_with("[profile.dev") && !line.is_empty() && !line.starts_with('#')
+        {
+            settings.insert((section.clone(), line.to_owned()));
+        }
+    }
+    settings
+}
+
 #[test]
 fn a_project_of_ones_own_builds_against_zrt_and_trains_on_two_ranks() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The template's dev profile is the workspace's, setting for setting:
+    // otherwise its build below compiles every dependency again (and a
+    // user's debug build is not zrt's).
+    let read = |p: &str| std::fs::read_to_string(repo.join(p)).unwrap();
+    let (ours, template) = (
+        dev_profile(&read("Cargo.toml")),
+        dev_profile(&read("examples/own-project/Cargo.toml")),
+    );
+    assert!(ours.len() >= 8, "{ours:?}");
+    assert_eq!(
+        template, ours,
+        "examples/own-project/Cargo.toml's dev profile is not the workspace's"
+    );
     let dir = copy_out(repo);
     // `.cargo/config.toml` gives every process cargo starts LIBTORCH (the
     // workspace's `.libtorch`); outside the workspace the user sets it.

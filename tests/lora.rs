@@ -38,6 +38,10 @@ struct Case {
     dora: bool,
     saved: &'static [&'static str],
     tokens: &'static [i64],
+    /// `layers_to_transform`, `rank_pattern` and `alpha_pattern`.
+    layers: &'static [i64],
+    ranks: &'static [(&'static str, i64)],
+    alphas: &'static [(&'static str, f64)],
     matrices: usize,
     whole: usize,
     elements: usize,
@@ -54,6 +58,9 @@ const OFF: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    layers: &[],
+    ranks: &[],
+    alphas: &[],
     matrices: 0,
     whole: 0,
     elements: 0,
@@ -356,6 +363,24 @@ fn targets_given_as_patterns_and_exclusions_train_as_peft_trains_them() {
 }
 
 #[test]
+fn adapters_on_some_layers_with_ranks_of_their_own_train_as_peft_trains_them() {
+    // LLAMA's targets on its second layer only; the first key matching a
+    // module gives its rank (v_proj 2, though the second names it too;
+    // in sorted order, as PEFT's `save_pretrained` writes keys sorted),
+    // down_proj its own alpha: q 8 x (64 + 64), v 2 x (64 + 32), down 4
+    // x (160 + 64).
+    let llama = Case {
+        layers: &[1],
+        ranks: &[(r"layers\.1\.self_attn\.v_proj", 2), (r"self_attn\..*", 8)],
+        alphas: &[("down_proj", 8.0)],
+        matrices: 6,
+        elements: 8 * (64 + 64) + 2 * (64 + 32) + 4 * (160 + 64),
+        ..LLAMA
+    };
+    parity("llama-layers", &llama, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn trainable_tokens_train_as_peft_trains_them() {
     // An untied Llama (the rows change the lookup) at stage 2, a tied one
     // (and the head's logits) at stage 3 recomputing; GPT-2's tied `wte`.
@@ -433,6 +458,9 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         trainable_token_indices: case.tokens.to_vec(),
         target_pattern: case.pattern.map(String::from),
         exclude_modules: case.exclude.iter().map(|m| m.to_string()).collect(),
+        layers_to_transform: case.layers.to_vec(),
+        rank_pattern: (case.ranks.iter()).map(|&(k, r)| (k.into(), r)).collect(),
+        alpha_pattern: (case.alphas.iter()).map(|&(k, a)| (k.into(), a)).collect(),
         ..LoraConfig::new(4, 16.0, case.targets)
     };
     for &(stage, recompute, held) in runs {
@@ -615,6 +643,23 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         ),
         "{none}"
     );
+    // A layer the model (of one) has not; GPT-2's layers under `h`.
+    let layers = |l: &[i64], pattern: &[&str]| {
+        build(LoraConfig {
+            layers_to_transform: l.to_vec(),
+            layers_pattern: pattern.iter().map(|p| p.to_string()).collect(),
+            ..LoraConfig::new(2, 8.0, &["c_attn"])
+        })
+    };
+    let past = layers(&[1], &[]);
+    assert!(
+        past.contains(
+            "match none of the model's linear layers on the layers [1] (layers_to_transform"
+        ),
+        "{past}"
+    );
+    assert_eq!(layers(&[0], &["h"]), "");
+    assert!(layers(&[0], &["layers"]).contains("on the layers [0]"));
     let rank = build(LoraConfig::new(0, 8.0, &["c_attn"]));
     assert!(rank.contains("rank r = 0"), "{rank}");
     assert_eq!(build(LoraConfig::new(2, 8.0, &["c_attn"])), "");

@@ -51,9 +51,13 @@ impl EmbeddingAdapter {
             stdev: 1.0,
         };
         Some(Self {
-            a: p.var("lora_embedding_A", &[c.r, vocab], Init::Const(0.0)),
-            b: p.var("lora_embedding_B", &[width, c.r], normal),
-            scale: c.scale(),
+            a: p.var(
+                "lora_embedding_A",
+                &[c.rank_of(&name), vocab],
+                Init::Const(0.0),
+            ),
+            b: p.var("lora_embedding_B", &[width, c.rank_of(&name)], normal),
+            scale: c.scale_of(&name),
             padding,
         })
     }

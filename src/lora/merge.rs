@@ -34,11 +34,11 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, per-module ranks or alphas, adapters on some
-    /// layers only or with modules left out, trained biases, a regular
-    /// expression for the targets), naming the
-    /// field: built anyway, the model would hold other adapters than the
-    /// file.
+    /// `peft_type`, repeated layers, adapters on parameters, trained
+    /// biases, QALoRA, aLoRA), naming the field: built anyway, the model
+    /// would hold other adapters than the file. `rank_pattern` and
+    /// `alpha_pattern` keep the file's order, which decides between keys
+    /// that match one module.
     pub fn from_adapter_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         let path = dir.as_ref().join(ADAPTER_CONFIG);
         let j = HfJson::read(&path, None)?;
@@ -47,20 +47,15 @@ impl LoraConfig {
             return Err(j.field(format!("peft_type {t:?}: zrt reads LoRA adapters only")));
         }
         let on = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-        for key in ["rank_pattern", "alpha_pattern"] {
-            if j.get(key)
-                .and_then(|v| v.as_object())
-                .is_some_and(|o| !o.is_empty())
-            {
-                return Err(j.field(format!(
-                    "`{key}` gives some modules a rank or alpha of their own: zrt takes one for all"
-                )));
-            }
-        }
+        let patterns: super::per_module::Patterns = std::fs::read(&path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .ok_or_else(|| {
+                j.field("`rank_pattern` and `alpha_pattern` are objects of module names (or patterns) and numbers, ranks whole".into())
+            })?;
         // Settings PEFT leaves off (null, false, empty) that change which
         // tensors train or what they compute.
         for (key, what) in [
-            ("layers_to_transform", "puts adapters on some layers only"),
             ("layer_replication", "repeats layers"),
             ("target_parameters", "adapts parameters, not modules"),
             ("lora_bias", "gives lora_B a bias"),
@@ -79,7 +74,7 @@ impl LoraConfig {
             };
             if set {
                 return Err(j.field(format!(
-                    "`{key}` is set, which {what}: zrt builds plain LoRA adapters on every targeted module (leave it out, or null)"
+                    "`{key}` is set, which {what}: zrt builds plain LoRA adapters on the targeted modules (leave it out, or null)"
                 )));
             }
         }
@@ -136,6 +131,27 @@ impl LoraConfig {
                 )))
             }
         };
+        // PEFT's `layers_to_transform`: one index or a list; its
+        // `layers_pattern`: one name or a list (an empty one: any).
+        let layers = match j.get("layers_to_transform") {
+            None | Some(serde_json::Value::Null) => Some(Vec::new()),
+            Some(serde_json::Value::Number(n)) => n.as_i64().map(|i| vec![i]),
+            Some(serde_json::Value::Array(a)) => a.iter().map(|v| v.as_i64()).collect(),
+            Some(_) => None,
+        }
+        .ok_or_else(|| {
+            j.field("`layers_to_transform` is a layer's index or a list of them".into())
+        })?;
+        let layers_pattern = match j.get("layers_pattern") {
+            None | Some(serde_json::Value::Null) => Some(Vec::new()),
+            Some(serde_json::Value::String(s)) if s.is_empty() => Some(Vec::new()),
+            Some(serde_json::Value::String(s)) => Some(vec![s.clone()]),
+            Some(serde_json::Value::Array(a)) => {
+                a.iter().map(|v| v.as_str().map(str::to_string)).collect()
+            }
+            Some(_) => None,
+        }
+        .ok_or_else(|| j.field("`layers_pattern` is the name of the model's list of layers (`layers`, `h`) or a list of names".into()))?;
         let cfg = LoraConfig {
             r: j.size("r")?,
             alpha: j.number_or("lora_alpha", 8.0)?,
@@ -150,6 +166,10 @@ impl LoraConfig {
             modules_to_save: saved,
             ensure_weight_tying: on("ensure_weight_tying"),
             trainable_token_indices: tokens,
+            layers_to_transform: layers,
+            layers_pattern,
+            rank_pattern: patterns.rank_pattern.0,
+            alpha_pattern: patterns.alpha_pattern.0,
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
@@ -532,14 +552,13 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     for (m, (a, b)) in &pairs {
         let name = weight(m);
         let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
-        fits(&name, shape, transposed(&name), (a, b), cfg.r)?;
+        fits(&name, shape, transposed(&name), (a, b), cfg.rank_of(m))?;
     }
     let io = |path: &Path, what: &str, e: &dyn std::fmt::Display| HfError::Read {
         path: path.to_path_buf(),
         msg: format!("cannot {what} it: {e}"),
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
-    let scale = cfg.scale();
     let (mut matrices, mut replaced) = (Vec::new(), Vec::new());
     for (file, _) in &files {
         let tensors = Tensor::read_safetensors(file).map_err(|e| io(file, "read", &e))?;
@@ -565,7 +584,9 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 continue;
             };
             let t = transposed(&name);
-            fits(&name, &w.size(), t, (a, b), cfg.r)?;
+            let m = module.unwrap_or_default();
+            fits(&name, &w.size(), t, (a, b), cfg.rank_of(m))?;
+            let scale = cfg.scale_of(m);
             let ba = b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float));
             let ba = if t { ba.tr() } else { ba };
             let delta = (ba * scale).to_kind(w.kind());
@@ -630,6 +651,11 @@ mod tests {
             modules_to_save: vec!["embed_tokens".into(), "model.norm".into()],
             ensure_weight_tying: true,
             trainable_token_indices: vec![5, 2],
+            layers_to_transform: vec![1, 0],
+            layers_pattern: vec!["layers".into()],
+            // Not in sorted order: written and read back in this one.
+            rank_pattern: vec![("v_proj".into(), 2), (r"layers\.1\..*".into(), 12)],
+            alpha_pattern: vec![("v_proj".into(), 4.5)],
             ..LoraConfig::new(8, 16.0, &["q_proj", "v_proj"])
         };
         let written = cfg.adapter_config_json("base");
@@ -640,8 +666,18 @@ mod tests {
             ("peft_type", serde_json::json!("IA3"), "peft_type \"IA3\""),
             (
                 "rank_pattern",
-                serde_json::json!({"q_proj": 4}),
-                "`rank_pattern`",
+                serde_json::json!({"q_proj": "4"}),
+                "`rank_pattern` and `alpha_pattern` are objects",
+            ),
+            (
+                "rank_pattern",
+                serde_json::json!({"q_proj": 0}),
+                "rank_pattern gives \"q_proj\" the rank 0",
+            ),
+            (
+                "alpha_pattern",
+                serde_json::json!({"(?<=x)q_proj": 4}),
+                "alpha_pattern key \"(?<=x)q_proj\" is no regular expression",
             ),
             (
                 "r",
@@ -665,13 +701,18 @@ mod tests {
             ),
             (
                 "layers_to_transform",
-                serde_json::json!([0, 1]),
-                "`layers_to_transform` is set, which puts adapters on some layers only",
+                serde_json::json!("3"),
+                "`layers_to_transform` is a layer's index or a list of them",
             ),
             (
                 "layers_to_transform",
+                serde_json::json!(null),
+                "layers_pattern [\"layers\"] without layers_to_transform",
+            ),
+            (
+                "layers_pattern",
                 serde_json::json!(3),
-                "`layers_to_transform` is set",
+                "`layers_pattern` is the name of the model's list of layers",
             ),
             (
                 "modules_to_save",
@@ -729,15 +770,42 @@ mod tests {
         let mut off = json.clone();
         for key in [
             "layers_to_transform",
+            "layers_pattern",
             "exclude_modules",
             "layer_replication",
+            "rank_pattern",
         ] {
             off[key] = serde_json::Value::Null;
         }
         off["lora_bias"] = false.into();
         off["target_parameters"] = serde_json::json!([]);
+        off["alpha_pattern"] = serde_json::json!({});
         std::fs::write(dir.join(ADAPTER_CONFIG), off.to_string()).unwrap();
-        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), cfg);
+        let plain = LoraConfig {
+            layers_to_transform: vec![],
+            layers_pattern: vec![],
+            rank_pattern: vec![],
+            alpha_pattern: vec![],
+            ..cfg.clone()
+        };
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), plain);
+        // One layer's index and one pattern's name, as PEFT also takes
+        // them; an empty name as none.
+        let mut one = json.clone();
+        one["layers_to_transform"] = 1.into();
+        one["layers_pattern"] = "layers".into();
+        std::fs::write(dir.join(ADAPTER_CONFIG), one.to_string()).unwrap();
+        let read = LoraConfig::from_adapter_dir(&dir).unwrap();
+        assert_eq!(
+            (read.layers_to_transform, read.layers_pattern),
+            (vec![1], vec!["layers".to_string()])
+        );
+        one["layers_pattern"] = "".into();
+        std::fs::write(dir.join(ADAPTER_CONFIG), one.to_string()).unwrap();
+        assert!(LoraConfig::from_adapter_dir(&dir)
+            .unwrap()
+            .layers_pattern
+            .is_empty());
         let mut all = json.clone();
         all["target_modules"] = "all-linear".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();
@@ -750,6 +818,9 @@ mod tests {
         assert!(read.modules_to_save.is_empty() && !read.ensure_weight_tying);
         assert!(read.trainable_token_indices.is_empty());
         // Patterns: PEFT's strings, the targets' and the exclusions'.
+        // (PEFT takes no layers beside a pattern.)
+        all["layers_to_transform"] = serde_json::Value::Null;
+        all["layers_pattern"] = serde_json::Value::Null;
         all["target_modules"] = r".*\.(q|v)_proj".into();
         all["exclude_modules"] = r".*\.0\..*".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();

@@ -29,6 +29,7 @@
 
 mod embedding;
 mod merge;
+mod per_module;
 mod start;
 
 pub(crate) use embedding::{EmbeddingAdapter, TrainableTokens};
@@ -106,6 +107,25 @@ pub struct LoraConfig {
     /// the pretrained rows); a head tied to the embedding computes with
     /// them too. For a chat template's new tokens.
     pub trainable_token_indices: Vec<i64>,
+    /// `layers_to_transform`: the layers whose targeted modules take
+    /// adapters (by the index in their names, `model.layers.3.` being
+    /// layer 3), empty for every layer. As in PEFT, it applies to
+    /// modules [`Self::target_modules`] names by the end of their names
+    /// (and to `all-linear`), not to a whole name listed nor to
+    /// [`Self::target_pattern`] (refused beside it).
+    pub layers_to_transform: Vec<i64>,
+    /// `layers_pattern`: the name of the list of layers whose index
+    /// [`Self::layers_to_transform`] reads (`layers`, GPT-2's `h`;
+    /// regular expressions), empty for the number after any component.
+    pub layers_pattern: Vec<String>,
+    /// `rank_pattern`: ranks other than [`Self::r`], by module: the
+    /// first key (a regular expression) matching a module's whole name
+    /// or its end after a dot gives its rank (PEFT's
+    /// `get_pattern_key`); in PEFT's order, which is the file's.
+    pub rank_pattern: Vec<(String, i64)>,
+    /// `alpha_pattern`: alphas other than [`Self::alpha`], by module,
+    /// matched as [`Self::rank_pattern`] is.
+    pub alpha_pattern: Vec<(String, f64)>,
 }
 
 impl LoraConfig {
@@ -125,6 +145,28 @@ impl LoraConfig {
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
+            layers_to_transform: Vec::new(),
+            layers_pattern: Vec::new(),
+            rank_pattern: Vec::new(),
+            alpha_pattern: Vec::new(),
+        }
+    }
+
+    /// The rank of the adapter on `module` (its full name):
+    /// [`Self::rank_pattern`]'s, or [`Self::r`].
+    pub fn rank_of(&self, module: &str) -> i64 {
+        per_module::first_match(&self.rank_pattern, module).unwrap_or(self.r)
+    }
+
+    /// The factor of the update on `module`: its alpha over its rank (or
+    /// the rank's square root), each [`Self::alpha_pattern`]'s and
+    /// [`Self::rank_pattern`]'s where they name it.
+    pub fn scale_of(&self, module: &str) -> f64 {
+        let alpha = per_module::first_match(&self.alpha_pattern, module).unwrap_or(self.alpha);
+        let r = self.rank_of(module) as f64;
+        match self.use_rslora {
+            true => alpha / r.sqrt(),
+            false => alpha / r,
         }
     }
 
@@ -141,7 +183,8 @@ impl LoraConfig {
             .collect()
     }
 
-    /// The update's factor: `alpha / r`, or `alpha / sqrt(r)`.
+    /// The update's factor where no pattern gives a module its own:
+    /// `alpha / r`, or `alpha / sqrt(r)`.
     pub fn scale(&self) -> f64 {
         match self.use_rslora {
             true => self.alpha / (self.r as f64).sqrt(),
@@ -154,7 +197,7 @@ impl LoraConfig {
     /// matching of `target_modules` given as a list.
     pub fn targets(&self, module: &str) -> bool {
         let all = self.target_modules.iter().any(|t| t == "all-linear");
-        (all && !self.excludes(module)) || self.targets_by_name(module)
+        (all && self.in_layers(module) && !self.excludes(module)) || self.targets_by_name(module)
     }
 
     /// Whether `target_modules` (or [`Self::target_pattern`]) names the
@@ -162,12 +205,25 @@ impl LoraConfig {
     /// leaves it out: how PEFT adapts a head or a token embedding, which
     /// `all-linear` leaves out.
     pub fn targets_by_name(&self, module: &str) -> bool {
-        let named = (self.target_modules.iter()).any(|t| names(t, module))
+        // PEFT: a name listed whole takes an adapter on any layer; one
+        // matched by its end, on the layers of `layers_to_transform`.
+        let whole = self.target_modules.iter().any(|t| t == module);
+        let by_end = (self.target_modules.iter()).any(|t| names(t, module));
+        let named = whole
+            || (by_end && self.in_layers(module))
             || self
                 .target_pattern
                 .as_deref()
                 .is_some_and(|p| fullmatch(p, module));
         named && !self.excludes(module)
+    }
+
+    /// Whether `module` is in a layer of [`Self::layers_to_transform`]
+    /// (every module is, when it is empty).
+    fn in_layers(&self, module: &str) -> bool {
+        self.layers_to_transform.is_empty()
+            || per_module::layer_index(module, &self.layers_pattern)
+                .is_some_and(|i| self.layers_to_transform.contains(&i))
     }
 
     /// Whether `exclude_modules` (a list or a pattern) leaves `module`
@@ -217,6 +273,7 @@ impl LoraConfig {
                 )));
             }
         }
+        self.check_per_module(&refuse)?;
         let mut ids = self.trainable_token_indices.clone();
         ids.sort_unstable();
         if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
@@ -234,6 +291,50 @@ impl LoraConfig {
             return Err(refuse(format!(
                 "modules_to_save {:?} holds {m:?}: name the modules that train whole (lm_head, embed_tokens)",
                 self.modules_to_save
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses per-module settings PEFT refuses or no adapter has: layers
+    /// beside a pattern of targets, a layers pattern without layers, a
+    /// rank below 1 or an alpha that is no number, a key that is no
+    /// regular expression.
+    fn check_per_module(&self, refuse: &dyn Fn(String) -> HfError) -> Result<(), HfError> {
+        if !self.layers_to_transform.is_empty() && self.target_pattern.is_some() {
+            return Err(refuse(format!(
+                "layers_to_transform {:?} beside target_modules given as a pattern: PEFT refuses the two together; put the layers in the pattern, or list the targets",
+                self.layers_to_transform
+            )));
+        }
+        if !self.layers_pattern.is_empty() && self.layers_to_transform.is_empty() {
+            return Err(refuse(format!(
+                "layers_pattern {:?} without layers_to_transform: give the layers' indices too (PEFT refuses it alone)",
+                self.layers_pattern
+            )));
+        }
+        let keys = (self.rank_pattern.iter().map(|(k, _)| ("rank_pattern", k)))
+            .chain(self.alpha_pattern.iter().map(|(k, _)| ("alpha_pattern", k)))
+            .map(|(f, k)| (f, k, per_module::key_pattern(k).err()))
+            .chain((self.layers_pattern.iter()).map(|k| {
+                let re = regex::Regex::new(&format!("(?:{k})"));
+                ("layers_pattern", k, re.err())
+            }));
+        for (field, key, err) in keys {
+            if let Some(e) = err {
+                return Err(refuse(format!(
+                    "{field} key {key:?} is no regular expression zrt reads (Rust's syntax: Python's without look-around or backreferences): {e}"
+                )));
+            }
+        }
+        if let Some((k, r)) = self.rank_pattern.iter().find(|(_, r)| *r < 1) {
+            return Err(refuse(format!(
+                "rank_pattern gives {k:?} the rank {r}: give a rank of 1 or more"
+            )));
+        }
+        if let Some((k, a)) = self.alpha_pattern.iter().find(|(_, a)| !a.is_finite()) {
+            return Err(refuse(format!(
+                "alpha_pattern gives {k:?} the alpha {a}: give a finite number"
             )));
         }
         Ok(())
@@ -275,8 +376,31 @@ impl LoraConfig {
                 true => serde_json::Value::Null,
                 false => self.trainable_token_indices.clone().into(),
             },
+            "layers_to_transform": match self.layers_to_transform.is_empty() {
+                true => serde_json::Value::Null,
+                false => self.layers_to_transform.clone().into(),
+            },
+            "layers_pattern": match self.layers_pattern.is_empty() {
+                true => serde_json::Value::Null,
+                false => self.layers_pattern.clone().into(),
+            },
         });
-        format!("{json:#}\n")
+        // The patterns in their order (a `serde_json::Map` sorts keys).
+        #[derive(serde::Serialize)]
+        struct WithPatterns<'a> {
+            #[serde(flatten)]
+            rest: &'a serde_json::Value,
+            rank_pattern: &'a per_module::Ordered<i64>,
+            alpha_pattern: &'a per_module::Ordered<f64>,
+        }
+        let with = WithPatterns {
+            rest: &json,
+            rank_pattern: &per_module::Ordered(self.rank_pattern.clone()),
+            alpha_pattern: &per_module::Ordered(self.alpha_pattern.clone()),
+        };
+        // Serializing a `Value` and two maps of plain keys cannot fail.
+        let text = serde_json::to_string_pretty(&with).unwrap_or_else(|_| format!("{json:#}"));
+        format!("{text}\n")
     }
 }
 
@@ -436,8 +560,14 @@ pub(crate) fn freeze_base_under(
             Some(p) => format!(" and the pattern {p:?}"),
             None => String::new(),
         };
+        let layers = match cfg.layers_to_transform.as_slice() {
+            [] => String::new(),
+            l => format!(
+                " on the layers {l:?} (layers_to_transform; the model's are numbered from 0)"
+            ),
+        };
         return Err(HfError::Lora(format!(
-            "target_modules {:?}{pattern} match none of the model's linear layers: name some of its own ({}), or all-linear",
+            "target_modules {:?}{pattern} match none of the model's linear layers{layers}: name some of its own ({}), or all-linear",
             cfg.target_modules,
             names.join(", ")
         )));
@@ -648,14 +778,14 @@ impl Adapted {
                 up: bound,
             };
             Adapter {
-                a: (p / "lora_A").var("weight", &[c.r, i], uniform),
-                b: (p / "lora_B").var("weight", &[o, c.r], nn::Init::Const(0.0)),
+                a: (p / "lora_A").var("weight", &[c.rank_of(&name), i], uniform),
+                b: (p / "lora_B").var("weight", &[o, c.rank_of(&name)], nn::Init::Const(0.0)),
                 // Ones until the build sets the pretrained rows' norms
                 // (`init_from_checkpoint`).
                 magnitude: c
                     .use_dora
                     .then(|| p.var("lora_magnitude_vector", &[o], nn::Init::Const(1.0))),
-                scale: c.scale(),
+                scale: c.scale_of(&name),
                 dropout: c.dropout,
                 training: training.clone(),
             }
@@ -798,6 +928,96 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("all-linear alone"));
+    }
+
+    #[test]
+    fn layers_and_per_module_ranks_apply_as_peft_applies_them() {
+        let c = LoraConfig {
+            layers_to_transform: vec![1, 3],
+            rank_pattern: vec![("v_proj".into(), 2), (r"layers\.3\..*".into(), 8)],
+            alpha_pattern: vec![("q_proj".into(), 32.0)],
+            ..LoraConfig::new(4, 16.0, &["q_proj", "v_proj", "embed_tokens", "lm_head"])
+        };
+        assert!(c.check("cfg").is_ok());
+        // Names matched by their ends: on the listed layers only.
+        assert!(c.targets("model.layers.1.self_attn.q_proj"));
+        assert!(c.targets("model.layers.3.self_attn.v_proj"));
+        assert!(!c.targets("model.layers.0.self_attn.q_proj"));
+        assert!(!c.targets("model.layers.13.self_attn.q_proj"));
+        // A name listed whole takes one anywhere; the embedding, matched
+        // by its end, is in no layer (PEFT adapts neither otherwise).
+        assert!(c.targets_by_name("lm_head"));
+        assert!(!c.targets_by_name("model.embed_tokens"));
+        let all = LoraConfig {
+            layers_to_transform: vec![0],
+            ..LoraConfig::new(4, 16.0, &["all-linear"])
+        };
+        assert!(all.targets("model.layers.0.mlp.up_proj"));
+        assert!(!all.targets("model.layers.1.mlp.up_proj"));
+        // The first matching key: v_proj's rank on layer 3 too.
+        assert_eq!(c.rank_of("model.layers.3.self_attn.v_proj"), 2);
+        assert_eq!(c.rank_of("model.layers.3.self_attn.q_proj"), 8);
+        assert_eq!(c.rank_of("model.layers.1.self_attn.q_proj"), 4);
+        assert_eq!(c.scale_of("model.layers.1.self_attn.q_proj"), 8.0);
+        assert_eq!(c.scale_of("model.layers.3.self_attn.q_proj"), 4.0);
+        assert_eq!(c.scale_of("model.layers.1.self_attn.v_proj"), 8.0);
+        let rs = LoraConfig {
+            use_rslora: true,
+            ..c.clone()
+        };
+        assert_eq!(
+            rs.scale_of("model.layers.3.self_attn.q_proj"),
+            32.0 / 8f64.sqrt()
+        );
+        // Written in their order, read back the same.
+        let json = c.adapter_config_json("b");
+        let v = json.find("\"v_proj\": 2").unwrap();
+        assert!(v < json.find(r#""layers\\.3\\..*": 8"#).unwrap(), "{json}");
+        let read: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(read["layers_to_transform"], serde_json::json!([1, 3]));
+        assert_eq!(read["alpha_pattern"], serde_json::json!({"q_proj": 32.0}));
+        // What PEFT refuses, and what no adapter has.
+        for (bad, says) in [
+            (
+                LoraConfig {
+                    target_pattern: Some(".*q_proj".into()),
+                    ..c.clone()
+                },
+                "layers_to_transform [1, 3] beside target_modules given as a pattern",
+            ),
+            (
+                LoraConfig {
+                    layers_to_transform: vec![],
+                    layers_pattern: vec!["layers".into()],
+                    ..c.clone()
+                },
+                "layers_pattern [\"layers\"] without layers_to_transform",
+            ),
+            (
+                LoraConfig {
+                    rank_pattern: vec![("q_proj".into(), 0)],
+                    ..c.clone()
+                },
+                "rank_pattern gives \"q_proj\" the rank 0",
+            ),
+            (
+                LoraConfig {
+                    alpha_pattern: vec![("q_proj".into(), f64::NAN)],
+                    ..c.clone()
+                },
+                "alpha_pattern gives \"q_proj\" the alpha NaN",
+            ),
+            (
+                LoraConfig {
+                    rank_pattern: vec![("(q".into(), 2)],
+                    ..c.clone()
+                },
+                "rank_pattern key \"(q\" is no regular expression",
+            ),
+        ] {
+            let err = bad.check("cfg").unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
     }
 
     #[test]

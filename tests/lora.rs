@@ -38,6 +38,8 @@ struct Case {
     dora: bool,
     saved: &'static [&'static str],
     tokens: &'static [i64],
+    /// The tokens' module as PEFT's dict form names it, or the list form.
+    tokens_module: Option<&'static str>,
     /// `layers_to_transform`, `rank_pattern` and `alpha_pattern`.
     layers: &'static [i64],
     ranks: &'static [(&'static str, i64)],
@@ -58,6 +60,7 @@ const OFF: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
+    tokens_module: None,
     layers: &[],
     ranks: &[],
     alphas: &[],
@@ -390,8 +393,10 @@ fn trainable_tokens_train_as_peft_trains_them() {
         &LLAMA_TIED_TOKENS,
         &[(3, true, Held::Fp32)],
     );
+    // GPT-2's in PEFT's dict form, naming its embedding.
     let gpt2 = Case {
         tokens: &[3, 7],
+        tokens_module: Some("wte"),
         matrices: 13,
         elements: GPT2.elements + 2 * 64,
         ..GPT2
@@ -456,6 +461,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         modules_to_save: case.saved.iter().map(|m| m.to_string()).collect(),
         ensure_weight_tying: !case.saved.is_empty(),
         trainable_token_indices: case.tokens.to_vec(),
+        trainable_tokens_module: case.tokens_module.map(String::from),
         target_pattern: case.pattern.map(String::from),
         exclude_modules: case.exclude.iter().map(|m| m.to_string()).collect(),
         layers_to_transform: case.layers.to_vec(),
@@ -702,6 +708,22 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         "{past}"
     );
     assert!(tokens(&[3, 3]).contains("name token 3 twice"));
+    // PEFT's dict form: the input embedding's rows only.
+    let of = |module: &str| {
+        build(LoraConfig {
+            trainable_token_indices: vec![3],
+            trainable_tokens_module: Some(module.into()),
+            ..LoraConfig::new(2, 8.0, &["c_attn"])
+        })
+    };
+    assert_eq!(of("transformer.wte"), "");
+    let head = of("lm_head");
+    assert!(
+        head.contains(
+            "{\"lm_head\": ...} names another module than the input embedding `transformer.wte`"
+        ),
+        "{head}"
+    );
     // An adapter on the tied head (the embedding), DoRA on the embedding,
     // and an adapted embedding with trainable tokens.
     let head = build(LoraConfig::new(2, 8.0, &["c_attn", "lm_head"]));

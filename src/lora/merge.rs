@@ -118,16 +118,25 @@ impl LoraConfig {
                 )))
             }
         };
-        let tokens = match j.get("trainable_token_indices") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_i64())
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| j.field("`trainable_token_indices` holds a non-integer".into()))?,
+        // PEFT's list form (the input embedding's rows), or its dict form
+        // with one key: the module, which must be that embedding.
+        let ids = |a: &[serde_json::Value]| {
+            (a.iter().map(|v| v.as_i64()).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| j.field("`trainable_token_indices` holds a non-integer".into()))
+        };
+        let (tokens, tokens_module) = match j.get("trainable_token_indices") {
+            None | Some(serde_json::Value::Null) => (Vec::new(), None),
+            Some(serde_json::Value::Array(a)) => (ids(a)?, None),
+            Some(serde_json::Value::Object(o)) if o.len() == 1 => {
+                let (key, v) = o.iter().next().map(|(k, v)| (k.clone(), v)).unzip();
+                let list = v.and_then(|v| v.as_array()).ok_or_else(|| {
+                    j.field("`trainable_token_indices` maps its module to something other than a list of token ids".into())
+                })?;
+                (ids(list)?, key)
+            }
             Some(v) => {
                 return Err(j.field(format!(
-                    "`trainable_token_indices` is {v}: zrt takes PEFT's list form, token ids whose rows of the input embedding train"
+                    "`trainable_token_indices` is {v}: zrt takes token ids whose rows of the input embedding train, as a list or as PEFT's dict form with that one embedding"
                 )))
             }
         };
@@ -166,6 +175,7 @@ impl LoraConfig {
             modules_to_save: saved,
             ensure_weight_tying: on("ensure_weight_tying"),
             trainable_token_indices: tokens,
+            trainable_tokens_module: tokens_module,
             layers_to_transform: layers,
             layers_pattern,
             rank_pattern: patterns.rank_pattern.0,
@@ -731,8 +741,13 @@ mod tests {
             ),
             (
                 "trainable_token_indices",
-                serde_json::json!({"embed_tokens": [1, 2]}),
-                "zrt takes PEFT's list form",
+                serde_json::json!({"embed_tokens": [1], "lm_head": [2]}),
+                "as a list or as PEFT's dict form with that one embedding",
+            ),
+            (
+                "trainable_token_indices",
+                serde_json::json!({"embed_tokens": 1}),
+                "maps its module to something other than a list",
             ),
             (
                 "trainable_token_indices",
@@ -806,6 +821,19 @@ mod tests {
             .unwrap()
             .layers_pattern
             .is_empty());
+        // Trainable tokens in PEFT's dict form: read, and written back so.
+        let dict = LoraConfig {
+            trainable_tokens_module: Some("embed_tokens".into()),
+            ..cfg.clone()
+        };
+        let written = dict.adapter_config_json("base");
+        let j: serde_json::Value = serde_json::from_str(&written).unwrap();
+        assert_eq!(
+            j["trainable_token_indices"],
+            serde_json::json!({"embed_tokens": [5, 2]})
+        );
+        std::fs::write(dir.join(ADAPTER_CONFIG), &written).unwrap();
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), dict);
         let mut all = json.clone();
         all["target_modules"] = "all-linear".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();

@@ -101,12 +101,18 @@ pub struct LoraConfig {
     /// trains). zrt keeps a tied head tied, so a saved embedding of such
     /// a model needs this set (PEFT trains the two apart without it).
     pub ensure_weight_tying: bool,
-    /// `trainable_token_indices` (PEFT's list form): the token ids whose
+    /// `trainable_token_indices` (PEFT's list form, or its dict form
+    /// with [`Self::trainable_tokens_module`]): the token ids whose
     /// rows of the (frozen) input embedding train, standing in for the
     /// matrix's (`token_adapter.trainable_tokens_delta`, starting at
     /// the pretrained rows); a head tied to the embedding computes with
     /// them too. For a chat template's new tokens.
     pub trainable_token_indices: Vec<i64>,
+    /// `trainable_token_indices` given in PEFT's dict form: the module
+    /// its one key names (by the end of its name, as PEFT matches it),
+    /// which must be the input embedding (zrt trains no other layer's
+    /// tokens); `None` for the list form, which means that embedding.
+    pub trainable_tokens_module: Option<String>,
     /// `layers_to_transform`: the layers whose targeted modules take
     /// adapters (by the index in their names, `model.layers.3.` being
     /// layer 3), empty for every layer. As in PEFT, it applies to
@@ -145,6 +151,7 @@ impl LoraConfig {
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
+            trainable_tokens_module: None,
             layers_to_transform: Vec::new(),
             layers_pattern: Vec::new(),
             rank_pattern: Vec::new(),
@@ -372,9 +379,10 @@ impl LoraConfig {
                 false => self.modules_to_save.clone().into(),
             },
             "ensure_weight_tying": self.ensure_weight_tying,
-            "trainable_token_indices": match self.trainable_token_indices.is_empty() {
-                true => serde_json::Value::Null,
-                false => self.trainable_token_indices.clone().into(),
+            "trainable_token_indices": match (self.trainable_token_indices.is_empty(), &self.trainable_tokens_module) {
+                (true, _) => serde_json::Value::Null,
+                (false, None) => self.trainable_token_indices.clone().into(),
+                (false, Some(m)) => serde_json::json!({ m: self.trainable_token_indices }),
             },
             "layers_to_transform": match self.layers_to_transform.is_empty() {
                 true => serde_json::Value::Null,
@@ -587,6 +595,17 @@ pub(crate) fn freeze_base_under(
             return refuse_targets(format!(
                 "`{m}` takes a LoRA adapter and trainable tokens both: give one of them"
             ));
+        }
+    }
+    // The dict form's key must name the embedding whose rows train.
+    let rows_of = (vs.variables().into_keys())
+        .find(|n| n.ends_with(embedding::DELTA))
+        .map(|n| format!("{prefix}{}", adapted_module(&n)));
+    if let (Some(key), Some(m)) = (&cfg.trainable_tokens_module, rows_of) {
+        if !m.ends_with(key.as_str()) {
+            return Err(HfError::Lora(format!(
+                "trainable_token_indices: {{{key:?}: ...}} names another module than the input embedding `{m}`, and zrt trains the rows of that embedding only: name it, or give the list form"
+            )));
         }
     }
     if let Some(s) = saved

@@ -32,8 +32,9 @@
 //! is a user's message rendered with the checkpoint's chat template).
 //! With `--lora-r R` (any layout) it trains LoRA adapters on the
 //! frozen base (with `--lora-modules-to-save` whole modules beside them,
-//! with `--lora-trainable-tokens` some tokens' embedding rows), and
-//! `--out` is PEFT's adapter directory.
+//! with `--lora-trainable-tokens` some tokens' embedding rows, with
+//! `--lora-layers` on some layers only), and `--out` is PEFT's adapter
+//! directory.
 
 use std::path::PathBuf;
 
@@ -175,6 +176,11 @@ struct Args {
     /// `trainable_token_indices`, for a chat template's new tokens.
     #[arg(long, requires = "lora_r")]
     lora_trainable_tokens: Option<String>,
+    /// The layers whose targeted modules take adapters, comma-separated
+    /// indices from 0 (PEFT's `layers_to_transform`): `--lora-layers
+    /// 10,11` adapts the last two of twelve. Without it, every layer.
+    #[arg(long, requires = "lora_r", value_delimiter = ',')]
+    lora_layers: Vec<i64>,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -334,6 +340,7 @@ fn main() -> Result<()> {
                     Some(list) => token_ids(&a.model, list)?,
                     None => Vec::new(),
                 },
+                layers_to_transform: a.lora_layers.clone(),
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

@@ -991,7 +991,7 @@ with torch.no_grad():
     // of the embedding (one by its text in the tokenizer, one by id):
     // written into the adapter, merged in place of the base's, and `zrt
     // generate --adapter` computes with them as with the merged
-    // checkpoint.
+    // checkpoint. The adapters on the second layer only.
     let saved = dir.join("saved");
     let mut with_head = args[..18].to_vec();
     with_head[9] = os("2");
@@ -1000,11 +1000,16 @@ with torch.no_grad():
         os("lm_head"),
         os("--lora-trainable-tokens"),
         os("t5,17"),
+        os("--lora-layers"),
+        os("1"),
         os("--out"),
         saved.as_os_str(),
     ]);
     let (ok, said) = crate::from_hf::finetune(&with_head);
     assert!(ok, "{said}");
+    let config = std::fs::read_to_string(saved.join("adapter_config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["layers_to_transform"], serde_json::json!([1]));
     let saved_merged = dir.join("saved-merged");
     let (ok, said) = zrt(&[
         os("--adapter"),
@@ -1013,7 +1018,7 @@ with torch.no_grad():
         saved_merged.as_os_str(),
     ]);
     assert!(
-        ok && said.contains("merged 14 matrices and replaced 2 tensors"),
+        ok && said.contains("merged 7 matrices and replaced 2 tensors"),
         "{said}"
     );
     let tensor = |d: &Path, name: &str| {

@@ -323,7 +323,7 @@ impl HfModel {
                 ensure_weight_tying: lora.ensure_weight_tying && ties,
                 ..lora.clone()
             };
-            let export = crate::lora::export_layout_under(&written, dir, prefix, tied);
+            let export = crate::lora::export_layout_under(vs, &written, dir, prefix, tied);
             return Ok((model, export));
         }
         let model = match (&layout, recompute) {

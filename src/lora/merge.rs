@@ -78,11 +78,20 @@ impl LoraConfig {
                 )));
             }
         }
-        if let Some(b) = text("bias").filter(|b| b != "none") {
-            return Err(j.field(format!(
-                "`bias` is {b:?}: zrt trains the adapters only, the base's biases frozen (\"none\")"
-            )));
-        }
+        let train_biases = match text("bias").as_deref() {
+            None | Some("none") => false,
+            Some("all") => true,
+            Some("lora_only") => {
+                return Err(j.field(
+                    "`bias` is \"lora_only\": PEFT 0.18 trains the adapted layers' biases then leaves them out of the adapter's file, so what trained would be lost; zrt takes \"all\" (every bias trains and is saved) or \"none\"".into(),
+                ))
+            }
+            Some(b) => {
+                return Err(j.field(format!(
+                    "`bias` is {b:?}: PEFT's are \"none\", \"all\" and \"lora_only\""
+                )))
+            }
+        };
         // A list of names, or a string: PEFT's regular expression (or
         // `all-linear`).
         let names_or_pattern = |key: &str| match j.get(key) {
@@ -176,6 +185,7 @@ impl LoraConfig {
             ensure_weight_tying: on("ensure_weight_tying"),
             trainable_token_indices: tokens,
             trainable_tokens_module: tokens_module,
+            train_biases,
             layers_to_transform: layers,
             layers_pattern,
             rank_pattern: patterns.rank_pattern.0,
@@ -249,6 +259,10 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
             (Some(m), _) => drop(a.insert(m.to_string(), t)),
             (_, Some(m)) => drop(b.insert(m.to_string(), t)),
             _ if !cfg.saved_by(module).is_empty() => drop(whole.insert(module.to_string(), t)),
+            // A trained bias (`bias = "all"`): in place of the base's.
+            _ if cfg.train_biases && super::is_bias(module) => {
+                drop(whole.insert(super::base_name(module), t))
+            }
             _ if cfg.ensure_weight_tying => drop(copies.insert(module.to_string(), t)),
             _ => {
                 return Err(bad(format!(
@@ -661,6 +675,7 @@ mod tests {
             modules_to_save: vec!["embed_tokens".into(), "model.norm".into()],
             ensure_weight_tying: true,
             trainable_token_indices: vec![5, 2],
+            train_biases: true,
             layers_to_transform: vec![1, 0],
             layers_pattern: vec!["layers".into()],
             // Not in sorted order: written and read back in this one.
@@ -770,7 +785,12 @@ mod tests {
                 "`exclude_modules` holds a non-string",
             ),
             ("lora_bias", serde_json::json!(true), "`lora_bias` is set"),
-            ("bias", serde_json::json!("all"), "`bias` is \"all\""),
+            (
+                "bias",
+                serde_json::json!("lora_only"),
+                "leaves them out of the adapter's file",
+            ),
+            ("bias", serde_json::json!("some"), "PEFT's are \"none\""),
         ] {
             let mut j = json.clone();
             j[key] = value;

@@ -113,6 +113,12 @@ pub struct LoraConfig {
     /// which must be the input embedding (zrt trains no other layer's
     /// tokens); `None` for the list form, which means that embedding.
     pub trainable_tokens_module: Option<String>,
+    /// `bias = "all"` (PEFT's; `false` is its `"none"`): every variable
+    /// whose name holds `bias` trains beside the adapters (the linear
+    /// layers' and the norms' biases, as PEFT matches them), and is
+    /// written into the adapter's file (an adapted layer's as PEFT names
+    /// it, `...q_proj.base_layer.bias`), replacing the base's on a merge.
+    pub train_biases: bool,
     /// `layers_to_transform`: the layers whose targeted modules take
     /// adapters (by the index in their names, `model.layers.3.` being
     /// layer 3), empty for every layer. As in PEFT, it applies to
@@ -152,6 +158,7 @@ impl LoraConfig {
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
             trainable_tokens_module: None,
+            train_biases: false,
             layers_to_transform: Vec::new(),
             layers_pattern: Vec::new(),
             rank_pattern: Vec::new(),
@@ -370,7 +377,7 @@ impl LoraConfig {
             "exclude_modules": excluded,
             "use_rslora": self.use_rslora,
             "use_dora": self.use_dora,
-            "bias": "none",
+            "bias": if self.train_biases { "all" } else { "none" },
             "fan_in_fan_out": self.fan_in_fan_out,
             "init_lora_weights": true,
             "inference_mode": true,
@@ -487,6 +494,12 @@ pub fn is_adapter(name: &str) -> bool {
         || name.ends_with(embedding::DELTA)
 }
 
+/// Whether the variable `name` is one PEFT's `bias = "all"` trains: its
+/// name holds `bias` (PEFT's test, on its own names).
+fn is_bias(name: &str) -> bool {
+    name.contains("bias")
+}
+
 /// The module the adapter variable `name` adapts.
 fn adapted_module(name: &str) -> &str {
     let delta = name
@@ -548,6 +561,8 @@ pub(crate) fn freeze_base_under(
         } else if let by @ [_, ..] = cfg.saved_by(&full).as_slice() {
             hit.extend(by.iter().copied());
             saved.push(full.clone());
+        } else if cfg.train_biases && is_bias(&name) {
+            // Trains, as PEFT's `bias = "all"` has it.
         } else {
             drop(t.set_requires_grad(false));
         }
@@ -666,8 +681,8 @@ fn refuse_on_tied(cfg: &LoraConfig, t: TiedHead) -> Result<(), HfError> {
 /// [`freeze_base`]) under PEFT's names (`base_model.model.` before the
 /// model's), with `adapter_config.json` beside them. Write it with
 /// `engine.save_16bit_model_as(dir.join("adapter_model.safetensors"), None, &layout)`.
-pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
-    export_layout_under(cfg, base, "", None)
+pub fn export_layout(vs: &nn::VarStore, cfg: &LoraConfig, base: &Path) -> ExportLayout {
+    export_layout_under(vs, cfg, base, "", None)
 }
 
 /// As [`export_layout`], for a model whose VarStore names lack the
@@ -675,12 +690,19 @@ pub fn export_layout(cfg: &LoraConfig, base: &Path) -> ExportLayout {
 /// `tied` to its embedding: a saved embedding is written as the head
 /// too, as PEFT's file holds it (and its loader wants it).
 pub(crate) fn export_layout_under(
+    vs: &nn::VarStore,
     cfg: &LoraConfig,
     base: &Path,
     prefix: &str,
     tied: Option<TiedHead>,
 ) -> ExportLayout {
     let config = cfg.adapter_config_json(&base.display().to_string());
+    // The modules with adapters, whose trained biases PEFT names as its
+    // wrapper holds them (`...q_proj.base_layer.bias`).
+    let adapted: std::collections::BTreeSet<String> = (vs.variables().into_keys())
+        .filter(|n| is_adapter(n))
+        .map(|n| adapted_module(&n).to_string())
+        .collect();
     // The embedding by its VarStore name, and the head by its file name.
     let tied = tied.map(|t| {
         let embedding = t.embedding.strip_prefix(prefix).unwrap_or(t.embedding);
@@ -692,7 +714,10 @@ pub(crate) fn export_layout_under(
     let prefix = format!("base_model.model.{prefix}");
     let layout = ExportLayout::new()
         .trainable_only()
-        .rename(move |name| format!("{prefix}{name}"))
+        .rename(move |name| match name.strip_suffix(".bias") {
+            Some(m) if adapted.contains(m) => format!("{prefix}{m}.base_layer.bias"),
+            _ => format!("{prefix}{name}"),
+        })
         .with_file(ADAPTER_CONFIG, config);
     match tied {
         Some((embedding, head)) => {
@@ -705,13 +730,17 @@ pub(crate) fn export_layout_under(
 /// The name in the base checkpoint of the adapter file's tensor `name`:
 /// PEFT's `base_model.model.` stripped, and a copy of an adapted
 /// embedding's or head's matrix (`...embed_tokens.base_layer.weight`,
-/// which PEFT writes by default when it adapts one) named as the matrix.
+/// which PEFT writes by default when it adapts one) named as the matrix,
+/// an adapted layer's trained bias (`...q_proj.base_layer.bias`) as the
+/// bias.
 pub(crate) fn base_name(name: &str) -> String {
     let name = name.strip_prefix("base_model.model.").unwrap_or(name);
-    match name.strip_suffix(".base_layer.weight") {
-        Some(m) => format!("{m}.weight"),
-        None => name.to_string(),
+    for end in ["weight", "bias"] {
+        if let Some(m) = name.strip_suffix(&format!(".base_layer.{end}")) {
+            return format!("{m}.{end}");
+        }
     }
+    name.to_string()
 }
 
 /// Loads the adapter directory `dir` (PEFT's, or `finetune_hf
@@ -742,7 +771,10 @@ pub fn load_adapter<G: ProcessGroup + 'static>(
         (copies.iter()).any(|c| c == name || c.strip_suffix(name).is_some_and(|p| p.ends_with('.')))
     };
     let loaded = engine.load_weights_of(&file, |name, _| {
-        is_adapter(name) || !cfg.saved_by(name).is_empty() || copied(name)
+        is_adapter(name)
+            || !cfg.saved_by(name).is_empty()
+            || copied(name)
+            || (cfg.train_biases && is_bias(name))
     })?;
     Ok(loaded.loaded)
 }

@@ -34,8 +34,8 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, repeated layers, adapters on parameters, trained
-    /// biases, QALoRA, aLoRA), naming the field: built anyway, the model
+    /// `peft_type`, repeated layers, adapters on parameters, `bias` other
+    /// than `"none"` or `"all"`, QALoRA, aLoRA), naming the field: built anyway, the model
     /// would hold other adapters than the file. `rank_pattern` and
     /// `alpha_pattern` keep the file's order, which decides between keys
     /// that match one module.

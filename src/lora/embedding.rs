@@ -50,13 +50,10 @@ impl EmbeddingAdapter {
             mean: 0.0,
             stdev: 1.0,
         };
+        let r = c.rank_of(&name);
         Some(Self {
-            a: p.var(
-                "lora_embedding_A",
-                &[c.rank_of(&name), vocab],
-                Init::Const(0.0),
-            ),
-            b: p.var("lora_embedding_B", &[width, c.rank_of(&name)], normal),
+            a: p.var("lora_embedding_A", &[r, vocab], Init::Const(0.0)),
+            b: p.var("lora_embedding_B", &[width, r], normal),
             scale: c.scale_of(&name),
             padding,
         })

@@ -603,19 +603,18 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 None => w,
             };
             let module = name.strip_suffix(".weight");
-            let Some((a, b)) = module.and_then(|m| pairs.get(m)) else {
+            let Some((m, (a, b))) = module.and_then(|m| pairs.get(m).map(|p| (m, p))) else {
                 merged.push((name, w));
                 continue;
             };
             let t = transposed(&name);
-            let m = module.unwrap_or_default();
             fits(&name, &w.size(), t, (a, b), cfg.rank_of(m))?;
             let scale = cfg.scale_of(m);
             let ba = b.to_kind(Kind::Float).mm(&a.to_kind(Kind::Float));
             let ba = if t { ba.tr() } else { ba };
             let delta = (ba * scale).to_kind(w.kind());
             let updated = w + delta;
-            let updated = match module.and_then(|m| magnitudes.get(m)) {
+            let updated = match magnitudes.get(m) {
                 None => updated,
                 // DoRA (PEFT's merge): each row of `W + s B A` rescaled to
                 // its magnitude.

@@ -177,10 +177,14 @@ impl LoraConfig {
     /// [`Self::rank_pattern`]'s where they name it.
     pub fn scale_of(&self, module: &str) -> f64 {
         let alpha = per_module::first_match(&self.alpha_pattern, module).unwrap_or(self.alpha);
-        let r = self.rank_of(module) as f64;
+        self.factor(alpha, self.rank_of(module))
+    }
+
+    /// `alpha / r`, or `alpha / sqrt(r)` under [`Self::use_rslora`].
+    fn factor(&self, alpha: f64, r: i64) -> f64 {
         match self.use_rslora {
-            true => alpha / r.sqrt(),
-            false => alpha / r,
+            true => alpha / (r as f64).sqrt(),
+            false => alpha / r as f64,
         }
     }
 
@@ -200,10 +204,7 @@ impl LoraConfig {
     /// The update's factor where no pattern gives a module its own:
     /// `alpha / r`, or `alpha / sqrt(r)`.
     pub fn scale(&self) -> f64 {
-        match self.use_rslora {
-            true => self.alpha / (self.r as f64).sqrt(),
-            false => self.alpha / self.r as f64,
-        }
+        self.factor(self.alpha, self.r)
     }
 
     /// Whether the linear layer `module` (its full name,
@@ -828,9 +829,10 @@ impl Adapted {
                 lo: -bound,
                 up: bound,
             };
+            let r = c.rank_of(&name);
             Adapter {
-                a: (p / "lora_A").var("weight", &[c.rank_of(&name), i], uniform),
-                b: (p / "lora_B").var("weight", &[o, c.rank_of(&name)], nn::Init::Const(0.0)),
+                a: (p / "lora_A").var("weight", &[r, i], uniform),
+                b: (p / "lora_B").var("weight", &[o, r], nn::Init::Const(0.0)),
                 // Ones until the build sets the pretrained rows' norms
                 // (`init_from_checkpoint`).
                 magnitude: c

@@ -17,7 +17,9 @@
 //! file of token ids already tokenized, little-endian `u16` (nanoGPT's
 //! `train.bin`) or with `--u32` `u32`, as `zrt tokenize` writes it from
 //! text with the checkpoint's tokenizer ([`zrt::tokenize`]); each rank reads its own windows
-//! of `--seq + 1` tokens from it. The DeepSpeed config is
+//! of `--seq + 1` tokens from it (with `--packed-documents`, each
+//! window's documents attend only within themselves: [`zrt::packing`]).
+//! The DeepSpeed config is
 //! `examples/ds_finetune.json` unless `--config` names another. The
 //! export (`--out`) is `config.json` and safetensors files of at most
 //! `--max-shard-mb` MB, which `AutoModelForCausalLM.from_pretrained`
@@ -45,6 +47,7 @@ use zrt::collectives::{init_from_env, ProcessGroup};
 use zrt::generate::SamplingArgs;
 use zrt::hf::{eos_token_ids, HfModel, HfOptions};
 use zrt::lora::LoraConfig;
+use zrt::packing::document_positions;
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
@@ -67,6 +70,14 @@ struct Args {
     /// `DATA.mask`); without it every token counts.
     #[arg(long)]
     mask: Option<PathBuf>,
+    /// Each window's documents, each ended by the checkpoint's
+    /// `eos_token_id` (as `zrt tokenize --eos` writes them), attend only
+    /// within themselves, their positions counted from their own start,
+    /// and no document's first token is predicted from the one before
+    /// (TRL's `padding_free` packing: `zrt::packing`); in training and
+    /// in the evaluation. Without it a window is one causal sequence.
+    #[arg(long)]
+    packed_documents: bool,
     /// The DeepSpeed config.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ds_finetune.json"))]
     config: PathBuf,
@@ -369,6 +380,22 @@ fn main() -> Result<()> {
         }
         None => None,
     };
+    // The tokens that end a document, when windows are packed.
+    let packed = match a.packed_documents {
+        true => Some(eos_token_ids(&a.model)?),
+        false => None,
+    };
+    let loss_of = |x: &Tensor, mask: Option<Tensor>| -> Result<Tensor> {
+        Ok(match (&packed, mask) {
+            (Some(eos), mask) => {
+                let positions = document_positions(x, eos);
+                model.loss_packed(x, &positions, mask.as_ref())?
+            }
+            // The loss over the completions' tokens only.
+            (None, Some(mask)) => model.loss_masked(x, &mask),
+            (None, None) => model.loss(x),
+        })
+    };
     let sampling = a.sampling.sampling(&a.model, a.seed as u64)?;
     tch::manual_seed(a.seed);
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
@@ -487,10 +514,7 @@ fn main() -> Result<()> {
                 Tensor::from_slice(&ids).view([chunk.len() as i64, len as i64])
             };
             let x = rows(held_out);
-            let loss = tch::no_grad(|| match mask {
-                Some(mask) => model.loss_masked(&x, &rows(mask)),
-                None => model.loss(&x),
-            });
+            let loss = tch::no_grad(|| loss_of(&x, mask.as_ref().map(rows)))?;
             let loss = loss.to_kind(Kind::Double);
             sum += loss.double_value(&[]) * chunk.len() as f64;
         }
@@ -552,11 +576,7 @@ fn main() -> Result<()> {
                 Tensor::from_slice(&ids).view([batch.micro as i64, a.seq as i64 + 1])
             };
             let x = windows(&data);
-            let loss = match &mask {
-                // The loss over the completions' tokens only.
-                Some(mask) => model.loss_masked(&x, &windows(mask)),
-                None => model.loss(&x),
-            };
+            let loss = loss_of(&x, mask.as_ref().map(windows))?;
             engine.backward(&loss)?;
             loss_sum += loss.to_kind(Kind::Double).double_value(&[]);
             engine.step()?;

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use tch::nn::Module;
 use tch::Tensor;
 
-use crate::kv_cache::{causal_attention, Decoding, LayerCache};
+use crate::kv_cache::{causal_attention, document_attention, Decoding, LayerCache};
 use crate::lora::{Adapted, EmbeddingAdapter, LoraConfig, TrainableTokens};
+use crate::packing::Documents;
 use crate::zero::activation::Checkpointed;
 use crate::zero::{ShardPlan, ShardedModule};
 
@@ -103,6 +104,10 @@ pub(crate) fn fused_causal_attention(
         .view([b, t, 3, heads, d / heads])
         .permute([2, 0, 3, 1, 4]);
     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+    if let Some(docs) = cache.and_then(LayerCache::documents) {
+        let a = document_attention(&q, &k, &v, &docs.visible, dropout, false);
+        return a.transpose(1, 2).contiguous().view([b, t, d]);
+    }
     let (offset, (k, v)) = match cache {
         Some(c) => (c.offset(), c.extend(k, v)),
         None => (0, (k, v)),
@@ -383,8 +388,15 @@ impl<L: Module + 'static> Decoder<L> {
     }
 
     /// Logits for token ids, the embeddings dropped out at
-    /// `embed_dropout` when training.
-    pub(crate) fn forward(&self, tokens: &Tensor, embed_dropout: f64) -> Tensor {
+    /// `embed_dropout` when training; the tokens packed in `documents`
+    /// when given, else one causal sequence a row.
+    pub(crate) fn forward(
+        &self,
+        tokens: &Tensor,
+        embed_dropout: f64,
+        documents: Option<Documents>,
+    ) -> Tensor {
+        self.decoding.set_documents(documents);
         let x = self.ends.embed(tokens);
         let mut x = self.training.dropout(x, embed_dropout);
         for l in &self.layers {

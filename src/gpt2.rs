@@ -50,6 +50,7 @@ use crate::blocks::{
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
+use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// Sizes of a [`Gpt2`], Hugging Face's `GPT2Config` fields.
@@ -391,13 +392,22 @@ impl Gpt2 {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_in(tokens, None)
+    }
+
+    /// As [`Self::forward`], the tokens packed in `documents` when given
+    /// ([`crate::hf::HfModel::forward_packed`]): each token's position
+    /// embedding is its position in its document.
+    pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         let t = tokens.size().get(1).copied().unwrap_or(1);
         // Generating with a cache: these tokens come after those it holds.
         let opts = (Kind::Int64, tokens.device());
-        let pos = match self.decoding.offset() {
-            0 => Tensor::arange(t, opts),
-            o => Tensor::arange_start(o, o + t, opts),
+        let pos = match (&documents, self.decoding.offset()) {
+            (Some(d), _) => d.positions.shallow_clone(),
+            (None, 0) => Tensor::arange(t, opts),
+            (None, o) => Tensor::arange_start(o, o + t, opts),
         };
+        self.decoding.set_documents(documents);
         let x = self.wte.forward(tokens) + self.wpe.forward(&pos);
         let mut x = self.training.dropout(x, self.cfg.embd_dropout);
         for b in &self.blocks {

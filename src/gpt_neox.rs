@@ -49,6 +49,7 @@ use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::llama::{rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::lora::{Adapted, LoraConfig};
+use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`GptNeox`], Hugging Face's `GPTNeoXConfig` fields.
@@ -430,7 +431,14 @@ impl GptNeox {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        self.decoder.forward(tokens, self.cfg.hidden_dropout)
+        self.forward_in(tokens, None)
+    }
+
+    /// As [`Self::forward`], the tokens packed in `documents` when given
+    /// ([`crate::hf::HfModel::forward_packed`]).
+    pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
+        self.decoder
+            .forward(tokens, self.cfg.hidden_dropout, documents)
     }
 
     /// `GPTNeoXForCausalLM`'s loss with `labels = tokens`

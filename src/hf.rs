@@ -13,6 +13,7 @@ use tch::{Kind, Tensor};
 use crate::gpt2::{Gpt2, Gpt2Config};
 use crate::gpt_neox::{GptNeox, GptNeoxConfig};
 use crate::llama::{Family, Llama, LlamaConfig};
+use crate::packing::Documents;
 use crate::phi::{Phi, PhiConfig};
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
@@ -53,6 +54,10 @@ pub enum HfError {
     /// its base ([`crate::lora`]).
     #[error("LoRA: {0}")]
     Lora(String),
+    /// Positions [`HfModel::forward_packed`] cannot run packed documents
+    /// with ([`crate::packing`]).
+    #[error("packed documents: {0}")]
+    Packed(String),
 }
 
 /// How [`HfModel::from_pretrained_with`] builds a model.
@@ -347,6 +352,59 @@ impl HfModel {
             Self::Phi(m) => m.forward(tokens),
             Self::Llama(m) => m.forward(tokens),
         }
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` packed
+    /// in documents ([`crate::packing`]): `positions` (`[batch, seq]`,
+    /// int64) count each token's place in its document, a new document
+    /// beginning wherever a position is not one more than the one before
+    /// it ([`crate::packing::document_positions`] makes them from the
+    /// end-of-sequence tokens). Each token attends to the tokens of its
+    /// own document up to itself (within its layer's sliding window) and
+    /// is turned, or embedded, at its position: what `transformers`
+    /// computes given `position_ids` and no attention mask. A
+    /// checkpointed layer's recompute in backward sees the documents of
+    /// the model's last forward: run backward before another forward.
+    /// Positions of another shape or type, negative ones, and past
+    /// GPT-2's `n_positions` are refused.
+    pub fn forward_packed(&self, tokens: &Tensor, positions: &Tensor) -> Result<Tensor, HfError> {
+        let documents = Documents::new(tokens, positions)?;
+        Ok(match self {
+            Self::Gpt2(m) => {
+                let most = m.config().positions;
+                if documents.longest > most {
+                    return Err(HfError::Packed(format!(
+                        "a position is {}, past GPT-2's n_positions {most}: its documents are longer than it was trained for",
+                        documents.longest - 1
+                    )));
+                }
+                m.forward_in(tokens, Some(documents))
+            }
+            Self::GptNeox(m) => m.forward_in(tokens, Some(documents)),
+            Self::Phi(m) => m.forward_in(tokens, Some(documents)),
+            Self::Llama(m) => m.forward_in(tokens, Some(documents)),
+        })
+    }
+
+    /// The causal-LM loss of [`HfModel::forward_packed`]'s logits, over
+    /// the tokens `mask` marks (nonzero; all without one) but the first
+    /// token of every document after the row's first: no document's
+    /// first token is predicted from the end of the one before it,
+    /// as `DataCollatorWithFlattening`'s labels leave them out
+    /// ([`causal_lm_loss_masked`]).
+    pub fn loss_packed(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor, HfError> {
+        let logits = self.forward_packed(tokens, positions)?;
+        let counted = crate::packing::document_starts(positions).logical_not();
+        let counted = match mask {
+            Some(m) => counted.logical_and(&m.ne(0)),
+            None => counted,
+        };
+        Ok(causal_lm_loss_masked(&logits, tokens, &counted))
     }
 
     /// The causal-LM loss with `labels = tokens` ([`causal_lm_loss`]).

@@ -10,6 +10,12 @@
 //!
 //! Training and plain forwards never see it: it is off unless a
 //! generation switched it on.
+//!
+//! The [`Decoding`] also carries what a forward of packed documents
+//! ([`crate::packing`]) tells every layer: each token's position in its
+//! document and which keys each query sees. It stays in force until the
+//! next forward, so that a checkpointed layer's recompute in backward
+//! sees the documents its forward saw.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -17,7 +23,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tch::{Kind, Tensor};
 
-use crate::llama::{rope_from, Rotary};
+use crate::llama::{rope_at, rope_from, Rotary};
+use crate::packing::Documents;
 
 /// One model's switch, the tokens its layers' caches hold, and the caches.
 #[derive(Debug)]
@@ -31,6 +38,8 @@ pub(crate) struct Decoding {
     /// Per layer, the keys (after any rotary turn) and values so far,
     /// `[batch, kv_heads, seq, head_dim]`.
     slots: Mutex<Vec<Option<(Tensor, Tensor)>>>,
+    /// The last forward's packed documents, if it was given any.
+    documents: Mutex<Option<Documents>>,
 }
 
 impl Decoding {
@@ -41,7 +50,20 @@ impl Decoding {
             offset: AtomicI64::new(0),
             longest: AtomicI64::new(i64::MAX),
             slots: Mutex::new(Vec::new()),
+            documents: Mutex::new(None),
         })
+    }
+
+    /// Sets the documents this forward's tokens are packed in (`None`: a
+    /// plain causal forward), for every layer; they hold until the next
+    /// forward sets others, through a checkpointed layer's recompute.
+    pub(crate) fn set_documents(&self, documents: Option<Documents>) {
+        *self.documents.lock() = documents;
+    }
+
+    /// The documents the last forward ran with, if any.
+    pub(crate) fn documents(&self) -> Option<Documents> {
+        self.documents.lock().as_ref().map(Documents::shared)
     }
 
     /// Starts a generation that runs to at most `longest` tokens (the
@@ -115,6 +137,12 @@ impl LayerCache {
         self.decoding.offset()
     }
 
+    /// The documents this forward's tokens are packed in (see
+    /// [`Decoding::documents`]).
+    pub(crate) fn documents(&self) -> Option<Documents> {
+        self.decoding.documents()
+    }
+
     /// Causal attention of `q`, `k` and `v` (`[batch, heads, seq,
     /// head_dim]`, not yet turned) through this cache: the queries and
     /// keys turned by `rotary` at the positions after the cache's, the
@@ -126,6 +154,10 @@ impl LayerCache {
         dropout: f64,
         grouped: bool,
     ) -> Tensor {
+        if let Some(d) = self.documents() {
+            let (q, k) = (rope_at(&q, rotary, &d), rope_at(&k, rotary, &d));
+            return document_attention(&q, &k, &v, &d.visible, dropout, grouped);
+        }
         let offset = self.offset();
         let (q, k) = (rope_from(&q, rotary, offset), rope_from(&k, rotary, offset));
         let (k, v) = self.extend(k, v);
@@ -176,6 +208,21 @@ pub(crate) fn causal_attention(
         (i.unsqueeze(1) - j.unsqueeze(0)).ge(0)
     });
     Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, offset == 0, None, grouped)
+}
+
+/// Attention of `q` over `k` and `v` (`[batch, heads, seq, hd]`) where
+/// `visible` (`[batch, 1, seq, seq]`, [`Documents::visible`]) says which
+/// keys each query sees: packed documents, each causal within itself.
+pub(crate) fn document_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    visible: &Tensor,
+    dropout: f64,
+    grouped: bool,
+) -> Tensor {
+    let mask = Some(visible.shallow_clone());
+    Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, false, None, grouped)
 }
 
 #[cfg(test)]

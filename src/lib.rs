@@ -16,6 +16,8 @@
 //! Mistral, Qwen, Gemma, Phi-3 and the others of its family); [`tokenize`] turns text into the token files the
 //! examples train on, with a checkpoint's own tokenizer, and
 //! [`chat_template`] renders conversations with its chat template;
+//! [`packing`] has the documents packed in one window attend only within
+//! themselves;
 //! [`generate`] continues a prompt. [`stop`] ends a
 //! training loop after a step, with a checkpoint, when the job is asked to
 //! stop (a scheduler's SIGTERM, Ctrl-C).
@@ -71,6 +73,7 @@ pub mod hf;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
+pub mod packing;
 pub mod phi;
 pub mod stop;
 #[cfg(feature = "tokenize")]

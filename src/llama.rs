@@ -58,6 +58,7 @@ use crate::blocks::{layer_norm, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
+use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
@@ -2211,15 +2212,30 @@ fn yarn_inv_freq(
 /// rest pass as they are. `x`'s positions start at `offset` (the tokens
 /// a generation's cache holds before it; 0 without one).
 pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
-    let (t, hd) = (x.size()[2], x.size()[3]);
-    let inv_freq = &rotary.inv_freq(offset + t);
-    let rd = 2 * inv_freq.size()[0];
+    let t = x.size()[2];
     let opts = (Kind::Float, x.device());
     let positions = match offset {
         0 => Tensor::arange(t, opts),
         o => Tensor::arange_start(o, o + t, opts),
     };
-    let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
+    rope(x, rotary, &rotary.inv_freq(offset + t), &positions)
+}
+
+/// As [`rope_from`], each token of `x` `[batch, heads, seq, head_dim]`
+/// turned at its position in its packed document (`documents`), the
+/// frequencies those of the longest position's length, as `transformers`
+/// turns at `position_ids`.
+pub(crate) fn rope_at(x: &Tensor, rotary: &Rotary, documents: &Documents) -> Tensor {
+    let positions = documents.positions.to_kind(Kind::Float).unsqueeze(1);
+    rope(x, rotary, &rotary.inv_freq(documents.longest), &positions)
+}
+
+/// The rotary embedding of `x` at `positions` (`[seq]`, or `[batch, 1,
+/// seq]` for each row its own), fp32, with inverse frequencies `inv_freq`.
+fn rope(x: &Tensor, rotary: &Rotary, inv_freq: &Tensor, positions: &Tensor) -> Tensor {
+    let hd = x.size()[3];
+    let rd = 2 * inv_freq.size()[0];
+    let freqs = positions.unsqueeze(-1) * inv_freq;
     if rotary.interleaved {
         return rope_interleaved(x, &freqs, rotary.scale);
     }
@@ -2301,15 +2317,17 @@ impl Module for Layer {
         };
         // Generating with a cache: these tokens come after `offset`.
         let offset = self.cache.offset();
-        let turned = |x: Tensor| match &self.rotary {
-            Some(rotary) => rope_from(&x, rotary, offset),
-            None => x,
+        let documents = self.cache.documents();
+        let turned = |x: Tensor| match (&self.rotary, &documents) {
+            (Some(rotary), Some(d)) => rope_at(&x, rotary, d),
+            (Some(rotary), None) => rope_from(&x, rotary, offset),
+            (None, _) => x,
         };
         let q = turned(heads(q, c.heads, qn));
         let k = turned(heads(k, c.kv_heads, kn));
         let v = heads(v, c.kv_heads, None);
         let (k, v) = self.cache.extend(k, v);
-        let a = self.attention(&q, &k, &v, offset);
+        let a = self.attention(&q, &k, &v, offset, documents.as_ref());
         let a = a
             .transpose(1, 2)
             .contiguous()
@@ -2361,8 +2379,16 @@ impl Layer {
     /// over `k` and `v` (`kv_heads` heads), in the layer's window,
     /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
     /// scores are soft-capped (Gemma 2), `transformers`' eager attention
-    /// operation for operation (the fused kernel cannot cap them).
-    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, offset: i64) -> Tensor {
+    /// operation for operation (the fused kernel cannot cap them). Packed
+    /// `documents` each attend within themselves (and their window).
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: i64,
+        documents: Option<&Documents>,
+    ) -> Tensor {
         let c = &self.cfg;
         let t = q.size()[2];
         // Within a sliding window shorter than the sequence, a token sees
@@ -2383,10 +2409,15 @@ impl Layer {
         let dropout = self.training.attention(c.attention_dropout);
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         let Some(cap) = c.attn_softcap else {
-            // A cache's keys reach back past the queries: an explicit mask.
-            let window = match offset {
-                0 => self.window.filter(|&w| w < t).map(visible),
-                _ => Some(visible(self.window.unwrap_or(offset + t + 1))),
+            // A cache's keys reach back past the queries, packed documents
+            // see only themselves: an explicit mask.
+            let window = match (documents, offset) {
+                (Some(d), _) => Some(match self.window.filter(|&w| w < t) {
+                    Some(w) => d.visible.logical_and(&visible(w)),
+                    None => d.visible.shallow_clone(),
+                }),
+                (None, 0) => self.window.filter(|&w| w < t).map(visible),
+                (None, _) => Some(visible(self.window.unwrap_or(offset + t + 1))),
             };
             let causal = window.is_none();
             let grouped = c.kv_heads != c.heads;
@@ -2403,6 +2434,10 @@ impl Layer {
         let scores = q.matmul(&k.transpose(2, 3)) * scale;
         let scores = (scores / cap).tanh() * cap;
         let visible = visible(self.window.unwrap_or(offset + t + 1));
+        let visible = match documents {
+            Some(d) => d.visible.logical_and(&visible),
+            None => visible,
+        };
         let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
         let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
         self.training
@@ -2521,6 +2556,13 @@ impl Llama {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_in(tokens, None)
+    }
+
+    /// As [`Self::forward`], the tokens packed in `documents` when given
+    /// ([`crate::hf::HfModel::forward_packed`]).
+    pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
+        self.decoding.set_documents(documents);
         let embedded = self.ends.embed(tokens);
         let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
             (false, 1.0) => embedded,

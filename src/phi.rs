@@ -47,6 +47,7 @@ use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::llama::{pad_token, rope_scaling, rotary_dim, Activation, RopeScaling, Rotary};
 use crate::lora::{Adapted, LoraConfig};
+use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan};
 
 /// Sizes of a [`Phi`], Hugging Face's `PhiConfig` fields.
@@ -432,7 +433,14 @@ impl Phi {
 
     /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        self.decoder.forward(tokens, self.cfg.embd_dropout)
+        self.forward_in(tokens, None)
+    }
+
+    /// As [`Self::forward`], the tokens packed in `documents` when given
+    /// ([`crate::hf::HfModel::forward_packed`]).
+    pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
+        self.decoder
+            .forward(tokens, self.cfg.embd_dropout, documents)
     }
 
     /// `PhiForCausalLM`'s loss with `labels = tokens`

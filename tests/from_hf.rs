@@ -836,6 +836,107 @@ pub(crate) fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
     (out.status.success(), said)
 }
 
+/// `finetune_hf --packed-documents`: the held-out loss before training
+/// is `transformers`' over the same windows given each window's
+/// documents (ended by the config's `eos_token_id`) as `position_ids`,
+/// each document's first label left out, and not the unpacked loss.
+#[cfg(feature = "tokenize")]
+#[test]
+fn the_finetune_example_packs_documents_when_told() {
+    let case = case("llama");
+    let dir = scratch("finetune-packed");
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    // Ids below 96 with the end token (Llama's config: 2) every 5 to 9.
+    let ids: Vec<u16> = (0..400u32)
+        .map(|i| match i % 7 == 3 || i % 11 == 8 {
+            true => 2,
+            false => 3 + ((i.wrapping_mul(2_654_435_761) >> 7) % 93) as u16,
+        })
+        .collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let data = dir.join("data.bin");
+    std::fs::write(&data, &bytes).unwrap();
+    // Each rank evaluates one window of 17: the file's first two.
+    let script = format!(
+        r#"{model}
+m.eval()
+ids = torch.tensor({first:?}).view(2, 17)
+pos = torch.zeros_like(ids)
+for r in range(2):
+    p = 0
+    for c in range(17):
+        pos[r, c] = p
+        p = 0 if ids[r, c] == 2 else p + 1
+with torch.no_grad():
+    packed = [m(ids[r:r + 1], position_ids=pos[r:r + 1], use_cache=False,
+                labels=ids[r:r + 1].masked_fill(pos[r:r + 1] == 0, -100)).loss for r in range(2)]
+    plain = [m(ids[r:r + 1], labels=ids[r:r + 1]).loss for r in range(2)]
+print(sum(packed).item() / 2, sum(plain).item() / 2)
+"#,
+        first = &ids[..34]
+    );
+    let said = common::python(&script);
+    let theirs: Vec<f64> = said
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let ds = dir.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}}"#,
+    )
+    .unwrap();
+    let hf = dir.join("hf");
+    let eval = |packed: bool| {
+        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data"]
+            .into_iter()
+            .zip([&hf, &data, &data])
+            .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
+            .collect();
+        args.extend(
+            ["--config"]
+                .map(std::ffi::OsStr::new)
+                .into_iter()
+                .chain([ds.as_os_str()]),
+        );
+        let more = [
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--eval-windows",
+            "1",
+            "--no-dropout",
+        ];
+        args.extend(more.map(std::ffi::OsStr::new));
+        if packed {
+            args.push(std::ffi::OsStr::new("--packed-documents"));
+        }
+        let (ok, said) = finetune(&args);
+        assert!(ok, "{said}");
+        let line = (said
+            .lines()
+            .find_map(|l| l.split_once("eval  after     0 steps  loss ")))
+        .unwrap_or_else(|| panic!("{said}"));
+        line.1
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    for (packed, want) in [(true, theirs[0]), (false, theirs[1])] {
+        let got = eval(packed);
+        assert!(
+            (got - want).abs() < 1e-5 * want,
+            "packed {packed}: zrt {got}, transformers {want}"
+        );
+    }
+    assert!((theirs[0] - theirs[1]).abs() > 1e-3, "{theirs:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // The example needs the `tokenize` feature (its `--prompt`).
 #[cfg(feature = "tokenize")]
 #[test]
@@ -1333,6 +1434,127 @@ save_file(out, "{dir}/reference.safetensors")
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rows of several documents, given positions that restart at each
+/// (`document_positions` after the end token), compute what
+/// `transformers` computes given those `position_ids`, no attention
+/// mask and no cache, and train as it trains with each document's first label left
+/// out (`DataCollatorWithFlattening`'s): logits, and each of three AdamW
+/// steps' loss, with every layer's activations recomputed in backward
+/// (whose recompute must see the documents), at stage 3. The layouts:
+/// GPT-2 (learned positions), GPT-NeoX and Phi (their own rotary
+/// attention), Llama, sliding windows (Mistral; Gemma 2, eager and
+/// soft-capped; Gemma 3), LongRoPE, whose factors follow the longest
+/// document, not the row (Phi-3 past its pretrained length as a row,
+/// within it as documents), and Cohere's interleaved turn.
+#[test]
+fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
+    const EOS: i64 = 1;
+    for name in [
+        "gpt2",
+        "gpt-neox",
+        "phi-qk-norm",
+        "llama",
+        "mistral",
+        "gemma2",
+        "gemma3",
+        "phi3-long",
+        "cohere",
+    ] {
+        let case = case(name);
+        let dir = scratch(&format!("hf-packed-{name}"));
+        let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+        common::python(&format!(
+            r#"{model}
+tokens = torch.randint(2, 96, ({MICRO}, {SEQ}))
+# Documents of 5, 7 and 4 tokens; of 7, 1 and 8.
+for r, c in ((0, 4), (0, 11), (1, 6), (1, 7)):
+    tokens[r, c] = {EOS}
+pos = torch.zeros_like(tokens)
+for r in range({MICRO}):
+    p = 0
+    for c in range({SEQ}):
+        pos[r, c] = p
+        p = 0 if tokens[r, c] == {EOS} else p + 1
+labels = tokens.masked_fill(pos == 0, -100)
+with torch.no_grad():
+    plain = m(tokens).logits
+opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})
+losses = []
+for s in range({STEPS}):
+    # Without a cache: transformers looks for documents in the
+    # positions only when it has none (in training with gradient
+    # checkpointing, or told; flash attention's varlen path always).
+    out = m(tokens, position_ids=pos, labels=labels, use_cache=False)
+    if s == 0:
+        logits = out.logits.detach()
+    losses.append(out.loss.detach())
+    opt.zero_grad()
+    out.loss.backward()
+    opt.step()
+save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
+           "plain": plain.contiguous(), "losses": torch.stack(losses).double()}},
+          "{dir}/packed.safetensors")
+"#,
+            dir = dir.display()
+        ));
+        let want = Tensor::read_safetensors(dir.join("packed.safetensors")).unwrap();
+        let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+        let ints = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+        let (tokens, positions) = (ints(get("tokens")), ints(get("positions")));
+        let hf = dir.join("hf");
+        let (made, first, losses) = on_ranks(1, |r| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let plan = ShardPlan::new();
+            let options = HfOptions {
+                checkpoint_activations: true,
+                ..Default::default()
+            };
+            let (model, _) = {
+                let _g = common::rng_lock();
+                HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap()
+            };
+            let group = r.new_group(&[0]).unwrap();
+            let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            let x = Tensor::from_slice(&tokens).view([MICRO, SEQ]);
+            let made = zrt::packing::document_positions(&x, &[EOS]);
+            let p = Tensor::from_slice(&positions).view([MICRO, SEQ]);
+            let first = tch::no_grad(|| model.forward_packed(&x, &p).unwrap());
+            let losses: Vec<f64> = (0..STEPS)
+                .map(|_| {
+                    let loss = model.loss_packed(&x, &p, None).unwrap();
+                    e.backward(&loss).unwrap();
+                    e.step().unwrap();
+                    loss.double_value(&[])
+                })
+                .collect();
+            let first = Vec::<f32>::try_from(first.flatten(0, -1)).unwrap();
+            (ints(made), first, losses)
+        })
+        .remove(0);
+        assert_eq!(made, positions, "{name}: document_positions");
+        let (logits, plain) = (get("logits"), get("plain"));
+        let first = Tensor::from_slice(&first).view_as(&logits);
+        let scale = logits.abs().max().double_value(&[]).max(1.0);
+        let diff = (&first - &logits).abs().max().double_value(&[]);
+        assert!(diff < 1e-5 * scale, "{name}: logits differ by {diff}");
+        // The documents changed what transformers computes: the test
+        // compares packed attention, not a plain forward twice.
+        let moved = (&plain - &logits).abs().max().double_value(&[]);
+        assert!(moved > 1e-3, "{name}: packed logits are the plain ones");
+        let want = get("losses");
+        for (s, got) in losses.iter().enumerate() {
+            let w = want.double_value(&[s as i64]);
+            assert!(
+                (got - w).abs() < 1e-5 * w.abs(),
+                "{name}, step {s}: loss {got}, transformers {w}"
+            );
+        }
+        assert!(losses[2] < losses[0] - 1e-3, "{name}: {losses:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// The checkpoint at `hf` on rank `r` of 2 at stage 3, and its engine

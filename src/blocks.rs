@@ -12,7 +12,7 @@ use tch::Tensor;
 use crate::kv_cache::{causal_attention, document_attention, Decoding, LayerCache};
 use crate::lora::{Adapted, EmbeddingAdapter, LoraConfig, TrainableTokens};
 use crate::packing::Documents;
-use crate::zero::activation::Checkpointed;
+use crate::zero::activation::{Capture, Checkpointed, Replay, Restore};
 use crate::zero::{ShardPlan, ShardedModule};
 
 /// A block, plain or checkpointed.
@@ -27,6 +27,20 @@ impl<B: Module + 'static> Run<B> {
     pub(crate) fn new(block: B, checkpointed: bool) -> Self {
         match checkpointed {
             true => Run::Checkpointed(Checkpointed::new(block)),
+            false => Run::Plain(Box::new(block)),
+        }
+    }
+
+    /// As [`Run::new`], a checkpointed block's recompute seeing the
+    /// dropout switch and the packed documents its forward saw, though
+    /// the program changed them before backward.
+    pub(crate) fn with_state(
+        block: B,
+        checkpointed: bool,
+        (training, decoding): (&Training, &Arc<Decoding>),
+    ) -> Self {
+        match checkpointed {
+            true => Run::Checkpointed(Checkpointed::with_context(block, state(training, decoding))),
             false => Run::Plain(Box::new(block)),
         }
     }
@@ -47,6 +61,28 @@ impl<B: Module + 'static> Module for Run<B> {
             Run::Checkpointed(b) => b.forward(x),
         }
     }
+}
+
+/// What the layers of these models read besides their input: whether
+/// dropout is on, and the documents a forward's rows pack. Taken when a
+/// checkpointed layer's forward runs, put back around its recompute.
+fn state(training: &Training, decoding: &Arc<Decoding>) -> Capture {
+    let (training, decoding) = (training.clone(), decoding.clone());
+    Arc::new(move || {
+        let (on, documents) = (training.on(), decoding.documents());
+        let (training, decoding) = (training.clone(), decoding.clone());
+        let replay: Replay = Box::new(move || {
+            let was = (training.on(), decoding.documents());
+            training.set(on);
+            decoding.set_documents(documents.as_ref().map(Documents::shared));
+            let (training, decoding) = (training.clone(), decoding.clone());
+            Restore::new(move || {
+                training.set(was.0);
+                decoding.set_documents(was.1);
+            })
+        });
+        replay
+    })
 }
 
 /// Whether a model trains with dropout (PyTorch's `model.train()` and
@@ -364,7 +400,8 @@ impl<L: Module + 'static> Decoder<L> {
         let layers = (0..count)
             .map(|i| {
                 let lp = layers / i;
-                let run = Run::new(layer(&lp, &training, &decoding), checkpointed);
+                let layer = layer(&lp, &training, &decoding);
+                let run = Run::with_state(layer, checkpointed, (&training, &decoding));
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
@@ -404,5 +441,54 @@ impl<L: Module + 'static> Decoder<L> {
         }
         self.decoding.advance(tokens);
         self.ends.head(&self.final_norm.forward(&x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parking_lot::Mutex;
+    use tch::{Device, Kind};
+
+    /// Doubles its input, noting what of its model's state each call saw:
+    /// dropout on, and documents given.
+    #[derive(Debug)]
+    struct Notes {
+        training: Training,
+        decoding: Arc<Decoding>,
+        seen: Arc<Mutex<Vec<(bool, bool)>>>,
+    }
+
+    impl Module for Notes {
+        fn forward(&self, x: &Tensor) -> Tensor {
+            let d = self.decoding.documents().is_some();
+            self.seen.lock().push((self.training.on(), d));
+            x * 2.0
+        }
+    }
+
+    #[test]
+    fn a_recompute_sees_the_switch_and_documents_its_forward_saw() {
+        let (training, decoding) = (Training::default(), Decoding::new());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let notes = Notes {
+            training: training.clone(),
+            decoding: decoding.clone(),
+            seen: seen.clone(),
+        };
+        let run = Run::with_state(notes, true, (&training, &decoding));
+        let tokens = Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu));
+        let positions = Tensor::from_slice(&[0i64, 1, 0]).view([1, 3]);
+        training.set(true);
+        decoding.set_documents(Some(Documents::new(&tokens, &positions).unwrap()));
+        let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = run.forward(&x);
+        // An evaluation between forward and backward.
+        training.set(false);
+        decoding.set_documents(None);
+        y.sum(Kind::Float).backward();
+        assert_eq!(*seen.lock(), [(true, true), (true, true)]);
+        // What the program set is back after the recompute.
+        assert!(!training.on() && decoding.documents().is_none());
     }
 }

@@ -357,7 +357,7 @@ impl Gpt2 {
             .map(|i| {
                 let bp = p / "h" / i;
                 let block = Block::new(&bp, cfg, (&training, &decoding), lora);
-                let run = Run::new(block, checkpointed);
+                let run = Run::with_state(block, checkpointed, (&training, &decoding));
                 ShardedModule::new(plan, &bp, run)
             })
             .collect();

@@ -362,9 +362,9 @@ impl HfModel {
     /// end-of-sequence tokens). Each token attends to the tokens of its
     /// own document up to itself (within its layer's sliding window) and
     /// is turned, or embedded, at its position: what `transformers`
-    /// computes given `position_ids` and no attention mask. A
-    /// checkpointed layer's recompute in backward sees the documents of
-    /// the model's last forward: run backward before another forward.
+    /// computes given `position_ids`, no attention mask and no cache
+    /// (`use_cache=False`). A checkpointed layer's recompute in backward
+    /// sees the documents its forward saw, whatever ran between.
     /// Positions of another shape or type, negative ones, and past
     /// GPT-2's `n_positions` are refused.
     pub fn forward_packed(&self, tokens: &Tensor, positions: &Tensor) -> Result<Tensor, HfError> {

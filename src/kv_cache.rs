@@ -13,9 +13,9 @@
 //!
 //! The [`Decoding`] also carries what a forward of packed documents
 //! ([`crate::packing`]) tells every layer: each token's position in its
-//! document and which keys each query sees. It stays in force until the
-//! next forward, so that a checkpointed layer's recompute in backward
-//! sees the documents its forward saw.
+//! document and which keys each query sees, until the next forward; a
+//! checkpointed layer takes them with its forward and puts them back for
+//! its recompute (`blocks::Run::with_state`).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -55,8 +55,8 @@ impl Decoding {
     }
 
     /// Sets the documents this forward's tokens are packed in (`None`: a
-    /// plain causal forward), for every layer; they hold until the next
-    /// forward sets others, through a checkpointed layer's recompute.
+    /// plain causal forward), for every layer, until the next forward
+    /// sets others.
     pub(crate) fn set_documents(&self, documents: Option<Documents>) {
         *self.documents.lock() = documents;
     }

@@ -2522,7 +2522,7 @@ impl Llama {
             .map(|i| {
                 let lp = &m / "layers" / i;
                 let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
-                let run = Run::new(layer, checkpointed);
+                let run = Run::with_state(layer, checkpointed, (&training, &decoding));
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();

@@ -213,6 +213,77 @@ fn a_checkpointed_module_t_keeps_its_train_flag_for_the_recompute() {
     });
 }
 
+/// A linear layer whose output is scaled by state of its model (a shared
+/// number the program may change between forward and backward).
+#[derive(Debug)]
+struct Scaled {
+    a: nn::Linear,
+    scale: Arc<std::sync::atomic::AtomicI64>,
+}
+
+impl Module for Scaled {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let s = self.scale.load(Ordering::SeqCst) as f64;
+        self.a.forward(x).tanh() * s
+    }
+}
+
+/// A checkpointed module's recompute runs under the state its forward
+/// saw when a `Capture` takes it, though the program changed it between
+/// forward and backward: the plain module's gradients, to the bit, and
+/// the state the program set afterwards. Without one the recompute reads
+/// the changed state, and the gradients differ.
+#[test]
+fn a_recompute_sees_the_model_state_its_forward_saw_when_captured() {
+    use std::sync::atomic::AtomicI64;
+    use zrt::zero::activation::{Capture, Replay, Restore};
+    let _serial = serial();
+    seeded(|| {
+        // Seeded alike: the same weights every time.
+        let make = || {
+            tch::manual_seed(0);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let a = nn::linear(vs.root() / "a", 8, 8, Default::default());
+            let scale = Arc::new(AtomicI64::new(2));
+            (
+                vs,
+                Scaled {
+                    a,
+                    scale: scale.clone(),
+                },
+                scale,
+            )
+        };
+        // Forward at scale 2, backward after the program set it to 5.
+        let step = |vs: &nn::VarStore, f: &dyn Fn(&Tensor) -> Tensor, scale: &AtomicI64| {
+            scale.store(2, Ordering::SeqCst);
+            let y = f(&mlp_input());
+            scale.store(5, Ordering::SeqCst);
+            (&y * &y).sum(Kind::Float).backward();
+            grads(vs)
+        };
+        let (vs, m, scale) = make();
+        let want = step(&vs, &|x| m.forward(x), &scale);
+        let (vs, m, scale) = make();
+        let shared = scale.clone();
+        let capture: Capture = Arc::new(move || {
+            let (seen, s) = (shared.load(Ordering::SeqCst), shared.clone());
+            let replay: Replay = Box::new(move || {
+                let was = s.swap(seen, Ordering::SeqCst);
+                let s = s.clone();
+                Restore::new(move || s.store(was, Ordering::SeqCst))
+            });
+            replay
+        });
+        let c = Checkpointed::with_context(m, capture);
+        assert_eq!(step(&vs, &|x| c.forward(x), &scale), want);
+        assert_eq!(scale.load(Ordering::SeqCst), 5, "the state put back");
+        let (vs, m, scale) = make();
+        let c = Checkpointed::new(m);
+        assert_ne!(step(&vs, &|x| c.forward(x), &scale), want);
+    });
+}
+
 #[test]
 fn errors_in_the_forward_or_the_recompute_are_returned() {
     let _serial = serial();

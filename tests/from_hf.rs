@@ -1442,7 +1442,8 @@ save_file(out, "{dir}/reference.safetensors")
 /// mask and no cache, and train as it trains with each document's first label left
 /// out (`DataCollatorWithFlattening`'s): logits, and each of three AdamW
 /// steps' loss, with every layer's activations recomputed in backward
-/// (whose recompute must see the documents), at stage 3. The layouts:
+/// (whose recompute must see the documents, though a plain forward ran
+/// between the step's forward and its backward), at stage 3. The layouts:
 /// GPT-2 (learned positions), GPT-NeoX and Phi (their own rotary
 /// attention), Llama, sliding windows (Mistral; Gemma 2, eager and
 /// soft-capped; Gemma 3), LongRoPE, whose factors follow the longest
@@ -1525,6 +1526,9 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
             let losses: Vec<f64> = (0..STEPS)
                 .map(|_| {
                     let loss = model.loss_packed(&x, &p, None).unwrap();
+                    // A plain forward between the two: the recompute
+                    // still sees the packed forward's documents.
+                    let _ = tch::no_grad(|| model.forward(&x));
                     e.backward(&loss).unwrap();
                     e.step().unwrap();
                     loss.double_value(&[])

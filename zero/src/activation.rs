@@ -28,7 +28,15 @@
 //! DeepSpeed's own partitioning of the saved inputs, which zrt does not do
 //! (a warning says so); checkpointing itself is this wrapper, as in
 //! DeepSpeed it is the model code's call.
+//!
+//! A block that reads state of its model besides its input (whether
+//! dropout is on, which documents a row packs) reads it again when it is
+//! recomputed, in backward, after the program may have changed it; a
+//! [`Capture`] given with [`Checkpointed::with_context`] takes that state
+//! when the forward runs and puts it back around the recompute
+//! (PyTorch's `context_fn`).
 
+use std::fmt;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -36,6 +44,39 @@ use tch::{nn, Tensor};
 
 use crate::glue;
 use crate::running::{self, SegmentTrack};
+
+/// Takes the model state a checkpointed forward sees, when it runs; what
+/// it returns puts that state back around the forward's recompute.
+pub type Capture = Arc<dyn Fn() -> Replay + Send + Sync>;
+
+/// Puts a forward's state back for its recompute (and, harmlessly, for
+/// the forward itself); the [`Restore`] it returns, dropped after the
+/// recompute, puts back what was there before.
+pub type Replay = Box<dyn Fn() -> Restore + Send>;
+
+/// Undoes a [`Replay`] when dropped.
+pub struct Restore(Option<Box<dyn FnOnce()>>);
+
+impl Restore {
+    /// Runs `undo` when dropped.
+    pub fn new(undo: impl FnOnce() + 'static) -> Self {
+        Self(Some(Box::new(undo)))
+    }
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if let Some(undo) = self.0.take() {
+            undo();
+        }
+    }
+}
+
+impl fmt::Debug for Restore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Restore").finish_non_exhaustive()
+    }
+}
 
 /// A module whose forward keeps only its input, recomputing its
 /// activations in backward ([`glue::checkpoint`]).
@@ -50,6 +91,12 @@ impl<M: nn::Module + 'static> Checkpointed<M> {
     /// Wraps `inner`.
     pub fn new(inner: M) -> Self {
         Self(CheckpointedT::new(inner))
+    }
+
+    /// As [`Checkpointed::new`], each recompute running under the state
+    /// `capture` took when its forward ran (see [`Capture`]).
+    pub fn with_context(inner: M, capture: Capture) -> Self {
+        Self(CheckpointedT::with_context(inner, capture))
     }
 
     /// Runs `f` on the wrapped module (to read its fields, say).
@@ -84,6 +131,8 @@ impl<M: nn::Module + 'static> nn::Module for Checkpointed<M> {
 /// mutex makes it `Send` for that without asking `M` to be `Sync`.
 pub struct CheckpointedT<M> {
     inner: Arc<Mutex<M>>,
+    /// The model state each forward's recompute is to see.
+    context: Option<Capture>,
 }
 
 impl<M> std::fmt::Debug for CheckpointedT<M> {
@@ -97,6 +146,16 @@ impl<M: nn::ModuleT + 'static> CheckpointedT<M> {
     pub fn new(inner: M) -> Self {
         Self {
             inner: Arc::new(Mutex::new(inner)),
+            context: None,
+        }
+    }
+
+    /// As [`CheckpointedT::new`], each recompute running under the state
+    /// `capture` took when its forward ran (see [`Capture`]).
+    pub fn with_context(inner: M, capture: Capture) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(inner)),
+            context: Some(capture),
         }
     }
 
@@ -113,11 +172,16 @@ impl<M: nn::ModuleT + 'static> CheckpointedT<M> {
         // backward, and they wait for it.
         let track = Arc::new(SegmentTrack::default());
         let told = track.clone();
+        // The state this forward sees, for its recompute.
+        let replay = self.context.as_ref().map(|capture| capture());
         let (y, units) = running::segment_units(|| {
             glue::checkpoint_with(
                 &[xs],
                 move |ins| match ins {
-                    [x] => Ok(inner.lock().forward_t(x, train)),
+                    [x] => {
+                        let _restore = replay.as_ref().map(|r| r());
+                        Ok(inner.lock().forward_t(x, train))
+                    }
                     _ => Err(format!("one input expected, got {}", ins.len())),
                 },
                 move || told.recomputed(),

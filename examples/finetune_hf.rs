@@ -43,9 +43,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
-use zrt::collectives::{init_from_env, ProcessGroup};
+use zrt::collectives::{init_from_env, ProcessGroup, ReduceOp};
 use zrt::generate::SamplingArgs;
-use zrt::hf::{eos_token_ids, HfModel, HfOptions};
+use zrt::hf::{
+    causal_lm_loss_over, counted_targets, eos_token_ids, items_per_micro_step, HfModel, HfOptions,
+};
 use zrt::lora::LoraConfig;
 use zrt::packing::document_positions;
 use zrt::tokenize::HfTokenizer;
@@ -563,7 +565,9 @@ fn main() -> Result<()> {
     // Each step's windows are drawn from its number: a resumed run reads
     // what the run it goes on from would have read.
     for step in first..a.steps {
-        let mut loss_sum = 0.0;
+        // The step's micro-batches, each with its windows' documents (when
+        // packed) and the predictions its loss counts.
+        let mut micro_batches = Vec::with_capacity(batch.gas as usize);
         for micro in 0..batch.gas {
             // The micro-batch's windows of a file of `data`'s length.
             let windows = |file: &Tokens| -> Tensor {
@@ -576,14 +580,39 @@ fn main() -> Result<()> {
                 Tensor::from_slice(&ids).view([batch.micro as i64, a.seq as i64 + 1])
             };
             let x = windows(&data);
-            let loss = loss_of(&x, mask.as_ref().map(windows))?;
+            let positions = packed.as_ref().map(|eos| document_positions(&x, eos));
+            let mask = mask.as_ref().map(windows);
+            let counted = counted_targets(&x, positions.as_ref(), mask.as_ref());
+            micro_batches.push((x, positions, counted));
+        }
+        // Every counted token of the step weighs alike, however the
+        // micro-batches and ranks share them: each micro-batch's sum over
+        // the step's count (transformers' Trainer, `num_items_in_batch`
+        // counted across devices), times what the engine divides by (the
+        // ranks it averages over, the micro-steps).
+        let mine: f64 = (micro_batches.iter())
+            .map(|(_, _, c)| c.sum(Kind::Int64).int64_value(&[]) as f64)
+            .sum();
+        let items = world.all_reduce(vec![mine], ReduceOp::Sum).wait()?[0];
+        let per = items_per_micro_step(items, world.size(), batch.gas);
+        let mut loss_sum = 0.0;
+        for (x, positions, counted) in &micro_batches {
+            let logits = match positions {
+                Some(p) => model.forward_packed(x, p)?,
+                None => model.forward(x),
+            };
+            let loss = causal_lm_loss_over(&logits, x, counted, per);
             engine.backward(&loss)?;
-            loss_sum += loss.to_kind(Kind::Double).double_value(&[]);
+            loss_sum += loss.to_kind(Kind::Double).double_value(&[]) * per;
             engine.step()?;
         }
-        if rank == 0 && (step % a.print_every == 0 || step + 1 == a.steps) {
-            let mean = loss_sum / batch.gas as f64;
-            println!("step {step:>5}  loss {mean:.6}  lr {:.3e}", engine.lr());
+        if step % a.print_every == 0 || step + 1 == a.steps {
+            // The step's loss over every counted token of every rank.
+            let all = world.all_reduce(vec![loss_sum], ReduceOp::Sum).wait()?[0];
+            let mean = all / items.max(1.0);
+            if rank == 0 {
+                println!("step {step:>5}  loss {mean:.6}  lr {:.3e}", engine.lr());
+            }
         }
         let done = step + 1;
         if a.eval_every > 0 && done % a.eval_every == 0 && done < a.steps {

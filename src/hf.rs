@@ -399,11 +399,7 @@ impl HfModel {
         mask: Option<&Tensor>,
     ) -> Result<Tensor, HfError> {
         let logits = self.forward_packed(tokens, positions)?;
-        let counted = crate::packing::document_starts(positions).logical_not();
-        let counted = match mask {
-            Some(m) => counted.logical_and(&m.ne(0)),
-            None => counted,
-        };
+        let counted = counted_targets(tokens, Some(positions), mask);
         Ok(causal_lm_loss_masked(&logits, tokens, &counted))
     }
 
@@ -643,6 +639,73 @@ pub fn causal_lm_loss_masked(logits: &Tensor, tokens: &Tensor, mask: &Tensor) ->
         return flat.sum(Kind::Float) * 0.0;
     }
     flat.cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, tch::Reduction::Mean, -100, 0.0)
+}
+
+/// Which of `tokens`' (`[batch, seq]`) predictions a loss counts, by the
+/// token predicted: bool, `[batch, seq]`, never the first column (no
+/// token predicts it), elsewhere where `mask` is nonzero (everywhere
+/// without one) but, when `positions` pack documents
+/// ([`HfModel::forward_packed`]), at no document's first token: the
+/// labels `transformers` is given that are not -100.
+pub fn counted_targets(
+    tokens: &Tensor,
+    positions: Option<&Tensor>,
+    mask: Option<&Tensor>,
+) -> Tensor {
+    let counted = match positions {
+        Some(p) => crate::packing::document_starts(p).logical_not(),
+        None => tokens.ones_like().to_kind(Kind::Bool),
+    };
+    let counted = match mask {
+        Some(m) => counted.logical_and(&m.ne(0)),
+        None => counted,
+    };
+    let t = tokens.size().last().copied().unwrap_or(0);
+    // Column 0 is no prediction's target.
+    match t {
+        0 => counted,
+        _ => {
+            let none = counted.narrow(-1, 0, 1).zeros_like();
+            Tensor::cat(&[none, counted.narrow(-1, 1, t - 1)], -1)
+        }
+    }
+}
+
+/// The cross-entropies of `logits`' predictions whose targets `counted`
+/// marks ([`counted_targets`]), summed and divided by `items`:
+/// `transformers`' loss given `num_items_in_batch`, with which its
+/// `Trainer` weighs every counted token of a step alike, however the
+/// micro-batches and ranks share them (`items`, the step's count over
+/// them all). In fp32.
+pub fn causal_lm_loss_over(
+    logits: &Tensor,
+    tokens: &Tensor,
+    counted: &Tensor,
+    items: f64,
+) -> Tensor {
+    let t = tokens.size().get(1).copied().unwrap_or(2);
+    let vocab = logits.size().last().copied().unwrap_or(1);
+    let on = counted.narrow(1, 1, t - 1).ne(0);
+    let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&on.logical_not(), -100);
+    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
+    let sum =
+        flat.cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, tch::Reduction::Sum, -100, 0.0);
+    sum / items
+}
+
+/// The `items` to give [`causal_lm_loss_over`] on each micro-batch of a
+/// step so that every counted token of the step weighs alike, however
+/// its micro-batches and the ranks share them, under an engine that
+/// averages the gradients over `ranks` and divides the loss by the `gas`
+/// micro-steps (zrt's, DeepSpeed's): the step's count over every
+/// micro-batch and rank (`step_items`, at least 1), divided by both.
+/// The step's gradient is then that of the summed cross-entropies over
+/// that count: `transformers`' `Trainer` with `num_items_in_batch`
+/// counted across devices (its default), not the mean of each
+/// micro-batch's mean, which weighs a micro-batch of few counted tokens
+/// (a short completion) as much as one of many.
+pub fn items_per_micro_step(step_items: f64, ranks: usize, gas: u64) -> f64 {
+    step_items.max(1.0) / (ranks as f64 * gas as f64)
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ use common::{config_zero, on_ranks, scratch, LR, MICRO, SHARD_ALL, WD};
 use tch::nn::VarStore;
 use tch::Tensor;
 use zrt::collectives::local::{LocalGroup, LocalRank};
+use zrt::collectives::{ProcessGroup, ReduceOp};
 use zrt::generate::Sampling;
 use zrt::hf::{HfModel, HfOptions};
 use zrt::zero::{AutoHints, Engine, ExportLayout, ShardPlan};
@@ -834,6 +835,110 @@ pub(crate) fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), said)
+}
+
+/// A step whose micro-batches count different numbers of tokens (masks
+/// that leave most of one out, all of a row of another) weighs every
+/// counted token alike across its micro-batches and the ranks:
+/// `causal_lm_loss_over` with `items_per_micro_step` of the step's count,
+/// under an engine averaging over 2 ranks and 2 micro-steps, takes
+/// `transformers`' SGD step on the sum of every counted cross-entropy
+/// over their count (its `Trainer`'s `num_items_in_batch` across
+/// devices), to float rounding, and not the step of the mean of the
+/// micro-batches' means.
+#[test]
+fn a_steps_counted_tokens_weigh_alike_across_micro_batches_and_ranks() {
+    let case = case("llama");
+    let dir = scratch("hf-items");
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
+import copy
+import torch.nn.functional as F
+tokens = torch.randint(0, 96, (2, 2, {MICRO}, {SEQ}))
+masks = torch.ones_like(tokens)
+masks[0, 0, :, :13] = 0
+masks[1, 1, 0, :] = 0
+labels = tokens.masked_fill(masks == 0, -100)
+def stepped(m, per_token):
+    opt = torch.optim.SGD(m.parameters(), lr={LR}, weight_decay={WD})
+    sums, counts = [], []
+    for r in range(2):
+        for k in range(2):
+            logits = m(tokens[r, k]).logits[:, :-1].float()
+            y = labels[r, k][:, 1:]
+            sums.append(F.cross_entropy(logits.reshape(-1, 96), y.reshape(-1), reduction="sum"))
+            counts.append((y != -100).sum())
+    if per_token:
+        loss = sum(sums) / sum(counts)
+    else:
+        loss = sum(s / c for s, c in zip(sums, counts)) / 4
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return m.state_dict()
+means = stepped(copy.deepcopy(m), False)
+tokens_alike = stepped(m, True)
+out = {{"tokens": tokens, "masks": masks}}
+for k, v in tokens_alike.items():
+    out["w." + k] = v.contiguous()
+    out["means." + k] = means[k].contiguous()
+save_file(out, "{dir}/items.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let want = Tensor::read_safetensors(dir.join("items.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let ints = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+    let (tokens, masks) = (ints(get("tokens")), ints(get("masks")));
+    let hf = dir.join("hf");
+    let params = on_ranks(2, |r| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let (model, _) = {
+            let _g = common::rng_lock();
+            HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
+        };
+        let (group, counts) = (r.new_group(&[0, 1]).unwrap(), r.new_group(&[0, 1]).unwrap());
+        let ds = common::config_of("SGD", 3, 2, 0.0, "", SHARD_ALL);
+        let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let n = (MICRO * SEQ) as usize;
+        let at = |v: &[i64], k: usize| {
+            let from = (r.rank() * 2 + k) * n;
+            Tensor::from_slice(&v[from..from + n]).view([MICRO, SEQ])
+        };
+        let micro: Vec<(Tensor, Tensor)> = (0..2)
+            .map(|k| {
+                let x = at(&tokens, k);
+                let counted = zrt::hf::counted_targets(&x, None, Some(&at(&masks, k)));
+                (x, counted)
+            })
+            .collect();
+        let mine: f64 = (micro.iter())
+            .map(|(_, c)| c.sum(tch::Kind::Int64).int64_value(&[]) as f64)
+            .sum();
+        let items = counts.all_reduce(vec![mine], ReduceOp::Sum).wait().unwrap()[0];
+        let per = zrt::hf::items_per_micro_step(items, 2, 2);
+        for (x, counted) in &micro {
+            let loss = zrt::hf::causal_lm_loss_over(&model.forward(x), x, counted, per);
+            e.backward(&loss).unwrap();
+            e.step().unwrap();
+        }
+        e.gathered_params().unwrap()
+    })
+    .remove(0);
+    let (mut near, mut moved) = (0.0f64, 0.0f64);
+    for (name, got) in &params {
+        let got = Tensor::from_slice(got);
+        let (w, m) = (get(&format!("w.{name}")), get(&format!("means.{name}")));
+        let diff = |t: &Tensor| (&got - t.flatten(0, -1)).abs().max().double_value(&[]);
+        near = near.max(diff(&w));
+        moved = moved.max(diff(&m));
+    }
+    assert!(params.len() > 10, "{}", params.len());
+    assert!(near < 1e-6, "zrt's step is {near} off transformers'");
+    assert!(moved > 1e-5, "the mean of means is as near: {moved}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `finetune_hf --packed-documents`: the held-out loss before training

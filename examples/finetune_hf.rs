@@ -113,6 +113,13 @@ struct Args {
     /// `Trainer`.
     #[arg(long)]
     no_dropout: bool,
+    /// NEFTune: noise on the token embeddings while training, uniform in
+    /// ±alpha / sqrt(seq * width) (TRL's `neftune_noise_alpha`; 5 in its
+    /// paper), as `transformers` draws it; never in the evaluation or a
+    /// prompt's continuation. It needs the model in training, which
+    /// `--no-dropout` turns off.
+    #[arg(long, conflicts_with = "no_dropout", allow_negative_numbers = true)]
+    neftune_alpha: Option<f64>,
     /// libtorch's seed (dropout's masks), the same on every rank; a run
     /// that goes on from a checkpoint takes the generator's state saved
     /// there. `--do-sample` draws from it too, with a generator of its
@@ -368,6 +375,9 @@ fn main() -> Result<()> {
     tch::manual_seed(a.seed);
     let (model, layout) = HfModel::from_pretrained_with(&vs, &plan, &a.model, &options)?;
     model.set_training(!a.no_dropout);
+    if let Some(alpha) = a.neftune_alpha {
+        model.set_neftune_alpha(alpha)?;
+    }
     // The prompt's ids and what stops its continuation, read before
     // anything trains: a checkpoint without a tokenizer fails now.
     let prompt = match &a.prompt {

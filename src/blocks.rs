@@ -3,7 +3,7 @@
 //! model is built), the dropout switch, the token embedding and head
 //! as units ([`Ends`]), and the layers they build alike.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tch::nn::Module;
@@ -87,19 +87,46 @@ fn state(training: &Training, decoding: &Arc<Decoding>) -> Capture {
 
 /// Whether a model trains with dropout (PyTorch's `model.train()` and
 /// `model.eval()`): one switch its modules share, off until set, as a
-/// model `from_pretrained` returns is in evaluation.
+/// model `from_pretrained` returns is in evaluation; and the NEFTune
+/// noise its embeddings take while it trains.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Training(Arc<AtomicBool>);
+pub(crate) struct Training {
+    on: Arc<AtomicBool>,
+    /// NEFTune's alpha, as f64 bits (0: none).
+    noise: Arc<AtomicU64>,
+}
 
 impl Training {
     /// Turns dropout on or off.
     pub(crate) fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Relaxed);
+        self.on.store(on, Ordering::Relaxed);
     }
 
     /// Whether dropout is on.
     pub(crate) fn on(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Sets NEFTune's alpha (0: no noise).
+    pub(crate) fn set_noise(&self, alpha: f64) {
+        self.noise.store(alpha.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The token embeddings `x` (`[batch, seq, width]`) with NEFTune's
+    /// noise when training and an alpha is set: uniform in `±alpha /
+    /// sqrt(seq * width)`, drawn from libtorch's generator in `x`'s dtype,
+    /// the bound rounded to fp32 first, as `transformers`'
+    /// `neftune_post_forward_hook` draws it. `x` itself otherwise.
+    pub(crate) fn embedding_noise(&self, x: Tensor) -> Tensor {
+        let alpha = f64::from_bits(self.noise.load(Ordering::Relaxed));
+        if alpha == 0.0 || !self.on() {
+            return x;
+        }
+        let dims = x.size().iter().skip(1).product::<i64>();
+        let bound = (alpha as f32 / (dims as f32).sqrt()) as f64;
+        let mut noise = x.zeros_like();
+        let _ = noise.uniform_(-bound, bound);
+        x + noise
     }
 
     /// `x` with each element zeroed at rate `p` and the others scaled by
@@ -434,7 +461,7 @@ impl<L: Module + 'static> Decoder<L> {
         documents: Option<Documents>,
     ) -> Tensor {
         self.decoding.set_documents(documents);
-        let x = self.ends.embed(tokens);
+        let x = self.training.embedding_noise(self.ends.embed(tokens));
         let mut x = self.training.dropout(x, embed_dropout);
         for l in &self.layers {
             x = l.forward(&x);

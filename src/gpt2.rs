@@ -380,6 +380,11 @@ impl Gpt2 {
         self.training.set(on);
     }
 
+    /// Its dropout switch and embedding noise.
+    pub(crate) fn training(&self) -> &Training {
+        &self.training
+    }
+
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.training.on()
@@ -408,7 +413,7 @@ impl Gpt2 {
             (None, o) => Tensor::arange_start(o, o + t, opts),
         };
         self.decoding.set_documents(documents);
-        let x = self.wte.forward(tokens) + self.wpe.forward(&pos);
+        let x = self.training.embedding_noise(self.wte.forward(tokens)) + self.wpe.forward(&pos);
         let mut x = self.training.dropout(x, self.cfg.embd_dropout);
         for b in &self.blocks {
             x = b.forward(&x);

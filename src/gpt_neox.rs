@@ -419,6 +419,11 @@ impl GptNeox {
         self.decoder.training().set(on);
     }
 
+    /// Its dropout switch and embedding noise.
+    pub(crate) fn training(&self) -> &Training {
+        self.decoder.training()
+    }
+
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.decoder.training().on()

@@ -58,6 +58,9 @@ pub enum HfError {
     /// with ([`crate::packing`]).
     #[error("packed documents: {0}")]
     Packed(String),
+    /// A training setting the model cannot take.
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// How [`HfModel::from_pretrained_with`] builds a model.
@@ -428,6 +431,30 @@ impl HfModel {
             Self::Phi(m) => m.set_training(on),
             Self::Llama(m) => m.set_training(on),
         }
+    }
+
+    /// NEFTune (`transformers`' `neftune_noise_alpha`, as TRL's
+    /// `SFTConfig` sets it): while the model trains
+    /// ([`HfModel::set_training`]), its token embeddings take noise
+    /// uniform in `±alpha / sqrt(seq * width)`, drawn from libtorch's
+    /// generator as `transformers`' `neftune_post_forward_hook` draws it,
+    /// so that a program seeded as a Python one draws the same. 0 (the
+    /// default) turns it off; evaluation and generation never see it. A
+    /// negative or non-finite alpha is refused.
+    pub fn set_neftune_alpha(&self, alpha: f64) -> Result<(), HfError> {
+        if !(alpha.is_finite() && alpha >= 0.0) {
+            return Err(HfError::Setting(format!(
+                "NEFTune's alpha is {alpha}: give a number of 0 or more (5 in its paper; 0 turns it off)"
+            )));
+        }
+        let training = match self {
+            Self::Gpt2(m) => m.training(),
+            Self::GptNeox(m) => m.training(),
+            Self::Phi(m) => m.training(),
+            Self::Llama(m) => m.training(),
+        };
+        training.set_noise(alpha);
+        Ok(())
     }
 
     /// Whether dropout is on ([`HfModel::set_training`]).

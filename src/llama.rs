@@ -2549,6 +2549,11 @@ impl Llama {
         self.training.set(on);
     }
 
+    /// Its dropout switch and embedding noise.
+    pub(crate) fn training(&self) -> &Training {
+        &self.training
+    }
+
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.training.on()
@@ -2563,7 +2568,14 @@ impl Llama {
     /// ([`crate::hf::HfModel::forward_packed`]).
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
+        // NEFTune's noise joins the embedding module's output: Gemma 3's
+        // scales the rows inside it, the others' models outside.
+        let gemma3 = self.cfg.family == Family::Gemma3;
         let embedded = self.ends.embed(tokens);
+        let embedded = match gemma3 {
+            true => embedded,
+            false => self.training.embedding_noise(embedded),
+        };
         let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
             (false, 1.0) => embedded,
             (false, m) => embedded * m,
@@ -2575,6 +2587,9 @@ impl Llama {
                 embedded * root
             }
         };
+        if gemma3 {
+            x = self.training.embedding_noise(x);
+        }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
         for l in &self.layers {
             x = l.forward(&x);

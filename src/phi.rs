@@ -421,6 +421,11 @@ impl Phi {
         self.decoder.training().set(on);
     }
 
+    /// Its dropout switch and embedding noise.
+    pub(crate) fn training(&self) -> &Training {
+        self.decoder.training()
+    }
+
     /// Whether dropout is on.
     pub fn is_training(&self) -> bool {
         self.decoder.training().on()

@@ -20,11 +20,17 @@ const SEQ: i64 = 16;
 /// as `C` and the model's as `M`, `args` the config's arguments) into
 /// `dir/hf`, and into `dir/reference.safetensors` a batch of tokens, its
 /// logits in evaluation, its logits in training from seed 7, and the
-/// losses of AdamW's steps on it in training from seed 8.
-fn reference(import: &str, args: &str, dir: &Path) {
+/// losses of AdamW's steps on it in training from seed 8; with NEFTune's
+/// hook on the input embeddings at `neftune` (0: none).
+fn reference(import: &str, args: &str, dir: &Path, neftune: f64) {
     let model = common::hf_seeded_model(import, args, dir, "");
     common::python(&format!(
         r#"{model}
+if {neftune} > 0:
+    from transformers.trainer_utils import neftune_post_forward_hook
+    emb = m.get_input_embeddings()
+    emb.neftune_noise_alpha = {neftune}
+    emb.register_forward_hook(neftune_post_forward_hook)
 tokens = torch.randint(0, 96, ({MICRO}, {SEQ}))
 m.eval()
 with torch.no_grad():
@@ -53,10 +59,15 @@ save_file({{"tokens": tokens, "evaluated": evaluated, "dropped": dropped,
 /// at stage 0 and at stage 3 recomputing every block: its logits in
 /// evaluation and in training, and its training losses, against
 /// `transformers`' within `tol` (relative to the logits' scale, the
-/// losses').
+/// losses'); with NEFTune at `neftune` (0: none) on both sides.
 fn dropout_parity(name: &str, import: &str, args: &str, tol: f64) {
-    let dir = scratch(&format!("dropout-{name}"));
-    reference(import, args, &dir);
+    parity_with(name, import, args, tol, 0.0)
+}
+
+/// [`dropout_parity`] with NEFTune at `neftune`.
+fn parity_with(name: &str, import: &str, args: &str, tol: f64, neftune: f64) {
+    let dir = scratch(&format!("dropout-{name}-{neftune}"));
+    reference(import, args, &dir, neftune);
     let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
     let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let (tokens, losses) = (get("tokens"), get("losses"));
@@ -81,12 +92,13 @@ fn dropout_parity(name: &str, import: &str, args: &str, tol: f64) {
         let e = solo_engine(&vs, &plan, &ds).unwrap();
         let evaluated = tch::no_grad(|| model.forward(&tokens));
         close(&format!("{what}: evaluated"), &evaluated, &get("evaluated"));
+        model.set_neftune_alpha(neftune).unwrap();
         model.set_training(true);
         tch::manual_seed(7);
         let dropped = tch::no_grad(|| model.forward(&tokens));
         close(&format!("{what}: training"), &dropped, &get("dropped"));
         let moved = (&dropped - &evaluated).abs().max().double_value(&[]);
-        assert!(moved > 1e-2, "{what}: no dropout ({moved})");
+        assert!(moved > 1e-2, "{what}: no dropout nor noise ({moved})");
         tch::manual_seed(8);
         for s in 0..STEPS {
             let loss = model.loss(&tokens);
@@ -172,6 +184,65 @@ fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, embd_pdrop=0.2, resid_pdrop=0.1, attention_dropout=0.25",
         1e-5,
     );
+}
+
+/// NEFTune (`HfModel::set_neftune_alpha`): seeded alike, a training
+/// forward's logits and three AdamW steps' losses are `transformers`'
+/// with its `neftune_post_forward_hook` on the input embeddings (alpha
+/// 5), at stage 0 and at stage 3 recomputing every block, to 1e-5;
+/// evaluation draws no noise (its logits before training are the plain
+/// model's). GPT-2 (the token embedding's rows, not the positions'),
+/// GPT-NeoX, Phi, Llama, Gemma (the noise before the width's root scales
+/// it), Gemma 3 (after: its embedding module scales) and Granite
+/// (before its multiplier). A negative or non-finite alpha is refused.
+#[test]
+fn neftune_noises_the_embeddings_as_transformers_hook_does_in_training() {
+    for (name, import, args) in [
+        ("gpt2", "from transformers import GPT2Config as C, GPT2LMHeadModel as M",
+         "vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0"),
+        ("gpt-neox", "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64"),
+        ("phi", "from transformers import PhiConfig as C, PhiForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64"),
+        ("llama", "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64"),
+        ("gemma", "from transformers import GemmaConfig as C, GemmaForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64"),
+        ("gemma3", "from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=24"),
+        ("granite", "from transformers import GraniteConfig as C, GraniteForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0"),
+    ] {
+        parity_with(name, import, args, 1e-5, 5.0);
+    }
+}
+
+#[test]
+fn a_neftune_alpha_below_zero_or_not_finite_is_refused() {
+    let dir = scratch("neftune-refused");
+    common::python(&common::hf_seeded_model(
+        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        &dir,
+        "",
+    ));
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = {
+        let _g = common::rng_lock();
+        HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap()
+    };
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let e = model.set_neftune_alpha(bad).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!(
+                "NEFTune's alpha is {bad}: give a number of 0 or more"
+            )),
+            "{e}"
+        );
+    }
+    model.set_neftune_alpha(0.0).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `HfModel::sample` draws with a generator of its own: libtorch's,

@@ -945,9 +945,10 @@ save_file(out, "{dir}/items.safetensors")
 /// is `transformers`' over the same windows given each window's
 /// documents (ended by the config's `eos_token_id`) as `position_ids`,
 /// each document's first label left out, and not the unpacked loss.
+/// `--neftune-alpha`: noise in training only.
 #[cfg(feature = "tokenize")]
 #[test]
-fn the_finetune_example_packs_documents_when_told() {
+fn the_finetune_example_packs_documents_and_adds_neftune_noise_when_told() {
     let case = case("llama");
     let dir = scratch("finetune-packed");
     let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
@@ -993,43 +994,30 @@ print(sum(packed).item() / 2, sum(plain).item() / 2)
     )
     .unwrap();
     let hf = dir.join("hf");
-    let eval = |packed: bool| {
-        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data"]
+    // One step, each rank evaluating one window before and after.
+    let run = |more: &[&str]| {
+        let base = ["--seq", "16", "--steps", "1", "--eval-windows", "1"];
+        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data", "--config"]
             .into_iter()
-            .zip([&hf, &data, &data])
+            .zip([&hf, &data, &data, &ds])
             .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
             .collect();
-        args.extend(
-            ["--config"]
-                .map(std::ffi::OsStr::new)
-                .into_iter()
-                .chain([ds.as_os_str()]),
-        );
-        let more = [
-            "--seq",
-            "16",
-            "--steps",
-            "1",
-            "--eval-windows",
-            "1",
-            "--no-dropout",
-        ];
-        args.extend(more.map(std::ffi::OsStr::new));
-        if packed {
-            args.push(std::ffi::OsStr::new("--packed-documents"));
-        }
-        let (ok, said) = finetune(&args);
+        args.extend(base.iter().chain(more).map(std::ffi::OsStr::new));
+        finetune(&args)
+    };
+    let number = |said: &str, at: &str| -> f64 {
+        let line = said.lines().find_map(|l| l.split_once(at));
+        let rest = line.unwrap_or_else(|| panic!("{at}: {said}")).1;
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let eval = |packed: bool| {
+        let more: &[&str] = match packed {
+            true => &["--no-dropout", "--packed-documents"],
+            false => &["--no-dropout"],
+        };
+        let (ok, said) = run(more);
         assert!(ok, "{said}");
-        let line = (said
-            .lines()
-            .find_map(|l| l.split_once("eval  after     0 steps  loss ")))
-        .unwrap_or_else(|| panic!("{said}"));
-        line.1
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse::<f64>()
-            .unwrap()
+        number(&said, "eval  after     0 steps  loss ")
     };
     for (packed, want) in [(true, theirs[0]), (false, theirs[1])] {
         let got = eval(packed);
@@ -1038,6 +1026,26 @@ print(sum(packed).item() / 2, sum(plain).item() / 2)
             "packed {packed}: zrt {got}, transformers {want}"
         );
     }
+    // NEFTune: the step's loss moves, the evaluation before it does not
+    // (no noise out of training); an alpha below 0 is refused, and so is
+    // the model out of training.
+    let (ok, plain) = run(&[]);
+    let (ok2, noised) = run(&["--neftune-alpha", "5"]);
+    assert!(ok && ok2, "{plain}\n{noised}");
+    let before = "eval  after     0 steps  loss ";
+    assert_eq!(number(&plain, before), number(&noised, before));
+    let step = "step     0  loss ";
+    assert!(
+        (number(&plain, step) - number(&noised, step)).abs() > 1e-4,
+        "{noised}"
+    );
+    let (ok, said) = run(&["--neftune-alpha", "-1"]);
+    assert!(
+        !ok && said.contains("NEFTune's alpha is -1: give a number of 0 or more"),
+        "{said}"
+    );
+    let (ok, said) = run(&["--neftune-alpha", "5", "--no-dropout"]);
+    assert!(!ok && said.contains("--no-dropout"), "{said}");
     assert!((theirs[0] - theirs[1]).abs() > 1e-3, "{theirs:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,7 +35,8 @@
 //! With `--lora-r R` (any layout) it trains LoRA adapters on the
 //! frozen base (with `--lora-modules-to-save` whole modules beside them,
 //! with `--lora-trainable-tokens` some tokens' embedding rows, with
-//! `--lora-layers` on some layers only), and `--out` is PEFT's adapter
+//! `--lora-layers` on some layers only, with `--lora-bias all` every
+//! bias beside them), and `--out` is PEFT's adapter
 //! directory.
 
 use std::path::PathBuf;
@@ -201,6 +202,12 @@ struct Args {
     /// 10,11` adapts the last two of twelve. Without it, every layer.
     #[arg(long, requires = "lora_r", value_delimiter = ',')]
     lora_layers: Vec<i64>,
+    /// Which of the model's biases train beside the adapters (PEFT's
+    /// `bias`): `none` (without it) or `all`, every bias, written into
+    /// the adapter's file. (`lora_only` is refused: PEFT 0.18 trains the
+    /// adapted layers' biases, then leaves them out of its file.)
+    #[arg(long, requires = "lora_r", value_parser = ["none", "all", "lora_only"])]
+    lora_bias: Option<String>,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -361,6 +368,13 @@ fn main() -> Result<()> {
                     None => Vec::new(),
                 },
                 layers_to_transform: a.lora_layers.clone(),
+                train_biases: match a.lora_bias.as_deref() {
+                    Some("lora_only") => bail!(
+                        "--lora-bias lora_only: PEFT 0.18 trains the adapted layers' biases, then leaves them out of its adapter file; give all (every bias trains and is written) or none"
+                    ),
+                    Some(b) => b == "all",
+                    None => false,
+                },
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

@@ -1037,6 +1037,8 @@ with torch.no_grad():
         os("t5,17"),
         os("--lora-layers"),
         os("1"),
+        os("--lora-bias"),
+        os("all"),
         os("--out"),
         saved.as_os_str(),
     ]);
@@ -1045,6 +1047,16 @@ with torch.no_grad():
     let config = std::fs::read_to_string(saved.join("adapter_config.json")).unwrap();
     let config: serde_json::Value = serde_json::from_str(&config).unwrap();
     assert_eq!(config["layers_to_transform"], serde_json::json!([1]));
+    // Every bias trains (this Llama has none), as PEFT's `bias` says;
+    // `lora_only` is refused, naming why.
+    assert_eq!(config["bias"], "all");
+    let mut only = args[..18].to_vec();
+    only.extend([os("--lora-bias"), os("lora_only")]);
+    let (ok, said) = crate::from_hf::finetune(&only);
+    assert!(
+        !ok && said.contains("--lora-bias lora_only: PEFT 0.18 trains the adapted layers' biases"),
+        "{said}"
+    );
     let saved_merged = dir.join("saved-merged");
     let (ok, said) = zrt(&[
         os("--adapter"),

@@ -394,13 +394,21 @@ impl HfModel {
     /// token of every document after the row's first: no document's
     /// first token is predicted from the end of the one before it,
     /// as `DataCollatorWithFlattening`'s labels leave them out
-    /// ([`causal_lm_loss_masked`]).
+    /// ([`causal_lm_loss_masked`]). A mask of another shape than the
+    /// tokens' is refused.
     pub fn loss_packed(
         &self,
         tokens: &Tensor,
         positions: &Tensor,
         mask: Option<&Tensor>,
     ) -> Result<Tensor, HfError> {
+        if let Some(m) = mask.filter(|m| m.size() != tokens.size()) {
+            return Err(HfError::Packed(format!(
+                "a mask {:?} for tokens {:?}: give one value a token",
+                m.size(),
+                tokens.size()
+            )));
+        }
         let logits = self.forward_packed(tokens, positions)?;
         let counted = counted_targets(tokens, Some(positions), mask);
         Ok(causal_lm_loss_masked(&logits, tokens, &counted))

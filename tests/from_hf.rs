@@ -1618,7 +1618,7 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
         let ints = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
         let (tokens, positions) = (ints(get("tokens")), ints(get("positions")));
         let hf = dir.join("hf");
-        let (made, first, losses) = on_ranks(1, |r| {
+        let (made, first, losses, refused) = on_ranks(1, |r| {
             let vs = VarStore::new(tch::Device::Cpu);
             let plan = ShardPlan::new();
             let options = HfOptions {
@@ -1648,9 +1648,29 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
                 })
                 .collect();
             let first = Vec::<f32>::try_from(first.flatten(0, -1)).unwrap();
-            (ints(made), first, losses)
+            // A mask of another shape, and positions past GPT-2's
+            // n_positions (32 here), are refused.
+            let short = Tensor::ones([MICRO, SEQ - 1], (tch::Kind::Int64, tch::Device::Cpu));
+            let refused = [
+                model.loss_packed(&x, &p, Some(&short)).map(|_| ()),
+                model.forward_packed(&x, &(&p + 30)).map(|_| ()),
+            ]
+            .map(|r| r.err().map(|e| e.to_string()));
+            (ints(made), first, losses, refused)
         })
         .remove(0);
+        let [mask, past] = &refused;
+        let mask = mask.as_deref().unwrap_or_default();
+        assert!(
+            mask.contains("a mask [2, 15] for tokens [2, 16]"),
+            "{name}: {mask}"
+        );
+        match (name, past) {
+            ("gpt2", Some(e)) => assert!(e.contains("past GPT-2's n_positions 32"), "{e}"),
+            ("gpt2", None) => panic!("gpt2: positions past n_positions ran"),
+            (_, Some(e)) => panic!("{name}: {e}"),
+            (_, None) => {}
+        }
         assert_eq!(made, positions, "{name}: document_positions");
         let (logits, plain) = (get("logits"), get("plain"));
         let first = Tensor::from_slice(&first).view_as(&logits);

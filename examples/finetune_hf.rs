@@ -50,7 +50,7 @@ use zrt::hf::{
     causal_lm_loss_over, counted_targets, eos_token_ids, items_per_micro_step, HfModel, HfOptions,
 };
 use zrt::lora::LoraConfig;
-use zrt::packing::document_positions;
+use zrt::packing::{document_positions, positions_from_starts};
 use zrt::tokenize::HfTokenizer;
 use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
 
@@ -81,6 +81,18 @@ struct Args {
     /// in the evaluation. Without it a window is one causal sequence.
     #[arg(long)]
     packed_documents: bool,
+    /// Where `--data`'s documents start (`zrt tokenize --document-starts`
+    /// writes `DATA.docs`, a byte a token): packs them as
+    /// `--packed-documents` does, their bounds read from this file rather
+    /// than found at the end-of-sequence token, which in a conversation
+    /// also ends each turn.
+    #[arg(long)]
+    documents: Option<PathBuf>,
+    /// Where `--eval-data`'s documents start, as `--documents` for
+    /// `--data` (without it, a packed run's held-out documents end at the
+    /// end-of-sequence token).
+    #[arg(long, requires = "eval_data")]
+    eval_documents: Option<PathBuf>,
     /// The DeepSpeed config.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ds_finetune.json"))]
     config: PathBuf,
@@ -287,10 +299,31 @@ impl Tokens {
 
     /// Maps the mask file `path` of `data`'s tokens (`tokens` of them).
     fn mask(path: &std::path::Path, data: &std::path::Path, tokens: usize) -> Result<Self> {
+        Self::bytes(
+            path,
+            data,
+            tokens,
+            "a mask has a byte a token (zrt tokenize --completion-only writes the two together)",
+        )
+    }
+
+    /// Maps the file `path` of where `data`'s documents start.
+    fn starts(path: &std::path::Path, data: &std::path::Path, tokens: usize) -> Result<Self> {
+        Self::bytes(path, data, tokens, "a file of documents' starts has a byte a token (zrt tokenize --document-starts writes the two together)")
+    }
+
+    /// Maps `path`, a byte for each of `data`'s `tokens` (`what` says
+    /// what it is when it has another length).
+    fn bytes(
+        path: &std::path::Path,
+        data: &std::path::Path,
+        tokens: usize,
+        what: &str,
+    ) -> Result<Self> {
         let bytes = map(path)?;
         if bytes.len() != tokens {
             bail!(
-                "{}: {} bytes, and {} holds {tokens} tokens: a mask has a byte a token (zrt tokenize --completion-only writes the two together)",
+                "{}: {} bytes, and {} holds {tokens} tokens: {what}",
                 path.display(),
                 bytes.len(),
                 data.display()
@@ -406,17 +439,23 @@ fn main() -> Result<()> {
         }
         None => None,
     };
-    // The tokens that end a document, when windows are packed.
-    let packed = match a.packed_documents {
+    // Packed windows' documents start where a file says, or after the
+    // tokens that end one (read only when some data has no such file).
+    let packed = a.packed_documents || a.documents.is_some() || a.eval_documents.is_some();
+    let by_eos = a.documents.is_none() || (a.eval_data.is_some() && a.eval_documents.is_none());
+    let eos = match packed && by_eos {
         true => Some(eos_token_ids(&a.model)?),
         false => None,
     };
-    let loss_of = |x: &Tensor, mask: Option<Tensor>| -> Result<Tensor> {
-        Ok(match (&packed, mask) {
-            (Some(eos), mask) => {
-                let positions = document_positions(x, eos);
-                model.loss_packed(x, &positions, mask.as_ref())?
-            }
+    // A window's positions in its documents, when packed.
+    let positions_of = |x: &Tensor, starts: Option<Tensor>| match (starts, &eos) {
+        (Some(starts), _) => Some(positions_from_starts(&starts)),
+        (None, Some(eos)) => Some(document_positions(x, eos)),
+        (None, None) => None,
+    };
+    let loss_of = |x: &Tensor, mask: Option<Tensor>, starts: Option<Tensor>| -> Result<Tensor> {
+        Ok(match (positions_of(x, starts), mask) {
+            (Some(positions), mask) => model.loss_packed(x, &positions, mask.as_ref())?,
             // The loss over the completions' tokens only.
             (None, Some(mask)) => model.loss_masked(x, &mask),
             (None, None) => model.loss(x),
@@ -427,6 +466,10 @@ fn main() -> Result<()> {
     let data = Tokens::open(&a.data, a.u32, model.vocab())?;
     let mask = match &a.mask {
         Some(path) => Some(Tokens::mask(path, &a.data, data.len())?),
+        None => None,
+    };
+    let starts = match &a.documents {
+        Some(path) => Some(Tokens::starts(path, &a.data, data.len())?),
         None => None,
     };
     let held_out = match &a.eval_data {
@@ -444,7 +487,11 @@ fn main() -> Result<()> {
                 Some(m) => Some(Tokens::mask(m, path, t.len())?),
                 None => None,
             };
-            Some((t, mask))
+            let starts = match &a.eval_documents {
+                Some(s) => Some(Tokens::starts(s, path, t.len())?),
+                None => None,
+            };
+            Some((t, mask, starts))
         }
         None => None,
     };
@@ -525,30 +572,32 @@ fn main() -> Result<()> {
     // (no dropout, no gradient: it draws nothing from the generator, so
     // training goes on as it would have without it).
     let len = a.seq + 1;
-    let evaluate = |(held_out, mask): &(Tokens, Option<Tokens>)| -> Result<f64> {
-        model.set_training(false);
-        let whole = held_out.len() / len;
-        let windows: Vec<usize> = (0..a.eval_windows)
-            .map(|i| (rank * a.eval_windows + i) % whole)
-            .collect();
-        let mut sum = 0.0;
-        for chunk in windows.chunks(batch.micro.max(1) as usize) {
-            let rows = |file: &Tokens| {
-                let ids: Vec<i64> = (chunk.iter())
-                    .flat_map(|&w| (w * len..(w + 1) * len).map(|i| file.id(i)))
-                    .collect();
-                Tensor::from_slice(&ids).view([chunk.len() as i64, len as i64])
-            };
-            let x = rows(held_out);
-            let loss = tch::no_grad(|| loss_of(&x, mask.as_ref().map(rows)))?;
-            let loss = loss.to_kind(Kind::Double);
-            sum += loss.double_value(&[]) * chunk.len() as f64;
-        }
-        model.set_training(!a.no_dropout);
-        let mine = vec![sum / a.eval_windows as f64];
-        let each = world.all_gather(mine, Vec::new()).wait()?.1;
-        Ok(each.iter().sum::<f64>() / each.len() as f64)
-    };
+    let evaluate =
+        |(held_out, mask, starts): &(Tokens, Option<Tokens>, Option<Tokens>)| -> Result<f64> {
+            model.set_training(false);
+            let whole = held_out.len() / len;
+            let windows: Vec<usize> = (0..a.eval_windows)
+                .map(|i| (rank * a.eval_windows + i) % whole)
+                .collect();
+            let mut sum = 0.0;
+            for chunk in windows.chunks(batch.micro.max(1) as usize) {
+                let rows = |file: &Tokens| {
+                    let ids: Vec<i64> = (chunk.iter())
+                        .flat_map(|&w| (w * len..(w + 1) * len).map(|i| file.id(i)))
+                        .collect();
+                    Tensor::from_slice(&ids).view([chunk.len() as i64, len as i64])
+                };
+                let x = rows(held_out);
+                let (mask, starts) = (mask.as_ref().map(rows), starts.as_ref().map(rows));
+                let loss = tch::no_grad(|| loss_of(&x, mask, starts))?;
+                let loss = loss.to_kind(Kind::Double);
+                sum += loss.double_value(&[]) * chunk.len() as f64;
+            }
+            model.set_training(!a.no_dropout);
+            let mine = vec![sum / a.eval_windows as f64];
+            let each = world.all_gather(mine, Vec::new()).wait()?.1;
+            Ok(each.iter().sum::<f64>() / each.len() as f64)
+        };
     let eval_at = |done: u64| -> Result<()> {
         if let Some(held_out) = &held_out {
             let loss = evaluate(held_out)?;
@@ -604,7 +653,7 @@ fn main() -> Result<()> {
                 Tensor::from_slice(&ids).view([batch.micro as i64, a.seq as i64 + 1])
             };
             let x = windows(&data);
-            let positions = packed.as_ref().map(|eos| document_positions(&x, eos));
+            let positions = positions_of(&x, starts.as_ref().map(windows));
             let mask = mask.as_ref().map(windows);
             let counted = counted_targets(&x, positions.as_ref(), mask.as_ref());
             micro_batches.push((x, positions, counted));

@@ -18,7 +18,10 @@
 //!
 //! [`document_positions`] makes such positions from the tokens and the
 //! model's end-of-sequence ids: a document ends with its end token, the
-//! next begins after it.
+//! next begins after it. That suits text; a conversation ends each turn
+//! with the token that ends it, so [`positions_from_starts`] makes them
+//! from where each document starts instead, as `zrt tokenize
+//! --document-starts` writes it beside the ids.
 
 use tch::{Kind, Tensor};
 
@@ -35,19 +38,32 @@ pub fn document_positions(tokens: &Tensor, eos: &[i64]) -> Tensor {
     if t == 0 {
         return tokens.zeros_like();
     }
-    let opts = (Kind::Int64, tokens.device());
     let mut ends = tokens.zeros_like().to_kind(Kind::Bool);
     for &id in eos {
         ends = ends.logical_or(&tokens.eq(id));
     }
-    // A document starts at column 0 and after each end token.
+    // A document starts after each end token.
     let starts = Tensor::cat(
         &[
-            Tensor::ones([b, 1], (Kind::Bool, tokens.device())),
+            ends.narrow(1, t - 1, 1).zeros_like(),
             ends.narrow(1, 0, t - 1),
         ],
         1,
     );
+    positions_from_starts(&starts)
+}
+
+/// Positions `[batch, seq]` (int64) counted from each document's first
+/// token, where `starts` (`[batch, seq]`, nonzero at a document's first
+/// token: `zrt tokenize --document-starts` writes them a byte a token)
+/// marks them; the row's first token starts one whatever it says.
+pub fn positions_from_starts(starts: &Tensor) -> Tensor {
+    let (b, t) = starts.size2().unwrap_or((1, starts.numel() as i64));
+    let starts = starts.view([b, t]).ne(0);
+    if t == 0 {
+        return starts.to_kind(Kind::Int64);
+    }
+    let opts = (Kind::Int64, starts.device());
     let column = Tensor::arange(t, opts).unsqueeze(0).expand([b, t], false);
     // Each token's document starts at the last start at or before it.
     let start_at = column.where_self(&starts, &column.zeros_like());
@@ -153,6 +169,10 @@ mod tests {
         let p = document_positions(&tokens, &[2, 0]);
         // The second row: two end tokens are two documents of one token.
         assert_eq!(ints(&p), [0, 1, 2, 0, 1, 2, 0, 0, 0, 1, 0, 1]);
+        // The same from the documents' first tokens, the row's first
+        // one whatever it says.
+        let starts = Tensor::from_slice(&[0u8, 0, 0, 1, 0, 0, 1, 1, 1, 0, 1, 0]).view([2, 6]);
+        assert_eq!(ints(&positions_from_starts(&starts)), ints(&p));
         // No end token: the row is one document.
         assert_eq!(
             ints(&document_positions(&tokens, &[])),

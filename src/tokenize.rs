@@ -90,6 +90,12 @@ pub struct TokenizeOptions {
     /// blocks rendered, the assistant's turns (TRL's
     /// `assistant_only_loss`); a template without such blocks is refused.
     pub assistant_only: bool,
+    /// A file beside the output ([`documents_path`]) marks each
+    /// document's first token (a byte a token, 1 there, 0 elsewhere), for
+    /// training on packed documents ([`crate::packing`]) whose ends no
+    /// token id tells: a chat template ends every turn with the token
+    /// that may end the conversation too.
+    pub document_starts: bool,
 }
 
 impl Default for TokenizeOptions {
@@ -100,6 +106,7 @@ impl Default for TokenizeOptions {
             field: "text".into(),
             completion_only: false,
             assistant_only: false,
+            document_starts: false,
         }
     }
 }
@@ -116,6 +123,15 @@ impl TokenizeOptions {
 pub fn mask_path(out: &Path) -> PathBuf {
     let mut name = out.as_os_str().to_owned();
     name.push(".mask");
+    PathBuf::from(name)
+}
+
+/// Where the file of documents' first tokens goes
+/// ([`TokenizeOptions::document_starts`]): `out` with `.docs` added
+/// (`train.bin.docs`), one byte a token.
+pub fn documents_path(out: &Path) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(".docs");
     PathBuf::from(name)
 }
 
@@ -247,6 +263,9 @@ pub fn tokenize_files(
     if opts.masked() {
         files.push((hidden(&mask_path(out)), mask_path(out)));
     }
+    if opts.document_starts {
+        files.push((hidden(&documents_path(out)), documents_path(out)));
+    }
     let wrote = write(&tok, &mut template, eos, inputs, &files, opts);
     if wrote.is_err() {
         for (partial, _) in &files {
@@ -274,6 +293,7 @@ fn write(
         outs,
         paths: files.iter().map(|f| f.0.clone()).collect(),
         wide: opts.u32,
+        masked: opts.masked(),
         done: Tokenized {
             documents: 0,
             tokens: 0,
@@ -307,9 +327,9 @@ fn write(
     for (out, path) in writer.outs.iter_mut().zip(&writer.paths) {
         out.flush().map_err(io(path))?;
     }
-    // The mask first: an output is never there without its mask; and a
-    // mask whose output cannot follow it is taken back, not left beside
-    // another run's output.
+    // The mask (and the documents' starts) first: an output is never
+    // there without them; and one whose output cannot follow it is taken
+    // back, not left beside another run's output.
     let mut moved: Vec<&PathBuf> = Vec::new();
     for (partial, path) in files.iter().rev() {
         if let Err(e) = std::fs::rename(partial, path) {
@@ -744,13 +764,15 @@ fn generated_mask(e: &Encoding, spans: &[std::ops::Range<usize>]) -> Vec<u8> {
     mask
 }
 
-/// The output files being written: the ids, and under completion- or
-/// assistant-only the mask.
+/// The output files being written: the ids, under completion- or
+/// assistant-only the mask, and when asked the documents' starts.
 struct Writer {
     outs: Vec<BufWriter<File>>,
     /// The files `outs` write, named in their errors.
     paths: Vec<PathBuf>,
     wide: bool,
+    /// Whether the second file is a mask.
+    masked: bool,
     done: Tokenized,
 }
 
@@ -807,7 +829,7 @@ impl Writer {
             .map(|d| (std::mem::take(&mut d.text), d.chat))
             .collect();
         let encoded = encode(texts)?;
-        let (mut bytes, mut mask) = (Vec::new(), Vec::new());
+        let (mut bytes, mut mask, mut starts) = (Vec::new(), Vec::new(), Vec::new());
         for (doc, e) in docs.iter().zip(&encoded) {
             let end = eos.filter(|_| !doc.chat);
             let ids: Vec<u32> = e.get_ids().iter().chain(end.as_ref()).copied().collect();
@@ -835,11 +857,17 @@ impl Writer {
             };
             self.done.counted += counted.iter().map(|&c| u64::from(c)).sum::<u64>();
             mask.extend(counted);
+            starts.extend((0..ids.len()).map(|j| u8::from(j == 0)));
             self.done.tokens += ids.len() as u64;
             self.done.documents += 1;
         }
-        for (out, (data, path)) in (self.outs.iter_mut()).zip([bytes, mask].iter().zip(&self.paths))
-        {
+        // The ids, the mask when there is one, then the starts (when
+        // asked for: `outs` holds no file for them otherwise).
+        let data = match self.masked {
+            true => [bytes, mask, starts],
+            false => [bytes, starts, Vec::new()],
+        };
+        for (out, (data, path)) in (self.outs.iter_mut()).zip(data.iter().zip(&self.paths)) {
             out.write_all(data).map_err(io(path))?;
         }
         Ok(())

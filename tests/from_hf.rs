@@ -962,6 +962,14 @@ fn the_finetune_example_packs_documents_and_adds_neftune_noise_when_told() {
     let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
     let data = dir.join("data.bin");
     std::fs::write(&data, &bytes).unwrap();
+    // Documents told by a file instead, one every 6 tokens (the end
+    // tokens inside them, as a chat template's turns end).
+    let starts = dir.join("data.bin.docs");
+    std::fs::write(
+        &starts,
+        (0..400).map(|i| u8::from(i % 6 == 0)).collect::<Vec<_>>(),
+    )
+    .unwrap();
     // Each rank evaluates one window of 17: the file's first two.
     let script = format!(
         r#"{model}
@@ -973,11 +981,19 @@ for r in range(2):
     for c in range(17):
         pos[r, c] = p
         p = 0 if ids[r, c] == 2 else p + 1
+told = torch.zeros_like(ids)
+for r in range(2):
+    p = 0
+    for c in range(17):
+        p = 0 if c == 0 or (r * 17 + c) % 6 == 0 else p + 1
+        told[r, c] = p
+def loss(pos):
+    return sum(m(ids[r:r + 1], position_ids=pos[r:r + 1], use_cache=False,
+                 labels=ids[r:r + 1].masked_fill(pos[r:r + 1] == 0, -100)).loss for r in range(2)).item() / 2
 with torch.no_grad():
-    packed = [m(ids[r:r + 1], position_ids=pos[r:r + 1], use_cache=False,
-                labels=ids[r:r + 1].masked_fill(pos[r:r + 1] == 0, -100)).loss for r in range(2)]
+    packed, by_file = loss(pos), loss(told)
     plain = [m(ids[r:r + 1], labels=ids[r:r + 1]).loss for r in range(2)]
-print(sum(packed).item() / 2, sum(plain).item() / 2)
+print(packed, sum(plain).item() / 2, by_file)
 "#,
         first = &ids[..34]
     );
@@ -1026,6 +1042,24 @@ print(sum(packed).item() / 2, sum(plain).item() / 2)
             "packed {packed}: zrt {got}, transformers {want}"
         );
     }
+    // Where a file says they start (`zrt tokenize --document-starts`).
+    let s = starts.to_str().unwrap();
+    let (ok, said) = run(&["--no-dropout", "--documents", s, "--eval-documents", s]);
+    assert!(ok, "{said}");
+    let got = number(&said, "eval  after     0 steps  loss ");
+    assert!(
+        (got - theirs[2]).abs() < 1e-5 * theirs[2],
+        "zrt {got}, transformers {theirs:?}"
+    );
+    assert!((theirs[2] - theirs[0]).abs() > 1e-3, "{theirs:?}");
+    // A file of another length is refused.
+    std::fs::write(&starts, [1u8; 399]).unwrap();
+    let (ok, said) = run(&["--documents", s]);
+    assert!(
+        !ok && said.contains("399 bytes, and")
+            && said.contains("a file of documents' starts has a byte a token"),
+        "{said}"
+    );
     // NEFTune: the step's loss moves, the evaluation before it does not
     // (no noise out of training); an alpha below 0 is refused, and so is
     // the model out of training.

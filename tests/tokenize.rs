@@ -90,6 +90,7 @@ import struct
 eos = [i + [t.eos_token_id] for i in ids]
 open("{dir}/want16.bin", "wb").write(b"".join(struct.pack("<H", x) for d in eos for x in d))
 open("{dir}/want32.bin", "wb").write(b"".join(struct.pack("<I", x) for d in ids for x in d))
+open("{dir}/want16.docs", "wb").write(bytes(j == 0 for d in eos for j in range(len(d))))
 print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
 "#,
         trained = trained_tokenizer(&tok),
@@ -103,6 +104,7 @@ print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
     for (flags, want, tokens) in [
         (&["--eos"][..], "want16.bin", with_eos),
         (&["--u32"][..], "want32.bin", without),
+        (&["--eos", "--document-starts"][..], "want16.bin", with_eos),
     ] {
         let out = dir.join("got.bin");
         let mut args: Vec<&std::ffi::OsStr> = vec![
@@ -125,6 +127,17 @@ print(len(texts), sum(len(d) for d in eos), sum(len(d) for d in ids), len(t))
             got.len(),
             want.len()
         );
+        // Each document's first token marked, when asked (the empty
+        // line's document is its end token alone).
+        let starts = dir.join("got.bin.docs");
+        if flags.contains(&"--document-starts") {
+            let want = std::fs::read(dir.join("want16.docs")).unwrap();
+            assert!(std::fs::read(&starts).unwrap() == want, "{said}");
+            let says = format!("where each of the {docs} documents starts");
+            assert!(said.contains(&says), "{said}");
+            std::fs::remove_file(&starts).unwrap();
+        }
+        assert!(!starts.exists(), "{flags:?}");
         let width = if flags == ["--u32"] { "u32" } else { "u16" };
         assert!(
             said.contains(&format!(
@@ -239,14 +252,16 @@ with open("{jsonl}", "w") as f:
         f.write(json.dumps({{"prompt": p, "completion": c}}) + "\n")
 t = AutoTokenizer.from_pretrained("{tok}")
 import struct
-ids, mask, merged = [], [], 0
+ids, mask, starts, merged = [], [], [], 0
 for p, c in pairs:
     prompt, whole = t(p)["input_ids"], t(p + c)["input_ids"] + [t.eos_token_id]
     merged += whole[:len(prompt)] != prompt
     ids += whole
     mask += [0] * len(prompt) + [1] * (len(whole) - len(prompt))
+    starts += [1] + [0] * (len(whole) - 1)
 open("{dir}/want.bin", "wb").write(b"".join(struct.pack("<H", x) for x in ids))
 open("{dir}/want.mask", "wb").write(bytes(mask))
+open("{dir}/want.docs", "wb").write(bytes(starts))
 print(len(ids), sum(mask), merged)
 "#,
         trained = trained_tokenizer(&tok),
@@ -269,10 +284,15 @@ print(len(ids), sum(mask), merged)
         out.as_os_str(),
         os("--eos"),
         os("--completion-only"),
+        os("--document-starts"),
         jsonl.as_os_str(),
     ]);
     assert!(ok, "{said}");
-    for (got, want) in [("sft.bin", "want.bin"), ("sft.bin.mask", "want.mask")] {
+    for (got, want) in [
+        ("sft.bin", "want.bin"),
+        ("sft.bin.mask", "want.mask"),
+        ("sft.bin.docs", "want.docs"),
+    ] {
         let (got, want) = (
             std::fs::read(dir.join(got)).unwrap(),
             std::fs::read(dir.join(want)).unwrap(),

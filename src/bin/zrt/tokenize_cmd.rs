@@ -45,6 +45,12 @@ pub struct TokenizeArgs {
     /// render (TRL's `assistant_only_loss`), which `OUT.mask` says.
     #[arg(long, conflicts_with = "completion_only")]
     assistant_only: bool,
+    /// Also write `OUT.docs` (a byte a token, 1 at each document's first
+    /// token), which `finetune_hf --documents` reads to pack documents:
+    /// where no token id tells the ends (a chat template ends every turn
+    /// with the token that ends the conversation).
+    #[arg(long)]
+    document_starts: bool,
     /// The text: `.txt` files (a document each) and `.jsonl` files (a
     /// document a line), in order.
     #[arg(required = true)]
@@ -59,6 +65,7 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
         field: a.field.clone(),
         completion_only: a.completion_only,
         assistant_only: a.assistant_only,
+        document_starts: a.document_starts,
     };
     let done = tokenize_files(&a.tokenizer, &a.inputs, &a.out, &opts)?;
     println!(
@@ -80,6 +87,13 @@ pub fn run(a: &TokenizeArgs) -> Result<()> {
             } else {
                 "assistant's turns'"
             }
+        );
+    }
+    if a.document_starts {
+        println!(
+            "{}: where each of the {} documents starts",
+            zrt::tokenize::documents_path(&a.out).display(),
+            done.documents
         );
     }
     Ok(())

@@ -392,6 +392,23 @@ struct Export {
     same: Vec<(&'static str, std::path::PathBuf)>,
 }
 
+/// The tensors of the safetensors file `path`, each by its name.
+fn tensors(path: &Path) -> impl Fn(&str) -> Tensor {
+    let all = Tensor::read_safetensors(path).unwrap();
+    let path = path.to_path_buf();
+    move |n| {
+        let found = all.iter().find(|(k, _)| k == n);
+        (found.unwrap_or_else(|| panic!("{}: no {n}", path.display())))
+            .1
+            .shallow_clone()
+    }
+}
+
+/// A tensor's values, flat, as `i64`s.
+fn ints(t: Tensor) -> Vec<i64> {
+    Vec::try_from(t.flatten(0, -1)).unwrap()
+}
+
 /// Asserts that `got` are the export's losses `theirs`: the same weights,
 /// the losses computed by two transformers processes (once in some
 /// twenty runs they differed, the values not recorded: float noise is
@@ -598,8 +615,7 @@ fn parity(name: &str) {
             assert!(!out.join(f).exists(), "{what}: {f} carried");
         }
     };
-    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
-    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let get = tensors(&dir.join("reference.safetensors"));
     let (tokens, logits, losses) = (get("tokens"), get("logits"), get("losses"));
     // Tensors do not cross threads: each step's and rank's tokens as
     // numbers, `[MICRO, SEQ]` again on the rank.
@@ -887,9 +903,7 @@ save_file(out, "{dir}/items.safetensors")
 "#,
         dir = dir.display()
     ));
-    let want = Tensor::read_safetensors(dir.join("items.safetensors")).unwrap();
-    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
-    let ints = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+    let get = tensors(&dir.join("items.safetensors"));
     let (tokens, masks) = (ints(get("tokens")), ints(get("masks")));
     let hf = dir.join("hf");
     let params = on_ranks(2, |r| {
@@ -1548,8 +1562,7 @@ save_file(out, "{dir}/reference.safetensors")
 "#,
         dir = dir.display()
     ));
-    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
-    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let get = tensors(&dir.join("reference.safetensors"));
     let tokens = Vec::<i64>::try_from(get("tokens").flatten(0, -1)).unwrap();
     let hf = dir.join("hf");
     let got = on_ranks(1, |r| {
@@ -1647,9 +1660,7 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
 "#,
             dir = dir.display()
         ));
-        let want = Tensor::read_safetensors(dir.join("packed.safetensors")).unwrap();
-        let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
-        let ints = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+        let get = tensors(&dir.join("packed.safetensors"));
         let (tokens, positions) = (ints(get("tokens")), ints(get("positions")));
         let hf = dir.join("hf");
         let (made, first, losses, refused) = on_ranks(1, |r| {
@@ -1989,8 +2000,7 @@ GenerationConfig(do_sample=True, top_k=None, top_p=None).save_pretrained("{dir}/
 "#,
         dir = dir.display()
     ));
-    let want = Tensor::read_safetensors(dir.join("probs.safetensors")).unwrap();
-    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let get = tensors(&dir.join("probs.safetensors"));
     let (logits, ids) = (
         get("logits"),
         Vec::<i64>::try_from(get("ids").flatten(0, -1)).unwrap(),
@@ -2120,10 +2130,8 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
 "#,
         dir = dir.display()
     ));
-    let want = Tensor::read_safetensors(dir.join("masked.safetensors")).unwrap();
-    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
-    let flat = |t: Tensor| Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
-    let (tokens, mask) = (flat(get("tokens")), flat(get("mask")));
+    let get = tensors(&dir.join("masked.safetensors"));
+    let (tokens, mask) = (ints(get("tokens")), ints(get("mask")));
     let theirs = get("loss").double_value(&[0]);
     let hf = dir.join("hf");
     let (masked, all, plain, none) = on_ranks(1, |r| {

@@ -362,7 +362,8 @@ impl HfModel {
     /// int64) count each token's place in its document, a new document
     /// beginning wherever a position is not one more than the one before
     /// it ([`crate::packing::document_positions`] makes them from the
-    /// end-of-sequence tokens). Each token attends to the tokens of its
+    /// end-of-sequence tokens, [`crate::packing::positions_from_starts`]
+    /// from where each document starts). Each token attends to the tokens of its
     /// own document up to itself (within its layer's sliding window) and
     /// is turned, or embedded, at its position: what `transformers`
     /// computes given `position_ids`, no attention mask and no cache

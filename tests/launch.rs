@@ -1207,14 +1207,25 @@ fn node_running(
         .unwrap()
 }
 
+/// The ports [`free_port`] handed out in this process: each test's
+/// launchers listen on its port and the one above, and two tests that
+/// drew neighbouring ports at once both found them free before either
+/// listened (2026-12-03, a fresh-clone CI run: one node's launcher found
+/// `MASTER_PORT + 1` taken, and the test beside it waited in vain).
+static HANDED: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+
 /// A port nothing listens on, nor on the port above (the launchers' own
 /// store on several nodes), for a store the test's launchers start:
 /// below the ephemeral range, as `zrt launch` picks one, so no listener a
-/// concurrent test binds to port 0 can take it before the launchers do.
+/// concurrent test binds to port 0 can take it before the launchers do;
+/// and neither is a port this process handed out or the one above it.
 fn free_port() -> u16 {
+    let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         let p = zrt::collectives::store::free_store_port("127.0.0.1").unwrap();
-        if std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+        let near = handed.iter().any(|&q| p.abs_diff(q) <= 1);
+        if !near && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            handed.push(p);
             return p;
         }
     }

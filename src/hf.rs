@@ -666,15 +666,23 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
 /// gives 0 (and no gradient), where libtorch's mean over nothing would
 /// be NaN and spoil the step.
 pub fn causal_lm_loss_masked(logits: &Tensor, tokens: &Tensor, mask: &Tensor) -> Tensor {
-    let t = tokens.size().get(1).copied().unwrap_or(2);
-    let vocab = logits.size().last().copied().unwrap_or(1);
-    let counted = mask.narrow(1, 1, t - 1).ne(0);
-    let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&counted.logical_not(), -100);
-    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
-    if counted.any().int64_value(&[]) == 0 {
+    let (flat, y, on) = predictions(logits, tokens, mask);
+    if on.any().int64_value(&[]) == 0 {
         return flat.sum(Kind::Float) * 0.0;
     }
-    flat.cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, tch::Reduction::Mean, -100, 0.0)
+    flat.cross_entropy_loss::<Tensor>(&y, None, tch::Reduction::Mean, -100, 0.0)
+}
+
+/// `logits`' predictions of `tokens[:, 1:]`, flat and in fp32, their
+/// targets with those `counted` (nonzero, by the token predicted) leaves
+/// out set to -100, and which are counted.
+fn predictions(logits: &Tensor, tokens: &Tensor, counted: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let t = tokens.size().get(1).copied().unwrap_or(2);
+    let vocab = logits.size().last().copied().unwrap_or(1);
+    let on = counted.narrow(1, 1, t - 1).ne(0);
+    let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&on.logical_not(), -100);
+    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
+    (flat, y.reshape([-1]), on)
 }
 
 /// Which of `tokens`' (`[batch, seq]`) predictions a loss counts, by the
@@ -719,14 +727,8 @@ pub fn causal_lm_loss_over(
     counted: &Tensor,
     items: f64,
 ) -> Tensor {
-    let t = tokens.size().get(1).copied().unwrap_or(2);
-    let vocab = logits.size().last().copied().unwrap_or(1);
-    let on = counted.narrow(1, 1, t - 1).ne(0);
-    let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&on.logical_not(), -100);
-    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
-    let sum =
-        flat.cross_entropy_loss::<Tensor>(&y.reshape([-1]), None, tch::Reduction::Sum, -100, 0.0);
-    sum / items
+    let (flat, y, _) = predictions(logits, tokens, counted);
+    flat.cross_entropy_loss::<Tensor>(&y, None, tch::Reduction::Sum, -100, 0.0) / items
 }
 
 /// The `items` to give [`causal_lm_loss_over`] on each micro-batch of a

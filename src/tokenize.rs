@@ -294,6 +294,7 @@ fn write(
         paths: files.iter().map(|f| f.0.clone()).collect(),
         wide: opts.u32,
         masked: opts.masked(),
+        starts: opts.document_starts,
         done: Tokenized {
             documents: 0,
             tokens: 0,
@@ -771,8 +772,10 @@ struct Writer {
     /// The files `outs` write, named in their errors.
     paths: Vec<PathBuf>,
     wide: bool,
-    /// Whether the second file is a mask.
+    /// Whether a file holds the mask (the second).
     masked: bool,
+    /// Whether a file holds the documents' starts (the last).
+    starts: bool,
     done: Tokenized,
 }
 
@@ -857,16 +860,17 @@ impl Writer {
             };
             self.done.counted += counted.iter().map(|&c| u64::from(c)).sum::<u64>();
             mask.extend(counted);
-            starts.extend((0..ids.len()).map(|j| u8::from(j == 0)));
+            if self.starts {
+                starts.extend((0..ids.len()).map(|j| u8::from(j == 0)));
+            }
             self.done.tokens += ids.len() as u64;
             self.done.documents += 1;
         }
-        // The ids, the mask when there is one, then the starts (when
-        // asked for: `outs` holds no file for them otherwise).
-        let data = match self.masked {
-            true => [bytes, mask, starts],
-            false => [bytes, starts, Vec::new()],
-        };
+        // The ids, the mask when there is one, then the starts when
+        // asked for: `outs` holds their files in that order.
+        let mut data = vec![bytes];
+        data.extend(self.masked.then_some(mask));
+        data.extend(self.starts.then_some(starts));
         for (out, (data, path)) in (self.outs.iter_mut()).zip(data.iter().zip(&self.paths)) {
             out.write_all(data).map_err(io(path))?;
         }

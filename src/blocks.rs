@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tch::nn::Module;
 use tch::Tensor;
 
-use crate::kv_cache::{causal_attention, document_attention, Decoding, LayerCache};
+use crate::kv_cache::{causal_attention, Decoding, LayerCache};
 use crate::lora::{Adapted, EmbeddingAdapter, LoraConfig, TrainableTokens};
 use crate::packing::Documents;
 use crate::zero::activation::{Capture, Checkpointed, Replay, Restore};
@@ -168,7 +168,7 @@ pub(crate) fn fused_causal_attention(
         .permute([2, 0, 3, 1, 4]);
     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
     if let Some(docs) = cache.and_then(LayerCache::documents) {
-        let a = document_attention(&q, &k, &v, &docs.visible, dropout, false);
+        let a = docs.attend((&q, &k, &v), None, None, dropout, false);
         return a.transpose(1, 2).contiguous().view([b, t, d]);
     }
     let (offset, (k, v)) = match cache {

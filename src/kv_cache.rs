@@ -156,7 +156,7 @@ impl LayerCache {
     ) -> Tensor {
         if let Some(d) = self.documents() {
             let (q, k) = (rope_at(&q, rotary, &d), rope_at(&k, rotary, &d));
-            return document_attention(&q, &k, &v, &d.visible, dropout, grouped);
+            return d.attend((&q, &k, &v), None, None, dropout, grouped);
         }
         let offset = self.offset();
         let (q, k) = (rope_from(&q, rotary, offset), rope_from(&k, rotary, offset));
@@ -208,21 +208,6 @@ pub(crate) fn causal_attention(
         (i.unsqueeze(1) - j.unsqueeze(0)).ge(0)
     });
     Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, offset == 0, None, grouped)
-}
-
-/// Attention of `q` over `k` and `v` (`[batch, heads, seq, hd]`) where
-/// `visible` (`[batch, 1, seq, seq]`, [`Documents::visible`]) says which
-/// keys each query sees: packed documents, each causal within itself.
-pub(crate) fn document_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    visible: &Tensor,
-    dropout: f64,
-    grouped: bool,
-) -> Tensor {
-    let mask = Some(visible.shallow_clone());
-    Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, false, None, grouped)
 }
 
 #[cfg(test)]

@@ -2409,18 +2409,16 @@ impl Layer {
         let dropout = self.training.attention(c.attention_dropout);
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         let Some(cap) = c.attn_softcap else {
-            // A cache's keys reach back past the queries, packed documents
-            // see only themselves: an explicit mask.
-            let window = match (documents, offset) {
-                (Some(d), _) => Some(match self.window.filter(|&w| w < t) {
-                    Some(w) => d.visible.logical_and(&visible(w)),
-                    None => d.visible.shallow_clone(),
-                }),
-                (None, 0) => self.window.filter(|&w| w < t).map(visible),
-                (None, _) => Some(visible(self.window.unwrap_or(offset + t + 1))),
+            let grouped = c.kv_heads != c.heads;
+            if let Some(d) = documents {
+                return d.attend((q, k, v), self.window, scale, dropout, grouped);
+            }
+            // A cache's keys reach back past the queries: an explicit mask.
+            let window = match offset {
+                0 => self.window.filter(|&w| w < t).map(visible),
+                _ => Some(visible(self.window.unwrap_or(offset + t + 1))),
             };
             let causal = window.is_none();
-            let grouped = c.kv_heads != c.heads;
             return Tensor::scaled_dot_product_attention(
                 q, k, v, window, dropout, causal, scale, grouped,
             );
@@ -2435,7 +2433,7 @@ impl Layer {
         let scores = (scores / cap).tanh() * cap;
         let visible = visible(self.window.unwrap_or(offset + t + 1));
         let visible = match documents {
-            Some(d) => d.visible.logical_and(&visible),
+            Some(d) => d.visible().logical_and(&visible),
             None => visible,
         };
         let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);

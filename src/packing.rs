@@ -23,7 +23,10 @@
 //! from where each document starts instead, as `zrt tokenize
 //! --document-starts` writes it beside the ids.
 
-use tch::{Kind, Tensor};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tch::{Device, Kind, Tensor};
 
 use crate::hf::HfError;
 
@@ -91,9 +94,13 @@ pub fn document_starts(positions: &Tensor) -> Tensor {
 pub(crate) struct Documents {
     /// `[batch, seq]`, int64.
     pub(crate) positions: Tensor,
-    /// `[batch, 1, seq, seq]`, bool: key `j` is in query `i`'s document
-    /// and not after it.
-    pub(crate) visible: Tensor,
+    /// `[batch, seq]`, int64: each token's document, numbered along its row.
+    doc: Tensor,
+    /// [`Documents::visible`], once a layer asked for it (most never do,
+    /// and it is `seq` times the size of the tokens), shared by them all.
+    visible: Arc<Mutex<Option<Tensor>>>,
+    /// Each row's documents' lengths, in order (their sum is `seq`).
+    lengths: Arc<Vec<Vec<i64>>>,
     /// The largest position plus one: the length a rotary embedding whose
     /// frequencies depend on it (`dynamic`, LongRoPE) takes, as
     /// `transformers` takes `max(position_ids) + 1`.
@@ -128,19 +135,25 @@ impl Documents {
             ));
         }
         let longest = positions.max().int64_value(&[]) + 1;
-        // Each token's document, numbered along the row.
-        let doc = document_starts(positions)
-            .to_kind(Kind::Int64)
-            .cumsum(-1, Kind::Int64);
+        let starts = document_starts(positions).to_kind(Kind::Int64);
         let t = positions.size()[1];
-        let opts = (Kind::Int64, positions.device());
-        let causal = Tensor::arange(t, opts)
-            .unsqueeze(1)
-            .ge_tensor(&Tensor::arange(t, opts).unsqueeze(0));
-        let same = doc.unsqueeze(2).eq_tensor(&doc.unsqueeze(1));
+        let marks = Vec::<i64>::try_from(starts.to_device(Device::Cpu).flatten(0, -1))
+            .map_err(|e| HfError::Packed(format!("cannot read the positions: {e}")))?;
+        let lengths = marks
+            .chunks(t as usize)
+            .map(|row| {
+                // A document ends where the next starts, the last at the row's end.
+                let ends = (1..t).filter(|&i| row[i as usize] != 0).chain([t]);
+                let mut from = 0;
+                ends.map(|end| end - std::mem::replace(&mut from, end))
+                    .collect()
+            })
+            .collect::<Vec<_>>();
         Ok(Self {
             positions: positions.shallow_clone(),
-            visible: same.logical_and(&causal).unsqueeze(1),
+            doc: starts.cumsum(-1, Kind::Int64),
+            visible: Arc::default(),
+            lengths: Arc::new(lengths),
             longest,
         })
     }
@@ -149,10 +162,103 @@ impl Documents {
     pub(crate) fn shared(&self) -> Self {
         Self {
             positions: self.positions.shallow_clone(),
-            visible: self.visible.shallow_clone(),
+            doc: self.doc.shallow_clone(),
+            visible: self.visible.clone(),
+            lengths: self.lengths.clone(),
             longest: self.longest,
         }
     }
+
+    /// `[batch, 1, seq, seq]`, bool: key `j` is in query `i`'s document
+    /// and not after it (the block-diagonal causal mask).
+    pub(crate) fn visible(&self) -> Tensor {
+        let mut kept = self.visible.lock();
+        let mask = kept.get_or_insert_with(|| {
+            let t = self.doc.size()[1];
+            let causal = in_window(t, t, self.doc.device());
+            let same = self.doc.unsqueeze(2).eq_tensor(&self.doc.unsqueeze(1));
+            same.logical_and(&causal).unsqueeze(1)
+        });
+        mask.shallow_clone()
+    }
+
+    /// Attention of `q` over `k` and `v` (`[batch, heads, seq, hd]`; with
+    /// `grouped`, fewer key-value heads) where each query sees its own
+    /// document up to itself, and within `window` (the query and the
+    /// `w - 1` tokens before it) when one is given. `scale` as
+    /// libtorch's fused kernel takes it (`None`: one over the root of
+    /// `hd`).
+    ///
+    /// Without dropout each document is its own causal attention: one
+    /// fused call per document (per row, unless every row is cut alike),
+    /// each over its own keys, as `transformers`' flash-attention path
+    /// runs packed rows (its `varlen` kernel). The same outputs as the
+    /// block-diagonal mask, but libtorch's kernels given a mask visit
+    /// every block of it: forward and backward of 2 x 8 heads x 2048
+    /// tokens x 64 took 3 to 17 times as long with it for documents of
+    /// 1024 down to 64 tokens, twice for one of 2048
+    /// (`bench/peers/packed_attention.py`). With dropout, one call over
+    /// the mask: the weights dropped are then the ones `transformers`
+    /// drops from the same seed.
+    pub(crate) fn attend(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        window: Option<i64>,
+        scale: Option<f64>,
+        dropout: f64,
+        grouped: bool,
+    ) -> Tensor {
+        let sdpa = Tensor::scaled_dot_product_attention::<Tensor>;
+        if dropout > 0.0 {
+            let t = q.size()[2];
+            let mask = match window.filter(|&w| w < t) {
+                Some(w) => self.visible().logical_and(&in_window(t, w, q.device())),
+                None => self.visible(),
+            };
+            return sdpa(q, k, v, Some(mask), dropout, false, scale, grouped);
+        }
+        // One document: causal, or causal within the window.
+        let one = |q: &Tensor, k: &Tensor, v: &Tensor, n: i64| {
+            let mask = window
+                .filter(|&w| w < n)
+                .map(|w| in_window(n, w, q.device()));
+            let causal = mask.is_none();
+            sdpa(q, k, v, mask, 0.0, causal, scale, grouped)
+        };
+        // One row's documents (or every row's, cut alike), joined again.
+        let row = |q: &Tensor, k: &Tensor, v: &Tensor, lengths: &[i64]| {
+            if let [n] = lengths {
+                return one(q, k, v, *n);
+            }
+            let (qs, ks, vs) = (
+                q.split_with_sizes(lengths, 2),
+                k.split_with_sizes(lengths, 2),
+                v.split_with_sizes(lengths, 2),
+            );
+            let parts: Vec<Tensor> = (qs.iter().zip(&ks).zip(&vs).zip(lengths))
+                .map(|(((q, k), v), &n)| one(q, k, v, n))
+                .collect();
+            Tensor::cat(&parts, 2)
+        };
+        let lengths = self.lengths.as_slice();
+        if let [first, rest @ ..] = lengths {
+            if rest.iter().all(|l| l == first) {
+                return row(q, k, v, first);
+            }
+        }
+        let (qs, ks, vs) = (q.split(1, 0), k.split(1, 0), v.split(1, 0));
+        let rows: Vec<Tensor> = (qs.iter().zip(&ks).zip(&vs).zip(lengths))
+            .map(|(((q, k), v), l)| row(q, k, v, l))
+            .collect();
+        Tensor::cat(&rows, 0)
+    }
+}
+
+/// `[t, t]` bool: key `j` is query `i`'s or one of the `w - 1` before it.
+fn in_window(t: i64, w: i64, device: Device) -> Tensor {
+    let i = Tensor::arange(t, (Kind::Int64, device));
+    let back = i.unsqueeze(1) - i.unsqueeze(0);
+    back.ge(0).logical_and(&back.lt(w))
 }
 
 #[cfg(test)]
@@ -199,12 +305,74 @@ mod tests {
             0, 0, 1, 1, 0,
             0, 0, 1, 1, 1,
         ];
-        assert_eq!(ints(&d.visible), want);
+        assert_eq!(ints(&d.visible()), want);
         // A document of one token: a repeated position starts another.
         let p = Tensor::from_slice(&[0i64, 0, 1, 0, 0]).view([1, 5]);
         let d = Documents::new(&tokens, &p).unwrap();
-        assert_eq!(ints(&d.visible.diagonal(0, 2, 3)), [1; 5]);
-        assert_eq!(ints(&d.visible.sum(Kind::Int64)), [6]);
+        assert_eq!(ints(&d.visible().diagonal(0, 2, 3)), [1; 5]);
+        assert_eq!(ints(&d.visible().sum(Kind::Int64)), [6]);
+    }
+
+    #[test]
+    fn each_documents_own_attention_is_the_masks_forward_and_backward() {
+        tch::manual_seed(0);
+        let opts = (Kind::Float, Device::Cpu);
+        // Rows cut differently (one call a document a row), then alike
+        // (one call a document for both).
+        let cuts = [
+            (
+                [0i64, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2],
+                [3, 2, 4, 6, 3],
+            ),
+            (
+                [0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4],
+                [4, 5, 4, 5, 0],
+            ),
+        ];
+        for (positions, lengths) in cuts {
+            let p = Tensor::from_slice(&positions).view([2, 9]);
+            let d = Documents::new(&p.zeros_like(), &p).unwrap();
+            let flat: Vec<i64> = d.lengths.iter().flatten().copied().collect();
+            assert_eq!(
+                flat,
+                lengths.into_iter().filter(|&n| n > 0).collect::<Vec<_>>()
+            );
+            // Grouped heads (4 query heads, 2 key-value), a window
+            // shorter than some documents, a scale of its own.
+            for (window, scale) in [(None, None), (Some(2), Some(0.3))] {
+                let q = Tensor::randn([2, 4, 9, 8], opts).set_requires_grad(true);
+                let k = Tensor::randn([2, 2, 9, 8], opts).set_requires_grad(true);
+                let v = Tensor::randn([2, 2, 9, 8], opts).set_requires_grad(true);
+                let mask = match window {
+                    Some(w) => d.visible().logical_and(&in_window(9, w, Device::Cpu)),
+                    None => d.visible(),
+                };
+                let want = Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    Some(mask),
+                    0.0,
+                    false,
+                    scale,
+                    true,
+                );
+                let got = d.attend((&q, &k, &v), window, scale, 0.0, true);
+                let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+                assert!(
+                    diff(&got, &want) < 1e-6,
+                    "{window:?}: {}",
+                    diff(&got, &want)
+                );
+                let g = want.randn_like();
+                let grads = |y: &Tensor| {
+                    Tensor::run_backward(&[(y * &g).sum(Kind::Float)], &[&q, &k, &v], false, false)
+                };
+                for (a, b) in grads(&got).iter().zip(&grads(&want)) {
+                    assert!(diff(a, b) < 1e-5, "{window:?}: {}", diff(a, b));
+                }
+            }
+        }
     }
 
     #[test]

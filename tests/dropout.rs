@@ -284,3 +284,50 @@ fn starcoder2_drops_embeddings_attention_and_sublayers_out_as_transformers_does(
         1e-5,
     );
 }
+
+/// Packed documents in training with attention dropout: the mask's one
+/// fused call (not a call per document, as without dropout), so the
+/// weights dropped are the ones `transformers` drops from the same seed
+/// given `position_ids` that restart at each document; its logits to
+/// 1e-5. Rows cut differently, and a sliding window shorter than a
+/// document (Mistral's).
+#[test]
+fn packed_documents_drop_attention_out_as_transformers_does() {
+    let dir = scratch("dropout-packed");
+    let model = common::hf_seeded_model(
+        "from transformers import MistralConfig as C, MistralForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, attention_dropout=0.25, attn_implementation='sdpa'",
+        &dir,
+        "",
+    );
+    common::python(&format!(
+        r#"{model}
+tokens = torch.randint(0, 96, ({MICRO}, {SEQ}))
+positions = torch.cat([torch.cat([torch.arange(n) for n in cut]) for cut in ([5, 7, 4], [9, 7])]).view({MICRO}, {SEQ})
+m.train()
+torch.manual_seed(7)
+with torch.no_grad():
+    dropped = m(tokens, position_ids=positions, use_cache=False).logits
+save_file({{"tokens": tokens, "positions": positions, "dropped": dropped}}, "{dir}/reference.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let want = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
+    let get = |n: &str| want.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let _serial = common::serial();
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
+    let _engine = solo_engine(&vs, &plan, &config_zero(3, 1, 0.0, "", SHARD_ALL)).unwrap();
+    model.set_training(true);
+    tch::manual_seed(7);
+    let got = tch::no_grad(|| model.forward_packed(&get("tokens"), &get("positions"))).unwrap();
+    let diff = (&got - get("dropped")).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "differs from transformers' by {diff}");
+    // The same forward with no dropout is another: some weights dropped.
+    model.set_training(false);
+    let plain = tch::no_grad(|| model.forward_packed(&get("tokens"), &get("positions"))).unwrap();
+    let moved = (&plain - &got).abs().max().double_value(&[]);
+    assert!(moved > 1e-2, "nothing dropped ({moved})");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -58,7 +58,7 @@ use crate::blocks::{layer_norm, Ends, Run, Training};
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
-use crate::packing::Documents;
+use crate::packing::{in_window, Documents};
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
@@ -2429,18 +2429,27 @@ impl Layer {
             v.repeat_interleave_self_int(groups, 1, None),
         );
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
-        let scores = q.matmul(&k.transpose(2, 3)) * scale;
-        let scores = (scores / cap).tanh() * cap;
-        let visible = visible(self.window.unwrap_or(offset + t + 1));
-        let visible = match documents {
-            Some(d) => d.visible().logical_and(&visible),
-            None => visible,
+        let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
+            let scores = q.matmul(&k.transpose(2, 3)) * scale;
+            let scores = (scores / cap).tanh() * cap;
+            let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+            let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
+            self.training
+                .dropout(weights, c.attention_dropout)
+                .matmul(v)
         };
-        let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-        let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
-        self.training
-            .dropout(weights, c.attention_dropout)
-            .matmul(&v)
+        let window = self.window.unwrap_or(offset + t + 1);
+        match documents {
+            // Without dropout, each document's scores alone (as the fused
+            // kernel's, `Documents::attend`): the row's would be `seq`
+            // squared a head. With it, the row's, so that the weights
+            // dropped are those `transformers` drops.
+            Some(d) if dropout == 0.0 => d.per_document((q, &k, &v), |q, k, v, n| {
+                eager(q, k, v, &in_window(n, window, q.device()))
+            }),
+            Some(d) => eager(q, &k, &v, &d.visible().logical_and(&visible(window))),
+            None => eager(q, &k, &v, &visible(window)),
+        }
     }
 }
 

@@ -218,13 +218,25 @@ impl Documents {
             return sdpa(q, k, v, Some(mask), dropout, false, scale, grouped);
         }
         // One document: causal, or causal within the window.
-        let one = |q: &Tensor, k: &Tensor, v: &Tensor, n: i64| {
+        self.per_document((q, k, v), |q, k, v, n| {
             let mask = window
                 .filter(|&w| w < n)
                 .map(|w| in_window(n, w, q.device()));
             let causal = mask.is_none();
             sdpa(q, k, v, mask, 0.0, causal, scale, grouped)
-        };
+        })
+    }
+
+    /// `one(q, k, v, n)` on each document's queries, keys and values
+    /// (`[batch, heads, seq, hd]` cut along `seq`: `[1 or batch, heads,
+    /// n, hd]`), the outputs (of the queries' shape) joined again along
+    /// `seq` and the rows: a call per document, per row unless every row
+    /// is cut alike.
+    pub(crate) fn per_document(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        one: impl Fn(&Tensor, &Tensor, &Tensor, i64) -> Tensor,
+    ) -> Tensor {
         // One row's documents (or every row's, cut alike), joined again.
         let row = |q: &Tensor, k: &Tensor, v: &Tensor, lengths: &[i64]| {
             if let [n] = lengths {
@@ -254,8 +266,9 @@ impl Documents {
     }
 }
 
-/// `[t, t]` bool: key `j` is query `i`'s or one of the `w - 1` before it.
-fn in_window(t: i64, w: i64, device: Device) -> Tensor {
+/// `[t, t]` bool: key `j` is query `i`'s or one of the `w - 1` before it
+/// (causal when `w >= t`).
+pub(crate) fn in_window(t: i64, w: i64, device: Device) -> Tensor {
     let i = Tensor::arange(t, (Kind::Int64, device));
     let back = i.unsqueeze(1) - i.unsqueeze(0);
     back.ge(0).logical_and(&back.lt(w))

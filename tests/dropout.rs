@@ -286,20 +286,29 @@ fn starcoder2_drops_embeddings_attention_and_sublayers_out_as_transformers_does(
 }
 
 /// Packed documents in training with attention dropout: the mask's one
-/// fused call (not a call per document, as without dropout), so the
-/// weights dropped are the ones `transformers` drops from the same seed
-/// given `position_ids` that restart at each document; its logits to
-/// 1e-5. Rows cut differently, and a sliding window shorter than a
-/// document (Mistral's).
+/// call over the row (not a call per document, as without dropout), so
+/// the weights dropped are the ones `transformers` drops from the same
+/// seed given `position_ids` that restart at each document; its logits
+/// to 1e-5. Rows cut differently, a sliding window shorter than a
+/// document, through the fused kernel (Mistral's) and the soft-capped
+/// eager attention (Gemma 2's).
 #[test]
 fn packed_documents_drop_attention_out_as_transformers_does() {
-    let dir = scratch("dropout-packed");
-    let model = common::hf_seeded_model(
-        "from transformers import MistralConfig as C, MistralForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, attention_dropout=0.25, attn_implementation='sdpa'",
-        &dir,
-        "",
-    );
+    for (name, import, args) in [
+        ("mistral", "from transformers import MistralConfig as C, MistralForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, attention_dropout=0.25, attn_implementation='sdpa'"),
+        ("gemma2", "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",
+         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, attn_logit_softcapping=1.5, final_logit_softcapping=2.0, attention_dropout=0.25, attn_implementation='eager'"),
+    ] {
+        packed_dropout_parity(name, import, args);
+    }
+}
+
+/// [`packed_documents_drop_attention_out_as_transformers_does`] for one
+/// model.
+fn packed_dropout_parity(name: &str, import: &str, args: &str) {
+    let dir = scratch(&format!("dropout-packed-{name}"));
+    let model = common::hf_seeded_model(import, args, &dir, "");
     common::python(&format!(
         r#"{model}
 tokens = torch.randint(0, 96, ({MICRO}, {SEQ}))
@@ -323,11 +332,11 @@ save_file({{"tokens": tokens, "positions": positions, "dropped": dropped}}, "{di
     tch::manual_seed(7);
     let got = tch::no_grad(|| model.forward_packed(&get("tokens"), &get("positions"))).unwrap();
     let diff = (&got - get("dropped")).abs().max().double_value(&[]);
-    assert!(diff < 1e-5, "differs from transformers' by {diff}");
+    assert!(diff < 1e-5, "{name}: differs from transformers' by {diff}");
     // The same forward with no dropout is another: some weights dropped.
     model.set_training(false);
     let plain = tch::no_grad(|| model.forward_packed(&get("tokens"), &get("positions"))).unwrap();
     let moved = (&plain - &got).abs().max().double_value(&[]);
-    assert!(moved > 1e-2, "nothing dropped ({moved})");
+    assert!(moved > 1e-2, "{name}: nothing dropped ({moved})");
     let _ = std::fs::remove_dir_all(&dir);
 }

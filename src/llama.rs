@@ -2447,7 +2447,7 @@ impl Layer {
             Some(d) if dropout == 0.0 => d.per_document((q, &k, &v), |q, k, v, n| {
                 eager(q, k, v, &in_window(n, window, q.device()))
             }),
-            Some(d) => eager(q, &k, &v, &d.visible().logical_and(&visible(window))),
+            Some(d) => eager(q, &k, &v, &d.visible_within(self.window)),
             None => eager(q, &k, &v, &visible(window)),
         }
     }

@@ -182,6 +182,18 @@ impl Documents {
         mask.shallow_clone()
     }
 
+    /// [`Documents::visible`] within `window` (each query sees itself and
+    /// the `w - 1` keys before it) when one is given.
+    pub(crate) fn visible_within(&self, window: Option<i64>) -> Tensor {
+        let t = self.doc.size()[1];
+        match window.filter(|&w| w < t) {
+            Some(w) => self
+                .visible()
+                .logical_and(&in_window(t, w, self.doc.device())),
+            None => self.visible(),
+        }
+    }
+
     /// Attention of `q` over `k` and `v` (`[batch, heads, seq, hd]`; with
     /// `grouped`, fewer key-value heads) where each query sees its own
     /// document up to itself, and within `window` (the query and the
@@ -210,11 +222,7 @@ impl Documents {
     ) -> Tensor {
         let sdpa = Tensor::scaled_dot_product_attention::<Tensor>;
         if dropout > 0.0 {
-            let t = q.size()[2];
-            let mask = match window.filter(|&w| w < t) {
-                Some(w) => self.visible().logical_and(&in_window(t, w, q.device())),
-                None => self.visible(),
-            };
+            let mask = self.visible_within(window);
             return sdpa(q, k, v, Some(mask), dropout, false, scale, grouped);
         }
         // One document: causal, or causal within the window.

@@ -220,6 +220,12 @@ struct Args {
     /// adapted layers' biases, then leaves them out of its file.)
     #[arg(long, requires = "lora_r", value_parser = ["none", "all", "lora_only"])]
     lora_bias: Option<String>,
+    /// Each adapter's B has a bias of its own (PEFT's `lora_bias`, not
+    /// its `bias`, which is `--lora-bias`), trained and written into
+    /// the adapter's file; a merge adds it to the adapted layer's bias
+    /// (a layer without one cannot be merged).
+    #[arg(long, requires = "lora_r")]
+    lora_b_bias: bool,
     /// Go on training the LoRA adapter in this directory (PEFT's, or a
     /// `--lora-r` run's `--out`): its rank, alpha, dropout and targets
     /// are its `adapter_config.json`'s, its matrices the start (the
@@ -408,6 +414,7 @@ fn main() -> Result<()> {
                     Some(b) => b == "all",
                     None => false,
                 },
+                lora_bias: a.lora_b_bias,
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

@@ -42,6 +42,11 @@ struct Case {
     tokens_module: Option<&'static str>,
     /// PEFT's `bias = "all"`: every bias trains too.
     biases: bool,
+    /// PEFT's `lora_bias`: each adapter's B has a bias.
+    lora_bias: bool,
+    /// How far an fp32 run's trained tensors may be from PEFT's, where
+    /// not to float rounding (1e-6).
+    atol: Option<f64>,
     /// `layers_to_transform`, `rank_pattern` and `alpha_pattern`.
     layers: &'static [i64],
     ranks: &'static [(&'static str, i64)],
@@ -64,6 +69,8 @@ const OFF: Case = Case {
     tokens: &[],
     tokens_module: None,
     biases: false,
+    lora_bias: false,
+    atol: None,
     layers: &[],
     ranks: &[],
     alphas: &[],
@@ -413,6 +420,43 @@ fn biases_trained_with_the_adapters_train_as_peft_trains_them() {
 }
 
 #[test]
+fn adapters_whose_b_has_a_bias_train_and_merge_as_peft_does() {
+    // PEFT's `lora_bias` on Phi-2's biased projections (q, dense, fc2:
+    // 64 each a layer), merged into the base's biases.
+    let phi = Case {
+        lora_bias: true,
+        matrices: 18,
+        elements: PHI.elements + 2 * 3 * 64,
+        ..PHI
+    };
+    parity("phi-lora-bias", &phi, &[(3, false, Held::Fp32)]);
+    // GPT-2's Conv1D layers (c_fc 64 -> 256, the c_projs 64 -> 64 and
+    // 256 -> 64). (Not c_attn: its keys' third of B's bias has no
+    // gradient but rounding noise, see `NOISE_ONLY`.)
+    let gpt2 = Case {
+        targets: &["c_fc", "c_proj"],
+        lora_bias: true,
+        matrices: 18,
+        elements: 2 * 4 * ((64 + 256) + (64 + 64) + (256 + 64)) + 2 * (256 + 64 + 64),
+        ..GPT2
+    };
+    parity("gpt2-lora-bias", &gpt2, &[(2, false, Held::Fp32)]);
+    // Every bias trained too (`bias = "all"`): B's bias merges into the
+    // trained one. The key projections' biases train on rounding noise
+    // (`NOISE_ONLY`), steps of up to the learning rate that differ from
+    // PEFT's; the last MLP's A then ends up to 2e-5 from PEFT's (of steps
+    // of 1e-2), so the trained tensors are held to 1e-4 here.
+    let both = Case {
+        biases: true,
+        whole: 16,
+        elements: phi.elements + 2 * (4 * 64 + 256 + 64 + 64) + 64 + 96,
+        atol: Some(1e-4),
+        ..phi
+    };
+    parity("phi-lora-bias-all", &both, &[(2, false, Held::Fp32)]);
+}
+
+#[test]
 fn trainable_tokens_train_as_peft_trains_them() {
     // An untied Llama (the rows change the lookup) at stage 2, a tied one
     // (and the head's logits) at stage 3 recomputing; GPT-2's tied `wte`.
@@ -492,6 +536,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         trainable_token_indices: case.tokens.to_vec(),
         trainable_tokens_module: case.tokens_module.map(String::from),
         train_biases: case.biases,
+        lora_bias: case.lora_bias,
         target_pattern: case.pattern.map(String::from),
         exclude_modules: case.exclude.iter().map(|m| m.to_string()).collect(),
         layers_to_transform: case.layers.to_vec(),
@@ -507,7 +552,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         let rounded = (2e-2, 2.0 * STEPS as f64 * LR);
         let int8 = format!(r#"{SHARD_ALL} "zero_quantized_nontrainable_weights": true,"#);
         let ((tol, atol), extra, zero): ((f64, f64), &str, &str) = match held {
-            Held::Fp32 => ((1e-5, 1e-6), "", SHARD_ALL),
+            Held::Fp32 => ((1e-5, case.atol.unwrap_or(1e-6)), "", SHARD_ALL),
             Held::Bf16 => (rounded, common::BF16, SHARD_ALL),
             Held::Int8Base => (rounded, "", &int8),
         };
@@ -771,6 +816,20 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         ..LoraConfig::new(2, 8.0, &["c_attn", "wte"])
     });
     assert!(dora.contains("DoRA on linear layers only"), "{dora}");
+    let biased = build(LoraConfig {
+        lora_bias: true,
+        ..LoraConfig::new(2, 8.0, &["c_attn", "wte"])
+    });
+    assert!(
+        biased.contains("`transformer.wte` is a token embedding, whose adapter has no bias"),
+        "{biased}"
+    );
+    let dora = build(LoraConfig {
+        use_dora: true,
+        lora_bias: true,
+        ..LoraConfig::new(2, 8.0, &["c_attn"])
+    });
+    assert!(dora.contains("lora_bias with use_dora"), "{dora}");
     let both = build(LoraConfig {
         trainable_token_indices: vec![3],
         ..LoraConfig::new(2, 8.0, &["c_attn", "wte"])
@@ -1055,6 +1114,49 @@ with torch.no_grad():
     let (ok, said) = crate::from_hf::finetune(&only);
     assert!(
         !ok && said.contains("--lora-bias lora_only: PEFT 0.18 trains the adapted layers' biases"),
+        "{said}"
+    );
+    // B with biases (PEFT's `lora_bias`): trained and written, but this
+    // Llama's projections have none to merge them into (PEFT cannot
+    // either); a file without the biases its config says B has is
+    // refused too.
+    let biased = dir.join("biased");
+    let mut with_b = args[..18].to_vec();
+    with_b[9] = os("2");
+    with_b.extend([os("--lora-b-bias"), os("--out"), biased.as_os_str()]);
+    let (ok, said) = crate::from_hf::finetune(&with_b);
+    assert!(ok, "{said}");
+    let config = std::fs::read_to_string(biased.join("adapter_config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["lora_bias"], true);
+    let file = biased.join("adapter_model.safetensors");
+    let (b_biases, rest): (Vec<_>, Vec<_>) = (Tensor::read_safetensors(&file).unwrap())
+        .into_iter()
+        .partition(|(n, _)| n.ends_with(".lora_B.bias"));
+    assert_eq!((b_biases.len(), rest.len()), (14, 28));
+    assert!(b_biases
+        .iter()
+        .all(|(_, b)| b.abs().sum(None).double_value(&[]) > 0.0));
+    let never = dir.join("never-biased");
+    let merge_biased = || {
+        let (ok, said) = zrt(&[
+            os("--adapter"),
+            biased.as_os_str(),
+            os("--out"),
+            never.as_os_str(),
+        ]);
+        assert!(!ok && !never.exists(), "{said}");
+        said
+    };
+    let said = merge_biased();
+    assert!(
+        said.contains("the adapter's B has a bias (lora_bias) but the base's `model.layers.0.mlp.down_proj` has none to add it to"),
+        "{said}"
+    );
+    Tensor::write_safetensors(&rest, &file).unwrap();
+    let said = merge_biased();
+    assert!(
+        said.contains("`lora_bias` is true in its adapter_config.json but `model.layers.0.mlp.down_proj` lacks `lora_B.bias`"),
         "{said}"
     );
     let saved_merged = dir.join("saved-merged");

@@ -22,7 +22,9 @@ const INDEX: &str = "model.safetensors.index.json";
 /// What [`merge`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Merged {
-    /// The matrices that took an update, by name, sorted.
+    /// The matrices that took an update (and under `lora_bias` the
+    /// biases B's went into, but for trained ones, which are in
+    /// [`Self::replaced`]), by name, sorted.
     pub matrices: Vec<String>,
     /// The tensors of `modules_to_save` that replaced the base's, and
     /// the embeddings trainable tokens' rows went into, by name, sorted.
@@ -35,7 +37,8 @@ impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
     /// `peft_type`, repeated layers, adapters on parameters, `bias` other
-    /// than `"none"` or `"all"`, QALoRA, aLoRA), naming the field: built anyway, the model
+    /// than `"none"` or `"all"`, QALoRA, aLoRA, a `lora_bias` that is no
+    /// boolean), naming the field: built anyway, the model
     /// would hold other adapters than the file. `rank_pattern` and
     /// `alpha_pattern` keep the file's order, which decides between keys
     /// that match one module.
@@ -58,7 +61,6 @@ impl LoraConfig {
         for (key, what) in [
             ("layer_replication", "repeats layers"),
             ("target_parameters", "adapts parameters, not modules"),
-            ("lora_bias", "gives lora_B a bias"),
             ("use_qalora", "pools the adapters' input (QALoRA)"),
             (
                 "alora_invocation_tokens",
@@ -78,6 +80,15 @@ impl LoraConfig {
                 )));
             }
         }
+        let lora_bias = match j.get("lora_bias") {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(j.field(format!(
+                    "`lora_bias` is {v}: true (each adapter's B has a bias) or false"
+                )))
+            }
+        };
         let train_biases = match text("bias").as_deref() {
             None | Some("none") => false,
             Some("all") => true,
@@ -186,6 +197,7 @@ impl LoraConfig {
             trainable_token_indices: tokens,
             trainable_tokens_module: tokens_module,
             train_biases,
+            lora_bias,
             layers_to_transform: layers,
             layers_pattern,
             rank_pattern: patterns.rank_pattern.0,
@@ -203,6 +215,8 @@ impl LoraConfig {
 /// (PEFT writes a saved, tied embedding as the head too).
 struct Adapters {
     pairs: BTreeMap<String, (Tensor, Tensor)>,
+    /// `B`'s biases (`lora_bias`) by the module they adapt.
+    b_biases: BTreeMap<String, Tensor>,
     magnitudes: HashMap<String, Tensor>,
     /// The matrices of adapted token embeddings, whose update goes in
     /// transposed (`lora_embedding_A` `[r, vocab]`).
@@ -228,6 +242,7 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     let mut a = HashMap::new();
     let mut b = HashMap::new();
     let mut magnitudes = HashMap::new();
+    let mut b_biases = BTreeMap::new();
     let mut rows = BTreeMap::new();
     let mut embeddings = std::collections::HashSet::new();
     let mut base_copies = HashMap::new();
@@ -236,6 +251,10 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
         let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
         if let Some(m) = module.strip_suffix(".lora_magnitude_vector") {
             magnitudes.insert(m.to_string(), t);
+            continue;
+        }
+        if let Some(m) = module.strip_suffix(".lora_B.bias") {
+            b_biases.insert(m.to_string(), t);
             continue;
         }
         if let Some(m) = module.strip_suffix(".base_layer.weight") {
@@ -266,7 +285,7 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
             _ if cfg.ensure_weight_tying => drop(copies.insert(module.to_string(), t)),
             _ => {
                 return Err(bad(format!(
-                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight`, an embedding's `...lora_embedding_A`, DoRA's `...lora_magnitude_vector`) nor in a module of its `modules_to_save` {:?}: zrt merges LoRA and DoRA adapters",
+                    "`{name}` is no LoRA matrix (`...lora_A.weight`, `...lora_B.weight` and its `...lora_B.bias`, an embedding's `...lora_embedding_A`, DoRA's `...lora_magnitude_vector`) nor in a module of its `modules_to_save` {:?}: zrt merges LoRA and DoRA adapters",
                     cfg.modules_to_save
                 )))
             }
@@ -288,8 +307,21 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     if let Some(m) = magnitudes.keys().find(|m| !pairs.contains_key(*m)) {
         return Err(bad(format!("`{m}` has a magnitude vector and no lora_A")));
     }
+    if let Some(m) = b_biases.keys().find(|m| !pairs.contains_key(*m)) {
+        return Err(bad(format!("`{m}` has a lora_B bias and no lora_A")));
+    }
+    // Biases the config does not say B has (or none it says it has)
+    // would be merged other than PEFT merges them.
+    if let Some(m) = (pairs.keys()).find(|m| cfg.lora_bias != b_biases.contains_key(*m)) {
+        return Err(bad(format!(
+            "`lora_bias` is {} in its adapter_config.json but `{m}` {} `lora_B.bias`: the adapter's files do not agree",
+            cfg.lora_bias,
+            if cfg.lora_bias { "lacks" } else { "has" },
+        )));
+    }
     Ok(Adapters {
         pairs,
+        b_biases,
         magnitudes,
         embeddings,
         base_copies,
@@ -507,10 +539,11 @@ fn whole_tensors<'t>(
 /// each adapted matrix `W` becomes `W + scale B A` (its transpose for
 /// GPT-2's Conv1D matrices, `[in, out]`; PEFT's
 /// `merge_and_unload`: `B A` computed in fp32, cast to `W`'s dtype, then
-/// added), every other tensor as it was, in the base's files (its index
-/// too) with its `config.json` and the tokenizer's and generation files
-/// beside it. One base file is in memory at a time. Every adapter must
-/// find its matrix, of its shape, or nothing is written; `out` may not be
+/// added), under `lora_bias` its bias `b + scale b_B`, every other
+/// tensor as it was, in the base's files (its index too) with its
+/// `config.json` and the tokenizer's and generation files beside it. One
+/// base file is in memory at a time. Every adapter must find its matrix
+/// (and its bias), of its shape, or nothing is written; `out` may not be
 /// `base` (the base would be lost).
 pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError> {
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
@@ -526,6 +559,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     let cfg = LoraConfig::from_adapter_dir(adapter)?;
     let Adapters {
         pairs,
+        b_biases,
         magnitudes,
         embeddings,
         base_copies,
@@ -578,9 +612,40 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
         fits(&name, shape, transposed(&name), (a, b), cfg.rank_of(m))?;
     }
+    // B's biases go into the adapted layers' own, of their length.
+    for (m, bias) in &b_biases {
+        let name = format!("{m}.bias");
+        match held.get(name.as_str()) {
+            Some(shape) if *shape == bias.size().as_slice() => {}
+            Some(shape) => {
+                return Err(HfError::Lora(format!(
+                    "{}: `{m}`'s lora_B bias is {:?} and the base's `{name}` {shape:?}: an adapter of another model",
+                    adapter.display(),
+                    bias.size()
+                )))
+            }
+            None => {
+                return Err(HfError::Lora(format!(
+                    "{}: the adapter's B has a bias (lora_bias) but the base's `{m}` has none to add it to (PEFT cannot merge it either): load the adapter beside the base instead (zrt::lora::load_adapter, `zrt generate --adapter`)",
+                    adapter.display()
+                )))
+            }
+        }
+    }
     let io = |path: &Path, what: &str, e: &dyn std::fmt::Display| HfError::Read {
         path: path.to_path_buf(),
         msg: format!("cannot {what} it: {e}"),
+    };
+    // An adapted layer's bias (the base's, or under `bias = "all"` the
+    // trained one) plus B's, scaled (PEFT: `b * scale` in the adapter's
+    // dtype, added to the bias).
+    let b_bias = |name: &str| {
+        let m = name.strip_suffix(".bias")?;
+        b_biases.get(m).map(|b| b * cfg.scale_of(m))
+    };
+    let with_b_bias = |name: &str, w: Tensor| match b_bias(name) {
+        Some(b) => (w.to_kind(Kind::Float) + b.to_kind(Kind::Float)).to_kind(w.kind()),
+        None => w,
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
     let (mut matrices, mut replaced) = (Vec::new(), Vec::new());
@@ -589,8 +654,13 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         let mut merged = Vec::with_capacity(tensors.len());
         for (name, w) in tensors {
             if let Some(t) = replacing.get(&name) {
-                merged.push((name.clone(), t.to_kind(w.kind())));
+                merged.push((name.clone(), with_b_bias(&name, t.to_kind(w.kind()))));
                 replaced.push(name);
+                continue;
+            }
+            if b_bias(&name).is_some() {
+                merged.push((name.clone(), with_b_bias(&name, w)));
+                matrices.push(name);
                 continue;
             }
             if let Some(t) = in_place.get(&name) {
@@ -783,7 +853,17 @@ mod tests {
                 serde_json::json!(["q_proj", 1]),
                 "`exclude_modules` holds a non-string",
             ),
-            ("lora_bias", serde_json::json!(true), "`lora_bias` is set"),
+            // (`cfg` is DoRA's, whose B PEFT gives no bias.)
+            (
+                "lora_bias",
+                serde_json::json!(true),
+                "lora_bias with use_dora",
+            ),
+            (
+                "lora_bias",
+                serde_json::json!("yes"),
+                "`lora_bias` is \"yes\": true",
+            ),
             (
                 "bias",
                 serde_json::json!("lora_only"),
@@ -823,6 +903,16 @@ mod tests {
             ..cfg.clone()
         };
         assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), plain);
+        // B's biases, written and read back.
+        let biased = LoraConfig {
+            use_dora: false,
+            lora_bias: true,
+            ..plain.clone()
+        };
+        let written = biased.adapter_config_json("base");
+        assert!(written.contains("\"lora_bias\": true"), "{written}");
+        std::fs::write(dir.join(ADAPTER_CONFIG), written).unwrap();
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), biased);
         // One layer's index and one pattern's name, as PEFT also takes
         // them; an empty name as none.
         let mut one = json.clone();

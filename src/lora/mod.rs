@@ -119,6 +119,14 @@ pub struct LoraConfig {
     /// written into the adapter's file (an adapted layer's as PEFT names
     /// it, `...q_proj.base_layer.bias`), replacing the base's on a merge.
     pub train_biases: bool,
+    /// `lora_bias`: each adapter's `B` has a bias of its own (zero at
+    /// the start, trained, scaled with the update, `...lora_B.bias` in
+    /// the adapter's file), which a merge adds to the adapted layer's
+    /// bias. PEFT's use: adapters extracted from a full fine-tuning,
+    /// which moved the biases too. Linear layers only, not with DoRA
+    /// (as in PEFT); a layer without a bias trains with it but cannot be
+    /// merged.
+    pub lora_bias: bool,
     /// `layers_to_transform`: the layers whose targeted modules take
     /// adapters (by the index in their names, `model.layers.3.` being
     /// layer 3), empty for every layer. As in PEFT, it applies to
@@ -159,6 +167,7 @@ impl LoraConfig {
             trainable_token_indices: Vec::new(),
             trainable_tokens_module: None,
             train_biases: false,
+            lora_bias: false,
             layers_to_transform: Vec::new(),
             layers_pattern: Vec::new(),
             rank_pattern: Vec::new(),
@@ -289,6 +298,11 @@ impl LoraConfig {
             }
         }
         self.check_per_module(&refuse)?;
+        if self.lora_bias && self.use_dora {
+            return Err(refuse(
+                "lora_bias with use_dora: PEFT gives DoRA's B no bias; turn one of them off".into(),
+            ));
+        }
         let mut ids = self.trainable_token_indices.clone();
         ids.sort_unstable();
         if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
@@ -379,6 +393,7 @@ impl LoraConfig {
             "use_rslora": self.use_rslora,
             "use_dora": self.use_dora,
             "bias": if self.train_biases { "all" } else { "none" },
+            "lora_bias": self.lora_bias,
             "fan_in_fan_out": self.fan_in_fan_out,
             "init_lora_weights": true,
             "inference_mode": true,
@@ -602,6 +617,11 @@ pub(crate) fn freeze_base_under(
         .find(|n| n.ends_with(".lora_embedding_A"))
         .map(|n| format!("{prefix}{}", adapted_module(&n)));
     if let Some(m) = embedded {
+        if cfg.lora_bias {
+            return refuse_targets(format!(
+                "`{m}` is a token embedding, whose adapter has no bias (PEFT refuses lora_bias on one too): leave it out of the targets, or lora_bias off"
+            ));
+        }
         if cfg.use_dora {
             return refuse_targets(format!(
                 "`{m}` is a token embedding, and zrt builds DoRA on linear layers only: leave it out of the targets, or use_dora off"
@@ -784,15 +804,20 @@ pub fn load_adapter<G: ProcessGroup + 'static>(
 #[derive(Debug)]
 pub(crate) struct Adapted {
     base: nn::Linear,
-    adapter: Option<Adapter>,
+    /// Boxed: most of a model's linear layers have none, and the
+    /// layouts' enums hold several `Adapted` side by side.
+    adapter: Option<Box<Adapter>>,
 }
 
-/// `A` `[r, in]`, `B` `[out, r]`, DoRA's magnitudes `[out]`, the factor
-/// and the input's dropout.
+/// `A` `[r, in]`, `B` `[out, r]` (and its bias `[out]` under
+/// `lora_bias`), DoRA's magnitudes `[out]`, the factor and the input's
+/// dropout.
 #[derive(Debug)]
 struct Adapter {
     a: Tensor,
     b: Tensor,
+    /// `B`'s bias (`lora_bias`).
+    b_bias: Option<Tensor>,
     magnitude: Option<Tensor>,
     scale: f64,
     dropout: f64,
@@ -830,9 +855,12 @@ impl Adapted {
                 up: bound,
             };
             let r = c.rank_of(&name);
-            Adapter {
+            Box::new(Adapter {
                 a: (p / "lora_A").var("weight", &[r, i], uniform),
                 b: (p / "lora_B").var("weight", &[o, r], nn::Init::Const(0.0)),
+                b_bias: c
+                    .lora_bias
+                    .then(|| (p / "lora_B").var("bias", &[o], nn::Init::Const(0.0))),
                 // Ones until the build sets the pretrained rows' norms
                 // (`init_from_checkpoint`).
                 magnitude: c
@@ -841,7 +869,7 @@ impl Adapted {
                 scale: c.scale_of(&name),
                 dropout: c.dropout,
                 training: training.clone(),
-            }
+            })
         });
         Self { base, adapter }
     }
@@ -853,12 +881,13 @@ impl Module for Adapted {
         let Some(a) = &self.adapter else {
             return y;
         };
-        // PEFT's order: B (A (dropout x)), times the factor, added.
+        // PEFT's order: B (A (dropout x)) (plus B's bias), times the
+        // factor, added.
         let dropped = a.dropout > 0.0 && a.training.on();
         let h = a.training.dropout(x.shallow_clone(), a.dropout);
         let lora = h
             .linear::<&Tensor>(&a.a, None)
-            .linear::<&Tensor>(&a.b, None);
+            .linear(&a.b, a.b_bias.as_ref());
         let Some(m) = &a.magnitude else {
             return y + lora * a.scale;
         };

@@ -1,0 +1,1071 @@
+//! A checkpoint's `config.json` read into [`LlamaConfig`] (each
+//! [`Family`]'s defaults where it is silent) and written back.
+
+use std::path::Path;
+
+use tch::Tensor;
+
+use crate::hf::{HfError, HfJson};
+
+use super::family::Family;
+
+/// A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE):
+/// a router scores `experts` per token, each token goes through its top
+/// `top_k` experts, their outputs summed weighted by the router's
+/// softmax (renormalised over the `k` when `normalize`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// `num_local_experts` (Mixtral), `num_experts` (Qwen3-MoE).
+    pub experts: i64,
+    /// `num_experts_per_tok`.
+    pub top_k: i64,
+    /// Each expert's MLP width (`intermediate_size` for Mixtral,
+    /// `moe_intermediate_size` for Qwen3-MoE).
+    pub intermediate: i64,
+    /// The top `k` weights divided by their sum (Mixtral always;
+    /// Qwen3-MoE's `norm_topk_prob`).
+    pub normalize: bool,
+    /// Qwen3-MoE's `decoder_sparse_step`: layer `l` has experts when
+    /// `(l + 1) % step == 0` and it is not in `dense_layers`.
+    pub sparse_step: i64,
+    /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP
+    /// (`intermediate_size` wide).
+    pub dense_layers: Vec<i64>,
+}
+
+/// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
+/// config's `hidden_act` (Gemma 2's and 3's `hidden_activation`; the
+/// MLP's only activation in GPT-NeoX and Phi).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `"silu"` (Llama, Mistral, Qwen).
+    Silu,
+    /// `"gelu"`: the exact GELU (Pythia).
+    Gelu,
+    /// `"gelu_pytorch_tanh"`: GELU's tanh approximation, libtorch's
+    /// kernel (Gemma).
+    GeluTanh,
+    /// `"gelu_new"`: the same approximation, written out as
+    /// `transformers`' `NewGELUActivation` computes it, operation by
+    /// operation (Phi-1 and 2), so that its rounding is theirs.
+    GeluNew,
+}
+
+impl Activation {
+    const ALL: [Self; 4] = [Self::Silu, Self::Gelu, Self::GeluTanh, Self::GeluNew];
+
+    /// The activation `transformers` names `name`, or `None`.
+    pub(crate) fn of(name: &str) -> Option<Self> {
+        match name {
+            "swish" => Some(Self::Silu),
+            _ => Self::ALL.into_iter().find(|a| a.name() == name),
+        }
+    }
+
+    /// The config's `key` (`hidden_act`), `default` when left out; one
+    /// this crate does not compute is refused naming the field, for a
+    /// `model` (its name in the error).
+    pub(crate) fn read(j: &HfJson, key: &str, default: Self, model: &str) -> Result<Self, HfError> {
+        let Some(v) = j.get(key) else {
+            return Ok(default);
+        };
+        v.as_str().and_then(Self::of).ok_or_else(|| {
+            let names: Vec<String> = Self::ALL
+                .iter()
+                .map(|a| format!("{:?}", a.name()))
+                .collect();
+            j.field(format!(
+                "{key} {v}: this {model} computes {}",
+                names.join(", ")
+            ))
+        })
+    }
+
+    /// Its `transformers` name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::Gelu => "gelu",
+            Self::GeluTanh => "gelu_pytorch_tanh",
+            Self::GeluNew => "gelu_new",
+        }
+    }
+
+    pub(crate) fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Silu => x.silu(),
+            Self::Gelu => x.gelu("none"),
+            Self::GeluTanh => x.gelu("tanh"),
+            // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+            Self::GeluNew => {
+                let inner =
+                    (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+                (x * 0.5) * (inner.tanh() + 1.0)
+            }
+        }
+    }
+}
+
+/// How the rotary embedding's frequencies are scaled: the config's
+/// `rope_scaling`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// None: `rope_theta`'s frequencies.
+    None,
+    /// `"linear"`: every frequency divided by `factor`.
+    Linear {
+        /// `factor`.
+        factor: f64,
+    },
+    /// `"dynamic"` (dynamic NTK): for a sequence of `n` tokens longer
+    /// than `max_position_embeddings` `m`, the base grows to
+    /// `rope_theta * (factor * n / m - (factor - 1))^(d / (d - 2))` (`d`
+    /// the dimensions turned). As `transformers` does, a model keeps
+    /// the longest such sequence's frequencies for the sequences after
+    /// it, until one shorter than `m` comes (whose are `rope_theta`'s).
+    Dynamic {
+        /// `factor`.
+        factor: f64,
+    },
+    /// `"llama3"` (Llama 3.1 and 3.2): long wavelengths divided by
+    /// `factor`, short ones kept, those between interpolated.
+    Llama3 {
+        /// `factor`.
+        factor: f64,
+        /// `low_freq_factor`.
+        low_freq_factor: f64,
+        /// `high_freq_factor`.
+        high_freq_factor: f64,
+        /// `original_max_position_embeddings`.
+        original_positions: f64,
+    },
+    /// `"longrope"` (Phi-3.5, Phi-4-mini, Phi-3's 128k releases): each
+    /// frequency divided by its own factor, from `short_factor` for a
+    /// sequence up to `original_positions` long and from `long_factor`
+    /// beyond, the cosines and sines multiplied by `attention_factor`.
+    LongRope {
+        /// `short_factor`: one a rotated pair.
+        short: Vec<f64>,
+        /// `long_factor`: one a rotated pair.
+        long: Vec<f64>,
+        /// `original_max_position_embeddings` (a top-level field; else
+        /// `max_position_embeddings`).
+        original_positions: i64,
+        /// `attention_factor`, or as `transformers` derives it from the
+        /// context's growth `f = max_position_embeddings /
+        /// original_max_position_embeddings` (or `factor`):
+        /// `sqrt(1 + ln f / ln original)`, 1 when `f <= 1`.
+        attention_factor: f64,
+    },
+    /// `"yarn"` (Qwen's and SmolLM3's long-context configs): frequencies
+    /// that turn fewer than `beta_slow` times over the pretrained length
+    /// divided by `factor`, those turning more than `beta_fast` times
+    /// kept, a linear ramp between; the cosines and sines multiplied by
+    /// `attention_factor`.
+    Yarn {
+        /// `factor`.
+        factor: f64,
+        /// `original_max_position_embeddings` (of `rope_scaling`, else
+        /// `max_position_embeddings`).
+        original_positions: f64,
+        /// `beta_fast` (32 unless given).
+        beta_fast: f64,
+        /// `beta_slow` (1 unless given).
+        beta_slow: f64,
+        /// `truncate` (true unless given): the ramp's ends rounded out
+        /// to whole dimensions.
+        truncate: bool,
+        /// `attention_factor`, or `0.1 ln(factor) + 1` (DeepSeek's
+        /// `mscale` and `mscale_all_dim` when both are given: their
+        /// ratio).
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// Its `rope_scaling` in a `config.json` (null for none); `phi3`:
+    /// in the three keys Phi-3's config class takes.
+    pub(crate) fn to_json(&self, phi3: bool) -> serde_json::Value {
+        match self {
+            RopeScaling::None => serde_json::Value::Null,
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Dynamic { factor } => {
+                serde_json::json!({"rope_type": "dynamic", "factor": factor})
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_positions,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_positions,
+            }),
+            // Phi-3's config class takes exactly these three keys.
+            RopeScaling::LongRope { short, long, .. } if phi3 => {
+                serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long})
+            }
+            RopeScaling::LongRope {
+                short,
+                long,
+                attention_factor,
+                ..
+            } => serde_json::json!({
+                "rope_type": "longrope",
+                "short_factor": short,
+                "long_factor": long,
+                "attention_factor": attention_factor,
+            }),
+            RopeScaling::Yarn {
+                factor,
+                original_positions,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => serde_json::json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_positions,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+                "attention_factor": attention_factor,
+            }),
+        }
+    }
+}
+
+/// Sizes of a [`Llama`](super::Llama), Hugging Face's `LlamaConfig` fields (and
+/// those of the other [`Family`] members).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Which model it is.
+    pub family: Family,
+    /// `vocab_size`.
+    pub vocab: i64,
+    /// `hidden_size`: the model's width.
+    pub hidden: i64,
+    /// `intermediate_size`: the MLP's width.
+    pub intermediate: i64,
+    /// `num_hidden_layers`.
+    pub layers: i64,
+    /// `num_attention_heads`.
+    pub heads: i64,
+    /// `num_key_value_heads` (fewer than `heads`: grouped-query
+    /// attention; it must divide `heads`).
+    pub kv_heads: i64,
+    /// `head_dim` (`hidden / heads` unless the config says).
+    pub head_dim: i64,
+    /// `rms_norm_eps`.
+    pub eps: f64,
+    /// `rope_theta`.
+    pub rope_theta: f64,
+    /// `rope_scaling`.
+    pub rope_scaling: RopeScaling,
+    /// `max_position_embeddings` (kept for the exported config; the
+    /// forward takes any length).
+    pub positions: i64,
+    /// The query, key and value projections have biases (Llama's
+    /// `attention_bias`, always for Qwen2).
+    pub qkv_bias: bool,
+    /// The output projection has a bias (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// `mlp_bias`: the three MLP projections have biases.
+    pub mlp_bias: bool,
+    /// `sliding_window` (Mistral's, Ministral's, Phi-3's, Gemma 2's and 3's, OLMo
+    /// 3's): a token attends to itself and the `w - 1` before it only, on
+    /// every layer or as [`LlamaConfig::full_every`] says.
+    pub sliding_window: Option<i64>,
+    /// `tie_word_embeddings`: the head is the token embedding.
+    pub tied: bool,
+    /// `attention_dropout`: dropout on the attention weights, when
+    /// training (0 in every released Llama, Mistral and Qwen).
+    pub attention_dropout: f64,
+    /// Queries and keys are RMS-normalised, with weights of their own,
+    /// before the rotation: `q_norm` and `k_norm`, over each head's width
+    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3).
+    pub qk_norm: bool,
+    /// The MLP's activation (`hidden_act`).
+    pub activation: Activation,
+    /// `pad_token_id`: the embedding's row that gets no gradient from
+    /// the lookup (`transformers` makes it `nn.Embedding`'s
+    /// `padding_idx`).
+    pub pad_token: Option<i64>,
+    /// Gemma 2's and 3's `query_pre_attn_scalar`: attention scores are
+    /// scaled by its inverse square root, not the head width's.
+    pub query_scalar: Option<f64>,
+    /// Gemma 2's `attn_logit_softcapping`: attention scores become
+    /// `tanh(s / cap) * cap` before the mask and softmax.
+    pub attn_softcap: Option<f64>,
+    /// Gemma 2's `final_logit_softcapping`: logits become `tanh(l / cap)
+    /// * cap`.
+    pub final_softcap: Option<f64>,
+    /// With a `sliding_window`, every `n`-th layer (the `n`-th, the
+    /// `2n`-th, ...) attends to every earlier token and the others in the
+    /// window (Gemma 2: 2, Gemma 3: 6, OLMo 3: 4, from `layer_types`);
+    /// `None`: every layer alike.
+    pub full_every: Option<i64>,
+    /// The windowed layers' rotary base, their frequencies unscaled
+    /// (Gemma 3's `rope_local_base_freq`; OLMo 3's `rope_theta`): the
+    /// global layers' are `rope_theta`'s, scaled as `rope_scaling` says.
+    pub local_rope_theta: Option<f64>,
+    /// Phi-3's and StableLM's `partial_rotary_factor`: the share of each
+    /// head's dimensions the rotary embedding turns, the first ones
+    /// ([`LlamaConfig::rotary_dim`]); 1 for the other families.
+    pub partial_rotary: f64,
+    /// Phi-3's `resid_pdrop`, StarCoder2's `residual_dropout`: dropout
+    /// on each sublayer's output, when training; StableLM's
+    /// `hidden_dropout`, on the MLP's output only
+    /// ([`LlamaConfig::attention_output_dropout`]).
+    pub resid_dropout: f64,
+    /// StarCoder2's `embedding_dropout`: dropout on the embeddings, when
+    /// training.
+    pub embedding_dropout: f64,
+    /// Granite's `embedding_multiplier`: the embeddings' factor.
+    pub embedding_multiplier: f64,
+    /// Granite's `residual_multiplier`: each sublayer's output's factor
+    /// before it joins the residual.
+    pub residual_multiplier: f64,
+    /// Granite's `attention_multiplier`: the attention scores' factor
+    /// (the head width's inverse square root unless given).
+    pub attention_multiplier: Option<f64>,
+    /// Granite's `logits_scaling`: the logits are divided by it.
+    pub logits_scaling: f64,
+    /// Cohere's `logit_scale`: the logits are multiplied by it (1 for
+    /// the other families).
+    pub logit_scale: f64,
+    /// SmolLM3's `no_rope_layers`: for each layer, whether it turns its
+    /// queries and keys (the others attend without positions); `None`:
+    /// every layer turns.
+    pub rope_layers: Option<Vec<bool>>,
+    /// Mixtral's and Qwen3-MoE's experts in place of the MLP.
+    pub moe: Option<MoeConfig>,
+}
+
+impl LlamaConfig {
+    /// Reads `dir/config.json` (or `dir` itself), as `transformers`'
+    /// `save_pretrained` writes it: `model_type` one of [`Family::ALL`]'s,
+    /// `hidden_act` `silu`, `gelu`, `gelu_pytorch_tanh` or `gelu_new`, `rope_scaling`
+    /// none, `linear`, `dynamic`, `llama3`, `longrope` or `yarn` (Phi-3's
+    /// `longrope` only); a field left out takes the default of the
+    /// family's `transformers` config class. What this model does not
+    /// compute is refused naming the field: other rope scalings, a
+    /// partial rotary factor but
+    /// Phi-3's, windowed layers in any order but every `n`-th global
+    /// (Qwen's), Gemma 3's bidirectional attention.
+    pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
+        Self::from_json(&HfJson::read(dir.as_ref(), None)?)
+    }
+
+    /// As [`LlamaConfig::from_hf_dir`], from a config already read.
+    pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
+        let family = j.model_type();
+        let Some(family) = family.as_deref().and_then(Family::of) else {
+            return Err(j.field(format!(
+                "model_type {family:?}: a Llama is one of {}",
+                Family::model_types()
+            )));
+        };
+        let defaults = family.defaults();
+        let key = family.activation_key();
+        let activation = Activation::read(j, key, defaults.activation, "Llama")?;
+        let partial = match family {
+            Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
+            _ => j.number_or("partial_rotary_factor", 1.0)?,
+        };
+        if partial != 1.0 && !matches!(family, Family::Phi3 | Family::StableLm) {
+            return Err(j.field(format!(
+                "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
+                family.model_type()
+            )));
+        }
+        if j.flag_or("use_bidirectional_attention", false)? {
+            return Err(j.field(
+                "use_bidirectional_attention true: this Llama computes causal attention only"
+                    .into(),
+            ));
+        }
+        if family == Family::StableLm {
+            for (key, what) in [
+                (
+                    "qk_layernorm",
+                    "normalises each head's queries and keys with a LayerNorm of its own",
+                ),
+                (
+                    "use_parallel_residual",
+                    "runs the attention and the MLP side by side",
+                ),
+            ] {
+                if j.flag_or(key, false)? {
+                    return Err(j.field(format!(
+                        "{key} true (StableLM 2 12B's layers, which {what}): zrt builds StableLM's sequential layers without it"
+                    )));
+                }
+            }
+        }
+        if family == Family::Cohere && j.flag_or("use_qk_norm", false)? {
+            return Err(j.field(
+                "use_qk_norm true (Command R+'s layers, which normalise each head's queries and keys with weights of their own): zrt builds Cohere's layers without it".into(),
+            ));
+        }
+        let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
+        // Left out, the class's default; null, as many as the heads.
+        let kv_heads = (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(j.field(format!(
+                "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
+            )));
+        }
+        let head_dim = match j.size_or_null("head_dim", defaults.head_dim)? {
+            Some(d) => d,
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(j.field(format!(
+                    "num_attention_heads {heads} does not divide hidden_size {hidden} (and no head_dim)"
+                )))
+            }
+        };
+        let rotary_dim = rotary_dim(head_dim, partial);
+        if rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim {
+            return Err(j.field(format!(
+                "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
+            )));
+        }
+        // StarCoder2's `use_bias` is every projection's.
+        let attention_bias = match family {
+            Family::Starcoder2 => j.flag_or("use_bias", true)?,
+            // StableLM's output projection has none.
+            Family::StableLm => false,
+            _ => j.flag_or("attention_bias", false)?,
+        };
+        let qkv_bias = match family {
+            Family::Qwen2 => true,
+            Family::StableLm => j.flag_or("use_qkv_bias", false)?,
+            _ => attention_bias,
+        };
+        let sliding_window = match family {
+            Family::Mistral
+            | Family::Ministral
+            | Family::Phi3
+            | Family::Mixtral
+            | Family::Gemma2
+            | Family::Gemma3
+            | Family::Olmo3
+            | Family::Starcoder2 => j.size_or_null("sliding_window", defaults.window)?,
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
+                if j.flag_or("use_sliding_window", false)? =>
+            {
+                return Err(j.field(format!(
+                    "use_sliding_window true: this Llama computes {}'s full-attention layers only",
+                    family.model_type()
+                )))
+            }
+            _ => None,
+        };
+        let full_every = full_every(j, family, sliding_window)?;
+        let vocab = j.size("vocab_size")?;
+        let pad_token = pad_token(j, defaults.pad, vocab)?;
+        let sandwich = family.sandwich();
+        let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
+        let granite = |key: &str| match family {
+            Family::Granite => j.number_or(key, 1.0),
+            _ => Ok(1.0),
+        };
+        Ok(Self {
+            family,
+            vocab,
+            hidden,
+            intermediate: j.size("intermediate_size")?,
+            layers: j.size("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            eps: j.number_or(family.eps_key(), defaults.eps)?,
+            rope_theta,
+            rope_scaling: rope_scaling(j, family.model_type(), rotary_dim)?,
+            positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
+            qkv_bias,
+            o_bias: attention_bias,
+            mlp_bias: match family {
+                Family::Starcoder2 => attention_bias,
+                _ => j.flag_or("mlp_bias", false)?,
+            },
+            sliding_window,
+            tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
+            attention_dropout: j.rate_or("attention_dropout", 0.0)?,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+                || family.olmo(),
+            activation,
+            pad_token,
+            query_scalar: match sandwich {
+                true => Some(j.number_or("query_pre_attn_scalar", 256.0)?),
+                false => None,
+            },
+            attn_softcap: match family {
+                Family::Gemma2 => j.number_or_null("attn_logit_softcapping", Some(50.0))?,
+                Family::Gemma3 => j.number_or_null("attn_logit_softcapping", None)?,
+                _ => None,
+            },
+            final_softcap: match family {
+                Family::Gemma2 => j.number_or_null("final_logit_softcapping", Some(30.0))?,
+                Family::Gemma3 => j.number_or_null("final_logit_softcapping", None)?,
+                _ => None,
+            },
+            full_every,
+            local_rope_theta: match family {
+                Family::Gemma3 => Some(j.number_or("rope_local_base_freq", 10000.0)?),
+                // OLMo 3's windowed layers turn unscaled.
+                Family::Olmo3 => Some(rope_theta),
+                _ => None,
+            },
+            partial_rotary: partial,
+            resid_dropout: match family {
+                Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
+                Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
+                _ => 0.0,
+            },
+            embedding_dropout: match family {
+                Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
+                _ => 0.0,
+            },
+            embedding_multiplier: granite("embedding_multiplier")?,
+            residual_multiplier: granite("residual_multiplier")?,
+            attention_multiplier: match family {
+                Family::Granite => Some(granite("attention_multiplier")?),
+                _ => None,
+            },
+            logits_scaling: granite("logits_scaling")?,
+            logit_scale: match family {
+                Family::Cohere => j.number_or("logit_scale", 0.0625)?,
+                _ => 1.0,
+            },
+            rope_layers: match family {
+                Family::SmolLm3 => Some(rope_layers(j)?),
+                _ => None,
+            },
+            moe: moe(j, family)?,
+        })
+    }
+
+    /// The dimensions of each head the rotary embedding turns: `head_dim`
+    /// times `partial_rotary_factor`, truncated as `transformers` does.
+    pub fn rotary_dim(&self) -> i64 {
+        rotary_dim(self.head_dim, self.partial_rotary)
+    }
+
+    /// The dropout on the attention's output, when training: the
+    /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's, which
+    /// drops out the MLP's output only.
+    pub fn attention_output_dropout(&self) -> f64 {
+        match self.family {
+            Family::StableLm => 0.0,
+            _ => self.resid_dropout,
+        }
+    }
+
+    /// Whether layer `l`'s MLP is a mixture of experts.
+    pub fn moe_layer(&self, l: i64) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| (l + 1) % m.sparse_step == 0 && !m.dense_layers.contains(&l))
+    }
+
+    /// Layer `l`'s sliding window: `None` when it attends to every
+    /// earlier token.
+    pub fn window(&self, l: i64) -> Option<i64> {
+        match self.full_every {
+            Some(n) if (l + 1) % n == 0 => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// The parameters of each unit a [`Llama`](super::Llama) wraps, by its name
+    /// (`model.embed_tokens`, the head too when tied; `model.layers.0`,
+    /// ...; `lm_head` when untied), and last the root's (`model.norm`)
+    /// under `""`: counted from the sizes, nothing built.
+    pub fn unit_params(&self) -> Vec<(String, u64)> {
+        let (v, d, hd) = (self.vocab as u64, self.hidden as u64, self.head_dim as u64);
+        let (q, kv, i) = (
+            self.heads as u64 * hd,
+            self.kv_heads as u64 * hd,
+            self.intermediate as u64,
+        );
+        let bias = |on: bool, n: u64| if on { n } else { 0 };
+        let attention = (d * q + bias(self.qkv_bias, q))
+            + 2 * (d * kv + bias(self.qkv_bias, kv))
+            + (q * d + bias(self.o_bias, d))
+            + match self.family.olmo() {
+                // OLMo's normalise the whole projections, the others a head.
+                true => bias(self.qk_norm, q + kv),
+                false => bias(self.qk_norm, 2 * hd),
+            };
+        // Gated (gate and up), or StarCoder2's one matrix up.
+        let ups = if self.family.gated() { 2 } else { 1 };
+        let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
+        // A router and each expert's three matrices.
+        let experts = (self.moe.as_ref()).map_or(0, |m| {
+            let (e, w) = (m.experts as u64, m.intermediate as u64);
+            d * e + e * 3 * d * w
+        });
+        let norms = match self.family {
+            f if f.sandwich() => 4,
+            f if f.parallel() => 1,
+            _ => 2,
+        };
+        // A LayerNorm's bias beside its weights.
+        let norm = if self.family.layer_norm() { 2 * d } else { d };
+        let layer = |l: i64| {
+            let mlp = if self.moe_layer(l) { experts } else { mlp };
+            norms * norm + attention + mlp
+        };
+        let mut units = vec![("model.embed_tokens".to_string(), v * d)];
+        units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer(l))));
+        if !self.tied {
+            units.push(("lm_head".to_string(), v * d));
+        }
+        units.push((String::new(), norm));
+        units
+    }
+
+    /// The `config.json` `transformers` reads this model from.
+    pub fn to_hf_json(&self) -> String {
+        let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
+        let mut json = serde_json::json!({
+            "model_type": self.family.model_type(),
+            "architectures": [self.family.architecture()],
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            self.family.activation_key(): self.activation.name(),
+            "pad_token_id": self.pad_token,
+            self.family.eps_key(): self.eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.positions,
+            "tie_word_embeddings": self.tied,
+            "attention_dropout": self.attention_dropout,
+        });
+        let extra = match self.family {
+            Family::Llama => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+            }),
+            Family::Mistral | Family::Ministral => {
+                serde_json::json!({"sliding_window": self.sliding_window})
+            }
+            Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
+            Family::Qwen3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "use_sliding_window": false,
+            }),
+            Family::Gemma => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Phi3 => serde_json::json!({
+                "sliding_window": self.sliding_window,
+                "partial_rotary_factor": self.partial_rotary,
+                "resid_pdrop": self.resid_dropout,
+            }),
+            Family::Granite => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "embedding_multiplier": self.embedding_multiplier,
+                "residual_multiplier": self.residual_multiplier,
+                "attention_multiplier": self.attention_multiplier,
+                "logits_scaling": self.logits_scaling,
+            }),
+            Family::Olmo2 => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Olmo3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+            }),
+            Family::Mixtral => serde_json::json!({
+                "sliding_window": self.sliding_window,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
+            }),
+            Family::Qwen3Moe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "use_sliding_window": false,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "moe_intermediate_size": self.moe.as_ref().map(|m| m.intermediate),
+                "norm_topk_prob": self.moe.as_ref().map(|m| m.normalize),
+                "decoder_sparse_step": self.moe.as_ref().map(|m| m.sparse_step),
+                "mlp_only_layers": self.moe.as_ref().map(|m| m.dense_layers.clone()),
+                "output_router_logits": false,
+            }),
+            Family::SmolLm3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "use_sliding_window": false,
+                "no_rope_layers": self.rope_layers.as_ref().map(|l| {
+                    l.iter().map(|&r| i64::from(r)).collect::<Vec<_>>()
+                }),
+            }),
+            Family::Starcoder2 => serde_json::json!({
+                "use_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+                "residual_dropout": self.resid_dropout,
+                "embedding_dropout": self.embedding_dropout,
+            }),
+            Family::Cohere => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "logit_scale": self.logit_scale,
+                "use_qk_norm": false,
+            }),
+            Family::StableLm => serde_json::json!({
+                "use_qkv_bias": self.qkv_bias,
+                "qk_layernorm": false,
+                "use_parallel_residual": false,
+                "partial_rotary_factor": self.partial_rotary,
+                "hidden_dropout": self.resid_dropout,
+            }),
+            Family::Gemma2 | Family::Gemma3 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "sliding_window": self.sliding_window,
+                "query_pre_attn_scalar": self.query_scalar,
+                "attn_logit_softcapping": self.attn_softcap,
+                "final_logit_softcapping": self.final_softcap,
+                "rope_local_base_freq": self.local_rope_theta,
+            }),
+        };
+        if let RopeScaling::LongRope {
+            original_positions, ..
+        } = &self.rope_scaling
+        {
+            json["original_max_position_embeddings"] = (*original_positions).into();
+        }
+        if self.full_every.is_some() {
+            let kinds: Vec<&str> = (0..self.layers)
+                .map(|l| match self.window(l) {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            json["layer_types"] = kinds.into();
+        }
+        if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
+            all.extend(extra.clone());
+        }
+        format!("{json:#}\n")
+    }
+}
+
+/// Mixtral's and Qwen3-MoE's experts ([`MoeConfig`]), `None` for the
+/// other families. The router's load-balancing loss (`output_router_logits`)
+/// and Mixtral's router jitter are refused: zrt's loss is the language
+/// model's alone.
+fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
+    let (experts_key, width_key, normalize) = match family {
+        Family::Mixtral => ("num_local_experts", "intermediate_size", true),
+        Family::Qwen3Moe => (
+            "num_experts",
+            "moe_intermediate_size",
+            j.flag_or("norm_topk_prob", false)?,
+        ),
+        _ => return Ok(None),
+    };
+    if j.flag_or("output_router_logits", false)? {
+        return Err(j.field(
+            "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss (set it to false)".into(),
+        ));
+    }
+    let jitter = j.number_or("router_jitter_noise", 0.0)?;
+    if jitter != 0.0 {
+        return Err(j.field(format!(
+            "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are (set it to 0)"
+        )));
+    }
+    let defaults = match family {
+        Family::Mixtral => (8, 2),
+        _ => (128, 8),
+    };
+    let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
+    let top_k = j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1);
+    if top_k > experts {
+        return Err(j.field(format!(
+            "num_experts_per_tok {top_k} is more than the {experts} experts"
+        )));
+    }
+    let dense_layers = match j.get("mlp_only_layers") {
+        None => Vec::new(),
+        Some(v) => (v.as_array())
+            .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
+            .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
+    };
+    Ok(Some(MoeConfig {
+        experts,
+        top_k,
+        intermediate: match family {
+            Family::Mixtral => j.size(width_key)?,
+            _ => j.size_or_none(width_key)?.unwrap_or(768),
+        },
+        normalize,
+        sparse_step: j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
+        dense_layers,
+    }))
+}
+
+/// SmolLM3's `no_rope_layers` (1: the layer turns, 0: it does not), or
+/// every `no_rope_layer_interval`-th layer (4 unless it says) without.
+fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
+    let layers = j.size("num_hidden_layers")?;
+    let Some(v) = j.get("no_rope_layers") else {
+        let every = j.size_or_none("no_rope_layer_interval")?.unwrap_or(4);
+        return Ok((0..layers).map(|l| (l + 1) % every != 0).collect());
+    };
+    let list = v.as_array().and_then(|l| {
+        l.iter()
+            .map(|n| match n.as_i64() {
+                Some(0) => Some(false),
+                Some(1) => Some(true),
+                _ => None,
+            })
+            .collect::<Option<Vec<bool>>>()
+    });
+    match list {
+        Some(l) if l.len() as i64 == layers => Ok(l),
+        _ => Err(j.field(format!(
+            "no_rope_layers {v}: one 1 (turns) or 0 (does not) for each of the {layers} layers"
+        ))),
+    }
+}
+
+/// The dimensions of a head of `head_dim` the rotary embedding turns
+/// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
+pub(crate) fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
+    (head_dim as f64 * partial) as i64
+}
+
+/// The config's `pad_token_id` (`default`, the config class's, when
+/// left out: Gemma's 0, ...), a token id of the `vocab`, or none.
+pub(crate) fn pad_token(
+    j: &HfJson,
+    default: Option<i64>,
+    vocab: i64,
+) -> Result<Option<i64>, HfError> {
+    let v = match j.get("pad_token_id") {
+        None if !j.has("pad_token_id") => default.map(serde_json::Value::from),
+        None => None,
+        Some(v) => Some(v.clone()),
+    };
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    match v.as_i64().filter(|p| (0..vocab).contains(p)) {
+        Some(p) => Ok(Some(p)),
+        None => Err(j.field(format!(
+            "pad_token_id {v} is not a token id (0 to vocab_size {vocab} - 1)"
+        ))),
+    }
+}
+
+/// Which layers attend to every earlier token when the model has a
+/// sliding window ([`LlamaConfig::full_every`]): read from `layer_types`
+/// when the config lists them, else the family's (Gemma 2: every other
+/// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
+fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
+    let default = match family {
+        Family::Gemma2 => Some(2),
+        Family::Olmo3 => Some(4),
+        Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
+        _ => None,
+    };
+    let Some(v) = j.get("layer_types") else {
+        return Ok(default);
+    };
+    let list = v.as_array().map(|kinds| {
+        (kinds.iter())
+            .map(|k| match k.as_str() {
+                Some("full_attention") => Some(true),
+                Some("sliding_attention") => Some(false),
+                _ => None,
+            })
+            .collect::<Option<Vec<bool>>>()
+    });
+    let Some(Some(full)) = list else {
+        return Err(j.field(format!(
+            "layer_types {v}: a list of \"full_attention\" and \"sliding_attention\""
+        )));
+    };
+    let layers = j.size("num_hidden_layers")?;
+    if full.len() as i64 != layers {
+        return Err(j.field(format!(
+            "layer_types lists {} layers, num_hidden_layers is {layers}",
+            full.len()
+        )));
+    }
+    // The first global layer's position is the period; every layer
+    // sliding has none.
+    let every = full.iter().position(|&f| f).map(|i| i as i64 + 1);
+    let global = |l: usize| every.is_some_and(|n| (l as i64 + 1) % n == 0);
+    if full.iter().enumerate().any(|(l, &f)| f != global(l)) {
+        return Err(j.field(format!(
+            "layer_types {v}: this Llama computes every n-th layer's attention full and the others' in the window"
+        )));
+    }
+    if every != Some(1) && window.is_none() {
+        return Err(j.field(format!(
+            "layer_types {v} has sliding_attention layers and no sliding_window"
+        )));
+    }
+    Ok(every)
+}
+
+/// The config's `rope_scaling`: none, or a kind this model computes
+/// (`rotary_dim` the dimensions of a head it turns), for a model of
+/// `model_type`. Phi-3's config class reads `"su"` and `"yarn"` as
+/// `"longrope"`.
+pub(crate) fn rope_scaling(
+    j: &HfJson,
+    model_type: &str,
+    rotary_dim: i64,
+) -> Result<RopeScaling, HfError> {
+    let Some(v) = j.get("rope_scaling") else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
+    let num = |key: &str| scaling_number(j, v, key);
+    let phi3 = model_type == Family::Phi3.model_type();
+    match kind {
+        Some("default") => Ok(RopeScaling::None),
+        Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
+        Some("yarn") if phi3 => long_rope(j, v, rotary_dim),
+        // Phi-3's config class refuses every other kind.
+        Some("linear") if !phi3 => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        Some("dynamic") if !phi3 => Ok(RopeScaling::Dynamic {
+            factor: num("factor")?,
+        }),
+        Some("llama3") if !phi3 => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_positions: num("original_max_position_embeddings")?,
+        }),
+        Some("yarn") => yarn(j, v),
+        _ => Err(j.field(format!(
+            "rope_scaling {v}: this {model_type} computes the {} kinds only",
+            match phi3 {
+                true => "\"longrope\" (\"su\", \"yarn\")",
+                false => "\"linear\", \"dynamic\", \"llama3\", \"longrope\" and \"yarn\"",
+            }
+        ))),
+    }
+}
+
+/// Field `key` of the config's `rope_scaling` `v`, a number.
+fn scaling_number(j: &HfJson, v: &serde_json::Value, key: &str) -> Result<f64, HfError> {
+    (v.get(key).and_then(|n| n.as_f64())).ok_or_else(|| {
+        j.field(format!(
+            "rope_scaling {v}: its `{key}` is missing or not a number"
+        ))
+    })
+}
+
+/// The `"yarn"` scaling `v` ([`RopeScaling::Yarn`]), read as
+/// `transformers` reads it.
+fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
+    let num = |key: &str| v.get(key).filter(|n| !n.is_null());
+    let number = |key: &str, default: f64| match num(key) {
+        None => Ok(default),
+        Some(_) => scaling_number(j, v, key),
+    };
+    let factor = scaling_number(j, v, "factor")?;
+    let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048) as f64;
+    // transformers' `get_mscale`.
+    let mscale = |scale: f64, m: f64| match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * scale.ln() + 1.0,
+    };
+    let attention_factor = match (
+        num("attention_factor"),
+        num("mscale"),
+        num("mscale_all_dim"),
+    ) {
+        (Some(_), _, _) => number("attention_factor", 1.0)?,
+        (None, Some(_), Some(_)) => {
+            let (m, all) = (number("mscale", 1.0)?, number("mscale_all_dim", 1.0)?);
+            match m != 0.0 && all != 0.0 {
+                true => mscale(factor, m) / mscale(factor, all),
+                false => mscale(factor, 1.0),
+            }
+        }
+        _ => mscale(factor, 1.0),
+    };
+    let truncate = match num("truncate") {
+        None => true,
+        Some(t) => t.as_bool().ok_or_else(|| {
+            j.field(format!(
+                "rope_scaling {v}: its `truncate` is not true or false"
+            ))
+        })?,
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_positions: number("original_max_position_embeddings", positions)?,
+        beta_fast: number("beta_fast", 32.0)?,
+        beta_slow: number("beta_slow", 1.0)?,
+        truncate,
+        attention_factor,
+    })
+}
+
+/// The `"longrope"` scaling `v` of a config whose heads turn
+/// `rotary_dim` dimensions ([`RopeScaling::LongRope`]), read as
+/// `transformers` reads it.
+fn long_rope(j: &HfJson, v: &serde_json::Value, rotary_dim: i64) -> Result<RopeScaling, HfError> {
+    let pairs = (rotary_dim / 2) as usize;
+    let factors = |key: &str| {
+        let list = v
+            .get(key)
+            .and_then(|l| l.as_array())
+            .and_then(|l| l.iter().map(|n| n.as_f64()).collect::<Option<Vec<f64>>>());
+        match list {
+            Some(l) if l.len() == pairs => Ok(l),
+            Some(l) => Err(j.field(format!(
+                "rope_scaling: its `{key}` has {} numbers, one for each of the {pairs} pairs a head turns",
+                l.len()
+            ))),
+            None => Err(j.field(format!(
+                "rope_scaling: its `{key}` is missing or not a list of numbers"
+            ))),
+        }
+    };
+    let (short, long) = (factors("short_factor")?, factors("long_factor")?);
+    let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048);
+    // Phi-3 keeps the pretrained length beside the extended one, and
+    // their ratio is the growth; else `factor` says it.
+    let (original_positions, growth) = match j.size_or_none("original_max_position_embeddings")? {
+        Some(o) => (o, Some(positions as f64 / o as f64)),
+        None => (positions, v.get("factor").and_then(|f| f.as_f64())),
+    };
+    let attention_factor = match (v.get("attention_factor").and_then(|a| a.as_f64()), growth) {
+        (Some(a), _) => a,
+        (None, Some(f)) if f <= 1.0 => 1.0,
+        (None, Some(f)) => (1.0 + f.ln() / (original_positions as f64).ln()).sqrt(),
+        (None, None) => {
+            return Err(j.field(
+                "rope_scaling longrope: give `attention_factor`, `factor` or a top-level `original_max_position_embeddings`".into(),
+            ))
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short,
+        long,
+        original_positions,
+        attention_factor,
+    })
+}

@@ -1,0 +1,377 @@
+//! Which of Hugging Face's Llama-shaped models a checkpoint is.
+
+use super::config::Activation;
+
+/// Which of Hugging Face's Llama-shaped models a checkpoint is: the
+/// same layers, names and matrices, told apart by `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `llama` (`LlamaForCausalLM`): Llama 1-3.
+    Llama,
+    /// `mistral` (`MistralForCausalLM`): Llama's layers, attention in a
+    /// sliding window when its config gives one.
+    Mistral,
+    /// `ministral` (`MinistralForCausalLM`, Ministral 8B): Mistral's
+    /// layers, which of them attend in the window read from
+    /// `layer_types`.
+    Ministral,
+    /// `qwen2` (`Qwen2ForCausalLM`): Llama's layers, biases on the query,
+    /// key and value projections.
+    Qwen2,
+    /// `qwen3` (`Qwen3ForCausalLM`): Llama's layers, each head's queries
+    /// and keys RMS-normalised before the rotation (`q_norm`, `k_norm`).
+    Qwen3,
+    /// `gemma` (`GemmaForCausalLM`): Llama's layers, RMSNorm weights as
+    /// offsets from one (`x * (1 + w)`, in fp32), the embeddings scaled
+    /// by the width's square root, a GELU-gated MLP, the head tied.
+    Gemma,
+    /// `gemma2` (`Gemma2ForCausalLM`): Gemma's, each sublayer's output
+    /// normalised too (`post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`), every
+    /// other layer in a sliding window, attention scores and logits
+    /// soft-capped (`tanh(s / cap) * cap`), scores scaled by
+    /// `query_pre_attn_scalar`.
+    Gemma2,
+    /// `gemma3_text` (`Gemma3ForCausalLM`, Gemma 3 1B and 270M):
+    /// Gemma 2's layers without the caps, queries and keys normalised as
+    /// Qwen3's, every sixth layer global and the others in a window with
+    /// rotary embeddings of their own base (`rope_local_base_freq`).
+    Gemma3,
+    /// `phi3` (`Phi3ForCausalLM`: Phi-3, Phi-4): Llama's layers with the
+    /// query, key and value projections one matrix (`qkv_proj`) and the
+    /// gate and up projections one (`gate_up_proj`), rotary embeddings
+    /// on a part of each head (`partial_rotary_factor`), dropout on each
+    /// sublayer's output (`resid_pdrop`).
+    Phi3,
+    /// `granite` (`GraniteForCausalLM`, IBM's Granite 3): Llama's layers,
+    /// the embeddings, each sublayer's output, the attention scores and
+    /// the logits scaled by the config's multipliers.
+    Granite,
+    /// `olmo2` (`Olmo2ForCausalLM`): Llama's layers normalised after
+    /// each sublayer instead of before (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), queries and keys RMS-normalised
+    /// over the whole projection before the heads are split.
+    Olmo2,
+    /// `olmo3` (`Olmo3ForCausalLM`): OLMo 2's layers, all but every
+    /// fourth in a sliding window, whose rotary embeddings are unscaled.
+    Olmo3,
+    /// `smollm3` (`SmolLM3ForCausalLM`): Llama's layers, every fourth
+    /// without rotary embeddings (`no_rope_layers`).
+    SmolLm3,
+    /// `mixtral` (`MixtralForCausalLM`): Mistral's layers with a sparse
+    /// mixture of experts for the MLP (`block_sparse_moe`: a router,
+    /// experts `w1`/`w3`/`w2`), each token through its top `k`.
+    Mixtral,
+    /// `qwen3_moe` (`Qwen3MoeForCausalLM`): Qwen3's layers with a sparse
+    /// mixture of experts for the MLP (`mlp.gate`, `mlp.experts.N`), the
+    /// top `k` weights renormalised when `norm_topk_prob`.
+    Qwen3Moe,
+    /// `starcoder2` (`Starcoder2ForCausalLM`, BigCode's StarCoder2):
+    /// Llama's layers with LayerNorms (weights and biases) for the
+    /// RMSNorms, a non-gated MLP (`mlp.c_fc`, `mlp.c_proj`), biases on
+    /// every projection (`use_bias`), dropout on the embeddings and each
+    /// sublayer's output.
+    Starcoder2,
+    /// `stablelm` (`StableLmForCausalLM`: StableLM 3B 4E1T, StableLM 2
+    /// 1.6B, Zephyr 3B): Llama's layers with LayerNorms (weights and
+    /// biases), rotary embeddings on a quarter of each head by default
+    /// (`partial_rotary_factor`), biases on the query, key and value
+    /// projections when `use_qkv_bias`, dropout on the MLP's output
+    /// (`hidden_dropout`). Not StableLM 2 12B's per-head norms
+    /// (`qk_layernorm`) or parallel residual (`use_parallel_residual`):
+    /// refused.
+    StableLm,
+    /// `cohere` (`CohereForCausalLM`: Command R, Aya 23, Aya Expanse):
+    /// Llama's projections and gated MLP side by side after one norm
+    /// (`x + attn(n(x)) + mlp(n(x))`), its norms LayerNorms without
+    /// biases computed in fp32, rotary embeddings turning neighbouring
+    /// pairs of dimensions (in fp32), the logits times `logit_scale`,
+    /// the head tied. Not Command R+'s per-head query and key norms
+    /// (`use_qk_norm`): refused.
+    Cohere,
+}
+
+impl Family {
+    /// Every family, in the order the docs list them.
+    pub const ALL: [Family; 18] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Ministral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Gemma,
+        Self::Gemma2,
+        Self::Gemma3,
+        Self::Phi3,
+        Self::Granite,
+        Self::Olmo2,
+        Self::Olmo3,
+        Self::SmolLm3,
+        Self::Mixtral,
+        Self::Qwen3Moe,
+        Self::Starcoder2,
+        Self::StableLm,
+        Self::Cohere,
+    ];
+
+    /// Every family's `model_type`, quoted, comma-separated: what an
+    /// error naming another lists.
+    pub fn model_types() -> String {
+        let quoted: Vec<String> = (Self::ALL.iter())
+            .map(|f| format!("{:?}", f.model_type()))
+            .collect();
+        quoted.join(", ")
+    }
+
+    /// Its `model_type`, or `None` for another.
+    pub fn of(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.model_type() == model_type)
+    }
+
+    /// Its `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Ministral => "ministral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Gemma => "gemma",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
+            Self::Phi3 => "phi3",
+            Self::Granite => "granite",
+            Self::Olmo2 => "olmo2",
+            Self::Olmo3 => "olmo3",
+            Self::SmolLm3 => "smollm3",
+            Self::Mixtral => "mixtral",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Starcoder2 => "starcoder2",
+            Self::StableLm => "stablelm",
+            Self::Cohere => "cohere",
+        }
+    }
+
+    /// Its `transformers` class.
+    pub(super) fn architecture(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Ministral => "MinistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Gemma => "GemmaForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
+            Self::Granite => "GraniteForCausalLM",
+            Self::Olmo2 => "Olmo2ForCausalLM",
+            Self::Olmo3 => "Olmo3ForCausalLM",
+            Self::SmolLm3 => "SmolLM3ForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Starcoder2 => "Starcoder2ForCausalLM",
+            Self::StableLm => "StableLmForCausalLM",
+            Self::Cohere => "CohereForCausalLM",
+        }
+    }
+
+    /// Gemma's: norms as offsets from one, the embeddings scaled.
+    pub(super) fn gemma(self) -> bool {
+        matches!(self, Self::Gemma | Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// Each sublayer's output normalised before the residual (Gemma 2
+    /// and 3), the MLP's input by a norm of its own.
+    pub(super) fn sandwich(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// StarCoder2's and StableLM's: LayerNorms (with biases) where the
+    /// others have RMSNorms.
+    pub(super) fn layer_norm(self) -> bool {
+        matches!(self, Self::Starcoder2 | Self::StableLm)
+    }
+
+    /// Cohere's: the attention and the MLP side by side after one norm.
+    pub(super) fn parallel(self) -> bool {
+        self == Self::Cohere
+    }
+
+    /// An MLP of a gate and an up projection (all but StarCoder2's).
+    pub(super) fn gated(self) -> bool {
+        self != Self::Starcoder2
+    }
+
+    /// OLMo's: each sublayer's output normalised, not its input; the
+    /// norms multiply by their weights in fp32; queries and keys
+    /// normalised over the whole projection.
+    pub(super) fn olmo(self) -> bool {
+        matches!(self, Self::Olmo2 | Self::Olmo3)
+    }
+
+    /// What its `transformers` config class (4.57) gives the fields a
+    /// config leaves out: one table, so a family's defaults read
+    /// together and are checked against the classes' own
+    /// (`tests/from_hf.rs`).
+    pub(super) fn defaults(self) -> Defaults {
+        const LLAMA: Defaults = Defaults {
+            eps: 1e-6,
+            rope_theta: 10000.0,
+            kv_heads: None,
+            head_dim: None,
+            window: None,
+            tied: false,
+            pad: None,
+            activation: Activation::Silu,
+            positions: 2048,
+        };
+        const GEMMA: Defaults = Defaults {
+            head_dim: Some(256),
+            tied: true,
+            pad: Some(0),
+            activation: Activation::GeluTanh,
+            positions: 8192,
+            ..LLAMA
+        };
+        match self {
+            Self::Llama | Self::Granite => LLAMA,
+            Self::Mistral | Self::Ministral => Defaults {
+                kv_heads: Some(8),
+                window: Some(4096),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Qwen2 => Defaults {
+                kv_heads: Some(32),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Qwen3 => Defaults {
+                kv_heads: Some(32),
+                head_dim: Some(128),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Gemma => Defaults {
+                kv_heads: Some(16),
+                ..GEMMA
+            },
+            Self::Gemma2 => Defaults {
+                kv_heads: Some(4),
+                window: Some(4096),
+                ..GEMMA
+            },
+            Self::Gemma3 => Defaults {
+                rope_theta: 1e6,
+                kv_heads: Some(4),
+                window: Some(4096),
+                positions: 131072,
+                ..GEMMA
+            },
+            Self::Phi3 => Defaults {
+                eps: 1e-5,
+                pad: Some(32000),
+                positions: 4096,
+                ..LLAMA
+            },
+            Self::Olmo2 => Defaults {
+                eps: 1e-5,
+                pad: Some(1),
+                ..LLAMA
+            },
+            Self::Olmo3 => Defaults {
+                eps: 1e-5,
+                window: Some(4096),
+                pad: Some(1),
+                ..LLAMA
+            },
+            Self::SmolLm3 => Defaults {
+                rope_theta: 2e6,
+                kv_heads: Some(4),
+                tied: true,
+                pad: Some(128004),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Mixtral => Defaults {
+                eps: 1e-5,
+                rope_theta: 1e6,
+                kv_heads: Some(8),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Qwen3Moe => Defaults {
+                kv_heads: Some(4),
+                positions: 32768,
+                ..LLAMA
+            },
+            // `PretrainedConfig`'s tied head, its class setting none.
+            Self::Starcoder2 => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(2),
+                tied: true,
+                activation: Activation::GeluTanh,
+                positions: 4096,
+                ..LLAMA
+            },
+            Self::StableLm => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(32),
+                positions: 4096,
+                ..LLAMA
+            },
+            Self::Cohere => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(0),
+                positions: 8192,
+                ..LLAMA
+            },
+        }
+    }
+
+    /// The config field of its norms' epsilon.
+    pub(super) fn eps_key(self) -> &'static str {
+        match self {
+            Self::Starcoder2 => "norm_epsilon",
+            Self::StableLm | Self::Cohere => "layer_norm_eps",
+            _ => "rms_norm_eps",
+        }
+    }
+
+    /// The config field naming the MLP's activation: Gemma 2 and 3 read
+    /// `hidden_activation`, the others `hidden_act` (Gemma's too, in
+    /// `transformers` 4.57).
+    pub(super) fn activation_key(self) -> &'static str {
+        match self {
+            Self::Gemma2 | Self::Gemma3 => "hidden_activation",
+            _ => "hidden_act",
+        }
+    }
+}
+
+/// A [`Family`]'s config class's value for each field a config leaves
+/// out (present and null is another thing: `sliding_window: null` turns
+/// the window off).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Defaults {
+    /// `rms_norm_eps`.
+    pub(super) eps: f64,
+    /// `rope_theta`.
+    pub(super) rope_theta: f64,
+    /// `num_key_value_heads`; `None`: `num_attention_heads`.
+    pub(super) kv_heads: Option<i64>,
+    /// `head_dim`; `None`: `hidden_size / num_attention_heads`.
+    pub(super) head_dim: Option<i64>,
+    /// `sliding_window`, for the families that read one.
+    pub(super) window: Option<i64>,
+    /// `tie_word_embeddings`.
+    pub(super) tied: bool,
+    /// `pad_token_id`.
+    pub(super) pad: Option<i64>,
+    /// `hidden_act` (Gemma 2's and 3's `hidden_activation`).
+    pub(super) activation: Activation,
+    /// `max_position_embeddings`.
+    pub(super) positions: i64,
+}

@@ -1,0 +1,408 @@
+//! One decoder layer: attention and the MLP (dense, or a mixture of
+//! experts), normalised as its family does.
+
+use std::sync::Arc;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::blocks::Training;
+use crate::kv_cache::{Decoding, LayerCache};
+use crate::lora::{Adapted, LoraConfig};
+use crate::packing::{in_window, Documents};
+
+use super::config::{Activation, LlamaConfig, MoeConfig, RopeScaling};
+use super::family::Family;
+use super::norm::{Norms, RmsNorm};
+use super::rotary::{rope_at, rope_from, Rotary};
+
+/// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
+type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
+
+/// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
+/// mlp(post_attention_layernorm(x))` (or normalised where the family
+/// does: around each sublayer for Gemma 2 and 3, after it for OLMo;
+/// Cohere's `x + attn(n(x)) + mlp(n(x))`).
+#[derive(Debug)]
+pub struct Layer {
+    norms: Norms,
+    qkv: Qkv,
+    o_proj: Adapted,
+    mlp: Mlp,
+    /// Qwen3's and Gemma 3's per-head query and key norms, OLMo's over
+    /// the whole projections.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Its rotary embedding, `None` for SmolLM3's layers without.
+    rotary: Option<Rotary>,
+    /// Its sliding window ([`LlamaConfig::window`]).
+    window: Option<i64>,
+    training: Training,
+    /// Its keys (turned) and values while generating with a cache.
+    cache: LayerCache,
+    cfg: LlamaConfig,
+}
+
+/// The query, key and value projections: three matrices, or Phi-3's
+/// one (`qkv_proj`, their rows one after the other).
+#[derive(Debug)]
+enum Qkv {
+    Apart {
+        q_proj: Adapted,
+        k_proj: Adapted,
+        v_proj: Adapted,
+    },
+    Fused(Adapted),
+}
+
+/// The MLP's gate and up projections: two matrices, or Phi-3's one
+/// (`gate_up_proj`, the gate's rows first).
+#[derive(Debug)]
+enum GateUp {
+    Apart {
+        gate_proj: Adapted,
+        up_proj: Adapted,
+    },
+    Fused(Adapted),
+}
+
+/// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`),
+/// or a mixture of experts.
+#[derive(Debug)]
+enum Mlp {
+    Dense { gate_up: GateUp, down_proj: Adapted },
+    Plain { c_fc: Adapted, c_proj: Adapted },
+    Experts(Experts),
+}
+
+/// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
+/// each expert's gate, up and down matrices.
+#[derive(Debug)]
+struct Experts {
+    router: Adapted,
+    experts: Vec<[Adapted; 3]>,
+    top_k: i64,
+    normalize: bool,
+}
+
+impl Experts {
+    /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
+    /// named as the family names them.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, family: Family, lin: &Lin<'_>) -> Self {
+        let names = match family {
+            Family::Mixtral => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let w = m.intermediate;
+        let experts = (0..m.experts)
+            .map(|e| {
+                let ep = p / "experts" / e;
+                [
+                    lin(&(&ep / names[0]), d, w, false),
+                    lin(&(&ep / names[1]), d, w, false),
+                    lin(&(&ep / names[2]), w, d, false),
+                ]
+            })
+            .collect();
+        Self {
+            router: lin(&(p / "gate"), d, m.experts, false),
+            experts,
+            top_k: m.top_k,
+            normalize: m.normalize,
+        }
+    }
+
+    /// `h` `[batch, seq, d]` through each token's top experts, as
+    /// `transformers`' sparse blocks compute it: the routing softmax in
+    /// fp32, the experts in order, each on its tokens only, their
+    /// weighted outputs added into the result in that order. An expert no
+    /// token chose runs on nothing, and its parameters get no gradient
+    /// (the plan declares them: [`hf_weight_rules`]).
+    fn forward(&self, h: &Tensor, act: Activation) -> Tensor {
+        let (b, t, d) = h.size3().unwrap_or((1, 1, 1));
+        let h = h.view([-1, d]);
+        let probs = self.router.forward(&h).softmax(1, Kind::Float);
+        let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
+        let weights = match self.normalize {
+            true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
+            false => weights,
+        };
+        let weights = weights.to_kind(h.kind());
+        let mut out = Tensor::zeros([b * t, d], (h.kind(), h.device()));
+        // [experts, k, tokens]: which of each token's k slots chose it.
+        let mask = chosen.one_hot(self.experts.len() as i64).permute([2, 1, 0]);
+        for (e, [gate, up, down]) in self.experts.iter().enumerate() {
+            let hits = mask.get(e as i64).nonzero();
+            if hits.size()[0] == 0 {
+                continue;
+            }
+            let (slot, token) = (hits.select(1, 0), hits.select(1, 1));
+            let x = h.index_select(0, &token);
+            let y = down.forward(&(act.apply(&gate.forward(&x)) * up.forward(&x)));
+            let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
+            let y = y * w.unsqueeze(-1);
+            let _ = out.index_add_(0, &token, &y.to_kind(h.kind()));
+        }
+        out.view([b, t, d])
+    }
+}
+
+impl Layer {
+    /// Decoder layer `l` under `p`, its linear layers with the adapters
+    /// `lora` targets.
+    pub(super) fn new(
+        p: &nn::Path,
+        l: i64,
+        c: &LlamaConfig,
+        (training, decoding): (&Training, &Arc<Decoding>),
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
+        let lin: &Lin<'_> = &lin;
+        let (a, m) = (p / "self_attn", p / "mlp");
+        let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
+        let window = c.window(l);
+        // Gemma 3's and OLMo 3's windowed layers turn unscaled (Gemma 3's
+        // at a base of their own).
+        let rope = match (window, c.local_rope_theta) {
+            (Some(_), Some(theta)) => (theta, RopeScaling::None),
+            _ => (c.rope_theta, c.rope_scaling.clone()),
+        };
+        // OLMo normalises whole projections, the others each head.
+        let (q_width, k_width) = match c.family.olmo() {
+            true => (c.heads * hd, c.kv_heads * hd),
+            false => (hd, hd),
+        };
+        let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
+        let rotary = turns.then(|| {
+            let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
+            match c.family {
+                Family::Cohere => r.interleaved(),
+                _ => r,
+            }
+        });
+        Self {
+            norms: Norms::new(p, d, c),
+            qkv: match c.family {
+                Family::Phi3 => {
+                    let rows = (c.heads + 2 * c.kv_heads) * hd;
+                    Qkv::Fused(lin(&(&a / "qkv_proj"), d, rows, qkv))
+                }
+                _ => Qkv::Apart {
+                    q_proj: lin(&(&a / "q_proj"), d, c.heads * hd, qkv),
+                    k_proj: lin(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
+                    v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
+                },
+            },
+            o_proj: lin(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
+            mlp: match (&c.moe, c.moe_layer(l)) {
+                (Some(moe), true) => {
+                    let under = match c.family {
+                        Family::Mixtral => p / "block_sparse_moe",
+                        _ => m,
+                    };
+                    Mlp::Experts(Experts::new(&under, d, moe, c.family, lin))
+                }
+                _ if !c.family.gated() => Mlp::Plain {
+                    c_fc: lin(&(&m / "c_fc"), d, c.intermediate, mb),
+                    c_proj: lin(&(&m / "c_proj"), c.intermediate, d, mb),
+                },
+                _ => Mlp::Dense {
+                    gate_up: match c.family {
+                        Family::Phi3 => {
+                            GateUp::Fused(lin(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
+                        }
+                        _ => GateUp::Apart {
+                            gate_proj: lin(&(&m / "gate_proj"), d, c.intermediate, mb),
+                            up_proj: lin(&(&m / "up_proj"), d, c.intermediate, mb),
+                        },
+                    },
+                    down_proj: lin(&(&m / "down_proj"), c.intermediate, d, mb),
+                },
+            },
+            qk_norm: c.qk_norm.then(|| {
+                (
+                    RmsNorm::new(&a / "q_norm", q_width, c),
+                    RmsNorm::new(&a / "k_norm", k_width, c),
+                )
+            }),
+            cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
+            rotary,
+            window,
+            training: training.clone(),
+            cfg: c.clone(),
+        }
+    }
+}
+
+impl Module for Layer {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
+        let c = &self.cfg;
+        let h = self.norms.attention_input(x);
+        let (q, k, v) = match &self.qkv {
+            Qkv::Apart {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
+            Qkv::Fused(qkv) => {
+                let qkv = qkv.forward(&h);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                (
+                    qkv.narrow(-1, 0, q),
+                    qkv.narrow(-1, q, kv),
+                    qkv.narrow(-1, q + kv, kv),
+                )
+            }
+        };
+        // Normalised over the projection before the heads are split
+        // (OLMo), or over each head after.
+        let whole = c.family.olmo();
+        let heads = |x: Tensor, n: i64, norm: Option<&RmsNorm>| {
+            let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
+            let x = if whole { normed(x) } else { x };
+            let x = x.view([b, t, n, c.head_dim]);
+            let x = if whole { x } else { normed(x) };
+            x.transpose(1, 2)
+        };
+        let (qn, kn) = match &self.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        // Generating with a cache: these tokens come after `offset`.
+        let offset = self.cache.offset();
+        let documents = self.cache.documents();
+        let turned = |x: Tensor| match (&self.rotary, &documents) {
+            (Some(rotary), Some(d)) => rope_at(&x, rotary, d),
+            (Some(rotary), None) => rope_from(&x, rotary, offset),
+            (None, _) => x,
+        };
+        let q = turned(heads(q, c.heads, qn));
+        let k = turned(heads(k, c.kv_heads, kn));
+        let v = heads(v, c.kv_heads, None);
+        let (k, v) = self.cache.extend(k, v);
+        let a = self.attention(&q, &k, &v, offset, documents.as_ref());
+        let a = a
+            .transpose(1, 2)
+            .contiguous()
+            .view([b, t, c.heads * c.head_dim]);
+        let a = self
+            .training
+            .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
+        let x = x + self.residual(self.norms.attention_output(a));
+        // (Cohere's MLP output joins the sum after the attention's, as
+        // there.)
+        let h = self.norms.mlp_input(&x, h);
+        let m = match &self.mlp {
+            Mlp::Dense { gate_up, down_proj } => {
+                let (gate, up) = match gate_up {
+                    GateUp::Apart { gate_proj, up_proj } => {
+                        (gate_proj.forward(&h), up_proj.forward(&h))
+                    }
+                    GateUp::Fused(gate_up) => {
+                        let both = gate_up.forward(&h);
+                        let i = c.intermediate;
+                        (both.narrow(-1, 0, i), both.narrow(-1, i, i))
+                    }
+                };
+                let m = c.activation.apply(&gate) * up;
+                self.training
+                    .dropout(down_proj.forward(&m), c.resid_dropout)
+            }
+            Mlp::Plain { c_fc, c_proj } => {
+                let m = c.activation.apply(&c_fc.forward(&h));
+                self.training.dropout(c_proj.forward(&m), c.resid_dropout)
+            }
+            Mlp::Experts(experts) => experts.forward(&h, c.activation),
+        };
+        &x + self.residual(self.norms.mlp_output(m))
+    }
+}
+
+impl Layer {
+    /// A sublayer's output `y` as it joins the residual: times Granite's
+    /// `residual_multiplier`.
+    fn residual(&self, y: Tensor) -> Tensor {
+        match self.cfg.residual_multiplier {
+            1.0 => y,
+            m => y * m,
+        }
+    }
+
+    /// Causal grouped-query attention of `q` `[batch, heads, seq, hd]`
+    /// over `k` and `v` (`kv_heads` heads), in the layer's window,
+    /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
+    /// scores are soft-capped (Gemma 2), `transformers`' eager attention
+    /// operation for operation (the fused kernel cannot cap them). Packed
+    /// `documents` each attend within themselves (and their window).
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: i64,
+        documents: Option<&Documents>,
+    ) -> Tensor {
+        let c = &self.cfg;
+        let t = q.size()[2];
+        // Within a sliding window shorter than the sequence, a token sees
+        // itself and the `w - 1` before it; else every earlier token.
+        // Queries at `offset..offset + t` over keys from 0 (a cache's).
+        let visible = |w: i64| {
+            let opts = (Kind::Int64, q.device());
+            let (i, j) = match offset {
+                0 => (Tensor::arange(t, opts), Tensor::arange(t, opts)),
+                o => (
+                    Tensor::arange_start(o, o + t, opts),
+                    Tensor::arange(o + t, opts),
+                ),
+            };
+            let back = i.unsqueeze(1) - j.unsqueeze(0);
+            back.ge(0).logical_and(&back.lt(w))
+        };
+        let dropout = self.training.attention(c.attention_dropout);
+        let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
+        let Some(cap) = c.attn_softcap else {
+            let grouped = c.kv_heads != c.heads;
+            if let Some(d) = documents {
+                return d.attend((q, k, v), self.window, scale, dropout, grouped);
+            }
+            // A cache's keys reach back past the queries: an explicit mask.
+            let window = match offset {
+                0 => self.window.filter(|&w| w < t).map(visible),
+                _ => Some(visible(self.window.unwrap_or(offset + t + 1))),
+            };
+            let causal = window.is_none();
+            return Tensor::scaled_dot_product_attention(
+                q, k, v, window, dropout, causal, scale, grouped,
+            );
+        };
+        let groups = c.heads / c.kv_heads;
+        let (k, v) = (
+            k.repeat_interleave_self_int(groups, 1, None),
+            v.repeat_interleave_self_int(groups, 1, None),
+        );
+        let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
+        let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
+            let scores = q.matmul(&k.transpose(2, 3)) * scale;
+            let scores = (scores / cap).tanh() * cap;
+            let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+            let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
+            self.training
+                .dropout(weights, c.attention_dropout)
+                .matmul(v)
+        };
+        let window = self.window.unwrap_or(offset + t + 1);
+        match documents {
+            // Without dropout, each document's scores alone (as the fused
+            // kernel's, `Documents::attend`): the row's would be `seq`
+            // squared a head. With it, the row's, so that the weights
+            // dropped are those `transformers` drops.
+            Some(d) if dropout == 0.0 => d.per_document((q, &k, &v), |q, k, v, n| {
+                eager(q, k, v, &in_window(n, window, q.device()))
+            }),
+            Some(d) => eager(q, &k, &v, &d.visible_within(self.window)),
+            None => eager(q, &k, &v, &visible(window)),
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Llama as Hugging Face's `transformers` lays it out
+//! (`LlamaForCausalLM`, and Mistral's, Ministral's, Qwen2's, Qwen3's, Gemma 1-3's,
+//! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, StarCoder2's, StableLM's,
+//! Cohere's, and the mixtures of
+//! experts Mixtral's and Qwen3-MoE's, the same layers with variations:
+//! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
+//! a `save_pretrained` checkpoint loads into it under any ZeRO stage
+//! without a rank holding the whole model, and a fine-tuned one is
+//! written back for `from_pretrained`.
+//!
+//! Its VarStore names are Hugging Face's own (`model.embed_tokens`,
+//! `model.layers.0.self_attn.q_proj`, ..., `model.norm`, `lm_head`) and
+//! its matrices are `nn.Linear`'s, so a file loads as it is
+//! ([`hf_weight_rules`] only skips what the model does not hold):
+//!
+//! ```no_run
+//! use zrt::llama::{hf_weight_rules, Llama, LlamaConfig};
+//! use zrt::zero::ShardPlan;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::path::Path::new("llama"); // config.json, model*.safetensors
+//! let cfg = LlamaConfig::from_hf_dir(dir)?;
+//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let plan = ShardPlan::new();
+//! hf_weight_rules(&plan, &cfg)?;
+//! plan.weights_from_file(&vs, dir)?; // no rank holds the model while it is built
+//! let model = Llama::new(&vs.root(), &plan, &cfg);
+//! // Engine::from_config(&vs, &plan, ...) loads each rank's shard of the file.
+//! # let _ = model; Ok(()) }
+//! ```
+//!
+//! The forward is `transformers`' (in evaluation until
+//! [`Llama::set_training`] turns its attention dropout on, where it draws
+//! the masks `transformers` draws from the same seed): RMSNorm computed in
+//! fp32, rotary position embeddings (unscaled, or [`RopeScaling`]'s
+//! `linear`, `dynamic`, `llama3`, `longrope` and `yarn` kinds) with cosines and sines
+//! computed in fp32,
+//! grouped-query causal attention (in Mistral's sliding window when it
+//! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
+//! MLP; Gemma's norms offset from one, its embeddings scaled, Gemma 2's
+//! soft caps; Cohere's sublayers side by side, its pairs of neighbouring
+//! dimensions turned. Llama's logits match `transformers`' to the bit here, every
+//! family's three AdamW steps its losses (`tests/from_hf.rs`).
+//!
+//! The token embedding's gradient is sparse (`embedding(.., sparse =
+//! true)`: the rows looked up), which zrt's engine adds straight into its
+//! flat gradient buffer, never a dense vocabulary-sized matrix of its own;
+//! tch's `nn::Optimizer` takes dense gradients only, so train the model
+//! with the engine (any stage, one rank too).
+
+mod config;
+mod family;
+mod layer;
+mod norm;
+mod rotary;
+#[cfg(test)]
+pub(crate) mod tests;
+
+pub(crate) use config::{pad_token, rope_scaling, rotary_dim};
+pub use config::{Activation, LlamaConfig, MoeConfig, RopeScaling};
+pub use family::Family;
+pub use layer::Layer;
+pub(crate) use rotary::{rope_at, rope_from, Rotary};
+
+use std::sync::Arc;
+
+use tch::nn::{self, Module};
+use tch::Tensor;
+
+use crate::blocks::{Ends, Run, Training};
+use crate::kv_cache::Decoding;
+use crate::lora::LoraConfig;
+use crate::packing::Documents;
+use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
+
+use norm::Norm;
+
+/// The [`Llama`] VarStore name of a tensor of a Hugging Face Llama
+/// checkpoint (its own), or `None` for what the model does not hold:
+/// older checkpoints' rotary buffers (`rotary_emb.inv_freq`) and, when
+/// the head is tied, a written-out `lm_head.weight`.
+pub fn hf_name(name: &str, tied: bool) -> Option<String> {
+    let skipped = name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
+    (!skipped).then(|| name.to_string())
+}
+
+/// Sets `plan`'s rename rule for a Hugging Face Llama checkpoint
+/// ([`hf_name`]), and for a mixture of experts declares the experts'
+/// parameters [`ShardPlan::partly_unused_on_some_ranks`]. Call it on
+/// every rank before the engine is built.
+pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
+    let tied = cfg.tied;
+    plan.rename_weights(move |n| hf_name(n, tied))?;
+    // An expert no token of a rank chose gets no gradient there.
+    if cfg.moe.is_some() {
+        plan.partly_unused_on_some_ranks(|name, _| name.contains(".experts."))?;
+    }
+    Ok(())
+}
+
+/// Hugging Face's layout for an export of a [`Llama`]
+/// ([`Engine::save_16bit_model_as`](crate::zero::Engine::save_16bit_model_as)):
+/// its own names, and `cfg`'s `config.json` beside them, so that
+/// `LlamaForCausalLM.from_pretrained(dir)` loads it.
+pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
+    ExportLayout::new().with_file("config.json", cfg.to_hf_json())
+}
+
+/// Llama with a language-modelling head (`LlamaForCausalLM`).
+#[derive(Debug)]
+pub struct Llama {
+    ends: Ends,
+    layers: Vec<ShardedModule<Run<Layer>>>,
+    norm: Norm,
+    training: Training,
+    decoding: Arc<Decoding>,
+    /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
+    /// variants stay alike in size.
+    cfg: Box<LlamaConfig>,
+}
+
+impl Llama {
+    /// Builds the model under `p` with Hugging Face's names, each decoder
+    /// layer (`model.layers.0`, ...) a unit of `plan`; the token
+    /// embedding (the head too when tied, run at both ends) and an untied
+    /// head are units of their own (the largest matrices), the final norm
+    /// forms the root.
+    /// Values are tch's initialisation (the norms' weights one): a
+    /// pretrained model's come from its file.
+    pub fn new(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
+        Self::build(p, plan, cfg, false, None)
+    }
+
+    /// As [`Llama::new`], every decoder layer's activations recomputed in
+    /// backward (`transformers`' `gradient_checkpointing_enable()`): the
+    /// same results, less memory, one more layer forward per backward.
+    pub fn new_checkpointed(p: &nn::Path, plan: &ShardPlan, cfg: &LlamaConfig) -> Self {
+        Self::build(p, plan, cfg, true, None)
+    }
+
+    /// As [`Llama::new`] (or [`Llama::new_checkpointed`] when
+    /// `checkpointed`), each linear layer of the decoder layers that
+    /// `lora` targets with a LoRA adapter under PEFT's names
+    /// (`q_proj.lora_A.weight`, `q_proj.lora_B.weight`: [`crate::lora`]).
+    /// Everything trains until [`crate::lora::freeze_base`] freezes all
+    /// but the adapters; a base from its checkpoint wants the plan's
+    /// `fresh_weights` to name them ([`crate::hf::HfModel::from_pretrained_with`]
+    /// does all of it).
+    pub fn with_lora(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &LlamaConfig,
+        lora: &LoraConfig,
+        checkpointed: bool,
+    ) -> Self {
+        Self::build(p, plan, cfg, checkpointed, Some(lora))
+    }
+
+    fn build(
+        p: &nn::Path,
+        plan: &ShardPlan,
+        cfg: &LlamaConfig,
+        checkpointed: bool,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        let m = p / "model";
+        // The root's variables before the first unit: a plan releasing
+        // the model as it is built (`weights_from_file`) releases what
+        // was made before each `ShardedModule::new`, and would leave a
+        // root made after the last one held until the engine is built.
+        let norm = Norm::new(&m / "norm", cfg.hidden, cfg);
+        let embed = Ends::embedding(
+            plan,
+            &(&m / "embed_tokens"),
+            (cfg.vocab, cfg.hidden),
+            (cfg.pad_token, cfg.tied),
+            lora,
+        );
+        let training = Training::default();
+        let decoding = Decoding::new();
+        let layers = (0..cfg.layers)
+            .map(|i| {
+                let lp = &m / "layers" / i;
+                let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
+                let run = Run::with_state(layer, checkpointed, (&training, &decoding));
+                ShardedModule::new(plan, &lp, run)
+            })
+            .collect();
+        let ends = embed.with_head(plan, &(p / "lm_head"), false, (lora, &training));
+        Self {
+            ends,
+            layers,
+            norm,
+            training,
+            decoding,
+            cfg: Box::new(cfg.clone()),
+        }
+    }
+
+    /// Its layers' key-value caches (see [`crate::kv_cache`]).
+    pub(crate) fn decoding(&self) -> &Decoding {
+        &self.decoding
+    }
+
+    /// Turns dropout (`attention_dropout`) on or off: PyTorch's
+    /// `model.train()` and `model.eval()`. Off when built, as
+    /// `from_pretrained` returns a model in evaluation.
+    pub fn set_training(&self, on: bool) {
+        self.training.set(on);
+    }
+
+    /// Its dropout switch and embedding noise.
+    pub(crate) fn training(&self) -> &Training {
+        &self.training
+    }
+
+    /// Whether dropout is on.
+    pub fn is_training(&self) -> bool {
+        self.training.on()
+    }
+
+    /// Logits `[batch, seq, vocab]` for token ids `[batch, seq]` (int64).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        self.forward_in(tokens, None)
+    }
+
+    /// As [`Self::forward`], the tokens packed in `documents` when given
+    /// ([`crate::hf::HfModel::forward_packed`]).
+    pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
+        self.decoding.set_documents(documents);
+        // NEFTune's noise joins the embedding module's output: Gemma 3's
+        // scales the rows inside it, the others' models outside.
+        let gemma3 = self.cfg.family == Family::Gemma3;
+        let embedded = self.ends.embed(tokens);
+        let embedded = match gemma3 {
+            true => embedded,
+            false => self.training.embedding_noise(embedded),
+        };
+        let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
+            (false, 1.0) => embedded,
+            (false, m) => embedded * m,
+            (true, _) => {
+                // The width's square root in the embeddings' dtype, as
+                // `transformers` rounds it (to 55.5 for 3072 in bf16).
+                let root = Tensor::from((self.cfg.hidden as f64).sqrt() as f32);
+                let root = root.to_kind(embedded.kind()).to_device(embedded.device());
+                embedded * root
+            }
+        };
+        if gemma3 {
+            x = self.training.embedding_noise(x);
+        }
+        x = self.training.dropout(x, self.cfg.embedding_dropout);
+        for l in &self.layers {
+            x = l.forward(&x);
+        }
+        // The caches hold these tokens now.
+        self.decoding.advance(tokens);
+        let x = self.norm.forward(&x);
+        let logits = self.ends.head(&x);
+        let logits = match self.cfg.logits_scaling {
+            1.0 => logits,
+            s => logits / s,
+        };
+        let logits = match self.cfg.logit_scale {
+            1.0 => logits,
+            s => logits * s,
+        };
+        match self.cfg.final_softcap {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
+        }
+    }
+
+    /// `LlamaForCausalLM`'s loss with `labels = tokens`
+    /// ([`crate::hf::causal_lm_loss`]).
+    pub fn loss(&self, tokens: &Tensor) -> Tensor {
+        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
+    }
+
+    /// The sizes it was built with.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+}

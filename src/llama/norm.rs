@@ -1,0 +1,218 @@
+//! The families' norms: RMSNorm (weights as each family multiplies
+//! them), Cohere's mean-centred one, and where a layer puts them.
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::blocks::layer_norm;
+
+use super::config::LlamaConfig;
+use super::family::Family;
+
+/// An RMSNorm, `x / sqrt(mean(x^2) + eps)` in fp32 times its weights,
+/// as the family multiplies them ([`NormWeights`]).
+#[derive(Debug)]
+pub(super) struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+    weights: NormWeights,
+}
+
+/// How an RMSNorm's weights multiply the normalised values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormWeights {
+    /// Llama's: the values cast back to the input's dtype, then times
+    /// the weights.
+    Llama,
+    /// Gemma's: times `1 + weight` in fp32, then cast (its weights are
+    /// offsets from one, zero when new).
+    Offset,
+    /// OLMo's: times the weights in fp32, then cast.
+    Fp32,
+}
+
+impl RmsNorm {
+    pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
+        let weights = match c.family {
+            f if f.gemma() => NormWeights::Offset,
+            f if f.olmo() => NormWeights::Fp32,
+            _ => NormWeights::Llama,
+        };
+        let weight = match weights {
+            NormWeights::Offset => p.zeros("weight", &[width]),
+            _ => p.ones("weight", &[width]),
+        };
+        Self {
+            weight,
+            eps: c.eps,
+            weights,
+        }
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x.to_kind(Kind::Float);
+        let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+        let h = h * (var + self.eps).rsqrt();
+        match self.weights {
+            NormWeights::Llama => &self.weight * h.to_kind(x.kind()),
+            NormWeights::Offset => (h * (self.weight.to_kind(Kind::Float) + 1.0)).to_kind(x.kind()),
+            NormWeights::Fp32 => (self.weight.to_kind(Kind::Float) * h).to_kind(x.kind()),
+        }
+    }
+}
+
+/// Cohere's LayerNorm: no bias, `(x - mean) / sqrt(var + eps)` times
+/// its weights, all in fp32, then cast back (`CohereLayerNorm`,
+/// operation for operation).
+#[derive(Debug)]
+pub(super) struct CohereNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl Module for CohereNorm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x.to_kind(Kind::Float);
+        let centred = &h - h.mean_dim(-1, true, None::<Kind>);
+        let var = centred
+            .pow_tensor_scalar(2)
+            .mean_dim(-1, true, None::<Kind>);
+        let h = centred * (var + self.eps).rsqrt();
+        (self.weight.to_kind(Kind::Float) * h).to_kind(x.kind())
+    }
+}
+
+/// A layer's or the model's norm: the family's RMSNorm, StarCoder2's
+/// and StableLM's LayerNorm, or Cohere's.
+#[derive(Debug)]
+pub(super) enum Norm {
+    Rms(RmsNorm),
+    /// Boxed: tch's LayerNorm carries its config, three times an
+    /// RMSNorm's size.
+    Layer(Box<nn::LayerNorm>),
+    Cohere(CohereNorm),
+}
+
+impl Norm {
+    /// The family's norm under `p`, of `width`.
+    pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
+        match c.family {
+            Family::Cohere => Self::Cohere(CohereNorm {
+                weight: p.ones("weight", &[width]),
+                eps: c.eps,
+            }),
+            f if f.layer_norm() => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
+            _ => Self::Rms(RmsNorm::new(p, width, c)),
+        }
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Rms(n) => n.forward(x),
+            Self::Layer(n) => n.forward(x),
+            Self::Cohere(n) => n.forward(x),
+        }
+    }
+}
+
+/// Where a decoder layer normalises: its norms, by position.
+#[derive(Debug)]
+pub(super) enum Norms {
+    /// Llama's: each sublayer's input (`input_layernorm` before the
+    /// attention, `post_attention_layernorm` before the MLP).
+    Pre { input: Norm, before_mlp: Norm },
+    /// Gemma 2's and 3's: each sublayer's input and output
+    /// (`input_layernorm`, `post_attention_layernorm` on the attention's
+    /// output, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    Sandwich {
+        input: Norm,
+        after_attention: Norm,
+        before_mlp: Norm,
+        after_mlp: Norm,
+    },
+    /// OLMo's: each sublayer's output only (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    Post {
+        after_attention: Norm,
+        after_mlp: Norm,
+    },
+    /// Cohere's: one norm, whose output the attention and the MLP both
+    /// read (`input_layernorm`).
+    Parallel { input: Norm },
+}
+
+impl Norms {
+    /// The family's norms of the layer under `p`, of width `d`.
+    pub(super) fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
+        let norm = |n: &str| Norm::new(p / n, d, c);
+        match c.family {
+            f if f.sandwich() => Self::Sandwich {
+                input: norm("input_layernorm"),
+                after_attention: norm("post_attention_layernorm"),
+                before_mlp: norm("pre_feedforward_layernorm"),
+                after_mlp: norm("post_feedforward_layernorm"),
+            },
+            f if f.olmo() => Self::Post {
+                after_attention: norm("post_attention_layernorm"),
+                after_mlp: norm("post_feedforward_layernorm"),
+            },
+            f if f.parallel() => Self::Parallel {
+                input: norm("input_layernorm"),
+            },
+            _ => Self::Pre {
+                input: norm("input_layernorm"),
+                before_mlp: norm("post_attention_layernorm"),
+            },
+        }
+    }
+
+    /// The attention's input: `x`, normalised unless OLMo's.
+    pub(super) fn attention_input(&self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Pre { input, .. } | Self::Sandwich { input, .. } | Self::Parallel { input } => {
+                input.forward(x)
+            }
+            Self::Post { .. } => x.shallow_clone(),
+        }
+    }
+
+    /// The attention's output `a`, normalised when the family does.
+    pub(super) fn attention_output(&self, a: Tensor) -> Tensor {
+        match self {
+            Self::Pre { .. } | Self::Parallel { .. } => a,
+            Self::Sandwich {
+                after_attention, ..
+            }
+            | Self::Post {
+                after_attention, ..
+            } => after_attention.forward(&a),
+        }
+    }
+
+    /// The MLP's input: `x` (the residual after the attention),
+    /// normalised unless OLMo's; Cohere's reads `h`, the attention's
+    /// input.
+    pub(super) fn mlp_input(&self, x: &Tensor, h: Tensor) -> Tensor {
+        match self {
+            Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
+                before_mlp.forward(x)
+            }
+            Self::Post { .. } => x.shallow_clone(),
+            Self::Parallel { .. } => h,
+        }
+    }
+
+    /// The MLP's output `m`, normalised when the family does.
+    pub(super) fn mlp_output(&self, m: Tensor) -> Tensor {
+        match self {
+            Self::Pre { .. } | Self::Parallel { .. } => m,
+            Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
+                after_mlp.forward(&m)
+            }
+        }
+    }
+}

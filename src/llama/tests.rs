@@ -1,0 +1,722 @@
+use super::*;
+use crate::hf::HfError;
+
+/// A scratch directory the config tests write configs into, removed
+/// when dropped.
+struct ConfigDir(std::path::PathBuf);
+
+impl ConfigDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("zrt-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    /// `text` written as `config.json`, read.
+    fn read(&self, text: &str) -> Result<LlamaConfig, HfError> {
+        std::fs::write(self.0.join("config.json"), text).unwrap();
+        LlamaConfig::from_hf_dir(&self.0)
+    }
+
+    /// Each config reads back from the `config.json` it writes
+    /// (`to_hf_json`) as itself.
+    fn round_trips(&self, cfgs: impl IntoIterator<Item = LlamaConfig>) {
+        for cfg in cfgs {
+            let ours = self.0.join("ours.json");
+            std::fs::write(&ours, cfg.to_hf_json()).unwrap();
+            assert_eq!(LlamaConfig::from_hf_dir(&ours).unwrap(), cfg);
+        }
+    }
+}
+
+impl Drop for ConfigDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn a_checkpoints_names_are_the_models_but_what_it_does_not_hold() {
+    for (name, tied, ours) in [
+        ("model.layers.0.self_attn.q_proj.weight", false, true),
+        ("lm_head.weight", false, true),
+        ("lm_head.weight", true, false),
+        ("model.layers.3.self_attn.rotary_emb.inv_freq", false, false),
+    ] {
+        let want = ours.then(|| name.to_string());
+        assert_eq!(hf_name(name, tied), want, "{name} tied {tied}");
+    }
+}
+
+#[test]
+fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
+    let dir = ConfigDir::new("llama-config");
+    // Llama 3.2 1B's config.json.
+    let good = r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "max_position_embeddings": 131072, "tie_word_embeddings": true}"#;
+    let cfg = dir.read(good).unwrap();
+    let want = LlamaConfig {
+        family: Family::Llama,
+        vocab: 128256,
+        hidden: 2048,
+        intermediate: 8192,
+        layers: 16,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 64,
+        eps: 1e-5,
+        rope_theta: 500000.0,
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_positions: 8192.0,
+        },
+        positions: 131072,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_window: None,
+        tied: true,
+        attention_dropout: 0.0,
+        qk_norm: false,
+        activation: Activation::Silu,
+        pad_token: None,
+        query_scalar: None,
+        attn_softcap: None,
+        final_softcap: None,
+        full_every: None,
+        local_rope_theta: None,
+        partial_rotary: 1.0,
+        resid_dropout: 0.0,
+        embedding_dropout: 0.0,
+        embedding_multiplier: 1.0,
+        residual_multiplier: 1.0,
+        attention_multiplier: None,
+        logits_scaling: 1.0,
+        logit_scale: 1.0,
+        rope_layers: None,
+        moe: None,
+    };
+    assert_eq!(cfg, want);
+    dir.round_trips([cfg.clone()]);
+    // Qwen2 has biases on q, k and v; Mistral a sliding window.
+    let qwen = good.replace(r#""llama""#, r#""qwen2""#);
+    let q = dir.read(&qwen).unwrap();
+    assert_eq!(
+        (q.family, q.qkv_bias, q.o_bias),
+        (Family::Qwen2, true, false)
+    );
+    let mistral = good.replace(r#""llama""#, r#""mistral", "sliding_window": 4096"#);
+    let m = dir.read(&mistral).unwrap();
+    assert_eq!((m.family, m.sliding_window), (Family::Mistral, Some(4096)));
+    // Qwen3 normalises queries and keys, biases only when
+    // attention_bias; layer_types all full attention is every layer's.
+    let full = vec![r#""full_attention""#; 16].join(", ");
+    let qwen3 = good.replace(
+        r#""llama""#,
+        &format!(r#""qwen3", "attention_bias": true, "layer_types": [{full}]"#),
+    );
+    let q3 = dir.read(&qwen3).unwrap();
+    assert_eq!(
+        (q3.family, q3.qk_norm, q3.qkv_bias, q3.o_bias),
+        (Family::Qwen3, true, true, true)
+    );
+    let dynamic = dir
+        .read(&good.replace(
+            r#""rope_scaling": {"#,
+            r#""rope_scaling": {"rope_type": "dynamic", "factor": 4.0}, "was": {"#,
+        ))
+        .unwrap();
+    assert_eq!(dynamic.rope_scaling, RopeScaling::Dynamic { factor: 4.0 });
+    dir.round_trips([q, m, q3, dynamic]);
+    let full_sliding = r#""full_attention", "sliding_attention""#;
+    let sliding_full = r#""sliding_attention", "full_attention""#;
+    for (from, to, says) in [
+        (r#""llama""#, r#""gemma4""#, "model_type Some(\"gemma4\")"),
+        (
+            r#""high_freq_factor": 4.0, "#,
+            "",
+            "its `high_freq_factor` is missing",
+        ),
+        (
+            r#""rope_scaling": {"#,
+            r#""rope_scaling": {"rope_type": "ntk-by-parts"}, "was": {"#,
+            "this llama computes the \"linear\", \"dynamic\", \"llama3\", \"longrope\" and \"yarn\" kinds only",
+        ),
+        (
+            r#""llama""#,
+            r#""phi3""#,
+            "this phi3 computes the \"longrope\" (\"su\", \"yarn\") kinds only",
+        ),
+        (
+            r#""rope_scaling": {"#,
+            r#""rope_scaling": {"rope_type": "yarn"}, "was": {"#,
+            "its `factor` is missing or not a number",
+        ),
+        (
+            r#""llama""#,
+            r#""qwen2", "use_sliding_window": true"#,
+            "use_sliding_window true",
+        ),
+        (
+            r#""llama""#,
+            &format!(
+                r#""qwen3", "layer_types": [{}]"#,
+                [full_sliding; 8].join(", ")
+            ),
+            "every n-th layer's attention full",
+        ),
+        (
+            r#""llama""#,
+            &format!(
+                r#""qwen3", "layer_types": [{}]"#,
+                [sliding_full; 8].join(", ")
+            ),
+            "has sliding_attention layers and no sliding_window",
+        ),
+        (
+            r#""llama""#,
+            r#""llama", "layer_types": ["full_attention"]"#,
+            "layer_types lists 1 layers, num_hidden_layers is 16",
+        ),
+        (r#""silu""#, r#""relu""#, "hidden_act \"relu\""),
+        (
+            r#""llama""#,
+            r#""llama", "pad_token_id": 128256"#,
+            "pad_token_id 128256 is not a token id",
+        ),
+        (
+            r#""llama""#,
+            r#""gemma3_text", "use_bidirectional_attention": true"#,
+            "use_bidirectional_attention true",
+        ),
+        (
+            r#""num_key_value_heads": 8"#,
+            r#""num_key_value_heads": 5"#,
+            "num_key_value_heads 5 does not divide num_attention_heads 32",
+        ),
+        (
+            r#""tie_word_embeddings": true"#,
+            r#""tie_word_embeddings": "yes""#,
+            "`tie_word_embeddings` is \"yes\", not true or false",
+        ),
+    ] {
+        let err = dir.read(&good.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says) && err.contains("config.json"), "{err}");
+    }
+}
+
+#[test]
+fn gemma_configs_are_read_as_transformers_reads_them_and_counted() {
+    let dir = ConfigDir::new("gemma-config");
+    // Gemma 2 2B's and Gemma 3 1B's config.json; their parameter
+    // counts are transformers' (2614341888, 999885952).
+    let gemma2 = r#"{"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000}"#;
+    let gemma3 = r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106], "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144}"#;
+    let read = |text: &str| dir.read(text);
+    let g2 = read(gemma2).unwrap();
+    assert_eq!(
+        (g2.family, g2.activation, g2.pad_token, g2.tied, g2.head_dim),
+        (Family::Gemma2, Activation::GeluTanh, Some(0), true, 256)
+    );
+    assert_eq!(
+        (g2.query_scalar, g2.attn_softcap, g2.final_softcap),
+        (Some(256.0), Some(50.0), Some(30.0))
+    );
+    assert_eq!((g2.sliding_window, g2.full_every), (Some(4096), Some(2)));
+    assert_eq!((g2.window(0), g2.window(1)), (Some(4096), None));
+    let g3 = read(gemma3).unwrap();
+    assert_eq!(
+        (g3.family, g3.qk_norm, g3.attn_softcap, g3.final_softcap),
+        (Family::Gemma3, true, None, None)
+    );
+    assert_eq!(
+        (g3.rope_theta, g3.local_rope_theta, g3.full_every),
+        (1e6, Some(10000.0), Some(6))
+    );
+    let globals: Vec<i64> = (0..26).filter(|&l| g3.window(l).is_none()).collect();
+    assert_eq!(globals, [5, 11, 17, 23]);
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    assert_eq!((total(&g2), total(&g3)), (2614341888, 999885952));
+    // Left out: the family's defaults (Gemma: tied, head_dim 256,
+    // the tanh GELU; Gemma 2: the caps, a window, every other layer).
+    let bare = r#"{"model_type": "gemma2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}"#;
+    let b = read(bare).unwrap();
+    assert_eq!(
+        (
+            b.tied,
+            b.head_dim,
+            b.activation,
+            b.sliding_window,
+            b.full_every
+        ),
+        (true, 256, Activation::GeluTanh, Some(4096), Some(2))
+    );
+    assert_eq!((b.attn_softcap, b.final_softcap), (Some(50.0), Some(30.0)));
+    // Gemma reads hidden_act (exact GELU in Gemma 1's releases), its
+    // sequels hidden_activation (its class's 16 key-value heads would
+    // not divide these 4 heads: given).
+    let g1 = read(
+        &bare
+            .replace("gemma2", "gemma")
+            .replace("{", r#"{"hidden_act": "gelu", "num_key_value_heads": 1, "#),
+    )
+    .unwrap();
+    assert_eq!(
+        (g1.activation, g1.full_every, g1.sliding_window),
+        (Activation::Gelu, None, None)
+    );
+    // What the model writes it reads back.
+    dir.round_trips([g1, g2, g3, b]);
+    // Windowed layers in another order than every n-th global.
+    let odd = gemma3.replace(
+        r#""sliding_window_pattern": 6"#,
+        r#""num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention", "full_attention"]"#,
+    ).replace(r#""num_hidden_layers": 26, "#, "");
+    let err = read(&odd).unwrap_err().to_string();
+    assert!(err.contains("every n-th layer's attention full"), "{err}");
+}
+
+#[test]
+fn a_phi3_config_is_read_as_transformers_reads_it_and_counted() {
+    let dir = ConfigDir::new("phi3-config");
+    // Phi-3-mini-4k-instruct's config.json; 3821079552 parameters as
+    // transformers builds it.
+    let phi3 = r#"{"architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 32064}"#;
+    let read = |text: &str| dir.read(text);
+    let c = read(phi3).unwrap();
+    assert_eq!(
+        (
+            c.family,
+            c.pad_token,
+            c.sliding_window,
+            c.rotary_dim(),
+            c.eps
+        ),
+        (Family::Phi3, Some(32000), Some(2047), 96, 1e-5)
+    );
+    let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+    assert_eq!(total, 3821079552);
+    // Phi-4-mini's part of each head turns; its longrope is refused.
+    let partial = phi3.replace(
+        r#""resid_pdrop": 0.0"#,
+        r#""resid_pdrop": 0.1, "partial_rotary_factor": 0.75"#,
+    );
+    let p = read(&partial).unwrap();
+    assert_eq!((p.rotary_dim(), p.resid_dropout), (72, 0.1));
+    // Phi-3.5-mini's LongRoPE (its 48 factors each), its context 32
+    // times the pretrained 4096: the cosines' factor is
+    // sqrt(1 + ln 32 / ln 4096). Phi-3's class reads "su" as it.
+    let (short, long): (Vec<f64>, Vec<f64>) = (0..48)
+        .map(|i| (1.0 + i as f64 / 100.0, 1.0 + i as f64))
+        .unzip();
+    let longrope = format!(
+        r#""rope_scaling": {{"type": "su", "short_factor": {short:?}, "long_factor": {long:?}}}, "max_position_embeddings": 131072"#
+    );
+    let l = read(
+        &phi3
+            .replace(r#""rope_scaling": null"#, &longrope)
+            .replace(r#""max_position_embeddings": 4096, "#, ""),
+    )
+    .unwrap();
+    let want = RopeScaling::LongRope {
+        short,
+        long,
+        original_positions: 4096,
+        attention_factor: (1.0 + 32f64.ln() / 4096f64.ln()).sqrt(),
+    };
+    assert_eq!(l.rope_scaling, want);
+    let RopeScaling::LongRope {
+        attention_factor, ..
+    } = want
+    else {
+        unreachable!()
+    };
+    assert!((attention_factor - 1.1902380714238083).abs() < 1e-15);
+    dir.round_trips([c, p, l]);
+    for (from, to, says) in [
+        (
+            r#""rope_scaling": null"#,
+            r#""rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}"#,
+            "its `short_factor` has 1 numbers, one for each of the 48 pairs a head turns",
+        ),
+        (
+            r#""resid_pdrop": 0.0"#,
+            r#""partial_rotary_factor": 0.7"#,
+            "is 67 dimensions: rotary embeddings turn pairs",
+        ),
+        (
+            r#""model_type": "phi3""#,
+            r#""model_type": "llama", "partial_rotary_factor": 0.5"#,
+            "partial_rotary_factor 0.5: this llama rotates every dimension",
+        ),
+    ] {
+        let err = read(&phi3.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}
+
+#[test]
+fn granite_olmo2_and_smollm3_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("more-configs");
+    // Granite 3 2B's, OLMo 2 1B's and SmolLM3 3B's shapes; the counts
+    // are transformers' for these configs.
+    let granite = r#"{"model_type": "granite", "vocab_size": 49155, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 10000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": true, "attention_bias": false, "mlp_bias": false, "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0, "pad_token_id": 0}"#;
+    let olmo2 = r#"{"model_type": "olmo2", "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 500000, "max_position_embeddings": 4096, "tie_word_embeddings": false, "attention_bias": false, "pad_token_id": 100277}"#;
+    let smollm3 = r#"{"model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 5000000.0, "max_position_embeddings": 65536, "tie_word_embeddings": true, "pad_token_id": 128004, "no_rope_layer_interval": 4, "use_sliding_window": false}"#;
+    let read = |text: &str| dir.read(text);
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let g = read(granite).unwrap();
+    assert_eq!(
+        (g.embedding_multiplier, g.residual_multiplier),
+        (12.0, 0.22)
+    );
+    assert_eq!(
+        (g.attention_multiplier, g.logits_scaling),
+        (Some(0.015625), 8.0)
+    );
+    let o = read(olmo2).unwrap();
+    assert_eq!(
+        (o.family, o.qk_norm, o.pad_token),
+        (Family::Olmo2, true, Some(100277))
+    );
+    let sm = read(smollm3).unwrap();
+    let turning: Vec<bool> = sm
+        .rope_layers
+        .clone()
+        .unwrap()
+        .into_iter()
+        .take(8)
+        .collect();
+    assert_eq!(turning, [true, true, true, false, true, true, true, false]);
+    assert_eq!(
+        (total(&g), total(&o), total(&sm)),
+        (2533531648, 1484916736, 3075098624)
+    );
+    // OLMo 3 leaves its windows to the defaults: 4096, every fourth
+    // layer global, the windowed ones turning at the same base
+    // unscaled.
+    let o3 = read(&olmo2.replace("olmo2", "olmo3")).unwrap();
+    assert_eq!(
+        (o3.sliding_window, o3.full_every, o3.local_rope_theta),
+        (Some(4096), Some(4), Some(500000.0))
+    );
+    dir.round_trips([g, o, o3, sm]);
+    for (text, says) in [
+        (
+            smollm3.replace(
+                r#""no_rope_layer_interval": 4"#,
+                r#""no_rope_layers": [1, 0]"#,
+            ),
+            "no_rope_layers [1,0]: one 1 (turns) or 0 (does not) for each of the 36 layers",
+        ),
+        (
+            smollm3.replace(
+                r#""use_sliding_window": false"#,
+                r#""use_sliding_window": true"#,
+            ),
+            "use_sliding_window true: this Llama computes smollm3's full-attention layers only",
+        ),
+        (olmo2.replace(r#", "pad_token_id": 100277"#, ""), ""),
+    ] {
+        let got = read(&text);
+        match says.is_empty() {
+            // Left out, OLMo's config class pads with 1.
+            true => assert_eq!(got.unwrap().pad_token, Some(1)),
+            false => {
+                let err = got.unwrap_err().to_string();
+                assert!(err.contains(says), "{err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn stablelm_configs_are_read_and_counted_and_the_12bs_layers_refused() {
+    let dir = ConfigDir::new("stablelm-configs");
+    // StableLM 2 1.6B's config.json; the count is transformers'.
+    let two = r#"{"architectures": ["StableLmForCausalLM"], "bos_token_id": 100257, "eos_token_id": 100257, "hidden_act": "silu", "hidden_dropout": 0.0, "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632, "layer_norm_eps": 1e-05, "max_position_embeddings": 4096, "model_type": "stablelm", "num_attention_heads": 32, "num_hidden_layers": 24, "num_key_value_heads": 32, "partial_rotary_factor": 0.25, "qk_layernorm": false, "rope_scaling": null, "rope_theta": 10000, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "use_parallel_residual": false, "use_qkv_bias": true, "vocab_size": 100352}"#;
+    let c = dir.read(two).unwrap();
+    assert_eq!(
+        (c.family, c.rotary_dim(), c.qkv_bias, c.o_bias, c.mlp_bias),
+        (Family::StableLm, 16, true, false, false)
+    );
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    assert_eq!(total(&c), 1644515328);
+    // StableLM 3B 4E1T's sizes, the rest left to the class: a quarter
+    // turned, no biases but the norms'.
+    let three = r#"{"model_type": "stablelm", "vocab_size": 50304, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32, "num_attention_heads": 32}"#;
+    let t = dir.read(three).unwrap();
+    assert_eq!((t.rotary_dim(), t.kv_heads, t.qkv_bias), (20, 32, false));
+    assert_eq!(total(&t), 2795443200);
+    dir.round_trips([c, t]);
+    for key in ["qk_layernorm", "use_parallel_residual"] {
+        let text = two.replace(&format!(r#""{key}": false"#), &format!(r#""{key}": true"#));
+        let err = dir.read(&text).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{key} true (StableLM 2 12B's layers")),
+            "{err}"
+        );
+    }
+    // Its dropout is the MLP's only.
+    let d = dir.read(&two.replace(r#""hidden_dropout": 0.0"#, r#""hidden_dropout": 0.1"#));
+    let d = d.unwrap();
+    assert_eq!((d.resid_dropout, d.attention_output_dropout()), (0.1, 0.0));
+}
+
+#[test]
+fn a_cohere_config_is_read_and_counted_and_command_r_plus_qk_norms_refused() {
+    let dir = ConfigDir::new("cohere-configs");
+    // Aya Expanse 8B's sizes; the count is transformers'.
+    let aya = r#"{"model_type": "cohere", "vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "logit_scale": 0.125, "rope_theta": 10000, "max_position_embeddings": 8192, "layer_norm_eps": 1e-05, "use_qk_norm": false, "attention_bias": false, "tie_word_embeddings": true}"#;
+    let c = dir.read(aya).unwrap();
+    assert_eq!(
+        (c.family, c.logit_scale, c.tied, c.pad_token),
+        (Family::Cohere, 0.125, true, Some(0))
+    );
+    let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+    assert_eq!(total, 8028033024);
+    dir.round_trips([c]);
+    let plus = aya.replace(r#""use_qk_norm": false"#, r#""use_qk_norm": true"#);
+    let err = dir.read(&plus).unwrap_err().to_string();
+    assert!(
+        err.contains("use_qk_norm true (Command R+'s layers"),
+        "{err}"
+    );
+}
+
+#[test]
+fn yarn_is_read_as_transformers_reads_it() {
+    let dir = ConfigDir::new("yarn-config");
+    // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.
+    let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}"#;
+    let read = |text: &str| dir.read(text);
+    let c = read(qwen3).unwrap();
+    let want = RopeScaling::Yarn {
+        factor: 4.0,
+        original_positions: 32768.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: 0.1 * 4f64.ln() + 1.0,
+    };
+    assert_eq!(c.rope_scaling, want);
+    // DeepSeek's mscale pair: their ratio; given, the factor itself.
+    let m = read(&qwen3.replace(
+        r#""factor": 4.0"#,
+        r#""factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16"#,
+    ))
+    .unwrap();
+    let RopeScaling::Yarn {
+        attention_factor,
+        beta_fast,
+        ..
+    } = m.rope_scaling.clone()
+    else {
+        panic!("{:?}", m.rope_scaling)
+    };
+    assert_eq!((attention_factor, beta_fast), (1.0, 16.0));
+    let a = read(&qwen3.replace(
+        r#""factor": 4.0"#,
+        r#""factor": 4.0, "attention_factor": 0.8"#,
+    ))
+    .unwrap();
+    assert!(
+        matches!(a.rope_scaling, RopeScaling::Yarn { attention_factor, .. } if attention_factor == 0.8)
+    );
+    dir.round_trips([c, m, a]);
+}
+
+#[test]
+fn mixture_of_experts_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("moe-config");
+    // Mixtral 8x7B's and Qwen3-30B-A3B's shapes; the counts are
+    // transformers' for these configs.
+    let mixtral = r#"{"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": false, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": null, "output_router_logits": false, "router_aux_loss_coef": 0.02}"#;
+    let qwen3_moe = r#"{"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": false, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": false}"#;
+    let read = |text: &str| dir.read(text);
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let m = read(mixtral).unwrap();
+    let q = read(qwen3_moe).unwrap();
+    assert_eq!((total(&m), total(&q)), (46702792704, 30532122624));
+    let want = MoeConfig {
+        experts: 128,
+        top_k: 8,
+        intermediate: 768,
+        normalize: true,
+        sparse_step: 1,
+        dense_layers: vec![],
+    };
+    assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
+    // Dense layers where Qwen3-MoE says.
+    let d = read(&qwen3_moe.replace(r#""mlp_only_layers": []"#, r#""mlp_only_layers": [0, 47]"#))
+        .unwrap();
+    assert_eq!(
+        (d.moe_layer(0), d.moe_layer(1), d.moe_layer(47)),
+        (false, true, false)
+    );
+    dir.round_trips([m, q, d]);
+    for (from, to, says) in [
+        (
+            r#""output_router_logits": false"#,
+            r#""output_router_logits": true"#,
+            "does not add the router's load-balancing loss",
+        ),
+        (
+            r#""router_aux_loss_coef": 0.02"#,
+            r#""router_jitter_noise": 0.01"#,
+            "router_jitter_noise",
+        ),
+        (
+            r#""num_experts_per_tok": 2"#,
+            r#""num_experts_per_tok": 9"#,
+            "num_experts_per_tok 9 is more than the 8 experts",
+        ),
+    ] {
+        let err = read(&mixtral.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}
+
+/// Each unit's parameters as the built model holds them (variables
+/// under the unit's name; the root's those under none).
+pub(crate) fn held_by_unit(vs: &nn::VarStore, units: &[(String, u64)]) -> Vec<(String, u64)> {
+    let vars = vs.variables();
+    let under = |v: &str, u: &str| !u.is_empty() && v.starts_with(&format!("{u}."));
+    (units.iter())
+        .map(|(u, _)| {
+            let n = (vars.iter())
+                .filter(|(v, _)| match u.is_empty() {
+                    true => !units.iter().any(|(w, _)| under(v, w)),
+                    false => under(v, u),
+                })
+                .map(|(_, t)| t.numel() as u64)
+                .sum();
+            (u.clone(), n)
+        })
+        .collect()
+}
+
+#[test]
+fn unit_params_count_what_the_built_model_holds() {
+    let base = LlamaConfig {
+        family: Family::Llama,
+        vocab: 96,
+        hidden: 64,
+        intermediate: 160,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        positions: 64,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_window: None,
+        tied: false,
+        attention_dropout: 0.0,
+        qk_norm: false,
+        activation: Activation::Silu,
+        pad_token: None,
+        query_scalar: None,
+        attn_softcap: None,
+        final_softcap: None,
+        full_every: None,
+        local_rope_theta: None,
+        partial_rotary: 1.0,
+        resid_dropout: 0.0,
+        embedding_dropout: 0.0,
+        embedding_multiplier: 1.0,
+        residual_multiplier: 1.0,
+        attention_multiplier: None,
+        logits_scaling: 1.0,
+        logit_scale: 1.0,
+        rope_layers: None,
+        moe: None,
+    };
+    let variants = [
+        base.clone(),
+        LlamaConfig {
+            tied: true,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            head_dim: 8,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Qwen3,
+            qk_norm: true,
+            tied: true,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Gemma2,
+            tied: true,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Gemma3,
+            qk_norm: true,
+            tied: true,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Phi3,
+            partial_rotary: 0.75,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Olmo2,
+            qk_norm: true,
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Granite,
+            tied: true,
+            rope_layers: Some(vec![true, false]),
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Qwen3Moe,
+            qk_norm: true,
+            moe: Some(MoeConfig {
+                experts: 4,
+                top_k: 2,
+                intermediate: 24,
+                normalize: true,
+                sparse_step: 1,
+                dense_layers: vec![1],
+            }),
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Mixtral,
+            moe: Some(MoeConfig {
+                experts: 3,
+                top_k: 1,
+                intermediate: 40,
+                normalize: true,
+                sparse_step: 1,
+                dense_layers: vec![],
+            }),
+            ..base.clone()
+        },
+        LlamaConfig {
+            family: Family::Starcoder2,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            ..base.clone()
+        },
+    ];
+    for cfg in variants {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);
+        let units = cfg.unit_params();
+        assert_eq!(held_by_unit(&vs, &units), units, "{cfg:?}");
+    }
+}

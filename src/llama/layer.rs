@@ -11,9 +11,10 @@ use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::{in_window, Documents};
 
-use super::config::{Activation, LlamaConfig, MoeConfig, RopeScaling};
+use super::config::{Activation, LlamaConfig, MoeConfig};
 use super::family::Family;
 use super::norm::{Norms, RmsNorm};
+use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.

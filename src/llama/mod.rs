@@ -52,14 +52,17 @@ mod config;
 mod family;
 mod layer;
 mod norm;
+mod rope_scaling;
 mod rotary;
 #[cfg(test)]
 pub(crate) mod tests;
 
-pub(crate) use config::{pad_token, rope_scaling, rotary_dim};
-pub use config::{Activation, LlamaConfig, MoeConfig, RopeScaling};
+pub(crate) use config::{pad_token, rotary_dim};
+pub use config::{Activation, LlamaConfig, MoeConfig};
 pub use family::Family;
 pub use layer::Layer;
+pub(crate) use rope_scaling::rope_scaling;
+pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
 
 use std::sync::Arc;

@@ -5,7 +5,7 @@ use tch::{Kind, Tensor};
 
 use crate::packing::Documents;
 
-use super::config::RopeScaling;
+use super::rope_scaling::RopeScaling;
 
 /// A layer's rotary embedding: its inverse frequencies, and under
 /// LongRoPE those for a sequence longer than the pretrained one and the

@@ -619,7 +619,11 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
                 .unwrap();
         assert_eq!(config["r"], 4, "{config}");
         let merged = dir.join(format!("tuned{run}-merged"));
-        zrt::lora::merge(&hf, &tuned, &merged).unwrap();
+        let m = zrt::lora::merge(&hf, &tuned, &merged).unwrap();
+        // A bias of each adapted layer took B's (a layer's A, B and B's
+        // bias are three of the adapter's tensors).
+        let biased = if case.lora_bias { case.matrices / 3 } else { 0 };
+        assert_eq!(m.biases.len(), biased, "{what}: {:?}", m.biases);
         let mut theirs = peft_run(&dir, case, (&init, &tuned), atol);
         // PEFT's own directory merges as zrt's does.
         let peft_merged = dir.join(format!("tuned{run}-peft-merged"));

@@ -22,10 +22,10 @@ const INDEX: &str = "model.safetensors.index.json";
 /// What [`merge`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Merged {
-    /// The matrices that took an update (and under `lora_bias` the
-    /// biases B's went into, but for trained ones, which are in
-    /// [`Self::replaced`]), by name, sorted.
+    /// The matrices that took an update, by name, sorted.
     pub matrices: Vec<String>,
+    /// The biases B's biases went into (`lora_bias`), by name, sorted.
+    pub biases: Vec<String>,
     /// The tensors of `modules_to_save` that replaced the base's, and
     /// the embeddings trainable tokens' rows went into, by name, sorted.
     pub replaced: Vec<String>,
@@ -648,19 +648,22 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         None => w,
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
-    let (mut matrices, mut replaced) = (Vec::new(), Vec::new());
+    let (mut matrices, mut biases, mut replaced) = (Vec::new(), Vec::new(), Vec::new());
     for (file, _) in &files {
         let tensors = Tensor::read_safetensors(file).map_err(|e| io(file, "read", &e))?;
         let mut merged = Vec::with_capacity(tensors.len());
         for (name, w) in tensors {
             if let Some(t) = replacing.get(&name) {
+                if b_bias(&name).is_some() {
+                    biases.push(name.clone());
+                }
                 merged.push((name.clone(), with_b_bias(&name, t.to_kind(w.kind()))));
                 replaced.push(name);
                 continue;
             }
             if b_bias(&name).is_some() {
                 merged.push((name.clone(), with_b_bias(&name, w)));
-                matrices.push(name);
+                biases.push(name);
                 continue;
             }
             if let Some(t) = in_place.get(&name) {
@@ -720,9 +723,11 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         }
     }
     matrices.sort();
+    biases.sort();
     replaced.sort();
     Ok(Merged {
         matrices,
+        biases,
         replaced,
         files: files.len(),
     })

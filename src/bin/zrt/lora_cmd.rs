@@ -38,8 +38,12 @@ pub fn run(cmd: &LoraCmd) -> Result<()> {
                 0 => String::new(),
                 n => format!(" and replaced {n} tensors (modules_to_save, trainable tokens)"),
             };
+            let biases = match m.biases.len() {
+                0 => String::new(),
+                n => format!(", {n} biases (lora_bias)"),
+            };
             println!(
-                "merged {} matrices{saved} into {} ({} files)",
+                "merged {} matrices{biases}{saved} into {} ({} files)",
                 m.matrices.len(),
                 a.out.display(),
                 m.files

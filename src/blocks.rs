@@ -221,7 +221,8 @@ pub(crate) fn token_embedding(
         padding_idx: padding,
         ..Default::default()
     };
-    let trained = lora.map_or(&[][..], |l| l.trainable_token_indices.as_slice());
+    let name = crate::lora::module_name(p, prefix);
+    let trained = lora.map_or(&[][..], |l| l.trainable_rows(&name, true));
     TokenEmbedding {
         embed: tch::nn::embedding(p, vocab, width, sparse),
         adapter: EmbeddingAdapter::new(p, (vocab, width), padding, (lora, prefix)),
@@ -306,8 +307,27 @@ pub(crate) enum Ends {
     /// Each its own unit.
     Apart {
         embed: ShardedModule<TokenEmbedding>,
-        head: ShardedModule<Adapted>,
+        head: ShardedModule<Head>,
     },
+}
+
+/// An untied head: a linear map (with a LoRA adapter or not), the rows
+/// of some tokens trained apart from its matrix or not (PEFT's dict
+/// form of `trainable_token_indices` naming it).
+#[derive(Debug)]
+pub(crate) struct Head {
+    linear: Adapted,
+    tokens: Option<TrainableTokens>,
+}
+
+impl Module for Head {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let logits = self.linear.forward(x);
+        match &self.tokens {
+            Some(t) => t.logits(x, logits),
+            None => logits,
+        }
+    }
 }
 
 /// The token embedding of [`Ends`], built, its head not yet: a model
@@ -365,7 +385,8 @@ impl Ends {
 impl Embedding {
     /// The two ends: an untied embedding's head built under `p` (a
     /// linear map, with a bias when `bias`; a LoRA adapter when `lora`
-    /// names it, never by `all-linear`, as PEFT's), a unit of `plan`.
+    /// names it, never by `all-linear`, as PEFT's; some tokens' rows
+    /// apart when `lora`'s trainable tokens name it), a unit of `plan`.
     pub(crate) fn with_head(
         self,
         plan: &ShardPlan,
@@ -381,8 +402,12 @@ impl Embedding {
                 width,
             } => {
                 let name = crate::lora::module_name(p, "");
+                let rows = lora.map_or(&[][..], |l| l.trainable_rows(&name, false));
                 let lora = lora.filter(|c| c.targets_by_name(&name));
-                let head = Adapted::new(p, (width, vocab, bias), lora, training);
+                let head = Head {
+                    linear: Adapted::new(p, (width, vocab, bias), lora, training),
+                    tokens: TrainableTokens::new(p, (vocab, width), rows),
+                };
                 let head = ShardedModule::new(plan, p, head);
                 Ends::Apart { embed, head }
             }

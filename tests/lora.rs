@@ -38,8 +38,8 @@ struct Case {
     dora: bool,
     saved: &'static [&'static str],
     tokens: &'static [i64],
-    /// The tokens' module as PEFT's dict form names it, or the list form.
-    tokens_module: Option<&'static str>,
+    /// PEFT's dict form instead: modules and their tokens.
+    token_modules: &'static [(&'static str, &'static [i64])],
     /// PEFT's `bias = "all"`: every bias trains too.
     biases: bool,
     /// PEFT's `lora_bias`: each adapter's B has a bias.
@@ -67,7 +67,7 @@ const OFF: Case = Case {
     dora: false,
     saved: &[],
     tokens: &[],
-    tokens_module: None,
+    token_modules: &[],
     biases: false,
     lora_bias: false,
     atol: None,
@@ -468,13 +468,22 @@ fn trainable_tokens_train_as_peft_trains_them() {
     );
     // GPT-2's in PEFT's dict form, naming its embedding.
     let gpt2 = Case {
-        tokens: &[3, 7],
-        tokens_module: Some("wte"),
+        token_modules: &[("wte", &[3, 7])],
         matrices: 13,
         elements: GPT2.elements + 2 * 64,
         ..GPT2
     };
     parity("gpt2-tokens", &gpt2, &[(3, false, Held::Fp32)]);
+    // The untied Llama's head too, its own tokens' rows (PEFT's dict form
+    // naming both ends): their logits come from the trained rows.
+    let llama = Case {
+        tokens: &[],
+        token_modules: &[("embed_tokens", &[3, 7, 5]), ("lm_head", &[7, 9])],
+        matrices: 14,
+        elements: LLAMA.elements + 3 * 64 + 2 * 64,
+        ..LLAMA_TOKENS
+    };
+    parity("llama-head-tokens", &llama, &[(3, false, Held::Fp32)]);
 }
 
 #[test]
@@ -534,7 +543,9 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         modules_to_save: case.saved.iter().map(|m| m.to_string()).collect(),
         ensure_weight_tying: !case.saved.is_empty(),
         trainable_token_indices: case.tokens.to_vec(),
-        trainable_tokens_module: case.tokens_module.map(String::from),
+        trainable_tokens_modules: (case.token_modules.iter())
+            .map(|&(m, ids)| (m.to_string(), ids.to_vec()))
+            .collect(),
         train_biases: case.biases,
         lora_bias: case.lora_bias,
         target_pattern: case.pattern.map(String::from),
@@ -792,11 +803,11 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         "{past}"
     );
     assert!(tokens(&[3, 3]).contains("name token 3 twice"));
-    // PEFT's dict form: the input embedding's rows only.
+    // PEFT's dict form: the input embedding's rows, or an untied head's
+    // (GPT-2's is tied: no module of its own).
     let of = |module: &str| {
         build(LoraConfig {
-            trainable_token_indices: vec![3],
-            trainable_tokens_module: Some(module.into()),
+            trainable_tokens_modules: vec![(module.into(), vec![3])],
             ..LoraConfig::new(2, 8.0, &["c_attn"])
         })
     };
@@ -804,7 +815,7 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
     let head = of("lm_head");
     assert!(
         head.contains(
-            "{\"lm_head\": ...} names another module than the input embedding `transformer.wte`"
+            "{\"lm_head\": ...} names no module zrt trains tokens' rows of: the input embedding, or a head of its own"
         ),
         "{head}"
     );
@@ -842,6 +853,55 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         both.contains("takes a LoRA adapter and trainable tokens both"),
         "{both}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trainable_tokens_on_a_head_with_a_bias_or_an_adapter_are_refused() {
+    // Phi-2's head is biased, which PEFT leaves out of the logits of a
+    // head whose tokens train.
+    let dir = scratch("lora-head-tokens-refused");
+    common::python(&common::hf_seeded_model(
+        PHI.python.0,
+        PHI.python.1,
+        &dir,
+        "",
+    ));
+    let build = |lora: LoraConfig| {
+        let options = HfOptions {
+            lora: Some(lora),
+            ..Default::default()
+        };
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let _g = common::rng_lock();
+        match HfModel::from_pretrained_with(&vs, &plan, dir.join("hf"), &options) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    };
+    let rows = |targets: &[&str]| LoraConfig {
+        trainable_tokens_modules: vec![
+            ("embed_tokens".into(), vec![3]),
+            ("lm_head".into(), vec![3]),
+        ],
+        ..LoraConfig::new(2, 8.0, targets)
+    };
+    let biased = build(rows(&["q_proj"]));
+    assert!(
+        biased.contains("`lm_head` has a bias, which PEFT leaves out of the logits"),
+        "{biased}"
+    );
+    let adapted = build(rows(&["q_proj", "lm_head"]));
+    assert!(
+        adapted.contains("`lm_head` takes a LoRA adapter and trainable tokens both"),
+        "{adapted}"
+    );
+    let embedding_only = LoraConfig {
+        trainable_tokens_modules: vec![("embed_tokens".into(), vec![3])],
+        ..LoraConfig::new(2, 8.0, &["q_proj"])
+    };
+    assert_eq!(build(embedding_only), "");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

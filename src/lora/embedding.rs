@@ -8,7 +8,8 @@
 //! PEFT keeps them as `token_adapter.trainable_tokens_delta` `[n,
 //! width]` beside the embedding, starting at the pretrained rows, and
 //! computes with the matrix those rows are copied into; a head tied to
-//! the embedding computes with it too.
+//! the embedding computes with it too, and an untied head may have
+//! trainable tokens of its own (PEFT's dict form naming it).
 //!
 //! zrt does not copy the matrix (a vocabulary-sized copy each forward):
 //! a lookup takes the trained row where a token has one, and a tied
@@ -71,7 +72,8 @@ impl EmbeddingAdapter {
 /// The VarStore name's end of the trained rows.
 pub(crate) const DELTA: &str = "token_adapter.trainable_tokens_delta";
 
-/// The rows of a token embedding that train.
+/// The rows of a token embedding that train, or of an untied head (its
+/// logits of those tokens computed from them).
 #[derive(Debug)]
 pub(crate) struct TrainableTokens {
     /// `[n, width]`, in the order of `indices`: set to the pretrained
@@ -123,8 +125,9 @@ impl TrainableTokens {
         rows.where_self(&trained, &looked_up)
     }
 
-    /// A tied head's `logits` (`x @ W^T`) with the trained tokens'
-    /// columns computed from their trained rows.
+    /// A head's `logits` (`x @ W^T`: a tied embedding's, or an untied
+    /// head's without a bias) with the trained tokens' columns computed
+    /// from their trained rows.
     pub(crate) fn logits(&self, x: &Tensor, logits: Tensor) -> Tensor {
         let cols = x.matmul(&self.delta.to_kind(x.kind()).tr());
         let last = logits.dim() as i64 - 1;

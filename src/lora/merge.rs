@@ -138,25 +138,27 @@ impl LoraConfig {
                 )))
             }
         };
-        // PEFT's list form (the input embedding's rows), or its dict form
-        // with one key: the module, which must be that embedding.
+        // PEFT's list form (the input embedding's rows), or its dict form:
+        // modules (the input embedding, an untied head) and their rows.
         let ids = |a: &[serde_json::Value]| {
             (a.iter().map(|v| v.as_i64()).collect::<Option<Vec<_>>>())
                 .ok_or_else(|| j.field("`trainable_token_indices` holds a non-integer".into()))
         };
-        let (tokens, tokens_module) = match j.get("trainable_token_indices") {
-            None | Some(serde_json::Value::Null) => (Vec::new(), None),
-            Some(serde_json::Value::Array(a)) => (ids(a)?, None),
-            Some(serde_json::Value::Object(o)) if o.len() == 1 => {
-                let (key, v) = o.iter().next().map(|(k, v)| (k.clone(), v)).unzip();
-                let list = v.and_then(|v| v.as_array()).ok_or_else(|| {
-                    j.field("`trainable_token_indices` maps its module to something other than a list of token ids".into())
-                })?;
-                (ids(list)?, key)
+        let (tokens, tokens_modules) = match j.get("trainable_token_indices") {
+            None | Some(serde_json::Value::Null) => (Vec::new(), Vec::new()),
+            Some(serde_json::Value::Array(a)) => (ids(a)?, Vec::new()),
+            Some(serde_json::Value::Object(o)) if !o.is_empty() => {
+                let by_module = o.iter().map(|(key, v)| {
+                    let list = v.as_array().ok_or_else(|| {
+                        j.field(format!("`trainable_token_indices` maps {key:?} to {v}, not a list of token ids"))
+                    })?;
+                    Ok((key.clone(), ids(list)?))
+                });
+                (Vec::new(), by_module.collect::<Result<Vec<_>, HfError>>()?)
             }
             Some(v) => {
                 return Err(j.field(format!(
-                    "`trainable_token_indices` is {v}: zrt takes token ids whose rows of the input embedding train, as a list or as PEFT's dict form with that one embedding"
+                    "`trainable_token_indices` is {v}: zrt takes token ids whose rows of the input embedding train, as a list, or PEFT's dict form of modules (the input embedding, an untied head) and their token ids"
                 )))
             }
         };
@@ -195,7 +197,7 @@ impl LoraConfig {
             modules_to_save: saved,
             ensure_weight_tying: on("ensure_weight_tying"),
             trainable_token_indices: tokens,
-            trainable_tokens_module: tokens_module,
+            trainable_tokens_modules: tokens_modules,
             train_biases,
             lora_bias,
             layers_to_transform: layers,
@@ -444,6 +446,9 @@ fn fits(
 /// A base tensor's name and its shape there.
 type Held<'a> = HashMap<&'a str, &'a [i64]>;
 
+/// Trainable tokens' rows by the matrix they go into, with their ids.
+type RowsInPlace<'t> = HashMap<String, (&'t Tensor, Tensor)>;
+
 /// What of the base the adapter's whole tensors take the place of: its
 /// saved modules' tensors (by name), and the embeddings its trainable
 /// tokens' rows go into (by the matrix's name), each checked against
@@ -460,7 +465,7 @@ fn whole_tensors<'t>(
         &'t BTreeMap<String, Tensor>,
         &'t BTreeMap<String, Tensor>,
     ),
-) -> Result<(HashMap<String, &'t Tensor>, HashMap<String, &'t Tensor>), HfError> {
+) -> Result<(HashMap<String, &'t Tensor>, RowsInPlace<'t>), HfError> {
     // A saved module's tensors replace the base's, of their shape.
     let mut replacing = HashMap::new();
     for (name, t) in whole {
@@ -496,28 +501,28 @@ fn whole_tensors<'t>(
             )));
         }
     }
-    // Trainable tokens' rows go in place of their embedding's.
+    // Trainable tokens' rows go in place of their module's (the input
+    // embedding's: the list form's; any: the dict form's).
     let mut in_place = HashMap::new();
     for (m, t) in rows {
         let name = format!("{m}.weight");
-        let n = cfg.trainable_token_indices.len() as i64;
+        let ids = cfg.trainable_rows(m, true);
+        let n = ids.len() as i64;
         let fits = match held.get(name.as_str()).copied() {
             Some(&[vocab, width]) => {
-                t.size() == [n, width]
-                    && (cfg.trainable_token_indices.iter()).all(|i| (0..vocab).contains(i))
+                t.size() == [n, width] && ids.iter().all(|i| (0..vocab).contains(i))
             }
             _ => false,
         };
         if !fits {
             return Err(HfError::Lora(format!(
-                "{}: the adapter's trainable tokens {:?} ({:?} rows) do not fit the base's `{name}` ({:?}): an adapter of another model",
+                "{}: the adapter's trainable tokens {ids:?} ({:?} rows) do not fit the base's `{name}` ({:?}): an adapter of another model",
                 adapter.display(),
-                cfg.trainable_token_indices,
                 t.size(),
                 held.get(name.as_str()),
             )));
         }
-        in_place.insert(name, t);
+        in_place.insert(name, (t, Tensor::from_slice(ids)));
     }
     // PEFT writes a saved embedding of a tied model as the head too,
     // which the base does not hold apart: that copy is left out.
@@ -600,7 +605,6 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         &held,
         (&whole, &base_copies, &rows, &copies),
     )?;
-    let ids = Tensor::from_slice(&cfg.trainable_token_indices);
     // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
     // transposed (PEFT's `fan_in_fan_out`).
     let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
@@ -666,8 +670,8 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 biases.push(name);
                 continue;
             }
-            if let Some(t) = in_place.get(&name) {
-                merged.push((name.clone(), w.index_copy(0, &ids, &t.to_kind(w.kind()))));
+            if let Some((t, ids)) = in_place.get(&name) {
+                merged.push((name.clone(), w.index_copy(0, ids, &t.to_kind(w.kind()))));
                 replaced.push(name);
                 continue;
             }
@@ -830,13 +834,13 @@ mod tests {
             ),
             (
                 "trainable_token_indices",
-                serde_json::json!({"embed_tokens": [1], "lm_head": [2]}),
-                "as a list or as PEFT's dict form with that one embedding",
+                serde_json::json!({}),
+                "as a list, or PEFT's dict form of modules (the input embedding, an untied head)",
             ),
             (
                 "trainable_token_indices",
                 serde_json::json!({"embed_tokens": 1}),
-                "maps its module to something other than a list",
+                "maps \"embed_tokens\" to 1, not a list of token ids",
             ),
             (
                 "trainable_token_indices",
@@ -935,19 +939,41 @@ mod tests {
             .unwrap()
             .layers_pattern
             .is_empty());
-        // Trainable tokens in PEFT's dict form: read, and written back so.
+        // Trainable tokens in PEFT's dict form: read, and written back so
+        // (by module name: a JSON object's keys are sorted).
         let dict = LoraConfig {
-            trainable_tokens_module: Some("embed_tokens".into()),
+            trainable_token_indices: vec![],
+            trainable_tokens_modules: vec![
+                ("embed_tokens".into(), vec![5, 2]),
+                ("lm_head".into(), vec![7]),
+            ],
             ..cfg.clone()
         };
         let written = dict.adapter_config_json("base");
         let j: serde_json::Value = serde_json::from_str(&written).unwrap();
         assert_eq!(
             j["trainable_token_indices"],
-            serde_json::json!({"embed_tokens": [5, 2]})
+            serde_json::json!({"embed_tokens": [5, 2], "lm_head": [7]})
         );
         std::fs::write(dir.join(ADAPTER_CONFIG), &written).unwrap();
         assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), dict);
+        assert_eq!(dict.trainable_rows("model.embed_tokens", true), [5, 2]);
+        assert_eq!(dict.trainable_rows("lm_head", false), [7]);
+        assert!(dict.trainable_rows("model.norm", true).is_empty());
+        assert_eq!(cfg.trainable_rows("model.embed_tokens", true), [5, 2]);
+        assert!(cfg.trainable_rows("lm_head", false).is_empty());
+        let both = LoraConfig {
+            trainable_token_indices: vec![1],
+            ..dict.clone()
+        };
+        let err = both.check("here").unwrap_err().to_string();
+        assert!(err.contains("given as a list and by module both"), "{err}");
+        let twice = LoraConfig {
+            trainable_tokens_modules: vec![("lm_head".into(), vec![4, 4])],
+            ..dict.clone()
+        };
+        let err = twice.check("here").unwrap_err().to_string();
+        assert!(err.contains("name token 4 twice"), "{err}");
         let mut all = json.clone();
         all["target_modules"] = "all-linear".into();
         std::fs::write(dir.join(ADAPTER_CONFIG), all.to_string()).unwrap();

@@ -101,18 +101,20 @@ pub struct LoraConfig {
     /// trains). zrt keeps a tied head tied, so a saved embedding of such
     /// a model needs this set (PEFT trains the two apart without it).
     pub ensure_weight_tying: bool,
-    /// `trainable_token_indices` (PEFT's list form, or its dict form
-    /// with [`Self::trainable_tokens_module`]): the token ids whose
-    /// rows of the (frozen) input embedding train, standing in for the
-    /// matrix's (`token_adapter.trainable_tokens_delta`, starting at
+    /// `trainable_token_indices` in PEFT's list form: the token ids
+    /// whose rows of the (frozen) input embedding train, standing in for
+    /// the matrix's (`token_adapter.trainable_tokens_delta`, starting at
     /// the pretrained rows); a head tied to the embedding computes with
     /// them too. For a chat template's new tokens.
     pub trainable_token_indices: Vec<i64>,
-    /// `trainable_token_indices` given in PEFT's dict form: the module
-    /// its one key names (by the end of its name, as PEFT matches it),
-    /// which must be the input embedding (zrt trains no other layer's
-    /// tokens); `None` for the list form, which means that embedding.
-    pub trainable_tokens_module: Option<String>,
+    /// `trainable_token_indices` in PEFT's dict form (instead of the
+    /// list): each module (by the end of its name, as PEFT matches it)
+    /// with its tokens whose rows train: the input embedding's, as
+    /// above, and an untied head's (`lm_head`: the logits of those
+    /// tokens come from their trained rows, so that the model can also
+    /// write new tokens). Written and read in the order of the modules'
+    /// names (a JSON object's keys are sorted).
+    pub trainable_tokens_modules: Vec<(String, Vec<i64>)>,
     /// `bias = "all"` (PEFT's; `false` is its `"none"`): every variable
     /// whose name holds `bias` trains beside the adapters (the linear
     /// layers' and the norms' biases, as PEFT matches them), and is
@@ -165,7 +167,7 @@ impl LoraConfig {
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
-            trainable_tokens_module: None,
+            trainable_tokens_modules: Vec::new(),
             train_biases: false,
             lora_bias: false,
             layers_to_transform: Vec::new(),
@@ -208,6 +210,17 @@ impl LoraConfig {
         (self.modules_to_save.iter())
             .filter(|t| modules.iter().any(|m| m.ends_with(t.as_str())))
             .collect()
+    }
+
+    /// The tokens whose rows of the module `module` (its full name, as
+    /// the checkpoint names it) train: the dict form's entry naming it,
+    /// else, for the `input_embedding`, the list form's.
+    pub fn trainable_rows(&self, module: &str, input_embedding: bool) -> &[i64] {
+        match (self.trainable_tokens_modules.iter()).find(|(m, _)| names(m, module)) {
+            Some((_, ids)) => ids,
+            None if input_embedding => &self.trainable_token_indices,
+            None => &[],
+        }
     }
 
     /// The update's factor where no pattern gives a module its own:
@@ -303,18 +316,28 @@ impl LoraConfig {
                 "lora_bias with use_dora: PEFT gives DoRA's B no bias; turn one of them off".into(),
             ));
         }
-        let mut ids = self.trainable_token_indices.clone();
-        ids.sort_unstable();
-        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
-            return Err(refuse(format!(
-                "trainable_token_indices name token {} twice: name each once",
-                w[0]
-            )));
+        if !self.trainable_token_indices.is_empty() && !self.trainable_tokens_modules.is_empty() {
+            return Err(refuse(
+                "trainable_token_indices given as a list and by module both: give one of them"
+                    .into(),
+            ));
         }
-        if let Some(i) = ids.first().filter(|&&i| i < 0) {
-            return Err(refuse(format!(
-                "trainable_token_indices name token {i}: token ids are 0 or more"
-            )));
+        let lists = std::iter::once(&self.trainable_token_indices)
+            .chain(self.trainable_tokens_modules.iter().map(|(_, ids)| ids));
+        for ids in lists {
+            let mut ids = ids.clone();
+            ids.sort_unstable();
+            if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+                return Err(refuse(format!(
+                    "trainable_token_indices name token {} twice: name each once",
+                    w[0]
+                )));
+            }
+            if let Some(i) = ids.first().filter(|&&i| i < 0) {
+                return Err(refuse(format!(
+                    "trainable_token_indices name token {i}: token ids are 0 or more"
+                )));
+            }
         }
         if let Some(m) = self.modules_to_save.iter().find(|m| m.is_empty()) {
             return Err(refuse(format!(
@@ -402,10 +425,13 @@ impl LoraConfig {
                 false => self.modules_to_save.clone().into(),
             },
             "ensure_weight_tying": self.ensure_weight_tying,
-            "trainable_token_indices": match (self.trainable_token_indices.is_empty(), &self.trainable_tokens_module) {
-                (true, _) => serde_json::Value::Null,
-                (false, None) => self.trainable_token_indices.clone().into(),
-                (false, Some(m)) => serde_json::json!({ m: self.trainable_token_indices }),
+            "trainable_token_indices": match (self.trainable_token_indices.is_empty(), self.trainable_tokens_modules.is_empty()) {
+                (false, _) => self.trainable_token_indices.clone().into(),
+                (true, false) => (self.trainable_tokens_modules.iter())
+                    .map(|(m, ids)| (m.clone(), serde_json::json!(ids)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into(),
+                (true, true) => serde_json::Value::Null,
             },
             "layers_to_transform": match self.layers_to_transform.is_empty() {
                 true => serde_json::Value::Null,
@@ -627,22 +653,33 @@ pub(crate) fn freeze_base_under(
                 "`{m}` is a token embedding, and zrt builds DoRA on linear layers only: leave it out of the targets, or use_dora off"
             ));
         }
-        if !cfg.trainable_token_indices.is_empty() {
+    }
+    // The modules whose rows train: none with an adapter too, nor (a
+    // head) with a bias, which PEFT leaves out of such a head's logits.
+    let variables = vs.variables();
+    let rows_of: Vec<String> = (variables.keys())
+        .filter_map(|n| n.strip_suffix(embedding::DELTA))
+        .map(|m| m.trim_end_matches('.').to_string())
+        .collect();
+    for m in &rows_of {
+        let full = format!("{prefix}{m}");
+        if (variables.keys()).any(|n| n.starts_with(&format!("{m}.lora_"))) {
             return refuse_targets(format!(
-                "`{m}` takes a LoRA adapter and trainable tokens both: give one of them"
+                "`{full}` takes a LoRA adapter and trainable tokens both: give one of them"
             ));
         }
-    }
-    // The dict form's key must name the embedding whose rows train.
-    let rows_of = (vs.variables().into_keys())
-        .find(|n| n.ends_with(embedding::DELTA))
-        .map(|n| format!("{prefix}{}", adapted_module(&n)));
-    if let (Some(key), Some(m)) = (&cfg.trainable_tokens_module, rows_of) {
-        if !m.ends_with(key.as_str()) {
+        if variables.contains_key(&format!("{m}.bias")) {
             return Err(HfError::Lora(format!(
-                "trainable_token_indices: {{{key:?}: ...}} names another module than the input embedding `{m}`, and zrt trains the rows of that embedding only: name it, or give the list form"
+                "trainable_token_indices: `{full}` has a bias, which PEFT leaves out of the logits of a head whose tokens train: zrt does not train its rows (leave it out)"
             )));
         }
+    }
+    // Each module the dict form names must be one whose rows train.
+    let named = |key: &str| rows_of.iter().any(|m| names(key, &format!("{prefix}{m}")));
+    if let Some((key, _)) = (cfg.trainable_tokens_modules.iter()).find(|(k, _)| !named(k)) {
+        return Err(HfError::Lora(format!(
+            "trainable_token_indices: {{{key:?}: ...}} names no module zrt trains tokens' rows of: the input embedding, or a head of its own (untied, without a bias), by the end of its name"
+        )));
     }
     if let Some(s) = saved
         .iter()

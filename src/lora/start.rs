@@ -54,7 +54,10 @@ pub(crate) fn init_from_checkpoint(
                         transposed: cfg.fan_in_fan_out,
                     },
                 ),
-                (_, Some(m)) => (m, Start::Rows(cfg.trainable_token_indices.clone())),
+                (_, Some(m)) => {
+                    let rows = cfg.trainable_rows(&format!("{prefix}{m}"), true);
+                    (m, Start::Rows(rows.to_vec()))
+                }
                 _ => return None,
             };
             Some((format!("{prefix}{module}.weight"), (t, start)))

@@ -713,6 +713,22 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The error building the checkpoint `hf` with adapters `lora` gives, or
+/// nothing when it builds.
+fn built_with(hf: &Path, lora: LoraConfig) -> String {
+    let options = HfOptions {
+        lora: Some(lora),
+        ..Default::default()
+    };
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let _g = common::rng_lock();
+    match HfModel::from_pretrained_with(&vs, &plan, hf, &options) {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    }
+}
+
 #[test]
 fn lora_settings_no_adapter_can_be_built_with_are_refused() {
     let dir = scratch("lora-refused");
@@ -723,19 +739,7 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
         "",
     );
     common::python(&model);
-    let build = |lora: LoraConfig| {
-        let options = HfOptions {
-            lora: Some(lora),
-            ..Default::default()
-        };
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let _g = common::rng_lock();
-        match HfModel::from_pretrained_with(&vs, &plan, dir.join("hf"), &options) {
-            Ok(_) => String::new(),
-            Err(e) => e.to_string(),
-        }
-    };
+    let build = |lora: LoraConfig| built_with(&dir.join("hf"), lora);
     // Llama's names on GPT-2: the error names GPT-2's own.
     let none = build(LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]));
     assert!(
@@ -867,19 +871,7 @@ fn trainable_tokens_on_a_head_with_a_bias_or_an_adapter_are_refused() {
         &dir,
         "",
     ));
-    let build = |lora: LoraConfig| {
-        let options = HfOptions {
-            lora: Some(lora),
-            ..Default::default()
-        };
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let _g = common::rng_lock();
-        match HfModel::from_pretrained_with(&vs, &plan, dir.join("hf"), &options) {
-            Ok(_) => String::new(),
-            Err(e) => e.to_string(),
-        }
-    };
+    let build = |lora: LoraConfig| built_with(&dir.join("hf"), lora);
     let rows = |targets: &[&str]| LoraConfig {
         trainable_tokens_modules: vec![
             ("embed_tokens".into(), vec![3]),

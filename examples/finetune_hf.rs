@@ -209,6 +209,12 @@ struct Args {
     /// `trainable_token_indices`, for a chat template's new tokens.
     #[arg(long, requires = "lora_r")]
     lora_trainable_tokens: Option<String>,
+    /// Tokens whose rows of an untied head train too, as
+    /// `--lora-trainable-tokens` names them: their logits come from
+    /// the trained rows, so the model learns to write them (PEFT's dict
+    /// form of `trainable_token_indices`, naming both ends).
+    #[arg(long, requires = "lora_r")]
+    lora_trainable_head_tokens: Option<String>,
     /// The layers whose targeted modules take adapters, comma-separated
     /// indices from 0 (PEFT's `layers_to_transform`): `--lora-layers
     /// 10,11` adapts the last two of twelve. Without it, every layer.
@@ -402,8 +408,20 @@ fn main() -> Result<()> {
                     .flat_map(|list| list.split(',').map(str::to_string))
                     .collect(),
                 ensure_weight_tying: a.lora_modules_to_save.is_some(),
-                trainable_token_indices: match &a.lora_trainable_tokens {
-                    Some(list) => token_ids(&a.model, list)?,
+                trainable_token_indices: match (&a.lora_trainable_tokens, &a.lora_trainable_head_tokens) {
+                    (Some(list), None) => token_ids(&a.model, list)?,
+                    _ => Vec::new(),
+                },
+                trainable_tokens_modules: match &a.lora_trainable_head_tokens {
+                    Some(head_list) => {
+                        let (embedding, head) = zrt::lora::ends_names(&a.model)?;
+                        let mut by_module = Vec::new();
+                        if let Some(list) = &a.lora_trainable_tokens {
+                            by_module.push((embedding, token_ids(&a.model, list)?));
+                        }
+                        by_module.push((head, token_ids(&a.model, head_list)?));
+                        by_module
+                    }
                     None => Vec::new(),
                 },
                 layers_to_transform: a.lora_layers.clone(),

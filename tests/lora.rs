@@ -1215,6 +1215,49 @@ with torch.no_grad():
         said.contains("`lora_bias` is true in its adapter_config.json but `model.layers.0.mlp.down_proj` lacks `lora_B.bias`"),
         "{said}"
     );
+    let tensor = |d: &Path, name: &str| {
+        let files = std::fs::read_dir(d).unwrap().map(|f| f.unwrap().path());
+        (files.filter(|f| f.extension().is_some_and(|e| e == "safetensors")))
+            .flat_map(|f| Tensor::read_safetensors(f).unwrap())
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1
+    };
+    // The head's rows of a token too (PEFT's dict form, both ends named
+    // as this Llama names them), merged in place of the head's.
+    let head_tokens = dir.join("head-tokens");
+    let mut with_rows = args[..18].to_vec();
+    with_rows[9] = os("2");
+    with_rows.extend([
+        os("--lora-trainable-tokens"),
+        os("t5,17"),
+        os("--lora-trainable-head-tokens"),
+        os("17"),
+        os("--out"),
+        head_tokens.as_os_str(),
+    ]);
+    let (ok, said) = crate::from_hf::finetune(&with_rows);
+    assert!(ok, "{said}");
+    let config = std::fs::read_to_string(head_tokens.join("adapter_config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(
+        config["trainable_token_indices"],
+        serde_json::json!({"embed_tokens": [5, 17], "lm_head": [17]})
+    );
+    let rows_merged = dir.join("head-tokens-merged");
+    let (ok, said) = zrt(&[
+        os("--adapter"),
+        head_tokens.as_os_str(),
+        os("--out"),
+        rows_merged.as_os_str(),
+    ]);
+    assert!(ok && said.contains("replaced 2 tensors"), "{said}");
+    let row = tensor(
+        &head_tokens,
+        "base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+    );
+    let row17 = |d: &Path| tensor(d, "lm_head.weight").get(17).unsqueeze(0);
+    assert!(row17(&rows_merged).equal(&row) && !row17(&hf).equal(&row));
     let saved_merged = dir.join("saved-merged");
     let (ok, said) = zrt(&[
         os("--adapter"),
@@ -1226,14 +1269,6 @@ with torch.no_grad():
         ok && said.contains("merged 7 matrices and replaced 2 tensors"),
         "{said}"
     );
-    let tensor = |d: &Path, name: &str| {
-        let files = std::fs::read_dir(d).unwrap().map(|f| f.unwrap().path());
-        (files.filter(|f| f.extension().is_some_and(|e| e == "safetensors")))
-            .flat_map(|f| Tensor::read_safetensors(f).unwrap())
-            .find(|(n, _)| n == name)
-            .unwrap()
-            .1
-    };
     let head = |d: &Path| tensor(d, "lm_head.weight");
     let trained = |name: &str| tensor(&saved, &format!("base_model.model.{name}"));
     assert!(head(&saved_merged).equal(&trained("lm_head.weight")));

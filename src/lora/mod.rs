@@ -521,6 +521,22 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     Ok(targets.iter().map(|t| t.to_string()).collect())
 }
 
+/// The last names of the input embedding and the head of the checkpoint
+/// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
+/// GPT-NeoX's `embed_in` and `embed_out`), as the dict form of
+/// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
+/// no module of its own: naming it there is refused when the model is
+/// built.
+pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
+    let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
+    let (embedding, head) = match j.model_type().as_deref() {
+        Some("gpt2") => ("wte", "lm_head"),
+        Some("gpt_neox") => ("embed_in", "embed_out"),
+        _ => ("embed_tokens", "lm_head"),
+    };
+    Ok((embedding.into(), head.into()))
+}
+
 /// Whether the VarStore name `name` is an adapter's (`.lora_A.`,
 /// `.lora_B.`, a token embedding's `.lora_embedding_A` and `_B`, DoRA's
 /// `.lora_magnitude_vector`, or trainable tokens'

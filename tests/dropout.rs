@@ -264,6 +264,17 @@ fn cohere_drops_attention_weights_out_as_transformers_does() {
     );
 }
 
+/// Cohere 2: its windowed layers' weights dropped within the window.
+#[test]
+fn cohere2_drops_windowed_and_global_attention_weights_out_as_transformers_does() {
+    dropout_parity(
+        "cohere2",
+        "from transformers import Cohere2Config as C, Cohere2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, sliding_window_pattern=2, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn stablelm_drops_attention_weights_and_the_mlps_output_out_as_transformers_does() {
     // `hidden_dropout` drops the MLP's output, not the attention's.

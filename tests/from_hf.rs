@@ -4,7 +4,8 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, Mixtral and Qwen3-MoE; and GPT-NeoX and
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral and
+//! Qwen3-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -301,6 +302,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Cohere 2: Cohere's layers, the first and third in a window shorter
+    // than the sequence and turning their queries and keys, the second
+    // global and turning none; grouped keys and values, biases.
+    Case {
+        name: "cohere2",
+        python: (
+            "from transformers import Cohere2Config as C, Cohere2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, logit_scale=0.3, sliding_window=5, sliding_window_pattern=2",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -554,6 +566,12 @@ fn a_stablelm_checkpoint_with_layer_norms_and_a_quarter_turned_trains_as_transfo
 fn a_cohere_checkpoint_with_parallel_sublayers_and_interleaved_rotary_trains_as_transformers_does()
 {
     parity("cohere");
+}
+
+#[test]
+fn a_cohere2_checkpoint_with_windowed_turning_and_global_unturned_layers_trains_as_transformers_does(
+) {
+    parity("cohere2");
 }
 
 #[test]
@@ -1608,7 +1626,8 @@ save_file(out, "{dir}/reference.safetensors")
 /// attention), Llama, sliding windows (Mistral; Gemma 2, eager and
 /// soft-capped; Gemma 3), LongRoPE, whose factors follow the longest
 /// document, not the row (Phi-3 past its pretrained length as a row,
-/// within it as documents), and Cohere's interleaved turn.
+/// within it as documents), Cohere's interleaved turn, and Cohere 2's
+/// windowed layers turning beside global ones that do not.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -1622,6 +1641,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "gemma3",
         "phi3-long",
         "cohere",
+        "cohere2",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -1802,7 +1822,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// refused. Each continues with a key-value cache: also a Mistral whose
 /// window the sequence outgrows and a Gemma 2 (soft caps, every other
 /// layer windowed; its head untied: tied, the scaled embedding makes
-/// every continuation the prompt's last token), against `transformers`
+/// every continuation the prompt's last token) and a Cohere 2 (a
+/// windowed layer turning, a global one not), against `transformers`
 /// without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
@@ -1873,6 +1894,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, \
              max_position_embeddings=64, sliding_window=4, eos_token_id=None, \
              bos_token_id=None, pad_token_id=0, tie_word_embeddings=False",
+        ),
+        (
+            "cohere2",
+            "from transformers import Cohere2Config as C, Cohere2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             sliding_window=4, sliding_window_pattern=2, logit_scale=1.0, \
+             eos_token_id=None, bos_token_id=None",
         ),
     ] {
         let dir = scratch(&format!("hf-greedy-{name}"));

@@ -323,7 +323,8 @@ impl LlamaConfig {
             | Family::Gemma2
             | Family::Gemma3
             | Family::Olmo3
-            | Family::Starcoder2 => j.size_or_null("sliding_window", defaults.window)?,
+            | Family::Starcoder2
+            | Family::Cohere2 => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
                 if j.flag_or("use_sliding_window", false)? =>
             {
@@ -409,11 +410,21 @@ impl LlamaConfig {
             },
             logits_scaling: granite("logits_scaling")?,
             logit_scale: match family {
-                Family::Cohere => j.number_or("logit_scale", 0.0625)?,
+                f if f.cohere() => j.number_or("logit_scale", 0.0625)?,
                 _ => 1.0,
             },
             rope_layers: match family {
                 Family::SmolLm3 => Some(rope_layers(j)?),
+                // Cohere 2's windowed layers turn, its global ones do not
+                // (nor any, when it has no window).
+                Family::Cohere2 => Some(
+                    (0..j.size("num_hidden_layers")?)
+                        .map(|l| {
+                            sliding_window.is_some()
+                                && !full_every.is_some_and(|n| (l + 1) % n == 0)
+                        })
+                        .collect(),
+                ),
                 _ => None,
             },
             moe: moe(j, family)?,
@@ -590,6 +601,11 @@ impl LlamaConfig {
                 "logit_scale": self.logit_scale,
                 "use_qk_norm": false,
             }),
+            Family::Cohere2 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "logit_scale": self.logit_scale,
+                "sliding_window": self.sliding_window,
+            }),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
                 "qk_layernorm": false,
@@ -746,10 +762,13 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
         Family::Gemma2 => Some(2),
         Family::Olmo3 => Some(4),
         Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
+        Family::Cohere2 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(4)),
         _ => None,
     };
     let Some(v) = j.get("layer_types") else {
-        return Ok(default);
+        // Without a window every layer is global (as `to_hf_json` writes
+        // it back).
+        return Ok(default.map(|n| if window.is_some() { n } else { 1 }));
     };
     let list = v.as_array().map(|kinds| {
         (kinds.iter())

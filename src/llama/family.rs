@@ -89,11 +89,17 @@ pub enum Family {
     /// the head tied. Not Command R+'s per-head query and key norms
     /// (`use_qk_norm`): refused.
     Cohere,
+    /// `cohere2` (`Cohere2ForCausalLM`: Command R7B, Command A): Cohere's
+    /// layers, all but every fourth (`layer_types`, or the older
+    /// `sliding_window_pattern`) attending in a sliding window; only
+    /// those turn their queries and keys, the global layers attend
+    /// without positions.
+    Cohere2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 18] = [
+    pub const ALL: [Family; 19] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -112,6 +118,7 @@ impl Family {
         Self::Starcoder2,
         Self::StableLm,
         Self::Cohere,
+        Self::Cohere2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -149,6 +156,7 @@ impl Family {
             Self::Starcoder2 => "starcoder2",
             Self::StableLm => "stablelm",
             Self::Cohere => "cohere",
+            Self::Cohere2 => "cohere2",
         }
     }
 
@@ -173,6 +181,7 @@ impl Family {
             Self::Starcoder2 => "Starcoder2ForCausalLM",
             Self::StableLm => "StableLmForCausalLM",
             Self::Cohere => "CohereForCausalLM",
+            Self::Cohere2 => "Cohere2ForCausalLM",
         }
     }
 
@@ -193,9 +202,16 @@ impl Family {
         matches!(self, Self::Starcoder2 | Self::StableLm)
     }
 
+    /// Cohere's (1 and 2): the attention and the MLP side by side after
+    /// one bias-free LayerNorm computed in fp32, neighbouring dimensions
+    /// turned together, the logits scaled.
+    pub(super) fn cohere(self) -> bool {
+        matches!(self, Self::Cohere | Self::Cohere2)
+    }
+
     /// Cohere's: the attention and the MLP side by side after one norm.
     pub(super) fn parallel(self) -> bool {
-        self == Self::Cohere
+        self.cohere()
     }
 
     /// An MLP of a gate and an up projection (all but StarCoder2's).
@@ -328,6 +344,14 @@ impl Family {
                 positions: 8192,
                 ..LLAMA
             },
+            Self::Cohere2 => Defaults {
+                eps: 1e-5,
+                window: Some(4096),
+                tied: true,
+                pad: Some(0),
+                positions: 8192,
+                ..LLAMA
+            },
         }
     }
 
@@ -335,7 +359,7 @@ impl Family {
     pub(super) fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
-            Self::StableLm | Self::Cohere => "layer_norm_eps",
+            Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
     }

@@ -177,7 +177,7 @@ impl Layer {
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
             match c.family {
-                Family::Cohere => r.interleaved(),
+                f if f.cohere() => r.interleaved(),
                 _ => r,
             }
         });

@@ -1,7 +1,7 @@
 //! Llama as Hugging Face's `transformers` lays it out
 //! (`LlamaForCausalLM`, and Mistral's, Ministral's, Qwen2's, Qwen3's, Gemma 1-3's,
 //! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, StarCoder2's, StableLM's,
-//! Cohere's, and the mixtures of
+//! Cohere's and Cohere 2's, and the mixtures of
 //! experts Mixtral's and Qwen3-MoE's, the same layers with variations:
 //! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
@@ -39,7 +39,7 @@
 //! has one, Gemma's on all but every n-th layer), a SiLU- or GELU-gated
 //! MLP; Gemma's norms offset from one, its embeddings scaled, Gemma 2's
 //! soft caps; Cohere's sublayers side by side, its pairs of neighbouring
-//! dimensions turned. Llama's logits match `transformers`' to the bit here, every
+//! dimensions turned (Cohere 2's in its windowed layers only). Llama's logits match `transformers`' to the bit here, every
 //! family's three AdamW steps its losses (`tests/from_hf.rs`).
 //!
 //! The token embedding's gradient is sparse (`embedding(.., sparse =

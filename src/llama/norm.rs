@@ -7,7 +7,6 @@ use tch::{Kind, Tensor};
 use crate::blocks::layer_norm;
 
 use super::config::LlamaConfig;
-use super::family::Family;
 
 /// An RMSNorm, `x / sqrt(mean(x^2) + eps)` in fp32 times its weights,
 /// as the family multiplies them ([`NormWeights`]).
@@ -99,7 +98,7 @@ impl Norm {
     /// The family's norm under `p`, of `width`.
     pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         match c.family {
-            Family::Cohere => Self::Cohere(CohereNorm {
+            f if f.cohere() => Self::Cohere(CohereNorm {
                 weight: p.ones("weight", &[width]),
                 eps: c.eps,
             }),

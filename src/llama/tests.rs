@@ -486,6 +486,42 @@ fn a_cohere_config_is_read_and_counted_and_command_r_plus_qk_norms_refused() {
 }
 
 #[test]
+fn a_cohere2_config_windows_and_turns_all_but_every_fourth_layer() {
+    let dir = ConfigDir::new("cohere2-configs");
+    // Command R7B's sizes and its older `sliding_window_pattern`; the
+    // count is transformers'.
+    let r7b = r#"{"model_type": "cohere2", "vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "logit_scale": 0.25, "rope_theta": 50000, "max_position_embeddings": 8192, "sliding_window": 4096, "sliding_window_pattern": 4, "layer_norm_eps": 1e-05}"#;
+    let c = dir.read(r7b).unwrap();
+    assert_eq!(
+        (c.family, c.logit_scale, c.tied, c.pad_token, c.eps),
+        (Family::Cohere2, 0.25, true, Some(0), 1e-5)
+    );
+    let windows: Vec<Option<i64>> = (0..8).map(|l| c.window(l)).collect();
+    let w = Some(4096);
+    assert_eq!(windows, [w, w, w, None, w, w, w, None]);
+    // Only the windowed layers turn their queries and keys.
+    let turns = c.rope_layers.clone().unwrap();
+    assert_eq!(turns.len(), 32);
+    assert!((0..32).all(|l| turns[l] == c.window(l as i64).is_some()));
+    let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+    assert_eq!(total, 8028033024);
+    // `layer_types` in place of the pattern, and no window: no layer
+    // turns, as transformers computes it.
+    let typed = r7b.replace(
+        r#""sliding_window_pattern": 4"#,
+        r#""layer_types": ["sliding_attention", "full_attention"]"#,
+    );
+    let typed = typed.replace(r#""num_hidden_layers": 32"#, r#""num_hidden_layers": 2"#);
+    let t = dir.read(&typed).unwrap();
+    assert_eq!((t.window(0), t.window(1)), (Some(4096), None));
+    assert_eq!(t.rope_layers.clone().unwrap(), [true, false]);
+    let none = r7b.replace(r#""sliding_window": 4096"#, r#""sliding_window": null"#);
+    let n = dir.read(&none).unwrap();
+    assert!(n.rope_layers.clone().unwrap().iter().all(|&r| !r));
+    dir.round_trips([c, t, n]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

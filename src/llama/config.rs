@@ -420,8 +420,7 @@ impl LlamaConfig {
                 Family::Cohere2 => Some(
                     (0..j.size("num_hidden_layers")?)
                         .map(|l| {
-                            sliding_window.is_some()
-                                && !full_every.is_some_and(|n| (l + 1) % n == 0)
+                            sliding_window.is_some() && full_every.is_none_or(|n| (l + 1) % n != 0)
                         })
                         .collect(),
                 ),

@@ -4,8 +4,8 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral and
-//! Qwen3-MoE; and GPT-NeoX and
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral,
+//! Qwen2-MoE and Qwen3-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -266,6 +266,18 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Qwen3MoeConfig as C, Qwen3MoeForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]",
+        ),
+        load: "",
+    },
+    // Qwen2-MoE: query/key/value biases, experts on the first layer
+    // beside a shared expert with its sigmoid gate, the top weights as
+    // the softmax gave them (norm_topk_prob off, its default); a dense
+    // MLP on the second.
+    Case {
+        name: "qwen2-moe",
+        python: (
+            "from transformers import Qwen2MoeConfig as C, Qwen2MoeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]",
         ),
         load: "",
     },
@@ -545,6 +557,11 @@ fn a_qwen2_checkpoint_with_yarn_trains_as_transformers_does() {
 #[test]
 fn a_mixtral_checkpoint_routes_its_tokens_as_transformers_does() {
     parity("mixtral");
+}
+
+#[test]
+fn a_qwen2_moe_checkpoint_routes_its_tokens_beside_a_shared_expert_as_transformers_does() {
+    parity("qwen2-moe");
 }
 
 #[test]

@@ -10,28 +10,35 @@ use crate::hf::{HfError, HfJson};
 use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
-/// A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE):
-/// a router scores `experts` per token, each token goes through its top
-/// `top_k` experts, their outputs summed weighted by the router's
-/// softmax (renormalised over the `k` when `normalize`).
+/// A sparse mixture of experts in place of the MLP (Mixtral, Qwen2-MoE,
+/// Qwen3-MoE): a router scores `experts` per token, each token goes
+/// through its top `top_k` experts, their outputs summed weighted by the
+/// router's softmax (renormalised over the `k` when `normalize`);
+/// Qwen2-MoE adds a shared expert every token goes through.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
-    /// `num_local_experts` (Mixtral), `num_experts` (Qwen3-MoE).
+    /// `num_local_experts` (Mixtral), `num_experts` (Qwen2-MoE,
+    /// Qwen3-MoE).
     pub experts: i64,
     /// `num_experts_per_tok`.
     pub top_k: i64,
     /// Each expert's MLP width (`intermediate_size` for Mixtral,
-    /// `moe_intermediate_size` for Qwen3-MoE).
+    /// `moe_intermediate_size` for the Qwens).
     pub intermediate: i64,
     /// The top `k` weights divided by their sum (Mixtral always;
-    /// Qwen3-MoE's `norm_topk_prob`).
+    /// the Qwens' `norm_topk_prob`).
     pub normalize: bool,
-    /// Qwen3-MoE's `decoder_sparse_step`: layer `l` has experts when
+    /// The Qwens' `decoder_sparse_step`: layer `l` has experts when
     /// `(l + 1) % step == 0` and it is not in `dense_layers`.
     pub sparse_step: i64,
-    /// Qwen3-MoE's `mlp_only_layers`: layers with a dense MLP
+    /// The Qwens' `mlp_only_layers`: layers with a dense MLP
     /// (`intermediate_size` wide).
     pub dense_layers: Vec<i64>,
+    /// Qwen2-MoE's `shared_expert_intermediate_size`: the width of the
+    /// shared expert every token goes through beside its top `k`, its
+    /// output times a sigmoid gate of the token; `None`: no shared
+    /// expert (Mixtral, Qwen3-MoE).
+    pub shared: Option<i64>,
 }
 
 /// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
@@ -306,12 +313,13 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
-            // StableLM's output projection has none.
-            Family::StableLm => false,
+            // StableLM's and Qwen2-MoE's output projections have none.
+            Family::StableLm | Family::Qwen2Moe => false,
             _ => j.flag_or("attention_bias", false)?,
         };
         let qkv_bias = match family {
             Family::Qwen2 => true,
+            Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
             _ => attention_bias,
         };
@@ -325,7 +333,11 @@ impl LlamaConfig {
             | Family::Olmo3
             | Family::Starcoder2
             | Family::Cohere2 => j.size_or_null("sliding_window", defaults.window)?,
-            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::SmolLm3
+            Family::Qwen2
+            | Family::Qwen3
+            | Family::Qwen2Moe
+            | Family::Qwen3Moe
+            | Family::SmolLm3
                 if j.flag_or("use_sliding_window", false)? =>
             {
                 return Err(j.field(format!(
@@ -485,10 +497,12 @@ impl LlamaConfig {
         // Gated (gate and up), or StarCoder2's one matrix up.
         let ups = if self.family.gated() { 2 } else { 1 };
         let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
-        // A router and each expert's three matrices.
+        // A router and each expert's three matrices; a shared expert's
+        // three and its gate's row.
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
-            d * e + e * 3 * d * w
+            let shared = m.shared.map_or(0, |s| 3 * d * s as u64 + d);
+            d * e + e * 3 * d * w + shared
         });
         let norms = match self.family {
             f if f.sandwich() => 4,
@@ -570,6 +584,18 @@ impl LlamaConfig {
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
             }),
+            Family::Qwen2Moe => serde_json::json!({
+                "qkv_bias": self.qkv_bias,
+                "use_sliding_window": false,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "moe_intermediate_size": self.moe.as_ref().map(|m| m.intermediate),
+                "shared_expert_intermediate_size": self.moe.as_ref().and_then(|m| m.shared),
+                "norm_topk_prob": self.moe.as_ref().map(|m| m.normalize),
+                "decoder_sparse_step": self.moe.as_ref().map(|m| m.sparse_step),
+                "mlp_only_layers": self.moe.as_ref().map(|m| m.dense_layers.clone()),
+                "output_router_logits": false,
+            }),
             Family::Qwen3Moe => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "use_sliding_window": false,
@@ -643,14 +669,14 @@ impl LlamaConfig {
     }
 }
 
-/// Mixtral's and Qwen3-MoE's experts ([`MoeConfig`]), `None` for the
+/// Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts ([`MoeConfig`]), `None` for the
 /// other families. The router's load-balancing loss (`output_router_logits`)
 /// and Mixtral's router jitter are refused: zrt's loss is the language
 /// model's alone.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         Family::Mixtral => ("num_local_experts", "intermediate_size", true),
-        Family::Qwen3Moe => (
+        Family::Qwen2Moe | Family::Qwen3Moe => (
             "num_experts",
             "moe_intermediate_size",
             j.flag_or("norm_topk_prob", false)?,
@@ -668,9 +694,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are (set it to 0)"
         )));
     }
+    // The config classes' experts, top k and expert width.
     let defaults = match family {
-        Family::Mixtral => (8, 2),
-        _ => (128, 8),
+        Family::Mixtral => (8, 2, 0),
+        Family::Qwen2Moe => (60, 4, 1408),
+        _ => (128, 8, 768),
     };
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
     let top_k = j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1);
@@ -690,11 +718,18 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         top_k,
         intermediate: match family {
             Family::Mixtral => j.size(width_key)?,
-            _ => j.size_or_none(width_key)?.unwrap_or(768),
+            _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
         },
         normalize,
         sparse_step: j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
         dense_layers,
+        shared: match family {
+            Family::Qwen2Moe => Some(
+                j.size_or_none("shared_expert_intermediate_size")?
+                    .unwrap_or(5632),
+            ),
+            _ => None,
+        },
     }))
 }
 

@@ -62,6 +62,12 @@ pub enum Family {
     /// mixture of experts for the MLP (`block_sparse_moe`: a router,
     /// experts `w1`/`w3`/`w2`), each token through its top `k`.
     Mixtral,
+    /// `qwen2_moe` (`Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-57B-A14B):
+    /// Qwen2's layers (`qkv_bias`) with a sparse mixture of experts for
+    /// the MLP (`mlp.gate`, `mlp.experts.N`) beside a shared expert every
+    /// token goes through (`mlp.shared_expert`), its output weighted by a
+    /// sigmoid gate of its own (`mlp.shared_expert_gate`).
+    Qwen2Moe,
     /// `qwen3_moe` (`Qwen3MoeForCausalLM`): Qwen3's layers with a sparse
     /// mixture of experts for the MLP (`mlp.gate`, `mlp.experts.N`), the
     /// top `k` weights renormalised when `norm_topk_prob`.
@@ -99,7 +105,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 19] = [
+    pub const ALL: [Family; 20] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -114,6 +120,7 @@ impl Family {
         Self::Olmo3,
         Self::SmolLm3,
         Self::Mixtral,
+        Self::Qwen2Moe,
         Self::Qwen3Moe,
         Self::Starcoder2,
         Self::StableLm,
@@ -152,6 +159,7 @@ impl Family {
             Self::Olmo3 => "olmo3",
             Self::SmolLm3 => "smollm3",
             Self::Mixtral => "mixtral",
+            Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Starcoder2 => "starcoder2",
             Self::StableLm => "stablelm",
@@ -177,6 +185,7 @@ impl Family {
             Self::Olmo3 => "Olmo3ForCausalLM",
             Self::SmolLm3 => "SmolLM3ForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Starcoder2 => "Starcoder2ForCausalLM",
             Self::StableLm => "StableLmForCausalLM",
@@ -315,6 +324,11 @@ impl Family {
                 rope_theta: 1e6,
                 kv_heads: Some(8),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Qwen2Moe => Defaults {
+                kv_heads: Some(16),
+                positions: 32768,
                 ..LLAMA
             },
             Self::Qwen3Moe => Defaults {

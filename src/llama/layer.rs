@@ -76,13 +76,29 @@ enum Mlp {
 }
 
 /// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
-/// each expert's gate, up and down matrices.
+/// each expert's gate, up and down matrices; Qwen2-MoE's shared expert.
 #[derive(Debug)]
 struct Experts {
     router: Adapted,
     experts: Vec<[Adapted; 3]>,
     top_k: i64,
     normalize: bool,
+    shared: Option<Box<Shared>>,
+}
+
+/// Qwen2-MoE's shared expert (`shared_expert`: gate, up and down
+/// matrices), which every token goes through, and its gate
+/// (`shared_expert_gate`: one row), whose sigmoid weighs its output.
+#[derive(Debug)]
+struct Shared {
+    mlp: [Adapted; 3],
+    gate: Adapted,
+}
+
+/// A gated MLP's `down(act(gate(x)) * up(x))`.
+fn gated(mlp: &[Adapted; 3], x: &Tensor, act: Activation) -> Tensor {
+    let [gate, up, down] = mlp;
+    down.forward(&(act.apply(&gate.forward(x)) * up.forward(x)))
 }
 
 impl Experts {
@@ -104,11 +120,23 @@ impl Experts {
                 ]
             })
             .collect();
+        let shared = m.shared.map(|w| {
+            let sp = p / "shared_expert";
+            Box::new(Shared {
+                mlp: [
+                    lin(&(&sp / "gate_proj"), d, w, false),
+                    lin(&(&sp / "up_proj"), d, w, false),
+                    lin(&(&sp / "down_proj"), w, d, false),
+                ],
+                gate: lin(&(p / "shared_expert_gate"), d, 1, false),
+            })
+        });
         Self {
             router: lin(&(p / "gate"), d, m.experts, false),
             experts,
             top_k: m.top_k,
             normalize: m.normalize,
+            shared,
         }
     }
 
@@ -131,17 +159,20 @@ impl Experts {
         let mut out = Tensor::zeros([b * t, d], (h.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
         let mask = chosen.one_hot(self.experts.len() as i64).permute([2, 1, 0]);
-        for (e, [gate, up, down]) in self.experts.iter().enumerate() {
+        for (e, expert) in self.experts.iter().enumerate() {
             let hits = mask.get(e as i64).nonzero();
             if hits.size()[0] == 0 {
                 continue;
             }
             let (slot, token) = (hits.select(1, 0), hits.select(1, 1));
-            let x = h.index_select(0, &token);
-            let y = down.forward(&(act.apply(&gate.forward(&x)) * up.forward(&x)));
+            let y = gated(expert, &h.index_select(0, &token), act);
             let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
             let y = y * w.unsqueeze(-1);
             let _ = out.index_add_(0, &token, &y.to_kind(h.kind()));
+        }
+        // The shared expert's output, gated, joins the routed sum last.
+        if let Some(s) = &self.shared {
+            out += s.gate.forward(&h).sigmoid() * gated(&s.mlp, &h, act);
         }
         out.view([b, t, d])
     }

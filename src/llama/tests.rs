@@ -582,6 +582,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         normalize: true,
         sparse_step: 1,
         dense_layers: vec![],
+        shared: None,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -591,7 +592,36 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         (d.moe_layer(0), d.moe_layer(1), d.moe_layer(47)),
         (false, true, false)
     );
-    dir.round_trips([m, q, d]);
+    // Qwen1.5-MoE-A2.7B's: 60 experts, 4 a token, unnormalised, beside a
+    // shared expert; the count is transformers'.
+    let qwen2_moe = r#"{"model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 8192, "rope_theta": 1000000.0, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4, "use_sliding_window": false, "tie_word_embeddings": false}"#;
+    let q2 = read(qwen2_moe).unwrap();
+    assert_eq!(total(&q2), 14315784192);
+    let want = MoeConfig {
+        experts: 60,
+        top_k: 4,
+        intermediate: 1408,
+        normalize: false,
+        sparse_step: 1,
+        dense_layers: vec![],
+        shared: Some(5632),
+    };
+    assert_eq!(
+        (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
+        (Some(want), true, false, false)
+    );
+    let no_bias = read(&qwen2_moe.replace(
+        r#""num_experts": 60"#,
+        r#""num_experts": 60, "qkv_bias": false"#,
+    ));
+    assert!(!no_bias.as_ref().unwrap().qkv_bias);
+    let windowed = qwen2_moe.replace(
+        r#""use_sliding_window": false"#,
+        r#""use_sliding_window": true"#,
+    );
+    let err = read(&windowed).unwrap_err().to_string();
+    assert!(err.contains("use_sliding_window true"), "{err}");
+    dir.round_trips([m, q, d, q2, no_bias.unwrap()]);
     for (from, to, says) in [
         (
             r#""output_router_logits": false"#,
@@ -726,6 +756,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 normalize: true,
                 sparse_step: 1,
                 dense_layers: vec![1],
+                shared: None,
             }),
             ..base.clone()
         },
@@ -738,6 +769,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 normalize: true,
                 sparse_step: 1,
                 dense_layers: vec![],
+                shared: None,
             }),
             ..base.clone()
         },

@@ -507,7 +507,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// GPT-NeoX's `query_key_value`, Phi's `q_proj`, `v_proj`, `fc1` and
 /// `fc2`, the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, SmolLM3, Ministral,
-/// Qwen3-MoE, StarCoder2), zrt's choice: Phi-3's fused `qkv_proj`, the
+/// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2), zrt's choice: Phi-3's fused `qkv_proj`, the
 /// others' `q_proj` and `v_proj`.
 pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral,
-//! Qwen2-MoE and Qwen3-MoE; and GPT-NeoX and
+//! Qwen2-MoE, Qwen3-MoE and DeepSeek-V3; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -325,6 +325,34 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // DeepSeek-V3: latent attention (the queries' bottleneck, a
+    // latent a token, the turned dimensions apart and interleaved, biases
+    // where attention_bias puts them, values narrower than the keys), a
+    // dense first layer, then four experts in two groups, one group
+    // kept, two experts a token by sigmoid scores and their correction,
+    // beside two shared experts.
+    Case {
+        name: "deepseek-v3",
+        python: (
+            "from transformers import DeepseekV3Config as C, DeepseekV3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True",
+        ),
+        load: "",
+    },
+    // DeepSeek-V3's other settings: one query projection, the turned
+    // dimensions in halves, YaRN with DeepSeek's mscale pair (the scores
+    // scaled by mscale_all_dim's mscale squared), weights unnormalised,
+    // every layer's experts, three groups of two, two kept, two experts a
+    // token (three of the four kept flip in bf16, transformers' own
+    // bf16 run as much as zrt's: 0.27 against fp32's logits).
+    Case {
+        name: "deepseek-v3-plain",
+        python: (
+            "from transformers import DeepseekV3Config as C, DeepseekV3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=3, topk_group=2, first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.5, rope_interleave=False, rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64, 'mscale': 0.8, 'mscale_all_dim': 0.8}",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -589,6 +617,17 @@ fn a_cohere_checkpoint_with_parallel_sublayers_and_interleaved_rotary_trains_as_
 fn a_cohere2_checkpoint_with_windowed_turning_and_global_unturned_layers_trains_as_transformers_does(
 ) {
     parity("cohere2");
+}
+
+#[test]
+fn a_deepseek_v3_checkpoint_with_latent_attention_and_grouped_experts_trains_as_transformers_does()
+{
+    parity("deepseek-v3");
+}
+
+#[test]
+fn a_deepseek_v3_with_one_query_projection_and_yarn_trains_as_transformers_does() {
+    parity("deepseek-v3-plain");
 }
 
 #[test]
@@ -1644,7 +1683,8 @@ save_file(out, "{dir}/reference.safetensors")
 /// soft-capped; Gemma 3), LongRoPE, whose factors follow the longest
 /// document, not the row (Phi-3 past its pretrained length as a row,
 /// within it as documents), Cohere's interleaved turn, and Cohere 2's
-/// windowed layers turning beside global ones that do not.
+/// windowed layers turning beside global ones that do not, and
+/// DeepSeek-V3's latent attention (its keys' shared turned part).
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -1659,6 +1699,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "phi3-long",
         "cohere",
         "cohere2",
+        "deepseek-v3",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -1840,8 +1881,9 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// window the sequence outgrows and a Gemma 2 (soft caps, every other
 /// layer windowed; its head untied: tied, the scaled embedding makes
 /// every continuation the prompt's last token) and a Cohere 2 (a
-/// windowed layer turning, a global one not), against `transformers`
-/// without a cache.
+/// windowed layer turning, a global one not) and a DeepSeek-V3 (its
+/// keys and values cached for every head, as `transformers` caches
+/// them), against `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
     for (name, import, args) in [
@@ -1918,6 +1960,16 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              sliding_window=4, sliding_window_pattern=2, logit_scale=1.0, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "deepseek-v3",
+            "from transformers import DeepseekV3Config as C, DeepseekV3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, \
+             q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, \
+             v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, \
+             moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1, \
              eos_token_id=None, bos_token_id=None",
         ),
     ] {

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi and Cohere checkpoints
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere and DeepSeek-V3 checkpoints
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -214,6 +214,20 @@ const COHERE: Case = Case {
     targets: &["q_proj", "v_proj", "up_proj"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 160)),
+    ..OFF
+};
+
+/// DeepSeek-V3's latent attention: the queries' expansion (24 -> 80),
+/// the latent's (16 -> 88: keys and values) and the latent itself (64 ->
+/// 24), beside its grouped experts.
+const DEEPSEEK: Case = Case {
+    python: (
+        "from transformers import DeepseekV3Config as C, DeepseekV3ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True",
+    ),
+    targets: &["q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"],
+    matrices: 12,
+    elements: 2 * 4 * ((24 + 80) + (16 + 88) + (64 + 24)),
     ..OFF
 };
 
@@ -510,6 +524,11 @@ fn lora_adapters_on_gpt2_gpt_neox_phi_and_cohere_train_as_peft_does() {
     parity("gpt-neox", &GPT_NEOX, &[(3, false, Held::Fp32)]);
     parity("phi", &PHI, &[(3, false, Held::Fp32)]);
     parity("cohere", &COHERE, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
+    parity("deepseek-v3", &DEEPSEEK, &[(3, false, Held::Fp32)]);
 }
 
 /// How a parity run holds the model.

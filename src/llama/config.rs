@@ -39,6 +39,52 @@ pub struct MoeConfig {
     /// output times a sigmoid gate of the token; `None`: no shared
     /// expert (Mixtral, Qwen3-MoE).
     pub shared: Option<i64>,
+    /// DeepSeek-V3's routing ([`GroupRouting`]); `None`: the softmax's
+    /// top `k`.
+    pub grouped: Option<GroupRouting>,
+}
+
+/// DeepSeek-V3's routing: each expert scored by a sigmoid, the experts
+/// chosen by score plus a fixed correction (`e_score_correction_bias`,
+/// a buffer of the checkpoint, never trained) among the `top_groups`
+/// best of `groups` groups (a group's worth: its two best), each chosen
+/// expert weighted by its score (normalised over the `k` when
+/// [`MoeConfig::normalize`]) times `scale`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupRouting {
+    /// `n_group`.
+    pub groups: i64,
+    /// `topk_group`.
+    pub top_groups: i64,
+    /// `routed_scaling_factor`.
+    pub scale: f64,
+}
+
+/// DeepSeek-V3's multi-head latent attention: each head's queries and
+/// keys have `nope` dimensions without positions and `rope` turned ones
+/// after them; the queries come through a low-rank bottleneck
+/// (`q_a_proj`, an RMSNorm, `q_b_proj`) or one `q_proj`; the keys and
+/// values come from one latent of `kv_rank` a token
+/// (`kv_a_proj_with_mqa`, an RMSNorm, `kv_b_proj`), and the keys'
+/// turned part from `rope` more of its dimensions, shared by every head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mla {
+    /// `q_lora_rank`; `None`: one `q_proj`.
+    pub q_rank: Option<i64>,
+    /// `kv_lora_rank`.
+    pub kv_rank: i64,
+    /// `qk_nope_head_dim`.
+    pub nope: i64,
+    /// `qk_rope_head_dim`.
+    pub rope: i64,
+    /// `v_head_dim`.
+    pub v: i64,
+    /// `rope_interleave`: the turned dimensions are pairs of neighbours
+    /// (regrouped into halves before the rotation).
+    pub interleave: bool,
+    /// `rope_scaling`'s `mscale_all_dim` (0 when it has none): with a
+    /// scaling, the scores' scale grows by its mscale squared.
+    pub mscale_all_dim: f64,
 }
 
 /// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
@@ -217,8 +263,12 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Mixtral's and Qwen3-MoE's experts in place of the MLP.
+    /// Mixtral's, the Qwens' and DeepSeek-V3's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
+    /// DeepSeek-V3's attention ([`Mla`]): `head_dim` is its query and
+    /// key heads' width (`nope + rope`), `kv_heads` is kept for the
+    /// config but unused (every head has its keys and values).
+    pub mla: Option<Mla>,
 }
 
 impl LlamaConfig {
@@ -290,12 +340,14 @@ impl LlamaConfig {
         let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
         // Left out, the class's default; null, as many as the heads.
         let kv_heads = (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads);
-        if heads % kv_heads != 0 {
+        let mla = mla(j, family)?;
+        if heads % kv_heads != 0 && mla.is_none() {
             return Err(j.field(format!(
                 "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
             )));
         }
         let head_dim = match j.size_or_null("head_dim", defaults.head_dim)? {
+            _ if mla.is_some() => mla.as_ref().map_or(0, |m| m.nope + m.rope),
             Some(d) => d,
             None if hidden % heads == 0 => hidden / heads,
             None => {
@@ -304,7 +356,10 @@ impl LlamaConfig {
                 )))
             }
         };
-        let rotary_dim = rotary_dim(head_dim, partial);
+        let rotary_dim = match &mla {
+            Some(m) => m.rope,
+            None => rotary_dim(head_dim, partial),
+        };
         if rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim {
             return Err(j.field(format!(
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
@@ -348,6 +403,7 @@ impl LlamaConfig {
             _ => None,
         };
         let full_every = full_every(j, family, sliding_window)?;
+        let scaling = rope_scaling(j, family.model_type(), rotary_dim)?;
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
@@ -367,7 +423,7 @@ impl LlamaConfig {
             head_dim,
             eps: j.number_or(family.eps_key(), defaults.eps)?,
             rope_theta,
-            rope_scaling: rope_scaling(j, family.model_type(), rotary_dim)?,
+            rope_scaling: scaling.clone(),
             positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
             qkv_bias,
             o_bias: attention_bias,
@@ -416,8 +472,9 @@ impl LlamaConfig {
             },
             embedding_multiplier: granite("embedding_multiplier")?,
             residual_multiplier: granite("residual_multiplier")?,
-            attention_multiplier: match family {
-                Family::Granite => Some(granite("attention_multiplier")?),
+            attention_multiplier: match (family, &mla) {
+                (Family::Granite, _) => Some(granite("attention_multiplier")?),
+                (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
             logits_scaling: granite("logits_scaling")?,
@@ -439,13 +496,24 @@ impl LlamaConfig {
                 _ => None,
             },
             moe: moe(j, family)?,
+            mla,
         })
     }
 
     /// The dimensions of each head the rotary embedding turns: `head_dim`
-    /// times `partial_rotary_factor`, truncated as `transformers` does.
+    /// times `partial_rotary_factor`, truncated as `transformers` does
+    /// (DeepSeek-V3's `qk_rope_head_dim`).
     pub fn rotary_dim(&self) -> i64 {
-        rotary_dim(self.head_dim, self.partial_rotary)
+        match &self.mla {
+            Some(m) => m.rope,
+            None => rotary_dim(self.head_dim, self.partial_rotary),
+        }
+    }
+
+    /// Each head's value width: DeepSeek-V3's `v_head_dim`, else
+    /// `head_dim`.
+    pub fn v_head_dim(&self) -> i64 {
+        self.mla.as_ref().map_or(self.head_dim, |m| m.v)
     }
 
     /// The dropout on the attention's output, when training: the
@@ -486,23 +554,46 @@ impl LlamaConfig {
             self.intermediate as u64,
         );
         let bias = |on: bool, n: u64| if on { n } else { 0 };
-        let attention = (d * q + bias(self.qkv_bias, q))
-            + 2 * (d * kv + bias(self.qkv_bias, kv))
-            + (q * d + bias(self.o_bias, d))
-            + match self.family.olmo() {
-                // OLMo's normalise the whole projections, the others a head.
-                true => bias(self.qk_norm, q + kv),
-                false => bias(self.qk_norm, 2 * hd),
-            };
+        let attention = match &self.mla {
+            Some(m) => {
+                let (h, on) = (self.heads as u64, self.o_bias);
+                let (kr, r, vd) = (m.kv_rank as u64, m.rope as u64, m.v as u64);
+                // The queries' bottleneck (its norm's weights) or one matrix.
+                let queries = match m.q_rank.map(|r| r as u64) {
+                    Some(qr) => d * qr + bias(on, qr) + qr + qr * q,
+                    None => d * q,
+                };
+                // The latent and the shared turned keys, the latent's
+                // norm, its keys and values for every head, the output.
+                queries
+                    + (d * (kr + r) + bias(on, kr + r))
+                    + kr
+                    + kr * h * (m.nope as u64 + vd)
+                    + (h * vd * d + bias(on, d))
+            }
+            None => {
+                (d * q + bias(self.qkv_bias, q))
+                    + 2 * (d * kv + bias(self.qkv_bias, kv))
+                    + (q * d + bias(self.o_bias, d))
+                    + match self.family.olmo() {
+                        // OLMo's normalise the whole projections, the others a head.
+                        true => bias(self.qk_norm, q + kv),
+                        false => bias(self.qk_norm, 2 * hd),
+                    }
+            }
+        };
         // Gated (gate and up), or StarCoder2's one matrix up.
         let ups = if self.family.gated() { 2 } else { 1 };
         let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         // A router and each expert's three matrices; a shared expert's
-        // three and its gate's row.
+        // three (and Qwen2-MoE's gate's row); DeepSeek-V3's router's
+        // correction, a buffer zrt holds as a frozen parameter.
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
-            let shared = m.shared.map_or(0, |s| 3 * d * s as u64 + d);
-            d * e + e * 3 * d * w + shared
+            let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
+            let gate = bias(self.family == Family::Qwen2Moe, d);
+            let correction = bias(m.grouped.is_some(), e);
+            d * e + e * 3 * d * w + shared + gate + correction
         });
         let norms = match self.family {
             f if f.sandwich() => 4,
@@ -584,6 +675,30 @@ impl LlamaConfig {
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
             }),
+            Family::DeepseekV3 => {
+                let (m, e) = (self.mla.as_ref(), self.moe.as_ref());
+                let g = e.and_then(|e| e.grouped.as_ref());
+                serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "q_lora_rank": m.and_then(|m| m.q_rank),
+                    "kv_lora_rank": m.map(|m| m.kv_rank),
+                    "qk_nope_head_dim": m.map(|m| m.nope),
+                    "qk_rope_head_dim": m.map(|m| m.rope),
+                    // The class turns `head_dim` dimensions.
+                    "head_dim": m.map(|m| m.rope),
+                    "v_head_dim": m.map(|m| m.v),
+                    "rope_interleave": m.map(|m| m.interleave),
+                    "n_routed_experts": e.map(|e| e.experts),
+                    "num_experts_per_tok": e.map(|e| e.top_k),
+                    "moe_intermediate_size": e.map(|e| e.intermediate),
+                    "n_shared_experts": e.and_then(|e| e.shared.map(|s| s / e.intermediate)),
+                    "first_k_dense_replace": e.map(|e| e.dense_layers.len()),
+                    "norm_topk_prob": e.map(|e| e.normalize),
+                    "n_group": g.map(|g| g.groups),
+                    "topk_group": g.map(|g| g.top_groups),
+                    "routed_scaling_factor": g.map(|g| g.scale),
+                })
+            }
             Family::Qwen2Moe => serde_json::json!({
                 "qkv_bias": self.qkv_bias,
                 "use_sliding_window": false,
@@ -665,6 +780,12 @@ impl LlamaConfig {
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
+        // DeepSeek-V3's scores grow with the scaling's `mscale_all_dim`.
+        if let (Some(m), Some(scaling)) = (&self.mla, json["rope_scaling"].as_object_mut()) {
+            if m.mscale_all_dim != 0.0 {
+                scaling.insert("mscale_all_dim".into(), m.mscale_all_dim.into());
+            }
+        }
         format!("{json:#}\n")
     }
 }
@@ -676,6 +797,11 @@ impl LlamaConfig {
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         Family::Mixtral => ("num_local_experts", "intermediate_size", true),
+        Family::DeepseekV3 => (
+            "n_routed_experts",
+            "moe_intermediate_size",
+            j.flag_or("norm_topk_prob", true)?,
+        ),
         Family::Qwen2Moe | Family::Qwen3Moe => (
             "num_experts",
             "moe_intermediate_size",
@@ -698,6 +824,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let defaults = match family {
         Family::Mixtral => (8, 2, 0),
         Family::Qwen2Moe => (60, 4, 1408),
+        Family::DeepseekV3 => (256, 8, 2048),
         _ => (128, 8, 768),
     };
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
@@ -708,18 +835,27 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         )));
     }
     let dense_layers = match j.get("mlp_only_layers") {
+        // DeepSeek-V3's first `first_k_dense_replace` layers.
+        _ if family == Family::DeepseekV3 => {
+            (0..count_or(j, "first_k_dense_replace", 3)?).collect()
+        }
         None => Vec::new(),
         Some(v) => (v.as_array())
             .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
+    let intermediate = match family {
+        Family::Mixtral => j.size(width_key)?,
+        _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
+    };
+    let grouped = match family {
+        Family::DeepseekV3 => Some(group_routing(j, experts)?),
+        _ => None,
+    };
     Ok(Some(MoeConfig {
         experts,
         top_k,
-        intermediate: match family {
-            Family::Mixtral => j.size(width_key)?,
-            _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
-        },
+        intermediate,
         normalize,
         sparse_step: j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
         dense_layers,
@@ -728,9 +864,103 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
                 j.size_or_none("shared_expert_intermediate_size")?
                     .unwrap_or(5632),
             ),
+            // `n_shared_experts` experts' width, one MLP.
+            Family::DeepseekV3 => {
+                Some(intermediate * j.size_or_none("n_shared_experts")?.unwrap_or(1))
+            }
             _ => None,
         },
+        grouped,
     }))
+}
+
+/// Field `key`, a whole number not below 0, `default` when absent.
+fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
+    match j.get(key) {
+        None => Ok(default),
+        Some(v) => (v.as_i64().filter(|n| *n >= 0))
+            .ok_or_else(|| j.field(format!("{key} {v}: a whole number, 0 or more"))),
+    }
+}
+
+/// DeepSeek-V3's routing of `experts` ([`GroupRouting`]).
+fn group_routing(j: &HfJson, experts: i64) -> Result<GroupRouting, HfError> {
+    let groups = j.size_or_none("n_group")?.unwrap_or(8);
+    let top_groups = j.size_or_none("topk_group")?.unwrap_or(4);
+    // A group is worth its two best experts.
+    if experts % groups != 0 || experts / groups < 2 {
+        return Err(j.field(format!(
+            "n_group {groups}: the {experts} experts must split into groups of two or more"
+        )));
+    }
+    if top_groups > groups {
+        return Err(j.field(format!(
+            "topk_group {top_groups} is more than the n_group {groups} groups"
+        )));
+    }
+    let scoring = j.get("scoring_func").and_then(|v| v.as_str());
+    if scoring.is_some_and(|s| s != "sigmoid") {
+        return Err(j.field(format!(
+            "scoring_func {scoring:?}: DeepSeek-V3's routers score experts by a sigmoid"
+        )));
+    }
+    Ok(GroupRouting {
+        groups,
+        top_groups,
+        scale: j.number_or("routed_scaling_factor", 2.5)?,
+    })
+}
+
+/// DeepSeek-V3's attention ([`Mla`]), `None` for the other families.
+/// A `head_dim` other than `qk_rope_head_dim` (the width its config
+/// class turns) is refused.
+fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
+    if family != Family::DeepseekV3 {
+        return Ok(None);
+    }
+    let rope = j.size_or_none("qk_rope_head_dim")?.unwrap_or(64);
+    if rope % 2 != 0 {
+        return Err(j.field(format!(
+            "qk_rope_head_dim {rope}: rotary embeddings turn pairs of dimensions"
+        )));
+    }
+    if let Some(d) = j.size_or_none("head_dim")?.filter(|&d| d != rope) {
+        return Err(j.field(format!(
+            "head_dim {d}: DeepSeek-V3's config class turns head_dim dimensions, which must be qk_rope_head_dim {rope}"
+        )));
+    }
+    let scaling = j.get("rope_scaling").filter(|v| !v.is_null());
+    let mscale_all_dim = match scaling.and_then(|v| v.get("mscale_all_dim")) {
+        None => 0.0,
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| j.field(format!("rope_scaling's mscale_all_dim {v}: not a number")))?,
+    };
+    Ok(Some(Mla {
+        q_rank: j.size_or_null("q_lora_rank", Some(1536))?,
+        kv_rank: j.size_or_none("kv_lora_rank")?.unwrap_or(512),
+        nope: j.size_or_none("qk_nope_head_dim")?.unwrap_or(128),
+        rope,
+        v: j.size_or_none("v_head_dim")?.unwrap_or(128),
+        interleave: j.flag_or("rope_interleave", true)?,
+        mscale_all_dim,
+    }))
+}
+
+impl Mla {
+    /// The attention scores' scale: the query-key head width's inverse
+    /// square root, times the squared mscale of `mscale_all_dim` when the
+    /// rotary embeddings are scaled (`DeepseekV3Attention`'s).
+    pub(crate) fn scores_scale(&self, head_dim: i64, scaling: &RopeScaling) -> f64 {
+        let base = (head_dim as f64).powf(-0.5);
+        match scaling.factor() {
+            Some(f) if self.mscale_all_dim != 0.0 && f > 1.0 => {
+                let m = 0.1 * self.mscale_all_dim * f.ln() + 1.0;
+                base * m * m
+            }
+            _ => base,
+        }
+    }
 }
 
 /// SmolLM3's `no_rope_layers` (1: the layer turns, 0: it does not), or

@@ -101,11 +101,19 @@ pub enum Family {
     /// those turn their queries and keys, the global layers attend
     /// without positions.
     Cohere2,
+    /// `deepseek_v3` (`DeepseekV3ForCausalLM`: DeepSeek-V3 and R1, Kimi
+    /// K2, Moonlight): multi-head latent attention (queries through a
+    /// low-rank bottleneck, keys and values from one compressed latent a
+    /// token, the rotary dimensions apart and the keys' shared by every
+    /// head) and, after the first `first_k_dense_replace` dense layers,
+    /// experts routed by sigmoid scores within the best groups, beside
+    /// shared experts.
+    DeepseekV3,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 20] = [
+    pub const ALL: [Family; 21] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -126,6 +134,7 @@ impl Family {
         Self::StableLm,
         Self::Cohere,
         Self::Cohere2,
+        Self::DeepseekV3,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -165,6 +174,7 @@ impl Family {
             Self::StableLm => "stablelm",
             Self::Cohere => "cohere",
             Self::Cohere2 => "cohere2",
+            Self::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -191,6 +201,7 @@ impl Family {
             Self::StableLm => "StableLmForCausalLM",
             Self::Cohere => "CohereForCausalLM",
             Self::Cohere2 => "Cohere2ForCausalLM",
+            Self::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -356,6 +367,11 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 8192,
+                ..LLAMA
+            },
+            Self::DeepseekV3 => Defaults {
+                kv_heads: Some(128),
+                positions: 4096,
                 ..LLAMA
             },
             Self::Cohere2 => Defaults {

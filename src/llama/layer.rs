@@ -11,7 +11,7 @@ use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::{in_window, Documents};
 
-use super::config::{Activation, LlamaConfig, MoeConfig};
+use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig};
 use super::family::Family;
 use super::norm::{Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
@@ -43,8 +43,9 @@ pub struct Layer {
     cfg: LlamaConfig,
 }
 
-/// The query, key and value projections: three matrices, or Phi-3's
-/// one (`qkv_proj`, their rows one after the other).
+/// The query, key and value projections: three matrices, Phi-3's
+/// one (`qkv_proj`, their rows one after the other), or DeepSeek-V3's
+/// latent attention.
 #[derive(Debug)]
 enum Qkv {
     Apart {
@@ -53,6 +54,96 @@ enum Qkv {
         v_proj: Adapted,
     },
     Fused(Adapted),
+    Latent(Box<Latent>),
+}
+
+/// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
+/// projections, the keys' and values' latent (`kv_a_proj_with_mqa`), its
+/// norm (`kv_a_layernorm`) and its expansion to every head (`kv_b_proj`).
+#[derive(Debug)]
+struct Latent {
+    queries: Queries,
+    kv_a: Adapted,
+    kv_norm: RmsNorm,
+    kv_b: Adapted,
+    mla: Mla,
+}
+
+/// DeepSeek-V3's queries: one `q_proj`, or through a bottleneck
+/// (`q_a_proj`, `q_a_layernorm`, `q_b_proj`).
+#[derive(Debug)]
+enum Queries {
+    One(Adapted),
+    LowRank {
+        a: Adapted,
+        norm: RmsNorm,
+        b: Adapted,
+    },
+}
+
+impl Latent {
+    /// Under `a` (`self_attn`), its biases where `attention_bias` puts
+    /// them (the bottleneck's and the latent's first projections).
+    fn new(a: &nn::Path, c: &LlamaConfig, m: &Mla, lin: &Lin<'_>) -> Self {
+        let (d, h, bias) = (c.hidden, c.heads, c.o_bias);
+        let qk = m.nope + m.rope;
+        // The class's norms here keep their own epsilon.
+        let norm = |name: &str, width| RmsNorm::new(a / name, width, c).with_eps(1e-6);
+        let queries = match m.q_rank {
+            None => Queries::One(lin(&(a / "q_proj"), d, h * qk, false)),
+            Some(r) => Queries::LowRank {
+                a: lin(&(a / "q_a_proj"), d, r, bias),
+                norm: norm("q_a_layernorm", r),
+                b: lin(&(a / "q_b_proj"), r, h * qk, false),
+            },
+        };
+        Self {
+            queries,
+            kv_a: lin(&(a / "kv_a_proj_with_mqa"), d, m.kv_rank + m.rope, bias),
+            kv_norm: norm("kv_a_layernorm", m.kv_rank),
+            kv_b: lin(&(a / "kv_b_proj"), m.kv_rank, h * (m.nope + m.v), false),
+            mla: m.clone(),
+        }
+    }
+
+    /// Queries, keys and values `[batch, heads, seq, _]` of `x` `[batch,
+    /// seq, d]`, as `DeepseekV3Attention` makes them: each head's
+    /// unturned dimensions first, then its turned ones (`turn`), the
+    /// keys' turned part one for every head.
+    fn forward(&self, x: &Tensor, heads: i64, turn: &dyn Fn(Tensor) -> Tensor) -> [Tensor; 3] {
+        let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
+        let m = &self.mla;
+        let q = match &self.queries {
+            Queries::One(q) => q.forward(x),
+            Queries::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x))),
+        };
+        let q = q.view([b, t, heads, m.nope + m.rope]).transpose(1, 2);
+        let latent = self.kv_a.forward(x);
+        let kv = self
+            .kv_b
+            .forward(&self.kv_norm.forward(&latent.narrow(-1, 0, m.kv_rank)));
+        let kv = kv.view([b, t, heads, m.nope + m.v]).transpose(1, 2);
+        let k_rot = latent
+            .narrow(-1, m.kv_rank, m.rope)
+            .reshape([b, 1, t, m.rope]);
+        // Stored as neighbouring pairs: regrouped into halves, the
+        // layout the rotation turns.
+        let halves = |x: Tensor| match m.interleave {
+            true => {
+                let s = x.size();
+                let (n, r) = (s[1], m.rope);
+                x.reshape([b, n, t, r / 2, 2])
+                    .transpose(4, 3)
+                    .reshape([b, n, t, r])
+            }
+            false => x,
+        };
+        let q_rot = turn(halves(q.narrow(-1, m.nope, m.rope)));
+        let k_rot = turn(halves(k_rot)).expand([b, heads, t, m.rope], false);
+        let q = Tensor::cat(&[q.narrow(-1, 0, m.nope), q_rot], -1);
+        let k = Tensor::cat(&[kv.narrow(-1, 0, m.nope), k_rot], -1);
+        [q, k, kv.narrow(-1, m.nope, m.v)]
+    }
 }
 
 /// The MLP's gate and up projections: two matrices, or Phi-3's one
@@ -79,20 +170,36 @@ enum Mlp {
 /// each expert's gate, up and down matrices; Qwen2-MoE's shared expert.
 #[derive(Debug)]
 struct Experts {
-    router: Adapted,
+    router: Router,
     experts: Vec<[Adapted; 3]>,
     top_k: i64,
     normalize: bool,
     shared: Option<Box<Shared>>,
 }
 
-/// Qwen2-MoE's shared expert (`shared_expert`: gate, up and down
-/// matrices), which every token goes through, and its gate
-/// (`shared_expert_gate`: one row), whose sigmoid weighs its output.
+/// How the experts are chosen and weighted.
+#[derive(Debug)]
+enum Router {
+    /// A linear layer's softmax, its top `k` (Mixtral, the Qwens).
+    Softmax(Adapted),
+    /// DeepSeek-V3's ([`GroupRouting`]): its weights (`gate.weight`, no
+    /// linear layer an adapter could target, as in `transformers`) and
+    /// its fixed correction (`gate.e_score_correction_bias`, frozen).
+    Grouped {
+        weight: Tensor,
+        correction: Tensor,
+        routing: GroupRouting,
+    },
+}
+
+/// A shared expert every token goes through (gate, up and down
+/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V3's
+/// `shared_experts`), and Qwen2-MoE's gate (`shared_expert_gate`: one
+/// row), whose sigmoid weighs its output.
 #[derive(Debug)]
 struct Shared {
     mlp: [Adapted; 3],
-    gate: Adapted,
+    gate: Option<Adapted>,
 }
 
 /// A gated MLP's `down(act(gate(x)) * up(x))`.
@@ -120,19 +227,39 @@ impl Experts {
                 ]
             })
             .collect();
+        let qwen = family == Family::Qwen2Moe;
         let shared = m.shared.map(|w| {
-            let sp = p / "shared_expert";
+            let sp = p / if qwen {
+                "shared_expert"
+            } else {
+                "shared_experts"
+            };
             Box::new(Shared {
                 mlp: [
                     lin(&(&sp / "gate_proj"), d, w, false),
                     lin(&(&sp / "up_proj"), d, w, false),
                     lin(&(&sp / "down_proj"), w, d, false),
                 ],
-                gate: lin(&(p / "shared_expert_gate"), d, 1, false),
+                gate: qwen.then(|| lin(&(p / "shared_expert_gate"), d, 1, false)),
             })
         });
+        let router = match &m.grouped {
+            Some(routing) => {
+                let g = p / "gate";
+                let init = nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                };
+                Router::Grouped {
+                    weight: g.var("weight", &[m.experts, d], init),
+                    correction: g.zeros_no_train("e_score_correction_bias", &[m.experts]),
+                    routing: routing.clone(),
+                }
+            }
+            None => Router::Softmax(lin(&(p / "gate"), d, m.experts, false)),
+        };
         Self {
-            router: lin(&(p / "gate"), d, m.experts, false),
+            router,
             experts,
             top_k: m.top_k,
             normalize: m.normalize,
@@ -149,14 +276,9 @@ impl Experts {
     fn forward(&self, h: &Tensor, act: Activation) -> Tensor {
         let (b, t, d) = h.size3().unwrap_or((1, 1, 1));
         let h = h.view([-1, d]);
-        let probs = self.router.forward(&h).softmax(1, Kind::Float);
-        let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
-        let weights = match self.normalize {
-            true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
-            false => weights,
-        };
-        let weights = weights.to_kind(h.kind());
-        let mut out = Tensor::zeros([b * t, d], (h.kind(), h.device()));
+        let (weights, chosen) = self.route(&h);
+        // The sum in the weights' dtype: the input's, DeepSeek-V3's fp32.
+        let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
         let mask = chosen.one_hot(self.experts.len() as i64).permute([2, 1, 0]);
         for (e, expert) in self.experts.iter().enumerate() {
@@ -168,13 +290,68 @@ impl Experts {
             let y = gated(expert, &h.index_select(0, &token), act);
             let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
             let y = y * w.unsqueeze(-1);
-            let _ = out.index_add_(0, &token, &y.to_kind(h.kind()));
+            let _ = out.index_add_(0, &token, &y.to_kind(out.kind()));
         }
-        // The shared expert's output, gated, joins the routed sum last.
+        let mut out = out.to_kind(h.kind());
+        // The shared expert's output (gated, Qwen2-MoE's) joins the
+        // routed sum last.
         if let Some(s) = &self.shared {
-            out += s.gate.forward(&h).sigmoid() * gated(&s.mlp, &h, act);
+            let y = gated(&s.mlp, &h, act);
+            out += match &s.gate {
+                Some(gate) => gate.forward(&h).sigmoid() * y,
+                None => y,
+            };
         }
         out.view([b, t, d])
+    }
+
+    /// Each token's `k` experts `[tokens, k]` and their weights: the
+    /// softmax's top `k` in the input's dtype, or DeepSeek-V3's choice
+    /// within the best groups, its weights in fp32.
+    fn route(&self, h: &Tensor) -> (Tensor, Tensor) {
+        let (weight, correction, g) = match &self.router {
+            Router::Softmax(router) => {
+                let probs = router.forward(h).softmax(1, Kind::Float);
+                let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
+                let weights = match self.normalize {
+                    true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
+                    false => weights,
+                };
+                return (weights.to_kind(h.kind()), chosen);
+            }
+            Router::Grouped {
+                weight,
+                correction,
+                routing,
+            } => (weight, correction, routing),
+        };
+        let f = Kind::Float;
+        let scores = h
+            .to_kind(f)
+            .linear::<&Tensor>(&weight.to_kind(f), None)
+            .sigmoid();
+        let chosen = tch::no_grad(|| {
+            let choice = &scores + correction.to_kind(f).unsqueeze(0);
+            let (n, e) = (choice.size()[0], choice.size()[1]);
+            let per = e / g.groups;
+            // A group's worth: its two best; the others' experts out.
+            let groups = (choice.view([n, g.groups, per]).topk(2, -1, true, true).0)
+                .sum_dim_intlist(-1, false, f);
+            let best = groups.topk(g.top_groups, -1, true, false).1;
+            let kept = groups.zeros_like().scatter_value(1, &best, 1.0);
+            let kept = kept
+                .unsqueeze(-1)
+                .expand([n, g.groups, per], false)
+                .reshape([n, e]);
+            let choice = choice.masked_fill(&kept.eq(0.0), 0.0);
+            choice.topk(self.top_k, -1, true, false).1
+        });
+        let weights = scores.gather(1, &chosen, false);
+        let weights = match self.normalize {
+            true => &weights / (weights.sum_dim_intlist(-1, true, f) + 1e-20),
+            false => weights,
+        };
+        (weights * g.scale, chosen)
     }
 }
 
@@ -214,8 +391,9 @@ impl Layer {
         });
         Self {
             norms: Norms::new(p, d, c),
-            qkv: match c.family {
-                Family::Phi3 => {
+            qkv: match (c.family, &c.mla) {
+                (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
+                (Family::Phi3, _) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     Qkv::Fused(lin(&(&a / "qkv_proj"), d, rows, qkv))
                 }
@@ -225,7 +403,7 @@ impl Layer {
                     v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
                 },
             },
-            o_proj: lin(&(&a / "o_proj"), c.heads * hd, d, c.o_bias),
+            o_proj: lin(&(&a / "o_proj"), c.heads * c.v_head_dim(), d, c.o_bias),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
@@ -271,22 +449,6 @@ impl Module for Layer {
         let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let c = &self.cfg;
         let h = self.norms.attention_input(x);
-        let (q, k, v) = match &self.qkv {
-            Qkv::Apart {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => (q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
-            Qkv::Fused(qkv) => {
-                let qkv = qkv.forward(&h);
-                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                (
-                    qkv.narrow(-1, 0, q),
-                    qkv.narrow(-1, q, kv),
-                    qkv.narrow(-1, q + kv, kv),
-                )
-            }
-        };
         // Normalised over the projection before the heads are split
         // (OLMo), or over each head after.
         let whole = c.family.olmo();
@@ -309,15 +471,36 @@ impl Module for Layer {
             (Some(rotary), None) => rope_from(&x, rotary, offset),
             (None, _) => x,
         };
-        let q = turned(heads(q, c.heads, qn));
-        let k = turned(heads(k, c.kv_heads, kn));
-        let v = heads(v, c.kv_heads, None);
+        let split = |q, k, v| {
+            [
+                turned(heads(q, c.heads, qn)),
+                turned(heads(k, c.kv_heads, kn)),
+                heads(v, c.kv_heads, None),
+            ]
+        };
+        let [q, k, v] = match &self.qkv {
+            Qkv::Apart {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
+            Qkv::Fused(qkv) => {
+                let qkv = qkv.forward(&h);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                split(
+                    qkv.narrow(-1, 0, q),
+                    qkv.narrow(-1, q, kv),
+                    qkv.narrow(-1, q + kv, kv),
+                )
+            }
+            Qkv::Latent(latent) => latent.forward(&h, c.heads, &turned),
+        };
         let (k, v) = self.cache.extend(k, v);
         let a = self.attention(&q, &k, &v, offset, documents.as_ref());
         let a = a
             .transpose(1, 2)
             .contiguous()
-            .view([b, t, c.heads * c.head_dim]);
+            .view([b, t, c.heads * c.v_head_dim()]);
         let a = self
             .training
             .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
@@ -395,7 +578,8 @@ impl Layer {
         let dropout = self.training.attention(c.attention_dropout);
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         let Some(cap) = c.attn_softcap else {
-            let grouped = c.kv_heads != c.heads;
+            // DeepSeek-V3's keys and values are every head's.
+            let grouped = c.kv_heads != c.heads && c.mla.is_none();
             if let Some(d) = documents {
                 return d.attend((q, k, v), self.window, scale, dropout, grouped);
             }

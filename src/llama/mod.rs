@@ -2,7 +2,8 @@
 //! (`LlamaForCausalLM`, and Mistral's, Ministral's, Qwen2's, Qwen3's, Gemma 1-3's,
 //! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, StarCoder2's, StableLM's,
 //! Cohere's and Cohere 2's, and the mixtures of
-//! experts Mixtral's, Qwen2-MoE's and Qwen3-MoE's, the same layers with variations:
+//! experts Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's (its
+//! latent attention too), the same layers with variations:
 //! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:
 //! a `save_pretrained` checkpoint loads into it under any ZeRO stage
 //! without a rank holding the whole model, and a fine-tuned one is
@@ -58,7 +59,7 @@ mod rotary;
 pub(crate) mod tests;
 
 pub(crate) use config::{pad_token, rotary_dim};
-pub use config::{Activation, LlamaConfig, MoeConfig};
+pub use config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig};
 pub use family::Family;
 pub use layer::Layer;
 pub(crate) use rope_scaling::rope_scaling;
@@ -92,13 +93,25 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
 /// parameters [`ShardPlan::partly_unused_on_some_ranks`]. Call it on
 /// every rank before the engine is built.
 pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
-    let tied = cfg.tied;
-    plan.rename_weights(move |n| hf_name(n, tied))?;
+    let (tied, layers) = (cfg.tied, cfg.layers);
+    // DeepSeek-V3's files hold its multi-token-prediction layers after
+    // the last (`model.layers.61` of 61), which `transformers` skips too.
+    let beyond = cfg.mla.is_some();
+    plan.rename_weights(move |n| match layer_of(n) {
+        Some(l) if beyond && l >= layers => None,
+        _ => hf_name(n, tied),
+    })?;
     // An expert no token of a rank chose gets no gradient there.
     if cfg.moe.is_some() {
         plan.partly_unused_on_some_ranks(|name, _| name.contains(".experts."))?;
     }
     Ok(())
+}
+
+/// The decoder layer a tensor named `model.layers.N. ...` belongs to.
+fn layer_of(name: &str) -> Option<i64> {
+    let rest = name.strip_prefix("model.layers.")?;
+    rest.split('.').next()?.parse().ok()
 }
 
 /// Hugging Face's layout for an export of a [`Llama`]

@@ -31,6 +31,12 @@ enum NormWeights {
 }
 
 impl RmsNorm {
+    /// As it is, with `eps` for the config's (DeepSeek-V3's latent
+    /// norms keep their class's 1e-6).
+    pub(super) fn with_eps(self, eps: f64) -> Self {
+        Self { eps, ..self }
+    }
+
     pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         let weights = match c.family {
             f if f.gemma() => NormWeights::Offset,

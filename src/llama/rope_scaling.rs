@@ -82,6 +82,17 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
+    /// Its `factor`: `None` unscaled, and for LongRoPE (a factor a pair).
+    pub(crate) fn factor(&self) -> Option<f64> {
+        match self {
+            Self::None | Self::LongRope { .. } => None,
+            Self::Linear { factor }
+            | Self::Dynamic { factor }
+            | Self::Llama3 { factor, .. }
+            | Self::Yarn { factor, .. } => Some(*factor),
+        }
+    }
+
     /// Its `rope_scaling` in a `config.json` (null for none); `phi3`:
     /// in the three keys Phi-3's config class takes.
     pub(crate) fn to_json(&self, phi3: bool) -> serde_json::Value {

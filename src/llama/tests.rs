@@ -96,6 +96,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         logit_scale: 1.0,
         rope_layers: None,
         moe: None,
+        mla: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -522,6 +523,69 @@ fn a_cohere2_config_windows_and_turns_all_but_every_fourth_layer() {
 }
 
 #[test]
+fn a_deepseek_v3_config_is_read_and_counted_and_its_oddities_refused() {
+    let dir = ConfigDir::new("deepseek-configs");
+    // DeepSeek-V3's config as published (YaRN by its old `type` key);
+    // the count is transformers' state dict's (the routers' corrections
+    // included: zrt holds them as frozen parameters), the scale its
+    // attention's.
+    let v3 = r#"{"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": true, "max_position_embeddings": 163840, "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "tie_word_embeddings": false, "model_type": "deepseek_v3", "scoring_func": "sigmoid"}"#;
+    let c = dir.read(v3).unwrap();
+    let total: u64 = c.unit_params().iter().map(|u| u.1).sum();
+    assert_eq!(total, 671026419200);
+    assert_eq!((c.head_dim, c.rotary_dim(), c.v_head_dim()), (192, 64, 128));
+    let scale = c.attention_multiplier.unwrap();
+    assert!((scale - 0.1352337788608801).abs() < 1e-12, "{scale}");
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (
+            moe.dense_layers.len(),
+            moe.shared,
+            moe.grouped.map(|g| g.top_groups)
+        ),
+        (3, Some(2048), Some(4))
+    );
+    assert!((0..3).all(|l| !c.moe_layer(l)) && c.moe_layer(3));
+    // Its multi-token-prediction layer (61) is not the model's.
+    assert_eq!(
+        [
+            layer_of("model.layers.61.eh_proj.weight"),
+            layer_of("model.norm.weight")
+        ],
+        [Some(61), None]
+    );
+    let plain = v3.replace(r#""q_lora_rank": 1536"#, r#""q_lora_rank": null"#);
+    let p = dir.read(&plain).unwrap();
+    assert_eq!(p.mla.as_ref().map(|m| m.q_rank), Some(None));
+    dir.round_trips([c, p]);
+    for (from, to, says) in [
+        (
+            r#""qk_rope_head_dim": 64"#,
+            r#""qk_rope_head_dim": 64, "head_dim": 128"#,
+            "head_dim 128: DeepSeek-V3's config class turns",
+        ),
+        (
+            r#""n_group": 8"#,
+            r#""n_group": 7"#,
+            "n_group 7: the 256 experts must split",
+        ),
+        (
+            r#""topk_group": 4"#,
+            r#""topk_group": 9"#,
+            "topk_group 9 is more than the n_group 8 groups",
+        ),
+        (
+            r#""scoring_func": "sigmoid""#,
+            r#""scoring_func": "softmax""#,
+            "scoring_func Some(\"softmax\")",
+        ),
+    ] {
+        let err = dir.read(&v3.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.
@@ -583,6 +647,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         sparse_step: 1,
         dense_layers: vec![],
         shared: None,
+        grouped: None,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -605,6 +670,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         sparse_step: 1,
         dense_layers: vec![],
         shared: Some(5632),
+        grouped: None,
     };
     assert_eq!(
         (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
@@ -702,6 +768,7 @@ fn unit_params_count_what_the_built_model_holds() {
         logit_scale: 1.0,
         rope_layers: None,
         moe: None,
+        mla: None,
     };
     let variants = [
         base.clone(),
@@ -757,6 +824,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 sparse_step: 1,
                 dense_layers: vec![1],
                 shared: None,
+                grouped: None,
             }),
             ..base.clone()
         },
@@ -770,6 +838,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 sparse_step: 1,
                 dense_layers: vec![],
                 shared: None,
+                grouped: None,
             }),
             ..base.clone()
         },
@@ -781,7 +850,50 @@ fn unit_params_count_what_the_built_model_holds() {
             ..base.clone()
         },
     ];
-    for cfg in variants {
+    // DeepSeek-V3: latent attention with and without the queries'
+    // bottleneck, biases where `attention_bias` puts them, a dense first
+    // layer, grouped routing beside two shared experts.
+    let mla = Mla {
+        q_rank: Some(24),
+        kv_rank: 16,
+        nope: 12,
+        rope: 8,
+        v: 10,
+        interleave: true,
+        mscale_all_dim: 0.0,
+    };
+    let deepseek = LlamaConfig {
+        family: Family::DeepseekV3,
+        head_dim: 20,
+        o_bias: true,
+        qkv_bias: true,
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            intermediate: 24,
+            normalize: true,
+            sparse_step: 1,
+            dense_layers: vec![0],
+            shared: Some(48),
+            grouped: Some(GroupRouting {
+                groups: 2,
+                top_groups: 1,
+                scale: 2.5,
+            }),
+        }),
+        mla: Some(mla.clone()),
+        ..base.clone()
+    };
+    let one_q = LlamaConfig {
+        o_bias: false,
+        qkv_bias: false,
+        mla: Some(Mla {
+            q_rank: None,
+            ..mla
+        }),
+        ..deepseek.clone()
+    };
+    for cfg in variants.into_iter().chain([deepseek, one_q]) {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);
         let units = cfg.unit_params();

@@ -507,8 +507,10 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// GPT-NeoX's `query_key_value`, Phi's `q_proj`, `v_proj`, `fc1` and
 /// `fc2`, the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, SmolLM3, Ministral,
-/// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2), zrt's choice: Phi-3's fused `qkv_proj`, the
-/// others' `q_proj` and `v_proj`.
+/// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, DeepSeek-V3), zrt's
+/// choice: Phi-3's fused `qkv_proj`, DeepSeek-V3's projections making
+/// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
+/// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`.
 pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
     let targets: &[&str] = match j.model_type().as_deref() {
@@ -516,6 +518,11 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("gpt_neox") => &["query_key_value"],
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
+        // Null: one `q_proj` (left out: the class's bottleneck).
+        Some("deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
+            None => &["q_proj", "kv_b_proj"],
+            Some(_) => &["q_b_proj", "kv_b_proj"],
+        },
         _ => &["q_proj", "v_proj"],
     };
     Ok(targets.iter().map(|t| t.to_string()).collect())
@@ -1166,6 +1173,11 @@ mod tests {
             ("phi3", vec!["qkv_proj"]),
             ("qwen2", vec!["q_proj", "v_proj"]),
             ("starcoder2", vec!["q_proj", "v_proj"]),
+            ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),
+            (
+                r#"deepseek_v3", "q_lora_rank": null, "_": ""#,
+                vec!["q_proj", "kv_b_proj"],
+            ),
         ] {
             let config = format!(r#"{{"model_type": "{model_type}"}}"#);
             std::fs::write(dir.join("config.json"), config).unwrap();

@@ -4,7 +4,7 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral,
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE and DeepSeek-V3; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
@@ -266,6 +266,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Qwen3MoeConfig as C, Qwen3MoeForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]",
+        ),
+        load: "",
+    },
+    // OLMoE: queries and keys normalised over the whole projection, then
+    // clipped with the values (at 0.5: many of them), biases, experts on
+    // every layer, the top weights as the softmax gave them.
+    Case {
+        name: "olmoe",
+        python: (
+            "from transformers import OlmoeConfig as C, OlmoeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, clip_qkv=0.5, attention_bias=True",
         ),
         load: "",
     },
@@ -590,6 +601,11 @@ fn a_mixtral_checkpoint_routes_its_tokens_as_transformers_does() {
 #[test]
 fn a_qwen2_moe_checkpoint_routes_its_tokens_beside_a_shared_expert_as_transformers_does() {
     parity("qwen2-moe");
+}
+
+#[test]
+fn an_olmoe_checkpoint_with_clipped_normalised_projections_routes_as_transformers_does() {
+    parity("olmoe");
 }
 
 #[test]

@@ -208,7 +208,7 @@ pub struct LlamaConfig {
     pub attention_dropout: f64,
     /// Queries and keys are RMS-normalised, with weights of their own,
     /// before the rotation: `q_norm` and `k_norm`, over each head's width
-    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3).
+    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3, OLMoE).
     pub qk_norm: bool,
     /// The MLP's activation (`hidden_act`).
     pub activation: Activation,
@@ -265,6 +265,9 @@ pub struct LlamaConfig {
     pub rope_layers: Option<Vec<bool>>,
     /// Mixtral's, the Qwens' and DeepSeek-V3's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
+    /// OLMoE's `clip_qkv`: queries (normalised), keys (normalised) and
+    /// values clamped to `[-c, c]`.
+    pub clip_qkv: Option<f64>,
     /// DeepSeek-V3's attention ([`Mla`]): `head_dim` is its query and
     /// key heads' width (`nope + rope`), `kv_heads` is kept for the
     /// config but unused (every head has its keys and values).
@@ -435,7 +438,11 @@ impl LlamaConfig {
             tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
             qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
-                || family.olmo(),
+                || family.whole_qk_norm(),
+            clip_qkv: match family {
+                Family::Olmoe => j.number_or_null("clip_qkv", None)?,
+                _ => None,
+            },
             activation,
             pad_token,
             query_scalar: match sandwich {
@@ -575,7 +582,7 @@ impl LlamaConfig {
                 (d * q + bias(self.qkv_bias, q))
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
-                    + match self.family.olmo() {
+                    + match self.family.whole_qk_norm() {
                         // OLMo's normalise the whole projections, the others a head.
                         true => bias(self.qk_norm, q + kv),
                         false => bias(self.qk_norm, 2 * hd),
@@ -699,6 +706,14 @@ impl LlamaConfig {
                     "routed_scaling_factor": g.map(|g| g.scale),
                 })
             }
+            Family::Olmoe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "clip_qkv": self.clip_qkv,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "norm_topk_prob": self.moe.as_ref().map(|m| m.normalize),
+                "output_router_logits": false,
+            }),
             Family::Qwen2Moe => serde_json::json!({
                 "qkv_bias": self.qkv_bias,
                 "use_sliding_window": false,
@@ -797,6 +812,11 @@ impl LlamaConfig {
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         Family::Mixtral => ("num_local_experts", "intermediate_size", true),
+        Family::Olmoe => (
+            "num_experts",
+            "intermediate_size",
+            j.flag_or("norm_topk_prob", false)?,
+        ),
         Family::DeepseekV3 => (
             "n_routed_experts",
             "moe_intermediate_size",
@@ -823,6 +843,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // The config classes' experts, top k and expert width.
     let defaults = match family {
         Family::Mixtral => (8, 2, 0),
+        Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
         _ => (128, 8, 768),
@@ -845,7 +866,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
     let intermediate = match family {
-        Family::Mixtral => j.size(width_key)?,
+        Family::Mixtral | Family::Olmoe => j.size(width_key)?,
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
     };
     let grouped = match family {

@@ -62,6 +62,12 @@ pub enum Family {
     /// mixture of experts for the MLP (`block_sparse_moe`: a router,
     /// experts `w1`/`w3`/`w2`), each token through its top `k`.
     Mixtral,
+    /// `olmoe` (`OlmoeForCausalLM`: OLMoE-1B-7B): Llama's layers with
+    /// queries and keys RMS-normalised over the whole projection (as
+    /// OLMo 2's, the norms before the sublayers as Llama's), optionally
+    /// clipped with the values (`clip_qkv`), and a sparse mixture of
+    /// experts for every MLP (`mlp.gate`, `mlp.experts.N`).
+    Olmoe,
     /// `qwen2_moe` (`Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-57B-A14B):
     /// Qwen2's layers (`qkv_bias`) with a sparse mixture of experts for
     /// the MLP (`mlp.gate`, `mlp.experts.N`) beside a shared expert every
@@ -113,7 +119,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 21] = [
+    pub const ALL: [Family; 22] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -128,6 +134,7 @@ impl Family {
         Self::Olmo3,
         Self::SmolLm3,
         Self::Mixtral,
+        Self::Olmoe,
         Self::Qwen2Moe,
         Self::Qwen3Moe,
         Self::Starcoder2,
@@ -168,6 +175,7 @@ impl Family {
             Self::Olmo3 => "olmo3",
             Self::SmolLm3 => "smollm3",
             Self::Mixtral => "mixtral",
+            Self::Olmoe => "olmoe",
             Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Starcoder2 => "starcoder2",
@@ -195,6 +203,7 @@ impl Family {
             Self::Olmo3 => "Olmo3ForCausalLM",
             Self::SmolLm3 => "SmolLM3ForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
+            Self::Olmoe => "OlmoeForCausalLM",
             Self::Qwen2Moe => "Qwen2MoeForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Starcoder2 => "Starcoder2ForCausalLM",
@@ -244,6 +253,12 @@ impl Family {
     /// normalised over the whole projection.
     pub(super) fn olmo(self) -> bool {
         matches!(self, Self::Olmo2 | Self::Olmo3)
+    }
+
+    /// Queries and keys normalised over the whole projection before the
+    /// heads are split (OLMo 2 and 3, OLMoE), not over each head.
+    pub(super) fn whole_qk_norm(self) -> bool {
+        self.olmo() || self == Self::Olmoe
     }
 
     /// What its `transformers` config class (4.57) gives the fields a
@@ -335,6 +350,12 @@ impl Family {
                 rope_theta: 1e6,
                 kv_heads: Some(8),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Olmoe => Defaults {
+                eps: 1e-5,
+                pad: Some(1),
+                positions: 4096,
                 ..LLAMA
             },
             Self::Qwen2Moe => Defaults {

@@ -377,7 +377,7 @@ impl Layer {
             _ => (c.rope_theta, c.rope_scaling.clone()),
         };
         // OLMo normalises whole projections, the others each head.
-        let (q_width, k_width) = match c.family.olmo() {
+        let (q_width, k_width) = match c.family.whole_qk_norm() {
             true => (c.heads * hd, c.kv_heads * hd),
             false => (hd, hd),
         };
@@ -451,12 +451,17 @@ impl Module for Layer {
         let h = self.norms.attention_input(x);
         // Normalised over the projection before the heads are split
         // (OLMo), or over each head after.
-        let whole = c.family.olmo();
+        let whole = c.family.whole_qk_norm();
         let heads = |x: Tensor, n: i64, norm: Option<&RmsNorm>| {
             let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
             let x = if whole { normed(x) } else { x };
             let x = x.view([b, t, n, c.head_dim]);
             let x = if whole { x } else { normed(x) };
+            // OLMoE's clip, after the norms.
+            let x = match c.clip_qkv {
+                Some(clip) => x.clamp(-clip, clip),
+                None => x,
+            };
             x.transpose(1, 2)
         };
         let (qn, kn) = match &self.qk_norm {

@@ -96,6 +96,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         logit_scale: 1.0,
         rope_layers: None,
         moe: None,
+        clip_qkv: None,
         mla: None,
     };
     assert_eq!(cfg, want);
@@ -687,7 +688,26 @@ fn mixture_of_experts_configs_are_read_and_counted() {
     );
     let err = read(&windowed).unwrap_err().to_string();
     assert!(err.contains("use_sliding_window true"), "{err}");
-    dir.round_trips([m, q, d, q2, no_bias.unwrap()]);
+    // OLMoE-1B-7B's: 64 experts as wide as `intermediate_size`, 8 a
+    // token, every layer's; the count is transformers'.
+    let olmoe = r#"{"model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "clip_qkv": null, "max_position_embeddings": 4096}"#;
+    let o = read(olmoe).unwrap();
+    assert_eq!(total(&o), 6919161856);
+    let om = o.moe.clone().unwrap();
+    assert_eq!(
+        (
+            om.experts,
+            om.top_k,
+            om.intermediate,
+            om.normalize,
+            o.qk_norm,
+            o.clip_qkv
+        ),
+        (64, 8, 1024, false, true, None)
+    );
+    let clipped = read(&olmoe.replace(r#""clip_qkv": null"#, r#""clip_qkv": 8.0"#)).unwrap();
+    assert_eq!(clipped.clip_qkv, Some(8.0));
+    dir.round_trips([m, q, d, q2, no_bias.unwrap(), o, clipped]);
     for (from, to, says) in [
         (
             r#""output_router_logits": false"#,
@@ -768,6 +788,7 @@ fn unit_params_count_what_the_built_model_holds() {
         logit_scale: 1.0,
         rope_layers: None,
         moe: None,
+        clip_qkv: None,
         mla: None,
     };
     let variants = [

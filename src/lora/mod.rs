@@ -506,7 +506,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// read from its `config.json`'s `model_type`): GPT-2's `c_attn`,
 /// GPT-NeoX's `query_key_value`, Phi's `q_proj`, `v_proj`, `fc1` and
 /// `fc2`, the query and value projections of the Llama family; where
-/// PEFT has none (Phi-3, Granite, OLMo 2 and 3, SmolLM3, Ministral,
+/// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, DeepSeek-V3), zrt's
 /// choice: Phi-3's fused `qkv_proj`, DeepSeek-V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)

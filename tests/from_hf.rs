@@ -4,7 +4,8 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, Mixtral, OLMoE,
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4,
+//! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE and DeepSeek-V3; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
@@ -364,6 +365,27 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GLM: one gate-and-up matrix, query/key/value biases, half of each
+    // head turned by neighbouring pairs, grouped keys and values, a pad
+    // row.
+    Case {
+        name: "glm",
+        python: (
+            "from transformers import GlmConfig as C, GlmForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=95",
+        ),
+        load: "",
+    },
+    // GLM-4: GLM's layers with each sublayer's output normalised too, a
+    // quarter of each head turned, no biases.
+    Case {
+        name: "glm4",
+        python: (
+            "from transformers import Glm4Config as C, Glm4ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=95, partial_rotary_factor=0.25, attention_bias=False",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -644,6 +666,16 @@ fn a_deepseek_v3_checkpoint_with_latent_attention_and_grouped_experts_trains_as_
 #[test]
 fn a_deepseek_v3_with_one_query_projection_and_yarn_trains_as_transformers_does() {
     parity("deepseek-v3-plain");
+}
+
+#[test]
+fn a_glm_checkpoint_with_a_fused_mlp_and_half_turned_pairs_trains_as_transformers_does() {
+    parity("glm");
+}
+
+#[test]
+fn a_glm4_checkpoint_normalising_sublayer_outputs_trains_as_transformers_does() {
+    parity("glm4");
 }
 
 #[test]
@@ -1585,7 +1617,7 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
         // heads 16 wide: GPT-NeoX's default quarter of one is two pairs;
         // a vocabulary holding every default pad token.
         let config = format!(
-            r#"{{"model_type": "{mt}", "vocab_size": 130000, "hidden_size": 512,
+            r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
                 "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}}"#
         );
         std::fs::write(given.join("config.json"), config).unwrap();
@@ -1700,7 +1732,8 @@ save_file(out, "{dir}/reference.safetensors")
 /// document, not the row (Phi-3 past its pretrained length as a row,
 /// within it as documents), Cohere's interleaved turn, and Cohere 2's
 /// windowed layers turning beside global ones that do not, and
-/// DeepSeek-V3's latent attention (its keys' shared turned part).
+/// DeepSeek-V3's latent attention (its keys' shared turned part), and
+/// GLM-4's quarter of each head turned by pairs.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -1716,6 +1749,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "cohere",
         "cohere2",
         "deepseek-v3",
+        "glm4",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));

@@ -303,9 +303,10 @@ impl LlamaConfig {
         let activation = Activation::read(j, key, defaults.activation, "Llama")?;
         let partial = match family {
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
+            f if f.glm() => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
-        if partial != 1.0 && !matches!(family, Family::Phi3 | Family::StableLm) {
+        if partial != 1.0 && !matches!(family, Family::Phi3 | Family::StableLm) && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
                 family.model_type()
@@ -373,10 +374,14 @@ impl LlamaConfig {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
             // StableLM's and Qwen2-MoE's output projections have none.
             Family::StableLm | Family::Qwen2Moe => false,
+            // GLM's `attention_bias` is the query, key and value
+            // projections' (the output's has none).
+            f if f.glm() => false,
             _ => j.flag_or("attention_bias", false)?,
         };
         let qkv_bias = match family {
             Family::Qwen2 => true,
+            f if f.glm() => j.flag_or("attention_bias", true)?,
             Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
             _ => attention_bias,
@@ -603,7 +608,7 @@ impl LlamaConfig {
             d * e + e * 3 * d * w + shared + gate + correction
         });
         let norms = match self.family {
-            f if f.sandwich() => 4,
+            f if f.sandwich() || f == Family::Glm4 => 4,
             f if f.parallel() => 1,
             _ => 2,
         };
@@ -681,6 +686,10 @@ impl LlamaConfig {
                 "num_local_experts": self.moe.as_ref().map(|m| m.experts),
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
+            }),
+            Family::Glm | Family::Glm4 => serde_json::json!({
+                "attention_bias": self.qkv_bias,
+                "partial_rotary_factor": self.partial_rotary,
             }),
             Family::DeepseekV3 => {
                 let (m, e) = (self.mla.as_ref(), self.moe.as_ref());

@@ -115,11 +115,21 @@ pub enum Family {
     /// experts routed by sigmoid scores within the best groups, beside
     /// shared experts.
     DeepseekV3,
+    /// `glm` (`GlmForCausalLM`: GLM-4-9B-Chat's `-hf` checkpoints):
+    /// Llama's layers with the gate and up projections one matrix
+    /// (`gate_up_proj`), biases on the query, key and value projections
+    /// (`attention_bias`), rotary embeddings on half of each head
+    /// (`partial_rotary_factor`) turning neighbouring pairs.
+    Glm,
+    /// `glm4` (`Glm4ForCausalLM`: GLM-4-0414, GLM-Z1): GLM's layers with
+    /// each sublayer's output normalised too (`post_self_attn_layernorm`,
+    /// `post_mlp_layernorm`).
+    Glm4,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 22] = [
+    pub const ALL: [Family; 24] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -142,6 +152,8 @@ impl Family {
         Self::Cohere,
         Self::Cohere2,
         Self::DeepseekV3,
+        Self::Glm,
+        Self::Glm4,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -183,6 +195,8 @@ impl Family {
             Self::Cohere => "cohere",
             Self::Cohere2 => "cohere2",
             Self::DeepseekV3 => "deepseek_v3",
+            Self::Glm => "glm",
+            Self::Glm4 => "glm4",
         }
     }
 
@@ -211,6 +225,8 @@ impl Family {
             Self::Cohere => "CohereForCausalLM",
             Self::Cohere2 => "Cohere2ForCausalLM",
             Self::DeepseekV3 => "DeepseekV3ForCausalLM",
+            Self::Glm => "GlmForCausalLM",
+            Self::Glm4 => "Glm4ForCausalLM",
         }
     }
 
@@ -253,6 +269,12 @@ impl Family {
     /// normalised over the whole projection.
     pub(super) fn olmo(self) -> bool {
         matches!(self, Self::Olmo2 | Self::Olmo3)
+    }
+
+    /// GLM's (and GLM-4's): one gate-and-up matrix, a part of each head
+    /// turned by neighbouring pairs.
+    pub(super) fn glm(self) -> bool {
+        matches!(self, Self::Glm | Self::Glm4)
     }
 
     /// Queries and keys normalised over the whole projection before the
@@ -388,6 +410,14 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 8192,
+                ..LLAMA
+            },
+            Self::Glm | Self::Glm4 => Defaults {
+                eps: 1.5625e-7,
+                kv_heads: Some(2),
+                head_dim: Some(128),
+                pad: Some(151329),
+                positions: 131072,
                 ..LLAMA
             },
             Self::DeepseekV3 => Defaults {

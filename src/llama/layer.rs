@@ -385,7 +385,8 @@ impl Layer {
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
             match c.family {
-                f if f.cohere() => r.interleaved(),
+                f if f.cohere() => r.interleaved(true),
+                f if f.glm() => r.interleaved(false),
                 _ => r,
             }
         });
@@ -418,7 +419,7 @@ impl Layer {
                 },
                 _ => Mlp::Dense {
                     gate_up: match c.family {
-                        Family::Phi3 => {
+                        f if f == Family::Phi3 || f.glm() => {
                             GateUp::Fused(lin(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
                         }
                         _ => GateUp::Apart {

@@ -1,7 +1,7 @@
 //! Llama as Hugging Face's `transformers` lays it out
 //! (`LlamaForCausalLM`, and Mistral's, Ministral's, Qwen2's, Qwen3's, Gemma 1-3's,
 //! Phi-3's, Granite's, OLMo 2's and 3's, SmolLM3's, StarCoder2's, StableLM's,
-//! Cohere's and Cohere 2's, and the mixtures of
+//! Cohere's and Cohere 2's, GLM's and GLM-4's, and the mixtures of
 //! experts Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's (its
 //! latent attention too), the same layers with variations:
 //! see [`Family`]), in tch, its decoder layers wrapped in [`ShardedModule`]:

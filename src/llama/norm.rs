@@ -7,6 +7,7 @@ use tch::{Kind, Tensor};
 use crate::blocks::layer_norm;
 
 use super::config::LlamaConfig;
+use super::family::Family;
 
 /// An RMSNorm, `x / sqrt(mean(x^2) + eps)` in fp32 times its weights,
 /// as the family multiplies them ([`NormWeights`]).
@@ -132,7 +133,9 @@ pub(super) enum Norms {
     Pre { input: Norm, before_mlp: Norm },
     /// Gemma 2's and 3's: each sublayer's input and output
     /// (`input_layernorm`, `post_attention_layernorm` on the attention's
-    /// output, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    /// output, `pre_feedforward_layernorm`, `post_feedforward_layernorm`;
+    /// GLM-4's `input_layernorm`, `post_self_attn_layernorm`,
+    /// `post_attention_layernorm` before the MLP, `post_mlp_layernorm`).
     Sandwich {
         input: Norm,
         after_attention: Norm,
@@ -155,6 +158,12 @@ impl Norms {
     pub(super) fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
         let norm = |n: &str| Norm::new(p / n, d, c);
         match c.family {
+            Family::Glm4 => Self::Sandwich {
+                input: norm("input_layernorm"),
+                after_attention: norm("post_self_attn_layernorm"),
+                before_mlp: norm("post_attention_layernorm"),
+                after_mlp: norm("post_mlp_layernorm"),
+            },
             f if f.sandwich() => Self::Sandwich {
                 input: norm("input_layernorm"),
                 after_attention: norm("post_attention_layernorm"),

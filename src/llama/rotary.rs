@@ -22,9 +22,10 @@ pub(crate) struct Rotary {
     /// Under the `dynamic` scaling, the frequencies of the longest
     /// sequence seen.
     dynamic: Option<Dynamic>,
-    /// Cohere's: neighbouring dimensions turn together (`x[2i]`,
-    /// `x[2i + 1]`), in fp32, rather than the halves of the head.
-    interleaved: bool,
+    /// Cohere's and GLM's: neighbouring dimensions turn together
+    /// (`x[2i]`, `x[2i + 1]`) rather than the halves of the head; `Some(true)`:
+    /// in fp32 (Cohere's), `Some(false)`: in the input's dtype (GLM's).
+    interleaved: Option<bool>,
 }
 
 /// The `dynamic` scaling's state, `transformers`' own (its rotary
@@ -116,14 +117,15 @@ impl Rotary {
             long,
             scale,
             dynamic,
-            interleaved: false,
+            interleaved: None,
         }
     }
 
-    /// As it is, turning neighbouring pairs of dimensions (Cohere's).
-    pub(super) fn interleaved(self) -> Self {
+    /// As it is, turning neighbouring pairs of dimensions: in fp32
+    /// (Cohere's), or in the input's dtype (GLM's).
+    pub(super) fn interleaved(self, fp32: bool) -> Self {
         Self {
-            interleaved: true,
+            interleaved: Some(fp32),
             ..self
         }
     }
@@ -290,8 +292,8 @@ fn rope(x: &Tensor, rotary: &Rotary, inv_freq: &Tensor, positions: &Tensor) -> T
     let hd = x.size()[3];
     let rd = 2 * inv_freq.size()[0];
     let freqs = positions.unsqueeze(-1) * inv_freq;
-    if rotary.interleaved {
-        return rope_interleaved(x, &freqs, rotary.scale);
+    if let Some(fp32) = rotary.interleaved {
+        return rope_interleaved(x, &freqs, rotary.scale, fp32);
     }
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     let (cos, sin) = match rotary.scale {
@@ -315,21 +317,35 @@ fn rope(x: &Tensor, rotary: &Rotary, inv_freq: &Tensor, positions: &Tensor) -> T
     }
 }
 
-/// Cohere's rotary embedding of `x` `[batch, heads, seq, head_dim]` at
-/// angles `freqs` `[seq, head_dim / 2]`: each pair `(x[2i], x[2i + 1])`
-/// turned by angle `i`, in fp32 (the cosines and sines rounded to `x`'s
-/// dtype first), then cast back, as `transformers`' Cohere does.
-fn rope_interleaved(x: &Tensor, freqs: &Tensor, scale: f64) -> Tensor {
+/// The interleaved rotary embedding of `x` `[batch, heads, seq,
+/// head_dim]` at angles `freqs` `[seq, rd / 2]`: each pair `(x[2i],
+/// x[2i + 1])` of the first `rd` dimensions turned by angle `i` (the
+/// rest pass), the cosines and sines rounded to `x`'s dtype; in fp32 then
+/// cast back as `transformers`' Cohere does (`fp32`), or in `x`'s dtype
+/// as its GLM does.
+fn rope_interleaved(x: &Tensor, freqs: &Tensor, scale: f64, fp32: bool) -> Tensor {
     let emb = freqs.repeat_interleave_self_int(2, Some(-1), None);
     let (cos, sin) = match scale {
         1.0 => (emb.cos(), emb.sin()),
         s => (emb.cos() * s, emb.sin() * s),
     };
-    let rounded = |t: Tensor| t.to_kind(x.kind()).to_kind(Kind::Float);
-    let (cos, sin) = (rounded(cos), rounded(sin));
-    let h = x.to_kind(Kind::Float);
-    let last = *h.size().last().unwrap_or(&0);
-    let (even, odd) = (h.slice(-1, 0, last, 2), h.slice(-1, 1, last, 2));
+    let (hd, rd) = (x.size()[3], 2 * freqs.size()[freqs.dim() - 1]);
+    let turned = match rd < hd {
+        true => x.narrow(-1, 0, rd),
+        false => x.shallow_clone(),
+    };
+    let (cos, sin, h) = match fp32 {
+        true => {
+            let rounded = |t: Tensor| t.to_kind(x.kind()).to_kind(Kind::Float);
+            (rounded(cos), rounded(sin), turned.to_kind(Kind::Float))
+        }
+        false => (cos.to_kind(x.kind()), sin.to_kind(x.kind()), turned),
+    };
+    let (even, odd) = (h.slice(-1, 0, rd, 2), h.slice(-1, 1, rd, 2));
     let rotated = Tensor::stack(&[odd.neg(), even], -1).flatten(-2, -1);
-    (h * cos + rotated * sin).to_kind(x.kind())
+    let turned = (h * cos + rotated * sin).to_kind(x.kind());
+    match rd < hd {
+        true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
+        false => turned,
+    }
 }

@@ -587,6 +587,24 @@ fn a_deepseek_v3_config_is_read_and_counted_and_its_oddities_refused() {
 }
 
 #[test]
+fn glm_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("glm-configs");
+    // GLM-4-9B-0414's sizes; the count is transformers'.
+    let nine = r#"{"model_type": "glm4", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": true, "rms_norm_eps": 1e-05, "max_position_embeddings": 32768}"#;
+    let c = dir.read(nine).unwrap();
+    assert_eq!(
+        (c.rotary_dim(), c.qkv_bias, c.o_bias, c.pad_token),
+        (64, true, false, Some(151329))
+    );
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    assert_eq!(total(&c), 9400279040);
+    // GLM's layers: the same but for GLM-4's two norms a layer more.
+    let g = dir.read(&nine.replace(r#""glm4""#, r#""glm""#)).unwrap();
+    assert_eq!(total(&c) - total(&g), 40 * 2 * 4096);
+    dir.round_trips([c, g]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

@@ -167,7 +167,8 @@ enum Mlp {
 }
 
 /// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
-/// each expert's gate, up and down matrices; Qwen2-MoE's shared expert.
+/// each expert's gate, up and down matrices; Qwen2-MoE's and
+/// DeepSeek-V3's shared experts.
 #[derive(Debug)]
 struct Experts {
     router: Router,

@@ -252,7 +252,8 @@ pub enum HfModel {
     /// The Llama family's ([`Family::ALL`]: `llama`, `mistral`, `ministral`, `qwen2`,
     /// `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`, `granite`,
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
-    /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`).
+    /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
+    /// `glm4_moe`).
     Llama(Llama),
 }
 

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4,
 //! Mixtral, OLMoE,
-//! Qwen2-MoE, Qwen3-MoE and DeepSeek-V3; and GPT-NeoX and
+//! Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and GLM-4-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -386,6 +386,19 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GLM-4-MoE: half of each head turned by halves, each head's
+    // queries and keys normalised, query/key/value biases, grouped keys
+    // and values, a dense first layer, then four experts in two groups,
+    // one group kept, two experts a token by sigmoid scores and their
+    // correction, scaled, beside a shared expert.
+    Case {
+        name: "glm4-moe",
+        python: (
+            "from transformers import Glm4MoeConfig as C, Glm4MoeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -676,6 +689,11 @@ fn a_glm_checkpoint_with_a_fused_mlp_and_half_turned_pairs_trains_as_transformer
 #[test]
 fn a_glm4_checkpoint_normalising_sublayer_outputs_trains_as_transformers_does() {
     parity("glm4");
+}
+
+#[test]
+fn a_glm4_moe_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
+    parity("glm4-moe");
 }
 
 #[test]
@@ -1688,15 +1706,7 @@ save_file(out, "{dir}/reference.safetensors")
     let tokens = Vec::<i64>::try_from(get("tokens").flatten(0, -1)).unwrap();
     let hf = dir.join("hf");
     let got = on_ranks(1, |r| {
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let (model, _) = {
-            let _g = common::rng_lock();
-            HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
-        };
-        let group = r.new_group(&[0]).unwrap();
-        let ds = config_zero(0, 1, 0.0, "", "");
-        let _engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let (model, _engine) = on_one_at_stage_0(&r, &hf);
         (LENGTHS.iter())
             .map(|&n| {
                 let x = Tensor::from_slice(&tokens[..n as usize]).view([1, n]);
@@ -1716,6 +1726,54 @@ save_file(out, "{dir}/reference.safetensors")
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DeepSeek-V3's and GLM-4-MoE's files hold their multi-token-prediction
+/// layers after the last (`model.layers.61` of DeepSeek-V3's 61,
+/// `model.layers.46` of GLM-4.5-Air's 46): a checkpoint holding a layer
+/// past `num_hidden_layers` loads, that layer left out, and computes the
+/// logits `transformers` computes from it, which skips it too.
+#[test]
+fn a_layer_past_the_last_in_deepseek_v3_and_glm4_moe_files_is_skipped_as_transformers_skips_it() {
+    for name in ["deepseek-v3", "glm4-moe"] {
+        let case = case(name);
+        let dir = scratch(&format!("hf-beyond-{name}"));
+        let three = case
+            .python
+            .1
+            .replace("num_hidden_layers=2", "num_hidden_layers=3");
+        let model = common::hf_seeded_model(case.python.0, &three, &dir, "");
+        common::python(&format!(
+            r#"{model}
+import json
+path = "{dir}/hf/config.json"
+config = json.load(open(path))
+config["num_hidden_layers"] = 2
+json.dump(config, open(path, "w"))
+two = M.from_pretrained("{dir}/hf").eval()
+tokens = torch.randint(0, 96, (1, 12))
+with torch.no_grad():
+    logits = two(tokens).logits.contiguous()
+save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
+"#,
+            dir = dir.display()
+        ));
+        let get = tensors(&dir.join("reference.safetensors"));
+        let tokens = ints(get("tokens"));
+        let hf = dir.join("hf");
+        let got = on_ranks(1, |r| {
+            let (model, _engine) = on_one_at_stage_0(&r, &hf);
+            let x = Tensor::from_slice(&tokens).view([1, -1]);
+            let logits = tch::no_grad(|| model.forward(&x));
+            Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+        })
+        .remove(0);
+        let want = get("logits");
+        let got = Tensor::from_slice(&got).view_as(&want);
+        let diff = (&got - &want).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "{name}: logits differ by {diff}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// Rows of several documents, given positions that restart at each
@@ -1870,14 +1928,31 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
 /// The checkpoint at `hf` on rank `r` of 2 at stage 3, and its engine
 /// (each forward gathers the parameters with the other rank).
 fn on_two_at_stage_3(r: &LocalRank, hf: &Path) -> (HfModel, Engine<LocalGroup>) {
+    on_ranks_at_stage(r, hf, &[0, 1], 3)
+}
+
+/// The checkpoint `hf` built on rank 0 alone, at stage 0.
+fn on_one_at_stage_0(r: &LocalRank, hf: &Path) -> (HfModel, Engine<LocalGroup>) {
+    on_ranks_at_stage(r, hf, &[0], 0)
+}
+
+/// The checkpoint `hf` built on `ranks` at `stage` (at stage 3, every
+/// parameter sharded).
+fn on_ranks_at_stage(
+    r: &LocalRank,
+    hf: &Path,
+    ranks: &[usize],
+    stage: u8,
+) -> (HfModel, Engine<LocalGroup>) {
     let vs = VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();
     let (model, _) = {
         let _g = common::rng_lock();
         HfModel::from_pretrained(&vs, &plan, hf).unwrap()
     };
-    let group = r.new_group(&[0, 1]).unwrap();
-    let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    let group = r.new_group(ranks).unwrap();
+    let shard = if stage == 3 { SHARD_ALL } else { "" };
+    let ds = config_zero(stage, 1, 0.0, "", shard);
     let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
     (model, engine)
 }

@@ -10,11 +10,12 @@ use crate::hf::{HfError, HfJson};
 use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
-/// A sparse mixture of experts in place of the MLP (Mixtral, Qwen2-MoE,
-/// Qwen3-MoE): a router scores `experts` per token, each token goes
+/// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
+/// Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE): a router scores `experts` per token, each token goes
 /// through its top `top_k` experts, their outputs summed weighted by the
-/// router's softmax (renormalised over the `k` when `normalize`);
-/// Qwen2-MoE adds a shared expert every token goes through.
+/// router's softmax (renormalised over the `k` when `normalize`), or as
+/// [`GroupRouting`] chooses; Qwen2-MoE, DeepSeek-V3 and GLM-4-MoE add a
+/// shared expert every token goes through.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     /// `num_local_experts` (Mixtral), `num_experts` (Qwen2-MoE,
@@ -34,17 +35,18 @@ pub struct MoeConfig {
     /// The Qwens' `mlp_only_layers`: layers with a dense MLP
     /// (`intermediate_size` wide).
     pub dense_layers: Vec<i64>,
-    /// Qwen2-MoE's `shared_expert_intermediate_size`: the width of the
-    /// shared expert every token goes through beside its top `k`, its
-    /// output times a sigmoid gate of the token; `None`: no shared
-    /// expert (Mixtral, Qwen3-MoE).
+    /// Qwen2-MoE's `shared_expert_intermediate_size` (DeepSeek-V3's and
+    /// GLM-4-MoE's `n_shared_experts` times the experts' width): the
+    /// width of the shared expert every token goes through beside its
+    /// top `k`, Qwen2-MoE's output times a sigmoid gate of the token;
+    /// `None`: no shared expert (Mixtral, OLMoE, Qwen3-MoE).
     pub shared: Option<i64>,
-    /// DeepSeek-V3's routing ([`GroupRouting`]); `None`: the softmax's
-    /// top `k`.
+    /// DeepSeek-V3's and GLM-4-MoE's routing ([`GroupRouting`]);
+    /// `None`: the softmax's top `k`.
     pub grouped: Option<GroupRouting>,
 }
 
-/// DeepSeek-V3's routing: each expert scored by a sigmoid, the experts
+/// DeepSeek-V3's routing (GLM-4-MoE's too): each expert scored by a sigmoid, the experts
 /// chosen by score plus a fixed correction (`e_score_correction_bias`,
 /// a buffer of the checkpoint, never trained) among the `top_groups`
 /// best of `groups` groups (a group's worth: its two best), each chosen
@@ -234,9 +236,10 @@ pub struct LlamaConfig {
     /// (Gemma 3's `rope_local_base_freq`; OLMo 3's `rope_theta`): the
     /// global layers' are `rope_theta`'s, scaled as `rope_scaling` says.
     pub local_rope_theta: Option<f64>,
-    /// Phi-3's and StableLM's `partial_rotary_factor`: the share of each
-    /// head's dimensions the rotary embedding turns, the first ones
-    /// ([`LlamaConfig::rotary_dim`]); 1 for the other families.
+    /// Phi-3's, StableLM's and the GLMs' `partial_rotary_factor`: the
+    /// share of each head's dimensions the rotary embedding turns, the
+    /// first ones ([`LlamaConfig::rotary_dim`]); 1 for the other
+    /// families.
     pub partial_rotary: f64,
     /// Phi-3's `resid_pdrop`, StarCoder2's `residual_dropout`: dropout
     /// on each sublayer's output, when training; StableLM's
@@ -263,7 +266,8 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Mixtral's, the Qwens' and DeepSeek-V3's experts in place of the MLP.
+    /// Mixtral's, OLMoE's, the Qwens', DeepSeek-V3's and GLM-4-MoE's
+    /// experts in place of the MLP.
     pub moe: Option<MoeConfig>,
     /// OLMoE's `clip_qkv`: queries (normalised), keys (normalised) and
     /// values clamped to `[-c, c]`.
@@ -303,10 +307,11 @@ impl LlamaConfig {
         let activation = Activation::read(j, key, defaults.activation, "Llama")?;
         let partial = match family {
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
-            f if f.glm() => j.number_or("partial_rotary_factor", 0.5)?,
+            f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
-        if partial != 1.0 && !matches!(family, Family::Phi3 | Family::StableLm) && !family.glm() {
+        let partly = matches!(family, Family::Phi3 | Family::StableLm | Family::Glm4Moe);
+        if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
                 family.model_type()
@@ -376,12 +381,13 @@ impl LlamaConfig {
             Family::StableLm | Family::Qwen2Moe => false,
             // GLM's `attention_bias` is the query, key and value
             // projections' (the output's has none).
-            f if f.glm() => false,
+            f if f.glm() || f == Family::Glm4Moe => false,
             _ => j.flag_or("attention_bias", false)?,
         };
         let qkv_bias = match family {
             Family::Qwen2 => true,
             f if f.glm() => j.flag_or("attention_bias", true)?,
+            Family::Glm4Moe => j.flag_or("attention_bias", false)?,
             Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
             _ => attention_bias,
@@ -442,8 +448,11 @@ impl LlamaConfig {
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
             attention_dropout: j.rate_or("attention_dropout", 0.0)?,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
-                || family.whole_qk_norm(),
+            qk_norm: match family {
+                Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 => true,
+                Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
+                f => f.whole_qk_norm(),
+            },
             clip_qkv: match family {
                 Family::Olmoe => j.number_or_null("clip_qkv", None)?,
                 _ => None,
@@ -691,9 +700,13 @@ impl LlamaConfig {
                 "attention_bias": self.qkv_bias,
                 "partial_rotary_factor": self.partial_rotary,
             }),
+            Family::Glm4Moe => serde_json::json!({
+                "attention_bias": self.qkv_bias,
+                "use_qk_norm": self.qk_norm,
+                "partial_rotary_factor": self.partial_rotary,
+            }),
             Family::DeepseekV3 => {
-                let (m, e) = (self.mla.as_ref(), self.moe.as_ref());
-                let g = e.and_then(|e| e.grouped.as_ref());
+                let m = self.mla.as_ref();
                 serde_json::json!({
                     "attention_bias": self.o_bias,
                     "q_lora_rank": m.and_then(|m| m.q_rank),
@@ -704,15 +717,6 @@ impl LlamaConfig {
                     "head_dim": m.map(|m| m.rope),
                     "v_head_dim": m.map(|m| m.v),
                     "rope_interleave": m.map(|m| m.interleave),
-                    "n_routed_experts": e.map(|e| e.experts),
-                    "num_experts_per_tok": e.map(|e| e.top_k),
-                    "moe_intermediate_size": e.map(|e| e.intermediate),
-                    "n_shared_experts": e.and_then(|e| e.shared.map(|s| s / e.intermediate)),
-                    "first_k_dense_replace": e.map(|e| e.dense_layers.len()),
-                    "norm_topk_prob": e.map(|e| e.normalize),
-                    "n_group": g.map(|g| g.groups),
-                    "topk_group": g.map(|g| g.top_groups),
-                    "routed_scaling_factor": g.map(|g| g.scale),
                 })
             }
             Family::Olmoe => serde_json::json!({
@@ -804,6 +808,28 @@ impl LlamaConfig {
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
+        // DeepSeek-V3's and GLM-4-MoE's experts.
+        if let (true, Some(e), Some(all)) = (
+            self.family.deepseek_experts(),
+            &self.moe,
+            json.as_object_mut(),
+        ) {
+            let g = e.grouped.as_ref();
+            let experts = serde_json::json!({
+                "n_routed_experts": e.experts,
+                "num_experts_per_tok": e.top_k,
+                "moe_intermediate_size": e.intermediate,
+                "n_shared_experts": e.shared.map(|s| s / e.intermediate),
+                "first_k_dense_replace": e.dense_layers.len(),
+                "norm_topk_prob": e.normalize,
+                "n_group": g.map(|g| g.groups),
+                "topk_group": g.map(|g| g.top_groups),
+                "routed_scaling_factor": g.map(|g| g.scale),
+            });
+            if let serde_json::Value::Object(experts) = experts {
+                all.extend(experts);
+            }
+        }
         // DeepSeek-V3's scores grow with the scaling's `mscale_all_dim`.
         if let (Some(m), Some(scaling)) = (&self.mla, json["rope_scaling"].as_object_mut()) {
             if m.mscale_all_dim != 0.0 {
@@ -814,8 +840,8 @@ impl LlamaConfig {
     }
 }
 
-/// Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts ([`MoeConfig`]), `None` for the
-/// other families. The router's load-balancing loss (`output_router_logits`)
+/// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's and
+/// GLM-4-MoE's experts ([`MoeConfig`]), `None` for the other families. The router's load-balancing loss (`output_router_logits`)
 /// and Mixtral's router jitter are refused: zrt's loss is the language
 /// model's alone.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
@@ -826,7 +852,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             "intermediate_size",
             j.flag_or("norm_topk_prob", false)?,
         ),
-        Family::DeepseekV3 => (
+        f if f.deepseek_experts() => (
             "n_routed_experts",
             "moe_intermediate_size",
             j.flag_or("norm_topk_prob", true)?,
@@ -855,6 +881,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
+        Family::Glm4Moe => (128, 8, 1408),
         _ => (128, 8, 768),
     };
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
@@ -865,9 +892,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         )));
     }
     let dense_layers = match j.get("mlp_only_layers") {
-        // DeepSeek-V3's first `first_k_dense_replace` layers.
-        _ if family == Family::DeepseekV3 => {
-            (0..count_or(j, "first_k_dense_replace", 3)?).collect()
+        // DeepSeek-V3's (and GLM-4-MoE's) first `first_k_dense_replace`
+        // layers.
+        _ if family.deepseek_experts() => {
+            let dense = if family == Family::Glm4Moe { 1 } else { 3 };
+            (0..count_or(j, "first_k_dense_replace", dense)?).collect()
         }
         None => Vec::new(),
         Some(v) => (v.as_array())
@@ -879,7 +908,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
     };
     let grouped = match family {
-        Family::DeepseekV3 => Some(group_routing(j, experts)?),
+        f if f.deepseek_experts() => Some(group_routing(j, f, experts)?),
         _ => None,
     };
     Ok(Some(MoeConfig {
@@ -895,7 +924,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
                     .unwrap_or(5632),
             ),
             // `n_shared_experts` experts' width, one MLP.
-            Family::DeepseekV3 => {
+            f if f.deepseek_experts() => {
                 Some(intermediate * j.size_or_none("n_shared_experts")?.unwrap_or(1))
             }
             _ => None,
@@ -913,10 +942,16 @@ fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
     }
 }
 
-/// DeepSeek-V3's routing of `experts` ([`GroupRouting`]).
-fn group_routing(j: &HfJson, experts: i64) -> Result<GroupRouting, HfError> {
-    let groups = j.size_or_none("n_group")?.unwrap_or(8);
-    let top_groups = j.size_or_none("topk_group")?.unwrap_or(4);
+/// DeepSeek-V3's routing of `experts` ([`GroupRouting`]), with the
+/// `family`'s config class's defaults (GLM-4-MoE's: one group, no
+/// scale).
+fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRouting, HfError> {
+    let (groups, top_groups, scale) = match family {
+        Family::Glm4Moe => (1, 1, 1.0),
+        _ => (8, 4, 2.5),
+    };
+    let groups = j.size_or_none("n_group")?.unwrap_or(groups);
+    let top_groups = j.size_or_none("topk_group")?.unwrap_or(top_groups);
     // A group is worth its two best experts.
     if experts % groups != 0 || experts / groups < 2 {
         return Err(j.field(format!(
@@ -931,13 +966,14 @@ fn group_routing(j: &HfJson, experts: i64) -> Result<GroupRouting, HfError> {
     let scoring = j.get("scoring_func").and_then(|v| v.as_str());
     if scoring.is_some_and(|s| s != "sigmoid") {
         return Err(j.field(format!(
-            "scoring_func {scoring:?}: DeepSeek-V3's routers score experts by a sigmoid"
+            "scoring_func {scoring:?}: {}'s routers score experts by a sigmoid",
+            family.model_type()
         )));
     }
     Ok(GroupRouting {
         groups,
         top_groups,
-        scale: j.number_or("routed_scaling_factor", 2.5)?,
+        scale: j.number_or("routed_scaling_factor", scale)?,
     })
 }
 

@@ -125,11 +125,20 @@ pub enum Family {
     /// each sublayer's output normalised too (`post_self_attn_layernorm`,
     /// `post_mlp_layernorm`).
     Glm4,
+    /// `glm4_moe` (`Glm4MoeForCausalLM`: GLM-4.5, GLM-4.5-Air, GLM-4.6):
+    /// Llama's attention with biases on the query, key and value
+    /// projections (`attention_bias`), each head's queries and keys
+    /// RMS-normalised when `use_qk_norm`, half of each head turned by
+    /// halves (`partial_rotary_factor`); after the first
+    /// `first_k_dense_replace` dense layers, DeepSeek-V3's experts:
+    /// routed by sigmoid scores within the best groups, beside shared
+    /// experts.
+    Glm4Moe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 24] = [
+    pub const ALL: [Family; 25] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -154,6 +163,7 @@ impl Family {
         Self::DeepseekV3,
         Self::Glm,
         Self::Glm4,
+        Self::Glm4Moe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -197,6 +207,7 @@ impl Family {
             Self::DeepseekV3 => "deepseek_v3",
             Self::Glm => "glm",
             Self::Glm4 => "glm4",
+            Self::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -227,6 +238,7 @@ impl Family {
             Self::DeepseekV3 => "DeepseekV3ForCausalLM",
             Self::Glm => "GlmForCausalLM",
             Self::Glm4 => "Glm4ForCausalLM",
+            Self::Glm4Moe => "Glm4MoeForCausalLM",
         }
     }
 
@@ -275,6 +287,13 @@ impl Family {
     /// turned by neighbouring pairs.
     pub(super) fn glm(self) -> bool {
         matches!(self, Self::Glm | Self::Glm4)
+    }
+
+    /// DeepSeek-V3's experts (and GLM-4-MoE's): chosen by sigmoid scores
+    /// within the best groups, beside shared experts, after dense layers;
+    /// the files' multi-token-prediction layers after the last.
+    pub(super) fn deepseek_experts(self) -> bool {
+        matches!(self, Self::DeepseekV3 | Self::Glm4Moe)
     }
 
     /// Queries and keys normalised over the whole projection before the
@@ -423,6 +442,12 @@ impl Family {
             Self::DeepseekV3 => Defaults {
                 kv_heads: Some(128),
                 positions: 4096,
+                ..LLAMA
+            },
+            Self::Glm4Moe => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(8),
+                positions: 131072,
                 ..LLAMA
             },
             Self::Cohere2 => Defaults {

@@ -167,8 +167,8 @@ enum Mlp {
 }
 
 /// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
-/// each expert's gate, up and down matrices; Qwen2-MoE's and
-/// DeepSeek-V3's shared experts.
+/// each expert's gate, up and down matrices; the shared experts of
+/// Qwen2-MoE, DeepSeek-V3 and GLM-4-MoE.
 #[derive(Debug)]
 struct Experts {
     router: Router,
@@ -183,9 +183,10 @@ struct Experts {
 enum Router {
     /// A linear layer's softmax, its top `k` (Mixtral, the Qwens).
     Softmax(Adapted),
-    /// DeepSeek-V3's ([`GroupRouting`]): its weights (`gate.weight`, no
-    /// linear layer an adapter could target, as in `transformers`) and
-    /// its fixed correction (`gate.e_score_correction_bias`, frozen).
+    /// DeepSeek-V3's and GLM-4-MoE's ([`GroupRouting`]): its weights
+    /// (`gate.weight`, no linear layer an adapter could target, as in
+    /// `transformers`) and its fixed correction
+    /// (`gate.e_score_correction_bias`, frozen).
     Grouped {
         weight: Tensor,
         correction: Tensor,
@@ -194,7 +195,7 @@ enum Router {
 }
 
 /// A shared expert every token goes through (gate, up and down
-/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V3's
+/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V3's and GLM-4-MoE's
 /// `shared_experts`), and Qwen2-MoE's gate (`shared_expert_gate`: one
 /// row), whose sigmoid weighs its output.
 #[derive(Debug)]

@@ -94,9 +94,10 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
 /// every rank before the engine is built.
 pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
     let (tied, layers) = (cfg.tied, cfg.layers);
-    // DeepSeek-V3's files hold its multi-token-prediction layers after
-    // the last (`model.layers.61` of 61), which `transformers` skips too.
-    let beyond = cfg.mla.is_some();
+    // DeepSeek-V3's and GLM-4-MoE's files hold their multi-token-
+    // prediction layers after the last (`model.layers.61` of 61,
+    // GLM-4.5-Air's `model.layers.46`), which `transformers` skips too.
+    let beyond = cfg.family.deepseek_experts();
     plan.rename_weights(move |n| match layer_of(n) {
         Some(l) if beyond && l >= layers => None,
         _ => hf_name(n, tied),

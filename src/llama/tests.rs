@@ -605,6 +605,62 @@ fn glm_configs_are_read_and_counted() {
 }
 
 #[test]
+fn glm4_moe_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("glm4-moe-configs");
+    // GLM-4.5-Air's config as published; the counts are transformers'
+    // state dicts' (the routers' corrections included).
+    let air = r#"{"model_type": "glm4_moe", "attention_bias": true, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5, "intermediate_size": 10944, "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "norm_topk_prob": true, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 1000000, "tie_word_embeddings": false, "use_qk_norm": false, "vocab_size": 151552, "pad_token_id": 151329}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(air).unwrap();
+    assert_eq!(total(&c), 106852251264);
+    assert_eq!(
+        (c.rotary_dim(), c.qkv_bias, c.o_bias, c.qk_norm),
+        (64, true, false, false)
+    );
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (moe.dense_layers, moe.shared, moe.grouped.map(|g| g.groups)),
+        (vec![0], Some(1408), Some(1))
+    );
+    assert!(!c.moe_layer(0) && c.moe_layer(1));
+    // GLM-4.5's sizes: three dense layers, each head's queries and keys
+    // normalised.
+    let full = air
+        .replace(r#""hidden_size": 4096"#, r#""hidden_size": 5120"#)
+        .replace(
+            r#""intermediate_size": 10944"#,
+            r#""intermediate_size": 12288"#,
+        )
+        .replace(
+            r#""moe_intermediate_size": 1408"#,
+            r#""moe_intermediate_size": 1536"#,
+        )
+        .replace(r#""n_routed_experts": 128"#, r#""n_routed_experts": 160"#)
+        .replace(
+            r#""first_k_dense_replace": 1"#,
+            r#""first_k_dense_replace": 3"#,
+        )
+        .replace(r#""num_hidden_layers": 46"#, r#""num_hidden_layers": 92"#)
+        .replace(r#""use_qk_norm": false"#, r#""use_qk_norm": true"#)
+        .replace(
+            r#""routed_scaling_factor": 1.0"#,
+            r#""routed_scaling_factor": 2.5"#,
+        );
+    let f = dir.read(&full).unwrap();
+    assert_eq!(total(&f), 352797829024);
+    assert!(f.qk_norm && (0..3).all(|l| !f.moe_layer(l)) && f.moe_layer(3));
+    dir.round_trips([c, f]);
+    let err = dir
+        .read(&air.replace(r#""n_group": 1"#, r#""n_group": 3"#))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("n_group 3: the 128 experts must split"),
+        "{err}"
+    );
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

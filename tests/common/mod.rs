@@ -726,7 +726,8 @@ m = M(C({args}))
 with torch.no_grad():
     for p in m.parameters():
         p.add_(torch.randn_like(p) * 0.05)
-    # DeepSeek-V3's routing correction, a buffer, off zero too.
+    # DeepSeek-V3's and GLM-4-MoE's routing correction, a buffer, off
+    # zero too.
     for n, b in m.named_buffers():
         if n.endswith("e_score_correction_bias"):
             b.add_(torch.randn_like(b) * 0.05)

@@ -399,6 +399,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GPT-OSS: biases on every projection, a sink a head, the first
+    // layer in a window shorter than the sequence, YaRN without
+    // truncation, four stacked experts, two a token, routed by a linear
+    // layer with a bias (the experts' clamps: another test).
+    Case {
+        name: "gpt-oss",
+        python: (
+            "from transformers import GptOssConfig as C, GptOssForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'beta_fast': 32.0, 'beta_slow': 1.0, 'truncate': False, 'original_max_position_embeddings': 16}",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -694,6 +706,11 @@ fn a_glm4_checkpoint_normalising_sublayer_outputs_trains_as_transformers_does() 
 #[test]
 fn a_glm4_moe_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
     parity("glm4-moe");
+}
+
+#[test]
+fn a_gpt_oss_checkpoint_with_sinks_and_stacked_experts_trains_as_transformers_does() {
+    parity("gpt-oss");
 }
 
 #[test]
@@ -1737,43 +1754,75 @@ save_file(out, "{dir}/reference.safetensors")
 fn a_layer_past_the_last_in_deepseek_v3_and_glm4_moe_files_is_skipped_as_transformers_skips_it() {
     for name in ["deepseek-v3", "glm4-moe"] {
         let case = case(name);
-        let dir = scratch(&format!("hf-beyond-{name}"));
         let three = case
             .python
             .1
             .replace("num_hidden_layers=2", "num_hidden_layers=3");
-        let model = common::hf_seeded_model(case.python.0, &three, &dir, "");
-        common::python(&format!(
-            r#"{model}
+        let changed = r#"
 import json
-path = "{dir}/hf/config.json"
+path = f"{dir}/hf/config.json"
 config = json.load(open(path))
 config["num_hidden_layers"] = 2
 json.dump(config, open(path, "w"))
-two = M.from_pretrained("{dir}/hf").eval()
+m = M.from_pretrained(f"{dir}/hf")
+"#;
+        same_logits(&format!("{name} beyond"), (case.python.0, &three), changed);
+    }
+}
+
+/// GPT-OSS's experts past their activation's clamps (the gate above 7,
+/// the up projection beyond ±7: their weights ten times the seeded
+/// model's, in some tenth of the values) compute `transformers`' logits.
+/// In bf16 such a model's logits move by as much as the parity test
+/// allows against fp32's (`transformers`' own by 0.027 of 1.44), so the
+/// parity case stays within the clamps and this test runs in fp32.
+#[test]
+fn gpt_oss_experts_past_their_clamps_compute_transformers_logits() {
+    let case = case("gpt-oss");
+    let scaled = r#"
+with torch.no_grad():
+    for n, p in m.named_parameters():
+        if n.endswith("experts.gate_up_proj"):
+            p.mul_(10)
+m.save_pretrained(f"{dir}/hf")
+"#;
+    same_logits("gpt-oss clamped", case.python, scaled);
+}
+
+/// The seeded model of `python` (config class import, its arguments),
+/// changed by the Python `then` (which may rebuild `m` and save it
+/// again; `dir` names the scratch directory), computes on one rank the
+/// fp32 logits `transformers` computes.
+fn same_logits(what: &str, python: (&str, &str), then: &str) {
+    let dir = scratch(&format!("hf-logits-{}", what.replace(' ', "-")));
+    let model = common::hf_seeded_model(python.0, python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
+dir = "{dir}"
+{then}
+m.eval()
 tokens = torch.randint(0, 96, (1, 12))
 with torch.no_grad():
-    logits = two(tokens).logits.contiguous()
-save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
+    logits = m(tokens).logits.contiguous()
+save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensors")
 "#,
-            dir = dir.display()
-        ));
-        let get = tensors(&dir.join("reference.safetensors"));
-        let tokens = ints(get("tokens"));
-        let hf = dir.join("hf");
-        let got = on_ranks(1, |r| {
-            let (model, _engine) = on_one_at_stage_0(&r, &hf);
-            let x = Tensor::from_slice(&tokens).view([1, -1]);
-            let logits = tch::no_grad(|| model.forward(&x));
-            Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
-        })
-        .remove(0);
-        let want = get("logits");
-        let got = Tensor::from_slice(&got).view_as(&want);
-        let diff = (&got - &want).abs().max().double_value(&[]);
-        assert!(diff < 1e-5, "{name}: logits differ by {diff}");
-        let _ = std::fs::remove_dir_all(&dir);
-    }
+        dir = dir.display()
+    ));
+    let get = tensors(&dir.join("reference.safetensors"));
+    let tokens = ints(get("tokens"));
+    let hf = dir.join("hf");
+    let got = on_ranks(1, |r| {
+        let (model, _engine) = on_one_at_stage_0(&r, &hf);
+        let x = Tensor::from_slice(&tokens).view([1, -1]);
+        let logits = tch::no_grad(|| model.forward(&x));
+        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+    })
+    .remove(0);
+    let want = get("logits");
+    let got = Tensor::from_slice(&got).view_as(&want);
+    let diff = (&got - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "{what}: logits differ by {diff}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Rows of several documents, given positions that restart at each
@@ -1790,8 +1839,9 @@ save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
 /// document, not the row (Phi-3 past its pretrained length as a row,
 /// within it as documents), Cohere's interleaved turn, and Cohere 2's
 /// windowed layers turning beside global ones that do not, and
-/// DeepSeek-V3's latent attention (its keys' shared turned part), and
-/// GLM-4's quarter of each head turned by pairs.
+/// DeepSeek-V3's latent attention (its keys' shared turned part),
+/// GLM-4's quarter of each head turned by pairs, and GPT-OSS's sinks
+/// beside windowed scores.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -1808,6 +1858,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "cohere2",
         "deepseek-v3",
         "glm4",
+        "gpt-oss",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -1825,6 +1876,18 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
+# transformers 4.57's GPT-OSS builds its masks without the positions,
+# so its eager rows attend across documents; it is handed the
+# documents' masks (each layer kind's), as the varlen kernels it takes
+# to train packed rows would see them.
+doc = (pos == 0).cumsum(-1)
+i = torch.arange({SEQ})
+seen = (doc[:, :, None] == doc[:, None, :]) & (i[:, None] >= i[None, :])
+additive = lambda v: torch.where(v, 0.0, torch.finfo(torch.float32).min)[:, None]
+window = getattr(m.config, "sliding_window", None) or {SEQ}
+masks = {{"full_attention": additive(seen),
+         "sliding_attention": additive(seen & (i[:, None] - i[None, :] < window))}}
+documents = {{"attention_mask": masks}} if m.config.model_type == "gpt_oss" else {{}}
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})
@@ -1833,7 +1896,7 @@ for s in range({STEPS}):
     # Without a cache: transformers looks for documents in the
     # positions only when it has none (in training with gradient
     # checkpointing, or told; flash attention's varlen path always).
-    out = m(tokens, position_ids=pos, labels=labels, use_cache=False)
+    out = m(tokens, position_ids=pos, labels=labels, use_cache=False, **documents)
     if s == 0:
         logits = out.logits.detach()
     losses.append(out.loss.detach())
@@ -2008,7 +2071,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// every continuation the prompt's last token) and a Cohere 2 (a
 /// windowed layer turning, a global one not) and a DeepSeek-V3 (its
 /// keys and values cached for every head, as `transformers` caches
-/// them), against `transformers` without a cache.
+/// them) and a GPT-OSS (sinks beside cached keys, every other layer
+/// windowed, its default YaRN), against `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
     for (name, import, args) in [
@@ -2096,6 +2160,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, \
              moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "gpt-oss",
+            "from transformers import GptOssConfig as C, GptOssForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, \
+             max_position_embeddings=64, sliding_window=4, num_local_experts=4, \
+             num_experts_per_tok=2, eos_token_id=None, bos_token_id=None, pad_token_id=0",
         ),
     ] {
         let dir = scratch(&format!("hf-greedy-{name}"));

@@ -11,7 +11,7 @@ use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
-/// Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE): a router scores `experts` per token, each token goes
+/// Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS): a router scores `experts` per token, each token goes
 /// through its top `top_k` experts, their outputs summed weighted by the
 /// router's softmax (renormalised over the `k` when `normalize`), or as
 /// [`GroupRouting`] chooses; Qwen2-MoE, DeepSeek-V3 and GLM-4-MoE add a
@@ -266,8 +266,8 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Mixtral's, OLMoE's, the Qwens', DeepSeek-V3's and GLM-4-MoE's
-    /// experts in place of the MLP.
+    /// Mixtral's, OLMoE's, the Qwens', DeepSeek-V3's, GLM-4-MoE's and
+    /// GPT-OSS's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
     /// OLMoE's `clip_qkv`: queries (normalised), keys (normalised) and
     /// values clamped to `[-c, c]`.
@@ -302,6 +302,25 @@ impl LlamaConfig {
                 Family::model_types()
             )));
         };
+        // A quantized checkpoint's matrices are not the ones this
+        // model trains (GPT-OSS's published mxfp4 blocks and scales).
+        if let Some(q) = j.get("quantization_config") {
+            let method = q.get("quant_method").and_then(|m| m.as_str());
+            return Err(j.field(format!(
+                "quantization_config (quant_method {method:?}): zrt trains a checkpoint's unquantized weights; load a bf16 or fp32 one (dequantized with transformers, e.g. GPT-OSS's through Mxfp4Config(dequantize=True), then save_pretrained)"
+            )));
+        }
+        // GPT-OSS's class clamps its experts at 7 whatever the config
+        // says: another limit would train a model other than the one
+        // the config describes.
+        if family == Family::GptOss {
+            let limit = j.number_or("swiglu_limit", 7.0)?;
+            if limit != 7.0 {
+                return Err(j.field(format!(
+                    "swiglu_limit {limit}: transformers' GPT-OSS clamps its experts at 7.0 whatever the config says, so zrt does too; set it to 7.0 (or leave it out)"
+                )));
+            }
+        }
         let defaults = family.defaults();
         let key = family.activation_key();
         let activation = Activation::read(j, key, defaults.activation, "Llama")?;
@@ -377,6 +396,8 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
+            // GPT-OSS's class sets it, whatever the config says.
+            Family::GptOss => true,
             // StableLM's and Qwen2-MoE's output projections have none.
             Family::StableLm | Family::Qwen2Moe => false,
             // GLM's `attention_bias` is the query, key and value
@@ -401,7 +422,8 @@ impl LlamaConfig {
             | Family::Gemma3
             | Family::Olmo3
             | Family::Starcoder2
-            | Family::Cohere2 => j.size_or_null("sliding_window", defaults.window)?,
+            | Family::Cohere2
+            | Family::GptOss => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2
             | Family::Qwen3
             | Family::Qwen2Moe
@@ -608,14 +630,19 @@ impl LlamaConfig {
         let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         // A router and each expert's three matrices; a shared expert's
         // three (and Qwen2-MoE's gate's row); DeepSeek-V3's router's
-        // correction, a buffer zrt holds as a frozen parameter.
+        // correction, a buffer zrt holds as a frozen parameter; GPT-OSS's
+        // router's and experts' biases.
+        let oss = self.family == Family::GptOss;
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
             let gate = bias(self.family == Family::Qwen2Moe, d);
             let correction = bias(m.grouped.is_some(), e);
-            d * e + e * 3 * d * w + shared + gate + correction
+            let biases = bias(oss, e + e * (2 * w + d));
+            d * e + e * 3 * d * w + shared + gate + correction + biases
         });
+        // GPT-OSS's sinks: a logit a head.
+        let sinks = bias(oss, self.heads as u64);
         let norms = match self.family {
             f if f.sandwich() || f == Family::Glm4 => 4,
             f if f.parallel() => 1,
@@ -625,7 +652,7 @@ impl LlamaConfig {
         let norm = if self.family.layer_norm() { 2 * d } else { d };
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
-            norms * norm + attention + mlp
+            norms * norm + attention + sinks + mlp
         };
         let mut units = vec![("model.embed_tokens".to_string(), v * d)];
         units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer(l))));
@@ -699,6 +726,13 @@ impl LlamaConfig {
             Family::Glm | Family::Glm4 => serde_json::json!({
                 "attention_bias": self.qkv_bias,
                 "partial_rotary_factor": self.partial_rotary,
+            }),
+            Family::GptOss => serde_json::json!({
+                "attention_bias": true,
+                "sliding_window": self.sliding_window,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
             }),
             Family::Glm4Moe => serde_json::json!({
                 "attention_bias": self.qkv_bias,
@@ -840,13 +874,16 @@ impl LlamaConfig {
     }
 }
 
-/// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's and
-/// GLM-4-MoE's experts ([`MoeConfig`]), `None` for the other families. The router's load-balancing loss (`output_router_logits`)
+/// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's,
+/// GLM-4-MoE's and GPT-OSS's experts ([`MoeConfig`]), `None` for the
+/// other families. The router's load-balancing loss (`output_router_logits`)
 /// and Mixtral's router jitter are refused: zrt's loss is the language
 /// model's alone.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
-        Family::Mixtral => ("num_local_experts", "intermediate_size", true),
+        // GPT-OSS's softmax over the top `k` logits: the top `k` of the
+        // softmax, renormalised.
+        Family::Mixtral | Family::GptOss => ("num_local_experts", "intermediate_size", true),
         Family::Olmoe => (
             "num_experts",
             "intermediate_size",
@@ -882,6 +919,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
         Family::Glm4Moe => (128, 8, 1408),
+        Family::GptOss => (128, 4, 0),
         _ => (128, 8, 768),
     };
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
@@ -904,7 +942,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
     let intermediate = match family {
-        Family::Mixtral | Family::Olmoe => j.size(width_key)?,
+        Family::Mixtral | Family::Olmoe | Family::GptOss => j.size(width_key)?,
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
     };
     let grouped = match family {
@@ -1089,7 +1127,7 @@ pub(crate) fn pad_token(
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
     let default = match family {
-        Family::Gemma2 => Some(2),
+        Family::Gemma2 | Family::GptOss => Some(2),
         Family::Olmo3 => Some(4),
         Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
         Family::Cohere2 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(4)),

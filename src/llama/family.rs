@@ -134,11 +134,21 @@ pub enum Family {
     /// routed by sigmoid scores within the best groups, beside shared
     /// experts.
     Glm4Moe,
+    /// `gpt_oss` (`GptOssForCausalLM`: gpt-oss-20b and -120b, in bf16):
+    /// Llama's attention with biases on every projection, a learned
+    /// logit per head beside each query's scores in the softmax
+    /// (`sinks`), every other layer in a sliding window, YaRN by
+    /// default; RMSNorms multiplying their weights in fp32; on every
+    /// layer experts stacked into four parameters
+    /// (`mlp.experts.gate_up_proj`, its bias, `down_proj`, its bias),
+    /// their gate and up columns interleaved, a clamped SwiGLU, routed
+    /// by a linear layer with a bias (`mlp.router`).
+    GptOss,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 25] = [
+    pub const ALL: [Family; 26] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -164,6 +174,7 @@ impl Family {
         Self::Glm,
         Self::Glm4,
         Self::Glm4Moe,
+        Self::GptOss,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -208,6 +219,7 @@ impl Family {
             Self::Glm => "glm",
             Self::Glm4 => "glm4",
             Self::Glm4Moe => "glm4_moe",
+            Self::GptOss => "gpt_oss",
         }
     }
 
@@ -239,6 +251,7 @@ impl Family {
             Self::Glm => "GlmForCausalLM",
             Self::Glm4 => "Glm4ForCausalLM",
             Self::Glm4Moe => "Glm4MoeForCausalLM",
+            Self::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -447,6 +460,15 @@ impl Family {
             Self::Glm4Moe => Defaults {
                 eps: 1e-5,
                 kv_heads: Some(8),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::GptOss => Defaults {
+                eps: 1e-5,
+                rope_theta: 150000.0,
+                kv_heads: Some(8),
+                head_dim: Some(64),
+                window: Some(128),
                 positions: 131072,
                 ..LLAMA
             },

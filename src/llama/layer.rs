@@ -37,6 +37,9 @@ pub struct Layer {
     rotary: Option<Rotary>,
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
+    /// GPT-OSS's sinks (`self_attn.sinks`): a logit a head, beside each
+    /// query's scores in the softmax's sum, its weight then dropped.
+    sinks: Option<Tensor>,
     training: Training,
     /// Its keys (turned) and values while generating with a cache.
     cache: LayerCache,
@@ -172,16 +175,88 @@ enum Mlp {
 #[derive(Debug)]
 struct Experts {
     router: Router,
-    experts: Vec<[Adapted; 3]>,
+    experts: ExpertWeights,
     top_k: i64,
     normalize: bool,
     shared: Option<Box<Shared>>,
 }
 
+/// The experts' matrices: each expert's linear layers, or GPT-OSS's
+/// stacked.
+#[derive(Debug)]
+enum ExpertWeights {
+    /// Each expert's gate, up and down projections.
+    Apart(Vec<[Adapted; 3]>),
+    /// GPT-OSS's ([`Stacked`]).
+    Stacked(Box<Stacked>),
+}
+
+/// GPT-OSS's experts, one parameter for each matrix and bias of them all
+/// (`[experts, in, out]`, multiplied from the left as `x @ w`): each
+/// expert's gate and up columns interleaved, and its activation
+/// `(up + 1) * gate * sigmoid(1.702 gate)`, the gate clamped below 7
+/// and the up projection within ±7 (`GptOssExperts`'s).
+#[derive(Debug)]
+struct Stacked {
+    gate_up: Tensor,
+    gate_up_bias: Tensor,
+    down: Tensor,
+    down_bias: Tensor,
+}
+
+impl ExpertWeights {
+    /// How many experts there are.
+    fn count(&self) -> i64 {
+        match self {
+            Self::Apart(experts) => experts.len() as i64,
+            Self::Stacked(s) => s.gate_up.size()[0],
+        }
+    }
+
+    /// Expert `e` on its tokens `x` `[n, d]`.
+    fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
+        match self {
+            Self::Apart(experts) => gated(&experts[e as usize], x, act),
+            Self::Stacked(s) => s.forward(e, x),
+        }
+    }
+}
+
+/// GPT-OSS's activation's constants (its class's, not its config's).
+const OSS_ALPHA: f64 = 1.702;
+const OSS_LIMIT: f64 = 7.0;
+
+impl Stacked {
+    /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
+        let (e, w) = (m.experts, m.intermediate);
+        let init = nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        Self {
+            gate_up: p.var("gate_up_proj", &[e, d, 2 * w], init),
+            gate_up_bias: p.zeros("gate_up_proj_bias", &[e, 2 * w]),
+            down: p.var("down_proj", &[e, w, d], init),
+            down_bias: p.zeros("down_proj_bias", &[e, d]),
+        }
+    }
+
+    /// Expert `e` on its tokens `x` `[n, d]`.
+    fn forward(&self, e: i64, x: &Tensor) -> Tensor {
+        let gate_up = x.matmul(&self.gate_up.get(e)) + self.gate_up_bias.get(e);
+        let gate = gate_up.slice(-1, 0, None, 2).clamp_max(OSS_LIMIT);
+        let up = gate_up.slice(-1, 1, None, 2).clamp(-OSS_LIMIT, OSS_LIMIT);
+        let glu = &gate * (&gate * OSS_ALPHA).sigmoid();
+        ((up + 1.0) * glu).matmul(&self.down.get(e)) + self.down_bias.get(e)
+    }
+}
+
 /// How the experts are chosen and weighted.
 #[derive(Debug)]
 enum Router {
-    /// A linear layer's softmax, its top `k` (Mixtral, the Qwens).
+    /// A linear layer's softmax, its top `k` (Mixtral, the Qwens;
+    /// GPT-OSS's with a bias).
     Softmax(Adapted),
     /// DeepSeek-V3's and GLM-4-MoE's ([`GroupRouting`]): its weights
     /// (`gate.weight`, no linear layer an adapter could target, as in
@@ -219,16 +294,23 @@ impl Experts {
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
         let w = m.intermediate;
-        let experts = (0..m.experts)
-            .map(|e| {
-                let ep = p / "experts" / e;
-                [
-                    lin(&(&ep / names[0]), d, w, false),
-                    lin(&(&ep / names[1]), d, w, false),
-                    lin(&(&ep / names[2]), w, d, false),
-                ]
-            })
-            .collect();
+        let experts = match family {
+            Family::GptOss => {
+                ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m)))
+            }
+            _ => ExpertWeights::Apart(
+                (0..m.experts)
+                    .map(|e| {
+                        let ep = p / "experts" / e;
+                        [
+                            lin(&(&ep / names[0]), d, w, false),
+                            lin(&(&ep / names[1]), d, w, false),
+                            lin(&(&ep / names[2]), w, d, false),
+                        ]
+                    })
+                    .collect(),
+            ),
+        };
         let qwen = family == Family::Qwen2Moe;
         let shared = m.shared.map(|w| {
             let sp = p / if qwen {
@@ -258,6 +340,9 @@ impl Experts {
                     routing: routing.clone(),
                 }
             }
+            None if family == Family::GptOss => {
+                Router::Softmax(lin(&(p / "router"), d, m.experts, true))
+            }
             None => Router::Softmax(lin(&(p / "gate"), d, m.experts, false)),
         };
         Self {
@@ -282,14 +367,14 @@ impl Experts {
         // The sum in the weights' dtype: the input's, DeepSeek-V3's fp32.
         let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
-        let mask = chosen.one_hot(self.experts.len() as i64).permute([2, 1, 0]);
-        for (e, expert) in self.experts.iter().enumerate() {
-            let hits = mask.get(e as i64).nonzero();
+        let mask = chosen.one_hot(self.experts.count()).permute([2, 1, 0]);
+        for e in 0..self.experts.count() {
+            let hits = mask.get(e).nonzero();
             if hits.size()[0] == 0 {
                 continue;
             }
             let (slot, token) = (hits.select(1, 0), hits.select(1, 1));
-            let y = gated(expert, &h.index_select(0, &token), act);
+            let y = self.experts.forward(e, &h.index_select(0, &token), act);
             let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
             let y = y * w.unsqueeze(-1);
             let _ = out.index_add_(0, &token, &y.to_kind(out.kind()));
@@ -441,6 +526,13 @@ impl Layer {
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
             window,
+            sinks: (c.family == Family::GptOss).then(|| {
+                let init = nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                };
+                a.var("sinks", &[c.heads], init)
+            }),
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -585,7 +677,10 @@ impl Layer {
         };
         let dropout = self.training.attention(c.attention_dropout);
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
-        let Some(cap) = c.attn_softcap else {
+        // Scores the fused kernel cannot compute: soft-capped, or beside
+        // sinks.
+        let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
+        if !eager_only {
             // DeepSeek-V3's keys and values are every head's.
             let grouped = c.kv_heads != c.heads && c.mla.is_none();
             if let Some(d) = documents {
@@ -600,7 +695,7 @@ impl Layer {
             return Tensor::scaled_dot_product_attention(
                 q, k, v, window, dropout, causal, scale, grouped,
             );
-        };
+        }
         let groups = c.heads / c.kv_heads;
         let (k, v) = (
             k.repeat_interleave_self_int(groups, 1, None),
@@ -609,9 +704,23 @@ impl Layer {
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
         let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
             let scores = q.matmul(&k.transpose(2, 3)) * scale;
-            let scores = (scores / cap).tanh() * cap;
+            let scores = match c.attn_softcap {
+                Some(cap) => (scores / cap).tanh() * cap,
+                None => scores,
+            };
             let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-            let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
+            let weights = match &self.sinks {
+                // Each head's sink a last column of every query's scores,
+                // dropped after the softmax.
+                Some(sinks) => {
+                    let sinks = (sinks.to_kind(scores.kind()).view([1, -1, 1, 1]))
+                        .expand_as(&scores.narrow(-1, 0, 1));
+                    (Tensor::cat(&[scores, sinks], -1).softmax(-1, Kind::Float))
+                        .slice(-1, 0, -1, 1)
+                        .to_kind(q.kind())
+                }
+                None => scores.softmax(-1, Kind::Float).to_kind(q.kind()),
+            };
             self.training
                 .dropout(weights, c.attention_dropout)
                 .matmul(v)

@@ -138,15 +138,23 @@ impl RopeScaling {
                 beta_slow,
                 truncate,
                 attention_factor,
-            } => serde_json::json!({
-                "rope_type": "yarn",
-                "factor": factor,
-                "original_max_position_embeddings": original_positions,
-                "beta_fast": beta_fast,
-                "beta_slow": beta_slow,
-                "truncate": truncate,
-                "attention_factor": attention_factor,
-            }),
+            } => {
+                let mut v = serde_json::json!({
+                    "rope_type": "yarn",
+                    "factor": factor,
+                    "original_max_position_embeddings": original_positions,
+                    "beta_fast": beta_fast,
+                    "beta_slow": beta_slow,
+                    "truncate": truncate,
+                });
+                // Written where it is not what `transformers` computes
+                // from the factor alone, so that a config that left it
+                // out reads back as the same config.
+                if *attention_factor != yarn_mscale(*factor, 1.0) {
+                    v["attention_factor"] = (*attention_factor).into();
+                }
+                v
+            }
         }
     }
 }
@@ -161,6 +169,13 @@ pub(crate) fn rope_scaling(
     rotary_dim: i64,
 ) -> Result<RopeScaling, HfError> {
     let Some(v) = j.get("rope_scaling") else {
+        // GPT-OSS's class scales by default: left out (not null), its
+        // YaRN.
+        if model_type == Family::GptOss.model_type() && !j.has("rope_scaling") {
+            let v = serde_json::json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096});
+            return yarn(j, &v);
+        }
         return Ok(RopeScaling::None);
     };
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
@@ -203,6 +218,15 @@ fn scaling_number(j: &HfJson, v: &serde_json::Value, key: &str) -> Result<f64, H
     })
 }
 
+/// `transformers`' `get_mscale`: YaRN's attention factor for a
+/// `scale`, with DeepSeek's `m`.
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * scale.ln() + 1.0,
+    }
+}
+
 /// The `"yarn"` scaling `v` ([`RopeScaling::Yarn`]), read as
 /// `transformers` reads it.
 fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
@@ -213,11 +237,7 @@ fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
     };
     let factor = scaling_number(j, v, "factor")?;
     let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048) as f64;
-    // transformers' `get_mscale`.
-    let mscale = |scale: f64, m: f64| match scale <= 1.0 {
-        true => 1.0,
-        false => 0.1 * m * scale.ln() + 1.0,
-    };
+    let mscale = yarn_mscale;
     let attention_factor = match (
         num("attention_factor"),
         num("mscale"),

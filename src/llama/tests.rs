@@ -661,6 +661,54 @@ fn glm4_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn gpt_oss_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("gpt-oss-configs");
+    // gpt-oss-20b's config as published (its `layer_types` left out:
+    // every other layer full, as the default has it); the counts are
+    // transformers' state dicts' in bf16.
+    let published = r#"{"architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false}, "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.55.0.dev0", "use_cache": true, "vocab_size": 201088, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}}"#;
+    let quantization = r#", "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}"#;
+    let scaling = r#""rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    // Its weights are mxfp4 blocks and scales: refused, naming the way
+    // to the bf16 ones.
+    let err = dir.read(published).unwrap_err().to_string();
+    assert!(
+        err.contains(r#"quantization_config (quant_method Some("mxfp4"))"#)
+            && err.contains("Mxfp4Config(dequantize=True)"),
+        "{err}"
+    );
+    let bf16 = published.replace(quantization, "");
+    let c = dir.read(&bf16).unwrap();
+    assert_eq!(total(&c), 20914757184);
+    assert_eq!(
+        (c.window(0), c.window(1), c.qkv_bias, c.o_bias),
+        (Some(128), None, true, true)
+    );
+    let moe = c.moe.clone().unwrap();
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate), (32, 4, 2880));
+    // Left out, the scaling is the class's YaRN, the one published.
+    let plain = dir.read(&bf16.replace(scaling, r#""rope": null"#)).unwrap();
+    assert!(matches!(c.rope_scaling, RopeScaling::Yarn { .. }));
+    assert_eq!(plain.rope_scaling, c.rope_scaling);
+    // gpt-oss-120b's sizes.
+    let big = bf16
+        .replace(r#""num_hidden_layers": 24"#, r#""num_hidden_layers": 36"#)
+        .replace(r#""num_local_experts": 32"#, r#""num_local_experts": 128"#);
+    let b = dir.read(&big).unwrap();
+    assert_eq!(total(&b), 116829156672);
+    dir.round_trips([c, b, plain]);
+    let err = dir
+        .read(&bf16.replace(r#""swiglu_limit": 7.0"#, r#""swiglu_limit": 5.0"#))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("swiglu_limit 5: transformers' GPT-OSS clamps"),
+        "{err}"
+    );
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

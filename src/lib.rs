@@ -73,6 +73,7 @@ pub mod hf;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
+pub mod mxfp4;
 pub mod packing;
 pub mod phi;
 pub mod stop;

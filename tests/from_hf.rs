@@ -1789,6 +1789,115 @@ m.save_pretrained(f"{dir}/hf")
     same_logits("gpt-oss clamped", case.python, scaled);
 }
 
+/// An MXFP4 GPT-OSS checkpoint (random codes and scales around one for
+/// its experts, everything else in bf16, as published; in two files, a
+/// projection's scales in the file its blocks are not in) dequantized by
+/// `zrt::mxfp4::dequantize` holds the very bf16 experts `transformers`
+/// makes of it when it loads it, and the result computes, in zrt at
+/// stage 3 on 2 ranks and in `transformers`, the logits `transformers`
+/// computes from the quantized files.
+#[test]
+fn an_mxfp4_gpt_oss_checkpoint_dequantizes_into_transformers_experts() {
+    let case = case("gpt-oss");
+    let dir = scratch("hf-mxfp4");
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
+import json, os
+dir = "{dir}"
+E, d, I = 4, 64, 32
+sd = {{k: v.to(torch.bfloat16) for k, v in m.state_dict().items()
+      if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}}
+for l in range(2):
+    p = f"model.layers.{{l}}.mlp.experts."
+    # Codes of every value (±0 to ±6), scales from 2^-9 to 2^2.
+    sd[p + "gate_up_proj_blocks"] = torch.randint(0, 256, (E, 2 * I, d // 32, 16), dtype=torch.uint8)
+    sd[p + "gate_up_proj_scales"] = torch.randint(118, 130, (E, 2 * I, d // 32), dtype=torch.uint8)
+    sd[p + "down_proj_blocks"] = torch.randint(0, 256, (E, d, I // 32, 16), dtype=torch.uint8)
+    sd[p + "down_proj_scales"] = torch.randint(118, 130, (E, d, I // 32), dtype=torch.uint8)
+q = f"{{dir}}/q"
+os.makedirs(q)
+second = {{k for k in sd if k.startswith("model.layers.1.") or k == "model.layers.0.mlp.experts.gate_up_proj_scales"}}
+files = {{"model-1.safetensors": {{k: v for k, v in sd.items() if k not in second}},
+         "model-2.safetensors": {{k: v for k, v in sd.items() if k in second}}}}
+for f, t in files.items():
+    save_file({{k: v.contiguous() for k, v in t.items()}}, f"{{q}}/{{f}}", metadata={{"format": "pt"}})
+index = {{"metadata": {{"total_size": 0}}, "weight_map": {{k: f for f, t in files.items() for k in t}}}}
+json.dump(index, open(f"{{q}}/model.safetensors.index.json", "w"))
+config = json.load(open(f"{{dir}}/hf/config.json"))
+config["quantization_config"] = {{"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+json.dump(config, open(f"{{q}}/config.json", "w"))
+# Without a GPU, transformers dequantizes them to bf16.
+m = M.from_pretrained(q).eval()
+experts = {{k: v.contiguous() for k, v in m.state_dict().items()
+           if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}}
+tokens = torch.randint(0, 96, (1, 12))
+with torch.no_grad():
+    logits = m.float()(tokens).logits.contiguous()
+save_file(dict(experts, tokens=tokens, logits=logits), f"{{dir}}/reference.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let (q, out) = (dir.join("q"), dir.join("out"));
+    let done = zrt::mxfp4::dequantize(&q, &out).unwrap();
+    assert_eq!((done.tensors.len(), done.files), (4, 2));
+    let get = tensors(&dir.join("reference.safetensors"));
+    let ours: std::collections::HashMap<String, Tensor> = ["model-1", "model-2"]
+        .iter()
+        .flat_map(|f| Tensor::read_safetensors(out.join(format!("{f}.safetensors"))).unwrap())
+        .collect();
+    for name in &done.tensors {
+        let (want, got) = (get(name), &ours[name]);
+        assert_eq!(
+            (got.kind(), got.size()),
+            (want.kind(), want.size()),
+            "{name}"
+        );
+        assert!(
+            got.equal(&want),
+            "{name}: not transformers' dequantized values"
+        );
+    }
+    assert!(!ours
+        .keys()
+        .any(|n| n.ends_with("_blocks") || n.ends_with("_scales")));
+    let tokens = ints(get("tokens"));
+    let got = on_ranks(2, |r| {
+        let (model, _engine) = on_two_at_stage_3(&r, &out);
+        let x = Tensor::from_slice(&tokens).view([1, -1]);
+        let logits = tch::no_grad(|| model.forward(&x));
+        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+    })
+    .remove(0);
+    let want = get("logits");
+    let diff = (Tensor::from_slice(&got).view_as(&want) - &want)
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(
+        diff < 1e-5,
+        "zrt on the dequantized files: logits differ by {diff}"
+    );
+    // transformers loads what zrt wrote, every tensor in its place.
+    let said = common::python(&format!(
+        r#"
+import torch
+from transformers import GptOssForCausalLM as M
+from safetensors.torch import load_file
+ref = load_file("{dir}/reference.safetensors")
+m, info = M.from_pretrained("{dir}/out", output_loading_info=True)
+assert not any(info.values()), info
+with torch.no_grad():
+    logits = m.float()(ref["tokens"]).logits
+print((logits - ref["logits"]).abs().max().item())
+"#,
+        dir = dir.display()
+    ));
+    let diff: f64 = said.trim().parse().unwrap();
+    assert!(diff < 1e-6, "transformers on the dequantized files: {diff}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The seeded model of `python` (config class import, its arguments),
 /// changed by the Python `then` (which may rebuild `m` and save it
 /// again; `dir` names the scratch directory), computes on one rank the

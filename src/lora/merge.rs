@@ -17,7 +17,7 @@ pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 
 /// The index of a base checkpoint in several files.
-const INDEX: &str = "model.safetensors.index.json";
+pub(crate) const INDEX: &str = "model.safetensors.index.json";
 
 /// What [`merge`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -339,7 +339,7 @@ type Files = Vec<(PathBuf, Vec<(String, Vec<i64>)>)>;
 
 /// The base checkpoint's safetensors files (its index's, or its one
 /// `model.safetensors`), and the tensors each holds.
-pub(super) fn base_files(base: &Path) -> Result<Files, HfError> {
+pub(crate) fn base_files(base: &Path) -> Result<Files, HfError> {
     let index = base.join(INDEX);
     let files: Vec<PathBuf> = match index.is_file() {
         true => {
@@ -383,16 +383,25 @@ fn header_names(path: &Path) -> Result<Vec<(String, Vec<i64>)>, HfError> {
         .collect()
 }
 
+/// Whether `a` and `b` are one existing file or directory (what a
+/// rewrite of a checkpoint into another must not write over).
+pub(crate) fn same_place(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
 /// The safetensors file `path` opened and its header read: the file,
 /// where its data starts, and the header's JSON object.
-pub(super) type Header = (
+pub(crate) type Header = (
     (std::fs::File, u64),
     serde_json::Map<String, serde_json::Value>,
 );
 
 /// Opens the safetensors file `path` and reads its header ([`Header`]),
 /// refusing one that is no safetensors file.
-pub(super) fn read_header(path: &Path) -> Result<Header, HfError> {
+pub(crate) fn read_header(path: &Path) -> Result<Header, HfError> {
     use std::io::Read;
     let bad = |msg: String| HfError::Read {
         path: path.to_path_buf(),
@@ -551,11 +560,7 @@ fn whole_tensors<'t>(
 /// (and its bias), of its shape, or nothing is written; `out` may not be
 /// `base` (the base would be lost).
 pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError> {
-    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    };
-    if same(base, out) {
+    if same_place(base, out) {
         return Err(HfError::Lora(format!(
             "{}: the merged checkpoint would overwrite its base: give --out another directory",
             out.display()

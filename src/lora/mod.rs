@@ -28,7 +28,7 @@
 //! `zrt generate`.
 
 mod embedding;
-mod merge;
+pub(crate) mod merge;
 mod per_module;
 mod start;
 

@@ -1,10 +1,12 @@
 //! The `zrt` command line: launch ranks, run benchmarks, inspect checkpoints
-//! and configs, estimate memory, merge a LoRA adapter, tokenize text,
+//! and configs, estimate memory, merge a LoRA adapter, dequantize an
+//! MXFP4 checkpoint, tokenize text,
 //! continue a prompt.
 
 mod bench;
 mod ckpt;
 mod config_cmd;
+mod dequantize_cmd;
 mod estimate;
 #[cfg(feature = "tokenize")]
 mod generate_cmd;
@@ -48,6 +50,10 @@ enum Cmd {
     },
     /// Estimate model-state memory per rank for each ZeRO stage.
     Estimate(estimate::EstimateArgs),
+    /// Write an MXFP4 checkpoint (GPT-OSS's as published) out with its experts in bf16.
+    ///
+    /// Example: zrt dequantize --from gpt-oss-20b --out gpt-oss-20b-bf16
+    Dequantize(dequantize_cmd::DequantizeArgs),
     /// Fold a LoRA adapter into its base checkpoint (`merge --base DIR --adapter DIR --out DIR`).
     Lora {
         #[command(subcommand)]
@@ -113,6 +119,7 @@ fn main() -> ExitCode {
         Cmd::Config { which } => config_cmd::run(&which),
         Cmd::Estimate(a) => estimate::run(&a),
         Cmd::Lora { which } => lora_cmd::run(&which),
+        Cmd::Dequantize(a) => dequantize_cmd::run(&a),
         #[cfg(feature = "tokenize")]
         Cmd::Tokenize(a) => tokenize_cmd::run(&a),
         #[cfg(feature = "tokenize")]

@@ -6,7 +6,8 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4,
 //! Mixtral, OLMoE,
-//! Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and GLM-4-MoE; and GPT-NeoX and
+//! Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS and
+//! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
 //! `transformers` computes: the same logits, and over three AdamW steps
@@ -209,6 +210,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GraniteConfig as C, GraniteForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0",
+        ),
+        load: "",
+    },
+    // Granite-MoE: Granite's multipliers, its experts stacked (the
+    // gate's rows then the up's), the head tied.
+    Case {
+        name: "granitemoe",
+        python: (
+            "from transformers import GraniteMoeConfig as C, GraniteMoeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2",
         ),
         load: "",
     },
@@ -711,6 +722,11 @@ fn a_glm4_moe_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_tra
 #[test]
 fn a_gpt_oss_checkpoint_with_sinks_and_stacked_experts_trains_as_transformers_does() {
     parity("gpt-oss");
+}
+
+#[test]
+fn a_granitemoe_checkpoint_with_multipliers_and_stacked_experts_trains_as_transformers_does() {
+    parity("granitemoe");
 }
 
 #[test]

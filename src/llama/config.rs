@@ -449,7 +449,7 @@ impl LlamaConfig {
         let sandwich = family.sandwich();
         let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
         let granite = |key: &str| match family {
-            Family::Granite => j.number_or(key, 1.0),
+            Family::Granite | Family::GraniteMoe => j.number_or(key, 1.0),
             _ => Ok(1.0),
         };
         Ok(Self {
@@ -520,7 +520,7 @@ impl LlamaConfig {
             embedding_multiplier: granite("embedding_multiplier")?,
             residual_multiplier: granite("residual_multiplier")?,
             attention_multiplier: match (family, &mla) {
-                (Family::Granite, _) => Some(granite("attention_multiplier")?),
+                (Family::Granite | Family::GraniteMoe, _) => Some(granite("attention_multiplier")?),
                 (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
@@ -716,6 +716,16 @@ impl LlamaConfig {
                 "attention_multiplier": self.attention_multiplier,
                 "logits_scaling": self.logits_scaling,
             }),
+            Family::GraniteMoe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "embedding_multiplier": self.embedding_multiplier,
+                "residual_multiplier": self.residual_multiplier,
+                "attention_multiplier": self.attention_multiplier,
+                "logits_scaling": self.logits_scaling,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
+            }),
             Family::Olmo2 => serde_json::json!({"attention_bias": self.o_bias}),
             Family::Olmo3 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -887,7 +897,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
         // softmax, renormalised.
-        Family::Mixtral | Family::GptOss => ("num_local_experts", "intermediate_size", true),
+        // Granite-MoE's too.
+        Family::Mixtral | Family::GptOss | Family::GraniteMoe => {
+            ("num_local_experts", "intermediate_size", true)
+        }
         Family::Olmoe => (
             "num_experts",
             "intermediate_size",
@@ -918,7 +931,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     }
     // The config classes' experts, top k and expert width.
     let defaults = match family {
-        Family::Mixtral => (8, 2, 0),
+        Family::Mixtral | Family::GraniteMoe => (8, 2, 0),
         Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
@@ -946,7 +959,9 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
     let intermediate = match family {
-        Family::Mixtral | Family::Olmoe | Family::GptOss => j.size(width_key)?,
+        Family::Mixtral | Family::Olmoe | Family::GptOss | Family::GraniteMoe => {
+            j.size(width_key)?
+        }
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
     };
     let grouped = match family {

@@ -144,11 +144,19 @@ pub enum Family {
     /// their gate and up columns interleaved, a clamped SwiGLU, routed
     /// by a linear layer with a bias (`mlp.router`).
     GptOss,
+    /// `granitemoe` (`GraniteMoeForCausalLM`: Granite 3.0/3.1's 1B-A400M
+    /// and 3B-A800M): Granite's layers and multipliers with a sparse
+    /// mixture of experts for every MLP (`block_sparse_moe`), the
+    /// experts stacked into two parameters (`input_linear.weight`
+    /// `[experts, 2 width, d]`, the gate's rows then the up's;
+    /// `output_linear.weight` `[experts, d, width]`), routed by
+    /// `router.layer`.
+    GraniteMoe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 26] = [
+    pub const ALL: [Family; 27] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -175,6 +183,7 @@ impl Family {
         Self::Glm4,
         Self::Glm4Moe,
         Self::GptOss,
+        Self::GraniteMoe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -220,6 +229,7 @@ impl Family {
             Self::Glm4 => "glm4",
             Self::Glm4Moe => "glm4_moe",
             Self::GptOss => "gpt_oss",
+            Self::GraniteMoe => "granitemoe",
         }
     }
 
@@ -252,6 +262,7 @@ impl Family {
             Self::Glm4 => "Glm4ForCausalLM",
             Self::Glm4Moe => "Glm4MoeForCausalLM",
             Self::GptOss => "GptOssForCausalLM",
+            Self::GraniteMoe => "GraniteMoeForCausalLM",
         }
     }
 
@@ -340,7 +351,7 @@ impl Family {
             ..LLAMA
         };
         match self {
-            Self::Llama | Self::Granite => LLAMA,
+            Self::Llama | Self::Granite | Self::GraniteMoe => LLAMA,
             Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),
                 window: Some(4096),

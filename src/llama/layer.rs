@@ -182,13 +182,49 @@ struct Experts {
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
-/// stacked.
+/// or Granite-MoE's stacked.
 #[derive(Debug)]
 enum ExpertWeights {
     /// Each expert's gate, up and down projections.
     Apart(Vec<[Adapted; 3]>),
     /// GPT-OSS's ([`Stacked`]).
     Stacked(Box<Stacked>),
+    /// Granite-MoE's ([`Parallel`]).
+    Parallel(Box<Parallel>),
+}
+
+/// Granite-MoE's experts (`GraniteMoeParallelExperts`), one parameter
+/// for each of their two matrices, each expert's `[out, in]` as a linear
+/// layer's: `input_linear.weight` `[experts, 2 width, d]`, the gate's
+/// rows then the up's, and `output_linear.weight` `[experts, d, width]`.
+#[derive(Debug)]
+struct Parallel {
+    input: Tensor,
+    output: Tensor,
+}
+
+impl Parallel {
+    /// Under `p` (`block_sparse_moe`), `m`'s experts of a model `d` wide.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
+        let (e, w) = (m.experts, m.intermediate);
+        let init = nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        Self {
+            input: (p / "input_linear").var("weight", &[e, 2 * w, d], init),
+            output: (p / "output_linear").var("weight", &[e, d, w], init),
+        }
+    }
+
+    /// Expert `e` on its tokens `x` `[n, d]`: `act(gate) * up`, the
+    /// input projection's halves, through the output projection.
+    fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
+        let h = x.linear::<Tensor>(&self.input.get(e), None);
+        let w = h.size()[1] / 2;
+        let y = act.apply(&h.narrow(-1, 0, w)) * h.narrow(-1, w, w);
+        y.linear::<Tensor>(&self.output.get(e), None)
+    }
 }
 
 /// GPT-OSS's experts, one parameter for each matrix and bias of them all
@@ -210,6 +246,7 @@ impl ExpertWeights {
         match self {
             Self::Apart(experts) => experts.len() as i64,
             Self::Stacked(s) => s.gate_up.size()[0],
+            Self::Parallel(s) => s.input.size()[0],
         }
     }
 
@@ -218,6 +255,7 @@ impl ExpertWeights {
         match self {
             Self::Apart(experts) => gated(&experts[e as usize], x, act),
             Self::Stacked(s) => s.forward(e, x),
+            Self::Parallel(s) => s.forward(e, x, act),
         }
     }
 }
@@ -298,6 +336,7 @@ impl Experts {
             Family::GptOss => {
                 ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m)))
             }
+            Family::GraniteMoe => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m))),
             _ => ExpertWeights::Apart(
                 (0..m.experts)
                     .map(|e| {
@@ -342,6 +381,9 @@ impl Experts {
             }
             None if family == Family::GptOss => {
                 Router::Softmax(lin(&(p / "router"), d, m.experts, true))
+            }
+            None if family == Family::GraniteMoe => {
+                Router::Softmax(lin(&(p / "router" / "layer"), d, m.experts, false))
             }
             None => Router::Softmax(lin(&(p / "gate"), d, m.experts, false)),
         };
@@ -495,7 +537,7 @@ impl Layer {
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
-                        Family::Mixtral => p / "block_sparse_moe",
+                        Family::Mixtral | Family::GraniteMoe => p / "block_sparse_moe",
                         _ => m,
                     };
                     Mlp::Experts(Experts::new(&under, d, moe, c.family, lin))

@@ -709,6 +709,49 @@ fn gpt_oss_configs_are_read_and_counted() {
 }
 
 #[test]
+fn granitemoe_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("granitemoe-configs");
+    // granite-3.0-1b-a400m's sizes and multipliers; the counts are
+    // transformers' parameters (the head tied: the embedding once).
+    let small = r#"{"model_type": "granitemoe", "attention_bias": false, "attention_dropout": 0.1, "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 512, "logits_scaling": 6.0, "max_position_embeddings": 4096, "num_attention_heads": 16, "num_experts_per_tok": 8, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 0, "residual_multiplier": 0.22, "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 10000, "tie_word_embeddings": true, "vocab_size": 49155, "attention_multiplier": 0.015625}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(small).unwrap();
+    assert_eq!(total(&c), 1334628352);
+    assert_eq!(
+        (
+            c.embedding_multiplier,
+            c.residual_multiplier,
+            c.attention_multiplier,
+            c.logits_scaling
+        ),
+        (12.0, 0.22, Some(0.015625), 6.0)
+    );
+    let moe = c.moe.clone().unwrap();
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate), (32, 8, 512));
+    assert!((0..24).all(|l| c.moe_layer(l)));
+    // granite-3.0-3b-a800m's sizes.
+    let large = small
+        .replace(r#""hidden_size": 1024"#, r#""hidden_size": 1536"#)
+        .replace(
+            r#""num_attention_heads": 16"#,
+            r#""num_attention_heads": 24"#,
+        )
+        .replace(r#""num_hidden_layers": 24"#, r#""num_hidden_layers": 32"#)
+        .replace(r#""num_local_experts": 32"#, r#""num_local_experts": 40"#);
+    let l = dir.read(&large).unwrap();
+    assert_eq!(total(&l), 3298793472);
+    dir.round_trips([c, l]);
+    let err = dir
+        .read(&small.replace(
+            r#""output_router_logits": false"#,
+            r#""output_router_logits": true"#,
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("output_router_logits true"), "{err}");
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

@@ -508,12 +508,12 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// `fc2`, the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4 and
-/// GLM-4-MoE, DeepSeek-V3, GPT-OSS), zrt's
+/// GLM-4-MoE, DeepSeek-V3, GPT-OSS, Granite-MoE), zrt's
 /// choice: Phi-3's fused `qkv_proj`, DeepSeek-V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
-/// (GPT-OSS's stacked experts are parameters, not linear layers: no
-/// adapter reaches them).
+/// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
+/// linear layers: no adapter reaches them).
 pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
     let targets: &[&str] = match j.model_type().as_deref() {

@@ -206,11 +206,7 @@ struct Parallel {
 impl Parallel {
     /// Under `p` (`block_sparse_moe`), `m`'s experts of a model `d` wide.
     fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
-        let (e, w) = (m.experts, m.intermediate);
-        let init = nn::Init::Randn {
-            mean: 0.0,
-            stdev: 0.02,
-        };
+        let (e, w, init) = (m.experts, m.intermediate, RANDN);
         Self {
             input: (p / "input_linear").var("weight", &[e, 2 * w, d], init),
             output: (p / "output_linear").var("weight", &[e, d, w], init),
@@ -260,6 +256,14 @@ impl ExpertWeights {
     }
 }
 
+/// What the parameters a file always fills start as (`transformers`'
+/// `initializer_range` default): the stacked experts, DeepSeek-V3's
+/// router, GPT-OSS's sinks.
+const RANDN: nn::Init = nn::Init::Randn {
+    mean: 0.0,
+    stdev: 0.02,
+};
+
 /// GPT-OSS's activation's constants (its class's, not its config's).
 const OSS_ALPHA: f64 = 1.702;
 const OSS_LIMIT: f64 = 7.0;
@@ -267,11 +271,7 @@ const OSS_LIMIT: f64 = 7.0;
 impl Stacked {
     /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide.
     fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
-        let (e, w) = (m.experts, m.intermediate);
-        let init = nn::Init::Randn {
-            mean: 0.0,
-            stdev: 0.02,
-        };
+        let (e, w, init) = (m.experts, m.intermediate, RANDN);
         Self {
             gate_up: p.var("gate_up_proj", &[e, d, 2 * w], init),
             gate_up_bias: p.zeros("gate_up_proj_bias", &[e, 2 * w]),
@@ -369,12 +369,8 @@ impl Experts {
         let router = match &m.grouped {
             Some(routing) => {
                 let g = p / "gate";
-                let init = nn::Init::Randn {
-                    mean: 0.0,
-                    stdev: 0.02,
-                };
                 Router::Grouped {
-                    weight: g.var("weight", &[m.experts, d], init),
+                    weight: g.var("weight", &[m.experts, d], RANDN),
                     correction: g.zeros_no_train("e_score_correction_bias", &[m.experts]),
                     routing: routing.clone(),
                 }
@@ -568,13 +564,7 @@ impl Layer {
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
             window,
-            sinks: (c.family == Family::GptOss).then(|| {
-                let init = nn::Init::Randn {
-                    mean: 0.0,
-                    stdev: 0.02,
-                };
-                a.var("sinks", &[c.heads], init)
-            }),
+            sinks: (c.family == Family::GptOss).then(|| a.var("sinks", &[c.heads], RANDN)),
             training: training.clone(),
             cfg: c.clone(),
         }

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4,
 //! Mixtral, OLMoE,
-//! Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS and
+//! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
 //! rank holding the model while it is built, and compute what
@@ -376,6 +376,35 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // DeepSeek-V2 as V2-Lite has it: one query projection, a dense
+    // first layer, then experts chosen greedily by a softmax over them
+    // all, beside two shared experts; YaRN with DeepSeek's mscale pair,
+    // which transformers' V2 leaves out of the scores' scale.
+    Case {
+        name: "deepseek-v2-lite",
+        python: (
+            "from transformers import DeepseekV2Config as C, DeepseekV2ForCausalLM as M",
+            "vocab_size=96, hidden_size=48, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1, topk_method='greedy', rope_scaling={'type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64, 'mscale': 0.707, 'mscale_all_dim': 0.707, 'beta_fast': 32, 'beta_slow': 1}",
+        ),
+        load: "",
+    },
+    // DeepSeek-V2 as V2 has it: the queries' bottleneck, experts on
+    // every layer, three a token chosen within the best two of three
+    // groups of two (a group's worth: its best), their weights scaled,
+    // one shared expert, biases on the attention's projections. Both
+    // cases' sizes keep bf16 from flipping a token's experts
+    // (transformers' own bf16 logits stay within 0.9% of its fp32 ones,
+    // where the first sizes tried moved them 3-11%), and every expert
+    // takes tokens in every step (one no token chose AdamW moves by its
+    // momentum in zrt and skips in torch: docs/choices.md).
+    Case {
+        name: "deepseek-v2",
+        python: (
+            "from transformers import DeepseekV2Config as C, DeepseekV2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0, topk_method='group_limited_greedy', n_group=3, topk_group=2, routed_scaling_factor=1.5, attention_bias=True",
+        ),
+        load: "",
+    },
     // GLM: one gate-and-up matrix, query/key/value biases, half of each
     // head turned by neighbouring pairs, grouped keys and values, a pad
     // row.
@@ -697,6 +726,16 @@ fn a_cohere2_checkpoint_with_windowed_turning_and_global_unturned_layers_trains_
 fn a_deepseek_v3_checkpoint_with_latent_attention_and_grouped_experts_trains_as_transformers_does()
 {
     parity("deepseek-v3");
+}
+
+#[test]
+fn a_deepseek_v2_lite_checkpoint_routing_greedily_by_softmax_trains_as_transformers_does() {
+    parity("deepseek-v2-lite");
+}
+
+#[test]
+fn a_deepseek_v2_checkpoint_routing_within_groups_trains_as_transformers_does() {
+    parity("deepseek-v2");
 }
 
 #[test]
@@ -1667,9 +1706,14 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
         // 32 heads: every class's default key-value heads divide them;
         // heads 16 wide: GPT-NeoX's default quarter of one is two pairs;
         // a vocabulary holding every default pad token.
+        // DeepSeek-V2's class has no default top k.
+        let k = match mt {
+            "deepseek_v2" => r#", "num_experts_per_tok": 2"#,
+            _ => "",
+        };
         let config = format!(
             r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
-                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}}"#
+                "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32{k}}}"#
         );
         std::fs::write(given.join("config.json"), config).unwrap();
         let ours = match mt {

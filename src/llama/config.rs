@@ -41,25 +41,38 @@ pub struct MoeConfig {
     /// top `k`, Qwen2-MoE's output times a sigmoid gate of the token;
     /// `None`: no shared expert (Mixtral, OLMoE, Qwen3-MoE).
     pub shared: Option<i64>,
-    /// DeepSeek-V3's and GLM-4-MoE's routing ([`GroupRouting`]);
-    /// `None`: the softmax's top `k`.
+    /// DeepSeek-V3's, GLM-4-MoE's and DeepSeek-V2's routing
+    /// ([`GroupRouting`]); `None`: the softmax's top `k`.
     pub grouped: Option<GroupRouting>,
 }
 
-/// DeepSeek-V3's routing (GLM-4-MoE's too): each expert scored by a sigmoid, the experts
-/// chosen by score plus a fixed correction (`e_score_correction_bias`,
-/// a buffer of the checkpoint, never trained) among the `top_groups`
-/// best of `groups` groups (a group's worth: its two best), each chosen
+/// DeepSeek's routing: each expert scored ([`Scoring`]), the experts
+/// chosen among the `top_groups` best of `groups` groups, each chosen
 /// expert weighted by its score (normalised over the `k` when
 /// [`MoeConfig::normalize`]) times `scale`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupRouting {
-    /// `n_group`.
+    /// `n_group` (DeepSeek-V2's `greedy` `topk_method`: one).
     pub groups: i64,
     /// `topk_group`.
     pub top_groups: i64,
     /// `routed_scaling_factor`.
     pub scale: f64,
+    /// How the experts are scored and the groups valued.
+    pub scoring: Scoring,
+}
+
+/// How [`GroupRouting`] scores experts and values groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// DeepSeek-V3's (GLM-4-MoE's): a sigmoid of each expert's logit;
+    /// the experts chosen by score plus a fixed correction
+    /// (`e_score_correction_bias`, a buffer of the checkpoint, never
+    /// trained); a group's worth its two best.
+    Sigmoid,
+    /// DeepSeek-V2's: a softmax over every expert's logit, no
+    /// correction; a group's worth its best.
+    Softmax,
 }
 
 /// DeepSeek-V3's multi-head latent attention: each head's queries and
@@ -82,7 +95,9 @@ pub struct Mla {
     /// `v_head_dim`.
     pub v: i64,
     /// `rope_interleave`: the turned dimensions are pairs of neighbours
-    /// (regrouped into halves before the rotation).
+    /// (regrouped into halves before the rotation). DeepSeek-V2's are
+    /// neighbours too, but turned where they are, in fp32, by the
+    /// layer's rotary embedding: `false` for it.
     pub interleave: bool,
     /// `rope_scaling`'s `mscale_all_dim` (0 when it has none): with a
     /// scaling, the scores' scale grows by its mscale squared.
@@ -521,6 +536,9 @@ impl LlamaConfig {
             residual_multiplier: granite("residual_multiplier")?,
             attention_multiplier: match (family, &mla) {
                 (Family::Granite | Family::GraniteMoe, _) => Some(granite("attention_multiplier")?),
+                // transformers' DeepSeek-V2 leaves `mscale_all_dim` out
+                // of its scores' scale.
+                (Family::DeepseekV2, Some(_)) => Some((head_dim as f64).powf(-0.5)),
                 (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
@@ -641,7 +659,8 @@ impl LlamaConfig {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
             let gate = bias(self.family == Family::Qwen2Moe, d);
-            let correction = bias(m.grouped.is_some(), e);
+            let sigmoid = m.grouped.as_ref().map(|g| g.scoring) == Some(Scoring::Sigmoid);
+            let correction = bias(sigmoid, e);
             let biases = bias(oss, e + e * (2 * w + d));
             d * e + e * 3 * d * w + shared + gate + correction + biases
         });
@@ -753,9 +772,9 @@ impl LlamaConfig {
                 "use_qk_norm": self.qk_norm,
                 "partial_rotary_factor": self.partial_rotary,
             }),
-            Family::DeepseekV3 => {
+            Family::DeepseekV3 | Family::DeepseekV2 => {
                 let m = self.mla.as_ref();
-                serde_json::json!({
+                let mut j = serde_json::json!({
                     "attention_bias": self.o_bias,
                     "q_lora_rank": m.and_then(|m| m.q_rank),
                     "kv_lora_rank": m.map(|m| m.kv_rank),
@@ -764,8 +783,22 @@ impl LlamaConfig {
                     // The class turns `head_dim` dimensions.
                     "head_dim": m.map(|m| m.rope),
                     "v_head_dim": m.map(|m| m.v),
-                    "rope_interleave": m.map(|m| m.interleave),
-                })
+                });
+                if self.family == Family::DeepseekV3 {
+                    j["rope_interleave"] = m.map(|m| m.interleave).into();
+                } else {
+                    // One group: the greedy choice (written without
+                    // groups).
+                    let grouped = (self.moe.as_ref()).and_then(|e| e.grouped.as_ref());
+                    let greedy = grouped.is_none_or(|g| g.groups == 1);
+                    j["topk_method"] = if greedy {
+                        "greedy"
+                    } else {
+                        "group_limited_greedy"
+                    }
+                    .into();
+                }
+                j
             }
             Family::Olmoe => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -862,7 +895,11 @@ impl LlamaConfig {
             &self.moe,
             json.as_object_mut(),
         ) {
-            let g = e.grouped.as_ref();
+            // DeepSeek-V2's greedy routing: no groups (its class's
+            // nulls).
+            let greedy = self.family == Family::DeepseekV2;
+            let routing = e.grouped.as_ref();
+            let g = routing.filter(|g| !(greedy && g.groups == 1));
             let experts = serde_json::json!({
                 "n_routed_experts": e.experts,
                 "num_experts_per_tok": e.top_k,
@@ -872,7 +909,7 @@ impl LlamaConfig {
                 "norm_topk_prob": e.normalize,
                 "n_group": g.map(|g| g.groups),
                 "topk_group": g.map(|g| g.top_groups),
-                "routed_scaling_factor": g.map(|g| g.scale),
+                "routed_scaling_factor": routing.map(|g| g.scale),
             });
             if let serde_json::Value::Object(experts) = experts {
                 all.extend(experts);
@@ -909,7 +946,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         f if f.deepseek_experts() => (
             "n_routed_experts",
             "moe_intermediate_size",
-            j.flag_or("norm_topk_prob", true)?,
+            j.flag_or("norm_topk_prob", f != Family::DeepseekV2)?,
         ),
         Family::Qwen2Moe | Family::Qwen3Moe => (
             "num_experts",
@@ -935,12 +972,19 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
+        Family::DeepseekV2 => (64, 0, 1407),
         Family::Glm4Moe => (128, 8, 1408),
         Family::GptOss => (128, 4, 0),
         _ => (128, 8, 768),
     };
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
-    let top_k = j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1);
+    // DeepSeek-V2's class has no default.
+    let top_k = match family {
+        Family::DeepseekV2 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
+            j.field("no num_experts_per_tok: DeepSeek-V2's config class has no default (its models route 6 experts a token); give it".into())
+        })?,
+        _ => j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1),
+    };
     if top_k > experts {
         return Err(j.field(format!(
             "num_experts_per_tok {top_k} is more than the {experts} experts"
@@ -950,7 +994,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         // DeepSeek-V3's (and GLM-4-MoE's) first `first_k_dense_replace`
         // layers.
         _ if family.deepseek_experts() => {
-            let dense = if family == Family::Glm4Moe { 1 } else { 3 };
+            let dense = match family {
+                Family::Glm4Moe => 1,
+                Family::DeepseekV2 => 0,
+                _ => 3,
+            };
             (0..count_or(j, "first_k_dense_replace", dense)?).collect()
         }
         None => Vec::new(),
@@ -980,7 +1028,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
                 j.size_or_none("shared_expert_intermediate_size")?
                     .unwrap_or(5632),
             ),
-            // `n_shared_experts` experts' width, one MLP.
+            // `n_shared_experts` experts' width, one MLP (DeepSeek-V2's
+            // two unless it says, none when null).
+            Family::DeepseekV2 => {
+                (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
+            }
             f if f.deepseek_experts() => {
                 Some(intermediate * j.size_or_none("n_shared_experts")?.unwrap_or(1))
             }
@@ -1003,6 +1055,9 @@ fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
 /// `family`'s config class's defaults (GLM-4-MoE's: one group, no
 /// scale).
 fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRouting, HfError> {
+    if family == Family::DeepseekV2 {
+        return softmax_routing(j, experts);
+    }
     let (groups, top_groups, scale) = match family {
         Family::Glm4Moe => (1, 1, 1.0),
         _ => (8, 4, 2.5),
@@ -1031,6 +1086,67 @@ fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRoutin
         groups,
         top_groups,
         scale: j.number_or("routed_scaling_factor", scale)?,
+        scoring: Scoring::Sigmoid,
+    })
+}
+
+/// DeepSeek-V2's routing of `experts` ([`Scoring::Softmax`]), as
+/// `transformers`' `DeepseekV2MoEGate` computes it: `topk_method`
+/// `greedy` (its default: the softmax's top `k`, one group) or
+/// `group_limited_greedy` (within the `topk_group` best of `n_group`).
+/// Its class leaves `norm_topk_prob` unused where DeepSeek's own code
+/// normalises: a config asking for it is refused (DeepSeek-V2's are
+/// false), as are an `mlp_bias` its experts would not have, a
+/// `scoring_func` other than `softmax` and a `moe_layer_freq` other than
+/// 1 (DeepSeek's code's, which the class ignores).
+fn softmax_routing(j: &HfJson, experts: i64) -> Result<GroupRouting, HfError> {
+    let scoring = j.get("scoring_func").and_then(|v| v.as_str());
+    if scoring.is_some_and(|s| s != "softmax") {
+        return Err(j.field(format!(
+            "scoring_func {scoring:?}: DeepSeek-V2's routers score experts by a softmax"
+        )));
+    }
+    let every = j.size_or_none("moe_layer_freq")?.unwrap_or(1);
+    if every != 1 {
+        return Err(j.field(format!(
+            "moe_layer_freq {every}: transformers' DeepSeek-V2 puts experts on every layer after first_k_dense_replace, so zrt does; set it to 1"
+        )));
+    }
+    if j.flag_or("norm_topk_prob", false)? {
+        return Err(j.field(
+            "norm_topk_prob true: transformers' DeepSeek-V2 never normalises its experts' weights (DeepSeek's own code does), so the two disagree on this model; set it to false".into(),
+        ));
+    }
+    if j.flag_or("mlp_bias", false)? {
+        return Err(j.field(
+            "mlp_bias true: zrt builds DeepSeek-V2's experts without biases (DeepSeek-V2's configs have none); set it to false".into(),
+        ));
+    }
+    let method = j.get("topk_method").and_then(|m| m.as_str());
+    let (groups, top_groups) = match method {
+        None | Some("greedy") => (1, 1),
+        Some("group_limited_greedy") => (j.size("n_group")?, j.size("topk_group")?),
+        Some(m) => {
+            return Err(j.field(format!(
+                "topk_method {m:?}: transformers' DeepSeek-V2 routes by \"greedy\" or \"group_limited_greedy\""
+            )))
+        }
+    };
+    if groups <= 0 || experts % groups != 0 {
+        return Err(j.field(format!(
+            "n_group {groups}: the {experts} experts must split into that many groups"
+        )));
+    }
+    if top_groups > groups {
+        return Err(j.field(format!(
+            "topk_group {top_groups} is more than the n_group {groups} groups"
+        )));
+    }
+    Ok(GroupRouting {
+        groups,
+        top_groups,
+        scale: j.number_or("routed_scaling_factor", 1.0)?,
+        scoring: Scoring::Softmax,
     })
 }
 
@@ -1038,7 +1154,7 @@ fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRoutin
 /// A `head_dim` other than `qk_rope_head_dim` (the width its config
 /// class turns) is refused.
 fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
-    if family != Family::DeepseekV3 {
+    if !family.latent_attention() {
         return Ok(None);
     }
     let rope = j.size_or_none("qk_rope_head_dim")?.unwrap_or(64);
@@ -1049,7 +1165,8 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
     }
     if let Some(d) = j.size_or_none("head_dim")?.filter(|&d| d != rope) {
         return Err(j.field(format!(
-            "head_dim {d}: DeepSeek-V3's config class turns head_dim dimensions, which must be qk_rope_head_dim {rope}"
+            "head_dim {d}: {}'s config class turns head_dim dimensions, which must be qk_rope_head_dim {rope}",
+            if family == Family::DeepseekV2 { "DeepSeek-V2" } else { "DeepSeek-V3" }
         )));
     }
     let scaling = j.get("rope_scaling").filter(|v| !v.is_null());
@@ -1065,7 +1182,10 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
         nope: j.size_or_none("qk_nope_head_dim")?.unwrap_or(128),
         rope,
         v: j.size_or_none("v_head_dim")?.unwrap_or(128),
-        interleave: j.flag_or("rope_interleave", true)?,
+        interleave: match family {
+            Family::DeepseekV2 => false,
+            _ => j.flag_or("rope_interleave", true)?,
+        },
         mscale_all_dim,
     }))
 }

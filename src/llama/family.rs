@@ -152,11 +152,18 @@ pub enum Family {
     /// `output_linear.weight` `[experts, d, width]`), routed by
     /// `router.layer`.
     GraniteMoe,
+    /// `deepseek_v2` (`DeepseekV2ForCausalLM`: DeepSeek-V2 and V2-Lite,
+    /// DeepSeek-Coder-V2): DeepSeek-V3's multi-head latent attention
+    /// (its scores unscaled by `mscale_all_dim`, as `transformers` has
+    /// it) and experts after the dense first layers, routed by a softmax
+    /// over all experts, greedily or within the best groups (a group's
+    /// worth: its best expert), with no correction.
+    DeepseekV2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 27] = [
+    pub const ALL: [Family; 28] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -184,6 +191,7 @@ impl Family {
         Self::Glm4Moe,
         Self::GptOss,
         Self::GraniteMoe,
+        Self::DeepseekV2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -230,6 +238,7 @@ impl Family {
             Self::Glm4Moe => "glm4_moe",
             Self::GptOss => "gpt_oss",
             Self::GraniteMoe => "granitemoe",
+            Self::DeepseekV2 => "deepseek_v2",
         }
     }
 
@@ -263,6 +272,7 @@ impl Family {
             Self::Glm4Moe => "Glm4MoeForCausalLM",
             Self::GptOss => "GptOssForCausalLM",
             Self::GraniteMoe => "GraniteMoeForCausalLM",
+            Self::DeepseekV2 => "DeepseekV2ForCausalLM",
         }
     }
 
@@ -313,11 +323,22 @@ impl Family {
         matches!(self, Self::Glm | Self::Glm4)
     }
 
-    /// DeepSeek-V3's experts (and GLM-4-MoE's): chosen by sigmoid scores
-    /// within the best groups, beside shared experts, after dense layers;
-    /// the files' multi-token-prediction layers after the last.
+    /// DeepSeek-V3's experts (and GLM-4-MoE's, and DeepSeek-V2's):
+    /// chosen within the best groups, beside shared experts, after dense
+    /// layers.
     pub(super) fn deepseek_experts(self) -> bool {
+        matches!(self, Self::DeepseekV3 | Self::Glm4Moe | Self::DeepseekV2)
+    }
+
+    /// Whether its files hold multi-token-prediction layers after the
+    /// last, which `transformers` skips (DeepSeek-V3's, GLM-4-MoE's).
+    pub(super) fn prediction_layers(self) -> bool {
         matches!(self, Self::DeepseekV3 | Self::Glm4Moe)
+    }
+
+    /// DeepSeek-V3's multi-head latent attention (DeepSeek-V2's too).
+    pub(super) fn latent_attention(self) -> bool {
+        matches!(self, Self::DeepseekV3 | Self::DeepseekV2)
     }
 
     /// Queries and keys normalised over the whole projection before the
@@ -351,7 +372,7 @@ impl Family {
             ..LLAMA
         };
         match self {
-            Self::Llama | Self::Granite | Self::GraniteMoe => LLAMA,
+            Self::Llama | Self::Granite | Self::GraniteMoe | Self::DeepseekV2 => LLAMA,
             Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),
                 window: Some(4096),

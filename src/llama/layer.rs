@@ -11,7 +11,7 @@ use crate::kv_cache::{Decoding, LayerCache};
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::{in_window, Documents};
 
-use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig};
+use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
 use super::norm::{Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
@@ -296,13 +296,13 @@ enum Router {
     /// A linear layer's softmax, its top `k` (Mixtral, the Qwens;
     /// GPT-OSS's with a bias).
     Softmax(Adapted),
-    /// DeepSeek-V3's and GLM-4-MoE's ([`GroupRouting`]): its weights
-    /// (`gate.weight`, no linear layer an adapter could target, as in
-    /// `transformers`) and its fixed correction
-    /// (`gate.e_score_correction_bias`, frozen).
+    /// DeepSeek-V3's, GLM-4-MoE's and DeepSeek-V2's ([`GroupRouting`]):
+    /// its weights (`gate.weight`, no linear layer an adapter could
+    /// target, as in `transformers`) and, scoring by a sigmoid, its fixed
+    /// correction (`gate.e_score_correction_bias`, frozen).
     Grouped {
         weight: Tensor,
-        correction: Tensor,
+        correction: Option<Tensor>,
         routing: GroupRouting,
     },
 }
@@ -371,7 +371,8 @@ impl Experts {
                 let g = p / "gate";
                 Router::Grouped {
                     weight: g.var("weight", &[m.experts, d], RANDN),
-                    correction: g.zeros_no_train("e_score_correction_bias", &[m.experts]),
+                    correction: (routing.scoring == Scoring::Sigmoid)
+                        .then(|| g.zeros_no_train("e_score_correction_bias", &[m.experts])),
                     routing: routing.clone(),
                 }
             }
@@ -451,17 +452,27 @@ impl Experts {
             } => (weight, correction, routing),
         };
         let f = Kind::Float;
-        let scores = h
-            .to_kind(f)
-            .linear::<&Tensor>(&weight.to_kind(f), None)
-            .sigmoid();
+        let logits = h.to_kind(f).linear::<&Tensor>(&weight.to_kind(f), None);
+        let scores = match g.scoring {
+            Scoring::Sigmoid => logits.sigmoid(),
+            Scoring::Softmax => logits.softmax(-1, f),
+        };
         let chosen = tch::no_grad(|| {
-            let choice = &scores + correction.to_kind(f).unsqueeze(0);
+            let choice = match correction {
+                Some(c) => &scores + c.to_kind(f).unsqueeze(0),
+                None => scores.shallow_clone(),
+            };
             let (n, e) = (choice.size()[0], choice.size()[1]);
             let per = e / g.groups;
-            // A group's worth: its two best; the others' experts out.
-            let groups = (choice.view([n, g.groups, per]).topk(2, -1, true, true).0)
-                .sum_dim_intlist(-1, false, f);
+            // A group's worth: its two best (DeepSeek-V2: its best); the
+            // others' experts out.
+            let grouped = choice.view([n, g.groups, per]);
+            let groups = match g.scoring {
+                Scoring::Sigmoid => {
+                    (grouped.topk(2, -1, true, true).0).sum_dim_intlist(-1, false, f)
+                }
+                Scoring::Softmax => grouped.amax(-1, false),
+            };
             let best = groups.topk(g.top_groups, -1, true, false).1;
             let kept = groups.zeros_like().scatter_value(1, &best, 1.0);
             let kept = kept
@@ -512,6 +523,9 @@ impl Layer {
             match c.family {
                 f if f.cohere() => r.interleaved(true),
                 f if f.glm() => r.interleaved(false),
+                // DeepSeek-V2's turned dimensions, neighbouring pairs,
+                // turned in fp32 as complex numbers.
+                Family::DeepseekV2 => r.interleaved(true),
                 _ => r,
             }
         });

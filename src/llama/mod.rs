@@ -59,7 +59,7 @@ mod rotary;
 pub(crate) mod tests;
 
 pub(crate) use config::{pad_token, rotary_dim};
-pub use config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig};
+pub use config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 pub use family::Family;
 pub use layer::Layer;
 pub(crate) use rope_scaling::rope_scaling;
@@ -97,7 +97,7 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // DeepSeek-V3's and GLM-4-MoE's files hold their multi-token-
     // prediction layers after the last (`model.layers.61` of 61,
     // GLM-4.5-Air's `model.layers.46`), which `transformers` skips too.
-    let beyond = cfg.family.deepseek_experts();
+    let beyond = cfg.family.prediction_layers();
     plan.rename_weights(move |n| match layer_of(n) {
         Some(l) if beyond && l >= layers => None,
         _ => hf_name(n, tied),

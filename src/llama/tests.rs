@@ -752,6 +752,99 @@ fn granitemoe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn deepseek_v2_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("deepseek-v2-configs");
+    // DeepSeek-V2-Lite's config as published; the counts are
+    // transformers' state dicts'.
+    let lite = r#"{"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": null, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": true, "tie_word_embeddings": false, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16", "use_cache": true, "v_head_dim": 128, "vocab_size": 102400}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(lite).unwrap();
+    assert_eq!(total(&c), 15706484224);
+    let moe = c.moe.clone().unwrap();
+    let g = moe.grouped.clone().unwrap();
+    assert_eq!(
+        (moe.top_k, moe.shared, moe.normalize, moe.dense_layers),
+        (6, Some(2 * 1408), false, vec![0])
+    );
+    assert_eq!(
+        (g.groups, g.top_groups, g.scale, g.scoring),
+        (1, 1, 1.0, Scoring::Softmax)
+    );
+    // Its scores' scale leaves mscale_all_dim out, as transformers' does.
+    assert_eq!(c.attention_multiplier, Some(192f64.powf(-0.5)));
+    assert!(!c.mla.as_ref().unwrap().interleave);
+    // DeepSeek-V2's sizes: the queries' bottleneck, eight groups.
+    let v2 = lite
+        .replace(r#""hidden_size": 2048"#, r#""hidden_size": 5120"#)
+        .replace(
+            r#""intermediate_size": 10944"#,
+            r#""intermediate_size": 12288"#,
+        )
+        .replace(r#""q_lora_rank": null"#, r#""q_lora_rank": 1536"#)
+        .replace(r#""num_hidden_layers": 27"#, r#""num_hidden_layers": 60"#)
+        .replace(
+            r#""num_attention_heads": 16"#,
+            r#""num_attention_heads": 128"#,
+        )
+        .replace(
+            r#""num_key_value_heads": 16"#,
+            r#""num_key_value_heads": 128"#,
+        )
+        .replace(r#""n_routed_experts": 64"#, r#""n_routed_experts": 160"#)
+        .replace(
+            r#""moe_intermediate_size": 1408"#,
+            r#""moe_intermediate_size": 1536"#,
+        )
+        .replace(r#""n_group": 1"#, r#""n_group": 8"#)
+        .replace(r#""topk_group": 1"#, r#""topk_group": 3"#)
+        .replace(
+            r#""routed_scaling_factor": 1.0"#,
+            r#""routed_scaling_factor": 16.0"#,
+        )
+        .replace(
+            r#""topk_method": "greedy""#,
+            r#""topk_method": "group_limited_greedy""#,
+        );
+    let b = dir.read(&v2).unwrap();
+    assert_eq!(total(&b), 235741434880);
+    let g = b.moe.clone().unwrap().grouped.unwrap();
+    assert_eq!((g.groups, g.top_groups, g.scale), (8, 3, 16.0));
+    dir.round_trips([c, b]);
+    // What transformers' class and DeepSeek's code would compute apart,
+    // or not at all, is refused naming the field.
+    for (from, to, says) in [
+        (
+            r#""norm_topk_prob": false"#,
+            r#""norm_topk_prob": true"#,
+            "norm_topk_prob true: transformers' DeepSeek-V2 never normalises",
+        ),
+        (
+            r#""topk_method": "greedy""#,
+            r#""topk_method": "noaux_tc""#,
+            r#"topk_method "noaux_tc""#,
+        ),
+        (
+            r#""scoring_func": "softmax""#,
+            r#""scoring_func": "sigmoid""#,
+            r#"scoring_func Some("sigmoid")"#,
+        ),
+        (
+            r#""moe_layer_freq": 1"#,
+            r#""moe_layer_freq": 2"#,
+            "moe_layer_freq 2",
+        ),
+        (
+            r#""num_experts_per_tok": 6, "#,
+            "",
+            "no num_experts_per_tok: DeepSeek-V2's config class has no default",
+        ),
+    ] {
+        let err = dir.read(&lite.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.
@@ -1065,6 +1158,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 groups: 2,
                 top_groups: 1,
                 scale: 2.5,
+                scoring: Scoring::Sigmoid,
             }),
         }),
         mla: Some(mla.clone()),

@@ -508,8 +508,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// `fc2`, the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4 and
-/// GLM-4-MoE, DeepSeek-V3, GPT-OSS, Granite-MoE), zrt's
-/// choice: Phi-3's fused `qkv_proj`, DeepSeek-V3's projections making
+/// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE), zrt's
+/// choice: Phi-3's fused `qkv_proj`, DeepSeek-V2's and V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
@@ -522,7 +522,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
         // Null: one `q_proj` (left out: the class's bottleneck).
-        Some("deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
+        Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
             None => &["q_proj", "kv_b_proj"],
             Some(_) => &["q_b_proj", "kv_b_proj"],
         },
@@ -1177,6 +1177,7 @@ mod tests {
             ("qwen2", vec!["q_proj", "v_proj"]),
             ("starcoder2", vec!["q_proj", "v_proj"]),
             ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),
+            ("deepseek_v2", vec!["q_b_proj", "kv_b_proj"]),
             (
                 r#"deepseek_v3", "q_lora_rank": null, "_": ""#,
                 vec!["q_proj", "kv_b_proj"],

@@ -4,7 +4,7 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4,
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -210,6 +210,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GraniteConfig as C, GraniteForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0",
+        ),
+        load: "",
+    },
+    // ERNIE 4.5: biases on every projection (use_bias), each head turned
+    // whole by neighbouring pairs in fp32, the head tied, a pad row.
+    Case {
+        name: "ernie4_5",
+        python: (
+            "from transformers import Ernie4_5Config as C, Ernie4_5ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_bias=True",
         ),
         load: "",
     },
@@ -761,6 +771,11 @@ fn a_glm4_moe_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_tra
 #[test]
 fn a_gpt_oss_checkpoint_with_sinks_and_stacked_experts_trains_as_transformers_does() {
     parity("gpt-oss");
+}
+
+#[test]
+fn an_ernie4_5_checkpoint_with_biases_and_pairs_turned_in_fp32_trains_as_transformers_does() {
+    parity("ernie4_5");
 }
 
 #[test]

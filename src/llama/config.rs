@@ -415,6 +415,7 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
+            Family::Ernie4_5 => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
             // StableLM's and Qwen2-MoE's output projections have none.
@@ -483,12 +484,16 @@ impl LlamaConfig {
             qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
-                Family::Starcoder2 => attention_bias,
+                Family::Starcoder2 | Family::Ernie4_5 => attention_bias,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
-            attention_dropout: j.rate_or("attention_dropout", 0.0)?,
+            // ERNIE 4.5's attention sets none, whatever the config says.
+            attention_dropout: match family {
+                Family::Ernie4_5 => 0.0,
+                _ => j.rate_or("attention_dropout", 0.0)?,
+            },
             qk_norm: match family {
                 Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
@@ -708,6 +713,10 @@ impl LlamaConfig {
             "tie_word_embeddings": self.tied,
             "attention_dropout": self.attention_dropout,
         });
+        // ERNIE 4.5's class has no attention dropout to write.
+        if let (Family::Ernie4_5, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("attention_dropout");
+        }
         let extra = match self.family {
             Family::Llama => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -839,6 +848,7 @@ impl LlamaConfig {
                     l.iter().map(|&r| i64::from(r)).collect::<Vec<_>>()
                 }),
             }),
+            Family::Ernie4_5 => serde_json::json!({"use_bias": self.o_bias}),
             Family::Starcoder2 => serde_json::json!({
                 "use_bias": self.o_bias,
                 "sliding_window": self.sliding_window,

@@ -159,11 +159,15 @@ pub enum Family {
     /// over all experts, greedily or within the best groups (a group's
     /// worth: its best expert), with no correction.
     DeepseekV2,
+    /// `ernie4_5` (`Ernie4_5ForCausalLM`: ERNIE-4.5-0.3B): Llama's layers,
+    /// biases on every projection when `use_bias`, each head turned
+    /// whole by neighbouring pairs in fp32, the head tied.
+    Ernie4_5,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 28] = [
+    pub const ALL: [Family; 29] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -192,6 +196,7 @@ impl Family {
         Self::GptOss,
         Self::GraniteMoe,
         Self::DeepseekV2,
+        Self::Ernie4_5,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -239,6 +244,7 @@ impl Family {
             Self::GptOss => "gpt_oss",
             Self::GraniteMoe => "granitemoe",
             Self::DeepseekV2 => "deepseek_v2",
+            Self::Ernie4_5 => "ernie4_5",
         }
     }
 
@@ -273,6 +279,7 @@ impl Family {
             Self::GptOss => "GptOssForCausalLM",
             Self::GraniteMoe => "GraniteMoeForCausalLM",
             Self::DeepseekV2 => "DeepseekV2ForCausalLM",
+            Self::Ernie4_5 => "Ernie4_5ForCausalLM",
         }
     }
 
@@ -481,6 +488,16 @@ impl Family {
                 kv_heads: Some(2),
                 head_dim: Some(128),
                 pad: Some(151329),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Ernie4_5 => Defaults {
+                eps: 1e-5,
+                rope_theta: 500000.0,
+                kv_heads: Some(2),
+                head_dim: Some(128),
+                tied: true,
+                pad: Some(0),
                 positions: 131072,
                 ..LLAMA
             },

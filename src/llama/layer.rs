@@ -524,8 +524,8 @@ impl Layer {
                 f if f.cohere() => r.interleaved(true),
                 f if f.glm() => r.interleaved(false),
                 // DeepSeek-V2's turned dimensions, neighbouring pairs,
-                // turned in fp32 as complex numbers.
-                Family::DeepseekV2 => r.interleaved(true),
+                // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
+                Family::DeepseekV2 | Family::Ernie4_5 => r.interleaved(true),
                 _ => r,
             }
         });

@@ -845,6 +845,25 @@ fn deepseek_v2_configs_are_read_and_counted() {
 }
 
 #[test]
+fn ernie4_5_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("ernie4_5-configs");
+    // ERNIE-4.5-0.3B's sizes; the counts are transformers' parameters
+    // (the head tied), without biases and with.
+    let small = r#"{"model_type": "ernie4_5", "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 131072, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 18, "pad_token_id": 0, "rms_norm_eps": 1e-05, "vocab_size": 103424, "rope_theta": 500000, "use_bias": false, "tie_word_embeddings": true, "attention_dropout": 0.1}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(small).unwrap();
+    assert_eq!(total(&c), 360748032);
+    // Its class's attention drops nothing, whatever the config says.
+    assert_eq!(c.attention_dropout, 0.0);
+    let b = dir
+        .read(&small.replace(r#""use_bias": false"#, r#""use_bias": true"#))
+        .unwrap();
+    assert_eq!(total(&b), 360941568);
+    assert!(b.qkv_bias && b.o_bias && b.mlp_bias);
+    dir.round_trips([c, b]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

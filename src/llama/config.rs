@@ -11,10 +11,11 @@ use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
-/// Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS): a router scores `experts` per token, each token goes
+/// Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS,
+/// Granite-MoE): a router scores `experts` per token, each token goes
 /// through its top `top_k` experts, their outputs summed weighted by the
 /// router's softmax (renormalised over the `k` when `normalize`), or as
-/// [`GroupRouting`] chooses; Qwen2-MoE, DeepSeek-V3 and GLM-4-MoE add a
+/// [`GroupRouting`] chooses; Qwen2-MoE, DeepSeek-V2 and V3 and GLM-4-MoE add a
 /// shared expert every token goes through.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
@@ -281,8 +282,8 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Mixtral's, OLMoE's, the Qwens', DeepSeek-V3's, GLM-4-MoE's and
-    /// GPT-OSS's experts in place of the MLP.
+    /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
+    /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
     /// OLMoE's `clip_qkv`: queries (normalised), keys (normalised) and
     /// values clamped to `[-c, c]`.
@@ -899,7 +900,7 @@ impl LlamaConfig {
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
-        // DeepSeek-V3's and GLM-4-MoE's experts.
+        // DeepSeek-V2's and V3's and GLM-4-MoE's experts.
         if let (true, Some(e), Some(all)) = (
             self.family.deepseek_experts(),
             &self.moe,
@@ -935,9 +936,9 @@ impl LlamaConfig {
     }
 }
 
-/// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's,
-/// GLM-4-MoE's and GPT-OSS's experts ([`MoeConfig`]), `None` for the
-/// other families. The router's load-balancing loss (`output_router_logits`)
+/// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V2's and
+/// V3's, GLM-4-MoE's, GPT-OSS's and Granite-MoE's experts
+/// ([`MoeConfig`]), `None` for the other families. The router's load-balancing loss (`output_router_logits`)
 /// and Mixtral's router jitter are refused: zrt's loss is the language
 /// model's alone.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {

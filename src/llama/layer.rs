@@ -171,7 +171,7 @@ enum Mlp {
 
 /// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
 /// each expert's gate, up and down matrices; the shared experts of
-/// Qwen2-MoE, DeepSeek-V3 and GLM-4-MoE.
+/// Qwen2-MoE, DeepSeek-V2 and V3 and GLM-4-MoE.
 #[derive(Debug)]
 struct Experts {
     router: Router,
@@ -257,8 +257,8 @@ impl ExpertWeights {
 }
 
 /// What the parameters a file always fills start as (`transformers`'
-/// `initializer_range` default): the stacked experts, DeepSeek-V3's
-/// router, GPT-OSS's sinks.
+/// `initializer_range` default): the stacked experts, DeepSeek's
+/// routers, GPT-OSS's sinks.
 const RANDN: nn::Init = nn::Init::Randn {
     mean: 0.0,
     stdev: 0.02,
@@ -308,8 +308,8 @@ enum Router {
 }
 
 /// A shared expert every token goes through (gate, up and down
-/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V3's and GLM-4-MoE's
-/// `shared_experts`), and Qwen2-MoE's gate (`shared_expert_gate`: one
+/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V2's, V3's and
+/// GLM-4-MoE's `shared_experts`), and Qwen2-MoE's gate (`shared_expert_gate`: one
 /// row), whose sigmoid weighs its output.
 #[derive(Debug)]
 struct Shared {

@@ -119,7 +119,11 @@ impl Layout {
     /// choosing the layout by its `model_type`.
     /// The config itself comes back too, for [`Layout::export`].
     fn read(config: &Path) -> Result<(Self, HfJson), HfError> {
-        let j = HfJson::read(config, None)?;
+        Self::of(HfJson::read(config, None)?)
+    }
+
+    /// The layout of the config `j` (read by [`Layout::read`]).
+    fn of(j: HfJson) -> Result<(Self, HfJson), HfError> {
         let layout = match j.model_type().as_deref() {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
@@ -207,9 +211,15 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 /// under `""` ([`Gpt2Config::unit_params`], [`GptNeoxConfig::unit_params`],
 /// [`PhiConfig::unit_params`],
 /// [`LlamaConfig::unit_params`]):
-/// what `zrt estimate --hf-config` sizes a run by, nothing built.
+/// what `zrt estimate --hf-config` sizes a run by, nothing built. A
+/// quantized checkpoint's config (GPT-OSS's MXFP4) counts as its
+/// dequantized model, the one zrt trains.
 pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
-    Ok(match Layout::read(config.as_ref())?.0 {
+    let mut j = HfJson::read(config.as_ref(), None)?;
+    if let Some(all) = j.json.as_object_mut() {
+        all.remove("quantization_config");
+    }
+    Ok(match Layout::of(j)?.0 {
         Layout::Gpt2(c) => c.unit_params(),
         Layout::GptNeox(c) => c.unit_params(),
         Layout::Phi(c) => c.unit_params(),

@@ -1246,6 +1246,14 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
             "2779683840 params in 34 units",
             "the largest, `lm_head` (131123200 params), adds up to 1000.39 MiB",
         ),
+        // gpt-oss-20b's config as published (its layer_types left out),
+        // MXFP4: counted as the bf16 model zrt trains, transformers'.
+        (
+            "gpt-oss",
+            r#"{"architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false}, "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.55.0.dev0", "use_cache": true, "vocab_size": 201088, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}}"#,
+            "20914757184 params in 26 units",
+            "the largest, `model.layers.23` (823186976 params), adds up to 6.13 GiB",
+        ),
     ] {
         let config = dir.join(format!("{name}.json"));
         std::fs::write(&config, json).unwrap();

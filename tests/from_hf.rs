@@ -4,7 +4,8 @@
 //! `[in, out]`, a tied head; `zrt::llama`: grouped-query attention,
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
-//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5,
+//! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
+//! (dense and with experts),
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -220,6 +221,19 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Ernie4_5Config as C, Ernie4_5ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_bias=True",
+        ),
+        load: "",
+    },
+    // ERNIE 4.5 with experts: pairs turned in fp32, a dense first
+    // layer then experts chosen by softmax score plus their correction,
+    // beside a shared expert. Sizes that keep bf16 (the router too, which
+    // transformers keeps in fp32) from flipping experts, every expert
+    // taking tokens in every step.
+    Case {
+        name: "ernie4_5_moe",
+        python: (
+            "from transformers import Ernie4_5_MoeConfig as C, Ernie4_5_MoeForCausalLM as M",
+            "vocab_size=96, hidden_size=80, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2",
         ),
         load: "",
     },
@@ -776,6 +790,11 @@ fn a_gpt_oss_checkpoint_with_sinks_and_stacked_experts_trains_as_transformers_do
 #[test]
 fn an_ernie4_5_checkpoint_with_biases_and_pairs_turned_in_fp32_trains_as_transformers_does() {
     parity("ernie4_5");
+}
+
+#[test]
+fn an_ernie4_5_moe_checkpoint_with_corrected_routing_trains_as_transformers_does() {
+    parity("ernie4_5_moe");
 }
 
 #[test]
@@ -1843,6 +1862,28 @@ m = M.from_pretrained(f"{dir}/hf")
 "#;
         same_logits(&format!("{name} beyond"), (case.python.0, &three), changed);
     }
+}
+
+/// ERNIE 4.5's files hold their multi-token-prediction weights under
+/// `mtp` names (`model.mtp_block.0...`, `model.mtp_linear_proj.0...`),
+/// which `transformers` skips by that pattern: a checkpoint holding
+/// them loads without them and computes `transformers`' logits.
+#[test]
+fn ernie4_5_moe_prediction_weights_are_skipped_as_transformers_skips_them() {
+    let case = case("ernie4_5_moe");
+    let with_mtp = r#"
+import torch
+from safetensors.torch import load_file
+path = f"{dir}/hf/model.safetensors"
+tensors = load_file(path)
+tensors["model.mtp_block.0.input_layernorm.weight"] = torch.ones(80)
+tensors["model.mtp_linear_proj.0.weight"] = torch.randn(80, 160)
+save_file(tensors, path, metadata={"format": "pt"})
+# Loaded from the files holding them (and, loaded before, its weights
+# would be the rewritten file's mapped pages).
+m = M.from_pretrained(f"{dir}/hf")
+"#;
+    same_logits("ernie4_5_moe mtp", case.python, with_mtp);
 }
 
 /// GPT-OSS's experts past their activation's clamps (the gate above 7,

@@ -416,7 +416,7 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
-            Family::Ernie4_5 => j.flag_or("use_bias", false)?,
+            f if f.ernie() => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
             // StableLM's and Qwen2-MoE's output projections have none.
@@ -485,14 +485,14 @@ impl LlamaConfig {
             qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
-                Family::Starcoder2 | Family::Ernie4_5 => attention_bias,
+                Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
             tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
             // ERNIE 4.5's attention sets none, whatever the config says.
             attention_dropout: match family {
-                Family::Ernie4_5 => 0.0,
+                f if f.ernie() => 0.0,
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
@@ -666,7 +666,7 @@ impl LlamaConfig {
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
             let gate = bias(self.family == Family::Qwen2Moe, d);
             let sigmoid = m.grouped.as_ref().map(|g| g.scoring) == Some(Scoring::Sigmoid);
-            let correction = bias(sigmoid, e);
+            let correction = bias(sigmoid || self.family == Family::Ernie4_5Moe, e);
             let biases = bias(oss, e + e * (2 * w + d));
             d * e + e * 3 * d * w + shared + gate + correction + biases
         });
@@ -715,7 +715,7 @@ impl LlamaConfig {
             "attention_dropout": self.attention_dropout,
         });
         // ERNIE 4.5's class has no attention dropout to write.
-        if let (Family::Ernie4_5, Some(all)) = (self.family, json.as_object_mut()) {
+        if let (true, Some(all)) = (self.family.ernie(), json.as_object_mut()) {
             all.remove("attention_dropout");
         }
         let extra = match self.family {
@@ -850,6 +850,25 @@ impl LlamaConfig {
                 }),
             }),
             Family::Ernie4_5 => serde_json::json!({"use_bias": self.o_bias}),
+            Family::Ernie4_5Moe => {
+                let m = self.moe.as_ref();
+                // The experts' layers: those between the dense ones
+                // before and after.
+                let dense = m.map_or(vec![], |m| m.dense_layers.clone());
+                let start = (0..self.layers).find(|l| !dense.contains(l));
+                let end = (0..self.layers).rev().find(|l| !dense.contains(l));
+                serde_json::json!({
+                    "use_bias": self.o_bias,
+                    "moe_num_experts": m.map(|m| m.experts),
+                    "moe_k": m.map(|m| m.top_k),
+                    "moe_intermediate_size": m.map(|m| m.intermediate),
+                    "moe_num_shared_experts": m.map(|m| m.shared.map_or(0, |s| s / m.intermediate)),
+                    "moe_layer_start_index": start,
+                    "moe_layer_end_index": end,
+                    "moe_layer_interval": m.map(|m| m.sparse_step),
+                    "output_router_logits": false,
+                })
+            }
             Family::Starcoder2 => serde_json::json!({
                 "use_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
@@ -964,12 +983,26 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             "moe_intermediate_size",
             j.flag_or("norm_topk_prob", false)?,
         ),
+        Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
         _ => return Ok(None),
     };
     if j.flag_or("output_router_logits", false)? {
         return Err(j.field(
             "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss (set it to false)".into(),
         ));
+    }
+    if family == Family::Ernie4_5Moe {
+        if j.flag_or("use_bias", false)? {
+            return Err(j.field(
+                "use_bias true: zrt builds ERNIE 4.5's experts and head without biases (its published models have none); set it to false".into(),
+            ));
+        }
+        let min = j.number_or("moe_norm_min", 1e-12)?;
+        if min != 1e-12 {
+            return Err(j.field(format!(
+                "moe_norm_min {min}: zrt renormalises ERNIE 4.5's expert weights over a sum of at least 1e-12, its class's default; set it to 1e-12"
+            )));
+        }
     }
     let jitter = j.number_or("router_jitter_noise", 0.0)?;
     if jitter != 0.0 {
@@ -984,6 +1017,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
         Family::DeepseekV2 => (64, 0, 1407),
+        Family::Ernie4_5Moe => (64, 6, 1536),
         Family::Glm4Moe => (128, 8, 1408),
         Family::GptOss => (128, 4, 0),
         _ => (128, 8, 768),
@@ -991,6 +1025,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
     // DeepSeek-V2's class has no default.
     let top_k = match family {
+        Family::Ernie4_5Moe => j.size_or_none("moe_k")?.unwrap_or(defaults.1),
         Family::DeepseekV2 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
             j.field("no num_experts_per_tok: DeepSeek-V2's config class has no default (its models route 6 experts a token); give it".into())
         })?,
@@ -1012,6 +1047,18 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             };
             (0..count_or(j, "first_k_dense_replace", dense)?).collect()
         }
+        // ERNIE 4.5's experts: the layers from `moe_layer_start_index`
+        // to `moe_layer_end_index` (-1: the last), every
+        // `moe_layer_interval`-th (the sparse step).
+        _ if family == Family::Ernie4_5Moe => {
+            let layers = j.size("num_hidden_layers")?;
+            let start = count_or(j, "moe_layer_start_index", 1)?;
+            let end = match j.get("moe_layer_end_index").and_then(|v| v.as_i64()) {
+                None | Some(-1) => layers - 1,
+                Some(e) => e,
+            };
+            (0..layers).filter(|&l| l < start || l > end).collect()
+        }
         None => Vec::new(),
         Some(v) => (v.as_array())
             .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
@@ -1032,13 +1079,20 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         top_k,
         intermediate,
         normalize,
-        sparse_step: j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
+        sparse_step: match family {
+            Family::Ernie4_5Moe => j.size_or_none("moe_layer_interval")?.unwrap_or(1),
+            _ => j.size_or_none("decoder_sparse_step")?.unwrap_or(1),
+        },
         dense_layers,
         shared: match family {
             Family::Qwen2Moe => Some(
                 j.size_or_none("shared_expert_intermediate_size")?
                     .unwrap_or(5632),
             ),
+            // `moe_num_shared_experts` experts' width (none when 0).
+            Family::Ernie4_5Moe => Some(count_or(j, "moe_num_shared_experts", 2)?)
+                .filter(|&n| n > 0)
+                .map(|n| intermediate * n),
             // `n_shared_experts` experts' width, one MLP (DeepSeek-V2's
             // two unless it says, none when null).
             Family::DeepseekV2 => {

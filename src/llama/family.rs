@@ -163,11 +163,19 @@ pub enum Family {
     /// biases on every projection when `use_bias`, each head turned
     /// whole by neighbouring pairs in fp32, the head tied.
     Ernie4_5,
+    /// `ernie4_5_moe` (`Ernie4_5_MoeForCausalLM`: ERNIE-4.5-21B-A3B,
+    /// ERNIE-4.5-300B-A47B): ERNIE 4.5's layers with experts on the
+    /// layers from `moe_layer_start_index` to `moe_layer_end_index`, every
+    /// `moe_layer_interval`-th, beside shared experts; each token's `k`
+    /// chosen by softmax score plus a fixed correction
+    /// (`mlp.moe_statics.e_score_correction_bias`), weighted by their
+    /// scores renormalised.
+    Ernie4_5Moe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 29] = [
+    pub const ALL: [Family; 30] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -197,6 +205,7 @@ impl Family {
         Self::GraniteMoe,
         Self::DeepseekV2,
         Self::Ernie4_5,
+        Self::Ernie4_5Moe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -245,6 +254,7 @@ impl Family {
             Self::GraniteMoe => "granitemoe",
             Self::DeepseekV2 => "deepseek_v2",
             Self::Ernie4_5 => "ernie4_5",
+            Self::Ernie4_5Moe => "ernie4_5_moe",
         }
     }
 
@@ -280,6 +290,7 @@ impl Family {
             Self::GraniteMoe => "GraniteMoeForCausalLM",
             Self::DeepseekV2 => "DeepseekV2ForCausalLM",
             Self::Ernie4_5 => "Ernie4_5ForCausalLM",
+            Self::Ernie4_5Moe => "Ernie4_5_MoeForCausalLM",
         }
     }
 
@@ -335,6 +346,12 @@ impl Family {
     /// layers.
     pub(super) fn deepseek_experts(self) -> bool {
         matches!(self, Self::DeepseekV3 | Self::Glm4Moe | Self::DeepseekV2)
+    }
+
+    /// ERNIE 4.5's (dense or with experts): biases when `use_bias`,
+    /// pairs turned in fp32, no attention dropout.
+    pub(super) fn ernie(self) -> bool {
+        matches!(self, Self::Ernie4_5 | Self::Ernie4_5Moe)
     }
 
     /// Whether its files hold multi-token-prediction layers after the
@@ -496,6 +513,15 @@ impl Family {
                 rope_theta: 500000.0,
                 kv_heads: Some(2),
                 head_dim: Some(128),
+                tied: true,
+                pad: Some(0),
+                positions: 131072,
+                ..LLAMA
+            },
+            Self::Ernie4_5Moe => Defaults {
+                eps: 1e-5,
+                rope_theta: 500000.0,
+                kv_heads: Some(4),
                 tied: true,
                 pad: Some(0),
                 positions: 131072,

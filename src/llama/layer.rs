@@ -305,6 +305,11 @@ enum Router {
         correction: Option<Tensor>,
         routing: GroupRouting,
     },
+    /// ERNIE 4.5's: a linear layer's softmax (in fp32), the top `k` of
+    /// the scores plus a fixed correction
+    /// (`moe_statics.e_score_correction_bias`, `[1, experts]`, frozen)
+    /// chosen, weighted by their scores renormalised.
+    Corrected { gate: Adapted, correction: Tensor },
 }
 
 /// A shared expert every token goes through (gate, up and down
@@ -382,6 +387,11 @@ impl Experts {
             None if family == Family::GraniteMoe => {
                 Router::Softmax(lin(&(p / "router" / "layer"), d, m.experts, false))
             }
+            None if family == Family::Ernie4_5Moe => Router::Corrected {
+                gate: lin(&(p / "gate"), d, m.experts, false),
+                correction: (p / "moe_statics")
+                    .zeros_no_train("e_score_correction_bias", &[1, m.experts]),
+            },
             None => Router::Softmax(lin(&(p / "gate"), d, m.experts, false)),
         };
         Self {
@@ -443,6 +453,19 @@ impl Experts {
                     true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
                     false => weights,
                 };
+                return (weights.to_kind(h.kind()), chosen);
+            }
+            Router::Corrected { gate, correction } => {
+                let f = Kind::Float;
+                let probs = gate.forward(h).softmax(1, f);
+                let chosen = tch::no_grad(|| {
+                    (&probs + correction.to_kind(f))
+                        .topk(self.top_k, -1, true, true)
+                        .1
+                });
+                let weights = probs.gather(1, &chosen, false);
+                // `moe_norm_min`: 1e-12.
+                let weights = &weights / weights.sum_dim_intlist(-1, true, f).clamp_min(1e-12);
                 return (weights.to_kind(h.kind()), chosen);
             }
             Router::Grouped {
@@ -525,7 +548,7 @@ impl Layer {
                 f if f.glm() => r.interleaved(false),
                 // DeepSeek-V2's turned dimensions, neighbouring pairs,
                 // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
-                Family::DeepseekV2 | Family::Ernie4_5 => r.interleaved(true),
+                f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),
                 _ => r,
             }
         });

@@ -98,8 +98,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // prediction layers after the last (`model.layers.61` of 61,
     // GLM-4.5-Air's `model.layers.46`), which `transformers` skips too.
     let beyond = cfg.family.prediction_layers();
+    // ERNIE 4.5's hold theirs under `mtp` names, which `transformers`
+    // skips by that pattern.
+    let mtp = cfg.family == Family::Ernie4_5Moe;
     plan.rename_weights(move |n| match layer_of(n) {
         Some(l) if beyond && l >= layers => None,
+        _ if mtp && n.contains("mtp") => None,
         _ => hf_name(n, tied),
     })?;
     // An expert no token of a rank chose gets no gradient there.

@@ -864,6 +864,56 @@ fn ernie4_5_configs_are_read_and_counted() {
 }
 
 #[test]
+fn ernie4_5_moe_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("ernie4_5_moe-configs");
+    // ERNIE-4.5-21B-A3B's sizes (its class's defaults); the counts are
+    // transformers' parameters (the head tied, the corrections counted).
+    let a3b = r#"{"model_type": "ernie4_5_moe", "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 12288, "max_position_embeddings": 131072, "num_attention_heads": 20, "num_key_value_heads": 4, "num_hidden_layers": 28, "pad_token_id": 0, "rms_norm_eps": 1e-05, "vocab_size": 103424, "rope_theta": 500000, "tie_word_embeddings": true, "use_bias": false, "moe_num_experts": 64, "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_intermediate_size": 1536, "moe_k": 6, "moe_layer_interval": 1}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(a3b).unwrap();
+    assert_eq!(total(&c), 21825437888);
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (moe.experts, moe.top_k, moe.intermediate, moe.shared),
+        (64, 6, 1536, Some(2 * 1536))
+    );
+    assert!(!c.moe_layer(0) && (1..28).all(|l| c.moe_layer(l)));
+    // Every other layer from the fourth to the twenty-first, no shared
+    // experts: transformers' layers 3, 5, ..., 19.
+    let sparse = a3b
+        .replace(r#""moe_layer_interval": 1"#, r#""moe_layer_interval": 2"#)
+        .replace(
+            r#""moe_layer_start_index": 1"#,
+            r#""moe_layer_start_index": 3, "moe_layer_end_index": 20"#,
+        )
+        .replace(
+            r#""moe_num_shared_experts": 2"#,
+            r#""moe_num_shared_experts": 0"#,
+        );
+    let s = dir.read(&sparse).unwrap();
+    assert_eq!(total(&s), 9294625856);
+    let layers: Vec<i64> = (0..28).filter(|&l| s.moe_layer(l)).collect();
+    assert_eq!(layers, (3..20).step_by(2).collect::<Vec<i64>>());
+    assert_eq!(s.moe.as_ref().unwrap().shared, None);
+    dir.round_trips([c, s]);
+    for (from, to, says) in [
+        (
+            r#""use_bias": false"#,
+            r#""use_bias": true"#,
+            "use_bias true: zrt builds ERNIE 4.5's experts and head without biases",
+        ),
+        (
+            r#""moe_k": 6"#,
+            r#""moe_k": 6, "moe_norm_min": 0.001"#,
+            "moe_norm_min 0.001",
+        ),
+    ] {
+        let err = dir.read(&a3b.replace(from, to)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

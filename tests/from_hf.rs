@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts),
+//! (dense and with experts), Seed-OSS,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -234,6 +234,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Ernie4_5_MoeConfig as C, Ernie4_5_MoeForCausalLM as M",
             "vocab_size=96, hidden_size=80, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2",
+        ),
+        load: "",
+    },
+    // Seed-OSS: query, key and value biases, the output's too (its own
+    // flag), an MLP bias, a pad row; its dropouts (0.1 by default) off.
+    Case {
+        name: "seed_oss",
+        python: (
+            "from transformers import SeedOssConfig as C, SeedOssForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_out_bias=True, mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0",
         ),
         load: "",
     },
@@ -795,6 +805,11 @@ fn an_ernie4_5_checkpoint_with_biases_and_pairs_turned_in_fp32_trains_as_transfo
 #[test]
 fn an_ernie4_5_moe_checkpoint_with_corrected_routing_trains_as_transformers_does() {
     parity("ernie4_5_moe");
+}
+
+#[test]
+fn a_seed_oss_checkpoint_with_its_biases_trains_as_transformers_does() {
+    parity("seed_oss");
 }
 
 #[test]

@@ -419,6 +419,9 @@ impl LlamaConfig {
             f if f.ernie() => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
+            // Seed-OSS's `attention_bias` is the query, key and value
+            // projections'.
+            Family::SeedOss => j.flag_or("attention_out_bias", false)?,
             // StableLM's and Qwen2-MoE's output projections have none.
             Family::StableLm | Family::Qwen2Moe => false,
             // GLM's `attention_bias` is the query, key and value
@@ -431,6 +434,7 @@ impl LlamaConfig {
             f if f.glm() => j.flag_or("attention_bias", true)?,
             Family::Glm4Moe => j.flag_or("attention_bias", false)?,
             Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
+            Family::SeedOss => j.flag_or("attention_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
             _ => attention_bias,
         };
@@ -493,6 +497,7 @@ impl LlamaConfig {
             // ERNIE 4.5's attention sets none, whatever the config says.
             attention_dropout: match family {
                 f if f.ernie() => 0.0,
+                Family::SeedOss => j.rate_or("attention_dropout", 0.1)?,
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
@@ -531,6 +536,7 @@ impl LlamaConfig {
             resid_dropout: match family {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
+                Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 _ => 0.0,
             },
@@ -850,6 +856,12 @@ impl LlamaConfig {
                 }),
             }),
             Family::Ernie4_5 => serde_json::json!({"use_bias": self.o_bias}),
+            Family::SeedOss => serde_json::json!({
+                "attention_bias": self.qkv_bias,
+                "attention_out_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "residual_dropout": self.resid_dropout,
+            }),
             Family::Ernie4_5Moe => {
                 let m = self.moe.as_ref();
                 // The experts' layers: those between the dense ones

@@ -171,11 +171,17 @@ pub enum Family {
     /// (`mlp.moe_statics.e_score_correction_bias`), weighted by their
     /// scores renormalised.
     Ernie4_5Moe,
+    /// `seed_oss` (`SeedOssForCausalLM`: Seed-OSS-36B): Llama's layers
+    /// with biases on the query, key and value projections
+    /// (`attention_bias`, true by default) apart from the output's
+    /// (`attention_out_bias`), dropout on each sublayer's output
+    /// (`residual_dropout`) and the attention weights, 0.1 by default.
+    SeedOss,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 30] = [
+    pub const ALL: [Family; 31] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -206,6 +212,7 @@ impl Family {
         Self::DeepseekV2,
         Self::Ernie4_5,
         Self::Ernie4_5Moe,
+        Self::SeedOss,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -255,6 +262,7 @@ impl Family {
             Self::DeepseekV2 => "deepseek_v2",
             Self::Ernie4_5 => "ernie4_5",
             Self::Ernie4_5Moe => "ernie4_5_moe",
+            Self::SeedOss => "seed_oss",
         }
     }
 
@@ -291,6 +299,7 @@ impl Family {
             Self::DeepseekV2 => "DeepseekV2ForCausalLM",
             Self::Ernie4_5 => "Ernie4_5ForCausalLM",
             Self::Ernie4_5Moe => "Ernie4_5_MoeForCausalLM",
+            Self::SeedOss => "SeedOssForCausalLM",
         }
     }
 
@@ -516,6 +525,13 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::SeedOss => Defaults {
+                kv_heads: Some(8),
+                head_dim: Some(128),
+                pad: Some(1),
+                positions: 524288,
                 ..LLAMA
             },
             Self::Ernie4_5Moe => Defaults {

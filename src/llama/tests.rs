@@ -914,6 +914,23 @@ fn ernie4_5_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn seed_oss_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("seed_oss-configs");
+    // Seed-OSS-36B's sizes; the count is transformers' parameters.
+    let big = r#"{"model_type": "seed_oss", "vocab_size": 155136, "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 80, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 524288, "rope_theta": 10000000.0, "attention_bias": true, "attention_out_bias": false, "mlp_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-06, "pad_token_id": 1}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(big).unwrap();
+    assert_eq!(total(&c), 36151104512);
+    // Query, key and value biases, not the output's; its class's
+    // dropouts, 0.1 each, where the config leaves them out.
+    assert_eq!(
+        (c.qkv_bias, c.o_bias, c.attention_dropout, c.resid_dropout),
+        (true, false, 0.1, 0.1)
+    );
+    dir.round_trips([c]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

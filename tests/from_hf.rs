@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS,
+//! (dense and with experts), Seed-OSS, EXAONE 4,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -244,6 +244,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import SeedOssConfig as C, SeedOssForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_out_bias=True, mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0",
+        ),
+        load: "",
+    },
+    // EXAONE 4: sublayer outputs normalised, each head's queries and
+    // keys normalised, a window shorter than the sequence on all but
+    // every other layer, the global ones unturned.
+    Case {
+        name: "exaone4",
+        python: (
+            "from transformers import Exaone4Config as C, Exaone4ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, sliding_window_pattern=2",
         ),
         load: "",
     },
@@ -813,6 +824,11 @@ fn a_seed_oss_checkpoint_with_its_biases_trains_as_transformers_does() {
 }
 
 #[test]
+fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does() {
+    parity("exaone4");
+}
+
+#[test]
 fn a_granitemoe_checkpoint_with_multipliers_and_stacked_experts_trains_as_transformers_does() {
     parity("granitemoe");
 }
@@ -896,11 +912,15 @@ fn parity(name: &str) {
     // rank's loss of the export.
     let mut exports: Vec<Export> = vec![];
     let (ours, consolidated) = (dir.join("ours"), dir.join("consolidated"));
+    // EXAONE 4 normalises each sublayer's output and no input: at these
+    // sizes transformers' own bf16 logits are 2.0-3.6% off its fp32 ones
+    // (every layout tried), where the other families' stay within 2%.
+    let bf16_tol = if case.name == "exaone4" { 4e-2 } else { 2e-2 };
     for (stage, recompute, extra, tol) in [
         (0, false, "", 1e-5),
         (3, false, "", 1e-5),
         (3, true, "", 1e-5),
-        (3, false, common::BF16, 2e-2),
+        (3, false, common::BF16, bf16_tol),
     ] {
         let dtype = if extra.is_empty() { "fp32" } else { "bf16" };
         let what = format!(

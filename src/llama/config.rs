@@ -448,6 +448,7 @@ impl LlamaConfig {
             | Family::Olmo3
             | Family::Starcoder2
             | Family::Cohere2
+            | Family::Exaone4
             | Family::GptOss => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2
             | Family::Qwen3
@@ -501,7 +502,7 @@ impl LlamaConfig {
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
-                Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 => true,
+                Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 | Family::Exaone4 => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
             },
@@ -567,6 +568,15 @@ impl LlamaConfig {
                     (0..j.size("num_hidden_layers")?)
                         .map(|l| {
                             sliding_window.is_some() && full_every.is_none_or(|n| (l + 1) % n != 0)
+                        })
+                        .collect(),
+                ),
+                // EXAONE 4's windowed layers turn, its global ones do not
+                // (all turn, when it has no window).
+                Family::Exaone4 => Some(
+                    (0..j.size("num_hidden_layers")?)
+                        .map(|l| {
+                            sliding_window.is_none() || full_every.is_none_or(|n| (l + 1) % n != 0)
                         })
                         .collect(),
                 ),
@@ -897,6 +907,7 @@ impl LlamaConfig {
                 "logit_scale": self.logit_scale,
                 "sliding_window": self.sliding_window,
             }),
+            Family::Exaone4 => serde_json::json!({"sliding_window": self.sliding_window}),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
                 "qk_layernorm": false,
@@ -1347,6 +1358,10 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
         Family::Olmo3 => Some(4),
         Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
         Family::Cohere2 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(4)),
+        // EXAONE 4's configs may spell the pattern ("LLLG") beside the
+        // list, which then says.
+        Family::Exaone4 if j.has("layer_types") => Some(4),
+        Family::Exaone4 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(4)),
         _ => None,
     };
     let Some(v) = j.get("layer_types") else {

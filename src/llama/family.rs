@@ -177,11 +177,18 @@ pub enum Family {
     /// (`attention_out_bias`), dropout on each sublayer's output
     /// (`residual_dropout`) and the attention weights, 0.1 by default.
     SeedOss,
+    /// `exaone4` (`Exaone4ForCausalLM`: EXAONE 4.0 1.2B and 32B): each
+    /// sublayer's output normalised (OLMo 2's placement, Llama's norm),
+    /// each head's queries and keys RMS-normalised, all but every
+    /// `sliding_window_pattern`-th layer in a sliding window, the global
+    /// layers without rotary embeddings (every layer turns when there is
+    /// no window).
+    Exaone4,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 31] = [
+    pub const ALL: [Family; 32] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -213,6 +220,7 @@ impl Family {
         Self::Ernie4_5,
         Self::Ernie4_5Moe,
         Self::SeedOss,
+        Self::Exaone4,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -263,6 +271,7 @@ impl Family {
             Self::Ernie4_5 => "ernie4_5",
             Self::Ernie4_5Moe => "ernie4_5_moe",
             Self::SeedOss => "seed_oss",
+            Self::Exaone4 => "exaone4",
         }
     }
 
@@ -300,6 +309,7 @@ impl Family {
             Self::Ernie4_5 => "Ernie4_5ForCausalLM",
             Self::Ernie4_5Moe => "Ernie4_5_MoeForCausalLM",
             Self::SeedOss => "SeedOssForCausalLM",
+            Self::Exaone4 => "Exaone4ForCausalLM",
         }
     }
 
@@ -525,6 +535,12 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Exaone4 => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(32),
+                window: Some(4096),
                 ..LLAMA
             },
             Self::SeedOss => Defaults {

@@ -170,7 +170,7 @@ impl Norms {
                 before_mlp: norm("pre_feedforward_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
-            f if f.olmo() => Self::Post {
+            f if f.olmo() || f == Family::Exaone4 => Self::Post {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },

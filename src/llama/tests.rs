@@ -931,6 +931,42 @@ fn seed_oss_configs_are_read_and_counted() {
 }
 
 #[test]
+fn exaone4_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("exaone4-configs");
+    // EXAONE 4.0 32B's sizes, its pattern spelled "LLLG" beside the
+    // layer list (three windowed layers, then a global one); the counts
+    // are transformers' parameters.
+    let kinds = |n: usize, every: usize| {
+        let k: Vec<&str> = (0..n)
+            .map(|l| match (l + 1) % every {
+                0 => "\"full_attention\"",
+                _ => "\"sliding_attention\"",
+            })
+            .collect();
+        format!(r#", "layer_types": [{}]}}"#, k.join(", "))
+    };
+    let big = r#"{"model_type": "exaone4", "vocab_size": 102400, "hidden_size": 5120, "intermediate_size": 27392, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "sliding_window": 4096, "sliding_window_pattern": "LLLG", "tie_word_embeddings": false, "rms_norm_eps": 1e-05}"#;
+    let big = format!("{}{}", big.trim_end_matches('}'), kinds(64, 4));
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(&big).unwrap();
+    assert_eq!(total(&c), 32003216384);
+    assert_eq!(
+        (c.window(0), c.window(3), c.qk_norm),
+        (Some(4096), None, true)
+    );
+    // The global layers do not turn, the windowed ones do.
+    let turns = c.rope_layers.clone().unwrap();
+    assert!(turns[0] && turns[2] && !turns[3] && !turns[63]);
+    // EXAONE 4.0 1.2B: no window, every layer global and turning.
+    let small = r#"{"model_type": "exaone4", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 4096, "num_hidden_layers": 30, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "sliding_window": null, "tie_word_embeddings": true, "rms_norm_eps": 1e-05}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 1279391488);
+    assert_eq!(s.window(0), None);
+    assert!(s.rope_layers.as_ref().unwrap().iter().all(|&t| t));
+    dir.round_trips([c, s]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

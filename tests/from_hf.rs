@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -255,6 +255,15 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Exaone4Config as C, Exaone4ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, sliding_window_pattern=2",
+        ),
+        load: "",
+    },
+    // Arcee: an ungated MLP of the squared ReLU, YaRN.
+    Case {
+        name: "arcee",
+        python: (
+            "from transformers import ArceeConfig as C, ArceeForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 16}",
         ),
         load: "",
     },
@@ -826,6 +835,11 @@ fn a_seed_oss_checkpoint_with_its_biases_trains_as_transformers_does() {
 #[test]
 fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does() {
     parity("exaone4");
+}
+
+#[test]
+fn an_arcee_checkpoint_with_its_squared_relu_mlp_trains_as_transformers_does() {
+    parity("arcee");
 }
 
 #[test]

@@ -121,10 +121,18 @@ pub enum Activation {
     /// `transformers`' `NewGELUActivation` computes it, operation by
     /// operation (Phi-1 and 2), so that its rounding is theirs.
     GeluNew,
+    /// `"relu2"`: the squared ReLU (Arcee's AFM).
+    Relu2,
 }
 
 impl Activation {
-    const ALL: [Self; 4] = [Self::Silu, Self::Gelu, Self::GeluTanh, Self::GeluNew];
+    const ALL: [Self; 5] = [
+        Self::Silu,
+        Self::Gelu,
+        Self::GeluTanh,
+        Self::GeluNew,
+        Self::Relu2,
+    ];
 
     /// The activation `transformers` names `name`, or `None`.
     pub(crate) fn of(name: &str) -> Option<Self> {
@@ -160,12 +168,14 @@ impl Activation {
             Self::Gelu => "gelu",
             Self::GeluTanh => "gelu_pytorch_tanh",
             Self::GeluNew => "gelu_new",
+            Self::Relu2 => "relu2",
         }
     }
 
     pub(crate) fn apply(self, x: &Tensor) -> Tensor {
         match self {
             Self::Silu => x.silu(),
+            Self::Relu2 => x.relu().square(),
             Self::Gelu => x.gelu("none"),
             Self::GeluTanh => x.gelu("tanh"),
             // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
@@ -908,6 +918,10 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
             }),
             Family::Exaone4 => serde_json::json!({"sliding_window": self.sliding_window}),
+            Family::Arcee => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+            }),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
                 "qk_layernorm": false,

@@ -184,11 +184,14 @@ pub enum Family {
     /// layers without rotary embeddings (every layer turns when there is
     /// no window).
     Exaone4,
+    /// `arcee` (`ArceeForCausalLM`: Arcee's AFM-4.5B): Llama's layers
+    /// with an ungated MLP (`down_proj(relu2(up_proj(x)))`).
+    Arcee,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 32] = [
+    pub const ALL: [Family; 33] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -221,6 +224,7 @@ impl Family {
         Self::Ernie4_5Moe,
         Self::SeedOss,
         Self::Exaone4,
+        Self::Arcee,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -272,6 +276,7 @@ impl Family {
             Self::Ernie4_5Moe => "ernie4_5_moe",
             Self::SeedOss => "seed_oss",
             Self::Exaone4 => "exaone4",
+            Self::Arcee => "arcee",
         }
     }
 
@@ -310,6 +315,7 @@ impl Family {
             Self::Ernie4_5Moe => "Ernie4_5_MoeForCausalLM",
             Self::SeedOss => "SeedOssForCausalLM",
             Self::Exaone4 => "Exaone4ForCausalLM",
+            Self::Arcee => "ArceeForCausalLM",
         }
     }
 
@@ -342,9 +348,10 @@ impl Family {
         self.cohere()
     }
 
-    /// An MLP of a gate and an up projection (all but StarCoder2's).
+    /// An MLP of a gate and an up projection (all but StarCoder2's and
+    /// Arcee's).
     pub(super) fn gated(self) -> bool {
-        self != Self::Starcoder2
+        !matches!(self, Self::Starcoder2 | Self::Arcee)
     }
 
     /// OLMo's: each sublayer's output normalised, not its input; the
@@ -535,6 +542,12 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Arcee => Defaults {
+                eps: 1e-5,
+                activation: Activation::Relu2,
+                positions: 4096,
                 ..LLAMA
             },
             Self::Exaone4 => Defaults {

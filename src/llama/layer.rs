@@ -160,7 +160,8 @@ enum GateUp {
     Fused(Adapted),
 }
 
-/// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`),
+/// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`;
+/// Arcee's, `down_proj(relu2(up_proj(x)))`, in the same shape),
 /// or a mixture of experts.
 #[derive(Debug)]
 enum Mlp {
@@ -575,10 +576,17 @@ impl Layer {
                     };
                     Mlp::Experts(Experts::new(&under, d, moe, c.family, lin))
                 }
-                _ if !c.family.gated() => Mlp::Plain {
-                    c_fc: lin(&(&m / "c_fc"), d, c.intermediate, mb),
-                    c_proj: lin(&(&m / "c_proj"), c.intermediate, d, mb),
-                },
+                // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
+                _ if !c.family.gated() => {
+                    let (up, down) = match c.family {
+                        Family::Arcee => ("up_proj", "down_proj"),
+                        _ => ("c_fc", "c_proj"),
+                    };
+                    Mlp::Plain {
+                        c_fc: lin(&(&m / up), d, c.intermediate, mb),
+                        c_proj: lin(&(&m / down), c.intermediate, d, mb),
+                    }
+                }
                 _ => Mlp::Dense {
                     gate_up: match c.family {
                         f if f == Family::Phi3 || f.glm() => {

@@ -967,6 +967,19 @@ fn exaone4_configs_are_read_and_counted() {
 }
 
 #[test]
+fn arcee_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("arcee-configs");
+    // AFM-4.5B's sizes (its activation the class's default, relu2); the
+    // count is transformers' parameters.
+    let afm = r#"{"model_type": "arcee", "vocab_size": 128004, "hidden_size": 2560, "intermediate_size": 18432, "num_hidden_layers": 36, "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 65536, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 20.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}, "tie_word_embeddings": false, "rms_norm_eps": 1e-05}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(afm).unwrap();
+    assert_eq!(total(&c), 4619184640);
+    assert_eq!(c.activation, Activation::Relu2);
+    dir.round_trips([c]);
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

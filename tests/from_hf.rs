@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -255,6 +255,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Exaone4Config as C, Exaone4ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, sliding_window_pattern=2",
+        ),
+        load: "",
+    },
+    // dots.llm1: Qwen3's normalised heads, a dense first layer, then
+    // DeepSeek-V3's experts (sigmoid scores and their correction, the
+    // better of two groups) beside a shared expert.
+    Case {
+        name: "dots1",
+        python: (
+            "from transformers import Dots1Config as C, Dots1ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5",
         ),
         load: "",
     },
@@ -835,6 +846,11 @@ fn a_seed_oss_checkpoint_with_its_biases_trains_as_transformers_does() {
 #[test]
 fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does() {
     parity("exaone4");
+}
+
+#[test]
+fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
+    parity("dots1");
 }
 
 #[test]
@@ -1789,9 +1805,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
         // 32 heads: every class's default key-value heads divide them;
         // heads 16 wide: GPT-NeoX's default quarter of one is two pairs;
         // a vocabulary holding every default pad token.
-        // DeepSeek-V2's class has no default top k.
+        // DeepSeek-V2's and dots1's classes have no default top k (nor
+        // dots1's, experts).
         let k = match mt {
             "deepseek_v2" => r#", "num_experts_per_tok": 2"#,
+            "dots1" => r#", "num_experts_per_tok": 2, "n_routed_experts": 8"#,
             _ => "",
         };
         let config = format!(

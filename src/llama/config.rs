@@ -472,6 +472,21 @@ impl LlamaConfig {
                     family.model_type()
                 )))
             }
+            // dots.llm1's layers from `max_window_layers` on are
+            // windowed (none, as published).
+            Family::Dots1 => {
+                let layers = j.size("num_hidden_layers")?;
+                let from = j.size_or_none("max_window_layers")?.unwrap_or(62);
+                let listed = (j.get("layer_types").and_then(|v| v.as_array()))
+                    .is_some_and(|l| l.iter().any(|k| k.as_str() == Some("sliding_attention")));
+                let window = j.size_or_null("sliding_window", Some(4096))?;
+                if window.is_some() && (listed || (from < layers && !j.has("layer_types"))) {
+                    return Err(j.field(format!(
+                        "sliding_window {window:?} from max_window_layers {from} (or layer_types): this Llama computes dots1's full-attention layers only"
+                    )));
+                }
+                None
+            }
             _ => None,
         };
         let full_every = full_every(j, family, sliding_window)?;
@@ -512,7 +527,11 @@ impl LlamaConfig {
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
-                Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 | Family::Exaone4 => true,
+                Family::Qwen3
+                | Family::Qwen3Moe
+                | Family::Gemma3
+                | Family::Exaone4
+                | Family::Dots1 => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
             },
@@ -918,6 +937,11 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
             }),
             Family::Exaone4 => serde_json::json!({"sliding_window": self.sliding_window}),
+            // Every layer full, whatever `max_window_layers` defaults to.
+            Family::Dots1 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "layer_types": vec!["full_attention"; self.layers as usize],
+            }),
             Family::Arcee => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
@@ -1013,7 +1037,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         f if f.deepseek_experts() => (
             "n_routed_experts",
             "moe_intermediate_size",
-            j.flag_or("norm_topk_prob", f != Family::DeepseekV2)?,
+            j.flag_or(
+                "norm_topk_prob",
+                !matches!(f, Family::DeepseekV2 | Family::Dots1),
+            )?,
         ),
         Family::Qwen2Moe | Family::Qwen3Moe => (
             "num_experts",
@@ -1055,14 +1082,24 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::DeepseekV3 => (256, 8, 2048),
         Family::DeepseekV2 => (64, 0, 1407),
         Family::Ernie4_5Moe => (64, 6, 1536),
+        Family::Dots1 => (0, 0, 1408),
         Family::Glm4Moe => (128, 8, 1408),
         Family::GptOss => (128, 4, 0),
         _ => (128, 8, 768),
     };
-    let experts = j.size_or_none(experts_key)?.unwrap_or(defaults.0);
+    let experts = match family {
+        // dots1's class has no default.
+        Family::Dots1 => j.size_or_none(experts_key)?.ok_or_else(|| {
+            j.field("no n_routed_experts: dots1's config class has no default; give it".into())
+        })?,
+        _ => j.size_or_none(experts_key)?.unwrap_or(defaults.0),
+    };
     // DeepSeek-V2's class has no default.
     let top_k = match family {
         Family::Ernie4_5Moe => j.size_or_none("moe_k")?.unwrap_or(defaults.1),
+        Family::Dots1 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
+            j.field("no num_experts_per_tok: dots1's config class has no default; give it".into())
+        })?,
         Family::DeepseekV2 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
             j.field("no num_experts_per_tok: DeepSeek-V2's config class has no default (its models route 6 experts a token); give it".into())
         })?,
@@ -1079,7 +1116,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         _ if family.deepseek_experts() => {
             let dense = match family {
                 Family::Glm4Moe => 1,
-                Family::DeepseekV2 => 0,
+                Family::DeepseekV2 | Family::Dots1 => 0,
                 _ => 3,
             };
             (0..count_or(j, "first_k_dense_replace", dense)?).collect()
@@ -1135,6 +1172,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::DeepseekV2 => {
                 (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
             }
+            // dots1's: none unless it says.
+            Family::Dots1 => (j.size_or_null("n_shared_experts", None)?).map(|n| intermediate * n),
             f if f.deepseek_experts() => {
                 Some(intermediate * j.size_or_none("n_shared_experts")?.unwrap_or(1))
             }
@@ -1161,7 +1200,7 @@ fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRoutin
         return softmax_routing(j, experts);
     }
     let (groups, top_groups, scale) = match family {
-        Family::Glm4Moe => (1, 1, 1.0),
+        Family::Glm4Moe | Family::Dots1 => (1, 1, 1.0),
         _ => (8, 4, 2.5),
     };
     let groups = j.size_or_none("n_group")?.unwrap_or(groups);
@@ -1177,8 +1216,10 @@ fn group_routing(j: &HfJson, family: Family, experts: i64) -> Result<GroupRoutin
             "topk_group {top_groups} is more than the n_group {groups} groups"
         )));
     }
+    // dots1's class ignores its `scoring_func` (its configs say
+    // "noaux_tc"), as it does its `topk_method`.
     let scoring = j.get("scoring_func").and_then(|v| v.as_str());
-    if scoring.is_some_and(|s| s != "sigmoid") {
+    if scoring.is_some_and(|s| s != "sigmoid") && family != Family::Dots1 {
         return Err(j.field(format!(
             "scoring_func {scoring:?}: {}'s routers score experts by a sigmoid",
             family.model_type()
@@ -1367,6 +1408,10 @@ pub(crate) fn pad_token(
 /// when the config lists them, else the family's (Gemma 2: every other
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
+    // dots1's `layer_types` are all full (others are refused).
+    if family == Family::Dots1 {
+        return Ok(None);
+    }
     let default = match family {
         Family::Gemma2 | Family::GptOss => Some(2),
         Family::Olmo3 => Some(4),

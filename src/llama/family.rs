@@ -187,11 +187,16 @@ pub enum Family {
     /// `arcee` (`ArceeForCausalLM`: Arcee's AFM-4.5B): Llama's layers
     /// with an ungated MLP (`down_proj(relu2(up_proj(x)))`).
     Arcee,
+    /// `dots1` (`Dots1ForCausalLM`: rednote's dots.llm1): Qwen3's
+    /// attention (each head's queries and keys normalised) with
+    /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
+    /// within the best groups) after the dense first layers.
+    Dots1,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 33] = [
+    pub const ALL: [Family; 34] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -225,6 +230,7 @@ impl Family {
         Self::SeedOss,
         Self::Exaone4,
         Self::Arcee,
+        Self::Dots1,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -277,6 +283,7 @@ impl Family {
             Self::SeedOss => "seed_oss",
             Self::Exaone4 => "exaone4",
             Self::Arcee => "arcee",
+            Self::Dots1 => "dots1",
         }
     }
 
@@ -316,6 +323,7 @@ impl Family {
             Self::SeedOss => "SeedOssForCausalLM",
             Self::Exaone4 => "Exaone4ForCausalLM",
             Self::Arcee => "ArceeForCausalLM",
+            Self::Dots1 => "Dots1ForCausalLM",
         }
     }
 
@@ -371,7 +379,10 @@ impl Family {
     /// chosen within the best groups, beside shared experts, after dense
     /// layers.
     pub(super) fn deepseek_experts(self) -> bool {
-        matches!(self, Self::DeepseekV3 | Self::Glm4Moe | Self::DeepseekV2)
+        matches!(
+            self,
+            Self::DeepseekV3 | Self::Glm4Moe | Self::DeepseekV2 | Self::Dots1
+        )
     }
 
     /// ERNIE 4.5's (dense or with experts): biases when `use_bias`,
@@ -542,6 +553,10 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Dots1 => Defaults {
+                kv_heads: Some(32),
                 ..LLAMA
             },
             Self::Arcee => Defaults {

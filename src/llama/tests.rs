@@ -980,6 +980,35 @@ fn arcee_configs_are_read_and_counted() {
 }
 
 #[test]
+fn dots1_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("dots1-configs");
+    // dots.llm1's sizes (its scoring_func "noaux_tc", which the class
+    // ignores); the count is transformers' state dict's (the routers'
+    // corrections included).
+    let llm1 = r#"{"model_type": "dots1", "vocab_size": 152064, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 32, "n_routed_experts": 128, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true, "routed_scaling_factor": 2.5, "rope_theta": 10000000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "tie_word_embeddings": false, "sliding_window": null, "max_window_layers": 62, "scoring_func": "noaux_tc"}"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let c = dir.read(llm1).unwrap();
+    assert_eq!(total(&c), 142774381696);
+    assert!(c.qk_norm && c.window(0).is_none() && !c.moe_layer(0) && c.moe_layer(1));
+    let g = c.moe.clone().unwrap().grouped.unwrap();
+    assert_eq!((g.scale, g.scoring), (2.5, Scoring::Sigmoid));
+    dir.round_trips([c]);
+    // Windowed layers (from max_window_layers on) are refused.
+    let err = dir
+        .read(
+            &llm1
+                .replace(r#""sliding_window": null"#, r#""sliding_window": 4096"#)
+                .replace(r#""max_window_layers": 62"#, r#""max_window_layers": 30"#),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("computes dots1's full-attention layers only"),
+        "{err}"
+    );
+}
+
+#[test]
 fn yarn_is_read_as_transformers_reads_it() {
     let dir = ConfigDir::new("yarn-config");
     // Qwen3's long-context recipe: YaRN over 32768 positions, 4 times.

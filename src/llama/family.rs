@@ -375,9 +375,9 @@ impl Family {
         matches!(self, Self::Glm | Self::Glm4)
     }
 
-    /// DeepSeek-V3's experts (and GLM-4-MoE's, and DeepSeek-V2's):
-    /// chosen within the best groups, beside shared experts, after dense
-    /// layers.
+    /// DeepSeek-V3's experts (and GLM-4-MoE's, DeepSeek-V2's and
+    /// dots.llm1's): chosen within the best groups, beside shared
+    /// experts, after dense layers.
     pub(super) fn deepseek_experts(self) -> bool {
         matches!(
             self,

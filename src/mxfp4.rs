@@ -138,17 +138,21 @@ pub fn dequantize(from: &Path, out: &Path) -> Result<Dequantized, HfError> {
     let mut outs: Vec<Vec<(String, Out)>> = (0..paths.len()).map(|_| Vec::new()).collect();
     let mut in_order: Vec<(&String, &Meta)> = tensors.iter().collect();
     in_order.sort_by_key(|(n, m)| (m.file, m.from, n.as_str()));
+    // `n` less `suffix`, when that is a pair's projection.
+    let paired = |n: &str, suffix: &str| -> Option<String> {
+        (n.strip_suffix(suffix))
+            .filter(|p| pairs.contains_key(p))
+            .map(str::to_string)
+    };
     for (name, m) in in_order {
-        if name.ends_with("_scales") && pairs.contains_key(name.trim_end_matches("_scales")) {
+        if paired(name, "_scales").is_some() {
             continue;
         }
-        let out_tensor = match name.strip_suffix("_blocks").and_then(|p| pairs.get(p)) {
-            Some(&(blocks, scales)) => (
-                name.trim_end_matches("_blocks").to_string(),
-                Out::Dequantize { blocks, scales },
-            ),
-            None => (name.clone(), Out::Copy(m)),
-        };
+        let out_tensor =
+            match paired(name, "_blocks").and_then(|p| Some((pairs.get(p.as_str())?, p))) {
+                Some((&(blocks, scales), p)) => (p, Out::Dequantize { blocks, scales }),
+                None => (name.clone(), Out::Copy(m)),
+            };
         outs[m.file].push(out_tensor);
     }
     let io = |path: &Path, what: &str, e: &dyn std::fmt::Display| HfError::Read {
@@ -177,17 +181,23 @@ pub fn dequantize(from: &Path, out: &Path) -> Result<Dequantized, HfError> {
         let mut j = read_json(&index)?;
         if let Some(map) = j.get_mut("weight_map").and_then(|m| m.as_object_mut()) {
             let renamed: serde_json::Map<String, serde_json::Value> = (map.iter())
-                .filter(|(n, _)| {
-                    !(n.ends_with("_scales") && pairs.contains_key(n.trim_end_matches("_scales")))
-                })
-                .map(|(n, f)| match n.strip_suffix("_blocks") {
-                    Some(p) if pairs.contains_key(p) => (p.to_string(), f.clone()),
-                    _ => (n.clone(), f.clone()),
+                .filter(|(n, _)| paired(n, "_scales").is_none())
+                .map(|(n, f)| match paired(n, "_blocks") {
+                    Some(p) => (p, f.clone()),
+                    None => (n.clone(), f.clone()),
                 })
                 .collect();
             *map = renamed;
         }
-        j["metadata"]["total_size"] = total.into();
+        // `base_files` read its weight_map: the index is an object.
+        if let Some(all) = j.as_object_mut() {
+            let meta = all
+                .entry("metadata")
+                .or_insert_with(|| serde_json::json!({}));
+            if let Some(meta) = meta.as_object_mut() {
+                meta.insert("total_size".into(), total.into());
+            }
+        }
         write_json(&out.join(INDEX), &j)?;
     }
     if let Some(c) = config.as_object_mut() {

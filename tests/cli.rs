@@ -1287,3 +1287,56 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
     assert!(!ok && out.contains("model_type Some(\"falcon\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `zrt dequantize` writes an MXFP4 checkpoint's experts out in bf16
+/// (`zrt::mxfp4`; `tests/from_hf.rs` checks the values against
+/// `transformers`), and refuses, naming why, a checkpoint that is not
+/// MXFP4 and an `--out` that is its `--from`.
+#[test]
+fn dequantize_writes_an_mxfp4_checkpoint_in_bf16_and_refuses_what_it_cannot() {
+    use tch::{Kind, Tensor};
+    let dir = common::scratch("cli-dequantize");
+    let (from, out) = (dir.join("q"), dir.join("out"));
+    std::fs::create_dir_all(&from).unwrap();
+    std::fs::write(
+        from.join("config.json"),
+        r#"{"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}"#,
+    )
+    .unwrap();
+    // Two experts of a 64-wide matrix's 3 rows (two blocks a row): every
+    // code 0x22 (1.0 twice), scale 2^1; a norm copied as it is.
+    let blocks = Tensor::full([2, 3, 2, 16], 0x22, (Kind::Uint8, tch::Device::Cpu));
+    let scales = Tensor::full([2, 3, 2], 128, (Kind::Uint8, tch::Device::Cpu));
+    let norm = Tensor::ones([4], (Kind::Float, tch::Device::Cpu));
+    Tensor::write_safetensors(
+        &[
+            ("e.down_proj_blocks", blocks),
+            ("e.down_proj_scales", scales),
+            ("norm.weight", norm.shallow_clone()),
+        ],
+        from.join("model.safetensors"),
+    )
+    .unwrap();
+    let (f, o) = (from.to_str().unwrap(), out.to_str().unwrap());
+    let (ok, said) = zrt(&["dequantize", "--from", f, "--out", o]);
+    assert!(ok && said.contains("dequantized 1 tensors"), "{said}");
+    let written: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(out.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let w = &written["e.down_proj"];
+    assert_eq!((w.kind(), w.size()), (Kind::BFloat16, vec![2, 64, 3]));
+    assert!(w.to_kind(Kind::Float).eq(2.0).all().int64_value(&[]) == 1);
+    assert!(written["norm.weight"].equal(&norm) && written.len() == 2);
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(!config.contains("quantization_config"), "{config}");
+    let (ok, said) = zrt(&["dequantize", "--from", f, "--out", f]);
+    assert!(
+        !ok && said.contains("would overwrite the quantized one"),
+        "{said}"
+    );
+    let (ok, said) = zrt(&["dequantize", "--from", o, "--out", f]);
+    assert!(!ok && said.contains("no quantization_config"), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

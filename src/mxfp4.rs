@@ -126,12 +126,19 @@ pub fn dequantize(from: &Path, out: &Path) -> Result<Dequantized, HfError> {
         }
     }
     let paths: Vec<PathBuf> = base_files(from)?.into_iter().map(|(p, _)| p).collect();
+    // Each file's tensors, and the file kept open to read them from.
     let mut tensors: HashMap<String, Meta> = HashMap::new();
+    let mut sources = Vec::with_capacity(paths.len());
     for (file, path) in paths.iter().enumerate() {
-        let (_, header) = read_header(path)?;
+        let ((f, start), header) = read_header(path)?;
         for (name, v) in header.iter().filter(|(k, _)| *k != "__metadata__") {
             tensors.insert(name.clone(), meta(path, file, name, v)?);
         }
+        sources.push(Source {
+            path: path.clone(),
+            file: f,
+            start,
+        });
     }
     let pairs = pairs(&tensors, from)?;
     // Each file's tensors as they are written, in the order of its data.
@@ -160,15 +167,6 @@ pub fn dequantize(from: &Path, out: &Path) -> Result<Dequantized, HfError> {
         msg: format!("cannot {what} it: {e}"),
     };
     std::fs::create_dir_all(out).map_err(|e| io(out, "create", &e))?;
-    let mut sources = Vec::with_capacity(paths.len());
-    for path in &paths {
-        let ((f, start), _) = read_header(path)?;
-        sources.push(Source {
-            path: path.clone(),
-            file: f,
-            start,
-        });
-    }
     let mut total = 0;
     for (k, tensors) in outs.iter().enumerate() {
         let name = paths[k].file_name().unwrap_or_default();

@@ -294,9 +294,14 @@ impl Stacked {
 /// How the experts are chosen and weighted.
 #[derive(Debug)]
 enum Router {
-    /// A linear layer's softmax, its top `k` (Mixtral, the Qwens;
-    /// GPT-OSS's with a bias).
-    Softmax(Adapted),
+    /// A linear layer's softmax (in fp32), its top `k` (Mixtral, the
+    /// Qwens; GPT-OSS's with a bias); ERNIE 4.5's chosen by the scores
+    /// plus a fixed correction (`moe_statics.e_score_correction_bias`,
+    /// `[1, experts]`, frozen), weighted by the scores alone.
+    Softmax {
+        gate: Adapted,
+        correction: Option<Tensor>,
+    },
     /// DeepSeek-V3's, GLM-4-MoE's and DeepSeek-V2's ([`GroupRouting`]):
     /// its weights (`gate.weight`, no linear layer an adapter could
     /// target, as in `transformers`) and, scoring by a sigmoid, its fixed
@@ -306,11 +311,6 @@ enum Router {
         correction: Option<Tensor>,
         routing: GroupRouting,
     },
-    /// ERNIE 4.5's: a linear layer's softmax (in fp32), the top `k` of
-    /// the scores plus a fixed correction
-    /// (`moe_statics.e_score_correction_bias`, `[1, experts]`, frozen)
-    /// chosen, weighted by their scores renormalised.
-    Corrected { gate: Adapted, correction: Tensor },
 }
 
 /// A shared expert every token goes through (gate, up and down
@@ -382,18 +382,24 @@ impl Experts {
                     routing: routing.clone(),
                 }
             }
-            None if family == Family::GptOss => {
-                Router::Softmax(lin(&(p / "router"), d, m.experts, true))
-            }
-            None if family == Family::GraniteMoe => {
-                Router::Softmax(lin(&(p / "router" / "layer"), d, m.experts, false))
-            }
-            None if family == Family::Ernie4_5Moe => Router::Corrected {
-                gate: lin(&(p / "gate"), d, m.experts, false),
-                correction: (p / "moe_statics")
-                    .zeros_no_train("e_score_correction_bias", &[1, m.experts]),
+            None if family == Family::GptOss => Router::Softmax {
+                gate: lin(&(p / "router"), d, m.experts, true),
+                correction: None,
             },
-            None => Router::Softmax(lin(&(p / "gate"), d, m.experts, false)),
+            None if family == Family::GraniteMoe => Router::Softmax {
+                gate: lin(&(p / "router" / "layer"), d, m.experts, false),
+                correction: None,
+            },
+            None if family == Family::Ernie4_5Moe => Router::Softmax {
+                gate: lin(&(p / "gate"), d, m.experts, false),
+                correction: Some(
+                    (p / "moe_statics").zeros_no_train("e_score_correction_bias", &[1, m.experts]),
+                ),
+            },
+            None => Router::Softmax {
+                gate: lin(&(p / "gate"), d, m.experts, false),
+                correction: None,
+            },
         };
         Self {
             router,
@@ -447,26 +453,24 @@ impl Experts {
     /// within the best groups, its weights in fp32.
     fn route(&self, h: &Tensor) -> (Tensor, Tensor) {
         let (weight, correction, g) = match &self.router {
-            Router::Softmax(router) => {
-                let probs = router.forward(h).softmax(1, Kind::Float);
-                let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
-                let weights = match self.normalize {
-                    true => &weights / weights.sum_dim_intlist(-1, true, Kind::Float),
-                    false => weights,
-                };
-                return (weights.to_kind(h.kind()), chosen);
-            }
-            Router::Corrected { gate, correction } => {
+            Router::Softmax { gate, correction } => {
                 let f = Kind::Float;
                 let probs = gate.forward(h).softmax(1, f);
-                let chosen = tch::no_grad(|| {
-                    (&probs + correction.to_kind(f))
-                        .topk(self.top_k, -1, true, true)
-                        .1
-                });
-                let weights = probs.gather(1, &chosen, false);
-                // `moe_norm_min`: 1e-12.
-                let weights = &weights / weights.sum_dim_intlist(-1, true, f).clamp_min(1e-12);
+                let (weights, chosen) = match correction {
+                    None => probs.topk(self.top_k, -1, true, true),
+                    Some(c) => {
+                        let chosen = tch::no_grad(|| {
+                            (&probs + c.to_kind(f)).topk(self.top_k, -1, true, true).1
+                        });
+                        (probs.gather(1, &chosen, false), chosen)
+                    }
+                };
+                // Over at least ERNIE 4.5's `moe_norm_min`, 1e-12 (which
+                // never binds elsewhere: the top score is 1/experts or more).
+                let weights = match self.normalize {
+                    true => &weights / weights.sum_dim_intlist(-1, true, f).clamp_min(1e-12),
+                    false => weights,
+                };
                 return (weights.to_kind(h.kind()), chosen);
             }
             Router::Grouped {

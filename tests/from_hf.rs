@@ -2045,13 +2045,7 @@ save_file(dict(experts, tokens=tokens, logits=logits), f"{{dir}}/reference.safet
         .keys()
         .any(|n| n.ends_with("_blocks") || n.ends_with("_scales")));
     let tokens = ints(get("tokens"));
-    let got = on_ranks(2, |r| {
-        let (model, _engine) = on_two_at_stage_3(&r, &out);
-        let x = Tensor::from_slice(&tokens).view([1, -1]);
-        let logits = tch::no_grad(|| model.forward(&x));
-        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
-    })
-    .remove(0);
+    let got = zrt_logits(2, &out, &tokens, on_two_at_stage_3);
     let want = get("logits");
     let diff = (Tensor::from_slice(&got).view_as(&want) - &want)
         .abs()
@@ -2081,6 +2075,23 @@ print((logits - ref["logits"]).abs().max().item())
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The logits of one row of `tokens` through the checkpoint `hf`, on
+/// `ranks` ranks each built by `build` (rank 0's).
+fn zrt_logits(
+    ranks: usize,
+    hf: &Path,
+    tokens: &[i64],
+    build: fn(&LocalRank, &Path) -> (HfModel, Engine<LocalGroup>),
+) -> Vec<f32> {
+    on_ranks(ranks, |r| {
+        let (model, _engine) = build(&r, hf);
+        let x = Tensor::from_slice(tokens).view([1, -1]);
+        let logits = tch::no_grad(|| model.forward(&x));
+        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+    })
+    .remove(0)
+}
+
 /// The seeded model of `python` (config class import, its arguments),
 /// changed by the Python `then` (which may rebuild `m` and save it
 /// again; `dir` names the scratch directory), computes on one rank the
@@ -2103,13 +2114,7 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
     let get = tensors(&dir.join("reference.safetensors"));
     let tokens = ints(get("tokens"));
     let hf = dir.join("hf");
-    let got = on_ranks(1, |r| {
-        let (model, _engine) = on_one_at_stage_0(&r, &hf);
-        let x = Tensor::from_slice(&tokens).view([1, -1]);
-        let logits = tch::no_grad(|| model.forward(&x));
-        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
-    })
-    .remove(0);
+    let got = zrt_logits(1, &hf, &tokens, on_one_at_stage_0);
     let want = get("logits");
     let got = Tensor::from_slice(&got).view_as(&want);
     let diff = (&got - &want).abs().max().double_value(&[]);

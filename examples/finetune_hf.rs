@@ -36,7 +36,8 @@
 //! frozen base (with `--lora-modules-to-save` whole modules beside them,
 //! with `--lora-trainable-tokens` some tokens' embedding rows, with
 //! `--lora-layers` on some layers only, with `--lora-bias all` every
-//! bias beside them), and `--out` is PEFT's adapter
+//! bias beside them, with `--lora-target-parameters` on stacked
+//! experts: GPT-OSS's, Granite-MoE's), and `--out` is PEFT's adapter
 //! directory.
 
 use std::path::PathBuf;
@@ -192,6 +193,13 @@ struct Args {
     /// of Llama and its kin, GPT-2's `c_attn`, ...).
     #[arg(long, requires = "lora_r")]
     lora_targets: Option<String>,
+    /// Stacked experts' parameters that take adapters too,
+    /// comma-separated (PEFT's `target_parameters`:
+    /// `mlp.experts.gate_up_proj,mlp.experts.down_proj` for GPT-OSS,
+    /// `input_linear.weight,output_linear.weight` for Granite-MoE). Not
+    /// with `--lora-dropout`, which PEFT refuses beside them.
+    #[arg(long, requires = "lora_r", value_delimiter = ',')]
+    lora_target_parameters: Vec<String>,
     /// DoRA (PEFT's `use_dora`): each adapted layer's rows rescaled to a
     /// trained magnitude, starting at the base's row norms.
     #[arg(long, requires = "lora_r")]
@@ -433,6 +441,7 @@ fn main() -> Result<()> {
                     None => false,
                 },
                 lora_bias: a.lora_b_bias,
+                target_parameters: a.lora_target_parameters.clone(),
                 ..LoraConfig::new(r, a.lora_alpha, &[])
             })
         }

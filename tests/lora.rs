@@ -51,6 +51,8 @@ struct Case {
     layers: &'static [i64],
     ranks: &'static [(&'static str, i64)],
     alphas: &'static [(&'static str, f64)],
+    /// `target_parameters`: stacked experts' parameters.
+    parameters: &'static [&'static str],
     matrices: usize,
     whole: usize,
     elements: usize,
@@ -74,6 +76,7 @@ const OFF: Case = Case {
     layers: &[],
     ranks: &[],
     alphas: &[],
+    parameters: &[],
     matrices: 0,
     whole: 0,
     elements: 0,
@@ -228,6 +231,39 @@ const DEEPSEEK: Case = Case {
     targets: &["q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"],
     matrices: 12,
     elements: 2 * 4 * ((24 + 80) + (16 + 88) + (64 + 24)),
+    ..OFF
+};
+
+/// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
+/// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
+/// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
+/// `[8, 32]`, B `[64, 8]`), q 64 -> 64.
+const GPT_OSS: Case = Case {
+    python: (
+        "from transformers import GptOssConfig as C, GptOssForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=5",
+    ),
+    targets: &["q_proj"],
+    parameters: &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ranks: &[("down_proj", 2)],
+    matrices: 12,
+    elements: 2 * ((4 * 64 + 64 * 4) + (16 * 64 + 64 * 16) + (8 * 32 + 64 * 8)),
+    ..OFF
+};
+
+/// Granite-MoE's stacked experts, linear layers' `[out, in]` each:
+/// `input_linear.weight` `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`),
+/// `output_linear.weight` `[4, 64, 32]` (A `[16, 64]`, B `[32, 16]`),
+/// beside the queries.
+const GRANITE_MOE: Case = Case {
+    python: (
+        "from transformers import GraniteMoeConfig as C, GraniteMoeForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2",
+    ),
+    targets: &["q_proj"],
+    parameters: &["input_linear.weight", "output_linear.weight"],
+    matrices: 12,
+    elements: 2 * ((4 * 64 + 64 * 4) + (16 * 64 + 64 * 16) + (16 * 64 + 32 * 16)),
     ..OFF
 };
 
@@ -531,6 +567,23 @@ fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
     parity("deepseek-v3", &DEEPSEEK, &[(3, false, Held::Fp32)]);
 }
 
+#[test]
+fn lora_adapters_on_stacked_experts_train_as_peft_does() {
+    // PEFT's `target_parameters`: GPT-OSS's two matrices on one module
+    // (nested names; one at a rank of its own), at stage 3 and with
+    // every layer recomputed; Granite-MoE's, transposed.
+    parity(
+        "gpt-oss-experts",
+        &GPT_OSS,
+        &[(3, false, Held::Fp32), (3, true, Held::Fp32)],
+    );
+    parity(
+        "granitemoe-experts",
+        &GRANITE_MOE,
+        &[(3, false, Held::Fp32)],
+    );
+}
+
 /// How a parity run holds the model.
 #[derive(Debug, Clone, Copy)]
 enum Held {
@@ -572,6 +625,7 @@ fn parity(name: &str, case: &Case, runs: &[(u8, bool, Held)]) {
         layers_to_transform: case.layers.to_vec(),
         rank_pattern: (case.ranks.iter()).map(|&(k, r)| (k.into(), r)).collect(),
         alpha_pattern: (case.alphas.iter()).map(|&(k, a)| (k.into(), a)).collect(),
+        target_parameters: case.parameters.iter().map(|p| p.to_string()).collect(),
         ..LoraConfig::new(4, 16.0, case.targets)
     };
     for &(stage, recompute, held) in runs {
@@ -787,6 +841,32 @@ fn lora_settings_no_adapter_can_be_built_with_are_refused() {
     let rank = build(LoraConfig::new(0, 8.0, &["c_attn"]));
     assert!(rank.contains("rank r = 0"), "{rank}");
     assert_eq!(build(LoraConfig::new(2, 8.0, &["c_attn"])), "");
+    // Parameters (`target_parameters`): stacked experts' only, which
+    // GPT-2 has none of; PEFT's refusals beside them.
+    let on_params = |params: &[&str], dropout: f64| {
+        build(LoraConfig {
+            target_parameters: params.iter().map(|p| p.to_string()).collect(),
+            dropout,
+            ..LoraConfig::new(2, 8.0, &["c_attn"])
+        })
+    };
+    let matrix = on_params(&["c_attn.weight"], 0.0);
+    assert!(
+        matrix.contains(
+            "`c_attn.weight` names `transformer.h.0.attn.c_attn.weight`, a 2-dimensional parameter"
+        ) && matrix.contains("put a linear layer's module in target_modules"),
+        "{matrix}"
+    );
+    let nothing = on_params(&["mlp.experts.gate_up_proj"], 0.0);
+    assert!(
+        nothing.contains("`mlp.experts.gate_up_proj` names no parameter of the model"),
+        "{nothing}"
+    );
+    let dropped = on_params(&["mlp.experts.gate_up_proj"], 0.1);
+    assert!(
+        dropped.contains("with lora_dropout 0.1: PEFT's adapters on parameters take none"),
+        "{dropped}"
+    );
     // Modules trained whole, named as in the checkpoint (GPT-2's under
     // `transformer.`); its tied embedding, which PEFT would not tie to
     // the head (it ties `embed_tokens` only), and the tied head refused.
@@ -1189,6 +1269,18 @@ with torch.no_grad():
     let (ok, said) = crate::from_hf::finetune(&only);
     assert!(
         !ok && said.contains("--lora-bias lora_only: PEFT 0.18 trains the adapted layers' biases"),
+        "{said}"
+    );
+    // Stacked experts' parameters reach the build, which finds none in
+    // a Llama (stacked experts train so in `lora_adapters_on_stacked_experts_...`).
+    let mut experts = args[..18].to_vec();
+    experts.extend([
+        os("--lora-target-parameters"),
+        os("mlp.experts.gate_up_proj"),
+    ]);
+    let (ok, said) = crate::from_hf::finetune(&experts);
+    assert!(
+        !ok && said.contains("`mlp.experts.gate_up_proj` names no parameter of the model"),
         "{said}"
     );
     // B with biases (PEFT's `lora_bias`): trained and written, but this

@@ -8,6 +8,7 @@ use tch::{Kind, Tensor};
 
 use crate::blocks::Training;
 use crate::kv_cache::{Decoding, LayerCache};
+use crate::lora::param::{self, ParamAdapter};
 use crate::lora::{Adapted, LoraConfig};
 use crate::packing::{in_window, Documents};
 
@@ -198,29 +199,46 @@ enum ExpertWeights {
 /// for each of their two matrices, each expert's `[out, in]` as a linear
 /// layer's: `input_linear.weight` `[experts, 2 width, d]`, the gate's
 /// rows then the up's, and `output_linear.weight` `[experts, d, width]`.
+/// Each takes an adapter where `target_parameters` names it
+/// (`input_linear.weight`, `output_linear.weight`).
 #[derive(Debug)]
 struct Parallel {
     input: Tensor,
     output: Tensor,
+    input_lora: Option<ParamAdapter>,
+    output_lora: Option<ParamAdapter>,
 }
 
 impl Parallel {
-    /// Under `p` (`block_sparse_moe`), `m`'s experts of a model `d` wide.
-    fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
+    /// Under `p` (`block_sparse_moe`), `m`'s experts of a model `d` wide,
+    /// with the adapters `lora` puts on them.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, lora: Option<&LoraConfig>) -> Self {
         let (e, w, init) = (m.experts, m.intermediate, RANDN);
+        let (i, o) = (p / "input_linear", p / "output_linear");
+        let on = |p: &nn::Path, shape| param::on_module(p, &[("weight", shape)], lora).pop();
         Self {
-            input: (p / "input_linear").var("weight", &[e, 2 * w, d], init),
-            output: (p / "output_linear").var("weight", &[e, d, w], init),
+            input: i.var("weight", &[e, 2 * w, d], init),
+            output: o.var("weight", &[e, d, w], init),
+            input_lora: on(&i, [e, 2 * w, d]).flatten(),
+            output_lora: on(&o, [e, d, w]).flatten(),
         }
     }
 
     /// Expert `e` on its tokens `x` `[n, d]`: `act(gate) * up`, the
-    /// input projection's halves, through the output projection.
+    /// input projection's halves, through the output projection (each
+    /// matrix with its adapter's update).
     fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
-        let h = x.linear::<Tensor>(&self.input.get(e), None);
+        let mut h = x.linear::<Tensor>(&self.input.get(e), None);
+        if let Some(a) = &self.input_lora {
+            h += a.left(e, x);
+        }
         let w = h.size()[1] / 2;
         let y = act.apply(&h.narrow(-1, 0, w)) * h.narrow(-1, w, w);
-        y.linear::<Tensor>(&self.output.get(e), None)
+        let out = y.linear::<Tensor>(&self.output.get(e), None);
+        match &self.output_lora {
+            Some(a) => out + a.left(e, &y),
+            None => out,
+        }
     }
 }
 
@@ -228,13 +246,17 @@ impl Parallel {
 /// (`[experts, in, out]`, multiplied from the left as `x @ w`): each
 /// expert's gate and up columns interleaved, and its activation
 /// `(up + 1) * gate * sigmoid(1.702 gate)`, the gate clamped below 7
-/// and the up projection within ±7 (`GptOssExperts`'s).
+/// and the up projection within ±7 (`GptOssExperts`'s). Each matrix
+/// takes an adapter where `target_parameters` names it
+/// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
 #[derive(Debug)]
 struct Stacked {
     gate_up: Tensor,
     gate_up_bias: Tensor,
     down: Tensor,
     down_bias: Tensor,
+    gate_up_lora: Option<ParamAdapter>,
+    down_lora: Option<ParamAdapter>,
 }
 
 impl ExpertWeights {
@@ -270,24 +292,37 @@ const OSS_ALPHA: f64 = 1.702;
 const OSS_LIMIT: f64 = 7.0;
 
 impl Stacked {
-    /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide.
-    fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
+    /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide,
+    /// with the adapters `lora` puts on them.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, lora: Option<&LoraConfig>) -> Self {
         let (e, w, init) = (m.experts, m.intermediate, RANDN);
+        let [gate_up, down] = param::REGISTERED;
+        let shapes = [(gate_up, [e, d, 2 * w]), (down, [e, w, d])];
+        let mut adapters = param::on_module(p, &shapes, lora).into_iter();
         Self {
-            gate_up: p.var("gate_up_proj", &[e, d, 2 * w], init),
+            gate_up: p.var(gate_up, &[e, d, 2 * w], init),
             gate_up_bias: p.zeros("gate_up_proj_bias", &[e, 2 * w]),
-            down: p.var("down_proj", &[e, w, d], init),
+            down: p.var(down, &[e, w, d], init),
             down_bias: p.zeros("down_proj_bias", &[e, d]),
+            gate_up_lora: adapters.next().flatten(),
+            down_lora: adapters.next().flatten(),
         }
     }
 
-    /// Expert `e` on its tokens `x` `[n, d]`.
+    /// Expert `e` on its tokens `x` `[n, d]` (each matrix with its
+    /// adapter's update).
     fn forward(&self, e: i64, x: &Tensor) -> Tensor {
-        let gate_up = x.matmul(&self.gate_up.get(e)) + self.gate_up_bias.get(e);
+        let with = |y: Tensor, a: &Option<ParamAdapter>, x: &Tensor| match a {
+            Some(a) => y + a.right(e, x),
+            None => y,
+        };
+        let gate_up = with(x.matmul(&self.gate_up.get(e)), &self.gate_up_lora, x);
+        let gate_up = gate_up + self.gate_up_bias.get(e);
         let gate = gate_up.slice(-1, 0, None, 2).clamp_max(OSS_LIMIT);
         let up = gate_up.slice(-1, 1, None, 2).clamp(-OSS_LIMIT, OSS_LIMIT);
         let glu = &gate * (&gate * OSS_ALPHA).sigmoid();
-        ((up + 1.0) * glu).matmul(&self.down.get(e)) + self.down_bias.get(e)
+        let h = (up + 1.0) * glu;
+        with(h.matmul(&self.down.get(e)), &self.down_lora, &h) + self.down_bias.get(e)
     }
 }
 
@@ -332,7 +367,12 @@ fn gated(mlp: &[Adapted; 3], x: &Tensor, act: Activation) -> Tensor {
 impl Experts {
     /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
     /// named as the family names them.
-    fn new(p: &nn::Path, d: i64, m: &MoeConfig, family: Family, lin: &Lin<'_>) -> Self {
+    fn new(
+        p: &nn::Path,
+        (d, m): (i64, &MoeConfig),
+        family: Family,
+        (lin, lora): (&Lin<'_>, Option<&LoraConfig>),
+    ) -> Self {
         let names = match family {
             Family::Mixtral => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
@@ -340,9 +380,9 @@ impl Experts {
         let w = m.intermediate;
         let experts = match family {
             Family::GptOss => {
-                ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m)))
+                ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m, lora)))
             }
-            Family::GraniteMoe => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m))),
+            Family::GraniteMoe => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
             _ => ExpertWeights::Apart(
                 (0..m.experts)
                     .map(|e| {
@@ -578,7 +618,7 @@ impl Layer {
                         Family::Mixtral | Family::GraniteMoe => p / "block_sparse_moe",
                         _ => m,
                     };
-                    Mlp::Experts(Experts::new(&under, d, moe, c.family, lin))
+                    Mlp::Experts(Experts::new(&under, (d, moe), c.family, (lin, lora)))
                 }
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {

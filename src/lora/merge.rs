@@ -36,7 +36,7 @@ pub struct Merged {
 impl LoraConfig {
     /// Reads PEFT's `adapter_config.json` in the adapter directory `dir`,
     /// refusing what this crate does not compute with (another
-    /// `peft_type`, repeated layers, adapters on parameters, `bias` other
+    /// `peft_type`, repeated layers, `bias` other
     /// than `"none"` or `"all"`, QALoRA, aLoRA, a `lora_bias` that is no
     /// boolean), naming the field: built anyway, the model
     /// would hold other adapters than the file. `rank_pattern` and
@@ -60,7 +60,6 @@ impl LoraConfig {
         // tensors train or what they compute.
         for (key, what) in [
             ("layer_replication", "repeats layers"),
-            ("target_parameters", "adapts parameters, not modules"),
             ("use_qalora", "pools the adapters' input (QALoRA)"),
             (
                 "alora_invocation_tokens",
@@ -118,26 +117,28 @@ impl LoraConfig {
                 "`{key}` is {v}: a list of module names, or a regular expression"
             ))),
         };
-        let (targets, target_pattern) = match names_or_pattern("target_modules")? {
-            Some((_, Some(all))) if all == "all-linear" => (vec![all], None),
-            Some(found) => found,
-            None => return Err(j.field("no `target_modules` list".into())),
-        };
-        let (exclude_modules, exclude_pattern) =
-            names_or_pattern("exclude_modules")?.unwrap_or_default();
-        let saved = match j.get("modules_to_save") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
+        // A list of names (`what`), or null for none.
+        let names_or_null = |key: &str, what: &str| match j.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(Vec::new()),
             Some(serde_json::Value::Array(a)) => a
                 .iter()
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| j.field("`modules_to_save` holds a non-string".into()))?,
-            Some(v) => {
-                return Err(j.field(format!(
-                    "`modules_to_save` is {v}: a list of module names (or null)"
-                )))
-            }
+                .ok_or_else(|| j.field(format!("`{key}` holds a non-string"))),
+            Some(v) => Err(j.field(format!("`{key}` is {v}: a list of {what} (or null)"))),
         };
+        // Stacked experts' parameters.
+        let target_parameters = names_or_null("target_parameters", "parameters' names")?;
+        let (targets, target_pattern) = match names_or_pattern("target_modules")? {
+            Some((_, Some(all))) if all == "all-linear" => (vec![all], None),
+            Some(found) => found,
+            // PEFT's null beside parameters: no module takes an adapter.
+            None if !target_parameters.is_empty() => (Vec::new(), None),
+            None => return Err(j.field("no `target_modules` list".into())),
+        };
+        let (exclude_modules, exclude_pattern) =
+            names_or_pattern("exclude_modules")?.unwrap_or_default();
+        let saved = names_or_null("modules_to_save", "module names")?;
         // PEFT's list form (the input embedding's rows), or its dict form:
         // modules (the input embedding, an untied head) and their rows.
         let ids = |a: &[serde_json::Value]| {
@@ -204,6 +205,7 @@ impl LoraConfig {
             layers_pattern,
             rank_pattern: patterns.rank_pattern.0,
             alpha_pattern: patterns.alpha_pattern.0,
+            target_parameters,
         };
         cfg.check(&path.display().to_string())?;
         Ok(cfg)
@@ -452,6 +454,32 @@ fn fits(
     Ok(())
 }
 
+/// Refuses the adapter `(a, b)` of rank `r` for the stacked parameter
+/// `name` of `shape` unless it is `[experts, p, q]`, A `[r experts, p]`
+/// and B `[q, r experts]`.
+fn fits_parameter(
+    name: &str,
+    shape: &[i64],
+    (a, b): &(Tensor, Tensor),
+    r: i64,
+) -> Result<(), HfError> {
+    let &[e, p, q] = shape else {
+        return Err(HfError::Lora(format!(
+            "`{name}` is {shape:?}, not stacked experts' [experts, in, out]"
+        )));
+    };
+    if a.size() != [r * e, p] || b.size() != [q, r * e] {
+        return Err(HfError::Lora(format!(
+            "`{name}` is [{e}, {p}, {q}]; its adapter's A is {:?} and B {:?}, where rank {r} wants [{}, {p}] and [{q}, {}]: an adapter of another model",
+            a.size(),
+            b.size(),
+            r * e,
+            r * e,
+        )));
+    }
+    Ok(())
+}
+
 /// A base tensor's name and its shape there.
 type Held<'a> = HashMap<&'a str, &'a [i64]>;
 
@@ -593,9 +621,14 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
         .collect();
     let weight = |m: &str| format!("{m}.weight");
+    // Adapters on stacked experts' parameters (`target_parameters`), by
+    // the parameter, with their module's key in the file.
+    let on_params: HashMap<String, &String> = (pairs.keys())
+        .filter_map(|m| Some((super::param::parameter_of(m, &held, &cfg)?, m)))
+        .collect();
     let lacking: Vec<&String> = pairs
         .keys()
-        .filter(|m| !held.contains_key(weight(m).as_str()))
+        .filter(|m| !held.contains_key(weight(m).as_str()) && !on_params.values().any(|k| k == m))
         .collect();
     if !lacking.is_empty() {
         return Err(HfError::Lora(format!(
@@ -616,7 +649,14 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     let transposed =
         |name: &str| (conv1d && crate::gpt2::is_conv1d_weight(name)) || embeddings.contains(name);
     // Every shape before anything is written.
-    for (m, (a, b)) in &pairs {
+    for (name, m) in &on_params {
+        let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
+        fits_parameter(name, shape, &pairs[*m], cfg.rank_of(name))?;
+    }
+    for (m, (a, b)) in pairs
+        .iter()
+        .filter(|(m, _)| !on_params.values().any(|k| k == m))
+    {
         let name = weight(m);
         let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
         fits(&name, shape, transposed(&name), (a, b), cfg.rank_of(m))?;
@@ -684,6 +724,17 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
                 Some(copy) => copy.to_kind(w.kind()),
                 None => w,
             };
+            // A stacked parameter: PEFT's update of every expert, in fp32,
+            // cast to the parameter's dtype and added.
+            if let Some(m) = on_params.get(&name) {
+                let pair = &pairs[*m];
+                fits_parameter(&name, &w.size(), pair, cfg.rank_of(&name))?;
+                let (a, b) = pair;
+                let delta = super::param::delta(a, b, cfg.rank_of(&name), cfg.scale_of(&name));
+                merged.push((name.clone(), &w + delta.to_kind(w.kind())));
+                matrices.push(name);
+                continue;
+            }
             let module = name.strip_suffix(".weight");
             let Some((m, (a, b))) = module.and_then(|m| pairs.get(m).map(|p| (m, p))) else {
                 merged.push((name, w));
@@ -927,6 +978,24 @@ mod tests {
         assert!(written.contains("\"lora_bias\": true"), "{written}");
         std::fs::write(dir.join(ADAPTER_CONFIG), written).unwrap();
         assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), biased);
+        // Stacked experts' parameters: written and read back, and with
+        // PEFT's null targets beside them (no module takes an adapter).
+        let on_params = LoraConfig {
+            dropout: 0.0,
+            use_dora: false,
+            fan_in_fan_out: false,
+            target_parameters: vec!["mlp.experts.gate_up_proj".into()],
+            ..plain.clone()
+        };
+        let written = on_params.adapter_config_json("base");
+        std::fs::write(dir.join(ADAPTER_CONFIG), &written).unwrap();
+        assert_eq!(LoraConfig::from_adapter_dir(&dir).unwrap(), on_params);
+        let mut null: serde_json::Value = serde_json::from_str(&written).unwrap();
+        null["target_modules"] = serde_json::Value::Null;
+        std::fs::write(dir.join(ADAPTER_CONFIG), null.to_string()).unwrap();
+        let read = LoraConfig::from_adapter_dir(&dir).unwrap();
+        assert!(read.target_modules.is_empty() && read.target_pattern.is_none());
+        assert_eq!(read.target_parameters, on_params.target_parameters);
         // One layer's index and one pattern's name, as PEFT also takes
         // them; an empty name as none.
         let mut one = json.clone();

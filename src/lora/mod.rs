@@ -25,10 +25,13 @@
 //! `adapter_model.safetensors` and `adapter_config.json`, which
 //! `PeftModel.from_pretrained(base, dir)` loads; [`merge`] folds one into
 //! its base's files (PEFT's `merge_and_unload`), for `transformers` or
-//! `zrt generate`.
+//! `zrt generate`. Stacked experts' parameters (GPT-OSS's,
+//! Granite-MoE's) take adapters through
+//! [`LoraConfig::target_parameters`], as PEFT's `ParamWrapper`.
 
 mod embedding;
 pub(crate) mod merge;
+pub(crate) mod param;
 mod per_module;
 mod start;
 
@@ -148,6 +151,16 @@ pub struct LoraConfig {
     /// `alpha_pattern`: alphas other than [`Self::alpha`], by module,
     /// matched as [`Self::rank_pattern`] is.
     pub alpha_pattern: Vec<(String, f64)>,
+    /// `target_parameters`: stacked experts' parameters that take an
+    /// adapter of PEFT's `ParamWrapper` (GPT-OSS's
+    /// `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`,
+    /// Granite-MoE's `input_linear.weight` and `output_linear.weight`),
+    /// each a parameter's name or its end after a dot, as PEFT matches
+    /// them (neither [`Self::layers_to_transform`] nor the exclusions
+    /// apply, as in PEFT). An `[experts, p, q]` parameter's adapter is
+    /// `A` `[r experts, p]`, `B` `[q, r experts]`, expert `e`'s update
+    /// `s A_e^T B_e^T` `[p, q]` added to its matrix.
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraConfig {
@@ -174,6 +187,7 @@ impl LoraConfig {
             layers_pattern: Vec::new(),
             rank_pattern: Vec::new(),
             alpha_pattern: Vec::new(),
+            target_parameters: Vec::new(),
         }
     }
 
@@ -255,6 +269,14 @@ impl LoraConfig {
         named && !self.excludes(module)
     }
 
+    /// Whether the parameter `name` (its full name,
+    /// `model.layers.0.mlp.experts.gate_up_proj`) takes an adapter:
+    /// PEFT's matching of `target_parameters`, the name or its end after
+    /// a dot.
+    pub fn targets_parameter(&self, name: &str) -> bool {
+        self.target_parameters.iter().any(|t| names(t, name))
+    }
+
     /// Whether `module` is in a layer of [`Self::layers_to_transform`]
     /// (every module is, when it is empty).
     fn in_layers(&self, module: &str) -> bool {
@@ -292,7 +314,9 @@ impl LoraConfig {
             )));
         }
         let all = self.target_modules.iter().any(|t| t == "all-linear");
-        let none = self.target_modules.is_empty() && self.target_pattern.is_none();
+        let none = self.target_modules.is_empty()
+            && self.target_pattern.is_none()
+            && self.target_parameters.is_empty();
         if none || (all && (self.target_modules.len() > 1 || self.target_pattern.is_some())) {
             return Err(refuse(format!(
                 "target_modules {:?}: name the linear layers that take adapters (q_proj, v_proj, ...), or all-linear alone",
@@ -311,6 +335,7 @@ impl LoraConfig {
             }
         }
         self.check_per_module(&refuse)?;
+        param::check(self, &refuse)?;
         if self.lora_bias && self.use_dora {
             return Err(refuse(
                 "lora_bias with use_dora: PEFT gives DoRA's B no bias; turn one of them off".into(),
@@ -441,6 +466,10 @@ impl LoraConfig {
                 true => serde_json::Value::Null,
                 false => self.layers_pattern.clone().into(),
             },
+            "target_parameters": match self.target_parameters.is_empty() {
+                true => serde_json::Value::Null,
+                false => self.target_parameters.clone().into(),
+            },
         });
         // The patterns in their order (a `serde_json::Map` sorts keys).
         #[derive(serde::Serialize)]
@@ -514,7 +543,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
-/// linear layers: no adapter reaches them).
+/// linear layers: [`LoraConfig::target_parameters`] adapts them, and PEFT
+/// names none by default).
 pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
     let targets: &[&str] = match j.model_type().as_deref() {
@@ -646,6 +676,12 @@ pub(crate) fn freeze_base_under(
             false => drop(outside.insert(module.to_string())),
         }
     }
+    // Each parameter named for an adapter must be a stacked one.
+    let variables: Vec<(String, usize)> = (vs.variables().into_iter())
+        .filter(|(n, _)| !is_adapter(n))
+        .map(|(n, t)| (format!("{prefix}{n}"), t.dim()))
+        .collect();
+    param::check_matched(cfg, variables.iter().map(|(n, d)| (n.as_str(), *d)))?;
     if adapters == 0 {
         let names: Vec<String> = linear.into_iter().collect();
         let pattern = match &cfg.target_pattern {

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -285,6 +285,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GraniteMoeConfig as C, GraniteMoeForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2",
+        ),
+        load: "",
+    },
+    // Granite-MoE-shared: Granite-MoE's layers and a shared MLP beside
+    // the experts (its gate and up one matrix), the head untied.
+    Case {
+        name: "granitemoeshared",
+        python: (
+            "from transformers import GraniteMoeSharedConfig as C, GraniteMoeSharedForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2",
         ),
         load: "",
     },
@@ -861,6 +871,11 @@ fn an_arcee_checkpoint_with_its_squared_relu_mlp_trains_as_transformers_does() {
 #[test]
 fn a_granitemoe_checkpoint_with_multipliers_and_stacked_experts_trains_as_transformers_does() {
     parity("granitemoe");
+}
+
+#[test]
+fn a_granitemoe_shared_checkpoint_with_its_shared_mlp_trains_as_transformers_does() {
+    parity("granitemoeshared");
 }
 
 #[test]

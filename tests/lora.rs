@@ -586,6 +586,35 @@ fn lora_adapters_on_stacked_experts_train_as_peft_does() {
         &GRANITE_MOE,
         &[(3, false, Held::Fp32)],
     );
+    // Granite-MoE-shared's shared MLP's matrices end as its experts'
+    // do: a name matching both is refused (PEFT would adapt both).
+    let dir = scratch("lora-granitemoeshared-experts");
+    let args = GRANITE_MOE.python.1.replace(
+        "intermediate_size=32,",
+        "intermediate_size=32, shared_intermediate_size=48,",
+    );
+    common::python(&common::hf_seeded_model(
+        "from transformers import GraniteMoeSharedConfig as C, GraniteMoeSharedForCausalLM as M",
+        &args,
+        &dir,
+        "",
+    ));
+    let on = |param: &str| {
+        let lora = LoraConfig {
+            target_parameters: vec![param.into()],
+            ..LoraConfig::new(2, 4.0, &["q_proj"])
+        };
+        built_with(&dir.join("hf"), lora)
+    };
+    assert_eq!(on("block_sparse_moe.input_linear.weight"), "");
+    let both = on("input_linear.weight");
+    assert!(
+        both.contains(
+            "names `model.layers.0.shared_mlp.input_linear.weight`, a 2-dimensional parameter"
+        ),
+        "{both}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// How a parity run holds the model.

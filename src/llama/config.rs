@@ -496,7 +496,7 @@ impl LlamaConfig {
         let sandwich = family.sandwich();
         let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
         let granite = |key: &str| match family {
-            Family::Granite | Family::GraniteMoe => j.number_or(key, 1.0),
+            f if f.granite() => j.number_or(key, 1.0),
             _ => Ok(1.0),
         };
         Ok(Self {
@@ -577,7 +577,7 @@ impl LlamaConfig {
             embedding_multiplier: granite("embedding_multiplier")?,
             residual_multiplier: granite("residual_multiplier")?,
             attention_multiplier: match (family, &mla) {
-                (Family::Granite | Family::GraniteMoe, _) => Some(granite("attention_multiplier")?),
+                (f, _) if f.granite() => Some(granite("attention_multiplier")?),
                 // transformers' DeepSeek-V2 leaves `mscale_all_dim` out
                 // of its scores' scale.
                 (Family::DeepseekV2, Some(_)) => Some((head_dim as f64).powf(-0.5)),
@@ -790,7 +790,7 @@ impl LlamaConfig {
                 "attention_multiplier": self.attention_multiplier,
                 "logits_scaling": self.logits_scaling,
             }),
-            Family::GraniteMoe => serde_json::json!({
+            Family::GraniteMoe | Family::GraniteMoeShared => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "embedding_multiplier": self.embedding_multiplier,
                 "residual_multiplier": self.residual_multiplier,
@@ -980,6 +980,10 @@ impl LlamaConfig {
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
+        if self.family == Family::GraniteMoeShared {
+            let shared = self.moe.as_ref().and_then(|m| m.shared);
+            json["shared_intermediate_size"] = shared.unwrap_or(0).into();
+        }
         // DeepSeek-V2's and V3's and GLM-4-MoE's experts.
         if let (true, Some(e), Some(all)) = (
             self.family.deepseek_experts(),
@@ -1026,7 +1030,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
         // softmax, renormalised.
         // Granite-MoE's too.
-        Family::Mixtral | Family::GptOss | Family::GraniteMoe => {
+        f if matches!(f, Family::Mixtral | Family::GptOss) || f.granite_moe() => {
             ("num_local_experts", "intermediate_size", true)
         }
         Family::Olmoe => (
@@ -1076,7 +1080,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     }
     // The config classes' experts, top k and expert width.
     let defaults = match family {
-        Family::Mixtral | Family::GraniteMoe => (8, 2, 0),
+        Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
         Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
@@ -1139,7 +1143,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
     let intermediate = match family {
-        Family::Mixtral | Family::Olmoe | Family::GptOss | Family::GraniteMoe => {
+        f if matches!(f, Family::Mixtral | Family::Olmoe | Family::GptOss) || f.granite_moe() => {
             j.size(width_key)?
         }
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
@@ -1171,6 +1175,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             // two unless it says, none when null).
             Family::DeepseekV2 => {
                 (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
+            }
+            // Granite-MoE-shared's width, none when 0 (its default).
+            Family::GraniteMoeShared => {
+                Some(count_or(j, "shared_intermediate_size", 0)?).filter(|&n| n > 0)
             }
             // dots1's: none unless it says.
             Family::Dots1 => (j.size_or_null("n_shared_experts", None)?).map(|n| intermediate * n),

@@ -152,6 +152,12 @@ pub enum Family {
     /// `output_linear.weight` `[experts, d, width]`), routed by
     /// `router.layer`.
     GraniteMoe,
+    /// `granitemoeshared` (`GraniteMoeSharedForCausalLM`: IBM's MoE models
+    /// with shared experts): Granite-MoE's layers with a shared MLP every
+    /// token goes through beside the experts (`shared_mlp.input_linear`,
+    /// the gate's rows then the up's, and `shared_mlp.output_linear`),
+    /// none when `shared_intermediate_size` is 0.
+    GraniteMoeShared,
     /// `deepseek_v2` (`DeepseekV2ForCausalLM`: DeepSeek-V2 and V2-Lite,
     /// DeepSeek-Coder-V2): DeepSeek-V3's multi-head latent attention
     /// (its scores unscaled by `mscale_all_dim`, as `transformers` has
@@ -196,7 +202,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 34] = [
+    pub const ALL: [Family; 35] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -224,6 +230,7 @@ impl Family {
         Self::Glm4Moe,
         Self::GptOss,
         Self::GraniteMoe,
+        Self::GraniteMoeShared,
         Self::DeepseekV2,
         Self::Ernie4_5,
         Self::Ernie4_5Moe,
@@ -277,6 +284,7 @@ impl Family {
             Self::Glm4Moe => "glm4_moe",
             Self::GptOss => "gpt_oss",
             Self::GraniteMoe => "granitemoe",
+            Self::GraniteMoeShared => "granitemoeshared",
             Self::DeepseekV2 => "deepseek_v2",
             Self::Ernie4_5 => "ernie4_5",
             Self::Ernie4_5Moe => "ernie4_5_moe",
@@ -317,6 +325,7 @@ impl Family {
             Self::Glm4Moe => "Glm4MoeForCausalLM",
             Self::GptOss => "GptOssForCausalLM",
             Self::GraniteMoe => "GraniteMoeForCausalLM",
+            Self::GraniteMoeShared => "GraniteMoeSharedForCausalLM",
             Self::DeepseekV2 => "DeepseekV2ForCausalLM",
             Self::Ernie4_5 => "Ernie4_5ForCausalLM",
             Self::Ernie4_5Moe => "Ernie4_5_MoeForCausalLM",
@@ -354,6 +363,16 @@ impl Family {
     /// Cohere's: the attention and the MLP side by side after one norm.
     pub(super) fn parallel(self) -> bool {
         self.cohere()
+    }
+
+    /// Granite-MoE's experts: Granite-MoE's and Granite-MoE-shared's.
+    pub(super) fn granite_moe(self) -> bool {
+        matches!(self, Self::GraniteMoe | Self::GraniteMoeShared)
+    }
+
+    /// Granite's multipliers: Granite's and Granite-MoE's.
+    pub(super) fn granite(self) -> bool {
+        self == Self::Granite || self.granite_moe()
     }
 
     /// An MLP of a gate and an up projection (all but StarCoder2's and
@@ -433,7 +452,11 @@ impl Family {
             ..LLAMA
         };
         match self {
-            Self::Llama | Self::Granite | Self::GraniteMoe | Self::DeepseekV2 => LLAMA,
+            Self::Llama
+            | Self::Granite
+            | Self::GraniteMoe
+            | Self::GraniteMoeShared
+            | Self::DeepseekV2 => LLAMA,
             Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),
                 window: Some(4096),

@@ -161,6 +161,21 @@ enum GateUp {
     Fused(Adapted),
 }
 
+impl GateUp {
+    /// The gate's and the up projection's outputs for `h` (a fused
+    /// matrix's halves).
+    fn forward(&self, h: &Tensor) -> (Tensor, Tensor) {
+        match self {
+            Self::Apart { gate_proj, up_proj } => (gate_proj.forward(h), up_proj.forward(h)),
+            Self::Fused(gate_up) => {
+                let both = gate_up.forward(h);
+                let i = both.size()[both.dim() - 1] / 2;
+                (both.narrow(-1, 0, i), both.narrow(-1, i, i))
+            }
+        }
+    }
+}
+
 /// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`;
 /// Arcee's, `down_proj(relu2(up_proj(x)))`, in the same shape),
 /// or a mixture of experts.
@@ -350,11 +365,14 @@ enum Router {
 
 /// A shared expert every token goes through (gate, up and down
 /// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V2's, V3's and
-/// GLM-4-MoE's `shared_experts`), and Qwen2-MoE's gate (`shared_expert_gate`: one
-/// row), whose sigmoid weighs its output.
+/// GLM-4-MoE's `shared_experts`; Granite-MoE-shared's `shared_mlp`, its
+/// gate and up one matrix, `input_linear`, and its down `output_linear`),
+/// and Qwen2-MoE's gate (`shared_expert_gate`: one row), whose sigmoid
+/// weighs its output.
 #[derive(Debug)]
 struct Shared {
-    mlp: [Adapted; 3],
+    gate_up: GateUp,
+    down: Adapted,
     gate: Option<Adapted>,
 }
 
@@ -368,7 +386,7 @@ impl Experts {
     /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
     /// named as the family names them.
     fn new(
-        p: &nn::Path,
+        (layer, p): (&nn::Path, &nn::Path),
         (d, m): (i64, &MoeConfig),
         family: Family,
         (lin, lora): (&Lin<'_>, Option<&LoraConfig>),
@@ -382,7 +400,7 @@ impl Experts {
             Family::GptOss => {
                 ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m, lora)))
             }
-            Family::GraniteMoe => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
+            f if f.granite_moe() => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
             _ => ExpertWeights::Apart(
                 (0..m.experts)
                     .map(|e| {
@@ -398,17 +416,30 @@ impl Experts {
         };
         let qwen = family == Family::Qwen2Moe;
         let shared = m.shared.map(|w| {
-            let sp = p / if qwen {
-                "shared_expert"
-            } else {
-                "shared_experts"
+            let (gate_up, down) = match family {
+                Family::GraniteMoeShared => {
+                    let sp = layer / "shared_mlp";
+                    (
+                        GateUp::Fused(lin(&(&sp / "input_linear"), d, 2 * w, false)),
+                        lin(&(&sp / "output_linear"), w, d, false),
+                    )
+                }
+                _ => {
+                    let sp = p / if qwen {
+                        "shared_expert"
+                    } else {
+                        "shared_experts"
+                    };
+                    let gate_up = GateUp::Apart {
+                        gate_proj: lin(&(&sp / "gate_proj"), d, w, false),
+                        up_proj: lin(&(&sp / "up_proj"), d, w, false),
+                    };
+                    (gate_up, lin(&(&sp / "down_proj"), w, d, false))
+                }
             };
             Box::new(Shared {
-                mlp: [
-                    lin(&(&sp / "gate_proj"), d, w, false),
-                    lin(&(&sp / "up_proj"), d, w, false),
-                    lin(&(&sp / "down_proj"), w, d, false),
-                ],
+                gate_up,
+                down,
                 gate: qwen.then(|| lin(&(p / "shared_expert_gate"), d, 1, false)),
             })
         });
@@ -426,7 +457,7 @@ impl Experts {
                 gate: lin(&(p / "router"), d, m.experts, true),
                 correction: None,
             },
-            None if family == Family::GraniteMoe => Router::Softmax {
+            None if family.granite_moe() => Router::Softmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
                 correction: None,
             },
@@ -479,7 +510,8 @@ impl Experts {
         // The shared expert's output (gated, Qwen2-MoE's) joins the
         // routed sum last.
         if let Some(s) = &self.shared {
-            let y = gated(&s.mlp, &h, act);
+            let (gate, up) = s.gate_up.forward(&h);
+            let y = s.down.forward(&(act.apply(&gate) * up));
             out += match &s.gate {
                 Some(gate) => gate.forward(&h).sigmoid() * y,
                 None => y,
@@ -615,10 +647,10 @@ impl Layer {
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
-                        Family::Mixtral | Family::GraniteMoe => p / "block_sparse_moe",
+                        f if f == Family::Mixtral || f.granite_moe() => p / "block_sparse_moe",
                         _ => m,
                     };
-                    Mlp::Experts(Experts::new(&under, (d, moe), c.family, (lin, lora)))
+                    Mlp::Experts(Experts::new((p, &under), (d, moe), c.family, (lin, lora)))
                 }
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {
@@ -731,16 +763,7 @@ impl Module for Layer {
         let h = self.norms.mlp_input(&x, h);
         let m = match &self.mlp {
             Mlp::Dense { gate_up, down_proj } => {
-                let (gate, up) = match gate_up {
-                    GateUp::Apart { gate_proj, up_proj } => {
-                        (gate_proj.forward(&h), up_proj.forward(&h))
-                    }
-                    GateUp::Fused(gate_up) => {
-                        let both = gate_up.forward(&h);
-                        let i = c.intermediate;
-                        (both.narrow(-1, 0, i), both.narrow(-1, i, i))
-                    }
-                };
+                let (gate, up) = gate_up.forward(&h);
                 let m = c.activation.apply(&gate) * up;
                 self.training
                     .dropout(down_proj.forward(&m), c.resid_dropout)

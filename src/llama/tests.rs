@@ -748,6 +748,22 @@ fn granitemoe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn granitemoe_shared_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("granitemoeshared-configs");
+    // The config class's defaults with a shared MLP 1024 wide, and
+    // without (its default, 0: none); the counts are transformers'.
+    let shared = r#"{"model_type": "granitemoeshared", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "shared_intermediate_size": 1024}"#;
+    let c = dir.read(shared).unwrap();
+    assert_eq!(total(&c), 37441769472);
+    assert_eq!(c.moe.as_ref().and_then(|m| m.shared), Some(1024));
+    let none = shared.replace(r#", "shared_intermediate_size": 1024"#, "");
+    let n = dir.read(&none).unwrap();
+    assert_eq!(total(&n), 37039116288);
+    assert_eq!(n.moe.as_ref().and_then(|m| m.shared), None);
+    dir.round_trips([c, n]);
+}
+
+#[test]
 fn deepseek_v2_configs_are_read_and_counted() {
     let dir = ConfigDir::new("deepseek-v2-configs");
     // DeepSeek-V2-Lite's config as published; the counts are

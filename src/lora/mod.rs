@@ -538,7 +538,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared), zrt's
 /// choice: Phi-3's fused `qkv_proj`, DeepSeek-V2's and V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
@@ -677,10 +677,12 @@ pub(crate) fn freeze_base_under(
         }
     }
     // Each parameter named for an adapter must be a stacked one.
-    let variables: Vec<(String, usize)> = (vs.variables().into_iter())
+    let mut variables: Vec<(String, usize)> = (vs.variables().into_iter())
         .filter(|(n, _)| !is_adapter(n))
         .map(|(n, t)| (format!("{prefix}{n}"), t.dim()))
         .collect();
+    // By name: an error names the first.
+    variables.sort();
     param::check_matched(cfg, variables.iter().map(|(n, d)| (n.as_str(), *d)))?;
     if adapters == 0 {
         let names: Vec<String> = linear.into_iter().collect();

@@ -144,22 +144,24 @@ pub(crate) fn check(cfg: &LoraConfig, refuse: &dyn Fn(String) -> HfError) -> Res
 /// Refuses a `target_parameters` entry that names none of the model's
 /// stacked experts' parameters (`variables`: each variable's full name
 /// and dimensions): PEFT refuses a list matching nothing; zrt also
-/// refuses a matrix (a linear layer's `weight`, which `target_modules`
-/// adapts).
+/// refuses one naming a matrix (a linear layer's `weight`, which
+/// `target_modules` adapts), even beside stacked parameters.
 pub(crate) fn check_matched<'a>(
     cfg: &LoraConfig,
     variables: impl Iterator<Item = (&'a str, usize)> + Clone,
 ) -> Result<(), HfError> {
     for t in &cfg.target_parameters {
         let mut hits = variables.clone().filter(|(n, _)| super::names(t, n));
-        let Some((name, dim)) = hits.next() else {
+        if hits.clone().next().is_none() {
             return Err(HfError::Lora(format!(
-                "target_parameters: `{t}` names no parameter of the model: name stacked experts' parameters by the end of their names (GPT-OSS's mlp.experts.gate_up_proj and mlp.experts.down_proj, Granite-MoE's input_linear.weight and output_linear.weight)"
+                "target_parameters: `{t}` names no parameter of the model: name stacked experts' parameters by the end of their names (GPT-OSS's mlp.experts.gate_up_proj and mlp.experts.down_proj, Granite-MoE's block_sparse_moe.input_linear.weight and block_sparse_moe.output_linear.weight)"
             )));
-        };
-        if dim != 3 {
+        }
+        // Every one it names: PEFT would adapt a matrix too (Granite-MoE-
+        // shared's `shared_mlp.input_linear.weight` ends as its experts' do).
+        if let Some((name, dim)) = hits.find(|&(_, dim)| dim != 3) {
             return Err(HfError::Lora(format!(
-                "target_parameters: `{t}` names `{name}`, a {dim}-dimensional parameter: zrt adapts stacked experts' ([experts, in, out]) through target_parameters; put a linear layer's module in target_modules"
+                "target_parameters: `{t}` names `{name}`, a {dim}-dimensional parameter: zrt adapts stacked experts' ([experts, in, out]) through target_parameters; name them alone (by more of their names), and put a linear layer's module in target_modules"
             )));
         }
     }

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -266,6 +266,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Dots1Config as C, Dots1ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5",
+        ),
+        load: "",
+    },
+    // Helium: neighbouring pairs turned, biases on the query, key and
+    // value projections only, the norms' weights in fp32.
+    Case {
+        name: "helium",
+        python: (
+            "from transformers import HeliumConfig as C, HeliumForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_bias=True",
         ),
         load: "",
     },
@@ -861,6 +871,11 @@ fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does
 #[test]
 fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
     parity("dots1");
+}
+
+#[test]
+fn a_helium_checkpoint_turning_neighbouring_pairs_trains_as_transformers_does() {
+    parity("helium");
 }
 
 #[test]
@@ -1825,6 +1840,9 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
         let k = match mt {
             "deepseek_v2" => r#", "num_experts_per_tok": 2"#,
             "dots1" => r#", "num_experts_per_tok": 2, "n_routed_experts": 8"#,
+            // Helium's default 20 key-value heads do not divide 32, and
+            // its output projection is square.
+            "helium" => r#", "num_key_value_heads": 8, "head_dim": 16"#,
             _ => "",
         };
         let config = format!(

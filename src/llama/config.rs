@@ -414,6 +414,11 @@ impl LlamaConfig {
                 )))
             }
         };
+        if family == Family::Helium && heads * head_dim != hidden {
+            return Err(j.field(format!(
+                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: Helium's output projection is hidden_size square (its class builds it so); give sizes that agree"
+            )));
+        }
         let rotary_dim = match &mla {
             Some(m) => m.rope,
             None => rotary_dim(head_dim, partial),
@@ -432,8 +437,9 @@ impl LlamaConfig {
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
-            // StableLM's and Qwen2-MoE's output projections have none.
-            Family::StableLm | Family::Qwen2Moe => false,
+            // StableLM's, Qwen2-MoE's and Helium's output projections
+            // have none.
+            Family::StableLm | Family::Qwen2Moe | Family::Helium => false,
             // GLM's `attention_bias` is the query, key and value
             // projections' (the output's has none).
             f if f.glm() || f == Family::Glm4Moe => false,
@@ -446,6 +452,7 @@ impl LlamaConfig {
             Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
             Family::SeedOss => j.flag_or("attention_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
+            Family::Helium => j.flag_or("attention_bias", false)?,
             _ => attention_bias,
         };
         let sliding_window = match family {
@@ -941,6 +948,10 @@ impl LlamaConfig {
             Family::Dots1 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "layer_types": vec!["full_attention"; self.layers as usize],
+            }),
+            Family::Helium => serde_json::json!({
+                "attention_bias": self.qkv_bias,
+                "mlp_bias": self.mlp_bias,
             }),
             Family::Arcee => serde_json::json!({
                 "attention_bias": self.o_bias,

@@ -193,6 +193,11 @@ pub enum Family {
     /// `arcee` (`ArceeForCausalLM`: Arcee's AFM-4.5B): Llama's layers
     /// with an ungated MLP (`down_proj(relu2(up_proj(x)))`).
     Arcee,
+    /// `helium` (`HeliumForCausalLM`: Kyutai's Helium 1 2B): Llama's
+    /// layers with neighbouring pairs of each head turned, the norms'
+    /// weights multiplied in fp32, and no bias on the output projection
+    /// (`attention_bias` is the query's, key's and value's).
+    Helium,
     /// `dots1` (`Dots1ForCausalLM`: rednote's dots.llm1): Qwen3's
     /// attention (each head's queries and keys normalised) with
     /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
@@ -202,7 +207,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 35] = [
+    pub const ALL: [Family; 36] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -237,6 +242,7 @@ impl Family {
         Self::SeedOss,
         Self::Exaone4,
         Self::Arcee,
+        Self::Helium,
         Self::Dots1,
     ];
 
@@ -291,6 +297,7 @@ impl Family {
             Self::SeedOss => "seed_oss",
             Self::Exaone4 => "exaone4",
             Self::Arcee => "arcee",
+            Self::Helium => "helium",
             Self::Dots1 => "dots1",
         }
     }
@@ -332,6 +339,7 @@ impl Family {
             Self::SeedOss => "SeedOssForCausalLM",
             Self::Exaone4 => "Exaone4ForCausalLM",
             Self::Arcee => "ArceeForCausalLM",
+            Self::Helium => "HeliumForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
         }
     }
@@ -580,6 +588,15 @@ impl Family {
             },
             Self::Dots1 => Defaults {
                 kv_heads: Some(32),
+                ..LLAMA
+            },
+            Self::Helium => Defaults {
+                eps: 1e-8,
+                rope_theta: 100000.0,
+                kv_heads: Some(20),
+                head_dim: Some(128),
+                pad: Some(3),
+                positions: 4096,
                 ..LLAMA
             },
             Self::Arcee => Defaults {

@@ -622,7 +622,7 @@ impl Layer {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
             match c.family {
                 f if f.cohere() => r.interleaved(true),
-                f if f.glm() => r.interleaved(false),
+                f if f.glm() || f == Family::Helium => r.interleaved(false),
                 // DeepSeek-V2's turned dimensions, neighbouring pairs,
                 // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
                 f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),

@@ -27,7 +27,8 @@ enum NormWeights {
     /// Gemma's: times `1 + weight` in fp32, then cast (its weights are
     /// offsets from one, zero when new).
     Offset,
-    /// OLMo's and GPT-OSS's: times the weights in fp32, then cast.
+    /// OLMo's, GPT-OSS's and Helium's: times the weights in fp32, then
+    /// cast.
     Fp32,
 }
 
@@ -41,7 +42,7 @@ impl RmsNorm {
     pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         let weights = match c.family {
             f if f.gemma() => NormWeights::Offset,
-            f if f.olmo() || f == Family::GptOss => NormWeights::Fp32,
+            f if f.olmo() || matches!(f, Family::GptOss | Family::Helium) => NormWeights::Fp32,
             _ => NormWeights::Llama,
         };
         let weight = match weights {

@@ -972,6 +972,30 @@ fn exaone4_configs_are_read_and_counted() {
 }
 
 #[test]
+fn helium_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("helium-configs");
+    // The class's defaults, Helium-1-preview-2B's sizes (its docstring);
+    // the count is transformers' parameters.
+    let c = dir.read(r#"{"model_type": "helium", "vocab_size": 48000, "hidden_size": 2560, "intermediate_size": 7040, "num_hidden_layers": 24, "num_attention_heads": 20}"#).unwrap();
+    assert_eq!(total(&c), 2172643840);
+    assert_eq!(
+        (c.kv_heads, c.head_dim, c.eps, c.pad_token),
+        (20, 128, 1e-8, Some(3))
+    );
+    // Biased queries, keys and values; the output projection never.
+    let biased = dir
+        .read(r#"{"model_type": "helium", "vocab_size": 48000, "hidden_size": 2560, "intermediate_size": 7040, "num_hidden_layers": 24, "num_attention_heads": 20, "attention_bias": true}"#)
+        .unwrap();
+    assert_eq!((biased.qkv_bias, biased.o_bias), (true, false));
+    assert_eq!(total(&biased), total(&c) + 24 * 3 * 2560);
+    dir.round_trips([c, biased]);
+    dir.refuses(
+        r#"{"model_type": "helium", "vocab_size": 48000, "hidden_size": 2560, "intermediate_size": 7040, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16}"#,
+        "num_attention_heads 16 x head_dim 128 is not hidden_size 2560",
+    );
+}
+
+#[test]
 fn arcee_configs_are_read_and_counted() {
     let dir = ConfigDir::new("arcee-configs");
     // AFM-4.5B's sizes (its activation the class's default, relu2); the

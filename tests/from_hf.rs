@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -266,6 +266,23 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Dots1Config as C, Dots1ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5",
+        ),
+        load: "",
+    },
+    // Apertus: each head's queries and keys normalised, an ungated MLP
+    // of xIELU (its trained scalars held in fp32 here: `transformers`
+    // builds them in bf16 whatever the model's dtype, zrt in the
+    // model's), Llama 3's scaling by default.
+    Case {
+        name: "apertus",
+        python: (
+            "from transformers import ApertusConfig as C, ApertusForCausalLM\n\
+             class M(ApertusForCausalLM):\n    \
+                 def __init__(self, config):\n        \
+                     super().__init__(config)\n        \
+                     for layer in self.model.layers:\n            \
+                         layer.mlp.act_fn.float()",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'original_max_position_embeddings': 16, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}",
         ),
         load: "",
     },
@@ -871,6 +888,11 @@ fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does
 #[test]
 fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
     parity("dots1");
+}
+
+#[test]
+fn an_apertus_checkpoint_with_its_trained_xielu_trains_as_transformers_does() {
+    parity("apertus");
 }
 
 #[test]

@@ -123,6 +123,10 @@ pub enum Activation {
     GeluNew,
     /// `"relu2"`: the squared ReLU (Arcee's AFM).
     Relu2,
+    /// `"xielu"`: Apertus's xIELU, whose parameters its MLP trains and
+    /// holds (applied there); read for Apertus only, and computed here
+    /// at its class's initial parameters.
+    Xielu,
 }
 
 impl Activation {
@@ -169,6 +173,7 @@ impl Activation {
             Self::GeluTanh => "gelu_pytorch_tanh",
             Self::GeluNew => "gelu_new",
             Self::Relu2 => "relu2",
+            Self::Xielu => "xielu",
         }
     }
 
@@ -176,6 +181,7 @@ impl Activation {
         match self {
             Self::Silu => x.silu(),
             Self::Relu2 => x.relu().square(),
+            Self::Xielu => super::xielu::initial(x),
             Self::Gelu => x.gelu("none"),
             Self::GeluTanh => x.gelu("tanh"),
             // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
@@ -353,7 +359,11 @@ impl LlamaConfig {
         }
         let defaults = family.defaults();
         let key = family.activation_key();
-        let activation = Activation::read(j, key, defaults.activation, "Llama")?;
+        let activation = match j.get(key).and_then(|v| v.as_str()) {
+            // Apertus's MLP holds xIELU's parameters; no other layer does.
+            Some("xielu") if family == Family::Apertus => Activation::Xielu,
+            _ => Activation::read(j, key, defaults.activation, "Llama")?,
+        };
         let partial = match family {
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
@@ -404,7 +414,13 @@ impl LlamaConfig {
                 "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
             )));
         }
-        let head_dim = match j.size_or_null("head_dim", defaults.head_dim)? {
+        // Apertus's class deletes `head_dim`: its heads are the width's
+        // share, whatever the config says.
+        let given_head_dim = match family {
+            Family::Apertus => None,
+            _ => j.size_or_null("head_dim", defaults.head_dim)?,
+        };
+        let head_dim = match given_head_dim {
             _ if mla.is_some() => mla.as_ref().map_or(0, |m| m.nope + m.rope),
             Some(d) => d,
             None if hidden % heads == 0 => hidden / heads,
@@ -523,6 +539,8 @@ impl LlamaConfig {
             o_bias: attention_bias,
             mlp_bias: match family {
                 Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
+                // Apertus's class deletes `mlp_bias`: none.
+                Family::Apertus => false,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -538,7 +556,8 @@ impl LlamaConfig {
                 | Family::Qwen3Moe
                 | Family::Gemma3
                 | Family::Exaone4
-                | Family::Dots1 => true,
+                | Family::Dots1
+                | Family::Apertus => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
             },
@@ -731,6 +750,13 @@ impl LlamaConfig {
         };
         // A LayerNorm's bias beside its weights.
         let norm = if self.family.layer_norm() { 2 * d } else { d };
+        // Apertus's xIELU: two trained scalars, two frozen ones.
+        let act = if self.activation == Activation::Xielu {
+            4
+        } else {
+            0
+        };
+        let mlp = mlp + act;
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
             norms * norm + attention + sinks + mlp
@@ -949,6 +975,7 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "layer_types": vec!["full_attention"; self.layers as usize],
             }),
+            Family::Apertus => serde_json::json!({"attention_bias": self.o_bias}),
             Family::Helium => serde_json::json!({
                 "attention_bias": self.qkv_bias,
                 "mlp_bias": self.mlp_bias,

@@ -198,6 +198,13 @@ pub enum Family {
     /// weights multiplied in fp32, and no bias on the output projection
     /// (`attention_bias` is the query's, key's and value's).
     Helium,
+    /// `apertus` (`ApertusForCausalLM`: Swiss AI's Apertus 8B and 70B):
+    /// Llama's attention with each head's queries and keys normalised
+    /// (as Qwen3's), an ungated MLP of the xIELU activation, whose
+    /// parameters it trains (`down_proj(xielu(up_proj(x)))`), the norms
+    /// named `attention_layernorm` and `feedforward_layernorm`, Llama 3's
+    /// rope scaling when the config leaves it out.
+    Apertus,
     /// `dots1` (`Dots1ForCausalLM`: rednote's dots.llm1): Qwen3's
     /// attention (each head's queries and keys normalised) with
     /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
@@ -207,7 +214,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 36] = [
+    pub const ALL: [Family; 37] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -243,6 +250,7 @@ impl Family {
         Self::Exaone4,
         Self::Arcee,
         Self::Helium,
+        Self::Apertus,
         Self::Dots1,
     ];
 
@@ -298,6 +306,7 @@ impl Family {
             Self::Exaone4 => "exaone4",
             Self::Arcee => "arcee",
             Self::Helium => "helium",
+            Self::Apertus => "apertus",
             Self::Dots1 => "dots1",
         }
     }
@@ -340,6 +349,7 @@ impl Family {
             Self::Exaone4 => "Exaone4ForCausalLM",
             Self::Arcee => "ArceeForCausalLM",
             Self::Helium => "HeliumForCausalLM",
+            Self::Apertus => "ApertusForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
         }
     }
@@ -386,7 +396,7 @@ impl Family {
     /// An MLP of a gate and an up projection (all but StarCoder2's and
     /// Arcee's).
     pub(super) fn gated(self) -> bool {
-        !matches!(self, Self::Starcoder2 | Self::Arcee)
+        !matches!(self, Self::Starcoder2 | Self::Arcee | Self::Apertus)
     }
 
     /// OLMo's: each sublayer's output normalised, not its input; the
@@ -588,6 +598,14 @@ impl Family {
             },
             Self::Dots1 => Defaults {
                 kv_heads: Some(32),
+                ..LLAMA
+            },
+            Self::Apertus => Defaults {
+                eps: 1e-5,
+                rope_theta: 12000000.0,
+                pad: Some(3),
+                activation: Activation::Xielu,
+                positions: 65536,
                 ..LLAMA
             },
             Self::Helium => Defaults {

@@ -17,6 +17,7 @@ use super::family::Family;
 use super::norm::{Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
+use super::xielu::Xielu;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
 type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
@@ -177,12 +178,22 @@ impl GateUp {
 }
 
 /// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`;
-/// Arcee's, `down_proj(relu2(up_proj(x)))`, in the same shape),
+/// Arcee's, `down_proj(relu2(up_proj(x)))`, and Apertus's, of its
+/// trained xIELU, in the same shape),
 /// or a mixture of experts.
 #[derive(Debug)]
 enum Mlp {
-    Dense { gate_up: GateUp, down_proj: Adapted },
-    Plain { c_fc: Adapted, c_proj: Adapted },
+    Dense {
+        gate_up: GateUp,
+        down_proj: Adapted,
+    },
+    Plain {
+        c_fc: Adapted,
+        c_proj: Adapted,
+        /// Apertus's xIELU and its parameters (the config's activation
+        /// otherwise).
+        xielu: Option<Xielu>,
+    },
     Experts(Experts),
 }
 
@@ -655,12 +666,14 @@ impl Layer {
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {
                     let (up, down) = match c.family {
-                        Family::Arcee => ("up_proj", "down_proj"),
+                        Family::Arcee | Family::Apertus => ("up_proj", "down_proj"),
                         _ => ("c_fc", "c_proj"),
                     };
+                    let xielu = c.activation == Activation::Xielu;
                     Mlp::Plain {
                         c_fc: lin(&(&m / up), d, c.intermediate, mb),
                         c_proj: lin(&(&m / down), c.intermediate, d, mb),
+                        xielu: xielu.then(|| Xielu::new(&(&m / "act_fn"))),
                     }
                 }
                 _ => Mlp::Dense {
@@ -768,8 +781,16 @@ impl Module for Layer {
                 self.training
                     .dropout(down_proj.forward(&m), c.resid_dropout)
             }
-            Mlp::Plain { c_fc, c_proj } => {
-                let m = c.activation.apply(&c_fc.forward(&h));
+            Mlp::Plain {
+                c_fc,
+                c_proj,
+                xielu,
+            } => {
+                let up = c_fc.forward(&h);
+                let m = match xielu {
+                    Some(act) => act.forward(&up),
+                    None => c.activation.apply(&up),
+                };
                 self.training.dropout(c_proj.forward(&m), c.resid_dropout)
             }
             Mlp::Experts(experts) => experts.forward(&h, c.activation),

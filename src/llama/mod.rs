@@ -57,6 +57,7 @@ mod rope_scaling;
 mod rotary;
 #[cfg(test)]
 pub(crate) mod tests;
+mod xielu;
 
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};

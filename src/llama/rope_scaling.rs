@@ -176,6 +176,15 @@ pub(crate) fn rope_scaling(
                 "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096});
             return yarn(j, &v);
         }
+        // Apertus's too: Llama 3's.
+        if model_type == Family::Apertus.model_type() && !j.has("rope_scaling") {
+            return Ok(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_positions: 8192.0,
+            });
+        }
         return Ok(RopeScaling::None);
     };
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());

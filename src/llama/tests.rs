@@ -972,6 +972,33 @@ fn exaone4_configs_are_read_and_counted() {
 }
 
 #[test]
+fn apertus_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("apertus-configs");
+    // The class's defaults (Apertus-8B-like, its docs say): Llama 3's
+    // scaling when left out, xIELU. The count is transformers' state
+    // dict's (its parameters and each layer's xIELU `beta` and `eps`
+    // buffers, which zrt holds as frozen parameters).
+    let given = r#"{"model_type": "apertus", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 64}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 6979596416);
+    assert_eq!(c.activation, Activation::Xielu);
+    // Its class deletes head_dim and mlp_bias: the width's share, none.
+    assert_eq!((c.head_dim, c.mlp_bias, c.qk_norm), (128, false, true));
+    assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    let unscaled = dir
+        .read(&given.replace(r#", "head_dim": 64"#, r#", "rope_scaling": null"#))
+        .unwrap();
+    assert_eq!(unscaled.rope_scaling, RopeScaling::None);
+    dir.round_trips([c, unscaled]);
+    // xIELU is Apertus's alone: another family's MLP holds no parameters
+    // for it.
+    dir.refuses(
+        r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_act": "xielu"}"#,
+        "hidden_act \"xielu\"",
+    );
+}
+
+#[test]
 fn helium_configs_are_read_and_counted() {
     let dir = ConfigDir::new("helium-configs");
     // The class's defaults, Helium-1-preview-2B's sizes (its docstring);

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -266,6 +266,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Dots1Config as C, Dots1ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5",
+        ),
+        load: "",
+    },
+    // Hunyuan (dense): each head's queries and keys normalised after
+    // they turn, biases, its dynamic scaling's alpha.
+    Case {
+        name: "hunyuan-dense",
+        python: (
+            "from transformers import HunYuanDenseV1Config as C, HunYuanDenseV1ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_bias=True, rope_scaling={'type': 'dynamic', 'factor': 1.0, 'alpha': 1000.0}",
         ),
         load: "",
     },
@@ -888,6 +898,11 @@ fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does
 #[test]
 fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
     parity("dots1");
+}
+
+#[test]
+fn a_hunyuan_dense_checkpoint_with_alpha_scaling_trains_as_transformers_does() {
+    parity("hunyuan-dense");
 }
 
 #[test]
@@ -1913,13 +1928,38 @@ print("\n".join(bad))
 /// 8 after 16), and the unscaled base again for one shorter (6).
 #[test]
 fn a_llama_with_dynamic_rope_scaling_computes_transformers_logits_as_lengths_change() {
-    const LENGTHS: [i64; 7] = [12, 10, 6, 10, 16, 8, 4];
-    let dir = scratch("hf-dynamic");
-    let model = common::hf_seeded_model(
+    dynamic_scaling_as_lengths_change(
+        "hf-dynamic",
         "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
-         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, \
-         rope_scaling={'rope_type': 'dynamic', 'factor': 2.5}",
+        "rope_scaling={'rope_type': 'dynamic', 'factor': 2.5}",
+    );
+}
+
+/// Hunyuan's, with its `alpha`: its base raised by the alpha up to
+/// `max_position_embeddings`, the unraised base grown past it (as
+/// `transformers`' HunYuan rotary embedding computes them), and the
+/// raised one again for a sequence shorter than it after a longer one.
+#[test]
+fn a_hunyuan_with_alpha_scaling_computes_transformers_logits_as_lengths_change() {
+    dynamic_scaling_as_lengths_change(
+        "hf-dynamic-alpha",
+        "from transformers import HunYuanDenseV1Config as C, HunYuanDenseV1ForCausalLM as M",
+        "head_dim=16, rope_scaling={'type': 'dynamic', 'factor': 2.5, 'alpha': 1000.0}",
+    );
+}
+
+/// A model of `import`'s classes with `scaling` (and a base width) over
+/// sequences of changing lengths, past `max_position_embeddings` (8)
+/// and within it: zrt's logits are `transformers`'.
+fn dynamic_scaling_as_lengths_change(name: &str, import: &str, scaling: &str) {
+    const LENGTHS: [i64; 7] = [12, 10, 6, 10, 16, 8, 4];
+    let dir = scratch(name);
+    let model = common::hf_seeded_model(
+        import,
+        &format!(
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, {scaling}"
+        ),
         &dir,
         "",
     );

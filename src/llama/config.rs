@@ -539,8 +539,9 @@ impl LlamaConfig {
             o_bias: attention_bias,
             mlp_bias: match family {
                 Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
-                // Apertus's class deletes `mlp_bias`: none.
-                Family::Apertus => false,
+                // Apertus's class deletes `mlp_bias`; Hunyuan's MLP has
+                // none whatever it says.
+                Family::Apertus | Family::HunyuanDense => false,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -557,7 +558,8 @@ impl LlamaConfig {
                 | Family::Gemma3
                 | Family::Exaone4
                 | Family::Dots1
-                | Family::Apertus => true,
+                | Family::Apertus
+                | Family::HunyuanDense => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
             },
@@ -975,7 +977,9 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "layer_types": vec!["full_attention"; self.layers as usize],
             }),
-            Family::Apertus => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Apertus | Family::HunyuanDense => {
+                serde_json::json!({"attention_bias": self.o_bias})
+            }
             Family::Helium => serde_json::json!({
                 "attention_bias": self.qkv_bias,
                 "mlp_bias": self.mlp_bias,

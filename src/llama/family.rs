@@ -205,6 +205,12 @@ pub enum Family {
     /// named `attention_layernorm` and `feedforward_layernorm`, Llama 3's
     /// rope scaling when the config leaves it out.
     Apertus,
+    /// `hunyuan_v1_dense` (`HunYuanDenseV1ForCausalLM`: Tencent's
+    /// Hunyuan 0.5B-7B): Llama's layers with each head's queries and keys
+    /// normalised after they turn (`query_layernorm`, `key_layernorm`),
+    /// no MLP biases, and its `dynamic` scaling's `alpha`
+    /// ([`RopeScaling::DynamicAlpha`](super::RopeScaling::DynamicAlpha)).
+    HunyuanDense,
     /// `dots1` (`Dots1ForCausalLM`: rednote's dots.llm1): Qwen3's
     /// attention (each head's queries and keys normalised) with
     /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
@@ -214,7 +220,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 37] = [
+    pub const ALL: [Family; 38] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -251,6 +257,7 @@ impl Family {
         Self::Arcee,
         Self::Helium,
         Self::Apertus,
+        Self::HunyuanDense,
         Self::Dots1,
     ];
 
@@ -307,6 +314,7 @@ impl Family {
             Self::Arcee => "arcee",
             Self::Helium => "helium",
             Self::Apertus => "apertus",
+            Self::HunyuanDense => "hunyuan_v1_dense",
             Self::Dots1 => "dots1",
         }
     }
@@ -350,6 +358,7 @@ impl Family {
             Self::Arcee => "ArceeForCausalLM",
             Self::Helium => "HeliumForCausalLM",
             Self::Apertus => "ApertusForCausalLM",
+            Self::HunyuanDense => "HunYuanDenseV1ForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
         }
     }
@@ -598,6 +607,11 @@ impl Family {
             },
             Self::Dots1 => Defaults {
                 kv_heads: Some(32),
+                ..LLAMA
+            },
+            Self::HunyuanDense => Defaults {
+                eps: 1e-5,
+                pad: Some(0),
                 ..LLAMA
             },
             Self::Apertus => Defaults {

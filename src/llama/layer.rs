@@ -690,9 +690,13 @@ impl Layer {
                 },
             },
             qk_norm: c.qk_norm.then(|| {
+                let (q, k) = match c.family {
+                    Family::HunyuanDense => ("query_layernorm", "key_layernorm"),
+                    _ => ("q_norm", "k_norm"),
+                };
                 (
-                    RmsNorm::new(&a / "q_norm", q_width, c),
-                    RmsNorm::new(&a / "k_norm", k_width, c),
+                    RmsNorm::new(&a / q, q_width, c),
+                    RmsNorm::new(&a / k, k_width, c),
                 )
             }),
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
@@ -737,10 +741,17 @@ impl Module for Layer {
             (Some(rotary), None) => rope_from(&x, rotary, offset),
             (None, _) => x,
         };
+        // Hunyuan normalises each head's queries and keys after they
+        // turn, the others before.
+        let after = c.family == Family::HunyuanDense;
+        let qk = |x: Tensor, n: i64, norm: Option<&RmsNorm>| match (after, norm) {
+            (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
+            _ => turned(heads(x, n, norm)),
+        };
         let split = |q, k, v| {
             [
-                turned(heads(q, c.heads, qn)),
-                turned(heads(k, c.kv_heads, kn)),
+                qk(q, c.heads, qn),
+                qk(k, c.kv_heads, kn),
                 heads(v, c.kv_heads, None),
             ]
         };

@@ -26,6 +26,17 @@ pub enum RopeScaling {
         /// `factor`.
         factor: f64,
     },
+    /// Hunyuan's `"dynamic"` with an `alpha` (`transformers`' HunYuan
+    /// rotary embedding reads it; no other class does): up to
+    /// `max_position_embeddings` the base is `rope_theta * alpha^(d / (d
+    /// - 2))`, past it [`Self::Dynamic`]'s growth of `rope_theta` itself
+    /// (as `transformers` computes it, the alpha left out).
+    DynamicAlpha {
+        /// `factor`.
+        factor: f64,
+        /// `alpha`.
+        alpha: f64,
+    },
     /// `"llama3"` (Llama 3.1 and 3.2): long wavelengths divided by
     /// `factor`, short ones kept, those between interpolated.
     Llama3 {
@@ -88,6 +99,7 @@ impl RopeScaling {
             Self::None | Self::LongRope { .. } => None,
             Self::Linear { factor }
             | Self::Dynamic { factor }
+            | Self::DynamicAlpha { factor, .. }
             | Self::Llama3 { factor, .. }
             | Self::Yarn { factor, .. } => Some(*factor),
         }
@@ -103,6 +115,9 @@ impl RopeScaling {
             }
             RopeScaling::Dynamic { factor } => {
                 serde_json::json!({"rope_type": "dynamic", "factor": factor})
+            }
+            RopeScaling::DynamicAlpha { factor, alpha } => {
+                serde_json::json!({"rope_type": "dynamic", "factor": factor, "alpha": alpha})
             }
             RopeScaling::Llama3 {
                 factor,
@@ -198,6 +213,18 @@ pub(crate) fn rope_scaling(
         Some("linear") if !phi3 => Ok(RopeScaling::Linear {
             factor: num("factor")?,
         }),
+        // Hunyuan's class reads an alpha when it is there and not 0.
+        Some("dynamic") if model_type == Family::HunyuanDense.model_type() => {
+            match scaling_number(j, v, "alpha").ok().filter(|a| *a != 0.0) {
+                Some(alpha) => Ok(RopeScaling::DynamicAlpha {
+                    factor: num("factor")?,
+                    alpha,
+                }),
+                None => Ok(RopeScaling::Dynamic {
+                    factor: num("factor")?,
+                }),
+            }
+        }
         Some("dynamic") if !phi3 => Ok(RopeScaling::Dynamic {
             factor: num("factor")?,
         }),

@@ -103,13 +103,15 @@ impl Rotary {
             _ => 1.0,
         };
         let dynamic = match scaling {
-            RopeScaling::Dynamic { factor } => Some(Dynamic {
-                factor: *factor,
-                positions,
-                hd,
-                theta,
-                seen: parking_lot::Mutex::new((positions, None)),
-            }),
+            RopeScaling::Dynamic { factor } | RopeScaling::DynamicAlpha { factor, .. } => {
+                Some(Dynamic {
+                    factor: *factor,
+                    positions,
+                    hd,
+                    theta,
+                    seen: parking_lot::Mutex::new((positions, None)),
+                })
+            }
             _ => None,
         };
         Self {
@@ -186,6 +188,11 @@ fn inv_freq(powers: &Tensor, hd: i64, theta: f64, scaling: &RopeScaling, positio
             let m = positions as f64;
             let grown = (factor * m / m - (factor - 1.0)).powf(hd as f64 / (hd as f64 - 2.0));
             base_powers(hd, theta * grown, powers.device()).reciprocal()
+        }
+        // Hunyuan's: the base raised by its alpha, in Python's doubles.
+        RopeScaling::DynamicAlpha { alpha, .. } => {
+            let d = hd as f64;
+            base_powers(hd, theta * alpha.powf(d / (d - 2.0)), powers.device()).reciprocal()
         }
         RopeScaling::Llama3 {
             factor,

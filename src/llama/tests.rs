@@ -972,6 +972,36 @@ fn exaone4_configs_are_read_and_counted() {
 }
 
 #[test]
+fn hunyuan_dense_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("hunyuan-dense-configs");
+    // The class's defaults with its heads 128 wide (transformers cannot
+    // build the class without a head_dim; zrt takes the width's share);
+    // the count is transformers' parameters.
+    let given = r#"{"model_type": "hunyuan_v1_dense", "vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128, "mlp_bias": true, "rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 8859684864);
+    assert_eq!((c.qk_norm, c.mlp_bias), (true, false));
+    assert_eq!(
+        c.rope_scaling,
+        RopeScaling::DynamicAlpha {
+            factor: 1.0,
+            alpha: 1000.0
+        }
+    );
+    // Without an alpha (or with 0), Llama's dynamic scaling.
+    let plain = dir
+        .read(&given.replace(r#", "alpha": 1000.0"#, r#", "alpha": 0"#))
+        .unwrap();
+    assert_eq!(plain.rope_scaling, RopeScaling::Dynamic { factor: 1.0 });
+    dir.round_trips([c, plain]);
+    // Another family's alpha is no scaling it reads.
+    let llama = dir
+        .read(r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "alpha": 1000.0}}"#)
+        .unwrap();
+    assert_eq!(llama.rope_scaling, RopeScaling::Dynamic { factor: 2.0 });
+}
+
+#[test]
 fn apertus_configs_are_read_and_counted() {
     let dir = ConfigDir::new("apertus-configs");
     // The class's defaults (Apertus-8B-like, its docs say): Llama 3's

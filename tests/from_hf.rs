@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -276,6 +276,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import HunYuanDenseV1Config as C, HunYuanDenseV1ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_bias=True, rope_scaling={'type': 'dynamic', 'factor': 1.0, 'alpha': 1000.0}",
+        ),
+        load: "",
+    },
+    // Hunyuan with experts: Hunyuan's attention, a softmax's top 2 of 4
+    // experts renormalised, beside a shared MLP.
+    Case {
+        name: "hunyuan-moe",
+        python: (
+            "from transformers import HunYuanMoEV1Config as C, HunYuanMoEV1ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, moe_topk=2, rope_scaling={'type': 'dynamic', 'factor': 1.0, 'alpha': 1000.0}",
         ),
         load: "",
     },
@@ -903,6 +913,11 @@ fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transf
 #[test]
 fn a_hunyuan_dense_checkpoint_with_alpha_scaling_trains_as_transformers_does() {
     parity("hunyuan-dense");
+}
+
+#[test]
+fn a_hunyuan_moe_checkpoint_with_its_shared_mlp_trains_as_transformers_does() {
+    parity("hunyuan-moe");
 }
 
 #[test]

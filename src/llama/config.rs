@@ -541,7 +541,7 @@ impl LlamaConfig {
                 Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
                 // Apertus's class deletes `mlp_bias`; Hunyuan's MLP has
                 // none whatever it says.
-                Family::Apertus | Family::HunyuanDense => false,
+                f if f == Family::Apertus || f.hunyuan() => false,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -559,7 +559,8 @@ impl LlamaConfig {
                 | Family::Exaone4
                 | Family::Dots1
                 | Family::Apertus
-                | Family::HunyuanDense => true,
+                | Family::HunyuanDense
+                | Family::HunyuanMoe => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
             },
@@ -980,6 +981,11 @@ impl LlamaConfig {
             Family::Apertus | Family::HunyuanDense => {
                 serde_json::json!({"attention_bias": self.o_bias})
             }
+            Family::HunyuanMoe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "moe_topk": self.moe.as_ref().map(|m| m.top_k),
+            }),
             Family::Helium => serde_json::json!({
                 "attention_bias": self.qkv_bias,
                 "mlp_bias": self.mlp_bias,
@@ -1094,6 +1100,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             j.flag_or("norm_topk_prob", false)?,
         ),
         Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
+        // Hunyuan's experts and shared MLP are all the MLP's width.
+        Family::HunyuanMoe => ("num_experts", "intermediate_size", true),
         _ => return Ok(None),
     };
     if j.flag_or("output_router_logits", false)? {
@@ -1123,6 +1131,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // The config classes' experts, top k and expert width.
     let defaults = match family {
         Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
+        Family::HunyuanMoe => (1, 1, 0),
         Family::Olmoe => (64, 8, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
@@ -1133,6 +1142,16 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::GptOss => (128, 4, 0),
         _ => (128, 8, 768),
     };
+    // Hunyuan's class takes a list a layer too: zrt builds one count.
+    if family == Family::HunyuanMoe {
+        for key in ["num_experts", "moe_topk"] {
+            if let Some(v) = j.get(key).filter(|v| v.is_array()) {
+                return Err(j.field(format!(
+                    "{key} {v}: a count for each layer; zrt builds every layer with one (give a number)"
+                )));
+            }
+        }
+    }
     let experts = match family {
         // dots1's class has no default.
         Family::Dots1 => j.size_or_none(experts_key)?.ok_or_else(|| {
@@ -1143,6 +1162,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // DeepSeek-V2's class has no default.
     let top_k = match family {
         Family::Ernie4_5Moe => j.size_or_none("moe_k")?.unwrap_or(defaults.1),
+        Family::HunyuanMoe => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
         Family::Dots1 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
             j.field("no num_experts_per_tok: dots1's config class has no default; give it".into())
         })?,
@@ -1185,7 +1205,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             .ok_or_else(|| j.field(format!("mlp_only_layers {v}: a list of layer numbers")))?,
     };
     let intermediate = match family {
-        f if matches!(f, Family::Mixtral | Family::Olmoe | Family::GptOss) || f.granite_moe() => {
+        f if matches!(
+            f,
+            Family::Mixtral | Family::Olmoe | Family::GptOss | Family::HunyuanMoe
+        ) || f.granite_moe() =>
+        {
             j.size(width_key)?
         }
         _ => j.size_or_none(width_key)?.unwrap_or(defaults.2),
@@ -1218,6 +1242,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::DeepseekV2 => {
                 (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
             }
+            // Hunyuan's shared MLP, the MLP's width.
+            Family::HunyuanMoe => Some(intermediate),
             // Granite-MoE-shared's width, none when 0 (its default).
             Family::GraniteMoeShared => {
                 Some(count_or(j, "shared_intermediate_size", 0)?).filter(|&n| n > 0)

@@ -211,6 +211,12 @@ pub enum Family {
     /// no MLP biases, and its `dynamic` scaling's `alpha`
     /// ([`RopeScaling::DynamicAlpha`](super::RopeScaling::DynamicAlpha)).
     HunyuanDense,
+    /// `hunyuan_v1_moe` (`HunYuanMoEV1ForCausalLM`: Tencent's
+    /// Hunyuan-A13B): Hunyuan's attention with a sparse mixture of
+    /// experts on every layer (`mlp.gate.wg`, a softmax's top `moe_topk`
+    /// renormalised; `mlp.experts.N`) beside a shared MLP every token
+    /// goes through (`mlp.shared_mlp`), all `intermediate_size` wide.
+    HunyuanMoe,
     /// `dots1` (`Dots1ForCausalLM`: rednote's dots.llm1): Qwen3's
     /// attention (each head's queries and keys normalised) with
     /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
@@ -220,7 +226,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 38] = [
+    pub const ALL: [Family; 39] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -258,6 +264,7 @@ impl Family {
         Self::Helium,
         Self::Apertus,
         Self::HunyuanDense,
+        Self::HunyuanMoe,
         Self::Dots1,
     ];
 
@@ -315,6 +322,7 @@ impl Family {
             Self::Helium => "helium",
             Self::Apertus => "apertus",
             Self::HunyuanDense => "hunyuan_v1_dense",
+            Self::HunyuanMoe => "hunyuan_v1_moe",
             Self::Dots1 => "dots1",
         }
     }
@@ -359,6 +367,7 @@ impl Family {
             Self::Helium => "HeliumForCausalLM",
             Self::Apertus => "ApertusForCausalLM",
             Self::HunyuanDense => "HunYuanDenseV1ForCausalLM",
+            Self::HunyuanMoe => "HunYuanMoEV1ForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
         }
     }
@@ -390,6 +399,12 @@ impl Family {
     /// Cohere's: the attention and the MLP side by side after one norm.
     pub(super) fn parallel(self) -> bool {
         self.cohere()
+    }
+
+    /// Hunyuan's (dense or with experts): heads normalised after they
+    /// turn, the `dynamic` scaling's alpha, no MLP biases.
+    pub fn hunyuan(self) -> bool {
+        matches!(self, Self::HunyuanDense | Self::HunyuanMoe)
     }
 
     /// Granite-MoE's experts: Granite-MoE's and Granite-MoE-shared's.
@@ -609,7 +624,7 @@ impl Family {
                 kv_heads: Some(32),
                 ..LLAMA
             },
-            Self::HunyuanDense => Defaults {
+            Self::HunyuanDense | Self::HunyuanMoe => Defaults {
                 eps: 1e-5,
                 pad: Some(0),
                 ..LLAMA

@@ -376,7 +376,7 @@ enum Router {
 
 /// A shared expert every token goes through (gate, up and down
 /// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V2's, V3's and
-/// GLM-4-MoE's `shared_experts`; Granite-MoE-shared's `shared_mlp`, its
+/// GLM-4-MoE's `shared_experts`, Hunyuan's `shared_mlp`; Granite-MoE-shared's `shared_mlp`, its
 /// gate and up one matrix, `input_linear`, and its down `output_linear`),
 /// and Qwen2-MoE's gate (`shared_expert_gate`: one row), whose sigmoid
 /// weighs its output.
@@ -436,10 +436,10 @@ impl Experts {
                     )
                 }
                 _ => {
-                    let sp = p / if qwen {
-                        "shared_expert"
-                    } else {
-                        "shared_experts"
+                    let sp = p / match family {
+                        Family::Qwen2Moe => "shared_expert",
+                        Family::HunyuanMoe => "shared_mlp",
+                        _ => "shared_experts",
                     };
                     let gate_up = GateUp::Apart {
                         gate_proj: lin(&(&sp / "gate_proj"), d, w, false),
@@ -477,6 +477,10 @@ impl Experts {
                 correction: Some(
                     (p / "moe_statics").zeros_no_train("e_score_correction_bias", &[1, m.experts]),
                 ),
+            },
+            None if family == Family::HunyuanMoe => Router::Softmax {
+                gate: lin(&(p / "gate" / "wg"), d, m.experts, false),
+                correction: None,
             },
             None => Router::Softmax {
                 gate: lin(&(p / "gate"), d, m.experts, false),
@@ -691,7 +695,7 @@ impl Layer {
             },
             qk_norm: c.qk_norm.then(|| {
                 let (q, k) = match c.family {
-                    Family::HunyuanDense => ("query_layernorm", "key_layernorm"),
+                    f if f.hunyuan() => ("query_layernorm", "key_layernorm"),
                     _ => ("q_norm", "k_norm"),
                 };
                 (
@@ -743,7 +747,7 @@ impl Module for Layer {
         };
         // Hunyuan normalises each head's queries and keys after they
         // turn, the others before.
-        let after = c.family == Family::HunyuanDense;
+        let after = c.family.hunyuan();
         let qk = |x: Tensor, n: i64, norm: Option<&RmsNorm>| match (after, norm) {
             (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
             _ => turned(heads(x, n, norm)),

@@ -214,7 +214,7 @@ pub(crate) fn rope_scaling(
             factor: num("factor")?,
         }),
         // Hunyuan's class reads an alpha when it is there and not 0.
-        Some("dynamic") if model_type == Family::HunyuanDense.model_type() => {
+        Some("dynamic") if Family::of(model_type).is_some_and(Family::hunyuan) => {
             match scaling_number(j, v, "alpha").ok().filter(|a| *a != 0.0) {
                 Some(alpha) => Ok(RopeScaling::DynamicAlpha {
                     factor: num("factor")?,

@@ -1002,6 +1002,34 @@ fn hunyuan_dense_configs_are_read_and_counted() {
 }
 
 #[test]
+fn hunyuan_moe_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("hunyuan-moe-configs");
+    // Hunyuan-A13B's shape (64 experts, 8 a token, 32 layers 4096 wide,
+    // the head tied: the 80B its card gives); the count is
+    // transformers' parameters.
+    let given = r#"{"model_type": "hunyuan_v1_moe", "vocab_size": 128167, "hidden_size": 4096, "intermediate_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_experts": 64, "moe_topk": 8, "tie_word_embeddings": true, "rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1000.0}}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 80393183232);
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (
+            moe.experts,
+            moe.top_k,
+            moe.intermediate,
+            moe.shared,
+            moe.normalize
+        ),
+        (64, 8, 3072, Some(3072), true)
+    );
+    assert!((0..32).all(|l| c.moe_layer(l)));
+    dir.round_trips([c]);
+    dir.refuses(
+        &given.replace(r#""moe_topk": 8"#, r#""moe_topk": [8, 8]"#),
+        "moe_topk [8,8]: a count for each layer",
+    );
+}
+
+#[test]
 fn apertus_configs_are_read_and_counted() {
     let dir = ConfigDir::new("apertus-configs");
     // The class's defaults (Apertus-8B-like, its docs say): Llama 3's

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -168,6 +168,16 @@ const CASES: &[Case] = &[
         name: "gemma2",
         python: (
             "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=2.0, attn_implementation='eager'",
+        ),
+        load: ", attn_implementation='eager'",
+    },
+    // VaultGemma: Gemma 2's attention (capped, windowed, its query
+    // scalar), its sublayers' outputs not normalised.
+    Case {
+        name: "vaultgemma",
+        python: (
+            "from transformers import VaultGemmaConfig as C, VaultGemmaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=2.0, attn_implementation='eager'",
         ),
         load: ", attn_implementation='eager'",
@@ -760,6 +770,11 @@ fn a_gemma_checkpoint_trains_as_transformers_does() {
 #[test]
 fn a_gemma2_checkpoint_with_soft_caps_and_windowed_layers_trains_as_transformers_does() {
     parity("gemma2");
+}
+
+#[test]
+fn a_vaultgemma_checkpoint_without_output_norms_trains_as_transformers_does() {
+    parity("vaultgemma");
 }
 
 #[test]

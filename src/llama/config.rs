@@ -477,6 +477,7 @@ impl LlamaConfig {
             | Family::Phi3
             | Family::Mixtral
             | Family::Gemma2
+            | Family::VaultGemma
             | Family::Gemma3
             | Family::Olmo3
             | Family::Starcoder2
@@ -570,17 +571,17 @@ impl LlamaConfig {
             },
             activation,
             pad_token,
-            query_scalar: match sandwich {
+            query_scalar: match sandwich || family == Family::VaultGemma {
                 true => Some(j.number_or("query_pre_attn_scalar", 256.0)?),
                 false => None,
             },
             attn_softcap: match family {
-                Family::Gemma2 => j.number_or_null("attn_logit_softcapping", Some(50.0))?,
+                f if f.gemma2() => j.number_or_null("attn_logit_softcapping", Some(50.0))?,
                 Family::Gemma3 => j.number_or_null("attn_logit_softcapping", None)?,
                 _ => None,
             },
             final_softcap: match family {
-                Family::Gemma2 => j.number_or_null("final_logit_softcapping", Some(30.0))?,
+                f if f.gemma2() => j.number_or_null("final_logit_softcapping", Some(30.0))?,
                 Family::Gemma3 => j.number_or_null("final_logit_softcapping", None)?,
                 _ => None,
             },
@@ -1001,7 +1002,7 @@ impl LlamaConfig {
                 "partial_rotary_factor": self.partial_rotary,
                 "hidden_dropout": self.resid_dropout,
             }),
-            Family::Gemma2 | Family::Gemma3 => serde_json::json!({
+            Family::Gemma2 | Family::VaultGemma | Family::Gemma3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
                 "query_pre_attn_scalar": self.query_scalar,
@@ -1489,7 +1490,7 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
         return Ok(None);
     }
     let default = match family {
-        Family::Gemma2 | Family::GptOss => Some(2),
+        Family::Gemma2 | Family::VaultGemma | Family::GptOss => Some(2),
         Family::Olmo3 => Some(4),
         Family::Gemma3 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(6)),
         Family::Cohere2 => Some(j.size_or_none("sliding_window_pattern")?.unwrap_or(4)),

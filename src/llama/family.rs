@@ -32,6 +32,11 @@ pub enum Family {
     /// soft-capped (`tanh(s / cap) * cap`), scores scaled by
     /// `query_pre_attn_scalar`.
     Gemma2,
+    /// `vaultgemma` (`VaultGemmaForCausalLM`: Google's VaultGemma 1B,
+    /// trained with differential privacy): Gemma 2's config and
+    /// attention, its sublayers' outputs not normalised
+    /// (`input_layernorm` and `pre_feedforward_layernorm` only).
+    VaultGemma,
     /// `gemma3_text` (`Gemma3ForCausalLM`, Gemma 3 1B and 270M):
     /// Gemma 2's layers without the caps, queries and keys normalised as
     /// Qwen3's, every sixth layer global and the others in a window with
@@ -226,7 +231,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 39] = [
+    pub const ALL: [Family; 40] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -234,6 +239,7 @@ impl Family {
         Self::Qwen3,
         Self::Gemma,
         Self::Gemma2,
+        Self::VaultGemma,
         Self::Gemma3,
         Self::Phi3,
         Self::Granite,
@@ -292,6 +298,7 @@ impl Family {
             Self::Qwen3 => "qwen3",
             Self::Gemma => "gemma",
             Self::Gemma2 => "gemma2",
+            Self::VaultGemma => "vaultgemma",
             Self::Gemma3 => "gemma3_text",
             Self::Phi3 => "phi3",
             Self::Granite => "granite",
@@ -337,6 +344,7 @@ impl Family {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Gemma => "GemmaForCausalLM",
             Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::VaultGemma => "VaultGemmaForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
             Self::Granite => "GraniteForCausalLM",
@@ -374,7 +382,17 @@ impl Family {
 
     /// Gemma's: norms as offsets from one, the embeddings scaled.
     pub(super) fn gemma(self) -> bool {
-        matches!(self, Self::Gemma | Self::Gemma2 | Self::Gemma3)
+        matches!(
+            self,
+            Self::Gemma | Self::Gemma2 | Self::VaultGemma | Self::Gemma3
+        )
+    }
+
+    /// Gemma 2's config and attention: Gemma 2's and VaultGemma's
+    /// (capped scores and logits, every other layer windowed, the
+    /// queries scaled by `query_pre_attn_scalar`).
+    pub(super) fn gemma2(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::VaultGemma)
     }
 
     /// Each sublayer's output normalised before the residual (Gemma 2
@@ -520,7 +538,7 @@ impl Family {
                 kv_heads: Some(16),
                 ..GEMMA
             },
-            Self::Gemma2 => Defaults {
+            Self::Gemma2 | Self::VaultGemma => Defaults {
                 kv_heads: Some(4),
                 window: Some(4096),
                 ..GEMMA
@@ -719,7 +737,7 @@ impl Family {
     /// `transformers` 4.57).
     pub(super) fn activation_key(self) -> &'static str {
         match self {
-            Self::Gemma2 | Self::Gemma3 => "hidden_activation",
+            Self::Gemma2 | Self::VaultGemma | Self::Gemma3 => "hidden_activation",
             _ => "hidden_act",
         }
     }

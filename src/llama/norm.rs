@@ -178,6 +178,10 @@ impl Norms {
             f if f.parallel() => Self::Parallel {
                 input: norm("input_layernorm"),
             },
+            Family::VaultGemma => Self::Pre {
+                input: norm("input_layernorm"),
+                before_mlp: norm("pre_feedforward_layernorm"),
+            },
             Family::Apertus => Self::Pre {
                 input: norm("attention_layernorm"),
                 before_mlp: norm("feedforward_layernorm"),

@@ -1030,6 +1030,29 @@ fn hunyuan_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn vaultgemma_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("vaultgemma-configs");
+    // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
+    // tied); the count is transformers' parameters, Gemma 2's less each
+    // layer's two output norms.
+    let c = dir
+        .read(r#"{"model_type": "vaultgemma", "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8}"#)
+        .unwrap();
+    assert_eq!(total(&c), 2614222080);
+    assert_eq!(
+        (
+            c.attn_softcap,
+            c.final_softcap,
+            c.query_scalar,
+            c.sliding_window
+        ),
+        (Some(50.0), Some(30.0), Some(256.0), Some(4096))
+    );
+    assert!(c.window(0).is_some() && c.window(1).is_none());
+    dir.round_trips([c]);
+}
+
+#[test]
 fn apertus_configs_are_read_and_counted() {
     let dir = ConfigDir::new("apertus-configs");
     // The class's defaults (Apertus-8B-like, its docs say): Llama 3's

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -424,6 +424,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // FlexOlmo: OLMo 2's layers (outputs normalised) with OLMoE's
+    // experts, the top 3 of 4 unnormalised.
+    Case {
+        name: "flex-olmo",
+        python: (
+            "from transformers import FlexOlmoConfig as C, FlexOlmoForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=3, pad_token_id=1",
+        ),
+        load: "",
+    },
     // Qwen2-MoE: query/key/value biases, experts on the first layer
     // beside a shared expert with its sigmoid gate, the top weights as
     // the softmax gave them (norm_topk_prob off, its default); a dense
@@ -830,6 +840,11 @@ fn a_qwen2_moe_checkpoint_routes_its_tokens_beside_a_shared_expert_as_transforme
 #[test]
 fn an_olmoe_checkpoint_with_clipped_normalised_projections_routes_as_transformers_does() {
     parity("olmoe");
+}
+
+#[test]
+fn a_flex_olmo_checkpoint_with_olmo2_layers_and_experts_trains_as_transformers_does() {
+    parity("flex-olmo");
 }
 
 #[test]

@@ -892,6 +892,13 @@ impl LlamaConfig {
                 }
                 j
             }
+            Family::FlexOlmo => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "num_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "norm_topk_prob": self.moe.as_ref().map(|m| m.normalize),
+                "output_router_logits": false,
+            }),
             Family::Olmoe => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "clip_qkv": self.clip_qkv,
@@ -1082,7 +1089,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         f if matches!(f, Family::Mixtral | Family::GptOss) || f.granite_moe() => {
             ("num_local_experts", "intermediate_size", true)
         }
-        Family::Olmoe => (
+        Family::Olmoe | Family::FlexOlmo => (
             "num_experts",
             "intermediate_size",
             j.flag_or("norm_topk_prob", false)?,
@@ -1134,6 +1141,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
         Family::HunyuanMoe => (1, 1, 0),
         Family::Olmoe => (64, 8, 0),
+        Family::FlexOlmo => (7, 5, 0),
         Family::Qwen2Moe => (60, 4, 1408),
         Family::DeepseekV3 => (256, 8, 2048),
         Family::DeepseekV2 => (64, 0, 1407),
@@ -1208,7 +1216,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let intermediate = match family {
         f if matches!(
             f,
-            Family::Mixtral | Family::Olmoe | Family::GptOss | Family::HunyuanMoe
+            Family::Mixtral
+                | Family::Olmoe
+                | Family::FlexOlmo
+                | Family::GptOss
+                | Family::HunyuanMoe
         ) || f.granite_moe() =>
         {
             j.size(width_key)?

@@ -73,6 +73,11 @@ pub enum Family {
     /// clipped with the values (`clip_qkv`), and a sparse mixture of
     /// experts for every MLP (`mlp.gate`, `mlp.experts.N`).
     Olmoe,
+    /// `flex_olmo` (`FlexOlmoForCausalLM`: AllenAI's FlexOlmo-7x7B):
+    /// OLMo 2's layers (outputs normalised, queries and keys over the
+    /// whole projection) with OLMoE's sparse mixture of experts for every
+    /// MLP.
+    FlexOlmo,
     /// `qwen2_moe` (`Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-57B-A14B):
     /// Qwen2's layers (`qkv_bias`) with a sparse mixture of experts for
     /// the MLP (`mlp.gate`, `mlp.experts.N`) beside a shared expert every
@@ -231,7 +236,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 40] = [
+    pub const ALL: [Family; 41] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -248,6 +253,7 @@ impl Family {
         Self::SmolLm3,
         Self::Mixtral,
         Self::Olmoe,
+        Self::FlexOlmo,
         Self::Qwen2Moe,
         Self::Qwen3Moe,
         Self::Starcoder2,
@@ -307,6 +313,7 @@ impl Family {
             Self::SmolLm3 => "smollm3",
             Self::Mixtral => "mixtral",
             Self::Olmoe => "olmoe",
+            Self::FlexOlmo => "flex_olmo",
             Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Starcoder2 => "starcoder2",
@@ -353,6 +360,7 @@ impl Family {
             Self::SmolLm3 => "SmolLM3ForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
             Self::Olmoe => "OlmoeForCausalLM",
+            Self::FlexOlmo => "FlexOlmoForCausalLM",
             Self::Qwen2Moe => "Qwen2MoeForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Starcoder2 => "Starcoder2ForCausalLM",
@@ -443,9 +451,10 @@ impl Family {
 
     /// OLMo's: each sublayer's output normalised, not its input; the
     /// norms multiply by their weights in fp32; queries and keys
-    /// normalised over the whole projection.
+    /// normalised over the whole projection (OLMo 2's and 3's, and
+    /// FlexOlmo's).
     pub(super) fn olmo(self) -> bool {
-        matches!(self, Self::Olmo2 | Self::Olmo3)
+        matches!(self, Self::Olmo2 | Self::Olmo3 | Self::FlexOlmo)
     }
 
     /// GLM's (and GLM-4's): one gate-and-up matrix, a part of each head
@@ -580,6 +589,12 @@ impl Family {
                 rope_theta: 1e6,
                 kv_heads: Some(8),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::FlexOlmo => Defaults {
+                rope_theta: 500000.0,
+                pad: Some(100277),
+                positions: 4096,
                 ..LLAMA
             },
             Self::Olmoe => Defaults {

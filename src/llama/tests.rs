@@ -1053,6 +1053,24 @@ fn vaultgemma_configs_are_read_and_counted() {
 }
 
 #[test]
+fn flex_olmo_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("flex-olmo-configs");
+    // The class's defaults (FlexOlmo-7x7B's sizes, its docs say); the
+    // count is transformers' parameters.
+    let c = dir
+        .read(r#"{"model_type": "flex_olmo", "vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}"#)
+        .unwrap();
+    assert_eq!(total(&c), 33270665216);
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (moe.experts, moe.top_k, moe.normalize, moe.shared),
+        (7, 5, false, None)
+    );
+    assert!(c.qk_norm && c.clip_qkv.is_none());
+    dir.round_trips([c]);
+}
+
+#[test]
 fn apertus_configs_are_read_and_counted() {
     let dir = ConfigDir::new("apertus-configs");
     // The class's defaults (Apertus-8B-like, its docs say): Llama 3's

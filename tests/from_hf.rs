@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -313,6 +313,16 @@ const CASES: &[Case] = &[
                      for layer in self.model.layers:\n            \
                          layer.mlp.act_fn.float()",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'original_max_position_embeddings': 16, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}",
+        ),
+        load: "",
+    },
+    // Nemotron: half of each head turned, LayerNorms whose weights are
+    // offsets from one, an ungated squared-ReLU MLP, biases.
+    Case {
+        name: "nemotron",
+        python: (
+            "from transformers import NemotronConfig as C, NemotronForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, mlp_bias=True",
         ),
         load: "",
     },
@@ -953,6 +963,11 @@ fn a_hunyuan_moe_checkpoint_with_its_shared_mlp_trains_as_transformers_does() {
 #[test]
 fn an_apertus_checkpoint_with_its_trained_xielu_trains_as_transformers_does() {
     parity("apertus");
+}
+
+#[test]
+fn a_nemotron_checkpoint_with_offset_layer_norms_trains_as_transformers_does() {
+    parity("nemotron");
 }
 
 #[test]
@@ -1925,6 +1940,9 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             // Helium's default 20 key-value heads do not divide 32, and
             // its output projection is square.
             "helium" => r#", "num_key_value_heads": 8, "head_dim": 16"#,
+            // Nemotron's class keeps a missing count None, which its
+            // attention cannot divide by (zrt takes the heads').
+            "nemotron" => r#", "num_key_value_heads": 32"#,
             _ => "",
         };
         let config = format!(

@@ -366,10 +366,14 @@ impl LlamaConfig {
         };
         let partial = match family {
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
+            Family::Nemotron => j.number_or("partial_rotary_factor", 0.5)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
-        let partly = matches!(family, Family::Phi3 | Family::StableLm | Family::Glm4Moe);
+        let partly = matches!(
+            family,
+            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron
+        );
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
@@ -514,7 +518,11 @@ impl LlamaConfig {
             _ => None,
         };
         let full_every = full_every(j, family, sliding_window)?;
-        let scaling = rope_scaling(j, family.model_type(), rotary_dim)?;
+        // Nemotron's class turns unscaled whatever the config says.
+        let scaling = match family {
+            Family::Nemotron => RopeScaling::None,
+            _ => rope_scaling(j, family.model_type(), rotary_dim)?,
+        };
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
@@ -993,6 +1001,11 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "num_experts": self.moe.as_ref().map(|m| m.experts),
                 "moe_topk": self.moe.as_ref().map(|m| m.top_k),
+            }),
+            Family::Nemotron => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "mlp_bias": self.mlp_bias,
+                "partial_rotary_factor": self.partial_rotary,
             }),
             Family::Helium => serde_json::json!({
                 "attention_bias": self.qkv_bias,

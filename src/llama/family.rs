@@ -203,6 +203,13 @@ pub enum Family {
     /// `arcee` (`ArceeForCausalLM`: Arcee's AFM-4.5B): Llama's layers
     /// with an ungated MLP (`down_proj(relu2(up_proj(x)))`).
     Arcee,
+    /// `nemotron` (`NemotronForCausalLM`: NVIDIA's Nemotron-4 and
+    /// Minitron): Llama's attention turning half of each head by default
+    /// (`partial_rotary_factor`, never scaled: its class reads no
+    /// `rope_scaling`), LayerNorms whose weights are offsets from one
+    /// (`LayerNorm1P`, with biases), and an ungated MLP of the squared
+    /// ReLU (`down_proj(relu2(up_proj(x)))`).
+    Nemotron,
     /// `helium` (`HeliumForCausalLM`: Kyutai's Helium 1 2B): Llama's
     /// layers with neighbouring pairs of each head turned, the norms'
     /// weights multiplied in fp32, and no bias on the output projection
@@ -236,7 +243,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 41] = [
+    pub const ALL: [Family; 42] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -273,6 +280,7 @@ impl Family {
         Self::SeedOss,
         Self::Exaone4,
         Self::Arcee,
+        Self::Nemotron,
         Self::Helium,
         Self::Apertus,
         Self::HunyuanDense,
@@ -333,6 +341,7 @@ impl Family {
             Self::SeedOss => "seed_oss",
             Self::Exaone4 => "exaone4",
             Self::Arcee => "arcee",
+            Self::Nemotron => "nemotron",
             Self::Helium => "helium",
             Self::Apertus => "apertus",
             Self::HunyuanDense => "hunyuan_v1_dense",
@@ -380,6 +389,7 @@ impl Family {
             Self::SeedOss => "SeedOssForCausalLM",
             Self::Exaone4 => "Exaone4ForCausalLM",
             Self::Arcee => "ArceeForCausalLM",
+            Self::Nemotron => "NemotronForCausalLM",
             Self::Helium => "HeliumForCausalLM",
             Self::Apertus => "ApertusForCausalLM",
             Self::HunyuanDense => "HunYuanDenseV1ForCausalLM",
@@ -409,10 +419,11 @@ impl Family {
         matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
-    /// StarCoder2's and StableLM's: LayerNorms (with biases) where the
-    /// others have RMSNorms.
+    /// StarCoder2's, StableLM's and Nemotron's: LayerNorms (with biases)
+    /// where the others have RMSNorms (Nemotron's weights offsets from
+    /// one).
     pub(super) fn layer_norm(self) -> bool {
-        matches!(self, Self::Starcoder2 | Self::StableLm)
+        matches!(self, Self::Starcoder2 | Self::StableLm | Self::Nemotron)
     }
 
     /// Cohere's (1 and 2): the attention and the MLP side by side after
@@ -446,7 +457,10 @@ impl Family {
     /// An MLP of a gate and an up projection (all but StarCoder2's and
     /// Arcee's).
     pub(super) fn gated(self) -> bool {
-        !matches!(self, Self::Starcoder2 | Self::Arcee | Self::Apertus)
+        !matches!(
+            self,
+            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron
+        )
     }
 
     /// OLMo's: each sublayer's output normalised, not its input; the
@@ -679,6 +693,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Nemotron => Defaults {
+                eps: 1e-5,
+                activation: Activation::Relu2,
+                positions: 4096,
+                ..LLAMA
+            },
             Self::Arcee => Defaults {
                 eps: 1e-5,
                 activation: Activation::Relu2,
@@ -742,6 +762,7 @@ impl Family {
     pub(super) fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
+            Self::Nemotron => "norm_eps",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

@@ -178,8 +178,8 @@ impl GateUp {
 }
 
 /// A layer's MLP: dense and gated, StarCoder2's (`c_proj(act(c_fc(x)))`;
-/// Arcee's, `down_proj(relu2(up_proj(x)))`, and Apertus's, of its
-/// trained xIELU, in the same shape),
+/// Arcee's and Nemotron's, `down_proj(relu2(up_proj(x)))`, and
+/// Apertus's, of its trained xIELU, in the same shape),
 /// or a mixture of experts.
 #[derive(Debug)]
 enum Mlp {
@@ -670,7 +670,9 @@ impl Layer {
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {
                     let (up, down) = match c.family {
-                        Family::Arcee | Family::Apertus => ("up_proj", "down_proj"),
+                        Family::Arcee | Family::Apertus | Family::Nemotron => {
+                            ("up_proj", "down_proj")
+                        }
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;

@@ -92,7 +92,7 @@ impl Module for CohereNorm {
 }
 
 /// A layer's or the model's norm: the family's RMSNorm, StarCoder2's
-/// and StableLM's LayerNorm, or Cohere's.
+/// and StableLM's LayerNorm, Cohere's, or Nemotron's.
 #[derive(Debug)]
 pub(super) enum Norm {
     Rms(RmsNorm),
@@ -100,6 +100,13 @@ pub(super) enum Norm {
     /// RMSNorm's size.
     Layer(Box<nn::LayerNorm>),
     Cohere(CohereNorm),
+    /// Nemotron's `LayerNorm1P`: a LayerNorm (with a bias) whose weights
+    /// are offsets from one, zero when new.
+    OneP {
+        weight: Tensor,
+        bias: Tensor,
+        eps: f64,
+    },
 }
 
 impl Norm {
@@ -110,6 +117,11 @@ impl Norm {
                 weight: p.ones("weight", &[width]),
                 eps: c.eps,
             }),
+            Family::Nemotron => Self::OneP {
+                weight: p.zeros("weight", &[width]),
+                bias: p.zeros("bias", &[width]),
+                eps: c.eps,
+            },
             f if f.layer_norm() => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
             _ => Self::Rms(RmsNorm::new(p, width, c)),
         }
@@ -122,6 +134,11 @@ impl Module for Norm {
             Self::Rms(n) => n.forward(x),
             Self::Layer(n) => n.forward(x),
             Self::Cohere(n) => n.forward(x),
+            // `weight + 1` in the weights' dtype, as `transformers` adds it.
+            Self::OneP { weight, bias, eps } => {
+                let w = weight + 1.0;
+                x.layer_norm([x.size()[x.dim() - 1]], Some(&w), Some(bias), *eps, false)
+            }
         }
     }
 }

@@ -1098,6 +1098,29 @@ fn apertus_configs_are_read_and_counted() {
 }
 
 #[test]
+fn nemotron_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("nemotron-configs");
+    // A Minitron-4B-shaped config (3072 wide, 24 heads of 128, 8 of keys
+    // and values, 32 layers); the counts are transformers' parameters.
+    let minitron = r#"{"model_type": "nemotron", "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "norm_eps": 1e-05, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}"#;
+    let c = dir.read(minitron).unwrap();
+    assert_eq!(total(&c), 4190509056);
+    // Half of each head turned, unscaled whatever the config says (its
+    // class reads no rope_scaling); the squared ReLU.
+    assert_eq!(
+        (c.rotary_dim(), c.rope_scaling.clone(), c.activation),
+        (64, RopeScaling::None, Activation::Relu2)
+    );
+    // The class's other sizes (Nemotron-4 15B's, its heads all keys and
+    // values too).
+    let big = dir
+        .read(r#"{"model_type": "nemotron", "vocab_size": 256000, "hidden_size": 6144, "intermediate_size": 24576, "num_hidden_layers": 32, "num_attention_heads": 48, "num_key_value_heads": 48}"#)
+        .unwrap();
+    assert_eq!(total(&big), 17642041344);
+    dir.round_trips([c, big]);
+}
+
+#[test]
 fn helium_configs_are_read_and_counted() {
     let dir = ConfigDir::new("helium-configs");
     // The class's defaults, Helium-1-preview-2B's sizes (its docstring);

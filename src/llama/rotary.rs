@@ -26,6 +26,9 @@ pub(crate) struct Rotary {
     /// (`x[2i]`, `x[2i + 1]`) rather than the halves of the head; `Some(true)`:
     /// in fp32 (Cohere's), `Some(false)`: in the input's dtype (GLM's).
     interleaved: Option<bool>,
+    /// OLMo's: the halves turned in fp32 by unrounded cosines and sines,
+    /// then cast back (its rotary embedding hands them over in fp32).
+    fp32: bool,
 }
 
 /// The `dynamic` scaling's state, `transformers`' own (its rotary
@@ -120,7 +123,13 @@ impl Rotary {
             scale,
             dynamic,
             interleaved: None,
+            fp32: false,
         }
+    }
+
+    /// As it is, turning the halves in fp32 (OLMo's).
+    pub(super) fn in_fp32(self) -> Self {
+        Self { fp32: true, ..self }
     }
 
     /// As it is, turning neighbouring pairs of dimensions: in fp32
@@ -307,17 +316,20 @@ fn rope(x: &Tensor, rotary: &Rotary, inv_freq: &Tensor, positions: &Tensor) -> T
         1.0 => (emb.cos(), emb.sin()),
         s => (emb.cos() * s, emb.sin() * s),
     };
-    let (cos, sin) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
     let turned = match rd < hd {
         true => x.narrow(-1, 0, rd),
         false => x.shallow_clone(),
+    };
+    let (cos, sin, turned) = match rotary.fp32 {
+        true => (cos, sin, turned.to_kind(Kind::Float)),
+        false => (cos.to_kind(x.kind()), sin.to_kind(x.kind()), turned),
     };
     let (x1, x2) = (
         turned.narrow(-1, 0, rd / 2),
         turned.narrow(-1, rd / 2, rd / 2),
     );
     let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
-    let turned = turned * cos + rotated * sin;
+    let turned = (turned * cos + rotated * sin).to_kind(x.kind());
     match rd < hd {
         true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
         false => turned,

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -362,6 +362,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GraniteMoeSharedConfig as C, GraniteMoeSharedForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2",
+        ),
+        load: "",
+    },
+    // OLMo 1: norms without weights, queries, keys and values clipped,
+    // biases on the attention.
+    Case {
+        name: "olmo1",
+        python: (
+            "from transformers import OlmoConfig as C, OlmoForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, clip_qkv=0.5, attention_bias=True",
         ),
         load: "",
     },
@@ -838,6 +848,11 @@ fn a_granite_checkpoint_with_its_multipliers_trains_as_transformers_does() {
 #[test]
 fn an_olmo2_checkpoint_normalising_outputs_trains_as_transformers_does() {
     parity("olmo2");
+}
+
+#[test]
+fn an_olmo1_checkpoint_with_bare_norms_and_clipped_projections_trains_as_transformers_does() {
+    parity("olmo1");
 }
 
 #[test]

@@ -550,7 +550,7 @@ impl LlamaConfig {
                 Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
                 // Apertus's class deletes `mlp_bias`; Hunyuan's MLP has
                 // none whatever it says.
-                f if f == Family::Apertus || f.hunyuan() => false,
+                f if matches!(f, Family::Apertus | Family::Olmo1) || f.hunyuan() => false,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -574,7 +574,7 @@ impl LlamaConfig {
                 f => f.whole_qk_norm(),
             },
             clip_qkv: match family {
-                Family::Olmoe => j.number_or_null("clip_qkv", None)?,
+                Family::Olmoe | Family::Olmo1 => j.number_or_null("clip_qkv", None)?,
                 _ => None,
             },
             activation,
@@ -761,7 +761,12 @@ impl LlamaConfig {
             _ => 2,
         };
         // A LayerNorm's bias beside its weights.
-        let norm = if self.family.layer_norm() { 2 * d } else { d };
+        let norm = match self.family {
+            f if f.layer_norm() => 2 * d,
+            // OLMo 1's norms have no weights.
+            Family::Olmo1 => 0,
+            _ => d,
+        };
         // Apertus's xIELU: two trained scalars, two frozen ones.
         let act = if self.activation == Activation::Xielu {
             4
@@ -846,6 +851,10 @@ impl LlamaConfig {
                 "output_router_logits": false,
             }),
             Family::Olmo2 => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Olmo1 => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "clip_qkv": self.clip_qkv,
+            }),
             Family::Olmo3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
@@ -1048,6 +1057,10 @@ impl LlamaConfig {
         }
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
+        }
+        // OLMo 1's norms take no epsilon from the config (theirs is 1e-5).
+        if let (Family::Olmo1, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove(self.family.eps_key());
         }
         if self.family == Family::GraniteMoeShared {
             let shared = self.moe.as_ref().and_then(|m| m.shared);

@@ -57,6 +57,11 @@ pub enum Family {
     /// `post_feedforward_layernorm`), queries and keys RMS-normalised
     /// over the whole projection before the heads are split.
     Olmo2,
+    /// `olmo` (`OlmoForCausalLM`: AllenAI's OLMo 1 and 1.7): Llama's
+    /// layers with LayerNorms without weights or biases (in fp32, at
+    /// 1e-5), the heads turned in fp32, queries, keys and values clipped
+    /// at `clip_qkv`, no MLP biases.
+    Olmo1,
     /// `olmo3` (`Olmo3ForCausalLM`): OLMo 2's layers, all but every
     /// fourth in a sliding window, whose rotary embeddings are unscaled.
     Olmo3,
@@ -243,7 +248,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 42] = [
+    pub const ALL: [Family; 43] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -255,6 +260,7 @@ impl Family {
         Self::Gemma3,
         Self::Phi3,
         Self::Granite,
+        Self::Olmo1,
         Self::Olmo2,
         Self::Olmo3,
         Self::SmolLm3,
@@ -316,6 +322,7 @@ impl Family {
             Self::Gemma3 => "gemma3_text",
             Self::Phi3 => "phi3",
             Self::Granite => "granite",
+            Self::Olmo1 => "olmo",
             Self::Olmo2 => "olmo2",
             Self::Olmo3 => "olmo3",
             Self::SmolLm3 => "smollm3",
@@ -364,6 +371,7 @@ impl Family {
             Self::Gemma3 => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
             Self::Granite => "GraniteForCausalLM",
+            Self::Olmo1 => "OlmoForCausalLM",
             Self::Olmo2 => "Olmo2ForCausalLM",
             Self::Olmo3 => "Olmo3ForCausalLM",
             Self::SmolLm3 => "SmolLM3ForCausalLM",
@@ -577,6 +585,11 @@ impl Family {
                 eps: 1e-5,
                 pad: Some(32000),
                 positions: 4096,
+                ..LLAMA
+            },
+            Self::Olmo1 => Defaults {
+                eps: 1e-5,
+                pad: Some(1),
                 ..LLAMA
             },
             Self::Olmo2 => Defaults {

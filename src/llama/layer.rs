@@ -642,7 +642,7 @@ impl Layer {
                 // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
                 f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),
                 // OLMo's halves in fp32.
-                f if f.olmo() => r.in_fp32(),
+                f if f.olmo() || f == Family::Olmo1 => r.in_fp32(),
                 _ => r,
             }
         });

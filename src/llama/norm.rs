@@ -92,7 +92,7 @@ impl Module for CohereNorm {
 }
 
 /// A layer's or the model's norm: the family's RMSNorm, StarCoder2's
-/// and StableLM's LayerNorm, Cohere's, or Nemotron's.
+/// and StableLM's LayerNorm, Cohere's, OLMo 1's or Nemotron's.
 #[derive(Debug)]
 pub(super) enum Norm {
     Rms(RmsNorm),
@@ -100,6 +100,11 @@ pub(super) enum Norm {
     /// RMSNorm's size.
     Layer(Box<nn::LayerNorm>),
     Cohere(CohereNorm),
+    /// OLMo 1's: a LayerNorm without weights or biases, in fp32 at
+    /// `eps`, then cast back.
+    Bare {
+        eps: f64,
+    },
     /// Nemotron's `LayerNorm1P`: a LayerNorm (with a bias) whose weights
     /// are offsets from one, zero when new.
     OneP {
@@ -117,6 +122,7 @@ impl Norm {
                 weight: p.ones("weight", &[width]),
                 eps: c.eps,
             }),
+            Family::Olmo1 => Self::Bare { eps: 1e-5 },
             Family::Nemotron => Self::OneP {
                 weight: p.zeros("weight", &[width]),
                 bias: p.zeros("bias", &[width]),
@@ -134,6 +140,12 @@ impl Module for Norm {
             Self::Rms(n) => n.forward(x),
             Self::Layer(n) => n.forward(x),
             Self::Cohere(n) => n.forward(x),
+            Self::Bare { eps } => {
+                let h = x.to_kind(Kind::Float);
+                let width = [h.size()[h.dim() - 1]];
+                let normed = h.layer_norm(width, None::<&Tensor>, None::<&Tensor>, *eps, false);
+                normed.to_kind(x.kind())
+            }
             // `weight + 1` in the weights' dtype, as `transformers` adds it.
             Self::OneP { weight, bias, eps } => {
                 let w = weight + 1.0;

@@ -1053,6 +1053,23 @@ fn vaultgemma_configs_are_read_and_counted() {
 }
 
 #[test]
+fn olmo1_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("olmo1-configs");
+    // OLMo-7B's sizes (the class's); the count is transformers'
+    // parameters (its norms have none).
+    let given = r#"{"model_type": "olmo", "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "clip_qkv": 8.0}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 6888095744);
+    assert_eq!(
+        (c.clip_qkv, c.mlp_bias, c.pad_token),
+        (Some(8.0), false, Some(1))
+    );
+    // No epsilon written: its norms' is theirs.
+    assert!(!c.to_hf_json().contains("rms_norm_eps"));
+    dir.round_trips([c]);
+}
+
+#[test]
 fn flex_olmo_configs_are_read_and_counted() {
     let dir = ConfigDir::new("flex-olmo-configs");
     // The class's defaults (FlexOlmo-7x7B's sizes, its docs say); the

@@ -2325,8 +2325,10 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// within it as documents), Cohere's interleaved turn, and Cohere 2's
 /// windowed layers turning beside global ones that do not, and
 /// DeepSeek-V3's latent attention (its keys' shared turned part),
-/// GLM-4's quarter of each head turned by pairs, and GPT-OSS's sinks
-/// beside windowed scores.
+/// GLM-4's quarter of each head turned by pairs, GPT-OSS's sinks
+/// beside windowed scores, Hunyuan's heads normalised after they turn
+/// at their positions (its alpha's base), Nemotron's half of each head
+/// turned, and OLMo 1's heads turned in fp32.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2344,6 +2346,9 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "deepseek-v3",
         "glm4",
         "gpt-oss",
+        "hunyuan-dense",
+        "nemotron",
+        "olmo1",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2361,10 +2366,10 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS builds its masks without the positions,
-# so its eager rows attend across documents; it is handed the
-# documents' masks (each layer kind's), as the varlen kernels it takes
-# to train packed rows would see them.
+# transformers 4.57's GPT-OSS and Nemotron build their masks without
+# the positions, so their rows attend across documents; they are
+# handed the documents' masks (GPT-OSS each layer kind's), as the
+# varlen kernels they take to train packed rows would see them.
 doc = (pos == 0).cumsum(-1)
 i = torch.arange({SEQ})
 seen = (doc[:, :, None] == doc[:, None, :]) & (i[:, None] >= i[None, :])
@@ -2372,7 +2377,8 @@ additive = lambda v: torch.where(v, 0.0, torch.finfo(torch.float32).min)[:, None
 window = getattr(m.config, "sliding_window", None) or {SEQ}
 masks = {{"full_attention": additive(seen),
          "sliding_attention": additive(seen & (i[:, None] - i[None, :] < window))}}
-documents = {{"attention_mask": masks}} if m.config.model_type == "gpt_oss" else {{}}
+documents = {{"gpt_oss": {{"attention_mask": masks}},
+             "nemotron": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere and DeepSeek-V3 checkpoints
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3 and Apertus checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -231,6 +231,25 @@ const DEEPSEEK: Case = Case {
     targets: &["q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa"],
     matrices: 12,
     elements: 2 * 4 * ((24 + 80) + (16 + 88) + (64 + 24)),
+    ..OFF
+};
+
+/// Apertus's ungated MLP (its xIELU's scalars frozen with the base,
+/// held in fp32 as `tests/from_hf.rs` holds them): queries (64 -> 64),
+/// the up (64 -> 128) and down (128 -> 64) projections.
+const APERTUS: Case = Case {
+    python: (
+        "from transformers import ApertusConfig as C, ApertusForCausalLM\n\
+         class M(ApertusForCausalLM):\n    \
+             def __init__(self, config):\n        \
+                 super().__init__(config)\n        \
+                 for layer in self.model.layers:\n            \
+                     layer.mlp.act_fn.float()",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+    ),
+    targets: &["q_proj", "up_proj", "down_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 128) + (128 + 64)),
     ..OFF
 };
 
@@ -555,11 +574,12 @@ fn dora_adapters_on_a_frozen_llama_and_gpt2_train_as_peft_does() {
 }
 
 #[test]
-fn lora_adapters_on_gpt2_gpt_neox_phi_and_cohere_train_as_peft_does() {
+fn lora_adapters_on_gpt2_gpt_neox_phi_cohere_and_apertus_train_as_peft_does() {
     parity("gpt2", &GPT2, &[(3, false, Held::Fp32)]);
     parity("gpt-neox", &GPT_NEOX, &[(3, false, Held::Fp32)]);
     parity("phi", &PHI, &[(3, false, Held::Fp32)]);
     parity("cohere", &COHERE, &[(3, false, Held::Fp32)]);
+    parity("apertus", &APERTUS, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

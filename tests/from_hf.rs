@@ -306,12 +306,7 @@ const CASES: &[Case] = &[
     Case {
         name: "apertus",
         python: (
-            "from transformers import ApertusConfig as C, ApertusForCausalLM\n\
-             class M(ApertusForCausalLM):\n    \
-                 def __init__(self, config):\n        \
-                     super().__init__(config)\n        \
-                     for layer in self.model.layers:\n            \
-                         layer.mlp.act_fn.float()",
+            common::APERTUS,
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'original_max_position_embeddings': 16, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}",
         ),
         load: "",

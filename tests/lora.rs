@@ -239,12 +239,7 @@ const DEEPSEEK: Case = Case {
 /// the up (64 -> 128) and down (128 -> 64) projections.
 const APERTUS: Case = Case {
     python: (
-        "from transformers import ApertusConfig as C, ApertusForCausalLM\n\
-         class M(ApertusForCausalLM):\n    \
-             def __init__(self, config):\n        \
-                 super().__init__(config)\n        \
-                 for layer in self.model.layers:\n            \
-                     layer.mlp.act_fn.float()",
+        common::APERTUS,
         "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
     ),
     targets: &["q_proj", "up_proj", "down_proj"],

@@ -24,6 +24,16 @@ pub const MICRO: i64 = 2;
 pub const WORLD: usize = 2;
 /// The config block that trains in bf16.
 pub const BF16: &str = r#""bf16": {"enabled": true},"#;
+
+/// Python importing Apertus's config class as `C` and, as `M`, its
+/// model class with xIELU's scalars in fp32: `transformers` builds them
+/// in bf16 whatever the model's dtype, zrt in the model's.
+pub const APERTUS: &str = "from transformers import ApertusConfig as C, ApertusForCausalLM
+class M(ApertusForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.mlp.act_fn.float()";
 /// A `zero_optimization` setting under which stage 3 shards every unit of
 /// the test GPT (all are under the default persistence threshold).
 pub const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;

@@ -279,6 +279,19 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Llama 4's language model: four layers, the last without positions
+    // (its queries grown from position 3 on), the others turning pairs
+    // in chunks of 5 with L2-normalised heads; experts (each token's
+    // top 1 of 4 scaling its input) beside a shared expert on layers 1
+    // and 3, dense MLPs on 0 and 2.
+    Case {
+        name: "llama4",
+        python: (
+            "from transformers import Llama4TextConfig as C, Llama4ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'original_max_position_embeddings': 16, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}",
+        ),
+        load: "",
+    },
     // Hunyuan (dense): each head's queries and keys normalised after
     // they turn, biases, its dynamic scaling's alpha.
     Case {
@@ -976,6 +989,11 @@ fn an_exaone4_checkpoint_with_unturned_global_layers_trains_as_transformers_does
 #[test]
 fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transformers_does() {
     parity("dots1");
+}
+
+#[test]
+fn a_llama4_checkpoint_with_chunks_nope_layers_and_experts_trains_as_transformers_does() {
+    parity("llama4");
 }
 
 #[test]
@@ -2323,7 +2341,9 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// GLM-4's quarter of each head turned by pairs, GPT-OSS's sinks
 /// beside windowed scores, Hunyuan's heads normalised after they turn
 /// at their positions (its alpha's base), Nemotron's half of each head
-/// turned, and OLMo 1's heads turned in fp32.
+/// turned, OLMo 1's heads turned in fp32, and Llama 4's chunks of the
+/// row cut through its documents, its layer without positions growing
+/// its queries with the row's position.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2344,6 +2364,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "hunyuan-dense",
         "nemotron",
         "olmo1",
+        "llama4",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));

@@ -47,6 +47,29 @@ pub struct MoeConfig {
     pub grouped: Option<GroupRouting>,
 }
 
+/// Llama 4's attention ([`Family::Llama4`]): which layers attend within
+/// chunks, whether the turning layers' queries and keys are
+/// L2-normalised, and how the other layers' queries grow with the
+/// position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Llama4Attention {
+    /// `attention_chunk_size`: a chunked layer's token attends to the
+    /// earlier tokens of its chunk of the row (`None`: of the row).
+    pub chunk: Option<i64>,
+    /// `layer_types`: for each layer, whether it attends in chunks
+    /// (`chunked_attention`; by default the layers that turn).
+    pub chunked: Vec<bool>,
+    /// `use_qk_norm`: each head's queries and keys of the layers that
+    /// turn, L2-normalised (`x / sqrt(mean(x^2) + eps)`, no weights, in
+    /// fp32) after they turn.
+    pub qk_l2_norm: bool,
+    /// `attn_temperature_tuning` with its `floor_scale` and
+    /// `attn_scale`: the queries of the layers that do not turn, at row
+    /// position `p`, times `log(1 + floor((p + 1) / floor_scale)) *
+    /// attn_scale + 1`.
+    pub temperature: Option<(f64, f64)>,
+}
+
 /// DeepSeek's routing: each expert scored ([`Scoring`]), the experts
 /// chosen among the `top_groups` best of `groups` groups, each chosen
 /// expert weighted by its score (normalised over the `k` when
@@ -308,6 +331,8 @@ pub struct LlamaConfig {
     /// key heads' width (`nope + rope`), `kv_heads` is kept for the
     /// config but unused (every head has its keys and values).
     pub mla: Option<Mla>,
+    /// Llama 4's attention ([`Llama4Attention`]); `None` for the others.
+    pub llama4: Option<Llama4Attention>,
 }
 
 impl LlamaConfig {
@@ -454,6 +479,8 @@ impl LlamaConfig {
             f if f.ernie() => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
+            // Llama 4's class sets none, whatever the config says.
+            Family::Llama4 => false,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -523,6 +550,15 @@ impl LlamaConfig {
             Family::Nemotron => RopeScaling::None,
             _ => rope_scaling(j, family.model_type(), rotary_dim)?,
         };
+        // Llama 4's class scales by Llama 3's whenever it scales.
+        if family == Family::Llama4
+            && !matches!(scaling, RopeScaling::None | RopeScaling::Llama3 { .. })
+        {
+            return Err(j.field(format!(
+                "rope_scaling {}: Llama 4's class scales by Llama 3's (\"llama3\") whatever rope_type says; give that",
+                j.get("rope_scaling").map(|v| v.to_string()).unwrap_or_default()
+            )));
+        }
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
@@ -535,7 +571,11 @@ impl LlamaConfig {
             family,
             vocab,
             hidden,
-            intermediate: j.size("intermediate_size")?,
+            // Llama 4's dense layers' width (its experts' is the other).
+            intermediate: match family {
+                Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
+                _ => j.size("intermediate_size")?,
+            },
             layers: j.size("num_hidden_layers")?,
             heads,
             kv_heads,
@@ -628,7 +668,7 @@ impl LlamaConfig {
                 _ => 1.0,
             },
             rope_layers: match family {
-                Family::SmolLm3 => Some(rope_layers(j)?),
+                Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
                 // Cohere 2's windowed layers turn, its global ones do not
                 // (nor any, when it has no window).
                 Family::Cohere2 => Some(
@@ -651,6 +691,10 @@ impl LlamaConfig {
             },
             moe: moe(j, family)?,
             mla,
+            llama4: match family {
+                Family::Llama4 => Some(llama4_attention(j)?),
+                _ => None,
+            },
         })
     }
 
@@ -1011,6 +1055,31 @@ impl LlamaConfig {
                 "num_experts": self.moe.as_ref().map(|m| m.experts),
                 "moe_topk": self.moe.as_ref().map(|m| m.top_k),
             }),
+            Family::Llama4 => {
+                let (moe, a) = (self.moe.as_ref(), self.llama4.as_ref());
+                let temperature = a.and_then(|a| a.temperature);
+                serde_json::json!({
+                    "intermediate_size": moe.map(|m| m.intermediate),
+                    "intermediate_size_mlp": self.intermediate,
+                    "num_local_experts": moe.map(|m| m.experts),
+                    "num_experts_per_tok": moe.map(|m| m.top_k),
+                    "moe_layers": (0..self.layers).filter(|&l| self.moe_layer(l)).collect::<Vec<_>>(),
+                    "no_rope_layers": self.rope_layers.as_ref().map(|l| {
+                        l.iter().map(|&r| i64::from(r)).collect::<Vec<_>>()
+                    }),
+                    "attention_chunk_size": a.and_then(|a| a.chunk),
+                    "layer_types": a.map(|a| {
+                        (a.chunked.iter())
+                            .map(|&c| if c { "chunked_attention" } else { "full_attention" })
+                            .collect::<Vec<_>>()
+                    }),
+                    "use_qk_norm": a.is_some_and(|a| a.qk_l2_norm),
+                    "attn_temperature_tuning": temperature.is_some(),
+                    "floor_scale": temperature.map_or(8192.0, |t| t.0),
+                    "attn_scale": temperature.map_or(0.1, |t| t.1),
+                    "output_router_logits": false,
+                })
+            }
             Family::Nemotron => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
@@ -1134,6 +1203,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             j.flag_or("norm_topk_prob", false)?,
         ),
         Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
+        // Llama 4's: sigmoids of the top logits, not renormalised.
+        Family::Llama4 => ("num_local_experts", "intermediate_size", false),
         // Hunyuan's experts and shared MLP are all the MLP's width.
         Family::HunyuanMoe => ("num_experts", "intermediate_size", true),
         _ => return Ok(None),
@@ -1166,6 +1237,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let defaults = match family {
         Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
         Family::HunyuanMoe => (1, 1, 0),
+        Family::Llama4 => (16, 1, 8192),
         Family::Olmoe => (64, 8, 0),
         Family::FlexOlmo => (7, 5, 0),
         Family::Qwen2Moe => (60, 4, 1408),
@@ -1212,6 +1284,19 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         )));
     }
     let dense_layers = match j.get("mlp_only_layers") {
+        // Llama 4's `moe_layers` (by default every
+        // `interleave_moe_layer_step`-th): the others are dense.
+        _ if family == Family::Llama4 => {
+            let layers = j.size("num_hidden_layers")?;
+            let step = j.size_or_none("interleave_moe_layer_step")?.unwrap_or(1).max(1);
+            let sparse: Vec<i64> = match j.get("moe_layers") {
+                None | Some(serde_json::Value::Null) => (step - 1..layers).step_by(step as usize).collect(),
+                Some(v) => (v.as_array())
+                    .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
+                    .ok_or_else(|| j.field(format!("moe_layers {v}: a list of layer numbers")))?,
+            };
+            (0..layers).filter(|l| !sparse.contains(l)).collect()
+        }
         // DeepSeek-V3's (and GLM-4-MoE's) first `first_k_dense_replace`
         // layers.
         _ if family.deepseek_experts() => {
@@ -1281,8 +1366,9 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::DeepseekV2 => {
                 (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
             }
-            // Hunyuan's shared MLP, the MLP's width.
-            Family::HunyuanMoe => Some(intermediate),
+            // Hunyuan's shared MLP, the MLP's width; Llama 4's shared
+            // expert, an expert's.
+            Family::HunyuanMoe | Family::Llama4 => Some(intermediate),
             // Granite-MoE-shared's width, none when 0 (its default).
             Family::GraniteMoeShared => {
                 Some(count_or(j, "shared_intermediate_size", 0)?).filter(|&n| n > 0)
@@ -1489,6 +1575,45 @@ fn rope_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
     }
 }
 
+/// Llama 4's attention settings ([`Llama4Attention`]), with its config
+/// class's defaults.
+fn llama4_attention(j: &HfJson) -> Result<Llama4Attention, HfError> {
+    let turns = rope_layers(j)?;
+    let chunked = match j.get("layer_types") {
+        None | Some(serde_json::Value::Null) => turns,
+        Some(v) => (v.as_array())
+            .and_then(|l| {
+                (l.iter())
+                    .map(|t| match t.as_str() {
+                        Some("chunked_attention") => Some(true),
+                        Some("full_attention") => Some(false),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<bool>>>()
+            })
+            .filter(|l| l.len() == turns.len())
+            .ok_or_else(|| {
+                j.field(format!(
+                    "layer_types {v}: \"chunked_attention\" or \"full_attention\" for each of the {} layers",
+                    turns.len()
+                ))
+            })?,
+    };
+    let temperature = match j.flag_or("attn_temperature_tuning", true)? {
+        true => Some((
+            j.number_or("floor_scale", 8192.0)?,
+            j.number_or("attn_scale", 0.1)?,
+        )),
+        false => None,
+    };
+    Ok(Llama4Attention {
+        chunk: j.size_or_null("attention_chunk_size", Some(8192))?,
+        chunked,
+        qk_l2_norm: j.flag_or("use_qk_norm", true)?,
+        temperature,
+    })
+}
+
 /// The dimensions of a head of `head_dim` the rotary embedding turns
 /// with `partial_rotary_factor` `partial` (`int(head_dim * partial)`).
 pub(crate) fn rotary_dim(head_dim: i64, partial: f64) -> i64 {
@@ -1523,8 +1648,9 @@ pub(crate) fn pad_token(
 /// when the config lists them, else the family's (Gemma 2: every other
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
-    // dots1's `layer_types` are all full (others are refused).
-    if family == Family::Dots1 {
+    // dots1's `layer_types` are all full (others are refused); Llama
+    // 4's name its chunked layers ([`Llama4Attention::chunked`]).
+    if matches!(family, Family::Dots1 | Family::Llama4) {
         return Ok(None);
     }
     let default = match family {

@@ -244,11 +244,22 @@ pub enum Family {
     /// DeepSeek-V3's experts (sigmoid scores plus a fixed correction,
     /// within the best groups) after the dense first layers.
     Dots1,
+    /// `llama4_text` (`Llama4ForCausalLM`: Llama 4 Scout's and
+    /// Maverick's language model): every fourth layer attends without
+    /// positions (`no_rope_layers`) with its queries scaled up with the
+    /// position (`attn_temperature_tuning`), the others turn by
+    /// neighbouring pairs, L2-normalise each head's queries and keys
+    /// (`use_qk_norm`) and attend within chunks (`attention_chunk_size`);
+    /// experts (`feed_forward.experts`, stacked; a sigmoid of the top
+    /// logits scaling each token's input) beside a shared expert on the
+    /// `moe_layers`, a dense MLP (`intermediate_size_mlp` wide) on the
+    /// others ([`Llama4Attention`](super::Llama4Attention)).
+    Llama4,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 43] = [
+    pub const ALL: [Family; 44] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -292,6 +303,7 @@ impl Family {
         Self::HunyuanDense,
         Self::HunyuanMoe,
         Self::Dots1,
+        Self::Llama4,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -354,6 +366,7 @@ impl Family {
             Self::HunyuanDense => "hunyuan_v1_dense",
             Self::HunyuanMoe => "hunyuan_v1_moe",
             Self::Dots1 => "dots1",
+            Self::Llama4 => "llama4_text",
         }
     }
 
@@ -403,6 +416,7 @@ impl Family {
             Self::HunyuanDense => "HunYuanDenseV1ForCausalLM",
             Self::HunyuanMoe => "HunYuanMoEV1ForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
+            Self::Llama4 => "Llama4ForCausalLM",
         }
     }
 
@@ -678,6 +692,14 @@ impl Family {
                 tied: true,
                 pad: Some(0),
                 positions: 131072,
+                ..LLAMA
+            },
+            Self::Llama4 => Defaults {
+                eps: 1e-5,
+                rope_theta: 500000.0,
+                kv_heads: Some(8),
+                head_dim: Some(128),
+                positions: 4096 * 32,
                 ..LLAMA
             },
             Self::Dots1 => Defaults {

@@ -39,6 +39,9 @@ pub struct Layer {
     rotary: Option<Rotary>,
     /// Its sliding window ([`LlamaConfig::window`]).
     window: Option<i64>,
+    /// Llama 4's chunk ([`Llama4Attention::chunk`]), on its chunked
+    /// layers.
+    chunk: Option<i64>,
     /// GPT-OSS's sinks (`self_attn.sinks`): a logit a head, beside each
     /// query's scores in the softmax's sum, its weight then dropped.
     sinks: Option<Tensor>,
@@ -268,19 +271,22 @@ impl Parallel {
     }
 }
 
-/// GPT-OSS's experts, one parameter for each matrix and bias of them all
-/// (`[experts, in, out]`, multiplied from the left as `x @ w`): each
-/// expert's gate and up columns interleaved, and its activation
-/// `(up + 1) * gate * sigmoid(1.702 gate)`, the gate clamped below 7
-/// and the up projection within ±7 (`GptOssExperts`'s). Each matrix
-/// takes an adapter where `target_parameters` names it
+/// Experts stacked into one parameter a matrix (`[experts, in, out]`,
+/// multiplied from the left as `x @ w`): `gate_up_proj` and
+/// `down_proj`, GPT-OSS's with biases ([`Stacked::biases`]). Each
+/// matrix takes an adapter where `target_parameters` names it
 /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
 #[derive(Debug)]
 struct Stacked {
     gate_up: Tensor,
-    gate_up_bias: Tensor,
     down: Tensor,
-    down_bias: Tensor,
+    /// GPT-OSS's (`GptOssExperts`'s): biases beside the matrices
+    /// (`gate_up_proj_bias`, `down_proj_bias`), each expert's gate and
+    /// up columns interleaved, and its activation `(up + 1) * gate *
+    /// sigmoid(1.702 gate)`, the gate clamped below 7 and the up
+    /// projection within ±7. `None`: Llama 4's (`Llama4TextExperts`'s),
+    /// no biases, the gate's columns then the up's, `act(gate) * up`.
+    biases: Option<(Tensor, Tensor)>,
     gate_up_lora: Option<ParamAdapter>,
     down_lora: Option<ParamAdapter>,
 }
@@ -299,7 +305,7 @@ impl ExpertWeights {
     fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
         match self {
             Self::Apart(experts) => gated(&experts[e as usize], x, act),
-            Self::Stacked(s) => s.forward(e, x),
+            Self::Stacked(s) => s.forward(e, x, act),
             Self::Parallel(s) => s.forward(e, x, act),
         }
     }
@@ -319,42 +325,55 @@ const OSS_LIMIT: f64 = 7.0;
 
 impl Stacked {
     /// Under `p` (`mlp.experts`), `m`'s experts of a model `d` wide,
-    /// with the adapters `lora` puts on them.
-    fn new(p: &nn::Path, d: i64, m: &MoeConfig, lora: Option<&LoraConfig>) -> Self {
+    /// GPT-OSS's when `biased`, with the adapters `lora` puts on them.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig, lora: Option<&LoraConfig>, biased: bool) -> Self {
         let (e, w, init) = (m.experts, m.intermediate, RANDN);
         let [gate_up, down] = param::REGISTERED;
         let shapes = [(gate_up, [e, d, 2 * w]), (down, [e, w, d])];
         let mut adapters = param::on_module(p, &shapes, lora).into_iter();
         Self {
             gate_up: p.var(gate_up, &[e, d, 2 * w], init),
-            gate_up_bias: p.zeros("gate_up_proj_bias", &[e, 2 * w]),
             down: p.var(down, &[e, w, d], init),
-            down_bias: p.zeros("down_proj_bias", &[e, d]),
+            biases: biased.then(|| {
+                (
+                    p.zeros("gate_up_proj_bias", &[e, 2 * w]),
+                    p.zeros("down_proj_bias", &[e, d]),
+                )
+            }),
             gate_up_lora: adapters.next().flatten(),
             down_lora: adapters.next().flatten(),
         }
     }
 
     /// Expert `e` on its tokens `x` `[n, d]` (each matrix with its
-    /// adapter's update).
-    fn forward(&self, e: i64, x: &Tensor) -> Tensor {
+    /// adapter's update), Llama 4's gated by `act`.
+    fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
         let with = |y: Tensor, a: &Option<ParamAdapter>, x: &Tensor| match a {
             Some(a) => y + a.right(e, x),
             None => y,
         };
         let gate_up = with(x.matmul(&self.gate_up.get(e)), &self.gate_up_lora, x);
-        let gate_up = gate_up + self.gate_up_bias.get(e);
+        let Some((gate_up_bias, down_bias)) = &self.biases else {
+            let w = gate_up.size()[1] / 2;
+            let h = gate_up.narrow(-1, w, w) * act.apply(&gate_up.narrow(-1, 0, w));
+            return with(h.matmul(&self.down.get(e)), &self.down_lora, &h);
+        };
+        let gate_up = gate_up + gate_up_bias.get(e);
         let gate = gate_up.slice(-1, 0, None, 2).clamp_max(OSS_LIMIT);
         let up = gate_up.slice(-1, 1, None, 2).clamp(-OSS_LIMIT, OSS_LIMIT);
         let glu = &gate * (&gate * OSS_ALPHA).sigmoid();
         let h = (up + 1.0) * glu;
-        with(h.matmul(&self.down.get(e)), &self.down_lora, &h) + self.down_bias.get(e)
+        with(h.matmul(&self.down.get(e)), &self.down_lora, &h) + down_bias.get(e)
     }
 }
 
 /// How the experts are chosen and weighted.
 #[derive(Debug)]
 enum Router {
+    /// Llama 4's (`feed_forward.router`): a linear layer's top `k`
+    /// logits, each expert weighted by its logit's sigmoid (in fp32),
+    /// which scales the token's input to it, not its output.
+    TopSigmoid { gate: Adapted },
     /// A linear layer's softmax (in fp32), its top `k` (Mixtral, the
     /// Qwens; GPT-OSS's with a bias); ERNIE 4.5's chosen by the scores
     /// plus a fixed correction (`moe_statics.e_score_correction_bias`,
@@ -408,8 +427,10 @@ impl Experts {
         };
         let w = m.intermediate;
         let experts = match family {
-            Family::GptOss => {
-                ExpertWeights::Stacked(Box::new(Stacked::new(&(p / "experts"), d, m, lora)))
+            Family::GptOss | Family::Llama4 => {
+                let biased = family == Family::GptOss;
+                let stacked = Stacked::new(&(p / "experts"), d, m, lora, biased);
+                ExpertWeights::Stacked(Box::new(stacked))
             }
             f if f.granite_moe() => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
             _ => ExpertWeights::Apart(
@@ -437,7 +458,7 @@ impl Experts {
                 }
                 _ => {
                     let sp = p / match family {
-                        Family::Qwen2Moe => "shared_expert",
+                        Family::Qwen2Moe | Family::Llama4 => "shared_expert",
                         Family::HunyuanMoe => "shared_mlp",
                         _ => "shared_experts",
                     };
@@ -478,6 +499,9 @@ impl Experts {
                     (p / "moe_statics").zeros_no_train("e_score_correction_bias", &[1, m.experts]),
                 ),
             },
+            None if family == Family::Llama4 => Router::TopSigmoid {
+                gate: lin(&(p / "router"), d, m.experts, false),
+            },
             None if family == Family::HunyuanMoe => Router::Softmax {
                 gate: lin(&(p / "gate" / "wg"), d, m.experts, false),
                 correction: None,
@@ -516,9 +540,14 @@ impl Experts {
                 continue;
             }
             let (slot, token) = (hits.select(1, 0), hits.select(1, 1));
-            let y = self.experts.forward(e, &h.index_select(0, &token), act);
             let w = weights.index(&[Some(token.shallow_clone()), Some(slot)]);
-            let y = y * w.unsqueeze(-1);
+            let x = h.index_select(0, &token);
+            // Llama 4's weights scale the expert's input, the others' its
+            // output.
+            let y = match self.router {
+                Router::TopSigmoid { .. } => self.experts.forward(e, &(x * w.unsqueeze(-1)), act),
+                _ => self.experts.forward(e, &x, act) * w.unsqueeze(-1),
+            };
             let _ = out.index_add_(0, &token, &y.to_kind(out.kind()));
         }
         let mut out = out.to_kind(h.kind());
@@ -540,6 +569,11 @@ impl Experts {
     /// within the best groups, its weights in fp32.
     fn route(&self, h: &Tensor) -> (Tensor, Tensor) {
         let (weight, correction, g) = match &self.router {
+            Router::TopSigmoid { gate } => {
+                let (top, chosen) = gate.forward(h).topk(self.top_k, -1, true, true);
+                let weights = top.to_kind(Kind::Float).sigmoid().to_kind(h.kind());
+                return (weights, chosen);
+            }
             Router::Softmax { gate, correction } => {
                 let f = Kind::Float;
                 let probs = gate.forward(h).softmax(1, f);
@@ -618,7 +652,10 @@ impl Layer {
     ) -> Self {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
-        let (a, m) = (p / "self_attn", p / "mlp");
+        let (a, m) = match c.family {
+            Family::Llama4 => (p / "self_attn", p / "feed_forward"),
+            _ => (p / "self_attn", p / "mlp"),
+        };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
         let window = c.window(l);
         // Gemma 3's and OLMo 3's windowed layers turn unscaled (Gemma 3's
@@ -641,6 +678,8 @@ impl Layer {
                 // DeepSeek-V2's turned dimensions, neighbouring pairs,
                 // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
                 f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),
+                // Llama 4's neighbouring pairs, in fp32 as complex numbers.
+                Family::Llama4 => r.interleaved(true),
                 // OLMo's halves in fp32.
                 f if f.olmo() || f == Family::Olmo1 => r.in_fp32(),
                 _ => r,
@@ -710,6 +749,9 @@ impl Layer {
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
             window,
+            chunk: (c.llama4.as_ref())
+                .filter(|a| a.chunked.get(l as usize) == Some(&true))
+                .and_then(|a| a.chunk),
             sinks: (c.family == Family::GptOss).then(|| a.var("sinks", &[c.heads], RANDN)),
             training: training.clone(),
             cfg: c.clone(),
@@ -780,6 +822,7 @@ impl Module for Layer {
             }
             Qkv::Latent(latent) => latent.forward(&h, c.heads, &turned),
         };
+        let (q, k) = self.llama4_queries_and_keys(q, k, offset);
         let (k, v) = self.cache.extend(k, v);
         let a = self.attention(&q, &k, &v, offset, documents.as_ref());
         let a = a
@@ -818,7 +861,35 @@ impl Module for Layer {
     }
 }
 
+/// `x / sqrt(mean(x^2) + eps)` over each head's width, in fp32, then
+/// cast back (Llama 4's `Llama4TextL2Norm`).
+fn l2_norm(x: &Tensor, eps: f64) -> Tensor {
+    let h = x.to_kind(Kind::Float);
+    let mean = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+    (&h * (mean + eps).rsqrt()).to_kind(x.kind())
+}
+
 impl Layer {
+    /// Llama 4's queries and keys `[batch, heads, seq, hd]` at row
+    /// positions from `offset`: a turning layer's L2-normalised (with
+    /// `use_qk_norm`), the others' queries grown with the position
+    /// (`attn_temperature_tuning`); anyone else's as they are.
+    fn llama4_queries_and_keys(&self, q: Tensor, k: Tensor, offset: i64) -> (Tensor, Tensor) {
+        let Some(a) = &self.cfg.llama4 else {
+            return (q, k);
+        };
+        match (&self.rotary, a.temperature) {
+            (Some(_), _) if a.qk_l2_norm => (l2_norm(&q, self.cfg.eps), l2_norm(&k, self.cfg.eps)),
+            (None, Some((floor, scale))) => {
+                let t = q.size()[2];
+                let p = Tensor::arange_start(offset, offset + t, (Kind::Float, q.device()));
+                let grown = ((p + 1.0) / floor).floor().log1p() * scale + 1.0;
+                ((&q * grown.view([1, 1, -1, 1])).to_kind(q.kind()), k)
+            }
+            _ => (q, k),
+        }
+    }
+
     /// A sublayer's output `y` as it joins the residual: times Granite's
     /// `residual_multiplier`.
     fn residual(&self, y: Tensor) -> Tensor {
@@ -867,6 +938,23 @@ impl Layer {
         if !eager_only {
             // DeepSeek-V3's keys and values are every head's.
             let grouped = c.kv_heads != c.heads && c.mla.is_none();
+            // Llama 4's chunked layers: each token sees the earlier ones
+            // of its chunk of the row (and of its document), when the
+            // row is longer than a chunk.
+            if let Some(size) = self.chunk.filter(|&s| s < offset + t) {
+                let opts = (Kind::Int64, q.device());
+                let i = Tensor::arange_start(offset, offset + t, opts).unsqueeze(1);
+                let j = Tensor::arange(offset + t, opts).unsqueeze(0);
+                let chunk = |x: &Tensor| x.divide_scalar_mode(size, "floor");
+                let mask = chunk(&i).eq_tensor(&chunk(&j)).logical_and(&i.ge_tensor(&j));
+                let mask = match documents {
+                    Some(d) => mask.logical_and(&d.visible_within(None)),
+                    None => mask,
+                };
+                return Tensor::scaled_dot_product_attention(
+                    q, k, v, Some(mask), dropout, false, scale, grouped,
+                );
+            }
             if let Some(d) = documents {
                 return d.attend((q, k, v), self.window, scale, dropout, grouped);
             }

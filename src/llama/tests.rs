@@ -111,6 +111,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         moe: None,
         clip_qkv: None,
         mla: None,
+        llama4: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -1088,6 +1089,43 @@ fn flex_olmo_configs_are_read_and_counted() {
 }
 
 #[test]
+fn llama4_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("llama4-configs");
+    // The class's defaults, Llama 4 Scout's language model (16 experts
+    // on every layer, 48 layers 5120 wide): the count is transformers'
+    // parameters (the 109B Scout holds, less its vision encoder).
+    let scout = r#"{"model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40}"#;
+    let c = dir.read(scout).unwrap();
+    assert_eq!(total(&c), 107769861120);
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (moe.experts, moe.top_k, moe.intermediate, moe.shared, moe.normalize),
+        (16, 1, 8192, Some(8192), false)
+    );
+    assert_eq!((c.intermediate, c.head_dim, c.kv_heads), (16384, 128, 8));
+    let a = c.llama4.clone().unwrap();
+    // Every fourth layer without positions, attending the whole row;
+    // the others in chunks of 8192.
+    let turns = c.rope_layers.clone().unwrap();
+    assert_eq!((turns[2], turns[3]), (true, false));
+    assert_eq!(a.chunked, turns);
+    assert_eq!(
+        (a.chunk, a.qk_l2_norm, a.temperature),
+        (Some(8192), true, Some((8192.0, 0.1)))
+    );
+    // Maverick's interleaving: experts on every other layer.
+    let maverick = dir
+        .read(&scout.replace(r#""num_attention_heads": 40"#, r#""num_attention_heads": 40, "interleave_moe_layer_step": 2"#))
+        .unwrap();
+    assert!(!maverick.moe_layer(0) && maverick.moe_layer(1));
+    dir.round_trips([c, maverick]);
+    dir.refuses(
+        &scout.replace(r#""num_attention_heads": 40"#, r#""num_attention_heads": 40, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#),
+        "Llama 4's class scales by Llama 3's",
+    );
+}
+
+#[test]
 fn apertus_configs_are_read_and_counted() {
     let dir = ConfigDir::new("apertus-configs");
     // The class's defaults (Apertus-8B-like, its docs say): Llama 3's
@@ -1398,6 +1436,7 @@ fn unit_params_count_what_the_built_model_holds() {
         moe: None,
         clip_qkv: None,
         mla: None,
+        llama4: None,
     };
     let variants = [
         base.clone(),

@@ -1288,9 +1288,14 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         // `interleave_moe_layer_step`-th): the others are dense.
         _ if family == Family::Llama4 => {
             let layers = j.size("num_hidden_layers")?;
-            let step = j.size_or_none("interleave_moe_layer_step")?.unwrap_or(1).max(1);
+            let step = j
+                .size_or_none("interleave_moe_layer_step")?
+                .unwrap_or(1)
+                .max(1);
             let sparse: Vec<i64> = match j.get("moe_layers") {
-                None | Some(serde_json::Value::Null) => (step - 1..layers).step_by(step as usize).collect(),
+                None | Some(serde_json::Value::Null) => {
+                    (step - 1..layers).step_by(step as usize).collect()
+                }
                 Some(v) => (v.as_array())
                     .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
                     .ok_or_else(|| j.field(format!("moe_layers {v}: a list of layer numbers")))?,

@@ -946,13 +946,22 @@ impl Layer {
                 let i = Tensor::arange_start(offset, offset + t, opts).unsqueeze(1);
                 let j = Tensor::arange(offset + t, opts).unsqueeze(0);
                 let chunk = |x: &Tensor| x.divide_scalar_mode(size, "floor");
-                let mask = chunk(&i).eq_tensor(&chunk(&j)).logical_and(&i.ge_tensor(&j));
+                let mask = chunk(&i)
+                    .eq_tensor(&chunk(&j))
+                    .logical_and(&i.ge_tensor(&j));
                 let mask = match documents {
                     Some(d) => mask.logical_and(&d.visible_within(None)),
                     None => mask,
                 };
                 return Tensor::scaled_dot_product_attention(
-                    q, k, v, Some(mask), dropout, false, scale, grouped,
+                    q,
+                    k,
+                    v,
+                    Some(mask),
+                    dropout,
+                    false,
+                    scale,
+                    grouped,
                 );
             }
             if let Some(d) = documents {

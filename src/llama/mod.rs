@@ -60,9 +60,7 @@ pub(crate) mod tests;
 mod xielu;
 
 pub(crate) use config::{pad_token, rotary_dim};
-pub use config::{
-    Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig, Scoring,
-};
+pub use config::{Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig, Scoring};
 pub use family::Family;
 pub use layer::Layer;
 pub(crate) use rope_scaling::rope_scaling;

@@ -1099,7 +1099,13 @@ fn llama4_configs_are_read_and_counted() {
     assert_eq!(total(&c), 107769861120);
     let moe = c.moe.clone().unwrap();
     assert_eq!(
-        (moe.experts, moe.top_k, moe.intermediate, moe.shared, moe.normalize),
+        (
+            moe.experts,
+            moe.top_k,
+            moe.intermediate,
+            moe.shared,
+            moe.normalize
+        ),
         (16, 1, 8192, Some(8192), false)
     );
     assert_eq!((c.intermediate, c.head_dim, c.kv_heads), (16384, 128, 8));
@@ -1115,12 +1121,18 @@ fn llama4_configs_are_read_and_counted() {
     );
     // Maverick's interleaving: experts on every other layer.
     let maverick = dir
-        .read(&scout.replace(r#""num_attention_heads": 40"#, r#""num_attention_heads": 40, "interleave_moe_layer_step": 2"#))
+        .read(&scout.replace(
+            r#""num_attention_heads": 40"#,
+            r#""num_attention_heads": 40, "interleave_moe_layer_step": 2"#,
+        ))
         .unwrap();
     assert!(!maverick.moe_layer(0) && maverick.moe_layer(1));
     dir.round_trips([c, maverick]);
     dir.refuses(
-        &scout.replace(r#""num_attention_heads": 40"#, r#""num_attention_heads": 40, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#),
+        &scout.replace(
+            r#""num_attention_heads": 40"#,
+            r#""num_attention_heads": 40, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        ),
         "Llama 4's class scales by Llama 3's",
     );
 }

@@ -128,6 +128,10 @@ impl Layout {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
             Some("phi") => Self::Phi(Box::new(PhiConfig::from_json(&j)?)),
+            // Llama 4's published checkpoints are its multimodal model's:
+            // zrt builds (and exports) its language model, whose config
+            // is `text_config`.
+            Some("llama4") => return Self::of(j.llama4_text()?),
             Some(t) if Family::of(t).is_some() => {
                 Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
             }
@@ -542,6 +546,29 @@ impl HfJson {
                 "model_type is {other:?}, not \"{want}\": this is another architecture's config"
             ))),
         }
+    }
+
+    /// A multimodal Llama 4 config's language model's (`text_config`),
+    /// as `Llama4ForCausalLM` reads it (`model_type` `llama4_text`),
+    /// beside the same path.
+    fn llama4_text(&self) -> Result<Self, HfError> {
+        let Some(serde_json::Value::Object(text)) = self.get("text_config") else {
+            return Err(self.field(
+                "model_type \"llama4\" without a text_config object: zrt builds Llama 4's language model from it".into(),
+            ));
+        };
+        let mut text = text.clone();
+        text.insert("model_type".into(), "llama4_text".into());
+        text.insert(
+            "architectures".into(),
+            serde_json::json!(["Llama4ForCausalLM"]),
+        );
+        let json = serde_json::Value::Object(text);
+        Ok(Self {
+            path: self.path.clone(),
+            text: format!("{json:#}\n"),
+            json,
+        })
     }
 
     /// Its `model_type`.

@@ -2966,3 +2966,79 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
     assert_eq!(none, 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Llama 4's published layout, its multimodal model's files (the
+/// language model under `language_model.`, a vision encoder and
+/// projector beside it, `text_config` in a `llama4` config), loads as
+/// its language model: `transformers`' multimodal model's text-only
+/// logits, and an export that `Llama4ForCausalLM` loads whole and
+/// computes them with.
+#[test]
+fn a_multimodal_llama4_checkpoint_loads_and_exports_its_language_model() {
+    let dir = scratch("hf-llama4-multimodal");
+    let case = case("llama4");
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
+from transformers import Llama4Config, Llama4ForConditionalGeneration
+vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+              projector_output_dim=64, pixel_shuffle_ratio=0.5)
+mm = Llama4ForConditionalGeneration(Llama4Config(text_config=m.config.to_dict(), vision_config=vision))
+text = {{"language_model." + k: v for k, v in m.state_dict().items()}}
+missing, unexpected = mm.load_state_dict(text, strict=False)
+assert not unexpected and not [k for k in missing if k.startswith("language_model.")], missing
+mm.save_pretrained("{dir}/mm")
+mm.eval()
+tokens = torch.randint(0, 96, (1, 12))
+with torch.no_grad():
+    logits = mm(tokens).logits.contiguous()
+save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
+"#,
+        dir = dir.display()
+    ));
+    let get = tensors(&dir.join("reference.safetensors"));
+    let tokens = ints(get("tokens"));
+    let (mm, out) = (dir.join("mm"), dir.join("out"));
+    let got = on_ranks(1, |r| {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let plan = ShardPlan::new();
+        let (model, layout) = {
+            let _g = common::rng_lock();
+            HfModel::from_pretrained(&vs, &plan, &mm).unwrap()
+        };
+        let group = r.new_group(&[0]).unwrap();
+        let ds = config_zero(0, 1, 0.0, "", "");
+        let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let x = Tensor::from_slice(&tokens).view([1, -1]);
+        let logits = tch::no_grad(|| model.forward(&x));
+        std::fs::create_dir_all(&out).unwrap();
+        e.save_16bit_model_as(out.join("model.safetensors"), None, &layout)
+            .unwrap();
+        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
+    })
+    .remove(0);
+    let want = get("logits");
+    let got = Tensor::from_slice(&got).view_as(&want);
+    let diff = (&got - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "multimodal Llama 4: logits differ by {diff}");
+    let said = common::python(&format!(
+        r#"
+import torch
+from transformers import Llama4ForCausalLM
+from safetensors.torch import load_file
+ref = load_file("{dir}/reference.safetensors")
+m, info = Llama4ForCausalLM.from_pretrained("{out}", output_loading_info=True)
+assert not any(info.values()), info
+assert m.config.model_type == "llama4_text", m.config.model_type
+with torch.no_grad():
+    diff = (m(ref["tokens"]).logits - ref["logits"]).abs().max().item()
+assert diff < 1e-5, diff
+print("ok")
+"#,
+        dir = dir.display(),
+        out = out.display()
+    ));
+    assert_eq!(said.lines().last(), Some("ok"), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

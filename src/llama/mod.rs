@@ -102,10 +102,23 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // ERNIE 4.5's hold theirs under `mtp` names, which `transformers`
     // skips by that pattern.
     let mtp = cfg.family == Family::Ernie4_5Moe;
-    plan.rename_weights(move |n| match layer_of(n) {
-        Some(l) if beyond && l >= layers => None,
-        _ if mtp && n.contains("mtp") => None,
-        _ => hf_name(n, tied),
+    // Llama 4's published files are its multimodal model's: the language
+    // model under `language_model.`, a vision encoder and projector
+    // beside it, which the text model leaves out.
+    let llama4 = cfg.family == Family::Llama4;
+    plan.rename_weights(move |n| {
+        let n = match llama4 {
+            true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
+                return None
+            }
+            true => n.strip_prefix("language_model.").unwrap_or(n),
+            false => n,
+        };
+        match layer_of(n) {
+            Some(l) if beyond && l >= layers => None,
+            _ if mtp && n.contains("mtp") => None,
+            _ => hf_name(n, tied),
+        }
     })?;
     // An expert no token of a rank chose gets no gradient there.
     if cfg.moe.is_some() {

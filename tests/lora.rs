@@ -265,6 +265,28 @@ const GPT_OSS: Case = Case {
     ..OFF
 };
 
+/// Llama 4's stacked experts (on layers 1 and 3 of 4; the gate's
+/// columns then the up's, each token's input scaled): `gate_up_proj`
+/// `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]`
+/// (A `[16, 32]`, B `[64, 16]`), beside every layer's queries. To 1e-4:
+/// one element of layer 1's `down_proj` B ends 7.6e-5 from PEFT's (every
+/// other within 1.1e-6): its gradients are near zero, and AdamW's
+/// steps, each up to the learning rate whatever the gradient's size,
+/// carry the two sums' rounding (PEFT adds the update into the weight
+/// before multiplying, zrt multiplies by the factors).
+const LLAMA4: Case = Case {
+    python: (
+        "from transformers import Llama4TextConfig as C, Llama4ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5",
+    ),
+    targets: &["q_proj"],
+    parameters: &["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+    atol: Some(1e-4),
+    matrices: 16,
+    elements: 4 * (4 * 64 + 64 * 4) + 2 * ((16 * 64 + 64 * 16) + (16 * 32 + 64 * 16)),
+    ..OFF
+};
+
 /// Granite-MoE's stacked experts, linear layers' `[out, in]` each:
 /// `input_linear.weight` `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`),
 /// `output_linear.weight` `[4, 64, 32]` (A `[16, 64]`, B `[32, 16]`),
@@ -601,6 +623,7 @@ fn lora_adapters_on_stacked_experts_train_as_peft_does() {
         &GRANITE_MOE,
         &[(3, false, Held::Fp32)],
     );
+    parity("llama4-experts", &LLAMA4, &[(3, false, Held::Fp32)]);
     // Granite-MoE-shared's shared MLP's matrices end as its experts'
     // do: a name matching both is refused (PEFT would adapt both).
     let dir = scratch("lora-granitemoeshared-experts");

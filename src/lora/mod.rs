@@ -153,7 +153,8 @@ pub struct LoraConfig {
     pub alpha_pattern: Vec<(String, f64)>,
     /// `target_parameters`: stacked experts' parameters that take an
     /// adapter of PEFT's `ParamWrapper` (GPT-OSS's
-    /// `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`,
+    /// `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, Llama 4's
+    /// `feed_forward.experts.` ones,
     /// Granite-MoE's `input_linear.weight` and `output_linear.weight`),
     /// each a parameter's name or its end after a dot, as PEFT matches
     /// them (neither [`Self::layers_to_transform`] nor the exclusions

@@ -1,5 +1,5 @@
 //! LoRA on stacked experts' parameters (PEFT's `target_parameters`,
-//! its `ParamWrapper`): GPT-OSS's `gate_up_proj` and `down_proj` and
+//! its `ParamWrapper`): GPT-OSS's and Llama 4's `gate_up_proj` and `down_proj` and
 //! Granite-MoE's `input_linear.weight` and `output_linear.weight` are
 //! `[experts, p, q]` parameters, not linear layers, so an adapter on
 //! them is one `A` `[r experts, p]` and one `B` `[q, r experts]` for all
@@ -26,8 +26,9 @@ use tch::{nn, Kind, Tensor};
 use super::{module_name, LoraConfig};
 use crate::hf::HfError;
 
-/// The order in which GPT-OSS's experts register the matrices an
-/// adapter can target (its biases, between them, cannot take one); every
+/// The order in which GPT-OSS's and Llama 4's experts register the
+/// matrices an adapter can target (GPT-OSS's biases, between them,
+/// cannot take one); every
 /// other stacked module zrt builds holds one (`weight`). It decides the
 /// nesting of their adapters' names.
 pub(crate) const REGISTERED: [&str; 2] = ["gate_up_proj", "down_proj"];

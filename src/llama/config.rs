@@ -588,9 +588,13 @@ impl LlamaConfig {
             o_bias: attention_bias,
             mlp_bias: match family {
                 Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
-                // Apertus's class deletes `mlp_bias`; Hunyuan's MLP has
-                // none whatever it says.
-                f if matches!(f, Family::Apertus | Family::Olmo1) || f.hunyuan() => false,
+                // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
+                // and Llama 4's MLPs have none whatever it says.
+                f if matches!(f, Family::Apertus | Family::Olmo1 | Family::Llama4)
+                    || f.hunyuan() =>
+                {
+                    false
+                }
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,

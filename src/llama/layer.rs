@@ -394,11 +394,11 @@ enum Router {
 }
 
 /// A shared expert every token goes through (gate, up and down
-/// matrices: Qwen2-MoE's `shared_expert`, DeepSeek-V2's, V3's and
-/// GLM-4-MoE's `shared_experts`, Hunyuan's `shared_mlp`; Granite-MoE-shared's `shared_mlp`, its
-/// gate and up one matrix, `input_linear`, and its down `output_linear`),
-/// and Qwen2-MoE's gate (`shared_expert_gate`: one row), whose sigmoid
-/// weighs its output.
+/// matrices: Qwen2-MoE's and Llama 4's `shared_expert`, DeepSeek-V2's,
+/// V3's and GLM-4-MoE's `shared_experts`, Hunyuan's `shared_mlp`;
+/// Granite-MoE-shared's `shared_mlp`, its gate and up one matrix,
+/// `input_linear`, and its down `output_linear`), and Qwen2-MoE's gate
+/// (`shared_expert_gate`: one row), whose sigmoid weighs its output.
 #[derive(Debug)]
 struct Shared {
     gate_up: GateUp,

@@ -181,13 +181,17 @@ const GPT2_DORA: Case = Case {
 };
 
 /// Pythia's layout: the fused query-key-value projection (64 -> 192)
-/// and the MLP's second matrix (256 -> 64).
+/// and the MLP's second matrix (256 -> 64). To 2e-5: in one CI run (of
+/// many, and of none here, alone or under load) the first layer's
+/// `dense_4h_to_h` A ended 8.6e-6 from PEFT's, AdamW carrying the sums'
+/// rounding where a gradient is near zero.
 const GPT_NEOX: Case = Case {
     python: (
         "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
         "vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
     ),
     targets: &["query_key_value", "dense_4h_to_h"],
+    atol: Some(2e-5),
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (256 + 64)),
     ..OFF
@@ -335,6 +339,9 @@ fn peft_run(dir: &Path, case: &Case, (init, tuned): (&Path, &Path), atol: f64) -
     let script = format!(
         r#"
 import torch
+# One intra-op thread, as zrt's side runs: the sums' order then stays
+# the same however busy the machine is (AdamW carries their rounding).
+torch.set_num_threads(1)
 {import}
 from peft import PeftModel, get_peft_model_state_dict
 # What PEFT writes to its file, by the file's names (without the copies

@@ -462,7 +462,7 @@ impl Family {
 
     /// Hunyuan's (dense or with experts): heads normalised after they
     /// turn, the `dynamic` scaling's alpha, no MLP biases.
-    pub fn hunyuan(self) -> bool {
+    pub(super) fn hunyuan(self) -> bool {
         matches!(self, Self::HunyuanDense | Self::HunyuanMoe)
     }
 

@@ -215,7 +215,11 @@ pub(crate) fn rope_scaling(
         }),
         // Hunyuan's class reads an alpha when it is there and not 0.
         Some("dynamic") if Family::of(model_type).is_some_and(Family::hunyuan) => {
-            match scaling_number(j, v, "alpha").ok().filter(|a| *a != 0.0) {
+            let alpha = match v.get("alpha") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(_) => Some(num("alpha")?).filter(|a| *a != 0.0),
+            };
+            match alpha {
                 Some(alpha) => Ok(RopeScaling::DynamicAlpha {
                     factor: num("factor")?,
                     alpha,

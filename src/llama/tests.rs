@@ -995,6 +995,10 @@ fn hunyuan_dense_configs_are_read_and_counted() {
         .unwrap();
     assert_eq!(plain.rope_scaling, RopeScaling::Dynamic { factor: 1.0 });
     dir.round_trips([c, plain]);
+    dir.refuses(
+        &given.replace(r#""alpha": 1000.0"#, r#""alpha": "high""#),
+        "its `alpha` is missing or not a number",
+    );
     // Another family's alpha is no scaling it reads.
     let llama = dir
         .read(r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "alpha": 1000.0}}"#)

@@ -22,9 +22,11 @@ pub(crate) struct Rotary {
     /// Under the `dynamic` scaling, the frequencies of the longest
     /// sequence seen.
     dynamic: Option<Dynamic>,
-    /// Cohere's and GLM's: neighbouring dimensions turn together
-    /// (`x[2i]`, `x[2i + 1]`) rather than the halves of the head; `Some(true)`:
-    /// in fp32 (Cohere's), `Some(false)`: in the input's dtype (GLM's).
+    /// Neighbouring dimensions turn together (`x[2i]`, `x[2i + 1]`)
+    /// rather than the halves of the head; `Some(true)`: in fp32
+    /// (Cohere's; DeepSeek-V2's, ERNIE 4.5's and Llama 4's, whose
+    /// unrounded complex angles this rounds to the input's dtype first),
+    /// `Some(false)`: in the input's dtype (GLM's, Helium's).
     interleaved: Option<bool>,
     /// OLMo's: the halves turned in fp32 by unrounded cosines and sines,
     /// then cast back (its rotary embedding hands them over in fp32).

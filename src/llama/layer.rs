@@ -14,7 +14,7 @@ use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
-use super::norm::{Norms, RmsNorm};
+use super::norm::{rms_normalized, Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
 use super::xielu::Xielu;
@@ -165,17 +165,20 @@ enum GateUp {
     Fused(Adapted),
 }
 
+/// The first and second halves of `t`'s last dimension (a fused gate
+/// and up projection's outputs, the gate's first).
+fn halves(t: &Tensor) -> (Tensor, Tensor) {
+    let w = t.size()[t.dim() - 1] / 2;
+    (t.narrow(-1, 0, w), t.narrow(-1, w, w))
+}
+
 impl GateUp {
     /// The gate's and the up projection's outputs for `h` (a fused
     /// matrix's halves).
     fn forward(&self, h: &Tensor) -> (Tensor, Tensor) {
         match self {
             Self::Apart { gate_proj, up_proj } => (gate_proj.forward(h), up_proj.forward(h)),
-            Self::Fused(gate_up) => {
-                let both = gate_up.forward(h);
-                let i = both.size()[both.dim() - 1] / 2;
-                (both.narrow(-1, 0, i), both.narrow(-1, i, i))
-            }
+            Self::Fused(gate_up) => halves(&gate_up.forward(h)),
         }
     }
 }
@@ -261,8 +264,8 @@ impl Parallel {
         if let Some(a) = &self.input_lora {
             h += a.left(e, x);
         }
-        let w = h.size()[1] / 2;
-        let y = act.apply(&h.narrow(-1, 0, w)) * h.narrow(-1, w, w);
+        let (gate, up) = halves(&h);
+        let y = act.apply(&gate) * up;
         let out = y.linear::<Tensor>(&self.output.get(e), None);
         match &self.output_lora {
             Some(a) => out + a.left(e, &y),
@@ -354,8 +357,8 @@ impl Stacked {
         };
         let gate_up = with(x.matmul(&self.gate_up.get(e)), &self.gate_up_lora, x);
         let Some((gate_up_bias, down_bias)) = &self.biases else {
-            let w = gate_up.size()[1] / 2;
-            let h = gate_up.narrow(-1, w, w) * act.apply(&gate_up.narrow(-1, 0, w));
+            let (gate, up) = halves(&gate_up);
+            let h = up * act.apply(&gate);
             return with(h.matmul(&self.down.get(e)), &self.down_lora, &h);
         };
         let gate_up = gate_up + gate_up_bias.get(e);
@@ -864,9 +867,7 @@ impl Module for Layer {
 /// `x / sqrt(mean(x^2) + eps)` over each head's width, in fp32, then
 /// cast back (Llama 4's `Llama4TextL2Norm`).
 fn l2_norm(x: &Tensor, eps: f64) -> Tensor {
-    let h = x.to_kind(Kind::Float);
-    let mean = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
-    (&h * (mean + eps).rsqrt()).to_kind(x.kind())
+    rms_normalized(x, eps).to_kind(x.kind())
 }
 
 impl Layer {

@@ -57,11 +57,18 @@ impl RmsNorm {
     }
 }
 
+/// `x / sqrt(mean(x^2) + eps)` over the last dimension, in fp32: an
+/// RMSNorm before its weights (Llama 4's `Llama4TextL2Norm`, cast back,
+/// has none).
+pub(super) fn rms_normalized(x: &Tensor, eps: f64) -> Tensor {
+    let h = x.to_kind(Kind::Float);
+    let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+    h * (var + eps).rsqrt()
+}
+
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let h = x.to_kind(Kind::Float);
-        let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
-        let h = h * (var + self.eps).rsqrt();
+        let h = rms_normalized(x, self.eps);
         match self.weights {
             NormWeights::Llama => &self.weight * h.to_kind(x.kind()),
             NormWeights::Offset => (h * (self.weight.to_kind(Kind::Float) + 1.0)).to_kind(x.kind()),

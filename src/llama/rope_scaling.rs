@@ -183,25 +183,23 @@ pub(crate) fn rope_scaling(
     model_type: &str,
     rotary_dim: i64,
 ) -> Result<RopeScaling, HfError> {
-    let Some(v) = j.get("rope_scaling") else {
-        // GPT-OSS's class scales by default: left out (not null), its
-        // YaRN.
-        if model_type == Family::GptOss.model_type() && !j.has("rope_scaling") {
-            let v = serde_json::json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096});
-            return yarn(j, &v);
-        }
-        // Apertus's too: Llama 3's.
-        if model_type == Family::Apertus.model_type() && !j.has("rope_scaling") {
-            return Ok(RopeScaling::Llama3 {
-                factor: 8.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_positions: 8192.0,
-            });
-        }
-        return Ok(RopeScaling::None);
+    // GPT-OSS's and Apertus's classes scale by default: left out (not
+    // null), their YaRN and Llama 3's, read as a config giving them.
+    let default = match model_type {
+        t if t == Family::GptOss.model_type() => Some(serde_json::json!({"rope_type": "yarn",
+            "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+            "original_max_position_embeddings": 4096})),
+        t if t == Family::Apertus.model_type() => Some(serde_json::json!({"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192})),
+        _ => None,
     };
+    let v = match (j.get("rope_scaling"), default) {
+        (Some(v), _) => v.clone(),
+        (None, Some(d)) if !j.has("rope_scaling") => d,
+        _ => return Ok(RopeScaling::None),
+    };
+    let v = &v;
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
     let num = |key: &str| scaling_number(j, v, key);
     let phi3 = model_type == Family::Phi3.model_type();

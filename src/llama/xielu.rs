@@ -49,13 +49,22 @@ impl Xielu {
     /// xIELU of `x`, in its dtype.
     pub(super) fn forward(&self, x: &Tensor) -> Tensor {
         let k = x.kind();
-        let beta = self.beta.to_kind(k);
         let a_p = self.alpha_p.softplus().to_kind(k);
         let a_n = (&self.beta + self.alpha_n.softplus()).to_kind(k);
-        let positive = &a_p * x * x + &beta * x;
-        let negative = (x.minimum(&self.eps.to_kind(k)).expm1() - x) * &a_n + &beta * x;
-        positive.where_self(&x.gt(0.0), &negative)
+        xielu(
+            x,
+            (&a_p, &a_n),
+            (&self.beta.to_kind(k), &self.eps.to_kind(k)),
+        )
     }
+}
+
+/// `x > 0 ? a_p x^2 + b x : (expm1(min(x, eps)) - x) a_n + b x`, in the
+/// operations' order of `transformers`' Python xIELU.
+fn xielu(x: &Tensor, (a_p, a_n): (&Tensor, &Tensor), (beta, eps): (&Tensor, &Tensor)) -> Tensor {
+    let positive = a_p * x * x + beta * x;
+    let negative = (x.minimum(eps).expm1() - x) * a_n + beta * x;
+    positive.where_self(&x.gt(0.0), &negative)
 }
 
 /// xIELU at the class's initial parameters: what [`Activation::Xielu`]
@@ -64,7 +73,6 @@ impl Xielu {
 /// [`Activation::Xielu`]: super::config::Activation::Xielu
 pub(super) fn initial(x: &Tensor) -> Tensor {
     let (ap, an, beta, eps) = INITIAL;
-    let positive = x * x * ap + x * beta;
-    let negative = (x.clamp_max(eps).expm1() - x) * an + x * beta;
-    positive.where_self(&x.gt(0.0), &negative)
+    let scalar = |v: f64| Tensor::from(v).to_kind(x.kind()).to_device(x.device());
+    xielu(x, (&scalar(ap), &scalar(an)), (&scalar(beta), &scalar(eps)))
 }

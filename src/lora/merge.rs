@@ -626,9 +626,10 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     let on_params: HashMap<String, &String> = (pairs.keys())
         .filter_map(|m| Some((super::param::parameter_of(m, &held, &cfg)?, m)))
         .collect();
+    let on_a_param: std::collections::HashSet<&String> = on_params.values().copied().collect();
     let lacking: Vec<&String> = pairs
         .keys()
-        .filter(|m| !held.contains_key(weight(m).as_str()) && !on_params.values().any(|k| k == m))
+        .filter(|m| !held.contains_key(weight(m).as_str()) && !on_a_param.contains(m))
         .collect();
     if !lacking.is_empty() {
         return Err(HfError::Lora(format!(
@@ -653,10 +654,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
         fits_parameter(name, shape, &pairs[*m], cfg.rank_of(name))?;
     }
-    for (m, (a, b)) in pairs
-        .iter()
-        .filter(|(m, _)| !on_params.values().any(|k| k == m))
-    {
+    for (m, (a, b)) in pairs.iter().filter(|(m, _)| !on_a_param.contains(m)) {
         let name = weight(m);
         let shape = held.get(name.as_str()).copied().unwrap_or(&[]);
         fits(&name, shape, transposed(&name), (a, b), cfg.rank_of(m))?;

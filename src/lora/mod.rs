@@ -678,13 +678,15 @@ pub(crate) fn freeze_base_under(
         }
     }
     // Each parameter named for an adapter must be a stacked one.
-    let mut variables: Vec<(String, usize)> = (vs.variables().into_iter())
-        .filter(|(n, _)| !is_adapter(n))
-        .map(|(n, t)| (format!("{prefix}{n}"), t.dim()))
-        .collect();
-    // By name: an error names the first.
-    variables.sort();
-    param::check_matched(cfg, variables.iter().map(|(n, d)| (n.as_str(), *d)))?;
+    if !cfg.target_parameters.is_empty() {
+        let mut variables: Vec<(String, usize)> = (vs.variables().into_iter())
+            .filter(|(n, _)| !is_adapter(n))
+            .map(|(n, t)| (format!("{prefix}{n}"), t.dim()))
+            .collect();
+        // By name: an error names the first.
+        variables.sort();
+        param::check_matched(cfg, variables.iter().map(|(n, d)| (n.as_str(), *d)))?;
+    }
     if adapters == 0 {
         let names: Vec<String> = linear.into_iter().collect();
         let pattern = match &cfg.target_pattern {

@@ -139,6 +139,19 @@ impl Training {
         }
     }
 
+    /// `x` times a uniform draw within `1 ± eps` for each element when
+    /// training and `eps` > 0 (DBRX's router jitter, drawn from
+    /// libtorch's generator in `x`'s dtype as `transformers` draws it),
+    /// `x` itself otherwise.
+    pub(crate) fn jitter(&self, x: Tensor, eps: f64) -> Tensor {
+        if eps <= 0.0 || !self.on() {
+            return x;
+        }
+        let mut scale = x.empty_like();
+        let _ = scale.uniform_(1.0 - eps, 1.0 + eps);
+        x * scale
+    }
+
     /// The attention's dropout rate: `p` when training, else 0.
     pub(crate) fn attention(&self, p: f64) -> f64 {
         if self.on() {

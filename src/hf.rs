@@ -268,7 +268,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`).
     Llama(Llama),
 }
 
@@ -569,6 +569,16 @@ impl HfJson {
             text: format!("{json:#}\n"),
             json,
         })
+    }
+
+    /// The same file read as `json` (DBRX's nested config flattened):
+    /// its path for errors and its text for an export stay.
+    pub(crate) fn reading(&self, json: serde_json::Value) -> Self {
+        Self {
+            path: self.path.clone(),
+            text: self.text.clone(),
+            json,
+        }
     }
 
     /// Its `model_type`.

@@ -183,6 +183,20 @@ fn gpt_neox_drops_embeddings_attention_and_both_sublayers_out_as_transformers_do
     }
 }
 
+/// DBRX's every draw in training: the embeddings' dropout, the
+/// attention weights', each sublayer's output's, and the router's
+/// jitter, which scales the experts' input too (`transformers` scales
+/// it in place).
+#[test]
+fn dbrx_jitters_its_routers_and_drops_out_as_transformers_does() {
+    dropout_parity(
+        "dbrx",
+        "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
+        "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, resid_pdrop=0.1, emb_pdrop=0.2, attn_config={'kv_n_heads': 2, 'attn_pdrop': 0.25, 'clip_qkv': 8.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2, 'moe_jitter_eps': 0.2}",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -289,6 +289,19 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import Llama4TextConfig as C, Llama4ForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5, rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'original_max_position_embeddings': 16, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}",
+        ),
+        load: "",
+    },
+    // DBRX: its own names, nested sub-configs, unbiased LayerNorms,
+    // one query-key-value matrix clipped at 0.3 (half its values; at
+    // 0.2 transformers' own bf16 logits are 15% off its fp32 ones), experts
+    // as three `[experts × width, d]` parameters, each token's top 2 of
+    // 4 renormalised.
+    Case {
+        name: "dbrx",
+        python: (
+            "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
+            "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={'kv_n_heads': 2, 'clip_qkv': 0.3, 'rope_theta': 1000.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2}",
         ),
         load: "",
     },
@@ -994,6 +1007,11 @@ fn a_dots1_checkpoint_with_normalised_heads_and_grouped_experts_trains_as_transf
 #[test]
 fn a_llama4_checkpoint_with_chunks_nope_layers_and_experts_trains_as_transformers_does() {
     parity("llama4");
+}
+
+#[test]
+fn a_dbrx_checkpoint_with_clipped_attention_and_row_stacked_experts_trains_as_transformers_does() {
+    parity("dbrx");
 }
 
 #[test]
@@ -1988,10 +2006,16 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "nemotron" => r#", "num_key_value_heads": 32"#,
             _ => "",
         };
-        let config = format!(
-            r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
+        let config = match mt {
+            // DBRX's sizes have names of their own, some nested.
+            "dbrx" => r#"{"model_type": "dbrx", "vocab_size": 160000, "d_model": 512,
+                "n_layers": 4, "n_heads": 32, "ffn_config": {"ffn_hidden_size": 96}}"#
+                .to_string(),
+            _ => format!(
+                r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
                 "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32{k}}}"#
-        );
+            ),
+        };
         std::fs::write(given.join("config.json"), config).unwrap();
         let ours = match mt {
             "gpt_neox" => zrt::gpt_neox::GptNeoxConfig::from_hf_dir(&given).map(|c| c.to_hf_json()),
@@ -2010,9 +2034,11 @@ bad = []
 for mt in sorted(os.listdir(root)):
     given = AutoConfig.from_pretrained(os.path.join(root, mt, "given")).to_dict()
     read = AutoConfig.from_pretrained(os.path.join(root, mt, "read")).to_dict()
-    # A class without a head_dim (or with None) computes it from the sizes.
+    # A class without a head_dim (or with None) computes it from the
+    # sizes (DBRX's named its own way).
     for c in (given, read):
-        c["head_dim"] = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        width = c.get("hidden_size") or c["d_model"]
+        c["head_dim"] = c.get("head_dim") or width // (c.get("num_attention_heads") or c["n_heads"])
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
     for k in sorted((set(given) | set(read)) - ignore):
@@ -2341,9 +2367,9 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// GLM-4's quarter of each head turned by pairs, GPT-OSS's sinks
 /// beside windowed scores, Hunyuan's heads normalised after they turn
 /// at their positions (its alpha's base), Nemotron's half of each head
-/// turned, OLMo 1's heads turned in fp32, and Llama 4's chunks of the
+/// turned, OLMo 1's heads turned in fp32, Llama 4's chunks of the
 /// row cut through its documents, its layer without positions growing
-/// its queries with the row's position.
+/// its queries with the row's position, and DBRX's clipped attention.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2365,6 +2391,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "nemotron",
         "olmo1",
         "llama4",
+        "dbrx",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2382,7 +2409,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS and Nemotron build their masks without
+# transformers 4.57's GPT-OSS, Nemotron and DBRX build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2394,7 +2421,8 @@ window = getattr(m.config, "sliding_window", None) or {SEQ}
 masks = {{"full_attention": additive(seen),
          "sliding_attention": additive(seen & (i[:, None] - i[None, :] < window))}}
 documents = {{"gpt_oss": {{"attention_mask": masks}},
-             "nemotron": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "nemotron": {{"attention_mask": masks["full_attention"]}},
+             "dbrx": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3 and Apertus checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus and DBRX checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -249,6 +249,20 @@ const APERTUS: Case = Case {
     targets: &["q_proj", "up_proj", "down_proj"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 128) + (128 + 64)),
+    ..OFF
+};
+
+/// DBRX's fused attention and router, under its own names: `Wqkv` (64
+/// -> 128: 4 query heads, 2 key-value heads), `out_proj` (64 -> 64) and
+/// the router's `layer` (64 -> 4 experts).
+const DBRX: Case = Case {
+    python: (
+        "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
+        "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={'kv_n_heads': 2, 'clip_qkv': 8.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2}",
+    ),
+    targets: &["Wqkv", "out_proj", "layer"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 4)),
     ..OFF
 };
 
@@ -609,6 +623,11 @@ fn lora_adapters_on_gpt2_gpt_neox_phi_cohere_and_apertus_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
     parity("deepseek-v3", &DEEPSEEK, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_dbrxs_fused_attention_and_router_train_as_peft_does() {
+    parity("dbrx", &DBRX, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use tch::Tensor;
 
 use crate::hf::{HfError, HfJson};
 
+use super::dbrx;
 use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
@@ -45,6 +46,10 @@ pub struct MoeConfig {
     /// DeepSeek-V3's, GLM-4-MoE's and DeepSeek-V2's routing
     /// ([`GroupRouting`]); `None`: the softmax's top `k`.
     pub grouped: Option<GroupRouting>,
+    /// DBRX's `moe_jitter_eps` (0: none): in training, the experts'
+    /// input (the router's and, as `transformers` scales it in place,
+    /// the experts') times a uniform draw within `1 ± jitter`.
+    pub jitter: f64,
 }
 
 /// Llama 4's attention ([`Family::Llama4`]): which layers attend within
@@ -352,6 +357,15 @@ impl LlamaConfig {
 
     /// As [`LlamaConfig::from_hf_dir`], from a config already read.
     pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
+        // DBRX's nested fields, read flat; errors name DBRX's.
+        if j.model_type().as_deref() == Some(Family::Dbrx.model_type()) {
+            return Self::read(&dbrx::flat(j)?).map_err(dbrx::dbrx_names);
+        }
+        Self::read(j)
+    }
+
+    /// As [`LlamaConfig::from_json`], from a flat config.
+    fn read(j: &HfJson) -> Result<Self, HfError> {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
             return Err(j.field(format!(
@@ -618,7 +632,9 @@ impl LlamaConfig {
                 f => f.whole_qk_norm(),
             },
             clip_qkv: match family {
-                Family::Olmoe | Family::Olmo1 => j.number_or_null("clip_qkv", None)?,
+                Family::Olmoe | Family::Olmo1 | Family::Dbrx => {
+                    j.number_or_null("clip_qkv", None)?
+                }
                 _ => None,
             },
             activation,
@@ -650,10 +666,12 @@ impl LlamaConfig {
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
+                Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
                 Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
+                Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -826,8 +844,9 @@ impl LlamaConfig {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
             norms * norm + attention + sinks + mlp
         };
-        let mut units = vec![("model.embed_tokens".to_string(), v * d)];
-        units.extend((0..self.layers).map(|l| (format!("model.layers.{l}"), layer(l))));
+        let [model, embedding, blocks, _] = self.family.names();
+        let mut units = vec![(format!("{model}.{embedding}"), v * d)];
+        units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
             units.push(("lm_head".to_string(), v * d));
         }
@@ -837,6 +856,9 @@ impl LlamaConfig {
 
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
+        if self.family == Family::Dbrx {
+            return format!("{:#}\n", dbrx::to_json(self));
+        }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
             "model_type": self.family.model_type(),
@@ -1084,6 +1106,8 @@ impl LlamaConfig {
                     "output_router_logits": false,
                 })
             }
+            // Written whole above.
+            Family::Dbrx => serde_json::json!({}),
             Family::Nemotron => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
@@ -1211,6 +1235,12 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Llama4 => ("num_local_experts", "intermediate_size", false),
         // Hunyuan's experts and shared MLP are all the MLP's width.
         Family::HunyuanMoe => ("num_experts", "intermediate_size", true),
+        // DBRX's `moe_normalize_expert_weights`, read as a flag.
+        Family::Dbrx => (
+            "num_local_experts",
+            "intermediate_size",
+            j.flag_or("norm_topk_prob", true)?,
+        ),
         _ => return Ok(None),
     };
     if j.flag_or("output_router_logits", false)? {
@@ -1240,6 +1270,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // The config classes' experts, top k and expert width.
     let defaults = match family {
         Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
+        Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
         Family::Llama4 => (16, 1, 8192),
         Family::Olmoe => (64, 8, 0),
@@ -1390,6 +1421,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             _ => None,
         },
         grouped,
+        jitter: match family {
+            Family::Dbrx => j.number_or("moe_jitter_eps", 0.0)?,
+            _ => 0.0,
+        },
     }))
 }
 

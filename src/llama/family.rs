@@ -255,11 +255,20 @@ pub enum Family {
     /// `moe_layers`, a dense MLP (`intermediate_size_mlp` wide) on the
     /// others ([`Llama4Attention`](super::Llama4Attention)).
     Llama4,
+    /// `dbrx` (`DbrxForCausalLM`: Databricks' DBRX): its own names at
+    /// every level (`transformer.blocks.N.norm_attn_norm.attn.Wqkv`,
+    /// `ffn.experts.mlp.w1`), its sizes in nested `attn_config` and
+    /// `ffn_config`; LayerNorms without biases, one query-key-value
+    /// matrix clipped at `clip_qkv`, and experts whose matrices are
+    /// three parameters `[experts × width, d]` (`w1` the gate, `v1` the
+    /// up, `w2` the down, multiplied from the left), the router's input
+    /// jittered in training (`moe_jitter_eps`).
+    Dbrx,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 44] = [
+    pub const ALL: [Family; 45] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -304,6 +313,7 @@ impl Family {
         Self::HunyuanMoe,
         Self::Dots1,
         Self::Llama4,
+        Self::Dbrx,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -367,6 +377,7 @@ impl Family {
             Self::HunyuanMoe => "hunyuan_v1_moe",
             Self::Dots1 => "dots1",
             Self::Llama4 => "llama4_text",
+            Self::Dbrx => "dbrx",
         }
     }
 
@@ -417,6 +428,7 @@ impl Family {
             Self::HunyuanMoe => "HunYuanMoEV1ForCausalLM",
             Self::Dots1 => "Dots1ForCausalLM",
             Self::Llama4 => "Llama4ForCausalLM",
+            Self::Dbrx => "DbrxForCausalLM",
         }
     }
 
@@ -728,6 +740,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            // `DbrxConfig`'s, and nn.LayerNorm's epsilon (no field sets it).
+            Self::Dbrx => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(1),
+                ..LLAMA
+            },
             Self::Nemotron => Defaults {
                 eps: 1e-5,
                 activation: Activation::Relu2,
@@ -790,6 +808,17 @@ impl Family {
                 positions: 8192,
                 ..LLAMA
             },
+        }
+    }
+
+    /// Where its checkpoint keeps the model's parts: the model under
+    /// the head's level, the token embedding, the decoder layers and the
+    /// final norm within it (Llama's `model`, `embed_tokens`, `layers`,
+    /// `norm`; DBRX's `transformer`, `wte`, `blocks`, `norm_f`).
+    pub(super) fn names(self) -> [&'static str; 4] {
+        match self {
+            Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
+            _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
 

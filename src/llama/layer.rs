@@ -225,6 +225,43 @@ enum ExpertWeights {
     Stacked(Box<Stacked>),
     /// Granite-MoE's ([`Parallel`]).
     Parallel(Box<Parallel>),
+    /// DBRX's ([`Rows`]).
+    Rows(Box<Rows>),
+}
+
+/// DBRX's experts (`DbrxExpertGLU`): three parameters `[experts ×
+/// width, d]`, expert `e`'s rows `e·width..(e+1)·width` of each: `w1`
+/// (the gate) and `v1` (the up) as a linear layer's weights, `w2` (the
+/// down) multiplied from the left, `act(x w1ᵀ) * (x v1ᵀ) @ w2`. No
+/// adapters: PEFT's `target_parameters` would see 2-D matrices, which
+/// zrt does not adapt (its [`Family::Dbrx`] targets `Wqkv` by default).
+#[derive(Debug)]
+struct Rows {
+    w1: Tensor,
+    v1: Tensor,
+    w2: Tensor,
+    width: i64,
+}
+
+impl Rows {
+    /// Under `p` (`ffn.experts.mlp`), `m`'s experts of a model `d` wide.
+    fn new(p: &nn::Path, d: i64, m: &MoeConfig) -> Self {
+        let rows = [m.experts * m.intermediate, d];
+        Self {
+            w1: p.var("w1", &rows, RANDN),
+            v1: p.var("v1", &rows, RANDN),
+            w2: p.var("w2", &rows, RANDN),
+            width: m.intermediate,
+        }
+    }
+
+    /// Expert `e` on its tokens `x` `[n, d]`.
+    fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
+        let of = |w: &Tensor| w.narrow(0, e * self.width, self.width);
+        let gate = x.matmul(&of(&self.w1).tr());
+        let up = x.matmul(&of(&self.v1).tr());
+        (act.apply(&gate) * up).matmul(&of(&self.w2))
+    }
 }
 
 /// Granite-MoE's experts (`GraniteMoeParallelExperts`), one parameter
@@ -301,6 +338,7 @@ impl ExpertWeights {
             Self::Apart(experts) => experts.len() as i64,
             Self::Stacked(s) => s.gate_up.size()[0],
             Self::Parallel(s) => s.input.size()[0],
+            Self::Rows(s) => s.w1.size()[0] / s.width.max(1),
         }
     }
 
@@ -310,6 +348,7 @@ impl ExpertWeights {
             Self::Apart(experts) => gated(&experts[e as usize], x, act),
             Self::Stacked(s) => s.forward(e, x, act),
             Self::Parallel(s) => s.forward(e, x, act),
+            Self::Rows(s) => s.forward(e, x, act),
         }
     }
 }
@@ -436,6 +475,9 @@ impl Experts {
                 ExpertWeights::Stacked(Box::new(stacked))
             }
             f if f.granite_moe() => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
+            Family::Dbrx => {
+                ExpertWeights::Rows(Box::new(Rows::new(&(p / "experts" / "mlp"), d, m)))
+            }
             _ => ExpertWeights::Apart(
                 (0..m.experts)
                     .map(|e| {
@@ -492,7 +534,7 @@ impl Experts {
                 gate: lin(&(p / "router"), d, m.experts, true),
                 correction: None,
             },
-            None if family.granite_moe() => Router::Softmax {
+            None if family.granite_moe() || family == Family::Dbrx => Router::Softmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
                 correction: None,
             },
@@ -657,6 +699,7 @@ impl Layer {
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
+            Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -692,9 +735,13 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv: match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
-                (Family::Phi3, _) => {
+                (Family::Phi3 | Family::Dbrx, _) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
-                    Qkv::Fused(lin(&(&a / "qkv_proj"), d, rows, qkv))
+                    let name = match c.family {
+                        Family::Dbrx => "Wqkv",
+                        _ => "qkv_proj",
+                    };
+                    Qkv::Fused(lin(&(&a / name), d, rows, qkv))
                 }
                 _ => Qkv::Apart {
                     q_proj: lin(&(&a / "q_proj"), d, c.heads * hd, qkv),
@@ -702,7 +749,16 @@ impl Layer {
                     v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
                 },
             },
-            o_proj: lin(&(&a / "o_proj"), c.heads * c.v_head_dim(), d, c.o_bias),
+            o_proj: lin(
+                &(&a / if c.family == Family::Dbrx {
+                    "out_proj"
+                } else {
+                    "o_proj"
+                }),
+                c.heads * c.v_head_dim(),
+                d,
+                c.o_bias,
+            ),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
@@ -858,7 +914,13 @@ impl Module for Layer {
                 };
                 self.training.dropout(c_proj.forward(&m), c.resid_dropout)
             }
-            Mlp::Experts(experts) => experts.forward(&h, c.activation),
+            // DBRX's router jitter scales the experts' input too, as
+            // `transformers` scales it in place.
+            Mlp::Experts(experts) => {
+                let jitter = c.moe.as_ref().map_or(0.0, |m| m.jitter);
+                let out = experts.forward(&self.training.jitter(h, jitter), c.activation);
+                self.training.dropout(out, c.resid_dropout)
+            }
         };
         &x + self.residual(self.norms.mlp_output(m))
     }

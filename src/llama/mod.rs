@@ -50,6 +50,7 @@
 //! with the engine (any stage, one rank too).
 
 mod config;
+mod dbrx;
 mod family;
 mod layer;
 mod norm;
@@ -198,15 +199,16 @@ impl Llama {
         checkpointed: bool,
         lora: Option<&LoraConfig>,
     ) -> Self {
-        let m = p / "model";
+        let [model, embedding, blocks, final_norm] = cfg.family.names();
+        let m = p / model;
         // The root's variables before the first unit: a plan releasing
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
-        let norm = Norm::new(&m / "norm", cfg.hidden, cfg);
+        let norm = Norm::new(&m / final_norm, cfg.hidden, cfg);
         let embed = Ends::embedding(
             plan,
-            &(&m / "embed_tokens"),
+            &(&m / embedding),
             (cfg.vocab, cfg.hidden),
             (cfg.pad_token, cfg.tied),
             lora,
@@ -215,7 +217,7 @@ impl Llama {
         let decoding = Decoding::new();
         let layers = (0..cfg.layers)
             .map(|i| {
-                let lp = &m / "layers" / i;
+                let lp = &m / blocks / i;
                 let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
                 let run = Run::with_state(layer, checkpointed, (&training, &decoding));
                 ShardedModule::new(plan, &lp, run)

@@ -112,6 +112,12 @@ pub(super) enum Norm {
     Bare {
         eps: f64,
     },
+    /// DBRX's: a LayerNorm with weights and no bias, in the input's
+    /// dtype (`nn.LayerNorm(bias=False)`).
+    Unbiased {
+        weight: Tensor,
+        eps: f64,
+    },
     /// Nemotron's `LayerNorm1P`: a LayerNorm (with a bias) whose weights
     /// are offsets from one, zero when new.
     OneP {
@@ -130,6 +136,10 @@ impl Norm {
                 eps: c.eps,
             }),
             Family::Olmo1 => Self::Bare { eps: 1e-5 },
+            Family::Dbrx => Self::Unbiased {
+                weight: p.ones("weight", &[width]),
+                eps: c.eps,
+            },
             Family::Nemotron => Self::OneP {
                 weight: p.zeros("weight", &[width]),
                 bias: p.zeros("bias", &[width]),
@@ -152,6 +162,10 @@ impl Module for Norm {
                 let width = [h.size()[h.dim() - 1]];
                 let normed = h.layer_norm(width, None::<&Tensor>, None::<&Tensor>, *eps, false);
                 normed.to_kind(x.kind())
+            }
+            Self::Unbiased { weight, eps } => {
+                let width = [x.size()[x.dim() - 1]];
+                x.layer_norm(width, Some(weight), None::<&Tensor>, *eps, false)
             }
             // `weight + 1` in the weights' dtype, as `transformers` adds it.
             Self::OneP { weight, bias, eps } => {
@@ -221,6 +235,10 @@ impl Norms {
             Family::Apertus => Self::Pre {
                 input: norm("attention_layernorm"),
                 before_mlp: norm("feedforward_layernorm"),
+            },
+            Family::Dbrx => Self::Pre {
+                input: Norm::new(p / "norm_attn_norm" / "norm_1", d, c),
+                before_mlp: Norm::new(p / "norm_attn_norm" / "norm_2", d, c),
             },
             _ => Self::Pre {
                 input: norm("input_layernorm"),

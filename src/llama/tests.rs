@@ -1035,6 +1035,100 @@ fn hunyuan_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn dbrx_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("dbrx-configs");
+    // DBRX's published shape (16 experts, 4 a token, 40 layers 6144
+    // wide: the 132B its card gives), its sub-configs as its files hold
+    // them; the count is transformers' parameters.
+    let given = r#"{"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768, "vocab_size": 100352, "resid_pdrop": 0.0, "emb_pdrop": 0.0, "attn_config": {"attn_pdrop": 0.0, "clip_qkv": 8, "kv_n_heads": 8, "model_type": "", "rope_theta": 500000}, "ffn_config": {"ffn_hidden_size": 10752, "model_type": "", "moe_jitter_eps": 0.01, "moe_loss_weight": 0.05, "moe_num_experts": 16, "moe_top_k": 4}, "tie_word_embeddings": false, "output_router_logits": false}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 131596523520);
+    assert_eq!(
+        (c.hidden, c.heads, c.kv_heads, c.layers, c.positions),
+        (6144, 48, 8, 40, 32768)
+    );
+    assert_eq!(
+        (c.clip_qkv, c.rope_theta, c.eps),
+        (Some(8.0), 500000.0, 1e-5)
+    );
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (
+            moe.experts,
+            moe.top_k,
+            moe.intermediate,
+            moe.normalize,
+            moe.jitter
+        ),
+        (16, 4, 10752, true, 0.01)
+    );
+    let units = c.unit_params();
+    assert_eq!(
+        (units[0].0.as_str(), units[1].0.as_str()),
+        ("transformer.wte", "transformer.blocks.0")
+    );
+    // The class's defaults; `hidden_size` spelled as its attribute map
+    // lets a config spell it, and unnormalised experts.
+    let defaults = dir.read(r#"{"model_type": "dbrx"}"#).unwrap();
+    assert_eq!(
+        (
+            defaults.hidden,
+            defaults.heads,
+            defaults.kv_heads,
+            defaults.vocab
+        ),
+        (2048, 16, 1, 32000)
+    );
+    let spelled = dir
+        .read(r#"{"model_type": "dbrx", "hidden_size": 512, "d_model": 64, "ffn_config": {"moe_normalize_expert_weights": null}}"#)
+        .unwrap();
+    assert_eq!(spelled.hidden, 512);
+    assert!(!spelled.moe.clone().unwrap().normalize);
+    dir.round_trips([c, defaults, spelled]);
+    dir.refuses(
+        &given.replace(r#""kv_n_heads": 8"#, r#""kv_n_heads": 5"#),
+        "attn_config.kv_n_heads 5 does not divide n_heads 48",
+    );
+    dir.refuses(
+        &given.replace(r#""d_model": 6144"#, r#""d_model": "wide""#),
+        "`d_model` is missing or not a positive integer",
+    );
+    dir.refuses(
+        &given.replace(r#""moe_top_k": 4"#, r#""moe_top_k": 4, "moe_top_p": 0.5"#),
+        "ffn_config.moe_top_p: DbrxConfig's ffn_config has no such field",
+    );
+    dir.refuses(
+        &given.replace(
+            r#""moe_top_k": 4"#,
+            r#""moe_top_k": 4, "moe_normalize_expert_weights": 2"#,
+        ),
+        "moe_normalize_expert_weights 2: zrt divides",
+    );
+    dir.refuses(
+        &given.replace(r#""moe_jitter_eps": 0.01"#, r#""moe_jitter_eps": 1.5"#),
+        "ffn_config.moe_jitter_eps 1.5",
+    );
+    dir.refuses(
+        &given.replace(
+            r#""moe_top_k": 4"#,
+            r#""moe_top_k": 4, "ffn_act_fn": {"name": "gelu", "approximate": "tanh"}"#,
+        ),
+        "ffn_config.ffn_act_fn",
+    );
+    dir.refuses(
+        &given.replace(
+            r#""tie_word_embeddings": false"#,
+            r#""tie_word_embeddings": true"#,
+        ),
+        "tie_word_embeddings true: DBRX's head is its own matrix",
+    );
+    dir.refuses(
+        &given.replace(r#""moe_top_k": 4"#, r#""moe_top_k": 17"#),
+        "ffn_config.moe_top_k 17 is more than the 16 experts",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -1311,6 +1405,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         dense_layers: vec![],
         shared: None,
         grouped: None,
+        jitter: 0.0,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -1334,6 +1429,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         dense_layers: vec![],
         shared: Some(5632),
         grouped: None,
+        jitter: 0.0,
     };
     assert_eq!(
         (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
@@ -1509,6 +1605,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 dense_layers: vec![1],
                 shared: None,
                 grouped: None,
+                jitter: 0.0,
             }),
             ..base.clone()
         },
@@ -1523,6 +1620,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 dense_layers: vec![],
                 shared: None,
                 grouped: None,
+                jitter: 0.0,
             }),
             ..base.clone()
         },
@@ -1565,6 +1663,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 scale: 2.5,
                 scoring: Scoring::Sigmoid,
             }),
+            jitter: 0.0,
         }),
         mla: Some(mla.clone()),
         ..base.clone()

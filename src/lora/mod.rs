@@ -539,8 +539,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4), zrt's
-/// choice: Phi-3's fused `qkv_proj`, DeepSeek-V2's and V3's projections making
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX), zrt's
+/// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`), DeepSeek-V2's and V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
@@ -553,6 +553,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("gpt_neox") => &["query_key_value"],
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
+        Some("dbrx") => &["Wqkv"],
         // Null: one `q_proj` (left out: the class's bottleneck).
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
             None => &["q_proj", "kv_b_proj"],
@@ -565,7 +566,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 
 /// The last names of the input embedding and the head of the checkpoint
 /// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
-/// GPT-NeoX's `embed_in` and `embed_out`), as the dict form of
+/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's `wte` and `lm_head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -574,6 +575,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
     let (embedding, head) = match j.model_type().as_deref() {
         Some("gpt2") => ("wte", "lm_head"),
         Some("gpt_neox") => ("embed_in", "embed_out"),
+        Some("dbrx") => ("wte", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))

@@ -197,6 +197,31 @@ fn dbrx_jitters_its_routers_and_drops_out_as_transformers_does() {
     );
 }
 
+/// Falcon's two ways: parallel layers drop the sum of the attention's
+/// and the MLP's outputs out once (`hidden_dropout`); sequential ones
+/// drop the attention's output at `attention_dropout` (never its
+/// weights) and the MLP's at `hidden_dropout`.
+#[test]
+fn falcon_drops_its_sublayer_outputs_out_as_transformers_does() {
+    for (name, layout) in [
+        (
+            "falcon-parallel",
+            "new_decoder_architecture=True, num_kv_heads=2",
+        ),
+        (
+            "falcon-sequential",
+            "multi_query=False, parallel_attn=False",
+        ),
+    ] {
+        dropout_parity(
+            name,
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            &format!("vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.2, attention_dropout=0.3, {layout}"),
+            1e-5,
+        );
+    }
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -302,6 +302,39 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
             "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={'kv_n_heads': 2, 'clip_qkv': 0.3, 'rope_theta': 1000.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2}",
+        ),
+        load: "",
+    },
+    // Falcon 7B's layout: 4 heads sharing one key and value in the
+    // fused matrix, the attention and the GELU MLP side by side after
+    // one LayerNorm, the head tied.
+    Case {
+        name: "falcon",
+        python: (
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            "vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+        ),
+        load: "",
+    },
+    // Falcon 40B's and 180B's: the new architecture's groups (2 of 2
+    // heads, each group's queries, key and value together), two norms
+    // side by side, biases.
+    Case {
+        name: "falcon-new",
+        python: (
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            "vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, new_decoder_architecture=True, num_kv_heads=2, bias=True",
+        ),
+        load: "",
+    },
+    // Falcon's sequential layers (Falcon-RW's, turning instead of its
+    // ALiBi): each head its keys and values, interleaved in the fused
+    // matrix head by head, biases, linear rope scaling, the head untied.
+    Case {
+        name: "falcon-sequential",
+        python: (
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            "vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, multi_query=False, parallel_attn=False, bias=True, rope_scaling={'type': 'linear', 'factor': 2.0}, tie_word_embeddings=False",
         ),
         load: "",
     },
@@ -1012,6 +1045,21 @@ fn a_llama4_checkpoint_with_chunks_nope_layers_and_experts_trains_as_transformer
 #[test]
 fn a_dbrx_checkpoint_with_clipped_attention_and_row_stacked_experts_trains_as_transformers_does() {
     parity("dbrx");
+}
+
+#[test]
+fn a_falcon_checkpoint_with_multi_query_parallel_layers_trains_as_transformers_does() {
+    parity("falcon");
+}
+
+#[test]
+fn a_falcon_checkpoint_of_the_new_architecture_trains_as_transformers_does() {
+    parity("falcon-new");
+}
+
+#[test]
+fn a_falcon_checkpoint_with_sequential_layers_trains_as_transformers_does() {
+    parity("falcon-sequential");
 }
 
 #[test]
@@ -2011,6 +2059,10 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "dbrx" => r#"{"model_type": "dbrx", "vocab_size": 160000, "d_model": 512,
                 "n_layers": 4, "n_heads": 32, "ffn_config": {"ffn_hidden_size": 96}}"#
                 .to_string(),
+            // Falcon's MLP width is `ffn_hidden_size`.
+            "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
+                "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
+                .to_string(),
             _ => format!(
                 r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
                 "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32{k}}}"#
@@ -2369,7 +2421,8 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// at their positions (its alpha's base), Nemotron's half of each head
 /// turned, OLMo 1's heads turned in fp32, Llama 4's chunks of the
 /// row cut through its documents, its layer without positions growing
-/// its queries with the row's position, and DBRX's clipped attention.
+/// its queries with the row's position, DBRX's clipped attention, and
+/// Falcon's grouped heads beside its parallel MLP.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2392,6 +2445,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "olmo1",
         "llama4",
         "dbrx",
+        "falcon-new",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2409,7 +2463,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron and DBRX build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX and Falcon build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2422,7 +2476,8 @@ masks = {{"full_attention": additive(seen),
          "sliding_attention": additive(seen & (i[:, None] - i[None, :] < window))}}
 documents = {{"gpt_oss": {{"attention_mask": masks}},
              "nemotron": {{"attention_mask": masks["full_attention"]}},
-             "dbrx": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "dbrx": {{"attention_mask": masks["full_attention"]}},
+             "falcon": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus and DBRX checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX and Falcon checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -263,6 +263,21 @@ const DBRX: Case = Case {
     targets: &["Wqkv", "out_proj", "layer"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 4)),
+    ..OFF
+};
+
+/// Falcon's new architecture under its own names (the head tied):
+/// `query_key_value` (64 -> 128: 2 groups of 2 query heads, a key and a
+/// value), `dense` (64 -> 64), `dense_h_to_4h` (64 -> 128) and
+/// `dense_4h_to_h` (128 -> 64).
+const FALCON: Case = Case {
+    python: (
+        "from transformers import FalconConfig as C, FalconForCausalLM as M",
+        "vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, new_decoder_architecture=True, num_kv_heads=2, bias=True",
+    ),
+    targets: &["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    matrices: 16,
+    elements: 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 128) + (128 + 64)),
     ..OFF
 };
 
@@ -628,6 +643,11 @@ fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_dbrxs_fused_attention_and_router_train_as_peft_does() {
     parity("dbrx", &DBRX, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_falcons_grouped_attention_and_mlp_train_as_peft_does() {
+    parity("falcon", &FALCON, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

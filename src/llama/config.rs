@@ -8,6 +8,7 @@ use tch::Tensor;
 use crate::hf::{HfError, HfJson};
 
 use super::dbrx;
+use super::falcon::{self, FalconLayout};
 use super::family::Family;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
@@ -338,6 +339,8 @@ pub struct LlamaConfig {
     pub mla: Option<Mla>,
     /// Llama 4's attention ([`Llama4Attention`]); `None` for the others.
     pub llama4: Option<Llama4Attention>,
+    /// Falcon's layer layout ([`FalconLayout`]); `None` for the others.
+    pub falcon: Option<FalconLayout>,
 }
 
 impl LlamaConfig {
@@ -448,19 +451,36 @@ impl LlamaConfig {
                 "use_qk_norm true (Command R+'s layers, which normalise each head's queries and keys with weights of their own): zrt builds Cohere's layers without it".into(),
             ));
         }
-        let (hidden, heads) = (j.size("hidden_size")?, j.size("num_attention_heads")?);
+        // Falcon's class takes its width as `n_embed` too (over `hidden_size`).
+        let hidden = match family {
+            Family::Falcon if j.has("n_embed") => j.size("n_embed")?,
+            _ => j.size("hidden_size")?,
+        };
+        let heads = j.size("num_attention_heads")?;
+        let falcon = match family {
+            Family::Falcon => Some(falcon::layout(j, heads)?),
+            _ => None,
+        };
         // Left out, the class's default; null, as many as the heads.
-        let kv_heads = (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads);
+        let kv_heads = match falcon {
+            Some((_, kv)) => kv,
+            None => (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads),
+        };
         let mla = mla(j, family)?;
         if heads % kv_heads != 0 && mla.is_none() {
+            let key = match family {
+                Family::Falcon => "num_kv_heads",
+                _ => "num_key_value_heads",
+            };
             return Err(j.field(format!(
-                "num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
+                "{key} {kv_heads} does not divide num_attention_heads {heads}"
             )));
         }
         // Apertus's class deletes `head_dim`: its heads are the width's
         // share, whatever the config says.
         let given_head_dim = match family {
-            Family::Apertus => None,
+            // Falcon's `head_dim` is a property of its class's, the same.
+            Family::Apertus | Family::Falcon => None,
             _ => j.size_or_null("head_dim", defaults.head_dim)?,
         };
         let head_dim = match given_head_dim {
@@ -495,6 +515,8 @@ impl LlamaConfig {
             Family::GptOss => true,
             // Llama 4's class sets none, whatever the config says.
             Family::Llama4 => false,
+            // Falcon's `bias` is every projection's.
+            Family::Falcon => j.flag_or("bias", false)?,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -588,6 +610,7 @@ impl LlamaConfig {
             // Llama 4's dense layers' width (its experts' is the other).
             intermediate: match family {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
+                Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
                 _ => j.size("intermediate_size")?,
             },
             layers: j.size("num_hidden_layers")?,
@@ -601,7 +624,9 @@ impl LlamaConfig {
             qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
-                Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe => attention_bias,
+                Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe | Family::Falcon => {
+                    attention_bias
+                }
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
                 f if matches!(f, Family::Apertus | Family::Olmo1 | Family::Llama4)
@@ -667,6 +692,7 @@ impl LlamaConfig {
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -717,6 +743,7 @@ impl LlamaConfig {
                 Family::Llama4 => Some(llama4_attention(j)?),
                 _ => None,
             },
+            falcon: falcon.map(|(layout, _)| layout),
         })
     }
 
@@ -738,11 +765,25 @@ impl LlamaConfig {
 
     /// The dropout on the attention's output, when training: the
     /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's, which
-    /// drops out the MLP's output only.
+    /// drops out the MLP's output only, and Falcon's: its
+    /// `attention_dropout` in sequential layers, none in parallel ones
+    /// (the sum of both outputs is dropped out there).
     pub fn attention_output_dropout(&self) -> f64 {
-        match self.family {
-            Family::StableLm => 0.0,
+        match (self.family, &self.falcon) {
+            (Family::StableLm, _) => 0.0,
+            (_, Some(f)) if f.parallel => 0.0,
+            (_, Some(_)) => self.attention_dropout,
             _ => self.resid_dropout,
+        }
+    }
+
+    /// The dropout on the attention's weights, when training:
+    /// [`LlamaConfig::attention_dropout`], but Falcon's, whose rotary
+    /// attention drops none (its rate drops the output out).
+    pub fn attention_weights_dropout(&self) -> f64 {
+        match self.family {
+            Family::Falcon => 0.0,
+            _ => self.attention_dropout,
         }
     }
 
@@ -821,9 +862,10 @@ impl LlamaConfig {
         });
         // GPT-OSS's sinks: a logit a head.
         let sinks = bias(oss, self.heads as u64);
-        let norms = match self.family {
-            f if f.sandwich() || f == Family::Glm4 => 4,
-            f if f.parallel() => 1,
+        let norms = match (self.family, &self.falcon) {
+            (f, _) if f.sandwich() || f == Family::Glm4 => 4,
+            (f, _) if f.parallel() => 1,
+            (_, Some(f)) if f.parallel && !f.two_norms => 1,
             _ => 2,
         };
         // A LayerNorm's bias beside its weights.
@@ -858,6 +900,9 @@ impl LlamaConfig {
     pub fn to_hf_json(&self) -> String {
         if self.family == Family::Dbrx {
             return format!("{:#}\n", dbrx::to_json(self));
+        }
+        if let Some(f) = &self.falcon {
+            return format!("{:#}\n", falcon::to_json(self, f));
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
@@ -1107,7 +1152,7 @@ impl LlamaConfig {
                 })
             }
             // Written whole above.
-            Family::Dbrx => serde_json::json!({}),
+            Family::Dbrx | Family::Falcon => serde_json::json!({}),
             Family::Nemotron => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,

@@ -264,11 +264,18 @@ pub enum Family {
     /// up, `w2` the down, multiplied from the left), the router's input
     /// jittered in training (`moe_jitter_eps`).
     Dbrx,
+    /// `falcon` (`FalconForCausalLM`: TII's Falcon 7B, 40B and 180B):
+    /// its own names (`transformer.h.N.self_attention.query_key_value`,
+    /// `dense`, `mlp.dense_h_to_4h`), LayerNorms, one query-key-value
+    /// matrix grouped by the heads sharing keys and values, an ungated
+    /// GELU MLP, the attention and the MLP side by side after one norm
+    /// or two, or one after the other ([`FalconLayout`](super::FalconLayout)).
+    Falcon,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 45] = [
+    pub const ALL: [Family; 46] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -314,6 +321,7 @@ impl Family {
         Self::Dots1,
         Self::Llama4,
         Self::Dbrx,
+        Self::Falcon,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -378,6 +386,7 @@ impl Family {
             Self::Dots1 => "dots1",
             Self::Llama4 => "llama4_text",
             Self::Dbrx => "dbrx",
+            Self::Falcon => "falcon",
         }
     }
 
@@ -429,6 +438,7 @@ impl Family {
             Self::Dots1 => "Dots1ForCausalLM",
             Self::Llama4 => "Llama4ForCausalLM",
             Self::Dbrx => "DbrxForCausalLM",
+            Self::Falcon => "FalconForCausalLM",
         }
     }
 
@@ -453,11 +463,14 @@ impl Family {
         matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
-    /// StarCoder2's, StableLM's and Nemotron's: LayerNorms (with biases)
-    /// where the others have RMSNorms (Nemotron's weights offsets from
-    /// one).
+    /// StarCoder2's, StableLM's, Nemotron's and Falcon's: LayerNorms
+    /// (with biases) where the others have RMSNorms (Nemotron's weights
+    /// offsets from one).
     pub(super) fn layer_norm(self) -> bool {
-        matches!(self, Self::Starcoder2 | Self::StableLm | Self::Nemotron)
+        matches!(
+            self,
+            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Falcon
+        )
     }
 
     /// Cohere's (1 and 2): the attention and the MLP side by side after
@@ -493,7 +506,7 @@ impl Family {
     pub(super) fn gated(self) -> bool {
         !matches!(
             self,
-            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron
+            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron | Self::Falcon
         )
     }
 
@@ -740,6 +753,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Falcon => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::Gelu,
+                ..LLAMA
+            },
             // `DbrxConfig`'s, and nn.LayerNorm's epsilon (no field sets it).
             Self::Dbrx => Defaults {
                 eps: 1e-5,
@@ -818,7 +837,18 @@ impl Family {
     pub(super) fn names(self) -> [&'static str; 4] {
         match self {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
+            Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
             _ => ["model", "embed_tokens", "layers", "norm"],
+        }
+    }
+
+    /// Its token embedding's checkpoint name ([`Family::names`]' first
+    /// two, joined), which a tied head shares.
+    pub(crate) fn embedding_path(self) -> &'static str {
+        match self {
+            Self::Dbrx => "transformer.wte",
+            Self::Falcon => "transformer.word_embeddings",
+            _ => "model.embed_tokens",
         }
     }
 
@@ -827,6 +857,7 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
+            Self::Falcon => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
@@ -838,6 +869,7 @@ impl Family {
     pub(super) fn activation_key(self) -> &'static str {
         match self {
             Self::Gemma2 | Self::VaultGemma | Self::Gemma3 => "hidden_activation",
+            Self::Falcon => "activation",
             _ => "hidden_act",
         }
     }

@@ -700,6 +700,7 @@ impl Layer {
         let (a, m) = match c.family {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
+            Family::Falcon => (p / "self_attention", p / "mlp"),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -735,10 +736,11 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv: match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
-                (Family::Phi3 | Family::Dbrx, _) => {
+                (Family::Phi3 | Family::Dbrx | Family::Falcon, _) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx => "Wqkv",
+                        Family::Falcon => "query_key_value",
                         _ => "qkv_proj",
                     };
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
@@ -750,10 +752,10 @@ impl Layer {
                 },
             },
             o_proj: lin(
-                &(&a / if c.family == Family::Dbrx {
-                    "out_proj"
-                } else {
-                    "o_proj"
+                &(&a / match c.family {
+                    Family::Dbrx => "out_proj",
+                    Family::Falcon => "dense",
+                    _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),
                 d,
@@ -773,6 +775,7 @@ impl Layer {
                         Family::Arcee | Family::Apertus | Family::Nemotron => {
                             ("up_proj", "down_proj")
                         }
+                        Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;
@@ -870,6 +873,20 @@ impl Module for Layer {
                 k_proj,
                 v_proj,
             } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
+            // Falcon's: each group of heads sharing keys and values holds
+            // its queries, then its key, then its value.
+            Qkv::Fused(qkv) if c.family == Family::Falcon => {
+                let per = c.heads / c.kv_heads;
+                let qkv = qkv
+                    .forward(&h)
+                    .view([b, t, c.kv_heads, per + 2, c.head_dim]);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                split(
+                    qkv.narrow(3, 0, per).reshape([b, t, q]),
+                    qkv.select(3, per).reshape([b, t, kv]),
+                    qkv.select(3, per + 1).reshape([b, t, kv]),
+                )
+            }
             Qkv::Fused(qkv) => {
                 let qkv = qkv.forward(&h);
                 let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
@@ -888,19 +905,23 @@ impl Module for Layer {
             .transpose(1, 2)
             .contiguous()
             .view([b, t, c.heads * c.v_head_dim()]);
-        let a = self
-            .training
-            .dropout(self.o_proj.forward(&a), c.attention_output_dropout());
-        let x = x + self.residual(self.norms.attention_output(a));
-        // (Cohere's MLP output joins the sum after the attention's, as
-        // there.)
+        let a = self.o_proj.forward(&a);
+        // Falcon's parallel layers add the attention's output to the
+        // MLP's and drop the sum out; the others add it now (Cohere's MLP
+        // output joins the sum after it, as there).
+        let joint = c.falcon.is_some_and(|f| f.parallel);
+        let (x, held) = match joint {
+            true => (x.shallow_clone(), Some(a)),
+            false => {
+                let a = self.training.dropout(a, c.attention_output_dropout());
+                (x + self.residual(self.norms.attention_output(a)), None)
+            }
+        };
         let h = self.norms.mlp_input(&x, h);
         let m = match &self.mlp {
             Mlp::Dense { gate_up, down_proj } => {
                 let (gate, up) = gate_up.forward(&h);
-                let m = c.activation.apply(&gate) * up;
-                self.training
-                    .dropout(down_proj.forward(&m), c.resid_dropout)
+                down_proj.forward(&(c.activation.apply(&gate) * up))
             }
             Mlp::Plain {
                 c_fc,
@@ -912,16 +933,20 @@ impl Module for Layer {
                     Some(act) => act.forward(&up),
                     None => c.activation.apply(&up),
                 };
-                self.training.dropout(c_proj.forward(&m), c.resid_dropout)
+                c_proj.forward(&m)
             }
             // DBRX's router jitter scales the experts' input too, as
             // `transformers` scales it in place.
             Mlp::Experts(experts) => {
                 let jitter = c.moe.as_ref().map_or(0.0, |m| m.jitter);
-                let out = experts.forward(&self.training.jitter(h, jitter), c.activation);
-                self.training.dropout(out, c.resid_dropout)
+                experts.forward(&self.training.jitter(h, jitter), c.activation)
             }
         };
+        let m = match held {
+            Some(a) => m + a,
+            None => m,
+        };
+        let m = self.training.dropout(m, c.resid_dropout);
         &x + self.residual(self.norms.mlp_output(m))
     }
 }
@@ -993,7 +1018,7 @@ impl Layer {
             let back = i.unsqueeze(1) - j.unsqueeze(0);
             back.ge(0).logical_and(&back.lt(w))
         };
-        let dropout = self.training.attention(c.attention_dropout);
+        let dropout = self.training.attention(c.attention_weights_dropout());
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         // Scores the fused kernel cannot compute: soft-capped, or beside
         // sinks.
@@ -1066,7 +1091,7 @@ impl Layer {
                 None => scores.softmax(-1, Kind::Float).to_kind(q.kind()),
             };
             self.training
-                .dropout(weights, c.attention_dropout)
+                .dropout(weights, c.attention_weights_dropout())
                 .matmul(v)
         };
         let window = self.window.unwrap_or(offset + t + 1);

@@ -51,6 +51,7 @@
 
 mod config;
 mod dbrx;
+mod falcon;
 mod family;
 mod layer;
 mod norm;
@@ -62,6 +63,7 @@ mod xielu;
 
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig, Scoring};
+pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
 pub(crate) use rope_scaling::rope_scaling;

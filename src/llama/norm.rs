@@ -202,6 +202,10 @@ pub(super) enum Norms {
     /// Cohere's: one norm, whose output the attention and the MLP both
     /// read (`input_layernorm`).
     Parallel { input: Norm },
+    /// Falcon 40B's and 180B's: two norms of the layer's input side by
+    /// side, one for the attention (`ln_attn`), one for the MLP
+    /// (`ln_mlp`).
+    ParallelTwo { attention: Norm, mlp: Norm },
 }
 
 impl Norms {
@@ -228,6 +232,19 @@ impl Norms {
             f if f.parallel() => Self::Parallel {
                 input: norm("input_layernorm"),
             },
+            Family::Falcon => match c.falcon {
+                Some(f) if f.two_norms => Self::ParallelTwo {
+                    attention: norm("ln_attn"),
+                    mlp: norm("ln_mlp"),
+                },
+                Some(f) if f.parallel => Self::Parallel {
+                    input: norm("input_layernorm"),
+                },
+                _ => Self::Pre {
+                    input: norm("input_layernorm"),
+                    before_mlp: norm("post_attention_layernorm"),
+                },
+            },
             Family::VaultGemma => Self::Pre {
                 input: norm("input_layernorm"),
                 before_mlp: norm("pre_feedforward_layernorm"),
@@ -253,6 +270,7 @@ impl Norms {
             Self::Pre { input, .. } | Self::Sandwich { input, .. } | Self::Parallel { input } => {
                 input.forward(x)
             }
+            Self::ParallelTwo { attention, .. } => attention.forward(x),
             Self::Post { .. } => x.shallow_clone(),
         }
     }
@@ -260,7 +278,7 @@ impl Norms {
     /// The attention's output `a`, normalised when the family does.
     pub(super) fn attention_output(&self, a: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } | Self::Parallel { .. } => a,
+            Self::Pre { .. } | Self::Parallel { .. } | Self::ParallelTwo { .. } => a,
             Self::Sandwich {
                 after_attention, ..
             }
@@ -272,7 +290,8 @@ impl Norms {
 
     /// The MLP's input: `x` (the residual after the attention),
     /// normalised unless OLMo's; Cohere's reads `h`, the attention's
-    /// input.
+    /// input; Falcon's with two norms normalises `x`, there the layer's
+    /// input (its attention's output joins after the MLP).
     pub(super) fn mlp_input(&self, x: &Tensor, h: Tensor) -> Tensor {
         match self {
             Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
@@ -280,13 +299,14 @@ impl Norms {
             }
             Self::Post { .. } => x.shallow_clone(),
             Self::Parallel { .. } => h,
+            Self::ParallelTwo { mlp, .. } => mlp.forward(x),
         }
     }
 
     /// The MLP's output `m`, normalised when the family does.
     pub(super) fn mlp_output(&self, m: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } | Self::Parallel { .. } => m,
+            Self::Pre { .. } | Self::Parallel { .. } | Self::ParallelTwo { .. } => m,
             Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
                 after_mlp.forward(&m)
             }

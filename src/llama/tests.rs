@@ -112,6 +112,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         clip_qkv: None,
         mla: None,
         llama4: None,
+        falcon: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -1129,6 +1130,73 @@ fn dbrx_configs_are_read_and_counted() {
 }
 
 #[test]
+fn falcon_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("falcon-configs");
+    // Falcon 7B's published config (71 heads sharing one key and value,
+    // its attention and MLP side by side after one norm, the head tied),
+    // Falcon 40B's shape (the new architecture: 8 groups of 16 heads, two
+    // norms) and a Falcon-RW-1B's without its ALiBi (sequential layers,
+    // every head its keys, biases); the counts are transformers'.
+    let seven = r#"{"alibi": false, "apply_residual_connection_post_layernorm": false, "architectures": ["FalconForCausalLM"], "attention_dropout": 0.0, "bias": false, "bos_token_id": 11, "eos_token_id": 11, "hidden_dropout": 0.0, "hidden_size": 4544, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "falcon", "multi_query": true, "new_decoder_architecture": false, "num_attention_heads": 71, "num_hidden_layers": 32, "parallel_attn": true, "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 65024}"#;
+    let forty = r#"{"model_type": "falcon", "vocab_size": 65024, "hidden_size": 8192, "num_hidden_layers": 60, "num_attention_heads": 128, "new_decoder_architecture": true, "num_kv_heads": 8}"#;
+    let rw = r#"{"model_type": "falcon", "vocab_size": 65024, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "multi_query": false, "parallel_attn": false, "bias": true}"#;
+    let layout = |new_arch, parallel, two_norms| FalconLayout {
+        new_arch,
+        parallel,
+        two_norms,
+    };
+    let mut read = vec![];
+    for (given, count, kv, want) in [
+        (seven, 6921720704, 1, layout(false, true, false)),
+        (forty, 41303293952, 8, layout(true, true, true)),
+        (rw, 1341771776, 32, layout(false, false, false)),
+    ] {
+        let c = dir.read(given).unwrap();
+        assert_eq!(total(&c), count, "{given}");
+        assert_eq!((c.kv_heads, c.falcon, c.tied), (kv, Some(want), true));
+        assert_eq!((c.intermediate, c.eps), (4 * c.hidden, 1e-5));
+        read.push(c);
+    }
+    assert!(read[2].qkv_bias && read[2].o_bias && read[2].mlp_bias);
+    assert_eq!(read[0].unit_params()[1].0, "transformer.h.0");
+    // `n_embed`, which its class takes over `hidden_size`.
+    let named = dir
+        .read(&forty.replace(
+            r#""hidden_size": 8192"#,
+            r#""hidden_size": 64, "n_embed": 256"#,
+        ))
+        .unwrap();
+    assert_eq!((named.hidden, named.intermediate), (256, 1024));
+    dir.round_trips(read);
+    dir.refuses(
+        &rw.replace(r#""bias": true"#, r#""bias": true, "alibi": true"#),
+        "alibi true (Falcon-RW's linear attention biases)",
+    );
+    dir.refuses(
+        &forty.replace(
+            r#""num_kv_heads": 8"#,
+            r#""num_kv_heads": 8, "parallel_attn": false"#,
+        ),
+        "new_decoder_architecture true with parallel_attn false",
+    );
+    dir.refuses(
+        &seven.replace(
+            r#""parallel_attn": true"#,
+            r#""parallel_attn": true, "num_ln_in_parallel_attn": 2"#,
+        ),
+        "num_ln_in_parallel_attn 2 without new_decoder_architecture",
+    );
+    dir.refuses(
+        &rw.replace(r#""bias": true"#, r#""bias": true, "num_kv_heads": 8"#),
+        "num_kv_heads 8 with multi_query false and the old architecture",
+    );
+    dir.refuses(
+        &forty.replace(r#""num_kv_heads": 8"#, r#""num_kv_heads": 48"#),
+        "num_kv_heads 48 does not divide num_attention_heads 128",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -1549,6 +1617,7 @@ fn unit_params_count_what_the_built_model_holds() {
         clip_qkv: None,
         mla: None,
         llama4: None,
+        falcon: None,
     };
     let variants = [
         base.clone(),

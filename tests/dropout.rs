@@ -222,6 +222,18 @@ fn falcon_drops_its_sublayer_outputs_out_as_transformers_does() {
     }
 }
 
+/// GPT-J's embeddings, attention weights (its eager attention's) and
+/// both side-by-side sublayers' outputs.
+#[test]
+fn gptj_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "gptj",
+        "from transformers import GPTJConfig as C, GPTJForCausalLM as M",
+        "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, rotary_dim=8, n_inner=128, embd_pdrop=0.2, attn_pdrop=0.25, resid_pdrop=0.1",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

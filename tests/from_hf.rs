@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -335,6 +335,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import FalconConfig as C, FalconForCausalLM as M",
             "vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, multi_query=False, parallel_attn=False, bias=True, rope_scaling={'type': 'linear', 'factor': 2.0}, tie_word_embeddings=False",
+        ),
+        load: "",
+    },
+    // GPT-J: GPT-2's names for its sizes, the attention and the MLP
+    // side by side after one LayerNorm, half of each head (8 of 16)
+    // turned by neighbouring pairs, a head with a bias.
+    Case {
+        name: "gptj",
+        python: (
+            "from transformers import GPTJConfig as C, GPTJForCausalLM as M",
+            "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, rotary_dim=8, n_inner=128",
         ),
         load: "",
     },
@@ -1060,6 +1071,11 @@ fn a_falcon_checkpoint_of_the_new_architecture_trains_as_transformers_does() {
 #[test]
 fn a_falcon_checkpoint_with_sequential_layers_trains_as_transformers_does() {
     parity("falcon-sequential");
+}
+
+#[test]
+fn a_gptj_checkpoint_with_parallel_layers_and_a_biased_head_trains_as_transformers_does() {
+    parity("gptj");
 }
 
 #[test]
@@ -2059,6 +2075,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "dbrx" => r#"{"model_type": "dbrx", "vocab_size": 160000, "d_model": 512,
                 "n_layers": 4, "n_heads": 32, "ffn_config": {"ffn_hidden_size": 96}}"#
                 .to_string(),
+            // GPT-J's sizes have GPT-2's names.
+            // (8 heads: its default 64 turned dimensions fill one.)
+            "gptj" => r#"{"model_type": "gptj", "vocab_size": 160000, "n_embd": 512,
+                "n_inner": 96, "n_layer": 4, "n_head": 8}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2087,10 +2108,11 @@ for mt in sorted(os.listdir(root)):
     given = AutoConfig.from_pretrained(os.path.join(root, mt, "given")).to_dict()
     read = AutoConfig.from_pretrained(os.path.join(root, mt, "read")).to_dict()
     # A class without a head_dim (or with None) computes it from the
-    # sizes (DBRX's named its own way).
+    # sizes (DBRX's and GPT-J's named their own ways).
     for c in (given, read):
-        width = c.get("hidden_size") or c["d_model"]
-        c["head_dim"] = c.get("head_dim") or width // (c.get("num_attention_heads") or c["n_heads"])
+        width = c.get("hidden_size") or c.get("d_model") or c["n_embd"]
+        heads = c.get("num_attention_heads") or c.get("n_heads") or c["n_head"]
+        c["head_dim"] = c.get("head_dim") or width // heads
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
     for k in sorted((set(given) | set(read)) - ignore):
@@ -2421,8 +2443,9 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// at their positions (its alpha's base), Nemotron's half of each head
 /// turned, OLMo 1's heads turned in fp32, Llama 4's chunks of the
 /// row cut through its documents, its layer without positions growing
-/// its queries with the row's position, DBRX's clipped attention, and
-/// Falcon's grouped heads beside its parallel MLP.
+/// its queries with the row's position, DBRX's clipped attention,
+/// Falcon's grouped heads beside its parallel MLP, and GPT-J's part of
+/// each head turned by pairs.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2446,6 +2469,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "llama4",
         "dbrx",
         "falcon-new",
+        "gptj",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2463,7 +2487,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX and Falcon build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon and GPT-J build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2477,7 +2501,8 @@ masks = {{"full_attention": additive(seen),
 documents = {{"gpt_oss": {{"attention_mask": masks}},
              "nemotron": {{"attention_mask": masks["full_attention"]}},
              "dbrx": {{"attention_mask": masks["full_attention"]}},
-             "falcon": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "falcon": {{"attention_mask": masks["full_attention"]}},
+             "gptj": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX and Falcon checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon and GPT-J checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -278,6 +278,19 @@ const FALCON: Case = Case {
     targets: &["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     matrices: 16,
     elements: 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 128) + (128 + 64)),
+    ..OFF
+};
+
+/// GPT-J's attention and MLP side by side: `q_proj` (64 -> 64),
+/// `v_proj` (64 -> 64), `fc_in` (64 -> 128) and `fc_out` (128 -> 64).
+const GPTJ: Case = Case {
+    python: (
+        "from transformers import GPTJConfig as C, GPTJForCausalLM as M",
+        "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, rotary_dim=8, n_inner=128",
+    ),
+    targets: &["q_proj", "v_proj", "fc_in", "fc_out"],
+    matrices: 16,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128) + (128 + 64)),
     ..OFF
 };
 
@@ -648,6 +661,11 @@ fn lora_adapters_on_dbrxs_fused_attention_and_router_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_falcons_grouped_attention_and_mlp_train_as_peft_does() {
     parity("falcon", &FALCON, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_gptjs_parallel_attention_and_mlp_train_as_peft_does() {
+    parity("gptj", &GPTJ, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -10,6 +10,7 @@ use crate::hf::{HfError, HfJson};
 use super::dbrx;
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
+use super::gptj;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
@@ -364,6 +365,10 @@ impl LlamaConfig {
         if j.model_type().as_deref() == Some(Family::Dbrx.model_type()) {
             return Self::read(&dbrx::flat(j)?).map_err(dbrx::dbrx_names);
         }
+        // GPT-J's GPT-2 names, read flat; errors name GPT-J's.
+        if j.model_type().as_deref() == Some(Family::GptJ.model_type()) {
+            return Self::read(&gptj::flat(j)?).map_err(gptj::gptj_names);
+        }
         Self::read(j)
     }
 
@@ -414,7 +419,7 @@ impl LlamaConfig {
         };
         let partly = matches!(
             family,
-            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron
+            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron | Family::GptJ
         );
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
@@ -634,6 +639,8 @@ impl LlamaConfig {
                 {
                     false
                 }
+                // GPT-J's MLP has biases, its attention none.
+                Family::GptJ => true,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -693,11 +700,13 @@ impl LlamaConfig {
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
+                Family::GptJ => j.rate_or("resid_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
                 Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
+                Family::GptJ => j.rate_or("embd_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -890,7 +899,11 @@ impl LlamaConfig {
         let mut units = vec![(format!("{model}.{embedding}"), v * d)];
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
-            units.push(("lm_head".to_string(), v * d));
+            // GPT-J's head has a bias.
+            units.push((
+                "lm_head".to_string(),
+                v * d + bias(self.family == Family::GptJ, v),
+            ));
         }
         units.push((String::new(), norm));
         units
@@ -903,6 +916,9 @@ impl LlamaConfig {
         }
         if let Some(f) = &self.falcon {
             return format!("{:#}\n", falcon::to_json(self, f));
+        }
+        if self.family == Family::GptJ {
+            return format!("{:#}\n", gptj::to_json(self));
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
@@ -1152,7 +1168,7 @@ impl LlamaConfig {
                 })
             }
             // Written whole above.
-            Family::Dbrx | Family::Falcon => serde_json::json!({}),
+            Family::Dbrx | Family::Falcon | Family::GptJ => serde_json::json!({}),
             Family::Nemotron => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,

@@ -14,86 +14,69 @@ use crate::hf::{HfError, HfJson};
 
 use super::config::LlamaConfig;
 use super::family::Family;
+use super::own_names::{self, field, Default, Field};
 
 /// Each flat field and where DBRX keeps it, with `DbrxConfig`'s (and
-/// its sub-configs') default. The top level's first four also take
+/// its sub-configs') default. The top level's first four may take
 /// their flat names, as `DbrxConfig`'s `attribute_map` lets a config
-/// spell them (the flat name wins, set after DBRX's).
-const FIELDS: [(&str, &str, Default); 14] = [
-    ("hidden_size", "d_model", Default::Int(2048)),
-    ("num_attention_heads", "n_heads", Default::Int(16)),
-    ("num_hidden_layers", "n_layers", Default::Int(24)),
-    ("max_position_embeddings", "max_seq_len", Default::Int(2048)),
-    ("vocab_size", "vocab_size", Default::Int(32000)),
-    ("resid_pdrop", "resid_pdrop", Default::Float(0.0)),
-    ("emb_pdrop", "emb_pdrop", Default::Float(0.0)),
-    (
+/// spell them.
+const FIELDS: [Field; 14] = [
+    field("hidden_size", "d_model", Default::Int(2048), true),
+    field("num_attention_heads", "n_heads", Default::Int(16), true),
+    field("num_hidden_layers", "n_layers", Default::Int(24), true),
+    field(
+        "max_position_embeddings",
+        "max_seq_len",
+        Default::Int(2048),
+        true,
+    ),
+    field("vocab_size", "vocab_size", Default::Int(32000), false),
+    field("resid_pdrop", "resid_pdrop", Default::Float(0.0), false),
+    field("emb_pdrop", "emb_pdrop", Default::Float(0.0), false),
+    field(
         "attention_dropout",
         "attn_config.attn_pdrop",
         Default::Float(0.0),
+        false,
     ),
-    ("clip_qkv", "attn_config.clip_qkv", Default::Null),
-    (
+    field("clip_qkv", "attn_config.clip_qkv", Default::Null, false),
+    field(
         "num_key_value_heads",
         "attn_config.kv_n_heads",
         Default::Int(1),
+        false,
     ),
-    (
+    field(
         "rope_theta",
         "attn_config.rope_theta",
         Default::Float(10000.0),
+        false,
     ),
-    (
+    field(
         "intermediate_size",
         "ffn_config.ffn_hidden_size",
         Default::Int(3584),
+        false,
     ),
-    (
+    field(
         "num_local_experts",
         "ffn_config.moe_num_experts",
         Default::Int(4),
+        false,
     ),
-    (
+    field(
         "num_experts_per_tok",
         "ffn_config.moe_top_k",
         Default::Int(1),
+        false,
     ),
 ];
 
-/// The fields read beside [`FIELDS`] that need more than a copy.
+/// The flat fields read beside [`FIELDS`] that need more than a copy.
 const OTHERS: [(&str, &str); 3] = [
     ("hidden_act", "ffn_config.ffn_act_fn"),
     ("moe_jitter_eps", "ffn_config.moe_jitter_eps"),
     ("norm_topk_prob", "ffn_config.moe_normalize_expert_weights"),
-];
-
-/// A class default.
-#[derive(Clone, Copy)]
-enum Default {
-    Int(i64),
-    Float(f64),
-    Null,
-}
-
-impl Default {
-    fn value(self) -> Value {
-        match self {
-            Self::Int(n) => n.into(),
-            Self::Float(x) => x.into(),
-            Self::Null => Value::Null,
-        }
-    }
-}
-
-/// The top-level fields the shared reader takes as they are.
-const KEPT: [&str; 7] = [
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "output_router_logits",
-    "use_cache",
-    "dtype",
-    "torch_dtype",
 ];
 
 /// What each sub-config's class takes (it raises on any other field);
@@ -143,27 +126,15 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
             "tie_word_embeddings true: DBRX's head is its own matrix (DbrxConfig refuses a tied one); set it to false".into(),
         ));
     }
-    let dbrx = |at: &str| -> Option<Value> {
-        match at.split_once('.') {
-            Some(("attn_config", k)) => attn.get(k).cloned(),
-            Some((_, k)) => ffn.get(k).cloned(),
-            None => j.get(at).cloned(),
-        }
-    };
     let mut out = Map::new();
     out.insert("model_type".into(), "dbrx".into());
-    for key in KEPT {
-        if let Some(v) = j.get(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
-    for (i, (key, at, default)) in FIELDS.into_iter().enumerate() {
-        let given = match i < 4 {
-            true => j.get(key).cloned().or_else(|| dbrx(at)),
-            false => dbrx(at),
-        };
-        out.insert(key.into(), given.unwrap_or_else(|| default.value()));
-    }
+    own_names::keep(j, &mut out);
+    own_names::copy(
+        j,
+        &[("attn_config", &attn), ("ffn_config", &ffn)],
+        &FIELDS,
+        &mut out,
+    );
     let act = match ffn.get("ffn_act_fn") {
         None | Some(Value::Null) => Value::from("silu"),
         Some(Value::Object(f)) => match (f.get("name"), f.len()) {
@@ -210,29 +181,10 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
 
 /// `e` with the flat fields it names renamed to DBRX's.
 pub(super) fn dbrx_names(e: HfError) -> HfError {
-    let HfError::Field { path, msg } = e else {
-        return e;
-    };
-    let rename = |word: &str| -> Option<&'static str> {
-        let all = FIELDS.iter().map(|(k, at, _)| (*k, *at)).chain(OTHERS);
-        all.into_iter().find(|(k, _)| *k == word).map(|(_, at)| at)
-    };
-    // Word by word, so that a name is renamed once (`hidden_size` within
-    // `ffn_config.ffn_hidden_size` stays).
-    let mut out = String::with_capacity(msg.len());
-    let mut word = String::new();
-    for ch in msg.chars().chain(std::iter::once('\0')) {
-        if ch.is_ascii_alphanumeric() || ch == '_' || ch == '.' {
-            word.push(ch);
-            continue;
-        }
-        out.push_str(rename(&word).unwrap_or(&word));
-        word.clear();
-        if ch != '\0' {
-            out.push(ch);
-        }
-    }
-    HfError::Field { path, msg: out }
+    let renames: Vec<(&str, &str)> = (FIELDS.iter().map(|f| (f.flat, f.own)))
+        .chain(OTHERS)
+        .collect();
+    own_names::renamed(e, &renames)
 }
 
 /// `c`'s `config.json` as `DbrxConfig` reads it.

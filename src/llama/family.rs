@@ -271,11 +271,19 @@ pub enum Family {
     /// GELU MLP, the attention and the MLP side by side after one norm
     /// or two, or one after the other ([`FalconLayout`](super::FalconLayout)).
     Falcon,
+    /// `gptj` (`GPTJForCausalLM`: EleutherAI's GPT-J 6B): GPT-2's names
+    /// for its sizes (`n_embd`, `n_head`, ...) and modules
+    /// (`transformer.h.N.ln_1`), the attention (`attn.q_proj`, ...,
+    /// `out_proj`, no biases) and the MLP (`mlp.fc_in`, `fc_out`, GELU's
+    /// tanh form) side by side after one LayerNorm, the first
+    /// `rotary_dim` dimensions of each head turned by neighbouring
+    /// pairs, a head with a bias.
+    GptJ,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 46] = [
+    pub const ALL: [Family; 47] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -322,6 +330,7 @@ impl Family {
         Self::Llama4,
         Self::Dbrx,
         Self::Falcon,
+        Self::GptJ,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -387,6 +396,7 @@ impl Family {
             Self::Llama4 => "llama4_text",
             Self::Dbrx => "dbrx",
             Self::Falcon => "falcon",
+            Self::GptJ => "gptj",
         }
     }
 
@@ -439,6 +449,7 @@ impl Family {
             Self::Llama4 => "Llama4ForCausalLM",
             Self::Dbrx => "DbrxForCausalLM",
             Self::Falcon => "FalconForCausalLM",
+            Self::GptJ => "GPTJForCausalLM",
         }
     }
 
@@ -469,7 +480,7 @@ impl Family {
     pub(super) fn layer_norm(self) -> bool {
         matches!(
             self,
-            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Falcon
+            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Falcon | Self::GptJ
         )
     }
 
@@ -480,9 +491,10 @@ impl Family {
         matches!(self, Self::Cohere | Self::Cohere2)
     }
 
-    /// Cohere's: the attention and the MLP side by side after one norm.
+    /// Cohere's and GPT-J's: the attention and the MLP side by side
+    /// after one norm.
     pub(super) fn parallel(self) -> bool {
-        self.cohere()
+        self.cohere() || self == Self::GptJ
     }
 
     /// Hunyuan's (dense or with experts): heads normalised after they
@@ -506,7 +518,12 @@ impl Family {
     pub(super) fn gated(self) -> bool {
         !matches!(
             self,
-            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron | Self::Falcon
+            Self::Starcoder2
+                | Self::Arcee
+                | Self::Apertus
+                | Self::Nemotron
+                | Self::Falcon
+                | Self::GptJ
         )
     }
 
@@ -753,6 +770,11 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::GptJ => Defaults {
+                eps: 1e-5,
+                activation: Activation::GeluNew,
+                ..LLAMA
+            },
             Self::Falcon => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -838,6 +860,7 @@ impl Family {
         match self {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
+            Self::GptJ => ["transformer", "wte", "h", "ln_f"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -846,7 +869,7 @@ impl Family {
     /// two, joined), which a tied head shares.
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
-            Self::Dbrx => "transformer.wte",
+            Self::Dbrx | Self::GptJ => "transformer.wte",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }
@@ -857,7 +880,7 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
-            Self::Falcon => "layer_norm_epsilon",
+            Self::Falcon | Self::GptJ => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

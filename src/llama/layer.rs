@@ -701,6 +701,7 @@ impl Layer {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon => (p / "self_attention", p / "mlp"),
+            Family::GptJ => (p / "attn", p / "mlp"),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -725,8 +726,9 @@ impl Layer {
                 // DeepSeek-V2's turned dimensions, neighbouring pairs,
                 // turned in fp32 as complex numbers; ERNIE 4.5's in fp32.
                 f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),
-                // Llama 4's neighbouring pairs, in fp32 as complex numbers.
-                Family::Llama4 => r.interleaved(true),
+                // Llama 4's neighbouring pairs, in fp32 as complex numbers;
+                // GPT-J's, its angles in fp32.
+                Family::Llama4 | Family::GptJ => r.interleaved(true),
                 // OLMo's halves in fp32.
                 f if f.olmo() || f == Family::Olmo1 => r.in_fp32(),
                 _ => r,
@@ -755,6 +757,7 @@ impl Layer {
                 &(&a / match c.family {
                     Family::Dbrx => "out_proj",
                     Family::Falcon => "dense",
+                    Family::GptJ => "out_proj",
                     _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),
@@ -776,6 +779,7 @@ impl Layer {
                             ("up_proj", "down_proj")
                         }
                         Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
+                        Family::GptJ => ("fc_in", "fc_out"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;

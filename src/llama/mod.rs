@@ -53,8 +53,10 @@ mod config;
 mod dbrx;
 mod falcon;
 mod family;
+mod gptj;
 mod layer;
 mod norm;
+mod own_names;
 mod rope_scaling;
 mod rotary;
 #[cfg(test)]
@@ -225,7 +227,9 @@ impl Llama {
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
-        let ends = embed.with_head(plan, &(p / "lm_head"), false, (lora, &training));
+        // GPT-J's head has a bias.
+        let bias = cfg.family == Family::GptJ;
+        let ends = embed.with_head(plan, &(p / "lm_head"), bias, (lora, &training));
         Self {
             ends,
             layers,

@@ -229,6 +229,9 @@ impl Norms {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
+            Family::GptJ => Self::Parallel {
+                input: norm("ln_1"),
+            },
             f if f.parallel() => Self::Parallel {
                 input: norm("input_layernorm"),
             },

@@ -1197,6 +1197,49 @@ fn falcon_configs_are_read_and_counted() {
 }
 
 #[test]
+fn gptj_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("gptj-configs");
+    // GPT-J 6B's shape (its class's defaults: 28 layers 4096 wide, 64 of
+    // each head's 256 dimensions turned); the count is transformers'
+    // parameters, the head's bias among them.
+    let given = r#"{"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 4096, "n_head": 16, "n_layer": 28, "n_positions": 2048, "rotary_dim": 64, "vocab_size": 50400, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05, "tie_word_embeddings": false}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 6050882784);
+    assert_eq!(
+        (c.hidden, c.heads, c.kv_heads, c.layers, c.intermediate),
+        (4096, 16, 16, 28, 16384)
+    );
+    assert_eq!((c.rotary_dim(), c.positions, c.tied), (64, 2048, false));
+    assert!(c.mlp_bias && !c.qkv_bias && !c.o_bias);
+    assert_eq!(c.activation, Activation::GeluNew);
+    // The flat names its attribute map takes, over GPT-J's.
+    let spelled = dir
+        .read(r#"{"model_type": "gptj", "hidden_size": 256, "n_embd": 64, "n_head": 4, "rotary_dim": 16, "n_inner": 96}"#)
+        .unwrap();
+    assert_eq!(
+        (spelled.hidden, spelled.intermediate, spelled.rotary_dim()),
+        (256, 96, 16)
+    );
+    dir.round_trips([c, spelled]);
+    dir.refuses(
+        &given.replace(r#""rotary_dim": 64"#, r#""rotary_dim": null"#),
+        "rotary_dim null: GPT-J turns that many of each head's 256 dimensions",
+    );
+    dir.refuses(
+        &given.replace(r#""rotary_dim": 64"#, r#""rotary_dim": 512"#),
+        "rotary_dim 512",
+    );
+    dir.refuses(
+        &given.replace(r#""n_head": 16"#, r#""n_head": 0"#),
+        "`n_head` is missing or not a positive integer",
+    );
+    dir.refuses(
+        &given.replace(r#""n_positions": 2048"#, r#""n_positions": "long""#),
+        "n_positions",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head

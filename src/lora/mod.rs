@@ -567,7 +567,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 
 /// The last names of the input embedding and the head of the checkpoint
 /// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
-/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's `wte` and Falcon's
+/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's and GPT-J's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
@@ -577,7 +577,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
     let (embedding, head) = match j.model_type().as_deref() {
         Some("gpt2") => ("wte", "lm_head"),
         Some("gpt_neox") => ("embed_in", "embed_out"),
-        Some("dbrx") => ("wte", "lm_head"),
+        Some("dbrx" | "gptj") => ("wte", "lm_head"),
         Some("falcon") => ("word_embeddings", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };

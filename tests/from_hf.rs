@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -346,6 +346,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GPTJConfig as C, GPTJForCausalLM as M",
             "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, rotary_dim=8, n_inner=128",
+        ),
+        load: "",
+    },
+    // CodeGen: GPT-J's layers, its query-value-key matrix in four
+    // blocks of 2 heads each (their queries, values, keys).
+    Case {
+        name: "codegen",
+        python: (
+            "from transformers import CodeGenConfig as C, CodeGenForCausalLM as M",
+            "vocab_size=96, n_embd=64, n_head=8, n_layer=2, n_positions=64, rotary_dim=4, n_inner=128",
         ),
         load: "",
     },
@@ -1076,6 +1086,11 @@ fn a_falcon_checkpoint_with_sequential_layers_trains_as_transformers_does() {
 #[test]
 fn a_gptj_checkpoint_with_parallel_layers_and_a_biased_head_trains_as_transformers_does() {
     parity("gptj");
+}
+
+#[test]
+fn a_codegen_checkpoint_with_its_blocked_query_value_key_matrix_trains_as_transformers_does() {
+    parity("codegen");
 }
 
 #[test]
@@ -2075,11 +2090,12 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "dbrx" => r#"{"model_type": "dbrx", "vocab_size": 160000, "d_model": 512,
                 "n_layers": 4, "n_heads": 32, "ffn_config": {"ffn_hidden_size": 96}}"#
                 .to_string(),
-            // GPT-J's sizes have GPT-2's names.
-            // (8 heads: its default 64 turned dimensions fill one.)
-            "gptj" => r#"{"model_type": "gptj", "vocab_size": 160000, "n_embd": 512,
-                "n_inner": 96, "n_layer": 4, "n_head": 8}"#
-                .to_string(),
+            // GPT-J's and CodeGen's sizes have GPT-2's names (8 heads: the
+            // default 64 turned dimensions fill one).
+            "gptj" | "codegen" => format!(
+                r#"{{"model_type": "{mt}", "vocab_size": 160000, "n_embd": 512,
+                "n_inner": 96, "n_layer": 4, "n_head": 8}}"#
+            ),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2444,8 +2460,8 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// turned, OLMo 1's heads turned in fp32, Llama 4's chunks of the
 /// row cut through its documents, its layer without positions growing
 /// its queries with the row's position, DBRX's clipped attention,
-/// Falcon's grouped heads beside its parallel MLP, and GPT-J's part of
-/// each head turned by pairs.
+/// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
+/// each head turned by pairs, and CodeGen's blocked heads.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2470,6 +2486,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "dbrx",
         "falcon-new",
         "gptj",
+        "codegen",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2487,7 +2504,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon and GPT-J build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J and CodeGen build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2502,7 +2519,8 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "nemotron": {{"attention_mask": masks["full_attention"]}},
              "dbrx": {{"attention_mask": masks["full_attention"]}},
              "falcon": {{"attention_mask": masks["full_attention"]}},
-             "gptj": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "gptj": {{"attention_mask": masks["full_attention"]}},
+             "codegen": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon and GPT-J checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J and CodeGen checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -291,6 +291,19 @@ const GPTJ: Case = Case {
     targets: &["q_proj", "v_proj", "fc_in", "fc_out"],
     matrices: 16,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128) + (128 + 64)),
+    ..OFF
+};
+
+/// CodeGen's blocked query-value-key matrix (PEFT's default target:
+/// 64 -> 192) beside its MLP's output (128 -> 64).
+const CODEGEN: Case = Case {
+    python: (
+        "from transformers import CodeGenConfig as C, CodeGenForCausalLM as M",
+        "vocab_size=96, n_embd=64, n_head=8, n_layer=2, n_positions=64, rotary_dim=4, n_inner=128",
+    ),
+    targets: &["qkv_proj", "fc_out"],
+    matrices: 8,
+    elements: 2 * 4 * ((64 + 192) + (128 + 64)),
     ..OFF
 };
 
@@ -664,8 +677,9 @@ fn lora_adapters_on_falcons_grouped_attention_and_mlp_train_as_peft_does() {
 }
 
 #[test]
-fn lora_adapters_on_gptjs_parallel_attention_and_mlp_train_as_peft_does() {
+fn lora_adapters_on_gptjs_and_codegens_parallel_layers_train_as_peft_does() {
     parity("gptj", &GPTJ, &[(3, false, Held::Fp32)]);
+    parity("codegen", &CODEGEN, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

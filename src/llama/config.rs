@@ -366,8 +366,11 @@ impl LlamaConfig {
             return Self::read(&dbrx::flat(j)?).map_err(dbrx::dbrx_names);
         }
         // GPT-J's GPT-2 names, read flat; errors name GPT-J's.
-        if j.model_type().as_deref() == Some(Family::GptJ.model_type()) {
-            return Self::read(&gptj::flat(j)?).map_err(gptj::gptj_names);
+        if let Some(f) = (j.model_type().as_deref())
+            .and_then(Family::of)
+            .filter(|f| f.gptj())
+        {
+            return Self::read(&gptj::flat(j, f)?).map_err(gptj::gptj_names);
         }
         Self::read(j)
     }
@@ -419,8 +422,8 @@ impl LlamaConfig {
         };
         let partly = matches!(
             family,
-            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron | Family::GptJ
-        );
+            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron
+        ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
@@ -640,7 +643,7 @@ impl LlamaConfig {
                     false
                 }
                 // GPT-J's MLP has biases, its attention none.
-                Family::GptJ => true,
+                f if f.gptj() => true,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -700,13 +703,13 @@ impl LlamaConfig {
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
-                Family::GptJ => j.rate_or("resid_pdrop", 0.0)?,
+                f if f.gptj() => j.rate_or("resid_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
                 Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
-                Family::GptJ => j.rate_or("embd_pdrop", 0.0)?,
+                f if f.gptj() => j.rate_or("embd_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -900,10 +903,7 @@ impl LlamaConfig {
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
             // GPT-J's head has a bias.
-            units.push((
-                "lm_head".to_string(),
-                v * d + bias(self.family == Family::GptJ, v),
-            ));
+            units.push(("lm_head".to_string(), v * d + bias(self.family.gptj(), v)));
         }
         units.push((String::new(), norm));
         units
@@ -917,7 +917,7 @@ impl LlamaConfig {
         if let Some(f) = &self.falcon {
             return format!("{:#}\n", falcon::to_json(self, f));
         }
-        if self.family == Family::GptJ {
+        if self.family.gptj() {
             return format!("{:#}\n", gptj::to_json(self));
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
@@ -1168,7 +1168,9 @@ impl LlamaConfig {
                 })
             }
             // Written whole above.
-            Family::Dbrx | Family::Falcon | Family::GptJ => serde_json::json!({}),
+            Family::Dbrx | Family::Falcon | Family::GptJ | Family::CodeGen => {
+                serde_json::json!({})
+            }
             Family::Nemotron => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,

@@ -279,11 +279,16 @@ pub enum Family {
     /// `rotary_dim` dimensions of each head turned by neighbouring
     /// pairs, a head with a bias.
     GptJ,
+    /// `codegen` (`CodeGenForCausalLM`: Salesforce's CodeGen 350M-16B):
+    /// GPT-J's layers with one query-value-key matrix (`attn.qkv_proj`)
+    /// laid out in four blocks, each the queries, values and keys of a
+    /// quarter of the heads.
+    CodeGen,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 47] = [
+    pub const ALL: [Family; 48] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -331,6 +336,7 @@ impl Family {
         Self::Dbrx,
         Self::Falcon,
         Self::GptJ,
+        Self::CodeGen,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -397,6 +403,7 @@ impl Family {
             Self::Dbrx => "dbrx",
             Self::Falcon => "falcon",
             Self::GptJ => "gptj",
+            Self::CodeGen => "codegen",
         }
     }
 
@@ -450,6 +457,7 @@ impl Family {
             Self::Dbrx => "DbrxForCausalLM",
             Self::Falcon => "FalconForCausalLM",
             Self::GptJ => "GPTJForCausalLM",
+            Self::CodeGen => "CodeGenForCausalLM",
         }
     }
 
@@ -480,7 +488,12 @@ impl Family {
     pub(super) fn layer_norm(self) -> bool {
         matches!(
             self,
-            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Falcon | Self::GptJ
+            Self::Starcoder2
+                | Self::StableLm
+                | Self::Nemotron
+                | Self::Falcon
+                | Self::GptJ
+                | Self::CodeGen
         )
     }
 
@@ -491,10 +504,17 @@ impl Family {
         matches!(self, Self::Cohere | Self::Cohere2)
     }
 
-    /// Cohere's and GPT-J's: the attention and the MLP side by side
-    /// after one norm.
+    /// Cohere's, GPT-J's and CodeGen's: the attention and the MLP side
+    /// by side after one norm.
     pub(super) fn parallel(self) -> bool {
-        self.cohere() || self == Self::GptJ
+        self.cohere() || self.gptj()
+    }
+
+    /// GPT-J's layers (GPT-J's and CodeGen's): GPT-2's names for the
+    /// sizes, `ln_1` before the attention and the MLP side by side,
+    /// pairs of part of each head turned, a head with a bias.
+    pub(super) fn gptj(self) -> bool {
+        matches!(self, Self::GptJ | Self::CodeGen)
     }
 
     /// Hunyuan's (dense or with experts): heads normalised after they
@@ -524,6 +544,7 @@ impl Family {
                 | Self::Nemotron
                 | Self::Falcon
                 | Self::GptJ
+                | Self::CodeGen
         )
     }
 
@@ -770,7 +791,7 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
-            Self::GptJ => Defaults {
+            Self::GptJ | Self::CodeGen => Defaults {
                 eps: 1e-5,
                 activation: Activation::GeluNew,
                 ..LLAMA
@@ -860,7 +881,7 @@ impl Family {
         match self {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
-            Self::GptJ => ["transformer", "wte", "h", "ln_f"],
+            Self::GptJ | Self::CodeGen => ["transformer", "wte", "h", "ln_f"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -869,7 +890,7 @@ impl Family {
     /// two, joined), which a tied head shares.
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
-            Self::Dbrx | Self::GptJ => "transformer.wte",
+            Self::Dbrx | Self::GptJ | Self::CodeGen => "transformer.wte",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }
@@ -880,7 +901,7 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
-            Self::Falcon | Self::GptJ => "layer_norm_epsilon",
+            Self::Falcon | Self::GptJ | Self::CodeGen => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

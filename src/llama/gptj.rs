@@ -1,6 +1,7 @@
-//! GPT-J's `config.json` ([`Family::GptJ`]): GPT-2's names for its
-//! sizes (`n_embd`, `n_head`, ...), read as the flat config the other
-//! families share ([`own_names`]) and written back as `GPTJConfig`
+//! GPT-J's and CodeGen's `config.json` ([`Family::GptJ`],
+//! [`Family::CodeGen`]): GPT-2's names for their sizes (`n_embd`,
+//! `n_head`, ...), read as the flat config the other families share
+//! ([`own_names`]) and written back as `GPTJConfig` (`CodeGenConfig`)
 //! writes it.
 
 use serde_json::{json, Map, Value};
@@ -53,13 +54,13 @@ const OTHERS: [(&str, &str); 2] = [
     ("partial_rotary_factor", "rotary_dim"),
 ];
 
-/// The GPT-J config `j` as the flat config the shared reader reads (the
+/// The GPT-J (or CodeGen) config `j` as the flat config the shared reader reads (the
 /// file's text kept: an export writes it back verbatim). Its MLP is
 /// `n_inner` wide (null: four times the width); each head turns its
 /// first `rotary_dim` dimensions (read as their share of the head).
-pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
+pub(super) fn flat(j: &HfJson, family: Family) -> Result<HfJson, HfError> {
     let mut out = Map::new();
-    out.insert("model_type".into(), "gptj".into());
+    out.insert("model_type".into(), family.model_type().into());
     own_names::keep(j, &mut out);
     own_names::copy(j, &[], &FIELDS, &mut out);
     let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
@@ -72,6 +73,14 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
         Some(v) => v.clone(),
     };
     out.insert("intermediate_size".into(), width);
+    // CodeGen's query-value-key matrix holds a quarter of the heads in
+    // each of its four blocks.
+    let blocks = super::layer::CODEGEN_BLOCKS;
+    if family == Family::CodeGen && heads % blocks != 0 {
+        return Err(j.field(format!(
+            "n_head {heads}: CodeGen's query-value-key matrix holds a quarter of the heads in each of its {blocks} blocks, so they are a multiple of {blocks}"
+        )));
+    }
     let head = hidden / heads.max(1);
     // Left out, its class's 64.
     let given = match j.has("rotary_dim") {
@@ -104,10 +113,10 @@ pub(super) fn gptj_names(e: HfError) -> HfError {
 
 /// `c`'s `config.json` as `GPTJConfig` reads it.
 pub(super) fn to_json(c: &LlamaConfig) -> Value {
-    debug_assert_eq!(c.family, Family::GptJ);
+    debug_assert!(c.family.gptj());
     json!({
-        "model_type": "gptj",
-        "architectures": [Family::GptJ.architecture()],
+        "model_type": c.family.model_type(),
+        "architectures": [c.family.architecture()],
         "vocab_size": c.vocab,
         "n_embd": c.hidden,
         "n_head": c.heads,

@@ -361,6 +361,10 @@ const RANDN: nn::Init = nn::Init::Randn {
     stdev: 0.02,
 };
 
+/// The blocks CodeGen's query-value-key matrix is laid out in (its
+/// class's `mp_num`, the TPU cores it was trained on).
+pub(super) const CODEGEN_BLOCKS: i64 = 4;
+
 /// GPT-OSS's activation's constants (its class's, not its config's).
 const OSS_ALPHA: f64 = 1.702;
 const OSS_LIMIT: f64 = 7.0;
@@ -701,7 +705,7 @@ impl Layer {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon => (p / "self_attention", p / "mlp"),
-            Family::GptJ => (p / "attn", p / "mlp"),
+            f if f.gptj() => (p / "attn", p / "mlp"),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -728,7 +732,7 @@ impl Layer {
                 f if f == Family::DeepseekV2 || f.ernie() => r.interleaved(true),
                 // Llama 4's neighbouring pairs, in fp32 as complex numbers;
                 // GPT-J's, its angles in fp32.
-                Family::Llama4 | Family::GptJ => r.interleaved(true),
+                f if f == Family::Llama4 || f.gptj() => r.interleaved(true),
                 // OLMo's halves in fp32.
                 f if f.olmo() || f == Family::Olmo1 => r.in_fp32(),
                 _ => r,
@@ -738,11 +742,12 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv: match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
-                (Family::Phi3 | Family::Dbrx | Family::Falcon, _) => {
+                (Family::Phi3 | Family::Dbrx | Family::Falcon | Family::CodeGen, _) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx => "Wqkv",
                         Family::Falcon => "query_key_value",
+                        Family::CodeGen => "qkv_proj",
                         _ => "qkv_proj",
                     };
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
@@ -757,7 +762,7 @@ impl Layer {
                 &(&a / match c.family {
                     Family::Dbrx => "out_proj",
                     Family::Falcon => "dense",
-                    Family::GptJ => "out_proj",
+                    f if f.gptj() => "out_proj",
                     _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),
@@ -779,7 +784,7 @@ impl Layer {
                             ("up_proj", "down_proj")
                         }
                         Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
-                        Family::GptJ => ("fc_in", "fc_out"),
+                        f if f.gptj() => ("fc_in", "fc_out"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;
@@ -890,6 +895,16 @@ impl Module for Layer {
                     qkv.select(3, per).reshape([b, t, kv]),
                     qkv.select(3, per + 1).reshape([b, t, kv]),
                 )
+            }
+            // CodeGen's: four blocks, each a quarter of the heads'
+            // queries, then their values, then their keys.
+            Qkv::Fused(qkv) if c.family == Family::CodeGen => {
+                let (per, width) = (c.heads / CODEGEN_BLOCKS, c.heads * c.head_dim);
+                let qvk = qkv
+                    .forward(&h)
+                    .view([b, t, CODEGEN_BLOCKS, 3, per, c.head_dim]);
+                let part = |i: i64| qvk.select(3, i).reshape([b, t, width]);
+                split(part(0), part(2), part(1))
             }
             Qkv::Fused(qkv) => {
                 let qkv = qkv.forward(&h);

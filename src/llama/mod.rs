@@ -228,7 +228,7 @@ impl Llama {
             })
             .collect();
         // GPT-J's head has a bias.
-        let bias = cfg.family == Family::GptJ;
+        let bias = cfg.family.gptj();
         let ends = embed.with_head(plan, &(p / "lm_head"), bias, (lora, &training));
         Self {
             ends,

@@ -229,7 +229,7 @@ impl Norms {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
-            Family::GptJ => Self::Parallel {
+            f if f.gptj() => Self::Parallel {
                 input: norm("ln_1"),
             },
             f if f.parallel() => Self::Parallel {

@@ -1240,6 +1240,22 @@ fn gptj_configs_are_read_and_counted() {
 }
 
 #[test]
+fn codegen_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("codegen-configs");
+    // CodeGen 350M's shape (20 layers 1024 wide, 32 of each head's 64
+    // dimensions turned); the count is transformers' parameters.
+    let given = r#"{"model_type": "codegen", "architectures": ["CodeGenForCausalLM"], "n_embd": 1024, "n_head": 16, "n_layer": 20, "n_positions": 2048, "n_ctx": 2048, "rotary_dim": 32, "vocab_size": 51200, "activation_function": "gelu_new", "tie_word_embeddings": false}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 356712448);
+    assert_eq!((c.heads, c.kv_heads, c.rotary_dim()), (16, 16, 32));
+    dir.round_trips([c]);
+    dir.refuses(
+        &given.replace(r#""n_head": 16"#, r#""n_head": 6"#),
+        "n_head 6: CodeGen's query-value-key matrix holds a quarter of the heads in each of its 4 blocks",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head

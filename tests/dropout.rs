@@ -234,6 +234,19 @@ fn gptj_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// GPT-BigCode's dropouts at its class's 0.1: the embeddings' (after
+/// the learned positions join them), the attention weights', both
+/// sublayers' outputs.
+#[test]
+fn gpt_bigcode_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "gpt-bigcode",
+        "from transformers import GPTBigCodeConfig as C, GPTBigCodeForCausalLM as M",
+        "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, n_inner=128",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -356,6 +356,28 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import CodeGenConfig as C, CodeGenForCausalLM as M",
             "vocab_size=96, n_embd=64, n_head=8, n_layer=2, n_positions=64, rotary_dim=4, n_inner=128",
+        ),
+        load: "",
+    },
+    // GPT-BigCode (StarCoder's): learned positions, heads sharing one
+    // key and value, biases, the head tied; its dropouts (0.1 by
+    // default) off.
+    Case {
+        name: "gpt-bigcode",
+        python: (
+            "from transformers import GPTBigCodeConfig as C, GPTBigCodeForCausalLM as M",
+            "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+        ),
+        load: "",
+    },
+    // GPT-BigCode with every head its keys and values (each head's
+    // query, key and value together in the fused matrix), unscaled
+    // scores, the head untied.
+    Case {
+        name: "gpt-bigcode-mha",
+        python: (
+            "from transformers import GPTBigCodeConfig as C, GPTBigCodeForCausalLM as M",
+            "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, multi_query=False, scale_attn_weights=False, tie_word_embeddings=False",
         ),
         load: "",
     },
@@ -1091,6 +1113,17 @@ fn a_gptj_checkpoint_with_parallel_layers_and_a_biased_head_trains_as_transforme
 #[test]
 fn a_codegen_checkpoint_with_its_blocked_query_value_key_matrix_trains_as_transformers_does() {
     parity("codegen");
+}
+
+#[test]
+fn a_gpt_bigcode_checkpoint_with_learned_positions_and_one_key_head_trains_as_transformers_does() {
+    parity("gpt-bigcode");
+}
+
+#[test]
+fn a_gpt_bigcode_checkpoint_with_every_heads_keys_and_unscaled_scores_trains_as_transformers_does()
+{
+    parity("gpt-bigcode-mha");
 }
 
 #[test]
@@ -2090,12 +2123,15 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "dbrx" => r#"{"model_type": "dbrx", "vocab_size": 160000, "d_model": 512,
                 "n_layers": 4, "n_heads": 32, "ffn_config": {"ffn_hidden_size": 96}}"#
                 .to_string(),
-            // GPT-J's and CodeGen's sizes have GPT-2's names (8 heads: the
+            // GPT-J's, CodeGen's and GPT-BigCode's sizes have GPT-2's names (8 heads: the
             // default 64 turned dimensions fill one).
             "gptj" | "codegen" => format!(
                 r#"{{"model_type": "{mt}", "vocab_size": 160000, "n_embd": 512,
                 "n_inner": 96, "n_layer": 4, "n_head": 8}}"#
             ),
+            "gpt_bigcode" => r#"{"model_type": "gpt_bigcode", "vocab_size": 160000, "n_embd": 512,
+                "n_inner": 96, "n_layer": 4, "n_head": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2461,7 +2497,8 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// row cut through its documents, its layer without positions growing
 /// its queries with the row's position, DBRX's clipped attention,
 /// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
-/// each head turned by pairs, and CodeGen's blocked heads.
+/// each head turned by pairs, CodeGen's blocked heads, and GPT-BigCode's
+/// learned positions, each token's in its document.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2487,6 +2524,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "falcon-new",
         "gptj",
         "codegen",
+        "gpt-bigcode",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));

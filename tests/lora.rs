@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J and CodeGen checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen and GPT-BigCode checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -304,6 +304,20 @@ const CODEGEN: Case = Case {
     targets: &["qkv_proj", "fc_out"],
     matrices: 8,
     elements: 2 * 4 * ((64 + 192) + (128 + 64)),
+    ..OFF
+};
+
+/// GPT-BigCode's fused attention (PEFT's default target: 64 -> 96, the
+/// queries and one key and value) beside both MLP matrices (64 -> 128,
+/// 128 -> 64; `c_proj` names the attention's output too: 64 -> 64).
+const GPT_BIGCODE: Case = Case {
+    python: (
+        "from transformers import GPTBigCodeConfig as C, GPTBigCodeForCausalLM as M",
+        "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+    ),
+    targets: &["c_attn", "c_proj", "c_fc"],
+    matrices: 16,
+    elements: 2 * 4 * ((64 + 96) + (64 + 64) + (128 + 64) + (64 + 128)),
     ..OFF
 };
 
@@ -680,6 +694,11 @@ fn lora_adapters_on_falcons_grouped_attention_and_mlp_train_as_peft_does() {
 fn lora_adapters_on_gptjs_and_codegens_parallel_layers_train_as_peft_does() {
     parity("gptj", &GPTJ, &[(3, false, Held::Fp32)]);
     parity("codegen", &CODEGEN, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_gpt_bigcodes_fused_attention_and_mlp_train_as_peft_does() {
+    parity("gpt-bigcode", &GPT_BIGCODE, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -10,6 +10,7 @@ use crate::hf::{HfError, HfJson};
 use super::dbrx;
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
+use super::gpt_bigcode;
 use super::gptj;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
@@ -372,6 +373,10 @@ impl LlamaConfig {
         {
             return Self::read(&gptj::flat(j, f)?).map_err(gptj::gptj_names);
         }
+        if j.model_type().as_deref() == Some(Family::GptBigCode.model_type()) {
+            let flat = gpt_bigcode::flat(j)?;
+            return Self::read(&flat).map_err(gpt_bigcode::bigcode_names);
+        }
         Self::read(j)
     }
 
@@ -525,6 +530,8 @@ impl LlamaConfig {
             Family::Llama4 => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
+            // GPT-BigCode's projections all have biases.
+            Family::GptBigCode => true,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -643,7 +650,7 @@ impl LlamaConfig {
                     false
                 }
                 // GPT-J's MLP has biases, its attention none.
-                f if f.gptj() => true,
+                f if f.gptj() || f == Family::GptBigCode => true,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -703,13 +710,13 @@ impl LlamaConfig {
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
-                f if f.gptj() => j.rate_or("resid_pdrop", 0.0)?,
+                f if f.gptj() || f == Family::GptBigCode => j.rate_or("resid_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
                 Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
-                f if f.gptj() => j.rate_or("embd_pdrop", 0.0)?,
+                f if f.gptj() || f == Family::GptBigCode => j.rate_or("embd_pdrop", 0.0)?,
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -719,6 +726,8 @@ impl LlamaConfig {
                 // transformers' DeepSeek-V2 leaves `mscale_all_dim` out
                 // of its scores' scale.
                 (Family::DeepseekV2, Some(_)) => Some((head_dim as f64).powf(-0.5)),
+                // GPT-BigCode's scores unscaled (`scale_attn_weights` false).
+                (Family::GptBigCode, _) if !j.flag_or("scale_attn_weights", true)? => Some(1.0),
                 (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
@@ -905,7 +914,9 @@ impl LlamaConfig {
             // GPT-J's head has a bias.
             units.push(("lm_head".to_string(), v * d + bias(self.family.gptj(), v)));
         }
-        units.push((String::new(), norm));
+        // GPT-BigCode's learned positions join the final norm there.
+        let positions = bias(self.family.learned_positions(), self.positions as u64 * d);
+        units.push((String::new(), norm + positions));
         units
     }
 
@@ -919,6 +930,9 @@ impl LlamaConfig {
         }
         if self.family.gptj() {
             return format!("{:#}\n", gptj::to_json(self));
+        }
+        if self.family == Family::GptBigCode {
+            return format!("{:#}\n", gpt_bigcode::to_json(self));
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
@@ -1168,7 +1182,7 @@ impl LlamaConfig {
                 })
             }
             // Written whole above.
-            Family::Dbrx | Family::Falcon | Family::GptJ | Family::CodeGen => {
+            Family::Dbrx | Family::Falcon | Family::GptJ | Family::CodeGen | Family::GptBigCode => {
                 serde_json::json!({})
             }
             Family::Nemotron => serde_json::json!({

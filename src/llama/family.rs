@@ -284,11 +284,17 @@ pub enum Family {
     /// laid out in four blocks, each the queries, values and keys of a
     /// quarter of the heads.
     CodeGen,
+    /// `gpt_bigcode` (`GPTBigCodeForCausalLM`: BigCode's StarCoder,
+    /// StarCoderBase and SantaCoder): GPT-2's names and layers (learned
+    /// positions `wpe`, LayerNorms `ln_1`/`ln_2`, `attn.c_attn`,
+    /// `c_proj`, `mlp.c_fc`, `c_proj`, biases) in `nn.Linear`'s layout,
+    /// its heads sharing one key and value (`multi_query`).
+    GptBigCode,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 48] = [
+    pub const ALL: [Family; 49] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -337,6 +343,7 @@ impl Family {
         Self::Falcon,
         Self::GptJ,
         Self::CodeGen,
+        Self::GptBigCode,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -404,6 +411,7 @@ impl Family {
             Self::Falcon => "falcon",
             Self::GptJ => "gptj",
             Self::CodeGen => "codegen",
+            Self::GptBigCode => "gpt_bigcode",
         }
     }
 
@@ -458,6 +466,7 @@ impl Family {
             Self::Falcon => "FalconForCausalLM",
             Self::GptJ => "GPTJForCausalLM",
             Self::CodeGen => "CodeGenForCausalLM",
+            Self::GptBigCode => "GPTBigCodeForCausalLM",
         }
     }
 
@@ -494,6 +503,7 @@ impl Family {
                 | Self::Falcon
                 | Self::GptJ
                 | Self::CodeGen
+                | Self::GptBigCode
         )
     }
 
@@ -508,6 +518,12 @@ impl Family {
     /// by side after one norm.
     pub(super) fn parallel(self) -> bool {
         self.cohere() || self.gptj()
+    }
+
+    /// GPT-BigCode's: learned position embeddings (`transformer.wpe`)
+    /// added to the tokens', no rotary embeddings.
+    pub(super) fn learned_positions(self) -> bool {
+        self == Self::GptBigCode
     }
 
     /// GPT-J's layers (GPT-J's and CodeGen's): GPT-2's names for the
@@ -545,6 +561,7 @@ impl Family {
                 | Self::Falcon
                 | Self::GptJ
                 | Self::CodeGen
+                | Self::GptBigCode
         )
     }
 
@@ -791,6 +808,13 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::GptBigCode => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::GeluTanh,
+                positions: 1024,
+                ..LLAMA
+            },
             Self::GptJ | Self::CodeGen => Defaults {
                 eps: 1e-5,
                 activation: Activation::GeluNew,
@@ -881,7 +905,7 @@ impl Family {
         match self {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
-            Self::GptJ | Self::CodeGen => ["transformer", "wte", "h", "ln_f"],
+            Self::GptJ | Self::CodeGen | Self::GptBigCode => ["transformer", "wte", "h", "ln_f"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -890,7 +914,7 @@ impl Family {
     /// two, joined), which a tied head shares.
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
-            Self::Dbrx | Self::GptJ | Self::CodeGen => "transformer.wte",
+            Self::Dbrx | Self::GptJ | Self::CodeGen | Self::GptBigCode => "transformer.wte",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }
@@ -901,7 +925,7 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
-            Self::Falcon | Self::GptJ | Self::CodeGen => "layer_norm_epsilon",
+            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

@@ -705,7 +705,7 @@ impl Layer {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon => (p / "self_attention", p / "mlp"),
-            f if f.gptj() => (p / "attn", p / "mlp"),
+            f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -721,7 +721,8 @@ impl Layer {
             true => (c.heads * hd, c.kv_heads * hd),
             false => (hd, hd),
         };
-        let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
+        let turns = !c.family.learned_positions()
+            && (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
             match c.family {
@@ -742,12 +743,20 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv: match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
-                (Family::Phi3 | Family::Dbrx | Family::Falcon | Family::CodeGen, _) => {
+                (
+                    Family::Phi3
+                    | Family::Dbrx
+                    | Family::Falcon
+                    | Family::CodeGen
+                    | Family::GptBigCode,
+                    _,
+                ) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx => "Wqkv",
                         Family::Falcon => "query_key_value",
                         Family::CodeGen => "qkv_proj",
+                        Family::GptBigCode => "c_attn",
                         _ => "qkv_proj",
                     };
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
@@ -763,6 +772,7 @@ impl Layer {
                     Family::Dbrx => "out_proj",
                     Family::Falcon => "dense",
                     f if f.gptj() => "out_proj",
+                    Family::GptBigCode => "c_proj",
                     _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),
@@ -882,9 +892,10 @@ impl Module for Layer {
                 k_proj,
                 v_proj,
             } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
-            // Falcon's: each group of heads sharing keys and values holds
-            // its queries, then its key, then its value.
-            Qkv::Fused(qkv) if c.family == Family::Falcon => {
+            // Falcon's (and GPT-BigCode's: one group, or one a head): each
+            // group of heads sharing keys and values holds its queries,
+            // then its key, then its value.
+            Qkv::Fused(qkv) if matches!(c.family, Family::Falcon | Family::GptBigCode) => {
                 let per = c.heads / c.kv_heads;
                 let qkv = qkv
                     .forward(&h)

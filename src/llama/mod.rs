@@ -53,6 +53,7 @@ mod config;
 mod dbrx;
 mod falcon;
 mod family;
+mod gpt_bigcode;
 mod gptj;
 mod layer;
 mod norm;
@@ -150,6 +151,8 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 #[derive(Debug)]
 pub struct Llama {
     ends: Ends,
+    /// GPT-BigCode's learned position embeddings (`wpe`), in the root.
+    wpe: Option<nn::Embedding>,
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: Norm,
     training: Training,
@@ -210,6 +213,10 @@ impl Llama {
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
         let norm = Norm::new(&m / final_norm, cfg.hidden, cfg);
+        let wpe = cfg
+            .family
+            .learned_positions()
+            .then(|| nn::embedding(&m / "wpe", cfg.positions, cfg.hidden, Default::default()));
         let embed = Ends::embedding(
             plan,
             &(&m / embedding),
@@ -232,6 +239,7 @@ impl Llama {
         let ends = embed.with_head(plan, &(p / "lm_head"), bias, (lora, &training));
         Self {
             ends,
+            wpe,
             layers,
             norm,
             training,
@@ -292,6 +300,20 @@ impl Llama {
         };
         if gemma3 {
             x = self.training.embedding_noise(x);
+        }
+        // GPT-BigCode's learned positions: each token's in its document
+        // when packed, after the tokens a cache holds when generating.
+        if let Some(wpe) = &self.wpe {
+            let t = tokens.size().get(1).copied().unwrap_or(1);
+            let opts = (tch::Kind::Int64, tokens.device());
+            let pos = match (self.decoding.documents(), self.decoding.offset()) {
+                (Some(d), _) => d.positions.shallow_clone(),
+                (None, 0) => Tensor::arange(t, opts),
+                (None, o) => Tensor::arange_start(o, o + t, opts),
+            };
+            // Not in place: the embedding's output may be saved for backward.
+            let placed = &x + wpe.forward(&pos);
+            x = placed;
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
         for l in &self.layers {

@@ -229,6 +229,10 @@ impl Norms {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
+            Family::GptBigCode => Self::Pre {
+                input: norm("ln_1"),
+                before_mlp: norm("ln_2"),
+            },
             f if f.gptj() => Self::Parallel {
                 input: norm("ln_1"),
             },

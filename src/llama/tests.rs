@@ -1256,6 +1256,36 @@ fn codegen_configs_are_read_and_counted() {
 }
 
 #[test]
+fn gpt_bigcode_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("gpt-bigcode-configs");
+    // StarCoder's shape (40 layers 6144 wide, 48 heads sharing one key
+    // and value, 8192 learned positions, the head tied); the count is
+    // transformers' parameters, the positions' among them.
+    let given = r#"{"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "n_embd": 6144, "n_head": 48, "n_layer": 40, "n_positions": 8192, "n_inner": 24576, "vocab_size": 49152, "multi_query": true, "activation_function": "gelu_pytorch_tanh", "attention_softmax_in_fp32": true, "scale_attention_softmax_in_fp32": true}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 15517456384);
+    assert_eq!((c.kv_heads, c.tied, c.positions), (1, true, 8192));
+    assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
+    // The class's dropouts, 0.1 each, when left out.
+    assert_eq!(
+        (c.resid_dropout, c.embedding_dropout, c.attention_dropout),
+        (0.1, 0.1, 0.1)
+    );
+    let mha = dir
+        .read(&given.replace(
+            r#""multi_query": true"#,
+            r#""multi_query": false, "scale_attn_weights": false"#,
+        ))
+        .unwrap();
+    assert_eq!((mha.kv_heads, mha.attention_multiplier), (48, Some(1.0)));
+    dir.round_trips([c, mha]);
+    dir.refuses(
+        &given.replace(r#""n_head": 48"#, r#""n_head": 7"#),
+        "n_head 7 does not divide n_embd 6144",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head

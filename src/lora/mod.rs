@@ -534,7 +534,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// The linear layers PEFT adapts in the checkpoint `dir` when its
 /// config names none (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`,
 /// read from its `config.json`'s `model_type`): GPT-2's `c_attn`,
-/// GPT-NeoX's and Falcon's `query_key_value`, CodeGen's `qkv_proj`, Phi's `q_proj`, `v_proj`, `fc1` and
+/// GPT-NeoX's and Falcon's `query_key_value`, CodeGen's `qkv_proj`,
+/// GPT-BigCode's `c_attn`, Phi's `q_proj`, `v_proj`, `fc1` and
 /// `fc2`, the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
@@ -556,6 +557,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("dbrx") => &["Wqkv"],
         Some("falcon") => &["query_key_value"],
         Some("codegen") => &["qkv_proj"],
+        Some("gpt_bigcode") => &["c_attn"],
         // Null: one `q_proj` (left out: the class's bottleneck).
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
             None => &["q_proj", "kv_b_proj"],
@@ -568,7 +570,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 
 /// The last names of the input embedding and the head of the checkpoint
 /// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
-/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's, GPT-J's and CodeGen's `wte` and Falcon's
+/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
+/// GPT-BigCode's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
@@ -578,7 +581,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
     let (embedding, head) = match j.model_type().as_deref() {
         Some("gpt2") => ("wte", "lm_head"),
         Some("gpt_neox") => ("embed_in", "embed_out"),
-        Some("dbrx" | "gptj" | "codegen") => ("wte", "lm_head"),
+        Some("dbrx" | "gptj" | "codegen" | "gpt_bigcode") => ("wte", "lm_head"),
         Some("falcon") => ("word_embeddings", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };

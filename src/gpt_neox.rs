@@ -548,7 +548,7 @@ mod tests {
                 r#""rotary_pct": 0.02"#,
                 "rotary_pct 0.02 of a head's 64 dimensions is 1",
             ),
-            (r#""gelu""#, r#""relu""#, "hidden_act \"relu\""),
+            (r#""gelu""#, r#""relu6""#, "hidden_act \"relu6\""),
             (
                 r#""use_cache": true"#,
                 r#""rope_scaling": {"rope_type": "ntk"}"#,

@@ -553,7 +553,7 @@ mod tests {
                 r#""partial_rotary_factor": 0.01"#,
                 "partial_rotary_factor 0.01 of a head's 80 dimensions is 0",
             ),
-            (r#""gelu_new""#, r#""relu""#, "hidden_act \"relu\""),
+            (r#""gelu_new""#, r#""relu6""#, "hidden_act \"relu6\""),
             (
                 r#""use_cache": true"#,
                 r#""pad_token_id": 51200"#,

@@ -247,6 +247,18 @@ fn gpt_bigcode_drops_embeddings_attention_and_sublayers_out_as_transformers_does
     );
 }
 
+/// OPT's dropouts: its `dropout` (0.1 by default) on both sublayers'
+/// outputs, and the attention weights'.
+#[test]
+fn opt_drops_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "opt",
+        "from transformers import OPTConfig as C, OPTForCausalLM as M",
+        "vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

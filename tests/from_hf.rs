@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -378,6 +378,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GPTBigCodeConfig as C, GPTBigCodeForCausalLM as M",
             "vocab_size=96, n_embd=64, n_head=4, n_layer=2, n_positions=64, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, multi_query=False, scale_attn_weights=False, tie_word_embeddings=False",
+        ),
+        load: "",
+    },
+    // OPT: its model under `model.decoder`, learned positions two rows
+    // in, a ReLU MLP in the layer itself, biases, the head tied; its
+    // dropout (0.1 by default) off.
+    Case {
+        name: "opt",
+        python: (
+            "from transformers import OPTConfig as C, OPTForCausalLM as M",
+            "vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
         ),
         load: "",
     },
@@ -1124,6 +1135,11 @@ fn a_gpt_bigcode_checkpoint_with_learned_positions_and_one_key_head_trains_as_tr
 fn a_gpt_bigcode_checkpoint_with_every_heads_keys_and_unscaled_scores_trains_as_transformers_does()
 {
     parity("gpt-bigcode-mha");
+}
+
+#[test]
+fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does() {
+    parity("opt");
 }
 
 #[test]
@@ -2132,6 +2148,10 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "gpt_bigcode" => r#"{"model_type": "gpt_bigcode", "vocab_size": 160000, "n_embd": 512,
                 "n_inner": 96, "n_layer": 4, "n_head": 32}"#
                 .to_string(),
+            // OPT's MLP width is `ffn_dim`.
+            "opt" => r#"{"model_type": "opt", "vocab_size": 160000, "hidden_size": 512,
+                "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2498,7 +2518,7 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// its queries with the row's position, DBRX's clipped attention,
 /// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
 /// each head turned by pairs, CodeGen's blocked heads, and GPT-BigCode's
-/// learned positions, each token's in its document.
+/// and OPT's learned positions, each token's in its document.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2525,6 +2545,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "gptj",
         "codegen",
         "gpt-bigcode",
+        "opt",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2542,7 +2563,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J and CodeGen build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen and OPT build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2558,7 +2579,8 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "dbrx": {{"attention_mask": masks["full_attention"]}},
              "falcon": {{"attention_mask": masks["full_attention"]}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
-             "codegen": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "codegen": {{"attention_mask": masks["full_attention"]}},
+             "opt": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

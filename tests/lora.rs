@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen and GPT-BigCode checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode and OPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -318,6 +318,19 @@ const GPT_BIGCODE: Case = Case {
     targets: &["c_attn", "c_proj", "c_fc"],
     matrices: 16,
     elements: 2 * 4 * ((64 + 96) + (64 + 64) + (128 + 64) + (64 + 128)),
+    ..OFF
+};
+
+/// OPT under `model.decoder`: its queries and values (PEFT's default),
+/// each 64 -> 64, and its MLP in the layer itself, `fc1` (64 -> 128).
+const OPT: Case = Case {
+    python: (
+        "from transformers import OPTConfig as C, OPTForCausalLM as M",
+        "vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
+    ),
+    targets: &["q_proj", "v_proj", "fc1"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128)),
     ..OFF
 };
 
@@ -699,6 +712,11 @@ fn lora_adapters_on_gptjs_and_codegens_parallel_layers_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_gpt_bigcodes_fused_attention_and_mlp_train_as_peft_does() {
     parity("gpt-bigcode", &GPT_BIGCODE, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_opts_decoder_train_as_peft_does() {
+    parity("opt", &OPT, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

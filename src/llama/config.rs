@@ -12,6 +12,7 @@ use super::falcon::{self, FalconLayout};
 use super::family::Family;
 use super::gpt_bigcode;
 use super::gptj;
+use super::opt;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
@@ -154,6 +155,8 @@ pub enum Activation {
     GeluNew,
     /// `"relu2"`: the squared ReLU (Arcee's AFM).
     Relu2,
+    /// `"relu"` (OPT).
+    Relu,
     /// `"xielu"`: Apertus's xIELU, whose parameters its MLP trains and
     /// holds (applied there); read for Apertus only, and computed here
     /// at its class's initial parameters.
@@ -161,12 +164,13 @@ pub enum Activation {
 }
 
 impl Activation {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::Silu,
         Self::Gelu,
         Self::GeluTanh,
         Self::GeluNew,
         Self::Relu2,
+        Self::Relu,
     ];
 
     /// The activation `transformers` names `name`, or `None`.
@@ -204,6 +208,7 @@ impl Activation {
             Self::GeluTanh => "gelu_pytorch_tanh",
             Self::GeluNew => "gelu_new",
             Self::Relu2 => "relu2",
+            Self::Relu => "relu",
             Self::Xielu => "xielu",
         }
     }
@@ -212,6 +217,7 @@ impl Activation {
         match self {
             Self::Silu => x.silu(),
             Self::Relu2 => x.relu().square(),
+            Self::Relu => x.relu(),
             Self::Xielu => super::xielu::initial(x),
             Self::Gelu => x.gelu("none"),
             Self::GeluTanh => x.gelu("tanh"),
@@ -470,6 +476,9 @@ impl LlamaConfig {
             _ => j.size("hidden_size")?,
         };
         let heads = j.size("num_attention_heads")?;
+        if family == Family::Opt {
+            opt::check(j, hidden)?;
+        }
         let falcon = match family {
             Family::Falcon => Some(falcon::layout(j, heads)?),
             _ => None,
@@ -530,8 +539,10 @@ impl LlamaConfig {
             Family::Llama4 => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
-            // GPT-BigCode's projections all have biases.
+            // GPT-BigCode's projections all have biases; OPT's
+            // `enable_bias` is every projection's.
             Family::GptBigCode => true,
+            Family::Opt => j.flag_or("enable_bias", true)?,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -626,22 +637,29 @@ impl LlamaConfig {
             intermediate: match family {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
+                Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
                 _ => j.size("intermediate_size")?,
             },
             layers: j.size("num_hidden_layers")?,
             heads,
             kv_heads,
             head_dim,
-            eps: j.number_or(family.eps_key(), defaults.eps)?,
+            // OPT's LayerNorms keep nn.LayerNorm's epsilon (no field sets it).
+            eps: match family {
+                Family::Opt => defaults.eps,
+                _ => j.number_or(family.eps_key(), defaults.eps)?,
+            },
             rope_theta,
             rope_scaling: scaling.clone(),
             positions: (j.size_or_none("max_position_embeddings")?).unwrap_or(defaults.positions),
             qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
-                Family::Starcoder2 | Family::Ernie4_5 | Family::Ernie4_5Moe | Family::Falcon => {
-                    attention_bias
-                }
+                Family::Starcoder2
+                | Family::Ernie4_5
+                | Family::Ernie4_5Moe
+                | Family::Falcon
+                | Family::Opt => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
                 f if matches!(f, Family::Apertus | Family::Olmo1 | Family::Llama4)
@@ -711,6 +729,7 @@ impl LlamaConfig {
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 f if f.gptj() || f == Family::GptBigCode => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Opt => j.rate_or("dropout", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -914,8 +933,10 @@ impl LlamaConfig {
             // GPT-J's head has a bias.
             units.push(("lm_head".to_string(), v * d + bias(self.family.gptj(), v)));
         }
-        // GPT-BigCode's learned positions join the final norm there.
-        let positions = bias(self.family.learned_positions(), self.positions as u64 * d);
+        // GPT-BigCode's and OPT's learned positions join the final norm
+        // there.
+        let rows = self.positions + self.family.position_offset();
+        let positions = bias(self.family.learned_positions(), rows as u64 * d);
         units.push((String::new(), norm + positions));
         units
     }
@@ -933,6 +954,9 @@ impl LlamaConfig {
         }
         if self.family == Family::GptBigCode {
             return format!("{:#}\n", gpt_bigcode::to_json(self));
+        }
+        if self.family == Family::Opt {
+            return format!("{:#}\n", opt::to_json(self));
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({
@@ -1182,7 +1206,12 @@ impl LlamaConfig {
                 })
             }
             // Written whole above.
-            Family::Dbrx | Family::Falcon | Family::GptJ | Family::CodeGen | Family::GptBigCode => {
+            Family::Dbrx
+            | Family::Falcon
+            | Family::GptJ
+            | Family::CodeGen
+            | Family::GptBigCode
+            | Family::Opt => {
                 serde_json::json!({})
             }
             Family::Nemotron => serde_json::json!({

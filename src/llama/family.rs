@@ -290,11 +290,18 @@ pub enum Family {
     /// `c_proj`, `mlp.c_fc`, `c_proj`, biases) in `nn.Linear`'s layout,
     /// its heads sharing one key and value (`multi_query`).
     GptBigCode,
+    /// `opt` (`OPTForCausalLM`: Meta's OPT 125M-66B, Galactica): its
+    /// model under `model.decoder`, learned positions
+    /// (`embed_positions`, two rows before position 0), LayerNorms
+    /// before each sublayer (`self_attn_layer_norm`, `final_layer_norm`),
+    /// an ungated ReLU MLP (`fc1`, `fc2`) in the layer itself, biases
+    /// (`enable_bias`), the head tied.
+    Opt,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 49] = [
+    pub const ALL: [Family; 50] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -344,6 +351,7 @@ impl Family {
         Self::GptJ,
         Self::CodeGen,
         Self::GptBigCode,
+        Self::Opt,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -412,6 +420,7 @@ impl Family {
             Self::GptJ => "gptj",
             Self::CodeGen => "codegen",
             Self::GptBigCode => "gpt_bigcode",
+            Self::Opt => "opt",
         }
     }
 
@@ -467,6 +476,7 @@ impl Family {
             Self::GptJ => "GPTJForCausalLM",
             Self::CodeGen => "CodeGenForCausalLM",
             Self::GptBigCode => "GPTBigCodeForCausalLM",
+            Self::Opt => "OPTForCausalLM",
         }
     }
 
@@ -504,6 +514,7 @@ impl Family {
                 | Self::GptJ
                 | Self::CodeGen
                 | Self::GptBigCode
+                | Self::Opt
         )
     }
 
@@ -520,10 +531,20 @@ impl Family {
         self.cohere() || self.gptj()
     }
 
-    /// GPT-BigCode's: learned position embeddings (`transformer.wpe`)
-    /// added to the tokens', no rotary embeddings.
+    /// GPT-BigCode's and OPT's: learned position embeddings
+    /// (`transformer.wpe`, `model.decoder.embed_positions`) added to the
+    /// tokens', no rotary embeddings.
     pub(super) fn learned_positions(self) -> bool {
-        self == Self::GptBigCode
+        matches!(self, Self::GptBigCode | Self::Opt)
+    }
+
+    /// The rows its learned position embeddings keep before position 0
+    /// (OPT's two).
+    pub(super) fn position_offset(self) -> i64 {
+        match self {
+            Self::Opt => super::opt::POSITION_OFFSET,
+            _ => 0,
+        }
     }
 
     /// GPT-J's layers (GPT-J's and CodeGen's): GPT-2's names for the
@@ -562,6 +583,7 @@ impl Family {
                 | Self::GptJ
                 | Self::CodeGen
                 | Self::GptBigCode
+                | Self::Opt
         )
     }
 
@@ -808,6 +830,13 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Opt => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(1),
+                activation: Activation::Relu,
+                ..LLAMA
+            },
             Self::GptBigCode => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -906,6 +935,12 @@ impl Family {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
             Self::GptJ | Self::CodeGen | Self::GptBigCode => ["transformer", "wte", "h", "ln_f"],
+            Self::Opt => [
+                "model.decoder",
+                "embed_tokens",
+                "layers",
+                "final_layer_norm",
+            ],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -915,6 +950,7 @@ impl Family {
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
             Self::Dbrx | Self::GptJ | Self::CodeGen | Self::GptBigCode => "transformer.wte",
+            Self::Opt => "model.decoder.embed_tokens",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }
@@ -938,6 +974,7 @@ impl Family {
         match self {
             Self::Gemma2 | Self::VaultGemma | Self::Gemma3 => "hidden_activation",
             Self::Falcon => "activation",
+            Self::Opt => "activation_function",
             _ => "hidden_act",
         }
     }

@@ -706,6 +706,8 @@ impl Layer {
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
+            // OPT's MLP is the layer's own.
+            Family::Opt => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -773,6 +775,7 @@ impl Layer {
                     Family::Falcon => "dense",
                     f if f.gptj() => "out_proj",
                     Family::GptBigCode => "c_proj",
+                    Family::Opt => "out_proj",
                     _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),
@@ -795,6 +798,7 @@ impl Layer {
                         }
                         Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
                         f if f.gptj() => ("fc_in", "fc_out"),
+                        Family::Opt => ("fc1", "fc2"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;

@@ -57,6 +57,7 @@ mod gpt_bigcode;
 mod gptj;
 mod layer;
 mod norm;
+mod opt;
 mod own_names;
 mod rope_scaling;
 mod rotary;
@@ -151,7 +152,8 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 #[derive(Debug)]
 pub struct Llama {
     ends: Ends,
-    /// GPT-BigCode's learned position embeddings (`wpe`), in the root.
+    /// GPT-BigCode's and OPT's learned position embeddings (`wpe`,
+    /// `embed_positions`), in the root.
     wpe: Option<nn::Embedding>,
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: Norm,
@@ -207,16 +209,21 @@ impl Llama {
         lora: Option<&LoraConfig>,
     ) -> Self {
         let [model, embedding, blocks, final_norm] = cfg.family.names();
-        let m = p / model;
+        // OPT's `model.decoder`: a path a name at a time.
+        let m = model.split('.').fold(p.clone(), |m, name| &m / name);
         // The root's variables before the first unit: a plan releasing
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
         let norm = Norm::new(&m / final_norm, cfg.hidden, cfg);
-        let wpe = cfg
-            .family
-            .learned_positions()
-            .then(|| nn::embedding(&m / "wpe", cfg.positions, cfg.hidden, Default::default()));
+        let wpe = cfg.family.learned_positions().then(|| {
+            let name = match cfg.family {
+                Family::Opt => "embed_positions",
+                _ => "wpe",
+            };
+            let rows = cfg.positions + cfg.family.position_offset();
+            nn::embedding(&m / name, rows, cfg.hidden, Default::default())
+        });
         let embed = Ends::embedding(
             plan,
             &(&m / embedding),
@@ -311,12 +318,23 @@ impl Llama {
                 (None, 0) => Tensor::arange(t, opts),
                 (None, o) => Tensor::arange_start(o, o + t, opts),
             };
+            let pos = match self.cfg.family.position_offset() {
+                0 => pos,
+                offset => pos + offset,
+            };
             // Not in place: the embedding's output may be saved for backward.
             let placed = &x + wpe.forward(&pos);
             x = placed;
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
+        // OPT's LayerDrop draws a number from the CPU's generator before
+        // each layer in training, `layerdrop` 0 or not (zrt refuses any
+        // other): the same draws keep its dropout masks `transformers'`.
+        let layer_drop = self.cfg.family == Family::Opt && self.training.on();
         for l in &self.layers {
+            if layer_drop {
+                let _ = Tensor::rand([], (tch::Kind::Float, tch::Device::Cpu));
+            }
             x = l.forward(&x);
         }
         // The caches hold these tokens now.

@@ -233,6 +233,10 @@ impl Norms {
                 input: norm("ln_1"),
                 before_mlp: norm("ln_2"),
             },
+            Family::Opt => Self::Pre {
+                input: norm("self_attn_layer_norm"),
+                before_mlp: norm("final_layer_norm"),
+            },
             f if f.gptj() => Self::Parallel {
                 input: norm("ln_1"),
             },

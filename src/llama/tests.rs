@@ -196,7 +196,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
             r#""llama", "layer_types": ["full_attention"]"#,
             "layer_types lists 1 layers, num_hidden_layers is 16",
         ),
-        (r#""silu""#, r#""relu""#, "hidden_act \"relu\""),
+        (r#""silu""#, r#""relu6""#, "hidden_act \"relu6\""),
         (
             r#""llama""#,
             r#""llama", "pad_token_id": 128256"#,
@@ -1283,6 +1283,48 @@ fn gpt_bigcode_configs_are_read_and_counted() {
         &given.replace(r#""n_head": 48"#, r#""n_head": 7"#),
         "n_head 7 does not divide n_embd 6144",
     );
+}
+
+#[test]
+fn opt_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("opt-configs");
+    // OPT-6.7B's published shape (32 layers 4096 wide, 2048 learned
+    // positions two rows in, the head tied) and OPT-125m's (its class's
+    // defaults); the counts are transformers' parameters.
+    let given = r#"{"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 4096, "ffn_dim": 16384, "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048, "do_layer_norm_before": true, "word_embed_proj_dim": 4096, "activation_function": "relu", "dropout": 0.1, "attention_dropout": 0.0, "enable_bias": true, "layerdrop": 0.0, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2, "vocab_size": 50272, "_remove_final_layer_norm": false}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 6658473984);
+    assert_eq!((c.tied, c.pad_token, c.resid_dropout), (true, Some(1), 0.1));
+    assert_eq!(c.activation, Activation::Relu);
+    assert_eq!(c.unit_params()[1].0, "model.decoder.layers.0");
+    let small = dir
+        .read(r#"{"model_type": "opt", "vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12}"#)
+        .unwrap();
+    assert_eq!(total(&small), 125239296);
+    dir.round_trips([c, small]);
+    for (change, says) in [
+        (
+            r#""do_layer_norm_before": false"#,
+            "do_layer_norm_before false (OPT-350m's layers",
+        ),
+        (
+            r#""word_embed_proj_dim": 512"#,
+            "word_embed_proj_dim 512 (not hidden_size 4096)",
+        ),
+        (
+            r#""layerdrop": 0.1"#,
+            "layerdrop 0.1: zrt runs every layer every step",
+        ),
+        (
+            r#""_remove_final_layer_norm": true"#,
+            "_remove_final_layer_norm true",
+        ),
+    ] {
+        let key = change.split(':').next().unwrap();
+        let at = given.find(key).unwrap();
+        let end = at + given[at..].find([',', '}']).unwrap();
+        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+    }
 }
 
 #[test]

@@ -181,10 +181,7 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
 
 /// `e` with the flat fields it names renamed to DBRX's.
 pub(super) fn dbrx_names(e: HfError) -> HfError {
-    let renames: Vec<(&str, &str)> = (FIELDS.iter().map(|f| (f.flat, f.own)))
-        .chain(OTHERS)
-        .collect();
-    own_names::renamed(e, &renames)
+    own_names::renamed_as(e, &FIELDS, &OTHERS)
 }
 
 /// `c`'s `config.json` as `DbrxConfig` reads it.

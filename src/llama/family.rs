@@ -505,16 +505,15 @@ impl Family {
     /// (with biases) where the others have RMSNorms (Nemotron's weights
     /// offsets from one).
     pub(super) fn layer_norm(self) -> bool {
+        matches!(self, Self::Starcoder2 | Self::StableLm | Self::Nemotron) || self.classic()
+    }
+
+    /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT):
+    /// LayerNorms with biases and an ungated MLP.
+    pub(super) fn classic(self) -> bool {
         matches!(
             self,
-            Self::Starcoder2
-                | Self::StableLm
-                | Self::Nemotron
-                | Self::Falcon
-                | Self::GptJ
-                | Self::CodeGen
-                | Self::GptBigCode
-                | Self::Opt
+            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::Opt
         )
     }
 
@@ -573,18 +572,10 @@ impl Family {
     /// An MLP of a gate and an up projection (all but StarCoder2's and
     /// Arcee's).
     pub(super) fn gated(self) -> bool {
-        !matches!(
+        !(matches!(
             self,
-            Self::Starcoder2
-                | Self::Arcee
-                | Self::Apertus
-                | Self::Nemotron
-                | Self::Falcon
-                | Self::GptJ
-                | Self::CodeGen
-                | Self::GptBigCode
-                | Self::Opt
-        )
+            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron
+        ) || self.classic())
     }
 
     /// OLMo's: each sublayer's output normalised, not its input; the

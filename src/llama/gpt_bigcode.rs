@@ -2,49 +2,25 @@
 //! for its sizes, read as the flat config the other families share
 //! ([`own_names`]) and written back as `GPTBigCodeConfig` writes it.
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::hf::{HfError, HfJson};
 
 use super::config::LlamaConfig;
 use super::family::Family;
-use super::own_names::{self, field, Default, Field};
+use super::own_names::{self, Field, Gpt2Defaults};
 
 /// Each flat field and GPT-BigCode's name for it, with
-/// `GPTBigCodeConfig`'s default (its dropouts 0.1); the first four as
-/// its `attribute_map` lets a config spell them too.
-const FIELDS: [Field; 10] = [
-    field("hidden_size", "n_embd", Default::Int(768), true),
-    field("num_attention_heads", "n_head", Default::Int(12), true),
-    field("num_hidden_layers", "n_layer", Default::Int(12), true),
-    field(
-        "max_position_embeddings",
-        "n_positions",
-        Default::Int(1024),
-        true,
-    ),
-    field("vocab_size", "vocab_size", Default::Int(50257), false),
-    field(
-        "hidden_act",
-        "activation_function",
-        Default::Str("gelu_pytorch_tanh"),
-        false,
-    ),
-    field(
-        "layer_norm_epsilon",
-        "layer_norm_epsilon",
-        Default::Float(1e-5),
-        false,
-    ),
-    field("resid_pdrop", "resid_pdrop", Default::Float(0.1), false),
-    field("embd_pdrop", "embd_pdrop", Default::Float(0.1), false),
-    field(
-        "attention_dropout",
-        "attn_pdrop",
-        Default::Float(0.1),
-        false,
-    ),
-];
+/// `GPTBigCodeConfig`'s default (its dropouts 0.1).
+const FIELDS: [Field; 10] = own_names::gpt2_fields(Gpt2Defaults {
+    width: 768,
+    heads: 12,
+    layers: 12,
+    positions: 1024,
+    vocab: 50257,
+    activation: "gelu_pytorch_tanh",
+    dropout: 0.1,
+});
 
 /// The flat fields read beside [`FIELDS`] that need more than a copy.
 const OTHERS: [(&str, &str); 2] = [
@@ -58,20 +34,10 @@ const OTHERS: [(&str, &str); 2] = [
 /// with `multi_query` (its default), else one a head; unscaled scores
 /// when `scale_attn_weights` is false.
 pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
-    let mut out = Map::new();
-    out.insert("model_type".into(), "gpt_bigcode".into());
-    own_names::keep(j, &mut out);
-    own_names::copy(j, &[], &FIELDS, &mut out);
-    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
-    let (Some(hidden), Some(heads)) = (size("hidden_size"), size("num_attention_heads")) else {
-        // The shared reader names the field that is no size.
+    let (mut out, sizes) = own_names::gpt2_flat(j, "gpt_bigcode", &FIELDS);
+    let Some((_, heads)) = sizes else {
         return Ok(j.reading(Value::Object(out)));
     };
-    let width = match j.get("n_inner") {
-        None => Value::from(4 * hidden),
-        Some(v) => v.clone(),
-    };
-    out.insert("intermediate_size".into(), width);
     let kv = match j.flag_or("multi_query", true)? {
         true => 1,
         false => heads,
@@ -86,32 +52,15 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
 
 /// `e` with the flat fields it names renamed to GPT-BigCode's.
 pub(super) fn bigcode_names(e: HfError) -> HfError {
-    let renames: Vec<(&str, &str)> = (FIELDS.iter().map(|f| (f.flat, f.own)))
-        .chain(OTHERS)
-        .collect();
-    own_names::renamed(e, &renames)
+    own_names::renamed_as(e, &FIELDS, &OTHERS)
 }
 
 /// `c`'s `config.json` as `GPTBigCodeConfig` reads it.
 pub(super) fn to_json(c: &LlamaConfig) -> Value {
     debug_assert_eq!(c.family, Family::GptBigCode);
-    json!({
-        "model_type": "gpt_bigcode",
-        "architectures": [Family::GptBigCode.architecture()],
-        "vocab_size": c.vocab,
-        "n_embd": c.hidden,
-        "n_head": c.heads,
-        "n_layer": c.layers,
-        "n_positions": c.positions,
-        "n_inner": c.intermediate,
+    let extra = json!({
         "multi_query": c.kv_heads == 1 && c.heads > 1,
         "scale_attn_weights": c.attention_multiplier.is_none(),
-        "activation_function": c.activation.name(),
-        "layer_norm_epsilon": c.eps,
-        "resid_pdrop": c.resid_dropout,
-        "embd_pdrop": c.embedding_dropout,
-        "attn_pdrop": c.attention_dropout,
-        "tie_word_embeddings": c.tied,
-        "pad_token_id": c.pad_token,
-    })
+    });
+    own_names::gpt2_json(c, extra)
 }

@@ -4,49 +4,25 @@
 //! ([`own_names`]) and written back as `GPTJConfig` (`CodeGenConfig`)
 //! writes it.
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::hf::{HfError, HfJson};
 
 use super::config::LlamaConfig;
 use super::family::Family;
-use super::own_names::{self, field, Default, Field};
+use super::own_names::{self, Field, Gpt2Defaults};
 
 /// Each flat field and GPT-J's name for it, with `GPTJConfig`'s
-/// default; the first four as its `attribute_map` lets a config spell
-/// them too.
-const FIELDS: [Field; 10] = [
-    field("hidden_size", "n_embd", Default::Int(4096), true),
-    field("num_attention_heads", "n_head", Default::Int(16), true),
-    field("num_hidden_layers", "n_layer", Default::Int(28), true),
-    field(
-        "max_position_embeddings",
-        "n_positions",
-        Default::Int(2048),
-        true,
-    ),
-    field("vocab_size", "vocab_size", Default::Int(50400), false),
-    field(
-        "hidden_act",
-        "activation_function",
-        Default::Str("gelu_new"),
-        false,
-    ),
-    field(
-        "layer_norm_epsilon",
-        "layer_norm_epsilon",
-        Default::Float(1e-5),
-        false,
-    ),
-    field("resid_pdrop", "resid_pdrop", Default::Float(0.0), false),
-    field("embd_pdrop", "embd_pdrop", Default::Float(0.0), false),
-    field(
-        "attention_dropout",
-        "attn_pdrop",
-        Default::Float(0.0),
-        false,
-    ),
-];
+/// default (`CodeGenConfig`'s are the same).
+const FIELDS: [Field; 10] = own_names::gpt2_fields(Gpt2Defaults {
+    width: 4096,
+    heads: 16,
+    layers: 28,
+    positions: 2048,
+    vocab: 50400,
+    activation: "gelu_new",
+    dropout: 0.0,
+});
 
 /// The flat fields read beside [`FIELDS`] that need more than a copy.
 const OTHERS: [(&str, &str); 2] = [
@@ -59,20 +35,10 @@ const OTHERS: [(&str, &str); 2] = [
 /// `n_inner` wide (null: four times the width); each head turns its
 /// first `rotary_dim` dimensions (read as their share of the head).
 pub(super) fn flat(j: &HfJson, family: Family) -> Result<HfJson, HfError> {
-    let mut out = Map::new();
-    out.insert("model_type".into(), family.model_type().into());
-    own_names::keep(j, &mut out);
-    own_names::copy(j, &[], &FIELDS, &mut out);
-    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
-    let (Some(hidden), Some(heads)) = (size("hidden_size"), size("num_attention_heads")) else {
-        // The shared reader names the field that is no size.
+    let (mut out, sizes) = own_names::gpt2_flat(j, family.model_type(), &FIELDS);
+    let Some((hidden, heads)) = sizes else {
         return Ok(j.reading(Value::Object(out)));
     };
-    let width = match j.get("n_inner") {
-        None => Value::from(4 * hidden),
-        Some(v) => v.clone(),
-    };
-    out.insert("intermediate_size".into(), width);
     // CodeGen's query-value-key matrix holds a quarter of the heads in
     // each of its four blocks.
     let blocks = super::layer::CODEGEN_BLOCKS;
@@ -105,31 +71,11 @@ pub(super) fn flat(j: &HfJson, family: Family) -> Result<HfJson, HfError> {
 
 /// `e` with the flat fields it names renamed to GPT-J's.
 pub(super) fn gptj_names(e: HfError) -> HfError {
-    let renames: Vec<(&str, &str)> = (FIELDS.iter().map(|f| (f.flat, f.own)))
-        .chain(OTHERS)
-        .collect();
-    own_names::renamed(e, &renames)
+    own_names::renamed_as(e, &FIELDS, &OTHERS)
 }
 
 /// `c`'s `config.json` as `GPTJConfig` reads it.
 pub(super) fn to_json(c: &LlamaConfig) -> Value {
     debug_assert!(c.family.gptj());
-    json!({
-        "model_type": c.family.model_type(),
-        "architectures": [c.family.architecture()],
-        "vocab_size": c.vocab,
-        "n_embd": c.hidden,
-        "n_head": c.heads,
-        "n_layer": c.layers,
-        "n_positions": c.positions,
-        "n_inner": c.intermediate,
-        "rotary_dim": c.rotary_dim(),
-        "activation_function": c.activation.name(),
-        "layer_norm_epsilon": c.eps,
-        "resid_pdrop": c.resid_dropout,
-        "embd_pdrop": c.embedding_dropout,
-        "attn_pdrop": c.attention_dropout,
-        "tie_word_embeddings": c.tied,
-        "pad_token_id": c.pad_token,
-    })
+    own_names::gpt2_json(c, json!({"rotary_dim": c.rotary_dim()}))
 }

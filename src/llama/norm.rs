@@ -212,6 +212,20 @@ impl Norms {
     /// The family's norms of the layer under `p`, of width `d`.
     pub(super) fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
         let norm = |n: &str| Norm::new(p / n, d, c);
+        // The families' names of the norms before their two sublayers.
+        let pre = || {
+            let (input, before_mlp) = match c.family {
+                Family::VaultGemma => ("input_layernorm", "pre_feedforward_layernorm"),
+                Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
+                Family::GptBigCode => ("ln_1", "ln_2"),
+                Family::Opt => ("self_attn_layer_norm", "final_layer_norm"),
+                _ => ("input_layernorm", "post_attention_layernorm"),
+            };
+            Self::Pre {
+                input: norm(input),
+                before_mlp: norm(before_mlp),
+            }
+        };
         match c.family {
             Family::Glm4 => Self::Sandwich {
                 input: norm("input_layernorm"),
@@ -229,14 +243,6 @@ impl Norms {
                 after_attention: norm("post_attention_layernorm"),
                 after_mlp: norm("post_feedforward_layernorm"),
             },
-            Family::GptBigCode => Self::Pre {
-                input: norm("ln_1"),
-                before_mlp: norm("ln_2"),
-            },
-            Family::Opt => Self::Pre {
-                input: norm("self_attn_layer_norm"),
-                before_mlp: norm("final_layer_norm"),
-            },
             f if f.gptj() => Self::Parallel {
                 input: norm("ln_1"),
             },
@@ -251,27 +257,13 @@ impl Norms {
                 Some(f) if f.parallel => Self::Parallel {
                     input: norm("input_layernorm"),
                 },
-                _ => Self::Pre {
-                    input: norm("input_layernorm"),
-                    before_mlp: norm("post_attention_layernorm"),
-                },
-            },
-            Family::VaultGemma => Self::Pre {
-                input: norm("input_layernorm"),
-                before_mlp: norm("pre_feedforward_layernorm"),
-            },
-            Family::Apertus => Self::Pre {
-                input: norm("attention_layernorm"),
-                before_mlp: norm("feedforward_layernorm"),
+                _ => pre(),
             },
             Family::Dbrx => Self::Pre {
                 input: Norm::new(p / "norm_attn_norm" / "norm_1", d, c),
                 before_mlp: Norm::new(p / "norm_attn_norm" / "norm_2", d, c),
             },
-            _ => Self::Pre {
-                input: norm("input_layernorm"),
-                before_mlp: norm("post_attention_layernorm"),
-            },
+            _ => pre(),
         }
     }
 

@@ -5,7 +5,9 @@
 //! class's), and the shared reader's errors renamed back, so that a
 //! user reads the field they wrote.
 
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
+
+use super::config::LlamaConfig;
 
 use crate::hf::{HfError, HfJson};
 
@@ -79,10 +81,19 @@ pub(super) fn copy(
     }
 }
 
+/// `e` with the flat fields it names given their own names: `fields`'
+/// and `others` (flat, own) read beside them.
+pub(super) fn renamed_as(e: HfError, fields: &[Field], others: &[(&str, &str)]) -> HfError {
+    let renames: Vec<(&str, &str)> = (fields.iter().map(|f| (f.flat, f.own)))
+        .chain(others.iter().copied())
+        .collect();
+    renamed(e, &renames)
+}
+
 /// `e` with the flat fields it names given their own names (`renames`:
 /// flat, own), word by word, so that a name is renamed once
 /// (`hidden_size` within `ffn_config.ffn_hidden_size` stays).
-pub(super) fn renamed(e: HfError, renames: &[(&str, &str)]) -> HfError {
+fn renamed(e: HfError, renames: &[(&str, &str)]) -> HfError {
     let HfError::Field { path, msg } = e else {
         return e;
     };
@@ -123,4 +134,110 @@ pub(super) fn keep(j: &HfJson, out: &mut Map<String, Value>) {
             out.insert(key.into(), v.clone());
         }
     }
+}
+
+/// The defaults of a config class that names its sizes as GPT-2's does
+/// (`GPTJConfig`, `CodeGenConfig`, `GPTBigCodeConfig`).
+pub(super) struct Gpt2Defaults {
+    pub(super) width: i64,
+    pub(super) heads: i64,
+    pub(super) layers: i64,
+    pub(super) positions: i64,
+    pub(super) vocab: i64,
+    pub(super) activation: &'static str,
+    /// `resid_pdrop`, `embd_pdrop` and `attn_pdrop`'s.
+    pub(super) dropout: f64,
+}
+
+/// The fields such a class names as GPT-2 does, with its defaults; the
+/// first four as its `attribute_map` lets a config spell them too.
+pub(super) const fn gpt2_fields(d: Gpt2Defaults) -> [Field; 10] {
+    [
+        field("hidden_size", "n_embd", Default::Int(d.width), true),
+        field("num_attention_heads", "n_head", Default::Int(d.heads), true),
+        field("num_hidden_layers", "n_layer", Default::Int(d.layers), true),
+        field(
+            "max_position_embeddings",
+            "n_positions",
+            Default::Int(d.positions),
+            true,
+        ),
+        field("vocab_size", "vocab_size", Default::Int(d.vocab), false),
+        field(
+            "hidden_act",
+            "activation_function",
+            Default::Str(d.activation),
+            false,
+        ),
+        field(
+            "layer_norm_epsilon",
+            "layer_norm_epsilon",
+            Default::Float(1e-5),
+            false,
+        ),
+        field(
+            "resid_pdrop",
+            "resid_pdrop",
+            Default::Float(d.dropout),
+            false,
+        ),
+        field("embd_pdrop", "embd_pdrop", Default::Float(d.dropout), false),
+        field(
+            "attention_dropout",
+            "attn_pdrop",
+            Default::Float(d.dropout),
+            false,
+        ),
+    ]
+}
+
+/// A GPT-2-named config `j` read flat as `model_type`: `fields` copied,
+/// the MLP `n_inner` wide (null: four times the width), and its width
+/// and heads when both are sizes (`None`: the shared reader names the
+/// field that is not).
+pub(super) fn gpt2_flat(
+    j: &HfJson,
+    model_type: &str,
+    fields: &[Field],
+) -> (Map<String, Value>, Option<(i64, i64)>) {
+    let mut out = Map::new();
+    out.insert("model_type".into(), model_type.into());
+    keep(j, &mut out);
+    copy(j, &[], fields, &mut out);
+    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
+    let (Some(hidden), Some(heads)) = (size("hidden_size"), size("num_attention_heads")) else {
+        return (out, None);
+    };
+    let width = match j.get("n_inner") {
+        None => Value::from(4 * hidden),
+        Some(v) => v.clone(),
+    };
+    out.insert("intermediate_size".into(), width);
+    (out, Some((hidden, heads)))
+}
+
+/// `c`'s `config.json` as a GPT-2-named class reads it, with the
+/// family's `extra` fields.
+pub(super) fn gpt2_json(c: &LlamaConfig, extra: Value) -> Value {
+    let mut json = json!({
+        "model_type": c.family.model_type(),
+        "architectures": [c.family.architecture()],
+        "vocab_size": c.vocab,
+        "n_embd": c.hidden,
+        "n_head": c.heads,
+        "n_layer": c.layers,
+        "n_positions": c.positions,
+        "n_inner": c.intermediate,
+        "activation_function": c.activation.name(),
+        "layer_norm_epsilon": c.eps,
+        "resid_pdrop": c.resid_dropout,
+        "embd_pdrop": c.embedding_dropout,
+        "attn_pdrop": c.attention_dropout,
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
+    });
+    if let (Some(all), Value::Object(extra)) = (json.as_object_mut(), extra) {
+        all.extend(extra);
+    }
+    json
 }

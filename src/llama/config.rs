@@ -368,22 +368,16 @@ impl LlamaConfig {
 
     /// As [`LlamaConfig::from_hf_dir`], from a config already read.
     pub(crate) fn from_json(j: &HfJson) -> Result<Self, HfError> {
-        // DBRX's nested fields, read flat; errors name DBRX's.
-        if j.model_type().as_deref() == Some(Family::Dbrx.model_type()) {
-            return Self::read(&dbrx::flat(j)?).map_err(dbrx::dbrx_names);
-        }
-        // GPT-J's GPT-2 names, read flat; errors name GPT-J's.
-        if let Some(f) = (j.model_type().as_deref())
-            .and_then(Family::of)
-            .filter(|f| f.gptj())
-        {
-            return Self::read(&gptj::flat(j, f)?).map_err(gptj::gptj_names);
-        }
-        if j.model_type().as_deref() == Some(Family::GptBigCode.model_type()) {
-            let flat = gpt_bigcode::flat(j)?;
-            return Self::read(&flat).map_err(gpt_bigcode::bigcode_names);
-        }
-        Self::read(j)
+        // DBRX's nested fields and the GPT-2 names of GPT-J's, CodeGen's
+        // and GPT-BigCode's, read flat; errors name their own.
+        let family = j.model_type().as_deref().and_then(Family::of);
+        let (flat, own_names): (HfJson, fn(HfError) -> HfError) = match family {
+            Some(Family::Dbrx) => (dbrx::flat(j)?, dbrx::dbrx_names),
+            Some(f) if f.gptj() => (gptj::flat(j, f)?, gptj::gptj_names),
+            Some(Family::GptBigCode) => (gpt_bigcode::flat(j)?, gpt_bigcode::bigcode_names),
+            _ => return Self::read(j),
+        };
+        Self::read(&flat).map_err(own_names)
     }
 
     /// As [`LlamaConfig::from_json`], from a flat config.
@@ -943,20 +937,17 @@ impl LlamaConfig {
 
     /// The `config.json` `transformers` reads this model from.
     pub fn to_hf_json(&self) -> String {
-        if self.family == Family::Dbrx {
-            return format!("{:#}\n", dbrx::to_json(self));
-        }
-        if let Some(f) = &self.falcon {
-            return format!("{:#}\n", falcon::to_json(self, f));
-        }
-        if self.family.gptj() {
-            return format!("{:#}\n", gptj::to_json(self));
-        }
-        if self.family == Family::GptBigCode {
-            return format!("{:#}\n", gpt_bigcode::to_json(self));
-        }
-        if self.family == Family::Opt {
-            return format!("{:#}\n", opt::to_json(self));
+        // The families whose configs name their fields their own ways.
+        let own = match (self.family, &self.falcon) {
+            (Family::Dbrx, _) => Some(dbrx::to_json(self)),
+            (_, Some(f)) => Some(falcon::to_json(self, f)),
+            (f, _) if f.gptj() => Some(gptj::to_json(self)),
+            (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
+            (Family::Opt, _) => Some(opt::to_json(self)),
+            _ => None,
+        };
+        if let Some(json) = own {
+            return format!("{json:#}\n");
         }
         let rope_scaling = self.rope_scaling.to_json(self.family == Family::Phi3);
         let mut json = serde_json::json!({

@@ -757,8 +757,8 @@ impl Layer {
                     let name = match c.family {
                         Family::Dbrx => "Wqkv",
                         Family::Falcon => "query_key_value",
-                        Family::CodeGen => "qkv_proj",
                         Family::GptBigCode => "c_attn",
+                        // Phi-3's and CodeGen's.
                         _ => "qkv_proj",
                     };
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
@@ -771,11 +771,9 @@ impl Layer {
             },
             o_proj: lin(
                 &(&a / match c.family {
-                    Family::Dbrx => "out_proj",
+                    f if matches!(f, Family::Dbrx | Family::Opt) || f.gptj() => "out_proj",
                     Family::Falcon => "dense",
-                    f if f.gptj() => "out_proj",
                     Family::GptBigCode => "c_proj",
-                    Family::Opt => "out_proj",
                     _ => "o_proj",
                 }),
                 c.heads * c.v_head_dim(),

@@ -259,6 +259,19 @@ fn opt_drops_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// GPT-Neo's dropouts: the embeddings' (after the positions join), the
+/// attention weights' (its eager attention's, on its local layer too),
+/// both sublayers' outputs.
+#[test]
+fn gpt_neo_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "gpt-neo",
+        "from transformers import GPTNeoConfig as C, GPTNeoForCausalLM as M",
+        "vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, intermediate_size=128, attention_types=[[['global', 'local'], 1]], window_size=5, embed_dropout=0.2, attention_dropout=0.25, resid_dropout=0.1",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -389,6 +389,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import OPTConfig as C, OPTForCausalLM as M",
             "vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
+        ),
+        load: "",
+    },
+    // GPT-Neo: learned positions, unscaled attention, every other
+    // layer local in a window of 5 (global first), an unbiased query,
+    // key and value beside a biased output projection.
+    Case {
+        name: "gpt-neo",
+        python: (
+            "from transformers import GPTNeoConfig as C, GPTNeoForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, intermediate_size=128, attention_types=[[['global', 'local'], 1]], window_size=5",
         ),
         load: "",
     },
@@ -1140,6 +1151,11 @@ fn a_gpt_bigcode_checkpoint_with_every_heads_keys_and_unscaled_scores_trains_as_
 #[test]
 fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does() {
     parity("opt");
+}
+
+#[test]
+fn a_gpt_neo_checkpoint_with_local_layers_and_unscaled_attention_trains_as_transformers_does() {
+    parity("gpt-neo");
 }
 
 #[test]
@@ -2148,6 +2164,12 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "gpt_bigcode" => r#"{"model_type": "gpt_bigcode", "vocab_size": 160000, "n_embd": 512,
                 "n_inner": 96, "n_layer": 4, "n_head": 32}"#
                 .to_string(),
+            // GPT-Neo's counts its own names; its class's default kinds
+            // are 24 layers'.
+            "gpt_neo" => r#"{"model_type": "gpt_neo", "vocab_size": 160000, "hidden_size": 512,
+                "intermediate_size": 96, "num_layers": 4, "num_heads": 32,
+                "attention_types": [[["global", "local"], 2]]}"#
+                .to_string(),
             // OPT's MLP width is `ffn_dim`.
             "opt" => r#"{"model_type": "opt", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2180,10 +2202,10 @@ for mt in sorted(os.listdir(root)):
     given = AutoConfig.from_pretrained(os.path.join(root, mt, "given")).to_dict()
     read = AutoConfig.from_pretrained(os.path.join(root, mt, "read")).to_dict()
     # A class without a head_dim (or with None) computes it from the
-    # sizes (DBRX's and GPT-J's named their own ways).
+    # sizes (DBRX's, GPT-J's and GPT-Neo's named their own ways).
     for c in (given, read):
         width = c.get("hidden_size") or c.get("d_model") or c["n_embd"]
-        heads = c.get("num_attention_heads") or c.get("n_heads") or c["n_head"]
+        heads = c.get("num_attention_heads") or c.get("n_heads") or c.get("num_heads") or c["n_head"]
         c["head_dim"] = c.get("head_dim") or width // heads
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
@@ -2517,8 +2539,9 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// row cut through its documents, its layer without positions growing
 /// its queries with the row's position, DBRX's clipped attention,
 /// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
-/// each head turned by pairs, CodeGen's blocked heads, and GPT-BigCode's
-/// and OPT's learned positions, each token's in its document.
+/// each head turned by pairs, CodeGen's blocked heads, GPT-BigCode's
+/// and OPT's learned positions, each token's in its document, and
+/// GPT-Neo's local layers beside them.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2546,6 +2569,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "codegen",
         "gpt-bigcode",
         "opt",
+        "gpt-neo",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2563,7 +2587,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen and OPT build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT and GPT-Neo build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2580,7 +2604,8 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "falcon": {{"attention_mask": masks["full_attention"]}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
-             "opt": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "opt": {{"attention_mask": masks["full_attention"]}},
+             "gpt_neo": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

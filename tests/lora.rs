@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode and OPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT and GPT-Neo checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -331,6 +331,19 @@ const OPT: Case = Case {
     targets: &["q_proj", "v_proj", "fc1"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128)),
+    ..OFF
+};
+
+/// GPT-Neo's queries and values (PEFT's default; under
+/// `attn.attention`), each 64 -> 64, and its MLP's `c_proj` (128 -> 64).
+const GPT_NEO: Case = Case {
+    python: (
+        "from transformers import GPTNeoConfig as C, GPTNeoForCausalLM as M",
+        "vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, intermediate_size=128, attention_types=[[['global', 'local'], 1]], window_size=5",
+    ),
+    targets: &["q_proj", "v_proj", "c_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (128 + 64)),
     ..OFF
 };
 
@@ -717,6 +730,11 @@ fn lora_adapters_on_gpt_bigcodes_fused_attention_and_mlp_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_opts_decoder_train_as_peft_does() {
     parity("opt", &OPT, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
+    parity("gpt-neo", &GPT_NEO, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -11,6 +11,7 @@ use super::dbrx;
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
 use super::gpt_bigcode;
+use super::gpt_neo;
 use super::gptj;
 use super::opt;
 use super::rope_scaling::{rope_scaling, RopeScaling};
@@ -349,6 +350,10 @@ pub struct LlamaConfig {
     pub llama4: Option<Llama4Attention>,
     /// Falcon's layer layout ([`FalconLayout`]); `None` for the others.
     pub falcon: Option<FalconLayout>,
+    /// GPT-Neo's `attention_types`, one a layer: `true` for a layer
+    /// attending in [`LlamaConfig::sliding_window`]; `None` for the
+    /// others ([`LlamaConfig::full_every`] says there).
+    pub local_layers: Option<Vec<bool>>,
 }
 
 impl LlamaConfig {
@@ -375,6 +380,7 @@ impl LlamaConfig {
             Some(Family::Dbrx) => (dbrx::flat(j)?, dbrx::dbrx_names),
             Some(f) if f.gptj() => (gptj::flat(j, f)?, gptj::gptj_names),
             Some(Family::GptBigCode) => (gpt_bigcode::flat(j)?, gpt_bigcode::bigcode_names),
+            Some(Family::GptNeo) => (gpt_neo::flat(j)?, gpt_neo::gpt_neo_names),
             _ => return Self::read(j),
         };
         Self::read(&flat).map_err(own_names)
@@ -534,8 +540,9 @@ impl LlamaConfig {
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
-            // `enable_bias` is every projection's.
-            Family::GptBigCode => true,
+            // `enable_bias` is every projection's; GPT-Neo's output
+            // projection has one, its queries, keys and values none.
+            Family::GptBigCode | Family::GptNeo => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
@@ -556,6 +563,7 @@ impl LlamaConfig {
             Family::SeedOss => j.flag_or("attention_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
             Family::Helium => j.flag_or("attention_bias", false)?,
+            Family::GptNeo => false,
             _ => attention_bias,
         };
         let sliding_window = match family {
@@ -570,7 +578,8 @@ impl LlamaConfig {
             | Family::Starcoder2
             | Family::Cohere2
             | Family::Exaone4
-            | Family::GptOss => j.size_or_null("sliding_window", defaults.window)?,
+            | Family::GptOss
+            | Family::GptNeo => j.size_or_null("sliding_window", defaults.window)?,
             Family::Qwen2
             | Family::Qwen3
             | Family::Qwen2Moe
@@ -662,7 +671,7 @@ impl LlamaConfig {
                     false
                 }
                 // GPT-J's MLP has biases, its attention none.
-                f if f.gptj() || f == Family::GptBigCode => true,
+                f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => true,
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -722,14 +731,18 @@ impl LlamaConfig {
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
-                f if f.gptj() || f == Family::GptBigCode => j.rate_or("resid_pdrop", 0.0)?,
+                f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
+                    j.rate_or("resid_pdrop", 0.0)?
+                }
                 Family::Opt => j.rate_or("dropout", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
                 Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
                 Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
-                f if f.gptj() || f == Family::GptBigCode => j.rate_or("embd_pdrop", 0.0)?,
+                f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
+                    j.rate_or("embd_pdrop", 0.0)?
+                }
                 _ => 0.0,
             },
             embedding_multiplier: granite("embedding_multiplier")?,
@@ -739,8 +752,10 @@ impl LlamaConfig {
                 // transformers' DeepSeek-V2 leaves `mscale_all_dim` out
                 // of its scores' scale.
                 (Family::DeepseekV2, Some(_)) => Some((head_dim as f64).powf(-0.5)),
-                // GPT-BigCode's scores unscaled (`scale_attn_weights` false).
+                // GPT-BigCode's scores unscaled (`scale_attn_weights` false),
+                // GPT-Neo's always.
                 (Family::GptBigCode, _) if !j.flag_or("scale_attn_weights", true)? => Some(1.0),
+                (Family::GptNeo, _) => Some(1.0),
                 (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
@@ -778,6 +793,10 @@ impl LlamaConfig {
                 _ => None,
             },
             falcon: falcon.map(|(layout, _)| layout),
+            local_layers: match family {
+                Family::GptNeo => Some(local_layers(j)?),
+                _ => None,
+            },
         })
     }
 
@@ -831,6 +850,10 @@ impl LlamaConfig {
     /// Layer `l`'s sliding window: `None` when it attends to every
     /// earlier token.
     pub fn window(&self, l: i64) -> Option<i64> {
+        if let Some(local) = &self.local_layers {
+            let windowed = local.get(l as usize) == Some(&true);
+            return self.sliding_window.filter(|_| windowed);
+        }
         match self.full_every {
             Some(n) if (l + 1) % n == 0 => None,
             _ => self.sliding_window,
@@ -944,6 +967,7 @@ impl LlamaConfig {
             (f, _) if f.gptj() => Some(gptj::to_json(self)),
             (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
             (Family::Opt, _) => Some(opt::to_json(self)),
+            (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             _ => None,
         };
         if let Some(json) = own {
@@ -1202,7 +1226,8 @@ impl LlamaConfig {
             | Family::GptJ
             | Family::CodeGen
             | Family::GptBigCode
-            | Family::Opt => {
+            | Family::Opt
+            | Family::GptNeo => {
                 serde_json::json!({})
             }
             Family::Nemotron => serde_json::json!({
@@ -1785,6 +1810,14 @@ pub(crate) fn pad_token(
 }
 
 /// Which layers attend to every earlier token when the model has a
+/// GPT-Neo's layers' kinds, as [`gpt_neo::flat`] expanded them
+/// (`attention_layers`): `true` for a local one.
+fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
+    let kinds = j.get("attention_layers").and_then(|v| v.as_array());
+    let local = kinds.and_then(|k| k.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>());
+    local.ok_or_else(|| j.field("attention_types: one kind a layer".into()))
+}
+
 /// sliding window ([`LlamaConfig::full_every`]): read from `layer_types`
 /// when the config lists them, else the family's (Gemma 2: every other
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).

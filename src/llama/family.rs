@@ -297,11 +297,17 @@ pub enum Family {
     /// an ungated ReLU MLP (`fc1`, `fc2`) in the layer itself, biases
     /// (`enable_bias`), the head tied.
     Opt,
+    /// `gpt_neo` (`GPTNeoForCausalLM`: EleutherAI's GPT-Neo 125M-2.7B):
+    /// GPT-2's modules (learned positions `wpe`, `ln_1`/`ln_2`,
+    /// `mlp.c_fc`/`c_proj`) in `nn.Linear`'s layout, its attention
+    /// (`attn.attention.q_proj`, ..., `out_proj`, biased) unscaled, in a
+    /// window on the layers `attention_types` makes local.
+    GptNeo,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 50] = [
+    pub const ALL: [Family; 51] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -352,6 +358,7 @@ impl Family {
         Self::CodeGen,
         Self::GptBigCode,
         Self::Opt,
+        Self::GptNeo,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -421,6 +428,7 @@ impl Family {
             Self::CodeGen => "codegen",
             Self::GptBigCode => "gpt_bigcode",
             Self::Opt => "opt",
+            Self::GptNeo => "gpt_neo",
         }
     }
 
@@ -477,6 +485,7 @@ impl Family {
             Self::CodeGen => "CodeGenForCausalLM",
             Self::GptBigCode => "GPTBigCodeForCausalLM",
             Self::Opt => "OPTForCausalLM",
+            Self::GptNeo => "GPTNeoForCausalLM",
         }
     }
 
@@ -508,12 +517,13 @@ impl Family {
         matches!(self, Self::Starcoder2 | Self::StableLm | Self::Nemotron) || self.classic()
     }
 
-    /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT):
+    /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
+    /// GPT-Neo):
     /// LayerNorms with biases and an ungated MLP.
     pub(super) fn classic(self) -> bool {
         matches!(
             self,
-            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::Opt
+            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::Opt | Self::GptNeo
         )
     }
 
@@ -534,7 +544,7 @@ impl Family {
     /// (`transformer.wpe`, `model.decoder.embed_positions`) added to the
     /// tokens', no rotary embeddings.
     pub(super) fn learned_positions(self) -> bool {
-        matches!(self, Self::GptBigCode | Self::Opt)
+        matches!(self, Self::GptBigCode | Self::Opt | Self::GptNeo)
     }
 
     /// The rows its learned position embeddings keep before position 0
@@ -821,6 +831,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::GptNeo => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::GeluNew,
+                ..LLAMA
+            },
             Self::Opt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -925,7 +941,9 @@ impl Family {
         match self {
             Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
-            Self::GptJ | Self::CodeGen | Self::GptBigCode => ["transformer", "wte", "h", "ln_f"],
+            Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
+                ["transformer", "wte", "h", "ln_f"]
+            }
             Self::Opt => [
                 "model.decoder",
                 "embed_tokens",
@@ -940,7 +958,9 @@ impl Family {
     /// two, joined), which a tied head shares.
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
-            Self::Dbrx | Self::GptJ | Self::CodeGen | Self::GptBigCode => "transformer.wte",
+            Self::Dbrx | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
+                "transformer.wte"
+            }
             Self::Opt => "model.decoder.embed_tokens",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
@@ -952,7 +972,9 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
-            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode => "layer_norm_epsilon",
+            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
+                "layer_norm_epsilon"
+            }
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

@@ -706,6 +706,7 @@ impl Layer {
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
+            Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             // OPT's MLP is the layer's own.
             Family::Opt => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
@@ -771,7 +772,9 @@ impl Layer {
             },
             o_proj: lin(
                 &(&a / match c.family {
-                    f if matches!(f, Family::Dbrx | Family::Opt) || f.gptj() => "out_proj",
+                    f if matches!(f, Family::Dbrx | Family::Opt | Family::GptNeo) || f.gptj() => {
+                        "out_proj"
+                    }
                     Family::Falcon => "dense",
                     Family::GptBigCode => "c_proj",
                     _ => "o_proj",

@@ -54,6 +54,7 @@ mod dbrx;
 mod falcon;
 mod family;
 mod gpt_bigcode;
+mod gpt_neo;
 mod gptj;
 mod layer;
 mod norm;

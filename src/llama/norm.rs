@@ -217,7 +217,7 @@ impl Norms {
             let (input, before_mlp) = match c.family {
                 Family::VaultGemma => ("input_layernorm", "pre_feedforward_layernorm"),
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
-                Family::GptBigCode => ("ln_1", "ln_2"),
+                Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Opt => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };

@@ -191,11 +191,10 @@ pub(super) const fn gpt2_fields(d: Gpt2Defaults) -> [Field; 10] {
     ]
 }
 
-/// A GPT-2-named config `j` read flat as `model_type`: `fields` copied,
-/// the MLP `n_inner` wide (null: four times the width), and its width
-/// and heads when both are sizes (`None`: the shared reader names the
-/// field that is not).
-pub(super) fn gpt2_flat(
+/// A config `j` without sub-configs read flat as `model_type`: [`KEPT`]
+/// and `fields` copied, and its width and heads when both are sizes
+/// (`None`: the shared reader names the field that is not).
+pub(super) fn flat_with(
     j: &HfJson,
     model_type: &str,
     fields: &[Field],
@@ -205,7 +204,20 @@ pub(super) fn gpt2_flat(
     keep(j, &mut out);
     copy(j, &[], fields, &mut out);
     let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
-    let (Some(hidden), Some(heads)) = (size("hidden_size"), size("num_attention_heads")) else {
+    let sizes = size("hidden_size").zip(size("num_attention_heads"));
+    (out, sizes)
+}
+
+/// A GPT-2-named config `j` read flat as `model_type`
+/// ([`flat_with`]), the MLP `n_inner` wide (null: four times the
+/// width).
+pub(super) fn gpt2_flat(
+    j: &HfJson,
+    model_type: &str,
+    fields: &[Field],
+) -> (Map<String, Value>, Option<(i64, i64)>) {
+    let (mut out, sizes) = flat_with(j, model_type, fields);
+    let Some((hidden, heads)) = sizes else {
         return (out, None);
     };
     let width = match j.get("n_inner") {

@@ -113,6 +113,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         mla: None,
         llama4: None,
         falcon: None,
+        local_layers: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -1328,6 +1329,50 @@ fn opt_configs_are_read_and_counted() {
 }
 
 #[test]
+fn gpt_neo_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("gpt-neo-configs");
+    // GPT-Neo 1.3B's shape (its class's defaults: 24 layers 2048 wide,
+    // global and local by turns in windows of 256, 2048 learned
+    // positions, the head tied); the count is transformers' parameters.
+    let given = r#"{"model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"], "hidden_size": 2048, "num_layers": 24, "num_heads": 16, "max_position_embeddings": 2048, "attention_types": [[["global", "local"], 12]], "window_size": 256, "activation_function": "gelu_new", "vocab_size": 50257}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 1315575808);
+    assert_eq!(
+        (c.window(0), c.window(1), c.window(23)),
+        (None, Some(256), Some(256))
+    );
+    assert_eq!(
+        (c.attention_multiplier, c.qkv_bias, c.o_bias),
+        (Some(1.0), false, true)
+    );
+    let uneven = given.replace(
+        r#"[[["global", "local"], 12]]"#,
+        r#"[[["local"], 1], [["global", "local"], 11], [["global"], 1]]"#,
+    );
+    let uneven = dir.read(&uneven).unwrap();
+    assert_eq!(
+        (uneven.window(0), uneven.window(1), uneven.window(23)),
+        (Some(256), None, None)
+    );
+    dir.round_trips([c, uneven]);
+    dir.refuses(
+        &given.replace(r#""num_layers": 24"#, r#""num_layers": 12"#),
+        "gives 24 layers' kinds, not num_layers' 12",
+    );
+    dir.refuses(
+        &given.replace(
+            r#"[[["global", "local"], 12]]"#,
+            r#"[[["global", "sparse"], 12]]"#,
+        ),
+        "attention_types [[[\"global\",\"sparse\"],12]]: a list of [kinds, times] pairs",
+    );
+    dir.refuses(
+        &given.replace(r#""num_heads": 16"#, r#""num_heads": 0"#),
+        "`num_heads` is missing or not a positive integer",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -1749,6 +1794,7 @@ fn unit_params_count_what_the_built_model_holds() {
         mla: None,
         llama4: None,
         falcon: None,
+        local_layers: None,
     };
     let variants = [
         base.clone(),

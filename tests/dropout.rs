@@ -272,6 +272,18 @@ fn gpt_neo_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// MPT's one rate (`attn_pdrop`) on its ALiBi attention's weights and
+/// both sublayers' outputs.
+#[test]
+fn mpt_drops_attention_and_sublayers_out_at_its_one_rate_as_transformers_does() {
+    dropout_parity(
+        "mpt",
+        "from transformers import MptConfig as C, MptForCausalLM as M",
+        "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64, attn_config={'attn_pdrop': 0.2}",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -400,6 +400,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import GPTNeoConfig as C, GPTNeoForCausalLM as M",
             "vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, intermediate_size=128, attention_types=[[['global', 'local'], 1]], window_size=5",
+        ),
+        load: "",
+    },
+    // MPT: ALiBi over 6 heads (no power of two: its slopes interleaved),
+    // unbiased LayerNorms, no biases, a GELU MLP four times the width,
+    // the head tied.
+    Case {
+        name: "mpt",
+        python: (
+            "from transformers import MptConfig as C, MptForCausalLM as M",
+            "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64",
         ),
         load: "",
     },
@@ -1156,6 +1167,11 @@ fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does()
 #[test]
 fn a_gpt_neo_checkpoint_with_local_layers_and_unscaled_attention_trains_as_transformers_does() {
     parity("gpt-neo");
+}
+
+#[test]
+fn an_mpt_checkpoint_with_alibi_trains_as_transformers_does() {
+    parity("mpt");
 }
 
 #[test]
@@ -2170,6 +2186,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
                 "intermediate_size": 96, "num_layers": 4, "num_heads": 32,
                 "attention_types": [[["global", "local"], 2]]}"#
                 .to_string(),
+            // MPT's sizes have names of their own; its MLP is four times
+            // the width.
+            "mpt" => r#"{"model_type": "mpt", "vocab_size": 160000, "d_model": 512,
+                "n_layers": 4, "n_heads": 32}"#
+                .to_string(),
             // OPT's MLP width is `ffn_dim`.
             "opt" => r#"{"model_type": "opt", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2540,8 +2561,8 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// its queries with the row's position, DBRX's clipped attention,
 /// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
 /// each head turned by pairs, CodeGen's blocked heads, GPT-BigCode's
-/// and OPT's learned positions, each token's in its document, and
-/// GPT-Neo's local layers beside them.
+/// and OPT's learned positions, each token's in its document,
+/// GPT-Neo's local layers beside them, and MPT's ALiBi.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2570,6 +2591,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "gpt-bigcode",
         "opt",
         "gpt-neo",
+        "mpt",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2587,7 +2609,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT and GPT-Neo build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo and MPT build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2605,7 +2627,9 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
              "opt": {{"attention_mask": masks["full_attention"]}},
-             "gpt_neo": {{"attention_mask": masks["full_attention"]}}}}.get(m.config.model_type, {{}})
+             "gpt_neo": {{"attention_mask": masks["full_attention"]}},
+             # MPT's class inverts a 4-D mask: ones where a token sees.
+             "mpt": {{"attention_mask": seen.float()[:, None]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})

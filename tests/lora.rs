@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT and GPT-Neo checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo and MPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -344,6 +344,19 @@ const GPT_NEO: Case = Case {
     targets: &["q_proj", "v_proj", "c_proj"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (128 + 64)),
+    ..OFF
+};
+
+/// MPT's fused attention (PEFT's default: 96 -> 288) and output (96 ->
+/// 96), beside its MLP's up projection (96 -> 384).
+const MPT: Case = Case {
+    python: (
+        "from transformers import MptConfig as C, MptForCausalLM as M",
+        "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64",
+    ),
+    targets: &["Wqkv", "out_proj", "up_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((96 + 288) + (96 + 96) + (96 + 384)),
     ..OFF
 };
 
@@ -735,6 +748,11 @@ fn lora_adapters_on_opts_decoder_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
     parity("gpt-neo", &GPT_NEO, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_mpts_alibi_attention_and_mlp_train_as_peft_does() {
+    parity("mpt", &MPT, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

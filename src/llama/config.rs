@@ -13,6 +13,7 @@ use super::family::Family;
 use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
+use super::mpt;
 use super::opt;
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
@@ -381,6 +382,7 @@ impl LlamaConfig {
             Some(f) if f.gptj() => (gptj::flat(j, f)?, gptj::gptj_names),
             Some(Family::GptBigCode) => (gpt_bigcode::flat(j)?, gpt_bigcode::bigcode_names),
             Some(Family::GptNeo) => (gpt_neo::flat(j)?, gpt_neo::gpt_neo_names),
+            Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
             _ => return Self::read(j),
         };
         Self::read(&flat).map_err(own_names)
@@ -695,7 +697,7 @@ impl LlamaConfig {
                 f => f.whole_qk_norm(),
             },
             clip_qkv: match family {
-                Family::Olmoe | Family::Olmo1 | Family::Dbrx => {
+                Family::Olmoe | Family::Olmo1 | Family::Dbrx | Family::Mpt => {
                     j.number_or_null("clip_qkv", None)?
                 }
                 _ => None,
@@ -729,7 +731,7 @@ impl LlamaConfig {
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
-                Family::Dbrx => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Dbrx | Family::Mpt => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
                     j.rate_or("resid_pdrop", 0.0)?
@@ -756,6 +758,8 @@ impl LlamaConfig {
                 // GPT-Neo's always.
                 (Family::GptBigCode, _) if !j.flag_or("scale_attn_weights", true)? => Some(1.0),
                 (Family::GptNeo, _) => Some(1.0),
+                // MPT's `softmax_scale` (null: one over the heads' root).
+                (Family::Mpt, _) => j.number_or_null("softmax_scale", None)?,
                 (_, Some(m)) => Some(m.scores_scale(head_dim, &scaling)),
                 _ => None,
             },
@@ -968,6 +972,7 @@ impl LlamaConfig {
             (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
             (Family::Opt, _) => Some(opt::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
+            (Family::Mpt, _) => Some(mpt::to_json(self)),
             _ => None,
         };
         if let Some(json) = own {
@@ -1227,7 +1232,8 @@ impl LlamaConfig {
             | Family::CodeGen
             | Family::GptBigCode
             | Family::Opt
-            | Family::GptNeo => {
+            | Family::GptNeo
+            | Family::Mpt => {
                 serde_json::json!({})
             }
             Family::Nemotron => serde_json::json!({

@@ -303,11 +303,17 @@ pub enum Family {
     /// (`attn.attention.q_proj`, ..., `out_proj`, biased) unscaled, in a
     /// window on the layers `attention_types` makes local.
     GptNeo,
+    /// `mpt` (`MptForCausalLM`: MosaicML's MPT-7B and 30B): DBRX's
+    /// names (`transformer.blocks.N.norm_1`, `attn.Wqkv`, `out_proj`,
+    /// `ffn.up_proj`, `down_proj`, `transformer.norm_f`), LayerNorms
+    /// without biases, no biases anywhere, an ungated GELU MLP four times
+    /// the width, ALiBi instead of positions.
+    Mpt,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 51] = [
+    pub const ALL: [Family; 52] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -359,6 +365,7 @@ impl Family {
         Self::GptBigCode,
         Self::Opt,
         Self::GptNeo,
+        Self::Mpt,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -429,6 +436,7 @@ impl Family {
             Self::GptBigCode => "gpt_bigcode",
             Self::Opt => "opt",
             Self::GptNeo => "gpt_neo",
+            Self::Mpt => "mpt",
         }
     }
 
@@ -486,6 +494,7 @@ impl Family {
             Self::GptBigCode => "GPTBigCodeForCausalLM",
             Self::Opt => "OPTForCausalLM",
             Self::GptNeo => "GPTNeoForCausalLM",
+            Self::Mpt => "MptForCausalLM",
         }
     }
 
@@ -547,6 +556,12 @@ impl Family {
         matches!(self, Self::GptBigCode | Self::Opt | Self::GptNeo)
     }
 
+    /// MPT's: ALiBi (each head's scores plus its slope times the keys'
+    /// distance back) instead of positions.
+    pub(super) fn alibi(self) -> bool {
+        self == Self::Mpt
+    }
+
     /// The rows its learned position embeddings keep before position 0
     /// (OPT's two).
     pub(super) fn position_offset(self) -> i64 {
@@ -584,7 +599,7 @@ impl Family {
     pub(super) fn gated(self) -> bool {
         !(matches!(
             self,
-            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron
+            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron | Self::Mpt
         ) || self.classic())
     }
 
@@ -831,6 +846,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Mpt => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::Gelu,
+                ..LLAMA
+            },
             Self::GptNeo => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -939,7 +960,7 @@ impl Family {
     /// `norm`; DBRX's `transformer`, `wte`, `blocks`, `norm_f`).
     pub(super) fn names(self) -> [&'static str; 4] {
         match self {
-            Self::Dbrx => ["transformer", "wte", "blocks", "norm_f"],
+            Self::Dbrx | Self::Mpt => ["transformer", "wte", "blocks", "norm_f"],
             Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
             Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
                 ["transformer", "wte", "h", "ln_f"]
@@ -958,9 +979,12 @@ impl Family {
     /// two, joined), which a tied head shares.
     pub(crate) fn embedding_path(self) -> &'static str {
         match self {
-            Self::Dbrx | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
-                "transformer.wte"
-            }
+            Self::Dbrx
+            | Self::GptJ
+            | Self::CodeGen
+            | Self::GptBigCode
+            | Self::GptNeo
+            | Self::Mpt => "transformer.wte",
             Self::Opt => "model.decoder.embed_tokens",
             Self::Falcon => "transformer.word_embeddings",
             _ => "model.embed_tokens",
@@ -972,9 +996,12 @@ impl Family {
         match self {
             Self::Starcoder2 => "norm_epsilon",
             Self::Nemotron => "norm_eps",
-            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
-                "layer_norm_epsilon"
-            }
+            Self::Falcon
+            | Self::GptJ
+            | Self::CodeGen
+            | Self::GptBigCode
+            | Self::GptNeo
+            | Self::Mpt => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

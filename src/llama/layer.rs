@@ -45,6 +45,8 @@ pub struct Layer {
     /// GPT-OSS's sinks (`self_attn.sinks`): a logit a head, beside each
     /// query's scores in the softmax's sum, its weight then dropped.
     sinks: Option<Tensor>,
+    /// MPT's ALiBi slopes, one a head.
+    alibi: Option<Tensor>,
     training: Training,
     /// Its keys (turned) and values while generating with a cache.
     cache: LayerCache,
@@ -707,6 +709,7 @@ impl Layer {
             Family::Falcon => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
+            Family::Mpt => (p / "attn", p / "ffn"),
             // OPT's MLP is the layer's own.
             Family::Opt => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
@@ -725,6 +728,7 @@ impl Layer {
             false => (hd, hd),
         };
         let turns = !c.family.learned_positions()
+            && !c.family.alibi()
             && (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
@@ -749,6 +753,7 @@ impl Layer {
                 (
                     Family::Phi3
                     | Family::Dbrx
+                    | Family::Mpt
                     | Family::Falcon
                     | Family::CodeGen
                     | Family::GptBigCode,
@@ -756,7 +761,7 @@ impl Layer {
                 ) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
-                        Family::Dbrx => "Wqkv",
+                        Family::Dbrx | Family::Mpt => "Wqkv",
                         Family::Falcon => "query_key_value",
                         Family::GptBigCode => "c_attn",
                         // Phi-3's and CodeGen's.
@@ -772,7 +777,9 @@ impl Layer {
             },
             o_proj: lin(
                 &(&a / match c.family {
-                    f if matches!(f, Family::Dbrx | Family::Opt | Family::GptNeo) || f.gptj() => {
+                    f if matches!(f, Family::Dbrx | Family::Opt | Family::GptNeo | Family::Mpt)
+                        || f.gptj() =>
+                    {
                         "out_proj"
                     }
                     Family::Falcon => "dense",
@@ -794,7 +801,7 @@ impl Layer {
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {
                     let (up, down) = match c.family {
-                        Family::Arcee | Family::Apertus | Family::Nemotron => {
+                        Family::Arcee | Family::Apertus | Family::Nemotron | Family::Mpt => {
                             ("up_proj", "down_proj")
                         }
                         Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
@@ -839,6 +846,7 @@ impl Layer {
                 .filter(|a| a.chunked.get(l as usize) == Some(&true))
                 .and_then(|a| a.chunk),
             sinks: (c.family == Family::GptOss).then(|| a.var("sinks", &[c.heads], RANDN)),
+            alibi: (c.family.alibi()).then(|| super::mpt::alibi_slopes(c.heads, p.device())),
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -1058,6 +1066,20 @@ impl Layer {
         // Scores the fused kernel cannot compute: soft-capped, or beside
         // sinks.
         let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
+        // MPT's ALiBi: the slopes' bias in the mask.
+        if let Some(slopes) = &self.alibi {
+            let mask = super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind());
+            return Tensor::scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                Some(mask),
+                dropout,
+                false,
+                scale,
+                false,
+            );
+        }
         if !eager_only {
             // DeepSeek-V3's keys and values are every head's.
             let grouped = c.kv_heads != c.heads && c.mla.is_none();

@@ -57,6 +57,7 @@ mod gpt_bigcode;
 mod gpt_neo;
 mod gptj;
 mod layer;
+mod mpt;
 mod norm;
 mod opt;
 mod own_names;

@@ -136,7 +136,7 @@ impl Norm {
                 eps: c.eps,
             }),
             Family::Olmo1 => Self::Bare { eps: 1e-5 },
-            Family::Dbrx => Self::Unbiased {
+            Family::Dbrx | Family::Mpt => Self::Unbiased {
                 weight: p.ones("weight", &[width]),
                 eps: c.eps,
             },
@@ -218,6 +218,7 @@ impl Norms {
                 Family::VaultGemma => ("input_layernorm", "pre_feedforward_layernorm"),
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
+                Family::Mpt => ("norm_1", "norm_2"),
                 Family::Opt => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };

@@ -1373,6 +1373,57 @@ fn gpt_neo_configs_are_read_and_counted() {
 }
 
 #[test]
+fn mpt_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("mpt-configs");
+    // MPT-7B's published config (32 layers 4096 wide, ALiBi, the head
+    // tied); the count is transformers' parameters.
+    let given = r#"{"model_type": "mpt", "architectures": ["MPTForCausalLM"], "attn_config": {"alibi": true, "alibi_bias_max": 8, "attn_impl": "torch", "attn_pdrop": 0, "attn_type": "multihead_attention", "attn_uses_sequence_id": false, "clip_qkv": null, "prefix_lm": false, "qk_ln": false, "softmax_scale": null}, "d_model": 4096, "emb_pdrop": 0, "embedding_fraction": 1.0, "expansion_ratio": 4, "init_device": "cpu", "learned_pos_emb": true, "logit_scale": null, "max_seq_len": 2048, "n_heads": 32, "n_layers": 32, "no_bias": true, "norm_type": "low_precision_layernorm", "resid_pdrop": 0, "tokenizer_name": "EleutherAI/gpt-neox-20b", "use_cache": false, "verbose": 0, "vocab_size": 50432}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 6649286656);
+    assert_eq!((c.intermediate, c.tied, c.clip_qkv), (16384, true, None));
+    assert!(!c.qkv_bias && !c.o_bias && !c.mlp_bias);
+    let scaled = dir
+        .read(&given.replace(r#""softmax_scale": null"#, r#""softmax_scale": 0.5"#))
+        .unwrap();
+    assert_eq!(scaled.attention_multiplier, Some(0.5));
+    dir.round_trips([c, scaled]);
+    for (from, to, says) in [
+        (
+            r#""expansion_ratio": 4"#,
+            r#""expansion_ratio": 8"#,
+            "expansion_ratio 8: transformers' MptForCausalLM computes its model as if it were 4",
+        ),
+        (
+            r#""qk_ln": false"#,
+            r#""qk_ln": true"#,
+            "attn_config.qk_ln true",
+        ),
+        (
+            r#""alibi": true"#,
+            r#""alibi": false"#,
+            "attn_config.alibi false",
+        ),
+        (
+            r#""alibi_bias_max": 8"#,
+            r#""alibi_bias_max": 16"#,
+            "attn_config.alibi_bias_max 16",
+        ),
+        (
+            r#""logit_scale": null"#,
+            r#""logit_scale": 0.5"#,
+            "logit_scale 0.5",
+        ),
+        (
+            r#""n_heads": 32"#,
+            r#""n_heads": 0"#,
+            "`n_heads` is missing or not a positive integer",
+        ),
+    ] {
+        dir.refuses(&given.replace(from, to), says);
+    }
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head

@@ -284,6 +284,18 @@ fn mpt_drops_attention_and_sublayers_out_at_its_one_rate_as_transformers_does() 
     );
 }
 
+/// BLOOM's dropouts: its ALiBi attention's weights and both sublayers'
+/// outputs (`hidden_dropout`).
+#[test]
+fn bloom_drops_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "bloom",
+        "from transformers import BloomConfig as C, BloomForCausalLM as M",
+        "vocab_size=96, hidden_size=96, n_layer=2, n_head=6, hidden_dropout=0.1, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

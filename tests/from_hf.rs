@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -411,6 +411,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import MptConfig as C, MptForCausalLM as M",
             "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64",
+        ),
+        load: "",
+    },
+    // BLOOM: ALiBi over 6 heads, each head's query, key and value
+    // together in the fused matrix, its embeddings normalised, biases.
+    Case {
+        name: "bloom",
+        python: (
+            "from transformers import BloomConfig as C, BloomForCausalLM as M",
+            "vocab_size=96, hidden_size=96, n_layer=2, n_head=6",
         ),
         load: "",
     },
@@ -1172,6 +1182,11 @@ fn a_gpt_neo_checkpoint_with_local_layers_and_unscaled_attention_trains_as_trans
 #[test]
 fn an_mpt_checkpoint_with_alibi_trains_as_transformers_does() {
     parity("mpt");
+}
+
+#[test]
+fn a_bloom_checkpoint_with_alibi_and_normalised_embeddings_trains_as_transformers_does() {
+    parity("bloom");
 }
 
 #[test]
@@ -2190,6 +2205,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             // the width.
             "mpt" => r#"{"model_type": "mpt", "vocab_size": 160000, "d_model": 512,
                 "n_layers": 4, "n_heads": 32}"#
+                .to_string(),
+            // BLOOM's counts have names of their own; its MLP is four
+            // times the width.
+            "bloom" => r#"{"model_type": "bloom", "vocab_size": 160000, "hidden_size": 512,
+                "n_layer": 4, "n_head": 32}"#
                 .to_string(),
             // OPT's MLP width is `ffn_dim`.
             "opt" => r#"{"model_type": "opt", "vocab_size": 160000, "hidden_size": 512,

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo and MPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT and BLOOM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -357,6 +357,19 @@ const MPT: Case = Case {
     targets: &["Wqkv", "out_proj", "up_proj"],
     matrices: 12,
     elements: 2 * 4 * ((96 + 288) + (96 + 96) + (96 + 384)),
+    ..OFF
+};
+
+/// BLOOM's fused attention (PEFT's default: 96 -> 288) beside its MLP's
+/// output (384 -> 96).
+const BLOOM: Case = Case {
+    python: (
+        "from transformers import BloomConfig as C, BloomForCausalLM as M",
+        "vocab_size=96, hidden_size=96, n_layer=2, n_head=6",
+    ),
+    targets: &["query_key_value", "dense_4h_to_h"],
+    matrices: 8,
+    elements: 2 * 4 * ((96 + 288) + (384 + 96)),
     ..OFF
 };
 
@@ -751,8 +764,9 @@ fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
 }
 
 #[test]
-fn lora_adapters_on_mpts_alibi_attention_and_mlp_train_as_peft_does() {
+fn lora_adapters_on_mpts_and_blooms_alibi_attention_train_as_peft_does() {
     parity("mpt", &MPT, &[(3, false, Held::Fp32)]);
+    parity("bloom", &BLOOM, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use tch::Tensor;
 
 use crate::hf::{HfError, HfJson};
 
+use super::bloom;
 use super::dbrx;
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
@@ -383,6 +384,7 @@ impl LlamaConfig {
             Some(Family::GptBigCode) => (gpt_bigcode::flat(j)?, gpt_bigcode::bigcode_names),
             Some(Family::GptNeo) => (gpt_neo::flat(j)?, gpt_neo::gpt_neo_names),
             Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
+            Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
             _ => return Self::read(j),
         };
         Self::read(&flat).map_err(own_names)
@@ -544,7 +546,7 @@ impl LlamaConfig {
             // GPT-BigCode's projections all have biases; OPT's
             // `enable_bias` is every projection's; GPT-Neo's output
             // projection has one, its queries, keys and values none.
-            Family::GptBigCode | Family::GptNeo => true,
+            Family::GptBigCode | Family::GptNeo | Family::Bloom => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
@@ -673,7 +675,11 @@ impl LlamaConfig {
                     false
                 }
                 // GPT-J's MLP has biases, its attention none.
-                f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => true,
+                f if f.gptj()
+                    || matches!(f, Family::GptBigCode | Family::GptNeo | Family::Bloom) =>
+                {
+                    true
+                }
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
@@ -731,7 +737,7 @@ impl LlamaConfig {
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
                 Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
-                Family::Dbrx | Family::Mpt => j.rate_or("resid_pdrop", 0.0)?,
+                Family::Dbrx | Family::Mpt | Family::Bloom => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
                     j.rate_or("resid_pdrop", 0.0)?
@@ -958,7 +964,9 @@ impl LlamaConfig {
         // there.
         let rows = self.positions + self.family.position_offset();
         let positions = bias(self.family.learned_positions(), rows as u64 * d);
-        units.push((String::new(), norm + positions));
+        // BLOOM's norm of the embeddings joins it too.
+        let embedding_norm = bias(self.family == Family::Bloom, norm);
+        units.push((String::new(), norm + positions + embedding_norm));
         units
     }
 
@@ -973,6 +981,7 @@ impl LlamaConfig {
             (Family::Opt, _) => Some(opt::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
+            (Family::Bloom, _) => Some(bloom::to_json(self)),
             _ => None,
         };
         if let Some(json) = own {
@@ -1233,7 +1242,8 @@ impl LlamaConfig {
             | Family::GptBigCode
             | Family::Opt
             | Family::GptNeo
-            | Family::Mpt => {
+            | Family::Mpt
+            | Family::Bloom => {
                 serde_json::json!({})
             }
             Family::Nemotron => serde_json::json!({

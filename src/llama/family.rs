@@ -309,11 +309,18 @@ pub enum Family {
     /// without biases, no biases anywhere, an ungated GELU MLP four times
     /// the width, ALiBi instead of positions.
     Mpt,
+    /// `bloom` (`BloomForCausalLM`: BigScience's BLOOM 560M-176B,
+    /// BLOOMZ): Falcon's module names (`self_attention.query_key_value`,
+    /// each head's query, key and value together; `dense`,
+    /// `mlp.dense_h_to_4h`), LayerNorms and biases everywhere, a
+    /// LayerNorm on the embeddings (`word_embeddings_layernorm`), a GELU
+    /// (tanh form) MLP, ALiBi instead of positions.
+    Bloom,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 52] = [
+    pub const ALL: [Family; 53] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -366,6 +373,7 @@ impl Family {
         Self::Opt,
         Self::GptNeo,
         Self::Mpt,
+        Self::Bloom,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -437,6 +445,7 @@ impl Family {
             Self::Opt => "opt",
             Self::GptNeo => "gpt_neo",
             Self::Mpt => "mpt",
+            Self::Bloom => "bloom",
         }
     }
 
@@ -495,6 +504,7 @@ impl Family {
             Self::Opt => "OPTForCausalLM",
             Self::GptNeo => "GPTNeoForCausalLM",
             Self::Mpt => "MptForCausalLM",
+            Self::Bloom => "BloomForCausalLM",
         }
     }
 
@@ -532,7 +542,13 @@ impl Family {
     pub(super) fn classic(self) -> bool {
         matches!(
             self,
-            Self::Falcon | Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::Opt | Self::GptNeo
+            Self::Falcon
+                | Self::GptJ
+                | Self::CodeGen
+                | Self::GptBigCode
+                | Self::Opt
+                | Self::GptNeo
+                | Self::Bloom
         )
     }
 
@@ -556,10 +572,10 @@ impl Family {
         matches!(self, Self::GptBigCode | Self::Opt | Self::GptNeo)
     }
 
-    /// MPT's: ALiBi (each head's scores plus its slope times the keys'
+    /// MPT's and BLOOM's: ALiBi (each head's scores plus its slope times the keys'
     /// distance back) instead of positions.
     pub(super) fn alibi(self) -> bool {
-        self == Self::Mpt
+        matches!(self, Self::Mpt | Self::Bloom)
     }
 
     /// The rows its learned position embeddings keep before position 0
@@ -846,6 +862,12 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Bloom => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::GeluNew,
+                ..LLAMA
+            },
             Self::Mpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -961,7 +983,7 @@ impl Family {
     pub(super) fn names(self) -> [&'static str; 4] {
         match self {
             Self::Dbrx | Self::Mpt => ["transformer", "wte", "blocks", "norm_f"],
-            Self::Falcon => ["transformer", "word_embeddings", "h", "ln_f"],
+            Self::Falcon | Self::Bloom => ["transformer", "word_embeddings", "h", "ln_f"],
             Self::GptJ | Self::CodeGen | Self::GptBigCode | Self::GptNeo => {
                 ["transformer", "wte", "h", "ln_f"]
             }
@@ -986,7 +1008,7 @@ impl Family {
             | Self::GptNeo
             | Self::Mpt => "transformer.wte",
             Self::Opt => "model.decoder.embed_tokens",
-            Self::Falcon => "transformer.word_embeddings",
+            Self::Falcon | Self::Bloom => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }
     }
@@ -1001,7 +1023,8 @@ impl Family {
             | Self::CodeGen
             | Self::GptBigCode
             | Self::GptNeo
-            | Self::Mpt => "layer_norm_epsilon",
+            | Self::Mpt
+            | Self::Bloom => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

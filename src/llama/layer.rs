@@ -706,7 +706,7 @@ impl Layer {
         let (a, m) = match c.family {
             Family::Llama4 => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
-            Family::Falcon => (p / "self_attention", p / "mlp"),
+            Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
@@ -755,6 +755,7 @@ impl Layer {
                     | Family::Dbrx
                     | Family::Mpt
                     | Family::Falcon
+                    | Family::Bloom
                     | Family::CodeGen
                     | Family::GptBigCode,
                     _,
@@ -762,7 +763,7 @@ impl Layer {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx | Family::Mpt => "Wqkv",
-                        Family::Falcon => "query_key_value",
+                        Family::Falcon | Family::Bloom => "query_key_value",
                         Family::GptBigCode => "c_attn",
                         // Phi-3's and CodeGen's.
                         _ => "qkv_proj",
@@ -782,7 +783,7 @@ impl Layer {
                     {
                         "out_proj"
                     }
-                    Family::Falcon => "dense",
+                    Family::Falcon | Family::Bloom => "dense",
                     Family::GptBigCode => "c_proj",
                     _ => "o_proj",
                 }),
@@ -804,7 +805,7 @@ impl Layer {
                         Family::Arcee | Family::Apertus | Family::Nemotron | Family::Mpt => {
                             ("up_proj", "down_proj")
                         }
-                        Family::Falcon => ("dense_h_to_4h", "dense_4h_to_h"),
+                        Family::Falcon | Family::Bloom => ("dense_h_to_4h", "dense_4h_to_h"),
                         f if f.gptj() => ("fc_in", "fc_out"),
                         Family::Opt => ("fc1", "fc2"),
                         _ => ("c_fc", "c_proj"),
@@ -905,10 +906,16 @@ impl Module for Layer {
                 k_proj,
                 v_proj,
             } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
-            // Falcon's (and GPT-BigCode's: one group, or one a head): each
+            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's:
+            // one a head): each
             // group of heads sharing keys and values holds its queries,
             // then its key, then its value.
-            Qkv::Fused(qkv) if matches!(c.family, Family::Falcon | Family::GptBigCode) => {
+            Qkv::Fused(qkv)
+                if matches!(
+                    c.family,
+                    Family::Falcon | Family::GptBigCode | Family::Bloom
+                ) =>
+            {
                 let per = c.heads / c.kv_heads;
                 let qkv = qkv
                     .forward(&h)
@@ -1066,7 +1073,7 @@ impl Layer {
         // Scores the fused kernel cannot compute: soft-capped, or beside
         // sinks.
         let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
-        // MPT's ALiBi: the slopes' bias in the mask.
+        // MPT's and BLOOM's ALiBi: the slopes' bias in the mask.
         if let Some(slopes) = &self.alibi {
             let mask = super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind());
             return Tensor::scaled_dot_product_attention(

@@ -49,6 +49,7 @@
 //! tch's `nn::Optimizer` takes dense gradients only, so train the model
 //! with the engine (any stage, one rank too).
 
+mod bloom;
 mod config;
 mod dbrx;
 mod falcon;
@@ -157,6 +158,9 @@ pub struct Llama {
     /// GPT-BigCode's and OPT's learned position embeddings (`wpe`,
     /// `embed_positions`), in the root.
     wpe: Option<nn::Embedding>,
+    /// BLOOM's LayerNorm of the embeddings (`word_embeddings_layernorm`),
+    /// in the root.
+    embedding_norm: Option<Norm>,
     layers: Vec<ShardedModule<Run<Layer>>>,
     norm: Norm,
     training: Training,
@@ -218,6 +222,8 @@ impl Llama {
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
         let norm = Norm::new(&m / final_norm, cfg.hidden, cfg);
+        let embedding_norm = (cfg.family == Family::Bloom)
+            .then(|| Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg));
         let wpe = cfg.family.learned_positions().then(|| {
             let name = match cfg.family {
                 Family::Opt => "embed_positions",
@@ -249,6 +255,7 @@ impl Llama {
         Self {
             ends,
             wpe,
+            embedding_norm,
             layers,
             norm,
             training,
@@ -327,6 +334,9 @@ impl Llama {
             // Not in place: the embedding's output may be saved for backward.
             let placed = &x + wpe.forward(&pos);
             x = placed;
+        }
+        if let Some(norm) = &self.embedding_norm {
+            x = norm.forward(&x);
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
         // OPT's LayerDrop draws a number from the CPU's generator before

@@ -1424,6 +1424,44 @@ fn mpt_configs_are_read_and_counted() {
 }
 
 #[test]
+fn bloom_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("bloom-configs");
+    // BLOOM-560m's published config (24 layers 1024 wide, 16 heads,
+    // ALiBi, the head tied); the count is transformers' parameters, its
+    // embeddings' LayerNorm among them.
+    let given = r#"{"model_type": "bloom", "architectures": ["BloomForCausalLM"], "apply_residual_connection_post_layernorm": false, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_dropout": 0.0, "hidden_size": 1024, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "n_head": 16, "n_inner": null, "n_layer": 24, "offset_alibi": 100, "pad_token_id": 3, "pretraining_tp": 1, "skip_bias_add": true, "skip_bias_add_qkv": false, "slow_but_exact": false, "unk_token_id": 0, "use_cache": true, "vocab_size": 250880}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 559214592);
+    assert_eq!((c.intermediate, c.tied, c.pad_token), (4096, true, Some(3)));
+    assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
+    let named = dir
+        .read(&given.replace(
+            r#""hidden_size": 1024"#,
+            r#""hidden_size": 64, "n_embed": 256"#,
+        ))
+        .unwrap();
+    assert_eq!((named.hidden, named.intermediate), (256, 1024));
+    dir.round_trips([c, named]);
+    dir.refuses(
+        &given.replace(
+            r#""apply_residual_connection_post_layernorm": false"#,
+            r#""apply_residual_connection_post_layernorm": true"#,
+        ),
+        "apply_residual_connection_post_layernorm true",
+    );
+    dir.refuses(
+        &given
+            .replace(r#""pretraining_tp": 1"#, r#""pretraining_tp": 4"#)
+            .replace(r#""slow_but_exact": false"#, r#""slow_but_exact": true"#),
+        "slow_but_exact true with pretraining_tp above 1",
+    );
+    dir.refuses(
+        &given.replace(r#""n_head": 16"#, r#""n_head": 7"#),
+        "n_head 7 does not divide hidden_size 1024",
+    );
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head

@@ -555,7 +555,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
         Some("dbrx" | "mpt") => &["Wqkv"],
-        Some("falcon") => &["query_key_value"],
+        Some("falcon" | "bloom") => &["query_key_value"],
         Some("codegen") => &["qkv_proj"],
         Some("gpt_bigcode") => &["c_attn"],
         // Null: one `q_proj` (left out: the class's bottleneck).
@@ -582,7 +582,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("gpt2") => ("wte", "lm_head"),
         Some("gpt_neox") => ("embed_in", "embed_out"),
         Some("dbrx" | "gptj" | "codegen" | "gpt_bigcode" | "mpt" | "gpt_neo") => ("wte", "lm_head"),
-        Some("falcon") => ("word_embeddings", "lm_head"),
+        Some("falcon" | "bloom") => ("word_embeddings", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))

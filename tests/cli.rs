@@ -1275,16 +1275,19 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let falcon = dir.join("falcon.json");
-    std::fs::write(&falcon, r#"{"model_type": "falcon"}"#).unwrap();
+    let persimmon = dir.join("persimmon.json");
+    std::fs::write(&persimmon, r#"{"model_type": "persimmon"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        falcon.to_str().unwrap(),
+        persimmon.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(!ok && out.contains("model_type Some(\"falcon\")"), "{out}");
+    assert!(
+        !ok && out.contains("model_type Some(\"persimmon\")"),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -19,12 +19,7 @@ const FIELDS: [Field; 7] = [
     field("num_hidden_layers", "n_layer", Default::Int(2), true),
     field("num_attention_heads", "n_head", Default::Int(8), true),
     field("vocab_size", "vocab_size", Default::Int(250880), false),
-    field(
-        "layer_norm_epsilon",
-        "layer_norm_epsilon",
-        Default::Float(1e-5),
-        false,
-    ),
+    own_names::EPSILON,
     field("resid_pdrop", "hidden_dropout", Default::Float(0.0), false),
     field(
         "attention_dropout",

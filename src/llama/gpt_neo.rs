@@ -32,12 +32,7 @@ const FIELDS: [Field; 10] = [
         Default::Str("gelu_new"),
         false,
     ),
-    field(
-        "layer_norm_epsilon",
-        "layer_norm_epsilon",
-        Default::Float(1e-5),
-        false,
-    ),
+    own_names::EPSILON,
     field("resid_pdrop", "resid_dropout", Default::Float(0.0), false),
     field("embd_pdrop", "embed_dropout", Default::Float(0.0), false),
     field("sliding_window", "window_size", Default::Int(256), false),

@@ -29,12 +29,7 @@ const FIELDS: [Field; 8] = [
         false,
     ),
     field("vocab_size", "vocab_size", Default::Int(50368), false),
-    field(
-        "layer_norm_epsilon",
-        "layer_norm_epsilon",
-        Default::Float(1e-5),
-        false,
-    ),
+    own_names::EPSILON,
     field(
         "attention_dropout",
         "attn_config.attn_pdrop",
@@ -97,7 +92,8 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
     }
     let hidden = out.get("hidden_size").and_then(Value::as_i64).unwrap_or(0);
     out.insert("intermediate_size".into(), (4 * hidden).into());
-    out.insert("resid_pdrop".into(), out["attention_dropout"].clone());
+    let rate = out.get("attention_dropout").cloned().unwrap_or(Value::Null);
+    out.insert("resid_pdrop".into(), rate);
     out.insert("hidden_act".into(), "gelu".into());
     Ok(j.reading(Value::Object(out)))
 }

@@ -38,6 +38,15 @@ pub(super) const fn field(
     }
 }
 
+/// `layer_norm_epsilon`, under that name, nn.LayerNorm's 1e-5 by
+/// default (GPT-2's heirs', MPT's, BLOOM's).
+pub(super) const EPSILON: Field = field(
+    "layer_norm_epsilon",
+    "layer_norm_epsilon",
+    Default::Float(1e-5),
+    false,
+);
+
 /// A class default.
 #[derive(Clone, Copy)]
 pub(super) enum Default {
@@ -169,12 +178,7 @@ pub(super) const fn gpt2_fields(d: Gpt2Defaults) -> [Field; 10] {
             Default::Str(d.activation),
             false,
         ),
-        field(
-            "layer_norm_epsilon",
-            "layer_norm_epsilon",
-            Default::Float(1e-5),
-            false,
-        ),
+        EPSILON,
         field(
             "resid_pdrop",
             "resid_pdrop",

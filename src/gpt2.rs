@@ -42,7 +42,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use tch::nn::{self, Module};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::blocks::{
     fused_causal_attention, layer_norm, token_embedding, Run, TiedEmbedding, Training,
@@ -404,15 +404,8 @@ impl Gpt2 {
     /// ([`crate::hf::HfModel::forward_packed`]): each token's position
     /// embedding is its position in its document.
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
-        let t = tokens.size().get(1).copied().unwrap_or(1);
-        // Generating with a cache: these tokens come after those it holds.
-        let opts = (Kind::Int64, tokens.device());
-        let pos = match (&documents, self.decoding.offset()) {
-            (Some(d), _) => d.positions.shallow_clone(),
-            (None, 0) => Tensor::arange(t, opts),
-            (None, o) => Tensor::arange_start(o, o + t, opts),
-        };
         self.decoding.set_documents(documents);
+        let pos = self.decoding.positions(tokens);
         let x = self.training.embedding_noise(self.wte.forward(tokens)) + self.wpe.forward(&pos);
         let mut x = self.training.dropout(x, self.cfg.embd_dropout);
         for b in &self.blocks {

@@ -102,6 +102,22 @@ impl Decoding {
             false => 0,
         }
     }
+
+    /// This forward's `tokens`' positions (int64, for learned position
+    /// embeddings): each token's in its document when packed
+    /// ([`Decoding::set_documents`] first), else its row's, after the
+    /// tokens the caches hold when generating.
+    pub(crate) fn positions(&self, tokens: &Tensor) -> Tensor {
+        if let Some(d) = self.documents() {
+            return d.positions.shallow_clone();
+        }
+        let t = tokens.size().get(1).copied().unwrap_or(1);
+        let opts = (Kind::Int64, tokens.device());
+        match self.offset() {
+            0 => Tensor::arange(t, opts),
+            o => Tensor::arange_start(o, o + t, opts),
+        }
+    }
 }
 
 /// One attention layer's place in its model's [`Decoding`].

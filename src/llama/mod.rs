@@ -320,13 +320,7 @@ impl Llama {
         // GPT-BigCode's learned positions: each token's in its document
         // when packed, after the tokens a cache holds when generating.
         if let Some(wpe) = &self.wpe {
-            let t = tokens.size().get(1).copied().unwrap_or(1);
-            let opts = (tch::Kind::Int64, tokens.device());
-            let pos = match (self.decoding.documents(), self.decoding.offset()) {
-                (Some(d), _) => d.positions.shallow_clone(),
-                (None, 0) => Tensor::arange(t, opts),
-                (None, o) => Tensor::arange_start(o, o + t, opts),
-            };
+            let pos = self.decoding.positions(tokens);
             let pos = match self.cfg.family.position_offset() {
                 0 => pos,
                 offset => pos + offset,

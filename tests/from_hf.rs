@@ -2834,7 +2834,9 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// windowed layer turning, a global one not) and a DeepSeek-V3 (its
 /// keys and values cached for every head, as `transformers` caches
 /// them) and a GPT-OSS (sinks beside cached keys, every other layer
-/// windowed, its default YaRN), against `transformers` without a cache.
+/// windowed, its default YaRN) and an OPT (learned positions after the
+/// cache's tokens) and an MPT (ALiBi over cached keys), against
+/// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
     for (name, import, args) in [
@@ -2889,6 +2891,19 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              logit_scale=1.0, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "opt",
+            "from transformers import OPTConfig as C, OPTForCausalLM as M",
+            "vocab_size=96, hidden_size=64, ffn_dim=160, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=0",
+        ),
+        (
+            "mpt",
+            "from transformers import MptConfig as C, MptForCausalLM as M",
+            "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64, \
+             eos_token_id=None, bos_token_id=None",
         ),
         (
             "mistral",

@@ -248,13 +248,20 @@ fn gpt_bigcode_drops_embeddings_attention_and_sublayers_out_as_transformers_does
 }
 
 /// OPT's dropouts: its `dropout` (0.1 by default) on both sublayers'
-/// outputs, and the attention weights'.
+/// outputs, and the attention weights'; OPT-350m's layout too.
 #[test]
 fn opt_drops_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(
         "opt",
         "from transformers import OPTConfig as C, OPTForCausalLM as M",
         "vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.25",
+        1e-5,
+    ); // OPT-350m's layout: the same dropouts before each residual sum
+       // its post-norm layers normalise.
+    dropout_parity(
+        "opt-350m",
+        "from transformers import OPTConfig as C, OPTForCausalLM as M",
+        "vocab_size=96, hidden_size=64, word_embed_proj_dim=32, do_layer_norm_before=False, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.25",
         1e-5,
     );
 }

@@ -392,6 +392,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // OPT-350m's layout: each sublayer's residual sum normalised, no
+    // final norm, embeddings 32 wide projected in and out of the
+    // layers' 64, the head tied to them.
+    Case {
+        name: "opt-350m",
+        python: (
+            "from transformers import OPTConfig as C, OPTForCausalLM as M",
+            "vocab_size=96, hidden_size=64, word_embed_proj_dim=32, do_layer_norm_before=False, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
+        ),
+        load: "",
+    },
     // GPT-Neo: learned positions, unscaled attention, every other
     // layer local in a window of 5 (global first), an unbiased query,
     // key and value beside a biased output projection.
@@ -1172,6 +1183,12 @@ fn a_gpt_bigcode_checkpoint_with_every_heads_keys_and_unscaled_scores_trains_as_
 #[test]
 fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does() {
     parity("opt");
+}
+
+#[test]
+fn an_opt_350m_checkpoint_with_post_norm_layers_and_projected_embeddings_trains_as_transformers_does(
+) {
+    parity("opt-350m");
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT and BLOOM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT and BLOOM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -331,6 +331,20 @@ const OPT: Case = Case {
     targets: &["q_proj", "v_proj", "fc1"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128)),
+    ..OFF
+};
+
+/// OPT-350m's layout: its queries (64 -> 64) and, in the model's root,
+/// the projections of its narrower embeddings in (32 -> 64) and out
+/// (64 -> 32), which PEFT's `all-linear` adapts too.
+const OPT_350M: Case = Case {
+    python: (
+        "from transformers import OPTConfig as C, OPTForCausalLM as M",
+        "vocab_size=96, hidden_size=64, word_embed_proj_dim=32, do_layer_norm_before=False, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
+    ),
+    targets: &["q_proj", "project_in", "project_out"],
+    matrices: 8,
+    elements: 2 * 4 * (64 + 64) + 2 * 4 * (32 + 64),
     ..OFF
 };
 
@@ -754,8 +768,9 @@ fn lora_adapters_on_gpt_bigcodes_fused_attention_and_mlp_train_as_peft_does() {
 }
 
 #[test]
-fn lora_adapters_on_opts_decoder_train_as_peft_does() {
+fn lora_adapters_on_opts_decoder_and_opt_350ms_projections_train_as_peft_does() {
     parity("opt", &OPT, &[(3, false, Held::Fp32)]);
+    parity("opt-350m", &OPT_350M, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

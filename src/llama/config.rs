@@ -15,7 +15,7 @@ use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
 use super::mpt;
-use super::opt;
+use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
@@ -352,6 +352,9 @@ pub struct LlamaConfig {
     pub llama4: Option<Llama4Attention>,
     /// Falcon's layer layout ([`FalconLayout`]); `None` for the others.
     pub falcon: Option<FalconLayout>,
+    /// OPT's layout ([`OptLayout`]: OPT-350m's norms and projections);
+    /// `None` for the others.
+    pub opt: Option<OptLayout>,
     /// GPT-Neo's `attention_types`, one a layer: `true` for a layer
     /// attending in [`LlamaConfig::sliding_window`]; `None` for the
     /// others ([`LlamaConfig::full_every`] says there).
@@ -480,9 +483,10 @@ impl LlamaConfig {
             _ => j.size("hidden_size")?,
         };
         let heads = j.size("num_attention_heads")?;
-        if family == Family::Opt {
-            opt::check(j, hidden)?;
-        }
+        let opt = match family {
+            Family::Opt => Some(opt::layout(j, hidden)?),
+            _ => None,
+        };
         let falcon = match family {
             Family::Falcon => Some(falcon::layout(j, heads)?),
             _ => None,
@@ -803,6 +807,7 @@ impl LlamaConfig {
                 _ => None,
             },
             falcon: falcon.map(|(layout, _)| layout),
+            opt,
             local_layers: match family {
                 Family::GptNeo => Some(local_layers(j)?),
                 _ => None,
@@ -824,6 +829,24 @@ impl LlamaConfig {
     /// `head_dim`.
     pub fn v_head_dim(&self) -> i64 {
         self.mla.as_ref().map_or(self.head_dim, |m| m.v)
+    }
+
+    /// The token embeddings' width: OPT-350m's `word_embed_proj_dim`,
+    /// else `hidden_size`.
+    pub fn embedding_width(&self) -> i64 {
+        self.opt.map_or(self.hidden, |o| o.embedding_width)
+    }
+
+    /// Whether the token embeddings are projected in and out of the
+    /// layers' width (OPT-350m's `project_in` and `project_out`).
+    pub fn projected(&self) -> bool {
+        self.embedding_width() != self.hidden
+    }
+
+    /// Whether a final norm precedes the head (all but OPT-350m and an
+    /// OPT with `_remove_final_layer_norm`).
+    pub fn final_norm(&self) -> bool {
+        self.opt.is_none_or(|o| o.final_norm)
     }
 
     /// The dropout on the attention's output, when training: the
@@ -954,11 +977,13 @@ impl LlamaConfig {
             norms * norm + attention + sinks + mlp
         };
         let [model, embedding, blocks, _] = self.family.names();
-        let mut units = vec![(format!("{model}.{embedding}"), v * d)];
+        // OPT-350m's embeddings (and tied head) are narrower.
+        let w = self.embedding_width() as u64;
+        let mut units = vec![(format!("{model}.{embedding}"), v * w)];
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
             // GPT-J's head has a bias.
-            units.push(("lm_head".to_string(), v * d + bias(self.family.gptj(), v)));
+            units.push(("lm_head".to_string(), v * w + bias(self.family.gptj(), v)));
         }
         // GPT-BigCode's and OPT's learned positions join the final norm
         // there.
@@ -966,7 +991,13 @@ impl LlamaConfig {
         let positions = bias(self.family.learned_positions(), rows as u64 * d);
         // BLOOM's norm of the embeddings joins it too.
         let embedding_norm = bias(self.family == Family::Bloom, norm);
-        units.push((String::new(), norm + positions + embedding_norm));
+        // OPT-350m has no final norm, and projects in and out there.
+        let final_norm = bias(self.final_norm(), norm);
+        let projections = bias(self.projected(), 2 * d * w);
+        units.push((
+            String::new(),
+            final_norm + positions + embedding_norm + projections,
+        ));
         units
     }
 
@@ -978,7 +1009,7 @@ impl LlamaConfig {
             (_, Some(f)) => Some(falcon::to_json(self, f)),
             (f, _) if f.gptj() => Some(gptj::to_json(self)),
             (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
-            (Family::Opt, _) => Some(opt::to_json(self)),
+            (Family::Opt, _) => self.opt.as_ref().map(|o| opt::to_json(self, o)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),

@@ -295,7 +295,8 @@ pub enum Family {
     /// (`embed_positions`, two rows before position 0), LayerNorms
     /// before each sublayer (`self_attn_layer_norm`, `final_layer_norm`),
     /// an ungated ReLU MLP (`fc1`, `fc2`) in the layer itself, biases
-    /// (`enable_bias`), the head tied.
+    /// (`enable_bias`), the head tied; OPT-350m's post-norm layers and
+    /// projected embeddings ([`OptLayout`](super::OptLayout)).
     Opt,
     /// `gpt_neo` (`GPTNeoForCausalLM`: EleutherAI's GPT-Neo 125M-2.7B):
     /// GPT-2's modules (learned positions `wpe`, `ln_1`/`ln_2`,

@@ -964,7 +964,8 @@ impl Module for Layer {
             true => (x.shallow_clone(), Some(a)),
             false => {
                 let a = self.training.dropout(a, c.attention_output_dropout());
-                (x + self.residual(self.norms.attention_output(a)), None)
+                let x = x + self.residual(self.norms.attention_output(a));
+                (self.norms.after_attention(x), None)
             }
         };
         let h = self.norms.mlp_input(&x, h);
@@ -997,7 +998,8 @@ impl Module for Layer {
             None => m,
         };
         let m = self.training.dropout(m, c.resid_dropout);
-        &x + self.residual(self.norms.mlp_output(m))
+        self.norms
+            .after_mlp(&x + self.residual(self.norms.mlp_output(m)))
     }
 }
 

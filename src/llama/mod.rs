@@ -73,6 +73,7 @@ pub use config::{Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, Mo
 pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
+pub use opt::OptLayout;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
@@ -84,7 +85,7 @@ use tch::Tensor;
 
 use crate::blocks::{Ends, Run, Training};
 use crate::kv_cache::Decoding;
-use crate::lora::LoraConfig;
+use crate::lora::{Adapted, LoraConfig};
 use crate::packing::Documents;
 use crate::zero::{EngineError, ExportLayout, ShardPlan, ShardedModule};
 
@@ -161,8 +162,12 @@ pub struct Llama {
     /// BLOOM's LayerNorm of the embeddings (`word_embeddings_layernorm`),
     /// in the root.
     embedding_norm: Option<Norm>,
+    /// OPT-350m's projections of its narrower embeddings into the
+    /// layers' width and back (`project_in`, `project_out`), in the root.
+    projections: Option<[Adapted; 2]>,
     layers: Vec<ShardedModule<Run<Layer>>>,
-    norm: Norm,
+    /// The final norm (`None` for OPT-350m's post-norm layers).
+    norm: Option<Norm>,
     training: Training,
     decoding: Arc<Decoding>,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
@@ -221,7 +226,9 @@ impl Llama {
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
-        let norm = Norm::new(&m / final_norm, cfg.hidden, cfg);
+        let norm = cfg
+            .final_norm()
+            .then(|| Norm::new(&m / final_norm, cfg.hidden, cfg));
         let embedding_norm = (cfg.family == Family::Bloom)
             .then(|| Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg));
         let wpe = cfg.family.learned_positions().then(|| {
@@ -232,14 +239,22 @@ impl Llama {
             let rows = cfg.positions + cfg.family.position_offset();
             nn::embedding(&m / name, rows, cfg.hidden, Default::default())
         });
+        let training = Training::default();
+        let width = cfg.embedding_width();
+        let projections = cfg.projected().then(|| {
+            let lin = |name: &str, i, o| Adapted::new(&(&m / name), (i, o, false), lora, &training);
+            [
+                lin("project_in", width, cfg.hidden),
+                lin("project_out", cfg.hidden, width),
+            ]
+        });
         let embed = Ends::embedding(
             plan,
             &(&m / embedding),
-            (cfg.vocab, cfg.hidden),
+            (cfg.vocab, width),
             (cfg.pad_token, cfg.tied),
             lora,
         );
-        let training = Training::default();
         let decoding = Decoding::new();
         let layers = (0..cfg.layers)
             .map(|i| {
@@ -256,6 +271,7 @@ impl Llama {
             ends,
             wpe,
             embedding_norm,
+            projections,
             layers,
             norm,
             training,
@@ -317,6 +333,9 @@ impl Llama {
         if gemma3 {
             x = self.training.embedding_noise(x);
         }
+        if let Some([project_in, _]) = &self.projections {
+            x = project_in.forward(&x);
+        }
         // GPT-BigCode's learned positions: each token's in its document
         // when packed, after the tokens a cache holds when generating.
         if let Some(wpe) = &self.wpe {
@@ -345,7 +364,12 @@ impl Llama {
         }
         // The caches hold these tokens now.
         self.decoding.advance(tokens);
-        let x = self.norm.forward(&x);
+        if let Some(norm) = &self.norm {
+            x = norm.forward(&x);
+        }
+        if let Some([_, project_out]) = &self.projections {
+            x = project_out.forward(&x);
+        }
         let logits = self.ends.head(&x);
         let logits = match self.cfg.logits_scaling {
             1.0 => logits,

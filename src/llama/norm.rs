@@ -206,6 +206,13 @@ pub(super) enum Norms {
     /// side, one for the attention (`ln_attn`), one for the MLP
     /// (`ln_mlp`).
     ParallelTwo { attention: Norm, mlp: Norm },
+    /// OPT-350m's: each sublayer's output added to its input, the sum
+    /// normalised (`self_attn_layer_norm`, `final_layer_norm`: the
+    /// original Transformer's post-norm).
+    AfterResidual {
+        after_attention: Norm,
+        after_mlp: Norm,
+    },
 }
 
 impl Norms {
@@ -260,6 +267,10 @@ impl Norms {
                 },
                 _ => pre(),
             },
+            Family::Opt if c.opt.is_some_and(|o| !o.norm_before) => Self::AfterResidual {
+                after_attention: norm("self_attn_layer_norm"),
+                after_mlp: norm("final_layer_norm"),
+            },
             Family::Dbrx => Self::Pre {
                 input: Norm::new(p / "norm_attn_norm" / "norm_1", d, c),
                 before_mlp: Norm::new(p / "norm_attn_norm" / "norm_2", d, c),
@@ -275,14 +286,17 @@ impl Norms {
                 input.forward(x)
             }
             Self::ParallelTwo { attention, .. } => attention.forward(x),
-            Self::Post { .. } => x.shallow_clone(),
+            Self::Post { .. } | Self::AfterResidual { .. } => x.shallow_clone(),
         }
     }
 
     /// The attention's output `a`, normalised when the family does.
     pub(super) fn attention_output(&self, a: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } | Self::Parallel { .. } | Self::ParallelTwo { .. } => a,
+            Self::Pre { .. }
+            | Self::Parallel { .. }
+            | Self::ParallelTwo { .. }
+            | Self::AfterResidual { .. } => a,
             Self::Sandwich {
                 after_attention, ..
             }
@@ -301,7 +315,7 @@ impl Norms {
             Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
                 before_mlp.forward(x)
             }
-            Self::Post { .. } => x.shallow_clone(),
+            Self::Post { .. } | Self::AfterResidual { .. } => x.shallow_clone(),
             Self::Parallel { .. } => h,
             Self::ParallelTwo { mlp, .. } => mlp.forward(x),
         }
@@ -310,10 +324,34 @@ impl Norms {
     /// The MLP's output `m`, normalised when the family does.
     pub(super) fn mlp_output(&self, m: Tensor) -> Tensor {
         match self {
-            Self::Pre { .. } | Self::Parallel { .. } | Self::ParallelTwo { .. } => m,
+            Self::Pre { .. }
+            | Self::Parallel { .. }
+            | Self::ParallelTwo { .. }
+            | Self::AfterResidual { .. } => m,
             Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
                 after_mlp.forward(&m)
             }
+        }
+    }
+
+    /// The residual stream `x` after the attention joined it: normalised
+    /// by OPT-350m's post-norm layers, left as it is by the others.
+    pub(super) fn after_attention(&self, x: Tensor) -> Tensor {
+        match self {
+            Self::AfterResidual {
+                after_attention, ..
+            } => after_attention.forward(&x),
+            _ => x,
+        }
+    }
+
+    /// The layer's output `x` (the residual stream after the MLP joined
+    /// it): normalised by OPT-350m's post-norm layers, left as it is by
+    /// the others.
+    pub(super) fn after_mlp(&self, x: Tensor) -> Tensor {
+        match self {
+            Self::AfterResidual { after_mlp, .. } => after_mlp.forward(&x),
+            _ => x,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! OPT's `config.json` ([`Family::Opt`]): what zrt builds of
-//! `OPTConfig`'s options, and the config written back.
+//! `OPTConfig`'s options (OPT-350m's layout too), and the config
+//! written back.
 
 use serde_json::{json, Value};
 
@@ -13,23 +14,29 @@ use super::family::Family;
 /// reads row `p + 2`).
 pub(super) const POSITION_OFFSET: i64 = 2;
 
-/// Refuses what zrt does not build of the OPT config `j` of width
-/// `hidden`, naming the field: OPT-350m's post-norm layers and its
-/// projections in and out of a narrower embedding, layers dropped at
-/// random, norms without weights, and no final norm.
-pub(super) fn check(j: &HfJson, hidden: i64) -> Result<(), HfError> {
-    if !j.flag_or("do_layer_norm_before", true)? {
-        return Err(j.field(
-            "do_layer_norm_before false (OPT-350m's layers, normalised after each sublayer's residual): zrt builds OPT's layers normalised before each sublayer (every OPT but 350m)".into(),
-        ));
-    }
-    if let Some(w) = j.size_or_none("word_embed_proj_dim")? {
-        if w != hidden {
-            return Err(j.field(format!(
-                "word_embed_proj_dim {w} (not hidden_size {hidden}): OPT-350m's embeddings, projected in and out of the layers' width; zrt builds OPTs whose embeddings are the layers' width"
-            )));
-        }
-    }
+/// How an OPT is laid out (`do_layer_norm_before`,
+/// `word_embed_proj_dim`, `_remove_final_layer_norm`): every OPT but
+/// 350m normalises each sublayer's input and ends with a final norm;
+/// OPT-350m normalises each sublayer's residual sum instead, has no
+/// final norm, and embeds its tokens narrower than its layers, projected
+/// in (`project_in`) and out (`project_out`) by matrices without biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptLayout {
+    /// `do_layer_norm_before`: each sublayer's input is normalised;
+    /// otherwise each sublayer's output added to its input is.
+    pub norm_before: bool,
+    /// A final LayerNorm (`final_layer_norm`) before the head: with
+    /// norms before the sublayers, unless `_remove_final_layer_norm`.
+    pub final_norm: bool,
+    /// `word_embed_proj_dim`: the token embeddings' (and the tied
+    /// head's) width; another than `hidden_size` puts `project_in` and
+    /// `project_out` between them and the layers.
+    pub embedding_width: i64,
+}
+
+/// OPT's layout from the config `j` of width `hidden`. Refused, naming
+/// the field: layers dropped at random and norms without weights.
+pub(super) fn layout(j: &HfJson, hidden: i64) -> Result<OptLayout, HfError> {
     let layerdrop = j.number_or("layerdrop", 0.0)?;
     if layerdrop != 0.0 {
         return Err(j.field(format!(
@@ -41,28 +48,33 @@ pub(super) fn check(j: &HfJson, hidden: i64) -> Result<(), HfError> {
             "layer_norm_elementwise_affine false: zrt builds OPT's LayerNorms with weights and biases (set it to true)".into(),
         ));
     }
-    if j.flag_or("_remove_final_layer_norm", false)? {
-        return Err(j.field(
-            "_remove_final_layer_norm true: zrt builds OPT with its final LayerNorm (set it to false)".into(),
-        ));
-    }
-    Ok(())
+    let norm_before = j.flag_or("do_layer_norm_before", true)?;
+    // `OPTDecoder` builds its final norm only for norms before the
+    // sublayers, and then not when the flag removes it.
+    let final_norm = norm_before && !j.flag_or("_remove_final_layer_norm", false)?;
+    let embedding_width = j.size_or_none("word_embed_proj_dim")?.unwrap_or(hidden);
+    Ok(OptLayout {
+        norm_before,
+        final_norm,
+        embedding_width,
+    })
 }
 
 /// `c`'s `config.json` as `OPTConfig` reads it.
-pub(super) fn to_json(c: &LlamaConfig) -> Value {
+pub(super) fn to_json(c: &LlamaConfig, layout: &OptLayout) -> Value {
     debug_assert_eq!(c.family, Family::Opt);
     json!({
         "model_type": "opt",
         "architectures": [Family::Opt.architecture()],
         "vocab_size": c.vocab,
         "hidden_size": c.hidden,
-        "word_embed_proj_dim": c.hidden,
+        "word_embed_proj_dim": layout.embedding_width,
         "ffn_dim": c.intermediate,
         "num_hidden_layers": c.layers,
         "num_attention_heads": c.heads,
         "max_position_embeddings": c.positions,
-        "do_layer_norm_before": true,
+        "do_layer_norm_before": layout.norm_before,
+        "_remove_final_layer_norm": layout.norm_before && !layout.final_norm,
         "enable_bias": c.o_bias,
         "activation_function": c.activation.name(),
         "dropout": c.resid_dropout,

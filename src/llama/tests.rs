@@ -113,6 +113,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         mla: None,
         llama4: None,
         falcon: None,
+        opt: None,
         local_layers: None,
     };
     assert_eq!(cfg, want);
@@ -1302,26 +1303,38 @@ fn opt_configs_are_read_and_counted() {
         .read(r#"{"model_type": "opt", "vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12}"#)
         .unwrap();
     assert_eq!(total(&small), 125239296);
-    dir.round_trips([c, small]);
+    // OPT-350m's published config: post-norm layers, no final norm,
+    // embeddings 512 wide projected in and out of the layers' 1024.
+    let post = dir
+        .read(r#"{"model_type": "opt", "activation_function": "relu", "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2, "do_layer_norm_before": false, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 4096, "hidden_size": 1024, "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048, "num_attention_heads": 16, "num_hidden_layers": 24, "pad_token_id": 1, "prefix": "</s>", "torch_dtype": "float16", "use_cache": true, "vocab_size": 50272, "word_embed_proj_dim": 512}"#)
+        .unwrap();
+    assert_eq!(total(&post), 331196416);
+    assert_eq!((post.embedding_width(), post.final_norm()), (512, false));
+    assert_eq!(
+        post.unit_params()[0],
+        ("model.decoder.embed_tokens".into(), 50272 * 512)
+    );
+    // OPT-6.7B without its final norm: the flag only OPT's class reads.
+    let unnormed = dir
+        .read(&given.replace(
+            r#""_remove_final_layer_norm": false"#,
+            r#""_remove_final_layer_norm": true"#,
+        ))
+        .unwrap();
+    assert_eq!(total(&unnormed), 6658473984 - 2 * 4096);
+    dir.round_trips([c, small, post, unnormed]);
     for (change, says) in [
-        (
-            r#""do_layer_norm_before": false"#,
-            "do_layer_norm_before false (OPT-350m's layers",
-        ),
-        (
-            r#""word_embed_proj_dim": 512"#,
-            "word_embed_proj_dim 512 (not hidden_size 4096)",
-        ),
         (
             r#""layerdrop": 0.1"#,
             "layerdrop 0.1: zrt runs every layer every step",
         ),
         (
-            r#""_remove_final_layer_norm": true"#,
-            "_remove_final_layer_norm true",
+            r#""layer_norm_elementwise_affine": false"#,
+            "layer_norm_elementwise_affine false",
         ),
     ] {
         let key = change.split(':').next().unwrap();
+        let given = given.replace('}', r#", "layer_norm_elementwise_affine": true}"#);
         let at = given.find(key).unwrap();
         let end = at + given[at..].find([',', '}']).unwrap();
         dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
@@ -1883,6 +1896,7 @@ fn unit_params_count_what_the_built_model_holds() {
         mla: None,
         llama4: None,
         falcon: None,
+        opt: None,
         local_layers: None,
     };
     let variants = [
@@ -2012,7 +2026,26 @@ fn unit_params_count_what_the_built_model_holds() {
         }),
         ..deepseek.clone()
     };
-    for cfg in variants.into_iter().chain([deepseek, one_q]) {
+    // OPT-350m's layout: embeddings 32 wide, projected in and out in
+    // the root, no final norm; and norms before, with the final one.
+    let opt = |norm_before| LlamaConfig {
+        family: Family::Opt,
+        kv_heads: 4,
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        tied: true,
+        opt: Some(OptLayout {
+            norm_before,
+            final_norm: norm_before,
+            embedding_width: 32,
+        }),
+        ..base.clone()
+    };
+    for cfg in variants
+        .into_iter()
+        .chain([deepseek, one_q, opt(false), opt(true)])
+    {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);
         let units = cfg.unit_params();

@@ -213,8 +213,11 @@ impl GptNeoxConfig {
 /// checkpoint (its own), or `None` for what the model does not hold:
 /// older checkpoints' attention mask and rotary buffers
 /// (`attention.bias`, `attention.masked_bias`, `rotary_emb.inv_freq`)
-/// and, when the head is tied, a written-out `embed_out.weight`.
+/// and, when the head is tied, a written-out `embed_out.weight`. A file
+/// written from the base model (`GPTNeoXModel`) names its tensors
+/// without `gpt_neox.`, which is added as `from_pretrained` adds it.
 pub fn hf_name(name: &str, tied: bool) -> Option<String> {
+    let name = crate::hf::under_base(name, "gpt_neox", "embed_out.");
     let skipped = [
         ".attention.bias",
         ".attention.masked_bias",
@@ -223,7 +226,7 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
     .iter()
     .any(|s| name.ends_with(s))
         || (tied && name == "embed_out.weight");
-    (!skipped).then(|| name.to_string())
+    (!skipped).then(|| name.into_owned())
 }
 
 /// Sets `plan`'s rename rule for a Hugging Face GPT-NeoX checkpoint

@@ -5,6 +5,7 @@
 //! `AutoModelForCausalLM.from_pretrained` chooses the class; and what
 //! those layouts share (reading a `config.json`, the loss, the errors).
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use tch::nn::VarStore;
@@ -795,9 +796,45 @@ pub fn items_per_micro_step(step_items: f64, ranks: usize, gas: u64) -> f64 {
     step_items.max(1.0) / (ranks as f64 * gas as f64)
 }
 
+/// A checkpoint tensor's name as the causal language model holds it:
+/// `name` itself, or for a file written from the base model alone
+/// (`OPTModel.save_pretrained`: `decoder.layers.0...`; BLOOM's published
+/// files: `h.0...`), the base model's prefix `base` before it, as
+/// `from_pretrained` adds it. Names under `base` and the head's (`head`,
+/// outside the base model) are kept.
+pub(crate) fn under_base<'a>(name: &'a str, base: &str, head: &str) -> Cow<'a, str> {
+    let under = name.strip_prefix(base).is_some_and(|n| n.starts_with('.'));
+    match under || name.starts_with(head) {
+        true => Cow::Borrowed(name),
+        false => Cow::Owned(format!("{base}.{name}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_base_models_names_take_its_prefix_as_from_pretrained_gives_it() {
+        let under = |n| under_base(n, "model", "lm_head.").into_owned();
+        assert_eq!(
+            under("decoder.layers.0.fc1.weight"),
+            "model.decoder.layers.0.fc1.weight"
+        );
+        assert_eq!(under("model.norm.weight"), "model.norm.weight");
+        assert_eq!(under("lm_head.weight"), "lm_head.weight");
+        // A name that only begins like the prefix is not under it.
+        assert_eq!(under("models.x"), "model.models.x");
+        let under = |n| under_base(n, "transformer", "lm_head.").into_owned();
+        assert_eq!(
+            under("h.0.mlp.dense_h_to_4h.bias"),
+            "transformer.h.0.mlp.dense_h_to_4h.bias"
+        );
+        assert_eq!(
+            under("word_embeddings.weight"),
+            "transformer.word_embeddings.weight"
+        );
+    }
 
     #[test]
     fn generation_stops_at_generation_configs_eos_tokens_else_configs() {

@@ -233,9 +233,12 @@ impl PhiConfig {
 
 /// The [`Phi`] VarStore name of a tensor of a Hugging Face Phi
 /// checkpoint (its own), or `None` for older checkpoints' rotary buffers
-/// (`rotary_emb.inv_freq`), which the model does not hold.
+/// (`rotary_emb.inv_freq`), which the model does not hold. A file
+/// written from the base model (`PhiModel`) names its tensors without
+/// `model.`, which is added as `from_pretrained` adds it.
 pub fn hf_name(name: &str) -> Option<String> {
-    (!name.ends_with("rotary_emb.inv_freq")).then(|| name.to_string())
+    let name = crate::hf::under_base(name, "model", "lm_head.");
+    (!name.ends_with("rotary_emb.inv_freq")).then(|| name.into_owned())
 }
 
 /// Sets `plan`'s rename rule for a Hugging Face Phi checkpoint

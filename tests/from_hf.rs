@@ -3329,3 +3329,83 @@ print("ok")
     assert_eq!(said.lines().last(), Some("ok"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A checkpoint written from the base model alone (`m.base_model
+/// .save_pretrained`, as Meta's OPT files and BigScience's BLOOM files
+/// are named: `decoder.layers.0...`, `h.0...`) loads as `from_pretrained`
+/// loads it, the causal LM's prefix added to every name and the tied
+/// head the embedding: zrt, on 2 ranks at stage 3, continues a prompt
+/// with the tokens `transformers` continues it with from that file.
+#[test]
+fn a_checkpoint_written_from_the_base_model_loads_as_transformers_loads_it() {
+    for (name, prefix, import, args) in [
+        (
+            "opt-350m",
+            "model.",
+            "from transformers import OPTConfig as C, OPTForCausalLM as M",
+            "vocab_size=96, hidden_size=64, word_embed_proj_dim=32, \
+             do_layer_norm_before=False, ffn_dim=128, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=0",
+        ),
+        (
+            "bloom",
+            "transformer.",
+            "from transformers import BloomConfig as C, BloomForCausalLM as M",
+            "vocab_size=96, hidden_size=64, n_layer=2, n_head=4, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=0",
+        ),
+        (
+            "llama-tied",
+            "model.",
+            "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             tie_word_embeddings=True, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "gpt-neox-tied",
+            "gpt_neox.",
+            "from transformers import GPTNeoXConfig as C, GPTNeoXForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25, \
+             tie_word_embeddings=True, eos_token_id=None, bos_token_id=None",
+        ),
+    ] {
+        let dir = scratch(&format!("hf-base-{name}"));
+        let model = common::hf_seeded_model(import, args, &dir, "").replace("* 0.05", "* 0.3");
+        let said = common::python(&format!(
+            r#"{model}
+from safetensors import safe_open
+m.eval()
+m.base_model.save_pretrained("{base}")
+with safe_open("{base}/model.safetensors", "pt") as f:
+    names = list(f.keys())
+assert names and not any(n.startswith("{prefix}") for n in names), names
+loaded = M.from_pretrained("{base}").eval()
+prompt = torch.tensor([[5, 17, 33, 2, 90, 41]])
+kw = dict(max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=0)
+print(" ".join(map(str, loaded.generate(prompt, **kw)[0, 6:].tolist())))
+print(" ".join(map(str, m.generate(prompt, **kw)[0, 6:].tolist())))
+"#,
+            base = dir.join("base").display()
+        ));
+        let lines: Vec<Vec<i64>> = (said.lines())
+            .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+            .collect();
+        // transformers itself loads the base model's file whole.
+        assert_eq!(lines[0], lines[1], "{name}: transformers' own load differs");
+        let want = &lines[0];
+        let distinct: std::collections::BTreeSet<_> = want.iter().collect();
+        assert!(distinct.len() >= 4, "{name}: {want:?} repeats itself");
+        let base = dir.join("base");
+        let got = on_ranks(2, |r| {
+            let (model, _engine) = on_two_at_stage_3(&r, &base);
+            model.greedy(&[5, 17, 33, 2, 90, 41], 12, &[]).unwrap()
+        });
+        for (ids, rank) in got.into_iter().zip(0..) {
+            assert_eq!(&ids, want, "{name}, rank {rank}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -101,7 +101,9 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
 }
 
 /// Sets `plan`'s rename rule for a Hugging Face Llama checkpoint
-/// ([`hf_name`]), and for a mixture of experts declares the experts'
+/// ([`hf_name`]; a file written from the base model, its names without
+/// the family's `model.` or `transformer.`, gets it, as `from_pretrained`
+/// gives it), and for a mixture of experts declares the experts'
 /// parameters [`ShardPlan::partly_unused_on_some_ranks`]. Call it on
 /// every rank before the engine is built.
 pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {
@@ -117,6 +119,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // model under `language_model.`, a vision encoder and projector
     // beside it, which the text model leaves out.
     let llama4 = cfg.family == Family::Llama4;
+    // A file written from the base model (`OPTModel.save_pretrained`;
+    // Meta's OPT files and BigScience's BLOOM files are named so) names
+    // its tensors without the base model's prefix (`model`,
+    // `transformer`), which `from_pretrained` adds.
+    let [root, ..] = cfg.family.names();
+    let base = root.split('.').next().unwrap_or(root);
     plan.rename_weights(move |n| {
         let n = match llama4 {
             true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
@@ -125,10 +133,11 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
             true => n.strip_prefix("language_model.").unwrap_or(n),
             false => n,
         };
-        match layer_of(n) {
+        let n = crate::hf::under_base(n, base, "lm_head.");
+        match layer_of(&n) {
             Some(l) if beyond && l >= layers => None,
             _ if mtp && n.contains("mtp") => None,
-            _ => hf_name(n, tied),
+            _ => hf_name(&n, tied),
         }
     })?;
     // An expert no token of a rank chose gets no gradient there.

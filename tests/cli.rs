@@ -1275,19 +1275,16 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let persimmon = dir.join("persimmon.json");
-    std::fs::write(&persimmon, r#"{"model_type": "persimmon"}"#).unwrap();
+    let xglm = dir.join("xglm.json");
+    std::fs::write(&xglm, r#"{"model_type": "xglm"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        persimmon.to_str().unwrap(),
+        xglm.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(
-        !ok && out.contains("model_type Some(\"persimmon\")"),
-        "{out}"
-    );
+    assert!(!ok && out.contains("model_type Some(\"xglm\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -303,6 +303,18 @@ fn bloom_drops_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// Persimmon's dropouts: its attention's weights and its MLP's output
+/// (`hidden_dropout`; the attention's output is not dropped out).
+#[test]
+fn persimmon_drops_attention_and_mlp_out_as_transformers_does() {
+    dropout_parity(
+        "persimmon",
+        "from transformers import PersimmonConfig as C, PersimmonForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     dropout_parity(

@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -400,6 +400,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import OPTConfig as C, OPTForCausalLM as M",
             "vocab_size=96, hidden_size=64, word_embed_proj_dim=32, do_layer_norm_before=False, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, dropout=0.0",
+        ),
+        load: "",
+    },
+    // Persimmon: each head's query, key and value together, its queries
+    // and keys LayerNormed (one norm for every head) before half of each
+    // head turns, biases everywhere, a squared-ReLU MLP, the head apart.
+    Case {
+        name: "persimmon",
+        python: (
+            "from transformers import PersimmonConfig as C, PersimmonForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
         ),
         load: "",
     },
@@ -1189,6 +1200,11 @@ fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does()
 fn an_opt_350m_checkpoint_with_post_norm_layers_and_projected_embeddings_trains_as_transformers_does(
 ) {
     parity("opt-350m");
+}
+
+#[test]
+fn a_persimmon_checkpoint_with_layernormed_queries_and_keys_trains_as_transformers_does() {
+    parity("persimmon");
 }
 
 #[test]
@@ -2629,6 +2645,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "opt",
         "gpt-neo",
         "mpt",
+        "persimmon",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2646,7 +2663,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo and MPT build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo, MPT and Persimmon build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2662,6 +2679,7 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "dbrx": {{"attention_mask": masks["full_attention"]}},
              "falcon": {{"attention_mask": masks["full_attention"]}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
+             "persimmon": {{"attention_mask": masks["full_attention"]}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
              "opt": {{"attention_mask": masks["full_attention"]}},
              "gpt_neo": {{"attention_mask": masks["full_attention"]}},

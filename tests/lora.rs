@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT and BLOOM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM and Persimmon checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -384,6 +384,20 @@ const BLOOM: Case = Case {
     targets: &["query_key_value", "dense_4h_to_h"],
     matrices: 8,
     elements: 2 * 4 * ((96 + 288) + (384 + 96)),
+    ..OFF
+};
+
+/// Persimmon's fused attention (zrt's default, PEFT having none: 64 ->
+/// 192) beside its output (`dense`, 64 -> 64) and its MLP's input
+/// (64 -> 128).
+const PERSIMMON: Case = Case {
+    python: (
+        "from transformers import PersimmonConfig as C, PersimmonForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+    ),
+    targets: &["query_key_value", "dense", "dense_h_to_4h"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 128)),
     ..OFF
 };
 
@@ -782,6 +796,11 @@ fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
 fn lora_adapters_on_mpts_and_blooms_alibi_attention_train_as_peft_does() {
     parity("mpt", &MPT, &[(3, false, Held::Fp32)]);
     parity("bloom", &BLOOM, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_persimmons_fused_attention_and_mlp_train_as_peft_does() {
+    parity("persimmon", &PERSIMMON, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

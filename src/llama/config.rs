@@ -434,13 +434,17 @@ impl LlamaConfig {
         };
         let partial = match family {
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
-            Family::Nemotron => j.number_or("partial_rotary_factor", 0.5)?,
+            Family::Nemotron | Family::Persimmon => j.number_or("partial_rotary_factor", 0.5)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
         let partly = matches!(
             family,
-            Family::Phi3 | Family::StableLm | Family::Glm4Moe | Family::Nemotron
+            Family::Phi3
+                | Family::StableLm
+                | Family::Glm4Moe
+                | Family::Nemotron
+                | Family::Persimmon
         ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
@@ -494,6 +498,7 @@ impl LlamaConfig {
         // Left out, the class's default; null, as many as the heads.
         let kv_heads = match falcon {
             Some((_, kv)) => kv,
+            None if family == Family::Persimmon => heads,
             None => (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads),
         };
         let mla = mla(j, family)?;
@@ -550,7 +555,7 @@ impl LlamaConfig {
             // GPT-BigCode's projections all have biases; OPT's
             // `enable_bias` is every projection's; GPT-Neo's output
             // projection has one, its queries, keys and values none.
-            Family::GptBigCode | Family::GptNeo | Family::Bloom => true,
+            Family::GptBigCode | Family::GptNeo | Family::Bloom | Family::Persimmon => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
@@ -670,7 +675,8 @@ impl LlamaConfig {
                 | Family::Ernie4_5
                 | Family::Ernie4_5Moe
                 | Family::Falcon
-                | Family::Opt => attention_bias,
+                | Family::Opt
+                | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
                 f if matches!(f, Family::Apertus | Family::Olmo1 | Family::Llama4)
@@ -704,6 +710,7 @@ impl LlamaConfig {
                 | Family::HunyuanDense
                 | Family::HunyuanMoe => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
+                Family::Persimmon => j.flag_or("qk_layernorm", true)?,
                 f => f.whole_qk_norm(),
             },
             clip_qkv: match family {
@@ -740,7 +747,7 @@ impl LlamaConfig {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
-                Family::StableLm => j.rate_or("hidden_dropout", 0.0)?,
+                Family::StableLm | Family::Persimmon => j.rate_or("hidden_dropout", 0.0)?,
                 Family::Dbrx | Family::Mpt | Family::Bloom => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
@@ -850,13 +857,13 @@ impl LlamaConfig {
     }
 
     /// The dropout on the attention's output, when training: the
-    /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's, which
-    /// drops out the MLP's output only, and Falcon's: its
+    /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's and
+    /// Persimmon's, which drop out the MLP's output only, and Falcon's: its
     /// `attention_dropout` in sequential layers, none in parallel ones
     /// (the sum of both outputs is dropped out there).
     pub fn attention_output_dropout(&self) -> f64 {
         match (self.family, &self.falcon) {
-            (Family::StableLm, _) => 0.0,
+            (Family::StableLm | Family::Persimmon, _) => 0.0,
             (_, Some(f)) if f.parallel => 0.0,
             (_, Some(_)) => self.attention_dropout,
             _ => self.resid_dropout,
@@ -927,8 +934,10 @@ impl LlamaConfig {
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
                     + match self.family.whole_qk_norm() {
-                        // OLMo's normalise the whole projections, the others a head.
+                        // OLMo's normalise the whole projections, the others a
+                        // head (Persimmon's LayerNorms with biases too).
                         true => bias(self.qk_norm, q + kv),
+                        false if self.family == Family::Persimmon => bias(self.qk_norm, 4 * hd),
                         false => bias(self.qk_norm, 2 * hd),
                     }
             }
@@ -1290,6 +1299,11 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
             }),
+            Family::Persimmon => serde_json::json!({
+                "qk_layernorm": self.qk_norm,
+                "partial_rotary_factor": self.partial_rotary,
+                "hidden_dropout": self.resid_dropout,
+            }),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
                 "qk_layernorm": false,
@@ -1323,6 +1337,11 @@ impl LlamaConfig {
         }
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
+        }
+        // Persimmon's class has no count of key-value heads: every head
+        // has its own.
+        if let (Family::Persimmon, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("num_key_value_heads");
         }
         // OLMo 1's norms take no epsilon from the config (theirs is 1e-5).
         if let (Family::Olmo1, Some(all)) = (self.family, json.as_object_mut()) {

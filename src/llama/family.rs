@@ -317,11 +317,20 @@ pub enum Family {
     /// LayerNorm on the embeddings (`word_embeddings_layernorm`), a GELU
     /// (tanh form) MLP, ALiBi instead of positions.
     Bloom,
+    /// `persimmon` (`PersimmonForCausalLM`: Adept's Persimmon-8B, Fuyu's
+    /// language model): Llama's names with BLOOM's modules
+    /// (`self_attn.query_key_value`, each head's query, key and value
+    /// together; `dense`, `mlp.dense_h_to_4h`, `dense_4h_to_h`),
+    /// LayerNorms and biases everywhere, each head's queries and keys
+    /// LayerNormed (`q_layernorm`, `k_layernorm`, one for every head)
+    /// before half of each head turns, a squared-ReLU MLP, the final
+    /// norm `final_layernorm`.
+    Persimmon,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 53] = [
+    pub const ALL: [Family; 54] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -375,6 +384,7 @@ impl Family {
         Self::GptNeo,
         Self::Mpt,
         Self::Bloom,
+        Self::Persimmon,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -447,6 +457,7 @@ impl Family {
             Self::GptNeo => "gpt_neo",
             Self::Mpt => "mpt",
             Self::Bloom => "bloom",
+            Self::Persimmon => "persimmon",
         }
     }
 
@@ -506,6 +517,7 @@ impl Family {
             Self::GptNeo => "GPTNeoForCausalLM",
             Self::Mpt => "MptForCausalLM",
             Self::Bloom => "BloomForCausalLM",
+            Self::Persimmon => "PersimmonForCausalLM",
         }
     }
 
@@ -534,7 +546,10 @@ impl Family {
     /// (with biases) where the others have RMSNorms (Nemotron's weights
     /// offsets from one).
     pub(super) fn layer_norm(self) -> bool {
-        matches!(self, Self::Starcoder2 | Self::StableLm | Self::Nemotron) || self.classic()
+        matches!(
+            self,
+            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Persimmon
+        ) || self.classic()
     }
 
     /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
@@ -616,7 +631,12 @@ impl Family {
     pub(super) fn gated(self) -> bool {
         !(matches!(
             self,
-            Self::Starcoder2 | Self::Arcee | Self::Apertus | Self::Nemotron | Self::Mpt
+            Self::Starcoder2
+                | Self::Arcee
+                | Self::Apertus
+                | Self::Nemotron
+                | Self::Mpt
+                | Self::Persimmon
         ) || self.classic())
     }
 
@@ -869,6 +889,13 @@ impl Family {
                 activation: Activation::GeluNew,
                 ..LLAMA
             },
+            Self::Persimmon => Defaults {
+                eps: 1e-5,
+                rope_theta: 25000.0,
+                activation: Activation::Relu2,
+                positions: 16384,
+                ..LLAMA
+            },
             Self::Mpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -994,6 +1021,7 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
+            Self::Persimmon => ["model", "embed_tokens", "layers", "final_layernorm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -1026,7 +1054,7 @@ impl Family {
             | Self::GptNeo
             | Self::Mpt
             | Self::Bloom => "layer_norm_epsilon",
-            Self::StableLm | Self::Cohere | Self::Cohere2 => "layer_norm_eps",
+            Self::StableLm | Self::Cohere | Self::Cohere2 | Self::Persimmon => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
     }

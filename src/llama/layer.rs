@@ -14,7 +14,7 @@ use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
-use super::norm::{rms_normalized, Norms, RmsNorm};
+use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
 use super::xielu::Xielu;
@@ -32,9 +32,9 @@ pub struct Layer {
     qkv: Qkv,
     o_proj: Adapted,
     mlp: Mlp,
-    /// Qwen3's and Gemma 3's per-head query and key norms, OLMo's over
-    /// the whole projections.
-    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Qwen3's and Gemma 3's per-head query and key norms (Persimmon's
+    /// LayerNorms), OLMo's over the whole projections.
+    qk_norm: Option<(Norm, Norm)>,
     /// Its rotary embedding, `None` for SmolLM3's layers without.
     rotary: Option<Rotary>,
     /// Its sliding window ([`LlamaConfig::window`]).
@@ -756,6 +756,7 @@ impl Layer {
                     | Family::Mpt
                     | Family::Falcon
                     | Family::Bloom
+                    | Family::Persimmon
                     | Family::CodeGen
                     | Family::GptBigCode,
                     _,
@@ -763,7 +764,7 @@ impl Layer {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx | Family::Mpt => "Wqkv",
-                        Family::Falcon | Family::Bloom => "query_key_value",
+                        Family::Falcon | Family::Bloom | Family::Persimmon => "query_key_value",
                         Family::GptBigCode => "c_attn",
                         // Phi-3's and CodeGen's.
                         _ => "qkv_proj",
@@ -783,7 +784,7 @@ impl Layer {
                     {
                         "out_proj"
                     }
-                    Family::Falcon | Family::Bloom => "dense",
+                    Family::Falcon | Family::Bloom | Family::Persimmon => "dense",
                     Family::GptBigCode => "c_proj",
                     _ => "o_proj",
                 }),
@@ -805,7 +806,9 @@ impl Layer {
                         Family::Arcee | Family::Apertus | Family::Nemotron | Family::Mpt => {
                             ("up_proj", "down_proj")
                         }
-                        Family::Falcon | Family::Bloom => ("dense_h_to_4h", "dense_4h_to_h"),
+                        Family::Falcon | Family::Bloom | Family::Persimmon => {
+                            ("dense_h_to_4h", "dense_4h_to_h")
+                        }
                         f if f.gptj() => ("fc_in", "fc_out"),
                         Family::Opt => ("fc1", "fc2"),
                         _ => ("c_fc", "c_proj"),
@@ -833,12 +836,15 @@ impl Layer {
             qk_norm: c.qk_norm.then(|| {
                 let (q, k) = match c.family {
                     f if f.hunyuan() => ("query_layernorm", "key_layernorm"),
+                    Family::Persimmon => ("q_layernorm", "k_layernorm"),
                     _ => ("q_norm", "k_norm"),
                 };
-                (
-                    RmsNorm::new(&a / q, q_width, c),
-                    RmsNorm::new(&a / k, k_width, c),
-                )
+                // Persimmon's LayerNorms (with biases), the others' RMSNorms.
+                let norm = |name: &str, width| match c.family {
+                    Family::Persimmon => Norm::new(&a / name, width, c),
+                    _ => Norm::Rms(RmsNorm::new(&a / name, width, c)),
+                };
+                (norm(q, q_width), norm(k, k_width))
             }),
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
@@ -862,7 +868,7 @@ impl Module for Layer {
         // Normalised over the projection before the heads are split
         // (OLMo), or over each head after.
         let whole = c.family.whole_qk_norm();
-        let heads = |x: Tensor, n: i64, norm: Option<&RmsNorm>| {
+        let heads = |x: Tensor, n: i64, norm: Option<&Norm>| {
             let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
             let x = if whole { normed(x) } else { x };
             let x = x.view([b, t, n, c.head_dim]);
@@ -889,7 +895,7 @@ impl Module for Layer {
         // Hunyuan normalises each head's queries and keys after they
         // turn, the others before.
         let after = c.family.hunyuan();
-        let qk = |x: Tensor, n: i64, norm: Option<&RmsNorm>| match (after, norm) {
+        let qk = |x: Tensor, n: i64, norm: Option<&Norm>| match (after, norm) {
             (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
             _ => turned(heads(x, n, norm)),
         };
@@ -906,14 +912,14 @@ impl Module for Layer {
                 k_proj,
                 v_proj,
             } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
-            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's:
-            // one a head): each
+            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's
+            // and Persimmon's: one a head): each
             // group of heads sharing keys and values holds its queries,
             // then its key, then its value.
             Qkv::Fused(qkv)
                 if matches!(
                     c.family,
-                    Family::Falcon | Family::GptBigCode | Family::Bloom
+                    Family::Falcon | Family::GptBigCode | Family::Bloom | Family::Persimmon
                 ) =>
             {
                 let per = c.heads / c.kv_heads;

@@ -1475,6 +1475,37 @@ fn bloom_configs_are_read_and_counted() {
 }
 
 #[test]
+fn persimmon_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("persimmon-configs");
+    // Persimmon-8B's shape (its class's defaults: 36 layers 4096 wide, 64
+    // heads, half of each turned, queries and keys LayerNormed, a
+    // squared ReLU, the head untied); the count is transformers'
+    // parameters.
+    let given = r#"{"model_type": "persimmon", "architectures": ["PersimmonForCausalLM"], "hidden_act": "relu2", "hidden_size": 4096, "intermediate_size": 16384, "layer_norm_eps": 1e-05, "max_position_embeddings": 16384, "num_attention_heads": 64, "num_hidden_layers": 36, "partial_rotary_factor": 0.5, "qk_layernorm": true, "rope_theta": 25000.0, "tie_word_embeddings": false, "vocab_size": 262144}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 9397175296);
+    assert_eq!(
+        (c.kv_heads, c.rotary_dim(), c.activation),
+        (64, 32, Activation::Relu2)
+    );
+    assert!(c.qk_norm && c.qkv_bias && c.o_bias && c.mlp_bias && !c.tied);
+    // Its class has no key-value heads' count: every head has its own,
+    // whatever a file says.
+    let grouped = dir
+        .read(&given.replace(
+            r#""num_attention_heads": 64"#,
+            r#""num_attention_heads": 64, "num_key_value_heads": 8"#,
+        ))
+        .unwrap();
+    assert_eq!(grouped, c);
+    let unnormed = dir
+        .read(&given.replace(r#""qk_layernorm": true"#, r#""qk_layernorm": false"#))
+        .unwrap();
+    assert_eq!(total(&unnormed), 9397175296 - 36 * 4 * 64);
+    dir.round_trips([c, unnormed]);
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -2042,9 +2073,20 @@ fn unit_params_count_what_the_built_model_holds() {
         }),
         ..base.clone()
     };
+    // Persimmon's queries and keys LayerNormed, weights and biases.
+    let persimmon = LlamaConfig {
+        family: Family::Persimmon,
+        kv_heads: 4,
+        qk_norm: true,
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        partial_rotary: 0.5,
+        ..base.clone()
+    };
     for cfg in variants
         .into_iter()
-        .chain([deepseek, one_q, opt(false), opt(true)])
+        .chain([deepseek, one_q, opt(false), opt(true), persimmon])
     {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);

@@ -540,8 +540,9 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX), zrt's
-/// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`), DeepSeek-V2's and V3's projections making
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon), zrt's
+/// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
+/// `query_key_value`), DeepSeek-V2's and V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
@@ -555,7 +556,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
         Some("dbrx" | "mpt") => &["Wqkv"],
-        Some("falcon" | "bloom") => &["query_key_value"],
+        Some("falcon" | "bloom" | "persimmon") => &["query_key_value"],
         Some("codegen") => &["qkv_proj"],
         Some("gpt_bigcode") => &["c_attn"],
         // Null: one `q_proj` (left out: the class's bottleneck).
@@ -1225,6 +1226,7 @@ mod tests {
             ("gpt_neox", vec!["query_key_value"]),
             ("phi", vec!["q_proj", "v_proj", "fc1", "fc2"]),
             ("phi3", vec!["qkv_proj"]),
+            ("persimmon", vec!["query_key_value"]),
             ("qwen2", vec!["q_proj", "v_proj"]),
             ("starcoder2", vec!["q_proj", "v_proj"]),
             ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),

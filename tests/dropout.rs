@@ -303,6 +303,19 @@ fn bloom_drops_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// BioGPT's dropouts: the embeddings' (after the positions join), the
+/// attention weights' and both sublayers' outputs, LayerDrop's draws
+/// taken.
+#[test]
+fn biogpt_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "biogpt",
+        "from transformers import BioGptConfig as C, BioGptForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.25",
+        1e-5,
+    );
+}
+
 /// Persimmon's dropouts: its attention's weights and its MLP's output
 /// (`hidden_dropout`; the attention's output is not dropped out).
 #[test]

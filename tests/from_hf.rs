@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -411,6 +411,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import PersimmonConfig as C, PersimmonForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64",
+        ),
+        load: "",
+    },
+    // BioGPT: OPT's layers and offset positions under `biogpt`, its
+    // embeddings scaled by the width's square root, a GELU MLP, the
+    // head `output_projection` tied; its dropouts (0.1 by default) off.
+    Case {
+        name: "biogpt",
+        python: (
+            "from transformers import BioGptConfig as C, BioGptForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0",
         ),
         load: "",
     },
@@ -1200,6 +1211,11 @@ fn an_opt_checkpoint_with_offset_learned_positions_trains_as_transformers_does()
 fn an_opt_350m_checkpoint_with_post_norm_layers_and_projected_embeddings_trains_as_transformers_does(
 ) {
     parity("opt-350m");
+}
+
+#[test]
+fn a_biogpt_checkpoint_with_scaled_embeddings_and_its_own_head_trains_as_transformers_does() {
+    parity("biogpt");
 }
 
 #[test]
@@ -2646,6 +2662,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "gpt-neo",
         "mpt",
         "persimmon",
+        "biogpt",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2663,7 +2680,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo, MPT and Persimmon build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo, MPT, Persimmon and BioGPT build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2680,6 +2697,7 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "falcon": {{"attention_mask": masks["full_attention"]}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
              "persimmon": {{"attention_mask": masks["full_attention"]}},
+             "biogpt": {{"attention_mask": masks["full_attention"]}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
              "opt": {{"attention_mask": masks["full_attention"]}},
              "gpt_neo": {{"attention_mask": masks["full_attention"]}},
@@ -3372,6 +3390,16 @@ fn a_checkpoint_written_from_the_base_model_loads_as_transformers_loads_it() {
             "from transformers import BloomConfig as C, BloomForCausalLM as M",
             "vocab_size=96, hidden_size=64, n_layer=2, n_head=4, eos_token_id=None, \
              bos_token_id=None, pad_token_id=0",
+        ),
+        // BioGPT's head `output_projection`, its embeddings unscaled
+        // (scaled, greedy decoding repeats one token).
+        (
+            "biogpt",
+            "biogpt.",
+            "from transformers import BioGptConfig as C, BioGptForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, scale_embedding=False, \
+             eos_token_id=None, bos_token_id=None, pad_token_id=0",
         ),
         (
             "llama-tied",

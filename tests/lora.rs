@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM and Persimmon checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon and BioGPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -401,6 +401,19 @@ const PERSIMMON: Case = Case {
     ..OFF
 };
 
+/// BioGPT's queries and values (PEFT has no default; zrt's, Llama's
+/// kin's), each 64 -> 64, and its MLP's `fc2` (128 -> 64).
+const BIOGPT: Case = Case {
+    python: (
+        "from transformers import BioGptConfig as C, BioGptForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0",
+    ),
+    targets: &["q_proj", "v_proj", "fc2"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (128 + 64)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -785,6 +798,11 @@ fn lora_adapters_on_gpt_bigcodes_fused_attention_and_mlp_train_as_peft_does() {
 fn lora_adapters_on_opts_decoder_and_opt_350ms_projections_train_as_peft_does() {
     parity("opt", &OPT, &[(3, false, Held::Fp32)]);
     parity("opt-350m", &OPT_350M, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_biogpts_layers_train_as_peft_does() {
+    parity("biogpt", &BIOGPT, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -491,6 +491,9 @@ impl LlamaConfig {
             Family::Opt => Some(opt::layout(j, hidden)?),
             _ => None,
         };
+        if family == Family::BioGpt {
+            opt::check_biogpt(j)?;
+        }
         let falcon = match family {
             Family::Falcon => Some(falcon::layout(j, heads)?),
             _ => None,
@@ -557,6 +560,7 @@ impl LlamaConfig {
             // projection has one, its queries, keys and values none.
             Family::GptBigCode | Family::GptNeo | Family::Bloom | Family::Persimmon => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
+            Family::BioGpt => true,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -660,9 +664,10 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            // OPT's LayerNorms keep nn.LayerNorm's epsilon (no field sets it).
+            // OPT's and BioGPT's LayerNorms keep nn.LayerNorm's epsilon
+            // (no field sets it; BioGPT's `layer_norm_eps` is not read).
             eps: match family {
-                Family::Opt => defaults.eps,
+                f if f.fairseq() => defaults.eps,
                 _ => j.number_or(family.eps_key(), defaults.eps)?,
             },
             rope_theta,
@@ -676,6 +681,7 @@ impl LlamaConfig {
                 | Family::Ernie4_5Moe
                 | Family::Falcon
                 | Family::Opt
+                | Family::BioGpt
                 | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
@@ -698,6 +704,7 @@ impl LlamaConfig {
             attention_dropout: match family {
                 f if f.ernie() => 0.0,
                 Family::SeedOss => j.rate_or("attention_dropout", 0.1)?,
+                Family::BioGpt => j.rate_or("attention_probs_dropout_prob", 0.1)?,
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
@@ -754,6 +761,7 @@ impl LlamaConfig {
                     j.rate_or("resid_pdrop", 0.0)?
                 }
                 Family::Opt => j.rate_or("dropout", 0.1)?,
+                Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -762,9 +770,14 @@ impl LlamaConfig {
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
                     j.rate_or("embd_pdrop", 0.0)?
                 }
+                Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
                 _ => 0.0,
             },
-            embedding_multiplier: granite("embedding_multiplier")?,
+            // BioGPT's `scale_embedding`: the width's square root.
+            embedding_multiplier: match family {
+                Family::BioGpt if j.flag_or("scale_embedding", true)? => (hidden as f64).sqrt(),
+                _ => granite("embedding_multiplier")?,
+            },
             residual_multiplier: granite("residual_multiplier")?,
             attention_multiplier: match (family, &mla) {
                 (f, _) if f.granite() => Some(granite("attention_multiplier")?),
@@ -992,7 +1005,8 @@ impl LlamaConfig {
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
             // GPT-J's head has a bias.
-            units.push(("lm_head".to_string(), v * w + bias(self.family.gptj(), v)));
+            let head = self.family.head_name().to_string();
+            units.push((head, v * w + bias(self.family.gptj(), v)));
         }
         // GPT-BigCode's and OPT's learned positions join the final norm
         // there.
@@ -1019,6 +1033,7 @@ impl LlamaConfig {
             (f, _) if f.gptj() => Some(gptj::to_json(self)),
             (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
             (Family::Opt, _) => self.opt.as_ref().map(|o| opt::to_json(self, o)),
+            (Family::BioGpt, _) => Some(opt::biogpt_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
@@ -1281,6 +1296,7 @@ impl LlamaConfig {
             | Family::CodeGen
             | Family::GptBigCode
             | Family::Opt
+            | Family::BioGpt
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

@@ -326,11 +326,18 @@ pub enum Family {
     /// before half of each head turns, a squared-ReLU MLP, the final
     /// norm `final_layernorm`.
     Persimmon,
+    /// `biogpt` (`BioGptForCausalLM`: Microsoft's BioGPT and
+    /// BioGPT-Large): OPT's layers (`self_attn_layer_norm`, `out_proj`,
+    /// `fc1`, `fc2`, `final_layer_norm`, biases) and learned positions
+    /// two rows in, under `biogpt`, its token embeddings scaled by the
+    /// width's square root, a GELU MLP, the head `output_projection`
+    /// (tied).
+    BioGpt,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 54] = [
+    pub const ALL: [Family; 55] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -385,6 +392,7 @@ impl Family {
         Self::Mpt,
         Self::Bloom,
         Self::Persimmon,
+        Self::BioGpt,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -458,6 +466,7 @@ impl Family {
             Self::Mpt => "mpt",
             Self::Bloom => "bloom",
             Self::Persimmon => "persimmon",
+            Self::BioGpt => "biogpt",
         }
     }
 
@@ -518,6 +527,7 @@ impl Family {
             Self::Mpt => "MptForCausalLM",
             Self::Bloom => "BloomForCausalLM",
             Self::Persimmon => "PersimmonForCausalLM",
+            Self::BioGpt => "BioGptForCausalLM",
         }
     }
 
@@ -553,7 +563,7 @@ impl Family {
     }
 
     /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
-    /// GPT-Neo):
+    /// GPT-Neo, BLOOM, BioGPT):
     /// LayerNorms with biases and an ungated MLP.
     pub(super) fn classic(self) -> bool {
         matches!(
@@ -565,7 +575,16 @@ impl Family {
                 | Self::Opt
                 | Self::GptNeo
                 | Self::Bloom
+                | Self::BioGpt
         )
+    }
+
+    /// fairseq's heirs (OPT's and BioGPT's): learned positions two rows
+    /// in, `self_attn_layer_norm` and `final_layer_norm` before the
+    /// attention and the MLP, the MLP (`fc1`, `fc2`) in the layer itself,
+    /// and LayerDrop's draw before each layer in training.
+    pub(super) fn fairseq(self) -> bool {
+        matches!(self, Self::Opt | Self::BioGpt)
     }
 
     /// Cohere's (1 and 2): the attention and the MLP side by side after
@@ -585,7 +604,7 @@ impl Family {
     /// (`transformer.wpe`, `model.decoder.embed_positions`) added to the
     /// tokens', no rotary embeddings.
     pub(super) fn learned_positions(self) -> bool {
-        matches!(self, Self::GptBigCode | Self::Opt | Self::GptNeo)
+        matches!(self, Self::GptBigCode | Self::GptNeo) || self.fairseq()
     }
 
     /// MPT's and BLOOM's: ALiBi (each head's scores plus its slope times the keys'
@@ -598,7 +617,7 @@ impl Family {
     /// (OPT's two).
     pub(super) fn position_offset(self) -> i64 {
         match self {
-            Self::Opt => super::opt::POSITION_OFFSET,
+            Self::Opt | Self::BioGpt => super::opt::POSITION_OFFSET,
             _ => 0,
         }
     }
@@ -883,6 +902,14 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::BioGpt => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(1),
+                activation: Activation::Gelu,
+                positions: 1024,
+                ..LLAMA
+            },
             Self::Bloom => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1022,7 +1049,17 @@ impl Family {
                 "final_layer_norm",
             ],
             Self::Persimmon => ["model", "embed_tokens", "layers", "final_layernorm"],
+            Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
+        }
+    }
+
+    /// Its head's checkpoint name: BioGPT's `output_projection`, the
+    /// others' `lm_head`.
+    pub(crate) fn head_name(self) -> &'static str {
+        match self {
+            Self::BioGpt => "output_projection",
+            _ => "lm_head",
         }
     }
 
@@ -1037,6 +1074,7 @@ impl Family {
             | Self::GptNeo
             | Self::Mpt => "transformer.wte",
             Self::Opt => "model.decoder.embed_tokens",
+            Self::BioGpt => "biogpt.embed_tokens",
             Self::Falcon | Self::Bloom => "transformer.word_embeddings",
             _ => "model.embed_tokens",
         }

@@ -711,7 +711,7 @@ impl Layer {
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
             // OPT's MLP is the layer's own.
-            Family::Opt => (p / "self_attn", p.clone()),
+            f if f.fairseq() => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
         };
         let (d, hd, qkv, mb) = (c.hidden, c.head_dim, c.qkv_bias, c.mlp_bias);
@@ -779,8 +779,9 @@ impl Layer {
             },
             o_proj: lin(
                 &(&a / match c.family {
-                    f if matches!(f, Family::Dbrx | Family::Opt | Family::GptNeo | Family::Mpt)
-                        || f.gptj() =>
+                    f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
+                        || f.gptj()
+                        || f.fairseq() =>
                     {
                         "out_proj"
                     }
@@ -810,7 +811,7 @@ impl Layer {
                             ("dense_h_to_4h", "dense_4h_to_h")
                         }
                         f if f.gptj() => ("fc_in", "fc_out"),
-                        Family::Opt => ("fc1", "fc2"),
+                        f if f.fairseq() => ("fc1", "fc2"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;

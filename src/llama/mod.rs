@@ -125,6 +125,10 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // `transformer`), which `from_pretrained` adds.
     let [root, ..] = cfg.family.names();
     let base = root.split('.').next().unwrap_or(root);
+    // BioGPT's head is `output_projection`; a tied one written out is
+    // skipped as a tied `lm_head` is.
+    let head = format!("{}.", cfg.family.head_name());
+    let tied_head = format!("{head}weight");
     plan.rename_weights(move |n| {
         let n = match llama4 {
             true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
@@ -133,10 +137,11 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
             true => n.strip_prefix("language_model.").unwrap_or(n),
             false => n,
         };
-        let n = crate::hf::under_base(n, base, "lm_head.");
+        let n = crate::hf::under_base(n, base, &head);
         match layer_of(&n) {
             Some(l) if beyond && l >= layers => None,
             _ if mtp && n.contains("mtp") => None,
+            _ if tied && n == tied_head => None,
             _ => hf_name(&n, tied),
         }
     })?;
@@ -242,7 +247,7 @@ impl Llama {
             .then(|| Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg));
         let wpe = cfg.family.learned_positions().then(|| {
             let name = match cfg.family {
-                Family::Opt => "embed_positions",
+                f if f.fairseq() => "embed_positions",
                 _ => "wpe",
             };
             let rows = cfg.positions + cfg.family.position_offset();
@@ -275,7 +280,8 @@ impl Llama {
             .collect();
         // GPT-J's head has a bias.
         let bias = cfg.family.gptj();
-        let ends = embed.with_head(plan, &(p / "lm_head"), bias, (lora, &training));
+        let head = p / cfg.family.head_name();
+        let ends = embed.with_head(plan, &head, bias, (lora, &training));
         Self {
             ends,
             wpe,
@@ -321,10 +327,11 @@ impl Llama {
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
         // NEFTune's noise joins the embedding module's output: Gemma 3's
-        // scales the rows inside it, the others' models outside.
-        let gemma3 = self.cfg.family == Family::Gemma3;
+        // and BioGPT's scale the rows inside it, the others' models
+        // outside.
+        let inside = matches!(self.cfg.family, Family::Gemma3 | Family::BioGpt);
         let embedded = self.ends.embed(tokens);
-        let embedded = match gemma3 {
+        let embedded = match inside {
             true => embedded,
             false => self.training.embedding_noise(embedded),
         };
@@ -339,7 +346,7 @@ impl Llama {
                 embedded * root
             }
         };
-        if gemma3 {
+        if inside {
             x = self.training.embedding_noise(x);
         }
         if let Some([project_in, _]) = &self.projections {
@@ -361,10 +368,10 @@ impl Llama {
             x = norm.forward(&x);
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
-        // OPT's LayerDrop draws a number from the CPU's generator before
+        // OPT's and BioGPT's LayerDrop draws a number from the CPU's generator before
         // each layer in training, `layerdrop` 0 or not (zrt refuses any
         // other): the same draws keep its dropout masks `transformers'`.
-        let layer_drop = self.cfg.family == Family::Opt && self.training.on();
+        let layer_drop = self.cfg.family.fairseq() && self.training.on();
         for l in &self.layers {
             if layer_drop {
                 let _ = Tensor::rand([], (tch::Kind::Float, tch::Device::Cpu));

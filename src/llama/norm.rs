@@ -226,7 +226,7 @@ impl Norms {
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),
-                Family::Opt => ("self_attn_layer_norm", "final_layer_norm"),
+                f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };
             Self::Pre {

@@ -1,6 +1,6 @@
 //! OPT's `config.json` ([`Family::Opt`]): what zrt builds of
 //! `OPTConfig`'s options (OPT-350m's layout too), and the config
-//! written back.
+//! written back; and BioGPT's ([`Family::BioGpt`]), OPT's kin.
 
 use serde_json::{json, Value};
 
@@ -57,6 +57,46 @@ pub(super) fn layout(j: &HfJson, hidden: i64) -> Result<OptLayout, HfError> {
         norm_before,
         final_norm,
         embedding_width,
+    })
+}
+
+/// Refuses what zrt does not build of the BioGPT config `j`, naming
+/// the field: layers dropped at random and dropout between the MLP's
+/// matrices.
+pub(super) fn check_biogpt(j: &HfJson) -> Result<(), HfError> {
+    for (key, what) in [
+        ("layerdrop", "zrt runs every layer every step"),
+        (
+            "activation_dropout",
+            "zrt drops out the MLP's output, not its activations",
+        ),
+    ] {
+        let rate = j.number_or(key, 0.0)?;
+        if rate != 0.0 {
+            return Err(j.field(format!("{key} {rate}: {what} (set it to 0)")));
+        }
+    }
+    Ok(())
+}
+
+/// `c`'s `config.json` as `BioGptConfig` reads it.
+pub(super) fn biogpt_json(c: &LlamaConfig) -> Value {
+    debug_assert_eq!(c.family, Family::BioGpt);
+    json!({
+        "model_type": "biogpt",
+        "architectures": [Family::BioGpt.architecture()],
+        "vocab_size": c.vocab,
+        "hidden_size": c.hidden,
+        "intermediate_size": c.intermediate,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "max_position_embeddings": c.positions,
+        "hidden_act": c.activation.name(),
+        "scale_embedding": c.embedding_multiplier != 1.0,
+        "hidden_dropout_prob": c.resid_dropout,
+        "attention_probs_dropout_prob": c.attention_dropout,
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
     })
 }
 

@@ -1506,6 +1506,50 @@ fn persimmon_configs_are_read_and_counted() {
 }
 
 #[test]
+fn biogpt_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("biogpt-configs");
+    // BioGPT's published shape (its class's defaults: 24 layers 1024
+    // wide, 1024 learned positions two rows in, its embeddings scaled,
+    // the head `output_projection`, tied); the count is transformers'
+    // parameters.
+    let given = r#"{"model_type": "biogpt", "architectures": ["BioGptForCausalLM"], "activation_dropout": 0.0, "attention_probs_dropout_prob": 0.1, "bos_token_id": 0, "eos_token_id": 2, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 4096, "layer_norm_eps": 1e-12, "layerdrop": 0.0, "max_position_embeddings": 1024, "num_attention_heads": 16, "num_hidden_layers": 24, "pad_token_id": 1, "scale_embedding": true, "use_cache": true, "vocab_size": 42384}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 346763264);
+    assert_eq!((c.embedding_multiplier, c.eps, c.tied), (32.0, 1e-5, true));
+    assert_eq!(
+        (c.resid_dropout, c.embedding_dropout, c.attention_dropout),
+        (0.1, 0.1, 0.1)
+    );
+    let untied = dir
+        .read(&given.replace(r#""use_cache": true"#, r#""tie_word_embeddings": false"#))
+        .unwrap();
+    assert_eq!(
+        untied.unit_params()[25],
+        ("output_projection".into(), 42384 * 1024)
+    );
+    let unscaled = dir
+        .read(&given.replace(r#""scale_embedding": true"#, r#""scale_embedding": false"#))
+        .unwrap();
+    assert_eq!(unscaled.embedding_multiplier, 1.0);
+    dir.round_trips([c, untied, unscaled]);
+    for (change, says) in [
+        (
+            r#""layerdrop": 0.1"#,
+            "layerdrop 0.1: zrt runs every layer every step",
+        ),
+        (
+            r#""activation_dropout": 0.1"#,
+            "activation_dropout 0.1: zrt drops out the MLP's output",
+        ),
+    ] {
+        let key = change.split(':').next().unwrap();
+        let at = given.find(key).unwrap();
+        let end = at + given[at..].find([',', '}']).unwrap();
+        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+    }
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -2073,6 +2117,15 @@ fn unit_params_count_what_the_built_model_holds() {
         }),
         ..base.clone()
     };
+    // BioGPT's head apart, under its own name.
+    let biogpt = LlamaConfig {
+        family: Family::BioGpt,
+        kv_heads: 4,
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        ..base.clone()
+    };
     // Persimmon's queries and keys LayerNormed, weights and biases.
     let persimmon = LlamaConfig {
         family: Family::Persimmon,
@@ -2084,9 +2137,10 @@ fn unit_params_count_what_the_built_model_holds() {
         partial_rotary: 0.5,
         ..base.clone()
     };
-    for cfg in variants
-        .into_iter()
-        .chain([deepseek, one_q, opt(false), opt(true), persimmon])
+    for cfg in
+        variants
+            .into_iter()
+            .chain([deepseek, one_q, opt(false), opt(true), persimmon, biogpt])
     {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);

@@ -540,7 +540,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
 /// `query_key_value`), DeepSeek-V2's and V3's projections making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
@@ -573,7 +573,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
 /// GPT-NeoX's `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
 /// GPT-BigCode's `wte` and Falcon's
-/// `word_embeddings` beside `lm_head`), as the dict form of
+/// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
+/// `output_projection`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -584,6 +585,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("gpt_neox") => ("embed_in", "embed_out"),
         Some("dbrx" | "gptj" | "codegen" | "gpt_bigcode" | "mpt" | "gpt_neo") => ("wte", "lm_head"),
         Some("falcon" | "bloom") => ("word_embeddings", "lm_head"),
+        Some("biogpt") => ("embed_tokens", "output_projection"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))

@@ -37,12 +37,7 @@ pub struct OptLayout {
 /// OPT's layout from the config `j` of width `hidden`. Refused, naming
 /// the field: layers dropped at random and norms without weights.
 pub(super) fn layout(j: &HfJson, hidden: i64) -> Result<OptLayout, HfError> {
-    let layerdrop = j.number_or("layerdrop", 0.0)?;
-    if layerdrop != 0.0 {
-        return Err(j.field(format!(
-            "layerdrop {layerdrop}: zrt runs every layer every step (set it to 0)"
-        )));
-    }
+    zero_rates(j, &[LAYERDROP])?;
     if !j.flag_or("layer_norm_elementwise_affine", true)? {
         return Err(j.field(
             "layer_norm_elementwise_affine false: zrt builds OPT's LayerNorms with weights and biases (set it to true)".into(),
@@ -60,17 +55,29 @@ pub(super) fn layout(j: &HfJson, hidden: i64) -> Result<OptLayout, HfError> {
     })
 }
 
+/// LayerDrop's rate, which zrt refuses above 0, and why.
+const LAYERDROP: (&str, &str) = ("layerdrop", "zrt runs every layer every step");
+
 /// Refuses what zrt does not build of the BioGPT config `j`, naming
 /// the field: layers dropped at random and dropout between the MLP's
 /// matrices.
 pub(super) fn check_biogpt(j: &HfJson) -> Result<(), HfError> {
-    for (key, what) in [
-        ("layerdrop", "zrt runs every layer every step"),
-        (
-            "activation_dropout",
-            "zrt drops out the MLP's output, not its activations",
-        ),
-    ] {
+    zero_rates(
+        j,
+        &[
+            LAYERDROP,
+            (
+                "activation_dropout",
+                "zrt drops out the MLP's output, not its activations",
+            ),
+        ],
+    )
+}
+
+/// Refuses each of `rates` (a field and why zrt wants it 0) that `j`
+/// gives above 0, naming it.
+fn zero_rates(j: &HfJson, rates: &[(&str, &str)]) -> Result<(), HfError> {
+    for (key, what) in rates {
         let rate = j.number_or(key, 0.0)?;
         if rate != 0.0 {
             return Err(j.field(format!("{key} {rate}: {what} (set it to 0)")));

@@ -102,8 +102,9 @@ pub fn hf_name(name: &str, tied: bool) -> Option<String> {
 
 /// Sets `plan`'s rename rule for a Hugging Face Llama checkpoint
 /// ([`hf_name`]; a file written from the base model, its names without
-/// the family's `model.` or `transformer.`, gets it, as `from_pretrained`
-/// gives it), and for a mixture of experts declares the experts'
+/// the family's `model.`, `transformer.` or `biogpt.`, gets it, as
+/// `from_pretrained` gives it; a tied head written out, `lm_head` or
+/// BioGPT's `output_projection`, is skipped), and for a mixture of experts declares the experts'
 /// parameters [`ShardPlan::partly_unused_on_some_ranks`]. Call it on
 /// every rank before the engine is built.
 pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), EngineError> {

@@ -1275,16 +1275,16 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
-    let xglm = dir.join("xglm.json");
-    std::fs::write(&xglm, r#"{"model_type": "xglm"}"#).unwrap();
+    let mamba = dir.join("mamba.json");
+    std::fs::write(&mamba, r#"{"model_type": "mamba"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
-        xglm.to_str().unwrap(),
+        mamba.to_str().unwrap(),
         "--world",
         "2",
     ]);
-    assert!(!ok && out.contains("model_type Some(\"xglm\")"), "{out}");
+    assert!(!ok && out.contains("model_type Some(\"mamba\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -316,6 +316,19 @@ fn biogpt_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
     );
 }
 
+/// XGLM's dropouts: its one `dropout` on the embeddings (after the
+/// sinusoidal positions join) and both sublayers' outputs, the
+/// attention weights', LayerDrop's draws taken.
+#[test]
+fn xglm_drops_embeddings_attention_and_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "xglm",
+        "from transformers import XGLMConfig as C, XGLMForCausalLM as M",
+        "vocab_size=96, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, max_position_embeddings=64, dropout=0.1, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 /// Persimmon's dropouts: its attention's weights and its MLP's output
 /// (`hidden_dropout`; the attention's output is not dropped out).
 #[test]

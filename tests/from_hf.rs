@@ -5,7 +5,7 @@
 //! rotary embeddings and their scalings, tied and untied heads, biases,
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
-//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT,
+//! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
 //! Mixtral, OLMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
@@ -422,6 +422,17 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import BioGptConfig as C, BioGptForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0",
+        ),
+        load: "",
+    },
+    // XGLM: OPT's layers with sinusoidal positions two rows in, its own
+    // names for its sizes, its embeddings scaled, a GELU MLP, the head
+    // tied; its dropouts (0.1 by default) off.
+    Case {
+        name: "xglm",
+        python: (
+            "from transformers import XGLMConfig as C, XGLMForCausalLM as M",
+            "vocab_size=96, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0",
         ),
         load: "",
     },
@@ -1216,6 +1227,11 @@ fn an_opt_350m_checkpoint_with_post_norm_layers_and_projected_embeddings_trains_
 #[test]
 fn a_biogpt_checkpoint_with_scaled_embeddings_and_its_own_head_trains_as_transformers_does() {
     parity("biogpt");
+}
+
+#[test]
+fn an_xglm_checkpoint_with_sinusoidal_positions_trains_as_transformers_does() {
+    parity("xglm");
 }
 
 #[test]
@@ -2264,6 +2280,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "opt" => r#"{"model_type": "opt", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
                 .to_string(),
+            // XGLM's MLP width is `ffn_dim` (its other sizes are read by
+            // the flat names its attribute map gives them).
+            "xglm" => r#"{"model_type": "xglm", "vocab_size": 160000, "hidden_size": 512,
+                "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2295,7 +2316,8 @@ for mt in sorted(os.listdir(root)):
     # sizes (DBRX's, GPT-J's and GPT-Neo's named their own ways).
     for c in (given, read):
         width = c.get("hidden_size") or c.get("d_model") or c["n_embd"]
-        heads = c.get("num_attention_heads") or c.get("n_heads") or c.get("num_heads") or c["n_head"]
+        heads = (c.get("num_attention_heads") or c.get("n_heads") or c.get("num_heads")
+                 or c.get("attention_heads") or c["n_head"])
         c["head_dim"] = c.get("head_dim") or width // heads
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
@@ -2663,6 +2685,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "mpt",
         "persimmon",
         "biogpt",
+        "xglm",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2701,8 +2724,10 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
              "opt": {{"attention_mask": masks["full_attention"]}},
              "gpt_neo": {{"attention_mask": masks["full_attention"]}},
-             # MPT's class inverts a 4-D mask: ones where a token sees.
-             "mpt": {{"attention_mask": seen.float()[:, None]}}}}.get(m.config.model_type, {{}})
+             # MPT's and XGLM's classes invert a 4-D mask: ones where a
+             # token sees.
+             "mpt": {{"attention_mask": seen.float()[:, None]}},
+             "xglm": {{"attention_mask": seen.float()[:, None]}}}}.get(m.config.model_type, {{}})
 with torch.no_grad():
     plain = m(tokens).logits
 opt = torch.optim.AdamW(m.parameters(), lr={LR}, weight_decay={WD})
@@ -2711,7 +2736,8 @@ for s in range({STEPS}):
     # Without a cache: transformers looks for documents in the
     # positions only when it has none (in training with gradient
     # checkpointing, or told; flash attention's varlen path always).
-    out = m(tokens, position_ids=pos, labels=labels, use_cache=False, **documents)
+    # A copy: XGLM's positions add their offset to the tensor in place.
+    out = m(tokens, position_ids=pos.clone(), labels=labels, use_cache=False, **documents)
     if s == 0:
         logits = out.logits.detach()
     losses.append(out.loss.detach())

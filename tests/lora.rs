@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon and BioGPT checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT and XGLM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -414,6 +414,19 @@ const BIOGPT: Case = Case {
     ..OFF
 };
 
+/// XGLM's queries and values (PEFT has no default; zrt's, Llama's
+/// kin's), each 64 -> 64, and its MLP's `fc1` (64 -> 128).
+const XGLM: Case = Case {
+    python: (
+        "from transformers import XGLMConfig as C, XGLMForCausalLM as M",
+        "vocab_size=96, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0",
+    ),
+    targets: &["q_proj", "v_proj", "fc1"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -801,8 +814,9 @@ fn lora_adapters_on_opts_decoder_and_opt_350ms_projections_train_as_peft_does() 
 }
 
 #[test]
-fn lora_adapters_on_biogpts_layers_train_as_peft_does() {
+fn lora_adapters_on_biogpts_and_xglms_layers_train_as_peft_does() {
     parity("biogpt", &BIOGPT, &[(3, false, Held::Fp32)]);
+    parity("xglm", &XGLM, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -17,6 +17,7 @@ use super::gptj;
 use super::mpt;
 use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
+use super::xglm;
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
 /// Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS,
@@ -388,6 +389,7 @@ impl LlamaConfig {
             Some(Family::GptNeo) => (gpt_neo::flat(j)?, gpt_neo::gpt_neo_names),
             Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
             Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
+            Some(Family::Xglm) => (xglm::flat(j)?, xglm::xglm_names),
             _ => return Self::read(j),
         };
         Self::read(&flat).map_err(own_names)
@@ -491,8 +493,8 @@ impl LlamaConfig {
             Family::Opt => Some(opt::layout(j, hidden)?),
             _ => None,
         };
-        if family == Family::BioGpt {
-            opt::check_biogpt(j)?;
+        if matches!(family, Family::BioGpt | Family::Xglm) {
+            opt::check_drops(j)?;
         }
         let falcon = match family {
             Family::Falcon => Some(falcon::layout(j, heads)?),
@@ -560,7 +562,7 @@ impl LlamaConfig {
             // projection has one, its queries, keys and values none.
             Family::GptBigCode | Family::GptNeo | Family::Bloom | Family::Persimmon => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
-            Family::BioGpt => true,
+            Family::BioGpt | Family::Xglm => true,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -682,6 +684,7 @@ impl LlamaConfig {
                 | Family::Falcon
                 | Family::Opt
                 | Family::BioGpt
+                | Family::Xglm
                 | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
@@ -762,6 +765,7 @@ impl LlamaConfig {
                 }
                 Family::Opt => j.rate_or("dropout", 0.1)?,
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
+                Family::Xglm => j.rate_or("resid_pdrop", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -771,11 +775,14 @@ impl LlamaConfig {
                     j.rate_or("embd_pdrop", 0.0)?
                 }
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
+                Family::Xglm => j.rate_or("embd_pdrop", 0.1)?,
                 _ => 0.0,
             },
-            // BioGPT's `scale_embedding`: the width's square root.
+            // BioGPT's and XGLM's `scale_embedding`: the width's square root.
             embedding_multiplier: match family {
-                Family::BioGpt if j.flag_or("scale_embedding", true)? => (hidden as f64).sqrt(),
+                Family::BioGpt | Family::Xglm if j.flag_or("scale_embedding", true)? => {
+                    (hidden as f64).sqrt()
+                }
                 _ => granite("embedding_multiplier")?,
             },
             residual_multiplier: granite("residual_multiplier")?,
@@ -1034,6 +1041,7 @@ impl LlamaConfig {
             (Family::GptBigCode, _) => Some(gpt_bigcode::to_json(self)),
             (Family::Opt, _) => self.opt.as_ref().map(|o| opt::to_json(self, o)),
             (Family::BioGpt, _) => Some(opt::biogpt_json(self)),
+            (Family::Xglm, _) => Some(xglm::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
@@ -1297,6 +1305,7 @@ impl LlamaConfig {
             | Family::GptBigCode
             | Family::Opt
             | Family::BioGpt
+            | Family::Xglm
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

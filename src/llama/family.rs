@@ -333,11 +333,18 @@ pub enum Family {
     /// width's square root, a GELU MLP, the head `output_projection`
     /// (tied).
     BioGpt,
+    /// `xglm` (`XGLMForCausalLM`: Meta's multilingual XGLM 564M-7.5B):
+    /// OPT's layers under `model` (`layers.N`, the final `layer_norm`)
+    /// and its own names for its sizes (`d_model`, `num_layers`,
+    /// `attention_heads`, `ffn_dim`), sinusoidal positions two rows in
+    /// (computed, no parameters), its embeddings scaled by the width's
+    /// square root, a GELU MLP, the head tied.
+    Xglm,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 55] = [
+    pub const ALL: [Family; 56] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -393,6 +400,7 @@ impl Family {
         Self::Bloom,
         Self::Persimmon,
         Self::BioGpt,
+        Self::Xglm,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -467,6 +475,7 @@ impl Family {
             Self::Bloom => "bloom",
             Self::Persimmon => "persimmon",
             Self::BioGpt => "biogpt",
+            Self::Xglm => "xglm",
         }
     }
 
@@ -528,6 +537,7 @@ impl Family {
             Self::Bloom => "BloomForCausalLM",
             Self::Persimmon => "PersimmonForCausalLM",
             Self::BioGpt => "BioGptForCausalLM",
+            Self::Xglm => "XGLMForCausalLM",
         }
     }
 
@@ -576,15 +586,16 @@ impl Family {
                 | Self::GptNeo
                 | Self::Bloom
                 | Self::BioGpt
+                | Self::Xglm
         )
     }
 
-    /// fairseq's heirs (OPT's and BioGPT's): learned positions two rows
+    /// fairseq's heirs (OPT's, BioGPT's and XGLM's): positions two rows
     /// in, `self_attn_layer_norm` and `final_layer_norm` before the
     /// attention and the MLP, the MLP (`fc1`, `fc2`) in the layer itself,
     /// and LayerDrop's draw before each layer in training.
     pub(super) fn fairseq(self) -> bool {
-        matches!(self, Self::Opt | Self::BioGpt)
+        matches!(self, Self::Opt | Self::BioGpt | Self::Xglm)
     }
 
     /// Cohere's (1 and 2): the attention and the MLP side by side after
@@ -600,11 +611,20 @@ impl Family {
         self.cohere() || self.gptj()
     }
 
-    /// GPT-BigCode's and OPT's: learned position embeddings
-    /// (`transformer.wpe`, `model.decoder.embed_positions`) added to the
-    /// tokens', no rotary embeddings.
+    /// GPT-BigCode's, GPT-Neo's, OPT's and BioGPT's: learned position
+    /// embeddings (`transformer.wpe`, `model.decoder.embed_positions`)
+    /// added to the tokens', no rotary embeddings.
     pub(super) fn learned_positions(self) -> bool {
-        matches!(self, Self::GptBigCode | Self::GptNeo) || self.fairseq()
+        matches!(
+            self,
+            Self::GptBigCode | Self::GptNeo | Self::Opt | Self::BioGpt
+        )
+    }
+
+    /// XGLM's: sinusoidal position embeddings added to the tokens'
+    /// (computed, no parameters), no rotary embeddings.
+    pub(super) fn sinusoidal_positions(self) -> bool {
+        self == Self::Xglm
     }
 
     /// MPT's and BLOOM's: ALiBi (each head's scores plus its slope times the keys'
@@ -613,11 +633,11 @@ impl Family {
         matches!(self, Self::Mpt | Self::Bloom)
     }
 
-    /// The rows its learned position embeddings keep before position 0
-    /// (OPT's two).
+    /// The rows its position embeddings keep before position 0 (OPT's,
+    /// BioGPT's and XGLM's two).
     pub(super) fn position_offset(self) -> i64 {
         match self {
-            Self::Opt | Self::BioGpt => super::opt::POSITION_OFFSET,
+            Self::Opt | Self::BioGpt | Self::Xglm => super::opt::POSITION_OFFSET,
             _ => 0,
         }
     }
@@ -902,6 +922,13 @@ impl Family {
                 positions: 4096,
                 ..LLAMA
             },
+            Self::Xglm => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(1),
+                activation: Activation::Gelu,
+                ..LLAMA
+            },
             Self::BioGpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1050,6 +1077,7 @@ impl Family {
             ],
             Self::Persimmon => ["model", "embed_tokens", "layers", "final_layernorm"],
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
+            Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }

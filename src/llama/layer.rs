@@ -728,6 +728,7 @@ impl Layer {
             false => (hd, hd),
         };
         let turns = !c.family.learned_positions()
+            && !c.family.sinusoidal_positions()
             && !c.family.alibi()
             && (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
         let rotary = turns.then(|| {

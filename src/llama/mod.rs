@@ -66,6 +66,7 @@ mod rope_scaling;
 mod rotary;
 #[cfg(test)]
 pub(crate) mod tests;
+mod xglm;
 mod xielu;
 
 pub(crate) use config::{pad_token, rotary_dim};
@@ -327,10 +328,13 @@ impl Llama {
     /// ([`crate::hf::HfModel::forward_packed`]).
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
-        // NEFTune's noise joins the embedding module's output: Gemma 3's
-        // and BioGPT's scale the rows inside it, the others' models
+        // NEFTune's noise joins the embedding module's output: Gemma 3's,
+        // BioGPT's and XGLM's scale the rows inside it, the others' models
         // outside.
-        let inside = matches!(self.cfg.family, Family::Gemma3 | Family::BioGpt);
+        let inside = matches!(
+            self.cfg.family,
+            Family::Gemma3 | Family::BioGpt | Family::Xglm
+        );
         let embedded = self.ends.embed(tokens);
         let embedded = match inside {
             true => embedded,
@@ -363,6 +367,13 @@ impl Llama {
             };
             // Not in place: the embedding's output may be saved for backward.
             let placed = &x + wpe.forward(&pos);
+            x = placed;
+        }
+        // XGLM's sinusoidal positions, as the learned ones are placed.
+        if self.cfg.family.sinusoidal_positions() {
+            let pos = self.decoding.positions(tokens);
+            let table = xglm::sinusoidal(&pos, self.cfg.hidden, self.cfg.pad_token);
+            let placed = &x + table.to_kind(x.kind());
             x = placed;
         }
         if let Some(norm) = &self.embedding_norm {

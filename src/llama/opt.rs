@@ -58,10 +58,10 @@ pub(super) fn layout(j: &HfJson, hidden: i64) -> Result<OptLayout, HfError> {
 /// LayerDrop's rate, which zrt refuses above 0, and why.
 const LAYERDROP: (&str, &str) = ("layerdrop", "zrt runs every layer every step");
 
-/// Refuses what zrt does not build of the BioGPT config `j`, naming
+/// Refuses what zrt does not build of the BioGPT or XGLM config `j`, naming
 /// the field: layers dropped at random and dropout between the MLP's
 /// matrices.
-pub(super) fn check_biogpt(j: &HfJson) -> Result<(), HfError> {
+pub(super) fn check_drops(j: &HfJson) -> Result<(), HfError> {
     zero_rates(
         j,
         &[

@@ -1550,6 +1550,55 @@ fn biogpt_configs_are_read_and_counted() {
 }
 
 #[test]
+fn xglm_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("xglm-configs");
+    // XGLM-564M's shape (its class's defaults: 24 layers 1024 wide, 16
+    // heads, sinusoidal positions, the embeddings scaled, the head
+    // tied); the count is transformers' parameters, no positions among
+    // them.
+    let given = r#"{"model_type": "xglm", "architectures": ["XGLMForCausalLM"], "activation_dropout": 0.0, "activation_function": "gelu", "attention_dropout": 0.1, "attention_heads": 16, "d_model": 1024, "dropout": 0.1, "ffn_dim": 4096, "layerdrop": 0.0, "max_position_embeddings": 2048, "num_layers": 24, "pad_token_id": 1, "scale_embedding": true, "vocab_size": 256008}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 564463616);
+    assert_eq!(
+        (c.hidden, c.layers, c.heads, c.intermediate),
+        (1024, 24, 16, 4096)
+    );
+    assert_eq!(
+        (c.embedding_multiplier, c.tied, c.pad_token),
+        (32.0, true, Some(1))
+    );
+    assert_eq!(
+        (c.resid_dropout, c.embedding_dropout, c.attention_dropout),
+        (0.1, 0.1, 0.1)
+    );
+    // The attribute map's names are read too.
+    let flat = dir
+        .read(&given.replace(
+            r#""d_model": 1024"#,
+            r#""d_model": 1024, "hidden_size": 512"#,
+        ))
+        .unwrap();
+    assert_eq!(flat.hidden, 512);
+    dir.round_trips([c, flat]);
+    for (change, says) in [
+        (
+            r#""layerdrop": 0.1"#,
+            "layerdrop 0.1: zrt runs every layer every step",
+        ),
+        (r#""activation_dropout": 0.1"#, "activation_dropout 0.1"),
+        (
+            r#""attention_heads": 7"#,
+            "attention_heads 7 does not divide d_model 1024",
+        ),
+    ] {
+        let key = change.split(':').next().unwrap();
+        let at = given.find(key).unwrap();
+        let end = at + given[at..].find([',', '}']).unwrap();
+        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+    }
+}
+
+#[test]
 fn vaultgemma_configs_are_read_and_counted() {
     let dir = ConfigDir::new("vaultgemma-configs");
     // The class's defaults (Gemma 2's: 26 layers 2304 wide, the head
@@ -2126,6 +2175,11 @@ fn unit_params_count_what_the_built_model_holds() {
         mlp_bias: true,
         ..base.clone()
     };
+    // XGLM's positions computed, no parameters.
+    let xglm = LlamaConfig {
+        family: Family::Xglm,
+        ..biogpt.clone()
+    };
     // Persimmon's queries and keys LayerNormed, weights and biases.
     let persimmon = LlamaConfig {
         family: Family::Persimmon,
@@ -2137,11 +2191,15 @@ fn unit_params_count_what_the_built_model_holds() {
         partial_rotary: 0.5,
         ..base.clone()
     };
-    for cfg in
-        variants
-            .into_iter()
-            .chain([deepseek, one_q, opt(false), opt(true), persimmon, biogpt])
-    {
+    for cfg in variants.into_iter().chain([
+        deepseek,
+        one_q,
+        opt(false),
+        opt(true),
+        persimmon,
+        biogpt,
+        xglm,
+    ]) {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);
         let units = cfg.unit_params();

@@ -3042,13 +3042,8 @@ print(" ".join(map(str, full)))
 print(" ".join(map(str, stopped)))
 "#
         ));
-        let lines: Vec<Vec<i64>> = (said.lines())
-            .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
-            .collect();
+        let lines = generated(&said, name);
         let (full, stopped) = (&lines[0], &lines[1]);
-        assert_eq!(full.len(), 12, "{name}");
-        let distinct: std::collections::BTreeSet<_> = full.iter().collect();
-        assert!(distinct.len() >= 4, "{name}: {full:?} repeats itself");
         assert!(
             stopped.len() <= 5 && stopped.last() == Some(&full[4]),
             "{name}"
@@ -3392,6 +3387,20 @@ print("ok")
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The token ids Python printed, a line of them a generation; the first
+/// is 12 long and holds 4 tokens or more (one token over and over would
+/// tell a test of decoding little).
+fn generated(said: &str, name: &str) -> Vec<Vec<i64>> {
+    let lines: Vec<Vec<i64>> = (said.lines())
+        .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+        .collect();
+    let first = &lines[0];
+    assert_eq!(first.len(), 12, "{name}");
+    let distinct: std::collections::BTreeSet<_> = first.iter().collect();
+    assert!(distinct.len() >= 4, "{name}: {first:?} repeats itself");
+    lines
+}
+
 /// A checkpoint written from the base model alone (`m.base_model
 /// .save_pretrained`, as Meta's OPT files and BigScience's BLOOM files
 /// are named: `decoder.layers.0...`, `h.0...`) loads as `from_pretrained`
@@ -3462,14 +3471,10 @@ print(" ".join(map(str, m.generate(prompt, **kw)[0, 6:].tolist())))
 "#,
             base = dir.join("base").display()
         ));
-        let lines: Vec<Vec<i64>> = (said.lines())
-            .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
-            .collect();
+        let lines = generated(&said, name);
         // transformers itself loads the base model's file whole.
         assert_eq!(lines[0], lines[1], "{name}: transformers' own load differs");
         let want = &lines[0];
-        let distinct: std::collections::BTreeSet<_> = want.iter().collect();
-        assert!(distinct.len() >= 4, "{name}: {want:?} repeats itself");
         let base = dir.join("base");
         let got = on_ranks(2, |r| {
             let (model, _engine) = on_two_at_stage_3(&r, &base);

@@ -31,6 +31,15 @@ impl ConfigDir {
         assert!(err.contains(says), "{err}");
     }
 
+    /// The config `given` with one field's value changed (`change`:
+    /// `"key": value`, the key in `given`) is refused saying `says`.
+    fn refuses_changed(&self, given: &str, change: &str, says: &str) {
+        let key = change.split(':').next().unwrap();
+        let at = given.find(key).unwrap();
+        let end = at + given[at..].find([',', '}']).unwrap();
+        self.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+    }
+
     /// Each config reads back from the `config.json` it writes
     /// (`to_hf_json`) as itself.
     fn round_trips(&self, cfgs: impl IntoIterator<Item = LlamaConfig>) {
@@ -1333,11 +1342,8 @@ fn opt_configs_are_read_and_counted() {
             "layer_norm_elementwise_affine false",
         ),
     ] {
-        let key = change.split(':').next().unwrap();
         let given = given.replace('}', r#", "layer_norm_elementwise_affine": true}"#);
-        let at = given.find(key).unwrap();
-        let end = at + given[at..].find([',', '}']).unwrap();
-        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+        dir.refuses_changed(&given, change, says);
     }
 }
 
@@ -1542,10 +1548,7 @@ fn biogpt_configs_are_read_and_counted() {
             "activation_dropout 0.1: zrt drops out the MLP's output",
         ),
     ] {
-        let key = change.split(':').next().unwrap();
-        let at = given.find(key).unwrap();
-        let end = at + given[at..].find([',', '}']).unwrap();
-        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+        dir.refuses_changed(given, change, says);
     }
 }
 
@@ -1591,10 +1594,7 @@ fn xglm_configs_are_read_and_counted() {
             "attention_heads 7 does not divide d_model 1024",
         ),
     ] {
-        let key = change.split(':').next().unwrap();
-        let at = given.find(key).unwrap();
-        let end = at + given[at..].find([',', '}']).unwrap();
-        dir.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
+        dir.refuses_changed(given, change, says);
     }
 }
 

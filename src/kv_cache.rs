@@ -40,7 +40,14 @@ pub(crate) struct Decoding {
     slots: Mutex<Vec<Option<(Tensor, Tensor)>>>,
     /// The last forward's packed documents, if it was given any.
     documents: Mutex<Option<Documents>>,
+    /// The last ALiBi mask its layers attended with, by its queries,
+    /// offset and dtype: every layer of one forward computes the same
+    /// (MPT's and BLOOM's slopes are the model's, not a layer's).
+    alibi: Mutex<Option<(AlibiKey, Tensor)>>,
 }
+
+/// What an ALiBi mask is made for: its queries, their offset, its dtype.
+type AlibiKey = (i64, i64, Kind);
 
 impl Decoding {
     /// A model's, off, no layer yet.
@@ -51,6 +58,7 @@ impl Decoding {
             longest: AtomicI64::new(i64::MAX),
             slots: Mutex::new(Vec::new()),
             documents: Mutex::new(None),
+            alibi: Mutex::new(None),
         })
     }
 
@@ -59,6 +67,8 @@ impl Decoding {
     /// sets others.
     pub(crate) fn set_documents(&self, documents: Option<Documents>) {
         *self.documents.lock() = documents;
+        // The mask held was the last documents'.
+        *self.alibi.lock() = None;
     }
 
     /// The documents the last forward ran with, if any.
@@ -157,6 +167,26 @@ impl LayerCache {
     /// [`Decoding::documents`]).
     pub(crate) fn documents(&self) -> Option<Documents> {
         self.decoding.documents()
+    }
+
+    /// The ALiBi mask for `t` queries after `offset` in `kind`: the one
+    /// an earlier layer of this forward made, else `make`'s, kept for
+    /// the layers after it (and for recomputing them in backward) until
+    /// the next forward sets its documents.
+    pub(crate) fn alibi_mask(
+        &self,
+        (t, offset, kind): AlibiKey,
+        make: impl FnOnce() -> Tensor,
+    ) -> Tensor {
+        let mut held = self.decoding.alibi.lock();
+        if let Some((key, mask)) = held.as_ref() {
+            if *key == (t, offset, kind) {
+                return mask.shallow_clone();
+            }
+        }
+        let mask = make();
+        *held = Some(((t, offset, kind), mask.shallow_clone()));
+        mask
     }
 
     /// Causal attention of `q`, `k` and `v` (`[batch, heads, seq,

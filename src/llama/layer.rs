@@ -1085,7 +1085,9 @@ impl Layer {
         let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
         // MPT's and BLOOM's ALiBi: the slopes' bias in the mask.
         if let Some(slopes) = &self.alibi {
-            let mask = super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind());
+            let mask = self.cache.alibi_mask((t, offset, q.kind()), || {
+                super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind())
+            });
             return Tensor::scaled_dot_product_attention(
                 q,
                 k,

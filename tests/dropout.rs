@@ -435,13 +435,12 @@ fn cohere2_drops_windowed_and_global_attention_weights_out_as_transformers_does(
 
 #[test]
 fn stablelm_drops_attention_weights_and_the_mlps_output_out_as_transformers_does() {
-    // `hidden_dropout` drops the MLP's output, not the attention's.
-    dropout_parity(
-        "stablelm",
-        "from transformers import StableLmConfig as C, StableLmForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, hidden_dropout=0.2, attention_dropout=0.25",
-        1e-5,
-    );
+    // `hidden_dropout` drops the MLP's output, not the attention's, in
+    // sequential layers and in StableLM 2 12B's parallel ones.
+    let args = "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, hidden_dropout=0.2, attention_dropout=0.25";
+    dropout_parity("stablelm", common::STABLELM, args, 1e-5);
+    let twelve = format!("{args}, qk_layernorm=True, use_parallel_residual=True");
+    dropout_parity("stablelm-12b", common::STABLELM, &twelve, 1e-5);
 }
 
 #[test]

@@ -671,6 +671,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // StableLM 2 12B's layers: each head's queries and each group's keys
+    // LayerNormed (no bias) with weights of their own, the attention and
+    // the MLP side by side after one norm.
+    Case {
+        name: "stablelm-12b",
+        python: (
+            common::STABLELM,
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, qk_layernorm=True, use_parallel_residual=True",
+        ),
+        load: "",
+    },
     // Cohere: one norm a layer (no bias, fp32) read by the attention and
     // the MLP side by side, neighbouring dimensions turned, grouped keys
     // and values, biases on the projections, the logits scaled by a
@@ -680,6 +691,16 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import CohereConfig as C, CohereForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, logit_scale=0.3",
+        ),
+        load: "",
+    },
+    // Command R+'s layers: Cohere's, each head's queries and each group's
+    // keys normalised as the layer's input is, with weights of their own.
+    Case {
+        name: "cohere-plus",
+        python: (
+            "from transformers import CohereConfig as C, CohereForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, logit_scale=0.3, use_qk_norm=True",
         ),
         load: "",
     },
@@ -1090,9 +1111,20 @@ fn a_stablelm_checkpoint_with_layer_norms_and_a_quarter_turned_trains_as_transfo
 }
 
 #[test]
+fn a_stablelm_2_12b_checkpoint_with_norms_of_each_head_and_parallel_sublayers_trains_as_transformers_does(
+) {
+    parity("stablelm-12b");
+}
+
+#[test]
 fn a_cohere_checkpoint_with_parallel_sublayers_and_interleaved_rotary_trains_as_transformers_does()
 {
     parity("cohere");
+}
+
+#[test]
+fn a_command_r_plus_checkpoint_with_norms_of_each_head_trains_as_transformers_does() {
+    parity("cohere-plus");
 }
 
 #[test]

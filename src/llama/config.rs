@@ -283,8 +283,15 @@ pub struct LlamaConfig {
     pub attention_dropout: f64,
     /// Queries and keys are RMS-normalised, with weights of their own,
     /// before the rotation: `q_norm` and `k_norm`, over each head's width
-    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3, OLMoE).
+    /// (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3, OLMoE);
+    /// LayerNormed, each head with weights of its own, in StableLM 2 12B
+    /// (`qk_layernorm`) and Command R+ (`use_qk_norm`).
     pub qk_norm: bool,
+    /// The attention and the MLP side by side, both reading one norm of
+    /// the layer's input (`x + attn(n(x)) + mlp(n(x))`): Cohere's, GPT-J's,
+    /// CodeGen's, and StableLM's with `use_parallel_residual` (StableLM 2
+    /// 12B).
+    pub parallel: bool,
     /// The MLP's activation (`hidden_act`).
     pub activation: Activation,
     /// `pad_token_id`: the embedding's row that gets no gradient from
@@ -458,29 +465,6 @@ impl LlamaConfig {
             return Err(j.field(
                 "use_bidirectional_attention true: this Llama computes causal attention only"
                     .into(),
-            ));
-        }
-        if family == Family::StableLm {
-            for (key, what) in [
-                (
-                    "qk_layernorm",
-                    "normalises each head's queries and keys with a LayerNorm of its own",
-                ),
-                (
-                    "use_parallel_residual",
-                    "runs the attention and the MLP side by side",
-                ),
-            ] {
-                if j.flag_or(key, false)? {
-                    return Err(j.field(format!(
-                        "{key} true (StableLM 2 12B's layers, which {what}): zrt builds StableLM's sequential layers without it"
-                    )));
-                }
-            }
-        }
-        if family == Family::Cohere && j.flag_or("use_qk_norm", false)? {
-            return Err(j.field(
-                "use_qk_norm true (Command R+'s layers, which normalise each head's queries and keys with weights of their own): zrt builds Cohere's layers without it".into(),
             ));
         }
         // Falcon's class takes its width as `n_embed` too (over `hidden_size`).
@@ -721,7 +705,13 @@ impl LlamaConfig {
                 | Family::HunyuanMoe => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 Family::Persimmon => j.flag_or("qk_layernorm", true)?,
+                Family::StableLm => j.flag_or("qk_layernorm", false)?,
+                Family::Cohere => j.flag_or("use_qk_norm", false)?,
                 f => f.whole_qk_norm(),
+            },
+            parallel: match family {
+                Family::StableLm => j.flag_or("use_parallel_residual", false)?,
+                f => f.parallel(),
             },
             clip_qkv: match family {
                 Family::Olmoe | Family::Olmo1 | Family::Dbrx | Family::Mpt => {
@@ -953,9 +943,11 @@ impl LlamaConfig {
                 (d * q + bias(self.qkv_bias, q))
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
-                    + match self.family.whole_qk_norm() {
-                        // OLMo's normalise the whole projections, the others a
-                        // head (Persimmon's LayerNorms with biases too).
+                    + match self.family.whole_qk_norm() || self.family.qk_norm_of_each_head() {
+                        // OLMo's normalise the whole projections, StableLM's
+                        // and Cohere's each head with its own weights, the
+                        // others a head with weights shared by every head
+                        // (Persimmon's LayerNorms with biases too).
                         true => bias(self.qk_norm, q + kv),
                         false if self.family == Family::Persimmon => bias(self.qk_norm, 4 * hd),
                         false => bias(self.qk_norm, 2 * hd),
@@ -983,7 +975,7 @@ impl LlamaConfig {
         let sinks = bias(oss, self.heads as u64);
         let norms = match (self.family, &self.falcon) {
             (f, _) if f.sandwich() || f == Family::Glm4 => 4,
-            (f, _) if f.parallel() => 1,
+            _ if self.parallel => 1,
             (_, Some(f)) if f.parallel && !f.two_norms => 1,
             _ => 2,
         };
@@ -1251,7 +1243,7 @@ impl LlamaConfig {
             Family::Cohere => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "logit_scale": self.logit_scale,
-                "use_qk_norm": false,
+                "use_qk_norm": self.qk_norm,
             }),
             Family::Cohere2 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -1331,8 +1323,8 @@ impl LlamaConfig {
             }),
             Family::StableLm => serde_json::json!({
                 "use_qkv_bias": self.qkv_bias,
-                "qk_layernorm": false,
-                "use_parallel_residual": false,
+                "qk_layernorm": self.qk_norm,
+                "use_parallel_residual": self.parallel,
                 "partial_rotary_factor": self.partial_rotary,
                 "hidden_dropout": self.resid_dropout,
             }),

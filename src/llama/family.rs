@@ -104,17 +104,19 @@ pub enum Family {
     /// biases), rotary embeddings on a quarter of each head by default
     /// (`partial_rotary_factor`), biases on the query, key and value
     /// projections when `use_qkv_bias`, dropout on the MLP's output
-    /// (`hidden_dropout`). Not StableLM 2 12B's per-head norms
-    /// (`qk_layernorm`) or parallel residual (`use_parallel_residual`):
-    /// refused.
+    /// (`hidden_dropout`). StableLM 2 12B's too: each head's queries and
+    /// keys LayerNormed (no biases) with weights of its own
+    /// (`qk_layernorm`), the attention and the MLP side by side
+    /// (`use_parallel_residual`).
     StableLm,
     /// `cohere` (`CohereForCausalLM`: Command R, Aya 23, Aya Expanse):
     /// Llama's projections and gated MLP side by side after one norm
     /// (`x + attn(n(x)) + mlp(n(x))`), its norms LayerNorms without
     /// biases computed in fp32, rotary embeddings turning neighbouring
     /// pairs of dimensions (in fp32), the logits times `logit_scale`,
-    /// the head tied. Not Command R+'s per-head query and key norms
-    /// (`use_qk_norm`): refused.
+    /// the head tied. Command R+'s too: each head's queries and keys
+    /// normalised as the layer's norm is, with weights of its own
+    /// (`use_qk_norm`).
     Cohere,
     /// `cohere2` (`Cohere2ForCausalLM`: Command R7B, Command A): Cohere's
     /// layers, all but every fourth (`layer_types`, or the older
@@ -606,7 +608,8 @@ impl Family {
     }
 
     /// Cohere's, GPT-J's and CodeGen's: the attention and the MLP side
-    /// by side after one norm.
+    /// by side after one norm (StableLM's when its config says:
+    /// [`LlamaConfig::parallel`](super::LlamaConfig::parallel)).
     pub(super) fn parallel(self) -> bool {
         self.cohere() || self.gptj()
     }
@@ -724,6 +727,13 @@ impl Family {
     /// heads are split (OLMo 2 and 3, OLMoE), not over each head.
     pub(super) fn whole_qk_norm(self) -> bool {
         self.olmo() || self == Self::Olmoe
+    }
+
+    /// Queries and keys normalised over each head's width with weights
+    /// of the head's own (StableLM 2 12B's `qk_layernorm`, Command R+'s
+    /// `use_qk_norm`), not with one set of weights every head shares.
+    pub(super) fn qk_norm_of_each_head(self) -> bool {
+        matches!(self, Self::StableLm | Self::Cohere)
     }
 
     /// What its `transformers` config class (4.57) gives the fields a

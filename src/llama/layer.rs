@@ -838,15 +838,17 @@ impl Layer {
             qk_norm: c.qk_norm.then(|| {
                 let (q, k) = match c.family {
                     f if f.hunyuan() => ("query_layernorm", "key_layernorm"),
-                    Family::Persimmon => ("q_layernorm", "k_layernorm"),
+                    Family::Persimmon | Family::StableLm => ("q_layernorm", "k_layernorm"),
                     _ => ("q_norm", "k_norm"),
                 };
-                // Persimmon's LayerNorms (with biases), the others' RMSNorms.
-                let norm = |name: &str, width| match c.family {
+                // Persimmon's LayerNorms (with biases), StableLM's and
+                // Cohere's with weights for each head, the others' RMSNorms.
+                let norm = |name: &str, heads, width| match c.family {
                     Family::Persimmon => Norm::new(&a / name, width, c),
+                    f if f.qk_norm_of_each_head() => Norm::of_each_head(&a / name, heads, hd, c),
                     _ => Norm::Rms(RmsNorm::new(&a / name, width, c)),
                 };
-                (norm(q, q_width), norm(k, k_width))
+                (norm(q, c.heads, q_width), norm(k, c.kv_heads, k_width))
             }),
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,

@@ -125,6 +125,10 @@ pub(super) enum Norm {
         bias: Tensor,
         eps: f64,
     },
+    /// StableLM 2 12B's query and key norms: one LayerNorm without a
+    /// bias a head (`norms.{i}`), each over its head's width of
+    /// `[.., heads, head_dim]`.
+    EachHead(Vec<Norm>),
 }
 
 impl Norm {
@@ -149,6 +153,27 @@ impl Norm {
             _ => Self::Rms(RmsNorm::new(p, width, c)),
         }
     }
+
+    /// The norm of `heads` heads' queries or keys under `p`, each head
+    /// with weights of its own (see [`Family::qk_norm_of_each_head`]):
+    /// Cohere's with weights `[heads, head_dim]` (Command R+), or a
+    /// LayerNorm without a bias a head (StableLM 2 12B).
+    pub(super) fn of_each_head(p: nn::Path, heads: i64, head_dim: i64, c: &LlamaConfig) -> Self {
+        match c.family {
+            f if f.cohere() => Self::Cohere(CohereNorm {
+                weight: p.ones("weight", &[heads, head_dim]),
+                eps: c.eps,
+            }),
+            _ => Self::EachHead(
+                (0..heads)
+                    .map(|h| Self::Unbiased {
+                        weight: (&p / "norms" / h).ones("weight", &[head_dim]),
+                        eps: c.eps,
+                    })
+                    .collect(),
+            ),
+        }
+    }
 }
 
 impl Module for Norm {
@@ -171,6 +196,15 @@ impl Module for Norm {
             Self::OneP { weight, bias, eps } => {
                 let w = weight + 1.0;
                 x.layer_norm([x.size()[x.dim() - 1]], Some(&w), Some(bias), *eps, false)
+            }
+            // Head by head, as `transformers` splits them, so that each
+            // head's LayerNorm multiplies its own weights in the kernel.
+            Self::EachHead(norms) => {
+                let parts = x.split(1, -2);
+                let normed: Vec<Tensor> = (norms.iter().zip(&parts))
+                    .map(|(n, part)| n.forward(part))
+                    .collect();
+                Tensor::cat(&normed, -2)
             }
         }
     }
@@ -254,7 +288,7 @@ impl Norms {
             f if f.gptj() => Self::Parallel {
                 input: norm("ln_1"),
             },
-            f if f.parallel() => Self::Parallel {
+            _ if c.parallel => Self::Parallel {
                 input: norm("input_layernorm"),
             },
             Family::Falcon => match c.falcon {

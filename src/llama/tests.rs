@@ -101,6 +101,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         tied: true,
         attention_dropout: 0.0,
         qk_norm: false,
+        parallel: false,
         activation: Activation::Silu,
         pad_token: None,
         query_scalar: None,
@@ -458,7 +459,7 @@ fn granite_olmo2_and_smollm3_configs_are_read_and_counted() {
 }
 
 #[test]
-fn stablelm_configs_are_read_and_counted_and_the_12bs_layers_refused() {
+fn stablelm_configs_are_read_and_counted_the_12bs_norms_of_each_head_and_parallel_layers_too() {
     let dir = ConfigDir::new("stablelm-configs");
     // StableLM 2 1.6B's config.json; the count is transformers'.
     let two = r#"{"architectures": ["StableLmForCausalLM"], "bos_token_id": 100257, "eos_token_id": 100257, "hidden_act": "silu", "hidden_dropout": 0.0, "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632, "layer_norm_eps": 1e-05, "max_position_embeddings": 4096, "model_type": "stablelm", "num_attention_heads": 32, "num_hidden_layers": 24, "num_key_value_heads": 32, "partial_rotary_factor": 0.25, "qk_layernorm": false, "rope_scaling": null, "rope_theta": 10000, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "use_parallel_residual": false, "use_qkv_bias": true, "vocab_size": 100352}"#;
@@ -474,15 +475,26 @@ fn stablelm_configs_are_read_and_counted_and_the_12bs_layers_refused() {
     let t = dir.read(three).unwrap();
     assert_eq!((t.rotary_dim(), t.kv_heads, t.qkv_bias), (20, 32, false));
     assert_eq!(total(&t), 2795443200);
-    dir.round_trips([c, t]);
-    for key in ["qk_layernorm", "use_parallel_residual"] {
-        let text = two.replace(&format!(r#""{key}": false"#), &format!(r#""{key}": true"#));
-        let err = dir.read(&text).unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("{key} true (StableLM 2 12B's layers")),
-            "{err}"
-        );
+    assert!(!c.qk_norm && !c.parallel && !t.qk_norm && !t.parallel);
+    // StableLM 2 12B's sizes: a LayerNorm without a bias for each head's
+    // queries and for each group's keys, one norm a layer read by the
+    // attention and the MLP side by side; the count is transformers'.
+    let twelve = r#"{"model_type": "stablelm", "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "partial_rotary_factor": 0.25, "qk_layernorm": true, "use_parallel_residual": true, "use_qkv_bias": false, "tie_word_embeddings": false, "max_position_embeddings": 4096}"#;
+    let w = dir.read(twelve).unwrap();
+    assert!(w.qk_norm && w.parallel);
+    assert_eq!(total(&w), 12143185920);
+    // Either one alone.
+    for (key, norm, parallel) in [
+        ("qk_layernorm", false, true),
+        ("use_parallel_residual", true, false),
+    ] {
+        let one =
+            dir.read(&twelve.replace(&format!(r#""{key}": true"#), &format!(r#""{key}": false"#)));
+        let one = one.unwrap();
+        assert_eq!((one.qk_norm, one.parallel), (norm, parallel), "{key}");
+        dir.round_trips([one]);
     }
+    dir.round_trips([c, t, w]);
     // Its dropout is the MLP's only.
     let d = dir.read(&two.replace(r#""hidden_dropout": 0.0"#, r#""hidden_dropout": 0.1"#));
     let d = d.unwrap();
@@ -490,7 +502,7 @@ fn stablelm_configs_are_read_and_counted_and_the_12bs_layers_refused() {
 }
 
 #[test]
-fn a_cohere_config_is_read_and_counted_and_command_r_plus_qk_norms_refused() {
+fn a_cohere_config_is_read_and_counted_and_command_r_plus_norms_of_each_head_too() {
     let dir = ConfigDir::new("cohere-configs");
     // Aya Expanse 8B's sizes; the count is transformers'.
     let aya = r#"{"model_type": "cohere", "vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "logit_scale": 0.125, "rope_theta": 10000, "max_position_embeddings": 8192, "layer_norm_eps": 1e-05, "use_qk_norm": false, "attention_bias": false, "tie_word_embeddings": true}"#;
@@ -499,15 +511,15 @@ fn a_cohere_config_is_read_and_counted_and_command_r_plus_qk_norms_refused() {
         (c.family, c.logit_scale, c.tied, c.pad_token),
         (Family::Cohere, 0.125, true, Some(0))
     );
-    let total = total(&c);
-    assert_eq!(total, 8028033024);
-    dir.round_trips([c]);
-    let plus = aya.replace(r#""use_qk_norm": false"#, r#""use_qk_norm": true"#);
-    let err = dir.read(&plus).unwrap_err().to_string();
-    assert!(
-        err.contains("use_qk_norm true (Command R+'s layers"),
-        "{err}"
-    );
+    assert_eq!(total(&c), 8028033024);
+    assert!(!c.qk_norm && c.parallel);
+    // Command R+'s sizes: each head's queries and each group's keys
+    // normalised with weights of their own; the count is transformers'.
+    let plus = r#"{"model_type": "cohere", "vocab_size": 256000, "hidden_size": 12288, "intermediate_size": 33792, "num_hidden_layers": 64, "num_attention_heads": 96, "num_key_value_heads": 8, "logit_scale": 0.8333333333333334, "rope_theta": 75000000, "max_position_embeddings": 8192, "layer_norm_eps": 1e-05, "use_qk_norm": true}"#;
+    let p = dir.read(plus).unwrap();
+    assert!(p.qk_norm && p.parallel);
+    assert_eq!(total(&p), 103810674688);
+    dir.round_trips([c, p]);
 }
 
 #[test]
@@ -1999,6 +2011,7 @@ fn unit_params_count_what_the_built_model_holds() {
         tied: false,
         attention_dropout: 0.0,
         qk_norm: false,
+        parallel: false,
         activation: Activation::Silu,
         pad_token: None,
         query_scalar: None,
@@ -2191,6 +2204,23 @@ fn unit_params_count_what_the_built_model_holds() {
         partial_rotary: 0.5,
         ..base.clone()
     };
+    // StableLM 2 12B's and Command R+'s queries and keys normalised
+    // with weights of each head's own (StableLM's a LayerNorm a head),
+    // one norm a layer.
+    let twelve = LlamaConfig {
+        family: Family::StableLm,
+        qk_norm: true,
+        parallel: true,
+        partial_rotary: 0.25,
+        ..base.clone()
+    };
+    let plus = LlamaConfig {
+        family: Family::Cohere,
+        qk_norm: true,
+        parallel: true,
+        tied: true,
+        ..base.clone()
+    };
     for cfg in variants.into_iter().chain([
         deepseek,
         one_q,
@@ -2199,6 +2229,8 @@ fn unit_params_count_what_the_built_model_holds() {
         persimmon,
         biogpt,
         xglm,
+        twelve,
+        plus,
     ]) {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _model = Llama::new(&vs.root(), &ShardPlan::new(), &cfg);

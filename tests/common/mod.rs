@@ -34,6 +34,15 @@ class M(ApertusForCausalLM):
         super().__init__(config)
         for layer in self.model.layers:
             layer.mlp.act_fn.float()";
+/// Python importing StableLM's config class as `C` and its model class
+/// as `M`, able to build StableLM 2 12B's bias-free norms of each head:
+/// `transformers` 4.57 cannot from a config (its `_init_weights` zeroes
+/// the bias they do not have); `from_pretrained` can, as it initialises
+/// nothing it loads.
+pub const STABLELM: &str = "from transformers import StableLmConfig as C, StableLmForCausalLM as M
+import transformers.models.stablelm.modeling_stablelm as _s
+_init = _s.StableLmPreTrainedModel._init_weights
+_s.StableLmPreTrainedModel._init_weights = lambda s, m: (m.weight.data.fill_(1.0) if isinstance(m, torch.nn.LayerNorm) and m.bias is None else _init(s, m))";
 /// A `zero_optimization` setting under which stage 3 shards every unit of
 /// the test GPT (all are under the default persistence threshold).
 pub const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;

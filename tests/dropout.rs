@@ -197,6 +197,23 @@ fn dbrx_jitters_its_routers_and_drops_out_as_transformers_does() {
     );
 }
 
+/// PhiMoE in training: its input jitter, sparsemixer's Gumbel draws of
+/// each token's two experts and Heun's draws, and the gradient its own
+/// backward sends the router, through three AdamW steps; attention
+/// dropout beside them. (The routing is discontinuous: zrt's AdamW
+/// rounds a few ulps from torch's, and under other seeds that moved one
+/// token's route at the third step. A mutation taking the weights'
+/// plain gradient moved the second step's loss by 2e-3.)
+#[test]
+fn phimoe_draws_its_experts_by_sparse_mixer_as_transformers_does_in_training() {
+    dropout_parity(
+        "phimoe",
+        common::PHIMOE,
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, attention_bias=True, router_jitter_noise=0.3, input_jitter_noise=0.15, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 /// Falcon's two ways: parallel layers drop the sum of the attention's
 /// and the MLP's outputs out once (`hidden_dropout`); sequential ones
 /// drop the attention's output at `attention_dropout` (never its

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE,
+//! Mixtral, OLMoE, PhiMoE,
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -607,6 +607,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // PhiMoE: Mixtral's experts with LayerNorms, biases on the attention
+    // and the head, each token's two experts chosen by sparsemixer (a
+    // margin wide enough to leave several in play), LongRoPE past its
+    // pretrained length with the long mscale (not the short one).
+    Case {
+        name: "phimoe",
+        python: (
+            common::PHIMOE,
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], 'long_factor': [1.5, 2.5, 4.0, 6.5, 9.0, 12.0, 16.0, 20.0], 'short_mscale': 1.1, 'long_mscale': 1.3, 'original_max_position_embeddings': 8}",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1093,6 +1105,11 @@ fn an_olmoe_checkpoint_with_clipped_normalised_projections_routes_as_transformer
 #[test]
 fn a_flex_olmo_checkpoint_with_olmo2_layers_and_experts_trains_as_transformers_does() {
     parity("flex-olmo");
+}
+
+#[test]
+fn a_phimoe_checkpoint_routes_its_tokens_by_sparse_mixer_as_transformers_does() {
+    parity("phimoe");
 }
 
 #[test]
@@ -2685,7 +2702,10 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// Falcon's grouped heads beside its parallel MLP, GPT-J's part of
 /// each head turned by pairs, CodeGen's blocked heads, GPT-BigCode's
 /// and OPT's learned positions, each token's in its document,
-/// GPT-Neo's local layers beside them, and MPT's ALiBi.
+/// GPT-Neo's local layers beside them, MPT's ALiBi, and PhiMoE's
+/// LongRoPE chosen by the row's length (past its pretrained length:
+/// the long factors, the long mscale) where Phi-3's is chosen by the
+/// longest document's.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -2718,6 +2738,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "persimmon",
         "biogpt",
         "xglm",
+        "phimoe",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -2735,7 +2756,7 @@ for r in range({MICRO}):
         pos[r, c] = p
         p = 0 if tokens[r, c] == {EOS} else p + 1
 labels = tokens.masked_fill(pos == 0, -100)
-# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo, MPT, Persimmon and BioGPT build their masks without
+# transformers 4.57's GPT-OSS, Nemotron, DBRX, Falcon, GPT-J, CodeGen, OPT, GPT-Neo, MPT, Persimmon, BioGPT and PhiMoE build their masks without
 # the positions, so their rows attend across documents; they are
 # handed the documents' masks (GPT-OSS each layer kind's), as the
 # varlen kernels they take to train packed rows would see them.
@@ -2753,6 +2774,7 @@ documents = {{"gpt_oss": {{"attention_mask": masks}},
              "gptj": {{"attention_mask": masks["full_attention"]}},
              "persimmon": {{"attention_mask": masks["full_attention"]}},
              "biogpt": {{"attention_mask": masks["full_attention"]}},
+             "phimoe": {{"attention_mask": masks["full_attention"]}},
              "codegen": {{"attention_mask": masks["full_attention"]}},
              "opt": {{"attention_mask": masks["full_attention"]}},
              "gpt_neo": {{"attention_mask": masks["full_attention"]}},

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT and XGLM checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM and PhiMoE (its experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -427,6 +427,26 @@ const XGLM: Case = Case {
     ..OFF
 };
 
+/// PhiMoE's queries and values (PEFT has no default; zrt's, Llama's
+/// kin's), 64 -> 64 and 64 -> 32, and each of its two experts' `w1`
+/// (64 -> 32), weighted by sparsemixer at its default margin (at 0.3,
+/// where more experts stay in play, one query's A ended 4.4e-6 from
+/// PEFT's: which experts are in play jumps with the logits). Two
+/// experts, so that each takes every token:
+/// with four, one took none in a step, and zrt's AdamW moves an unused
+/// expert by its momentum where `torch.optim.AdamW` skips a parameter
+/// without a gradient (docs/choices.md).
+const PHIMOE: Case = Case {
+    python: (
+        common::PHIMOE,
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=2, attention_bias=True",
+    ),
+    targets: &["q_proj", "v_proj", "w1"],
+    matrices: 16,
+    elements: 2 * 4 * ((64 + 64) + (64 + 32) + 2 * (64 + 32)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -828,6 +848,11 @@ fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
 fn lora_adapters_on_mpts_and_blooms_alibi_attention_train_as_peft_does() {
     parity("mpt", &MPT, &[(3, false, Held::Fp32)]);
     parity("bloom", &BLOOM, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_phimoes_attention_and_experts_train_as_peft_does() {
+    parity("phimoe", &PHIMOE, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -56,8 +56,17 @@ pub struct MoeConfig {
     pub grouped: Option<GroupRouting>,
     /// DBRX's `moe_jitter_eps` (0: none): in training, the experts'
     /// input (the router's and, as `transformers` scales it in place,
-    /// the experts') times a uniform draw within `1 ± jitter`.
+    /// the experts') times a uniform draw within `1 ± jitter`; PhiMoE's
+    /// `input_jitter_noise`, the same.
     pub jitter: f64,
+    /// PhiMoE's sparsemixer, at its `router_jitter_noise` `eps` (`None`:
+    /// the others' routers): for each of the two experts a token takes,
+    /// the router's logits within `2 eps` (relative) of the best left in
+    /// play, the best of them taken (a Gumbel draw among them in
+    /// training); its weight its softmax's over them, scaled in training
+    /// by 1 or 1/3 as Heun's third-order estimate draws, whose gradient
+    /// reaches the logits as sparsemixer's own backward sends it.
+    pub sparse_mixer: Option<f64>,
 }
 
 /// Llama 4's attention ([`Family::Llama4`]): which layers attend within
@@ -342,6 +351,9 @@ pub struct LlamaConfig {
     /// Cohere's `logit_scale`: the logits are multiplied by it (1 for
     /// the other families).
     pub logit_scale: f64,
+    /// The head has a bias: GPT-J's and CodeGen's always, PhiMoE's with
+    /// `lm_head_bias`.
+    pub head_bias: bool,
     /// SmolLM3's `no_rope_layers`: for each layer, whether it turns its
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
@@ -574,6 +586,7 @@ impl LlamaConfig {
             | Family::Ministral
             | Family::Phi3
             | Family::Mixtral
+            | Family::Phimoe
             | Family::Gemma2
             | Family::VaultGemma
             | Family::Gemma3
@@ -795,6 +808,11 @@ impl LlamaConfig {
                 f if f.cohere() => j.number_or("logit_scale", 0.0625)?,
                 _ => 1.0,
             },
+            head_bias: match family {
+                f if f.gptj() => true,
+                Family::Phimoe => j.flag_or("lm_head_bias", false)?,
+                _ => false,
+            },
             rope_layers: match family {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
                 // Cohere 2's windowed layers turn, its global ones do not
@@ -1003,9 +1021,9 @@ impl LlamaConfig {
         let mut units = vec![(format!("{model}.{embedding}"), v * w)];
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
-            // GPT-J's head has a bias.
+            // GPT-J's head has a bias, PhiMoE's may.
             let head = self.family.head_name().to_string();
-            units.push((head, v * w + bias(self.family.gptj(), v)));
+            units.push((head, v * w + bias(self.head_bias, v)));
         }
         // GPT-BigCode's and OPT's learned positions join the final norm
         // there.
@@ -1116,6 +1134,16 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
                 "num_local_experts": self.moe.as_ref().map(|m| m.experts),
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
+            }),
+            Family::Phimoe => serde_json::json!({
+                "attention_bias": self.o_bias,
+                "lm_head_bias": self.head_bias,
+                "sliding_window": self.sliding_window,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "router_jitter_noise": self.moe.as_ref().and_then(|m| m.sparse_mixer),
+                "input_jitter_noise": self.moe.as_ref().map(|m| m.jitter),
                 "output_router_logits": false,
             }),
             Family::Glm | Family::Glm4 => serde_json::json!({
@@ -1417,6 +1445,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         f if matches!(f, Family::Mixtral | Family::GptOss) || f.granite_moe() => {
             ("num_local_experts", "intermediate_size", true)
         }
+        // sparsemixer's weights are its softmaxes', as they are.
+        Family::Phimoe => ("num_local_experts", "intermediate_size", false),
         Family::Olmoe | Family::FlexOlmo => (
             "num_experts",
             "intermediate_size",
@@ -1466,7 +1496,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             )));
         }
     }
-    let jitter = j.number_or("router_jitter_noise", 0.0)?;
+    let jitter = match family {
+        // PhiMoE's is sparsemixer's margin, read below.
+        Family::Phimoe => 0.0,
+        _ => j.number_or("router_jitter_noise", 0.0)?,
+    };
     if jitter != 0.0 {
         return Err(j.field(format!(
             "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are (set it to 0)"
@@ -1475,6 +1509,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // The config classes' experts, top k and expert width.
     let defaults = match family {
         Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
+        Family::Phimoe => (16, 2, 0),
         Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
         Family::Llama4 => (16, 1, 8192),
@@ -1518,6 +1553,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         })?,
         _ => j.size_or_none("num_experts_per_tok")?.unwrap_or(defaults.1),
     };
+    if family == Family::Phimoe && top_k != 2 {
+        return Err(j.field(format!(
+            "num_experts_per_tok {top_k}: PhiMoE's sparsemixer routes each token to 2 experts (its class raises otherwise); set it to 2"
+        )));
+    }
     if top_k > experts {
         return Err(j.field(format!(
             "num_experts_per_tok {top_k} is more than the {experts} experts"
@@ -1628,7 +1668,12 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         grouped,
         jitter: match family {
             Family::Dbrx => j.number_or("moe_jitter_eps", 0.0)?,
+            Family::Phimoe => j.rate_or("input_jitter_noise", 0.0)?,
             _ => 0.0,
+        },
+        sparse_mixer: match family {
+            Family::Phimoe => Some(j.number_or("router_jitter_noise", 0.01)?),
+            _ => None,
         },
     }))
 }

@@ -342,11 +342,20 @@ pub enum Family {
     /// (computed, no parameters), its embeddings scaled by the width's
     /// square root, a GELU MLP, the head tied.
     Xglm,
+    /// `phimoe` (`PhimoeForCausalLM`: Phi-3.5-MoE): Mixtral's layers
+    /// (`block_sparse_moe`, experts `w1`, `w3`, `w2`) with LayerNorms
+    /// (biases), biases on the attention's projections
+    /// (`attention_bias`) and the head (`lm_head_bias`), two experts a
+    /// token chosen by sparsemixer (Gumbel draws in training, its own
+    /// gradient to the router; [`MoeConfig::sparse_mixer`](super::MoeConfig::sparse_mixer)),
+    /// LongRoPE's cosines and sines times its own `short_mscale` or
+    /// `long_mscale`.
+    Phimoe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 56] = [
+    pub const ALL: [Family; 57] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -403,6 +412,7 @@ impl Family {
         Self::Persimmon,
         Self::BioGpt,
         Self::Xglm,
+        Self::Phimoe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -478,6 +488,7 @@ impl Family {
             Self::Persimmon => "persimmon",
             Self::BioGpt => "biogpt",
             Self::Xglm => "xglm",
+            Self::Phimoe => "phimoe",
         }
     }
 
@@ -540,6 +551,7 @@ impl Family {
             Self::Persimmon => "PersimmonForCausalLM",
             Self::BioGpt => "BioGptForCausalLM",
             Self::Xglm => "XGLMForCausalLM",
+            Self::Phimoe => "PhimoeForCausalLM",
         }
     }
 
@@ -570,7 +582,7 @@ impl Family {
     pub(super) fn layer_norm(self) -> bool {
         matches!(
             self,
-            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Persimmon
+            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Persimmon | Self::Phimoe
         ) || self.classic()
     }
 
@@ -829,7 +841,7 @@ impl Family {
                 positions: 32768,
                 ..LLAMA
             },
-            Self::Mixtral => Defaults {
+            Self::Mixtral | Self::Phimoe => Defaults {
                 eps: 1e-5,
                 rope_theta: 1e6,
                 kv_heads: Some(8),

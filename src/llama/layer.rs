@@ -439,6 +439,10 @@ enum Router {
         correction: Option<Tensor>,
         routing: GroupRouting,
     },
+    /// PhiMoE's (`block_sparse_moe.gate`): a linear layer's logits
+    /// through sparsemixer at `router_jitter_noise` `eps`
+    /// ([`super::sparse_mixer`]).
+    SparseMixer { gate: Adapted, eps: f64 },
 }
 
 /// A shared expert every token goes through (gate, up and down
@@ -470,7 +474,7 @@ impl Experts {
         (lin, lora): (&Lin<'_>, Option<&LoraConfig>),
     ) -> Self {
         let names = match family {
-            Family::Mixtral => ["w1", "w3", "w2"],
+            Family::Mixtral | Family::Phimoe => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
         let w = m.intermediate;
@@ -526,8 +530,12 @@ impl Experts {
                 gate: qwen.then(|| lin(&(p / "shared_expert_gate"), d, 1, false)),
             })
         });
-        let router = match &m.grouped {
-            Some(routing) => {
+        let router = match (&m.grouped, m.sparse_mixer) {
+            (None, Some(eps)) => Router::SparseMixer {
+                gate: lin(&(p / "gate"), d, m.experts, false),
+                eps,
+            },
+            (Some(routing), _) => {
                 let g = p / "gate";
                 Router::Grouped {
                     weight: g.var("weight", &[m.experts, d], RANDN),
@@ -536,28 +544,28 @@ impl Experts {
                     routing: routing.clone(),
                 }
             }
-            None if family == Family::GptOss => Router::Softmax {
+            (None, _) if family == Family::GptOss => Router::Softmax {
                 gate: lin(&(p / "router"), d, m.experts, true),
                 correction: None,
             },
-            None if family.granite_moe() || family == Family::Dbrx => Router::Softmax {
+            (None, _) if family.granite_moe() || family == Family::Dbrx => Router::Softmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
                 correction: None,
             },
-            None if family == Family::Ernie4_5Moe => Router::Softmax {
+            (None, _) if family == Family::Ernie4_5Moe => Router::Softmax {
                 gate: lin(&(p / "gate"), d, m.experts, false),
                 correction: Some(
                     (p / "moe_statics").zeros_no_train("e_score_correction_bias", &[1, m.experts]),
                 ),
             },
-            None if family == Family::Llama4 => Router::TopSigmoid {
+            (None, _) if family == Family::Llama4 => Router::TopSigmoid {
                 gate: lin(&(p / "router"), d, m.experts, false),
             },
-            None if family == Family::HunyuanMoe => Router::Softmax {
+            (None, _) if family == Family::HunyuanMoe => Router::Softmax {
                 gate: lin(&(p / "gate" / "wg"), d, m.experts, false),
                 correction: None,
             },
-            None => Router::Softmax {
+            (None, _) => Router::Softmax {
                 gate: lin(&(p / "gate"), d, m.experts, false),
                 correction: None,
             },
@@ -577,10 +585,10 @@ impl Experts {
     /// weighted outputs added into the result in that order. An expert no
     /// token chose runs on nothing, and its parameters get no gradient
     /// (the plan declares them: [`hf_weight_rules`]).
-    fn forward(&self, h: &Tensor, act: Activation) -> Tensor {
+    fn forward(&self, h: &Tensor, act: Activation, training: bool) -> Tensor {
         let (b, t, d) = h.size3().unwrap_or((1, 1, 1));
         let h = h.view([-1, d]);
-        let (weights, chosen) = self.route(&h);
+        let (weights, chosen) = self.route(&h, training);
         // The sum in the weights' dtype: the input's, DeepSeek-V3's fp32.
         let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
@@ -617,9 +625,13 @@ impl Experts {
 
     /// Each token's `k` experts `[tokens, k]` and their weights: the
     /// softmax's top `k` in the input's dtype, or DeepSeek-V3's choice
-    /// within the best groups, its weights in fp32.
-    fn route(&self, h: &Tensor) -> (Tensor, Tensor) {
+    /// within the best groups, its weights in fp32; PhiMoE's
+    /// sparsemixer's, drawing in `training`.
+    fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor) {
         let (weight, correction, g) = match &self.router {
+            Router::SparseMixer { gate, eps } => {
+                return super::sparse_mixer::route(&gate.forward(h), *eps, training);
+            }
             Router::TopSigmoid { gate } => {
                 let (top, chosen) = gate.forward(h).topk(self.top_k, -1, true, true);
                 let weights = top.to_kind(Kind::Float).sigmoid().to_kind(h.kind());
@@ -797,7 +809,9 @@ impl Layer {
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
-                        f if f == Family::Mixtral || f.granite_moe() => p / "block_sparse_moe",
+                        f if matches!(f, Family::Mixtral | Family::Phimoe) || f.granite_moe() => {
+                            p / "block_sparse_moe"
+                        }
                         _ => m,
                     };
                     Mlp::Experts(Experts::new((p, &under), (d, moe), c.family, (lin, lora)))
@@ -1000,7 +1014,8 @@ impl Module for Layer {
             // `transformers` scales it in place.
             Mlp::Experts(experts) => {
                 let jitter = c.moe.as_ref().map_or(0.0, |m| m.jitter);
-                experts.forward(&self.training.jitter(h, jitter), c.activation)
+                let on = self.training.on();
+                experts.forward(&self.training.jitter(h, jitter), c.activation, on)
             }
         };
         let m = match held {

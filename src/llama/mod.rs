@@ -64,6 +64,7 @@ mod opt;
 mod own_names;
 mod rope_scaling;
 mod rotary;
+mod sparse_mixer;
 #[cfg(test)]
 pub(crate) mod tests;
 mod xglm;
@@ -280,8 +281,8 @@ impl Llama {
                 ShardedModule::new(plan, &lp, run)
             })
             .collect();
-        // GPT-J's head has a bias.
-        let bias = cfg.family.gptj();
+        // GPT-J's head has a bias, PhiMoE's may.
+        let bias = cfg.head_bias;
         let head = p / cfg.family.head_name();
         let ends = embed.with_head(plan, &head, bias, (lora, &training));
         Self {

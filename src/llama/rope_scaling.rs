@@ -66,6 +66,11 @@ pub enum RopeScaling {
         /// original_max_position_embeddings` (or `factor`):
         /// `sqrt(1 + ln f / ln original)`, 1 when `f <= 1`.
         attention_factor: f64,
+        /// PhiMoE's `short_mscale` and `long_mscale`: the factor on the
+        /// cosines and sines for a sequence up to `original_positions`
+        /// long and beyond, in place of `attention_factor` (`None`: the
+        /// other families).
+        mscales: Option<(f64, f64)>,
     },
     /// `"yarn"` (Qwen's and SmolLM3's long-context configs): frequencies
     /// that turn fewer than `beta_slow` times over the pretrained length
@@ -139,13 +144,23 @@ impl RopeScaling {
                 short,
                 long,
                 attention_factor,
-                ..
-            } => serde_json::json!({
-                "rope_type": "longrope",
-                "short_factor": short,
-                "long_factor": long,
-                "attention_factor": attention_factor,
-            }),
+                mscales,
+                original_positions,
+            } => {
+                let mut v = serde_json::json!({
+                    "rope_type": "longrope",
+                    "short_factor": short,
+                    "long_factor": long,
+                    "attention_factor": attention_factor,
+                });
+                // PhiMoE's class reads these three within.
+                if let Some((short, long)) = mscales {
+                    v["short_mscale"] = (*short).into();
+                    v["long_mscale"] = (*long).into();
+                    v["original_max_position_embeddings"] = (*original_positions).into();
+                }
+                v
+            }
             RopeScaling::Yarn {
                 factor,
                 original_positions,
@@ -203,8 +218,15 @@ pub(crate) fn rope_scaling(
     let kind = (v.get("rope_type").or_else(|| v.get("type"))).and_then(|t| t.as_str());
     let num = |key: &str| scaling_number(j, v, key);
     let phi3 = model_type == Family::Phi3.model_type();
+    let phimoe = model_type == Family::Phimoe.model_type();
     match kind {
         Some("default") => Ok(RopeScaling::None),
+        Some("longrope") if phimoe => phimoe_long_rope(j, v, rotary_dim),
+        // PhiMoE's rotary embedding scales by its own factors and reads
+        // its pretrained length within whatever the kind.
+        _ if phimoe => Err(j.field(format!(
+            "rope_scaling {v}: zrt computes PhiMoE's \"longrope\" kind only (with its `short_mscale`, `long_mscale` and `original_max_position_embeddings`)"
+        ))),
         Some("longrope") | Some("su") => long_rope(j, v, rotary_dim),
         Some("yarn") if phi3 => long_rope(j, v, rotary_dim),
         // Phi-3's config class refuses every other kind.
@@ -313,6 +335,18 @@ fn yarn(j: &HfJson, v: &serde_json::Value) -> Result<RopeScaling, HfError> {
 /// `rotary_dim` dimensions ([`RopeScaling::LongRope`]), read as
 /// `transformers` reads it.
 fn long_rope(j: &HfJson, v: &serde_json::Value, rotary_dim: i64) -> Result<RopeScaling, HfError> {
+    let original = j.size_or_none("original_max_position_embeddings")?;
+    long_rope_from(j, v, rotary_dim, (original, None))
+}
+
+/// [`long_rope`] with the pretrained length `original` (`None`: not
+/// given, `max_position_embeddings` is) and PhiMoE's `mscales`.
+fn long_rope_from(
+    j: &HfJson,
+    v: &serde_json::Value,
+    rotary_dim: i64,
+    (original, mscales): (Option<i64>, Option<(f64, f64)>),
+) -> Result<RopeScaling, HfError> {
     let pairs = (rotary_dim / 2) as usize;
     let factors = |key: &str| {
         let list = v
@@ -334,7 +368,7 @@ fn long_rope(j: &HfJson, v: &serde_json::Value, rotary_dim: i64) -> Result<RopeS
     let positions = j.size_or_none("max_position_embeddings")?.unwrap_or(2048);
     // Phi-3 keeps the pretrained length beside the extended one, and
     // their ratio is the growth; else `factor` says it.
-    let (original_positions, growth) = match j.size_or_none("original_max_position_embeddings")? {
+    let (original_positions, growth) = match original {
         Some(o) => (o, Some(positions as f64 / o as f64)),
         None => (positions, v.get("factor").and_then(|f| f.as_f64())),
     };
@@ -353,5 +387,23 @@ fn long_rope(j: &HfJson, v: &serde_json::Value, rotary_dim: i64) -> Result<RopeS
         long,
         original_positions,
         attention_factor,
+        mscales,
     })
+}
+
+/// PhiMoE's `"longrope"` scaling `v` ([`long_rope`]'s, with its
+/// `short_mscale` and `long_mscale`): its config class refuses a scaling
+/// without them, and takes the pretrained length from within `v`, where
+/// its rotary embedding reads it.
+fn phimoe_long_rope(
+    j: &HfJson,
+    v: &serde_json::Value,
+    rotary_dim: i64,
+) -> Result<RopeScaling, HfError> {
+    let mscales = (
+        scaling_number(j, v, "short_mscale")?,
+        scaling_number(j, v, "long_mscale")?,
+    );
+    let original = scaling_number(j, v, "original_max_position_embeddings")?;
+    long_rope_from(j, v, rotary_dim, (Some(original as i64), Some(mscales)))
 }

@@ -17,8 +17,13 @@ pub(crate) struct Rotary {
     /// `inv_freq` is for.
     long: Option<(Tensor, i64)>,
     /// The cosines' and sines' factor (LongRoPE's and YaRN's
-    /// `attention_factor`).
-    scale: f64,
+    /// `attention_factor`, PhiMoE's `short_mscale`), and past LongRoPE's
+    /// pretrained length (PhiMoE's `long_mscale`).
+    scale: (f64, f64),
+    /// LongRoPE's frequencies and factor chosen by the row's length, as
+    /// PhiMoE's rotary embedding chooses them, not by the longest packed
+    /// document's (Phi-3's).
+    by_row: bool,
     /// Under the `dynamic` scaling, the frequencies of the longest
     /// sequence seen.
     dynamic: Option<Dynamic>,
@@ -100,12 +105,15 @@ impl Rotary {
         };
         let scale = match scaling {
             RopeScaling::LongRope {
+                mscales: Some(m), ..
+            } => *m,
+            RopeScaling::LongRope {
                 attention_factor, ..
             }
             | RopeScaling::Yarn {
                 attention_factor, ..
-            } => *attention_factor,
-            _ => 1.0,
+            } => (*attention_factor, *attention_factor),
+            _ => (1.0, 1.0),
         };
         let dynamic = match scaling {
             RopeScaling::Dynamic { factor } | RopeScaling::DynamicAlpha { factor, .. } => {
@@ -126,6 +134,13 @@ impl Rotary {
             dynamic,
             interleaved: None,
             fp32: false,
+            by_row: matches!(
+                scaling,
+                RopeScaling::LongRope {
+                    mscales: Some(_),
+                    ..
+                }
+            ),
         }
     }
 
@@ -153,6 +168,14 @@ impl Rotary {
             (Some((_, original)), _) => Some(*original),
             (_, Some(dynamic)) => Some(dynamic.positions),
             _ => None,
+        }
+    }
+
+    /// The cosines' and sines' factor for a sequence of `t` tokens.
+    fn scale(&self, t: i64) -> f64 {
+        match &self.long {
+            Some((_, original)) if t > *original => self.scale.1,
+            _ => self.scale.0,
         }
     }
 
@@ -292,7 +315,7 @@ pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
         0 => Tensor::arange(t, opts),
         o => Tensor::arange_start(o, o + t, opts),
     };
-    rope(x, rotary, &rotary.inv_freq(offset + t), &positions)
+    rope(x, rotary, offset + t, &positions)
 }
 
 /// As [`rope_from`], each token of `x` `[batch, heads, seq, head_dim]`
@@ -301,20 +324,26 @@ pub(crate) fn rope_from(x: &Tensor, rotary: &Rotary, offset: i64) -> Tensor {
 /// turns at `position_ids`.
 pub(crate) fn rope_at(x: &Tensor, rotary: &Rotary, documents: &Documents) -> Tensor {
     let positions = documents.positions.to_kind(Kind::Float).unsqueeze(1);
-    rope(x, rotary, &rotary.inv_freq(documents.longest), &positions)
+    let t = match rotary.by_row {
+        true => x.size()[2],
+        false => documents.longest,
+    };
+    rope(x, rotary, t, &positions)
 }
 
 /// The rotary embedding of `x` at `positions` (`[seq]`, or `[batch, 1,
-/// seq]` for each row its own), fp32, with inverse frequencies `inv_freq`.
-fn rope(x: &Tensor, rotary: &Rotary, inv_freq: &Tensor, positions: &Tensor) -> Tensor {
+/// seq]` for each row its own), fp32, with the inverse frequencies and
+/// factor for a sequence of `t` tokens.
+fn rope(x: &Tensor, rotary: &Rotary, t: i64, positions: &Tensor) -> Tensor {
+    let (inv_freq, scale) = (&rotary.inv_freq(t), rotary.scale(t));
     let hd = x.size()[3];
     let rd = 2 * inv_freq.size()[0];
     let freqs = positions.unsqueeze(-1) * inv_freq;
     if let Some(fp32) = rotary.interleaved {
-        return rope_interleaved(x, &freqs, rotary.scale, fp32);
+        return rope_interleaved(x, &freqs, scale, fp32);
     }
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
-    let (cos, sin) = match rotary.scale {
+    let (cos, sin) = match scale {
         1.0 => (emb.cos(), emb.sin()),
         s => (emb.cos() * s, emb.sin() * s),
     };

@@ -117,6 +117,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         attention_multiplier: None,
         logits_scaling: 1.0,
         logit_scale: 1.0,
+        head_bias: false,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -352,6 +353,7 @@ fn a_phi3_config_is_read_as_transformers_reads_it_and_counted() {
         long,
         original_positions: 4096,
         attention_factor: (1.0 + 32f64.ln() / 4096f64.ln()).sqrt(),
+        mscales: None,
     };
     assert_eq!(l.rope_scaling, want);
     let RopeScaling::LongRope {
@@ -520,6 +522,86 @@ fn a_cohere_config_is_read_and_counted_and_command_r_plus_norms_of_each_head_too
     assert!(p.qk_norm && p.parallel);
     assert_eq!(total(&p), 103810674688);
     dir.round_trips([c, p]);
+}
+
+#[test]
+fn a_phimoe_config_is_read_and_counted_with_its_sparse_mixer_and_mscales() {
+    let dir = ConfigDir::new("phimoe-configs");
+    // Phi-3.5-MoE's sizes (its factors all alike here); the count is
+    // transformers'.
+    let moe = r#"{"model_type": "phimoe", "vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2, "attention_bias": true, "lm_head_bias": true, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 131072, "input_jitter_noise": 0.01, "router_jitter_noise": 0.01, "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "long_factor": [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5], "short_mscale": 1.243163121016122, "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096}}"#;
+    let c = dir.read(moe).unwrap();
+    let m = c.moe.clone().unwrap();
+    assert_eq!(
+        (
+            c.family,
+            m.experts,
+            m.top_k,
+            m.normalize,
+            m.sparse_mixer,
+            m.jitter
+        ),
+        (Family::Phimoe, 16, 2, false, Some(0.01), 0.01)
+    );
+    assert!(c.qkv_bias && c.o_bias && c.head_bias && !c.tied);
+    let RopeScaling::LongRope {
+        original_positions,
+        mscales,
+        ..
+    } = &c.rope_scaling
+    else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    assert_eq!(
+        (*original_positions, *mscales),
+        (4096, Some((1.243163121016122, 1.243163121016122)))
+    );
+    assert_eq!(total(&c), 41873153344);
+    // The class's defaults: no biases, sparsemixer at 0.01, no input
+    // jitter, no scaling.
+    let bare = r#"{"model_type": "phimoe", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8}"#;
+    let b = dir.read(bare).unwrap();
+    let bm = b.moe.clone().unwrap();
+    assert_eq!(
+        (
+            b.kv_heads,
+            bm.experts,
+            bm.sparse_mixer,
+            bm.jitter,
+            b.head_bias,
+            b.o_bias
+        ),
+        (8, 16, Some(0.01), 0.0, false, false)
+    );
+    assert_eq!(b.rope_scaling, RopeScaling::None);
+    dir.round_trips([c, b]);
+    // sparsemixer takes two experts; its scaling needs its factors and
+    // its pretrained length within, and is LongRoPE's.
+    dir.refuses_changed(
+        moe,
+        r#""num_experts_per_tok": 3"#,
+        "PhiMoE's sparsemixer routes each token to 2 experts",
+    );
+    for (from, to, says) in [
+        (
+            r#""short_mscale": 1.243163121016122, "#,
+            "",
+            "its `short_mscale` is missing",
+        ),
+        (
+            r#", "original_max_position_embeddings": 4096}}"#,
+            "}}",
+            "its `original_max_position_embeddings` is missing",
+        ),
+        (
+            r#""type": "longrope""#,
+            r#""type": "linear", "factor": 2.0"#,
+            "PhiMoE's \"longrope\" kind only",
+        ),
+    ] {
+        assert_eq!(moe.matches(from).count(), 1, "{from}");
+        dir.refuses(&moe.replace(from, to), says);
+    }
 }
 
 #[test]
@@ -1888,6 +1970,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         shared: None,
         grouped: None,
         jitter: 0.0,
+        sparse_mixer: None,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -1912,6 +1995,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         shared: Some(5632),
         grouped: None,
         jitter: 0.0,
+        sparse_mixer: None,
     };
     assert_eq!(
         (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
@@ -2027,6 +2111,7 @@ fn unit_params_count_what_the_built_model_holds() {
         attention_multiplier: None,
         logits_scaling: 1.0,
         logit_scale: 1.0,
+        head_bias: false,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -2092,6 +2177,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 shared: None,
                 grouped: None,
                 jitter: 0.0,
+                sparse_mixer: None,
             }),
             ..base.clone()
         },
@@ -2107,6 +2193,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 shared: None,
                 grouped: None,
                 jitter: 0.0,
+                sparse_mixer: None,
             }),
             ..base.clone()
         },
@@ -2150,6 +2237,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 scoring: Scoring::Sigmoid,
             }),
             jitter: 0.0,
+            sparse_mixer: None,
         }),
         mla: Some(mla.clone()),
         ..base.clone()

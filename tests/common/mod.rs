@@ -43,6 +43,15 @@ pub const STABLELM: &str = "from transformers import StableLmConfig as C, Stable
 import transformers.models.stablelm.modeling_stablelm as _s
 _init = _s.StableLmPreTrainedModel._init_weights
 _s.StableLmPreTrainedModel._init_weights = lambda s, m: (m.weight.data.fill_(1.0) if isinstance(m, torch.nn.LayerNorm) and m.bias is None else _init(s, m))";
+/// Python importing PhiMoE's config class as `C` and, as `M`, its model
+/// class built in evaluation: sparsemixer draws its experts in training,
+/// and a model built from a config trains (`from_pretrained`'s evaluates).
+/// The tests that draw call `m.train()` themselves.
+pub const PHIMOE: &str = "from transformers import PhimoeConfig as C, PhimoeForCausalLM
+class M(PhimoeForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.eval()";
 /// A `zero_optimization` setting under which stage 3 shards every unit of
 /// the test GPT (all are under the default persistence threshold).
 pub const SHARD_ALL: &str = r#""stage3_param_persistence_threshold": 0,"#;

@@ -216,8 +216,9 @@ fn phimoe_draws_its_experts_by_sparse_mixer_as_transformers_does_in_training() {
 
 /// Falcon's two ways: parallel layers drop the sum of the attention's
 /// and the MLP's outputs out once (`hidden_dropout`); sequential ones
-/// drop the attention's output at `attention_dropout` (never its
-/// weights) and the MLP's at `hidden_dropout`.
+/// drop the attention's output at `attention_dropout` (never the
+/// weights of its rotary attention; Falcon-RW's ALiBi attention's too)
+/// and the MLP's at `hidden_dropout`.
 #[test]
 fn falcon_drops_its_sublayer_outputs_out_as_transformers_does() {
     for (name, layout) in [
@@ -228,6 +229,11 @@ fn falcon_drops_its_sublayer_outputs_out_as_transformers_does() {
         (
             "falcon-sequential",
             "multi_query=False, parallel_attn=False",
+        ),
+        // Falcon-RW's ALiBi attention drops its weights out too.
+        (
+            "falcon-rw",
+            "multi_query=False, parallel_attn=False, alibi=True",
         ),
     ] {
         dropout_parity(

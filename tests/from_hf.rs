@@ -338,6 +338,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Falcon-RW: Falcon's sequential layers with ALiBi in place of
+    // rotary embeddings, over 24 heads (no power of two: the extra
+    // slopes; past 8, slopes no power of two either), each slope rounded
+    // to bf16 and times the key's position in bf16.
+    Case {
+        name: "falcon-rw",
+        python: (
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            "vocab_size=96, hidden_size=96, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=24, max_position_embeddings=64, multi_query=False, parallel_attn=False, bias=True, alibi=True",
+        ),
+        load: "",
+    },
     // GPT-J: GPT-2's names for its sizes, the attention and the MLP
     // side by side after one LayerNorm, half of each head (8 of 16)
     // turned by neighbouring pairs, a head with a bias.
@@ -1239,6 +1251,70 @@ fn a_falcon_checkpoint_of_the_new_architecture_trains_as_transformers_does() {
 #[test]
 fn a_falcon_checkpoint_with_sequential_layers_trains_as_transformers_does() {
     parity("falcon-sequential");
+}
+
+#[test]
+fn a_falcon_rw_checkpoint_with_alibi_rounded_to_bf16_trains_as_transformers_does() {
+    parity("falcon-rw");
+}
+
+/// Falcon-RW's packed documents: `transformers`' Falcon builds its ALiBi
+/// from a 2-D mask and cannot take the documents' 4-D one, so there is
+/// no packed reference; each document of a packed row attends as it
+/// would alone (its keys' biases from its own positions, which its
+/// bf16 rounding makes matter), to the logits.
+#[test]
+fn falcon_rw_packed_documents_attend_as_each_alone() {
+    let case = case("falcon-rw");
+    let dir = scratch("falcon-rw-packed");
+    common::python(&common::hf_seeded_model(
+        case.python.0,
+        case.python.1,
+        &dir,
+        "",
+    ));
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
+    let _e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
+    // Two documents of 5 and 11 tokens in one row.
+    let tokens =
+        Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
+    let positions = Tensor::cat(
+        &[
+            Tensor::arange(5, (tch::Kind::Int64, tch::Device::Cpu)),
+            Tensor::arange(SEQ - 5, (tch::Kind::Int64, tch::Device::Cpu)),
+        ],
+        0,
+    )
+    .view([1, SEQ]);
+    let packed = tch::no_grad(|| model.forward_packed(&tokens, &positions).unwrap());
+    let alone = tch::no_grad(|| {
+        Tensor::cat(
+            &[
+                model.forward(&tokens.narrow(1, 0, 5)),
+                model.forward(&tokens.narrow(1, 5, SEQ - 5)),
+            ],
+            1,
+        )
+    });
+    let diff = (&packed - &alone).abs().max().double_value(&[]);
+    assert!(
+        diff < 1e-5,
+        "packed documents differ from each alone by {diff}"
+    );
+    // Positions along the row (the second document's keys 5 on) move it.
+    let row = tch::no_grad(|| model.forward(&tokens));
+    let second = |x: &Tensor| x.narrow(1, 5, 1);
+    let moved = (second(&row) - second(&alone))
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(
+        moved > 1e-3,
+        "the row's first token of the second document: {moved}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -2968,7 +3044,9 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// keys and values cached for every head, as `transformers` caches
 /// them) and a GPT-OSS (sinks beside cached keys, every other layer
 /// windowed, its default YaRN) and an OPT (learned positions after the
-/// cache's tokens) and an MPT (ALiBi over cached keys), against
+/// cache's tokens) and an MPT (ALiBi over cached keys) and a Falcon-RW
+/// (its bf16-rounded ALiBi at the cached keys' positions; its head
+/// untied: tied, it repeats one token), against
 /// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
@@ -3036,6 +3114,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "mpt",
             "from transformers import MptConfig as C, MptForCausalLM as M",
             "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "falcon-rw",
+            "from transformers import FalconConfig as C, FalconForCausalLM as M",
+            "vocab_size=96, hidden_size=96, ffn_hidden_size=128, num_hidden_layers=2, \
+             num_attention_heads=24, max_position_embeddings=64, multi_query=False, \
+             parallel_attn=False, bias=True, alibi=True, tie_word_embeddings=False, \
              eos_token_id=None, bos_token_id=None",
         ),
         (

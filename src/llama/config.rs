@@ -884,6 +884,12 @@ impl LlamaConfig {
         self.opt.is_none_or(|o| o.final_norm)
     }
 
+    /// Whether the heads take ALiBi's biases in place of positions:
+    /// MPT's and BLOOM's, and Falcon-RW's (`alibi`).
+    pub fn alibi(&self) -> bool {
+        self.family.alibi() || self.falcon.is_some_and(|f| f.alibi)
+    }
+
     /// The dropout on the attention's output, when training: the
     /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's and
     /// Persimmon's, which drop out the MLP's output only, and Falcon's: its
@@ -900,10 +906,11 @@ impl LlamaConfig {
 
     /// The dropout on the attention's weights, when training:
     /// [`LlamaConfig::attention_dropout`], but Falcon's, whose rotary
-    /// attention drops none (its rate drops the output out).
+    /// attention drops none (its rate drops the output out; Falcon-RW's
+    /// ALiBi attention drops both).
     pub fn attention_weights_dropout(&self) -> f64 {
         match self.family {
-            Family::Falcon => 0.0,
+            Family::Falcon if !self.alibi() => 0.0,
             _ => self.attention_dropout,
         }
     }

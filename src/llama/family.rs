@@ -271,7 +271,8 @@ pub enum Family {
     /// `dense`, `mlp.dense_h_to_4h`), LayerNorms, one query-key-value
     /// matrix grouped by the heads sharing keys and values, an ungated
     /// GELU MLP, the attention and the MLP side by side after one norm
-    /// or two, or one after the other ([`FalconLayout`](super::FalconLayout)).
+    /// or two, or one after the other; Falcon-RW's ALiBi in place of
+    /// rotary embeddings ([`FalconLayout`](super::FalconLayout)).
     Falcon,
     /// `gptj` (`GPTJForCausalLM`: EleutherAI's GPT-J 6B): GPT-2's names
     /// for its sizes (`n_embd`, `n_head`, ...) and modules
@@ -643,7 +644,8 @@ impl Family {
     }
 
     /// MPT's and BLOOM's: ALiBi (each head's scores plus its slope times the keys'
-    /// distance back) instead of positions.
+    /// distance back) instead of positions (Falcon-RW's when its config
+    /// says: [`LlamaConfig::alibi`](super::LlamaConfig::alibi)).
     pub(super) fn alibi(self) -> bool {
         matches!(self, Self::Mpt | Self::Bloom)
     }

@@ -741,7 +741,7 @@ impl Layer {
         };
         let turns = !c.family.learned_positions()
             && !c.family.sinusoidal_positions()
-            && !c.family.alibi()
+            && !c.alibi()
             && (c.rope_layers.as_ref()).is_none_or(|r| r.get(l as usize) == Some(&true));
         let rotary = turns.then(|| {
             let r = Rotary::new(c.rotary_dim(), rope.0, &rope.1, c.positions, p.device());
@@ -871,7 +871,11 @@ impl Layer {
                 .filter(|a| a.chunked.get(l as usize) == Some(&true))
                 .and_then(|a| a.chunk),
             sinks: (c.family == Family::GptOss).then(|| a.var("sinks", &[c.heads], RANDN)),
-            alibi: (c.family.alibi()).then(|| super::mpt::alibi_slopes(c.heads, p.device())),
+            alibi: match (c.alibi(), c.falcon) {
+                (true, Some(_)) => Some(super::falcon::alibi_slopes(c.heads, p.device())),
+                (true, None) => Some(super::mpt::alibi_slopes(c.heads, p.device())),
+                (false, _) => None,
+            },
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -1100,11 +1104,20 @@ impl Layer {
         // Scores the fused kernel cannot compute: soft-capped, or beside
         // sinks.
         let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
-        // MPT's and BLOOM's ALiBi: the slopes' bias in the mask.
+        // MPT's, BLOOM's and Falcon-RW's ALiBi: the slopes' bias in the
+        // mask.
         if let Some(slopes) = &self.alibi {
-            let mask = self.cache.alibi_mask((t, offset, q.kind()), || {
-                super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind())
-            });
+            let mask = self
+                .cache
+                .alibi_mask((t, offset, q.kind()), || match c.falcon {
+                    Some(_) => super::falcon::alibi_mask(
+                        slopes,
+                        (t, offset),
+                        documents,
+                        (q.kind(), c.head_dim),
+                    ),
+                    None => super::mpt::alibi_mask(slopes, (t, offset), documents, q.kind()),
+                });
             return Tensor::scaled_dot_product_attention(
                 q,
                 k,

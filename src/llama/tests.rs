@@ -1240,21 +1240,30 @@ fn falcon_configs_are_read_and_counted() {
     // Falcon 7B's published config (71 heads sharing one key and value,
     // its attention and MLP side by side after one norm, the head tied),
     // Falcon 40B's shape (the new architecture: 8 groups of 16 heads, two
-    // norms) and a Falcon-RW-1B's without its ALiBi (sequential layers,
-    // every head its keys, biases); the counts are transformers'.
+    // norms) and Falcon-RW-1B's (sequential layers, every head its keys,
+    // biases, ALiBi); the counts are transformers'.
     let seven = r#"{"alibi": false, "apply_residual_connection_post_layernorm": false, "architectures": ["FalconForCausalLM"], "attention_dropout": 0.0, "bias": false, "bos_token_id": 11, "eos_token_id": 11, "hidden_dropout": 0.0, "hidden_size": 4544, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "falcon", "multi_query": true, "new_decoder_architecture": false, "num_attention_heads": 71, "num_hidden_layers": 32, "parallel_attn": true, "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 65024}"#;
     let forty = r#"{"model_type": "falcon", "vocab_size": 65024, "hidden_size": 8192, "num_hidden_layers": 60, "num_attention_heads": 128, "new_decoder_architecture": true, "num_kv_heads": 8}"#;
-    let rw = r#"{"model_type": "falcon", "vocab_size": 65024, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "multi_query": false, "parallel_attn": false, "bias": true}"#;
+    let rw = r#"{"model_type": "falcon", "vocab_size": 65024, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "multi_query": false, "parallel_attn": false, "bias": true, "alibi": true}"#;
     let layout = |new_arch, parallel, two_norms| FalconLayout {
         new_arch,
         parallel,
         two_norms,
+        alibi: false,
     };
     let mut read = vec![];
     for (given, count, kv, want) in [
         (seven, 6921720704, 1, layout(false, true, false)),
         (forty, 41303293952, 8, layout(true, true, true)),
-        (rw, 1341771776, 32, layout(false, false, false)),
+        (
+            rw,
+            1341771776,
+            32,
+            FalconLayout {
+                alibi: true,
+                ..layout(false, false, false)
+            },
+        ),
     ] {
         let c = dir.read(given).unwrap();
         assert_eq!(total(&c), count, "{given}");
@@ -1263,6 +1272,7 @@ fn falcon_configs_are_read_and_counted() {
         read.push(c);
     }
     assert!(read[2].qkv_bias && read[2].o_bias && read[2].mlp_bias);
+    assert!(read[2].alibi() && !read[0].alibi() && !read[1].alibi());
     assert_eq!(read[0].unit_params()[1].0, "transformer.h.0");
     // `n_embed`, which its class takes over `hidden_size`.
     let named = dir
@@ -1273,10 +1283,6 @@ fn falcon_configs_are_read_and_counted() {
         .unwrap();
     assert_eq!((named.hidden, named.intermediate), (256, 1024));
     dir.round_trips(read);
-    dir.refuses(
-        &rw.replace(r#""bias": true"#, r#""bias": true, "alibi": true"#),
-        "alibi true (Falcon-RW's linear attention biases)",
-    );
     dir.refuses(
         &forty.replace(
             r#""num_kv_heads": 8"#,

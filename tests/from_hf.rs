@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE,
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0 (its Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -631,6 +631,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Granite 4.0-H: Mamba-2 layers around an attending one (2 groups of
+    // heads sharing B and C, a chunk of 5, so the 16 tokens are padded
+    // to 4 chunks), experts beside the shared MLP, Granite's
+    // multipliers, the attending layer turning.
+    Case {
+        name: "granite4",
+        python: (
+            "from transformers import GraniteMoeHybridConfig as C, GraniteMoeHybridForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba'], position_embedding_type='rope', embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1122,6 +1134,50 @@ fn a_flex_olmo_checkpoint_with_olmo2_layers_and_experts_trains_as_transformers_d
 #[test]
 fn a_phimoe_checkpoint_routes_its_tokens_by_sparse_mixer_as_transformers_does() {
     parity("phimoe");
+}
+
+#[test]
+fn a_granite_4_checkpoint_with_mamba_layers_trains_as_transformers_does() {
+    parity("granite4");
+}
+
+/// Granite 4.0's Mamba layers scan a row whole: packed documents are
+/// refused, naming why (`transformers` refuses them too, without its
+/// CUDA kernels), where a model without Mamba layers packs.
+#[test]
+fn a_granite_4_model_with_mamba_layers_refuses_packed_rows() {
+    let case = case("granite4");
+    let dir = scratch("granite4-packed");
+    common::python(&common::hf_seeded_model(
+        case.python.0,
+        case.python.1,
+        &dir,
+        "",
+    ));
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
+    let _e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
+    let tokens =
+        Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
+    let positions = Tensor::arange(SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
+    let err = model
+        .forward_packed(&tokens, &positions)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("this Granite 4.0 model has Mamba layers"),
+        "{err}"
+    );
+    let err = model
+        .loss_packed(&tokens, &positions, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("train it on unpacked rows"), "{err}");
+    // A plain forward still runs.
+    let logits = tch::no_grad(|| model.forward(&tokens));
+    assert_eq!(logits.size(), [1, SEQ, 96]);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -3046,7 +3102,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// windowed, its default YaRN) and an OPT (learned positions after the
 /// cache's tokens) and an MPT (ALiBi over cached keys) and a Falcon-RW
 /// (its bf16-rounded ALiBi at the cached keys' positions; its head
-/// untied: tied, it repeats one token), against
+/// untied: tied, it repeats one token) and a Granite 4.0-H (its Mamba
+/// layers keep no cache: every step runs the whole sequence), against
 /// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
@@ -3115,6 +3172,16 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "from transformers import MptConfig as C, MptForCausalLM as M",
             "vocab_size=96, d_model=96, n_heads=6, n_layers=2, max_seq_len=64, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "granite4",
+            "from transformers import GraniteMoeHybridConfig as C, GraniteMoeHybridForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, \
+             mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, \
+             mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba'], \
+             position_embedding_type='rope', eos_token_id=None, bos_token_id=None",
         ),
         (
             "falcon-rw",

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM and PhiMoE (its experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too) and Granite 4.0 (its Mamba layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -447,6 +447,20 @@ const PHIMOE: Case = Case {
     ..OFF
 };
 
+/// Granite 4.0-H's attending layer's queries (64 -> 64) and its two
+/// Mamba layers' `in_proj` (64 -> 324: the gate, the convolved channels
+/// and the heads' steps) and `out_proj` (128 -> 64).
+const GRANITE4: Case = Case {
+    python: (
+        "from transformers import GraniteMoeHybridConfig as C, GraniteMoeHybridForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba']",
+    ),
+    targets: &["q_proj", "in_proj", "out_proj"],
+    matrices: 10,
+    elements: 4 * ((64 + 64) + 2 * (64 + 324) + 2 * (128 + 64)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -848,6 +862,11 @@ fn lora_adapters_on_gpt_neos_local_layers_train_as_peft_does() {
 fn lora_adapters_on_mpts_and_blooms_alibi_attention_train_as_peft_does() {
     parity("mpt", &MPT, &[(3, false, Held::Fp32)]);
     parity("bloom", &BLOOM, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_granite_4s_attention_and_mamba_layers_train_as_peft_does() {
+    parity("granite4", &GRANITE4, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -14,6 +14,7 @@ use super::family::Family;
 use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
+use super::mamba::MambaConfig;
 use super::mpt;
 use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
@@ -358,6 +359,9 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
+    /// Granite 4.0's Mamba-2 layers ([`MambaConfig`]); `None`: every
+    /// layer attends.
+    pub mamba: Option<MambaConfig>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -657,6 +661,10 @@ impl LlamaConfig {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
                 Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
+                // Granite 4.0's dense models: the shared MLP alone.
+                Family::GraniteMoeHybrid if granite_dense(j)? => {
+                    count_or(j, "shared_intermediate_size", 1024)?
+                }
                 _ => j.size("intermediate_size")?,
             },
             layers: j.size("num_hidden_layers")?,
@@ -815,6 +823,21 @@ impl LlamaConfig {
             },
             rope_layers: match family {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
+                // Granite 4.0 turns only with `position_embedding_type`
+                // "rope".
+                Family::GraniteMoeHybrid => {
+                    let rope = match j.get("position_embedding_type") {
+                        None | Some(serde_json::Value::Null) => false,
+                        Some(v) if v == "rope" => true,
+                        Some(v) if v == "nope" => false,
+                        Some(v) => {
+                            return Err(j.field(format!(
+                                "position_embedding_type {v}: Granite 4.0 turns its queries and keys with \"rope\" or attends without positions (\"nope\", null)"
+                            )))
+                        }
+                    };
+                    Some(vec![rope; j.size("num_hidden_layers")? as usize])
+                }
                 // Cohere 2's windowed layers turn, its global ones do not
                 // (nor any, when it has no window).
                 Family::Cohere2 => Some(
@@ -836,6 +859,10 @@ impl LlamaConfig {
                 _ => None,
             },
             moe: moe(j, family)?,
+            mamba: match family {
+                f if super::mamba::built_by(f) => Some(super::mamba::read(j, hidden)?),
+                _ => None,
+            },
             mla,
             llama4: match family {
                 Family::Llama4 => Some(llama4_attention(j)?),
@@ -913,6 +940,11 @@ impl LlamaConfig {
             Family::Falcon if !self.alibi() => 0.0,
             _ => self.attention_dropout,
         }
+    }
+
+    /// Granite 4.0's Mamba layers' sizes when layer `l` is one of them.
+    pub fn mamba_layer(&self, l: i64) -> Option<&MambaConfig> {
+        (self.mamba.as_ref()).filter(|m| m.layers.get(l as usize) == Some(&true))
     }
 
     /// Whether layer `l`'s MLP is a mixture of experts.
@@ -1020,7 +1052,12 @@ impl LlamaConfig {
         let mlp = mlp + act;
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
-            norms * norm + attention + sinks + mlp
+            // Granite 4.0's Mamba layers in place of attention.
+            let mixer = match self.mamba_layer(l) {
+                Some(m) => m.params(self.hidden),
+                None => attention + sinks,
+            };
+            norms * norm + mixer + mlp
         };
         let [model, embedding, blocks, _] = self.family.names();
         // OPT-350m's embeddings (and tied head) are narrower.
@@ -1118,16 +1155,18 @@ impl LlamaConfig {
                 "attention_multiplier": self.attention_multiplier,
                 "logits_scaling": self.logits_scaling,
             }),
-            Family::GraniteMoe | Family::GraniteMoeShared => serde_json::json!({
-                "attention_bias": self.o_bias,
-                "embedding_multiplier": self.embedding_multiplier,
-                "residual_multiplier": self.residual_multiplier,
-                "attention_multiplier": self.attention_multiplier,
-                "logits_scaling": self.logits_scaling,
-                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
-                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
-                "output_router_logits": false,
-            }),
+            Family::GraniteMoe | Family::GraniteMoeShared | Family::GraniteMoeHybrid => {
+                serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "embedding_multiplier": self.embedding_multiplier,
+                    "residual_multiplier": self.residual_multiplier,
+                    "attention_multiplier": self.attention_multiplier,
+                    "logits_scaling": self.logits_scaling,
+                    "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                    "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                    "output_router_logits": false,
+                })
+            }
             Family::Olmo2 => serde_json::json!({"attention_bias": self.o_bias}),
             Family::Olmo1 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -1403,6 +1442,32 @@ impl LlamaConfig {
             let shared = self.moe.as_ref().and_then(|m| m.shared);
             json["shared_intermediate_size"] = shared.unwrap_or(0).into();
         }
+        // Granite 4.0's: its shared MLP (the MLP's width in a dense
+        // model), its Mamba layers, whether it turns.
+        if let (Some(m), Some(all)) = (&self.mamba, json.as_object_mut()) {
+            let shared = match &self.moe {
+                Some(e) => e.shared.unwrap_or(0),
+                None => self.intermediate,
+            };
+            all.insert("shared_intermediate_size".into(), shared.into());
+            all.insert(
+                "num_local_experts".into(),
+                self.moe.as_ref().map_or(0, |e| e.experts).into(),
+            );
+            let rope = (self.rope_layers.as_ref()).is_some_and(|r| r.iter().any(|&t| t));
+            all.insert(
+                "position_embedding_type".into(),
+                // Its class's default (None) attends without positions.
+                if rope {
+                    "rope".into()
+                } else {
+                    serde_json::Value::Null
+                },
+            );
+            if let serde_json::Value::Object(fields) = m.to_json() {
+                all.extend(fields);
+            }
+        }
         // DeepSeek-V2's and V3's and GLM-4-MoE's experts.
         if let (true, Some(e), Some(all)) = (
             self.family.deepseek_experts(),
@@ -1485,6 +1550,9 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         ),
         _ => return Ok(None),
     };
+    if family == Family::GraniteMoeHybrid && granite_dense(j)? {
+        return Ok(None);
+    }
     if j.flag_or("output_router_logits", false)? {
         return Err(j.field(
             "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss (set it to false)".into(),
@@ -1515,7 +1583,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     }
     // The config classes' experts, top k and expert width.
     let defaults = match family {
-        Family::Mixtral | Family::GraniteMoe | Family::GraniteMoeShared => (8, 2, 0),
+        Family::Mixtral
+        | Family::GraniteMoe
+        | Family::GraniteMoeShared
+        | Family::GraniteMoeHybrid => (8, 2, 0),
         Family::Phimoe => (16, 2, 0),
         Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
@@ -1665,6 +1736,9 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::GraniteMoeShared => {
                 Some(count_or(j, "shared_intermediate_size", 0)?).filter(|&n| n > 0)
             }
+            Family::GraniteMoeHybrid => {
+                Some(count_or(j, "shared_intermediate_size", 1024)?).filter(|&n| n > 0)
+            }
             // dots1's: none unless it says.
             Family::Dots1 => (j.size_or_null("n_shared_experts", None)?).map(|n| intermediate * n),
             f if f.deepseek_experts() => {
@@ -1683,6 +1757,12 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             _ => None,
         },
     }))
+}
+
+/// Whether Granite 4.0's config `j` has no experts (`num_local_experts`
+/// 0): its layers' MLP is the shared one alone.
+fn granite_dense(j: &HfJson) -> Result<bool, HfError> {
+    Ok(count_or(j, "num_local_experts", 8)? == 0)
 }
 
 /// Field `key`, a whole number not below 0, `default` when absent.
@@ -1958,8 +2038,12 @@ fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
     // dots1's `layer_types` are all full (others are refused); Llama
-    // 4's name its chunked layers ([`Llama4Attention::chunked`]).
-    if matches!(family, Family::Dots1 | Family::Llama4) {
+    // 4's name its chunked layers ([`Llama4Attention::chunked`]), Granite
+    // 4.0's its Mamba layers ([`MambaConfig::layers`]).
+    if matches!(
+        family,
+        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid
+    ) {
         return Ok(None);
     }
     let default = match family {

@@ -352,11 +352,19 @@ pub enum Family {
     /// LongRoPE's cosines and sines times its own `short_mscale` or
     /// `long_mscale`.
     Phimoe,
+    /// `granitemoehybrid` (`GraniteMoeHybridForCausalLM`: IBM's Granite
+    /// 4.0, its -H models hybrid): Granite-MoE-shared's layers, each
+    /// mixing its tokens with attention or with a Mamba-2 layer
+    /// (`layer_types`; `mamba.in_proj`, `conv1d`, `dt_bias`, `A_log`,
+    /// `D`, a gated RMSNorm `norm`, `out_proj`: [`MambaConfig`](super::MambaConfig)),
+    /// rotary embeddings only with `position_embedding_type` `rope`, the
+    /// shared MLP alone when `num_local_experts` is 0.
+    GraniteMoeHybrid,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 57] = [
+    pub const ALL: [Family; 58] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -414,6 +422,7 @@ impl Family {
         Self::BioGpt,
         Self::Xglm,
         Self::Phimoe,
+        Self::GraniteMoeHybrid,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -490,6 +499,7 @@ impl Family {
             Self::BioGpt => "biogpt",
             Self::Xglm => "xglm",
             Self::Phimoe => "phimoe",
+            Self::GraniteMoeHybrid => "granitemoehybrid",
         }
     }
 
@@ -553,6 +563,7 @@ impl Family {
             Self::BioGpt => "BioGptForCausalLM",
             Self::Xglm => "XGLMForCausalLM",
             Self::Phimoe => "PhimoeForCausalLM",
+            Self::GraniteMoeHybrid => "GraniteMoeHybridForCausalLM",
         }
     }
 
@@ -674,7 +685,10 @@ impl Family {
 
     /// Granite-MoE's experts: Granite-MoE's and Granite-MoE-shared's.
     pub(super) fn granite_moe(self) -> bool {
-        matches!(self, Self::GraniteMoe | Self::GraniteMoeShared)
+        matches!(
+            self,
+            Self::GraniteMoe | Self::GraniteMoeShared | Self::GraniteMoeHybrid
+        )
     }
 
     /// Granite's multipliers: Granite's and Granite-MoE's.
@@ -779,6 +793,7 @@ impl Family {
             | Self::Granite
             | Self::GraniteMoe
             | Self::GraniteMoeShared
+            | Self::GraniteMoeHybrid
             | Self::DeepseekV2 => LLAMA,
             Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),

@@ -14,6 +14,7 @@ use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
+use super::mamba::Mamba;
 use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
@@ -65,6 +66,9 @@ enum Qkv {
     },
     Fused(Adapted),
     Latent(Box<Latent>),
+    /// Granite 4.0's Mamba-2 layers mix the tokens in place of
+    /// attention (their `out_proj` is the layer's output projection).
+    Mamba(Box<Mamba>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -504,7 +508,7 @@ impl Experts {
         let qwen = family == Family::Qwen2Moe;
         let shared = m.shared.map(|w| {
             let (gate_up, down) = match family {
-                Family::GraniteMoeShared => {
+                Family::GraniteMoeShared | Family::GraniteMoeHybrid => {
                     let sp = layer / "shared_mlp";
                     (
                         GateUp::Fused(lin(&(&sp / "input_linear"), d, 2 * w, false)),
@@ -759,9 +763,14 @@ impl Layer {
                 _ => r,
             }
         });
-        Self {
-            norms: Norms::new(p, d, c),
-            qkv: match (c.family, &c.mla) {
+        // Granite 4.0's Mamba layers in place of attention.
+        let qkv = match c.mamba_layer(l) {
+            Some(m) => {
+                let mp = p / "mamba";
+                let in_proj = lin(&(&mp / "in_proj"), d, m.projected(d), m.proj_bias);
+                Qkv::Mamba(Box::new(Mamba::new(&mp, c, m, in_proj)))
+            }
+            None => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
                     Family::Phi3
@@ -790,22 +799,29 @@ impl Layer {
                     v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
                 },
             },
-            o_proj: lin(
-                &(&a / match c.family {
-                    f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
-                        || f.gptj()
-                        || f.fairseq() =>
-                    {
-                        "out_proj"
-                    }
-                    Family::Falcon | Family::Bloom | Family::Persimmon => "dense",
-                    Family::GptBigCode => "c_proj",
-                    _ => "o_proj",
-                }),
-                c.heads * c.v_head_dim(),
-                d,
-                c.o_bias,
-            ),
+        };
+        Self {
+            norms: Norms::new(p, d, c),
+            qkv,
+            o_proj: match c.mamba_layer(l) {
+                Some(m) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
+                None => lin(
+                    &(&a / match c.family {
+                        f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
+                            || f.gptj()
+                            || f.fairseq() =>
+                        {
+                            "out_proj"
+                        }
+                        Family::Falcon | Family::Bloom | Family::Persimmon => "dense",
+                        Family::GptBigCode => "c_proj",
+                        _ => "o_proj",
+                    }),
+                    c.heads * c.v_head_dim(),
+                    d,
+                    c.o_bias,
+                ),
+            },
             mlp: match (&c.moe, c.moe_layer(l)) {
                 (Some(moe), true) => {
                     let under = match c.family {
@@ -836,6 +852,19 @@ impl Layer {
                         xielu: xielu.then(|| Xielu::new(&(&m / "act_fn"))),
                     }
                 }
+                // Granite 4.0's dense layers: the shared MLP alone.
+                _ if c.family == Family::GraniteMoeHybrid => {
+                    let sp = p / "shared_mlp";
+                    Mlp::Dense {
+                        gate_up: GateUp::Fused(lin(
+                            &(&sp / "input_linear"),
+                            d,
+                            2 * c.intermediate,
+                            false,
+                        )),
+                        down_proj: lin(&(&sp / "output_linear"), c.intermediate, d, false),
+                    }
+                }
                 _ => Mlp::Dense {
                     gate_up: match c.family {
                         f if f == Family::Phi3 || f.glm() => {
@@ -864,7 +893,15 @@ impl Layer {
                 };
                 (norm(q, c.heads, q_width), norm(k, c.kv_heads, k_width))
             }),
-            cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
+            // A Mamba layer keeps no keys and values: a generation through
+            // it runs every token again each step.
+            cache: LayerCache::new(
+                decoding,
+                match c.mamba_layer(l) {
+                    Some(_) => Some(0),
+                    None => rotary.as_ref().and_then(Rotary::fixed_up_to),
+                },
+            ),
             rotary,
             window,
             chunk: (c.llama4.as_ref())
@@ -884,106 +921,9 @@ impl Layer {
 
 impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let c = &self.cfg;
         let h = self.norms.attention_input(x);
-        // Normalised over the projection before the heads are split
-        // (OLMo), or over each head after.
-        let whole = c.family.whole_qk_norm();
-        let heads = |x: Tensor, n: i64, norm: Option<&Norm>| {
-            let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
-            let x = if whole { normed(x) } else { x };
-            let x = x.view([b, t, n, c.head_dim]);
-            let x = if whole { x } else { normed(x) };
-            // OLMoE's clip, after the norms.
-            let x = match c.clip_qkv {
-                Some(clip) => x.clamp(-clip, clip),
-                None => x,
-            };
-            x.transpose(1, 2)
-        };
-        let (qn, kn) = match &self.qk_norm {
-            Some((q, k)) => (Some(q), Some(k)),
-            None => (None, None),
-        };
-        // Generating with a cache: these tokens come after `offset`.
-        let offset = self.cache.offset();
-        let documents = self.cache.documents();
-        let turned = |x: Tensor| match (&self.rotary, &documents) {
-            (Some(rotary), Some(d)) => rope_at(&x, rotary, d),
-            (Some(rotary), None) => rope_from(&x, rotary, offset),
-            (None, _) => x,
-        };
-        // Hunyuan normalises each head's queries and keys after they
-        // turn, the others before.
-        let after = c.family.hunyuan();
-        let qk = |x: Tensor, n: i64, norm: Option<&Norm>| match (after, norm) {
-            (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
-            _ => turned(heads(x, n, norm)),
-        };
-        let split = |q, k, v| {
-            [
-                qk(q, c.heads, qn),
-                qk(k, c.kv_heads, kn),
-                heads(v, c.kv_heads, None),
-            ]
-        };
-        let [q, k, v] = match &self.qkv {
-            Qkv::Apart {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => split(q_proj.forward(&h), k_proj.forward(&h), v_proj.forward(&h)),
-            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's
-            // and Persimmon's: one a head): each
-            // group of heads sharing keys and values holds its queries,
-            // then its key, then its value.
-            Qkv::Fused(qkv)
-                if matches!(
-                    c.family,
-                    Family::Falcon | Family::GptBigCode | Family::Bloom | Family::Persimmon
-                ) =>
-            {
-                let per = c.heads / c.kv_heads;
-                let qkv = qkv
-                    .forward(&h)
-                    .view([b, t, c.kv_heads, per + 2, c.head_dim]);
-                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                split(
-                    qkv.narrow(3, 0, per).reshape([b, t, q]),
-                    qkv.select(3, per).reshape([b, t, kv]),
-                    qkv.select(3, per + 1).reshape([b, t, kv]),
-                )
-            }
-            // CodeGen's: four blocks, each a quarter of the heads'
-            // queries, then their values, then their keys.
-            Qkv::Fused(qkv) if c.family == Family::CodeGen => {
-                let (per, width) = (c.heads / CODEGEN_BLOCKS, c.heads * c.head_dim);
-                let qvk = qkv
-                    .forward(&h)
-                    .view([b, t, CODEGEN_BLOCKS, 3, per, c.head_dim]);
-                let part = |i: i64| qvk.select(3, i).reshape([b, t, width]);
-                split(part(0), part(2), part(1))
-            }
-            Qkv::Fused(qkv) => {
-                let qkv = qkv.forward(&h);
-                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                split(
-                    qkv.narrow(-1, 0, q),
-                    qkv.narrow(-1, q, kv),
-                    qkv.narrow(-1, q + kv, kv),
-                )
-            }
-            Qkv::Latent(latent) => latent.forward(&h, c.heads, &turned),
-        };
-        let (q, k) = self.llama4_queries_and_keys(q, k, offset);
-        let (k, v) = self.cache.extend(k, v);
-        let a = self.attention(&q, &k, &v, offset, documents.as_ref());
-        let a = a
-            .transpose(1, 2)
-            .contiguous()
-            .view([b, t, c.heads * c.v_head_dim()]);
-        let a = self.o_proj.forward(&a);
+        let a = self.o_proj.forward(&self.mix(&h));
         // Falcon's parallel layers add the attention's output to the
         // MLP's and drop the sum out; the others add it now (Cohere's MLP
         // output joins the sum after it, as there).
@@ -1029,6 +969,110 @@ impl Module for Layer {
         let m = self.training.dropout(m, c.resid_dropout);
         self.norms
             .after_mlp(&x + self.residual(self.norms.mlp_output(m)))
+    }
+}
+
+impl Layer {
+    /// The tokens of the normalised input `h` mixed, before the output
+    /// projection: the attention's output, its heads merged, or Granite
+    /// 4.0's Mamba layer's.
+    fn mix(&self, h: &Tensor) -> Tensor {
+        let (b, t, _) = h.size3().unwrap_or((1, 1, 1));
+        let c = &self.cfg;
+        // Normalised over the projection before the heads are split
+        // (OLMo), or over each head after.
+        let whole = c.family.whole_qk_norm();
+        let heads = |x: Tensor, n: i64, norm: Option<&Norm>| {
+            let normed = |x: Tensor| norm.map_or_else(|| x.shallow_clone(), |nm| nm.forward(&x));
+            let x = if whole { normed(x) } else { x };
+            let x = x.view([b, t, n, c.head_dim]);
+            let x = if whole { x } else { normed(x) };
+            // OLMoE's clip, after the norms.
+            let x = match c.clip_qkv {
+                Some(clip) => x.clamp(-clip, clip),
+                None => x,
+            };
+            x.transpose(1, 2)
+        };
+        let (qn, kn) = match &self.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        // Generating with a cache: these tokens come after `offset`.
+        let offset = self.cache.offset();
+        let documents = self.cache.documents();
+        let turned = |x: Tensor| match (&self.rotary, &documents) {
+            (Some(rotary), Some(d)) => rope_at(&x, rotary, d),
+            (Some(rotary), None) => rope_from(&x, rotary, offset),
+            (None, _) => x,
+        };
+        // Hunyuan normalises each head's queries and keys after they
+        // turn, the others before.
+        let after = c.family.hunyuan();
+        let qk = |x: Tensor, n: i64, norm: Option<&Norm>| match (after, norm) {
+            (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
+            _ => turned(heads(x, n, norm)),
+        };
+        let split = |q, k, v| {
+            [
+                qk(q, c.heads, qn),
+                qk(k, c.kv_heads, kn),
+                heads(v, c.kv_heads, None),
+            ]
+        };
+        let [q, k, v] = match &self.qkv {
+            Qkv::Mamba(m) => return m.forward(h),
+            Qkv::Apart {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => split(q_proj.forward(h), k_proj.forward(h), v_proj.forward(h)),
+            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's
+            // and Persimmon's: one a head): each
+            // group of heads sharing keys and values holds its queries,
+            // then its key, then its value.
+            Qkv::Fused(qkv)
+                if matches!(
+                    c.family,
+                    Family::Falcon | Family::GptBigCode | Family::Bloom | Family::Persimmon
+                ) =>
+            {
+                let per = c.heads / c.kv_heads;
+                let qkv = qkv.forward(h).view([b, t, c.kv_heads, per + 2, c.head_dim]);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                split(
+                    qkv.narrow(3, 0, per).reshape([b, t, q]),
+                    qkv.select(3, per).reshape([b, t, kv]),
+                    qkv.select(3, per + 1).reshape([b, t, kv]),
+                )
+            }
+            // CodeGen's: four blocks, each a quarter of the heads'
+            // queries, then their values, then their keys.
+            Qkv::Fused(qkv) if c.family == Family::CodeGen => {
+                let (per, width) = (c.heads / CODEGEN_BLOCKS, c.heads * c.head_dim);
+                let qvk = qkv
+                    .forward(h)
+                    .view([b, t, CODEGEN_BLOCKS, 3, per, c.head_dim]);
+                let part = |i: i64| qvk.select(3, i).reshape([b, t, width]);
+                split(part(0), part(2), part(1))
+            }
+            Qkv::Fused(qkv) => {
+                let qkv = qkv.forward(h);
+                let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                split(
+                    qkv.narrow(-1, 0, q),
+                    qkv.narrow(-1, q, kv),
+                    qkv.narrow(-1, q + kv, kv),
+                )
+            }
+            Qkv::Latent(latent) => latent.forward(h, c.heads, &turned),
+        };
+        let (q, k) = self.llama4_queries_and_keys(q, k, offset);
+        let (k, v) = self.cache.extend(k, v);
+        self.attention(&q, &k, &v, offset, documents.as_ref())
+            .transpose(1, 2)
+            .contiguous()
+            .view([b, t, c.heads * c.v_head_dim()])
     }
 }
 

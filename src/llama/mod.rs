@@ -58,6 +58,7 @@ mod gpt_bigcode;
 mod gpt_neo;
 mod gptj;
 mod layer;
+mod mamba;
 mod mpt;
 mod norm;
 mod opt;
@@ -75,6 +76,7 @@ pub use config::{Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, Mo
 pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
+pub use mamba::MambaConfig;
 pub use opt::OptLayout;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;

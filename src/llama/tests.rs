@@ -118,6 +118,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         logits_scaling: 1.0,
         logit_scale: 1.0,
         head_bias: false,
+        mamba: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -601,6 +602,81 @@ fn a_phimoe_config_is_read_and_counted_with_its_sparse_mixer_and_mscales() {
     ] {
         assert_eq!(moe.matches(from).count(), 1, "{from}");
         dir.refuses(&moe.replace(from, to), says);
+    }
+}
+
+#[test]
+fn granite_4_configs_are_read_and_counted_with_their_mamba_layers() {
+    let dir = ConfigDir::new("granite4-configs");
+    // A hybrid of Granite 4.0-H's kind (sizes ours: 40 layers, every
+    // tenth from the sixth attending, 72 experts beside a shared MLP, no
+    // positions) and a dense one of Granite 4.0 Micro's kind (every
+    // layer attending and turning, the shared MLP alone); the counts are
+    // transformers'.
+    let kinds: Vec<String> = (0..40)
+        .map(|l| format!("\"{}\"", if l % 10 == 5 { "attention" } else { "mamba" }))
+        .collect();
+    let hybrid = format!(
+        r#"{{"model_type": "granitemoehybrid", "vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 1536, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 72, "num_experts_per_tok": 10, "shared_intermediate_size": 8192, "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2, "layer_types": [{}], "tie_word_embeddings": true, "position_embedding_type": "nope"}}"#,
+        kinds.join(", ")
+    );
+    let h = dir.read(&hybrid).unwrap();
+    let m = h.mamba.clone().unwrap();
+    assert_eq!(
+        (
+            m.heads,
+            m.head_dim,
+            m.state,
+            m.groups,
+            m.conv_kernel,
+            m.chunk
+        ),
+        (128, 64, 128, 1, 4, 256)
+    );
+    assert!(h.mamba_layer(0).is_some() && h.mamba_layer(5).is_none());
+    assert_eq!(h.rope_layers, Some(vec![false; 40]));
+    assert_eq!(total(&h), 62657985024);
+    let micro = r#"{"model_type": "granitemoehybrid", "vocab_size": 100352, "hidden_size": 2560, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "num_local_experts": 0, "shared_intermediate_size": 8192, "layer_types": ["attention"], "tie_word_embeddings": true, "position_embedding_type": "rope"}"#
+        .replace(r#"["attention"]"#, &format!("[{}]", vec![r#""attention""#; 40].join(", ")));
+    let d = dir.read(&micro).unwrap();
+    assert!(d.moe.is_none() && d.mamba_layer(0).is_none());
+    assert_eq!(
+        (d.intermediate, d.rope_layers.clone()),
+        (8192, Some(vec![true; 40]))
+    );
+    assert_eq!(total(&d), 3402836480);
+    dir.round_trips([h, d]);
+    // What its class refuses, and positions zrt cannot tell.
+    let given = &hybrid;
+    for (from, to, says) in [
+        (
+            r#""mamba_n_heads": 128"#,
+            r#""mamba_n_heads": 96"#,
+            "mamba_n_heads 96 does not divide",
+        ),
+        (
+            r#""mamba_d_head": 64"#,
+            r#""mamba_d_head": 32"#,
+            "mamba_d_head 32 x mamba_n_heads 128",
+        ),
+        (
+            r#""mamba_n_groups": 1"#,
+            r#""mamba_n_groups": 3"#,
+            "mamba_n_groups 3 does not divide",
+        ),
+        (
+            r#""layer_types": ["#,
+            r#""layer_types": ["mlp", "#,
+            "layer_types [\"mlp\"",
+        ),
+        (
+            r#""position_embedding_type": "nope""#,
+            r#""position_embedding_type": "alibi""#,
+            "position_embedding_type \"alibi\"",
+        ),
+    ] {
+        assert_eq!(given.matches(from).count(), 1, "{from}");
+        dir.refuses(&given.replace(from, to), says);
     }
 }
 
@@ -2118,6 +2194,7 @@ fn unit_params_count_what_the_built_model_holds() {
         logits_scaling: 1.0,
         logit_scale: 1.0,
         head_bias: false,
+        mamba: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -2315,7 +2392,50 @@ fn unit_params_count_what_the_built_model_holds() {
         tied: true,
         ..base.clone()
     };
+    // Granite 4.0: a Mamba layer (biased projections, 2 groups) beside
+    // an attending one, experts and the shared MLP; and dense, the shared
+    // MLP alone.
+    let mamba = MambaConfig {
+        heads: 4,
+        head_dim: 32,
+        groups: 2,
+        state: 8,
+        conv_kernel: 4,
+        expand: 2,
+        chunk: 8,
+        conv_bias: true,
+        proj_bias: true,
+        layers: vec![true, false],
+    };
+    let granite4 = LlamaConfig {
+        family: Family::GraniteMoeHybrid,
+        mamba: Some(mamba.clone()),
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            intermediate: 24,
+            normalize: true,
+            sparse_step: 1,
+            dense_layers: vec![],
+            shared: Some(40),
+            grouped: None,
+            jitter: 0.0,
+            sparse_mixer: None,
+        }),
+        ..base.clone()
+    };
+    let granite4_dense = LlamaConfig {
+        family: Family::GraniteMoeHybrid,
+        mamba: Some(MambaConfig {
+            conv_bias: false,
+            proj_bias: false,
+            ..mamba
+        }),
+        ..base.clone()
+    };
     for cfg in variants.into_iter().chain([
+        granite4,
+        granite4_dense,
         deepseek,
         one_q,
         opt(false),

@@ -1,0 +1,345 @@
+//! Granite 4.0's Mamba-2 layers ([`Family::GraniteMoeHybrid`]): their
+//! sizes read from the config, and the layer itself, computed as
+//! `transformers`' `torch_forward` computes it without a cache (the
+//! chunked state-space dual form, operation for operation, so that its
+//! rounding is the reference's).
+//!
+//! No cache: a Mamba layer would have to carry its convolution's and
+//! its scan's state between generation steps, so a generation runs every
+//! token through the model again each step (the layers tell the
+//! decoding state they cannot be cached). A packed row's documents would
+//! each need a scan of their own (`transformers` refuses `seq_idx` without
+//! its CUDA kernels too): `HfModel::forward_packed` refuses a model with
+//! Mamba layers.
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::hf::{HfError, HfJson};
+use crate::lora::Adapted;
+
+use super::config::{Activation, LlamaConfig};
+use super::family::Family;
+
+/// A hybrid model's Mamba-2 layers: their sizes (`mamba_*`) and which
+/// layers they are (`layer_types`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MambaConfig {
+    /// `mamba_n_heads`.
+    pub heads: i64,
+    /// `mamba_d_head` (`"auto"`: the inner width over the heads).
+    pub head_dim: i64,
+    /// `mamba_n_groups`: the groups of heads sharing `B` and `C`.
+    pub groups: i64,
+    /// `mamba_d_state`: each head's state per channel.
+    pub state: i64,
+    /// `mamba_d_conv`: the causal convolution's width.
+    pub conv_kernel: i64,
+    /// `mamba_expand`: the inner width over the model's.
+    pub expand: i64,
+    /// `mamba_chunk_size`: the scan's chunk.
+    pub chunk: i64,
+    /// `mamba_conv_bias`.
+    pub conv_bias: bool,
+    /// `mamba_proj_bias`: `in_proj` and `out_proj` have biases.
+    pub proj_bias: bool,
+    /// `layer_types`: for each layer, whether it is a Mamba layer
+    /// (`"mamba"`) or attends (`"attention"`); all Mamba when left out.
+    pub layers: Vec<bool>,
+}
+
+impl MambaConfig {
+    /// The inner width, `expand` times the model's `hidden`.
+    pub fn inner(&self, hidden: i64) -> i64 {
+        self.expand * hidden
+    }
+
+    /// What `in_proj` makes of a token: the gate, the convolved
+    /// channels and each head's step.
+    pub(super) fn projected(&self, hidden: i64) -> i64 {
+        self.inner(hidden) + self.conv_dim(hidden) + self.heads
+    }
+
+    /// The convolution's channels: the inner width and `B` and `C`.
+    fn conv_dim(&self, hidden: i64) -> i64 {
+        self.inner(hidden) + 2 * self.groups * self.state
+    }
+
+    /// A Mamba layer's parameters in a model `hidden` wide.
+    pub(super) fn params(&self, hidden: i64) -> u64 {
+        let (d, inner, conv) = (hidden, self.inner(hidden), self.conv_dim(hidden));
+        let bias = |on: bool, n: i64| if on { n } else { 0 };
+        let projected = inner + conv + self.heads;
+        let n = (d * projected + bias(self.proj_bias, projected))
+            + (conv * self.conv_kernel + bias(self.conv_bias, conv))
+            + 3 * self.heads
+            + inner
+            + (inner * d + bias(self.proj_bias, d));
+        n as u64
+    }
+
+    /// Its fields in a `config.json` (`layer_types` null when every
+    /// layer is a Mamba layer, as its class's default says).
+    pub(super) fn to_json(&self) -> serde_json::Value {
+        let kinds: Option<Vec<&str>> = (!self.layers.iter().all(|&m| m)).then(|| {
+            (self.layers.iter())
+                .map(|&m| if m { "mamba" } else { "attention" })
+                .collect()
+        });
+        serde_json::json!({
+            "mamba_n_heads": self.heads,
+            "mamba_d_head": self.head_dim,
+            "mamba_n_groups": self.groups,
+            "mamba_d_state": self.state,
+            "mamba_d_conv": self.conv_kernel,
+            "mamba_expand": self.expand,
+            "mamba_chunk_size": self.chunk,
+            "mamba_conv_bias": self.conv_bias,
+            "mamba_proj_bias": self.proj_bias,
+            "layer_types": kinds,
+        })
+    }
+}
+
+/// The Mamba layers of `GraniteMoeHybridConfig` `j` (its defaults where
+/// it leaves a field out), checked as its class checks them.
+pub(super) fn read(j: &HfJson, hidden: i64) -> Result<MambaConfig, HfError> {
+    let layers = j.size("num_hidden_layers")?;
+    let kinds = match j.get("layer_types") {
+        None | Some(serde_json::Value::Null) => vec![true; layers as usize],
+        Some(v) => {
+            let kinds = v.as_array().and_then(|l| {
+                l.iter()
+                    .map(|k| match k.as_str() {
+                        Some("mamba") => Some(true),
+                        Some("attention") => Some(false),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<bool>>>()
+            });
+            match kinds {
+                Some(k) if k.len() == layers as usize => k,
+                _ => {
+                    return Err(j.field(format!(
+                        "layer_types {v}: one \"mamba\" or \"attention\" for each of the {layers} layers"
+                    )))
+                }
+            }
+        }
+    };
+    let heads = j.size_or_none("mamba_n_heads")?.unwrap_or(128);
+    let expand = j.size_or_none("mamba_expand")?.unwrap_or(2);
+    let inner = expand * hidden;
+    if heads == 0 || inner % heads != 0 {
+        return Err(j.field(format!(
+            "mamba_n_heads {heads} does not divide mamba_expand x hidden_size ({inner}), as its class requires"
+        )));
+    }
+    let head_dim = match j.get("mamba_d_head") {
+        None | Some(serde_json::Value::Null) => inner / heads,
+        Some(v) if v.as_str() == Some("auto") => inner / heads,
+        Some(_) => j.size("mamba_d_head")?,
+    };
+    if head_dim * heads != inner {
+        return Err(j.field(format!(
+            "mamba_d_head {head_dim} x mamba_n_heads {heads} is not the inner width {inner} (mamba_expand x hidden_size), as its class requires"
+        )));
+    }
+    let groups = j.size_or_none("mamba_n_groups")?.unwrap_or(1);
+    if groups == 0 || heads % groups != 0 {
+        return Err(j.field(format!(
+            "mamba_n_groups {groups} does not divide mamba_n_heads {heads}: each group's B and C serve a whole number of heads"
+        )));
+    }
+    let chunk = j.size_or_none("mamba_chunk_size")?.unwrap_or(256);
+    let conv_kernel = j.size_or_none("mamba_d_conv")?.unwrap_or(4);
+    if chunk == 0 || conv_kernel == 0 {
+        return Err(j.field(format!(
+            "mamba_chunk_size {chunk} and mamba_d_conv {conv_kernel}: both at least 1"
+        )));
+    }
+    Ok(MambaConfig {
+        heads,
+        head_dim,
+        groups,
+        state: j.size_or_none("mamba_d_state")?.unwrap_or(256),
+        conv_kernel,
+        expand,
+        chunk,
+        conv_bias: j.flag_or("mamba_conv_bias", true)?,
+        proj_bias: j.flag_or("mamba_proj_bias", false)?,
+        layers: kinds,
+    })
+}
+
+/// One Mamba-2 layer (`mamba`): `in_proj` to the gate, the convolved
+/// channels (the inner states, `B`, `C`) and each head's step `dt`; a
+/// depthwise causal convolution (`conv1d`); the scan with `A = -exp(A_log)`
+/// and the skip `D`; the gated RMSNorm (`norm`). Its `out_proj` is the
+/// layer's output projection, held by the layer.
+#[derive(Debug)]
+pub(super) struct Mamba {
+    in_proj: Adapted,
+    conv_weight: Tensor,
+    conv_bias: Option<Tensor>,
+    dt_bias: Tensor,
+    a_log: Tensor,
+    d: Tensor,
+    norm: Tensor,
+    sizes: MambaConfig,
+    hidden: i64,
+    eps: f64,
+    activation: Activation,
+}
+
+impl Mamba {
+    /// The Mamba layer under `p` (`model.layers.N.mamba`), `in_proj` made
+    /// by `lin`; its parameters start as its class initialises them.
+    pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &MambaConfig, in_proj: Adapted) -> Self {
+        let (inner, conv) = (m.inner(c.hidden), m.conv_dim(c.hidden));
+        let conv_path = p / "conv1d";
+        let heads = Tensor::arange_start(1, m.heads + 1, (Kind::Float, p.device()));
+        let a_log = p.var_copy("A_log", &heads.log());
+        Self {
+            in_proj,
+            conv_weight: conv_path.var(
+                "weight",
+                &[conv, 1, m.conv_kernel],
+                nn::Init::Uniform {
+                    lo: -1.0 / (m.conv_kernel as f64).sqrt(),
+                    up: 1.0 / (m.conv_kernel as f64).sqrt(),
+                },
+            ),
+            conv_bias: m.conv_bias.then(|| conv_path.zeros("bias", &[conv])),
+            dt_bias: p.ones("dt_bias", &[m.heads]),
+            a_log,
+            d: p.ones("D", &[m.heads]),
+            norm: (p / "norm").ones("weight", &[inner]),
+            sizes: m.clone(),
+            hidden: c.hidden,
+            eps: c.eps,
+            activation: c.activation,
+        }
+    }
+
+    /// The scan's output for `h` `[batch, seq, hidden]`, normalised and
+    /// gated, in `h`'s dtype (before `out_proj`): `transformers`'
+    /// `torch_forward` without a cache, operation for operation.
+    pub(super) fn forward(&self, h: &Tensor) -> Tensor {
+        let m = &self.sizes;
+        let (b, t, _) = h.size3().unwrap_or((1, 1, 1));
+        let (inner, conv) = (m.inner(self.hidden), m.conv_dim(self.hidden));
+        let (heads, hd, n, chunk) = (m.heads, m.head_dim, m.state, m.chunk);
+        let kind = h.kind();
+        let projected = self.in_proj.forward(h);
+        let gate = projected.narrow(-1, 0, inner);
+        let xbc = projected.narrow(-1, inner, conv);
+        let dt = projected.narrow(-1, inner + conv, heads);
+        // The depthwise causal convolution, its first `t` outputs.
+        let xbc = xbc.transpose(1, 2).conv1d(
+            &self.conv_weight,
+            self.conv_bias.as_ref(),
+            [1],
+            [m.conv_kernel - 1],
+            [1],
+            conv,
+        );
+        let xbc = self.activation.apply(&xbc.narrow(-1, 0, t).transpose(1, 2));
+        let x = xbc.narrow(-1, 0, inner);
+        let bb = xbc.narrow(-1, inner, m.groups * n);
+        let cc = xbc.narrow(-1, inner + m.groups * n, m.groups * n);
+        let a = -self.a_log.to_kind(Kind::Float).exp();
+        let dt = (dt + &self.dt_bias).softplus().clamp(0.0, f64::INFINITY);
+        let x = x.reshape([b, t, -1, hd]).to_kind(Kind::Float);
+        let per = heads / m.groups;
+        let grouped = |y: &Tensor| {
+            y.reshape([b, t, -1, n])
+                .to_kind(Kind::Float)
+                .repeat_interleave_self_int(per, Some(2), Some(heads))
+        };
+        let (bb, cc) = (grouped(&bb), grouped(&cc));
+        let pad = (chunk - t % chunk) % chunk;
+        let d_residual = self.d.unsqueeze(-1) * padded(&x, pad);
+        let x = x * dt.unsqueeze(-1);
+        let a = a.to_kind(x.kind()) * dt;
+        let [x, a, bb, cc] = [x, a, bb, cc].map(|y| chunked(&y, pad, chunk));
+        // [b, c, l, h] -> [b, h, c, l]
+        let a = a.permute([0, 3, 1, 2]);
+        let a_cumsum = a.cumsum(-1, None::<Kind>);
+        // 1. Within each chunk (the diagonal blocks).
+        let l = segment_sum(&a).exp();
+        let g = (cc.unsqueeze(3) * bb.unsqueeze(2)).sum_dim_intlist(-1, false, None::<Kind>);
+        let mm = g * l.permute([0, 2, 3, 4, 1]);
+        let y_diag = (mm.unsqueeze(-1) * x.unsqueeze(2)).sum_dim_intlist(3, false, None::<Kind>);
+        // 2. Each chunk's state.
+        let last = a_cumsum.narrow(-1, a_cumsum.size()[3] - 1, 1);
+        let decay_states = (last - &a_cumsum).exp();
+        let b_decay = bb * decay_states.permute([0, 2, 3, 1]).unsqueeze(-1);
+        let states =
+            (b_decay.unsqueeze(-2) * x.unsqueeze(-1)).sum_dim_intlist(2, false, None::<Kind>);
+        // 3. The states carried across chunks.
+        let states = Tensor::cat(&[states.narrow(1, 0, 1).zeros_like(), states], 1);
+        let ends = a_cumsum
+            .select(-1, a_cumsum.size()[3] - 1)
+            .constant_pad_nd([1, 0]);
+        let decay_chunk = segment_sum(&ends).exp().transpose(1, 3);
+        let new_states = (decay_chunk.unsqueeze(-1).unsqueeze(-1) * states.unsqueeze(2))
+            .sum_dim_intlist(1, false, None::<Kind>);
+        let chunks = new_states.size()[1] - 1;
+        let states = new_states.narrow(1, 0, chunks);
+        // 4. Each chunk's output from the state it starts from.
+        let state_decay_out = a_cumsum.exp();
+        let c_times_states = cc.unsqueeze(-2) * states.unsqueeze(2);
+        let y_off = c_times_states.sum_dim_intlist(-1, false, None::<Kind>)
+            * state_decay_out.permute([0, 2, 3, 1]).unsqueeze(-1);
+        let y = (y_diag + y_off).reshape([b, -1, heads, hd]) + d_residual;
+        let y = y.narrow(1, 0, t).reshape([b, t, -1]);
+        self.gated_norm(&y, &gate).to_kind(kind)
+    }
+
+    /// `GraniteMoeHybridRMSNormGated`: `y` times `silu(gate)`, both in
+    /// fp32, RMS-normalised, cast to `y`'s dtype, times the weights.
+    fn gated_norm(&self, y: &Tensor, gate: &Tensor) -> Tensor {
+        let kind = y.kind();
+        let h = y.to_kind(Kind::Float) * gate.to_kind(Kind::Float).silu();
+        let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+        let h = h * (var + self.eps).rsqrt();
+        &self.norm * h.to_kind(kind)
+    }
+}
+
+/// `x` `[b, t, ...]` with `pad` zero rows after its `t` (`pad_tensor_by_size`).
+fn padded(x: &Tensor, pad: i64) -> Tensor {
+    let mut widths = vec![0i64; 2 * (x.dim() - 2)];
+    widths.extend([0, pad]);
+    x.constant_pad_nd(widths)
+}
+
+/// `x` `[b, t, ...]` padded and cut into chunks of `chunk`: `[b, -1,
+/// chunk, ...]` (`reshape_into_chunks`).
+fn chunked(x: &Tensor, pad: i64, chunk: i64) -> Tensor {
+    let x = padded(x, pad);
+    let mut shape = vec![x.size()[0], -1, chunk];
+    shape.extend(&x.size()[2..]);
+    x.reshape(shape)
+}
+
+/// `transformers`' `segment_sum`: for `x` `[..., l]`, `[..., l, l]`
+/// whose `[i, j]` is the sum of `x` over `j + 1 ..= i` (0 on the
+/// diagonal), minus infinity above it; by cumulative sums of a masked
+/// copy, as there.
+fn segment_sum(x: &Tensor) -> Tensor {
+    let l = x.size()[x.dim() - 1];
+    let mut shape = x.size();
+    shape.push(l);
+    let x = x.unsqueeze(-1).expand(&shape, false);
+    let ones = Tensor::ones([l, l], (Kind::Bool, x.device()));
+    let x = x.masked_fill(&ones.tril(-1).logical_not(), 0.0);
+    let sums = x.cumsum(-2, None::<Kind>);
+    sums.masked_fill(&ones.tril(0).logical_not(), f64::NEG_INFINITY)
+}
+
+/// Whether `family` builds Mamba layers (Granite 4.0's hybrids).
+pub(super) fn built_by(family: Family) -> bool {
+    family == Family::GraniteMoeHybrid
+}

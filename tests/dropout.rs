@@ -411,12 +411,8 @@ fn neftune_noises_the_embeddings_as_transformers_hook_does_in_training() {
 #[test]
 fn sampling_leaves_libtorchs_generator_as_it_was() {
     let dir = scratch("dropout-sampling");
-    common::python(&common::hf_seeded_model(
-        "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
-        &dir,
-        "",
-    ));
+    common::write_seeded_model("from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64", &dir);
     let _serial = common::serial();
     let vs = VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();

@@ -1146,18 +1146,7 @@ fn a_granite_4_checkpoint_with_mamba_layers_trains_as_transformers_does() {
 /// CUDA kernels), where a model without Mamba layers packs.
 #[test]
 fn a_granite_4_model_with_mamba_layers_refuses_packed_rows() {
-    let case = case("granite4");
-    let dir = scratch("granite4-packed");
-    common::python(&common::hf_seeded_model(
-        case.python.0,
-        case.python.1,
-        &dir,
-        "",
-    ));
-    let vs = VarStore::new(tch::Device::Cpu);
-    let plan = ShardPlan::new();
-    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
-    let _e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
+    let (model, _vs, _e, dir) = seeded_alone("granite4");
     let tokens =
         Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
     let positions = Tensor::arange(SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
@@ -1314,6 +1303,20 @@ fn a_falcon_rw_checkpoint_with_alibi_rounded_to_bf16_trains_as_transformers_does
     parity("falcon-rw");
 }
 
+/// Case `name`'s seeded checkpoint, written into a scratch folder and
+/// loaded on one rank at stage 0: the model, and what it needs kept
+/// while it runs (its variables, its engine, the folder).
+fn seeded_alone(name: &str) -> (HfModel, VarStore, Engine<LocalGroup>, std::path::PathBuf) {
+    let case = case(name);
+    let dir = scratch(&format!("{name}-alone"));
+    common::write_seeded_model(case.python.0, case.python.1, &dir);
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
+    let e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
+    (model, vs, e, dir)
+}
+
 /// Falcon-RW's packed documents: `transformers`' Falcon builds its ALiBi
 /// from a 2-D mask and cannot take the documents' 4-D one, so there is
 /// no packed reference; each document of a packed row attends as it
@@ -1321,18 +1324,7 @@ fn a_falcon_rw_checkpoint_with_alibi_rounded_to_bf16_trains_as_transformers_does
 /// bf16 rounding makes matter), to the logits.
 #[test]
 fn falcon_rw_packed_documents_attend_as_each_alone() {
-    let case = case("falcon-rw");
-    let dir = scratch("falcon-rw-packed");
-    common::python(&common::hf_seeded_model(
-        case.python.0,
-        case.python.1,
-        &dir,
-        "",
-    ));
-    let vs = VarStore::new(tch::Device::Cpu);
-    let plan = ShardPlan::new();
-    let (model, _) = HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap();
-    let _e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
+    let (model, _vs, _e, dir) = seeded_alone("falcon-rw");
     // Two documents of 5 and 11 tokens in one row.
     let tokens =
         Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
@@ -3055,13 +3047,12 @@ fn on_ranks_at_stage(
 #[test]
 fn generation_after_a_failed_gather_is_told_by_pending_error() {
     let dir = scratch("hf-failed-gather");
-    common::python(&common::hf_seeded_model(
+    common::write_seeded_model(
         "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
         "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
         &dir,
-        "",
-    ));
+    );
     let hf = dir.join("hf");
     let said = on_ranks(2, |r| {
         let (model, engine) = on_two_at_stage_3(&r, &hf);

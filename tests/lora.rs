@@ -906,12 +906,11 @@ fn lora_adapters_on_stacked_experts_train_as_peft_does() {
         "intermediate_size=32,",
         "intermediate_size=32, shared_intermediate_size=48,",
     );
-    common::python(&common::hf_seeded_model(
+    common::write_seeded_model(
         "from transformers import GraniteMoeSharedConfig as C, GraniteMoeSharedForCausalLM as M",
         &args,
         &dir,
-        "",
-    ));
+    );
     let on = |param: &str| {
         let lora = LoraConfig {
             target_parameters: vec![param.into()],
@@ -1316,12 +1315,7 @@ fn trainable_tokens_on_a_head_with_a_bias_or_an_adapter_are_refused() {
     // Phi-2's head is biased, which PEFT leaves out of the logits of a
     // head whose tokens train.
     let dir = scratch("lora-head-tokens-refused");
-    common::python(&common::hf_seeded_model(
-        PHI.python.0,
-        PHI.python.1,
-        &dir,
-        "",
-    ));
+    common::write_seeded_model(PHI.python.0, PHI.python.1, &dir);
     let build = |lora: LoraConfig| built_with(&dir.join("hf"), lora);
     let rows = |targets: &[&str]| LoraConfig {
         trainable_tokens_modules: vec![

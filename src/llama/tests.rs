@@ -40,6 +40,15 @@ impl ConfigDir {
         self.refuses(&format!("{}{change}{}", &given[..at], &given[end..]), says);
     }
 
+    /// The config `given` with each `(from, to)` replaced (`from` once
+    /// in it) is refused saying `says`.
+    fn refuses_replaced(&self, given: &str, changes: &[(&str, &str, &str)]) {
+        for (from, to, says) in changes {
+            assert_eq!(given.matches(from).count(), 1, "{from}");
+            self.refuses(&given.replace(from, to), says);
+        }
+    }
+
     /// Each config reads back from the `config.json` it writes
     /// (`to_hf_json`) as itself.
     fn round_trips(&self, cfgs: impl IntoIterator<Item = LlamaConfig>) {
@@ -583,26 +592,26 @@ fn a_phimoe_config_is_read_and_counted_with_its_sparse_mixer_and_mscales() {
         r#""num_experts_per_tok": 3"#,
         "PhiMoE's sparsemixer routes each token to 2 experts",
     );
-    for (from, to, says) in [
-        (
-            r#""short_mscale": 1.243163121016122, "#,
-            "",
-            "its `short_mscale` is missing",
-        ),
-        (
-            r#", "original_max_position_embeddings": 4096}}"#,
-            "}}",
-            "its `original_max_position_embeddings` is missing",
-        ),
-        (
-            r#""type": "longrope""#,
-            r#""type": "linear", "factor": 2.0"#,
-            "PhiMoE's \"longrope\" kind only",
-        ),
-    ] {
-        assert_eq!(moe.matches(from).count(), 1, "{from}");
-        dir.refuses(&moe.replace(from, to), says);
-    }
+    dir.refuses_replaced(
+        moe,
+        &[
+            (
+                r#""short_mscale": 1.243163121016122, "#,
+                "",
+                "its `short_mscale` is missing",
+            ),
+            (
+                r#", "original_max_position_embeddings": 4096}}"#,
+                "}}",
+                "its `original_max_position_embeddings` is missing",
+            ),
+            (
+                r#""type": "longrope""#,
+                r#""type": "linear", "factor": 2.0"#,
+                "PhiMoE's \"longrope\" kind only",
+            ),
+        ],
+    );
 }
 
 #[test]
@@ -648,36 +657,36 @@ fn granite_4_configs_are_read_and_counted_with_their_mamba_layers() {
     dir.round_trips([h, d]);
     // What its class refuses, and positions zrt cannot tell.
     let given = &hybrid;
-    for (from, to, says) in [
-        (
-            r#""mamba_n_heads": 128"#,
-            r#""mamba_n_heads": 96"#,
-            "mamba_n_heads 96 does not divide",
-        ),
-        (
-            r#""mamba_d_head": 64"#,
-            r#""mamba_d_head": 32"#,
-            "mamba_d_head 32 x mamba_n_heads 128",
-        ),
-        (
-            r#""mamba_n_groups": 1"#,
-            r#""mamba_n_groups": 3"#,
-            "mamba_n_groups 3 does not divide",
-        ),
-        (
-            r#""layer_types": ["#,
-            r#""layer_types": ["mlp", "#,
-            "layer_types [\"mlp\"",
-        ),
-        (
-            r#""position_embedding_type": "nope""#,
-            r#""position_embedding_type": "alibi""#,
-            "position_embedding_type \"alibi\"",
-        ),
-    ] {
-        assert_eq!(given.matches(from).count(), 1, "{from}");
-        dir.refuses(&given.replace(from, to), says);
-    }
+    dir.refuses_replaced(
+        given,
+        &[
+            (
+                r#""mamba_n_heads": 128"#,
+                r#""mamba_n_heads": 96"#,
+                "mamba_n_heads 96 does not divide",
+            ),
+            (
+                r#""mamba_d_head": 64"#,
+                r#""mamba_d_head": 32"#,
+                "mamba_d_head 32 x mamba_n_heads 128",
+            ),
+            (
+                r#""mamba_n_groups": 1"#,
+                r#""mamba_n_groups": 3"#,
+                "mamba_n_groups 3 does not divide",
+            ),
+            (
+                r#""layer_types": ["#,
+                r#""layer_types": ["mlp", "#,
+                "layer_types [\"mlp\"",
+            ),
+            (
+                r#""position_embedding_type": "nope""#,
+                r#""position_embedding_type": "alibi""#,
+                "position_embedding_type \"alibi\"",
+            ),
+        ],
+    );
 }
 
 #[test]

@@ -764,3 +764,8 @@ m.save_pretrained("{dir}/hf"{save})
         dir = dir.display()
     )
 }
+
+/// Writes [`hf_seeded_model`]'s model into `dir/hf`, in one file.
+pub fn write_seeded_model(import: &str, args: &str, dir: &std::path::Path) {
+    python(&hf_seeded_model(import, args, dir, ""));
+}

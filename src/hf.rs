@@ -269,7 +269,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`).
     Llama(Llama),
 }
 
@@ -405,7 +405,7 @@ impl HfModel {
             Self::Phi(m) => m.forward_in(tokens, Some(documents)),
             Self::Llama(m) if m.config().mamba.as_ref().is_some_and(|b| b.layers.contains(&true)) => {
                 return Err(HfError::Packed(
-                    "this Granite 4.0 model has Mamba layers, whose scan would carry one document's state into the next: train it on unpacked rows (zrt, as transformers without its CUDA kernels, has no per-document scan)".into(),
+                    "this model has Mamba layers (Granite 4.0's, Bamba's), whose scan would carry one document's state into the next: train it on unpacked rows (zrt, as transformers without its CUDA kernels, has no per-document scan)".into(),
                 ))
             }
             Self::Llama(m) => m.forward_in(tokens, Some(documents)),

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0 (its Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0 and Bamba (their Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -643,6 +643,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Bamba: Mamba-2 layers (one group, a chunk of 6: the row padded to
+    // 3 chunks) around an attending one turning half of each head,
+    // Llama's MLP.
+    Case {
+        name: "bamba",
+        python: (
+            "from transformers import BambaConfig as C, BambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=6, attn_layer_indices=[1]",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1141,6 +1152,11 @@ fn a_granite_4_checkpoint_with_mamba_layers_trains_as_transformers_does() {
     parity("granite4");
 }
 
+#[test]
+fn a_bamba_checkpoint_with_mamba_layers_trains_as_transformers_does() {
+    parity("bamba");
+}
+
 /// Granite 4.0's Mamba layers scan a row whole: packed documents are
 /// refused, naming why (`transformers` refuses them too, without its
 /// CUDA kernels), where a model without Mamba layers packs.
@@ -1155,7 +1171,7 @@ fn a_granite_4_model_with_mamba_layers_refuses_packed_rows() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("this Granite 4.0 model has Mamba layers"),
+        err.contains("this model has Mamba layers (Granite 4.0's, Bamba's)"),
         "{err}"
     );
     let err = model
@@ -3093,8 +3109,9 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// windowed, its default YaRN) and an OPT (learned positions after the
 /// cache's tokens) and an MPT (ALiBi over cached keys) and a Falcon-RW
 /// (its bf16-rounded ALiBi at the cached keys' positions; its head
-/// untied: tied, it repeats one token) and a Granite 4.0-H (its Mamba
-/// layers keep no cache: every step runs the whole sequence), against
+/// untied: tied, it repeats one token) and a Granite 4.0-H and a Bamba
+/// (their Mamba layers keep no cache: every step runs the whole
+/// sequence), against
 /// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
@@ -3173,6 +3190,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, \
              mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba'], \
              position_embedding_type='rope', eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "bamba",
+            "from transformers import BambaConfig as C, BambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=6, \
+             attn_layer_indices=[1], eos_token_id=None, bos_token_id=None",
         ),
         (
             "falcon-rw",

@@ -359,7 +359,7 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Granite 4.0's Mamba-2 layers ([`MambaConfig`]); `None`: every
+    /// Granite 4.0's and Bamba's Mamba-2 layers ([`MambaConfig`]); `None`: every
     /// layer attends.
     pub mamba: Option<MambaConfig>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
@@ -458,6 +458,8 @@ impl LlamaConfig {
             _ => Activation::read(j, key, defaults.activation, "Llama")?,
         };
         let partial = match family {
+            // Bamba's class turns half of each head, whatever its config says.
+            Family::Bamba => 0.5,
             Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
             Family::Nemotron | Family::Persimmon => j.number_or("partial_rotary_factor", 0.5)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
@@ -470,12 +472,21 @@ impl LlamaConfig {
                 | Family::Glm4Moe
                 | Family::Nemotron
                 | Family::Persimmon
+                | Family::Bamba
         ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
                 family.model_type()
             )));
+        }
+        if family == Family::Bamba {
+            let z = j.number_or("z_loss_coefficient", 0.0)?;
+            if z != 0.0 {
+                return Err(j.field(format!(
+                    "z_loss_coefficient {z}: zrt's loss is the language model's; it does not add Bamba's z-loss (set it to 0)"
+                )));
+            }
         }
         if j.flag_or("use_bidirectional_attention", false)? {
             return Err(j.field(
@@ -553,8 +564,9 @@ impl LlamaConfig {
             f if f.ernie() => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
-            // Llama 4's class sets none, whatever the config says.
-            Family::Llama4 => false,
+            // Llama 4's and Bamba's classes set none, whatever the config
+            // says.
+            Family::Llama4 | Family::Bamba => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
@@ -632,7 +644,7 @@ impl LlamaConfig {
         let full_every = full_every(j, family, sliding_window)?;
         // Nemotron's class turns unscaled whatever the config says.
         let scaling = match family {
-            Family::Nemotron => RopeScaling::None,
+            Family::Nemotron | Family::Bamba => RopeScaling::None,
             _ => rope_scaling(j, family.model_type(), rotary_dim)?,
         };
         // Llama 4's class scales by Llama 3's whenever it scales.
@@ -647,7 +659,11 @@ impl LlamaConfig {
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
-        let rope_theta = j.number_or("rope_theta", defaults.rope_theta)?;
+        // Bamba's class fixes its base (and its scaling: none).
+        let rope_theta = match family {
+            Family::Bamba => 10000.0,
+            _ => j.number_or("rope_theta", defaults.rope_theta)?,
+        };
         let granite = |key: &str| match family {
             f if f.granite() => j.number_or(key, 1.0),
             _ => Ok(1.0),
@@ -693,8 +709,10 @@ impl LlamaConfig {
                 | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
-                f if matches!(f, Family::Apertus | Family::Olmo1 | Family::Llama4)
-                    || f.hunyuan() =>
+                f if matches!(
+                    f,
+                    Family::Apertus | Family::Olmo1 | Family::Llama4 | Family::Bamba
+                ) || f.hunyuan() =>
                 {
                     false
                 }
@@ -942,7 +960,7 @@ impl LlamaConfig {
         }
     }
 
-    /// Granite 4.0's Mamba layers' sizes when layer `l` is one of them.
+    /// Granite 4.0's and Bamba's Mamba layers' sizes when layer `l` is one of them.
     pub fn mamba_layer(&self, l: i64) -> Option<&MambaConfig> {
         (self.mamba.as_ref()).filter(|m| m.layers.get(l as usize) == Some(&true))
     }
@@ -1052,7 +1070,7 @@ impl LlamaConfig {
         let mlp = mlp + act;
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
-            // Granite 4.0's Mamba layers in place of attention.
+            // Granite 4.0's and Bamba's Mamba layers in place of attention.
             let mixer = match self.mamba_layer(l) {
                 Some(m) => m.params(self.hidden),
                 None => attention + sinks,
@@ -1182,6 +1200,8 @@ impl LlamaConfig {
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
             }),
+            // Its Mamba layers' fields are written below.
+            Family::Bamba => serde_json::json!({}),
             Family::Phimoe => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "lm_head_bias": self.head_bias,
@@ -1444,7 +1464,25 @@ impl LlamaConfig {
         }
         // Granite 4.0's: its shared MLP (the MLP's width in a dense
         // model), its Mamba layers, whether it turns.
-        if let (Some(m), Some(all)) = (&self.mamba, json.as_object_mut()) {
+        if let (Family::Bamba, Some(m), Some(all)) =
+            (self.family, &self.mamba, json.as_object_mut())
+        {
+            if let serde_json::Value::Object(fields) = m.to_json() {
+                all.extend(fields);
+            }
+            all.remove("layer_types");
+            // Null when none attends, as its class's default says.
+            let at = m.attention_layers();
+            let at = match at.is_empty() {
+                true => serde_json::Value::Null,
+                false => at.into(),
+            };
+            all.insert("attn_layer_indices".into(), at);
+            all.insert("z_loss_coefficient".into(), 0.0.into());
+        }
+        if let (Family::GraniteMoeHybrid, Some(m), Some(all)) =
+            (self.family, &self.mamba, json.as_object_mut())
+        {
             let shared = match &self.moe {
                 Some(e) => e.shared.unwrap_or(0),
                 None => self.intermediate,

@@ -360,11 +360,18 @@ pub enum Family {
     /// rotary embeddings only with `position_embedding_type` `rope`, the
     /// shared MLP alone when `num_local_experts` is 0.
     GraniteMoeHybrid,
+    /// `bamba` (`BambaForCausalLM`: IBM's Bamba 9B): Llama's MLP
+    /// (`feed_forward`) after `pre_ff_layernorm`, each layer mixing its
+    /// tokens with Granite 4.0's Mamba-2 layer or, at
+    /// `attn_layer_indices`, attention turning half of each head (its
+    /// class fixes the base at 10000, no scaling, no biases); the final
+    /// norm `final_layernorm`.
+    Bamba,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 58] = [
+    pub const ALL: [Family; 59] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -423,6 +430,7 @@ impl Family {
         Self::Xglm,
         Self::Phimoe,
         Self::GraniteMoeHybrid,
+        Self::Bamba,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -500,6 +508,7 @@ impl Family {
             Self::Xglm => "xglm",
             Self::Phimoe => "phimoe",
             Self::GraniteMoeHybrid => "granitemoehybrid",
+            Self::Bamba => "bamba",
         }
     }
 
@@ -564,6 +573,7 @@ impl Family {
             Self::Xglm => "XGLMForCausalLM",
             Self::Phimoe => "PhimoeForCausalLM",
             Self::GraniteMoeHybrid => "GraniteMoeHybridForCausalLM",
+            Self::Bamba => "BambaForCausalLM",
         }
     }
 
@@ -858,6 +868,13 @@ impl Family {
                 positions: 32768,
                 ..LLAMA
             },
+            Self::Bamba => Defaults {
+                eps: 1e-5,
+                kv_heads: Some(8),
+                pad: Some(0),
+                positions: 262144,
+                ..LLAMA
+            },
             Self::Mixtral | Self::Phimoe => Defaults {
                 eps: 1e-5,
                 rope_theta: 1e6,
@@ -1114,7 +1131,7 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
-            Self::Persimmon => ["model", "embed_tokens", "layers", "final_layernorm"],
+            Self::Persimmon | Self::Bamba => ["model", "embed_tokens", "layers", "final_layernorm"],
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],

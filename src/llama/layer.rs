@@ -66,7 +66,7 @@ enum Qkv {
     },
     Fused(Adapted),
     Latent(Box<Latent>),
-    /// Granite 4.0's Mamba-2 layers mix the tokens in place of
+    /// Granite 4.0's and Bamba's Mamba-2 layers mix the tokens in place of
     /// attention (their `out_proj` is the layer's output projection).
     Mamba(Box<Mamba>),
 }
@@ -720,7 +720,7 @@ impl Layer {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
-            Family::Llama4 => (p / "self_attn", p / "feed_forward"),
+            Family::Llama4 | Family::Bamba => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -763,7 +763,7 @@ impl Layer {
                 _ => r,
             }
         });
-        // Granite 4.0's Mamba layers in place of attention.
+        // Granite 4.0's and Bamba's Mamba layers in place of attention.
         let qkv = match c.mamba_layer(l) {
             Some(m) => {
                 let mp = p / "mamba";

@@ -1,4 +1,5 @@
-//! Granite 4.0's Mamba-2 layers ([`Family::GraniteMoeHybrid`]): their
+//! Granite 4.0's and Bamba's Mamba-2 layers ([`Family::GraniteMoeHybrid`],
+//! [`Family::Bamba`]): their
 //! sizes read from the config, and the layer itself, computed as
 //! `transformers`' `torch_forward` computes it without a cache (the
 //! chunked state-space dual form, operation for operation, so that its
@@ -43,8 +44,9 @@ pub struct MambaConfig {
     pub conv_bias: bool,
     /// `mamba_proj_bias`: `in_proj` and `out_proj` have biases.
     pub proj_bias: bool,
-    /// `layer_types`: for each layer, whether it is a Mamba layer
-    /// (`"mamba"`) or attends (`"attention"`); all Mamba when left out.
+    /// `layer_types` (Bamba's `attn_layer_indices`): for each layer,
+    /// whether it is a Mamba layer (`"mamba"`) or attends
+    /// (`"attention"`); all Mamba when left out.
     pub layers: Vec<bool>,
 }
 
@@ -99,13 +101,39 @@ impl MambaConfig {
             "layer_types": kinds,
         })
     }
+
+    /// Bamba's way of naming its attending layers, in a `config.json`.
+    pub(super) fn attention_layers(&self) -> Vec<i64> {
+        (self.layers.iter().enumerate())
+            .filter(|(_, m)| !**m)
+            .map(|(l, _)| l as i64)
+            .collect()
+    }
 }
 
-/// The Mamba layers of `GraniteMoeHybridConfig` `j` (its defaults where
-/// it leaves a field out), checked as its class checks them.
+/// The Mamba layers of `GraniteMoeHybridConfig` or `BambaConfig` `j`
+/// (their defaults where it leaves a field out, the same), checked as
+/// their classes check them.
 pub(super) fn read(j: &HfJson, hidden: i64) -> Result<MambaConfig, HfError> {
     let layers = j.size("num_hidden_layers")?;
     let kinds = match j.get("layer_types") {
+        // Bamba's attending layers by number.
+        _ if j.model_type().as_deref() == Some(Family::Bamba.model_type()) => {
+            match j.get("attn_layer_indices") {
+                None | Some(serde_json::Value::Null) => vec![true; layers as usize],
+                Some(v) => {
+                    let at = (v.as_array())
+                        .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
+                        .filter(|at| at.iter().all(|l| (0..layers).contains(l)))
+                        .ok_or_else(|| {
+                            j.field(format!(
+                                "attn_layer_indices {v}: the numbers of the layers that attend, each below num_hidden_layers {layers}"
+                            ))
+                        })?;
+                    (0..layers).map(|l| !at.contains(&l)).collect()
+                }
+            }
+        }
         None | Some(serde_json::Value::Null) => vec![true; layers as usize],
         Some(v) => {
             let kinds = v.as_array().and_then(|l| {
@@ -339,7 +367,7 @@ fn segment_sum(x: &Tensor) -> Tensor {
     sums.masked_fill(&ones.tril(0).logical_not(), f64::NEG_INFINITY)
 }
 
-/// Whether `family` builds Mamba layers (Granite 4.0's hybrids).
+/// Whether `family` builds Mamba layers (Granite 4.0's hybrids, Bamba).
 pub(super) fn built_by(family: Family) -> bool {
-    family == Family::GraniteMoeHybrid
+    matches!(family, Family::GraniteMoeHybrid | Family::Bamba)
 }

@@ -690,6 +690,46 @@ fn granite_4_configs_are_read_and_counted_with_their_mamba_layers() {
 }
 
 #[test]
+fn a_bamba_config_is_read_and_counted_with_what_its_class_fixes() {
+    let dir = ConfigDir::new("bamba-configs");
+    // Bamba 9B's sizes as we know them (attending at 9, 18 and 27); the
+    // count is transformers'. Its class fixes the base, the scaling,
+    // half of each head turned and no biases, whatever the file says.
+    let nine = r#"{"model_type": "bamba", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2, "attn_layer_indices": [9, 18, 27], "rope_theta": 500000.0, "attention_bias": true}"#;
+    let b = dir.read(nine).unwrap();
+    assert_eq!(
+        (
+            b.rope_theta,
+            b.rotary_dim(),
+            b.qkv_bias,
+            b.o_bias,
+            b.mlp_bias,
+            b.pad_token
+        ),
+        (10000.0, 64, false, false, false, Some(0))
+    );
+    let attending: Vec<i64> = (0..32).filter(|&l| b.mamba_layer(l).is_none()).collect();
+    assert_eq!(attending, [9, 18, 27]);
+    assert_eq!(total(&b), 9780235392);
+    dir.round_trips([b]);
+    dir.refuses_replaced(
+        nine,
+        &[
+            (
+                r#""attn_layer_indices": [9, 18, 27]"#,
+                r#""attn_layer_indices": [9, 32]"#,
+                "attn_layer_indices [9,32]: the numbers of the layers that attend",
+            ),
+            (
+                r#""mamba_expand": 2"#,
+                r#""mamba_expand": 2, "z_loss_coefficient": 0.001"#,
+                "z_loss_coefficient 0.001: zrt's loss is the language model's",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn a_cohere2_config_windows_and_turns_all_but_every_fourth_layer() {
     let dir = ConfigDir::new("cohere2-configs");
     // Command R7B's sizes and its older `sliding_window_pattern`; the

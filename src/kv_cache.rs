@@ -210,6 +210,30 @@ impl LayerCache {
         causal_attention(&q, &k, &v, offset, dropout, grouped)
     }
 
+    /// A recurrent layer's state while generating (Granite 4.0's and
+    /// Bamba's Mamba layers: its convolution's last inputs and its
+    /// scan's state), as the last forward left it; `None` when not
+    /// generating, or before the generation's first forward.
+    pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {
+        if !self.decoding.on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let slots = self.decoding.slots.lock();
+        let (a, b) = slots.get(self.slot)?.as_ref()?;
+        Some((a.shallow_clone(), b.shallow_clone()))
+    }
+
+    /// Keeps a recurrent layer's `state` for the next forward while
+    /// generating (see [`LayerCache::state`]); nothing otherwise.
+    pub(crate) fn keep_state(&self, state: (Tensor, Tensor)) {
+        if !self.decoding.on.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(slot) = self.decoding.slots.lock().get_mut(self.slot) {
+            *slot = Some(state);
+        }
+    }
+
     /// This forward's keys and values `[batch, kv_heads, seq, head_dim]`
     /// with the cached ones before them, kept for the next forward; as
     /// they are when no generation runs with a cache.

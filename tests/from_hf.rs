@@ -3110,8 +3110,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// cache's tokens) and an MPT (ALiBi over cached keys) and a Falcon-RW
 /// (its bf16-rounded ALiBi at the cached keys' positions; its head
 /// untied: tied, it repeats one token) and a Granite 4.0-H and a Bamba
-/// (their Mamba layers keep no cache: every step runs the whole
-/// sequence), against
+/// (their Mamba layers' convolution inputs and state cached after the
+/// prompt and stepped a token at a time), against
 /// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {

@@ -893,15 +893,8 @@ impl Layer {
                 };
                 (norm(q, c.heads, q_width), norm(k, c.kv_heads, k_width))
             }),
-            // A Mamba layer keeps no keys and values: a generation through
-            // it runs every token again each step.
-            cache: LayerCache::new(
-                decoding,
-                match c.mamba_layer(l) {
-                    Some(_) => Some(0),
-                    None => rotary.as_ref().and_then(Rotary::fixed_up_to),
-                },
-            ),
+            // A Mamba layer's slot holds its state while generating.
+            cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
             rotary,
             window,
             chunk: (c.llama4.as_ref())
@@ -1021,7 +1014,7 @@ impl Layer {
             ]
         };
         let [q, k, v] = match &self.qkv {
-            Qkv::Mamba(m) => return m.forward(h),
+            Qkv::Mamba(m) => return m.forward(h, &self.cache),
             Qkv::Apart {
                 q_proj,
                 k_proj,

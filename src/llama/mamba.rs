@@ -5,18 +5,18 @@
 //! chunked state-space dual form, operation for operation, so that its
 //! rounding is the reference's).
 //!
-//! No cache: a Mamba layer would have to carry its convolution's and
-//! its scan's state between generation steps, so a generation runs every
-//! token through the model again each step (the layers tell the
-//! decoding state they cannot be cached). A packed row's documents would
-//! each need a scan of their own (`transformers` refuses `seq_idx` without
-//! its CUDA kernels too): `HfModel::forward_packed` refuses a model with
-//! Mamba layers.
+//! While generating, the first forward scans the prompt whole and keeps
+//! the layer's convolution inputs and final state in its cache slot;
+//! each later token steps that state, as `transformers`' cached path
+//! does. A packed row's documents would each need a scan of their own
+//! (`transformers` refuses `seq_idx` without its CUDA kernels too):
+//! `HfModel::forward_packed` refuses a model with Mamba layers.
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 use crate::hf::{HfError, HfJson};
+use crate::kv_cache::LayerCache;
 use crate::lora::Adapted;
 
 use super::config::{Activation, LlamaConfig};
@@ -252,19 +252,36 @@ impl Mamba {
 
     /// The scan's output for `h` `[batch, seq, hidden]`, normalised and
     /// gated, in `h`'s dtype (before `out_proj`): `transformers`'
-    /// `torch_forward` without a cache, operation for operation.
-    pub(super) fn forward(&self, h: &Tensor) -> Tensor {
+    /// `torch_forward`, operation for operation. While generating, the
+    /// first forward scans the prompt whole and keeps the layer's state
+    /// in `cache`; each later token steps it, as its cached path does.
+    pub(super) fn forward(&self, h: &Tensor, cache: &LayerCache) -> Tensor {
         let m = &self.sizes;
-        let (b, t, _) = h.size3().unwrap_or((1, 1, 1));
         let (inner, conv) = (m.inner(self.hidden), m.conv_dim(self.hidden));
-        let (heads, hd, n, chunk) = (m.heads, m.head_dim, m.state, m.chunk);
         let kind = h.kind();
         let projected = self.in_proj.forward(h);
         let gate = projected.narrow(-1, 0, inner);
         let xbc = projected.narrow(-1, inner, conv);
-        let dt = projected.narrow(-1, inner + conv, heads);
+        let dt = projected.narrow(-1, inner + conv, m.heads);
+        let y = match cache.state() {
+            Some(state) => self.steps(&xbc, &dt, state, cache),
+            None => self.scan(&xbc, &dt, cache),
+        };
+        self.gated_norm(&y, &gate).to_kind(kind)
+    }
+
+    /// The chunked scan of a whole sequence, from a zero state: the
+    /// convolved channels `xbc` `[batch, seq, conv]` (before the
+    /// convolution) and the steps `dt` `[batch, seq, heads]` to the
+    /// heads' outputs `[batch, seq, inner]` in fp32. The convolution's
+    /// last inputs and the final state go to `cache` when generating.
+    fn scan(&self, xbc_in: &Tensor, dt: &Tensor, cache: &LayerCache) -> Tensor {
+        let m = &self.sizes;
+        let (b, t, _) = xbc_in.size3().unwrap_or((1, 1, 1));
+        let (inner, conv) = (m.inner(self.hidden), m.conv_dim(self.hidden));
+        let (heads, hd, n, chunk) = (m.heads, m.head_dim, m.state, m.chunk);
         // The depthwise causal convolution, its first `t` outputs.
-        let xbc = xbc.transpose(1, 2).conv1d(
+        let xbc = xbc_in.transpose(1, 2).conv1d(
             &self.conv_weight,
             self.conv_bias.as_ref(),
             [1],
@@ -315,14 +332,81 @@ impl Mamba {
             .sum_dim_intlist(1, false, None::<Kind>);
         let chunks = new_states.size()[1] - 1;
         let states = new_states.narrow(1, 0, chunks);
+        // What a generation's next token starts from: the convolution's
+        // last inputs (zeros before the first), the state after the last
+        // chunk, in the input's dtype as `transformers`' cache holds them.
+        let k = m.conv_kernel;
+        let last_inputs = xbc_in.transpose(1, 2).constant_pad_nd([k - t, 0]);
+        let state = new_states.select(1, chunks).to_kind(xbc_in.kind());
+        cache.keep_state((last_inputs, state));
         // 4. Each chunk's output from the state it starts from.
         let state_decay_out = a_cumsum.exp();
         let c_times_states = cc.unsqueeze(-2) * states.unsqueeze(2);
         let y_off = c_times_states.sum_dim_intlist(-1, false, None::<Kind>)
             * state_decay_out.permute([0, 2, 3, 1]).unsqueeze(-1);
         let y = (y_diag + y_off).reshape([b, -1, heads, hd]) + d_residual;
-        let y = y.narrow(1, 0, t).reshape([b, t, -1]);
-        self.gated_norm(&y, &gate).to_kind(kind)
+        y.narrow(1, 0, t).reshape([b, t, -1])
+    }
+
+    /// The tokens of `xbc_in` and `dt` (as [`Mamba::scan`] takes them)
+    /// one at a time from the generation's `state` (the convolution's
+    /// last inputs and the scan's state), as `transformers`' cached path
+    /// steps them; the state after them goes back to `cache`.
+    fn steps(
+        &self,
+        xbc_in: &Tensor,
+        dt: &Tensor,
+        (mut inputs, mut ssm): (Tensor, Tensor),
+        cache: &LayerCache,
+    ) -> Tensor {
+        let m = &self.sizes;
+        let (b, t, _) = xbc_in.size3().unwrap_or((1, 1, 1));
+        let inner = m.inner(self.hidden);
+        let (heads, hd, n, g) = (m.heads, m.head_dim, m.state, m.groups);
+        let a = (-self.a_log.to_kind(Kind::Float).exp())
+            .view([heads, 1, 1])
+            .expand([heads, hd, n], false);
+        let weight = self.conv_weight.squeeze_dim(1);
+        let dt_bias = self.dt_bias.unsqueeze(-1).expand([heads, hd], false);
+        let d = self.d.unsqueeze(-1).expand([heads, hd], false);
+        let per_head = |y: &Tensor| {
+            y.reshape([b, g, -1])
+                .unsqueeze(2)
+                .expand([b, g, heads / g, n], false)
+                .contiguous()
+                .reshape([b, -1, n])
+        };
+        let mut ys = Vec::with_capacity(t as usize);
+        for i in 0..t {
+            // The convolution over the last inputs, this token's last.
+            let token = xbc_in.select(1, i).unsqueeze(-1);
+            inputs = Tensor::cat(&[inputs.narrow(-1, 1, m.conv_kernel - 1), token], -1);
+            let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
+            let xbc = match &self.conv_bias {
+                Some(bias) => summed + bias,
+                None => summed,
+            };
+            let xbc = self.activation.apply(&xbc);
+            let x = xbc.narrow(-1, 0, inner).reshape([b, -1, hd]);
+            let bb = per_head(&xbc.narrow(-1, inner, g * n));
+            let cc = per_head(&xbc.narrow(-1, inner + g * n, g * n));
+            let step = dt.select(1, i).unsqueeze(-1).expand([b, heads, hd], false);
+            let step = (step + dt_bias.to_kind(dt.kind()))
+                .softplus()
+                .clamp(0.0, f64::INFINITY);
+            let da = (step.unsqueeze(-1) * &a).exp();
+            let dbx = step.unsqueeze(-1) * bb.unsqueeze(-2) * x.unsqueeze(-1);
+            ssm = (&ssm * da + dbx).to_kind(ssm.kind());
+            let states = ssm.to_kind(cc.kind());
+            let y = states
+                .view([b * heads, hd, n])
+                .bmm(&cc.view([b * heads, n, 1]))
+                .view([b, heads, hd]);
+            let y = (&y + &x * &d).to_kind(y.kind());
+            ys.push(y.reshape([b, 1, -1]));
+        }
+        cache.keep_state((inputs, ssm));
+        Tensor::cat(&ys, 1)
     }
 
     /// `GraniteMoeHybridRMSNormGated`: `y` times `silu(gate)`, both in

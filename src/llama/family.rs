@@ -598,9 +598,9 @@ impl Family {
         matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
-    /// StarCoder2's, StableLM's, Nemotron's and Falcon's: LayerNorms
-    /// (with biases) where the others have RMSNorms (Nemotron's weights
-    /// offsets from one).
+    /// StarCoder2's, StableLM's, Nemotron's, Persimmon's, PhiMoE's and
+    /// the GPT-2-era layouts': LayerNorms (with biases) where the others
+    /// have RMSNorms (Nemotron's weights offsets from one).
     pub(super) fn layer_norm(self) -> bool {
         matches!(
             self,
@@ -693,7 +693,8 @@ impl Family {
         matches!(self, Self::HunyuanDense | Self::HunyuanMoe)
     }
 
-    /// Granite-MoE's experts: Granite-MoE's and Granite-MoE-shared's.
+    /// Granite-MoE's experts: Granite-MoE's, Granite-MoE-shared's and
+    /// Granite 4.0's.
     pub(super) fn granite_moe(self) -> bool {
         matches!(
             self,

@@ -403,11 +403,6 @@ impl HfModel {
             }
             Self::GptNeox(m) => m.forward_in(tokens, Some(documents)),
             Self::Phi(m) => m.forward_in(tokens, Some(documents)),
-            Self::Llama(m) if m.config().mamba.as_ref().is_some_and(|b| b.layers.contains(&true)) => {
-                return Err(HfError::Packed(
-                    "this model has Mamba layers (Granite 4.0's, Bamba's), whose scan would carry one document's state into the next: train it on unpacked rows (zrt, as transformers without its CUDA kernels, has no per-document scan)".into(),
-                ))
-            }
             Self::Llama(m) => m.forward_in(tokens, Some(documents)),
         })
     }

@@ -158,6 +158,11 @@ impl Documents {
         })
     }
 
+    /// Each row's documents' lengths, in order.
+    pub(crate) fn lengths(&self) -> &[Vec<i64>] {
+        &self.lengths
+    }
+
     /// The same tensors, shared.
     pub(crate) fn shared(&self) -> Self {
         Self {

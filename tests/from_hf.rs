@@ -1157,34 +1157,16 @@ fn a_bamba_checkpoint_with_mamba_layers_trains_as_transformers_does() {
     parity("bamba");
 }
 
-/// Granite 4.0's Mamba layers scan a row whole: packed documents are
-/// refused, naming why (`transformers` refuses them too, without its
-/// CUDA kernels), where a model without Mamba layers packs.
+/// Granite 4.0's and Bamba's packed documents: each document's Mamba
+/// layers scan it alone, from a zero state, and its attending layer
+/// sees it alone at its own positions. `transformers` refuses packed
+/// rows in these layers without its CUDA kernels, so each document of a
+/// packed row is checked against itself alone.
 #[test]
-fn a_granite_4_model_with_mamba_layers_refuses_packed_rows() {
-    let (model, _vs, _e, dir) = seeded_alone("granite4");
-    let tokens =
-        Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
-    let positions = Tensor::arange(SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
-    let err = model
-        .forward_packed(&tokens, &positions)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("this model has Mamba layers (Granite 4.0's, Bamba's)"),
-        "{err}"
-    );
-    let err = model
-        .loss_packed(&tokens, &positions, None)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("train it on unpacked rows"), "{err}");
-    // A plain forward still runs.
-    let logits = tch::no_grad(|| model.forward(&tokens));
-    assert_eq!(logits.size(), [1, SEQ, 96]);
-    let _ = std::fs::remove_dir_all(&dir);
+fn granite_4_and_bamba_packed_documents_scan_as_each_alone() {
+    packed_documents_as_each_alone("granite4");
+    packed_documents_as_each_alone("bamba");
 }
-
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
     parity("qwen3-moe");
@@ -1340,8 +1322,14 @@ fn seeded_alone(name: &str) -> (HfModel, VarStore, Engine<LocalGroup>, std::path
 /// bf16 rounding makes matter), to the logits.
 #[test]
 fn falcon_rw_packed_documents_attend_as_each_alone() {
-    let (model, _vs, _e, dir) = seeded_alone("falcon-rw");
-    // Two documents of 5 and 11 tokens in one row.
+    packed_documents_as_each_alone("falcon-rw");
+}
+
+/// Case `name`'s packed row of two documents (5 and 11 tokens) gives
+/// each document's logits alone, to 1e-5; and the row's second
+/// document, run as one sequence, does not (what the packing changes).
+fn packed_documents_as_each_alone(name: &str) {
+    let (model, _vs, _e, dir) = seeded_alone(name);
     let tokens =
         Tensor::arange_start(3, 3 + SEQ, (tch::Kind::Int64, tch::Device::Cpu)).view([1, SEQ]);
     let positions = Tensor::cat(
@@ -1365,9 +1353,8 @@ fn falcon_rw_packed_documents_attend_as_each_alone() {
     let diff = (&packed - &alone).abs().max().double_value(&[]);
     assert!(
         diff < 1e-5,
-        "packed documents differ from each alone by {diff}"
+        "{name}: packed documents differ from each alone by {diff}"
     );
-    // Positions along the row (the second document's keys 5 on) move it.
     let row = tch::no_grad(|| model.forward(&tokens));
     let second = |x: &Tensor| x.narrow(1, 5, 1);
     let moved = (second(&row) - second(&alone))
@@ -1376,7 +1363,7 @@ fn falcon_rw_packed_documents_attend_as_each_alone() {
         .double_value(&[]);
     assert!(
         moved > 1e-3,
-        "the row's first token of the second document: {moved}"
+        "{name}: the row's first token of the second document: {moved}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,9 +8,9 @@
 //! While generating, the first forward scans the prompt whole and keeps
 //! the layer's convolution inputs and final state in its cache slot;
 //! each later token steps that state, as `transformers`' cached path
-//! does. A packed row's documents would each need a scan of their own
-//! (`transformers` refuses `seq_idx` without its CUDA kernels too):
-//! `HfModel::forward_packed` refuses a model with Mamba layers.
+//! does. A packed row's documents are each scanned alone, from a zero
+//! state (what `transformers`' CUDA kernels do given `seq_idx`; its
+//! `torch_forward` refuses them, so there is no reference on CPU).
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
@@ -263,9 +263,24 @@ impl Mamba {
         let gate = projected.narrow(-1, 0, inner);
         let xbc = projected.narrow(-1, inner, conv);
         let dt = projected.narrow(-1, inner + conv, m.heads);
-        let y = match cache.state() {
-            Some(state) => self.steps(&xbc, &dt, state, cache),
-            None => self.scan(&xbc, &dt, cache),
+        let y = match (cache.documents(), cache.state()) {
+            // A packed row's documents each scanned alone, from a zero
+            // state, their convolutions starting afresh.
+            (Some(d), _) => {
+                let rows: Vec<Tensor> = (d.lengths().iter().enumerate())
+                    .map(|(r, lengths)| {
+                        let (xbc, dt) = (xbc.narrow(0, r as i64, 1), dt.narrow(0, r as i64, 1));
+                        let parts: Vec<Tensor> = (xbc.split_with_sizes(lengths, 1).iter())
+                            .zip(&dt.split_with_sizes(lengths, 1))
+                            .map(|(xbc, dt)| self.scan(xbc, dt, cache))
+                            .collect();
+                        Tensor::cat(&parts, 1)
+                    })
+                    .collect();
+                Tensor::cat(&rows, 0)
+            }
+            (None, Some(state)) => self.steps(&xbc, &dt, state, cache),
+            (None, None) => self.scan(&xbc, &dt, cache),
         };
         self.gated_norm(&y, &gate).to_kind(kind)
     }

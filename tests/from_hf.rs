@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0 and Bamba (their Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba and Jamba (their Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -654,6 +654,19 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Jamba: Mamba layers (the first Mamba's selective scan, biased
+    // projections) and attending ones without positions, every other
+    // from the second; experts every other layer from the first (the
+    // others dense), each token's top 2 of 4 weighted as the softmax
+    // gave them.
+    Case {
+        name: "jamba",
+        python: (
+            "from transformers import JambaConfig as C, JambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_proj_bias=True, use_mamba_kernels=False",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1157,6 +1170,11 @@ fn a_bamba_checkpoint_with_mamba_layers_trains_as_transformers_does() {
     parity("bamba");
 }
 
+#[test]
+fn a_jamba_checkpoint_with_selective_scan_layers_and_experts_trains_as_transformers_does() {
+    parity("jamba");
+}
+
 /// Granite 4.0's and Bamba's packed documents: each document's Mamba
 /// layers scan it alone, from a zero state, and its attending layer
 /// sees it alone at its own positions. `transformers` refuses packed
@@ -1166,6 +1184,14 @@ fn a_bamba_checkpoint_with_mamba_layers_trains_as_transformers_does() {
 fn granite_4_and_bamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("granite4");
     packed_documents_as_each_alone("bamba");
+}
+
+/// Jamba's packed documents: each scanned alone by its Mamba layers,
+/// from a zero state, and attended to alone (without positions) by the
+/// others; checked against each document alone, as for Granite 4.0.
+#[test]
+fn jamba_packed_documents_scan_as_each_alone() {
+    packed_documents_as_each_alone("jamba");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -3097,8 +3123,8 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// cache's tokens) and an MPT (ALiBi over cached keys) and a Falcon-RW
 /// (its bf16-rounded ALiBi at the cached keys' positions; its head
 /// untied: tied, it repeats one token) and a Granite 4.0-H and a Bamba
-/// (their Mamba layers' convolution inputs and state cached after the
-/// prompt and stepped a token at a time), against
+/// and a Jamba (their Mamba layers' convolution inputs and state cached
+/// after the prompt and stepped a token at a time), against
 /// `transformers` without a cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
@@ -3185,6 +3211,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=6, \
              attn_layer_indices=[1], eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "jamba",
+            "from transformers import JambaConfig as C, JambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             num_experts=4, num_experts_per_tok=2, attn_layer_period=2, \
+             attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False, \
+             eos_token_id=None, bos_token_id=None, pad_token_id=None",
         ),
         (
             "falcon-rw",

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too) and Granite 4.0 (its Mamba layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0 and Jamba (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -461,6 +461,23 @@ const GRANITE4: Case = Case {
     ..OFF
 };
 
+/// Jamba's Mamba layers' `x_proj` (128 -> 20: the step's 4 and B's and
+/// C's 8) and `dt_proj` (4 -> 128) in layers 0 and 2, and `gate_proj`
+/// in both experts of those layers and in the dense MLPs of layers 1
+/// and 3 (64 -> 32): two experts, so that every expert takes every
+/// token (an expert without one is moved by zrt's AdamW's momentum,
+/// skipped by torch's; docs/choices.md).
+const JAMBA: Case = Case {
+    python: (
+        "from transformers import JambaConfig as C, JambaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=2, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, use_mamba_kernels=False",
+    ),
+    targets: &["x_proj", "dt_proj", "gate_proj"],
+    matrices: 20,
+    elements: 4 * (2 * (128 + 20) + 2 * (4 + 128) + 6 * (64 + 32)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -867,6 +884,11 @@ fn lora_adapters_on_mpts_and_blooms_alibi_attention_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_granite_4s_attention_and_mamba_layers_train_as_peft_does() {
     parity("granite4", &GRANITE4, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_jambas_selective_scan_and_experts_train_as_peft_does() {
+    parity("jamba", &JAMBA, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

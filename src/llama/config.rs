@@ -15,6 +15,7 @@ use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
 use super::mamba::MambaConfig;
+use super::mamba1::Mamba1Config;
 use super::mpt;
 use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
@@ -362,6 +363,9 @@ pub struct LlamaConfig {
     /// Granite 4.0's and Bamba's Mamba-2 layers ([`MambaConfig`]); `None`: every
     /// layer attends.
     pub mamba: Option<MambaConfig>,
+    /// Jamba's Mamba layers ([`Mamba1Config`]: the first Mamba's
+    /// selective scan); `None`: every layer attends.
+    pub mamba1: Option<Mamba1Config>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -564,9 +568,9 @@ impl LlamaConfig {
             f if f.ernie() => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
-            // Llama 4's and Bamba's classes set none, whatever the config
-            // says.
-            Family::Llama4 | Family::Bamba => false,
+            // Llama 4's, Bamba's and Jamba's classes set none, whatever
+            // the config says.
+            Family::Llama4 | Family::Bamba | Family::Jamba => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
@@ -644,7 +648,8 @@ impl LlamaConfig {
         let full_every = full_every(j, family, sliding_window)?;
         // Nemotron's class turns unscaled whatever the config says.
         let scaling = match family {
-            Family::Nemotron | Family::Bamba => RopeScaling::None,
+            // Jamba's attention takes no positions at all.
+            Family::Nemotron | Family::Bamba | Family::Jamba => RopeScaling::None,
             _ => rope_scaling(j, family.model_type(), rotary_dim)?,
         };
         // Llama 4's class scales by Llama 3's whenever it scales.
@@ -659,9 +664,10 @@ impl LlamaConfig {
         let vocab = j.size("vocab_size")?;
         let pad_token = pad_token(j, defaults.pad, vocab)?;
         let sandwich = family.sandwich();
-        // Bamba's class fixes its base (and its scaling: none).
+        // Bamba's class fixes its base (and its scaling: none); Jamba's
+        // has none (its attention takes no positions).
         let rope_theta = match family {
-            Family::Bamba => 10000.0,
+            Family::Bamba | Family::Jamba => 10000.0,
             _ => j.number_or("rope_theta", defaults.rope_theta)?,
         };
         let granite = |key: &str| match family {
@@ -711,7 +717,11 @@ impl LlamaConfig {
                 // and Llama 4's MLPs have none whatever it says.
                 f if matches!(
                     f,
-                    Family::Apertus | Family::Olmo1 | Family::Llama4 | Family::Bamba
+                    Family::Apertus
+                        | Family::Olmo1
+                        | Family::Llama4
+                        | Family::Bamba
+                        | Family::Jamba
                 ) || f.hunyuan() =>
                 {
                     false
@@ -841,6 +851,8 @@ impl LlamaConfig {
             },
             rope_layers: match family {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
+                // Jamba attends without positions.
+                Family::Jamba => Some(vec![false; j.size("num_hidden_layers")? as usize]),
                 // Granite 4.0 turns only with `position_embedding_type`
                 // "rope".
                 Family::GraniteMoeHybrid => {
@@ -878,7 +890,11 @@ impl LlamaConfig {
             },
             moe: moe(j, family)?,
             mamba: match family {
-                f if super::mamba::built_by(f) => Some(super::mamba::read(j, hidden)?),
+                f if super::mamba::built_by(f) => Some(super::mamba::read(j, f, hidden)?),
+                _ => None,
+            },
+            mamba1: match family {
+                Family::Jamba => Some(super::mamba1::read(j, hidden)?),
                 _ => None,
             },
             mla,
@@ -963,6 +979,11 @@ impl LlamaConfig {
     /// Granite 4.0's and Bamba's Mamba layers' sizes when layer `l` is one of them.
     pub fn mamba_layer(&self, l: i64) -> Option<&MambaConfig> {
         (self.mamba.as_ref()).filter(|m| m.layers.get(l as usize) == Some(&true))
+    }
+
+    /// Jamba's Mamba layers' sizes when layer `l` is one of them.
+    pub fn mamba1_layer(&self, l: i64) -> Option<&Mamba1Config> {
+        (self.mamba1.as_ref()).filter(|m| m.is_mamba(l))
     }
 
     /// Whether layer `l`'s MLP is a mixture of experts.
@@ -1070,10 +1091,12 @@ impl LlamaConfig {
         let mlp = mlp + act;
         let layer = |l: i64| {
             let mlp = if self.moe_layer(l) { experts } else { mlp };
-            // Granite 4.0's and Bamba's Mamba layers in place of attention.
-            let mixer = match self.mamba_layer(l) {
-                Some(m) => m.params(self.hidden),
-                None => attention + sinks,
+            // Granite 4.0's, Bamba's and Jamba's Mamba layers in place of
+            // attention.
+            let mixer = match (self.mamba_layer(l), self.mamba1_layer(l)) {
+                (Some(m), _) => m.params(self.hidden),
+                (None, Some(m)) => m.params(self.hidden),
+                (None, None) => attention + sinks,
             };
             norms * norm + mixer + mlp
         };
@@ -1202,6 +1225,18 @@ impl LlamaConfig {
             }),
             // Its Mamba layers' fields are written below.
             Family::Bamba => serde_json::json!({}),
+            Family::Jamba => {
+                let moe = self.moe.as_ref();
+                let (period, offset) = super::mamba1::period_of(self.layers, |l| self.moe_layer(l));
+                serde_json::json!({
+                    // One expert: every layer dense.
+                    "num_experts": moe.map_or(1, |m| m.experts),
+                    "num_experts_per_tok": moe.map_or(1, |m| m.top_k),
+                    "expert_layer_period": period,
+                    "expert_layer_offset": offset,
+                    "output_router_logits": false,
+                })
+            }
             Family::Phimoe => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "lm_head_bias": self.head_bias,
@@ -1462,8 +1497,17 @@ impl LlamaConfig {
             let shared = self.moe.as_ref().and_then(|m| m.shared);
             json["shared_intermediate_size"] = shared.unwrap_or(0).into();
         }
-        // Granite 4.0's: its shared MLP (the MLP's width in a dense
-        // model), its Mamba layers, whether it turns.
+        // Jamba's Mamba layers and where it attends.
+        if let (Family::Jamba, Some(m), Some(all)) =
+            (self.family, &self.mamba1, json.as_object_mut())
+        {
+            if let serde_json::Value::Object(fields) = m.to_json() {
+                all.extend(fields);
+            }
+            // Its attention takes no positions: its class has no base.
+            all.remove("rope_theta");
+        }
+        // Bamba's Mamba layers and the layers that attend.
         if let (Family::Bamba, Some(m), Some(all)) =
             (self.family, &self.mamba, json.as_object_mut())
         {
@@ -1480,6 +1524,8 @@ impl LlamaConfig {
             all.insert("attn_layer_indices".into(), at);
             all.insert("z_loss_coefficient".into(), 0.0.into());
         }
+        // Granite 4.0's: its shared MLP (the MLP's width in a dense
+        // model), its Mamba layers, whether it turns.
         if let (Family::GraniteMoeHybrid, Some(m), Some(all)) =
             (self.family, &self.mamba, json.as_object_mut())
         {
@@ -1578,6 +1624,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
         // Llama 4's: sigmoids of the top logits, not renormalised.
         Family::Llama4 => ("num_local_experts", "intermediate_size", false),
+        // Jamba's: the softmax's top `k`, as they are.
+        Family::Jamba => ("num_experts", "intermediate_size", false),
         // Hunyuan's experts and shared MLP are all the MLP's width.
         Family::HunyuanMoe => ("num_experts", "intermediate_size", true),
         // DBRX's `moe_normalize_expert_weights`, read as a flag.
@@ -1589,6 +1637,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         _ => return Ok(None),
     };
     if family == Family::GraniteMoeHybrid && granite_dense(j)? {
+        return Ok(None);
+    }
+    // Jamba's layers with one expert are dense (`JambaMLP`).
+    if family == Family::Jamba && j.size_or_none("num_experts")?.unwrap_or(16) <= 1 {
         return Ok(None);
     }
     if j.flag_or("output_router_logits", false)? {
@@ -1625,7 +1677,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         | Family::GraniteMoe
         | Family::GraniteMoeShared
         | Family::GraniteMoeHybrid => (8, 2, 0),
-        Family::Phimoe => (16, 2, 0),
+        Family::Phimoe | Family::Jamba => (16, 2, 0),
         Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
         Family::Llama4 => (16, 1, 8192),
@@ -1698,6 +1750,14 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             };
             (0..layers).filter(|l| !sparse.contains(l)).collect()
         }
+        // Jamba's experts: every `expert_layer_period`-th layer, from
+        // `expert_layer_offset`.
+        _ if family == Family::Jamba => {
+            let (period, offset) = super::mamba1::period(j, "expert", (2, 1))?;
+            (0..j.size("num_hidden_layers")?)
+                .filter(|l| l % period != offset)
+                .collect()
+        }
         // DeepSeek-V3's (and GLM-4-MoE's) first `first_k_dense_replace`
         // layers.
         _ if family.deepseek_experts() => {
@@ -1733,6 +1793,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
                 | Family::FlexOlmo
                 | Family::GptOss
                 | Family::HunyuanMoe
+                | Family::Jamba
         ) || f.granite_moe() =>
         {
             j.size(width_key)?
@@ -1804,7 +1865,7 @@ fn granite_dense(j: &HfJson) -> Result<bool, HfError> {
 }
 
 /// Field `key`, a whole number not below 0, `default` when absent.
-fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
+pub(super) fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
     match j.get(key) {
         None => Ok(default),
         Some(v) => (v.as_i64().filter(|n| *n >= 0))

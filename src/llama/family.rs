@@ -367,11 +367,22 @@ pub enum Family {
     /// class fixes the base at 10000, no scaling, no biases); the final
     /// norm `final_layernorm`.
     Bamba,
+    /// `jamba` (`JambaForCausalLM`: AI21's Jamba): each layer mixing its
+    /// tokens with attention without positions (every
+    /// `attn_layer_period`-th, from `attn_layer_offset`) or with the
+    /// first Mamba's selective scan (`mamba.in_proj`, `conv1d`,
+    /// `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`, the step's, `B`'s
+    /// and `C`'s RMSNorms: [`Mamba1Config`](super::Mamba1Config)), then
+    /// Llama's MLP or, every `expert_layer_period`-th, experts
+    /// (`feed_forward.router`, `experts.N.gate_proj`...) weighted by the
+    /// softmax's top `k` as they are; `pre_ff_layernorm`, the final norm
+    /// `final_layernorm`.
+    Jamba,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 59] = [
+    pub const ALL: [Family; 60] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -431,6 +442,7 @@ impl Family {
         Self::Phimoe,
         Self::GraniteMoeHybrid,
         Self::Bamba,
+        Self::Jamba,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -509,6 +521,7 @@ impl Family {
             Self::Phimoe => "phimoe",
             Self::GraniteMoeHybrid => "granitemoehybrid",
             Self::Bamba => "bamba",
+            Self::Jamba => "jamba",
         }
     }
 
@@ -574,6 +587,7 @@ impl Family {
             Self::Phimoe => "PhimoeForCausalLM",
             Self::GraniteMoeHybrid => "GraniteMoeHybridForCausalLM",
             Self::Bamba => "BambaForCausalLM",
+            Self::Jamba => "JambaForCausalLM",
         }
     }
 
@@ -876,6 +890,12 @@ impl Family {
                 positions: 262144,
                 ..LLAMA
             },
+            Self::Jamba => Defaults {
+                kv_heads: Some(8),
+                pad: Some(0),
+                positions: 262144,
+                ..LLAMA
+            },
             Self::Mixtral | Self::Phimoe => Defaults {
                 eps: 1e-5,
                 rope_theta: 1e6,
@@ -1132,7 +1152,9 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
-            Self::Persimmon | Self::Bamba => ["model", "embed_tokens", "layers", "final_layernorm"],
+            Self::Persimmon | Self::Bamba | Self::Jamba => {
+                ["model", "embed_tokens", "layers", "final_layernorm"]
+            }
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],

@@ -15,13 +15,14 @@ use crate::packing::{in_window, Documents};
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
 use super::mamba::Mamba;
+use super::mamba1::Mamba1;
 use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
 use super::xielu::Xielu;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
-type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
+pub(super) type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
 
 /// One decoder layer: `x + attn(input_layernorm(x))`, then `x +
 /// mlp(post_attention_layernorm(x))` (or normalised where the family
@@ -69,6 +70,9 @@ enum Qkv {
     /// Granite 4.0's and Bamba's Mamba-2 layers mix the tokens in place of
     /// attention (their `out_proj` is the layer's output projection).
     Mamba(Box<Mamba>),
+    /// Jamba's Mamba layers (the first Mamba's selective scan), the
+    /// same way.
+    Mamba1(Box<Mamba1>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -562,6 +566,10 @@ impl Experts {
                     (p / "moe_statics").zeros_no_train("e_score_correction_bias", &[1, m.experts]),
                 ),
             },
+            (None, _) if family == Family::Jamba => Router::Softmax {
+                gate: lin(&(p / "router"), d, m.experts, false),
+                correction: None,
+            },
             (None, _) if family == Family::Llama4 => Router::TopSigmoid {
                 gate: lin(&(p / "router"), d, m.experts, false),
             },
@@ -720,7 +728,7 @@ impl Layer {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
-            Family::Llama4 | Family::Bamba => (p / "self_attn", p / "feed_forward"),
+            Family::Llama4 | Family::Bamba | Family::Jamba => (p / "self_attn", p / "feed_forward"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -763,14 +771,16 @@ impl Layer {
                 _ => r,
             }
         });
-        // Granite 4.0's and Bamba's Mamba layers in place of attention.
-        let qkv = match c.mamba_layer(l) {
-            Some(m) => {
+        // Granite 4.0's, Bamba's and Jamba's Mamba layers in place of
+        // attention.
+        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l)) {
+            (Some(m), _) => {
                 let mp = p / "mamba";
                 let in_proj = lin(&(&mp / "in_proj"), d, m.projected(d), m.proj_bias);
                 Qkv::Mamba(Box::new(Mamba::new(&mp, c, m, in_proj)))
             }
-            None => match (c.family, &c.mla) {
+            (None, Some(m)) => Qkv::Mamba1(Box::new(Mamba1::new(&(p / "mamba"), c, m, lin))),
+            (None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
                     Family::Phi3
@@ -803,9 +813,10 @@ impl Layer {
         Self {
             norms: Norms::new(p, d, c),
             qkv,
-            o_proj: match c.mamba_layer(l) {
-                Some(m) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
-                None => lin(
+            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l)) {
+                (Some(m), _) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
+                (None, Some(m)) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
+                (None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
                             || f.gptj()
@@ -1015,6 +1026,7 @@ impl Layer {
         };
         let [q, k, v] = match &self.qkv {
             Qkv::Mamba(m) => return m.forward(h, &self.cache),
+            Qkv::Mamba1(m) => return m.forward(h, &self.cache),
             Qkv::Apart {
                 q_proj,
                 k_proj,

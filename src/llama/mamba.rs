@@ -113,16 +113,16 @@ impl MambaConfig {
 
 /// The Mamba layers of `GraniteMoeHybridConfig` or `BambaConfig` `j`
 /// (their defaults where it leaves a field out, the same), checked as
-/// their classes check them.
-pub(super) fn read(j: &HfJson, hidden: i64) -> Result<MambaConfig, HfError> {
+/// their classes check them; `family` says which, as they name their
+/// attending layers each their own way.
+pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfig, HfError> {
     let layers = j.size("num_hidden_layers")?;
     let kinds = match j.get("layer_types") {
         // Bamba's attending layers by number.
-        _ if j.model_type().as_deref() == Some(Family::Bamba.model_type()) => {
-            match j.get("attn_layer_indices") {
-                None | Some(serde_json::Value::Null) => vec![true; layers as usize],
-                Some(v) => {
-                    let at = (v.as_array())
+        _ if family == Family::Bamba => match j.get("attn_layer_indices") {
+            None | Some(serde_json::Value::Null) => vec![true; layers as usize],
+            Some(v) => {
+                let at = (v.as_array())
                         .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
                         .filter(|at| at.iter().all(|l| (0..layers).contains(l)))
                         .ok_or_else(|| {
@@ -130,10 +130,9 @@ pub(super) fn read(j: &HfJson, hidden: i64) -> Result<MambaConfig, HfError> {
                                 "attn_layer_indices {v}: the numbers of the layers that attend, each below num_hidden_layers {layers}"
                             ))
                         })?;
-                    (0..layers).map(|l| !at.contains(&l)).collect()
-                }
+                (0..layers).map(|l| !at.contains(&l)).collect()
             }
-        }
+        },
         None | Some(serde_json::Value::Null) => vec![true; layers as usize],
         Some(v) => {
             let kinds = v.as_array().and_then(|l| {

@@ -128,6 +128,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         logit_scale: 1.0,
         head_bias: false,
         mamba: None,
+        mamba1: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -724,6 +725,79 @@ fn a_bamba_config_is_read_and_counted_with_what_its_class_fixes() {
                 r#""mamba_expand": 2"#,
                 r#""mamba_expand": 2, "z_loss_coefficient": 0.001"#,
                 "z_loss_coefficient 0.001: zrt's loss is the language model's",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn a_jamba_config_is_read_and_counted_with_its_layers_where_its_periods_put_them() {
+    let dir = ConfigDir::new("jamba-configs");
+    // Jamba-v0.1's sizes (its step's rank "auto": 4096 / 16); the count
+    // is transformers'.
+    let v01 = r#"{"model_type": "jamba", "vocab_size": 65536, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": "auto", "attention_bias": true, "rope_theta": 500000.0}"#;
+    let j = dir.read(v01).unwrap();
+    let m = j.mamba1.clone().unwrap();
+    assert_eq!(
+        (m.dt_rank, m.state, m.conv_bias, m.proj_bias),
+        (256, 16, true, false)
+    );
+    // No biases, no positions, whatever the file says.
+    assert_eq!((j.qkv_bias, j.o_bias, j.mlp_bias), (false, false, false));
+    assert!(j.rope_layers.as_ref().unwrap().iter().all(|&t| !t));
+    let attending: Vec<i64> = (0..32).filter(|&l| j.mamba1_layer(l).is_none()).collect();
+    assert_eq!(attending, [4, 12, 20, 28]);
+    let experts: Vec<i64> = (0..32).filter(|&l| j.moe_layer(l)).collect();
+    assert_eq!(experts, (1..32).step_by(2).collect::<Vec<i64>>());
+    assert_eq!(total(&j), 51570323328);
+    // One expert: every layer dense; attending every fourth from the
+    // fourth; biased projections, an unbiased convolution.
+    let dense = v01
+        .replace(r#""num_experts": 16"#, r#""num_experts": 1"#)
+        .replace(
+            r#""attn_layer_period": 8, "attn_layer_offset": 4"#,
+            r#""attn_layer_period": 4, "attn_layer_offset": 3"#,
+        )
+        .replace(
+            r#""mamba_dt_rank": "auto""#,
+            r#""mamba_proj_bias": true, "mamba_conv_bias": false"#,
+        );
+    let d = dir.read(&dense).unwrap();
+    assert!(d.moe.is_none());
+    let attending: Vec<i64> = (0..8).filter(|&l| d.mamba1_layer(l).is_none()).collect();
+    assert_eq!(attending, [3, 7]);
+    assert_eq!(total(&d), 9037523712);
+    // Experts from the first layer, every third.
+    let third = v01.replace(
+        r#""expert_layer_period": 2, "expert_layer_offset": 1"#,
+        r#""expert_layer_period": 3, "expert_layer_offset": 0"#,
+    );
+    let t = dir.read(&third).unwrap();
+    let experts: Vec<i64> = (0..10).filter(|&l| t.moe_layer(l)).collect();
+    assert_eq!(experts, [0, 3, 6, 9]);
+    dir.round_trips([j, d, t]);
+    dir.refuses_replaced(
+        v01,
+        &[
+            (
+                r#""attn_layer_offset": 4"#,
+                r#""attn_layer_offset": 8"#,
+                "attn_layer_period 8 and attn_layer_offset 8: the offset must be below the period",
+            ),
+            (
+                r#""expert_layer_period": 2"#,
+                r#""expert_layer_period": 1"#,
+                "expert_layer_period 1 and expert_layer_offset 1: the offset must be below the period",
+            ),
+            (
+                r#""mamba_d_conv": 4"#,
+                r#""mamba_d_conv": 0"#,
+                "mamba_d_conv",
+            ),
+            (
+                r#""num_experts_per_tok": 2"#,
+                r#""num_experts_per_tok": 2, "output_router_logits": true"#,
+                "output_router_logits true: zrt's loss is the language model's",
             ),
         ],
     );
@@ -2244,6 +2318,7 @@ fn unit_params_count_what_the_built_model_holds() {
         logit_scale: 1.0,
         head_bias: false,
         mamba: None,
+        mamba1: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,

@@ -1,0 +1,314 @@
+//! Jamba's Mamba layers ([`Family::Jamba`]): the selective scan of the
+//! first Mamba (one state per channel, its step, `B` and `C` chosen by
+//! each token), its sizes read from the config, and the layer computed
+//! as `transformers`' `slow_forward` computes it: a scan over the tokens
+//! one after another, so that its rounding is the reference's.
+//!
+//! While generating, the first forward scans the prompt and keeps the
+//! layer's last convolution inputs and its state in its cache slot; each
+//! later token steps them, as `transformers`' cached path does. A packed
+//! row's documents are each scanned alone, from a zero state.
+//!
+//! The scan is a loop over the tokens, as the reference's is: its cost
+//! grows with the sequence in steps of a few small operations, and its
+//! intermediate `[batch, inner, seq, state]` tensors (the discretised
+//! `A` and `B x`) are held in fp32 whole, as there. The CUDA kernels
+//! that make Mamba fast are not part of zrt.
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::hf::{HfError, HfJson};
+use crate::kv_cache::LayerCache;
+use crate::lora::Adapted;
+
+use super::config::{Activation, LlamaConfig};
+use super::layer::Lin;
+use super::norm::RmsNorm;
+
+/// A model's first-generation Mamba layers: their sizes (`mamba_*`) and
+/// which layers they are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mamba1Config {
+    /// `mamba_d_state`: each channel's state.
+    pub state: i64,
+    /// `mamba_d_conv`: the causal convolution's width.
+    pub conv_kernel: i64,
+    /// `mamba_expand`: the inner width over the model's.
+    pub expand: i64,
+    /// `mamba_dt_rank` (`"auto"`: the model's width over 16, rounded
+    /// up): the width each token's step is projected through.
+    pub dt_rank: i64,
+    /// `mamba_conv_bias`.
+    pub conv_bias: bool,
+    /// `mamba_proj_bias`: `in_proj` and `out_proj` have biases.
+    pub proj_bias: bool,
+    /// Jamba's `attn_layer_period` and `attn_layer_offset`: layer `l`
+    /// attends when `l % period == offset`; the others are Mamba layers.
+    pub attention: (i64, i64),
+    /// `use_mamba_kernels`: whether `transformers` is to run these layers
+    /// with the `mamba-ssm` CUDA kernels (it refuses to run them on CPU
+    /// then). zrt has no such kernels and scans as the slow path does
+    /// either way; the field is kept to be written back as it was read.
+    pub kernels: bool,
+}
+
+impl Mamba1Config {
+    /// The inner width, `expand` times the model's `hidden`.
+    pub fn inner(&self, hidden: i64) -> i64 {
+        self.expand * hidden
+    }
+
+    /// Whether layer `l` is a Mamba layer (it does not attend).
+    pub fn is_mamba(&self, l: i64) -> bool {
+        l % self.attention.0 != self.attention.1
+    }
+
+    /// A Mamba layer's parameters in a model `hidden` wide (with
+    /// Jamba's norms of the step, `B` and `C`).
+    pub(super) fn params(&self, hidden: i64) -> u64 {
+        let (d, inner, n, r) = (hidden, self.inner(hidden), self.state, self.dt_rank);
+        let bias = |on: bool, n: i64| if on { n } else { 0 };
+        let count = (d * 2 * inner + bias(self.proj_bias, 2 * inner))
+            + (inner * self.conv_kernel + bias(self.conv_bias, inner))
+            + inner * (r + 2 * n)
+            + (r * inner + inner)
+            + inner * n
+            + inner
+            + (inner * d + bias(self.proj_bias, d))
+            + (r + 2 * n);
+        count as u64
+    }
+
+    /// Its fields in a `config.json`.
+    pub(super) fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mamba_d_state": self.state,
+            "mamba_d_conv": self.conv_kernel,
+            "mamba_expand": self.expand,
+            "mamba_dt_rank": self.dt_rank,
+            "mamba_conv_bias": self.conv_bias,
+            "mamba_proj_bias": self.proj_bias,
+            "attn_layer_period": self.attention.0,
+            "attn_layer_offset": self.attention.1,
+            "use_mamba_kernels": self.kernels,
+        })
+    }
+}
+
+/// A layer period and offset of `JambaConfig` `j` (`attn_layer_*` or
+/// `expert_layer_*`), checked as its class checks them.
+pub(super) fn period(j: &HfJson, what: &str, default: (i64, i64)) -> Result<(i64, i64), HfError> {
+    let (pk, ok) = (
+        format!("{what}_layer_period"),
+        format!("{what}_layer_offset"),
+    );
+    let period = j.size_or_none(&pk)?.unwrap_or(default.0);
+    let offset = super::config::count_or(j, &ok, default.1)?;
+    if period == 0 || offset >= period {
+        return Err(j.field(format!(
+            "{pk} {period} and {ok} {offset}: the offset must be below the period (its class raises otherwise)"
+        )));
+    }
+    Ok((period, offset))
+}
+
+/// The period and offset `JambaConfig` writes for the layers of `layers`
+/// that `on` picks: the shortest period whose offset picks them all and
+/// no other (Jamba's classes can express no other layout; a config read
+/// from one always has such a period).
+pub(super) fn period_of(layers: i64, on: impl Fn(i64) -> bool) -> (i64, i64) {
+    (1..=layers.max(1))
+        .flat_map(|period| (0..period).map(move |offset| (period, offset)))
+        .find(|(period, offset)| (0..layers).all(|l| on(l) == (l % period == *offset)))
+        .unwrap_or((layers.max(1), 0))
+}
+
+/// The Mamba layers of `JambaConfig` `j` (its defaults where it leaves
+/// a field out), for a model `hidden` wide.
+pub(super) fn read(j: &HfJson, hidden: i64) -> Result<Mamba1Config, HfError> {
+    let dt_rank = match j.get("mamba_dt_rank") {
+        None | Some(serde_json::Value::Null) => (hidden + 15) / 16,
+        Some(v) if v.as_str() == Some("auto") => (hidden + 15) / 16,
+        Some(_) => j.size("mamba_dt_rank")?,
+    };
+    let conv_kernel = j.size_or_none("mamba_d_conv")?.unwrap_or(4);
+    let (state, expand) = (
+        j.size_or_none("mamba_d_state")?.unwrap_or(16),
+        j.size_or_none("mamba_expand")?.unwrap_or(2),
+    );
+    if [dt_rank, conv_kernel, state, expand].contains(&0) {
+        return Err(j.field(format!(
+            "mamba_dt_rank {dt_rank}, mamba_d_conv {conv_kernel}, mamba_d_state {state} and mamba_expand {expand}: each at least 1"
+        )));
+    }
+    Ok(Mamba1Config {
+        state,
+        conv_kernel,
+        expand,
+        dt_rank,
+        conv_bias: j.flag_or("mamba_conv_bias", true)?,
+        proj_bias: j.flag_or("mamba_proj_bias", false)?,
+        attention: period(j, "attn", (8, 4))?,
+        kernels: j.flag_or("use_mamba_kernels", true)?,
+    })
+}
+
+/// One Mamba layer (`mamba`): `in_proj` to the channels and their gate;
+/// a depthwise causal convolution (`conv1d`); `x_proj` to each token's
+/// step (through `dt_proj`), `B` and `C`, each RMS-normalised
+/// (`dt_layernorm`, `b_layernorm`, `c_layernorm`); the scan with
+/// `A = -exp(A_log)` and the skip `D`; the gate. Its `out_proj` is the
+/// layer's output projection, held by the layer.
+#[derive(Debug)]
+pub(super) struct Mamba1 {
+    in_proj: Adapted,
+    conv_weight: Tensor,
+    conv_bias: Option<Tensor>,
+    x_proj: Adapted,
+    dt_proj: Adapted,
+    a_log: Tensor,
+    d: Tensor,
+    norms: [RmsNorm; 3],
+    sizes: Mamba1Config,
+    inner: i64,
+    activation: Activation,
+}
+
+impl Mamba1 {
+    /// The Mamba layer under `p` (`model.layers.N.mamba`), its linear
+    /// layers made by `lin`; its parameters start as its class
+    /// initialises them.
+    pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &Mamba1Config, lin: &Lin<'_>) -> Self {
+        let (d, inner, n, r) = (c.hidden, m.inner(c.hidden), m.state, m.dt_rank);
+        let conv_path = p / "conv1d";
+        let states = Tensor::arange_start(1, n + 1, (Kind::Float, p.device()));
+        let a_log = states.log().unsqueeze(0).expand([inner, n], false);
+        Self {
+            in_proj: lin(&(p / "in_proj"), d, 2 * inner, m.proj_bias),
+            conv_weight: conv_path.var(
+                "weight",
+                &[inner, 1, m.conv_kernel],
+                nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                },
+            ),
+            conv_bias: m.conv_bias.then(|| conv_path.zeros("bias", &[inner])),
+            x_proj: lin(&(p / "x_proj"), inner, r + 2 * n, false),
+            dt_proj: lin(&(p / "dt_proj"), r, inner, true),
+            a_log: p.var_copy("A_log", &a_log.contiguous()),
+            d: p.ones("D", &[inner]),
+            norms: [("dt_layernorm", r), ("b_layernorm", n), ("c_layernorm", n)]
+                .map(|(name, width)| RmsNorm::new(p / name, width, c)),
+            sizes: m.clone(),
+            inner,
+            activation: c.activation,
+        }
+    }
+
+    /// The gated scan of `h` `[batch, seq, hidden]`, `[batch, seq,
+    /// inner]` in `h`'s dtype (before `out_proj`), as `transformers`'
+    /// `slow_forward` computes it. While generating, the first forward
+    /// scans the prompt and keeps the layer's state in `cache`; each
+    /// later token steps it, as its cached path does.
+    pub(super) fn forward(&self, h: &Tensor, cache: &LayerCache) -> Tensor {
+        let projected = self.in_proj.forward(h);
+        let x = projected.narrow(-1, 0, self.inner);
+        let gate = projected.narrow(-1, self.inner, self.inner);
+        let y = match (cache.documents(), cache.state()) {
+            // A packed row's documents each scanned alone, from a zero
+            // state, their convolutions starting afresh.
+            (Some(d), _) => {
+                let rows: Vec<Tensor> = (d.lengths().iter().enumerate())
+                    .map(|(r, lengths)| {
+                        let x = x.narrow(0, r as i64, 1);
+                        let parts: Vec<Tensor> = (x.split_with_sizes(lengths, 1).iter())
+                            .map(|x| self.scan(x, None, cache))
+                            .collect();
+                        Tensor::cat(&parts, 1)
+                    })
+                    .collect();
+                Tensor::cat(&rows, 0)
+            }
+            (None, state) => self.scan(&x, state, cache),
+        };
+        (y * self.activation.apply(&gate)).to_kind(h.kind())
+    }
+
+    /// The scan of the channels `x_in` `[batch, seq, inner]` (before the
+    /// convolution), from a zero state, or token by token from a
+    /// generation's `state` (the convolution's last inputs and the
+    /// scan's state): the outputs `[batch, seq, inner]` with the skip
+    /// added, before the gate. The convolution's last inputs and the
+    /// final state go to `cache` when generating.
+    fn scan(&self, x_in: &Tensor, state: Option<(Tensor, Tensor)>, cache: &LayerCache) -> Tensor {
+        let m = &self.sizes;
+        let (b, t, _) = x_in.size3().unwrap_or((1, 1, 1));
+        let (inner, n, k) = (self.inner, m.state, m.conv_kernel);
+        let kind = x_in.kind();
+        let channels = x_in.transpose(1, 2);
+        // The depthwise causal convolution: over the whole sequence, or a
+        // token at a time over the kept inputs.
+        let (x, inputs, ssm) = match state {
+            None => {
+                let conv = channels.conv1d(
+                    &self.conv_weight,
+                    self.conv_bias.as_ref(),
+                    [1],
+                    [k - 1],
+                    [1],
+                    inner,
+                );
+                let x = self.activation.apply(&conv.narrow(-1, 0, t));
+                let inputs = channels.constant_pad_nd([k - t, 0]);
+                (
+                    x,
+                    inputs,
+                    Tensor::zeros([b, inner, n], (kind, x_in.device())),
+                )
+            }
+            Some((mut inputs, ssm)) => {
+                let weight = self.conv_weight.squeeze_dim(1);
+                let mut xs = Vec::with_capacity(t as usize);
+                for i in 0..t {
+                    let token = channels.narrow(-1, i, 1);
+                    inputs = Tensor::cat(&[inputs.narrow(-1, 1, k - 1), token], -1);
+                    let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
+                    let x = match &self.conv_bias {
+                        Some(bias) => summed + bias,
+                        None => summed,
+                    };
+                    xs.push(self.activation.apply(&x).to_kind(kind).unsqueeze(-1));
+                }
+                (Tensor::cat(&xs, -1), inputs, ssm)
+            }
+        };
+        // Each token's step, B and C, normalised.
+        let r = m.dt_rank;
+        let params = self.x_proj.forward(&x.transpose(1, 2));
+        let part = |at, width, norm: &RmsNorm| norm.forward(&params.narrow(-1, at, width));
+        let [dt_norm, b_norm, c_norm] = &self.norms;
+        let (dt, bb, cc) = (
+            part(0, r, dt_norm),
+            part(r, n, b_norm),
+            part(r + n, n, c_norm),
+        );
+        let dt = self.dt_proj.forward(&dt).softplus().transpose(1, 2);
+        // Discretised: [b, inner, t, n], in fp32.
+        let a = -self.a_log.to_kind(Kind::Float).exp();
+        let da = (a.unsqueeze(0).unsqueeze(2) * dt.unsqueeze(-1)).exp();
+        let db = dt.unsqueeze(-1) * bb.unsqueeze(1).to_kind(Kind::Float);
+        let dbu = db * x.unsqueeze(-1).to_kind(Kind::Float);
+        let mut ssm = ssm;
+        let mut ys = Vec::with_capacity(t as usize);
+        for i in 0..t {
+            ssm = da.select(2, i) * &ssm + dbu.select(2, i);
+            let c = cc.select(1, i).unsqueeze(-1);
+            ys.push(ssm.to_kind(kind).matmul(&c).squeeze_dim(-1));
+        }
+        cache.keep_state((inputs, ssm.to_kind(kind)));
+        let y = Tensor::stack(&ys, -1) + &x * self.d.unsqueeze(-1);
+        y.transpose(1, 2)
+    }
+}

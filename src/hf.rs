@@ -269,7 +269,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`).
     Llama(Llama),
 }
 
@@ -339,6 +339,10 @@ impl HfModel {
             let prefix = if gpt2 { "transformer." } else { "" };
             let tied = layout.tied_head();
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
+            if let Layout::Llama(c) = &layout {
+                let refused = c.lora_refused_modules();
+                crate::lora::refuse_modules(vs, refused, c.family.model_type())?;
+            }
             crate::lora::init_from_checkpoint(vs, dir, prefix, lora)?;
             // `ensure_weight_tying` written where it ties something
             // (PEFT warns of it elsewhere).

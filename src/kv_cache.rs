@@ -210,8 +210,8 @@ impl LayerCache {
         causal_attention(&q, &k, &v, offset, dropout, grouped)
     }
 
-    /// A recurrent layer's state while generating (Granite 4.0's,
-    /// Bamba's and Jamba's Mamba layers: its convolution's last inputs and its
+    /// A recurrent layer's state while generating (the Mamba layers of
+    /// Granite 4.0, Bamba, Jamba, Mamba and Falcon-Mamba: its convolution's last inputs and its
     /// scan's state), as the last forward left it; `None` when not
     /// generating, or before the generation's first forward.
     pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {

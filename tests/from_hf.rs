@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba and Jamba (their Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba and Falcon-Mamba (their Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -476,7 +476,7 @@ const CASES: &[Case] = &[
         name: "bloom",
         python: (
             "from transformers import BloomConfig as C, BloomForCausalLM as M",
-            "vocab_size=96, hidden_size=96, n_layer=2, n_head=6",
+            "vocab_size=96, hidden_size=96, n_layer=2, n_head=6, pad_token_id=3",
         ),
         load: "",
     },
@@ -664,6 +664,27 @@ const CASES: &[Case] = &[
         python: (
             "from transformers import JambaConfig as C, JambaForCausalLM as M",
             "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_proj_bias=True, use_mamba_kernels=False",
+        ),
+        load: "",
+    },
+    // Mamba: nothing but selective-scan layers (biased projections),
+    // the head tied to the embeddings.
+    Case {
+        name: "mamba",
+        python: (
+            "from transformers import MambaConfig as C, MambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=3, state_size=8, use_bias=True",
+        ),
+        load: "",
+    },
+    // Falcon-Mamba: Mamba's layers, each token's step, B and C
+    // normalised without weights (at an epsilon of its own), the head
+    // untied.
+    Case {
+        name: "falcon-mamba",
+        python: (
+            "from transformers import FalconMambaConfig as C, FalconMambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=2, state_size=8, time_step_rank=6, mixer_rms_eps=1e-3, tie_word_embeddings=False",
         ),
         load: "",
     },
@@ -1186,12 +1207,23 @@ fn granite_4_and_bamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("bamba");
 }
 
+#[test]
+fn a_mamba_checkpoint_of_selective_scan_layers_alone_trains_as_transformers_does() {
+    parity("mamba");
+}
+
+#[test]
+fn a_falcon_mamba_checkpoint_with_its_steps_normalised_trains_as_transformers_does() {
+    parity("falcon-mamba");
+}
+
 /// Jamba's packed documents: each scanned alone by its Mamba layers,
 /// from a zero state, and attended to alone (without positions) by the
 /// others; checked against each document alone, as for Granite 4.0.
 #[test]
 fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("jamba");
+    packed_documents_as_each_alone("mamba");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -2487,6 +2519,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "xglm" => r#"{"model_type": "xglm", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
                 .to_string(),
+            // Mamba's and Falcon-Mamba's have no heads and no MLP.
+            "mamba" | "falcon_mamba" => format!(
+                r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
+                "num_hidden_layers": 4}}"#
+            ),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -2519,8 +2556,10 @@ for mt in sorted(os.listdir(root)):
     for c in (given, read):
         width = c.get("hidden_size") or c.get("d_model") or c["n_embd"]
         heads = (c.get("num_attention_heads") or c.get("n_heads") or c.get("num_heads")
-                 or c.get("attention_heads") or c["n_head"])
-        c["head_dim"] = c.get("head_dim") or width // heads
+                 or c.get("attention_heads") or c.get("n_head"))
+        # Mamba's attend nowhere.
+        if heads:
+            c["head_dim"] = c.get("head_dim") or width // heads
     # A field the class does not have is None to it (zrt writes
     # rope_scaling: null for every family).
     for k in sorted((set(given) | set(read)) - ignore):
@@ -3220,6 +3259,13 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_experts=4, num_experts_per_tok=2, attn_layer_period=2, \
              attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False, \
              eos_token_id=None, bos_token_id=None, pad_token_id=None",
+        ),
+        (
+            "falcon-mamba",
+            "from transformers import FalconMambaConfig as C, FalconMambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=2, state_size=8, \
+             mixer_rms_eps=1e-3, tie_word_embeddings=False, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=None",
         ),
         (
             "falcon-rw",

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0 and Jamba (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba and Mamba (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -478,6 +478,20 @@ const JAMBA: Case = Case {
     ..OFF
 };
 
+/// Mamba's layers' `in_proj` (64 -> 256: the channels and their gate),
+/// `x_proj` (128 -> 20), zrt's default for it (PEFT has none), and
+/// `dt_proj` (4 -> 128), in both layers; the head tied.
+const MAMBA: Case = Case {
+    python: (
+        "from transformers import MambaConfig as C, MambaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, num_hidden_layers=2, state_size=8",
+    ),
+    targets: &["in_proj", "x_proj", "dt_proj"],
+    matrices: 12,
+    elements: 4 * 2 * ((64 + 256) + (128 + 20) + (4 + 128)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -892,6 +906,11 @@ fn lora_adapters_on_jambas_selective_scan_and_experts_train_as_peft_does() {
 }
 
 #[test]
+fn lora_adapters_on_mambas_projections_train_as_peft_does() {
+    parity("mamba", &MAMBA, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn lora_adapters_on_phimoes_attention_and_experts_train_as_peft_does() {
     parity("phimoe", &PHIMOE, &[(3, false, Held::Fp32)]);
 }
@@ -1173,6 +1192,31 @@ fn built_with(hf: &Path, lora: LoraConfig) -> String {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
     }
+}
+
+/// An adapter on Mamba's `out_proj` (or through all-linear) is refused
+/// as PEFT refuses it, naming the module and the fix; `in_proj` builds.
+#[test]
+fn lora_on_a_mambas_out_proj_is_refused_as_peft_refuses_it() {
+    let dir = scratch("lora-mamba-refused");
+    let model = common::hf_seeded_model(
+        "from transformers import MambaConfig as C, MambaForCausalLM as M",
+        "vocab_size=96, hidden_size=32, num_hidden_layers=1, state_size=4",
+        &dir,
+        "",
+    );
+    common::python(&model);
+    let build = |targets: &[&str]| built_with(&dir.join("hf"), LoraConfig::new(2, 8.0, targets));
+    for targets in [&["in_proj", "out_proj"][..], &["all-linear"]] {
+        let err = build(targets);
+        assert!(
+            err.contains(r#"target_modules adapt {"out_proj"}: PEFT refuses LoRA on ["out_proj", "conv1d"] of a "mamba" model"#)
+                && err.contains("name others (in_proj, x_proj, dt_proj)"),
+            "{targets:?}: {err}"
+        );
+    }
+    assert_eq!(build(&["in_proj", "dt_proj"]), "");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

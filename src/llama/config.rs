@@ -15,7 +15,7 @@ use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
 use super::mamba::MambaConfig;
-use super::mamba1::Mamba1Config;
+use super::mamba1::{self, Mamba1Config};
 use super::mpt;
 use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
@@ -307,7 +307,8 @@ pub struct LlamaConfig {
     pub activation: Activation,
     /// `pad_token_id`: the embedding's row that gets no gradient from
     /// the lookup (`transformers` makes it `nn.Embedding`'s
-    /// `padding_idx`).
+    /// `padding_idx`), in the families whose classes do
+    /// ([`LlamaConfig::padding_row`]).
     pub pad_token: Option<i64>,
     /// Gemma 2's and 3's `query_pre_attn_scalar`: attention scores are
     /// scaled by its inverse square root, not the head width's.
@@ -417,6 +418,7 @@ impl LlamaConfig {
             Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
             Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
             Some(Family::Xglm) => (xglm::flat(j)?, xglm::xglm_names),
+            Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
         Self::read(&flat).map_err(own_names)
@@ -649,7 +651,11 @@ impl LlamaConfig {
         // Nemotron's class turns unscaled whatever the config says.
         let scaling = match family {
             // Jamba's attention takes no positions at all.
-            Family::Nemotron | Family::Bamba | Family::Jamba => RopeScaling::None,
+            f if matches!(f, Family::Nemotron | Family::Bamba | Family::Jamba)
+                || f.mamba_only() =>
+            {
+                RopeScaling::None
+            }
             _ => rope_scaling(j, family.model_type(), rotary_dim)?,
         };
         // Llama 4's class scales by Llama 3's whenever it scales.
@@ -851,8 +857,11 @@ impl LlamaConfig {
             },
             rope_layers: match family {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
-                // Jamba attends without positions.
-                Family::Jamba => Some(vec![false; j.size("num_hidden_layers")? as usize]),
+                // Jamba attends without positions (Mamba and Falcon-Mamba
+                // not at all).
+                f if f == Family::Jamba || f.mamba_only() => {
+                    Some(vec![false; j.size("num_hidden_layers")? as usize])
+                }
                 // Granite 4.0 turns only with `position_embedding_type`
                 // "rope".
                 Family::GraniteMoeHybrid => {
@@ -894,7 +903,9 @@ impl LlamaConfig {
                 _ => None,
             },
             mamba1: match family {
-                Family::Jamba => Some(super::mamba1::read(j, hidden)?),
+                f if f == Family::Jamba || f.mamba_only() => {
+                    Some(super::mamba1::read(j, f, hidden)?)
+                }
                 _ => None,
             },
             mla,
@@ -919,6 +930,25 @@ impl LlamaConfig {
             Some(m) => m.rope,
             None => rotary_dim(self.head_dim, self.partial_rotary),
         }
+    }
+
+    /// The modules (by last name) PEFT refuses LoRA adapters on in this
+    /// family: Mamba's and Falcon-Mamba's `out_proj` and `conv1d` (the
+    /// CUDA kernels their classes run with read those weights directly).
+    pub fn lora_refused_modules(&self) -> &'static [&'static str] {
+        match self.family.mamba_only() {
+            true => &["out_proj", "conv1d"],
+            false => &[],
+        }
+    }
+
+    /// The token embedding's row that gets no gradient from the lookup:
+    /// [`LlamaConfig::pad_token`] where the family's class makes it the
+    /// embedding's `padding_idx`; none for GPT-J, CodeGen, GPT-BigCode,
+    /// GPT-Neo, MPT, BLOOM, Falcon, Mamba and Falcon-Mamba, whose
+    /// classes train every row.
+    pub fn padding_row(&self) -> Option<i64> {
+        self.pad_token.filter(|_| self.family.pads_embedding())
     }
 
     /// Each head's value width: DeepSeek-V3's `v_head_dim`, else
@@ -1090,7 +1120,12 @@ impl LlamaConfig {
         };
         let mlp = mlp + act;
         let layer = |l: i64| {
-            let mlp = if self.moe_layer(l) { experts } else { mlp };
+            // Mamba's and Falcon-Mamba's layers have no MLP, one norm.
+            let (mlp, norms) = match self.family.mamba_only() {
+                true => (0, 1),
+                false if self.moe_layer(l) => (experts, norms),
+                false => (mlp, norms),
+            };
             // Granite 4.0's, Bamba's and Jamba's Mamba layers in place of
             // attention.
             let mixer = match (self.mamba_layer(l), self.mamba1_layer(l)) {
@@ -1140,6 +1175,7 @@ impl LlamaConfig {
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
+            (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
         if let Some(json) = own {
@@ -1223,8 +1259,9 @@ impl LlamaConfig {
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
             }),
-            // Its Mamba layers' fields are written below.
-            Family::Bamba => serde_json::json!({}),
+            // Its Mamba layers' fields are written below (Mamba's and
+            // Falcon-Mamba's whole configs by `mamba1::to_json`).
+            Family::Bamba | Family::Mamba | Family::FalconMamba => serde_json::json!({}),
             Family::Jamba => {
                 let moe = self.moe.as_ref();
                 let (period, offset) = super::mamba1::period_of(self.layers, |l| self.moe_layer(l));

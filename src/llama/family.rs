@@ -378,11 +378,22 @@ pub enum Family {
     /// softmax's top `k` as they are; `pre_ff_layernorm`, the final norm
     /// `final_layernorm`.
     Jamba,
+    /// `mamba` (`MambaForCausalLM`: the Mamba models of state-spaces):
+    /// nothing but the first Mamba's layers, each a norm (`norm`) and
+    /// Jamba's selective scan without its norms (`mixer`; its sizes
+    /// `state_size`, `conv_kernel`, `expand`, `time_step_rank`,
+    /// `use_bias`, `use_conv_bias`), under `backbone` with `embeddings`
+    /// and the final norm `norm_f`; the head tied by default.
+    Mamba,
+    /// `falcon_mamba` (`FalconMambaForCausalLM`: TII's Falcon-Mamba 7B):
+    /// Mamba's layers, each token's step, `B` and `C` RMS-normalised
+    /// without weights (at `mixer_rms_eps`).
+    FalconMamba,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 60] = [
+    pub const ALL: [Family; 62] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -443,6 +454,8 @@ impl Family {
         Self::GraniteMoeHybrid,
         Self::Bamba,
         Self::Jamba,
+        Self::Mamba,
+        Self::FalconMamba,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -522,6 +535,8 @@ impl Family {
             Self::GraniteMoeHybrid => "granitemoehybrid",
             Self::Bamba => "bamba",
             Self::Jamba => "jamba",
+            Self::Mamba => "mamba",
+            Self::FalconMamba => "falcon_mamba",
         }
     }
 
@@ -588,7 +603,35 @@ impl Family {
             Self::GraniteMoeHybrid => "GraniteMoeHybridForCausalLM",
             Self::Bamba => "BambaForCausalLM",
             Self::Jamba => "JambaForCausalLM",
+            Self::Mamba => "MambaForCausalLM",
+            Self::FalconMamba => "FalconMambaForCausalLM",
         }
+    }
+
+    /// Whether its class gives the token embedding the config's
+    /// `pad_token_id` as `nn.Embedding`'s `padding_idx` (the row gets no
+    /// gradient from the lookup). GPT-J's, CodeGen's, GPT-BigCode's,
+    /// GPT-Neo's, MPT's, BLOOM's, Falcon's, Mamba's and Falcon-Mamba's
+    /// do not: every row of theirs trains, the pad token's too (which a
+    /// tied head's gradient always reaches).
+    pub(super) fn pads_embedding(self) -> bool {
+        !(self.gptj()
+            || matches!(
+                self,
+                Self::GptBigCode
+                    | Self::GptNeo
+                    | Self::Mpt
+                    | Self::Bloom
+                    | Self::Falcon
+                    | Self::Mamba
+                    | Self::FalconMamba
+            ))
+    }
+
+    /// Mamba's and Falcon-Mamba's: nothing but Mamba layers, each a norm
+    /// and the scan, no attention, no MLP.
+    pub(super) fn mamba_only(self) -> bool {
+        matches!(self, Self::Mamba | Self::FalconMamba)
     }
 
     /// Gemma's: norms as offsets from one, the embeddings scaled.
@@ -890,6 +933,12 @@ impl Family {
                 positions: 262144,
                 ..LLAMA
             },
+            Self::Mamba | Self::FalconMamba => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(0),
+                ..LLAMA
+            },
             Self::Jamba => Defaults {
                 kv_heads: Some(8),
                 pad: Some(0),
@@ -1156,6 +1205,7 @@ impl Family {
                 ["model", "embed_tokens", "layers", "final_layernorm"]
             }
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
+            Self::Mamba | Self::FalconMamba => ["backbone", "embeddings", "layers", "norm_f"],
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
@@ -1183,6 +1233,7 @@ impl Family {
             Self::Opt => "model.decoder.embed_tokens",
             Self::BioGpt => "biogpt.embed_tokens",
             Self::Falcon | Self::Bloom => "transformer.word_embeddings",
+            Self::Mamba | Self::FalconMamba => "backbone.embeddings",
             _ => "model.embed_tokens",
         }
     }
@@ -1198,7 +1249,9 @@ impl Family {
             | Self::GptBigCode
             | Self::GptNeo
             | Self::Mpt
-            | Self::Bloom => "layer_norm_epsilon",
+            | Self::Bloom
+            | Self::Mamba
+            | Self::FalconMamba => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 | Self::Persimmon => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

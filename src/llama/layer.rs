@@ -211,6 +211,8 @@ enum Mlp {
         xielu: Option<Xielu>,
     },
     Experts(Experts),
+    /// Mamba's and Falcon-Mamba's layers have none.
+    None,
 }
 
 /// A sparse mixture of experts ([`MoeConfig`]): the router (`gate`) and
@@ -772,14 +774,18 @@ impl Layer {
             }
         });
         // Granite 4.0's, Bamba's and Jamba's Mamba layers in place of
-        // attention.
+        // attention (Mamba's and Falcon-Mamba's are their `mixer`).
+        let mixer = match c.family.mamba_only() {
+            true => p / "mixer",
+            false => p / "mamba",
+        };
         let qkv = match (c.mamba_layer(l), c.mamba1_layer(l)) {
             (Some(m), _) => {
                 let mp = p / "mamba";
                 let in_proj = lin(&(&mp / "in_proj"), d, m.projected(d), m.proj_bias);
                 Qkv::Mamba(Box::new(Mamba::new(&mp, c, m, in_proj)))
             }
-            (None, Some(m)) => Qkv::Mamba1(Box::new(Mamba1::new(&(p / "mamba"), c, m, lin))),
+            (None, Some(m)) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
             (None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
@@ -815,7 +821,7 @@ impl Layer {
             qkv,
             o_proj: match (c.mamba_layer(l), c.mamba1_layer(l)) {
                 (Some(m), _) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
-                (None, Some(m)) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
+                (None, Some(m)) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
@@ -834,6 +840,7 @@ impl Layer {
                 ),
             },
             mlp: match (&c.moe, c.moe_layer(l)) {
+                _ if c.family.mamba_only() => Mlp::None,
                 (Some(moe), true) => {
                     let under = match c.family {
                         f if matches!(f, Family::Mixtral | Family::Phimoe) || f.granite_moe() => {
@@ -942,6 +949,8 @@ impl Module for Layer {
         };
         let h = self.norms.mlp_input(&x, h);
         let m = match &self.mlp {
+            // Mamba's layers end with the scan's output added.
+            Mlp::None => return x,
             Mlp::Dense { gate_up, down_proj } => {
                 let (gate, up) = gate_up.forward(&h);
                 down_proj.forward(&(c.activation.apply(&gate) * up))

@@ -1,8 +1,12 @@
-//! Jamba's Mamba layers ([`Family::Jamba`]): the selective scan of the
-//! first Mamba (one state per channel, its step, `B` and `C` chosen by
-//! each token), its sizes read from the config, and the layer computed
-//! as `transformers`' `slow_forward` computes it: a scan over the tokens
-//! one after another, so that its rounding is the reference's.
+//! The first Mamba's layers: Jamba's ([`Family::Jamba`]) beside its
+//! attending ones, and those of Mamba and Falcon-Mamba
+//! ([`Family::Mamba`], [`Family::FalconMamba`]), which are nothing but
+//! them. The selective scan (one state per channel, its step, `B` and
+//! `C` chosen by each token), its sizes read from the config (Mamba's
+//! and Falcon-Mamba's under names of their own, read flat as Jamba's),
+//! and the layer computed as `transformers`' `slow_forward` computes
+//! it: a scan over the tokens one after another, so that its rounding
+//! is the reference's.
 //!
 //! While generating, the first forward scans the prompt and keeps the
 //! layer's last convolution inputs and its state in its cache slot; each
@@ -18,17 +22,35 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use serde_json::{json, Map, Value};
+
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::LayerCache;
 use crate::lora::Adapted;
 
 use super::config::{Activation, LlamaConfig};
+use super::family::Family;
 use super::layer::Lin;
-use super::norm::RmsNorm;
+use super::norm::{rms_normalized, RmsNorm};
+use super::own_names::{self, field, Default, Field};
+
+/// How a Mamba layer normalises each token's step, `B` and `C` before
+/// the scan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepNorms {
+    /// Mamba's: not at all.
+    None,
+    /// Jamba's: RMSNorms with weights (`dt_layernorm`, `b_layernorm`,
+    /// `c_layernorm`), at the model's epsilon.
+    Weighted,
+    /// Falcon-Mamba's: RMS-normalised without weights, at its
+    /// `mixer_rms_eps`.
+    Plain(f64),
+}
 
 /// A model's first-generation Mamba layers: their sizes (`mamba_*`) and
 /// which layers they are.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Mamba1Config {
     /// `mamba_d_state`: each channel's state.
     pub state: i64,
@@ -45,7 +67,10 @@ pub struct Mamba1Config {
     pub proj_bias: bool,
     /// Jamba's `attn_layer_period` and `attn_layer_offset`: layer `l`
     /// attends when `l % period == offset`; the others are Mamba layers.
-    pub attention: (i64, i64),
+    /// `None`: every layer is (Mamba's, Falcon-Mamba's).
+    pub attention: Option<(i64, i64)>,
+    /// How each token's step, `B` and `C` are normalised.
+    pub step_norms: StepNorms,
     /// `use_mamba_kernels`: whether `transformers` is to run these layers
     /// with the `mamba-ssm` CUDA kernels (it refuses to run them on CPU
     /// then). zrt has no such kernels and scans as the slow path does
@@ -61,11 +86,12 @@ impl Mamba1Config {
 
     /// Whether layer `l` is a Mamba layer (it does not attend).
     pub fn is_mamba(&self, l: i64) -> bool {
-        l % self.attention.0 != self.attention.1
+        self.attention
+            .is_none_or(|(period, offset)| l % period != offset)
     }
 
     /// A Mamba layer's parameters in a model `hidden` wide (with
-    /// Jamba's norms of the step, `B` and `C`).
+    /// Jamba's norms' weights).
     pub(super) fn params(&self, hidden: i64) -> u64 {
         let (d, inner, n, r) = (hidden, self.inner(hidden), self.state, self.dt_rank);
         let bias = |on: bool, n: i64| if on { n } else { 0 };
@@ -76,21 +102,22 @@ impl Mamba1Config {
             + inner * n
             + inner
             + (inner * d + bias(self.proj_bias, d))
-            + (r + 2 * n);
+            + bias(self.step_norms == StepNorms::Weighted, r + 2 * n);
         count as u64
     }
 
-    /// Its fields in a `config.json`.
-    pub(super) fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
+    /// Its fields in Jamba's `config.json`.
+    pub(super) fn to_json(&self) -> Value {
+        let (period, offset) = self.attention.unwrap_or((1, 0));
+        json!({
             "mamba_d_state": self.state,
             "mamba_d_conv": self.conv_kernel,
             "mamba_expand": self.expand,
             "mamba_dt_rank": self.dt_rank,
             "mamba_conv_bias": self.conv_bias,
             "mamba_proj_bias": self.proj_bias,
-            "attn_layer_period": self.attention.0,
-            "attn_layer_offset": self.attention.1,
+            "attn_layer_period": period,
+            "attn_layer_offset": offset,
             "use_mamba_kernels": self.kernels,
         })
     }
@@ -125,8 +152,9 @@ pub(super) fn period_of(layers: i64, on: impl Fn(i64) -> bool) -> (i64, i64) {
 }
 
 /// The Mamba layers of `JambaConfig` `j` (its defaults where it leaves
-/// a field out), for a model `hidden` wide.
-pub(super) fn read(j: &HfJson, hidden: i64) -> Result<Mamba1Config, HfError> {
+/// a field out; Mamba's and Falcon-Mamba's read [`flat`]), for a model
+/// `hidden` wide: `family` says whose.
+pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<Mamba1Config, HfError> {
     let dt_rank = match j.get("mamba_dt_rank") {
         None | Some(serde_json::Value::Null) => (hidden + 15) / 16,
         Some(v) if v.as_str() == Some("auto") => (hidden + 15) / 16,
@@ -149,7 +177,15 @@ pub(super) fn read(j: &HfJson, hidden: i64) -> Result<Mamba1Config, HfError> {
         dt_rank,
         conv_bias: j.flag_or("mamba_conv_bias", true)?,
         proj_bias: j.flag_or("mamba_proj_bias", false)?,
-        attention: period(j, "attn", (8, 4))?,
+        attention: match family {
+            Family::Jamba => Some(period(j, "attn", (8, 4))?),
+            _ => None,
+        },
+        step_norms: match family {
+            Family::Jamba => StepNorms::Weighted,
+            Family::FalconMamba => StepNorms::Plain(j.number_or("mixer_rms_eps", 1e-6)?),
+            _ => StepNorms::None,
+        },
         kernels: j.flag_or("use_mamba_kernels", true)?,
     })
 }
@@ -157,7 +193,8 @@ pub(super) fn read(j: &HfJson, hidden: i64) -> Result<Mamba1Config, HfError> {
 /// One Mamba layer (`mamba`): `in_proj` to the channels and their gate;
 /// a depthwise causal convolution (`conv1d`); `x_proj` to each token's
 /// step (through `dt_proj`), `B` and `C`, each RMS-normalised
-/// (`dt_layernorm`, `b_layernorm`, `c_layernorm`); the scan with
+/// (Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`; Falcon-Mamba's
+/// without weights; Mamba's not at all); the scan with
 /// `A = -exp(A_log)` and the skip `D`; the gate. Its `out_proj` is the
 /// layer's output projection, held by the layer.
 #[derive(Debug)]
@@ -169,14 +206,16 @@ pub(super) struct Mamba1 {
     dt_proj: Adapted,
     a_log: Tensor,
     d: Tensor,
-    norms: [RmsNorm; 3],
+    /// Jamba's norms of each token's step, `B` and `C`.
+    norms: Option<[RmsNorm; 3]>,
     sizes: Mamba1Config,
     inner: i64,
     activation: Activation,
 }
 
 impl Mamba1 {
-    /// The Mamba layer under `p` (`model.layers.N.mamba`), its linear
+    /// The Mamba layer under `p` (Jamba's `model.layers.N.mamba`, the
+    /// others' `backbone.layers.N.mixer`), its linear
     /// layers made by `lin`; its parameters start as its class
     /// initialises them.
     pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &Mamba1Config, lin: &Lin<'_>) -> Self {
@@ -199,8 +238,10 @@ impl Mamba1 {
             dt_proj: lin(&(p / "dt_proj"), r, inner, true),
             a_log: p.var_copy("A_log", &a_log.contiguous()),
             d: p.ones("D", &[inner]),
-            norms: [("dt_layernorm", r), ("b_layernorm", n), ("c_layernorm", n)]
-                .map(|(name, width)| RmsNorm::new(p / name, width, c)),
+            norms: (m.step_norms == StepNorms::Weighted).then(|| {
+                [("dt_layernorm", r), ("b_layernorm", n), ("c_layernorm", n)]
+                    .map(|(name, width)| RmsNorm::new(p / name, width, c))
+            }),
             sizes: m.clone(),
             inner,
             activation: c.activation,
@@ -287,13 +328,15 @@ impl Mamba1 {
         // Each token's step, B and C, normalised.
         let r = m.dt_rank;
         let params = self.x_proj.forward(&x.transpose(1, 2));
-        let part = |at, width, norm: &RmsNorm| norm.forward(&params.narrow(-1, at, width));
-        let [dt_norm, b_norm, c_norm] = &self.norms;
-        let (dt, bb, cc) = (
-            part(0, r, dt_norm),
-            part(r, n, b_norm),
-            part(r + n, n, c_norm),
-        );
+        let part = |at, width, i: usize| {
+            let p = params.narrow(-1, at, width);
+            match (&self.norms, m.step_norms) {
+                (Some(norms), _) => norms[i].forward(&p),
+                (None, StepNorms::Plain(eps)) => rms_normalized(&p, eps).to_kind(p.kind()),
+                (None, _) => p,
+            }
+        };
+        let (dt, bb, cc) = (part(0, r, 0), part(r, n, 1), part(r + n, n, 2));
         let dt = self.dt_proj.forward(&dt).softplus().transpose(1, 2);
         // Discretised: [b, inner, t, n], in fp32.
         let a = -self.a_log.to_kind(Kind::Float).exp();
@@ -311,4 +354,101 @@ impl Mamba1 {
         let y = Tensor::stack(&ys, -1) + &x * self.d.unsqueeze(-1);
         y.transpose(1, 2)
     }
+}
+
+/// Each flat field and where `MambaConfig` and `FalconMambaConfig` keep
+/// it, with their defaults (the same for both).
+const FIELDS: [Field; 10] = [
+    field("hidden_size", "hidden_size", Default::Int(768), false),
+    field(
+        "num_hidden_layers",
+        "num_hidden_layers",
+        Default::Int(32),
+        false,
+    ),
+    field("vocab_size", "vocab_size", Default::Int(50280), false),
+    own_names::EPSILON,
+    field("hidden_act", "hidden_act", Default::Str("silu"), false),
+    field("mamba_d_state", "state_size", Default::Int(16), false),
+    field("mamba_d_conv", "conv_kernel", Default::Int(4), false),
+    field("mamba_expand", "expand", Default::Int(2), false),
+    field(
+        "mamba_dt_rank",
+        "time_step_rank",
+        Default::Str("auto"),
+        false,
+    ),
+    field("mamba_proj_bias", "use_bias", Default::Bool(false), false),
+];
+
+/// The flat fields read beside [`FIELDS`] that need more than a copy.
+const OTHERS: [(&str, &str); 1] = [("mamba_conv_bias", "use_conv_bias")];
+
+/// Mamba's or Falcon-Mamba's config `j` read flat, as Jamba's: its
+/// sizes under Jamba's `mamba_*` names, one head (nothing attends),
+/// `intermediate_size` the scan's inner width (no layer has an MLP).
+/// Its class's `intermediate_size` (written by `save_pretrained`) must
+/// be `expand` times the width, as its class computes it.
+/// `residual_in_fp32` is not read: zrt's residual stream is in the
+/// model's dtype (`transformers`' is in fp32 when it is true, its
+/// default; the same numbers when training in fp32).
+pub(super) fn flat(j: &HfJson, family: Family) -> Result<HfJson, HfError> {
+    let mut out = Map::new();
+    out.insert("model_type".into(), family.model_type().into());
+    own_names::keep(j, &mut out);
+    own_names::copy(j, &[], &FIELDS, &mut out);
+    out.insert(
+        "mamba_conv_bias".into(),
+        j.get("use_conv_bias").cloned().unwrap_or(Value::Bool(true)),
+    );
+    if family == Family::FalconMamba {
+        if let Some(eps) = j.get("mixer_rms_eps") {
+            out.insert("mixer_rms_eps".into(), eps.clone());
+        }
+    }
+    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
+    if let (Some(hidden), Some(expand)) = (size("hidden_size"), size("mamba_expand")) {
+        let inner = expand * hidden;
+        if let Some(given) = j.get("intermediate_size").filter(|v| !v.is_null()) {
+            if given.as_i64() != Some(inner) {
+                return Err(j.field(format!(
+                    "intermediate_size {given}: its class makes it expand x hidden_size ({inner}), and zrt builds that; give the two that agree"
+                )));
+            }
+        }
+        out.insert("intermediate_size".into(), inner.into());
+    }
+    out.insert("num_attention_heads".into(), 1.into());
+    Ok(j.reading(Value::Object(out)))
+}
+
+/// `e` with the flat fields it names renamed to Mamba's.
+pub(super) fn mamba_names(e: HfError) -> HfError {
+    own_names::renamed_as(e, &FIELDS, &OTHERS)
+}
+
+/// `c`'s `config.json` as `MambaConfig` or `FalconMambaConfig` reads it.
+pub(super) fn to_json(c: &LlamaConfig, m: &Mamba1Config) -> Value {
+    let mut json = json!({
+        "model_type": c.family.model_type(),
+        "architectures": [c.family.architecture()],
+        "vocab_size": c.vocab,
+        "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers,
+        "intermediate_size": m.inner(c.hidden),
+        "layer_norm_epsilon": c.eps,
+        "hidden_act": c.activation.name(),
+        "state_size": m.state,
+        "conv_kernel": m.conv_kernel,
+        "expand": m.expand,
+        "time_step_rank": m.dt_rank,
+        "use_bias": m.proj_bias,
+        "use_conv_bias": m.conv_bias,
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
+    });
+    if let (StepNorms::Plain(eps), Some(all)) = (m.step_norms, json.as_object_mut()) {
+        all.insert("mixer_rms_eps".into(), eps.into());
+    }
+    json
 }

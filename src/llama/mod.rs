@@ -78,7 +78,7 @@ pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
 pub use mamba::MambaConfig;
-pub use mamba1::Mamba1Config;
+pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;
@@ -273,7 +273,7 @@ impl Llama {
             plan,
             &(&m / embedding),
             (cfg.vocab, width),
-            (cfg.pad_token, cfg.tied),
+            (cfg.padding_row(), cfg.tied),
             lora,
         );
         let decoding = Decoding::new();

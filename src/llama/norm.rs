@@ -247,6 +247,9 @@ pub(super) enum Norms {
         after_attention: Norm,
         after_mlp: Norm,
     },
+    /// Mamba's and Falcon-Mamba's: one norm (`norm`) before the layer's
+    /// only sublayer, the scan.
+    Alone { input: Norm },
 }
 
 impl Norms {
@@ -306,6 +309,9 @@ impl Norms {
                 after_attention: norm("self_attn_layer_norm"),
                 after_mlp: norm("final_layer_norm"),
             },
+            f if f.mamba_only() => Self::Alone {
+                input: norm("norm"),
+            },
             Family::Dbrx => Self::Pre {
                 input: Norm::new(p / "norm_attn_norm" / "norm_1", d, c),
                 before_mlp: Norm::new(p / "norm_attn_norm" / "norm_2", d, c),
@@ -317,9 +323,10 @@ impl Norms {
     /// The attention's input: `x`, normalised unless OLMo's.
     pub(super) fn attention_input(&self, x: &Tensor) -> Tensor {
         match self {
-            Self::Pre { input, .. } | Self::Sandwich { input, .. } | Self::Parallel { input } => {
-                input.forward(x)
-            }
+            Self::Pre { input, .. }
+            | Self::Sandwich { input, .. }
+            | Self::Parallel { input }
+            | Self::Alone { input } => input.forward(x),
             Self::ParallelTwo { attention, .. } => attention.forward(x),
             Self::Post { .. } | Self::AfterResidual { .. } => x.shallow_clone(),
         }
@@ -331,7 +338,8 @@ impl Norms {
             Self::Pre { .. }
             | Self::Parallel { .. }
             | Self::ParallelTwo { .. }
-            | Self::AfterResidual { .. } => a,
+            | Self::AfterResidual { .. }
+            | Self::Alone { .. } => a,
             Self::Sandwich {
                 after_attention, ..
             }
@@ -350,7 +358,9 @@ impl Norms {
             Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
                 before_mlp.forward(x)
             }
-            Self::Post { .. } | Self::AfterResidual { .. } => x.shallow_clone(),
+            Self::Post { .. } | Self::AfterResidual { .. } | Self::Alone { .. } => {
+                x.shallow_clone()
+            }
             Self::Parallel { .. } => h,
             Self::ParallelTwo { mlp, .. } => mlp.forward(x),
         }
@@ -362,7 +372,8 @@ impl Norms {
             Self::Pre { .. }
             | Self::Parallel { .. }
             | Self::ParallelTwo { .. }
-            | Self::AfterResidual { .. } => m,
+            | Self::AfterResidual { .. }
+            | Self::Alone { .. } => m,
             Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
                 after_mlp.forward(&m)
             }

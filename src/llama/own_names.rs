@@ -53,6 +53,7 @@ pub(super) enum Default {
     Int(i64),
     Float(f64),
     Str(&'static str),
+    Bool(bool),
     Null,
 }
 
@@ -62,6 +63,7 @@ impl Default {
             Self::Int(n) => n.into(),
             Self::Float(x) => x.into(),
             Self::Str(s) => s.into(),
+            Self::Bool(b) => b.into(),
             Self::Null => Value::Null,
         }
     }

@@ -804,6 +804,61 @@ fn a_jamba_config_is_read_and_counted_with_its_layers_where_its_periods_put_them
 }
 
 #[test]
+fn mamba_and_falcon_mamba_configs_are_read_by_their_own_names_and_counted() {
+    let dir = ConfigDir::new("mamba-configs");
+    // state-spaces/mamba-130m-hf's and mamba-2.8b-hf's sizes as
+    // save_pretrained writes them; the counts are transformers'.
+    let small = r#"{"model_type": "mamba", "vocab_size": 50280, "hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 24, "state_size": 16, "time_step_rank": 48, "expand": 2, "conv_kernel": 4, "use_bias": false, "use_conv_bias": true, "layer_norm_epsilon": 1e-05, "residual_in_fp32": true}"#;
+    let m = dir.read(small).unwrap();
+    let s = m.mamba1.clone().unwrap();
+    assert_eq!(
+        (m.family, s.dt_rank, s.state, s.inner(m.hidden), s.attention),
+        (Family::Mamba, 48, 16, 1536, None)
+    );
+    assert!((0..24).all(|l| m.mamba1_layer(l).is_some() && !m.moe_layer(l)));
+    // Tied, its pad token 0 a row that trains (no `padding_idx`).
+    assert_eq!(
+        (m.tied, m.pad_token, m.padding_row()),
+        (true, Some(0), None)
+    );
+    assert_eq!(total(&m), 129135360);
+    let big = small
+        .replace(
+            r#""hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 24"#,
+            r#""hidden_size": 2560, "intermediate_size": 5120, "num_hidden_layers": 64"#,
+        )
+        .replace(r#""time_step_rank": 48"#, r#""time_step_rank": "auto""#);
+    let b = dir.read(&big).unwrap();
+    assert_eq!(b.mamba1.as_ref().map(|s| s.dt_rank), Some(160));
+    assert_eq!(total(&b), 2768345600);
+    // Falcon-Mamba 7B: its steps normalised without weights, untied.
+    let falcon = r#"{"model_type": "falcon_mamba", "vocab_size": 65024, "hidden_size": 4096, "num_hidden_layers": 64, "mixer_rms_eps": 1e-06, "tie_word_embeddings": false}"#;
+    let f = dir.read(falcon).unwrap();
+    assert_eq!(
+        f.mamba1.as_ref().map(|s| s.step_norms),
+        Some(StepNorms::Plain(1e-6))
+    );
+    assert_eq!(total(&f), 7272665088);
+    dir.round_trips([m, b, f]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                r#""intermediate_size": 1536"#,
+                r#""intermediate_size": 1024"#,
+                "intermediate_size 1024: its class makes it expand x hidden_size (1536)",
+            ),
+            (r#""state_size": 16"#, r#""state_size": 0"#, "state_size"),
+            (
+                r#""layer_norm_epsilon": 1e-05"#,
+                r#""layer_norm_epsilon": "small""#,
+                "layer_norm_epsilon",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn a_cohere2_config_windows_and_turns_all_but_every_fourth_layer() {
     let dir = ConfigDir::new("cohere2-configs");
     // Command R7B's sizes and its older `sliding_window_pattern`; the

@@ -540,9 +540,12 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
-/// `query_key_value`), DeepSeek-V2's and V3's projections making
+/// `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
+/// `x_proj` (of the linear layers `transformers`' Mamba docs adapt, those
+/// PEFT allows: [`refuse_modules`]), DeepSeek-V2's and V3's projections
+/// making
 /// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
@@ -558,6 +561,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("dbrx" | "mpt") => &["Wqkv"],
         Some("falcon" | "bloom" | "persimmon") => &["query_key_value"],
         Some("codegen") => &["qkv_proj"],
+        // PEFT has none (and refuses `out_proj`).
+        Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
         Some("gpt_bigcode") => &["c_attn"],
         // Null: one `q_proj` (left out: the class's bottleneck).
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
@@ -613,6 +618,31 @@ fn is_bias(name: &str) -> bool {
 }
 
 /// The module the adapter variable `name` adapts.
+/// Refuses adapters on the modules of `refused` (by their last name),
+/// which PEFT refuses for the `model_type` (Mamba's `out_proj` and
+/// `conv1d`: the CUDA kernels it runs with read their weights
+/// directly), naming them and the fix.
+pub(crate) fn refuse_modules(
+    vs: &nn::VarStore,
+    refused: &[&str],
+    model_type: &str,
+) -> Result<(), HfError> {
+    let mut hit = std::collections::BTreeSet::new();
+    for (name, _) in vs.variables() {
+        let module = adapted_module(&name);
+        let last = module.rsplit('.').next().unwrap_or(module);
+        if is_adapter(&name) && refused.contains(&last) {
+            hit.insert(last.to_string());
+        }
+    }
+    match hit.is_empty() {
+        true => Ok(()),
+        false => Err(HfError::Lora(format!(
+            "target_modules adapt {hit:?}: PEFT refuses LoRA on {refused:?} of a {model_type:?} model (its CUDA kernels read their weights, bypassing an adapter), so its adapter could not be loaded; name others (in_proj, x_proj, dt_proj)"
+        ))),
+    }
+}
+
 fn adapted_module(name: &str) -> &str {
     let delta = name
         .strip_suffix(embedding::DELTA)
@@ -1233,6 +1263,8 @@ mod tests {
             ("starcoder2", vec!["q_proj", "v_proj"]),
             ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),
             ("deepseek_v2", vec!["q_b_proj", "kv_b_proj"]),
+            ("mamba", vec!["in_proj", "x_proj"]),
+            ("falcon_mamba", vec!["in_proj", "x_proj"]),
             (
                 r#"deepseek_v3", "q_lora_rank": null, "_": ""#,
                 vec!["q_proj", "kv_b_proj"],

@@ -32,7 +32,7 @@ pub struct FalconLayout {
     pub two_norms: bool,
     /// `alibi` (Falcon-RW): no rotary embeddings; each head's scores
     /// biased by its slope times the key's position, rounded to bf16
-    /// ([`alibi_mask`]).
+    /// (`falcon::alibi_mask`).
     pub alibi: bool,
 }
 

@@ -184,7 +184,8 @@ impl Layout {
 /// and exported in fp32 would load rounded to bf16 again, and one
 /// exported in bf16 from an fp32 original would load in fp32.
 fn config_in(text: &str, dtype: &str) -> Vec<u8> {
-    let Ok(serde_json::Value::Object(mut json)) = serde_json::from_str(text) else {
+    let quoted = non_finite_quoted(text);
+    let Ok(serde_json::Value::Object(mut json)) = serde_json::from_str(&quoted) else {
         return text.as_bytes().to_vec();
     };
     let mut changed = false;
@@ -194,9 +195,17 @@ fn config_in(text: &str, dtype: &str) -> Vec<u8> {
             *v = dtype.into();
         }
     }
-    match changed {
-        false => text.as_bytes().to_vec(),
-        true => format!("{:#}\n", serde_json::Value::Object(json)).into_bytes(),
+    let written = match changed {
+        false => return text.as_bytes().to_vec(),
+        true => format!("{:#}\n", serde_json::Value::Object(json)),
+    };
+    // The non-finite numbers back as Python wrote them.
+    match quoted {
+        std::borrow::Cow::Borrowed(_) => written.into_bytes(),
+        std::borrow::Cow::Owned(_) => ["-Infinity", "Infinity", "NaN"]
+            .iter()
+            .fold(written, |w, word| w.replace(&format!("\"{word}\""), word))
+            .into_bytes(),
     }
 }
 
@@ -269,7 +278,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`).
     Llama(Llama),
 }
 
@@ -528,6 +537,44 @@ pub(crate) struct HfJson {
     json: serde_json::Value,
 }
 
+/// `text` with the bare `Infinity`, `-Infinity` and `NaN` that Python's
+/// `json` writes for non-finite floats (`Mamba2Config`'s
+/// `time_step_limit` `[0.0, Infinity]`) quoted as strings, so that a
+/// strict JSON reader takes them: a field that must be a number then
+/// says it is not one, and the few that may be infinite read the string.
+fn non_finite_quoted(text: &str) -> std::borrow::Cow<'_, str> {
+    if !(text.contains("Infinity") || text.contains("NaN")) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if let Some(word) = ["-Infinity", "Infinity", "NaN"]
+            .into_iter()
+            .find(|w| rest.starts_with(w))
+        {
+            out.push('"');
+            out.push_str(word);
+            out.push('"');
+            rest = &rest[word.len()..];
+            continue;
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 impl HfJson {
     /// Reads `dir/config.json`, or `dir` itself when it is a file, and
     /// checks its `model_type` is `model_type` when given.
@@ -542,7 +589,8 @@ impl HfJson {
         };
         let text =
             std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
-        let json = serde_json::from_str(&text).map_err(|e| read(format!("not JSON ({e})")))?;
+        let json = serde_json::from_str(&non_finite_quoted(&text))
+            .map_err(|e| read(format!("not JSON ({e})")))?;
         let me = Self { path, text, json };
         match (me.model_type(), model_type) {
             (_, None) => Ok(me),
@@ -892,5 +940,36 @@ mod tests {
         );
         let none = "{\"vocab_size\": 96}";
         assert_eq!(config_in(none, "float32"), bytes(none));
+        // Python's non-finite numbers (Mamba-2's `time_step_limit`) read
+        // and written back bare.
+        let limit = "{\"time_step_limit\": [0.0, Infinity], \"torch_dtype\": \"float32\"}";
+        let written = String::from_utf8(config_in(limit, "bfloat16")).unwrap();
+        assert!(
+            written.contains("Infinity\n") && !written.contains("\"Infinity\""),
+            "{written}"
+        );
+        assert!(
+            written.contains("\"torch_dtype\": \"bfloat16\""),
+            "{written}"
+        );
+    }
+
+    #[test]
+    fn non_finite_numbers_python_writes_read_as_strings_outside_strings_only() {
+        let text = r#"{"limit": [0.0, Infinity], "low": -Infinity, "x": NaN, "s": "NaN \" Infinity", "n": 2}"#;
+        let json: serde_json::Value = serde_json::from_str(&non_finite_quoted(text)).unwrap();
+        assert_eq!(json["limit"], serde_json::json!([0.0, "Infinity"]));
+        assert_eq!(
+            (json["low"].as_str(), json["x"].as_str()),
+            (Some("-Infinity"), Some("NaN"))
+        );
+        assert_eq!(json["s"], "NaN \" Infinity");
+        assert_eq!(json["n"], 2);
+        // Nothing to quote: the text as it was.
+        let plain = r#"{"a": 1}"#;
+        assert!(matches!(
+            non_finite_quoted(plain),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba and Falcon-Mamba (their Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba and Mamba-2 (their Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -688,6 +688,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Mamba-2: nothing but Granite 4.0's Mamba-2 layers (two groups of
+    // heads sharing B and C, a chunk of 5, biased projections), under
+    // Mamba's names.
+    Case {
+        name: "mamba2",
+        python: (
+            "from transformers import Mamba2Config as C, Mamba2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=5, use_bias=True",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1213,6 +1224,11 @@ fn a_mamba_checkpoint_of_selective_scan_layers_alone_trains_as_transformers_does
 }
 
 #[test]
+fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
+    parity("mamba2");
+}
+
+#[test]
 fn a_falcon_mamba_checkpoint_with_its_steps_normalised_trains_as_transformers_does() {
     parity("falcon-mamba");
 }
@@ -1224,6 +1240,7 @@ fn a_falcon_mamba_checkpoint_with_its_steps_normalised_trains_as_transformers_do
 fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("jamba");
     packed_documents_as_each_alone("mamba");
+    packed_documents_as_each_alone("mamba2");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -1562,7 +1579,12 @@ fn parity(name: &str) {
     // config.json verbatim (token ids and all) when the export is in its
     // dtype (fp32), else every field the same but the dtype, and the
     // carried ones.
-    let json = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+    // Python's bare Infinity (Mamba-2's `time_step_limit`) read as a
+    // string.
+    let json = |b: &[u8]| {
+        let text = String::from_utf8_lossy(b).replace("Infinity", "\"Infinity\"");
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()
+    };
     let same_files = |what: &str, out: &Path, dtype: &str| {
         for f in carried.iter().chain(&["config.json"]) {
             let (a, b) = (
@@ -2519,7 +2541,12 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "xglm" => r#"{"model_type": "xglm", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_dim": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
                 .to_string(),
-            // Mamba's and Falcon-Mamba's have no heads and no MLP.
+            // The Mambas have no attention heads and no MLP (Mamba-2's
+            // default 128 heads of 64 fill twice 4096: give a width they
+            // divide).
+            "mamba2" => r#"{"model_type": "mamba2", "vocab_size": 160000, "hidden_size": 512,
+                "num_hidden_layers": 4, "num_heads": 16}"#
+                .to_string(),
             "mamba" | "falcon_mamba" => format!(
                 r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
                 "num_hidden_layers": 4}}"#
@@ -3259,6 +3286,13 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_experts=4, num_experts_per_tok=2, attn_layer_period=2, \
              attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False, \
              eos_token_id=None, bos_token_id=None, pad_token_id=None",
+        ),
+        (
+            "mamba2",
+            "from transformers import Mamba2Config as C, Mamba2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, \
+             state_size=16, n_groups=2, chunk_size=5, eos_token_id=None, \
+             bos_token_id=None, pad_token_id=None",
         ),
         (
             "falcon-mamba",

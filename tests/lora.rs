@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba and Mamba (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba and Mamba-2 (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -492,6 +492,20 @@ const MAMBA: Case = Case {
     ..OFF
 };
 
+/// Mamba-2's layers' `in_proj` (64 -> 128 + 192 + 8: the gate, the
+/// convolved channels with two groups' B and C, each head's step), zrt's
+/// default for it (PEFT has none), in both layers.
+const MAMBA2: Case = Case {
+    python: (
+        "from transformers import Mamba2Config as C, Mamba2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=5",
+    ),
+    targets: &["in_proj"],
+    matrices: 4,
+    elements: 4 * 2 * (64 + 328),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -908,6 +922,7 @@ fn lora_adapters_on_jambas_selective_scan_and_experts_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_mambas_projections_train_as_peft_does() {
     parity("mamba", &MAMBA, &[(3, false, Held::Fp32)]);
+    parity("mamba2", &MAMBA2, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

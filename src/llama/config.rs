@@ -14,7 +14,7 @@ use super::family::Family;
 use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
-use super::mamba::MambaConfig;
+use super::mamba::{self, MambaConfig};
 use super::mamba1::{self, Mamba1Config};
 use super::mpt;
 use super::opt::{self, OptLayout};
@@ -361,11 +361,12 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Granite 4.0's and Bamba's Mamba-2 layers ([`MambaConfig`]); `None`: every
+    /// Granite 4.0's, Bamba's and Mamba-2's Mamba-2 layers ([`MambaConfig`]); `None`: every
     /// layer attends.
     pub mamba: Option<MambaConfig>,
-    /// Jamba's Mamba layers ([`Mamba1Config`]: the first Mamba's
-    /// selective scan); `None`: every layer attends.
+    /// Jamba's, Mamba's and Falcon-Mamba's Mamba layers
+    /// ([`Mamba1Config`]: the first Mamba's selective scan); `None`:
+    /// every layer attends.
     pub mamba1: Option<Mamba1Config>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
@@ -418,6 +419,7 @@ impl LlamaConfig {
             Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
             Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
             Some(Family::Xglm) => (xglm::flat(j)?, xglm::xglm_names),
+            Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -903,8 +905,8 @@ impl LlamaConfig {
                 _ => None,
             },
             mamba1: match family {
-                f if f == Family::Jamba || f.mamba_only() => {
-                    Some(super::mamba1::read(j, f, hidden)?)
+                Family::Jamba | Family::Mamba | Family::FalconMamba => {
+                    Some(super::mamba1::read(j, family, hidden)?)
                 }
                 _ => None,
             },
@@ -933,7 +935,7 @@ impl LlamaConfig {
     }
 
     /// The modules (by last name) PEFT refuses LoRA adapters on in this
-    /// family: Mamba's and Falcon-Mamba's `out_proj` and `conv1d` (the
+    /// family: the Mambas' (1 and 2, Falcon-Mamba) `out_proj` and `conv1d` (the
     /// CUDA kernels their classes run with read those weights directly).
     pub fn lora_refused_modules(&self) -> &'static [&'static str] {
         match self.family.mamba_only() {
@@ -1175,6 +1177,7 @@ impl LlamaConfig {
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
+            (Family::Mamba2, _) => (self.mamba.as_ref()).map(|m| mamba::to_json(self, m)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
@@ -1259,9 +1262,11 @@ impl LlamaConfig {
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
                 "output_router_logits": false,
             }),
-            // Its Mamba layers' fields are written below (Mamba's and
-            // Falcon-Mamba's whole configs by `mamba1::to_json`).
-            Family::Bamba | Family::Mamba | Family::FalconMamba => serde_json::json!({}),
+            // Its Mamba layers' fields are written below (the Mambas'
+            // whole configs by `mamba1::to_json` and `mamba::to_json`).
+            Family::Bamba | Family::Mamba | Family::FalconMamba | Family::Mamba2 => {
+                serde_json::json!({})
+            }
             Family::Jamba => {
                 let moe = self.moe.as_ref();
                 let (period, offset) = super::mamba1::period_of(self.layers, |l| self.moe_layer(l));

@@ -389,11 +389,18 @@ pub enum Family {
     /// Mamba's layers, each token's step, `B` and `C` RMS-normalised
     /// without weights (at `mixer_rms_eps`).
     FalconMamba,
+    /// `mamba2` (`Mamba2ForCausalLM`: the state-spaces Mamba-2 models,
+    /// Mistral's Mamba-Codestral): Mamba's layout (`backbone`, each layer
+    /// a `norm` and a `mixer`) with Granite 4.0's Mamba-2 layer as the
+    /// mixer (its sizes `num_heads`, `head_dim`, `state_size`,
+    /// `n_groups`, `expand`, `conv_kernel`, `chunk_size`, `use_bias`,
+    /// `use_conv_bias`).
+    Mamba2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 62] = [
+    pub const ALL: [Family; 63] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -456,6 +463,7 @@ impl Family {
         Self::Jamba,
         Self::Mamba,
         Self::FalconMamba,
+        Self::Mamba2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -537,6 +545,7 @@ impl Family {
             Self::Jamba => "jamba",
             Self::Mamba => "mamba",
             Self::FalconMamba => "falcon_mamba",
+            Self::Mamba2 => "mamba2",
         }
     }
 
@@ -605,14 +614,15 @@ impl Family {
             Self::Jamba => "JambaForCausalLM",
             Self::Mamba => "MambaForCausalLM",
             Self::FalconMamba => "FalconMambaForCausalLM",
+            Self::Mamba2 => "Mamba2ForCausalLM",
         }
     }
 
     /// Whether its class gives the token embedding the config's
     /// `pad_token_id` as `nn.Embedding`'s `padding_idx` (the row gets no
     /// gradient from the lookup). GPT-J's, CodeGen's, GPT-BigCode's,
-    /// GPT-Neo's, MPT's, BLOOM's, Falcon's, Mamba's and Falcon-Mamba's
-    /// do not: every row of theirs trains, the pad token's too (which a
+    /// GPT-Neo's, MPT's, BLOOM's, Falcon's and the Mambas' (1 and 2,
+    /// Falcon-Mamba) do not: every row of theirs trains, the pad token's too (which a
     /// tied head's gradient always reaches).
     pub(super) fn pads_embedding(self) -> bool {
         !(self.gptj()
@@ -625,13 +635,14 @@ impl Family {
                     | Self::Falcon
                     | Self::Mamba
                     | Self::FalconMamba
+                    | Self::Mamba2
             ))
     }
 
-    /// Mamba's and Falcon-Mamba's: nothing but Mamba layers, each a norm
-    /// and the scan, no attention, no MLP.
+    /// Mamba's, Falcon-Mamba's and Mamba-2's: nothing but Mamba layers,
+    /// each a norm and the scan, no attention, no MLP.
     pub(super) fn mamba_only(self) -> bool {
-        matches!(self, Self::Mamba | Self::FalconMamba)
+        matches!(self, Self::Mamba | Self::FalconMamba | Self::Mamba2)
     }
 
     /// Gemma's: norms as offsets from one, the embeddings scaled.
@@ -933,6 +944,11 @@ impl Family {
                 positions: 262144,
                 ..LLAMA
             },
+            Self::Mamba2 => Defaults {
+                eps: 1e-5,
+                pad: Some(1),
+                ..LLAMA
+            },
             Self::Mamba | Self::FalconMamba => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1205,7 +1221,9 @@ impl Family {
                 ["model", "embed_tokens", "layers", "final_layernorm"]
             }
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
-            Self::Mamba | Self::FalconMamba => ["backbone", "embeddings", "layers", "norm_f"],
+            Self::Mamba | Self::FalconMamba | Self::Mamba2 => {
+                ["backbone", "embeddings", "layers", "norm_f"]
+            }
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
@@ -1233,7 +1251,7 @@ impl Family {
             Self::Opt => "model.decoder.embed_tokens",
             Self::BioGpt => "biogpt.embed_tokens",
             Self::Falcon | Self::Bloom => "transformer.word_embeddings",
-            Self::Mamba | Self::FalconMamba => "backbone.embeddings",
+            Self::Mamba | Self::FalconMamba | Self::Mamba2 => "backbone.embeddings",
             _ => "model.embed_tokens",
         }
     }
@@ -1251,7 +1269,8 @@ impl Family {
             | Self::Mpt
             | Self::Bloom
             | Self::Mamba
-            | Self::FalconMamba => "layer_norm_epsilon",
+            | Self::FalconMamba
+            | Self::Mamba2 => "layer_norm_epsilon",
             Self::StableLm | Self::Cohere | Self::Cohere2 | Self::Persimmon => "layer_norm_eps",
             _ => "rms_norm_eps",
         }

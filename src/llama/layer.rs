@@ -781,9 +781,8 @@ impl Layer {
         };
         let qkv = match (c.mamba_layer(l), c.mamba1_layer(l)) {
             (Some(m), _) => {
-                let mp = p / "mamba";
-                let in_proj = lin(&(&mp / "in_proj"), d, m.projected(d), m.proj_bias);
-                Qkv::Mamba(Box::new(Mamba::new(&mp, c, m, in_proj)))
+                let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
+                Qkv::Mamba(Box::new(Mamba::new(&mixer, c, m, in_proj)))
             }
             (None, Some(m)) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
             (None, None) => match (c.family, &c.mla) {
@@ -820,7 +819,7 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv,
             o_proj: match (c.mamba_layer(l), c.mamba1_layer(l)) {
-                (Some(m), _) => lin(&(p / "mamba" / "out_proj"), m.inner(d), d, m.proj_bias),
+                (Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, Some(m)) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None) => lin(
                     &(&a / match c.family {

@@ -1,6 +1,7 @@
-//! Granite 4.0's and Bamba's Mamba-2 layers ([`Family::GraniteMoeHybrid`],
-//! [`Family::Bamba`]): their
-//! sizes read from the config, and the layer itself, computed as
+//! Granite 4.0's, Bamba's and Mamba-2's Mamba-2 layers
+//! ([`Family::GraniteMoeHybrid`], [`Family::Bamba`], [`Family::Mamba2`]):
+//! their sizes read from the config (Mamba-2's under names of its own,
+//! read flat), and the layer itself, computed as
 //! `transformers`' `torch_forward` computes it without a cache (the
 //! chunked state-space dual form, operation for operation, so that its
 //! rounding is the reference's).
@@ -15,12 +16,15 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
+use serde_json::{json, Map, Value};
+
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::LayerCache;
 use crate::lora::Adapted;
 
 use super::config::{Activation, LlamaConfig};
 use super::family::Family;
+use super::own_names::{self, field, Default, Field};
 
 /// A hybrid model's Mamba-2 layers: their sizes (`mamba_*`) and which
 /// layers they are (`layer_types`).
@@ -465,7 +469,98 @@ fn segment_sum(x: &Tensor) -> Tensor {
     sums.masked_fill(&ones.tril(0).logical_not(), f64::NEG_INFINITY)
 }
 
-/// Whether `family` builds Mamba layers (Granite 4.0's hybrids, Bamba).
+/// Whether `family` builds Mamba-2 layers (Granite 4.0's hybrids,
+/// Bamba, Mamba-2).
 pub(super) fn built_by(family: Family) -> bool {
-    matches!(family, Family::GraniteMoeHybrid | Family::Bamba)
+    matches!(
+        family,
+        Family::GraniteMoeHybrid | Family::Bamba | Family::Mamba2
+    )
+}
+
+/// Each flat field and where `Mamba2Config` keeps it, with its default.
+const FIELDS: [Field; 14] = [
+    field("hidden_size", "hidden_size", Default::Int(4096), false),
+    field(
+        "num_hidden_layers",
+        "num_hidden_layers",
+        Default::Int(64),
+        false,
+    ),
+    field("vocab_size", "vocab_size", Default::Int(32768), false),
+    own_names::EPSILON,
+    field("hidden_act", "hidden_act", Default::Str("silu"), false),
+    field("mamba_n_heads", "num_heads", Default::Int(128), false),
+    field("mamba_d_head", "head_dim", Default::Int(64), false),
+    field("mamba_d_state", "state_size", Default::Int(128), false),
+    field("mamba_n_groups", "n_groups", Default::Int(8), false),
+    field("mamba_expand", "expand", Default::Int(2), false),
+    field("mamba_d_conv", "conv_kernel", Default::Int(4), false),
+    field("mamba_chunk_size", "chunk_size", Default::Int(256), false),
+    field("mamba_proj_bias", "use_bias", Default::Bool(false), false),
+    field(
+        "mamba_conv_bias",
+        "use_conv_bias",
+        Default::Bool(true),
+        false,
+    ),
+];
+
+/// Mamba-2's config `j` read flat, as Granite 4.0's: its sizes under the
+/// `mamba_*` names, one head (nothing attends), every layer a Mamba
+/// layer. `time_step_limit` other than `[0, Infinity]` (its default, as
+/// Python writes it) is refused: zrt's steps are clamped there.
+pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
+    if let Some(limit) = j.get("time_step_limit") {
+        let bound = |v: &Value| match v {
+            Value::String(s) if s == "Infinity" => Some(f64::INFINITY),
+            v => v.as_f64(),
+        };
+        let pair: Option<Vec<f64>> = limit.as_array().and_then(|l| l.iter().map(bound).collect());
+        if pair.as_deref() != Some(&[0.0, f64::INFINITY]) {
+            return Err(j.field(format!(
+                "time_step_limit {limit}: zrt clamps each step to [0, Infinity] (its default), as Granite 4.0's layers do; set that"
+            )));
+        }
+    }
+    let mut out = Map::new();
+    out.insert("model_type".into(), Family::Mamba2.model_type().into());
+    own_names::keep(j, &mut out);
+    own_names::copy(j, &[], &FIELDS, &mut out);
+    out.insert("num_attention_heads".into(), 1.into());
+    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
+    // No MLP: the scan's inner width stands in for its width.
+    if let (Some(hidden), Some(expand)) = (size("hidden_size"), size("mamba_expand")) {
+        out.insert("intermediate_size".into(), (expand * hidden).into());
+    }
+    Ok(j.reading(Value::Object(out)))
+}
+
+/// `e` with the flat fields it names renamed to Mamba-2's.
+pub(super) fn mamba2_names(e: HfError) -> HfError {
+    own_names::renamed_as(e, &FIELDS, &[])
+}
+
+/// `c`'s `config.json` as `Mamba2Config` reads it.
+pub(super) fn to_json(c: &LlamaConfig, m: &MambaConfig) -> Value {
+    json!({
+        "model_type": c.family.model_type(),
+        "architectures": [c.family.architecture()],
+        "vocab_size": c.vocab,
+        "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers,
+        "layer_norm_epsilon": c.eps,
+        "hidden_act": c.activation.name(),
+        "num_heads": m.heads,
+        "head_dim": m.head_dim,
+        "state_size": m.state,
+        "n_groups": m.groups,
+        "expand": m.expand,
+        "conv_kernel": m.conv_kernel,
+        "chunk_size": m.chunk,
+        "use_bias": m.proj_bias,
+        "use_conv_bias": m.conv_bias,
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
+    })
 }

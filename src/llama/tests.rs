@@ -859,6 +859,57 @@ fn mamba_and_falcon_mamba_configs_are_read_by_their_own_names_and_counted() {
 }
 
 #[test]
+fn a_mamba2_config_is_read_by_its_own_names_with_pythons_infinity_and_counted() {
+    let dir = ConfigDir::new("mamba2-configs");
+    // Mamba-Codestral-7B's sizes, its step limit as save_pretrained
+    // writes it (a bare Infinity); the count is transformers'.
+    let codestral = r#"{"model_type": "mamba2", "vocab_size": 32768, "hidden_size": 4096, "num_hidden_layers": 64, "num_heads": 128, "head_dim": 64, "state_size": 128, "n_groups": 8, "expand": 2, "chunk_size": 256, "time_step_limit": [0.0, Infinity], "layer_norm_epsilon": 1e-05}"#;
+    let c = dir.read(codestral).unwrap();
+    let m = c.mamba.clone().unwrap();
+    assert_eq!(
+        (
+            c.family,
+            m.heads,
+            m.head_dim,
+            m.groups,
+            m.state,
+            c.tied,
+            c.padding_row()
+        ),
+        (Family::Mamba2, 128, 64, 8, 128, false, None)
+    );
+    assert!((0..64).all(|l| c.mamba_layer(l).is_some()));
+    assert_eq!(total(&c), 7285403648);
+    // mamba2-130m's shape, its head tied.
+    let small = codestral
+        .replace(r#""vocab_size": 32768, "hidden_size": 4096, "num_hidden_layers": 64, "num_heads": 128"#, r#""vocab_size": 50288, "hidden_size": 768, "num_hidden_layers": 24, "num_heads": 24"#)
+        .replace(r#""n_groups": 8"#, r#""n_groups": 1, "tie_word_embeddings": true"#);
+    let s = dir.read(&small).unwrap();
+    assert_eq!(total(&s), 128989632);
+    dir.round_trips([c, s]);
+    dir.refuses_replaced(
+        codestral,
+        &[
+            (
+                r#""time_step_limit": [0.0, Infinity]"#,
+                r#""time_step_limit": [0.001, 0.1]"#,
+                "time_step_limit [0.001,0.1]: zrt clamps each step to [0, Infinity]",
+            ),
+            (
+                r#""num_heads": 128"#,
+                r#""num_heads": 100"#,
+                "num_heads 100 does not divide",
+            ),
+            (
+                r#""layer_norm_epsilon": 1e-05"#,
+                r#""layer_norm_epsilon": NaN"#,
+                "layer_norm_epsilon",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn a_cohere2_config_windows_and_turns_all_but_every_fourth_layer() {
     let dir = ConfigDir::new("cohere2-configs");
     // Command R7B's sizes and its older `sliding_window_pattern`; the

@@ -540,13 +540,13 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
 /// `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
-/// `x_proj` (of the linear layers `transformers`' Mamba docs adapt, those
-/// PEFT allows: [`refuse_modules`]), DeepSeek-V2's and V3's projections
-/// making
-/// each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
+/// `x_proj` and Mamba-2's `in_proj` (of the linear layers
+/// `transformers`' Mamba docs adapt, those PEFT allows: it refuses
+/// `out_proj` and `conv1d` there, and so does zrt), DeepSeek-V2's and
+/// V3's projections making each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
 /// linear layers: [`LoraConfig::target_parameters`] adapts them, and PEFT
@@ -563,6 +563,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("codegen") => &["qkv_proj"],
         // PEFT has none (and refuses `out_proj`).
         Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
+        Some("mamba2") => &["in_proj"],
         Some("gpt_bigcode") => &["c_attn"],
         // Null: one `q_proj` (left out: the class's bottleneck).
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
@@ -1265,6 +1266,7 @@ mod tests {
             ("deepseek_v2", vec!["q_b_proj", "kv_b_proj"]),
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
+            ("mamba2", vec!["in_proj"]),
             (
                 r#"deepseek_v3", "q_lora_rank": null, "_": ""#,
                 vec!["q_proj", "kv_b_proj"],

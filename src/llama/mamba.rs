@@ -16,7 +16,7 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::LayerCache;
@@ -523,16 +523,7 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
             )));
         }
     }
-    let mut out = Map::new();
-    out.insert("model_type".into(), Family::Mamba2.model_type().into());
-    own_names::keep(j, &mut out);
-    own_names::copy(j, &[], &FIELDS, &mut out);
-    out.insert("num_attention_heads".into(), 1.into());
-    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
-    // No MLP: the scan's inner width stands in for its width.
-    if let (Some(hidden), Some(expand)) = (size("hidden_size"), size("mamba_expand")) {
-        out.insert("intermediate_size".into(), (expand * hidden).into());
-    }
+    let out = own_names::attention_free(j, Family::Mamba2.model_type(), &FIELDS);
     Ok(j.reading(Value::Object(out)))
 }
 

@@ -22,7 +22,7 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::LayerCache;
@@ -358,7 +358,7 @@ impl Mamba1 {
 
 /// Each flat field and where `MambaConfig` and `FalconMambaConfig` keep
 /// it, with their defaults (the same for both).
-const FIELDS: [Field; 10] = [
+const FIELDS: [Field; 11] = [
     field("hidden_size", "hidden_size", Default::Int(768), false),
     field(
         "num_hidden_layers",
@@ -379,10 +379,13 @@ const FIELDS: [Field; 10] = [
         false,
     ),
     field("mamba_proj_bias", "use_bias", Default::Bool(false), false),
+    field(
+        "mamba_conv_bias",
+        "use_conv_bias",
+        Default::Bool(true),
+        false,
+    ),
 ];
-
-/// The flat fields read beside [`FIELDS`] that need more than a copy.
-const OTHERS: [(&str, &str); 1] = [("mamba_conv_bias", "use_conv_bias")];
 
 /// Mamba's or Falcon-Mamba's config `j` read flat, as Jamba's: its
 /// sizes under Jamba's `mamba_*` names, one head (nothing attends),
@@ -393,38 +396,29 @@ const OTHERS: [(&str, &str); 1] = [("mamba_conv_bias", "use_conv_bias")];
 /// model's dtype (`transformers`' is in fp32 when it is true, its
 /// default; the same numbers when training in fp32).
 pub(super) fn flat(j: &HfJson, family: Family) -> Result<HfJson, HfError> {
-    let mut out = Map::new();
-    out.insert("model_type".into(), family.model_type().into());
-    own_names::keep(j, &mut out);
-    own_names::copy(j, &[], &FIELDS, &mut out);
-    out.insert(
-        "mamba_conv_bias".into(),
-        j.get("use_conv_bias").cloned().unwrap_or(Value::Bool(true)),
-    );
+    let mut out = own_names::attention_free(j, family.model_type(), &FIELDS);
     if family == Family::FalconMamba {
         if let Some(eps) = j.get("mixer_rms_eps") {
             out.insert("mixer_rms_eps".into(), eps.clone());
         }
     }
-    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
-    if let (Some(hidden), Some(expand)) = (size("hidden_size"), size("mamba_expand")) {
-        let inner = expand * hidden;
-        if let Some(given) = j.get("intermediate_size").filter(|v| !v.is_null()) {
-            if given.as_i64() != Some(inner) {
-                return Err(j.field(format!(
-                    "intermediate_size {given}: its class makes it expand x hidden_size ({inner}), and zrt builds that; give the two that agree"
-                )));
-            }
+    // The class's own, written by save_pretrained.
+    if let (Some(given), Some(inner)) = (
+        j.get("intermediate_size").filter(|v| !v.is_null()),
+        out.get("intermediate_size").and_then(Value::as_i64),
+    ) {
+        if given.as_i64() != Some(inner) {
+            return Err(j.field(format!(
+                "intermediate_size {given}: its class makes it expand x hidden_size ({inner}), and zrt builds that; give the two that agree"
+            )));
         }
-        out.insert("intermediate_size".into(), inner.into());
     }
-    out.insert("num_attention_heads".into(), 1.into());
     Ok(j.reading(Value::Object(out)))
 }
 
 /// `e` with the flat fields it names renamed to Mamba's.
 pub(super) fn mamba_names(e: HfError) -> HfError {
-    own_names::renamed_as(e, &FIELDS, &OTHERS)
+    own_names::renamed_as(e, &FIELDS, &[])
 }
 
 /// `c`'s `config.json` as `MambaConfig` or `FalconMambaConfig` reads it.

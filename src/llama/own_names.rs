@@ -214,6 +214,20 @@ pub(super) fn flat_with(
     (out, sizes)
 }
 
+/// A Mamba's config `j` (nothing attends, no MLP) read flat as
+/// `model_type`: [`flat_with`], one attention head (none is built), and
+/// `intermediate_size` the scan's inner width (`mamba_expand` times the
+/// width), which the shared reader takes as the MLP's.
+pub(super) fn attention_free(j: &HfJson, model_type: &str, fields: &[Field]) -> Map<String, Value> {
+    let (mut out, _) = flat_with(j, model_type, fields);
+    out.insert("num_attention_heads".into(), 1.into());
+    let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
+    if let (Some(hidden), Some(expand)) = (size("hidden_size"), size("mamba_expand")) {
+        out.insert("intermediate_size".into(), (expand * hidden).into());
+    }
+    out
+}
+
 /// A GPT-2-named config `j` read flat as `model_type`
 /// ([`flat_with`]), the MLP `n_inner` wide (null: four times the
 /// width).

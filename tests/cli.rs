@@ -1275,6 +1275,7 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
+    // A Mamba's class defaults count as transformers counts them.
     let mamba = dir.join("mamba.json");
     std::fs::write(&mamba, r#"{"model_type": "mamba"}"#).unwrap();
     let (ok, out) = zrt(&[
@@ -1284,7 +1285,17 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "--world",
         "2",
     ]);
-    assert!(!ok && out.contains("model_type Some(\"mamba\")"), "{out}");
+    assert!(ok && out.contains("159308544 params"), "{out}");
+    let rwkv = dir.join("rwkv.json");
+    std::fs::write(&rwkv, r#"{"model_type": "rwkv"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        rwkv.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
+    assert!(!ok && out.contains("model_type Some(\"rwkv\")"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

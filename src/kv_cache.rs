@@ -211,7 +211,7 @@ impl LayerCache {
     }
 
     /// A recurrent layer's state while generating (the Mamba layers of
-    /// Granite 4.0, Bamba, Jamba and the Mambas: its convolution's last inputs and its
+    /// Granite 4.0, Bamba, Jamba, Falcon-H1 and the Mambas: its convolution's last inputs and its
     /// scan's state), as the last forward left it; `None` when not
     /// generating, or before the generation's first forward.
     pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba and Mamba-2 (their Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -699,6 +699,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Falcon-H1: attention and a Mamba-2 layer side by side in each
+    // layer (its inner width its own, two groups, a chunk of 5, its
+    // grouped gated norm applied after the gate), every µP multiplier
+    // other than 1.
+    Case {
+        name: "falcon-h1",
+        python: (
+            "from transformers import FalconH1Config as C, FalconH1ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=5, mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True, embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], ssm_in_multiplier=1.3, ssm_out_multiplier=0.6",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1224,6 +1236,11 @@ fn a_mamba_checkpoint_of_selective_scan_layers_alone_trains_as_transformers_does
 }
 
 #[test]
+fn a_falcon_h1_checkpoint_with_attention_and_mamba_side_by_side_trains_as_transformers_does() {
+    parity("falcon-h1");
+}
+
+#[test]
 fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
     parity("mamba2");
 }
@@ -1241,6 +1258,7 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("jamba");
     packed_documents_as_each_alone("mamba");
     packed_documents_as_each_alone("mamba2");
+    packed_documents_as_each_alone("falcon-h1");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -3285,6 +3303,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              num_experts=4, num_experts_per_tok=2, attn_layer_period=2, \
              attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False, \
+             eos_token_id=None, bos_token_id=None, pad_token_id=None",
+        ),
+        (
+            "falcon-h1",
+            "from transformers import FalconH1Config as C, FalconH1ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16, \
+             mamba_chunk_size=5, key_multiplier=0.7, ssm_out_multiplier=0.6, \
              eos_token_id=None, bos_token_id=None, pad_token_id=None",
         ),
         (

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba and Mamba-2 (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -506,6 +506,21 @@ const MAMBA2: Case = Case {
     ..OFF
 };
 
+/// Falcon-H1's queries (64 -> 64) and the `in_proj` of the Mamba layer
+/// beside them (64 -> 96 + 160 + 6: the gate, the channels with two
+/// groups' B and C, each head's step), in both layers; its µP
+/// multipliers on.
+const FALCON_H1: Case = Case {
+    python: (
+        "from transformers import FalconH1Config as C, FalconH1ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=5, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], key_multiplier=0.7, ssm_out_multiplier=0.6",
+    ),
+    targets: &["q_proj", "in_proj"],
+    matrices: 8,
+    elements: 4 * 2 * ((64 + 64) + (64 + 262)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -923,6 +938,11 @@ fn lora_adapters_on_jambas_selective_scan_and_experts_train_as_peft_does() {
 fn lora_adapters_on_mambas_projections_train_as_peft_does() {
     parity("mamba", &MAMBA, &[(3, false, Held::Fp32)]);
     parity("mamba2", &MAMBA2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_falcon_h1s_attention_and_mamba_train_as_peft_does() {
+    parity("falcon-h1", &FALCON_H1, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -71,6 +71,55 @@ pub struct MoeConfig {
     pub sparse_mixer: Option<f64>,
 }
 
+/// Falcon-H1's µP multipliers ([`Family::FalconH1`]), each 1 unless
+/// its config says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FalconH1Multipliers {
+    /// `attention_in_multiplier`: the attention's input's factor.
+    pub attention_in: f64,
+    /// `attention_out_multiplier`: the attention's output's factor.
+    pub attention_out: f64,
+    /// `key_multiplier`: the keys' factor (before they turn).
+    pub key: f64,
+    /// `ssm_in_multiplier`: the Mamba layer's input's factor.
+    pub ssm_in: f64,
+    /// `ssm_out_multiplier`: the Mamba layer's output's factor.
+    pub ssm_out: f64,
+    /// `ssm_multipliers`: the factors of `in_proj`'s five parts (the
+    /// gate, the channels, `B`, `C`, the steps).
+    pub ssm: [f64; 5],
+    /// `mlp_multipliers`: the gate projection's factor (inside the
+    /// activation) and the down projection's.
+    pub mlp: [f64; 2],
+}
+
+impl FalconH1Multipliers {
+    /// Those of `FalconH1Config` `j`.
+    fn read(j: &HfJson) -> Result<Self, HfError> {
+        let list = |key: &str, n: usize| -> Result<Vec<f64>, HfError> {
+            match j.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(vec![1.0; n]),
+                Some(v) => (v.as_array())
+                    .and_then(|l| l.iter().map(|x| x.as_f64()).collect::<Option<Vec<f64>>>())
+                    .filter(|l| l.len() == n)
+                    .ok_or_else(|| j.field(format!("{key} {v}: a list of {n} numbers"))),
+            }
+        };
+        let one = |key: &str| j.number_or_null(key, Some(1.0)).map(|x| x.unwrap_or(1.0));
+        let ssm = list("ssm_multipliers", 5)?;
+        let mlp = list("mlp_multipliers", 2)?;
+        Ok(Self {
+            attention_in: one("attention_in_multiplier")?,
+            attention_out: one("attention_out_multiplier")?,
+            key: one("key_multiplier")?,
+            ssm_in: one("ssm_in_multiplier")?,
+            ssm_out: one("ssm_out_multiplier")?,
+            ssm: [ssm[0], ssm[1], ssm[2], ssm[3], ssm[4]],
+            mlp: [mlp[0], mlp[1]],
+        })
+    }
+}
+
 /// Llama 4's attention ([`Family::Llama4`]): which layers attend within
 /// chunks, whether the turning layers' queries and keys are
 /// L2-normalised, and how the other layers' queries grow with the
@@ -361,8 +410,9 @@ pub struct LlamaConfig {
     /// queries and keys (the others attend without positions); `None`:
     /// every layer turns.
     pub rope_layers: Option<Vec<bool>>,
-    /// Granite 4.0's, Bamba's and Mamba-2's Mamba-2 layers ([`MambaConfig`]); `None`: every
-    /// layer attends.
+    /// Granite 4.0's, Bamba's, Mamba-2's and Falcon-H1's Mamba-2 layers
+    /// ([`MambaConfig`]; Falcon-H1's beside its attention:
+    /// [`LlamaConfig::mamba_beside`]); `None`: every layer attends, alone.
     pub mamba: Option<MambaConfig>,
     /// Jamba's, Mamba's and Falcon-Mamba's Mamba layers
     /// ([`Mamba1Config`]: the first Mamba's selective scan); `None`:
@@ -380,6 +430,8 @@ pub struct LlamaConfig {
     pub mla: Option<Mla>,
     /// Llama 4's attention ([`Llama4Attention`]); `None` for the others.
     pub llama4: Option<Llama4Attention>,
+    /// Falcon-H1's multipliers; `None` for the other families.
+    pub falcon_h1: Option<FalconH1Multipliers>,
     /// Falcon's layer layout ([`FalconLayout`]); `None` for the others.
     pub falcon: Option<FalconLayout>,
     /// OPT's layout ([`OptLayout`]: OPT-350m's norms and projections);
@@ -574,7 +626,7 @@ impl LlamaConfig {
             Family::GptOss => true,
             // Llama 4's, Bamba's and Jamba's classes set none, whatever
             // the config says.
-            Family::Llama4 | Family::Bamba | Family::Jamba => false,
+            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
@@ -730,6 +782,7 @@ impl LlamaConfig {
                         | Family::Llama4
                         | Family::Bamba
                         | Family::Jamba
+                        | Family::FalconH1
                 ) || f.hunyuan() =>
                 {
                     false
@@ -830,6 +883,7 @@ impl LlamaConfig {
                 Family::BioGpt | Family::Xglm if j.flag_or("scale_embedding", true)? => {
                     (hidden as f64).sqrt()
                 }
+                Family::FalconH1 => j.number_or("embedding_multiplier", 1.0)?,
                 _ => granite("embedding_multiplier")?,
             },
             residual_multiplier: granite("residual_multiplier")?,
@@ -850,6 +904,7 @@ impl LlamaConfig {
             logits_scaling: granite("logits_scaling")?,
             logit_scale: match family {
                 f if f.cohere() => j.number_or("logit_scale", 0.0625)?,
+                Family::FalconH1 => j.number_or("lm_head_multiplier", 1.0)?,
                 _ => 1.0,
             },
             head_bias: match family {
@@ -911,6 +966,10 @@ impl LlamaConfig {
                 _ => None,
             },
             mla,
+            falcon_h1: match family {
+                Family::FalconH1 => Some(FalconH1Multipliers::read(j)?),
+                _ => None,
+            },
             llama4: match family {
                 Family::Llama4 => Some(llama4_attention(j)?),
                 _ => None,
@@ -935,10 +994,11 @@ impl LlamaConfig {
     }
 
     /// The modules (by last name) PEFT refuses LoRA adapters on in this
-    /// family: the Mambas' (1 and 2, Falcon-Mamba) `out_proj` and `conv1d` (the
+    /// family: the Mambas' (1 and 2, Falcon-Mamba) and Falcon-H1's
+    /// `out_proj` and `conv1d` (the
     /// CUDA kernels their classes run with read those weights directly).
     pub fn lora_refused_modules(&self) -> &'static [&'static str] {
-        match self.family.mamba_only() {
+        match self.family.mamba_only() || self.family == Family::FalconH1 {
             true => &["out_proj", "conv1d"],
             false => &[],
         }
@@ -1011,6 +1071,54 @@ impl LlamaConfig {
     /// Granite 4.0's and Bamba's Mamba layers' sizes when layer `l` is one of them.
     pub fn mamba_layer(&self, l: i64) -> Option<&MambaConfig> {
         (self.mamba.as_ref()).filter(|m| m.layers.get(l as usize) == Some(&true))
+    }
+
+    /// Falcon-H1's own fields in its `config.json`: its Mamba layers'
+    /// and its multipliers.
+    fn falcon_h1_json(&self) -> serde_json::Value {
+        let mut extra = self
+            .mamba
+            .as_ref()
+            .map_or(serde_json::json!({}), |m| m.to_json());
+        if let Some(all) = extra.as_object_mut() {
+            all.remove("layer_types");
+            if let Some(m) = &self.mamba {
+                let (norm, before) = match m.gate {
+                    mamba::MambaGate::Grouped { before_gate, .. } => (true, before_gate),
+                    _ => (false, true),
+                };
+                all.insert("mamba_d_ssm".into(), m.d_ssm.into());
+                all.insert("projectors_bias".into(), m.out_bias().into());
+                all.insert("mamba_rms_norm".into(), norm.into());
+                all.insert("mamba_norm_before_gate".into(), before.into());
+            }
+            if let Some(f) = &self.falcon_h1 {
+                let fields = serde_json::json!({
+                    "attention_in_multiplier": f.attention_in,
+                    "attention_out_multiplier": f.attention_out,
+                    "key_multiplier": f.key,
+                    "ssm_in_multiplier": f.ssm_in,
+                    "ssm_out_multiplier": f.ssm_out,
+                    "ssm_multipliers": f.ssm,
+                    "mlp_multipliers": f.mlp,
+                });
+                if let serde_json::Value::Object(fields) = fields {
+                    all.extend(fields);
+                }
+            }
+            all.insert("lm_head_multiplier".into(), self.logit_scale.into());
+            all.insert(
+                "embedding_multiplier".into(),
+                self.embedding_multiplier.into(),
+            );
+        }
+        extra
+    }
+
+    /// Falcon-H1's Mamba-2 layers, one beside each layer's attention
+    /// (its output added to the attention's).
+    pub fn mamba_beside(&self) -> Option<&MambaConfig> {
+        (self.mamba.as_ref()).filter(|_| self.family == Family::FalconH1)
     }
 
     /// Jamba's Mamba layers' sizes when layer `l` is one of them.
@@ -1135,6 +1243,8 @@ impl LlamaConfig {
                 (None, Some(m)) => m.params(self.hidden),
                 (None, None) => attention + sinks,
             };
+            // Falcon-H1's Mamba layer beside its attention.
+            let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
             norms * norm + mixer + mlp
         };
         let [model, embedding, blocks, _] = self.family.names();
@@ -1267,6 +1377,7 @@ impl LlamaConfig {
             Family::Bamba | Family::Mamba | Family::FalconMamba | Family::Mamba2 => {
                 serde_json::json!({})
             }
+            Family::FalconH1 => self.falcon_h1_json(),
             Family::Jamba => {
                 let moe = self.moe.as_ref();
                 let (period, offset) = super::mamba1::period_of(self.layers, |l| self.moe_layer(l));

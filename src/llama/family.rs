@@ -396,11 +396,21 @@ pub enum Family {
     /// `n_groups`, `expand`, `conv_kernel`, `chunk_size`, `use_bias`,
     /// `use_conv_bias`).
     Mamba2,
+    /// `falcon_h1` (`FalconH1ForCausalLM`: TII's Falcon-H1): in each
+    /// layer attention and a Mamba-2 layer side by side on one norm of
+    /// the input (`mamba`: Granite 4.0's, its inner width `mamba_d_ssm`,
+    /// its output gated plainly or through a grouped gated norm), their
+    /// outputs added; Llama's MLP (`feed_forward`) after
+    /// `pre_ff_layernorm`; µP multipliers on the embeddings, the
+    /// attention's input, keys and output, the Mamba layer's input,
+    /// projections and output, the MLP's gate and output, and the logits
+    /// ([`FalconH1Multipliers`](super::FalconH1Multipliers)).
+    FalconH1,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 63] = [
+    pub const ALL: [Family; 64] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -464,6 +474,7 @@ impl Family {
         Self::Mamba,
         Self::FalconMamba,
         Self::Mamba2,
+        Self::FalconH1,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -546,6 +557,7 @@ impl Family {
             Self::Mamba => "mamba",
             Self::FalconMamba => "falcon_mamba",
             Self::Mamba2 => "mamba2",
+            Self::FalconH1 => "falcon_h1",
         }
     }
 
@@ -615,6 +627,7 @@ impl Family {
             Self::Mamba => "MambaForCausalLM",
             Self::FalconMamba => "FalconMambaForCausalLM",
             Self::Mamba2 => "Mamba2ForCausalLM",
+            Self::FalconH1 => "FalconH1ForCausalLM",
         }
     }
 
@@ -949,6 +962,14 @@ impl Family {
                 pad: Some(1),
                 ..LLAMA
             },
+            Self::FalconH1 => Defaults {
+                eps: 1e-5,
+                rope_theta: 100000.0,
+                kv_heads: Some(8),
+                pad: Some(0),
+                positions: 8192,
+                ..LLAMA
+            },
             Self::Mamba | Self::FalconMamba => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1217,7 +1238,7 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
-            Self::Persimmon | Self::Bamba | Self::Jamba => {
+            Self::Persimmon | Self::Bamba | Self::Jamba | Self::FalconH1 => {
                 ["model", "embed_tokens", "layers", "final_layernorm"]
             }
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],

@@ -52,7 +52,19 @@ pub struct Layer {
     training: Training,
     /// Its keys (turned) and values while generating with a cache.
     cache: LayerCache,
+    /// Falcon-H1's Mamba-2 layer beside the attention.
+    beside: Option<Box<Beside>>,
     cfg: LlamaConfig,
+}
+
+/// Falcon-H1's Mamba-2 layer beside a layer's attention, reading the
+/// same normalised input: the scan, its output projection, and a cache
+/// slot of its own for its state while generating.
+#[derive(Debug)]
+struct Beside {
+    mamba: Mamba,
+    out_proj: Adapted,
+    cache: LayerCache,
 }
 
 /// The query, key and value projections: three matrices, Phi-3's
@@ -730,7 +742,9 @@ impl Layer {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
-            Family::Llama4 | Family::Bamba | Family::Jamba => (p / "self_attn", p / "feed_forward"),
+            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 => {
+                (p / "self_attn", p / "feed_forward")
+            }
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -819,7 +833,7 @@ impl Layer {
             norms: Norms::new(p, d, c),
             qkv,
             o_proj: match (c.mamba_layer(l), c.mamba1_layer(l)) {
-                (Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
+                (Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
                 (None, Some(m)) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None) => lin(
                     &(&a / match c.family {
@@ -912,6 +926,14 @@ impl Layer {
             }),
             // A Mamba layer's slot holds its state while generating.
             cache: LayerCache::new(decoding, rotary.as_ref().and_then(Rotary::fixed_up_to)),
+            beside: c.mamba_beside().map(|m| {
+                let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
+                Box::new(Beside {
+                    mamba: Mamba::new(&mixer, c, m, in_proj),
+                    out_proj: lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
+                    cache: LayerCache::new(decoding, None),
+                })
+            }),
             rotary,
             window,
             chunk: (c.llama4.as_ref())
@@ -933,7 +955,16 @@ impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
         let c = &self.cfg;
         let h = self.norms.attention_input(x);
-        let a = self.o_proj.forward(&self.mix(&h));
+        let a = match (&self.beside, &c.falcon_h1) {
+            // Falcon-H1's attention and Mamba layer side by side, each
+            // scaled by its multipliers, their outputs added.
+            (Some(b), Some(f)) => {
+                let a = self.o_proj.forward(&self.mix(&(&h * f.attention_in)));
+                let s = b.out_proj.forward(&b.mamba.forward(&h, &b.cache));
+                a * f.attention_out + s * f.ssm_out
+            }
+            _ => self.o_proj.forward(&self.mix(&h)),
+        };
         // Falcon's parallel layers add the attention's output to the
         // MLP's and drop the sum out; the others add it now (Cohere's MLP
         // output joins the sum after it, as there).
@@ -950,10 +981,19 @@ impl Module for Layer {
         let m = match &self.mlp {
             // Mamba's layers end with the scan's output added.
             Mlp::None => return x,
-            Mlp::Dense { gate_up, down_proj } => {
-                let (gate, up) = gate_up.forward(&h);
-                down_proj.forward(&(c.activation.apply(&gate) * up))
-            }
+            // Falcon-H1's multiplies the gate inside the activation and
+            // the output.
+            Mlp::Dense { gate_up, down_proj } => match &c.falcon_h1 {
+                Some(f) => {
+                    let (gate, up) = gate_up.forward(&h);
+                    let [by_gate, by_down] = f.mlp;
+                    down_proj.forward(&(up * c.activation.apply(&(gate * by_gate)))) * by_down
+                }
+                None => {
+                    let (gate, up) = gate_up.forward(&h);
+                    down_proj.forward(&(c.activation.apply(&gate) * up))
+                }
+            },
             Mlp::Plain {
                 c_fc,
                 c_proj,
@@ -1025,7 +1065,13 @@ impl Layer {
             (true, Some(norm)) => norm.forward(&turned(heads(x, n, None))),
             _ => turned(heads(x, n, norm)),
         };
-        let split = |q, k, v| {
+        // Falcon-H1's keys scaled before they turn.
+        let key_by = c.falcon_h1.as_ref().map(|f| f.key);
+        let split = |q, k: Tensor, v| {
+            let k = match key_by {
+                Some(by) => k * by,
+                None => k,
+            };
             [
                 qk(q, c.heads, qn),
                 qk(k, c.kv_heads, kn),

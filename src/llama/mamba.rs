@@ -1,5 +1,6 @@
-//! Granite 4.0's, Bamba's and Mamba-2's Mamba-2 layers
-//! ([`Family::GraniteMoeHybrid`], [`Family::Bamba`], [`Family::Mamba2`]):
+//! Granite 4.0's, Bamba's, Mamba-2's and Falcon-H1's Mamba-2 layers
+//! ([`Family::GraniteMoeHybrid`], [`Family::Bamba`], [`Family::Mamba2`],
+//! [`Family::FalconH1`], whose stand beside its attention):
 //! their sizes read from the config (Mamba-2's under names of its own,
 //! read flat), and the layer itself, computed as
 //! `transformers`' `torch_forward` computes it without a cache (the
@@ -26,6 +27,26 @@ use super::config::{Activation, LlamaConfig};
 use super::family::Family;
 use super::own_names::{self, field, Default, Field};
 
+/// How a Mamba-2 layer gates and normalises its scan's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MambaGate {
+    /// Granite 4.0's, Bamba's and Mamba-2's: `y` times `silu(gate)`,
+    /// RMS-normalised, times the weights (`norm`).
+    NormedAfter,
+    /// Falcon-H1's without `mamba_rms_norm`: `y` times `silu(gate)`, no
+    /// norm (no weights).
+    Plain,
+    /// Falcon-H1's with `mamba_rms_norm`: RMS-normalised over each group
+    /// of channels, times the weights, gated before the norm or after.
+    Grouped {
+        /// `mamba_n_groups`: the groups normalised apart.
+        groups: i64,
+        /// `mamba_norm_before_gate`: gated after the norm (`true`) or
+        /// before it.
+        before_gate: bool,
+    },
+}
+
 /// A hybrid model's Mamba-2 layers: their sizes (`mamba_*`) and which
 /// layers they are (`layer_types`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,16 +69,32 @@ pub struct MambaConfig {
     pub conv_bias: bool,
     /// `mamba_proj_bias`: `in_proj` and `out_proj` have biases.
     pub proj_bias: bool,
+    /// Falcon-H1's `mamba_d_ssm`: the inner width, when given (else
+    /// `expand` times the model's).
+    pub d_ssm: Option<i64>,
+    /// Falcon-H1's `projectors_bias`: `out_proj`'s bias, apart from
+    /// `in_proj`'s (`None`: [`MambaConfig::proj_bias`]).
+    pub out_bias: Option<bool>,
+    /// How the scan's output is gated and normalised.
+    pub gate: MambaGate,
     /// `layer_types` (Bamba's `attn_layer_indices`): for each layer,
     /// whether it is a Mamba layer (`"mamba"`) or attends
-    /// (`"attention"`); all Mamba when left out.
+    /// (`"attention"`); all Mamba when left out. Falcon-H1's are all
+    /// `false`: each of its layers attends, its Mamba layer beside the
+    /// attention ([`LlamaConfig::mamba_beside`](super::LlamaConfig::mamba_beside)).
     pub layers: Vec<bool>,
 }
 
 impl MambaConfig {
-    /// The inner width, `expand` times the model's `hidden`.
+    /// The inner width: `expand` times the model's `hidden` (Falcon-H1's
+    /// `mamba_d_ssm` when given).
     pub fn inner(&self, hidden: i64) -> i64 {
-        self.expand * hidden
+        self.d_ssm.unwrap_or(self.expand * hidden)
+    }
+
+    /// Whether `out_proj` has a bias.
+    pub(super) fn out_bias(&self) -> bool {
+        self.out_bias.unwrap_or(self.proj_bias)
     }
 
     /// What `in_proj` makes of a token: the gate, the convolved
@@ -79,8 +116,8 @@ impl MambaConfig {
         let n = (d * projected + bias(self.proj_bias, projected))
             + (conv * self.conv_kernel + bias(self.conv_bias, conv))
             + 3 * self.heads
-            + inner
-            + (inner * d + bias(self.proj_bias, d));
+            + bias(self.gate != MambaGate::Plain, inner)
+            + (inner * d + bias(self.out_bias(), d));
         n as u64
     }
 
@@ -122,6 +159,9 @@ impl MambaConfig {
 pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfig, HfError> {
     let layers = j.size("num_hidden_layers")?;
     let kinds = match j.get("layer_types") {
+        // Falcon-H1's Mamba layers stand beside its attention, in place
+        // of none ([`MambaConfig::layers`]).
+        _ if family == Family::FalconH1 => vec![false; layers as usize],
         // Bamba's attending layers by number.
         _ if family == Family::Bamba => match j.get("attn_layer_indices") {
             None | Some(serde_json::Value::Null) => vec![true; layers as usize],
@@ -160,7 +200,11 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
     };
     let heads = j.size_or_none("mamba_n_heads")?.unwrap_or(128);
     let expand = j.size_or_none("mamba_expand")?.unwrap_or(2);
-    let inner = expand * hidden;
+    let d_ssm = match family {
+        Family::FalconH1 => j.size_or_null("mamba_d_ssm", Some(1024))?,
+        _ => None,
+    };
+    let inner = d_ssm.unwrap_or(expand * hidden);
     if heads == 0 || inner % heads != 0 {
         return Err(j.field(format!(
             "mamba_n_heads {heads} does not divide mamba_expand x hidden_size ({inner}), as its class requires"
@@ -199,6 +243,19 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
         chunk,
         conv_bias: j.flag_or("mamba_conv_bias", true)?,
         proj_bias: j.flag_or("mamba_proj_bias", false)?,
+        d_ssm,
+        out_bias: match family {
+            Family::FalconH1 => Some(j.flag_or("projectors_bias", false)?),
+            _ => None,
+        },
+        gate: match family {
+            Family::FalconH1 if j.flag_or("mamba_rms_norm", false)? => MambaGate::Grouped {
+                groups,
+                before_gate: j.flag_or("mamba_norm_before_gate", true)?,
+            },
+            Family::FalconH1 => MambaGate::Plain,
+            _ => MambaGate::NormedAfter,
+        },
         layers: kinds,
     })
 }
@@ -216,7 +273,12 @@ pub(super) struct Mamba {
     dt_bias: Tensor,
     a_log: Tensor,
     d: Tensor,
-    norm: Tensor,
+    /// The gated norm's weights (none for Falcon-H1's plain gate).
+    norm: Option<Tensor>,
+    /// Falcon-H1's `ssm_in_multiplier` (the input's factor) and its µP
+    /// vector (`ssm_multipliers` over the gate, the channels, `B`, `C`
+    /// and the steps), which `in_proj`'s output is multiplied by.
+    mup: Option<(f64, Tensor)>,
     sizes: MambaConfig,
     hidden: i64,
     eps: f64,
@@ -245,7 +307,15 @@ impl Mamba {
             dt_bias: p.ones("dt_bias", &[m.heads]),
             a_log,
             d: p.ones("D", &[m.heads]),
-            norm: (p / "norm").ones("weight", &[inner]),
+            norm: (m.gate != MambaGate::Plain).then(|| (p / "norm").ones("weight", &[inner])),
+            mup: c.falcon_h1.as_ref().map(|f| {
+                let bc = m.groups * m.state;
+                let widths = [inner, inner, bc, bc, m.heads];
+                let parts: Vec<Tensor> = (widths.iter().zip(f.ssm))
+                    .map(|(&w, by)| Tensor::full([w], by, (Kind::Float, p.device())))
+                    .collect();
+                (f.ssm_in, Tensor::cat(&parts, 0))
+            }),
             sizes: m.clone(),
             hidden: c.hidden,
             eps: c.eps,
@@ -262,7 +332,10 @@ impl Mamba {
         let m = &self.sizes;
         let (inner, conv) = (m.inner(self.hidden), m.conv_dim(self.hidden));
         let kind = h.kind();
-        let projected = self.in_proj.forward(h);
+        let projected = match &self.mup {
+            Some((by, mup)) => self.in_proj.forward(&(h * *by)) * mup.to_kind(kind),
+            None => self.in_proj.forward(h),
+        };
         let gate = projected.narrow(-1, 0, inner);
         let xbc = projected.narrow(-1, inner, conv);
         let dt = projected.narrow(-1, inner + conv, m.heads);
@@ -427,14 +500,42 @@ impl Mamba {
         Tensor::cat(&ys, 1)
     }
 
-    /// `GraniteMoeHybridRMSNormGated`: `y` times `silu(gate)`, both in
-    /// fp32, RMS-normalised, cast to `y`'s dtype, times the weights.
+    /// The scan's output `y` gated by `gate` and normalised, as
+    /// [`MambaGate`] says: `GraniteMoeHybridRMSNormGated` (`y` times
+    /// `silu(gate)`, both in fp32, RMS-normalised, cast to `y`'s dtype,
+    /// times the weights), Falcon-H1's plain gate, or its
+    /// `FalconH1RMSNormGated` (over groups of channels, the weights
+    /// applied in fp32, gated before or after).
     fn gated_norm(&self, y: &Tensor, gate: &Tensor) -> Tensor {
         let kind = y.kind();
-        let h = y.to_kind(Kind::Float) * gate.to_kind(Kind::Float).silu();
-        let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
-        let h = h * (var + self.eps).rsqrt();
-        &self.norm * h.to_kind(kind)
+        let gated = |h: Tensor| h * gate.to_kind(Kind::Float).silu();
+        let normed = |h: Tensor| {
+            let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+            h * (var + self.eps).rsqrt()
+        };
+        match (self.sizes.gate, &self.norm) {
+            (
+                MambaGate::Grouped {
+                    groups,
+                    before_gate,
+                },
+                Some(w),
+            ) => {
+                let h = y.to_kind(Kind::Float);
+                let h = if before_gate { h } else { gated(h) };
+                let shape = h.size();
+                let mut grouped = shape[..shape.len() - 1].to_vec();
+                grouped.extend([groups, -1]);
+                let h = normed(h.reshape(&grouped[..])) * w.reshape([groups, -1]);
+                let h = h.reshape(&shape[..]);
+                let h = if before_gate { gated(h) } else { h };
+                h.to_kind(kind)
+            }
+            (MambaGate::NormedAfter, Some(w)) => {
+                w * normed(gated(y.to_kind(Kind::Float))).to_kind(kind)
+            }
+            _ => y * gate.silu(),
+        }
     }
 }
 
@@ -474,7 +575,7 @@ fn segment_sum(x: &Tensor) -> Tensor {
 pub(super) fn built_by(family: Family) -> bool {
     matches!(
         family,
-        Family::GraniteMoeHybrid | Family::Bamba | Family::Mamba2
+        Family::GraniteMoeHybrid | Family::Bamba | Family::Mamba2 | Family::FalconH1
     )
 }
 

@@ -73,11 +73,14 @@ mod xglm;
 mod xielu;
 
 pub(crate) use config::{pad_token, rotary_dim};
-pub use config::{Activation, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig, Scoring};
+pub use config::{
+    Activation, FalconH1Multipliers, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig,
+    Scoring,
+};
 pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
-pub use mamba::MambaConfig;
+pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub(crate) use rope_scaling::rope_scaling;

@@ -260,7 +260,9 @@ impl Norms {
         let pre = || {
             let (input, before_mlp) = match c.family {
                 Family::VaultGemma => ("input_layernorm", "pre_feedforward_layernorm"),
-                Family::Bamba | Family::Jamba => ("input_layernorm", "pre_ff_layernorm"),
+                Family::Bamba | Family::Jamba | Family::FalconH1 => {
+                    ("input_layernorm", "pre_ff_layernorm")
+                }
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),

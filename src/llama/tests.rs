@@ -129,6 +129,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         head_bias: false,
         mamba: None,
         mamba1: None,
+        falcon_h1: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -904,6 +905,74 @@ fn a_mamba2_config_is_read_by_its_own_names_with_pythons_infinity_and_counted() 
                 r#""layer_norm_epsilon": 1e-05"#,
                 r#""layer_norm_epsilon": NaN"#,
                 "layer_norm_epsilon",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn a_falcon_h1_config_is_read_with_its_multipliers_and_counted() {
+    let dir = ConfigDir::new("falcon-h1-configs");
+    // Its class's defaults (sizes its own; no published model's); the
+    // counts are transformers'.
+    let defaults = r#"{"model_type": "falcon_h1", "vocab_size": 128000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "ssm_multipliers": [1.0, 0.5, 0.25, 0.25, 2.0], "key_multiplier": 0.5, "lm_head_multiplier": 0.125}"#;
+    let f = dir.read(defaults).unwrap();
+    let m = f.mamba_beside().unwrap().clone();
+    assert_eq!(
+        (
+            m.inner(f.hidden),
+            m.heads,
+            m.head_dim,
+            m.state,
+            m.gate,
+            m.out_bias()
+        ),
+        (1024, 128, 8, 256, MambaGate::Plain, false)
+    );
+    // Every layer attends, its Mamba layer beside.
+    assert!((0..32).all(|l| f.mamba_layer(l).is_none()));
+    let by = f.falcon_h1.clone().unwrap();
+    assert_eq!(
+        (by.ssm, by.key, by.mlp),
+        ([1.0, 0.5, 0.25, 0.25, 2.0], 0.5, [1.0, 1.0])
+    );
+    assert_eq!(
+        (f.logit_scale, f.rope_theta, f.kv_heads),
+        (0.125, 100000.0, 8)
+    );
+    assert_eq!(total(&f), 8514961408);
+    // The grouped gated norm, a biased output projection, the inner
+    // width from expand, the head tied.
+    let normed = defaults.replace(
+        r#""key_multiplier": 0.5"#,
+        r#""key_multiplier": 0.5, "mamba_rms_norm": true, "projectors_bias": true, "mamba_d_ssm": null, "mamba_n_heads": 64, "tie_word_embeddings": true"#,
+    );
+    let n = dir.read(&normed).unwrap();
+    let m = n.mamba_beside().unwrap();
+    assert_eq!(
+        (m.inner(n.hidden), m.gate),
+        (
+            8192,
+            MambaGate::Grouped {
+                groups: 1,
+                before_gate: true
+            }
+        )
+    );
+    assert_eq!(total(&n), 10802391040);
+    dir.round_trips([f, n]);
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""ssm_multipliers": [1.0, 0.5, 0.25, 0.25, 2.0]"#,
+                r#""ssm_multipliers": [1.0, 0.5]"#,
+                "ssm_multipliers [1.0,0.5]: a list of 5 numbers",
+            ),
+            (
+                r#""key_multiplier": 0.5"#,
+                r#""key_multiplier": 0.5, "mamba_d_ssm": 1000"#,
+                "mamba_n_heads 128 does not divide",
             ),
         ],
     );
@@ -2425,6 +2494,7 @@ fn unit_params_count_what_the_built_model_holds() {
         head_bias: false,
         mamba: None,
         mamba1: None,
+        falcon_h1: None,
         rope_layers: None,
         moe: None,
         clip_qkv: None,
@@ -2635,6 +2705,9 @@ fn unit_params_count_what_the_built_model_holds() {
         chunk: 8,
         conv_bias: true,
         proj_bias: true,
+        d_ssm: None,
+        out_bias: None,
+        gate: MambaGate::NormedAfter,
         layers: vec![true, false],
     };
     let granite4 = LlamaConfig {

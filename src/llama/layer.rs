@@ -79,11 +79,12 @@ enum Qkv {
     },
     Fused(Adapted),
     Latent(Box<Latent>),
-    /// Granite 4.0's and Bamba's Mamba-2 layers mix the tokens in place of
-    /// attention (their `out_proj` is the layer's output projection).
+    /// Granite 4.0's, Bamba's and Mamba-2's Mamba-2 layers mix the tokens
+    /// in place of attention (their `out_proj` is the layer's output
+    /// projection).
     Mamba(Box<Mamba>),
-    /// Jamba's Mamba layers (the first Mamba's selective scan), the
-    /// same way.
+    /// Jamba's, Mamba's and Falcon-Mamba's Mamba layers (the first
+    /// Mamba's selective scan), the same way.
     Mamba1(Box<Mamba1>),
 }
 
@@ -223,7 +224,7 @@ enum Mlp {
         xielu: Option<Xielu>,
     },
     Experts(Experts),
-    /// Mamba's and Falcon-Mamba's layers have none.
+    /// The Mambas' layers (1 and 2, Falcon-Mamba) have none.
     None,
 }
 
@@ -787,8 +788,9 @@ impl Layer {
                 _ => r,
             }
         });
-        // Granite 4.0's, Bamba's and Jamba's Mamba layers in place of
-        // attention (Mamba's and Falcon-Mamba's are their `mixer`).
+        // Granite 4.0's, Bamba's, Jamba's and the Mambas' Mamba layers in
+        // place of attention (the Mambas' named `mixer`); Falcon-H1's
+        // beside it (`beside`, below).
         let mixer = match c.family.mamba_only() {
             true => p / "mixer",
             false => p / "mamba",
@@ -983,17 +985,16 @@ impl Module for Layer {
             Mlp::None => return x,
             // Falcon-H1's multiplies the gate inside the activation and
             // the output.
-            Mlp::Dense { gate_up, down_proj } => match &c.falcon_h1 {
-                Some(f) => {
-                    let (gate, up) = gate_up.forward(&h);
-                    let [by_gate, by_down] = f.mlp;
-                    down_proj.forward(&(up * c.activation.apply(&(gate * by_gate)))) * by_down
+            Mlp::Dense { gate_up, down_proj } => {
+                let (gate, up) = gate_up.forward(&h);
+                match &c.falcon_h1 {
+                    Some(f) => {
+                        let [by_gate, by_down] = f.mlp;
+                        down_proj.forward(&(up * c.activation.apply(&(gate * by_gate)))) * by_down
+                    }
+                    None => down_proj.forward(&(c.activation.apply(&gate) * up)),
                 }
-                None => {
-                    let (gate, up) = gate_up.forward(&h);
-                    down_proj.forward(&(c.activation.apply(&gate) * up))
-                }
-            },
+            }
             Mlp::Plain {
                 c_fc,
                 c_proj,

@@ -158,9 +158,32 @@ impl Documents {
         })
     }
 
-    /// Each row's documents' lengths, in order.
-    pub(crate) fn lengths(&self) -> &[Vec<i64>] {
-        &self.lengths
+    /// `scan` run on each document of each row alone, its outputs put
+    /// back in place: `inputs` are `[batch, seq, ...]`, and `scan` gets
+    /// one document's slice of each, `[1, length, ...]`, and returns its
+    /// `[1, length, ...]`. A recurrent layer (a Mamba's scan) reads a
+    /// packed row so, each document from a zero state, as it would read
+    /// the document alone.
+    pub(crate) fn each_alone(
+        &self,
+        inputs: &[&Tensor],
+        mut scan: impl FnMut(&[Tensor]) -> Tensor,
+    ) -> Tensor {
+        let rows: Vec<Tensor> = (self.lengths.iter().enumerate())
+            .map(|(r, lengths)| {
+                let split: Vec<Vec<Tensor>> = (inputs.iter())
+                    .map(|x| x.narrow(0, r as i64, 1).split_with_sizes(lengths, 1))
+                    .collect();
+                let parts: Vec<Tensor> = (0..lengths.len())
+                    .map(|i| {
+                        let one: Vec<Tensor> = split.iter().map(|s| s[i].shallow_clone()).collect();
+                        scan(&one)
+                    })
+                    .collect();
+                Tensor::cat(&parts, 1)
+            })
+            .collect();
+        Tensor::cat(&rows, 0)
     }
 
     /// The same tensors, shared.

@@ -342,19 +342,7 @@ impl Mamba {
         let y = match (cache.documents(), cache.state()) {
             // A packed row's documents each scanned alone, from a zero
             // state, their convolutions starting afresh.
-            (Some(d), _) => {
-                let rows: Vec<Tensor> = (d.lengths().iter().enumerate())
-                    .map(|(r, lengths)| {
-                        let (xbc, dt) = (xbc.narrow(0, r as i64, 1), dt.narrow(0, r as i64, 1));
-                        let parts: Vec<Tensor> = (xbc.split_with_sizes(lengths, 1).iter())
-                            .zip(&dt.split_with_sizes(lengths, 1))
-                            .map(|(xbc, dt)| self.scan(xbc, dt, cache))
-                            .collect();
-                        Tensor::cat(&parts, 1)
-                    })
-                    .collect();
-                Tensor::cat(&rows, 0)
-            }
+            (Some(d), _) => d.each_alone(&[&xbc, &dt], |one| self.scan(&one[0], &one[1], cache)),
             (None, Some(state)) => self.steps(&xbc, &dt, state, cache),
             (None, None) => self.scan(&xbc, &dt, cache),
         };

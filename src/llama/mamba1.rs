@@ -260,18 +260,7 @@ impl Mamba1 {
         let y = match (cache.documents(), cache.state()) {
             // A packed row's documents each scanned alone, from a zero
             // state, their convolutions starting afresh.
-            (Some(d), _) => {
-                let rows: Vec<Tensor> = (d.lengths().iter().enumerate())
-                    .map(|(r, lengths)| {
-                        let x = x.narrow(0, r as i64, 1);
-                        let parts: Vec<Tensor> = (x.split_with_sizes(lengths, 1).iter())
-                            .map(|x| self.scan(x, None, cache))
-                            .collect();
-                        Tensor::cat(&parts, 1)
-                    })
-                    .collect();
-                Tensor::cat(&rows, 0)
-            }
+            (Some(d), _) => d.each_alone(&[&x], |one| self.scan(&one[0], None, cache)),
             (None, state) => self.scan(&x, state, cache),
         };
         (y * self.activation.apply(&gate)).to_kind(h.kind())

@@ -111,11 +111,51 @@ pub fn built_on(
     new: fn(&nn::Path, &ShardPlan, &GptConfig) -> Gpt,
     released: Option<usize>,
 ) -> (nn::VarStore, ShardPlan, Gpt) {
+    let Some(rank) = released else {
+        let (vs, plan, gpt) = built_by(cfg, new, |_, _| {});
+        as_first_built(&format!("{cfg:?} {:p}", new as *const ()), &vs);
+        return (vs, plan, gpt);
+    };
     built_by(cfg, new, |vs, plan| {
-        if let Some(rank) = released {
-            plan.weights_on_first_rank_only(vs, rank).unwrap();
-        }
+        plan.weights_on_first_rank_only(vs, rank).unwrap()
     })
+}
+
+/// Each (config, constructor)'s values as first built, by key.
+static FIRST_BUILT: Mutex<Vec<(String, Vec<(String, Tensor)>)>> = Mutex::new(Vec::new());
+
+/// Makes `vs` hold the values the first build under `key` got, or
+/// remembers them if this is the first. Why: seed 0 alone does not
+/// make two builds alike. tch's RNG is process-global, and a test on
+/// another thread that draws from it without [`INIT`] (a Hugging Face
+/// model's random start, a LoRA's `A`, a dropout mask) may draw between
+/// this build's `manual_seed(0)` and its draws; two runs a test compares
+/// then start apart (seen: `stage_3_with_packed_gathers_tracks_the_unquantized_run`
+/// failing at step 0 while Jamba's tests ran beside it).
+fn as_first_built(key: &str, vs: &nn::VarStore) {
+    let mut first = FIRST_BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut now: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    now.sort_by(|a, b| a.0.cmp(&b.0));
+    match first.iter().find(|(k, _)| k == key) {
+        Some((_, values)) => tch::no_grad(|| {
+            assert_eq!(
+                now.len(),
+                values.len(),
+                "{key}: the same model builds the same variables"
+            );
+            for ((name, var), (was, value)) in now.iter_mut().zip(values) {
+                assert_eq!(name, was, "{key}: the same model builds the same variables");
+                var.copy_(value);
+            }
+        }),
+        None => {
+            let values = now
+                .into_iter()
+                .map(|(n, v)| (n, v.detach().copy()))
+                .collect();
+            first.push((key.to_string(), values));
+        }
+    }
 }
 
 /// As [`built`], with `rule` applied to the VarStore and plan before

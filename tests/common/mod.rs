@@ -121,8 +121,11 @@ pub fn built_on(
     })
 }
 
+/// A model's variables by name, sorted.
+type Values = Vec<(String, Tensor)>;
+
 /// Each (config, constructor)'s values as first built, by key.
-static FIRST_BUILT: Mutex<Vec<(String, Vec<(String, Tensor)>)>> = Mutex::new(Vec::new());
+static FIRST_BUILT: Mutex<Vec<(String, Values)>> = Mutex::new(Vec::new());
 
 /// Makes `vs` hold the values the first build under `key` got, or
 /// remembers them if this is the first. Why: seed 0 alone does not
@@ -134,7 +137,7 @@ static FIRST_BUILT: Mutex<Vec<(String, Vec<(String, Tensor)>)>> = Mutex::new(Vec
 /// failing at step 0 while Jamba's tests ran beside it).
 fn as_first_built(key: &str, vs: &nn::VarStore) {
     let mut first = FIRST_BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    let mut now: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    let mut now: Values = vs.variables().into_iter().collect();
     now.sort_by(|a, b| a.0.cmp(&b.0));
     match first.iter().find(|(k, _)| k == key) {
         Some((_, values)) => tch::no_grad(|| {

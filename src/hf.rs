@@ -347,6 +347,7 @@ impl HfModel {
             };
             let prefix = if gpt2 { "transformer." } else { "" };
             let tied = layout.tied_head();
+            crate::lora::refuse_convolutions(vs, lora, prefix)?;
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
             if let Layout::Llama(c) = &layout {
                 let refused = c.lora_refused_modules();

@@ -711,6 +711,19 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // LFM2: short gated convolutions (over 3 tokens, with biases) in
+    // place of attention in two layers of three, the third attending
+    // with each head's queries and keys normalised; its MLP's width
+    // adjusted as its class adjusts it (2/3 of 160, times 1.5, rounded
+    // up to 32: 160); the head tied.
+    Case {
+        name: "lfm2",
+        python: (
+            "from transformers import Lfm2Config as C, Lfm2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, conv_bias=True, block_multiple_of=32, block_ffn_dim_multiplier=1.5, layer_types=['conv', 'full_attention', 'conv'], pad_token_id=3",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1241,6 +1254,11 @@ fn a_falcon_h1_checkpoint_with_attention_and_mamba_side_by_side_trains_as_transf
 }
 
 #[test]
+fn an_lfm2_checkpoint_of_short_convolutions_and_attention_trains_as_transformers_does() {
+    parity("lfm2");
+}
+
+#[test]
 fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
     parity("mamba2");
 }
@@ -1258,6 +1276,7 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("jamba");
     packed_documents_as_each_alone("mamba");
     packed_documents_as_each_alone("mamba2");
+    packed_documents_as_each_alone("lfm2");
     packed_documents_as_each_alone("falcon-h1");
 }
 #[test]
@@ -3320,6 +3339,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, \
              state_size=16, n_groups=2, chunk_size=5, eos_token_id=None, \
              bos_token_id=None, pad_token_id=None",
+        ),
+        (
+            "lfm2",
+            "from transformers import Lfm2Config as C, Lfm2ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             conv_bias=True, layer_types=['conv', 'full_attention', 'conv'], \
+             eos_token_id=None, bos_token_id=None",
         ),
         (
             "falcon-mamba",

@@ -521,6 +521,24 @@ const FALCON_H1: Case = Case {
     ..OFF
 };
 
+/// LFM2's convolution layers' `in_proj` (64 -> 192: B, C and x), every
+/// `out_proj` (the two convolutions' and the attention's, 64 -> 64) and
+/// the MLPs' gates (`w1`, 64 -> 96), its convolutions biased. Held to
+/// 2e-5 as GPT-NeoX's: the last convolution's `out_proj` A ended 7.5e-6
+/// from PEFT's (of steps of the learning rate) while every loss agreed,
+/// AdamW's steps carrying the two sums' rounding.
+const LFM2: Case = Case {
+    python: (
+        "from transformers import Lfm2Config as C, Lfm2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=96, block_auto_adjust_ff_dim=False, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, conv_bias=True, layer_types=['conv', 'full_attention', 'conv']",
+    ),
+    targets: &["in_proj", "out_proj", "w1"],
+    atol: Some(2e-5),
+    matrices: 16,
+    elements: 4 * (2 * (64 + 192) + 3 * (64 + 64) + 3 * (64 + 96)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -946,6 +964,11 @@ fn lora_adapters_on_falcon_h1s_attention_and_mamba_train_as_peft_does() {
 }
 
 #[test]
+fn lora_adapters_on_lfm2s_convolutions_attention_and_mlp_train_as_peft_does() {
+    parity("lfm2", &LFM2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn lora_adapters_on_phimoes_attention_and_experts_train_as_peft_does() {
     parity("phimoe", &PHIMOE, &[(3, false, Held::Fp32)]);
 }
@@ -1251,6 +1274,30 @@ fn lora_on_a_mambas_out_proj_is_refused_as_peft_refuses_it() {
         );
     }
     assert_eq!(build(&["in_proj", "dt_proj"]), "");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// PEFT adapts LFM2's and Jamba's convolutions as `nn.Conv1d`s; zrt
+/// builds no such adapter, so naming one is refused, not left bare.
+#[test]
+fn lora_on_a_convolution_is_refused_naming_it() {
+    let dir = scratch("lora-conv-refused");
+    let model = common::hf_seeded_model(
+        "from transformers import Lfm2Config as C, Lfm2ForCausalLM as M",
+        "vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, layer_types=['conv', 'full_attention']",
+        &dir,
+        "",
+    );
+    common::python(&model);
+    let build = |targets: &[&str]| built_with(&dir.join("hf"), LoraConfig::new(2, 8.0, targets));
+    let err = build(&["in_proj", "conv"]);
+    assert!(
+        err.contains("target_modules name `model.layers.0.conv.conv` (1 convolution in all): zrt builds LoRA adapters on linear layers and embeddings, not convolutions"),
+        "{err}"
+    );
+    // all-linear leaves it out, as PEFT's does.
+    assert_eq!(build(&["all-linear"]), "");
+    assert_eq!(build(&["in_proj", "out_proj"]), "");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -19,6 +19,7 @@ use super::mamba1::{self, Mamba1Config};
 use super::mpt;
 use super::opt::{self, OptLayout};
 use super::rope_scaling::{rope_scaling, RopeScaling};
+use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
@@ -418,6 +419,9 @@ pub struct LlamaConfig {
     /// ([`Mamba1Config`]: the first Mamba's selective scan); `None`:
     /// every layer attends.
     pub mamba1: Option<Mamba1Config>,
+    /// LFM2's convolution layers ([`ShortConvConfig`]) in place of
+    /// attention; `None`: every layer attends.
+    pub short_conv: Option<ShortConvConfig>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -515,6 +519,8 @@ impl LlamaConfig {
         let activation = match j.get(key).and_then(|v| v.as_str()) {
             // Apertus's MLP holds xIELU's parameters; no other layer does.
             Some("xielu") if family == Family::Apertus => Activation::Xielu,
+            // LFM2's MLP is SiLU-gated whatever the config says.
+            _ if family == Family::Lfm2 => Activation::Silu,
             _ => Activation::read(j, key, defaults.activation, "Llama")?,
         };
         let partial = match family {
@@ -626,7 +632,9 @@ impl LlamaConfig {
             Family::GptOss => true,
             // Llama 4's, Bamba's and Jamba's classes set none, whatever
             // the config says.
-            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 => false,
+            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 | Family::Lfm2 => {
+                false
+            }
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
@@ -728,6 +736,8 @@ impl LlamaConfig {
         // has none (its attention takes no positions).
         let rope_theta = match family {
             Family::Bamba | Family::Jamba => 10000.0,
+            // LFM2's class reads `theta` over it (its original name).
+            Family::Lfm2 if j.has("theta") => j.number_or("theta", defaults.rope_theta)?,
             _ => j.number_or("rope_theta", defaults.rope_theta)?,
         };
         let granite = |key: &str| match family {
@@ -743,6 +753,7 @@ impl LlamaConfig {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
                 Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
+                Family::Lfm2 => short_conv::mlp_width(j)?.width(),
                 // Granite 4.0's dense models: the shared MLP alone.
                 Family::GraniteMoeHybrid if granite_dense(j)? => {
                     count_or(j, "shared_intermediate_size", 1024)?
@@ -783,6 +794,7 @@ impl LlamaConfig {
                         | Family::Bamba
                         | Family::Jamba
                         | Family::FalconH1
+                        | Family::Lfm2
                 ) || f.hunyuan() =>
                 {
                     false
@@ -796,7 +808,12 @@ impl LlamaConfig {
                 _ => j.flag_or("mlp_bias", false)?,
             },
             sliding_window,
-            tied: j.flag_or("tie_word_embeddings", defaults.tied)?,
+            tied: match family {
+                // LFM2's class reads `tie_embedding` over it (its
+                // original name).
+                Family::Lfm2 if j.has("tie_embedding") => j.flag_or("tie_embedding", true)?,
+                _ => j.flag_or("tie_word_embeddings", defaults.tied)?,
+            },
             // ERNIE 4.5's attention sets none, whatever the config says.
             attention_dropout: match family {
                 f if f.ernie() => 0.0,
@@ -812,7 +829,8 @@ impl LlamaConfig {
                 | Family::Dots1
                 | Family::Apertus
                 | Family::HunyuanDense
-                | Family::HunyuanMoe => true,
+                | Family::HunyuanMoe
+                | Family::Lfm2 => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 Family::Persimmon => j.flag_or("qk_layernorm", true)?,
                 Family::StableLm => j.flag_or("qk_layernorm", false)?,
@@ -962,6 +980,12 @@ impl LlamaConfig {
             mamba1: match family {
                 Family::Jamba | Family::Mamba | Family::FalconMamba => {
                     Some(super::mamba1::read(j, family, hidden)?)
+                }
+                _ => None,
+            },
+            short_conv: match family {
+                f if short_conv::built_by(f) => {
+                    Some(short_conv::read(j, j.size("num_hidden_layers")?)?)
                 }
                 _ => None,
             },
@@ -1126,6 +1150,11 @@ impl LlamaConfig {
         (self.mamba1.as_ref()).filter(|m| m.is_mamba(l))
     }
 
+    /// LFM2's convolution layers' sizes when layer `l` is one of them.
+    pub fn short_conv_layer(&self, l: i64) -> Option<&ShortConvConfig> {
+        (self.short_conv.as_ref()).filter(|c| c.is_conv(l))
+    }
+
     /// Whether layer `l`'s MLP is a mixture of experts.
     pub fn moe_layer(&self, l: i64) -> bool {
         self.moe
@@ -1241,7 +1270,11 @@ impl LlamaConfig {
             let mixer = match (self.mamba_layer(l), self.mamba1_layer(l)) {
                 (Some(m), _) => m.params(self.hidden),
                 (None, Some(m)) => m.params(self.hidden),
-                (None, None) => attention + sinks,
+                // LFM2's convolution layers.
+                (None, None) => match self.short_conv_layer(l) {
+                    Some(c) => c.params(self.hidden),
+                    None => attention + sinks,
+                },
             };
             // Falcon-H1's Mamba layer beside its attention.
             let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
@@ -1314,9 +1347,16 @@ impl LlamaConfig {
             "tie_word_embeddings": self.tied,
             "attention_dropout": self.attention_dropout,
         });
-        // ERNIE 4.5's class has no attention dropout to write.
-        if let (true, Some(all)) = (self.family.ernie(), json.as_object_mut()) {
+        // ERNIE 4.5's and LFM2's classes have no attention dropout to
+        // write; LFM2's no activation.
+        if let (true, Some(all)) = (
+            self.family.ernie() || self.family == Family::Lfm2,
+            json.as_object_mut(),
+        ) {
             all.remove("attention_dropout");
+        }
+        if let (Family::Lfm2, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("hidden_act");
         }
         let extra = match self.family {
             Family::Llama => serde_json::json!({
@@ -1378,6 +1418,9 @@ impl LlamaConfig {
                 serde_json::json!({})
             }
             Family::FalconH1 => self.falcon_h1_json(),
+            // Its convolutions and its MLP's width.
+            Family::Lfm2 => (self.short_conv.as_ref())
+                .map_or_else(|| serde_json::json!({}), |c| c.to_json(self.intermediate)),
             Family::Jamba => {
                 let moe = self.moe.as_ref();
                 let (period, offset) = super::mamba1::period_of(self.layers, |l| self.moe_layer(l));
@@ -2291,10 +2334,11 @@ fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
 fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<i64>, HfError> {
     // dots1's `layer_types` are all full (others are refused); Llama
     // 4's name its chunked layers ([`Llama4Attention::chunked`]), Granite
-    // 4.0's its Mamba layers ([`MambaConfig::layers`]).
+    // 4.0's its Mamba layers ([`MambaConfig::layers`]), LFM2's its
+    // convolution layers ([`ShortConvConfig::layers`]).
     if matches!(
         family,
-        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid
+        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid | Family::Lfm2
     ) {
         return Ok(None);
     }

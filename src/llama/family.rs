@@ -406,11 +406,21 @@ pub enum Family {
     /// projections and output, the MLP's gate and output, and the logits
     /// ([`FalconH1Multipliers`](super::FalconH1Multipliers)).
     FalconH1,
+    /// `lfm2` (`Lfm2ForCausalLM`: Liquid AI's LFM2): most layers a short
+    /// gated convolution (`conv`: `in_proj` to `B`, `C` and `x`, the
+    /// depthwise convolution of `B x` over `conv_L_cache` tokens, gated
+    /// by `C`, `out_proj`), the others (`layer_types` `full_attention`)
+    /// grouped-query attention with each head's queries and keys
+    /// RMS-normalised (`q_layernorm`, `k_layernorm`) and `out_proj`; each
+    /// under `operator_norm`, a SiLU-gated MLP (`feed_forward.w1`, `w3`,
+    /// `w2`, its width adjusted from `intermediate_size` as its class
+    /// adjusts it) under `ffn_norm`; the final norm `embedding_norm`.
+    Lfm2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 64] = [
+    pub const ALL: [Family; 65] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -475,6 +485,7 @@ impl Family {
         Self::FalconMamba,
         Self::Mamba2,
         Self::FalconH1,
+        Self::Lfm2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -558,6 +569,7 @@ impl Family {
             Self::FalconMamba => "falcon_mamba",
             Self::Mamba2 => "mamba2",
             Self::FalconH1 => "falcon_h1",
+            Self::Lfm2 => "lfm2",
         }
     }
 
@@ -628,6 +640,7 @@ impl Family {
             Self::FalconMamba => "FalconMambaForCausalLM",
             Self::Mamba2 => "Mamba2ForCausalLM",
             Self::FalconH1 => "FalconH1ForCausalLM",
+            Self::Lfm2 => "Lfm2ForCausalLM",
         }
     }
 
@@ -970,6 +983,15 @@ impl Family {
                 positions: 8192,
                 ..LLAMA
             },
+            Self::Lfm2 => Defaults {
+                eps: 1e-5,
+                rope_theta: 1_000_000.0,
+                kv_heads: Some(8),
+                tied: true,
+                pad: Some(0),
+                positions: 128_000,
+                ..LLAMA
+            },
             Self::Mamba | Self::FalconMamba => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1246,6 +1268,7 @@ impl Family {
                 ["backbone", "embeddings", "layers", "norm_f"]
             }
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
+            Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
@@ -1281,7 +1304,7 @@ impl Family {
     pub(super) fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
-            Self::Nemotron => "norm_eps",
+            Self::Nemotron | Self::Lfm2 => "norm_eps",
             Self::Falcon
             | Self::GptJ
             | Self::CodeGen

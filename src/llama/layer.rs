@@ -19,6 +19,7 @@ use super::mamba1::Mamba1;
 use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
+use super::short_conv::ShortConv;
 use super::xielu::Xielu;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
@@ -86,6 +87,8 @@ enum Qkv {
     /// Jamba's, Mamba's and Falcon-Mamba's Mamba layers (the first
     /// Mamba's selective scan), the same way.
     Mamba1(Box<Mamba1>),
+    /// LFM2's convolution layers, the same way.
+    ShortConv(Box<ShortConv>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -743,7 +746,7 @@ impl Layer {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
-            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 => {
+            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 | Family::Lfm2 => {
                 (p / "self_attn", p / "feed_forward")
             }
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
@@ -795,13 +798,17 @@ impl Layer {
             true => p / "mixer",
             false => p / "mamba",
         };
-        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l)) {
-            (Some(m), _) => {
+        let conv = c.short_conv_layer(l);
+        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l), conv) {
+            (Some(m), _, _) => {
                 let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
                 Qkv::Mamba(Box::new(Mamba::new(&mixer, c, m, in_proj)))
             }
-            (None, Some(m)) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
-            (None, None) => match (c.family, &c.mla) {
+            (None, Some(m), _) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
+            (None, None, Some(s)) => {
+                Qkv::ShortConv(Box::new(ShortConv::new(&(p / "conv"), d, s, lin)))
+            }
+            (None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
                     Family::Phi3
@@ -834,13 +841,16 @@ impl Layer {
         Self {
             norms: Norms::new(p, d, c),
             qkv,
-            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l)) {
-                (Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
-                (None, Some(m)) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
-                (None, None) => lin(
+            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l), conv) {
+                (Some(m), _, _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
+                (None, Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
+                (None, None, Some(s)) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
+                (None, None, None) => lin(
                     &(&a / match c.family {
-                        f if matches!(f, Family::Dbrx | Family::GptNeo | Family::Mpt)
-                            || f.gptj()
+                        f if matches!(
+                            f,
+                            Family::Dbrx | Family::GptNeo | Family::Mpt | Family::Lfm2
+                        ) || f.gptj()
                             || f.fairseq() =>
                         {
                             "out_proj"
@@ -903,18 +913,29 @@ impl Layer {
                         f if f == Family::Phi3 || f.glm() => {
                             GateUp::Fused(lin(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
                         }
+                        // LFM2's `w1` and `w3` (`w2` down).
+                        Family::Lfm2 => GateUp::Apart {
+                            gate_proj: lin(&(&m / "w1"), d, c.intermediate, mb),
+                            up_proj: lin(&(&m / "w3"), d, c.intermediate, mb),
+                        },
                         _ => GateUp::Apart {
                             gate_proj: lin(&(&m / "gate_proj"), d, c.intermediate, mb),
                             up_proj: lin(&(&m / "up_proj"), d, c.intermediate, mb),
                         },
                     },
-                    down_proj: lin(&(&m / "down_proj"), c.intermediate, d, mb),
+                    down_proj: match c.family {
+                        Family::Lfm2 => lin(&(&m / "w2"), c.intermediate, d, mb),
+                        _ => lin(&(&m / "down_proj"), c.intermediate, d, mb),
+                    },
                 },
             },
-            qk_norm: c.qk_norm.then(|| {
+            // LFM2's convolution layers have none.
+            qk_norm: (c.qk_norm && conv.is_none()).then(|| {
                 let (q, k) = match c.family {
                     f if f.hunyuan() => ("query_layernorm", "key_layernorm"),
-                    Family::Persimmon | Family::StableLm => ("q_layernorm", "k_layernorm"),
+                    Family::Persimmon | Family::StableLm | Family::Lfm2 => {
+                        ("q_layernorm", "k_layernorm")
+                    }
                     _ => ("q_norm", "k_norm"),
                 };
                 // Persimmon's LayerNorms (with biases), StableLM's and
@@ -1082,6 +1103,7 @@ impl Layer {
         let [q, k, v] = match &self.qkv {
             Qkv::Mamba(m) => return m.forward(h, &self.cache),
             Qkv::Mamba1(m) => return m.forward(h, &self.cache),
+            Qkv::ShortConv(s) => return s.forward(h, &self.cache),
             Qkv::Apart {
                 q_proj,
                 k_proj,

@@ -33,6 +33,7 @@ use super::family::Family;
 use super::layer::Lin;
 use super::norm::{rms_normalized, RmsNorm};
 use super::own_names::{self, field, Default, Field};
+use super::short_conv::causal_conv;
 
 /// How a Mamba layer normalises each token's step, `B` and `C` before
 /// the scan.
@@ -275,45 +276,22 @@ impl Mamba1 {
     fn scan(&self, x_in: &Tensor, state: Option<(Tensor, Tensor)>, cache: &LayerCache) -> Tensor {
         let m = &self.sizes;
         let (b, t, _) = x_in.size3().unwrap_or((1, 1, 1));
-        let (inner, n, k) = (self.inner, m.state, m.conv_kernel);
+        let (inner, n) = (self.inner, m.state);
         let kind = x_in.kind();
         let channels = x_in.transpose(1, 2);
         // The depthwise causal convolution: over the whole sequence, or a
         // token at a time over the kept inputs.
-        let (x, inputs, ssm) = match state {
-            None => {
-                let conv = channels.conv1d(
-                    &self.conv_weight,
-                    self.conv_bias.as_ref(),
-                    [1],
-                    [k - 1],
-                    [1],
-                    inner,
-                );
-                let x = self.activation.apply(&conv.narrow(-1, 0, t));
-                let inputs = channels.constant_pad_nd([k - t, 0]);
-                (
-                    x,
-                    inputs,
-                    Tensor::zeros([b, inner, n], (kind, x_in.device())),
-                )
-            }
-            Some((mut inputs, ssm)) => {
-                let weight = self.conv_weight.squeeze_dim(1);
-                let mut xs = Vec::with_capacity(t as usize);
-                for i in 0..t {
-                    let token = channels.narrow(-1, i, 1);
-                    inputs = Tensor::cat(&[inputs.narrow(-1, 1, k - 1), token], -1);
-                    let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
-                    let x = match &self.conv_bias {
-                        Some(bias) => summed + bias,
-                        None => summed,
-                    };
-                    xs.push(self.activation.apply(&x).to_kind(kind).unsqueeze(-1));
-                }
-                (Tensor::cat(&xs, -1), inputs, ssm)
-            }
+        let (inputs, ssm) = match state {
+            None => (None, Tensor::zeros([b, inner, n], (kind, x_in.device()))),
+            Some((inputs, ssm)) => (Some(inputs), ssm),
         };
+        let (conv, inputs) = causal_conv(
+            &channels,
+            &self.conv_weight,
+            self.conv_bias.as_ref(),
+            inputs,
+        );
+        let x = self.activation.apply(&conv).to_kind(kind);
         // Each token's step, B and C, normalised.
         let r = m.dt_rank;
         let params = self.x_proj.forward(&x.transpose(1, 2));

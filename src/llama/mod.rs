@@ -66,6 +66,7 @@ mod opt;
 mod own_names;
 mod rope_scaling;
 mod rotary;
+mod short_conv;
 mod sparse_mixer;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -86,6 +87,7 @@ pub use opt::OptLayout;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
+pub use short_conv::{MlpWidth, ShortConvConfig};
 
 use std::sync::Arc;
 

@@ -264,6 +264,7 @@ impl Norms {
                     ("input_layernorm", "pre_ff_layernorm")
                 }
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
+                Family::Lfm2 => ("operator_norm", "ffn_norm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),
                 f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),

@@ -129,6 +129,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         head_bias: false,
         mamba: None,
         mamba1: None,
+        short_conv: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,
@@ -973,6 +974,86 @@ fn a_falcon_h1_config_is_read_with_its_multipliers_and_counted() {
                 r#""key_multiplier": 0.5"#,
                 r#""key_multiplier": 0.5, "mamba_d_ssm": 1000"#,
                 "mamba_n_heads 128 does not divide",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
+    let dir = ConfigDir::new("lfm2-configs");
+    // LFM2-1.2B's sizes under its original names (`block_ff_dim`); the
+    // counts are transformers'.
+    let kinds = r#"["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"]"#;
+    let small = format!(
+        r#"{{"model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2048, "block_ff_dim": 12288, "intermediate_size": 12288, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "norm_eps": 1e-05, "layer_types": {kinds}}}"#
+    );
+    let c = dir.read(&small).unwrap();
+    // Two thirds of 12288, rounded up to 256.
+    assert_eq!(
+        (c.intermediate, c.tied, c.rope_theta, c.pad_token, c.qk_norm),
+        (8192, true, 1e6, Some(0), true)
+    );
+    let conv = c.short_conv.clone().unwrap();
+    assert_eq!((conv.kernel, conv.bias), (3, false));
+    let attends: Vec<i64> = (0..16)
+        .filter(|&l| c.short_conv_layer(l).is_none())
+        .collect();
+    assert_eq!(attends, [2, 5, 8, 10, 12, 14]);
+    assert_eq!(total(&c), 1170340608);
+    // Its class's defaults but for the sizes zrt asks for: every layer
+    // attends.
+    let d = dir
+        .read(r#"{"model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 32}"#)
+        .unwrap();
+    assert!((0..32).all(|l| d.short_conv_layer(l).is_none()));
+    assert_eq!((d.hidden, d.intermediate), (2560, 8192));
+    assert_eq!(total(&d), 2705497600);
+    // The attending layers by index, the MLP's width as given, biased
+    // convolutions, the original names of the base and the tie.
+    let other = r#"{"model_type": "lfm2", "vocab_size": 1000, "hidden_size": 1024, "intermediate_size": 4096, "block_auto_adjust_ff_dim": false, "num_hidden_layers": 6, "num_attention_heads": 16, "full_attn_idxs": [1, 4], "conv_bias": true, "tie_embedding": false, "theta": 500000.0}"#;
+    let o = dir.read(other).unwrap();
+    let attends: Vec<i64> = (0..6)
+        .filter(|&l| o.short_conv_layer(l).is_none())
+        .collect();
+    assert_eq!(
+        (attends, o.intermediate, o.tied, o.rope_theta),
+        (vec![1, 4], 4096, false, 500000.0)
+    );
+    assert_eq!(total(&o), 100660480);
+    dir.round_trips([c, d, o]);
+    dir.refuses_replaced(
+        other,
+        &[
+            (
+                r#""full_attn_idxs": [1, 4]"#,
+                r#""full_attn_idxs": [1, 6]"#,
+                "full_attn_idxs [1,6]: give the indices of the layers that attend, each below num_hidden_layers 6",
+            ),
+            (
+                r#""full_attn_idxs": [1, 4]"#,
+                r#""full_attn_idxs": []"#,
+                "no layer attends",
+            ),
+            (
+                r#""full_attn_idxs": [1, 4]"#,
+                r#""layer_types": ["conv", "full_attention"]"#,
+                "layer_types has 2 entries for num_hidden_layers 6",
+            ),
+            (
+                r#""full_attn_idxs": [1, 4]"#,
+                r#""layer_types": ["conv", "mamba", "conv", "conv", "full_attention", "conv"]"#,
+                "layer_types entry \"mamba\": LFM2's layers are \"conv\" or \"full_attention\"",
+            ),
+            (
+                r#""block_auto_adjust_ff_dim": false"#,
+                r#""block_auto_adjust_ff_dim": true, "block_ffn_dim_multiplier": -1.0"#,
+                "intermediate_size 4096 adjusted (block_auto_adjust_ff_dim, block_ffn_dim_multiplier Some(-1.0)) is -2560: the MLP needs a width of at least 1",
+            ),
+            (
+                r#""conv_bias": true"#,
+                r#""conv_bias": true, "conv_L_cache": 0"#,
+                "`conv_L_cache` is missing or not a positive integer",
             ),
         ],
     );
@@ -2494,6 +2575,7 @@ fn unit_params_count_what_the_built_model_holds() {
         head_bias: false,
         mamba: None,
         mamba1: None,
+        short_conv: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,

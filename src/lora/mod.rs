@@ -644,6 +644,33 @@ pub(crate) fn refuse_modules(
     }
 }
 
+/// Refuses targets that name a convolution: a module whose `weight` is
+/// 3-D (Jamba's and the Mambas' `conv1d`, LFM2's `conv`). PEFT adapts
+/// one as an `nn.Conv1d`; zrt builds adapters on linear layers and
+/// embeddings only, and training the rest with that one left bare would
+/// train another model than PEFT's. `prefix` is what the checkpoint's
+/// names carry before the VarStore's.
+pub(crate) fn refuse_convolutions(
+    vs: &nn::VarStore,
+    cfg: &LoraConfig,
+    prefix: &str,
+) -> Result<(), HfError> {
+    let mut hit: Vec<String> = (vs.variables().into_iter())
+        .filter(|(name, t)| t.dim() == 3 && !is_adapter(name))
+        .filter_map(|(name, _)| name.strip_suffix(".weight").map(|m| format!("{prefix}{m}")))
+        .filter(|module| cfg.targets_by_name(module))
+        .collect();
+    hit.sort();
+    match hit.first() {
+        None => Ok(()),
+        Some(first) => Err(HfError::Lora(format!(
+            "target_modules name `{first}` ({} convolution{} in all): zrt builds LoRA adapters on linear layers and embeddings, not convolutions (PEFT would adapt it as an nn.Conv1d); leave it out of the targets",
+            hit.len(),
+            if hit.len() == 1 { "" } else { "s" }
+        ))),
+    }
+}
+
 fn adapted_module(name: &str) -> &str {
     let delta = name
         .strip_suffix(embedding::DELTA)

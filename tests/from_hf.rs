@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1256,6 +1256,42 @@ fn a_falcon_h1_checkpoint_with_attention_and_mamba_side_by_side_trains_as_transf
 #[test]
 fn an_lfm2_checkpoint_of_short_convolutions_and_attention_trains_as_transformers_does() {
     parity("lfm2");
+}
+
+/// LFM2's convolutions keep their last inputs while generating. A
+/// prompt shorter than the convolution (here one token, of three) is
+/// where `transformers`' cached path writes the next input in the wrong
+/// place (4.57.6: its cached and uncached `generate` disagree there); zrt
+/// continues it as the uncached path computes it, a full forward a token.
+#[test]
+fn lfm2_continues_a_prompt_shorter_than_its_convolution_as_a_full_forward_does() {
+    let dir = scratch("hf-lfm2-short-prompt");
+    let model = common::hf_seeded_model(
+        "from transformers import Lfm2Config as C, Lfm2ForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, \
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+         layer_types=['conv', 'full_attention', 'conv'], eos_token_id=None, bos_token_id=None",
+        &dir,
+        "",
+    )
+    .replace("* 0.05", "* 0.3");
+    let said = common::python(&format!(
+        r#"{model}
+m.eval()
+out = m.generate(torch.tensor([[5]]), max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=0)
+print(" ".join(map(str, out[0, 1:].tolist())))
+"#
+    ));
+    let want = generated(&said, "lfm2").remove(0);
+    let hf = dir.join("hf");
+    let got = on_ranks(2, |r| {
+        let (model, _engine) = on_two_at_stage_3(&r, &hf);
+        model.greedy(&[5], 12, &[]).unwrap()
+    });
+    for (ids, rank) in got.into_iter().zip(0..) {
+        assert_eq!(ids, want, "rank {rank}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -26,6 +26,7 @@ use crate::lora::Adapted;
 use super::config::{Activation, LlamaConfig};
 use super::family::Family;
 use super::own_names::{self, field, Default, Field};
+use super::short_conv::causal_conv;
 
 /// How a Mamba-2 layer gates and normalises its scan's output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -357,18 +358,17 @@ impl Mamba {
     fn scan(&self, xbc_in: &Tensor, dt: &Tensor, cache: &LayerCache) -> Tensor {
         let m = &self.sizes;
         let (b, t, _) = xbc_in.size3().unwrap_or((1, 1, 1));
-        let (inner, conv) = (m.inner(self.hidden), m.conv_dim(self.hidden));
+        let inner = m.inner(self.hidden);
         let (heads, hd, n, chunk) = (m.heads, m.head_dim, m.state, m.chunk);
-        // The depthwise causal convolution, its first `t` outputs.
-        let xbc = xbc_in.transpose(1, 2).conv1d(
+        // The depthwise causal convolution, and its last inputs (zeros
+        // before the first) for a generation's next token.
+        let (xbc, last_inputs) = causal_conv(
+            &xbc_in.transpose(1, 2),
             &self.conv_weight,
             self.conv_bias.as_ref(),
-            [1],
-            [m.conv_kernel - 1],
-            [1],
-            conv,
+            None,
         );
-        let xbc = self.activation.apply(&xbc.narrow(-1, 0, t).transpose(1, 2));
+        let xbc = self.activation.apply(&xbc.transpose(1, 2));
         let x = xbc.narrow(-1, 0, inner);
         let bb = xbc.narrow(-1, inner, m.groups * n);
         let cc = xbc.narrow(-1, inner + m.groups * n, m.groups * n);
@@ -412,10 +412,8 @@ impl Mamba {
         let chunks = new_states.size()[1] - 1;
         let states = new_states.narrow(1, 0, chunks);
         // What a generation's next token starts from: the convolution's
-        // last inputs (zeros before the first), the state after the last
-        // chunk, in the input's dtype as `transformers`' cache holds them.
-        let k = m.conv_kernel;
-        let last_inputs = xbc_in.transpose(1, 2).constant_pad_nd([k - t, 0]);
+        // last inputs, the state after the last chunk, in the input's
+        // dtype as `transformers`' cache holds them.
         let state = new_states.select(1, chunks).to_kind(xbc_in.kind());
         cache.keep_state((last_inputs, state));
         // 4. Each chunk's output from the state it starts from.
@@ -445,7 +443,6 @@ impl Mamba {
         let a = (-self.a_log.to_kind(Kind::Float).exp())
             .view([heads, 1, 1])
             .expand([heads, hd, n], false);
-        let weight = self.conv_weight.squeeze_dim(1);
         let dt_bias = self.dt_bias.unsqueeze(-1).expand([heads, hd], false);
         let d = self.d.unsqueeze(-1).expand([heads, hd], false);
         let per_head = |y: &Tensor| {
@@ -459,13 +456,14 @@ impl Mamba {
         for i in 0..t {
             // The convolution over the last inputs, this token's last.
             let token = xbc_in.select(1, i).unsqueeze(-1);
-            inputs = Tensor::cat(&[inputs.narrow(-1, 1, m.conv_kernel - 1), token], -1);
-            let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
-            let xbc = match &self.conv_bias {
-                Some(bias) => summed + bias,
-                None => summed,
-            };
-            let xbc = self.activation.apply(&xbc);
+            let (xbc, now) = causal_conv(
+                &token,
+                &self.conv_weight,
+                self.conv_bias.as_ref(),
+                Some(inputs),
+            );
+            inputs = now;
+            let xbc = self.activation.apply(&xbc.squeeze_dim(-1));
             let x = xbc.narrow(-1, 0, inner).reshape([b, -1, hd]);
             let bb = per_head(&xbc.narrow(-1, inner, g * n));
             let cc = per_head(&xbc.narrow(-1, inner + g * n, g * n));

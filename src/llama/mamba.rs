@@ -26,7 +26,7 @@ use crate::lora::Adapted;
 use super::config::{Activation, LlamaConfig};
 use super::family::Family;
 use super::own_names::{self, field, Default, Field};
-use super::short_conv::causal_conv;
+use super::short_conv::CausalConv;
 
 /// How a Mamba-2 layer gates and normalises its scan's output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,8 +269,7 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
 #[derive(Debug)]
 pub(super) struct Mamba {
     in_proj: Adapted,
-    conv_weight: Tensor,
-    conv_bias: Option<Tensor>,
+    conv: CausalConv,
     dt_bias: Tensor,
     a_log: Tensor,
     d: Tensor,
@@ -291,20 +290,19 @@ impl Mamba {
     /// by `lin`; its parameters start as its class initialises them.
     pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &MambaConfig, in_proj: Adapted) -> Self {
         let (inner, conv) = (m.inner(c.hidden), m.conv_dim(c.hidden));
-        let conv_path = p / "conv1d";
         let heads = Tensor::arange_start(1, m.heads + 1, (Kind::Float, p.device()));
         let a_log = p.var_copy("A_log", &heads.log());
         Self {
             in_proj,
-            conv_weight: conv_path.var(
-                "weight",
-                &[conv, 1, m.conv_kernel],
+            conv: CausalConv::new(
+                &(p / "conv1d"),
+                (conv, m.conv_kernel),
+                m.conv_bias,
                 nn::Init::Uniform {
                     lo: -1.0 / (m.conv_kernel as f64).sqrt(),
                     up: 1.0 / (m.conv_kernel as f64).sqrt(),
                 },
             ),
-            conv_bias: m.conv_bias.then(|| conv_path.zeros("bias", &[conv])),
             dt_bias: p.ones("dt_bias", &[m.heads]),
             a_log,
             d: p.ones("D", &[m.heads]),
@@ -362,12 +360,7 @@ impl Mamba {
         let (heads, hd, n, chunk) = (m.heads, m.head_dim, m.state, m.chunk);
         // The depthwise causal convolution, and its last inputs (zeros
         // before the first) for a generation's next token.
-        let (xbc, last_inputs) = causal_conv(
-            &xbc_in.transpose(1, 2),
-            &self.conv_weight,
-            self.conv_bias.as_ref(),
-            None,
-        );
+        let (xbc, last_inputs) = self.conv.forward(&xbc_in.transpose(1, 2), None);
         let xbc = self.activation.apply(&xbc.transpose(1, 2));
         let x = xbc.narrow(-1, 0, inner);
         let bb = xbc.narrow(-1, inner, m.groups * n);
@@ -456,12 +449,7 @@ impl Mamba {
         for i in 0..t {
             // The convolution over the last inputs, this token's last.
             let token = xbc_in.select(1, i).unsqueeze(-1);
-            let (xbc, now) = causal_conv(
-                &token,
-                &self.conv_weight,
-                self.conv_bias.as_ref(),
-                Some(inputs),
-            );
+            let (xbc, now) = self.conv.forward(&token, Some(inputs));
             inputs = now;
             let xbc = self.activation.apply(&xbc.squeeze_dim(-1));
             let x = xbc.narrow(-1, 0, inner).reshape([b, -1, hd]);

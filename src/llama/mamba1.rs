@@ -33,7 +33,7 @@ use super::family::Family;
 use super::layer::Lin;
 use super::norm::{rms_normalized, RmsNorm};
 use super::own_names::{self, field, Default, Field};
-use super::short_conv::causal_conv;
+use super::short_conv::CausalConv;
 
 /// How a Mamba layer normalises each token's step, `B` and `C` before
 /// the scan.
@@ -201,8 +201,7 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<Mamba1Conf
 #[derive(Debug)]
 pub(super) struct Mamba1 {
     in_proj: Adapted,
-    conv_weight: Tensor,
-    conv_bias: Option<Tensor>,
+    conv: CausalConv,
     x_proj: Adapted,
     dt_proj: Adapted,
     a_log: Tensor,
@@ -221,20 +220,19 @@ impl Mamba1 {
     /// initialises them.
     pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &Mamba1Config, lin: &Lin<'_>) -> Self {
         let (d, inner, n, r) = (c.hidden, m.inner(c.hidden), m.state, m.dt_rank);
-        let conv_path = p / "conv1d";
         let states = Tensor::arange_start(1, n + 1, (Kind::Float, p.device()));
         let a_log = states.log().unsqueeze(0).expand([inner, n], false);
         Self {
             in_proj: lin(&(p / "in_proj"), d, 2 * inner, m.proj_bias),
-            conv_weight: conv_path.var(
-                "weight",
-                &[inner, 1, m.conv_kernel],
+            conv: CausalConv::new(
+                &(p / "conv1d"),
+                (inner, m.conv_kernel),
+                m.conv_bias,
                 nn::Init::Randn {
                     mean: 0.0,
                     stdev: 0.02,
                 },
             ),
-            conv_bias: m.conv_bias.then(|| conv_path.zeros("bias", &[inner])),
             x_proj: lin(&(p / "x_proj"), inner, r + 2 * n, false),
             dt_proj: lin(&(p / "dt_proj"), r, inner, true),
             a_log: p.var_copy("A_log", &a_log.contiguous()),
@@ -285,12 +283,7 @@ impl Mamba1 {
             None => (None, Tensor::zeros([b, inner, n], (kind, x_in.device()))),
             Some((inputs, ssm)) => (Some(inputs), ssm),
         };
-        let (conv, inputs) = causal_conv(
-            &channels,
-            &self.conv_weight,
-            self.conv_bias.as_ref(),
-            inputs,
-        );
+        let (conv, inputs) = self.conv.forward(&channels, inputs);
         let x = self.activation.apply(&conv).to_kind(kind);
         // Each token's step, B and C, normalised.
         let r = m.dt_rank;

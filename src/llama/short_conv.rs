@@ -211,8 +211,7 @@ pub(super) fn mlp_width(j: &HfJson) -> Result<MlpWidth, HfError> {
 #[derive(Debug)]
 pub(super) struct ShortConv {
     in_proj: Adapted,
-    weight: Tensor,
-    bias: Option<Tensor>,
+    conv: CausalConv,
     hidden: i64,
 }
 
@@ -220,18 +219,13 @@ impl ShortConv {
     /// The layer under `p` (`model.layers.N.conv`), its linear layers
     /// made by `lin`.
     pub(super) fn new(p: &nn::Path, hidden: i64, c: &ShortConvConfig, lin: &Lin<'_>) -> Self {
-        let conv = p / "conv";
+        let normal = nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
         Self {
             in_proj: lin(&(p / "in_proj"), hidden, 3 * hidden, c.bias),
-            weight: conv.var(
-                "weight",
-                &[hidden, 1, c.kernel],
-                nn::Init::Randn {
-                    mean: 0.0,
-                    stdev: 0.02,
-                },
-            ),
-            bias: c.bias.then(|| conv.zeros("bias", &[hidden])),
+            conv: CausalConv::new(&(p / "conv"), (hidden, c.kernel), c.bias, normal),
             hidden,
         }
     }
@@ -249,7 +243,7 @@ impl ShortConv {
         );
         let bx = b * x;
         let convolve = |bx: &Tensor, inputs| {
-            let (out, inputs) = causal_conv(bx, &self.weight, self.bias.as_ref(), inputs);
+            let (out, inputs) = self.conv.forward(bx, inputs);
             // The state is the inputs alone; the second half of the slot
             // holds them again.
             cache.keep_state((inputs.shallow_clone(), inputs));
@@ -270,41 +264,63 @@ impl ShortConv {
     }
 }
 
-/// The depthwise causal convolution of `channels` `[batch, channels,
-/// seq]` by `weight` `[channels, 1, kernel]` (and `bias`), each output
-/// reading its own input and the `kernel - 1` before it: over the whole
-/// sequence from zeros (`inputs` `None`), or one token after another
-/// after a generation's `inputs` `[batch, channels, kernel]` (the last
-/// `kernel` inputs, the newest last). Returns the outputs `[batch,
-/// channels, seq]` (before any activation) and the last `kernel` inputs
-/// after them (zeros before the first), as `transformers`' caches keep
-/// them.
-pub(super) fn causal_conv(
-    channels: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    inputs: Option<Tensor>,
-) -> (Tensor, Tensor) {
-    let (k, t) = (weight.size()[2], channels.size()[2]);
-    match inputs {
-        None => {
-            let width = channels.size()[1];
-            let out = channels.conv1d(weight, bias, [1], [k - 1], [1], width);
-            (out.narrow(-1, 0, t), channels.constant_pad_nd([k - t, 0]))
+/// A depthwise causal convolution (an `nn.Conv1d` with as many groups
+/// as channels, padded by `kernel - 1` and cut to the sequence): each
+/// output reads its own channel's input and the `kernel - 1` before it.
+/// LFM2's, and the Mamba layers' `conv1d`.
+#[derive(Debug)]
+pub(super) struct CausalConv {
+    /// `[channels, 1, kernel]`.
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl CausalConv {
+    /// The convolution under `p` (its `weight` and, with `bias`, its
+    /// `bias`, zeros) of `channels` channels over `kernel` tokens, its
+    /// weight started by `init`.
+    pub(super) fn new(
+        p: &nn::Path,
+        (channels, kernel): (i64, i64),
+        bias: bool,
+        init: nn::Init,
+    ) -> Self {
+        Self {
+            weight: p.var("weight", &[channels, 1, kernel], init),
+            bias: bias.then(|| p.zeros("bias", &[channels])),
         }
-        Some(mut inputs) => {
-            let weight = weight.squeeze_dim(1);
-            let mut outs = Vec::with_capacity(t as usize);
-            for i in 0..t {
-                let token = channels.narrow(-1, i, 1);
-                inputs = Tensor::cat(&[inputs.narrow(-1, 1, k - 1), token], -1);
-                let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
-                outs.push(match bias {
-                    Some(bias) => summed + bias,
-                    None => summed,
-                });
+    }
+
+    /// The convolution of `channels` `[batch, channels, seq]`: over the
+    /// whole sequence from zeros (`inputs` `None`), or one token after
+    /// another after a generation's `inputs` `[batch, channels, kernel]`
+    /// (the last `kernel` inputs, the newest last). Returns the outputs
+    /// `[batch, channels, seq]` (before any activation) and the last
+    /// `kernel` inputs after them (zeros before the first), as
+    /// `transformers`' caches keep them.
+    pub(super) fn forward(&self, channels: &Tensor, inputs: Option<Tensor>) -> (Tensor, Tensor) {
+        let (k, t) = (self.weight.size()[2], channels.size()[2]);
+        let bias = self.bias.as_ref();
+        match inputs {
+            None => {
+                let width = channels.size()[1];
+                let out = channels.conv1d(&self.weight, bias, [1], [k - 1], [1], width);
+                (out.narrow(-1, 0, t), channels.constant_pad_nd([k - t, 0]))
             }
-            (Tensor::stack(&outs, -1), inputs)
+            Some(mut inputs) => {
+                let weight = self.weight.squeeze_dim(1);
+                let mut outs = Vec::with_capacity(t as usize);
+                for i in 0..t {
+                    let token = channels.narrow(-1, i, 1);
+                    inputs = Tensor::cat(&[inputs.narrow(-1, 1, k - 1), token], -1);
+                    let summed = (&inputs * &weight).sum_dim_intlist(-1, false, None::<Kind>);
+                    outs.push(match bias {
+                        Some(bias) => summed + bias,
+                        None => summed,
+                    });
+                }
+                (Tensor::stack(&outs, -1), inputs)
+            }
         }
     }
 }

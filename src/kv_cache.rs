@@ -213,7 +213,8 @@ impl LayerCache {
     /// A recurrent layer's state while generating (the Mamba layers of
     /// Granite 4.0, Bamba, Jamba, Falcon-H1 and the Mambas: its
     /// convolution's last inputs and its scan's state; LFM2's
-    /// convolution layers: their last inputs, twice), as the last
+    /// convolution layers: their last inputs, twice; MiniMax's lightning
+    /// layers: their decayed sum of `k^T v`, twice), as the last
     /// forward left it; `None` when not generating, or before the
     /// generation's first forward.
     pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {

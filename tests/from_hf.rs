@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -724,6 +724,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // MiniMax: lightning attention in three layers of four (blocks of 5,
+    // so a row of 16 is three and a part; each layer's own decay), softmax
+    // attention in the second; Mixtral's experts; every residual factor
+    // other than 1.
+    Case {
+        name: "minimax",
+        python: (
+            "from transformers import MiniMaxConfig as C, MiniMaxForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, block_size=5, layer_types=['linear_attention', 'full_attention', 'linear_attention', 'linear_attention'], full_attn_alpha_factor=1.5, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3, linear_attn_beta_factor=0.7, mlp_alpha_factor=1.2, mlp_beta_factor=0.9",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1295,6 +1307,11 @@ print(" ".join(map(str, out[0, 1:].tolist())))
 }
 
 #[test]
+fn a_minimax_checkpoint_of_lightning_and_softmax_attention_trains_as_transformers_does() {
+    parity("minimax");
+}
+
+#[test]
 fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
     parity("mamba2");
 }
@@ -1313,6 +1330,7 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("mamba");
     packed_documents_as_each_alone("mamba2");
     packed_documents_as_each_alone("lfm2");
+    packed_documents_as_each_alone("minimax");
     packed_documents_as_each_alone("falcon-h1");
 }
 #[test]
@@ -3388,6 +3406,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, \
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              conv_bias=True, layer_types=['conv', 'full_attention', 'conv'], \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "minimax",
+            "from transformers import MiniMaxConfig as C, MiniMaxForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             num_local_experts=4, num_experts_per_tok=2, block_size=4, \
+             linear_attn_alpha_factor=1.3, mlp_beta_factor=0.9, \
              eos_token_id=None, bos_token_id=None",
         ),
         (

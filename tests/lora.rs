@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -539,6 +539,20 @@ const LFM2: Case = Case {
     ..OFF
 };
 
+/// MiniMax's lightning layer's `qkv_proj` (64 -> 192) and
+/// `output_gate` (64 -> 64), and the queries of the two softmax layers
+/// around it (64 -> 64); its residual factors on.
+const MINIMAX: Case = Case {
+    python: (
+        "from transformers import MiniMaxConfig as C, MiniMaxForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, block_size=5, linear_attn_alpha_factor=1.3, mlp_beta_factor=0.9",
+    ),
+    targets: &["qkv_proj", "output_gate", "q_proj"],
+    matrices: 8,
+    elements: 4 * ((64 + 192) + (64 + 64) + 2 * (64 + 64)),
+    ..OFF
+};
+
 /// GPT-OSS's stacked experts (`target_parameters`, PEFT's nesting of two
 /// on one module), the queries beside them: `gate_up_proj` `[4, 64, 64]`
 /// (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]` at rank 2 (A
@@ -966,6 +980,11 @@ fn lora_adapters_on_falcon_h1s_attention_and_mamba_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_lfm2s_convolutions_attention_and_mlp_train_as_peft_does() {
     parity("lfm2", &LFM2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_minimaxs_lightning_and_softmax_attention_train_as_peft_does() {
+    parity("minimax", &MINIMAX, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

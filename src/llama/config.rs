@@ -14,6 +14,7 @@ use super::family::Family;
 use super::gpt_bigcode;
 use super::gpt_neo;
 use super::gptj;
+use super::lightning::{self, LightningConfig, ResidualFactors};
 use super::mamba::{self, MambaConfig};
 use super::mamba1::{self, Mamba1Config};
 use super::mpt;
@@ -422,6 +423,11 @@ pub struct LlamaConfig {
     /// LFM2's convolution layers ([`ShortConvConfig`]) in place of
     /// attention; `None`: every layer attends.
     pub short_conv: Option<ShortConvConfig>,
+    /// MiniMax's lightning layers ([`LightningConfig`]) in place of
+    /// attention; `None`: every layer attends with softmax.
+    pub lightning: Option<LightningConfig>,
+    /// MiniMax's residual factors; `None` for the other families.
+    pub residual_factors: Option<ResidualFactors>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -670,6 +676,7 @@ impl LlamaConfig {
             | Family::Ministral
             | Family::Phi3
             | Family::Mixtral
+            | Family::MiniMax
             | Family::Phimoe
             | Family::Gemma2
             | Family::VaultGemma
@@ -983,6 +990,14 @@ impl LlamaConfig {
                 }
                 _ => None,
             },
+            lightning: match family {
+                Family::MiniMax => Some(lightning::read(j, j.size("num_hidden_layers")?)?),
+                _ => None,
+            },
+            residual_factors: match family {
+                Family::MiniMax => Some(ResidualFactors::read(j)?),
+                _ => None,
+            },
             short_conv: match family {
                 f if short_conv::built_by(f) => {
                     Some(short_conv::read(j, j.size("num_hidden_layers")?)?)
@@ -1155,6 +1170,11 @@ impl LlamaConfig {
         (self.short_conv.as_ref()).filter(|c| c.is_conv(l))
     }
 
+    /// MiniMax's lightning layers' block when layer `l` is one of them.
+    pub fn lightning_layer(&self, l: i64) -> Option<&LightningConfig> {
+        (self.lightning.as_ref()).filter(|c| c.is_lightning(l))
+    }
+
     /// Whether layer `l`'s MLP is a mixture of experts.
     pub fn moe_layer(&self, l: i64) -> bool {
         self.moe
@@ -1271,9 +1291,13 @@ impl LlamaConfig {
                 (Some(m), _) => m.params(self.hidden),
                 (None, Some(m)) => m.params(self.hidden),
                 // LFM2's convolution layers.
-                (None, None) => match self.short_conv_layer(l) {
-                    Some(c) => c.params(self.hidden),
-                    None => attention + sinks,
+                (None, None) => match (self.short_conv_layer(l), self.lightning_layer(l)) {
+                    (Some(c), _) => c.params(self.hidden),
+                    // MiniMax's lightning layers.
+                    (None, Some(_)) => {
+                        LightningConfig::params(self.hidden, self.heads, self.head_dim)
+                    }
+                    (None, None) => attention + sinks,
                 },
             };
             // Falcon-H1's Mamba layer beside its attention.
@@ -1406,6 +1430,26 @@ impl LlamaConfig {
                 "attention_bias": self.o_bias,
                 "sliding_window": self.sliding_window,
             }),
+            Family::MiniMax => {
+                let mut extra = serde_json::json!({
+                    "sliding_window": self.sliding_window,
+                    "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                    "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                    "output_router_logits": false,
+                });
+                let parts = [
+                    self.lightning.as_ref().map(LightningConfig::to_json),
+                    self.residual_factors.map(ResidualFactors::to_json),
+                ];
+                if let Some(all) = extra.as_object_mut() {
+                    for part in parts.into_iter().flatten() {
+                        if let serde_json::Value::Object(part) = part {
+                            all.extend(part);
+                        }
+                    }
+                }
+                extra
+            }
             Family::Mixtral => serde_json::json!({
                 "sliding_window": self.sliding_window,
                 "num_local_experts": self.moe.as_ref().map(|m| m.experts),
@@ -1794,7 +1838,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
         // softmax, renormalised.
         // Granite-MoE's too.
-        f if matches!(f, Family::Mixtral | Family::GptOss) || f.granite_moe() => {
+        f if matches!(f, Family::Mixtral | Family::MiniMax | Family::GptOss) || f.granite_moe() => {
             ("num_local_experts", "intermediate_size", true)
         }
         // sparsemixer's weights are its softmaxes', as they are.
@@ -1870,6 +1914,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // The config classes' experts, top k and expert width.
     let defaults = match family {
         Family::Mixtral
+        | Family::MiniMax
         | Family::GraniteMoe
         | Family::GraniteMoeShared
         | Family::GraniteMoeHybrid => (8, 2, 0),
@@ -1985,6 +2030,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         f if matches!(
             f,
             Family::Mixtral
+                | Family::MiniMax
                 | Family::Olmoe
                 | Family::FlexOlmo
                 | Family::GptOss
@@ -2338,7 +2384,7 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
     // convolution layers ([`ShortConvConfig::layers`]).
     if matches!(
         family,
-        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid | Family::Lfm2
+        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid | Family::Lfm2 | Family::MiniMax
     ) {
         return Ok(None);
     }

@@ -416,11 +416,21 @@ pub enum Family {
     /// `w2`, its width adjusted from `intermediate_size` as its class
     /// adjusts it) under `ffn_norm`; the final norm `embedding_norm`.
     Lfm2,
+    /// `minimax` (`MiniMaxForCausalLM`: MiniMax-Text-01's layout): the
+    /// layers `layer_types` names `linear_attention` (by default every
+    /// other from the second) attend through lightning attention
+    /// (`self_attn.qkv_proj`, its decayed linear attention, `norm`, the
+    /// sigmoid `output_gate`, `out_proj`), the others with Llama's
+    /// attention (in `sliding_window` when given); Mixtral's experts
+    /// (`block_sparse_moe`) in every layer; each sublayer's residual is
+    /// its input after the norm, weighted by the config's alpha and beta
+    /// factors ([`ResidualFactors`](super::ResidualFactors)).
+    MiniMax,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 65] = [
+    pub const ALL: [Family; 66] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -486,6 +496,7 @@ impl Family {
         Self::Mamba2,
         Self::FalconH1,
         Self::Lfm2,
+        Self::MiniMax,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -570,6 +581,7 @@ impl Family {
             Self::Mamba2 => "mamba2",
             Self::FalconH1 => "falcon_h1",
             Self::Lfm2 => "lfm2",
+            Self::MiniMax => "minimax",
         }
     }
 
@@ -641,6 +653,7 @@ impl Family {
             Self::Mamba2 => "Mamba2ForCausalLM",
             Self::FalconH1 => "FalconH1ForCausalLM",
             Self::Lfm2 => "Lfm2ForCausalLM",
+            Self::MiniMax => "MiniMaxForCausalLM",
         }
     }
 
@@ -981,6 +994,13 @@ impl Family {
                 kv_heads: Some(8),
                 pad: Some(0),
                 positions: 8192,
+                ..LLAMA
+            },
+            Self::MiniMax => Defaults {
+                eps: 1e-5,
+                rope_theta: 1_000_000.0,
+                kv_heads: Some(8),
+                positions: 4096 * 32,
                 ..LLAMA
             },
             Self::Lfm2 => Defaults {

@@ -14,6 +14,7 @@ use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::family::Family;
+use super::lightning::Lightning;
 use super::mamba::Mamba;
 use super::mamba1::Mamba1;
 use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
@@ -55,6 +56,9 @@ pub struct Layer {
     cache: LayerCache,
     /// Falcon-H1's Mamba-2 layer beside the attention.
     beside: Option<Box<Beside>>,
+    /// MiniMax's residual factors (alpha, beta) of this layer's
+    /// attention and of its MLP.
+    factors: Option<((f64, f64), (f64, f64))>,
     cfg: LlamaConfig,
 }
 
@@ -89,6 +93,8 @@ enum Qkv {
     Mamba1(Box<Mamba1>),
     /// LFM2's convolution layers, the same way.
     ShortConv(Box<ShortConv>),
+    /// MiniMax's lightning attention, the same way.
+    Lightning(Box<Lightning>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -500,7 +506,7 @@ impl Experts {
         (lin, lora): (&Lin<'_>, Option<&LoraConfig>),
     ) -> Self {
         let names = match family {
-            Family::Mixtral | Family::Phimoe => ["w1", "w3", "w2"],
+            Family::Mixtral | Family::Phimoe | Family::MiniMax => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
         let w = m.intermediate;
@@ -808,6 +814,10 @@ impl Layer {
             (None, None, Some(s)) => {
                 Qkv::ShortConv(Box::new(ShortConv::new(&(p / "conv"), d, s, lin)))
             }
+            (None, None, None) if c.lightning_layer(l).is_some() => {
+                let block = c.lightning_layer(l).map_or(1, |g| g.block);
+                Qkv::Lightning(Box::new(Lightning::new(&a, c, (l, block), lin)))
+            }
             (None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
@@ -845,6 +855,9 @@ impl Layer {
                 (Some(m), _, _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
                 (None, Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None, Some(s)) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
+                (None, None, None) if c.lightning_layer(l).is_some() => {
+                    lin(&(&a / "out_proj"), c.heads * hd, d, false)
+                }
                 (None, None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(
@@ -868,7 +881,9 @@ impl Layer {
                 _ if c.family.mamba_only() => Mlp::None,
                 (Some(moe), true) => {
                     let under = match c.family {
-                        f if matches!(f, Family::Mixtral | Family::Phimoe) || f.granite_moe() => {
+                        f if matches!(f, Family::Mixtral | Family::Phimoe | Family::MiniMax)
+                            || f.granite_moe() =>
+                        {
                             p / "block_sparse_moe"
                         }
                         _ => m,
@@ -968,6 +983,10 @@ impl Layer {
                 (true, None) => Some(super::mpt::alibi_slopes(c.heads, p.device())),
                 (false, _) => None,
             },
+            factors: c.residual_factors.map(|f| match c.lightning_layer(l) {
+                Some(_) => (f.linear, f.mlp),
+                None => (f.full, f.mlp),
+            }),
             training: training.clone(),
             cfg: c.clone(),
         }
@@ -996,7 +1015,11 @@ impl Module for Layer {
             true => (x.shallow_clone(), Some(a)),
             false => {
                 let a = self.training.dropout(a, c.attention_output_dropout());
-                let x = x + self.residual(self.norms.attention_output(a));
+                let x = match self.factors.map(|f| f.0) {
+                    // MiniMax's residual: the normalised input, weighted.
+                    Some((alpha, beta)) => &h * alpha + a * beta,
+                    None => x + self.residual(self.norms.attention_output(a)),
+                };
                 (self.norms.after_attention(x), None)
             }
         };
@@ -1033,7 +1056,11 @@ impl Module for Layer {
             Mlp::Experts(experts) => {
                 let jitter = c.moe.as_ref().map_or(0.0, |m| m.jitter);
                 let on = self.training.on();
-                experts.forward(&self.training.jitter(h, jitter), c.activation, on)
+                experts.forward(
+                    &self.training.jitter(h.shallow_clone(), jitter),
+                    c.activation,
+                    on,
+                )
             }
         };
         let m = match held {
@@ -1041,8 +1068,12 @@ impl Module for Layer {
             None => m,
         };
         let m = self.training.dropout(m, c.resid_dropout);
-        self.norms
-            .after_mlp(&x + self.residual(self.norms.mlp_output(m)))
+        match self.factors.map(|f| f.1) {
+            Some((alpha, beta)) => h * alpha + m * beta,
+            None => self
+                .norms
+                .after_mlp(&x + self.residual(self.norms.mlp_output(m))),
+        }
     }
 }
 
@@ -1104,6 +1135,7 @@ impl Layer {
             Qkv::Mamba(m) => return m.forward(h, &self.cache),
             Qkv::Mamba1(m) => return m.forward(h, &self.cache),
             Qkv::ShortConv(s) => return s.forward(h, &self.cache),
+            Qkv::Lightning(g) => return g.forward(h, &self.cache),
             Qkv::Apart {
                 q_proj,
                 k_proj,

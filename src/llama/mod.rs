@@ -58,6 +58,7 @@ mod gpt_bigcode;
 mod gpt_neo;
 mod gptj;
 mod layer;
+mod lightning;
 mod mamba;
 mod mamba1;
 mod mpt;
@@ -81,6 +82,7 @@ pub use config::{
 pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
+pub use lightning::{LightningConfig, ResidualFactors};
 pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;

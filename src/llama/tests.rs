@@ -130,6 +130,8 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         mamba: None,
         mamba1: None,
         short_conv: None,
+        lightning: None,
+        residual_factors: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,
@@ -1054,6 +1056,81 @@ fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
                 r#""conv_bias": true"#,
                 r#""conv_bias": true, "conv_L_cache": 0"#,
                 "`conv_L_cache` is missing or not a positive integer",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn a_minimax_config_is_read_with_its_lightning_layers_and_factors_and_counted() {
+    let dir = ConfigDir::new("minimax-configs");
+    // Its class's defaults but for the sizes zrt asks for: every other
+    // layer from the second a lightning one. The counts are
+    // transformers'.
+    let defaults = r#"{"model_type": "minimax", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32}"#;
+    let d = dir.read(defaults).unwrap();
+    let lightning: Vec<i64> = (0..32)
+        .filter(|&l| d.lightning_layer(l).is_some())
+        .collect();
+    assert_eq!(lightning, (0..16).map(|l| 2 * l + 1).collect::<Vec<_>>());
+    assert_eq!(d.lightning.as_ref().map(|g| g.block), Some(256));
+    let f = d.residual_factors.unwrap();
+    assert_eq!(
+        (f.full, f.linear, f.mlp),
+        ((1.0, 1.0), (1.0, 1.0), (1.0, 1.0))
+    );
+    let m = d.moe.clone().unwrap();
+    assert_eq!(
+        (m.experts, m.top_k, d.kv_heads, d.rope_theta),
+        (8, 2, 8, 1e6)
+    );
+    assert_eq!(total(&d), 47373946880);
+    // MiniMax-Text-01's sizes: softmax attention every eighth layer, 32
+    // experts; 456B, as its model card counts them.
+    let kinds: Vec<&str> = (0..80)
+        .map(|l| {
+            if (l + 1) % 8 == 0 {
+                "\"full_attention\""
+            } else {
+                "\"linear_attention\""
+            }
+        })
+        .collect();
+    let text01 = format!(
+        r#"{{"model_type": "minimax", "vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 9216, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 32, "num_experts_per_tok": 2, "rope_theta": 10000000.0, "layer_types": [{}], "full_attn_alpha_factor": 3.5565588200778455, "linear_attn_alpha_factor": 3.5565588200778455, "mlp_alpha_factor": 3.5565588200778455}}"#,
+        kinds.join(", ")
+    );
+    let t = dir.read(&text01).unwrap();
+    assert_eq!(t.lightning_layer(7), None);
+    assert!(t.lightning_layer(6).is_some());
+    assert_eq!(
+        t.residual_factors.map(|f| f.mlp),
+        Some((3.5565588200778455, 1.0))
+    );
+    assert_eq!(total(&t), 456089655296);
+    dir.round_trips([d, t]);
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""num_attention_heads": 32"#,
+                r#""num_attention_heads": 32, "layer_types": ["full_attention"]"#,
+                "layer_types has 1 entries for num_hidden_layers 32",
+            ),
+            (
+                r#""num_attention_heads": 32"#,
+                r#""num_attention_heads": 32, "layer_types": "linear_attention""#,
+                "layer_types \"linear_attention\": give a list",
+            ),
+            (
+                r#""num_attention_heads": 32"#,
+                r#""num_attention_heads": 32, "router_jitter_noise": 0.1"#,
+                "router_jitter_noise 0.1",
+            ),
+            (
+                r#""num_attention_heads": 32"#,
+                r#""num_attention_heads": 32, "block_size": 0"#,
+                "`block_size` is missing or not a positive integer",
             ),
         ],
     );
@@ -2576,6 +2653,8 @@ fn unit_params_count_what_the_built_model_holds() {
         mamba: None,
         mamba1: None,
         short_conv: None,
+        lightning: None,
+        residual_factors: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,

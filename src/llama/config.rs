@@ -1290,10 +1290,10 @@ impl LlamaConfig {
             let mixer = match (self.mamba_layer(l), self.mamba1_layer(l)) {
                 (Some(m), _) => m.params(self.hidden),
                 (None, Some(m)) => m.params(self.hidden),
-                // LFM2's convolution layers.
+                // LFM2's convolution layers and MiniMax's lightning ones
+                // in place of attention.
                 (None, None) => match (self.short_conv_layer(l), self.lightning_layer(l)) {
                     (Some(c), _) => c.params(self.hidden),
-                    // MiniMax's lightning layers.
                     (None, Some(_)) => {
                         LightningConfig::params(self.hidden, self.heads, self.head_dim)
                     }
@@ -2104,6 +2104,42 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
 /// 0): its layers' MLP is the shared one alone.
 fn granite_dense(j: &HfJson) -> Result<bool, HfError> {
     Ok(count_or(j, "num_local_experts", 8)? == 0)
+}
+
+/// The `layer_types` of config `j`, `layers` deep, of a family (`whose`)
+/// whose layers are of the two `kinds`: for each layer, whether it is
+/// of kind `marked`; `None` when the field is absent or null.
+pub(super) fn layer_kinds(
+    j: &HfJson,
+    layers: i64,
+    whose: &str,
+    kinds: [&str; 2],
+    marked: &str,
+) -> Result<Option<Vec<bool>>, HfError> {
+    let [a, b] = kinds;
+    let Some(given) = j.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(list) = given.as_array() else {
+        return Err(j.field(format!(
+            "layer_types {given}: give a list of \"{a}\" or \"{b}\", one a layer"
+        )));
+    };
+    if list.len() as i64 != layers {
+        return Err(j.field(format!(
+            "layer_types has {} entries for num_hidden_layers {layers}: give one a layer",
+            list.len()
+        )));
+    }
+    (list.iter())
+        .map(|k| match k.as_str() {
+            Some(kind) if kinds.contains(&kind) => Ok(kind == marked),
+            _ => Err(j.field(format!(
+                "layer_types entry {k}: {whose}'s layers are \"{a}\" or \"{b}\""
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 /// Field `key`, a whole number not below 0, `default` when absent.

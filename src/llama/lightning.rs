@@ -246,30 +246,10 @@ impl ResidualFactors {
 /// and `block_size`.
 pub(super) fn read(j: &HfJson, layers: i64) -> Result<LightningConfig, HfError> {
     let block = j.size_or_none("block_size")?.unwrap_or(256);
-    let lightning = match j.get("layer_types").filter(|v| !v.is_null()) {
+    let kinds = ["full_attention", "linear_attention"];
+    let lightning = match super::config::layer_kinds(j, layers, "MiniMax", kinds, kinds[1])? {
+        Some(kinds) => kinds,
         None => (0..layers).map(|l| l % 2 == 1).collect(),
-        Some(kinds) => {
-            let kinds = kinds.as_array().ok_or_else(|| {
-                j.field(format!(
-                    "layer_types {kinds}: give a list of \"full_attention\" or \"linear_attention\", one a layer"
-                ))
-            })?;
-            if kinds.len() as i64 != layers {
-                return Err(j.field(format!(
-                    "layer_types has {} entries for num_hidden_layers {layers}: give one a layer",
-                    kinds.len()
-                )));
-            }
-            (kinds.iter())
-                .map(|k| match k.as_str() {
-                    Some("linear_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(j.field(format!(
-                        "layer_types entry {k}: MiniMax's layers are \"full_attention\" or \"linear_attention\""
-                    ))),
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        }
     };
     Ok(LightningConfig {
         block,

@@ -124,29 +124,9 @@ impl ShortConvConfig {
 /// them.
 pub(super) fn read(j: &HfJson, layers: i64) -> Result<ShortConvConfig, HfError> {
     let kernel = j.size_or_none("conv_L_cache")?.unwrap_or(3);
-    let conv = match j.get("layer_types").filter(|v| !v.is_null()) {
-        Some(kinds) => {
-            let kinds = kinds.as_array().ok_or_else(|| {
-                j.field(format!(
-                    "layer_types {kinds}: give a list of \"conv\" or \"full_attention\", one a layer"
-                ))
-            })?;
-            if kinds.len() as i64 != layers {
-                return Err(j.field(format!(
-                    "layer_types has {} entries for num_hidden_layers {layers}: give one a layer",
-                    kinds.len()
-                )));
-            }
-            (kinds.iter())
-                .map(|k| match k.as_str() {
-                    Some("conv") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(j.field(format!(
-                        "layer_types entry {k}: LFM2's layers are \"conv\" or \"full_attention\""
-                    ))),
-                })
-                .collect::<Result<Vec<_>, _>>()?
-        }
+    let kinds = ["conv", "full_attention"];
+    let conv = match super::config::layer_kinds(j, layers, "LFM2", kinds, kinds[0])? {
+        Some(kinds) => kinds,
         None => match j.get("full_attn_idxs").filter(|v| !v.is_null()) {
             Some(idxs) => {
                 let bad = || {

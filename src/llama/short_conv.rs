@@ -47,7 +47,8 @@ pub struct MlpWidth {
     pub adjust: bool,
     /// `block_ffn_dim_multiplier` (`None`: two thirds, unrounded).
     pub multiplier: Option<f64>,
-    /// `block_multiple_of`: what the width is rounded up to.
+    /// `block_multiple_of`: what the width is rounded up to (0 is taken
+    /// as 1).
     pub multiple_of: i64,
 }
 
@@ -63,7 +64,9 @@ impl MlpWidth {
         };
         // Python's int() truncates toward zero.
         let width = (multiplier * width as f64).trunc() as i64;
-        let m = self.multiple_of;
+        // (At least 1: a config read refuses 0, one built by hand may
+        // hold it.)
+        let m = self.multiple_of.max(1);
         // Python's // floors.
         m * (width + m - 1).div_euclid(m)
     }

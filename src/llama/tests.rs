@@ -998,6 +998,15 @@ fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
     );
     let conv = c.short_conv.clone().unwrap();
     assert_eq!((conv.kernel, conv.bias), (3, false));
+    // Held as read; a width rounded to 0 by hand is taken as 1.
+    let by_hand = MlpWidth {
+        multiple_of: 0,
+        ..conv.mlp.clone()
+    };
+    assert_eq!(
+        (conv.mlp.given, conv.mlp.width(), by_hand.width()),
+        (12288, 8192, 8192)
+    );
     let attends: Vec<i64> = (0..16)
         .filter(|&l| c.short_conv_layer(l).is_none())
         .collect();

@@ -1,6 +1,6 @@
 //! Granite 4.0's, Bamba's, Mamba-2's and Falcon-H1's Mamba-2 layers
 //! ([`Family::GraniteMoeHybrid`], [`Family::Bamba`], [`Family::Mamba2`],
-//! [`Family::FalconH1`], whose stand beside its attention):
+//! [`Family::FalconH1`], Falcon-H1's beside its attention):
 //! their sizes read from the config (Mamba-2's under names of its own,
 //! read flat), and the layer itself, computed as
 //! `transformers`' `torch_forward` computes it without a cache (the
@@ -426,7 +426,7 @@ impl Mamba {
         &self,
         xbc_in: &Tensor,
         dt: &Tensor,
-        (mut inputs, mut ssm): (Tensor, Tensor),
+        (inputs, mut ssm): (Tensor, Tensor),
         cache: &LayerCache,
     ) -> Tensor {
         let m = &self.sizes;
@@ -445,13 +445,12 @@ impl Mamba {
                 .contiguous()
                 .reshape([b, -1, n])
         };
+        // The convolution of every token over the inputs before it (it
+        // does not depend on the scan's state).
+        let (convolved, inputs) = self.conv.forward(&xbc_in.transpose(1, 2), Some(inputs));
         let mut ys = Vec::with_capacity(t as usize);
         for i in 0..t {
-            // The convolution over the last inputs, this token's last.
-            let token = xbc_in.select(1, i).unsqueeze(-1);
-            let (xbc, now) = self.conv.forward(&token, Some(inputs));
-            inputs = now;
-            let xbc = self.activation.apply(&xbc.squeeze_dim(-1));
+            let xbc = self.activation.apply(&convolved.select(-1, i));
             let x = xbc.narrow(-1, 0, inner).reshape([b, -1, hd]);
             let bb = per_head(&xbc.narrow(-1, inner, g * n));
             let cc = per_head(&xbc.narrow(-1, inner + g * n, g * n));

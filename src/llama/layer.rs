@@ -804,21 +804,22 @@ impl Layer {
             true => p / "mixer",
             false => p / "mamba",
         };
-        let conv = c.short_conv_layer(l);
-        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l), conv) {
-            (Some(m), _, _) => {
+        // LFM2's convolution layers and MiniMax's lightning ones in place
+        // of attention too.
+        let (conv, lightning) = (c.short_conv_layer(l), c.lightning_layer(l));
+        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning) {
+            (Some(m), ..) => {
                 let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
                 Qkv::Mamba(Box::new(Mamba::new(&mixer, c, m, in_proj)))
             }
-            (None, Some(m), _) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
-            (None, None, Some(s)) => {
+            (None, Some(m), ..) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
+            (None, None, Some(s), _) => {
                 Qkv::ShortConv(Box::new(ShortConv::new(&(p / "conv"), d, s, lin)))
             }
-            (None, None, None) if c.lightning_layer(l).is_some() => {
-                let block = c.lightning_layer(l).map_or(1, |g| g.block);
-                Qkv::Lightning(Box::new(Lightning::new(&a, c, (l, block), lin)))
+            (None, None, None, Some(g)) => {
+                Qkv::Lightning(Box::new(Lightning::new(&a, c, (l, g.block), lin)))
             }
-            (None, None, None) => match (c.family, &c.mla) {
+            (None, None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
                     Family::Phi3
@@ -851,14 +852,12 @@ impl Layer {
         Self {
             norms: Norms::new(p, d, c),
             qkv,
-            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l), conv) {
-                (Some(m), _, _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
-                (None, Some(m), _) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
-                (None, None, Some(s)) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
-                (None, None, None) if c.lightning_layer(l).is_some() => {
-                    lin(&(&a / "out_proj"), c.heads * hd, d, false)
-                }
-                (None, None, None) => lin(
+            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning) {
+                (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
+                (None, Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
+                (None, None, Some(s), _) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
+                (None, None, None, Some(_)) => lin(&(&a / "out_proj"), c.heads * hd, d, false),
+                (None, None, None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(
                             f,
@@ -983,7 +982,7 @@ impl Layer {
                 (true, None) => Some(super::mpt::alibi_slopes(c.heads, p.device())),
                 (false, _) => None,
             },
-            factors: c.residual_factors.map(|f| match c.lightning_layer(l) {
+            factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
             }),

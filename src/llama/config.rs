@@ -2142,6 +2142,28 @@ pub(super) fn layer_kinds(
         .map(Some)
 }
 
+/// The layers config `j` says attend by their numbers under `key`
+/// (Bamba's `attn_layer_indices`, LFM2's `full_attn_idxs`): for each of
+/// `layers`, whether it attends; `None` when the field is absent or null.
+pub(super) fn attending_at(
+    j: &HfJson,
+    key: &str,
+    layers: i64,
+) -> Result<Option<Vec<bool>>, HfError> {
+    let Some(v) = j.get(key).filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let at = (v.as_array())
+        .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
+        .filter(|at| at.iter().all(|l| (0..layers).contains(l)))
+        .ok_or_else(|| {
+            j.field(format!(
+                "{key} {v}: the numbers of the layers that attend, each below num_hidden_layers {layers}"
+            ))
+        })?;
+    Ok(Some((0..layers).map(|l| at.contains(&l)).collect()))
+}
+
 /// Field `key`, a whole number not below 0, `default` when absent.
 pub(super) fn count_or(j: &HfJson, key: &str, default: i64) -> Result<i64, HfError> {
     match j.get(key) {

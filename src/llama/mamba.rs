@@ -164,20 +164,12 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
         // of none ([`MambaConfig::layers`]).
         _ if family == Family::FalconH1 => vec![false; layers as usize],
         // Bamba's attending layers by number.
-        _ if family == Family::Bamba => match j.get("attn_layer_indices") {
-            None | Some(serde_json::Value::Null) => vec![true; layers as usize],
-            Some(v) => {
-                let at = (v.as_array())
-                        .and_then(|l| l.iter().map(|n| n.as_i64()).collect::<Option<Vec<i64>>>())
-                        .filter(|at| at.iter().all(|l| (0..layers).contains(l)))
-                        .ok_or_else(|| {
-                            j.field(format!(
-                                "attn_layer_indices {v}: the numbers of the layers that attend, each below num_hidden_layers {layers}"
-                            ))
-                        })?;
-                (0..layers).map(|l| !at.contains(&l)).collect()
+        _ if family == Family::Bamba => {
+            match super::config::attending_at(j, "attn_layer_indices", layers)? {
+                Some(attends) => attends.iter().map(|a| !a).collect(),
+                None => vec![true; layers as usize],
             }
-        },
+        }
         None | Some(serde_json::Value::Null) => vec![true; layers as usize],
         Some(v) => {
             let kinds = v.as_array().and_then(|l| {

@@ -130,23 +130,8 @@ pub(super) fn read(j: &HfJson, layers: i64) -> Result<ShortConvConfig, HfError> 
     let kinds = ["conv", "full_attention"];
     let conv = match super::config::layer_kinds(j, layers, "LFM2", kinds, kinds[0])? {
         Some(kinds) => kinds,
-        None => match j.get("full_attn_idxs").filter(|v| !v.is_null()) {
-            Some(idxs) => {
-                let bad = || {
-                    j.field(format!(
-                        "full_attn_idxs {idxs}: give the indices of the layers that attend, each below num_hidden_layers {layers}"
-                    ))
-                };
-                let idxs = idxs.as_array().ok_or_else(bad)?;
-                let idxs = (idxs.iter())
-                    .map(|i| {
-                        i.as_i64()
-                            .filter(|i| (0..layers).contains(i))
-                            .ok_or_else(bad)
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                (0..layers).map(|l| !idxs.contains(&l)).collect()
-            }
+        None => match super::config::attending_at(j, "full_attn_idxs", layers)? {
+            Some(attends) => attends.iter().map(|a| !a).collect(),
             None => vec![false; layers as usize],
         },
     };

@@ -1039,7 +1039,7 @@ fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
             (
                 r#""full_attn_idxs": [1, 4]"#,
                 r#""full_attn_idxs": [1, 6]"#,
-                "full_attn_idxs [1,6]: give the indices of the layers that attend, each below num_hidden_layers 6",
+                "full_attn_idxs [1,6]: the numbers of the layers that attend, each below num_hidden_layers 6",
             ),
             (
                 r#""full_attn_idxs": [1, 4]"#,

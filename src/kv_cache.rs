@@ -214,7 +214,9 @@ impl LayerCache {
     /// Granite 4.0, Bamba, Jamba, Falcon-H1 and the Mambas: its
     /// convolution's last inputs and its scan's state; LFM2's
     /// convolution layers: their last inputs, twice; MiniMax's lightning
-    /// layers: their decayed sum of `k^T v`, twice), as the last
+    /// layers: their decayed sum of `k^T v`, twice; Qwen3-Next's DeltaNet
+    /// layers: their convolution's last inputs and the delta rule's
+    /// state), as the last
     /// forward left it; `None` when not generating, or before the
     /// generation's first forward.
     pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {

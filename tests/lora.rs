@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -539,6 +539,21 @@ const LFM2: Case = Case {
     ..OFF
 };
 
+/// Qwen3-Next's DeltaNet layers' `in_proj_qkvz` (64 -> 128: queries,
+/// keys, values and gates), `in_proj_ba` (64 -> 8) and `out_proj` (48 ->
+/// 64), and the gated attention's `q_proj` (64 -> 128: queries and
+/// gates) between them.
+const QWEN3_NEXT: Case = Case {
+    python: (
+        "from transformers import Qwen3NextConfig as C, Qwen3NextForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24, layer_types=['linear_attention', 'full_attention', 'linear_attention']",
+    ),
+    targets: &["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"],
+    matrices: 14,
+    elements: 4 * (2 * (64 + 128) + 2 * (64 + 8) + 2 * (48 + 64) + (64 + 128)),
+    ..OFF
+};
+
 /// MiniMax's lightning layer's `qkv_proj` (64 -> 192) and
 /// `output_gate` (64 -> 64), and the queries of the two softmax layers
 /// around it (64 -> 64); its residual factors on.
@@ -985,6 +1000,11 @@ fn lora_adapters_on_lfm2s_convolutions_attention_and_mlp_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_minimaxs_lightning_and_softmax_attention_train_as_peft_does() {
     parity("minimax", &MINIMAX, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_qwen3_nexts_delta_nets_and_gated_attention_train_as_peft_does() {
+    parity("qwen3-next", &QWEN3_NEXT, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

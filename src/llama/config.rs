@@ -9,6 +9,7 @@ use crate::hf::{HfError, HfJson};
 
 use super::bloom;
 use super::dbrx;
+use super::delta_net::{self, DeltaNetConfig};
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
 use super::gpt_bigcode;
@@ -428,6 +429,9 @@ pub struct LlamaConfig {
     pub lightning: Option<LightningConfig>,
     /// MiniMax's residual factors; `None` for the other families.
     pub residual_factors: Option<ResidualFactors>,
+    /// Qwen3-Next's gated DeltaNet layers ([`DeltaNetConfig`]) in place
+    /// of attention; `None`: every layer attends with softmax.
+    pub delta_net: Option<DeltaNetConfig>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -532,7 +536,7 @@ impl LlamaConfig {
         let partial = match family {
             // Bamba's class turns half of each head, whatever its config says.
             Family::Bamba => 0.5,
-            Family::StableLm => j.number_or("partial_rotary_factor", 0.25)?,
+            Family::StableLm | Family::Qwen3Next => j.number_or("partial_rotary_factor", 0.25)?,
             Family::Nemotron | Family::Persimmon => j.number_or("partial_rotary_factor", 0.5)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
@@ -545,6 +549,7 @@ impl LlamaConfig {
                 | Family::Nemotron
                 | Family::Persimmon
                 | Family::Bamba
+                | Family::Qwen3Next
         ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
@@ -837,7 +842,8 @@ impl LlamaConfig {
                 | Family::Apertus
                 | Family::HunyuanDense
                 | Family::HunyuanMoe
-                | Family::Lfm2 => true,
+                | Family::Lfm2
+                | Family::Qwen3Next => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 Family::Persimmon => j.flag_or("qk_layernorm", true)?,
                 Family::StableLm => j.flag_or("qk_layernorm", false)?,
@@ -996,6 +1002,10 @@ impl LlamaConfig {
             },
             residual_factors: match family {
                 Family::MiniMax => Some(ResidualFactors::read(j)?),
+                _ => None,
+            },
+            delta_net: match family {
+                Family::Qwen3Next => Some(delta_net::read(j, j.size("num_hidden_layers")?)?),
                 _ => None,
             },
             short_conv: match family {
@@ -1170,6 +1180,18 @@ impl LlamaConfig {
         (self.short_conv.as_ref()).filter(|c| c.is_conv(l))
     }
 
+    /// Whether its attention's output is gated by a sigmoid of a second
+    /// half of `q_proj`, each head's gate after its queries (Qwen3-Next's).
+    pub fn gated_attention(&self) -> bool {
+        self.family == Family::Qwen3Next
+    }
+
+    /// Qwen3-Next's DeltaNet layers' config when layer `l` is one of
+    /// them.
+    pub fn delta_net_layer(&self, l: i64) -> Option<&DeltaNetConfig> {
+        (self.delta_net.as_ref()).filter(|c| c.is_delta_net(l))
+    }
+
     /// MiniMax's lightning layers' block when layer `l` is one of them.
     pub fn lightning_layer(&self, l: i64) -> Option<&LightningConfig> {
         (self.lightning.as_ref()).filter(|c| c.is_lightning(l))
@@ -1225,7 +1247,9 @@ impl LlamaConfig {
                     + (h * vd * d + bias(on, d))
             }
             None => {
-                (d * q + bias(self.qkv_bias, q))
+                // Qwen3-Next's `q_proj` makes each head's output gate too.
+                let gates = 1 + u64::from(self.gated_attention());
+                gates * (d * q + bias(self.qkv_bias, q))
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
                     + match self.family.whole_qk_norm() || self.family.qk_norm_of_each_head() {
@@ -1250,7 +1274,10 @@ impl LlamaConfig {
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
-            let gate = bias(self.family == Family::Qwen2Moe, d);
+            let gate = bias(
+                matches!(self.family, Family::Qwen2Moe | Family::Qwen3Next),
+                d,
+            );
             let sigmoid = m.grouped.as_ref().map(|g| g.scoring) == Some(Scoring::Sigmoid);
             let correction = bias(sigmoid || self.family == Family::Ernie4_5Moe, e);
             let biases = bias(oss, e + e * (2 * w + d));
@@ -1297,7 +1324,11 @@ impl LlamaConfig {
                     (None, Some(_)) => {
                         LightningConfig::params(self.hidden, self.heads, self.head_dim)
                     }
-                    (None, None) => attention + sinks,
+                    // Qwen3-Next's DeltaNet layers.
+                    (None, None) => match self.delta_net_layer(l) {
+                        Some(g) => g.params(self.hidden),
+                        None => attention + sinks,
+                    },
                 },
             };
             // Falcon-H1's Mamba layer beside its attention.
@@ -1569,6 +1600,32 @@ impl LlamaConfig {
                 "mlp_only_layers": self.moe.as_ref().map(|m| m.dense_layers.clone()),
                 "output_router_logits": false,
             }),
+            Family::Qwen3Next => {
+                let moe = self.moe.as_ref();
+                let mut extra = serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "partial_rotary_factor": self.partial_rotary,
+                    "num_experts": moe.map_or(0, |m| m.experts),
+                    "num_experts_per_tok": moe.map(|m| m.top_k),
+                    "moe_intermediate_size": moe.map(|m| m.intermediate),
+                    "shared_expert_intermediate_size": moe.and_then(|m| m.shared),
+                    "norm_topk_prob": moe.map(|m| m.normalize),
+                    "decoder_sparse_step": moe.map(|m| m.sparse_step),
+                    "mlp_only_layers": moe.map(|m| m.dense_layers.clone()),
+                    "output_router_logits": false,
+                });
+                if let (Some(all), Some(serde_json::Value::Object(delta))) = (
+                    extra.as_object_mut(),
+                    self.delta_net.as_ref().map(DeltaNetConfig::to_json),
+                ) {
+                    all.extend(delta);
+                }
+                // Left out, a written null would fail its class's checks.
+                if let Some(all) = extra.as_object_mut() {
+                    all.retain(|_, v| !v.is_null());
+                }
+                extra
+            }
             Family::SmolLm3 => serde_json::json!({
                 "attention_bias": self.o_bias,
                 "mlp_bias": self.mlp_bias,
@@ -1861,6 +1918,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             "moe_intermediate_size",
             j.flag_or("norm_topk_prob", false)?,
         ),
+        Family::Qwen3Next => (
+            "num_experts",
+            "moe_intermediate_size",
+            j.flag_or("norm_topk_prob", true)?,
+        ),
         Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
         // Llama 4's: sigmoids of the top logits, not renormalised.
         Family::Llama4 => ("num_local_experts", "intermediate_size", false),
@@ -1877,6 +1939,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         _ => return Ok(None),
     };
     if family == Family::GraniteMoeHybrid && granite_dense(j)? {
+        return Ok(None);
+    }
+    // Qwen3-Next's layers without experts are dense.
+    if family == Family::Qwen3Next && count_or(j, "num_experts", 512)? == 0 {
         return Ok(None);
     }
     // Jamba's layers with one expert are dense (`JambaMLP`).
@@ -1925,6 +1991,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Olmoe => (64, 8, 0),
         Family::FlexOlmo => (7, 5, 0),
         Family::Qwen2Moe => (60, 4, 1408),
+        Family::Qwen3Next => (512, 10, 512),
         Family::DeepseekV3 => (256, 8, 2048),
         Family::DeepseekV2 => (64, 0, 1407),
         Family::Ernie4_5Moe => (64, 6, 1536),
@@ -2060,6 +2127,10 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::Qwen2Moe => Some(
                 j.size_or_none("shared_expert_intermediate_size")?
                     .unwrap_or(5632),
+            ),
+            Family::Qwen3Next => Some(
+                j.size_or_none("shared_expert_intermediate_size")?
+                    .unwrap_or(512),
             ),
             // `moe_num_shared_experts` experts' width (none when 0).
             Family::Ernie4_5Moe => Some(count_or(j, "moe_num_shared_experts", 2)?)
@@ -2442,7 +2513,12 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
     // convolution layers ([`ShortConvConfig::layers`]).
     if matches!(
         family,
-        Family::Dots1 | Family::Llama4 | Family::GraniteMoeHybrid | Family::Lfm2 | Family::MiniMax
+        Family::Dots1
+            | Family::Llama4
+            | Family::GraniteMoeHybrid
+            | Family::Lfm2
+            | Family::MiniMax
+            | Family::Qwen3Next
     ) {
         return Ok(None);
     }

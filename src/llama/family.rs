@@ -426,11 +426,21 @@ pub enum Family {
     /// its input after the norm, weighted by the config's alpha and beta
     /// factors ([`ResidualFactors`](super::ResidualFactors)).
     MiniMax,
+    /// `qwen3_next` (`Qwen3NextForCausalLM`: Qwen3-Next-80B-A3B): the
+    /// layers `layer_types` names `linear_attention` (by default three of
+    /// every four) hold a gated DeltaNet (`linear_attn`: `in_proj_qkvz`,
+    /// `in_proj_ba`, `conv1d`, `dt_bias`, `A_log`, the gated `norm`,
+    /// `out_proj`), the others attend with a quarter of each head turned
+    /// (`partial_rotary_factor`), queries and keys normalised, and the
+    /// output gated by a sigmoid of a second half of `q_proj`; Qwen2-MoE's
+    /// experts with the shared expert and its gate; norms as offsets from
+    /// one (Gemma's).
+    Qwen3Next,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 66] = [
+    pub const ALL: [Family; 67] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -497,6 +507,7 @@ impl Family {
         Self::FalconH1,
         Self::Lfm2,
         Self::MiniMax,
+        Self::Qwen3Next,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -582,6 +593,7 @@ impl Family {
             Self::FalconH1 => "falcon_h1",
             Self::Lfm2 => "lfm2",
             Self::MiniMax => "minimax",
+            Self::Qwen3Next => "qwen3_next",
         }
     }
 
@@ -654,6 +666,7 @@ impl Family {
             Self::FalconH1 => "FalconH1ForCausalLM",
             Self::Lfm2 => "Lfm2ForCausalLM",
             Self::MiniMax => "MiniMaxForCausalLM",
+            Self::Qwen3Next => "Qwen3NextForCausalLM",
         }
     }
 
@@ -1050,6 +1063,12 @@ impl Family {
             },
             Self::Qwen3Moe => Defaults {
                 kv_heads: Some(4),
+                positions: 32768,
+                ..LLAMA
+            },
+            Self::Qwen3Next => Defaults {
+                kv_heads: Some(2),
+                head_dim: Some(256),
                 positions: 32768,
                 ..LLAMA
             },

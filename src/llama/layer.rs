@@ -13,6 +13,7 @@ use crate::lora::{Adapted, LoraConfig};
 use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
+use super::delta_net::DeltaNet;
 use super::family::Family;
 use super::lightning::Lightning;
 use super::mamba::Mamba;
@@ -95,6 +96,8 @@ enum Qkv {
     ShortConv(Box<ShortConv>),
     /// MiniMax's lightning attention, the same way.
     Lightning(Box<Lightning>),
+    /// Qwen3-Next's gated DeltaNet, the same way.
+    DeltaNet(Box<DeltaNet>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -533,7 +536,7 @@ impl Experts {
                     .collect(),
             ),
         };
-        let qwen = family == Family::Qwen2Moe;
+        let qwen = matches!(family, Family::Qwen2Moe | Family::Qwen3Next);
         let shared = m.shared.map(|w| {
             let (gate_up, down) = match family {
                 Family::GraniteMoeShared | Family::GraniteMoeHybrid => {
@@ -545,7 +548,7 @@ impl Experts {
                 }
                 _ => {
                     let sp = p / match family {
-                        Family::Qwen2Moe | Family::Llama4 => "shared_expert",
+                        Family::Qwen2Moe | Family::Qwen3Next | Family::Llama4 => "shared_expert",
                         Family::HunyuanMoe => "shared_mlp",
                         _ => "shared_experts",
                     };
@@ -804,22 +807,28 @@ impl Layer {
             true => p / "mixer",
             false => p / "mamba",
         };
-        // LFM2's convolution layers and MiniMax's lightning ones in place
-        // of attention too.
+        // LFM2's convolution layers, MiniMax's lightning ones and
+        // Qwen3-Next's DeltaNet ones in place of attention too.
         let (conv, lightning) = (c.short_conv_layer(l), c.lightning_layer(l));
-        let qkv = match (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning) {
+        let delta = c.delta_net_layer(l);
+        let linear_attn = p / "linear_attn";
+        let kind = (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning, delta);
+        let qkv = match kind {
             (Some(m), ..) => {
                 let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
                 Qkv::Mamba(Box::new(Mamba::new(&mixer, c, m, in_proj)))
             }
             (None, Some(m), ..) => Qkv::Mamba1(Box::new(Mamba1::new(&mixer, c, m, lin))),
-            (None, None, Some(s), _) => {
+            (None, None, Some(s), ..) => {
                 Qkv::ShortConv(Box::new(ShortConv::new(&(p / "conv"), d, s, lin)))
             }
-            (None, None, None, Some(g)) => {
+            (None, None, None, Some(g), _) => {
                 Qkv::Lightning(Box::new(Lightning::new(&a, c, (l, g.block), lin)))
             }
-            (None, None, None, None) => match (c.family, &c.mla) {
+            (None, None, None, None, Some(g)) => {
+                Qkv::DeltaNet(Box::new(DeltaNet::new(&linear_attn, (d, c.eps), g, lin)))
+            }
+            (None, None, None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (
                     Family::Phi3
@@ -843,7 +852,14 @@ impl Layer {
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
                 }
                 _ => Qkv::Apart {
-                    q_proj: lin(&(&a / "q_proj"), d, c.heads * hd, qkv),
+                    // Qwen3-Next's each head's output gate after its
+                    // queries.
+                    q_proj: lin(
+                        &(&a / "q_proj"),
+                        d,
+                        (1 + i64::from(c.gated_attention())) * c.heads * hd,
+                        qkv,
+                    ),
                     k_proj: lin(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
                     v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
                 },
@@ -852,12 +868,15 @@ impl Layer {
         Self {
             norms: Norms::new(p, d, c),
             qkv,
-            o_proj: match (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning) {
+            o_proj: match kind {
                 (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
                 (None, Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
-                (None, None, Some(s), _) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
-                (None, None, None, Some(_)) => lin(&(&a / "out_proj"), c.heads * hd, d, false),
-                (None, None, None, None) => lin(
+                (None, None, Some(s), ..) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
+                (None, None, None, Some(_), _) => lin(&(&a / "out_proj"), c.heads * hd, d, false),
+                (None, None, None, None, Some(g)) => {
+                    lin(&(&linear_attn / "out_proj"), g.value_width(), d, false)
+                }
+                (None, None, None, None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(
                             f,
@@ -943,8 +962,9 @@ impl Layer {
                     },
                 },
             },
-            // LFM2's convolution layers have none.
-            qk_norm: (c.qk_norm && conv.is_none()).then(|| {
+            // LFM2's convolution layers have none, nor Qwen3-Next's
+            // DeltaNet ones.
+            qk_norm: (c.qk_norm && conv.is_none() && delta.is_none()).then(|| {
                 let (q, k) = match c.family {
                     f if f.hunyuan() => ("query_layernorm", "key_layernorm"),
                     Family::Persimmon | Family::StableLm | Family::Lfm2 => {
@@ -1130,11 +1150,31 @@ impl Layer {
                 heads(v, c.kv_heads, None),
             ]
         };
+        // Qwen3-Next's output gate, from `q_proj`.
+        let mut gate = None;
         let [q, k, v] = match &self.qkv {
             Qkv::Mamba(m) => return m.forward(h, &self.cache),
             Qkv::Mamba1(m) => return m.forward(h, &self.cache),
             Qkv::ShortConv(s) => return s.forward(h, &self.cache),
             Qkv::Lightning(g) => return g.forward(h, &self.cache),
+            Qkv::DeltaNet(g) => return g.forward(h, &self.cache),
+            // Qwen3-Next's: each head's queries, then its output gate.
+            Qkv::Apart {
+                q_proj,
+                k_proj,
+                v_proj,
+            } if c.gated_attention() => {
+                let both = q_proj.forward(h).view([b, t, c.heads, 2 * c.head_dim]);
+                let half = |i: i64| {
+                    (both.narrow(-1, i * c.head_dim, c.head_dim)).reshape([
+                        b,
+                        t,
+                        c.heads * c.head_dim,
+                    ])
+                };
+                gate = Some(half(1));
+                split(half(0), k_proj.forward(h), v_proj.forward(h))
+            }
             Qkv::Apart {
                 q_proj,
                 k_proj,
@@ -1182,10 +1222,14 @@ impl Layer {
         };
         let (q, k) = self.llama4_queries_and_keys(q, k, offset);
         let (k, v) = self.cache.extend(k, v);
-        self.attention(&q, &k, &v, offset, documents.as_ref())
+        let out = (self.attention(&q, &k, &v, offset, documents.as_ref()))
             .transpose(1, 2)
             .contiguous()
-            .view([b, t, c.heads * c.v_head_dim()])
+            .view([b, t, c.heads * c.v_head_dim()]);
+        match gate {
+            Some(gate) => out * gate.sigmoid(),
+            None => out,
+        }
     }
 }
 

@@ -52,6 +52,7 @@
 mod bloom;
 mod config;
 mod dbrx;
+mod delta_net;
 mod falcon;
 mod family;
 mod gpt_bigcode;
@@ -79,6 +80,7 @@ pub use config::{
     Activation, FalconH1Multipliers, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig,
     Scoring,
 };
+pub use delta_net::DeltaNetConfig;
 pub use falcon::FalconLayout;
 pub use family::Family;
 pub use layer::Layer;
@@ -126,9 +128,9 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // prediction layers after the last (`model.layers.61` of 61,
     // GLM-4.5-Air's `model.layers.46`), which `transformers` skips too.
     let beyond = cfg.family.prediction_layers();
-    // ERNIE 4.5's hold theirs under `mtp` names, which `transformers`
-    // skips by that pattern.
-    let mtp = cfg.family == Family::Ernie4_5Moe;
+    // ERNIE 4.5's and Qwen3-Next's hold theirs under `mtp` names, which
+    // `transformers` skips by that pattern.
+    let mtp = matches!(cfg.family, Family::Ernie4_5Moe | Family::Qwen3Next);
     // Llama 4's published files are its multimodal model's: the language
     // model under `language_model.`, a vision encoder and projector
     // beside it, which the text model leaves out.

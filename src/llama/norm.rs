@@ -41,7 +41,7 @@ impl RmsNorm {
 
     pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         let weights = match c.family {
-            f if f.gemma() => NormWeights::Offset,
+            f if f.gemma() || f == Family::Qwen3Next => NormWeights::Offset,
             f if f.olmo() || matches!(f, Family::GptOss | Family::Helium) => NormWeights::Fp32,
             _ => NormWeights::Llama,
         };

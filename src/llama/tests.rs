@@ -132,6 +132,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         short_conv: None,
         lightning: None,
         residual_factors: None,
+        delta_net: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,
@@ -1065,6 +1066,66 @@ fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
                 r#""conv_bias": true"#,
                 r#""conv_bias": true, "conv_L_cache": 0"#,
                 "`conv_L_cache` is missing or not a positive integer",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn a_qwen3_next_config_is_read_with_its_delta_nets_and_counted() {
+    let dir = ConfigDir::new("qwen3-next-configs");
+    // Its class's defaults, given (Qwen3-Next-80B-A3B's sizes, but for
+    // the unused dense width): three DeltaNets, then an attending layer;
+    // 79674391296 parameters, as transformers counts them.
+    let defaults = r#"{"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48, "num_attention_heads": 16}"#;
+    let d = dir.read(defaults).unwrap();
+    let attends: Vec<i64> = (0..48)
+        .filter(|&l| d.delta_net_layer(l).is_none())
+        .collect();
+    assert_eq!(attends, (0..12).map(|l| 4 * l + 3).collect::<Vec<_>>());
+    let g = d.delta_net.clone().unwrap();
+    assert_eq!(
+        (g.kernel, g.key_heads, g.value_heads, g.key_dim, g.value_dim),
+        (4, 16, 32, 128, 128)
+    );
+    let m = d.moe.clone().unwrap();
+    assert_eq!(
+        (m.experts, m.top_k, m.intermediate, m.shared, m.normalize),
+        (512, 10, 512, Some(512), true)
+    );
+    assert_eq!((d.head_dim, d.kv_heads, d.rotary_dim()), (256, 2, 64));
+    assert!(d.qk_norm && d.gated_attention());
+    assert_eq!(total(&d), 79674391296);
+    // Smaller, every other layer attending, as transformers counts it.
+    let small = r#"{"model_type": "qwen3_next", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8, "full_attention_interval": 2, "num_experts": 0}"#;
+    let s = dir.read(small).unwrap();
+    assert!(s.moe.is_none());
+    assert_eq!(s.delta_net_layer(1), None);
+    assert!(s.delta_net_layer(2).is_some());
+    assert_eq!(total(&s), 212750080);
+    dir.round_trips([d, s]);
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""model_type": "qwen3_next""#,
+                r#""model_type": "qwen3_next", "layer_types": ["full_attention"]"#,
+                "layer_types has 1 entries for num_hidden_layers 48",
+            ),
+            (
+                r#""model_type": "qwen3_next""#,
+                r#""model_type": "qwen3_next", "linear_num_value_heads": 24, "linear_num_key_heads": 16"#,
+                "linear_num_value_heads 24 over linear_num_key_heads 16",
+            ),
+            (
+                r#""model_type": "qwen3_next""#,
+                r#""model_type": "qwen3_next", "full_attention_interval": 0"#,
+                "`full_attention_interval` is missing or not a positive integer",
+            ),
+            (
+                r#""model_type": "qwen3_next""#,
+                r#""model_type": "qwen3_next", "output_router_logits": true"#,
+                "output_router_logits true",
             ),
         ],
     );
@@ -2664,6 +2725,7 @@ fn unit_params_count_what_the_built_model_holds() {
         short_conv: None,
         lightning: None,
         residual_factors: None,
+        delta_net: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,

@@ -20,7 +20,7 @@ pub struct EstimateArgs {
     params: Option<f64>,
     /// A Hugging Face checkpoint's `config.json` (or its directory) of a
     /// model zrt builds (GPT-2, GPT-NeoX, Phi, and the Llama family's
-    /// sixty-six `model_type`s, from Llama to MiniMax): its
+    /// sixty-seven `model_type`s, from Llama to Qwen3-Next): its
     /// parameters are counted from it, and the largest unit stage 3
     /// gathers is named.
     #[arg(long)]

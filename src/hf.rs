@@ -229,16 +229,33 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 /// quantized checkpoint's config (GPT-OSS's MXFP4) counts as its
 /// dequantized model, the one zrt trains.
 pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
-    let mut j = HfJson::read(config.as_ref(), None)?;
-    if let Some(all) = j.json.as_object_mut() {
-        all.remove("quantization_config");
-    }
-    Ok(match Layout::of(j)?.0 {
+    Ok(match counted_layout(config.as_ref())? {
         Layout::Gpt2(c) => c.unit_params(),
         Layout::GptNeox(c) => c.unit_params(),
         Layout::Phi(c) => c.unit_params(),
         Layout::Llama(c) => c.unit_params(),
     })
+}
+
+/// The values of the buffers the model of `config` holds as frozen
+/// variables beside its parameters ([`LlamaConfig::frozen_buffers`]:
+/// MiniMax's decays; 0 for the other models), which [`unit_params`] does
+/// not count.
+pub fn frozen_buffers(config: impl AsRef<Path>) -> Result<u64, HfError> {
+    Ok(match counted_layout(config.as_ref())? {
+        Layout::Llama(c) => c.frozen_buffers(),
+        _ => 0,
+    })
+}
+
+/// The layout of `config` as [`unit_params`] counts it: a quantized
+/// checkpoint's as its dequantized model's.
+fn counted_layout(config: &Path) -> Result<Layout, HfError> {
+    let mut j = HfJson::read(config, None)?;
+    if let Some(all) = j.json.as_object_mut() {
+        all.remove("quantization_config");
+    }
+    Ok(Layout::of(j)?.0)
 }
 
 /// The tokens `transformers`' `generate` stops at for the checkpoint in

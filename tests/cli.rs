@@ -1260,7 +1260,25 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         let config = config.to_str().unwrap();
         let (ok, out) = zrt(&["estimate", "--hf-config", config, "--world", "8"]);
         assert!(ok && out.contains(params) && out.contains(largest), "{out}");
+        assert!(!out.contains("frozen"), "{out}");
     }
+    // MiniMax's decay buffers, held as frozen parameters, are counted as
+    // frozen: its second layer's (4 heads, blocks of 256), 4 x (1 + 2 x
+    // 256 + 256^2).
+    let minimax = dir.join("minimax.json");
+    std::fs::write(
+        &minimax,
+        r#"{"model_type": "minimax", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+    )
+    .unwrap();
+    let minimax = minimax.to_str().unwrap();
+    let (ok, out) = zrt(&["estimate", "--hf-config", minimax, "--world", "8"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("and 264196 values of buffers its class writes into its files")
+            && out.contains("with 2.642e5 frozen params"),
+        "{out}"
+    );
     // Either the count or the config, not both; a config zrt does not
     // build is refused naming its model_type.
     let llama = dir.join("llama.json");

@@ -1180,6 +1180,16 @@ impl LlamaConfig {
         (self.short_conv.as_ref()).filter(|c| c.is_conv(l))
     }
 
+    /// The values of the buffers its class writes into its files and zrt
+    /// holds as frozen variables, which [`LlamaConfig::unit_params`] does
+    /// not count (as `transformers` counts parameters): MiniMax's decays.
+    pub fn frozen_buffers(&self) -> u64 {
+        (0..self.layers)
+            .filter_map(|l| self.lightning_layer(l))
+            .map(|g| g.buffers(self.heads))
+            .sum()
+    }
+
     /// Whether its attention's output is gated by a sigmoid of a second
     /// half of `q_proj`, each head's gate after its queries (Qwen3-Next's).
     pub fn gated_attention(&self) -> bool {

@@ -49,6 +49,14 @@ impl LightningConfig {
         let inner = heads * head_dim;
         (hidden * 3 * inner + hidden * inner + inner + inner * hidden) as u64
     }
+
+    /// The values of a lightning layer's decay buffers for `heads` heads
+    /// ([`Lightning`]'s `decays`: each head's rate, its query and key
+    /// decays over a block, its block-by-block diagonal decay).
+    pub(super) fn buffers(&self, heads: i64) -> u64 {
+        let block = self.block;
+        (heads * (1 + 2 * block + block * block)) as u64
+    }
 }
 
 /// One lightning layer (`self_attn`): `qkv_proj` (each head's queries,

@@ -2968,7 +2968,52 @@ fn unit_params_count_what_the_built_model_holds() {
         }),
         ..base.clone()
     };
+    // Qwen3-Next: a DeltaNet layer (two key heads serving four value
+    // heads) beside a gated attending one, experts beside the gated
+    // shared expert.
+    let qwen3_next = LlamaConfig {
+        family: Family::Qwen3Next,
+        qk_norm: true,
+        partial_rotary: 0.25,
+        delta_net: Some(DeltaNetConfig {
+            kernel: 4,
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 8,
+            value_dim: 12,
+            layers: vec![true, false],
+        }),
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            intermediate: 24,
+            normalize: true,
+            sparse_step: 1,
+            dense_layers: vec![],
+            shared: Some(40),
+            grouped: None,
+            jitter: 0.0,
+            sparse_mixer: None,
+        }),
+        ..base.clone()
+    };
+    // MiniMax: its decay buffers are held beside the parameters it counts.
+    let minimax = LlamaConfig {
+        family: Family::MiniMax,
+        lightning: Some(LightningConfig {
+            block: 8,
+            layers: vec![false, true],
+        }),
+        ..base.clone()
+    };
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _model = Llama::new(&vs.root(), &ShardPlan::new(), &minimax);
+    let counted: u64 = minimax.unit_params().iter().map(|(_, n)| n).sum();
+    let held: u64 = vs.variables().values().map(|t| t.numel() as u64).sum();
+    assert_eq!(minimax.frozen_buffers(), 4 * (1 + 2 * 8 + 8 * 8));
+    assert_eq!(held, counted + minimax.frozen_buffers());
     for cfg in variants.into_iter().chain([
+        qwen3_next,
         granite4,
         granite4_dense,
         deepseek,

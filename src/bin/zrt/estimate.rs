@@ -21,8 +21,9 @@ pub struct EstimateArgs {
     /// A Hugging Face checkpoint's `config.json` (or its directory) of a
     /// model zrt builds (GPT-2, GPT-NeoX, Phi, and the Llama family's
     /// sixty-seven `model_type`s, from Llama to Qwen3-Next): its
-    /// parameters are counted from it, and the largest unit stage 3
-    /// gathers is named.
+    /// parameters are counted from it (the buffers it holds as frozen
+    /// parameters, MiniMax's decays, as frozen), and the largest unit
+    /// stage 3 gathers is named.
     #[arg(long)]
     hf_config: Option<std::path::PathBuf>,
     /// Ranks the model is sharded over.
@@ -137,12 +138,28 @@ fn by_stage(stage: u8, psi: f64, n: f64, (p, g, opt): (f64, f64, f64)) -> f64 {
     }
 }
 
+/// What the model of `zrt estimate` holds.
+struct Counted {
+    /// Its parameters, `--params`' or counted.
+    params: f64,
+    /// `--hf-config`'s model's largest unit: its name and parameters.
+    largest: Option<(String, u64)>,
+    /// The values of the buffers `--hf-config`'s model holds as frozen
+    /// variables (MiniMax's decays).
+    buffers: u64,
+}
+
 /// The parameters `--params` gives or `--hf-config`'s model holds, and
-/// for the latter its largest unit (name, parameters).
-fn params_of(a: &EstimateArgs) -> Result<(f64, Option<(String, u64)>)> {
+/// for the latter its largest unit and frozen buffers.
+fn params_of(a: &EstimateArgs) -> Result<Counted> {
     let Some(path) = &a.hf_config else {
-        return Ok((a.params.unwrap_or(f64::NAN), None));
+        return Ok(Counted {
+            params: a.params.unwrap_or(f64::NAN),
+            largest: None,
+            buffers: 0,
+        });
     };
+    let buffers = zrt::hf::frozen_buffers(path)?;
     let units = zrt::hf::unit_params(path)?;
     let total: u64 = units.iter().map(|(_, n)| n).sum();
     let largest = (units.iter())
@@ -154,12 +171,25 @@ fn params_of(a: &EstimateArgs) -> Result<(f64, Option<(String, u64)>)> {
         path.display(),
         units.len() - 1
     );
-    Ok((total as f64, largest))
+    if buffers > 0 {
+        println!(
+            "and {buffers} values of buffers its class writes into its files, which zrt holds as frozen parameters (counted below as frozen)"
+        );
+    }
+    Ok(Counted {
+        params: total as f64,
+        largest,
+        buffers,
+    })
 }
 
 /// Runs `zrt estimate`.
 pub fn run(a: &EstimateArgs) -> Result<()> {
-    let (params, largest) = params_of(a)?;
+    let Counted {
+        params,
+        largest,
+        buffers,
+    } = params_of(a)?;
     let (dtype, optimizer, quantize_frozen, marked) = match &a.config {
         Some(path) => {
             let (d, o, q, stage) = from_config(path)?;
@@ -211,10 +241,11 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         }
     };
     println!("{params:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.world);
-    if a.frozen > 0.0 {
+    // The model's frozen buffers join the frozen parameters given.
+    let frozen = a.frozen + buffers as f64;
+    if frozen > 0.0 {
         println!(
-            "with {:.3e} frozen params (values only; stage 3 shards them{})",
-            a.frozen,
+            "with {frozen:.3e} frozen params (values only; stage 3 shards them{})",
             match quantize_frozen {
                 true => " as int8 codes and scales",
                 false => "",
@@ -227,7 +258,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     }
     for stage in 0..=3u8 {
         let (psi, n) = (params, a.world as f64);
-        let frozen = frozen_bytes(stage, a.frozen, n, c, quantize_frozen);
+        let frozen = frozen_bytes(stage, frozen, n, c, quantize_frozen);
         let mark = match marked == Some(stage) {
             true => "  <- the config's stage",
             false => "",
@@ -254,9 +285,9 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             human(peak)
         );
     }
-    let built = build_bytes(params, a.frozen);
+    let built = build_bytes(params, frozen);
     let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
-        + frozen_bytes(3, a.frozen, a.world as f64, c, quantize_frozen);
+        + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
     println!(
         "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made){}",
         human(built),

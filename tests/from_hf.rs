@@ -1333,6 +1333,57 @@ fn a_qwen3_next_checkpoint_of_delta_nets_and_gated_attention_trains_as_transform
     parity("qwen3-next");
 }
 
+/// Qwen3-Next's DeltaNets over a prompt of two chunks and a part (150
+/// tokens; the parity runs' rows are shorter than one), their decays
+/// slow: the chunked delta rule's state carried across chunks, then
+/// stepped token by token from it while generating, as `transformers`'
+/// cached `generate` does.
+#[test]
+fn qwen3_next_continues_a_prompt_longer_than_two_chunks_as_transformers_does() {
+    let dir = scratch("hf-qwen3-next-long-prompt");
+    let (import, args) = case("qwen3-next").python;
+    let model = common::hf_seeded_model(
+        import,
+        &format!(
+            "{}, eos_token_id=None, bos_token_id=None",
+            args.replace("max_position_embeddings=64", "max_position_embeddings=256")
+        ),
+        &dir,
+        "",
+    )
+    .replace("* 0.05", "* 0.3")
+    // Slow decays (rates about e^-4), so that what the first chunks wrote
+    // still counts in the third.
+    .replace(
+        "m.save_pretrained(",
+        "with torch.no_grad():\n    for l in m.model.layers:\n        if hasattr(l, 'linear_attn'):\n            l.linear_attn.A_log.add_(-4.0 - l.linear_attn.A_log.mean())\nm.save_pretrained(",
+    );
+    let said = common::python(&format!(
+        r#"{model}
+m.eval()
+prompt = torch.randint(0, 96, (1, 150), generator=torch.Generator().manual_seed(3))
+# Its mask given: from pad_token_id (0) generate would mask the prompt's
+# zeros out.
+ones = torch.ones_like(prompt)
+out = m.generate(prompt, attention_mask=ones, max_new_tokens=12, do_sample=False, pad_token_id=0)
+print(" ".join(map(str, out[0, 150:].tolist())))
+print(" ".join(map(str, prompt[0].tolist())))
+"#
+    ));
+    let lines = generated(&said, "qwen3-next");
+    let (want, prompt) = (&lines[0], &lines[1]);
+    assert_eq!(prompt.len(), 150);
+    let hf = dir.join("hf");
+    let got = on_ranks(2, |r| {
+        let (model, _engine) = on_two_at_stage_3(&r, &hf);
+        model.greedy(prompt, 12, &[]).unwrap()
+    });
+    for (ids, rank) in got.into_iter().zip(0..) {
+        assert_eq!(&ids, want, "rank {rank}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
     parity("mamba2");

@@ -170,25 +170,14 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
                 None => vec![true; layers as usize],
             }
         }
-        None | Some(serde_json::Value::Null) => vec![true; layers as usize],
-        Some(v) => {
-            let kinds = v.as_array().and_then(|l| {
-                l.iter()
-                    .map(|k| match k.as_str() {
-                        Some("mamba") => Some(true),
-                        Some("attention") => Some(false),
-                        _ => None,
-                    })
-                    .collect::<Option<Vec<bool>>>()
-            });
-            match kinds {
-                Some(k) if k.len() == layers as usize => k,
-                _ => {
-                    return Err(j.field(format!(
-                        "layer_types {v}: one \"mamba\" or \"attention\" for each of the {layers} layers"
-                    )))
-                }
-            }
+        _ => {
+            let kinds = ["mamba", "attention"];
+            let whose = match family {
+                Family::GraniteMoeHybrid => "Granite 4.0",
+                f => f.model_type(),
+            };
+            super::config::layer_kinds(j, layers, whose, kinds, kinds[0])?
+                .unwrap_or_else(|| vec![true; layers as usize])
         }
     };
     let heads = j.size_or_none("mamba_n_heads")?.unwrap_or(128);

@@ -667,6 +667,16 @@ fn granite_4_configs_are_read_and_counted_with_their_mamba_layers() {
         given,
         &[
             (
+                r#""layer_types": ["#,
+                r#""layer_types": ["conv", "#,
+                "layer_types has 41 entries for num_hidden_layers 40",
+            ),
+            (
+                r#""layer_types": ["mamba""#,
+                r#""layer_types": ["conv""#,
+                "layer_types entry \"conv\": Granite 4.0's layers are \"mamba\" or \"attention\"",
+            ),
+            (
                 r#""mamba_n_heads": 128"#,
                 r#""mamba_n_heads": 96"#,
                 "mamba_n_heads 96 does not divide",
@@ -680,11 +690,6 @@ fn granite_4_configs_are_read_and_counted_with_their_mamba_layers() {
                 r#""mamba_n_groups": 1"#,
                 r#""mamba_n_groups": 3"#,
                 "mamba_n_groups 3 does not divide",
-            ),
-            (
-                r#""layer_types": ["#,
-                r#""layer_types": ["mlp", "#,
-                "layer_types [\"mlp\"",
             ),
             (
                 r#""position_embedding_type": "nope""#,

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -748,6 +748,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // DiffLlama: differential attention over grouped keys and values
+    // (two groups of four heads), biased projections.
+    Case {
+        name: "diffllama",
+        python: (
+            "from transformers import DiffLlamaConfig as C, DiffLlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True",
+        ),
+        load: "",
+    },
     // Qwen3-MoE: experts on the first layer, a dense MLP on the second
     // (mlp_only_layers), the top weights renormalised.
     Case {
@@ -1329,6 +1339,11 @@ fn a_minimax_checkpoint_of_lightning_and_softmax_attention_trains_as_transformer
 }
 
 #[test]
+fn a_diffllama_checkpoint_with_differential_attention_trains_as_transformers_does() {
+    parity("diffllama");
+}
+
+#[test]
 fn a_qwen3_next_checkpoint_of_delta_nets_and_gated_attention_trains_as_transformers_does() {
     parity("qwen3-next");
 }
@@ -1405,6 +1420,7 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("lfm2");
     packed_documents_as_each_alone("minimax");
     packed_documents_as_each_alone("qwen3-next");
+    packed_documents_as_each_alone("diffllama");
     packed_documents_as_each_alone("falcon-h1");
 }
 #[test]
@@ -3489,6 +3505,13 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              num_local_experts=4, num_experts_per_tok=2, block_size=4, \
              linear_attn_alpha_factor=1.3, mlp_beta_factor=0.9, \
+             eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "diffllama",
+            "from transformers import DiffLlamaConfig as C, DiffLlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, \
              eos_token_id=None, bos_token_id=None",
         ),
         (

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -539,6 +539,19 @@ const LFM2: Case = Case {
     ..OFF
 };
 
+/// DiffLlama's queries (64 -> 64), values (64 -> 16: two groups) and
+/// output projection (64 -> 64) around its differential attention.
+const DIFFLLAMA: Case = Case {
+    python: (
+        "from transformers import DiffLlamaConfig as C, DiffLlamaForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64",
+    ),
+    targets: &["q_proj", "v_proj", "o_proj"],
+    matrices: 12,
+    elements: 4 * 2 * ((64 + 64) + (64 + 16) + (64 + 64)),
+    ..OFF
+};
+
 /// Qwen3-Next's DeltaNet layers' `in_proj_qkvz` (64 -> 128: queries,
 /// keys, values and gates), `in_proj_ba` (64 -> 8) and `out_proj` (48 ->
 /// 64), and the gated attention's `q_proj` (64 -> 128: queries and
@@ -1000,6 +1013,11 @@ fn lora_adapters_on_lfm2s_convolutions_attention_and_mlp_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_minimaxs_lightning_and_softmax_attention_train_as_peft_does() {
     parity("minimax", &MINIMAX, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_diffllamas_differential_attention_train_as_peft_does() {
+    parity("diffllama", &DIFFLLAMA, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -604,6 +604,12 @@ impl LlamaConfig {
                 "{key} {kv_heads} does not divide num_attention_heads {heads}"
             )));
         }
+        // DiffLlama's heads pair up, the first half with the second.
+        if family == Family::DiffLlama && heads % 2 != 0 {
+            return Err(j.field(format!(
+                "num_attention_heads {heads}: DiffLlama's differential attention pairs each head of the first half with one of the second; give an even number"
+            )));
+        }
         // Apertus's class deletes `head_dim`: its heads are the width's
         // share, whatever the config says.
         let given_head_dim = match family {
@@ -807,6 +813,8 @@ impl LlamaConfig {
                         | Family::Jamba
                         | Family::FalconH1
                         | Family::Lfm2
+                        | Family::Qwen3Next
+                        | Family::DiffLlama
                 ) || f.hunyuan() =>
                 {
                     false
@@ -1257,9 +1265,12 @@ impl LlamaConfig {
                     + (h * vd * d + bias(on, d))
             }
             None => {
-                // Qwen3-Next's `q_proj` makes each head's output gate too.
+                // Qwen3-Next's `q_proj` makes each head's output gate too;
+                // DiffLlama's four lambda vectors.
                 let gates = 1 + u64::from(self.gated_attention());
-                gates * (d * q + bias(self.qkv_bias, q))
+                let lambdas = bias(self.family == Family::DiffLlama, 4 * hd);
+                lambdas
+                    + gates * (d * q + bias(self.qkv_bias, q))
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
                     + match self.family.whole_qk_norm() || self.family.qk_norm_of_each_head() {
@@ -1431,6 +1442,7 @@ impl LlamaConfig {
             Family::Mistral | Family::Ministral => {
                 serde_json::json!({"sliding_window": self.sliding_window})
             }
+            Family::DiffLlama => serde_json::json!({"attention_bias": self.o_bias}),
             Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
             Family::Qwen3 => serde_json::json!({
                 "attention_bias": self.o_bias,

@@ -436,11 +436,17 @@ pub enum Family {
     /// experts with the shared expert and its gate; norms as offsets from
     /// one (Gemma's).
     Qwen3Next,
+    /// `diffllama` (`DiffLlamaForCausalLM`): Llama's layers with
+    /// differential attention (`self_attn.lambda_q1`, `lambda_k1`,
+    /// `lambda_q2`, `lambda_k2`): the first half of the heads' attention
+    /// minus a learned `lambda` times the second half's, over values twice
+    /// as wide, normalised.
+    DiffLlama,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 67] = [
+    pub const ALL: [Family; 68] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -508,6 +514,7 @@ impl Family {
         Self::Lfm2,
         Self::MiniMax,
         Self::Qwen3Next,
+        Self::DiffLlama,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -594,6 +601,7 @@ impl Family {
             Self::Lfm2 => "lfm2",
             Self::MiniMax => "minimax",
             Self::Qwen3Next => "qwen3_next",
+            Self::DiffLlama => "diffllama",
         }
     }
 
@@ -667,6 +675,7 @@ impl Family {
             Self::Lfm2 => "Lfm2ForCausalLM",
             Self::MiniMax => "MiniMaxForCausalLM",
             Self::Qwen3Next => "Qwen3NextForCausalLM",
+            Self::DiffLlama => "DiffLlamaForCausalLM",
         }
     }
 
@@ -1066,6 +1075,7 @@ impl Family {
                 positions: 32768,
                 ..LLAMA
             },
+            Self::DiffLlama => Defaults { eps: 1e-5, ..LLAMA },
             Self::Qwen3Next => Defaults {
                 kv_heads: Some(2),
                 head_dim: Some(256),

@@ -14,6 +14,7 @@ use crate::packing::{in_window, Documents};
 
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::delta_net::DeltaNet;
+use super::differential::Differential;
 use super::family::Family;
 use super::lightning::Lightning;
 use super::mamba::Mamba;
@@ -60,6 +61,8 @@ pub struct Layer {
     /// MiniMax's residual factors (alpha, beta) of this layer's
     /// attention and of its MLP.
     factors: Option<((f64, f64), (f64, f64))>,
+    /// DiffLlama's differential attention.
+    differential: Option<Differential>,
     cfg: LlamaConfig,
 }
 
@@ -1002,6 +1005,8 @@ impl Layer {
                 (true, None) => Some(super::mpt::alibi_slopes(c.heads, p.device())),
                 (false, _) => None,
             },
+            differential: (c.family == Family::DiffLlama)
+                .then(|| Differential::new(&a, hd, l, c.eps)),
             factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
@@ -1222,6 +1227,20 @@ impl Layer {
         };
         let (q, k) = self.llama4_queries_and_keys(q, k, offset);
         let (k, v) = self.cache.extend(k, v);
+        // DiffLlama's heads attend over every head's keys and over values
+        // twice as wide, and combine in pairs.
+        if let Some(diff) = &self.differential {
+            let (k, v) = (
+                Differential::keys(&k, c.heads),
+                Differential::values(&v, c.heads),
+            );
+            let out = self.attention(&q, &k, &v, offset, documents.as_ref());
+            return (diff.combine(&out).transpose(1, 2).contiguous()).view([
+                b,
+                t,
+                c.heads * c.head_dim,
+            ]);
+        }
         let out = (self.attention(&q, &k, &v, offset, documents.as_ref()))
             .transpose(1, 2)
             .contiguous()

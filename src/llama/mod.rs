@@ -53,6 +53,7 @@ mod bloom;
 mod config;
 mod dbrx;
 mod delta_net;
+mod differential;
 mod falcon;
 mod family;
 mod gpt_bigcode;

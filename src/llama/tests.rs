@@ -1077,6 +1077,33 @@ fn an_lfm2_config_is_read_with_its_convolution_layers_and_counted() {
 }
 
 #[test]
+fn a_diffllama_config_is_read_and_counted_with_its_lambdas() {
+    let dir = ConfigDir::new("diffllama-configs");
+    // Its class's defaults, given; and heads of a width of their own,
+    // grouped, biased, tied. The counts are transformers'.
+    let defaults = r#"{"model_type": "diffllama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}"#;
+    let d = dir.read(defaults).unwrap();
+    assert_eq!(
+        (d.kv_heads, d.head_dim, d.eps, d.mlp_bias),
+        (32, 64, 1e-5, false)
+    );
+    assert_eq!(total(&d), 1204885504);
+    let other = r#"{"model_type": "diffllama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 96, "attention_bias": true, "tie_word_embeddings": true}"#;
+    let o = dir.read(other).unwrap();
+    assert!(o.qkv_bias && o.o_bias && o.tied);
+    assert_eq!(total(&o), 183833088);
+    dir.round_trips([d, o]);
+    dir.refuses_replaced(
+        other,
+        &[(
+            r#""num_attention_heads": 16, "num_key_value_heads": 4"#,
+            r#""num_attention_heads": 15, "num_key_value_heads": 5"#,
+            "num_attention_heads 15: DiffLlama's differential attention pairs each head",
+        )],
+    );
+}
+
+#[test]
 fn a_qwen3_next_config_is_read_with_its_delta_nets_and_counted() {
     let dir = ConfigDir::new("qwen3-next-configs");
     // Its class's defaults, given (Qwen3-Next-80B-A3B's sizes, but for
@@ -3017,7 +3044,13 @@ fn unit_params_count_what_the_built_model_holds() {
     let held: u64 = vs.variables().values().map(|t| t.numel() as u64).sum();
     assert_eq!(minimax.frozen_buffers(), 4 * (1 + 2 * 8 + 8 * 8));
     assert_eq!(held, counted + minimax.frozen_buffers());
+    // DiffLlama's four lambda vectors a layer.
+    let diffllama = LlamaConfig {
+        family: Family::DiffLlama,
+        ..base.clone()
+    };
     for cfg in variants.into_iter().chain([
+        diffllama,
         qwen3_next,
         granite4,
         granite4_dense,

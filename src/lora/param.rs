@@ -161,6 +161,14 @@ pub(crate) fn check_matched<'a>(
         // Every one it names: PEFT would adapt a matrix too (Granite-MoE-
         // shared's `shared_mlp.input_linear.weight` ends as its experts' do).
         if let Some((name, dim)) = hits.find(|&(_, dim)| dim != 3) {
+            // DBRX's experts' rows (`ffn.experts.mlp.w1`, `v1`, `w2`,
+            // `[experts x width, hidden]`): PEFT 0.18 wraps their module,
+            // and DBRX's experts then fail to read `mlp.w1` through it.
+            if dim == 2 && !name.ends_with(".weight") {
+                return Err(HfError::Lora(format!(
+                    "target_parameters: `{t}` names `{name}`, a 2-dimensional parameter that is no linear layer's matrix (DBRX's experts' rows): zrt adapts [experts, in, out] parameters only, and PEFT cannot adapt these either (its wrapper hides them from DBRX's experts, which read them by attribute: AttributeError); adapt the attention and the router through target_modules"
+                )));
+            }
             return Err(HfError::Lora(format!(
                 "target_parameters: `{t}` names `{name}`, a {dim}-dimensional parameter: zrt adapts stacked experts' ([experts, in, out]) through target_parameters; name them alone (by more of their names), and put a linear layer's module in target_modules"
             )));
@@ -253,6 +261,35 @@ mod tests {
             let left = adapter.left(ex, &y);
             assert!(left.allclose(&y.matmul(&want.tr()), 1e-5, 1e-5, false));
         }
+    }
+
+    #[test]
+    fn dbrxs_expert_rows_and_linear_matrices_are_refused_apart() {
+        let cfg = LoraConfig {
+            target_parameters: vec!["ffn.experts.mlp.w1".into()],
+            ..LoraConfig::new(2, 8.0, &[])
+        };
+        let held = [
+            ("transformer.blocks.0.ffn.experts.mlp.w1", 2),
+            ("transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight", 2),
+        ];
+        let err = check_matched(&cfg, held.iter().copied()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("no linear layer's matrix (DBRX's experts' rows)")
+                && err.to_string().contains("PEFT cannot adapt these either"),
+            "{err}"
+        );
+        let cfg = LoraConfig {
+            target_parameters: vec!["Wqkv.weight".into()],
+            ..cfg
+        };
+        let err = check_matched(&cfg, held.iter().copied()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("put a linear layer's module in target_modules"),
+            "{err}"
+        );
     }
 
     #[test]

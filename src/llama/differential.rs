@@ -51,19 +51,15 @@ impl Differential {
     /// first, the whole repeated for both halves: `[batch, heads, seq, 2
     /// head_dim]`.
     pub(super) fn values(v: &Tensor, heads: i64) -> Tensor {
-        let groups = heads / v.size()[1];
-        let every = match groups {
-            1 => v.shallow_clone(),
-            g => v.repeat_interleave_self_int(g, 1, None),
-        };
+        let every = Self::every_head(v, heads);
         let half = heads / 2;
         let wide = Tensor::cat(&[every.narrow(1, 0, half), every.narrow(1, half, half)], -1);
         wide.repeat([1, 2, 1, 1])
     }
 
-    /// The keys `k` `[batch, kv_heads, seq, head_dim]` repeated for every
-    /// head, as the values are.
-    pub(super) fn keys(k: &Tensor, heads: i64) -> Tensor {
+    /// The keys (or values) `k` `[batch, kv_heads, seq, head_dim]`, each
+    /// repeated for its group of heads: `[batch, heads, seq, head_dim]`.
+    pub(super) fn every_head(k: &Tensor, heads: i64) -> Tensor {
         match heads / k.size()[1] {
             1 => k.shallow_clone(),
             g => k.repeat_interleave_self_int(g, 1, None),

@@ -1231,7 +1231,7 @@ impl Layer {
         // twice as wide, and combine in pairs.
         if let Some(diff) = &self.differential {
             let (k, v) = (
-                Differential::keys(&k, c.heads),
+                Differential::every_head(&k, c.heads),
                 Differential::values(&v, c.heads),
             );
             let out = self.attention(&q, &k, &v, offset, documents.as_ref());

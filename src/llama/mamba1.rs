@@ -303,12 +303,16 @@ impl Mamba1 {
         let da = (a.unsqueeze(0).unsqueeze(2) * dt.unsqueeze(-1)).exp();
         let db = dt.unsqueeze(-1) * bb.unsqueeze(1).to_kind(Kind::Float);
         let dbu = db * x.unsqueeze(-1).to_kind(Kind::Float);
+        // Each token's slices taken by one `unbind` apiece, not a
+        // `select` a token: a select's backward writes its gradient into
+        // a zeroed tensor of the whole sequence, which made backward
+        // quadratic in the length (`transformers`' `slow_forward` indexes
+        // so, and is); an unbind's backward is one stack.
         let mut ssm = ssm;
         let mut ys = Vec::with_capacity(t as usize);
-        for i in 0..t {
-            ssm = da.select(2, i) * &ssm + dbu.select(2, i);
-            let c = cc.select(1, i).unsqueeze(-1);
-            ys.push(ssm.to_kind(kind).matmul(&c).squeeze_dim(-1));
+        for ((da, dbu), c) in da.unbind(2).iter().zip(dbu.unbind(2)).zip(cc.unbind(1)) {
+            ssm = da * &ssm + dbu;
+            ys.push(ssm.to_kind(kind).matmul(&c.unsqueeze(-1)).squeeze_dim(-1));
         }
         cache.keep_state((inputs, ssm.to_kind(kind)));
         let y = Tensor::stack(&ys, -1) + &x * self.d.unsqueeze(-1);

@@ -138,9 +138,12 @@ impl Layout {
             }
             other => {
                 let known = Family::model_types();
-                let msg = format!(
-                    "model_type {other:?}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}"
-                );
+                let given = match other {
+                    Some(t) => format!("model_type {t:?}"),
+                    None => "no model_type".to_string(),
+                };
+                let msg =
+                    format!("{given}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}");
                 return Err(j.field(msg));
             }
         };
@@ -613,9 +616,15 @@ impl HfJson {
         match (me.model_type(), model_type) {
             (_, None) => Ok(me),
             (Some(t), Some(want)) if t == want => Ok(me),
-            (other, Some(want)) => Err(me.field(format!(
-                "model_type is {other:?}, not \"{want}\": this is another architecture's config"
-            ))),
+            (other, Some(want)) => {
+                let given = match other {
+                    Some(t) => format!("model_type is {t:?}"),
+                    None => "no model_type".to_string(),
+                };
+                Err(me.field(format!(
+                    "{given}, not \"{want}\": this is another architecture's config"
+                )))
+            }
         }
     }
 

@@ -338,15 +338,19 @@ fn chunked(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor) -> (Te
     let mut state = Tensor::zeros([b, h, kd, vd], (Kind::Float, q.device()));
     let after = Tensor::ones([CHUNK, CHUNK], opts).triu(1);
     let mut outs = Vec::with_capacity(n as usize);
-    for i in 0..n {
+    // Each chunk's slices by one `unbind` apiece: a `select` a chunk
+    // would zero a whole-sequence gradient for each in backward.
+    let [qs, ks, vs, gs, decays, k_cumdecays] =
+        [&q, &k, &value, &g, &decay, &k_cumdecay].map(|x| x.unbind(2));
+    for i in 0..n as usize {
         let [q, k, v, g, decay, k_cumdecay] =
-            [&q, &k, &value, &g, &decay, &k_cumdecay].map(|x| x.select(2, i));
+            [&qs, &ks, &vs, &gs, &decays, &k_cumdecays].map(|x| &x[i]);
         let within = (q.matmul(&k.transpose(-1, -2)) * decay).masked_fill(&after, 0.0);
         let v_new = v - k_cumdecay.matmul(&state);
-        let inter = (&q * g.exp().unsqueeze(-1)).matmul(&state);
+        let inter = (q * g.exp().unsqueeze(-1)).matmul(&state);
         outs.push(inter + within.matmul(&v_new));
         let last = g.narrow(-1, CHUNK - 1, 1);
-        let to_end = (&last - &g).exp().unsqueeze(-1);
+        let to_end = (&last - g).exp().unsqueeze(-1);
         state = state * last.exp().unsqueeze(-1) + (k * to_end).transpose(-1, -2).matmul(&v_new);
     }
     (Tensor::cat(&outs, 2).narrow(2, 0, t), state)

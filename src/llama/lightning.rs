@@ -166,27 +166,27 @@ impl Lightning {
     /// `[batch, heads, head_dim, head_dim]`.
     fn blocks(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
         let [q, k, v] = [q, k, v].map(|x| x.transpose(1, 2));
-        let (b, t, kind) = (q.size()[0], q.size()[2], q.kind());
+        let (b, kind) = (q.size()[0], q.kind());
         let (heads, hd, block) = (self.heads, self.head_dim, self.block);
         // In the model's dtype, as its class's buffers are cast with it.
         let [rate, query_decay, key_decay, diagonal] =
             &self.decays.each_ref().map(|d| d.to_kind(kind));
         let mut kv = Tensor::zeros([b, heads, hd, hd], (kind, q.device()));
         let mut outs = Vec::new();
-        let mut start = 0;
-        while start < t {
-            let n = block.min(t - start);
-            let [q, k, v] = [&q, &k, &v].map(|x| x.narrow(2, start, n));
+        // The blocks by one `split` apiece: a `narrow` a block would zero
+        // a whole-sequence gradient for each in backward.
+        let [qs, ks, vs] = [&q, &k, &v].map(|x| x.split(block, 2));
+        for ((q, k), v) in qs.iter().zip(&ks).zip(&vs) {
+            let n = q.size()[2];
             let qd = query_decay.narrow(1, 0, n);
             let kd = key_decay.narrow(1, block - n, n);
             let dd = diagonal.narrow(2, 0, n).narrow(3, 0, n);
             // Computed as it runs, from the cast rates.
             let block_decay = (-rate * n as f64).exp();
-            let intra = (q.matmul(&k.transpose(-1, -2)) * dd).matmul(&v);
-            let inter = (&q * qd).matmul(&kv);
+            let intra = (q.matmul(&k.transpose(-1, -2)) * dd).matmul(v);
+            let inter = (q * qd).matmul(&kv);
             outs.push(inter + intra);
-            kv = kv * block_decay + (k * kd).transpose(-1, -2).matmul(&v);
-            start += n;
+            kv = kv * block_decay + (k * kd).transpose(-1, -2).matmul(v);
         }
         (Tensor::cat(&outs, 2).transpose(1, 2), kv)
     }

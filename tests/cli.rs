@@ -1372,3 +1372,80 @@ fn dequantize_writes_an_mxfp4_checkpoint_in_bf16_and_refuses_what_it_cannot() {
     assert!(!ok && said.contains("no quantization_config"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tiny Llama's `config.json` for `zrt bench hf`, under `name`.
+fn tiny_hf_config(name: &str, model_type: &str) -> String {
+    config_file(
+        name,
+        &format!(
+            r#"{{"model_type": "{model_type}", "architectures": ["LlamaForCausalLM"], "vocab_size": 300,
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2}}"#
+        ),
+    )
+}
+
+#[test]
+fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses() {
+    // The peer writes the checkpoint zrt loads; both take three AdamW
+    // steps on the same tokens, so their losses must agree, first and last.
+    let f = tiny_hf_config("bench-hf", "llama");
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "hf", "--config", &f, "--seq", "16", "--json"])
+        .args(["--rounds", "1", "--steps", "3"])
+        .output()
+        .unwrap();
+    std::fs::remove_file(&f).unwrap();
+    assert!(o.status.success(), "{}", common::printed(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let (ours, theirs) = (&rows[0], &rows[1]);
+    assert_eq!(
+        (ours["impl"].as_str(), theirs["impl"].as_str()),
+        (Some("zrt"), Some("transformers"))
+    );
+    assert_eq!(ours["model_type"], "llama");
+    for key in ["first_loss", "last_loss"] {
+        let (a, b) = (ours[key].as_f64().unwrap(), theirs[key].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-4, "{key}: zrt {a}, transformers {b}");
+    }
+    // Three steps of AdamW moved the weights: the last loss is another.
+    let (first, last) = (
+        ours["first_loss"].as_f64().unwrap(),
+        ours["last_loss"].as_f64().unwrap(),
+    );
+    assert!(last < first - 1e-3, "{first} -> {last}");
+    // The peer's ratio to itself is 1; zrt's is its time over the peer's.
+    assert_eq!(theirs["ratio_vs_peer"].as_f64(), Some(1.0));
+    let ratio = ours["ratio_vs_peer"].as_f64().unwrap();
+    let expected =
+        theirs["seconds_per_step"].as_f64().unwrap() / ours["seconds_per_step"].as_f64().unwrap();
+    assert!(
+        (ratio - expected).abs() < 1e-9 && ratio > 0.0,
+        "{ratio} {expected}"
+    );
+    let mfu = ours["ratio_vs_limit"].as_f64().unwrap();
+    assert!(mfu > 0.0 && mfu < 1.5, "{mfu}");
+}
+
+#[test]
+fn bench_hf_refuses_a_layout_zrt_does_not_build_before_starting_the_peer() {
+    let f = tiny_hf_config("bench-hf-unknown", "no_such_model");
+    // A "Python" that fails: the refusal must come before it would run.
+    let o = Command::new(env!("CARGO_BIN_EXE_zrt"))
+        .args(["bench", "hf", "--config", &f])
+        .env("ZRT_PYTHON", "/bin/false")
+        .output()
+        .unwrap();
+    std::fs::remove_file(&f).unwrap();
+    let out = common::printed(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(
+        out.contains(&format!("--config {f}")) && out.contains("no_such_model"),
+        "{out}"
+    );
+    assert!(!out.contains("peer"), "{out}");
+}

@@ -87,6 +87,8 @@ enum BenchCmd {
     TrainRank(bench::train::TrainRankArgs),
     /// Optimizer step with NVMe offload vs in memory and raw disk speed.
     Offload(bench::offload::OffloadArgs),
+    /// A Hugging Face config's training step in zrt vs transformers, same weights and tokens.
+    Hf(bench::hf::HfArgs),
 }
 
 fn main() -> ExitCode {
@@ -111,6 +113,9 @@ fn main() -> ExitCode {
         Cmd::Bench {
             which: BenchCmd::Offload(a),
         } => bench::offload::run(&a),
+        Cmd::Bench {
+            which: BenchCmd::Hf(a),
+        } => bench::hf::run(&a),
         Cmd::Launch(a) => match launch::run(&a) {
             Ok(code) => return code,
             Err(e) => Err(e),

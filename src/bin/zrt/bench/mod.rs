@@ -7,6 +7,7 @@
 
 pub mod adam;
 pub mod collectives;
+pub mod hf;
 pub mod offload;
 pub mod peer;
 pub mod plot;
@@ -72,6 +73,20 @@ pub fn median(xs: &[f64]) -> f64 {
     } else {
         (v[mid - 1] + v[mid]) / 2.0
     }
+}
+
+/// fp32 matmul FLOP/s on `threads` intra-op threads (the peak MFU is
+/// measured against): five products of two 1024 x 1024 matrices after
+/// one warm-up. Leaves libtorch on `threads` threads.
+pub fn matmul_peak(threads: i32) -> f64 {
+    tch::set_num_threads(threads);
+    let a = tch::Tensor::randn([1024, 1024], (tch::Kind::Float, tch::Device::Cpu));
+    let _ = a.matmul(&a);
+    let t = Instant::now();
+    for _ in 0..5 {
+        let _ = a.matmul(&a);
+    }
+    2.0 * 1024f64.powi(3) * 5.0 / t.elapsed().as_secs_f64()
 }
 
 /// Seconds taken by each of `reps` calls of `f`.

@@ -281,18 +281,6 @@ pub fn rank_main(a: &TrainRankArgs) -> Result<()> {
     Ok(())
 }
 
-/// Single-thread fp32 matmul GFLOP/s (the peak MFU is measured against).
-fn matmul_peak() -> f64 {
-    tch::set_num_threads(1);
-    let a = Tensor::randn([1024, 1024], (Kind::Float, Device::Cpu));
-    let _ = a.matmul(&a);
-    let t = Instant::now();
-    for _ in 0..5 {
-        let _ = a.matmul(&a);
-    }
-    2.0 * 1024f64.powi(3) * 5.0 / t.elapsed().as_secs_f64()
-}
-
 /// `zrt bench train`'s label of a bucket size: `500k`, `500M`, `262144`.
 fn bucket_label(b: f64) -> String {
     match b {
@@ -491,7 +479,7 @@ fn measure(
         peaks: Vec::new(),
     };
     for round in 0..a.rounds {
-        m.peaks.push(matmul_peak());
+        m.peaks.push(super::matmul_peak(1));
         for (k, c) in configs.iter().enumerate() {
             m.samples[k].push(run_rank(me, c, a)?);
         }

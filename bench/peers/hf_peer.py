@@ -1,0 +1,70 @@
+"""Peer for `zrt bench hf`: `transformers`' own model of a `config.json`,
+trained step by step on the same tokens as zrt's, with PyTorch's fused
+AdamW.
+
+A long-lived process so zrt and the peer can be interleaved round by round
+without paying for `import transformers` each time. It also writes the
+checkpoint zrt loads, so both start from the same weights and the losses
+they print show they did the same work. Protocol, one JSON object a line,
+each starting with "@@zrt " (zrt passes any other line through to its
+stderr):
+  argv:    config.json, directory to write the checkpoint in, batch, seq,
+           threads
+  start:   builds the model from the config (seed 0, fp32), writes it with
+           `save_pretrained`, prints {"ready": true, "params": N,
+           "attn_implementation": <str>, "transformers": <version>}
+  request: {"steps": K}
+  reply:   {"times": [seconds of each of K steps], "losses": [...]}
+           (a step: forward with labels = tokens, backward, AdamW step,
+           gradients set to None)
+"""
+import json
+import sys
+import time
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+config_path, out, batch, seq, threads = sys.argv[1:6]
+batch, seq, threads = int(batch), int(seq), int(threads)
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+config = AutoConfig.from_pretrained(config_path)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+model.save_pretrained(out)
+model.train()
+# The tokens zrt's side makes with the same formula: every step the same.
+vocab = config.get_text_config().vocab_size
+tokens = ((torch.arange(batch * seq) * 7919 + 13) % vocab).view(batch, seq)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+
+
+def step():
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def reply(obj):
+    print("@@zrt " + json.dumps(obj), flush=True)
+
+
+reply(
+    {
+        "ready": True,
+        "params": sum(p.numel() for p in model.parameters()),
+        "attn_implementation": getattr(config, "_attn_implementation", None) or "eager",
+        "transformers": transformers.__version__,
+    }
+)
+for line in sys.stdin:
+    req = json.loads(line)
+    times, losses = [], []
+    for _ in range(req["steps"]):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    reply({"times": times, "losses": losses})

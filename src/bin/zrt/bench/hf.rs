@@ -1,0 +1,310 @@
+//! `zrt bench hf`: a training step of the model a Hugging Face
+//! `config.json` describes (any layout zrt builds), in zrt and in
+//! `transformers`, on one rank, the same weights and tokens, against the
+//! matmul peak measured in the same run (MFU).
+//!
+//! The peer (`bench/peers/hf_peer.py`, in the libtorch venv) builds the
+//! model from the config with seed 0 and writes it with
+//! `save_pretrained`; zrt loads that checkpoint, so both start from the
+//! same weights. Both step on the same tokens with AdamW (zrt's engine at
+//! stage 0, PyTorch's fused AdamW), and the table shows each side's
+//! first and last loss: equal to about 1e-4 when they did the same work.
+//! This is where a layout's own compute shows: Mamba-1's token-by-token
+//! scan, the DeltaNet's and lightning attention's chunked forms.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+use super::peer::Peer;
+use super::{cell, matmul_peak, median, time_each};
+use zrt::collectives::local;
+use zrt::hf::HfModel;
+use zrt::zero::{AutoHints, Config, Engine, ShardPlan};
+
+/// Options of `zrt bench hf`.
+#[derive(Args, Debug)]
+pub struct HfArgs {
+    /// The model's `config.json` (or the directory holding it): any
+    /// layout `zrt estimate --hf-config` reads. Keep it small: the model
+    /// is built twice, in zrt and in the peer, in fp32.
+    #[arg(long)]
+    config: PathBuf,
+    /// Sequences a step.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i64).range(1..))]
+    batch: i64,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(i64).range(2..))]
+    seq: i64,
+    /// Intra-op threads, zrt's libtorch and the peer's alike.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..))]
+    threads: i32,
+    /// Interleaved rounds (zrt, peer, matmul peak, zrt, ...).
+    #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
+    rounds: usize,
+    /// Timed steps per side per round (the first round's first step is a
+    /// warm-up, not timed).
+    #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
+    steps: usize,
+    /// One JSON object per row on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A scratch directory removed when dropped, even when the benchmark
+/// fails half-way: the peer's checkpoint can be large.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The tokens `[batch, seq]` a step trains on, the peer's formula: every
+/// step the same, every id below `vocab`.
+fn tokens(batch: i64, seq: i64, vocab: i64) -> Tensor {
+    ((Tensor::arange(batch * seq, (Kind::Int64, Device::Cpu)) * 7919 + 13).remainder(vocab))
+        .view([batch, seq])
+}
+
+/// The config file `config` names (a directory's `config.json`).
+fn config_file(config: &Path) -> PathBuf {
+    if config.is_dir() {
+        config.join("config.json")
+    } else {
+        config.to_path_buf()
+    }
+}
+
+/// Runs the benchmark and prints its row pair.
+pub fn run(args: &HfArgs) -> Result<()> {
+    let file = config_file(&args.config);
+    // Read here first: a layout zrt does not build is refused before the
+    // peer spends a minute importing transformers and building it.
+    let units = zrt::hf::unit_params(&file)
+        .with_context(|| format!("--config {}", args.config.display()))?;
+    let params: u64 = units.iter().map(|u| u.1).sum();
+    // Both sides' weights, gradients and Adam moments (16 bytes each), the
+    // checkpoint zrt reads, and zrt's flat copies; activations come on top.
+    super::check_fits(
+        params.checked_mul(2 * 16 + 4 + 8),
+        &format!("--config {}", args.config.display()),
+    )?;
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("zrt-bench-hf-{}", std::process::id())));
+    let mut peer = Peer::start(
+        include_str!("../../../../bench/peers/hf_peer.py"),
+        &[
+            file.display().to_string(),
+            scratch.0.display().to_string(),
+            args.batch.to_string(),
+            args.seq.to_string(),
+            args.threads.to_string(),
+        ],
+    )?;
+    tch::set_num_threads(args.threads);
+    let vs = VarStore::new(Device::Cpu);
+    let plan = ShardPlan::new();
+    let (model, _) = HfModel::from_pretrained(&vs, &plan, &scratch.0)?;
+    let cfg = Config::from_json(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.0}}}}, "zero_optimization": {{"stage": 0}}}}"#,
+        args.batch
+    ))?;
+    let group = local::world(1)
+        .pop()
+        .context("a world of one rank")?
+        .new_group(&[0])?;
+    let engine = Engine::new(&vs, &plan, &cfg, group, &AutoHints::default())?;
+    let theirs = peer.hello["params"].as_u64().unwrap_or(0);
+    if engine.num_params() as u64 != theirs {
+        bail!(
+            "zrt built {} parameters and transformers {theirs} from {}: not the same model, so the timings would not compare",
+            engine.num_params(),
+            file.display()
+        );
+    }
+    let tokens = tokens(args.batch, args.seq, model.vocab());
+    model.set_training(true);
+    let mut zrt_losses = Vec::new();
+    let mut zrt_step = || -> Result<()> {
+        let loss = model.loss(&tokens);
+        zrt_losses.push(loss.double_value(&[]));
+        engine.backward(&loss)?;
+        engine.step()?;
+        Ok(())
+    };
+
+    let (mut zrt_times, mut peer_times, mut peer_losses, mut peaks) =
+        (vec![], vec![], vec![], vec![]);
+    for round in 0..args.rounds {
+        let mut failed = None;
+        let mut times = time_each(args.steps, || {
+            if let Err(e) = zrt_step() {
+                failed.get_or_insert(e);
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let reply = peer.call(&json!({"steps": args.steps}))?;
+        let mut theirs: Vec<f64> = (reply["times"].as_array())
+            .with_context(|| format!("peer reply without times: {reply}"))?
+            .iter()
+            .filter_map(Value::as_f64)
+            .collect();
+        peer_losses
+            .extend((reply["losses"].as_array().into_iter().flatten()).filter_map(Value::as_f64));
+        if round == 0 && args.steps > 1 {
+            // The warm-up: allocations, libtorch's first kernels.
+            times.remove(0);
+            theirs.remove(0);
+        }
+        zrt_times.extend(times);
+        peer_times.extend(theirs);
+        peaks.push(matmul_peak(args.threads));
+        eprintln!("zrt bench hf: round {}/{} done", round + 1, args.rounds);
+    }
+
+    let json = config_json(&file);
+    let model_type = json["model_type"].as_str().unwrap_or("?");
+    let experts = has_experts(&json);
+    let tokens_per_step = (args.batch * args.seq) as f64;
+    let peak = median(&peaks);
+    let (ours, peers) = (median(&zrt_times), median(&peer_times));
+    let rows = [
+        ("zrt", ours, &zrt_losses),
+        ("transformers", peers, &peer_losses),
+    ];
+    if !args.json {
+        println!(
+            "{model_type} ({:.2}M params), batch {} x seq {}, {} thread(s), {} rounds x {} steps, medians; \
+             MFU counts 6 x params x tokens (attention left out; none with experts) against a {:.1} GFLOP/s matmul; \
+             transformers {} with attention {}",
+            params as f64 / 1e6,
+            args.batch,
+            args.seq,
+            args.threads,
+            args.rounds,
+            args.steps,
+            peak / 1e9,
+            peer.hello["transformers"].as_str().unwrap_or("?"),
+            peer.hello["attn_implementation"].as_str().unwrap_or("?"),
+        );
+        println!(
+            "{:<14} {:>9} {:>9} {:>7} {:>11} {:>11} {:>8}",
+            "impl", "ms/step", "tok/s", "MFU", "first loss", "last loss", "vs peer"
+        );
+    }
+    for (name, secs, losses) in rows {
+        let mfu = match experts {
+            true => f64::NAN,
+            false => 6.0 * params as f64 * tokens_per_step / secs / peak,
+        };
+        let (first, last) = (
+            losses.first().copied().unwrap_or(f64::NAN),
+            losses.last().copied().unwrap_or(f64::NAN),
+        );
+        if args.json {
+            println!(
+                "{}",
+                json!({
+                    "bench": "hf", "impl": name, "model_type": model_type, "params": params,
+                    "batch": args.batch, "seq": args.seq, "threads": args.threads,
+                    "seconds_per_step": secs, "tokens_per_s": tokens_per_step / secs,
+                    "first_loss": first, "last_loss": last,
+                    "ratio_vs_peer": peers / secs,
+                    "ratio_vs_limit": if mfu.is_finite() { json!(mfu) } else { Value::Null },
+                })
+            );
+        } else {
+            println!(
+                "{:<14} {:>9.1} {:>9.0} {:>7} {:>11.6} {:>11.6} {:>8}",
+                name,
+                secs * 1e3,
+                tokens_per_step / secs,
+                cell(100.0 * mfu, 1, "%"),
+                first,
+                last,
+                cell(peers / secs, 2, "x"),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The config `file` as JSON (`Null` when it cannot be read: it was read
+/// once already, by [`zrt::hf::unit_params`]).
+fn config_json(file: &Path) -> Value {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(Value::Null)
+}
+
+/// The keys under which the layouts zrt builds count their routed
+/// experts (DBRX's under `ffn_config`).
+const EXPERT_KEYS: [&str; 5] = [
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "ffn_config",
+];
+
+/// Whether the config `j` routes tokens to some of several experts: then
+/// 6 x params x tokens counts experts no token ran, and MFU is left out.
+fn has_experts(j: &Value) -> bool {
+    EXPERT_KEYS.iter().any(|k| {
+        let v = match *k {
+            "ffn_config" => &j[k]["moe_num_experts"],
+            _ => &j[k],
+        };
+        v.as_u64().is_some_and(|n| n > 1)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mfu_is_left_out_where_a_config_routes_to_experts_only() {
+        for (config, routed) in [
+            (json!({"model_type": "llama"}), false),
+            (
+                json!({"model_type": "mixtral", "num_local_experts": 8}),
+                true,
+            ),
+            (json!({"model_type": "olmoe", "num_experts": 64}), true),
+            (
+                json!({"model_type": "deepseek_v3", "n_routed_experts": 256}),
+                true,
+            ),
+            (
+                json!({"model_type": "ernie4_5_moe", "moe_num_experts": 64}),
+                true,
+            ),
+            (
+                json!({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}),
+                true,
+            ),
+            // Qwen3-Next with no experts is dense; one expert is a dense MLP.
+            (json!({"model_type": "qwen3_next", "num_experts": 0}), false),
+            (json!({"model_type": "jamba", "num_experts": 1}), false),
+        ] {
+            assert_eq!(has_experts(&config), routed, "{config}");
+        }
+    }
+
+    #[test]
+    fn the_tokens_are_the_peers_formula_below_the_vocabulary() {
+        let t = tokens(2, 3, 100);
+        assert_eq!(t.size(), [2, 3]);
+        let ids: Vec<i64> = t.view([-1]).try_into().unwrap();
+        assert_eq!(ids, [13, 32, 51, 70, 89, 8]);
+    }
+}

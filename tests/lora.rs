@@ -449,13 +449,18 @@ const PHIMOE: Case = Case {
 
 /// Granite 4.0-H's attending layer's queries (64 -> 64) and its two
 /// Mamba layers' `in_proj` (64 -> 324: the gate, the convolved channels
-/// and the heads' steps) and `out_proj` (128 -> 64).
+/// and the heads' steps) and `out_proj` (128 -> 64). Held to 2e-5 as
+/// GPT-NeoX's: since zrt's Mamba-2 scan contracts by matrix products
+/// (`transformers` multiplies broadcast operands and sums), the first
+/// layer's `out_proj` B ended 2.6e-6 from PEFT's while every loss
+/// agreed, AdamW's steps carrying the sums' rounding.
 const GRANITE4: Case = Case {
     python: (
         "from transformers import GraniteMoeHybridConfig as C, GraniteMoeHybridForCausalLM as M",
         "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba']",
     ),
     targets: &["q_proj", "in_proj", "out_proj"],
+    atol: Some(2e-5),
     matrices: 10,
     elements: 4 * ((64 + 64) + 2 * (64 + 324) + 2 * (128 + 64)),
     ..OFF

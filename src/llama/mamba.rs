@@ -305,7 +305,8 @@ impl Mamba {
 
     /// The scan's output for `h` `[batch, seq, hidden]`, normalised and
     /// gated, in `h`'s dtype (before `out_proj`): `transformers`'
-    /// `torch_forward`, operation for operation. While generating, the
+    /// `torch_forward`, its broadcast products and sums taken as matrix
+    /// products ([`einsum`]). While generating, the
     /// first forward scans the prompt whole and keeps the layer's state
     /// in `cache`; each later token steps it, as its cached path does.
     pub(super) fn forward(&self, h: &Tensor, cache: &LayerCache) -> Tensor {
@@ -366,23 +367,21 @@ impl Mamba {
         let a_cumsum = a.cumsum(-1, None::<Kind>);
         // 1. Within each chunk (the diagonal blocks).
         let l = segment_sum(&a).exp();
-        let g = (cc.unsqueeze(3) * bb.unsqueeze(2)).sum_dim_intlist(-1, false, None::<Kind>);
+        let g = einsum("bclhn,bcshn->bclsh", &[&cc, &bb]);
         let mm = g * l.permute([0, 2, 3, 4, 1]);
-        let y_diag = (mm.unsqueeze(-1) * x.unsqueeze(2)).sum_dim_intlist(3, false, None::<Kind>);
+        let y_diag = einsum("bclsh,bcshp->bclhp", &[&mm, &x]);
         // 2. Each chunk's state.
         let last = a_cumsum.narrow(-1, a_cumsum.size()[3] - 1, 1);
         let decay_states = (last - &a_cumsum).exp();
         let b_decay = bb * decay_states.permute([0, 2, 3, 1]).unsqueeze(-1);
-        let states =
-            (b_decay.unsqueeze(-2) * x.unsqueeze(-1)).sum_dim_intlist(2, false, None::<Kind>);
+        let states = einsum("bclhn,bclhp->bchpn", &[&b_decay, &x]);
         // 3. The states carried across chunks.
         let states = Tensor::cat(&[states.narrow(1, 0, 1).zeros_like(), states], 1);
         let ends = a_cumsum
             .select(-1, a_cumsum.size()[3] - 1)
             .constant_pad_nd([1, 0]);
         let decay_chunk = segment_sum(&ends).exp().transpose(1, 3);
-        let new_states = (decay_chunk.unsqueeze(-1).unsqueeze(-1) * states.unsqueeze(2))
-            .sum_dim_intlist(1, false, None::<Kind>);
+        let new_states = einsum("bjih,bjhpn->bihpn", &[&decay_chunk, &states]);
         let chunks = new_states.size()[1] - 1;
         let states = new_states.narrow(1, 0, chunks);
         // What a generation's next token starts from: the convolution's
@@ -392,8 +391,7 @@ impl Mamba {
         cache.keep_state((last_inputs, state));
         // 4. Each chunk's output from the state it starts from.
         let state_decay_out = a_cumsum.exp();
-        let c_times_states = cc.unsqueeze(-2) * states.unsqueeze(2);
-        let y_off = c_times_states.sum_dim_intlist(-1, false, None::<Kind>)
+        let y_off = einsum("bclhn,bchpn->bclhp", &[&cc, &states])
             * state_decay_out.permute([0, 2, 3, 1]).unsqueeze(-1);
         let y = (y_diag + y_off).reshape([b, -1, heads, hd]) + d_residual;
         y.narrow(1, 0, t).reshape([b, t, -1])
@@ -507,6 +505,15 @@ fn chunked(x: &Tensor, pad: i64, chunk: i64) -> Tensor {
     let mut shape = vec![x.size()[0], -1, chunk];
     shape.extend(&x.size()[2..]);
     x.reshape(shape)
+}
+
+/// The contraction `equation` names over `operands`: a product summed
+/// by libtorch's matrix multiply, where `transformers`' `torch_forward`
+/// multiplies broadcast operands whole and then sums (the same sums in
+/// another order; the broadcast product is the size of every index at
+/// once, a chunk's length squared times heads, head width and state).
+fn einsum(equation: &str, operands: &[&Tensor]) -> Tensor {
+    Tensor::einsum(equation, operands, None::<&[i64]>)
 }
 
 /// `transformers`' `segment_sum`: for `x` `[..., l]`, `[..., l, l]`

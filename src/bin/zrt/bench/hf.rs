@@ -45,8 +45,8 @@ pub struct HfArgs {
     /// Interleaved rounds (zrt, peer, matmul peak, zrt, ...).
     #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
     rounds: usize,
-    /// Timed steps per side per round (the first round's first step is a
-    /// warm-up, not timed).
+    /// Timed steps per side per round (with more than one, the first
+    /// round's first step is a warm-up, not timed).
     #[arg(long, default_value_t = 3, value_parser = super::at_least_one())]
     steps: usize,
     /// One JSON object per row on stdout instead of a table.
@@ -160,8 +160,11 @@ pub fn run(args: &HfArgs) -> Result<()> {
             .extend((reply["losses"].as_array().into_iter().flatten()).filter_map(Value::as_f64));
         if round == 0 && args.steps > 1 {
             // The warm-up: allocations, libtorch's first kernels.
-            times.remove(0);
-            theirs.remove(0);
+            for t in [&mut times, &mut theirs] {
+                if !t.is_empty() {
+                    t.remove(0);
+                }
+            }
         }
         zrt_times.extend(times);
         peer_times.extend(theirs);

@@ -1427,6 +1427,13 @@ fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses
         (ratio - expected).abs() < 1e-9 && ratio > 0.0,
         "{ratio} {expected}"
     );
+    // Each side's step in its parts, every one timed.
+    for row in &rows {
+        for part in ["forward_s", "backward_s", "optimizer_s"] {
+            let secs = row[part].as_f64().unwrap_or(f64::NAN);
+            assert!(secs > 0.0 && secs < 60.0, "{part} {row}");
+        }
+    }
     let mfu = ours["ratio_vs_limit"].as_f64().unwrap();
     assert!(mfu > 0.0 && mfu < 1.5, "{mfu}");
 }

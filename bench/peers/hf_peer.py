@@ -14,7 +14,8 @@ stderr):
            `save_pretrained`, prints {"ready": true, "params": N,
            "attn_implementation": <str>, "transformers": <version>}
   request: {"steps": K}
-  reply:   {"times": [seconds of each of K steps], "losses": [...]}
+  reply:   {"times": [seconds of each of K steps], "losses": [...],
+            "parts": [[forward, backward, optimizer seconds] of each step]}
            (a step: forward with labels = tokens, backward, AdamW step,
            gradients set to None)
 """
@@ -41,11 +42,16 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=Tru
 
 
 def step():
+    """One step's loss and its parts' seconds: forward, backward, optimizer."""
+    t0 = time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
+    t1 = time.perf_counter()
     loss.backward()
+    t2 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item()
+    t3 = time.perf_counter()
+    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
 
 
 def reply(obj):
@@ -62,9 +68,11 @@ reply(
 )
 for line in sys.stdin:
     req = json.loads(line)
-    times, losses = [], []
+    times, losses, parts = [], [], []
     for _ in range(req["steps"]):
         t = time.perf_counter()
-        losses.append(step())
+        loss, part = step()
         times.append(time.perf_counter() - t)
-    reply({"times": times, "losses": losses})
+        losses.append(loss)
+        parts.append(part)
+    reply({"times": times, "losses": losses, "parts": parts})

@@ -129,17 +129,21 @@ pub fn run(args: &HfArgs) -> Result<()> {
     }
     let tokens = tokens(args.batch, args.seq, model.vocab());
     model.set_training(true);
-    let mut zrt_losses = Vec::new();
+    let (mut zrt_losses, mut zrt_parts) = (Vec::new(), Vec::new());
     let mut zrt_step = || -> Result<()> {
         let loss = model.loss(&tokens);
         zrt_losses.push(loss.double_value(&[]));
         engine.backward(&loss)?;
         engine.step()?;
+        if let Some(b) = engine.last_step_breakdown() {
+            zrt_parts.push([b.forward, b.backward, b.optimizer].map(|d| d.as_secs_f64()));
+        }
         Ok(())
     };
 
     let (mut zrt_times, mut peer_times, mut peer_losses, mut peaks) =
         (vec![], vec![], vec![], vec![]);
+    let mut peer_parts: Vec<[f64; 3]> = Vec::new();
     for round in 0..args.rounds {
         let mut failed = None;
         let mut times = time_each(args.steps, || {
@@ -158,6 +162,13 @@ pub fn run(args: &HfArgs) -> Result<()> {
             .collect();
         peer_losses
             .extend((reply["losses"].as_array().into_iter().flatten()).filter_map(Value::as_f64));
+        peer_parts.extend(
+            reply["parts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| [0, 1, 2].map(|i| p[i].as_f64().unwrap_or(f64::NAN))),
+        );
         if round == 0 && args.steps > 1 {
             // The warm-up: allocations, libtorch's first kernels.
             for t in [&mut times, &mut theirs] {
@@ -178,9 +189,17 @@ pub fn run(args: &HfArgs) -> Result<()> {
     let tokens_per_step = (args.batch * args.seq) as f64;
     let peak = median(&peaks);
     let (ours, peers) = (median(&zrt_times), median(&peer_times));
+    // Each side's parts, the warm-up (round 0's first step) left out as
+    // from the times.
+    let warm = usize::from(args.steps > 1);
     let rows = [
-        ("zrt", ours, &zrt_losses),
-        ("transformers", peers, &peer_losses),
+        ("zrt", ours, &zrt_losses, parts(zrt_parts.get(warm..))),
+        (
+            "transformers",
+            peers,
+            &peer_losses,
+            parts(peer_parts.get(warm..)),
+        ),
     ];
     if !args.json {
         println!(
@@ -198,11 +217,20 @@ pub fn run(args: &HfArgs) -> Result<()> {
             peer.hello["attn_implementation"].as_str().unwrap_or("?"),
         );
         println!(
-            "{:<14} {:>9} {:>9} {:>7} {:>11} {:>11} {:>8}",
-            "impl", "ms/step", "tok/s", "MFU", "first loss", "last loss", "vs peer"
+            "{:<14} {:>9} {:>9} {:>7} {:>11} {:>11} {:>8}   {:>7} {:>7} {:>7}",
+            "impl",
+            "ms/step",
+            "tok/s",
+            "MFU",
+            "first loss",
+            "last loss",
+            "vs peer",
+            "fwd ms",
+            "bwd ms",
+            "opt ms"
         );
     }
-    for (name, secs, losses) in rows {
+    for (name, secs, losses, [fwd, bwd, opt]) in rows {
         let mfu = match experts {
             true => f64::NAN,
             false => 6.0 * params as f64 * tokens_per_step / secs / peak,
@@ -220,12 +248,13 @@ pub fn run(args: &HfArgs) -> Result<()> {
                     "seconds_per_step": secs, "tokens_per_s": tokens_per_step / secs,
                     "first_loss": first, "last_loss": last,
                     "ratio_vs_peer": peers / secs,
+                    "forward_s": fwd, "backward_s": bwd, "optimizer_s": opt,
                     "ratio_vs_limit": if mfu.is_finite() { json!(mfu) } else { Value::Null },
                 })
             );
         } else {
             println!(
-                "{:<14} {:>9.1} {:>9.0} {:>7} {:>11.6} {:>11.6} {:>8}",
+                "{:<14} {:>9.1} {:>9.0} {:>7} {:>11.6} {:>11.6} {:>8}   {:>7} {:>7} {:>7}",
                 name,
                 secs * 1e3,
                 tokens_per_step / secs,
@@ -233,10 +262,20 @@ pub fn run(args: &HfArgs) -> Result<()> {
                 first,
                 last,
                 cell(peers / secs, 2, "x"),
+                cell(fwd * 1e3, 1, ""),
+                cell(bwd * 1e3, 1, ""),
+                cell(opt * 1e3, 1, ""),
             );
         }
     }
     Ok(())
+}
+
+/// The medians of each part of the steps `timed` (forward, backward,
+/// optimizer seconds), NaN when there are none.
+fn parts(timed: Option<&[[f64; 3]]>) -> [f64; 3] {
+    let timed = timed.unwrap_or_default();
+    [0, 1, 2].map(|i| median(&timed.iter().map(|p| p[i]).collect::<Vec<_>>()))
 }
 
 /// The config `file` as JSON (`Null` when it cannot be read: it was read

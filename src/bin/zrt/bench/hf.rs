@@ -13,6 +13,7 @@
 //! scan, the DeltaNet's and lightning attention's chunked forms.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -130,14 +131,18 @@ pub fn run(args: &HfArgs) -> Result<()> {
     let tokens = tokens(args.batch, args.seq, model.vocab());
     model.set_training(true);
     let (mut zrt_losses, mut zrt_parts) = (Vec::new(), Vec::new());
+    // Each part timed here, as the peer times its own: the engine's
+    // `last_step_breakdown` counts into the forward everything since its
+    // previous call, which after a round is the peer's whole round.
     let mut zrt_step = || -> Result<()> {
+        let t0 = Instant::now();
         let loss = model.loss(&tokens);
         zrt_losses.push(loss.double_value(&[]));
+        let t1 = Instant::now();
         engine.backward(&loss)?;
+        let t2 = Instant::now();
         engine.step()?;
-        if let Some(b) = engine.last_step_breakdown() {
-            zrt_parts.push([b.forward, b.backward, b.optimizer].map(|d| d.as_secs_f64()));
-        }
+        zrt_parts.push([t1 - t0, t2 - t1, t2.elapsed()].map(|d| d.as_secs_f64()));
         Ok(())
     };
 

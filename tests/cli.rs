@@ -1433,6 +1433,10 @@ fn bench_hf_trains_zrt_and_transformers_from_the_same_weights_to_the_same_losses
             let secs = row[part].as_f64().unwrap_or(f64::NAN);
             assert!(secs > 0.0 && secs < 60.0, "{part} {row}");
         }
+        // Each process holds libtorch and a model: more than 50 MiB,
+        // well under the host.
+        let peak = row["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN);
+        assert!(peak > 50e6 && peak < 8e9, "{row}");
     }
     let mfu = ours["ratio_vs_limit"].as_f64().unwrap();
     assert!(mfu > 0.0 && mfu < 1.5, "{mfu}");

@@ -15,11 +15,13 @@ stderr):
            "attn_implementation": <str>, "transformers": <version>}
   request: {"steps": K}
   reply:   {"times": [seconds of each of K steps], "losses": [...],
-            "parts": [[forward, backward, optimizer seconds] of each step]}
+            "parts": [[forward, backward, optimizer seconds] of each step],
+            "peak_rss_bytes": the process's peak resident bytes so far}
            (a step: forward with labels = tokens, backward, AdamW step,
            gradients set to None)
 """
 import json
+import resource
 import sys
 import time
 
@@ -75,4 +77,6 @@ for line in sys.stdin:
         times.append(time.perf_counter() - t)
         losses.append(loss)
         parts.append(part)
-    reply({"times": times, "losses": losses, "parts": parts})
+    # ru_maxrss is in KiB on Linux: this process's peak so far.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reply({"times": times, "losses": losses, "parts": parts, "peak_rss_bytes": peak})

@@ -149,6 +149,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     let (mut zrt_times, mut peer_times, mut peer_losses, mut peaks) =
         (vec![], vec![], vec![], vec![]);
     let mut peer_parts: Vec<[f64; 3]> = Vec::new();
+    let mut peer_peak = f64::NAN;
     for round in 0..args.rounds {
         let mut failed = None;
         let mut times = time_each(args.steps, || {
@@ -167,6 +168,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
             .collect();
         peer_losses
             .extend((reply["losses"].as_array().into_iter().flatten()).filter_map(Value::as_f64));
+        peer_peak = reply["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN);
         peer_parts.extend(
             reply["parts"]
                 .as_array()
@@ -197,13 +199,22 @@ pub fn run(args: &HfArgs) -> Result<()> {
     // Each side's parts, the warm-up (round 0's first step) left out as
     // from the times.
     let warm = usize::from(args.steps > 1);
+    // Each process's peak resident memory over the whole run (zrt's
+    // includes reading the checkpoint; each holds one model).
     let rows = [
-        ("zrt", ours, &zrt_losses, parts(zrt_parts.get(warm..))),
+        (
+            "zrt",
+            ours,
+            &zrt_losses,
+            parts(zrt_parts.get(warm..)),
+            zrt::peak_rss_bytes(),
+        ),
         (
             "transformers",
             peers,
             &peer_losses,
             parts(peer_parts.get(warm..)),
+            peer_peak,
         ),
     ];
     if !args.json {
@@ -222,7 +233,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
             peer.hello["attn_implementation"].as_str().unwrap_or("?"),
         );
         println!(
-            "{:<14} {:>9} {:>9} {:>7} {:>11} {:>11} {:>8}   {:>7} {:>7} {:>7}",
+            "{:<14} {:>9} {:>9} {:>7} {:>11} {:>11} {:>8}   {:>7} {:>7} {:>7} {:>9}",
             "impl",
             "ms/step",
             "tok/s",
@@ -232,10 +243,11 @@ pub fn run(args: &HfArgs) -> Result<()> {
             "vs peer",
             "fwd ms",
             "bwd ms",
-            "opt ms"
+            "opt ms",
+            "peak MiB"
         );
     }
-    for (name, secs, losses, [fwd, bwd, opt]) in rows {
+    for (name, secs, losses, [fwd, bwd, opt], peak_rss) in rows {
         let mfu = match experts {
             true => f64::NAN,
             false => 6.0 * params as f64 * tokens_per_step / secs / peak,
@@ -254,12 +266,13 @@ pub fn run(args: &HfArgs) -> Result<()> {
                     "first_loss": first, "last_loss": last,
                     "ratio_vs_peer": peers / secs,
                     "forward_s": fwd, "backward_s": bwd, "optimizer_s": opt,
+                    "peak_rss_bytes": peak_rss,
                     "ratio_vs_limit": if mfu.is_finite() { json!(mfu) } else { Value::Null },
                 })
             );
         } else {
             println!(
-                "{:<14} {:>9.1} {:>9.0} {:>7} {:>11.6} {:>11.6} {:>8}   {:>7} {:>7} {:>7}",
+                "{:<14} {:>9.1} {:>9.0} {:>7} {:>11.6} {:>11.6} {:>8}   {:>7} {:>7} {:>7} {:>9}",
                 name,
                 secs * 1e3,
                 tokens_per_step / secs,
@@ -270,6 +283,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
                 cell(fwd * 1e3, 1, ""),
                 cell(bwd * 1e3, 1, ""),
                 cell(opt * 1e3, 1, ""),
+                cell(peak_rss / f64::from(1 << 20), 0, ""),
             );
         }
     }

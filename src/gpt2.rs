@@ -495,7 +495,7 @@ mod tests {
             }
         );
         for (from, to, says) in [
-            (r#""gpt2""#, r#""llama""#, "model_type is \"llama\", not"),
+            (r#""gpt2""#, r#""llama""#, "model_type \"llama\", not"),
             (
                 r#""n_head": 12"#,
                 r#""n_head": 7"#,

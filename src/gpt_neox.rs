@@ -540,7 +540,7 @@ mod tests {
             assert_eq!(read(&c.to_hf_json()).unwrap(), c);
         }
         for (from, to, says) in [
-            (r#""gpt_neox""#, r#""gpt2""#, "model_type is \"gpt2\", not"),
+            (r#""gpt_neox""#, r#""gpt2""#, "model_type \"gpt2\", not"),
             (
                 r#""num_attention_heads": 8"#,
                 r#""num_attention_heads": 7"#,

@@ -136,12 +136,8 @@ impl Layout {
             Some(t) if Family::of(t).is_some() => {
                 Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
             }
-            other => {
-                let known = Family::model_types();
-                let given = match other {
-                    Some(t) => format!("model_type {t:?}"),
-                    None => "no model_type".to_string(),
-                };
+            _ => {
+                let (given, known) = (j.model_type_named(), Family::model_types());
                 let msg =
                     format!("{given}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}");
                 return Err(j.field(msg));
@@ -616,15 +612,10 @@ impl HfJson {
         match (me.model_type(), model_type) {
             (_, None) => Ok(me),
             (Some(t), Some(want)) if t == want => Ok(me),
-            (other, Some(want)) => {
-                let given = match other {
-                    Some(t) => format!("model_type is {t:?}"),
-                    None => "no model_type".to_string(),
-                };
-                Err(me.field(format!(
-                    "{given}, not \"{want}\": this is another architecture's config"
-                )))
-            }
+            (_, Some(want)) => Err(me.field(format!(
+                "{}, not \"{want}\": this is another architecture's config",
+                me.model_type_named()
+            ))),
         }
     }
 
@@ -666,6 +657,15 @@ impl HfJson {
         self.get("model_type")
             .and_then(|v| v.as_str())
             .map(String::from)
+    }
+
+    /// Its `model_type` as an error names it: `model_type "rwkv"`, or
+    /// `no model_type` when the key is missing.
+    pub(crate) fn model_type_named(&self) -> String {
+        match self.model_type() {
+            Some(t) => format!("model_type {t:?}"),
+            None => "no model_type".to_string(),
+        }
     }
 
     /// A [`HfError::Field`] saying `msg`.

@@ -534,7 +534,7 @@ mod tests {
             (
                 r#""model_type": "phi""#,
                 r#""model_type": "phi3""#,
-                "model_type is \"phi3\", not",
+                "model_type \"phi3\", not",
             ),
             (
                 r#""tie_word_embeddings": false"#,

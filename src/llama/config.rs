@@ -496,12 +496,9 @@ impl LlamaConfig {
     fn read(j: &HfJson) -> Result<Self, HfError> {
         let family = j.model_type();
         let Some(family) = family.as_deref().and_then(Family::of) else {
-            let given = match family {
-                Some(t) => format!("model_type {t:?}"),
-                None => "no model_type".to_string(),
-            };
             return Err(j.field(format!(
-                "{given}: a Llama is one of {}",
+                "{}: a Llama is one of {}",
+                j.model_type_named(),
                 Family::model_types()
             )));
         };

@@ -294,7 +294,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`).
     Llama(Llama),
 }
 
@@ -366,6 +366,13 @@ impl HfModel {
             crate::lora::refuse_convolutions(vs, lora, prefix)?;
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
             if let Layout::Llama(c) = &layout {
+                // PEFT's DoRA reads an `AutoBitLinear`'s weights
+                // unrounded; whether its sum then matches is untested.
+                if c.ternary && lora.use_dora {
+                    return Err(HfError::Lora(
+                        "use_dora on a BitNet that trains ternary (quantization_config autobitlinear, online): zrt builds DoRA on full-precision linear layers only; use plain LoRA (use_dora off)".into(),
+                    ));
+                }
                 let refused = c.lora_refused_modules();
                 crate::lora::refuse_modules(vs, refused, c.family.model_type())?;
             }

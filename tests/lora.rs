@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama, BitNet (trained ternary) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -557,6 +557,22 @@ const DIFFLLAMA: Case = Case {
     ..OFF
 };
 
+/// BitNet trained ternary (its linear layers `transformers`'
+/// `AutoBitLinear` in online mode): adapters on the queries (64 -> 64),
+/// the output projection after the attention's sub norm (64 -> 64) and
+/// `down_proj` after the MLP's (160 -> 64), reading their inputs
+/// unrounded beside the rounded base, as PEFT's do.
+const BITNET_TERNARY: Case = Case {
+    python: (
+        common::BITNET_TERNARY,
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear', 'quantization_mode': 'online'}",
+    ),
+    targets: &["q_proj", "o_proj", "down_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (160 + 64)),
+    ..OFF
+};
+
 /// Qwen3-Next's DeltaNet layers' `in_proj_qkvz` (64 -> 128: queries,
 /// keys, values and gates), `in_proj_ba` (64 -> 8) and `out_proj` (48 ->
 /// 64), and the gated attention's `q_proj` (64 -> 128: queries and
@@ -1026,6 +1042,11 @@ fn lora_adapters_on_diffllamas_differential_attention_train_as_peft_does() {
 }
 
 #[test]
+fn lora_adapters_on_a_ternary_bitnet_train_as_peft_does() {
+    parity("bitnet-ternary", &BITNET_TERNARY, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
 fn lora_adapters_on_qwen3_nexts_delta_nets_and_gated_attention_train_as_peft_does() {
     parity("qwen3-next", &QWEN3_NEXT, &[(3, false, Held::Fp32)]);
 }
@@ -1336,6 +1357,27 @@ fn lora_on_a_mambas_out_proj_is_refused_as_peft_refuses_it() {
         );
     }
     assert_eq!(build(&["in_proj", "dt_proj"]), "");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DoRA on a BitNet trained ternary is refused naming the key and the
+/// fix (PEFT's DoRA would read the weights unrounded); plain LoRA builds.
+#[test]
+fn dora_on_a_ternary_bitnet_is_refused_naming_it() {
+    let dir = scratch("lora-bitnet-dora-refused");
+    let (import, args) = BITNET_TERNARY.python;
+    common::python(&common::hf_seeded_model(import, args, &dir, ""));
+    let lora = LoraConfig::new(2, 8.0, &["q_proj"]);
+    let dora = LoraConfig {
+        use_dora: true,
+        ..lora.clone()
+    };
+    let err = built_with(&dir.join("hf"), dora);
+    assert!(
+        err.contains("use_dora on a BitNet that trains ternary (quantization_config autobitlinear, online): zrt builds DoRA on full-precision linear layers only; use plain LoRA (use_dora off)"),
+        "{err}"
+    );
+    assert_eq!(built_with(&dir.join("hf"), lora), "");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

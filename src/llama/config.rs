@@ -455,6 +455,15 @@ pub struct LlamaConfig {
     /// attending in [`LlamaConfig::sliding_window`]; `None` for the
     /// others ([`LlamaConfig::full_every`] says there).
     pub local_layers: Option<Vec<bool>>,
+    /// BitNet's quantization-aware training (a `quantization_config` of
+    /// `quant_method` `bitnet`, `linear_class` `autobitlinear`,
+    /// `quantization_mode` `online`): every linear layer of the decoder
+    /// layers (not the head) computes on its weights rounded to -1, 0
+    /// and 1 times their mean magnitude and on its inputs rounded to 8
+    /// bits per token, as `transformers`' `AutoBitLinear` does, the
+    /// gradients passing straight through to the full-precision weights
+    /// and inputs. `false` for the other families.
+    pub ternary: bool,
 }
 
 impl LlamaConfig {
@@ -502,9 +511,10 @@ impl LlamaConfig {
                 Family::model_types()
             )));
         };
+        let ternary = family == Family::Bitnet && ternary(j)?;
         // A quantized checkpoint's matrices are not the ones this
         // model trains (GPT-OSS's published mxfp4 blocks and scales).
-        if let Some(q) = j.get("quantization_config") {
+        if let Some(q) = j.get("quantization_config").filter(|_| !ternary) {
             let method = q.get("quant_method").and_then(|m| m.as_str());
             let how = match method {
                 Some("mxfp4") => "write its experts out in bf16 once, as transformers dequantizes them: `zrt dequantize --from DIR --out DIR-bf16`, then load DIR-bf16",
@@ -631,6 +641,11 @@ impl LlamaConfig {
         if family == Family::Helium && heads * head_dim != hidden {
             return Err(j.field(format!(
                 "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: Helium's output projection is hidden_size square (its class builds it so); give sizes that agree"
+            )));
+        }
+        if family == Family::Bitnet && heads * head_dim != hidden {
+            return Err(j.field(format!(
+                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: BitNet normalises the attention's output over hidden_size weights (attn_sub_norm); give sizes that agree"
             )));
         }
         let rotary_dim = match &mla {
@@ -816,6 +831,7 @@ impl LlamaConfig {
                         | Family::Lfm2
                         | Family::Qwen3Next
                         | Family::DiffLlama
+                        | Family::Bitnet
                 ) || f.hunyuan() =>
                 {
                     false
@@ -1038,6 +1054,7 @@ impl LlamaConfig {
                 Family::GptNeo => Some(local_layers(j)?),
                 _ => None,
             },
+            ternary,
         })
     }
 
@@ -1287,6 +1304,9 @@ impl LlamaConfig {
         };
         // Gated (gate and up), or StarCoder2's one matrix up.
         let ups = if self.family.gated() { 2 } else { 1 };
+        // BitNet's norms of the attention's output and of the MLP's
+        // gated product.
+        let sub_norms = bias(self.family == Family::Bitnet, d + i);
         let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         // A router and each expert's three matrices; a shared expert's
         // three (and Qwen2-MoE's gate's row); DeepSeek-V3's router's
@@ -1355,7 +1375,7 @@ impl LlamaConfig {
             };
             // Falcon-H1's Mamba layer beside its attention.
             let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
-            norms * norm + mixer + mlp
+            norms * norm + mixer + mlp + sub_norms
         };
         let [model, embedding, blocks, _] = self.family.names();
         // OPT-350m's embeddings (and tied head) are narrower.
@@ -1444,6 +1464,17 @@ impl LlamaConfig {
                 serde_json::json!({"sliding_window": self.sliding_window})
             }
             Family::DiffLlama => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Bitnet => match self.ternary {
+                true => serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "quantization_config": {
+                        "quant_method": "bitnet",
+                        "linear_class": "autobitlinear",
+                        "quantization_mode": "online",
+                    },
+                }),
+                false => serde_json::json!({"attention_bias": self.o_bias}),
+            },
             Family::Qwen2 => serde_json::json!({"use_sliding_window": false}),
             Family::Qwen3 => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -2517,7 +2548,6 @@ pub(crate) fn pad_token(
     }
 }
 
-/// Which layers attend to every earlier token when the model has a
 /// GPT-Neo's layers' kinds, as [`gpt_neo::flat`] expanded them
 /// (`attention_layers`): `true` for a local one.
 fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
@@ -2526,6 +2556,56 @@ fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
     local.ok_or_else(|| j.field("attention_types: one kind a layer".into()))
 }
 
+/// Whether a BitNet config asks for quantization-aware training
+/// ([`LlamaConfig::ternary`]): its `quantization_config`'s `quant_method`
+/// `bitnet` with `linear_class` `autobitlinear` in `online` mode, the
+/// only kind `transformers` trains. A config without one is a plain
+/// model of full-precision linear layers, as `transformers` builds it;
+/// another `quant_method` is left to the refusal every family shares.
+fn ternary(j: &HfJson) -> Result<bool, HfError> {
+    let Some(q) = j.get("quantization_config") else {
+        return Ok(false);
+    };
+    if q.get("quant_method").and_then(|m| m.as_str()) != Some("bitnet") {
+        return Ok(false);
+    }
+    let text = |key: &str, default: &'static str| match q.get(key) {
+        None | Some(serde_json::Value::Null) => default.to_string(),
+        Some(v) => v.as_str().map_or_else(|| v.to_string(), str::to_string),
+    };
+    let (class, mode) = (
+        text("linear_class", "bitlinear"),
+        text("quantization_mode", "offline"),
+    );
+    if class != "autobitlinear" {
+        return Err(j.field(format!(
+            "quantization_config's linear_class {class:?}: its weights are packed ternary values, which transformers loads frozen and zrt does not unpack; train from full-precision weights (BitNet's -bf16 checkpoint) with linear_class \"autobitlinear\" and quantization_mode \"online\""
+        )));
+    }
+    if mode != "online" {
+        return Err(j.field(format!(
+            "quantization_config's quantization_mode {mode:?}: transformers freezes an offline AutoBitLinear (its weights already rounded, a fixed weight_scale beside them); train with quantization_mode \"online\", which rounds the full-precision weights at every step"
+        )));
+    }
+    if q.get("use_rms_norm").and_then(|v| v.as_bool()) == Some(true) {
+        return Err(j.field(
+            "quantization_config's use_rms_norm true: zrt does not build the RMS norm AutoBitLinear then puts before each linear layer; set it false (its default)".into(),
+        ));
+    }
+    let kept = q.get("modules_to_not_convert").and_then(|m| m.as_array());
+    if let Some(m) = kept
+        .into_iter()
+        .flatten()
+        .find(|m| m.as_str() != Some("lm_head"))
+    {
+        return Err(j.field(format!(
+            "quantization_config's modules_to_not_convert names {m}: zrt rounds every linear layer of the decoder layers and keeps the head (lm_head) whole, as transformers does by default; leave the list out or name lm_head alone"
+        )));
+    }
+    Ok(true)
+}
+
+/// Which layers attend to every earlier token when the model has a
 /// sliding window ([`LlamaConfig::full_every`]): read from `layer_types`
 /// when the config lists them, else the family's (Gemma 2: every other
 /// layer; Gemma 3: every `sliding_window_pattern`-th, 6 unless it says).

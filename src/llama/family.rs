@@ -442,11 +442,19 @@ pub enum Family {
     /// minus a learned `lambda` times the second half's, over values twice
     /// as wide, normalised.
     DiffLlama,
+    /// `bitnet` (`BitNetForCausalLM`: Microsoft's BitNet b1.58): Llama's
+    /// layers with an RMS norm on the attention's output before `o_proj`
+    /// (`attn_sub_norm`) and on the gated product before `down_proj`
+    /// (`ffn_sub_norm`), the squared ReLU by default; under a
+    /// `quantization_config` of `autobitlinear` in `online` mode
+    /// ([`LlamaConfig::ternary`](super::LlamaConfig::ternary)), its
+    /// linear layers train on ternary weights and 8-bit inputs.
+    Bitnet,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 68] = [
+    pub const ALL: [Family; 69] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -515,6 +523,7 @@ impl Family {
         Self::MiniMax,
         Self::Qwen3Next,
         Self::DiffLlama,
+        Self::Bitnet,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -602,6 +611,7 @@ impl Family {
             Self::MiniMax => "minimax",
             Self::Qwen3Next => "qwen3_next",
             Self::DiffLlama => "diffllama",
+            Self::Bitnet => "bitnet",
         }
     }
 
@@ -676,6 +686,7 @@ impl Family {
             Self::MiniMax => "MiniMaxForCausalLM",
             Self::Qwen3Next => "Qwen3NextForCausalLM",
             Self::DiffLlama => "DiffLlamaForCausalLM",
+            Self::Bitnet => "BitNetForCausalLM",
         }
     }
 
@@ -1076,6 +1087,13 @@ impl Family {
                 ..LLAMA
             },
             Self::DiffLlama => Defaults { eps: 1e-5, ..LLAMA },
+            Self::Bitnet => Defaults {
+                eps: 1e-5,
+                rope_theta: 500000.0,
+                kv_heads: Some(5),
+                activation: Activation::Relu2,
+                ..LLAMA
+            },
             Self::Qwen3Next => Defaults {
                 kv_heads: Some(2),
                 head_dim: Some(256),

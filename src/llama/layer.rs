@@ -63,6 +63,10 @@ pub struct Layer {
     factors: Option<((f64, f64), (f64, f64))>,
     /// DiffLlama's differential attention.
     differential: Option<Differential>,
+    /// BitNet's norms of the attention's output before `o_proj`
+    /// (`attn_sub_norm`) and of the MLP's gated product before
+    /// `down_proj` (`ffn_sub_norm`).
+    sub_norms: Option<(RmsNorm, RmsNorm)>,
     cfg: LlamaConfig,
 }
 
@@ -755,7 +759,11 @@ impl Layer {
         (training, decoding): (&Training, &Arc<Decoding>),
         lora: Option<&LoraConfig>,
     ) -> Self {
-        let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
+        // BitNet's quantization-aware training rounds every linear
+        // layer's weights and inputs.
+        let lin = |p: &nn::Path, i, o, bias| {
+            Adapted::new(p, (i, o, bias), lora, training).ternary(c.ternary)
+        };
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {
             Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 | Family::Lfm2 => {
@@ -868,6 +876,12 @@ impl Layer {
                 },
             },
         };
+        let sub_norms = (c.family == Family::Bitnet).then(|| {
+            (
+                RmsNorm::new(&a / "attn_sub_norm", d, c),
+                RmsNorm::new(&m / "ffn_sub_norm", c.intermediate, c),
+            )
+        });
         Self {
             norms: Norms::new(p, d, c),
             qkv,
@@ -1007,6 +1021,7 @@ impl Layer {
             },
             differential: (c.family == Family::DiffLlama)
                 .then(|| Differential::new(&a, hd, l, c.eps)),
+            sub_norms,
             factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
@@ -1029,7 +1044,10 @@ impl Module for Layer {
                 let s = b.out_proj.forward(&b.mamba.forward(&h, &b.cache));
                 a * f.attention_out + s * f.ssm_out
             }
-            _ => self.o_proj.forward(&self.mix(&h)),
+            _ => match &self.sub_norms {
+                Some((attention, _)) => self.o_proj.forward(&attention.forward(&self.mix(&h))),
+                None => self.o_proj.forward(&self.mix(&h)),
+            },
         };
         // Falcon's parallel layers add the attention's output to the
         // MLP's and drop the sum out; the others add it now (Cohere's MLP
@@ -1060,7 +1078,13 @@ impl Module for Layer {
                         let [by_gate, by_down] = f.mlp;
                         down_proj.forward(&(up * c.activation.apply(&(gate * by_gate)))) * by_down
                     }
-                    None => down_proj.forward(&(c.activation.apply(&gate) * up)),
+                    None => {
+                        let product = c.activation.apply(&gate) * up;
+                        match &self.sub_norms {
+                            Some((_, mlp)) => down_proj.forward(&mlp.forward(&product)),
+                            None => down_proj.forward(&product),
+                        }
+                    }
                 }
             }
             Mlp::Plain {

@@ -142,6 +142,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         falcon: None,
         opt: None,
         local_layers: None,
+        ternary: false,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -2514,6 +2515,68 @@ fn helium_configs_are_read_and_counted() {
 }
 
 #[test]
+fn bitnet_configs_are_read_counted_and_their_quantization_checked() {
+    let dir = ConfigDir::new("bitnet-configs");
+    // BitNet b1.58 2B4T's sizes (its 5 key-value heads the class's
+    // default); the count is transformers' parameters (its sub norms'
+    // too).
+    let sizes = r#""model_type": "bitnet", "vocab_size": 128256, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 30, "num_attention_heads": 20, "max_position_embeddings": 4096, "rope_theta": 500000.0, "tie_word_embeddings": true, "rms_norm_eps": 1e-05"#;
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    let plain = dir.read(&format!("{{{sizes}}}")).unwrap();
+    assert_eq!(total(&plain), 2412820480);
+    assert_eq!(plain.activation, Activation::Relu2);
+    assert!(!plain.ternary);
+    assert_eq!(plain.kv_heads, 5);
+    let online = r#""quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}"#;
+    let qat = dir.read(&format!("{{{sizes}, {online}}}")).unwrap();
+    assert!(qat.ternary);
+    assert_eq!(total(&qat), total(&plain));
+    dir.round_trips([plain, qat]);
+    // What transformers does not train, or zrt does not build, is
+    // refused naming the key.
+    let given = format!("{{{sizes}, {online}}}");
+    dir.refuses_replaced(
+        &given,
+        &[
+            (
+                r#""linear_class": "autobitlinear""#,
+                r#""linear_class": "bitlinear""#,
+                r#"linear_class "bitlinear": its weights are packed ternary values"#,
+            ),
+            (
+                r#""quantization_mode": "online""#,
+                r#""quantization_mode": "offline""#,
+                r#"quantization_mode "offline": transformers freezes an offline AutoBitLinear"#,
+            ),
+            (
+                r#""quant_method": "bitnet","#,
+                r#""quant_method": "bitnet", "use_rms_norm": true,"#,
+                "use_rms_norm true: zrt does not build the RMS norm",
+            ),
+            (
+                r#""quant_method": "bitnet","#,
+                r#""quant_method": "bitnet", "modules_to_not_convert": ["lm_head", "o_proj"],"#,
+                r#"modules_to_not_convert names "o_proj""#,
+            ),
+            (
+                r#""num_attention_heads": 20"#,
+                r#""num_attention_heads": 20, "head_dim": 64"#,
+                "num_attention_heads 20 x head_dim 64 is not hidden_size 2560: BitNet normalises",
+            ),
+        ],
+    );
+    // The published packed checkpoint's quantization_config (the class's
+    // defaults: bitlinear, offline).
+    dir.refuses(
+        &format!(r#"{{{sizes}, "quantization_config": {{"quant_method": "bitnet"}}}}"#),
+        r#"quantization_config's linear_class "bitlinear""#,
+    );
+    // The head alone kept whole is what transformers keeps anyway.
+    let head = r#""quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online", "modules_to_not_convert": ["lm_head"]}"#;
+    assert!(dir.read(&format!("{{{sizes}, {head}}}")).unwrap().ternary);
+}
+
+#[test]
 fn arcee_configs_are_read_and_counted() {
     let dir = ConfigDir::new("arcee-configs");
     // AFM-4.5B's sizes (its activation the class's default, relu2); the
@@ -2767,6 +2830,7 @@ fn unit_params_count_what_the_built_model_holds() {
         falcon: None,
         opt: None,
         local_layers: None,
+        ternary: false,
     };
     let variants = [
         base.clone(),

@@ -540,7 +540,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
 /// `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
 /// `x_proj` and Mamba-2's `in_proj` (of the linear layers
@@ -982,6 +982,8 @@ pub(crate) struct Adapted {
     /// Boxed: most of a model's linear layers have none, and the
     /// layouts' enums hold several `Adapted` side by side.
     adapter: Option<Box<Adapter>>,
+    /// BitNet's quantization-aware training ([`Adapted::ternary`]).
+    ternary: bool,
 }
 
 /// `A` `[r, in]`, `B` `[out, r]` (and its bias `[out]` under
@@ -1046,13 +1048,72 @@ impl Adapted {
                 training: training.clone(),
             })
         });
-        Self { base, adapter }
+        Self {
+            base,
+            adapter,
+            ternary: false,
+        }
     }
+
+    /// As it is, its base computing as `transformers`' `AutoBitLinear`
+    /// in `online` mode when `on` (BitNet's quantization-aware
+    /// training, [`crate::llama::LlamaConfig::ternary`]): on its weights
+    /// rounded to -1, 0 and 1 times their mean magnitude and on its
+    /// input rounded to 8 bits per token, gradients passing straight
+    /// through both roundings. An adapter reads the input unrounded, as
+    /// PEFT's on an `AutoBitLinear` does.
+    pub(crate) fn ternary(self, on: bool) -> Self {
+        Self {
+            ternary: on,
+            ..self
+        }
+    }
+
+    /// The base layer's output: its own, or under [`Adapted::ternary`]
+    /// the rounded weights' on the rounded input.
+    fn base(&self, x: &Tensor) -> Tensor {
+        if !self.ternary {
+            return self.base.forward(x);
+        }
+        let (w, x) = (ternary_weights(&self.base.ws), eight_bit_tokens(x));
+        x.linear(&w, self.base.bs.as_ref())
+    }
+}
+
+/// `value` in the forward pass and the identity's gradient to `x` in the
+/// backward, as a straight-through estimator's `autograd.Function`
+/// returns its result and its gradient unchanged: `x - x` is exactly 0,
+/// so the sum is `value` to the bit (`x + (value - x).detach()` would
+/// round).
+fn straight_through(value: Tensor, x: &Tensor) -> Tensor {
+    value.detach() + (x - x.detach())
+}
+
+/// `w` rounded as `transformers`' BitNet `WeightQuant` rounds it, in
+/// fp32: scaled by the reciprocal of its mean magnitude (at least
+/// 1e-5), rounded to -1, 0 or 1, scaled back.
+fn ternary_weights(w: &Tensor) -> Tensor {
+    let f = w.to_kind(Kind::Float);
+    let scale = f.abs().mean(Kind::Float).clamp_min(1e-5).reciprocal();
+    let rounded = ((&f * &scale).round().clamp(-1.0, 1.0) / scale).to_kind(w.kind());
+    straight_through(rounded, w)
+}
+
+/// `x` rounded as BitNet's `ActQuant` rounds it, in fp32: each token's
+/// values (the last dimension) scaled so the largest magnitude (at least
+/// 1e-5) is 127, rounded within -128..=127, scaled back.
+fn eight_bit_tokens(x: &Tensor) -> Tensor {
+    let f = x.to_kind(Kind::Float);
+    let top = f.abs().amax([-1i64].as_slice(), true).clamp_min(1e-5);
+    // Python's `127 / t` is `t.reciprocal() * 127`.
+    let scale = top.reciprocal() * 127.0;
+    let rounded = ((&f * &scale).round().clamp(-128.0, 127.0) / scale).to_kind(x.kind());
+    straight_through(rounded, x)
 }
 
 impl Module for Adapted {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let y = self.base.forward(x);
+        let y = self.base(x);
         let Some(a) = &self.adapter else {
             return y;
         };

@@ -808,6 +808,26 @@ m.save_pretrained("{dir}/hf"{save})
     )
 }
 
+/// BitNet's classes for the cases that train it ternary (a case's
+/// `python.0`, importing its config class as `C` and its model class as
+/// `M`): `M` builds its decoder layers' linear layers as
+/// `transformers`' `AutoBitLinear` in online mode, as `from_pretrained`
+/// builds them for a config with such a `quantization_config` (the
+/// class alone builds plain ones). Eager: `torch.compile` off.
+pub const BITNET_TERNARY: &str = "import torch._dynamo
+torch._dynamo.config.disable = True
+from transformers import BitNetConfig as C, BitNetForCausalLM
+from transformers.integrations.bitnet import AutoBitLinear
+class M(BitNetForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for module in list(self.model.modules()):
+            for name, plain in list(module.named_children()):
+                if type(plain) is torch.nn.Linear:
+                    q = AutoBitLinear(plain.in_features, plain.out_features, bias=plain.bias is not None, online_quant=True)
+                    q.load_state_dict(plain.state_dict())
+                    setattr(module, name, q)";
+
 /// Writes [`hf_seeded_model`]'s model into `dir/hf`, in one file.
 pub fn write_seeded_model(import: &str, args: &str, dir: &std::path::Path) {
     python(&hf_seeded_model(import, args, dir, ""));

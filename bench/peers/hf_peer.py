@@ -11,7 +11,9 @@ stderr):
   argv:    config.json, directory to write the checkpoint in, batch, seq,
            threads
   start:   builds the model from the config (seed 0, fp32), writes it with
-           `save_pretrained`, prints {"ready": true, "params": N,
+           `save_pretrained` (and, for a config with a
+           `quantization_config`, reads it back with `from_pretrained`),
+           prints {"ready": true, "params": N,
            "attn_implementation": <str>, "transformers": <version>}
   request: {"steps": K}
   reply:   {"times": [seconds of each of K steps], "losses": [...],
@@ -36,6 +38,11 @@ torch.manual_seed(0)
 config = AutoConfig.from_pretrained(config_path)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 model.save_pretrained(out)
+# A quantization_config (BitNet's AutoBitLinear in online mode, trained
+# quantization-aware) is applied by `from_pretrained` alone: the model
+# trained is the checkpoint read back, as a user's would be.
+if getattr(config, "quantization_config", None) is not None:
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
 model.train()
 # The tokens zrt's side makes with the same formula: every step the same.
 vocab = config.get_text_config().vocab_size

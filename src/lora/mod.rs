@@ -1080,22 +1080,25 @@ impl Adapted {
     }
 }
 
-/// `value` in the forward pass and the identity's gradient to `x` in the
-/// backward, as a straight-through estimator's `autograd.Function`
+/// `value` (computed without a graph: nothing of it is saved for the
+/// backward) in the forward pass and the identity's gradient to `x` in
+/// the backward, as a straight-through estimator's `autograd.Function`
 /// returns its result and its gradient unchanged: `x - x` is exactly 0,
 /// so the sum is `value` to the bit (`x + (value - x).detach()` would
 /// round).
 fn straight_through(value: Tensor, x: &Tensor) -> Tensor {
-    value.detach() + (x - x.detach())
+    value + (x - x.detach())
 }
 
 /// `w` rounded as `transformers`' BitNet `WeightQuant` rounds it, in
 /// fp32: scaled by the reciprocal of its mean magnitude (at least
 /// 1e-5), rounded to -1, 0 or 1, scaled back.
 fn ternary_weights(w: &Tensor) -> Tensor {
-    let f = w.to_kind(Kind::Float);
-    let scale = f.abs().mean(Kind::Float).clamp_min(1e-5).reciprocal();
-    let rounded = ((&f * &scale).round().clamp(-1.0, 1.0) / scale).to_kind(w.kind());
+    let rounded = tch::no_grad(|| {
+        let f = w.to_kind(Kind::Float);
+        let scale = f.abs().mean(Kind::Float).clamp_min(1e-5).reciprocal();
+        ((&f * &scale).round().clamp(-1.0, 1.0) / scale).to_kind(w.kind())
+    });
     straight_through(rounded, w)
 }
 
@@ -1103,11 +1106,13 @@ fn ternary_weights(w: &Tensor) -> Tensor {
 /// values (the last dimension) scaled so the largest magnitude (at least
 /// 1e-5) is 127, rounded within -128..=127, scaled back.
 fn eight_bit_tokens(x: &Tensor) -> Tensor {
-    let f = x.to_kind(Kind::Float);
-    let top = f.abs().amax([-1i64].as_slice(), true).clamp_min(1e-5);
-    // Python's `127 / t` is `t.reciprocal() * 127`.
-    let scale = top.reciprocal() * 127.0;
-    let rounded = ((&f * &scale).round().clamp(-128.0, 127.0) / scale).to_kind(x.kind());
+    let rounded = tch::no_grad(|| {
+        let f = x.to_kind(Kind::Float);
+        let top = f.abs().amax([-1i64].as_slice(), true).clamp_min(1e-5);
+        // Python's `127 / t` is `t.reciprocal() * 127`.
+        let scale = top.reciprocal() * 127.0;
+        ((&f * &scale).round().clamp(-128.0, 127.0) / scale).to_kind(x.kind())
+    });
     straight_through(rounded, x)
 }
 

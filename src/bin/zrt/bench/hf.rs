@@ -362,6 +362,34 @@ mod tests {
     }
 
     #[test]
+    fn every_config_the_repo_keeps_for_the_bench_is_one_zrt_builds() {
+        // All of them Llama families: read whole, the quantization_config
+        // too (which `unit_params` leaves out to count a dequantized
+        // model).
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/hf-configs");
+        let mut read = vec![];
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let what = path.display();
+            let config = zrt::llama::LlamaConfig::from_hf_dir(&path);
+            let config = config.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let total: u64 = config.unit_params().iter().map(|u| u.1).sum();
+            assert!(total > 1_000_000, "{what}: {total} parameters");
+            read.push(path.file_stem().unwrap().to_string_lossy().into_owned());
+        }
+        read.sort();
+        let kept = [
+            "bitnet",
+            "llama",
+            "mamba",
+            "mamba2",
+            "minimax",
+            "qwen3_next",
+        ];
+        assert_eq!(read, kept);
+    }
+
+    #[test]
     fn the_tokens_are_the_peers_formula_below_the_vocabulary() {
         let t = tokens(2, 3, 100);
         assert_eq!(t.size(), [2, 3]);

@@ -3439,8 +3439,10 @@ fn generation_after_a_failed_gather_is_told_by_pending_error() {
 /// (its bf16-rounded ALiBi at the cached keys' positions; its head
 /// untied: tied, it repeats one token) and a Granite 4.0-H and a Bamba
 /// and a Jamba (their Mamba layers' convolution inputs and state cached
-/// after the prompt and stepped a token at a time), against
-/// `transformers` without a cache.
+/// after the prompt and stepped a token at a time) and a BitNet trained
+/// ternary (a new token's inputs rounded on their own scale, as every
+/// token's are in a whole forward), against `transformers` without a
+/// cache.
 #[test]
 fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
     for (name, import, args) in [
@@ -3575,6 +3577,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "bitnet-ternary",
+            common::BITNET_TERNARY,
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear', \
+             'quantization_mode': 'online'}, eos_token_id=None, bos_token_id=None",
         ),
         (
             "qwen3-next",

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama, BitNet (trained ternary) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -657,6 +657,29 @@ const GRANITE_MOE: Case = Case {
     ..OFF
 };
 
+/// JetMoE's `kv_proj` (64 -> 64: keys and values) and, by the names
+/// Granite-MoE's experts have, both its attention experts' matrices
+/// (`input_linear.weight` `[4, 32, 64]`, `output_linear.weight` `[4, 64,
+/// 32]`) and its MLP experts' (`[4, 96, 64]`, `[4, 64, 48]`), as PEFT
+/// adapts every parameter a name matches. Held to 1e-4: every loss
+/// agrees to 1e-5, but the second layer's MLP `output_linear` A ended
+/// 1.8e-5 from PEFT's (4.5e-5 with the router's weights computed as
+/// `transformers`' gating computes them, so not from them): AdamW's
+/// steps at a rate of 1e-2 carry the rounding of the sums through two
+/// routers and two sets of experts a layer.
+const JETMOE: Case = Case {
+    python: (
+        "from transformers import JetMoeConfig as C, JetMoeForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64",
+    ),
+    targets: &["kv_proj"],
+    parameters: &["input_linear.weight", "output_linear.weight"],
+    atol: Some(1e-4),
+    matrices: 20,
+    elements: 2 * (4 * (64 + 64) + 16 * ((32 + 64) + (64 + 32) + (96 + 64) + (64 + 48))),
+    ..OFF
+};
+
 /// How far two trainings may take a tensor whose gradient is zero in
 /// exact arithmetic, a key projection's bias (softmax takes no notice of
 /// a shift its query adds to every score): AdamW divides the rounding
@@ -1059,6 +1082,11 @@ fn lora_adapters_on_phimoes_attention_and_experts_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_persimmons_fused_attention_and_mlp_train_as_peft_does() {
     parity("persimmon", &PERSIMMON, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_jetmoes_attention_and_mlp_experts_train_as_peft_does() {
+    parity("jetmoe-experts", &JETMOE, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -587,7 +587,10 @@ impl LlamaConfig {
             Family::Falcon if j.has("n_embed") => j.size("n_embed")?,
             _ => j.size("hidden_size")?,
         };
-        let heads = j.size("num_attention_heads")?;
+        let heads = match family {
+            Family::JetMoe => jetmoe_heads(j)?,
+            _ => j.size("num_attention_heads")?,
+        };
         let opt = match family {
             Family::Opt => Some(opt::layout(j, hidden)?),
             _ => None,
@@ -626,6 +629,8 @@ impl LlamaConfig {
         let given_head_dim = match family {
             // Falcon's `head_dim` is a property of its class's, the same.
             Family::Apertus | Family::Falcon => None,
+            // JetMoE's heads are `kv_channels` wide.
+            Family::JetMoe => j.size_or_null("kv_channels", defaults.head_dim)?,
             _ => j.size_or_null("head_dim", defaults.head_dim)?,
         };
         let head_dim = match given_head_dim {
@@ -1302,6 +1307,16 @@ impl LlamaConfig {
                     }
             }
         };
+        // JetMoE's mixture of attention heads: a router, each expert's
+        // query and output matrices, the output's bias, and the keys'
+        // and values' projection.
+        let attention = match (self.family, &self.moe) {
+            (Family::JetMoe, Some(m)) => {
+                let e = m.experts as u64;
+                e * d + 2 * e * kv * d + d + 2 * kv * d
+            }
+            _ => attention,
+        };
         // Gated (gate and up), or StarCoder2's one matrix up.
         let ups = if self.family.gated() { 2 } else { 1 };
         // BitNet's norms of the attention's output and of the MLP's
@@ -1323,7 +1338,9 @@ impl LlamaConfig {
             let sigmoid = m.grouped.as_ref().map(|g| g.scoring) == Some(Scoring::Sigmoid);
             let correction = bias(sigmoid || self.family == Family::Ernie4_5Moe, e);
             let biases = bias(oss, e + e * (2 * w + d));
-            d * e + e * 3 * d * w + shared + gate + correction + biases
+            // JetMoE's bias on the experts' sum.
+            let sum_bias = bias(self.family == Family::JetMoe, d);
+            d * e + e * 3 * d * w + shared + gate + correction + biases + sum_bias
         });
         // GPT-OSS's sinks: a logit a head.
         let sinks = bias(oss, self.heads as u64);
@@ -1455,6 +1472,11 @@ impl LlamaConfig {
         if let (Family::Lfm2, Some(all)) = (self.family, json.as_object_mut()) {
             all.remove("hidden_act");
         }
+        // JetMoE's class computes its heads and reads their width as
+        // `kv_channels` (below).
+        if let (Family::JetMoe, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("head_dim");
+        }
         let extra = match self.family {
             Family::Llama => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -1464,6 +1486,12 @@ impl LlamaConfig {
                 serde_json::json!({"sliding_window": self.sliding_window})
             }
             Family::DiffLlama => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::JetMoe => serde_json::json!({
+                "kv_channels": self.head_dim,
+                "num_local_experts": self.moe.as_ref().map(|m| m.experts),
+                "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "output_router_logits": false,
+            }),
             Family::Bitnet => match self.ternary {
                 true => serde_json::json!({
                     "attention_bias": self.o_bias,
@@ -1949,7 +1977,11 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
         // softmax, renormalised.
         // Granite-MoE's too.
-        f if matches!(f, Family::Mixtral | Family::MiniMax | Family::GptOss) || f.granite_moe() => {
+        f if matches!(
+            f,
+            Family::Mixtral | Family::MiniMax | Family::GptOss | Family::JetMoe
+        ) || f.granite_moe() =>
+        {
             ("num_local_experts", "intermediate_size", true)
         }
         // sparsemixer's weights are its softmaxes', as they are.
@@ -2037,7 +2069,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         | Family::MiniMax
         | Family::GraniteMoe
         | Family::GraniteMoeShared
-        | Family::GraniteMoeHybrid => (8, 2, 0),
+        | Family::GraniteMoeHybrid
+        | Family::JetMoe => (8, 2, 0),
         Family::Phimoe | Family::Jamba => (16, 2, 0),
         Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
@@ -2554,6 +2587,25 @@ fn local_layers(j: &HfJson) -> Result<Vec<bool>, HfError> {
     let kinds = j.get("attention_layers").and_then(|v| v.as_array());
     let local = kinds.and_then(|k| k.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>());
     local.ok_or_else(|| j.field("attention_types: one kind a layer".into()))
+}
+
+/// JetMoE's attention heads: `num_key_value_heads` (16 by default) for
+/// each of the `num_experts_per_tok` (2) experts a token's queries come
+/// from, as its config class computes them; a `num_attention_heads`
+/// that says otherwise (which the class would take, and its attention
+/// then fail on) is refused.
+fn jetmoe_heads(j: &HfJson) -> Result<i64, HfError> {
+    let kv = j
+        .size_or_null("num_key_value_heads", Some(16))?
+        .unwrap_or(16);
+    let k = j.size_or_null("num_experts_per_tok", Some(2))?.unwrap_or(2);
+    match j.size_or_none("num_attention_heads")? {
+        Some(h) if h != kv * k => Err(j.field(format!(
+            "num_attention_heads {h}: JetMoE's attention has num_key_value_heads {kv} x num_experts_per_tok {k} = {} heads (its class computes them); leave it out or give that",
+            kv * k
+        ))),
+        _ => Ok(kv * k),
+    }
 }
 
 /// Whether a BitNet config asks for quantization-aware training

@@ -450,11 +450,21 @@ pub enum Family {
     /// ([`LlamaConfig::ternary`](super::LlamaConfig::ternary)), its
     /// linear layers train on ternary weights and 8-bit inputs.
     Bitnet,
+    /// `jetmoe` (`JetMoeForCausalLM`: JetMoE-8B): a mixture of attention
+    /// heads (`self_attention.experts`: each token's queries from its top
+    /// `k` experts' `input_linear`, `num_key_value_heads` heads of
+    /// `kv_channels` each, attending over keys and values shared by all
+    /// (`kv_proj`), merged back by the same experts' `output_linear`
+    /// weighted by the router, plus a bias) and Granite-MoE's experts
+    /// in the MLP (`mlp.input_linear`, `mlp.output_linear`,
+    /// `mlp.router.layer`) plus a bias; the layers' norms at the class's
+    /// 1e-6, the final one at `rms_norm_eps`.
+    JetMoe,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 69] = [
+    pub const ALL: [Family; 70] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -524,6 +534,7 @@ impl Family {
         Self::Qwen3Next,
         Self::DiffLlama,
         Self::Bitnet,
+        Self::JetMoe,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -612,6 +623,7 @@ impl Family {
             Self::Qwen3Next => "qwen3_next",
             Self::DiffLlama => "diffllama",
             Self::Bitnet => "bitnet",
+            Self::JetMoe => "jetmoe",
         }
     }
 
@@ -687,6 +699,7 @@ impl Family {
             Self::Qwen3Next => "Qwen3NextForCausalLM",
             Self::DiffLlama => "DiffLlamaForCausalLM",
             Self::Bitnet => "BitNetForCausalLM",
+            Self::JetMoe => "JetMoeForCausalLM",
         }
     }
 
@@ -1087,6 +1100,13 @@ impl Family {
                 ..LLAMA
             },
             Self::DiffLlama => Defaults { eps: 1e-5, ..LLAMA },
+            Self::JetMoe => Defaults {
+                kv_heads: Some(16),
+                head_dim: Some(128),
+                tied: true,
+                positions: 4096,
+                ..LLAMA
+            },
             Self::Bitnet => Defaults {
                 eps: 1e-5,
                 rope_theta: 500000.0,
@@ -1394,7 +1414,7 @@ impl Family {
         match self {
             Self::Gemma2 | Self::VaultGemma | Self::Gemma3 => "hidden_activation",
             Self::Falcon => "activation",
-            Self::Opt => "activation_function",
+            Self::Opt | Self::JetMoe => "activation_function",
             _ => "hidden_act",
         }
     }

@@ -16,6 +16,7 @@ use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scori
 use super::delta_net::DeltaNet;
 use super::differential::Differential;
 use super::family::Family;
+use super::jetmoe::Moa;
 use super::lightning::Lightning;
 use super::mamba::Mamba;
 use super::mamba1::Mamba1;
@@ -36,7 +37,9 @@ pub(super) type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
 pub struct Layer {
     norms: Norms,
     qkv: Qkv,
-    o_proj: Adapted,
+    /// The attention's (or mixer's) output projection; none for JetMoE,
+    /// whose experts merge the heads ([`Qkv::Moa`]).
+    o_proj: Option<Adapted>,
     mlp: Mlp,
     /// Qwen3's and Gemma 3's per-head query and key norms (Persimmon's
     /// LayerNorms), OLMo's over the whole projections.
@@ -105,6 +108,10 @@ enum Qkv {
     Lightning(Box<Lightning>),
     /// Qwen3-Next's gated DeltaNet, the same way.
     DeltaNet(Box<DeltaNet>),
+    /// JetMoE's mixture of attention heads: queries from each token's
+    /// experts, keys and values from `kv_proj`; the experts merge the
+    /// output in place of an output projection.
+    Moa(Box<Moa>),
 }
 
 /// DeepSeek-V3's multi-head latent attention ([`Mla`]): the queries'
@@ -257,6 +264,8 @@ struct Experts {
     top_k: i64,
     normalize: bool,
     shared: Option<Box<Shared>>,
+    /// JetMoE's bias on the routed sum (`mlp.bias`).
+    bias: Option<Tensor>,
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
@@ -464,6 +473,10 @@ enum Router {
     /// logits, each expert weighted by its logit's sigmoid (in fp32),
     /// which scales the token's input to it, not its output.
     TopSigmoid { gate: Adapted },
+    /// JetMoE's (`mlp.router.layer`, `JetMoeTopKGating`): a linear
+    /// layer's top `k` logits in fp32, weighted by a softmax over those
+    /// alone (the others' softmax, renormalised, rounds otherwise).
+    TopSoftmax { gate: Adapted },
     /// A linear layer's softmax (in fp32), its top `k` (Mixtral, the
     /// Qwens; GPT-OSS's with a bias); ERNIE 4.5's chosen by the scores
     /// plus a fixed correction (`moe_statics.e_score_correction_bias`,
@@ -526,7 +539,9 @@ impl Experts {
                 let stacked = Stacked::new(&(p / "experts"), d, m, lora, biased);
                 ExpertWeights::Stacked(Box::new(stacked))
             }
-            f if f.granite_moe() => ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora))),
+            f if f.granite_moe() || f == Family::JetMoe => {
+                ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora)))
+            }
             Family::Dbrx => {
                 ExpertWeights::Rows(Box::new(Rows::new(&(p / "experts" / "mlp"), d, m)))
             }
@@ -590,6 +605,9 @@ impl Experts {
                 gate: lin(&(p / "router"), d, m.experts, true),
                 correction: None,
             },
+            (None, _) if family == Family::JetMoe => Router::TopSoftmax {
+                gate: lin(&(p / "router" / "layer"), d, m.experts, false),
+            },
             (None, _) if family.granite_moe() || family == Family::Dbrx => Router::Softmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
                 correction: None,
@@ -622,6 +640,7 @@ impl Experts {
             top_k: m.top_k,
             normalize: m.normalize,
             shared,
+            bias: (family == Family::JetMoe).then(|| p.zeros("bias", &[d])),
         }
     }
 
@@ -666,7 +685,11 @@ impl Experts {
                 None => y,
             };
         }
-        out.view([b, t, d])
+        let out = out.view([b, t, d]);
+        match &self.bias {
+            Some(bias) => out + bias,
+            None => out,
+        }
     }
 
     /// Each token's `k` experts `[tokens, k]` and their weights: the
@@ -677,6 +700,11 @@ impl Experts {
         let (weight, correction, g) = match &self.router {
             Router::SparseMixer { gate, eps } => {
                 return super::sparse_mixer::route(&gate.forward(h), *eps, training);
+            }
+            Router::TopSoftmax { gate } => {
+                let logits = gate.forward(h).to_kind(Kind::Float);
+                let (top, chosen) = logits.topk(self.top_k, 1, true, true);
+                return (top.softmax(1, Kind::Float).to_kind(h.kind()), chosen);
             }
             Router::TopSigmoid { gate } => {
                 let (top, chosen) = gate.forward(h).topk(self.top_k, -1, true, true);
@@ -769,6 +797,7 @@ impl Layer {
             Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 | Family::Lfm2 => {
                 (p / "self_attn", p / "feed_forward")
             }
+            Family::JetMoe => (p / "self_attention", p / "mlp"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -841,6 +870,7 @@ impl Layer {
             }
             (None, None, None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
+                (Family::JetMoe, _) => Qkv::Moa(Box::new(Moa::new(&a, c, (lin, lora)))),
                 (
                     Family::Phi3
                     | Family::Dbrx
@@ -885,7 +915,7 @@ impl Layer {
         Self {
             norms: Norms::new(p, d, c),
             qkv,
-            o_proj: match kind {
+            o_proj: (c.family != Family::JetMoe).then(|| match kind {
                 (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
                 (None, Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None, Some(s), ..) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
@@ -911,7 +941,7 @@ impl Layer {
                     d,
                     c.o_bias,
                 ),
-            },
+            }),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 _ if c.family.mamba_only() => Mlp::None,
                 (Some(moe), true) => {
@@ -1040,14 +1070,11 @@ impl Module for Layer {
             // Falcon-H1's attention and Mamba layer side by side, each
             // scaled by its multipliers, their outputs added.
             (Some(b), Some(f)) => {
-                let a = self.o_proj.forward(&self.mix(&(&h * f.attention_in)));
+                let a = self.project_out(&h, self.mix(&(&h * f.attention_in)));
                 let s = b.out_proj.forward(&b.mamba.forward(&h, &b.cache));
                 a * f.attention_out + s * f.ssm_out
             }
-            _ => match &self.sub_norms {
-                Some((attention, _)) => self.o_proj.forward(&attention.forward(&self.mix(&h))),
-                None => self.o_proj.forward(&self.mix(&h)),
-            },
+            _ => self.project_out(&h, self.mix(&h)),
         };
         // Falcon's parallel layers add the attention's output to the
         // MLP's and drop the sum out; the others add it now (Cohere's MLP
@@ -1126,6 +1153,23 @@ impl Module for Layer {
 }
 
 impl Layer {
+    /// The mixed tokens (`mixed`, of the normalised input `h`) projected
+    /// back to the model's width: through BitNet's sub norm, then the
+    /// output projection; JetMoE's merged by its experts.
+    fn project_out(&self, h: &Tensor, mixed: Tensor) -> Tensor {
+        if let Qkv::Moa(m) = &self.qkv {
+            return m.merge(h, &mixed);
+        }
+        let mixed = match &self.sub_norms {
+            Some((attention, _)) => attention.forward(&mixed),
+            None => mixed,
+        };
+        match &self.o_proj {
+            Some(o) => o.forward(&mixed),
+            None => mixed,
+        }
+    }
+
     /// The tokens of the normalised input `h` mixed, before the output
     /// projection: the attention's output, its heads merged, or Granite
     /// 4.0's Mamba layer's.
@@ -1248,6 +1292,10 @@ impl Layer {
                 )
             }
             Qkv::Latent(latent) => latent.forward(h, c.heads, &turned),
+            Qkv::Moa(moa) => {
+                let [q, k, v] = moa.queries_keys_values(h);
+                split(q, k, v)
+            }
         };
         let (q, k) = self.llama4_queries_and_keys(q, k, offset);
         let (k, v) = self.cache.extend(k, v);

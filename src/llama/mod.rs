@@ -59,6 +59,7 @@ mod family;
 mod gpt_bigcode;
 mod gpt_neo;
 mod gptj;
+mod jetmoe;
 mod layer;
 mod lightning;
 mod mamba;

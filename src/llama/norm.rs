@@ -255,6 +255,20 @@ pub(super) enum Norms {
 impl Norms {
     /// The family's norms of the layer under `p`, of width `d`.
     pub(super) fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
+        // JetMoE's class builds its layers' norms at their default eps,
+        // 1e-6, whatever the config says (`rms_norm_eps` is the final
+        // norm's).
+        let jetmoe;
+        let c = match c.family {
+            Family::JetMoe => {
+                jetmoe = LlamaConfig {
+                    eps: 1e-6,
+                    ..c.clone()
+                };
+                &jetmoe
+            }
+            _ => c,
+        };
         let norm = |n: &str| Norm::new(p / n, d, c);
         // The families' names of the norms before their two sublayers.
         let pre = || {

@@ -2577,6 +2577,42 @@ fn bitnet_configs_are_read_counted_and_their_quantization_checked() {
 }
 
 #[test]
+fn jetmoe_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("jetmoe-configs");
+    let total = |c: &LlamaConfig| c.unit_params().iter().map(|u| u.1).sum::<u64>();
+    // The class's defaults (12 layers; the sizes zrt requires given as
+    // the class's) and JetMoE-8B's 24; the counts are transformers'
+    // parameters.
+    let sizes = r#"{"model_type": "jetmoe", "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 12, "intermediate_size": 5632}"#;
+    let defaults = dir.read(sizes).unwrap();
+    assert_eq!(total(&defaults), 4293888000);
+    assert_eq!(
+        (defaults.heads, defaults.kv_heads, defaults.head_dim),
+        (32, 16, 128)
+    );
+    assert!(defaults.tied);
+    let eight = r#"{"model_type": "jetmoe", "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 24, "num_key_value_heads": 16, "kv_channels": 128, "intermediate_size": 5632, "num_local_experts": 8, "num_experts_per_tok": 2, "num_attention_heads": 32, "activation_function": "silu", "rms_norm_eps": 1e-05}"#;
+    let c = dir.read(eight).unwrap();
+    assert_eq!(total(&c), 8522237952);
+    dir.round_trips([defaults, c]);
+    dir.refuses_replaced(
+        eight,
+        &[
+            (
+                r#""num_attention_heads": 32"#,
+                r#""num_attention_heads": 16"#,
+                "num_attention_heads 16: JetMoE's attention has num_key_value_heads 16 x num_experts_per_tok 2 = 32 heads",
+            ),
+            (
+                r#""rms_norm_eps": 1e-05"#,
+                r#""rms_norm_eps": 1e-05, "output_router_logits": true"#,
+                "output_router_logits true: zrt's loss is the language model's",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn arcee_configs_are_read_and_counted() {
     let dir = ConfigDir::new("arcee-configs");
     // AFM-4.5B's sizes (its activation the class's default, relu2); the

@@ -24,6 +24,15 @@ use crate::lora::{Adapted, LoraConfig};
 use super::config::LlamaConfig;
 use super::layer::Lin;
 
+/// JetMoE's gating (`JetMoeTopKGating`, its attention's and its MLP's)
+/// of router `logits` `[n, experts]`: each row's top `k` logits in fp32
+/// and a softmax over those alone, in `kind` (weights `[n, k]`), and
+/// the experts they are (`[n, k]`).
+pub(super) fn top_k_softmax(logits: &Tensor, k: i64, kind: Kind) -> (Tensor, Tensor) {
+    let (top, chosen) = logits.to_kind(Kind::Float).topk(k, 1, true, true);
+    (top.softmax(1, Kind::Float).to_kind(kind), chosen)
+}
+
 /// A layer's mixture of attention heads (`self_attention.experts` and
 /// `self_attention.kv_proj`).
 #[derive(Debug)]
@@ -82,12 +91,9 @@ impl Moa {
     }
 
     /// Each token's (`x` `[n, d]`) top `k` experts `[n, k]` and their
-    /// weights, as `JetMoeTopKGating` computes them: the top `k` of the
-    /// logits in fp32, a softmax over those, in `x`'s dtype.
+    /// weights ([`top_k_softmax`]).
     fn route(&self, x: &Tensor) -> (Tensor, Tensor) {
-        let logits = self.router.forward(x).to_kind(Kind::Float);
-        let (top, chosen) = logits.topk(self.top_k, 1, true, true);
-        (top.softmax(1, Kind::Float).to_kind(x.kind()), chosen)
+        top_k_softmax(&self.router.forward(x), self.top_k, x.kind())
     }
 
     /// Each expert's tokens and slots in `chosen` (`[n, k]`): the rows

@@ -702,9 +702,7 @@ impl Experts {
                 return super::sparse_mixer::route(&gate.forward(h), *eps, training);
             }
             Router::TopSoftmax { gate } => {
-                let logits = gate.forward(h).to_kind(Kind::Float);
-                let (top, chosen) = logits.topk(self.top_k, 1, true, true);
-                return (top.softmax(1, Kind::Float).to_kind(h.kind()), chosen);
+                return super::jetmoe::top_k_softmax(&gate.forward(h), self.top_k, h.kind());
             }
             Router::TopSigmoid { gate } => {
                 let (top, chosen) = gate.forward(h).topk(self.top_k, -1, true, true);

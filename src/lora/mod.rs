@@ -547,7 +547,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// `transformers`' Mamba docs adapt, those PEFT allows: it refuses
 /// `out_proj` and `conv1d` there, and so does zrt), DeepSeek-V2's and
 /// V3's projections making each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
-/// and keys and values (`kv_b_proj`), the others' `q_proj` and `v_proj`
+/// and keys and values (`kv_b_proj`), JetMoE's `kv_proj` (its queries
+/// come from experts, stacked parameters), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not
 /// linear layers: [`LoraConfig::target_parameters`] adapts them, and PEFT
 /// names none by default).
@@ -565,6 +566,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
         Some("mamba2") => &["in_proj"],
         Some("gpt_bigcode") => &["c_attn"],
+        // Its queries are its attention experts' (`target_parameters`).
+        Some("jetmoe") => &["kv_proj"],
         // Null: one `q_proj` (left out: the class's bottleneck).
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
             None => &["q_proj", "kv_b_proj"],
@@ -1360,6 +1363,7 @@ mod tests {
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),
+            ("jetmoe", vec!["kv_proj"]),
             (
                 r#"deepseek_v3", "q_lora_rank": null, "_": ""#,
                 vec!["q_proj", "kv_b_proj"],

@@ -1093,30 +1093,40 @@ fn straight_through(value: Tensor, x: &Tensor) -> Tensor {
     value + (x - x.detach())
 }
 
-/// `w` rounded as `transformers`' BitNet `WeightQuant` rounds it, in
-/// fp32: scaled by the reciprocal of its mean magnitude (at least
-/// 1e-5), rounded to -1, 0 or 1, scaled back.
+/// `w` rounded as `transformers`' BitNet `WeightQuant` rounds it:
+/// scaled by the reciprocal of its mean magnitude (at least 1e-5),
+/// rounded to -1, 0 or 1, scaled back.
 fn ternary_weights(w: &Tensor) -> Tensor {
-    let rounded = tch::no_grad(|| {
-        let f = w.to_kind(Kind::Float);
-        let scale = f.abs().mean(Kind::Float).clamp_min(1e-5).reciprocal();
-        ((&f * &scale).round().clamp(-1.0, 1.0) / scale).to_kind(w.kind())
-    });
-    straight_through(rounded, w)
+    let scale = |f: &Tensor| f.abs().mean(Kind::Float).clamp_min(1e-5).reciprocal();
+    rounded_to_grid(w, scale, (-1.0, 1.0))
 }
 
-/// `x` rounded as BitNet's `ActQuant` rounds it, in fp32: each token's
-/// values (the last dimension) scaled so the largest magnitude (at least
-/// 1e-5) is 127, rounded within -128..=127, scaled back.
+/// `x` rounded as BitNet's `ActQuant` rounds it: each token's values
+/// (the last dimension) scaled so the largest magnitude (at least 1e-5)
+/// is 127, rounded within -128..=127, scaled back.
 fn eight_bit_tokens(x: &Tensor) -> Tensor {
+    // Python's `127 / t` is `t.reciprocal() * 127`.
+    let scale = |f: &Tensor| {
+        f.abs()
+            .amax([-1i64].as_slice(), true)
+            .clamp_min(1e-5)
+            .reciprocal()
+            * 127.0
+    };
+    rounded_to_grid(x, scale, (-128.0, 127.0))
+}
+
+/// BitNet's rounding of `t`, in fp32 as `transformers` does it: times
+/// `scale` of it, rounded (half to even), clamped to `lo..=hi`, divided
+/// by the scale, back in `t`'s dtype; computed without a graph and
+/// passed [`straight_through`].
+fn rounded_to_grid(t: &Tensor, scale: impl Fn(&Tensor) -> Tensor, (lo, hi): (f64, f64)) -> Tensor {
     let rounded = tch::no_grad(|| {
-        let f = x.to_kind(Kind::Float);
-        let top = f.abs().amax([-1i64].as_slice(), true).clamp_min(1e-5);
-        // Python's `127 / t` is `t.reciprocal() * 127`.
-        let scale = top.reciprocal() * 127.0;
-        ((&f * &scale).round().clamp(-128.0, 127.0) / scale).to_kind(x.kind())
+        let f = t.to_kind(Kind::Float);
+        let s = scale(&f);
+        ((&f * &s).round().clamp(lo, hi) / s).to_kind(t.kind())
     });
-    straight_through(rounded, x)
+    straight_through(rounded, t)
 }
 
 impl Module for Adapted {

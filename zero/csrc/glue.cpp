@@ -21,6 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -248,6 +249,59 @@ struct Recompute : public torch::autograd::Function<Recompute> {
       result[at[j]] = got[j];
     }
     return result;
+  }
+};
+
+// A gradient known only after the forward that used it: `Deferred` passes
+// `y` through (a view of it) and, in backward, hands `s` the gradient `w`
+// times `scale[0]`, tensors its caller fills between forward and backward
+// (kept in `saved_data`, which autograd does not version-check). It adds
+// to the loss a term whose gradient in `s` is known only once every layer
+// has run (a router's load-balancing loss over all of them) without a
+// second output per layer: the layer stays one input, one output, under
+// activation checkpointing too. `scale` NaN means the loss holding the term
+// has not been back-propagated through yet (`Probe` sets it), and throws.
+struct Deferred : public torch::autograd::Function<Deferred> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const at::Tensor &y,
+                                                const at::Tensor &s, at::Tensor w, at::Tensor scale) {
+    ctx->saved_data["w"] = std::move(w);
+    ctx->saved_data["scale"] = std::move(scale);
+    ctx->saved_data["s"] = s.detach();
+    return {y.view_as(y)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::NoGradGuard no_grad;
+    const double scale = ctx->saved_data["scale"].toTensor().item<double>();
+    if (std::isnan(scale)) {
+      throw std::runtime_error(
+          "the router's load-balancing gradient was reached before the loss holding it: back-propagate from "
+          "the loss the model returned (or plus_router_loss made), not from another tensor of the same forward");
+    }
+    const auto s = ctx->saved_data["s"].toTensor();
+    auto gs = (ctx->saved_data["w"].toTensor().to(s.options()) * scale).reshape(s.sizes());
+    return {grads[0], gs, at::Tensor(), at::Tensor()};
+  }
+};
+
+// Returns a copy of `value` whose backward writes the gradient it is given
+// into `scale` (one element) and goes no further: the seed that
+// `Deferred`'s gradients are scaled by (a loss scale, 1 / accumulation
+// steps). `anchor`, an empty leaf that requires grad, puts it in the graph.
+struct Probe : public torch::autograd::Function<Probe> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const at::Tensor &value,
+                                                const at::Tensor & /*anchor*/, at::Tensor scale) {
+    ctx->saved_data["scale"] = std::move(scale);
+    return {value.clone()};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::NoGradGuard no_grad;
+    auto scale = ctx->saved_data["scale"].toTensor();
+    scale.copy_(grads[0].detach().reshape({1}));
+    return {at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -637,6 +691,30 @@ char *zrt_checkpoint(at::Tensor *const *inputs, size_t n,
     }
     auto anchor = at::empty({0}).requires_grad_(true);
     auto ys = Recompute::apply(std::move(segment), anchor, at::TensorList(xs));
+    *out = new at::Tensor(ys.at(0));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// `y` through `Deferred` (see there) with `s`, `w` and `scale`.
+char *zrt_deferred(const at::Tensor *y, const at::Tensor *s, const at::Tensor *w, const at::Tensor *scale,
+                   at::Tensor **out) {
+  try {
+    auto ys = Deferred::apply(*y, *s, *w, *scale);
+    *out = new at::Tensor(ys.at(0));
+    return nullptr;
+  } catch (const std::exception &e) {
+    return to_error(e.what());
+  }
+}
+
+// `value` through `Probe` (see there) into `scale`.
+char *zrt_probe(const at::Tensor *value, const at::Tensor *scale, at::Tensor **out) {
+  try {
+    auto anchor = at::empty({0}).requires_grad_(true);
+    auto ys = Probe::apply(*value, anchor, *scale);
     *out = new at::Tensor(ys.at(0));
     return nullptr;
   } catch (const std::exception &e) {

@@ -82,6 +82,18 @@ mod ffi {
         pub fn zrt_cpu_rng_set(state: *const u8, len: usize) -> *mut c_char;
         pub fn zrt_untracked_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn zrt_grad_alias(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+        pub fn zrt_deferred(
+            y: *const C_tensor,
+            s: *const C_tensor,
+            w: *const C_tensor,
+            scale: *const C_tensor,
+            out: *mut *mut C_tensor,
+        ) -> *mut c_char;
+        pub fn zrt_probe(
+            value: *const C_tensor,
+            scale: *const C_tensor,
+            out: *mut *mut C_tensor,
+        ) -> *mut c_char;
         pub fn zrt_checkpoint(
             inputs: *const *mut C_tensor,
             n: usize,
@@ -271,6 +283,44 @@ pub fn adopt_storage<T: Copy + Send + 'static>(
 /// restores exactly the values the saved views held.
 pub fn untracked_alias(t: &Tensor) -> Result<Tensor, GlueError> {
     made_from("untracked_alias", t, ffi::zrt_untracked_alias)
+}
+
+/// `y`, through a node whose backward gives `s` the gradient `w` times
+/// `scale`'s one element, both read when backward reaches it (filled by
+/// the caller after the forward; [`probe`] fills `scale`): a loss term
+/// whose gradient in `s` is known only once the whole forward has run,
+/// carried by a module's one output (a mixture-of-experts layer's share
+/// of the router's load-balancing loss over every layer), so it survives
+/// activation checkpointing, whose recompute runs the node again. `scale`
+/// NaN when backward reaches the node is an error: the loss holding the
+/// term was not the one back-propagated. Megatron's
+/// `MoEAuxLossAutoScaler` is the same idea.
+pub fn deferred(y: &Tensor, s: &Tensor, w: &Tensor, scale: &Tensor) -> Result<Tensor, GlueError> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: every pointer is a live `torch::Tensor*` for the call; on
+    // success `out` is a fresh heap `torch::Tensor*` that the returned
+    // `Tensor` owns.
+    check("deferred", unsafe {
+        ffi::zrt_deferred(y.as_ptr(), s.as_ptr(), w.as_ptr(), scale.as_ptr(), &mut out)
+    })?;
+    // SAFETY: non-null on success, ownership transferred to tch.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// A copy of `value` that needs a gradient, whose backward writes the
+/// gradient it is given (the seed: a loss scale, one over the
+/// accumulation steps) into `scale` (one element) and goes no further:
+/// what [`deferred`]'s gradients are scaled by. Add it to the loss that
+/// is back-propagated; autograd runs it before any node of the forward
+/// it follows (its node is the newest).
+pub fn probe(value: &Tensor, scale: &Tensor) -> Result<Tensor, GlueError> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: as in `deferred`.
+    check("probe", unsafe {
+        ffi::zrt_probe(value.as_ptr(), scale.as_ptr(), &mut out)
+    })?;
+    // SAFETY: non-null on success, ownership transferred to tch.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// A glue function that makes a new tensor from `t` into `*out`.
@@ -643,5 +693,36 @@ mod tests {
         let frozen = Tensor::ones([2], (Kind::Float, Device::Cpu));
         let err = grad_alias(&frozen).unwrap_err().to_string();
         assert!(err.contains("needs a leaf that requires grad"), "{err}");
+    }
+    #[test]
+    fn a_deferred_gradient_reaches_its_tensor_scaled_by_the_probed_seed() {
+        let cpu = (Kind::Float, Device::Cpu);
+        let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
+        let s = &x * 2.0;
+        let (w, scale) = (
+            Tensor::zeros([3], cpu),
+            Tensor::zeros([1], (Kind::Double, Device::Cpu)),
+        );
+        let y = deferred(&(&x * 1.0), &s, &w, &scale).unwrap();
+        // Filled after the forward, as the balance fills them.
+        w.shallow_clone()
+            .copy_(&Tensor::from_slice(&[0.5f32, -1.0, 4.0]));
+        let _ = scale.shallow_clone().fill_(f64::NAN);
+        let value = Tensor::from(7.0f32);
+        let loss = y.sum(Kind::Float) + probe(&value, &scale).unwrap();
+        assert_eq!(loss.double_value(&[]), 13.0);
+        (loss * 3.0).backward();
+        // y's own gradient (3 each), and s's: w times the seed 3, times
+        // 2 through s = 2x.
+        let got = Vec::<f32>::try_from(x.grad()).unwrap();
+        assert_eq!(got, vec![3.0 + 3.0, 3.0 - 6.0, 3.0 + 24.0]);
+        assert_eq!(scale.double_value(&[0]), 3.0);
+        // Back-propagating from the term's tensor without the loss that
+        // holds the probe: the seed is unknown, and backward says so.
+        let x = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+        let _ = scale.shallow_clone().fill_(f64::NAN);
+        let y = deferred(&(&x * 1.0), &(&x * 1.0), &w.narrow(0, 0, 1), &scale).unwrap();
+        let err = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
+        assert!(err.contains("reached before the loss holding it"), "{err}");
     }
 }

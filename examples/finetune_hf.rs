@@ -708,9 +708,13 @@ fn main() -> Result<()> {
                 Some(p) => model.forward_packed(x, p)?,
                 None => model.forward(x),
             };
-            let loss = causal_lm_loss_over(&logits, x, counted, per);
+            let lm = causal_lm_loss_over(&logits, x, counted, per);
+            loss_sum += lm.to_kind(Kind::Double).double_value(&[]) * per;
+            // The router's load-balancing loss (`output_router_logits`)
+            // joins each micro-batch's loss, averaged as the engine
+            // averages them; the printed loss is the language model's.
+            let loss = model.plus_router_loss(lm);
             engine.backward(&loss)?;
-            loss_sum += loss.to_kind(Kind::Double).double_value(&[]) * per;
             engine.step()?;
         }
         if step % a.print_every == 0 || step + 1 == a.steps {

@@ -64,21 +64,30 @@ impl<B: Module + 'static> Module for Run<B> {
 }
 
 /// What the layers of these models read besides their input: whether
-/// dropout is on, and the documents a forward's rows pack. Taken when a
+/// dropout is on, the documents a forward's rows pack, and the router
+/// balance their experts record into (`crate::llama::balance`). Taken when a
 /// checkpointed layer's forward runs, put back around its recompute.
 fn state(training: &Training, decoding: &Arc<Decoding>) -> Capture {
     let (training, decoding) = (training.clone(), decoding.clone());
     Arc::new(move || {
         let (on, documents) = (training.on(), decoding.documents());
+        // The forward's router balance: recorded into by the forward (the
+        // replay's first run), carried again by each recompute, which
+        // records nothing twice.
+        let tally = decoding.tally().map(|(t, _)| t);
+        let first = AtomicBool::new(true);
         let (training, decoding) = (training.clone(), decoding.clone());
         let replay: Replay = Box::new(move || {
-            let was = (training.on(), decoding.documents());
+            let was = (training.on(), decoding.documents(), decoding.tally());
             training.set(on);
             decoding.set_documents(documents.as_ref().map(Documents::shared));
+            let recording = first.swap(false, Ordering::Relaxed);
+            decoding.set_tally(tally.clone().map(|t| (t, recording)));
             let (training, decoding) = (training.clone(), decoding.clone());
             Restore::new(move || {
                 training.set(was.0);
                 decoding.set_documents(was.1);
+                decoding.set_tally(was.2);
             })
         });
         replay

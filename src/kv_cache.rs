@@ -23,6 +23,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tch::{Kind, Tensor};
 
+use crate::llama::balance::Tally;
 use crate::llama::{rope_at, rope_from, Rotary};
 use crate::packing::Documents;
 
@@ -44,6 +45,10 @@ pub(crate) struct Decoding {
     /// offset and dtype: every layer of one forward computes the same
     /// (MPT's and BLOOM's slopes are the model's, not a layer's).
     alibi: Mutex<Option<(AlibiKey, Tensor)>>,
+    /// The running forward's router balance (`output_router_logits`),
+    /// and whether its layers record into it (not in a checkpointed
+    /// layer's recompute).
+    tally: Mutex<Option<(Arc<Tally>, bool)>>,
 }
 
 /// What an ALiBi mask is made for: its queries, their offset, its dtype.
@@ -59,7 +64,29 @@ impl Decoding {
             slots: Mutex::new(Vec::new()),
             documents: Mutex::new(None),
             alibi: Mutex::new(None),
+            tally: Mutex::new(None),
         })
+    }
+
+    /// Whether a generation with caches is running.
+    pub(crate) fn generating(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Sets the router balance this forward's layers see (and whether
+    /// they record into it), until another is set or a loss takes it.
+    pub(crate) fn set_tally(&self, tally: Option<(Arc<Tally>, bool)>) {
+        *self.tally.lock() = tally;
+    }
+
+    /// The router balance the layers see, if any.
+    pub(crate) fn tally(&self) -> Option<(Arc<Tally>, bool)> {
+        self.tally.lock().clone()
+    }
+
+    /// The last forward's router balance, taken: a loss adds it once.
+    pub(crate) fn take_tally(&self) -> Option<Arc<Tally>> {
+        self.tally.lock().take().map(|(t, _)| t)
     }
 
     /// Sets the documents this forward's tokens are packed in (`None`: a

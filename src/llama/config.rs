@@ -72,6 +72,13 @@ pub struct MoeConfig {
     /// by 1 or 1/3 as Heun's third-order estimate draws, whose gradient
     /// reaches the logits as sparsemixer's own backward sends it.
     pub sparse_mixer: Option<f64>,
+    /// The router's load-balancing loss's coefficient
+    /// (`router_aux_loss_coef`) when `output_router_logits` is true,
+    /// `None` when it is false: the loss of a training forward is then
+    /// the language model's plus this times the Switch Transformer's
+    /// balance over every layer with experts, as `transformers` adds it
+    /// ([`crate::hf::HfModel::plus_router_loss`]).
+    pub balance: Option<f64>,
 }
 
 /// Falcon-H1's µP multipliers ([`Family::FalconH1`]), each 1 unless
@@ -1863,6 +1870,14 @@ impl LlamaConfig {
         if let (Some(all), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
             all.extend(extra.clone());
         }
+        // The router's load-balancing loss, which the model trains with.
+        if let (Some(coef), Some(all)) = (
+            self.moe.as_ref().and_then(|m| m.balance),
+            json.as_object_mut(),
+        ) {
+            all.insert("output_router_logits".into(), true.into());
+            all.insert("router_aux_loss_coef".into(), coef.into());
+        }
         // Persimmon's class has no count of key-value heads: every head
         // has its own.
         if let (Family::Persimmon, Some(all)) = (self.family, json.as_object_mut()) {
@@ -1969,9 +1984,10 @@ impl LlamaConfig {
 
 /// Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V2's and
 /// V3's, GLM-4-MoE's, GPT-OSS's and Granite-MoE's experts
-/// ([`MoeConfig`]), `None` for the other families. The router's load-balancing loss (`output_router_logits`)
-/// and Mixtral's router jitter are refused: zrt's loss is the language
-/// model's alone.
+/// ([`MoeConfig`]), `None` for the other families. The router's
+/// load-balancing loss (`output_router_logits`) is taken for the families
+/// [`Family::balance_default`] names and refused for the others;
+/// Mixtral's router jitter is refused.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
@@ -2035,11 +2051,19 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     if family == Family::Jamba && j.size_or_none("num_experts")?.unwrap_or(16) <= 1 {
         return Ok(None);
     }
-    if j.flag_or("output_router_logits", false)? {
-        return Err(j.field(
-            "output_router_logits true: zrt's loss is the language model's; it does not add the router's load-balancing loss (set it to false)".into(),
-        ));
-    }
+    let balance = match (
+        j.flag_or("output_router_logits", false)?,
+        family.balance_default(),
+    ) {
+        (false, _) => None,
+        (true, Some(default)) => Some(j.number_or("router_aux_loss_coef", default)?),
+        (true, None) => {
+            return Err(j.field(format!(
+                "output_router_logits true: zrt adds the router's load-balancing loss for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax, Qwen3-Next, Jamba and the Granite MoEs, not for {} (its router or its loss differs); set it to false",
+                family.model_type()
+            )));
+        }
+    };
     if family == Family::Ernie4_5Moe {
         if j.flag_or("use_bias", false)? {
             return Err(j.field(
@@ -2255,6 +2279,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::Phimoe => Some(j.number_or("router_jitter_noise", 0.01)?),
             _ => None,
         },
+        balance,
     }))
 }
 

@@ -846,6 +846,28 @@ impl Family {
         matches!(self, Self::HunyuanDense | Self::HunyuanMoe)
     }
 
+    /// Whether zrt adds the router's load-balancing loss for the family
+    /// (`output_router_logits`), and its `router_aux_loss_coef` default:
+    /// the families whose `transformers` class computes
+    /// `load_balancing_loss_func` on the logits of a router that chooses
+    /// by their softmax's top `k`, as zrt's [`crate::llama`] balance
+    /// does.
+    pub(super) fn balance_default(self) -> Option<f64> {
+        match self {
+            Self::Mixtral
+            | Self::Qwen2Moe
+            | Self::Qwen3Moe
+            | Self::MiniMax
+            | Self::Qwen3Next
+            | Self::Jamba
+            | Self::GraniteMoe
+            | Self::GraniteMoeShared
+            | Self::GraniteMoeHybrid => Some(0.001),
+            Self::Olmoe | Self::FlexOlmo => Some(0.01),
+            _ => None,
+        }
+    }
+
     /// Granite-MoE's experts: Granite-MoE's, Granite-MoE-shared's and
     /// Granite 4.0's.
     pub(super) fn granite_moe(self) -> bool {

@@ -266,6 +266,10 @@ struct Experts {
     shared: Option<Box<Shared>>,
     /// JetMoE's bias on the routed sum (`mlp.bias`).
     bias: Option<Tensor>,
+    /// The model's shared state, when its config has the router's
+    /// load-balancing loss (`output_router_logits`): the forward's
+    /// tally the layer records into ([`super::balance`]).
+    balance: Option<Arc<Decoding>>,
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
@@ -641,6 +645,7 @@ impl Experts {
             normalize: m.normalize,
             shared,
             bias: (family == Family::JetMoe).then(|| p.zeros("bias", &[d])),
+            balance: None,
         }
     }
 
@@ -653,7 +658,7 @@ impl Experts {
     fn forward(&self, h: &Tensor, act: Activation, training: bool) -> Tensor {
         let (b, t, d) = h.size3().unwrap_or((1, 1, 1));
         let h = h.view([-1, d]);
-        let (weights, chosen) = self.route(&h, training);
+        let (weights, chosen, probs) = self.route(&h, training);
         // The sum in the weights' dtype: the input's, DeepSeek-V3's fp32.
         let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
@@ -686,17 +691,59 @@ impl Experts {
             };
         }
         let out = out.view([b, t, d]);
-        match &self.bias {
+        let out = match &self.bias {
             Some(bias) => out + bias,
             None => out,
+        };
+        match (&self.balance, probs) {
+            (Some(decoding), Some(probs)) => {
+                super::balance::balanced(out, &probs, &chosen, decoding)
+            }
+            _ => out,
         }
     }
 
     /// Each token's `k` experts `[tokens, k]` and their weights: the
     /// softmax's top `k` in the input's dtype, or DeepSeek-V3's choice
     /// within the best groups, its weights in fp32; PhiMoE's
-    /// sparsemixer's, drawing in `training`.
-    fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor) {
+    /// sparsemixer's, drawing in `training`. Third, the softmax over
+    /// every expert (fp32) where the router takes its top `k`, which the
+    /// load-balancing loss reads ([`super::balance`]).
+    fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor, Option<Tensor>) {
+        let (weights, chosen) = match &self.router {
+            Router::Softmax {
+                gate,
+                correction: None,
+            } => {
+                let probs = gate.forward(h).softmax(1, Kind::Float);
+                let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
+                let weights = self.normalized(weights);
+                return (weights.to_kind(h.kind()), chosen, Some(probs));
+            }
+            _ => self.route_other(h, training),
+        };
+        (weights, chosen, None)
+    }
+
+    /// The top `k` `weights` (fp32) over their sum when the router
+    /// renormalises them: over at least ERNIE 4.5's `moe_norm_min`,
+    /// 1e-12 (which never binds elsewhere: the top score is 1/experts or
+    /// more).
+    fn normalized(&self, weights: Tensor) -> Tensor {
+        match self.normalize {
+            true => {
+                &weights
+                    / weights
+                        .sum_dim_intlist(-1, true, Kind::Float)
+                        .clamp_min(1e-12)
+            }
+            false => weights,
+        }
+    }
+
+    /// [`Self::route`]'s experts and weights for every router but the
+    /// plain softmax.
+    fn route_other(&self, h: &Tensor, training: bool) -> (Tensor, Tensor) {
         let (weight, correction, g) = match &self.router {
             Router::SparseMixer { gate, eps } => {
                 return super::sparse_mixer::route(&gate.forward(h), *eps, training);
@@ -721,13 +768,7 @@ impl Experts {
                         (probs.gather(1, &chosen, false), chosen)
                     }
                 };
-                // Over at least ERNIE 4.5's `moe_norm_min`, 1e-12 (which
-                // never binds elsewhere: the top score is 1/experts or more).
-                let weights = match self.normalize {
-                    true => &weights / weights.sum_dim_intlist(-1, true, f).clamp_min(1e-12),
-                    false => weights,
-                };
-                return (weights.to_kind(h.kind()), chosen);
+                return (self.normalized(weights).to_kind(h.kind()), chosen);
             }
             Router::Grouped {
                 weight,
@@ -951,7 +992,9 @@ impl Layer {
                         }
                         _ => m,
                     };
-                    Mlp::Experts(Experts::new((p, &under), (d, moe), c.family, (lin, lora)))
+                    let mut experts = Experts::new((p, &under), (d, moe), c.family, (lin, lora));
+                    experts.balance = moe.balance.map(|_| decoding.clone());
+                    Mlp::Experts(experts)
                 }
                 // StarCoder2's `c_fc`/`c_proj`, Arcee's `up_proj`/`down_proj`.
                 _ if !c.family.gated() => {

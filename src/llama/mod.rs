@@ -49,6 +49,7 @@
 //! tch's `nn::Optimizer` takes dense gradients only, so train the model
 //! with the engine (any stage, one rank too).
 
+pub(crate) mod balance;
 mod bloom;
 mod config;
 mod dbrx;
@@ -344,6 +345,8 @@ impl Llama {
     /// ([`crate::hf::HfModel::forward_packed`]).
     pub(crate) fn forward_in(&self, tokens: &Tensor, documents: Option<Documents>) -> Tensor {
         self.decoding.set_documents(documents);
+        let balance = (self.cfg.moe.as_ref()).and_then(|m| m.balance.map(|c| (c, m.experts)));
+        balance::start(&self.decoding, balance, self.decoding.generating());
         // NEFTune's noise joins the embedding module's output: Gemma 3's,
         // BioGPT's and XGLM's scale the rows inside it, the others' models
         // outside.
@@ -430,9 +433,23 @@ impl Llama {
     }
 
     /// `LlamaForCausalLM`'s loss with `labels = tokens`
-    /// ([`crate::hf::causal_lm_loss`]).
+    /// ([`crate::hf::causal_lm_loss`]), plus the router's load-balancing
+    /// loss when its config has `output_router_logits`
+    /// ([`Self::plus_router_loss`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        crate::hf::causal_lm_loss(&self.forward(tokens), tokens)
+        let lm = crate::hf::causal_lm_loss(&self.forward(tokens), tokens);
+        self.plus_router_loss(lm)
+    }
+
+    /// `loss` plus the last forward's router load-balancing loss times
+    /// `router_aux_loss_coef`, when the config has `output_router_logits`
+    /// (`transformers`' `loss += router_aux_loss_coef * aux_loss`): the
+    /// Switch Transformer's balance over every layer with experts
+    /// (`load_balancing_loss_func`), its gradient reaching the routers
+    /// when `loss` is back-propagated. It takes that forward's term: a
+    /// second call adds nothing. `loss` itself otherwise.
+    pub fn plus_router_loss(&self, loss: Tensor) -> Tensor {
+        balance::plus(loss, &self.decoding)
     }
 
     /// The sizes it was built with.

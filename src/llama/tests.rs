@@ -805,13 +805,16 @@ fn a_jamba_config_is_read_and_counted_with_its_layers_where_its_periods_put_them
                 r#""mamba_d_conv": 0"#,
                 "mamba_d_conv",
             ),
-            (
-                r#""num_experts_per_tok": 2"#,
-                r#""num_experts_per_tok": 2, "output_router_logits": true"#,
-                "output_router_logits true: zrt's loss is the language model's",
-            ),
         ],
     );
+    // The routers' load-balancing loss at the class's coefficient.
+    let balanced = dir
+        .read(&v01.replace(
+            r#""num_experts_per_tok": 2"#,
+            r#""num_experts_per_tok": 2, "output_router_logits": true"#,
+        ))
+        .unwrap();
+    assert_eq!(balanced.moe.and_then(|m| m.balance), Some(0.001));
 }
 
 #[test]
@@ -1155,13 +1158,16 @@ fn a_qwen3_next_config_is_read_with_its_delta_nets_and_counted() {
                 r#""model_type": "qwen3_next", "full_attention_interval": 0"#,
                 "`full_attention_interval` is missing or not a positive integer",
             ),
-            (
-                r#""model_type": "qwen3_next""#,
-                r#""model_type": "qwen3_next", "output_router_logits": true"#,
-                "output_router_logits true",
-            ),
         ],
     );
+    // The routers' load-balancing loss at the class's coefficient.
+    let balanced = dir
+        .read(&defaults.replace(
+            r#""model_type": "qwen3_next""#,
+            r#""model_type": "qwen3_next", "output_router_logits": true"#,
+        ))
+        .unwrap();
+    assert_eq!(balanced.moe.and_then(|m| m.balance), Some(0.001));
 }
 
 #[test]
@@ -1479,13 +1485,29 @@ fn granitemoe_configs_are_read_and_counted() {
         .replace(r#""num_local_experts": 32"#, r#""num_local_experts": 40"#);
     let l = dir.read(&large).unwrap();
     assert_eq!(total(&l), 3298793472);
-    dir.round_trips([c, l]);
-    dir.refuses(
-        &small.replace(
+    // The routers' load-balancing loss at the class's coefficient,
+    // written back on export.
+    let balanced = dir
+        .read(&small.replace(
             r#""output_router_logits": false"#,
             r#""output_router_logits": true"#,
-        ),
-        "output_router_logits true",
+        ))
+        .unwrap();
+    assert_eq!(balanced.moe.as_ref().and_then(|m| m.balance), Some(0.001));
+    dir.round_trips([c, l, balanced]);
+    // GPT-OSS's balance reads its routers' scattered top-k weights, not
+    // their logits: refused, naming the families zrt balances.
+    dir.refuses(
+        &small
+            .replace(
+                r#""model_type": "granitemoe""#,
+                r#""model_type": "gpt_oss""#,
+            )
+            .replace(
+                r#""output_router_logits": false"#,
+                r#""output_router_logits": true"#,
+            ),
+        "not for gpt_oss (its router or its loss differs)",
     );
 }
 
@@ -2606,7 +2628,7 @@ fn jetmoe_configs_are_read_and_counted() {
             (
                 r#""rms_norm_eps": 1e-05"#,
                 r#""rms_norm_eps": 1e-05, "output_router_logits": true"#,
-                "output_router_logits true: zrt's loss is the language model's",
+                "not for jetmoe (its router or its loss differs); set it to false",
             ),
         ],
     );
@@ -2710,6 +2732,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         grouped: None,
         jitter: 0.0,
         sparse_mixer: None,
+        balance: None,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -2735,6 +2758,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         grouped: None,
         jitter: 0.0,
         sparse_mixer: None,
+        balance: None,
     };
     assert_eq!(
         (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
@@ -2770,13 +2794,34 @@ fn mixture_of_experts_configs_are_read_and_counted() {
     );
     let clipped = read(&olmoe.replace(r#""clip_qkv": null"#, r#""clip_qkv": 8.0"#)).unwrap();
     assert_eq!(clipped.clip_qkv, Some(8.0));
-    dir.round_trips([m, q, d, q2, no_bias.unwrap(), o, clipped]);
+    // The routers' load-balancing loss: Mixtral's coefficient as its
+    // config says, OLMoE's class default; written back on export.
+    let balanced = read(&mixtral.replace(
+        r#""output_router_logits": false"#,
+        r#""output_router_logits": true"#,
+    ))
+    .unwrap();
+    let o_balanced = read(&olmoe.replace(
+        r#""clip_qkv": null"#,
+        r#""clip_qkv": null, "output_router_logits": true"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        [&balanced, &o_balanced, &m].map(|c| c.moe.as_ref().and_then(|e| e.balance)),
+        [Some(0.02), Some(0.01), None]
+    );
+    dir.round_trips([
+        m,
+        q,
+        d,
+        q2,
+        no_bias.unwrap(),
+        o,
+        clipped,
+        balanced,
+        o_balanced,
+    ]);
     for (from, to, says) in [
-        (
-            r#""output_router_logits": false"#,
-            r#""output_router_logits": true"#,
-            "does not add the router's load-balancing loss",
-        ),
         (
             r#""router_aux_loss_coef": 0.02"#,
             r#""router_jitter_noise": 0.01"#,
@@ -2925,6 +2970,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 grouped: None,
                 jitter: 0.0,
                 sparse_mixer: None,
+                balance: None,
             }),
             ..base.clone()
         },
@@ -2941,6 +2987,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 grouped: None,
                 jitter: 0.0,
                 sparse_mixer: None,
+                balance: None,
             }),
             ..base.clone()
         },
@@ -2985,6 +3032,7 @@ fn unit_params_count_what_the_built_model_holds() {
             }),
             jitter: 0.0,
             sparse_mixer: None,
+            balance: None,
         }),
         mla: Some(mla.clone()),
         ..base.clone()
@@ -3088,6 +3136,7 @@ fn unit_params_count_what_the_built_model_holds() {
             grouped: None,
             jitter: 0.0,
             sparse_mixer: None,
+            balance: None,
         }),
         ..base.clone()
     };
@@ -3126,6 +3175,7 @@ fn unit_params_count_what_the_built_model_holds() {
             grouped: None,
             jitter: 0.0,
             sparse_mixer: None,
+            balance: None,
         }),
         ..base.clone()
     };
@@ -3169,4 +3219,54 @@ fn unit_params_count_what_the_built_model_holds() {
         let units = cfg.unit_params();
         assert_eq!(held_by_unit(&vs, &units), units, "{cfg:?}");
     }
+}
+
+#[test]
+fn the_routers_balance_reaches_them_only_through_the_loss_that_holds_it() {
+    let dir = ConfigDir::new("balance");
+    let json = r#"{"model_type": "mixtral", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 16, "output_router_logits": true, "router_aux_loss_coef": 0.5}"#;
+    let balanced = dir.read(json).unwrap();
+    let plain = dir
+        .read(&json.replace(
+            r#""output_router_logits": true"#,
+            r#""output_router_logits": false"#,
+        ))
+        .unwrap();
+    tch::manual_seed(0);
+    let tokens = Tensor::randint(32, [2, 8], (tch::Kind::Int64, tch::Device::Cpu));
+    // The first router's gradient, back-propagating the language model's
+    // loss (`Lm`), that loss after the balance was added to a copy of it
+    // (`Beside`), or the sum (`Sum`).
+    enum Seed {
+        Lm,
+        Beside,
+        Sum,
+    }
+    let router_grad = |cfg: &LlamaConfig, seed: Seed| -> Result<Tensor, String> {
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let model = Llama::new(&vs.root(), &ShardPlan::new(), cfg);
+        let lm = crate::hf::causal_lm_loss(&model.forward(&tokens), &tokens);
+        let loss = match seed {
+            Seed::Lm => lm,
+            Seed::Beside => {
+                let _sum = model.plus_router_loss(lm.shallow_clone());
+                lm
+            }
+            Seed::Sum => model.plus_router_loss(lm),
+        };
+        loss.f_backward().map_err(|e| e.to_string())?;
+        Ok(vs.variables()["model.layers.0.block_sparse_moe.gate.weight"].grad())
+    };
+    let unbalanced = router_grad(&plain, Seed::Lm).unwrap();
+    // A loss that left the balance out gives the routers none of it.
+    let left_out = router_grad(&balanced, Seed::Lm).unwrap();
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    assert_eq!(diff(&left_out, &unbalanced), 0.0);
+    let with = router_grad(&balanced, Seed::Sum).unwrap();
+    assert!(diff(&with, &unbalanced) > 1e-3, "{with} {unbalanced}");
+    // Back-propagating another loss than the one that took it is an
+    // error, not a silently missing gradient.
+    let err = router_grad(&balanced, Seed::Beside).unwrap_err();
+    assert!(err.contains("reached before the loss holding it"), "{err}");
 }

@@ -488,12 +488,13 @@ impl HfModel {
     /// `loss` plus the last forward's router load-balancing loss times
     /// `router_aux_loss_coef`, for a model with experts whose config has
     /// `output_router_logits` true (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-    /// FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs): what
-    /// `transformers` adds to the loss given `labels`, the Switch
-    /// Transformer's balance over every layer with experts (`load_balancing_loss_func`, over every token:
-    /// zrt takes no attention mask). Its gradient reaches the routers
-    /// when the sum is back-propagated, checkpointed layers' too. The
-    /// loss methods add it; a loss made from [`Self::forward`]'s logits
+    /// FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs, DBRX,
+    /// GPT-OSS): what `transformers` adds to the loss given `labels`,
+    /// the Switch Transformer's balance over every layer with experts
+    /// (`load_balancing_loss_func`, over every token: zrt takes no
+    /// attention mask). Its gradient reaches the routers when the sum is
+    /// back-propagated, checkpointed layers' too. The loss methods add
+    /// it; a loss made from [`Self::forward`]'s logits
     /// ([`causal_lm_loss_over`]) takes it here. Each forward's term is
     /// added once (a second call adds nothing); `loss` itself for every
     /// other model.

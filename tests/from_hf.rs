@@ -305,6 +305,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // DBRX training with its routers' load-balancing loss
+    // (`ffn_config.moe_loss_weight`; its class records the softmax).
+    Case {
+        name: "dbrx-balanced",
+        python: (
+            "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
+            "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={'kv_n_heads': 2, 'clip_qkv': 0.3, 'rope_theta': 1000.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2, 'moe_loss_weight': 0.5}, output_router_logits=True",
+        ),
+        load: "",
+    },
     // Falcon 7B's layout: 4 heads sharing one key and value in the
     // fused matrix, the attention and the GELU MLP side by side after
     // one LayerNorm, the head tied.
@@ -1082,6 +1092,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GPT-OSS training with its routers' load-balancing loss, over
+    // its routers' top-k weights scattered over the experts (what its
+    // class records), not their logits.
+    Case {
+        name: "gpt-oss-balanced",
+        python: (
+            "from transformers import GptOssConfig as C, GptOssForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'beta_fast': 32.0, 'beta_slow': 1.0, 'truncate': False, 'original_max_position_embeddings': 16}, output_router_logits=True, router_aux_loss_coef=0.5",
+        ),
+        load: "",
+    },
     // Qwen3: each head's queries and keys normalised, a head_dim of its
     // own, the head tied.
     Case {
@@ -1405,6 +1426,16 @@ fn a_qwen3_next_checkpoint_balances_its_layers_with_experts_as_transformers_does
 #[test]
 fn a_minimax_checkpoint_trains_with_its_routers_load_balancing_loss_as_transformers_does() {
     parity("minimax-balanced");
+}
+
+#[test]
+fn a_dbrx_checkpoint_trains_with_its_routers_load_balancing_loss_as_transformers_does() {
+    parity("dbrx-balanced");
+}
+
+#[test]
+fn a_gpt_oss_checkpoint_balances_its_routers_scattered_weights_as_transformers_does() {
+    parity("gpt-oss-balanced");
 }
 
 #[test]

@@ -2057,9 +2057,17 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     ) {
         (false, _) => None,
         (true, Some(default)) => Some(j.number_or("router_aux_loss_coef", default)?),
+        // `JetMoeForCausalLM` adds it only when its forward is given
+        // `output_router_logits=True`, and then fails (it has no
+        // `num_experts`): there is no loss of its to train as.
+        (true, None) if family == Family::JetMoe => {
+            return Err(j.field(
+                "output_router_logits true: transformers' JetMoeForCausalLM never adds its routers' load-balancing loss from the config (asked in forward, it fails: it has no num_experts), so zrt has no JetMoE balance to train as; set it to false".into(),
+            ));
+        }
         (true, None) => {
             return Err(j.field(format!(
-                "output_router_logits true: zrt adds the router's load-balancing loss for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax, Qwen3-Next, Jamba and the Granite MoEs, not for {} (its router or its loss differs); set it to false",
+                "output_router_logits true: zrt adds the router's load-balancing loss for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs, DBRX and GPT-OSS, not for {} (its router chooses otherwise); set it to false",
                 family.model_type()
             )));
         }

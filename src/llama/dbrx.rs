@@ -73,10 +73,11 @@ const FIELDS: [Field; 14] = [
 ];
 
 /// The flat fields read beside [`FIELDS`] that need more than a copy.
-const OTHERS: [(&str, &str); 3] = [
+const OTHERS: [(&str, &str); 4] = [
     ("hidden_act", "ffn_config.ffn_act_fn"),
     ("moe_jitter_eps", "ffn_config.moe_jitter_eps"),
     ("norm_topk_prob", "ffn_config.moe_normalize_expert_weights"),
+    ("router_aux_loss_coef", "ffn_config.moe_loss_weight"),
 ];
 
 /// What each sub-config's class takes (it raises on any other field);
@@ -176,6 +177,11 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
         }
     };
     out.insert("norm_topk_prob".into(), normalize.into());
+    // The routers' load-balancing loss's weight, read where the shared
+    // reader reads the others' (`output_router_logits` is top-level).
+    if let Some(w) = ffn.get("moe_loss_weight") {
+        out.insert("router_aux_loss_coef".into(), w.clone());
+    }
     Ok(j.reading(Value::Object(out)))
 }
 
@@ -200,6 +206,7 @@ pub(super) fn to_json(c: &LlamaConfig) -> Value {
         "emb_pdrop": c.embedding_dropout,
         "pad_token_id": c.pad_token,
         "tie_word_embeddings": false,
+        "output_router_logits": moe.and_then(|m| m.balance).is_some(),
         "attn_config": {
             "attn_pdrop": c.attention_dropout,
             "clip_qkv": c.clip_qkv,
@@ -213,6 +220,8 @@ pub(super) fn to_json(c: &LlamaConfig) -> Value {
             "moe_top_k": moe.map_or(1, |m| m.top_k),
             "moe_jitter_eps": moe.map(|m| m.jitter).filter(|&j| j > 0.0),
             "moe_normalize_expert_weights": moe.is_none_or(|m| m.normalize).then_some(1.0),
+            // The class's default unless the model trains with another.
+            "moe_loss_weight": moe.and_then(|m| m.balance).unwrap_or(0.01),
         },
     })
 }

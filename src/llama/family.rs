@@ -848,10 +848,10 @@ impl Family {
 
     /// Whether zrt adds the router's load-balancing loss for the family
     /// (`output_router_logits`), and its `router_aux_loss_coef` default:
-    /// the families whose `transformers` class computes
-    /// `load_balancing_loss_func` on the logits of a router that chooses
-    /// by their softmax's top `k`, as zrt's [`crate::llama`] balance
-    /// does.
+    /// the families whose `transformers` class computes the Switch
+    /// Transformer's `load_balancing_loss_func` on what a router that
+    /// chooses by its logits' top `k` records, as zrt's balance
+    /// (`llama::balance`) does.
     pub(super) fn balance_default(self) -> Option<f64> {
         match self {
             Self::Mixtral
@@ -863,7 +863,10 @@ impl Family {
             | Self::GraniteMoe
             | Self::GraniteMoeShared
             | Self::GraniteMoeHybrid => Some(0.001),
-            Self::Olmoe | Self::FlexOlmo => Some(0.01),
+            // DBRX's `ffn_config.moe_loss_weight`.
+            Self::Olmoe | Self::FlexOlmo | Self::Dbrx => Some(0.01),
+            // GPT-OSS's balances its routers' scattered top-k weights.
+            Self::GptOss => Some(0.9),
             _ => None,
         }
     }

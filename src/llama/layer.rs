@@ -270,6 +270,10 @@ struct Experts {
     /// load-balancing loss (`output_router_logits`): the forward's
     /// tally the layer records into ([`super::balance`]).
     balance: Option<Arc<Decoding>>,
+    /// GPT-OSS's balance: over its router's top `k` weights scattered
+    /// over the experts (zeros elsewhere), which its class records, not
+    /// over its logits.
+    scattered: bool,
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
@@ -646,6 +650,7 @@ impl Experts {
             shared,
             bias: (family == Family::JetMoe).then(|| p.zeros("bias", &[d])),
             balance: None,
+            scattered: family == Family::GptOss,
         }
     }
 
@@ -706,23 +711,31 @@ impl Experts {
     /// Each token's `k` experts `[tokens, k]` and their weights: the
     /// softmax's top `k` in the input's dtype, or DeepSeek-V3's choice
     /// within the best groups, its weights in fp32; PhiMoE's
-    /// sparsemixer's, drawing in `training`. Third, the softmax over
-    /// every expert (fp32) where the router takes its top `k`, which the
-    /// load-balancing loss reads ([`super::balance`]).
+    /// sparsemixer's, drawing in `training`. Third, when the model
+    /// trains with the load-balancing loss, the routing probabilities it
+    /// balances (fp32, [`super::balance`]): the softmax over every
+    /// expert's logit, GPT-OSS's over its scattered weights.
     fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor, Option<Tensor>) {
-        let (weights, chosen) = match &self.router {
+        let f = Kind::Float;
+        match &self.router {
             Router::Softmax {
                 gate,
                 correction: None,
             } => {
-                let probs = gate.forward(h).softmax(1, Kind::Float);
+                let probs = gate.forward(h).softmax(1, f);
                 let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
                 let weights = self.normalized(weights);
-                return (weights.to_kind(h.kind()), chosen, Some(probs));
+                let balanced = self.balance.as_ref().map(|_| match self.scattered {
+                    true => (probs.zeros_like().scatter(1, &chosen, &weights)).softmax(1, f),
+                    false => probs,
+                });
+                (weights.to_kind(h.kind()), chosen, balanced)
             }
-            _ => self.route_other(h, training),
-        };
-        (weights, chosen, None)
+            _ => {
+                let (weights, chosen) = self.route_other(h, training);
+                (weights, chosen, None)
+            }
+        }
     }
 
     /// The top `k` `weights` (fp32) over their sum when the router

@@ -1495,19 +1495,16 @@ fn granitemoe_configs_are_read_and_counted() {
         .unwrap();
     assert_eq!(balanced.moe.as_ref().and_then(|m| m.balance), Some(0.001));
     dir.round_trips([c, l, balanced]);
-    // GPT-OSS's balance reads its routers' scattered top-k weights, not
-    // their logits: refused, naming the families zrt balances.
+    // PhiMoE's sparsemixer chooses otherwise: refused, naming the
+    // families zrt balances.
     dir.refuses(
         &small
-            .replace(
-                r#""model_type": "granitemoe""#,
-                r#""model_type": "gpt_oss""#,
-            )
+            .replace(r#""model_type": "granitemoe""#, r#""model_type": "phimoe""#)
             .replace(
                 r#""output_router_logits": false"#,
                 r#""output_router_logits": true"#,
             ),
-        "not for gpt_oss (its router or its loss differs)",
+        "DBRX and GPT-OSS, not for phimoe (its router chooses otherwise)",
     );
 }
 
@@ -1847,7 +1844,19 @@ fn dbrx_configs_are_read_and_counted() {
         .unwrap();
     assert_eq!(spelled.hidden, 512);
     assert!(!spelled.moe.clone().unwrap().normalize);
-    dir.round_trips([c, defaults, spelled]);
+    // The routers' load-balancing loss, weighted by
+    // `ffn_config.moe_loss_weight`, written back there.
+    let balanced = dir
+        .read(&given.replace(
+            r#""output_router_logits": false"#,
+            r#""output_router_logits": true"#,
+        ))
+        .unwrap();
+    assert_eq!(
+        [&balanced, &c].map(|c| c.moe.as_ref().and_then(|m| m.balance)),
+        [Some(0.05), None]
+    );
+    dir.round_trips([c, defaults, spelled, balanced]);
     dir.refuses(
         &given.replace(r#""kv_n_heads": 8"#, r#""kv_n_heads": 5"#),
         "attn_config.kv_n_heads 5 does not divide n_heads 48",
@@ -2619,18 +2628,15 @@ fn jetmoe_configs_are_read_and_counted() {
     dir.round_trips([defaults, c]);
     dir.refuses_replaced(
         eight,
-        &[
-            (
-                r#""num_attention_heads": 32"#,
-                r#""num_attention_heads": 16"#,
-                "num_attention_heads 16: JetMoE's attention has num_key_value_heads 16 x num_experts_per_tok 2 = 32 heads",
-            ),
-            (
-                r#""rms_norm_eps": 1e-05"#,
-                r#""rms_norm_eps": 1e-05, "output_router_logits": true"#,
-                "not for jetmoe (its router or its loss differs); set it to false",
-            ),
-        ],
+        &[(
+            r#""num_attention_heads": 32"#,
+            r#""num_attention_heads": 16"#,
+            "num_attention_heads 16: JetMoE's attention has num_key_value_heads 16 x num_experts_per_tok 2 = 32 heads",
+        ), (
+            r#""rms_norm_eps": 1e-05"#,
+            r#""rms_norm_eps": 1e-05, "output_router_logits": true"#,
+            "transformers' JetMoeForCausalLM never adds its routers' load-balancing loss from the config",
+        )],
     );
 }
 

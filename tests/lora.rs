@@ -989,6 +989,26 @@ fn lora_adapters_on_dbrxs_fused_attention_and_router_train_as_peft_does() {
     parity("dbrx", &DBRX, &[(3, false, Held::Fp32)]);
 }
 
+/// DBRX's case training with its routers' load-balancing loss (weight
+/// 0.5): its gradient reaches the adapters on the routers, and through
+/// the routers' input, the attention's; recomputed at stage 3 too.
+const DBRX_BALANCED: Case = Case {
+    python: (
+        "from transformers import DbrxConfig as C, DbrxForCausalLM as M",
+        "vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={'kv_n_heads': 2, 'clip_qkv': 8.0}, ffn_config={'ffn_hidden_size': 32, 'moe_num_experts': 4, 'moe_top_k': 2, 'moe_loss_weight': 0.5}, output_router_logits=True",
+    ),
+    ..DBRX
+};
+
+#[test]
+fn lora_adapters_on_dbrx_train_with_its_routers_load_balancing_loss_as_peft_does() {
+    parity(
+        "dbrx-balanced",
+        &DBRX_BALANCED,
+        &[(0, false, Held::Fp32), (3, true, Held::Fp32)],
+    );
+}
+
 #[test]
 fn lora_adapters_on_falcons_grouped_attention_and_mlp_train_as_peft_does() {
     parity("falcon", &FALCON, &[(3, false, Held::Fp32)]);

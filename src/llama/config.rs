@@ -73,7 +73,8 @@ pub struct MoeConfig {
     /// reaches the logits as sparsemixer's own backward sends it.
     pub sparse_mixer: Option<f64>,
     /// The router's load-balancing loss's coefficient
-    /// (`router_aux_loss_coef`) when `output_router_logits` is true,
+    /// (`router_aux_loss_coef`; DBRX's `ffn_config.moe_loss_weight`)
+    /// when `output_router_logits` is true,
     /// `None` when it is false: the loss of a training forward is then
     /// the language model's plus this times the Switch Transformer's
     /// balance over every layer with experts, as `transformers` adds it

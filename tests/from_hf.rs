@@ -1787,17 +1787,30 @@ fn seeded_alone(name: &str) -> (HfModel, VarStore, Engine<LocalGroup>, std::path
     let case = case(name);
     let dir = scratch(&format!("{name}-alone"));
     common::write_seeded_model(case.python.0, case.python.1, &dir);
+    let ds = config_zero(0, 1, 0.0, "", "");
+    let (model, _, vs, e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
+    (model, vs, e, dir)
+}
+
+/// The checkpoint `hf` loaded with `options` on a one-rank world under
+/// the config `ds`: the model, its export layout, and what it needs kept
+/// while it runs (its variables, its engine).
+fn loaded_alone(
+    hf: &Path,
+    options: &HfOptions,
+    ds: &zrt::zero::Config,
+) -> (HfModel, ExportLayout, VarStore, Engine<LocalGroup>) {
     let vs = VarStore::new(tch::Device::Cpu);
     let plan = ShardPlan::new();
-    let (model, _) = {
+    let (model, layout) = {
         // Its layers draw values (the file's replace them): not inside
         // another test's seeded build (stage 3's packed parity failed at
         // step 0 that way).
         let _g = common::rng_lock();
-        HfModel::from_pretrained(&vs, &plan, dir.join("hf")).unwrap()
+        HfModel::from_pretrained_with(&vs, &plan, hf, options).unwrap()
     };
-    let e = common::solo_engine(&vs, &plan, &config_zero(0, 1, 0.0, "", "")).unwrap();
-    (model, vs, e, dir)
+    let e = common::solo_engine(&vs, &plan, ds).unwrap();
+    (model, layout, vs, e)
 }
 
 /// Falcon-RW's packed documents: `transformers`' Falcon builds its ALiBi
@@ -3439,20 +3452,13 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
         let get = tensors(&dir.join("packed.safetensors"));
         let (tokens, positions) = (ints(get("tokens")), ints(get("positions")));
         let hf = dir.join("hf");
-        let (made, first, losses, refused) = on_ranks(1, |r| {
-            let vs = VarStore::new(tch::Device::Cpu);
-            let plan = ShardPlan::new();
+        let (made, first, losses, refused) = {
             let options = HfOptions {
                 checkpoint_activations: true,
                 ..Default::default()
             };
-            let (model, _) = {
-                let _g = common::rng_lock();
-                HfModel::from_pretrained_with(&vs, &plan, &hf, &options).unwrap()
-            };
-            let group = r.new_group(&[0]).unwrap();
             let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
-            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+            let (model, _, _vs, e) = loaded_alone(&hf, &options, &ds);
             let x = Tensor::from_slice(&tokens).view([MICRO, SEQ]);
             let made = zrt::packing::document_positions(&x, &[EOS]);
             let p = Tensor::from_slice(&positions).view([MICRO, SEQ]);
@@ -3478,8 +3484,7 @@ save_file({{"tokens": tokens, "positions": pos, "logits": logits.contiguous(),
             ]
             .map(|r| r.err().map(|e| e.to_string()));
             (ints(made), first, losses, refused)
-        })
-        .remove(0);
+        };
         let [mask, past] = &refused;
         let mask = mask.as_deref().unwrap_or_default();
         assert!(
@@ -4082,16 +4087,9 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
     let (tokens, mask) = (ints(get("tokens")), ints(get("mask")));
     let theirs = get("loss").double_value(&[0]);
     let hf = dir.join("hf");
-    let (masked, all, plain, none) = on_ranks(1, |r| {
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let (model, _) = {
-            let _g = common::rng_lock();
-            HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
-        };
-        let group = r.new_group(&[0]).unwrap();
+    let (masked, all, plain, none) = {
         let ds = config_zero(0, 1, 0.0, "", "");
-        let engine = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let (model, _, _vs, engine) = loaded_alone(&hf, &HfOptions::default(), &ds);
         let x = Tensor::from_slice(&tokens).view([2, 16]);
         let m = Tensor::from_slice(&mask).view([2, 16]);
         let value = |l: Tensor| l.double_value(&[]);
@@ -4101,8 +4099,7 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
         let none = model.loss_masked(&x, &m.zeros_like());
         engine.backward(&none).unwrap();
         (masked, all, plain, value(none))
-    })
-    .remove(0);
+    };
     assert!(
         (masked - theirs).abs() <= 1e-6 * theirs.abs(),
         "zrt {masked}, transformers {theirs}"
@@ -4146,24 +4143,16 @@ save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
     let get = tensors(&dir.join("reference.safetensors"));
     let tokens = ints(get("tokens"));
     let (mm, out) = (dir.join("mm"), dir.join("out"));
-    let got = on_ranks(1, |r| {
-        let vs = VarStore::new(tch::Device::Cpu);
-        let plan = ShardPlan::new();
-        let (model, layout) = {
-            let _g = common::rng_lock();
-            HfModel::from_pretrained(&vs, &plan, &mm).unwrap()
-        };
-        let group = r.new_group(&[0]).unwrap();
+    let got = {
         let ds = config_zero(0, 1, 0.0, "", "");
-        let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let (model, layout, _vs, e) = loaded_alone(&mm, &HfOptions::default(), &ds);
         let x = Tensor::from_slice(&tokens).view([1, -1]);
         let logits = tch::no_grad(|| model.forward(&x));
         std::fs::create_dir_all(&out).unwrap();
         e.save_16bit_model_as(out.join("model.safetensors"), None, &layout)
             .unwrap();
         Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
-    })
-    .remove(0);
+    };
     let want = get("logits");
     let got = Tensor::from_slice(&got).view_as(&want);
     let diff = (&got - &want).abs().max().double_value(&[]);
@@ -4309,38 +4298,19 @@ fn the_routers_balance_is_scaled_as_the_engine_scales_the_loss() {
     // The routers' weights after two steps.
     let routers = |gas: usize, extra: &str| -> Vec<Tensor> {
         let ds = config_zero(0, gas, 0.0, extra, SHARD_ALL);
-        on_ranks(1, |r| {
-            let vs = VarStore::new(tch::Device::Cpu);
-            let plan = ShardPlan::new();
-            let (model, _) = {
-                let _g = common::rng_lock();
-                HfModel::from_pretrained(&vs, &plan, &hf).unwrap()
-            };
-            let group = r.new_group(&[0]).unwrap();
-            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
-            let x = Tensor::from_slice(&batch).view([MICRO, SEQ]);
-            for _ in 0..2 * gas {
-                e.backward(&model.loss(&x)).unwrap();
-                e.step().unwrap();
-            }
-            let mut names: Vec<String> = (vs.variables().into_keys())
-                .filter(|n| n.ends_with("gate.weight"))
-                .collect();
-            names.sort();
-            assert_eq!(names.len(), 2, "{names:?}");
-            let all = e.with_full_params(|| {
-                let vars = vs.variables();
-                names
-                    .iter()
-                    .map(|n| Vec::<f32>::try_from(vars[n].flatten(0, -1)).unwrap())
-                    .collect::<Vec<_>>()
-            });
-            all.unwrap()
-        })
-        .remove(0)
-        .into_iter()
-        .map(|v| Tensor::from_slice(&v))
-        .collect()
+        let (model, _, vs, e) = loaded_alone(&hf, &HfOptions::default(), &ds);
+        let x = Tensor::from_slice(&batch).view([MICRO, SEQ]);
+        for _ in 0..2 * gas {
+            e.backward(&model.loss(&x)).unwrap();
+            e.step().unwrap();
+        }
+        let mut names: Vec<String> = (vs.variables().into_keys())
+            .filter(|n| n.ends_with("gate.weight"))
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 2, "{names:?}");
+        let vars = vs.variables();
+        names.iter().map(|n| vars[n].detach().copy()).collect()
     };
     let far = |a: &[Tensor], b: &[Tensor]| {
         (a.iter().zip(b))

@@ -26,8 +26,13 @@
 //! reads. With `--save-dir` it checkpoints (every `--save-every` steps
 //! and at the end), and a run started again goes on from the latest
 //! checkpoint there, reading the windows the first run would have read.
+//! The first rank prints each step's loss over its counted tokens, and
+//! beside it (`aux`) the auxiliary losses the config adds (the routers'
+//! load-balancing loss with `output_router_logits`, Bamba's z-loss),
+//! which train with it ([`HfModel::plus_aux_losses`]).
 //! With `--eval-data` the first rank prints the mean loss of held-out
-//! windows before training, every `--eval-every` steps and at the end;
+//! windows (`transformers`' loss given labels: the auxiliary ones in
+//! it) before training, every `--eval-every` steps and at the end;
 //! with `--prompt TEXT`, the text's greedy continuation before training
 //! and at the end (`HfModel::greedy`, the checkpoint's tokenizer; with
 //! `--do-sample`, sampled: `HfModel::sample`; with `--chat`, the text
@@ -702,27 +707,43 @@ fn main() -> Result<()> {
             .sum();
         let items = world.all_reduce(vec![mine], ReduceOp::Sum).wait()?[0];
         let per = items_per_micro_step(items, world.size(), batch.gas);
-        let mut loss_sum = 0.0;
+        let (mut loss_sum, mut aux_sum) = (0.0, 0.0);
         for (x, positions, counted) in &micro_batches {
             let logits = match positions {
                 Some(p) => model.forward_packed(x, p)?,
                 None => model.forward(x),
             };
             let lm = causal_lm_loss_over(&logits, x, counted, per);
-            loss_sum += lm.to_kind(Kind::Double).double_value(&[]) * per;
-            // The router's load-balancing loss (`output_router_logits`)
-            // joins each micro-batch's loss, averaged as the engine
-            // averages them; the printed loss is the language model's.
-            let loss = model.plus_router_loss(lm);
+            let lm_value = lm.to_kind(Kind::Double).double_value(&[]);
+            loss_sum += lm_value * per;
+            // The auxiliary losses the config asks for (the routers'
+            // load-balancing loss, Bamba's z-loss) join each
+            // micro-batch's loss, averaged as the engine averages them:
+            // printed apart from the language model's.
+            let loss = model.plus_aux_losses(lm);
+            aux_sum += loss.to_kind(Kind::Double).double_value(&[]) - lm_value;
             engine.backward(&loss)?;
             engine.step()?;
         }
         if step % a.print_every == 0 || step + 1 == a.steps {
             // The step's loss over every counted token of every rank.
-            let all = world.all_reduce(vec![loss_sum], ReduceOp::Sum).wait()?[0];
-            let mean = all / items.max(1.0);
+            let all = world
+                .all_reduce(vec![loss_sum, aux_sum], ReduceOp::Sum)
+                .wait()?;
+            let mean = all[0] / items.max(1.0);
+            // The auxiliary terms' mean over the step's micro-batches.
+            let aux = match all[1] {
+                0.0 => String::new(),
+                sum => format!(
+                    "  aux {:.6}",
+                    sum / (world.size() as f64 * batch.gas as f64)
+                ),
+            };
             if rank == 0 {
-                println!("step {step:>5}  loss {mean:.6}  lr {:.3e}", engine.lr());
+                println!(
+                    "step {step:>5}  loss {mean:.6}{aux}  lr {:.3e}",
+                    engine.lr()
+                );
             }
         }
         let done = step + 1;

@@ -467,40 +467,47 @@ impl HfModel {
         let logits = self.forward_packed(tokens, positions)?;
         let counted = counted_targets(tokens, Some(positions), mask);
         let lm = causal_lm_loss_masked(&logits, tokens, &counted);
-        Ok(self.plus_router_loss(lm))
+        Ok(self.plus_aux_losses(lm))
     }
 
     /// The causal-LM loss with `labels = tokens` ([`causal_lm_loss`]),
-    /// plus the router's load-balancing loss when the config has
-    /// `output_router_logits` ([`Self::plus_router_loss`]; the same in
-    /// [`Self::loss_masked`] and [`Self::loss_packed`]).
+    /// plus the auxiliary losses the config asks for: the router's
+    /// load-balancing loss (`output_router_logits`), Bamba's z-loss
+    /// ([`Self::plus_aux_losses`]; the same in [`Self::loss_masked`] and
+    /// [`Self::loss_packed`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
-        self.plus_router_loss(causal_lm_loss(&self.forward(tokens), tokens))
+        self.plus_aux_losses(causal_lm_loss(&self.forward(tokens), tokens))
     }
 
     /// The causal-LM loss over the tokens `mask` marks only
     /// ([`causal_lm_loss_masked`]: a completion's, not its prompt's).
     pub fn loss_masked(&self, tokens: &Tensor, mask: &Tensor) -> Tensor {
         let lm = causal_lm_loss_masked(&self.forward(tokens), tokens, mask);
-        self.plus_router_loss(lm)
+        self.plus_aux_losses(lm)
     }
 
-    /// `loss` plus the last forward's router load-balancing loss times
-    /// `router_aux_loss_coef`, for a model with experts whose config has
-    /// `output_router_logits` true (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-    /// FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs, DBRX,
-    /// GPT-OSS): what `transformers` adds to the loss given `labels`,
-    /// the Switch Transformer's balance over every layer with experts
-    /// (`load_balancing_loss_func`, over every token: zrt takes no
-    /// attention mask). Its gradient reaches the routers when the sum is
-    /// back-propagated, checkpointed layers' too. The loss methods add
-    /// it; a loss made from [`Self::forward`]'s logits
-    /// ([`causal_lm_loss_over`]) takes it here. Each forward's term is
-    /// added once (a second call adds nothing); `loss` itself for every
-    /// other model.
-    pub fn plus_router_loss(&self, loss: Tensor) -> Tensor {
+    /// `loss` plus the last forward's auxiliary losses, what
+    /// `transformers` adds to the loss given `labels`:
+    ///
+    /// - the router's load-balancing loss times `router_aux_loss_coef`,
+    ///   for a model with experts whose config has `output_router_logits`
+    ///   true (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax,
+    ///   Qwen3-Next, Jamba, the Granite MoEs, DBRX, GPT-OSS): the Switch
+    ///   Transformer's balance over every layer with experts
+    ///   (`load_balancing_loss_func`, over every token: zrt takes no
+    ///   attention mask). Its gradient reaches the routers when the sum
+    ///   is back-propagated, checkpointed layers' too.
+    /// - Bamba's z-loss when its `z_loss_coefficient` is above 0: the
+    ///   coefficient times the mean, over every position, of the square
+    ///   of the logits' log-sum-exp.
+    ///
+    /// The loss methods add them; a loss made from [`Self::forward`]'s
+    /// logits ([`causal_lm_loss_over`]) takes them here. Each forward's
+    /// terms are added once (a second call adds nothing); `loss` itself
+    /// for every other model.
+    pub fn plus_aux_losses(&self, loss: Tensor) -> Tensor {
         match self {
-            Self::Llama(m) => m.plus_router_loss(loss),
+            Self::Llama(m) => m.plus_aux_losses(loss),
             _ => loss,
         }
     }

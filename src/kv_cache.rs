@@ -49,6 +49,9 @@ pub(crate) struct Decoding {
     /// and whether its layers record into it (not in a checkpointed
     /// layer's recompute).
     tally: Mutex<Option<(Arc<Tally>, bool)>>,
+    /// The last forward's z-loss term (Bamba's `z_loss_coefficient`),
+    /// with its graph, until a loss takes it.
+    z_loss: Mutex<Option<Tensor>>,
 }
 
 /// What an ALiBi mask is made for: its queries, their offset, its dtype.
@@ -65,6 +68,7 @@ impl Decoding {
             documents: Mutex::new(None),
             alibi: Mutex::new(None),
             tally: Mutex::new(None),
+            z_loss: Mutex::new(None),
         })
     }
 
@@ -87,6 +91,16 @@ impl Decoding {
     /// The last forward's router balance, taken: a loss adds it once.
     pub(crate) fn take_tally(&self) -> Option<Arc<Tally>> {
         self.tally.lock().take().map(|(t, _)| t)
+    }
+
+    /// Sets the last forward's z-loss term (`None`: it has none).
+    pub(crate) fn set_z_loss(&self, term: Option<Tensor>) {
+        *self.z_loss.lock() = term;
+    }
+
+    /// The last forward's z-loss term, taken: a loss adds it once.
+    pub(crate) fn take_z_loss(&self) -> Option<Tensor> {
+        self.z_loss.lock().take()
     }
 
     /// Sets the documents this forward's tokens are packed in (`None`: a

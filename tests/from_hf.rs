@@ -685,6 +685,16 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Bamba training with its z-loss: at 0.01 times the squared
+    // log-sum-exp (about 4.6 at the start), a fifth of a unit of loss.
+    Case {
+        name: "bamba-z-loss",
+        python: (
+            "from transformers import BambaConfig as C, BambaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=6, attn_layer_indices=[1], z_loss_coefficient=0.01",
+        ),
+        load: "",
+    },
     // Jamba: Mamba layers (the first Mamba's selective scan, biased
     // projections) and attending ones without positions, every other
     // from the second; experts every other layer from the first (the
@@ -1471,6 +1481,11 @@ fn a_granite_4_checkpoint_with_mamba_layers_trains_as_transformers_does() {
 #[test]
 fn a_bamba_checkpoint_with_mamba_layers_trains_as_transformers_does() {
     parity("bamba");
+}
+
+#[test]
+fn a_bamba_checkpoint_trains_with_its_z_loss_as_transformers_does() {
+    parity("bamba-z-loss");
 }
 
 #[test]
@@ -2514,6 +2529,84 @@ print(packed, sum(plain).item() / 2, by_file)
     assert!(!ok && said.contains("--no-dropout"), "{said}");
     assert!((theirs[0] - theirs[1]).abs() > 1e-3, "{theirs:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `finetune_hf` on a model whose config adds auxiliary losses (Bamba's
+/// z-loss, Mixtral's routers' balance): its held-out loss before training
+/// is `transformers`' loss given labels, those terms in it (which leave
+/// it more than 1e-2 from the language model's alone), and its steps
+/// print the terms beside the language model's loss.
+#[cfg(feature = "tokenize")]
+#[test]
+fn the_finetune_example_evaluates_and_trains_with_the_configs_auxiliary_losses() {
+    for name in ["bamba-z-loss", "mixtral-balanced"] {
+        let case = case(name);
+        let dir = scratch(&format!("finetune-{name}"));
+        let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, case.load);
+        let ids: Vec<u16> = (0..400u32)
+            .map(|i| 3 + ((i.wrapping_mul(2_654_435_761) >> 7) % 93) as u16)
+            .collect();
+        let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let data = dir.join("data.bin");
+        std::fs::write(&data, &bytes).unwrap();
+        // Each rank evaluates one window of 17: the file's first two.
+        let said = common::python(&format!(
+            r#"{model}
+import torch.nn.functional as F
+m.eval()
+ids = torch.tensor({first:?}).view(2, 17)
+with torch.no_grad():
+    full = sum(m(ids[r:r + 1], labels=ids[r:r + 1]).loss for r in range(2)).item() / 2
+    logits = m(ids).logits[:, :-1].float()
+    lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
+print(full, lm)
+"#,
+            first = &ids[..34]
+        ));
+        let theirs: Vec<f64> = said
+            .split_whitespace()
+            .map(|x| x.parse().unwrap())
+            .collect();
+        let ds = dir.join("ds.json");
+        std::fs::write(
+            &ds,
+            r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3}}"#,
+        )
+        .unwrap();
+        let hf = dir.join("hf");
+        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data", "--config"]
+            .into_iter()
+            .zip([&hf, &data, &data, &ds])
+            .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
+            .collect();
+        let more = [
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--eval-windows",
+            "1",
+            "--no-dropout",
+        ];
+        args.extend(more.iter().map(std::ffi::OsStr::new));
+        let (ok, said) = finetune(&args);
+        assert!(ok, "{said}");
+        let number = |at: &str| -> f64 {
+            let line = said.lines().find_map(|l| l.split_once(at));
+            let rest = line.unwrap_or_else(|| panic!("{name}, {at}: {said}")).1;
+            rest.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let (got, want) = (number("eval  after     0 steps  loss "), theirs[0]);
+        assert!(
+            (got - want).abs() < 1e-5 * want,
+            "{name}: zrt {got}, transformers {want}"
+        );
+        assert!((theirs[0] - theirs[1]).abs() > 1e-2, "{name}: {theirs:?}");
+        let aux = number("  aux ");
+        assert!(aux > 1e-3 && aux < 10.0, "{name}: {said}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 // The example needs the `tokenize` feature (its `--prompt`).

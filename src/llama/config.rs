@@ -78,7 +78,7 @@ pub struct MoeConfig {
     /// `None` when it is false: the loss of a training forward is then
     /// the language model's plus this times the Switch Transformer's
     /// balance over every layer with experts, as `transformers` adds it
-    /// ([`crate::hf::HfModel::plus_router_loss`]).
+    /// ([`crate::hf::HfModel::plus_aux_losses`]).
     pub balance: Option<f64>,
 }
 
@@ -472,6 +472,12 @@ pub struct LlamaConfig {
     /// gradients passing straight through to the full-precision weights
     /// and inputs. `false` for the other families.
     pub ternary: bool,
+    /// Bamba's `z_loss_coefficient`: the loss methods add it times the
+    /// mean over every position of the square of the logits'
+    /// log-sum-exp, as `BambaForCausalLM` adds it given labels
+    /// ([`crate::hf::HfModel::plus_aux_losses`]). 0 (none) for the other
+    /// families.
+    pub z_loss: f64,
 }
 
 impl LlamaConfig {
@@ -576,13 +582,16 @@ impl LlamaConfig {
                 family.model_type()
             )));
         }
-        if family == Family::Bamba {
-            let z = j.number_or("z_loss_coefficient", 0.0)?;
-            if z != 0.0 {
-                return Err(j.field(format!(
-                    "z_loss_coefficient {z}: zrt's loss is the language model's; it does not add Bamba's z-loss (set it to 0)"
-                )));
-            }
+        // Bamba's z-loss; `transformers` adds it when above 0, so a
+        // negative one would be ignored there: refused here.
+        let z_loss = match family {
+            Family::Bamba => j.number_or("z_loss_coefficient", 0.0)?,
+            _ => 0.0,
+        };
+        if !(z_loss.is_finite() && z_loss >= 0.0) {
+            return Err(j.field(format!(
+                "z_loss_coefficient {z_loss}: the z-loss's weight is 0 (none) or more"
+            )));
         }
         if j.flag_or("use_bidirectional_attention", false)? {
             return Err(j.field(
@@ -1068,6 +1077,7 @@ impl LlamaConfig {
                 _ => None,
             },
             ternary,
+            z_loss,
         })
     }
 
@@ -1917,7 +1927,7 @@ impl LlamaConfig {
                 false => at.into(),
             };
             all.insert("attn_layer_indices".into(), at);
-            all.insert("z_loss_coefficient".into(), 0.0.into());
+            all.insert("z_loss_coefficient".into(), self.z_loss.into());
         }
         // Granite 4.0's: its shared MLP (the MLP's width in a dense
         // model), its Mamba layers, whether it turns.

@@ -77,6 +77,7 @@ mod sparse_mixer;
 pub(crate) mod tests;
 mod xglm;
 mod xielu;
+mod z_loss;
 
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{
@@ -426,30 +427,34 @@ impl Llama {
             1.0 => logits,
             s => logits * s,
         };
-        match self.cfg.final_softcap {
+        let logits = match self.cfg.final_softcap {
             Some(cap) => (logits / cap).tanh() * cap,
             None => logits,
-        }
+        };
+        z_loss::record(&self.decoding, &logits, self.cfg.z_loss);
+        logits
     }
 
     /// `LlamaForCausalLM`'s loss with `labels = tokens`
-    /// ([`crate::hf::causal_lm_loss`]), plus the router's load-balancing
-    /// loss when its config has `output_router_logits`
-    /// ([`Self::plus_router_loss`]).
+    /// ([`crate::hf::causal_lm_loss`]), plus the auxiliary losses its
+    /// config asks for ([`Self::plus_aux_losses`]).
     pub fn loss(&self, tokens: &Tensor) -> Tensor {
         let lm = crate::hf::causal_lm_loss(&self.forward(tokens), tokens);
-        self.plus_router_loss(lm)
+        self.plus_aux_losses(lm)
     }
 
-    /// `loss` plus the last forward's router load-balancing loss times
-    /// `router_aux_loss_coef`, when the config has `output_router_logits`
-    /// (`transformers`' `loss += router_aux_loss_coef * aux_loss`): the
-    /// Switch Transformer's balance over every layer with experts
-    /// (`load_balancing_loss_func`), its gradient reaching the routers
-    /// when `loss` is back-propagated. It takes that forward's term: a
-    /// second call adds nothing. `loss` itself otherwise.
-    pub fn plus_router_loss(&self, loss: Tensor) -> Tensor {
-        balance::plus(loss, &self.decoding)
+    /// `loss` plus the last forward's auxiliary losses, as `transformers`
+    /// adds them given labels: the router's load-balancing loss times
+    /// `router_aux_loss_coef` when the config has `output_router_logits`
+    /// (`loss += router_aux_loss_coef * aux_loss`: the Switch
+    /// Transformer's balance over every layer with experts,
+    /// `load_balancing_loss_func`), its gradient reaching the routers when
+    /// `loss` is back-propagated; Bamba's z-loss when its
+    /// `z_loss_coefficient` is above 0 ([`LlamaConfig::z_loss`]). It takes
+    /// that forward's terms: a second call adds nothing. `loss` itself
+    /// otherwise.
+    pub fn plus_aux_losses(&self, loss: Tensor) -> Tensor {
+        z_loss::plus(balance::plus(loss, &self.decoding), &self.decoding)
     }
 
     /// The sizes it was built with.

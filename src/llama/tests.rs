@@ -143,6 +143,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         opt: None,
         local_layers: None,
         ternary: false,
+        z_loss: 0.0,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -723,7 +724,16 @@ fn a_bamba_config_is_read_and_counted_with_what_its_class_fixes() {
     let attending: Vec<i64> = (0..32).filter(|&l| b.mamba_layer(l).is_none()).collect();
     assert_eq!(attending, [9, 18, 27]);
     assert_eq!(total(&b), 9780235392);
-    dir.round_trips([b]);
+    assert_eq!(b.z_loss, 0.0);
+    // Its z-loss's weight is read and written back.
+    let z = dir
+        .read(&nine.replace(
+            r#""mamba_expand": 2"#,
+            r#""mamba_expand": 2, "z_loss_coefficient": 0.001"#,
+        ))
+        .unwrap();
+    assert_eq!(z.z_loss, 0.001);
+    dir.round_trips([b, z]);
     dir.refuses_replaced(
         nine,
         &[
@@ -734,8 +744,8 @@ fn a_bamba_config_is_read_and_counted_with_what_its_class_fixes() {
             ),
             (
                 r#""mamba_expand": 2"#,
-                r#""mamba_expand": 2, "z_loss_coefficient": 0.001"#,
-                "z_loss_coefficient 0.001: zrt's loss is the language model's",
+                r#""mamba_expand": 2, "z_loss_coefficient": -0.001"#,
+                "z_loss_coefficient -0.001: the z-loss's weight is 0 (none) or more",
             ),
         ],
     );
@@ -2922,6 +2932,7 @@ fn unit_params_count_what_the_built_model_holds() {
         opt: None,
         local_layers: None,
         ternary: false,
+        z_loss: 0.0,
     };
     let variants = [
         base.clone(),
@@ -3260,10 +3271,10 @@ fn the_routers_balance_reaches_them_only_through_the_loss_that_holds_it() {
         let loss = match seed {
             Seed::Lm => lm,
             Seed::Beside => {
-                let _sum = model.plus_router_loss(lm.shallow_clone());
+                let _sum = model.plus_aux_losses(lm.shallow_clone());
                 lm
             }
-            Seed::Sum => model.plus_router_loss(lm),
+            Seed::Sum => model.plus_aux_losses(lm),
         };
         loss.f_backward().map_err(|e| e.to_string())?;
         Ok(vs.variables()["model.layers.0.block_sparse_moe.gate.weight"].grad())

@@ -622,8 +622,9 @@ const GPT_OSS: Case = Case {
 /// Llama 4's stacked experts (on layers 1 and 3 of 4; the gate's
 /// columns then the up's, each token's input scaled): `gate_up_proj`
 /// `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`), `down_proj` `[4, 32, 64]`
-/// (A `[16, 32]`, B `[64, 16]`), beside every layer's queries. To 1e-4:
-/// one element of layer 1's `down_proj` B ends 7.6e-5 from PEFT's (every
+/// (A `[16, 32]`, B `[64, 16]`), beside every layer's queries. To 2e-4:
+/// one element of layer 1's `down_proj` B ends 7.6e-5 from PEFT's on an
+/// AMD EPYC, 1.3e-4 on an Intel Xeon (every
 /// other within 1.1e-6): its gradients are near zero, and AdamW's
 /// steps, each up to the learning rate whatever the gradient's size,
 /// carry the two sums' rounding (PEFT adds the update into the weight
@@ -635,7 +636,7 @@ const LLAMA4: Case = Case {
     ),
     targets: &["q_proj"],
     parameters: &["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
-    atol: Some(1e-4),
+    atol: Some(2e-4),
     matrices: 16,
     elements: 4 * (4 * 64 + 64 * 4) + 2 * ((16 * 64 + 64 * 16) + (16 * 32 + 64 * 16)),
     ..OFF
@@ -760,7 +761,7 @@ for k, v in theirs.items():
     # (A key bias's gradient is zero but for rounding: Adam makes steps
     # of that noise, whose sign is the noise's; see `noise_only`.)
     tol = {noise} if k.endswith("k_proj.bias") else {atol}
-    assert torch.allclose(mine[k], v.to(mine[k].dtype), rtol=1e-4, atol=tol), (k, (mine[k] - v).abs().max())
+    assert torch.allclose(mine[k], v.to(mine[k].dtype), rtol=1e-4, atol=tol), (k, (mine[k] - v).abs().max().item())
 merged, info = M.from_pretrained("{tuned}-merged", output_loading_info=True)
 assert not any(info.values()), info
 merged = merged.state_dict()
@@ -888,9 +889,14 @@ fn biases_trained_with_the_adapters_train_as_peft_trains_them() {
 #[test]
 fn adapters_whose_b_has_a_bias_train_and_merge_as_peft_does() {
     // PEFT's `lora_bias` on Phi-2's biased projections (q, dense, fc2:
-    // 64 each a layer), merged into the base's biases.
+    // 64 each a layer), merged into the base's biases. To 2e-5: on an
+    // Intel Xeon the last layer's fc2 A ends 9.0e-6 from PEFT's (within
+    // 1e-6 on an AMD EPYC). A gets no gradient while B is zero, then
+    // small ones, which AdamW's steps of up to the learning rate carry
+    // with their rounding.
     let phi = Case {
         lora_bias: true,
+        atol: Some(2e-5),
         matrices: 18,
         elements: PHI.elements + 2 * 3 * 64,
         ..PHI

@@ -492,7 +492,8 @@ impl HfModel {
     /// - the router's load-balancing loss times `router_aux_loss_coef`,
     ///   for a model with experts whose config has `output_router_logits`
     ///   true (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax,
-    ///   Qwen3-Next, Jamba, the Granite MoEs, DBRX, GPT-OSS): the Switch
+    ///   Qwen3-Next, Jamba, the Granite MoEs, DBRX, GPT-OSS, PhiMoE,
+    ///   ERNIE 4.5): the Switch
     ///   Transformer's balance over every layer with experts
     ///   (`load_balancing_loss_func`, over every token: zrt takes no
     ///   attention mask). Its gradient reaches the routers when the sum

@@ -247,6 +247,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // ERNIE 4.5 with its routers' load-balancing loss, which counts
+    // the softmax's top 2, not the corrected choice. Experts of 16: at
+    // 24, 32 and 40 an expert took no token in step 1, which torch's
+    // AdamW then skips and zrt's moves by its momentum (docs/choices.md).
+    Case {
+        name: "ernie4_5_moe-balanced",
+        python: (
+            "from transformers import Ernie4_5_MoeConfig as C, Ernie4_5_MoeForCausalLM as M",
+            "vocab_size=96, hidden_size=80, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, output_router_logits=True, router_aux_loss_coef=0.5",
+        ),
+        load: "",
+    },
     // Seed-OSS: query, key and value biases, the output's too (its own
     // flag), an MLP bias, a pad row; its dropouts (0.1 by default) off.
     Case {
@@ -659,6 +671,20 @@ const CASES: &[Case] = &[
         python: (
             common::PHIMOE,
             "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], 'long_factor': [1.5, 2.5, 4.0, 6.5, 9.0, 12.0, 16.0, 20.0], 'short_mscale': 1.1, 'long_mscale': 1.3, 'original_max_position_embeddings': 8}",
+        ),
+        load: "",
+    },
+    // PhiMoE with its routers' load-balancing loss: over the softmax of
+    // the router's logits and its top 2, whatever sparsemixer chose.
+    // At a coefficient of 0.1: from 0.2 to 2 an expert took no token in
+    // step 1, which torch's AdamW then skips and zrt's moves by its
+    // momentum (docs/choices.md); other sizes than 32 flipped a token's
+    // experts in bf16 (logits 6-20% off).
+    Case {
+        name: "phimoe-balanced",
+        python: (
+            common::PHIMOE,
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], 'long_factor': [1.5, 2.5, 4.0, 6.5, 9.0, 12.0, 16.0, 20.0], 'short_mscale': 1.1, 'long_mscale': 1.3, 'original_max_position_embeddings': 8}, output_router_logits=True, router_aux_loss_coef=0.1",
         ),
         load: "",
     },
@@ -1451,6 +1477,16 @@ fn a_gpt_oss_checkpoint_balances_its_routers_scattered_weights_as_transformers_d
 #[test]
 fn a_qwen2_moe_checkpoint_balances_its_layers_with_experts_as_transformers_does() {
     parity("qwen2-moe-balanced");
+}
+
+#[test]
+fn a_phimoe_checkpoint_balances_the_softmax_of_its_routers_logits_as_transformers_does() {
+    parity("phimoe-balanced");
+}
+
+#[test]
+fn an_ernie4_5_moe_checkpoint_balances_its_uncorrected_choice_as_transformers_does() {
+    parity("ernie4_5_moe-balanced");
 }
 
 #[test]

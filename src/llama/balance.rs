@@ -122,7 +122,8 @@ pub(crate) fn start(decoding: &Decoding, balance: Option<(f64, i64)>, generating
 }
 
 /// `out`, a layer's experts' output for the routing `probs` (`[tokens,
-/// experts]`, fp32) and the experts `chosen` (`[tokens, k]`), recorded in
+/// experts]`) and the experts the balance counts, `chosen` (`[tokens,
+/// k]`: the top `k` of `probs`, which the router may not have chosen), recorded in
 /// the forward's tally when it records (not in a checkpointed layer's
 /// recompute), and, when the probabilities need a gradient, carrying
 /// the balance's gradient to them (see the module's doc). `out` itself

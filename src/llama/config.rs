@@ -2078,7 +2078,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         }
         (true, None) => {
             return Err(j.field(format!(
-                "output_router_logits true: zrt adds the router's load-balancing loss for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs, DBRX and GPT-OSS, not for {} (its router chooses otherwise); set it to false",
+                "output_router_logits true: zrt adds the router's load-balancing loss for Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, MiniMax, Qwen3-Next, Jamba, the Granite MoEs, DBRX, GPT-OSS, PhiMoE and ERNIE 4.5, as transformers does, not for {} (transformers' class adds none); set it to false",
                 family.model_type()
             )));
         }

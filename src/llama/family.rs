@@ -849,9 +849,10 @@ impl Family {
     /// Whether zrt adds the router's load-balancing loss for the family
     /// (`output_router_logits`), and its `router_aux_loss_coef` default:
     /// the families whose `transformers` class computes the Switch
-    /// Transformer's `load_balancing_loss_func` on what a router that
-    /// chooses by its logits' top `k` records, as zrt's balance
-    /// (`llama::balance`) does.
+    /// Transformer's `load_balancing_loss_func` on its routers' logits,
+    /// as zrt's balance (`llama::balance`) does. The function counts the
+    /// top `k` of the logits' softmax whatever the router chose: PhiMoE's
+    /// sparsemixer and ERNIE 4.5's corrected choice are balanced so.
     pub(super) fn balance_default(self) -> Option<f64> {
         match self {
             Self::Mixtral
@@ -862,7 +863,9 @@ impl Family {
             | Self::Jamba
             | Self::GraniteMoe
             | Self::GraniteMoeShared
-            | Self::GraniteMoeHybrid => Some(0.001),
+            | Self::GraniteMoeHybrid
+            | Self::Phimoe
+            | Self::Ernie4_5Moe => Some(0.001),
             // DBRX's `ffn_config.moe_loss_weight`.
             Self::Olmoe | Self::FlexOlmo | Self::Dbrx => Some(0.01),
             // GPT-OSS's balances its routers' scattered top-k weights.

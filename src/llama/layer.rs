@@ -701,8 +701,8 @@ impl Experts {
             None => out,
         };
         match (&self.balance, probs) {
-            (Some(decoding), Some(probs)) => {
-                super::balance::balanced(out, &probs, &chosen, decoding)
+            (Some(decoding), Some((probs, counted))) => {
+                super::balance::balanced(out, &probs, &counted, decoding)
             }
             _ => out,
         }
@@ -713,9 +713,12 @@ impl Experts {
     /// within the best groups, its weights in fp32; PhiMoE's
     /// sparsemixer's, drawing in `training`. Third, when the model
     /// trains with the load-balancing loss, the routing probabilities it
-    /// balances (fp32, [`super::balance`]): the softmax over every
-    /// expert's logit, GPT-OSS's over its scattered weights.
-    fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor, Option<Tensor>) {
+    /// balances ([`super::balance`]): the softmax over every expert's
+    /// logit (fp32; PhiMoE's in the logits' dtype, as `transformers`
+    /// takes it), GPT-OSS's over its scattered weights; and the experts
+    /// it counts, that softmax's top `k`, which PhiMoE's sparsemixer and
+    /// ERNIE 4.5's correction may not have chosen.
+    fn route(&self, h: &Tensor, training: bool) -> (Tensor, Tensor, Option<(Tensor, Tensor)>) {
         let f = Kind::Float;
         match &self.router {
             Router::Softmax {
@@ -725,15 +728,25 @@ impl Experts {
                 let probs = gate.forward(h).softmax(1, f);
                 let (weights, chosen) = probs.topk(self.top_k, -1, true, true);
                 let weights = self.normalized(weights);
-                let balanced = self.balance.as_ref().map(|_| match self.scattered {
-                    true => (probs.zeros_like().scatter(1, &chosen, &weights)).softmax(1, f),
-                    false => probs,
+                let balanced = self.balance.as_ref().map(|_| {
+                    let probs = match self.scattered {
+                        true => (probs.zeros_like().scatter(1, &chosen, &weights)).softmax(1, f),
+                        false => probs,
+                    };
+                    (probs, chosen.shallow_clone())
                 });
                 (weights.to_kind(h.kind()), chosen, balanced)
             }
             _ => {
-                let (weights, chosen) = self.route_other(h, training);
-                (weights, chosen, None)
+                let (weights, chosen, probs) = self.route_other(h, training);
+                let balanced = match (&self.balance, probs) {
+                    (Some(_), Some(p)) => {
+                        let counted = tch::no_grad(|| p.topk(self.top_k, -1, true, true).1);
+                        Some((p, counted))
+                    }
+                    _ => None,
+                };
+                (weights, chosen, balanced)
             }
         }
     }
@@ -755,19 +768,27 @@ impl Experts {
     }
 
     /// [`Self::route`]'s experts and weights for every router but the
-    /// plain softmax.
-    fn route_other(&self, h: &Tensor, training: bool) -> (Tensor, Tensor) {
+    /// plain softmax, and the softmax of PhiMoE's and ERNIE 4.5's logits
+    /// when the model trains with the load-balancing loss (which
+    /// `transformers` computes for them).
+    fn route_other(&self, h: &Tensor, training: bool) -> (Tensor, Tensor, Option<Tensor>) {
         let (weight, correction, g) = match &self.router {
             Router::SparseMixer { gate, eps } => {
-                return super::sparse_mixer::route(&gate.forward(h), *eps, training);
+                let logits = gate.forward(h);
+                let (weights, chosen) = super::sparse_mixer::route(&logits, *eps, training);
+                let probs = (self.balance.as_ref())
+                    .map(|_| logits.softmax(-1, logits.kind()).to_kind(Kind::Float));
+                return (weights, chosen, probs);
             }
             Router::TopSoftmax { gate } => {
-                return super::jetmoe::top_k_softmax(&gate.forward(h), self.top_k, h.kind());
+                let (weights, chosen) =
+                    super::jetmoe::top_k_softmax(&gate.forward(h), self.top_k, h.kind());
+                return (weights, chosen, None);
             }
             Router::TopSigmoid { gate } => {
                 let (top, chosen) = gate.forward(h).topk(self.top_k, -1, true, true);
                 let weights = top.to_kind(Kind::Float).sigmoid().to_kind(h.kind());
-                return (weights, chosen);
+                return (weights, chosen, None);
             }
             Router::Softmax { gate, correction } => {
                 let f = Kind::Float;
@@ -781,7 +802,8 @@ impl Experts {
                         (probs.gather(1, &chosen, false), chosen)
                     }
                 };
-                return (self.normalized(weights).to_kind(h.kind()), chosen);
+                let weights = self.normalized(weights).to_kind(h.kind());
+                return (weights, chosen, self.balance.as_ref().map(|_| probs));
             }
             Router::Grouped {
                 weight,
@@ -825,7 +847,7 @@ impl Experts {
             true => &weights / (weights.sum_dim_intlist(-1, true, f) + 1e-20),
             false => weights,
         };
-        (weights * g.scale, chosen)
+        (weights * g.scale, chosen, None)
     }
 }
 

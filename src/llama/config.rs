@@ -62,7 +62,8 @@ pub struct MoeConfig {
     /// DBRX's `moe_jitter_eps` (0: none): in training, the experts'
     /// input (the router's and, as `transformers` scales it in place,
     /// the experts') times a uniform draw within `1 ± jitter`; PhiMoE's
-    /// `input_jitter_noise`, the same.
+    /// `input_jitter_noise`, Mixtral's and MiniMax's
+    /// `router_jitter_noise`, the same.
     pub jitter: f64,
     /// PhiMoE's sparsemixer, at its `router_jitter_noise` `eps` (`None`:
     /// the others' routers): for each of the two experts a token takes,
@@ -1566,6 +1567,7 @@ impl LlamaConfig {
                     "sliding_window": self.sliding_window,
                     "num_local_experts": self.moe.as_ref().map(|m| m.experts),
                     "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                    "router_jitter_noise": self.moe.as_ref().map(|m| m.jitter),
                     "output_router_logits": false,
                 });
                 let parts = [
@@ -1585,6 +1587,7 @@ impl LlamaConfig {
                 "sliding_window": self.sliding_window,
                 "num_local_experts": self.moe.as_ref().map(|m| m.experts),
                 "num_experts_per_tok": self.moe.as_ref().map(|m| m.top_k),
+                "router_jitter_noise": self.moe.as_ref().map(|m| m.jitter),
                 "output_router_logits": false,
             }),
             // Its Mamba layers' fields are written below (the Mambas'
@@ -1998,7 +2001,7 @@ impl LlamaConfig {
 /// ([`MoeConfig`]), `None` for the other families. The router's
 /// load-balancing loss (`output_router_logits`) is taken for the families
 /// [`Family::balance_default`] names and refused for the others;
-/// Mixtral's router jitter is refused.
+/// A router jitter is refused for the families whose classes have none.
 fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let (experts_key, width_key, normalize) = match family {
         // GPT-OSS's softmax over the top `k` logits: the top `k` of the
@@ -2096,14 +2099,17 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             )));
         }
     }
+    // Mixtral's and MiniMax's router jitter is read below; PhiMoE's is
+    // sparsemixer's margin. No other class jitters (Llama 4's config
+    // has the field, its model never reads it).
     let jitter = match family {
-        // PhiMoE's is sparsemixer's margin, read below.
-        Family::Phimoe => 0.0,
+        Family::Phimoe | Family::Mixtral | Family::MiniMax => 0.0,
         _ => j.number_or("router_jitter_noise", 0.0)?,
     };
     if jitter != 0.0 {
         return Err(j.field(format!(
-            "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are (set it to 0)"
+            "router_jitter_noise {jitter}: zrt's routers take the hidden states as they are, as transformers' {} does (set it to 0)",
+            family.model_type()
         )));
     }
     // The config classes' experts, top k and expert width.
@@ -2292,6 +2298,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         jitter: match family {
             Family::Dbrx => j.number_or("moe_jitter_eps", 0.0)?,
             Family::Phimoe => j.rate_or("input_jitter_noise", 0.0)?,
+            Family::Mixtral | Family::MiniMax => j.rate_or("router_jitter_noise", 0.0)?,
             _ => 0.0,
         },
         sparse_mixer: match family {

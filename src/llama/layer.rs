@@ -1169,6 +1169,14 @@ impl Module for Layer {
             }
         };
         let h = self.norms.mlp_input(&x, h);
+        // The router's jitter in training (DBRX's, Mixtral's, MiniMax's;
+        // PhiMoE's input jitter), which `transformers` applies to the
+        // MoE block's input in place: the experts' input too, and
+        // MiniMax's residual, which is that same tensor.
+        let h = match (&self.mlp, &c.moe) {
+            (Mlp::Experts(_), Some(moe)) => self.training.jitter(h, moe.jitter),
+            _ => h,
+        };
         let m = match &self.mlp {
             // Mamba's layers end with the scan's output added.
             Mlp::None => return x,
@@ -1202,17 +1210,7 @@ impl Module for Layer {
                 };
                 c_proj.forward(&m)
             }
-            // DBRX's router jitter scales the experts' input too, as
-            // `transformers` scales it in place.
-            Mlp::Experts(experts) => {
-                let jitter = c.moe.as_ref().map_or(0.0, |m| m.jitter);
-                let on = self.training.on();
-                experts.forward(
-                    &self.training.jitter(h.shallow_clone(), jitter),
-                    c.activation,
-                    on,
-                )
-            }
+            Mlp::Experts(experts) => experts.forward(&h, c.activation, self.training.on()),
         };
         let m = match held {
             Some(a) => m + a,

@@ -1227,7 +1227,15 @@ fn a_minimax_config_is_read_with_its_lightning_layers_and_factors_and_counted() 
         Some((3.5565588200778455, 1.0))
     );
     assert_eq!(total(&t), 456089655296);
-    dir.round_trips([d, t]);
+    // Its router's jitter, in training.
+    let jittered = dir
+        .read(&defaults.replace(
+            r#""num_attention_heads": 32"#,
+            r#""num_attention_heads": 32, "router_jitter_noise": 0.1"#,
+        ))
+        .unwrap();
+    assert_eq!(jittered.moe.as_ref().map(|m| m.jitter), Some(0.1));
+    dir.round_trips([d, t, jittered]);
     dir.refuses_replaced(
         defaults,
         &[
@@ -1243,8 +1251,8 @@ fn a_minimax_config_is_read_with_its_lightning_layers_and_factors_and_counted() 
             ),
             (
                 r#""num_attention_heads": 32"#,
-                r#""num_attention_heads": 32, "router_jitter_noise": 0.1"#,
-                "router_jitter_noise 0.1",
+                r#""num_attention_heads": 32, "router_jitter_noise": -0.1"#,
+                "`router_jitter_noise` is -0.1, not a dropout rate in [0, 1)",
             ),
             (
                 r#""num_attention_heads": 32"#,
@@ -2847,6 +2855,13 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         [&balanced, &o_balanced, &m].map(|c| c.moe.as_ref().and_then(|e| e.balance)),
         [Some(0.02), Some(0.01), None]
     );
+    // Mixtral's router jitter, in training.
+    let jittered = read(&mixtral.replace(
+        r#""router_aux_loss_coef": 0.02"#,
+        r#""router_aux_loss_coef": 0.02, "router_jitter_noise": 0.1"#,
+    ))
+    .unwrap();
+    assert_eq!(jittered.moe.as_ref().map(|e| e.jitter), Some(0.1));
     dir.round_trips([
         m,
         q,
@@ -2857,14 +2872,23 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         clipped,
         balanced,
         o_balanced,
+        jittered,
     ]);
+    // OLMoE's class jitters nothing.
+    dir.refuses(
+        &olmoe.replace(
+            r#""clip_qkv": null"#,
+            r#""clip_qkv": null, "router_jitter_noise": 0.01"#,
+        ),
+        "router_jitter_noise 0.01: zrt's routers take the hidden states as they are, as transformers' olmoe does",
+    );
     dir.refuses_replaced(
         mixtral,
         &[
             (
                 r#""router_aux_loss_coef": 0.02"#,
-                r#""router_jitter_noise": 0.01"#,
-                "router_jitter_noise",
+                r#""router_jitter_noise": 1.5"#,
+                "`router_jitter_noise` is 1.5, not a dropout rate in [0, 1)",
             ),
             (
                 r#""num_experts_per_tok": 2"#,

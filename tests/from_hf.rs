@@ -2322,6 +2322,47 @@ pub(crate) fn finetune(args: &[&std::ffi::OsStr]) -> (bool, String) {
     (out.status.success(), said)
 }
 
+/// [`finetune`] of the seeded model in `dir/hf` on `data` (training and
+/// held-out windows both), ZeRO-3 AdamW, windows of 16 tokens, one step,
+/// each rank evaluating one window before and after it, and `more`
+/// arguments.
+#[cfg(feature = "tokenize")]
+fn finetune_one_step(dir: &Path, data: &Path, more: &[&str]) -> (bool, String) {
+    let ds = dir.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}}"#,
+    )
+    .unwrap();
+    let hf = dir.join("hf");
+    let base = ["--seq", "16", "--steps", "1", "--eval-windows", "1"];
+    let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data", "--config"]
+        .into_iter()
+        .zip([&hf, data, data, &ds])
+        .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
+        .collect();
+    args.extend(base.iter().chain(more).map(std::ffi::OsStr::new));
+    finetune(&args)
+}
+
+/// The number the example printed after `at` on the first line holding
+/// it.
+#[cfg(feature = "tokenize")]
+fn printed(said: &str, at: &str) -> f64 {
+    let line = said.lines().find_map(|l| l.split_once(at));
+    let rest = line.unwrap_or_else(|| panic!("{at}: {said}")).1;
+    rest.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// The numbers a Python script printed, split at whitespace.
+#[cfg(feature = "tokenize")]
+fn numbers(said: &str) -> Vec<f64> {
+    said.split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect()
+}
+
 /// A step whose micro-batches count different numbers of tokens (masks
 /// that leave most of one out, all of a row of another) weighs every
 /// counted token alike across its micro-batches and the ranks:
@@ -2480,35 +2521,8 @@ print(packed, sum(plain).item() / 2, by_file)
 "#,
         first = &ids[..34]
     );
-    let said = common::python(&script);
-    let theirs: Vec<f64> = said
-        .split_whitespace()
-        .map(|x| x.parse().unwrap())
-        .collect();
-    let ds = dir.join("ds.json");
-    std::fs::write(
-        &ds,
-        r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3}}"#,
-    )
-    .unwrap();
-    let hf = dir.join("hf");
-    // One step, each rank evaluating one window before and after.
-    let run = |more: &[&str]| {
-        let base = ["--seq", "16", "--steps", "1", "--eval-windows", "1"];
-        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data", "--config"]
-            .into_iter()
-            .zip([&hf, &data, &data, &ds])
-            .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
-            .collect();
-        args.extend(base.iter().chain(more).map(std::ffi::OsStr::new));
-        finetune(&args)
-    };
-    let number = |said: &str, at: &str| -> f64 {
-        let line = said.lines().find_map(|l| l.split_once(at));
-        let rest = line.unwrap_or_else(|| panic!("{at}: {said}")).1;
-        rest.split_whitespace().next().unwrap().parse().unwrap()
-    };
+    let theirs = numbers(&common::python(&script));
+    let run = |more: &[&str]| finetune_one_step(&dir, &data, more);
     let eval = |packed: bool| {
         let more: &[&str] = match packed {
             true => &["--no-dropout", "--packed-documents"],
@@ -2516,7 +2530,7 @@ print(packed, sum(plain).item() / 2, by_file)
         };
         let (ok, said) = run(more);
         assert!(ok, "{said}");
-        number(&said, "eval  after     0 steps  loss ")
+        printed(&said, "eval  after     0 steps  loss ")
     };
     for (packed, want) in [(true, theirs[0]), (false, theirs[1])] {
         let got = eval(packed);
@@ -2529,7 +2543,7 @@ print(packed, sum(plain).item() / 2, by_file)
     let s = starts.to_str().unwrap();
     let (ok, said) = run(&["--no-dropout", "--documents", s, "--eval-documents", s]);
     assert!(ok, "{said}");
-    let got = number(&said, "eval  after     0 steps  loss ");
+    let got = printed(&said, "eval  after     0 steps  loss ");
     assert!(
         (got - theirs[2]).abs() < 1e-5 * theirs[2],
         "zrt {got}, transformers {theirs:?}"
@@ -2550,10 +2564,10 @@ print(packed, sum(plain).item() / 2, by_file)
     let (ok2, noised) = run(&["--neftune-alpha", "5"]);
     assert!(ok && ok2, "{plain}\n{noised}");
     let before = "eval  after     0 steps  loss ";
-    assert_eq!(number(&plain, before), number(&noised, before));
+    assert_eq!(printed(&plain, before), printed(&noised, before));
     let step = "step     0  loss ";
     assert!(
-        (number(&plain, step) - number(&noised, step)).abs() > 1e-4,
+        (printed(&plain, step) - printed(&noised, step)).abs() > 1e-4,
         "{noised}"
     );
     let (ok, said) = run(&["--neftune-alpha", "-1"]);
@@ -2599,47 +2613,16 @@ print(full, lm)
 "#,
             first = &ids[..34]
         ));
-        let theirs: Vec<f64> = said
-            .split_whitespace()
-            .map(|x| x.parse().unwrap())
-            .collect();
-        let ds = dir.join("ds.json");
-        std::fs::write(
-            &ds,
-            r#"{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                "zero_optimization": {"stage": 3}}"#,
-        )
-        .unwrap();
-        let hf = dir.join("hf");
-        let mut args: Vec<&std::ffi::OsStr> = ["--model", "--data", "--eval-data", "--config"]
-            .into_iter()
-            .zip([&hf, &data, &data, &ds])
-            .flat_map(|(k, v)| [std::ffi::OsStr::new(k), v.as_os_str()])
-            .collect();
-        let more = [
-            "--seq",
-            "16",
-            "--steps",
-            "1",
-            "--eval-windows",
-            "1",
-            "--no-dropout",
-        ];
-        args.extend(more.iter().map(std::ffi::OsStr::new));
-        let (ok, said) = finetune(&args);
-        assert!(ok, "{said}");
-        let number = |at: &str| -> f64 {
-            let line = said.lines().find_map(|l| l.split_once(at));
-            let rest = line.unwrap_or_else(|| panic!("{name}, {at}: {said}")).1;
-            rest.split_whitespace().next().unwrap().parse().unwrap()
-        };
-        let (got, want) = (number("eval  after     0 steps  loss "), theirs[0]);
+        let theirs = numbers(&said);
+        let (ok, said) = finetune_one_step(&dir, &data, &["--no-dropout"]);
+        assert!(ok, "{name}: {said}");
+        let (got, want) = (printed(&said, "eval  after     0 steps  loss "), theirs[0]);
         assert!(
             (got - want).abs() < 1e-5 * want,
             "{name}: zrt {got}, transformers {want}"
         );
         assert!((theirs[0] - theirs[1]).abs() > 1e-2, "{name}: {theirs:?}");
-        let aux = number("  aux ");
+        let aux = printed(&said, "  aux ");
         assert!(aux > 1e-3 && aux < 10.0, "{name}: {said}");
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -199,7 +199,8 @@ fn dbrx_jitters_its_routers_and_drops_out_as_transformers_does() {
 
 /// Mixtral's and MiniMax's router jitter in training (`transformers`
 /// scales the MoE block's input in place: the router's and the experts'
-/// input alike), beside their attention's dropout.
+/// input alike, and MiniMax's residual, that same tensor), Mixtral's
+/// beside its attention's dropout.
 #[test]
 fn mixtral_and_minimax_jitter_their_routers_as_transformers_does() {
     dropout_parity(

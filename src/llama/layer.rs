@@ -738,14 +738,12 @@ impl Experts {
                 (weights.to_kind(h.kind()), chosen, balanced)
             }
             _ => {
+                // The probabilities come only when the model balances.
                 let (weights, chosen, probs) = self.route_other(h, training);
-                let balanced = match (&self.balance, probs) {
-                    (Some(_), Some(p)) => {
-                        let counted = tch::no_grad(|| p.topk(self.top_k, -1, true, true).1);
-                        Some((p, counted))
-                    }
-                    _ => None,
-                };
+                let balanced = probs.map(|p| {
+                    let counted = tch::no_grad(|| p.topk(self.top_k, -1, true, true).1);
+                    (p, counted)
+                });
                 (weights, chosen, balanced)
             }
         }

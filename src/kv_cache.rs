@@ -257,7 +257,8 @@ impl LayerCache {
     /// convolution layers: their last inputs, twice; MiniMax's lightning
     /// layers: their decayed sum of `k^T v`, twice; Qwen3-Next's DeltaNet
     /// layers: their convolution's last inputs and the delta rule's
-    /// state), as the last
+    /// state; RecurrentGemma's recurrent layers: their convolution's last
+    /// inputs and the RG-LRU's fp32 state), as the last
     /// forward left it; `None` when not generating, or before the
     /// generation's first forward.
     pub(crate) fn state(&self) -> Option<(Tensor, Tensor)> {

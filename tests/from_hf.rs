@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -865,6 +865,33 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // RecurrentGemma: recurrent blocks (RG-LRUs 48 wide in four heads of
+    // gates, a convolution over 3 tokens) in layers 0, 1 and 3, local
+    // multi-query attention with half of each head turned in layer 2,
+    // biased MLPs half intermediate_size wide, capped logits; the window
+    // wider than the sequence.
+    Case {
+        name: "recurrent-gemma",
+        python: (
+            common::RECURRENT_GEMMA,
+            "vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, lru_width=48, conv1d_width=3, attention_window_size=32, use_cache=False",
+        ),
+        load: "",
+    },
+    // RecurrentGemma attending within a window of 6 of the 16 tokens
+    // (transformers' class given that window's mask: its own training
+    // mask attends to every token before), biased queries, keys and
+    // values, two key-value heads, its recurrent layers as wide as the
+    // model and every other layer one, a softer cap; 48 wide, whose
+    // embedding scale its class rounds to bf16 (6.9375, not 6.928).
+    Case {
+        name: "recurrent-gemma-windowed",
+        python: (
+            common::RECURRENT_GEMMA_WINDOWED,
+            "vocab_size=96, hidden_size=48, intermediate_size=193, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, attention_window_size=6, attention_bias=True, block_types=['attention', 'recurrent'], logits_soft_cap=2.0, use_cache=False",
+        ),
+        load: "",
+    },
     // BitNet's quantization-aware training: every linear layer of the
     // decoder layers transformers' AutoBitLinear in online mode (ternary
     // weights, 8-bit inputs, gradients straight through), the head
@@ -1673,6 +1700,12 @@ print(" ".join(map(str, prompt[0].tolist())))
 }
 
 #[test]
+fn a_recurrent_gemma_checkpoint_of_rg_lrus_and_local_attention_trains_as_transformers_does() {
+    parity("recurrent-gemma");
+    parity("recurrent-gemma-windowed");
+}
+
+#[test]
 fn a_mamba2_checkpoint_of_mamba2_layers_alone_trains_as_transformers_does() {
     parity("mamba2");
 }
@@ -1696,6 +1729,10 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("diffllama");
     packed_documents_as_each_alone("jetmoe");
     packed_documents_as_each_alone("falcon-h1");
+    // RecurrentGemma's recurrences and convolutions from a zero state,
+    // its attention within a window shorter than a document.
+    packed_documents_as_each_alone("recurrent-gemma");
+    packed_documents_as_each_alone("recurrent-gemma-windowed");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -3126,7 +3163,11 @@ for mt in sorted(os.listdir(root)):
         if heads:
             c["head_dim"] = c.get("head_dim") or width // heads
     # A field the class does not have is None to it (zrt writes
-    # rope_scaling: null for every family).
+    # rope_scaling: null for every family). RecurrentGemma's use_cache
+    # zrt writes false on purpose (its class trains and evaluates wrong
+    # with it on).
+    if mt == "recurrent_gemma" and read.get("use_cache") is False:
+        read["use_cache"] = given.get("use_cache")
     for k in sorted((set(given) | set(read)) - ignore):
         if given.get(k) != read.get(k):
             bad.append(f"{{mt}}: {{k}} {{given.get(k)!r}}, zrt read {{read.get(k)!r}}")
@@ -3887,6 +3928,25 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              shared_expert_intermediate_size=24, \
              layer_types=['linear_attention', 'full_attention', 'linear_attention'], \
              eos_token_id=None, bos_token_id=None",
+        ),
+        // RecurrentGemma's recurrent layers stepped from their cached
+        // convolution inputs and states, against transformers' forward
+        // over the whole sequence at each token; then attending within a
+        // window of 8, which the 18 tokens outgrow.
+        (
+            "recurrent-gemma",
+            common::RECURRENT_GEMMA,
+            "vocab_size=96, hidden_size=64, intermediate_size=192, num_hidden_layers=4, \
+             num_attention_heads=4, num_key_value_heads=1, lru_width=64, conv1d_width=3, \
+             attention_window_size=32, use_cache=False, eos_token_id=None, bos_token_id=None",
+        ),
+        (
+            "recurrent-gemma-windowed",
+            common::RECURRENT_GEMMA_WINDOWED,
+            "vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, \
+             num_attention_heads=4, num_key_value_heads=2, attention_window_size=8, \
+             block_types=['attention', 'recurrent'], use_cache=False, eos_token_id=None, \
+             bos_token_id=None",
         ),
         (
             "falcon-mamba",

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -588,6 +588,20 @@ const QWEN3_NEXT: Case = Case {
     ..OFF
 };
 
+/// RecurrentGemma's default targets: its recurrent layers' `linear_x`
+/// and `linear_y` (64 -> 48 each, two layers) and its attending layer's
+/// `q_proj` (64 -> 64) and `v_proj` (64 -> 16, one key-value head).
+const RECURRENT_GEMMA: Case = Case {
+    python: (
+        common::RECURRENT_GEMMA,
+        "vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, lru_width=48, conv1d_width=3, attention_window_size=32, use_cache=False",
+    ),
+    targets: &["q_proj", "v_proj", "linear_x", "linear_y"],
+    matrices: 12,
+    elements: 4 * (4 * (64 + 48) + (64 + 64) + (64 + 16)),
+    ..OFF
+};
+
 /// MiniMax's lightning layer's `qkv_proj` (64 -> 192) and
 /// `output_gate` (64 -> 64), and the queries of the two softmax layers
 /// around it (64 -> 64); its residual factors on.
@@ -1093,6 +1107,15 @@ fn lora_adapters_on_diffllamas_differential_attention_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_a_ternary_bitnet_train_as_peft_does() {
     parity("bitnet-ternary", &BITNET_TERNARY, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_recurrent_gemmas_recurrences_and_attention_train_as_peft_does() {
+    parity(
+        "recurrent-gemma",
+        &RECURRENT_GEMMA,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

@@ -20,6 +20,7 @@ use super::mamba::{self, MambaConfig};
 use super::mamba1::{self, Mamba1Config};
 use super::mpt;
 use super::opt::{self, OptLayout};
+use super::rg_lru::{self, RgLruConfig};
 use super::rope_scaling::{rope_scaling, RopeScaling};
 use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
@@ -441,6 +442,9 @@ pub struct LlamaConfig {
     /// Qwen3-Next's gated DeltaNet layers ([`DeltaNetConfig`]) in place
     /// of attention; `None`: every layer attends with softmax.
     pub delta_net: Option<DeltaNetConfig>,
+    /// RecurrentGemma's recurrent layers ([`RgLruConfig`]) in place of
+    /// attention; `None`: every layer attends.
+    pub rg_lru: Option<RgLruConfig>,
     /// Mixtral's, OLMoE's, the Qwens', DeepSeek's, GLM-4-MoE's, GPT-OSS's
     /// and Granite-MoE's experts in place of the MLP.
     pub moe: Option<MoeConfig>,
@@ -563,7 +567,9 @@ impl LlamaConfig {
             // Bamba's class turns half of each head, whatever its config says.
             Family::Bamba => 0.5,
             Family::StableLm | Family::Qwen3Next => j.number_or("partial_rotary_factor", 0.25)?,
-            Family::Nemotron | Family::Persimmon => j.number_or("partial_rotary_factor", 0.5)?,
+            Family::Nemotron | Family::Persimmon | Family::RecurrentGemma => {
+                j.number_or("partial_rotary_factor", 0.5)?
+            }
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
@@ -576,11 +582,19 @@ impl LlamaConfig {
                 | Family::Persimmon
                 | Family::Bamba
                 | Family::Qwen3Next
+                | Family::RecurrentGemma
         ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
                 "partial_rotary_factor {partial}: this {} rotates every dimension of a head",
                 family.model_type()
+            )));
+        }
+        // RecurrentGemma's class cuts each head into `1 / factor` pieces
+        // and turns the first of two: a half.
+        if family == Family::RecurrentGemma && partial != 0.5 {
+            return Err(j.field(format!(
+                "partial_rotary_factor {partial}: RecurrentGemma's class splits each head in two and turns the first half (another factor fails there); give 0.5"
             )));
         }
         // Bamba's z-loss; `transformers` adds it when above 0, so a
@@ -666,6 +680,11 @@ impl LlamaConfig {
                 "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: Helium's output projection is hidden_size square (its class builds it so); give sizes that agree"
             )));
         }
+        if family == Family::RecurrentGemma && heads * head_dim != hidden {
+            return Err(j.field(format!(
+                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: RecurrentGemma's attention views its heads as hidden_size wide; leave head_dim out"
+            )));
+        }
         if family == Family::Bitnet && heads * head_dim != hidden {
             return Err(j.field(format!(
                 "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: BitNet normalises the attention's output over hidden_size weights (attn_sub_norm); give sizes that agree"
@@ -697,6 +716,9 @@ impl LlamaConfig {
             // `enable_bias` is every projection's; GPT-Neo's output
             // projection has one, its queries, keys and values none.
             Family::GptBigCode | Family::GptNeo | Family::Bloom | Family::Persimmon => true,
+            // RecurrentGemma's `o_proj` always has one (`attention_bias`
+            // is the queries', keys' and values').
+            Family::RecurrentGemma => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
             Family::BioGpt | Family::Xglm => true,
             // Seed-OSS's `attention_bias` is the query, key and value
@@ -717,7 +739,7 @@ impl LlamaConfig {
             Family::Qwen2Moe => j.flag_or("qkv_bias", true)?,
             Family::SeedOss => j.flag_or("attention_bias", true)?,
             Family::StableLm => j.flag_or("use_qkv_bias", false)?,
-            Family::Helium => j.flag_or("attention_bias", false)?,
+            Family::Helium | Family::RecurrentGemma => j.flag_or("attention_bias", false)?,
             Family::GptNeo => false,
             _ => attention_bias,
         };
@@ -737,6 +759,12 @@ impl LlamaConfig {
             | Family::Exaone4
             | Family::GptOss
             | Family::GptNeo => j.size_or_null("sliding_window", defaults.window)?,
+            // Every attending layer of RecurrentGemma's is local.
+            Family::RecurrentGemma => Some(
+                j.size_or_none("attention_window_size")?
+                    .or(defaults.window)
+                    .unwrap_or(2048),
+            ),
             Family::Qwen2
             | Family::Qwen3
             | Family::Qwen2Moe
@@ -770,8 +798,10 @@ impl LlamaConfig {
         // Nemotron's class turns unscaled whatever the config says.
         let scaling = match family {
             // Jamba's attention takes no positions at all.
-            f if matches!(f, Family::Nemotron | Family::Bamba | Family::Jamba)
-                || f.mamba_only() =>
+            f if matches!(
+                f,
+                Family::Nemotron | Family::Bamba | Family::Jamba | Family::RecurrentGemma
+            ) || f.mamba_only() =>
             {
                 RopeScaling::None
             }
@@ -797,6 +827,10 @@ impl LlamaConfig {
             Family::Lfm2 if j.has("theta") => j.number_or("theta", defaults.rope_theta)?,
             _ => j.number_or("rope_theta", defaults.rope_theta)?,
         };
+        let rg = match family {
+            Family::RecurrentGemma => Some(rg_lru::read(j, hidden, heads)?),
+            _ => None,
+        };
         let granite = |key: &str| match family {
             f if f.granite() => j.number_or(key, 1.0),
             _ => Ok(1.0),
@@ -811,6 +845,7 @@ impl LlamaConfig {
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
                 Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
                 Family::Lfm2 => short_conv::mlp_width(j)?.width(),
+                Family::RecurrentGemma => rg.as_ref().map_or(0, RgLruConfig::mlp_width),
                 // Granite 4.0's dense models: the shared MLP alone.
                 Family::GraniteMoeHybrid if granite_dense(j)? => {
                     count_or(j, "shared_intermediate_size", 1024)?
@@ -861,7 +896,13 @@ impl LlamaConfig {
                 }
                 // GPT-J's MLP has biases, its attention none.
                 f if f.gptj()
-                    || matches!(f, Family::GptBigCode | Family::GptNeo | Family::Bloom) =>
+                    || matches!(
+                        f,
+                        Family::GptBigCode
+                            | Family::GptNeo
+                            | Family::Bloom
+                            | Family::RecurrentGemma
+                    ) =>
                 {
                     true
                 }
@@ -922,6 +963,8 @@ impl LlamaConfig {
             final_softcap: match family {
                 f if f.gemma2() => j.number_or_null("final_logit_softcapping", Some(30.0))?,
                 Family::Gemma3 => j.number_or_null("final_logit_softcapping", None)?,
+                // Its class always caps them.
+                Family::RecurrentGemma => Some(j.number_or("logits_soft_cap", 30.0)?),
                 _ => None,
             },
             full_every,
@@ -1056,6 +1099,7 @@ impl LlamaConfig {
                 Family::Qwen3Next => Some(delta_net::read(j, j.size("num_hidden_layers")?)?),
                 _ => None,
             },
+            rg_lru: rg,
             short_conv: match family {
                 f if short_conv::built_by(f) => {
                     Some(short_conv::read(j, j.size("num_hidden_layers")?)?)
@@ -1252,6 +1296,12 @@ impl LlamaConfig {
         (self.delta_net.as_ref()).filter(|c| c.is_delta_net(l))
     }
 
+    /// RecurrentGemma's recurrent layers' config when layer `l` is one
+    /// of them.
+    pub fn rg_lru_layer(&self, l: i64) -> Option<&RgLruConfig> {
+        (self.rg_lru.as_ref()).filter(|c| c.is_recurrent(l))
+    }
+
     /// MiniMax's lightning layers' block when layer `l` is one of them.
     pub fn lightning_layer(&self, l: i64) -> Option<&LightningConfig> {
         (self.lightning.as_ref()).filter(|c| c.is_lightning(l))
@@ -1403,9 +1453,11 @@ impl LlamaConfig {
                         LightningConfig::params(self.hidden, self.heads, self.head_dim)
                     }
                     // Qwen3-Next's DeltaNet layers.
-                    (None, None) => match self.delta_net_layer(l) {
-                        Some(g) => g.params(self.hidden),
-                        None => attention + sinks,
+                    (None, None) => match (self.delta_net_layer(l), self.rg_lru_layer(l)) {
+                        (Some(g), _) => g.params(self.hidden),
+                        // RecurrentGemma's recurrent layers.
+                        (None, Some(g)) => g.params(self.hidden, self.heads),
+                        (None, None) => attention + sinks,
                     },
                 },
             };
@@ -1490,6 +1542,11 @@ impl LlamaConfig {
         }
         if let (Family::Lfm2, Some(all)) = (self.family, json.as_object_mut()) {
             all.remove("hidden_act");
+        }
+        // RecurrentGemma's class has no positions to bound (its rotary
+        // embedding turns any).
+        if let (Family::RecurrentGemma, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("max_position_embeddings");
         }
         // JetMoE's class computes its heads and reads their width as
         // `kv_channels` (below).
@@ -1726,6 +1783,27 @@ impl LlamaConfig {
                 // Left out, a written null would fail its class's checks.
                 if let Some(all) = extra.as_object_mut() {
                     all.retain(|_, v| !v.is_null());
+                }
+                extra
+            }
+            Family::RecurrentGemma => {
+                let mut extra = serde_json::json!({
+                    "attention_bias": self.qkv_bias,
+                    "partial_rotary_factor": self.partial_rotary,
+                    "attention_window_size": self.sliding_window,
+                    "logits_soft_cap": self.final_softcap,
+                    // Its class with its cache on (the default) takes
+                    // keys and values through a cache written without
+                    // gradients, and a forward longer than the window
+                    // attends to the window's last keys from every
+                    // token: off, it trains and evaluates what zrt did.
+                    "use_cache": false,
+                });
+                if let (Some(all), Some(serde_json::Value::Object(rg))) = (
+                    extra.as_object_mut(),
+                    self.rg_lru.as_ref().map(RgLruConfig::to_json),
+                ) {
+                    all.extend(rg);
                 }
                 extra
             }

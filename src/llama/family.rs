@@ -460,11 +460,22 @@ pub enum Family {
     /// `mlp.router.layer`) plus a bias; the layers' norms at the class's
     /// 1e-6, the final one at `rms_norm_eps`.
     JetMoe,
+    /// `recurrent_gemma` (`RecurrentGemmaForCausalLM`: Google's
+    /// RecurrentGemma, Griffin): the layers `block_types` names
+    /// `recurrent` (by default two of every three) hold a gated linear
+    /// recurrence in place of attention (`temporal_block`: `linear_x`
+    /// and `linear_y`, a depthwise causal convolution `conv_1d`, the
+    /// RG-LRU `rg_lru` with its per-head gates, `linear_out`), the
+    /// others attend locally (`attention_window_size`) with multi-query
+    /// heads, half of each turned; Gemma's norms (`temporal_pre_norm`,
+    /// `channel_pre_norm`, `final_norm`) and scaled embeddings, biased
+    /// MLPs half `intermediate_size` wide (`mlp_block`), capped logits.
+    RecurrentGemma,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 70] = [
+    pub const ALL: [Family; 71] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -535,6 +546,7 @@ impl Family {
         Self::DiffLlama,
         Self::Bitnet,
         Self::JetMoe,
+        Self::RecurrentGemma,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -624,6 +636,7 @@ impl Family {
             Self::DiffLlama => "diffllama",
             Self::Bitnet => "bitnet",
             Self::JetMoe => "jetmoe",
+            Self::RecurrentGemma => "recurrent_gemma",
         }
     }
 
@@ -700,6 +713,7 @@ impl Family {
             Self::DiffLlama => "DiffLlamaForCausalLM",
             Self::Bitnet => "BitNetForCausalLM",
             Self::JetMoe => "JetMoeForCausalLM",
+            Self::RecurrentGemma => "RecurrentGemmaForCausalLM",
         }
     }
 
@@ -1128,6 +1142,13 @@ impl Family {
                 ..LLAMA
             },
             Self::DiffLlama => Defaults { eps: 1e-5, ..LLAMA },
+            // Its heads are the width's share; its window is read as
+            // `attention_window_size`.
+            Self::RecurrentGemma => Defaults {
+                head_dim: None,
+                window: Some(2048),
+                ..GEMMA
+            },
             Self::JetMoe => Defaults {
                 kv_heads: Some(16),
                 head_dim: Some(128),
@@ -1383,6 +1404,7 @@ impl Family {
                 ["backbone", "embeddings", "layers", "norm_f"]
             }
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
+            Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
@@ -1440,7 +1462,9 @@ impl Family {
     /// `transformers` 4.57).
     pub(super) fn activation_key(self) -> &'static str {
         match self {
-            Self::Gemma2 | Self::VaultGemma | Self::Gemma3 => "hidden_activation",
+            Self::Gemma2 | Self::VaultGemma | Self::Gemma3 | Self::RecurrentGemma => {
+                "hidden_activation"
+            }
             Self::Falcon => "activation",
             Self::Opt | Self::JetMoe => "activation_function",
             _ => "hidden_act",

@@ -21,6 +21,7 @@ use super::lightning::Lightning;
 use super::mamba::Mamba;
 use super::mamba1::Mamba1;
 use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
+use super::rg_lru::RgLru;
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
 use super::short_conv::ShortConv;
@@ -108,6 +109,8 @@ enum Qkv {
     Lightning(Box<Lightning>),
     /// Qwen3-Next's gated DeltaNet, the same way.
     DeltaNet(Box<DeltaNet>),
+    /// RecurrentGemma's recurrent block, the same way.
+    RgLru(Box<RgLru>),
     /// JetMoE's mixture of attention heads: queries from each token's
     /// experts, keys and values from `kv_proj`; the experts merge the
     /// output in place of an output projection.
@@ -870,6 +873,7 @@ impl Layer {
                 (p / "self_attn", p / "feed_forward")
             }
             Family::JetMoe => (p / "self_attention", p / "mlp"),
+            Family::RecurrentGemma => (p / "temporal_block", p / "mlp_block"),
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -924,7 +928,16 @@ impl Layer {
         let (conv, lightning) = (c.short_conv_layer(l), c.lightning_layer(l));
         let delta = c.delta_net_layer(l);
         let linear_attn = p / "linear_attn";
-        let kind = (c.mamba_layer(l), c.mamba1_layer(l), conv, lightning, delta);
+        // RecurrentGemma's recurrent blocks too.
+        let recurrent = c.rg_lru_layer(l);
+        let kind = (
+            c.mamba_layer(l),
+            c.mamba1_layer(l),
+            conv,
+            lightning,
+            delta,
+            recurrent,
+        );
         let qkv = match kind {
             (Some(m), ..) => {
                 let in_proj = lin(&(&mixer / "in_proj"), d, m.projected(d), m.proj_bias);
@@ -934,13 +947,16 @@ impl Layer {
             (None, None, Some(s), ..) => {
                 Qkv::ShortConv(Box::new(ShortConv::new(&(p / "conv"), d, s, lin)))
             }
-            (None, None, None, Some(g), _) => {
+            (None, None, None, Some(g), ..) => {
                 Qkv::Lightning(Box::new(Lightning::new(&a, c, (l, g.block), lin)))
             }
-            (None, None, None, None, Some(g)) => {
+            (None, None, None, None, Some(g), _) => {
                 Qkv::DeltaNet(Box::new(DeltaNet::new(&linear_attn, (d, c.eps), g, lin)))
             }
-            (None, None, None, None, None) => match (c.family, &c.mla) {
+            (None, None, None, None, None, Some(g)) => {
+                Qkv::RgLru(Box::new(RgLru::new(&a, (d, c.heads, c.activation), g, lin)))
+            }
+            (None, None, None, None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (Family::JetMoe, _) => Qkv::Moa(Box::new(Moa::new(&a, c, (lin, lora)))),
                 (
@@ -991,11 +1007,14 @@ impl Layer {
                 (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
                 (None, Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.proj_bias),
                 (None, None, Some(s), ..) => lin(&(p / "conv" / "out_proj"), d, d, s.bias),
-                (None, None, None, Some(_), _) => lin(&(&a / "out_proj"), c.heads * hd, d, false),
-                (None, None, None, None, Some(g)) => {
+                (None, None, None, Some(_), ..) => lin(&(&a / "out_proj"), c.heads * hd, d, false),
+                (None, None, None, None, Some(g), _) => {
                     lin(&(&linear_attn / "out_proj"), g.value_width(), d, false)
                 }
-                (None, None, None, None, None) => lin(
+                (None, None, None, None, None, Some(g)) => {
+                    lin(&(&a / "linear_out"), g.width, d, true)
+                }
+                (None, None, None, None, None, None) => lin(
                     &(&a / match c.family {
                         f if matches!(
                             f,
@@ -1303,6 +1322,7 @@ impl Layer {
             Qkv::ShortConv(s) => return s.forward(h, &self.cache),
             Qkv::Lightning(g) => return g.forward(h, &self.cache),
             Qkv::DeltaNet(g) => return g.forward(h, &self.cache),
+            Qkv::RgLru(g) => return g.forward(h, &self.cache),
             // Qwen3-Next's: each head's queries, then its output gate.
             Qkv::Apart {
                 q_proj,

@@ -69,6 +69,7 @@ mod mpt;
 mod norm;
 mod opt;
 mod own_names;
+mod rg_lru;
 mod rope_scaling;
 mod rotary;
 mod short_conv;
@@ -92,6 +93,7 @@ pub use lightning::{LightningConfig, ResidualFactors};
 pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
+pub use rg_lru::RgLruConfig;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};
@@ -360,13 +362,21 @@ impl Llama {
             true => embedded,
             false => self.training.embedding_noise(embedded),
         };
-        let mut x = match (self.cfg.family.gemma(), self.cfg.embedding_multiplier) {
+        let recurrent_gemma = self.cfg.family == Family::RecurrentGemma;
+        let scaled = self.cfg.family.gemma() || recurrent_gemma;
+        let mut x = match (scaled, self.cfg.embedding_multiplier) {
             (false, 1.0) => embedded,
             (false, m) => embedded * m,
             (true, _) => {
                 // The width's square root in the embeddings' dtype, as
-                // `transformers` rounds it (to 55.5 for 3072 in bf16).
+                // `transformers` rounds it (to 55.5 for 3072 in bf16);
+                // RecurrentGemma's rounded to bf16 whatever the dtype (its
+                // class keeps it so: 50.5 for 2560, not 50.596).
                 let root = Tensor::from((self.cfg.hidden as f64).sqrt() as f32);
+                let root = match recurrent_gemma {
+                    true => root.to_kind(tch::Kind::BFloat16),
+                    false => root,
+                };
                 let root = root.to_kind(embedded.kind()).to_device(embedded.device());
                 embedded * root
             }

@@ -41,7 +41,9 @@ impl RmsNorm {
 
     pub(super) fn new(p: nn::Path, width: i64, c: &LlamaConfig) -> Self {
         let weights = match c.family {
-            f if f.gemma() || f == Family::Qwen3Next => NormWeights::Offset,
+            f if f.gemma() || matches!(f, Family::Qwen3Next | Family::RecurrentGemma) => {
+                NormWeights::Offset
+            }
             f if f.olmo() || matches!(f, Family::GptOss | Family::Helium) => NormWeights::Fp32,
             _ => NormWeights::Llama,
         };
@@ -279,6 +281,7 @@ impl Norms {
                 }
                 Family::Apertus => ("attention_layernorm", "feedforward_layernorm"),
                 Family::Lfm2 => ("operator_norm", "ffn_norm"),
+                Family::RecurrentGemma => ("temporal_pre_norm", "channel_pre_norm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),
                 f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),

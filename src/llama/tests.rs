@@ -133,6 +133,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         lightning: None,
         residual_factors: None,
         delta_net: None,
+        rg_lru: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,
@@ -1178,6 +1179,79 @@ fn a_qwen3_next_config_is_read_with_its_delta_nets_and_counted() {
         ))
         .unwrap();
     assert_eq!(balanced.moe.and_then(|m| m.balance), Some(0.001));
+}
+
+#[test]
+fn a_recurrent_gemma_config_is_read_with_its_recurrent_layers_and_counted() {
+    let dir = ConfigDir::new("recurrent-gemma-configs");
+    // Its class's defaults, given (zrt asks for the sizes): two recurrent
+    // layers, then an attending one, repeated; 2010263040 parameters, as
+    // transformers counts them.
+    let defaults = r#"{"model_type": "recurrent_gemma", "vocab_size": 256000, "hidden_size": 2560, "intermediate_size": 7680, "num_hidden_layers": 26, "num_attention_heads": 10}"#;
+    let d = dir.read(defaults).unwrap();
+    let attends: Vec<i64> = (0..26).filter(|&l| d.rg_lru_layer(l).is_none()).collect();
+    assert_eq!(attends, (0..8).map(|l| 3 * l + 2).collect::<Vec<_>>());
+    let g = d.rg_lru.clone().unwrap();
+    assert_eq!(
+        (g.width, g.conv_width, g.intermediate_size),
+        (2560, 4, 7680)
+    );
+    assert_eq!((d.intermediate, d.head_dim, d.kv_heads), (3840, 256, 10));
+    assert_eq!(
+        (d.rotary_dim(), d.sliding_window, d.window(2)),
+        (128, Some(2048), Some(2048))
+    );
+    assert_eq!(d.final_softcap, Some(30.0));
+    assert!(d.o_bias && !d.qkv_bias && d.mlp_bias && d.tied);
+    assert_eq!(total(&d), 2010263040);
+    // RecurrentGemma-2b's sizes: 2682862080.
+    let two_b = defaults
+        .replace("7680", "15360")
+        .replace("10}", "10, \"num_key_value_heads\": 1}");
+    assert_eq!(total(&dir.read(&two_b).unwrap()), 2682862080);
+    // Smaller, narrower recurrences, biased attention first, an odd
+    // intermediate_size (the MLP floors its half), as transformers counts it.
+    let small = r#"{"model_type": "recurrent_gemma", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3001, "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 2, "lru_width": 512, "attention_bias": true, "block_types": ["attention", "recurrent"]}"#;
+    let s = dir.read(small).unwrap();
+    assert!(s.qkv_bias && s.rg_lru_layer(0).is_none() && s.rg_lru_layer(3).is_some());
+    assert_eq!(s.intermediate, 1500);
+    assert_eq!(total(&s), 67000472);
+    dir.round_trips([d, s]);
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""model_type": "recurrent_gemma""#,
+                r#""model_type": "recurrent_gemma", "partial_rotary_factor": 0.25"#,
+                "partial_rotary_factor 0.25: RecurrentGemma's class splits each head in two",
+            ),
+            (
+                r#""model_type": "recurrent_gemma""#,
+                r#""model_type": "recurrent_gemma", "head_dim": 128"#,
+                "num_attention_heads 10 x head_dim 128 is not hidden_size 2560",
+            ),
+            (
+                r#""model_type": "recurrent_gemma""#,
+                r#""model_type": "recurrent_gemma", "lru_width": 2565"#,
+                "lru_width 2565 over num_attention_heads 10",
+            ),
+            (
+                r#""model_type": "recurrent_gemma""#,
+                r#""model_type": "recurrent_gemma", "block_types": ["recurrent", "mlp"]"#,
+                "block_types holds \"mlp\"",
+            ),
+            (
+                r#""model_type": "recurrent_gemma""#,
+                r#""model_type": "recurrent_gemma", "block_types": []"#,
+                "block_types []: a list of \"recurrent\" and \"attention\"",
+            ),
+            (
+                r#""intermediate_size": 7680"#,
+                r#""intermediate_size": 1"#,
+                "intermediate_size 1: RecurrentGemma's MLP is half of it wide",
+            ),
+        ],
+    );
 }
 
 #[test]
@@ -2963,6 +3037,7 @@ fn unit_params_count_what_the_built_model_holds() {
         lightning: None,
         residual_factors: None,
         delta_net: None,
+        rg_lru: None,
         falcon_h1: None,
         rope_layers: None,
         moe: None,

@@ -808,6 +808,47 @@ m.save_pretrained("{dir}/hf"{save})
     )
 }
 
+/// RecurrentGemma's class as the cases train it (a case's `python.0`,
+/// importing its config class as `C` and its model class as `M`; a
+/// case's config gives `use_cache=False`). `transformers`' class cannot
+/// train more than a step as it is: with its default `use_cache` its
+/// attention takes its keys and values through a cache written under
+/// `no_grad` (`k_proj` and `v_proj` get no gradient), and without it each
+/// RG-LRU keeps its last state, graph and all, for the next forward
+/// (whose backward then fails: "backward through the graph a second
+/// time"). `M` forgets that state before each forward, which changes no
+/// number (a sequence's first token multiplies it by zero).
+pub const RECURRENT_GEMMA: &str =
+    "from transformers import RecurrentGemmaConfig as C, RecurrentGemmaForCausalLM
+class M(RecurrentGemmaForCausalLM):
+    def forward(self, *args, **kwargs):
+        for layer in self.model.layers:
+            if hasattr(layer.temporal_block, 'rg_lru'):
+                layer.temporal_block.rg_lru.recurrent_states = None
+        return super().forward(*args, **kwargs)";
+
+/// [`RECURRENT_GEMMA`] attending within its `attention_window_size` in
+/// training: `transformers`' training mask lets every token attend to
+/// all before it (only its generation's cache holds a window), which
+/// zrt does not follow; this mask is the window its generation keeps.
+pub const RECURRENT_GEMMA_WINDOWED: &str =
+    "from transformers import RecurrentGemmaConfig as C, RecurrentGemmaForCausalLM
+import types
+def window_mask(self, attention_mask, x, cache_position):
+    i, j = cache_position[:, None], torch.arange(x.shape[1])[None, :]
+    ok = (j <= i) & (i - j < self.config.attention_window_size)
+    mask = torch.zeros(ok.shape, dtype=x.dtype).masked_fill(~ok, torch.finfo(x.dtype).min)
+    return mask[None, None].expand(x.shape[0], 1, -1, -1)
+class M(RecurrentGemmaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model._update_causal_mask = types.MethodType(window_mask, self.model)
+    def forward(self, *args, **kwargs):
+        for layer in self.model.layers:
+            if hasattr(layer.temporal_block, 'rg_lru'):
+                layer.temporal_block.rg_lru.recurrent_states = None
+        return super().forward(*args, **kwargs)";
+
 /// BitNet's classes for the cases that train it ternary (a case's
 /// `python.0`, importing its config class as `C` and its model class as
 /// `M`): `M` builds its decoder layers' linear layers as

@@ -48,10 +48,19 @@ model.train()
 vocab = config.get_text_config().vocab_size
 tokens = ((torch.arange(batch * seq) * 7919 + 13) % vocab).view(batch, seq)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+# RecurrentGemma's RG-LRUs keep their last state, graph and all, for the
+# next forward, whose backward then fails ("backward through the graph a
+# second time"): forgotten before each step, which changes no number (a
+# sequence's first token multiplies it by zero). Its config in
+# bench/hf-configs turns `use_cache` off, without which its attention's
+# keys and values get no gradient.
+kept_states = [m for m in model.modules() if type(m).__name__ == "RecurrentGemmaRglru"]
 
 
 def step():
     """One step's loss and its parts' seconds: forward, backward, optimizer."""
+    for m in kept_states:
+        m.recurrent_states = None
     t0 = time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
     t1 = time.perf_counter()

@@ -385,6 +385,7 @@ mod tests {
             "mamba2",
             "minimax",
             "qwen3_next",
+            "recurrent_gemma",
         ];
         assert_eq!(read, kept);
     }

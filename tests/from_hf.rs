@@ -908,6 +908,17 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // The same with an RMS norm of each linear layer's input before its
+    // rounding (use_rms_norm, at an epsilon of its own), its weights
+    // trained.
+    Case {
+        name: "bitnet-ternary-normed",
+        python: (
+            common::BITNET_TERNARY,
+            "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear', 'quantization_mode': 'online', 'use_rms_norm': True, 'rms_norm_eps': 1e-5}",
+        ),
+        load: "",
+    },
     // JetMoE: a mixture of attention heads (each token's queries from
     // its top two of four experts, two key-value heads of 16 each) and
     // Granite-MoE's experts in the MLP, each with a bias; the head tied;
@@ -1275,7 +1286,7 @@ fn bf16_tolerance(case: &str) -> f64 {
         "jetmoe" => 2e-1,
         // Rounded to ternary weights and 8-bit inputs, transformers' own
         // bf16 logits are 9-13% off its fp32 ones (four batches).
-        "bitnet-ternary" => 2e-1,
+        "bitnet-ternary" | "bitnet-ternary-normed" => 2e-1,
         _ => 2e-2,
     }
 }
@@ -1290,7 +1301,7 @@ fn bf16_tolerance(case: &str) -> f64 {
 /// 7e-5), against 1% between rounding and not.
 fn fp32_tolerance(case: &str) -> f64 {
     match case {
-        "bitnet-ternary" => 1e-3,
+        "bitnet-ternary" | "bitnet-ternary-normed" => 1e-3,
         _ => 1e-5,
     }
 }
@@ -1641,6 +1652,7 @@ fn a_bitnet_checkpoint_with_its_sub_norms_trains_as_transformers_does() {
 #[test]
 fn a_bitnet_checkpoint_trains_ternary_as_transformers_autobitlinear_does() {
     parity("bitnet-ternary");
+    parity("bitnet-ternary-normed");
 }
 
 #[test]

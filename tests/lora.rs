@@ -573,6 +573,17 @@ const BITNET_TERNARY: Case = Case {
     ..OFF
 };
 
+/// The same with an RMS norm before each base layer's rounding
+/// (`use_rms_norm`): frozen with the base, the adapters reading the
+/// input unnormalised, as PEFT's beside an `AutoBitLinear` do.
+const BITNET_TERNARY_NORMED: Case = Case {
+    python: (
+        common::BITNET_TERNARY,
+        "vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, quantization_config={'quant_method': 'bitnet', 'linear_class': 'autobitlinear', 'quantization_mode': 'online', 'use_rms_norm': True}",
+    ),
+    ..BITNET_TERNARY
+};
+
 /// Qwen3-Next's DeltaNet layers' `in_proj_qkvz` (64 -> 128: queries,
 /// keys, values and gates), `in_proj_ba` (64 -> 8) and `out_proj` (48 ->
 /// 64), and the gated attention's `q_proj` (64 -> 128: queries and
@@ -1107,6 +1118,11 @@ fn lora_adapters_on_diffllamas_differential_attention_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_a_ternary_bitnet_train_as_peft_does() {
     parity("bitnet-ternary", &BITNET_TERNARY, &[(3, false, Held::Fp32)]);
+    parity(
+        "bitnet-ternary-normed",
+        &BITNET_TERNARY_NORMED,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

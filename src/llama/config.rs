@@ -477,6 +477,12 @@ pub struct LlamaConfig {
     /// gradients passing straight through to the full-precision weights
     /// and inputs. `false` for the other families.
     pub ternary: bool,
+    /// Under [`LlamaConfig::ternary`], the `quantization_config`'s
+    /// `rms_norm_eps` when its `use_rms_norm` is true: each of those
+    /// linear layers normalises its input by an RMS norm of its own
+    /// (`rms_norm.weight` beside its weight, Llama's) before rounding
+    /// it, as `AutoBitLinear` does then. `None`: no such norm.
+    pub ternary_norm: Option<f64>,
     /// Bamba's `z_loss_coefficient`: the loss methods add it times the
     /// mean over every position of the square of the logits'
     /// log-sum-exp, as `BambaForCausalLM` adds it given labels
@@ -531,6 +537,10 @@ impl LlamaConfig {
             )));
         };
         let ternary = family == Family::Bitnet && ternary(j)?;
+        let ternary_norm = match ternary {
+            true => ternary_norm(j)?,
+            false => None,
+        };
         // A quantized checkpoint's matrices are not the ones this
         // model trains (GPT-OSS's published mxfp4 blocks and scales).
         if let Some(q) = j.get("quantization_config").filter(|_| !ternary) {
@@ -1122,6 +1132,7 @@ impl LlamaConfig {
                 _ => None,
             },
             ternary,
+            ternary_norm,
             z_loss,
         })
     }
@@ -1391,6 +1402,10 @@ impl LlamaConfig {
         // BitNet's norms of the attention's output and of the MLP's
         // gated product.
         let sub_norms = bias(self.family == Family::Bitnet, d + i);
+        // And under `use_rms_norm` a norm of each linear layer's input:
+        // the queries', keys', values', gate's and up's (the width each),
+        // the output's (the heads') and down's (the MLP's).
+        let sub_norms = sub_norms + bias(self.ternary_norm.is_some(), 5 * d + q + i);
         let mlp = ups * (d * i + bias(self.mlp_bias, i)) + (i * d + bias(self.mlp_bias, d));
         // A router and each expert's three matrices; a shared expert's
         // three (and Qwen2-MoE's gate's row); DeepSeek-V3's router's
@@ -1575,6 +1590,8 @@ impl LlamaConfig {
                         "quant_method": "bitnet",
                         "linear_class": "autobitlinear",
                         "quantization_mode": "online",
+                        "use_rms_norm": self.ternary_norm.is_some(),
+                        "rms_norm_eps": self.ternary_norm.unwrap_or(1e-6),
                     },
                 }),
                 false => serde_json::json!({"attention_bias": self.o_bias}),
@@ -2768,11 +2785,6 @@ fn ternary(j: &HfJson) -> Result<bool, HfError> {
             "quantization_config's quantization_mode {mode:?}: transformers freezes an offline AutoBitLinear (its weights already rounded, a fixed weight_scale beside them); train with quantization_mode \"online\", which rounds the full-precision weights at every step"
         )));
     }
-    if q.get("use_rms_norm").and_then(|v| v.as_bool()) == Some(true) {
-        return Err(j.field(
-            "quantization_config's use_rms_norm true: zrt does not build the RMS norm AutoBitLinear then puts before each linear layer; set it false (its default)".into(),
-        ));
-    }
     let kept = q.get("modules_to_not_convert").and_then(|m| m.as_array());
     if let Some(m) = kept
         .into_iter()
@@ -2784,6 +2796,33 @@ fn ternary(j: &HfJson) -> Result<bool, HfError> {
         )));
     }
     Ok(true)
+}
+
+/// The epsilon of the RMS norm a ternary BitNet's linear layers put
+/// before their inputs' rounding ([`LlamaConfig::ternary_norm`]): its
+/// `quantization_config`'s `rms_norm_eps` (1e-6 left out) when its
+/// `use_rms_norm` is true, else `None`.
+fn ternary_norm(j: &HfJson) -> Result<Option<f64>, HfError> {
+    let Some(q) = j.get("quantization_config") else {
+        return Ok(None);
+    };
+    let on = match q.get("use_rms_norm") {
+        None | Some(serde_json::Value::Null) => false,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            j.field(format!(
+                "quantization_config's use_rms_norm {v}: true or false"
+            ))
+        })?,
+    };
+    let eps = match q.get("rms_norm_eps") {
+        None | Some(serde_json::Value::Null) => 1e-6,
+        Some(v) => v.as_f64().filter(|e| *e > 0.0).ok_or_else(|| {
+            j.field(format!(
+                "quantization_config's rms_norm_eps {v}: a number above 0"
+            ))
+        })?,
+    };
+    Ok(on.then_some(eps))
 }
 
 /// Which layers attend to every earlier token when the model has a

@@ -865,7 +865,9 @@ impl Layer {
         // BitNet's quantization-aware training rounds every linear
         // layer's weights and inputs.
         let lin = |p: &nn::Path, i, o, bias| {
-            Adapted::new(p, (i, o, bias), lora, training).ternary(c.ternary)
+            (Adapted::new(p, (i, o, bias), lora, training))
+                .ternary(c.ternary)
+                .ternary_norm(p, c.ternary_norm)
         };
         let lin: &Lin<'_> = &lin;
         let (a, m) = match c.family {

@@ -144,6 +144,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         opt: None,
         local_layers: None,
         ternary: false,
+        ternary_norm: None,
         z_loss: 0.0,
     };
     assert_eq!(cfg, want);
@@ -2674,8 +2675,17 @@ fn bitnet_configs_are_read_counted_and_their_quantization_checked() {
     let online = r#""quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}"#;
     let qat = dir.read(&format!("{{{sizes}, {online}}}")).unwrap();
     assert!(qat.ternary);
-    assert_eq!(total(&qat), total(&plain));
-    dir.round_trips([plain, qat]);
+    assert_eq!((total(&qat), qat.ternary_norm), (total(&plain), None));
+    // An RMS norm before each linear layer's rounding (use_rms_norm):
+    // 2413488640 parameters, as transformers counts them with its
+    // AutoBitLinears built so.
+    let normed = r#""quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online", "use_rms_norm": true, "rms_norm_eps": 1e-05}"#;
+    let normed = dir.read(&format!("{{{sizes}, {normed}}}")).unwrap();
+    assert_eq!(
+        (total(&normed), normed.ternary_norm),
+        (2413488640, Some(1e-5))
+    );
+    dir.round_trips([plain, qat, normed]);
     // What transformers does not train, or zrt does not build, is
     // refused naming the key.
     let given = format!("{{{sizes}, {online}}}");
@@ -2694,8 +2704,13 @@ fn bitnet_configs_are_read_counted_and_their_quantization_checked() {
             ),
             (
                 r#""quant_method": "bitnet","#,
-                r#""quant_method": "bitnet", "use_rms_norm": true,"#,
-                "use_rms_norm true: zrt does not build the RMS norm",
+                r#""quant_method": "bitnet", "use_rms_norm": 1,"#,
+                "use_rms_norm 1: true or false",
+            ),
+            (
+                r#""quant_method": "bitnet","#,
+                r#""quant_method": "bitnet", "use_rms_norm": true, "rms_norm_eps": 0,"#,
+                "rms_norm_eps 0: a number above 0",
             ),
             (
                 r#""quant_method": "bitnet","#,
@@ -3048,6 +3063,7 @@ fn unit_params_count_what_the_built_model_holds() {
         opt: None,
         local_layers: None,
         ternary: false,
+        ternary_norm: None,
         z_loss: 0.0,
     };
     let variants = [

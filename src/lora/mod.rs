@@ -993,6 +993,9 @@ pub(crate) struct Adapted {
     adapter: Option<Box<Adapter>>,
     /// BitNet's quantization-aware training ([`Adapted::ternary`]).
     ternary: bool,
+    /// The RMS norm (its weight and epsilon) the ternary base puts
+    /// before its input's rounding ([`Adapted::ternary_norm`]).
+    input_norm: Option<(Tensor, f64)>,
 }
 
 /// `A` `[r, in]`, `B` `[out, r]` (and its bias `[out]` under
@@ -1061,6 +1064,7 @@ impl Adapted {
             base,
             adapter,
             ternary: false,
+            input_norm: None,
         }
     }
 
@@ -1078,12 +1082,40 @@ impl Adapted {
         }
     }
 
+    /// As it is, its ternary base normalising its input first by an RMS
+    /// norm of its own at `eps` (`p / "rms_norm"`'s `weight`, ones),
+    /// as `AutoBitLinear` does under `use_rms_norm`
+    /// ([`crate::llama::LlamaConfig::ternary_norm`]); an adapter reads
+    /// the input unnormalised, as PEFT's beside that base. `None`: no
+    /// norm.
+    pub(crate) fn ternary_norm(self, p: &nn::Path, eps: Option<f64>) -> Self {
+        let width = self.base.ws.size()[1];
+        Self {
+            input_norm: eps.map(|eps| ((p / "rms_norm").ones("weight", &[width]), eps)),
+            ..self
+        }
+    }
+
     /// The base layer's output: its own, or under [`Adapted::ternary`]
     /// the rounded weights' on the rounded input.
     fn base(&self, x: &Tensor) -> Tensor {
         if !self.ternary {
             return self.base.forward(x);
         }
+        // Llama's RMS norm: normalised in fp32, back in the input's
+        // dtype, times the weight.
+        let normed;
+        let x = match &self.input_norm {
+            None => x,
+            Some((weight, eps)) => {
+                let f = x.to_kind(Kind::Float);
+                let variance =
+                    f.pow_tensor_scalar(2)
+                        .mean_dim([-1i64].as_slice(), true, Kind::Float);
+                normed = weight * (f * (variance + *eps).rsqrt()).to_kind(x.kind());
+                &normed
+            }
+        };
         let (w, x) = (ternary_weights(&self.base.ws), eight_bit_tokens(x));
         x.linear(&w, self.base.bs.as_ref())
     }

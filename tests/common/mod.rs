@@ -854,7 +854,8 @@ class M(RecurrentGemmaForCausalLM):
 /// `M`): `M` builds its decoder layers' linear layers as
 /// `transformers`' `AutoBitLinear` in online mode, as `from_pretrained`
 /// builds them for a config with such a `quantization_config` (the
-/// class alone builds plain ones). Eager: `torch.compile` off.
+/// class alone builds plain ones), each with its RMS norm when the
+/// config's `use_rms_norm` is true. Eager: `torch.compile` off.
 pub const BITNET_TERNARY: &str = "import torch._dynamo
 torch._dynamo.config.disable = True
 from transformers import BitNetConfig as C, BitNetForCausalLM
@@ -862,11 +863,15 @@ from transformers.integrations.bitnet import AutoBitLinear
 class M(BitNetForCausalLM):
     def __init__(self, config):
         super().__init__(config)
+        qc = getattr(config, 'quantization_config', None) or {}
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        norm = dict(use_rms_norm=bool(qc.get('use_rms_norm')), rms_norm_eps=qc.get('rms_norm_eps') or 1e-6)
         for module in list(self.model.modules()):
             for name, plain in list(module.named_children()):
                 if type(plain) is torch.nn.Linear:
-                    q = AutoBitLinear(plain.in_features, plain.out_features, bias=plain.bias is not None, online_quant=True)
-                    q.load_state_dict(plain.state_dict())
+                    q = AutoBitLinear(plain.in_features, plain.out_features, bias=plain.bias is not None, online_quant=True, **norm)
+                    missing, unexpected = q.load_state_dict(plain.state_dict(), strict=False)
+                    assert not unexpected and all(k == 'rms_norm.weight' for k in missing), (missing, unexpected)
                     setattr(module, name, q)";
 
 /// Writes [`hf_seeded_model`]'s model into `dir/hf`, in one file.

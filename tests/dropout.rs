@@ -148,6 +148,19 @@ fn llama_drops_attention_out_as_transformers_does_once_training() {
     );
 }
 
+/// RecurrentGemma's one dropout, the attention weights' (its class's
+/// SDPA with its additive mask), in its attending layer between
+/// recurrent ones whose draws there are none of.
+#[test]
+fn recurrent_gemma_drops_attention_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "recurrent-gemma",
+        common::RECURRENT_GEMMA,
+        "vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, lru_width=48, conv1d_width=3, attention_window_size=32, attention_dropout=0.25, use_cache=False",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
     dropout_parity(

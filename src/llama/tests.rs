@@ -1205,11 +1205,14 @@ fn a_recurrent_gemma_config_is_read_with_its_recurrent_layers_and_counted() {
     assert_eq!(d.final_softcap, Some(30.0));
     assert!(d.o_bias && !d.qkv_bias && d.mlp_bias && d.tied);
     assert_eq!(total(&d), 2010263040);
-    // RecurrentGemma-2b's sizes: 2682862080.
-    let two_b = defaults
-        .replace("7680", "15360")
-        .replace("10}", "10, \"num_key_value_heads\": 1}");
-    assert_eq!(total(&dir.read(&two_b).unwrap()), 2682862080);
+    // The fields RecurrentGemma-2b's config.json holds (the ones its
+    // class does not read among them): 2682862080 parameters.
+    let two_b = r#"{"architectures": ["RecurrentGemmaForCausalLM"], "attention_bias": false, "attention_window_size": 2048, "block_types": ["recurrent", "recurrent", "attention"], "bos_token_id": 2, "conv1d_width": 4, "embeddings_scale_by_sqrt_dim": true, "eos_token_id": 1, "final_w_init_variance_scale": 0.07692307692307693, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2560, "intermediate_size": 15360, "logits_soft_cap": 30.0, "lru_width": 2560, "model_type": "recurrent_gemma", "num_attention_heads": 10, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "torch_dtype": "float32", "use_cache": true, "vocab_size": 256000, "w_init_variance_scale": 0.01}"#;
+    let two_b = dir.read(two_b).unwrap();
+    assert_eq!(
+        (total(&two_b), two_b.kv_heads, two_b.intermediate),
+        (2682862080, 1, 7680)
+    );
     // Smaller, narrower recurrences, biased attention first, an odd
     // intermediate_size (the MLP floors its half), as transformers counts it.
     let small = r#"{"model_type": "recurrent_gemma", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3001, "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 2, "lru_width": 512, "attention_bias": true, "block_types": ["attention", "recurrent"]}"#;

@@ -818,36 +818,40 @@ m.save_pretrained("{dir}/hf"{save})
 /// (whose backward then fails: "backward through the graph a second
 /// time"). `M` forgets that state before each forward, which changes no
 /// number (a sequence's first token multiplies it by zero).
-pub const RECURRENT_GEMMA: &str =
-    "from transformers import RecurrentGemmaConfig as C, RecurrentGemmaForCausalLM
+macro_rules! recurrent_gemma {
+    () => {
+        "from transformers import RecurrentGemmaConfig as C, RecurrentGemmaForCausalLM
 class M(RecurrentGemmaForCausalLM):
     def forward(self, *args, **kwargs):
         for layer in self.model.layers:
             if hasattr(layer.temporal_block, 'rg_lru'):
                 layer.temporal_block.rg_lru.recurrent_states = None
-        return super().forward(*args, **kwargs)";
+        return super().forward(*args, **kwargs)"
+    };
+}
+
+/// RecurrentGemma's class as the cases train it ([`recurrent_gemma!`]
+/// says how and why).
+pub const RECURRENT_GEMMA: &str = recurrent_gemma!();
 
 /// [`RECURRENT_GEMMA`] attending within its `attention_window_size` in
 /// training: `transformers`' training mask lets every token attend to
 /// all before it (only its generation's cache holds a window), which
 /// zrt does not follow; this mask is the window its generation keeps.
-pub const RECURRENT_GEMMA_WINDOWED: &str =
-    "from transformers import RecurrentGemmaConfig as C, RecurrentGemmaForCausalLM
+pub const RECURRENT_GEMMA_WINDOWED: &str = concat!(
+    recurrent_gemma!(),
+    "
 import types
 def window_mask(self, attention_mask, x, cache_position):
     i, j = cache_position[:, None], torch.arange(x.shape[1])[None, :]
     ok = (j <= i) & (i - j < self.config.attention_window_size)
     mask = torch.zeros(ok.shape, dtype=x.dtype).masked_fill(~ok, torch.finfo(x.dtype).min)
     return mask[None, None].expand(x.shape[0], 1, -1, -1)
-class M(RecurrentGemmaForCausalLM):
+class M(M):
     def __init__(self, config):
         super().__init__(config)
-        self.model._update_causal_mask = types.MethodType(window_mask, self.model)
-    def forward(self, *args, **kwargs):
-        for layer in self.model.layers:
-            if hasattr(layer.temporal_block, 'rg_lru'):
-                layer.temporal_block.rg_lru.recurrent_states = None
-        return super().forward(*args, **kwargs)";
+        self.model._update_causal_mask = types.MethodType(window_mask, self.model)"
+);
 
 /// BitNet's classes for the cases that train it ternary (a case's
 /// `python.0`, importing its config class as `C` and its model class as

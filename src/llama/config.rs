@@ -770,11 +770,8 @@ impl LlamaConfig {
             | Family::GptOss
             | Family::GptNeo => j.size_or_null("sliding_window", defaults.window)?,
             // Every attending layer of RecurrentGemma's is local.
-            Family::RecurrentGemma => Some(
-                j.size_or_none("attention_window_size")?
-                    .or(defaults.window)
-                    .unwrap_or(2048),
-            ),
+            // (Its class's default window is the family's default.)
+            Family::RecurrentGemma => j.size_or_none("attention_window_size")?.or(defaults.window),
             Family::Qwen2
             | Family::Qwen3
             | Family::Qwen2Moe

@@ -106,11 +106,17 @@ const LLAMA_DORA: Case = Case {
 };
 
 /// [`LLAMA`] with its head and final norm trained whole
-/// (`modules_to_save`): 96 x 64 and 64 elements more.
+/// (`modules_to_save`): 96 x 64 and 64 elements more. To 2e-5, as
+/// [`LLAMA_TIED_SAVED`]: in one CI run on the Intel Xeon VM (2026-12-05,
+/// of several there and on the AMD that passed) the second layer's
+/// `down_proj` A of one of the two ended 8.0e-6 from PEFT's, AdamW
+/// carrying the sums' rounding where a gradient is near zero (as
+/// [`GPT_NEOX`]'s).
 const LLAMA_SAVED: Case = Case {
     saved: &["lm_head", "model.norm"],
     whole: 2,
     elements: LLAMA.elements + 96 * 64 + 64,
+    atol: Some(2e-5),
     ..LLAMA
 };
 
@@ -124,6 +130,7 @@ const LLAMA_TIED_SAVED: Case = Case {
     saved: &["embed_tokens"],
     whole: 1,
     elements: LLAMA.elements + 96 * 64,
+    atol: Some(2e-5),
     ..LLAMA
 };
 
@@ -144,6 +151,7 @@ const LLAMA_TIED_TOKENS: Case = Case {
     matrices: 13,
     whole: 0,
     elements: LLAMA.elements + 3 * 64,
+    atol: None,
     ..LLAMA_TIED_SAVED
 };
 

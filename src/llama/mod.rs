@@ -94,6 +94,8 @@ pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub use rg_lru::RgLruConfig;
+// BitNet's ternary linear layers' input norm (`lora::Adapted`).
+pub(crate) use norm::rms_normalized;
 pub(crate) use rope_scaling::rope_scaling;
 pub use rope_scaling::RopeScaling;
 pub(crate) use rotary::{rope_at, rope_from, Rotary};

@@ -62,7 +62,7 @@ impl RmsNorm {
 /// `x / sqrt(mean(x^2) + eps)` over the last dimension, in fp32: an
 /// RMSNorm before its weights (Llama 4's `Llama4TextL2Norm`, cast back,
 /// has none).
-pub(super) fn rms_normalized(x: &Tensor, eps: f64) -> Tensor {
+pub(crate) fn rms_normalized(x: &Tensor, eps: f64) -> Tensor {
     let h = x.to_kind(Kind::Float);
     let var = h.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
     h * (var + eps).rsqrt()

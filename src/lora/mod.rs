@@ -1108,11 +1108,7 @@ impl Adapted {
         let x = match &self.input_norm {
             None => x,
             Some((weight, eps)) => {
-                let f = x.to_kind(Kind::Float);
-                let variance =
-                    f.pow_tensor_scalar(2)
-                        .mean_dim([-1i64].as_slice(), true, Kind::Float);
-                normed = weight * (f * (variance + *eps).rsqrt()).to_kind(x.kind());
+                normed = weight * crate::llama::rms_normalized(x, *eps).to_kind(x.kind());
                 &normed
             }
         };

@@ -1120,6 +1120,26 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // LongCat-Flash: layers of two sublayers, each DeepSeek-V3's latent
+    // attention (the bottlenecks' outputs scaled, values narrower than
+    // the keys, biases where attention_bias puts them) and a dense MLP,
+    // and experts beside them reading the first sublayer's MLP input:
+    // four real experts and a zero one, three a token by softmax score
+    // and its correction, weighted by score times routed_scaling_factor.
+    // At these sizes every real expert takes tokens in every step (one
+    // no token chose AdamW moves by its momentum in zrt and skips in
+    // torch: docs/choices.md), tokens choose the zero expert (1 to 13 of
+    // 96 choices a batch), and transformers' own bf16 logits stay within
+    // 1.5% of its fp32 ones (at width 64, or with two zero experts of
+    // two a token, a token's experts flip in bf16: 37% off).
+    Case {
+        name: "longcat-flash",
+        python: (
+            "from transformers import LongcatFlashConfig as C, LongcatFlashForCausalLM as M",
+            "vocab_size=96, hidden_size=48, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=10, n_routed_experts=4, zero_expert_num=1, moe_topk=3, expert_ffn_hidden_size=16, routed_scaling_factor=1.5, attention_bias=True",
+        ),
+        load: "",
+    },
     // GLM: one gate-and-up matrix, query/key/value biases, half of each
     // head turned by neighbouring pairs, grouped keys and values, a pad
     // row.
@@ -1798,6 +1818,11 @@ fn a_deepseek_v2_lite_checkpoint_routing_greedily_by_softmax_trains_as_transform
 #[test]
 fn a_deepseek_v2_checkpoint_routing_within_groups_trains_as_transformers_does() {
     parity("deepseek-v2");
+}
+
+#[test]
+fn a_longcat_flash_checkpoint_with_sublayers_and_zero_experts_trains_as_transformers_does() {
+    parity("longcat-flash");
 }
 
 #[test]

@@ -82,6 +82,10 @@ pub struct MoeConfig {
     /// balance over every layer with experts, as `transformers` adds it
     /// ([`crate::hf::HfModel::plus_aux_losses`]).
     pub balance: Option<f64>,
+    /// LongCat-Flash's `zero_expert_num` (0 for the others): experts
+    /// after the `experts` real ones that compute nothing, each token
+    /// that chose one passed through it unchanged, times its weight.
+    pub zero: i64,
 }
 
 /// Falcon-H1's µP multipliers ([`Family::FalconH1`]), each 1 unless
@@ -212,6 +216,12 @@ pub struct Mla {
     /// `rope_scaling`'s `mscale_all_dim` (0 when it has none): with a
     /// scaling, the scores' scale grows by its mscale squared.
     pub mscale_all_dim: f64,
+    /// LongCat-Flash's factors of the queries (after `q_b_proj`) and of
+    /// the keys' and values' normalised latent (before `kv_b_proj`):
+    /// `sqrt(hidden_size / q_lora_rank)` and `sqrt(hidden_size /
+    /// kv_lora_rank)`, as its class always scales them; `None` for
+    /// DeepSeek's.
+    pub scales: Option<(f64, f64)>,
 }
 
 /// The gate's activation in the MLP (`down(act(gate(x)) * up(x))`): the
@@ -850,6 +860,7 @@ impl LlamaConfig {
             intermediate: match family {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
+                Family::LongcatFlash => j.size_or_none("ffn_hidden_size")?.unwrap_or(12288),
                 Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
                 Family::Lfm2 => short_conv::mlp_width(j)?.width(),
                 Family::RecurrentGemma => rg.as_ref().map_or(0, RgLruConfig::mlp_width),
@@ -859,7 +870,12 @@ impl LlamaConfig {
                 }
                 _ => j.size("intermediate_size")?,
             },
-            layers: j.size("num_hidden_layers")?,
+            // LongCat-Flash's `num_layers` layers, each of two sublayers
+            // (its `num_hidden_layers` counts the sublayers).
+            layers: match family {
+                Family::LongcatFlash => j.size_or_none("num_layers")?.unwrap_or(28),
+                _ => j.size("num_hidden_layers")?,
+            },
             heads,
             kv_heads,
             head_dim,
@@ -1407,21 +1423,24 @@ impl LlamaConfig {
         // A router and each expert's three matrices; a shared expert's
         // three (and Qwen2-MoE's gate's row); DeepSeek-V3's router's
         // correction, a buffer zrt holds as a frozen parameter; GPT-OSS's
-        // router's and experts' biases.
+        // router's and experts' biases. LongCat-Flash's router scores its
+        // zero experts too, which have no weights.
         let oss = self.family == Family::GptOss;
         let experts = (self.moe.as_ref()).map_or(0, |m| {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
+            let routed = e + m.zero as u64;
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
             let gate = bias(
                 matches!(self.family, Family::Qwen2Moe | Family::Qwen3Next),
                 d,
             );
             let sigmoid = m.grouped.as_ref().map(|g| g.scoring) == Some(Scoring::Sigmoid);
-            let correction = bias(sigmoid || self.family == Family::Ernie4_5Moe, e);
+            let corrected = matches!(self.family, Family::Ernie4_5Moe | Family::LongcatFlash);
+            let correction = bias(sigmoid || corrected, routed);
             let biases = bias(oss, e + e * (2 * w + d));
             // JetMoE's bias on the experts' sum.
             let sum_bias = bias(self.family == Family::JetMoe, d);
-            d * e + e * 3 * d * w + shared + gate + correction + biases + sum_bias
+            d * routed + e * 3 * d * w + shared + gate + correction + biases + sum_bias
         });
         // GPT-OSS's sinks: a logit a head.
         let sinks = bias(oss, self.heads as u64);
@@ -1446,6 +1465,11 @@ impl LlamaConfig {
         };
         let mlp = mlp + act;
         let layer = |l: i64| {
+            // LongCat-Flash's two sublayers, each with its attention and
+            // dense MLP, and the experts beside them.
+            if self.family == Family::LongcatFlash {
+                return 2 * (norms * norm + attention + mlp) + experts;
+            }
             // Mamba's and Falcon-Mamba's layers have no MLP, one norm.
             let (mlp, norms) = match self.family.mamba_only() {
                 true => (0, 1),
@@ -1559,6 +1583,11 @@ impl LlamaConfig {
         // embedding turns any).
         if let (Family::RecurrentGemma, Some(all)) = (self.family, json.as_object_mut()) {
             all.remove("max_position_embeddings");
+        }
+        // LongCat-Flash's reads its MLPs' width as `ffn_hidden_size`
+        // (below).
+        if let (Family::LongcatFlash, Some(all)) = (self.family, json.as_object_mut()) {
+            all.remove("intermediate_size");
         }
         // JetMoE's class computes its heads and reads their width as
         // `kv_channels` (below).
@@ -1735,6 +1764,28 @@ impl LlamaConfig {
                     .into();
                 }
                 j
+            }
+            // Its layers as `num_layers` (and their sublayers as
+            // `num_hidden_layers`), its MLPs' width as `ffn_hidden_size`.
+            Family::LongcatFlash => {
+                let (m, e) = (self.mla.as_ref(), self.moe.as_ref());
+                serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "num_layers": self.layers,
+                    "num_hidden_layers": 2 * self.layers,
+                    "ffn_hidden_size": self.intermediate,
+                    "q_lora_rank": m.and_then(|m| m.q_rank),
+                    "kv_lora_rank": m.map(|m| m.kv_rank),
+                    "qk_nope_head_dim": m.map(|m| m.nope),
+                    "qk_rope_head_dim": m.map(|m| m.rope),
+                    "head_dim": m.map(|m| m.rope),
+                    "v_head_dim": m.map(|m| m.v),
+                    "n_routed_experts": e.map(|e| e.experts),
+                    "zero_expert_num": e.map(|e| e.zero),
+                    "moe_topk": e.map(|e| e.top_k),
+                    "expert_ffn_hidden_size": e.map(|e| e.intermediate),
+                    "routed_scaling_factor": e.and_then(|e| e.grouped.as_ref()).map(|g| g.scale),
+                })
             }
             Family::FlexOlmo => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -2134,6 +2185,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Ernie4_5Moe => ("moe_num_experts", "moe_intermediate_size", true),
         // Llama 4's: sigmoids of the top logits, not renormalised.
         Family::Llama4 => ("num_local_experts", "intermediate_size", false),
+        // LongCat-Flash's: softmax scores, scaled, not renormalised.
+        Family::LongcatFlash => ("n_routed_experts", "expert_ffn_hidden_size", false),
         // Jamba's: the softmax's top `k`, as they are.
         Family::Jamba => ("num_experts", "intermediate_size", false),
         // Hunyuan's experts and shared MLP are all the MLP's width.
@@ -2226,6 +2279,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Dots1 => (0, 0, 1408),
         Family::Glm4Moe => (128, 8, 1408),
         Family::GptOss => (128, 4, 0),
+        Family::LongcatFlash => (512, 12, 2048),
         _ => (128, 8, 768),
     };
     // Hunyuan's class takes a list a layer too: zrt builds one count.
@@ -2248,6 +2302,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     // DeepSeek-V2's class has no default.
     let top_k = match family {
         Family::Ernie4_5Moe => j.size_or_none("moe_k")?.unwrap_or(defaults.1),
+        Family::LongcatFlash => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
         Family::HunyuanMoe => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
         Family::Dots1 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
             j.field("no num_experts_per_tok: dots1's config class has no default; give it".into())
@@ -2262,9 +2317,14 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             "num_experts_per_tok {top_k}: PhiMoE's sparsemixer routes each token to 2 experts (its class raises otherwise); set it to 2"
         )));
     }
-    if top_k > experts {
+    let zero = match family {
+        Family::LongcatFlash => longcat_zero_experts(j)?,
+        _ => 0,
+    };
+    if top_k > experts + zero {
         return Err(j.field(format!(
-            "num_experts_per_tok {top_k} is more than the {experts} experts"
+            "num_experts_per_tok {top_k} is more than the {} experts",
+            experts + zero
         )));
     }
     let dense_layers = match j.get("mlp_only_layers") {
@@ -2339,6 +2399,13 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     };
     let grouped = match family {
         f if f.deepseek_experts() => Some(group_routing(j, f, experts)?),
+        // One group: the top `k` of every expert, zero ones too.
+        Family::LongcatFlash => Some(GroupRouting {
+            groups: 1,
+            top_groups: 1,
+            scale: j.number_or("routed_scaling_factor", 6.0)?,
+            scoring: Scoring::Softmax,
+        }),
         _ => None,
     };
     Ok(Some(MoeConfig {
@@ -2398,7 +2465,31 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             _ => None,
         },
         balance,
+        zero,
     }))
+}
+
+/// LongCat-Flash's `zero_expert_num` (256 unless it says), after
+/// refusing what its class would not compute: a router bias (it builds
+/// one and never adds it) and zero experts of a `zero_expert_type`
+/// other than `identity` (LongCat's own code's field; the class's are
+/// always identities).
+fn longcat_zero_experts(j: &HfJson) -> Result<i64, HfError> {
+    if j.flag_or("router_bias", false)? {
+        return Err(j.field(
+            "router_bias true: transformers' LongCat-Flash builds a bias for its router and never adds it, so zrt builds none; set it to false".into(),
+        ));
+    }
+    match j.get("zero_expert_type") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(v) if v == "identity" => {}
+        Some(v) => {
+            return Err(j.field(format!(
+                "zero_expert_type {v}: transformers' LongCat-Flash passes a token through its zero experts unchanged (\"identity\"); give that"
+            )))
+        }
+    }
+    count_or(j, "zero_expert_num", 256)
 }
 
 /// Whether Granite 4.0's config `j` has no experts (`num_local_experts`
@@ -2588,12 +2679,31 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
             "qk_rope_head_dim {rope}: rotary embeddings turn pairs of dimensions"
         )));
     }
-    if let Some(d) = j.size_or_none("head_dim")?.filter(|&d| d != rope) {
+    let name = match family {
+        Family::DeepseekV2 => "DeepSeek-V2",
+        Family::LongcatFlash => "LongCat-Flash",
+        _ => "DeepSeek-V3",
+    };
+    // LongCat-Flash's config class has a `head_dim` of its own (64).
+    let head_dim = match family {
+        Family::LongcatFlash => Some(j.size_or_none("head_dim")?.unwrap_or(64)),
+        _ => j.size_or_none("head_dim")?,
+    };
+    if let Some(d) = head_dim.filter(|&d| d != rope) {
         return Err(j.field(format!(
-            "head_dim {d}: {}'s config class turns head_dim dimensions, which must be qk_rope_head_dim {rope}",
-            if family == Family::DeepseekV2 { "DeepSeek-V2" } else { "DeepSeek-V3" }
+            "head_dim {d}: {name}'s config class turns head_dim dimensions, which must be qk_rope_head_dim {rope}"
         )));
     }
+    let (nope, v) = (
+        j.size_or_none("qk_nope_head_dim")?.unwrap_or(128),
+        j.size_or_none("v_head_dim")?.unwrap_or(128),
+    );
+    let q_rank = j.size_or_null("q_lora_rank", Some(1536))?;
+    let kv_rank = j.size_or_none("kv_lora_rank")?.unwrap_or(512);
+    let scales = match family {
+        Family::LongcatFlash => Some(longcat_scales(j, (q_rank, kv_rank), nope + rope)?),
+        _ => None,
+    };
     let scaling = j.get("rope_scaling").filter(|v| !v.is_null());
     let mscale_all_dim = match scaling.and_then(|v| v.get("mscale_all_dim")) {
         None => 0.0,
@@ -2602,17 +2712,64 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
             .ok_or_else(|| j.field(format!("rope_scaling's mscale_all_dim {v}: not a number")))?,
     };
     Ok(Some(Mla {
-        q_rank: j.size_or_null("q_lora_rank", Some(1536))?,
-        kv_rank: j.size_or_none("kv_lora_rank")?.unwrap_or(512),
-        nope: j.size_or_none("qk_nope_head_dim")?.unwrap_or(128),
+        q_rank,
+        kv_rank,
+        nope,
         rope,
-        v: j.size_or_none("v_head_dim")?.unwrap_or(128),
+        v,
         interleave: match family {
             Family::DeepseekV2 => false,
+            // LongCat-Flash's class always regroups the pairs.
+            Family::LongcatFlash => true,
             _ => j.flag_or("rope_interleave", true)?,
         },
         mscale_all_dim,
+        scales,
     }))
+}
+
+/// LongCat-Flash's [`Mla::scales`], after refusing what its class
+/// cannot build: no query bottleneck (its scale divides by
+/// `q_lora_rank`), keys and values of fewer heads than the queries (its
+/// latent gives every head its own), a `qk_head_dim` other than the
+/// two parts' sum, and LongCat's own code's flags turning the scales
+/// off (the class always scales).
+fn longcat_scales(
+    j: &HfJson,
+    (q_rank, kv_rank): (Option<i64>, i64),
+    qk: i64,
+) -> Result<(f64, f64), HfError> {
+    let Some(q_rank) = q_rank else {
+        return Err(j.field(
+            "q_lora_rank null: transformers' LongCat-Flash scales its queries by hidden_size over q_lora_rank, so it always has the bottleneck; give a rank".into(),
+        ));
+    };
+    let heads = j.size("num_attention_heads")?;
+    let kv_heads = j
+        .size_or_null("num_key_value_heads", None)?
+        .unwrap_or(heads);
+    if kv_heads != heads {
+        return Err(j.field(format!(
+            "num_key_value_heads {kv_heads}: LongCat-Flash's latent attention gives each of the {heads} heads its own keys and values (its class fails on fewer); leave it out"
+        )));
+    }
+    if let Some(given) = j.size_or_null("qk_head_dim", None)?.filter(|&d| d != qk) {
+        return Err(j.field(format!(
+            "qk_head_dim {given}: LongCat-Flash's queries and keys are qk_nope_head_dim + qk_rope_head_dim = {qk} wide; leave it out"
+        )));
+    }
+    for key in ["mla_scale_q_lora", "mla_scale_kv_lora"] {
+        if !j.flag_or(key, true)? {
+            return Err(j.field(format!(
+                "{key} false: transformers' LongCat-Flash always scales its latent attention's bottlenecks; set it to true (or leave it out)"
+            )));
+        }
+    }
+    let hidden = j.size("hidden_size")? as f64;
+    Ok((
+        (hidden / q_rank as f64).sqrt(),
+        (hidden / kv_rank as f64).sqrt(),
+    ))
 }
 
 impl Mla {

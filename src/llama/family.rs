@@ -471,11 +471,22 @@ pub enum Family {
     /// `channel_pre_norm`, `final_norm`) and scaled embeddings, biased
     /// MLPs half `intermediate_size` wide (`mlp_block`), capped logits.
     RecurrentGemma,
+    /// `longcat_flash` (`LongcatFlashForCausalLM`: Meituan's
+    /// LongCat-Flash): each of its `num_layers` layers is two sublayers
+    /// (`self_attn.0` and `.1`, DeepSeek-V3's latent attention with its
+    /// bottlenecks' outputs scaled by the width's ratio's root; dense
+    /// `mlps.0` and `.1`; `input_layernorm.0`, ...) and a shortcut
+    /// mixture of experts (`mlp`) reading the first sublayer's MLP input,
+    /// its output added after the second; its router chooses among the
+    /// experts and `zero_expert_num` zero-computation experts (each
+    /// passing its token through unchanged) by softmax score plus a
+    /// fixed correction, weighted by score times `routed_scaling_factor`.
+    LongcatFlash,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 71] = [
+    pub const ALL: [Family; 72] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -547,6 +558,7 @@ impl Family {
         Self::Bitnet,
         Self::JetMoe,
         Self::RecurrentGemma,
+        Self::LongcatFlash,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -637,6 +649,7 @@ impl Family {
             Self::Bitnet => "bitnet",
             Self::JetMoe => "jetmoe",
             Self::RecurrentGemma => "recurrent_gemma",
+            Self::LongcatFlash => "longcat_flash",
         }
     }
 
@@ -714,6 +727,7 @@ impl Family {
             Self::Bitnet => "BitNetForCausalLM",
             Self::JetMoe => "JetMoeForCausalLM",
             Self::RecurrentGemma => "RecurrentGemmaForCausalLM",
+            Self::LongcatFlash => "LongcatFlashForCausalLM",
         }
     }
 
@@ -952,9 +966,12 @@ impl Family {
         matches!(self, Self::DeepseekV3 | Self::Glm4Moe)
     }
 
-    /// DeepSeek-V3's multi-head latent attention (DeepSeek-V2's too).
+    /// DeepSeek-V3's multi-head latent attention (DeepSeek-V2's and LongCat-Flash's too).
     pub(super) fn latent_attention(self) -> bool {
-        matches!(self, Self::DeepseekV3 | Self::DeepseekV2)
+        matches!(
+            self,
+            Self::DeepseekV3 | Self::DeepseekV2 | Self::LongcatFlash
+        )
     }
 
     /// Queries and keys normalised over the whole projection before the
@@ -1148,6 +1165,13 @@ impl Family {
                 head_dim: None,
                 window: Some(2048),
                 ..GEMMA
+            },
+            Self::LongcatFlash => Defaults {
+                eps: 1e-5,
+                rope_theta: 1e7,
+                head_dim: Some(64),
+                positions: 131072,
+                ..LLAMA
             },
             Self::JetMoe => Defaults {
                 kv_heads: Some(16),

@@ -71,7 +71,20 @@ pub struct Layer {
     /// (`attn_sub_norm`) and of the MLP's gated product before
     /// `down_proj` (`ffn_sub_norm`).
     sub_norms: Option<(RmsNorm, RmsNorm)>,
+    /// LongCat-Flash's second sublayer and its shortcut experts: this
+    /// layer is its first sublayer.
+    shortcut: Option<Box<Shortcut>>,
     cfg: LlamaConfig,
+}
+
+/// LongCat-Flash's layer past its first sublayer: the second sublayer
+/// (`self_attn.1`, `mlps.1`, its norms `.1`), and the experts (`mlp`)
+/// that read the first sublayer's MLP input, their output added to the
+/// second sublayer's.
+#[derive(Debug)]
+struct Shortcut {
+    second: Layer,
+    experts: Experts,
 }
 
 /// Falcon-H1's Mamba-2 layer beside a layer's attention, reading the
@@ -179,9 +192,13 @@ impl Latent {
         };
         let q = q.view([b, t, heads, m.nope + m.rope]).transpose(1, 2);
         let latent = self.kv_a.forward(x);
-        let kv = self
-            .kv_b
-            .forward(&self.kv_norm.forward(&latent.narrow(-1, 0, m.kv_rank)));
+        let normed = self.kv_norm.forward(&latent.narrow(-1, 0, m.kv_rank));
+        // LongCat-Flash scales the queries and the normalised latent.
+        let (q, normed) = match m.scales {
+            Some((sq, skv)) => (q * sq, normed * skv),
+            None => (q, normed),
+        };
+        let kv = self.kv_b.forward(&normed);
         let kv = kv.view([b, t, heads, m.nope + m.v]).transpose(1, 2);
         let k_rot = latent
             .narrow(-1, m.kv_rank, m.rope)
@@ -277,6 +294,9 @@ struct Experts {
     /// over the experts (zeros elsewhere), which its class records, not
     /// over its logits.
     scattered: bool,
+    /// LongCat-Flash's zero experts ([`MoeConfig::zero`]), after the
+    /// real ones.
+    zero: i64,
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
@@ -599,6 +619,17 @@ impl Experts {
             })
         });
         let router = match (&m.grouped, m.sparse_mixer) {
+            // LongCat-Flash's: its real and zero experts scored by a
+            // softmax, chosen with a correction.
+            (Some(routing), _) if family == Family::LongcatFlash => {
+                let r = p / "router";
+                let routed = m.experts + m.zero;
+                Router::Grouped {
+                    weight: (&r / "classifier").var("weight", &[routed, d], RANDN),
+                    correction: Some(r.zeros_no_train("e_score_correction_bias", &[routed])),
+                    routing: routing.clone(),
+                }
+            }
             (None, Some(eps)) => Router::SparseMixer {
                 gate: lin(&(p / "gate"), d, m.experts, false),
                 eps,
@@ -654,6 +685,7 @@ impl Experts {
             bias: (family == Family::JetMoe).then(|| p.zeros("bias", &[d])),
             balance: None,
             scattered: family == Family::GptOss,
+            zero: m.zero,
         }
     }
 
@@ -670,8 +702,9 @@ impl Experts {
         // The sum in the weights' dtype: the input's, DeepSeek-V3's fp32.
         let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
-        let mask = chosen.one_hot(self.experts.count()).permute([2, 1, 0]);
-        for e in 0..self.experts.count() {
+        let (real, all) = (self.experts.count(), self.experts.count() + self.zero);
+        let mask = chosen.one_hot(all).permute([2, 1, 0]);
+        for e in 0..all {
             let hits = mask.get(e).nonzero();
             if hits.size()[0] == 0 {
                 continue;
@@ -682,6 +715,8 @@ impl Experts {
             // Llama 4's weights scale the expert's input, the others' its
             // output.
             let y = match self.router {
+                // LongCat-Flash's zero experts pass the token through.
+                _ if e >= real => x * w.unsqueeze(-1),
                 Router::TopSigmoid { .. } => self.experts.forward(e, &(x * w.unsqueeze(-1)), act),
                 _ => self.experts.forward(e, &x, act) * w.unsqueeze(-1),
             };
@@ -859,6 +894,36 @@ impl Layer {
         p: &nn::Path,
         l: i64,
         c: &LlamaConfig,
+        state: (&Training, &Arc<Decoding>),
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        if c.family != Family::LongcatFlash {
+            return Self::build((p, None), l, c, state, lora);
+        }
+        // LongCat-Flash's two sublayers and its experts beside them.
+        let mut first = Self::build((p, Some(0)), l, c, state, lora);
+        let second = Self::build((p, Some(1)), l, c, state, lora);
+        let (training, decoding) = state;
+        let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
+        let lin: &Lin<'_> = &lin;
+        let experts = match &c.moe {
+            Some(moe) => {
+                let mut e = Experts::new((p, &(p / "mlp")), (c.hidden, moe), c.family, (lin, lora));
+                e.balance = moe.balance.map(|_| decoding.clone());
+                Some(e)
+            }
+            None => None,
+        };
+        first.shortcut = experts.map(|experts| Box::new(Shortcut { second, experts }));
+        first
+    }
+
+    /// Decoder layer `l` under `p`, or LongCat-Flash's sublayer `sub`
+    /// of it.
+    fn build(
+        (p, sub): (&nn::Path, Option<i64>),
+        l: i64,
+        c: &LlamaConfig,
         (training, decoding): (&Training, &Arc<Decoding>),
         lora: Option<&LoraConfig>,
     ) -> Self {
@@ -876,6 +941,10 @@ impl Layer {
             }
             Family::JetMoe => (p / "self_attention", p / "mlp"),
             Family::RecurrentGemma => (p / "temporal_block", p / "mlp_block"),
+            Family::LongcatFlash => {
+                let i = sub.unwrap_or(0);
+                (p / "self_attn" / i, p / "mlps" / i)
+            }
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
@@ -1003,7 +1072,7 @@ impl Layer {
             )
         });
         Self {
-            norms: Norms::new(p, d, c),
+            norms: Norms::new((p, sub), d, c),
             qkv,
             o_proj: (c.family != Family::JetMoe).then(|| match kind {
                 (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
@@ -1037,7 +1106,9 @@ impl Layer {
             }),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 _ if c.family.mamba_only() => Mlp::None,
-                (Some(moe), true) => {
+                // LongCat-Flash's experts are the layer's, beside its
+                // sublayers' dense MLPs.
+                (Some(moe), true) if c.family != Family::LongcatFlash => {
                     let under = match c.family {
                         f if matches!(f, Family::Mixtral | Family::Phimoe | Family::MiniMax)
                             || f.granite_moe() =>
@@ -1147,6 +1218,7 @@ impl Layer {
             differential: (c.family == Family::DiffLlama)
                 .then(|| Differential::new(&a, hd, l, c.eps)),
             sub_norms,
+            shortcut: None,
             factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
@@ -1159,6 +1231,26 @@ impl Layer {
 
 impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
+        let (y, h) = self.sublayers(x);
+        match &self.shortcut {
+            // LongCat-Flash's second sublayer, then its experts' output
+            // of the first's MLP input, added last as its class adds it.
+            Some(s) => {
+                let z = s.second.forward(&y);
+                let experts = s
+                    .experts
+                    .forward(&h, self.cfg.activation, self.training.on());
+                z + experts
+            }
+            None => y,
+        }
+    }
+}
+
+impl Layer {
+    /// The layer's output for `x`, and its MLP's input (which
+    /// LongCat-Flash's experts read too).
+    fn sublayers(&self, x: &Tensor) -> (Tensor, Tensor) {
         let c = &self.cfg;
         let h = self.norms.attention_input(x);
         let a = match (&self.beside, &c.falcon_h1) {
@@ -1198,7 +1290,7 @@ impl Module for Layer {
         };
         let m = match &self.mlp {
             // Mamba's layers end with the scan's output added.
-            Mlp::None => return x,
+            Mlp::None => return (x, h),
             // Falcon-H1's multiplies the gate inside the activation and
             // the output.
             Mlp::Dense { gate_up, down_proj } => {
@@ -1236,12 +1328,13 @@ impl Module for Layer {
             None => m,
         };
         let m = self.training.dropout(m, c.resid_dropout);
-        match self.factors.map(|f| f.1) {
-            Some((alpha, beta)) => h * alpha + m * beta,
+        let out = match self.factors.map(|f| f.1) {
+            Some((alpha, beta)) => &h * alpha + m * beta,
             None => self
                 .norms
                 .after_mlp(&x + self.residual(self.norms.mlp_output(m))),
-        }
+        };
+        (out, h)
     }
 }
 

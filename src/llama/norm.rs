@@ -255,8 +255,9 @@ pub(super) enum Norms {
 }
 
 impl Norms {
-    /// The family's norms of the layer under `p`, of width `d`.
-    pub(super) fn new(p: &nn::Path, d: i64, c: &LlamaConfig) -> Self {
+    /// The family's norms of the layer under `p`, of width `d`
+    /// (LongCat-Flash's sublayer `sub`'s: `input_layernorm.{sub}`, ...).
+    pub(super) fn new((p, sub): (&nn::Path, Option<i64>), d: i64, c: &LlamaConfig) -> Self {
         // JetMoE's class builds its layers' norms at their default eps,
         // 1e-6, whatever the config says (`rms_norm_eps` is the final
         // norm's).
@@ -271,7 +272,10 @@ impl Norms {
             }
             _ => c,
         };
-        let norm = |n: &str| Norm::new(p / n, d, c);
+        let norm = |n: &str| match sub {
+            Some(i) => Norm::new(p / n / i, d, c),
+            None => Norm::new(p / n, d, c),
+        };
         // The families' names of the norms before their two sublayers.
         let pre = || {
             let (input, before_mlp) = match c.family {

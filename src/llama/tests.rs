@@ -2870,6 +2870,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         jitter: 0.0,
         sparse_mixer: None,
         balance: None,
+        zero: 0,
     };
     assert_eq!((q.moe.clone(), q.qk_norm), (Some(want), true));
     // Dense layers where Qwen3-MoE says.
@@ -2896,6 +2897,7 @@ fn mixture_of_experts_configs_are_read_and_counted() {
         jitter: 0.0,
         sparse_mixer: None,
         balance: None,
+        zero: 0,
     };
     assert_eq!(
         (q2.moe.clone(), q2.qkv_bias, q2.o_bias, q2.qk_norm),
@@ -3127,6 +3129,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 jitter: 0.0,
                 sparse_mixer: None,
                 balance: None,
+                zero: 0,
             }),
             ..base.clone()
         },
@@ -3144,6 +3147,7 @@ fn unit_params_count_what_the_built_model_holds() {
                 jitter: 0.0,
                 sparse_mixer: None,
                 balance: None,
+                zero: 0,
             }),
             ..base.clone()
         },
@@ -3166,6 +3170,7 @@ fn unit_params_count_what_the_built_model_holds() {
         v: 10,
         interleave: true,
         mscale_all_dim: 0.0,
+        scales: None,
     };
     let deepseek = LlamaConfig {
         family: Family::DeepseekV3,
@@ -3189,6 +3194,7 @@ fn unit_params_count_what_the_built_model_holds() {
             jitter: 0.0,
             sparse_mixer: None,
             balance: None,
+            zero: 0,
         }),
         mla: Some(mla.clone()),
         ..base.clone()
@@ -3293,6 +3299,7 @@ fn unit_params_count_what_the_built_model_holds() {
             jitter: 0.0,
             sparse_mixer: None,
             balance: None,
+            zero: 0,
         }),
         ..base.clone()
     };
@@ -3332,6 +3339,7 @@ fn unit_params_count_what_the_built_model_holds() {
             jitter: 0.0,
             sparse_mixer: None,
             balance: None,
+            zero: 0,
         }),
         ..base.clone()
     };

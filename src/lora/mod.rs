@@ -575,6 +575,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // Its queries are its attention experts' (`target_parameters`).
         Some("jetmoe") => &["kv_proj"],
         // Null: one `q_proj` (left out: the class's bottleneck).
+        // Its queries always come through the bottleneck.
+        Some("longcat_flash") => &["q_b_proj", "kv_b_proj"],
         Some("deepseek_v2" | "deepseek_v3") => match j.size_or_null("q_lora_rank", Some(1536))? {
             None => &["q_proj", "kv_b_proj"],
             Some(_) => &["q_b_proj", "kv_b_proj"],
@@ -1404,6 +1406,7 @@ mod tests {
             ("starcoder2", vec!["q_proj", "v_proj"]),
             ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),
             ("deepseek_v2", vec!["q_b_proj", "kv_b_proj"]),
+            ("longcat_flash", vec!["q_b_proj", "kv_b_proj"]),
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),

@@ -1765,6 +1765,8 @@ fn jamba_packed_documents_scan_as_each_alone() {
     // its attention within a window shorter than a document.
     packed_documents_as_each_alone("recurrent-gemma");
     packed_documents_as_each_alone("recurrent-gemma-windowed");
+    // LongCat-Flash's two attending sublayers a layer.
+    packed_documents_as_each_alone("longcat-flash");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -3163,6 +3165,12 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
                 r#"{{"model_type": "{mt}", "vocab_size": 160000, "hidden_size": 512,
                 "num_hidden_layers": 4}}"#
             ),
+            // LongCat-Flash's MLP width is `ffn_hidden_size`, its layers
+            // `num_layers` (of two sublayers each: `num_hidden_layers`).
+            "longcat_flash" => r#"{"model_type": "longcat_flash", "vocab_size": 160000,
+                "hidden_size": 512, "ffn_hidden_size": 96, "num_layers": 4,
+                "num_hidden_layers": 8, "num_attention_heads": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -4040,6 +4048,17 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, \
              max_position_embeddings=64, sliding_window=4, num_local_experts=4, \
              num_experts_per_tok=2, eos_token_id=None, bos_token_id=None, pad_token_id=0",
+        ),
+        // LongCat-Flash: two caches a layer, one a sublayer.
+        (
+            "longcat-flash",
+            "from transformers import LongcatFlashConfig as C, LongcatFlashForCausalLM as M",
+            "vocab_size=96, hidden_size=48, ffn_hidden_size=96, num_layers=2, \
+             num_attention_heads=4, max_position_embeddings=64, q_lora_rank=24, \
+             kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, \
+             v_head_dim=10, n_routed_experts=4, zero_expert_num=1, moe_topk=3, \
+             expert_ffn_hidden_size=16, routed_scaling_factor=1.5, eos_token_id=None, \
+             bos_token_id=None",
         ),
     ] {
         let dir = scratch(&format!("hf-greedy-{name}"));

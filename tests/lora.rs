@@ -246,6 +246,21 @@ const DEEPSEEK: Case = Case {
     ..OFF
 };
 
+/// LongCat-Flash's two sublayers a layer: each one's queries'
+/// expansion (24 -> 80), latent's expansion (16 -> 88) and dense MLP's
+/// gate (48 -> 96), and each real expert's gate (48 -> 16), beside a
+/// zero expert.
+const LONGCAT_FLASH: Case = Case {
+    python: (
+        "from transformers import LongcatFlashConfig as C, LongcatFlashForCausalLM as M",
+        "vocab_size=96, hidden_size=48, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=10, n_routed_experts=4, zero_expert_num=1, moe_topk=3, expert_ffn_hidden_size=16, routed_scaling_factor=1.5, attention_bias=True",
+    ),
+    targets: &["q_b_proj", "kv_b_proj", "gate_proj"],
+    matrices: 40,
+    elements: 2 * 4 * (2 * (24 + 80) + 2 * (16 + 88) + 2 * (48 + 96) + 4 * (48 + 16)),
+    ..OFF
+};
+
 /// Apertus's ungated MLP (its xIELU's scalars frozen with the base,
 /// held in fp32 as `tests/from_hf.rs` holds them): queries (64 -> 64),
 /// the up (64 -> 128) and down (128 -> 64) projections.
@@ -1021,6 +1036,11 @@ fn lora_adapters_on_gpt2_gpt_neox_phi_cohere_and_apertus_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
     parity("deepseek-v3", &DEEPSEEK, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_longcat_flashs_sublayers_and_experts_train_as_peft_does() {
+    parity("longcat-flash", &LONGCAT_FLASH, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

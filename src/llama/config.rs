@@ -2322,8 +2322,13 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         _ => 0,
     };
     if top_k > experts + zero {
+        let key = match family {
+            Family::Ernie4_5Moe => "moe_k",
+            Family::HunyuanMoe | Family::LongcatFlash => "moe_topk",
+            _ => "num_experts_per_tok",
+        };
         return Err(j.field(format!(
-            "num_experts_per_tok {top_k} is more than the {} experts",
+            "{key} {top_k} is more than the {} experts",
             experts + zero
         )));
     }

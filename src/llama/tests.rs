@@ -1259,6 +1259,88 @@ fn a_recurrent_gemma_config_is_read_with_its_recurrent_layers_and_counted() {
 }
 
 #[test]
+fn a_longcat_flash_config_is_read_with_its_sublayers_and_zero_experts_and_counted() {
+    let dir = ConfigDir::new("longcat-flash-configs");
+    // Its class's defaults (LongCat-Flash's sizes), the sizes zrt asks
+    // for given: 28 layers of two sublayers, 512 experts and 256 zero
+    // ones, 560664980480 parameters as transformers counts them (with
+    // each layer's correction, a buffer there, 768 numbers).
+    let defaults = r#"{"model_type": "longcat_flash", "vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_attention_heads": 64}"#;
+    let d = dir.read(defaults).unwrap();
+    assert_eq!((d.layers, d.intermediate, d.kv_heads), (28, 12288, 64));
+    let m = d.mla.clone().unwrap();
+    assert_eq!(
+        (m.q_rank, m.kv_rank, m.nope, m.rope, m.v, m.interleave),
+        (Some(1536), 512, 128, 64, 128, true)
+    );
+    assert_eq!(m.scales, Some((2.0, 12f64.sqrt())));
+    let e = d.moe.clone().unwrap();
+    assert_eq!(
+        (e.experts, e.zero, e.top_k, e.intermediate, e.normalize),
+        (512, 256, 12, 2048, false)
+    );
+    let g = e.grouped.unwrap();
+    assert_eq!(
+        (g.groups, g.top_groups, g.scale, g.scoring),
+        (1, 1, 6.0, Scoring::Softmax)
+    );
+    assert_eq!((d.rope_theta, d.eps, d.rotary_dim()), (1e7, 1e-5, 64));
+    assert!(!d.tied && !d.o_bias && !d.mlp_bias);
+    assert_eq!(total(&d), 560664980480);
+    // Smaller, tied, biased, its MLPs' width odd.
+    let small = r#"{"model_type": "longcat_flash", "vocab_size": 32000, "hidden_size": 1024, "ffn_hidden_size": 3000, "num_layers": 3, "num_attention_heads": 8, "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "head_dim": 32, "v_head_dim": 48, "n_routed_experts": 16, "zero_expert_num": 4, "moe_topk": 4, "expert_ffn_hidden_size": 512, "attention_bias": true, "tie_word_embeddings": true, "routed_scaling_factor": 2.5}"#;
+    let s = dir.read(small).unwrap();
+    assert!(s.tied && s.o_bias);
+    assert_eq!(total(&s), 173284092);
+    dir.round_trips([d, s]);
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "router_bias": true"#,
+                "router_bias true: transformers' LongCat-Flash builds a bias for its router and never adds it",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "zero_expert_type": "zero""#,
+                r#"zero_expert_type "zero": transformers' LongCat-Flash passes a token through its zero experts unchanged"#,
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "q_lora_rank": null"#,
+                "q_lora_rank null: transformers' LongCat-Flash scales its queries by hidden_size over q_lora_rank",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "num_key_value_heads": 8"#,
+                "num_key_value_heads 8: LongCat-Flash's latent attention gives each of the 64 heads its own keys and values",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "qk_head_dim": 128"#,
+                "qk_head_dim 128: LongCat-Flash's queries and keys are qk_nope_head_dim + qk_rope_head_dim = 192 wide",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "head_dim": 128"#,
+                "head_dim 128: LongCat-Flash's config class turns head_dim dimensions, which must be qk_rope_head_dim 64",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "mla_scale_kv_lora": false"#,
+                "mla_scale_kv_lora false: transformers' LongCat-Flash always scales",
+            ),
+            (
+                r#""num_layers": 28"#,
+                r#""num_layers": 28, "n_routed_experts": 4, "zero_expert_num": 1, "moe_topk": 6"#,
+                "moe_topk 6 is more than the 5 experts",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn a_minimax_config_is_read_with_its_lightning_layers_and_factors_and_counted() {
     let dir = ConfigDir::new("minimax-configs");
     // Its class's defaults but for the sizes zrt asks for: every other

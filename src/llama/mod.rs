@@ -136,9 +136,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // prediction layers after the last (`model.layers.61` of 61,
     // GLM-4.5-Air's `model.layers.46`), which `transformers` skips too.
     let beyond = cfg.family.prediction_layers();
-    // ERNIE 4.5's and Qwen3-Next's hold theirs under `mtp` names, which
-    // `transformers` skips by that pattern.
-    let mtp = matches!(cfg.family, Family::Ernie4_5Moe | Family::Qwen3Next);
+    // ERNIE 4.5's, Qwen3-Next's and LongCat-Flash's hold theirs under
+    // `mtp` names, which `transformers` skips by that pattern.
+    let mtp = matches!(
+        cfg.family,
+        Family::Ernie4_5Moe | Family::Qwen3Next | Family::LongcatFlash
+    );
     // Llama 4's published files are its multimodal model's: the language
     // model under `language_model.`, a vision encoder and projector
     // beside it, which the text model leaves out.

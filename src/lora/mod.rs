@@ -540,7 +540,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
 /// `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
 /// `x_proj` and Mamba-2's `in_proj` (of the linear layers
@@ -549,7 +549,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// `q_proj` and `v_proj` in its attending layers and `linear_x` and
 /// `linear_y` (the recurrence's input and its gate's) in its recurrent
 /// ones, DeepSeek-V2's and
-/// V3's projections making each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
+/// V3's (and LongCat-Flash's, in both sublayers) projections making each head's queries (`q_b_proj`, or `q_proj` without the bottleneck)
 /// and keys and values (`kv_b_proj`), JetMoE's `kv_proj` (its queries
 /// come from experts, stacked parameters), the others' `q_proj` and `v_proj`
 /// (GPT-OSS's and Granite-MoE's stacked experts are parameters, not

@@ -161,6 +161,19 @@ fn recurrent_gemma_drops_attention_out_as_transformers_does_once_training() {
     );
 }
 
+/// LongCat-Flash's one dropout, the attention weights' (its class's
+/// SDPA), drawn in each of a layer's two sublayers in turn, its experts
+/// drawing nothing between them.
+#[test]
+fn longcat_flash_drops_both_sublayers_attention_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "longcat-flash",
+        "from transformers import LongcatFlashConfig as C, LongcatFlashForCausalLM as M",
+        "vocab_size=96, hidden_size=48, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, max_position_embeddings=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=10, n_routed_experts=4, zero_expert_num=1, moe_topk=3, expert_ffn_hidden_size=16, routed_scaling_factor=1.5, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
     dropout_parity(

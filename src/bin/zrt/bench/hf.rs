@@ -381,6 +381,7 @@ mod tests {
         let kept = [
             "bitnet",
             "llama",
+            "longcat_flash",
             "mamba",
             "mamba2",
             "minimax",

@@ -3330,46 +3330,40 @@ m = M.from_pretrained(f"{dir}/hf")
     }
 }
 
-/// ERNIE 4.5's files hold their multi-token-prediction weights under
-/// `mtp` names (`model.mtp_block.0...`, `model.mtp_linear_proj.0...`),
-/// which `transformers` skips by that pattern: a checkpoint holding
-/// them loads without them and computes `transformers`' logits.
+/// ERNIE 4.5's and LongCat-Flash's files hold their multi-token-
+/// prediction weights under `mtp` names (ERNIE's `model.mtp_block.0...`
+/// and `model.mtp_linear_proj.0...`, LongCat's under `model.mtp.`),
+/// which `transformers` skips by that pattern: a checkpoint holding them
+/// loads without them and computes `transformers`' logits.
 #[test]
-fn ernie4_5_moe_prediction_weights_are_skipped_as_transformers_skips_them() {
-    let case = case("ernie4_5_moe");
-    let with_mtp = r#"
+fn prediction_weights_under_mtp_names_are_skipped_as_transformers_skips_them() {
+    for (name, added) in [
+        (
+            "ernie4_5_moe",
+            r#"tensors["model.mtp_block.0.input_layernorm.weight"] = torch.ones(80)
+tensors["model.mtp_linear_proj.0.weight"] = torch.randn(80, 160)"#,
+        ),
+        (
+            "longcat-flash",
+            r#"tensors["model.mtp.layers.0.input_layernorm.weight"] = torch.ones(48)
+tensors["model.mtp.eh_proj.weight"] = torch.randn(48, 96)"#,
+        ),
+    ] {
+        let with_mtp = format!(
+            r#"
 import torch
 from safetensors.torch import load_file
-path = f"{dir}/hf/model.safetensors"
+path = f"{{dir}}/hf/model.safetensors"
 tensors = load_file(path)
-tensors["model.mtp_block.0.input_layernorm.weight"] = torch.ones(80)
-tensors["model.mtp_linear_proj.0.weight"] = torch.randn(80, 160)
-save_file(tensors, path, metadata={"format": "pt"})
+{added}
+save_file(tensors, path, metadata={{"format": "pt"}})
 # Loaded from the files holding them (and, loaded before, its weights
 # would be the rewritten file's mapped pages).
-m = M.from_pretrained(f"{dir}/hf")
-"#;
-    same_logits("ernie4_5_moe mtp", case.python, with_mtp);
-}
-
-/// LongCat-Flash's files hold their multi-token-prediction weights
-/// under `model.mtp.`, which `transformers` skips by that pattern: a
-/// checkpoint holding them loads without them and computes
-/// `transformers`' logits.
-#[test]
-fn longcat_flash_prediction_weights_are_skipped_as_transformers_skips_them() {
-    let case = case("longcat-flash");
-    let with_mtp = r#"
-import torch
-from safetensors.torch import load_file
-path = f"{dir}/hf/model.safetensors"
-tensors = load_file(path)
-tensors["model.mtp.layers.0.input_layernorm.weight"] = torch.ones(48)
-tensors["model.mtp.eh_proj.weight"] = torch.randn(48, 96)
-save_file(tensors, path, metadata={"format": "pt"})
-m = M.from_pretrained(f"{dir}/hf")
-"#;
-    same_logits("longcat_flash mtp", case.python, with_mtp);
+m = M.from_pretrained(f"{{dir}}/hf")
+"#
+        );
+        same_logits(&format!("{name} mtp"), case(name).python, &with_mtp);
+    }
 }
 
 /// GPT-OSS's experts past their activation's clamps (the gate above 7,

@@ -1739,16 +1739,8 @@ impl LlamaConfig {
             }),
             Family::DeepseekV3 | Family::DeepseekV2 => {
                 let m = self.mla.as_ref();
-                let mut j = serde_json::json!({
-                    "attention_bias": self.o_bias,
-                    "q_lora_rank": m.and_then(|m| m.q_rank),
-                    "kv_lora_rank": m.map(|m| m.kv_rank),
-                    "qk_nope_head_dim": m.map(|m| m.nope),
-                    "qk_rope_head_dim": m.map(|m| m.rope),
-                    // The class turns `head_dim` dimensions.
-                    "head_dim": m.map(|m| m.rope),
-                    "v_head_dim": m.map(|m| m.v),
-                });
+                let mut j = m.map_or_else(|| serde_json::json!({}), Mla::to_json);
+                j["attention_bias"] = self.o_bias.into();
                 if self.family == Family::DeepseekV3 {
                     j["rope_interleave"] = m.map(|m| m.interleave).into();
                 } else {
@@ -1768,24 +1760,23 @@ impl LlamaConfig {
             // Its layers as `num_layers` (and their sublayers as
             // `num_hidden_layers`), its MLPs' width as `ffn_hidden_size`.
             Family::LongcatFlash => {
-                let (m, e) = (self.mla.as_ref(), self.moe.as_ref());
-                serde_json::json!({
+                let e = self.moe.as_ref();
+                let mut j = (self.mla.as_ref()).map_or_else(|| serde_json::json!({}), Mla::to_json);
+                let own = serde_json::json!({
                     "attention_bias": self.o_bias,
                     "num_layers": self.layers,
                     "num_hidden_layers": 2 * self.layers,
                     "ffn_hidden_size": self.intermediate,
-                    "q_lora_rank": m.and_then(|m| m.q_rank),
-                    "kv_lora_rank": m.map(|m| m.kv_rank),
-                    "qk_nope_head_dim": m.map(|m| m.nope),
-                    "qk_rope_head_dim": m.map(|m| m.rope),
-                    "head_dim": m.map(|m| m.rope),
-                    "v_head_dim": m.map(|m| m.v),
                     "n_routed_experts": e.map(|e| e.experts),
                     "zero_expert_num": e.map(|e| e.zero),
                     "moe_topk": e.map(|e| e.top_k),
                     "expert_ffn_hidden_size": e.map(|e| e.intermediate),
                     "routed_scaling_factor": e.and_then(|e| e.grouped.as_ref()).map(|g| g.scale),
-                })
+                });
+                if let (Some(all), serde_json::Value::Object(own)) = (j.as_object_mut(), own) {
+                    all.extend(own);
+                }
+                j
             }
             Family::FlexOlmo => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -2778,6 +2769,19 @@ fn longcat_scales(
 }
 
 impl Mla {
+    /// Its sizes as DeepSeek-V3's and LongCat-Flash's configs name them,
+    /// `head_dim` the turned width (the width their classes turn).
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "q_lora_rank": self.q_rank,
+            "kv_lora_rank": self.kv_rank,
+            "qk_nope_head_dim": self.nope,
+            "qk_rope_head_dim": self.rope,
+            "head_dim": self.rope,
+            "v_head_dim": self.v,
+        })
+    }
+
     /// The attention scores' scale: the query-key head width's inverse
     /// square root, times the squared mscale of `mscale_all_dim` when the
     /// rotary embeddings are scaled (`DeepseekV3Attention`'s).

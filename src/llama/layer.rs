@@ -84,7 +84,9 @@ pub struct Layer {
 #[derive(Debug)]
 struct Shortcut {
     second: Layer,
-    experts: Experts,
+    /// `None` only for a config without experts, which LongCat-Flash's
+    /// reading never gives.
+    experts: Option<Experts>,
 }
 
 /// Falcon-H1's Mamba-2 layer beside a layer's attention, reading the
@@ -906,15 +908,12 @@ impl Layer {
         let (training, decoding) = state;
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
-        let experts = match &c.moe {
-            Some(moe) => {
-                let mut e = Experts::new((p, &(p / "mlp")), (c.hidden, moe), c.family, (lin, lora));
-                e.balance = moe.balance.map(|_| decoding.clone());
-                Some(e)
-            }
-            None => None,
-        };
-        first.shortcut = experts.map(|experts| Box::new(Shortcut { second, experts }));
+        let experts = c.moe.as_ref().map(|moe| {
+            let mut e = Experts::new((p, &(p / "mlp")), (c.hidden, moe), c.family, (lin, lora));
+            e.balance = moe.balance.map(|_| decoding.clone());
+            e
+        });
+        first.shortcut = Some(Box::new(Shortcut { second, experts }));
         first
     }
 
@@ -1237,10 +1236,10 @@ impl Module for Layer {
             // of the first's MLP input, added last as its class adds it.
             Some(s) => {
                 let z = s.second.forward(&y);
-                let experts = s
-                    .experts
-                    .forward(&h, self.cfg.activation, self.training.on());
-                z + experts
+                match &s.experts {
+                    Some(e) => z + e.forward(&h, self.cfg.activation, self.training.on()),
+                    None => z,
+                }
             }
             None => y,
         }

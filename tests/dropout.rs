@@ -174,6 +174,19 @@ fn longcat_flash_drops_both_sublayers_attention_out_as_transformers_does_once_tr
     );
 }
 
+/// GPT-NeoX-Japanese's dropouts: the attention weights' (its eager
+/// attention's), the attention's output (the last layer's with its bias
+/// added first) and the MLP's, at `hidden_dropout`.
+#[test]
+fn gpt_neox_japanese_drops_attention_and_both_sublayers_out_as_transformers_does() {
+    dropout_parity(
+        "gpt-neox-japanese",
+        "from transformers import GPTNeoXJapaneseConfig as C, GPTNeoXJapaneseForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.5, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, attention_dropout=0.25, hidden_dropout=0.1",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
     dropout_parity(

@@ -1140,6 +1140,28 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // GPT-NeoX-Japanese: each head's query, key and value together, half
+    // of each head turned, no biases but the last layer's on its
+    // attention's output, LayerNorms, an MLP 2.5 times the width; its
+    // head tied; its attention dropout (0.1 by default) off.
+    Case {
+        name: "gpt-neox-japanese",
+        python: (
+            "from transformers import GPTNeoXJapaneseConfig as C, GPTNeoXJapaneseForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.5, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, attention_dropout=0.0",
+        ),
+        load: "",
+    },
+    // Its head untied, every dimension turned at another base, an MLP
+    // whose width truncates (64 x 2.3 is 147.2).
+    Case {
+        name: "gpt-neox-japanese-untied",
+        python: (
+            "from transformers import GPTNeoXJapaneseConfig as C, GPTNeoXJapaneseForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.3, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, rotary_emb_base=500, tie_word_embeddings=False, attention_dropout=0.0",
+        ),
+        load: "",
+    },
     // GLM: one gate-and-up matrix, query/key/value biases, half of each
     // head turned by neighbouring pairs, grouped keys and values, a pad
     // row.
@@ -1767,6 +1789,7 @@ fn jamba_packed_documents_scan_as_each_alone() {
     packed_documents_as_each_alone("recurrent-gemma-windowed");
     // LongCat-Flash's two attending sublayers a layer.
     packed_documents_as_each_alone("longcat-flash");
+    packed_documents_as_each_alone("gpt-neox-japanese");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {
@@ -1825,6 +1848,12 @@ fn a_deepseek_v2_checkpoint_routing_within_groups_trains_as_transformers_does() 
 #[test]
 fn a_longcat_flash_checkpoint_with_sublayers_and_zero_experts_trains_as_transformers_does() {
     parity("longcat-flash");
+}
+
+#[test]
+fn a_gpt_neox_japanese_checkpoint_with_its_last_layers_bias_trains_as_transformers_does() {
+    parity("gpt-neox-japanese");
+    parity("gpt-neox-japanese-untied");
 }
 
 #[test]
@@ -3171,6 +3200,10 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
                 "hidden_size": 512, "ffn_hidden_size": 96, "num_layers": 4,
                 "num_hidden_layers": 8, "num_attention_heads": 32}"#
                 .to_string(),
+            // GPT-NeoX-Japanese's MLP width is a multiple of the width's.
+            "gpt_neox_japanese" => r#"{"model_type": "gpt_neox_japanese", "vocab_size": 160000,
+                "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -4062,6 +4095,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, \
              max_position_embeddings=64, sliding_window=4, num_local_experts=4, \
              num_experts_per_tok=2, eos_token_id=None, bos_token_id=None, pad_token_id=0",
+        ),
+        // GPT-NeoX-Japanese: half of each head turned, the last layer's
+        // bias.
+        (
+            "gpt-neox-japanese",
+            "from transformers import GPTNeoXJapaneseConfig as C, GPTNeoXJapaneseForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.5, num_hidden_layers=3, \
+             num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, \
+             eos_token_id=None, bos_token_id=None",
         ),
         // LongCat-Flash: two caches a layer, one a sublayer.
         (

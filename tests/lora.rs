@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -258,6 +258,20 @@ const LONGCAT_FLASH: Case = Case {
     targets: &["q_b_proj", "kv_b_proj", "gate_proj"],
     matrices: 40,
     elements: 2 * 4 * (2 * (24 + 80) + 2 * (16 + 88) + 2 * (48 + 96) + 4 * (48 + 16)),
+    ..OFF
+};
+
+/// GPT-NeoX-Japanese's heads' queries, keys and values together (64 ->
+/// 192), its attention's output (64 -> 64, the last layer's bias beside
+/// it, frozen) and its MLP's up projection (64 -> 160), tied head.
+const GPT_NEOX_JAPANESE: Case = Case {
+    python: (
+        "from transformers import GPTNeoXJapaneseConfig as C, GPTNeoXJapaneseForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.5, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, attention_dropout=0.0",
+    ),
+    targets: &["query_key_value", "dense", "dense_h_to_4h"],
+    matrices: 18,
+    elements: 3 * 4 * ((64 + 192) + (64 + 64) + (64 + 160)),
     ..OFF
 };
 
@@ -1041,6 +1055,15 @@ fn lora_adapters_on_deepseek_v3s_latent_attention_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_longcat_flashs_sublayers_and_experts_train_as_peft_does() {
     parity("longcat-flash", &LONGCAT_FLASH, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_gpt_neox_japaneses_fused_attention_train_as_peft_does() {
+    parity(
+        "gpt-neox-japanese",
+        &GPT_NEOX_JAPANESE,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

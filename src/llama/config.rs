@@ -590,6 +590,9 @@ impl LlamaConfig {
             Family::Nemotron | Family::Persimmon | Family::RecurrentGemma => {
                 j.number_or("partial_rotary_factor", 0.5)?
             }
+            // Its class reads `rotary_pct` (its config's
+            // `partial_rotary_factor` a copy of it).
+            Family::GptNeoxJapanese => j.number_or("rotary_pct", 1.0)?,
             f if f.glm() || f == Family::Glm4Moe => j.number_or("partial_rotary_factor", 0.5)?,
             _ => j.number_or("partial_rotary_factor", 1.0)?,
         };
@@ -603,6 +606,7 @@ impl LlamaConfig {
                 | Family::Bamba
                 | Family::Qwen3Next
                 | Family::RecurrentGemma
+                | Family::GptNeoxJapanese
         ) || family.gptj();
         if partial != 1.0 && !partly && !family.glm() {
             return Err(j.field(format!(
@@ -657,7 +661,7 @@ impl LlamaConfig {
         // Left out, the class's default; null, as many as the heads.
         let kv_heads = match falcon {
             Some((_, kv)) => kv,
-            None if family == Family::Persimmon => heads,
+            None if matches!(family, Family::Persimmon | Family::GptNeoxJapanese) => heads,
             None => (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads),
         };
         let mla = mla(j, family)?;
@@ -679,8 +683,9 @@ impl LlamaConfig {
         // Apertus's class deletes `head_dim`: its heads are the width's
         // share, whatever the config says.
         let given_head_dim = match family {
-            // Falcon's `head_dim` is a property of its class's, the same.
-            Family::Apertus | Family::Falcon => None,
+            // Falcon's `head_dim` is a property of its class's, the same;
+            // GPT-NeoX-Japanese's heads are the width's share.
+            Family::Apertus | Family::Falcon | Family::GptNeoxJapanese => None,
             // JetMoE's heads are `kv_channels` wide.
             Family::JetMoe => j.size_or_null("kv_channels", defaults.head_dim)?,
             _ => j.size_or_null("head_dim", defaults.head_dim)?,
@@ -727,9 +732,13 @@ impl LlamaConfig {
             Family::GptOss => true,
             // Llama 4's, Bamba's and Jamba's classes set none, whatever
             // the config says.
-            Family::Llama4 | Family::Bamba | Family::Jamba | Family::FalconH1 | Family::Lfm2 => {
-                false
-            }
+            // GPT-NeoX-Japanese's last layer's `dense_bias` is apart.
+            Family::Llama4
+            | Family::Bamba
+            | Family::Jamba
+            | Family::FalconH1
+            | Family::Lfm2
+            | Family::GptNeoxJapanese => false,
             // Falcon's `bias` is every projection's.
             Family::Falcon => j.flag_or("bias", false)?,
             // GPT-BigCode's projections all have biases; OPT's
@@ -842,6 +851,9 @@ impl LlamaConfig {
             Family::Bamba | Family::Jamba => 10000.0,
             // LFM2's class reads `theta` over it (its original name).
             Family::Lfm2 if j.has("theta") => j.number_or("theta", defaults.rope_theta)?,
+            // GPT-NeoX-Japanese's reads `rotary_emb_base` (its config's
+            // `rope_theta` a copy of it).
+            Family::GptNeoxJapanese => j.number_or("rotary_emb_base", 10000.0)?,
             _ => j.number_or("rope_theta", defaults.rope_theta)?,
         };
         let rg = match family {
@@ -861,6 +873,7 @@ impl LlamaConfig {
                 Family::Llama4 => j.size_or_none("intermediate_size_mlp")?.unwrap_or(16384),
                 Family::Falcon => j.size_or_none("ffn_hidden_size")?.unwrap_or(4 * hidden),
                 Family::LongcatFlash => j.size_or_none("ffn_hidden_size")?.unwrap_or(12288),
+                Family::GptNeoxJapanese => neox_japanese_mlp_width(j, hidden)?,
                 Family::Opt => j.size_or_none("ffn_dim")?.unwrap_or(3072),
                 Family::Lfm2 => short_conv::mlp_width(j)?.width(),
                 Family::RecurrentGemma => rg.as_ref().map_or(0, RgLruConfig::mlp_width),
@@ -913,6 +926,7 @@ impl LlamaConfig {
                         | Family::Qwen3Next
                         | Family::DiffLlama
                         | Family::Bitnet
+                        | Family::GptNeoxJapanese
                 ) || f.hunyuan() =>
                 {
                     false
@@ -943,6 +957,7 @@ impl LlamaConfig {
                 f if f.ernie() => 0.0,
                 Family::SeedOss => j.rate_or("attention_dropout", 0.1)?,
                 Family::BioGpt => j.rate_or("attention_probs_dropout_prob", 0.1)?,
+                Family::GptNeoxJapanese => j.rate_or("attention_dropout", 0.1)?,
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
@@ -1002,7 +1017,9 @@ impl LlamaConfig {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
-                Family::StableLm | Family::Persimmon => j.rate_or("hidden_dropout", 0.0)?,
+                Family::StableLm | Family::Persimmon | Family::GptNeoxJapanese => {
+                    j.rate_or("hidden_dropout", 0.0)?
+                }
                 Family::Dbrx | Family::Mpt | Family::Bloom => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Falcon => j.rate_or("hidden_dropout", 0.0)?,
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
@@ -1308,6 +1325,12 @@ impl LlamaConfig {
             .sum()
     }
 
+    /// Whether layer `l`'s attention output takes a bias of its own
+    /// (`attention.dense_bias`): GPT-NeoX-Japanese's last layer's.
+    pub fn last_dense_bias(&self, l: i64) -> bool {
+        self.family == Family::GptNeoxJapanese && l == self.layers - 1
+    }
+
     /// Whether its attention's output is gated by a sigmoid of a second
     /// half of `q_proj`, each head's gate after its queries (Qwen3-Next's).
     pub fn gated_attention(&self) -> bool {
@@ -1497,8 +1520,10 @@ impl LlamaConfig {
                     },
                 },
             };
-            // Falcon-H1's Mamba layer beside its attention.
+            // Falcon-H1's Mamba layer beside its attention;
+            // GPT-NeoX-Japanese's last layer's `dense_bias`.
             let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
+            let mixer = mixer + bias(self.last_dense_bias(l), d);
             norms * norm + mixer + mlp + sub_norms
         };
         let [model, embedding, blocks, _] = self.family.names();
@@ -1588,6 +1613,19 @@ impl LlamaConfig {
         // (below).
         if let (Family::LongcatFlash, Some(all)) = (self.family, json.as_object_mut()) {
             all.remove("intermediate_size");
+        }
+        // GPT-NeoX-Japanese's class computes its heads' width, gives every
+        // head its own key and value, and reads its MLP's width and its
+        // rotary base under names of its own (below).
+        if let (Family::GptNeoxJapanese, Some(all)) = (self.family, json.as_object_mut()) {
+            for key in [
+                "intermediate_size",
+                "head_dim",
+                "num_key_value_heads",
+                "rope_theta",
+            ] {
+                all.remove(key);
+            }
         }
         // JetMoE's class computes its heads and reads their width as
         // `kv_channels` (below).
@@ -1777,6 +1815,22 @@ impl LlamaConfig {
                     all.extend(own);
                 }
                 j
+            }
+            // Its MLP's width as a multiple of the width (exact where the
+            // ratio is, else a hair above, so that its class's
+            // truncation gives the width back).
+            Family::GptNeoxJapanese => {
+                let (i, d) = (self.intermediate as f64, self.hidden as f64);
+                let multiple = match (d * (i / d)).floor() == i {
+                    true => i / d,
+                    false => (i + 0.5) / d,
+                };
+                serde_json::json!({
+                    "intermediate_multiple_size": multiple,
+                    "rotary_pct": self.partial_rotary,
+                    "rotary_emb_base": self.rope_theta,
+                    "hidden_dropout": self.resid_dropout,
+                })
             }
             Family::FlexOlmo => serde_json::json!({
                 "attention_bias": self.o_bias,
@@ -2463,6 +2517,20 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         balance,
         zero,
     }))
+}
+
+/// GPT-NeoX-Japanese's MLP width: `hidden_size` times
+/// `intermediate_multiple_size` (4 unless it says), truncated as its
+/// class truncates it.
+fn neox_japanese_mlp_width(j: &HfJson, hidden: i64) -> Result<i64, HfError> {
+    let multiple = j.number_or("intermediate_multiple_size", 4.0)?;
+    let width = (hidden as f64 * multiple) as i64;
+    if !(multiple.is_finite() && width >= 1) {
+        return Err(j.field(format!(
+            "intermediate_multiple_size {multiple}: the MLP is hidden_size {hidden} times it wide (truncated); give a positive number"
+        )));
+    }
+    Ok(width)
 }
 
 /// LongCat-Flash's `zero_expert_num` (256 unless it says), after

@@ -482,11 +482,21 @@ pub enum Family {
     /// passing its token through unchanged) by softmax score plus a
     /// fixed correction, weighted by score times `routed_scaling_factor`.
     LongcatFlash,
+    /// `gpt_neox_japanese` (`GPTNeoXJapaneseForCausalLM`: ABEJA's
+    /// GPT-NeoX-Japanese): GPT-NeoX's attention (each head's query, key
+    /// and value together in `query_key_value`, part of each head
+    /// turned by `rotary_pct`) without biases, the last layer's output
+    /// projection alone biased (`attention.dense_bias`, added before
+    /// the dropout); LayerNorms before both sublayers, in turn; an
+    /// ungated MLP `intermediate_multiple_size` times the width, without
+    /// biases; its model under `gpt_neox_japanese`, its head `embed_out`
+    /// (tied unless the config says otherwise).
+    GptNeoxJapanese,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 72] = [
+    pub const ALL: [Family; 73] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -559,6 +569,7 @@ impl Family {
         Self::JetMoe,
         Self::RecurrentGemma,
         Self::LongcatFlash,
+        Self::GptNeoxJapanese,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -650,6 +661,7 @@ impl Family {
             Self::JetMoe => "jetmoe",
             Self::RecurrentGemma => "recurrent_gemma",
             Self::LongcatFlash => "longcat_flash",
+            Self::GptNeoxJapanese => "gpt_neox_japanese",
         }
     }
 
@@ -728,6 +740,7 @@ impl Family {
             Self::JetMoe => "JetMoeForCausalLM",
             Self::RecurrentGemma => "RecurrentGemmaForCausalLM",
             Self::LongcatFlash => "LongcatFlashForCausalLM",
+            Self::GptNeoxJapanese => "GPTNeoXJapaneseForCausalLM",
         }
     }
 
@@ -785,7 +798,12 @@ impl Family {
     pub(super) fn layer_norm(self) -> bool {
         matches!(
             self,
-            Self::Starcoder2 | Self::StableLm | Self::Nemotron | Self::Persimmon | Self::Phimoe
+            Self::Starcoder2
+                | Self::StableLm
+                | Self::Nemotron
+                | Self::Persimmon
+                | Self::Phimoe
+                | Self::GptNeoxJapanese
         ) || self.classic()
     }
 
@@ -927,6 +945,7 @@ impl Family {
                 | Self::Nemotron
                 | Self::Mpt
                 | Self::Persimmon
+                | Self::GptNeoxJapanese
         ) || self.classic())
     }
 
@@ -1288,6 +1307,13 @@ impl Family {
                 activation: Activation::GeluNew,
                 ..LLAMA
             },
+            Self::GptNeoxJapanese => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::Gelu,
+                positions: 2048,
+                ..LLAMA
+            },
             Self::Persimmon => Defaults {
                 eps: 1e-5,
                 rope_theta: 25000.0,
@@ -1430,15 +1456,22 @@ impl Family {
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
+            Self::GptNeoxJapanese => [
+                "gpt_neox_japanese",
+                "embed_in",
+                "layers",
+                "final_layer_norm",
+            ],
             _ => ["model", "embed_tokens", "layers", "norm"],
         }
     }
 
-    /// Its head's checkpoint name: BioGPT's `output_projection`, the
-    /// others' `lm_head`.
+    /// Its head's checkpoint name: BioGPT's `output_projection`,
+    /// GPT-NeoX-Japanese's `embed_out`, the others' `lm_head`.
     pub(crate) fn head_name(self) -> &'static str {
         match self {
             Self::BioGpt => "output_projection",
+            Self::GptNeoxJapanese => "embed_out",
             _ => "lm_head",
         }
     }
@@ -1457,6 +1490,7 @@ impl Family {
             Self::BioGpt => "biogpt.embed_tokens",
             Self::Falcon | Self::Bloom => "transformer.word_embeddings",
             Self::Mamba | Self::FalconMamba | Self::Mamba2 => "backbone.embeddings",
+            Self::GptNeoxJapanese => "gpt_neox_japanese.embed_in",
             _ => "model.embed_tokens",
         }
     }
@@ -1476,7 +1510,11 @@ impl Family {
             | Self::Mamba
             | Self::FalconMamba
             | Self::Mamba2 => "layer_norm_epsilon",
-            Self::StableLm | Self::Cohere | Self::Cohere2 | Self::Persimmon => "layer_norm_eps",
+            Self::StableLm
+            | Self::Cohere
+            | Self::Cohere2
+            | Self::Persimmon
+            | Self::GptNeoxJapanese => "layer_norm_eps",
             _ => "rms_norm_eps",
         }
     }

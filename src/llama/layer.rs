@@ -74,6 +74,9 @@ pub struct Layer {
     /// LongCat-Flash's second sublayer and its shortcut experts: this
     /// layer is its first sublayer.
     shortcut: Option<Box<Shortcut>>,
+    /// GPT-NeoX-Japanese's last layer's bias on its attention's output
+    /// (`attention.dense_bias`), added before the output's dropout.
+    dense_bias: Option<Tensor>,
     cfg: LlamaConfig,
 }
 
@@ -946,6 +949,7 @@ impl Layer {
             }
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
+            Family::GptNeoxJapanese => (p / "attention", p / "mlp"),
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
@@ -1036,6 +1040,7 @@ impl Layer {
                     | Family::Falcon
                     | Family::Bloom
                     | Family::Persimmon
+                    | Family::GptNeoxJapanese
                     | Family::CodeGen
                     | Family::GptBigCode,
                     _,
@@ -1043,7 +1048,10 @@ impl Layer {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
                     let name = match c.family {
                         Family::Dbrx | Family::Mpt => "Wqkv",
-                        Family::Falcon | Family::Bloom | Family::Persimmon => "query_key_value",
+                        Family::Falcon
+                        | Family::Bloom
+                        | Family::Persimmon
+                        | Family::GptNeoxJapanese => "query_key_value",
                         Family::GptBigCode => "c_attn",
                         // Phi-3's and CodeGen's.
                         _ => "qkv_proj",
@@ -1094,7 +1102,10 @@ impl Layer {
                         {
                             "out_proj"
                         }
-                        Family::Falcon | Family::Bloom | Family::Persimmon => "dense",
+                        Family::Falcon
+                        | Family::Bloom
+                        | Family::Persimmon
+                        | Family::GptNeoxJapanese => "dense",
                         Family::GptBigCode => "c_proj",
                         _ => "o_proj",
                     }),
@@ -1126,9 +1137,10 @@ impl Layer {
                         Family::Arcee | Family::Apertus | Family::Nemotron | Family::Mpt => {
                             ("up_proj", "down_proj")
                         }
-                        Family::Falcon | Family::Bloom | Family::Persimmon => {
-                            ("dense_h_to_4h", "dense_4h_to_h")
-                        }
+                        Family::Falcon
+                        | Family::Bloom
+                        | Family::Persimmon
+                        | Family::GptNeoxJapanese => ("dense_h_to_4h", "dense_4h_to_h"),
                         f if f.gptj() => ("fc_in", "fc_out"),
                         f if f.fairseq() => ("fc1", "fc2"),
                         _ => ("c_fc", "c_proj"),
@@ -1218,6 +1230,7 @@ impl Layer {
                 .then(|| Differential::new(&a, hd, l, c.eps)),
             sub_norms,
             shortcut: None,
+            dense_bias: c.last_dense_bias(l).then(|| a.zeros("dense_bias", &[d])),
             factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
@@ -1261,6 +1274,10 @@ impl Layer {
                 a * f.attention_out + s * f.ssm_out
             }
             _ => self.project_out(&h, self.mix(&h)),
+        };
+        let a = match &self.dense_bias {
+            Some(bias) => a + bias,
+            None => a,
         };
         // Falcon's parallel layers add the attention's output to the
         // MLP's and drop the sum out; the others add it now (Cohere's MLP
@@ -1439,14 +1456,18 @@ impl Layer {
                 k_proj,
                 v_proj,
             } => split(q_proj.forward(h), k_proj.forward(h), v_proj.forward(h)),
-            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's
-            // and Persimmon's: one a head): each
+            // Falcon's (GPT-BigCode's: one group, or one a head; BLOOM's,
+            // Persimmon's and GPT-NeoX-Japanese's: one a head): each
             // group of heads sharing keys and values holds its queries,
             // then its key, then its value.
             Qkv::Fused(qkv)
                 if matches!(
                     c.family,
-                    Family::Falcon | Family::GptBigCode | Family::Bloom | Family::Persimmon
+                    Family::Falcon
+                        | Family::GptBigCode
+                        | Family::Bloom
+                        | Family::Persimmon
+                        | Family::GptNeoxJapanese
                 ) =>
             {
                 let per = c.heads / c.kv_heads;

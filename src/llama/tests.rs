@@ -1341,6 +1341,41 @@ fn a_longcat_flash_config_is_read_with_its_sublayers_and_zero_experts_and_counte
 }
 
 #[test]
+fn a_gpt_neox_japanese_config_is_read_under_its_own_names_and_counted() {
+    let dir = ConfigDir::new("gpt-neox-japanese-configs");
+    // Its class's defaults (GPT-NeoX-Japanese 2.7B's sizes): 2598837760
+    // parameters as transformers counts them, the head tied.
+    let defaults = r#"{"model_type": "gpt_neox_japanese", "vocab_size": 32000, "hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 32}"#;
+    let d = dir.read(defaults).unwrap();
+    assert_eq!((d.intermediate, d.head_dim, d.kv_heads), (10240, 80, 32));
+    assert_eq!((d.rotary_dim(), d.rope_theta, d.eps), (80, 10000.0, 1e-5));
+    assert_eq!((d.attention_dropout, d.resid_dropout), (0.1, 0.0));
+    assert!(d.tied && !d.o_bias && !d.qkv_bias && !d.mlp_bias);
+    assert!(d.last_dense_bias(31) && !d.last_dense_bias(30));
+    assert_eq!(d.activation, Activation::Gelu);
+    assert_eq!(total(&d), 2598837760);
+    // Untied, a quarter of each head turned at another base, an MLP
+    // whose width truncates (1024 x 2.7 is 2764.8); a head_dim given is
+    // not its class's (the heads are the width's share).
+    let small = r#"{"model_type": "gpt_neox_japanese", "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 5, "num_attention_heads": 8, "intermediate_multiple_size": 2.7, "rotary_pct": 0.25, "rotary_emb_base": 500, "tie_word_embeddings": false, "hidden_dropout": 0.2, "head_dim": 64}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(
+        (s.intermediate, s.head_dim, s.rotary_dim()),
+        (2764, 128, 32)
+    );
+    assert_eq!((s.rope_theta, s.resid_dropout, s.tied), (500.0, 0.2, false));
+    assert_eq!(total(&s), 114834432);
+    dir.round_trips([d, s]);
+    dir.refuses(
+        &defaults.replace(
+            r#""num_hidden_layers": 32"#,
+            r#""num_hidden_layers": 32, "intermediate_multiple_size": 0"#,
+        ),
+        "intermediate_multiple_size 0: the MLP is hidden_size 2560 times it wide (truncated); give a positive number",
+    );
+}
+
+#[test]
 fn a_minimax_config_is_read_with_its_lightning_layers_and_factors_and_counted() {
     let dir = ConfigDir::new("minimax-configs");
     // Its class's defaults but for the sizes zrt asks for: every other

@@ -540,9 +540,9 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash), zrt's
-/// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's
-/// `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese), zrt's
+/// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's and
+/// GPT-NeoX-Japanese's `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
 /// `x_proj` and Mamba-2's `in_proj` (of the linear layers
 /// `transformers`' Mamba docs adapt, those PEFT allows: it refuses
 /// `out_proj` and `conv1d` there, and so does zrt), RecurrentGemma's
@@ -560,6 +560,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let targets: &[&str] = match j.model_type().as_deref() {
         Some("gpt2") => &["c_attn"],
         Some("gpt_neox") => &["query_key_value"],
+        // PEFT has none: GPT-NeoX's.
+        Some("gpt_neox_japanese") => &["query_key_value"],
         Some("phi") => &["q_proj", "v_proj", "fc1", "fc2"],
         Some("phi3") => &["qkv_proj"],
         Some("dbrx" | "mpt") => &["Wqkv"],
@@ -588,7 +590,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 
 /// The last names of the input embedding and the head of the checkpoint
 /// in `dir` (`embed_tokens` and `lm_head`; GPT-2's `wte` and `lm_head`,
-/// GPT-NeoX's `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
+/// GPT-NeoX's (and GPT-NeoX-Japanese's) `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
 /// GPT-BigCode's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
 /// `output_projection`), as the dict form of
@@ -599,7 +601,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
     let (embedding, head) = match j.model_type().as_deref() {
         Some("gpt2") => ("wte", "lm_head"),
-        Some("gpt_neox") => ("embed_in", "embed_out"),
+        Some("gpt_neox" | "gpt_neox_japanese") => ("embed_in", "embed_out"),
         Some("dbrx" | "gptj" | "codegen" | "gpt_bigcode" | "mpt" | "gpt_neo") => ("wte", "lm_head"),
         Some("falcon" | "bloom") => ("word_embeddings", "lm_head"),
         Some("biogpt") => ("embed_tokens", "output_projection"),
@@ -1407,6 +1409,7 @@ mod tests {
             ("deepseek_v3", vec!["q_b_proj", "kv_b_proj"]),
             ("deepseek_v2", vec!["q_b_proj", "kv_b_proj"]),
             ("longcat_flash", vec!["q_b_proj", "kv_b_proj"]),
+            ("gpt_neox_japanese", vec!["query_key_value"]),
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),

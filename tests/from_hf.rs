@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no

@@ -710,6 +710,17 @@ impl LlamaConfig {
                 "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: RecurrentGemma's attention views its heads as hidden_size wide; leave head_dim out"
             )));
         }
+        // GPT-NeoX-Japanese's rotary embedding is sized by a `head_dim`
+        // given, its heads by the width's share: its class fails where
+        // the two differ.
+        if let Some(given) = j
+            .size_or_null("head_dim", None)?
+            .filter(|&g| family == Family::GptNeoxJapanese && g * heads != hidden)
+        {
+            return Err(j.field(format!(
+                "head_dim {given}: GPT-NeoX-Japanese's heads are hidden_size {hidden} over num_attention_heads {heads} wide, and its class fails turning them by another head_dim; leave it out"
+            )));
+        }
         if family == Family::Bitnet && heads * head_dim != hidden {
             return Err(j.field(format!(
                 "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: BitNet normalises the attention's output over hidden_size weights (attn_sub_norm); give sizes that agree"

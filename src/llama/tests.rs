@@ -1355,9 +1355,9 @@ fn a_gpt_neox_japanese_config_is_read_under_its_own_names_and_counted() {
     assert_eq!(d.activation, Activation::Gelu);
     assert_eq!(total(&d), 2598837760);
     // Untied, a quarter of each head turned at another base, an MLP
-    // whose width truncates (1024 x 2.7 is 2764.8); a head_dim given is
-    // not its class's (the heads are the width's share).
-    let small = r#"{"model_type": "gpt_neox_japanese", "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 5, "num_attention_heads": 8, "intermediate_multiple_size": 2.7, "rotary_pct": 0.25, "rotary_emb_base": 500, "tie_word_embeddings": false, "hidden_dropout": 0.2, "head_dim": 64}"#;
+    // whose width truncates (1024 x 2.7 is 2764.8); a head_dim given, the
+    // heads' own width.
+    let small = r#"{"model_type": "gpt_neox_japanese", "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 5, "num_attention_heads": 8, "intermediate_multiple_size": 2.7, "rotary_pct": 0.25, "rotary_emb_base": 500, "tie_word_embeddings": false, "hidden_dropout": 0.2, "head_dim": 128}"#;
     let s = dir.read(small).unwrap();
     assert_eq!(
         (s.intermediate, s.head_dim, s.rotary_dim()),
@@ -1366,12 +1366,20 @@ fn a_gpt_neox_japanese_config_is_read_under_its_own_names_and_counted() {
     assert_eq!((s.rope_theta, s.resid_dropout, s.tied), (500.0, 0.2, false));
     assert_eq!(total(&s), 114834432);
     dir.round_trips([d, s]);
-    dir.refuses(
-        &defaults.replace(
-            r#""num_hidden_layers": 32"#,
-            r#""num_hidden_layers": 32, "intermediate_multiple_size": 0"#,
-        ),
-        "intermediate_multiple_size 0: the MLP is hidden_size 2560 times it wide (truncated); give a positive number",
+    dir.refuses_replaced(
+        defaults,
+        &[
+            (
+                r#""num_hidden_layers": 32"#,
+                r#""num_hidden_layers": 32, "intermediate_multiple_size": 0"#,
+                "intermediate_multiple_size 0: the MLP is hidden_size 2560 times it wide (truncated); give a positive number",
+            ),
+            (
+                r#""num_hidden_layers": 32"#,
+                r#""num_hidden_layers": 32, "head_dim": 64"#,
+                "head_dim 64: GPT-NeoX-Japanese's heads are hidden_size 2560 over num_attention_heads 32 wide",
+            ),
+        ],
     );
 }
 

@@ -664,7 +664,7 @@ impl LlamaConfig {
             None if matches!(family, Family::Persimmon | Family::GptNeoxJapanese) => heads,
             None => (j.size_or_null("num_key_value_heads", defaults.kv_heads)?).unwrap_or(heads),
         };
-        let mla = mla(j, family)?;
+        let mla = mla(j, family, (hidden, heads, kv_heads))?;
         if heads % kv_heads != 0 && mla.is_none() {
             let key = match family {
                 Family::Falcon => "num_kv_heads",
@@ -683,9 +683,8 @@ impl LlamaConfig {
         // Apertus's class deletes `head_dim`: its heads are the width's
         // share, whatever the config says.
         let given_head_dim = match family {
-            // Falcon's `head_dim` is a property of its class's, the same;
-            // GPT-NeoX-Japanese's heads are the width's share.
-            Family::Apertus | Family::Falcon | Family::GptNeoxJapanese => None,
+            // Falcon's `head_dim` is a property of its class's, the same.
+            Family::Apertus | Family::Falcon => None,
             // JetMoE's heads are `kv_channels` wide.
             Family::JetMoe => j.size_or_null("kv_channels", defaults.head_dim)?,
             _ => j.size_or_null("head_dim", defaults.head_dim)?,
@@ -700,30 +699,20 @@ impl LlamaConfig {
                 )))
             }
         };
-        if family == Family::Helium && heads * head_dim != hidden {
+        // The families whose classes need the heads to fill the width
+        // exactly, and why.
+        let filling = match family {
+            Family::Helium => Some("Helium's output projection is hidden_size square (its class builds it so); give sizes that agree"),
+            Family::RecurrentGemma => Some("RecurrentGemma's attention views its heads as hidden_size wide; leave head_dim out"),
+            Family::Bitnet => Some("BitNet normalises the attention's output over hidden_size weights (attn_sub_norm); give sizes that agree"),
+            // Its rotary embedding is sized by `head_dim`, its heads by
+            // the width's share.
+            Family::GptNeoxJapanese => Some("GPT-NeoX-Japanese's heads are the width's share and its class fails turning them by another head_dim; leave head_dim out"),
+            _ => None,
+        };
+        if let Some(why) = filling.filter(|_| heads * head_dim != hidden) {
             return Err(j.field(format!(
-                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: Helium's output projection is hidden_size square (its class builds it so); give sizes that agree"
-            )));
-        }
-        if family == Family::RecurrentGemma && heads * head_dim != hidden {
-            return Err(j.field(format!(
-                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: RecurrentGemma's attention views its heads as hidden_size wide; leave head_dim out"
-            )));
-        }
-        // GPT-NeoX-Japanese's rotary embedding is sized by a `head_dim`
-        // given, its heads by the width's share: its class fails where
-        // the two differ.
-        if let Some(given) = j
-            .size_or_null("head_dim", None)?
-            .filter(|&g| family == Family::GptNeoxJapanese && g * heads != hidden)
-        {
-            return Err(j.field(format!(
-                "head_dim {given}: GPT-NeoX-Japanese's heads are hidden_size {hidden} over num_attention_heads {heads} wide, and its class fails turning them by another head_dim; leave it out"
-            )));
-        }
-        if family == Family::Bitnet && heads * head_dim != hidden {
-            return Err(j.field(format!(
-                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: BitNet normalises the attention's output over hidden_size weights (attn_sub_norm); give sizes that agree"
+                "num_attention_heads {heads} x head_dim {head_dim} is not hidden_size {hidden}: {why}"
             )));
         }
         let rotary_dim = match &mla {
@@ -2743,8 +2732,10 @@ fn softmax_routing(j: &HfJson, experts: i64) -> Result<GroupRouting, HfError> {
 
 /// DeepSeek-V3's attention ([`Mla`]), `None` for the other families.
 /// A `head_dim` other than `qk_rope_head_dim` (the width its config
-/// class turns) is refused.
-fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
+/// class turns) is refused. `sizes` are the config's `hidden_size`,
+/// `num_attention_heads` and key-value heads as already read, which
+/// LongCat-Flash's scales and checks take.
+fn mla(j: &HfJson, family: Family, sizes: (i64, i64, i64)) -> Result<Option<Mla>, HfError> {
     if !family.latent_attention() {
         return Ok(None);
     }
@@ -2776,7 +2767,7 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
     let q_rank = j.size_or_null("q_lora_rank", Some(1536))?;
     let kv_rank = j.size_or_none("kv_lora_rank")?.unwrap_or(512);
     let scales = match family {
-        Family::LongcatFlash => Some(longcat_scales(j, (q_rank, kv_rank), nope + rope)?),
+        Family::LongcatFlash => Some(longcat_scales(j, sizes, (q_rank, kv_rank, nope + rope))?),
         _ => None,
     };
     let scaling = j.get("rope_scaling").filter(|v| !v.is_null());
@@ -2811,18 +2802,14 @@ fn mla(j: &HfJson, family: Family) -> Result<Option<Mla>, HfError> {
 /// off (the class always scales).
 fn longcat_scales(
     j: &HfJson,
-    (q_rank, kv_rank): (Option<i64>, i64),
-    qk: i64,
+    (hidden, heads, kv_heads): (i64, i64, i64),
+    (q_rank, kv_rank, qk): (Option<i64>, i64, i64),
 ) -> Result<(f64, f64), HfError> {
     let Some(q_rank) = q_rank else {
         return Err(j.field(
             "q_lora_rank null: transformers' LongCat-Flash scales its queries by hidden_size over q_lora_rank, so it always has the bottleneck; give a rank".into(),
         ));
     };
-    let heads = j.size("num_attention_heads")?;
-    let kv_heads = j
-        .size_or_null("num_key_value_heads", None)?
-        .unwrap_or(heads);
     if kv_heads != heads {
         return Err(j.field(format!(
             "num_key_value_heads {kv_heads}: LongCat-Flash's latent attention gives each of the {heads} heads its own keys and values (its class fails on fewer); leave it out"
@@ -2840,7 +2827,7 @@ fn longcat_scales(
             )));
         }
     }
-    let hidden = j.size("hidden_size")? as f64;
+    let hidden = hidden as f64;
     Ok((
         (hidden / q_rank as f64).sqrt(),
         (hidden / kv_rank as f64).sqrt(),

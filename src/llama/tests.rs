@@ -1377,7 +1377,7 @@ fn a_gpt_neox_japanese_config_is_read_under_its_own_names_and_counted() {
             (
                 r#""num_hidden_layers": 32"#,
                 r#""num_hidden_layers": 32, "head_dim": 64"#,
-                "head_dim 64: GPT-NeoX-Japanese's heads are hidden_size 2560 over num_attention_heads 32 wide",
+                "num_attention_heads 32 x head_dim 64 is not hidden_size 2560: GPT-NeoX-Japanese's heads are the width's share and its class fails turning them by another head_dim",
             ),
         ],
     );

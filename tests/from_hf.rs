@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1162,6 +1162,18 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Aria's language model: Llama's attention (biased here), a top 2
+    // of 4 experts stacked into two parameters, weighted by a softmax
+    // over the two logits, always SiLU-gated, beside a shared MLP two
+    // experts wide, biased and GELU-gated as `hidden_act` says.
+    Case {
+        name: "aria-text",
+        python: (
+            "from transformers import AriaTextConfig as C, AriaTextForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2, hidden_act='gelu', attention_bias=True, mlp_bias=True",
+        ),
+        load: "",
+    },
     // GLM: one gate-and-up matrix, query/key/value biases, half of each
     // head turned by neighbouring pairs, grouped keys and values, a pad
     // row.
@@ -1848,6 +1860,11 @@ fn a_deepseek_v2_checkpoint_routing_within_groups_trains_as_transformers_does() 
 #[test]
 fn a_longcat_flash_checkpoint_with_sublayers_and_zero_experts_trains_as_transformers_does() {
     parity("longcat-flash");
+}
+
+#[test]
+fn an_aria_text_checkpoint_with_stacked_experts_and_shared_ones_trains_as_transformers_does() {
+    parity("aria-text");
 }
 
 #[test]
@@ -4104,6 +4121,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "vocab_size=96, hidden_size=64, intermediate_multiple_size=2.5, num_hidden_layers=3, \
              num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5, \
              eos_token_id=None, bos_token_id=None",
+        ),
+        // Aria: stacked experts beside a shared MLP.
+        (
+            "aria-text",
+            "from transformers import AriaTextConfig as C, AriaTextForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             moe_num_experts=4, moe_topk=2, eos_token_id=None, bos_token_id=None, \
+             pad_token_id=None",
         ),
         // LongCat-Flash: two caches a layer, one a sublayer.
         (

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's and Granite-MoE's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -704,6 +704,23 @@ const LLAMA4: Case = Case {
     ..OFF
 };
 
+/// Aria's stacked experts, Llama 4's layout with each matrix a module
+/// of its own (one `weight` each, so no nesting): `fc1.weight` `[4, 64,
+/// 64]` (A `[16, 64]`, B `[64, 16]`), `fc2.weight` `[4, 32, 64]` (A `[16,
+/// 32]`, B `[64, 16]`), beside the queries; the shared MLP (whose names
+/// the patterns miss) untouched.
+const ARIA_TEXT: Case = Case {
+    python: (
+        "from transformers import AriaTextConfig as C, AriaTextForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1",
+    ),
+    targets: &["q_proj"],
+    parameters: &["mlp.experts.fc1.weight", "mlp.experts.fc2.weight"],
+    matrices: 12,
+    elements: 2 * ((4 * 64 + 64 * 4) + (16 * 64 + 64 * 16) + (16 * 32 + 64 * 16)),
+    ..OFF
+};
+
 /// Granite-MoE's stacked experts, linear layers' `[out, in]` each:
 /// `input_linear.weight` `[4, 64, 64]` (A `[16, 64]`, B `[64, 16]`),
 /// `output_linear.weight` `[4, 64, 32]` (A `[16, 64]`, B `[32, 16]`),
@@ -1225,6 +1242,7 @@ fn lora_adapters_on_stacked_experts_train_as_peft_does() {
         &[(3, false, Held::Fp32)],
     );
     parity("llama4-experts", &LLAMA4, &[(3, false, Held::Fp32)]);
+    parity("aria-text-experts", &ARIA_TEXT, &[(3, false, Held::Fp32)]);
     // Granite-MoE-shared's shared MLP's matrices end as its experts'
     // do: a name matching both is refused (PEFT would adapt both).
     let dir = scratch("lora-granitemoeshared-experts");

@@ -1453,6 +1453,11 @@ impl LlamaConfig {
             let (e, w) = (m.experts as u64, m.intermediate as u64);
             let routed = e + m.zero as u64;
             let shared = m.shared.map_or(0, |s| 3 * d * s as u64);
+            // Aria's shared MLP's biases (`mlp_bias`).
+            let shared = shared
+                + (m.shared)
+                    .filter(|_| self.family == Family::AriaText && self.mlp_bias)
+                    .map_or(0, |s| 2 * s as u64 + d);
             let gate = bias(
                 matches!(self.family, Family::Qwen2Moe | Family::Qwen3Next),
                 d,
@@ -1641,6 +1646,17 @@ impl LlamaConfig {
                 serde_json::json!({"sliding_window": self.sliding_window})
             }
             Family::DiffLlama => serde_json::json!({"attention_bias": self.o_bias}),
+            // Its shared MLP's width as a number of experts'.
+            Family::AriaText => {
+                let m = self.moe.as_ref();
+                serde_json::json!({
+                    "attention_bias": self.o_bias,
+                    "mlp_bias": self.mlp_bias,
+                    "moe_num_experts": m.map(|m| m.experts),
+                    "moe_topk": m.map(|m| m.top_k),
+                    "moe_num_shared_experts": m.and_then(|m| m.shared.map(|s| s / m.intermediate.max(1))),
+                })
+            }
             Family::JetMoe => serde_json::json!({
                 "kv_channels": self.head_dim,
                 "num_local_experts": self.moe.as_ref().map(|m| m.experts),
@@ -2236,6 +2252,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Jamba => ("num_experts", "intermediate_size", false),
         // Hunyuan's experts and shared MLP are all the MLP's width.
         Family::HunyuanMoe => ("num_experts", "intermediate_size", true),
+        // Aria's: a softmax over the top logits alone.
+        Family::AriaText => ("moe_num_experts", "intermediate_size", true),
         // DBRX's `moe_normalize_expert_weights`, read as a flag.
         Family::Dbrx => (
             "num_local_experts",
@@ -2313,6 +2331,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
         Family::Phimoe | Family::Jamba => (16, 2, 0),
         Family::Dbrx => (4, 1, 3584),
         Family::HunyuanMoe => (1, 1, 0),
+        Family::AriaText => (8, 2, 4096),
         Family::Llama4 => (16, 1, 8192),
         Family::Olmoe => (64, 8, 0),
         Family::FlexOlmo => (7, 5, 0),
@@ -2348,7 +2367,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     let top_k = match family {
         Family::Ernie4_5Moe => j.size_or_none("moe_k")?.unwrap_or(defaults.1),
         Family::LongcatFlash => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
-        Family::HunyuanMoe => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
+        Family::HunyuanMoe | Family::AriaText => j.size_or_none("moe_topk")?.unwrap_or(defaults.1),
         Family::Dots1 => j.size_or_none("num_experts_per_tok")?.ok_or_else(|| {
             j.field("no num_experts_per_tok: dots1's config class has no default; give it".into())
         })?,
@@ -2369,7 +2388,7 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
     if top_k > experts + zero {
         let key = match family {
             Family::Ernie4_5Moe => "moe_k",
-            Family::HunyuanMoe | Family::LongcatFlash => "moe_topk",
+            Family::HunyuanMoe | Family::LongcatFlash | Family::AriaText => "moe_topk",
             _ => "num_experts_per_tok",
         };
         return Err(j.field(format!(
@@ -2486,6 +2505,8 @@ fn moe(j: &HfJson, family: Family) -> Result<Option<MoeConfig>, HfError> {
             Family::DeepseekV2 => {
                 (j.size_or_null("n_shared_experts", Some(2))?).map(|n| intermediate * n)
             }
+            // `moe_num_shared_experts` experts' width, one MLP.
+            Family::AriaText => Some(intermediate * aria_shared_experts(j)?),
             // Hunyuan's shared MLP, the MLP's width; Llama 4's shared
             // expert, an expert's.
             Family::HunyuanMoe | Family::Llama4 => Some(intermediate),
@@ -2531,6 +2552,17 @@ fn neox_japanese_mlp_width(j: &HfJson, hidden: i64) -> Result<i64, HfError> {
         )));
     }
     Ok(width)
+}
+
+/// Aria's `moe_num_shared_experts` (2 unless it says): at least one,
+/// as its class always builds the shared MLP and adds it.
+fn aria_shared_experts(j: &HfJson) -> Result<i64, HfError> {
+    match count_or(j, "moe_num_shared_experts", 2)? {
+        0 => Err(j.field(
+            "moe_num_shared_experts 0: Aria's class always adds its shared experts' MLP, which zrt builds from one expert's width up; give 1 or more".into(),
+        )),
+        n => Ok(n),
+    }
 }
 
 /// LongCat-Flash's `zero_expert_num` (256 unless it says), after

@@ -492,11 +492,21 @@ pub enum Family {
     /// biases; its model under `gpt_neox_japanese`, its head `embed_out`
     /// (tied unless the config says otherwise).
     GptNeoxJapanese,
+    /// `aria_text` (`AriaTextForCausalLM`: the language model of Rhymes
+    /// AI's Aria): Llama's attention with a sparse mixture of experts on
+    /// every layer: a router (`mlp.router`) whose top `moe_topk` logits
+    /// are weighted by a softmax over them alone; the experts stacked
+    /// into two parameters (`mlp.experts.fc1.weight` `[experts, d, 2
+    /// width]`, the gate's columns then the up's, and `fc2.weight`),
+    /// always SiLU-gated; beside them `moe_num_shared_experts` experts'
+    /// width of shared MLP (`mlp.shared_experts`, `hidden_act`, biased by
+    /// `mlp_bias`).
+    AriaText,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 73] = [
+    pub const ALL: [Family; 74] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -570,6 +580,7 @@ impl Family {
         Self::RecurrentGemma,
         Self::LongcatFlash,
         Self::GptNeoxJapanese,
+        Self::AriaText,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -662,6 +673,7 @@ impl Family {
             Self::RecurrentGemma => "recurrent_gemma",
             Self::LongcatFlash => "longcat_flash",
             Self::GptNeoxJapanese => "gpt_neox_japanese",
+            Self::AriaText => "aria_text",
         }
     }
 
@@ -741,6 +753,7 @@ impl Family {
             Self::RecurrentGemma => "RecurrentGemmaForCausalLM",
             Self::LongcatFlash => "LongcatFlashForCausalLM",
             Self::GptNeoxJapanese => "GPTNeoXJapaneseForCausalLM",
+            Self::AriaText => "AriaTextForCausalLM",
         }
     }
 
@@ -1262,6 +1275,10 @@ impl Family {
             },
             Self::Dots1 => Defaults {
                 kv_heads: Some(32),
+                ..LLAMA
+            },
+            Self::AriaText => Defaults {
+                pad: Some(2),
                 ..LLAMA
             },
             Self::HunyuanDense | Self::HunyuanMoe => Defaults {

@@ -302,6 +302,10 @@ struct Experts {
     /// LongCat-Flash's zero experts ([`MoeConfig::zero`]), after the
     /// real ones.
     zero: i64,
+    /// Aria's: the routed experts gate by SiLU whatever `hidden_act`
+    /// says (its class's fixed choice; the shared MLP takes
+    /// `hidden_act`).
+    silu_routed: bool,
 }
 
 /// The experts' matrices: each expert's linear layers, or GPT-OSS's
@@ -480,8 +484,31 @@ impl Stacked {
         }
     }
 
+    /// Aria's (`AriaGroupedExpertsMLP`) under `p` (`mlp.experts`): Llama
+    /// 4's layout, each matrix a module of its own holding one
+    /// parameter (`fc1.weight` `[experts, d, 2 width]`, `fc2.weight`
+    /// `[experts, width, d]`), each taking an adapter where
+    /// `target_parameters` names it.
+    fn aria(p: &nn::Path, d: i64, m: &MoeConfig, lora: Option<&LoraConfig>) -> Self {
+        let (e, w) = (m.experts, m.intermediate);
+        let matrix = |name: &str, shape: [i64; 3]| {
+            let at = p / name;
+            let adapter = param::on_module(&at, &[("weight", shape)], lora).pop();
+            (at.var("weight", &shape, RANDN), adapter.flatten())
+        };
+        let (gate_up, gate_up_lora) = matrix("fc1", [e, d, 2 * w]);
+        let (down, down_lora) = matrix("fc2", [e, w, d]);
+        Self {
+            gate_up,
+            down,
+            biases: None,
+            gate_up_lora,
+            down_lora,
+        }
+    }
+
     /// Expert `e` on its tokens `x` `[n, d]` (each matrix with its
-    /// adapter's update), Llama 4's gated by `act`.
+    /// adapter's update), Llama 4's (and Aria's) gated by `act`.
     fn forward(&self, e: i64, x: &Tensor, act: Activation) -> Tensor {
         let with = |y: Tensor, a: &Option<ParamAdapter>, x: &Tensor| match a {
             Some(a) => y + a.right(e, x),
@@ -509,9 +536,10 @@ enum Router {
     /// logits, each expert weighted by its logit's sigmoid (in fp32),
     /// which scales the token's input to it, not its output.
     TopSigmoid { gate: Adapted },
-    /// JetMoE's (`mlp.router.layer`, `JetMoeTopKGating`): a linear
-    /// layer's top `k` logits in fp32, weighted by a softmax over those
-    /// alone (the others' softmax, renormalised, rounds otherwise).
+    /// JetMoE's (`mlp.router.layer`, `JetMoeTopKGating`) and Aria's
+    /// (`mlp.router`): a linear layer's top `k` logits in fp32, weighted
+    /// by a softmax over those alone (the others' softmax, renormalised,
+    /// rounds otherwise).
     TopSoftmax { gate: Adapted },
     /// A linear layer's softmax (in fp32), its top `k` (Mixtral, the
     /// Qwens; GPT-OSS's with a bias); ERNIE 4.5's chosen by the scores
@@ -557,10 +585,11 @@ fn gated(mlp: &[Adapted; 3], x: &Tensor, act: Activation) -> Tensor {
 
 impl Experts {
     /// Under `p` (`block_sparse_moe` or `mlp`), each expert's matrices
-    /// named as the family names them.
+    /// named as the family names them; Aria's shared MLP biased by
+    /// `mlp_bias`.
     fn new(
         (layer, p): (&nn::Path, &nn::Path),
-        (d, m): (i64, &MoeConfig),
+        (d, m, mlp_bias): (i64, &MoeConfig, bool),
         family: Family,
         (lin, lora): (&Lin<'_>, Option<&LoraConfig>),
     ) -> Self {
@@ -574,6 +603,9 @@ impl Experts {
                 let biased = family == Family::GptOss;
                 let stacked = Stacked::new(&(p / "experts"), d, m, lora, biased);
                 ExpertWeights::Stacked(Box::new(stacked))
+            }
+            Family::AriaText => {
+                ExpertWeights::Stacked(Box::new(Stacked::aria(&(p / "experts"), d, m, lora)))
             }
             f if f.granite_moe() || f == Family::JetMoe => {
                 ExpertWeights::Parallel(Box::new(Parallel::new(p, d, m, lora)))
@@ -610,11 +642,12 @@ impl Experts {
                         Family::HunyuanMoe => "shared_mlp",
                         _ => "shared_experts",
                     };
+                    let bias = family == Family::AriaText && mlp_bias;
                     let gate_up = GateUp::Apart {
-                        gate_proj: lin(&(&sp / "gate_proj"), d, w, false),
-                        up_proj: lin(&(&sp / "up_proj"), d, w, false),
+                        gate_proj: lin(&(&sp / "gate_proj"), d, w, bias),
+                        up_proj: lin(&(&sp / "up_proj"), d, w, bias),
                     };
-                    (gate_up, lin(&(&sp / "down_proj"), w, d, false))
+                    (gate_up, lin(&(&sp / "down_proj"), w, d, bias))
                 }
             };
             Box::new(Shared {
@@ -655,6 +688,9 @@ impl Experts {
             (None, _) if family == Family::JetMoe => Router::TopSoftmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
             },
+            (None, _) if family == Family::AriaText => Router::TopSoftmax {
+                gate: lin(&(p / "router"), d, m.experts, false),
+            },
             (None, _) if family.granite_moe() || family == Family::Dbrx => Router::Softmax {
                 gate: lin(&(p / "router" / "layer"), d, m.experts, false),
                 correction: None,
@@ -691,6 +727,7 @@ impl Experts {
             balance: None,
             scattered: family == Family::GptOss,
             zero: m.zero,
+            silu_routed: family == Family::AriaText,
         }
     }
 
@@ -708,6 +745,10 @@ impl Experts {
         let mut out = Tensor::zeros([b * t, d], (weights.kind(), h.device()));
         // [experts, k, tokens]: which of each token's k slots chose it.
         let (real, all) = (self.experts.count(), self.experts.count() + self.zero);
+        let routed_act = match self.silu_routed {
+            true => Activation::Silu,
+            false => act,
+        };
         let mask = chosen.one_hot(all).permute([2, 1, 0]);
         for e in 0..all {
             let hits = mask.get(e).nonzero();
@@ -722,8 +763,10 @@ impl Experts {
             let y = match self.router {
                 // LongCat-Flash's zero experts pass the token through.
                 _ if e >= real => x * w.unsqueeze(-1),
-                Router::TopSigmoid { .. } => self.experts.forward(e, &(x * w.unsqueeze(-1)), act),
-                _ => self.experts.forward(e, &x, act) * w.unsqueeze(-1),
+                Router::TopSigmoid { .. } => {
+                    self.experts.forward(e, &(x * w.unsqueeze(-1)), routed_act)
+                }
+                _ => self.experts.forward(e, &x, routed_act) * w.unsqueeze(-1),
             };
             let _ = out.index_add_(0, &token, &y.to_kind(out.kind()));
         }
@@ -912,7 +955,12 @@ impl Layer {
         let lin = |p: &nn::Path, i, o, bias| Adapted::new(p, (i, o, bias), lora, training);
         let lin: &Lin<'_> = &lin;
         let experts = c.moe.as_ref().map(|moe| {
-            let mut e = Experts::new((p, &(p / "mlp")), (c.hidden, moe), c.family, (lin, lora));
+            let mut e = Experts::new(
+                (p, &(p / "mlp")),
+                (c.hidden, moe, c.mlp_bias),
+                c.family,
+                (lin, lora),
+            );
             e.balance = moe.balance.map(|_| decoding.clone());
             e
         });
@@ -1127,7 +1175,8 @@ impl Layer {
                         }
                         _ => m,
                     };
-                    let mut experts = Experts::new((p, &under), (d, moe), c.family, (lin, lora));
+                    let mut experts =
+                        Experts::new((p, &under), (d, moe, c.mlp_bias), c.family, (lin, lora));
                     experts.balance = moe.balance.map(|_| decoding.clone());
                     Mlp::Experts(experts)
                 }

@@ -2036,6 +2036,45 @@ fn hunyuan_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn aria_text_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("aria-text-configs");
+    // Aria's language model's shape (64 experts, 6 a token, two experts'
+    // width shared, 28 layers 2560 wide: the 24.9B its card gives); the
+    // counts are transformers' parameters.
+    let given = r#"{"model_type": "aria_text", "vocab_size": 100352, "hidden_size": 2560, "intermediate_size": 1664, "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 20, "moe_num_experts": 64, "moe_topk": 6, "moe_num_shared_experts": 2, "max_position_embeddings": 65536, "rope_theta": 5000000.0}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 24869091840);
+    let moe = c.moe.clone().unwrap();
+    assert_eq!(
+        (moe.experts, moe.top_k, moe.intermediate, moe.shared),
+        (64, 6, 1664, Some(2 * 1664))
+    );
+    assert!((0..28).all(|l| c.moe_layer(l)));
+    // Small, tied, biased (the shared MLP's biases too), three experts'
+    // width shared.
+    let small = r#"{"model_type": "aria_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "moe_num_experts": 5, "moe_topk": 3, "moe_num_shared_experts": 3, "attention_bias": true, "mlp_bias": true, "tie_word_embeddings": true}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 214064);
+    assert!(s.qkv_bias && s.o_bias && s.mlp_bias && s.tied);
+    dir.round_trips([c, s]);
+    dir.refuses(
+        &given.replace(
+            r#""moe_num_shared_experts": 2"#,
+            r#""moe_num_shared_experts": 0"#,
+        ),
+        "moe_num_shared_experts 0: Aria's class always adds its shared experts' MLP",
+    );
+    dir.refuses(
+        &given.replace(r#""moe_topk": 6"#, r#""moe_topk": 65"#),
+        "moe_topk 65 is more than the 64 experts",
+    );
+    dir.refuses(
+        &given.replace("}", r#", "output_router_logits": true}"#),
+        "output_router_logits true",
+    );
+}
+
+#[test]
 fn dbrx_configs_are_read_and_counted() {
     let dir = ConfigDir::new("dbrx-configs");
     // DBRX's published shape (16 experts, 4 a token, 40 layers 6144

@@ -187,6 +187,18 @@ fn gpt_neox_japanese_drops_attention_and_both_sublayers_out_as_transformers_does
     );
 }
 
+/// Aria's one dropout, the attention weights' (its class's SDPA),
+/// drawn before its experts, which draw nothing.
+#[test]
+fn aria_text_drops_attention_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "aria-text",
+        "from transformers import AriaTextConfig as C, AriaTextForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4, moe_topk=2, attention_dropout=0.25",
+        1e-5,
+    );
+}
+
 #[test]
 fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
     dropout_parity(

@@ -1802,6 +1802,8 @@ fn jamba_packed_documents_scan_as_each_alone() {
     // LongCat-Flash's two attending sublayers a layer.
     packed_documents_as_each_alone("longcat-flash");
     packed_documents_as_each_alone("gpt-neox-japanese");
+    // Aria's experts beside its shared MLP, token by token.
+    packed_documents_as_each_alone("aria-text");
 }
 #[test]
 fn a_qwen3_moe_checkpoint_routes_its_tokens_as_transformers_does() {

@@ -187,6 +187,19 @@ fn gpt_neox_japanese_drops_attention_and_both_sublayers_out_as_transformers_does
     );
 }
 
+/// CTRL's dropouts: the embeddings' with their positions
+/// (`embd_pdrop`), and each sublayer's output (`resid_pdrop`); none on
+/// the attention's weights.
+#[test]
+fn ctrl_drops_embeddings_and_sublayers_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "ctrl",
+        "from transformers import CTRLConfig as C, CTRLLMHeadModel as M",
+        "vocab_size=96, n_embd=64, dff=128, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.2",
+        1e-5,
+    );
+}
+
 /// Aria's one dropout, the attention weights' (its class's SDPA),
 /// drawn before its experts, which draw nothing.
 #[test]

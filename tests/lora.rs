@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -461,6 +461,23 @@ const XGLM: Case = Case {
     targets: &["q_proj", "v_proj", "fc1"],
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 128)),
+    ..OFF
+};
+
+/// CTRL's queries and values (PEFT has no default; zrt's, `Wq` and
+/// `Wv`), each 64 -> 64, and its attention's output (`dense`, 64 -> 64).
+/// To 2e-5: the second layer's `Wq` A ended 5.1e-6 from PEFT's on the
+/// Intel Xeon (2026-12-05), AdamW carrying the sums' rounding (its class
+/// divides the scores by the heads' root, zrt scales them).
+const CTRL: Case = Case {
+    python: (
+        "from transformers import CTRLConfig as C, CTRLLMHeadModel as M",
+        "vocab_size=96, n_embd=64, dff=128, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0",
+    ),
+    targets: &["Wq", "Wv", "dense"],
+    atol: Some(2e-5),
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 64)),
     ..OFF
 };
 
@@ -1131,9 +1148,10 @@ fn lora_adapters_on_opts_decoder_and_opt_350ms_projections_train_as_peft_does() 
 }
 
 #[test]
-fn lora_adapters_on_biogpts_and_xglms_layers_train_as_peft_does() {
+fn lora_adapters_on_biogpts_xglms_and_ctrls_layers_train_as_peft_does() {
     parity("biogpt", &BIOGPT, &[(3, false, Held::Fp32)]);
     parity("xglm", &XGLM, &[(3, false, Held::Fp32)]);
+    parity("ctrl", &CTRL, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

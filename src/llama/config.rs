@@ -8,6 +8,7 @@ use tch::Tensor;
 use crate::hf::{HfError, HfJson};
 
 use super::bloom;
+use super::ctrl;
 use super::dbrx;
 use super::delta_net::{self, DeltaNetConfig};
 use super::falcon::{self, FalconLayout};
@@ -529,6 +530,7 @@ impl LlamaConfig {
             Some(Family::Mpt) => (mpt::flat(j)?, mpt::mpt_names),
             Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
             Some(Family::Xglm) => (xglm::flat(j)?, xglm::xglm_names),
+            Some(Family::Ctrl) => (ctrl::flat(j)?, ctrl::ctrl_names),
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
@@ -749,7 +751,7 @@ impl LlamaConfig {
             // is the queries', keys' and values').
             Family::RecurrentGemma => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
-            Family::BioGpt | Family::Xglm => true,
+            Family::BioGpt | Family::Xglm | Family::Ctrl => true,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -911,6 +913,7 @@ impl LlamaConfig {
                 | Family::Opt
                 | Family::BioGpt
                 | Family::Xglm
+                | Family::Ctrl
                 | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
@@ -1027,7 +1030,7 @@ impl LlamaConfig {
                 }
                 Family::Opt => j.rate_or("dropout", 0.1)?,
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
-                Family::Xglm => j.rate_or("resid_pdrop", 0.1)?,
+                Family::Xglm | Family::Ctrl => j.rate_or("resid_pdrop", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -1037,7 +1040,7 @@ impl LlamaConfig {
                     j.rate_or("embd_pdrop", 0.0)?
                 }
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
-                Family::Xglm => j.rate_or("embd_pdrop", 0.1)?,
+                Family::Xglm | Family::Ctrl => j.rate_or("embd_pdrop", 0.1)?,
                 _ => 0.0,
             },
             // BioGPT's and XGLM's `scale_embedding`: the width's square root.
@@ -1045,6 +1048,8 @@ impl LlamaConfig {
                 Family::BioGpt | Family::Xglm if j.flag_or("scale_embedding", true)? => {
                     (hidden as f64).sqrt()
                 }
+                // CTRL's, always.
+                Family::Ctrl => (hidden as f64).sqrt(),
                 Family::FalconH1 => j.number_or("embedding_multiplier", 1.0)?,
                 _ => granite("embedding_multiplier")?,
             },
@@ -1070,7 +1075,7 @@ impl LlamaConfig {
                 _ => 1.0,
             },
             head_bias: match family {
-                f if f.gptj() => true,
+                f if f.gptj() || f == Family::Ctrl => true,
                 Family::Phimoe => j.flag_or("lm_head_bias", false)?,
                 _ => false,
             },
@@ -1534,6 +1539,8 @@ impl LlamaConfig {
         let [model, embedding, blocks, _] = self.family.names();
         // OPT-350m's embeddings (and tied head) are narrower.
         let w = self.embedding_width() as u64;
+        // CTRL's tied head's bias is the root's.
+        let tied_bias = bias(self.tied && self.head_bias, v);
         let mut units = vec![(format!("{model}.{embedding}"), v * w)];
         units.extend((0..self.layers).map(|l| (format!("{model}.{blocks}.{l}"), layer(l))));
         if !self.tied {
@@ -1552,7 +1559,7 @@ impl LlamaConfig {
         let projections = bias(self.projected(), 2 * d * w);
         units.push((
             String::new(),
-            final_norm + positions + embedding_norm + projections,
+            final_norm + positions + embedding_norm + projections + tied_bias,
         ));
         units
     }
@@ -1568,6 +1575,7 @@ impl LlamaConfig {
             (Family::Opt, _) => self.opt.as_ref().map(|o| opt::to_json(self, o)),
             (Family::BioGpt, _) => Some(opt::biogpt_json(self)),
             (Family::Xglm, _) => Some(xglm::to_json(self)),
+            (Family::Ctrl, _) => Some(ctrl::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
@@ -2031,6 +2039,7 @@ impl LlamaConfig {
             | Family::Opt
             | Family::BioGpt
             | Family::Xglm
+            | Family::Ctrl
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

@@ -502,11 +502,20 @@ pub enum Family {
     /// width of shared MLP (`mlp.shared_experts`, `hidden_act`, biased by
     /// `mlp_bias`).
     AriaText,
+    /// `ctrl` (`CTRLLMHeadModel`: Salesforce's CTRL): GPT-2's sizes' names,
+    /// the tokens' embeddings (`transformer.w`) scaled by the width's
+    /// square root plus sinusoidal positions of its own; LayerNorms
+    /// (`layernorm1`, `layernorm2`, at a fixed 1e-6) before each
+    /// sublayer; biased query, key, value and output projections
+    /// (`multi_head_attention.Wq`, `Wk`, `Wv`, `dense`); a ReLU MLP
+    /// (`ffn.0`, `ffn.2`) `dff` wide; a final `layernorm`; the head tied,
+    /// with a bias of its own (`lm_head.bias`).
+    Ctrl,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 74] = [
+    pub const ALL: [Family; 75] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -581,6 +590,7 @@ impl Family {
         Self::LongcatFlash,
         Self::GptNeoxJapanese,
         Self::AriaText,
+        Self::Ctrl,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -674,6 +684,7 @@ impl Family {
             Self::LongcatFlash => "longcat_flash",
             Self::GptNeoxJapanese => "gpt_neox_japanese",
             Self::AriaText => "aria_text",
+            Self::Ctrl => "ctrl",
         }
     }
 
@@ -754,6 +765,7 @@ impl Family {
             Self::LongcatFlash => "LongcatFlashForCausalLM",
             Self::GptNeoxJapanese => "GPTNeoXJapaneseForCausalLM",
             Self::AriaText => "AriaTextForCausalLM",
+            Self::Ctrl => "CTRLLMHeadModel",
         }
     }
 
@@ -775,6 +787,7 @@ impl Family {
                     | Self::Mamba
                     | Self::FalconMamba
                     | Self::Mamba2
+                    | Self::Ctrl
             ))
     }
 
@@ -821,7 +834,7 @@ impl Family {
     }
 
     /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
-    /// GPT-Neo, BLOOM, BioGPT):
+    /// GPT-Neo, BLOOM, BioGPT, XGLM, CTRL):
     /// LayerNorms with biases and an ungated MLP.
     pub(super) fn classic(self) -> bool {
         matches!(
@@ -835,6 +848,7 @@ impl Family {
                 | Self::Bloom
                 | Self::BioGpt
                 | Self::Xglm
+                | Self::Ctrl
         )
     }
 
@@ -870,10 +884,10 @@ impl Family {
         )
     }
 
-    /// XGLM's: sinusoidal position embeddings added to the tokens'
-    /// (computed, no parameters), no rotary embeddings.
+    /// XGLM's and CTRL's: sinusoidal position embeddings added to the
+    /// tokens' (computed, no parameters), no rotary embeddings.
     pub(super) fn sinusoidal_positions(self) -> bool {
-        self == Self::Xglm
+        matches!(self, Self::Xglm | Self::Ctrl)
     }
 
     /// MPT's and BLOOM's: ALiBi (each head's scores plus its slope times the keys'
@@ -1277,6 +1291,12 @@ impl Family {
                 kv_heads: Some(32),
                 ..LLAMA
             },
+            Self::Ctrl => Defaults {
+                tied: true,
+                activation: Activation::Relu,
+                positions: 256,
+                ..LLAMA
+            },
             Self::AriaText => Defaults {
                 pad: Some(2),
                 ..LLAMA
@@ -1471,6 +1491,7 @@ impl Family {
                 ["backbone", "embeddings", "layers", "norm_f"]
             }
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
+            Self::Ctrl => ["transformer", "w", "h", "layernorm"],
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             Self::GptNeoxJapanese => [
@@ -1508,6 +1529,7 @@ impl Family {
             Self::Falcon | Self::Bloom => "transformer.word_embeddings",
             Self::Mamba | Self::FalconMamba | Self::Mamba2 => "backbone.embeddings",
             Self::GptNeoxJapanese => "gpt_neox_japanese.embed_in",
+            Self::Ctrl => "transformer.w",
             _ => "model.embed_tokens",
         }
     }
@@ -1526,7 +1548,8 @@ impl Family {
             | Self::Bloom
             | Self::Mamba
             | Self::FalconMamba
-            | Self::Mamba2 => "layer_norm_epsilon",
+            | Self::Mamba2
+            | Self::Ctrl => "layer_norm_epsilon",
             Self::StableLm
             | Self::Cohere
             | Self::Cohere2

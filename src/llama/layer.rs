@@ -1001,6 +1001,7 @@ impl Layer {
             f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
+            Family::Ctrl => (p / "multi_head_attention", p / "ffn"),
             // OPT's MLP is the layer's own.
             f if f.fairseq() => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
@@ -1106,18 +1107,25 @@ impl Layer {
                     };
                     Qkv::Fused(lin(&(&a / name), d, rows, qkv))
                 }
-                _ => Qkv::Apart {
-                    // Qwen3-Next's each head's output gate after its
-                    // queries.
-                    q_proj: lin(
-                        &(&a / "q_proj"),
-                        d,
-                        (1 + i64::from(c.gated_attention())) * c.heads * hd,
-                        qkv,
-                    ),
-                    k_proj: lin(&(&a / "k_proj"), d, c.kv_heads * hd, qkv),
-                    v_proj: lin(&(&a / "v_proj"), d, c.kv_heads * hd, qkv),
-                },
+                _ => {
+                    // CTRL's `Wq`, `Wk`, `Wv`.
+                    let [q, k, v] = match c.family {
+                        Family::Ctrl => ["Wq", "Wk", "Wv"],
+                        _ => ["q_proj", "k_proj", "v_proj"],
+                    };
+                    Qkv::Apart {
+                        // Qwen3-Next's each head's output gate after its
+                        // queries.
+                        q_proj: lin(
+                            &(&a / q),
+                            d,
+                            (1 + i64::from(c.gated_attention())) * c.heads * hd,
+                            qkv,
+                        ),
+                        k_proj: lin(&(&a / k), d, c.kv_heads * hd, qkv),
+                        v_proj: lin(&(&a / v), d, c.kv_heads * hd, qkv),
+                    }
+                }
             },
         };
         let sub_norms = (c.family == Family::Bitnet).then(|| {
@@ -1155,6 +1163,7 @@ impl Layer {
                         | Family::Persimmon
                         | Family::GptNeoxJapanese => "dense",
                         Family::GptBigCode => "c_proj",
+                        Family::Ctrl => "dense",
                         _ => "o_proj",
                     }),
                     c.heads * c.v_head_dim(),
@@ -1192,6 +1201,8 @@ impl Layer {
                         | Family::GptNeoxJapanese => ("dense_h_to_4h", "dense_4h_to_h"),
                         f if f.gptj() => ("fc_in", "fc_out"),
                         f if f.fairseq() => ("fc1", "fc2"),
+                        // CTRL's `nn.Sequential`'s first and third.
+                        Family::Ctrl => ("0", "2"),
                         _ => ("c_fc", "c_proj"),
                     };
                     let xielu = c.activation == Activation::Xielu;

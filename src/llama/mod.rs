@@ -52,6 +52,7 @@
 pub(crate) mod balance;
 mod bloom;
 mod config;
+mod ctrl;
 mod dbrx;
 mod delta_net;
 mod differential;
@@ -209,6 +210,9 @@ pub struct Llama {
     layers: Vec<ShardedModule<Run<Layer>>>,
     /// The final norm (`None` for OPT-350m's post-norm layers).
     norm: Option<Norm>,
+    /// CTRL's head's bias beside its tied matrix (`lm_head.bias`), in
+    /// the root (an untied head holds its own).
+    tied_head_bias: Option<Tensor>,
     training: Training,
     decoding: Arc<Decoding>,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
@@ -270,6 +274,8 @@ impl Llama {
         let norm = cfg
             .final_norm()
             .then(|| Norm::new(&m / final_norm, cfg.hidden, cfg));
+        let tied_head_bias = (cfg.tied && cfg.head_bias)
+            .then(|| (p / cfg.family.head_name()).zeros("bias", &[cfg.vocab]));
         let embedding_norm = (cfg.family == Family::Bloom)
             .then(|| Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg));
         let wpe = cfg.family.learned_positions().then(|| {
@@ -316,6 +322,7 @@ impl Llama {
             projections,
             layers,
             norm,
+            tied_head_bias,
             training,
             decoding,
             cfg: Box::new(cfg.clone()),
@@ -407,7 +414,10 @@ impl Llama {
         // XGLM's sinusoidal positions, as the learned ones are placed.
         if self.cfg.family.sinusoidal_positions() {
             let pos = self.decoding.positions(tokens);
-            let table = xglm::sinusoidal(&pos, self.cfg.hidden, self.cfg.pad_token);
+            let table = match self.cfg.family {
+                Family::Ctrl => ctrl::sinusoidal(&pos, self.cfg.hidden),
+                _ => xglm::sinusoidal(&pos, self.cfg.hidden, self.cfg.pad_token),
+            };
             let placed = &x + table.to_kind(x.kind());
             x = placed;
         }
@@ -434,6 +444,10 @@ impl Llama {
             x = project_out.forward(&x);
         }
         let logits = self.ends.head(&x);
+        let logits = match &self.tied_head_bias {
+            Some(b) => logits + b,
+            None => logits,
+        };
         let logits = match self.cfg.logits_scaling {
             1.0 => logits,
             s => logits / s,

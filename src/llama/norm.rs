@@ -288,6 +288,7 @@ impl Norms {
                 Family::RecurrentGemma => ("temporal_pre_norm", "channel_pre_norm"),
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),
+                Family::Ctrl => ("layernorm1", "layernorm2"),
                 f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };

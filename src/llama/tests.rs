@@ -2036,6 +2036,42 @@ fn hunyuan_moe_configs_are_read_and_counted() {
 }
 
 #[test]
+fn ctrl_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("ctrl-configs");
+    // CTRLConfig's defaults, CTRL's own sizes (1.6B, its head tied with
+    // a bias of its own); the counts are transformers' parameters.
+    let c = dir.read(r#"{"model_type": "ctrl"}"#).unwrap();
+    assert_eq!(total(&c), 1637964550);
+    assert_eq!(
+        (
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads,
+            c.positions,
+            c.vocab
+        ),
+        (1280, 8192, 48, 16, 256, 246534)
+    );
+    assert!(c.tied && c.head_bias && c.qkv_bias && c.o_bias && c.mlp_bias);
+    assert_eq!(c.activation, Activation::Relu);
+    assert_eq!(c.embedding_multiplier, 1280f64.sqrt());
+    assert_eq!((c.resid_dropout, c.embedding_dropout), (0.1, 0.1));
+    // Small and untied.
+    let small = r#"{"model_type": "ctrl", "vocab_size": 1000, "n_embd": 64, "dff": 96, "n_layer": 3, "n_head": 4, "n_positions": 128, "tie_word_embeddings": false, "resid_pdrop": 0.0}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 217160);
+    assert!(!s.tied && s.head_bias);
+    dir.round_trips([c, s]);
+    dir.refuses(
+        &small.replace("}", r#", "layer_norm_epsilon": 1e-5}"#),
+        "layer_norm_epsilon 0.00001: CTRL's class normalises its layers at a fixed 1e-6",
+    );
+    // Errors name CTRL's fields.
+    dir.refuses(&small.replace(r#""n_head": 4"#, r#""n_head": 5"#), "n_head");
+}
+
+#[test]
 fn aria_text_configs_are_read_and_counted() {
     let dir = ConfigDir::new("aria-text-configs");
     // Aria's language model's shape (64 experts, 6 a token, two experts'

@@ -540,9 +540,9 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's and
-/// GPT-NeoX-Japanese's `query_key_value`), Mamba's and Falcon-Mamba's `in_proj` and
+/// GPT-NeoX-Japanese's `query_key_value`; CTRL's `Wq` and `Wv`), Mamba's and Falcon-Mamba's `in_proj` and
 /// `x_proj` and Mamba-2's `in_proj` (of the linear layers
 /// `transformers`' Mamba docs adapt, those PEFT allows: it refuses
 /// `out_proj` and `conv1d` there, and so does zrt), RecurrentGemma's
@@ -574,6 +574,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // layers' two inputs (PEFT has none).
         Some("recurrent_gemma") => &["q_proj", "v_proj", "linear_x", "linear_y"],
         Some("gpt_bigcode") => &["c_attn"],
+        // Its queries and values (PEFT has none).
+        Some("ctrl") => &["Wq", "Wv"],
         // Its queries are its attention experts' (`target_parameters`).
         Some("jetmoe") => &["kv_proj"],
         // Null: one `q_proj` (left out: the class's bottleneck).
@@ -593,7 +595,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// GPT-NeoX's (and GPT-NeoX-Japanese's) `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
 /// GPT-BigCode's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
-/// `output_projection`), as the dict form of
+/// `output_projection`; CTRL's `w` and `lm_head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -605,6 +607,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("dbrx" | "gptj" | "codegen" | "gpt_bigcode" | "mpt" | "gpt_neo") => ("wte", "lm_head"),
         Some("falcon" | "bloom") => ("word_embeddings", "lm_head"),
         Some("biogpt") => ("embed_tokens", "output_projection"),
+        Some("ctrl") => ("w", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))
@@ -1411,6 +1414,7 @@ mod tests {
             ("longcat_flash", vec!["q_b_proj", "kv_b_proj"]),
             ("gpt_neox_japanese", vec!["query_key_value"]),
             ("aria_text", vec!["q_proj", "v_proj"]),
+            ("ctrl", vec!["Wq", "Wv"]),
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),

@@ -52,7 +52,7 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
     let eps = out.get("layer_norm_epsilon").and_then(Value::as_f64);
     if eps.is_some_and(|e| e != LAYER_EPSILON) {
         return Err(j.field(format!(
-            "layer_norm_epsilon {}: CTRL's class normalises its layers at a fixed 1e-6 and its last norm at this, which zrt builds alike; give 1e-6",
+            "layer_norm_epsilon {}: CTRL's class normalises its layers at a fixed 1e-6 and only its last norm at this, and zrt's norms share one epsilon; give 1e-6",
             eps.unwrap_or_default()
         )));
     }

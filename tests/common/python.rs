@@ -10,10 +10,10 @@
 //! `python -c` would (as `__main__`, its stdout and stderr in files of its
 //! own) and exits; the server replies with its exit code. The parent
 //! never computes, so no thread pool of libtorch's exists yet when it
-//! forks. The scripts compute on one thread (see [`start`]) so that
-//! a reference is the same number in every run. Each child's RNGs start where the server's were after its
-//! imports (a fresh process seeds them anew each time): the scripts seed
-//! their own, as they did before.
+//! forks. The scripts compute on one thread (see [`start`]) so that a
+//! reference is the same number in every run. Each child's RNGs start
+//! where the server's were after its imports (a fresh process seeds them
+//! anew each time): the scripts seed their own, as they did before.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;

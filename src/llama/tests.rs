@@ -2063,12 +2063,16 @@ fn ctrl_configs_are_read_and_counted() {
     assert_eq!(total(&s), 217160);
     assert!(!s.tied && s.head_bias);
     dir.round_trips([c, s]);
-    dir.refuses(
-        &small.replace("}", r#", "layer_norm_epsilon": 1e-5}"#),
-        "layer_norm_epsilon 0.00001: CTRL's class normalises its layers at a fixed 1e-6",
+    dir.refuses_replaced(
+        small,
+        &[(
+            "}",
+            r#", "layer_norm_epsilon": 1e-5}"#,
+            "layer_norm_epsilon 0.00001: CTRL's class normalises its layers at a fixed 1e-6",
+        )],
     );
     // Errors name CTRL's fields.
-    dir.refuses(&small.replace(r#""n_head": 4"#, r#""n_head": 5"#), "n_head");
+    dir.refuses_changed(small, r#""n_head": 5"#, "n_head");
 }
 
 #[test]
@@ -2093,20 +2097,23 @@ fn aria_text_configs_are_read_and_counted() {
     assert_eq!(total(&s), 214064);
     assert!(s.qkv_bias && s.o_bias && s.mlp_bias && s.tied);
     dir.round_trips([c, s]);
-    dir.refuses(
-        &given.replace(
-            r#""moe_num_shared_experts": 2"#,
-            r#""moe_num_shared_experts": 0"#,
-        ),
+    dir.refuses_changed(
+        given,
+        r#""moe_num_shared_experts": 0"#,
         "moe_num_shared_experts 0: Aria's class always adds its shared experts' MLP",
     );
-    dir.refuses(
-        &given.replace(r#""moe_topk": 6"#, r#""moe_topk": 65"#),
+    dir.refuses_changed(
+        given,
+        r#""moe_topk": 65"#,
         "moe_topk 65 is more than the 64 experts",
     );
-    dir.refuses(
-        &given.replace("}", r#", "output_router_logits": true}"#),
-        "output_router_logits true",
+    dir.refuses_replaced(
+        given,
+        &[(
+            "}",
+            r#", "output_router_logits": true}"#,
+            "output_router_logits true",
+        )],
     );
 }
 

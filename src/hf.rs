@@ -154,7 +154,8 @@ impl Layout {
     fn export(&self, source: &HfJson) -> Result<ExportLayout, HfError> {
         let tensors = match self {
             Self::Gpt2(_) => crate::gpt2::tensor_layout(),
-            Self::GptNeox(_) | Self::Phi(_) | Self::Llama(_) => ExportLayout::new(),
+            Self::Llama(c) => crate::llama::tensor_layout(c),
+            Self::GptNeox(_) | Self::Phi(_) => ExportLayout::new(),
         };
         let text = source.text.clone();
         let mut layout =
@@ -294,7 +295,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`).
     Llama(Llama),
 }
 
@@ -346,11 +347,13 @@ impl HfModel {
             // (`base_model.model.` first), for `lora::load_adapter`.
             plan.fresh_weights(|name, _| crate::lora::is_adapter(name))?;
             plan.rename_weights_before(crate::lora::base_name)?;
-            // GPT-2's Conv1D matrices are `[in, out]` in the file (PEFT's
-            // `fan_in_fan_out`), its names under `transformer.`.
+            // GPT-2's and OpenAI GPT's Conv1D matrices are `[in, out]`
+            // in the file (PEFT's `fan_in_fan_out`), GPT-2's names under
+            // `transformer.`.
             let gpt2 = matches!(layout, Layout::Gpt2(_));
+            let conv1d = gpt2 || matches!(&layout, Layout::Llama(c) if c.family.conv1d());
             let lora = &crate::lora::LoraConfig {
-                fan_in_fan_out: gpt2 || lora.fan_in_fan_out,
+                fan_in_fan_out: conv1d || lora.fan_in_fan_out,
                 ..lora.clone()
             };
             let model = match &layout {

@@ -200,6 +200,20 @@ fn ctrl_drops_embeddings_and_sublayers_out_as_transformers_does_once_training() 
     );
 }
 
+/// OpenAI GPT's dropouts: the embeddings' with their positions
+/// (`embd_pdrop`), the attention weights' (`attn_pdrop`, its eager
+/// attention's), and each sublayer's output (`resid_pdrop`) before the
+/// sum its norm takes.
+#[test]
+fn openai_gpt_drops_embeddings_attention_and_sublayers_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "openai-gpt",
+        "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
+        "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.15",
+        1e-5,
+    );
+}
+
 /// Aria's one dropout, the attention weights' (its class's SDPA),
 /// drawn before its experts, which draw nothing.
 #[test]

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1184,6 +1184,26 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // OpenAI GPT: GPT-2's Conv1D matrices (`[in, out]` in the files) and
+    // learned positions, LayerNorms after each residual sum, no final
+    // norm, a tanh-approximated GELU, the head tied.
+    Case {
+        name: "openai-gpt",
+        python: (
+            "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
+            "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+        ),
+        load: "",
+    },
+    // OpenAI GPT with its head untied and a ReLU MLP.
+    Case {
+        name: "openai-gpt-untied",
+        python: (
+            "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
+            "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, afn='relu', tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+        ),
+        load: "",
+    },
     // GLM: one gate-and-up matrix, query/key/value biases, half of each
     // head turned by neighbouring pairs, grouped keys and values, a pad
     // row.
@@ -1885,6 +1905,13 @@ fn a_ctrl_checkpoint_with_its_own_sinusoids_trains_as_transformers_does() {
 }
 
 #[test]
+fn an_openai_gpt_checkpoint_with_conv1d_matrices_and_norms_after_the_sums_trains_as_transformers_does(
+) {
+    parity("openai-gpt");
+    parity("openai-gpt-untied");
+}
+
+#[test]
 fn a_gpt_neox_japanese_checkpoint_with_its_last_layers_bias_trains_as_transformers_does() {
     parity("gpt-neox-japanese");
     parity("gpt-neox-japanese-untied");
@@ -2011,6 +2038,15 @@ fn loaded_alone(
 #[test]
 fn falcon_rw_packed_documents_attend_as_each_alone() {
     packed_documents_as_each_alone("falcon-rw");
+}
+
+/// OpenAI GPT's packed documents: its class reads a 2-D padding mask
+/// only (it cannot be handed the documents' 4-D one), so there is no
+/// packed reference; each document of a packed row attends as it would
+/// alone, its learned positions from its own first token.
+#[test]
+fn openai_gpt_packed_documents_attend_as_each_alone() {
+    packed_documents_as_each_alone("openai-gpt");
 }
 
 /// Case `name`'s packed row of two documents (5 and 11 tokens) gives
@@ -3242,6 +3278,11 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "ctrl" => r#"{"model_type": "ctrl", "vocab_size": 160000, "hidden_size": 512,
                 "dff": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
                 .to_string(),
+            // OpenAI GPT's MLP is four times the width, no field of its
+            // own (the class keeps any other field it is given).
+            "openai-gpt" => r#"{"model_type": "openai-gpt", "vocab_size": 160000,
+                "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 32}"#
+                .to_string(),
             // Falcon's MLP width is `ffn_hidden_size`.
             "falcon" => r#"{"model_type": "falcon", "vocab_size": 160000, "hidden_size": 512,
                 "ffn_hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -4150,6 +4191,15 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "from transformers import CTRLConfig as C, CTRLLMHeadModel as M",
             "vocab_size=96, n_embd=128, dff=128, n_layer=2, n_head=4, n_positions=64, \
              resid_pdrop=0.0, embd_pdrop=0.0, eos_token_id=None, bos_token_id=None",
+        ),
+        // OpenAI GPT: norms after the residual sums, no final norm,
+        // learned positions (its class keeps no cache: `generate`
+        // recomputes every step).
+        (
+            "openai-gpt",
+            "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
+            "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, \
+             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
         ),
         // Aria: stacked experts beside a shared MLP.
         (

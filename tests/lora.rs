@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -479,6 +479,34 @@ const CTRL: Case = Case {
     matrices: 12,
     elements: 2 * 4 * ((64 + 64) + (64 + 64) + (64 + 64)),
     ..OFF
+};
+
+/// OpenAI GPT's Conv1D matrices, as [`GPT2`]'s (PEFT has no default;
+/// zrt's, GPT-2's `c_attn`): the fused query-key-value (64 -> 192), both
+/// `c_proj` (64 -> 64, 256 -> 64), under norms after the residual sums.
+/// To 2e-5: the second layer's `c_attn` B ended 2.0e-6 from PEFT's on
+/// the Intel Xeon (2026-12-06), AdamW carrying the sums' rounding (its
+/// class's eager attention divides the scores after the product, as
+/// [`CTRL`]'s does; zrt's fused kernel scales them).
+const OPENAI_GPT: Case = Case {
+    python: (
+        "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
+        "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+    ),
+    targets: &["c_attn", "c_proj"],
+    atol: Some(2e-5),
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)),
+    ..OFF
+};
+
+/// [`OPENAI_GPT`]'s adapters as DoRA's: a magnitude a row of each
+/// Conv1D matrix, its file's columns (192, 64, 64).
+const OPENAI_GPT_DORA: Case = Case {
+    dora: true,
+    matrices: 18,
+    elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)) + 2 * (192 + 64 + 64),
+    ..OPENAI_GPT
 };
 
 /// PhiMoE's queries and values (PEFT has no default; zrt's, Llama's
@@ -1152,6 +1180,16 @@ fn lora_adapters_on_biogpts_xglms_and_ctrls_layers_train_as_peft_does() {
     parity("biogpt", &BIOGPT, &[(3, false, Held::Fp32)]);
     parity("xglm", &XGLM, &[(3, false, Held::Fp32)]);
     parity("ctrl", &CTRL, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_and_dora_adapters_on_openai_gpts_conv1d_matrices_train_and_merge_as_peft_does() {
+    parity("openai-gpt", &OPENAI_GPT, &[(3, false, Held::Fp32)]);
+    parity(
+        "openai-gpt-dora",
+        &OPENAI_GPT_DORA,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

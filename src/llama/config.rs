@@ -20,6 +20,7 @@ use super::lightning::{self, LightningConfig, ResidualFactors};
 use super::mamba::{self, MambaConfig};
 use super::mamba1::{self, Mamba1Config};
 use super::mpt;
+use super::openai_gpt;
 use super::opt::{self, OptLayout};
 use super::rg_lru::{self, RgLruConfig};
 use super::rope_scaling::{rope_scaling, RopeScaling};
@@ -531,6 +532,7 @@ impl LlamaConfig {
             Some(Family::Bloom) => (bloom::flat(j)?, bloom::bloom_names),
             Some(Family::Xglm) => (xglm::flat(j)?, xglm::xglm_names),
             Some(Family::Ctrl) => (ctrl::flat(j)?, ctrl::ctrl_names),
+            Some(Family::OpenAiGpt) => (openai_gpt::flat(j)?, openai_gpt::openai_gpt_names),
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
@@ -751,7 +753,7 @@ impl LlamaConfig {
             // is the queries', keys' and values').
             Family::RecurrentGemma => true,
             Family::Opt => j.flag_or("enable_bias", true)?,
-            Family::BioGpt | Family::Xglm | Family::Ctrl => true,
+            Family::BioGpt | Family::Xglm | Family::Ctrl | Family::OpenAiGpt => true,
             // Seed-OSS's `attention_bias` is the query, key and value
             // projections'.
             Family::SeedOss => j.flag_or("attention_out_bias", false)?,
@@ -914,6 +916,7 @@ impl LlamaConfig {
                 | Family::BioGpt
                 | Family::Xglm
                 | Family::Ctrl
+                | Family::OpenAiGpt
                 | Family::Persimmon => attention_bias,
                 // Apertus's class deletes `mlp_bias`; OLMo 1's, Hunyuan's
                 // and Llama 4's MLPs have none whatever it says.
@@ -960,7 +963,9 @@ impl LlamaConfig {
                 f if f.ernie() => 0.0,
                 Family::SeedOss => j.rate_or("attention_dropout", 0.1)?,
                 Family::BioGpt => j.rate_or("attention_probs_dropout_prob", 0.1)?,
-                Family::GptNeoxJapanese => j.rate_or("attention_dropout", 0.1)?,
+                Family::GptNeoxJapanese | Family::OpenAiGpt => {
+                    j.rate_or("attention_dropout", 0.1)?
+                }
                 _ => j.rate_or("attention_dropout", 0.0)?,
             },
             qk_norm: match family {
@@ -1030,7 +1035,7 @@ impl LlamaConfig {
                 }
                 Family::Opt => j.rate_or("dropout", 0.1)?,
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
-                Family::Xglm | Family::Ctrl => j.rate_or("resid_pdrop", 0.1)?,
+                Family::Xglm | Family::Ctrl | Family::OpenAiGpt => j.rate_or("resid_pdrop", 0.1)?,
                 _ => 0.0,
             },
             embedding_dropout: match family {
@@ -1040,7 +1045,7 @@ impl LlamaConfig {
                     j.rate_or("embd_pdrop", 0.0)?
                 }
                 Family::BioGpt => j.rate_or("hidden_dropout_prob", 0.1)?,
-                Family::Xglm | Family::Ctrl => j.rate_or("embd_pdrop", 0.1)?,
+                Family::Xglm | Family::Ctrl | Family::OpenAiGpt => j.rate_or("embd_pdrop", 0.1)?,
                 _ => 0.0,
             },
             // BioGPT's and XGLM's `scale_embedding`: the width's square root.
@@ -1220,10 +1225,10 @@ impl LlamaConfig {
         self.embedding_width() != self.hidden
     }
 
-    /// Whether a final norm precedes the head (all but OPT-350m and an
-    /// OPT with `_remove_final_layer_norm`).
+    /// Whether a final norm precedes the head (all but OPT-350m, an OPT
+    /// with `_remove_final_layer_norm` and OpenAI GPT).
     pub fn final_norm(&self) -> bool {
-        self.opt.is_none_or(|o| o.final_norm)
+        self.family != Family::OpenAiGpt && self.opt.is_none_or(|o| o.final_norm)
     }
 
     /// Whether the heads take ALiBi's biases in place of positions:
@@ -1576,6 +1581,7 @@ impl LlamaConfig {
             (Family::BioGpt, _) => Some(opt::biogpt_json(self)),
             (Family::Xglm, _) => Some(xglm::to_json(self)),
             (Family::Ctrl, _) => Some(ctrl::to_json(self)),
+            (Family::OpenAiGpt, _) => Some(openai_gpt::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
@@ -2040,6 +2046,7 @@ impl LlamaConfig {
             | Family::BioGpt
             | Family::Xglm
             | Family::Ctrl
+            | Family::OpenAiGpt
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

@@ -511,11 +511,22 @@ pub enum Family {
     /// (`ffn.0`, `ffn.2`) `dff` wide; a final `layernorm`; the head tied,
     /// with a bias of its own (`lm_head.bias`).
     Ctrl,
+    /// `openai-gpt` (`OpenAIGPTLMHeadModel`: OpenAI's first GPT): GPT-2's
+    /// sizes' names and Conv1D matrices (`[in, out]` in its files), token
+    /// (`transformer.tokens_embed`) and learned position
+    /// (`positions_embed`) embeddings; each layer's LayerNorms after the
+    /// residual sums (`ln_1` of the input plus the attention's output,
+    /// `ln_2` of that plus the MLP's), no final norm; one biased
+    /// query-key-value matrix (`attn.c_attn`), a biased output
+    /// (`attn.c_proj`), an MLP (`mlp.c_fc`, `mlp.c_proj`) four times the
+    /// width, activated as `afn` says (its `gelu` is the tanh
+    /// approximation); the head tied.
+    OpenAiGpt,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 75] = [
+    pub const ALL: [Family; 76] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -591,6 +602,7 @@ impl Family {
         Self::GptNeoxJapanese,
         Self::AriaText,
         Self::Ctrl,
+        Self::OpenAiGpt,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -685,6 +697,7 @@ impl Family {
             Self::GptNeoxJapanese => "gpt_neox_japanese",
             Self::AriaText => "aria_text",
             Self::Ctrl => "ctrl",
+            Self::OpenAiGpt => "openai-gpt",
         }
     }
 
@@ -766,6 +779,7 @@ impl Family {
             Self::GptNeoxJapanese => "GPTNeoXJapaneseForCausalLM",
             Self::AriaText => "AriaTextForCausalLM",
             Self::Ctrl => "CTRLLMHeadModel",
+            Self::OpenAiGpt => "OpenAIGPTLMHeadModel",
         }
     }
 
@@ -788,6 +802,7 @@ impl Family {
                     | Self::FalconMamba
                     | Self::Mamba2
                     | Self::Ctrl
+                    | Self::OpenAiGpt
             ))
     }
 
@@ -834,7 +849,7 @@ impl Family {
     }
 
     /// The GPT-2-era layouts (Falcon, GPT-J, CodeGen, GPT-BigCode, OPT,
-    /// GPT-Neo, BLOOM, BioGPT, XGLM, CTRL):
+    /// GPT-Neo, BLOOM, BioGPT, XGLM, CTRL, OpenAI GPT):
     /// LayerNorms with biases and an ungated MLP.
     pub(super) fn classic(self) -> bool {
         matches!(
@@ -849,6 +864,7 @@ impl Family {
                 | Self::BioGpt
                 | Self::Xglm
                 | Self::Ctrl
+                | Self::OpenAiGpt
         )
     }
 
@@ -874,14 +890,23 @@ impl Family {
         self.cohere() || self.gptj()
     }
 
-    /// GPT-BigCode's, GPT-Neo's, OPT's and BioGPT's: learned position
-    /// embeddings (`transformer.wpe`, `model.decoder.embed_positions`)
+    /// GPT-BigCode's, GPT-Neo's, OPT's, BioGPT's and OpenAI GPT's:
+    /// learned position embeddings (`transformer.wpe`,
+    /// `model.decoder.embed_positions`, `transformer.positions_embed`)
     /// added to the tokens', no rotary embeddings.
     pub(super) fn learned_positions(self) -> bool {
         matches!(
             self,
-            Self::GptBigCode | Self::GptNeo | Self::Opt | Self::BioGpt
+            Self::GptBigCode | Self::GptNeo | Self::Opt | Self::BioGpt | Self::OpenAiGpt
         )
+    }
+
+    /// OpenAI GPT's: its attention's and MLP's matrices are Conv1D's,
+    /// `[in, out]` in its files (GPT-2's layout), transposed as they are
+    /// read and written back ([`crate::gpt2::is_conv1d_weight`] names
+    /// them).
+    pub(crate) fn conv1d(self) -> bool {
+        self == Self::OpenAiGpt
     }
 
     /// XGLM's and CTRL's: sinusoidal position embeddings added to the
@@ -1291,6 +1316,13 @@ impl Family {
                 kv_heads: Some(32),
                 ..LLAMA
             },
+            Self::OpenAiGpt => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::GeluNew,
+                positions: 512,
+                ..LLAMA
+            },
             Self::Ctrl => Defaults {
                 tied: true,
                 activation: Activation::Relu,
@@ -1492,6 +1524,8 @@ impl Family {
             }
             Self::Xglm => ["model", "embed_tokens", "layers", "layer_norm"],
             Self::Ctrl => ["transformer", "w", "h", "layernorm"],
+            // No final norm: its last name is never built.
+            Self::OpenAiGpt => ["transformer", "tokens_embed", "h", "ln_f"],
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             Self::GptNeoxJapanese => [
@@ -1530,6 +1564,7 @@ impl Family {
             Self::Mamba | Self::FalconMamba | Self::Mamba2 => "backbone.embeddings",
             Self::GptNeoxJapanese => "gpt_neox_japanese.embed_in",
             Self::Ctrl => "transformer.w",
+            Self::OpenAiGpt => "transformer.tokens_embed",
             _ => "model.embed_tokens",
         }
     }
@@ -1549,7 +1584,8 @@ impl Family {
             | Self::Mamba
             | Self::FalconMamba
             | Self::Mamba2
-            | Self::Ctrl => "layer_norm_epsilon",
+            | Self::Ctrl
+            | Self::OpenAiGpt => "layer_norm_epsilon",
             Self::StableLm
             | Self::Cohere
             | Self::Cohere2

@@ -998,7 +998,9 @@ impl Layer {
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             Family::GptNeoxJapanese => (p / "attention", p / "mlp"),
-            f if f.gptj() || f == Family::GptBigCode => (p / "attn", p / "mlp"),
+            f if f.gptj() || matches!(f, Family::GptBigCode | Family::OpenAiGpt) => {
+                (p / "attn", p / "mlp")
+            }
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
             Family::Ctrl => (p / "multi_head_attention", p / "ffn"),
@@ -1091,7 +1093,8 @@ impl Layer {
                     | Family::Persimmon
                     | Family::GptNeoxJapanese
                     | Family::CodeGen
-                    | Family::GptBigCode,
+                    | Family::GptBigCode
+                    | Family::OpenAiGpt,
                     _,
                 ) => {
                     let rows = (c.heads + 2 * c.kv_heads) * hd;
@@ -1101,7 +1104,7 @@ impl Layer {
                         | Family::Bloom
                         | Family::Persimmon
                         | Family::GptNeoxJapanese => "query_key_value",
-                        Family::GptBigCode => "c_attn",
+                        Family::GptBigCode | Family::OpenAiGpt => "c_attn",
                         // Phi-3's and CodeGen's.
                         _ => "qkv_proj",
                     };
@@ -1162,7 +1165,7 @@ impl Layer {
                         | Family::Bloom
                         | Family::Persimmon
                         | Family::GptNeoxJapanese => "dense",
-                        Family::GptBigCode => "c_proj",
+                        Family::GptBigCode | Family::OpenAiGpt => "c_proj",
                         Family::Ctrl => "dense",
                         _ => "o_proj",
                     }),

@@ -68,6 +68,7 @@ mod mamba;
 mod mamba1;
 mod mpt;
 mod norm;
+mod openai_gpt;
 mod opt;
 mod own_names;
 mod rg_lru;
@@ -173,6 +174,10 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
             _ => hf_name(&n, tied),
         }
     })?;
+    // OpenAI GPT's Conv1D matrices are `[in, out]` in its files.
+    if cfg.family.conv1d() {
+        plan.transpose_weights(crate::gpt2::is_conv1d_weight)?;
+    }
     // An expert no token of a rank chose gets no gradient there.
     if cfg.moe.is_some() {
         plan.partly_unused_on_some_ranks(|name, _| name.contains(".experts."))?;
@@ -188,10 +193,19 @@ fn layer_of(name: &str) -> Option<i64> {
 
 /// Hugging Face's layout for an export of a [`Llama`]
 /// ([`Engine::save_16bit_model_as`](crate::zero::Engine::save_16bit_model_as)):
-/// its own names, and `cfg`'s `config.json` beside them, so that
+/// its own names (OpenAI GPT's Conv1D matrices transposed back to
+/// `[in, out]`), and `cfg`'s `config.json` beside them, so that
 /// `LlamaForCausalLM.from_pretrained(dir)` loads it.
 pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
-    ExportLayout::new().with_file("config.json", cfg.to_hf_json())
+    tensor_layout(cfg).with_file("config.json", cfg.to_hf_json())
+}
+
+/// [`hf_export_layout`]'s transposes, no files.
+pub(crate) fn tensor_layout(cfg: &LlamaConfig) -> ExportLayout {
+    match cfg.family.conv1d() {
+        true => ExportLayout::new().transpose(crate::gpt2::is_conv1d_weight),
+        false => ExportLayout::new(),
+    }
 }
 
 /// Llama with a language-modelling head (`LlamaForCausalLM`).
@@ -281,6 +295,7 @@ impl Llama {
         let wpe = cfg.family.learned_positions().then(|| {
             let name = match cfg.family {
                 f if f.fairseq() => "embed_positions",
+                Family::OpenAiGpt => "positions_embed",
                 _ => "wpe",
             };
             let rows = cfg.positions + cfg.family.position_offset();

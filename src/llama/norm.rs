@@ -242,9 +242,10 @@ pub(super) enum Norms {
     /// side, one for the attention (`ln_attn`), one for the MLP
     /// (`ln_mlp`).
     ParallelTwo { attention: Norm, mlp: Norm },
-    /// OPT-350m's: each sublayer's output added to its input, the sum
-    /// normalised (`self_attn_layer_norm`, `final_layer_norm`: the
-    /// original Transformer's post-norm).
+    /// OPT-350m's and OpenAI GPT's: each sublayer's output added to its
+    /// input, the sum normalised (`self_attn_layer_norm`,
+    /// `final_layer_norm`; `ln_1`, `ln_2`: the original Transformer's
+    /// post-norm).
     AfterResidual {
         after_attention: Norm,
         after_mlp: Norm,
@@ -333,6 +334,10 @@ impl Norms {
             Family::Opt if c.opt.is_some_and(|o| !o.norm_before) => Self::AfterResidual {
                 after_attention: norm("self_attn_layer_norm"),
                 after_mlp: norm("final_layer_norm"),
+            },
+            Family::OpenAiGpt => Self::AfterResidual {
+                after_attention: norm("ln_1"),
+                after_mlp: norm("ln_2"),
             },
             f if f.mamba_only() => Self::Alone {
                 input: norm("norm"),

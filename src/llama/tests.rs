@@ -2076,6 +2076,48 @@ fn ctrl_configs_are_read_and_counted() {
 }
 
 #[test]
+fn openai_gpt_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("openai-gpt-configs");
+    // OpenAIGPTConfig's defaults, OpenAI GPT's own sizes (117M, its head
+    // tied); the counts are transformers' parameters.
+    let c = dir.read(r#"{"model_type": "openai-gpt"}"#).unwrap();
+    assert_eq!(total(&c), 116534784);
+    assert_eq!(
+        (
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads,
+            c.positions,
+            c.vocab
+        ),
+        (768, 3072, 12, 12, 512, 40478)
+    );
+    assert!(c.tied && !c.head_bias && c.qkv_bias && c.o_bias && c.mlp_bias);
+    assert!(!c.final_norm());
+    // Its `gelu` is the tanh approximation.
+    assert_eq!(c.activation, Activation::GeluNew);
+    assert_eq!(c.eps, 1e-5);
+    let rates = (c.resid_dropout, c.embedding_dropout, c.attention_dropout);
+    assert_eq!(rates, (0.1, 0.1, 0.1));
+    // Small, untied, its `swish` SiLU.
+    let small = r#"{"model_type": "openai-gpt", "vocab_size": 1000, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "afn": "swish", "tie_word_embeddings": false, "attn_pdrop": 0.0}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 286144);
+    assert!(!s.tied);
+    assert_eq!(s.activation, Activation::Silu);
+    assert_eq!(s.attention_dropout, 0.0);
+    dir.round_trips([c, s]);
+    dir.refuses_changed(
+        small,
+        r#""afn": "gelu_new""#,
+        r#"afn "gelu_new": OpenAI GPT's class knows ["gelu", "relu", "silu", "swish"]"#,
+    );
+    // Errors name OpenAI GPT's fields.
+    dir.refuses_changed(small, r#""n_head": 5"#, "n_head");
+}
+
+#[test]
 fn aria_text_configs_are_read_and_counted() {
     let dir = ConfigDir::new("aria-text-configs");
     // Aria's language model's shape (64 experts, 6 a token, two experts'

@@ -644,9 +644,13 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         &held,
         (&whole, &base_copies, &rows, &copies),
     )?;
-    // GPT-2's Conv1D matrices are `[in, out]`: the update goes in
-    // transposed (PEFT's `fan_in_fan_out`).
-    let conv1d = HfJson::read(base, None)?.model_type().as_deref() == Some("gpt2");
+    // GPT-2's and OpenAI GPT's Conv1D matrices are `[in, out]`: the
+    // update goes in transposed (PEFT's `fan_in_fan_out`).
+    let conv1d = match HfJson::read(base, None)?.model_type().as_deref() {
+        Some("gpt2") => true,
+        Some(t) => crate::llama::Family::of(t).is_some_and(|f| f.conv1d()),
+        None => false,
+    };
     let transposed =
         |name: &str| (conv1d && crate::gpt2::is_conv1d_weight(name)) || embeddings.contains(name);
     // Every shape before anything is written.

@@ -540,9 +540,10 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL, OpenAI GPT), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's and
-/// GPT-NeoX-Japanese's `query_key_value`; CTRL's `Wq` and `Wv`), Mamba's and Falcon-Mamba's `in_proj` and
+/// GPT-NeoX-Japanese's `query_key_value`; CTRL's `Wq` and `Wv`; OpenAI
+/// GPT's `c_attn`, as GPT-2's), Mamba's and Falcon-Mamba's `in_proj` and
 /// `x_proj` and Mamba-2's `in_proj` (of the linear layers
 /// `transformers`' Mamba docs adapt, those PEFT allows: it refuses
 /// `out_proj` and `conv1d` there, and so does zrt), RecurrentGemma's
@@ -558,7 +559,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
     let j = crate::hf::HfJson::read(dir.as_ref(), None)?;
     let targets: &[&str] = match j.model_type().as_deref() {
-        Some("gpt2") => &["c_attn"],
+        // OpenAI GPT's: GPT-2's (PEFT has none).
+        Some("gpt2" | "openai-gpt") => &["c_attn"],
         Some("gpt_neox") => &["query_key_value"],
         // PEFT has none: GPT-NeoX's.
         Some("gpt_neox_japanese") => &["query_key_value"],
@@ -595,7 +597,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// GPT-NeoX's (and GPT-NeoX-Japanese's) `embed_in` and `embed_out`, DBRX's, GPT-J's, CodeGen's and
 /// GPT-BigCode's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
-/// `output_projection`; CTRL's `w` and `lm_head`), as the dict form of
+/// `output_projection`; CTRL's `w` and `lm_head`; OpenAI GPT's
+/// `tokens_embed` and `lm_head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -608,6 +611,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("falcon" | "bloom") => ("word_embeddings", "lm_head"),
         Some("biogpt") => ("embed_tokens", "output_projection"),
         Some("ctrl") => ("w", "lm_head"),
+        Some("openai-gpt") => ("tokens_embed", "lm_head"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))
@@ -1415,6 +1419,7 @@ mod tests {
             ("gpt_neox_japanese", vec!["query_key_value"]),
             ("aria_text", vec!["q_proj", "v_proj"]),
             ("ctrl", vec!["Wq", "Wv"]),
+            ("openai-gpt", vec!["c_attn"]),
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),

@@ -1,6 +1,6 @@
 //! Fine-tunes a Hugging Face checkpoint (GPT-2, GPT-NeoX/Pythia, Phi-1/2, or Llama and its kin:
 //! Mistral, Ministral, Qwen2/3, Gemma 1-3, Phi-3/4, Granite, OLMo 2/3, SmolLM3,
-//! StarCoder2, StableLM, Cohere 1/2, GLM/GLM-4, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS, Granite-MoE, DeepSeek-V2, ERNIE 4.5 (dense and MoE), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL, OpenAI GPT; as
+//! StarCoder2, StableLM, Cohere 1/2, GLM/GLM-4, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, GPT-OSS, Granite-MoE, DeepSeek-V2, ERNIE 4.5 (dense and MoE), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL, OpenAI GPT, ModernBERT-decoder; as
 //! `save_pretrained` wrote it) across ranks with ZeRO, and writes the
 //! result back in its own layout for `transformers`:
 //!

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums), ModernBERT-decoder (its prediction head, its windowed layers),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1195,6 +1195,29 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // ModernBERT-decoder: its embeddings normalised, no norm before the
+    // first layer's attention, bias-free LayerNorms, every other layer
+    // in a window of 4 (`local_attention` 8), a gated MLP in one matrix
+    // (biased here), the prediction head before the tied, biased
+    // vocabulary matrix.
+    Case {
+        name: "modernbert-decoder",
+        python: (
+            MODERNBERT_DECODER,
+            "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, local_attention=8, global_attn_every_n_layers=2, attention_bias=True, mlp_bias=True, pad_token_id=95, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2",
+        ),
+        load: "",
+    },
+    // ModernBERT-decoder untied, its head's bias off, its layers' kinds
+    // listed, a tanh GELU.
+    Case {
+        name: "modernbert-decoder-untied",
+        python: (
+            MODERNBERT_DECODER,
+            "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, local_attention=10, layer_types=['sliding_attention', 'full_attention', 'sliding_attention'], decoder_bias=False, tie_word_embeddings=False, hidden_activation='gelu_pytorch_tanh', classifier_activation='gelu_pytorch_tanh', global_rope_theta=5000.0, pad_token_id=95, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2",
+        ),
+        load: "",
+    },
     // OpenAI GPT with its head untied and a ReLU MLP.
     Case {
         name: "openai-gpt-untied",
@@ -1905,6 +1928,13 @@ fn a_ctrl_checkpoint_with_its_own_sinusoids_trains_as_transformers_does() {
 }
 
 #[test]
+fn a_modernbert_decoder_checkpoint_with_its_prediction_head_and_windowed_layers_trains_as_transformers_does(
+) {
+    parity("modernbert-decoder");
+    parity("modernbert-decoder-untied");
+}
+
+#[test]
 fn an_openai_gpt_checkpoint_with_conv1d_matrices_and_norms_after_the_sums_trains_as_transformers_does(
 ) {
     parity("openai-gpt");
@@ -2207,6 +2237,20 @@ fn a_qwen2_checkpoint_trains_as_transformers_does() {
 /// The case's checkpoint, as `transformers` wrote it, loaded and trained
 /// on 2 ranks at stages 0 and 3 (recomputing activations, and in bf16),
 /// against `transformers`' logits and losses, and exported back.
+/// ModernBERT-decoder's classes, its config class `C` writing
+/// `local_attention` into `config.json`: `transformers`' own leaves it
+/// out (it keeps only the `sliding_window` it halves it to, which its
+/// class recomputes from the default `local_attention` on reading), so
+/// that a saved model's windowed layers read back at 64 tokens, not at
+/// the window it was built with.
+const MODERNBERT_DECODER: &str =
+    "from transformers import ModernBertDecoderConfig, ModernBertDecoderForCausalLM as M
+class C(ModernBertDecoderConfig):
+    def to_dict(self):
+        d = super().to_dict()
+        d['local_attention'] = 2 * self.sliding_window
+        return d";
+
 fn parity(name: &str) {
     let case = case(name);
     let dir = scratch(&format!("from-hf-{}", case.name));
@@ -3674,7 +3718,8 @@ save_file({{"tokens": tokens, "logits": logits}}, f"{{dir}}/reference.safetensor
 /// GPT-Neo's local layers beside them, MPT's ALiBi, and PhiMoE's
 /// LongRoPE chosen by the row's length (past its pretrained length:
 /// the long factors, the long mscale) where Phi-3's is chosen by the
-/// longest document's.
+/// longest document's, and ModernBERT-decoder's windowed layers within
+/// each document.
 #[test]
 fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
     const EOS: i64 = 1;
@@ -3708,6 +3753,7 @@ fn packed_documents_attend_within_themselves_as_transformers_computes_them() {
         "biogpt",
         "xglm",
         "phimoe",
+        "modernbert-decoder",
     ] {
         let case = case(name);
         let dir = scratch(&format!("hf-packed-{name}"));
@@ -4200,6 +4246,16 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
             "from transformers import OpenAIGPTConfig as C, OpenAIGPTLMHeadModel as M",
             "vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, \
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0",
+        ),
+        // ModernBERT-decoder: every other layer in a window of 4 (the
+        // cache's keys reaching back past it), the prediction head.
+        (
+            "modernbert-decoder",
+            MODERNBERT_DECODER,
+            "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, \
+             num_attention_heads=4, max_position_embeddings=64, local_attention=8, \
+             global_attn_every_n_layers=2, pad_token_id=95, eos_token_id=None, \
+             bos_token_id=None, cls_token_id=None, sep_token_id=None",
         ),
         // Aria: stacked experts beside a shared MLP.
         (

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -507,6 +507,20 @@ const OPENAI_GPT_DORA: Case = Case {
     matrices: 18,
     elements: 2 * 4 * ((64 + 192) + (64 + 64) + (256 + 64)) + 2 * (192 + 64 + 64),
     ..OPENAI_GPT
+};
+
+/// ModernBERT-decoder's queries and values (PEFT has no default; zrt's,
+/// Llama's), each 64 -> 64, and its MLP's gated `Wi` (64 -> 96), in
+/// three layers, the first without a norm before its attention.
+const MODERNBERT_DECODER: Case = Case {
+    python: (
+        "from transformers import ModernBertDecoderConfig as C, ModernBertDecoderForCausalLM as M",
+        "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, pad_token_id=95, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2",
+    ),
+    targets: &["q_proj", "v_proj", "Wi"],
+    matrices: 18,
+    elements: 3 * 4 * ((64 + 64) + (64 + 64) + (64 + 96)),
+    ..OFF
 };
 
 /// PhiMoE's queries and values (PEFT has no default; zrt's, Llama's
@@ -1180,6 +1194,15 @@ fn lora_adapters_on_biogpts_xglms_and_ctrls_layers_train_as_peft_does() {
     parity("biogpt", &BIOGPT, &[(3, false, Held::Fp32)]);
     parity("xglm", &XGLM, &[(3, false, Held::Fp32)]);
     parity("ctrl", &CTRL, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_modernbert_decoders_attention_and_gated_mlp_train_as_peft_does() {
+    parity(
+        "modernbert-decoder",
+        &MODERNBERT_DECODER,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

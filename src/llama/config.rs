@@ -19,6 +19,7 @@ use super::gptj;
 use super::lightning::{self, LightningConfig, ResidualFactors};
 use super::mamba::{self, MambaConfig};
 use super::mamba1::{self, Mamba1Config};
+use super::modernbert_decoder;
 use super::mpt;
 use super::openai_gpt;
 use super::opt::{self, OptLayout};
@@ -658,6 +659,9 @@ impl LlamaConfig {
         if matches!(family, Family::BioGpt | Family::Xglm) {
             opt::check_drops(j)?;
         }
+        if family == Family::ModernBertDecoder {
+            modernbert_decoder::check(j)?;
+        }
         let falcon = match family {
             Family::Falcon => Some(falcon::layout(j, heads)?),
             _ => None,
@@ -795,6 +799,7 @@ impl LlamaConfig {
             // Every attending layer of RecurrentGemma's is local.
             // (Its class's default window is the family's default.)
             Family::RecurrentGemma => j.size_or_none("attention_window_size")?.or(defaults.window),
+            Family::ModernBertDecoder => modernbert_decoder::window(j)?,
             Family::Qwen2
             | Family::Qwen3
             | Family::Qwen2Moe
@@ -858,6 +863,11 @@ impl LlamaConfig {
             // GPT-NeoX-Japanese's reads `rotary_emb_base` (its config's
             // `rope_theta` a copy of it).
             Family::GptNeoxJapanese => j.number_or("rotary_emb_base", 10000.0)?,
+            // ModernBERT-decoder's global and local layers alike (its
+            // class builds both rotary embeddings from `rope_theta`, its
+            // `attribute_map`'s `global_rope_theta`; `local_rope_theta`
+            // is read by nothing).
+            Family::ModernBertDecoder => j.number_or("global_rope_theta", 160000.0)?,
             _ => j.number_or("rope_theta", defaults.rope_theta)?,
         };
         let rg = match family {
@@ -1039,7 +1049,9 @@ impl LlamaConfig {
                 _ => 0.0,
             },
             embedding_dropout: match family {
-                Family::Starcoder2 => j.rate_or("embedding_dropout", 0.0)?,
+                Family::Starcoder2 | Family::ModernBertDecoder => {
+                    j.rate_or("embedding_dropout", 0.0)?
+                }
                 Family::Dbrx => j.rate_or("emb_pdrop", 0.0)?,
                 f if f.gptj() || matches!(f, Family::GptBigCode | Family::GptNeo) => {
                     j.rate_or("embd_pdrop", 0.0)?
@@ -1082,6 +1094,7 @@ impl LlamaConfig {
             head_bias: match family {
                 f if f.gptj() || f == Family::Ctrl => true,
                 Family::Phimoe => j.flag_or("lm_head_bias", false)?,
+                Family::ModernBertDecoder => j.flag_or("decoder_bias", true)?,
                 _ => false,
             },
             rope_layers: match family {
@@ -1169,6 +1182,10 @@ impl LlamaConfig {
             opt,
             local_layers: match family {
                 Family::GptNeo => Some(local_layers(j)?),
+                Family::ModernBertDecoder => Some(modernbert_decoder::local_layers(
+                    j,
+                    j.size("num_hidden_layers")?,
+                )?),
                 _ => None,
             },
             ternary,
@@ -1539,6 +1556,12 @@ impl LlamaConfig {
             // GPT-NeoX-Japanese's last layer's `dense_bias`.
             let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
             let mixer = mixer + bias(self.last_dense_bias(l), d);
+            // ModernBERT-decoder's first layer has no norm before its
+            // attention.
+            let norms = match (self.family, l) {
+                (Family::ModernBertDecoder, 0) => norms - 1,
+                _ => norms,
+            };
             norms * norm + mixer + mlp + sub_norms
         };
         let [model, embedding, blocks, _] = self.family.names();
@@ -1557,14 +1580,17 @@ impl LlamaConfig {
         // there.
         let rows = self.positions + self.family.position_offset();
         let positions = bias(self.family.learned_positions(), rows as u64 * d);
-        // BLOOM's norm of the embeddings joins it too.
-        let embedding_norm = bias(self.family == Family::Bloom, norm);
+        // BLOOM's and ModernBERT-decoder's norm of the embeddings joins
+        // it too, and ModernBERT-decoder's prediction head.
+        let modernbert = self.family == Family::ModernBertDecoder;
+        let embedding_norm = bias(self.family == Family::Bloom || modernbert, norm);
+        let head_transform = bias(modernbert, d * d + norm);
         // OPT-350m has no final norm, and projects in and out there.
         let final_norm = bias(self.final_norm(), norm);
         let projections = bias(self.projected(), 2 * d * w);
         units.push((
             String::new(),
-            final_norm + positions + embedding_norm + projections + tied_bias,
+            final_norm + positions + embedding_norm + projections + tied_bias + head_transform,
         ));
         units
     }
@@ -1582,6 +1608,7 @@ impl LlamaConfig {
             (Family::Xglm, _) => Some(xglm::to_json(self)),
             (Family::Ctrl, _) => Some(ctrl::to_json(self)),
             (Family::OpenAiGpt, _) => Some(openai_gpt::to_json(self)),
+            (Family::ModernBertDecoder, _) => Some(modernbert_decoder::to_json(self)),
             (Family::GptNeo, _) => Some(gpt_neo::to_json(self)),
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
@@ -2047,6 +2074,7 @@ impl LlamaConfig {
             | Family::Xglm
             | Family::Ctrl
             | Family::OpenAiGpt
+            | Family::ModernBertDecoder
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {
@@ -3110,7 +3138,8 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
     // dots1's `layer_types` are all full (others are refused); Llama
     // 4's name its chunked layers ([`Llama4Attention::chunked`]), Granite
     // 4.0's its Mamba layers ([`MambaConfig::layers`]), LFM2's its
-    // convolution layers ([`ShortConvConfig::layers`]).
+    // convolution layers ([`ShortConvConfig::layers`]), ModernBERT-
+    // decoder's its windowed layers ([`LlamaConfig::local_layers`]).
     if matches!(
         family,
         Family::Dots1
@@ -3119,6 +3148,7 @@ fn full_every(j: &HfJson, family: Family, window: Option<i64>) -> Result<Option<
             | Family::Lfm2
             | Family::MiniMax
             | Family::Qwen3Next
+            | Family::ModernBertDecoder
     ) {
         return Ok(None);
     }

@@ -522,11 +522,23 @@ pub enum Family {
     /// width, activated as `afn` says (its `gelu` is the tanh
     /// approximation); the head tied.
     OpenAiGpt,
+    /// `modernbert-decoder` (`ModernBertDecoderForCausalLM`: the decoder
+    /// of Johns Hopkins' Ettin pairs, ModernBERT's layout trained
+    /// causally): the token embeddings (`model.embeddings.tok_embeddings`)
+    /// normalised (`embeddings.norm`); LayerNorms without biases before
+    /// each sublayer (`attn_norm`, none in the first layer; `mlp_norm`);
+    /// `attn.q_proj`, `k_proj`, `v_proj` and `Wo`, every layer but each
+    /// `global_attn_every_n_layers`-th (from the first) in a window of
+    /// half `local_attention`; a gated MLP (`mlp.Wi`, the activated half
+    /// first, then `Wo`); a final norm (`final_norm`); then a prediction
+    /// head (`lm_head.dense`, the activation, `lm_head.norm`) before the
+    /// vocabulary's matrix (`decoder`, tied, biased).
+    ModernBertDecoder,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 76] = [
+    pub const ALL: [Family; 77] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -603,6 +615,7 @@ impl Family {
         Self::AriaText,
         Self::Ctrl,
         Self::OpenAiGpt,
+        Self::ModernBertDecoder,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -698,6 +711,7 @@ impl Family {
             Self::AriaText => "aria_text",
             Self::Ctrl => "ctrl",
             Self::OpenAiGpt => "openai-gpt",
+            Self::ModernBertDecoder => "modernbert-decoder",
         }
     }
 
@@ -780,6 +794,7 @@ impl Family {
             Self::AriaText => "AriaTextForCausalLM",
             Self::Ctrl => "CTRLLMHeadModel",
             Self::OpenAiGpt => "OpenAIGPTLMHeadModel",
+            Self::ModernBertDecoder => "ModernBertDecoderForCausalLM",
         }
     }
 
@@ -1316,6 +1331,14 @@ impl Family {
                 kv_heads: Some(32),
                 ..LLAMA
             },
+            Self::ModernBertDecoder => Defaults {
+                eps: 1e-5,
+                tied: true,
+                activation: Activation::Gelu,
+                positions: 8192,
+                pad: Some(50283),
+                ..LLAMA
+            },
             Self::OpenAiGpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1526,6 +1549,9 @@ impl Family {
             Self::Ctrl => ["transformer", "w", "h", "layernorm"],
             // No final norm: its last name is never built.
             Self::OpenAiGpt => ["transformer", "tokens_embed", "h", "ln_f"],
+            Self::ModernBertDecoder => {
+                ["model", "embeddings.tok_embeddings", "layers", "final_norm"]
+            }
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             Self::GptNeoxJapanese => [
@@ -1544,6 +1570,7 @@ impl Family {
         match self {
             Self::BioGpt => "output_projection",
             Self::GptNeoxJapanese => "embed_out",
+            Self::ModernBertDecoder => "decoder",
             _ => "lm_head",
         }
     }
@@ -1565,6 +1592,7 @@ impl Family {
             Self::GptNeoxJapanese => "gpt_neox_japanese.embed_in",
             Self::Ctrl => "transformer.w",
             Self::OpenAiGpt => "transformer.tokens_embed",
+            Self::ModernBertDecoder => "model.embeddings.tok_embeddings",
             _ => "model.embed_tokens",
         }
     }
@@ -1573,7 +1601,7 @@ impl Family {
     pub(super) fn eps_key(self) -> &'static str {
         match self {
             Self::Starcoder2 => "norm_epsilon",
-            Self::Nemotron | Self::Lfm2 => "norm_eps",
+            Self::Nemotron | Self::Lfm2 | Self::ModernBertDecoder => "norm_eps",
             Self::Falcon
             | Self::GptJ
             | Self::CodeGen
@@ -1600,9 +1628,11 @@ impl Family {
     /// `transformers` 4.57).
     pub(super) fn activation_key(self) -> &'static str {
         match self {
-            Self::Gemma2 | Self::VaultGemma | Self::Gemma3 | Self::RecurrentGemma => {
-                "hidden_activation"
-            }
+            Self::Gemma2
+            | Self::VaultGemma
+            | Self::Gemma3
+            | Self::RecurrentGemma
+            | Self::ModernBertDecoder => "hidden_activation",
             Self::Falcon => "activation",
             Self::Opt | Self::JetMoe => "activation_function",
             _ => "hidden_act",

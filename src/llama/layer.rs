@@ -998,7 +998,12 @@ impl Layer {
             Family::Dbrx => (p / "norm_attn_norm" / "attn", p / "ffn"),
             Family::Falcon | Family::Bloom => (p / "self_attention", p / "mlp"),
             Family::GptNeoxJapanese => (p / "attention", p / "mlp"),
-            f if f.gptj() || matches!(f, Family::GptBigCode | Family::OpenAiGpt) => {
+            f if f.gptj()
+                || matches!(
+                    f,
+                    Family::GptBigCode | Family::OpenAiGpt | Family::ModernBertDecoder
+                ) =>
+            {
                 (p / "attn", p / "mlp")
             }
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
@@ -1138,7 +1143,7 @@ impl Layer {
             )
         });
         Self {
-            norms: Norms::new((p, sub), d, c),
+            norms: Norms::new((p, sub, l), d, c),
             qkv,
             o_proj: (c.family != Family::JetMoe).then(|| match kind {
                 (Some(m), ..) => lin(&(&mixer / "out_proj"), m.inner(d), d, m.out_bias()),
@@ -1167,6 +1172,7 @@ impl Layer {
                         | Family::GptNeoxJapanese => "dense",
                         Family::GptBigCode | Family::OpenAiGpt => "c_proj",
                         Family::Ctrl => "dense",
+                        Family::ModernBertDecoder => "Wo",
                         _ => "o_proj",
                     }),
                     c.heads * c.v_head_dim(),
@@ -1233,6 +1239,11 @@ impl Layer {
                         f if f == Family::Phi3 || f.glm() => {
                             GateUp::Fused(lin(&(&m / "gate_up_proj"), d, 2 * c.intermediate, mb))
                         }
+                        // ModernBERT-decoder's `Wi`: the activated half
+                        // first, as Phi-3's gate.
+                        Family::ModernBertDecoder => {
+                            GateUp::Fused(lin(&(&m / "Wi"), d, 2 * c.intermediate, mb))
+                        }
                         // LFM2's `w1` and `w3` (`w2` down).
                         Family::Lfm2 => GateUp::Apart {
                             gate_proj: lin(&(&m / "w1"), d, c.intermediate, mb),
@@ -1245,6 +1256,7 @@ impl Layer {
                     },
                     down_proj: match c.family {
                         Family::Lfm2 => lin(&(&m / "w2"), c.intermediate, d, mb),
+                        Family::ModernBertDecoder => lin(&(&m / "Wo"), c.intermediate, d, mb),
                         _ => lin(&(&m / "down_proj"), c.intermediate, d, mb),
                     },
                 },

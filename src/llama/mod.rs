@@ -66,6 +66,7 @@ mod layer;
 mod lightning;
 mod mamba;
 mod mamba1;
+mod modernbert_decoder;
 mod mpt;
 mod norm;
 mod openai_gpt;
@@ -158,6 +159,9 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // skipped as a tied `lm_head` is.
     let head = format!("{}.", cfg.family.head_name());
     let tied_head = format!("{head}weight");
+    // ModernBERT-decoder's prediction head (`lm_head.dense`,
+    // `lm_head.norm`) is outside its base model too.
+    let beside = (cfg.family == Family::ModernBertDecoder).then_some(HEAD_TRANSFORM);
     plan.rename_weights(move |n| {
         let n = match llama4 {
             true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
@@ -166,7 +170,10 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
             true => n.strip_prefix("language_model.").unwrap_or(n),
             false => n,
         };
-        let n = crate::hf::under_base(n, base, &head);
+        let n = match beside {
+            Some(b) if n.starts_with(b) && n[b.len()..].starts_with('.') => n.into(),
+            _ => crate::hf::under_base(n, base, &head),
+        };
         match layer_of(&n) {
             Some(l) if beyond && l >= layers => None,
             _ if mtp && n.contains("mtp") => None,
@@ -208,6 +215,18 @@ pub(crate) fn tensor_layout(cfg: &LlamaConfig) -> ExportLayout {
     }
 }
 
+/// ModernBERT-decoder's prediction head's name (`lm_head`: its
+/// vocabulary's matrix is `decoder`).
+const HEAD_TRANSFORM: &str = "lm_head";
+
+/// ModernBERT-decoder's prediction head: `norm(act(dense(x)))`, the
+/// MLP's activation.
+#[derive(Debug)]
+struct HeadTransform {
+    dense: Adapted,
+    norm: Norm,
+}
+
 /// Llama with a language-modelling head (`LlamaForCausalLM`).
 #[derive(Debug)]
 pub struct Llama {
@@ -227,6 +246,9 @@ pub struct Llama {
     /// CTRL's head's bias beside its tied matrix (`lm_head.bias`), in
     /// the root (an untied head holds its own).
     tied_head_bias: Option<Tensor>,
+    /// ModernBERT-decoder's prediction head before the vocabulary's
+    /// matrix, in the root.
+    head_transform: Option<HeadTransform>,
     training: Training,
     decoding: Arc<Decoding>,
     /// Boxed: the config is a few hundred bytes, [`crate::hf::HfModel`]'s
@@ -290,8 +312,13 @@ impl Llama {
             .then(|| Norm::new(&m / final_norm, cfg.hidden, cfg));
         let tied_head_bias = (cfg.tied && cfg.head_bias)
             .then(|| (p / cfg.family.head_name()).zeros("bias", &[cfg.vocab]));
-        let embedding_norm = (cfg.family == Family::Bloom)
-            .then(|| Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg));
+        let embedding_norm = match cfg.family {
+            Family::Bloom => Some(Norm::new(&m / "word_embeddings_layernorm", cfg.hidden, cfg)),
+            Family::ModernBertDecoder => {
+                Some(Norm::new(&m / "embeddings" / "norm", cfg.hidden, cfg))
+            }
+            _ => None,
+        };
         let wpe = cfg.family.learned_positions().then(|| {
             let name = match cfg.family {
                 f if f.fairseq() => "embed_positions",
@@ -302,6 +329,14 @@ impl Llama {
             nn::embedding(&m / name, rows, cfg.hidden, Default::default())
         });
         let training = Training::default();
+        let head_transform = (cfg.family == Family::ModernBertDecoder).then(|| {
+            let h = p / HEAD_TRANSFORM;
+            let d = cfg.hidden;
+            HeadTransform {
+                dense: Adapted::new(&(&h / "dense"), (d, d, false), lora, &training),
+                norm: Norm::new(&h / "norm", d, cfg),
+            }
+        });
         let width = cfg.embedding_width();
         let projections = cfg.projected().then(|| {
             let lin = |name: &str, i, o| Adapted::new(&(&m / name), (i, o, false), lora, &training);
@@ -310,9 +345,11 @@ impl Llama {
                 lin("project_out", cfg.hidden, width),
             ]
         });
+        // ModernBERT-decoder's `embeddings.tok_embeddings`.
+        let e = embedding.split('.').fold(m.clone(), |e, name| &e / name);
         let embed = Ends::embedding(
             plan,
-            &(&m / embedding),
+            &e,
             (cfg.vocab, width),
             (cfg.padding_row(), cfg.tied),
             lora,
@@ -338,6 +375,7 @@ impl Llama {
             layers,
             norm,
             tied_head_bias,
+            head_transform,
             training,
             decoding,
             cfg: Box::new(cfg.clone()),
@@ -457,6 +495,10 @@ impl Llama {
         }
         if let Some([_, project_out]) = &self.projections {
             x = project_out.forward(&x);
+        }
+        if let Some(h) = &self.head_transform {
+            let dense = self.cfg.activation.apply(&h.dense.forward(&x));
+            x = h.norm.forward(&dense);
         }
         let logits = self.ends.head(&x);
         let logits = match &self.tied_head_bias {

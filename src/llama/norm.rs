@@ -142,7 +142,7 @@ impl Norm {
                 eps: c.eps,
             }),
             Family::Olmo1 => Self::Bare { eps: 1e-5 },
-            Family::Dbrx | Family::Mpt => Self::Unbiased {
+            Family::Dbrx | Family::Mpt | Family::ModernBertDecoder => Self::Unbiased {
                 weight: p.ones("weight", &[width]),
                 eps: c.eps,
             },
@@ -253,12 +253,16 @@ pub(super) enum Norms {
     /// Mamba's and Falcon-Mamba's: one norm (`norm`) before the layer's
     /// only sublayer, the scan.
     Alone { input: Norm },
+    /// ModernBERT-decoder's first layer: its attention reads the
+    /// embeddings (already normalised) as they are, a norm before its
+    /// MLP only (`mlp_norm`).
+    BeforeMlp { before_mlp: Norm },
 }
 
 impl Norms {
-    /// The family's norms of the layer under `p`, of width `d`
+    /// The family's norms of layer `l` under `p`, of width `d`
     /// (LongCat-Flash's sublayer `sub`'s: `input_layernorm.{sub}`, ...).
-    pub(super) fn new((p, sub): (&nn::Path, Option<i64>), d: i64, c: &LlamaConfig) -> Self {
+    pub(super) fn new((p, sub, l): (&nn::Path, Option<i64>, i64), d: i64, c: &LlamaConfig) -> Self {
         // JetMoE's class builds its layers' norms at their default eps,
         // 1e-6, whatever the config says (`rms_norm_eps` is the final
         // norm's).
@@ -339,6 +343,13 @@ impl Norms {
                 after_attention: norm("ln_1"),
                 after_mlp: norm("ln_2"),
             },
+            Family::ModernBertDecoder if l == 0 => Self::BeforeMlp {
+                before_mlp: norm("mlp_norm"),
+            },
+            Family::ModernBertDecoder => Self::Pre {
+                input: norm("attn_norm"),
+                before_mlp: norm("mlp_norm"),
+            },
             f if f.mamba_only() => Self::Alone {
                 input: norm("norm"),
             },
@@ -358,7 +369,9 @@ impl Norms {
             | Self::Parallel { input }
             | Self::Alone { input } => input.forward(x),
             Self::ParallelTwo { attention, .. } => attention.forward(x),
-            Self::Post { .. } | Self::AfterResidual { .. } => x.shallow_clone(),
+            Self::Post { .. } | Self::AfterResidual { .. } | Self::BeforeMlp { .. } => {
+                x.shallow_clone()
+            }
         }
     }
 
@@ -369,7 +382,8 @@ impl Norms {
             | Self::Parallel { .. }
             | Self::ParallelTwo { .. }
             | Self::AfterResidual { .. }
-            | Self::Alone { .. } => a,
+            | Self::Alone { .. }
+            | Self::BeforeMlp { .. } => a,
             Self::Sandwich {
                 after_attention, ..
             }
@@ -385,9 +399,9 @@ impl Norms {
     /// input (its attention's output joins after the MLP).
     pub(super) fn mlp_input(&self, x: &Tensor, h: Tensor) -> Tensor {
         match self {
-            Self::Pre { before_mlp, .. } | Self::Sandwich { before_mlp, .. } => {
-                before_mlp.forward(x)
-            }
+            Self::Pre { before_mlp, .. }
+            | Self::Sandwich { before_mlp, .. }
+            | Self::BeforeMlp { before_mlp } => before_mlp.forward(x),
             Self::Post { .. } | Self::AfterResidual { .. } | Self::Alone { .. } => {
                 x.shallow_clone()
             }
@@ -403,7 +417,8 @@ impl Norms {
             | Self::Parallel { .. }
             | Self::ParallelTwo { .. }
             | Self::AfterResidual { .. }
-            | Self::Alone { .. } => m,
+            | Self::Alone { .. }
+            | Self::BeforeMlp { .. } => m,
             Self::Sandwich { after_mlp, .. } | Self::Post { after_mlp, .. } => {
                 after_mlp.forward(&m)
             }

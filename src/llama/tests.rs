@@ -2076,6 +2076,81 @@ fn ctrl_configs_are_read_and_counted() {
 }
 
 #[test]
+fn modernbert_decoder_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("modernbert-decoder-configs");
+    // ModernBertDecoderConfig's defaults (its sizes given), the Ettin
+    // decoders' 150M shape
+    // (its head tied, biased, after a prediction head); the counts are
+    // transformers' parameters.
+    let given = r#"{"model_type": "modernbert-decoder", "vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22, "num_attention_heads": 12}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 149655232);
+    assert_eq!(
+        (c.hidden, c.intermediate, c.layers, c.heads, c.vocab),
+        (768, 1152, 22, 12, 50368)
+    );
+    assert!(c.tied && c.head_bias && !c.qkv_bias && !c.o_bias && !c.mlp_bias);
+    assert_eq!(
+        (c.activation, c.eps, c.rope_theta),
+        (Activation::Gelu, 1e-5, 160000.0)
+    );
+    assert_eq!(c.pad_token, Some(50283));
+    // Half of `local_attention` (128), every third layer from the first
+    // global.
+    let windows: Vec<Option<i64>> = (0..4).map(|l| c.window(l)).collect();
+    assert_eq!(windows, [None, Some(64), Some(64), None]);
+    // Small, untied, biased, its own window, its layers' kinds listed.
+    let small = r#"{"model_type": "modernbert-decoder", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "tie_word_embeddings": false, "decoder_bias": false, "attention_bias": true, "mlp_bias": true, "pad_token_id": 0, "local_attention": 9, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "global_rope_theta": 5000.0}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 238592);
+    assert!(!s.tied && !s.head_bias && s.o_bias && s.mlp_bias);
+    let windows: Vec<Option<i64>> = (0..3).map(|l| s.window(l)).collect();
+    assert_eq!(windows, [Some(4), None, Some(4)]);
+    assert_eq!(s.rope_theta, 5000.0);
+    dir.round_trips([c, s]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                "}",
+                r#", "norm_bias": true}"#,
+                "norm_bias true: zrt builds ModernBERT-decoder's LayerNorms without biases",
+            ),
+            (
+                "}",
+                r#", "mlp_dropout": 0.1}"#,
+                "mlp_dropout 0.1: zrt drops out nothing inside the MLP (set it to 0)",
+            ),
+            (
+                "}",
+                r#", "attention_dropout": 0.1}"#,
+                "attention_dropout 0.1: its class drops out the attention's weights and its output",
+            ),
+            (
+                "}",
+                r#", "classifier_bias": true}"#,
+                "classifier_bias true: zrt builds the prediction head's `lm_head.dense` without a bias",
+            ),
+            (
+                "}",
+                r#", "classifier_activation": "silu"}"#,
+                r#"classifier_activation "silu": zrt activates the prediction head as the MLP (hidden_activation "gelu")"#,
+            ),
+            (
+                r#""local_attention": 9"#,
+                r#""local_attention": 1"#,
+                "local_attention Some(1): ModernBERT-decoder's sliding layers attend within half of it",
+            ),
+            (
+                r#""full_attention", "sliding"#,
+                r#""chunked_attention", "sliding"#,
+                r#"layer_types entry "chunked_attention": ModernBERT-decoder's layers are "full_attention" or "sliding_attention""#,
+            ),
+        ],
+    );
+}
+
+#[test]
 fn openai_gpt_configs_are_read_and_counted() {
     let dir = ConfigDir::new("openai-gpt-configs");
     // OpenAIGPTConfig's defaults, OpenAI GPT's own sizes (117M, its head

@@ -540,7 +540,7 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
-/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL, OpenAI GPT), zrt's
+/// and MoE, Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Persimmon, BioGPT, XGLM, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2, Falcon-H1, LFM2, MiniMax, Qwen3-Next, DiffLlama, BitNet, JetMoE, RecurrentGemma, LongCat-Flash, GPT-NeoX-Japanese, Aria, CTRL, OpenAI GPT, ModernBERT-decoder), zrt's
 /// choice: Phi-3's fused `qkv_proj` (DBRX's `Wqkv`, Persimmon's and
 /// GPT-NeoX-Japanese's `query_key_value`; CTRL's `Wq` and `Wv`; OpenAI
 /// GPT's `c_attn`, as GPT-2's), Mamba's and Falcon-Mamba's `in_proj` and
@@ -598,7 +598,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// GPT-BigCode's `wte` and Falcon's
 /// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
 /// `output_projection`; CTRL's `w` and `lm_head`; OpenAI GPT's
-/// `tokens_embed` and `lm_head`), as the dict form of
+/// `tokens_embed` and `lm_head`; ModernBERT-decoder's `tok_embeddings`
+/// and `decoder`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -612,6 +613,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("biogpt") => ("embed_tokens", "output_projection"),
         Some("ctrl") => ("w", "lm_head"),
         Some("openai-gpt") => ("tokens_embed", "lm_head"),
+        Some("modernbert-decoder") => ("tok_embeddings", "decoder"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))

@@ -214,15 +214,16 @@ fn openai_gpt_drops_embeddings_attention_and_sublayers_out_as_transformers_does_
     );
 }
 
-/// ModernBERT-decoder's one dropout zrt builds: the normalised
-/// embeddings' (`embedding_dropout`; its attention's and MLP's are
-/// refused above 0).
+/// ModernBERT-decoder's dropouts: the normalised embeddings'
+/// (`embedding_dropout`), and the attention's weights and output, both
+/// at `attention_dropout` (its MLP's output is not dropped out; dropout
+/// inside it is refused).
 #[test]
-fn modernbert_decoder_drops_its_embeddings_out_as_transformers_does_once_training() {
+fn modernbert_decoder_drops_embeddings_and_attention_out_as_transformers_does_once_training() {
     dropout_parity(
         "modernbert-decoder",
         "from transformers import ModernBertDecoderConfig as C, ModernBertDecoderForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, embedding_dropout=0.2, pad_token_id=95, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2",
+        "vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64, embedding_dropout=0.2, attention_dropout=0.15, pad_token_id=95, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2",
         1e-5,
     );
 }

@@ -1256,12 +1256,15 @@ impl LlamaConfig {
 
     /// The dropout on the attention's output, when training: the
     /// sublayers' [`LlamaConfig::resid_dropout`], but StableLM's and
-    /// Persimmon's, which drop out the MLP's output only, and Falcon's: its
+    /// Persimmon's, which drop out the MLP's output only, Falcon's: its
     /// `attention_dropout` in sequential layers, none in parallel ones
-    /// (the sum of both outputs is dropped out there).
+    /// (the sum of both outputs is dropped out there), and
+    /// ModernBERT-decoder's: its `attention_dropout` (its MLP's output is
+    /// not dropped out).
     pub fn attention_output_dropout(&self) -> f64 {
         match (self.family, &self.falcon) {
             (Family::StableLm | Family::Persimmon, _) => 0.0,
+            (Family::ModernBertDecoder, _) => self.attention_dropout,
             (_, Some(f)) if f.parallel => 0.0,
             (_, Some(_)) => self.attention_dropout,
             _ => self.resid_dropout,

@@ -16,27 +16,19 @@ const LOCAL_ATTENTION: i64 = 128;
 const GLOBAL_EVERY: i64 = 3;
 
 /// Refuses what zrt does not build of the config `j`, naming the field
-/// and its fix: biased norms, dropout inside the MLP or on the
-/// attention (its class drops out the attention's weights and its
-/// output at one rate), a biased prediction head or one activated
-/// otherwise than the MLP.
+/// and its fix: biased norms, dropout inside the MLP, a biased
+/// prediction head or one activated otherwise than the MLP.
 pub(super) fn check(j: &HfJson) -> Result<(), HfError> {
     if j.flag_or("norm_bias", false)? {
         return Err(j.field(
             "norm_bias true: zrt builds ModernBERT-decoder's LayerNorms without biases, its default (set it to false)".into(),
         ));
     }
-    for (key, what) in [
-        ("mlp_dropout", "zrt drops out nothing inside the MLP"),
-        (
-            "attention_dropout",
-            "its class drops out the attention's weights and its output at this rate, which zrt does not build",
-        ),
-    ] {
-        let rate = j.number_or(key, 0.0)?;
-        if rate != 0.0 {
-            return Err(j.field(format!("{key} {rate}: {what} (set it to 0)")));
-        }
+    let rate = j.number_or("mlp_dropout", 0.0)?;
+    if rate != 0.0 {
+        return Err(j.field(format!(
+            "mlp_dropout {rate}: zrt drops out nothing inside the MLP (set it to 0)"
+        )));
     }
     if j.flag_or("classifier_bias", false)? {
         return Err(j.field(

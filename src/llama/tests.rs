@@ -2123,11 +2123,6 @@ fn modernbert_decoder_configs_are_read_and_counted() {
             ),
             (
                 "}",
-                r#", "attention_dropout": 0.1}"#,
-                "attention_dropout 0.1: its class drops out the attention's weights and its output",
-            ),
-            (
-                "}",
                 r#", "classifier_bias": true}"#,
                 "classifier_bias true: zrt builds the prediction head's `lm_head.dense` without a bias",
             ),

@@ -801,9 +801,10 @@ impl Family {
     /// Whether its class gives the token embedding the config's
     /// `pad_token_id` as `nn.Embedding`'s `padding_idx` (the row gets no
     /// gradient from the lookup). GPT-J's, CodeGen's, GPT-BigCode's,
-    /// GPT-Neo's, MPT's, BLOOM's, Falcon's and the Mambas' (1 and 2,
-    /// Falcon-Mamba) do not: every row of theirs trains, the pad token's too (which a
-    /// tied head's gradient always reaches).
+    /// GPT-Neo's, MPT's, BLOOM's, Falcon's, the Mambas' (1 and 2,
+    /// Falcon-Mamba), CTRL's and OpenAI GPT's do not: every row of theirs
+    /// trains, the pad token's too (which a tied head's gradient always
+    /// reaches).
     pub(super) fn pads_embedding(self) -> bool {
         !(self.gptj()
             || matches!(

@@ -114,8 +114,8 @@ pub(super) enum Norm {
     Bare {
         eps: f64,
     },
-    /// DBRX's: a LayerNorm with weights and no bias, in the input's
-    /// dtype (`nn.LayerNorm(bias=False)`).
+    /// DBRX's, MPT's and ModernBERT-decoder's: a LayerNorm with weights
+    /// and no bias, in the input's dtype (`nn.LayerNorm(bias=False)`).
     Unbiased {
         weight: Tensor,
         eps: f64,

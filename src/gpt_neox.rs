@@ -217,7 +217,7 @@ impl GptNeoxConfig {
 /// written from the base model (`GPTNeoXModel`) names its tensors
 /// without `gpt_neox.`, which is added as `from_pretrained` adds it.
 pub fn hf_name(name: &str, tied: bool) -> Option<String> {
-    let name = crate::hf::under_base(name, "gpt_neox", "embed_out.");
+    let name = crate::hf::under_base(name, "gpt_neox", &["embed_out."]);
     let skipped = [
         ".attention.bias",
         ".attention.masked_bias",

@@ -922,11 +922,16 @@ pub fn items_per_micro_step(step_items: f64, ranks: usize, gas: u64) -> f64 {
 /// `name` itself, or for a file written from the base model alone
 /// (`OPTModel.save_pretrained`: `decoder.layers.0...`; BLOOM's published
 /// files: `h.0...`), the base model's prefix `base` before it, as
-/// `from_pretrained` adds it. Names under `base` and the head's (`head`,
+/// `from_pretrained` adds it. Names under `base` and those starting
+/// with one of `outside` (the head's, `lm_head.`, and any other module
 /// outside the base model) are kept.
-pub(crate) fn under_base<'a>(name: &'a str, base: &str, head: &str) -> Cow<'a, str> {
+pub(crate) fn under_base<'a>(
+    name: &'a str,
+    base: &str,
+    outside: &[impl AsRef<str>],
+) -> Cow<'a, str> {
     let under = name.strip_prefix(base).is_some_and(|n| n.starts_with('.'));
-    match under || name.starts_with(head) {
+    match under || outside.iter().any(|o| name.starts_with(o.as_ref())) {
         true => Cow::Borrowed(name),
         false => Cow::Owned(format!("{base}.{name}")),
     }
@@ -938,7 +943,7 @@ mod tests {
 
     #[test]
     fn a_base_models_names_take_its_prefix_as_from_pretrained_gives_it() {
-        let under = |n| under_base(n, "model", "lm_head.").into_owned();
+        let under = |n| under_base(n, "model", &["lm_head."]).into_owned();
         assert_eq!(
             under("decoder.layers.0.fc1.weight"),
             "model.decoder.layers.0.fc1.weight"
@@ -947,7 +952,7 @@ mod tests {
         assert_eq!(under("lm_head.weight"), "lm_head.weight");
         // A name that only begins like the prefix is not under it.
         assert_eq!(under("models.x"), "model.models.x");
-        let under = |n| under_base(n, "transformer", "lm_head.").into_owned();
+        let under = |n| under_base(n, "transformer", &["lm_head."]).into_owned();
         assert_eq!(
             under("h.0.mlp.dense_h_to_4h.bias"),
             "transformer.h.0.mlp.dense_h_to_4h.bias"

@@ -237,7 +237,7 @@ impl PhiConfig {
 /// written from the base model (`PhiModel`) names its tensors without
 /// `model.`, which is added as `from_pretrained` adds it.
 pub fn hf_name(name: &str) -> Option<String> {
-    let name = crate::hf::under_base(name, "model", "lm_head.");
+    let name = crate::hf::under_base(name, "model", &["lm_head."]);
     (!name.ends_with("rotary_emb.inv_freq")).then(|| name.into_owned())
 }
 

@@ -161,7 +161,8 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     let tied_head = format!("{head}weight");
     // ModernBERT-decoder's prediction head (`lm_head.dense`,
     // `lm_head.norm`) is outside its base model too.
-    let beside = (cfg.family == Family::ModernBertDecoder).then_some(HEAD_TRANSFORM);
+    let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
+    let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
     plan.rename_weights(move |n| {
         let n = match llama4 {
             true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
@@ -170,10 +171,7 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
             true => n.strip_prefix("language_model.").unwrap_or(n),
             false => n,
         };
-        let n = match beside {
-            Some(b) if n.starts_with(b) && n[b.len()..].starts_with('.') => n.into(),
-            _ => crate::hf::under_base(n, base, &head),
-        };
+        let n = crate::hf::under_base(n, base, &outside);
         match layer_of(&n) {
             Some(l) if beyond && l >= layers => None,
             _ if mtp && n.contains("mtp") => None,

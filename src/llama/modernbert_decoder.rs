@@ -59,8 +59,10 @@ pub(super) fn window(j: &HfJson) -> Result<Option<i64>, HfError> {
     };
     match local {
         Some(n) if n >= 2 => Ok(Some(n / 2)),
+        // Named as the file gives it (`1`, `null`).
         _ => Err(j.field(format!(
-            "local_attention {local:?}: ModernBERT-decoder's sliding layers attend within half of it; give 2 or more"
+            "local_attention {}: ModernBERT-decoder's sliding layers attend within half of it; give 2 or more",
+            j.get("local_attention").unwrap_or(&Value::Null)
         ))),
     }
 }

@@ -2134,7 +2134,12 @@ fn modernbert_decoder_configs_are_read_and_counted() {
             (
                 r#""local_attention": 9"#,
                 r#""local_attention": 1"#,
-                "local_attention Some(1): ModernBERT-decoder's sliding layers attend within half of it",
+                "local_attention 1: ModernBERT-decoder's sliding layers attend within half of it",
+            ),
+            (
+                r#""local_attention": 9"#,
+                r#""local_attention": null"#,
+                "local_attention null: ModernBERT-decoder's sliding layers attend within half of it",
             ),
             (
                 r#""full_attention", "sliding"#,

@@ -228,6 +228,19 @@ fn modernbert_decoder_drops_embeddings_and_attention_out_as_transformers_does_on
     );
 }
 
+/// Doge's dropouts: the attention's weights (`attention_dropout`,
+/// under its dynamic mask) and each sublayer's output (`hidden_dropout`)
+/// before its weighted residual joins it.
+#[test]
+fn doge_drops_attention_and_both_sublayers_out_as_transformers_does_once_training() {
+    dropout_parity(
+        "doge",
+        common::DOGE,
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, keep_window_size=6, hidden_dropout=0.1, attention_dropout=0.15",
+        1e-5,
+    );
+}
+
 /// Aria's one dropout, the attention weights' (its class's SDPA),
 /// drawn before its experts, which draw nothing.
 #[test]

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -520,6 +520,20 @@ const MODERNBERT_DECODER: Case = Case {
     targets: &["q_proj", "v_proj", "Wi"],
     matrices: 18,
     elements: 3 * 4 * ((64 + 64) + (64 + 64) + (64 + 96)),
+    ..OFF
+};
+
+/// Doge's queries and values (PEFT has no default; zrt's, Llama's),
+/// 64 -> 64 and 64 -> 32, and its dynamic mask's `dt_proj` (32 -> 2),
+/// whose gradient comes through each query's 6 keys of highest bias.
+const DOGE: Case = Case {
+    python: (
+        common::DOGE,
+        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, keep_window_size=6",
+    ),
+    targets: &["q_proj", "v_proj", "dt_proj"],
+    matrices: 12,
+    elements: 2 * 4 * ((64 + 64) + (64 + 32) + (32 + 2)),
     ..OFF
 };
 
@@ -1203,6 +1217,11 @@ fn lora_adapters_on_modernbert_decoders_attention_and_gated_mlp_train_as_peft_do
         &MODERNBERT_DECODER,
         &[(3, false, Held::Fp32)],
     );
+}
+
+#[test]
+fn lora_adapters_on_doges_attention_and_dynamic_mask_train_as_peft_does() {
+    parity("doge", &DOGE, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

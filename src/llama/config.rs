@@ -11,6 +11,7 @@ use super::bloom;
 use super::ctrl;
 use super::dbrx;
 use super::delta_net::{self, DeltaNetConfig};
+use super::doge;
 use super::falcon::{self, FalconLayout};
 use super::family::Family;
 use super::gpt_bigcode;
@@ -502,6 +503,11 @@ pub struct LlamaConfig {
     /// ([`crate::hf::HfModel::plus_aux_losses`]). 0 (none) for the other
     /// families.
     pub z_loss: f64,
+    /// Doge's dynamic mask: its `keep_window_size`, the keys a query
+    /// keeps past which the mask chooses those of highest bias
+    /// ([`doge`](super::doge)). `None` for the other families, which
+    /// have no dynamic mask.
+    pub keep_window: Option<i64>,
 }
 
 impl LlamaConfig {
@@ -795,6 +801,7 @@ impl LlamaConfig {
             | Family::Cohere2
             | Family::Exaone4
             | Family::GptOss
+            | Family::Doge
             | Family::GptNeo => j.size_or_null("sliding_window", defaults.window)?,
             // Every attending layer of RecurrentGemma's is local.
             // (Its class's default window is the family's default.)
@@ -988,7 +995,8 @@ impl LlamaConfig {
                 | Family::HunyuanDense
                 | Family::HunyuanMoe
                 | Family::Lfm2
-                | Family::Qwen3Next => true,
+                | Family::Qwen3Next
+                | Family::Doge => true,
                 Family::Glm4Moe => j.flag_or("use_qk_norm", false)?,
                 Family::Persimmon => j.flag_or("qk_layernorm", true)?,
                 Family::StableLm => j.flag_or("qk_layernorm", false)?,
@@ -1035,7 +1043,7 @@ impl LlamaConfig {
                 Family::Phi3 => j.rate_or("resid_pdrop", 0.0)?,
                 Family::Starcoder2 => j.rate_or("residual_dropout", 0.0)?,
                 Family::SeedOss => j.rate_or("residual_dropout", 0.1)?,
-                Family::StableLm | Family::Persimmon | Family::GptNeoxJapanese => {
+                Family::StableLm | Family::Persimmon | Family::GptNeoxJapanese | Family::Doge => {
                     j.rate_or("hidden_dropout", 0.0)?
                 }
                 Family::Dbrx | Family::Mpt | Family::Bloom => j.rate_or("resid_pdrop", 0.0)?,
@@ -1191,6 +1199,10 @@ impl LlamaConfig {
             ternary,
             ternary_norm,
             z_loss,
+            keep_window: match family {
+                Family::Doge => Some(doge::keep_window(j)?),
+                _ => None,
+            },
         })
     }
 
@@ -1438,7 +1450,13 @@ impl LlamaConfig {
                 // DiffLlama's four lambda vectors.
                 let gates = 1 + u64::from(self.gated_attention());
                 let lambdas = bias(self.family == Family::DiffLlama, 4 * hd);
+                // Doge's dynamic mask: `A` and `dt_proj`, a key-value
+                // head each.
+                let kvh = self.kv_heads as u64;
+                let dynamic =
+                    (self.keep_window).map_or(0, |_| kvh + kv * kvh + bias(self.o_bias, kvh));
                 lambdas
+                    + dynamic
                     + gates * (d * q + bias(self.qkv_bias, q))
                     + 2 * (d * kv + bias(self.qkv_bias, kv))
                     + (q * d + bias(self.o_bias, d))
@@ -1559,6 +1577,8 @@ impl LlamaConfig {
             // GPT-NeoX-Japanese's last layer's `dense_bias`.
             let mixer = mixer + self.mamba_beside().map_or(0, |m| m.params(self.hidden));
             let mixer = mixer + bias(self.last_dense_bias(l), d);
+            // Doge's weights on each sublayer's residual.
+            let mixer = mixer + bias(self.family == Family::Doge, 2 * d);
             // ModernBERT-decoder's first layer has no norm before its
             // attention.
             let norms = match (self.family, l) {
@@ -1690,6 +1710,7 @@ impl LlamaConfig {
                 serde_json::json!({"sliding_window": self.sliding_window})
             }
             Family::DiffLlama => serde_json::json!({"attention_bias": self.o_bias}),
+            Family::Doge => doge::json(self),
             // Its shared MLP's width as a number of experts'.
             Family::AriaText => {
                 let m = self.moe.as_ref();

@@ -534,11 +534,20 @@ pub enum Family {
     /// head (`lm_head.dense`, the activation, `lm_head.norm`) before the
     /// vocabulary's matrix (`decoder`, tied, biased).
     ModernBertDecoder,
+    /// `doge` (`DogeForCausalLM`: SmallDoge's Doge): Llama's names and
+    /// gated MLP, each head's queries and keys RMS-normalised (`q_norm`,
+    /// `k_norm`), and its dynamic mask: each key's score biased by
+    /// `exp(A * softplus(dt_proj(v)))` of its own values (`self_attn.A`,
+    /// `self_attn.dt_proj`), a query keeping the `keep_window_size` keys
+    /// of highest bias past that many; each sublayer's input weighted
+    /// where it joins the residual (`input_residual`,
+    /// `post_attention_residual`, trained).
+    Doge,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 77] = [
+    pub const ALL: [Family; 78] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -616,6 +625,7 @@ impl Family {
         Self::Ctrl,
         Self::OpenAiGpt,
         Self::ModernBertDecoder,
+        Self::Doge,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -712,6 +722,7 @@ impl Family {
             Self::Ctrl => "ctrl",
             Self::OpenAiGpt => "openai-gpt",
             Self::ModernBertDecoder => "modernbert-decoder",
+            Self::Doge => "doge",
         }
     }
 
@@ -795,6 +806,7 @@ impl Family {
             Self::Ctrl => "CTRLLMHeadModel",
             Self::OpenAiGpt => "OpenAIGPTLMHeadModel",
             Self::ModernBertDecoder => "ModernBertDecoderForCausalLM",
+            Self::Doge => "DogeForCausalLM",
         }
     }
 
@@ -1104,7 +1116,8 @@ impl Family {
             | Self::GraniteMoe
             | Self::GraniteMoeShared
             | Self::GraniteMoeHybrid
-            | Self::DeepseekV2 => LLAMA,
+            | Self::DeepseekV2
+            | Self::Doge => LLAMA,
             Self::Mistral | Self::Ministral => Defaults {
                 kv_heads: Some(8),
                 window: Some(4096),

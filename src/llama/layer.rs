@@ -15,6 +15,7 @@ use crate::packing::{in_window, Documents};
 use super::config::{Activation, GroupRouting, LlamaConfig, Mla, MoeConfig, Scoring};
 use super::delta_net::DeltaNet;
 use super::differential::Differential;
+use super::doge::DynamicMask;
 use super::family::Family;
 use super::jetmoe::Moa;
 use super::lightning::Lightning;
@@ -77,6 +78,12 @@ pub struct Layer {
     /// GPT-NeoX-Japanese's last layer's bias on its attention's output
     /// (`attention.dense_bias`), added before the output's dropout.
     dense_bias: Option<Tensor>,
+    /// Doge's dynamic mask on its attention's scores.
+    dynamic: Option<DynamicMask>,
+    /// Doge's weights on the residual each sublayer's output joins
+    /// (`input_residual` the attention's, `post_attention_residual` the
+    /// MLP's), trained.
+    residual_weights: Option<(Tensor, Tensor)>,
     cfg: LlamaConfig,
 }
 
@@ -1306,6 +1313,13 @@ impl Layer {
             sub_norms,
             shortcut: None,
             dense_bias: c.last_dense_bias(l).then(|| a.zeros("dense_bias", &[d])),
+            dynamic: (c.keep_window).map(|keep| DynamicMask::new(&a, c, keep, lin)),
+            residual_weights: (c.family == Family::Doge).then(|| {
+                (
+                    p.ones("input_residual", &[d]),
+                    p.ones("post_attention_residual", &[d]),
+                )
+            }),
             factors: c.residual_factors.map(|f| match lightning {
                 Some(_) => (f.linear, f.mlp),
                 None => (f.full, f.mlp),
@@ -1365,7 +1379,7 @@ impl Layer {
                 let x = match self.factors.map(|f| f.0) {
                     // MiniMax's residual: the normalised input, weighted.
                     Some((alpha, beta)) => &h * alpha + a * beta,
-                    None => x + self.residual(self.norms.attention_output(a)),
+                    None => self.carried(x, false) + self.residual(self.norms.attention_output(a)),
                 };
                 (self.norms.after_attention(x), None)
             }
@@ -1423,7 +1437,7 @@ impl Layer {
             Some((alpha, beta)) => &h * alpha + m * beta,
             None => self
                 .norms
-                .after_mlp(&x + self.residual(self.norms.mlp_output(m))),
+                .after_mlp(self.carried(&x, true) + self.residual(self.norms.mlp_output(m))),
         };
         (out, h)
     }
@@ -1633,6 +1647,16 @@ impl Layer {
         }
     }
 
+    /// The residual `x` a sublayer's output joins (the MLP's when `mlp`):
+    /// times Doge's weights on it.
+    fn carried(&self, x: &Tensor, mlp: bool) -> Tensor {
+        match (&self.residual_weights, mlp) {
+            (Some((attention, _)), false) => x * attention,
+            (Some((_, mlp)), true) => x * mlp,
+            (None, _) => x.shallow_clone(),
+        }
+    }
+
     /// A sublayer's output `y` as it joins the residual: times Granite's
     /// `residual_multiplier`.
     fn residual(&self, y: Tensor) -> Tensor {
@@ -1675,9 +1699,10 @@ impl Layer {
         };
         let dropout = self.training.attention(c.attention_weights_dropout());
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
-        // Scores the fused kernel cannot compute: soft-capped, or beside
-        // sinks.
-        let eager_only = c.attn_softcap.is_some() || self.sinks.is_some();
+        // Scores the fused kernel cannot compute: soft-capped, beside
+        // sinks, or biased by Doge's dynamic mask (which its keys' values
+        // make, so its gradient reaches them).
+        let eager_only = c.attn_softcap.is_some() || self.sinks.is_some() || self.dynamic.is_some();
         // MPT's, BLOOM's and Falcon-RW's ALiBi: the slopes' bias in the
         // mask.
         if let Some(slopes) = &self.alibi {
@@ -1746,6 +1771,8 @@ impl Layer {
             );
         }
         let groups = c.heads / c.kv_heads;
+        // Doge's bias on each key, from its values.
+        let bias = (self.dynamic.as_ref()).map(|m| m.bias(v, c.heads));
         let (k, v) = (
             k.repeat_interleave_self_int(groups, 1, None),
             v.repeat_interleave_self_int(groups, 1, None),
@@ -1753,6 +1780,10 @@ impl Layer {
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
         let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
             let scores = q.matmul(&k.transpose(2, 3)) * scale;
+            let (scores, visible) = match (&self.dynamic, &bias) {
+                (Some(m), Some(bias)) => (scores + bias, m.kept(bias, visible)),
+                _ => (scores, visible.shallow_clone()),
+            };
             let scores = match c.attn_softcap {
                 Some(cap) => (scores / cap).tanh() * cap,
                 None => scores,
@@ -1780,9 +1811,11 @@ impl Layer {
             // kernel's, `Documents::attend`): the row's would be `seq`
             // squared a head. With it, the row's, so that the weights
             // dropped are those `transformers` drops.
-            Some(d) if dropout == 0.0 => d.per_document((q, &k, &v), |q, k, v, n| {
-                eager(q, k, v, &in_window(n, window, q.device()))
-            }),
+            // (Doge's bias is the row's keys'.)
+            Some(d) if dropout == 0.0 && bias.is_none() => d
+                .per_document((q, &k, &v), |q, k, v, n| {
+                    eager(q, k, v, &in_window(n, window, q.device()))
+                }),
             Some(d) => eager(q, &k, &v, &d.visible_within(self.window)),
             None => eager(q, &k, &v, &visible(window)),
         }

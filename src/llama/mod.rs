@@ -56,6 +56,7 @@ mod ctrl;
 mod dbrx;
 mod delta_net;
 mod differential;
+mod doge;
 mod falcon;
 mod family;
 mod gpt_bigcode;

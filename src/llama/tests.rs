@@ -146,6 +146,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         ternary: false,
         ternary_norm: None,
         z_loss: 0.0,
+        keep_window: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -2151,6 +2152,62 @@ fn modernbert_decoder_configs_are_read_and_counted() {
 }
 
 #[test]
+fn doge_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("doge-configs");
+    // DogeConfig's defaults (its sizes given: the 320M shape, untied);
+    // the counts are transformers' parameters.
+    let given = r#"{"model_type": "doge", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 8}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 403055872);
+    assert_eq!(
+        (
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads,
+            c.kv_heads,
+            c.vocab
+        ),
+        (1024, 2048, 32, 8, 8, 32768)
+    );
+    assert!(!c.tied && c.qk_norm && !c.o_bias && !c.mlp_bias);
+    assert_eq!((c.keep_window, c.sliding_window), (Some(2048), None));
+    assert_eq!((c.activation, c.eps), (Activation::Silu, 1e-6));
+    // Small, tied, biased, grouped, heads narrower than the width's
+    // share, in a window, dropping out.
+    let small = r#"{"model_type": "doge", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "tie_word_embeddings": true, "attention_bias": true, "mlp_bias": true, "sliding_window": 7, "keep_window_size": 8, "hidden_dropout": 0.1, "rope_theta": 5000.0}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 139868);
+    assert!(s.tied && s.qkv_bias && s.o_bias && s.mlp_bias);
+    assert_eq!(
+        (s.keep_window, s.window(2), s.resid_dropout),
+        (Some(8), Some(7), 0.1)
+    );
+    assert_eq!(s.attention_output_dropout(), 0.1);
+    dir.round_trips([c, s]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                "}",
+                r#", "is_moe": true}"#,
+                "is_moe true: zrt builds Doge's dense MLP only, not its product-key experts (DogeCDMoE); set it to false",
+            ),
+            (
+                r#""keep_window_size": 8"#,
+                r#""keep_window_size": 0"#,
+                "`keep_window_size` is missing or not a positive integer",
+            ),
+            (
+                r#""keep_window_size": 8"#,
+                r#""keep_window_size": null"#,
+                "keep_window_size null: each query keeps at least one key",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn openai_gpt_configs_are_read_and_counted() {
     let dir = ConfigDir::new("openai-gpt-configs");
     // OpenAIGPTConfig's defaults, OpenAI GPT's own sizes (117M, its head
@@ -3394,6 +3451,7 @@ fn unit_params_count_what_the_built_model_holds() {
         ternary: false,
         ternary_norm: None,
         z_loss: 0.0,
+        keep_window: None,
     };
     let variants = [
         base.clone(),

@@ -808,6 +808,21 @@ m.save_pretrained("{dir}/hf"{save})
     )
 }
 
+/// Doge's classes, its model class `M` starting each layer's `A` (the
+/// dynamic mask's factors) spread over ±3: at the seeded ±0.05 every
+/// key's bias is within 4% of 1, where bf16 ties the keys the
+/// `keep_window_size` cut chooses among. `from_pretrained` overwrites
+/// them. Its attention is the eager one: its `sdpa` path drops the
+/// causal mask (a token sees the ones after it).
+pub const DOGE: &str = "from transformers import DogeConfig as C, DogeForCausalLM
+class M(DogeForCausalLM):
+    def __init__(self, config):
+        config._attn_implementation = 'eager'
+        super().__init__(config)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.A.uniform_(-3.0, 3.0)";
+
 /// RecurrentGemma's class as the cases train it (a case's `python.0`,
 /// importing its config class as `C` and its model class as `M`; a
 /// case's config gives `use_cache=False`). `transformers`' class cannot

@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums), ModernBERT-decoder (its prediction head, its windowed layers), Doge (its dynamic mask, its weighted residuals),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums), ModernBERT-decoder (its prediction head, its windowed layers), Doge (its dynamic mask, its weighted residuals), RWKV (its time and channel mixes),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1229,6 +1229,29 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // RWKV: no attention; each block's time mix (the WKV recurrence, 48
+    // channels wide) and channel mix, each token mixed with the one
+    // before it; the head untied. Without `use_cache`: its class's
+    // cache is `hidden_size` wide whatever the time mix's width (a
+    // forward with it fails).
+    Case {
+        name: "rwkv",
+        python: (
+            "from transformers import RwkvConfig as C, RwkvForCausalLM as M",
+            "vocab_size=96, hidden_size=64, attention_hidden_size=48, intermediate_size=128, num_hidden_layers=2, context_length=64, use_cache=False",
+        ),
+        load: "",
+    },
+    // RWKV tied, three blocks, its blocks' norms at another epsilon
+    // (`ln_out` keeps nn.LayerNorm's).
+    Case {
+        name: "rwkv-tied",
+        python: (
+            "from transformers import RwkvConfig as C, RwkvForCausalLM as M",
+            "vocab_size=96, hidden_size=64, num_hidden_layers=3, context_length=64, tie_word_embeddings=True, layer_norm_epsilon=1e-3",
+        ),
+        load: "",
+    },
     // Doge tied, biased, in a window of 5, every key kept.
     Case {
         name: "doge-tied",
@@ -1978,6 +2001,12 @@ fn a_doge_checkpoint_with_its_dynamic_mask_and_weighted_residuals_trains_as_tran
 }
 
 #[test]
+fn an_rwkv_checkpoint_with_its_time_and_channel_mixes_trains_as_transformers_does() {
+    parity("rwkv");
+    parity("rwkv-tied");
+}
+
+#[test]
 fn a_gpt_neox_japanese_checkpoint_with_its_last_layers_bias_trains_as_transformers_does() {
     parity("gpt-neox-japanese");
     parity("gpt-neox-japanese-untied");
@@ -2113,6 +2142,15 @@ fn falcon_rw_packed_documents_attend_as_each_alone() {
 #[test]
 fn openai_gpt_packed_documents_attend_as_each_alone() {
     packed_documents_as_each_alone("openai-gpt");
+}
+
+/// RWKV's packed documents: its class takes no positions nor mask, so
+/// there is no packed reference; each document of a packed row is mixed
+/// as it would be alone, its token shifts and recurrences from zero.
+#[test]
+fn rwkv_packed_documents_mix_as_each_alone() {
+    packed_documents_as_each_alone("rwkv");
+    packed_documents_as_each_alone("rwkv-tied");
 }
 
 /// Case `name`'s packed row of two documents (5 and 11 tokens) gives
@@ -3354,6 +3392,10 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "gpt_neox_japanese" => r#"{"model_type": "gpt_neox_japanese", "vocab_size": 160000,
                 "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 32}"#
                 .to_string(),
+            // RWKV has no heads (its class keeps any field it is given).
+            "rwkv" => r#"{"model_type": "rwkv", "vocab_size": 160000, "hidden_size": 512,
+                "intermediate_size": 96, "num_hidden_layers": 4}"#
+                .to_string(),
             // CTRL's MLP width is `dff`.
             "ctrl" => r#"{"model_type": "ctrl", "vocab_size": 160000, "hidden_size": 512,
                 "dff": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -4293,6 +4335,14 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, max_position_embeddings=64, local_attention=8, \
              global_attn_every_n_layers=2, pad_token_id=95, eos_token_id=None, \
              bos_token_id=None, cls_token_id=None, sep_token_id=None",
+        ),
+        // RWKV: its mixers' last inputs and recurrences' states carried
+        // from token to token.
+        (
+            "rwkv",
+            "from transformers import RwkvConfig as C, RwkvForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, \
+             context_length=64, eos_token_id=None, bos_token_id=None",
         ),
         // Doge: its dynamic mask, each query keeping 6 keys once the
         // cache holds more.

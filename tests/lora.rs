@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), RWKV (both mixers), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -520,6 +520,25 @@ const MODERNBERT_DECODER: Case = Case {
     targets: &["q_proj", "v_proj", "Wi"],
     matrices: 18,
     elements: 3 * 4 * ((64 + 64) + (64 + 64) + (64 + 96)),
+    ..OFF
+};
+
+/// RWKV's PEFT default targets, in both of a block's mixers: the time
+/// mix's `key`, `value` and `receptance` (64 -> 48) and `output` (48 ->
+/// 64), the channel mix's `key` (64 -> 128), `value` (128 -> 64) and
+/// `receptance` (64 -> 64). Held to 2e-5: the first block's time-mix
+/// `receptance` A ended 1.1e-5 from PEFT's after three AdamW steps (the
+/// model's own fp32 parity holds its logits and losses to 1e-5
+/// relative, the adapters' forward is Llama's).
+const RWKV: Case = Case {
+    python: (
+        "from transformers import RwkvConfig as C, RwkvForCausalLM as M",
+        "vocab_size=96, hidden_size=64, attention_hidden_size=48, intermediate_size=128, num_hidden_layers=2, context_length=64, use_cache=False",
+    ),
+    targets: &["key", "value", "receptance", "output"],
+    matrices: 28,
+    elements: 2 * 4 * (3 * (64 + 48) + (48 + 64) + (64 + 128) + (128 + 64) + (64 + 64)),
+    atol: Some(2e-5),
     ..OFF
 };
 
@@ -1217,6 +1236,11 @@ fn lora_adapters_on_modernbert_decoders_attention_and_gated_mlp_train_as_peft_do
         &MODERNBERT_DECODER,
         &[(3, false, Held::Fp32)],
     );
+}
+
+#[test]
+fn lora_adapters_on_rwkvs_time_and_channel_mixes_train_as_peft_does() {
+    parity("rwkv", &RWKV, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

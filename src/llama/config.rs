@@ -26,6 +26,7 @@ use super::openai_gpt;
 use super::opt::{self, OptLayout};
 use super::rg_lru::{self, RgLruConfig};
 use super::rope_scaling::{rope_scaling, RopeScaling};
+use super::rwkv;
 use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
 
@@ -508,6 +509,10 @@ pub struct LlamaConfig {
     /// ([`doge`](super::doge)). `None` for the other families, which
     /// have no dynamic mask.
     pub keep_window: Option<i64>,
+    /// RWKV's `rescale_every`, kept to be written back (zrt computes
+    /// without that inference-time rescaling: [`rwkv`](super::rwkv)).
+    /// `None` for the other families.
+    pub rescale_every: Option<i64>,
 }
 
 impl LlamaConfig {
@@ -541,6 +546,7 @@ impl LlamaConfig {
             Some(Family::Ctrl) => (ctrl::flat(j)?, ctrl::ctrl_names),
             Some(Family::OpenAiGpt) => (openai_gpt::flat(j)?, openai_gpt::openai_gpt_names),
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
+            Some(Family::Rwkv) => (rwkv::flat(j)?, rwkv::rwkv_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -733,7 +739,10 @@ impl LlamaConfig {
             Some(m) => m.rope,
             None => rotary_dim(head_dim, partial),
         };
-        if rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim {
+        // (The Mambas and RWKV turn nothing: their one head's width is
+        // any.)
+        let unturned = family.mamba_only() || family == Family::Rwkv;
+        if !unturned && (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) {
             return Err(j.field(format!(
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
             )));
@@ -842,7 +851,11 @@ impl LlamaConfig {
             // Jamba's attention takes no positions at all.
             f if matches!(
                 f,
-                Family::Nemotron | Family::Bamba | Family::Jamba | Family::RecurrentGemma
+                Family::Nemotron
+                    | Family::Bamba
+                    | Family::Jamba
+                    | Family::RecurrentGemma
+                    | Family::Rwkv
             ) || f.mamba_only() =>
             {
                 RopeScaling::None
@@ -1107,9 +1120,9 @@ impl LlamaConfig {
             },
             rope_layers: match family {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
-                // Jamba attends without positions (Mamba and Falcon-Mamba
-                // not at all).
-                f if f == Family::Jamba || f.mamba_only() => {
+                // Jamba attends without positions (Mamba, Falcon-Mamba and
+                // RWKV not at all).
+                f if matches!(f, Family::Jamba | Family::Rwkv) || f.mamba_only() => {
                     Some(vec![false; j.size("num_hidden_layers")? as usize])
                 }
                 // Granite 4.0 turns only with `position_embedding_type`
@@ -1201,6 +1214,10 @@ impl LlamaConfig {
             z_loss,
             keep_window: match family {
                 Family::Doge => Some(doge::keep_window(j)?),
+                _ => None,
+            },
+            rescale_every: match family {
+                Family::Rwkv => Some(rwkv::rescale_every(j)?),
                 _ => None,
             },
         })
@@ -1541,6 +1558,18 @@ impl LlamaConfig {
         };
         let mlp = mlp + act;
         let layer = |l: i64| {
+            // RWKV's block: two LayerNorms (the first block's embeddings'
+            // too), the time mix (a decay and a bonus a channel of its
+            // width, three mixing weights, key, value, receptance and
+            // output), the channel mix (two mixing weights, key,
+            // receptance, value).
+            if self.family == Family::Rwkv {
+                let w = q;
+                let norms = bias(l == 0, norm) + 2 * norm;
+                let time = 2 * w + 3 * d + 3 * d * w + w * d;
+                let channel = 2 * d + d * i + d * d + i * d;
+                return norms + time + channel;
+            }
             // LongCat-Flash's two sublayers, each with its attention and
             // dense MLP, and the experts beside them.
             if self.family == Family::LongcatFlash {
@@ -1636,6 +1665,7 @@ impl LlamaConfig {
             (Family::Mpt, _) => Some(mpt::to_json(self)),
             (Family::Bloom, _) => Some(bloom::to_json(self)),
             (Family::Mamba2, _) => (self.mamba.as_ref()).map(|m| mamba::to_json(self, m)),
+            (Family::Rwkv, _) => Some(rwkv::to_json(self)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
@@ -2099,6 +2129,7 @@ impl LlamaConfig {
             | Family::Ctrl
             | Family::OpenAiGpt
             | Family::ModernBertDecoder
+            | Family::Rwkv
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

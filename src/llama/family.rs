@@ -543,11 +543,20 @@ pub enum Family {
     /// where it joins the residual (`input_residual`,
     /// `post_attention_residual`, trained).
     Doge,
+    /// `rwkv` (`RwkvForCausalLM`: RWKV-4, the Pile models and Raven):
+    /// no attention; each block (`rwkv.blocks`) LayerNorms its input
+    /// (`ln1`, `ln2`; the first its embeddings too, `pre_ln`) before a
+    /// time mix (`attention`: each token mixed with the one before it,
+    /// keys and values through the WKV recurrence, gated by the
+    /// receptance, then `output`) and a channel mix (`feed_forward`:
+    /// `sigmoid(receptance) * value(relu(key)^2)`); a final `ln_out`; the
+    /// head (`head`) untied by default ([`super::rwkv`]).
+    Rwkv,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 78] = [
+    pub const ALL: [Family; 79] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -626,6 +635,7 @@ impl Family {
         Self::OpenAiGpt,
         Self::ModernBertDecoder,
         Self::Doge,
+        Self::Rwkv,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -723,6 +733,7 @@ impl Family {
             Self::OpenAiGpt => "openai-gpt",
             Self::ModernBertDecoder => "modernbert-decoder",
             Self::Doge => "doge",
+            Self::Rwkv => "rwkv",
         }
     }
 
@@ -807,6 +818,7 @@ impl Family {
             Self::OpenAiGpt => "OpenAIGPTLMHeadModel",
             Self::ModernBertDecoder => "ModernBertDecoderForCausalLM",
             Self::Doge => "DogeForCausalLM",
+            Self::Rwkv => "RwkvForCausalLM",
         }
     }
 
@@ -814,7 +826,7 @@ impl Family {
     /// `pad_token_id` as `nn.Embedding`'s `padding_idx` (the row gets no
     /// gradient from the lookup). GPT-J's, CodeGen's, GPT-BigCode's,
     /// GPT-Neo's, MPT's, BLOOM's, Falcon's, the Mambas' (1 and 2,
-    /// Falcon-Mamba), CTRL's and OpenAI GPT's do not: every row of theirs
+    /// Falcon-Mamba), CTRL's, OpenAI GPT's and RWKV's do not: every row of theirs
     /// trains, the pad token's too (which a tied head's gradient always
     /// reaches).
     pub(super) fn pads_embedding(self) -> bool {
@@ -831,6 +843,7 @@ impl Family {
                     | Self::Mamba2
                     | Self::Ctrl
                     | Self::OpenAiGpt
+                    | Self::Rwkv
             ))
     }
 
@@ -873,6 +886,7 @@ impl Family {
                 | Self::Persimmon
                 | Self::Phimoe
                 | Self::GptNeoxJapanese
+                | Self::Rwkv
         ) || self.classic()
     }
 
@@ -1353,6 +1367,12 @@ impl Family {
                 pad: Some(50283),
                 ..LLAMA
             },
+            Self::Rwkv => Defaults {
+                eps: 1e-5,
+                activation: Activation::Relu,
+                positions: 1024,
+                ..LLAMA
+            },
             Self::OpenAiGpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1567,6 +1587,7 @@ impl Family {
                 ["model", "embeddings.tok_embeddings", "layers", "final_norm"]
             }
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
+            Self::Rwkv => ["rwkv", "embeddings", "blocks", "ln_out"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             Self::GptNeoxJapanese => [
                 "gpt_neox_japanese",
@@ -1585,6 +1606,7 @@ impl Family {
             Self::BioGpt => "output_projection",
             Self::GptNeoxJapanese => "embed_out",
             Self::ModernBertDecoder => "decoder",
+            Self::Rwkv => "head",
             _ => "lm_head",
         }
     }
@@ -1607,6 +1629,7 @@ impl Family {
             Self::Ctrl => "transformer.w",
             Self::OpenAiGpt => "transformer.tokens_embed",
             Self::ModernBertDecoder => "model.embeddings.tok_embeddings",
+            Self::Rwkv => "rwkv.embeddings",
             _ => "model.embed_tokens",
         }
     }
@@ -1627,7 +1650,8 @@ impl Family {
             | Self::FalconMamba
             | Self::Mamba2
             | Self::Ctrl
-            | Self::OpenAiGpt => "layer_norm_epsilon",
+            | Self::OpenAiGpt
+            | Self::Rwkv => "layer_norm_epsilon",
             Self::StableLm
             | Self::Cohere
             | Self::Cohere2

@@ -25,6 +25,7 @@ use super::norm::{rms_normalized, Norm, Norms, RmsNorm};
 use super::rg_lru::RgLru;
 use super::rope_scaling::RopeScaling;
 use super::rotary::{rope_at, rope_from, Rotary};
+use super::rwkv::{ChannelMix, TimeMix};
 use super::short_conv::ShortConv;
 use super::xielu::Xielu;
 
@@ -84,6 +85,9 @@ pub struct Layer {
     /// (`input_residual` the attention's, `post_attention_residual` the
     /// MLP's), trained.
     residual_weights: Option<(Tensor, Tensor)>,
+    /// RWKV's first block's norm of its input (`pre_ln`), before the
+    /// residual stream starts.
+    pre_norm: Option<Norm>,
     cfg: LlamaConfig,
 }
 
@@ -136,6 +140,8 @@ enum Qkv {
     DeltaNet(Box<DeltaNet>),
     /// RecurrentGemma's recurrent block, the same way.
     RgLru(Box<RgLru>),
+    /// RWKV's time mix, the same way.
+    Rwkv(Box<TimeMix>),
     /// JetMoE's mixture of attention heads: queries from each token's
     /// experts, keys and values from `kv_proj`; the experts merge the
     /// output in place of an output projection.
@@ -282,6 +288,8 @@ enum Mlp {
         xielu: Option<Xielu>,
     },
     Experts(Experts),
+    /// RWKV's channel mix.
+    ChannelMix(Box<ChannelMix>),
     /// The Mambas' layers (1 and 2, Falcon-Mamba) have none.
     None,
 }
@@ -1016,6 +1024,7 @@ impl Layer {
             Family::GptNeo => (p / "attn" / "attention", p / "mlp"),
             Family::Mpt => (p / "attn", p / "ffn"),
             Family::Ctrl => (p / "multi_head_attention", p / "ffn"),
+            Family::Rwkv => (p / "attention", p / "feed_forward"),
             // OPT's MLP is the layer's own.
             f if f.fairseq() => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
@@ -1096,6 +1105,7 @@ impl Layer {
             (None, None, None, None, None, None) => match (c.family, &c.mla) {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (Family::JetMoe, _) => Qkv::Moa(Box::new(Moa::new(&a, c, (lin, lora)))),
+                (Family::Rwkv, _) => Qkv::Rwkv(Box::new(TimeMix::new(&a, c, lin))),
                 (
                     Family::Phi3
                     | Family::Dbrx
@@ -1180,6 +1190,7 @@ impl Layer {
                         Family::GptBigCode | Family::OpenAiGpt => "c_proj",
                         Family::Ctrl => "dense",
                         Family::ModernBertDecoder => "Wo",
+                        Family::Rwkv => "output",
                         _ => "o_proj",
                     }),
                     c.heads * c.v_head_dim(),
@@ -1189,6 +1200,9 @@ impl Layer {
             }),
             mlp: match (&c.moe, c.moe_layer(l)) {
                 _ if c.family.mamba_only() => Mlp::None,
+                _ if c.family == Family::Rwkv => {
+                    Mlp::ChannelMix(Box::new(ChannelMix::new(&m, c, lin, decoding)))
+                }
                 // LongCat-Flash's experts are the layer's, beside its
                 // sublayers' dense MLPs.
                 (Some(moe), true) if c.family != Family::LongcatFlash => {
@@ -1314,6 +1328,7 @@ impl Layer {
             shortcut: None,
             dense_bias: c.last_dense_bias(l).then(|| a.zeros("dense_bias", &[d])),
             dynamic: (c.keep_window).map(|keep| DynamicMask::new(&a, c, keep, lin)),
+            pre_norm: (c.family == Family::Rwkv && l == 0).then(|| Norm::new(p / "pre_ln", d, c)),
             residual_weights: (c.family == Family::Doge).then(|| {
                 (
                     p.ones("input_residual", &[d]),
@@ -1353,6 +1368,14 @@ impl Layer {
     /// LongCat-Flash's experts read too).
     fn sublayers(&self, x: &Tensor) -> (Tensor, Tensor) {
         let c = &self.cfg;
+        let normed;
+        let x = match &self.pre_norm {
+            Some(norm) => {
+                normed = norm.forward(x);
+                &normed
+            }
+            None => x,
+        };
         let h = self.norms.attention_input(x);
         let a = match (&self.beside, &c.falcon_h1) {
             // Falcon-H1's attention and Mamba layer side by side, each
@@ -1427,6 +1450,7 @@ impl Layer {
                 c_proj.forward(&m)
             }
             Mlp::Experts(experts) => experts.forward(&h, c.activation, self.training.on()),
+            Mlp::ChannelMix(mix) => mix.forward(&h),
         };
         let m = match held {
             Some(a) => m + a,
@@ -1523,6 +1547,7 @@ impl Layer {
             Qkv::Lightning(g) => return g.forward(h, &self.cache),
             Qkv::DeltaNet(g) => return g.forward(h, &self.cache),
             Qkv::RgLru(g) => return g.forward(h, &self.cache),
+            Qkv::Rwkv(t) => return t.forward(h, &self.cache),
             // Qwen3-Next's: each head's queries, then its output gate.
             Qkv::Apart {
                 q_proj,

@@ -76,6 +76,7 @@ mod own_names;
 mod rg_lru;
 mod rope_scaling;
 mod rotary;
+mod rwkv;
 mod short_conv;
 mod sparse_mixer;
 #[cfg(test)]
@@ -306,9 +307,20 @@ impl Llama {
         // the model as it is built (`weights_from_file`) releases what
         // was made before each `ShardedModule::new`, and would leave a
         // root made after the last one held until the engine is built.
+        // RWKV's `ln_out` keeps nn.LayerNorm's epsilon whatever
+        // `layer_norm_epsilon` says (the blocks' norms read it).
+        let rwkv = LlamaConfig {
+            eps: 1e-5,
+            ..cfg.clone()
+        };
+        let final_cfg = if cfg.family == Family::Rwkv {
+            &rwkv
+        } else {
+            cfg
+        };
         let norm = cfg
             .final_norm()
-            .then(|| Norm::new(&m / final_norm, cfg.hidden, cfg));
+            .then(|| Norm::new(&m / final_norm, cfg.hidden, final_cfg));
         let tied_head_bias = (cfg.tied && cfg.head_bias)
             .then(|| (p / cfg.family.head_name()).zeros("bias", &[cfg.vocab]));
         let embedding_norm = match cfg.family {

@@ -294,6 +294,7 @@ impl Norms {
                 Family::GptBigCode | Family::GptNeo => ("ln_1", "ln_2"),
                 Family::Mpt => ("norm_1", "norm_2"),
                 Family::Ctrl => ("layernorm1", "layernorm2"),
+                Family::Rwkv => ("ln1", "ln2"),
                 f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };

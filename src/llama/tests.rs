@@ -147,6 +147,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         ternary_norm: None,
         z_loss: 0.0,
         keep_window: None,
+        rescale_every: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -2152,6 +2153,68 @@ fn modernbert_decoder_configs_are_read_and_counted() {
 }
 
 #[test]
+fn rwkv_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("rwkv-configs");
+    // RWKV-4 169M (the Pile's), its widths left to the class; the
+    // counts are transformers' parameters.
+    let given = r#"{"model_type": "rwkv", "vocab_size": 50277, "hidden_size": 768, "num_hidden_layers": 12, "context_length": 1024, "attention_hidden_size": null, "intermediate_size": null}"#;
+    let c = dir.read(given).unwrap();
+    assert_eq!(total(&c), 169342464);
+    assert_eq!(
+        (
+            c.hidden,
+            c.intermediate,
+            c.layers,
+            c.heads * c.head_dim,
+            c.vocab
+        ),
+        (768, 3072, 12, 768, 50277)
+    );
+    assert!(!c.tied && !c.o_bias && !c.mlp_bias && c.pad_token.is_none());
+    assert_eq!((c.eps, c.positions, c.rescale_every), (1e-5, 1024, Some(6)));
+    assert!((0..12).all(|l| c.window(l).is_none()));
+    // Small, tied, the time mix narrower, another epsilon, never
+    // rescaled.
+    let small = r#"{"model_type": "rwkv", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "attention_hidden_size": 48, "context_length": 128, "tie_word_embeddings": true, "layer_norm_epsilon": 1e-4, "rescale_every": 0}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 213728);
+    assert_eq!((s.heads * s.head_dim, s.intermediate), (48, 256));
+    assert_eq!((s.eps, s.rescale_every, s.tied), (1e-4, Some(0), true));
+    // Its export's config turns the class's cache off (hidden_size wide,
+    // it fails a narrower time mix).
+    let written: serde_json::Value = serde_json::from_str(&s.to_hf_json()).unwrap();
+    assert_eq!(written["use_cache"], false);
+    assert!(c.to_hf_json().find("use_cache").is_none());
+    dir.round_trips([c, s]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                r#""rescale_every": 0"#,
+                r#""rescale_every": 1.5"#,
+                "rescale_every 1.5: a whole number of blocks (6 by default; 0: never)",
+            ),
+            (
+                r#""hidden_size": 64"#,
+                r#""hidden_size": 0"#,
+                "`hidden_size` is missing or not a positive integer",
+            ),
+            (
+                r#""attention_hidden_size": 48"#,
+                r#""attention_hidden_size": -2"#,
+                "`attention_hidden_size` is missing or not a positive integer",
+            ),
+        ],
+    );
+    // An odd time-mix width reads (nothing turns).
+    let odd = dir.read(&small.replace("48", "47")).unwrap();
+    assert_eq!(
+        (odd.heads * odd.head_dim, total(&odd)),
+        (47, 213728 - 3 * (2 + 4 * 64))
+    );
+}
+
+#[test]
 fn doge_configs_are_read_and_counted() {
     let dir = ConfigDir::new("doge-configs");
     // DogeConfig's defaults (its sizes given: the 320M shape, untied);
@@ -3452,6 +3515,7 @@ fn unit_params_count_what_the_built_model_holds() {
         ternary_norm: None,
         z_loss: 0.0,
         keep_window: None,
+        rescale_every: None,
     };
     let variants = [
         base.clone(),

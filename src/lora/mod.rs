@@ -536,7 +536,8 @@ fn fullmatch(pattern: &str, module: &str) -> bool {
 /// read from its `config.json`'s `model_type`): GPT-2's `c_attn`,
 /// GPT-NeoX's and Falcon's `query_key_value`, CodeGen's `qkv_proj`,
 /// GPT-BigCode's `c_attn`, Phi's `q_proj`, `v_proj`, `fc1` and
-/// `fc2`, the query and value projections of the Llama family; where
+/// `fc2`, RWKV's `key`, `value`, `receptance` and `output` (its time
+/// and channel mixes'), the query and value projections of the Llama family; where
 /// PEFT has none (Phi-3, Granite, OLMo 2 and 3, OLMoE, SmolLM3, Ministral,
 /// Qwen2-MoE, Qwen3-MoE, StarCoder2, Cohere 1 and 2, GLM, GLM-4,
 /// GLM-4-MoE, DeepSeek-V2 and V3, GPT-OSS, Granite-MoE, ERNIE 4.5 dense
@@ -572,6 +573,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // PEFT has none (and refuses `out_proj`).
         Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
         Some("mamba2") => &["in_proj"],
+        // PEFT's: both mixers' (the time mix's and the channel mix's).
+        Some("rwkv") => &["key", "value", "receptance", "output"],
         // The attending layers' queries and values, the recurrent
         // layers' two inputs (PEFT has none).
         Some("recurrent_gemma") => &["q_proj", "v_proj", "linear_x", "linear_y"],
@@ -599,7 +602,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
 /// `word_embeddings` beside `lm_head`; BioGPT's `embed_tokens` and
 /// `output_projection`; CTRL's `w` and `lm_head`; OpenAI GPT's
 /// `tokens_embed` and `lm_head`; ModernBERT-decoder's `tok_embeddings`
-/// and `decoder`), as the dict form of
+/// and `decoder`; RWKV's `embeddings` and `head`), as the dict form of
 /// [`LoraConfig::trainable_tokens_modules`] names them. A tied head is
 /// no module of its own: naming it there is refused when the model is
 /// built.
@@ -614,6 +617,7 @@ pub fn ends_names(dir: impl AsRef<Path>) -> Result<(String, String), HfError> {
         Some("ctrl") => ("w", "lm_head"),
         Some("openai-gpt") => ("tokens_embed", "lm_head"),
         Some("modernbert-decoder") => ("tok_embeddings", "decoder"),
+        Some("rwkv") => ("embeddings", "head"),
         _ => ("embed_tokens", "lm_head"),
     };
     Ok((embedding.into(), head.into()))
@@ -1425,6 +1429,7 @@ mod tests {
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),
+            ("rwkv", vec!["key", "value", "receptance", "output"]),
             ("jetmoe", vec!["kv_proj"]),
             (
                 "recurrent_gemma",

@@ -36,13 +36,17 @@ batch, seq, threads = int(batch), int(seq), int(threads)
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 config = AutoConfig.from_pretrained(config_path)
-model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+# Doge's `sdpa` path passes its dynamic mask as the whole mask, dropping
+# the causal one (a token sees the ones after it): its eager attention is
+# the model zrt computes.
+eager = {"attn_implementation": "eager"} if config.model_type == "doge" else {}
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **eager)
 model.save_pretrained(out)
 # A quantization_config (BitNet's AutoBitLinear in online mode, trained
 # quantization-aware) is applied by `from_pretrained` alone: the model
 # trained is the checkpoint read back, as a user's would be.
 if getattr(config, "quantization_config", None) is not None:
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **eager)
 model.train()
 # The tokens zrt's side makes with the same formula: every step the same.
 vocab = config.get_text_config().vocab_size

@@ -380,6 +380,7 @@ mod tests {
         read.sort();
         let kept = [
             "bitnet",
+            "doge",
             "llama",
             "longcat_flash",
             "mamba",
@@ -387,6 +388,7 @@ mod tests {
             "minimax",
             "qwen3_next",
             "recurrent_gemma",
+            "rwkv",
         ];
         assert_eq!(read, kept);
     }

@@ -129,10 +129,12 @@ impl Layout {
             Some("gpt2") => Self::Gpt2(Gpt2Config::from_json(&j)?),
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
             Some("phi") => Self::Phi(Box::new(PhiConfig::from_json(&j)?)),
-            // Llama 4's published checkpoints are its multimodal model's:
-            // zrt builds (and exports) its language model, whose config
-            // is `text_config`.
-            Some("llama4") => return Self::of(j.llama4_text()?),
+            // Llama 4's published checkpoints are its multimodal model's,
+            // and Gemma 3's from 4B up: zrt builds (and exports) their
+            // language models, whose configs are `text_config`.
+            Some(t) if MULTIMODAL.iter().any(|m| m.model_type == t) => {
+                return Self::of(j.text_model()?)
+            }
             Some(t) if Family::of(t).is_some() => {
                 Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
             }
@@ -589,6 +591,42 @@ impl HfModel {
     }
 }
 
+/// A multimodal model whose language model zrt builds from its
+/// checkpoint: the wrapper's `model_type`, its language model's (and
+/// that class's architecture), and the sizes a `text_config` may leave
+/// to that class's defaults, which the shared reader needs given.
+pub(crate) struct Multimodal {
+    pub(crate) model_type: &'static str,
+    pub(crate) text_type: &'static str,
+    pub(crate) architecture: &'static str,
+    pub(crate) sizes: &'static [(&'static str, i64)],
+}
+
+/// The multimodal models zrt trains the language model of: Llama 4's
+/// (`Llama4ForConditionalGeneration`) and Gemma 3's
+/// (`Gemma3ForConditionalGeneration`, whose published `text_config`s
+/// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults).
+pub(crate) const MULTIMODAL: [Multimodal; 2] = [
+    Multimodal {
+        model_type: "llama4",
+        text_type: "llama4_text",
+        architecture: "Llama4ForCausalLM",
+        sizes: &[],
+    },
+    Multimodal {
+        model_type: "gemma3",
+        text_type: "gemma3_text",
+        architecture: "Gemma3ForCausalLM",
+        sizes: &[
+            ("vocab_size", 262208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+        ],
+    },
+];
+
 /// A parsed `config.json`, its fields read with errors naming them.
 pub(crate) struct HfJson {
     path: PathBuf,
@@ -662,21 +700,30 @@ impl HfJson {
         }
     }
 
-    /// A multimodal Llama 4 config's language model's (`text_config`),
-    /// as `Llama4ForCausalLM` reads it (`model_type` `llama4_text`),
-    /// beside the same path.
-    fn llama4_text(&self) -> Result<Self, HfError> {
+    /// A multimodal config's language model's ([`MULTIMODAL`]: its
+    /// `text_config`, the sizes it leaves out the text class's
+    /// defaults), as the text model's class reads it, beside the same
+    /// path.
+    fn text_model(&self) -> Result<Self, HfError> {
+        let given = self.model_type().unwrap_or_default();
+        let Some(m) = MULTIMODAL.iter().find(|m| m.model_type == given) else {
+            return Err(self.field(format!(
+                "{}: not a multimodal model zrt builds the language model of",
+                self.model_type_named()
+            )));
+        };
         let Some(serde_json::Value::Object(text)) = self.get("text_config") else {
-            return Err(self.field(
-                "model_type \"llama4\" without a text_config object: zrt builds Llama 4's language model from it".into(),
-            ));
+            return Err(self.field(format!(
+                "model_type {given:?} without a text_config object: zrt builds its language model ({}) from it",
+                m.text_type
+            )));
         };
         let mut text = text.clone();
-        text.insert("model_type".into(), "llama4_text".into());
-        text.insert(
-            "architectures".into(),
-            serde_json::json!(["Llama4ForCausalLM"]),
-        );
+        for (key, default) in m.sizes {
+            text.entry(*key).or_insert((*default).into());
+        }
+        text.insert("model_type".into(), m.text_type.into());
+        text.insert("architectures".into(), serde_json::json!([m.architecture]));
         let json = serde_json::Value::Object(text);
         Ok(Self {
             path: self.path.clone(),

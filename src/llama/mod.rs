@@ -147,10 +147,11 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
         cfg.family,
         Family::Ernie4_5Moe | Family::Qwen3Next | Family::LongcatFlash
     );
-    // Llama 4's published files are its multimodal model's: the language
-    // model under `language_model.`, a vision encoder and projector
-    // beside it, which the text model leaves out.
-    let llama4 = cfg.family == Family::Llama4;
+    // Llama 4's published files are its multimodal model's, and Gemma
+    // 3's from 4B up: the language model under `language_model.`, a
+    // vision encoder and projector beside it, which the text model
+    // leaves out.
+    let multimodal = matches!(cfg.family, Family::Llama4 | Family::Gemma3);
     // A file written from the base model (`OPTModel.save_pretrained`;
     // Meta's OPT files and BigScience's BLOOM files are named so) names
     // its tensors without the base model's prefix (`model`,
@@ -166,10 +167,8 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
     let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
     plan.rename_weights(move |n| {
-        let n = match llama4 {
-            true if n.starts_with("vision_model.") || n.starts_with("multi_modal_projector.") => {
-                return None
-            }
+        let n = match multimodal {
+            true if VISION.iter().any(|v| n.starts_with(v)) => return None,
             true => n.strip_prefix("language_model.").unwrap_or(n),
             false => n,
         };
@@ -191,6 +190,11 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     }
     Ok(())
 }
+
+/// The prefixes of a multimodal checkpoint's tensors that are not its
+/// language model's: Llama 4's vision encoder, Gemma 3's (SigLIP), and
+/// their projectors.
+const VISION: [&str; 3] = ["vision_model.", "vision_tower.", "multi_modal_projector."];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.
 fn layer_of(name: &str) -> Option<i64> {

@@ -603,10 +603,12 @@ pub(crate) struct Multimodal {
 }
 
 /// The multimodal models zrt trains the language model of: Llama 4's
-/// (`Llama4ForConditionalGeneration`) and Gemma 3's
+/// (`Llama4ForConditionalGeneration`), Gemma 3's
 /// (`Gemma3ForConditionalGeneration`, whose published `text_config`s
-/// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults).
-pub(crate) const MULTIMODAL: [Multimodal; 2] = [
+/// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults)
+/// and Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small
+/// 3.1 and 3.2, Magistral Small; `MistralConfig`'s defaults).
+pub(crate) const MULTIMODAL: [Multimodal; 3] = [
     Multimodal {
         model_type: "llama4",
         text_type: "llama4_text",
@@ -623,6 +625,18 @@ pub(crate) const MULTIMODAL: [Multimodal; 2] = [
             ("intermediate_size", 9216),
             ("num_hidden_layers", 26),
             ("num_attention_heads", 8),
+        ],
+    },
+    Multimodal {
+        model_type: "mistral3",
+        text_type: "mistral",
+        architecture: "MistralForCausalLM",
+        sizes: &[
+            ("vocab_size", 32000),
+            ("hidden_size", 4096),
+            ("intermediate_size", 14336),
+            ("num_hidden_layers", 32),
+            ("num_attention_heads", 32),
         ],
     },
 ];
@@ -719,6 +733,13 @@ impl HfJson {
             )));
         };
         let mut text = text.clone();
+        let named = text.get("model_type").and_then(|t| t.as_str());
+        if let Some(other) = named.filter(|&t| t != m.text_type) {
+            return Err(self.field(format!(
+                "text_config's model_type {other:?}: zrt builds model_type {given:?}'s language model as {:?}, its class's; give that",
+                m.text_type
+            )));
+        }
         for (key, default) in m.sizes {
             text.entry(*key).or_insert((*default).into());
         }

@@ -4654,94 +4654,113 @@ save_file({{"tokens": tokens, "mask": mask, "loss": loss.double().reshape(1)}}, 
 /// Llama 4's published layout, its multimodal model's files (the
 /// language model under `language_model.`, a vision encoder and
 /// projector beside it, `text_config` in a `llama4` config), loads as
-/// its language model: `transformers`' multimodal model's text-only
-/// logits, and an export that `Llama4ForCausalLM` loads whole and
-/// computes them with.
+/// its language model (see [`multimodal_loads_as_its_language_model`]).
 #[test]
 fn a_multimodal_llama4_checkpoint_loads_and_exports_its_language_model() {
-    let dir = scratch("hf-llama4-multimodal");
-    let case = case("llama4");
-    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
-    common::python(&format!(
-        r#"{model}
-from transformers import Llama4Config, Llama4ForConditionalGeneration
+    multimodal_loads_as_its_language_model(
+        "llama4",
+        r#"from transformers import Llama4Config, Llama4ForConditionalGeneration
 vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
               projector_output_dim=64, pixel_shuffle_ratio=0.5)
 mm = Llama4ForConditionalGeneration(Llama4Config(text_config=m.config.to_dict(), vision_config=vision))
-text = {{"language_model." + k: v for k, v in m.state_dict().items()}}
-missing, unexpected = mm.load_state_dict(text, strict=False)
-assert not unexpected and not [k for k in missing if k.startswith("language_model.")], missing
-mm.save_pretrained("{dir}/mm")
-mm.eval()
-tokens = torch.randint(0, 96, (1, 12))
-with torch.no_grad():
-    logits = mm(tokens).logits.contiguous()
-save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
-"#,
-        dir = dir.display()
-    ));
-    let get = tensors(&dir.join("reference.safetensors"));
-    let tokens = ints(get("tokens"));
-    let (mm, out) = (dir.join("mm"), dir.join("out"));
-    let got = {
-        let ds = config_zero(0, 1, 0.0, "", "");
-        let (model, layout, _vs, e) = loaded_alone(&mm, &HfOptions::default(), &ds);
-        let x = Tensor::from_slice(&tokens).view([1, -1]);
-        let logits = tch::no_grad(|| model.forward(&x));
-        std::fs::create_dir_all(&out).unwrap();
-        e.save_16bit_model_as(out.join("model.safetensors"), None, &layout)
-            .unwrap();
-        Vec::<f32>::try_from(logits.flatten(0, -1)).unwrap()
-    };
-    let want = get("logits");
-    let got = Tensor::from_slice(&got).view_as(&want);
-    let diff = (&got - &want).abs().max().double_value(&[]);
-    assert!(diff < 1e-5, "multimodal Llama 4: logits differ by {diff}");
-    let said = common::python(&format!(
-        r#"
-import torch
-from transformers import Llama4ForCausalLM
-from safetensors.torch import load_file
-ref = load_file("{dir}/reference.safetensors")
-m, info = Llama4ForCausalLM.from_pretrained("{out}", output_loading_info=True)
-assert not any(info.values()), info
-assert m.config.model_type == "llama4_text", m.config.model_type
-with torch.no_grad():
-    diff = (m(ref["tokens"]).logits - ref["logits"]).abs().max().item()
-assert diff < 1e-5, diff
-print("ok")
-"#,
-        dir = dir.display(),
-        out = out.display()
-    ));
-    assert_eq!(said.lines().last(), Some("ok"), "{said}");
-    let _ = std::fs::remove_dir_all(&dir);
+text = {"language_model." + k: v for k, v in m.state_dict().items()}"#,
+        ("Llama4ForCausalLM", "llama4_text"),
+    );
 }
 
 /// Gemma 3's published layout from 4B up, its multimodal model's files
 /// (`Gemma3ForConditionalGeneration`: the language model under
 /// `language_model.model.`, a SigLIP vision tower and projector beside
-/// it, `text_config` in a `gemma3` config), loads as its language
-/// model: `transformers`' multimodal model's text-only logits, and an
-/// export that `Gemma3ForCausalLM` loads whole and computes them with.
-/// A published `text_config` leaves the vocabulary and heads to
-/// `Gemma3TextConfig`'s defaults: Gemma 3 4B's is counted as
-/// `transformers` counts its language model.
+/// it, `text_config` in a `gemma3` config), loads as its language model
+/// (see [`multimodal_loads_as_its_language_model`]). A published
+/// `text_config` leaves the vocabulary and heads to `Gemma3TextConfig`'s
+/// defaults: Gemma 3 4B's is counted as `transformers` counts its
+/// language model; a `gemma3` config without one is refused.
 #[test]
 fn a_multimodal_gemma3_checkpoint_loads_and_exports_its_language_model() {
-    let dir = scratch("hf-gemma3-multimodal");
-    let case = case("gemma3");
-    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
-    common::python(&format!(
-        r#"{model}
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    multimodal_loads_as_its_language_model(
+        "gemma3",
+        r#"from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=28, patch_size=14)
 mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=m.config.to_dict(), vision_config=vision,
-    mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94))
+    mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94))"#,
+        ("Gemma3ForCausalLM", "gemma3_text"),
+    );
+    let dir = scratch("hf-gemma3-4b");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+            "model_type": "gemma3_text", "num_attention_heads": 8, "num_hidden_layers": 34,
+            "num_key_value_heads": 4, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}"#,
+    )
+    .unwrap();
+    let units = zrt::hf::unit_params(&dir).unwrap();
+    assert_eq!(units.iter().map(|u| u.1).sum::<u64>(), 3880263168);
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "gemma3"}"#).unwrap();
+    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains(r#"model_type "gemma3" without a text_config object: zrt builds its language model (gemma3_text) from it"#),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Mistral 3's (Mistral Small 3.1 and 3.2, Magistral Small:
+/// `Mistral3ForConditionalGeneration`, a Pixtral vision tower beside a
+/// Mistral) loads as its language model (see
+/// [`multimodal_loads_as_its_language_model`]); a `text_config` naming
+/// another `model_type` is refused.
+#[test]
+fn a_multimodal_mistral3_checkpoint_loads_and_exports_its_language_model() {
+    multimodal_loads_as_its_language_model(
+        "mistral",
+        r#"from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14, head_dim=16)
+mm = Mistral3ForConditionalGeneration(Mistral3Config(text_config=m.config.to_dict(), vision_config=vision,
+    image_token_index=95))"#,
+        ("MistralForCausalLM", "mistral"),
+    );
+    let dir = scratch("hf-mistral3-llama");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "mistral3", "text_config": {"model_type": "llama", "hidden_size": 64}}"#,
+    )
+    .unwrap();
+    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains(r#"text_config's model_type "llama": zrt builds model_type "mistral3"'s language model as "mistral""#),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Case `name`'s seeded model as a multimodal model's language model:
+/// `wrap` (Python) builds the multimodal model `mm` around its config
+/// (and may name its state `text`, else the language model's tensors go
+/// under `model.language_model.`, the head where it is), which is
+/// written with its vision tower. zrt loads the file as the language
+/// model and computes `transformers`' multimodal model's text-only
+/// logits to 1e-5; its export, loaded whole by the text model's class
+/// (`causal`, whose `model_type` is `text_type`), computes them too.
+fn multimodal_loads_as_its_language_model(
+    name: &str,
+    wrap: &str,
+    (causal, text_type): (&str, &str),
+) {
+    let dir = scratch(&format!("hf-{name}-multimodal"));
+    let case = case(name);
+    let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
+    common::python(&format!(
+        r#"{model}
 text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
         for k, v in m.state_dict().items()}}
+{wrap}
 missing, unexpected = mm.load_state_dict(text, strict=False)
 assert not unexpected and not [k for k in missing if "vision" not in k and "projector" not in k], (missing, unexpected)
 mm.save_pretrained("{dir}/mm")
@@ -4753,21 +4772,6 @@ save_file({{"tokens": tokens, "logits": logits}}, "{dir}/reference.safetensors")
 "#,
         dir = dir.display()
     ));
-    let names = common::python(&format!(
-        r#"
-from safetensors import safe_open
-with safe_open("{dir}/mm/model.safetensors", "pt") as f:
-    keys = list(f.keys())
-print(sum(k.startswith("language_model.model.") for k in keys), sum(k.startswith("vision_tower.") for k in keys))
-"#,
-        dir = dir.display()
-    ));
-    // Its file's names: the language model's under the old prefix, and
-    // the vision tower's beside them.
-    let counts: Vec<usize> = (names.lines().last().unwrap().split_whitespace())
-        .map(|n| n.parse().unwrap())
-        .collect();
-    assert!(counts[0] > 20 && counts[1] > 5, "{names}");
     let get = tensors(&dir.join("reference.safetensors"));
     let tokens = ints(get("tokens"));
     let (mm, out) = (dir.join("mm"), dir.join("out"));
@@ -4784,16 +4788,16 @@ print(sum(k.startswith("language_model.model.") for k in keys), sum(k.startswith
     let want = get("logits");
     let got = Tensor::from_slice(&got).view_as(&want);
     let diff = (&got - &want).abs().max().double_value(&[]);
-    assert!(diff < 1e-5, "multimodal Gemma 3: logits differ by {diff}");
+    assert!(diff < 1e-5, "multimodal {name}: logits differ by {diff}");
     let said = common::python(&format!(
         r#"
 import torch
-from transformers import Gemma3ForCausalLM
+from transformers import {causal}
 from safetensors.torch import load_file
 ref = load_file("{dir}/reference.safetensors")
-m, info = Gemma3ForCausalLM.from_pretrained("{out}", output_loading_info=True)
+m, info = {causal}.from_pretrained("{out}", output_loading_info=True)
 assert not any(info.values()), info
-assert m.config.model_type == "gemma3_text", m.config.model_type
+assert m.config.model_type == "{text_type}", m.config.model_type
 with torch.no_grad():
     diff = (m(ref["tokens"]).logits - ref["logits"]).abs().max().item()
 assert diff < 1e-5, diff
@@ -4803,27 +4807,6 @@ print("ok")
         out = out.display()
     ));
     assert_eq!(said.lines().last(), Some("ok"), "{said}");
-    // Gemma 3 4B's config (its text_config as published), counted.
-    let four_b = dir.join("4b");
-    std::fs::create_dir_all(&four_b).unwrap();
-    std::fs::write(
-        four_b.join("config.json"),
-        r#"{"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
-            "model_type": "gemma3_text", "num_attention_heads": 8, "num_hidden_layers": 34,
-            "num_key_value_heads": 4, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-            "sliding_window": 1024},
-            "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}"#,
-    )
-    .unwrap();
-    let units = zrt::hf::unit_params(&four_b).unwrap();
-    assert_eq!(units.iter().map(|u| u.1).sum::<u64>(), 3880263168);
-    std::fs::write(four_b.join("config.json"), r#"{"model_type": "gemma3"}"#).unwrap();
-    let err = zrt::hf::unit_params(&four_b).unwrap_err().to_string();
-    assert!(
-        err.contains(r#"model_type "gemma3" without a text_config object: zrt builds its language model (gemma3_text) from it"#),
-        "{err}"
-    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -148,10 +148,11 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
         Family::Ernie4_5Moe | Family::Qwen3Next | Family::LongcatFlash
     );
     // Llama 4's published files are its multimodal model's, and Gemma
-    // 3's from 4B up: the language model under `language_model.`, a
-    // vision encoder and projector beside it, which the text model
-    // leaves out.
-    let multimodal = matches!(cfg.family, Family::Llama4 | Family::Gemma3);
+    // 3's from 4B up, and Mistral Small 3's ([`crate::hf::MULTIMODAL`]):
+    // the language model under `language_model.`, a vision encoder and
+    // projector beside it, which the text model leaves out.
+    let model_type = cfg.family.model_type();
+    let multimodal = (crate::hf::MULTIMODAL.iter()).any(|m| m.text_type == model_type);
     // A file written from the base model (`OPTModel.save_pretrained`;
     // Meta's OPT files and BigScience's BLOOM files are named so) names
     // its tensors without the base model's prefix (`model`,
@@ -192,8 +193,8 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
 }
 
 /// The prefixes of a multimodal checkpoint's tensors that are not its
-/// language model's: Llama 4's vision encoder, Gemma 3's (SigLIP), and
-/// their projectors.
+/// language model's: Llama 4's vision encoder, Gemma 3's (SigLIP) and
+/// Mistral 3's (Pixtral) towers, and their projectors.
 const VISION: [&str; 3] = ["vision_model.", "vision_tower.", "multi_modal_projector."];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.

@@ -234,8 +234,45 @@ struct Adapters {
     copies: BTreeMap<String, Tensor>,
 }
 
-/// The adapter file in `dir`, read as `cfg` describes it.
-fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
+/// Where a multimodal base ([`crate::hf::MULTIMODAL`]) holds its
+/// language model, whose names an adapter zrt trained on it carries
+/// (zrt builds the language model alone).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum LanguageModel {
+    /// A text model's checkpoint: the adapter's names are the base's.
+    Alone,
+    /// Under `language_model.` (the files `transformers` 4.57 writes:
+    /// `language_model.model.layers.0...`, `language_model.lm_head`).
+    Prefixed,
+    /// Under `model.language_model.` in place of `model.` (later
+    /// versions' files), the head where it is.
+    Nested,
+}
+
+impl LanguageModel {
+    /// Where the base whose tensors are `held` keeps it.
+    fn of(held: &Held) -> Self {
+        let any = |prefix: &str| held.keys().any(|n| n.starts_with(prefix));
+        match (any("language_model."), any("model.language_model.")) {
+            (true, _) => Self::Prefixed,
+            (false, true) => Self::Nested,
+            (false, false) => Self::Alone,
+        }
+    }
+
+    /// The base's name of the language model's tensor (or module) `name`.
+    fn in_base(self, name: &str) -> String {
+        match (self, name.strip_prefix("model.")) {
+            (Self::Prefixed, _) => format!("language_model.{name}"),
+            (Self::Nested, Some(rest)) => format!("model.language_model.{rest}"),
+            _ => name.to_string(),
+        }
+    }
+}
+
+/// The adapter file in `dir`, read as `cfg` describes it, its names
+/// the base's (`lm`).
+fn adapters(dir: &Path, cfg: &LoraConfig, lm: LanguageModel) -> Result<Adapters, HfError> {
     let path = dir.join(ADAPTER_FILE);
     let bad = |msg: String| HfError::Read {
         path: path.clone(),
@@ -252,7 +289,8 @@ fn adapters(dir: &Path, cfg: &LoraConfig) -> Result<Adapters, HfError> {
     let mut base_copies = HashMap::new();
     let (mut whole, mut copies) = (BTreeMap::new(), BTreeMap::new());
     for (name, t) in tensors {
-        let module = name.strip_prefix("base_model.model.").unwrap_or(&name);
+        let module = lm.in_base(name.strip_prefix("base_model.model.").unwrap_or(&name));
+        let module = module.as_str();
         if let Some(m) = module.strip_suffix(".lora_magnitude_vector") {
             magnitudes.insert(m.to_string(), t);
             continue;
@@ -595,6 +633,11 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         )));
     }
     let cfg = LoraConfig::from_adapter_dir(adapter)?;
+    let files = base_files(base)?;
+    let held: Held = (files.iter())
+        .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
+        .collect();
+    let lm = LanguageModel::of(&held);
     let Adapters {
         pairs,
         b_biases,
@@ -604,7 +647,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         rows,
         whole,
         copies,
-    } = adapters(adapter, &cfg)?;
+    } = adapters(adapter, &cfg, lm)?;
     if let Some(m) = pairs
         .keys()
         .find(|m| cfg.use_dora != magnitudes.contains_key(*m))
@@ -616,10 +659,6 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
             if cfg.use_dora { "lacks" } else { "has" },
         )));
     }
-    let files = base_files(base)?;
-    let held: Held = (files.iter())
-        .flat_map(|(_, tensors)| tensors.iter().map(|(n, s)| (n.as_str(), s.as_slice())))
-        .collect();
     let weight = |m: &str| format!("{m}.weight");
     // Adapters on stacked experts' parameters (`target_parameters`), by
     // the parameter, with their module's key in the file.
@@ -798,6 +837,36 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multimodal_bases_language_model_is_found_under_either_prefix() {
+        let shape: &[i64] = &[2, 2];
+        let base = |names: &[&'static str]| -> Held<'static> {
+            names.iter().map(|n| (*n, shape)).collect()
+        };
+        let legacy = base(&["language_model.model.norm.weight", "vision_tower.x"]);
+        let nested = base(&["model.language_model.norm.weight", "lm_head.weight"]);
+        let alone = base(&["model.norm.weight", "lm_head.weight"]);
+        let name = "model.layers.0.self_attn.q_proj";
+        let found: Vec<String> = [legacy, nested, alone]
+            .iter()
+            .map(|held| LanguageModel::of(held).in_base(name))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                "language_model.model.layers.0.self_attn.q_proj",
+                "model.language_model.layers.0.self_attn.q_proj",
+                "model.layers.0.self_attn.q_proj",
+            ]
+        );
+        let nested = LanguageModel::of(&base(&["model.language_model.norm.weight"]));
+        assert_eq!(nested.in_base("lm_head"), "lm_head");
+        assert_eq!(
+            LanguageModel::Prefixed.in_base("lm_head"),
+            "language_model.lm_head"
+        );
+    }
 
     #[test]
     fn an_adapter_config_reads_as_peft_writes_it_and_what_zrt_cannot_compute_is_refused() {

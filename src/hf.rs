@@ -770,7 +770,7 @@ impl HfJson {
             .map(String::from)
     }
 
-    /// Its `model_type` as an error names it: `model_type "rwkv"`, or
+    /// Its `model_type` as an error names it: `model_type "zamba2"`, or
     /// `no model_type` when the key is missing.
     pub(crate) fn model_type_named(&self) -> String {
         match self.model_type() {

@@ -1304,6 +1304,7 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(ok && out.contains("159308544 params"), "{out}");
+    // So do RWKV's (RWKV-4 at 4096 wide, 32 blocks).
     let rwkv = dir.join("rwkv.json");
     std::fs::write(&rwkv, r#"{"model_type": "rwkv"}"#).unwrap();
     let (ok, out) = zrt(&[
@@ -1313,8 +1314,19 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "--world",
         "2",
     ]);
+    assert!(ok && out.contains("7392649216 params"), "{out}");
+    // A model_type zrt does not build is named.
+    let zamba = dir.join("zamba2.json");
+    std::fs::write(&zamba, r#"{"model_type": "zamba2"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        zamba.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
     assert!(
-        !ok && out.contains("model_type \"rwkv\": zrt builds"),
+        !ok && out.contains("model_type \"zamba2\": zrt builds"),
         "{out}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -8,6 +8,11 @@
 //! eager attention's; its `sdpa` path (the class's default) passes the
 //! bias as the whole mask and so drops the causal one: a token there
 //! sees the ones after it. zrt computes the eager, causal model.
+//!
+//! A fresh Doge's `A` is zero: every key's bias is 1, and past
+//! `keep_window_size` keys the top-k chooses among ties (libtorch's
+//! choice, which need not be `transformers`'); training moves `A` off
+//! zero, and a trained checkpoint's biases differ key by key.
 
 use serde_json::{json, Value};
 use tch::nn::{self, Module};
@@ -22,10 +27,11 @@ use super::layer::Lin;
 /// `keep_window_size`'s default.
 const KEEP_WINDOW: i64 = 2048;
 
-/// The keys a query keeps past which the dynamic mask chooses among
-/// them: `keep_window_size`, refused below 1. A config with its experts
-/// (`is_moe`) is refused: zrt does not build Doge's product-key experts
-/// (`DogeCDMoE`).
+/// `keep_window_size`: how many keys a query keeps once more are
+/// visible (those its dynamic mask biases most), refused below 1 or
+/// null. A config with experts (`is_moe`) is refused: zrt does not build
+/// Doge's product-key experts (`DogeCDMoE`), which `transformers` 4.57
+/// cannot run either (its layer drops out the tuple they return).
 pub(super) fn keep_window(j: &HfJson) -> Result<i64, HfError> {
     if j.flag_or("is_moe", false)? {
         return Err(j.field(

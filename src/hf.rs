@@ -592,31 +592,57 @@ impl HfModel {
 }
 
 /// A multimodal model whose language model zrt builds from its
-/// checkpoint: the wrapper's `model_type`, its language model's (and
-/// that class's architecture), and the sizes a `text_config` may leave
-/// to that class's defaults, which the shared reader needs given.
+/// checkpoint: the wrapper's `model_type`; the `model_type` its
+/// `text_config` names itself by; the text model zrt reads it as (and
+/// that class's architecture); the sizes and numbers a `text_config`
+/// may leave to its own class's defaults where they are not the text
+/// model's (the shared reader needs sizes given); and whether its text
+/// fields may stand at the top level instead (older Qwen-VL configs).
 pub(crate) struct Multimodal {
     pub(crate) model_type: &'static str,
+    pub(crate) named: &'static str,
     pub(crate) text_type: &'static str,
     pub(crate) architecture: &'static str,
     pub(crate) sizes: &'static [(&'static str, i64)],
+    pub(crate) numbers: &'static [(&'static str, f64)],
+    pub(crate) top_level: bool,
 }
+
+/// `Qwen2VLTextConfig`'s and `Qwen2_5_VLTextConfig`'s sizes.
+const QWEN_VL_SIZES: &[(&str, i64)] = &[
+    ("vocab_size", 152064),
+    ("hidden_size", 8192),
+    ("intermediate_size", 29568),
+    ("num_hidden_layers", 80),
+    ("num_attention_heads", 64),
+    ("num_key_value_heads", 8),
+];
+
+/// Their defaults that are not `Qwen2Config`'s.
+const QWEN_VL_NUMBERS: &[(&str, f64)] = &[("rms_norm_eps", 1e-5), ("rope_theta", 1e6)];
 
 /// The multimodal models zrt trains the language model of: Llama 4's
 /// (`Llama4ForConditionalGeneration`), Gemma 3's
 /// (`Gemma3ForConditionalGeneration`, whose published `text_config`s
 /// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults)
-/// and Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small
-/// 3.1 and 3.2, Magistral Small; `MistralConfig`'s defaults).
-pub(crate) const MULTIMODAL: [Multimodal; 3] = [
+/// Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small
+/// 3.1 and 3.2, Magistral Small; `MistralConfig`'s defaults), and
+/// Qwen2-VL's and Qwen2.5-VL's, read as Qwen2: their M-RoPE turns a
+/// text token's three position ids alike, which for text alone (the
+/// three the same) is Qwen2's rotary embedding.
+pub(crate) const MULTIMODAL: [Multimodal; 5] = [
     Multimodal {
         model_type: "llama4",
+        named: "llama4_text",
         text_type: "llama4_text",
         architecture: "Llama4ForCausalLM",
         sizes: &[],
+        numbers: &[],
+        top_level: false,
     },
     Multimodal {
         model_type: "gemma3",
+        named: "gemma3_text",
         text_type: "gemma3_text",
         architecture: "Gemma3ForCausalLM",
         sizes: &[
@@ -626,9 +652,12 @@ pub(crate) const MULTIMODAL: [Multimodal; 3] = [
             ("num_hidden_layers", 26),
             ("num_attention_heads", 8),
         ],
+        numbers: &[],
+        top_level: false,
     },
     Multimodal {
         model_type: "mistral3",
+        named: "mistral",
         text_type: "mistral",
         architecture: "MistralForCausalLM",
         sizes: &[
@@ -638,6 +667,26 @@ pub(crate) const MULTIMODAL: [Multimodal; 3] = [
             ("num_hidden_layers", 32),
             ("num_attention_heads", 32),
         ],
+        numbers: &[],
+        top_level: false,
+    },
+    Multimodal {
+        model_type: "qwen2_vl",
+        named: "qwen2_vl_text",
+        text_type: "qwen2",
+        architecture: "Qwen2ForCausalLM",
+        sizes: QWEN_VL_SIZES,
+        numbers: QWEN_VL_NUMBERS,
+        top_level: true,
+    },
+    Multimodal {
+        model_type: "qwen2_5_vl",
+        named: "qwen2_5_vl_text",
+        text_type: "qwen2",
+        architecture: "Qwen2ForCausalLM",
+        sizes: QWEN_VL_SIZES,
+        numbers: QWEN_VL_NUMBERS,
+        top_level: true,
     },
 ];
 
@@ -715,9 +764,10 @@ impl HfJson {
     }
 
     /// A multimodal config's language model's ([`MULTIMODAL`]: its
-    /// `text_config`, the sizes it leaves out the text class's
-    /// defaults), as the text model's class reads it, beside the same
-    /// path.
+    /// `text_config`, or its top-level fields where the wrapper reads
+    /// them so; what it leaves out its own class's defaults; an M-RoPE
+    /// `rope_scaling` dropped), as the text model's class reads it,
+    /// beside the same path.
     fn text_model(&self) -> Result<Self, HfError> {
         let given = self.model_type().unwrap_or_default();
         let Some(m) = MULTIMODAL.iter().find(|m| m.model_type == given) else {
@@ -726,22 +776,41 @@ impl HfJson {
                 self.model_type_named()
             )));
         };
-        let Some(serde_json::Value::Object(text)) = self.get("text_config") else {
-            return Err(self.field(format!(
-                "model_type {given:?} without a text_config object: zrt builds its language model ({}) from it",
-                m.text_type
-            )));
+        let mut text = match (self.get("text_config"), self.json.as_object()) {
+            (Some(serde_json::Value::Object(text)), _) => text.clone(),
+            (None, Some(all)) if m.top_level => {
+                let mut text = all.clone();
+                text.remove("vision_config");
+                text.remove("model_type");
+                text
+            }
+            _ => {
+                return Err(self.field(format!(
+                    "model_type {given:?} without a text_config object: zrt builds its language model ({}) from it",
+                    m.text_type
+                )))
+            }
         };
-        let mut text = text.clone();
         let named = text.get("model_type").and_then(|t| t.as_str());
-        if let Some(other) = named.filter(|&t| t != m.text_type) {
+        if let Some(other) = named.filter(|&t| t != m.named) {
             return Err(self.field(format!(
-                "text_config's model_type {other:?}: zrt builds model_type {given:?}'s language model as {:?}, its class's; give that",
-                m.text_type
+                "text_config's model_type {other:?}: model_type {given:?}'s language model is {:?}, which zrt builds as {:?}; give that",
+                m.named, m.text_type
             )));
         }
         for (key, default) in m.sizes {
             text.entry(*key).or_insert((*default).into());
+        }
+        for (key, default) in m.numbers {
+            text.entry(*key).or_insert((*default).into());
+        }
+        // M-RoPE (its `mrope_section`): Qwen2's rotary embedding for text.
+        let mrope = (text
+            .get("rope_scaling")
+            .and_then(|r| r.get("mrope_section")))
+        .is_some();
+        if mrope {
+            text.remove("rope_scaling");
         }
         text.insert("model_type".into(), m.text_type.into());
         text.insert("architectures".into(), serde_json::json!([m.architecture]));

@@ -4734,10 +4734,47 @@ mm = Mistral3ForConditionalGeneration(Mistral3Config(text_config=m.config.to_dic
     .unwrap();
     let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
     assert!(
-        err.contains(r#"text_config's model_type "llama": zrt builds model_type "mistral3"'s language model as "mistral""#),
+        err.contains(r#"text_config's model_type "llama": model_type "mistral3"'s language model is "mistral""#),
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen2.5-VL's (and Qwen2-VL's) language model is a Qwen2 whose M-RoPE
+/// turns a text token's three position ids alike: for text alone,
+/// Qwen2's rotary embedding. Its config written as the published ones
+/// are (its text fields at the top level, `rope_scaling` M-RoPE's),
+/// with `rms_norm_eps` and `rope_theta` left to `Qwen2_5_VLTextConfig`'s
+/// defaults (1e-5 and 1e6, not Qwen2's), loads as its language model
+/// (see [`multimodal_loads_as_its_language_model`]); the vision model
+/// (`visual`) is left out.
+#[test]
+fn a_multimodal_qwen2_5_vl_checkpoint_loads_and_exports_its_language_model() {
+    multimodal_rewritten_loads_as_its_language_model(
+        "qwen2",
+        (
+            r#"from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+tc = m.config.to_dict()
+for k in ("rms_norm_eps", "rope_theta"):
+    tc.pop(k)
+tc["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
+              window_size=56)
+mm = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=tc, vision_config=vision,
+    image_token_id=95, video_token_id=94, vision_start_token_id=93))
+assert mm.config.text_config.rms_norm_eps == 1e-5 and mm.config.text_config.rope_theta == 1e6"#,
+            r#"import json
+c = json.load(open("DIR/mm/config.json"))
+t = c.pop("text_config")
+for k in ("rms_norm_eps", "rope_theta", "model_type", "architectures"):
+    t.pop(k, None)
+t["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+c.update(t)
+json.dump(c, open("DIR/mm/config.json", "w"))"#,
+        ),
+        ("Qwen2ForCausalLM", "qwen2"),
+    );
 }
 
 /// Case `name`'s seeded model as a multimodal model's language model:
@@ -4753,7 +4790,18 @@ fn multimodal_loads_as_its_language_model(
     wrap: &str,
     (causal, text_type): (&str, &str),
 ) {
+    multimodal_rewritten_loads_as_its_language_model(name, (wrap, ""), (causal, text_type));
+}
+
+/// [`multimodal_loads_as_its_language_model`], `after` (Python) run once
+/// the multimodal model is written (`DIR` its directory's parent).
+fn multimodal_rewritten_loads_as_its_language_model(
+    name: &str,
+    (wrap, after): (&str, &str),
+    (causal, text_type): (&str, &str),
+) {
     let dir = scratch(&format!("hf-{name}-multimodal"));
+    let after = after.replace("DIR", &dir.display().to_string());
     let case = case(name);
     let model = common::hf_seeded_model(case.python.0, case.python.1, &dir, "");
     common::python(&format!(
@@ -4762,8 +4810,10 @@ text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
         for k, v in m.state_dict().items()}}
 {wrap}
 missing, unexpected = mm.load_state_dict(text, strict=False)
-assert not unexpected and not [k for k in missing if "vision" not in k and "projector" not in k], (missing, unexpected)
+vision = ("vision", "visual", "projector")
+assert not unexpected and not [k for k in missing if not any(v in k for v in vision)], (missing, unexpected)
 mm.save_pretrained("{dir}/mm")
+{after}
 mm.eval()
 tokens = torch.randint(0, 90, (1, 12))
 with torch.no_grad():

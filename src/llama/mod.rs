@@ -168,9 +168,18 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
     let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
     plan.rename_weights(move |n| {
+        let nested;
         let n = match multimodal {
             true if VISION.iter().any(|v| n.starts_with(v)) => return None,
-            true => n.strip_prefix("language_model.").unwrap_or(n),
+            // `language_model.model.layers...` (the files `transformers`
+            // 4.57 writes), `model.language_model.layers...` (later ones).
+            true => match n.strip_prefix("model.language_model.") {
+                Some(rest) => {
+                    nested = format!("model.{rest}");
+                    nested.as_str()
+                }
+                None => n.strip_prefix("language_model.").unwrap_or(n),
+            },
             false => n,
         };
         let n = crate::hf::under_base(n, base, &outside);
@@ -194,8 +203,17 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
 
 /// The prefixes of a multimodal checkpoint's tensors that are not its
 /// language model's: Llama 4's vision encoder, Gemma 3's (SigLIP) and
-/// Mistral 3's (Pixtral) towers, and their projectors.
-const VISION: [&str; 3] = ["vision_model.", "vision_tower.", "multi_modal_projector."];
+/// Mistral 3's (Pixtral) towers, their projectors, and Qwen-VL's
+/// (`visual`, its merger within), under either layout's names.
+const VISION: [&str; 7] = [
+    "vision_model.",
+    "vision_tower.",
+    "multi_modal_projector.",
+    "visual.",
+    "model.visual.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.
 fn layer_of(name: &str) -> Option<i64> {

@@ -627,9 +627,10 @@ const QWEN_VL_NUMBERS: &[(&str, f64)] = &[("rms_norm_eps", 1e-5), ("rope_theta",
 /// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults)
 /// Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small
 /// 3.1 and 3.2, Magistral Small; `MistralConfig`'s defaults), and
-/// Qwen2-VL's and Qwen2.5-VL's, read as Qwen2: their M-RoPE turns a
-/// text token's three position ids alike, which for text alone (the
-/// three the same) is Qwen2's rotary embedding.
+/// Qwen2-VL's and Qwen2.5-VL's, read as Qwen2: their M-RoPE turns each
+/// section of a head's frequencies by one of a token's three position
+/// ids (time, height, width), and for text alone the three are the
+/// same, which is Qwen2's rotary embedding.
 pub(crate) const MULTIMODAL: [Multimodal; 5] = [
     Multimodal {
         model_type: "llama4",

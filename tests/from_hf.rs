@@ -4741,8 +4741,9 @@ mm = Mistral3ForConditionalGeneration(Mistral3Config(text_config=m.config.to_dic
 }
 
 /// Qwen2.5-VL's (and Qwen2-VL's) language model is a Qwen2 whose M-RoPE
-/// turns a text token's three position ids alike: for text alone,
-/// Qwen2's rotary embedding. Its config written as the published ones
+/// turns each section of the frequencies by one of three position ids,
+/// the same three for text: Qwen2's rotary embedding. Its config
+/// written as the published ones
 /// are (its text fields at the top level, `rope_scaling` M-RoPE's),
 /// with `rms_norm_eps` and `rope_theta` left to `Qwen2_5_VLTextConfig`'s
 /// defaults (1e-5 and 1e6, not Qwen2's), loads as its language model

@@ -504,9 +504,9 @@ pub struct LlamaConfig {
     /// ([`crate::hf::HfModel::plus_aux_losses`]). 0 (none) for the other
     /// families.
     pub z_loss: f64,
-    /// Doge's dynamic mask: its `keep_window_size`, the keys a query
-    /// keeps past which the mask chooses those of highest bias
-    /// ([`doge`](super::doge)). `None` for the other families, which
+    /// Doge's dynamic mask: its `keep_window_size`, how many keys a
+    /// query keeps once more are visible (those the mask biases most;
+    /// [`doge`](super::doge)). `None` for the other families, which
     /// have no dynamic mask.
     pub keep_window: Option<i64>,
     /// RWKV's `rescale_every`, kept to be written back (zrt computes

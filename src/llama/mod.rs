@@ -147,10 +147,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
         cfg.family,
         Family::Ernie4_5Moe | Family::Qwen3Next | Family::LongcatFlash
     );
-    // Llama 4's published files are its multimodal model's, and Gemma
-    // 3's from 4B up, and Mistral Small 3's ([`crate::hf::MULTIMODAL`]):
-    // the language model under `language_model.`, a vision encoder and
-    // projector beside it, which the text model leaves out.
+    // Llama 4's published files are its multimodal model's, and so are
+    // Gemma 3's from 4B up, Mistral Small 3's and Qwen-VL's (the text
+    // families `crate::hf::MULTIMODAL` reads them as): the language
+    // model under `language_model.` (or as the text model's, Qwen-VL's),
+    // a vision encoder and projector beside it, which the text model
+    // leaves out.
     let model_type = cfg.family.model_type();
     let multimodal = (crate::hf::MULTIMODAL.iter()).any(|m| m.text_type == model_type);
     // A file written from the base model (`OPTModel.save_pretrained`;

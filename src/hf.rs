@@ -130,8 +130,9 @@ impl Layout {
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
             Some("phi") => Self::Phi(Box::new(PhiConfig::from_json(&j)?)),
             // Llama 4's published checkpoints are its multimodal model's,
-            // and Gemma 3's from 4B up: zrt builds (and exports) their
-            // language models, whose configs are `text_config`.
+            // and so are Gemma 3's from 4B up, Mistral Small 3's and
+            // Qwen-VL's ([`MULTIMODAL`]): zrt builds (and exports) their
+            // language models, from their `text_config`s.
             Some(t) if MULTIMODAL.iter().any(|m| m.model_type == t) => {
                 return Self::of(j.text_model()?)
             }
@@ -297,7 +298,9 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`).
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
+    /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`
+    /// and `qwen2_5_vl` ([`MULTIMODAL`]).
     Llama(Llama),
 }
 

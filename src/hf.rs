@@ -300,7 +300,7 @@ pub enum HfModel {
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
     /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`
-    /// and `qwen2_5_vl` ([`MULTIMODAL`]).
+    /// and `qwen2_5_vl` (the table `hf::MULTIMODAL`).
     Llama(Llama),
 }
 

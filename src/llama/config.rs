@@ -506,11 +506,11 @@ pub struct LlamaConfig {
     pub z_loss: f64,
     /// Doge's dynamic mask: its `keep_window_size`, how many keys a
     /// query keeps once more are visible (those the mask biases most;
-    /// [`doge`](super::doge)). `None` for the other families, which
+    /// `llama::doge`). `None` for the other families, which
     /// have no dynamic mask.
     pub keep_window: Option<i64>,
     /// RWKV's `rescale_every`, kept to be written back (zrt computes
-    /// without that inference-time rescaling: [`rwkv`](super::rwkv)).
+    /// without that inference-time rescaling: `llama::rwkv`).
     /// `None` for the other families.
     pub rescale_every: Option<i64>,
 }

@@ -550,7 +550,7 @@ pub enum Family {
     /// keys and values through the WKV recurrence, gated by the
     /// receptance, then `output`) and a channel mix (`feed_forward`:
     /// `sigmoid(receptance) * value(relu(key)^2)`); a final `ln_out`; the
-    /// head (`head`) untied by default ([`super::rwkv`]).
+    /// head (`head`) untied by default (`llama::rwkv`).
     Rwkv,
 }
 

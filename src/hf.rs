@@ -596,8 +596,8 @@ impl HfModel {
 
 /// A multimodal model whose language model zrt builds from its
 /// checkpoint: the wrapper's `model_type`; the `model_type` its
-/// `text_config` names itself by; the text model zrt reads it as (and
-/// that class's architecture); the sizes and numbers a `text_config`
+/// `text_config` names itself by; the text model zrt reads it as (whose
+/// class [`Family::architecture`] names); the sizes and numbers a `text_config`
 /// may leave to its own class's defaults where they are not the text
 /// model's (the shared reader needs sizes given); and whether its text
 /// fields may stand at the top level instead (older Qwen-VL configs).
@@ -605,7 +605,6 @@ pub(crate) struct Multimodal {
     pub(crate) model_type: &'static str,
     pub(crate) named: &'static str,
     pub(crate) text_type: &'static str,
-    pub(crate) architecture: &'static str,
     pub(crate) sizes: &'static [(&'static str, i64)],
     pub(crate) numbers: &'static [(&'static str, f64)],
     pub(crate) top_level: bool,
@@ -639,7 +638,6 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
         model_type: "llama4",
         named: "llama4_text",
         text_type: "llama4_text",
-        architecture: "Llama4ForCausalLM",
         sizes: &[],
         numbers: &[],
         top_level: false,
@@ -648,7 +646,6 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
         model_type: "gemma3",
         named: "gemma3_text",
         text_type: "gemma3_text",
-        architecture: "Gemma3ForCausalLM",
         sizes: &[
             ("vocab_size", 262208),
             ("hidden_size", 2304),
@@ -663,7 +660,6 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
         model_type: "mistral3",
         named: "mistral",
         text_type: "mistral",
-        architecture: "MistralForCausalLM",
         sizes: &[
             ("vocab_size", 32000),
             ("hidden_size", 4096),
@@ -678,7 +674,6 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
         model_type: "qwen2_vl",
         named: "qwen2_vl_text",
         text_type: "qwen2",
-        architecture: "Qwen2ForCausalLM",
         sizes: QWEN_VL_SIZES,
         numbers: QWEN_VL_NUMBERS,
         top_level: true,
@@ -687,7 +682,6 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
         model_type: "qwen2_5_vl",
         named: "qwen2_5_vl_text",
         text_type: "qwen2",
-        architecture: "Qwen2ForCausalLM",
         sizes: QWEN_VL_SIZES,
         numbers: QWEN_VL_NUMBERS,
         top_level: true,
@@ -817,7 +811,12 @@ impl HfJson {
             text.remove("rope_scaling");
         }
         text.insert("model_type".into(), m.text_type.into());
-        text.insert("architectures".into(), serde_json::json!([m.architecture]));
+        if let Some(family) = Family::of(m.text_type) {
+            text.insert(
+                "architectures".into(),
+                serde_json::json!([family.architecture()]),
+            );
+        }
         let json = serde_json::Value::Object(text);
         Ok(Self {
             path: self.path.clone(),

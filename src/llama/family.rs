@@ -738,7 +738,7 @@ impl Family {
     }
 
     /// Its `transformers` class.
-    pub(super) fn architecture(self) -> &'static str {
+    pub(crate) fn architecture(self) -> &'static str {
         match self {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",

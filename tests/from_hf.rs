@@ -4701,6 +4701,15 @@ mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=m.config.to_dict(),
     .unwrap();
     let units = zrt::hf::unit_params(&dir).unwrap();
     assert_eq!(units.iter().map(|u| u.1).sum::<u64>(), 3880263168);
+    // `transformers` ties the head as the `text_config` says (or, left
+    // out there, as its class's default does), whatever the wrapper's
+    // own `tie_word_embeddings` says: an untied head would add
+    // 262208 x 2560 parameters.
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let untied = config.replacen('{', r#"{"tie_word_embeddings": false, "#, 1);
+    std::fs::write(dir.join("config.json"), untied).unwrap();
+    let units = zrt::hf::unit_params(&dir).unwrap();
+    assert_eq!(units.iter().map(|u| u.1).sum::<u64>(), 3880263168);
     std::fs::write(dir.join("config.json"), r#"{"model_type": "gemma3"}"#).unwrap();
     let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
     assert!(

@@ -130,14 +130,17 @@ impl Layout {
             Some("gpt_neox") => Self::GptNeox(Box::new(GptNeoxConfig::from_json(&j)?)),
             Some("phi") => Self::Phi(Box::new(PhiConfig::from_json(&j)?)),
             // Llama 4's published checkpoints are its multimodal model's,
-            // and so are Gemma 3's from 4B up, Mistral Small 3's and
-            // Qwen-VL's ([`MULTIMODAL`]): zrt builds (and exports) their
-            // language models, from their `text_config`s.
+            // and so are Gemma 3's from 4B up and Mistral Small 3's; Qwen-VL,
+            // LLaVA and the others ([`MULTIMODAL`]) are popular ones: zrt
+            // builds (and exports) their language models, from their
+            // `text_config`s.
             Some(t) if MULTIMODAL.iter().any(|m| m.model_type == t) => {
                 return Self::of(j.text_model()?)
             }
             Some(t) if Family::of(t).is_some() => {
-                Self::Llama(Box::new(LlamaConfig::from_json(&j)?))
+                let c = LlamaConfig::from_json(&j)?;
+                head_as_wrapped(&c, &j)?;
+                Self::Llama(Box::new(c))
             }
             _ => {
                 let (given, known) = (j.model_type_named(), Family::model_types());
@@ -299,8 +302,12 @@ pub enum HfModel {
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
     /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
-    /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`
-    /// and `qwen2_5_vl` (the table `hf::MULTIMODAL`).
+    /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
+    /// `qwen2_5_vl` and `qwen3_vl`, and of `llava`, `llava_next`,
+    /// `llava_next_video`, `llava_onevision`, `internvl`, `aya_vision`,
+    /// `idefics3` and `smolvlm`,
+    /// whichever of those their `text_config` names (the table
+    /// `hf::MULTIMODAL`).
     Llama(Llama),
 }
 
@@ -595,20 +602,47 @@ impl HfModel {
 }
 
 /// A multimodal model whose language model zrt builds from its
-/// checkpoint: the wrapper's `model_type`; the `model_type` its
-/// `text_config` names itself by; the text model zrt reads it as (whose
-/// class [`Family::architecture`] names); the sizes and numbers a `text_config`
-/// may leave to its own class's defaults where they are not the text
-/// model's (the shared reader needs sizes given); and whether its text
-/// fields may stand at the top level instead (older Qwen-VL configs).
+/// checkpoint: the wrapper's `model_type`; which language model its
+/// `text_config` holds ([`TextModel`]); and whether its text fields may
+/// stand at the top level instead (older Qwen-VL configs).
 pub(crate) struct Multimodal {
     pub(crate) model_type: &'static str,
-    pub(crate) named: &'static str,
-    pub(crate) text_type: &'static str,
-    pub(crate) sizes: &'static [(&'static str, i64)],
-    pub(crate) numbers: &'static [(&'static str, f64)],
+    pub(crate) text: TextModel,
     pub(crate) top_level: bool,
 }
+
+/// The language model a [`Multimodal`] wrapper holds.
+pub(crate) enum TextModel {
+    /// One text class, which its `text_config` names itself by
+    /// (`named`: `gemma3_text`), read as zrt's `text_type` (`qwen2` for
+    /// `qwen2_vl_text`).
+    Fixed {
+        named: &'static str,
+        text_type: &'static str,
+    },
+    /// Whichever text model its `text_config` names (LLaVA's: a Llama,
+    /// a Mistral, a Qwen2, ...), `default` when it names none, as the
+    /// wrapper's class reads it.
+    Named { default: &'static str },
+}
+
+/// `LlamaConfig`'s sizes.
+const LLAMA_SIZES: &[(&str, i64)] = &[
+    ("vocab_size", 32000),
+    ("hidden_size", 4096),
+    ("intermediate_size", 11008),
+    ("num_hidden_layers", 32),
+    ("num_attention_heads", 32),
+];
+
+/// `Qwen2Config`'s and `Qwen3Config`'s sizes.
+const QWEN_SIZES: &[(&str, i64)] = &[
+    ("vocab_size", 151936),
+    ("hidden_size", 4096),
+    ("intermediate_size", 22016),
+    ("num_hidden_layers", 32),
+    ("num_attention_heads", 32),
+];
 
 /// `Qwen2VLTextConfig`'s and `Qwen2_5_VLTextConfig`'s sizes.
 const QWEN_VL_SIZES: &[(&str, i64)] = &[
@@ -623,43 +657,28 @@ const QWEN_VL_SIZES: &[(&str, i64)] = &[
 /// Their defaults that are not `Qwen2Config`'s.
 const QWEN_VL_NUMBERS: &[(&str, f64)] = &[("rms_norm_eps", 1e-5), ("rope_theta", 1e6)];
 
-/// The multimodal models zrt trains the language model of: Llama 4's
-/// (`Llama4ForConditionalGeneration`), Gemma 3's
-/// (`Gemma3ForConditionalGeneration`, whose published `text_config`s
-/// leave `vocab_size` and the heads to `Gemma3TextConfig`'s defaults)
-/// Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small
-/// 3.1 and 3.2, Magistral Small; `MistralConfig`'s defaults), and
-/// Qwen2-VL's and Qwen2.5-VL's, read as Qwen2: their M-RoPE turns each
-/// section of a head's frequencies by one of a token's three position
-/// ids (time, height, width), and for text alone the three are the
-/// same, which is Qwen2's rotary embedding.
-pub(crate) const MULTIMODAL: [Multimodal; 5] = [
-    Multimodal {
-        model_type: "llama4",
-        named: "llama4_text",
-        text_type: "llama4_text",
-        sizes: &[],
+/// A text class's defaults for what a `text_config` may leave out.
+struct ClassDefaults {
+    /// The class's `model_type`.
+    named: &'static str,
+    /// Its sizes (zrt's shared reader needs sizes given).
+    sizes: &'static [(&'static str, i64)],
+    /// Its numbers that are not those of the zrt family it is read as.
+    numbers: &'static [(&'static str, f64)],
+}
+
+/// The text classes whose defaults published multimodal configs lean
+/// on (Gemma 3 4B's `text_config` leaves out `vocab_size` and the heads,
+/// LLaVA 1.5 7B's every size but `vocab_size`). A class not here gives
+/// its sizes in its `text_config` or is refused naming the first missing.
+const CLASS_DEFAULTS: [ClassDefaults; 9] = [
+    ClassDefaults {
+        named: "llama",
+        sizes: LLAMA_SIZES,
         numbers: &[],
-        top_level: false,
     },
-    Multimodal {
-        model_type: "gemma3",
-        named: "gemma3_text",
-        text_type: "gemma3_text",
-        sizes: &[
-            ("vocab_size", 262208),
-            ("hidden_size", 2304),
-            ("intermediate_size", 9216),
-            ("num_hidden_layers", 26),
-            ("num_attention_heads", 8),
-        ],
-        numbers: &[],
-        top_level: false,
-    },
-    Multimodal {
-        model_type: "mistral3",
+    ClassDefaults {
         named: "mistral",
-        text_type: "mistral",
         sizes: &[
             ("vocab_size", 32000),
             ("hidden_size", 4096),
@@ -668,29 +687,158 @@ pub(crate) const MULTIMODAL: [Multimodal; 5] = [
             ("num_attention_heads", 32),
         ],
         numbers: &[],
-        top_level: false,
     },
-    Multimodal {
-        model_type: "qwen2_vl",
+    ClassDefaults {
+        named: "qwen2",
+        sizes: QWEN_SIZES,
+        numbers: &[],
+    },
+    ClassDefaults {
+        named: "cohere2",
+        sizes: &[
+            ("vocab_size", 256000),
+            ("hidden_size", 8192),
+            ("intermediate_size", 22528),
+            ("num_hidden_layers", 40),
+            ("num_attention_heads", 64),
+        ],
+        numbers: &[],
+    },
+    ClassDefaults {
+        named: "gemma3_text",
+        sizes: &[
+            ("vocab_size", 262208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+        ],
+        numbers: &[],
+    },
+    ClassDefaults {
         named: "qwen2_vl_text",
-        text_type: "qwen2",
         sizes: QWEN_VL_SIZES,
         numbers: QWEN_VL_NUMBERS,
-        top_level: true,
     },
-    Multimodal {
-        model_type: "qwen2_5_vl",
+    ClassDefaults {
         named: "qwen2_5_vl_text",
-        text_type: "qwen2",
         sizes: QWEN_VL_SIZES,
         numbers: QWEN_VL_NUMBERS,
-        top_level: true,
+    },
+    // `Qwen3VLTextConfig`: `Qwen3Config`'s sizes, a longer context and
+    // another rotary base.
+    ClassDefaults {
+        named: "qwen3_vl_text",
+        sizes: &[
+            ("vocab_size", 151936),
+            ("hidden_size", 4096),
+            ("intermediate_size", 22016),
+            ("num_hidden_layers", 32),
+            ("num_attention_heads", 32),
+            ("max_position_embeddings", 128000),
+        ],
+        numbers: &[("rope_theta", 5e6)],
+    },
+    ClassDefaults {
+        named: "llama4_text",
+        sizes: &[],
+        numbers: &[],
     },
 ];
+
+/// The multimodal models zrt trains the language model of:
+///
+/// - Llama 4's (`Llama4ForConditionalGeneration`);
+/// - Gemma 3's (`Gemma3ForConditionalGeneration`, whose published
+///   `text_config`s leave `vocab_size` and the heads to
+///   `Gemma3TextConfig`'s defaults);
+/// - Mistral 3's (`Mistral3ForConditionalGeneration`: Mistral Small 3.1
+///   and 3.2, Magistral Small);
+/// - Qwen2-VL's and Qwen2.5-VL's, read as Qwen2, and Qwen3-VL's, read as
+///   Qwen3: their M-RoPE turns each section of a head's frequencies by
+///   one of a token's three position ids (time, height, width), and for
+///   text alone the three are the same, which is the text model's own
+///   rotary embedding;
+/// - LLaVA's (`llava`, LLaVA-NeXT's `llava_next` and its video model's,
+///   LLaVA-OneVision's), Aya Vision's, InternVL's, Idefics3's and
+///   SmolVLM's, each around whichever text model its `text_config` names.
+pub(crate) const MULTIMODAL: [Multimodal; 14] = [
+    fixed("llama4", "llama4_text", "llama4_text", false),
+    fixed("gemma3", "gemma3_text", "gemma3_text", false),
+    fixed("mistral3", "mistral", "mistral", false),
+    fixed("qwen2_vl", "qwen2_vl_text", "qwen2", true),
+    fixed("qwen2_5_vl", "qwen2_5_vl_text", "qwen2", true),
+    fixed("qwen3_vl", "qwen3_vl_text", "qwen3", false),
+    named("llava", "llama"),
+    named("llava_next", "llama"),
+    named("llava_next_video", "llama"),
+    named("llava_onevision", "qwen2"),
+    named("aya_vision", "cohere2"),
+    named("internvl", "qwen2"),
+    named("idefics3", "llama"),
+    named("smolvlm", "llama"),
+];
+
+/// Refuses a language model `c` whose class does more to its logits
+/// than the wrapper it was read from does, when that wrapper takes
+/// whichever text model its `text_config` names ([`TextModel::Named`]):
+/// its head is a plain bias-free matrix, so `transformers` computes
+/// Aya Vision's Cohere 2 logits without the text class's `logit_scale`
+/// (a Granite's without `logits_scaling`, a Gemma 2's without the
+/// soft cap). Which of the two a checkpoint was trained with zrt does
+/// not guess; a `text_config` that sets them to do nothing is read.
+fn head_as_wrapped(c: &LlamaConfig, j: &HfJson) -> Result<(), HfError> {
+    let Some(wrapper) = j.wrapper() else {
+        return Ok(());
+    };
+    let named = (MULTIMODAL.iter().find(|m| m.model_type == wrapper))
+        .is_some_and(|m| matches!(m.text, TextModel::Named { .. }));
+    let more = [
+        (c.logit_scale != 1.0).then(|| format!("multiplies them by logit_scale {}", c.logit_scale)),
+        (c.logits_scaling != 1.0)
+            .then(|| format!("divides them by logits_scaling {}", c.logits_scaling)),
+        (c.final_softcap).map(|cap| format!("caps them (final_logit_softcapping {cap})")),
+        c.head_bias.then(|| "adds a bias".to_string()),
+    ];
+    match (named, more.into_iter().flatten().next()) {
+        (true, Some(more)) => Err(j.field(format!(
+            "model_type {wrapper:?}'s head computes its language model's logits as a plain matrix, where {} {more}: which of the two the checkpoint was trained with is not settled, so zrt refuses it; a text_config that makes the class's head plain too (logit_scale 1, logits_scaling 1, no soft cap) is read",
+            c.family.architecture()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A [`Multimodal`] around one text class.
+const fn fixed(
+    model_type: &'static str,
+    named: &'static str,
+    text_type: &'static str,
+    top_level: bool,
+) -> Multimodal {
+    Multimodal {
+        model_type,
+        text: TextModel::Fixed { named, text_type },
+        top_level,
+    }
+}
+
+/// A [`Multimodal`] around the text model its `text_config` names.
+const fn named(model_type: &'static str, default: &'static str) -> Multimodal {
+    Multimodal {
+        model_type,
+        text: TextModel::Named { default },
+        top_level: false,
+    }
+}
 
 /// A parsed `config.json`, its fields read with errors naming them.
 pub(crate) struct HfJson {
     path: PathBuf,
+    /// The multimodal model's `model_type` when this is its language
+    /// model's config ([`HfJson::text_model`]): the checkpoint names its
+    /// tensors as the wrapper does.
+    wrapper: Option<&'static str>,
     /// The file as read (an export writes it back verbatim).
     text: String,
     json: serde_json::Value,
@@ -750,7 +898,12 @@ impl HfJson {
             std::fs::read_to_string(&path).map_err(|e| read(format!("cannot read it: {e}")))?;
         let json = serde_json::from_str(&non_finite_quoted(&text))
             .map_err(|e| read(format!("not JSON ({e})")))?;
-        let me = Self { path, text, json };
+        let me = Self {
+            path,
+            wrapper: None,
+            text,
+            json,
+        };
         match (me.model_type(), model_type) {
             (_, None) => Ok(me),
             (Some(t), Some(want)) if t == want => Ok(me),
@@ -783,26 +936,48 @@ impl HfJson {
                 text
             }
             _ => {
+                let builds = match m.text {
+                    TextModel::Fixed { text_type, .. } => text_type.to_string(),
+                    TextModel::Named { .. } => "the text model it names".to_string(),
+                };
                 return Err(self.field(format!(
-                    "model_type {given:?} without a text_config object: zrt builds its language model ({}) from it",
-                    m.text_type
-                )))
+                    "model_type {given:?} without a text_config object: zrt builds its language model ({builds}) from it"
+                )));
             }
         };
-        let named = text.get("model_type").and_then(|t| t.as_str());
-        if let Some(other) = named.filter(|&t| t != m.named) {
-            return Err(self.field(format!(
-                "text_config's model_type {other:?}: model_type {given:?}'s language model is {:?}, which zrt builds as {:?}; give that",
-                m.named, m.text_type
-            )));
-        }
-        for (key, default) in m.sizes {
+        let names = text.get("model_type").and_then(|t| t.as_str());
+        let (named, text_type) = match (&m.text, names) {
+            (TextModel::Fixed { named, text_type }, None) => (*named, *text_type),
+            (TextModel::Fixed { named, text_type }, Some(other)) if other == *named => {
+                (*named, *text_type)
+            }
+            (TextModel::Fixed { named, text_type }, Some(other)) => {
+                return Err(self.field(format!(
+                    "text_config's model_type {other:?}: model_type {given:?}'s language model is {named:?}, which zrt builds as {text_type:?}; give that"
+                )))
+            }
+            (TextModel::Named { default }, names) => {
+                let named = names.unwrap_or(default);
+                match Family::of(named) {
+                    Some(family) => (family.model_type(), family.model_type()),
+                    None => {
+                        return Err(self.field(format!(
+                            "text_config's model_type {named:?}: zrt builds model_type {given:?}'s language model when it is one of {}",
+                            Family::model_types()
+                        )))
+                    }
+                }
+            }
+        };
+        let class = CLASS_DEFAULTS.iter().find(|c| c.named == named);
+        for (key, default) in class.map_or(&[][..], |c| c.sizes) {
             text.entry(*key).or_insert((*default).into());
         }
-        for (key, default) in m.numbers {
+        for (key, default) in class.map_or(&[][..], |c| c.numbers) {
             text.entry(*key).or_insert((*default).into());
         }
-        // M-RoPE (its `mrope_section`): Qwen2's rotary embedding for text.
+        // M-RoPE (its `mrope_section`): the text model's own rotary
+        // embedding for text.
         let mrope = (text
             .get("rope_scaling")
             .and_then(|r| r.get("mrope_section")))
@@ -810,8 +985,8 @@ impl HfJson {
         if mrope {
             text.remove("rope_scaling");
         }
-        text.insert("model_type".into(), m.text_type.into());
-        if let Some(family) = Family::of(m.text_type) {
+        text.insert("model_type".into(), text_type.into());
+        if let Some(family) = Family::of(text_type) {
             text.insert(
                 "architectures".into(),
                 serde_json::json!([family.architecture()]),
@@ -820,9 +995,17 @@ impl HfJson {
         let json = serde_json::Value::Object(text);
         Ok(Self {
             path: self.path.clone(),
+            wrapper: Some(m.model_type),
             text: format!("{json:#}\n"),
             json,
         })
+    }
+
+    /// The multimodal model's `model_type` when this is its language
+    /// model's config: the checkpoint names its tensors as the wrapper
+    /// does.
+    pub(crate) fn wrapper(&self) -> Option<&'static str> {
+        self.wrapper
     }
 
     /// The same file read as `json` (DBRX's nested config flattened):
@@ -830,6 +1013,7 @@ impl HfJson {
     pub(crate) fn reading(&self, json: serde_json::Value) -> Self {
         Self {
             path: self.path.clone(),
+            wrapper: self.wrapper,
             text: self.text.clone(),
             json,
         }

@@ -4787,6 +4787,198 @@ json.dump(c, open("DIR/mm/config.json", "w"))"#,
     );
 }
 
+/// Qwen3-VL's language model is a Qwen3 whose M-RoPE (interleaved
+/// sections) turns each frequency by one of three position ids, the same
+/// three for text: Qwen3's rotary embedding. Its config, `rope_theta`
+/// left out of the file for `Qwen3VLTextConfig`'s default (5e6, not
+/// Qwen3's), loads as its
+/// language model (see [`multimodal_loads_as_its_language_model`]), the
+/// vision model (`visual`) left out.
+#[test]
+fn a_multimodal_qwen3_vl_checkpoint_loads_and_exports_its_language_model() {
+    multimodal_rewritten_loads_as_its_language_model(
+        "qwen3",
+        (
+            r#"from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+tc = m.config.to_dict()
+tc.pop("rope_theta")
+tc["model_type"] = "qwen3_vl_text"
+tc["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              patch_size=14, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
+              num_position_embeddings=16)
+mm = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=tc, vision_config=vision,
+    image_token_id=95, video_token_id=94, vision_start_token_id=93, vision_end_token_id=92,
+    tie_word_embeddings=True))
+assert mm.config.text_config.rope_theta == 5e6"#,
+            r#"import json
+c = json.load(open("DIR/mm/config.json"))
+del c["text_config"]["rope_theta"]
+json.dump(c, open("DIR/mm/config.json", "w"))"#,
+        ),
+        ("Qwen3ForCausalLM", "qwen3"),
+    );
+}
+
+/// LLaVA's (`llava`: LLaVA 1.5, BakLLaVA, Pixtral's `transformers` port)
+/// is a CLIP (or other) tower and a projector beside whichever text
+/// model its `text_config` names: a Llama loads as its language model
+/// (see [`multimodal_loads_as_its_language_model`]), and so does a Falcon,
+/// whose base model is `transformer`, not `model`. LLaVA 1.5 7B's
+/// published config, which leaves every size but `vocab_size` to
+/// `LlamaConfig`'s defaults, is counted as `transformers` counts its
+/// language model; a `text_config` naming a model zrt does not build is
+/// refused, naming it.
+#[test]
+fn a_multimodal_llava_checkpoint_loads_and_exports_its_language_model() {
+    let vision = r#"from transformers import LlavaConfig, LlavaForConditionalGeneration
+vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)"#;
+    multimodal_loads_as_its_language_model(
+        "llama",
+        &format!(
+            "{vision}
+mm = LlavaForConditionalGeneration(LlavaConfig(text_config=m.config.to_dict(), vision_config=vision,
+    image_token_index=95))"
+        ),
+        ("LlamaForCausalLM", "llama"),
+    );
+    multimodal_loads_as_its_language_model(
+        "falcon",
+        &format!(
+            r#"{vision}
+mm = LlavaForConditionalGeneration(LlavaConfig(text_config=m.config.to_dict(), vision_config=vision,
+    image_token_index=95))
+text = {{("model.language_model." + k[12:] if k.startswith("transformer.") else k): v
+        for k, v in m.state_dict().items()}}"#
+        ),
+        ("FalconForCausalLM", "falcon"),
+    );
+    let dir = scratch("hf-llava-1.5");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100,
+            "image_token_index": 32000, "model_type": "llava", "pad_token_id": 32001,
+            "projector_hidden_act": "gelu",
+            "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5",
+                "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16",
+                "vocab_size": 32064},
+            "tie_word_embeddings": false, "torch_dtype": "float16",
+            "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                "model_type": "clip_vision_model", "num_attention_heads": 16,
+                "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                "vocab_size": 32000},
+            "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+            "vocab_size": 32064}"#,
+    )
+    .unwrap();
+    let units = zrt::hf::unit_params(&dir).unwrap();
+    assert_eq!(units.iter().map(|u| u.1).sum::<u64>(), 6738939904);
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llava", "text_config": {"model_type": "t5", "d_model": 64}}"#,
+    )
+    .unwrap();
+    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains(r#"text_config's model_type "t5": zrt builds model_type "llava"'s language model when it is one of "llama", "mistral""#),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// LLaVA-NeXT's (`llava_next`: LLaVA 1.6) around a Mistral, its
+/// `image_newline` left out with the tower, and LLaVA-OneVision's around
+/// a Qwen2 its `text_config` does not name (the class's default), load
+/// as their language models (see
+/// [`multimodal_loads_as_its_language_model`]).
+#[test]
+fn a_multimodal_llava_next_or_onevision_checkpoint_loads_and_exports_its_language_model() {
+    multimodal_loads_as_its_language_model(
+        "mistral",
+        r#"from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
+mm = LlavaNextForConditionalGeneration(LlavaNextConfig(text_config=m.config.to_dict(), vision_config=vision,
+    image_token_index=95, image_grid_pinpoints=[[28, 28]]))"#,
+        ("MistralForCausalLM", "mistral"),
+    );
+    multimodal_rewritten_loads_as_its_language_model(
+        "qwen2",
+        (
+            r#"from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
+mm = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(text_config=m.config.to_dict(),
+    vision_config=vision, image_token_index=95, video_token_index=94, image_grid_pinpoints=[[28, 28]]))"#,
+            r#"import json
+c = json.load(open("DIR/mm/config.json"))
+del c["text_config"]["model_type"]
+json.dump(c, open("DIR/mm/config.json", "w"))"#,
+        ),
+        ("Qwen2ForCausalLM", "qwen2"),
+    );
+}
+
+/// Idefics3's and SmolVLM's (`idefics3`, `smolvlm`: a SigLIP-like
+/// tower and a connector beside a Llama under `model.text_model.`) load
+/// as their language models (see
+/// [`multimodal_loads_as_its_language_model`]).
+#[test]
+fn a_multimodal_idefics3_or_smolvlm_checkpoint_loads_and_exports_its_language_model() {
+    for class in ["Idefics3", "SmolVLM"] {
+        multimodal_loads_as_its_language_model(
+            "llama",
+            &format!(
+                r#"from transformers import {class}Config, {class}ForConditionalGeneration
+vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14)
+mm = {class}ForConditionalGeneration({class}Config(text_config=m.config.to_dict(),
+    vision_config=vision, image_token_id=95, scale_factor=2))
+text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
+        for k, v in m.state_dict().items()}}"#
+            ),
+            ("LlamaForCausalLM", "llama"),
+        );
+    }
+}
+
+/// Aya Vision's (`aya_vision`: a SigLIP tower beside a Cohere 2) head
+/// is a plain matrix: `transformers` computes its logits without Cohere
+/// 2's `logit_scale`, which its text class multiplies them by. zrt
+/// refuses the config, naming both; with `logit_scale` 1 in its
+/// `text_config` the two agree, and it loads as its language model (see
+/// [`multimodal_loads_as_its_language_model`]).
+#[test]
+fn a_multimodal_aya_vision_checkpoint_loads_and_exports_its_language_model() {
+    multimodal_loads_as_its_language_model(
+        "cohere2",
+        r#"from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration
+vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
+tc = m.config.to_dict()
+tc["logit_scale"] = 1.0
+mm = AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=tc,
+    vision_config=vision, image_token_index=95, downsample_factor=2))"#,
+        ("Cohere2ForCausalLM", "cohere2"),
+    );
+    let dir = scratch("hf-aya-vision");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "aya_vision", "text_config": {"model_type": "cohere2",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 96}}"#,
+    )
+    .unwrap();
+    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains(r#"model_type "aya_vision"'s head computes its language model's logits as a plain matrix, where Cohere2ForCausalLM multiplies them by logit_scale 0.0625"#),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Case `name`'s seeded model as a multimodal model's language model:
 /// `wrap` (Python) builds the multimodal model `mm` around its config
 /// (and may name its state `text`, else the language model's tensors go
@@ -4820,7 +5012,7 @@ text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
         for k, v in m.state_dict().items()}}
 {wrap}
 missing, unexpected = mm.load_state_dict(text, strict=False)
-vision = ("vision", "visual", "projector")
+vision = ("vision", "visual", "projector", "image_newline", "connector")
 assert not unexpected and not [k for k in missing if not any(v in k for v in vision)], (missing, unexpected)
 mm.save_pretrained("{dir}/mm")
 {after}

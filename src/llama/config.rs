@@ -513,6 +513,11 @@ pub struct LlamaConfig {
     /// without that inference-time rescaling: `llama::rwkv`).
     /// `None` for the other families.
     pub rescale_every: Option<i64>,
+    /// The multimodal model (its `model_type`: `llava`, `gemma3`) whose
+    /// checkpoint this language model was read from, whose names its
+    /// tensors carry there (`model.language_model.`, beside a vision
+    /// tower zrt leaves out). `None` for a text model's own checkpoint.
+    pub language_model_of: Option<&'static str>,
 }
 
 impl LlamaConfig {
@@ -1220,6 +1225,7 @@ impl LlamaConfig {
                 Family::Rwkv => Some(rwkv::rescale_every(j)?),
                 _ => None,
             },
+            language_model_of: j.wrapper(),
         })
     }
 

@@ -147,14 +147,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
         cfg.family,
         Family::Ernie4_5Moe | Family::Qwen3Next | Family::LongcatFlash
     );
-    // Llama 4's published files are its multimodal model's, and so are
-    // Gemma 3's from 4B up, Mistral Small 3's and Qwen-VL's (the text
-    // families `crate::hf::MULTIMODAL` reads them as): the language
-    // model under `language_model.` (or as the text model's, Qwen-VL's),
-    // a vision encoder and projector beside it, which the text model
-    // leaves out.
-    let model_type = cfg.family.model_type();
-    let multimodal = (crate::hf::MULTIMODAL.iter()).any(|m| m.text_type == model_type);
+    // A multimodal checkpoint (Llama 4's published files, Gemma 3's
+    // from 4B up, Mistral Small 3's, Qwen-VL's, LLaVA's: the wrappers
+    // `crate::hf::MULTIMODAL` reads) holds the language model under
+    // `language_model.` (or as the text model's, Qwen-VL's), a vision
+    // encoder and projector beside it, which the text model leaves out.
+    let multimodal = cfg.language_model_of.is_some();
     // A file written from the base model (`OPTModel.save_pretrained`;
     // Meta's OPT files and BigScience's BLOOM files are named so) names
     // its tensors without the base model's prefix (`model`,
@@ -173,11 +171,12 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
         let nested;
         let n = match multimodal {
             true if VISION.iter().any(|v| n.starts_with(v)) => return None,
-            // `language_model.model.layers...` (the files `transformers`
-            // 4.57 writes), `model.language_model.layers...` (later ones).
-            true => match n.strip_prefix("model.language_model.") {
+            // The text model's base model (whose own prefix is
+            // `transformer` for some) under [`LANGUAGE_MODEL`]'s names;
+            // `language_model.lm_head`.
+            true => match (LANGUAGE_MODEL.iter()).find_map(|p| n.strip_prefix(p)) {
                 Some(rest) => {
-                    nested = format!("model.{rest}");
+                    nested = format!("{base}.{rest}");
                     nested.as_str()
                 }
                 None => n.strip_prefix("language_model.").unwrap_or(n),
@@ -203,18 +202,34 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     Ok(())
 }
 
+/// Where a multimodal checkpoint holds its language model's base model:
+/// `language_model.model.layers...` (the files `transformers` 4.57
+/// writes), `model.language_model.layers...` (later ones),
+/// `model.text_model.layers...` (Idefics3's and SmolVLM's).
+const LANGUAGE_MODEL: [&str; 3] = [
+    "model.language_model.",
+    "language_model.model.",
+    "model.text_model.",
+];
+
 /// The prefixes of a multimodal checkpoint's tensors that are not its
-/// language model's: Llama 4's vision encoder, Gemma 3's (SigLIP) and
-/// Mistral 3's (Pixtral) towers, their projectors, and Qwen-VL's
-/// (`visual`, its merger within), under either layout's names.
-const VISION: [&str; 7] = [
+/// language model's: Llama 4's vision encoder, the towers of Gemma 3
+/// (SigLIP), Mistral 3 (Pixtral), LLaVA and the others, their
+/// projectors (Idefics3's `connector`), Qwen-VL's (`visual`, its merger
+/// within), and LLaVA-NeXT's `image_newline`, under either layout's
+/// names.
+const VISION: [&str; 11] = [
     "vision_model.",
     "vision_tower.",
     "multi_modal_projector.",
     "visual.",
+    "image_newline",
     "model.visual.",
+    "model.vision_model.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.connector.",
+    "model.image_newline",
 ];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.

@@ -148,6 +148,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         z_loss: 0.0,
         keep_window: None,
         rescale_every: None,
+        language_model_of: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -3516,6 +3517,7 @@ fn unit_params_count_what_the_built_model_holds() {
         z_loss: 0.0,
         keep_window: None,
         rescale_every: None,
+        language_model_of: None,
     };
     let variants = [
         base.clone(),

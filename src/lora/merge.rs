@@ -244,19 +244,23 @@ enum LanguageModel {
     /// Under `language_model.` (the files `transformers` 4.57 writes:
     /// `language_model.model.layers.0...`, `language_model.lm_head`).
     Prefixed,
-    /// Under `model.language_model.` in place of `model.` (later
-    /// versions' files), the head where it is.
-    Nested,
+    /// Under `model.language_model.` (later versions' files) or
+    /// `model.text_model.` (Idefics3's, SmolVLM's) in place of `model.`,
+    /// the head where it is: the prefix.
+    Nested(&'static str),
 }
 
 impl LanguageModel {
     /// Where the base whose tensors are `held` keeps it.
     fn of(held: &Held) -> Self {
         let any = |prefix: &str| held.keys().any(|n| n.starts_with(prefix));
-        match (any("language_model."), any("model.language_model.")) {
+        let nested = ["model.language_model.", "model.text_model."]
+            .into_iter()
+            .find(|p| any(p));
+        match (any("language_model."), nested) {
             (true, _) => Self::Prefixed,
-            (false, true) => Self::Nested,
-            (false, false) => Self::Alone,
+            (false, Some(prefix)) => Self::Nested(prefix),
+            (false, None) => Self::Alone,
         }
     }
 
@@ -264,7 +268,7 @@ impl LanguageModel {
     fn in_base(self, name: &str) -> String {
         match (self, name.strip_prefix("model.")) {
             (Self::Prefixed, _) => format!("language_model.{name}"),
-            (Self::Nested, Some(rest)) => format!("model.language_model.{rest}"),
+            (Self::Nested(prefix), Some(rest)) => format!("{prefix}{rest}"),
             _ => name.to_string(),
         }
     }
@@ -847,8 +851,9 @@ mod tests {
         let legacy = base(&["language_model.model.norm.weight", "vision_tower.x"]);
         let nested = base(&["model.language_model.norm.weight", "lm_head.weight"]);
         let alone = base(&["model.norm.weight", "lm_head.weight"]);
+        let text = base(&["model.text_model.norm.weight", "model.connector.x"]);
         let name = "model.layers.0.self_attn.q_proj";
-        let found: Vec<String> = [legacy, nested, alone]
+        let found: Vec<String> = [legacy, nested, alone, text]
             .iter()
             .map(|held| LanguageModel::of(held).in_base(name))
             .collect();
@@ -858,6 +863,7 @@ mod tests {
                 "language_model.model.layers.0.self_attn.q_proj",
                 "model.language_model.layers.0.self_attn.q_proj",
                 "model.layers.0.self_attn.q_proj",
+                "model.text_model.layers.0.self_attn.q_proj",
             ]
         );
         let nested = LanguageModel::of(&base(&["model.language_model.norm.weight"]));

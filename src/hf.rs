@@ -304,8 +304,10 @@ pub enum HfModel {
     /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
     /// `qwen2_5_vl` and `qwen3_vl`, and of `llava`, `llava_next`,
-    /// `llava_next_video`, `llava_onevision`, `internvl`, `aya_vision`,
-    /// `idefics3` and `smolvlm`,
+    /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
+    /// `internvl`, `aya_vision`, `idefics2`, `idefics3`, `smolvlm`,
+    /// `lfm2-vl`, `got_ocr2`, `qwen2_audio`, `voxtral` and
+    /// `granite_speech`,
     /// whichever of those their `text_config` names (the table
     /// `hf::MULTIMODAL`).
     Llama(Llama),
@@ -622,8 +624,22 @@ pub(crate) enum TextModel {
     },
     /// Whichever text model its `text_config` names (LLaVA's: a Llama,
     /// a Mistral, a Qwen2, ...), `default` when it names none, as the
-    /// wrapper's class reads it.
-    Named { default: &'static str },
+    /// wrapper's class reads it; its logits computed by `head`.
+    Named {
+        default: &'static str,
+        head: WrappedHead,
+    },
+}
+
+/// What a [`TextModel::Named`] wrapper computes its logits with.
+pub(crate) enum WrappedHead {
+    /// A plain bias-free matrix of its own (`lm_head`) after the text
+    /// model's base model (`model.language_model`): what the text class
+    /// does to its logits (Cohere 2's `logit_scale`) is not done.
+    Plain,
+    /// The text model's whole causal LM (`language_model.lm_head`), and
+    /// so whatever its class does to the logits.
+    TextClass,
 }
 
 /// `LlamaConfig`'s sizes.
@@ -760,9 +776,13 @@ const CLASS_DEFAULTS: [ClassDefaults; 9] = [
 ///   text alone the three are the same, which is the text model's own
 ///   rotary embedding;
 /// - LLaVA's (`llava`, LLaVA-NeXT's `llava_next` and its video model's,
-///   LLaVA-OneVision's), Aya Vision's, InternVL's, Idefics3's and
-///   SmolVLM's, each around whichever text model its `text_config` names.
-pub(crate) const MULTIMODAL: [Multimodal; 14] = [
+///   LLaVA-OneVision's, VipLLaVA's, Video-LLaVA's), Aya Vision's,
+///   InternVL's, Idefics2's and 3's, SmolVLM's, LFM2-VL's and GOT-OCR2's,
+///   each around the base model of whichever text model its
+///   `text_config` names, with a plain head of its own;
+/// - Qwen2-Audio's, Voxtral's and Granite Speech's, each around the whole
+///   causal LM of the text model its `text_config` names.
+pub(crate) const MULTIMODAL: [Multimodal; 22] = [
     fixed("llama4", "llama4_text", "llama4_text", false),
     fixed("gemma3", "gemma3_text", "gemma3_text", false),
     fixed("mistral3", "mistral", "mistral", false),
@@ -777,11 +797,20 @@ pub(crate) const MULTIMODAL: [Multimodal; 14] = [
     named("internvl", "qwen2"),
     named("idefics3", "llama"),
     named("smolvlm", "llama"),
+    named("idefics2", "mistral"),
+    named("lfm2-vl", "lfm2"),
+    named("vipllava", "llama"),
+    named("video_llava", "llama"),
+    named("got_ocr2", "qwen2"),
+    whole("qwen2_audio", "qwen2"),
+    whole("voxtral", "llama"),
+    whole("granite_speech", "granite"),
 ];
 
 /// Refuses a language model `c` whose class does more to its logits
 /// than the wrapper it was read from does, when that wrapper takes
-/// whichever text model its `text_config` names ([`TextModel::Named`]):
+/// the base model of whichever text model its `text_config` names
+/// ([`WrappedHead::Plain`]):
 /// its head is a plain bias-free matrix, so `transformers` computes
 /// Aya Vision's Cohere 2 logits without the text class's `logit_scale`
 /// (a Granite's without `logits_scaling`, a Gemma 2's without the
@@ -791,8 +820,15 @@ fn head_as_wrapped(c: &LlamaConfig, j: &HfJson) -> Result<(), HfError> {
     let Some(wrapper) = j.wrapper() else {
         return Ok(());
     };
-    let named = (MULTIMODAL.iter().find(|m| m.model_type == wrapper))
-        .is_some_and(|m| matches!(m.text, TextModel::Named { .. }));
+    let named = (MULTIMODAL.iter().find(|m| m.model_type == wrapper)).is_some_and(|m| {
+        matches!(
+            m.text,
+            TextModel::Named {
+                head: WrappedHead::Plain,
+                ..
+            }
+        )
+    });
     let more = [
         (c.logit_scale != 1.0).then(|| format!("multiplies them by logit_scale {}", c.logit_scale)),
         (c.logits_scaling != 1.0)
@@ -823,11 +859,28 @@ const fn fixed(
     }
 }
 
-/// A [`Multimodal`] around the text model its `text_config` names.
+/// A [`Multimodal`] around the base model of the text model its
+/// `text_config` names, with a plain head of its own.
 const fn named(model_type: &'static str, default: &'static str) -> Multimodal {
     Multimodal {
         model_type,
-        text: TextModel::Named { default },
+        text: TextModel::Named {
+            default,
+            head: WrappedHead::Plain,
+        },
+        top_level: false,
+    }
+}
+
+/// A [`Multimodal`] around the whole causal LM of the text model its
+/// `text_config` names.
+const fn whole(model_type: &'static str, default: &'static str) -> Multimodal {
+    Multimodal {
+        model_type,
+        text: TextModel::Named {
+            default,
+            head: WrappedHead::TextClass,
+        },
         top_level: false,
     }
 }
@@ -956,7 +1009,7 @@ impl HfJson {
                     "text_config's model_type {other:?}: model_type {given:?}'s language model is {named:?}, which zrt builds as {text_type:?}; give that"
                 )))
             }
-            (TextModel::Named { default }, names) => {
+            (TextModel::Named { default, .. }, names) => {
                 let named = names.unwrap_or(default);
                 match Family::of(named) {
                     Some(family) => (family.model_type(), family.model_type()),

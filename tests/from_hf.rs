@@ -4944,6 +4944,112 @@ text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
     }
 }
 
+/// The other wrappers zrt reads, each around the text model of a case
+/// (see [`multimodal_loads_as_its_language_model`]): Idefics2's around a
+/// Mistral (`model.text_model.`), LFM2-VL's around an LFM2, VipLLaVA's
+/// and Video-LLaVA's (two towers) around a Llama, GOT-OCR2's around a
+/// Qwen2, and the audio models holding a whole causal LM under
+/// `language_model.`: Qwen2-Audio's around a Qwen2, Voxtral's around a
+/// Llama, and Granite Speech's around a Granite, whose logits its own
+/// head divides by `logits_scaling` (8) inside the wrapper too.
+#[test]
+fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
+    let clip = r#"dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)"#;
+    let audio = "dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, \
+                 encoder_ffn_dim=32, d_model=32, max_source_positions=16";
+    let whole = r#"text = {"language_model." + k: v for k, v in m.state_dict().items()}"#;
+    let cases = [
+        (
+            "mistral",
+            "Idefics2",
+            "vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, \
+             num_attention_heads=2, image_size=28, patch_size=14), perceiver_config=dict(\
+             hidden_act=\"silu\", resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2, \
+             resampler_head_dim=8, num_key_value_heads=1), image_token_id=95"
+                .to_string(),
+            r#"text = {("model.text_model." + k[6:] if k.startswith("model.") else k): v
+        for k, v in m.state_dict().items()}"#,
+            ("MistralForCausalLM", "mistral"),
+        ),
+        (
+            "lfm2",
+            "Lfm2Vl",
+            "vision_config=dict(model_type=\"siglip2_vision_model\", hidden_size=32, \
+             intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_patches=16, \
+             patch_size=14), image_token_id=95, projector_hidden_size=32"
+                .to_string(),
+            "",
+            ("Lfm2ForCausalLM", "lfm2"),
+        ),
+        (
+            "llama",
+            "VipLlava",
+            format!("vision_config=dict({clip}, num_hidden_layers=6), image_token_index=95"),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "llama",
+            "VideoLlava",
+            format!("vision_config={clip}, image_token_index=95, video_token_index=94"),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "qwen2",
+            "GotOcr2",
+            "vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, \
+             num_attention_heads=2, mlp_dim=64, image_size=64, patch_size=16, \
+             global_attn_indexes=[0], window_size=2), image_token_index=95"
+                .to_string(),
+            "",
+            ("Qwen2ForCausalLM", "qwen2"),
+        ),
+        (
+            "qwen2",
+            "Qwen2Audio",
+            format!("audio_config={audio}), audio_token_index=95"),
+            whole,
+            ("Qwen2ForCausalLM", "qwen2"),
+        ),
+        (
+            "llama",
+            "Voxtral",
+            format!(
+                "audio_config={audio}, intermediate_size=32, hidden_size=32, \
+                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2), \
+                 audio_token_id=95"
+            ),
+            whole,
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "granite",
+            "GraniteSpeech",
+            "encoder_config=dict(input_dim=16, num_layers=1, hidden_dim=32, feedforward_mult=2, \
+             num_heads=2, dim_head=16, output_dim=8, context_size=4), projector_config=dict(\
+             model_type=\"blip_2_qformer\", hidden_size=32, num_hidden_layers=1, \
+             num_attention_heads=2, intermediate_size=64, encoder_hidden_size=32), \
+             audio_token_index=95, window_size=4, downsample_rate=2"
+                .to_string(),
+            whole,
+            ("GraniteForCausalLM", "granite"),
+        ),
+    ];
+    for (name, class, args, text, causal) in cases {
+        multimodal_loads_as_its_language_model(
+            name,
+            &format!(
+                "from transformers import {class}Config, {class}ForConditionalGeneration
+mm = {class}ForConditionalGeneration({class}Config(text_config=m.config.to_dict(), {args}))
+{text}"
+            ),
+            causal,
+        );
+    }
+}
+
 /// Aya Vision's (`aya_vision`: a SigLIP tower beside a Cohere 2) head
 /// is a plain matrix: `transformers` computes its logits without Cohere
 /// 2's `logit_scale`, which its text class multiplies them by. zrt
@@ -5012,7 +5118,7 @@ text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
         for k, v in m.state_dict().items()}}
 {wrap}
 missing, unexpected = mm.load_state_dict(text, strict=False)
-vision = ("vision", "visual", "projector", "image_newline", "connector")
+vision = ("vision", "visual", "projector", "image_newline", "connector", "tower", "encoder.")
 assert not unexpected and not [k for k in missing if not any(v in k for v in vision)], (missing, unexpected)
 mm.save_pretrained("{dir}/mm")
 {after}

@@ -170,7 +170,7 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     plan.rename_weights(move |n| {
         let nested;
         let n = match multimodal {
-            true if VISION.iter().any(|v| n.starts_with(v)) => return None,
+            true if TOWERS.iter().any(|v| n.starts_with(v)) => return None,
             // The text model's base model (whose own prefix is
             // `transformer` for some) under [`LANGUAGE_MODEL`]'s names;
             // `language_model.lm_head`.
@@ -216,17 +216,26 @@ const LANGUAGE_MODEL: [&str; 3] = [
 /// language model's: Llama 4's vision encoder, the towers of Gemma 3
 /// (SigLIP), Mistral 3 (Pixtral), LLaVA and the others, their
 /// projectors (Idefics3's `connector`), Qwen-VL's (`visual`, its merger
-/// within), and LLaVA-NeXT's `image_newline`, under either layout's
-/// names.
-const VISION: [&str; 11] = [
+/// within), LLaVA-NeXT's `image_newline`, Video-LLaVA's image and video
+/// towers, and the audio encoders of Qwen2-Audio and Voxtral
+/// (`audio_tower`) and Granite Speech (`encoder`, `projector`), under
+/// either layout's names.
+const TOWERS: [&str; 18] = [
     "vision_model.",
     "vision_tower.",
     "multi_modal_projector.",
     "visual.",
     "image_newline",
+    "image_tower.",
+    "video_tower.",
+    "audio_tower.",
+    "encoder.",
+    "projector.",
     "model.visual.",
     "model.vision_model.",
     "model.vision_tower.",
+    "model.image_tower.",
+    "model.video_tower.",
     "model.multi_modal_projector.",
     "model.connector.",
     "model.image_newline",

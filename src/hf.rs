@@ -303,11 +303,11 @@ pub enum HfModel {
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
     /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
-    /// `qwen2_5_vl` and `qwen3_vl`, and of `llava`, `llava_next`,
+    /// `qwen2_5_vl`, `qwen3_vl` and `ovis2`, and of `llava`, `llava_next`,
     /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
     /// `internvl`, `aya_vision`, `idefics2`, `idefics3`, `smolvlm`,
-    /// `lfm2-vl`, `got_ocr2`, `qwen2_audio`, `voxtral` and
-    /// `granite_speech`,
+    /// `lfm2-vl`, `got_ocr2`, `janus`, `deepseek_vl`, `cohere2_vision`,
+    /// `qwen2_audio`, `voxtral` and `granite_speech`,
     /// whichever of those their `text_config` names (the table
     /// `hf::MULTIMODAL`).
     Llama(Llama),
@@ -777,12 +777,14 @@ const CLASS_DEFAULTS: [ClassDefaults; 9] = [
 ///   rotary embedding;
 /// - LLaVA's (`llava`, LLaVA-NeXT's `llava_next` and its video model's,
 ///   LLaVA-OneVision's, VipLLaVA's, Video-LLaVA's), Aya Vision's,
-///   InternVL's, Idefics2's and 3's, SmolVLM's, LFM2-VL's and GOT-OCR2's,
-///   each around the base model of whichever text model its
-///   `text_config` names, with a plain head of its own;
+///   InternVL's, Idefics2's and 3's, SmolVLM's, LFM2-VL's, GOT-OCR2's,
+///   Janus's, DeepSeek-VL's and Command A Vision's, each around the base
+///   model of whichever text model its `text_config` names, with a plain
+///   head of its own;
+/// - Ovis2's, around a Qwen2;
 /// - Qwen2-Audio's, Voxtral's and Granite Speech's, each around the whole
 ///   causal LM of the text model its `text_config` names.
-pub(crate) const MULTIMODAL: [Multimodal; 22] = [
+pub(crate) const MULTIMODAL: [Multimodal; 26] = [
     fixed("llama4", "llama4_text", "llama4_text", false),
     fixed("gemma3", "gemma3_text", "gemma3_text", false),
     fixed("mistral3", "mistral", "mistral", false),
@@ -802,6 +804,10 @@ pub(crate) const MULTIMODAL: [Multimodal; 22] = [
     named("vipllava", "llama"),
     named("video_llava", "llama"),
     named("got_ocr2", "qwen2"),
+    named("janus", "llama"),
+    named("deepseek_vl", "llama"),
+    named("cohere2_vision", "cohere2"),
+    fixed("ovis2", "qwen2", "qwen2", false),
     whole("qwen2_audio", "qwen2"),
     whole("voxtral", "llama"),
     whole("granite_speech", "granite"),

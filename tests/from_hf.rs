@@ -4951,7 +4951,9 @@ text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
 /// Qwen2, and the audio models holding a whole causal LM under
 /// `language_model.`: Qwen2-Audio's around a Qwen2, Voxtral's around a
 /// Llama, and Granite Speech's around a Granite, whose logits its own
-/// head divides by `logits_scaling` (8) inside the wrapper too.
+/// head divides by `logits_scaling` (8) inside the wrapper too; and
+/// Janus's (its image generation parts left out) and DeepSeek-VL's
+/// around a Llama, Ovis2's around a Qwen2.
 #[test]
 fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
     let clip = r#"dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
@@ -4959,6 +4961,8 @@ fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
     let audio = "dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, \
                  encoder_ffn_dim=32, d_model=32, max_source_positions=16";
     let whole = r#"text = {"language_model." + k: v for k, v in m.state_dict().items()}"#;
+    let siglip = r#"model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+    num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14"#;
     let cases = [
         (
             "mistral",
@@ -5036,6 +5040,36 @@ fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
             whole,
             ("GraniteForCausalLM", "granite"),
         ),
+        (
+            "llama",
+            "Janus",
+            "vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, \
+             image_size=28, patch_size=14, projection_dim=64, num_image_tokens=4), \
+             vq_config=dict(embed_dim=8, num_embeddings=32, latent_channels=32, num_patches=4, \
+             base_channels=32, channel_multiplier=[1, 2], num_res_blocks=1, projection_dim=64, \
+             image_token_embed_dim=64)"
+                .to_string(),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "llama",
+            "DeepseekVL",
+            format!("vision_config=dict({siglip}), image_token_id=95"),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "qwen2",
+            "Ovis2",
+            "vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, \
+             num_attention_heads=2, image_size=28, patch_size=14, vocab_size=16), \
+             image_token_id=95, visual_indicator_token_ids=[90, 91, 92, 93, 94], vocab_size=96, \
+             hidden_size=64"
+                .to_string(),
+            "",
+            ("Qwen2ForCausalLM", "qwen2"),
+        ),
     ];
     for (name, class, args, text, causal) in cases {
         multimodal_loads_as_its_language_model(
@@ -5070,18 +5104,23 @@ mm = AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=tc,
         ("Cohere2ForCausalLM", "cohere2"),
     );
     let dir = scratch("hf-aya-vision");
-    std::fs::write(
-        dir.join("config.json"),
-        r#"{"model_type": "aya_vision", "text_config": {"model_type": "cohere2",
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "vocab_size": 96}}"#,
-    )
-    .unwrap();
-    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
-    assert!(
-        err.contains(r#"model_type "aya_vision"'s head computes its language model's logits as a plain matrix, where Cohere2ForCausalLM multiplies them by logit_scale 0.0625"#),
-        "{err}"
-    );
+    // Command A Vision's (`cohere2_vision`) head is as plain.
+    for wrapper in ["aya_vision", "cohere2_vision"] {
+        std::fs::write(
+            dir.join("config.json"),
+            format!(
+                r#"{{"model_type": "{wrapper}", "text_config": {{"model_type": "cohere2",
+                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "vocab_size": 96}}}}"#
+            ),
+        )
+        .unwrap();
+        let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("model_type \"{wrapper}\"'s head computes its language model's logits as a plain matrix, where Cohere2ForCausalLM multiplies them by logit_scale 0.0625")),
+            "{err}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -5118,7 +5157,8 @@ text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
         for k, v in m.state_dict().items()}}
 {wrap}
 missing, unexpected = mm.load_state_dict(text, strict=False)
-vision = ("vision", "visual", "projector", "image_newline", "connector", "tower", "encoder.")
+vision = ("vision", "visual", "projector", "image_newline", "connector", "tower", "encoder.",
+          "aligner", "generation_", "vqmodel")
 assert not unexpected and not [k for k in missing if not any(v in k for v in vision)], (missing, unexpected)
 mm.save_pretrained("{dir}/mm")
 {after}

@@ -217,10 +217,11 @@ const LANGUAGE_MODEL: [&str; 3] = [
 /// (SigLIP), Mistral 3 (Pixtral), LLaVA and the others, their
 /// projectors (Idefics3's `connector`), Qwen-VL's (`visual`, its merger
 /// within), LLaVA-NeXT's `image_newline`, Video-LLaVA's image and video
-/// towers, and the audio encoders of Qwen2-Audio and Voxtral
-/// (`audio_tower`) and Granite Speech (`encoder`, `projector`), under
-/// either layout's names.
-const TOWERS: [&str; 18] = [
+/// towers, Janus's image generation parts and DeepSeek-VL's `aligner`,
+/// Ovis2's visual embeddings, and the audio encoders of Qwen2-Audio and
+/// Voxtral (`audio_tower`) and Granite Speech (`encoder`, `projector`),
+/// under either layout's names.
+const TOWERS: &[&str] = &[
     "vision_model.",
     "vision_tower.",
     "multi_modal_projector.",
@@ -239,6 +240,12 @@ const TOWERS: [&str; 18] = [
     "model.multi_modal_projector.",
     "model.connector.",
     "model.image_newline",
+    "model.aligner.",
+    "model.generation_aligner.",
+    "model.generation_embeddings.",
+    "model.generation_head.",
+    "model.vqmodel.",
+    "model.visual_embeddings_table.",
 ];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.

@@ -243,6 +243,17 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
     })
 }
 
+/// The multimodal model (its `model_type`: `llava`, `gemma3`) whose
+/// language model zrt builds from `config`, or `None` for a text model's
+/// config: what `zrt estimate` says its count leaves out (the towers,
+/// which zrt neither builds nor trains).
+pub fn language_model_of(config: impl AsRef<Path>) -> Result<Option<&'static str>, HfError> {
+    Ok(match counted_layout(config.as_ref())? {
+        Layout::Llama(c) => c.language_model_of,
+        _ => None,
+    })
+}
+
 /// The values of the buffers the model of `config` holds as frozen
 /// variables beside its parameters ([`LlamaConfig::frozen_buffers`]:
 /// MiniMax's decays; 0 for the other models), which [`unit_params`] does

@@ -1261,7 +1261,30 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         let (ok, out) = zrt(&["estimate", "--hf-config", config, "--world", "8"]);
         assert!(ok && out.contains(params) && out.contains(largest), "{out}");
         assert!(!out.contains("frozen"), "{out}");
+        assert!(!out.contains("the language model of"), "{out}");
     }
+    // LLaVA 1.5 7B's published config: its language model (every size
+    // but the vocabulary `LlamaConfig`'s defaults), counted as
+    // transformers counts it, the CLIP tower said to be left out.
+    let llava = dir.join("llava.json");
+    std::fs::write(
+        &llava,
+        r#"{"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava", "pad_token_id": 32001, "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064}, "tie_word_embeddings": false, "torch_dtype": "float16", "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}, "vocab_size": 32064}"#,
+    )
+    .unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        llava.to_str().unwrap(),
+        "--world",
+        "8",
+    ]);
+    assert!(
+        ok && out.contains("6738939904 params in 34 units")
+            && out
+                .contains(r#"the language model of a "llava" checkpoint, which zrt trains alone"#),
+        "{out}"
+    );
     // MiniMax's decay buffers, held as frozen parameters, are counted as
     // frozen: its second layer's (4 heads, blocks of 256), 4 x (1 + 2 x
     // 256 + 256^2).

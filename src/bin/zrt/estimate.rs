@@ -171,6 +171,11 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         path.display(),
         units.len() - 1
     );
+    if let Some(wrapper) = zrt::hf::language_model_of(path)? {
+        println!(
+            "the language model of a {wrapper:?} checkpoint, which zrt trains alone: the image or audio encoder beside it is neither built nor counted"
+        );
+    }
     if buffers > 0 {
         println!(
             "and {buffers} values of buffers its class writes into its files, which zrt holds as frozen parameters (counted below as frozen)"

@@ -2285,33 +2285,72 @@ with torch.no_grad():
 }
 
 /// An adapter of a multimodal model's language model (what zrt trains
-/// on a `gemma3` or `mistral3` checkpoint: its names the text model's)
+/// on a `gemma3` or `idefics3` checkpoint: its names the text model's)
 /// merges into the multimodal base itself: each update goes into the
-/// language model's matrix under the base's prefix (`language_model.`),
-/// the vision tower is written as it was, and the merged multimodal
-/// model computes the text-only logits of PEFT's merged text model.
+/// language model's matrix under the base's prefix (Gemma 3's files:
+/// `language_model.model.`; Idefics3's: `model.text_model.`), the
+/// vision tower is written as it was, and the merged multimodal model
+/// computes the text-only logits of PEFT's merged text model.
 #[test]
 fn an_adapter_of_a_multimodal_models_language_model_merges_into_the_multimodal_base() {
-    let dir = scratch("lora-multimodal-merge");
-    let model = common::hf_seeded_model(
-        "from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M",
-        "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5",
-        &dir,
-        "",
+    adapter_merges_into_the_multimodal_base(
+        "gemma3",
+        (
+            "from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5",
+        ),
+        (
+            "Gemma3ForConditionalGeneration",
+            r#"from transformers import Gemma3Config
+mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=m.config.to_dict(), vision_config=vision,
+    mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94))
+text = {("model.language_model." + k[6:] if k.startswith("model.") else k): v
+        for k, v in m.state_dict().items()}"#,
+        ),
+        "language_model.model.layers.",
     );
+    adapter_merges_into_the_multimodal_base(
+        "idefics3",
+        (
+            "from transformers import LlamaConfig as C, LlamaForCausalLM as M",
+            "vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64",
+        ),
+        (
+            "Idefics3ForConditionalGeneration",
+            r#"from transformers import Idefics3Config
+mm = Idefics3ForConditionalGeneration(Idefics3Config(text_config=m.config.to_dict(),
+    vision_config=vision, image_token_id=95, scale_factor=2))
+text = {("model.text_model." + k[6:] if k.startswith("model.") else k): v
+        for k, v in m.state_dict().items()}"#,
+        ),
+        "model.text_model.layers.",
+    );
+}
+
+/// [`an_adapter_of_a_multimodal_models_language_model_merges_into_the_multimodal_base`]
+/// for the seeded text model `(import, args)` inside `class`, which
+/// `wrap` (Python) builds as `mm` around it (`vision` a tower's config)
+/// and whose state it names `text`; the merged matrices are under
+/// `prefix`.
+fn adapter_merges_into_the_multimodal_base(
+    name: &str,
+    (import, args): (&str, &str),
+    (class, wrap): (&str, &str),
+    prefix: &str,
+) {
+    let dir = scratch(&format!("lora-multimodal-merge-{name}"));
+    let model = common::hf_seeded_model(import, args, &dir, "");
     let said = common::python(&format!(
         r#"{model}
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import {class}
 from peft import LoraConfig, get_peft_model
 vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=28, patch_size=14)
-mm = Gemma3ForConditionalGeneration(Gemma3Config(text_config=m.config.to_dict(), vision_config=vision,
-    mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94))
-text = {{("model.language_model." + k[6:] if k.startswith("model.") else k): v
-        for k, v in m.state_dict().items()}}
+{wrap}
 mm.load_state_dict(text, strict=False)
 mm.save_pretrained("{dir}/mm")
-tower = {{k: v.clone() for k, v in mm.state_dict().items() if "vision_tower" in k}}
+tower = {{k: v.clone() for k, v in mm.state_dict().items() if "vision" in k}}
+assert tower
 torch.save(tower, "{dir}/tower.pt")
 peft = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                                      init_lora_weights=False))
@@ -2331,15 +2370,15 @@ print("ok")
     // Two layers' q_proj, v_proj and up_proj, under the base's names.
     assert_eq!(m.matrices.len(), 6, "{:?}", m.matrices);
     assert!(
-        (m.matrices.iter()).all(|n| n.starts_with("language_model.model.layers.")),
+        (m.matrices.iter()).all(|n| n.starts_with(prefix)),
         "{:?}",
         m.matrices
     );
     let said = common::python(&format!(
         r#"
 import torch
-from transformers import Gemma3ForConditionalGeneration
-m, info = Gemma3ForConditionalGeneration.from_pretrained("{out}", output_loading_info=True)
+from transformers import {class}
+m, info = {class}.from_pretrained("{out}", output_loading_info=True)
 assert not any(info.values()), info
 tokens, want = torch.load("{dir}/want.pt")
 tower = torch.load("{dir}/tower.pt")

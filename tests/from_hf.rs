@@ -4946,7 +4946,8 @@ text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
 
 /// The other wrappers zrt reads, each around the text model of a case
 /// (see [`multimodal_loads_as_its_language_model`]): Idefics2's around a
-/// Mistral (`model.text_model.`), LFM2-VL's around an LFM2, VipLLaVA's
+/// Mistral (`model.text_model.`), LFM2-VL's around an LFM2, InternVL's
+/// around a Qwen2, LLaVA-NeXT-Video's around a Llama, VipLLaVA's
 /// and Video-LLaVA's (two towers) around a Llama, GOT-OCR2's around a
 /// Qwen2, and the audio models holding a whole causal LM under
 /// `language_model.`: Qwen2-Audio's around a Qwen2, Voxtral's around a
@@ -4997,6 +4998,25 @@ fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
             "llama",
             "VideoLlava",
             format!("vision_config={clip}, image_token_index=95, video_token_index=94"),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "qwen2",
+            "InternVL",
+            "vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, \
+             intermediate_size=64, image_size=[28, 28], patch_size=[14, 14]), image_token_id=95"
+                .to_string(),
+            "",
+            ("Qwen2ForCausalLM", "qwen2"),
+        ),
+        (
+            "llama",
+            "LlavaNextVideo",
+            format!(
+                "vision_config={clip}, image_token_index=95, video_token_index=94, \
+                 image_grid_pinpoints=[[28, 28]]"
+            ),
             "",
             ("LlamaForCausalLM", "llama"),
         ),

@@ -4811,10 +4811,7 @@ mm = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=tc, vision_config
     image_token_id=95, video_token_id=94, vision_start_token_id=93, vision_end_token_id=92,
     tie_word_embeddings=True))
 assert mm.config.text_config.rope_theta == 5e6"#,
-            r#"import json
-c = json.load(open("DIR/mm/config.json"))
-del c["text_config"]["rope_theta"]
-json.dump(c, open("DIR/mm/config.json", "w"))"#,
+            &left_out_of_the_text_config("rope_theta"),
         ),
         ("Qwen3ForCausalLM", "qwen3"),
     );
@@ -4912,10 +4909,7 @@ vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_siz
               num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
 mm = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(text_config=m.config.to_dict(),
     vision_config=vision, image_token_index=95, video_token_index=94, image_grid_pinpoints=[[28, 28]]))"#,
-            r#"import json
-c = json.load(open("DIR/mm/config.json"))
-del c["text_config"]["model_type"]
-json.dump(c, open("DIR/mm/config.json", "w"))"#,
+            &left_out_of_the_text_config("model_type"),
         ),
         ("Qwen2ForCausalLM", "qwen2"),
     );
@@ -5142,6 +5136,18 @@ mm = AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=tc,
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Python that takes `key` out of the written multimodal model's
+/// `text_config` (for [`multimodal_rewritten_loads_as_its_language_model`]),
+/// as a published config leaves it to the class's default.
+fn left_out_of_the_text_config(key: &str) -> String {
+    format!(
+        r#"import json
+c = json.load(open("DIR/mm/config.json"))
+del c["text_config"]["{key}"]
+json.dump(c, open("DIR/mm/config.json", "w"))"#
+    )
 }
 
 /// Case `name`'s seeded model as a multimodal model's language model:

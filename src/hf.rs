@@ -314,7 +314,7 @@ pub enum HfModel {
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
     /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
-    /// `qwen2_5_vl`, `qwen3_vl` and `ovis2`, and of `llava`, `llava_next`,
+    /// `qwen2_5_vl`, `qwen3_vl`, `ovis2` and `fuyu`, and of `llava`, `llava_next`,
     /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
     /// `internvl`, `aya_vision`, `idefics2`, `idefics3`, `smolvlm`,
     /// `lfm2-vl`, `got_ocr2`, `janus`, `deepseek_vl`, `cohere2_vision`,
@@ -617,7 +617,7 @@ impl HfModel {
 /// A multimodal model whose language model zrt builds from its
 /// checkpoint: the wrapper's `model_type`; which language model its
 /// `text_config` holds ([`TextModel`]); and whether its text fields may
-/// stand at the top level instead (older Qwen-VL configs).
+/// stand at the top level instead (older Qwen-VL configs, Fuyu's).
 pub(crate) struct Multimodal {
     pub(crate) model_type: &'static str,
     pub(crate) text: TextModel,
@@ -792,10 +792,11 @@ const CLASS_DEFAULTS: [ClassDefaults; 9] = [
 ///   Janus's, DeepSeek-VL's and Command A Vision's, each around the base
 ///   model of whichever text model its `text_config` names, with a plain
 ///   head of its own;
-/// - Ovis2's, around a Qwen2;
+/// - Ovis2's, around a Qwen2, and Fuyu's, around a Persimmon (its text
+///   fields at the top level in a config without a `text_config`);
 /// - Qwen2-Audio's, Voxtral's and Granite Speech's, each around the whole
 ///   causal LM of the text model its `text_config` names.
-pub(crate) const MULTIMODAL: [Multimodal; 26] = [
+pub(crate) const MULTIMODAL: [Multimodal; 27] = [
     fixed("llama4", "llama4_text", "llama4_text", false),
     fixed("gemma3", "gemma3_text", "gemma3_text", false),
     fixed("mistral3", "mistral", "mistral", false),
@@ -819,6 +820,7 @@ pub(crate) const MULTIMODAL: [Multimodal; 26] = [
     named("deepseek_vl", "llama"),
     named("cohere2_vision", "cohere2"),
     fixed("ovis2", "qwen2", "qwen2", false),
+    fixed("fuyu", "persimmon", "persimmon", true),
     whole("qwen2_audio", "qwen2"),
     whole("voxtral", "llama"),
     whole("granite_speech", "granite"),
@@ -837,7 +839,7 @@ fn head_as_wrapped(c: &LlamaConfig, j: &HfJson) -> Result<(), HfError> {
     let Some(wrapper) = j.wrapper() else {
         return Ok(());
     };
-    let named = (MULTIMODAL.iter().find(|m| m.model_type == wrapper)).is_some_and(|m| {
+    let plain = (MULTIMODAL.iter().find(|m| m.model_type == wrapper)).is_some_and(|m| {
         matches!(
             m.text,
             TextModel::Named {
@@ -853,7 +855,7 @@ fn head_as_wrapped(c: &LlamaConfig, j: &HfJson) -> Result<(), HfError> {
         (c.final_softcap).map(|cap| format!("caps them (final_logit_softcapping {cap})")),
         c.head_bias.then(|| "adds a bias".to_string()),
     ];
-    match (named, more.into_iter().flatten().next()) {
+    match (plain, more.into_iter().flatten().next()) {
         (true, Some(more)) => Err(j.field(format!(
             "model_type {wrapper:?}'s head computes its language model's logits as a plain matrix, where {} {more}: which of the two the checkpoint was trained with is not settled, so zrt refuses it; a text_config that makes the class's head plain too (logit_scale 1, logits_scaling 1, no soft cap) is read",
             c.family.architecture()

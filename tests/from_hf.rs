@@ -4948,7 +4948,7 @@ text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
 /// Llama, and Granite Speech's around a Granite, whose logits its own
 /// head divides by `logits_scaling` (8) inside the wrapper too; and
 /// Janus's (its image generation parts left out) and DeepSeek-VL's
-/// around a Llama, Ovis2's around a Qwen2.
+/// around a Llama, Ovis2's around a Qwen2, Fuyu's around a Persimmon.
 #[test]
 fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
     let clip = r#"dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
@@ -5096,6 +5096,22 @@ mm = {class}ForConditionalGeneration({class}Config(text_config=m.config.to_dict(
             causal,
         );
     }
+    // Fuyu's around a Persimmon, its config's text fields moved to the
+    // top level, where `FuyuConfig` reads them without a `text_config`.
+    multimodal_rewritten_loads_as_its_language_model(
+        "persimmon",
+        (
+            "from transformers import FuyuConfig, FuyuForCausalLM
+mm = FuyuForCausalLM(FuyuConfig(text_config=m.config.to_dict(), patch_size=4, image_token_id=95))",
+            r#"import json
+c = json.load(open("DIR/mm/config.json"))
+t = c.pop("text_config")
+t.pop("model_type")
+c.update(t)
+json.dump(c, open("DIR/mm/config.json", "w"))"#,
+        ),
+        ("PersimmonForCausalLM", "persimmon"),
+    );
 }
 
 /// Aya Vision's (`aya_vision`: a SigLIP tower beside a Cohere 2) head

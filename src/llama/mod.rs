@@ -149,9 +149,10 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     );
     // A multimodal checkpoint (Llama 4's published files, Gemma 3's
     // from 4B up, Mistral Small 3's, Qwen-VL's, LLaVA's: the wrappers
-    // `crate::hf::MULTIMODAL` reads) holds the language model under
-    // `language_model.` (or as the text model's, Qwen-VL's), a vision
-    // encoder and projector beside it, which the text model leaves out.
+    // `crate::hf::MULTIMODAL` reads) holds the language model under a
+    // prefix of its own (`LANGUAGE_MODEL`, or as the text model's,
+    // Qwen-VL's), a vision or audio encoder and projector beside it
+    // (`TOWERS`), which the text model leaves out.
     let multimodal = cfg.language_model_of.is_some();
     // A file written from the base model (`OPTModel.save_pretrained`;
     // Meta's OPT files and BigScience's BLOOM files are named so) names
@@ -218,7 +219,7 @@ const LANGUAGE_MODEL: [&str; 3] = [
 /// projectors (Idefics3's `connector`), Qwen-VL's (`visual`, its merger
 /// within), LLaVA-NeXT's `image_newline`, Video-LLaVA's image and video
 /// towers, Janus's image generation parts and DeepSeek-VL's `aligner`,
-/// Ovis2's visual embeddings, and the audio encoders of Qwen2-Audio and
+/// Ovis2's visual embeddings, Fuyu's patch projection, and the audio encoders of Qwen2-Audio and
 /// Voxtral (`audio_tower`) and Granite Speech (`encoder`, `projector`),
 /// under either layout's names.
 const TOWERS: &[&str] = &[
@@ -246,6 +247,8 @@ const TOWERS: &[&str] = &[
     "model.generation_head.",
     "model.vqmodel.",
     "model.visual_embeddings_table.",
+    "vision_embed_tokens.",
+    "model.vision_embed_tokens.",
 ];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.

@@ -1041,6 +1041,13 @@ impl HfJson {
                 }
             }
         };
+        // A quantized multimodal checkpoint says so at the top level
+        // (bitsandbytes', GPTQ's, AWQ's): its language model's matrices
+        // are the quantized ones, which zrt refuses to train as if they
+        // were not (`LlamaConfig`'s reading says how to load them).
+        if let Some(q) = self.get("quantization_config") {
+            text.entry("quantization_config").or_insert(q.clone());
+        }
         let class = CLASS_DEFAULTS.iter().find(|c| c.named == named);
         for (key, default) in class.map_or(&[][..], |c| c.sizes) {
             text.entry(*key).or_insert((*default).into());

@@ -120,9 +120,10 @@ pub fn dequantize(from: &Path, out: &Path) -> Result<Dequantized, HfError> {
             ))
         }
         Some(m) => {
+            let m = m.map_or("missing".to_string(), |m| format!("{m:?}"));
             return Err(field(format!(
-                "quantization_config's quant_method {m:?}: zrt dequantizes mxfp4 only; dequantize it with transformers (from_pretrained, then save_pretrained)"
-            )))
+                "quantization_config's quant_method {m}: zrt dequantizes mxfp4 only; dequantize it with transformers (from_pretrained, then save_pretrained)"
+            )));
         }
     }
     let paths: Vec<PathBuf> = base_files(from)?.into_iter().map(|(p, _)| p).collect();
@@ -463,7 +464,7 @@ mod tests {
             &[],
         );
         assert!(
-            other.contains(r#"quant_method Some("fp8"): zrt dequantizes mxfp4 only"#),
+            other.contains(r#"quant_method "fp8": zrt dequantizes mxfp4 only"#),
             "{other}"
         );
         let alone = refused(

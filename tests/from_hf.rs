@@ -4882,6 +4882,20 @@ text = {{("model.language_model." + k[12:] if k.startswith("transformer.") else 
         err.contains(r#"text_config's model_type "t5": zrt builds model_type "llava"'s language model when it is one of "llama", "mistral""#),
         "{err}"
     );
+    // A quantized LLaVA (its quantization_config at the top level) is
+    // refused as a quantized Llama is, not trained as if it were not.
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llava", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true},
+            "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 96}}"#,
+    )
+    .unwrap();
+    let err = zrt::hf::export_layout(&dir).err().unwrap().to_string();
+    assert!(
+        err.contains(r#"quantization_config (quant_method "bitsandbytes"): zrt trains a checkpoint's unquantized weights"#),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -577,12 +577,13 @@ impl LlamaConfig {
         // model trains (GPT-OSS's published mxfp4 blocks and scales).
         if let Some(q) = j.get("quantization_config").filter(|_| !ternary) {
             let method = q.get("quant_method").and_then(|m| m.as_str());
+            let named = method.map_or("missing".to_string(), |m| format!("{m:?}"));
             let how = match method {
                 Some("mxfp4") => "write its experts out in bf16 once, as transformers dequantizes them: `zrt dequantize --from DIR --out DIR-bf16`, then load DIR-bf16",
                 _ => "load a bf16 or fp32 one (transformers' from_pretrained dequantizes it, then save_pretrained)",
             };
             return Err(j.field(format!(
-                "quantization_config (quant_method {method:?}): zrt trains a checkpoint's unquantized weights; {how}"
+                "quantization_config (quant_method {named}): zrt trains a checkpoint's unquantized weights; {how}"
             )));
         }
         // GPT-OSS's class clamps its experts at 7 whatever the config

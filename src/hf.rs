@@ -144,8 +144,11 @@ impl Layout {
             }
             _ => {
                 let (given, known) = (j.model_type_named(), Family::model_types());
+                let why = (j.model_type().as_deref())
+                    .and_then(|t| NOT_BUILT.iter().find(|(n, _)| *n == t))
+                    .map_or(String::new(), |(_, why)| format!(" (not this one: {why})"));
                 let msg =
-                    format!("{given}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}");
+                    format!("{given}: zrt builds \"gpt2\", \"gpt_neox\", \"phi\" and {known}{why}");
                 return Err(j.field(msg));
             }
         };
@@ -824,6 +827,37 @@ pub(crate) const MULTIMODAL: [Multimodal; 27] = [
     whole("qwen2_audio", "qwen2"),
     whole("voxtral", "llama"),
     whole("granite_speech", "granite"),
+];
+
+/// Models `transformers` has that zrt does not build, and why: what the
+/// refusal of one adds to the list of those it builds.
+const NOT_BUILT: [(&str, &str); 8] = [
+    (
+        "paligemma",
+        "PaliGemma's language model attends both ways over the image and the prompt (a prefix-LM), which a text-only causal model does not compute",
+    ),
+    (
+        "mllama",
+        "Llama 3.2 Vision's language model holds cross-attention layers that read the image; its text alone skips them, and the text model zrt would export could not hold them",
+    ),
+    (
+        "qwen3_vl_moe",
+        "its experts are stacked as Llama 4's are and transformers has no text class to export its language model as",
+    ),
+    ("gemma3n", "Gemma 3n is not built yet"),
+    ("gemma3n_text", "Gemma 3n is not built yet"),
+    (
+        "zamba2",
+        "its transformer blocks are shared by many layers, which zrt's units do not share yet",
+    ),
+    (
+        "zamba",
+        "its transformer block is shared by many layers, which zrt's units do not share yet",
+    ),
+    (
+        "xlstm",
+        "transformers' own mLSTM kernels fail on any sequence of a chunk or more without the xlstm package, so there is no reference to hold zrt's to",
+    ),
 ];
 
 /// Refuses a language model `c` whose class does more to its logits

@@ -4882,6 +4882,13 @@ text = {{("model.language_model." + k[12:] if k.startswith("transformer.") else 
         err.contains(r#"text_config's model_type "t5": zrt builds model_type "llava"'s language model when it is one of "llama", "mistral""#),
         "{err}"
     );
+    // A wrapper zrt does not read is refused saying why.
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "paligemma"}"#).unwrap();
+    let err = zrt::hf::unit_params(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("(not this one: PaliGemma's language model attends both ways over the image and the prompt"),
+        "{err}"
+    );
     // A quantized LLaVA (its quantization_config at the top level) is
     // refused as a quantized Llama is, not trained as if it were not.
     std::fs::write(

@@ -320,7 +320,8 @@ pub enum HfModel {
     /// `qwen2_5_vl`, `qwen3_vl`, `ovis2` and `fuyu`, and of `llava`, `llava_next`,
     /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
     /// `internvl`, `aya_vision`, `idefics2`, `idefics3`, `smolvlm`,
-    /// `lfm2-vl`, `got_ocr2`, `janus`, `deepseek_vl`, `cohere2_vision`,
+    /// `lfm2-vl`, `got_ocr2`, `janus`, `deepseek_vl`, `deepseek_vl_hybrid`,
+    /// `cohere2_vision`,
     /// `qwen2_audio`, `voxtral` and `granite_speech`,
     /// whichever of those their `text_config` names (the table
     /// `hf::MULTIMODAL`).
@@ -792,14 +793,15 @@ const CLASS_DEFAULTS: [ClassDefaults; 9] = [
 /// - LLaVA's (`llava`, LLaVA-NeXT's `llava_next` and its video model's,
 ///   LLaVA-OneVision's, VipLLaVA's, Video-LLaVA's), Aya Vision's,
 ///   InternVL's, Idefics2's and 3's, SmolVLM's, LFM2-VL's, GOT-OCR2's,
-///   Janus's, DeepSeek-VL's and Command A Vision's, each around the base
+///   Janus's, DeepSeek-VL's (and its hybrid's) and Command A Vision's,
+///   each around the base
 ///   model of whichever text model its `text_config` names, with a plain
 ///   head of its own;
 /// - Ovis2's, around a Qwen2, and Fuyu's, around a Persimmon (its text
 ///   fields at the top level in a config without a `text_config`);
 /// - Qwen2-Audio's, Voxtral's and Granite Speech's, each around the whole
 ///   causal LM of the text model its `text_config` names.
-pub(crate) const MULTIMODAL: [Multimodal; 27] = [
+pub(crate) const MULTIMODAL: [Multimodal; 28] = [
     fixed("llama4", "llama4_text", "llama4_text", false),
     fixed("gemma3", "gemma3_text", "gemma3_text", false),
     fixed("mistral3", "mistral", "mistral", false),
@@ -821,6 +823,7 @@ pub(crate) const MULTIMODAL: [Multimodal; 27] = [
     named("got_ocr2", "qwen2"),
     named("janus", "llama"),
     named("deepseek_vl", "llama"),
+    named("deepseek_vl_hybrid", "llama"),
     named("cohere2_vision", "cohere2"),
     fixed("ovis2", "qwen2", "qwen2", false),
     fixed("fuyu", "persimmon", "persimmon", true),
@@ -831,7 +834,15 @@ pub(crate) const MULTIMODAL: [Multimodal; 27] = [
 
 /// Models `transformers` has that zrt does not build, and why: what the
 /// refusal of one adds to the list of those it builds.
-const NOT_BUILT: [(&str, &str); 8] = [
+const NOT_BUILT: [(&str, &str); 10] = [
+    (
+        "blip-2",
+        "BLIP-2's forward needs an image (its query tokens read one); it has no text-only language model to train",
+    ),
+    (
+        "instructblip",
+        "InstructBLIP's forward needs an image (its query tokens read one); it has no text-only language model to train",
+    ),
     (
         "paligemma",
         "PaliGemma's language model attends both ways over the image and the prompt (a prefix-LM), which a text-only causal model does not compute",

@@ -4968,8 +4968,9 @@ text = {{("model.text_model." + k[6:] if k.startswith("model.") else k): v
 /// `language_model.`: Qwen2-Audio's around a Qwen2, Voxtral's around a
 /// Llama, and Granite Speech's around a Granite, whose logits its own
 /// head divides by `logits_scaling` (8) inside the wrapper too; and
-/// Janus's (its image generation parts left out) and DeepSeek-VL's
-/// around a Llama, Ovis2's around a Qwen2, Fuyu's around a Persimmon.
+/// Janus's (its image generation parts left out), DeepSeek-VL's and
+/// its hybrid's (a second, high-resolution tower) around a Llama,
+/// Ovis2's around a Qwen2, Fuyu's around a Persimmon.
 #[test]
 fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
     let clip = r#"dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
@@ -5091,6 +5092,18 @@ fn the_other_multimodal_checkpoints_load_and_export_their_language_models() {
             "llama",
             "DeepseekVL",
             format!("vision_config=dict({siglip}), image_token_id=95"),
+            "",
+            ("LlamaForCausalLM", "llama"),
+        ),
+        (
+            "llama",
+            "DeepseekVLHybrid",
+            format!(
+                "vision_config=dict({siglip}), high_res_vision_config=dict(\
+                 model_type=\"sam_vision_model\", hidden_size=32, output_channels=16, \
+                 num_hidden_layers=1, num_attention_heads=2, mlp_dim=64, image_size=64, \
+                 patch_size=16, global_attn_indexes=[0], window_size=2), image_token_id=95"
+            ),
             "",
             ("LlamaForCausalLM", "llama"),
         ),

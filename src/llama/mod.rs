@@ -218,7 +218,8 @@ const LANGUAGE_MODEL: [&str; 3] = [
 /// (SigLIP), Mistral 3 (Pixtral), LLaVA and the others, their
 /// projectors (Idefics3's `connector`), Qwen-VL's (`visual`, its merger
 /// within), LLaVA-NeXT's `image_newline`, Video-LLaVA's image and video
-/// towers, Janus's image generation parts and DeepSeek-VL's `aligner`,
+/// towers, Janus's image generation parts, DeepSeek-VL's `aligner` (and
+/// its hybrid's high-resolution tower),
 /// Ovis2's visual embeddings, Fuyu's patch projection, and the audio encoders of Qwen2-Audio and
 /// Voxtral (`audio_tower`) and Granite Speech (`encoder`, `projector`),
 /// under either layout's names.
@@ -249,6 +250,7 @@ const TOWERS: &[&str] = &[
     "model.visual_embeddings_table.",
     "vision_embed_tokens.",
     "model.vision_embed_tokens.",
+    "model.high_res_vision_",
 ];
 
 /// The decoder layer a tensor named `model.layers.N. ...` belongs to.

@@ -315,7 +315,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`), and the language
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`, `zamba2`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
     /// `qwen2_5_vl`, `qwen3_vl`, `ovis2` and `fuyu`, and of `llava`, `llava_next`,
     /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
@@ -417,7 +417,11 @@ impl HfModel {
                 ensure_weight_tying: lora.ensure_weight_tying && ties,
                 ..lora.clone()
             };
-            let export = crate::lora::export_layout_under(vs, &written, dir, prefix, tied);
+            let names = match &layout {
+                Layout::Llama(c) => crate::llama::file_names(c),
+                _ => None,
+            };
+            let export = crate::lora::export_layout_under(vs, &written, dir, (prefix, names), tied);
             return Ok((model, export));
         }
         let model = match (&layout, recompute) {
@@ -834,7 +838,7 @@ pub(crate) const MULTIMODAL: [Multimodal; 28] = [
 
 /// Models `transformers` has that zrt does not build, and why: what the
 /// refusal of one adds to the list of those it builds.
-const NOT_BUILT: [(&str, &str); 10] = [
+const NOT_BUILT: [(&str, &str); 9] = [
     (
         "blip-2",
         "BLIP-2's forward needs an image (its query tokens read one); it has no text-only language model to train",
@@ -858,12 +862,8 @@ const NOT_BUILT: [(&str, &str); 10] = [
     ("gemma3n", "Gemma 3n is not built yet"),
     ("gemma3n_text", "Gemma 3n is not built yet"),
     (
-        "zamba2",
-        "its transformer blocks are shared by many layers, which zrt's units do not share yet",
-    ),
-    (
         "zamba",
-        "its transformer block is shared by many layers, which zrt's units do not share yet",
+        "Zamba (the first) is not built: its multi-headed Mamba-1 layers are not zrt's Mamba layers (Zamba2 is built)",
     ),
     (
         "xlstm",
@@ -1150,7 +1150,7 @@ impl HfJson {
             .map(String::from)
     }
 
-    /// Its `model_type` as an error names it: `model_type "zamba2"`, or
+    /// Its `model_type` as an error names it: `model_type "zamba"`, or
     /// `no model_type` when the key is missing.
     pub(crate) fn model_type_named(&self) -> String {
         match self.model_type() {

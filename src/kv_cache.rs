@@ -237,18 +237,38 @@ impl LayerCache {
     pub(crate) fn rotary_attention(
         &self,
         rotary: &Rotary,
+        qkv: (Tensor, Tensor, Tensor),
+        dropout: f64,
+        grouped: bool,
+    ) -> Tensor {
+        self.attention(Some(rotary), qkv, None, dropout, grouped)
+    }
+
+    /// As [`LayerCache::rotary_attention`], turned by `rotary` when
+    /// given, the scores scaled by `scale` (`None`: one over the root of
+    /// the heads' width).
+    pub(crate) fn attention(
+        &self,
+        rotary: Option<&Rotary>,
         (q, k, v): (Tensor, Tensor, Tensor),
+        scale: Option<f64>,
         dropout: f64,
         grouped: bool,
     ) -> Tensor {
         if let Some(d) = self.documents() {
-            let (q, k) = (rope_at(&q, rotary, &d), rope_at(&k, rotary, &d));
-            return d.attend((&q, &k, &v), None, None, dropout, grouped);
+            let (q, k) = match rotary {
+                Some(r) => (rope_at(&q, r, &d), rope_at(&k, r, &d)),
+                None => (q, k),
+            };
+            return d.attend((&q, &k, &v), None, scale, dropout, grouped);
         }
         let offset = self.offset();
-        let (q, k) = (rope_from(&q, rotary, offset), rope_from(&k, rotary, offset));
+        let (q, k) = match rotary {
+            Some(r) => (rope_from(&q, r, offset), rope_from(&k, r, offset)),
+            None => (q, k),
+        };
         let (k, v) = self.extend(k, v);
-        causal_attention(&q, &k, &v, offset, dropout, grouped)
+        scaled_causal_attention(&q, &k, &v, (offset, scale), dropout, grouped)
     }
 
     /// A recurrent layer's state while generating (the Mamba layers of
@@ -314,6 +334,19 @@ pub(crate) fn causal_attention(
     dropout: f64,
     grouped: bool,
 ) -> Tensor {
+    scaled_causal_attention(q, k, v, (offset, None), dropout, grouped)
+}
+
+/// [`causal_attention`], the scores scaled by `scale` (`None`: one over
+/// the root of the heads' width).
+pub(crate) fn scaled_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (offset, scale): (i64, Option<f64>),
+    dropout: f64,
+    grouped: bool,
+) -> Tensor {
     let t = q.size()[2];
     // libtorch's `is_causal` aligns the queries with the first keys, not
     // the last: past a cache, an explicit mask (none for one query, which
@@ -324,7 +357,7 @@ pub(crate) fn causal_attention(
         let j = Tensor::arange(offset + t, opts);
         (i.unsqueeze(1) - j.unsqueeze(0)).ge(0)
     });
-    Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, offset == 0, None, grouped)
+    Tensor::scaled_dot_product_attention(q, k, v, mask, dropout, offset == 0, scale, grouped)
 }
 
 #[cfg(test)]

@@ -1338,9 +1338,21 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(ok && out.contains("7392649216 params"), "{out}");
-    // A model_type zrt does not build is named.
-    let zamba = dir.join("zamba2.json");
-    std::fs::write(&zamba, r#"{"model_type": "zamba2"}"#).unwrap();
+    // Zamba2's class defaults (2.7B's sizes) count as transformers
+    // counts them, each shared block once.
+    let zamba2 = dir.join("zamba2.json");
+    std::fs::write(&zamba2, r#"{"model_type": "zamba2"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        zamba2.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
+    assert!(ok && out.contains("2481848336 params"), "{out}");
+    // A model_type zrt does not build is named, and why.
+    let zamba = dir.join("zamba.json");
+    std::fs::write(&zamba, r#"{"model_type": "zamba"}"#).unwrap();
     let (ok, out) = zrt(&[
         "estimate",
         "--hf-config",
@@ -1349,8 +1361,8 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(
-        !ok && out.contains("model_type \"zamba2\": zrt builds")
-            && out.contains("(not this one: its transformer blocks are shared by many layers"),
+        !ok && out.contains("model_type \"zamba\": zrt builds")
+            && out.contains("(not this one: Zamba (the first) is not built"),
         "{out}"
     );
     let _ = std::fs::remove_dir_all(&dir);

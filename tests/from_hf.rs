@@ -6,7 +6,7 @@
 //! and each family's variations: Mistral, Ministral, Qwen, Gemma, Phi-3, Granite,
 //! OLMo, SmolLM3, StarCoder2, StableLM, Cohere 1 and 2, GLM and GLM-4, ERNIE 4.5
 //! (dense and with experts), Seed-OSS, EXAONE 4, Arcee, dots.llm1, Granite-MoE-shared, Helium, Apertus, Hunyuan, Hunyuan-MoE, VaultGemma, FlexOlmo, Nemotron, OLMo 1, Llama 4, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT, GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM,
-//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums), ModernBERT-decoder (its prediction head, its windowed layers), Doge (its dynamic mask, its weighted residuals), RWKV (its time and channel mixes),
+//! Mixtral, OLMoE, PhiMoE, Granite 4.0, Bamba, Jamba, Mamba, Falcon-Mamba, Mamba-2 and Falcon-H1 (their Mamba layers), LFM2 (its convolutions), MiniMax (its lightning attention), Qwen3-Next (its gated DeltaNets), DiffLlama (its differential attention), BitNet (its sub norms; trained ternary too), JetMoE (its mixture of attention heads and its experts), RecurrentGemma (its RG-LRUs and local attention), LongCat-Flash (its sublayers, shortcut experts and zero experts), GPT-NeoX-Japanese (its last layer's bias), Aria (its stacked experts beside a shared MLP), CTRL (its own sinusoids, its tied head's bias), OpenAI GPT (its Conv1D matrices, its norms after the residual sums), ModernBERT-decoder (its prediction head, its windowed layers), Doge (its dynamic mask, its weighted residuals), RWKV (its time and channel mixes), Zamba2 (its shared blocks),
 //! Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS and
 //! Granite-MoE; and GPT-NeoX and
 //! Phi, layouts of their own) under ZeRO with no
@@ -1229,6 +1229,30 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Zamba2: five Mamba-2 layers, three of them hybrid, two shared
+    // blocks (the first used twice) with each layer's adapters on the
+    // queries, keys, values and MLP, turning their queries and keys; the
+    // sequence one chunk (`transformers`' scan is wrong across chunks:
+    // see `zamba2_scans_across_chunks_as_in_one`).
+    Case {
+        name: "zamba2",
+        python: (
+            common::ZAMBA2,
+            "vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, layers_block_type=['mamba', 'hybrid', 'hybrid', 'mamba', 'hybrid'], num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, mamba_d_state=8, n_mamba_heads=8, chunk_size=16",
+        ),
+        load: "",
+    },
+    // Zamba2 otherwise: one shared block for both hybrid layers, no
+    // attention adapters, no turning, two groups of Mamba heads (its
+    // gated norm over each), biases on the projections, the head untied.
+    Case {
+        name: "zamba2-plain",
+        python: (
+            common::ZAMBA2,
+            "vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, layers_block_type=['hybrid', 'mamba', 'hybrid'], num_mem_blocks=1, adapter_rank=4, mamba_d_state=8, n_mamba_heads=8, mamba_ngroups=2, chunk_size=16, add_bias_linear=True, tie_word_embeddings=False",
+        ),
+        load: "",
+    },
     // RWKV: no attention; each block's time mix (the WKV recurrence, 48
     // channels wide) and channel mix, each token mixed with the one
     // before it; the head untied. Without `use_cache`: its class's
@@ -2001,6 +2025,12 @@ fn a_doge_checkpoint_with_its_dynamic_mask_and_weighted_residuals_trains_as_tran
 }
 
 #[test]
+fn a_zamba2_checkpoint_with_its_shared_blocks_trains_as_transformers_does() {
+    parity("zamba2-plain");
+    parity("zamba2");
+}
+
+#[test]
 fn an_rwkv_checkpoint_with_its_time_and_channel_mixes_trains_as_transformers_does() {
     parity("rwkv");
     parity("rwkv-tied");
@@ -2151,6 +2181,16 @@ fn openai_gpt_packed_documents_attend_as_each_alone() {
 fn rwkv_packed_documents_mix_as_each_alone() {
     packed_documents_as_each_alone("rwkv");
     packed_documents_as_each_alone("rwkv-tied");
+}
+
+/// Zamba2's packed documents: each document of a packed row is scanned
+/// by its Mamba layers from a zero state and attends within itself in
+/// the shared blocks, as it would alone (`transformers`' CPU path takes
+/// no packed rows).
+#[test]
+fn zamba2_packed_documents_run_as_each_alone() {
+    packed_documents_as_each_alone("zamba2");
+    packed_documents_as_each_alone("zamba2-plain");
 }
 
 /// Case `name`'s packed row of two documents (5 and 11 tokens) gives
@@ -3396,6 +3436,12 @@ fn a_config_leaving_fields_out_takes_each_familys_transformers_defaults() {
             "rwkv" => r#"{"model_type": "rwkv", "vocab_size": 160000, "hidden_size": 512,
                 "intermediate_size": 96, "num_hidden_layers": 4}"#
                 .to_string(),
+            // Zamba2's MLP is four times the width; its class's default
+            // kinds are 54 layers'.
+            "zamba2" => r#"{"model_type": "zamba2", "vocab_size": 160000, "hidden_size": 512,
+                "num_hidden_layers": 4, "num_attention_heads": 32,
+                "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]}"#
+                .to_string(),
             // CTRL's MLP width is `dff`.
             "ctrl" => r#"{"model_type": "ctrl", "vocab_size": 160000, "hidden_size": 512,
                 "dff": 96, "num_hidden_layers": 4, "num_attention_heads": 32}"#
@@ -4361,6 +4407,18 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
              moe_num_experts=4, moe_topk=2, eos_token_id=None, bos_token_id=None, \
              pad_token_id=None",
+        ),
+        // Zamba2: each hybrid layer's cache of its shared block's keys
+        // and values, each Mamba layer's state; its recomputed reference
+        // one chunk (`transformers`' scan is wrong across chunks).
+        (
+            "zamba2",
+            common::ZAMBA2,
+            "vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=5, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             layers_block_type=['mamba', 'hybrid', 'hybrid', 'mamba', 'hybrid'], \
+             num_mem_blocks=2, adapter_rank=4, use_mem_rope=True, mamba_d_state=8, \
+             n_mamba_heads=8, chunk_size=64, eos_token_id=None, bos_token_id=None",
         ),
         // LongCat-Flash: two caches a layer, one a sublayer.
         (
@@ -5435,4 +5493,53 @@ fn the_routers_balance_is_scaled_as_the_engine_scales_the_loss() {
     );
     // The fp16 runs trained: their routers moved from fp32's start.
     assert!(far(&scaled, &one) > 0.0);
+}
+
+/// Zamba2's scan across chunks: `transformers`' `torch_forward` (its CPU
+/// path) carries the chunks' states wrongly (it sums each chunk's decay
+/// over the chunks after it, where the other Mamba-2 classes sum the
+/// chunks before each), so its logits change with `chunk_size`; its
+/// CUDA kernels, which the models were trained with, do not. zrt scans
+/// as the other Mamba-2 layers do: a model of chunks of 4 computes, over
+/// 16 tokens, `transformers`' logits with the whole sequence one chunk,
+/// to 1e-5, which `transformers`' own chunks of 4 miss.
+#[test]
+fn zamba2_scans_across_chunks_as_in_one() {
+    let dir = scratch("zamba2-chunks");
+    let args = case("zamba2")
+        .python
+        .1
+        .replace("chunk_size=16", "chunk_size=4");
+    common::write_seeded_model(common::ZAMBA2, &args, &dir);
+    let ds = config_zero(0, 1, 0.0, "", "");
+    let (model, _, _vs, _e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
+    let tokens: Vec<i64> = (0..16).map(|i| (i * 37 + 5) % 96).collect();
+    let x = Tensor::from_slice(&tokens).view([1, -1]);
+    let logits = tch::no_grad(|| model.forward(&x));
+    Tensor::write_safetensors(&[("zrt", &logits), ("x", &x)], dir.join("zrt.safetensors")).unwrap();
+    let said = common::python(&format!(
+        r#"
+import torch
+{import}
+from safetensors.torch import load_file
+got = load_file("{dir}/zrt.safetensors")
+for chunk in (64, 4):
+    m = M.from_pretrained("{dir}/hf", chunk_size=chunk).eval()
+    with torch.no_grad():
+        print((m(got["x"]).logits - got["zrt"]).abs().max().item())
+"#,
+        import = common::ZAMBA2,
+        dir = dir.display()
+    ));
+    let diffs: Vec<f64> = (said.lines())
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert_eq!(diffs.len(), 2, "{said}");
+    assert!(diffs[0] < 1e-5, "one chunk: {}", diffs[0]);
+    assert!(
+        diffs[1] > 1e-5,
+        "transformers' chunks of 4 now agree: {}",
+        diffs[1]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -29,6 +29,7 @@ use super::rope_scaling::{rope_scaling, RopeScaling};
 use super::rwkv;
 use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
+use super::zamba2::{self, Zamba2Config};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
 /// Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS,
@@ -518,6 +519,9 @@ pub struct LlamaConfig {
     /// tensors carry there (`model.language_model.`, beside a vision
     /// tower zrt leaves out). `None` for a text model's own checkpoint.
     pub language_model_of: Option<&'static str>,
+    /// Zamba2's hybrid layers and shared blocks (`llama::zamba2`);
+    /// `None` for the other families.
+    pub zamba2: Option<Zamba2Config>,
 }
 
 impl LlamaConfig {
@@ -552,6 +556,7 @@ impl LlamaConfig {
             Some(Family::OpenAiGpt) => (openai_gpt::flat(j)?, openai_gpt::openai_gpt_names),
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(Family::Rwkv) => (rwkv::flat(j)?, rwkv::rwkv_names),
+            Some(Family::Zamba2) => (zamba2::flat(j)?, zamba2::zamba2_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -747,7 +752,9 @@ impl LlamaConfig {
         };
         // (The Mambas and RWKV turn nothing: their one head's width is
         // any.)
-        let unturned = family.mamba_only() || family == Family::Rwkv;
+        // (Zamba2's shared blocks turn with `use_mem_rope` alone, checked
+        // there.)
+        let unturned = family.mamba_only() || matches!(family, Family::Rwkv | Family::Zamba2);
         if !unturned && (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) {
             return Err(j.field(format!(
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
@@ -862,6 +869,7 @@ impl LlamaConfig {
                     | Family::Jamba
                     | Family::RecurrentGemma
                     | Family::Rwkv
+                    | Family::Zamba2
             ) || f.mamba_only() =>
             {
                 RopeScaling::None
@@ -969,6 +977,7 @@ impl LlamaConfig {
                         | Family::DiffLlama
                         | Family::Bitnet
                         | Family::GptNeoxJapanese
+                        | Family::Zamba2
                 ) || f.hunyuan() =>
                 {
                     false
@@ -1128,7 +1137,9 @@ impl LlamaConfig {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
                 // Jamba attends without positions (Mamba, Falcon-Mamba and
                 // RWKV not at all).
-                f if matches!(f, Family::Jamba | Family::Rwkv) || f.mamba_only() => {
+                f if matches!(f, Family::Jamba | Family::Rwkv | Family::Zamba2)
+                    || f.mamba_only() =>
+                {
                     Some(vec![false; j.size("num_hidden_layers")? as usize])
                 }
                 // Granite 4.0 turns only with `position_embedding_type`
@@ -1227,6 +1238,10 @@ impl LlamaConfig {
                 _ => None,
             },
             language_model_of: j.wrapper(),
+            zamba2: match family {
+                Family::Zamba2 => Some(zamba2::read(j, j.size("num_hidden_layers")?, head_dim)?),
+                _ => None,
+            },
         })
     }
 
@@ -1582,7 +1597,13 @@ impl LlamaConfig {
             if self.family == Family::LongcatFlash {
                 return 2 * (norms * norm + attention + mlp) + experts;
             }
-            // Mamba's and Falcon-Mamba's layers have no MLP, one norm.
+            // Mamba's and Falcon-Mamba's layers have no MLP, one norm;
+            // Zamba2's neither (a hybrid one its `linear` too).
+            if self.family == Family::Zamba2 {
+                let hybrid = (self.zamba2.as_ref()).is_some_and(|z| z.ordinal(l).is_some());
+                let mamba = self.mamba_layer(l).map_or(0, |m| m.params(self.hidden));
+                return norm + mamba + bias(hybrid, d * d);
+            }
             let (mlp, norms) = match self.family.mamba_only() {
                 true => (0, 1),
                 false if self.moe_layer(l) => (experts, norms),
@@ -1647,9 +1668,17 @@ impl LlamaConfig {
         // OPT-350m has no final norm, and projects in and out there.
         let final_norm = bias(self.final_norm(), norm);
         let projections = bias(self.projected(), 2 * d * w);
+        // Zamba2's shared blocks are the root's.
+        let shared = (self.zamba2.as_ref()).map_or(0, |z| z.shared_params(self));
         units.push((
             String::new(),
-            final_norm + positions + embedding_norm + projections + tied_bias + head_transform,
+            final_norm
+                + positions
+                + embedding_norm
+                + projections
+                + tied_bias
+                + head_transform
+                + shared,
         ));
         units
     }
@@ -1673,6 +1702,7 @@ impl LlamaConfig {
             (Family::Bloom, _) => Some(bloom::to_json(self)),
             (Family::Mamba2, _) => (self.mamba.as_ref()).map(|m| mamba::to_json(self, m)),
             (Family::Rwkv, _) => Some(rwkv::to_json(self)),
+            (Family::Zamba2, _) => Some(zamba2::to_json(self)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
@@ -2137,6 +2167,7 @@ impl LlamaConfig {
             | Family::OpenAiGpt
             | Family::ModernBertDecoder
             | Family::Rwkv
+            | Family::Zamba2
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

@@ -552,11 +552,18 @@ pub enum Family {
     /// `sigmoid(receptance) * value(relu(key)^2)`); a final `ln_out`; the
     /// head (`head`) untied by default (`llama::rwkv`).
     Rwkv,
+    /// `zamba2` (`Zamba2ForCausalLM`: Zyphra's Zamba2): Mamba-2 layers
+    /// (`input_layernorm`, `mamba`), the hybrid ones (`mamba_decoder`)
+    /// fed by one of the transformer blocks the model shares among them
+    /// (`shared_transformer`, reading the hidden states beside the
+    /// embeddings, with each layer's own adapters) and their own
+    /// `linear` (`llama::zamba2`).
+    Zamba2,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 79] = [
+    pub const ALL: [Family; 80] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -636,6 +643,7 @@ impl Family {
         Self::ModernBertDecoder,
         Self::Doge,
         Self::Rwkv,
+        Self::Zamba2,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -734,6 +742,7 @@ impl Family {
             Self::ModernBertDecoder => "modernbert-decoder",
             Self::Doge => "doge",
             Self::Rwkv => "rwkv",
+            Self::Zamba2 => "zamba2",
         }
     }
 
@@ -819,6 +828,7 @@ impl Family {
             Self::ModernBertDecoder => "ModernBertDecoderForCausalLM",
             Self::Doge => "DogeForCausalLM",
             Self::Rwkv => "RwkvForCausalLM",
+            Self::Zamba2 => "Zamba2ForCausalLM",
         }
     }
 
@@ -1373,6 +1383,14 @@ impl Family {
                 positions: 1024,
                 ..LLAMA
             },
+            Self::Zamba2 => Defaults {
+                eps: 1e-5,
+                tied: true,
+                pad: Some(0),
+                activation: Activation::Gelu,
+                positions: 4096,
+                ..LLAMA
+            },
             Self::OpenAiGpt => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1572,7 +1590,7 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
-            Self::Persimmon | Self::Bamba | Self::Jamba | Self::FalconH1 => {
+            Self::Persimmon | Self::Bamba | Self::Jamba | Self::FalconH1 | Self::Zamba2 => {
                 ["model", "embed_tokens", "layers", "final_layernorm"]
             }
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],

@@ -28,6 +28,7 @@ use super::rotary::{rope_at, rope_from, Rotary};
 use super::rwkv::{ChannelMix, TimeMix};
 use super::short_conv::ShortConv;
 use super::xielu::Xielu;
+use super::zamba2::Hybrid;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
 pub(super) type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;
@@ -88,6 +89,9 @@ pub struct Layer {
     /// RWKV's first block's norm of its input (`pre_ln`), before the
     /// residual stream starts.
     pre_norm: Option<Norm>,
+    /// A Zamba2 hybrid layer's shared block and `linear`, whose output
+    /// joins its Mamba layer's input ([`Layer::with_hybrid`]).
+    hybrid: Option<Box<Hybrid>>,
     cfg: LlamaConfig,
 }
 
@@ -1199,7 +1203,7 @@ impl Layer {
                 ),
             }),
             mlp: match (&c.moe, c.moe_layer(l)) {
-                _ if c.family.mamba_only() => Mlp::None,
+                _ if c.family.mamba_only() || c.family == Family::Zamba2 => Mlp::None,
                 _ if c.family == Family::Rwkv => {
                     Mlp::ChannelMix(Box::new(ChannelMix::new(&m, c, lin, decoding)))
                 }
@@ -1329,6 +1333,7 @@ impl Layer {
             dense_bias: c.last_dense_bias(l).then(|| a.zeros("dense_bias", &[d])),
             dynamic: (c.keep_window).map(|keep| DynamicMask::new(&a, c, keep, lin)),
             pre_norm: (c.family == Family::Rwkv && l == 0).then(|| Norm::new(p / "pre_ln", d, c)),
+            hybrid: None,
             residual_weights: (c.family == Family::Doge).then(|| {
                 (
                     p.ones("input_residual", &[d]),
@@ -1347,7 +1352,18 @@ impl Layer {
 
 impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let (y, h) = self.sublayers(x);
+        // Zamba2's layers carry the embeddings beside the hidden states;
+        // a hybrid layer's block reads both, and its output joins the
+        // Mamba layer's input.
+        if self.cfg.family == Family::Zamba2 {
+            let d = self.cfg.hidden;
+            let (x, embeddings) = (x.narrow(-1, 0, d), x.narrow(-1, d, d));
+            let on = self.training.on();
+            let added = (self.hybrid.as_ref()).map(|h| h.forward(&x, &embeddings, on));
+            let (y, _) = self.sublayers(&x, added.as_ref());
+            return Tensor::cat(&[y, embeddings], -1);
+        }
+        let (y, h) = self.sublayers(x, None);
         match &self.shortcut {
             // LongCat-Flash's second sublayer, then its experts' output
             // of the first's MLP input, added last as its class adds it.
@@ -1364,9 +1380,18 @@ impl Module for Layer {
 }
 
 impl Layer {
+    /// This Zamba2 layer made hybrid: `hybrid`'s output joins its Mamba
+    /// layer's input.
+    pub(super) fn with_hybrid(mut self, hybrid: Hybrid) -> Self {
+        self.hybrid = Some(Box::new(hybrid));
+        self
+    }
+
     /// The layer's output for `x`, and its MLP's input (which
-    /// LongCat-Flash's experts read too).
-    fn sublayers(&self, x: &Tensor) -> (Tensor, Tensor) {
+    /// LongCat-Flash's experts read too); `added` joins the attention's
+    /// (or mixer's) input before its norm, not the residual (a Zamba2
+    /// hybrid layer's block's output).
+    fn sublayers(&self, x: &Tensor, added: Option<&Tensor>) -> (Tensor, Tensor) {
         let c = &self.cfg;
         let normed;
         let x = match &self.pre_norm {
@@ -1376,7 +1401,10 @@ impl Layer {
             }
             None => x,
         };
-        let h = self.norms.attention_input(x);
+        let h = match added {
+            Some(a) => self.norms.attention_input(&(x + a)),
+            None => self.norms.attention_input(x),
+        };
         let a = match (&self.beside, &c.falcon_h1) {
             // Falcon-H1's attention and Mamba layer side by side, each
             // scaled by its multipliers, their outputs added.

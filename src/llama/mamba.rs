@@ -236,6 +236,12 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<MambaConfi
                 before_gate: j.flag_or("mamba_norm_before_gate", true)?,
             },
             Family::FalconH1 => MambaGate::Plain,
+            // Zamba2's gated norm normalises each group of channels, the
+            // gate first.
+            Family::Zamba2 if groups > 1 => MambaGate::Grouped {
+                groups,
+                before_gate: false,
+            },
             _ => MambaGate::NormedAfter,
         },
         layers: kinds,
@@ -264,6 +270,10 @@ pub(super) struct Mamba {
     hidden: i64,
     eps: f64,
     activation: Activation,
+    /// The steps' floor after their softplus: Zamba2's `time_step_min`,
+    /// 0 for the others (whose classes clamp at their
+    /// `time_step_limit`'s 0).
+    dt_floor: f64,
 }
 
 impl Mamba {
@@ -298,8 +308,17 @@ impl Mamba {
             }),
             sizes: m.clone(),
             hidden: c.hidden,
-            eps: c.eps,
-            activation: c.activation,
+            // Zamba2's layers are SiLU-activated, their gated norm at
+            // 1e-5, whatever the config's MLP and norms say.
+            eps: match &c.zamba2 {
+                Some(_) => 1e-5,
+                None => c.eps,
+            },
+            activation: match &c.zamba2 {
+                Some(_) => Activation::Silu,
+                None => c.activation,
+            },
+            dt_floor: c.zamba2.as_ref().map_or(0.0, |z| z.time_step_min),
         }
     }
 
@@ -348,7 +367,9 @@ impl Mamba {
         let bb = xbc.narrow(-1, inner, m.groups * n);
         let cc = xbc.narrow(-1, inner + m.groups * n, m.groups * n);
         let a = -self.a_log.to_kind(Kind::Float).exp();
-        let dt = (dt + &self.dt_bias).softplus().clamp(0.0, f64::INFINITY);
+        let dt = (dt + &self.dt_bias)
+            .softplus()
+            .clamp(self.dt_floor, f64::INFINITY);
         let x = x.reshape([b, t, -1, hd]).to_kind(Kind::Float);
         let per = heads / m.groups;
         let grouped = |y: &Tensor| {
@@ -436,7 +457,7 @@ impl Mamba {
             let step = dt.select(1, i).unsqueeze(-1).expand([b, heads, hd], false);
             let step = (step + dt_bias.to_kind(dt.kind()))
                 .softplus()
-                .clamp(0.0, f64::INFINITY);
+                .clamp(self.dt_floor, f64::INFINITY);
             let da = (step.unsqueeze(-1) * &a).exp();
             let dbx = step.unsqueeze(-1) * bb.unsqueeze(-2) * x.unsqueeze(-1);
             ssm = (&ssm * da + dbx).to_kind(ssm.kind());
@@ -536,7 +557,11 @@ fn segment_sum(x: &Tensor) -> Tensor {
 pub(super) fn built_by(family: Family) -> bool {
     matches!(
         family,
-        Family::GraniteMoeHybrid | Family::Bamba | Family::Mamba2 | Family::FalconH1
+        Family::GraniteMoeHybrid
+            | Family::Bamba
+            | Family::Mamba2
+            | Family::FalconH1
+            | Family::Zamba2
     )
 }
 

@@ -84,6 +84,7 @@ pub(crate) mod tests;
 mod xglm;
 mod xielu;
 mod z_loss;
+mod zamba2;
 
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{
@@ -99,6 +100,7 @@ pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub use rg_lru::RgLruConfig;
+pub use zamba2::Zamba2Config;
 // BitNet's ternary linear layers' input norm (`lora::Adapted`).
 pub(crate) use norm::rms_normalized;
 pub(crate) use rope_scaling::rope_scaling;
@@ -168,7 +170,18 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // `lm_head.norm`) is outside its base model too.
     let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
     let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
+    // Zamba2's shared blocks under their first user's names, its hybrid
+    // layers' Mamba layers under `mamba_decoder` (`zamba2::model_name`).
+    let zamba = cfg.zamba2.clone();
     plan.rename_weights(move |n| {
+        let shared;
+        let n = match &zamba {
+            Some(z) => {
+                shared = zamba2::model_name(n, z)?;
+                shared.as_str()
+            }
+            None => n,
+        };
         let nested;
         let n = match multimodal {
             true if TOWERS.iter().any(|v| n.starts_with(v)) => return None,
@@ -268,11 +281,22 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
     tensor_layout(cfg).with_file("config.json", cfg.to_hf_json())
 }
 
-/// [`hf_export_layout`]'s transposes, no files.
+/// How `cfg`'s VarStore names become its checkpoint's where they differ
+/// (Zamba2's: `zamba2::file_name`), for an adapter's export.
+pub(crate) fn file_names(cfg: &LlamaConfig) -> Option<crate::lora::FileNames> {
+    let z = cfg.zamba2.clone()?;
+    Some(Box::new(move |n: &str| zamba2::file_name(n, &z)))
+}
+
+/// [`hf_export_layout`]'s transposes (and Zamba2's names), no files.
 pub(crate) fn tensor_layout(cfg: &LlamaConfig) -> ExportLayout {
-    match cfg.family.conv1d() {
-        true => ExportLayout::new().transpose(crate::gpt2::is_conv1d_weight),
-        false => ExportLayout::new(),
+    match (cfg.family.conv1d(), &cfg.zamba2) {
+        (true, _) => ExportLayout::new().transpose(crate::gpt2::is_conv1d_weight),
+        (false, Some(z)) => {
+            let z = z.clone();
+            ExportLayout::new().rename(move |n| zamba2::file_name(n, &z))
+        }
+        (false, None) => ExportLayout::new(),
     }
 }
 
@@ -417,6 +441,13 @@ impl Llama {
                 lin("project_out", cfg.hidden, width),
             ]
         });
+        // Zamba2's shared blocks, in the root, which stays gathered at
+        // stage 3 while every hybrid layer's unit reads them.
+        let shared: Vec<zamba2::Shared> = (cfg.zamba2.as_ref()).map_or_else(Vec::new, |z| {
+            (0..z.used_blocks())
+                .map(|k| zamba2::Shared::new(&(&m / "shared_transformer" / k), k, cfg, z))
+                .collect()
+        });
         // ModernBERT-decoder's `embeddings.tok_embeddings`.
         let e = embedding.split('.').fold(m.clone(), |e, name| &e / name);
         let embed = Ends::embedding(
@@ -431,6 +462,14 @@ impl Llama {
             .map(|i| {
                 let lp = &m / blocks / i;
                 let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
+                let hybrid = (cfg.zamba2.as_ref()).and_then(|z| z.ordinal(i).map(|j| (z, j)));
+                let layer = match hybrid {
+                    Some((z, j)) => {
+                        let block = shared[(j % z.blocks) as usize].share();
+                        layer.with_hybrid(zamba2::Hybrid::new(&lp, (j, block), cfg, &decoding))
+                    }
+                    None => layer,
+                };
                 let run = Run::with_state(layer, checkpointed, (&training, &decoding));
                 ShardedModule::new(plan, &lp, run)
             })
@@ -550,6 +589,12 @@ impl Llama {
             x = norm.forward(&x);
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
+        // Zamba2's layers carry the embeddings beside the hidden states
+        // (its class's `original_hidden_states`).
+        let zamba2 = self.cfg.zamba2.is_some();
+        if zamba2 {
+            x = Tensor::cat(&[&x, &x], -1);
+        }
         // OPT's and BioGPT's LayerDrop draws a number from the CPU's generator before
         // each layer in training, `layerdrop` 0 or not (zrt refuses any
         // other): the same draws keep its dropout masks `transformers'`.
@@ -559,6 +604,9 @@ impl Llama {
                 let _ = Tensor::rand([], (tch::Kind::Float, tch::Device::Cpu));
             }
             x = l.forward(&x);
+        }
+        if zamba2 {
+            x = x.narrow(-1, 0, self.cfg.hidden);
         }
         // The caches hold these tokens now.
         self.decoding.advance(tokens);

@@ -354,6 +354,9 @@ impl Norms {
             f if f.mamba_only() => Self::Alone {
                 input: norm("norm"),
             },
+            Family::Zamba2 => Self::Alone {
+                input: norm("input_layernorm"),
+            },
             Family::Dbrx => Self::Pre {
                 input: Norm::new(p / "norm_attn_norm" / "norm_1", d, c),
                 before_mlp: Norm::new(p / "norm_attn_norm" / "norm_2", d, c),

@@ -149,6 +149,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         keep_window: None,
         rescale_every: None,
         language_model_of: None,
+        zamba2: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -3518,6 +3519,7 @@ fn unit_params_count_what_the_built_model_holds() {
         keep_window: None,
         rescale_every: None,
         language_model_of: None,
+        zamba2: None,
     };
     let variants = [
         base.clone(),
@@ -3886,4 +3888,68 @@ fn the_routers_balance_reaches_them_only_through_the_loss_that_holds_it() {
     // error, not a silently missing gradient.
     let err = router_grad(&balanced, Seed::Beside).unwrap_err();
     assert!(err.contains("reached before the loss holding it"), "{err}");
+}
+
+#[test]
+fn zamba2_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("zamba2-configs");
+    // The class's defaults (Zamba2 2.7B's sizes, 54 layers, 9 of them
+    // hybrid, one shared block); the counts are transformers' parameters,
+    // each shared block once.
+    let c = dir.read(r#"{"model_type": "zamba2"}"#).unwrap();
+    assert_eq!(total(&c), 2481848336);
+    let z = c.zamba2.as_ref().unwrap();
+    assert_eq!(z.hybrid_layers(), [6, 12, 18, 24, 30, 36, 42, 47, 51]);
+    assert_eq!(
+        (c.head_dim, c.intermediate, c.heads, c.kv_heads),
+        (160, 10240, 32, 32)
+    );
+    assert!(c.tied && z.blocks == 1 && !z.rope && !z.attention_adapters);
+    // Small: two blocks (the first used twice), the attention adapters,
+    // biases, two groups of Mamba heads, the head untied.
+    let small = r#"{"model_type": "zamba2", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 4, "intermediate_size": 96, "layers_block_type": ["mamba", "hybrid", "hybrid", "mamba", "hybrid"], "num_mem_blocks": 2, "use_shared_attention_adapter": true, "adapter_rank": 8, "add_bias_linear": true, "mamba_d_state": 16, "n_mamba_heads": 4, "mamba_ngroups": 2, "tie_word_embeddings": false}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 469776);
+    assert_eq!(
+        s.mamba.as_ref().map(|m| m.gate),
+        Some(MambaGate::Grouped {
+            groups: 2,
+            before_gate: false
+        })
+    );
+    // More blocks than hybrid layers: the unused ones are held nowhere.
+    let spare = r#"{"model_type": "zamba2", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 96, "layers_block_type": ["mamba", "hybrid", "mamba"], "num_mem_blocks": 3, "adapter_rank": 8, "mamba_d_state": 16, "n_mamba_heads": 4}"#;
+    let spare = dir.read(spare).unwrap();
+    assert_eq!(total(&spare), 229828);
+    dir.round_trips([c, s, spare]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                r#""num_hidden_layers": 5"#,
+                r#""num_hidden_layers": 4"#,
+                "layers_block_type has 5 entries for num_hidden_layers 4: give one a layer",
+            ),
+            (
+                r#""hybrid", "mamba", "hybrid"]"#,
+                r#""hybrid", "mamba", "attention"]"#,
+                r#"layers_block_type entry "attention": Zamba2's layers are "mamba" or "hybrid""#,
+            ),
+            (
+                r#""mamba_ngroups": 2"#,
+                r#""mamba_ngroups": 2, "use_conv_bias": false"#,
+                "use_conv_bias false: Zamba2's convolution has a bias whatever it says",
+            ),
+            (
+                r#""adapter_rank": 8"#,
+                r#""adapter_rank": 8, "use_mem_rope": true, "use_long_context": true"#,
+                "use_long_context true: zrt does not rescale Zamba2's rotary base",
+            ),
+            (
+                r#""num_attention_heads": 4"#,
+                r#""num_attention_heads": 6"#,
+                "num_attention_heads 6 does not divide twice hidden_size (128)",
+            ),
+        ],
+    );
 }

@@ -573,6 +573,9 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // PEFT has none (and refuses `out_proj`).
         Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
         Some("mamba2") => &["in_proj"],
+        // Its Mamba layers' inputs, as Mamba-2's (PEFT has none; zrt
+        // puts no adapter on the shared blocks).
+        Some("zamba2") => &["in_proj"],
         // PEFT's: both mixers' (the time mix's and the channel mix's).
         Some("rwkv") => &["key", "value", "receptance", "output"],
         // The attending layers' queries and values, the recurrent
@@ -904,18 +907,23 @@ fn refuse_on_tied(cfg: &LoraConfig, t: TiedHead) -> Result<(), HfError> {
 /// model's), with `adapter_config.json` beside them. Write it with
 /// `engine.save_16bit_model_as(dir.join("adapter_model.safetensors"), None, &layout)`.
 pub fn export_layout(vs: &nn::VarStore, cfg: &LoraConfig, base: &Path) -> ExportLayout {
-    export_layout_under(vs, cfg, base, "", None)
+    export_layout_under(vs, cfg, base, ("", None), None)
 }
 
+/// How a model's VarStore names become its checkpoint's, beside a
+/// prefix (Zamba2's hybrid layers' Mamba layers under `mamba_decoder`).
+pub(crate) type FileNames = Box<dyn Fn(&str) -> String + Send + Sync>;
+
 /// As [`export_layout`], for a model whose VarStore names lack the
-/// checkpoint's `prefix` (GPT-2's `transformer.`) and whose head may be
-/// `tied` to its embedding: a saved embedding is written as the head
-/// too, as PEFT's file holds it (and its loader wants it).
+/// checkpoint's `prefix` (GPT-2's `transformer.`) or are its names as
+/// `names` gives them, and whose head may be `tied` to its embedding: a
+/// saved embedding is written as the head too, as PEFT's file holds it
+/// (and its loader wants it).
 pub(crate) fn export_layout_under(
     vs: &nn::VarStore,
     cfg: &LoraConfig,
     base: &Path,
-    prefix: &str,
+    (prefix, names): (&str, Option<FileNames>),
     tied: Option<TiedHead>,
 ) -> ExportLayout {
     let config = cfg.adapter_config_json(&base.display().to_string());
@@ -934,11 +942,15 @@ pub(crate) fn export_layout_under(
         )
     });
     let prefix = format!("base_model.model.{prefix}");
+    let file = move |name: &str| match &names {
+        Some(rule) => rule(name),
+        None => name.to_string(),
+    };
     let layout = ExportLayout::new()
         .trainable_only()
         .rename(move |name| match name.strip_suffix(".bias") {
-            Some(m) if adapted.contains(m) => format!("{prefix}{m}.base_layer.bias"),
-            _ => format!("{prefix}{name}"),
+            Some(m) if adapted.contains(m) => format!("{prefix}{}.base_layer.bias", file(m)),
+            _ => format!("{prefix}{}", file(name)),
         })
         .with_file(ADAPTER_CONFIG, config);
     match tied {
@@ -1429,6 +1441,7 @@ mod tests {
             ("mamba", vec!["in_proj", "x_proj"]),
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),
+            ("zamba2", vec!["in_proj"]),
             ("rwkv", vec!["key", "value", "receptance", "output"]),
             ("jetmoe", vec!["kv_proj"]),
             (

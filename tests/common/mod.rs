@@ -808,6 +808,27 @@ m.save_pretrained("{dir}/hf"{save})
     )
 }
 
+/// Zamba2's classes, its model class `M` giving `save_pretrained` each
+/// tensor once, under its first name (a shared block under the first
+/// hybrid layer that uses it, which `from_pretrained` ties back):
+/// `transformers` 4.57's refuses Zamba2's shared blocks otherwise (its
+/// tied-weight patterns start `^layers.`, where the names start
+/// `model.layers.`). Those patterns are kept as strings, which
+/// `transformers` reads as the same patterns: PEFT 0.18 takes each as a
+/// name (`rpartition`) and fails on a compiled one, on any Zamba2.
+pub const ZAMBA2: &str = "from transformers import Zamba2Config as C, Zamba2ForCausalLM
+class M(Zamba2ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self._tied_weights_keys = [getattr(k, 'pattern', k) for k in self._tied_weights_keys]
+    def save_pretrained(self, d, **kw):
+        seen, state = set(), {}
+        for k, v in self.state_dict().items():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                state[k] = v.detach().clone()
+        super().save_pretrained(d, state_dict=state, **kw)";
+
 /// Doge's classes, its model class `M` starting each layer's `A` (the
 /// dynamic mask's factors) spread over ±3: at the seeded ±0.05 every
 /// key's bias is within 4% of 1, where bf16 ties the keys the

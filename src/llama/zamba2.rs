@@ -1,0 +1,618 @@
+//! Zamba2 ([`Family::Zamba2`], `Zamba2ForCausalLM`: Zyphra's Zamba2
+//! 1.2B, 2.7B and 7B): Mamba-2 layers, and transformer blocks shared by
+//! many of them.
+//!
+//! Every layer is a Mamba-2 layer (`input_layernorm`, `mamba`, its
+//! output added to the residual). A hybrid layer (`layers_block_type`
+//! `"hybrid"`) first runs one of the model's `num_mem_blocks` shared
+//! transformer blocks, in turn, on its input beside the embeddings
+//! (`cat(x, embeddings)`, twice the width), then its own `linear`, and
+//! adds that to its Mamba layer's input (not to the residual). A shared
+//! block normalises its input, attends (each head twice the width's
+//! share, the scores scaled by `(head_dim / 2)^-0.5`, turned only with
+//! `use_mem_rope`), projects back to the width, normalises, and runs a
+//! GELU-gated MLP, with no residual inside. Each hybrid layer adds its
+//! own low-rank adapters to the block's queries, keys and values (with
+//! `use_shared_attention_adapter`) and to its MLP's gate and up
+//! projection; they are held in the block, as its class holds them.
+//!
+//! zrt keeps the shared blocks in the root (`model.shared_transformer.K`),
+//! which stays gathered at stage 3 for the whole step, as DESIGN.md has
+//! it: every hybrid layer's unit reads them, and their gradient is the
+//! sum over their uses. A checkpoint names a block under the first
+//! hybrid layer that uses it (`model.layers.N.shared_transformer`, the
+//! other layers' names the same tensors, which `transformers` ties); a
+//! hybrid layer's Mamba layer is under `mamba_decoder`. The embeddings
+//! travel through the layers beside the hidden states (each unit's
+//! input and output are twice the width), so that a layer, its
+//! recompute and its unit see them as one tensor.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use tch::nn;
+use tch::Tensor;
+
+use crate::hf::{HfError, HfJson};
+use crate::kv_cache::{Decoding, LayerCache};
+
+use super::config::LlamaConfig;
+use super::family::Family;
+use super::norm::rms_normalized;
+use super::own_names::{self, field, Default, Field};
+use super::rope_scaling::RopeScaling;
+use super::Rotary;
+
+/// Zamba2's own settings beside the flat fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Zamba2Config {
+    /// `layers_block_type`: for each layer, whether it is hybrid (a
+    /// shared block and its `linear` before its Mamba layer).
+    pub hybrid: Vec<bool>,
+    /// `num_mem_blocks`: the shared blocks, which the hybrid layers use
+    /// in turn (the `j`-th hybrid layer block `j % num_mem_blocks`).
+    pub blocks: i64,
+    /// `use_shared_attention_adapter`: each hybrid layer's adapters on
+    /// the queries, keys and values.
+    pub attention_adapters: bool,
+    /// `adapter_rank`: the adapters' rank.
+    pub adapter_rank: i64,
+    /// `use_mem_rope`: the shared blocks turn their queries and keys.
+    pub rope: bool,
+    /// `time_step_min`: the Mamba layers' steps are clamped below at it.
+    pub time_step_min: f64,
+}
+
+impl Zamba2Config {
+    /// The hybrid layers' numbers, in order.
+    pub(super) fn hybrid_layers(&self) -> Vec<i64> {
+        (self.hybrid.iter().enumerate())
+            .filter(|(_, h)| **h)
+            .map(|(l, _)| l as i64)
+            .collect()
+    }
+
+    /// Layer `l`'s place among the hybrid layers, if it is one.
+    pub(super) fn ordinal(&self, l: i64) -> Option<i64> {
+        self.hybrid_layers()
+            .iter()
+            .position(|&h| h == l)
+            .map(|j| j as i64)
+    }
+
+    /// The shared blocks some hybrid layer uses (`transformers` builds
+    /// the others and holds them nowhere).
+    pub(super) fn used_blocks(&self) -> i64 {
+        self.blocks.min(self.hybrid_layers().len() as i64)
+    }
+
+    /// The hybrid ordinals whose adapters block `k` holds.
+    fn adapters_of(&self, k: i64) -> Vec<i64> {
+        let n = self.hybrid_layers().len() as i64;
+        (0..n).filter(|j| j % self.blocks == k).collect()
+    }
+
+    /// The parameters of `c`'s shared blocks (in the root).
+    pub(super) fn shared_params(&self, c: &LlamaConfig) -> u64 {
+        let (d, two, i, r) = (c.hidden, 2 * c.hidden, c.intermediate, self.adapter_rank);
+        let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let biased = c.mamba.as_ref().is_some_and(|m| m.proj_bias);
+        let bias = |n: i64| if biased { n } else { 0 };
+        let attention = two * q + 2 * two * kv + q * d;
+        let block = two + attention + d + (d * 2 * i + bias(2 * i)) + (i * d + bias(d));
+        let adapters = |k| {
+            let uses = self.adapters_of(k).len() as i64;
+            let attention = if self.attention_adapters {
+                3 * 2 * two * r
+            } else {
+                0
+            };
+            uses * (attention + d * r + r * 2 * i)
+        };
+        (0..self.used_blocks())
+            .map(|k| (block + adapters(k)) as u64)
+            .sum()
+    }
+}
+
+/// Each flat field and Zamba2's name for it, with `Zamba2Config`'s
+/// default; the Mamba layers' sizes under the names the shared Mamba
+/// reader knows (Bamba's).
+const FIELDS: [Field; 19] = [
+    field("vocab_size", "vocab_size", Default::Int(32000), false),
+    field(
+        "max_position_embeddings",
+        "max_position_embeddings",
+        Default::Int(4096),
+        false,
+    ),
+    field("hidden_size", "hidden_size", Default::Int(2560), false),
+    field(
+        "num_hidden_layers",
+        "num_hidden_layers",
+        Default::Int(54),
+        false,
+    ),
+    field(
+        "num_attention_heads",
+        "num_attention_heads",
+        Default::Int(32),
+        false,
+    ),
+    field(
+        "num_key_value_heads",
+        "num_key_value_heads",
+        Default::Null,
+        false,
+    ),
+    field(
+        "intermediate_size",
+        "intermediate_size",
+        Default::Null,
+        false,
+    ),
+    field("hidden_act", "hidden_act", Default::Str("gelu"), false),
+    field("rms_norm_eps", "rms_norm_eps", Default::Float(1e-5), false),
+    field("rope_theta", "rope_theta", Default::Float(10000.0), false),
+    field(
+        "attention_dropout",
+        "attention_dropout",
+        Default::Float(0.0),
+        false,
+    ),
+    field("mamba_d_state", "mamba_d_state", Default::Int(64), false),
+    field("mamba_d_conv", "mamba_d_conv", Default::Int(4), false),
+    field("mamba_expand", "mamba_expand", Default::Int(2), false),
+    field("mamba_n_groups", "mamba_ngroups", Default::Int(1), false),
+    field("mamba_n_heads", "n_mamba_heads", Default::Int(8), false),
+    field("mamba_chunk_size", "chunk_size", Default::Int(256), false),
+    field(
+        "mamba_proj_bias",
+        "add_bias_linear",
+        Default::Bool(false),
+        false,
+    ),
+    field(
+        "mamba_conv_bias",
+        "use_conv_bias",
+        Default::Bool(true),
+        false,
+    ),
+];
+
+/// `Zamba2Config`'s own fields beside [`FIELDS`], kept in the flat
+/// config for [`read`].
+const OWN: [&str; 7] = [
+    "layers_block_type",
+    "num_mem_blocks",
+    "use_shared_attention_adapter",
+    "adapter_rank",
+    "use_mem_rope",
+    "time_step_min",
+    "use_long_context",
+];
+
+/// The Zamba2 config `j` as the flat config the shared reader reads:
+/// every layer a Mamba layer (`layer_types` left out), the heads twice
+/// the width's share (`head_dim`), the MLP four times the width when
+/// `intermediate_size` is null, as its class makes them.
+pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
+    let (mut out, sizes) = own_names::flat_with(j, "zamba2", &FIELDS);
+    if let Some((hidden, heads)) = sizes {
+        if (2 * hidden) % heads != 0 {
+            return Err(j.field(format!(
+                "num_attention_heads {heads} does not divide twice hidden_size ({}): Zamba2's shared blocks attend over the hidden states beside the embeddings, each head the share of both",
+                2 * hidden
+            )));
+        }
+        if out.get("intermediate_size").is_none_or(Value::is_null) {
+            out.insert("intermediate_size".into(), (4 * hidden).into());
+        }
+        out.insert("head_dim".into(), (2 * hidden / heads).into());
+    }
+    for key in OWN {
+        if let Some(v) = j.get(key) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    Ok(j.reading(Value::Object(out)))
+}
+
+/// `e` with the flat fields it names renamed to Zamba2's.
+pub(super) fn zamba2_names(e: HfError) -> HfError {
+    own_names::renamed_as(e, &FIELDS, &[])
+}
+
+/// Zamba2's own settings from the flat config `j` (`layers` deep, its
+/// heads `head_dim` wide), refusing what its class would not compute as
+/// zrt does.
+pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Config, HfError> {
+    let hybrid = match j.get("layers_block_type") {
+        None | Some(Value::Null) => {
+            // `Zamba2Config`'s default, for its 54 layers.
+            let mut kinds = vec![false];
+            for _ in 0..7 {
+                kinds.extend([false, false, false, false, false, true]);
+            }
+            kinds.extend([
+                false, false, false, false, true, false, false, false, true, false, false,
+            ]);
+            kinds
+        }
+        Some(Value::Array(list)) => (list.iter())
+            .map(|k| match k.as_str() {
+                Some("mamba") => Ok(false),
+                Some("hybrid") => Ok(true),
+                _ => Err(j.field(format!(
+                    "layers_block_type entry {k}: Zamba2's layers are \"mamba\" or \"hybrid\""
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(v) => {
+            return Err(j.field(format!(
+                "layers_block_type {v}: give a list of \"mamba\" or \"hybrid\", one a layer"
+            )))
+        }
+    };
+    if hybrid.len() as i64 != layers {
+        return Err(j.field(format!(
+            "layers_block_type has {} entries for num_hidden_layers {layers}: give one a layer (its class's default list is 54 long)",
+            hybrid.len()
+        )));
+    }
+    let blocks = j.size_or_none("num_mem_blocks")?.unwrap_or(1);
+    if blocks == 0 {
+        return Err(
+            j.field("num_mem_blocks 0: the hybrid layers use at least one shared block".into())
+        );
+    }
+    if !j.flag_or("mamba_conv_bias", true)? {
+        return Err(j.field(
+            "use_conv_bias false: Zamba2's convolution has a bias whatever it says, and its class's cached step leaves the bias out then; zrt computes its class's full forward, with the bias; give true"
+                .into(),
+        ));
+    }
+    let rope = j.flag_or("use_mem_rope", false)?;
+    if rope && head_dim % 2 != 0 {
+        return Err(j.field(format!(
+            "use_mem_rope true with heads {head_dim} wide (twice hidden_size over num_attention_heads): rotary embeddings turn pairs of a head's"
+        )));
+    }
+    if rope && j.flag_or("use_long_context", false)? {
+        return Err(j.field(
+            "use_long_context true: zrt does not rescale Zamba2's rotary base for its longer context; leave it false".into(),
+        ));
+    }
+    Ok(Zamba2Config {
+        hybrid,
+        blocks,
+        attention_adapters: j.flag_or("use_shared_attention_adapter", false)?,
+        adapter_rank: j.size_or_none("adapter_rank")?.unwrap_or(128),
+        rope,
+        time_step_min: j.number_or("time_step_min", 0.001)?,
+    })
+}
+
+/// `c`'s `config.json` as `Zamba2Config` reads it.
+pub(super) fn to_json(c: &LlamaConfig) -> Value {
+    let z = c.zamba2.as_ref();
+    let m = c.mamba.as_ref();
+    json!({
+        "model_type": "zamba2",
+        "architectures": [Family::Zamba2.architecture()],
+        "vocab_size": c.vocab,
+        "max_position_embeddings": c.positions,
+        "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads,
+        "intermediate_size": c.intermediate,
+        "hidden_act": c.activation.name(),
+        "rms_norm_eps": c.eps,
+        "rope_theta": c.rope_theta,
+        "attention_dropout": c.attention_dropout,
+        "mamba_d_state": m.map(|m| m.state),
+        "mamba_d_conv": m.map(|m| m.conv_kernel),
+        "mamba_expand": m.map(|m| m.expand),
+        "mamba_ngroups": m.map(|m| m.groups),
+        "n_mamba_heads": m.map(|m| m.heads),
+        "chunk_size": m.map(|m| m.chunk),
+        "add_bias_linear": m.map(|m| m.proj_bias),
+        "use_conv_bias": true,
+        "layers_block_type": z.map(|z| {
+            (z.hybrid.iter())
+                .map(|&h| if h { "hybrid" } else { "mamba" })
+                .collect::<Vec<_>>()
+        }),
+        "num_mem_blocks": z.map(|z| z.blocks),
+        "use_shared_attention_adapter": z.map(|z| z.attention_adapters),
+        "adapter_rank": z.map(|z| z.adapter_rank),
+        "use_mem_rope": z.map(|z| z.rope),
+        "time_step_min": z.map(|z| z.time_step_min),
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
+    })
+}
+
+/// The model's name of a checkpoint's tensor `name` (`None`: a later
+/// hybrid layer's name of a shared block, the same tensor as the first
+/// one's, left out): a shared block's under `model.shared_transformer.K`,
+/// a hybrid layer's Mamba layer's without `mamba_decoder`.
+pub(super) fn model_name(name: &str, z: &Zamba2Config) -> Option<String> {
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return Some(name.to_string());
+    };
+    let (layer, inner) = rest.split_once('.')?;
+    let l: i64 = layer.parse().ok()?;
+    if let Some(block) = inner.strip_prefix("shared_transformer.") {
+        let j = z.ordinal(l)?;
+        // The block's first user names it; the others name the same.
+        return (j < z.blocks).then(|| format!("model.shared_transformer.{j}.{block}"));
+    }
+    match inner.strip_prefix("mamba_decoder.") {
+        Some(mamba) if z.ordinal(l).is_some() => Some(format!("model.layers.{l}.{mamba}")),
+        _ => Some(name.to_string()),
+    }
+}
+
+/// The checkpoint's name of the model's tensor `name`: [`model_name`]
+/// undone (a shared block under the first hybrid layer that uses it).
+pub(super) fn file_name(name: &str, z: &Zamba2Config) -> String {
+    let hybrid = z.hybrid_layers();
+    if let Some(rest) = name.strip_prefix("model.shared_transformer.") {
+        if let Some((k, block)) = rest.split_once('.') {
+            if let Some(&l) = k.parse::<usize>().ok().and_then(|k| hybrid.get(k)) {
+                return format!("model.layers.{l}.shared_transformer.{block}");
+            }
+        }
+    }
+    if let Some((layer, inner)) = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once('.'))
+    {
+        let hybrid_layer = layer.parse::<i64>().ok().filter(|l| hybrid.contains(l));
+        if let Some(l) = hybrid_layer {
+            if inner.starts_with("mamba.") || inner.starts_with("input_layernorm.") {
+                return format!("model.layers.{l}.mamba_decoder.{inner}");
+            }
+        }
+    }
+    name.to_string()
+}
+
+/// A matrix `[out, in]` and its bias, as `nn.Linear` holds them.
+#[derive(Debug)]
+struct Matrix {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Matrix {
+    fn new(p: &nn::Path, (i, o): (i64, i64), bias: bool) -> Self {
+        let bound = 1.0 / (i as f64).sqrt();
+        let init = nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Self {
+            weight: p.var("weight", &[o, i], init),
+            bias: bias.then(|| p.var("bias", &[o], init)),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// The same tensors, another handle.
+    fn share(&self) -> Self {
+        Self {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+/// A low-rank adapter: `nn.Sequential(Linear(in, r), Linear(r, out))`.
+#[derive(Debug)]
+struct Adapter {
+    down: Matrix,
+    up: Matrix,
+}
+
+impl Adapter {
+    fn new(p: &nn::Path, (i, r, o): (i64, i64, i64)) -> Self {
+        Self {
+            down: Matrix::new(&(p / 0), (i, r), false),
+            up: Matrix::new(&(p / 1), (r, o), false),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.up.forward(&self.down.forward(x))
+    }
+
+    fn share(&self) -> Self {
+        Self {
+            down: self.down.share(),
+            up: self.up.share(),
+        }
+    }
+}
+
+/// One shared block (`Zamba2AttentionDecoderLayer`) and the adapters its
+/// hybrid layers add to it, by their ordinal.
+#[derive(Debug)]
+pub(super) struct Shared {
+    input_norm: Tensor,
+    q: Matrix,
+    k: Matrix,
+    v: Matrix,
+    o: Matrix,
+    qkv_adapters: BTreeMap<i64, [Adapter; 3]>,
+    pre_ff_norm: Tensor,
+    gate_up: Matrix,
+    down: Matrix,
+    gate_up_adapters: BTreeMap<i64, Adapter>,
+    eps: f64,
+}
+
+impl Shared {
+    /// Block `k` of `c`'s under `p` (`model.shared_transformer.K`).
+    pub(super) fn new(p: &nn::Path, k: i64, c: &LlamaConfig, z: &Zamba2Config) -> Self {
+        let (d, two, i, r) = (c.hidden, 2 * c.hidden, c.intermediate, z.adapter_rank);
+        let bias = c.mamba.as_ref().is_some_and(|m| m.proj_bias);
+        let a = p / "self_attn";
+        let f = p / "feed_forward";
+        let users = z.adapters_of(k);
+        let qkv_adapters = (users.iter())
+            .filter(|_| z.attention_adapters)
+            .map(|&j| {
+                let one = |name: &str| Adapter::new(&(&a / name / j), (two, r, two));
+                (
+                    j,
+                    [
+                        one("linear_q_adapter_list"),
+                        one("linear_k_adapter_list"),
+                        one("linear_v_adapter_list"),
+                    ],
+                )
+            })
+            .collect();
+        let gate_up_adapters = (users.iter())
+            .map(|&j| {
+                let at = &f / "gate_up_proj_adapter_list" / j;
+                (j, Adapter::new(&at, (d, r, 2 * i)))
+            })
+            .collect();
+        Self {
+            input_norm: (p / "input_layernorm").ones("weight", &[two]),
+            q: Matrix::new(&(&a / "q_proj"), (two, c.heads * c.head_dim), false),
+            k: Matrix::new(&(&a / "k_proj"), (two, c.kv_heads * c.head_dim), false),
+            v: Matrix::new(&(&a / "v_proj"), (two, c.kv_heads * c.head_dim), false),
+            o: Matrix::new(&(&a / "o_proj"), (c.heads * c.head_dim, d), false),
+            qkv_adapters,
+            pre_ff_norm: (p / "pre_ff_layernorm").ones("weight", &[d]),
+            gate_up: Matrix::new(&(&f / "gate_up_proj"), (d, 2 * i), bias),
+            down: Matrix::new(&(&f / "down_proj"), (i, d), bias),
+            gate_up_adapters,
+            eps: c.eps,
+        }
+    }
+
+    /// The same tensors, another handle: each hybrid layer holds one.
+    pub(super) fn share(&self) -> Self {
+        let share3 = |a: &[Adapter; 3]| [a[0].share(), a[1].share(), a[2].share()];
+        Self {
+            input_norm: self.input_norm.shallow_clone(),
+            q: self.q.share(),
+            k: self.k.share(),
+            v: self.v.share(),
+            o: self.o.share(),
+            qkv_adapters: (self.qkv_adapters.iter())
+                .map(|(j, a)| (*j, share3(a)))
+                .collect(),
+            pre_ff_norm: self.pre_ff_norm.shallow_clone(),
+            gate_up: self.gate_up.share(),
+            down: self.down.share(),
+            gate_up_adapters: (self.gate_up_adapters.iter())
+                .map(|(j, a)| (*j, a.share()))
+                .collect(),
+            eps: self.eps,
+        }
+    }
+
+    /// `Zamba2RMSNorm` with weights `w`.
+    fn norm(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        w * rms_normalized(x, self.eps).to_kind(x.kind())
+    }
+}
+
+/// A hybrid layer's part before its Mamba layer: its shared block (a
+/// handle on the root's), its ordinal among the hybrid layers (its
+/// adapters'), its `linear`, the block's rotary embedding, and its own
+/// key-value cache.
+#[derive(Debug)]
+pub(super) struct Hybrid {
+    shared: Shared,
+    ordinal: i64,
+    linear: Matrix,
+    rotary: Option<Rotary>,
+    cache: LayerCache,
+    heads: (i64, i64, i64),
+    activation: super::config::Activation,
+    dropout: f64,
+}
+
+impl Hybrid {
+    /// Hybrid layer `ordinal` under `p` (`model.layers.N`), using
+    /// `shared` (its block's handle).
+    pub(super) fn new(
+        p: &nn::Path,
+        (ordinal, shared): (i64, Shared),
+        c: &LlamaConfig,
+        decoding: &Arc<Decoding>,
+    ) -> Self {
+        let rope = c.zamba2.as_ref().is_some_and(|z| z.rope);
+        Self {
+            shared,
+            ordinal,
+            linear: Matrix::new(&(p / "linear"), (c.hidden, c.hidden), false),
+            rotary: rope.then(|| {
+                Rotary::new(
+                    c.head_dim,
+                    c.rope_theta,
+                    &RopeScaling::None,
+                    c.positions,
+                    p.device(),
+                )
+            }),
+            cache: LayerCache::new(decoding, None),
+            heads: (c.heads, c.kv_heads, c.head_dim),
+            activation: c.activation,
+            dropout: c.attention_dropout,
+        }
+    }
+
+    /// What this layer adds to its Mamba layer's input `x` `[batch, seq,
+    /// hidden]`: `linear(block(cat(x, embeddings)))`, dropout on the
+    /// attention's weights when `training`.
+    pub(super) fn forward(&self, x: &Tensor, embeddings: &Tensor, training: bool) -> Tensor {
+        let s = &self.shared;
+        let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
+        let (heads, kv_heads, hd) = self.heads;
+        let h = s.norm(&Tensor::cat(&[x, embeddings], -1), &s.input_norm);
+        let adapted = |m: &Matrix, i: usize| match s.qkv_adapters.get(&self.ordinal) {
+            Some(a) => m.forward(&h) + a[i].forward(&h),
+            None => m.forward(&h),
+        };
+        let split = |y: Tensor, n: i64| y.view([b, t, n, hd]).transpose(1, 2);
+        let (q, k, v) = (
+            split(adapted(&s.q, 0), heads),
+            split(adapted(&s.k, 1), kv_heads),
+            split(adapted(&s.v, 2), kv_heads),
+        );
+        let dropout = if training { self.dropout } else { 0.0 };
+        let scale = (hd as f64 / 2.0).powf(-0.5);
+        let out = self.cache.attention(
+            self.rotary.as_ref(),
+            (q, k, v),
+            Some(scale),
+            dropout,
+            kv_heads != heads,
+        );
+        let a =
+            s.o.forward(&out.transpose(1, 2).contiguous().view([b, t, heads * hd]));
+        let m = s.norm(&a, &s.pre_ff_norm);
+        let gate_up = match s.gate_up_adapters.get(&self.ordinal) {
+            Some(adapter) => s.gate_up.forward(&m) + adapter.forward(&m),
+            None => s.gate_up.forward(&m),
+        };
+        let parts = gate_up.chunk(2, -1);
+        let mlp = s
+            .down
+            .forward(&(self.activation.apply(&parts[0]) * &parts[1]));
+        self.linear.forward(&mlp)
+    }
+}

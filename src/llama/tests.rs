@@ -3950,6 +3950,11 @@ fn zamba2_configs_are_read_and_counted() {
                 r#""num_attention_heads": 6"#,
                 "num_attention_heads 6 does not divide twice hidden_size (128)",
             ),
+            (
+                r#""adapter_rank": 8"#,
+                r#""adapter_rank": 8, "num_key_value_heads": 2"#,
+                "use_shared_attention_adapter true with num_key_value_heads 2 of num_attention_heads 4",
+            ),
         ],
     );
 }

@@ -284,10 +284,18 @@ pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Confi
             "use_long_context true: zrt does not rescale Zamba2's rotary base for its longer context; leave it false".into(),
         ));
     }
+    let attention_adapters = j.flag_or("use_shared_attention_adapter", false)?;
+    let heads = j.size("num_attention_heads")?;
+    let kv_heads = j.size_or_null("num_key_value_heads", None)?.unwrap_or(heads);
+    if attention_adapters && kv_heads != heads {
+        return Err(j.field(format!(
+            "use_shared_attention_adapter true with num_key_value_heads {kv_heads} of num_attention_heads {heads}: its adapters add twice the width to the keys and values, which are that wide only when every head has its own (its class fails otherwise)"
+        )));
+    }
     Ok(Zamba2Config {
         hybrid,
         blocks,
-        attention_adapters: j.flag_or("use_shared_attention_adapter", false)?,
+        attention_adapters,
         adapter_rank: j.size_or_none("adapter_rank")?.unwrap_or(128),
         rope,
         time_step_min: j.number_or("time_step_min", 0.001)?,

@@ -17,9 +17,9 @@
 //! projection; they are held in the block, as its class holds them.
 //!
 //! zrt keeps the shared blocks in the root (`model.shared_transformer.K`),
-//! which stays gathered at stage 3 for the whole step, as DESIGN.md has
-//! it: every hybrid layer's unit reads them, and their gradient is the
-//! sum over their uses. A checkpoint names a block under the first
+//! which stays gathered at stage 3 for the whole step
+//! (docs/design-deltas.md): every hybrid layer's unit reads them, and
+//! their gradient is the sum over their uses. A checkpoint names a block under the first
 //! hybrid layer that uses it (`model.layers.N.shared_transformer`, the
 //! other layers' names the same tensors, which `transformers` ties); a
 //! hybrid layer's Mamba layer is under `mamba_decoder`. The embeddings

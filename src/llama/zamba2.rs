@@ -286,7 +286,9 @@ pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Confi
     }
     let attention_adapters = j.flag_or("use_shared_attention_adapter", false)?;
     let heads = j.size("num_attention_heads")?;
-    let kv_heads = j.size_or_null("num_key_value_heads", None)?.unwrap_or(heads);
+    let kv_heads = j
+        .size_or_null("num_key_value_heads", None)?
+        .unwrap_or(heads);
     if attention_adapters && kv_heads != heads {
         return Err(j.field(format!(
             "use_shared_attention_adapter true with num_key_value_heads {kv_heads} of num_attention_heads {heads}: its adapters add twice the width to the keys and values, which are that wide only when every head has its own (its class fails otherwise)"

@@ -41,7 +41,17 @@ config = AutoConfig.from_pretrained(config_path)
 # the model zrt computes.
 eager = {"attn_implementation": "eager"} if config.model_type == "doge" else {}
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **eager)
-model.save_pretrained(out)
+# transformers 4.57's `save_pretrained` refuses Zamba2's shared blocks
+# (its tied-weight patterns miss their names): each tensor once, under
+# its first name, which `from_pretrained` (and zrt) read.
+shared = None
+if config.model_type == "zamba2":
+    seen, shared = set(), {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            shared[k] = v.detach().clone()
+model.save_pretrained(out, state_dict=shared)
 # A quantization_config (BitNet's AutoBitLinear in online mode, trained
 # quantization-aware) is applied by `from_pretrained` alone: the model
 # trained is the checkpoint read back, as a user's would be.

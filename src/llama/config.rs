@@ -1239,7 +1239,11 @@ impl LlamaConfig {
             },
             language_model_of: j.wrapper(),
             zamba2: match family {
-                Family::Zamba2 => Some(zamba2::read(j, j.size("num_hidden_layers")?, head_dim)?),
+                Family::Zamba2 => Some(zamba2::read(
+                    j,
+                    j.size("num_hidden_layers")?,
+                    (heads, kv_heads, head_dim),
+                )?),
                 _ => None,
             },
         })
@@ -2741,18 +2745,28 @@ pub(super) fn layer_kinds(
     kinds: [&str; 2],
     marked: &str,
 ) -> Result<Option<Vec<bool>>, HfError> {
+    kinds_under(j, "layer_types", layers, (whose, kinds, marked))
+}
+
+/// [`layer_kinds`] under the field `key` (Zamba2's `layers_block_type`).
+pub(super) fn kinds_under(
+    j: &HfJson,
+    key: &str,
+    layers: i64,
+    (whose, kinds, marked): (&str, [&str; 2], &str),
+) -> Result<Option<Vec<bool>>, HfError> {
     let [a, b] = kinds;
-    let Some(given) = j.get("layer_types").filter(|v| !v.is_null()) else {
+    let Some(given) = j.get(key).filter(|v| !v.is_null()) else {
         return Ok(None);
     };
     let Some(list) = given.as_array() else {
         return Err(j.field(format!(
-            "layer_types {given}: give a list of \"{a}\" or \"{b}\", one a layer"
+            "{key} {given}: give a list of \"{a}\" or \"{b}\", one a layer"
         )));
     };
     if list.len() as i64 != layers {
         return Err(j.field(format!(
-            "layer_types has {} entries for num_hidden_layers {layers}: give one a layer",
+            "{key} has {} entries for num_hidden_layers {layers}: give one a layer",
             list.len()
         )));
     }
@@ -2760,7 +2774,7 @@ pub(super) fn layer_kinds(
         .map(|k| match k.as_str() {
             Some(kind) if kinds.contains(&kind) => Ok(kind == marked),
             _ => Err(j.field(format!(
-                "layer_types entry {k}: {whose}'s layers are \"{a}\" or \"{b}\""
+                "{key} entry {k}: {whose}'s layers are \"{a}\" or \"{b}\""
             ))),
         })
         .collect::<Result<Vec<_>, _>>()

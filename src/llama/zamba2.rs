@@ -37,7 +37,7 @@ use tch::Tensor;
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
 
-use super::config::LlamaConfig;
+use super::config::{self, LlamaConfig};
 use super::family::Family;
 use super::norm::rms_normalized;
 use super::own_names::{self, field, Default, Field};
@@ -225,12 +225,18 @@ pub(super) fn zamba2_names(e: HfError) -> HfError {
 }
 
 /// Zamba2's own settings from the flat config `j` (`layers` deep, its
-/// heads `head_dim` wide), refusing what its class would not compute as
-/// zrt does.
-pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Config, HfError> {
-    let hybrid = match j.get("layers_block_type") {
-        None | Some(Value::Null) => {
-            // `Zamba2Config`'s default, for its 54 layers.
+/// query and key-value heads, each `head_dim` wide), refusing what its
+/// class would not compute as zrt does.
+pub(super) fn read(
+    j: &HfJson,
+    layers: i64,
+    (heads, kv_heads, head_dim): (i64, i64, i64),
+) -> Result<Zamba2Config, HfError> {
+    let kinds = ("Zamba2", ["mamba", "hybrid"], "hybrid");
+    let hybrid = match config::kinds_under(j, "layers_block_type", layers, kinds)? {
+        Some(hybrid) => hybrid,
+        // `Zamba2Config`'s default, for its 54 layers.
+        None => {
             let mut kinds = vec![false];
             for _ in 0..7 {
                 kinds.extend([false, false, false, false, false, true]);
@@ -238,29 +244,14 @@ pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Confi
             kinds.extend([
                 false, false, false, false, true, false, false, false, true, false, false,
             ]);
+            if kinds.len() as i64 != layers {
+                return Err(j.field(format!(
+                    "layers_block_type left out for num_hidden_layers {layers}: its class's default list is 54 layers'; give one a layer"
+                )));
+            }
             kinds
         }
-        Some(Value::Array(list)) => (list.iter())
-            .map(|k| match k.as_str() {
-                Some("mamba") => Ok(false),
-                Some("hybrid") => Ok(true),
-                _ => Err(j.field(format!(
-                    "layers_block_type entry {k}: Zamba2's layers are \"mamba\" or \"hybrid\""
-                ))),
-            })
-            .collect::<Result<Vec<_>, _>>()?,
-        Some(v) => {
-            return Err(j.field(format!(
-                "layers_block_type {v}: give a list of \"mamba\" or \"hybrid\", one a layer"
-            )))
-        }
     };
-    if hybrid.len() as i64 != layers {
-        return Err(j.field(format!(
-            "layers_block_type has {} entries for num_hidden_layers {layers}: give one a layer (its class's default list is 54 long)",
-            hybrid.len()
-        )));
-    }
     let blocks = j.size_or_none("num_mem_blocks")?.unwrap_or(1);
     if blocks == 0 {
         return Err(
@@ -285,10 +276,6 @@ pub(super) fn read(j: &HfJson, layers: i64, head_dim: i64) -> Result<Zamba2Confi
         ));
     }
     let attention_adapters = j.flag_or("use_shared_attention_adapter", false)?;
-    let heads = j.size("num_attention_heads")?;
-    let kv_heads = j
-        .size_or_null("num_key_value_heads", None)?
-        .unwrap_or(heads);
     if attention_adapters && kv_heads != heads {
         return Err(j.field(format!(
             "use_shared_attention_adapter true with num_key_value_heads {kv_heads} of num_attention_heads {heads}: its adapters add twice the width to the keys and values, which are that wide only when every head has its own (its class fails otherwise)"

@@ -29,7 +29,7 @@ use super::rope_scaling::{rope_scaling, RopeScaling};
 use super::rwkv;
 use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
-use super::zamba2::{self, Zamba2Config};
+use super::zamba::{self, ZambaConfig};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
 /// Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, GLM-4-MoE, GPT-OSS,
@@ -521,7 +521,7 @@ pub struct LlamaConfig {
     pub language_model_of: Option<&'static str>,
     /// Zamba2's hybrid layers and shared blocks (`llama::zamba2`);
     /// `None` for the other families.
-    pub zamba2: Option<Zamba2Config>,
+    pub zamba: Option<ZambaConfig>,
 }
 
 impl LlamaConfig {
@@ -556,7 +556,7 @@ impl LlamaConfig {
             Some(Family::OpenAiGpt) => (openai_gpt::flat(j)?, openai_gpt::openai_gpt_names),
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(Family::Rwkv) => (rwkv::flat(j)?, rwkv::rwkv_names),
-            Some(Family::Zamba2) => (zamba2::flat(j)?, zamba2::zamba2_names),
+            Some(Family::Zamba2) => (zamba::flat(j)?, zamba::zamba2_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -1238,8 +1238,8 @@ impl LlamaConfig {
                 _ => None,
             },
             language_model_of: j.wrapper(),
-            zamba2: match family {
-                Family::Zamba2 => Some(zamba2::read(
+            zamba: match family {
+                Family::Zamba2 => Some(zamba::read(
                     j,
                     j.size("num_hidden_layers")?,
                     (heads, kv_heads, head_dim),
@@ -1604,7 +1604,7 @@ impl LlamaConfig {
             // Mamba's and Falcon-Mamba's layers have no MLP, one norm;
             // Zamba2's neither (a hybrid one its `linear` too).
             if self.family == Family::Zamba2 {
-                let hybrid = (self.zamba2.as_ref()).is_some_and(|z| z.ordinal(l).is_some());
+                let hybrid = (self.zamba.as_ref()).is_some_and(|z| z.ordinal(l).is_some());
                 let mamba = self.mamba_layer(l).map_or(0, |m| m.params(self.hidden));
                 return norm + mamba + bias(hybrid, d * d);
             }
@@ -1673,7 +1673,7 @@ impl LlamaConfig {
         let final_norm = bias(self.final_norm(), norm);
         let projections = bias(self.projected(), 2 * d * w);
         // Zamba2's shared blocks are the root's.
-        let shared = (self.zamba2.as_ref()).map_or(0, |z| z.shared_params(self));
+        let shared = (self.zamba.as_ref()).map_or(0, |z| z.shared_params(self));
         units.push((
             String::new(),
             final_norm
@@ -1706,7 +1706,7 @@ impl LlamaConfig {
             (Family::Bloom, _) => Some(bloom::to_json(self)),
             (Family::Mamba2, _) => (self.mamba.as_ref()).map(|m| mamba::to_json(self, m)),
             (Family::Rwkv, _) => Some(rwkv::to_json(self)),
-            (Family::Zamba2, _) => Some(zamba2::to_json(self)),
+            (Family::Zamba2, _) => Some(zamba::to_json(self)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };

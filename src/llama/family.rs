@@ -557,7 +557,7 @@ pub enum Family {
     /// fed by one of the transformer blocks the model shares among them
     /// (`shared_transformer`, reading the hidden states beside the
     /// embeddings, with each layer's own adapters) and their own
-    /// `linear` (`llama::zamba2`).
+    /// `linear` (`llama::zamba`).
     Zamba2,
 }
 

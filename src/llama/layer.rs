@@ -28,7 +28,7 @@ use super::rotary::{rope_at, rope_from, Rotary};
 use super::rwkv::{ChannelMix, TimeMix};
 use super::short_conv::ShortConv;
 use super::xielu::Xielu;
-use super::zamba2::Hybrid;
+use super::zamba::Hybrid;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
 pub(super) type Lin<'a> = dyn Fn(&nn::Path, i64, i64, bool) -> Adapted + 'a;

@@ -310,15 +310,15 @@ impl Mamba {
             hidden: c.hidden,
             // Zamba2's layers are SiLU-activated, their gated norm at
             // 1e-5, whatever the config's MLP and norms say.
-            eps: match &c.zamba2 {
+            eps: match &c.zamba {
                 Some(_) => 1e-5,
                 None => c.eps,
             },
-            activation: match &c.zamba2 {
+            activation: match &c.zamba {
                 Some(_) => Activation::Silu,
                 None => c.activation,
             },
-            dt_floor: c.zamba2.as_ref().map_or(0.0, |z| z.time_step_min),
+            dt_floor: c.zamba.as_ref().map_or(0.0, |z| z.time_step_min),
         }
     }
 

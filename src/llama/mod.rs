@@ -84,7 +84,7 @@ pub(crate) mod tests;
 mod xglm;
 mod xielu;
 mod z_loss;
-mod zamba2;
+mod zamba;
 
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{
@@ -100,7 +100,7 @@ pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub use rg_lru::RgLruConfig;
-pub use zamba2::Zamba2Config;
+pub use zamba::ZambaConfig;
 // BitNet's ternary linear layers' input norm (`lora::Adapted`).
 pub(crate) use norm::rms_normalized;
 pub(crate) use rope_scaling::rope_scaling;
@@ -171,13 +171,13 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
     let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
     // Zamba2's shared blocks under their first user's names, its hybrid
-    // layers' Mamba layers under `mamba_decoder` (`zamba2::model_name`).
-    let zamba = cfg.zamba2.clone();
+    // layers' Mamba layers under `mamba_decoder` (`zamba::model_name`).
+    let zamba = cfg.zamba.clone();
     plan.rename_weights(move |n| {
         let shared;
         let n = match &zamba {
             Some(z) => {
-                shared = zamba2::model_name(n, z)?;
+                shared = zamba::model_name(n, z)?;
                 shared.as_str()
             }
             None => n,
@@ -282,19 +282,19 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 }
 
 /// How `cfg`'s VarStore names become its checkpoint's where they differ
-/// (Zamba2's: `zamba2::file_name`), for an adapter's export.
+/// (Zamba2's: `zamba::file_name`), for an adapter's export.
 pub(crate) fn file_names(cfg: &LlamaConfig) -> Option<crate::lora::FileNames> {
-    let z = cfg.zamba2.clone()?;
-    Some(Box::new(move |n: &str| zamba2::file_name(n, &z)))
+    let z = cfg.zamba.clone()?;
+    Some(Box::new(move |n: &str| zamba::file_name(n, &z)))
 }
 
 /// [`hf_export_layout`]'s transposes (and Zamba2's names), no files.
 pub(crate) fn tensor_layout(cfg: &LlamaConfig) -> ExportLayout {
-    match (cfg.family.conv1d(), &cfg.zamba2) {
+    match (cfg.family.conv1d(), &cfg.zamba) {
         (true, _) => ExportLayout::new().transpose(crate::gpt2::is_conv1d_weight),
         (false, Some(z)) => {
             let z = z.clone();
-            ExportLayout::new().rename(move |n| zamba2::file_name(n, &z))
+            ExportLayout::new().rename(move |n| zamba::file_name(n, &z))
         }
         (false, None) => ExportLayout::new(),
     }
@@ -443,9 +443,9 @@ impl Llama {
         });
         // Zamba2's shared blocks, in the root, which stays gathered at
         // stage 3 while every hybrid layer's unit reads them.
-        let shared: Vec<zamba2::Shared> = (cfg.zamba2.as_ref()).map_or_else(Vec::new, |z| {
+        let shared: Vec<zamba::Shared> = (cfg.zamba.as_ref()).map_or_else(Vec::new, |z| {
             (0..z.used_blocks())
-                .map(|k| zamba2::Shared::new(&(&m / "shared_transformer" / k), k, cfg, z))
+                .map(|k| zamba::Shared::new(&(&m / "shared_transformer" / k), k, cfg, z))
                 .collect()
         });
         // ModernBERT-decoder's `embeddings.tok_embeddings`.
@@ -462,11 +462,11 @@ impl Llama {
             .map(|i| {
                 let lp = &m / blocks / i;
                 let layer = Layer::new(&lp, i, cfg, (&training, &decoding), lora);
-                let hybrid = (cfg.zamba2.as_ref()).and_then(|z| z.ordinal(i).map(|j| (z, j)));
+                let hybrid = (cfg.zamba.as_ref()).and_then(|z| z.ordinal(i).map(|j| (z, j)));
                 let layer = match hybrid {
                     Some((z, j)) => {
                         let block = shared[(j % z.blocks) as usize].share();
-                        layer.with_hybrid(zamba2::Hybrid::new(&lp, (j, block), cfg, &decoding))
+                        layer.with_hybrid(zamba::Hybrid::new(&lp, (j, block), cfg, &decoding))
                     }
                     None => layer,
                 };
@@ -591,8 +591,8 @@ impl Llama {
         x = self.training.dropout(x, self.cfg.embedding_dropout);
         // Zamba2's layers carry the embeddings beside the hidden states
         // (its class's `original_hidden_states`).
-        let zamba2 = self.cfg.zamba2.is_some();
-        if zamba2 {
+        let zamba = self.cfg.zamba.is_some();
+        if zamba {
             x = Tensor::cat(&[&x, &x], -1);
         }
         // OPT's and BioGPT's LayerDrop draws a number from the CPU's generator before
@@ -605,7 +605,7 @@ impl Llama {
             }
             x = l.forward(&x);
         }
-        if zamba2 {
+        if zamba {
             x = x.narrow(-1, 0, self.cfg.hidden);
         }
         // The caches hold these tokens now.

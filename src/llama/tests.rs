@@ -149,7 +149,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         keep_window: None,
         rescale_every: None,
         language_model_of: None,
-        zamba2: None,
+        zamba: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -3519,7 +3519,7 @@ fn unit_params_count_what_the_built_model_holds() {
         keep_window: None,
         rescale_every: None,
         language_model_of: None,
-        zamba2: None,
+        zamba: None,
     };
     let variants = [
         base.clone(),
@@ -3898,7 +3898,7 @@ fn zamba2_configs_are_read_and_counted() {
     // each shared block once.
     let c = dir.read(r#"{"model_type": "zamba2"}"#).unwrap();
     assert_eq!(total(&c), 2481848336);
-    let z = c.zamba2.as_ref().unwrap();
+    let z = c.zamba.as_ref().unwrap();
     assert_eq!(z.hybrid_layers(), [6, 12, 18, 24, 30, 36, 42, 47, 51]);
     assert_eq!(
         (c.head_dim, c.intermediate, c.heads, c.kv_heads),

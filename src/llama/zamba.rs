@@ -46,7 +46,7 @@ use super::Rotary;
 
 /// Zamba2's own settings beside the flat fields.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Zamba2Config {
+pub struct ZambaConfig {
     /// `layers_block_type`: for each layer, whether it is hybrid (a
     /// shared block and its `linear` before its Mamba layer).
     pub hybrid: Vec<bool>,
@@ -64,7 +64,7 @@ pub struct Zamba2Config {
     pub time_step_min: f64,
 }
 
-impl Zamba2Config {
+impl ZambaConfig {
     /// The hybrid layers' numbers, in order.
     pub(super) fn hybrid_layers(&self) -> Vec<i64> {
         (self.hybrid.iter().enumerate())
@@ -116,7 +116,7 @@ impl Zamba2Config {
     }
 }
 
-/// Each flat field and Zamba2's name for it, with `Zamba2Config`'s
+/// Each flat field and Zamba2's name for it, with `ZambaConfig`'s
 /// default; the Mamba layers' sizes under the names the shared Mamba
 /// reader knows (Bamba's).
 const FIELDS: [Field; 19] = [
@@ -181,7 +181,7 @@ const FIELDS: [Field; 19] = [
     ),
 ];
 
-/// `Zamba2Config`'s own fields beside [`FIELDS`], kept in the flat
+/// `ZambaConfig`'s own fields beside [`FIELDS`], kept in the flat
 /// config for [`read`].
 const OWN: [&str; 7] = [
     "layers_block_type",
@@ -231,11 +231,11 @@ pub(super) fn read(
     j: &HfJson,
     layers: i64,
     (heads, kv_heads, head_dim): (i64, i64, i64),
-) -> Result<Zamba2Config, HfError> {
+) -> Result<ZambaConfig, HfError> {
     let kinds = ("Zamba2", ["mamba", "hybrid"], "hybrid");
     let hybrid = match config::kinds_under(j, "layers_block_type", layers, kinds)? {
         Some(hybrid) => hybrid,
-        // `Zamba2Config`'s default, for its 54 layers.
+        // `ZambaConfig`'s default, for its 54 layers.
         None => {
             let mut kinds = vec![false];
             for _ in 0..7 {
@@ -281,7 +281,7 @@ pub(super) fn read(
             "use_shared_attention_adapter true with num_key_value_heads {kv_heads} of num_attention_heads {heads}: its adapters add twice the width to the keys and values, which are that wide only when every head has its own (its class fails otherwise)"
         )));
     }
-    Ok(Zamba2Config {
+    Ok(ZambaConfig {
         hybrid,
         blocks,
         attention_adapters,
@@ -291,9 +291,9 @@ pub(super) fn read(
     })
 }
 
-/// `c`'s `config.json` as `Zamba2Config` reads it.
+/// `c`'s `config.json` as `ZambaConfig` reads it.
 pub(super) fn to_json(c: &LlamaConfig) -> Value {
-    let z = c.zamba2.as_ref();
+    let z = c.zamba.as_ref();
     let m = c.mamba.as_ref();
     json!({
         "model_type": "zamba2",
@@ -336,7 +336,7 @@ pub(super) fn to_json(c: &LlamaConfig) -> Value {
 /// hybrid layer's name of a shared block, the same tensor as the first
 /// one's, left out): a shared block's under `model.shared_transformer.K`,
 /// a hybrid layer's Mamba layer's without `mamba_decoder`.
-pub(super) fn model_name(name: &str, z: &Zamba2Config) -> Option<String> {
+pub(super) fn model_name(name: &str, z: &ZambaConfig) -> Option<String> {
     let Some(rest) = name.strip_prefix("model.layers.") else {
         return Some(name.to_string());
     };
@@ -355,7 +355,7 @@ pub(super) fn model_name(name: &str, z: &Zamba2Config) -> Option<String> {
 
 /// The checkpoint's name of the model's tensor `name`: [`model_name`]
 /// undone (a shared block under the first hybrid layer that uses it).
-pub(super) fn file_name(name: &str, z: &Zamba2Config) -> String {
+pub(super) fn file_name(name: &str, z: &ZambaConfig) -> String {
     let hybrid = z.hybrid_layers();
     if let Some(rest) = name.strip_prefix("model.shared_transformer.") {
         if let Some((k, block)) = rest.split_once('.') {
@@ -457,7 +457,7 @@ pub(super) struct Shared {
 
 impl Shared {
     /// Block `k` of `c`'s under `p` (`model.shared_transformer.K`).
-    pub(super) fn new(p: &nn::Path, k: i64, c: &LlamaConfig, z: &Zamba2Config) -> Self {
+    pub(super) fn new(p: &nn::Path, k: i64, c: &LlamaConfig, z: &ZambaConfig) -> Self {
         let (d, two, i, r) = (c.hidden, 2 * c.hidden, c.intermediate, z.adapter_rank);
         let bias = c.mamba.as_ref().is_some_and(|m| m.proj_bias);
         let a = p / "self_attn";
@@ -551,7 +551,7 @@ impl Hybrid {
         c: &LlamaConfig,
         decoding: &Arc<Decoding>,
     ) -> Self {
-        let rope = c.zamba2.as_ref().is_some_and(|z| z.rope);
+        let rope = c.zamba.as_ref().is_some_and(|z| z.rope);
         Self {
             shared,
             ordinal,

@@ -943,6 +943,73 @@ fn a_files_own_names_load_through_the_plans_rename_rule() {
 /// Which of the test GPT's tensors a transposing checkpoint stores
 /// transposed: every matrix (the square attention output's too, whose
 /// shape cannot tell).
+/// A file holding copies of one tensor under several names, as
+/// `transformers` writes a tied parameter (Zamba's shared block under
+/// each layer that uses it): under the plan's copies rule the copy whose
+/// name sorts first is read on every rank, whatever the others hold;
+/// without it, or for a name the rule does not cover, two tensors given
+/// one name are still refused.
+#[test]
+fn copies_of_a_tied_tensor_load_one_through_the_plans_copies_rule() {
+    let dir = scratch("load-weights-copies");
+    let file = trained_file(&dir, "");
+    let values = file_values(&file);
+    let tied = "h.0.fc.weight";
+    let mut theirs: Vec<(String, Tensor)> = Vec::new();
+    for (n, t) in Tensor::read_safetensors(&file).unwrap() {
+        if n == tied {
+            // The first by name holds the values; the later copies not.
+            theirs.push((format!("copy.a.{n}"), t.copy()));
+            theirs.push((format!("copy.b.{n}"), t.ones_like()));
+            theirs.push((format!("model.{n}"), t.zeros_like()));
+        } else {
+            theirs.push((format!("model.{n}"), t));
+        }
+    }
+    let hf = write(&dir, "copies.safetensors", &theirs);
+    let cfg = config_zero(3, 1, 1.0, "", SHARD_ALL);
+    let rule = |name: &str| {
+        let name = name.strip_prefix("model.").unwrap_or(name);
+        let name = (name
+            .strip_prefix("copy.a.")
+            .or(name.strip_prefix("copy.b.")))
+        .unwrap_or(name);
+        Some(name.to_string())
+    };
+    let (hf, cfg) = (&hf, &cfg);
+    let load = |copies: Option<&'static str>| {
+        on_ranks(2, move |r| {
+            let (vs, plan, _) = model();
+            plan.rename_weights(rule).unwrap();
+            if let Some(c) = copies {
+                plan.weight_copies(move |n| n == c).unwrap();
+            }
+            freeze(&vs, FROZEN);
+            let group = r.new_group(&[0, 1]).unwrap();
+            let hints = zrt::zero::AutoHints::default();
+            let e = Engine::new(&vs, &plan, cfg, group, &hints).unwrap();
+            let loaded = e.load_weights(hf, true).map_err(|e| e.to_string());
+            (loaded, e.gathered_params().unwrap())
+        })
+    };
+    for (loaded, params) in load(Some(tied)) {
+        assert_eq!(loaded.unwrap().loaded, values.len());
+        holds_the_file(&params, &values, "the first copy by name");
+    }
+    for copies in [None, Some("h.0.fc.bias")] {
+        for (loaded, _) in load(copies) {
+            let e = loaded.unwrap_err();
+            // (Which two the refusal names follows the file's order.)
+            assert!(
+                e.contains("the plan's rename_weights rule names both")
+                    && e.contains(".h.0.fc.weight` `h.0.fc.weight`"),
+                "{copies:?}: {e}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn is_matrix(name: &str) -> bool {
     name.ends_with(".weight") && !name.contains("ln")
 }

@@ -75,6 +75,8 @@ pub(crate) struct PlanInner {
     pub(crate) rename: Mutex<Option<Arc<Rename>>>,
     /// Set by [`ShardPlan::transpose_weights`].
     pub(crate) transpose: Mutex<Option<Arc<TransposeRule>>>,
+    /// Set by [`ShardPlan::weight_copies`].
+    pub(crate) copies: Mutex<Option<Arc<TransposeRule>>>,
     /// Set by [`ShardPlan::fresh_weights`].
     pub(crate) fresh: Mutex<Option<Arc<NameRule>>>,
 }
@@ -167,6 +169,7 @@ impl Claim {
         NameRules {
             rename: self.0.rename.lock().ok().and_then(|r| r.clone()),
             transpose: self.0.transpose.lock().ok().and_then(|r| r.clone()),
+            copies: self.0.copies.lock().ok().and_then(|r| r.clone()),
         }
     }
 
@@ -752,6 +755,25 @@ impl ShardPlan {
     ) -> Result<(), EngineError> {
         let rule: Arc<TransposeRule> = Arc::new(rule);
         self.set_rule_slot("transpose_weights", &self.inner.transpose, Some(rule))
+    }
+
+    /// Says which of the model's tensors weights files may hold several
+    /// copies of, for [`Engine::load_weights`](crate::Engine::load_weights)
+    /// and [`Self::weights_from_file`]: `rule(name)`, given a tensor's
+    /// name in the model (after [`Self::rename_weights`]' rule), is true
+    /// for a tensor several of the file's tensors may be named, the copies
+    /// `transformers` ties into one parameter (Zamba's shared block, which
+    /// a file may hold under any of the layers that use it). Of such
+    /// copies the one whose name in the file sorts first is read, on
+    /// every rank alike, and the others are left out; any other name given
+    /// twice is still refused. Call it before building the engine, on
+    /// every rank alike.
+    pub fn weight_copies(
+        &self,
+        rule: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Result<(), EngineError> {
+        let rule: Arc<TransposeRule> = Arc::new(rule);
+        self.set_rule_slot("weight_copies", &self.inner.copies, Some(rule))
     }
 
     /// The units' VarStore prefixes, in registration order.

@@ -48,6 +48,9 @@ pub(crate) struct NameRules {
     pub(crate) rename: Option<Arc<Rename>>,
     /// Which tensors (by the model's names) the file holds transposed.
     pub(crate) transpose: Option<Arc<TransposeRule>>,
+    /// Which tensors (by the model's names) the file may hold several
+    /// copies of ([`ShardPlan::weight_copies`](crate::ShardPlan::weight_copies)).
+    pub(crate) copies: Option<Arc<TransposeRule>>,
 }
 
 /// Where one of the model's tensors is.
@@ -82,7 +85,9 @@ impl WeightsFiles {
     /// file is checked as [`RankFile::open_weights`] checks one, and
     /// every tensor the index names must be in the file it names. Under
     /// `rules.rename`, each tensor goes by the name it gives (skipped when
-    /// it gives none); two tensors given one name are refused. A tensor
+    /// it gives none); two tensors given one name are refused, unless
+    /// `rules.copies` says the file may hold copies of it: then the one
+    /// whose name in the file sorts first is read. A tensor
     /// `rules.transpose` names must be a matrix. Errors are
     /// [`CheckpointError::Weights`] naming `path` (and the file at
     /// fault).
@@ -163,11 +168,20 @@ impl WeightsFiles {
                     None => continue,
                 },
             };
+            let copies = rules.copies.as_ref().is_some_and(|c| c(&model));
             if let Some(other) = owner.get(&model) {
-                return Err(refuse(format!(
+                // Copies of one tied tensor: the first by name, on every
+                // rank alike (the index's order is not the file's).
+                if copies {
+                    if other.name < in_file {
+                        continue;
+                    }
+                } else {
+                    return Err(refuse(format!(
                     "the plan's rename_weights rule names both `{}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)",
                     other.name
                 )));
+                }
             }
             let transposed = match rules.transpose.as_ref().is_some_and(|t| t(&model)) {
                 false => None,

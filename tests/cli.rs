@@ -1350,7 +1350,7 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(ok && out.contains("2481848336 params"), "{out}");
-    // A model_type zrt does not build is named, and why.
+    // So do the first Zamba's (Zamba 7B's sizes), its shared block once.
     let zamba = dir.join("zamba.json");
     std::fs::write(&zamba, r#"{"model_type": "zamba"}"#).unwrap();
     let (ok, out) = zrt(&[
@@ -1360,9 +1360,20 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "--world",
         "2",
     ]);
+    assert!(ok && out.contains("7232490496 params"), "{out}");
+    // A model_type zrt does not build is named, and why.
+    let gemma3n = dir.join("gemma3n.json");
+    std::fs::write(&gemma3n, r#"{"model_type": "gemma3n_text"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        gemma3n.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
     assert!(
-        !ok && out.contains("model_type \"zamba\": zrt builds")
-            && out.contains("(not this one: Zamba (the first) is not built"),
+        !ok && out.contains("model_type \"gemma3n_text\": zrt builds")
+            && out.contains("(not this one: Gemma 3n is not built: transformers 4.57 computes"),
         "{out}"
     );
     let _ = std::fs::remove_dir_all(&dir);

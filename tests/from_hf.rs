@@ -1253,6 +1253,30 @@ const CASES: &[Case] = &[
         ),
         load: "",
     },
+    // Zamba (the first): five Mamba layers, each split into two heads
+    // with their own selection; the third and fourth hybrid (its
+    // class's list from `attn_layer_period` and `attn_layer_offset`),
+    // using its one shared block, whose keys and values are grouped.
+    Case {
+        name: "zamba",
+        python: (
+            common::ZAMBA,
+            "vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, n_mamba_heads=2, mamba_d_state=8, mamba_dt_rank=4, attn_layer_period=2, attn_layer_offset=0, use_mamba_kernels=False",
+        ),
+        load: "",
+    },
+    // Zamba otherwise: its layers' kinds listed, one Mamba head, biased
+    // projections, no convolution bias, the block's heads 12 wide
+    // (`attention_head_dim`), a GELU in the Mamba layers, the head
+    // untied.
+    Case {
+        name: "zamba-plain",
+        python: (
+            common::ZAMBA,
+            "vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, attention_head_dim=12, max_position_embeddings=64, layers_block_type=['hybrid', 'mamba', 'mamba', 'hybrid'], n_mamba_heads=1, mamba_d_state=8, mamba_proj_bias=True, mamba_conv_bias=False, hidden_mamba_act='gelu', tie_word_embeddings=False, use_mamba_kernels=False",
+        ),
+        load: "",
+    },
     // RWKV: no attention; each block's time mix (the WKV recurrence, 48
     // channels wide) and channel mix, each token mixed with the one
     // before it; the head untied. Without `use_cache`: its class's
@@ -2031,6 +2055,12 @@ fn a_zamba2_checkpoint_with_its_shared_blocks_trains_as_transformers_does() {
 }
 
 #[test]
+fn a_zamba_checkpoint_with_its_headed_mamba_layers_and_shared_block_trains_as_transformers_does() {
+    parity("zamba-plain");
+    parity("zamba");
+}
+
+#[test]
 fn an_rwkv_checkpoint_with_its_time_and_channel_mixes_trains_as_transformers_does() {
     parity("rwkv");
     parity("rwkv-tied");
@@ -2183,14 +2213,15 @@ fn rwkv_packed_documents_mix_as_each_alone() {
     packed_documents_as_each_alone("rwkv-tied");
 }
 
-/// Zamba2's packed documents: each document of a packed row is scanned
+/// Zamba2's and Zamba's packed documents: each document of a packed row is scanned
 /// by its Mamba layers from a zero state and attends within itself in
 /// the shared blocks, as it would alone (`transformers`' CPU path takes
 /// no packed rows).
 #[test]
-fn zamba2_packed_documents_run_as_each_alone() {
+fn zamba_and_zamba2_packed_documents_run_as_each_alone() {
     packed_documents_as_each_alone("zamba2");
     packed_documents_as_each_alone("zamba2-plain");
+    packed_documents_as_each_alone("zamba");
 }
 
 /// Case `name`'s packed row of two documents (5 and 11 tokens) gives
@@ -4419,6 +4450,16 @@ fn greedy_decoding_continues_a_prompt_as_transformers_generate_does() {
              layers_block_type=['mamba', 'hybrid', 'hybrid', 'mamba', 'hybrid'], \
              num_mem_blocks=2, adapter_rank=4, use_mem_rope=True, mamba_d_state=8, \
              n_mamba_heads=8, chunk_size=64, eos_token_id=None, bos_token_id=None",
+        ),
+        // Zamba: its hybrid layers' caches of its one block's keys and
+        // values, its headed Mamba layers' states.
+        (
+            "zamba",
+            common::ZAMBA,
+            "vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=5, \
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, \
+             n_mamba_heads=2, mamba_d_state=8, attn_layer_period=2, attn_layer_offset=0, \
+             use_mamba_kernels=False, eos_token_id=None, bos_token_id=None",
         ),
         // LongCat-Flash: two caches a layer, one a sublayer.
         (

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), RWKV (both mixers), Zamba2 (its Mamba layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), RWKV (both mixers), Zamba2 and Zamba (their Mamba layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -552,6 +552,20 @@ const ZAMBA2: Case = Case {
     targets: &["in_proj", "out_proj"],
     matrices: 20,
     elements: 5 * 4 * ((32 + 152) + (64 + 32)),
+    ..OFF
+};
+
+/// The first Zamba's Mamba layers' projections (PEFT has no default;
+/// zrt's), each layer split into two heads, its channels and gates
+/// interleaved in `in_proj`'s output.
+const ZAMBA: Case = Case {
+    python: (
+        common::ZAMBA,
+        "vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, n_mamba_heads=2, mamba_d_state=8, attn_layer_period=2, attn_layer_offset=0, use_mamba_kernels=False",
+    ),
+    targets: &["in_proj", "out_proj"],
+    matrices: 20,
+    elements: 5 * 4 * ((32 + 128) + (64 + 32)),
     ..OFF
 };
 
@@ -1254,6 +1268,11 @@ fn lora_adapters_on_modernbert_decoders_attention_and_gated_mlp_train_as_peft_do
 #[test]
 fn lora_adapters_on_zamba2s_mamba_layers_train_as_peft_does() {
     parity("zamba2", &ZAMBA2, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_adapters_on_zambas_headed_mamba_layers_train_as_peft_does() {
+    parity("zamba", &ZAMBA, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

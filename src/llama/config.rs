@@ -557,6 +557,7 @@ impl LlamaConfig {
             Some(Family::Mamba2) => (super::mamba::flat(j)?, super::mamba::mamba2_names),
             Some(Family::Rwkv) => (rwkv::flat(j)?, rwkv::rwkv_names),
             Some(Family::Zamba2) => (zamba::flat(j)?, zamba::zamba2_names),
+            Some(Family::Zamba) => (zamba::flat_first(j)?, zamba::zamba_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -753,8 +754,8 @@ impl LlamaConfig {
         // (The Mambas and RWKV turn nothing: their one head's width is
         // any.)
         // (Zamba2's shared blocks turn with `use_mem_rope` alone, checked
-        // there.)
-        let unturned = family.mamba_only() || matches!(family, Family::Rwkv | Family::Zamba2);
+        // there; the first Zamba's not at all.)
+        let unturned = family.mamba_only() || family.zamba() || family == Family::Rwkv;
         if !unturned && (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) {
             return Err(j.field(format!(
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
@@ -870,6 +871,7 @@ impl LlamaConfig {
                     | Family::RecurrentGemma
                     | Family::Rwkv
                     | Family::Zamba2
+                    | Family::Zamba
             ) || f.mamba_only() =>
             {
                 RopeScaling::None
@@ -978,6 +980,7 @@ impl LlamaConfig {
                         | Family::Bitnet
                         | Family::GptNeoxJapanese
                         | Family::Zamba2
+                        | Family::Zamba
                 ) || f.hunyuan() =>
                 {
                     false
@@ -1137,9 +1140,7 @@ impl LlamaConfig {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
                 // Jamba attends without positions (Mamba, Falcon-Mamba and
                 // RWKV not at all).
-                f if matches!(f, Family::Jamba | Family::Rwkv | Family::Zamba2)
-                    || f.mamba_only() =>
-                {
+                f if matches!(f, Family::Jamba | Family::Rwkv) || f.zamba() || f.mamba_only() => {
                     Some(vec![false; j.size("num_hidden_layers")? as usize])
                 }
                 // Granite 4.0 turns only with `position_embedding_type`
@@ -1183,7 +1184,7 @@ impl LlamaConfig {
                 _ => None,
             },
             mamba1: match family {
-                Family::Jamba | Family::Mamba | Family::FalconMamba => {
+                Family::Jamba | Family::Mamba | Family::FalconMamba | Family::Zamba => {
                     Some(super::mamba1::read(j, family, hidden)?)
                 }
                 _ => None,
@@ -1239,8 +1240,9 @@ impl LlamaConfig {
             },
             language_model_of: j.wrapper(),
             zamba: match family {
-                Family::Zamba2 => Some(zamba::read(
+                f if f.zamba() => Some(zamba::read(
                     j,
+                    family,
                     j.size("num_hidden_layers")?,
                     (heads, kv_heads, head_dim),
                 )?),
@@ -1602,10 +1604,13 @@ impl LlamaConfig {
                 return 2 * (norms * norm + attention + mlp) + experts;
             }
             // Mamba's and Falcon-Mamba's layers have no MLP, one norm;
-            // Zamba2's neither (a hybrid one its `linear` too).
-            if self.family == Family::Zamba2 {
+            // Zamba's neither (a hybrid one its `linear` too).
+            if self.family.zamba() {
                 let hybrid = (self.zamba.as_ref()).is_some_and(|z| z.ordinal(l).is_some());
-                let mamba = self.mamba_layer(l).map_or(0, |m| m.params(self.hidden));
+                let mamba = match (self.mamba_layer(l), self.mamba1_layer(l)) {
+                    (Some(m), _) => m.params(self.hidden),
+                    (None, m) => m.map_or(0, |m| m.params(self.hidden)),
+                };
                 return norm + mamba + bias(hybrid, d * d);
             }
             let (mlp, norms) = match self.family.mamba_only() {
@@ -1672,7 +1677,7 @@ impl LlamaConfig {
         // OPT-350m has no final norm, and projects in and out there.
         let final_norm = bias(self.final_norm(), norm);
         let projections = bias(self.projected(), 2 * d * w);
-        // Zamba2's shared blocks are the root's.
+        // Zamba's shared blocks are the root's.
         let shared = (self.zamba.as_ref()).map_or(0, |z| z.shared_params(self));
         units.push((
             String::new(),
@@ -1707,6 +1712,7 @@ impl LlamaConfig {
             (Family::Mamba2, _) => (self.mamba.as_ref()).map(|m| mamba::to_json(self, m)),
             (Family::Rwkv, _) => Some(rwkv::to_json(self)),
             (Family::Zamba2, _) => Some(zamba::to_json(self)),
+            (Family::Zamba, _) => Some(zamba::to_json_first(self)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
@@ -2172,6 +2178,7 @@ impl LlamaConfig {
             | Family::ModernBertDecoder
             | Family::Rwkv
             | Family::Zamba2
+            | Family::Zamba
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

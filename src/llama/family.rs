@@ -559,11 +559,17 @@ pub enum Family {
     /// embeddings, with each layer's own adapters) and their own
     /// `linear` (`llama::zamba`).
     Zamba2,
+    /// `zamba` (`ZambaForCausalLM`: Zyphra's Zamba 7B, the first): as
+    /// Zamba2, but its Mamba layers the first Mamba's, each split into
+    /// heads with their own selection (`x_proj_weight`, `dt_proj_weight`),
+    /// and one shared block (`shared_transf`) with no adapters and a
+    /// gated MLP of separate projections (`llama::zamba`).
+    Zamba,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 80] = [
+    pub const ALL: [Family; 81] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -644,6 +650,7 @@ impl Family {
         Self::Doge,
         Self::Rwkv,
         Self::Zamba2,
+        Self::Zamba,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -743,6 +750,7 @@ impl Family {
             Self::Doge => "doge",
             Self::Rwkv => "rwkv",
             Self::Zamba2 => "zamba2",
+            Self::Zamba => "zamba",
         }
     }
 
@@ -829,6 +837,7 @@ impl Family {
             Self::Doge => "DogeForCausalLM",
             Self::Rwkv => "RwkvForCausalLM",
             Self::Zamba2 => "Zamba2ForCausalLM",
+            Self::Zamba => "ZambaForCausalLM",
         }
     }
 
@@ -855,6 +864,12 @@ impl Family {
                     | Self::OpenAiGpt
                     | Self::Rwkv
             ))
+    }
+
+    /// Zamba's and Zamba2's: Mamba layers, the hybrid ones fed by a
+    /// transformer block the model shares among them (`llama::zamba`).
+    pub(super) fn zamba(self) -> bool {
+        matches!(self, Self::Zamba | Self::Zamba2)
     }
 
     /// Mamba's, Falcon-Mamba's and Mamba-2's: nothing but Mamba layers,
@@ -1383,7 +1398,7 @@ impl Family {
                 positions: 1024,
                 ..LLAMA
             },
-            Self::Zamba2 => Defaults {
+            Self::Zamba2 | Self::Zamba => Defaults {
                 eps: 1e-5,
                 tied: true,
                 pad: Some(0),
@@ -1590,9 +1605,12 @@ impl Family {
                 "layers",
                 "final_layer_norm",
             ],
-            Self::Persimmon | Self::Bamba | Self::Jamba | Self::FalconH1 | Self::Zamba2 => {
-                ["model", "embed_tokens", "layers", "final_layernorm"]
-            }
+            Self::Persimmon
+            | Self::Bamba
+            | Self::Jamba
+            | Self::FalconH1
+            | Self::Zamba2
+            | Self::Zamba => ["model", "embed_tokens", "layers", "final_layernorm"],
             Self::BioGpt => ["biogpt", "embed_tokens", "layers", "layer_norm"],
             Self::Mamba | Self::FalconMamba | Self::Mamba2 => {
                 ["backbone", "embeddings", "layers", "norm_f"]

@@ -1203,7 +1203,7 @@ impl Layer {
                 ),
             }),
             mlp: match (&c.moe, c.moe_layer(l)) {
-                _ if c.family.mamba_only() || c.family == Family::Zamba2 => Mlp::None,
+                _ if c.family.mamba_only() || c.family.zamba() => Mlp::None,
                 _ if c.family == Family::Rwkv => {
                     Mlp::ChannelMix(Box::new(ChannelMix::new(&m, c, lin, decoding)))
                 }
@@ -1355,7 +1355,7 @@ impl Module for Layer {
         // Zamba2's layers carry the embeddings beside the hidden states;
         // a hybrid layer's block reads both, and its output joins the
         // Mamba layer's input.
-        if self.cfg.family == Family::Zamba2 {
+        if self.cfg.family.zamba() {
             let d = self.cfg.hidden;
             let (x, embeddings) = (x.narrow(-1, 0, d), x.narrow(-1, d, d));
             let on = self.training.on();

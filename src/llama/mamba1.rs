@@ -1,7 +1,8 @@
 //! The first Mamba's layers: Jamba's ([`Family::Jamba`]) beside its
-//! attending ones, and those of Mamba and Falcon-Mamba
+//! attending ones, those of Mamba and Falcon-Mamba
 //! ([`Family::Mamba`], [`Family::FalconMamba`]), which are nothing but
-//! them. The selective scan (one state per channel, its step, `B` and
+//! them, and Zamba's ([`Family::Zamba`]), split into heads that each
+//! select their own step, `B` and `C`. The selective scan (one state per channel, its step, `B` and
 //! `C` chosen by each token), its sizes read from the config (Mamba's
 //! and Falcon-Mamba's under names of their own, read flat as Jamba's),
 //! and the layer computed as `transformers`' `slow_forward` computes
@@ -77,6 +78,15 @@ pub struct Mamba1Config {
     /// then). zrt has no such kernels and scans as the slow path does
     /// either way; the field is kept to be written back as it was read.
     pub kernels: bool,
+    /// Zamba's `n_mamba_heads`: the channels split into that many heads,
+    /// each with its own selection (`x_proj_weight`, `dt_proj_weight`,
+    /// `dt_proj_bias`, one matrix a head, its own `B` and `C`). `None`:
+    /// the first Mamba's one selection for every channel (`x_proj`,
+    /// `dt_proj`).
+    pub heads: Option<i64>,
+    /// Zamba's `hidden_mamba_act`, the layers' own activation (its
+    /// `hidden_act` is the shared block's MLP's). `None`: the model's.
+    pub activation: Option<Activation>,
 }
 
 impl Mamba1Config {
@@ -171,6 +181,19 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<Mamba1Conf
             "mamba_dt_rank {dt_rank}, mamba_d_conv {conv_kernel}, mamba_d_state {state} and mamba_expand {expand}: each at least 1"
         )));
     }
+    let heads = match family {
+        Family::Zamba => {
+            let heads = j.size_or_none("n_mamba_heads")?.unwrap_or(2);
+            if heads == 0 || (expand * hidden) % heads != 0 {
+                return Err(j.field(format!(
+                    "n_mamba_heads {heads} does not divide the Mamba layers' {} channels (mamba_expand {expand} x hidden_size {hidden}): each head is an equal share (its class asserts so)",
+                    expand * hidden
+                )));
+            }
+            Some(heads)
+        }
+        _ => None,
+    };
     Ok(Mamba1Config {
         state,
         conv_kernel,
@@ -188,7 +211,35 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<Mamba1Conf
             _ => StepNorms::None,
         },
         kernels: j.flag_or("use_mamba_kernels", true)?,
+        heads,
+        activation: match family {
+            Family::Zamba => Some(Activation::read(
+                j,
+                "hidden_mamba_act",
+                Activation::Silu,
+                "Zamba",
+            )?),
+            _ => None,
+        },
     })
+}
+
+/// How a Mamba layer selects each token's step, `B` and `C`.
+#[derive(Debug)]
+enum Selection {
+    /// One selection for every channel: `x_proj` to the step's rank,
+    /// `B` and `C`; `dt_proj` up to a step a channel.
+    Whole { x_proj: Adapted, dt_proj: Adapted },
+    /// Zamba's: each head of `heads` its own (`x_proj_weight` `[heads,
+    /// rank + 2 state, head]`, `dt_proj_weight` `[heads, head, rank]`,
+    /// `dt_proj_bias` `[heads, head]`), read as its class's parameters
+    /// (not linear layers: no adapter goes on them).
+    Heads {
+        x_proj: Tensor,
+        dt_weight: Tensor,
+        dt_bias: Tensor,
+        heads: i64,
+    },
 }
 
 /// One Mamba layer (`mamba`): `in_proj` to the channels and their gate;
@@ -202,8 +253,7 @@ pub(super) fn read(j: &HfJson, family: Family, hidden: i64) -> Result<Mamba1Conf
 pub(super) struct Mamba1 {
     in_proj: Adapted,
     conv: CausalConv,
-    x_proj: Adapted,
-    dt_proj: Adapted,
+    select: Selection,
     a_log: Tensor,
     d: Tensor,
     /// Jamba's norms of each token's step, `B` and `C`.
@@ -214,36 +264,77 @@ pub(super) struct Mamba1 {
 }
 
 impl Mamba1 {
-    /// The Mamba layer under `p` (Jamba's `model.layers.N.mamba`, the
-    /// others' `backbone.layers.N.mixer`), its linear
-    /// layers made by `lin`; its parameters start as its class
-    /// initialises them.
+    /// The Mamba layer under `p` (Jamba's and Zamba's
+    /// `model.layers.N.mamba`, the others' `backbone.layers.N.mixer`),
+    /// its linear layers made by `lin`; its parameters start as its
+    /// class initialises them.
     pub(super) fn new(p: &nn::Path, c: &LlamaConfig, m: &Mamba1Config, lin: &Lin<'_>) -> Self {
         let (d, inner, n, r) = (c.hidden, m.inner(c.hidden), m.state, m.dt_rank);
         let states = Tensor::arange_start(1, n + 1, (Kind::Float, p.device()));
         let a_log = states.log().unsqueeze(0).expand([inner, n], false);
-        Self {
-            in_proj: lin(&(p / "in_proj"), d, 2 * inner, m.proj_bias),
-            conv: CausalConv::new(
-                &(p / "conv1d"),
-                (inner, m.conv_kernel),
-                m.conv_bias,
-                nn::Init::Randn {
-                    mean: 0.0,
-                    stdev: 0.02,
+        // Made in its class's order (the adapters' draws follow it).
+        let in_proj = lin(&(p / "in_proj"), d, 2 * inner, m.proj_bias);
+        let conv = CausalConv::new(
+            &(p / "conv1d"),
+            (inner, m.conv_kernel),
+            m.conv_bias,
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            },
+        );
+        // Zamba's per-head parameters are shaped by head.
+        let (select, a_log, d_shape) = match m.heads {
+            None => (
+                Selection::Whole {
+                    x_proj: lin(&(p / "x_proj"), inner, r + 2 * n, false),
+                    dt_proj: lin(&(p / "dt_proj"), r, inner, true),
                 },
+                a_log,
+                vec![inner],
             ),
-            x_proj: lin(&(p / "x_proj"), inner, r + 2 * n, false),
-            dt_proj: lin(&(p / "dt_proj"), r, inner, true),
+            Some(heads) => {
+                let head = inner / heads;
+                let bound = (r as f64).powf(-0.5);
+                (
+                    Selection::Heads {
+                        x_proj: p.var(
+                            "x_proj_weight",
+                            &[heads, r + 2 * n, head],
+                            nn::Init::Randn {
+                                mean: 0.0,
+                                stdev: 0.02,
+                            },
+                        ),
+                        dt_weight: p.var(
+                            "dt_proj_weight",
+                            &[heads, head, r],
+                            nn::Init::Uniform {
+                                lo: -bound,
+                                up: bound,
+                            },
+                        ),
+                        dt_bias: p.var_copy("dt_proj_bias", &initial_step_bias([heads, head])),
+                        heads,
+                    },
+                    a_log.reshape([heads, head, n]),
+                    vec![heads, head],
+                )
+            }
+        };
+        Self {
+            in_proj,
+            conv,
+            select,
             a_log: p.var_copy("A_log", &a_log.contiguous()),
-            d: p.ones("D", &[inner]),
+            d: p.ones("D", &d_shape),
             norms: (m.step_norms == StepNorms::Weighted).then(|| {
                 [("dt_layernorm", r), ("b_layernorm", n), ("c_layernorm", n)]
                     .map(|(name, width)| RmsNorm::new(p / name, width, c))
             }),
             sizes: m.clone(),
             inner,
-            activation: c.activation,
+            activation: m.activation.unwrap_or(c.activation),
         }
     }
 
@@ -254,8 +345,19 @@ impl Mamba1 {
     /// later token steps it, as its cached path does.
     pub(super) fn forward(&self, h: &Tensor, cache: &LayerCache) -> Tensor {
         let projected = self.in_proj.forward(h);
-        let x = projected.narrow(-1, 0, self.inner);
-        let gate = projected.narrow(-1, self.inner, self.inner);
+        let (x, gate) = match self.sizes.heads {
+            None => (
+                projected.narrow(-1, 0, self.inner),
+                projected.narrow(-1, self.inner, self.inner),
+            ),
+            // Zamba's `in_proj` interleaves them: each channel's gate
+            // right after it (its class views the projection as
+            // `[batch, inner, 2, seq]`).
+            Some(_) => {
+                let pairs = projected.unflatten(-1, [self.inner, 2]);
+                (pairs.select(-1, 0), pairs.select(-1, 1))
+            }
+        };
         let y = match (cache.documents(), cache.state()) {
             // A packed row's documents each scanned alone, from a zero
             // state, their convolutions starting afresh.
@@ -285,24 +387,15 @@ impl Mamba1 {
         };
         let (conv, inputs) = self.conv.forward(&channels, inputs);
         let x = self.activation.apply(&conv).to_kind(kind);
-        // Each token's step, B and C, normalised.
-        let r = m.dt_rank;
-        let params = self.x_proj.forward(&x.transpose(1, 2));
-        let part = |at, width, i: usize| {
-            let p = params.narrow(-1, at, width);
-            match (&self.norms, m.step_norms) {
-                (Some(norms), _) => norms[i].forward(&p),
-                (None, StepNorms::Plain(eps)) => rms_normalized(&p, eps).to_kind(p.kind()),
-                (None, _) => p,
-            }
-        };
-        let (dt, bb, cc) = (part(0, r, 0), part(r, n, 1), part(r + n, n, 2));
-        let dt = self.dt_proj.forward(&dt).softplus().transpose(1, 2);
-        // Discretised: [b, inner, t, n], in fp32.
-        let a = -self.a_log.to_kind(Kind::Float).exp();
+        let (dt, bb, cc) = self.select(&x);
+        let heads = bb.size()[1];
+        let head = inner / heads;
+        // Discretised: [b, inner, t, n], in fp32 (each head's channels
+        // take its B).
+        let a = -self.a_log.to_kind(Kind::Float).exp().reshape([inner, n]);
         let da = (a.unsqueeze(0).unsqueeze(2) * dt.unsqueeze(-1)).exp();
-        let db = dt.unsqueeze(-1) * bb.unsqueeze(1).to_kind(Kind::Float);
-        let dbu = db * x.unsqueeze(-1).to_kind(Kind::Float);
+        let db = dt.view([b, heads, head, t]).unsqueeze(-1) * bb.unsqueeze(2).to_kind(Kind::Float);
+        let dbu = db.view([b, inner, t, n]) * x.unsqueeze(-1).to_kind(Kind::Float);
         // Each token's slices taken by one `unbind` apiece, not a
         // `select` a token: a select's backward writes its gradient into
         // a zeroed tensor of the whole sequence, which made backward
@@ -310,14 +403,70 @@ impl Mamba1 {
         // so, and is); an unbind's backward is one stack.
         let mut ssm = ssm;
         let mut ys = Vec::with_capacity(t as usize);
-        for ((da, dbu), c) in da.unbind(2).iter().zip(dbu.unbind(2)).zip(cc.unbind(1)) {
+        for ((da, dbu), c) in da.unbind(2).iter().zip(dbu.unbind(2)).zip(cc.unbind(2)) {
             ssm = da * &ssm + dbu;
-            ys.push(ssm.to_kind(kind).matmul(&c.unsqueeze(-1)).squeeze_dim(-1));
+            let by_head = ssm.to_kind(kind).view([b, heads, head, n]);
+            ys.push(by_head.matmul(&c.unsqueeze(-1)).view([b, inner]));
         }
         cache.keep_state((inputs, ssm.to_kind(kind)));
-        let y = Tensor::stack(&ys, -1) + &x * self.d.unsqueeze(-1);
+        let y = Tensor::stack(&ys, -1) + &x * self.d.reshape([inner]).unsqueeze(-1);
         y.transpose(1, 2)
     }
+
+    /// Each token's step `[batch, inner, seq]` (after its softplus), `B`
+    /// and `C` `[batch, heads, seq, state]` (one head but Zamba's), from
+    /// the convolved channels `x` `[batch, inner, seq]`, normalised as
+    /// the layer's class normalises them.
+    fn select(&self, x: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let m = &self.sizes;
+        let (r, n) = (m.dt_rank, m.state);
+        match &self.select {
+            Selection::Whole { x_proj, dt_proj } => {
+                let params = x_proj.forward(&x.transpose(1, 2));
+                let part = |at, width, i: usize| {
+                    let p = params.narrow(-1, at, width);
+                    match (&self.norms, m.step_norms) {
+                        (Some(norms), _) => norms[i].forward(&p),
+                        (None, StepNorms::Plain(eps)) => rms_normalized(&p, eps).to_kind(p.kind()),
+                        (None, _) => p,
+                    }
+                };
+                let (dt, bb, cc) = (part(0, r, 0), part(r, n, 1), part(r + n, n, 2));
+                let dt = dt_proj.forward(&dt).softplus().transpose(1, 2);
+                (dt, bb.unsqueeze(1), cc.unsqueeze(1))
+            }
+            Selection::Heads {
+                x_proj,
+                dt_weight,
+                dt_bias,
+                heads,
+            } => {
+                let (b, inner, t) = x.size3().unwrap_or((1, 1, 1));
+                let by_head = x.view([b, *heads, inner / heads, t]);
+                // [b, heads, t, rank + 2 state]
+                let params = x_proj.unsqueeze(0).matmul(&by_head).transpose(-1, -2);
+                let (dt, bb, cc) = (
+                    params.narrow(-1, 0, r),
+                    params.narrow(-1, r, n),
+                    params.narrow(-1, r + n, n),
+                );
+                let dt = dt_weight.unsqueeze(0).matmul(&dt.transpose(-1, -2))
+                    + dt_bias.unsqueeze(0).unsqueeze(-1);
+                (dt.softplus().view([b, inner, t]), bb, cc)
+            }
+        }
+    }
+}
+
+/// The steps' biases `[heads, head]` as Zamba's class initialises them:
+/// the inverse softplus of steps drawn log-uniformly between 0.001 and
+/// 0.1 (its `time_step_min` and `time_step_max`), floored at 1e-4.
+fn initial_step_bias(shape: [i64; 2]) -> Tensor {
+    let (lo, hi) = (0.001f64.ln(), 0.1f64.ln());
+    let dt = (Tensor::rand(shape, (Kind::Float, tch::Device::Cpu)) * (hi - lo) + lo)
+        .exp()
+        .clamp_min(1e-4);
+    &dt + (-(-&dt).expm1()).log()
 }
 
 /// Each flat field and where `MambaConfig` and `FalconMambaConfig` keep

@@ -170,9 +170,13 @@ pub fn hf_weight_rules(plan: &ShardPlan, cfg: &LlamaConfig) -> Result<(), Engine
     // `lm_head.norm`) is outside its base model too.
     let beside = (cfg.family == Family::ModernBertDecoder).then(|| format!("{HEAD_TRANSFORM}."));
     let outside: Vec<String> = std::iter::once(head.clone()).chain(beside).collect();
-    // Zamba2's shared blocks under their first user's names, its hybrid
-    // layers' Mamba layers under `mamba_decoder` (`zamba::model_name`).
+    // Zamba's shared blocks under any user's names, one copy read, its
+    // hybrid layers' Mamba layers under `mamba_decoder`
+    // (`zamba::model_name`).
     let zamba = cfg.zamba.clone();
+    if let Some(z) = zamba.clone() {
+        plan.weight_copies(move |n| zamba::is_shared(n, &z))?;
+    }
     plan.rename_weights(move |n| {
         let shared;
         let n = match &zamba {
@@ -445,7 +449,7 @@ impl Llama {
         // stage 3 while every hybrid layer's unit reads them.
         let shared: Vec<zamba::Shared> = (cfg.zamba.as_ref()).map_or_else(Vec::new, |z| {
             (0..z.used_blocks())
-                .map(|k| zamba::Shared::new(&(&m / "shared_transformer" / k), k, cfg, z))
+                .map(|k| zamba::Shared::new(&(&m / z.block_name() / k), k, cfg, z))
                 .collect()
         });
         // ModernBERT-decoder's `embeddings.tok_embeddings`.

@@ -354,7 +354,7 @@ impl Norms {
             f if f.mamba_only() => Self::Alone {
                 input: norm("norm"),
             },
-            Family::Zamba2 => Self::Alone {
+            Family::Zamba2 | Family::Zamba => Self::Alone {
                 input: norm("input_layernorm"),
             },
             Family::Dbrx => Self::Pre {

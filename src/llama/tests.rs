@@ -3891,6 +3891,79 @@ fn the_routers_balance_reaches_them_only_through_the_loss_that_holds_it() {
 }
 
 #[test]
+fn zamba_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("zamba-configs");
+    // The class's defaults (Zamba 7B's sizes, 76 layers, 13 of them
+    // hybrid by its period and offset, two Mamba heads); the counts are
+    // transformers' parameters, the shared block once.
+    let c = dir.read(r#"{"model_type": "zamba"}"#).unwrap();
+    assert_eq!(total(&c), 7232490496);
+    let z = c.zamba.as_ref().unwrap();
+    assert_eq!(
+        z.hybrid_layers(),
+        [2, 7, 13, 19, 25, 31, 37, 43, 49, 55, 61, 67, 73]
+    );
+    assert_eq!(
+        (c.head_dim, c.intermediate, c.heads, c.kv_heads),
+        (464, 14848, 16, 16)
+    );
+    let m = c.mamba1.as_ref().unwrap();
+    assert_eq!(
+        (m.heads, m.activation, m.dt_rank),
+        (Some(2), Some(Activation::Silu), 232)
+    );
+    assert!(c.tied && z.blocks == 1 && !z.rope && !z.attention_adapters);
+    assert_eq!(c.activation, Activation::Gelu);
+    // Small: hybrid by a period of its own, four Mamba heads, grouped
+    // keys and values, biased projections, the head untied.
+    let small = r#"{"model_type": "zamba", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "n_mamba_heads": 4, "mamba_d_state": 16, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_proj_bias": true, "tie_word_embeddings": false}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 360960);
+    assert_eq!(s.zamba.as_ref().unwrap().hybrid_layers(), [2, 4]);
+    // Its layers listed, the block's heads 20 wide, no convolution bias.
+    let listed = r#"{"model_type": "zamba", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96, "layers_block_type": ["mamba", "hybrid", "hybrid"], "attention_head_dim": 20, "mamba_conv_bias": false}"#;
+    let listed = dir.read(listed).unwrap();
+    assert_eq!(total(&listed), 224448);
+    assert_eq!(listed.head_dim, 20);
+    dir.round_trips([c, s, listed]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                r#""n_mamba_heads": 4"#,
+                r#""n_mamba_heads": 3"#,
+                "n_mamba_heads 3 does not divide the Mamba layers' 128 channels",
+            ),
+            (
+                r#""num_hidden_layers": 5"#,
+                r#""num_hidden_layers": 2"#,
+                "num_hidden_layers 2 without layers_block_type: its class's list starts with three layers",
+            ),
+            (
+                r#""attn_layer_period": 2"#,
+                r#""attn_layer_period": 0"#,
+                "`attn_layer_period` is missing or not a positive integer",
+            ),
+            (
+                r#""mamba_proj_bias": true"#,
+                r#""mamba_proj_bias": true, "attention_hidden_size": 96"#,
+                "attention_hidden_size 96: Zamba's shared block reads the hidden states beside the embeddings, twice hidden_size (128)",
+            ),
+            (
+                r#""mamba_proj_bias": true"#,
+                r#""mamba_proj_bias": true, "hidden_mamba_act": "tanh""#,
+                "hidden_mamba_act",
+            ),
+            (
+                r#""mamba_proj_bias": true"#,
+                r#""mamba_proj_bias": true, "layers_block_type": ["mamba", "hybrid"]"#,
+                "layers_block_type has 2 entries for num_hidden_layers 5: give one a layer",
+            ),
+        ],
+    );
+}
+
+#[test]
 fn zamba2_configs_are_read_and_counted() {
     let dir = ConfigDir::new("zamba2-configs");
     // The class's defaults (Zamba2 2.7B's sizes, 54 layers, 9 of them

@@ -1,6 +1,8 @@
 //! Zamba2 ([`Family::Zamba2`], `Zamba2ForCausalLM`: Zyphra's Zamba2
 //! 1.2B, 2.7B and 7B): Mamba-2 layers, and transformer blocks shared by
-//! many of them.
+//! many of them; and the first Zamba ([`Family::Zamba`],
+//! `ZambaForCausalLM`: Zamba 7B), the same layout with the differences
+//! named at the end.
 //!
 //! Every layer is a Mamba-2 layer (`input_layernorm`, `mamba`, its
 //! output added to the residual). A hybrid layer (`layers_block_type`
@@ -19,13 +21,27 @@
 //! zrt keeps the shared blocks in the root (`model.shared_transformer.K`),
 //! which stays gathered at stage 3 for the whole step
 //! (docs/design-deltas.md): every hybrid layer's unit reads them, and
-//! their gradient is the sum over their uses. A checkpoint names a block under the first
-//! hybrid layer that uses it (`model.layers.N.shared_transformer`, the
-//! other layers' names the same tensors, which `transformers` ties); a
-//! hybrid layer's Mamba layer is under `mamba_decoder`. The embeddings
+//! their gradient is the sum over their uses. A checkpoint names a
+//! block under hybrid layers that use it
+//! (`model.layers.N.shared_transformer`): every such name is one
+//! parameter, which `transformers` ties, and a file may hold it under
+//! one, several or all of them; zrt reads the copy first by name
+//! (`ShardPlan::weight_copies`) and writes it under the first layer
+//! that uses it. A hybrid layer's Mamba layer is under `mamba_decoder`.
+//! The embeddings
 //! travel through the layers beside the hidden states (each unit's
 //! input and output are twice the width), so that a layer, its
 //! recompute and its unit see them as one tensor.
+//!
+//! The first Zamba differs in this: its Mamba layers are the first
+//! Mamba's, split into heads (`llama::mamba1`); it has one shared block
+//! (`shared_transf`), with no adapters, no rotary embedding, no biases,
+//! and an MLP whose gate and up projections are separate (`gate_proj`,
+//! `up_proj`); which layers are hybrid is `layers_block_type`, or,
+//! without it, the third and then every `attn_layer_period`-th from
+//! `attn_layer_offset` counted from the fourth. `transformers` 4.57's
+//! `save_pretrained` writes its block under the hybrid layer whose name
+//! sorts last (`model.layers.73` of Zamba 7B's thirteen).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,9 +60,23 @@ use super::own_names::{self, field, Default, Field};
 use super::rope_scaling::RopeScaling;
 use super::Rotary;
 
-/// Zamba2's own settings beside the flat fields.
+/// Which Zamba a [`ZambaConfig`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZambaVersion {
+    /// The first (`zamba`): one shared block, `shared_transf`, no
+    /// adapters, its MLP's projections separate.
+    One,
+    /// Zamba2 (`zamba2`): `num_mem_blocks` blocks, `shared_transformer`,
+    /// their MLPs' gate and up projections one matrix with its adapters.
+    Two,
+}
+
+/// Zamba's and Zamba2's own settings beside the flat fields (the first
+/// Zamba's: one block, no adapters, no rotary embedding).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZambaConfig {
+    /// Which Zamba.
+    pub version: ZambaVersion,
     /// `layers_block_type`: for each layer, whether it is hybrid (a
     /// shared block and its `linear` before its Mamba layer).
     pub hybrid: Vec<bool>,
@@ -87,10 +117,22 @@ impl ZambaConfig {
         self.blocks.min(self.hybrid_layers().len() as i64)
     }
 
-    /// The hybrid ordinals whose adapters block `k` holds.
+    /// The hybrid ordinals whose adapters block `k` holds (none of the
+    /// first Zamba's).
     fn adapters_of(&self, k: i64) -> Vec<i64> {
         let n = self.hybrid_layers().len() as i64;
-        (0..n).filter(|j| j % self.blocks == k).collect()
+        match self.version {
+            ZambaVersion::One => Vec::new(),
+            ZambaVersion::Two => (0..n).filter(|j| j % self.blocks == k).collect(),
+        }
+    }
+
+    /// The name a checkpoint gives a hybrid layer's block.
+    pub(super) fn block_name(&self) -> &'static str {
+        match self.version {
+            ZambaVersion::One => "shared_transf",
+            ZambaVersion::Two => "shared_transformer",
+        }
     }
 
     /// The parameters of `c`'s shared blocks (in the root).
@@ -116,7 +158,7 @@ impl ZambaConfig {
     }
 }
 
-/// Each flat field and Zamba2's name for it, with `ZambaConfig`'s
+/// Each flat field and Zamba2's name for it, with `Zamba2Config`'s
 /// default; the Mamba layers' sizes under the names the shared Mamba
 /// reader knows (Bamba's).
 const FIELDS: [Field; 19] = [
@@ -181,7 +223,7 @@ const FIELDS: [Field; 19] = [
     ),
 ];
 
-/// `ZambaConfig`'s own fields beside [`FIELDS`], kept in the flat
+/// `Zamba2Config`'s own fields beside [`FIELDS`], kept in the flat
 /// config for [`read`].
 const OWN: [&str; 7] = [
     "layers_block_type",
@@ -224,18 +266,217 @@ pub(super) fn zamba2_names(e: HfError) -> HfError {
     own_names::renamed_as(e, &FIELDS, &[])
 }
 
-/// Zamba2's own settings from the flat config `j` (`layers` deep, its
-/// query and key-value heads, each `head_dim` wide), refusing what its
-/// class would not compute as zrt does.
+/// Each flat field and the first Zamba's name for it, with
+/// `ZambaConfig`'s default (Zamba 7B's sizes); the Mamba layers' under
+/// the names the first Mamba's reader knows (Jamba's, which are its).
+const FIELDS_ONE: [Field; 20] = [
+    field("vocab_size", "vocab_size", Default::Int(32000), false),
+    field(
+        "max_position_embeddings",
+        "max_position_embeddings",
+        Default::Int(4096),
+        false,
+    ),
+    field("hidden_size", "hidden_size", Default::Int(3712), false),
+    field(
+        "num_hidden_layers",
+        "num_hidden_layers",
+        Default::Int(76),
+        false,
+    ),
+    field(
+        "num_attention_heads",
+        "num_attention_heads",
+        Default::Int(16),
+        false,
+    ),
+    field(
+        "num_key_value_heads",
+        "num_key_value_heads",
+        Default::Int(16),
+        false,
+    ),
+    field(
+        "intermediate_size",
+        "intermediate_size",
+        Default::Int(14848),
+        false,
+    ),
+    field("head_dim", "attention_head_dim", Default::Null, false),
+    field("hidden_act", "hidden_act", Default::Str("gelu"), false),
+    field("rms_norm_eps", "rms_norm_eps", Default::Float(1e-5), false),
+    field(
+        "attention_dropout",
+        "attention_dropout",
+        Default::Float(0.0),
+        false,
+    ),
+    field("mamba_d_state", "mamba_d_state", Default::Int(16), false),
+    field("mamba_d_conv", "mamba_d_conv", Default::Int(4), false),
+    field("mamba_expand", "mamba_expand", Default::Int(2), false),
+    field(
+        "mamba_dt_rank",
+        "mamba_dt_rank",
+        Default::Str("auto"),
+        false,
+    ),
+    field(
+        "mamba_conv_bias",
+        "mamba_conv_bias",
+        Default::Bool(true),
+        false,
+    ),
+    field(
+        "mamba_proj_bias",
+        "mamba_proj_bias",
+        Default::Bool(false),
+        false,
+    ),
+    field("n_mamba_heads", "n_mamba_heads", Default::Int(2), false),
+    field(
+        "hidden_mamba_act",
+        "hidden_mamba_act",
+        Default::Str("silu"),
+        false,
+    ),
+    field(
+        "use_mamba_kernels",
+        "use_mamba_kernels",
+        Default::Bool(true),
+        false,
+    ),
+];
+
+/// The first Zamba's own fields beside [`FIELDS_ONE`], kept in the flat
+/// config for [`read`].
+const OWN_ONE: [&str; 3] = [
+    "layers_block_type",
+    "attn_layer_period",
+    "attn_layer_offset",
+];
+
+/// The first Zamba's config `j` as the flat config the shared reader
+/// reads: every layer a Mamba layer, the block's heads
+/// `attention_head_dim` wide (null: twice the width over the heads,
+/// rounded down, as its class makes them). Its `attention_hidden_size`
+/// must be twice the width: the block reads the hidden states beside
+/// the embeddings.
+pub(super) fn flat_first(j: &HfJson) -> Result<HfJson, HfError> {
+    let (mut out, sizes) = own_names::flat_with(j, "zamba", &FIELDS_ONE);
+    if let Some((hidden, heads)) = sizes {
+        if let Some(given) = j.get("attention_hidden_size").filter(|v| !v.is_null()) {
+            if given.as_i64() != Some(2 * hidden) {
+                return Err(j.field(format!(
+                    "attention_hidden_size {given}: Zamba's shared block reads the hidden states beside the embeddings, twice hidden_size ({}), and its class fails on any other; leave it out",
+                    2 * hidden
+                )));
+            }
+        }
+        if out.get("head_dim").is_none_or(Value::is_null) {
+            out.insert("head_dim".into(), (2 * hidden / heads).into());
+        }
+    }
+    for key in OWN_ONE {
+        if let Some(v) = j.get(key) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    Ok(j.reading(Value::Object(out)))
+}
+
+/// `e` with the flat fields it names renamed to the first Zamba's.
+pub(super) fn zamba_names(e: HfError) -> HfError {
+    own_names::renamed_as(e, &FIELDS_ONE, &[])
+}
+
+/// The first Zamba's own settings from the flat config `j`, `layers`
+/// deep: which layers are hybrid (`layers_block_type`, or as its class
+/// makes the list: the first two Mamba layers, the third hybrid, then
+/// layer `3 + i` hybrid when `i % attn_layer_period ==
+/// attn_layer_offset`), one block.
+fn read_first(j: &HfJson, layers: i64) -> Result<ZambaConfig, HfError> {
+    let kinds = ("Zamba", ["mamba", "hybrid"], "hybrid");
+    let hybrid = match config::kinds_under(j, "layers_block_type", layers, kinds)? {
+        Some(hybrid) => hybrid,
+        None => {
+            let period = j.size_or_none("attn_layer_period")?.unwrap_or(6);
+            let offset = config::count_or(j, "attn_layer_offset", 4)?;
+            if layers < 3 {
+                return Err(j.field(format!(
+                    "num_hidden_layers {layers} without layers_block_type: its class's list starts with three layers whatever the depth (and fails building fewer); give layers_block_type, one a layer"
+                )));
+            }
+            let mut kinds = vec![false, false, true];
+            kinds.extend((0..layers - 3).map(|i| i % period == offset));
+            kinds
+        }
+    };
+    Ok(ZambaConfig {
+        version: ZambaVersion::One,
+        hybrid,
+        blocks: 1,
+        attention_adapters: false,
+        adapter_rank: 0,
+        rope: false,
+        time_step_min: 0.0,
+    })
+}
+
+/// `c`'s first Zamba's `config.json` as `ZambaConfig` reads it (the
+/// hybrid layers listed, which its class takes over its period).
+pub(super) fn to_json_first(c: &LlamaConfig) -> Value {
+    let z = c.zamba.as_ref();
+    let m = c.mamba1.as_ref();
+    json!({
+        "model_type": "zamba",
+        "architectures": [Family::Zamba.architecture()],
+        "vocab_size": c.vocab,
+        "max_position_embeddings": c.positions,
+        "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads,
+        "attention_head_dim": c.head_dim,
+        "attention_hidden_size": 2 * c.hidden,
+        "intermediate_size": c.intermediate,
+        "hidden_act": c.activation.name(),
+        "hidden_mamba_act": m.and_then(|m| m.activation).map(|a| a.name()),
+        "rms_norm_eps": c.eps,
+        "attention_dropout": c.attention_dropout,
+        "mamba_d_state": m.map(|m| m.state),
+        "mamba_d_conv": m.map(|m| m.conv_kernel),
+        "mamba_expand": m.map(|m| m.expand),
+        "mamba_dt_rank": m.map(|m| m.dt_rank),
+        "mamba_conv_bias": m.map(|m| m.conv_bias),
+        "mamba_proj_bias": m.map(|m| m.proj_bias),
+        "n_mamba_heads": m.and_then(|m| m.heads),
+        "use_mamba_kernels": m.map(|m| m.kernels),
+        "layers_block_type": z.map(|z| {
+            (z.hybrid.iter())
+                .map(|&h| if h { "hybrid" } else { "mamba" })
+                .collect::<Vec<_>>()
+        }),
+        "tie_word_embeddings": c.tied,
+        "pad_token_id": c.pad_token,
+    })
+}
+
+/// A Zamba's own settings from the flat config `j` (`family` says
+/// which; `layers` deep, its query and key-value heads, each `head_dim`
+/// wide), refusing what its class would not compute as zrt does.
 pub(super) fn read(
     j: &HfJson,
+    family: Family,
     layers: i64,
     (heads, kv_heads, head_dim): (i64, i64, i64),
 ) -> Result<ZambaConfig, HfError> {
+    if family == Family::Zamba {
+        return read_first(j, layers);
+    }
     let kinds = ("Zamba2", ["mamba", "hybrid"], "hybrid");
     let hybrid = match config::kinds_under(j, "layers_block_type", layers, kinds)? {
         Some(hybrid) => hybrid,
-        // `ZambaConfig`'s default, for its 54 layers.
+        // `Zamba2Config`'s default, for its 54 layers.
         None => {
             let mut kinds = vec![false];
             for _ in 0..7 {
@@ -282,6 +523,7 @@ pub(super) fn read(
         )));
     }
     Ok(ZambaConfig {
+        version: ZambaVersion::Two,
         hybrid,
         blocks,
         attention_adapters,
@@ -291,7 +533,7 @@ pub(super) fn read(
     })
 }
 
-/// `c`'s `config.json` as `ZambaConfig` reads it.
+/// `c`'s Zamba2 `config.json` as `Zamba2Config` reads it.
 pub(super) fn to_json(c: &LlamaConfig) -> Value {
     let z = c.zamba.as_ref();
     let m = c.mamba.as_ref();
@@ -332,20 +574,26 @@ pub(super) fn to_json(c: &LlamaConfig) -> Value {
     })
 }
 
-/// The model's name of a checkpoint's tensor `name` (`None`: a later
-/// hybrid layer's name of a shared block, the same tensor as the first
-/// one's, left out): a shared block's under `model.shared_transformer.K`,
-/// a hybrid layer's Mamba layer's without `mamba_decoder`.
+/// The model's name of a checkpoint's tensor `name`: a shared block's,
+/// under any hybrid layer that uses it, under `model.shared_transformer.K`
+/// (the first Zamba's `model.shared_transf.0`; [`is_shared`] names the
+/// tensors a file may hold copies of), a hybrid layer's Mamba layer's
+/// without `mamba_decoder`; `None` for a name in no layer zrt builds.
 pub(super) fn model_name(name: &str, z: &ZambaConfig) -> Option<String> {
     let Some(rest) = name.strip_prefix("model.layers.") else {
         return Some(name.to_string());
     };
     let (layer, inner) = rest.split_once('.')?;
     let l: i64 = layer.parse().ok()?;
-    if let Some(block) = inner.strip_prefix("shared_transformer.") {
+    if let Some(block) = inner
+        .strip_prefix(z.block_name())
+        .and_then(|b| b.strip_prefix('.'))
+    {
+        // Every user of a block names it (a file holds it under one or
+        // more of them: `llama::hf_weight_rules` reads one copy).
         let j = z.ordinal(l)?;
-        // The block's first user names it; the others name the same.
-        return (j < z.blocks).then(|| format!("model.shared_transformer.{j}.{block}"));
+        let shared = z.block_name();
+        return Some(format!("model.{shared}.{}.{block}", j % z.blocks));
     }
     match inner.strip_prefix("mamba_decoder.") {
         Some(mamba) if z.ordinal(l).is_some() => Some(format!("model.layers.{l}.{mamba}")),
@@ -353,15 +601,29 @@ pub(super) fn model_name(name: &str, z: &ZambaConfig) -> Option<String> {
     }
 }
 
+/// Whether the model's tensor `name` is a shared block's: `transformers`
+/// ties every hybrid layer's name of a block to one parameter, and a
+/// file may hold it under one, several or all of them (4.57's
+/// `save_pretrained` writes the first Zamba's under its last hybrid
+/// layer by name order; the tests' Zamba2 writer under its first).
+pub(super) fn is_shared(name: &str, z: &ZambaConfig) -> bool {
+    name.strip_prefix("model.")
+        .and_then(|r| r.strip_prefix(z.block_name()))
+        .is_some_and(|r| r.starts_with('.'))
+}
+
 /// The checkpoint's name of the model's tensor `name`: [`model_name`]
 /// undone (a shared block under the first hybrid layer that uses it).
 pub(super) fn file_name(name: &str, z: &ZambaConfig) -> String {
     let hybrid = z.hybrid_layers();
-    if let Some(rest) = name.strip_prefix("model.shared_transformer.") {
-        if let Some((k, block)) = rest.split_once('.') {
-            if let Some(&l) = k.parse::<usize>().ok().and_then(|k| hybrid.get(k)) {
-                return format!("model.layers.{l}.shared_transformer.{block}");
-            }
+    let shared = z.block_name();
+    let rest = name
+        .strip_prefix("model.")
+        .and_then(|r| r.strip_prefix(shared))
+        .and_then(|r| r.strip_prefix('.'));
+    if let Some((k, block)) = rest.and_then(|r| r.split_once('.')) {
+        if let Some(&l) = k.parse::<usize>().ok().and_then(|k| hybrid.get(k)) {
+            return format!("model.layers.{l}.{shared}.{block}");
         }
     }
     if let Some((layer, inner)) = name
@@ -438,7 +700,17 @@ impl Adapter {
     }
 }
 
-/// One shared block (`Zamba2AttentionDecoderLayer`) and the adapters its
+/// A shared block's MLP's gate and up projections.
+#[derive(Debug)]
+enum GateUp {
+    /// Zamba2's `gate_up_proj`: both in one matrix, the gate first.
+    Fused(Matrix),
+    /// The first Zamba's `gate_proj` and `up_proj`.
+    Split(Matrix, Matrix),
+}
+
+/// One shared block (`Zamba2AttentionDecoderLayer`, the first Zamba's
+/// `ZambaAttentionDecoderLayer`) and the adapters its
 /// hybrid layers add to it, by their ordinal.
 #[derive(Debug)]
 pub(super) struct Shared {
@@ -449,14 +721,15 @@ pub(super) struct Shared {
     o: Matrix,
     qkv_adapters: BTreeMap<i64, [Adapter; 3]>,
     pre_ff_norm: Tensor,
-    gate_up: Matrix,
+    gate_up: GateUp,
     down: Matrix,
     gate_up_adapters: BTreeMap<i64, Adapter>,
     eps: f64,
 }
 
 impl Shared {
-    /// Block `k` of `c`'s under `p` (`model.shared_transformer.K`).
+    /// Block `k` of `c`'s under `p` (`model.shared_transformer.K`, the
+    /// first Zamba's `model.shared_transf.0`).
     pub(super) fn new(p: &nn::Path, k: i64, c: &LlamaConfig, z: &ZambaConfig) -> Self {
         let (d, two, i, r) = (c.hidden, 2 * c.hidden, c.intermediate, z.adapter_rank);
         let bias = c.mamba.as_ref().is_some_and(|m| m.proj_bias);
@@ -491,7 +764,15 @@ impl Shared {
             o: Matrix::new(&(&a / "o_proj"), (c.heads * c.head_dim, d), false),
             qkv_adapters,
             pre_ff_norm: (p / "pre_ff_layernorm").ones("weight", &[d]),
-            gate_up: Matrix::new(&(&f / "gate_up_proj"), (d, 2 * i), bias),
+            gate_up: match z.version {
+                ZambaVersion::One => GateUp::Split(
+                    Matrix::new(&(&f / "gate_proj"), (d, i), false),
+                    Matrix::new(&(&f / "up_proj"), (d, i), false),
+                ),
+                ZambaVersion::Two => {
+                    GateUp::Fused(Matrix::new(&(&f / "gate_up_proj"), (d, 2 * i), bias))
+                }
+            },
             down: Matrix::new(&(&f / "down_proj"), (i, d), bias),
             gate_up_adapters,
             eps: c.eps,
@@ -511,7 +792,10 @@ impl Shared {
                 .map(|(j, a)| (*j, share3(a)))
                 .collect(),
             pre_ff_norm: self.pre_ff_norm.shallow_clone(),
-            gate_up: self.gate_up.share(),
+            gate_up: match &self.gate_up {
+                GateUp::Fused(m) => GateUp::Fused(m.share()),
+                GateUp::Split(g, u) => GateUp::Split(g.share(), u.share()),
+            },
             down: self.down.share(),
             gate_up_adapters: (self.gate_up_adapters.iter())
                 .map(|(j, a)| (*j, a.share()))
@@ -602,14 +886,18 @@ impl Hybrid {
         let a =
             s.o.forward(&out.transpose(1, 2).contiguous().view([b, t, heads * hd]));
         let m = s.norm(&a, &s.pre_ff_norm);
-        let gate_up = match s.gate_up_adapters.get(&self.ordinal) {
-            Some(adapter) => s.gate_up.forward(&m) + adapter.forward(&m),
-            None => s.gate_up.forward(&m),
+        let (gate, up) = match &s.gate_up {
+            GateUp::Fused(gate_up) => {
+                let gate_up = match s.gate_up_adapters.get(&self.ordinal) {
+                    Some(adapter) => gate_up.forward(&m) + adapter.forward(&m),
+                    None => gate_up.forward(&m),
+                };
+                let parts = gate_up.chunk(2, -1);
+                (parts[0].shallow_clone(), parts[1].shallow_clone())
+            }
+            GateUp::Split(gate, up) => (gate.forward(&m), up.forward(&m)),
         };
-        let parts = gate_up.chunk(2, -1);
-        let mlp = s
-            .down
-            .forward(&(self.activation.apply(&parts[0]) * &parts[1]));
+        let mlp = s.down.forward(&(self.activation.apply(&gate) * up));
         self.linear.forward(&mlp)
     }
 }

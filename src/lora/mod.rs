@@ -575,7 +575,7 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         Some("mamba2") => &["in_proj"],
         // Its Mamba layers' inputs, as Mamba-2's (PEFT has none; zrt
         // puts no adapter on the shared blocks).
-        Some("zamba2") => &["in_proj"],
+        Some("zamba2" | "zamba") => &["in_proj"],
         // PEFT's: both mixers' (the time mix's and the channel mix's).
         Some("rwkv") => &["key", "value", "receptance", "output"],
         // The attending layers' queries and values, the recurrent
@@ -1442,6 +1442,7 @@ mod tests {
             ("falcon_mamba", vec!["in_proj", "x_proj"]),
             ("mamba2", vec!["in_proj"]),
             ("zamba2", vec!["in_proj"]),
+            ("zamba", vec!["in_proj"]),
             ("rwkv", vec!["key", "value", "receptance", "output"]),
             ("jetmoe", vec!["kv_proj"]),
             (

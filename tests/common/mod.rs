@@ -829,6 +829,20 @@ class M(Zamba2ForCausalLM):
                 state[k] = v.detach().clone()
         super().save_pretrained(d, state_dict=state, **kw)";
 
+/// The first Zamba's classes, its model class `M` drawing its Mamba
+/// layers' selection (`x_proj_weight`) at 0.5, not its class's 0.02:
+/// at that scale each head's `B` and `C` move the logits by less than
+/// the cases' tolerance (taking the first head's `B` for every head
+/// passed them). `from_pretrained` overwrites them.
+pub const ZAMBA: &str = "from transformers import ZambaConfig as C, ZambaForCausalLM
+class M(ZambaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                mamba = layer.mamba_decoder.mamba if hasattr(layer, 'mamba_decoder') else layer.mamba
+                mamba.x_proj_weight.normal_(0.0, 0.5)";
+
 /// Doge's classes, its model class `M` starting each layer's `A` (the
 /// dynamic mask's factors) spread over ±3: at the seeded ±0.05 every
 /// key's bias is within 4% of 1, where bf16 ties the keys the

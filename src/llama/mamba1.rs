@@ -2,8 +2,9 @@
 //! attending ones, those of Mamba and Falcon-Mamba
 //! ([`Family::Mamba`], [`Family::FalconMamba`]), which are nothing but
 //! them, and Zamba's ([`Family::Zamba`]), split into heads that each
-//! select their own step, `B` and `C`. The selective scan (one state per channel, its step, `B` and
-//! `C` chosen by each token), its sizes read from the config (Mamba's
+//! select their own step, `B` and `C`. The selective scan (one state
+//! per channel, its step, `B` and `C` chosen by each token), its sizes
+//! read from the config (Mamba's
 //! and Falcon-Mamba's under names of their own, read flat as Jamba's),
 //! and the layer computed as `transformers`' `slow_forward` computes
 //! it: a scan over the tokens one after another, so that its rounding
@@ -394,8 +395,9 @@ impl Mamba1 {
         // take its B).
         let a = -self.a_log.to_kind(Kind::Float).exp().reshape([inner, n]);
         let da = (a.unsqueeze(0).unsqueeze(2) * dt.unsqueeze(-1)).exp();
-        let db = dt.view([b, heads, head, t]).unsqueeze(-1) * bb.unsqueeze(2).to_kind(Kind::Float);
-        let dbu = db.view([b, inner, t, n]) * x.unsqueeze(-1).to_kind(Kind::Float);
+        let db =
+            dt.reshape([b, heads, head, t]).unsqueeze(-1) * bb.unsqueeze(2).to_kind(Kind::Float);
+        let dbu = db.reshape([b, inner, t, n]) * x.unsqueeze(-1).to_kind(Kind::Float);
         // Each token's slices taken by one `unbind` apiece, not a
         // `select` a token: a select's backward writes its gradient into
         // a zeroed tensor of the whole sequence, which made backward
@@ -405,8 +407,8 @@ impl Mamba1 {
         let mut ys = Vec::with_capacity(t as usize);
         for ((da, dbu), c) in da.unbind(2).iter().zip(dbu.unbind(2)).zip(cc.unbind(2)) {
             ssm = da * &ssm + dbu;
-            let by_head = ssm.to_kind(kind).view([b, heads, head, n]);
-            ys.push(by_head.matmul(&c.unsqueeze(-1)).view([b, inner]));
+            let by_head = ssm.to_kind(kind).reshape([b, heads, head, n]);
+            ys.push(by_head.matmul(&c.unsqueeze(-1)).reshape([b, inner]));
         }
         cache.keep_state((inputs, ssm.to_kind(kind)));
         let y = Tensor::stack(&ys, -1) + &x * self.d.reshape([inner]).unsqueeze(-1);
@@ -442,7 +444,7 @@ impl Mamba1 {
                 heads,
             } => {
                 let (b, inner, t) = x.size3().unwrap_or((1, 1, 1));
-                let by_head = x.view([b, *heads, inner / heads, t]);
+                let by_head = x.reshape([b, *heads, inner / heads, t]);
                 // [b, heads, t, rank + 2 state]
                 let params = x_proj.unsqueeze(0).matmul(&by_head).transpose(-1, -2);
                 let (dt, bb, cc) = (
@@ -452,7 +454,7 @@ impl Mamba1 {
                 );
                 let dt = dt_weight.unsqueeze(0).matmul(&dt.transpose(-1, -2))
                     + dt_bias.unsqueeze(0).unsqueeze(-1);
-                (dt.softplus().view([b, inner, t]), bb, cc)
+                (dt.softplus().reshape([b, inner, t]), bb, cc)
             }
         }
     }

@@ -28,10 +28,9 @@
 //! one, several or all of them; zrt reads the copy first by name
 //! (`ShardPlan::weight_copies`) and writes it under the first layer
 //! that uses it. A hybrid layer's Mamba layer is under `mamba_decoder`.
-//! The embeddings
-//! travel through the layers beside the hidden states (each unit's
-//! input and output are twice the width), so that a layer, its
-//! recompute and its unit see them as one tensor.
+//! The embeddings travel through the layers beside the hidden states
+//! (each unit's input and output are twice the width), so that a layer,
+//! its recompute and its unit see them as one tensor.
 //!
 //! The first Zamba differs in this: its Mamba layers are the first
 //! Mamba's, split into heads (`llama::mamba1`); it has one shared block
@@ -86,11 +85,14 @@ pub struct ZambaConfig {
     /// `use_shared_attention_adapter`: each hybrid layer's adapters on
     /// the queries, keys and values.
     pub attention_adapters: bool,
-    /// `adapter_rank`: the adapters' rank.
+    /// `adapter_rank`: the adapters' rank (0 for the first Zamba, which
+    /// has none).
     pub adapter_rank: i64,
     /// `use_mem_rope`: the shared blocks turn their queries and keys.
     pub rope: bool,
-    /// `time_step_min`: the Mamba layers' steps are clamped below at it.
+    /// Zamba2's `time_step_min`: its Mamba layers' steps are clamped
+    /// below at it (0 for the first Zamba, whose `time_step_min` only
+    /// initialises them).
     pub time_step_min: f64,
 }
 

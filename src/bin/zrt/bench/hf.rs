@@ -389,6 +389,7 @@ mod tests {
             "qwen3_next",
             "recurrent_gemma",
             "rwkv",
+            "zamba",
             "zamba2",
         ];
         assert_eq!(read, kept);

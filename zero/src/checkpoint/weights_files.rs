@@ -168,21 +168,6 @@ impl WeightsFiles {
                     None => continue,
                 },
             };
-            let copies = rules.copies.as_ref().is_some_and(|c| c(&model));
-            if let Some(other) = owner.get(&model) {
-                // Copies of one tied tensor: the first by name, on every
-                // rank alike (the index's order is not the file's).
-                if copies {
-                    if other.name < in_file {
-                        continue;
-                    }
-                } else {
-                    return Err(refuse(format!(
-                    "the plan's rename_weights rule names both `{}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)",
-                    other.name
-                )));
-                }
-            }
             let transposed = match rules.transpose.as_ref().is_some_and(|t| t(&model)) {
                 false => None,
                 true => match files[file].tensor(&in_file).map(|(_, s, _)| s) {
@@ -195,10 +180,26 @@ impl WeightsFiles {
                     }
                 },
             };
+            // Every tensor the rule names, a copy left out too: what
+            // ranks compare must not hang on the order the file lists
+            // them in.
             given.push(format!(
                 "{in_file}\u{0}{model}\u{0}{}",
                 transposed.is_some()
             ));
+            if let Some(other) = owner.get(&model) {
+                // Copies of one tied tensor: the first by name, on every
+                // rank alike (the order the file lists them in is not).
+                if !rules.copies.as_ref().is_some_and(|c| c(&model)) {
+                    return Err(refuse(format!(
+                        "the plan's rename_weights rule names both `{}` and `{in_file}` `{model}`: give each tensor a name of its own, or skip one (None)",
+                        other.name
+                    )));
+                }
+                if other.name < in_file {
+                    continue;
+                }
+            }
             let name = in_file;
             owner.insert(
                 model,

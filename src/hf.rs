@@ -315,7 +315,7 @@ pub enum HfModel {
     /// `olmo2`, `olmo3`, `smollm3`, `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`, `starcoder2`,
     /// `stablelm`, `cohere`, `cohere2`, `deepseek_v3`, `glm`, `glm4`,
     /// `glm4_moe`, `gpt_oss`, `granitemoe`, `deepseek_v2`, `ernie4_5`,
-    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`, `zamba2`, `zamba`), and the language
+    /// `ernie4_5_moe`, `seed_oss`, `exaone4`, `arcee`, `dots1`, `granitemoeshared`, `helium`, `apertus`, `hunyuan_v1_dense`, `hunyuan_v1_moe`, `vaultgemma`, `flex_olmo`, `nemotron`, `olmo`, `llama4_text`, `dbrx`, `falcon`, `gptj`, `codegen`, `gpt_bigcode`, `opt`, `gpt_neo`, `mpt`, `bloom`, `persimmon`, `biogpt`, `xglm`, `phimoe`, `granitemoehybrid`, `bamba`, `jamba`, `mamba`, `falcon_mamba`, `mamba2`, `falcon_h1`, `lfm2`, `minimax`, `qwen3_next`, `diffllama`, `bitnet`, `jetmoe`, `recurrent_gemma`, `longcat_flash`, `gpt_neox_japanese`, `aria_text`, `ctrl`, `openai-gpt`, `modernbert-decoder`, `doge`, `rwkv`, `zamba2`, `zamba`, `xlstm`), and the language
     /// models of the multimodal `llama4`, `gemma3`, `mistral3`, `qwen2_vl`,
     /// `qwen2_5_vl`, `qwen3_vl`, `ovis2` and `fuyu`, and of `llava`, `llava_next`,
     /// `llava_next_video`, `llava_onevision`, `vipllava`, `video_llava`,
@@ -841,7 +841,7 @@ const GEMMA3N: &str = "Gemma 3n is not built: transformers 4.57 computes its las
 
 /// Models `transformers` has that zrt does not build, and why: what the
 /// refusal of one adds to the list of those it builds.
-const NOT_BUILT: [(&str, &str); 8] = [
+const NOT_BUILT: [(&str, &str); 7] = [
     (
         "blip-2",
         "BLIP-2's forward needs an image (its query tokens read one); it has no text-only language model to train",
@@ -864,10 +864,6 @@ const NOT_BUILT: [(&str, &str); 8] = [
     ),
     ("gemma3n", GEMMA3N),
     ("gemma3n_text", GEMMA3N),
-    (
-        "xlstm",
-        "transformers' own mLSTM kernels fail on any sequence of a chunk or more without the xlstm package, so there is no reference to hold zrt's to",
-    ),
 ];
 
 /// Refuses a language model `c` whose class does more to its logits

@@ -290,6 +290,13 @@ impl LayerCache {
         Some((a.shallow_clone(), b.shallow_clone()))
     }
 
+    /// Whether a generation runs with a cache: what
+    /// [`LayerCache::keep_state`] is given is kept only then (a layer
+    /// whose state costs work to make skips it otherwise).
+    pub(crate) fn generating(&self) -> bool {
+        self.decoding.generating()
+    }
+
     /// Keeps a recurrent layer's `state` for the next forward while
     /// generating (see [`LayerCache::state`]); nothing otherwise.
     pub(crate) fn keep_state(&self, state: (Tensor, Tensor)) {

@@ -1361,6 +1361,17 @@ fn estimate_counts_a_hugging_face_configs_parameters() {
         "2",
     ]);
     assert!(ok && out.contains("7232490496 params"), "{out}");
+    // And xLSTM's (xLSTM 7B's sizes).
+    let xlstm = dir.join("xlstm.json");
+    std::fs::write(&xlstm, r#"{"model_type": "xlstm"}"#).unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        xlstm.to_str().unwrap(),
+        "--world",
+        "2",
+    ]);
+    assert!(ok && out.contains("6865424896 params"), "{out}");
     // A model_type zrt does not build is named, and why.
     let gemma3n = dir.join("gemma3n.json");
     std::fs::write(&gemma3n, r#"{"model_type": "gemma3n_text"}"#).unwrap();

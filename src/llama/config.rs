@@ -29,6 +29,7 @@ use super::rope_scaling::{rope_scaling, RopeScaling};
 use super::rwkv;
 use super::short_conv::{self, ShortConvConfig};
 use super::xglm;
+use super::xlstm::{self, XlstmConfig};
 use super::zamba::{self, ZambaConfig};
 
 /// A sparse mixture of experts in place of the MLP (Mixtral, OLMoE,
@@ -519,9 +520,12 @@ pub struct LlamaConfig {
     /// tensors carry there (`model.language_model.`, beside a vision
     /// tower zrt leaves out). `None` for a text model's own checkpoint.
     pub language_model_of: Option<&'static str>,
-    /// Zamba2's hybrid layers and shared blocks (`llama::zamba2`);
-    /// `None` for the other families.
+    /// Zamba's and Zamba2's hybrid layers and shared blocks
+    /// (`llama::zamba`); `None` for the other families.
     pub zamba: Option<ZambaConfig>,
+    /// xLSTM's mLSTM layers' sizes and settings (`llama::xlstm`); `None`
+    /// for the other families.
+    pub xlstm: Option<XlstmConfig>,
 }
 
 impl LlamaConfig {
@@ -558,6 +562,7 @@ impl LlamaConfig {
             Some(Family::Rwkv) => (rwkv::flat(j)?, rwkv::rwkv_names),
             Some(Family::Zamba2) => (zamba::flat(j)?, zamba::zamba2_names),
             Some(Family::Zamba) => (zamba::flat_first(j)?, zamba::zamba_names),
+            Some(Family::Xlstm) => (xlstm::flat(j)?, xlstm::xlstm_names),
             Some(f) if f.mamba_only() => (super::mamba1::flat(j, f)?, super::mamba1::mamba_names),
             _ => return Self::read(j),
         };
@@ -755,7 +760,9 @@ impl LlamaConfig {
         // any.)
         // (Zamba2's shared blocks turn with `use_mem_rope` alone, checked
         // there; the first Zamba's not at all.)
-        let unturned = family.mamba_only() || family.zamba() || family == Family::Rwkv;
+        // (xLSTM has no positions.)
+        let unturned =
+            family.mamba_only() || family.zamba() || matches!(family, Family::Rwkv | Family::Xlstm);
         if !unturned && (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) {
             return Err(j.field(format!(
                 "head_dim {head_dim} x partial_rotary_factor {partial} is {rotary_dim} dimensions: rotary embeddings turn pairs of a head's"
@@ -764,7 +771,7 @@ impl LlamaConfig {
         // StarCoder2's `use_bias` is every projection's.
         let attention_bias = match family {
             Family::Starcoder2 => j.flag_or("use_bias", true)?,
-            f if f.ernie() => j.flag_or("use_bias", false)?,
+            f if f.ernie() || f == Family::Xlstm => j.flag_or("use_bias", false)?,
             // GPT-OSS's class sets it, whatever the config says.
             Family::GptOss => true,
             // Llama 4's, Bamba's and Jamba's classes set none, whatever
@@ -872,6 +879,7 @@ impl LlamaConfig {
                     | Family::Rwkv
                     | Family::Zamba2
                     | Family::Zamba
+                    | Family::Xlstm
             ) || f.mamba_only() =>
             {
                 RopeScaling::None
@@ -954,7 +962,8 @@ impl LlamaConfig {
             qkv_bias,
             o_bias: attention_bias,
             mlp_bias: match family {
-                Family::Starcoder2
+                Family::Xlstm
+                | Family::Starcoder2
                 | Family::Ernie4_5
                 | Family::Ernie4_5Moe
                 | Family::Falcon
@@ -1060,6 +1069,7 @@ impl LlamaConfig {
                 Family::Gemma3 => j.number_or_null("final_logit_softcapping", None)?,
                 // Its class always caps them.
                 Family::RecurrentGemma => Some(j.number_or("logits_soft_cap", 30.0)?),
+                Family::Xlstm => j.number_or_null("output_logit_soft_cap", Some(30.0))?,
                 _ => None,
             },
             full_every,
@@ -1140,7 +1150,10 @@ impl LlamaConfig {
                 Family::SmolLm3 | Family::Llama4 => Some(rope_layers(j)?),
                 // Jamba attends without positions (Mamba, Falcon-Mamba and
                 // RWKV not at all).
-                f if matches!(f, Family::Jamba | Family::Rwkv) || f.zamba() || f.mamba_only() => {
+                f if matches!(f, Family::Jamba | Family::Rwkv | Family::Xlstm)
+                    || f.zamba()
+                    || f.mamba_only() =>
+                {
                     Some(vec![false; j.size("num_hidden_layers")? as usize])
                 }
                 // Granite 4.0 turns only with `position_embedding_type`
@@ -1239,6 +1252,10 @@ impl LlamaConfig {
                 _ => None,
             },
             language_model_of: j.wrapper(),
+            xlstm: match family {
+                Family::Xlstm => Some(xlstm::read(j)?),
+                _ => None,
+            },
             zamba: match family {
                 f if f.zamba() => Some(zamba::read(
                     j,
@@ -1604,6 +1621,10 @@ impl LlamaConfig {
                 return 2 * (norms * norm + attention + mlp) + experts;
             }
             // Mamba's and Falcon-Mamba's layers have no MLP, one norm;
+            // xLSTM's blocks are its own.
+            if let Some(x) = &self.xlstm {
+                return x.block_params(self);
+            }
             // Zamba's neither (a hybrid one its `linear` too).
             if self.family.zamba() {
                 let hybrid = (self.zamba.as_ref()).is_some_and(|z| z.ordinal(l).is_some());
@@ -1713,6 +1734,7 @@ impl LlamaConfig {
             (Family::Rwkv, _) => Some(rwkv::to_json(self)),
             (Family::Zamba2, _) => Some(zamba::to_json(self)),
             (Family::Zamba, _) => Some(zamba::to_json_first(self)),
+            (Family::Xlstm, _) => Some(xlstm::to_json(self)),
             (f, _) if f.mamba_only() => (self.mamba1.as_ref()).map(|m| mamba1::to_json(self, m)),
             _ => None,
         };
@@ -2179,6 +2201,7 @@ impl LlamaConfig {
             | Family::Rwkv
             | Family::Zamba2
             | Family::Zamba
+            | Family::Xlstm
             | Family::GptNeo
             | Family::Mpt
             | Family::Bloom => {

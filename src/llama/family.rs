@@ -565,11 +565,18 @@ pub enum Family {
     /// and one shared block (`shared_transf`) with no adapters and a
     /// gated MLP of separate projections (`llama::zamba`).
     Zamba,
+    /// `xlstm` (`xLSTMForCausalLM`: NX-AI's xLSTM 7B): no attention;
+    /// each block (`backbone.blocks`) RMS-normalises its input
+    /// (`norm_mlstm`, `norm_ffn`) before an mLSTM layer (`mlstm_layer`:
+    /// a matrix memory a head, its gates exponential, each head's output
+    /// layer-normalised and gated) and a SiLU-gated MLP (`ffn`); the
+    /// logits soft-capped (`llama::xlstm`).
+    Xlstm,
 }
 
 impl Family {
     /// Every family, in the order the docs list them.
-    pub const ALL: [Family; 81] = [
+    pub const ALL: [Family; 82] = [
         Self::Llama,
         Self::Mistral,
         Self::Ministral,
@@ -651,6 +658,7 @@ impl Family {
         Self::Rwkv,
         Self::Zamba2,
         Self::Zamba,
+        Self::Xlstm,
     ];
 
     /// Every family's `model_type`, quoted, comma-separated: what an
@@ -751,6 +759,7 @@ impl Family {
             Self::Rwkv => "rwkv",
             Self::Zamba2 => "zamba2",
             Self::Zamba => "zamba",
+            Self::Xlstm => "xlstm",
         }
     }
 
@@ -838,6 +847,7 @@ impl Family {
             Self::Rwkv => "RwkvForCausalLM",
             Self::Zamba2 => "Zamba2ForCausalLM",
             Self::Zamba => "ZambaForCausalLM",
+            Self::Xlstm => "xLSTMForCausalLM",
         }
     }
 
@@ -845,7 +855,7 @@ impl Family {
     /// `pad_token_id` as `nn.Embedding`'s `padding_idx` (the row gets no
     /// gradient from the lookup). GPT-J's, CodeGen's, GPT-BigCode's,
     /// GPT-Neo's, MPT's, BLOOM's, Falcon's, the Mambas' (1 and 2,
-    /// Falcon-Mamba), CTRL's, OpenAI GPT's and RWKV's do not: every row of theirs
+    /// Falcon-Mamba), CTRL's, OpenAI GPT's, RWKV's and xLSTM's do not: every row of theirs
     /// trains, the pad token's too (which a tied head's gradient always
     /// reaches).
     pub(super) fn pads_embedding(self) -> bool {
@@ -863,6 +873,7 @@ impl Family {
                     | Self::Ctrl
                     | Self::OpenAiGpt
                     | Self::Rwkv
+                    | Self::Xlstm
             ))
     }
 
@@ -1398,6 +1409,11 @@ impl Family {
                 positions: 1024,
                 ..LLAMA
             },
+            Self::Xlstm => Defaults {
+                eps: 1e-6,
+                pad: Some(1),
+                ..LLAMA
+            },
             Self::Zamba2 | Self::Zamba => Defaults {
                 eps: 1e-5,
                 tied: true,
@@ -1624,6 +1640,7 @@ impl Family {
             }
             Self::RecurrentGemma => ["model", "embed_tokens", "layers", "final_norm"],
             Self::Rwkv => ["rwkv", "embeddings", "blocks", "ln_out"],
+            Self::Xlstm => ["backbone", "embeddings", "blocks", "out_norm"],
             Self::Lfm2 => ["model", "embed_tokens", "layers", "embedding_norm"],
             Self::GptNeoxJapanese => [
                 "gpt_neox_japanese",

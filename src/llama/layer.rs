@@ -28,6 +28,7 @@ use super::rotary::{rope_at, rope_from, Rotary};
 use super::rwkv::{ChannelMix, TimeMix};
 use super::short_conv::ShortConv;
 use super::xielu::Xielu;
+use super::xlstm::Mlstm;
 use super::zamba::Hybrid;
 
 /// What builds a decoder layer's linear layers: `(path, in, out, bias)`.
@@ -146,6 +147,8 @@ enum Qkv {
     RgLru(Box<RgLru>),
     /// RWKV's time mix, the same way.
     Rwkv(Box<TimeMix>),
+    /// xLSTM's mLSTM layer, the same way.
+    Mlstm(Box<Mlstm>),
     /// JetMoE's mixture of attention heads: queries from each token's
     /// experts, keys and values from `kv_proj`; the experts merge the
     /// output in place of an output projection.
@@ -1029,6 +1032,7 @@ impl Layer {
             Family::Mpt => (p / "attn", p / "ffn"),
             Family::Ctrl => (p / "multi_head_attention", p / "ffn"),
             Family::Rwkv => (p / "attention", p / "feed_forward"),
+            Family::Xlstm => (p / "mlstm_layer", p / "ffn"),
             // OPT's MLP is the layer's own.
             f if f.fairseq() => (p / "self_attn", p.clone()),
             _ => (p / "self_attn", p / "mlp"),
@@ -1110,6 +1114,7 @@ impl Layer {
                 (_, Some(mla)) => Qkv::Latent(Box::new(Latent::new(&a, c, mla, lin))),
                 (Family::JetMoe, _) => Qkv::Moa(Box::new(Moa::new(&a, c, (lin, lora)))),
                 (Family::Rwkv, _) => Qkv::Rwkv(Box::new(TimeMix::new(&a, c, lin))),
+                (Family::Xlstm, _) => Qkv::Mlstm(Box::new(Mlstm::new(&a, c, lin))),
                 (
                     Family::Phi3
                     | Family::Dbrx
@@ -1195,6 +1200,7 @@ impl Layer {
                         Family::Ctrl => "dense",
                         Family::ModernBertDecoder => "Wo",
                         Family::Rwkv => "output",
+                        Family::Xlstm => "out_proj",
                         _ => "o_proj",
                     }),
                     c.heads * c.v_head_dim(),
@@ -1269,6 +1275,10 @@ impl Layer {
                         Family::ModernBertDecoder => {
                             GateUp::Fused(lin(&(&m / "Wi"), d, 2 * c.intermediate, mb))
                         }
+                        Family::Xlstm => GateUp::Apart {
+                            gate_proj: lin(&(&m / "proj_up_gate"), d, c.intermediate, mb),
+                            up_proj: lin(&(&m / "proj_up"), d, c.intermediate, mb),
+                        },
                         // LFM2's `w1` and `w3` (`w2` down).
                         Family::Lfm2 => GateUp::Apart {
                             gate_proj: lin(&(&m / "w1"), d, c.intermediate, mb),
@@ -1281,6 +1291,7 @@ impl Layer {
                     },
                     down_proj: match c.family {
                         Family::Lfm2 => lin(&(&m / "w2"), c.intermediate, d, mb),
+                        Family::Xlstm => lin(&(&m / "proj_down"), c.intermediate, d, mb),
                         Family::ModernBertDecoder => lin(&(&m / "Wo"), c.intermediate, d, mb),
                         _ => lin(&(&m / "down_proj"), c.intermediate, d, mb),
                     },
@@ -1576,6 +1587,7 @@ impl Layer {
             Qkv::DeltaNet(g) => return g.forward(h, &self.cache),
             Qkv::RgLru(g) => return g.forward(h, &self.cache),
             Qkv::Rwkv(t) => return t.forward(h, &self.cache),
+            Qkv::Mlstm(m) => return m.forward(h, &self.cache),
             // Qwen3-Next's: each head's queries, then its output gate.
             Qkv::Apart {
                 q_proj,

@@ -83,6 +83,7 @@ mod sparse_mixer;
 pub(crate) mod tests;
 mod xglm;
 mod xielu;
+mod xlstm;
 mod z_loss;
 mod zamba;
 
@@ -100,7 +101,8 @@ pub use mamba::{MambaConfig, MambaGate};
 pub use mamba1::{Mamba1Config, StepNorms};
 pub use opt::OptLayout;
 pub use rg_lru::RgLruConfig;
-pub use zamba::ZambaConfig;
+pub use xlstm::XlstmConfig;
+pub use zamba::{ZambaConfig, ZambaVersion};
 // BitNet's ternary linear layers' input norm (`lora::Adapted`).
 pub(crate) use norm::rms_normalized;
 pub(crate) use rope_scaling::rope_scaling;
@@ -402,10 +404,15 @@ impl Llama {
             eps: 1e-5,
             ..cfg.clone()
         };
-        let final_cfg = if cfg.family == Family::Rwkv {
-            &rwkv
-        } else {
-            cfg
+        // xLSTM's `out_norm` has no bias whatever `use_bias` says.
+        let xlstm = LlamaConfig {
+            xlstm: None,
+            ..cfg.clone()
+        };
+        let final_cfg = match cfg.family {
+            Family::Rwkv => &rwkv,
+            Family::Xlstm => &xlstm,
+            _ => cfg,
         };
         let norm = cfg
             .final_norm()

@@ -127,6 +127,8 @@ pub(super) enum Norm {
         bias: Tensor,
         eps: f64,
     },
+    /// xLSTM's with `use_bias`: an RMSNorm, then a bias added.
+    RmsBiased(RmsNorm, Tensor),
     /// StableLM 2 12B's query and key norms: one LayerNorm without a
     /// bias a head (`norms.{i}`), each over its head's width of
     /// `[.., heads, head_dim]`.
@@ -152,6 +154,10 @@ impl Norm {
                 eps: c.eps,
             },
             f if f.layer_norm() => Self::Layer(Box::new(layer_norm(p, width, c.eps))),
+            Family::Xlstm if c.xlstm.as_ref().is_some_and(|x| x.bias) => {
+                let norm = RmsNorm::new(p.clone(), width, c);
+                Self::RmsBiased(norm, p.zeros("bias", &[width]))
+            }
             _ => Self::Rms(RmsNorm::new(p, width, c)),
         }
     }
@@ -182,6 +188,7 @@ impl Module for Norm {
     fn forward(&self, x: &Tensor) -> Tensor {
         match self {
             Self::Rms(n) => n.forward(x),
+            Self::RmsBiased(n, bias) => n.forward(x) + bias,
             Self::Layer(n) => n.forward(x),
             Self::Cohere(n) => n.forward(x),
             Self::Bare { eps } => {
@@ -295,6 +302,7 @@ impl Norms {
                 Family::Mpt => ("norm_1", "norm_2"),
                 Family::Ctrl => ("layernorm1", "layernorm2"),
                 Family::Rwkv => ("ln1", "ln2"),
+                Family::Xlstm => ("norm_mlstm", "norm_ffn"),
                 f if f.fairseq() => ("self_attn_layer_norm", "final_layer_norm"),
                 _ => ("input_layernorm", "post_attention_layernorm"),
             };

@@ -150,6 +150,7 @@ fn a_config_is_read_and_what_the_model_does_not_compute_is_refused() {
         rescale_every: None,
         language_model_of: None,
         zamba: None,
+        xlstm: None,
     };
     assert_eq!(cfg, want);
     dir.round_trips([cfg.clone()]);
@@ -3520,6 +3521,7 @@ fn unit_params_count_what_the_built_model_holds() {
         rescale_every: None,
         language_model_of: None,
         zamba: None,
+        xlstm: None,
     };
     let variants = [
         base.clone(),
@@ -3888,6 +3890,68 @@ fn the_routers_balance_reaches_them_only_through_the_loss_that_holds_it() {
     // error, not a silently missing gradient.
     let err = router_grad(&balanced, Seed::Beside).unwrap_err();
     assert!(err.contains("reached before the loss holding it"), "{err}");
+}
+
+#[test]
+fn xlstm_configs_are_read_and_counted() {
+    let dir = ConfigDir::new("xlstm-configs");
+    // The class's defaults (xLSTM 7B's sizes): transformers' count.
+    let c = dir.read(r#"{"model_type": "xlstm"}"#).unwrap();
+    assert_eq!(total(&c), 6865424896);
+    let x = c.xlstm.as_ref().unwrap();
+    assert_eq!((x.qk_dim(c.hidden), x.v_dim(c.hidden)), (2048, 4096));
+    assert_eq!(
+        (
+            c.heads,
+            c.head_dim,
+            c.intermediate,
+            c.final_softcap,
+            x.gate_cap
+        ),
+        (8, 512, 10944, Some(30.0), Some(15.0))
+    );
+    assert!(!c.tied && !x.bias && c.padding_row().is_none());
+    // Biased, its widths its own factors'.
+    let small = r#"{"model_type": "xlstm", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 3, "num_heads": 4, "use_bias": true, "qk_dim_factor": 0.25, "v_dim_factor": 0.75, "ffn_proj_factor": 1.3, "ffn_round_up_to_multiple_of": 64, "gate_soft_cap": null, "output_logit_soft_cap": null}"#;
+    let s = dir.read(small).unwrap();
+    assert_eq!(total(&s), 1953432);
+    assert_eq!((s.intermediate, s.final_softcap), (384, None));
+    assert_eq!(s.xlstm.as_ref().map(|x| x.gate_cap), Some(None));
+    // Its sizes under `embedding_dim` and `num_blocks`.
+    let aliased = r#"{"model_type": "xlstm", "vocab_size": 1000, "embedding_dim": 192, "hidden_size": null, "num_blocks": 2, "num_hidden_layers": null, "num_heads": 3}"#;
+    let aliased = dir.read(aliased).unwrap();
+    assert_eq!(total(&aliased), 1272396);
+    dir.round_trips([c, s, aliased]);
+    dir.refuses_replaced(
+        small,
+        &[
+            (
+                r#""use_bias": true"#,
+                r#""use_bias": true, "weight_mode": "fused""#,
+                "weight_mode \"fused\": transformers 4.57's class fails building a fused xLSTM",
+            ),
+            (
+                r#""use_bias": true"#,
+                r#""use_bias": true, "weight_mode": "split""#,
+                r#"weight_mode "split": xLSTM's are "single" and "fused""#,
+            ),
+            (
+                r#""use_bias": true"#,
+                r#""use_bias": true, "norm_reduction_force_float32": false"#,
+                "norm_reduction_force_float32 false: zrt's norms reduce in fp32 always",
+            ),
+            (
+                r#""num_heads": 4"#,
+                r#""num_heads": 5"#,
+                "num_heads 5 with queries and keys 64 wide and values 192",
+            ),
+            (
+                r#""qk_dim_factor": 0.25"#,
+                r#""qk_dim_factor": 0"#,
+                "qk_dim_factor 0: a width factor above 0",
+            ),
+        ],
+    );
 }
 
 #[test]

@@ -576,6 +576,9 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // Its Mamba layers' inputs, as Mamba-2's (PEFT has none; zrt
         // puts no adapter on the shared blocks).
         Some("zamba2" | "zamba") => &["in_proj"],
+        // Its mLSTM layers' queries and values, as attention's (PEFT has
+        // none).
+        Some("xlstm") => &["q", "v"],
         // PEFT's: both mixers' (the time mix's and the channel mix's).
         Some("rwkv") => &["key", "value", "receptance", "output"],
         // The attending layers' queries and values, the recurrent
@@ -1443,6 +1446,7 @@ mod tests {
             ("mamba2", vec!["in_proj"]),
             ("zamba2", vec!["in_proj"]),
             ("zamba", vec!["in_proj"]),
+            ("xlstm", vec!["q", "v"]),
             ("rwkv", vec!["key", "value", "receptance", "output"]),
             ("jetmoe", vec!["kv_proj"]),
             (

@@ -843,6 +843,19 @@ class M(ZambaForCausalLM):
                 mamba = layer.mamba_decoder.mamba if hasattr(layer, 'mamba_decoder') else layer.mamba
                 mamba.x_proj_weight.normal_(0.0, 0.5)";
 
+/// xLSTM's classes, its model class `M` drawing its input gates'
+/// biases around 0, not its class's -10: at -10 each token's input
+/// reaches the memory `exp(-10)` weighted, the cell's output is all but
+/// zero and its per-head norm's epsilon makes the layer's output.
+/// `from_pretrained` overwrites them.
+pub const XLSTM: &str = "from transformers import xLSTMConfig as C, xLSTMForCausalLM
+class M(xLSTMForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.no_grad():
+            for block in self.backbone.blocks:
+                block.mlstm_layer.igate_preact.bias.normal_(0.0, 1.0)";
+
 /// Doge's classes, its model class `M` starting each layer's `A` (the
 /// dynamic mask's factors) spread over ±3: at the seeded ±0.05 every
 /// key's bias is within 4% of 1, where bf16 ties the keys the

@@ -20,7 +20,7 @@ pub struct EstimateArgs {
     params: Option<f64>,
     /// A Hugging Face checkpoint's `config.json` (or its directory) of a
     /// model zrt builds (GPT-2, GPT-NeoX, Phi, and the Llama family's
-    /// eighty-one `model_type`s, from Llama to Zamba): its
+    /// eighty-two `model_type`s, from Llama to xLSTM): its
     /// parameters are counted from it (the buffers it holds as frozen
     /// parameters, MiniMax's decays, as frozen), and the largest unit
     /// stage 3 gathers is named.

@@ -389,6 +389,7 @@ mod tests {
             "qwen3_next",
             "recurrent_gemma",
             "rwkv",
+            "xlstm",
             "zamba",
             "zamba2",
         ];

@@ -5606,6 +5606,51 @@ fn the_routers_balance_is_scaled_as_the_engine_scales_the_loss() {
     assert!(far(&scaled, &one) > 0.0);
 }
 
+/// xLSTM over a sequence longer than zrt's blocks of 256 tokens (600:
+/// three blocks, each from the state the one before ends in) computes
+/// the logits `transformers`' sequence kernel computes token by token
+/// (its `chunk_size` past the sequence), to 1e-5 of their scale.
+#[test]
+fn xlstm_computes_a_long_sequence_in_blocks_as_token_by_token() {
+    let dir = scratch("xlstm-blocks");
+    let args = case("xlstm")
+        .python
+        .1
+        .replace("chunk_size=64", "chunk_size=1024");
+    common::write_seeded_model(common::XLSTM, &args, &dir);
+    let ds = config_zero(0, 1, 0.0, "", "");
+    let (model, _, _vs, _e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
+    let tokens: Vec<i64> = (0..600).map(|i| (i * 37 + 5) % 96).collect();
+    let x = Tensor::from_slice(&tokens).view([1, -1]);
+    let logits = tch::no_grad(|| model.forward(&x));
+    Tensor::write_safetensors(&[("zrt", &logits), ("x", &x)], dir.join("zrt.safetensors")).unwrap();
+    let said = common::python(&format!(
+        r#"
+import torch
+{import}
+from safetensors.torch import load_file
+got = load_file("{dir}/zrt.safetensors")
+m = M.from_pretrained("{dir}/hf").eval()
+with torch.no_grad():
+    want = m(got["x"], use_cache=False).logits
+print((want - got["zrt"]).abs().max().item(), want.abs().max().item())
+"#,
+        import = common::XLSTM,
+        dir = dir.display()
+    ));
+    let nums: Vec<f64> = (said.split_whitespace())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(nums.len(), 2, "{said}");
+    assert!(
+        nums[0] < 1e-5 * nums[1].max(1.0),
+        "blocks: {} of {}",
+        nums[0],
+        nums[1]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Zamba2's scan across chunks: `transformers`' `torch_forward` (its CPU
 /// path) carries the chunks' states wrongly (it sums each chunk's decay
 /// over the chunks after it, where the other Mamba-2 classes sum the

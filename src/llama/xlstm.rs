@@ -21,11 +21,12 @@
 //! root, plus `eps`), its gates exponential and stabilised by a running
 //! maximum `m_t = max(log f_t + m_{t-1}, i_t)` from a zero state.
 //! `transformers`' sequence kernel steps it token by token; zrt computes
-//! the same numbers for the whole sequence at once (each output a
-//! weighted sum over the tokens before it, as attention is, the weights
-//! `exp(log f_{s+1} + .. + log f_t + i_s - m_t)`), in fp32, and steps
-//! from the state it ends in while generating. A packed row's documents
-//! are each computed alone.
+//! the same numbers for [`CHUNK`] tokens at once (each output a weighted
+//! sum over the tokens before it, as attention is, the weights
+//! `exp(log f_{s+1} + .. + log f_t + i_s - m_t)`, and the state before
+//! the block), in fp32, each block from the state the one before ends
+//! in, and steps from the state a forward ends in while generating. A
+//! packed row's documents are each computed alone.
 //!
 //! `transformers` 4.57 runs its chunkwise kernel (in training, and in
 //! inference past `chunk_size` tokens), which fails on CPU without the
@@ -291,6 +292,13 @@ pub(super) struct Mlstm {
     sizes: XlstmConfig,
 }
 
+/// The tokens the cell computes at once: a longer sequence runs in
+/// blocks of this many, each from the state the one before ends in, so
+/// that its weights take `[heads, CHUNK, CHUNK]` a block, not the whole
+/// sequence squared. zrt's own choice; `chunk_size` is `transformers`'
+/// kernels' and is not read.
+const CHUNK: i64 = 256;
+
 /// The cell's state a head: its memory `C` `[batch, heads, key, value]`,
 /// and its normaliser `n` with the stabiliser `m` after it `[batch,
 /// heads, key + 1]`, in fp32.
@@ -344,7 +352,8 @@ impl Mlstm {
     /// The cell over `[q, k, v, i, f]` (`[batch, seq, width]`, the gates
     /// `[batch, seq, heads]`), from `state` or a zero one, the state it
     /// ends in kept in `cache` when generating: each head's output
-    /// `[batch, seq, heads, value]` in fp32.
+    /// `[batch, seq, heads, value]` in fp32. [`CHUNK`] tokens at a time,
+    /// each block from the state the one before ends in.
     fn cell(
         &self,
         [q, k, v, i, f]: [&Tensor; 5],
@@ -362,43 +371,77 @@ impl Mlstm {
             i.transpose(1, 2).to_kind(fp32),
             f.transpose(1, 2).to_kind(fp32).log_sigmoid(),
         );
-        let (c0, nm0) = match state {
-            Some(s) => s,
-            None => (
+        let mut state = state.unwrap_or_else(|| {
+            (
                 Tensor::zeros([b, heads, dk, dv], (fp32, q.device())),
                 Tensor::zeros([b, heads, dk + 1], (fp32, q.device())),
-            ),
-        };
+            )
+        });
+        let mut outs = Vec::new();
+        let mut at = 0;
+        while at < t {
+            let n = CHUNK.min(t - at);
+            let part = |x: &Tensor| x.narrow(2, at, n);
+            let gates = [i.narrow(-1, at, n), log_f.narrow(-1, at, n)];
+            let last = at + n == t;
+            let (out, next) = self.block(
+                [&part(&q), &part(&k), &part(&v), &gates[0], &gates[1]],
+                &state,
+                !last || cache.generating(),
+            );
+            outs.push(out);
+            if let Some(next) = next {
+                state = next;
+            }
+            at += n;
+        }
+        if cache.generating() {
+            cache.keep_state(state);
+        }
+        Tensor::cat(&outs, 2).transpose(1, 2)
+    }
+
+    /// One block of the cell: `[q, k, v, i, log f]` (`[batch, heads,
+    /// seq, width]`, `q` scaled; the gates `[batch, heads, seq]`) after
+    /// `state`, in fp32: each head's output `[batch, heads, seq, value]`,
+    /// and, when `then` asks for it, the state after its last token.
+    fn block(
+        &self,
+        [q, k, v, i, log_f]: [&Tensor; 5],
+        (c0, nm0): &State,
+        then: bool,
+    ) -> (Tensor, Option<State>) {
+        let fp32 = Kind::Float;
+        let (b, heads, t, dk) = q.size4().unwrap_or((1, 1, 1, 1));
         let (n0, m0) = (nm0.narrow(-1, 0, dk), nm0.narrow(-1, dk, 1));
         // The forget gates' log-sums: token s's input reaches token t
         // weighted by `exp(cum_t - cum_s + i_s)`, the state before the
-        // sequence by `exp(cum_t + m0)`.
+        // block by `exp(cum_t + m0)`.
         let cum = log_f.cumsum(-1, fp32);
-        let reach = cum.unsqueeze(-1) - (&cum - &i).unsqueeze(-2);
+        let reach = cum.unsqueeze(-1) - (&cum - i).unsqueeze(-2);
         let later = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
         let reach = reach.masked_fill(&later, f64::NEG_INFINITY);
         let from_state = &cum + &m0;
-        // The running maximum the recurrence keeps, from zero.
+        // The running maximum the recurrence keeps.
         let m = reach.amax([-1], false).maximum(&from_state);
         let weights = (reach - m.unsqueeze(-1)).exp();
         let carried = (&from_state - &m).exp();
         let scores = q.matmul(&k.transpose(-1, -2)) * &weights;
-        let num = scores.matmul(&v) + carried.unsqueeze(-1) * q.matmul(&c0);
+        let num = scores.matmul(v) + carried.unsqueeze(-1) * q.matmul(c0);
         let qn = scores.sum_dim_intlist(-1, false, fp32)
             + &carried * q.matmul(&n0.unsqueeze(-1)).squeeze_dim(-1);
         let den = qn.abs().maximum(&(-&m).exp()) + self.sizes.eps;
         let out = num / den.unsqueeze(-1);
-        // The state after the last token, for a generation's next step.
-        if cache.generating() {
+        let next = then.then(|| {
             let last = weights.select(2, t - 1).unsqueeze(-1);
             let carry = carried.select(-1, t - 1);
-            let weighted = &k * last;
-            let c = weighted.transpose(-1, -2).matmul(&v) + carry.view([b, heads, 1, 1]) * &c0;
+            let weighted = k * last;
+            let c = weighted.transpose(-1, -2).matmul(v) + carry.view([b, heads, 1, 1]) * c0;
             let n = weighted.sum_dim_intlist(-2, false, fp32) + carry.unsqueeze(-1) * &n0;
             let m = m.select(-1, t - 1).unsqueeze(-1);
-            cache.keep_state((c, Tensor::cat(&[n, m], -1)));
-        }
-        out.transpose(1, 2)
+            (c, Tensor::cat(&[n, m], -1))
+        });
+        (out, next)
     }
 
     /// Each head's output `[batch, seq, heads, value]` layer-normalised

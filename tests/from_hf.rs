@@ -5606,6 +5606,21 @@ fn the_routers_balance_is_scaled_as_the_engine_scales_the_loss() {
     assert!(far(&scaled, &one) > 0.0);
 }
 
+/// Zamba2's long context: its class grows the rotary base it is given
+/// by `8^(d / (d - 2))` whenever it is built, `from_pretrained` too
+/// (whose config holds the base the model it saved had grown once, so
+/// a checkpoint read back turns by a base grown twice); zrt computes the
+/// logits of the checkpoint `from_pretrained` reads.
+#[test]
+fn a_zamba2_with_its_long_context_turns_as_transformers_reads_it() {
+    let args = format!("{}, use_long_context=True", case("zamba2").python.1);
+    same_logits(
+        "zamba2 long",
+        (common::ZAMBA2, &args),
+        r#"m = M.from_pretrained(dir + "/hf")"#,
+    );
+}
+
 /// xLSTM over a sequence longer than zrt's blocks of 256 tokens (600:
 /// three blocks, each from the state the one before ends in) computes
 /// the logits `transformers`' sequence kernel computes token by token

@@ -4058,7 +4058,22 @@ fn zamba2_configs_are_read_and_counted() {
     let spare = r#"{"model_type": "zamba2", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 96, "layers_block_type": ["mamba", "hybrid", "mamba"], "num_mem_blocks": 3, "adapter_rank": 8, "mamba_d_state": 16, "n_mamba_heads": 4}"#;
     let spare = dir.read(spare).unwrap();
     assert_eq!(total(&spare), 229828);
-    dir.round_trips([c, s, spare]);
+    // The long context: 16384 positions, the base grown as its class
+    // grows it (heads 32 wide: 8^(32/30)), the file's base written back.
+    let long = small.replace(
+        r#""adapter_rank": 8"#,
+        r#""adapter_rank": 8, "use_mem_rope": true, "use_long_context": true, "rope_theta": 20000.0"#,
+    );
+    let long = dir.read(&long).unwrap();
+    assert_eq!(long.positions, 16384);
+    let grown = 20000.0 * 8f64.powf(32.0 / 30.0);
+    assert!(
+        (long.rope_theta - grown).abs() < 1e-6 * grown,
+        "{}",
+        long.rope_theta
+    );
+    assert!(long.to_hf_json().contains(r#""rope_theta": 20000.0"#));
+    dir.round_trips([c, s, spare, long]);
     dir.refuses_replaced(
         small,
         &[
@@ -4076,11 +4091,6 @@ fn zamba2_configs_are_read_and_counted() {
                 r#""mamba_ngroups": 2"#,
                 r#""mamba_ngroups": 2, "use_conv_bias": false"#,
                 "use_conv_bias false: Zamba2's convolution has a bias whatever it says",
-            ),
-            (
-                r#""adapter_rank": 8"#,
-                r#""adapter_rank": 8, "use_mem_rope": true, "use_long_context": true"#,
-                "use_long_context true: zrt does not rescale Zamba2's rotary base",
             ),
             (
                 r#""num_attention_heads": 4"#,

@@ -90,6 +90,10 @@ pub struct ZambaConfig {
     pub adapter_rank: i64,
     /// `use_mem_rope`: the shared blocks turn their queries and keys.
     pub rope: bool,
+    /// Zamba2's `use_long_context`: its context 16384 long and, turning,
+    /// the base its class grows (`LlamaConfig::rope_theta` holds the
+    /// grown one, the config file the one its class grows).
+    pub long_context: bool,
     /// Zamba2's `time_step_min`: its Mamba layers' steps are clamped
     /// below at it (0 for the first Zamba, whose `time_step_min` only
     /// initialises them).
@@ -253,7 +257,22 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
         if out.get("intermediate_size").is_none_or(Value::is_null) {
             out.insert("intermediate_size".into(), (4 * hidden).into());
         }
-        out.insert("head_dim".into(), (2 * hidden / heads).into());
+        let head_dim = 2 * hidden / heads;
+        out.insert("head_dim".into(), head_dim.into());
+        // `use_long_context`: its class makes the context 16384 long
+        // and, turning, grows the base it is given by `long_base`,
+        // whenever it is built (`from_pretrained` too, from the grown
+        // base a saved config holds: zrt reads what it computes).
+        if j.flag_or("use_long_context", false)? {
+            out.insert("max_position_embeddings".into(), 16384.into());
+            if j.flag_or("use_mem_rope", false)? {
+                let theta = out
+                    .get("rope_theta")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10000.0);
+                out.insert("rope_theta".into(), (theta * long_base(head_dim)).into());
+            }
+        }
     }
     for key in OWN {
         if let Some(v) = j.get(key) {
@@ -261,6 +280,13 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
         }
     }
     Ok(j.reading(Value::Object(out)))
+}
+
+/// What Zamba2's class multiplies the rotary base by with
+/// `use_long_context`, for heads `head_dim` wide: `8^(d / (d - 2))`.
+fn long_base(head_dim: i64) -> f64 {
+    let d = head_dim as f64;
+    8f64.powf(d / (d - 2.0))
 }
 
 /// `e` with the flat fields it names renamed to Zamba2's.
@@ -420,6 +446,7 @@ fn read_first(j: &HfJson, layers: i64) -> Result<ZambaConfig, HfError> {
         attention_adapters: false,
         adapter_rank: 0,
         rope: false,
+        long_context: false,
         time_step_min: 0.0,
     })
 }
@@ -513,11 +540,6 @@ pub(super) fn read(
             "use_mem_rope true with heads {head_dim} wide (twice hidden_size over num_attention_heads): rotary embeddings turn pairs of a head's"
         )));
     }
-    if rope && j.flag_or("use_long_context", false)? {
-        return Err(j.field(
-            "use_long_context true: zrt does not rescale Zamba2's rotary base for its longer context; leave it false".into(),
-        ));
-    }
     let attention_adapters = j.flag_or("use_shared_attention_adapter", false)?;
     if attention_adapters && kv_heads != heads {
         return Err(j.field(format!(
@@ -531,6 +553,7 @@ pub(super) fn read(
         attention_adapters,
         adapter_rank: j.size_or_none("adapter_rank")?.unwrap_or(128),
         rope,
+        long_context: j.flag_or("use_long_context", false)?,
         time_step_min: j.number_or("time_step_min", 0.001)?,
     })
 }
@@ -551,8 +574,12 @@ pub(super) fn to_json(c: &LlamaConfig) -> Value {
         "intermediate_size": c.intermediate,
         "hidden_act": c.activation.name(),
         "rms_norm_eps": c.eps,
-        "rope_theta": c.rope_theta,
+        "rope_theta": match z {
+            Some(z) if z.long_context && z.rope => c.rope_theta / long_base(c.head_dim),
+            _ => c.rope_theta,
+        },
         "attention_dropout": c.attention_dropout,
+        "use_long_context": z.is_some_and(|z| z.long_context),
         "mamba_d_state": m.map(|m| m.state),
         "mamba_d_conv": m.map(|m| m.conv_kernel),
         "mamba_expand": m.map(|m| m.expand),

@@ -756,11 +756,9 @@ impl LlamaConfig {
             Some(m) => m.rope,
             None => rotary_dim(head_dim, partial),
         };
-        // (The Mambas and RWKV turn nothing: their one head's width is
-        // any.)
-        // (Zamba2's shared blocks turn with `use_mem_rope` alone, checked
-        // there; the first Zamba's not at all.)
-        // (xLSTM has no positions.)
+        // (The Mambas, RWKV and xLSTM turn nothing: their heads' width is
+        // any. Zamba2's shared blocks turn with `use_mem_rope` alone,
+        // checked there; the first Zamba's not at all.)
         let unturned =
             family.mamba_only() || family.zamba() || matches!(family, Family::Rwkv | Family::Xlstm);
         if !unturned && (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) {
@@ -2778,7 +2776,7 @@ pub(super) fn layer_kinds(
     kinds_under(j, "layer_types", layers, (whose, kinds, marked))
 }
 
-/// [`layer_kinds`] under the field `key` (Zamba2's `layers_block_type`).
+/// [`layer_kinds`] under the field `key` (Zamba's `layers_block_type`).
 pub(super) fn kinds_under(
     j: &HfJson,
     key: &str,

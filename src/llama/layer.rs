@@ -90,7 +90,7 @@ pub struct Layer {
     /// RWKV's first block's norm of its input (`pre_ln`), before the
     /// residual stream starts.
     pre_norm: Option<Norm>,
-    /// A Zamba2 hybrid layer's shared block and `linear`, whose output
+    /// A Zamba or Zamba2 hybrid layer's shared block and `linear`, whose output
     /// joins its Mamba layer's input ([`Layer::with_hybrid`]).
     hybrid: Option<Box<Hybrid>>,
     cfg: LlamaConfig,
@@ -1363,7 +1363,7 @@ impl Layer {
 
 impl Module for Layer {
     fn forward(&self, x: &Tensor) -> Tensor {
-        // Zamba2's layers carry the embeddings beside the hidden states;
+        // Zamba's layers carry the embeddings beside the hidden states;
         // a hybrid layer's block reads both, and its output joins the
         // Mamba layer's input.
         if self.cfg.family.zamba() {
@@ -1391,7 +1391,7 @@ impl Module for Layer {
 }
 
 impl Layer {
-    /// This Zamba2 layer made hybrid: `hybrid`'s output joins its Mamba
+    /// This Zamba (or Zamba2) layer made hybrid: `hybrid`'s output joins its Mamba
     /// layer's input.
     pub(super) fn with_hybrid(mut self, hybrid: Hybrid) -> Self {
         self.hybrid = Some(Box::new(hybrid));
@@ -1400,7 +1400,7 @@ impl Layer {
 
     /// The layer's output for `x`, and its MLP's input (which
     /// LongCat-Flash's experts read too); `added` joins the attention's
-    /// (or mixer's) input before its norm, not the residual (a Zamba2
+    /// (or mixer's) input before its norm, not the residual (a Zamba
     /// hybrid layer's block's output).
     fn sublayers(&self, x: &Tensor, added: Option<&Tensor>) -> (Tensor, Tensor) {
         let c = &self.cfg;

@@ -288,13 +288,13 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 }
 
 /// How `cfg`'s VarStore names become its checkpoint's where they differ
-/// (Zamba2's: `zamba::file_name`), for an adapter's export.
+/// (Zamba's and Zamba2's: `zamba::file_name`), for an adapter's export.
 pub(crate) fn file_names(cfg: &LlamaConfig) -> Option<crate::lora::FileNames> {
     let z = cfg.zamba.clone()?;
     Some(Box::new(move |n: &str| zamba::file_name(n, &z)))
 }
 
-/// [`hf_export_layout`]'s transposes (and Zamba2's names), no files.
+/// [`hf_export_layout`]'s transposes (and Zamba's names), no files.
 pub(crate) fn tensor_layout(cfg: &LlamaConfig) -> ExportLayout {
     match (cfg.family.conv1d(), &cfg.zamba) {
         (true, _) => ExportLayout::new().transpose(crate::gpt2::is_conv1d_weight),
@@ -452,7 +452,7 @@ impl Llama {
                 lin("project_out", cfg.hidden, width),
             ]
         });
-        // Zamba2's shared blocks, in the root, which stays gathered at
+        // Zamba's shared blocks, in the root, which stays gathered at
         // stage 3 while every hybrid layer's unit reads them.
         let shared: Vec<zamba::Shared> = (cfg.zamba.as_ref()).map_or_else(Vec::new, |z| {
             (0..z.used_blocks())
@@ -600,7 +600,7 @@ impl Llama {
             x = norm.forward(&x);
         }
         x = self.training.dropout(x, self.cfg.embedding_dropout);
-        // Zamba2's layers carry the embeddings beside the hidden states
+        // Zamba's layers carry the embeddings beside the hidden states
         // (its class's `original_hidden_states`).
         let zamba = self.cfg.zamba.is_some();
         if zamba {

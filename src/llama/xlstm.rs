@@ -6,14 +6,15 @@
 //! (`norm_mlstm`) for the mLSTM layer (`mlstm_layer`) and adds its
 //! output to the residual, then normalises again (`norm_ffn`) for a
 //! SiLU-gated MLP (`ffn`: `proj_up_gate`, `proj_up`, `proj_down`). The
-//! mLSTM layer
-//! projects each token to its queries and keys (`qk_dim_factor` of the
-//! width), values and output gate (`v_dim_factor`), and each head's
-//! input and forget gates, soft-capped (`gate_soft_cap`); the cell
-//! (below) gives each head's output, which is layer-normalised a head at
-//! a time (`multihead_norm`), gated by the output gate's sigmoid and
-//! projected back (`out_proj`). The logits are soft-capped too
-//! (`output_logit_soft_cap`).
+//! mLSTM layer projects each token to its queries and keys
+//! (`qk_dim_factor` of the width), values and output gate
+//! (`v_dim_factor`), and each head's input and forget gates,
+//! soft-capped (`gate_soft_cap`); the cell (below) gives each head's
+//! output, which is layer-normalised a head at a time
+//! (`multihead_norm`), gated by the output gate's sigmoid and projected
+//! back (`out_proj`). The logits are soft-capped too
+//! (`output_logit_soft_cap`). The token embedding has no `padding_idx`:
+//! every row trains.
 //!
 //! The cell is a matrix memory per head: `C_t = f_t C_{t-1} + i_t k_t
 //! v_t^T`, `n_t = f_t n_{t-1} + i_t k_t`, `h_t = q_t C_t / max(|q_t

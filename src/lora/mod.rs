@@ -914,7 +914,7 @@ pub fn export_layout(vs: &nn::VarStore, cfg: &LoraConfig, base: &Path) -> Export
 }
 
 /// How a model's VarStore names become its checkpoint's, beside a
-/// prefix (Zamba2's hybrid layers' Mamba layers under `mamba_decoder`).
+/// prefix (Zamba's hybrid layers' Mamba layers under `mamba_decoder`).
 pub(crate) type FileNames = Box<dyn Fn(&str) -> String + Send + Sync>;
 
 /// As [`export_layout`], for a model whose VarStore names lack the

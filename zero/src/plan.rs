@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tch::{nn, Tensor};
 
-use crate::checkpoint::weights_files::{NameRules, Rename, TransposeRule};
+use crate::checkpoint::weights_files::{CopiesRule, NameRules, Rename, TransposeRule};
 use crate::first_rank::{Release, Values};
 use crate::running::Running;
 use crate::EngineError;
@@ -76,7 +76,7 @@ pub(crate) struct PlanInner {
     /// Set by [`ShardPlan::transpose_weights`].
     pub(crate) transpose: Mutex<Option<Arc<TransposeRule>>>,
     /// Set by [`ShardPlan::weight_copies`].
-    pub(crate) copies: Mutex<Option<Arc<TransposeRule>>>,
+    pub(crate) copies: Mutex<Option<Arc<CopiesRule>>>,
     /// Set by [`ShardPlan::fresh_weights`].
     pub(crate) fresh: Mutex<Option<Arc<NameRule>>>,
 }
@@ -772,7 +772,7 @@ impl ShardPlan {
         &self,
         rule: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Result<(), EngineError> {
-        let rule: Arc<TransposeRule> = Arc::new(rule);
+        let rule: Arc<CopiesRule> = Arc::new(rule);
         self.set_rule_slot("weight_copies", &self.inner.copies, Some(rule))
     }
 

@@ -41,6 +41,11 @@ pub(crate) type Rename = dyn Fn(&str) -> Option<String> + Send + Sync;
 /// ([`ShardPlan::transpose_weights`](crate::ShardPlan::transpose_weights)).
 pub(crate) type TransposeRule = dyn Fn(&str) -> bool + Send + Sync;
 
+/// A rule saying, of each tensor by the model's name for it, whether the
+/// file may hold several copies of it
+/// ([`ShardPlan::weight_copies`](crate::ShardPlan::weight_copies)).
+pub(crate) type CopiesRule = dyn Fn(&str) -> bool + Send + Sync;
+
 /// The plan's rules for reading a weights file into the model.
 #[derive(Clone, Default)]
 pub(crate) struct NameRules {
@@ -50,7 +55,7 @@ pub(crate) struct NameRules {
     pub(crate) transpose: Option<Arc<TransposeRule>>,
     /// Which tensors (by the model's names) the file may hold several
     /// copies of ([`ShardPlan::weight_copies`](crate::ShardPlan::weight_copies)).
-    pub(crate) copies: Option<Arc<TransposeRule>>,
+    pub(crate) copies: Option<Arc<CopiesRule>>,
 }
 
 /// Where one of the model's tensors is.

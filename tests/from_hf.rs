@@ -5621,6 +5621,20 @@ fn a_zamba2_with_its_long_context_turns_as_transformers_reads_it() {
     );
 }
 
+/// Writes the seeded model of `python` (config class import, its
+/// arguments) under `dir/hf`, and zrt's fp32 logits (one rank, stage 0)
+/// of `n` tokens, with the tokens (`zrt`, `x`), to
+/// `dir/zrt.safetensors`, for a Python reference to read beside them.
+fn logits_for_python(python: (&str, &str), dir: &Path, n: i64) {
+    common::write_seeded_model(python.0, python.1, dir);
+    let ds = config_zero(0, 1, 0.0, "", "");
+    let (model, _, _vs, _e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
+    let tokens: Vec<i64> = (0..n).map(|i| (i * 37 + 5) % 96).collect();
+    let x = Tensor::from_slice(&tokens).view([1, -1]);
+    let logits = tch::no_grad(|| model.forward(&x));
+    Tensor::write_safetensors(&[("zrt", &logits), ("x", &x)], dir.join("zrt.safetensors")).unwrap();
+}
+
 /// xLSTM over a sequence longer than zrt's blocks of 256 tokens (600:
 /// three blocks, each from the state the one before ends in) computes
 /// the logits `transformers`' sequence kernel computes token by token
@@ -5632,13 +5646,7 @@ fn xlstm_computes_a_long_sequence_in_blocks_as_token_by_token() {
         .python
         .1
         .replace("chunk_size=64", "chunk_size=1024");
-    common::write_seeded_model(common::XLSTM, &args, &dir);
-    let ds = config_zero(0, 1, 0.0, "", "");
-    let (model, _, _vs, _e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
-    let tokens: Vec<i64> = (0..600).map(|i| (i * 37 + 5) % 96).collect();
-    let x = Tensor::from_slice(&tokens).view([1, -1]);
-    let logits = tch::no_grad(|| model.forward(&x));
-    Tensor::write_safetensors(&[("zrt", &logits), ("x", &x)], dir.join("zrt.safetensors")).unwrap();
+    logits_for_python((common::XLSTM, &args), &dir, 600);
     let said = common::python(&format!(
         r#"
 import torch
@@ -5681,13 +5689,7 @@ fn zamba2_scans_across_chunks_as_in_one() {
         .python
         .1
         .replace("chunk_size=16", "chunk_size=4");
-    common::write_seeded_model(common::ZAMBA2, &args, &dir);
-    let ds = config_zero(0, 1, 0.0, "", "");
-    let (model, _, _vs, _e) = loaded_alone(&dir.join("hf"), &HfOptions::default(), &ds);
-    let tokens: Vec<i64> = (0..16).map(|i| (i * 37 + 5) % 96).collect();
-    let x = Tensor::from_slice(&tokens).view([1, -1]);
-    let logits = tch::no_grad(|| model.forward(&x));
-    Tensor::write_safetensors(&[("zrt", &logits), ("x", &x)], dir.join("zrt.safetensors")).unwrap();
+    logits_for_python((common::ZAMBA2, &args), &dir, 16);
     let said = common::python(&format!(
         r#"
 import torch

@@ -138,6 +138,16 @@ pub(super) const KEPT: [&str; 8] = [
     "torch_dtype",
 ];
 
+/// Into `out`, each of a family's own fields `keys` that `j` has, null
+/// too (a null the family's reader tells from a missing field, xLSTM's
+/// caps; the other readers read null as missing).
+pub(super) fn keep_own(j: &HfJson, keys: &[&str], out: &mut Map<String, Value>) {
+    for key in keys.iter().filter(|k| j.has(k)) {
+        let v = j.get(key).cloned().unwrap_or(Value::Null);
+        out.insert((*key).into(), v);
+    }
+}
+
 /// Into `out`, each of [`KEPT`] that `j` gives.
 pub(super) fn keep(j: &HfJson, out: &mut Map<String, Value>) {
     for key in KEPT {

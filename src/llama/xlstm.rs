@@ -170,9 +170,7 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
         }
     }
     // Null too: a null cap is no cap, where a missing one is 15 or 30.
-    for key in OWN.into_iter().filter(|k| j.has(k)) {
-        out.insert(key.into(), j.get(key).cloned().unwrap_or(Value::Null));
-    }
+    own_names::keep_own(j, &OWN, &mut out);
     let size = |key: &str| out.get(key).and_then(Value::as_i64).filter(|&n| n > 0);
     if let (Some(hidden), Some(heads)) = (size("hidden_size"), size("num_attention_heads")) {
         let x = read(&j.reading(Value::Object(out.clone())))?;

@@ -274,11 +274,7 @@ pub(super) fn flat(j: &HfJson) -> Result<HfJson, HfError> {
             }
         }
     }
-    for key in OWN {
-        if let Some(v) = j.get(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
+    own_names::keep_own(j, &OWN, &mut out);
     Ok(j.reading(Value::Object(out)))
 }
 
@@ -404,11 +400,7 @@ pub(super) fn flat_first(j: &HfJson) -> Result<HfJson, HfError> {
             out.insert("head_dim".into(), (2 * hidden / heads).into());
         }
     }
-    for key in OWN_ONE {
-        if let Some(v) = j.get(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
+    own_names::keep_own(j, &OWN_ONE, &mut out);
     Ok(j.reading(Value::Object(out)))
 }
 

@@ -408,7 +408,11 @@ impl HfModel {
                 let refused = c.lora_refused_modules();
                 crate::lora::refuse_modules(vs, refused, c.family.model_type())?;
             }
-            crate::lora::init_from_checkpoint(vs, dir, prefix, lora)?;
+            let names = match &layout {
+                Layout::Llama(c) => crate::llama::file_names(c),
+                _ => None,
+            };
+            crate::lora::init_from_checkpoint(vs, dir, (prefix, names.as_ref()), lora)?;
             // `ensure_weight_tying` written where it ties something
             // (PEFT warns of it elsewhere).
             let ties =
@@ -416,10 +420,6 @@ impl HfModel {
             let written = crate::lora::LoraConfig {
                 ensure_weight_tying: lora.ensure_weight_tying && ties,
                 ..lora.clone()
-            };
-            let names = match &layout {
-                Layout::Llama(c) => crate::llama::file_names(c),
-                _ => None,
             };
             let export = crate::lora::export_layout_under(vs, &written, dir, (prefix, names), tied);
             return Ok((model, export));

@@ -1,4 +1,4 @@
-//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), RWKV (both mixers), Zamba2 and Zamba (their Mamba layers' projections), xLSTM (its mLSTM layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
+//! LoRA adapters on Llama, GPT-2, GPT-NeoX, Phi, Cohere, DeepSeek-V3, Apertus, DBRX, Falcon, GPT-J, CodeGen, GPT-BigCode, OPT (350m's too), GPT-Neo, MPT, BLOOM, Persimmon, BioGPT, XGLM, PhiMoE (its experts too), Granite 4.0, Jamba, Mamba, Mamba-2 and Falcon-H1 (their Mamba layers' projections; Jamba's experts too), LFM2 (its convolution layers' projections), MiniMax (its lightning layers' projections), Qwen3-Next (its DeltaNet layers' projections), RecurrentGemma (its recurrent layers' projections), LongCat-Flash (its sublayers and experts), GPT-NeoX-Japanese, CTRL, OpenAI GPT (its Conv1D matrices, DoRA too), ModernBERT-decoder (its gated `Wi` too), Doge (its dynamic mask's `dt_proj` too), RWKV (both mixers), Zamba2 and Zamba (their Mamba layers' projections; every linear layer, each shared block's once), xLSTM (its mLSTM layers' projections), DiffLlama, BitNet (trained ternary), JetMoE (its attention and MLP experts too) checkpoints, and on GPT-OSS's, Granite-MoE's and Aria's stacked experts
 //! (`HfOptions::lora`): the base
 //! loads from its files frozen, held by no rank while built; the
 //! adapters, all that trains, start from rank 0's draw on every rank;
@@ -567,6 +567,54 @@ const ZAMBA: Case = Case {
     matrices: 20,
     elements: 5 * 4 * ((32 + 128) + (64 + 32)),
     ..OFF
+};
+
+/// [`ZAMBA2`] with every linear layer adapted (`all-linear`), as PEFT
+/// adapts them: the Mamba layers' projections (5 x 4 x (184 + 96)),
+/// each hybrid layer's `linear` (3 x 4 x 64), each shared
+/// block's projections once, under its first user's name, though two
+/// layers use the first (2 x 4 x (3 x 128 + 96 + 160 + 96)), and the
+/// hybrid layers' adapters on them, both linear layers of each (3 x 4 x
+/// (6 x 68 + 36 + 132)). The adapter files hold a shared block's under
+/// each user's name.
+const ZAMBA2_ALL: Case = Case {
+    targets: &["all-linear"],
+    matrices: 2 * (10 + 3 + 12 + 24),
+    elements: 5 * 4 * ((32 + 152) + (64 + 32))
+        + 3 * 4 * 64
+        + 2 * 4 * (3 * 128 + 96 + 160 + 96)
+        + 3 * 4 * (6 * 68 + 36 + 132),
+    ..ZAMBA2
+};
+
+/// [`ZAMBA2_ALL`]'s adapters as DoRA's: a magnitude a row of each of
+/// its 49 adapted layers (5 x (152 + 32) + 3 x 32 + 2 x (3 x 64 + 32 +
+/// 128 + 32) + 3 x (3 x (4 + 64) + 4 + 128)), each started from its
+/// matrix wherever the file holds it (a hybrid layer's Mamba layer under
+/// `mamba_decoder`, a shared block under its first user).
+const ZAMBA2_ALL_DORA: Case = Case {
+    dora: true,
+    matrices: ZAMBA2_ALL.matrices + 49,
+    elements: ZAMBA2_ALL.elements
+        + 5 * (152 + 32)
+        + 3 * 32
+        + 2 * (3 * 64 + 32 + 128 + 32)
+        + 3 * (3 * (4 + 64) + 4 + 128),
+    ..ZAMBA2_ALL
+};
+
+/// [`ZAMBA`] with every linear layer adapted (`all-linear`): its Mamba
+/// layers' projections, its two hybrid layers' `linear` (2 x 4 x 64) and
+/// the one shared block's projections once (4 x (128 + 3 x 96 + 3 x
+/// 80)), as PEFT adapts them. To 2e-5, as [`LLAMA_SAVED`]: a first
+/// layer's `in_proj` B ended 1.8e-6 from PEFT's, AdamW carrying the sums'
+/// rounding where a gradient is near zero.
+const ZAMBA_ALL: Case = Case {
+    targets: &["all-linear"],
+    atol: Some(2e-5),
+    matrices: 2 * (10 + 2 + 7),
+    elements: ZAMBA.elements + 2 * 4 * 64 + 4 * (128 + 3 * 96 + 3 * 80),
+    ..ZAMBA
 };
 
 /// xLSTM's mLSTM layers' queries (128 -> 64) and values (128 -> 128),
@@ -1292,6 +1340,21 @@ fn lora_adapters_on_zamba2s_mamba_layers_train_as_peft_does() {
 #[test]
 fn lora_adapters_on_zambas_headed_mamba_layers_train_as_peft_does() {
     parity("zamba", &ZAMBA, &[(3, false, Held::Fp32)]);
+}
+
+#[test]
+fn lora_on_every_linear_layer_of_a_zamba_adapts_its_shared_blocks_once_as_peft_does() {
+    // A shared block's adapters are one set of tensors, whichever layer
+    // runs it: two users' gradients sum into them, and the files hold
+    // them under each user's name (the first Zamba's base under its last
+    // user's, as `save_pretrained` writes it).
+    parity("zamba2-all", &ZAMBA2_ALL, &[(3, false, Held::Fp32)]);
+    parity("zamba-all", &ZAMBA_ALL, &[(2, false, Held::Fp32)]);
+    parity(
+        "zamba2-all-dora",
+        &ZAMBA2_ALL_DORA,
+        &[(3, false, Held::Fp32)],
+    );
 }
 
 #[test]

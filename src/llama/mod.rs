@@ -288,10 +288,30 @@ pub fn hf_export_layout(cfg: &LlamaConfig) -> ExportLayout {
 }
 
 /// How `cfg`'s VarStore names become its checkpoint's where they differ
-/// (Zamba's and Zamba2's: `zamba::file_name`), for an adapter's export.
+/// (Zamba's and Zamba2's: `zamba::file_name`, and a shared block's under
+/// each later user too, `zamba::file_names`), for an adapter's export.
 pub(crate) fn file_names(cfg: &LlamaConfig) -> Option<crate::lora::FileNames> {
     let z = cfg.zamba.clone()?;
-    Some(Box::new(move |n: &str| zamba::file_name(n, &z)))
+    Some(Box::new(move |n: &str| zamba::file_names(n, &z)))
+}
+
+/// The model's name of a tensor or module of the checkpoint whose
+/// config is `j`, where a model holds one module under several names
+/// (Zamba's shared blocks, under each hybrid layer using them:
+/// `zamba::model_name`); `None` for a model whose names are its own.
+pub(crate) fn model_names(
+    j: &crate::hf::HfJson,
+) -> Result<Option<crate::lora::ModelNames>, crate::hf::HfError> {
+    let family = j.model_type().as_deref().and_then(Family::of);
+    if !matches!(family, Some(Family::Zamba | Family::Zamba2)) {
+        return Ok(None);
+    }
+    let Some(z) = LlamaConfig::from_json(j)?.zamba else {
+        return Ok(None);
+    };
+    Ok(Some(Box::new(move |n: &str| {
+        zamba::model_name(n, &z).unwrap_or_else(|| n.to_string())
+    })))
 }
 
 /// [`hf_export_layout`]'s transposes (and Zamba's names), no files.
@@ -454,9 +474,13 @@ impl Llama {
         });
         // Zamba's shared blocks, in the root, which stays gathered at
         // stage 3 while every hybrid layer's unit reads them.
+        // Their linear layers and the hybrid layers' `linear` adapted as
+        // PEFT adapts them: a shared block's once, under its first user's
+        // name.
         let shared: Vec<zamba::Shared> = (cfg.zamba.as_ref()).map_or_else(Vec::new, |z| {
+            let lin = zamba::linear_layers(z, lora, &training);
             (0..z.used_blocks())
-                .map(|k| zamba::Shared::new(&(&m / z.block_name() / k), k, cfg, z))
+                .map(|k| zamba::Shared::new(&(&m / z.block_name() / k), k, (cfg, z), &lin))
                 .collect()
         });
         // ModernBERT-decoder's `embeddings.tok_embeddings`.
@@ -477,7 +501,9 @@ impl Llama {
                 let layer = match hybrid {
                     Some((z, j)) => {
                         let block = shared[(j % z.blocks) as usize].share();
-                        layer.with_hybrid(zamba::Hybrid::new(&lp, (j, block), cfg, &decoding))
+                        let lin = zamba::linear_layers(z, lora, &training);
+                        let hybrid = zamba::Hybrid::new(&lp, (j, block), (cfg, &lin), &decoding);
+                        layer.with_hybrid(hybrid)
                     }
                     None => layer,
                 };

@@ -28,6 +28,10 @@
 //! one, several or all of them; zrt reads the copy first by name
 //! (`ShardPlan::weight_copies`) and writes it under the first layer
 //! that uses it. A hybrid layer's Mamba layer is under `mamba_decoder`.
+//! LoRA adapters on a block's linear layers (and on the hybrid layers'
+//! adapters and `linear`) are matched as PEFT matches them, by the name
+//! of the block's first user ([`linear_layers`]): one adapter a module,
+//! which every user runs, written under each user's name.
 //! The embeddings travel through the layers beside the hidden states
 //! (each unit's input and output are twice the width), so that a layer,
 //! its recompute and its unit see them as one tensor.
@@ -46,11 +50,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use tch::nn;
+use tch::nn::{self, Module};
 use tch::Tensor;
 
+use crate::blocks::Training;
 use crate::hf::{HfError, HfJson};
 use crate::kv_cache::{Decoding, LayerCache};
+use crate::lora::{Adapted, LoraConfig};
 
 use super::config::{self, LlamaConfig};
 use super::family::Family;
@@ -636,6 +642,14 @@ pub(super) fn is_shared(name: &str, z: &ZambaConfig) -> bool {
 /// The checkpoint's name of the model's tensor `name`: [`model_name`]
 /// undone (a shared block under the first hybrid layer that uses it).
 pub(super) fn file_name(name: &str, z: &ZambaConfig) -> String {
+    (file_names(name, z).into_iter().next()).unwrap_or_else(|| name.to_string())
+}
+
+/// Every name a checkpoint may give the model's tensor (or module)
+/// `name`, [`file_name`] first: a shared block's under each hybrid layer
+/// that uses it, in order (PEFT writes an adapter on one so, as the
+/// block's `state_dict` names it), any other tensor's one name.
+pub(super) fn file_names(name: &str, z: &ZambaConfig) -> Vec<String> {
     let hybrid = z.hybrid_layers();
     let shared = z.block_name();
     let rest = name
@@ -643,8 +657,16 @@ pub(super) fn file_name(name: &str, z: &ZambaConfig) -> String {
         .and_then(|r| r.strip_prefix(shared))
         .and_then(|r| r.strip_prefix('.'));
     if let Some((k, block)) = rest.and_then(|r| r.split_once('.')) {
-        if let Some(&l) = k.parse::<usize>().ok().and_then(|k| hybrid.get(k)) {
-            return format!("model.layers.{l}.{shared}.{block}");
+        if let Ok(k) = k.parse::<usize>() {
+            // Block `k`'s users: the hybrid layers whose ordinal is `k`
+            // modulo the blocks.
+            let users: Vec<String> = (hybrid.iter().enumerate())
+                .filter(|(j, _)| (*j as i64) % z.blocks == k as i64)
+                .map(|(_, l)| format!("model.layers.{l}.{shared}.{block}"))
+                .collect();
+            if !users.is_empty() {
+                return users;
+            }
         }
     }
     if let Some((layer, inner)) = name
@@ -654,58 +676,43 @@ pub(super) fn file_name(name: &str, z: &ZambaConfig) -> String {
         let hybrid_layer = layer.parse::<i64>().ok().filter(|l| hybrid.contains(l));
         if let Some(l) = hybrid_layer {
             if inner.starts_with("mamba.") || inner.starts_with("input_layernorm.") {
-                return format!("model.layers.{l}.mamba_decoder.{inner}");
+                return vec![format!("model.layers.{l}.mamba_decoder.{inner}")];
             }
         }
     }
-    name.to_string()
+    vec![name.to_string()]
 }
 
-/// A matrix `[out, in]` and its bias, as `nn.Linear` holds them.
-#[derive(Debug)]
-struct Matrix {
-    weight: Tensor,
-    bias: Option<Tensor>,
-}
+/// What builds a shared block's or a hybrid layer's linear layers:
+/// `(path, (in, out, bias))`, each with an adapter where the LoRA config
+/// targets it, matched by PEFT's name of the module (a shared block's
+/// under the first hybrid layer that uses it, [`file_name`]).
+type Lin<'a> = dyn Fn(&nn::Path, (i64, i64, bool)) -> Adapted + 'a;
 
-impl Matrix {
-    fn new(p: &nn::Path, (i, o): (i64, i64), bias: bool) -> Self {
-        let bound = 1.0 / (i as f64).sqrt();
-        let init = nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
-        Self {
-            weight: p.var("weight", &[o, i], init),
-            bias: bias.then(|| p.var("bias", &[o], init)),
-        }
-    }
-
-    fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
-    }
-
-    /// The same tensors, another handle.
-    fn share(&self) -> Self {
-        Self {
-            weight: self.weight.shallow_clone(),
-            bias: self.bias.as_ref().map(Tensor::shallow_clone),
-        }
+/// [`Lin`] for `z`'s layers, adapted as `lora` targets them.
+pub(super) fn linear_layers<'a>(
+    z: &'a ZambaConfig,
+    lora: Option<&'a LoraConfig>,
+    training: &'a Training,
+) -> impl Fn(&nn::Path, (i64, i64, bool)) -> Adapted + 'a {
+    move |p, dims| {
+        let name = file_name(&crate::lora::module_name(p, ""), z);
+        Adapted::new_as(p, &name, dims, lora, training)
     }
 }
 
 /// A low-rank adapter: `nn.Sequential(Linear(in, r), Linear(r, out))`.
 #[derive(Debug)]
 struct Adapter {
-    down: Matrix,
-    up: Matrix,
+    down: Adapted,
+    up: Adapted,
 }
 
 impl Adapter {
-    fn new(p: &nn::Path, (i, r, o): (i64, i64, i64)) -> Self {
+    fn new(p: &nn::Path, (i, r, o): (i64, i64, i64), lin: &Lin<'_>) -> Self {
         Self {
-            down: Matrix::new(&(p / 0), (i, r), false),
-            up: Matrix::new(&(p / 1), (r, o), false),
+            down: lin(&(p / 0), (i, r, false)),
+            up: lin(&(p / 1), (r, o, false)),
         }
     }
 
@@ -725,9 +732,9 @@ impl Adapter {
 #[derive(Debug)]
 enum GateUp {
     /// Zamba2's `gate_up_proj`: both in one matrix, the gate first.
-    Fused(Matrix),
+    Fused(Adapted),
     /// The first Zamba's `gate_proj` and `up_proj`.
-    Split(Matrix, Matrix),
+    Split(Adapted, Adapted),
 }
 
 /// One shared block (`Zamba2AttentionDecoderLayer`, the first Zamba's
@@ -736,22 +743,28 @@ enum GateUp {
 #[derive(Debug)]
 pub(super) struct Shared {
     input_norm: Tensor,
-    q: Matrix,
-    k: Matrix,
-    v: Matrix,
-    o: Matrix,
+    q: Adapted,
+    k: Adapted,
+    v: Adapted,
+    o: Adapted,
     qkv_adapters: BTreeMap<i64, [Adapter; 3]>,
     pre_ff_norm: Tensor,
     gate_up: GateUp,
-    down: Matrix,
+    down: Adapted,
     gate_up_adapters: BTreeMap<i64, Adapter>,
     eps: f64,
 }
 
 impl Shared {
     /// Block `k` of `c`'s under `p` (`model.shared_transformer.K`, the
-    /// first Zamba's `model.shared_transf.0`).
-    pub(super) fn new(p: &nn::Path, k: i64, c: &LlamaConfig, z: &ZambaConfig) -> Self {
+    /// first Zamba's `model.shared_transf.0`), its linear layers (its
+    /// hybrid layers' adapters' too) built by `lin`.
+    pub(super) fn new(
+        p: &nn::Path,
+        k: i64,
+        (c, z): (&LlamaConfig, &ZambaConfig),
+        lin: &Lin<'_>,
+    ) -> Self {
         let (d, two, i, r) = (c.hidden, 2 * c.hidden, c.intermediate, z.adapter_rank);
         let bias = c.mamba.as_ref().is_some_and(|m| m.proj_bias);
         let a = p / "self_attn";
@@ -760,7 +773,7 @@ impl Shared {
         let qkv_adapters = (users.iter())
             .filter(|_| z.attention_adapters)
             .map(|&j| {
-                let one = |name: &str| Adapter::new(&(&a / name / j), (two, r, two));
+                let one = |name: &str| Adapter::new(&(&a / name / j), (two, r, two), lin);
                 (
                     j,
                     [
@@ -774,27 +787,25 @@ impl Shared {
         let gate_up_adapters = (users.iter())
             .map(|&j| {
                 let at = &f / "gate_up_proj_adapter_list" / j;
-                (j, Adapter::new(&at, (d, r, 2 * i)))
+                (j, Adapter::new(&at, (d, r, 2 * i), lin))
             })
             .collect();
         Self {
             input_norm: (p / "input_layernorm").ones("weight", &[two]),
-            q: Matrix::new(&(&a / "q_proj"), (two, c.heads * c.head_dim), false),
-            k: Matrix::new(&(&a / "k_proj"), (two, c.kv_heads * c.head_dim), false),
-            v: Matrix::new(&(&a / "v_proj"), (two, c.kv_heads * c.head_dim), false),
-            o: Matrix::new(&(&a / "o_proj"), (c.heads * c.head_dim, d), false),
+            q: lin(&(&a / "q_proj"), (two, c.heads * c.head_dim, false)),
+            k: lin(&(&a / "k_proj"), (two, c.kv_heads * c.head_dim, false)),
+            v: lin(&(&a / "v_proj"), (two, c.kv_heads * c.head_dim, false)),
+            o: lin(&(&a / "o_proj"), (c.heads * c.head_dim, d, false)),
             qkv_adapters,
             pre_ff_norm: (p / "pre_ff_layernorm").ones("weight", &[d]),
             gate_up: match z.version {
                 ZambaVersion::One => GateUp::Split(
-                    Matrix::new(&(&f / "gate_proj"), (d, i), false),
-                    Matrix::new(&(&f / "up_proj"), (d, i), false),
+                    lin(&(&f / "gate_proj"), (d, i, false)),
+                    lin(&(&f / "up_proj"), (d, i, false)),
                 ),
-                ZambaVersion::Two => {
-                    GateUp::Fused(Matrix::new(&(&f / "gate_up_proj"), (d, 2 * i), bias))
-                }
+                ZambaVersion::Two => GateUp::Fused(lin(&(&f / "gate_up_proj"), (d, 2 * i, bias))),
             },
-            down: Matrix::new(&(&f / "down_proj"), (i, d), bias),
+            down: lin(&(&f / "down_proj"), (i, d, bias)),
             gate_up_adapters,
             eps: c.eps,
         }
@@ -839,7 +850,7 @@ impl Shared {
 pub(super) struct Hybrid {
     shared: Shared,
     ordinal: i64,
-    linear: Matrix,
+    linear: Adapted,
     rotary: Option<Rotary>,
     cache: LayerCache,
     heads: (i64, i64, i64),
@@ -849,18 +860,18 @@ pub(super) struct Hybrid {
 
 impl Hybrid {
     /// Hybrid layer `ordinal` under `p` (`model.layers.N`), using
-    /// `shared` (its block's handle).
+    /// `shared` (its block's handle), its `linear` built by `lin`.
     pub(super) fn new(
         p: &nn::Path,
         (ordinal, shared): (i64, Shared),
-        c: &LlamaConfig,
+        (c, lin): (&LlamaConfig, &Lin<'_>),
         decoding: &Arc<Decoding>,
     ) -> Self {
         let rope = c.zamba.as_ref().is_some_and(|z| z.rope);
         Self {
             shared,
             ordinal,
-            linear: Matrix::new(&(p / "linear"), (c.hidden, c.hidden), false),
+            linear: lin(&(p / "linear"), (c.hidden, c.hidden, false)),
             rotary: rope.then(|| {
                 Rotary::new(
                     c.head_dim,
@@ -885,7 +896,7 @@ impl Hybrid {
         let (b, t, _) = x.size3().unwrap_or((1, 1, 1));
         let (heads, kv_heads, hd) = self.heads;
         let h = s.norm(&Tensor::cat(&[x, embeddings], -1), &s.input_norm);
-        let adapted = |m: &Matrix, i: usize| match s.qkv_adapters.get(&self.ordinal) {
+        let adapted = |m: &Adapted, i: usize| match s.qkv_adapters.get(&self.ordinal) {
             Some(a) => m.forward(&h) + a[i].forward(&h),
             None => m.forward(&h),
         };

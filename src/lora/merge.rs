@@ -377,6 +377,58 @@ fn adapters(dir: &Path, cfg: &LoraConfig, lm: LanguageModel) -> Result<Adapters,
     })
 }
 
+/// An adapter's tensors `by_module`, under the base's names of their
+/// modules where the model holds a module under several (`names` gives
+/// the model's one name): the copies PEFT writes under each user's name
+/// must be equal (`same`), and go to every name the base holds the
+/// module's tensor (`{module}{end}`) under (`dup`). A module the base
+/// holds under no name keeps its own, for the caller to refuse.
+#[allow(clippy::type_complexity)]
+fn to_base_names<T>(
+    by_module: impl IntoIterator<Item = (String, T)>,
+    (names, held, end): (&super::ModelNames, &Held, &str),
+    (same, dup): (impl Fn(&T, &T) -> bool, impl Fn(&T) -> T),
+) -> Result<BTreeMap<String, T>, String> {
+    let mut base_of: HashMap<String, Vec<&str>> = HashMap::new();
+    for name in held.keys() {
+        if let Some(m) = name.strip_suffix(end) {
+            base_of.entry(names(m)).or_default().push(m);
+        }
+    }
+    // By module name: the first copy read is the one kept.
+    let mut by_module: Vec<(String, T)> = by_module.into_iter().collect();
+    by_module.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut first: HashMap<String, (String, T)> = HashMap::new();
+    let mut out = BTreeMap::new();
+    for (m, t) in by_module {
+        let model = names(&m);
+        if let Some((f, kept)) = first.get(&model) {
+            if !same(kept, &t) {
+                return Err(format!("`{m}` and `{f}` are one module's (the model shares it between layers), and their adapters differ"));
+            }
+            continue;
+        }
+        match base_of.get(&model) {
+            Some(bases) => {
+                for b in bases {
+                    out.insert(b.to_string(), dup(&t));
+                }
+            }
+            None => drop(out.insert(m.clone(), dup(&t))),
+        }
+        first.insert(model, (m, t));
+    }
+    Ok(out)
+}
+
+/// The error for an adapter file whose copies of a shared module differ.
+fn bad_copies(adapter: &Path, msg: String) -> HfError {
+    HfError::Read {
+        path: adapter.join(ADAPTER_FILE),
+        msg: format!("{msg}: a file written by one trained model holds them equal"),
+    }
+}
+
 /// A checkpoint's safetensors files, each with its tensors' names and
 /// shapes.
 type Files = Vec<(PathBuf, Vec<(String, Vec<i64>)>)>;
@@ -652,6 +704,30 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
         whole,
         copies,
     } = adapters(adapter, &cfg, lm)?;
+    // A module the model shares between layers (Zamba's shared blocks):
+    // PEFT writes its adapter under each user's name, a base may hold the
+    // module under one or more of them.
+    let (pairs, magnitudes, b_biases) = match crate::llama::model_names(&HfJson::read(base, None)?)?
+    {
+        None => (pairs, magnitudes, b_biases),
+        Some(names) => {
+            let under = |m| (&names, &held, m);
+            let same_pair =
+                |x: &(Tensor, Tensor), y: &(Tensor, Tensor)| x.0.equal(&y.0) && x.1.equal(&y.1);
+            let dup_pair = |x: &(Tensor, Tensor)| (x.0.shallow_clone(), x.1.shallow_clone());
+            let one = |x: &Tensor, y: &Tensor| x.equal(y);
+            (
+                to_base_names(pairs, under(".weight"), (same_pair, dup_pair))
+                    .map_err(|e| bad_copies(adapter, e))?,
+                to_base_names(magnitudes, under(".weight"), (one, Tensor::shallow_clone))
+                    .map_err(|e| bad_copies(adapter, e))?
+                    .into_iter()
+                    .collect(),
+                to_base_names(b_biases, under(".bias"), (one, Tensor::shallow_clone))
+                    .map_err(|e| bad_copies(adapter, e))?,
+            )
+        }
+    };
     if let Some(m) = pairs
         .keys()
         .find(|m| cfg.use_dora != magnitudes.contains_key(*m))
@@ -871,6 +947,67 @@ mod tests {
         assert_eq!(
             LanguageModel::Prefixed.in_base("lm_head"),
             "language_model.lm_head"
+        );
+    }
+
+    #[test]
+    fn a_shared_modules_adapter_copies_go_to_every_name_the_base_holds_it_under() {
+        // One module `s` the model holds once, under layers 1 and 4 (a
+        // Zamba's shared block): the base holds it under layer 4 only,
+        // twice for `t`.
+        let names: super::super::ModelNames = Box::new(|n: &str| {
+            let n = n.replace("layers.4.", "layers.1.");
+            n.replace("layers.7.", "layers.1.")
+        });
+        let shape: &[i64] = &[1];
+        let held: Held = [
+            "layers.4.s.weight",
+            "layers.4.t.weight",
+            "layers.1.t.weight",
+            "other.weight",
+        ]
+        .into_iter()
+        .map(|n| (n, shape))
+        .collect();
+        let t = |v: f32| Tensor::from_slice(&[v]);
+        let same = |x: &Tensor, y: &Tensor| x.equal(y);
+        let adapter = |pairs: &[(&str, f32)]| {
+            pairs
+                .iter()
+                .map(|(m, v)| (m.to_string(), t(*v)))
+                .collect::<Vec<_>>()
+        };
+        let put = |pairs| {
+            to_base_names(
+                pairs,
+                (&names, &held, ".weight"),
+                (same, Tensor::shallow_clone),
+            )
+        };
+        let got = put(adapter(&[
+            ("layers.1.s", 2.0),
+            ("layers.4.s", 2.0),
+            ("layers.7.t", 3.0),
+            ("lone", 5.0),
+        ]))
+        .unwrap();
+        let got: Vec<(&str, f64)> = got
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.double_value(&[0])))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("layers.1.t", 3.0),
+                ("layers.4.s", 2.0),
+                ("layers.4.t", 3.0),
+                ("lone", 5.0)
+            ]
+        );
+        let err = put(adapter(&[("layers.1.s", 2.0), ("layers.4.s", 2.5)])).unwrap_err();
+        assert!(
+            err.contains("`layers.4.s` and `layers.1.s` are one module's"),
+            "{err}"
         );
     }
 

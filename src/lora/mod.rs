@@ -573,8 +573,8 @@ pub fn default_targets(dir: impl AsRef<Path>) -> Result<Vec<String>, HfError> {
         // PEFT has none (and refuses `out_proj`).
         Some("mamba" | "falcon_mamba") => &["in_proj", "x_proj"],
         Some("mamba2") => &["in_proj"],
-        // Its Mamba layers' inputs, as Mamba-2's (PEFT has none; zrt
-        // puts no adapter on the shared blocks).
+        // Its Mamba layers' inputs, as Mamba-2's (PEFT has none; the
+        // shared blocks take adapters when named, once a block).
         Some("zamba2" | "zamba") => &["in_proj"],
         // Its mLSTM layers' queries and values, as attention's (PEFT has
         // none).
@@ -914,8 +914,16 @@ pub fn export_layout(vs: &nn::VarStore, cfg: &LoraConfig, base: &Path) -> Export
 }
 
 /// How a model's VarStore names become its checkpoint's, beside a
-/// prefix (Zamba's hybrid layers' Mamba layers under `mamba_decoder`).
-pub(crate) type FileNames = Box<dyn Fn(&str) -> String + Send + Sync>;
+/// prefix (Zamba's hybrid layers' Mamba layers under `mamba_decoder`):
+/// every name a file holds the tensor under, the first the one it is
+/// read by (Zamba's shared blocks under each hybrid layer using them,
+/// as PEFT writes an adapter on one).
+pub(crate) type FileNames = Box<dyn Fn(&str) -> Vec<String> + Send + Sync>;
+
+/// A checkpoint's tensor or module name as the model names it, one name
+/// for a module the checkpoint may hold under several (Zamba's shared
+/// blocks).
+pub(crate) type ModelNames = Box<dyn Fn(&str) -> String>;
 
 /// As [`export_layout`], for a model whose VarStore names lack the
 /// checkpoint's `prefix` (GPT-2's `transformer.`) or are its names as
@@ -945,23 +953,35 @@ pub(crate) fn export_layout_under(
         )
     });
     let prefix = format!("base_model.model.{prefix}");
-    let file = move |name: &str| match &names {
-        Some(rule) => rule(name),
-        None => name.to_string(),
+    // Each of the tensor's names in the file (an adapted layer's
+    // trained bias by its module's).
+    let file = move |name: &str| -> Vec<String> {
+        let (of, end) = match name.strip_suffix(".bias") {
+            Some(m) if adapted.contains(m) => (m, ".base_layer.bias"),
+            _ => (name, ""),
+        };
+        let names = match &names {
+            Some(rule) => rule(of),
+            None => vec![of.to_string()],
+        };
+        (names.into_iter())
+            .map(|n| format!("{prefix}{n}{end}"))
+            .collect()
     };
-    let layout = ExportLayout::new()
+    let file = std::sync::Arc::new(file);
+    let first = file.clone();
+    ExportLayout::new()
         .trainable_only()
-        .rename(move |name| match name.strip_suffix(".bias") {
-            Some(m) if adapted.contains(m) => format!("{prefix}{}.base_layer.bias", file(m)),
-            _ => format!("{prefix}{}", file(name)),
+        .rename(move |name| first(name).into_iter().next().unwrap_or_default())
+        .also_write(move |name| {
+            let mut also = file(name).split_off(1);
+            match &tied {
+                Some((embedding, head)) if name == embedding => also.push(head.clone()),
+                _ => {}
+            }
+            also
         })
-        .with_file(ADAPTER_CONFIG, config);
-    match tied {
-        Some((embedding, head)) => {
-            layout.also_write(move |name| (name == embedding).then(|| head.clone()))
-        }
-        None => layout,
-    }
+        .with_file(ADAPTER_CONFIG, config)
 }
 
 /// The name in the base checkpoint of the adapter file's tensor `name`:
@@ -1067,8 +1087,21 @@ impl Adapted {
         lora: Option<&LoraConfig>,
         training: &Training,
     ) -> Self {
+        Self::new_as(p, &module_name(p, prefix), (i, o, bias), lora, training)
+    }
+
+    /// As [`Adapted::new`], the targets matching `name`, PEFT's name of
+    /// the module: a module several layers share is named in PEFT as its
+    /// first user names it (Zamba's shared blocks, held in the root).
+    pub(crate) fn new_as(
+        p: &nn::Path,
+        name: &str,
+        (i, o, bias): (i64, i64, bool),
+        lora: Option<&LoraConfig>,
+        training: &Training,
+    ) -> Self {
+        let name = name.to_string();
         let base = linear(p, i, o, bias);
-        let name = module_name(p, prefix);
         let adapter = lora.filter(|c| c.targets(&name)).map(|c| {
             let bound = 1.0 / (i as f64).sqrt();
             let uniform = nn::Init::Uniform {
@@ -1097,6 +1130,33 @@ impl Adapted {
             adapter,
             ternary: false,
             input_norm: None,
+        }
+    }
+
+    /// The same tensors, another handle: a module several layers use
+    /// (Zamba's shared blocks), one parameter each.
+    pub(crate) fn share(&self) -> Self {
+        let base = nn::Linear {
+            ws: self.base.ws.shallow_clone(),
+            bs: self.base.bs.as_ref().map(Tensor::shallow_clone),
+        };
+        let adapter = self.adapter.as_ref().map(|a| {
+            Box::new(Adapter {
+                a: a.a.shallow_clone(),
+                b: a.b.shallow_clone(),
+                b_bias: a.b_bias.as_ref().map(Tensor::shallow_clone),
+                magnitude: a.magnitude.as_ref().map(Tensor::shallow_clone),
+                scale: a.scale,
+                dropout: a.dropout,
+                training: a.training.clone(),
+            })
+        });
+        let input_norm = (self.input_norm.as_ref()).map(|(w, eps)| (w.shallow_clone(), *eps));
+        Self {
+            base,
+            adapter,
+            ternary: self.ternary,
+            input_norm,
         }
     }
 

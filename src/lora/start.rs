@@ -20,7 +20,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::embedding::DELTA;
 use super::merge::{base_files, read_header};
-use super::LoraConfig;
+use super::{FileNames, LoraConfig};
 use crate::hf::HfError;
 
 /// What a variable starts from.
@@ -33,16 +33,19 @@ enum Start {
 
 /// Sets every DoRA magnitude vector and trainable tokens' rows of `vs`
 /// from the checkpoint `dir`, whose names are the VarStore's after
-/// `prefix` (GPT-2's `transformer.`), as `cfg` builds them. Returns how
-/// many it set.
+/// `prefix` (GPT-2's `transformer.`) or as `names` gives them (Zamba's:
+/// a shared block's under any user's name), as `cfg` builds them.
+/// Returns how many it set.
 pub(crate) fn init_from_checkpoint(
     vs: &nn::VarStore,
     dir: &Path,
-    prefix: &str,
+    (prefix, names): (&str, Option<&FileNames>),
     cfg: &LoraConfig,
 ) -> Result<usize, HfError> {
     let delta = format!(".{DELTA}");
-    let wanted: HashMap<String, (Tensor, Start)> = (vs.variables().into_iter())
+    // Each variable, what it starts from, and the names its matrix may
+    // have in the files.
+    let wanted: Vec<(Vec<String>, Tensor, Start)> = (vs.variables().into_iter())
         .filter_map(|(name, t)| {
             let (module, start) = match (
                 name.strip_suffix(".lora_magnitude_vector"),
@@ -60,24 +63,36 @@ pub(crate) fn init_from_checkpoint(
                 }
                 _ => return None,
             };
-            Some((format!("{prefix}{module}.weight"), (t, start)))
+            let matrix = format!("{module}.weight");
+            let in_files = match names {
+                Some(rule) => rule(&matrix),
+                None => vec![matrix],
+            };
+            let in_files = in_files.iter().map(|n| format!("{prefix}{n}")).collect();
+            Some((in_files, t, start))
         })
         .collect();
     if wanted.is_empty() {
         return Ok(0);
     }
-    let mut set = 0;
+    let by_name: HashMap<&str, usize> = (wanted.iter().enumerate())
+        .flat_map(|(i, (names, _, _))| names.iter().map(move |n| (n.as_str(), i)))
+        .collect();
+    let mut set = vec![false; wanted.len()];
     for (file, names) in base_files(dir)? {
-        let here: Vec<&String> = (names.iter())
-            .map(|(n, _)| n)
-            .filter(|n| wanted.contains_key(*n))
+        let here: Vec<(&String, usize)> = (names.iter())
+            .filter_map(|(n, _)| by_name.get(n.as_str()).map(|&i| (n, i)))
             .collect();
-        if here.is_empty() {
+        if here.iter().all(|&(_, i)| set[i]) {
             continue;
         }
         let mut reader = Reader::open(&file)?;
-        for name in here {
-            let (v, start) = &wanted[name];
+        for (name, i) in here {
+            if set[i] {
+                // Another copy of a matrix already read.
+                continue;
+            }
+            let (_, v, start) = &wanted[i];
             let values = match start {
                 Start::RowNorms { transposed } => {
                     let w = reader.matrix(name, None)?;
@@ -98,19 +113,21 @@ pub(crate) fn init_from_checkpoint(
                 )));
             }
             tch::no_grad(|| v.shallow_clone().copy_(&values));
-            set += 1;
+            set[i] = true;
         }
     }
-    if set < wanted.len() {
-        let mut lacking: Vec<&String> = wanted.keys().collect();
-        lacking.sort();
+    let mut lacking: Vec<&String> = (wanted.iter().zip(&set))
+        .filter(|(_, set)| !**set)
+        .filter_map(|((names, _, _), _)| names.first())
+        .collect();
+    lacking.sort();
+    if let Some(first) = lacking.first() {
         return Err(HfError::Lora(format!(
-            "{}: DoRA's magnitudes and trainable tokens start from the checkpoint's matrices, and it lacks some of them (first: {})",
+            "{}: DoRA's magnitudes and trainable tokens start from the checkpoint's matrices, and it lacks some of them (first: {first})",
             dir.display(),
-            lacking[0]
         )));
     }
-    Ok(set)
+    Ok(wanted.len())
 }
 
 /// A safetensors file read a tensor at a time (its header parsed once).

@@ -20,7 +20,7 @@ type RenameOut = dyn Fn(&str) -> String + Send + Sync;
 /// A rule saying which matrices the file holds transposed.
 type TransposeOut = dyn Fn(&str) -> bool + Send + Sync;
 /// A rule naming a second place in the file for some of the tensors.
-type AlsoOut = dyn Fn(&str) -> Option<String> + Send + Sync;
+type AlsoOut = dyn Fn(&str) -> Vec<String> + Send + Sync;
 /// A file's contents made for the dtype the tensors are written in.
 type MadeFor = dyn Fn(&str) -> Vec<u8> + Send + Sync;
 
@@ -83,15 +83,15 @@ impl ExportLayout {
         self
     }
 
-    /// Writes the model's tensor `name` a second time, under
-    /// `rule(name)` (a file's name, not renamed), where that is `Some`,
-    /// right after the first (in its layout there): a tied tensor a
-    /// reader wants under both its names (PEFT's adapter file holds a
-    /// saved, tied embedding as the head too). A name already taken is
-    /// refused.
+    /// Writes the model's tensor `name` again under each of
+    /// `rule(name)` (files' names, not renamed), right after the first
+    /// (in its layout there): a tied tensor a reader wants under all its
+    /// names (PEFT's adapter file holds a saved, tied embedding as the
+    /// head too, and an adapter on a module several layers share under
+    /// each of them). A name already taken is refused.
     pub fn also_write(
         mut self,
-        rule: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+        rule: impl Fn(&str) -> Vec<String> + Send + Sync + 'static,
     ) -> Self {
         self.also = Some(Box::new(rule));
         self
@@ -219,9 +219,9 @@ impl ExportLayout {
                 Some((t, _)) => vec![t.cols, t.rows],
                 None => p.shape.clone(),
             };
-            let also = self.also.as_ref().and_then(|a| a(&p.name));
+            let also = self.also.as_ref().map(|a| a(&p.name)).unwrap_or_default();
             let mut out = vec![(name, transposed)];
-            out.extend(also.map(|a| (a, transposed)));
+            out.extend(also.into_iter().map(|a| (a, transposed)));
             for (i, (name, _)) in out.iter().enumerate() {
                 if i > 0 && !taken.insert(name.clone()) {
                     return Err(refuse(format!(
@@ -331,19 +331,35 @@ mod tests {
         let also = ExportLayout::new()
             .rename(|n| format!("m.{n}"))
             .transpose(|n| n.ends_with(".w"))
-            .also_write(|n| (n == "a.w").then(|| "tied.w".to_string()));
+            .also_write(|n| match n {
+                "a.w" => vec!["tied.w".to_string(), "again.w".to_string()],
+                _ => vec![],
+            });
         let (mapped, names) = also.apply(&plan, out, None).unwrap();
         let order: Vec<&str> = mapped.iter().map(|p| p.name.as_str()).collect();
-        assert_eq!(order, ["m.a.w", "tied.w", "m.a.b"]);
-        assert_eq!(mapped[1].shape, [3, 2]);
+        assert_eq!(order, ["m.a.w", "tied.w", "again.w", "m.a.b"]);
+        assert_eq!(
+            (&mapped[1].shape, &mapped[2].shape),
+            (&vec![3, 2], &vec![3, 2])
+        );
         let both: Vec<(&str, Vec<f32>)> = (names.map("a.w", &w).iter())
             .map(|(n, t)| (*n, floats(t)))
             .collect();
         let want = vec![1., 4., 2., 5., 3., 6.];
-        assert_eq!(both, [("m.a.w", want.clone()), ("tied.w", want)]);
+        let thrice = [
+            ("m.a.w", want.clone()),
+            ("tied.w", want.clone()),
+            ("again.w", want),
+        ];
+        assert_eq!(both, thrice);
         let taken = ExportLayout::new()
             .rename(|n| format!("m.{n}"))
-            .also_write(|n| (n == "a.b").then(|| "m.a.w".to_string()));
+            .also_write(|n| {
+                (n == "a.b")
+                    .then(|| "m.a.w".to_string())
+                    .into_iter()
+                    .collect()
+            });
         let err = taken.apply(&plan, out, None).err().unwrap().to_string();
         assert!(
             err.contains("writes `a.b` a second time as `m.a.w`"),

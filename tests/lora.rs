@@ -587,6 +587,18 @@ const ZAMBA2_ALL: Case = Case {
     ..ZAMBA2
 };
 
+/// [`ZAMBA2`]'s hybrid layers' Mamba layers' `in_proj` alone (2 x 4 x
+/// (32 + 152)), named by a pattern on PEFT's names, under
+/// `mamba_decoder`, one of the three excluded there too.
+const ZAMBA2_PATTERN: Case = Case {
+    targets: &[],
+    pattern: Some(r"model\.layers\.\d+\.mamba_decoder\.mamba\.in_proj"),
+    exclude: &["layers.2.mamba_decoder.mamba.in_proj"],
+    matrices: 4,
+    elements: 2 * 4 * (32 + 152),
+    ..ZAMBA2
+};
+
 /// [`ZAMBA2_ALL`]'s adapters as DoRA's: a magnitude a row of each of
 /// its 49 adapted layers (5 x (152 + 32) + 3 x 32 + 2 x (3 x 64 + 32 +
 /// 128 + 32) + 3 x (3 x (4 + 64) + 4 + 128)), each started from its
@@ -1355,6 +1367,9 @@ fn lora_on_every_linear_layer_of_a_zamba_adapts_its_shared_blocks_once_as_peft_d
         &ZAMBA2_ALL_DORA,
         &[(3, false, Held::Fp32)],
     );
+    // A pattern and an exclusion naming a hybrid layer's Mamba layer as
+    // PEFT names it.
+    parity("zamba2-pattern", &ZAMBA2_PATTERN, &[(3, false, Held::Fp32)]);
 }
 
 #[test]

@@ -1000,9 +1000,16 @@ impl Layer {
         lora: Option<&LoraConfig>,
     ) -> Self {
         // BitNet's quantization-aware training rounds every linear
-        // layer's weights and inputs.
+        // layer's weights and inputs. The targets match PEFT's names:
+        // a Zamba's hybrid layer's Mamba layer is under `mamba_decoder`
+        // there, which a pattern may name.
         let lin = |p: &nn::Path, i, o, bias| {
-            (Adapted::new(p, (i, o, bias), lora, training))
+            let name = crate::lora::module_name(p, "");
+            let name = match &c.zamba {
+                Some(z) => super::zamba::file_name(&name, z),
+                None => name,
+            };
+            (Adapted::new_as(p, &name, (i, o, bias), lora, training))
                 .ternary(c.ternary)
                 .ternary_norm(p, c.ternary_norm)
         };

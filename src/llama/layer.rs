@@ -703,8 +703,16 @@ impl Experts {
                     routing: routing.clone(),
                 }
             }
+            // GPT-OSS's router is no linear layer (`GptOssTopKRouter`
+            // holds its weight and bias as parameters): PEFT's
+            // `all-linear` passes it by, and naming it is refused.
             (None, _) if family == Family::GptOss => Router::Softmax {
-                gate: lin(&(p / "router"), d, m.experts, true),
+                gate: Adapted::new(
+                    &(p / "router"),
+                    (d, m.experts, true),
+                    None,
+                    &Training::default(),
+                ),
                 correction: None,
             },
             (None, _) if family == Family::JetMoe => Router::TopSoftmax {

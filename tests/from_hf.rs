@@ -5719,7 +5719,9 @@ for chunk in (64, 4):
 
 /// PEFT's `all-linear` and zrt's adapt the same modules of every case's
 /// model: the adapter file zrt writes at the start holds the tensors
-/// PEFT's `get_peft_model_state_dict` names, or both refuse the model.
+/// PEFT's `get_peft_model_state_dict` names, or both refuse the model;
+/// PEFT loads it with nothing missing; and with its B drawn, `zrt lora
+/// merge` gives PEFT's `merge_and_unload`, to 1e-5.
 /// One difference is zrt's choice: PEFT adapts LongCat-Flash's
 /// `router.classifier`, a linear layer whose weight its router reads
 /// directly (`F.linear(h, self.classifier.weight)`), so that adapter
@@ -5811,6 +5813,41 @@ except Exception as e:
         })
         .pop()
         .unwrap();
+        // The adapter with its B drawn (a function of its module's A, so
+        // that a shared module's copies stay equal), merged by zrt, for
+        // PEFT to merge too (below).
+        if ours.is_ok() {
+            let case_dir = dir.join(case.name);
+            let drawn = case_dir.join("drawn");
+            std::fs::create_dir_all(&drawn).unwrap();
+            let config = "adapter_config.json";
+            std::fs::copy(init.join(config), drawn.join(config)).unwrap();
+            let file = init.join("adapter_model.safetensors");
+            let tensors = Tensor::read_safetensors(&file).unwrap();
+            let a_of = |name: &str| {
+                let a = name.replace("lora_B.weight", "lora_A.weight");
+                let found = tensors.iter().find(|(n, _)| *n == a);
+                found.map_or(0.0, |(_, t)| t.sum(tch::Kind::Double).double_value(&[]))
+            };
+            let drawn_tensors: Vec<(String, Tensor)> = (tensors.iter())
+                .map(|(n, t)| match n.ends_with("lora_B.weight") {
+                    true => {
+                        let k =
+                            Tensor::arange(t.numel() as i64, (tch::Kind::Float, tch::Device::Cpu));
+                        let b = ((k * 0.7 + a_of(n)).sin() * 0.1)
+                            .view_as(t)
+                            .to_kind(t.kind());
+                        (n.clone(), b)
+                    }
+                    false => (n.clone(), t.shallow_clone()),
+                })
+                .collect();
+            let drawn_file = drawn.join("adapter_model.safetensors");
+            Tensor::write_safetensors(&drawn_tensors, &drawn_file).unwrap();
+            if let Err(e) = zrt::lora::merge(&hf, &drawn, &case_dir.join("merged")) {
+                differ.push(format!("{}: zrt's merge refused: {e}", case.name));
+            }
+        }
         let mut theirs = peft[case.name].clone();
         if let (true, serde_json::Value::Array(t)) = (case.name == "longcat-flash", &mut theirs) {
             let inert = |v: &serde_json::Value| {
@@ -5898,6 +5935,17 @@ if any("magnitude" in k for k in file):
         if not torch.allclose(own[k], file[k].to(own[k].dtype), rtol=1e-6, atol=1e-6):
             bad.append(({name:?}, k, (own[k] - file[k]).abs().max().item()))
             break
+# zrt's merge of the drawn adapter: PEFT's `merge_and_unload`.
+want = PeftModel.from_pretrained(ns["M"].from_pretrained("{case_dir}/hf"), "{case_dir}/drawn")
+want = want.merge_and_unload().state_dict()
+got, info = ns["M"].from_pretrained("{case_dir}/merged", output_loading_info=True)
+got = got.state_dict()
+if any(info.values()) or sorted(got) != sorted(want):
+    bad.append(({name:?}, "merged", {{k: v for k, v in info.items() if v}}))
+for k in want:
+    if not torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-5):
+        bad.append(({name:?}, "merged", k, (got[k] - want[k]).abs().max().item()))
+        break
 "#,
             name = case.name,
             case_dir = dir.join(case.name).display(),

@@ -397,6 +397,7 @@ impl HfModel {
             let tied = layout.tied_head();
             crate::lora::refuse_convolutions(vs, lora, prefix)?;
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
+            let mut exclude_modules = lora.exclude_modules.clone();
             if let Layout::Llama(c) = &layout {
                 // PEFT's DoRA reads an `AutoBitLinear`'s weights
                 // unrounded; whether its sum then matches is untested.
@@ -407,24 +408,11 @@ impl HfModel {
                 }
                 let refused = c.lora_refused_modules();
                 crate::lora::refuse_modules(vs, refused, c.family.model_type())?;
-                if c.family == crate::llama::Family::LongcatFlash {
-                    let classifier = |l: i64| format!("model.layers.{l}.mlp.router.classifier");
-                    if let Some(l) = (0..c.layers).find(|&l| lora.targets_by_name(&classifier(l))) {
-                        return Err(HfError::Lora(format!(
-                            "target_modules name `{}`: LongCat-Flash's router reads the classifier's weight directly (`F.linear(h, classifier.weight)`), so an adapter there would never run nor train; leave it out",
-                            classifier(l)
-                        )));
-                    }
-                }
-                if c.family == crate::llama::Family::GptOss {
-                    let router = |l: i64| format!("model.layers.{l}.mlp.router");
-                    if let Some(l) = (0..c.layers).find(|&l| lora.targets_by_name(&router(l))) {
-                        return Err(HfError::Lora(format!(
-                            "target_modules name `{}`: GPT-OSS's router is no linear layer (`GptOssTopKRouter` holds its weight and bias as parameters), and PEFT refuses an adapter on it; leave it out (its experts take adapters through target_parameters)",
-                            router(l)
-                        )));
-                    }
-                }
+                // The linear layers built bare, where PEFT's adapter would
+                // not work: written excluded where the targets reach them
+                // (`all-linear`), so that PEFT builds from the file what
+                // zrt trained.
+                exclude_modules.extend(crate::llama::bare::check(c, lora)?);
             }
             let names = match &layout {
                 Layout::Llama(c) => crate::llama::file_names(c),
@@ -435,18 +423,6 @@ impl HfModel {
             // (PEFT warns of it elsewhere).
             let ties =
                 tied.is_some_and(|t| !lora.saved_by(&format!("{}.weight", t.embedding)).is_empty());
-            // LongCat-Flash's router's classifier takes no adapter (its
-            // router reads the weight directly): written as excluded where
-            // the targets reach it (`all-linear`), so that PEFT builds
-            // none there either, rather than one missing from the file.
-            let mut exclude_modules = lora.exclude_modules.clone();
-            if let Layout::Llama(c) = &layout {
-                let classifier = |l: i64| format!("model.layers.{l}.mlp.router.classifier");
-                let longcat = c.family == crate::llama::Family::LongcatFlash;
-                if longcat && (0..c.layers).any(|l| lora.targets(&classifier(l))) {
-                    exclude_modules.push("router.classifier".into());
-                }
-            }
             let written = crate::lora::LoraConfig {
                 ensure_weight_tying: lora.ensure_weight_tying && ties,
                 exclude_modules,

@@ -5725,9 +5725,11 @@ for chunk in (64, 4):
 /// One difference is zrt's choice: PEFT adapts LongCat-Flash's
 /// `router.classifier`, a linear layer whose weight its router reads
 /// directly (`F.linear(h, self.classifier.weight)`), so that adapter
-/// never runs nor trains; zrt builds none there, writes it excluded in
-/// its `adapter_config.json` (so PEFT builds none from the file), and
-/// refuses naming it. (When this test was
+/// never runs nor trains; and Llama 4's router, a linear layer whose
+/// forward returns a pair, on which PEFT's LoRA layer fails in forward.
+/// zrt builds no adapter on either, writes them excluded in its
+/// `adapter_config.json` (so PEFT builds none from the file), and
+/// refuses naming them (`llama::bare`). (When this test was
 /// written it found two others, mended since: zrt adapted GPT-OSS's
 /// router, which is no linear layer, and no Zamba's shared blocks.)
 #[test]
@@ -5785,23 +5787,11 @@ except Exception as e:
     for case in CASES {
         let hf = dir.join(case.name).join("hf");
         let init = dir.join(case.name).join("init");
-        let ours = on_ranks(1, |r| {
-            let vs = VarStore::new(tch::Device::Cpu);
-            let plan = ShardPlan::new();
-            let options = HfOptions {
-                lora: Some(zrt::lora::LoraConfig {
-                    use_dora: dora,
-                    ..zrt::lora::LoraConfig::new(2, 4.0, &["all-linear"])
-                }),
-                ..Default::default()
-            };
-            let (_model, layout) = match HfModel::from_pretrained_with(&vs, &plan, &hf, &options) {
-                Ok(built) => built,
-                Err(e) => return Err(format!("refused: {e}")),
-            };
-            let group = r.new_group(&[0]).unwrap();
-            let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
-            let e = Engine::new(&vs, &plan, &ds, group, &AutoHints::default()).unwrap();
+        let lora = zrt::lora::LoraConfig {
+            use_dora: dora,
+            ..zrt::lora::LoraConfig::new(2, 4.0, &["all-linear"])
+        };
+        let ours = built_alone_with(&hf, lora).map(|(_, layout, _vs, e)| {
             std::fs::create_dir_all(&init).unwrap();
             let file = init.join("adapter_model.safetensors");
             e.save_16bit_model_as(&file, None, &layout).unwrap();
@@ -5809,10 +5799,8 @@ except Exception as e:
                 .map(|(n, _)| n)
                 .collect();
             names.sort();
-            Ok(names)
-        })
-        .pop()
-        .unwrap();
+            names
+        });
         // The adapter with its B drawn (a function of its module's A, so
         // that a shared module's copies stay equal), merged by zrt, for
         // PEFT to merge too (below).
@@ -5847,27 +5835,38 @@ except Exception as e:
             if let Err(e) = zrt::lora::merge(&hf, &drawn, &case_dir.join("merged")) {
                 differ.push(format!("{}: zrt's merge refused: {e}", case.name));
             }
+            // zrt's logits with the drawn adapter loaded, for PEFT's.
+            let lora = zrt::lora::LoraConfig::from_adapter_dir(&drawn).unwrap();
+            let (model, _, _vs, e) = built_alone_with(&hf, lora).unwrap();
+            zrt::lora::load_adapter(&e, &drawn).unwrap();
+            model.set_training(false);
+            let x = Tensor::from_slice(&(0..16).map(|i| (i * 37 + 5) % 61).collect::<Vec<i64>>());
+            let x = x.view([1, 16]);
+            let logits = tch::no_grad(|| model.forward(&x));
+            let out = case_dir.join("zrt.safetensors");
+            Tensor::write_safetensors(&[("logits", &logits), ("x", &x)], out).unwrap();
         }
         let mut theirs = peft[case.name].clone();
-        if let (true, serde_json::Value::Array(t)) = (case.name == "longcat-flash", &mut theirs) {
-            let inert = |v: &serde_json::Value| {
-                v.as_str()
-                    .is_some_and(|n| n.contains(".router.classifier.lora_"))
-            };
-            let inert_tensors = if dora { 6 } else { 4 };
-            assert_eq!(
-                t.iter().filter(|v| inert(v)).count(),
-                inert_tensors,
-                "{t:?}"
-            );
+        // The linear layers zrt leaves bare where PEFT's adapter would
+        // not work (`llama::bare`): PEFT names their adapters (two
+        // tensors a layer, three with DoRA), zrt's file has none and its
+        // config excludes them.
+        let bare = [
+            ("longcat-flash", "mlp.router.classifier", 2),
+            ("llama4", "feed_forward.router", 2),
+        ];
+        let found = bare.iter().find(|b| b.0 == case.name);
+        if let (Some(&(_, module, layers)), serde_json::Value::Array(t)) = (found, &mut theirs) {
+            let part = format!(".{module}.lora_");
+            let inert = |v: &serde_json::Value| v.as_str().is_some_and(|n| n.contains(&part));
+            let per_layer = if dora { 3 } else { 2 };
+            let n = t.iter().filter(|v| inert(v)).count();
+            assert_eq!(n, layers * per_layer, "{t:?}");
             t.retain(|v| !inert(v));
             let config = dir.join(case.name).join("init").join("adapter_config.json");
             let config: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap();
-            assert_eq!(
-                config["exclude_modules"],
-                serde_json::json!(["router.classifier"])
-            );
+            assert_eq!(config["exclude_modules"], serde_json::json!([module]));
         }
         let theirs = &theirs;
         // zrt's DoRA on a BitNet that trains ternary is refused (PEFT's
@@ -5935,6 +5934,16 @@ if any("magnitude" in k for k in file):
         if not torch.allclose(own[k], file[k].to(own[k].dtype), rtol=1e-6, atol=1e-6):
             bad.append(({name:?}, k, (own[k] - file[k]).abs().max().item()))
             break
+# zrt's logits with the drawn adapter: PEFT's.
+zrt = load_file("{case_dir}/zrt.safetensors")
+peft = PeftModel.from_pretrained(ns["M"].from_pretrained("{case_dir}/hf"{load}), "{case_dir}/drawn").eval()
+try:
+    with torch.no_grad():
+        theirs = peft(zrt["x"]).logits
+    if not torch.allclose(zrt["logits"], theirs, rtol=0, atol=1e-5 * theirs.abs().max().item()):
+        bad.append(({name:?}, "logits", (zrt["logits"] - theirs).abs().max().item()))
+except Exception as e:
+    bad.append(({name:?}, "PEFT's forward fails", str(e).splitlines()[0]))
 # zrt's merge of the drawn adapter: PEFT's `merge_and_unload`.
 want = PeftModel.from_pretrained(ns["M"].from_pretrained("{case_dir}/hf"), "{case_dir}/drawn")
 want = want.merge_and_unload().state_dict()
@@ -5949,6 +5958,7 @@ for k in want:
 "#,
             name = case.name,
             case_dir = dir.join(case.name).display(),
+            load = case.load,
         );
     }
     script += "print(bad)\n";
@@ -5984,4 +5994,23 @@ for k in want:
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `hf` built alone with the adapters `lora` (under the lock every test
+/// draws under), on a one-rank engine; the build's error as text.
+fn built_alone_with(
+    hf: &Path,
+    lora: zrt::lora::LoraConfig,
+) -> Result<(HfModel, ExportLayout, VarStore, Engine<LocalGroup>), String> {
+    let vs = VarStore::new(tch::Device::Cpu);
+    let plan = ShardPlan::new();
+    let options = HfOptions {
+        lora: Some(lora),
+        ..Default::default()
+    };
+    let built = common::seeded(|| HfModel::from_pretrained_with(&vs, &plan, hf, &options));
+    let (model, layout) = built.map_err(|e| format!("refused: {e}"))?;
+    let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+    let e = common::solo_engine(&vs, &plan, &ds).unwrap();
+    Ok((model, layout, vs, e))
 }

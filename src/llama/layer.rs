@@ -704,8 +704,8 @@ impl Experts {
                 }
             }
             // GPT-OSS's router is no linear layer (`GptOssTopKRouter`
-            // holds its weight and bias as parameters): PEFT's
-            // `all-linear` passes it by, and naming it is refused.
+            // holds its weight and bias as parameters): it takes no
+            // adapter (`bare`), as Llama 4's.
             (None, _) if family == Family::GptOss => Router::Softmax {
                 gate: Adapted::new(
                     &(p / "router"),
@@ -736,7 +736,12 @@ impl Experts {
                 correction: None,
             },
             (None, _) if family == Family::Llama4 => Router::TopSigmoid {
-                gate: lin(&(p / "router"), d, m.experts, false),
+                gate: Adapted::new(
+                    &(p / "router"),
+                    (d, m.experts, false),
+                    None,
+                    &Training::default(),
+                ),
             },
             (None, _) if family == Family::HunyuanMoe => Router::Softmax {
                 gate: lin(&(p / "gate" / "wg"), d, m.experts, false),

@@ -50,6 +50,7 @@
 //! with the engine (any stage, one rank too).
 
 pub(crate) mod balance;
+pub(crate) mod bare;
 mod bloom;
 mod config;
 mod ctrl;

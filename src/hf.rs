@@ -236,7 +236,13 @@ pub fn export_layout(config: impl AsRef<Path>) -> Result<ExportLayout, HfError> 
 /// [`LlamaConfig::unit_params`]):
 /// what `zrt estimate --hf-config` sizes a run by, nothing built. A
 /// quantized checkpoint's config (GPT-OSS's MXFP4) counts as its
-/// dequantized model, the one zrt trains.
+/// dequantized model, the one zrt trains (a BitNet's online
+/// `autobitlinear` as it trains, its linear layers' norms too). The
+/// buffers a unit holds as frozen variables (DeepSeek-V3's routers'
+/// corrections, xIELU's constants) count with it; MiniMax's decays do
+/// not ([`frozen_buffers`]). With those, the total is what
+/// `transformers` writes of the model (each tied tensor once): a test
+/// holds every `from_hf` case to it.
 pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfError> {
     Ok(match counted_layout(config.as_ref())? {
         Layout::Gpt2(c) => c.unit_params(),
@@ -269,11 +275,20 @@ pub fn frozen_buffers(config: impl AsRef<Path>) -> Result<u64, HfError> {
 }
 
 /// The layout of `config` as [`unit_params`] counts it: a quantized
-/// checkpoint's as its dequantized model's.
+/// checkpoint's as its dequantized model's, but a BitNet's
+/// `autobitlinear` in `online` mode as it trains (its quantization
+/// happens in the forward, and under `use_rms_norm` each linear layer
+/// has a norm of its own, which the count would lose).
 fn counted_layout(config: &Path) -> Result<Layout, HfError> {
     let mut j = HfJson::read(config, None)?;
     if let Some(all) = j.json.as_object_mut() {
-        all.remove("quantization_config");
+        let q = all.get("quantization_config");
+        let field = |k: &str| q.and_then(|q| q.get(k)).and_then(|v| v.as_str());
+        let online = field("linear_class") == Some("autobitlinear")
+            && field("quantization_mode") == Some("online");
+        if !online {
+            all.remove("quantization_config");
+        }
     }
     Ok(Layout::of(j)?.0)
 }

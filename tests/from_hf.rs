@@ -5755,7 +5755,7 @@ fn all_linear_against_peft(dora: bool) {
     });
     let py_dora = if dora { "True" } else { "False" };
     let mut script = String::from(
-        "import torch, json\nfrom peft import LoraConfig, get_peft_model, get_peft_model_state_dict\nout = {}\n",
+        "import torch, json\nfrom peft import LoraConfig, get_peft_model, get_peft_model_state_dict\nout, counts = {}, {}\n",
     );
     for case in CASES {
         let (import, args) = case.python;
@@ -5766,6 +5766,8 @@ exec({import:?}, ns)
 torch.manual_seed(0)
 m = eval("M(C(" + {args:?} + "))", ns)
 m.save_pretrained("{dir}/{name}/hf")
+seen = set()
+counts[{name:?}] = sum(t.numel() for t in m.state_dict().values() if t.data_ptr() not in seen and not seen.add(t.data_ptr()))
 try:
     p = get_peft_model(m, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", use_dora={py_dora}))
     out[{name:?}] = sorted(get_peft_model_state_dict(p, save_embedding_layers=False))
@@ -5777,13 +5779,30 @@ except Exception as e:
         );
     }
     script += &format!(
-        "json.dump(out, open(\"{}/peft.json\", \"w\"))\n",
+        "json.dump(out, open(\"{0}/peft.json\", \"w\"))\njson.dump(counts, open(\"{0}/counts.json\", \"w\"))\n",
         dir.display()
     );
     common::python(&script);
     let peft: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("peft.json")).unwrap()).unwrap();
     let mut differ = Vec::new();
+    // `zrt estimate`'s count of each model is what `transformers`
+    // writes of it: its parameters, each once, and the buffers zrt holds
+    // as frozen variables.
+    let counts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("counts.json")).unwrap()).unwrap();
+    for case in CASES {
+        let config = dir.join(case.name).join("hf").join("config.json");
+        let units = zrt::hf::unit_params(&config).unwrap();
+        let ours: u64 =
+            units.iter().map(|(_, n)| n).sum::<u64>() + zrt::hf::frozen_buffers(&config).unwrap();
+        if Some(ours) != counts[case.name].as_u64() {
+            differ.push(format!(
+                "{}: zrt counts {ours}, transformers {}",
+                case.name, counts[case.name]
+            ));
+        }
+    }
     for case in CASES {
         let hf = dir.join(case.name).join("hf");
         let init = dir.join(case.name).join("init");

@@ -6101,3 +6101,109 @@ out[{name:?}] = ids[0, 6:].tolist()
     assert!(repeating.len() <= 20, "{repeating:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every case's model computes a row of two packed documents (positions
+/// restarting at the second) as `transformers` computes each document
+/// alone, to 1e-5 of the logits' scale: the reference needs no packing
+/// support of its own. But for Phi-3's LongRoPE, whose factors follow
+/// the row's longest document (`max(position_ids) + 1`), and Llama 4's
+/// chunked layers, whose chunks `transformers` counts along the row (its
+/// mask reads the cache positions, not `position_ids`), which compute
+/// what `transformers` computes given the row and its `position_ids`;
+/// and PhiMoE, whose class attends across the documents of a row (its
+/// mask ignores `position_ids`) and whose LongRoPE takes its factors by
+/// the row's length: each document alone, its factors the row's.
+#[test]
+fn packed_documents_are_each_computed_alone_in_every_family() {
+    let dir = scratch("packed-all");
+    let (first, second): (Vec<i64>, Vec<i64>) = (
+        (0..7).map(|i| (i * 37 + 5) % 61).collect(),
+        (0..9).map(|i| (i * 53 + 11) % 61).collect(),
+    );
+    let list = |d: &[i64]| {
+        d.iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut script = String::from(
+        "import torch\nfrom safetensors.torch import save_file\ntorch.set_num_threads(1)\n",
+    );
+    for case in CASES {
+        let (import, args) = case.python;
+        script += &format!(
+            r#"
+ns = {{"torch": torch}}
+exec({import:?}, ns)
+torch.manual_seed(0)
+m = eval("M(C(" + {args:?} + "))", ns)
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+m.save_pretrained("{dir}/{name}/hf")
+m = ns["M"].from_pretrained("{dir}/{name}/hf"{load}).eval()
+with torch.no_grad():
+    alone = [m(torch.tensor([d]), use_cache=False).logits[0] for d in ([{first}], [{second}])]
+    row = torch.tensor([[{first}, {second}]])
+    positions = torch.cat([torch.arange({n_first}), torch.arange({n_second})]).view(1, -1)
+    packed = m(row, position_ids=positions, use_cache=False).logits[0]
+    # Each alone, turned by the row's length (PhiMoE's rotary embedding
+    # takes a length).
+    rotary = getattr(getattr(m, "model", None), "rotary_emb", None)
+    if rotary is not None and "seq_len" in rotary.forward.__code__.co_varnames:
+        turn = rotary.forward
+        rotary.forward = lambda x, seq_len=None: turn(x, seq_len=row.shape[1])
+    row_length = [m(torch.tensor([d]), use_cache=False).logits[0] for d in ([{first}], [{second}])]
+save_file({{"alone": torch.cat(alone).contiguous(), "packed": packed.contiguous(), "row_length": torch.cat(row_length).contiguous()}}, "{dir}/{name}/alone.safetensors")
+"#,
+            name = case.name,
+            dir = dir.display(),
+            load = case.load,
+            first = list(&first),
+            second = list(&second),
+            n_first = first.len(),
+            n_second = second.len(),
+        );
+    }
+    common::python(&script);
+    let tokens = Tensor::from_slice(&[first.clone(), second.clone()].concat()).view([1, -1]);
+    let positions: Vec<i64> = (0..first.len() as i64)
+        .chain(0..second.len() as i64)
+        .collect();
+    let positions = Tensor::from_slice(&positions).view([1, -1]);
+    let mut differ = Vec::new();
+    for case in CASES {
+        let hf = dir.join(case.name).join("hf");
+        let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
+        let (model, _, _vs, _e) = loaded_alone(&hf, &HfOptions::default(), &ds);
+        let alone = dir.join(case.name).join("alone.safetensors");
+        let held = Tensor::read_safetensors(alone).unwrap();
+        let get = |k: &str| held.iter().find(|(n, _)| n == k).unwrap().1.shallow_clone();
+        let want = match case.name {
+            "phi3-long" | "llama4" => "packed",
+            "phimoe" | "phimoe-balanced" => "row_length",
+            _ => "alone",
+        };
+        // (Where the reference is not each alone, it differs from it.)
+        let apart = (&get(want) - &get("alone")).abs().max().double_value(&[]);
+        assert!(
+            want == "alone" || apart > 1e-3,
+            "{}: {want} is alone",
+            case.name
+        );
+        let want = get(want);
+        match tch::no_grad(|| model.forward_packed(&tokens, &positions)) {
+            Err(e) => differ.push(format!("{}: refused: {e}", case.name)),
+            Ok(got) => {
+                let got = got.squeeze_dim(0);
+                let scale = want.abs().max().double_value(&[]);
+                let off = (&got - &want).abs().max().double_value(&[]);
+                if off > 1e-5 * scale {
+                    differ.push(format!("{}: {off:.3e} off (scale {scale:.3})", case.name));
+                }
+            }
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6036,9 +6036,9 @@ fn built_alone_with(
 
 /// Every case's model, moved well off its initialisation (noise of 0.3,
 /// where greedy decoding near it repeats one token), continues a prompt
-/// with zrt's greedy decoding (its caches: keys and values, Mamba,
-/// recurrent and cell states) as `transformers`' `generate` does without
-/// a cache, ten tokens, in one Python process.
+/// with zrt's greedy decoding on two ranks at stage 3 (its caches: keys
+/// and values, Mamba, recurrent and cell states) as `transformers`'
+/// `generate` does without a cache, ten tokens, in one Python process.
 #[test]
 fn greedy_decoding_is_transformers_generate_in_every_family() {
     let dir = scratch("greedy-all");
@@ -6077,9 +6077,13 @@ out[{name:?}] = ids[0, 6:].tolist()
     let (mut differ, mut repeating) = (Vec::new(), Vec::new());
     for case in CASES {
         let hf = dir.join(case.name).join("hf");
-        let ds = config_zero(3, 1, 0.0, "", SHARD_ALL);
-        let (model, _, _vs, _e) = loaded_alone(&hf, &HfOptions::default(), &ds);
-        let ours = model.greedy(&prompt, 10, &[]).unwrap();
+        // On two ranks at stage 3: each forward gathers the layers.
+        let both = on_ranks(2, |r| {
+            let (model, _engine) = on_two_at_stage_3(&r, &hf);
+            model.greedy(&prompt, 10, &[]).unwrap()
+        });
+        assert_eq!(both[0], both[1], "{}", case.name);
+        let ours = both[0].clone();
         let want: Vec<i64> = (theirs[case.name].as_array().unwrap().iter())
             .filter_map(|v| v.as_i64())
             .collect();

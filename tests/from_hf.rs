@@ -5755,7 +5755,7 @@ fn all_linear_against_peft(dora: bool) {
     });
     let py_dora = if dora { "True" } else { "False" };
     let mut script = String::from(
-        "import torch, json\nfrom peft import LoraConfig, get_peft_model, get_peft_model_state_dict\nout, counts = {}, {}\n",
+        "import torch, json\nfrom peft import LoraConfig, get_peft_model, get_peft_model_state_dict\nfrom peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING\nout, counts, defaults = {}, {}, {}\n",
     );
     for case in CASES {
         let (import, args) = case.python;
@@ -5768,6 +5768,7 @@ m = eval("M(C(" + {args:?} + "))", ns)
 m.save_pretrained("{dir}/{name}/hf")
 seen = set()
 counts[{name:?}] = sum(t.numel() for t in m.state_dict().values() if t.data_ptr() not in seen and not seen.add(t.data_ptr()))
+defaults[{name:?}] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(m.config.model_type)
 try:
     p = get_peft_model(m, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", use_dora={py_dora}))
     out[{name:?}] = sorted(get_peft_model_state_dict(p, save_embedding_layers=False))
@@ -5779,7 +5780,7 @@ except Exception as e:
         );
     }
     script += &format!(
-        "json.dump(out, open(\"{0}/peft.json\", \"w\"))\njson.dump(counts, open(\"{0}/counts.json\", \"w\"))\n",
+        "json.dump(out, open(\"{0}/peft.json\", \"w\"))\njson.dump(counts, open(\"{0}/counts.json\", \"w\"))\njson.dump(defaults, open(\"{0}/defaults.json\", \"w\"))\n",
         dir.display()
     );
     common::python(&script);
@@ -5791,6 +5792,27 @@ except Exception as e:
     // as frozen variables.
     let counts: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("counts.json")).unwrap()).unwrap();
+    // PEFT's default targets, where it has some for the model's type,
+    // are zrt's.
+    let defaults: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("defaults.json")).unwrap()).unwrap();
+    let mut compared = 0;
+    for case in CASES {
+        let Some(theirs) = defaults[case.name].as_array() else {
+            continue;
+        };
+        compared += 1;
+        let theirs: Vec<&str> = theirs.iter().filter_map(|v| v.as_str()).collect();
+        let ours = zrt::lora::default_targets(dir.join(case.name).join("hf")).unwrap();
+        if ours != theirs {
+            differ.push(format!(
+                "{}: default targets {ours:?}, PEFT's {theirs:?}",
+                case.name
+            ));
+        }
+    }
+    // (34 cases' types had PEFT defaults when this was written.)
+    assert!(compared >= 30, "{compared}");
     for case in CASES {
         let config = dir.join(case.name).join("hf").join("config.json");
         let units = zrt::hf::unit_params(&config).unwrap();

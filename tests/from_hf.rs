@@ -5758,14 +5758,9 @@ fn all_linear_against_peft(dora: bool) {
         "import torch, json\nfrom peft import LoraConfig, get_peft_model, get_peft_model_state_dict\nfrom peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING\nout, counts, defaults = {}, {}, {}\n",
     );
     for case in CASES {
-        let (import, args) = case.python;
+        script += &sweep_model(case, &dir, 0.05);
         script += &format!(
             r#"
-ns = {{"torch": torch}}
-exec({import:?}, ns)
-torch.manual_seed(0)
-m = eval("M(C(" + {args:?} + "))", ns)
-m.save_pretrained("{dir}/{name}/hf")
 seen = set()
 counts[{name:?}] = sum(t.numel() for t in m.state_dict().values() if t.data_ptr() not in seen and not seen.add(t.data_ptr()))
 defaults[{name:?}] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(m.config.model_type)
@@ -5776,7 +5771,6 @@ except Exception as e:
     out[{name:?}] = "refused: " + str(e).splitlines()[0]
 "#,
             name = case.name,
-            dir = dir.display(),
         );
     }
     script += &format!(
@@ -6067,25 +6061,14 @@ fn greedy_decoding_is_transformers_generate_in_every_family() {
     let prompt: [i64; 6] = [5, 17, 33, 2, 50, 41];
     let mut script = String::from("import torch, json\nout = {}\n");
     for case in CASES {
-        let (import, args) = case.python;
+        script += &sweep_model(case, &dir, 0.3);
         script += &format!(
             r#"
-ns = {{"torch": torch}}
-exec({import:?}, ns)
-torch.manual_seed(0)
-m = eval("M(C(" + {args:?} + "))", ns)
-with torch.no_grad():
-    for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.3)
-m.save_pretrained("{dir}/{name}/hf")
-m = ns["M"].from_pretrained("{dir}/{name}/hf"{load}).eval()
 m.generation_config.eos_token_id = None
 ids = m.generate(torch.tensor([[{prompt}]]), max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
 out[{name:?}] = ids[0, 6:].tolist()
 "#,
             name = case.name,
-            dir = dir.display(),
-            load = case.load,
             prompt = prompt.map(|t| t.to_string()).join(", "),
         );
     }
@@ -6156,18 +6139,9 @@ fn packed_documents_are_each_computed_alone_in_every_family() {
         "import torch\nfrom safetensors.torch import save_file\ntorch.set_num_threads(1)\n",
     );
     for case in CASES {
-        let (import, args) = case.python;
+        script += &sweep_model(case, &dir, 0.05);
         script += &format!(
             r#"
-ns = {{"torch": torch}}
-exec({import:?}, ns)
-torch.manual_seed(0)
-m = eval("M(C(" + {args:?} + "))", ns)
-with torch.no_grad():
-    for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
-m.save_pretrained("{dir}/{name}/hf")
-m = ns["M"].from_pretrained("{dir}/{name}/hf"{load}).eval()
 with torch.no_grad():
     alone = [m(torch.tensor([d]), use_cache=False).logits[0] for d in ([{first}], [{second}])]
     row = torch.tensor([[{first}, {second}]])
@@ -6184,7 +6158,6 @@ save_file({{"alone": torch.cat(alone).contiguous(), "packed": packed.contiguous(
 "#,
             name = case.name,
             dir = dir.display(),
-            load = case.load,
             first = list(&first),
             second = list(&second),
             n_first = first.len(),
@@ -6232,4 +6205,28 @@ save_file({{"alone": torch.cat(alone).contiguous(), "packed": packed.contiguous(
     }
     assert!(differ.is_empty(), "{}", differ.join("\n"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Python building `case`'s model as `m` for the sweeps over every case
+/// (its classes in a namespace `ns` of their own, seed 0), its
+/// parameters moved by noise of `noise`, written to `dir/NAME/hf` and
+/// read back as `from_pretrained` reads it (`case.load`), evaluating.
+fn sweep_model(case: &Case, dir: &Path, noise: f64) -> String {
+    let (import, args) = case.python;
+    format!(
+        r#"
+ns = {{"torch": torch}}
+exec({import:?}, ns)
+torch.manual_seed(0)
+m = eval("M(C(" + {args:?} + "))", ns)
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * {noise})
+m.save_pretrained("{dir}/{name}/hf")
+m = ns["M"].from_pretrained("{dir}/{name}/hf"{load}).eval()
+"#,
+        name = case.name,
+        dir = dir.display(),
+        load = case.load,
+    )
 }

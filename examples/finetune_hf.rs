@@ -760,8 +760,12 @@ fn main() -> Result<()> {
         save(a.steps)?;
     }
     let trained = peak_rss()?;
+    // What the engine holds, beside the peak: the model state it
+    // allocated and the gather and reduction buffers it keeps for reuse.
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let (state, pooled) = (mib(engine.model_state_bytes()?), mib(engine.pooled_bytes()));
     if rank == 0 {
-        println!("trained: peak RSS per rank (MiB): {trained}");
+        println!("trained: peak RSS per rank (MiB): {trained}; on rank 0 now: model state {state:.0} MiB, pooled buffers {pooled:.0} MiB");
     }
     match (&a.out, adapters) {
         (Some(out), true) => {

@@ -933,8 +933,18 @@ impl<G: ProcessGroup + 'static> Inner<G> {
         }
         let unit = ticket.unit();
         let left = self.input_grads.arrived(ticket);
-        // Gradients still to come: their reduction frees the unit.
-        match glue::will_accumulate_any(&st.units[unit].params) {
+        // Gradients still to come: their reduction frees the unit (it
+        // finds no input gradient waiting then). Not when it has already
+        // taken them: it left the unit gathered for this gradient (a LoRA
+        // block's adapters are reduced before its frozen matrices compute
+        // its input's gradient), and nothing else would free it before
+        // the end of backward, every such block of the model gathered by
+        // then.
+        let pending = match st.prog.reduced(unit) {
+            true => Ok(false),
+            false => glue::will_accumulate_any(&st.units[unit].params),
+        };
+        match pending {
             Ok(false) => {}
             Ok(true) => return,
             Err(e) => {

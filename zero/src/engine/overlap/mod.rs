@@ -284,6 +284,13 @@ impl Progress {
         self.ready[k] == 0
     }
 
+    /// Whether this backward has taken unit `k`'s gradients for their
+    /// reduction (true outside a backward, and for a unit with nothing to
+    /// reduce).
+    pub(super) fn reduced(&self, k: usize) -> bool {
+        self.launched[k]
+    }
+
     /// Whether an engine backward is under way (forwards run inside it
     /// recompute activations; they are not the model's run order).
     pub(super) fn in_backward(&self) -> bool {

@@ -974,7 +974,7 @@ pub(crate) fn export_layout_under(
         .trainable_only()
         .rename(move |name| first(name).into_iter().next().unwrap_or_default())
         .also_write(move |name| {
-            let mut also = file(name).split_off(1);
+            let mut also: Vec<String> = file(name).into_iter().skip(1).collect();
             match &tied {
                 Some((embedding, head)) if name == embedding => also.push(head.clone()),
                 _ => {}

@@ -410,9 +410,17 @@ impl HfModel {
             };
             let prefix = if gpt2 { "transformer." } else { "" };
             let tied = layout.tied_head();
+            // The linear layers built bare, where PEFT's adapter would
+            // not work: refused by name (before the freeze, whose error
+            // for targets that match nothing would not say why), written
+            // excluded where the targets reach them (`all-linear`), so
+            // that PEFT builds from the file what zrt trained.
+            let mut exclude_modules = lora.exclude_modules.clone();
+            if let Layout::Llama(c) = &layout {
+                exclude_modules.extend(crate::llama::bare::check(c, lora)?);
+            }
             crate::lora::refuse_convolutions(vs, lora, prefix)?;
             crate::lora::freeze_base_under(vs, lora, prefix, tied)?;
-            let mut exclude_modules = lora.exclude_modules.clone();
             if let Layout::Llama(c) = &layout {
                 // PEFT's DoRA reads an `AutoBitLinear`'s weights
                 // unrounded; whether its sum then matches is untested.
@@ -423,11 +431,6 @@ impl HfModel {
                 }
                 let refused = c.lora_refused_modules();
                 crate::lora::refuse_modules(vs, refused, c.family.model_type())?;
-                // The linear layers built bare, where PEFT's adapter would
-                // not work: written excluded where the targets reach them
-                // (`all-linear`), so that PEFT builds from the file what
-                // zrt trained.
-                exclude_modules.extend(crate::llama::bare::check(c, lora)?);
             }
             let names = match &layout {
                 Layout::Llama(c) => crate::llama::file_names(c),

@@ -6002,7 +6002,7 @@ for k in want:
     // Naming GPT-OSS's router is refused, as PEFT refuses it.
     let vs = VarStore::new(tch::Device::Cpu);
     let options = HfOptions {
-        lora: Some(zrt::lora::LoraConfig::new(2, 4.0, &["router", "q_proj"])),
+        lora: Some(zrt::lora::LoraConfig::new(2, 4.0, &["router"])),
         ..Default::default()
     };
     let hf = dir.join("gpt-oss").join("hf");
@@ -6014,11 +6014,7 @@ for k in want:
     );
     let vs = VarStore::new(tch::Device::Cpu);
     let options = HfOptions {
-        lora: Some(zrt::lora::LoraConfig::new(
-            2,
-            4.0,
-            &["classifier", "q_a_proj"],
-        )),
+        lora: Some(zrt::lora::LoraConfig::new(2, 4.0, &["classifier"])),
         ..Default::default()
     };
     let hf = dir.join("longcat-flash").join("hf");

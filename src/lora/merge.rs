@@ -707,8 +707,8 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     // A module the model shares between layers (Zamba's shared blocks):
     // PEFT writes its adapter under each user's name, a base may hold the
     // module under one or more of them.
-    let (pairs, magnitudes, b_biases) = match crate::llama::model_names(&HfJson::read(base, None)?)?
-    {
+    let base_config = HfJson::read(base, None)?;
+    let (pairs, magnitudes, b_biases) = match crate::llama::model_names(&base_config)? {
         None => (pairs, magnitudes, b_biases),
         Some(names) => {
             let under = |m| (&names, &held, m);
@@ -765,7 +765,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged, HfError>
     )?;
     // GPT-2's and OpenAI GPT's Conv1D matrices are `[in, out]`: the
     // update goes in transposed (PEFT's `fan_in_fan_out`).
-    let conv1d = match HfJson::read(base, None)?.model_type().as_deref() {
+    let conv1d = match base_config.model_type().as_deref() {
         Some("gpt2") => true,
         Some(t) => crate::llama::Family::of(t).is_some_and(|f| f.conv1d()),
         None => false,

@@ -388,6 +388,9 @@ fn window_start(key: [u64; 4], room: usize) -> usize {
 fn main() -> Result<()> {
     zrt::init_logging();
     let a = Args::parse();
+    // Counting what libtorch allocates (it begins before the model is
+    // built: memory from before it is never counted).
+    zrt::zero::glue::track_allocations()?;
     // Refused before anything is built, not after training.
     if a.max_shard_mb.is_nan() || a.max_shard_mb <= 0.0 {
         bail!(
@@ -559,13 +562,18 @@ fn main() -> Result<()> {
     let batch = engine.config().batch;
     // Every rank's peak resident memory so far, in MiB, as a list.
     let world = dist.world();
-    let peak_rss = || -> Result<String> {
-        let mine = vec![zrt::peak_rss_bytes() / (1u64 << 20) as f64];
+    // Each rank's `bytes`, in MiB.
+    let each_rank = |bytes: f64| -> Result<String> {
+        let mine = vec![bytes / (1u64 << 20) as f64];
         let each = world.all_gather(mine, Vec::new()).wait()?.1;
         let each: Vec<String> = each.iter().map(|m| format!("{m:.0}")).collect();
         Ok(each.join(", "))
     };
+    let peak_rss = || each_rank(zrt::peak_rss_bytes());
     let built = peak_rss()?;
+    // libtorch's peak from here on is the training's: activations and
+    // autograd's temporaries.
+    zrt::zero::glue::reset_peak_allocated();
     if rank == 0 {
         println!(
             "zrt finetune_hf: {} ({:.2}M params) on {} ranks, ZeRO stage {}, {} tokens of data",
@@ -760,12 +768,14 @@ fn main() -> Result<()> {
         save(a.steps)?;
     }
     let trained = peak_rss()?;
+    let torch = each_rank(zrt::zero::glue::allocated().peak as f64)?;
     // What the engine holds, beside the peak: the model state it
     // allocated and the gather and reduction buffers it keeps for reuse.
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let (state, pooled) = (mib(engine.model_state_bytes()?), mib(engine.pooled_bytes()));
     if rank == 0 {
         println!("trained: peak RSS per rank (MiB): {trained}; on rank 0 now: model state {state:.0} MiB, pooled buffers {pooled:.0} MiB");
+        println!("libtorch's peak per rank (MiB): {torch} (activations and autograd's temporaries; the model state is the engine's own memory)");
     }
     match (&a.out, adapters) {
         (Some(out), true) => {

@@ -2234,6 +2234,7 @@ fn memory_breakdown_logs_what_the_first_rank_holds_with_each_progress_line() {
                     l.contains(": resident ") && l.contains(" MiB (peak "),
                     "{l}"
                 );
+                assert!(l.contains("; libtorch ") && l.ends_with(" MiB)"), "{l}");
             }
             assert!(said[2].contains(&state), "{} lacks {state}", said[2]);
         });

@@ -17,6 +17,7 @@ fn main() {
         .cpp(true)
         .file("csrc/glue.cpp")
         .file("csrc/flops.cpp")
+        .file("csrc/allocated.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

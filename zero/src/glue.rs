@@ -12,8 +12,10 @@
 
 use std::ffi::{c_char, CStr};
 
+mod allocated;
 mod flops;
 mod freed;
+pub use allocated::{allocated, reset_peak_allocated, track_allocations, Allocated};
 pub use flops::{count_macs, macs_counted};
 
 use tch::Tensor;

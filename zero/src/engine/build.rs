@@ -64,6 +64,13 @@ impl<G: ProcessGroup + 'static> Engine<G> {
         // After the agreement: ranks that agree on the scales fail alike.
         settings.check()?;
         let first = is_first_rank(&group, replicate.as_ref());
+        // `memory_breakdown` logs libtorch's allocations beside the
+        // resident set: the count must begin before the first forward.
+        if cfg.config.memory_breakdown {
+            if let Err(e) = crate::glue::track_allocations() {
+                tracing::warn!("memory_breakdown: libtorch's allocations will not be counted: {e}");
+            }
+        }
         if muon && first {
             log_muon_split(vs, &settings);
         }

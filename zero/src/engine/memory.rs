@@ -22,8 +22,14 @@ pub fn resident_bytes() -> (Option<f64>, Option<f64>) {
 
 /// The line to log: `when` ("after building the engine", "at step 10"),
 /// the resident set now and at its peak, the engine's model state and
-/// its reuse pools.
-pub(super) fn line(when: &str, model_state: usize, pooled: usize) -> String {
+/// its reuse pools, and what libtorch holds now and at its peak
+/// (activations, autograd's temporaries: [`crate::glue::allocated`]).
+pub(super) fn line(
+    when: &str,
+    model_state: usize,
+    pooled: usize,
+    torch: crate::glue::Allocated,
+) -> String {
     let mib = |b: f64| format!("{:.1} MiB", b / (1u64 << 20) as f64);
     let (now, peak) = resident_bytes();
     let rss = match (now, peak) {
@@ -31,9 +37,11 @@ pub(super) fn line(when: &str, model_state: usize, pooled: usize) -> String {
         _ => "resident set unknown (no /proc/self/status)".to_string(),
     };
     format!(
-        "memory {when}: {rss}; model state {}, reuse pools {}",
+        "memory {when}: {rss}; model state {}, reuse pools {}; libtorch {} (peak {})",
         mib(model_state as f64),
-        mib(pooled as f64)
+        mib(pooled as f64),
+        mib(torch.now as f64),
+        mib(torch.peak as f64)
     )
 }
 
@@ -41,10 +49,16 @@ pub(super) fn line(when: &str, model_state: usize, pooled: usize) -> String {
 mod tests {
     #[test]
     fn the_line_names_what_it_counts() {
-        let l = super::line("at step 3", 3 << 20, 1 << 19);
+        let torch = crate::glue::Allocated {
+            now: 1 << 20,
+            peak: 5 << 19,
+        };
+        let l = super::line("at step 3", 3 << 20, 1 << 19, torch);
         assert!(l.starts_with("memory at step 3: resident "), "{l}");
         assert!(
-            l.ends_with("; model state 3.0 MiB, reuse pools 0.5 MiB"),
+            l.ends_with(
+                "; model state 3.0 MiB, reuse pools 0.5 MiB; libtorch 1.0 MiB (peak 2.5 MiB)"
+            ),
             "{l}"
         );
     }

@@ -627,7 +627,10 @@ impl<G: ProcessGroup + 'static> Inner<G> {
     /// is the first rank).
     fn log_memory(&self, st: &State, when: &str) {
         match self.state_bytes(st) {
-            Ok(b) => tracing::info!("{}", memory::line(when, b, self.pools.bytes())),
+            Ok(b) => {
+                let torch = crate::glue::allocated();
+                tracing::info!("{}", memory::line(when, b, self.pools.bytes(), torch))
+            }
             Err(e) => tracing::warn!("memory_breakdown: cannot count the model state: {e}"),
         }
     }

@@ -252,6 +252,23 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
     })
 }
 
+/// The bytes a training forward of `rows` rows of `seq` tokens of the
+/// model `config` describes holds for its backward, once the loss is
+/// computed, in the compute dtype `kind` ([`crate::llama::held_for_backward`]:
+/// what `zrt estimate --seq` prints); `None` for the models whose saved
+/// tensors it does not count.
+pub fn held_for_backward(
+    config: impl AsRef<Path>,
+    rows_seq: (u64, u64),
+    kind: tch::Kind,
+    recompute: bool,
+) -> Result<Option<u64>, HfError> {
+    Ok(match counted_layout(config.as_ref())? {
+        Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, recompute),
+        _ => None,
+    })
+}
+
 /// The multimodal model (its `model_type`: `llava`, `gemma3`) whose
 /// language model zrt builds from `config`, or `None` for a text model's
 /// config: what `zrt estimate` says its count leaves out (the towers,

@@ -1204,6 +1204,94 @@ fn config_check_shows_each_optimizers_settings_and_refuses_adams() {
 }
 
 #[test]
+fn estimate_counts_the_activations_of_the_layers_it_knows() {
+    // TinyLlama 1.1B's shape, one row of 256 tokens a rank: fp32 each
+    // layer's saved tensors (the formula `tests/activation_memory.rs`
+    // holds to libtorch's allocations), bf16 each layer's input.
+    let dir = common::scratch("cli-estimate-activations");
+    let tiny = dir.join("tinyllama.json");
+    std::fs::write(
+        &tiny,
+        r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 22, "vocab_size": 32000, "rms_norm_eps": 1e-05, "max_position_embeddings": 2048, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let tiny = tiny.to_str().unwrap();
+    let base = [
+        "estimate",
+        "--hf-config",
+        tiny,
+        "--world",
+        "2",
+        "--seq",
+        "256",
+    ];
+    let (ok, out) = zrt(&[&base[..], &["--dtype", "fp32"]].concat());
+    assert!(
+        ok && out
+            .contains("activations: a forward of 1 x 256 tokens in fp32 holds 890.36 MiB a rank"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&[
+        &base[..],
+        &["--checkpoint-activations", "--micro-batch", "2"],
+    ]
+    .concat());
+    assert!(
+        ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 114.37 MiB a rank"),
+        "{out}"
+    );
+    // A window shorter than the row is not counted, and said so.
+    let mistral = dir.join("mistral.json");
+    std::fs::write(
+        &mistral,
+        r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128}"#,
+    )
+    .unwrap();
+    let mistral = mistral.to_str().unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        mistral,
+        "--world",
+        "2",
+        "--seq",
+        "256",
+    ]);
+    assert!(
+        ok && out.contains("activations: not counted for this model"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        mistral,
+        "--world",
+        "2",
+        "--seq",
+        "128",
+    ]);
+    assert!(
+        ok && out.contains("activations: a forward of 1 x 128 tokens"),
+        "{out}"
+    );
+    // Widths come from a config, not from a count.
+    let (ok, out) = zrt(&[
+        "estimate", "--params", "1e9", "--world", "2", "--seq", "256",
+    ]);
+    assert!(
+        !ok && out.contains(
+            "--seq counts activations from the layers' widths, which --params does not give"
+        ),
+        "{out}"
+    );
+    let (ok, out) = zrt(&[&base[..], &["--micro-batch", "0"]].concat());
+    assert!(
+        !ok && out.contains("--seq and --micro-batch must be at least 1"),
+        "{out}"
+    );
+}
+
+#[test]
 fn estimate_counts_a_hugging_face_configs_parameters() {
     let dir = common::scratch("cli-estimate-hf");
     // Llama 3.2 1B (tied) and Qwen2.5 0.5B (tied, q/k/v biases), as

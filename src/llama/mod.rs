@@ -49,6 +49,7 @@
 //! tch's `nn::Optimizer` takes dense gradients only, so train the model
 //! with the engine (any stage, one rank too).
 
+mod activations;
 pub(crate) mod balance;
 pub(crate) mod bare;
 mod bloom;
@@ -88,6 +89,7 @@ mod xlstm;
 mod z_loss;
 mod zamba;
 
+pub use activations::held_for_backward;
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{
     Activation, FalconH1Multipliers, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig,

@@ -54,6 +54,20 @@ pub struct EstimateArgs {
     /// job's GPT: 0.96).
     #[arg(long)]
     muon_share: Option<f64>,
+    /// With `--hf-config`: the tokens of a row. Prints what a training
+    /// forward holds for its backward on each rank (the tensors autograd
+    /// saves), for the models whose layers it counts (Llama's, Mistral's,
+    /// Qwen2's, Granite's).
+    #[arg(long)]
+    seq: Option<u64>,
+    /// With `--seq`: the rows each rank computes at once
+    /// (`train_micro_batch_size_per_gpu`).
+    #[arg(long, default_value_t = 1, requires = "seq")]
+    micro_batch: u64,
+    /// With `--seq`: each layer recomputed in backward, its input alone
+    /// kept (`finetune_hf --checkpoint-activations`).
+    #[arg(long, requires = "seq")]
+    checkpoint_activations: bool,
     /// A DeepSpeed config to take the dtype, the optimizer and
     /// `zero_quantized_nontrainable_weights` from; its stage's row is
     /// marked.
@@ -290,6 +304,15 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             human(peak)
         );
     }
+    match (a.seq, &a.hf_config) {
+        (Some(seq), Some(path)) => {
+            activations(path, (a.micro_batch, seq), &dtype, a.checkpoint_activations)?
+        }
+        (Some(_), None) => bail!(
+            "--seq counts activations from the layers' widths, which --params does not give: give the model's config.json as --hf-config instead"
+        ),
+        (None, _) => {}
+    }
     let built = build_bytes(params, frozen);
     let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
         + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
@@ -301,6 +324,38 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             false => "",
         }
     );
+    Ok(())
+}
+
+/// Prints what a forward of `rows` rows of `seq` tokens of the model
+/// `path` describes holds for its backward, or why it is not counted.
+fn activations(
+    path: &std::path::Path,
+    (rows, seq): (u64, u64),
+    dtype: &str,
+    recompute: bool,
+) -> Result<()> {
+    if rows == 0 || seq == 0 {
+        bail!("--seq and --micro-batch must be at least 1 (e.g. --seq 2048 --micro-batch 1)");
+    }
+    let kind = match dtype {
+        "fp32" => tch::Kind::Float,
+        "fp16" => tch::Kind::Half,
+        _ => tch::Kind::BFloat16,
+    };
+    let how = match recompute {
+        true => ", each layer recomputed in backward",
+        false => "",
+    };
+    match zrt::hf::held_for_backward(path, (rows, seq), kind, recompute)? {
+        Some(b) => println!(
+            "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the loss's log-probabilities among them), on top of the above",
+            human(b as f64)
+        ),
+        None => println!(
+            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2 and Granite, with no window shorter than the row, no dropout and no soft-capping); measure them: `memory_breakdown` logs what libtorch holds at its peak"
+        ),
+    }
     Ok(())
 }
 

@@ -1,0 +1,195 @@
+//! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
+//! and what a forward holds for its backward is what
+//! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
+//! byte: Llama, Mistral, Qwen2 and Granite, fp32, bf16 and fp16, each layer's
+//! tensors saved or only its input (recomputed), alone and through a
+//! stage-3 engine.
+//!
+//! In a test binary of its own: the count is process-wide, and other
+//! tests' threads would allocate beside it. Its tests take turns.
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::{config_zero, seeded, solo_engine, BF16};
+use tch::{nn, Device, Kind, Tensor};
+use zrt::llama::{held_for_backward, Llama, LlamaConfig};
+use zrt::zero::glue::{allocated, reset_peak_allocated, track_allocations};
+use zrt::zero::ShardPlan;
+
+static TURNS: Mutex<()> = Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURNS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn libtorch_allocations_are_counted_while_they_live() {
+    let _t = turn();
+    track_allocations().unwrap();
+    let before = allocated().now;
+    let n = 3 << 20;
+    let t = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+    assert_eq!(allocated().now - before, 4 * n as u64);
+    let u = Tensor::ones([n / 3], (Kind::BFloat16, Device::Cpu));
+    assert_eq!(allocated().now - before, 4 * n as u64 + 2 * (n / 3) as u64);
+    drop(t);
+    assert_eq!(allocated().now - before, 2 * (n / 3) as u64);
+    assert!(allocated().peak >= before + 4 * n as u64 + 2 * (n / 3) as u64);
+    reset_peak_allocated();
+    assert_eq!(allocated().peak, allocated().now);
+    // A storage grown in place goes through the count too.
+    let mut g = u.view([-1]).copy();
+    let grown = allocated().now;
+    let _ = g.resize_([n]);
+    assert_eq!(allocated().now - grown, 2 * (n - n / 3) as u64);
+    drop((u, g));
+    assert_eq!(allocated().now, before);
+}
+
+/// A directory with the `config.json` of `model_type` and the keys
+/// `extra` adds: 3 layers, width 64 (4 heads over 2 key-value heads),
+/// vocabulary 97.
+fn config(model_type: &str, extra: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "zrt-activations-{}-{model_type}-{}",
+        std::process::id(),
+        extra.len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = format!(
+        r#"{{"model_type": "{model_type}", "hidden_size": 64, "intermediate_size": 176,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+            "vocab_size": 97, "max_position_embeddings": 128, "tie_word_embeddings": false{extra}}}"#
+    );
+    std::fs::write(dir.join("config.json"), json).unwrap();
+    dir
+}
+
+const ROWS: i64 = 2;
+const SEQ: i64 = 24;
+
+/// The bytes libtorch holds after `loss` ran, beyond what it held before.
+fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
+    let before = allocated().now;
+    let l = loss();
+    (allocated().now - before, l)
+}
+
+/// The families the estimate counts, each with settings that change
+/// what it computes: Llama with biases, Mistral's queries wider than
+/// the model with a window longer than the row, Qwen2 (its attention's
+/// biases), Granite's multipliers.
+const COUNTED: &[(&str, &str)] = &[
+    ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
+    ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
+    ("qwen2", ""),
+    (
+        "granite",
+        r#", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
+    ),
+];
+
+#[test]
+fn a_forward_holds_what_the_estimate_says_for_its_backward() {
+    let _t = turn();
+    track_allocations().unwrap();
+    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
+        .remainder(97)
+        .view([ROWS, SEQ]);
+    for (model_type, extra) in COUNTED {
+        let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            for recompute in [false, true] {
+                let (mut vs, model) = seeded(|| {
+                    let vs = nn::VarStore::new(Device::Cpu);
+                    let plan = ShardPlan::new();
+                    let m = match recompute {
+                        true => Llama::new_checkpointed(&vs.root(), &plan, &c),
+                        false => Llama::new(&vs.root(), &plan, &c),
+                    };
+                    (vs, m)
+                });
+                match kind {
+                    Kind::BFloat16 => vs.bfloat16(),
+                    Kind::Half => vs.half(),
+                    _ => {}
+                }
+                model.set_training(true);
+                let (held, loss) = held_by(|| model.loss(&tokens));
+                let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, recompute);
+                assert_eq!(
+                    Some(held),
+                    want,
+                    "{model_type} in {kind:?}, recomputing: {recompute}"
+                );
+                // And the backward these tensors were kept for runs.
+                loss.backward();
+                assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
+    let _t = turn();
+    track_allocations().unwrap();
+    let (model_type, extra) = COUNTED[0];
+    let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
+    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
+        .remainder(97)
+        .view([ROWS, SEQ]);
+    for (kind, dtype) in [(Kind::Float, ""), (Kind::BFloat16, BF16)] {
+        let (vs, plan, model) = seeded(|| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let plan = ShardPlan::new();
+            let m = Llama::new(&vs.root(), &plan, &c);
+            (vs, plan, m)
+        });
+        let engine = solo_engine(&vs, &plan, &config_zero(3, 1, 0.0, dtype, "")).unwrap();
+        model.set_training(true);
+        for step in 0..2 {
+            // Between steps the engine holds its state in its own
+            // buffers; the forward's gathers are its own memory too.
+            let (held, loss) = held_by(|| model.loss(&tokens));
+            let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, false);
+            assert_eq!(Some(held), want, "{kind:?}, step {step}");
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+        }
+    }
+}
+
+#[test]
+fn what_the_estimate_does_not_count_it_does_not_guess() {
+    let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
+    let rows_seq = (ROWS as u64, SEQ as u64);
+    // A window shorter than the row masks each layer's attention.
+    let windowed = c("mistral", r#", "sliding_window": 16"#);
+    assert_eq!(
+        held_for_backward(&windowed, rows_seq, Kind::Float, false),
+        None
+    );
+    assert!(held_for_backward(&windowed, (ROWS as u64, 16), Kind::Float, false).is_some());
+    // Other families' layers save other tensors.
+    for t in ["gemma", "qwen3", "olmo2", "starcoder2"] {
+        assert_eq!(
+            held_for_backward(&c(t, ""), rows_seq, Kind::Float, false),
+            None,
+            "{t}"
+        );
+    }
+    let dropout = c("llama", r#", "attention_dropout": 0.1"#);
+    assert_eq!(
+        held_for_backward(&dropout, rows_seq, Kind::Float, false),
+        None
+    );
+    // Only the dtypes a model computes in.
+    let llama = c("llama", "");
+    assert_eq!(
+        held_for_backward(&llama, rows_seq, Kind::Int64, false),
+        None
+    );
+}

@@ -1248,32 +1248,22 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     )
     .unwrap();
     let mistral = mistral.to_str().unwrap();
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--hf-config",
-        mistral,
-        "--world",
-        "2",
-        "--seq",
-        "256",
-    ]);
-    assert!(
-        ok && out.contains("activations: not counted for this model"),
-        "{out}"
-    );
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--hf-config",
-        mistral,
-        "--world",
-        "2",
-        "--seq",
-        "128",
-    ]);
-    assert!(
-        ok && out.contains("activations: a forward of 1 x 128 tokens"),
-        "{out}"
-    );
+    for (seq, said) in [
+        ("256", "activations: not counted for this model"),
+        ("128", "activations: a forward of 1 x 128 tokens"),
+    ] {
+        let args = [
+            "estimate",
+            "--hf-config",
+            mistral,
+            "--world",
+            "2",
+            "--seq",
+            seq,
+        ];
+        let (ok, out) = zrt(&args);
+        assert!(ok && out.contains(said), "{out}");
+    }
     // Widths come from a config, not from a count.
     let (ok, out) = zrt(&[
         "estimate", "--params", "1e9", "--world", "2", "--seq", "256",

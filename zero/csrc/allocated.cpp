@@ -37,6 +37,11 @@ void raise_peak(int64_t v) {
 }
 
 void counted_free(void *data) {
+  // The raw interface frees what it was given, null included (oneDNN
+  // hands back what a zero-byte raw allocation returned).
+  if (data == nullptr) {
+    return;
+  }
   char *base = static_cast<char *>(data) - kHeader;
   size_t n = 0;
   std::memcpy(&n, base, sizeof n);
@@ -45,10 +50,9 @@ void counted_free(void *data) {
 }
 
 struct Counting final : c10::Allocator {
+  // Zero bytes too get a header: every pointer handed out, through
+  // `allocate` or the raw interface, is then freed by `counted_free`.
   c10::DataPtr allocate(size_t n) override {
-    if (n == 0) {
-      return inner->allocate(0);
-    }
     void *base = inner->raw_allocate(n + kHeader);
     std::memcpy(base, &n, sizeof n);
     int64_t v = now_bytes.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);

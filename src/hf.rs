@@ -254,17 +254,32 @@ pub fn unit_params(config: impl AsRef<Path>) -> Result<Vec<(String, u64)>, HfErr
 
 /// The bytes a training forward of `rows` rows of `seq` tokens of the
 /// model `config` describes holds for its backward, once the loss is
-/// computed, in the compute dtype `kind` ([`crate::llama::held_for_backward`]:
-/// what `zrt estimate --seq` prints); `None` for the models whose saved
-/// tensors it does not count.
+/// computed, in the compute dtype `kind`, the whole model training or
+/// `lora`'s adapters ([`crate::llama::held_for_backward`]: what `zrt
+/// estimate --seq` prints); `None` for the models whose saved tensors it
+/// does not count.
 pub fn held_for_backward(
     config: impl AsRef<Path>,
     rows_seq: (u64, u64),
     kind: tch::Kind,
     recompute: bool,
+    lora: Option<&crate::lora::LoraConfig>,
 ) -> Result<Option<u64>, HfError> {
     Ok(match counted_layout(config.as_ref())? {
-        Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, recompute),
+        Layout::Llama(c) => crate::llama::held_for_backward(&c, rows_seq, kind, recompute, lora),
+        _ => None,
+    })
+}
+
+/// The parameters `lora`'s adapters hold on the model `config`
+/// describes ([`crate::llama::adapter_params`]); `None` for the models
+/// it does not count.
+pub fn adapter_params(
+    config: impl AsRef<Path>,
+    lora: &crate::lora::LoraConfig,
+) -> Result<Option<u64>, HfError> {
+    Ok(match counted_layout(config.as_ref())? {
+        Layout::Llama(c) => crate::llama::adapter_params(&c, lora),
         _ => None,
     })
 }

@@ -3,7 +3,8 @@
 //! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
 //! byte: Llama, Mistral, Qwen2 and Granite, fp32, bf16 and fp16, each layer's
 //! tensors saved or only its input (recomputed), alone and through a
-//! stage-3 engine.
+//! stage-3 engine, the whole model training or LoRA's adapters on a
+//! frozen base.
 //!
 //! In a test binary of its own: the count is process-wide, and other
 //! tests' threads would allocate beside it. Its tests take turns.
@@ -14,7 +15,7 @@ use std::sync::Mutex;
 
 use common::{config_zero, seeded, solo_engine, BF16};
 use tch::{nn, Device, Kind, Tensor};
-use zrt::llama::{held_for_backward, Llama, LlamaConfig};
+use zrt::llama::{adapter_params, held_for_backward, Llama, LlamaConfig};
 use zrt::zero::glue::{allocated, reset_peak_allocated, track_allocations};
 use zrt::zero::ShardPlan;
 
@@ -125,7 +126,7 @@ fn a_forward_holds_what_the_estimate_says_for_its_backward() {
                 }
                 model.set_training(true);
                 let (held, loss) = held_by(|| model.loss(&tokens));
-                let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, recompute);
+                let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, recompute, None);
                 assert_eq!(
                     Some(held),
                     want,
@@ -134,6 +135,74 @@ fn a_forward_holds_what_the_estimate_says_for_its_backward() {
                 // And the backward these tensors were kept for runs.
                 loss.backward();
                 assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+            }
+        }
+    }
+}
+
+#[test]
+fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
+    // The adapters' parameters are counted as the model holds them. And
+    // which tensors a layer keeps follows from which need a gradient:
+    // adapters on every linear layer, on the attention's alone, on the
+    // MLP's alone, on one layer of three (below it nothing needs one),
+    // ranks by pattern.
+    let _t = turn();
+    track_allocations().unwrap();
+    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
+        .remainder(97)
+        .view([ROWS, SEQ]);
+    let lora = |targets: &[&str]| zrt::lora::LoraConfig::new(8, 16.0, targets);
+    let on_layer_1 = zrt::lora::LoraConfig {
+        layers_to_transform: vec![1],
+        ..lora(&["q_proj", "down_proj"])
+    };
+    let ranked = zrt::lora::LoraConfig {
+        rank_pattern: vec![("v_proj".into(), 3), ("up_proj".into(), 5)],
+        ..lora(&["all-linear"])
+    };
+    let cases = [
+        lora(&["all-linear"]),
+        lora(&["q_proj", "v_proj"]),
+        lora(&["o_proj"]),
+        lora(&["gate_proj"]),
+        lora(&["up_proj", "down_proj"]),
+        on_layer_1,
+        ranked,
+    ];
+    for (model_type, extra) in [COUNTED[0], COUNTED[1]] {
+        let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
+        for lora in &cases {
+            for kind in [Kind::Float, Kind::BFloat16] {
+                for recompute in [false, true] {
+                    let (mut vs, model) = seeded(|| {
+                        let vs = nn::VarStore::new(Device::Cpu);
+                        let plan = ShardPlan::new();
+                        let m = Llama::with_lora(&vs.root(), &plan, &c, lora, recompute);
+                        (vs, m)
+                    });
+                    zrt::lora::freeze_base(&vs, lora).unwrap();
+                    let trained: i64 = (vs.variables().values())
+                        .filter(|t| t.requires_grad())
+                        .map(|t| t.numel() as i64)
+                        .sum();
+                    assert_eq!(adapter_params(&c, lora), Some(trained as u64));
+                    if kind == Kind::BFloat16 {
+                        vs.bfloat16();
+                    }
+                    model.set_training(true);
+                    let (held, loss) = held_by(|| model.loss(&tokens));
+                    let rows_seq = (ROWS as u64, SEQ as u64);
+                    let want = held_for_backward(&c, rows_seq, kind, recompute, Some(lora));
+                    assert_eq!(
+                        Some(held),
+                        want,
+                        "{model_type} {:?} {:?} in {kind:?}, recomputing: {recompute}",
+                        lora.target_modules,
+                        lora.layers_to_transform
+                    );
+                    loss.backward();
+                }
             }
         }
     }
@@ -161,7 +230,7 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
             // Between steps the engine holds its state in its own
             // buffers; the forward's gathers are its own memory too.
             let (held, loss) = held_by(|| model.loss(&tokens));
-            let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, false);
+            let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, false, None);
             assert_eq!(Some(held), want, "{kind:?}, step {step}");
             engine.backward(&loss).unwrap();
             engine.step().unwrap();
@@ -176,27 +245,56 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     // A window shorter than the row masks each layer's attention.
     let windowed = c("mistral", r#", "sliding_window": 16"#);
     assert_eq!(
-        held_for_backward(&windowed, rows_seq, Kind::Float, false),
+        held_for_backward(&windowed, rows_seq, Kind::Float, false, None),
         None
     );
-    assert!(held_for_backward(&windowed, (ROWS as u64, 16), Kind::Float, false).is_some());
+    assert!(held_for_backward(&windowed, (ROWS as u64, 16), Kind::Float, false, None).is_some());
     // Other families' layers save other tensors.
     for t in ["gemma", "qwen3", "olmo2", "starcoder2"] {
         assert_eq!(
-            held_for_backward(&c(t, ""), rows_seq, Kind::Float, false),
+            held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,
             "{t}"
         );
     }
+    let llama = c("llama", "");
+    let lora = zrt::lora::LoraConfig::new(8, 16.0, &["q_proj"]);
+    let est = |l: &zrt::lora::LoraConfig| {
+        held_for_backward(&llama, rows_seq, Kind::Float, false, Some(l))
+    };
+    assert!(est(&lora).is_some());
+    // LoRA's dropout and DoRA keep more; a trained head or token rows
+    // are not a layer's adapters.
+    for other in [
+        zrt::lora::LoraConfig {
+            dropout: 0.05,
+            ..lora.clone()
+        },
+        zrt::lora::LoraConfig {
+            use_dora: true,
+            ..lora.clone()
+        },
+        zrt::lora::LoraConfig::new(8, 16.0, &["q_proj", "lm_head"]),
+        zrt::lora::LoraConfig {
+            modules_to_save: vec!["lm_head".into()],
+            ..lora.clone()
+        },
+        zrt::lora::LoraConfig {
+            trainable_token_indices: vec![3],
+            ..lora.clone()
+        },
+    ] {
+        assert_eq!(est(&other), None, "{other:?}");
+        assert_eq!(adapter_params(&llama, &other), None, "{other:?}");
+    }
     let dropout = c("llama", r#", "attention_dropout": 0.1"#);
     assert_eq!(
-        held_for_backward(&dropout, rows_seq, Kind::Float, false),
+        held_for_backward(&dropout, rows_seq, Kind::Float, false, None),
         None
     );
     // Only the dtypes a model computes in.
-    let llama = c("llama", "");
     assert_eq!(
-        held_for_backward(&llama, rows_seq, Kind::Int64, false),
+        held_for_backward(&llama, rows_seq, Kind::Int64, false, None),
         None
     );
 }

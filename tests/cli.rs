@@ -1274,6 +1274,50 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         ),
         "{out}"
     );
+    // LoRA r 16 on every linear layer of the frozen model: the
+    // adapters train, the model is frozen (12.62M and 1.1B, the README's
+    // real-size run), and the activations are LoRA's.
+    let lora = [
+        "--dtype",
+        "fp32",
+        "--lora-r",
+        "16",
+        "--lora-targets",
+        "all-linear",
+    ];
+    let (ok, out) = zrt(&[&base[..], &lora[..]].concat());
+    assert!(ok, "{out}");
+    for said in [
+        "LoRA r 16 on all-linear: 12615680 adapter params train, the 1100048384 of the model frozen",
+        "with 1.100e9 frozen params",
+        "stage 3:       2.14 GiB",
+        "the largest, `lm_head` (65536000 params, frozen), adds 250.00 MiB",
+        "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 798.76 MiB a rank",
+    ] {
+        assert!(out.contains(said), "{said}: {out}");
+    }
+    // PEFT's default targets for the model's type: Llama's q_proj and
+    // v_proj.
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        tiny,
+        "--world",
+        "2",
+        "--lora-r",
+        "8",
+    ]);
+    assert!(
+        ok && out.contains("LoRA r 8 on q_proj,v_proj: 1126400 adapter params"),
+        "{out}"
+    );
+    let (ok, out) = zrt(&[
+        "estimate", "--params", "1e6", "--world", "2", "--lora-r", "8",
+    ]);
+    assert!(
+        !ok && out.contains("--lora-r counts the adapters from the layers' widths"),
+        "{out}"
+    );
     let (ok, out) = zrt(&[&base[..], &["--micro-batch", "0"]].concat());
     assert!(
         !ok && out.contains("--seq and --micro-batch must be at least 1"),

@@ -1,13 +1,24 @@
 //! What a forward leaves for its backward: the bytes of the tensors
 //! autograd saves, for the layouts whose every saved tensor is counted
 //! here (Llama's layer: pre-norm attention through the fused kernel and
-//! a gated MLP). `zrt estimate --seq` prints it; `tests/activation_memory.rs`
-//! holds it to what libtorch allocates, to the byte.
+//! a gated MLP), the whole model training or LoRA's adapters on a frozen
+//! base; and those adapters' parameters. `zrt estimate --seq` prints it;
+//! `tests/activation_memory.rs` holds it to what libtorch allocates, to
+//! the byte.
+//!
+//! autograd saves a tensor for the gradient of another input of the same
+//! operation: a matrix product keeps its input only if its weight trains,
+//! a product of two tensors each for the other's gradient. So what a
+//! layer keeps follows from which of its tensors need a gradient
+//! ("live" below): with a frozen base, the residual stream before the
+//! first adapter needs none, and a frozen norm keeps no normalized
+//! values.
 
 use tch::Kind;
 
 use super::config::LlamaConfig;
 use super::family::Family;
+use crate::lora::LoraConfig;
 
 /// The bytes of the generator state each recomputed layer keeps to draw
 /// its dropout again (libtorch's CPU generator, serialized).
@@ -16,17 +27,23 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// The bytes a training forward of `rows` rows of `seq` tokens holds for
 /// its backward once the loss is computed: every layer's saved tensors
 /// (with `recompute`, each layer's input alone), the final norm's and
-/// the loss's log-probabilities. `kind` is the compute dtype
-/// (the weights' and activations'; norms and the loss compute in fp32, as
-/// the families' classes do). `None` where the count would be a guess:
-/// the families whose layer is not Llama's (their norms, gates and
-/// attention kernels save other tensors), and a sliding window shorter
-/// than the row, a dropout or a soft-capping, which save more.
+/// the loss's log-probabilities. `kind` is the compute dtype (the
+/// weights' and activations'; norms and the loss compute in fp32, as the
+/// families' classes do). With `lora`, its adapters train on a frozen
+/// base, as [`crate::lora::freeze_base`] leaves it.
+///
+/// `None` where the count would be a guess: the families whose layer is
+/// not Llama's (their norms, gates and attention kernels save other
+/// tensors); a sliding window shorter than the row, a dropout or a
+/// soft-capping, which save more; and LoRA with a dropout, DoRA, bias
+/// terms, or anything besides the layers' adapters training (the head,
+/// token rows, `modules_to_save`, parameters).
 pub fn held_for_backward(
     c: &LlamaConfig,
     (rows, seq): (u64, u64),
     kind: Kind,
     recompute: bool,
+    lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     let counted = matches!(
         c.family,
@@ -40,6 +57,7 @@ pub fn held_for_backward(
         || c.final_softcap.is_some()
         || c.qk_norm
         || c.parallel
+        || lora.is_some_and(|l| !adapters_alone(l))
     {
         return None;
     }
@@ -49,38 +67,212 @@ pub fn held_for_backward(
         _ => return None,
     };
     let dims = |x: i64| x.max(0) as u64;
-    let (h, i, v) = (dims(c.hidden), dims(c.intermediate), dims(c.vocab));
-    let (q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
-    let (d, heads, layers) = (dims(c.head_dim), dims(c.heads), dims(c.layers));
-    // An RMSNorm keeps its input in fp32 (in fp32 the input itself, the
-    // residual; else its fp32 copy), the normalized values and its output
-    // in the compute dtype, and one fp32 reciprocal per token.
-    let norm = 4 * h + 2 * b * h + 4;
-    let per_token_layer = match recompute {
-        // The layer's input, its one saved tensor.
-        true => b * h,
-        // Two norms; the attention kernel's queries, keys, values, output
-        // and fp32 log-sum-exp per head (its output is the output
-        // projection's input); the MLP's gate, up, activated gate and
-        // product.
-        false => 2 * norm + b * (2 * q + 2 * kv + 4 * i) + 4 * heads,
-    };
-    let per_layer = match recompute {
-        true => RNG_STATE_BYTES,
-        // The rotary embedding's cos and sin, twice (queries, keys): one
-        // per position, shared by the rows.
-        false => seq * 4 * d * b,
+    let w = Widths {
+        b,
+        h: dims(c.hidden),
+        i: dims(c.intermediate),
+        q: dims(c.heads * c.head_dim),
+        kv: dims(c.kv_heads * c.head_dim),
+        d: dims(c.head_dim),
+        heads: dims(c.heads),
     };
     let tokens = rows * seq;
-    // The final norm; the loss's fp32 log-probabilities of every
-    // position but the last of each row (the logits themselves are not
-    // kept), and its scalar; with more than one row, the targets
-    // gathered into one int64 vector.
+    let full = lora.is_none();
+    // The embedding's output needs a gradient when the embedding trains.
+    let mut live = full;
+    let mut held = 0;
+    for layer in 0..c.layers.max(0) {
+        let ranks = match lora {
+            Some(l) => Ranks::of(l, layer),
+            None => Ranks::default(),
+        };
+        let trains = full || ranks.any();
+        let (per_token, per_position, out_live) = w.layer(live, full, &ranks);
+        held += match recompute {
+            // The layer's input, its one saved tensor, and the generator
+            // state to recompute it with; nothing where no gradient
+            // reaches or leaves it (it runs as a plain forward then).
+            true if live || trains => tokens * b * w.h + RNG_STATE_BYTES,
+            true => 0,
+            false => tokens * per_token + seq * per_position,
+        };
+        live = out_live;
+    }
+    // The final norm (and the head's input, when the head trains); the
+    // loss's fp32 log-probabilities of every position but the last of
+    // each row (the logits themselves are not kept), and its scalar;
+    // with more than one row, the targets gathered into one int64 vector.
+    let head = w.norm(live, full) + full as u64 * b * w.h;
     let predicted = rows * seq.saturating_sub(1);
     let targets = match rows > 1 {
         true => 8 * predicted,
         false => 0,
     };
-    let ends = tokens * norm + predicted * 4 * v + 8 + targets;
-    Some(layers * (tokens * per_token_layer + per_layer) + ends)
+    let logits_live = live || full;
+    let loss = logits_live as u64 * (predicted * 4 * dims(c.vocab) + 8 + targets);
+    Some(held + tokens * head + loss)
+}
+
+/// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +
+/// out) each), for the layers [`held_for_backward`] counts; `None` for
+/// the others, or where more than the layers' adapters trains.
+pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
+    let counted = matches!(
+        c.family,
+        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Granite
+    );
+    if !counted || !adapters_alone(lora) {
+        return None;
+    }
+    let dims = |x: i64| x.max(0) as u64;
+    let (h, i) = (dims(c.hidden), dims(c.intermediate));
+    let (q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
+    let per_layer = |r: &Ranks| {
+        r.q * (h + q)
+            + (r.k + r.v) * (h + kv)
+            + r.o * (q + h)
+            + (r.gate + r.up) * (h + i)
+            + r.down * (i + h)
+    };
+    Some(
+        (0..c.layers.max(0))
+            .map(|l| per_layer(&Ranks::of(lora, l)))
+            .sum(),
+    )
+}
+
+/// Whether only the layers' adapters train under `l`, with nothing that
+/// saves more than this module counts.
+fn adapters_alone(l: &LoraConfig) -> bool {
+    l.dropout == 0.0
+        && !l.use_dora
+        && !l.train_biases
+        && !l.lora_bias
+        && l.modules_to_save.is_empty()
+        && l.trainable_token_indices.is_empty()
+        && l.trainable_tokens_modules.is_empty()
+        && l.target_parameters.is_empty()
+        && !l.targets_by_name("lm_head")
+        && !l.targets_by_name("model.embed_tokens")
+}
+
+/// The ranks of a layer's adapters, 0 where it has none.
+#[derive(Default)]
+struct Ranks {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    gate: u64,
+    up: u64,
+    down: u64,
+}
+
+impl Ranks {
+    /// Whether the layer has an adapter.
+    fn any(&self) -> bool {
+        self.q + self.k + self.v + self.o + self.gate + self.up + self.down > 0
+    }
+
+    fn of(l: &LoraConfig, layer: i64) -> Self {
+        let rank = |module: &str| {
+            let name = format!("model.layers.{layer}.{module}");
+            match l.targets(&name) {
+                true => l.rank_of(&name).max(0) as u64,
+                false => 0,
+            }
+        };
+        Self {
+            q: rank("self_attn.q_proj"),
+            k: rank("self_attn.k_proj"),
+            v: rank("self_attn.v_proj"),
+            o: rank("self_attn.o_proj"),
+            gate: rank("mlp.gate_proj"),
+            up: rank("mlp.up_proj"),
+            down: rank("mlp.down_proj"),
+        }
+    }
+}
+
+/// A layer's widths and the compute dtype's bytes `b`.
+struct Widths {
+    b: u64,
+    h: u64,
+    i: u64,
+    q: u64,
+    kv: u64,
+    d: u64,
+    heads: u64,
+}
+
+impl Widths {
+    /// What an RMSNorm keeps per token: its input in fp32 (in fp32 the
+    /// input itself, else its fp32 copy) and one fp32 reciprocal when
+    /// the gradient flows through it; its normalized values when its
+    /// weight trains.
+    fn norm(&self, live: bool, trains: bool) -> u64 {
+        live as u64 * (4 * self.h + 4) + trains as u64 * self.b * self.h
+    }
+
+    /// What a layer keeps per token and per position (the rotary
+    /// embedding's cos and sin, shared by the rows), and whether its
+    /// output needs a gradient; `live`: whether its input does, `full`:
+    /// whether its base trains, `r`: its adapters. An adapter keeps its
+    /// input (shared by the layers reading one tensor) and its `A`'s
+    /// output.
+    fn layer(&self, live: bool, full: bool, r: &Ranks) -> (u64, u64, bool) {
+        let Self {
+            b,
+            h,
+            i,
+            q,
+            kv,
+            d,
+            heads,
+        } = *self;
+        let mut per_token = self.norm(live, full);
+        let normed = live || full;
+        // Queries, keys and values read one tensor.
+        if full || r.q + r.k + r.v > 0 {
+            per_token += b * h;
+        }
+        per_token += b * (r.q + r.k + r.v);
+        let (q_live, k_live, v_live) = (
+            normed || full || r.q > 0,
+            normed || full || r.k > 0,
+            normed || full || r.v > 0,
+        );
+        // Each of queries and keys multiplies cos and sin, which it keeps
+        // when it needs a gradient.
+        let per_position = 2 * b * d * (q_live as u64 + k_live as u64);
+        // The fused attention keeps its inputs, output and fp32 log-sum-
+        // exp per head; its output is the output projection's input.
+        let attended = q_live || k_live || v_live;
+        if attended {
+            per_token += b * (2 * q + 2 * kv) + 4 * heads;
+        } else if full || r.o > 0 {
+            per_token += b * q;
+        }
+        per_token += b * r.o;
+        let mid = live || attended || full || r.o > 0;
+        per_token += self.norm(mid, full);
+        let normed = mid || full;
+        // Gate and up read one tensor.
+        if full || r.gate + r.up > 0 {
+            per_token += b * h;
+        }
+        per_token += b * (r.gate + r.up);
+        let gate_live = normed || full || r.gate > 0;
+        let up_live = normed || full || r.up > 0;
+        // The activation keeps the gate; the product keeps each factor
+        // for the other's gradient; the down projection its input.
+        per_token += b * i * (2 * gate_live as u64 + up_live as u64);
+        let product_live = gate_live || up_live;
+        if full || r.down > 0 {
+            per_token += b * i;
+        }
+        per_token += b * r.down;
+        let out = mid || product_live || full || r.down > 0;
+        (per_token, per_position, out)
+    }
 }

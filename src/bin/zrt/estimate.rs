@@ -7,6 +7,7 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
+use zrt::lora::LoraConfig;
 
 /// Options of `zrt estimate`.
 #[derive(Args, Debug)]
@@ -68,6 +69,18 @@ pub struct EstimateArgs {
     /// kept (`finetune_hf --checkpoint-activations`).
     #[arg(long, requires = "seq")]
     checkpoint_activations: bool,
+    /// With `--hf-config`: LoRA adapters of this rank train on the frozen
+    /// model (`finetune_hf --lora-r`): the adapters are the trained
+    /// parameters, the model the frozen ones, and `--seq`'s activations
+    /// are LoRA's. Counted on the layers of Llama, Mistral, Qwen2 and
+    /// Granite.
+    #[arg(long)]
+    lora_r: Option<i64>,
+    /// With `--lora-r`: the linear layers that take adapters,
+    /// comma-separated (`all-linear` for every one of the layers'; PEFT's
+    /// default for the model's type without it).
+    #[arg(long, requires = "lora_r")]
+    lora_targets: Option<String>,
     /// A DeepSpeed config to take the dtype, the optimizer and
     /// `zero_quantized_nontrainable_weights` from; its stage's row is
     /// marked.
@@ -161,16 +174,23 @@ struct Counted {
     /// The values of the buffers `--hf-config`'s model holds as frozen
     /// variables (MiniMax's decays).
     buffers: u64,
+    /// With `--lora-r`: the adapters (their parameters are `params`) and
+    /// the frozen model's parameters.
+    lora: Option<(LoraConfig, u64)>,
 }
 
 /// The parameters `--params` gives or `--hf-config`'s model holds, and
 /// for the latter its largest unit and frozen buffers.
 fn params_of(a: &EstimateArgs) -> Result<Counted> {
     let Some(path) = &a.hf_config else {
+        if a.lora_r.is_some() {
+            bail!("--lora-r counts the adapters from the layers' widths, which --params does not give: give the model's config.json as --hf-config, or the adapters' count as --params and the model's as --frozen");
+        }
         return Ok(Counted {
             params: a.params.unwrap_or(f64::NAN),
             largest: None,
             buffers: 0,
+            lora: None,
         });
     };
     let buffers = zrt::hf::frozen_buffers(path)?;
@@ -195,10 +215,35 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
             "and {buffers} values of buffers its class writes into its files, which zrt holds as frozen parameters (counted below as frozen)"
         );
     }
+    if let Some(r) = a.lora_r {
+        let targets = match &a.lora_targets {
+            Some(list) => list.split(',').map(str::to_string).collect(),
+            None => zrt::lora::default_targets(path)?,
+        };
+        let lora = LoraConfig {
+            target_modules: targets,
+            ..LoraConfig::new(r, 2.0 * r as f64, &[])
+        };
+        lora.check("--lora-r and --lora-targets")?;
+        let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
+            bail!("--lora-r counts the adapters of the layers of Llama, Mistral, Qwen2 and Granite; for this model give the adapters' count as --params and the model's as --frozen");
+        };
+        println!(
+            "LoRA r {r} on {}: {adapters} adapter params train, the {total} of the model frozen",
+            lora.target_modules.join(",")
+        );
+        return Ok(Counted {
+            params: adapters as f64,
+            largest,
+            buffers,
+            lora: Some((lora, total)),
+        });
+    }
     Ok(Counted {
         params: total as f64,
         largest,
         buffers,
+        lora: None,
     })
 }
 
@@ -208,6 +253,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         params,
         largest,
         buffers,
+        lora,
     } = params_of(a)?;
     let (dtype, optimizer, quantize_frozen, marked) = match &a.config {
         Some(path) => {
@@ -260,8 +306,10 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
         }
     };
     println!("{params:.3e} params, {} ranks, {dtype} compute, {optimizer}: model-state bytes per rank (excluding activations and gathered units in flight)", a.world);
-    // The model's frozen buffers join the frozen parameters given.
-    let frozen = a.frozen + buffers as f64;
+    // The model's frozen buffers join the frozen parameters given, and
+    // under LoRA the model itself.
+    let base = lora.as_ref().map_or(0, |(_, n)| *n);
+    let frozen = a.frozen + buffers as f64 + base as f64;
     if frozen > 0.0 {
         println!(
             "with {frozen:.3e} frozen params (values only; stage 3 shards them{})",
@@ -295,19 +343,29 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if mixed {
         println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
-    if let Some((name, n)) = largest {
-        // Gathered values and their gradient in the compute dtype, and
-        // the fp32 buffer the gradient is reduced from.
-        let peak = (2.0 * c + 4.0) * n as f64;
-        println!(
-            "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params), adds up to {} at its backward (its gathered values, their gradient, the fp32 buffer it is reduced from), besides activations",
-            human(peak)
-        );
+    match (largest, lora.is_some()) {
+        (Some((name, n)), false) => {
+            // Gathered values and their gradient in the compute dtype,
+            // and the fp32 buffer the gradient is reduced from.
+            let peak = (2.0 * c + 4.0) * n as f64;
+            println!(
+                "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params), adds up to {} at its backward (its gathered values, their gradient, the fp32 buffer it is reduced from), besides activations",
+                human(peak)
+            );
+        }
+        (Some((name, n)), true) => println!(
+            "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params, frozen), adds {} of gathered values, besides its adapters and activations",
+            human(c * n as f64)
+        ),
+        (None, _) => {}
     }
     match (a.seq, &a.hf_config) {
-        (Some(seq), Some(path)) => {
-            activations(path, (a.micro_batch, seq), &dtype, a.checkpoint_activations)?
-        }
+        (Some(seq), Some(path)) => activations(
+            path,
+            (a.micro_batch, seq),
+            (&dtype, a.checkpoint_activations),
+            lora.as_ref().map(|(l, _)| l),
+        )?,
         (Some(_), None) => bail!(
             "--seq counts activations from the layers' widths, which --params does not give: give the model's config.json as --hf-config instead"
         ),
@@ -332,8 +390,8 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
 fn activations(
     path: &std::path::Path,
     (rows, seq): (u64, u64),
-    dtype: &str,
-    recompute: bool,
+    (dtype, recompute): (&str, bool),
+    lora: Option<&LoraConfig>,
 ) -> Result<()> {
     if rows == 0 || seq == 0 {
         bail!("--seq and --micro-batch must be at least 1 (e.g. --seq 2048 --micro-batch 1)");
@@ -347,7 +405,11 @@ fn activations(
         true => ", each layer recomputed in backward",
         false => "",
     };
-    match zrt::hf::held_for_backward(path, (rows, seq), kind, recompute)? {
+    let how = match lora {
+        Some(l) => format!("{how}, LoRA r {} adapters training", l.r),
+        None => how.to_string(),
+    };
+    match zrt::hf::held_for_backward(path, (rows, seq), kind, recompute, lora)? {
         Some(b) => println!(
             "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the loss's log-probabilities among them), on top of the above",
             human(b as f64)

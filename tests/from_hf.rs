@@ -1549,11 +1549,16 @@ fn bf16_tolerance(case: &str) -> f64 {
 /// loss falls from 4.8 to 1.1): `transformers`' own fp32 run of the
 /// first case ends 1.2e-5 and 7.9e-5 off its fp64 run on the two ranks,
 /// and 1.6e-5 and 1.2e-4 off itself with its weights changed by one part
-/// in 10^7 (zrt's cell, the same sums in another order, 1.03e-5).
+/// in 10^7 (zrt's cell, the same sums in another order, 1.03e-5). On
+/// the AMD EPYC AVX-512 VM the chaos is larger: there `transformers`'
+/// fp32 run ends 5.1e-4 and 1.7e-3 off its own fp64 run on the two
+/// ranks (and as far off itself with its weights changed by one part in
+/// 10^7), while zrt's fp32 run ends within 2e-5 of that fp64 run; so
+/// 3e-3.
 fn fp32_tolerance(case: &str) -> f64 {
     match case {
         "bitnet-ternary" | "bitnet-ternary-normed" => 1e-3,
-        "xlstm" | "xlstm-biased" => 3e-4,
+        "xlstm" | "xlstm-biased" => 3e-3,
         _ => 1e-5,
     }
 }

@@ -511,7 +511,10 @@ const OPENAI_GPT_DORA: Case = Case {
 
 /// ModernBERT-decoder's queries and values (PEFT has no default; zrt's,
 /// Llama's), each 64 -> 64, and its MLP's gated `Wi` (64 -> 96), in
-/// three layers, the first without a norm before its attention.
+/// three layers, the first without a norm before its attention. To
+/// 2e-5: on the AMD EPYC AVX-512 VM the first layer's `q_proj` A ended
+/// 5.4e-6 from PEFT's (within 1e-6 on the Intel one), AdamW carrying
+/// the sums' rounding where a gradient is near zero.
 const MODERNBERT_DECODER: Case = Case {
     python: (
         "from transformers import ModernBertDecoderConfig as C, ModernBertDecoderForCausalLM as M",
@@ -520,6 +523,7 @@ const MODERNBERT_DECODER: Case = Case {
     targets: &["q_proj", "v_proj", "Wi"],
     matrices: 18,
     elements: 3 * 4 * ((64 + 64) + (64 + 64) + (64 + 96)),
+    atol: Some(2e-5),
     ..OFF
 };
 
@@ -576,9 +580,13 @@ const ZAMBA: Case = Case {
 /// layers use the first (2 x 4 x (3 x 128 + 96 + 160 + 96)), and the
 /// hybrid layers' adapters on them, both linear layers of each (3 x 4 x
 /// (6 x 68 + 36 + 132)). The adapter files hold a shared block's under
-/// each user's name.
+/// each user's name. To 5e-5: on the AMD EPYC AVX-512 VM a hybrid
+/// layer's `linear_k` adapter's A ended 2.4e-5 from PEFT's (within 1e-6
+/// on the Intel one), AdamW carrying the sums' rounding where a gradient
+/// is near zero.
 const ZAMBA2_ALL: Case = Case {
     targets: &["all-linear"],
+    atol: Some(5e-5),
     matrices: 2 * (10 + 3 + 12 + 24),
     elements: 5 * 4 * ((32 + 152) + (64 + 32))
         + 3 * 4 * 64
@@ -618,12 +626,13 @@ const ZAMBA2_ALL_DORA: Case = Case {
 /// [`ZAMBA`] with every linear layer adapted (`all-linear`): its Mamba
 /// layers' projections, its two hybrid layers' `linear` (2 x 4 x 64) and
 /// the one shared block's projections once (4 x (128 + 3 x 96 + 3 x
-/// 80)), as PEFT adapts them. To 2e-5, as [`LLAMA_SAVED`]: a first
-/// layer's `in_proj` B ended 1.8e-6 from PEFT's, AdamW carrying the sums'
-/// rounding where a gradient is near zero.
+/// 80)), as PEFT adapts them. To 5e-5: a first layer's `in_proj` B
+/// ended 1.8e-6 from PEFT's on the Intel Xeon VM, its `out_proj` A
+/// 2.7e-5 on the AMD EPYC one, AdamW carrying the sums' rounding where a
+/// gradient is near zero.
 const ZAMBA_ALL: Case = Case {
     targets: &["all-linear"],
-    atol: Some(2e-5),
+    atol: Some(5e-5),
     matrices: 2 * (10 + 2 + 7),
     elements: ZAMBA.elements + 2 * 4 * 64 + 4 * (128 + 3 * 96 + 3 * 80),
     ..ZAMBA

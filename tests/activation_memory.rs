@@ -1,7 +1,7 @@
 //! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
 //! and what a forward holds for its backward is what
 //! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
-//! byte: Llama, Mistral, Qwen2 and Granite, fp32, bf16 and fp16, each layer's
+//! byte: Llama, Mistral, Qwen2, Granite and Qwen3, fp32, bf16 and fp16, each layer's
 //! tensors saved or only its input (recomputed), alone and through a
 //! stage-3 engine, the whole model training or LoRA's adapters on a
 //! frozen base.
@@ -88,7 +88,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// The families the estimate counts, each with settings that change
 /// what it computes: Llama with biases, Mistral's queries wider than
 /// the model with a window longer than the row, Qwen2 (its attention's
-/// biases), Granite's multipliers.
+/// biases), Granite's multipliers, Qwen3's norms of each head's queries
+/// and keys (a head 24 wide).
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -97,6 +98,7 @@ const COUNTED: &[(&str, &str)] = &[
         "granite",
         r#", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
     ),
+    ("qwen3", r#", "head_dim": 24"#),
 ];
 
 #[test]
@@ -170,7 +172,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         on_layer_1,
         ranked,
     ];
-    for (model_type, extra) in [COUNTED[0], COUNTED[1]] {
+    for (model_type, extra) in [COUNTED[0], COUNTED[1], COUNTED[4]] {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         for lora in &cases {
             for kind in [Kind::Float, Kind::BFloat16] {
@@ -250,7 +252,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     );
     assert!(held_for_backward(&windowed, (ROWS as u64, 16), Kind::Float, false, None).is_some());
     // Other families' layers save other tensors.
-    for t in ["gemma", "qwen3", "olmo2", "starcoder2"] {
+    for t in ["gemma", "cohere", "olmo2", "starcoder2"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -45,17 +45,12 @@ pub fn held_for_backward(
     recompute: bool,
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    let counted = matches!(
-        c.family,
-        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Granite
-    );
     let window_short = c.sliding_window.is_some_and(|w| (w as u64) < seq);
-    if !counted
+    if !counted(c)
         || window_short
         || c.attention_dropout > 0.0
         || c.attn_softcap.is_some()
         || c.final_softcap.is_some()
-        || c.qk_norm
         || c.parallel
         || lora.is_some_and(|l| !adapters_alone(l))
     {
@@ -75,6 +70,8 @@ pub fn held_for_backward(
         kv: dims(c.kv_heads * c.head_dim),
         d: dims(c.head_dim),
         heads: dims(c.heads),
+        kv_heads: dims(c.kv_heads),
+        qk_norm: c.qk_norm,
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -117,11 +114,7 @@ pub fn held_for_backward(
 /// out) each), for the layers [`held_for_backward`] counts; `None` for
 /// the others, or where more than the layers' adapters trains.
 pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
-    let counted = matches!(
-        c.family,
-        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Granite
-    );
-    if !counted || !adapters_alone(lora) {
+    if !counted(c) || !adapters_alone(lora) {
         return None;
     }
     let dims = |x: i64| x.max(0) as u64;
@@ -139,6 +132,16 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             .map(|l| per_layer(&Ranks::of(lora, l)))
             .sum(),
     )
+}
+
+/// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
+/// Qwen2's, Granite's, and Qwen3's with its queries' and keys' norms.
+fn counted(c: &LlamaConfig) -> bool {
+    match c.family {
+        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Granite => !c.qk_norm,
+        Family::Qwen3 => c.qk_norm,
+        _ => false,
+    }
 }
 
 /// Whether only the layers' adapters train under `l`, with nothing that
@@ -203,6 +206,9 @@ struct Widths {
     kv: u64,
     d: u64,
     heads: u64,
+    kv_heads: u64,
+    /// Qwen3's norms of each head's queries and keys.
+    qk_norm: bool,
 }
 
 impl Widths {
@@ -211,7 +217,12 @@ impl Widths {
     /// the gradient flows through it; its normalized values when its
     /// weight trains.
     fn norm(&self, live: bool, trains: bool) -> u64 {
-        live as u64 * (4 * self.h + 4) + trains as u64 * self.b * self.h
+        self.norm_of((self.h, 1), live, trains)
+    }
+
+    /// [`Widths::norm`] of `width` values in `rows` norms a token.
+    fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
+        live as u64 * (4 * width + 4 * rows) + trains as u64 * self.b * width
     }
 
     /// What a layer keeps per token and per position (the rotary
@@ -229,6 +240,8 @@ impl Widths {
             kv,
             d,
             heads,
+            kv_heads,
+            qk_norm,
         } = *self;
         let mut per_token = self.norm(live, full);
         let normed = live || full;
@@ -242,6 +255,11 @@ impl Widths {
             normed || full || r.k > 0,
             normed || full || r.v > 0,
         );
+        // Qwen3 norms each head's queries and keys before they turn.
+        if qk_norm {
+            per_token += self.norm_of((q, heads), q_live, full);
+            per_token += self.norm_of((kv, kv_heads), k_live, full);
+        }
         // Each of queries and keys multiplies cos and sin, which it keeps
         // when it needs a gradient.
         let per_position = 2 * b * d * (q_live as u64 + k_live as u64);

@@ -1231,6 +1231,11 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             .contains("activations: a forward of 1 x 256 tokens in fp32 holds 890.36 MiB a rank"),
         "{out}"
     );
+    // The three terms summed: 8.20 GiB, 750 MiB and 890 MiB.
+    assert!(
+        out.contains("stage 3 in all: 9.80 GiB a rank while it trains"),
+        "{out}"
+    );
     let (ok, out) = zrt(&[
         &base[..],
         &["--checkpoint-activations", "--micro-batch", "2"],
@@ -1293,6 +1298,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         "stage 3:       2.14 GiB",
         "the largest, `lm_head` (65536000 params, frozen), adds 250.00 MiB",
         "a forward of 1 x 256 tokens in fp32, LoRA r 16 adapters training holds 798.76 MiB a rank",
+        "stage 3 in all: 3.17 GiB a rank while it trains",
     ] {
         assert!(out.contains(said), "{said}: {out}");
     }

@@ -343,7 +343,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     if mixed {
         println!("zrt reduces and accumulates gradients in fp32 (a 16-bit accumulation drifts); the second column is DESIGN.md's table, DeepSpeed's, which keeps them in {dtype}");
     }
-    match (largest, lora.is_some()) {
+    let unit = match (largest, lora.is_some()) {
         (Some((name, n)), false) => {
             // Gathered values and their gradient in the compute dtype,
             // and the fp32 buffer the gradient is reduced from.
@@ -352,28 +352,41 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
                 "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params), adds up to {} at its backward (its gathered values, their gradient, the fp32 buffer it is reduced from), besides activations",
                 human(peak)
             );
+            Some(peak)
         }
-        (Some((name, n)), true) => println!(
-            "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params, frozen), adds {} of gathered values, besides its adapters and activations",
-            human(c * n as f64)
-        ),
-        (None, _) => {}
-    }
+        (Some((name, n)), true) => {
+            let peak = c * n as f64;
+            println!(
+                "stage 3 gathers a unit at a time: the largest, `{name}` ({n} params, frozen), adds {} of gathered values, besides its adapters and activations",
+                human(peak)
+            );
+            Some(peak)
+        }
+        (None, _) => None,
+    };
+    let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
+        + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
     match (a.seq, &a.hf_config) {
-        (Some(seq), Some(path)) => activations(
-            path,
-            (a.micro_batch, seq),
-            (&dtype, a.checkpoint_activations),
-            lora.as_ref().map(|(l, _)| l),
-        )?,
+        (Some(seq), Some(path)) => {
+            let held = activations(
+                path,
+                (a.micro_batch, seq),
+                (&dtype, a.checkpoint_activations),
+                lora.as_ref().map(|(l, _)| l),
+            )?;
+            if let (Some(held), Some(unit)) = (held, unit) {
+                println!(
+                    "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.4-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
+                    human(stage3 + unit + held as f64)
+                );
+            }
+        }
         (Some(_), None) => bail!(
             "--seq counts activations from the layers' widths, which --params does not give: give the model's config.json as --hf-config instead"
         ),
         (None, _) => {}
     }
     let built = build_bytes(params, frozen);
-    let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
-        + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
     println!(
         "building the model: {} on every rank (its weights in fp32, as tch's layers make them), or on rank 0 alone under ShardPlan::weights_on_first_rank_only (the other ranks hold one block), or on no rank under ShardPlan::weights_from_file (each loads its shard of a file) or weights_on_disk_while_built (rank 0 writes it to disk as it is made){}",
         human(built),
@@ -386,13 +399,14 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
 }
 
 /// Prints what a forward of `rows` rows of `seq` tokens of the model
-/// `path` describes holds for its backward, or why it is not counted.
+/// `path` describes holds for its backward, or why it is not counted,
+/// and returns it.
 fn activations(
     path: &std::path::Path,
     (rows, seq): (u64, u64),
     (dtype, recompute): (&str, bool),
     lora: Option<&LoraConfig>,
-) -> Result<()> {
+) -> Result<Option<u64>> {
     if rows == 0 || seq == 0 {
         bail!("--seq and --micro-batch must be at least 1 (e.g. --seq 2048 --micro-batch 1)");
     }
@@ -409,7 +423,8 @@ fn activations(
         Some(l) => format!("{how}, LoRA r {} adapters training", l.r),
         None => how.to_string(),
     };
-    match zrt::hf::held_for_backward(path, (rows, seq), kind, recompute, lora)? {
+    let held = zrt::hf::held_for_backward(path, (rows, seq), kind, recompute, lora)?;
+    match held {
         Some(b) => println!(
             "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the loss's log-probabilities among them), on top of the above",
             human(b as f64)
@@ -418,7 +433,7 @@ fn activations(
             "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3 and Granite, with no window shorter than the row, no dropout and no soft-capping); measure them: `memory_breakdown` logs what libtorch holds at its peak"
         ),
     }
-    Ok(())
+    Ok(held)
 }
 
 /// What a rank holds once it has built the whole model: every weight in

@@ -41,6 +41,13 @@ const BARE: &[Bare] = &[
     },
 ];
 
+/// Whether the linear layer `module` (its full name) is one of
+/// `family`'s bare ones, which the layer builds without an adapter
+/// whatever the targets.
+pub(super) fn is_bare(family: Family, module: &str) -> bool {
+    (BARE.iter()).any(|b| b.family == family && module.ends_with(&format!(".{}", b.module)))
+}
+
 /// Refuses `lora` naming one of `c`'s bare linear layers; returns those
 /// its targets reach otherwise (`all-linear`), by their names under a
 /// layer, for `exclude_modules`.

@@ -704,15 +704,10 @@ impl Experts {
                 }
             }
             // GPT-OSS's router is no linear layer (`GptOssTopKRouter`
-            // holds its weight and bias as parameters): it takes no
-            // adapter (`bare`), as Llama 4's.
+            // holds its weight and bias as parameters): `lin` builds it
+            // bare, as `bare`'s table says, and Llama 4's.
             (None, _) if family == Family::GptOss => Router::Softmax {
-                gate: Adapted::new(
-                    &(p / "router"),
-                    (d, m.experts, true),
-                    None,
-                    &Training::default(),
-                ),
+                gate: lin(&(p / "router"), d, m.experts, true),
                 correction: None,
             },
             (None, _) if family == Family::JetMoe => Router::TopSoftmax {
@@ -736,12 +731,7 @@ impl Experts {
                 correction: None,
             },
             (None, _) if family == Family::Llama4 => Router::TopSigmoid {
-                gate: Adapted::new(
-                    &(p / "router"),
-                    (d, m.experts, false),
-                    None,
-                    &Training::default(),
-                ),
+                gate: lin(&(p / "router"), d, m.experts, false),
             },
             (None, _) if family == Family::HunyuanMoe => Router::Softmax {
                 gate: lin(&(p / "gate" / "wg"), d, m.experts, false),
@@ -1021,6 +1011,11 @@ impl Layer {
             let name = match &c.zamba {
                 Some(z) => super::zamba::file_name(&name, z),
                 None => name,
+            };
+            // The layers PEFT's adapter would not work on take none.
+            let (lora, training) = match super::bare::is_bare(c.family, &name) {
+                true => (None, &Training::default()),
+                false => (lora, training),
             };
             (Adapted::new_as(p, &name, (i, o, bias), lora, training))
                 .ternary(c.ternary)

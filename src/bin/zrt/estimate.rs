@@ -376,7 +376,7 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
             )?;
             if let (Some(held), Some(unit)) = (held, unit) {
                 println!(
-                    "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.4-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
+                    "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
                     human(stage3 + unit + held as f64)
                 );
             }

@@ -78,6 +78,43 @@ fn config(model_type: &str, extra: &str) -> std::path::PathBuf {
 const ROWS: i64 = 2;
 const SEQ: i64 = 24;
 
+/// Each row's tokens, `[ROWS, SEQ]`.
+fn tokens() -> Tensor {
+    Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
+        .remainder(97)
+        .view([ROWS, SEQ])
+}
+
+/// The model `c` from seed 0 (with `lora`'s adapters, its base frozen),
+/// each layer `recompute`d or not, its variables in `kind`, training.
+fn built(
+    c: &LlamaConfig,
+    kind: Kind,
+    recompute: bool,
+    lora: Option<&zrt::lora::LoraConfig>,
+) -> (nn::VarStore, Llama) {
+    let (mut vs, model) = seeded(|| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (root, plan) = (vs.root(), ShardPlan::new());
+        let m = match (lora, recompute) {
+            (Some(l), _) => Llama::with_lora(&root, &plan, c, l, recompute),
+            (None, true) => Llama::new_checkpointed(&root, &plan, c),
+            (None, false) => Llama::new(&root, &plan, c),
+        };
+        (vs, m)
+    });
+    if let Some(l) = lora {
+        zrt::lora::freeze_base(&vs, l).unwrap();
+    }
+    match kind {
+        Kind::BFloat16 => vs.bfloat16(),
+        Kind::Half => vs.half(),
+        _ => {}
+    }
+    model.set_training(true);
+    (vs, model)
+}
+
 /// The bytes libtorch holds after `loss` ran, beyond what it held before.
 fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
     let before = allocated().now;
@@ -105,28 +142,12 @@ const COUNTED: &[(&str, &str)] = &[
 fn a_forward_holds_what_the_estimate_says_for_its_backward() {
     let _t = turn();
     track_allocations().unwrap();
-    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
-        .remainder(97)
-        .view([ROWS, SEQ]);
+    let tokens = tokens();
     for (model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
             for recompute in [false, true] {
-                let (mut vs, model) = seeded(|| {
-                    let vs = nn::VarStore::new(Device::Cpu);
-                    let plan = ShardPlan::new();
-                    let m = match recompute {
-                        true => Llama::new_checkpointed(&vs.root(), &plan, &c),
-                        false => Llama::new(&vs.root(), &plan, &c),
-                    };
-                    (vs, m)
-                });
-                match kind {
-                    Kind::BFloat16 => vs.bfloat16(),
-                    Kind::Half => vs.half(),
-                    _ => {}
-                }
-                model.set_training(true);
+                let (vs, model) = built(&c, kind, recompute, None);
                 let (held, loss) = held_by(|| model.loss(&tokens));
                 let want = held_for_backward(&c, (ROWS as u64, SEQ as u64), kind, recompute, None);
                 assert_eq!(
@@ -151,9 +172,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
     // ranks by pattern.
     let _t = turn();
     track_allocations().unwrap();
-    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
-        .remainder(97)
-        .view([ROWS, SEQ]);
+    let tokens = tokens();
     let lora = |targets: &[&str]| zrt::lora::LoraConfig::new(8, 16.0, targets);
     let on_layer_1 = zrt::lora::LoraConfig {
         layers_to_transform: vec![1],
@@ -177,22 +196,12 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         for lora in &cases {
             for kind in [Kind::Float, Kind::BFloat16] {
                 for recompute in [false, true] {
-                    let (mut vs, model) = seeded(|| {
-                        let vs = nn::VarStore::new(Device::Cpu);
-                        let plan = ShardPlan::new();
-                        let m = Llama::with_lora(&vs.root(), &plan, &c, lora, recompute);
-                        (vs, m)
-                    });
-                    zrt::lora::freeze_base(&vs, lora).unwrap();
+                    let (vs, model) = built(&c, kind, recompute, Some(lora));
                     let trained: i64 = (vs.variables().values())
                         .filter(|t| t.requires_grad())
                         .map(|t| t.numel() as i64)
                         .sum();
                     assert_eq!(adapter_params(&c, lora), Some(trained as u64));
-                    if kind == Kind::BFloat16 {
-                        vs.bfloat16();
-                    }
-                    model.set_training(true);
                     let (held, loss) = held_by(|| model.loss(&tokens));
                     let rows_seq = (ROWS as u64, SEQ as u64);
                     let want = held_for_backward(&c, rows_seq, kind, recompute, Some(lora));
@@ -216,9 +225,7 @@ fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
     track_allocations().unwrap();
     let (model_type, extra) = COUNTED[0];
     let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
-    let tokens = Tensor::arange(ROWS * SEQ, (Kind::Int64, Device::Cpu))
-        .remainder(97)
-        .view([ROWS, SEQ]);
+    let tokens = tokens();
     for (kind, dtype) in [(Kind::Float, ""), (Kind::BFloat16, BF16)] {
         let (vs, plan, model) = seeded(|| {
             let vs = nn::VarStore::new(Device::Cpu);

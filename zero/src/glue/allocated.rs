@@ -36,7 +36,7 @@ pub struct Allocated {
 }
 
 /// Turns the count on, once per process (later calls do nothing); the
-/// engine does when it is built. Each allocation from then on costs two
+/// engine does when it is built under `memory_breakdown`. Each allocation from then on costs two
 /// atomic additions and 64 bytes more. Memory allocated before is not
 /// counted, and neither is its release. Fails if another CPU allocator
 /// has taken libtorch's place with a higher priority.

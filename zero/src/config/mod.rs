@@ -604,8 +604,9 @@ pub struct Config {
     /// `wall_clock_breakdown`.
     pub wall_clock_breakdown: bool,
     /// `memory_breakdown`: the first rank logs its resident set, model
-    /// state and reuse pools once the engine is built and with each
-    /// progress line.
+    /// state, reuse pools and what libtorch holds (its allocations are
+    /// counted from the engine's build on: `glue::allocated`) once the
+    /// engine is built and with each progress line.
     pub memory_breakdown: bool,
     /// `dump_state`: the first rank logs the engine's state (its world,
     /// batch, optimizer and each unit's layout) once it is built.

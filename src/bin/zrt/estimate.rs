@@ -249,6 +249,15 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
 
 /// Runs `zrt estimate`.
 pub fn run(a: &EstimateArgs) -> Result<()> {
+    // Refused before anything is printed.
+    if let Some(seq) = a.seq {
+        if a.hf_config.is_none() {
+            bail!("--seq counts activations from the layers' widths, which --params does not give: give the model's config.json as --hf-config instead");
+        }
+        if seq == 0 || a.micro_batch == 0 {
+            bail!("--seq and --micro-batch must be at least 1 (e.g. --seq 2048 --micro-batch 1)");
+        }
+    }
     let Counted {
         params,
         largest,
@@ -366,25 +375,19 @@ pub fn run(a: &EstimateArgs) -> Result<()> {
     };
     let stage3 = model_state_bytes(3, params, a.world as f64, c, moments)
         + frozen_bytes(3, frozen, a.world as f64, c, quantize_frozen);
-    match (a.seq, &a.hf_config) {
-        (Some(seq), Some(path)) => {
-            let held = activations(
-                path,
-                (a.micro_batch, seq),
-                (&dtype, a.checkpoint_activations),
-                lora.as_ref().map(|(l, _)| l),
-            )?;
-            if let (Some(held), Some(unit)) = (held, unit) {
-                println!(
-                    "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
-                    human(stage3 + unit + held as f64)
-                );
-            }
+    if let (Some(seq), Some(path)) = (a.seq, &a.hf_config) {
+        let held = activations(
+            path,
+            (a.micro_batch, seq),
+            (&dtype, a.checkpoint_activations),
+            lora.as_ref().map(|(l, _)| l),
+        )?;
+        if let (Some(held), Some(unit)) = (held, unit) {
+            println!(
+                "stage 3 in all: {} a rank while it trains (the model state, the largest unit in flight, the activations); the program, libtorch's own memory, the units prefetched beside it and the allocator's slack come on top (0.35-1.4 GiB a rank in the 1.1B runs of the README's Benchmarks)",
+                human(stage3 + unit + held as f64)
+            );
         }
-        (Some(_), None) => bail!(
-            "--seq counts activations from the layers' widths, which --params does not give: give the model's config.json as --hf-config instead"
-        ),
-        (None, _) => {}
     }
     let built = build_bytes(params, frozen);
     println!(
@@ -407,9 +410,6 @@ fn activations(
     (dtype, recompute): (&str, bool),
     lora: Option<&LoraConfig>,
 ) -> Result<Option<u64>> {
-    if rows == 0 || seq == 0 {
-        bail!("--seq and --micro-batch must be at least 1 (e.g. --seq 2048 --micro-batch 1)");
-    }
     let kind = match dtype {
         "fp32" => tch::Kind::Float,
         "fp16" => tch::Kind::Half,

@@ -60,10 +60,13 @@ fn libtorch_allocations_are_counted_while_they_live() {
 /// `extra` adds: 3 layers, width 64 (4 heads over 2 key-value heads),
 /// vocabulary 97.
 fn config(model_type: &str, extra: &str) -> std::path::PathBuf {
+    // A directory of its own for each call: tests that do not take turns
+    // write configs too, and two of one type must not share one.
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!(
-        "zrt-activations-{}-{model_type}-{}",
-        std::process::id(),
-        extra.len()
+        "zrt-activations-{}-{model_type}-{n}",
+        std::process::id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let json = format!(

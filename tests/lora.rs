@@ -642,9 +642,16 @@ const ZAMBA_ALL: Case = Case {
 /// zrt's default (PEFT has none), and their output projections. Without
 /// `use_cache`: `from_pretrained` leaves the model in eval mode, where
 /// its class writes each layer's state into its cache in place, and
-/// the reference's backward then fails. To 1e-5: its steps are chaotic
-/// at the cases' learning rate (`tests/from_hf.rs`, `fp32_tolerance`),
-/// and the first block's `out_proj` B ended 2.2e-6 from PEFT's.
+/// the reference's backward then fails. To 5e-4: its steps are chaotic
+/// at the cases' learning rate (`tests/from_hf.rs`, `fp32_tolerance`).
+/// Here the first block's `out_proj` A ends 1.2e-6 from PEFT's (2.2e-6
+/// on the Intel Xeon VM), but 1.24e-4 in one CI run. PEFT's own run, its
+/// base weights changed by 1e-7 relative, moves its adapters up to
+/// 9.4e-6, and by 1e-5 relative, 1e-4: its gradients move 1e-4 relative
+/// for a change of 1e-7 (a head's small outputs through the per-head
+/// norm), and AdamW turns a small gradient's error into a step's. A
+/// lower learning rate makes it worse (at 1e-3, 3.8e-4 for 1e-5), and a
+/// wider `norm_eps` steadies the gradients but not the adapters.
 const XLSTM: Case = Case {
     python: (
         common::XLSTM,
@@ -653,7 +660,7 @@ const XLSTM: Case = Case {
     targets: &["q", "v", "out_proj"],
     matrices: 12,
     elements: 2 * 4 * ((128 + 64) + (128 + 128) + (128 + 128)),
-    atol: Some(1e-5),
+    atol: Some(5e-4),
     ..OFF
 };
 

@@ -1,7 +1,7 @@
 //! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
 //! and what a forward holds for its backward is what
 //! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
-//! byte: Llama, Mistral, Qwen2, Granite and Qwen3, fp32, bf16 and fp16, each layer's
+//! byte: Llama, Mistral, Qwen2, Granite, Qwen3 and Gemma, fp32, bf16 and fp16, each layer's
 //! tensors saved or only its input (recomputed), alone and through a
 //! stage-3 engine, the whole model training or LoRA's adapters on a
 //! frozen base.
@@ -129,7 +129,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// what it computes: Llama with biases, Mistral's queries wider than
 /// the model with a window longer than the row, Qwen2 (its attention's
 /// biases), Granite's multipliers, Qwen3's norms of each head's queries
-/// and keys (a head 24 wide).
+/// and keys (a head 24 wide), Gemma's norms (times `1 + weight` in fp32)
+/// and scaled embeddings.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -139,6 +140,15 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.03, "logits_scaling": 8.0"#,
     ),
     ("qwen3", r#", "head_dim": 24"#),
+    ("gemma", r#", "head_dim": 24"#),
+    (
+        "gemma2",
+        r#", "head_dim": 24, "sliding_window": 32, "query_pre_attn_scalar": 24, "attn_logit_softcapping": null, "final_logit_softcapping": null"#,
+    ),
+    (
+        "gemma3_text",
+        r#", "head_dim": 24, "sliding_window": 32, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24"#,
+    ),
 ];
 
 #[test]
@@ -194,7 +204,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         on_layer_1,
         ranked,
     ];
-    for (model_type, extra) in [COUNTED[0], COUNTED[1], COUNTED[4]] {
+    for (model_type, extra) in [COUNTED[0], COUNTED[1], COUNTED[4], COUNTED[5], COUNTED[7]] {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         for lora in &cases {
             for kind in [Kind::Float, Kind::BFloat16] {
@@ -262,7 +272,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     );
     assert!(held_for_backward(&windowed, (ROWS as u64, 16), Kind::Float, false, None).is_some());
     // Other families' layers save other tensors.
-    for t in ["gemma", "cohere", "olmo2", "starcoder2"] {
+    for t in ["gemma2", "cohere", "olmo2", "starcoder2"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -1,7 +1,9 @@
 //! What a forward leaves for its backward: the bytes of the tensors
 //! autograd saves, for the layouts whose every saved tensor is counted
 //! here (Llama's layer: pre-norm attention through the fused kernel and
-//! a gated MLP), the whole model training or LoRA's adapters on a frozen
+//! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
+//! 3's norms of each sublayer's output), the whole model training or
+//! LoRA's adapters on a frozen
 //! base; and those adapters' parameters. `zrt estimate --seq` prints it;
 //! `tests/activation_memory.rs` holds it to what libtorch allocates, to
 //! the byte.
@@ -33,8 +35,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's (their norms, gates and attention kernels save other
-/// tensors); a sliding window shorter than the row, a dropout or a
+/// not Llama's or Gemma's (their norms, gates and attention kernels save
+/// other tensors); a sliding window shorter than the row, a dropout or a
 /// soft-capping, which save more; and LoRA with a dropout, DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
@@ -72,6 +74,8 @@ pub fn held_for_backward(
         heads: dims(c.heads),
         kv_heads: dims(c.kv_heads),
         qk_norm: c.qk_norm,
+        offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
+        sandwich: matches!(c.family, Family::Gemma2 | Family::Gemma3),
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -84,14 +88,14 @@ pub fn held_for_backward(
             None => Ranks::default(),
         };
         let trains = full || ranks.any();
-        let (per_token, per_position, out_live) = w.layer(live, full, &ranks);
+        let (per_token, per_position, per_forward, out_live) = w.layer(live, full, &ranks);
         held += match recompute {
             // The layer's input, its one saved tensor, and the generator
             // state to recompute it with; nothing where no gradient
             // reaches or leaves it (it runs as a plain forward then).
             true if live || trains => tokens * b * w.h + RNG_STATE_BYTES,
             true => 0,
-            false => tokens * per_token + seq * per_position,
+            false => tokens * per_token + seq * per_position + per_forward,
         };
         live = out_live;
     }
@@ -100,6 +104,10 @@ pub fn held_for_backward(
     // each row (the logits themselves are not kept), and its scalar;
     // with more than one row, the targets gathered into one int64 vector.
     let head = w.norm(live, full) + full as u64 * b * w.h;
+    let final_norm = w.norm_weights(live);
+    // Gemma's embeddings are scaled by a one-value tensor of their
+    // dtype, which the product keeps when the embeddings train.
+    let scale = (full && w.offset_norms) as u64 * b;
     let predicted = rows * seq.saturating_sub(1);
     let targets = match rows > 1 {
         true => 8 * predicted,
@@ -107,7 +115,7 @@ pub fn held_for_backward(
     };
     let logits_live = live || full;
     let loss = logits_live as u64 * (predicted * 4 * dims(c.vocab) + 8 + targets);
-    Some(held + tokens * head + loss)
+    Some(held + tokens * head + final_norm + scale + loss)
 }
 
 /// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +
@@ -135,11 +143,17 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Qwen2's, Granite's, and Qwen3's with its queries' and keys' norms.
+/// Qwen2's, Granite's and Gemma's, and Qwen3's and Gemma 3's with their
+/// queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
-        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Granite => !c.qk_norm,
-        Family::Qwen3 => c.qk_norm,
+        Family::Llama
+        | Family::Mistral
+        | Family::Qwen2
+        | Family::Granite
+        | Family::Gemma
+        | Family::Gemma2 => !c.qk_norm,
+        Family::Qwen3 | Family::Gemma3 => c.qk_norm,
         _ => false,
     }
 }
@@ -209,29 +223,51 @@ struct Widths {
     kv_heads: u64,
     /// Qwen3's norms of each head's queries and keys.
     qk_norm: bool,
+    /// Gemma's norms: times `1 + weight` in fp32.
+    offset_norms: bool,
+    /// Gemma 3's norms of each sublayer's output too.
+    sandwich: bool,
 }
 
 impl Widths {
     /// What an RMSNorm keeps per token: its input in fp32 (in fp32 the
     /// input itself, else its fp32 copy) and one fp32 reciprocal when
     /// the gradient flows through it; its normalized values when its
-    /// weight trains.
+    /// weight trains (Gemma's in fp32, the dtype they are multiplied
+    /// in).
     fn norm(&self, live: bool, trains: bool) -> u64 {
         self.norm_of((self.h, 1), live, trains)
     }
 
     /// [`Widths::norm`] of `width` values in `rows` norms a token.
     fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
-        live as u64 * (4 * width + 4 * rows) + trains as u64 * self.b * width
+        let normed = match self.offset_norms {
+            true => 4,
+            false => self.b,
+        };
+        live as u64 * (4 * width + 4 * rows) + trains as u64 * normed * width
     }
 
-    /// What a layer keeps per token and per position (the rotary
-    /// embedding's cos and sin, shared by the rows), and whether its
-    /// output needs a gradient; `live`: whether its input does, `full`:
+    /// What a norm of the model's width keeps once a forward, whatever
+    /// the tokens: Gemma's `1 + weight` in fp32, a tensor of its own,
+    /// kept when the gradient flows through it (Llama's product keeps
+    /// the weight itself, no new memory).
+    fn norm_weights(&self, live: bool) -> u64 {
+        self.norm_weights_of(self.h, live)
+    }
+
+    /// [`Widths::norm_weights`] of a norm `width` wide.
+    fn norm_weights_of(&self, width: u64, live: bool) -> u64 {
+        (self.offset_norms && live) as u64 * 4 * width
+    }
+
+    /// What a layer keeps per token, per position (the rotary
+    /// embedding's cos and sin, shared by the rows) and once, and
+    /// whether its output needs a gradient; `live`: whether its input does, `full`:
     /// whether its base trains, `r`: its adapters. An adapter keeps its
     /// input (shared by the layers reading one tensor) and its `A`'s
     /// output.
-    fn layer(&self, live: bool, full: bool, r: &Ranks) -> (u64, u64, bool) {
+    fn layer(&self, live: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
         let Self {
             b,
             h,
@@ -242,8 +278,11 @@ impl Widths {
             heads,
             kv_heads,
             qk_norm,
+            offset_norms: _,
+            sandwich,
         } = *self;
         let mut per_token = self.norm(live, full);
+        let mut per_forward = self.norm_weights(live);
         let normed = live || full;
         // Queries, keys and values read one tensor.
         if full || r.q + r.k + r.v > 0 {
@@ -259,6 +298,7 @@ impl Widths {
         if qk_norm {
             per_token += self.norm_of((q, heads), q_live, full);
             per_token += self.norm_of((kv, kv_heads), k_live, full);
+            per_forward += self.norm_weights_of(d, q_live) + self.norm_weights_of(d, k_live);
         }
         // Each of queries and keys multiplies cos and sin, which it keeps
         // when it needs a gradient.
@@ -272,8 +312,15 @@ impl Widths {
             per_token += b * q;
         }
         per_token += b * r.o;
-        let mid = live || attended || full || r.o > 0;
+        let o_live = attended || full || r.o > 0;
+        // Gemma 3 normalises the attention's output before the residual.
+        if sandwich {
+            per_token += self.norm(o_live, full);
+            per_forward += self.norm_weights(o_live);
+        }
+        let mid = live || o_live;
         per_token += self.norm(mid, full);
+        per_forward += self.norm_weights(mid);
         let normed = mid || full;
         // Gate and up read one tensor.
         if full || r.gate + r.up > 0 {
@@ -290,7 +337,13 @@ impl Widths {
             per_token += b * i;
         }
         per_token += b * r.down;
-        let out = mid || product_live || full || r.down > 0;
-        (per_token, per_position, out)
+        let down_live = product_live || full || r.down > 0;
+        // And the MLP's.
+        if sandwich {
+            per_token += self.norm(down_live, full);
+            per_forward += self.norm_weights(down_live);
+        }
+        let out = mid || down_live;
+        (per_token, per_position, per_forward, out)
     }
 }

@@ -1,7 +1,7 @@
 //! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
 //! and what a forward holds for its backward is what
 //! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
-//! byte: Llama, Mistral, Qwen2, Granite, Qwen3 and Gemma, fp32, bf16 and fp16, each layer's
+//! byte: Llama, Mistral, Qwen2, Granite, Qwen3, Gemma 1-3 and Phi-3, fp32, bf16 and fp16, each layer's
 //! tensors saved or only its input (recomputed), alone and through a
 //! stage-3 engine, the whole model training or LoRA's adapters on a
 //! frozen base.
@@ -129,8 +129,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// what it computes: Llama with biases, Mistral's queries wider than
 /// the model with a window longer than the row, Qwen2 (its attention's
 /// biases), Granite's multipliers, Qwen3's norms of each head's queries
-/// and keys (a head 24 wide), Gemma's norms (times `1 + weight` in fp32)
-/// and scaled embeddings.
+/// and keys (a head 24 wide), Phi-3's fused projections and a part of
+/// each head turned, Gemma's norms (times `1 + weight` in fp32) and
+/// scaled embeddings, Gemma 2's (without its caps) and 3's norms of each
+/// sublayer's output.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -141,6 +143,10 @@ const COUNTED: &[(&str, &str)] = &[
     ),
     ("qwen3", r#", "head_dim": 24"#),
     ("gemma", r#", "head_dim": 24"#),
+    (
+        "phi3",
+        r#", "partial_rotary_factor": 0.75, "pad_token_id": 96"#,
+    ),
     (
         "gemma2",
         r#", "head_dim": 24, "sliding_window": 32, "query_pre_attn_scalar": 24, "attn_logit_softcapping": null, "final_logit_softcapping": null"#,
@@ -204,9 +210,36 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         on_layer_1,
         ranked,
     ];
-    for (model_type, extra) in [COUNTED[0], COUNTED[1], COUNTED[4], COUNTED[5], COUNTED[7]] {
+    // Phi-3's fused projections under their own names.
+    let fused = |l: &zrt::lora::LoraConfig| {
+        let mut l = l.clone();
+        for (names, fused) in [
+            (&["q_proj", "k_proj", "v_proj"][..], "qkv_proj"),
+            (&["gate_proj", "up_proj"][..], "gate_up_proj"),
+        ] {
+            for m in l
+                .target_modules
+                .iter_mut()
+                .chain(l.rank_pattern.iter_mut().map(|(m, _)| m))
+            {
+                if names.contains(&m.as_str()) {
+                    *m = fused.into();
+                }
+            }
+        }
+        l.target_modules.dedup();
+        l
+    };
+    let phi3_cases: Vec<_> = cases.iter().map(fused).collect();
+    for (model_type, extra) in [
+        COUNTED[0], COUNTED[1], COUNTED[4], COUNTED[5], COUNTED[6], COUNTED[8],
+    ] {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
-        for lora in &cases {
+        let cases = match model_type {
+            "phi3" => &phi3_cases[..],
+            _ => &cases[..],
+        };
+        for lora in cases {
             for kind in [Kind::Float, Kind::BFloat16] {
                 for recompute in [false, true] {
                     let (vs, model) = built(&c, kind, recompute, Some(lora));
@@ -309,11 +342,16 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
         assert_eq!(est(&other), None, "{other:?}");
         assert_eq!(adapter_params(&llama, &other), None, "{other:?}");
     }
-    let dropout = c("llama", r#", "attention_dropout": 0.1"#);
-    assert_eq!(
-        held_for_backward(&dropout, rows_seq, Kind::Float, false, None),
-        None
-    );
+    for (t, dropout) in [
+        ("llama", r#", "attention_dropout": 0.1"#),
+        ("phi3", r#", "resid_pdrop": 0.1, "pad_token_id": 96"#),
+    ] {
+        assert_eq!(
+            held_for_backward(&c(t, dropout), rows_seq, Kind::Float, false, None),
+            None,
+            "{t}{dropout}"
+        );
+    }
     // Only the dtypes a model computes in.
     assert_eq!(
         held_for_backward(&llama, rows_seq, Kind::Int64, false, None),

@@ -1302,6 +1302,36 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         ]);
         assert!(ok && out.contains(said), "{out}");
     }
+    // Phi-3 mini's, LoRA r 8 on PEFT's default for it, the fused
+    // `qkv_proj` (8 x (3072 + 9216) a layer, 32 layers). Its values keep
+    // the whole fused output, so a layer keeps about 117 kB a token:
+    // 3.71 GiB at 1024 tokens, the loss's log-probabilities among them.
+    let phi3 = dir.join("phi3.json");
+    std::fs::write(
+        &phi3,
+        r#"{"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_scaling": null, "sliding_window": 2047, "pad_token_id": 32000, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        phi3.to_str().unwrap(),
+        "--world",
+        "2",
+        "--seq",
+        "1024",
+        "--dtype",
+        "bf16",
+        "--lora-r",
+        "8",
+    ]);
+    assert!(ok, "{out}");
+    for said in [
+        "LoRA r 8 on qkv_proj: 3145728 adapter params train",
+        "a forward of 1 x 1024 tokens in bf16, LoRA r 8 adapters training holds 3.71 GiB a rank",
+    ] {
+        assert!(out.contains(said), "{said}: {out}");
+    }
     // Widths come from a config, not from a count.
     let (ok, out) = zrt(&[
         "estimate", "--params", "1e9", "--world", "2", "--seq", "256",

@@ -2,7 +2,8 @@
 //! autograd saves, for the layouts whose every saved tensor is counted
 //! here (Llama's layer: pre-norm attention through the fused kernel and
 //! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
-//! 3's norms of each sublayer's output), the whole model training or
+//! 3's norms of each sublayer's output; Phi-3's fused projections and
+//! partly turned heads), the whole model training or
 //! LoRA's adapters on a frozen
 //! base; and those adapters' parameters. `zrt estimate --seq` prints it;
 //! `tests/activation_memory.rs` holds it to what libtorch allocates, to
@@ -35,9 +36,10 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's or Gemma's (their norms, gates and attention kernels save
-/// other tensors); a sliding window shorter than the row, a dropout or a
-/// soft-capping, which save more; and LoRA with a dropout, DoRA, bias
+/// not Llama's, Gemma's or Phi-3's (their norms, gates and attention
+/// kernels save other tensors); a sliding window shorter than the row, a
+/// dropout (of the attention, a sublayer's output or the embeddings) or
+/// a soft-capping, which save more; and LoRA with a dropout, DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
 pub fn held_for_backward(
@@ -51,6 +53,8 @@ pub fn held_for_backward(
     if !counted(c)
         || window_short
         || c.attention_dropout > 0.0
+        || c.resid_dropout > 0.0
+        || c.embedding_dropout > 0.0
         || c.attn_softcap.is_some()
         || c.final_softcap.is_some()
         || c.parallel
@@ -71,11 +75,13 @@ pub fn held_for_backward(
         q: dims(c.heads * c.head_dim),
         kv: dims(c.kv_heads * c.head_dim),
         d: dims(c.head_dim),
+        rd: dims(c.rotary_dim()),
         heads: dims(c.heads),
         kv_heads: dims(c.kv_heads),
         qk_norm: c.qk_norm,
         offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
         sandwich: matches!(c.family, Family::Gemma2 | Family::Gemma3),
+        fused: c.family == Family::Phi3,
     };
     let tokens = rows * seq;
     let full = lora.is_none();
@@ -84,7 +90,7 @@ pub fn held_for_backward(
     let mut held = 0;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
-            Some(l) => Ranks::of(l, layer),
+            Some(l) => Ranks::of(l, layer, w.fused),
             None => Ranks::default(),
         };
         let trains = full || ranks.any();
@@ -131,20 +137,23 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     let per_layer = |r: &Ranks| {
         r.q * (h + q)
             + (r.k + r.v) * (h + kv)
+            + r.qkv * (h + q + 2 * kv)
             + r.o * (q + h)
             + (r.gate + r.up) * (h + i)
+            + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
     };
+    let fused = c.family == Family::Phi3;
     Some(
         (0..c.layers.max(0))
-            .map(|l| per_layer(&Ranks::of(lora, l)))
+            .map(|l| per_layer(&Ranks::of(lora, l, fused)))
             .sum(),
     )
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Qwen2's, Granite's and Gemma's, and Qwen3's and Gemma 3's with their
-/// queries' and keys' norms.
+/// Qwen2's, Granite's, Gemma's and Phi-3's, and Qwen3's and Gemma 3's
+/// with their queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -152,7 +161,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
-        | Family::Gemma2 => !c.qk_norm,
+        | Family::Gemma2
+        | Family::Phi3 => !c.qk_norm,
         Family::Qwen3 | Family::Gemma3 => c.qk_norm,
         _ => false,
     }
@@ -173,25 +183,38 @@ fn adapters_alone(l: &LoraConfig) -> bool {
         && !l.targets_by_name("model.embed_tokens")
 }
 
-/// The ranks of a layer's adapters, 0 where it has none.
+/// The ranks of a layer's adapters, 0 where it has none (Phi-3's on its
+/// fused `qkv_proj` and `gate_up_proj`, the others' on each projection).
 #[derive(Default)]
 struct Ranks {
     q: u64,
     k: u64,
     v: u64,
+    qkv: u64,
     o: u64,
     gate: u64,
     up: u64,
+    gate_up: u64,
     down: u64,
 }
 
 impl Ranks {
     /// Whether the layer has an adapter.
     fn any(&self) -> bool {
-        self.q + self.k + self.v + self.o + self.gate + self.up + self.down > 0
+        self.attention_input() + self.o + self.mlp_input() + self.down > 0
     }
 
-    fn of(l: &LoraConfig, layer: i64) -> Self {
+    /// The ranks of the adapters reading the attention's input.
+    fn attention_input(&self) -> u64 {
+        self.q + self.k + self.v + self.qkv
+    }
+
+    /// The ranks of the adapters reading the MLP's input.
+    fn mlp_input(&self) -> u64 {
+        self.gate + self.up + self.gate_up
+    }
+
+    fn of(l: &LoraConfig, layer: i64, fused: bool) -> Self {
         let rank = |module: &str| {
             let name = format!("model.layers.{layer}.{module}");
             match l.targets(&name) {
@@ -199,14 +222,25 @@ impl Ranks {
                 false => 0,
             }
         };
-        Self {
-            q: rank("self_attn.q_proj"),
-            k: rank("self_attn.k_proj"),
-            v: rank("self_attn.v_proj"),
-            o: rank("self_attn.o_proj"),
-            gate: rank("mlp.gate_proj"),
-            up: rank("mlp.up_proj"),
-            down: rank("mlp.down_proj"),
+        let (o, down) = (rank("self_attn.o_proj"), rank("mlp.down_proj"));
+        match fused {
+            true => Self {
+                qkv: rank("self_attn.qkv_proj"),
+                o,
+                gate_up: rank("mlp.gate_up_proj"),
+                down,
+                ..Self::default()
+            },
+            false => Self {
+                q: rank("self_attn.q_proj"),
+                k: rank("self_attn.k_proj"),
+                v: rank("self_attn.v_proj"),
+                o,
+                gate: rank("mlp.gate_proj"),
+                up: rank("mlp.up_proj"),
+                down,
+                ..Self::default()
+            },
         }
     }
 }
@@ -219,6 +253,8 @@ struct Widths {
     q: u64,
     kv: u64,
     d: u64,
+    /// The width of each head the rotary embedding turns.
+    rd: u64,
     heads: u64,
     kv_heads: u64,
     /// Qwen3's norms of each head's queries and keys.
@@ -227,6 +263,9 @@ struct Widths {
     offset_norms: bool,
     /// Gemma 3's norms of each sublayer's output too.
     sandwich: bool,
+    /// Phi-3's fused projections: queries, keys and values one output,
+    /// gate and up one.
+    fused: bool,
 }
 
 impl Widths {
@@ -275,24 +314,29 @@ impl Widths {
             q,
             kv,
             d,
+            rd,
             heads,
             kv_heads,
             qk_norm,
             offset_norms: _,
             sandwich,
+            fused,
         } = *self;
+        // What reads one fused output needs a gradient where any part of
+        // it does.
+        let (qkv, gate_up) = (r.qkv > 0, r.gate_up > 0);
         let mut per_token = self.norm(live, full);
         let mut per_forward = self.norm_weights(live);
         let normed = live || full;
         // Queries, keys and values read one tensor.
-        if full || r.q + r.k + r.v > 0 {
+        if full || r.attention_input() > 0 {
             per_token += b * h;
         }
-        per_token += b * (r.q + r.k + r.v);
+        per_token += b * r.attention_input();
         let (q_live, k_live, v_live) = (
-            normed || full || r.q > 0,
-            normed || full || r.k > 0,
-            normed || full || r.v > 0,
+            normed || full || qkv || r.q > 0,
+            normed || full || qkv || r.k > 0,
+            normed || full || qkv || r.v > 0,
         );
         // Qwen3 norms each head's queries and keys before they turn.
         if qk_norm {
@@ -302,12 +346,21 @@ impl Widths {
         }
         // Each of queries and keys multiplies cos and sin, which it keeps
         // when it needs a gradient.
-        let per_position = 2 * b * d * (q_live as u64 + k_live as u64);
+        let per_position = 2 * b * rd * (q_live as u64 + k_live as u64);
         // The fused attention keeps its inputs, output and fp32 log-sum-
         // exp per head; its output is the output projection's input.
+        // Phi-3's values are a view of the fused projection's output, all
+        // of which they keep. Turning a part of each head joins the
+        // turned and the rest into a tensor laid out head by head, and
+        // the attention's output follows its queries' layout: it is
+        // then copied token by token for the output projection, the
+        // attention keeping the first and a training projection the
+        // copy.
         let attended = q_live || k_live || v_live;
         if attended {
             per_token += b * (2 * q + 2 * kv) + 4 * heads;
+            per_token += fused as u64 * b * (q + kv);
+            per_token += (rd < d && (full || r.o > 0)) as u64 * b * q;
         } else if full || r.o > 0 {
             per_token += b * q;
         }
@@ -323,12 +376,12 @@ impl Widths {
         per_forward += self.norm_weights(mid);
         let normed = mid || full;
         // Gate and up read one tensor.
-        if full || r.gate + r.up > 0 {
+        if full || r.mlp_input() > 0 {
             per_token += b * h;
         }
-        per_token += b * (r.gate + r.up);
-        let gate_live = normed || full || r.gate > 0;
-        let up_live = normed || full || r.up > 0;
+        per_token += b * r.mlp_input();
+        let gate_live = normed || full || gate_up || r.gate > 0;
+        let up_live = normed || full || gate_up || r.up > 0;
         // The activation keeps the gate; the product keeps each factor
         // for the other's gradient; the down projection its input.
         per_token += b * i * (2 * gate_live as u64 + up_live as u64);

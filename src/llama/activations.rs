@@ -3,11 +3,10 @@
 //! here (Llama's layer: pre-norm attention through the fused kernel and
 //! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
 //! 3's norms of each sublayer's output; Phi-3's fused projections and
-//! partly turned heads), the whole model training or
-//! LoRA's adapters on a frozen
-//! base; and those adapters' parameters. `zrt estimate --seq` prints it;
-//! `tests/activation_memory.rs` holds it to what libtorch allocates, to
-//! the byte.
+//! partly turned heads), the whole model training or LoRA's adapters on
+//! a frozen base; and those adapters' parameters. `zrt estimate --seq`
+//! prints it; `tests/activation_memory.rs` holds it to what libtorch
+//! allocates, to the byte.
 //!
 //! autograd saves a tensor for the gradient of another input of the same
 //! operation: a matrix product keeps its input only if its weight trains,
@@ -261,7 +260,7 @@ struct Widths {
     qk_norm: bool,
     /// Gemma's norms: times `1 + weight` in fp32.
     offset_norms: bool,
-    /// Gemma 3's norms of each sublayer's output too.
+    /// Gemma 2's and 3's norms of each sublayer's output too.
     sandwich: bool,
     /// Phi-3's fused projections: queries, keys and values one output,
     /// gate and up one.
@@ -302,8 +301,8 @@ impl Widths {
 
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
-    /// whether its output needs a gradient; `live`: whether its input does, `full`:
-    /// whether its base trains, `r`: its adapters. An adapter keeps its
+    /// whether its output needs a gradient; `live`: whether its input
+    /// does, `full`: whether its base trains, `r`: its adapters. An adapter keeps its
     /// input (shared by the layers reading one tensor) and its `A`'s
     /// output.
     fn layer(&self, live: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
@@ -350,17 +349,11 @@ impl Widths {
         // The fused attention keeps its inputs, output and fp32 log-sum-
         // exp per head; its output is the output projection's input.
         // Phi-3's values are a view of the fused projection's output, all
-        // of which they keep. Turning a part of each head joins the
-        // turned and the rest into a tensor laid out head by head, and
-        // the attention's output follows its queries' layout: it is
-        // then copied token by token for the output projection, the
-        // attention keeping the first and a training projection the
-        // copy.
+        // of which they keep.
         let attended = q_live || k_live || v_live;
         if attended {
             per_token += b * (2 * q + 2 * kv) + 4 * heads;
             per_token += fused as u64 * b * (q + kv);
-            per_token += (rd < d && (full || r.o > 0)) as u64 * b * q;
         } else if full || r.o > 0 {
             per_token += b * q;
         }

@@ -362,7 +362,20 @@ fn rope(x: &Tensor, rotary: &Rotary, t: i64, positions: &Tensor) -> Tensor {
     let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
     let turned = (turned * cos + rotated * sin).to_kind(x.kind());
     match rd < hd {
-        true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
+        // Joined token by token, as `x` (the heads of each token's
+        // projection) is laid out and a whole turn leaves it: the
+        // attention's output follows its queries' layout, and laid out
+        // head by head it would be copied for the output projection, the
+        // attention keeping one copy for backward and the projection the
+        // other.
+        true => Tensor::cat(
+            &[
+                &turned.transpose(1, 2),
+                &x.narrow(-1, rd, hd - rd).transpose(1, 2),
+            ],
+            -1,
+        )
+        .transpose(1, 2),
         false => turned,
     }
 }

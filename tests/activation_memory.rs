@@ -1,7 +1,7 @@
 //! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
 //! and what a forward holds for its backward is what
 //! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
-//! byte: Llama, Mistral, Qwen2, Granite, Qwen3, Gemma 1-3 and Phi-3, fp32, bf16 and fp16, each layer's
+//! byte: Llama, Mistral, Qwen2, Granite, Qwen3, Gemma 1-3, Phi-3 and SmolLM3, fp32, bf16 and fp16, each layer's
 //! tensors saved or only its input (recomputed), alone and through a
 //! stage-3 engine, the whole model training or LoRA's adapters on a
 //! frozen base.
@@ -130,7 +130,7 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// the model with a window longer than the row, Qwen2 (its attention's
 /// biases), Granite's multipliers, Qwen3's norms of each head's queries
 /// and keys (a head 24 wide), Phi-3's fused projections and a part of
-/// each head turned, Gemma's norms (times `1 + weight` in fp32) and
+/// each head turned, SmolLM3's layer without rotary embeddings, Gemma's norms (times `1 + weight` in fp32) and
 /// scaled embeddings, Gemma 2's (without its caps) and 3's norms of each
 /// sublayer's output.
 const COUNTED: &[(&str, &str)] = &[
@@ -146,6 +146,10 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "phi3",
         r#", "partial_rotary_factor": 0.75, "pad_token_id": 96"#,
+    ),
+    (
+        "smollm3",
+        r#", "no_rope_layer_interval": 2, "pad_token_id": 96"#,
     ),
     (
         "gemma2",
@@ -231,9 +235,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         l
     };
     let phi3_cases: Vec<_> = cases.iter().map(fused).collect();
-    for (model_type, extra) in [
-        COUNTED[0], COUNTED[1], COUNTED[4], COUNTED[5], COUNTED[6], COUNTED[8],
-    ] {
+    for &(model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         let cases = match model_type {
             "phi3" => &phi3_cases[..],

@@ -35,8 +35,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's or Phi-3's (their norms, gates and attention
-/// kernels save other tensors); a sliding window shorter than the row, a
+/// not Llama's, Gemma's, Phi-3's or SmolLM3's (their norms, gates and
+/// attention kernels save other tensors); a sliding window shorter than the row, a
 /// dropout (of the attention, a sublayer's output or the embeddings) or
 /// a soft-capping, which save more; and LoRA with a dropout, DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
@@ -94,6 +94,9 @@ pub fn held_for_backward(
         };
         let trains = full || ranks.any();
         let (per_token, per_position, per_forward, out_live) = w.layer(live, full, &ranks);
+        // SmolLM3's layers without rotary embeddings keep no cos and sin.
+        let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
+        let per_position = turns as u64 * per_position;
         held += match recompute {
             // The layer's input, its one saved tensor, and the generator
             // state to recompute it with; nothing where no gradient
@@ -151,8 +154,8 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Qwen2's, Granite's, Gemma's and Phi-3's, and Qwen3's and Gemma 3's
-/// with their queries' and keys' norms.
+/// Qwen2's, Granite's, Gemma's, Phi-3's and SmolLM3's, and Qwen3's and
+/// Gemma 3's with their queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -161,7 +164,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Granite
         | Family::Gemma
         | Family::Gemma2
-        | Family::Phi3 => !c.qk_norm,
+        | Family::Phi3
+        | Family::SmolLm3 => !c.qk_norm,
         Family::Qwen3 | Family::Gemma3 => c.qk_norm,
         _ => false,
     }

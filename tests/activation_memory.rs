@@ -1,10 +1,11 @@
-//! What libtorch allocates on the CPU is counted (`zrt::zero::glue::allocated`),
-//! and what a forward holds for its backward is what
-//! `zrt::llama::held_for_backward` (`zrt estimate --seq`) says, to the
-//! byte: Llama, Mistral, Qwen2, Granite, Qwen3, Gemma 1-3, Phi-3 and SmolLM3, fp32, bf16 and fp16, each layer's
-//! tensors saved or only its input (recomputed), alone and through a
-//! stage-3 engine, the whole model training or LoRA's adapters on a
-//! frozen base.
+//! What libtorch allocates on the CPU is counted
+//! (`zrt::zero::glue::allocated`), and what a forward holds for its
+//! backward is what `zrt::llama::held_for_backward` (`zrt estimate
+//! --seq`) says, to the byte: Llama, Mistral, Qwen2, Granite, Qwen3,
+//! Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE, fp32, bf16 and fp16,
+//! each layer's tensors saved or only its input (recomputed), alone and
+//! through a stage-3 engine, the whole model training or LoRA's adapters
+//! on a frozen base.
 //!
 //! In a test binary of its own: the count is process-wide, and other
 //! tests' threads would allocate beside it. Its tests take turns.
@@ -130,7 +131,8 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// the model with a window longer than the row, Qwen2 (its attention's
 /// biases), Granite's multipliers, Qwen3's norms of each head's queries
 /// and keys (a head 24 wide), Phi-3's fused projections and a part of
-/// each head turned, SmolLM3's layer without rotary embeddings, Gemma's norms (times `1 + weight` in fp32) and
+/// each head turned, SmolLM3's layer without rotary embeddings,
+/// Mixtral's experts, Qwen3-MoE's beside a dense layer, Gemma's norms (times `1 + weight` in fp32) and
 /// scaled embeddings, Gemma 2's (without its caps) and 3's norms of each
 /// sublayer's output.
 const COUNTED: &[(&str, &str)] = &[
@@ -150,6 +152,14 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "smollm3",
         r#", "no_rope_layer_interval": 2, "pad_token_id": 96"#,
+    ),
+    (
+        "mixtral",
+        r#", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": null"#,
+    ),
+    (
+        "qwen3_moe",
+        r#", "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [1]"#,
     ),
     (
         "gemma2",
@@ -214,45 +224,66 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         on_layer_1,
         ranked,
     ];
-    // Phi-3's fused projections under their own names.
-    let fused = |l: &zrt::lora::LoraConfig| {
-        let mut l = l.clone();
-        for (names, fused) in [
-            (&["q_proj", "k_proj", "v_proj"][..], "qkv_proj"),
-            (&["gate_proj", "up_proj"][..], "gate_up_proj"),
-        ] {
-            for m in l
-                .target_modules
-                .iter_mut()
-                .chain(l.rank_pattern.iter_mut().map(|(m, _)| m))
-            {
-                if names.contains(&m.as_str()) {
-                    *m = fused.into();
+    // The same targets under a family's own names: Phi-3's fused
+    // projections, Mixtral's experts' matrices.
+    let renamed = |renames: &[(&[&str], &str)]| -> Vec<zrt::lora::LoraConfig> {
+        let rename = |l: &zrt::lora::LoraConfig| {
+            let mut l = l.clone();
+            let modules =
+                (l.target_modules.iter_mut()).chain(l.rank_pattern.iter_mut().map(|(m, _)| m));
+            for m in modules {
+                if let Some((_, to)) = renames.iter().find(|(from, _)| from.contains(&m.as_str())) {
+                    *m = to.to_string();
                 }
             }
-        }
-        l.target_modules.dedup();
-        l
+            l.target_modules.dedup();
+            l
+        };
+        cases.iter().map(rename).collect()
     };
-    let phi3_cases: Vec<_> = cases.iter().map(fused).collect();
+    let phi3_cases = renamed(&[
+        (&["q_proj", "k_proj", "v_proj"], "qkv_proj"),
+        (&["gate_proj", "up_proj"], "gate_up_proj"),
+    ]);
+    let mixtral_cases = renamed(&[
+        (&["gate_proj"], "w1"),
+        (&["up_proj"], "w3"),
+        (&["down_proj"], "w2"),
+    ]);
     for &(model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         let cases = match model_type {
             "phi3" => &phi3_cases[..],
+            "mixtral" => &mixtral_cases[..],
             _ => &cases[..],
         };
         for lora in cases {
             for kind in [Kind::Float, Kind::BFloat16] {
                 for recompute in [false, true] {
                     let (vs, model) = built(&c, kind, recompute, Some(lora));
-                    let trained: i64 = (vs.variables().values())
-                        .filter(|t| t.requires_grad())
-                        .map(|t| t.numel() as i64)
-                        .sum();
-                    assert_eq!(adapter_params(&c, lora), Some(trained as u64));
-                    let (held, loss) = held_by(|| model.loss(&tokens));
+                    let trained = vs
+                        .variables()
+                        .into_iter()
+                        .filter(|(_, t)| t.requires_grad());
+                    let trained: Vec<(String, i64)> =
+                        trained.map(|(n, t)| (n, t.numel() as i64)).collect();
                     let rows_seq = (ROWS as u64, SEQ as u64);
                     let want = held_for_backward(&c, rows_seq, kind, recompute, Some(lora));
+                    // Adapters on a mixture's router or experts are not
+                    // counted, and said so.
+                    let on_experts = (trained.iter()).any(|(n, _)| {
+                        n.contains(".experts.")
+                            || n.contains("_moe.gate.")
+                            || n.contains("mlp.gate.lora")
+                    });
+                    if on_experts {
+                        assert_eq!(adapter_params(&c, lora), None, "{model_type} {lora:?}");
+                        assert_eq!(want, None, "{model_type} {lora:?}");
+                        continue;
+                    }
+                    let trained: i64 = trained.iter().map(|(_, n)| n).sum();
+                    assert_eq!(adapter_params(&c, lora), Some(trained as u64));
+                    let (held, loss) = held_by(|| model.loss(&tokens));
                     assert_eq!(
                         Some(held),
                         want,
@@ -343,6 +374,21 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     ] {
         assert_eq!(est(&other), None, "{other:?}");
         assert_eq!(adapter_params(&llama, &other), None, "{other:?}");
+    }
+    // A mixture's router jitter and balancing loss, or a shared expert.
+    for (t, extra) in [
+        ("mixtral", r#", "router_jitter_noise": 0.1"#),
+        ("mixtral", r#", "output_router_logits": true"#),
+        (
+            "qwen2_moe",
+            r#", "num_experts": 4, "shared_expert_intermediate_size": 64"#,
+        ),
+    ] {
+        assert_eq!(
+            held_for_backward(&c(t, extra), rows_seq, Kind::Float, false, None),
+            None,
+            "{t}{extra}"
+        );
     }
     for (t, dropout) in [
         ("llama", r#", "attention_dropout": 0.1"#),

@@ -18,7 +18,7 @@
 
 use tch::Kind;
 
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, MoeConfig};
 use super::family::Family;
 use crate::lora::LoraConfig;
 
@@ -82,6 +82,15 @@ pub fn held_for_backward(
         sandwich: matches!(c.family, Family::Gemma2 | Family::Gemma3),
         fused: c.family == Family::Phi3,
     };
+    let experts = match &c.moe {
+        Some(m) => Some(Experts::of(c, m)?),
+        None => None,
+    };
+    if let (Some(l), Some(m)) = (lora, &c.moe) {
+        if (0..c.layers).any(|layer| c.moe_layer(layer) && adapts_experts(c, m, l, layer)) {
+            return None;
+        }
+    }
     let tokens = rows * seq;
     let full = lora.is_none();
     // The embedding's output needs a gradient when the embedding trains.
@@ -93,7 +102,8 @@ pub fn held_for_backward(
             None => Ranks::default(),
         };
         let trains = full || ranks.any();
-        let (per_token, per_position, per_forward, out_live) = w.layer(live, full, &ranks);
+        let mixture = experts.as_ref().filter(|_| c.moe_layer(layer));
+        let (per_token, per_position, per_forward, out_live) = w.layer(live, full, &ranks, mixture);
         // SmolLM3's layers without rotary embeddings keep no cos and sin.
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
         let per_position = turns as u64 * per_position;
@@ -133,6 +143,12 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     if !counted(c) || !adapters_alone(lora) {
         return None;
     }
+    if let Some(m) = &c.moe {
+        Experts::of(c, m)?;
+        if (0..c.layers).any(|layer| c.moe_layer(layer) && adapts_experts(c, m, lora, layer)) {
+            return None;
+        }
+    }
     let dims = |x: i64| x.max(0) as u64;
     let (h, i) = (dims(c.hidden), dims(c.intermediate));
     let (q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
@@ -154,8 +170,9 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Qwen2's, Granite's, Gemma's, Phi-3's and SmolLM3's, and Qwen3's and
-/// Gemma 3's with their queries' and keys' norms.
+/// Qwen2's, Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and
+/// Qwen3's, Gemma 3's and Qwen3-MoE's with their queries' and keys'
+/// norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -165,8 +182,9 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Gemma
         | Family::Gemma2
         | Family::Phi3
-        | Family::SmolLm3 => !c.qk_norm,
-        Family::Qwen3 | Family::Gemma3 => c.qk_norm,
+        | Family::SmolLm3
+        | Family::Mixtral => !c.qk_norm,
+        Family::Qwen3 | Family::Gemma3 | Family::Qwen3Moe => c.qk_norm,
         _ => false,
     }
 }
@@ -184,6 +202,82 @@ fn adapters_alone(l: &LoraConfig) -> bool {
         && l.target_parameters.is_empty()
         && !l.targets_by_name("lm_head")
         && !l.targets_by_name("model.embed_tokens")
+}
+
+/// A layer's mixture of experts (Mixtral's, Qwen3-MoE's): each token's
+/// top `k` of `count` experts by the router's softmax (renormalised
+/// when `normalize`), each expert a gated MLP `width` wide run on the
+/// tokens that chose it.
+struct Experts {
+    count: u64,
+    k: u64,
+    width: u64,
+    normalize: bool,
+}
+
+impl Experts {
+    /// `m`'s experts, where this module counts them: a plain softmax
+    /// router, no shared expert, no jitter, no balancing loss.
+    fn of(c: &LlamaConfig, m: &MoeConfig) -> Option<Self> {
+        let plain = matches!(c.family, Family::Mixtral | Family::Qwen3Moe)
+            && m.shared.is_none()
+            && m.grouped.is_none()
+            && m.sparse_mixer.is_none()
+            && m.balance.is_none()
+            && m.jitter == 0.0
+            && m.zero == 0;
+        let dims = |x: i64| x.max(0) as u64;
+        plain.then(|| Self {
+            count: dims(m.experts),
+            k: dims(m.top_k),
+            width: dims(m.intermediate),
+            normalize: m.normalize,
+        })
+    }
+
+    /// What the mixture keeps a token in a model `h` wide computing in
+    /// `b` bytes; `live`: whether its input needs a gradient, `full`:
+    /// whether its weights train. The experts' share is the same
+    /// whichever experts the tokens choose: `k` rows a token in all.
+    fn layer(&self, b: u64, h: u64, live: bool, full: bool) -> u64 {
+        let Self {
+            count,
+            k,
+            width,
+            normalize,
+        } = *self;
+        // A training router keeps its input; each expert's first two
+        // matrices their rows of it, gathered; the down projection its
+        // input.
+        let mut kept = full as u64 * (b * h + k * b * h + k * b * width);
+        if live {
+            // The softmax's fp32 probabilities; the top k's int64
+            // choices; with renormalisation its fp32 weights and their
+            // sum (and that sum held above 1e-12).
+            kept += 4 * count + 8 * k + normalize as u64 * (4 * k + 8);
+            // Each expert's tokens and slots (int64 pairs), by which its
+            // rows are gathered, weighed and added back.
+            kept += 16 * k;
+            // The weight of each row and the row's output, each kept
+            // for the other's gradient, and their product, which the sum
+            // it is added into keeps; the activation's input, and the
+            // product's two factors.
+            kept += k * b + 2 * k * b * h + 3 * k * b * width;
+        }
+        kept
+    }
+}
+
+/// Whether `l` puts an adapter on layer `layer`'s router or experts
+/// (which [`Experts`] does not count).
+fn adapts_experts(c: &LlamaConfig, m: &MoeConfig, l: &LoraConfig, layer: i64) -> bool {
+    let (block, names) = match c.family {
+        Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let at = |module: String| l.targets(&format!("model.layers.{layer}.{block}.{module}"));
+    at("gate".into())
+        || (0..m.experts).any(|e| names.iter().any(|n| at(format!("experts.{e}.{n}"))))
 }
 
 /// The ranks of a layer's adapters, 0 where it has none (Phi-3's on its
@@ -306,10 +400,17 @@ impl Widths {
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
-    /// does, `full`: whether its base trains, `r`: its adapters. An adapter keeps its
+    /// does, `full`: whether its base trains, `r`: its adapters,
+    /// `experts`: its mixture of experts in place of the MLP. An adapter keeps its
     /// input (shared by the layers reading one tensor) and its `A`'s
     /// output.
-    fn layer(&self, live: bool, full: bool, r: &Ranks) -> (u64, u64, u64, bool) {
+    fn layer(
+        &self,
+        live: bool,
+        full: bool,
+        r: &Ranks,
+        experts: Option<&Experts>,
+    ) -> (u64, u64, u64, bool) {
         let Self {
             b,
             h,
@@ -372,22 +473,31 @@ impl Widths {
         per_token += self.norm(mid, full);
         per_forward += self.norm_weights(mid);
         let normed = mid || full;
-        // Gate and up read one tensor.
-        if full || r.mlp_input() > 0 {
-            per_token += b * h;
-        }
-        per_token += b * r.mlp_input();
-        let gate_live = normed || full || gate_up || r.gate > 0;
-        let up_live = normed || full || gate_up || r.up > 0;
-        // The activation keeps the gate; the product keeps each factor
-        // for the other's gradient; the down projection its input.
-        per_token += b * i * (2 * gate_live as u64 + up_live as u64);
-        let product_live = gate_live || up_live;
-        if full || r.down > 0 {
-            per_token += b * i;
-        }
-        per_token += b * r.down;
-        let down_live = product_live || full || r.down > 0;
+        let down_live = match experts {
+            Some(m) => {
+                per_token += m.layer(b, h, normed, full);
+                normed
+            }
+            None => {
+                // Gate and up read one tensor.
+                if full || r.mlp_input() > 0 {
+                    per_token += b * h;
+                }
+                per_token += b * r.mlp_input();
+                let gate_live = normed || full || gate_up || r.gate > 0;
+                let up_live = normed || full || gate_up || r.up > 0;
+                // The activation keeps the gate; the product keeps each
+                // factor for the other's gradient; the down projection
+                // its input.
+                per_token += b * i * (2 * gate_live as u64 + up_live as u64);
+                let product_live = gate_live || up_live;
+                if full || r.down > 0 {
+                    per_token += b * i;
+                }
+                per_token += b * r.down;
+                product_live || full || r.down > 0
+            }
+        };
         // And the MLP's.
         if sandwich {
             per_token += self.norm(down_live, full);

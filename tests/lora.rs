@@ -144,14 +144,16 @@ const LLAMA_TOKENS: Case = Case {
 };
 
 /// [`LLAMA_TIED_SAVED`]'s model with three tokens' rows trained: the
-/// tied head computes with them too.
+/// tied head computes with them too. To 1e-5: on the AMD EPYC VM the
+/// second layer's query B ends 9.8e-7 from PEFT's, at float rounding's
+/// 1e-6 (AdamW carrying the sums' rounding where a gradient is small).
 const LLAMA_TIED_TOKENS: Case = Case {
     saved: &[],
     tokens: &[3, 7, 5],
     matrices: 13,
     whole: 0,
     elements: LLAMA.elements + 3 * 64,
-    atol: None,
+    atol: Some(1e-5),
     ..LLAMA_TIED_SAVED
 };
 
@@ -700,18 +702,19 @@ const PHIMOE: Case = Case {
 
 /// Granite 4.0-H's attending layer's queries (64 -> 64) and its two
 /// Mamba layers' `in_proj` (64 -> 324: the gate, the convolved channels
-/// and the heads' steps) and `out_proj` (128 -> 64). Held to 2e-5 as
-/// GPT-NeoX's: since zrt's Mamba-2 scan contracts by matrix products
-/// (`transformers` multiplies broadcast operands and sums), the first
-/// layer's `out_proj` B ended 2.6e-6 from PEFT's while every loss
-/// agreed, AdamW's steps carrying the sums' rounding.
+/// and the heads' steps) and `out_proj` (128 -> 64). Held to 1e-4: since
+/// zrt's Mamba-2 scan contracts by matrix products (`transformers`
+/// multiplies broadcast operands and sums), the first layer's `out_proj`
+/// B ended 2.6e-6 from PEFT's on the Intel Xeon VM, and the last layer's
+/// `in_proj` B 1.7e-5 on the AMD EPYC one (the tolerance was 2e-5),
+/// while every loss agreed, AdamW's steps carrying the sums' rounding.
 const GRANITE4: Case = Case {
     python: (
         "from transformers import GraniteMoeHybridConfig as C, GraniteMoeHybridForCausalLM as M",
         "vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=5, layer_types=['mamba', 'attention', 'mamba']",
     ),
     targets: &["q_proj", "in_proj", "out_proj"],
-    atol: Some(2e-5),
+    atol: Some(1e-4),
     matrices: 10,
     elements: 4 * ((64 + 64) + 2 * (64 + 324) + 2 * (128 + 64)),
     ..OFF
@@ -1197,10 +1200,13 @@ fn adapters_whose_b_has_a_bias_train_and_merge_as_peft_does() {
     parity("phi-lora-bias", &phi, &[(3, false, Held::Fp32)]);
     // GPT-2's Conv1D layers (c_fc 64 -> 256, the c_projs 64 -> 64 and
     // 256 -> 64). (Not c_attn: its keys' third of B's bias has no
-    // gradient but rounding noise, see `NOISE_ONLY`.)
+    // gradient but rounding noise, see `NOISE_ONLY`.) To 2e-5 as Phi's:
+    // on the AMD EPYC VM the second layer's c_fc B ends 1.5e-6 from
+    // PEFT's.
     let gpt2 = Case {
         targets: &["c_fc", "c_proj"],
         lora_bias: true,
+        atol: Some(2e-5),
         matrices: 18,
         elements: 2 * 4 * ((64 + 256) + (64 + 64) + (256 + 64)) + 2 * (256 + 64 + 64),
         ..GPT2

@@ -1534,6 +1534,14 @@ fn bf16_tolerance(case: &str) -> f64 {
         // logits). The fp32 runs are what hold the cell.
         "xlstm" => 2.5e-1,
         "xlstm-biased" => 3e-1,
+        // At 2e-2 these ended 0.89-0.99 of the way to it on the AMD
+        // EPYC VM, as far as transformers' own bf16 logits are from its
+        // fp32 ones on the two ranks' batches: GLM-4's (each sublayer's
+        // output normalised, a quarter of each head turned) 2.0% and
+        // 2.0%, Gemma 2's 1.8% and 1.0%, Gemma 3's 1.7% and 1.5%,
+        // Zamba2's 1.7% and 1.8% (3.0% on another batch), Hunyuan-MoE's
+        // 0.9% and 1.9% (4.9% on another: its routing in bf16).
+        "glm4" | "gemma2" | "gemma3" | "zamba2" | "hunyuan-moe" => 3e-2,
         _ => 2e-2,
     }
 }
@@ -1566,10 +1574,14 @@ fn learning_rate(case: &str) -> f64 {
 /// of the first case ends 2.8e-6 and 2.8e-5 off its fp64 run on the two
 /// ranks on the AMD EPYC AVX-512 VM, as far as with its weights changed
 /// by one part in 10^7.
+///
+/// Jamba's with its balancing loss ended a loss 8.1e-6 (relative) from
+/// `transformers`' on the AMD EPYC VM, 0.81 of the way to 1e-5.
 fn fp32_tolerance(case: &str) -> f64 {
     match case {
         "bitnet-ternary" | "bitnet-ternary-normed" => 1e-3,
         "xlstm" | "xlstm-biased" => 1e-4,
+        "jamba-balanced" => 3e-5,
         _ => 1e-5,
     }
 }

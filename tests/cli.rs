@@ -1245,22 +1245,39 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         ok && out.contains("a forward of 2 x 256 tokens in bf16, each layer recomputed in backward holds 114.37 MiB a rank"),
         "{out}"
     );
-    // A window shorter than the row is not counted, and said so.
+    // A window shorter than the row: twice the tokens keep twice the
+    // bytes, and each layer its mask of 256 x 256 scores in bf16. A
+    // dropout is not counted, and said so.
     let mistral = dir.join("mistral.json");
+    let mistral_dropout = dir.join("mistral-dropout.json");
+    let config = r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128"#;
+    std::fs::write(&mistral, format!("{config}}}")).unwrap();
     std::fs::write(
-        &mistral,
-        r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128}"#,
+        &mistral_dropout,
+        format!(r#"{config}, "attention_dropout": 0.1}}"#),
     )
     .unwrap();
-    let mistral = mistral.to_str().unwrap();
-    for (seq, said) in [
-        ("256", "activations: not counted for this model"),
-        ("128", "activations: a forward of 1 x 128 tokens"),
+    for (config, seq, said) in [
+        (
+            &mistral,
+            "128",
+            "a forward of 1 x 128 tokens in bf16 holds 3.24 MiB",
+        ),
+        (
+            &mistral,
+            "256",
+            "a forward of 1 x 256 tokens in bf16 holds 6.74 MiB",
+        ),
+        (
+            &mistral_dropout,
+            "128",
+            "activations: not counted for this model",
+        ),
     ] {
         let args = [
             "estimate",
             "--hf-config",
-            mistral,
+            config.to_str().unwrap(),
             "--world",
             "2",
             "--seq",
@@ -1273,8 +1290,8 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // bytes a token (four norms keeping their normalized values in fp32,
     // each head's query and key normalised), 712.1 MiB at 256 tokens,
     // besides the rotary tables' 13 MiB and the loss's 255 MiB over its
-    // 262144 words. Its windowed layers see 512 tokens: 1024 are not
-    // counted.
+    // 262144 words. At 1024 tokens, four times that and the masks of
+    // its 22 layers in a window of 512 (46 MB).
     let gemma3 = dir.join("gemma3.json");
     std::fs::write(
         &gemma3,
@@ -1287,7 +1304,10 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "256",
             "a forward of 1 x 256 tokens in bf16 holds 983.41 MiB a rank",
         ),
-        ("1024", "activations: not counted for this model"),
+        (
+            "1024",
+            "a forward of 1 x 1024 tokens in bf16 holds 3.89 GiB a rank",
+        ),
     ] {
         let (ok, out) = zrt(&[
             "estimate",

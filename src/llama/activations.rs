@@ -35,10 +35,10 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's, Phi-3's or SmolLM3's (their norms, gates and
-/// attention kernels save other tensors); a sliding window shorter than the row, a
-/// dropout (of the attention, a sublayer's output or the embeddings) or
-/// a soft-capping, which save more; and LoRA with a dropout, DoRA, bias
+/// not Llama's, Gemma's, Phi-3's, SmolLM3's or a plain mixture of
+/// experts' ([`Experts::of`]; their norms, gates and attention kernels
+/// save other tensors); a dropout (of the attention, a sublayer's
+/// output or the embeddings) or a soft-capping, which save more; and LoRA with a dropout, DoRA, bias
 /// terms, or anything besides the layers' adapters training (the head,
 /// token rows, `modules_to_save`, parameters).
 pub fn held_for_backward(
@@ -48,9 +48,7 @@ pub fn held_for_backward(
     recompute: bool,
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    let window_short = c.sliding_window.is_some_and(|w| (w as u64) < seq);
     if !counted(c)
-        || window_short
         || c.attention_dropout > 0.0
         || c.resid_dropout > 0.0
         || c.embedding_dropout > 0.0
@@ -107,6 +105,11 @@ pub fn held_for_backward(
         // SmolLM3's layers without rotary embeddings keep no cos and sin.
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
         let per_position = turns as u64 * per_position;
+        // A window shorter than the row is a mask, which the attention
+        // keeps as additive scores of the compute dtype, a row's.
+        let windowed = c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
+        let per_forward =
+            per_forward + (windowed && attended_in(live, full, &ranks)) as u64 * seq * seq * b;
         held += match recompute {
             // The layer's input, its one saved tensor, and the generator
             // state to recompute it with; nothing where no gradient
@@ -266,6 +269,12 @@ impl Experts {
         }
         kept
     }
+}
+
+/// Whether a layer's attention runs with a gradient: its input needs
+/// one, its weights train, or an adapter reads its input.
+fn attended_in(live: bool, full: bool, r: &Ranks) -> bool {
+    live || full || r.attention_input() > 0
 }
 
 /// Whether `l` puts an adapter on layer `layer`'s router or experts

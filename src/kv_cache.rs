@@ -45,6 +45,13 @@ pub(crate) struct Decoding {
     /// offset and dtype: every layer of one forward computes the same
     /// (MPT's and BLOOM's slopes are the model's, not a layer's).
     alibi: Mutex<Option<(AlibiKey, Tensor)>>,
+    /// The last sliding window's mask its layers attended with, as
+    /// scores (0, or minus infinity where a key is out of the window),
+    /// by its queries, offset, window and dtype: every windowed layer of
+    /// one forward shares it, and autograd keeps one copy for them all
+    /// (given the window as a boolean mask, each layer's attention made
+    /// and kept scores of its own, a row's squared each).
+    window: Mutex<Option<(WindowKey, Tensor)>>,
     /// The running forward's router balance (`output_router_logits`),
     /// and whether its layers record into it (not in a checkpointed
     /// layer's recompute).
@@ -57,6 +64,10 @@ pub(crate) struct Decoding {
 /// What an ALiBi mask is made for: its queries, their offset, its dtype.
 type AlibiKey = (i64, i64, Kind);
 
+/// What a window's mask is made for: its queries, their offset, the
+/// window, its dtype.
+type WindowKey = (i64, i64, i64, Kind);
+
 impl Decoding {
     /// A model's, off, no layer yet.
     pub(crate) fn new() -> Arc<Self> {
@@ -67,6 +78,7 @@ impl Decoding {
             slots: Mutex::new(Vec::new()),
             documents: Mutex::new(None),
             alibi: Mutex::new(None),
+            window: Mutex::new(None),
             tally: Mutex::new(None),
             z_loss: Mutex::new(None),
         })
@@ -110,6 +122,7 @@ impl Decoding {
         *self.documents.lock() = documents;
         // The mask held was the last documents'.
         *self.alibi.lock() = None;
+        *self.window.lock() = None;
     }
 
     /// The documents the last forward ran with, if any.
@@ -227,6 +240,30 @@ impl LayerCache {
         }
         let mask = make();
         *held = Some(((t, offset, kind), mask.shallow_clone()));
+        mask
+    }
+
+    /// The scores masking `t` queries after `offset` to a window of `w`
+    /// tokens in `kind`, `visible` (`[t, offset + t]`, true where a
+    /// query sees a key) as the attention would turn it into scores: the
+    /// one an earlier layer of this forward made, else made and kept for
+    /// the layers after it (and for recomputing them in backward) until
+    /// the next forward sets its documents.
+    pub(crate) fn window_mask(
+        &self,
+        (t, offset, w, kind): WindowKey,
+        visible: impl FnOnce() -> Tensor,
+    ) -> Tensor {
+        let mut held = self.decoding.window.lock();
+        if let Some((key, mask)) = held.as_ref() {
+            if *key == (t, offset, w, kind) {
+                return mask.shallow_clone();
+            }
+        }
+        let visible = visible();
+        let mask = Tensor::zeros(visible.size(), (kind, visible.device()))
+            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+        *held = Some(((t, offset, w, kind), mask.shallow_clone()));
         mask
     }
 

@@ -94,6 +94,7 @@ pub fn held_for_backward(
     // The embedding's output needs a gradient when the embedding trains.
     let mut live = full;
     let mut held = 0;
+    let mut mask = 0;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
             Some(l) => Ranks::of(l, layer, w.fused),
@@ -105,11 +106,12 @@ pub fn held_for_backward(
         // SmolLM3's layers without rotary embeddings keep no cos and sin.
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
         let per_position = turns as u64 * per_position;
-        // A window shorter than the row is a mask, which the attention
-        // keeps as additive scores of the compute dtype, a row's.
+        // A window shorter than the row is a mask of a row's scores in
+        // the compute dtype, one for every layer of the forward.
         let windowed = c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
-        let per_forward =
-            per_forward + (windowed && attended_in(live, full, &ranks)) as u64 * seq * seq * b;
+        if windowed && !recompute && attended_in(live, full, &ranks) {
+            mask = seq * seq * b;
+        }
         held += match recompute {
             // The layer's input, its one saved tensor, and the generator
             // state to recompute it with; nothing where no gradient
@@ -136,7 +138,7 @@ pub fn held_for_backward(
     };
     let logits_live = live || full;
     let loss = logits_live as u64 * (predicted * 4 * dims(c.vocab) + 8 + targets);
-    Some(held + tokens * head + final_norm + scale + loss)
+    Some(held + mask + tokens * head + final_norm + scale + loss)
 }
 
 /// The parameters `lora`'s adapters on the model `c` hold (`r` x (in +

@@ -1841,8 +1841,10 @@ impl Layer {
                 return d.attend((q, k, v), self.window, scale, dropout, grouped);
             }
             // A cache's keys reach back past the queries: an explicit mask.
+            // A window's, shared by the layers of this forward.
             let window = match offset {
-                0 => self.window.filter(|&w| w < t).map(visible),
+                0 => (self.window.filter(|&w| w < t))
+                    .map(|w| self.cache.window_mask((t, 0, w, q.kind()), || visible(w))),
                 _ => Some(visible(self.window.unwrap_or(offset + t + 1))),
             };
             let causal = window.is_none();

@@ -1390,6 +1390,30 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         !ok && out.contains("(not on a mixture's router or experts)"),
         "{out}"
     );
+    // Gemma 2 2B's: its soft-capped scores computed one by one, 8 bytes
+    // a score a head, 1.63 GiB of its 26 layers' at 1024 tokens, and the
+    // capped logits' tanh (0.49 GiB) beside the loss's (0.98 GiB).
+    let gemma2 = dir.join("gemma2.json");
+    std::fs::write(
+        &gemma2,
+        r#"{"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 256000}"#,
+    )
+    .unwrap();
+    let (ok, out) = zrt(&[
+        "estimate",
+        "--hf-config",
+        gemma2.to_str().unwrap(),
+        "--world",
+        "2",
+        "--seq",
+        "1024",
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(
+        ok && out.contains("a forward of 1 x 1024 tokens in bf16 holds 7.48 GiB a rank"),
+        "{out}"
+    );
     // Widths come from a config, not from a count.
     let (ok, out) = zrt(&[
         "estimate", "--params", "1e9", "--world", "2", "--seq", "256",

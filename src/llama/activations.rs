@@ -38,9 +38,11 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's or a plain mixture of
 /// experts' ([`Experts::of`]; their norms, gates and attention kernels
 /// save other tensors); a dropout (of the attention, a sublayer's
-/// output or the embeddings) or a soft-capping, which save more; and LoRA with a dropout, DoRA, bias
-/// terms, or anything besides the layers' adapters training (the head,
-/// token rows, `modules_to_save`, parameters).
+/// output or the embeddings), which saves its mask; and LoRA with a
+/// dropout, DoRA, bias terms, or anything besides the layers' adapters
+/// training (the head, token rows, `modules_to_save`, parameters).
+/// Gemma 2's soft-capped scores are counted, computed one by one: eight
+/// bytes a score a head, which at long rows outweigh the rest.
 pub fn held_for_backward(
     c: &LlamaConfig,
     (rows, seq): (u64, u64),
@@ -52,8 +54,6 @@ pub fn held_for_backward(
         || c.attention_dropout > 0.0
         || c.resid_dropout > 0.0
         || c.embedding_dropout > 0.0
-        || c.attn_softcap.is_some()
-        || c.final_softcap.is_some()
         || c.parallel
         || lora.is_some_and(|l| !adapters_alone(l))
     {
@@ -79,6 +79,7 @@ pub fn held_for_backward(
         offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
         sandwich: matches!(c.family, Family::Gemma2 | Family::Gemma3),
         fused: c.family == Family::Phi3,
+        eager: c.attn_softcap.map(|_| (rows, seq)),
     };
     let experts = match &c.moe {
         Some(m) => Some(Experts::of(c, m)?),
@@ -107,8 +108,10 @@ pub fn held_for_backward(
         let turns = (c.rope_layers.as_ref()).is_none_or(|r| r.get(layer as usize) == Some(&true));
         let per_position = turns as u64 * per_position;
         // A window shorter than the row is a mask of a row's scores in
-        // the compute dtype, one for every layer of the forward.
-        let windowed = c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
+        // the compute dtype, one for every layer of the forward (the
+        // soft-capped scores' is each layer's own, counted with them).
+        let windowed =
+            w.eager.is_none() && c.window(layer).is_some_and(|w| (w.max(0) as u64) < seq);
         if windowed && !recompute && attended_in(live, full, &ranks) {
             mask = seq * seq * b;
         }
@@ -138,6 +141,9 @@ pub fn held_for_backward(
     };
     let logits_live = live || full;
     let loss = logits_live as u64 * (predicted * 4 * dims(c.vocab) + 8 + targets);
+    // Gemma 2's cap on the logits keeps its tanh, every position's.
+    let capped = (logits_live && c.final_softcap.is_some()) as u64 * tokens * b * dims(c.vocab);
+    let loss = loss + capped;
     Some(held + mask + tokens * head + final_norm + scale + loss)
 }
 
@@ -374,6 +380,9 @@ struct Widths {
     /// Phi-3's fused projections: queries, keys and values one output,
     /// gate and up one.
     fused: bool,
+    /// Gemma 2's soft-capped attention scores, computed one by one
+    /// rather than by the fused kernel: the rows and the tokens of each.
+    eager: Option<(u64, u64)>,
 }
 
 impl Widths {
@@ -436,6 +445,7 @@ impl Widths {
             offset_norms: _,
             sandwich,
             fused,
+            eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
         // it does.
@@ -467,11 +477,34 @@ impl Widths {
         // Phi-3's values are a view of the fused projection's output, all
         // of which they keep.
         let attended = q_live || k_live || v_live;
-        if attended {
-            per_token += b * (2 * q + 2 * kv) + 4 * heads;
-            per_token += fused as u64 * b * (q + kv);
-        } else if full || r.o > 0 {
-            per_token += b * q;
+        match self.eager {
+            Some((rows, seq)) => {
+                // Soft-capped scores: computed one by one, each product
+                // keeping what the other factor's gradient needs (the
+                // queries, the keys and values repeated for every head
+                // of their group); the cap's tanh, the mask and the
+                // fp32 softmax where the scores need a gradient, and the
+                // weights in the compute dtype where the values do (in
+                // fp32 the softmax's own). The output is copied token by
+                // token for the output projection.
+                let qk_live = q_live || k_live;
+                per_token += b * q * (k_live as u64 + q_live as u64 + qk_live as u64);
+                if full || r.o > 0 {
+                    per_token += b * q;
+                }
+                let weights = match b {
+                    4 => (v_live && !qk_live) as u64 * 4,
+                    _ => v_live as u64 * b,
+                };
+                let per_score = qk_live as u64 * (b + 4) + weights;
+                per_forward += rows * heads * seq * seq * per_score + qk_live as u64 * seq * seq;
+            }
+            None if attended => {
+                per_token += b * (2 * q + 2 * kv) + 4 * heads;
+                per_token += fused as u64 * b * (q + kv);
+            }
+            None if full || r.o > 0 => per_token += b * q,
+            None => {}
         }
         per_token += b * r.o;
         let o_live = attended || full || r.o > 0;

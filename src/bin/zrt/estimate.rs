@@ -432,7 +432,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE, with no dropout, no soft-capping, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak"
+            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak"
         ),
     }
     Ok(held)

@@ -17,6 +17,23 @@ fn config_file(name: &str, json: &str) -> String {
     f.to_string_lossy().into_owned()
 }
 
+/// A Hugging Face `config.json` holding `json`, as `dir/NAME.json`.
+fn hf_config(dir: &std::path::Path, name: &str, json: &str) -> String {
+    let f = dir.join(format!("{name}.json"));
+    std::fs::write(&f, json).unwrap();
+    f.to_string_lossy().into_owned()
+}
+
+/// Runs `zrt estimate --hf-config CONFIG ARGS...` and checks that it
+/// succeeds and prints each of `said`.
+fn estimate_says(config: &str, args: &[&str], said: &[&str]) {
+    let (ok, out) = zrt(&[&["estimate", "--hf-config", config][..], args].concat());
+    assert!(ok, "{out}");
+    for s in said {
+        assert!(out.contains(s), "{s}: {out}");
+    }
+}
+
 #[test]
 fn the_fine_tuning_examples_config_resolves_its_auto_values_from_the_hidden_size() {
     // Hugging Face's "auto": the example passes the model's width, as
@@ -1248,15 +1265,13 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // A window shorter than the row: twice the tokens keep twice the
     // bytes, and the layers one mask of 256 x 256 scores in bf16. A
     // dropout is not counted, and said so.
-    let mistral = dir.join("mistral.json");
-    let mistral_dropout = dir.join("mistral-dropout.json");
-    let config = r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128"#;
-    std::fs::write(&mistral, format!("{config}}}")).unwrap();
-    std::fs::write(
-        &mistral_dropout,
-        format!(r#"{config}, "attention_dropout": 0.1}}"#),
-    )
-    .unwrap();
+    let mistral = r#"{"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "sliding_window": 128"#;
+    let dropout = hf_config(
+        &dir,
+        "mistral-dropout",
+        &format!(r#"{mistral}, "attention_dropout": 0.1}}"#),
+    );
+    let mistral = hf_config(&dir, "mistral", &format!("{mistral}}}"));
     for (config, seq, said) in [
         (
             &mistral,
@@ -1268,23 +1283,9 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "256",
             "a forward of 1 x 256 tokens in bf16 holds 6.61 MiB",
         ),
-        (
-            &mistral_dropout,
-            "128",
-            "activations: not counted for this model",
-        ),
+        (&dropout, "128", "activations: not counted for this model"),
     ] {
-        let args = [
-            "estimate",
-            "--hf-config",
-            config.to_str().unwrap(),
-            "--world",
-            "2",
-            "--seq",
-            seq,
-        ];
-        let (ok, out) = zrt(&args);
-        assert!(ok && out.contains(said), "{out}");
+        estimate_says(config, &["--world", "2", "--seq", seq], &[said]);
     }
     // Gemma 3 1B's config, in bf16: its 26 layers each keep 112180
     // bytes a token (four norms keeping their normalized values in fp32,
@@ -1292,13 +1293,11 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // besides the rotary tables' 13 MiB and the loss's 255 MiB over its
     // 262144 words. At 1024 tokens, four times that and the mask its
     // 22 layers in a window of 512 share (2 MB).
-    let gemma3 = dir.join("gemma3.json");
-    std::fs::write(
-        &gemma3,
+    let gemma3 = hf_config(
+        &dir,
+        "gemma3",
         r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": null, "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}"#,
-    )
-    .unwrap();
-    let gemma3 = gemma3.to_str().unwrap();
+    );
     for (seq, said) in [
         (
             "256",
@@ -1309,83 +1308,52 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
             "a forward of 1 x 1024 tokens in bf16 holds 3.84 GiB a rank",
         ),
     ] {
-        let (ok, out) = zrt(&[
-            "estimate",
-            "--hf-config",
-            gemma3,
-            "--world",
-            "2",
-            "--seq",
-            seq,
-            "--dtype",
-            "bf16",
-        ]);
-        assert!(ok && out.contains(said), "{out}");
+        estimate_says(
+            &gemma3,
+            &["--world", "2", "--seq", seq, "--dtype", "bf16"],
+            &[said],
+        );
     }
     // Phi-3 mini's, LoRA r 8 on PEFT's default for it, the fused
     // `qkv_proj` (8 x (3072 + 9216) a layer, 32 layers). Its values keep
     // the whole fused output, so a layer keeps about 117 kB a token:
     // 3.71 GiB at 1024 tokens, the loss's log-probabilities among them.
-    let phi3 = dir.join("phi3.json");
-    std::fs::write(
-        &phi3,
+    let phi3 = hf_config(
+        &dir,
+        "phi3",
         r#"{"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_scaling": null, "sliding_window": 2047, "pad_token_id": 32000, "tie_word_embeddings": false}"#,
-    )
-    .unwrap();
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--hf-config",
-        phi3.to_str().unwrap(),
-        "--world",
-        "2",
-        "--seq",
-        "1024",
-        "--dtype",
-        "bf16",
-        "--lora-r",
-        "8",
-    ]);
-    assert!(ok, "{out}");
-    for said in [
-        "LoRA r 8 on qkv_proj: 3145728 adapter params train",
-        "a forward of 1 x 1024 tokens in bf16, LoRA r 8 adapters training holds 3.71 GiB a rank",
-    ] {
-        assert!(out.contains(said), "{said}: {out}");
-    }
+    );
+    estimate_says(
+        &phi3,
+        &["--world", "2", "--seq", "1024", "--dtype", "bf16", "--lora-r", "8"],
+        &[
+            "LoRA r 8 on qkv_proj: 3145728 adapter params train",
+            "a forward of 1 x 1024 tokens in bf16, LoRA r 8 adapters training holds 3.71 GiB a rank",
+        ],
+    );
     // Mixtral 8x7B's, LoRA r 16 on PEFT's default for it (q_proj and
     // v_proj: 16 x (8192 + 5120) a layer): its experts, frozen, keep
     // what their backward to the adapters below needs, two of eight a
     // token, about 205 kB a token and layer of the 267 kB. Adapters on
     // the experts are not counted.
-    let mixtral = dir.join("mixtral.json");
-    std::fs::write(
-        &mixtral,
+    let mixtral = hf_config(
+        &dir,
+        "mixtral",
         r#"{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null, "output_router_logits": false, "tie_word_embeddings": false}"#,
-    )
-    .unwrap();
-    let mixtral = mixtral.to_str().unwrap();
+    );
     let mixtral_lora = [
-        "estimate",
-        "--hf-config",
-        mixtral,
-        "--world",
-        "8",
-        "--seq",
-        "2048",
-        "--dtype",
-        "bf16",
-        "--lora-r",
-        "16",
+        "--world", "8", "--seq", "2048", "--dtype", "bf16", "--lora-r", "16",
     ];
-    let (ok, out) = zrt(&mixtral_lora);
-    assert!(ok, "{out}");
-    for said in [
-        "LoRA r 16 on q_proj,v_proj: 6815744 adapter params train",
-        "a forward of 1 x 2048 tokens in bf16, LoRA r 16 adapters training holds 16.57 GiB a rank",
-    ] {
-        assert!(out.contains(said), "{said}: {out}");
-    }
-    let (ok, out) = zrt(&[&mixtral_lora[..], &["--lora-targets", "all-linear"]].concat());
+    estimate_says(
+        &mixtral,
+        &mixtral_lora,
+        &[
+            "LoRA r 16 on q_proj,v_proj: 6815744 adapter params train",
+            "a forward of 1 x 2048 tokens in bf16, LoRA r 16 adapters training holds 16.57 GiB a rank",
+        ],
+    );
+    let all_linear = [&mixtral_lora[..], &["--lora-targets", "all-linear"]].concat();
+    let (ok, out) = zrt(&[&["estimate", "--hf-config", &mixtral][..], &all_linear].concat());
     assert!(
         !ok && out.contains("(not on a mixture's router or experts)"),
         "{out}"
@@ -1393,26 +1361,15 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     // Gemma 2 2B's: its soft-capped scores computed one by one, 8 bytes
     // a score a head, 1.63 GiB of its 26 layers' at 1024 tokens, and the
     // capped logits' tanh (0.49 GiB) beside the loss's (0.98 GiB).
-    let gemma2 = dir.join("gemma2.json");
-    std::fs::write(
-        &gemma2,
+    let gemma2 = hf_config(
+        &dir,
+        "gemma2",
         r#"{"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 256000}"#,
-    )
-    .unwrap();
-    let (ok, out) = zrt(&[
-        "estimate",
-        "--hf-config",
-        gemma2.to_str().unwrap(),
-        "--world",
-        "2",
-        "--seq",
-        "1024",
-        "--dtype",
-        "bf16",
-    ]);
-    assert!(
-        ok && out.contains("a forward of 1 x 1024 tokens in bf16 holds 7.48 GiB a rank"),
-        "{out}"
+    );
+    estimate_says(
+        &gemma2,
+        &["--world", "2", "--seq", "1024", "--dtype", "bf16"],
+        &["a forward of 1 x 1024 tokens in bf16 holds 7.48 GiB a rank"],
     );
     // Widths come from a config, not from a count.
     let (ok, out) = zrt(&[

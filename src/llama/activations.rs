@@ -270,10 +270,9 @@ impl Experts {
             // rows are gathered, weighed and added back.
             kept += 16 * k;
             // The weight of each row and the row's output, each kept
-            // for the other's gradient, and their product, which the sum
-            // it is added into keeps; the activation's input, and the
+            // for the other's gradient; the activation's input, and the
             // product's two factors.
-            kept += k * b + 2 * k * b * h + 3 * k * b * width;
+            kept += k * b + k * b * h + 3 * k * b * width;
         }
         kept
     }

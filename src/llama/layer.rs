@@ -793,7 +793,11 @@ impl Experts {
                 }
                 _ => self.experts.forward(e, &x, routed_act) * w.unsqueeze(-1),
             };
-            let _ = out.index_add_(0, &token, &y.to_kind(out.kind()));
+            // Added into the sum by `index_put_`, each token once an
+            // expert, as `index_add_` would add it: autograd keeps the
+            // latter's source whole for its shape (a token's k outputs),
+            // the former's nothing but the indices.
+            let _ = out.index_put_(&[Some(token)], &y.to_kind(out.kind()), true);
         }
         let mut out = out.to_kind(h.kind());
         // The shared expert's output (gated, Qwen2-MoE's) joins the

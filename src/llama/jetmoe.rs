@@ -123,7 +123,9 @@ impl Moa {
             if let Some(a) = &self.input_lora {
                 y += a.left(e, &x);
             }
-            q = q.index_add(0, &(token * k + slot), &y);
+            // (`index_put` keeps only the indices for backward;
+            // `index_add` would keep `y` whole, for its shape.)
+            q = q.index_put(&[Some(token * k + slot)], &y, true);
         }
         let q = q
             .view([b, t, k, self.kv_heads, self.head_dim])
@@ -159,7 +161,7 @@ impl Moa {
                 None => y,
             };
             let y = y * gate.unsqueeze(-1);
-            out = out.index_add(0, &token, &y);
+            out = out.index_put(&[Some(token)], &y, true);
         }
         out.view([b, t, d]) + &self.bias
     }

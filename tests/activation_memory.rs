@@ -2,10 +2,10 @@
 //! (`zrt::zero::glue::allocated`), and what a forward holds for its
 //! backward is what `zrt::llama::held_for_backward` (`zrt estimate
 //! --seq`) says, to the byte: Llama, Mistral, Qwen2, Granite, Qwen3,
-//! Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE, fp32, bf16 and fp16,
-//! each layer's tensors saved or only its input (recomputed), alone and
-//! through a stage-3 engine, the whole model training or LoRA's adapters
-//! on a frozen base.
+//! Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE, in
+//! fp32, bf16 and fp16, each layer's tensors saved or only its input
+//! (recomputed), alone and through a stage-3 engine, the whole model
+//! training or LoRA's adapters on a frozen base.
 //!
 //! In a test binary of its own: the count is process-wide, and other
 //! tests' threads would allocate beside it. Its tests take turns.
@@ -132,7 +132,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// Qwen2 (its attention's biases), Granite's multipliers, Qwen3's norms of each head's queries
 /// and keys (a head 24 wide), Phi-3's fused projections and a part of
 /// each head turned, SmolLM3's layer without rotary embeddings,
-/// Mixtral's experts, Qwen3-MoE's beside a dense layer, Gemma's norms (times `1 + weight` in fp32) and
+/// Mixtral's experts, Qwen3-MoE's beside a dense layer, OLMo 2's norms
+/// after each sublayer and of the whole queries and keys (OLMo 3's in a
+/// window too), Gemma's norms (times `1 + weight` in fp32) and
 /// scaled embeddings, Gemma 2's and 3's norms of each sublayer's output
 /// (Gemma 2 without its caps, and with them: its scores one by one, in
 /// a window shorter than the row).
@@ -170,6 +172,11 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "gemma2",
         r#", "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24"#,
+    ),
+    ("olmo2", r#", "pad_token_id": 96"#),
+    (
+        "olmo3",
+        r#", "pad_token_id": 96, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]"#,
     ),
     (
         "gemma3_text",
@@ -337,7 +344,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["cohere", "olmo2", "starcoder2"] {
+    for t in ["cohere", "olmo", "starcoder2"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

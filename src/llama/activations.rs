@@ -3,7 +3,8 @@
 //! here (Llama's layer: pre-norm attention through the fused kernel and
 //! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
 //! 3's norms of each sublayer's output; Phi-3's fused projections and
-//! partly turned heads), the whole model training or LoRA's adapters on
+//! partly turned heads; OLMo's norms after each sublayer; plain
+//! mixtures of experts; Gemma 2's soft-capped scores), the whole model training or LoRA's adapters on
 //! a frozen base; and those adapters' parameters. `zrt estimate --seq`
 //! prints it; `tests/activation_memory.rs` holds it to what libtorch
 //! allocates, to the byte.
@@ -35,9 +36,9 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's, Phi-3's, SmolLM3's or a plain mixture of
-/// experts' ([`Experts::of`]; their norms, gates and attention kernels
-/// save other tensors); a dropout (of the attention, a sublayer's
+/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's or a plain mixture
+/// of experts' ([`Experts::of`]; their norms, gates and attention
+/// kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
 /// training (the head, token rows, `modules_to_save`, parameters).
@@ -77,7 +78,12 @@ pub fn held_for_backward(
         kv_heads: dims(c.kv_heads),
         qk_norm: c.qk_norm,
         offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
-        sandwich: matches!(c.family, Family::Gemma2 | Family::Gemma3),
+        sandwich: matches!(
+            c.family,
+            Family::Gemma2 | Family::Gemma3 | Family::Olmo2 | Family::Olmo3
+        ),
+        pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3),
+        fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3),
         fused: c.family == Family::Phi3,
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
@@ -182,8 +188,8 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
 /// Qwen2's, Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and
-/// Qwen3's, Gemma 3's and Qwen3-MoE's with their queries' and keys'
-/// norms.
+/// Qwen3's, Gemma 3's, Qwen3-MoE's and OLMo 2's and 3's with their
+/// queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -195,7 +201,9 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Phi3
         | Family::SmolLm3
         | Family::Mixtral => !c.qk_norm,
-        Family::Qwen3 | Family::Gemma3 | Family::Qwen3Moe => c.qk_norm,
+        Family::Qwen3 | Family::Gemma3 | Family::Qwen3Moe | Family::Olmo2 | Family::Olmo3 => {
+            c.qk_norm
+        }
         _ => false,
     }
 }
@@ -374,8 +382,15 @@ struct Widths {
     qk_norm: bool,
     /// Gemma's norms: times `1 + weight` in fp32.
     offset_norms: bool,
-    /// Gemma 2's and 3's norms of each sublayer's output too.
+    /// Gemma 2's and 3's norms of each sublayer's output too (OLMo 2's
+    /// and 3's only).
     sandwich: bool,
+    /// Norms before each sublayer (all but OLMo 2's and 3's).
+    pre_norms: bool,
+    /// OLMo's norms and rotary embeddings: weights times the
+    /// normalized values in fp32, the heads turned in fp32; its norms of
+    /// queries and keys over the whole projections.
+    fp32_norms: bool,
     /// Phi-3's fused projections: queries, keys and values one output,
     /// gate and up one.
     fused: bool,
@@ -396,7 +411,7 @@ impl Widths {
 
     /// [`Widths::norm`] of `width` values in `rows` norms a token.
     fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
-        let normed = match self.offset_norms {
+        let normed = match self.offset_norms || self.fp32_norms {
             true => 4,
             false => self.b,
         };
@@ -405,24 +420,26 @@ impl Widths {
 
     /// What a norm of the model's width keeps once a forward, whatever
     /// the tokens: Gemma's `1 + weight` in fp32, a tensor of its own,
-    /// kept when the gradient flows through it (Llama's product keeps
-    /// the weight itself, no new memory).
+    /// kept when the gradient flows through it; OLMo's weights cast to
+    /// fp32, in a 16-bit model (Llama's product keeps the weight itself,
+    /// no new memory).
     fn norm_weights(&self, live: bool) -> u64 {
         self.norm_weights_of(self.h, live)
     }
 
     /// [`Widths::norm_weights`] of a norm `width` wide.
     fn norm_weights_of(&self, width: u64, live: bool) -> u64 {
-        (self.offset_norms && live) as u64 * 4 * width
+        let own = self.offset_norms || (self.fp32_norms && self.b != 4);
+        (own && live) as u64 * 4 * width
     }
 
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
     /// does, `full`: whether its base trains, `r`: its adapters,
-    /// `experts`: its mixture of experts in place of the MLP. An adapter keeps its
-    /// input (shared by the layers reading one tensor) and its `A`'s
-    /// output.
+    /// `experts`: its mixture of experts in place of the MLP. An adapter
+    /// keeps its input (shared by the layers reading one tensor) and its
+    /// `A`'s output.
     fn layer(
         &self,
         live: bool,
@@ -443,15 +460,20 @@ impl Widths {
             qk_norm,
             offset_norms: _,
             sandwich,
+            pre_norms,
+            fp32_norms,
             fused,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
         // it does.
         let (qkv, gate_up) = (r.qkv > 0, r.gate_up > 0);
-        let mut per_token = self.norm(live, full);
-        let mut per_forward = self.norm_weights(live);
-        let normed = live || full;
+        let (mut per_token, mut per_forward) = (0, 0);
+        if pre_norms {
+            per_token += self.norm(live, full);
+            per_forward += self.norm_weights(live);
+        }
+        let normed = live || (pre_norms && full);
         // Queries, keys and values read one tensor.
         if full || r.attention_input() > 0 {
             per_token += b * h;
@@ -462,15 +484,25 @@ impl Widths {
             normed || full || qkv || r.k > 0,
             normed || full || qkv || r.v > 0,
         );
-        // Qwen3 norms each head's queries and keys before they turn.
-        if qk_norm {
-            per_token += self.norm_of((q, heads), q_live, full);
-            per_token += self.norm_of((kv, kv_heads), k_live, full);
-            per_forward += self.norm_weights_of(d, q_live) + self.norm_weights_of(d, k_live);
+        // Qwen3 norms each head's queries and keys before they turn,
+        // OLMo the whole projections.
+        match (qk_norm, fp32_norms) {
+            (true, false) => {
+                per_token += self.norm_of((q, heads), q_live, full);
+                per_token += self.norm_of((kv, kv_heads), k_live, full);
+                per_forward += self.norm_weights_of(d, q_live) + self.norm_weights_of(d, k_live);
+            }
+            (true, true) => {
+                per_token +=
+                    self.norm_of((q, 1), q_live, full) + self.norm_of((kv, 1), k_live, full);
+                per_forward += self.norm_weights_of(q, q_live) + self.norm_weights_of(kv, k_live);
+            }
+            (false, _) => {}
         }
-        // Each of queries and keys multiplies cos and sin, which it keeps
-        // when it needs a gradient.
-        let per_position = 2 * b * rd * (q_live as u64 + k_live as u64);
+        // Each of queries and keys multiplies cos and sin (OLMo's in
+        // fp32), which it keeps when it needs a gradient.
+        let turned = if fp32_norms { 4 } else { b };
+        let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
         // The fused attention keeps its inputs, output and fp32 log-sum-
         // exp per head; its output is the output projection's input.
         // Phi-3's values are a view of the fused projection's output, all
@@ -513,9 +545,11 @@ impl Widths {
             per_forward += self.norm_weights(o_live);
         }
         let mid = live || o_live;
-        per_token += self.norm(mid, full);
-        per_forward += self.norm_weights(mid);
-        let normed = mid || full;
+        if pre_norms {
+            per_token += self.norm(mid, full);
+            per_forward += self.norm_weights(mid);
+        }
+        let normed = mid || (pre_norms && full);
         let down_live = match experts {
             Some(m) => {
                 per_token += m.layer(b, h, normed, full);

@@ -59,7 +59,7 @@ pub struct EstimateArgs {
     /// forward holds for its backward on each rank (the tensors autograd
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
     /// Qwen2's, Qwen3's, Granite's, Gemma 1-3's, Phi-3's, SmolLM3's,
-    /// Mixtral's, Qwen3-MoE's).
+    /// OLMo 2's and 3's, Mixtral's, Qwen3-MoE's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -74,7 +74,8 @@ pub struct EstimateArgs {
     /// model (`finetune_hf --lora-r`): the adapters are the trained
     /// parameters, the model the frozen ones, and `--seq`'s activations
     /// are LoRA's. Counted on the layers of Llama, Mistral, Qwen2, Qwen3,
-    /// Granite, Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE (not on
+    /// Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and
+    /// Qwen3-MoE (not on
     /// a mixture's router or experts).
     #[arg(long)]
     lora_r: Option<i64>,
@@ -228,7 +229,7 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         };
         lora.check("--lora-r and --lora-targets")?;
         let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
-            bail!("--lora-r counts the adapters of the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen");
+            bail!("--lora-r counts the adapters of the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen");
         };
         println!(
             "LoRA r {r} on {}: {adapters} adapter params train, the {total} of the model frozen",
@@ -432,7 +433,7 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, Mixtral and Qwen3-MoE, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak"
+            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak"
         ),
     }
     Ok(held)

@@ -433,6 +433,49 @@ impl Widths {
         (own && live) as u64 * 4 * width
     }
 
+    /// What the attention keeps a token and once a forward, given which
+    /// of its queries, keys and values need a gradient, and whether its
+    /// output projection keeps its input (`o_kept`: its weight trains or
+    /// it has an adapter).
+    fn attention(&self, (q_live, k_live, v_live): (bool, bool, bool), o_kept: bool) -> (u64, u64) {
+        let Self {
+            b, q, kv, heads, ..
+        } = *self;
+        match self.eager {
+            Some((rows, seq)) => {
+                // Soft-capped scores: computed one by one, each product
+                // keeping what the other factor's gradient needs (the
+                // queries, the keys and values repeated for every head
+                // of their group); the cap's tanh, the mask and the
+                // fp32 softmax where the scores need a gradient, and the
+                // weights in the compute dtype where the values do (in
+                // fp32 the softmax's own). The output is copied token by
+                // token for the output projection.
+                let qk_live = q_live || k_live;
+                let mut per_token = b * q * (k_live as u64 + q_live as u64 + qk_live as u64);
+                if o_kept {
+                    per_token += b * q;
+                }
+                let weights = match b {
+                    4 => (v_live && !qk_live) as u64 * 4,
+                    _ => v_live as u64 * b,
+                };
+                let per_score = qk_live as u64 * (b + 4) + weights;
+                let scores = rows * heads * seq * seq * per_score + qk_live as u64 * seq * seq;
+                (per_token, scores)
+            }
+            // The fused attention keeps its inputs, output and fp32 log-
+            // sum-exp per head; its output is the output projection's
+            // input. Phi-3's values are a view of the fused projection's
+            // output, all of which they keep.
+            None if q_live || k_live || v_live => (
+                b * (2 * q + 2 * kv) + 4 * heads + self.fused as u64 * b * (q + kv),
+                0,
+            ),
+            None => (o_kept as u64 * b * q, 0),
+        }
+    }
+
     /// What a layer keeps per token, per position (the rotary
     /// embedding's cos and sin, shared by the rows) and once, and
     /// whether its output needs a gradient; `live`: whether its input
@@ -462,7 +505,7 @@ impl Widths {
             sandwich,
             pre_norms,
             fp32_norms,
-            fused,
+            fused: _,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
@@ -503,40 +546,10 @@ impl Widths {
         // fp32), which it keeps when it needs a gradient.
         let turned = if fp32_norms { 4 } else { b };
         let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
-        // The fused attention keeps its inputs, output and fp32 log-sum-
-        // exp per head; its output is the output projection's input.
-        // Phi-3's values are a view of the fused projection's output, all
-        // of which they keep.
         let attended = q_live || k_live || v_live;
-        match self.eager {
-            Some((rows, seq)) => {
-                // Soft-capped scores: computed one by one, each product
-                // keeping what the other factor's gradient needs (the
-                // queries, the keys and values repeated for every head
-                // of their group); the cap's tanh, the mask and the
-                // fp32 softmax where the scores need a gradient, and the
-                // weights in the compute dtype where the values do (in
-                // fp32 the softmax's own). The output is copied token by
-                // token for the output projection.
-                let qk_live = q_live || k_live;
-                per_token += b * q * (k_live as u64 + q_live as u64 + qk_live as u64);
-                if full || r.o > 0 {
-                    per_token += b * q;
-                }
-                let weights = match b {
-                    4 => (v_live && !qk_live) as u64 * 4,
-                    _ => v_live as u64 * b,
-                };
-                let per_score = qk_live as u64 * (b + 4) + weights;
-                per_forward += rows * heads * seq * seq * per_score + qk_live as u64 * seq * seq;
-            }
-            None if attended => {
-                per_token += b * (2 * q + 2 * kv) + 4 * heads;
-                per_token += fused as u64 * b * (q + kv);
-            }
-            None if full || r.o > 0 => per_token += b * q,
-            None => {}
-        }
+        let (token, forward) = self.attention((q_live, k_live, v_live), full || r.o > 0);
+        per_token += token;
+        per_forward += forward;
         per_token += b * r.o;
         let o_live = attended || full || r.o > 0;
         // Gemma 3 normalises the attention's output before the residual.

@@ -51,12 +51,8 @@ pub fn held_for_backward(
     recompute: bool,
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
-    if !counted(c)
-        || c.attention_dropout > 0.0
-        || c.resid_dropout > 0.0
-        || c.embedding_dropout > 0.0
-        || c.parallel
-        || lora.is_some_and(|l| !adapters_alone(l))
+    let experts = countable(c, lora)?;
+    if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embedding_dropout > 0.0 || c.parallel
     {
         return None;
     }
@@ -65,7 +61,6 @@ pub fn held_for_backward(
         Kind::BFloat16 | Kind::Half => 2,
         _ => return None,
     };
-    let dims = |x: i64| x.max(0) as u64;
     let w = Widths {
         b,
         h: dims(c.hidden),
@@ -84,18 +79,9 @@ pub fn held_for_backward(
         ),
         pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3),
         fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3),
-        fused: c.family == Family::Phi3,
+        fused: fused(c),
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
-    let experts = match &c.moe {
-        Some(m) => Some(Experts::of(c, m)?),
-        None => None,
-    };
-    if let (Some(l), Some(m)) = (lora, &c.moe) {
-        if (0..c.layers).any(|layer| c.moe_layer(layer) && adapts_experts(c, m, l, layer)) {
-            return None;
-        }
-    }
     let tokens = rows * seq;
     let full = lora.is_none();
     // The embedding's output needs a gradient when the embedding trains.
@@ -157,16 +143,7 @@ pub fn held_for_backward(
 /// out) each), for the layers [`held_for_backward`] counts; `None` for
 /// the others, or where more than the layers' adapters trains.
 pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
-    if !counted(c) || !adapters_alone(lora) {
-        return None;
-    }
-    if let Some(m) = &c.moe {
-        Experts::of(c, m)?;
-        if (0..c.layers).any(|layer| c.moe_layer(layer) && adapts_experts(c, m, lora, layer)) {
-            return None;
-        }
-    }
-    let dims = |x: i64| x.max(0) as u64;
+    countable(c, Some(lora))?;
     let (h, i) = (dims(c.hidden), dims(c.intermediate));
     let (q, kv) = (dims(c.heads * c.head_dim), dims(c.kv_heads * c.head_dim));
     let per_layer = |r: &Ranks| {
@@ -178,12 +155,48 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
             + r.gate_up * (h + 2 * i)
             + r.down * (i + h)
     };
-    let fused = c.family == Family::Phi3;
     Some(
         (0..c.layers.max(0))
-            .map(|l| per_layer(&Ranks::of(lora, l, fused)))
+            .map(|l| per_layer(&Ranks::of(lora, l, fused(c))))
             .sum(),
     )
+}
+
+/// The families whose layers [`held_for_backward`] and
+/// [`adapter_params`] count ([`counted`]'s), as messages name them.
+pub const COUNTED_FAMILIES: &str =
+    "Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE";
+
+/// A dimension of a config, 0 where it is negative.
+fn dims(x: i64) -> u64 {
+    x.max(0) as u64
+}
+
+/// Whether `c`'s queries, keys and values are one projection, and gate
+/// and up one (Phi-3's `qkv_proj` and `gate_up_proj`).
+fn fused(c: &LlamaConfig) -> bool {
+    c.family == Family::Phi3
+}
+
+/// What both counts ask first: `c`'s layer is counted, only the
+/// layers' adapters train under `lora`, and a mixture of experts is a
+/// plain one with no adapter on it. `None` where they do not count;
+/// else the mixture, if the model has one.
+fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Experts>> {
+    if !counted(c) || lora.is_some_and(|l| !adapters_alone(l)) {
+        return None;
+    }
+    let Some(m) = &c.moe else {
+        return Some(None);
+    };
+    let experts = Experts::of(c, m)?;
+    let on_experts = |l: &LoraConfig| {
+        (0..c.layers).any(|layer| c.moe_layer(layer) && adapts_experts(c, m, l, layer))
+    };
+    match lora.is_some_and(on_experts) {
+        true => None,
+        false => Some(Some(experts)),
+    }
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
@@ -245,7 +258,6 @@ impl Experts {
             && m.balance.is_none()
             && m.jitter == 0.0
             && m.zero == 0;
-        let dims = |x: i64| x.max(0) as u64;
         plain.then(|| Self {
             count: dims(m.experts),
             k: dims(m.top_k),

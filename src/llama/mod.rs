@@ -89,7 +89,7 @@ mod xlstm;
 mod z_loss;
 mod zamba;
 
-pub use activations::{adapter_params, held_for_backward};
+pub use activations::{adapter_params, held_for_backward, COUNTED_FAMILIES};
 pub(crate) use config::{pad_token, rotary_dim};
 pub use config::{
     Activation, FalconH1Multipliers, GroupRouting, Llama4Attention, LlamaConfig, Mla, MoeConfig,

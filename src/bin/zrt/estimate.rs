@@ -75,8 +75,7 @@ pub struct EstimateArgs {
     /// parameters, the model the frozen ones, and `--seq`'s activations
     /// are LoRA's. Counted on the layers of Llama, Mistral, Qwen2, Qwen3,
     /// Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and
-    /// Qwen3-MoE (not on
-    /// a mixture's router or experts).
+    /// Qwen3-MoE (not on a mixture's router or experts).
     #[arg(long)]
     lora_r: Option<i64>,
     /// With `--lora-r`: the linear layers that take adapters,
@@ -229,7 +228,7 @@ fn params_of(a: &EstimateArgs) -> Result<Counted> {
         };
         lora.check("--lora-r and --lora-targets")?;
         let Some(adapters) = zrt::hf::adapter_params(path, &lora)? else {
-            bail!("--lora-r counts the adapters of the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen");
+            bail!("--lora-r counts the adapters of the layers of {} (not on a mixture's router or experts); for this model give the adapters' count as --params and the model's as --frozen", zrt::llama::COUNTED_FAMILIES);
         };
         println!(
             "LoRA r {r} on {}: {adapters} adapter params train, the {total} of the model frozen",
@@ -433,7 +432,8 @@ fn activations(
             human(b as f64)
         ),
         None => println!(
-            "activations: not counted for this model (zrt counts the layers of Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak"
+            "activations: not counted for this model (zrt counts the layers of {}, with no dropout, no router jitter or balancing loss, and no adapters on experts); measure them: `memory_breakdown` logs what libtorch holds at its peak",
+            zrt::llama::COUNTED_FAMILIES
         ),
     }
     Ok(held)

@@ -68,6 +68,24 @@ type AlibiKey = (i64, i64, Kind);
 /// window, its dtype.
 type WindowKey = (i64, i64, i64, Kind);
 
+/// The mask `slot` holds for `key`, else `make`'s, then held there for
+/// the layers after (every layer of one forward asks for the same).
+fn shared<K: PartialEq>(
+    slot: &Mutex<Option<(K, Tensor)>>,
+    key: K,
+    make: impl FnOnce() -> Tensor,
+) -> Tensor {
+    let mut held = slot.lock();
+    if let Some((k, mask)) = held.as_ref() {
+        if *k == key {
+            return mask.shallow_clone();
+        }
+    }
+    let mask = make();
+    *held = Some((key, mask.shallow_clone()));
+    mask
+}
+
 impl Decoding {
     /// A model's, off, no layer yet.
     pub(crate) fn new() -> Arc<Self> {
@@ -227,20 +245,8 @@ impl LayerCache {
     /// an earlier layer of this forward made, else `make`'s, kept for
     /// the layers after it (and for recomputing them in backward) until
     /// the next forward sets its documents.
-    pub(crate) fn alibi_mask(
-        &self,
-        (t, offset, kind): AlibiKey,
-        make: impl FnOnce() -> Tensor,
-    ) -> Tensor {
-        let mut held = self.decoding.alibi.lock();
-        if let Some((key, mask)) = held.as_ref() {
-            if *key == (t, offset, kind) {
-                return mask.shallow_clone();
-            }
-        }
-        let mask = make();
-        *held = Some(((t, offset, kind), mask.shallow_clone()));
-        mask
+    pub(crate) fn alibi_mask(&self, key: AlibiKey, make: impl FnOnce() -> Tensor) -> Tensor {
+        shared(&self.decoding.alibi, key, make)
     }
 
     /// The scores masking `t` queries after `offset` to a window of `w`
@@ -249,22 +255,13 @@ impl LayerCache {
     /// one an earlier layer of this forward made, else made and kept for
     /// the layers after it (and for recomputing them in backward) until
     /// the next forward sets its documents.
-    pub(crate) fn window_mask(
-        &self,
-        (t, offset, w, kind): WindowKey,
-        visible: impl FnOnce() -> Tensor,
-    ) -> Tensor {
-        let mut held = self.decoding.window.lock();
-        if let Some((key, mask)) = held.as_ref() {
-            if *key == (t, offset, w, kind) {
-                return mask.shallow_clone();
-            }
-        }
-        let visible = visible();
-        let mask = Tensor::zeros(visible.size(), (kind, visible.device()))
-            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-        *held = Some(((t, offset, w, kind), mask.shallow_clone()));
-        mask
+    pub(crate) fn window_mask(&self, key: WindowKey, visible: impl FnOnce() -> Tensor) -> Tensor {
+        let kind = key.3;
+        shared(&self.decoding.window, key, || {
+            let visible = visible();
+            Tensor::zeros(visible.size(), (kind, visible.device()))
+                .masked_fill(&visible.logical_not(), f64::NEG_INFINITY)
+        })
     }
 
     /// Causal attention of `q`, `k` and `v` (`[batch, heads, seq,

@@ -1319,15 +1319,33 @@ impl HfJson {
 /// A causal language model's loss as `transformers` computes it with
 /// `labels = tokens`: the mean cross-entropy of `logits` `[batch, seq,
 /// vocab]` at positions `..seq-1` predicting `tokens[:, 1:]`, in fp32.
+/// For its backward it keeps the logits in their own dtype, not their
+/// fp32 log-probabilities ([`cross_entropy`]).
 pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
     let t = tokens.size().get(1).copied().unwrap_or(2);
     let vocab = logits.size().last().copied().unwrap_or(1);
     let y = tokens.narrow(1, 1, t - 1);
-    (logits
-        .narrow(1, 0, t - 1)
-        .to_kind(Kind::Float)
-        .reshape([-1, vocab]))
-    .cross_entropy_for_logits(&y.reshape([-1]))
+    let flat = logits.narrow(1, 0, t - 1).reshape([-1, vocab]);
+    cross_entropy(&flat, &y.reshape([-1]), true)
+}
+
+/// The cross-entropy of `flat` logits `[rows, vocab]` against `y`
+/// (`-100`: not counted), their mean or their sum, in fp32, through
+/// [`crate::zero::glue::cross_entropy`]: the values and gradients of
+/// libtorch's cross-entropy of the logits cast to fp32, keeping for
+/// backward the logits as they are (bf16: half the bytes; fp32: what the
+/// log-probabilities took) and no fp32 copy of the whole matrix. What it
+/// refuses (shapes, targets outside the vocabulary) libtorch's refuses
+/// too, so then that one runs, and raises its own error as before.
+fn cross_entropy(flat: &Tensor, y: &Tensor, mean: bool) -> Tensor {
+    crate::zero::glue::cross_entropy(flat, y, -100, mean).unwrap_or_else(|e| {
+        tracing::debug!("{e}; libtorch's cross-entropy instead");
+        let reduction = match mean {
+            true => tch::Reduction::Mean,
+            false => tch::Reduction::Sum,
+        };
+        (flat.to_kind(Kind::Float)).cross_entropy_loss::<Tensor>(y, None, reduction, -100, 0.0)
+    })
 }
 
 /// As [`causal_lm_loss`], counting only the positions `mask` (`[batch,
@@ -1342,10 +1360,10 @@ pub fn causal_lm_loss_masked(logits: &Tensor, tokens: &Tensor, mask: &Tensor) ->
     if on.any().int64_value(&[]) == 0 {
         return flat.sum(Kind::Float) * 0.0;
     }
-    flat.cross_entropy_loss::<Tensor>(&y, None, tch::Reduction::Mean, -100, 0.0)
+    cross_entropy(&flat, &y, true)
 }
 
-/// `logits`' predictions of `tokens[:, 1:]`, flat and in fp32, their
+/// `logits`' predictions of `tokens[:, 1:]`, flat, their
 /// targets with those `counted` (nonzero, by the token predicted) leaves
 /// out set to -100, and which are counted.
 fn predictions(logits: &Tensor, tokens: &Tensor, counted: &Tensor) -> (Tensor, Tensor, Tensor) {
@@ -1353,7 +1371,7 @@ fn predictions(logits: &Tensor, tokens: &Tensor, counted: &Tensor) -> (Tensor, T
     let vocab = logits.size().last().copied().unwrap_or(1);
     let on = counted.narrow(1, 1, t - 1).ne(0);
     let y = (tokens.narrow(1, 1, t - 1)).masked_fill(&on.logical_not(), -100);
-    let flat = (logits.narrow(1, 0, t - 1).to_kind(Kind::Float)).reshape([-1, vocab]);
+    let flat = logits.narrow(1, 0, t - 1).reshape([-1, vocab]);
     (flat, y.reshape([-1]), on)
 }
 
@@ -1400,7 +1418,7 @@ pub fn causal_lm_loss_over(
     items: f64,
 ) -> Tensor {
     let (flat, y, _) = predictions(logits, tokens, counted);
-    flat.cross_entropy_loss::<Tensor>(&y, None, tch::Reduction::Sum, -100, 0.0) / items
+    cross_entropy(&flat, &y, false) / items
 }
 
 /// The `items` to give [`causal_lm_loss_over`] on each micro-batch of a

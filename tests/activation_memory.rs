@@ -312,6 +312,28 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
 }
 
 #[test]
+fn one_row_keeps_its_logits_as_the_head_made_them() {
+    // One row's predictions are a view of the head's output, which the
+    // loss keeps whole (with more rows it keeps a copy without each
+    // row's last position): checked in each dtype, and against Gemma 2's
+    // capped logits.
+    let _t = turn();
+    track_allocations().unwrap();
+    let row = tokens().get(0).unsqueeze(0);
+    for (model_type, extra) in [COUNTED[0], COUNTED[12]] {
+        let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let (vs, model) = built(&c, kind, false, None);
+            let (held, loss) = held_by(|| model.loss(&row));
+            let want = held_for_backward(&c, (1, SEQ as u64), kind, false, None);
+            assert_eq!(Some(held), want, "{model_type} in {kind:?}");
+            loss.backward();
+            assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
+        }
+    }
+}
+
+#[test]
 fn a_stage_3_engine_holds_no_more_than_the_model_alone() {
     let _t = turn();
     track_allocations().unwrap();

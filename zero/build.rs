@@ -18,6 +18,7 @@ fn main() {
         .file("csrc/glue.cpp")
         .file("csrc/flops.cpp")
         .file("csrc/allocated.cpp")
+        .file("csrc/loss.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

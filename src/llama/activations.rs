@@ -30,7 +30,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// The bytes a training forward of `rows` rows of `seq` tokens holds for
 /// its backward once the loss is computed: every layer's saved tensors
 /// (with `recompute`, each layer's input alone), the final norm's and
-/// the loss's log-probabilities. `kind` is the compute dtype (the
+/// the logits the loss keeps. `kind` is the compute dtype (the
 /// weights' and activations'; norms and the loss compute in fp32, as the
 /// families' classes do). With `lora`, its adapters train on a frozen
 /// base, as [`crate::lora::freeze_base`] leaves it.
@@ -118,9 +118,10 @@ pub fn held_for_backward(
         live = out_live;
     }
     // The final norm (and the head's input, when the head trains); the
-    // loss's fp32 log-probabilities of every position but the last of
-    // each row (the logits themselves are not kept), and its scalar;
-    // with more than one row, the targets gathered into one int64 vector.
+    // logits the loss keeps in the compute dtype (`glue::cross_entropy`:
+    // of one row a view of all of them, of more a copy of every position
+    // but each row's last), its count and scalar; with more than one row,
+    // the targets gathered into one int64 vector.
     let head = w.norm(live, full) + full as u64 * b * w.h;
     let final_norm = w.norm_weights(live);
     // Gemma's embeddings are scaled by a one-value tensor of their
@@ -132,7 +133,11 @@ pub fn held_for_backward(
         false => 0,
     };
     let logits_live = live || full;
-    let loss = logits_live as u64 * (predicted * 4 * dims(c.vocab) + 8 + targets);
+    let kept = match rows > 1 {
+        true => predicted,
+        false => tokens,
+    };
+    let loss = logits_live as u64 * (kept * b * dims(c.vocab) + 8 + targets);
     // Gemma 2's cap on the logits keeps its tanh, every position's.
     let capped = (logits_live && c.final_softcap.is_some()) as u64 * tokens * b * dims(c.vocab);
     let loss = loss + capped;

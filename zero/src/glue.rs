@@ -15,8 +15,10 @@ use std::ffi::{c_char, CStr};
 mod allocated;
 mod flops;
 mod freed;
+mod loss;
 pub use allocated::{allocated, reset_peak_allocated, track_allocations, Allocated};
 pub use flops::{count_macs, macs_counted};
+pub use loss::cross_entropy;
 
 use tch::Tensor;
 

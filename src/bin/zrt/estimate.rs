@@ -428,7 +428,7 @@ fn activations(
     let held = zrt::hf::held_for_backward(path, (rows, seq), kind, recompute, lora)?;
     match held {
         Some(b) => println!(
-            "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the loss's log-probabilities among them), on top of the above",
+            "activations: a forward of {rows} x {seq} tokens in {dtype}{how} holds {} a rank for its backward (the tensors autograd saves, the logits the loss keeps among them), on top of the above",
             human(b as f64)
         ),
         None => println!(

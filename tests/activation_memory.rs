@@ -137,7 +137,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// window too), Gemma's norms (times `1 + weight` in fp32) and
 /// scaled embeddings, Gemma 2's and 3's norms of each sublayer's output
 /// (Gemma 2 without its caps, and with them: its scores one by one, in
-/// a window shorter than the row).
+/// a window shorter than the row), Ministral's windows by `layer_types`,
+/// Seed-OSS's biases (its dropouts off: a dropout is not counted), and
+/// EXAONE 4's norms after each sublayer and of each head's queries and
+/// keys, its global layer without rotary embeddings.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -181,6 +184,18 @@ const COUNTED: &[(&str, &str)] = &[
     (
         "gemma3_text",
         r#", "head_dim": 24, "sliding_window": 16, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24"#,
+    ),
+    (
+        "ministral",
+        r#", "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]"#,
+    ),
+    (
+        "seed_oss",
+        r#", "attention_dropout": 0.0, "residual_dropout": 0.0, "attention_out_bias": true"#,
+    ),
+    (
+        "exaone4",
+        r#", "head_dim": 24, "sliding_window": 16, "sliding_window_pattern": 3"#,
     ),
 ];
 
@@ -421,6 +436,8 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     for (t, dropout) in [
         ("llama", r#", "attention_dropout": 0.1"#),
         ("phi3", r#", "resid_pdrop": 0.1, "pad_token_id": 96"#),
+        // Seed-OSS's dropouts, 0.1 unless its config says otherwise.
+        ("seed_oss", ""),
     ] {
         assert_eq!(
             held_for_backward(&c(t, dropout), rows_seq, Kind::Float, false, None),

@@ -36,7 +36,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's or a plain mixture
+/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's or a plain mixture
 /// of experts' ([`Experts::of`]; their norms, gates and attention
 /// kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
@@ -75,9 +75,9 @@ pub fn held_for_backward(
         offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
         sandwich: matches!(
             c.family,
-            Family::Gemma2 | Family::Gemma3 | Family::Olmo2 | Family::Olmo3
+            Family::Gemma2 | Family::Gemma3 | Family::Olmo2 | Family::Olmo3 | Family::Exaone4
         ),
-        pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3),
+        pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
         fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3),
         fused: fused(c),
         eager: c.attn_softcap.map(|_| (rows, seq)),
@@ -170,7 +170,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -205,13 +205,15 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Qwen2's, Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and
-/// Qwen3's, Gemma 3's, Qwen3-MoE's and OLMo 2's and 3's with their
-/// queries' and keys' norms.
+/// Ministral's, Seed-OSS's, Qwen2's, Granite's, Gemma's, Phi-3's,
+/// SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
+/// 2's and 3's and EXAONE 4's with their queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
         | Family::Mistral
+        | Family::Ministral
+        | Family::SeedOss
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -219,9 +221,12 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Phi3
         | Family::SmolLm3
         | Family::Mixtral => !c.qk_norm,
-        Family::Qwen3 | Family::Gemma3 | Family::Qwen3Moe | Family::Olmo2 | Family::Olmo3 => {
-            c.qk_norm
-        }
+        Family::Qwen3
+        | Family::Gemma3
+        | Family::Qwen3Moe
+        | Family::Olmo2
+        | Family::Olmo3
+        | Family::Exaone4 => c.qk_norm,
         _ => false,
     }
 }

@@ -58,8 +58,9 @@ pub struct EstimateArgs {
     /// With `--hf-config`: the tokens of a row. Prints what a training
     /// forward holds for its backward on each rank (the tensors autograd
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
-    /// Qwen2's, Qwen3's, Granite's, Gemma 1-3's, Phi-3's, SmolLM3's,
-    /// OLMo 2's and 3's, Mixtral's, Qwen3-MoE's).
+    /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Gemma 1-3's,
+    /// Phi-3's, SmolLM3's, OLMo 2's and 3's, EXAONE 4's, Mixtral's,
+    /// Qwen3-MoE's).
     #[arg(long)]
     seq: Option<u64>,
     /// With `--seq`: the rows each rank computes at once
@@ -73,9 +74,10 @@ pub struct EstimateArgs {
     /// With `--hf-config`: LoRA adapters of this rank train on the frozen
     /// model (`finetune_hf --lora-r`): the adapters are the trained
     /// parameters, the model the frozen ones, and `--seq`'s activations
-    /// are LoRA's. Counted on the layers of Llama, Mistral, Qwen2, Qwen3,
-    /// Granite, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, Mixtral and
-    /// Qwen3-MoE (not on a mixture's router or experts).
+    /// are LoRA's. Counted on the layers of Llama, Mistral, Ministral,
+    /// Qwen2, Qwen3, Granite, Seed-OSS, Gemma 1-3, Phi-3, SmolLM3, OLMo 2
+    /// and 3, EXAONE 4, Mixtral and Qwen3-MoE (not on a mixture's router
+    /// or experts).
     #[arg(long)]
     lora_r: Option<i64>,
     /// With `--lora-r`: the linear layers that take adapters,

@@ -140,7 +140,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// a window shorter than the row), Ministral's windows by `layer_types`,
 /// Seed-OSS's biases (its dropouts off: a dropout is not counted), and
 /// EXAONE 4's norms after each sublayer and of each head's queries and
-/// keys, its global layer without rotary embeddings.
+/// keys, its global layer without rotary embeddings, Arcee's ungated
+/// MLP of a squared ReLU, StarCoder2's LayerNorms and ungated GELU MLP
+/// (in a window shorter than the row), and Nemotron's LayerNorms of
+/// `1 + weight`, half of each head turned, its MLP Arcee's.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -197,6 +200,9 @@ const COUNTED: &[(&str, &str)] = &[
         "exaone4",
         r#", "head_dim": 24, "sliding_window": 16, "sliding_window_pattern": 3"#,
     ),
+    ("arcee", ""),
+    ("starcoder2", r#", "sliding_window": 16"#),
+    ("nemotron", r#", "head_dim": 24"#),
 ];
 
 #[test]
@@ -253,7 +259,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         ranked,
     ];
     // The same targets under a family's own names: Phi-3's fused
-    // projections, Mixtral's experts' matrices.
+    // projections, Mixtral's experts' matrices; Arcee has no gate.
     let renamed = |renames: &[(&[&str], &str)]| -> Vec<zrt::lora::LoraConfig> {
         let rename = |l: &zrt::lora::LoraConfig| {
             let mut l = l.clone();
@@ -278,11 +284,18 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["up_proj"], "w3"),
         (&["down_proj"], "w2"),
     ]);
+    let arcee_cases = renamed(&[(&["gate_proj"], "up_proj")]);
+    let starcoder2_cases = renamed(&[
+        (&["gate_proj", "up_proj"], "c_fc"),
+        (&["down_proj"], "c_proj"),
+    ]);
     for &(model_type, extra) in COUNTED {
         let c = LlamaConfig::from_hf_dir(config(model_type, extra)).unwrap();
         let cases = match model_type {
             "phi3" => &phi3_cases[..],
             "mixtral" => &mixtral_cases[..],
+            "arcee" | "nemotron" => &arcee_cases[..],
+            "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
         };
         for lora in cases {
@@ -381,7 +394,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["cohere", "olmo", "starcoder2"] {
+    for t in ["cohere", "olmo", "stablelm"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

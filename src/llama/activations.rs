@@ -36,7 +36,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// base, as [`crate::lora::freeze_base`] leaves it.
 ///
 /// `None` where the count would be a guess: the families whose layer is
-/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's or a plain mixture
+/// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
+/// StarCoder2's, Nemotron's or a plain mixture
 /// of experts' ([`Experts::of`]; their norms, gates and attention
 /// kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
@@ -80,6 +81,9 @@ pub fn held_for_backward(
         pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
         fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3),
         fused: fused(c),
+        gated: gated(c),
+        layer_norms: matches!(c.family, Family::Starcoder2 | Family::Nemotron),
+        one_p: c.family == Family::Nemotron,
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
     let tokens = rows * seq;
@@ -90,7 +94,7 @@ pub fn held_for_backward(
     let mut mask = 0;
     for layer in 0..c.layers.max(0) {
         let ranks = match lora {
-            Some(l) => Ranks::of(l, layer, w.fused),
+            Some(l) => Ranks::of(l, layer, c),
             None => Ranks::default(),
         };
         let trains = full || ranks.any();
@@ -162,7 +166,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
     };
     Some(
         (0..c.layers.max(0))
-            .map(|l| per_layer(&Ranks::of(lora, l, fused(c))))
+            .map(|l| per_layer(&Ranks::of(lora, l, c)))
             .sum(),
     )
 }
@@ -170,7 +174,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -181,6 +185,16 @@ fn dims(x: i64) -> u64 {
 /// and up one (Phi-3's `qkv_proj` and `gate_up_proj`).
 fn fused(c: &LlamaConfig) -> bool {
     c.family == Family::Phi3
+}
+
+/// Whether `c`'s MLP is gated (`down(act(gate(x)) * up(x))`): all but
+/// Arcee's and Nemotron's `down(relu2(up(x)))` and StarCoder2's
+/// `c_proj(gelu(c_fc(x)))`.
+fn gated(c: &LlamaConfig) -> bool {
+    !matches!(
+        c.family,
+        Family::Arcee | Family::Starcoder2 | Family::Nemotron
+    )
 }
 
 /// What both counts ask first: `c`'s layer is counted, only the
@@ -205,8 +219,8 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Ministral's, Seed-OSS's, Qwen2's, Granite's, Gemma's, Phi-3's,
-/// SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
+/// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, Qwen2's,
+/// Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
 /// 2's and 3's and EXAONE 4's with their queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
@@ -214,6 +228,9 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Mistral
         | Family::Ministral
         | Family::SeedOss
+        | Family::Arcee
+        | Family::Starcoder2
+        | Family::Nemotron
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -357,7 +374,9 @@ impl Ranks {
         self.gate + self.up + self.gate_up
     }
 
-    fn of(l: &LoraConfig, layer: i64, fused: bool) -> Self {
+    /// The ranks of `l`'s adapters on layer `layer` of `c`: none on a
+    /// module the layer lacks (Arcee's gate).
+    fn of(l: &LoraConfig, layer: i64, c: &LlamaConfig) -> Self {
         let rank = |module: &str| {
             let name = format!("model.layers.{layer}.{module}");
             match l.targets(&name) {
@@ -365,8 +384,13 @@ impl Ranks {
                 false => 0,
             }
         };
-        let (o, down) = (rank("self_attn.o_proj"), rank("mlp.down_proj"));
-        match fused {
+        // StarCoder2's MLP under GPT-2's names.
+        let (up, down) = match c.family {
+            Family::Starcoder2 => ("mlp.c_fc", "mlp.c_proj"),
+            _ => ("mlp.up_proj", "mlp.down_proj"),
+        };
+        let (o, down) = (rank("self_attn.o_proj"), rank(down));
+        match fused(c) {
             true => Self {
                 qkv: rank("self_attn.qkv_proj"),
                 o,
@@ -379,8 +403,11 @@ impl Ranks {
                 k: rank("self_attn.k_proj"),
                 v: rank("self_attn.v_proj"),
                 o,
-                gate: rank("mlp.gate_proj"),
-                up: rank("mlp.up_proj"),
+                gate: match gated(c) {
+                    true => rank("mlp.gate_proj"),
+                    false => 0,
+                },
+                up: rank(up),
                 down,
                 ..Self::default()
             },
@@ -416,6 +443,16 @@ struct Widths {
     /// Phi-3's fused projections: queries, keys and values one output,
     /// gate and up one.
     fused: bool,
+    /// A gated MLP (`down(act(gate(x)) * up(x))`), not Arcee's
+    /// `down(relu2(up(x)))` or StarCoder2's `c_proj(gelu(c_fc(x)))`.
+    gated: bool,
+    /// LayerNorms (StarCoder2's, Nemotron's), not RMSNorms: each keeps its input
+    /// as it is, and a mean and a reciprocal a token in its dtype
+    /// (libtorch's CPU kernel's; its CUDA kernel keeps them in fp32).
+    layer_norms: bool,
+    /// Nemotron's LayerNorms, of `1 + weight`: a tensor of its own each
+    /// forward.
+    one_p: bool,
     /// Gemma 2's soft-capped attention scores, computed one by one
     /// rather than by the fused kernel: the rows and the tokens of each.
     eager: Option<(u64, u64)>,
@@ -433,6 +470,9 @@ impl Widths {
 
     /// [`Widths::norm`] of `width` values in `rows` norms a token.
     fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
+        if self.layer_norms {
+            return (live || trains) as u64 * self.b * (width + 2 * rows);
+        }
         let normed = match self.offset_norms || self.fp32_norms {
             true => 4,
             false => self.b,
@@ -451,6 +491,10 @@ impl Widths {
 
     /// [`Widths::norm_weights`] of a norm `width` wide.
     fn norm_weights_of(&self, width: u64, live: bool) -> u64 {
+        // Nemotron's `1 + weight`, in the weights' dtype.
+        if self.one_p {
+            return live as u64 * self.b * width;
+        }
         let own = self.offset_norms || (self.fp32_norms && self.b != 4);
         (own && live) as u64 * 4 * width
     }
@@ -528,6 +572,9 @@ impl Widths {
             pre_norms,
             fp32_norms,
             fused: _,
+            gated,
+            layer_norms: _,
+            one_p: _,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
@@ -596,18 +643,29 @@ impl Widths {
                     per_token += b * h;
                 }
                 per_token += b * r.mlp_input();
-                let gate_live = normed || full || gate_up || r.gate > 0;
                 let up_live = normed || full || gate_up || r.up > 0;
-                // The activation keeps the gate; the product keeps each
-                // factor for the other's gradient; the down projection
-                // its input.
-                per_token += b * i * (2 * gate_live as u64 + up_live as u64);
-                let product_live = gate_live || up_live;
+                let inner_live = match gated {
+                    // The activation keeps the gate; the product keeps
+                    // each factor for the other's gradient.
+                    true => {
+                        let gate_live = normed || full || gate_up || r.gate > 0;
+                        per_token += b * i * (2 * gate_live as u64 + up_live as u64);
+                        gate_live || up_live
+                    }
+                    // Arcee's ReLU keeps its output, which the square
+                    // reads (the same tensor); StarCoder2's GELU its
+                    // input.
+                    false => {
+                        per_token += b * i * up_live as u64;
+                        up_live
+                    }
+                };
+                // The down projection keeps its input.
                 if full || r.down > 0 {
                     per_token += b * i;
                 }
                 per_token += b * r.down;
-                product_live || full || r.down > 0
+                inner_live || full || r.down > 0
             }
         };
         // And the MLP's.

@@ -143,7 +143,10 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// keys, its global layer without rotary embeddings, Arcee's ungated
 /// MLP of a squared ReLU, StarCoder2's LayerNorms and ungated GELU MLP
 /// (in a window shorter than the row), and Nemotron's LayerNorms of
-/// `1 + weight`, half of each head turned, its MLP Arcee's.
+/// `1 + weight`, half of each head turned, its MLP Arcee's; ERNIE 4.5's
+/// pairs turned in fp32, Helium's in the compute dtype and its norms'
+/// weights multiplied in fp32, GLM's fused gate and up and half of each
+/// head turned by pairs (GLM-4 with norms of each sublayer's output).
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -203,6 +206,10 @@ const COUNTED: &[(&str, &str)] = &[
     ("arcee", ""),
     ("starcoder2", r#", "sliding_window": 16"#),
     ("nemotron", r#", "head_dim": 24"#),
+    ("ernie4_5", r#", "use_bias": true"#),
+    ("helium", r#", "attention_bias": true, "head_dim": 16"#),
+    ("glm", r#", "pad_token_id": 96"#),
+    ("glm4", r#", "head_dim": 24, "pad_token_id": 96"#),
 ];
 
 #[test]
@@ -285,6 +292,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
         (&["down_proj"], "w2"),
     ]);
     let arcee_cases = renamed(&[(&["gate_proj"], "up_proj")]);
+    let glm_cases = renamed(&[(&["gate_proj", "up_proj"], "gate_up_proj")]);
     let starcoder2_cases = renamed(&[
         (&["gate_proj", "up_proj"], "c_fc"),
         (&["down_proj"], "c_proj"),
@@ -295,6 +303,7 @@ fn lora_on_a_frozen_base_holds_what_the_estimate_says() {
             "phi3" => &phi3_cases[..],
             "mixtral" => &mixtral_cases[..],
             "arcee" | "nemotron" => &arcee_cases[..],
+            "glm" | "glm4" => &glm_cases[..],
             "starcoder2" => &starcoder2_cases[..],
             _ => &cases[..],
         };

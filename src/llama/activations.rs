@@ -37,7 +37,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 ///
 /// `None` where the count would be a guess: the families whose layer is
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
-/// StarCoder2's, Nemotron's or a plain mixture
+/// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's or a plain
+/// mixture
 /// of experts' ([`Experts::of`]; their norms, gates and attention
 /// kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
@@ -76,14 +77,20 @@ pub fn held_for_backward(
         offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
         sandwich: matches!(
             c.family,
-            Family::Gemma2 | Family::Gemma3 | Family::Olmo2 | Family::Olmo3 | Family::Exaone4
+            Family::Gemma2
+                | Family::Gemma3
+                | Family::Olmo2
+                | Family::Olmo3
+                | Family::Exaone4
+                | Family::Glm4
         ),
         pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
-        fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3),
-        fused: fused(c),
+        fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Helium),
+        fused: fused(c).0,
         gated: gated(c),
         layer_norms: matches!(c.family, Family::Starcoder2 | Family::Nemotron),
         one_p: c.family == Family::Nemotron,
+        fp32_rope: matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Ernie4_5),
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
     let tokens = rows * seq;
@@ -174,17 +181,22 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
     x.max(0) as u64
 }
 
-/// Whether `c`'s queries, keys and values are one projection, and gate
-/// and up one (Phi-3's `qkv_proj` and `gate_up_proj`).
-fn fused(c: &LlamaConfig) -> bool {
-    c.family == Family::Phi3
+/// Whether `c`'s queries, keys and values are one projection (Phi-3's
+/// `qkv_proj`), and whether gate and up are one (Phi-3's and GLM's
+/// `gate_up_proj`).
+fn fused(c: &LlamaConfig) -> (bool, bool) {
+    match c.family {
+        Family::Phi3 => (true, true),
+        f if f.glm() => (false, true),
+        _ => (false, false),
+    }
 }
 
 /// Whether `c`'s MLP is gated (`down(act(gate(x)) * up(x))`): all but
@@ -219,8 +231,8 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 }
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
-/// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, Qwen2's,
-/// Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
+/// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, ERNIE
+/// 4.5's, Helium's, GLM's and GLM-4's, Qwen2's, Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
 /// 2's and 3's and EXAONE 4's with their queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
@@ -231,6 +243,10 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Arcee
         | Family::Starcoder2
         | Family::Nemotron
+        | Family::Ernie4_5
+        | Family::Helium
+        | Family::Glm
+        | Family::Glm4
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -389,29 +405,28 @@ impl Ranks {
             Family::Starcoder2 => ("mlp.c_fc", "mlp.c_proj"),
             _ => ("mlp.up_proj", "mlp.down_proj"),
         };
-        let (o, down) = (rank("self_attn.o_proj"), rank(down));
-        match fused(c) {
-            true => Self {
-                qkv: rank("self_attn.qkv_proj"),
-                o,
-                gate_up: rank("mlp.gate_up_proj"),
-                down,
-                ..Self::default()
-            },
-            false => Self {
-                q: rank("self_attn.q_proj"),
-                k: rank("self_attn.k_proj"),
-                v: rank("self_attn.v_proj"),
-                o,
-                gate: match gated(c) {
-                    true => rank("mlp.gate_proj"),
-                    false => 0,
-                },
-                up: rank(up),
-                down,
-                ..Self::default()
-            },
+        let (fused_qkv, fused_gate_up) = fused(c);
+        let mut r = Self {
+            o: rank("self_attn.o_proj"),
+            down: rank(down),
+            ..Self::default()
+        };
+        match fused_qkv {
+            true => r.qkv = rank("self_attn.qkv_proj"),
+            false => {
+                (r.q, r.k, r.v) = (
+                    rank("self_attn.q_proj"),
+                    rank("self_attn.k_proj"),
+                    rank("self_attn.v_proj"),
+                )
+            }
         }
+        match (fused_gate_up, gated(c)) {
+            (true, _) => r.gate_up = rank("mlp.gate_up_proj"),
+            (false, true) => (r.gate, r.up) = (rank("mlp.gate_proj"), rank(up)),
+            (false, false) => r.up = rank(up),
+        }
+        r
     }
 }
 
@@ -440,8 +455,8 @@ struct Widths {
     /// normalized values in fp32, the heads turned in fp32; its norms of
     /// queries and keys over the whole projections.
     fp32_norms: bool,
-    /// Phi-3's fused projections: queries, keys and values one output,
-    /// gate and up one.
+    /// Phi-3's fused projection: queries, keys and values one output,
+    /// which the values, a view of it, keep whole.
     fused: bool,
     /// A gated MLP (`down(act(gate(x)) * up(x))`), not Arcee's
     /// `down(relu2(up(x)))` or StarCoder2's `c_proj(gelu(c_fc(x)))`.
@@ -453,6 +468,9 @@ struct Widths {
     /// Nemotron's LayerNorms, of `1 + weight`: a tensor of its own each
     /// forward.
     one_p: bool,
+    /// Heads turned in fp32 (OLMo's halves, ERNIE 4.5's neighbouring
+    /// pairs): the cosines and sines they keep are fp32.
+    fp32_rope: bool,
     /// Gemma 2's soft-capped attention scores, computed one by one
     /// rather than by the fused kernel: the rows and the tokens of each.
     eager: Option<(u64, u64)>,
@@ -575,6 +593,7 @@ impl Widths {
             gated,
             layer_norms: _,
             one_p: _,
+            fp32_rope,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
@@ -611,9 +630,9 @@ impl Widths {
             }
             (false, _) => {}
         }
-        // Each of queries and keys multiplies cos and sin (OLMo's in
-        // fp32), which it keeps when it needs a gradient.
-        let turned = if fp32_norms { 4 } else { b };
+        // Each of queries and keys multiplies cos and sin (OLMo's and
+        // ERNIE's in fp32), which it keeps when it needs a gradient.
+        let turned = if fp32_rope { 4 } else { b };
         let per_position = 2 * turned * rd * (q_live as u64 + k_live as u64);
         let attended = q_live || k_live || v_live;
         let (token, forward) = self.attention((q_live, k_live, v_live), full || r.o > 0);

@@ -363,19 +363,8 @@ fn rope(x: &Tensor, rotary: &Rotary, t: i64, positions: &Tensor) -> Tensor {
     let turned = (turned * cos + rotated * sin).to_kind(x.kind());
     match rd < hd {
         // Joined token by token, as `x` (the heads of each token's
-        // projection) is laid out and a whole turn leaves it: the
-        // attention's output follows its queries' layout, and laid out
-        // head by head it would be copied for the output projection, the
-        // attention keeping one copy for backward and the projection the
-        // other.
-        true => Tensor::cat(
-            &[
-                &turned.transpose(1, 2),
-                &x.narrow(-1, rd, hd - rd).transpose(1, 2),
-            ],
-            -1,
-        )
-        .transpose(1, 2),
+        // projection) is laid out.
+        true => token_major_cat(&turned, &x.narrow(-1, rd, hd - rd)),
         false => turned,
     }
 }
@@ -408,7 +397,21 @@ fn rope_interleaved(x: &Tensor, freqs: &Tensor, scale: f64, fp32: bool) -> Tenso
     let rotated = Tensor::stack(&[odd.neg(), even], -1).flatten(-2, -1);
     let turned = (h * cos + rotated * sin).to_kind(x.kind());
     match rd < hd {
-        true => Tensor::cat(&[&turned, &x.narrow(-1, rd, hd - rd)], -1),
+        // Token by token, as in `rope` (GLM's, GPT-J's and CodeGen's
+        // partial turns): joined head by head, the output projection
+        // would copy the attention's output.
+        true => token_major_cat(&turned, &x.narrow(-1, rd, hd - rd)),
         false => turned,
     }
+}
+
+/// `[turned, rest]` along the last dimension of two `[batch, heads, seq,
+/// _]` tensors, laid out token by token (`[batch, seq, heads, _]`
+/// transposed), as a projection's heads are and a whole turn leaves
+/// them: the attention's output follows its queries' layout, and laid
+/// out head by head it would be copied for the output projection, the
+/// attention keeping one copy for backward and the projection the
+/// other.
+fn token_major_cat(turned: &Tensor, rest: &Tensor) -> Tensor {
+    Tensor::cat(&[&turned.transpose(1, 2), &rest.transpose(1, 2)], -1).transpose(1, 2)
 }

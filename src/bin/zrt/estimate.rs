@@ -59,7 +59,8 @@ pub struct EstimateArgs {
     /// forward holds for its backward on each rank (the tensors autograd
     /// saves), for the models whose layers it counts (Llama's, Mistral's,
     /// Ministral's, Qwen2's, Qwen3's, Granite's, Seed-OSS's, Arcee's,
-    /// StarCoder2's, Nemotron's, Gemma 1-3's,
+    /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's and
+    /// GLM-4's, Gemma 1-3's,
     /// Phi-3's, SmolLM3's, OLMo 2's and 3's, EXAONE 4's, Mixtral's,
     /// Qwen3-MoE's).
     #[arg(long)]
@@ -77,7 +78,7 @@ pub struct EstimateArgs {
     /// parameters, the model the frozen ones, and `--seq`'s activations
     /// are LoRA's. Counted on the layers of Llama, Mistral, Ministral,
     /// Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron,
-    /// Gemma 1-3, Phi-3, SmolLM3, OLMo 2
+    /// ERNIE 4.5, Helium, GLM and GLM-4, Gemma 1-3, Phi-3, SmolLM3, OLMo 2
     /// and 3, EXAONE 4, Mixtral and Qwen3-MoE (not on a mixture's router
     /// or experts).
     #[arg(long)]

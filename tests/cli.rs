@@ -1359,10 +1359,10 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
         !ok && out.contains("(not on a mixture's router or experts)"),
         "{out}"
     );
-    // Gemma 2 2B's: its soft-capped scores computed one by one, 8 bytes
-    // a score a head, 1.63 GiB of its 26 layers' at 1024 tokens, and the
-    // capped logits' tanh (0.49 GiB) beside the capped logits the loss
-    // keeps (0.49 GiB).
+    // Gemma 2 2B's: its soft-capped scores computed a block of queries
+    // at a time and again in backward (one by one they kept 1.63 GiB
+    // more), and the capped logits' tanh (0.49 GiB) beside the capped
+    // logits the loss keeps (0.49 GiB).
     let gemma2 = hf_config(
         &dir,
         "gemma2",
@@ -1371,7 +1371,7 @@ fn estimate_counts_the_activations_of_the_layers_it_knows() {
     estimate_says(
         &gemma2,
         &["--world", "2", "--seq", "1024", "--dtype", "bf16"],
-        &["a forward of 1 x 1024 tokens in bf16 holds 6.99 GiB a rank"],
+        &["a forward of 1 x 1024 tokens in bf16 holds 5.34 GiB a rank"],
     );
     // OLMo 2 1B's: norms after each sublayer only, the whole queries'
     // and keys' too, their normalized values and the turned heads in

@@ -3,9 +3,10 @@
 //! here (Llama's layer: pre-norm attention through the fused kernel and
 //! a gated MLP; Gemma's norms and scaled embeddings, and Gemma 2's and
 //! 3's norms of each sublayer's output; Phi-3's fused projections and
-//! partly turned heads; OLMo's norms after each sublayer; plain
-//! mixtures of experts; Gemma 2's soft-capped scores), the whole model training or LoRA's adapters on
-//! a frozen base; and those adapters' parameters. `zrt estimate --seq`
+//! partly turned heads; OLMo's norms after each sublayer; ungated MLPs
+//! and LayerNorms; heads turned by neighbouring pairs; plain mixtures of
+//! experts; Gemma 2's soft-capped attention), the whole model training
+//! or LoRA's adapters on a frozen base; and those adapters' parameters. `zrt estimate --seq`
 //! prints it; `tests/activation_memory.rs` holds it to what libtorch
 //! allocates, to the byte.
 //!
@@ -44,8 +45,10 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// output or the embeddings), which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
 /// training (the head, token rows, `modules_to_save`, parameters).
-/// Gemma 2's soft-capped scores are counted, computed one by one: eight
-/// bytes a score a head, which at long rows outweigh the rest.
+/// Gemma 2's soft-capped attention is counted as training computes it,
+/// a block of queries at a time and again in backward
+/// (`capped_attention`), keeping no scores; where its queries need no
+/// gradient it computes them one by one, eight bytes a score a head.
 pub fn held_for_backward(
     c: &LlamaConfig,
     (rows, seq): (u64, u64),
@@ -471,8 +474,9 @@ struct Widths {
     /// Heads turned in fp32 (OLMo's halves, ERNIE 4.5's neighbouring
     /// pairs): the cosines and sines they keep are fp32.
     fp32_rope: bool,
-    /// Gemma 2's soft-capped attention scores, computed one by one
-    /// rather than by the fused kernel: the rows and the tokens of each.
+    /// Gemma 2's soft-capped attention scores, computed by blocks of
+    /// queries or one by one rather than by the fused kernel: the rows
+    /// and the tokens of each.
     eager: Option<(u64, u64)>,
 }
 
@@ -526,6 +530,17 @@ impl Widths {
             b, q, kv, heads, ..
         } = *self;
         match self.eager {
+            // Soft-capped scores whose queries train: a block of queries
+            // at a time, each computed again in backward
+            // (`capped_attention`), keeping the queries, the keys and
+            // values repeated for every head of their group, and the
+            // generator's state for each block. The output is copied
+            // token by token for the output projection.
+            Some((rows, seq)) if q_live => {
+                let (r, h, s) = (rows as i64, heads as i64, seq as i64);
+                let blocks = seq.div_ceil(super::capped_attention::block_rows(r, h, s) as u64);
+                (3 * b * q + o_kept as u64 * b * q, blocks * RNG_STATE_BYTES)
+            }
             Some((rows, seq)) => {
                 // Soft-capped scores: computed one by one, each product
                 // keeping what the other factor's gradient needs (the

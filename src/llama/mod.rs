@@ -53,6 +53,7 @@ mod activations;
 pub(crate) mod balance;
 pub(crate) mod bare;
 mod bloom;
+mod capped_attention;
 mod config;
 mod ctrl;
 mod dbrx;

@@ -1,0 +1,127 @@
+//! Gemma 2's soft-capped attention (and VaultGemma's), a block of queries
+//! at a time, each block computed again in backward.
+//!
+//! The fused attention kernel cannot cap scores, so the capped layers
+//! compute them as `transformers`' eager attention does: the scores, their
+//! tanh, the weights. Autograd keeps all of them for backward, eight bytes
+//! a score and head in bf16 (104 of Gemma 2 2B's 148 GiB at 8192 tokens).
+//! Here each block of queries runs under [`glue::checkpoint`]: its
+//! forward keeps only its inputs (the queries, and the keys and values
+//! every block shares), and backward computes its scores again, one block
+//! at a time. Each block runs the eager operations on its rows, so the
+//! values are the eager attention's; the keys' and values' gradients are
+//! summed over the blocks, in another order than one product's.
+//!
+//! This is FlashAttention's memory (the scores of one block at a time)
+//! without its kernel: the scores are computed twice.
+
+use tch::{Kind, Tensor};
+
+use crate::zero::glue::{self, GlueError};
+
+/// About this many scores (32 MiB in fp32) a block of queries computes.
+const BLOCK_SCORES: i64 = 8 << 20;
+
+/// How many queries a block of `rows` rows of `heads` heads over `t`
+/// keys takes.
+pub(super) fn block_rows(rows: i64, heads: i64, t: i64) -> i64 {
+    (BLOCK_SCORES / (rows * heads * t).max(1)).clamp(1, t.max(1))
+}
+
+/// The eager soft-capped attention of queries `q` `[batch, heads, n, hd]`
+/// at positions `first..first + n` over keys and values `k`, `v`
+/// `[batch, heads, t, hd]` (each head's own: repeated for grouped
+/// heads): each query sees itself and the `window - 1` keys before it.
+/// `transformers`' operations in its order: the scores times `scale`,
+/// capped (`cap * tanh(s / cap)`), masked, their softmax in fp32 cast
+/// back, times the values.
+pub(super) fn eager(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    first: i64,
+    (scale, cap, window): (f64, f64, i64),
+) -> Tensor {
+    let (n, t) = (q.size()[2], k.size()[2]);
+    let opts = (Kind::Int64, q.device());
+    let back = Tensor::arange_start(first, first + n, opts).unsqueeze(1)
+        - Tensor::arange(t, opts).unsqueeze(0);
+    let visible = back.ge(0).logical_and(&back.lt(window));
+    let scores = q.matmul(&k.transpose(2, 3)) * scale;
+    let scores = (scores / cap).tanh() * cap;
+    let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+    (scores.softmax(-1, Kind::Float).to_kind(q.kind())).matmul(v)
+}
+
+/// [`eager`] over every query of `q` (positions from 0), a block of
+/// queries at a time, each under [`glue::checkpoint`]: what backward
+/// needs is `q`, `k` and `v`, not the scores.
+pub(super) fn in_blocks(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (scale, cap, window): (f64, f64, i64),
+) -> Result<Tensor, GlueError> {
+    let size = q.size();
+    let (rows, heads, t) = (size[0], size[1], size[2]);
+    let block = block_rows(rows, heads, t);
+    let mut parts = Vec::new();
+    for first in (0..t).step_by(block as usize) {
+        let n = block.min(t - first);
+        let qi = q.narrow(2, first, n);
+        let part = glue::checkpoint(&[&qi, k, v], move |x| {
+            Ok(eager((&x[0], &x[1], &x[2]), first, (scale, cap, window)))
+        })?;
+        parts.push(part);
+    }
+    Ok(match parts.len() {
+        1 => parts.swap_remove(0),
+        _ => Tensor::cat(&parts, 2),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// `q`, `k`, `v` `[2, 3, t, 8]` that need gradients, from seed 3.
+    fn qkv(t: i64) -> [Tensor; 3] {
+        tch::manual_seed(3);
+        let x = || Tensor::randn([2, 3, t, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        [x(), x(), x()]
+    }
+
+    #[test]
+    fn blocks_give_the_eager_attention_and_its_gradients() {
+        // 3000 keys: blocks of 466 queries, the last one short.
+        for (t, window) in [(7, 100), (7, 3), (3000, 3000), (3000, 700)] {
+            let [q, k, v] = qkv(t);
+            let seed = Tensor::randn([2, 3, t, 8], (Kind::Float, Device::Cpu));
+            let run = |out: Tensor| {
+                let g = Tensor::run_backward(
+                    &[(out.shallow_clone() * &seed).sum(Kind::Float)],
+                    &[&q, &k, &v],
+                    false,
+                    false,
+                );
+                (out.detach(), g)
+            };
+            let settings = (0.35, 5.0, window);
+            let (want, wg) = run(eager((&q, &k, &v), 0, settings));
+            let (got, gg) = run(in_blocks((&q, &k, &v), settings).unwrap());
+            // Inside a checkpointed layer: its blocks' checkpoints are
+            // made, and run, in the layer's recompute.
+            let (nested, ng) = run(glue::checkpoint(&[&q, &k, &v], move |x| {
+                in_blocks((&x[0], &x[1], &x[2]), settings).map_err(|e| e.to_string())
+            })
+            .unwrap());
+            // Row by row the same operations.
+            assert!(got.equal(&want), "t {t} window {window}");
+            assert!(nested.equal(&want), "t {t} window {window}");
+            for (a, (b, c)) in wg.iter().zip(gg.iter().zip(&ng)) {
+                let bound = 1e-5 * a.abs().max().double_value(&[]);
+                for (how, b) in [("blocks", b), ("nested", c)] {
+                    let d = (a - b).abs().max().double_value(&[]);
+                    assert!(d <= bound, "{how}, t {t} window {window}: {d}");
+                }
+            }
+        }
+    }
+}

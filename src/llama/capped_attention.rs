@@ -1,13 +1,15 @@
-//! Gemma 2's soft-capped attention (and VaultGemma's), a block of queries
-//! at a time, each block computed again in backward.
+//! Gemma 2's soft-capped attention (and VaultGemma's), and GPT-OSS's
+//! attention beside its sinks, a block of queries at a time, each block
+//! computed again in backward.
 //!
-//! The fused attention kernel cannot cap scores, so the capped layers
-//! compute them as `transformers`' eager attention does: the scores, their
-//! tanh, the weights. Autograd keeps all of them for backward, eight bytes
-//! a score and head in bf16 (104 of Gemma 2 2B's 148 GiB at 8192 tokens).
+//! The fused attention kernel cannot cap scores or add a sink, so these
+//! layers compute them as `transformers`' eager attention does: the
+//! scores, their tanh, the weights. Autograd keeps all of them for
+//! backward, eight bytes a score and head in bf16 (104 of Gemma 2 2B's
+//! 148 GiB at 8192 tokens; GPT-OSS's 64 heads, 32 GiB a layer).
 //! Here each block of queries runs under [`glue::checkpoint`]: its
-//! forward keeps only its inputs (the queries, and the keys and values
-//! every block shares), and backward computes its scores again, one block
+//! forward keeps only its inputs (the queries, and the keys, values and
+//! sinks every block shares), and backward computes its scores again, one block
 //! at a time. Each block runs the eager operations on its rows, so the
 //! values are the eager attention's; the keys' and values' gradients are
 //! summed over the blocks, in another order than one product's.
@@ -28,17 +30,19 @@ pub(super) fn block_rows(rows: i64, heads: i64, t: i64) -> i64 {
     (BLOCK_SCORES / (rows * heads * t).max(1)).clamp(1, t.max(1))
 }
 
-/// The eager soft-capped attention of queries `q` `[batch, heads, n, hd]`
-/// at positions `first..first + n` over keys and values `k`, `v`
-/// `[batch, heads, t, hd]` (each head's own: repeated for grouped
-/// heads): each query sees itself and the `window - 1` keys before it.
+/// The eager attention of queries `q` `[batch, heads, n, hd]` at
+/// positions `first..first + n` over keys and values `k`, `v` `[batch,
+/// heads, t, hd]` (each head's own: repeated for grouped heads): each
+/// query sees itself and the `window - 1` keys before it.
 /// `transformers`' operations in its order: the scores times `scale`,
-/// capped (`cap * tanh(s / cap)`), masked, their softmax in fp32 cast
-/// back, times the values.
+/// capped when `cap` is given (`cap * tanh(s / cap)`), masked, their
+/// softmax in fp32 (beside each head's sink in `sinks` `[heads]`, whose
+/// weight is then dropped) cast back, times the values.
 pub(super) fn eager(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
+    sinks: Option<&Tensor>,
     first: i64,
-    (scale, cap, window): (f64, f64, i64),
+    (scale, cap, window): (f64, Option<f64>, i64),
 ) -> Tensor {
     let (n, t) = (q.size()[2], k.size()[2]);
     let opts = (Kind::Int64, q.device());
@@ -46,17 +50,30 @@ pub(super) fn eager(
         - Tensor::arange(t, opts).unsqueeze(0);
     let visible = back.ge(0).logical_and(&back.lt(window));
     let scores = q.matmul(&k.transpose(2, 3)) * scale;
-    let scores = (scores / cap).tanh() * cap;
+    let scores = match cap {
+        Some(cap) => (scores / cap).tanh() * cap,
+        None => scores,
+    };
     let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-    (scores.softmax(-1, Kind::Float).to_kind(q.kind())).matmul(v)
+    let weights = match sinks {
+        // Each head's sink a last column of every query's scores.
+        Some(sinks) => {
+            let sinks = (sinks.to_kind(scores.kind()).view([1, -1, 1, 1]))
+                .expand_as(&scores.narrow(-1, 0, 1));
+            (Tensor::cat(&[scores, sinks], -1).softmax(-1, Kind::Float)).slice(-1, 0, -1, 1)
+        }
+        None => scores.softmax(-1, Kind::Float),
+    };
+    weights.to_kind(q.kind()).matmul(v)
 }
 
 /// [`eager`] over every query of `q` (positions from 0), a block of
 /// queries at a time, each under [`glue::checkpoint`]: what backward
-/// needs is `q`, `k` and `v`, not the scores.
+/// needs is `q`, `k`, `v` and the sinks, not the scores.
 pub(super) fn in_blocks(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (scale, cap, window): (f64, f64, i64),
+    sinks: Option<&Tensor>,
+    settings: (f64, Option<f64>, i64),
 ) -> Result<Tensor, GlueError> {
     let size = q.size();
     let (rows, heads, t) = (size[0], size[1], size[2]);
@@ -65,8 +82,9 @@ pub(super) fn in_blocks(
     for first in (0..t).step_by(block as usize) {
         let n = block.min(t - first);
         let qi = q.narrow(2, first, n);
-        let part = glue::checkpoint(&[&qi, k, v], move |x| {
-            Ok(eager((&x[0], &x[1], &x[2]), first, (scale, cap, window)))
+        let inputs: Vec<&Tensor> = [&qi, k, v].into_iter().chain(sinks).collect();
+        let part = glue::checkpoint(&inputs, move |x| {
+            Ok(eager((&x[0], &x[1], &x[2]), x.get(3), first, settings))
         })?;
         parts.push(part);
     }
@@ -90,36 +108,45 @@ mod tests {
 
     #[test]
     fn blocks_give_the_eager_attention_and_its_gradients() {
-        // 3000 keys: blocks of 466 queries, the last one short.
-        for (t, window) in [(7, 100), (7, 3), (3000, 3000), (3000, 700)] {
+        let sinks = (Tensor::arange(3, (Kind::Float, Device::Cpu)) - 1.0).set_requires_grad(true);
+        // 3000 keys: blocks of 466 queries, the last one short. Capped
+        // (Gemma 2), or beside sinks (GPT-OSS).
+        let cases = [(7, 100), (7, 3), (3000, 3000), (3000, 700)];
+        for ((t, window), with_sinks) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let [q, k, v] = qkv(t);
             let seed = Tensor::randn([2, 3, t, 8], (Kind::Float, Device::Cpu));
+            let s = with_sinks.then_some(&sinks);
             let run = |out: Tensor| {
-                let g = Tensor::run_backward(
-                    &[(out.shallow_clone() * &seed).sum(Kind::Float)],
-                    &[&q, &k, &v],
-                    false,
-                    false,
-                );
-                (out.detach(), g)
+                let wrt: Vec<&Tensor> = [&q, &k, &v].into_iter().chain(s).collect();
+                let loss = (out.shallow_clone() * &seed).sum(Kind::Float);
+                (
+                    out.detach(),
+                    Tensor::run_backward(&[loss], &wrt, false, false),
+                )
             };
-            let settings = (0.35, 5.0, window);
-            let (want, wg) = run(eager((&q, &k, &v), 0, settings));
-            let (got, gg) = run(in_blocks((&q, &k, &v), settings).unwrap());
+            let settings = match with_sinks {
+                true => (0.35, None, window),
+                false => (0.35, Some(5.0), window),
+            };
+            let (want, wg) = run(eager((&q, &k, &v), s, 0, settings));
+            let (got, gg) = run(in_blocks((&q, &k, &v), s, settings).unwrap());
             // Inside a checkpointed layer: its blocks' checkpoints are
             // made, and run, in the layer's recompute.
-            let (nested, ng) = run(glue::checkpoint(&[&q, &k, &v], move |x| {
-                in_blocks((&x[0], &x[1], &x[2]), settings).map_err(|e| e.to_string())
+            let inputs: Vec<&Tensor> = [&q, &k, &v].into_iter().chain(s).collect();
+            let (nested, ng) = run(glue::checkpoint(&inputs, move |x| {
+                in_blocks((&x[0], &x[1], &x[2]), x.get(3), settings).map_err(|e| e.to_string())
             })
             .unwrap());
+            let case = format!("t {t} window {window} sinks {with_sinks}");
             // Row by row the same operations.
-            assert!(got.equal(&want), "t {t} window {window}");
-            assert!(nested.equal(&want), "t {t} window {window}");
+            assert!(got.equal(&want), "{case}");
+            assert!(nested.equal(&want), "{case}");
+            assert_eq!(wg.len(), 3 + with_sinks as usize);
             for (a, (b, c)) in wg.iter().zip(gg.iter().zip(&ng)) {
                 let bound = 1e-5 * a.abs().max().double_value(&[]);
                 for (how, b) in [("blocks", b), ("nested", c)] {
                     let d = (a - b).abs().max().double_value(&[]);
-                    assert!(d <= bound, "{how}, t {t} window {window}: {d}");
+                    assert!(d <= bound, "{how}, {case}: {d}");
                 }
             }
         }

@@ -1754,8 +1754,9 @@ impl Layer {
     /// over `k` and `v` (`kv_heads` heads), in the layer's window,
     /// `[batch, heads, seq, hd]`: libtorch's fused kernel, or, when the
     /// scores are soft-capped (Gemma 2), `transformers`' eager attention
-    /// operation for operation (the fused kernel cannot cap them; in
-    /// training a block of queries at a time, `capped_attention`). Packed
+    /// operation for operation (the fused kernel cannot cap them, nor add
+    /// GPT-OSS's sinks; in training a block of queries at a time,
+    /// `capped_attention`). Packed
     /// `documents` each attend within themselves (and their window).
     fn attention(
         &self,
@@ -1904,19 +1905,14 @@ impl Layer {
                     eager(q, k, v, &in_window(n, window, q.device()))
                 }),
             Some(d) => eager(q, &k, &v, &d.visible_within(self.window)),
-            // Training on soft-capped scores alone: a block of queries
-            // at a time, each computed again in backward, so that no
-            // layer keeps its scores.
-            None if offset == 0
-                && dropout == 0.0
-                && bias.is_none()
-                && self.sinks.is_none()
-                && q.requires_grad() =>
-            {
-                let cap = c.attn_softcap.unwrap_or(f64::INFINITY);
-                super::capped_attention::in_blocks((q, &k, &v), (scale, cap, window))
+            // Training on soft-capped scores or beside sinks: a block of
+            // queries at a time, each computed again in backward, so
+            // that no layer keeps its scores.
+            None if offset == 0 && dropout == 0.0 && bias.is_none() && q.requires_grad() => {
+                let settings = (scale, c.attn_softcap, window);
+                super::capped_attention::in_blocks((q, &k, &v), self.sinks.as_ref(), settings)
                     .unwrap_or_else(|e| {
-                        tracing::warn!("{e}: the capped attention runs whole");
+                        tracing::warn!("{e}: the eager attention runs whole");
                         eager(q, &k, &v, &visible(window))
                     })
             }

@@ -146,7 +146,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// `1 + weight`, half of each head turned, its MLP Arcee's; ERNIE 4.5's
 /// pairs turned in fp32, Helium's in the compute dtype and its norms'
 /// weights multiplied in fp32, GLM's fused gate and up and half of each
-/// head turned by pairs (GLM-4 with norms of each sublayer's output).
+/// head turned by pairs (GLM-4 with norms of each sublayer's output),
+/// Hunyuan's heads normalised after they turn, OLMo 1's LayerNorms
+/// without weights in fp32 and its clamped projections.
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -210,6 +212,11 @@ const COUNTED: &[(&str, &str)] = &[
     ("helium", r#", "attention_bias": true, "head_dim": 16"#),
     ("glm", r#", "pad_token_id": 96"#),
     ("glm4", r#", "head_dim": 24, "pad_token_id": 96"#),
+    (
+        "hunyuan_v1_dense",
+        r#", "head_dim": 24, "pad_token_id": 96"#,
+    ),
+    ("olmo", r#", "clip_qkv": 0.5, "pad_token_id": 96"#),
 ];
 
 #[test]
@@ -403,7 +410,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["cohere", "olmo", "stablelm"] {
+    for t in ["cohere", "apertus", "stablelm"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -38,8 +38,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 ///
 /// `None` where the count would be a guess: the families whose layer is
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
-/// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's or a plain
-/// mixture
+/// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's, Hunyuan's,
+/// OLMo 1's or a plain mixture
 /// of experts' ([`Experts::of`]; their norms, gates and attention
 /// kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
@@ -93,7 +93,12 @@ pub fn held_for_backward(
         gated: gated(c),
         layer_norms: matches!(c.family, Family::Starcoder2 | Family::Nemotron),
         one_p: c.family == Family::Nemotron,
-        fp32_rope: matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Ernie4_5),
+        fp32_rope: matches!(
+            c.family,
+            Family::Olmo1 | Family::Olmo2 | Family::Olmo3 | Family::Ernie4_5
+        ),
+        bare_norms: c.family == Family::Olmo1,
+        clipped: c.clip_qkv.is_some(),
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
     let tokens = rows * seq;
@@ -184,7 +189,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -235,8 +240,10 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
 /// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, ERNIE
-/// 4.5's, Helium's, GLM's and GLM-4's, Qwen2's, Granite's, Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's, Qwen3-MoE's, OLMo
-/// 2's and 3's and EXAONE 4's with their queries' and keys' norms.
+/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Qwen2's, Granite's,
+/// Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's,
+/// Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's with their
+/// queries' and keys' norms.
 fn counted(c: &LlamaConfig) -> bool {
     match c.family {
         Family::Llama
@@ -250,6 +257,7 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Helium
         | Family::Glm
         | Family::Glm4
+        | Family::Olmo1
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -262,7 +270,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Qwen3Moe
         | Family::Olmo2
         | Family::Olmo3
-        | Family::Exaone4 => c.qk_norm,
+        | Family::Exaone4
+        | Family::HunyuanDense => c.qk_norm,
         _ => false,
     }
 }
@@ -474,6 +483,12 @@ struct Widths {
     /// Heads turned in fp32 (OLMo's halves, ERNIE 4.5's neighbouring
     /// pairs): the cosines and sines they keep are fp32.
     fp32_rope: bool,
+    /// OLMo 1's LayerNorms without weights, of the input in fp32: each
+    /// keeps that fp32 input and a mean and a reciprocal in fp32.
+    bare_norms: bool,
+    /// Queries, keys and values clamped (OLMo 1's `clip_qkv`): the
+    /// clamp keeps its input.
+    clipped: bool,
     /// Gemma 2's soft-capped attention scores, computed by blocks of
     /// queries or one by one rather than by the fused kernel: the rows
     /// and the tokens of each.
@@ -492,6 +507,9 @@ impl Widths {
 
     /// [`Widths::norm`] of `width` values in `rows` norms a token.
     fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
+        if self.bare_norms {
+            return live as u64 * (4 * width + 8 * rows);
+        }
         if self.layer_norms {
             return (live || trains) as u64 * self.b * (width + 2 * rows);
         }
@@ -609,6 +627,8 @@ impl Widths {
             layer_norms: _,
             one_p: _,
             fp32_rope,
+            bare_norms: _,
+            clipped,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
@@ -630,6 +650,10 @@ impl Widths {
             normed || full || qkv || r.k > 0,
             normed || full || qkv || r.v > 0,
         );
+        // OLMo 1's clamp keeps the projections' outputs.
+        if clipped {
+            per_token += b * (q * q_live as u64 + kv * (k_live as u64 + v_live as u64));
+        }
         // Qwen3 norms each head's queries and keys before they turn,
         // OLMo the whole projections.
         match (qk_norm, fp32_norms) {

@@ -1339,7 +1339,7 @@ pub fn causal_lm_loss(logits: &Tensor, tokens: &Tensor) -> Tensor {
 /// too, so then that one runs, and raises its own error as before.
 fn cross_entropy(flat: &Tensor, y: &Tensor, mean: bool) -> Tensor {
     crate::zero::glue::cross_entropy(flat, y, -100, mean).unwrap_or_else(|e| {
-        tracing::debug!("{e}; libtorch's cross-entropy instead");
+        tracing::warn!("{e}; libtorch's cross-entropy instead");
         let reduction = match mean {
             true => tch::Reduction::Mean,
             false => tch::Reduction::Sum,

@@ -264,7 +264,7 @@ fn phi3_drops_sublayer_outputs_out_as_transformers_does_once_training() {
 }
 
 #[test]
-fn gemma2_drops_capped_attention_out_as_transformers_eager_does_once_training() {
+fn gemma2_drops_eager_attention_out_as_transformers_eager_does_once_training() {
     dropout_parity(
         "gemma2",
         "from transformers import Gemma2Config as C, Gemma2ForCausalLM as M",

@@ -47,7 +47,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// training (the head, token rows, `modules_to_save`, parameters).
 /// Gemma 2's soft-capped attention is counted as training computes it,
 /// a block of queries at a time and again in backward
-/// (`capped_attention`), keeping no scores; where its queries need no
+/// (`eager_attention`), keeping no scores; where its queries need no
 /// gradient it computes them one by one, eight bytes a score a head.
 pub fn held_for_backward(
     c: &LlamaConfig,
@@ -550,13 +550,13 @@ impl Widths {
         match self.eager {
             // Soft-capped scores whose queries train: a block of queries
             // at a time, each computed again in backward
-            // (`capped_attention`), keeping the queries, the keys and
+            // (`eager_attention`), keeping the queries, the keys and
             // values repeated for every head of their group, and the
             // generator's state for each block. The output is copied
             // token by token for the output projection.
             Some((rows, seq)) if q_live => {
                 let (r, h, s) = (rows as i64, heads as i64, seq as i64);
-                let blocks = seq.div_ceil(super::capped_attention::block_rows(r, h, s) as u64);
+                let blocks = seq.div_ceil(super::eager_attention::block_rows(r, h, s) as u64);
                 (3 * b * q + o_kept as u64 * b * q, blocks * RNG_STATE_BYTES)
             }
             Some((rows, seq)) => {

@@ -1756,7 +1756,7 @@ impl Layer {
     /// scores are soft-capped (Gemma 2), `transformers`' eager attention
     /// operation for operation (the fused kernel cannot cap them, nor add
     /// GPT-OSS's sinks; in training a block of queries at a time,
-    /// `capped_attention`). Packed
+    /// `eager_attention`). Packed
     /// `documents` each attend within themselves (and their window).
     fn attention(
         &self,
@@ -1771,18 +1771,8 @@ impl Layer {
         // Within a sliding window shorter than the sequence, a token sees
         // itself and the `w - 1` before it; else every earlier token.
         // Queries at `offset..offset + t` over keys from 0 (a cache's).
-        let visible = |w: i64| {
-            let opts = (Kind::Int64, q.device());
-            let (i, j) = match offset {
-                0 => (Tensor::arange(t, opts), Tensor::arange(t, opts)),
-                o => (
-                    Tensor::arange_start(o, o + t, opts),
-                    Tensor::arange(o + t, opts),
-                ),
-            };
-            let back = i.unsqueeze(1) - j.unsqueeze(0);
-            back.ge(0).logical_and(&back.lt(w))
-        };
+        let visible =
+            |w: i64| super::eager_attention::visible((offset, t), offset + t, w, q.device());
         let dropout = self.training.attention(c.attention_weights_dropout());
         let scale = (c.attention_multiplier).or(c.query_scalar.map(|s| s.powf(-0.5)));
         // Scores the fused kernel cannot compute: soft-capped, beside
@@ -1867,28 +1857,13 @@ impl Layer {
         );
         let scale = scale.unwrap_or((c.head_dim as f64).powf(-0.5));
         let eager = |q: &Tensor, k: &Tensor, v: &Tensor, visible: &Tensor| {
-            let scores = q.matmul(&k.transpose(2, 3)) * scale;
-            let (scores, visible) = match (&self.dynamic, &bias) {
-                (Some(m), Some(bias)) => (scores + bias, m.kept(bias, visible)),
-                _ => (scores, visible.shallow_clone()),
+            let (bias, visible) = match (&self.dynamic, &bias) {
+                (Some(m), Some(bias)) => (Some(bias), m.kept(bias, visible)),
+                _ => (None, visible.shallow_clone()),
             };
-            let scores = match c.attn_softcap {
-                Some(cap) => (scores / cap).tanh() * cap,
-                None => scores,
-            };
-            let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-            let weights = match &self.sinks {
-                // Each head's sink a last column of every query's scores,
-                // dropped after the softmax.
-                Some(sinks) => {
-                    let sinks = (sinks.to_kind(scores.kind()).view([1, -1, 1, 1]))
-                        .expand_as(&scores.narrow(-1, 0, 1));
-                    (Tensor::cat(&[scores, sinks], -1).softmax(-1, Kind::Float))
-                        .slice(-1, 0, -1, 1)
-                        .to_kind(q.kind())
-                }
-                None => scores.softmax(-1, Kind::Float).to_kind(q.kind()),
-            };
+            let extra = (bias, self.sinks.as_ref());
+            let weights =
+                super::eager_attention::weights((q, k), &visible, extra, (scale, c.attn_softcap));
             self.training
                 .dropout(weights, c.attention_weights_dropout())
                 .matmul(v)
@@ -1910,7 +1885,7 @@ impl Layer {
             // that no layer keeps its scores.
             None if offset == 0 && dropout == 0.0 && bias.is_none() && q.requires_grad() => {
                 let settings = (scale, c.attn_softcap, window);
-                super::capped_attention::in_blocks((q, &k, &v), self.sinks.as_ref(), settings)
+                super::eager_attention::in_blocks((q, &k, &v), self.sinks.as_ref(), settings)
                     .unwrap_or_else(|e| {
                         tracing::warn!("{e}: the eager attention runs whole");
                         eager(q, &k, &v, &visible(window))

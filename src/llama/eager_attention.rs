@@ -1,23 +1,24 @@
-//! Gemma 2's soft-capped attention (and VaultGemma's), and GPT-OSS's
-//! attention beside its sinks, a block of queries at a time, each block
-//! computed again in backward.
+//! Attention the fused kernel cannot compute, as `transformers`' eager
+//! attention computes it: Gemma 2's soft-capped scores (and
+//! VaultGemma's), GPT-OSS's sinks beside them, Doge's dynamic mask
+//! ([`weights`]); and, in training, a block of queries at a time, each
+//! block computed again in backward ([`in_blocks`]).
 //!
-//! The fused attention kernel cannot cap scores or add a sink, so these
-//! layers compute them as `transformers`' eager attention does: the
-//! scores, their tanh, the weights. Autograd keeps all of them for
-//! backward, eight bytes a score and head in bf16 (104 of Gemma 2 2B's
-//! 148 GiB at 8192 tokens; GPT-OSS's 64 heads, 32 GiB a layer).
-//! Here each block of queries runs under [`glue::checkpoint`]: its
-//! forward keeps only its inputs (the queries, and the keys, values and
-//! sinks every block shares), and backward computes its scores again, one block
-//! at a time. Each block runs the eager operations on its rows, so the
-//! values are the eager attention's; the keys' and values' gradients are
-//! summed over the blocks, in another order than one product's.
+//! Computed whole, autograd keeps the scores, their tanh and the weights
+//! for backward, eight bytes a score and head in bf16 (104 of Gemma 2
+//! 2B's 148 GiB at 8192 tokens; about 32 GiB a layer of GPT-OSS's 64
+//! heads). In blocks, each block of queries runs under
+//! [`glue::checkpoint`]: its forward keeps only its inputs (the queries,
+//! and the keys, values and sinks every block shares), and backward
+//! computes its scores again, one block at a time. Each block runs the
+//! eager operations on its rows, so the values are the eager
+//! attention's; the keys' and values' gradients are summed over the
+//! blocks, in another order than one product's.
 //!
 //! This is FlashAttention's memory (the scores of one block at a time)
 //! without its kernel: the scores are computed twice.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::zero::glue::{self, GlueError};
 
@@ -30,26 +31,34 @@ pub(super) fn block_rows(rows: i64, heads: i64, t: i64) -> i64 {
     (BLOCK_SCORES / (rows * heads * t).max(1)).clamp(1, t.max(1))
 }
 
-/// The eager attention of queries `q` `[batch, heads, n, hd]` at
-/// positions `first..first + n` over keys and values `k`, `v` `[batch,
-/// heads, t, hd]` (each head's own: repeated for grouped heads): each
-/// query sees itself and the `window - 1` keys before it.
-/// `transformers`' operations in its order: the scores times `scale`,
-/// capped when `cap` is given (`cap * tanh(s / cap)`), masked, their
-/// softmax in fp32 (beside each head's sink in `sinks` `[heads]`, whose
-/// weight is then dropped) cast back, times the values.
-pub(super) fn eager(
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
-    sinks: Option<&Tensor>,
-    first: i64,
-    (scale, cap, window): (f64, Option<f64>, i64),
-) -> Tensor {
-    let (n, t) = (q.size()[2], k.size()[2]);
-    let opts = (Kind::Int64, q.device());
+/// Which keys each of `n` queries at positions `first..first + n` sees
+/// among `keys` from position 0: itself and the `window - 1` before it.
+pub(super) fn visible((first, n): (i64, i64), keys: i64, window: i64, device: Device) -> Tensor {
+    let opts = (Kind::Int64, device);
     let back = Tensor::arange_start(first, first + n, opts).unsqueeze(1)
-        - Tensor::arange(t, opts).unsqueeze(0);
-    let visible = back.ge(0).logical_and(&back.lt(window));
+        - Tensor::arange(keys, opts).unsqueeze(0);
+    back.ge(0).logical_and(&back.lt(window))
+}
+
+/// The eager attention's weights of queries `q` `[batch, heads, n, hd]`
+/// over keys `k` `[batch, heads, t, hd]` (each head's own: repeated for
+/// grouped heads), where `visible` `[n, t]` (or broadcast to the
+/// scores) says, in `q`'s dtype. `transformers`' operations in its
+/// order: the scores times `scale`, plus Doge's `bias`, capped when
+/// `cap` is given (`cap * tanh(s / cap)`), masked, their softmax in fp32
+/// (beside each head's sink in `sinks` `[heads]`, whose weight is then
+/// dropped) cast back.
+pub(super) fn weights(
+    (q, k): (&Tensor, &Tensor),
+    visible: &Tensor,
+    (bias, sinks): (Option<&Tensor>, Option<&Tensor>),
+    (scale, cap): (f64, Option<f64>),
+) -> Tensor {
     let scores = q.matmul(&k.transpose(2, 3)) * scale;
+    let scores = match bias {
+        Some(bias) => scores + bias,
+        None => scores,
+    };
     let scores = match cap {
         Some(cap) => (scores / cap).tanh() * cap,
         None => scores,
@@ -64,7 +73,21 @@ pub(super) fn eager(
         }
         None => scores.softmax(-1, Kind::Float),
     };
-    weights.to_kind(q.kind()).matmul(v)
+    weights.to_kind(q.kind())
+}
+
+/// The eager attention of queries `q` at positions `first..first + n`
+/// over keys and values `k`, `v` `[batch, heads, t, hd]`, each query
+/// seeing itself and the `window - 1` keys before it: [`weights`] times
+/// the values.
+pub(super) fn eager(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    sinks: Option<&Tensor>,
+    first: i64,
+    (scale, cap, window): (f64, Option<f64>, i64),
+) -> Tensor {
+    let seen = visible((first, q.size()[2]), k.size()[2], window, q.device());
+    weights((q, k), &seen, (None, sinks), (scale, cap)).matmul(v)
 }
 
 /// [`eager`] over every query of `q` (positions from 0), a block of
@@ -97,7 +120,6 @@ pub(super) fn in_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
 
     /// `q`, `k`, `v` `[2, 3, t, 8]` that need gradients, from seed 3.
     fn qkv(t: i64) -> [Tensor; 3] {

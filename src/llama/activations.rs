@@ -6,8 +6,8 @@
 //! partly turned heads; OLMo's norms after each sublayer; ungated MLPs
 //! and LayerNorms; heads turned by neighbouring pairs; plain mixtures of
 //! experts; Gemma 2's soft-capped attention), the whole model training
-//! or LoRA's adapters on a frozen base; and those adapters' parameters. `zrt estimate --seq`
-//! prints it; `tests/activation_memory.rs` holds it to what libtorch
+//! or LoRA's adapters on a frozen base; and those adapters' parameters.
+//! `zrt estimate --seq` prints it; `tests/activation_memory.rs` holds it to what libtorch
 //! allocates, to the byte.
 //!
 //! autograd saves a tensor for the gradient of another input of the same
@@ -39,9 +39,8 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// `None` where the count would be a guess: the families whose layer is
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
 /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's, Hunyuan's,
-/// OLMo 1's or a plain mixture
-/// of experts' ([`Experts::of`]; their norms, gates and attention
-/// kernels save other tensors); a dropout (of the attention, a sublayer's
+/// OLMo 1's or a plain mixture of experts' ([`Experts::of`]; their
+/// norms, gates and attention kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
 /// training (the head, token rows, `modules_to_save`, parameters).
@@ -77,7 +76,7 @@ pub fn held_for_backward(
         heads: dims(c.heads),
         kv_heads: dims(c.kv_heads),
         qk_norm: c.qk_norm,
-        offset_norms: matches!(c.family, Family::Gemma | Family::Gemma2 | Family::Gemma3),
+        norms: Norms::of(c.family),
         sandwich: matches!(
             c.family,
             Family::Gemma2
@@ -88,16 +87,13 @@ pub fn held_for_backward(
                 | Family::Glm4
         ),
         pre_norms: !matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Exaone4),
-        fp32_norms: matches!(c.family, Family::Olmo2 | Family::Olmo3 | Family::Helium),
+        whole_qk_norm: c.family.whole_qk_norm(),
         fused: fused(c).0,
         gated: gated(c),
-        layer_norms: matches!(c.family, Family::Starcoder2 | Family::Nemotron),
-        one_p: c.family == Family::Nemotron,
         fp32_rope: matches!(
             c.family,
             Family::Olmo1 | Family::Olmo2 | Family::Olmo3 | Family::Ernie4_5
         ),
-        bare_norms: c.family == Family::Olmo1,
         clipped: c.clip_qkv.is_some(),
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
@@ -145,7 +141,7 @@ pub fn held_for_backward(
     let final_norm = w.norm_weights(live);
     // Gemma's embeddings are scaled by a one-value tensor of their
     // dtype, which the product keeps when the embeddings train.
-    let scale = (full && w.offset_norms) as u64 * b;
+    let scale = (full && w.norms == Norms::Offset) as u64 * b;
     let predicted = rows * seq.saturating_sub(1);
     let targets = match rows > 1 {
         true => 8 * predicted,
@@ -442,6 +438,46 @@ impl Ranks {
     }
 }
 
+/// How a layer's norms compute, which decides what each keeps (see
+/// [`Widths::norm_of`] and [`Widths::norm_weights_of`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Norms {
+    /// Llama's RMSNorm: its input in fp32 and a reciprocal; the
+    /// normalized values in the compute dtype, times the weight.
+    Rms,
+    /// Gemma's: times `1 + weight` in fp32, a tensor of its own each
+    /// forward; the normalized values in fp32.
+    Offset,
+    /// OLMo 2's and 3's, Helium's: the weights times the normalized
+    /// values in fp32 (in a 16-bit model the weights cast to fp32 each
+    /// forward).
+    Fp32,
+    /// StarCoder2's LayerNorms: each keeps its input as it is, and a
+    /// mean and a reciprocal a token in its dtype (libtorch's CPU
+    /// kernel's; its CUDA kernel keeps them in fp32).
+    Layer,
+    /// Nemotron's LayerNorms of `1 + weight`, a tensor of its own each
+    /// forward in the weights' dtype.
+    LayerOneP,
+    /// OLMo 1's LayerNorms without weights, of the input in fp32: each
+    /// keeps that fp32 input and a mean and a reciprocal in fp32.
+    Bare,
+}
+
+impl Norms {
+    /// Those of `family`'s layers.
+    fn of(family: Family) -> Self {
+        match family {
+            Family::Gemma | Family::Gemma2 | Family::Gemma3 => Self::Offset,
+            Family::Olmo2 | Family::Olmo3 | Family::Helium => Self::Fp32,
+            Family::Starcoder2 => Self::Layer,
+            Family::Nemotron => Self::LayerOneP,
+            Family::Olmo1 => Self::Bare,
+            _ => Self::Rms,
+        }
+    }
+}
+
 /// A layer's widths and the compute dtype's bytes `b`.
 struct Widths {
     b: u64,
@@ -456,36 +492,25 @@ struct Widths {
     kv_heads: u64,
     /// Qwen3's norms of each head's queries and keys.
     qk_norm: bool,
-    /// Gemma's norms: times `1 + weight` in fp32.
-    offset_norms: bool,
+    /// How its norms compute.
+    norms: Norms,
     /// Gemma 2's and 3's norms of each sublayer's output too (OLMo 2's
     /// and 3's only).
     sandwich: bool,
     /// Norms before each sublayer (all but OLMo 2's and 3's).
     pre_norms: bool,
-    /// OLMo's norms and rotary embeddings: weights times the
-    /// normalized values in fp32, the heads turned in fp32; its norms of
-    /// queries and keys over the whole projections.
-    fp32_norms: bool,
+    /// OLMo's norms of queries and keys over the whole projections, not
+    /// each head.
+    whole_qk_norm: bool,
     /// Phi-3's fused projection: queries, keys and values one output,
     /// which the values, a view of it, keep whole.
     fused: bool,
     /// A gated MLP (`down(act(gate(x)) * up(x))`), not Arcee's
     /// `down(relu2(up(x)))` or StarCoder2's `c_proj(gelu(c_fc(x)))`.
     gated: bool,
-    /// LayerNorms (StarCoder2's, Nemotron's), not RMSNorms: each keeps its input
-    /// as it is, and a mean and a reciprocal a token in its dtype
-    /// (libtorch's CPU kernel's; its CUDA kernel keeps them in fp32).
-    layer_norms: bool,
-    /// Nemotron's LayerNorms, of `1 + weight`: a tensor of its own each
-    /// forward.
-    one_p: bool,
     /// Heads turned in fp32 (OLMo's halves, ERNIE 4.5's neighbouring
     /// pairs): the cosines and sines they keep are fp32.
     fp32_rope: bool,
-    /// OLMo 1's LayerNorms without weights, of the input in fp32: each
-    /// keeps that fp32 input and a mean and a reciprocal in fp32.
-    bare_norms: bool,
     /// Queries, keys and values clamped (OLMo 1's `clip_qkv`): the
     /// clamp keeps its input.
     clipped: bool,
@@ -507,17 +532,16 @@ impl Widths {
 
     /// [`Widths::norm`] of `width` values in `rows` norms a token.
     fn norm_of(&self, (width, rows): (u64, u64), live: bool, trains: bool) -> u64 {
-        if self.bare_norms {
-            return live as u64 * (4 * width + 8 * rows);
+        let rms =
+            |normed: u64| live as u64 * (4 * width + 4 * rows) + trains as u64 * normed * width;
+        match self.norms {
+            Norms::Rms => rms(self.b),
+            Norms::Offset | Norms::Fp32 => rms(4),
+            Norms::Layer | Norms::LayerOneP => {
+                (live || trains) as u64 * self.b * (width + 2 * rows)
+            }
+            Norms::Bare => live as u64 * (4 * width + 8 * rows),
         }
-        if self.layer_norms {
-            return (live || trains) as u64 * self.b * (width + 2 * rows);
-        }
-        let normed = match self.offset_norms || self.fp32_norms {
-            true => 4,
-            false => self.b,
-        };
-        live as u64 * (4 * width + 4 * rows) + trains as u64 * normed * width
     }
 
     /// What a norm of the model's width keeps once a forward, whatever
@@ -531,12 +555,14 @@ impl Widths {
 
     /// [`Widths::norm_weights`] of a norm `width` wide.
     fn norm_weights_of(&self, width: u64, live: bool) -> u64 {
-        // Nemotron's `1 + weight`, in the weights' dtype.
-        if self.one_p {
-            return live as u64 * self.b * width;
-        }
-        let own = self.offset_norms || (self.fp32_norms && self.b != 4);
-        (own && live) as u64 * 4 * width
+        let own = match self.norms {
+            Norms::Offset => 4,
+            Norms::Fp32 if self.b != 4 => 4,
+            // Nemotron's `1 + weight`, in the weights' dtype.
+            Norms::LayerOneP => self.b,
+            _ => 0,
+        };
+        live as u64 * own * width
     }
 
     /// What the attention keeps a token and once a forward, given which
@@ -618,16 +644,13 @@ impl Widths {
             heads,
             kv_heads,
             qk_norm,
-            offset_norms: _,
+            norms: _,
             sandwich,
             pre_norms,
-            fp32_norms,
+            whole_qk_norm,
             fused: _,
             gated,
-            layer_norms: _,
-            one_p: _,
             fp32_rope,
-            bare_norms: _,
             clipped,
             eager: _,
         } = *self;
@@ -656,7 +679,7 @@ impl Widths {
         }
         // Qwen3 norms each head's queries and keys before they turn,
         // OLMo the whole projections.
-        match (qk_norm, fp32_norms) {
+        match (qk_norm, whole_qk_norm) {
             (true, false) => {
                 per_token += self.norm_of((q, heads), q_live, full);
                 per_token += self.norm_of((kv, kv_heads), k_live, full);

@@ -7,9 +7,13 @@
 //! forward keeps at a 128k or 256k vocabulary (255 of Gemma 3 1B's 983 MiB
 //! at 256 tokens). [`cross_entropy`] keeps the logits in their own dtype
 //! (half of that in bf16; nothing new when they are a view of the head's
-//! output) and one fp32 log-sum-exp a row, and computes the softmax again
-//! in backward, a block of rows at a time: the same values (in fp32), and
-//! no fp32 copy of the whole matrix in forward or backward either.
+//! output) and the count of rows it averaged over, and runs libtorch's
+//! log-softmax again in backward, a block of rows at a time (about 32 MiB
+//! of fp32 each), and libtorch's own backward kernels on it: the same
+//! gradients to the bit, the loss to the bit when one block holds every
+//! row (else within fp32's rounding of the blocks' sum), and no fp32 copy
+//! of the whole matrix in forward or backward either. The cost is one
+//! more log-softmax over the logits.
 //! Liger-Kernel's and torchtune's chunked losses go further, recomputing
 //! the head too; this one leaves the head to autograd.
 

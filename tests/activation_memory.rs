@@ -148,7 +148,9 @@ fn held_by(loss: impl FnOnce() -> Tensor) -> (u64, Tensor) {
 /// weights multiplied in fp32, GLM's fused gate and up and half of each
 /// head turned by pairs (GLM-4 with norms of each sublayer's output),
 /// Hunyuan's heads normalised after they turn, OLMo 1's LayerNorms
-/// without weights in fp32 and its clamped projections.
+/// without weights in fp32 and its clamped projections, Cohere's
+/// attention and MLP side by side after one fp32 LayerNorm, pairs
+/// turned in fp32 (Cohere 2's in its windowed layers only).
 const COUNTED: &[(&str, &str)] = &[
     ("llama", r#", "attention_bias": true, "mlp_bias": true"#),
     ("mistral", r#", "head_dim": 24, "sliding_window": 32"#),
@@ -217,6 +219,14 @@ const COUNTED: &[(&str, &str)] = &[
         r#", "head_dim": 24, "pad_token_id": 96"#,
     ),
     ("olmo", r#", "clip_qkv": 0.5, "pad_token_id": 96"#),
+    (
+        "cohere",
+        r#", "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94"#,
+    ),
+    (
+        "cohere2",
+        r#", "pad_token_id": 96, "bos_token_id": 95, "eos_token_id": 94, "sliding_window": 16, "sliding_window_pattern": 2"#,
+    ),
 ];
 
 #[test]
@@ -414,7 +424,7 @@ fn what_the_estimate_does_not_count_it_does_not_guess() {
     let c = |t: &str, extra: &str| LlamaConfig::from_hf_dir(config(t, extra)).unwrap();
     let rows_seq = (ROWS as u64, SEQ as u64);
     // Other families' layers save other tensors.
-    for t in ["cohere", "apertus", "stablelm"] {
+    for t in ["persimmon", "apertus", "stablelm"] {
         assert_eq!(
             held_for_backward(&c(t, ""), rows_seq, Kind::Float, false, None),
             None,

@@ -39,7 +39,7 @@ const RNG_STATE_BYTES: u64 = 5056;
 /// `None` where the count would be a guess: the families whose layer is
 /// not Llama's, Gemma's, Phi-3's, SmolLM3's, OLMo's, EXAONE 4's, Arcee's,
 /// StarCoder2's, Nemotron's, ERNIE 4.5's, Helium's, GLM's, Hunyuan's,
-/// OLMo 1's or a plain mixture of experts' ([`Experts::of`]; their
+/// OLMo 1's, Cohere's or a plain mixture of experts' ([`Experts::of`]; their
 /// norms, gates and attention kernels save other tensors); a dropout (of the attention, a sublayer's
 /// output or the embeddings), which saves its mask; and LoRA with a
 /// dropout, DoRA, bias terms, or anything besides the layers' adapters
@@ -56,8 +56,7 @@ pub fn held_for_backward(
     lora: Option<&LoraConfig>,
 ) -> Option<u64> {
     let experts = countable(c, lora)?;
-    if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embedding_dropout > 0.0 || c.parallel
-    {
+    if c.attention_dropout > 0.0 || c.resid_dropout > 0.0 || c.embedding_dropout > 0.0 {
         return None;
     }
     let b = match kind {
@@ -92,9 +91,15 @@ pub fn held_for_backward(
         gated: gated(c),
         fp32_rope: matches!(
             c.family,
-            Family::Olmo1 | Family::Olmo2 | Family::Olmo3 | Family::Ernie4_5
+            Family::Olmo1
+                | Family::Olmo2
+                | Family::Olmo3
+                | Family::Ernie4_5
+                | Family::Cohere
+                | Family::Cohere2
         ),
         clipped: c.clip_qkv.is_some(),
+        parallel: c.parallel,
         eager: c.attn_softcap.map(|_| (rows, seq)),
     };
     let tokens = rows * seq;
@@ -185,7 +190,7 @@ pub fn adapter_params(c: &LlamaConfig, lora: &LoraConfig) -> Option<u64> {
 /// The families whose layers [`held_for_backward`] and
 /// [`adapter_params`] count ([`counted`]'s), as messages name them.
 pub const COUNTED_FAMILIES: &str =
-    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
+    "Llama, Mistral, Ministral, Qwen2, Qwen3, Granite, Seed-OSS, Arcee, StarCoder2, Nemotron, ERNIE 4.5, Helium, GLM, GLM-4, Hunyuan, Cohere 1 and 2, Gemma 1-3, Phi-3, SmolLM3, OLMo 1-3, EXAONE 4, Mixtral and Qwen3-MoE";
 
 /// A dimension of a config, 0 where it is negative.
 fn dims(x: i64) -> u64 {
@@ -236,7 +241,8 @@ fn countable(c: &LlamaConfig, lora: Option<&LoraConfig>) -> Option<Option<Expert
 
 /// Whether `c`'s layer is the one this module counts: Llama's, Mistral's,
 /// Ministral's, Seed-OSS's, Arcee's, StarCoder2's, Nemotron's, ERNIE
-/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Qwen2's, Granite's,
+/// 4.5's, Helium's, GLM's and GLM-4's, OLMo 1's, Cohere 1's and 2's,
+/// Qwen2's, Granite's,
 /// Gemma's, Phi-3's, SmolLM3's and Mixtral's, and Qwen3's, Gemma 3's,
 /// Qwen3-MoE's, OLMo 2's and 3's, EXAONE 4's and Hunyuan's with their
 /// queries' and keys' norms.
@@ -254,6 +260,8 @@ fn counted(c: &LlamaConfig) -> bool {
         | Family::Glm
         | Family::Glm4
         | Family::Olmo1
+        | Family::Cohere
+        | Family::Cohere2
         | Family::Qwen2
         | Family::Granite
         | Family::Gemma
@@ -469,7 +477,11 @@ impl Norms {
     fn of(family: Family) -> Self {
         match family {
             Family::Gemma | Family::Gemma2 | Family::Gemma3 => Self::Offset,
-            Family::Olmo2 | Family::Olmo3 | Family::Helium => Self::Fp32,
+            // Cohere's LayerNorm keeps the same: its centred input in
+            // fp32 and a reciprocal, the normalized values in fp32.
+            Family::Olmo2 | Family::Olmo3 | Family::Helium | Family::Cohere | Family::Cohere2 => {
+                Self::Fp32
+            }
             Family::Starcoder2 => Self::Layer,
             Family::Nemotron => Self::LayerOneP,
             Family::Olmo1 => Self::Bare,
@@ -514,6 +526,9 @@ struct Widths {
     /// Queries, keys and values clamped (OLMo 1's `clip_qkv`): the
     /// clamp keeps its input.
     clipped: bool,
+    /// Cohere's attention and MLP side by side after one norm
+    /// (`x + attn(n(x)) + mlp(n(x))`): both read one normalised tensor.
+    parallel: bool,
     /// Gemma 2's soft-capped attention scores, computed by blocks of
     /// queries or one by one rather than by the fused kernel: the rows
     /// and the tokens of each.
@@ -652,6 +667,7 @@ impl Widths {
             gated,
             fp32_rope,
             clipped,
+            parallel,
             eager: _,
         } = *self;
         // What reads one fused output needs a gradient where any part of
@@ -663,8 +679,9 @@ impl Widths {
             per_forward += self.norm_weights(live);
         }
         let normed = live || (pre_norms && full);
-        // Queries, keys and values read one tensor.
-        if full || r.attention_input() > 0 {
+        // Queries, keys and values read one tensor (and, side by side,
+        // the MLP's gate and up).
+        if full || r.attention_input() > 0 || (parallel && r.mlp_input() > 0) {
             per_token += b * h;
         }
         per_token += b * r.attention_input();
@@ -708,19 +725,23 @@ impl Widths {
             per_forward += self.norm_weights(o_live);
         }
         let mid = live || o_live;
-        if pre_norms {
+        if pre_norms && !parallel {
             per_token += self.norm(mid, full);
             per_forward += self.norm_weights(mid);
         }
-        let normed = mid || (pre_norms && full);
+        let normed = match parallel {
+            true => normed,
+            false => mid || (pre_norms && full),
+        };
         let down_live = match experts {
             Some(m) => {
                 per_token += m.layer(b, h, normed, full);
                 normed
             }
             None => {
-                // Gate and up read one tensor.
-                if full || r.mlp_input() > 0 {
+                // Gate and up read one tensor (the attention's too, side
+                // by side: counted there).
+                if !parallel && (full || r.mlp_input() > 0) {
                     per_token += b * h;
                 }
                 per_token += b * r.mlp_input();
